@@ -1,0 +1,210 @@
+/* libdpclip: the C ABI trainers link to talk to dpclipd.
+ *
+ * A trainer connects once, registers shared-memory buffers once (the daemon
+ * maps them), then sends one ClipStep per optimizer step that names, by
+ * (buffer, offset, dtype, shape), each layer's activations and output
+ * gradients. The daemon answers with per-sample norms and clipping
+ * coefficients and writes the clipped, noised gradient sums into the output
+ * tensors the step names.
+ *
+ * Conventions: every function returns 0 (DPCLIP_OK) or a positive
+ * DPCLIP_E* code; the message of the last failure on a handle is
+ * dpclip_errmsg(). No global state. A dpclip_client is thread-safe: calls on
+ * one handle are serialized by an internal mutex (a blocking dpclip_run holds
+ * it for the round trip). dpclip_step objects are not thread-safe; build
+ * each on one thread.
+ */
+#ifndef DPCLIP_H
+#define DPCLIP_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define DPCLIP_VERSION_MAJOR 0
+#define DPCLIP_VERSION_MINOR 1
+#define DPCLIP_VERSION_PATCH 0
+
+/* Error codes: 1..10 are the daemon's (proto ErrorCode); 100+ are local. */
+enum {
+    DPCLIP_OK = 0,
+    DPCLIP_EINVAL = 1,      /* a field of the request is invalid (see dpclip_errfield) */
+    DPCLIP_ENOTFOUND = 2,   /* unknown buffer id */
+    DPCLIP_EPERM = 3,
+    DPCLIP_EPRECOND = 4,    /* e.g. step before handshake */
+    DPCLIP_ENOSPACE = 5,
+    DPCLIP_ENONFINITE = 6,  /* NaN/inf in an input; nothing was written */
+    DPCLIP_EPROTO = 7,
+    DPCLIP_EINTERNAL = 8,
+    DPCLIP_EUNAVAIL = 9,
+    DPCLIP_EUNIMPL = 10,
+    DPCLIP_EIO = 100,       /* socket error or daemon gone: the handle is dead */
+    DPCLIP_ENOMEM = 101,
+    DPCLIP_EAGAIN = 102,    /* dpclip_wait/poll: not finished yet */
+    DPCLIP_EARG = 103       /* bad argument to a library call (local check) */
+};
+
+typedef enum dpclip_dtype {
+    DPCLIP_F32 = 1,
+    DPCLIP_BF16 = 2,
+    DPCLIP_F16 = 3,
+    DPCLIP_I32 = 4,
+    DPCLIP_I64 = 5
+} dpclip_dtype;
+
+typedef struct dpclip_client dpclip_client;
+typedef struct dpclip_step dpclip_step;
+
+/* A tensor reference: contiguous row-major view into a registered buffer.
+ * ndim 0 (or buffer 0) means "absent" for optional tensors. */
+typedef struct dpclip_tensor {
+    uint64_t buffer;
+    uint64_t offset;      /* bytes */
+    dpclip_dtype dtype;
+    int ndim;             /* 1..3 */
+    int64_t shape[3];
+} dpclip_tensor;
+
+/* --- connection ---------------------------------------------------------- */
+
+typedef struct dpclip_connect_opts {
+    const char *client_name;  /* shown in the daemon's logs/status; may be NULL */
+    const char *job_id;       /* groups sessions of one training job; may be NULL */
+    int timeout_ms;           /* connect + handshake; 0 = 10000 */
+} dpclip_connect_opts;
+
+/* Default socket path: $DPCLIP_SOCKET, else /run/dpclip/dpclipd.sock. */
+const char *dpclip_default_socket(void);
+
+/* On failure *out is still set (unless DPCLIP_ENOMEM) so dpclip_errmsg works;
+ * dpclip_disconnect it either way. */
+int dpclip_connect(const char *socket_path, const dpclip_connect_opts *opts,
+                   dpclip_client **out);
+void dpclip_disconnect(dpclip_client *c);
+
+const char *dpclip_errmsg(const dpclip_client *c);
+const char *dpclip_errfield(const dpclip_client *c); /* "" if none */
+const char *dpclip_strerror(int code);
+
+/* What the daemon announced at handshake. */
+typedef struct dpclip_daemon_info {
+    uint32_t protocol_version;
+    char daemon_version[32];
+    uint32_t max_batch;
+    uint32_t max_layers;
+    uint32_t max_frame;
+    uint64_t session_id;
+    int has_cuda;
+} dpclip_daemon_info;
+int dpclip_daemon_info_get(dpclip_client *c, dpclip_daemon_info *info);
+
+/* --- buffers ------------------------------------------------------------- */
+
+/* Allocate `size` bytes of shared memory (memfd, sealed against shrinking),
+ * map it here and register it with the daemon. *data is the local mapping. */
+int dpclip_buffer_alloc(dpclip_client *c, size_t size, uint64_t *buffer_id, void **data);
+/* Register an existing memfd (must carry F_SEAL_SHRINK). The library does not
+ * take ownership of fd; the daemon keeps its own reference. */
+int dpclip_buffer_register_fd(dpclip_client *c, int fd, size_t size, uint64_t *buffer_id);
+/* Release a buffer; for dpclip_buffer_alloc buffers also unmaps it here. */
+int dpclip_buffer_release(dpclip_client *c, uint64_t buffer_id);
+
+/* --- steps --------------------------------------------------------------- */
+
+typedef enum dpclip_reduction { DPCLIP_SUM = 1, DPCLIP_MEAN = 2 } dpclip_reduction;
+typedef enum dpclip_algo { DPCLIP_ALGO_AUTO = 0, DPCLIP_ALGO_DIRECT = 1, DPCLIP_ALGO_GHOST = 2 } dpclip_algo;
+typedef enum dpclip_clip_mode { DPCLIP_FLAT = 0, DPCLIP_PER_LAYER = 1 } dpclip_clip_mode;
+
+typedef struct dpclip_clip_config {
+    float max_grad_norm;          /* C > 0 */
+    dpclip_reduction reduction;
+    uint32_t expected_batch_size; /* MEAN: divisor of the noised sum; 0 = batch size */
+    float noise_multiplier;       /* sigma >= 0 */
+    dpclip_clip_mode mode;
+} dpclip_clip_config;
+
+dpclip_step *dpclip_step_new(uint32_t batch_size, const dpclip_clip_config *cfg);
+void dpclip_step_free(dpclip_step *s);
+/* Reuse a step object for the next training step (keeps allocations). */
+void dpclip_step_reset(dpclip_step *s, uint32_t batch_size);
+
+typedef struct dpclip_linear {
+    const char *name;           /* may be NULL */
+    dpclip_tensor activations;  /* [B,d] or [B,T,d] */
+    dpclip_tensor output_grad;  /* [B,p] or [B,T,p] */
+    int has_bias;
+    dpclip_algo algo;
+    dpclip_tensor weight_grad_out; /* optional [p,d] */
+    dpclip_tensor bias_grad_out;   /* optional [p] */
+    float max_grad_norm;        /* PER_LAYER only */
+} dpclip_linear;
+
+typedef struct dpclip_embedding {
+    const char *name;
+    dpclip_tensor indices;      /* [B] or [B,T], I32/I64 */
+    dpclip_tensor output_grad;  /* [B,d] or [B,T,d] */
+    uint64_t num_embeddings;
+    int has_padding_idx;
+    int64_t padding_idx;
+    dpclip_tensor weight_grad_out; /* optional [num_embeddings,d] */
+    float max_grad_norm;
+} dpclip_embedding;
+
+typedef struct dpclip_norm_layer {  /* LayerNorm and RMSNorm */
+    const char *name;
+    dpclip_tensor input;        /* the layer's input x */
+    dpclip_tensor output_grad;
+    float eps;
+    int has_bias;               /* LayerNorm only */
+    dpclip_tensor weight_grad_out;
+    dpclip_tensor bias_grad_out;
+    float max_grad_norm;
+} dpclip_norm_layer;
+
+int dpclip_step_add_linear(dpclip_step *s, const dpclip_linear *l);
+int dpclip_step_add_embedding(dpclip_step *s, const dpclip_embedding *e);
+int dpclip_step_add_layernorm(dpclip_step *s, const dpclip_norm_layer *n);
+int dpclip_step_add_rmsnorm(dpclip_step *s, const dpclip_norm_layer *n);
+/* Optional [B] f32 outputs written by the daemon. */
+int dpclip_step_set_outputs(dpclip_step *s, const dpclip_tensor *norms_out,
+                            const dpclip_tensor *coefs_out);
+void dpclip_step_want_layer_norms(dpclip_step *s, int yes);
+
+typedef struct dpclip_result {
+    uint32_t batch;
+    uint32_t n_layers;
+    float *norms;          /* [batch] */
+    float *coefs;          /* [batch] */
+    float *layer_norms;    /* [n_layers*batch] or NULL */
+    float *layer_coefs;    /* [n_layers*batch] (PER_LAYER) or NULL */
+    uint64_t step_index;
+    uint64_t compute_ns;
+} dpclip_result;
+void dpclip_result_free(dpclip_result *r);
+
+/* Blocking: send the step, wait for its reply. */
+int dpclip_run(dpclip_client *c, const dpclip_step *s, dpclip_result *res);
+
+/* Non-blocking: send now, collect later. Replies come in submission order. */
+typedef void (*dpclip_step_cb)(void *user, int status, const char *errmsg,
+                               const dpclip_result *res);
+int dpclip_submit(dpclip_client *c, const dpclip_step *s, uint64_t *ticket);
+int dpclip_submit_cb(dpclip_client *c, const dpclip_step *s, dpclip_step_cb cb, void *user);
+/* Wait up to timeout_ms (-1 forever, 0 poll) for `ticket`. DPCLIP_EAGAIN if
+ * not done yet; otherwise the step's status, with *res filled on success. */
+int dpclip_wait(dpclip_client *c, uint64_t ticket, int timeout_ms, dpclip_result *res);
+/* Process replies that have arrived (run callbacks) for up to timeout_ms;
+ * returns the number of completions handled, or -code on error. */
+int dpclip_poll(dpclip_client *c, int timeout_ms);
+/* The socket fd, to put in the caller's own poll set. */
+int dpclip_fd(const dpclip_client *c);
+
+int dpclip_ping(dpclip_client *c);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

@@ -1,0 +1,52 @@
+/* One interface, two implementations: the CPU backend (the reference, always
+ * present) and the CUDA backend (cuda/, when built with CUDA and a GPU is
+ * found). A backend instance is used by one worker thread at a time; the
+ * worker pool creates one instance per worker (per GPU for CUDA).
+ *
+ * run_step semantics (every backend must match the CPU backend):
+ *  1. For each layer l and sample b, the squared norm of the per-sample
+ *     gradient of every trainable parameter of l, with output grads scaled by
+ *     dc_step_grad_scale(): n2[l][b].
+ *  2. Inputs are checked: a non-finite value in a layer's input or grad fails
+ *     the step with DC_ENONFINITE naming the layer, tensor and sample;
+ *     embedding indices outside [0, vocab) fail with DC_EINVAL naming the
+ *     field and sample.
+ *  3. FLAT: n[b] = sqrt(sum_l n2[l][b]), c[b] = dc_clip_coef(C, n[b]).
+ *     PER_LAYER: c[l][b] = dc_clip_coef(C_l, sqrt(n2[l][b])), n[b] as above,
+ *     coefs[b] = 1, and the noise std uses C = sqrt(sum_l C_l^2) (as Opacus).
+ *  4. For each requested output: sum_b c[b] * scale * (per-sample grad of b),
+ *     plus N(0, (sigma*C)^2) per element, divided by expected_batch for MEAN.
+ *     Outputs are written only if the whole step succeeds and every value is
+ *     finite; otherwise nothing is written (the step fails DC_ENONFINITE).
+ *  5. norms_out / coefs_out (when present) receive n[b] and coefs[b].
+ */
+#ifndef DC_BACKEND_H
+#define DC_BACKEND_H
+
+#include "step.h"
+
+typedef struct dc_backend dc_backend;
+
+typedef struct dc_backend_ops {
+    const char *name;                     /* "cpu", "cuda" */
+    int (*run_step)(dc_backend *be, const dc_step *step, dc_step_result *res, dc_err *err);
+    void (*destroy)(dc_backend *be);
+} dc_backend_ops;
+
+struct dc_backend {
+    const dc_backend_ops *ops;
+};
+
+static inline int dc_backend_run_step(dc_backend *be, const dc_step *step,
+                                      dc_step_result *res, dc_err *err) {
+    return be->ops->run_step(be, step, res, err);
+}
+
+static inline void dc_backend_destroy(dc_backend *be) {
+    if (be) be->ops->destroy(be);
+}
+
+/* The CPU backend. threads: BLAS threads this instance may use (0 = 1). */
+int dc_cpu_backend_create(int threads, dc_backend **out, dc_err *err);
+
+#endif

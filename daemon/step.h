@@ -1,0 +1,129 @@
+/* The validated form of a ClipStep: what the loop thread hands a backend.
+ *
+ * Ownership: a dc_step and its layers array are owned by whoever built it
+ * (validate.c builds them from a decoded request; tests build them by hand).
+ * Tensor data pointers point into buffers the session keeps mapped (and
+ * reference-counted) until the step completes; a dc_step never owns them.
+ *
+ * Every tensor here has already been checked: dtype allowed for its role,
+ * shapes consistent across the layer, byte range inside its buffer (with
+ * overflow-safe arithmetic). What validation cannot check without touching
+ * the data (finite values, embedding indices in range) the backend checks and
+ * reports with a field name. */
+#ifndef DC_STEP_H
+#define DC_STEP_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "dc_dtype.h"
+#include "dc_err.h"
+
+typedef struct dc_tensor {
+    void *data;        /* NULL: absent (optional outputs) */
+    dc_dtype dtype;
+    int ndim;
+    int64_t shape[3];
+} dc_tensor;
+
+typedef enum dc_layer_kind {
+    DC_LAYER_LINEAR = 1,
+    DC_LAYER_EMBEDDING = 2,
+    DC_LAYER_LAYERNORM = 3,
+    DC_LAYER_RMSNORM = 4
+} dc_layer_kind;
+
+typedef enum dc_algo {
+    DC_ALGO_AUTO = 0,
+    DC_ALGO_DIRECT = 1,
+    DC_ALGO_GHOST = 2
+} dc_algo;
+
+typedef enum dc_reduction { DC_REDUCTION_SUM = 1, DC_REDUCTION_MEAN = 2 } dc_reduction;
+typedef enum dc_clip_mode { DC_CLIP_FLAT = 0, DC_CLIP_PER_LAYER = 1 } dc_clip_mode;
+
+/* One layer, shapes normalized to [B, T, .]: a 2D input [B, d] has T = 1.
+ *
+ *            input                 grad        weight_grad_out  bias_grad_out
+ * LINEAR     activations [B,T,d]   [B,T,p]     [p,d]            [p]
+ * EMBEDDING  indices [B,T] i32/i64 [B,T,d]     [vocab,d]        -
+ * LAYERNORM  x [B,T,d]             [B,T,d]     [d]              [d]
+ * RMSNORM    x [B,T,d]             [B,T,d]     [d]              -
+ *
+ * For LAYERNORM/RMSNORM `input` is the layer's input x; the backend computes
+ * x_hat = (x - mean) / sqrt(var + eps) (LayerNorm, biased variance) or
+ * x / sqrt(mean(x^2) + eps) (RMSNorm) per row, in f32. */
+typedef struct dc_layer {
+    dc_layer_kind kind;
+    char name[64];          /* client's name, or "layers[i]" */
+    int64_t T, d, p;        /* p: linear out_features, else 0 */
+    int64_t vocab;          /* embedding num_embeddings, else 0 */
+    dc_tensor input;
+    dc_tensor grad;
+    bool has_bias;          /* LINEAR, LAYERNORM: bias is a trainable param */
+    dc_algo algo;           /* LINEAR: as requested (AUTO = by cost) */
+    bool has_padding_idx;   /* EMBEDDING */
+    int64_t padding_idx;
+    float eps;              /* LAYERNORM, RMSNORM */
+    float max_grad_norm;    /* threshold in PER_LAYER mode */
+    dc_tensor weight_grad_out; /* optional */
+    dc_tensor bias_grad_out;   /* optional, only with has_bias */
+} dc_layer;
+
+typedef struct dc_step {
+    uint32_t batch;            /* B >= 1 */
+    size_t n_layers;
+    dc_layer *layers;
+    dc_clip_mode mode;
+    float max_grad_norm;       /* C (FLAT) */
+    dc_reduction reduction;
+    uint32_t expected_batch;   /* MEAN divisor; set to batch when the request said 0 */
+    float noise_multiplier;    /* sigma >= 0 */
+    /* Noise stream: Philox key and a counter base unique to this step within
+     * the daemon's lifetime. Set by the daemon, never by the client. */
+    uint64_t noise_key;
+    uint64_t noise_step;
+    dc_tensor norms_out;       /* optional [B] f32 */
+    dc_tensor coefs_out;       /* optional [B] f32 */
+    bool want_layer_norms;
+} dc_step;
+
+/* Filled by a backend; arrays are malloc'd by dc_step_result_init and freed
+ * by dc_step_result_free. */
+typedef struct dc_step_result {
+    uint32_t batch;
+    size_t n_layers;
+    float *norms;        /* [B] total per-sample norm sqrt(sum over layers) */
+    float *coefs;        /* [B] flat coefficients (PER_LAYER: all 1) */
+    float *layer_norms;  /* [L*B] layer-major, always filled */
+    float *layer_coefs;  /* [L*B] PER_LAYER only, else NULL */
+    uint64_t compute_ns;
+} dc_step_result;
+
+int dc_step_result_init(dc_step_result *r, uint32_t batch, size_t n_layers, bool per_layer);
+void dc_step_result_free(dc_step_result *r);
+
+/* Scale applied to output gradients so that norms are of per-sample
+ * gradients: B for MEAN (the mean loss carried 1/B), 1 for SUM. */
+static inline float dc_step_grad_scale(const dc_step *s) {
+    return s->reduction == DC_REDUCTION_MEAN ? (float)s->batch : 1.0f;
+}
+
+/* Flat clipping coefficient c = min(1, C / (n + 1e-6)). */
+static inline float dc_clip_coef(float C, float norm) {
+    float c = C / (norm + 1e-6f);
+    return c < 1.0f ? c : 1.0f;
+}
+
+/* LINEAR cost model: direct costs 2*T*d*p flops per sample, ghost
+ * 2*T^2*(d+p); pick the cheaper. */
+static inline dc_algo dc_linear_pick(const dc_layer *l) {
+    if (l->algo != DC_ALGO_AUTO) return l->algo;
+    if (l->T == 1) return DC_ALGO_GHOST; /* the rank-1 special case: ||a||^2 ||g||^2 */
+    double direct = (double)l->d * (double)l->p;
+    double ghost = (double)l->T * (double)(l->d + l->p);
+    return direct <= ghost ? DC_ALGO_DIRECT : DC_ALGO_GHOST;
+}
+
+#endif
