@@ -1,0 +1,30 @@
+#!/bin/sh
+# Installs the Debian packages dpclip needs to build and test, if any are
+# missing. Needs root (or sudo) only when something must be installed.
+set -eu
+
+PKGS="gcc make cmake pkgconf libuv1-dev libprotobuf-c-dev protobuf-c-compiler \
+libcmocka-dev libopenblas-dev"
+# The Python package's tests need PyTorch from Debian; opt out with DPCLIP_NO_TORCH=1.
+if [ "${DPCLIP_NO_TORCH:-0}" != 1 ] && [ -d "$(dirname "$0")/../python" ] && \
+   [ -n "$(ls "$(dirname "$0")/../python" 2>/dev/null)" ]; then
+    PKGS="$PKGS python3 python3-torch python3-pytest"
+fi
+
+missing=""
+for p in $PKGS; do
+    dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" ||
+        missing="$missing $p"
+done
+[ -z "$missing" ] && exit 0
+
+echo "dpclip: installing Debian packages:$missing"
+SUDO=""
+if [ "$(id -u)" != 0 ]; then
+    command -v sudo >/dev/null 2>&1 || { echo "dpclip: need root to install:$missing" >&2; exit 1; }
+    SUDO=sudo
+fi
+export DEBIAN_FRONTEND=noninteractive
+$SUDO apt-get update -qq
+# shellcheck disable=SC2086
+$SUDO apt-get install -y -qq --no-install-recommends $missing >/dev/null
