@@ -87,6 +87,10 @@ typedef struct dc_step {
     dc_tensor norms_out;       /* optional [B] f32 */
     dc_tensor coefs_out;       /* optional [B] f32 */
     bool want_layer_norms;
+    /* Where every tensor of the step lives: -1 = host memory (shared memory
+     * mapped by the daemon), else the CUDA device index (validation refuses
+     * steps that mix them). */
+    int device;
 } dc_step;
 
 /* Filled by a backend; arrays are malloc'd by dc_step_result_init and freed
