@@ -1,0 +1,109 @@
+#include "registry.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+/* Set once by the CUDA backend at start-up (before any session exists). */
+static dc_registry_unmap_fn g_cuda_unmap;
+
+void dc_registry_set_cuda_unmap(dc_registry_unmap_fn fn) { g_cuda_unmap = fn; }
+
+void dc_registry_init(dc_registry *r) { memset(r, 0, sizeof *r); }
+
+static void registry_unmap(dc_buffer *b) {
+    if (b->kind == DC_BUFFER_SHM) {
+        if (b->base && b->size) munmap(b->base, (size_t)b->size);
+    } else if (g_cuda_unmap) {
+        g_cuda_unmap(b);
+    }
+    b->base = NULL;
+}
+
+void dc_registry_destroy(dc_registry *r) {
+    for (size_t i = 0; i < r->n; i++) registry_unmap(&r->items[i]);
+    free(r->items);
+    memset(r, 0, sizeof *r);
+}
+
+int dc_registry_add(dc_registry *r, const dc_buffer *b, dc_err *err) {
+    if (r->n == r->cap) {
+        size_t cap = r->cap ? r->cap * 2 : 8;
+        dc_buffer *items = realloc(r->items, cap * sizeof *items);
+        if (!items) return dc_err_set(err, DC_ENOSPACE, "register_buffer", "out of memory");
+        r->items = items;
+        r->cap = cap;
+    }
+    r->items[r->n++] = *b;
+    r->bytes += b->size;
+    return 0;
+}
+
+int dc_registry_add_shm(dc_registry *r, uint64_t id, int fd, uint64_t size,
+                        const dc_buffer **out, dc_err *err) {
+    struct stat st;
+    int seals, flags;
+    void *base;
+    dc_buffer b;
+
+    if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode))
+        return dc_err_set(err, DC_EINVAL, "register_buffer",
+                          "the attached descriptor is not a shared-memory file");
+    /* Without F_SEAL_SHRINK the client could truncate the file under our
+     * mapping and every later access would SIGBUS the whole daemon. */
+    seals = fcntl(fd, F_GET_SEALS);
+    if (seals < 0 || !(seals & F_SEAL_SHRINK))
+        return dc_err_set(err, DC_EINVAL, "register_buffer",
+                          "the shared-memory fd must be a memfd sealed with F_SEAL_SHRINK");
+    flags = fcntl(fd, F_GETFL);
+    if (flags < 0 || (flags & O_ACCMODE) != O_RDWR)
+        return dc_err_set(err, DC_EINVAL, "register_buffer",
+                          "the shared-memory fd must be open read-write");
+    if (st.st_size <= 0)
+        return dc_err_set(err, DC_EINVAL, "register_buffer.size", "the shared-memory object is empty");
+    if (size == 0) size = (uint64_t)st.st_size;
+    if (size > (uint64_t)st.st_size)
+        return dc_err_set(err, DC_EINVAL, "register_buffer.size",
+                          "size %llu exceeds the object's %llu bytes",
+                          (unsigned long long)size, (unsigned long long)st.st_size);
+    if (size > (uint64_t)SIZE_MAX / 2)
+        return dc_err_set(err, DC_EINVAL, "register_buffer.size", "size too large");
+    base = mmap(NULL, (size_t)size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    if (base == MAP_FAILED)
+        return dc_err_set(err, DC_ENOSPACE, "register_buffer", "mmap failed: %s", strerror(errno));
+
+    memset(&b, 0, sizeof b);
+    b.id = id;
+    b.kind = DC_BUFFER_SHM;
+    b.base = base;
+    b.size = size;
+    b.device = -1;
+    if (dc_registry_add(r, &b, err) != 0) {
+        munmap(base, (size_t)size);
+        return err ? (int)err->code : DC_ENOSPACE;
+    }
+    if (out) *out = &r->items[r->n - 1];
+    return 0;
+}
+
+const dc_buffer *dc_registry_find(const dc_registry *r, uint64_t id) {
+    for (size_t i = 0; i < r->n; i++)
+        if (r->items[i].id == id) return &r->items[i];
+    return NULL;
+}
+
+int dc_registry_release(dc_registry *r, uint64_t id, dc_err *err) {
+    for (size_t i = 0; i < r->n; i++) {
+        if (r->items[i].id != id) continue;
+        r->bytes -= r->items[i].size;
+        registry_unmap(&r->items[i]);
+        r->items[i] = r->items[--r->n];
+        return 0;
+    }
+    return dc_err_set(err, DC_ENOTFOUND, "release_buffer.buffer_id",
+                      "buffer %llu is not registered in this session", (unsigned long long)id);
+}

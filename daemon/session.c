@@ -1,0 +1,601 @@
+#include "session.h"
+
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "dc_frame.h"
+#include "dpclip.pb-c.h"
+#include "log.h"
+#include "server.h"
+#include "validate.h"
+
+/* One packed reply frame waiting to be written. */
+struct dc_wbuf {
+    dc_wbuf *next;
+    size_t len, off;
+    uint8_t data[];
+};
+
+struct dc_step_job {
+    dc_job job;
+    dc_session *s;
+    uint64_t req_id;
+    dc_step step;
+    dc_step_result res;
+    dc_err err;
+    int rc;
+};
+
+/* Stop reading when this much is buffered (a step in flight, or a client
+ * that does not read its replies): the kernel's socket buffer then pushes
+ * back on the client instead of our memory growing. */
+#define DC_WQUEUE_LIMIT (8u << 20)
+
+static void session_process(dc_session *s);
+static void session_update_poll(dc_session *s);
+static void session_destroy(dc_session *s);
+
+/* --- writing ----------------------------------------------------------- */
+
+static void session_flush(dc_session *s) {
+    while (s->w_head && !s->gone) {
+        dc_wbuf *w = s->w_head;
+        ssize_t n = send(s->fd, w->data + w->off, w->len - w->off, MSG_NOSIGNAL | MSG_DONTWAIT);
+        if (n < 0) {
+            if (errno == EINTR) continue;
+            if (errno == EAGAIN || errno == EWOULDBLOCK) break;
+            dc_log_debug("session %llu: write failed: %s", (unsigned long long)s->id,
+                         strerror(errno));
+            dc_session_close(s);
+            return;
+        }
+        w->off += (size_t)n;
+        s->w_bytes -= (size_t)n;
+        if (w->off == w->len) {
+            s->w_head = w->next;
+            if (!s->w_head) s->w_tail = NULL;
+            free(w);
+        }
+    }
+}
+
+static void session_send(dc_session *s, Dpclip__Reply *reply) {
+    size_t n;
+    dc_wbuf *w;
+
+    if (s->gone) return;
+    n = dpclip__reply__get_packed_size(reply);
+    w = malloc(sizeof *w + DC_FRAME_HEADER + n);
+    if (!w) {
+        dc_log_error("session %llu: out of memory for a reply; closing",
+                     (unsigned long long)s->id);
+        dc_session_close(s);
+        return;
+    }
+    w->next = NULL;
+    w->len = DC_FRAME_HEADER + n;
+    w->off = 0;
+    dc_frame_put_len(w->data, (uint32_t)n);
+    dpclip__reply__pack(reply, w->data + DC_FRAME_HEADER);
+    if (s->w_tail) s->w_tail->next = w;
+    else s->w_head = w;
+    s->w_tail = w;
+    s->w_bytes += w->len;
+    session_flush(s);
+}
+
+static void send_error(dc_session *s, uint64_t id, const dc_err *e) {
+    Dpclip__Reply reply = DPCLIP__REPLY__INIT;
+    Dpclip__Error er = DPCLIP__ERROR__INIT;
+    er.code = (Dpclip__ErrorCode)e->code;
+    er.field = (char *)e->field;
+    er.message = (char *)e->msg;
+    reply.id = id;
+    reply.body_case = DPCLIP__REPLY__BODY_ERROR;
+    reply.error = &er;
+    dc_log_debug("session %llu: request %llu: error %d %s: %s", (unsigned long long)s->id,
+                 (unsigned long long)id, (int)e->code, e->field, e->msg);
+    session_send(s, &reply);
+}
+
+static void reject(dc_session *s, uint64_t id, const dc_err *e) {
+    s->srv->stats.requests_rejected++;
+    send_error(s, id, e);
+}
+
+/* --- requests ---------------------------------------------------------- */
+
+static void handle_hello(dc_session *s, uint64_t id, const Dpclip__Hello *h) {
+    dc_server *srv = s->srv;
+    Dpclip__Reply reply = DPCLIP__REPLY__INIT;
+    Dpclip__HelloReply hr = DPCLIP__HELLO_REPLY__INIT;
+    Dpclip__Device cpu = DPCLIP__DEVICE__INIT;
+    Dpclip__Device *devs[1] = {&cpu};
+    char *backends[] = {"cpu"};
+    char *kinds[] = {"linear", "embedding", "layer_norm", "rms_norm"};
+    char cpu_name[64];
+    dc_err e;
+
+    if (s->hello_done) {
+        dc_err_set(&e, DC_EPRECOND, "hello", "handshake already done");
+        reject(s, id, &e);
+        return;
+    }
+    if (h->protocol_version != DC_PROTOCOL_VERSION) {
+        dc_err_set(&e, DC_EPRECOND, "hello.protocol_version",
+                   "protocol version %u is not supported; this daemon speaks %u",
+                   h->protocol_version, DC_PROTOCOL_VERSION);
+        reject(s, id, &e);
+        s->closing = true;
+        return;
+    }
+    snprintf(s->client_name, sizeof s->client_name, "%s", h->client_name ? h->client_name : "");
+    snprintf(s->job_id, sizeof s->job_id, "%s", h->job_id ? h->job_id : "");
+    s->hello_done = true;
+    dc_log_info("session %llu: hello from pid %d uid %u client '%s' job '%s'",
+                (unsigned long long)s->id, (int)s->peer_pid, (unsigned)s->peer_uid,
+                s->client_name, s->job_id);
+
+    snprintf(cpu_name, sizeof cpu_name, "cpu (%d workers)", srv->cfg.workers);
+    cpu.backend = "cpu";
+    cpu.index = 0;
+    cpu.name = cpu_name;
+    hr.protocol_version = DC_PROTOCOL_VERSION;
+    hr.daemon_version = DPCLIP_VERSION;
+    hr.n_backends = 1;
+    hr.backends = backends;
+    hr.n_devices = 1;
+    hr.devices = devs;
+    hr.n_layer_kinds = 4;
+    hr.layer_kinds = kinds;
+    hr.max_batch = srv->cfg.limits.max_batch;
+    hr.max_frame = srv->cfg.limits.max_frame;
+    hr.max_layers = srv->cfg.limits.max_layers;
+    hr.session_id = s->id;
+    reply.id = id;
+    reply.body_case = DPCLIP__REPLY__BODY_HELLO;
+    reply.hello = &hr;
+    session_send(s, &reply);
+}
+
+/* Takes the fds that arrived with the frame [start, end) of the stream;
+ * fds that arrived with earlier frames were not claimed by them: close. */
+static int take_fds(dc_session *s, uint64_t start, uint64_t end, int *out, int max) {
+    int n = 0, keep = 0;
+    for (int i = 0; i < s->nfds; i++) {
+        if (s->fds[i].pos < start) {
+            close(s->fds[i].fd);
+        } else if (s->fds[i].pos < end) {
+            if (n < max) out[n] = s->fds[i].fd;
+            else close(s->fds[i].fd);
+            n++;
+        } else {
+            s->fds[keep++] = s->fds[i];
+        }
+    }
+    s->nfds = keep;
+    return n;
+}
+
+static void handle_register(dc_session *s, uint64_t id, const Dpclip__RegisterBuffer *m,
+                            int *fds, int nfds) {
+    Dpclip__Reply reply = DPCLIP__REPLY__INIT;
+    Dpclip__RegisterBufferReply rr = DPCLIP__REGISTER_BUFFER_REPLY__INIT;
+    const dc_buffer *b = NULL;
+    dc_err e;
+
+    if (s->reg.n >= s->srv->cfg.max_buffers) {
+        dc_err_set(&e, DC_ENOSPACE, "register_buffer", "this session already has %u buffers",
+                   s->srv->cfg.max_buffers);
+        goto fail;
+    }
+    if (m->kind == DPCLIP__BUFFER_KIND__CUDA_IPC) {
+        dc_err_set(&e, DC_EPRECOND, "register_buffer.kind",
+                   "this daemon has no CUDA backend; CUDA buffers cannot be registered");
+        goto fail;
+    }
+    if (m->kind != DPCLIP__BUFFER_KIND__SHM_FD) {
+        dc_err_set(&e, DC_EINVAL, "register_buffer.kind", "unknown buffer kind %d", (int)m->kind);
+        goto fail;
+    }
+    if (nfds != 1) {
+        dc_err_set(&e, DC_EINVAL, "register_buffer",
+                   "a SHM_FD registration needs exactly one file descriptor attached; got %d",
+                   nfds);
+        goto fail;
+    }
+    if (dc_registry_add_shm(&s->reg, ++s->srv->next_buffer_id, fds[0], m->size, &b, &e))
+        goto fail;
+    rr.buffer_id = b->id;
+    rr.size = b->size;
+    reply.id = id;
+    reply.body_case = DPCLIP__REPLY__BODY_REGISTER_BUFFER;
+    reply.register_buffer = &rr;
+    dc_log_debug("session %llu: buffer %llu registered (%llu bytes)", (unsigned long long)s->id,
+                 (unsigned long long)b->id, (unsigned long long)b->size);
+    session_send(s, &reply);
+    return;
+fail:
+    reject(s, id, &e);
+}
+
+static void handle_release(dc_session *s, uint64_t id, const Dpclip__ReleaseBuffer *m) {
+    Dpclip__Reply reply = DPCLIP__REPLY__INIT;
+    Dpclip__ReleaseBufferReply rr = DPCLIP__RELEASE_BUFFER_REPLY__INIT;
+    dc_err e;
+    if (dc_registry_release(&s->reg, m->buffer_id, &e)) {
+        reject(s, id, &e);
+        return;
+    }
+    rr.buffer_id = m->buffer_id;
+    reply.id = id;
+    reply.body_case = DPCLIP__REPLY__BODY_RELEASE_BUFFER;
+    reply.release_buffer = &rr;
+    session_send(s, &reply);
+}
+
+static void step_work(dc_job *job, dc_backend *be) {
+    dc_step_job *j = (dc_step_job *)job;
+    dc_err_clear(&j->err);
+    j->rc = dc_backend_run_step(be, &j->step, &j->res, &j->err);
+}
+
+static void step_done(dc_job *job) {
+    dc_step_job *j = (dc_step_job *)job;
+    dc_session *s = j->s;
+    dc_server *srv = s->srv;
+
+    s->job = NULL;
+    if (j->rc == 0) {
+        Dpclip__Reply reply = DPCLIP__REPLY__INIT;
+        Dpclip__ClipStepReply cr = DPCLIP__CLIP_STEP_REPLY__INIT;
+        size_t lb = j->res.n_layers * j->res.batch;
+        srv->stats.steps_ok++;
+        srv->stats.samples_total += j->step.batch;
+        srv->stats.compute_ns_total += j->res.compute_ns;
+        s->steps++;
+        cr.n_norms = j->res.batch;
+        cr.norms = j->res.norms;
+        cr.n_coefficients = j->res.batch;
+        cr.coefficients = j->res.coefs;
+        if (j->step.want_layer_norms || j->step.mode == DC_CLIP_PER_LAYER) {
+            cr.n_layer_norms = lb;
+            cr.layer_norms = j->res.layer_norms;
+        }
+        if (j->step.mode == DC_CLIP_PER_LAYER && j->res.layer_coefs) {
+            cr.n_layer_coefficients = lb;
+            cr.layer_coefficients = j->res.layer_coefs;
+        }
+        cr.step_index = s->steps;
+        cr.compute_ns = j->res.compute_ns;
+        reply.id = j->req_id;
+        reply.body_case = DPCLIP__REPLY__BODY_CLIP_STEP;
+        reply.clip_step = &cr;
+        session_send(s, &reply);
+    } else {
+        srv->stats.steps_failed++;
+        if (j->err.code == DC_OK) dc_err_set(&j->err, DC_EINTERNAL, "clip_step", "step failed");
+        send_error(s, j->req_id, &j->err);
+    }
+    dc_step_result_free(&j->res);
+    dc_validate_step_free(&j->step);
+    free(j);
+
+    if (s->gone) {
+        session_destroy(s);
+        return;
+    }
+    session_process(s);
+}
+
+static void handle_step(dc_session *s, uint64_t id, const Dpclip__ClipStep *m) {
+    dc_server *srv = s->srv;
+    dc_step_job *j = calloc(1, sizeof *j);
+    dc_err e;
+
+    if (!j) {
+        dc_err_set(&e, DC_ENOSPACE, "clip_step", "out of memory");
+        reject(s, id, &e);
+        return;
+    }
+    if (dc_validate_step(m, &s->reg, &srv->cfg.limits, &j->step, &e)) {
+        free(j);
+        reject(s, id, &e);
+        return;
+    }
+    if (j->step.device >= 0) {
+        dc_err_set(&e, DC_EPRECOND, "clip_step", "no CUDA backend for device %d", j->step.device);
+        dc_validate_step_free(&j->step);
+        free(j);
+        reject(s, id, &e);
+        return;
+    }
+    if (dc_step_result_init(&j->res, j->step.batch, j->step.n_layers,
+                            j->step.mode == DC_CLIP_PER_LAYER)) {
+        dc_validate_step_free(&j->step);
+        free(j);
+        dc_err_set(&e, DC_ENOSPACE, "clip_step", "out of memory");
+        reject(s, id, &e);
+        return;
+    }
+    j->step.noise_key = srv->noise_key;
+    j->step.noise_step = ++srv->noise_steps;
+    j->s = s;
+    j->req_id = id;
+    j->job.work = step_work;
+    j->job.done = step_done;
+    s->job = j;
+    dc_worker_pool_submit(&srv->cpu_pool, &j->job);
+}
+
+static void dispatch(dc_session *s, const uint8_t *payload, size_t len, uint64_t start,
+                     uint64_t end) {
+    Dpclip__Request *req;
+    Dpclip__Reply reply = DPCLIP__REPLY__INIT;
+    Dpclip__Pong pong = DPCLIP__PONG__INIT;
+    int fds[DC_SESSION_MAX_FDS];
+    int nfds;
+    dc_err e;
+
+    nfds = take_fds(s, start, end, fds, DC_SESSION_MAX_FDS);
+    req = len ? dpclip__request__unpack(NULL, len, payload) : NULL;
+    if (!req) {
+        dc_err_set(&e, DC_EPROTO, "request", "the frame does not decode as a dpclip.Request");
+        reject(s, 0, &e);
+        goto out;
+    }
+    if (req->body_case == DPCLIP__REQUEST__BODY__NOT_SET) {
+        dc_err_set(&e, DC_EUNIMPL, "request.body", "unknown or empty request");
+        reject(s, req->id, &e);
+        goto out;
+    }
+    if (!s->hello_done && req->body_case != DPCLIP__REQUEST__BODY_HELLO) {
+        dc_err_set(&e, DC_EPRECOND, "request", "handshake required: send Hello first");
+        reject(s, req->id, &e);
+        goto out;
+    }
+    switch (req->body_case) {
+    case DPCLIP__REQUEST__BODY_HELLO:
+        handle_hello(s, req->id, req->hello);
+        break;
+    case DPCLIP__REQUEST__BODY_REGISTER_BUFFER:
+        handle_register(s, req->id, req->register_buffer, fds, nfds < DC_SESSION_MAX_FDS ? nfds : DC_SESSION_MAX_FDS);
+        break;
+    case DPCLIP__REQUEST__BODY_RELEASE_BUFFER:
+        handle_release(s, req->id, req->release_buffer);
+        break;
+    case DPCLIP__REQUEST__BODY_CLIP_STEP:
+        handle_step(s, req->id, req->clip_step);
+        break;
+    case DPCLIP__REQUEST__BODY_PING:
+        pong.nonce = req->ping->nonce;
+        reply.id = req->id;
+        reply.body_case = DPCLIP__REPLY__BODY_PONG;
+        reply.pong = &pong;
+        session_send(s, &reply);
+        break;
+    default:
+        dc_err_set(&e, DC_EUNIMPL, "request.body", "unknown request %d", (int)req->body_case);
+        reject(s, req->id, &e);
+        break;
+    }
+out:
+    /* The registry dup'd nothing: it mapped the fd, so ours can go. */
+    for (int i = 0; i < nfds && i < DC_SESSION_MAX_FDS; i++) close(fds[i]);
+    if (req) dpclip__request__free_unpacked(req, NULL);
+}
+
+/* Consumes complete frames while no step is in flight. */
+static void session_process(dc_session *s) {
+    size_t off = 0;
+    uint32_t max = s->srv->cfg.limits.max_frame;
+
+    while (!s->job && !s->closing && !s->gone && s->rlen - off >= DC_FRAME_HEADER) {
+        uint32_t n = dc_frame_get_len(s->rbuf + off);
+        if (n > max) {
+            dc_err e;
+            dc_err_set(&e, DC_EPROTO, "frame.length",
+                       "frame of %u bytes exceeds the maximum of %u; closing", n, max);
+            reject(s, 0, &e);
+            s->closing = true;
+            off = s->rlen;
+            break;
+        }
+        if (s->rlen - off - DC_FRAME_HEADER < n) break;
+        uint64_t start = s->rbase + off;
+        dispatch(s, s->rbuf + off + DC_FRAME_HEADER, n, start, start + DC_FRAME_HEADER + n);
+        off += DC_FRAME_HEADER + n;
+    }
+    if (s->gone) return;
+    if (off) {
+        memmove(s->rbuf, s->rbuf + off, s->rlen - off);
+        s->rlen -= off;
+        s->rbase += off;
+    }
+    if (s->eof && !s->job && !s->closing) {
+        if (s->rlen) {
+            dc_err e;
+            dc_err_set(&e, DC_EPROTO, "frame", "truncated frame: connection ended after %zu of a frame's bytes",
+                       s->rlen);
+            reject(s, 0, &e);
+        }
+        s->closing = true;
+    }
+    session_update_poll(s);
+}
+
+/* --- reading ----------------------------------------------------------- */
+
+static int session_read(dc_session *s) {
+    size_t limit = (size_t)s->srv->cfg.limits.max_frame + DC_FRAME_HEADER;
+    for (int rounds = 0; rounds < 16; rounds++) {
+        union {
+            struct cmsghdr h;
+            char buf[CMSG_SPACE(sizeof(int) * DC_SESSION_MAX_FDS)];
+        } cm;
+        struct iovec iov;
+        struct msghdr msg;
+        ssize_t n;
+
+        if (s->rlen >= limit) return 0; /* a full frame is buffered: process first */
+        if (s->rcap - s->rlen < 4096) {
+            size_t cap = s->rcap ? s->rcap * 2 : 16384;
+            if (cap > limit + 65536) cap = limit + 65536;
+            if (cap <= s->rlen) return 0;
+            uint8_t *nb = realloc(s->rbuf, cap);
+            if (!nb) return -1;
+            s->rbuf = nb;
+            s->rcap = cap;
+        }
+        iov.iov_base = s->rbuf + s->rlen;
+        iov.iov_len = s->rcap - s->rlen;
+        memset(&msg, 0, sizeof msg);
+        msg.msg_iov = &iov;
+        msg.msg_iovlen = 1;
+        msg.msg_control = cm.buf;
+        msg.msg_controllen = sizeof cm.buf;
+        n = recvmsg(s->fd, &msg, MSG_DONTWAIT | MSG_CMSG_CLOEXEC);
+        if (n < 0) {
+            if (errno == EINTR) continue;
+            if (errno == EAGAIN || errno == EWOULDBLOCK) return 0;
+            return -1;
+        }
+        for (struct cmsghdr *c = CMSG_FIRSTHDR(&msg); c; c = CMSG_NXTHDR(&msg, c)) {
+            if (c->cmsg_level != SOL_SOCKET || c->cmsg_type != SCM_RIGHTS) continue;
+            int cnt = (int)((c->cmsg_len - CMSG_LEN(0)) / sizeof(int));
+            for (int i = 0; i < cnt; i++) {
+                int fd;
+                memcpy(&fd, CMSG_DATA(c) + i * sizeof(int), sizeof fd);
+                if (s->nfds == DC_SESSION_MAX_FDS || n == 0) {
+                    close(fd);
+                    continue;
+                }
+                /* The kernel ends a read at the message that carried fds, so
+                 * they belong to the frame holding the last byte read. */
+                s->fds[s->nfds].fd = fd;
+                s->fds[s->nfds].pos = s->rbase + s->rlen + (uint64_t)n - 1;
+                s->nfds++;
+            }
+        }
+        if (n == 0) {
+            s->eof = true;
+            return 0;
+        }
+        s->rlen += (size_t)n;
+    }
+    return 0;
+}
+
+static void on_poll(uv_poll_t *h, int status, int events) {
+    dc_session *s = h->data;
+    if (status < 0) {
+        dc_session_close(s);
+        return;
+    }
+    if (events & UV_WRITABLE) {
+        session_flush(s);
+        if (s->gone) return;
+    }
+    if (events & UV_READABLE) {
+        if (session_read(s) != 0) {
+            dc_session_close(s);
+            return;
+        }
+        session_process(s);
+        return;
+    }
+    session_update_poll(s);
+}
+
+static void session_update_poll(dc_session *s) {
+    int ev = 0;
+    size_t limit = (size_t)s->srv->cfg.limits.max_frame + DC_FRAME_HEADER;
+
+    if (s->gone) return;
+    if (s->closing && !s->w_head && !s->job) {
+        dc_session_close(s);
+        return;
+    }
+    if (!s->eof && !s->closing && s->rlen < limit && s->w_bytes < DC_WQUEUE_LIMIT) ev |= UV_READABLE;
+    if (s->w_head) ev |= UV_WRITABLE;
+    if (ev == s->poll_events) return;
+    s->poll_events = ev;
+    if (ev) uv_poll_start(&s->poll, ev, on_poll);
+    else uv_poll_stop(&s->poll);
+}
+
+/* --- lifecycle ---------------------------------------------------------- */
+
+int dc_session_start(dc_server *srv, int fd, dc_session **out) {
+    dc_session *s = calloc(1, sizeof *s);
+    struct ucred cred;
+    socklen_t len = sizeof cred;
+
+    if (!s) {
+        close(fd);
+        return DC_ENOSPACE;
+    }
+    s->srv = srv;
+    s->fd = fd;
+    s->id = ++srv->next_session_id;
+    dc_registry_init(&s->reg);
+    if (getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cred, &len) == 0) {
+        s->peer_pid = cred.pid;
+        s->peer_uid = cred.uid;
+        s->peer_gid = cred.gid;
+    }
+    if (uv_poll_init(srv->loop, &s->poll, fd) != 0) {
+        close(fd);
+        free(s);
+        return DC_EINTERNAL;
+    }
+    s->poll.data = s;
+    s->poll_events = UV_READABLE;
+    uv_poll_start(&s->poll, UV_READABLE, on_poll);
+    *out = s;
+    return 0;
+}
+
+static void on_poll_closed(uv_handle_t *h) {
+    dc_session *s = h->data;
+    s->poll_closed = true;
+    close(s->fd);
+    s->fd = -1;
+    if (!s->job) session_destroy(s);
+}
+
+/* Frees everything; only once the poll handle is closed and no step runs. */
+static void session_destroy(dc_session *s) {
+    if (!s->poll_closed || s->job) return;
+    dc_log_debug("session %llu: closed after %llu steps", (unsigned long long)s->id,
+                 (unsigned long long)s->steps);
+    for (int i = 0; i < s->nfds; i++) close(s->fds[i].fd);
+    while (s->w_head) {
+        dc_wbuf *w = s->w_head;
+        s->w_head = w->next;
+        free(w);
+    }
+    dc_registry_destroy(&s->reg);
+    free(s->rbuf);
+    dc_server_session_gone(s->srv, s);
+    free(s);
+}
+
+void dc_session_close(dc_session *s) {
+    if (s->gone) return;
+    s->gone = true;
+    uv_poll_stop(&s->poll);
+    uv_close((uv_handle_t *)&s->poll, on_poll_closed);
+}
+
+void dc_session_shutdown(dc_session *s) {
+    if (s->gone) return;
+    s->closing = true;
+    /* Drop requests not started yet; the step in flight (if any) replies. */
+    s->rlen = 0;
+    session_update_poll(s);
+}

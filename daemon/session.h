@@ -1,0 +1,68 @@
+/* One client connection: framing, fd passing, the handshake, the session's
+ * buffer registry, and its requests, processed strictly one at a time and in
+ * order (a ClipStep runs on a worker while the loop serves everyone else;
+ * this session's next request waits for it, which is also what keeps its
+ * buffers mapped and unchanged while a step reads them).
+ *
+ * Ownership: the server's session list owns each session. A session whose
+ * client went away while a step is in flight stays allocated (detached from
+ * its socket) until the step completes, then frees itself. */
+#ifndef DC_SESSION_H
+#define DC_SESSION_H
+
+#include <stdbool.h>
+#include <stdint.h>
+#include <sys/socket.h>
+#include <uv.h>
+
+#include "registry.h"
+
+typedef struct dc_server dc_server;
+typedef struct dc_wbuf dc_wbuf;
+typedef struct dc_step_job dc_step_job;
+
+#define DC_SESSION_MAX_FDS 16
+
+typedef struct dc_session {
+    struct dc_session *prev, *next;  /* server list */
+    dc_server *srv;
+    uint64_t id;
+    int fd;
+    uv_poll_t poll;
+    int poll_events;                 /* current uv_poll interest */
+    pid_t peer_pid;
+    uid_t peer_uid;
+    gid_t peer_gid;
+    char client_name[64];
+    char job_id[64];
+
+    /* Bytes received and not yet consumed; rbase is the stream offset of
+     * rbuf[0], so that passed fds can be matched to the frame they came with. */
+    uint8_t *rbuf;
+    size_t rlen, rcap;
+    uint64_t rbase;
+    struct { int fd; uint64_t pos; } fds[DC_SESSION_MAX_FDS];
+    int nfds;
+
+    dc_wbuf *w_head, *w_tail;        /* replies not yet written */
+    size_t w_bytes;
+
+    bool hello_done;
+    bool eof;                        /* peer finished sending */
+    bool closing;                    /* close once the write queue drains */
+    bool gone;                       /* socket closed; waiting for the step */
+    bool poll_closed;
+    dc_step_job *job;                /* the step in flight, if any */
+    dc_registry reg;
+    uint64_t steps;
+} dc_session;
+
+/* Takes ownership of a connected, non-blocking socket. */
+int dc_session_start(dc_server *srv, int fd, dc_session **out);
+/* Server shutdown: reply to the step in flight (if any), then close. */
+void dc_session_shutdown(dc_session *s);
+/* Closes now, dropping queued replies (the step in flight, if any, still
+ * completes before the memory goes). */
+void dc_session_close(dc_session *s);
+
+#endif

@@ -1,0 +1,321 @@
+#include "validate.h"
+
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* Builds "prefix.suffix" into buf; paths are short, truncation is harmless. */
+static const char *path(char *buf, size_t n, const char *prefix, const char *suffix) {
+    snprintf(buf, n, "%s.%s", prefix, suffix);
+    return buf;
+}
+
+int dc_validate_tensor(const Dpclip__TensorRef *ref, const char *field,
+                       const dc_registry *reg, unsigned dtype_mask, int min_ndim,
+                       int max_ndim, dc_tensor *out, int *device, dc_err *err) {
+    char f[160];
+    const dc_buffer *buf;
+    uint64_t numel = 1, bytes, end;
+    size_t esz;
+
+    memset(out, 0, sizeof *out);
+    if (!ref) return dc_err_set(err, DC_EINVAL, field, "required tensor is missing");
+    buf = dc_registry_find(reg, ref->buffer_id);
+    if (!buf)
+        return dc_err_set(err, DC_ENOTFOUND, path(f, sizeof f, field, "buffer_id"),
+                          "buffer %llu is not registered in this session",
+                          (unsigned long long)ref->buffer_id);
+    if ((int)ref->dtype <= 0 || (int)ref->dtype > DC_I64 || !(dtype_mask & (1u << ref->dtype)))
+        return dc_err_set(err, DC_EINVAL, path(f, sizeof f, field, "dtype"),
+                          "dtype %s not allowed here", dc_dtype_name((dc_dtype)ref->dtype));
+    if ((int)ref->n_shape < min_ndim || (int)ref->n_shape > max_ndim) {
+        if (min_ndim == max_ndim)
+            return dc_err_set(err, DC_EINVAL, path(f, sizeof f, field, "shape"),
+                              "expected %d dimensions, got %zu", min_ndim, ref->n_shape);
+        return dc_err_set(err, DC_EINVAL, path(f, sizeof f, field, "shape"),
+                          "expected %d to %d dimensions, got %zu", min_ndim, max_ndim,
+                          ref->n_shape);
+    }
+    for (size_t i = 0; i < ref->n_shape; i++) {
+        if (ref->shape[i] <= 0)
+            return dc_err_set(err, DC_EINVAL, path(f, sizeof f, field, "shape"),
+                              "dimension %zu is %lld; every dimension must be >= 1", i,
+                              (long long)ref->shape[i]);
+        if (__builtin_mul_overflow(numel, (uint64_t)ref->shape[i], &numel))
+            return dc_err_set(err, DC_EINVAL, path(f, sizeof f, field, "shape"),
+                              "the product of the shape overflows 64 bits");
+    }
+    esz = dc_dtype_size((dc_dtype)ref->dtype);
+    if (__builtin_mul_overflow(numel, (uint64_t)esz, &bytes))
+        return dc_err_set(err, DC_EINVAL, path(f, sizeof f, field, "shape"),
+                          "the tensor's byte size overflows 64 bits");
+    /* Misaligned element access is undefined behaviour in C and slow or
+     * faulting on GPUs: require natural alignment. */
+    if (ref->offset % esz != 0)
+        return dc_err_set(err, DC_EINVAL, path(f, sizeof f, field, "offset"),
+                          "offset %llu is not a multiple of the element size %zu",
+                          (unsigned long long)ref->offset, esz);
+    if (__builtin_add_overflow(ref->offset, bytes, &end) || end > buf->size)
+        return dc_err_set(err, DC_EINVAL, path(f, sizeof f, field, "offset"),
+                          "offset %llu + %llu bytes is past the end of buffer %llu (%llu bytes)",
+                          (unsigned long long)ref->offset, (unsigned long long)bytes,
+                          (unsigned long long)buf->id, (unsigned long long)buf->size);
+    out->data = (char *)buf->base + ref->offset;
+    out->dtype = (dc_dtype)ref->dtype;
+    out->ndim = (int)ref->n_shape;
+    for (int i = 0; i < out->ndim; i++) out->shape[i] = ref->shape[i];
+    if (device) *device = buf->device;
+    return 0;
+}
+
+/* Per-step context so that every tensor can also be checked to live where
+ * the first one does (a step runs on one device). */
+typedef struct vctx {
+    const dc_registry *reg;
+    int device;       /* -2: not yet known */
+    dc_err *err;
+} vctx;
+
+static int vtensor(vctx *v, const Dpclip__TensorRef *ref, const char *field, unsigned mask,
+                   int min_ndim, int max_ndim, dc_tensor *out) {
+    int dev = -1, rc;
+    rc = dc_validate_tensor(ref, field, v->reg, mask, min_ndim, max_ndim, out, &dev, v->err);
+    if (rc) return rc;
+    if (v->device == -2) v->device = dev;
+    else if (v->device != dev)
+        return dc_err_set(v->err, DC_EINVAL, field,
+                          "all tensors of a step must be in the same place (host memory or one "
+                          "GPU); this one is on %s%d, earlier ones on %s%d",
+                          dev < 0 ? "host" : "cuda:", dev < 0 ? 0 : dev,
+                          v->device < 0 ? "host" : "cuda:", v->device < 0 ? 0 : v->device);
+    return 0;
+}
+
+/* Optional tensor: absent when the reference is missing. */
+static int vopt(vctx *v, const Dpclip__TensorRef *ref, const char *field, unsigned mask,
+                int ndim, const int64_t *want, dc_tensor *out) {
+    int rc;
+    memset(out, 0, sizeof *out);
+    if (!ref) return 0;
+    rc = vtensor(v, ref, field, mask, ndim, ndim, out);
+    if (rc) return rc;
+    for (int i = 0; i < ndim; i++)
+        if (out->shape[i] != want[i]) {
+            char f[160];
+            return dc_err_set(v->err, DC_EINVAL, path(f, sizeof f, field, "shape"),
+                              "dimension %d is %lld, expected %lld", i, (long long)out->shape[i],
+                              (long long)want[i]);
+        }
+    return 0;
+}
+
+/* An activation-like [B,d]/[B,T,d] tensor and its output grad: the grad must
+ * have the same rank, batch and (3D) sequence length. */
+static int vpair(vctx *v, uint32_t B, const char *lp, const char *in_name,
+                 const Dpclip__TensorRef *in_ref, unsigned in_mask, int in_min, int in_max,
+                 const Dpclip__TensorRef *g_ref, dc_tensor *in, dc_tensor *g) {
+    char f[160], fg[160], fs[176];
+    int rc;
+
+    path(f, sizeof f, lp, in_name);
+    path(fg, sizeof fg, lp, "output_grad");
+    if ((rc = vtensor(v, in_ref, f, in_mask, in_min, in_max, in))) return rc;
+    if (in->shape[0] != (int64_t)B)
+        return dc_err_set(v->err, DC_EINVAL, path(fs, sizeof fs, f, "shape"),
+                          "first dimension %lld must equal batch_size %u",
+                          (long long)in->shape[0], B);
+    /* Float inputs carry a feature dimension; integer indices do not. */
+    int extra = dc_dtype_is_float(in->dtype) ? 0 : 1;
+    int gnd = in->ndim + extra;
+    if ((rc = vtensor(v, g_ref, fg, DC_MASK_FLOAT, gnd, gnd, g))) return rc;
+    int seq_dims = in->ndim - (extra ? 0 : 1); /* 1 for [B,(d)], 2 for [B,T,(d)] */
+    for (int i = 0; i < seq_dims; i++)
+        if (g->shape[i] != in->shape[i])
+            return dc_err_set(v->err, DC_EINVAL, path(fs, sizeof fs, fg, "shape"),
+                              "dimension %d is %lld but %s has %lld there", i,
+                              (long long)g->shape[i], in_name, (long long)in->shape[i]);
+    return 0;
+}
+
+static int finite_pos(float x) { return isfinite(x) && x > 0.0f; }
+
+static int validate_layer(vctx *v, const Dpclip__ClipStep *msg, size_t i, dc_layer *l) {
+    const Dpclip__Layer *m = msg->layers[i];
+    uint32_t B = msg->batch_size;
+    char lp[96], f[160];
+    int rc;
+
+    memset(l, 0, sizeof *l);
+    if (!m) return dc_err_set(v->err, DC_EINVAL, "clip_step.layers", "null layer");
+    snprintf(lp, sizeof lp, "clip_step.layers[%zu]", i);
+    if (m->name && m->name[0]) {
+        if (strlen(m->name) >= sizeof l->name)
+            return dc_err_set(v->err, DC_EINVAL, path(f, sizeof f, lp, "name"),
+                              "name longer than %zu bytes", sizeof l->name - 1);
+        snprintf(l->name, sizeof l->name, "%s", m->name);
+    } else {
+        snprintf(l->name, sizeof l->name, "layers[%zu]", i);
+    }
+    l->max_grad_norm = m->max_grad_norm;
+    if (msg->clip->mode == DPCLIP__CLIPPING_MODE__PER_LAYER && !finite_pos(m->max_grad_norm))
+        return dc_err_set(v->err, DC_EINVAL, path(f, sizeof f, lp, "max_grad_norm"),
+                          "per-layer clipping needs a finite max_grad_norm > 0 for every layer");
+
+    switch (m->kind_case) {
+    case DPCLIP__LAYER__KIND_LINEAR: {
+        const Dpclip__LinearLayer *x = m->linear;
+        strncat(lp, ".linear", sizeof lp - strlen(lp) - 1);
+        l->kind = DC_LAYER_LINEAR;
+        if ((rc = vpair(v, B, lp, "activations", x->activations, DC_MASK_FLOAT, 2, 3,
+                        x->output_grad, &l->input, &l->grad)))
+            return rc;
+        l->T = l->input.ndim == 3 ? l->input.shape[1] : 1;
+        l->d = l->input.shape[l->input.ndim - 1];
+        l->p = l->grad.shape[l->grad.ndim - 1];
+        l->has_bias = x->has_bias;
+        if ((int)x->algorithm < 0 || (int)x->algorithm > 2)
+            return dc_err_set(v->err, DC_EINVAL, path(f, sizeof f, lp, "algorithm"),
+                              "unknown algorithm %d", (int)x->algorithm);
+        l->algo = (dc_algo)x->algorithm;
+        int64_t wshape[2] = {l->p, l->d}, bshape[1] = {l->p};
+        if ((rc = vopt(v, x->weight_grad_out, path(f, sizeof f, lp, "weight_grad_out"),
+                       DC_MASK_FLOAT, 2, wshape, &l->weight_grad_out)))
+            return rc;
+        if (x->bias_grad_out && !x->has_bias)
+            return dc_err_set(v->err, DC_EINVAL, path(f, sizeof f, lp, "bias_grad_out"),
+                              "bias_grad_out given but has_bias is false");
+        if ((rc = vopt(v, x->bias_grad_out, path(f, sizeof f, lp, "bias_grad_out"),
+                       DC_MASK_FLOAT, 1, bshape, &l->bias_grad_out)))
+            return rc;
+        return 0;
+    }
+    case DPCLIP__LAYER__KIND_EMBEDDING: {
+        const Dpclip__EmbeddingLayer *x = m->embedding;
+        strncat(lp, ".embedding", sizeof lp - strlen(lp) - 1);
+        l->kind = DC_LAYER_EMBEDDING;
+        if ((rc = vpair(v, B, lp, "indices", x->indices, DC_MASK_INDEX, 1, 2, x->output_grad,
+                        &l->input, &l->grad)))
+            return rc;
+        l->T = l->input.ndim == 2 ? l->input.shape[1] : 1;
+        l->d = l->grad.shape[l->grad.ndim - 1];
+        if (x->num_embeddings == 0 || x->num_embeddings > (uint64_t)INT64_MAX / 2)
+            return dc_err_set(v->err, DC_EINVAL, path(f, sizeof f, lp, "num_embeddings"),
+                              "num_embeddings must be >= 1");
+        l->vocab = (int64_t)x->num_embeddings;
+        l->has_padding_idx = x->has_padding_idx;
+        l->padding_idx = x->padding_idx;
+        if (x->has_padding_idx && (x->padding_idx < 0 || x->padding_idx >= l->vocab))
+            return dc_err_set(v->err, DC_EINVAL, path(f, sizeof f, lp, "padding_idx"),
+                              "padding_idx %lld outside [0, %lld)", (long long)x->padding_idx,
+                              (long long)l->vocab);
+        int64_t wshape[2] = {l->vocab, l->d};
+        return vopt(v, x->weight_grad_out, path(f, sizeof f, lp, "weight_grad_out"),
+                    DC_MASK_FLOAT, 2, wshape, &l->weight_grad_out);
+    }
+    case DPCLIP__LAYER__KIND_LAYER_NORM:
+    case DPCLIP__LAYER__KIND_RMS_NORM: {
+        int ln = m->kind_case == DPCLIP__LAYER__KIND_LAYER_NORM;
+        const Dpclip__TensorRef *in = ln ? m->layer_norm->input : m->rms_norm->input;
+        const Dpclip__TensorRef *g = ln ? m->layer_norm->output_grad : m->rms_norm->output_grad;
+        const Dpclip__TensorRef *wo = ln ? m->layer_norm->weight_grad_out
+                                         : m->rms_norm->weight_grad_out;
+        float eps = ln ? m->layer_norm->eps : m->rms_norm->eps;
+        strncat(lp, ln ? ".layer_norm" : ".rms_norm", sizeof lp - strlen(lp) - 1);
+        l->kind = ln ? DC_LAYER_LAYERNORM : DC_LAYER_RMSNORM;
+        if ((rc = vpair(v, B, lp, "input", in, DC_MASK_FLOAT, 2, 3, g, &l->input, &l->grad)))
+            return rc;
+        l->T = l->input.ndim == 3 ? l->input.shape[1] : 1;
+        l->d = l->input.shape[l->input.ndim - 1];
+        if (l->grad.shape[l->grad.ndim - 1] != l->d)
+            return dc_err_set(v->err, DC_EINVAL, path(f, sizeof f, lp, "output_grad.shape"),
+                              "last dimension %lld must equal the input's %lld",
+                              (long long)l->grad.shape[l->grad.ndim - 1], (long long)l->d);
+        if (!finite_pos(eps))
+            return dc_err_set(v->err, DC_EINVAL, path(f, sizeof f, lp, "eps"),
+                              "eps must be finite and > 0");
+        l->eps = eps;
+        int64_t wshape[1] = {l->d};
+        if ((rc = vopt(v, wo, path(f, sizeof f, lp, "weight_grad_out"), DC_MASK_FLOAT, 1, wshape,
+                       &l->weight_grad_out)))
+            return rc;
+        if (ln) {
+            l->has_bias = m->layer_norm->has_bias;
+            if (m->layer_norm->bias_grad_out && !l->has_bias)
+                return dc_err_set(v->err, DC_EINVAL, path(f, sizeof f, lp, "bias_grad_out"),
+                                  "bias_grad_out given but has_bias is false");
+            return vopt(v, m->layer_norm->bias_grad_out, path(f, sizeof f, lp, "bias_grad_out"),
+                        DC_MASK_FLOAT, 1, wshape, &l->bias_grad_out);
+        }
+        return 0;
+    }
+    default:
+        return dc_err_set(v->err, DC_EINVAL, path(f, sizeof f, lp, "kind"),
+                          "layer kind not set or unknown");
+    }
+}
+
+int dc_validate_step(const Dpclip__ClipStep *msg, const dc_registry *reg,
+                     const dc_limits *lim, dc_step *out, dc_err *err) {
+    vctx v = {reg, -2, err};
+    const Dpclip__ClipConfig *c = msg->clip;
+    int rc;
+
+    memset(out, 0, sizeof *out);
+    if (msg->batch_size == 0 || msg->batch_size > lim->max_batch)
+        return dc_err_set(err, DC_EINVAL, "clip_step.batch_size",
+                          "batch_size %u outside [1, %u]", msg->batch_size, lim->max_batch);
+    if (msg->n_layers == 0 || msg->n_layers > lim->max_layers)
+        return dc_err_set(err, DC_EINVAL, "clip_step.layers",
+                          "%zu layers; a step needs 1 to %u", msg->n_layers, lim->max_layers);
+    if (!c) return dc_err_set(err, DC_EINVAL, "clip_step.clip", "clipping config is missing");
+    if (c->mode != DPCLIP__CLIPPING_MODE__FLAT && c->mode != DPCLIP__CLIPPING_MODE__PER_LAYER)
+        return dc_err_set(err, DC_EINVAL, "clip_step.clip.mode", "unknown clipping mode %d",
+                          (int)c->mode);
+    if (c->mode == DPCLIP__CLIPPING_MODE__FLAT && !finite_pos(c->max_grad_norm))
+        return dc_err_set(err, DC_EINVAL, "clip_step.clip.max_grad_norm",
+                          "max_grad_norm must be finite and > 0");
+    if (c->loss_reduction != DPCLIP__LOSS_REDUCTION__SUM &&
+        c->loss_reduction != DPCLIP__LOSS_REDUCTION__MEAN)
+        return dc_err_set(err, DC_EINVAL, "clip_step.clip.loss_reduction",
+                          "loss_reduction must be SUM or MEAN");
+    if (!isfinite(msg->noise_multiplier) || msg->noise_multiplier < 0.0f)
+        return dc_err_set(err, DC_EINVAL, "clip_step.noise_multiplier",
+                          "noise_multiplier must be finite and >= 0");
+
+    out->batch = msg->batch_size;
+    out->mode = c->mode == DPCLIP__CLIPPING_MODE__PER_LAYER ? DC_CLIP_PER_LAYER : DC_CLIP_FLAT;
+    out->max_grad_norm = c->max_grad_norm;
+    out->reduction = c->loss_reduction == DPCLIP__LOSS_REDUCTION__MEAN ? DC_REDUCTION_MEAN
+                                                                      : DC_REDUCTION_SUM;
+    out->expected_batch = c->expected_batch_size ? c->expected_batch_size : msg->batch_size;
+    out->noise_multiplier = msg->noise_multiplier;
+    out->want_layer_norms = msg->want_layer_norms;
+    out->layers = calloc(msg->n_layers, sizeof *out->layers);
+    if (!out->layers) return dc_err_set(err, DC_ENOSPACE, "clip_step", "out of memory");
+    out->n_layers = msg->n_layers;
+
+    for (size_t i = 0; i < msg->n_layers; i++)
+        if ((rc = validate_layer(&v, msg, i, &out->layers[i]))) goto fail;
+    {
+        int64_t bshape[1] = {(int64_t)msg->batch_size};
+        if ((rc = vopt(&v, msg->norms_out, "clip_step.norms_out", DC_MASK_F32, 1, bshape,
+                       &out->norms_out)))
+            goto fail;
+        if ((rc = vopt(&v, msg->coefficients_out, "clip_step.coefficients_out", DC_MASK_F32, 1,
+                       bshape, &out->coefs_out)))
+            goto fail;
+    }
+    out->device = v.device < 0 ? -1 : v.device;
+    return 0;
+
+fail:
+    dc_validate_step_free(out);
+    return rc;
+}
+
+void dc_validate_step_free(dc_step *s) {
+    free(s->layers);
+    s->layers = NULL;
+    s->n_layers = 0;
+}

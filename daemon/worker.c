@@ -1,0 +1,146 @@
+#include "worker.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "log.h"
+
+typedef struct worker_arg {
+    dc_worker_pool *pool;
+    int index;
+} worker_arg;
+
+static void *worker_main(void *arg) {
+    worker_arg wa = *(worker_arg *)arg;
+    dc_worker_pool *p = wa.pool;
+    free(arg);
+
+    pthread_mutex_lock(&p->mu);
+    for (;;) {
+        while (!p->q_head && !p->stopping) pthread_cond_wait(&p->cv, &p->mu);
+        dc_job *job = p->q_head;
+        if (!job) break; /* stopping and nothing queued */
+        p->q_head = job->next;
+        if (!p->q_head) p->q_tail = NULL;
+        pthread_mutex_unlock(&p->mu);
+
+        job->work(job, p->backends[wa.index]);
+
+        pthread_mutex_lock(&p->mu);
+        job->next = NULL;
+        if (p->d_tail) p->d_tail->next = job;
+        else p->d_head = job;
+        p->d_tail = job;
+        /* uv_async_send is the one libuv call that is safe from any thread. */
+        uv_async_send(&p->async);
+    }
+    pthread_mutex_unlock(&p->mu);
+    return NULL;
+}
+
+static void pool_drain(dc_worker_pool *p) {
+    dc_job *list;
+    pthread_mutex_lock(&p->mu);
+    list = p->d_head;
+    p->d_head = p->d_tail = NULL;
+    pthread_mutex_unlock(&p->mu);
+    while (list) {
+        dc_job *next = list->next;
+        p->busy--;
+        list->done(list);
+        list = next;
+    }
+}
+
+static void on_async(uv_async_t *a) { pool_drain(a->data); }
+
+int dc_worker_pool_init(dc_worker_pool *p, uv_loop_t *loop, const char *name, int n,
+                        dc_backend_factory factory, void *factory_arg, dc_err *err) {
+    int started = 0, rc;
+
+    memset(p, 0, sizeof *p);
+    snprintf(p->name, sizeof p->name, "%s", name);
+    if (n < 1) n = 1;
+    p->threads = calloc((size_t)n, sizeof *p->threads);
+    p->backends = calloc((size_t)n, sizeof *p->backends);
+    if (!p->threads || !p->backends) {
+        rc = dc_err_set(err, DC_ENOSPACE, "", "out of memory");
+        goto fail;
+    }
+    for (int i = 0; i < n; i++)
+        if ((rc = factory(factory_arg, i, &p->backends[i], err))) goto fail;
+    pthread_mutex_init(&p->mu, NULL);
+    pthread_cond_init(&p->cv, NULL);
+    if (uv_async_init(loop, &p->async, on_async) != 0) {
+        rc = dc_err_set(err, DC_EINTERNAL, "", "uv_async_init failed");
+        goto fail_sync;
+    }
+    p->async.data = p;
+    p->n = n;
+    for (; started < n; started++) {
+        worker_arg *wa = malloc(sizeof *wa);
+        if (wa) {
+            wa->pool = p;
+            wa->index = started;
+        }
+        if (!wa || pthread_create(&p->threads[started], NULL, worker_main, wa) != 0) {
+            free(wa);
+            rc = dc_err_set(err, DC_EINTERNAL, "", "cannot start worker thread");
+            goto fail_threads;
+        }
+    }
+    return 0;
+
+fail_threads:
+    /* Threads already started have nothing queued: stop and join them. */
+    pthread_mutex_lock(&p->mu);
+    p->stopping = true;
+    pthread_cond_broadcast(&p->cv);
+    pthread_mutex_unlock(&p->mu);
+    for (int i = 0; i < started; i++) pthread_join(p->threads[i], NULL);
+    uv_close((uv_handle_t *)&p->async, NULL);
+fail_sync:
+    pthread_mutex_destroy(&p->mu);
+    pthread_cond_destroy(&p->cv);
+fail:
+    if (p->backends)
+        for (int i = 0; i < n; i++) dc_backend_destroy(p->backends[i]);
+    free(p->backends);
+    free(p->threads);
+    p->backends = NULL;
+    p->threads = NULL;
+    return rc;
+}
+
+void dc_worker_pool_submit(dc_worker_pool *p, dc_job *job) {
+    job->next = NULL;
+    p->busy++;
+    pthread_mutex_lock(&p->mu);
+    if (p->q_tail) p->q_tail->next = job;
+    else p->q_head = job;
+    p->q_tail = job;
+    pthread_cond_signal(&p->cv);
+    pthread_mutex_unlock(&p->mu);
+}
+
+int dc_worker_pool_busy(const dc_worker_pool *p) { return p->busy; }
+
+void dc_worker_pool_close(dc_worker_pool *p) {
+    if (!p->threads) return;
+    pthread_mutex_lock(&p->mu);
+    p->stopping = true;
+    pthread_cond_broadcast(&p->cv);
+    pthread_mutex_unlock(&p->mu);
+    for (int i = 0; i < p->n; i++) pthread_join(p->threads[i], NULL);
+    pool_drain(p);
+    for (int i = 0; i < p->n; i++) dc_backend_destroy(p->backends[i]);
+    free(p->backends);
+    free(p->threads);
+    p->backends = NULL;
+    p->threads = NULL;
+    pthread_mutex_destroy(&p->mu);
+    pthread_cond_destroy(&p->cv);
+    uv_close((uv_handle_t *)&p->async, NULL);
+    dc_log_debug("worker pool %s stopped", p->name);
+}

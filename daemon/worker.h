@@ -1,0 +1,54 @@
+/* Worker threads: where steps run, so the libuv loop never blocks.
+ *
+ * A pool owns N threads, each with its own backend instance (scratch memory
+ * is per backend, so workers never share it; for CUDA one pool of one worker
+ * per GPU owns that GPU's context and streams). The loop thread submits jobs;
+ * a worker runs job->work(job, backend); completed jobs are handed back to
+ * the loop thread through a uv_async_t, which calls job->done(job) there.
+ *
+ * Ownership: the pool never owns jobs; the submitter keeps each job alive
+ * until its done callback has run. */
+#ifndef DC_WORKER_H
+#define DC_WORKER_H
+
+#include <pthread.h>
+#include <stdbool.h>
+#include <uv.h>
+
+#include "backend.h"
+
+typedef struct dc_job dc_job;
+struct dc_job {
+    dc_job *next;                              /* pool-internal queue link */
+    void (*work)(dc_job *job, dc_backend *be); /* on a worker thread */
+    void (*done)(dc_job *job);                 /* on the loop thread */
+};
+
+/* Makes backend instance `index` for a worker; called on the creating thread. */
+typedef int (*dc_backend_factory)(void *arg, int index, dc_backend **out, dc_err *err);
+
+typedef struct dc_worker_pool {
+    uv_async_t async;        /* wakes the loop when jobs complete */
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    dc_job *q_head, *q_tail; /* waiting to run */
+    dc_job *d_head, *d_tail; /* finished, waiting for done() */
+    bool stopping;
+    int n;
+    int busy;                /* jobs submitted and not yet done() */
+    pthread_t *threads;
+    dc_backend **backends;
+    char name[16];
+} dc_worker_pool;
+
+int dc_worker_pool_init(dc_worker_pool *p, uv_loop_t *loop, const char *name, int n,
+                        dc_backend_factory factory, void *factory_arg, dc_err *err);
+void dc_worker_pool_submit(dc_worker_pool *p, dc_job *job);
+/* Jobs submitted and not completed yet (loop thread only). */
+int dc_worker_pool_busy(const dc_worker_pool *p);
+/* Stops the threads after the queued jobs ran, runs the remaining done()
+ * callbacks, destroys the backends and closes the async handle (the pool
+ * memory must stay valid until the loop has processed the close). */
+void dc_worker_pool_close(dc_worker_pool *p);
+
+#endif
