@@ -26,6 +26,7 @@ static void usage(FILE *f) {
             "  --max-layers N         most layers in one step (default %u)\n"
             "  --max-frame BYTES      largest request frame (default %u)\n"
             "  --max-buffers N        buffers one session may register (default 4096)\n"
+            "  --no-gpu               do not use GPUs even when present\n"
             "  --log-level LEVEL      error, warn, info (default) or debug\n"
             "  --ready-fd FD          write READY to FD once listening, then close it\n"
             "  --insecure-fixed-seed SEED\n"
@@ -52,7 +53,7 @@ static int parse_u64(const char *flag, const char *s, int base, unsigned long lo
 
 int main(int argc, char **argv) {
     enum { O_SOCKET = 1, O_MODE, O_WORKERS, O_BLAS, O_BATCH, O_LAYERS, O_FRAME, O_BUFFERS,
-           O_LOG, O_READY, O_SEED, O_VERSION, O_HELP };
+           O_LOG, O_READY, O_SEED, O_VERSION, O_HELP, O_NOGPU };
     static const struct option opts[] = {
         {"socket", required_argument, NULL, O_SOCKET},
         {"socket-mode", required_argument, NULL, O_MODE},
@@ -63,6 +64,7 @@ int main(int argc, char **argv) {
         {"max-frame", required_argument, NULL, O_FRAME},
         {"max-buffers", required_argument, NULL, O_BUFFERS},
         {"log-level", required_argument, NULL, O_LOG},
+        {"no-gpu", no_argument, NULL, O_NOGPU},
         {"ready-fd", required_argument, NULL, O_READY},
         {"insecure-fixed-seed", required_argument, NULL, O_SEED},
         {"version", no_argument, NULL, O_VERSION},
@@ -86,6 +88,7 @@ int main(int argc, char **argv) {
     cfg.limits.max_frame = DC_DEFAULT_MAX_FRAME;
     cfg.max_buffers = 4096;
     cfg.ready_fd = -1;
+    cfg.use_gpu = true;
 
     while ((c = getopt_long(argc, argv, "", opts, NULL)) != -1) {
         switch (c) {
@@ -134,6 +137,7 @@ int main(int argc, char **argv) {
             cfg.fixed_seed = true;
             cfg.seed = v;
             break;
+        case O_NOGPU: cfg.use_gpu = false; break;
         case O_VERSION: printf("dpclipd %s\n", DPCLIP_VERSION); return 0;
         case O_HELP: usage(stdout); return 0;
         default: usage(stderr); return 2;

@@ -67,6 +67,7 @@ static void maybe_finish(dc_server *srv) {
     uv_close((uv_handle_t *)&srv->sig_int, NULL);
     if (srv->pool_ready) dc_worker_pool_close(&srv->cpu_pool);
     srv->pool_ready = false;
+    dc_gpu_close(&srv->gpu);
     dc_log_info("stopped: %llu sessions, %llu steps served, %llu failed",
                 (unsigned long long)srv->stats.sessions_total,
                 (unsigned long long)srv->stats.steps_ok,
@@ -188,6 +189,7 @@ int dc_server_init(dc_server *srv, uv_loop_t *loop, const dc_server_config *cfg,
                                   err)))
         return rc;
     srv->pool_ready = true;
+    if ((rc = dc_gpu_init(&srv->gpu, loop, cfg->use_gpu, err))) goto fail_pool;
 
     if ((rc = listen_on(srv, err))) goto fail_pool;
     uv_poll_init(loop, &srv->listen_poll, srv->listen_fd);
@@ -202,8 +204,9 @@ int dc_server_init(dc_server *srv, uv_loop_t *loop, const dc_server_config *cfg,
     uv_signal_start(&srv->sig_term, on_signal, SIGTERM);
     uv_signal_start(&srv->sig_int, on_signal, SIGINT);
 
-    dc_log_info("dpclipd %s listening on %s (cpu backend, %d workers, max batch %u)",
-                DPCLIP_VERSION, srv->socket_path, cfg->workers, cfg->limits.max_batch);
+    dc_log_info("dpclipd %s listening on %s (cpu: %d workers; gpus: %d; max batch %u)",
+                DPCLIP_VERSION, srv->socket_path, cfg->workers, srv->gpu.n,
+                cfg->limits.max_batch);
     if (cfg->ready_fd >= 0) {
         static const char ready[] = "READY\n";
         ssize_t n = write(cfg->ready_fd, ready, sizeof ready - 1);
@@ -213,6 +216,7 @@ int dc_server_init(dc_server *srv, uv_loop_t *loop, const dc_server_config *cfg,
     return 0;
 
 fail_pool:
+    dc_gpu_close(&srv->gpu);
     dc_worker_pool_close(&srv->cpu_pool);
     srv->pool_ready = false;
     return rc;

@@ -14,6 +14,7 @@
 #include <stdint.h>
 #include <uv.h>
 
+#include "gpu.h"
 #include "validate.h"
 #include "worker.h"
 
@@ -26,6 +27,7 @@ typedef struct dc_server_config {
     dc_limits limits;
     uint32_t max_buffers;        /* per session */
     int ready_fd;                /* write "READY\n" here once listening; -1: none */
+    bool use_gpu;                /* serve CUDA buffers on the GPUs found */
     bool fixed_seed;             /* test-only: deterministic noise */
     uint64_t seed;
 } dc_server_config;
@@ -49,6 +51,7 @@ typedef struct dc_server {
     uv_timer_t stop_timer;        /* forces sessions closed if they never drain */
     dc_worker_pool cpu_pool;
     bool pool_ready;
+    dc_gpu gpu;                   /* zero GPUs without CUDA */
     dc_session *sessions;         /* doubly linked, owned */
     size_t n_sessions;
     uint64_t next_session_id;

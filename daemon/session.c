@@ -24,6 +24,8 @@ struct dc_step_job {
     dc_job job;
     dc_session *s;
     uint64_t req_id;
+    void *wait_event;      /* GPU steps: cudaEvent_t or NULL */
+    void *signal_event;
     dc_step step;
     dc_step_result res;
     dc_err err;
@@ -36,6 +38,8 @@ struct dc_step_job {
 #define DC_WQUEUE_LIMIT (8u << 20)
 
 static void session_process(dc_session *s);
+/* A request is being worked on off the loop: later ones wait for it. */
+static int session_busy(const dc_session *s) { return s->job != NULL || s->async_ops > 0; }
 static void session_update_poll(dc_session *s);
 static void session_destroy(dc_session *s);
 
@@ -113,11 +117,12 @@ static void handle_hello(dc_session *s, uint64_t id, const Dpclip__Hello *h) {
     dc_server *srv = s->srv;
     Dpclip__Reply reply = DPCLIP__REPLY__INIT;
     Dpclip__HelloReply hr = DPCLIP__HELLO_REPLY__INIT;
-    Dpclip__Device cpu = DPCLIP__DEVICE__INIT;
-    Dpclip__Device *devs[1] = {&cpu};
-    char *backends[] = {"cpu"};
+    Dpclip__Device devs[9];
+    Dpclip__Device *devp[9];
+    char *backends[] = {"cpu", "cuda"};
     char *kinds[] = {"linear", "embedding", "layer_norm", "rms_norm"};
     char cpu_name[64];
+    size_t nd = 0;
     dc_err e;
 
     if (s->hello_done) {
@@ -141,21 +146,31 @@ static void handle_hello(dc_session *s, uint64_t id, const Dpclip__Hello *h) {
                 s->client_name, s->job_id);
 
     snprintf(cpu_name, sizeof cpu_name, "cpu (%d workers)", srv->cfg.workers);
-    cpu.backend = "cpu";
-    cpu.index = 0;
-    cpu.name = cpu_name;
+    dpclip__device__init(&devs[nd]);
+    devs[nd].backend = "cpu";
+    devs[nd].name = cpu_name;
+    devp[nd] = &devs[nd];
+    nd++;
+    for (int i = 0; i < srv->gpu.n && nd < 9; i++, nd++) {
+        dpclip__device__init(&devs[nd]);
+        devs[nd].backend = "cuda";
+        devs[nd].index = i;
+        devs[nd].name = srv->gpu.names[i];
+        devp[nd] = &devs[nd];
+    }
     hr.protocol_version = DC_PROTOCOL_VERSION;
     hr.daemon_version = DPCLIP_VERSION;
-    hr.n_backends = 1;
+    hr.n_backends = srv->gpu.n ? 2 : 1;
     hr.backends = backends;
-    hr.n_devices = 1;
-    hr.devices = devs;
+    hr.n_devices = nd;
+    hr.devices = devp;
     hr.n_layer_kinds = 4;
     hr.layer_kinds = kinds;
     hr.max_batch = srv->cfg.limits.max_batch;
     hr.max_frame = srv->cfg.limits.max_frame;
     hr.max_layers = srv->cfg.limits.max_layers;
     hr.session_id = s->id;
+    hr.mps_active = srv->gpu.mps_active;
     reply.id = id;
     reply.body_case = DPCLIP__REPLY__BODY_HELLO;
     reply.hello = &hr;
@@ -181,6 +196,154 @@ static int take_fds(dc_session *s, uint64_t start, uint64_t end, int *out, int m
     return n;
 }
 
+/* Room for one more event; on failure the table is unchanged. */
+static int grow_events(dc_session *s) {
+    size_t n = s->cap_events ? s->cap_events * 2 : 8;
+    struct dc_session_event *p;
+    if (s->n_events < s->cap_events) return 0;
+    if (s->cap_events >= 4096) return -1;
+    p = realloc(s->events, n * sizeof *p);
+    if (!p) return -1;
+    s->events = p;
+    s->cap_events = n;
+    return 0;
+}
+
+static void register_cuda_done(dc_gpu_open_job *j) {
+    dc_session *s = j->user;
+    dc_err e;
+    s->async_ops--;
+    if (j->rc == 0) {
+        j->buf.id = ++s->srv->next_buffer_id;
+        if (s->gone || dc_registry_add(&s->reg, &j->buf, &e) != 0) {
+            /* No registry holds it: hand the handle back. */
+            dc_gpu_close_buffer(&s->srv->gpu, &j->buf);
+            if (!s->gone) reject(s, j->req_id, &e);
+        } else {
+            Dpclip__Reply reply = DPCLIP__REPLY__INIT;
+            Dpclip__RegisterBufferReply rr = DPCLIP__REGISTER_BUFFER_REPLY__INIT;
+            rr.buffer_id = j->buf.id;
+            rr.size = j->buf.size;
+            reply.id = j->req_id;
+            reply.body_case = DPCLIP__REPLY__BODY_REGISTER_BUFFER;
+            reply.register_buffer = &rr;
+            session_send(s, &reply);
+        }
+    } else if (!s->gone) {
+        reject(s, j->req_id, &j->err);
+    }
+    free(j);
+    if (s->gone) session_destroy(s);
+    else session_process(s);
+}
+
+static void register_cuda(dc_session *s, uint64_t id, const Dpclip__RegisterBuffer *m) {
+    dc_gpu_open_job *j;
+    dc_err e;
+    if (s->srv->gpu.n == 0) {
+        dc_err_set(&e, DC_EPRECOND, "register_buffer.kind",
+                   "this daemon has no GPU backend; CUDA buffers cannot be registered");
+        goto fail;
+    }
+    if (m->device < 0 || m->device >= s->srv->gpu.n) {
+        dc_err_set(&e, DC_EINVAL, "register_buffer.device", "device %d outside [0, %d)",
+                   (int)m->device, s->srv->gpu.n);
+        goto fail;
+    }
+    if (m->cuda_ipc_handle.len != 64) {
+        dc_err_set(&e, DC_EINVAL, "register_buffer.cuda_ipc_handle",
+                   "a CUDA IPC handle is 64 bytes, got %zu", m->cuda_ipc_handle.len);
+        goto fail;
+    }
+    j = calloc(1, sizeof *j);
+    if (!j) {
+        dc_err_set(&e, DC_ENOSPACE, "register_buffer", "out of memory");
+        goto fail;
+    }
+    j->device = m->device;
+    memcpy(j->handle, m->cuda_ipc_handle.data, 64);
+    j->size = m->size;
+    j->user = s;
+    j->req_id = id;
+    j->done = register_cuda_done;
+    s->async_ops++;
+    dc_gpu_open_buffer(&s->srv->gpu, j);
+    return;
+fail:
+    reject(s, id, &e);
+}
+
+static void register_event_done(dc_gpu_event_job *j) {
+    dc_session *s = j->user;
+    dc_err e;
+    s->async_ops--;
+    if (j->rc != 0) {
+        if (!s->gone) reject(s, j->req_id, &j->err);
+    } else if (s->gone) {
+        dc_gpu_close_event(&s->srv->gpu, j->device, j->event);
+    } else if (grow_events(s) != 0) {
+        dc_gpu_close_event(&s->srv->gpu, j->device, j->event);
+        dc_err_set(&e, DC_ENOSPACE, "register_event", "too many events in this session");
+        reject(s, j->req_id, &e);
+    } else {
+        Dpclip__Reply reply = DPCLIP__REPLY__INIT;
+        Dpclip__RegisterEventReply rr = DPCLIP__REGISTER_EVENT_REPLY__INIT;
+        struct dc_session_event *ev = &s->events[s->n_events++];
+        ev->id = ++s->srv->next_buffer_id;
+        ev->device = j->device;
+        ev->event = j->event;
+        rr.event_id = ev->id;
+        reply.id = j->req_id;
+        reply.body_case = DPCLIP__REPLY__BODY_REGISTER_EVENT;
+        reply.register_event = &rr;
+        session_send(s, &reply);
+    }
+    free(j);
+    if (s->gone) session_destroy(s);
+    else session_process(s);
+}
+
+static void handle_register_event(dc_session *s, uint64_t id, const Dpclip__RegisterEvent *m) {
+    dc_gpu_event_job *j;
+    dc_err e;
+    if (s->srv->gpu.n == 0) {
+        dc_err_set(&e, DC_EPRECOND, "register_event",
+                   "this daemon has no GPU backend; CUDA events cannot be registered");
+        goto fail;
+    }
+    if (m->device < 0 || m->device >= s->srv->gpu.n) {
+        dc_err_set(&e, DC_EINVAL, "register_event.device", "device %d outside [0, %d)",
+                   (int)m->device, s->srv->gpu.n);
+        goto fail;
+    }
+    if (m->cuda_ipc_event_handle.len != 64) {
+        dc_err_set(&e, DC_EINVAL, "register_event.cuda_ipc_event_handle",
+                   "a CUDA IPC event handle is 64 bytes, got %zu", m->cuda_ipc_event_handle.len);
+        goto fail;
+    }
+    j = calloc(1, sizeof *j);
+    if (!j) {
+        dc_err_set(&e, DC_ENOSPACE, "register_event", "out of memory");
+        goto fail;
+    }
+    j->device = m->device;
+    memcpy(j->handle, m->cuda_ipc_event_handle.data, 64);
+    j->user = s;
+    j->req_id = id;
+    j->done = register_event_done;
+    s->async_ops++;
+    dc_gpu_open_event(&s->srv->gpu, j);
+    return;
+fail:
+    reject(s, id, &e);
+}
+
+static const struct dc_session_event *find_event(const dc_session *s, uint64_t id) {
+    for (size_t i = 0; i < s->n_events; i++)
+        if (s->events[i].id == id) return &s->events[i];
+    return NULL;
+}
+
 static void handle_register(dc_session *s, uint64_t id, const Dpclip__RegisterBuffer *m,
                             int *fds, int nfds) {
     Dpclip__Reply reply = DPCLIP__REPLY__INIT;
@@ -194,9 +357,8 @@ static void handle_register(dc_session *s, uint64_t id, const Dpclip__RegisterBu
         goto fail;
     }
     if (m->kind == DPCLIP__BUFFER_KIND__CUDA_IPC) {
-        dc_err_set(&e, DC_EPRECOND, "register_buffer.kind",
-                   "this daemon has no CUDA backend; CUDA buffers cannot be registered");
-        goto fail;
+        register_cuda(s, id, m);
+        return;
     }
     if (m->kind != DPCLIP__BUFFER_KIND__SHM_FD) {
         dc_err_set(&e, DC_EINVAL, "register_buffer.kind", "unknown buffer kind %d", (int)m->kind);
@@ -241,7 +403,10 @@ static void handle_release(dc_session *s, uint64_t id, const Dpclip__ReleaseBuff
 static void step_work(dc_job *job, dc_backend *be) {
     dc_step_job *j = (dc_step_job *)job;
     dc_err_clear(&j->err);
+    if (j->wait_event && (j->rc = dc_gpu_wait_event(be, j->wait_event, &j->err))) return;
     j->rc = dc_backend_run_step(be, &j->step, &j->res, &j->err);
+    if (j->rc == 0 && j->signal_event)
+        j->rc = dc_gpu_record_event(be, j->signal_event, &j->err);
 }
 
 static void step_done(dc_job *job) {
@@ -307,12 +472,34 @@ static void handle_step(dc_session *s, uint64_t id, const Dpclip__ClipStep *m) {
         reject(s, id, &e);
         return;
     }
-    if (j->step.device >= 0) {
-        dc_err_set(&e, DC_EPRECOND, "clip_step", "no CUDA backend for device %d", j->step.device);
-        dc_validate_step_free(&j->step);
-        free(j);
-        reject(s, id, &e);
-        return;
+    if (j->step.device >= srv->gpu.n) {
+        dc_err_set(&e, DC_EPRECOND, "clip_step", "no GPU backend for device %d", j->step.device);
+        goto fail_step;
+    }
+    if (m->wait_event || m->signal_event) {
+        const struct dc_session_event *w = m->wait_event ? find_event(s, m->wait_event) : NULL;
+        const struct dc_session_event *g = m->signal_event ? find_event(s, m->signal_event) : NULL;
+        if (m->wait_event && !w) {
+            dc_err_set(&e, DC_ENOTFOUND, "clip_step.wait_event",
+                       "event %llu is not registered in this session",
+                       (unsigned long long)m->wait_event);
+            goto fail_step;
+        }
+        if (m->signal_event && !g) {
+            dc_err_set(&e, DC_ENOTFOUND, "clip_step.signal_event",
+                       "event %llu is not registered in this session",
+                       (unsigned long long)m->signal_event);
+            goto fail_step;
+        }
+        if ((w && w->device != j->step.device) || (g && g->device != j->step.device)) {
+            dc_err_set(&e, DC_EINVAL, w && w->device != j->step.device ? "clip_step.wait_event"
+                                                                      : "clip_step.signal_event",
+                       "events must be on the step's device (%s)",
+                       j->step.device < 0 ? "host memory" : "the tensors' GPU");
+            goto fail_step;
+        }
+        j->wait_event = w ? w->event : NULL;
+        j->signal_event = g ? g->event : NULL;
     }
     if (dc_step_result_init(&j->res, j->step.batch, j->step.n_layers,
                             j->step.mode == DC_CLIP_PER_LAYER)) {
@@ -329,7 +516,14 @@ static void handle_step(dc_session *s, uint64_t id, const Dpclip__ClipStep *m) {
     j->job.work = step_work;
     j->job.done = step_done;
     s->job = j;
-    dc_worker_pool_submit(&srv->cpu_pool, &j->job);
+    dc_worker_pool_submit(j->step.device >= 0 ? &srv->gpu.pools[j->step.device] : &srv->cpu_pool,
+                          &j->job);
+    return;
+
+fail_step:
+    dc_validate_step_free(&j->step);
+    free(j);
+    reject(s, id, &e);
 }
 
 static void dispatch(dc_session *s, const uint8_t *payload, size_t len, uint64_t start,
@@ -371,6 +565,9 @@ static void dispatch(dc_session *s, const uint8_t *payload, size_t len, uint64_t
     case DPCLIP__REQUEST__BODY_CLIP_STEP:
         handle_step(s, req->id, req->clip_step);
         break;
+    case DPCLIP__REQUEST__BODY_REGISTER_EVENT:
+        handle_register_event(s, req->id, req->register_event);
+        break;
     case DPCLIP__REQUEST__BODY_PING:
         pong.nonce = req->ping->nonce;
         reply.id = req->id;
@@ -394,7 +591,7 @@ static void session_process(dc_session *s) {
     size_t off = 0;
     uint32_t max = s->srv->cfg.limits.max_frame;
 
-    while (!s->job && !s->closing && !s->gone && s->rlen - off >= DC_FRAME_HEADER) {
+    while (!session_busy(s) && !s->closing && !s->gone && s->rlen - off >= DC_FRAME_HEADER) {
         uint32_t n = dc_frame_get_len(s->rbuf + off);
         if (n > max) {
             dc_err e;
@@ -416,7 +613,7 @@ static void session_process(dc_session *s) {
         s->rlen -= off;
         s->rbase += off;
     }
-    if (s->eof && !s->job && !s->closing) {
+    if (s->eof && !session_busy(s) && !s->closing) {
         if (s->rlen) {
             dc_err e;
             dc_err_set(&e, DC_EPROTO, "frame", "truncated frame: connection ended after %zu of a frame's bytes",
@@ -516,7 +713,7 @@ static void session_update_poll(dc_session *s) {
     size_t limit = (size_t)s->srv->cfg.limits.max_frame + DC_FRAME_HEADER;
 
     if (s->gone) return;
-    if (s->closing && !s->w_head && !s->job) {
+    if (s->closing && !s->w_head && !session_busy(s)) {
         dc_session_close(s);
         return;
     }
@@ -565,12 +762,15 @@ static void on_poll_closed(uv_handle_t *h) {
     s->poll_closed = true;
     close(s->fd);
     s->fd = -1;
-    if (!s->job) session_destroy(s);
+    if (!session_busy(s)) session_destroy(s);
 }
 
 /* Frees everything; only once the poll handle is closed and no step runs. */
 static void session_destroy(dc_session *s) {
-    if (!s->poll_closed || s->job) return;
+    if (!s->poll_closed || session_busy(s)) return;
+    for (size_t i = 0; i < s->n_events; i++)
+        dc_gpu_close_event(&s->srv->gpu, s->events[i].device, s->events[i].event);
+    free(s->events);
     dc_log_debug("session %llu: closed after %llu steps", (unsigned long long)s->id,
                  (unsigned long long)s->steps);
     for (int i = 0; i < s->nfds; i++) close(s->fds[i].fd);

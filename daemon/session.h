@@ -53,6 +53,13 @@ typedef struct dc_session {
     bool gone;                       /* socket closed; waiting for the step */
     bool poll_closed;
     dc_step_job *job;                /* the step in flight, if any */
+    int async_ops;                   /* GPU handle opens in flight (0 or 1) */
+    struct dc_session_event {
+        uint64_t id;
+        int device;
+        void *event;                 /* cudaEvent_t opened in the daemon */
+    } *events;
+    size_t n_events, cap_events;
     dc_registry reg;
     uint64_t steps;
 } dc_session;

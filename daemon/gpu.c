@@ -1,0 +1,278 @@
+#include "gpu.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "log.h"
+
+/* The registry's CUDA unmap hook needs the GPU pools; the daemon has one
+ * dc_gpu, set in dc_gpu_init before any session exists. */
+static dc_gpu *g_gpu;
+
+#ifdef DPCLIP_HAVE_CUDA
+#include <cuda.h>
+#include <cuda_runtime_api.h>
+
+#include "dc_cuda.h"
+
+static int cuda_fail(dc_err *err, const char *field, const char *what, cudaError_t e) {
+    return dc_err_set(err, DC_EUNAVAIL, field, "%s: %s (%s)", what, cudaGetErrorString(e),
+                      cudaGetErrorName(e));
+}
+
+static int gpu_factory(void *arg, int index, dc_backend **out, dc_err *err) {
+    int device = *(int *)arg;
+    (void)index;
+    return dc_cuda_backend_create(device, out, err);
+}
+
+/* MPS: clients find the control daemon through its pipe directory. */
+static bool detect_mps(void) {
+    const char *dir = getenv("CUDA_MPS_PIPE_DIRECTORY");
+    char path[512];
+    snprintf(path, sizeof path, "%s/control", dir && dir[0] ? dir : "/tmp/nvidia-mps");
+    return access(path, F_OK) == 0;
+}
+
+static void open_work(dc_job *job, dc_backend *be) {
+    dc_gpu_open_job *j = (dc_gpu_open_job *)job;
+    cudaIpcMemHandle_t h;
+    void *ptr = NULL;
+    CUdeviceptr base = 0;
+    size_t extent = 0;
+    cudaError_t e;
+    (void)be;
+
+    memcpy(&h, j->handle, sizeof h);
+    cudaSetDevice(j->device);
+    e = cudaIpcOpenMemHandle(&ptr, h, cudaIpcMemLazyEnablePeerAccess);
+    if (e != cudaSuccess) {
+        j->rc = cuda_fail(&j->err, "register_buffer.cuda_ipc_handle", "cudaIpcOpenMemHandle", e);
+        cudaGetLastError();
+        return;
+    }
+    /* Never trust the client's size: bound it by the allocation's extent
+     * as the driver sees it in our process. */
+    if (cuMemGetAddressRange(&base, &extent, (CUdeviceptr)(uintptr_t)ptr) != CUDA_SUCCESS ||
+        base != (CUdeviceptr)(uintptr_t)ptr) {
+        cudaIpcCloseMemHandle(ptr);
+        j->rc = dc_err_set(&j->err, DC_EINVAL, "register_buffer.cuda_ipc_handle",
+                           "cannot determine the allocation's extent");
+        return;
+    }
+    if (j->size == 0) j->size = extent;
+    if (j->size > extent) {
+        cudaIpcCloseMemHandle(ptr);
+        j->rc = dc_err_set(&j->err, DC_EINVAL, "register_buffer.size",
+                           "size %llu exceeds the allocation's %zu bytes",
+                           (unsigned long long)j->size, extent);
+        return;
+    }
+    memset(&j->buf, 0, sizeof j->buf);
+    j->buf.kind = DC_BUFFER_CUDA;
+    j->buf.base = ptr;
+    j->buf.size = j->size;
+    j->buf.device = j->device;
+    j->rc = 0;
+}
+
+static void open_done(dc_job *job) {
+    dc_gpu_open_job *j = (dc_gpu_open_job *)job;
+    j->done(j);
+}
+
+typedef struct close_job {
+    dc_job job;
+    int device;
+    void *ptr;
+    void *event;
+} close_job;
+
+static void close_work(dc_job *job, dc_backend *be) {
+    close_job *j = (close_job *)job;
+    (void)be;
+    cudaSetDevice(j->device);
+    if (j->ptr) cudaIpcCloseMemHandle(j->ptr);
+    if (j->event) cudaEventDestroy((cudaEvent_t)j->event);
+    cudaGetLastError();
+}
+
+static void close_done(dc_job *job) { free(job); }
+
+static void post_close(dc_gpu *g, int device, void *ptr, void *event) {
+    close_job *j;
+    if (!g || device < 0 || device >= g->n) return;
+    j = calloc(1, sizeof *j);
+    if (!j) {
+        dc_log_error("out of memory closing a CUDA handle; leaking it");
+        return;
+    }
+    j->job.work = close_work;
+    j->job.done = close_done;
+    j->device = device;
+    j->ptr = ptr;
+    j->event = event;
+    dc_worker_pool_submit(&g->pools[device], &j->job);
+}
+
+static void registry_unmap(dc_buffer *b) { post_close(g_gpu, b->device, b->base, NULL); }
+
+void dc_gpu_close_buffer(dc_gpu *g, dc_buffer *b) { post_close(g, b->device, b->base, NULL); }
+
+static void event_work(dc_job *job, dc_backend *be) {
+    dc_gpu_event_job *j = (dc_gpu_event_job *)job;
+    cudaIpcEventHandle_t h;
+    cudaEvent_t ev;
+    cudaError_t e;
+    (void)be;
+    memcpy(&h, j->handle, sizeof h);
+    cudaSetDevice(j->device);
+    e = cudaIpcOpenEventHandle(&ev, h);
+    if (e != cudaSuccess) {
+        j->rc = cuda_fail(&j->err, "register_event.cuda_ipc_event_handle",
+                          "cudaIpcOpenEventHandle", e);
+        cudaGetLastError();
+        return;
+    }
+    j->event = ev;
+    j->rc = 0;
+}
+
+static void event_done(dc_job *job) {
+    dc_gpu_event_job *j = (dc_gpu_event_job *)job;
+    j->done(j);
+}
+
+int dc_gpu_init(dc_gpu *g, uv_loop_t *loop, bool enable, dc_err *err) {
+    int n, rc;
+    memset(g, 0, sizeof *g);
+    g_gpu = g;
+    if (!enable) return 0;
+    n = dc_cuda_device_count();
+    if (n <= 0) {
+        dc_log_info("no CUDA device found; serving with the CPU backend only");
+        return 0;
+    }
+    if (n > 8) n = 8;
+    g->pools = calloc((size_t)n, sizeof *g->pools);
+    if (!g->pools) return dc_err_set(err, DC_ENOSPACE, "", "out of memory");
+    for (int i = 0; i < n; i++) {
+        struct cudaDeviceProp prop;
+        int dev = i;
+        char name[16];
+        snprintf(name, sizeof name, "cuda%d", i);
+        if ((rc = dc_worker_pool_init(&g->pools[i], loop, name, 1, gpu_factory, &dev, err))) {
+            for (int k = 0; k < i; k++) dc_worker_pool_close(&g->pools[k]);
+            free(g->pools);
+            g->pools = NULL;
+            return rc;
+        }
+        g->n = i + 1;
+        if (cudaGetDeviceProperties(&prop, i) == cudaSuccess)
+            snprintf(g->names[i], sizeof g->names[i], "%s", prop.name);
+    }
+    dc_registry_set_cuda_unmap(registry_unmap);
+    g->mps_active = detect_mps();
+    if (g->mps_active)
+        dc_log_info("%d GPU(s); CUDA MPS is active", g->n);
+    else
+        dc_log_warn("%d GPU(s); CUDA MPS is NOT active: each trainer<->daemon hand-off costs "
+                    "two GPU context switches (~0.3 ms per step); see docs/gpu.md", g->n);
+    return 0;
+}
+
+int dc_gpu_open_buffer(dc_gpu *g, dc_gpu_open_job *j) {
+    if (j->device < 0 || j->device >= g->n) return DC_EINVAL;
+    j->job.work = open_work;
+    j->job.done = open_done;
+    dc_worker_pool_submit(&g->pools[j->device], &j->job);
+    return 0;
+}
+
+int dc_gpu_open_event(dc_gpu *g, dc_gpu_event_job *j) {
+    if (j->device < 0 || j->device >= g->n) return DC_EINVAL;
+    j->job.work = event_work;
+    j->job.done = event_done;
+    dc_worker_pool_submit(&g->pools[j->device], &j->job);
+    return 0;
+}
+
+void dc_gpu_close_event(dc_gpu *g, int device, void *event) {
+    post_close(g, device, NULL, event);
+}
+
+int dc_gpu_wait_event(dc_backend *be, void *event, dc_err *err) {
+    if (dc_cuda_backend_wait_event(be, event) != 0)
+        return dc_err_set(err, DC_EUNAVAIL, "clip_step.wait_event",
+                          "cannot make the daemon's stream wait on the event");
+    return 0;
+}
+
+int dc_gpu_record_event(dc_backend *be, void *event, dc_err *err) {
+    if (dc_cuda_backend_record_event(be, event) != 0)
+        return dc_err_set(err, DC_EUNAVAIL, "clip_step.signal_event", "cannot record the event");
+    return 0;
+}
+
+#else /* no CUDA in this build */
+
+int dc_gpu_init(dc_gpu *g, uv_loop_t *loop, bool enable, dc_err *err) {
+    (void)loop;
+    (void)enable;
+    (void)err;
+    memset(g, 0, sizeof *g);
+    g_gpu = g;
+    return 0;
+}
+
+int dc_gpu_open_buffer(dc_gpu *g, dc_gpu_open_job *j) {
+    (void)g;
+    (void)j;
+    return DC_EUNAVAIL;
+}
+
+int dc_gpu_open_event(dc_gpu *g, dc_gpu_event_job *j) {
+    (void)g;
+    (void)j;
+    return DC_EUNAVAIL;
+}
+
+void dc_gpu_close_buffer(dc_gpu *g, dc_buffer *b) {
+    (void)g;
+    (void)b;
+}
+
+void dc_gpu_close_event(dc_gpu *g, int device, void *event) {
+    (void)g;
+    (void)device;
+    (void)event;
+}
+
+int dc_gpu_wait_event(dc_backend *be, void *event, dc_err *err) {
+    (void)be;
+    (void)event;
+    return dc_err_set(err, DC_EUNAVAIL, "clip_step.wait_event", "no CUDA in this build");
+}
+
+int dc_gpu_record_event(dc_backend *be, void *event, dc_err *err) {
+    (void)be;
+    (void)event;
+    return dc_err_set(err, DC_EUNAVAIL, "clip_step.signal_event", "no CUDA in this build");
+}
+
+#endif
+
+void dc_gpu_close(dc_gpu *g) {
+    for (int i = 0; i < g->n; i++) dc_worker_pool_close(&g->pools[i]);
+    free(g->pools);
+    g->pools = NULL;
+    g->n = 0;
+}
+
+int dc_gpu_busy(const dc_gpu *g) {
+    int n = 0;
+    for (int i = 0; i < g->n; i++) n += dc_worker_pool_busy(&g->pools[i]);
+    return n;
+}
