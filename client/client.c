@@ -1,0 +1,712 @@
+/* libdpclip: connection, handshake, buffers, and the request/reply engine
+ * behind dpclip_run / dpclip_submit / dpclip_wait / dpclip_poll.
+ *
+ * Model: one Unix stream socket per handle. Every request gets exactly one
+ * reply and replies come in request order (docs/protocol.md), so requests in
+ * flight are a FIFO (c->pend) and each reply completes the FIFO's head. A
+ * blocking call sends its request and reads replies until its own arrives,
+ * completing earlier submits on the way (tickets are stored for dpclip_wait,
+ * callbacks are queued and run once the handle's lock is released).
+ *
+ * Thread safety: each public function holds c->mu for its duration. No
+ * global state; SIGPIPE is never raised (MSG_NOSIGNAL). */
+#include <errno.h>
+#include <fcntl.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/socket.h>
+#include <sys/time.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include "dc_frame.h"
+#include "internal.h"
+
+/* --- errors ------------------------------------------------------------- */
+
+int cl_fail(dpclip_client *c, int code, const char *field, const char *fmt, ...) {
+    va_list ap;
+    snprintf(c->errfield, sizeof c->errfield, "%s", field ? field : "");
+    va_start(ap, fmt);
+    vsnprintf(c->errmsg, sizeof c->errmsg, fmt, ap);
+    va_end(ap);
+    return code;
+}
+
+/* Completes an async request with `status` (its result, if any, already in
+ * d->res) and queues it where its owner will find it. */
+static void finish(dpclip_client *c, cl_done *d, int status, const char *field, const char *msg) {
+    d->status = status;
+    snprintf(d->errmsg, sizeof d->errmsg, "%s", msg ? msg : "");
+    snprintf(d->errfield, sizeof d->errfield, "%s", field ? field : "");
+    d->next = NULL;
+    if (d->kind == CL_REQ_TICKET) {
+        d->next = c->done_head;
+        c->done_head = d;
+    } else {
+        if (c->cb_tail) c->cb_tail->next = d;
+        else c->cb_head = d;
+        c->cb_tail = d;
+    }
+}
+
+static void fail_all_pending(dpclip_client *c, const char *msg) {
+    while (c->p_len) {
+        cl_pending *p = &c->pend[c->p_head];
+        if (p->d) finish(c, p->d, DPCLIP_EIO, "", msg);
+        c->p_head = (c->p_head + 1) % c->p_cap;
+        c->p_len--;
+    }
+}
+
+int cl_die(dpclip_client *c, const char *fmt, ...) {
+    va_list ap;
+    c->errfield[0] = '\0';
+    va_start(ap, fmt);
+    vsnprintf(c->errmsg, sizeof c->errmsg, fmt, ap);
+    va_end(ap);
+    if (c->fd >= 0) close(c->fd);
+    c->fd = -1;
+    c->rlen = 0;
+    fail_all_pending(c, c->errmsg);
+    return DPCLIP_EIO;
+}
+
+/* Daemon error codes are 1..10 and equal to ours; anything else is bogus. */
+static int daemon_code(Dpclip__ErrorCode code) {
+    int v = (int)code;
+    return v >= DPCLIP_EINVAL && v <= DPCLIP_EUNIMPL ? v : DPCLIP_EINTERNAL;
+}
+
+/* --- locking and callbacks --------------------------------------------- */
+
+static void lock(dpclip_client *c) { pthread_mutex_lock(&c->mu); }
+
+/* Releases the lock, then runs the callbacks completed during the call, in
+ * completion order, with the lock not held (they may call the library). */
+static void unlock(dpclip_client *c) {
+    cl_done *d = c->cb_head;
+    c->cb_head = c->cb_tail = NULL;
+    pthread_mutex_unlock(&c->mu);
+    while (d) {
+        cl_done *next = d->next;
+        d->cb(d->user, d->status, d->status ? d->errmsg : NULL, d->status ? NULL : &d->res);
+        dpclip_result_free(&d->res);
+        free(d);
+        d = next;
+    }
+}
+
+/* --- the FIFO ------------------------------------------------------------ */
+
+/* Makes room for one more pending request before it is sent, so that a sent
+ * request can always be tracked. */
+static int reserve_pending(dpclip_client *c) {
+    cl_pending *np;
+    size_t cap;
+    if (c->p_len < c->p_cap) return 0;
+    cap = c->p_cap ? c->p_cap * 2 : 16;
+    np = malloc(cap * sizeof *np);
+    if (!np) return cl_fail(c, DPCLIP_ENOMEM, "", "out of memory");
+    for (size_t i = 0; i < c->p_len; i++) np[i] = c->pend[(c->p_head + i) % c->p_cap];
+    free(c->pend);
+    c->pend = np;
+    c->p_cap = cap;
+    c->p_head = 0;
+    return 0;
+}
+
+static void push_pending(dpclip_client *c, const cl_pending *p) {
+    c->pend[(c->p_head + c->p_len) % c->p_cap] = *p;
+    c->p_len++;
+}
+
+/* Copies a ClipStepReply into a result with malloc'd arrays. */
+static int to_result(const Dpclip__ClipStepReply *r, uint32_t batch, uint32_t n_layers,
+                     dpclip_result *res, char *msg, size_t msgn) {
+    size_t lb = (size_t)n_layers * batch;
+    memset(res, 0, sizeof *res);
+    if (r->n_norms != batch || r->n_coefficients != batch ||
+        (r->n_layer_norms && r->n_layer_norms != lb) ||
+        (r->n_layer_coefficients && r->n_layer_coefficients != lb)) {
+        snprintf(msg, msgn, "the daemon's reply has %zu norms and %zu coefficients for a batch of %u",
+                 r->n_norms, r->n_coefficients, batch);
+        return DPCLIP_EPROTO;
+    }
+    res->batch = batch;
+    res->n_layers = n_layers;
+    res->step_index = r->step_index;
+    res->compute_ns = r->compute_ns;
+    res->norms = malloc(batch * sizeof(float));
+    res->coefs = malloc(batch * sizeof(float));
+    if (r->n_layer_norms) res->layer_norms = malloc(lb * sizeof(float));
+    if (r->n_layer_coefficients) res->layer_coefs = malloc(lb * sizeof(float));
+    if (!res->norms || !res->coefs || (r->n_layer_norms && !res->layer_norms) ||
+        (r->n_layer_coefficients && !res->layer_coefs)) {
+        dpclip_result_free(res);
+        snprintf(msg, msgn, "out of memory for the step's result");
+        return DPCLIP_ENOMEM;
+    }
+    memcpy(res->norms, r->norms, batch * sizeof(float));
+    memcpy(res->coefs, r->coefficients, batch * sizeof(float));
+    if (res->layer_norms) memcpy(res->layer_norms, r->layer_norms, lb * sizeof(float));
+    if (res->layer_coefs) memcpy(res->layer_coefs, r->layer_coefficients, lb * sizeof(float));
+    return 0;
+}
+
+/* Reads one reply and pops the FIFO's head with it. A synchronous request's
+ * reply is handed to the caller in *sync (free it); an async one is
+ * completed here. */
+static int read_one(dpclip_client *c, int64_t deadline, Dpclip__Reply **sync) {
+    Dpclip__Reply *r;
+    cl_pending p;
+    int rc;
+
+    *sync = NULL;
+    if (c->p_len == 0) return cl_fail(c, DPCLIP_EINTERNAL, "", "no request is outstanding");
+    if ((rc = cl_read_reply(c, deadline, &r))) return rc;
+    p = c->pend[c->p_head];
+    /* Errors about frames the daemon could not decode carry id 0. */
+    if (r->id != p.req_id && !(r->id == 0 && r->body_case == DPCLIP__REPLY__BODY_ERROR)) {
+        unsigned long long got = (unsigned long long)r->id;
+        dpclip__reply__free_unpacked(r, NULL);
+        return cl_die(c, "dpclipd answered request %llu while %llu was next: stream out of sync",
+                      got, (unsigned long long)p.req_id);
+    }
+    c->p_head = (c->p_head + 1) % c->p_cap;
+    c->p_len--;
+    if (p.kind == CL_REQ_SYNC) {
+        *sync = r;
+        return 0;
+    }
+    if (r->body_case == DPCLIP__REPLY__BODY_ERROR) {
+        finish(c, p.d, daemon_code(r->error->code), r->error->field, r->error->message);
+    } else if (r->body_case == DPCLIP__REPLY__BODY_CLIP_STEP) {
+        char msg[160] = "";
+        rc = to_result(r->clip_step, p.batch, p.n_layers, &p.d->res, msg, sizeof msg);
+        finish(c, p.d, rc, "", msg);
+    } else {
+        finish(c, p.d, DPCLIP_EPROTO, "", "unexpected reply to a ClipStep");
+    }
+    dpclip__reply__free_unpacked(r, NULL);
+    return 0;
+}
+
+/* Sends req and waits for its reply, completing earlier submits on the way.
+ * On success *out is the reply with body `expect`; an Error reply becomes
+ * the handle's error and its code. */
+static int call(dpclip_client *c, Dpclip__Request *req, int pass_fd,
+                Dpclip__Reply__BodyCase expect, int64_t deadline, Dpclip__Reply **out) {
+    cl_pending p;
+    Dpclip__Reply *r = NULL;
+    int rc;
+
+    *out = NULL;
+    if (c->fd < 0) return cl_fail(c, DPCLIP_EIO, "", "the connection to dpclipd is closed");
+    if ((rc = reserve_pending(c))) return rc;
+    if ((rc = cl_send_request(c, req, pass_fd, deadline))) return rc;
+    memset(&p, 0, sizeof p);
+    p.req_id = req->id;
+    p.kind = CL_REQ_SYNC;
+    push_pending(c, &p);
+    while (!r) {
+        if ((rc = read_one(c, deadline, &r))) {
+            if (rc == DPCLIP_EAGAIN) return cl_die(c, "timed out waiting for dpclipd");
+            return rc;
+        }
+    }
+    if (r->body_case == DPCLIP__REPLY__BODY_ERROR) {
+        rc = cl_fail(c, daemon_code(r->error->code), r->error->field, "%s", r->error->message);
+        dpclip__reply__free_unpacked(r, NULL);
+        return rc;
+    }
+    if (r->body_case != expect) {
+        int got = (int)r->body_case;
+        dpclip__reply__free_unpacked(r, NULL);
+        return cl_die(c, "dpclipd sent reply type %d where %d was expected", got, (int)expect);
+    }
+    *out = r;
+    return 0;
+}
+
+/* --- connection ----------------------------------------------------------- */
+
+DPCLIP_API const char *dpclip_default_socket(void) {
+    const char *s = getenv("DPCLIP_SOCKET");
+    return s && s[0] ? s : "/run/dpclip/dpclipd.sock";
+}
+
+static int do_connect(dpclip_client *c, const char *path, const dpclip_connect_opts *o) {
+    struct sockaddr_un addr;
+    int timeout_ms = o && o->timeout_ms > 0 ? o->timeout_ms : 10000;
+    int64_t deadline = cl_deadline(timeout_ms);
+    struct timeval tv = {timeout_ms / 1000, (timeout_ms % 1000) * 1000};
+    Dpclip__Request req = DPCLIP__REQUEST__INIT;
+    Dpclip__Hello hello = DPCLIP__HELLO__INIT;
+    Dpclip__Reply *r;
+    const Dpclip__HelloReply *h;
+    int fd, rc;
+
+    memset(&addr, 0, sizeof addr);
+    addr.sun_family = AF_UNIX;
+    if (strlen(path) >= sizeof addr.sun_path)
+        return cl_fail(c, DPCLIP_EARG, "", "socket path '%s' is longer than %zu bytes", path,
+                       sizeof addr.sun_path - 1);
+    memcpy(addr.sun_path, path, strlen(path) + 1);
+    fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (fd < 0) return cl_fail(c, DPCLIP_EIO, "", "socket: %s", strerror(errno));
+    /* A blocking connect to a Unix socket waits (bounded by SO_SNDTIMEO)
+     * while the daemon's accept backlog is full. */
+    setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof tv);
+    while ((rc = connect(fd, (struct sockaddr *)&addr, sizeof addr)) != 0 && errno == EINTR) {
+    }
+    if (rc != 0) {
+        rc = cl_fail(c, DPCLIP_EIO, "", "connect %s: %s", path, strerror(errno));
+        close(fd);
+        return rc;
+    }
+    if (fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) | O_NONBLOCK) != 0) {
+        rc = cl_fail(c, DPCLIP_EIO, "", "fcntl: %s", strerror(errno));
+        close(fd);
+        return rc;
+    }
+    c->fd = fd;
+
+    hello.protocol_version = DC_PROTOCOL_VERSION;
+    if (o && o->client_name) hello.client_name = (char *)o->client_name;
+    if (o && o->job_id) hello.job_id = (char *)o->job_id;
+    req.body_case = DPCLIP__REQUEST__BODY_HELLO;
+    req.hello = &hello;
+    if ((rc = call(c, &req, -1, DPCLIP__REPLY__BODY_HELLO, deadline, &r))) return rc;
+    h = r->hello;
+    if (h->protocol_version != DC_PROTOCOL_VERSION) {
+        unsigned v = h->protocol_version;
+        dpclip__reply__free_unpacked(r, NULL);
+        cl_die(c, "dpclipd speaks protocol %u, this library %u", v, DC_PROTOCOL_VERSION);
+        return DPCLIP_EPROTO;
+    }
+    c->info.protocol_version = h->protocol_version;
+    snprintf(c->info.daemon_version, sizeof c->info.daemon_version, "%s",
+             h->daemon_version ? h->daemon_version : "");
+    c->info.max_batch = h->max_batch;
+    c->info.max_layers = h->max_layers;
+    c->info.max_frame = h->max_frame;
+    c->info.session_id = h->session_id;
+    for (size_t i = 0; i < h->n_backends; i++)
+        if (h->backends[i] && strcmp(h->backends[i], "cuda") == 0) c->info.has_cuda = 1;
+    dpclip__reply__free_unpacked(r, NULL);
+    return 0;
+}
+
+DPCLIP_API int dpclip_connect(const char *socket_path, const dpclip_connect_opts *opts,
+                              dpclip_client **out) {
+    dpclip_client *c;
+    int rc;
+
+    if (!out) return DPCLIP_EARG;
+    *out = NULL;
+    if (!(c = calloc(1, sizeof *c))) return DPCLIP_ENOMEM;
+    if (pthread_mutex_init(&c->mu, NULL) != 0) {
+        free(c);
+        return DPCLIP_ENOMEM;
+    }
+    c->fd = -1;
+    *out = c;
+    lock(c);
+    rc = do_connect(c, socket_path ? socket_path : dpclip_default_socket(), opts);
+    /* Without a completed handshake the handle is of no use. */
+    if (rc && c->fd >= 0) {
+        close(c->fd);
+        c->fd = -1;
+    }
+    unlock(c);
+    return rc;
+}
+
+static void free_done_list(cl_done *d) {
+    while (d) {
+        cl_done *next = d->next;
+        dpclip_result_free(&d->res);
+        free(d);
+        d = next;
+    }
+}
+
+/* Callbacks still pending are called with DPCLIP_EIO before this returns. */
+DPCLIP_API void dpclip_disconnect(dpclip_client *c) {
+    if (!c) return;
+    lock(c);
+    if (c->fd >= 0) close(c->fd);
+    c->fd = -1;
+    fail_all_pending(c, "disconnected");
+    unlock(c);
+
+    free_done_list(c->done_head);
+    for (size_t i = 0; i < c->m_len; i++) munmap(c->maps[i].addr, c->maps[i].size);
+    free(c->maps);
+    free(c->pend);
+    free(c->sbuf);
+    free(c->rbuf);
+    cl_step_scratch_free(c);
+    pthread_mutex_destroy(&c->mu);
+    free(c);
+}
+
+DPCLIP_API const char *dpclip_errmsg(const dpclip_client *c) {
+    return c ? c->errmsg : "no client handle (out of memory)";
+}
+
+DPCLIP_API const char *dpclip_errfield(const dpclip_client *c) { return c ? c->errfield : ""; }
+
+DPCLIP_API const char *dpclip_strerror(int code) {
+    switch (code) {
+    case DPCLIP_OK: return "success";
+    case DPCLIP_EINVAL: return "invalid argument in the request";
+    case DPCLIP_ENOTFOUND: return "not found";
+    case DPCLIP_EPERM: return "permission denied";
+    case DPCLIP_EPRECOND: return "failed precondition";
+    case DPCLIP_ENOSPACE: return "resource exhausted";
+    case DPCLIP_ENONFINITE: return "non-finite value in an input";
+    case DPCLIP_EPROTO: return "protocol error";
+    case DPCLIP_EINTERNAL: return "internal error";
+    case DPCLIP_EUNAVAIL: return "unavailable";
+    case DPCLIP_EUNIMPL: return "not implemented";
+    case DPCLIP_EIO: return "connection to dpclipd failed";
+    case DPCLIP_ENOMEM: return "out of memory";
+    case DPCLIP_EAGAIN: return "not finished yet";
+    case DPCLIP_EARG: return "bad argument to a library call";
+    default: return "unknown error code";
+    }
+}
+
+DPCLIP_API int dpclip_daemon_info_get(dpclip_client *c, dpclip_daemon_info *info) {
+    int rc = 0;
+    if (!c || !info) return DPCLIP_EARG;
+    lock(c);
+    if (c->info.protocol_version == 0) rc = cl_fail(c, DPCLIP_EIO, "", "not connected");
+    else *info = c->info;
+    unlock(c);
+    return rc;
+}
+
+DPCLIP_API int dpclip_fd(const dpclip_client *c) {
+    int fd;
+    if (!c) return -1;
+    lock((dpclip_client *)c);
+    fd = c->fd;
+    unlock((dpclip_client *)c);
+    return fd;
+}
+
+DPCLIP_API int dpclip_ping(dpclip_client *c) {
+    Dpclip__Request req = DPCLIP__REQUEST__INIT;
+    Dpclip__Ping ping = DPCLIP__PING__INIT;
+    Dpclip__Reply *r;
+    int rc;
+
+    if (!c) return DPCLIP_EARG;
+    lock(c);
+    ping.nonce = c->next_req_id * 2654435761u + 1;
+    req.body_case = DPCLIP__REQUEST__BODY_PING;
+    req.ping = &ping;
+    if ((rc = call(c, &req, -1, DPCLIP__REPLY__BODY_PONG, -1, &r)) == 0) {
+        if (r->pong->nonce != ping.nonce) rc = cl_die(c, "dpclipd answered a ping with the wrong nonce");
+        dpclip__reply__free_unpacked(r, NULL);
+    }
+    unlock(c);
+    return rc;
+}
+
+/* --- buffers ------------------------------------------------------------- */
+
+static int register_fd(dpclip_client *c, int fd, size_t size, uint64_t *id) {
+    Dpclip__Request req = DPCLIP__REQUEST__INIT;
+    Dpclip__RegisterBuffer rb = DPCLIP__REGISTER_BUFFER__INIT;
+    Dpclip__Reply *r;
+    int rc;
+
+    rb.kind = DPCLIP__BUFFER_KIND__SHM_FD;
+    rb.size = size;
+    req.body_case = DPCLIP__REQUEST__BODY_REGISTER_BUFFER;
+    req.register_buffer = &rb;
+    if ((rc = call(c, &req, fd, DPCLIP__REPLY__BODY_REGISTER_BUFFER, -1, &r))) return rc;
+    *id = r->register_buffer->buffer_id;
+    dpclip__reply__free_unpacked(r, NULL);
+    return 0;
+}
+
+DPCLIP_API int dpclip_buffer_alloc(dpclip_client *c, size_t size, uint64_t *buffer_id,
+                                   void **data) {
+    void *addr = MAP_FAILED;
+    uint64_t id = 0;
+    int fd = -1, rc;
+
+    if (!c || !buffer_id || !data) return DPCLIP_EARG;
+    lock(c);
+    if (size == 0) {
+        rc = cl_fail(c, DPCLIP_EARG, "", "buffer size 0");
+        goto out;
+    }
+    if (c->m_len == c->m_cap) {
+        size_t cap = c->m_cap ? c->m_cap * 2 : 8;
+        cl_mapping *nm = realloc(c->maps, cap * sizeof *nm);
+        if (!nm) {
+            rc = cl_fail(c, DPCLIP_ENOMEM, "", "out of memory");
+            goto out;
+        }
+        c->maps = nm;
+        c->m_cap = cap;
+    }
+    /* Sealed against shrinking so that nobody can truncate the file under
+     * the daemon's mapping (it would SIGBUS); against growing and further
+     * sealing so that the size both sides agree on stays the size. */
+    fd = memfd_create("dpclip", MFD_CLOEXEC | MFD_ALLOW_SEALING);
+    if (fd < 0) {
+        rc = cl_fail(c, DPCLIP_ENOMEM, "", "memfd_create: %s", strerror(errno));
+        goto out;
+    }
+    if (ftruncate(fd, (off_t)size) != 0) {
+        rc = cl_fail(c, DPCLIP_ENOMEM, "", "ftruncate(%zu): %s", size, strerror(errno));
+        goto out;
+    }
+    if (fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL) != 0) {
+        rc = cl_fail(c, DPCLIP_ENOMEM, "", "sealing the memfd: %s", strerror(errno));
+        goto out;
+    }
+    addr = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    if (addr == MAP_FAILED) {
+        rc = cl_fail(c, DPCLIP_ENOMEM, "", "mmap(%zu): %s", size, strerror(errno));
+        goto out;
+    }
+    if ((rc = register_fd(c, fd, size, &id))) goto out;
+    c->maps[c->m_len].id = id;
+    c->maps[c->m_len].addr = addr;
+    c->maps[c->m_len].size = size;
+    c->m_len++;
+    *buffer_id = id;
+    *data = addr;
+    addr = MAP_FAILED; /* now owned by c->maps */
+out:
+    if (addr != MAP_FAILED) munmap(addr, size);
+    if (fd >= 0) close(fd); /* the daemon holds its own reference */
+    unlock(c);
+    return rc;
+}
+
+DPCLIP_API int dpclip_buffer_register_fd(dpclip_client *c, int fd, size_t size,
+                                         uint64_t *buffer_id) {
+    int rc;
+    if (!c || fd < 0 || !buffer_id) return DPCLIP_EARG;
+    lock(c);
+    rc = register_fd(c, fd, size, buffer_id);
+    unlock(c);
+    return rc;
+}
+
+DPCLIP_API int dpclip_buffer_release(dpclip_client *c, uint64_t buffer_id) {
+    Dpclip__Request req = DPCLIP__REQUEST__INIT;
+    Dpclip__ReleaseBuffer rb = DPCLIP__RELEASE_BUFFER__INIT;
+    Dpclip__Reply *r;
+    int rc;
+
+    if (!c) return DPCLIP_EARG;
+    lock(c);
+    rb.buffer_id = buffer_id;
+    req.body_case = DPCLIP__REQUEST__BODY_RELEASE_BUFFER;
+    req.release_buffer = &rb;
+    rc = call(c, &req, -1, DPCLIP__REPLY__BODY_RELEASE_BUFFER, -1, &r);
+    if (rc == 0) dpclip__reply__free_unpacked(r, NULL);
+    /* Released, or the daemon is gone (which released it): unmap ours. */
+    if (rc == 0 || rc == DPCLIP_EIO) {
+        for (size_t i = 0; i < c->m_len; i++) {
+            if (c->maps[i].id != buffer_id) continue;
+            munmap(c->maps[i].addr, c->maps[i].size);
+            c->maps[i] = c->maps[--c->m_len];
+            break;
+        }
+    }
+    unlock(c);
+    return rc;
+}
+
+/* --- steps --------------------------------------------------------------- */
+
+DPCLIP_API void dpclip_result_free(dpclip_result *r) {
+    if (!r) return;
+    free(r->norms);
+    free(r->coefs);
+    free(r->layer_norms);
+    free(r->layer_coefs);
+    memset(r, 0, sizeof *r);
+}
+
+/* Builds and sends the step; for async kinds `d` becomes the pending
+ * request's completion record. */
+static int send_step(dpclip_client *c, const dpclip_step *s, cl_req_kind kind, cl_done *d) {
+    Dpclip__Request req = DPCLIP__REQUEST__INIT;
+    cl_pending p;
+    int rc;
+
+    if (c->fd < 0) return cl_fail(c, DPCLIP_EIO, "", "the connection to dpclipd is closed");
+    if ((rc = cl_step_message(c, s, &req.clip_step))) return rc;
+    req.body_case = DPCLIP__REQUEST__BODY_CLIP_STEP;
+    if ((rc = reserve_pending(c))) return rc;
+    if ((rc = cl_send_request(c, &req, -1, -1))) return rc;
+    memset(&p, 0, sizeof p);
+    p.req_id = req.id;
+    p.kind = kind;
+    p.batch = cl_step_batch(s);
+    p.n_layers = cl_step_layers(s);
+    p.d = d;
+    push_pending(c, &p);
+    return 0;
+}
+
+DPCLIP_API int dpclip_run(dpclip_client *c, const dpclip_step *s, dpclip_result *res) {
+    Dpclip__Reply *r = NULL;
+    int rc;
+
+    if (res) memset(res, 0, sizeof *res);
+    if (!c || !s || !res) return DPCLIP_EARG;
+    lock(c);
+    if ((rc = send_step(c, s, CL_REQ_SYNC, NULL))) goto out;
+    /* Replies to earlier submits come first; read_one completes them. */
+    while (!r)
+        if ((rc = read_one(c, -1, &r))) goto out;
+    if (r->body_case == DPCLIP__REPLY__BODY_ERROR) {
+        rc = cl_fail(c, daemon_code(r->error->code), r->error->field, "%s", r->error->message);
+    } else if (r->body_case == DPCLIP__REPLY__BODY_CLIP_STEP) {
+        char msg[160];
+        if ((rc = to_result(r->clip_step, cl_step_batch(s), cl_step_layers(s), res, msg,
+                            sizeof msg)))
+            cl_fail(c, rc, "", "%s", msg);
+    } else {
+        rc = cl_die(c, "dpclipd sent reply type %d to a ClipStep", (int)r->body_case);
+    }
+    dpclip__reply__free_unpacked(r, NULL);
+out:
+    unlock(c);
+    return rc;
+}
+
+static int submit(dpclip_client *c, const dpclip_step *s, cl_req_kind kind, dpclip_step_cb cb,
+                  void *user, uint64_t *ticket) {
+    cl_done *d;
+    int rc;
+
+    lock(c);
+    if (!(d = calloc(1, sizeof *d))) {
+        rc = cl_fail(c, DPCLIP_ENOMEM, "", "out of memory");
+        goto out;
+    }
+    d->kind = kind;
+    d->cb = cb;
+    d->user = user;
+    if (kind == CL_REQ_TICKET) d->ticket = ++c->next_ticket;
+    if ((rc = send_step(c, s, kind, d))) {
+        free(d);
+        goto out;
+    }
+    if (ticket) *ticket = d->ticket;
+out:
+    unlock(c);
+    return rc;
+}
+
+DPCLIP_API int dpclip_submit(dpclip_client *c, const dpclip_step *s, uint64_t *ticket) {
+    if (!c || !s || !ticket) return DPCLIP_EARG;
+    return submit(c, s, CL_REQ_TICKET, NULL, NULL, ticket);
+}
+
+/* The callback runs on the thread of a later dpclip_run/wait/poll/disconnect
+ * call on this handle, after that call released the handle's lock. */
+DPCLIP_API int dpclip_submit_cb(dpclip_client *c, const dpclip_step *s, dpclip_step_cb cb,
+                                void *user) {
+    if (!c || !s || !cb) return DPCLIP_EARG;
+    return submit(c, s, CL_REQ_CB, cb, user, NULL);
+}
+
+static int ticket_pending(const dpclip_client *c, uint64_t ticket) {
+    for (size_t i = 0; i < c->p_len; i++) {
+        const cl_pending *p = &c->pend[(c->p_head + i) % c->p_cap];
+        if (p->kind == CL_REQ_TICKET && p->d->ticket == ticket) return 1;
+    }
+    return 0;
+}
+
+static cl_done *take_done(dpclip_client *c, uint64_t ticket) {
+    for (cl_done **pp = &c->done_head; *pp; pp = &(*pp)->next) {
+        cl_done *d = *pp;
+        if (d->ticket != ticket) continue;
+        *pp = d->next;
+        return d;
+    }
+    return NULL;
+}
+
+DPCLIP_API int dpclip_wait(dpclip_client *c, uint64_t ticket, int timeout_ms, dpclip_result *res) {
+    int64_t deadline = cl_deadline(timeout_ms);
+    Dpclip__Reply *sync;
+    cl_done *d;
+    int rc;
+
+    if (res) memset(res, 0, sizeof *res);
+    if (!c || !res) return DPCLIP_EARG;
+    lock(c);
+    while (!(d = take_done(c, ticket))) {
+        if (!ticket_pending(c, ticket)) {
+            rc = cl_fail(c, DPCLIP_EARG, "", "ticket %llu is unknown or already collected",
+                         (unsigned long long)ticket);
+            goto out;
+        }
+        rc = read_one(c, deadline, &sync);
+        if (sync) { /* cannot happen: sync requests finish inside their call */
+            dpclip__reply__free_unpacked(sync, NULL);
+            rc = cl_die(c, "internal error: stray synchronous reply");
+        }
+        if (rc == DPCLIP_EAGAIN) goto out;
+        if (rc && rc != DPCLIP_EIO) goto out;
+        /* EIO completed every pending ticket: the loop finds ours. */
+    }
+    rc = d->status;
+    if (rc) {
+        snprintf(c->errmsg, sizeof c->errmsg, "%s", d->errmsg);
+        snprintf(c->errfield, sizeof c->errfield, "%s", d->errfield);
+    } else {
+        *res = d->res;
+        memset(&d->res, 0, sizeof d->res);
+    }
+    free(d);
+out:
+    unlock(c);
+    return rc;
+}
+
+DPCLIP_API int dpclip_poll(dpclip_client *c, int timeout_ms) {
+    int64_t deadline = cl_deadline(timeout_ms);
+    Dpclip__Reply *sync;
+    int n = 0, rc = 0;
+
+    if (!c) return -DPCLIP_EARG;
+    lock(c);
+    while (c->p_len) {
+        /* Wait up to the timeout for the first completion, then take only
+         * what has already arrived. */
+        rc = read_one(c, n ? cl_now_ms() : deadline, &sync);
+        if (sync) {
+            dpclip__reply__free_unpacked(sync, NULL);
+            rc = cl_die(c, "internal error: stray synchronous reply");
+        }
+        if (rc == DPCLIP_EAGAIN) {
+            rc = 0;
+            break;
+        }
+        if (rc) break;
+        n++;
+    }
+    unlock(c);
+    return rc ? -rc : n;
+}

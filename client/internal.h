@@ -1,0 +1,124 @@
+/* libdpclip internals shared by client.c (handles, requests, completions),
+ * step.c (step objects and the ClipStep message) and wire.c (framing over the
+ * Unix socket). Nothing here is exported: the library is built with
+ * -fvisibility=hidden and only DPCLIP_API functions are visible.
+ *
+ * Locking: every public call on a dpclip_client takes c->mu for its whole
+ * duration (a blocking dpclip_run holds it for the round trip). The wire and
+ * step-building functions below assume the caller holds it. User callbacks
+ * (dpclip_submit_cb) are never run with the lock held: completions are
+ * collected during the call and their callbacks run just before it returns,
+ * so a callback may call back into the library. */
+#ifndef DPCLIP_INTERNAL_H
+#define DPCLIP_INTERNAL_H
+
+#include <pthread.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "dpclip.h"
+#include "dpclip.pb-c.h"
+
+#define DPCLIP_API __attribute__((visibility("default")))
+
+/* Replies larger than this are treated as a broken stream. The largest
+ * legitimate one carries 2 * max_layers * max_batch floats. */
+#define CL_MAX_REPLY (1u << 30)
+
+typedef enum cl_req_kind {
+    CL_REQ_SYNC = 1,  /* a blocking call waits for it (run, ping, register, ...) */
+    CL_REQ_TICKET,    /* dpclip_submit: result kept until dpclip_wait */
+    CL_REQ_CB         /* dpclip_submit_cb: callback when it completes */
+} cl_req_kind;
+
+/* A finished (or, while pending, future) ticket or callback completion:
+ * status, error text and, on success, the result, whose arrays it owns
+ * until they are handed to the caller. Allocated when the request is
+ * submitted, so that completing it never needs memory. */
+typedef struct cl_done {
+    struct cl_done *next;   /* in c->done_* or c->cb_* once finished */
+    cl_req_kind kind;
+    uint64_t ticket;
+    dpclip_step_cb cb;
+    void *user;
+    int status;
+    char errmsg[256];
+    char errfield[128];
+    dpclip_result res;
+} cl_done;
+
+/* A request sent and not answered yet. Replies come in request order, so
+ * these form a FIFO. */
+typedef struct cl_pending {
+    uint64_t req_id;
+    cl_req_kind kind;
+    uint32_t batch;         /* ClipStep: to check the reply's arrays */
+    uint32_t n_layers;
+    cl_done *d;             /* CL_REQ_TICKET, CL_REQ_CB; owned until completion */
+} cl_pending;
+
+typedef struct cl_mapping {
+    uint64_t id;
+    void *addr;
+    size_t size;
+} cl_mapping;
+
+struct dpclip_client {
+    pthread_mutex_t mu;
+    int fd;                 /* -1 once the connection is dead */
+    uint64_t next_req_id;
+    uint64_t next_ticket;
+    dpclip_daemon_info info;
+    char errmsg[512];
+    char errfield[128];
+
+    uint8_t *sbuf;          /* send buffer, reused: frame header + packed request */
+    size_t scap;
+    uint8_t *rbuf;          /* bytes received and not yet parsed */
+    size_t rlen, rcap;
+
+    cl_pending *pend;       /* ring buffer FIFO */
+    size_t p_head, p_len, p_cap;
+    cl_done *done_head;     /* finished tickets awaiting dpclip_wait (any order) */
+    cl_done *cb_head, *cb_tail; /* finished callbacks, run once the lock is dropped */
+
+    cl_mapping *maps;       /* dpclip_buffer_alloc mappings, unmapped on release */
+    size_t m_len, m_cap;
+
+    /* Scratch for building ClipStep messages (step.c), reused across steps. */
+    void *msg_scratch;
+    size_t msg_scratch_cap;
+};
+
+/* --- errors (client.c) ---------------------------------------------------- */
+/* Records code/message/field on the handle; returns code. */
+int cl_fail(dpclip_client *c, int code, const char *field, const char *fmt, ...)
+    __attribute__((format(printf, 4, 5)));
+/* Socket failure: closes the connection (the handle is dead from now on),
+ * fails every pending request with DPCLIP_EIO and returns DPCLIP_EIO. */
+int cl_die(dpclip_client *c, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+
+/* --- wire (wire.c) -------------------------------------------------------- */
+/* Monotonic milliseconds; deadlines are absolute values of it, -1 = none. */
+int64_t cl_now_ms(void);
+int64_t cl_deadline(int timeout_ms);
+/* Packs req into c->sbuf as one frame and writes it all (with `pass_fd`
+ * attached as SCM_RIGHTS when >= 0). While the socket is full it keeps
+ * reading incoming bytes so a pipelining client cannot deadlock with the
+ * daemon. 0, or DPCLIP_EIO (handle dead), DPCLIP_ENOMEM, DPCLIP_EARG (frame
+ * larger than the daemon's max_frame). */
+int cl_send_request(dpclip_client *c, Dpclip__Request *req, int pass_fd, int64_t deadline);
+/* Reads until one whole reply frame is buffered, then unpacks it into *out
+ * (free with dpclip__reply__free_unpacked). DPCLIP_EAGAIN when the deadline
+ * passes first, DPCLIP_EIO (handle dead) on socket errors or EOF. */
+int cl_read_reply(dpclip_client *c, int64_t deadline, Dpclip__Reply **out);
+
+/* --- steps (step.c) ------------------------------------------------------- */
+/* Builds the ClipStep message for s into scratch owned by c (valid until the
+ * next call); local argument checks fail with DPCLIP_EARG. */
+int cl_step_message(dpclip_client *c, const dpclip_step *s, Dpclip__ClipStep **out);
+uint32_t cl_step_batch(const dpclip_step *s);
+uint32_t cl_step_layers(const dpclip_step *s);
+void cl_step_scratch_free(dpclip_client *c);
+
+#endif

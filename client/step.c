@@ -1,0 +1,318 @@
+/* dpclip_step: the trainer's description of one optimizer step, and its
+ * translation to a dpclip.ClipStep message at send time.
+ *
+ * Ownership: a step owns copies of the layer descriptions and of their names;
+ * tensors are plain references (buffer id, offset, shape), so nothing else
+ * needs copying. The message is built in scratch memory owned by the client
+ * handle (under its lock) and points into the step's arrays: shapes and
+ * names are not copied again. */
+#include <stdlib.h>
+#include <string.h>
+
+#include "internal.h"
+
+typedef struct cl_layer {
+    Dpclip__Layer__KindCase kind;
+    char *name;               /* owned copy, or NULL */
+    union {
+        dpclip_linear lin;
+        dpclip_embedding emb;
+        dpclip_norm_layer norm;
+    } u;
+} cl_layer;
+
+struct dpclip_step {
+    uint32_t batch;
+    dpclip_clip_config cfg;
+    cl_layer *layers;
+    size_t n, cap;
+    dpclip_tensor norms_out, coefs_out;
+    int want_layer_norms;
+};
+
+/* --- step objects ------------------------------------------------------- */
+
+DPCLIP_API dpclip_step *dpclip_step_new(uint32_t batch_size, const dpclip_clip_config *cfg) {
+    dpclip_step *s;
+    if (batch_size == 0 || !cfg) return NULL;
+    s = calloc(1, sizeof *s);
+    if (!s) return NULL;
+    s->batch = batch_size;
+    s->cfg = *cfg;
+    return s;
+}
+
+static void clear_layers(dpclip_step *s) {
+    for (size_t i = 0; i < s->n; i++) free(s->layers[i].name);
+    s->n = 0;
+}
+
+DPCLIP_API void dpclip_step_free(dpclip_step *s) {
+    if (!s) return;
+    clear_layers(s);
+    free(s->layers);
+    free(s);
+}
+
+/* Keeps the clip config, the layer array's capacity and want_layer_norms;
+ * drops the layers and the norms/coefficients outputs. */
+DPCLIP_API void dpclip_step_reset(dpclip_step *s, uint32_t batch_size) {
+    if (!s) return;
+    clear_layers(s);
+    s->batch = batch_size;
+    memset(&s->norms_out, 0, sizeof s->norms_out);
+    memset(&s->coefs_out, 0, sizeof s->coefs_out);
+}
+
+uint32_t cl_step_batch(const dpclip_step *s) { return s->batch; }
+uint32_t cl_step_layers(const dpclip_step *s) { return (uint32_t)s->n; }
+
+static int tensor_ok(const dpclip_tensor *t, int required) {
+    if (t->ndim < 0 || t->ndim > 3) return 0;
+    if (required && (t->ndim == 0 || t->buffer == 0)) return 0;
+    return 1;
+}
+
+/* Appends a layer slot with a copy of `name`; NULL on allocation failure. */
+static cl_layer *push_layer(dpclip_step *s, const char *name) {
+    cl_layer *l;
+    if (s->n == s->cap) {
+        size_t cap = s->cap ? s->cap * 2 : 8;
+        cl_layer *nl = realloc(s->layers, cap * sizeof *nl);
+        if (!nl) return NULL;
+        s->layers = nl;
+        s->cap = cap;
+    }
+    l = &s->layers[s->n];
+    memset(l, 0, sizeof *l);
+    if (name) {
+        l->name = strdup(name);
+        if (!l->name) return NULL;
+    }
+    s->n++;
+    return l;
+}
+
+DPCLIP_API int dpclip_step_add_linear(dpclip_step *s, const dpclip_linear *l) {
+    cl_layer *x;
+    if (!s || !l) return DPCLIP_EARG;
+    if (!tensor_ok(&l->activations, 1) || !tensor_ok(&l->output_grad, 1) ||
+        !tensor_ok(&l->weight_grad_out, 0) || !tensor_ok(&l->bias_grad_out, 0))
+        return DPCLIP_EARG;
+    if (!(x = push_layer(s, l->name))) return DPCLIP_ENOMEM;
+    x->kind = DPCLIP__LAYER__KIND_LINEAR;
+    x->u.lin = *l;
+    x->u.lin.name = x->name;
+    return DPCLIP_OK;
+}
+
+DPCLIP_API int dpclip_step_add_embedding(dpclip_step *s, const dpclip_embedding *e) {
+    cl_layer *x;
+    if (!s || !e) return DPCLIP_EARG;
+    if (!tensor_ok(&e->indices, 1) || !tensor_ok(&e->output_grad, 1) ||
+        !tensor_ok(&e->weight_grad_out, 0))
+        return DPCLIP_EARG;
+    if (!(x = push_layer(s, e->name))) return DPCLIP_ENOMEM;
+    x->kind = DPCLIP__LAYER__KIND_EMBEDDING;
+    x->u.emb = *e;
+    x->u.emb.name = x->name;
+    return DPCLIP_OK;
+}
+
+static int add_norm(dpclip_step *s, const dpclip_norm_layer *n, Dpclip__Layer__KindCase kind) {
+    cl_layer *x;
+    if (!s || !n) return DPCLIP_EARG;
+    if (!tensor_ok(&n->input, 1) || !tensor_ok(&n->output_grad, 1) ||
+        !tensor_ok(&n->weight_grad_out, 0) || !tensor_ok(&n->bias_grad_out, 0))
+        return DPCLIP_EARG;
+    if (!(x = push_layer(s, n->name))) return DPCLIP_ENOMEM;
+    x->kind = kind;
+    x->u.norm = *n;
+    x->u.norm.name = x->name;
+    return DPCLIP_OK;
+}
+
+DPCLIP_API int dpclip_step_add_layernorm(dpclip_step *s, const dpclip_norm_layer *n) {
+    return add_norm(s, n, DPCLIP__LAYER__KIND_LAYER_NORM);
+}
+
+DPCLIP_API int dpclip_step_add_rmsnorm(dpclip_step *s, const dpclip_norm_layer *n) {
+    return add_norm(s, n, DPCLIP__LAYER__KIND_RMS_NORM);
+}
+
+/* Either pointer may be NULL (no such output). */
+DPCLIP_API int dpclip_step_set_outputs(dpclip_step *s, const dpclip_tensor *norms_out,
+                                       const dpclip_tensor *coefs_out) {
+    if (!s) return DPCLIP_EARG;
+    if ((norms_out && !tensor_ok(norms_out, 0)) || (coefs_out && !tensor_ok(coefs_out, 0)))
+        return DPCLIP_EARG;
+    if (norms_out) s->norms_out = *norms_out;
+    else memset(&s->norms_out, 0, sizeof s->norms_out);
+    if (coefs_out) s->coefs_out = *coefs_out;
+    else memset(&s->coefs_out, 0, sizeof s->coefs_out);
+    return DPCLIP_OK;
+}
+
+DPCLIP_API void dpclip_step_want_layer_norms(dpclip_step *s, int yes) {
+    if (s) s->want_layer_norms = yes != 0;
+}
+
+/* --- the message -------------------------------------------------------- */
+
+typedef struct msg_layer {
+    Dpclip__Layer layer;
+    union {
+        Dpclip__LinearLayer lin;
+        Dpclip__EmbeddingLayer emb;
+        Dpclip__LayerNormLayer ln;
+        Dpclip__RMSNormLayer rms;
+    } k;
+    Dpclip__TensorRef refs[4];
+} msg_layer;
+
+typedef struct msg_scratch {
+    Dpclip__ClipStep step;
+    Dpclip__ClipConfig clip;
+    Dpclip__TensorRef norms_out, coefs_out;
+    msg_layer *layers;
+    Dpclip__Layer **ptrs;
+    size_t cap;
+} msg_scratch;
+
+void cl_step_scratch_free(dpclip_client *c) {
+    msg_scratch *m = c->msg_scratch;
+    if (!m) return;
+    free(m->layers);
+    free(m->ptrs);
+    free(m);
+    c->msg_scratch = NULL;
+}
+
+/* Fills r from t; NULL when t is absent (ndim 0 or buffer 0), which leaves
+ * the optional field unset in the message. The shape array points into t. */
+static Dpclip__TensorRef *ref(Dpclip__TensorRef *r, const dpclip_tensor *t) {
+    if (t->ndim == 0 || t->buffer == 0) return NULL;
+    dpclip__tensor_ref__init(r);
+    r->buffer_id = t->buffer;
+    r->offset = t->offset;
+    r->dtype = (Dpclip__DType)t->dtype;
+    r->n_shape = (size_t)t->ndim;
+    r->shape = (int64_t *)t->shape;
+    return r;
+}
+
+static int scratch_reserve(dpclip_client *c, size_t n) {
+    msg_scratch *m = c->msg_scratch;
+    if (!m) {
+        if (!(m = calloc(1, sizeof *m))) return DPCLIP_ENOMEM;
+        c->msg_scratch = m;
+    }
+    if (n > m->cap) {
+        size_t cap = m->cap ? m->cap : 16;
+        msg_layer *nl;
+        Dpclip__Layer **np;
+        while (cap < n) cap *= 2;
+        if (!(nl = realloc(m->layers, cap * sizeof *nl))) return DPCLIP_ENOMEM;
+        m->layers = nl;
+        if (!(np = realloc(m->ptrs, cap * sizeof *np))) return DPCLIP_ENOMEM;
+        m->ptrs = np;
+        m->cap = cap;
+    }
+    return 0;
+}
+
+int cl_step_message(dpclip_client *c, const dpclip_step *s, Dpclip__ClipStep **out) {
+    msg_scratch *m;
+
+    if (s->batch == 0) return cl_fail(c, DPCLIP_EARG, "clip_step.batch_size", "batch size 0");
+    if (s->n == 0) return cl_fail(c, DPCLIP_EARG, "clip_step.layers", "the step has no layers");
+    if (scratch_reserve(c, s->n))
+        return cl_fail(c, DPCLIP_ENOMEM, "", "out of memory building a %zu-layer step", s->n);
+    m = c->msg_scratch;
+
+    dpclip__clip_step__init(&m->step);
+    dpclip__clip_config__init(&m->clip);
+    m->clip.max_grad_norm = s->cfg.max_grad_norm;
+    m->clip.loss_reduction = (Dpclip__LossReduction)s->cfg.reduction;
+    m->clip.expected_batch_size = s->cfg.expected_batch_size;
+    m->clip.mode = (Dpclip__ClippingMode)s->cfg.mode;
+    m->step.batch_size = s->batch;
+    m->step.clip = &m->clip;
+    m->step.noise_multiplier = s->cfg.noise_multiplier;
+    m->step.norms_out = ref(&m->norms_out, &s->norms_out);
+    m->step.coefficients_out = ref(&m->coefs_out, &s->coefs_out);
+    m->step.want_layer_norms = s->want_layer_norms;
+    m->step.n_layers = s->n;
+    m->step.layers = m->ptrs;
+
+    for (size_t i = 0; i < s->n; i++) {
+        const cl_layer *x = &s->layers[i];
+        msg_layer *ml = &m->layers[i];
+        Dpclip__Layer *L = &ml->layer;
+
+        dpclip__layer__init(L);
+        m->ptrs[i] = L;
+        if (x->name) L->name = x->name;
+        L->kind_case = x->kind;
+        switch (x->kind) {
+        case DPCLIP__LAYER__KIND_LINEAR: {
+            const dpclip_linear *l = &x->u.lin;
+            Dpclip__LinearLayer *k = &ml->k.lin;
+            dpclip__linear_layer__init(k);
+            k->activations = ref(&ml->refs[0], &l->activations);
+            k->output_grad = ref(&ml->refs[1], &l->output_grad);
+            k->has_bias = l->has_bias != 0;
+            k->algorithm = (Dpclip__Algorithm)l->algo;
+            k->weight_grad_out = ref(&ml->refs[2], &l->weight_grad_out);
+            k->bias_grad_out = ref(&ml->refs[3], &l->bias_grad_out);
+            L->max_grad_norm = l->max_grad_norm;
+            L->linear = k;
+            break;
+        }
+        case DPCLIP__LAYER__KIND_EMBEDDING: {
+            const dpclip_embedding *e = &x->u.emb;
+            Dpclip__EmbeddingLayer *k = &ml->k.emb;
+            dpclip__embedding_layer__init(k);
+            k->indices = ref(&ml->refs[0], &e->indices);
+            k->output_grad = ref(&ml->refs[1], &e->output_grad);
+            k->num_embeddings = e->num_embeddings;
+            k->has_padding_idx = e->has_padding_idx != 0;
+            k->padding_idx = e->padding_idx;
+            k->weight_grad_out = ref(&ml->refs[2], &e->weight_grad_out);
+            L->max_grad_norm = e->max_grad_norm;
+            L->embedding = k;
+            break;
+        }
+        case DPCLIP__LAYER__KIND_LAYER_NORM: {
+            const dpclip_norm_layer *n = &x->u.norm;
+            Dpclip__LayerNormLayer *k = &ml->k.ln;
+            dpclip__layer_norm_layer__init(k);
+            k->input = ref(&ml->refs[0], &n->input);
+            k->output_grad = ref(&ml->refs[1], &n->output_grad);
+            k->eps = n->eps;
+            k->has_bias = n->has_bias != 0;
+            k->weight_grad_out = ref(&ml->refs[2], &n->weight_grad_out);
+            k->bias_grad_out = ref(&ml->refs[3], &n->bias_grad_out);
+            L->max_grad_norm = n->max_grad_norm;
+            L->layer_norm = k;
+            break;
+        }
+        case DPCLIP__LAYER__KIND_RMS_NORM: {
+            const dpclip_norm_layer *n = &x->u.norm;
+            Dpclip__RMSNormLayer *k = &ml->k.rms;
+            dpclip__rmsnorm_layer__init(k);
+            k->input = ref(&ml->refs[0], &n->input);
+            k->output_grad = ref(&ml->refs[1], &n->output_grad);
+            k->eps = n->eps;
+            k->weight_grad_out = ref(&ml->refs[2], &n->weight_grad_out);
+            L->max_grad_norm = n->max_grad_norm;
+            L->rms_norm = k;
+            break;
+        }
+        default:
+            return cl_fail(c, DPCLIP_EINTERNAL, "clip_step.layers", "corrupt step object");
+        }
+    }
+    *out = &m->step;
+    return 0;
+}

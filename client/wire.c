@@ -1,0 +1,176 @@
+/* Framing over the Unix socket: u32 little-endian length + packed protobuf
+ * (common/dc_frame.h). The socket is non-blocking and every wait goes
+ * through poll(), so that connect/handshake, dpclip_wait and dpclip_poll can
+ * honour timeouts with one code path. The caller holds c->mu. */
+#include <errno.h>
+#include <poll.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <time.h>
+
+#include "dc_frame.h"
+#include "internal.h"
+
+int64_t cl_now_ms(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
+}
+
+int64_t cl_deadline(int timeout_ms) {
+    if (timeout_ms < 0) return -1;
+    return cl_now_ms() + timeout_ms;
+}
+
+/* Milliseconds left for poll(): -1 forever, 0 when past. */
+static int time_left(int64_t deadline) {
+    int64_t left;
+    if (deadline < 0) return -1;
+    left = deadline - cl_now_ms();
+    if (left <= 0) return 0;
+    return left > 1000000 ? 1000000 : (int)left;
+}
+
+/* Appends whatever the socket has now to rbuf, without blocking.
+ * 1: read something, 0: nothing available, <0: EOF or error (errno kept). */
+static int read_some(dpclip_client *c) {
+    ssize_t n;
+    if (c->rcap - c->rlen < 4096) {
+        size_t cap = c->rcap ? c->rcap * 2 : 65536;
+        uint8_t *nb = realloc(c->rbuf, cap);
+        if (!nb) {
+            errno = ENOMEM;
+            return -1;
+        }
+        c->rbuf = nb;
+        c->rcap = cap;
+    }
+    for (;;) {
+        n = recv(c->fd, c->rbuf + c->rlen, c->rcap - c->rlen, MSG_DONTWAIT);
+        if (n > 0) {
+            c->rlen += (size_t)n;
+            return 1;
+        }
+        if (n == 0) {
+            errno = ECONNRESET;
+            return -2;
+        }
+        if (errno == EINTR) continue;
+        if (errno == EAGAIN || errno == EWOULDBLOCK) return 0;
+        return -1;
+    }
+}
+
+/* Writes [buf, buf+len) fully; `fd_pass` goes with the first byte. */
+static int write_all(dpclip_client *c, const uint8_t *buf, size_t len, int fd_pass,
+                     int64_t deadline) {
+    size_t off = 0;
+    while (off < len) {
+        ssize_t n;
+        if (fd_pass >= 0) {
+            union {
+                struct cmsghdr h;
+                char buf[CMSG_SPACE(sizeof(int))];
+            } cm;
+            struct iovec iov = {(void *)(buf + off), len - off};
+            struct msghdr msg;
+            struct cmsghdr *h;
+            memset(&msg, 0, sizeof msg);
+            memset(&cm, 0, sizeof cm);
+            msg.msg_iov = &iov;
+            msg.msg_iovlen = 1;
+            msg.msg_control = cm.buf;
+            msg.msg_controllen = sizeof cm.buf;
+            h = CMSG_FIRSTHDR(&msg);
+            h->cmsg_level = SOL_SOCKET;
+            h->cmsg_type = SCM_RIGHTS;
+            h->cmsg_len = CMSG_LEN(sizeof(int));
+            memcpy(CMSG_DATA(h), &fd_pass, sizeof(int));
+            n = sendmsg(c->fd, &msg, MSG_NOSIGNAL | MSG_DONTWAIT);
+        } else {
+            n = send(c->fd, buf + off, len - off, MSG_NOSIGNAL | MSG_DONTWAIT);
+        }
+        if (n > 0) {
+            off += (size_t)n;
+            fd_pass = -1; /* the descriptor went with the bytes just sent */
+            continue;
+        }
+        if (n < 0 && errno == EINTR) continue;
+        if (n < 0 && errno != EAGAIN && errno != EWOULDBLOCK)
+            return cl_die(c, "send to dpclipd: %s", strerror(errno));
+        /* Socket full. The daemon may be blocked writing replies we have
+         * not read (a client pipelining many submits): read them into rbuf
+         * while waiting, or both sides would wait forever. */
+        struct pollfd p = {c->fd, POLLOUT | POLLIN, 0};
+        int r = poll(&p, 1, time_left(deadline));
+        if (r < 0 && errno == EINTR) continue;
+        if (r < 0) return cl_die(c, "poll: %s", strerror(errno));
+        if (r == 0) return cl_die(c, "timed out sending to dpclipd");
+        if (p.revents & POLLIN) {
+            int rr = read_some(c);
+            if (rr == -2) return cl_die(c, "dpclipd closed the connection");
+            if (rr < 0) return cl_die(c, "recv from dpclipd: %s", strerror(errno));
+        } else if (p.revents & (POLLERR | POLLHUP | POLLNVAL)) {
+            return cl_die(c, "connection to dpclipd lost");
+        }
+    }
+    return 0;
+}
+
+int cl_send_request(dpclip_client *c, Dpclip__Request *req, int pass_fd, int64_t deadline) {
+    size_t n, need;
+
+    if (c->fd < 0) return cl_fail(c, DPCLIP_EIO, "", "the connection to dpclipd is closed");
+    req->id = ++c->next_req_id;
+    n = dpclip__request__get_packed_size(req);
+    if (c->info.max_frame && n > c->info.max_frame)
+        return cl_fail(c, DPCLIP_EARG, "frame.length",
+                       "the request needs %zu bytes, more than the daemon's max_frame %u "
+                       "(fewer layers per step, or start dpclipd with a larger --max-frame)",
+                       n, c->info.max_frame);
+    if (n > UINT32_MAX) return cl_fail(c, DPCLIP_EARG, "frame.length", "request too large");
+    need = DC_FRAME_HEADER + n;
+    if (need > c->scap) {
+        size_t cap = c->scap ? c->scap : 4096;
+        uint8_t *nb;
+        while (cap < need) cap *= 2;
+        nb = realloc(c->sbuf, cap);
+        if (!nb) return cl_fail(c, DPCLIP_ENOMEM, "", "out of memory for a %zu-byte request", need);
+        c->sbuf = nb;
+        c->scap = cap;
+    }
+    dc_frame_put_len(c->sbuf, (uint32_t)n);
+    dpclip__request__pack(req, c->sbuf + DC_FRAME_HEADER);
+    return write_all(c, c->sbuf, need, pass_fd, deadline);
+}
+
+int cl_read_reply(dpclip_client *c, int64_t deadline, Dpclip__Reply **out) {
+    *out = NULL;
+    for (;;) {
+        if (c->fd < 0) return cl_fail(c, DPCLIP_EIO, "", "the connection to dpclipd is closed");
+        if (c->rlen >= DC_FRAME_HEADER) {
+            uint32_t n = dc_frame_get_len(c->rbuf);
+            if (n > CL_MAX_REPLY)
+                return cl_die(c, "dpclipd sent a %u-byte frame; the stream is corrupt", n);
+            if (c->rlen - DC_FRAME_HEADER >= n) {
+                Dpclip__Reply *r = dpclip__reply__unpack(NULL, n, c->rbuf + DC_FRAME_HEADER);
+                size_t used = DC_FRAME_HEADER + (size_t)n;
+                memmove(c->rbuf, c->rbuf + used, c->rlen - used);
+                c->rlen -= used;
+                if (!r) return cl_die(c, "dpclipd sent a reply that does not decode");
+                *out = r;
+                return 0;
+            }
+        }
+        int rr = read_some(c);
+        if (rr == -2) return cl_die(c, "dpclipd closed the connection");
+        if (rr < 0) return cl_die(c, "recv from dpclipd: %s", strerror(errno));
+        if (rr > 0) continue;
+        struct pollfd p = {c->fd, POLLIN, 0};
+        int pr = poll(&p, 1, time_left(deadline));
+        if (pr < 0 && errno == EINTR) continue;
+        if (pr < 0) return cl_die(c, "poll: %s", strerror(errno));
+        if (pr == 0) return DPCLIP_EAGAIN;
+    }
+}

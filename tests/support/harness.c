@@ -1,0 +1,682 @@
+/* Test harness (harness.h): a real dpclipd per test program, raw-wire
+ * helpers, and shared-memory steps checked against the reference. */
+#include "harness.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <math.h>
+#include <poll.h>
+#include <pthread.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "dc_frame.h"
+
+static int64_t now_ms(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
+}
+
+/* --- the daemon ------------------------------------------------------------ */
+
+#define MAX_ARGS 64
+
+int dc_harness_start(dc_harness *h, const char *extra_args) {
+    const char *tmp = getenv("TMPDIR");
+    char extra[512], *argv[MAX_ARGS], *save = NULL;
+    char buf[64];
+    size_t got = 0;
+    int p[2], argc = 0;
+    int64_t deadline;
+    pid_t pid;
+
+    memset(h, 0, sizeof *h);
+    if (!tmp || !tmp[0]) tmp = "/tmp";
+    snprintf(h->dir, sizeof h->dir, "%s/dpclip-test.XXXXXX", tmp);
+    if (!mkdtemp(h->dir)) {
+        fprintf(stderr, "harness: mkdtemp %s: %s\n", h->dir, strerror(errno));
+        return -1;
+    }
+    snprintf(h->sock, sizeof h->sock, "%s/d.sock", h->dir);
+
+    argv[argc++] = (char *)DPCLIPD_PATH;
+    argv[argc++] = "--socket";
+    argv[argc++] = h->sock;
+    argv[argc++] = "--ready-fd";
+    argv[argc++] = "3";
+    argv[argc++] = "--insecure-fixed-seed";
+    argv[argc++] = "1234";
+    argv[argc++] = "--log-level";
+    argv[argc++] = "warn";
+    snprintf(extra, sizeof extra, "%s", extra_args ? extra_args : "");
+    for (char *t = strtok_r(extra, " \t", &save); t && argc < MAX_ARGS - 1;
+         t = strtok_r(NULL, " \t", &save))
+        argv[argc++] = t;
+    argv[argc] = NULL;
+
+    if (pipe2(p, O_CLOEXEC) != 0) {
+        fprintf(stderr, "harness: pipe: %s\n", strerror(errno));
+        rmdir(h->dir);
+        return -1;
+    }
+    pid = fork();
+    if (pid < 0) {
+        fprintf(stderr, "harness: fork: %s\n", strerror(errno));
+        close(p[0]);
+        close(p[1]);
+        rmdir(h->dir);
+        return -1;
+    }
+    if (pid == 0) {
+        /* dup2 onto 3 clears close-on-exec; if the pipe already is fd 3,
+         * clear it by hand. */
+        if (p[1] == 3) fcntl(3, F_SETFD, 0);
+        else if (dup2(p[1], 3) < 0) _exit(126);
+        execv(argv[0], argv);
+        _exit(127);
+    }
+    close(p[1]);
+    h->pid = pid;
+
+    deadline = now_ms() + 20000;
+    while (got < sizeof buf - 1) {
+        struct pollfd pf = {p[0], POLLIN, 0};
+        int64_t left = deadline - now_ms();
+        ssize_t n;
+        if (left <= 0 || poll(&pf, 1, (int)left) <= 0) break;
+        n = read(p[0], buf + got, sizeof buf - 1 - got);
+        if (n <= 0) break;
+        got += (size_t)n;
+        buf[got] = '\0';
+        if (strchr(buf, '\n')) break;
+    }
+    buf[got] = '\0';
+    close(p[0]);
+    if (strcmp(buf, "READY\n") != 0) {
+        fprintf(stderr, "harness: %s did not report READY within 20 s (got '%s')\n",
+                DPCLIPD_PATH, buf);
+        dc_harness_stop(h);
+        return -1;
+    }
+    return 0;
+}
+
+int dc_harness_alive(const dc_harness *h) {
+    return h->pid > 0 && waitpid(h->pid, NULL, WNOHANG) == 0;
+}
+
+int dc_harness_stop(dc_harness *h) {
+    int status = 0, rc = -1;
+    struct stat st;
+
+    if (h->pid > 0) {
+        int64_t deadline = now_ms() + 30000;
+        pid_t w;
+        kill(h->pid, SIGTERM);
+        while ((w = waitpid(h->pid, &status, WNOHANG)) == 0 && now_ms() < deadline) {
+            struct timespec ts = {0, 10 * 1000 * 1000};
+            nanosleep(&ts, NULL);
+        }
+        if (w == 0) {
+            fprintf(stderr, "harness: dpclipd did not exit within 30 s of SIGTERM; killing it\n");
+            kill(h->pid, SIGKILL);
+            waitpid(h->pid, &status, 0);
+        } else if (w == h->pid && WIFEXITED(status)) {
+            rc = WEXITSTATUS(status);
+            if (rc) fprintf(stderr, "harness: dpclipd exited with status %d\n", rc);
+        } else if (w == h->pid && WIFSIGNALED(status)) {
+            fprintf(stderr, "harness: dpclipd died from signal %d\n", WTERMSIG(status));
+        }
+        h->pid = 0;
+    }
+    if (h->sock[0] && lstat(h->sock, &st) == 0) {
+        fprintf(stderr, "harness: dpclipd left its socket %s behind\n", h->sock);
+        unlink(h->sock);
+        if (rc == 0) rc = -2;
+    }
+    if (h->dir[0]) rmdir(h->dir);
+    h->dir[0] = h->sock[0] = '\0';
+    return rc;
+}
+
+/* --- raw wire ------------------------------------------------------------ */
+
+int dc_raw_connect(const char *sock) {
+    struct sockaddr_un a;
+    int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (fd < 0) return -1;
+    memset(&a, 0, sizeof a);
+    a.sun_family = AF_UNIX;
+    snprintf(a.sun_path, sizeof a.sun_path, "%s", sock);
+    if (connect(fd, (struct sockaddr *)&a, sizeof a) != 0) {
+        close(fd);
+        return -1;
+    }
+    return fd;
+}
+
+int dc_raw_send(int fd, const void *buf, size_t n) {
+    const uint8_t *p = buf;
+    while (n) {
+        ssize_t w = send(fd, p, n, MSG_NOSIGNAL);
+        if (w < 0 && errno == EINTR) continue;
+        if (w <= 0) return -1;
+        p += w;
+        n -= (size_t)w;
+    }
+    return 0;
+}
+
+int dc_raw_send_request(int fd, const Dpclip__Request *req) {
+    size_t n = dpclip__request__get_packed_size(req);
+    uint8_t *buf = malloc(DC_FRAME_HEADER + n);
+    int rc;
+    if (!buf) return -1;
+    dc_frame_put_len(buf, (uint32_t)n);
+    dpclip__request__pack(req, buf + DC_FRAME_HEADER);
+    rc = dc_raw_send(fd, buf, DC_FRAME_HEADER + n);
+    free(buf);
+    return rc;
+}
+
+/* Reads exactly n bytes before the deadline: 0, or -1 (EOF, error, timeout). */
+static int read_full(int fd, uint8_t *p, size_t n, int64_t deadline) {
+    while (n) {
+        struct pollfd pf = {fd, POLLIN, 0};
+        int64_t left = deadline - now_ms();
+        ssize_t r;
+        if (left <= 0) return -1;
+        int pr = poll(&pf, 1, (int)left);
+        if (pr < 0 && errno == EINTR) continue;
+        if (pr <= 0) return -1;
+        r = recv(fd, p, n, 0);
+        if (r < 0 && errno == EINTR) continue;
+        if (r <= 0) return -1;
+        p += r;
+        n -= (size_t)r;
+    }
+    return 0;
+}
+
+Dpclip__Reply *dc_raw_read_reply(int fd, int timeout_ms) {
+    int64_t deadline = now_ms() + timeout_ms;
+    uint8_t hdr[DC_FRAME_HEADER], *body;
+    Dpclip__Reply *r;
+    uint32_t n;
+
+    if (read_full(fd, hdr, sizeof hdr, deadline)) return NULL;
+    n = dc_frame_get_len(hdr);
+    if (n > (64u << 20)) return NULL;
+    body = malloc(n ? n : 1);
+    if (!body) return NULL;
+    if (read_full(fd, body, n, deadline)) {
+        free(body);
+        return NULL;
+    }
+    r = dpclip__reply__unpack(NULL, n, body);
+    free(body);
+    return r;
+}
+
+int dc_raw_wait_eof(int fd, int timeout_ms) {
+    int64_t deadline = now_ms() + timeout_ms;
+    uint8_t buf[4096];
+    for (;;) {
+        struct pollfd pf = {fd, POLLIN, 0};
+        int64_t left = deadline - now_ms();
+        ssize_t r;
+        if (left <= 0) return 0;
+        int pr = poll(&pf, 1, (int)left);
+        if (pr < 0 && errno == EINTR) continue;
+        if (pr <= 0) return 0;
+        r = recv(fd, buf, sizeof buf, 0);
+        if (r == 0) return 1;
+        if (r < 0 && errno != EINTR) return errno == ECONNRESET ? 1 : 0;
+    }
+}
+
+int dc_raw_hello(int fd, uint64_t req_id) {
+    Dpclip__Request req = DPCLIP__REQUEST__INIT;
+    Dpclip__Hello hello = DPCLIP__HELLO__INIT;
+    Dpclip__Reply *r;
+    int ok;
+    hello.protocol_version = DC_PROTOCOL_VERSION;
+    hello.client_name = "raw";
+    req.id = req_id;
+    req.body_case = DPCLIP__REQUEST__BODY_HELLO;
+    req.hello = &hello;
+    if (dc_raw_send_request(fd, &req)) return -1;
+    if (!(r = dc_raw_read_reply(fd, 10000))) return -1;
+    ok = r->body_case == DPCLIP__REPLY__BODY_HELLO && r->id == req_id;
+    dpclip__reply__free_unpacked(r, NULL);
+    return ok ? 0 : -1;
+}
+
+const Dpclip__Error *dc_raw_error(const Dpclip__Reply *r) {
+    return r && r->body_case == DPCLIP__REPLY__BODY_ERROR ? r->error : NULL;
+}
+
+/* --- shared-memory steps ----------------------------------------------------- */
+
+/* dc_test_layer_make numbers layers with static counters; the concurrent
+ * tests build steps on several threads. */
+static pthread_mutex_t g_make_mu = PTHREAD_MUTEX_INITIALIZER;
+
+dpclip_dtype dc_shm_dtype(dc_dtype t) { return (dpclip_dtype)t; }
+
+static size_t tensor_bytes(const dc_tensor *t) {
+    return (size_t)dc_test_tensor_numel(t) * dc_dtype_size(t->dtype);
+}
+
+/* Copies t's data into the buffer (64-byte aligned) and points t there. */
+static int place(dc_shm_step *s, dc_tensor *t) {
+    size_t off = (s->used + 63) & ~(size_t)63, n;
+    void *old = t->data;
+    if (!old) return 0;
+    n = tensor_bytes(t);
+    if (off + n > s->size) {
+        fprintf(stderr, "harness: shared buffer of %zu bytes is too small\n", s->size);
+        return -1;
+    }
+    memcpy(s->base + off, old, n);
+    t->data = s->base + off;
+    s->used = off + n;
+    return 0;
+}
+
+static dpclip_tensor wire(const dc_shm_step *s, const dc_tensor *t) {
+    dpclip_tensor w;
+    memset(&w, 0, sizeof w);
+    if (!t->data) return w;
+    w.buffer = s->buf_id;
+    w.offset = (uint64_t)((const uint8_t *)t->data - s->base);
+    w.dtype = dc_shm_dtype(t->dtype);
+    w.ndim = t->ndim;
+    for (int i = 0; i < t->ndim; i++) w.shape[i] = t->shape[i];
+    return w;
+}
+
+/* Adds ref layer i to the wire step. */
+static int add_wire_layer(dc_shm_step *s, size_t i) {
+    const dc_layer *l = &s->ref.layers[i];
+    switch (l->kind) {
+    case DC_LAYER_LINEAR: {
+        dpclip_linear x;
+        memset(&x, 0, sizeof x);
+        x.name = l->name;
+        x.activations = wire(s, &l->input);
+        x.output_grad = wire(s, &l->grad);
+        x.has_bias = l->has_bias;
+        x.algo = (dpclip_algo)l->algo;
+        x.weight_grad_out = wire(s, &l->weight_grad_out);
+        x.bias_grad_out = wire(s, &l->bias_grad_out);
+        x.max_grad_norm = l->max_grad_norm;
+        return dpclip_step_add_linear(s->step, &x);
+    }
+    case DC_LAYER_EMBEDDING: {
+        dpclip_embedding x;
+        memset(&x, 0, sizeof x);
+        x.name = l->name;
+        x.indices = wire(s, &l->input);
+        x.output_grad = wire(s, &l->grad);
+        x.num_embeddings = (uint64_t)l->vocab;
+        x.has_padding_idx = l->has_padding_idx;
+        x.padding_idx = l->padding_idx;
+        x.weight_grad_out = wire(s, &l->weight_grad_out);
+        x.max_grad_norm = l->max_grad_norm;
+        return dpclip_step_add_embedding(s->step, &x);
+    }
+    case DC_LAYER_LAYERNORM:
+    case DC_LAYER_RMSNORM: {
+        dpclip_norm_layer x;
+        memset(&x, 0, sizeof x);
+        x.name = l->name;
+        x.input = wire(s, &l->input);
+        x.output_grad = wire(s, &l->grad);
+        x.eps = l->eps;
+        x.has_bias = l->has_bias;
+        x.weight_grad_out = wire(s, &l->weight_grad_out);
+        x.bias_grad_out = wire(s, &l->bias_grad_out);
+        x.max_grad_norm = l->max_grad_norm;
+        return l->kind == DC_LAYER_LAYERNORM ? dpclip_step_add_layernorm(s->step, &x)
+                                             : dpclip_step_add_rmsnorm(s->step, &x);
+    }
+    }
+    return DPCLIP_EARG;
+}
+
+int dc_shm_step_init(dc_shm_step *s, dpclip_client *c, size_t capacity, uint32_t B,
+                     const dpclip_clip_config *cfg) {
+    void *base;
+    int rc;
+
+    memset(s, 0, sizeof *s);
+    s->c = c;
+    s->size = capacity ? capacity : (16u << 20);
+    if ((rc = dpclip_buffer_alloc(c, s->size, &s->buf_id, &base))) {
+        fprintf(stderr, "harness: dpclip_buffer_alloc: %s\n", dpclip_errmsg(c));
+        return rc;
+    }
+    s->base = base;
+    s->ref.batch = B;
+    s->ref.device = -1;
+    return dc_shm_step_set_config(s, cfg);
+}
+
+static void apply_config(dc_shm_step *s, const dpclip_clip_config *cfg) {
+    uint32_t B = s->ref.batch;
+    s->cfg = *cfg;
+    s->ref.mode = cfg->mode == DPCLIP_PER_LAYER ? DC_CLIP_PER_LAYER : DC_CLIP_FLAT;
+    s->ref.max_grad_norm = cfg->max_grad_norm;
+    s->ref.reduction = cfg->reduction == DPCLIP_MEAN ? DC_REDUCTION_MEAN : DC_REDUCTION_SUM;
+    s->ref.expected_batch = cfg->expected_batch_size ? cfg->expected_batch_size : B;
+    s->ref.noise_multiplier = cfg->noise_multiplier;
+}
+
+static int wire_outputs(dc_shm_step *s) {
+    dpclip_tensor wn = wire(s, &s->ref.norms_out), wc = wire(s, &s->ref.coefs_out);
+    return dpclip_step_set_outputs(s->step, s->ref.norms_out.data ? &wn : NULL,
+                                   s->ref.coefs_out.data ? &wc : NULL);
+}
+
+int dc_shm_step_set_config(dc_shm_step *s, const dpclip_clip_config *cfg) {
+    int rc;
+    apply_config(s, cfg);
+    if (s->step) dpclip_step_free(s->step);
+    if (!(s->step = dpclip_step_new(s->ref.batch, cfg))) return DPCLIP_ENOMEM;
+    for (size_t i = 0; i < s->ref.n_layers; i++)
+        if ((rc = add_wire_layer(s, i))) return rc;
+    dpclip_step_want_layer_norms(s->step, s->ref.want_layer_norms);
+    return wire_outputs(s);
+}
+
+void dc_shm_step_want_layer_norms(dc_shm_step *s, int yes) {
+    s->ref.want_layer_norms = yes != 0;
+    dpclip_step_want_layer_norms(s->step, yes);
+}
+
+/* Multiplies each sample's output gradients (all layers) by its own factor
+ * spread over ~2 orders of magnitude, so that a batch has both clipped and
+ * unclipped samples; re-rounds to the dtype so the data stays exact. */
+static void spread_samples(dc_shm_step *s, size_t first, dc_test_rng *r) {
+    uint32_t B = s->ref.batch;
+    for (uint32_t b = 0; b < B; b++) {
+        float f = (float)exp(1.2 * dc_test_normal(r));
+        for (size_t i = first; i < s->ref.n_layers; i++) {
+            dc_tensor *g = &s->ref.layers[i].grad;
+            size_t per = (size_t)(dc_test_tensor_numel(g) / B);
+            for (size_t j = (size_t)b * per; j < (size_t)(b + 1) * per; j++)
+                dc_store_f32(g->data, g->dtype, j, f * dc_load_f32(g->data, g->dtype, j));
+        }
+    }
+}
+
+int dc_shm_step_add(dc_shm_step *s, const dc_test_layer_spec *spec, dc_test_rng *r,
+                    float max_grad_norm) {
+    dc_layer heap, l;
+    size_t i = s->ref.n_layers;
+
+    if (spec->B != s->ref.batch) return -1;
+    if (s->ref.n_layers == s->cap) {
+        size_t cap = s->cap ? s->cap * 2 : 8;
+        dc_layer *nl = realloc(s->ref.layers, cap * sizeof *nl);
+        if (!nl) return -1;
+        s->ref.layers = nl;
+        s->cap = cap;
+    }
+    pthread_mutex_lock(&g_make_mu);
+    dc_test_layer_make(&heap, spec, r);
+    pthread_mutex_unlock(&g_make_mu);
+    l = heap;
+    if (place(s, &l.input) || place(s, &l.grad) || place(s, &l.weight_grad_out) ||
+        place(s, &l.bias_grad_out)) {
+        dc_test_layer_free(&heap);
+        return -1;
+    }
+    dc_test_layer_free(&heap);
+    l.max_grad_norm = max_grad_norm;
+    s->ref.layers[i] = l;
+    s->ref.n_layers++;
+    spread_samples(s, i, r);
+    if (add_wire_layer(s, i) != 0) return -1;
+    return (int)i;
+}
+
+int dc_shm_step_add_outputs(dc_shm_step *s, int norms, int coefs) {
+    uint32_t B = s->ref.batch;
+    if (norms) {
+        s->ref.norms_out = dc_test_tensor_new(DC_F32, 1, B, 0, 0);
+        void *heap = s->ref.norms_out.data;
+        if (place(s, &s->ref.norms_out)) return -1;
+        free(heap);
+    }
+    if (coefs) {
+        s->ref.coefs_out = dc_test_tensor_new(DC_F32, 1, B, 0, 0);
+        void *heap = s->ref.coefs_out.data;
+        if (place(s, &s->ref.coefs_out)) return -1;
+        free(heap);
+    }
+    return wire_outputs(s);
+}
+
+void dc_shm_step_refill(dc_shm_step *s, dc_test_rng *r) {
+    for (size_t i = 0; i < s->ref.n_layers; i++) {
+        dc_layer *l = &s->ref.layers[i];
+        /* Indices keep their pattern of repeats (and padding); floats change. */
+        if (dc_dtype_is_float(l->input.dtype)) dc_test_tensor_fill(&l->input, r, 1.0);
+        dc_test_tensor_fill(&l->grad, r, 0.1);
+    }
+    spread_samples(s, 0, r);
+}
+
+static void fill_f32(dc_tensor *t, float v) {
+    if (!t->data) return;
+    for (int64_t i = 0; i < dc_test_tensor_numel(t); i++) ((float *)t->data)[i] = v;
+}
+
+void dc_shm_step_fill_outputs(dc_shm_step *s, float v) {
+    for (size_t i = 0; i < s->ref.n_layers; i++) {
+        fill_f32(&s->ref.layers[i].weight_grad_out, v);
+        fill_f32(&s->ref.layers[i].bias_grad_out, v);
+    }
+    fill_f32(&s->ref.norms_out, v);
+    fill_f32(&s->ref.coefs_out, v);
+}
+
+int64_t dc_shm_step_outputs(const dc_shm_step *s, float *out) {
+    int64_t n = 0;
+    for (size_t i = 0; i < s->ref.n_layers; i++) {
+        const dc_tensor *ts[2] = {&s->ref.layers[i].weight_grad_out,
+                                  &s->ref.layers[i].bias_grad_out};
+        for (int k = 0; k < 2; k++) {
+            int64_t m;
+            if (!ts[k]->data) continue;
+            m = dc_test_tensor_numel(ts[k]);
+            if (out) memcpy(out + n, ts[k]->data, (size_t)m * sizeof(float));
+            n += m;
+        }
+    }
+    return n;
+}
+
+/* Runs dc_ref_step into s->norms etc. and into per-layer expected outputs
+ * (w_exp/b_exp, caller frees via free_exp). */
+static int run_ref(dc_shm_step *s, double ***w_exp, double ***b_exp) {
+    size_t L = s->ref.n_layers, B = s->ref.batch;
+    double **w, **b;
+
+    free(s->norms);
+    free(s->coefs);
+    free(s->layer_sq);
+    free(s->layer_coefs);
+    s->norms = calloc(B, sizeof(double));
+    s->coefs = calloc(B, sizeof(double));
+    s->layer_sq = calloc(L * B, sizeof(double));
+    s->layer_coefs = calloc(L * B, sizeof(double));
+    w = calloc(L, sizeof *w);
+    b = calloc(L, sizeof *b);
+    if (!s->norms || !s->coefs || !s->layer_sq || !s->layer_coefs || !w || !b) abort();
+    for (size_t i = 0; i < L; i++) {
+        const dc_layer *l = &s->ref.layers[i];
+        if (l->weight_grad_out.data)
+            w[i] = calloc((size_t)dc_test_tensor_numel(&l->weight_grad_out), sizeof(double));
+        if (l->bias_grad_out.data)
+            b[i] = calloc((size_t)dc_test_tensor_numel(&l->bias_grad_out), sizeof(double));
+    }
+    dc_ref_step(&s->ref, s->norms, s->coefs, s->layer_sq,
+                s->ref.mode == DC_CLIP_PER_LAYER ? s->layer_coefs : NULL, w, b);
+    *w_exp = w;
+    *b_exp = b;
+    return 0;
+}
+
+static void free_exp(size_t L, double **w, double **b) {
+    for (size_t i = 0; i < L; i++) {
+        free(w[i]);
+        free(b[i]);
+    }
+    free(w);
+    free(b);
+}
+
+void dc_shm_step_ref_norms(dc_shm_step *s, double *out) {
+    double **w, **b;
+    run_ref(s, &w, &b);
+    memcpy(out, s->norms, s->ref.batch * sizeof(double));
+    free_exp(s->ref.n_layers, w, b);
+}
+
+static int cmp_double(const void *a, const void *b) {
+    double x = *(const double *)a, y = *(const double *)b;
+    return x < y ? -1 : x > y;
+}
+
+double dc_shm_step_median_norm(dc_shm_step *s) {
+    uint32_t B = s->ref.batch;
+    double *n = malloc(B * sizeof *n), m;
+    if (!n) abort();
+    dc_shm_step_ref_norms(s, n);
+    qsort(n, B, sizeof *n, cmp_double);
+    m = B % 2 ? n[B / 2] : 0.5 * (n[B / 2 - 1] + n[B / 2]);
+    free(n);
+    return m;
+}
+
+void dc_shm_step_ref_outputs(dc_shm_step *s, double *out) {
+    double **w, **b;
+    int64_t n = 0;
+    run_ref(s, &w, &b);
+    for (size_t i = 0; i < s->ref.n_layers; i++) {
+        const dc_layer *l = &s->ref.layers[i];
+        if (w[i]) {
+            int64_t m = dc_test_tensor_numel(&l->weight_grad_out);
+            memcpy(out + n, w[i], (size_t)m * sizeof(double));
+            n += m;
+        }
+        if (b[i]) {
+            int64_t m = dc_test_tensor_numel(&l->bias_grad_out);
+            memcpy(out + n, b[i], (size_t)m * sizeof(double));
+            n += m;
+        }
+    }
+    free_exp(s->ref.n_layers, w, b);
+}
+
+/* Compares n floats with the reference, with atol scaled to the array's
+ * magnitude: sums with cancellation have small entries whose relative error
+ * means nothing. Prints and returns the error measure. */
+static double cmp(const char *what, size_t layer, const float *got, const double *want, int64_t n,
+                  double rtol, double atol) {
+    double mx = 0.0, e;
+    for (int64_t i = 0; i < n; i++)
+        if (fabs(want[i]) > mx) mx = fabs(want[i]);
+    e = dc_test_max_relerr_f(got, want, n, rtol, atol + rtol * mx);
+    if (e > 1.0 || isnan(e)) {
+        int64_t worst = 0;
+        double we = -1.0;
+        for (int64_t i = 0; i < n; i++) {
+            double d = fabs((double)got[i] - want[i]);
+            if (d > we || isnan(d)) {
+                we = d;
+                worst = i;
+            }
+        }
+        fprintf(stderr, "harness: %s (layer %zu): error %.3g; worst [%lld] got %.9g want %.9g\n",
+                what, layer, e, (long long)worst, (double)got[worst], want[worst]);
+        if (isnan(e)) e = INFINITY;
+    }
+    return e;
+}
+
+static double max2(double a, double b) { return a > b ? a : b; }
+
+double dc_shm_step_check(dc_shm_step *s, const dpclip_result *res, double rtol, double atol) {
+    size_t L = s->ref.n_layers, B = s->ref.batch;
+    double **w, **b, worst = 0.0;
+    double *tmp;
+
+    if (res->batch != B) {
+        fprintf(stderr, "harness: result batch %u, expected %zu\n", res->batch, B);
+        return INFINITY;
+    }
+    run_ref(s, &w, &b);
+    worst = max2(worst, cmp("norms", 0, res->norms, s->norms, (int64_t)B, rtol, atol));
+    worst = max2(worst, cmp("coefs", 0, res->coefs, s->coefs, (int64_t)B, rtol, atol));
+    tmp = malloc(L * B * sizeof *tmp);
+    if (!tmp) abort();
+    if (res->layer_norms) {
+        for (size_t i = 0; i < L * B; i++) tmp[i] = sqrt(s->layer_sq[i]);
+        worst = max2(worst, cmp("layer_norms", 0, res->layer_norms, tmp, (int64_t)(L * B), rtol,
+                                atol));
+    } else if (s->ref.mode == DC_CLIP_PER_LAYER || s->ref.want_layer_norms) {
+        fprintf(stderr, "harness: layer norms missing from the result\n");
+        worst = INFINITY;
+    }
+    if (s->ref.mode == DC_CLIP_PER_LAYER) {
+        if (!res->layer_coefs) {
+            fprintf(stderr, "harness: layer coefficients missing from the result\n");
+            worst = INFINITY;
+        } else {
+            worst = max2(worst, cmp("layer_coefs", 0, res->layer_coefs, s->layer_coefs,
+                                    (int64_t)(L * B), rtol, atol));
+        }
+    }
+    free(tmp);
+    for (size_t i = 0; i < L; i++) {
+        const dc_layer *l = &s->ref.layers[i];
+        if (w[i])
+            worst = max2(worst, cmp("weight_grad_out", i, l->weight_grad_out.data, w[i],
+                                    dc_test_tensor_numel(&l->weight_grad_out), rtol, atol));
+        if (b[i])
+            worst = max2(worst, cmp("bias_grad_out", i, l->bias_grad_out.data, b[i],
+                                    dc_test_tensor_numel(&l->bias_grad_out), rtol, atol));
+    }
+    if (s->ref.norms_out.data)
+        worst = max2(worst, cmp("norms_out", 0, s->ref.norms_out.data, s->norms, (int64_t)B,
+                                rtol, atol));
+    if (s->ref.coefs_out.data)
+        worst = max2(worst, cmp("coefs_out", 0, s->ref.coefs_out.data, s->coefs, (int64_t)B,
+                                rtol, atol));
+    free_exp(L, w, b);
+    return worst;
+}
+
+void dc_shm_step_free(dc_shm_step *s) {
+    if (s->step) dpclip_step_free(s->step);
+    if (s->c && s->buf_id) dpclip_buffer_release(s->c, s->buf_id);
+    free(s->ref.layers);
+    free(s->norms);
+    free(s->coefs);
+    free(s->layer_sq);
+    free(s->layer_coefs);
+    memset(s, 0, sizeof *s);
+}

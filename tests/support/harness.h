@@ -1,0 +1,113 @@
+/* Test harness: start and stop a real dpclipd, talk raw wire to it, and
+ * build shared-memory steps whose results can be checked against the
+ * double-precision reference (ref.h).
+ *
+ * Ownership: a dc_harness owns its temp dir and the daemon process. Replies
+ * from dc_raw_read_reply are freed with dpclip__reply__free_unpacked. A
+ * dc_shm_step owns its dpclip_step, its layers' reference descriptions and
+ * one shared-memory buffer registered on the client it was created with (the
+ * client itself is the caller's). */
+#ifndef DC_TEST_HARNESS_H
+#define DC_TEST_HARNESS_H
+
+#include <stddef.h>
+#include <stdint.h>
+#include <sys/types.h>
+
+#include "dpclip.h"
+#include "dpclip.pb-c.h"
+#include "ref.h"
+
+/* --- the daemon ------------------------------------------------------------ */
+
+typedef struct dc_harness {
+    pid_t pid;          /* dpclipd, or 0 */
+    char dir[256];      /* temp dir holding the socket */
+    char sock[300];     /* <dir>/d.sock */
+} dc_harness;
+
+/* Starts DPCLIPD_PATH on <tmpdir>/d.sock with a fixed noise seed (tests
+ * only), plus extra_args (space-separated, may be NULL), and waits up to
+ * 20 s for READY on fd 3. 0 on success; on failure prints why. */
+int dc_harness_start(dc_harness *h, const char *extra_args);
+/* SIGTERM, waits for the exit (up to 30 s, then SIGKILL) and removes the
+ * dir. Returns the daemon's exit status (0 = clean), or -1 if it did not
+ * exit by itself or died from a signal. */
+int dc_harness_stop(dc_harness *h);
+/* 1 while the daemon process is running. */
+int dc_harness_alive(const dc_harness *h);
+
+/* --- raw wire, for hostile tests ----------------------------------------- */
+
+/* A connected blocking socket, or -1. */
+int dc_raw_connect(const char *sock);
+/* All of [buf, buf+n), without SIGPIPE. 0 or -1. */
+int dc_raw_send(int fd, const void *buf, size_t n);
+/* Packs req into one frame and sends it. 0 or -1. */
+int dc_raw_send_request(int fd, const Dpclip__Request *req);
+/* One reply frame, or NULL on EOF, timeout (timeout_ms) or a bad frame. */
+Dpclip__Reply *dc_raw_read_reply(int fd, int timeout_ms);
+/* Waits up to timeout_ms for the peer to close: 1 closed, 0 not. Data that
+ * arrives first is discarded. */
+int dc_raw_wait_eof(int fd, int timeout_ms);
+/* Hello with protocol 1 and reads the HelloReply: 0 on success. */
+int dc_raw_hello(int fd, uint64_t req_id);
+/* The Error of a reply, or NULL if it is not one. */
+const Dpclip__Error *dc_raw_error(const Dpclip__Reply *r);
+
+/* --- shared-memory steps --------------------------------------------------- */
+
+typedef struct dc_shm_step {
+    dpclip_client *c;        /* not owned */
+    uint64_t buf_id;
+    uint8_t *base;           /* our mapping of the buffer */
+    size_t size, used;
+    dpclip_step *step;       /* what goes on the wire */
+    dc_step ref;             /* the same step for dc_ref_step; tensors point into base */
+    size_t cap;              /* of ref.layers */
+    dpclip_clip_config cfg;
+    /* Reference results, filled by dc_shm_step_check. */
+    double *norms, *coefs, *layer_sq, *layer_coefs;
+} dc_shm_step;
+
+/* Allocates a `capacity`-byte shared buffer on c (0 = 16 MiB) and an empty
+ * step of batch B with cfg. */
+int dc_shm_step_init(dc_shm_step *s, dpclip_client *c, size_t capacity, uint32_t B,
+                     const dpclip_clip_config *cfg);
+/* Makes a random layer with dc_test_layer_make(spec), copies its tensors
+ * into the shared buffer and adds it to both the wire step and the
+ * reference step. spec->B must equal the step's batch. max_grad_norm: the
+ * layer's threshold (PER_LAYER). Returns the layer's index, or -1. */
+int dc_shm_step_add(dc_shm_step *s, const dc_test_layer_spec *spec, dc_test_rng *r,
+                    float max_grad_norm);
+/* Adds [B] f32 norms_out / coefs_out tensors in the buffer. */
+int dc_shm_step_add_outputs(dc_shm_step *s, int norms, int coefs);
+/* Replaces the clipping config (rebuilding the wire step), e.g. to pick C
+ * from the reference norms of the data. */
+int dc_shm_step_set_config(dc_shm_step *s, const dpclip_clip_config *cfg);
+void dc_shm_step_want_layer_norms(dc_shm_step *s, int yes);
+/* The reference per-sample norms of the current data: out[B]. */
+void dc_shm_step_ref_norms(dc_shm_step *s, double *out);
+/* The median of the reference norms: a threshold that clips about half. */
+double dc_shm_step_median_norm(dc_shm_step *s);
+/* Refills every input (activations, grads, indices) of every layer with new
+ * random data, as a trainer would for its next batch. */
+void dc_shm_step_refill(dc_shm_step *s, dc_test_rng *r);
+/* Fills every output tensor (weight/bias grads, norms/coefs out) with v. */
+void dc_shm_step_fill_outputs(dc_shm_step *s, float v);
+/* Computes the reference for the current data and compares the daemon's
+ * result and output tensors with it (noise treated as 0). Returns the worst
+ * max_relerr (<= 1 means everything is within rtol/atol) and prints what
+ * was off when > 1. */
+double dc_shm_step_check(dc_shm_step *s, const dpclip_result *res, double rtol, double atol);
+/* Total element count of all weight/bias output tensors, and a copy of them
+ * (f32, layer order, weight then bias) into out[] (may be NULL). */
+int64_t dc_shm_step_outputs(const dc_shm_step *s, float *out);
+/* The reference values of the outputs, same order as dc_shm_step_outputs. */
+void dc_shm_step_ref_outputs(dc_shm_step *s, double *out);
+void dc_shm_step_free(dc_shm_step *s);
+
+/* The dpclip_dtype of a reference tensor. */
+dpclip_dtype dc_shm_dtype(dc_dtype t);
+
+#endif

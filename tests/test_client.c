@@ -1,0 +1,528 @@
+/* libdpclip against a real dpclipd: local argument checks, errors,
+ * handshake, buffers, ping, and the ordering of submit/wait/submit_cb/poll. */
+#include <errno.h>
+#include <fcntl.h>
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <cmocka.h>
+
+#include "dc_frame.h"
+#include "harness.h"
+
+#define MAX_BATCH 64
+
+static dc_harness g_h;
+
+static int group_setup(void **state) {
+    (void)state;
+    return dc_harness_start(&g_h, "--workers 2 --max-batch 64");
+}
+
+static int group_teardown(void **state) {
+    (void)state;
+    int rc = dc_harness_stop(&g_h);
+    if (rc != 0) fprintf(stderr, "dpclipd did not stop cleanly (%d)\n", rc);
+    return rc;
+}
+
+static dpclip_client *connect_ok(void) {
+    dpclip_client *c = NULL;
+    dpclip_connect_opts o = {.client_name = "test_client", .job_id = "job-1", .timeout_ms = 5000};
+    int rc = dpclip_connect(g_h.sock, &o, &c);
+    if (rc) fprintf(stderr, "connect: %s\n", dpclip_errmsg(c));
+    assert_int_equal(rc, 0);
+    assert_non_null(c);
+    return c;
+}
+
+static const dpclip_clip_config k_cfg = {.max_grad_norm = 1.0f,
+                                         .reduction = DPCLIP_SUM,
+                                         .expected_batch_size = 0,
+                                         .noise_multiplier = 0.0f,
+                                         .mode = DPCLIP_FLAT};
+
+/* A small two-layer step (linear with bias + layernorm) in its own buffer,
+ * with C set to the median norm so that some samples are clipped. */
+static void make_step(dc_shm_step *s, dpclip_client *c, uint32_t B, uint64_t seed) {
+    dc_test_rng r;
+    dc_test_layer_spec lin = {.kind = DC_LAYER_LINEAR, .B = B, .T = 3, .d = 8, .p = 6,
+                              .dtype = DC_F32, .has_bias = 1, .with_outputs = 1};
+    dc_test_layer_spec ln = {.kind = DC_LAYER_LAYERNORM, .B = B, .T = 3, .d = 8,
+                             .dtype = DC_F32, .has_bias = 1, .with_outputs = 1};
+    dpclip_clip_config cfg = k_cfg;
+    dc_test_rng_seed(&r, seed);
+    assert_int_equal(dc_shm_step_init(s, c, 1u << 20, B, &cfg), 0);
+    assert_true(dc_shm_step_add(s, &lin, &r, 1.0f) >= 0);
+    assert_true(dc_shm_step_add(s, &ln, &r, 1.0f) >= 0);
+    cfg.max_grad_norm = (float)dc_shm_step_median_norm(s);
+    assert_int_equal(dc_shm_step_set_config(s, &cfg), 0);
+}
+
+static void check(dc_shm_step *s, const dpclip_result *res) {
+    double e = dc_shm_step_check(s, res, dc_test_rtol(DC_F32), 1e-6);
+    assert_true(e <= 1.0);
+}
+
+/* --- no daemon needed ---------------------------------------------------- */
+
+static void test_local_args(void **state) {
+    (void)state;
+    dpclip_step *s;
+    dpclip_linear l;
+    dpclip_norm_layer n;
+    dpclip_embedding e;
+    dpclip_result res;
+    dpclip_tensor t = {1, 0, DPCLIP_F32, 2, {4, 8, 0}};
+
+    assert_null(dpclip_step_new(0, &k_cfg));
+    assert_null(dpclip_step_new(4, NULL));
+    s = dpclip_step_new(4, &k_cfg);
+    assert_non_null(s);
+
+    memset(&l, 0, sizeof l);
+    assert_int_equal(dpclip_step_add_linear(NULL, &l), DPCLIP_EARG);
+    assert_int_equal(dpclip_step_add_linear(s, NULL), DPCLIP_EARG);
+    /* required tensors absent */
+    assert_int_equal(dpclip_step_add_linear(s, &l), DPCLIP_EARG);
+    l.activations = t;
+    assert_int_equal(dpclip_step_add_linear(s, &l), DPCLIP_EARG);
+    l.output_grad = t;
+    l.output_grad.ndim = 4; /* more dims than a tensor reference holds */
+    assert_int_equal(dpclip_step_add_linear(s, &l), DPCLIP_EARG);
+    l.output_grad.ndim = 2;
+    l.weight_grad_out.ndim = -1;
+    assert_int_equal(dpclip_step_add_linear(s, &l), DPCLIP_EARG);
+    l.weight_grad_out.ndim = 0; /* absent optional: fine */
+    assert_int_equal(dpclip_step_add_linear(s, &l), DPCLIP_OK);
+
+    memset(&n, 0, sizeof n);
+    assert_int_equal(dpclip_step_add_layernorm(s, NULL), DPCLIP_EARG);
+    assert_int_equal(dpclip_step_add_rmsnorm(s, &n), DPCLIP_EARG);
+    memset(&e, 0, sizeof e);
+    e.output_grad = t;
+    assert_int_equal(dpclip_step_add_embedding(s, &e), DPCLIP_EARG);
+    assert_int_equal(dpclip_step_add_embedding(NULL, &e), DPCLIP_EARG);
+
+    assert_int_equal(dpclip_step_set_outputs(NULL, NULL, NULL), DPCLIP_EARG);
+    t.ndim = 7;
+    assert_int_equal(dpclip_step_set_outputs(s, &t, NULL), DPCLIP_EARG);
+
+    memset(&res, 0xab, sizeof res);
+    assert_int_equal(dpclip_run(NULL, s, &res), DPCLIP_EARG);
+    assert_null(res.norms); /* zeroed, so freeing is safe */
+    dpclip_result_free(&res);
+    dpclip_result_free(NULL);
+    assert_int_equal(dpclip_connect("/nonexistent", NULL, NULL), DPCLIP_EARG);
+    assert_int_equal(dpclip_submit(NULL, s, NULL), DPCLIP_EARG);
+    assert_int_equal(dpclip_submit_cb(NULL, s, NULL, NULL), DPCLIP_EARG);
+    assert_int_equal(dpclip_ping(NULL), DPCLIP_EARG);
+    assert_int_equal(dpclip_fd(NULL), -1);
+    assert_true(dpclip_poll(NULL, 0) < 0);
+    dpclip_step_want_layer_norms(NULL, 1);
+    dpclip_step_reset(NULL, 3);
+    dpclip_step_free(NULL);
+    dpclip_disconnect(NULL);
+    assert_non_null(dpclip_errmsg(NULL));
+    dpclip_step_free(s);
+}
+
+static void test_strerror(void **state) {
+    (void)state;
+    const int codes[] = {DPCLIP_OK, DPCLIP_EINVAL, DPCLIP_ENOTFOUND, DPCLIP_EPERM,
+                         DPCLIP_EPRECOND, DPCLIP_ENOSPACE, DPCLIP_ENONFINITE, DPCLIP_EPROTO,
+                         DPCLIP_EINTERNAL, DPCLIP_EUNAVAIL, DPCLIP_EUNIMPL, DPCLIP_EIO,
+                         DPCLIP_ENOMEM, DPCLIP_EAGAIN, DPCLIP_EARG};
+    const size_t n = sizeof codes / sizeof codes[0];
+    const char *unknown = dpclip_strerror(12345);
+    assert_non_null(unknown);
+    for (size_t i = 0; i < n; i++) {
+        const char *s = dpclip_strerror(codes[i]);
+        assert_non_null(s);
+        assert_true(strlen(s) > 0);
+        assert_string_not_equal(s, unknown);
+        for (size_t j = 0; j < i; j++) assert_string_not_equal(s, dpclip_strerror(codes[j]));
+    }
+}
+
+static void test_default_socket(void **state) {
+    (void)state;
+    const char *old = getenv("DPCLIP_SOCKET");
+    char *saved = old ? strdup(old) : NULL;
+    setenv("DPCLIP_SOCKET", "/tmp/x/y.sock", 1);
+    assert_string_equal(dpclip_default_socket(), "/tmp/x/y.sock");
+    unsetenv("DPCLIP_SOCKET");
+    assert_string_equal(dpclip_default_socket(), "/run/dpclip/dpclipd.sock");
+    if (saved) setenv("DPCLIP_SOCKET", saved, 1);
+    free(saved);
+}
+
+/* --- against the daemon ------------------------------------------------------ */
+
+static void test_connect_missing(void **state) {
+    (void)state;
+    char path[400], longpath[200];
+    dpclip_client *c = NULL;
+    snprintf(path, sizeof path, "%s/missing.sock", g_h.dir);
+    assert_int_equal(dpclip_connect(path, NULL, &c), DPCLIP_EIO);
+    assert_non_null(c);
+    assert_non_null(strstr(dpclip_errmsg(c), strerror(ENOENT)));
+    assert_non_null(strstr(dpclip_errmsg(c), path));
+    /* a dead handle stays dead and says so */
+    assert_int_equal(dpclip_ping(c), DPCLIP_EIO);
+    dpclip_disconnect(c);
+
+    memset(longpath, 'a', sizeof longpath - 1);
+    longpath[0] = '/';
+    longpath[sizeof longpath - 1] = '\0';
+    c = NULL;
+    assert_int_equal(dpclip_connect(longpath, NULL, &c), DPCLIP_EARG);
+    assert_true(strlen(dpclip_errmsg(c)) > 0);
+    dpclip_disconnect(c);
+}
+
+static void test_handshake_info(void **state) {
+    (void)state;
+    dpclip_client *c = connect_ok(), *c2 = connect_ok();
+    dpclip_daemon_info info, info2;
+    assert_int_equal(dpclip_daemon_info_get(c, &info), 0);
+    assert_int_equal(dpclip_daemon_info_get(c2, &info2), 0);
+    assert_int_equal(info.protocol_version, DC_PROTOCOL_VERSION);
+    assert_int_equal(info.max_batch, MAX_BATCH);
+    assert_int_equal(info.max_layers, DC_DEFAULT_MAX_LAYERS);
+    assert_int_equal(info.max_frame, DC_DEFAULT_MAX_FRAME);
+    assert_true(strlen(info.daemon_version) > 0);
+    assert_int_equal(info.has_cuda, 0);
+    assert_true(info.session_id != 0);
+    assert_true(info.session_id != info2.session_id);
+    assert_true(dpclip_fd(c) >= 0);
+    assert_int_equal(dpclip_daemon_info_get(c, NULL), DPCLIP_EARG);
+    dpclip_disconnect(c2);
+    dpclip_disconnect(c);
+}
+
+static void test_ping(void **state) {
+    (void)state;
+    dpclip_client *c = connect_ok();
+    for (int i = 0; i < 20; i++) assert_int_equal(dpclip_ping(c), 0);
+    dpclip_disconnect(c);
+}
+
+static void test_buffers(void **state) {
+    (void)state;
+    dpclip_client *c = connect_ok();
+    uint64_t a, b, d;
+    void *pa, *pb;
+    int fd;
+
+    assert_int_equal(dpclip_buffer_alloc(c, 0, &a, &pa), DPCLIP_EARG);
+    assert_int_equal(dpclip_buffer_alloc(c, 4096, NULL, &pa), DPCLIP_EARG);
+    assert_int_equal(dpclip_buffer_alloc(c, 4096, &a, &pa), 0);
+    assert_int_equal(dpclip_buffer_alloc(c, 100000, &b, &pb), 0);
+    assert_true(a != 0 && b != 0 && a != b);
+    memset(pa, 0x5a, 4096);
+    memset(pb, 0xa5, 100000);
+    assert_int_equal(((uint8_t *)pa)[4095], 0x5a);
+    assert_int_equal(((uint8_t *)pb)[99999], 0xa5);
+
+    /* the library's memfds are sealed: growing or shrinking is refused */
+    assert_int_equal(dpclip_buffer_release(c, a), 0);
+    assert_int_equal(dpclip_buffer_release(c, a), DPCLIP_ENOTFOUND);
+    assert_string_equal(dpclip_errfield(c), "release_buffer.buffer_id");
+    assert_int_equal(dpclip_buffer_release(c, 987654321), DPCLIP_ENOTFOUND);
+    assert_string_equal(dpclip_errfield(c), "release_buffer.buffer_id");
+    assert_true(strlen(dpclip_errmsg(c)) > 0);
+
+    /* register_fd: a caller's sealed memfd works... */
+    fd = memfd_create("test", MFD_CLOEXEC | MFD_ALLOW_SEALING);
+    assert_true(fd >= 0);
+    assert_int_equal(ftruncate(fd, 8192), 0);
+    assert_int_equal(fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK), 0);
+    assert_int_equal(dpclip_buffer_register_fd(c, fd, 8192, &d), 0);
+    assert_true(d != b);
+    assert_int_equal(dpclip_buffer_release(c, d), 0);
+    close(fd);
+    /* ...one without F_SEAL_SHRINK is refused by the daemon, naming the field */
+    fd = memfd_create("test", MFD_CLOEXEC);
+    assert_true(fd >= 0);
+    assert_int_equal(ftruncate(fd, 8192), 0);
+    assert_int_equal(dpclip_buffer_register_fd(c, fd, 8192, &d), DPCLIP_EINVAL);
+    assert_non_null(strstr(dpclip_errfield(c), "register_buffer"));
+    close(fd);
+    assert_int_equal(dpclip_buffer_register_fd(c, -1, 8192, &d), DPCLIP_EARG);
+    /* the session is fine after the errors */
+    assert_int_equal(dpclip_ping(c), 0);
+    dpclip_disconnect(c); /* unmaps b */
+}
+
+static void test_run(void **state) {
+    (void)state;
+    dpclip_client *c = connect_ok();
+    dc_shm_step s;
+    dpclip_result res;
+    make_step(&s, c, 16, 1);
+    assert_int_equal(dpclip_run(c, s.step, &res), 0);
+    assert_int_equal(res.batch, 16);
+    assert_int_equal(res.n_layers, 2);
+    assert_null(res.layer_norms);
+    check(&s, &res);
+    dpclip_result_free(&res);
+    assert_null(res.norms);
+
+    /* batch 0 after a reset is a local error */
+    dpclip_step_reset(s.step, 0);
+    assert_int_equal(dpclip_run(c, s.step, &res), DPCLIP_EARG);
+    dc_shm_step_free(&s);
+    dpclip_disconnect(c);
+}
+
+static void test_submit_wait(void **state) {
+    (void)state;
+    dpclip_client *c = connect_ok();
+    dc_shm_step s[3];
+    uint64_t t[3];
+    dpclip_result res[3];
+
+    for (int i = 0; i < 3; i++) make_step(&s[i], c, (uint32_t)(8 + 4 * i), 10 + (uint64_t)i);
+    for (int i = 0; i < 3; i++) assert_int_equal(dpclip_submit(c, s[i].step, &t[i]), 0);
+    assert_true(t[0] != t[1] && t[1] != t[2]);
+    /* collect out of order: the last first */
+    assert_int_equal(dpclip_wait(c, t[2], -1, &res[2]), 0);
+    /* a zero timeout may or may not find t[0] finished; either answer is legal */
+    int rc = dpclip_wait(c, t[0], 0, &res[0]);
+    assert_true(rc == 0 || rc == DPCLIP_EAGAIN);
+    if (rc == DPCLIP_EAGAIN) assert_int_equal(dpclip_wait(c, t[0], -1, &res[0]), 0);
+    assert_int_equal(dpclip_wait(c, t[1], 5000, &res[1]), 0);
+    for (int i = 0; i < 3; i++) {
+        assert_int_equal(res[i].batch, 8 + 4 * i);
+        check(&s[i], &res[i]);
+    }
+    assert_true(res[0].step_index < res[1].step_index);
+    assert_true(res[1].step_index < res[2].step_index);
+    /* collected tickets and made-up ones are unknown */
+    assert_int_equal(dpclip_wait(c, t[1], 0, &res[1]), DPCLIP_EARG);
+    assert_null(res[1].norms);
+    assert_int_equal(dpclip_wait(c, 999999, -1, &res[1]), DPCLIP_EARG);
+    for (int i = 0; i < 3; i++) {
+        dpclip_result_free(&res[i]);
+        dc_shm_step_free(&s[i]);
+    }
+    assert_int_equal(dpclip_poll(c, 0), 0); /* nothing outstanding */
+    dpclip_disconnect(c);
+}
+
+typedef struct cb_log {
+    dpclip_client *c;
+    int n;
+    int order[16];
+    int status[16];
+    uint64_t step_index[16];
+    int ping_rc;
+} cb_log;
+
+typedef struct cb_arg {
+    cb_log *log;
+    int id;
+    int do_ping;
+} cb_arg;
+
+static void on_step(void *user, int status, const char *errmsg, const dpclip_result *res) {
+    cb_arg *a = user;
+    cb_log *lg = a->log;
+    lg->order[lg->n] = a->id;
+    lg->status[lg->n] = status;
+    lg->step_index[lg->n] = status == 0 ? res->step_index : 0;
+    if (status) assert_non_null(errmsg);
+    /* callbacks run without the handle's lock: calling back in must work */
+    if (a->do_ping) lg->ping_rc = dpclip_ping(lg->c);
+    lg->n++;
+}
+
+static void test_submit_cb_poll(void **state) {
+    (void)state;
+    dpclip_client *c = connect_ok();
+    dc_shm_step s;
+    cb_log lg;
+    cb_arg args[6];
+    uint64_t ticket;
+    dpclip_result res, tres;
+    int done = 0;
+
+    memset(&lg, 0, sizeof lg);
+    lg.c = c;
+    lg.ping_rc = -1;
+    make_step(&s, c, 12, 20);
+    for (int i = 0; i < 6; i++) args[i] = (cb_arg){&lg, i, i == 3};
+
+    /* cb, cb, ticket, cb, cb: completions in submission order */
+    assert_int_equal(dpclip_submit_cb(c, s.step, on_step, &args[0]), 0);
+    assert_int_equal(dpclip_submit_cb(c, s.step, on_step, &args[1]), 0);
+    assert_int_equal(dpclip_submit(c, s.step, &ticket), 0);
+    assert_int_equal(dpclip_submit_cb(c, s.step, on_step, &args[2]), 0);
+    assert_int_equal(dpclip_submit_cb(c, s.step, on_step, &args[3]), 0);
+    while (lg.n < 4) {
+        int n = dpclip_poll(c, 5000);
+        assert_true(n >= 0);
+        done += n;
+    }
+    assert_int_equal(done, 5); /* four callbacks and the ticket */
+    for (int i = 0; i < 4; i++) {
+        assert_int_equal(lg.order[i], i);
+        assert_int_equal(lg.status[i], 0);
+        if (i) assert_true(lg.step_index[i] > lg.step_index[i - 1]);
+    }
+    assert_int_equal(lg.ping_rc, 0);
+    assert_int_equal(dpclip_wait(c, ticket, 0, &tres), 0); /* already completed by poll */
+    assert_true(tres.step_index > lg.step_index[1] && tres.step_index < lg.step_index[2]);
+    check(&s, &tres);
+    dpclip_result_free(&tres);
+
+    /* dpclip_run completes earlier submits first: their callbacks have run
+     * by the time it returns */
+    assert_int_equal(dpclip_submit_cb(c, s.step, on_step, &args[4]), 0);
+    assert_int_equal(dpclip_submit_cb(c, s.step, on_step, &args[5]), 0);
+    assert_int_equal(dpclip_run(c, s.step, &res), 0);
+    assert_int_equal(lg.n, 6);
+    assert_int_equal(lg.order[4], 4);
+    assert_int_equal(lg.order[5], 5);
+    assert_true(lg.step_index[5] < res.step_index);
+    check(&s, &res);
+    dpclip_result_free(&res);
+    dc_shm_step_free(&s);
+    dpclip_disconnect(c);
+}
+
+static void test_step_errors(void **state) {
+    (void)state;
+    dpclip_client *c = connect_ok();
+    dc_shm_step s;
+    dpclip_step *bad;
+    dpclip_linear l;
+    dpclip_result res;
+    uint64_t t;
+    cb_log lg;
+    cb_arg arg;
+
+    make_step(&s, c, 8, 30);
+    bad = dpclip_step_new(8, &k_cfg);
+    memset(&l, 0, sizeof l);
+    l.activations = (dpclip_tensor){424242, 0, DPCLIP_F32, 2, {8, 4, 0}};
+    l.output_grad = (dpclip_tensor){424242, 128, DPCLIP_F32, 2, {8, 4, 0}};
+    assert_int_equal(dpclip_step_add_linear(bad, &l), 0);
+
+    /* a failing step via every path; the session goes on */
+    assert_int_equal(dpclip_run(c, bad, &res), DPCLIP_ENOTFOUND);
+    assert_non_null(strstr(dpclip_errfield(c), "buffer_id"));
+    assert_null(res.norms);
+    assert_int_equal(dpclip_submit(c, bad, &t), 0);
+    memset(&lg, 0, sizeof lg);
+    lg.c = c;
+    arg = (cb_arg){&lg, 0, 0};
+    assert_int_equal(dpclip_submit_cb(c, bad, on_step, &arg), 0);
+    assert_int_equal(dpclip_wait(c, t, -1, &res), DPCLIP_ENOTFOUND);
+    assert_string_equal(dpclip_errfield(c), "clip_step.layers[0].linear.activations.buffer_id");
+    while (lg.n < 1) assert_true(dpclip_poll(c, -1) >= 0);
+    assert_int_equal(lg.status[0], DPCLIP_ENOTFOUND);
+
+    /* over the daemon's max_batch */
+    dpclip_step_reset(bad, MAX_BATCH + 1);
+    l.activations.shape[0] = l.output_grad.shape[0] = MAX_BATCH + 1;
+    assert_int_equal(dpclip_step_add_linear(bad, &l), 0);
+    assert_int_equal(dpclip_run(c, bad, &res), DPCLIP_EINVAL);
+    assert_string_equal(dpclip_errfield(c), "clip_step.batch_size");
+
+    assert_int_equal(dpclip_run(c, s.step, &res), 0);
+    check(&s, &res);
+    dpclip_result_free(&res);
+    dpclip_step_free(bad);
+    dc_shm_step_free(&s);
+    dpclip_disconnect(c);
+}
+
+/* Disconnecting with callbacks outstanding runs them with DPCLIP_EIO or
+ * their real status; never leaks and never hangs. */
+static void test_disconnect_pending(void **state) {
+    (void)state;
+    dpclip_client *c = connect_ok();
+    dc_shm_step s;
+    cb_log lg;
+    cb_arg args[4];
+    uint64_t t;
+
+    memset(&lg, 0, sizeof lg);
+    lg.c = c;
+    make_step(&s, c, 8, 40);
+    for (int i = 0; i < 4; i++) {
+        args[i] = (cb_arg){&lg, i, 0};
+        assert_int_equal(dpclip_submit_cb(c, s.step, on_step, &args[i]), 0);
+    }
+    assert_int_equal(dpclip_submit(c, s.step, &t), 0);
+    dpclip_step_free(s.step);
+    s.step = NULL;
+    s.c = NULL; /* the buffer goes with the connection */
+    dpclip_disconnect(c);
+    assert_int_equal(lg.n, 4);
+    for (int i = 0; i < 4; i++) assert_int_equal(lg.order[i], i);
+    dc_shm_step_free(&s);
+}
+
+/* A daemon that goes away: calls fail with DPCLIP_EIO, pending tickets too. */
+static void test_daemon_gone(void **state) {
+    (void)state;
+    dc_harness h2;
+    dpclip_client *c = NULL;
+    dc_shm_step s;
+    dpclip_result res;
+    uint64_t t;
+
+    assert_int_equal(dc_harness_start(&h2, "--workers 1"), 0);
+    assert_int_equal(dpclip_connect(h2.sock, NULL, &c), 0);
+    make_step(&s, c, 8, 50);
+    assert_int_equal(dpclip_submit(c, s.step, &t), 0);
+    assert_int_equal(dpclip_wait(c, t, -1, &res), 0); /* in flight steps finish */
+    dpclip_result_free(&res);
+    assert_int_equal(dpclip_submit(c, s.step, &t), 0);
+    /* the daemon drains and exits 0 even with this client still connected */
+    assert_int_equal(dc_harness_stop(&h2), 0);
+    int rc = dpclip_wait(c, t, -1, &res);
+    /* the request may have been answered before the shutdown or dropped */
+    assert_true(rc == 0 || rc == DPCLIP_EIO);
+    dpclip_result_free(&res);
+    assert_int_equal(dpclip_ping(c), DPCLIP_EIO);
+    assert_true(strlen(dpclip_errmsg(c)) > 0);
+    assert_int_equal(dpclip_run(c, s.step, &res), DPCLIP_EIO);
+    assert_int_equal(dpclip_fd(c), -1);
+    s.c = NULL;
+    dc_shm_step_free(&s);
+    dpclip_disconnect(c);
+}
+
+int main(void) {
+    const struct CMUnitTest local[] = {
+        cmocka_unit_test(test_local_args),
+        cmocka_unit_test(test_strerror),
+        cmocka_unit_test(test_default_socket),
+    };
+    const struct CMUnitTest daemon[] = {
+        cmocka_unit_test(test_connect_missing),
+        cmocka_unit_test(test_handshake_info),
+        cmocka_unit_test(test_ping),
+        cmocka_unit_test(test_buffers),
+        cmocka_unit_test(test_run),
+        cmocka_unit_test(test_submit_wait),
+        cmocka_unit_test(test_submit_cb_poll),
+        cmocka_unit_test(test_step_errors),
+        cmocka_unit_test(test_disconnect_pending),
+        cmocka_unit_test(test_daemon_gone),
+    };
+    int fails = cmocka_run_group_tests_name("client_local", local, NULL, NULL);
+    fails += cmocka_run_group_tests_name("client_daemon", daemon, group_setup, group_teardown);
+    return fails;
+}
