@@ -1,6 +1,7 @@
 /* daemon/validate.c: every field of a ClipStep is checked before any work,
  * and each rejection names the field. */
 #include <fcntl.h>
+#include <math.h>
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
