@@ -1,0 +1,288 @@
+/* The CPU backend: the reference implementation of backend.h's run_step,
+ * and the default where no GPU is found.
+ *
+ * A step runs in phases so that a failure writes nothing:
+ *   1. check every layer's data (cpu_check.c);
+ *   2. squared norms per layer and sample (cpu_norms.c), then coefficients;
+ *   3. every requested output into scratch (cpu_clip.c), plus noise, divided
+ *      for MEAN, and checked finite in its output dtype;
+ *   4. only then copy into the output tensors, norms_out and coefs_out.
+ * Because inputs are only read before phase 4, outputs may even alias inputs.
+ *
+ * Threads: BLAS threading in OpenBLAS is global to the process; it is taken
+ * from OPENBLAS_NUM_THREADS and the `threads` argument is only recorded. */
+#include <limits.h>
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "backend.h"
+#include "cpu.h"
+#include "noise.h"
+
+typedef struct cpu_backend {
+    dc_backend base;    /* first: the worker pool sees a dc_backend * */
+    int threads;
+    dc_cpu_scratch s;
+} cpu_backend;
+
+/* --- scratch helpers (declared in cpu.h) -------------------------------------- */
+
+void *dc_cpu_buf_reserve(dc_cpu_buf *b, size_t bytes) {
+    if (bytes <= b->cap && b->p) return b->p;
+    /* Grow by at least half again so slowly increasing shapes do not
+     * reallocate every step; 64-byte alignment suits AVX-512 loads. */
+    size_t want = bytes + bytes / 2;
+    if (want < bytes) want = bytes;
+    want = (want + 63) & ~(size_t)63;
+    if (want < bytes) return NULL;
+    void *p = aligned_alloc(64, want ? want : 64);
+    if (!p) return NULL;
+    free(b->p);
+    b->p = p;
+    b->cap = want;
+    return p;
+}
+
+void dc_cpu_buf_free(dc_cpu_buf *b) {
+    free(b->p);
+    b->p = NULL;
+    b->cap = 0;
+}
+
+void dc_cpu_scratch_free(dc_cpu_scratch *s) {
+    dc_cpu_buf_free(&s->in);
+    dc_cpu_buf_free(&s->grad);
+    dc_cpu_buf_free(&s->work);
+    dc_cpu_buf_free(&s->work2);
+    dc_cpu_buf_free(&s->order);
+    dc_cpu_buf_free(&s->out);
+    dc_cpu_buf_free(&s->stats);
+}
+
+size_t dc_cpu_numel(const dc_tensor *t) {
+    size_t n = 1;
+    for (int i = 0; i < t->ndim; i++) n *= (size_t)t->shape[i];
+    return n;
+}
+
+const float *dc_cpu_as_f32(dc_cpu_buf *buf, const dc_tensor *t, size_t n) {
+    if (t->dtype == DC_F32) return t->data;
+    float *out = dc_cpu_buf_reserve(buf, n * sizeof(float));
+    if (!out) return NULL;
+    const uint16_t *h = t->data;
+    if (t->dtype == DC_BF16)
+        for (size_t i = 0; i < n; i++) out[i] = dc_bf16_to_f32(h[i]);
+    else
+        for (size_t i = 0; i < n; i++) out[i] = dc_f16_to_f32(h[i]);
+    return out;
+}
+
+/* --- run_step -------------------------------------------------------------- */
+
+/* First element of v[n] that is not finite once stored as dtype t, or -1:
+ * f16 overflows above 65504, so finite f32 is not enough. */
+static int64_t find_bad_out(const float *v, size_t n, dc_dtype t) {
+    for (size_t i = 0; i < n; i++) {
+        if (!isfinite(v[i])) return (int64_t)i;
+        if (t == DC_F16 && (dc_f32_to_f16(v[i]) & 0x7c00u) == 0x7c00u) return (int64_t)i;
+        if (t == DC_BF16 && (dc_f32_to_bf16(v[i]) & 0x7f80u) == 0x7f80u) return (int64_t)i;
+    }
+    return -1;
+}
+
+static void store_out(const dc_tensor *t, const float *v, size_t n) {
+    if (t->dtype == DC_F32) {
+        memcpy(t->data, v, n * sizeof(float));
+        return;
+    }
+    for (size_t i = 0; i < n; i++) dc_store_f32(t->data, t->dtype, i, v[i]);
+}
+
+/* Shape limits that come from BLAS's int arguments, checked up front. */
+static int check_dims(const dc_layer *l, uint32_t B, dc_err *err) {
+    if (l->kind != DC_LAYER_LINEAR) return 0;
+    if (l->T > INT_MAX || l->d > INT_MAX || l->p > INT_MAX ||
+        (uint64_t)B * (uint64_t)l->T > (uint64_t)INT_MAX)
+        return dc_err_set(err, DC_EINVAL, l->name,
+                          "dimensions beyond %d are not supported by the CPU backend", INT_MAX);
+    return 0;
+}
+
+/* Per-step arrays, carved out of one scratch block. */
+typedef struct step_stats {
+    double *n2;     /* [L*B] squared layer norms */
+    size_t *off;    /* [2L] offsets into the output scratch; SIZE_MAX = none */
+    float *norms;   /* [B] */
+    float *coefs;   /* [B] */
+    float *lcoef;   /* [L*B] PER_LAYER */
+    float *cvec;    /* [B] coefficient * grad scale for the layer at hand */
+} step_stats;
+
+static int stats_carve(dc_cpu_scratch *s, size_t L, uint32_t B, step_stats *st) {
+    size_t LB = L * B;
+    size_t bytes = LB * sizeof(double) + 2 * L * sizeof(size_t) +
+                   (2 * (size_t)B + LB + B) * sizeof(float);
+    char *p = dc_cpu_buf_reserve(&s->stats, bytes);
+    if (!p) return DC_ENOSPACE;
+    st->n2 = (double *)p;
+    p += LB * sizeof(double);
+    st->off = (size_t *)p;
+    p += 2 * L * sizeof(size_t);
+    st->norms = (float *)p;
+    st->coefs = st->norms + B;
+    st->lcoef = st->coefs + B;
+    st->cvec = st->lcoef + LB;
+    return 0;
+}
+
+static int cpu_run_step(dc_backend *be, const dc_step *step, dc_step_result *res,
+                        dc_err *err) {
+    cpu_backend *cb = (cpu_backend *)be;
+    dc_cpu_scratch *s = &cb->s;
+    struct timespec t0, t1;
+    uint32_t B = step->batch;
+    size_t L = step->n_layers;
+    bool per_layer = step->mode == DC_CLIP_PER_LAYER;
+    float scale = dc_step_grad_scale(step);
+    step_stats st;
+    int rc;
+
+    clock_gettime(CLOCK_MONOTONIC, &t0);
+    if (step->device >= 0)
+        return dc_err_set(err, DC_EPRECOND, "clip_step",
+                          "the CPU backend cannot read tensors in GPU memory (cuda:%d)",
+                          step->device);
+    if (B == 0 || !res->norms || !res->coefs || !res->layer_norms ||
+        (per_layer && !res->layer_coefs) || res->batch != B || res->n_layers != L)
+        return dc_err_set(err, DC_EINTERNAL, "", "step result not initialised for this step");
+
+    /* 1. data checks, before any arithmetic */
+    for (size_t l = 0; l < L; l++) {
+        if ((rc = check_dims(&step->layers[l], B, err))) return rc;
+        if ((rc = dc_cpu_check_layer(&step->layers[l], B, err))) return rc;
+    }
+    if (stats_carve(s, L, B, &st))
+        return dc_err_set(err, DC_ENOSPACE, "", "out of memory for the CPU backend's scratch");
+
+    /* 2. norms and coefficients */
+    for (size_t l = 0; l < L; l++)
+        if ((rc = dc_cpu_layer_sqnorms(s, &step->layers[l], B, scale, st.n2 + l * B, err)))
+            return rc;
+    double noise_c2 = 0.0; /* PER_LAYER noise uses sqrt(sum_l C_l^2) */
+    for (uint32_t b = 0; b < B; b++) {
+        double tot = 0.0;
+        for (size_t l = 0; l < L; l++) tot += st.n2[l * B + b];
+        st.norms[b] = (float)sqrt(tot);
+        st.coefs[b] = per_layer ? 1.0f : dc_clip_coef(step->max_grad_norm, st.norms[b]);
+    }
+    if (per_layer)
+        for (size_t l = 0; l < L; l++) {
+            float Cl = step->layers[l].max_grad_norm;
+            noise_c2 += (double)Cl * Cl;
+            for (uint32_t b = 0; b < B; b++)
+                st.lcoef[l * B + b] = dc_clip_coef(Cl, (float)sqrt(st.n2[l * B + b]));
+        }
+    float noise_std =
+        step->noise_multiplier *
+        (per_layer ? (float)sqrt(noise_c2) : step->max_grad_norm);
+
+    /* 3. outputs into scratch */
+    size_t total = 0;
+    for (size_t l = 0; l < L; l++) {
+        const dc_layer *ly = &step->layers[l];
+        const dc_tensor *o[2] = {&ly->weight_grad_out, &ly->bias_grad_out};
+        for (int k = 0; k < 2; k++) {
+            st.off[2 * l + k] = SIZE_MAX;
+            if (!o[k]->data || (k == 1 && !ly->has_bias)) continue;
+            size_t n = dc_cpu_numel(o[k]);
+            if ((uint64_t)n > DC_NOISE_MAX_N) {
+                char f[128];
+                snprintf(f, sizeof f, "%s.%s", ly->name, k ? "bias_grad_out" : "weight_grad_out");
+                return dc_err_set(err, DC_EINVAL, f, "more than %llu elements",
+                                  (unsigned long long)DC_NOISE_MAX_N);
+            }
+            st.off[2 * l + k] = total;
+            total += n;
+        }
+    }
+    float *outs = NULL;
+    if (total) {
+        outs = dc_cpu_buf_reserve(&s->out, total * sizeof(float));
+        if (!outs)
+            return dc_err_set(err, DC_ENOSPACE, "", "out of memory for %zu output values", total);
+    }
+    float divisor = step->reduction == DC_REDUCTION_MEAN
+                        ? (float)(step->expected_batch ? step->expected_batch : B)
+                        : 1.0f;
+    for (size_t l = 0; l < L; l++) {
+        const dc_layer *ly = &step->layers[l];
+        size_t ow = st.off[2 * l], ob = st.off[2 * l + 1];
+        if (ow == SIZE_MAX && ob == SIZE_MAX) continue;
+        for (uint32_t b = 0; b < B; b++)
+            st.cvec[b] = (per_layer ? st.lcoef[l * B + b] : st.coefs[b]) * scale;
+        rc = dc_cpu_layer_clipped_sum(s, ly, B, st.cvec, ow == SIZE_MAX ? NULL : outs + ow,
+                                      ob == SIZE_MAX ? NULL : outs + ob, err);
+        if (rc) return rc;
+        for (int k = 0; k < 2; k++) {
+            size_t off = st.off[2 * l + k];
+            if (off == SIZE_MAX) continue;
+            const dc_tensor *t = k ? &ly->bias_grad_out : &ly->weight_grad_out;
+            size_t n = dc_cpu_numel(t);
+            float *v = outs + off;
+            /* stream: the tensor's serial within the step (weight, bias of l) */
+            dc_noise_add_normal(step->noise_key, step->noise_step, (uint32_t)(2 * l + k),
+                                noise_std, v, n);
+            if (divisor != 1.0f)
+                for (size_t i = 0; i < n; i++) v[i] /= divisor;
+            int64_t bad = find_bad_out(v, n, t->dtype);
+            if (bad >= 0) {
+                char f[128];
+                snprintf(f, sizeof f, "%s.%s", ly->name, k ? "bias_grad_out" : "weight_grad_out");
+                return dc_err_set(err, DC_ENONFINITE, f,
+                                  "clipped sum element %lld is %g, not finite as %s; nothing "
+                                  "was written",
+                                  (long long)bad, (double)v[bad], dc_dtype_name(t->dtype));
+            }
+        }
+    }
+
+    /* 4. commit: nothing can fail from here on */
+    for (size_t l = 0; l < L; l++)
+        for (int k = 0; k < 2; k++) {
+            size_t off = st.off[2 * l + k];
+            const dc_layer *ly = &step->layers[l];
+            if (off != SIZE_MAX)
+                store_out(k ? &ly->bias_grad_out : &ly->weight_grad_out, outs + off,
+                          dc_cpu_numel(k ? &ly->bias_grad_out : &ly->weight_grad_out));
+        }
+    if (step->norms_out.data) memcpy(step->norms_out.data, st.norms, B * sizeof(float));
+    if (step->coefs_out.data) memcpy(step->coefs_out.data, st.coefs, B * sizeof(float));
+    memcpy(res->norms, st.norms, B * sizeof(float));
+    memcpy(res->coefs, st.coefs, B * sizeof(float));
+    for (size_t i = 0; i < L * B; i++) res->layer_norms[i] = (float)sqrt(st.n2[i]);
+    if (per_layer && res->layer_coefs) memcpy(res->layer_coefs, st.lcoef, L * B * sizeof(float));
+    clock_gettime(CLOCK_MONOTONIC, &t1);
+    res->compute_ns = (uint64_t)(t1.tv_sec - t0.tv_sec) * 1000000000u +
+                      (uint64_t)(t1.tv_nsec - t0.tv_nsec);
+    return 0;
+}
+
+static void cpu_destroy(dc_backend *be) {
+    cpu_backend *cb = (cpu_backend *)be;
+    if (!cb) return;
+    dc_cpu_scratch_free(&cb->s);
+    free(cb);
+}
+
+static const dc_backend_ops cpu_ops = {"cpu", cpu_run_step, cpu_destroy};
+
+int dc_cpu_backend_create(int threads, dc_backend **out, dc_err *err) {
+    cpu_backend *cb = calloc(1, sizeof *cb);
+    if (!cb) return dc_err_set(err, DC_ENOSPACE, "", "out of memory");
+    cb->base.ops = &cpu_ops;
+    cb->threads = threads > 0 ? threads : 1;
+    *out = &cb->base;
+    return 0;
+}

@@ -1,0 +1,97 @@
+/* Internal interface of the CPU backend (backend_cpu.c drives cpu_check.c,
+ * cpu_norms.c and cpu_clip.c). Not used outside daemon/ except by tests and
+ * benchmarks.
+ *
+ * Arithmetic: inputs are converted to f32 (bf16/f16 -> f32 is exact),
+ * products are accumulated in f32 by OpenBLAS, and per-sample sums of squares
+ * are accumulated in double. BLAS threading is process-wide in OpenBLAS, so it
+ * is left to OPENBLAS_NUM_THREADS; the backend never changes it.
+ *
+ * Ownership: a dc_cpu_scratch belongs to one backend instance (one worker
+ * thread); its buffers grow to the largest step seen and are reused, so a
+ * steady stream of same-shaped steps does no allocation. */
+#ifndef DC_CPU_H
+#define DC_CPU_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "dc_err.h"
+#include "step.h"
+
+/* A growable, 64-byte aligned block. Contents are not kept across growth. */
+typedef struct dc_cpu_buf {
+    void *p;
+    size_t cap;
+} dc_cpu_buf;
+
+/* NULL on allocation failure (b is then unchanged). */
+void *dc_cpu_buf_reserve(dc_cpu_buf *b, size_t bytes);
+void dc_cpu_buf_free(dc_cpu_buf *b);
+
+typedef struct dc_cpu_scratch {
+    dc_cpu_buf in;      /* f32 copy of the current layer's float input */
+    dc_cpu_buf grad;    /* f32 copy of the current layer's output grad */
+    dc_cpu_buf work;    /* per-sample products: G tiles, Gram matrices, scaled g */
+    dc_cpu_buf work2;   /* second Gram matrix, per-sample vectors */
+    dc_cpu_buf order;   /* embedding: (index, position) sort keys */
+    dc_cpu_buf out;     /* every output of a step (f32) until all are checked */
+    dc_cpu_buf stats;   /* per-step [L*B] squared norms and coefficients */
+} dc_cpu_scratch;
+
+void dc_cpu_scratch_free(dc_cpu_scratch *s);
+
+/* The tensor's first n elements as f32: t->data itself when it is f32, else a
+ * converted copy in buf. NULL on allocation failure. */
+const float *dc_cpu_as_f32(dc_cpu_buf *buf, const dc_tensor *t, size_t n);
+
+/* Product of a tensor's dims. */
+size_t dc_cpu_numel(const dc_tensor *t);
+
+/* --- cpu_check.c --------------------------------------------------------- */
+
+/* Scans a layer's inputs before anything is computed: embedding indices in
+ * [0, vocab) (else DC_EINVAL, field "<name>.indices"), every float finite
+ * (else DC_ENONFINITE, field "<name>.activations" / ".input" /
+ * ".output_grad"). Messages name the sample. */
+int dc_cpu_check_layer(const dc_layer *l, uint32_t B, dc_err *err);
+
+/* Index of the first non-finite value among n floats of dtype t, or -1. */
+int64_t dc_cpu_find_nonfinite(const void *p, dc_dtype t, size_t n);
+
+/* --- cpu_norms.c --------------------------------------------------------- */
+
+/* Squared per-sample gradient norms of one layer, output grads multiplied by
+ * `scale`: n2[B]. Inputs must have passed dc_cpu_check_layer. */
+int dc_cpu_layer_sqnorms(dc_cpu_scratch *s, const dc_layer *l, uint32_t B, float scale,
+                         double *n2, dc_err *err);
+
+/* Linear weight (+ bias) squared norms of unscaled per-sample gradients, on
+ * f32 data: a [B*T, d], g [B*T, p] row-major. algo is DIRECT or GHOST (AUTO
+ * resolves through the same rule as dc_linear_pick). Exposed for the
+ * benchmark. */
+int dc_cpu_linear_sqnorms(dc_cpu_scratch *s, const float *a, const float *g, uint32_t B,
+                          int64_t T, int64_t d, int64_t p, bool has_bias, dc_algo algo,
+                          double *n2);
+
+/* LayerNorm / RMSNorm, sample b (f32 data, x and g [B*T, d]): wg[d] = sum_t
+ * g_t * x_hat_t and, when bg != NULL, bg[d] = sum_t g_t, both unscaled. */
+void dc_cpu_norm_sample(const dc_layer *l, const float *x, const float *g, uint32_t b,
+                        double *wg, double *bg);
+
+/* Embedding index at flat position i (i32 or i64 tensor). */
+static inline int64_t dc_cpu_index(const dc_tensor *t, size_t i) {
+    return t->dtype == DC_I32 ? (int64_t)((const int32_t *)t->data)[i]
+                              : ((const int64_t *)t->data)[i];
+}
+
+/* --- cpu_clip.c ---------------------------------------------------------- */
+
+/* Book-keeping: w = sum_b c[b] * G_b (weight, numel of weight_grad_out) and,
+ * when bias != NULL, the bias sum likewise; c already includes the grad
+ * scale. w and bias are f32 arrays the caller owns (overwritten). */
+int dc_cpu_layer_clipped_sum(dc_cpu_scratch *s, const dc_layer *l, uint32_t B, const float *c,
+                             float *w, float *bias, dc_err *err);
+
+#endif
