@@ -109,6 +109,7 @@ static dc_tensor seq_tensor(dc_dtype dt, uint32_t B, int64_t T, int64_t w) {
 static void make_indices(dc_layer *l, const dc_test_layer_spec *sp, dc_test_rng *r) {
     uint32_t B = sp->B;
     int64_t T = l->T, V = l->vocab;
+    /* i32 or i64 at random, so that a few seeds cover both index types */
     dc_dtype it = (dc_test_next(r) & 1) ? DC_I32 : DC_I64;
     l->input = sp->T ? dc_test_tensor_new(it, 2, B, T, 0) : dc_test_tensor_new(it, 1, B, 0, 0);
     l->has_padding_idx = (dc_test_next(r) & 1) != 0;
