@@ -26,6 +26,8 @@ static void usage(FILE *f) {
             "  --max-layers N         most layers in one step (default %u)\n"
             "  --max-frame BYTES      largest request frame (default %u)\n"
             "  --max-buffers N        buffers one session may register (default 4096)\n"
+"  --spin-us N            idle workers and the loop poll N us before sleeping\n"
+            "                         (default 50; 0 = always sleep)\n"
             "  --no-gpu               do not use GPUs even when present\n"
             "  --log-level LEVEL      error, warn, info (default) or debug\n"
             "  --ready-fd FD          write READY to FD once listening, then close it\n"
@@ -53,7 +55,7 @@ static int parse_u64(const char *flag, const char *s, int base, unsigned long lo
 
 int main(int argc, char **argv) {
     enum { O_SOCKET = 1, O_MODE, O_WORKERS, O_BLAS, O_BATCH, O_LAYERS, O_FRAME, O_BUFFERS,
-           O_LOG, O_READY, O_SEED, O_VERSION, O_HELP, O_NOGPU };
+           O_LOG, O_READY, O_SEED, O_VERSION, O_HELP, O_NOGPU, O_SPIN };
     static const struct option opts[] = {
         {"socket", required_argument, NULL, O_SOCKET},
         {"socket-mode", required_argument, NULL, O_MODE},
@@ -65,6 +67,7 @@ int main(int argc, char **argv) {
         {"max-buffers", required_argument, NULL, O_BUFFERS},
         {"log-level", required_argument, NULL, O_LOG},
         {"no-gpu", no_argument, NULL, O_NOGPU},
+        {"spin-us", required_argument, NULL, O_SPIN},
         {"ready-fd", required_argument, NULL, O_READY},
         {"insecure-fixed-seed", required_argument, NULL, O_SEED},
         {"version", no_argument, NULL, O_VERSION},
@@ -89,6 +92,7 @@ int main(int argc, char **argv) {
     cfg.max_buffers = 4096;
     cfg.ready_fd = -1;
     cfg.use_gpu = true;
+    cfg.spin_ns = 50000;
 
     while ((c = getopt_long(argc, argv, "", opts, NULL)) != -1) {
         switch (c) {
@@ -138,6 +142,10 @@ int main(int argc, char **argv) {
             cfg.seed = v;
             break;
         case O_NOGPU: cfg.use_gpu = false; break;
+        case O_SPIN:
+            if (parse_u64("--spin-us", optarg, 10, 0, 100000, &v)) return 2;
+            cfg.spin_ns = v * 1000;
+            break;
         case O_VERSION: printf("dpclipd %s\n", DPCLIP_VERSION); return 0;
         case O_HELP: usage(stdout); return 0;
         default: usage(stderr); return 2;

@@ -58,11 +58,25 @@ static void on_accept(uv_poll_t *h, int status, int events) {
     }
 }
 
+static void on_spin(uv_idle_t *h) {
+    dc_server *srv = h->data;
+    if (uv_hrtime() >= srv->spin_until ||
+        dc_worker_pool_busy(&srv->cpu_pool) + dc_gpu_busy(&srv->gpu) == 0)
+        uv_idle_stop(h);
+}
+
+void dc_server_spin(dc_server *srv) {
+    if (!srv->cfg.spin_ns || srv->stopping) return;
+    srv->spin_until = uv_hrtime() + srv->cfg.spin_ns;
+    uv_idle_start(&srv->spin, on_spin);
+}
+
 static void maybe_finish(dc_server *srv) {
     if (!srv->stopping || srv->n_sessions || srv->closed) return;
     srv->closed = true;
     uv_timer_stop(&srv->stop_timer);
     uv_close((uv_handle_t *)&srv->stop_timer, NULL);
+    uv_close((uv_handle_t *)&srv->spin, NULL);
     uv_close((uv_handle_t *)&srv->sig_term, NULL);
     uv_close((uv_handle_t *)&srv->sig_int, NULL);
     if (srv->pool_ready) dc_worker_pool_close(&srv->cpu_pool);
@@ -189,6 +203,7 @@ int dc_server_init(dc_server *srv, uv_loop_t *loop, const dc_server_config *cfg,
                                   err)))
         return rc;
     srv->pool_ready = true;
+    dc_worker_pool_set_spin(&srv->cpu_pool, cfg->spin_ns);
     if ((rc = dc_gpu_init(&srv->gpu, loop, cfg->use_gpu, err))) goto fail_pool;
 
     if ((rc = listen_on(srv, err))) goto fail_pool;
@@ -198,6 +213,8 @@ int dc_server_init(dc_server *srv, uv_loop_t *loop, const dc_server_config *cfg,
 
     uv_timer_init(loop, &srv->stop_timer);
     srv->stop_timer.data = srv;
+    uv_idle_init(loop, &srv->spin);
+    srv->spin.data = srv;
     uv_signal_init(loop, &srv->sig_term);
     uv_signal_init(loop, &srv->sig_int);
     srv->sig_term.data = srv->sig_int.data = srv;

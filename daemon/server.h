@@ -28,6 +28,7 @@ typedef struct dc_server_config {
     uint32_t max_buffers;        /* per session */
     int ready_fd;                /* write "READY\n" here once listening; -1: none */
     bool use_gpu;                /* serve CUDA buffers on the GPUs found */
+    uint64_t spin_ns;            /* idle workers and the loop poll this long */
     bool fixed_seed;             /* test-only: deterministic noise */
     uint64_t seed;
 } dc_server_config;
@@ -49,6 +50,8 @@ typedef struct dc_server {
     uv_poll_t listen_poll;
     uv_signal_t sig_term, sig_int;
     uv_timer_t stop_timer;        /* forces sessions closed if they never drain */
+    uv_idle_t spin;               /* keeps the loop polling while steps are short */
+    uint64_t spin_until;          /* uv_hrtime() deadline of that polling */
     dc_worker_pool cpu_pool;
     bool pool_ready;
     dc_gpu gpu;                   /* zero GPUs without CUDA */
@@ -68,6 +71,11 @@ typedef struct dc_server {
 int dc_server_init(dc_server *srv, uv_loop_t *loop, const dc_server_config *cfg, dc_err *err);
 /* Begins the graceful stop described above; idempotent. */
 void dc_server_shutdown(dc_server *srv);
+
+/* Called by session.c after submitting a job: for the next spin_ns the loop
+ * polls instead of sleeping, so a short step's completion is picked up
+ * without a thread wake-up (tens of microseconds on an idle core). */
+void dc_server_spin(dc_server *srv);
 
 /* Called by session.c when a session has fully closed. */
 void dc_server_session_gone(dc_server *srv, dc_session *s);

@@ -518,6 +518,7 @@ static void handle_step(dc_session *s, uint64_t id, const Dpclip__ClipStep *m) {
     s->job = j;
     dc_worker_pool_submit(j->step.device >= 0 ? &srv->gpu.pools[j->step.device] : &srv->cpu_pool,
                           &j->job);
+    dc_server_spin(srv);
     return;
 
 fail_step:

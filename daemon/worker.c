@@ -1,8 +1,10 @@
 #include "worker.h"
 
+#include <sched.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "log.h"
 
@@ -11,6 +13,25 @@ typedef struct worker_arg {
     int index;
 } worker_arg;
 
+static uint64_t now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
+}
+
+/* Polls the lock-free counter for up to spin_ns; true if a job showed up. */
+static bool worker_spin(dc_worker_pool *p) {
+    uint64_t end;
+    if (!p->spin_ns) return false;
+    end = now_ns() + p->spin_ns;
+    do {
+        for (int i = 0; i < 64; i++)
+            if (atomic_load_explicit(&p->queued, memory_order_acquire)) return true;
+        sched_yield();
+    } while (now_ns() < end);
+    return false;
+}
+
 static void *worker_main(void *arg) {
     worker_arg wa = *(worker_arg *)arg;
     dc_worker_pool *p = wa.pool;
@@ -18,11 +39,17 @@ static void *worker_main(void *arg) {
 
     pthread_mutex_lock(&p->mu);
     for (;;) {
+        if (!p->q_head && !p->stopping) {
+            pthread_mutex_unlock(&p->mu);
+            worker_spin(p);
+            pthread_mutex_lock(&p->mu);
+        }
         while (!p->q_head && !p->stopping) pthread_cond_wait(&p->cv, &p->mu);
         dc_job *job = p->q_head;
         if (!job) break; /* stopping and nothing queued */
         p->q_head = job->next;
         if (!p->q_head) p->q_tail = NULL;
+        atomic_fetch_sub_explicit(&p->queued, 1, memory_order_relaxed);
         pthread_mutex_unlock(&p->mu);
 
         job->work(job, p->backends[wa.index]);
@@ -60,6 +87,7 @@ int dc_worker_pool_init(dc_worker_pool *p, uv_loop_t *loop, const char *name, in
     int started = 0, rc;
 
     memset(p, 0, sizeof *p);
+    atomic_init(&p->queued, 0);
     snprintf(p->name, sizeof p->name, "%s", name);
     if (n < 1) n = 1;
     p->threads = calloc((size_t)n, sizeof *p->threads);
@@ -120,11 +148,14 @@ void dc_worker_pool_submit(dc_worker_pool *p, dc_job *job) {
     if (p->q_tail) p->q_tail->next = job;
     else p->q_head = job;
     p->q_tail = job;
+    atomic_fetch_add_explicit(&p->queued, 1, memory_order_release);
     pthread_cond_signal(&p->cv);
     pthread_mutex_unlock(&p->mu);
 }
 
 int dc_worker_pool_busy(const dc_worker_pool *p) { return p->busy; }
+
+void dc_worker_pool_set_spin(dc_worker_pool *p, uint64_t spin_ns) { p->spin_ns = spin_ns; }
 
 void dc_worker_pool_close(dc_worker_pool *p) {
     if (!p->threads) return;

@@ -12,7 +12,9 @@
 #define DC_WORKER_H
 
 #include <pthread.h>
+#include <stdatomic.h>
 #include <stdbool.h>
+#include <stdint.h>
 #include <uv.h>
 
 #include "backend.h"
@@ -34,6 +36,8 @@ typedef struct dc_worker_pool {
     dc_job *q_head, *q_tail; /* waiting to run */
     dc_job *d_head, *d_tail; /* finished, waiting for done() */
     bool stopping;
+    atomic_uint queued;      /* jobs waiting: workers spin on it lock-free */
+    uint64_t spin_ns;        /* how long an idle worker polls before sleeping */
     int n;
     int busy;                /* jobs submitted and not yet done() */
     pthread_t *threads;
@@ -44,6 +48,11 @@ typedef struct dc_worker_pool {
 int dc_worker_pool_init(dc_worker_pool *p, uv_loop_t *loop, const char *name, int n,
                         dc_backend_factory factory, void *factory_arg, dc_err *err);
 void dc_worker_pool_submit(dc_worker_pool *p, dc_job *job);
+/* An idle worker polls for new jobs this long before sleeping on the
+ * condition variable: waking a sleeping thread on an idle core costs tens of
+ * microseconds on many machines (VMs especially), more than a small step.
+ * Set before submitting; 0 disables. */
+void dc_worker_pool_set_spin(dc_worker_pool *p, uint64_t spin_ns);
 /* Jobs submitted and not completed yet (loop thread only). */
 int dc_worker_pool_busy(const dc_worker_pool *p);
 /* Stops the threads after the queued jobs ran, runs the remaining done()
