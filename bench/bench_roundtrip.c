@@ -4,9 +4,14 @@
  * (B=4, d=p=8, f32, with weight outputs) against a running dpclipd.
  *
  *   bench_roundtrip [--socket PATH] [--iters N] [--warmup N] [--layers L]
+ *                   [--sigma S]
  *
  * Prints one JSON line:
- * {"bench":"roundtrip","layers":16,"B":4,"iters":5000,"p50_us":..,"p99_us":..,"mean_us":..}
+ * {"bench":"roundtrip","layers":16,"B":4,"iters":5000,"p50_us":..,"p99_us":..,"mean_us":..,
+ *  "sigma":1,"compute_mean_us":..,"ping_p50_us":..}
+ * compute_mean_us is the daemon's worker time per step (from the replies)
+ * and ping_p50_us a bare request/reply measured in the same run, so the
+ * step's overhead over the transport can be read off as a ratio.
  * bench/run_roundtrip.sh starts a daemon and runs this. */
 #include <getopt.h>
 #include <math.h>
@@ -37,9 +42,11 @@ int main(int argc, char **argv) {
                                          {"iters", required_argument, NULL, 'i'},
                                          {"warmup", required_argument, NULL, 'w'},
                                          {"layers", required_argument, NULL, 'l'},
+                                         {"sigma", required_argument, NULL, 'n'},
                                          {NULL, 0, NULL, 0}};
     const char *sock = dpclip_default_socket();
     int iters = 5000, warmup = 200, layers = 16, o, rc = 1;
+    double sigma = 1.0, compute_ns = 0.0, ping_p50;
     dpclip_client *c = NULL;
     dpclip_step *s = NULL;
     double *t = NULL, sum = 0.0;
@@ -53,13 +60,14 @@ int main(int argc, char **argv) {
         case 'i': iters = atoi(optarg); break;
         case 'w': warmup = atoi(optarg); break;
         case 'l': layers = atoi(optarg); break;
+        case 'n': sigma = atof(optarg); break;
         default:
             fprintf(stderr, "usage: bench_roundtrip [--socket PATH] [--iters N] [--warmup N] "
-                            "[--layers L]\n");
+                            "[--layers L] [--sigma S]\n");
             return 2;
         }
     }
-    if (iters < 1 || warmup < 0 || layers < 1) return 2;
+    if (iters < 1 || warmup < 0 || layers < 1 || !(sigma >= 0.0)) return 2;
 
     if (dpclip_connect(sock, NULL, &c)) {
         fprintf(stderr, "bench_roundtrip: connect %s: %s\n", sock, dpclip_errmsg(c));
@@ -84,7 +92,7 @@ int main(int argc, char **argv) {
     }
     {
         dpclip_clip_config cfg = {.max_grad_norm = 1.0f, .reduction = DPCLIP_MEAN,
-                                  .noise_multiplier = 1.0f, .mode = DPCLIP_FLAT};
+                                  .noise_multiplier = (float)sigma, .mode = DPCLIP_FLAT};
         s = dpclip_step_new(BATCH, &cfg);
         if (!s) goto out;
         for (int l = 0; l < layers; l++) {
@@ -110,15 +118,36 @@ int main(int argc, char **argv) {
             goto out;
         }
         double dt = now_us() - t0;
+        if (i >= warmup) {
+            t[i - warmup] = dt;
+            compute_ns += (double)res.compute_ns;
+        }
         dpclip_result_free(&res);
-        if (i >= warmup) t[i - warmup] = dt;
     }
     for (int i = 0; i < iters; i++) sum += t[i];
     qsort(t, (size_t)iters, sizeof *t, cmp_double);
+    {
+        /* the bare transport, for comparison: ping round trips */
+        double *pt = malloc((size_t)iters * sizeof *pt);
+        if (!pt) goto out;
+        for (int i = 0; i < iters; i++) {
+            double t0 = now_us();
+            if (dpclip_ping(c)) {
+                fprintf(stderr, "bench_roundtrip: ping: %s\n", dpclip_errmsg(c));
+                free(pt);
+                goto out;
+            }
+            pt[i] = now_us() - t0;
+        }
+        qsort(pt, (size_t)iters, sizeof *pt, cmp_double);
+        ping_p50 = pt[iters / 2];
+        free(pt);
+    }
     printf("{\"bench\":\"roundtrip\",\"layers\":%d,\"B\":%d,\"iters\":%d,\"p50_us\":%.1f,"
-           "\"p99_us\":%.1f,\"mean_us\":%.1f}\n",
+           "\"p99_us\":%.1f,\"mean_us\":%.1f,\"sigma\":%g,\"compute_mean_us\":%.1f,"
+           "\"ping_p50_us\":%.1f}\n",
            layers, BATCH, iters, t[(size_t)iters / 2], t[(size_t)((double)iters * 0.99)],
-           sum / iters);
+           sum / iters, sigma, compute_ns / iters / 1e3, ping_p50);
     rc = 0;
 out:
     free(t);

@@ -11,6 +11,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/un.h>
@@ -186,6 +187,72 @@ int dc_raw_send_request(int fd, const Dpclip__Request *req) {
     rc = dc_raw_send(fd, buf, DC_FRAME_HEADER + n);
     free(buf);
     return rc;
+}
+
+int dc_raw_send_request_fd(int fd, const Dpclip__Request *req, int pass_fd) {
+    size_t n = dpclip__request__get_packed_size(req);
+    uint8_t *buf = malloc(DC_FRAME_HEADER + n);
+    union {
+        struct cmsghdr h;
+        char b[CMSG_SPACE(sizeof(int))];
+    } cm;
+    struct iovec iov;
+    struct msghdr msg;
+    struct cmsghdr *h;
+    ssize_t w;
+    int rc = -1;
+
+    if (!buf) return -1;
+    dc_frame_put_len(buf, (uint32_t)n);
+    dpclip__request__pack(req, buf + DC_FRAME_HEADER);
+    memset(&msg, 0, sizeof msg);
+    memset(&cm, 0, sizeof cm);
+    iov.iov_base = buf;
+    iov.iov_len = DC_FRAME_HEADER + n;
+    msg.msg_iov = &iov;
+    msg.msg_iovlen = 1;
+    msg.msg_control = cm.b;
+    msg.msg_controllen = sizeof cm.b;
+    h = CMSG_FIRSTHDR(&msg);
+    h->cmsg_level = SOL_SOCKET;
+    h->cmsg_type = SCM_RIGHTS;
+    h->cmsg_len = CMSG_LEN(sizeof(int));
+    memcpy(CMSG_DATA(h), &pass_fd, sizeof(int));
+    do {
+        w = sendmsg(fd, &msg, MSG_NOSIGNAL);
+    } while (w < 0 && errno == EINTR);
+    if (w > 0) rc = dc_raw_send(fd, buf + w, DC_FRAME_HEADER + n - (size_t)w);
+    free(buf);
+    return rc;
+}
+
+uint64_t dc_raw_register_memfd(int fd, uint64_t req_id, size_t size, void **map) {
+    Dpclip__Request req = DPCLIP__REQUEST__INIT;
+    Dpclip__RegisterBuffer rb = DPCLIP__REGISTER_BUFFER__INIT;
+    Dpclip__Reply *r;
+    uint64_t id = 0;
+    int mfd = memfd_create("raw", MFD_CLOEXEC | MFD_ALLOW_SEALING);
+
+    if (map) *map = NULL;
+    if (mfd < 0) return 0;
+    if (ftruncate(mfd, (off_t)size) != 0 || fcntl(mfd, F_ADD_SEALS, F_SEAL_SHRINK) != 0)
+        goto out;
+    rb.kind = DPCLIP__BUFFER_KIND__SHM_FD;
+    rb.size = size;
+    req.id = req_id;
+    req.body_case = DPCLIP__REQUEST__BODY_REGISTER_BUFFER;
+    req.register_buffer = &rb;
+    if (dc_raw_send_request_fd(fd, &req, mfd)) goto out;
+    if (!(r = dc_raw_read_reply(fd, 10000))) goto out;
+    if (r->body_case == DPCLIP__REPLY__BODY_REGISTER_BUFFER) id = r->register_buffer->buffer_id;
+    dpclip__reply__free_unpacked(r, NULL);
+    if (id && map) {
+        void *m = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_SHARED, mfd, 0);
+        *map = m == MAP_FAILED ? NULL : m;
+    }
+out:
+    close(mfd);
+    return id;
 }
 
 /* Reads exactly n bytes before the deadline: 0, or -1 (EOF, error, timeout). */

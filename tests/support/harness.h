@@ -45,6 +45,12 @@ int dc_raw_connect(const char *sock);
 int dc_raw_send(int fd, const void *buf, size_t n);
 /* Packs req into one frame and sends it. 0 or -1. */
 int dc_raw_send_request(int fd, const Dpclip__Request *req);
+/* Same, with pass_fd attached as SCM_RIGHTS to the frame's first byte. */
+int dc_raw_send_request_fd(int fd, const Dpclip__Request *req, int pass_fd);
+/* A sealed memfd of `size` bytes registered on a raw connection (after
+ * hello): the daemon's buffer id, or 0. *map (may be NULL) gets a shared
+ * mapping of it (munmap(size) when done). */
+uint64_t dc_raw_register_memfd(int fd, uint64_t req_id, size_t size, void **map);
 /* One reply frame, or NULL on EOF, timeout (timeout_ms) or a bad frame. */
 Dpclip__Reply *dc_raw_read_reply(int fd, int timeout_ms);
 /* Waits up to timeout_ms for the peer to close: 1 closed, 0 not. Data that
