@@ -2,6 +2,7 @@
  * handshake, buffers, ping, and the ordering of submit/wait/submit_cb/poll. */
 #include <errno.h>
 #include <fcntl.h>
+#include <pthread.h>
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -307,9 +308,12 @@ static void test_submit_wait(void **state) {
     assert_true(res[0].step_index < res[1].step_index);
     assert_true(res[1].step_index < res[2].step_index);
     /* collected tickets and made-up ones are unknown */
-    assert_int_equal(dpclip_wait(c, t[1], 0, &res[1]), DPCLIP_EARG);
-    assert_null(res[1].norms);
-    assert_int_equal(dpclip_wait(c, 999999, -1, &res[1]), DPCLIP_EARG);
+    {
+        dpclip_result again;
+        assert_int_equal(dpclip_wait(c, t[1], 0, &again), DPCLIP_EARG);
+        assert_null(again.norms);
+        assert_int_equal(dpclip_wait(c, 999999, -1, &again), DPCLIP_EARG);
+    }
     for (int i = 0; i < 3; i++) {
         dpclip_result_free(&res[i]);
         dc_shm_step_free(&s[i]);
@@ -446,6 +450,56 @@ static void test_step_errors(void **state) {
     dpclip_disconnect(c);
 }
 
+/* One handle shared by several threads: calls are serialized by the
+ * handle's lock and every thread gets its own, exact results. */
+typedef struct shared_arg {
+    dpclip_client *c;
+    dc_shm_step *s;
+    int ok, bad, failed;
+} shared_arg;
+
+static void *shared_thread(void *arg) {
+    shared_arg *a = arg;
+    for (int i = 0; i < 50; i++) {
+        dpclip_result res;
+        uint64_t t;
+        /* alternate blocking and ticketed calls */
+        int rc = i % 2 ? dpclip_run(a->c, a->s->step, &res)
+                       : (dpclip_submit(a->c, a->s->step, &t) ? -1
+                                                               : dpclip_wait(a->c, t, -1, &res));
+        if (rc) {
+            a->failed++;
+            continue;
+        }
+        if (dc_shm_step_check(a->s, &res, dc_test_rtol(DC_F32), 1e-6) <= 1.0) a->ok++;
+        else a->bad++;
+        dpclip_result_free(&res);
+    }
+    return NULL;
+}
+
+static void test_shared_handle(void **state) {
+    (void)state;
+    enum { N = 4 };
+    dpclip_client *c = connect_ok();
+    dc_shm_step s[N];
+    shared_arg a[N];
+    pthread_t th[N];
+    for (int i = 0; i < N; i++) {
+        make_step(&s[i], c, (uint32_t)(5 + i), 60 + (uint64_t)i);
+        a[i] = (shared_arg){c, &s[i], 0, 0, 0};
+    }
+    for (int i = 0; i < N; i++) assert_int_equal(pthread_create(&th[i], NULL, shared_thread, &a[i]), 0);
+    for (int i = 0; i < N; i++) pthread_join(th[i], NULL);
+    for (int i = 0; i < N; i++) {
+        assert_int_equal(a[i].failed, 0);
+        assert_int_equal(a[i].bad, 0);
+        assert_int_equal(a[i].ok, 50);
+        dc_shm_step_free(&s[i]);
+    }
+    dpclip_disconnect(c);
+}
+
 /* Disconnecting with callbacks outstanding runs them with DPCLIP_EIO or
  * their real status; never leaks and never hangs. */
 static void test_disconnect_pending(void **state) {
@@ -519,6 +573,7 @@ int main(void) {
         cmocka_unit_test(test_submit_wait),
         cmocka_unit_test(test_submit_cb_poll),
         cmocka_unit_test(test_step_errors),
+        cmocka_unit_test(test_shared_handle),
         cmocka_unit_test(test_disconnect_pending),
         cmocka_unit_test(test_daemon_gone),
     };

@@ -730,6 +730,28 @@ static void test_nonfinite(void **state) {
     dpclip_disconnect(c);
 }
 
+/* A step too big for the daemon's max_frame is refused by the library
+ * before anything is sent; the connection stays usable. */
+static void test_client_frame_limit(void **state) {
+    (void)state;
+    dpclip_client *c = lib_connect();
+    dpclip_clip_config cfg = {1.0f, DPCLIP_SUM, 0, 0.0f, DPCLIP_FLAT};
+    dpclip_step *s = dpclip_step_new(4, &cfg);
+    dpclip_result res;
+    uint64_t buf;
+    void *mem;
+    lin_desc x;
+
+    assert_int_equal(dpclip_buffer_alloc(c, 4096, &buf, &mem), 0);
+    x = lin_on(buf, 4, 2, 4, 4);
+    for (int i = 0; i < 3000; i++) assert_int_equal(dpclip_step_add_linear(s, &x.l), 0);
+    assert_int_equal(dpclip_run(c, s, &res), DPCLIP_EARG);
+    assert_string_equal(dpclip_errfield(c), "frame.length");
+    assert_int_equal(dpclip_ping(c), 0);
+    dpclip_step_free(s);
+    dpclip_disconnect(c);
+}
+
 /* --- clients that vanish ---------------------------------------------------- */
 
 static void test_disconnect_mid_step(void **state) {
@@ -827,6 +849,7 @@ int main(void) {
         cmocka_unit_test(test_batch_bounds),
         cmocka_unit_test(test_embedding_out_of_range),
         cmocka_unit_test(test_nonfinite),
+        cmocka_unit_test(test_client_frame_limit),
         cmocka_unit_test(test_disconnect_mid_step),
         cmocka_unit_test(test_survivors),
     };
