@@ -41,23 +41,36 @@ void dc_philox4x32_10(const uint32_t ctr[4], const uint32_t key[2], uint32_t out
     out[3] = c[3];
 }
 
-/* Two N(0,1) values from counter `pair` of the stream. u1 in (0, 1] so the
- * log is finite; u2 in [0, 1). Computed in double: the float result is then
- * correctly rounded from a value accurate far beyond f32. */
-static inline void normal_pair(const uint32_t key[2], uint32_t ctr_hi[3], uint64_t pair,
-                               float *z0, float *z1) {
-    uint32_t ctr[4] = {(uint32_t)pair, ctr_hi[0], ctr_hi[1], ctr_hi[2]};
-    uint32_t x[4];
-    dc_philox4x32_10(ctr, key, x);
-    uint64_t a = ((uint64_t)x[0] << 32 | x[1]) >> 11;
-    uint64_t b = ((uint64_t)x[2] << 32 | x[3]) >> 11;
+/* Normals are made in blocks: Philox fills the uniforms first, then
+ * Box-Muller runs as straight-line loops over the block that the compiler
+ * vectorizes (with glibc's vector log/sin/cos). Element 2j and 2j+1 of a
+ * stream come from counter j, whatever the block size. u1 in (0, 1] so the
+ * log is finite; u2 in [0, 1); both carry 53 random bits and the transform
+ * runs in double, so the float result is correctly rounded from a value
+ * accurate far beyond f32. */
+#define NOISE_BLOCK 64
+
+static void normal_block(const uint32_t key[2], const uint32_t hi[3], uint64_t pair0,
+                         size_t npairs, float *z) {
+    double u1[NOISE_BLOCK], u2[NOISE_BLOCK], r[NOISE_BLOCK], t[NOISE_BLOCK];
     const double inv53 = 1.0 / 9007199254740992.0; /* 2^-53 */
-    double u1 = ((double)a + 1.0) * inv53;
-    double u2 = (double)b * inv53;
-    double r = sqrt(-2.0 * log(u1));
-    double t = 6.283185307179586476925 * u2;
-    *z0 = (float)(r * cos(t));
-    *z1 = (float)(r * sin(t));
+    for (size_t j = 0; j < npairs; j++) {
+        uint32_t ctr[4] = {(uint32_t)(pair0 + j), hi[0], hi[1], hi[2]};
+        uint32_t x[4];
+        dc_philox4x32_10(ctr, key, x);
+        uint64_t a = ((uint64_t)x[0] << 32 | x[1]) >> 11;
+        uint64_t b = ((uint64_t)x[2] << 32 | x[3]) >> 11;
+        u1[j] = ((double)a + 1.0) * inv53;
+        u2[j] = (double)b * inv53;
+    }
+    for (size_t j = 0; j < npairs; j++) {
+        r[j] = sqrt(-2.0 * log(u1[j]));
+        t[j] = 6.283185307179586476925 * u2[j];
+    }
+    for (size_t j = 0; j < npairs; j++) {
+        z[2 * j] = (float)(r[j] * cos(t[j]));
+        z[2 * j + 1] = (float)(r[j] * sin(t[j]));
+    }
 }
 
 /* Shared body: out[i] = std * z_i (add == 0) or out[i] += std * z_i. */
@@ -65,18 +78,16 @@ static void fill(uint64_t key, uint64_t step, uint32_t stream, float std, int ad
                  size_t n) {
     uint32_t k[2] = {(uint32_t)key, (uint32_t)(key >> 32)};
     uint32_t hi[3] = {stream, (uint32_t)step, (uint32_t)(step >> 32)};
-    size_t i = 0;
-    for (uint64_t pair = 0; i < n; pair++) {
-        float z0, z1;
-        normal_pair(k, hi, pair, &z0, &z1);
-        if (add) {
-            out[i] += std * z0;
-            if (i + 1 < n) out[i + 1] += std * z1;
-        } else {
-            out[i] = z0;
-            if (i + 1 < n) out[i + 1] = z1;
-        }
-        i += 2;
+    float z[2 * NOISE_BLOCK];
+    uint64_t pair = 0;
+    for (size_t i = 0; i < n; pair += NOISE_BLOCK) {
+        size_t m = n - i < 2 * NOISE_BLOCK ? n - i : 2 * NOISE_BLOCK;
+        normal_block(k, hi, pair, (m + 1) / 2, z);
+        if (add)
+            for (size_t e = 0; e < m; e++) out[i + e] += std * z[e];
+        else
+            for (size_t e = 0; e < m; e++) out[i + e] = z[e];
+        i += m;
     }
 }
 

@@ -5,59 +5,63 @@
 #include <stdlib.h>
 #include <string.h>
 
-/* Builds "prefix.suffix" into buf; paths are short, truncation is harmless. */
-static const char *path(char *buf, size_t n, const char *prefix, const char *suffix) {
-    snprintf(buf, n, "%s.%s", prefix, suffix);
+/* Field paths are built only when an error is reported: a valid step of
+ * hundreds of tensors must not pay for formatting their names.
+ * fpath: "a.b.c" with empty parts skipped; truncation is harmless. */
+static const char *fpath(char *buf, size_t n, const char *a, const char *b, const char *c) {
+    snprintf(buf, n, "%s%s%s%s%s", a, b && b[0] ? "." : "", b ? b : "", c && c[0] ? "." : "",
+             c ? c : "");
     return buf;
 }
+#define FP(sub) fpath(f, sizeof f, prefix, name, sub)
 
-int dc_validate_tensor(const Dpclip__TensorRef *ref, const char *field,
-                       const dc_registry *reg, unsigned dtype_mask, int min_ndim,
-                       int max_ndim, dc_tensor *out, int *device, dc_err *err) {
-    char f[160];
+static int check_tensor(const Dpclip__TensorRef *ref, const char *prefix, const char *name,
+                        const dc_registry *reg, unsigned dtype_mask, int min_ndim, int max_ndim,
+                        dc_tensor *out, int *device, dc_err *err) {
+    char f[192];
     const dc_buffer *buf;
     uint64_t numel = 1, bytes, end;
     size_t esz;
 
     memset(out, 0, sizeof *out);
-    if (!ref) return dc_err_set(err, DC_EINVAL, field, "required tensor is missing");
+    if (!ref) return dc_err_set(err, DC_EINVAL, FP(""), "required tensor is missing");
     buf = dc_registry_find(reg, ref->buffer_id);
     if (!buf)
-        return dc_err_set(err, DC_ENOTFOUND, path(f, sizeof f, field, "buffer_id"),
+        return dc_err_set(err, DC_ENOTFOUND, FP("buffer_id"),
                           "buffer %llu is not registered in this session",
                           (unsigned long long)ref->buffer_id);
     if ((int)ref->dtype <= 0 || (int)ref->dtype > DC_I64 || !(dtype_mask & (1u << ref->dtype)))
-        return dc_err_set(err, DC_EINVAL, path(f, sizeof f, field, "dtype"),
+        return dc_err_set(err, DC_EINVAL, FP("dtype"),
                           "dtype %s not allowed here", dc_dtype_name((dc_dtype)ref->dtype));
     if ((int)ref->n_shape < min_ndim || (int)ref->n_shape > max_ndim) {
         if (min_ndim == max_ndim)
-            return dc_err_set(err, DC_EINVAL, path(f, sizeof f, field, "shape"),
+            return dc_err_set(err, DC_EINVAL, FP("shape"),
                               "expected %d dimensions, got %zu", min_ndim, ref->n_shape);
-        return dc_err_set(err, DC_EINVAL, path(f, sizeof f, field, "shape"),
+        return dc_err_set(err, DC_EINVAL, FP("shape"),
                           "expected %d to %d dimensions, got %zu", min_ndim, max_ndim,
                           ref->n_shape);
     }
     for (size_t i = 0; i < ref->n_shape; i++) {
         if (ref->shape[i] <= 0)
-            return dc_err_set(err, DC_EINVAL, path(f, sizeof f, field, "shape"),
+            return dc_err_set(err, DC_EINVAL, FP("shape"),
                               "dimension %zu is %lld; every dimension must be >= 1", i,
                               (long long)ref->shape[i]);
         if (__builtin_mul_overflow(numel, (uint64_t)ref->shape[i], &numel))
-            return dc_err_set(err, DC_EINVAL, path(f, sizeof f, field, "shape"),
+            return dc_err_set(err, DC_EINVAL, FP("shape"),
                               "the product of the shape overflows 64 bits");
     }
     esz = dc_dtype_size((dc_dtype)ref->dtype);
     if (__builtin_mul_overflow(numel, (uint64_t)esz, &bytes))
-        return dc_err_set(err, DC_EINVAL, path(f, sizeof f, field, "shape"),
+        return dc_err_set(err, DC_EINVAL, FP("shape"),
                           "the tensor's byte size overflows 64 bits");
     /* Misaligned element access is undefined behaviour in C and slow or
      * faulting on GPUs: require natural alignment. */
     if (ref->offset % esz != 0)
-        return dc_err_set(err, DC_EINVAL, path(f, sizeof f, field, "offset"),
+        return dc_err_set(err, DC_EINVAL, FP("offset"),
                           "offset %llu is not a multiple of the element size %zu",
                           (unsigned long long)ref->offset, esz);
     if (__builtin_add_overflow(ref->offset, bytes, &end) || end > buf->size)
-        return dc_err_set(err, DC_EINVAL, path(f, sizeof f, field, "offset"),
+        return dc_err_set(err, DC_EINVAL, FP("offset"),
                           "offset %llu + %llu bytes is past the end of buffer %llu (%llu bytes)",
                           (unsigned long long)ref->offset, (unsigned long long)bytes,
                           (unsigned long long)buf->id, (unsigned long long)buf->size);
@@ -69,6 +73,12 @@ int dc_validate_tensor(const Dpclip__TensorRef *ref, const char *field,
     return 0;
 }
 
+int dc_validate_tensor(const Dpclip__TensorRef *ref, const char *field,
+                       const dc_registry *reg, unsigned dtype_mask, int min_ndim,
+                       int max_ndim, dc_tensor *out, int *device, dc_err *err) {
+    return check_tensor(ref, field, NULL, reg, dtype_mask, min_ndim, max_ndim, out, device, err);
+}
+
 /* Per-step context so that every tensor can also be checked to live where
  * the first one does (a step runs on one device). */
 typedef struct vctx {
@@ -77,14 +87,15 @@ typedef struct vctx {
     dc_err *err;
 } vctx;
 
-static int vtensor(vctx *v, const Dpclip__TensorRef *ref, const char *field, unsigned mask,
-                   int min_ndim, int max_ndim, dc_tensor *out) {
+static int vtensor(vctx *v, const Dpclip__TensorRef *ref, const char *prefix, const char *name,
+                   unsigned mask, int min_ndim, int max_ndim, dc_tensor *out) {
+    char f[192];
     int dev = -1, rc;
-    rc = dc_validate_tensor(ref, field, v->reg, mask, min_ndim, max_ndim, out, &dev, v->err);
+    rc = check_tensor(ref, prefix, name, v->reg, mask, min_ndim, max_ndim, out, &dev, v->err);
     if (rc) return rc;
     if (v->device == -2) v->device = dev;
     else if (v->device != dev)
-        return dc_err_set(v->err, DC_EINVAL, field,
+        return dc_err_set(v->err, DC_EINVAL, FP(""),
                           "all tensors of a step must be in the same place (host memory or one "
                           "GPU); this one is on %s%d, earlier ones on %s%d",
                           dev < 0 ? "host" : "cuda:", dev < 0 ? 0 : dev,
@@ -93,17 +104,17 @@ static int vtensor(vctx *v, const Dpclip__TensorRef *ref, const char *field, uns
 }
 
 /* Optional tensor: absent when the reference is missing. */
-static int vopt(vctx *v, const Dpclip__TensorRef *ref, const char *field, unsigned mask,
-                int ndim, const int64_t *want, dc_tensor *out) {
+static int vopt(vctx *v, const Dpclip__TensorRef *ref, const char *prefix, const char *name,
+                unsigned mask, int ndim, const int64_t *want, dc_tensor *out) {
     int rc;
     memset(out, 0, sizeof *out);
     if (!ref) return 0;
-    rc = vtensor(v, ref, field, mask, ndim, ndim, out);
+    rc = vtensor(v, ref, prefix, name, mask, ndim, ndim, out);
     if (rc) return rc;
     for (int i = 0; i < ndim; i++)
         if (out->shape[i] != want[i]) {
-            char f[160];
-            return dc_err_set(v->err, DC_EINVAL, path(f, sizeof f, field, "shape"),
+            char f[192];
+            return dc_err_set(v->err, DC_EINVAL, FP("shape"),
                               "dimension %d is %lld, expected %lld", i, (long long)out->shape[i],
                               (long long)want[i]);
         }
@@ -115,24 +126,22 @@ static int vopt(vctx *v, const Dpclip__TensorRef *ref, const char *field, unsign
 static int vpair(vctx *v, uint32_t B, const char *lp, const char *in_name,
                  const Dpclip__TensorRef *in_ref, unsigned in_mask, int in_min, int in_max,
                  const Dpclip__TensorRef *g_ref, dc_tensor *in, dc_tensor *g) {
-    char f[160], fg[160], fs[176];
+    char f[192];
     int rc;
 
-    path(f, sizeof f, lp, in_name);
-    path(fg, sizeof fg, lp, "output_grad");
-    if ((rc = vtensor(v, in_ref, f, in_mask, in_min, in_max, in))) return rc;
+    if ((rc = vtensor(v, in_ref, lp, in_name, in_mask, in_min, in_max, in))) return rc;
     if (in->shape[0] != (int64_t)B)
-        return dc_err_set(v->err, DC_EINVAL, path(fs, sizeof fs, f, "shape"),
+        return dc_err_set(v->err, DC_EINVAL, fpath(f, sizeof f, lp, in_name, "shape"),
                           "first dimension %lld must equal batch_size %u",
                           (long long)in->shape[0], B);
     /* Float inputs carry a feature dimension; integer indices do not. */
     int extra = dc_dtype_is_float(in->dtype) ? 0 : 1;
     int gnd = in->ndim + extra;
-    if ((rc = vtensor(v, g_ref, fg, DC_MASK_FLOAT, gnd, gnd, g))) return rc;
+    if ((rc = vtensor(v, g_ref, lp, "output_grad", DC_MASK_FLOAT, gnd, gnd, g))) return rc;
     int seq_dims = in->ndim - (extra ? 0 : 1); /* 1 for [B,(d)], 2 for [B,T,(d)] */
     for (int i = 0; i < seq_dims; i++)
         if (g->shape[i] != in->shape[i])
-            return dc_err_set(v->err, DC_EINVAL, path(fs, sizeof fs, fg, "shape"),
+            return dc_err_set(v->err, DC_EINVAL, fpath(f, sizeof f, lp, "output_grad", "shape"),
                               "dimension %d is %lld but %s has %lld there", i,
                               (long long)g->shape[i], in_name, (long long)in->shape[i]);
     return 0;
@@ -143,7 +152,7 @@ static int finite_pos(float x) { return isfinite(x) && x > 0.0f; }
 static int validate_layer(vctx *v, const Dpclip__ClipStep *msg, size_t i, dc_layer *l) {
     const Dpclip__Layer *m = msg->layers[i];
     uint32_t B = msg->batch_size;
-    char lp[96], f[160];
+    char lp[96], f[192];
     int rc;
 
     memset(l, 0, sizeof *l);
@@ -151,7 +160,7 @@ static int validate_layer(vctx *v, const Dpclip__ClipStep *msg, size_t i, dc_lay
     snprintf(lp, sizeof lp, "clip_step.layers[%zu]", i);
     if (m->name && m->name[0]) {
         if (strlen(m->name) >= sizeof l->name)
-            return dc_err_set(v->err, DC_EINVAL, path(f, sizeof f, lp, "name"),
+            return dc_err_set(v->err, DC_EINVAL, fpath(f, sizeof f, lp, "name", NULL),
                               "name longer than %zu bytes", sizeof l->name - 1);
         snprintf(l->name, sizeof l->name, "%s", m->name);
     } else {
@@ -159,7 +168,7 @@ static int validate_layer(vctx *v, const Dpclip__ClipStep *msg, size_t i, dc_lay
     }
     l->max_grad_norm = m->max_grad_norm;
     if (msg->clip->mode == DPCLIP__CLIPPING_MODE__PER_LAYER && !finite_pos(m->max_grad_norm))
-        return dc_err_set(v->err, DC_EINVAL, path(f, sizeof f, lp, "max_grad_norm"),
+        return dc_err_set(v->err, DC_EINVAL, fpath(f, sizeof f, lp, "max_grad_norm", NULL),
                           "per-layer clipping needs a finite max_grad_norm > 0 for every layer");
 
     switch (m->kind_case) {
@@ -175,17 +184,17 @@ static int validate_layer(vctx *v, const Dpclip__ClipStep *msg, size_t i, dc_lay
         l->p = l->grad.shape[l->grad.ndim - 1];
         l->has_bias = x->has_bias;
         if ((int)x->algorithm < 0 || (int)x->algorithm > 2)
-            return dc_err_set(v->err, DC_EINVAL, path(f, sizeof f, lp, "algorithm"),
+            return dc_err_set(v->err, DC_EINVAL, fpath(f, sizeof f, lp, "algorithm", NULL),
                               "unknown algorithm %d", (int)x->algorithm);
         l->algo = (dc_algo)x->algorithm;
         int64_t wshape[2] = {l->p, l->d}, bshape[1] = {l->p};
-        if ((rc = vopt(v, x->weight_grad_out, path(f, sizeof f, lp, "weight_grad_out"),
+        if ((rc = vopt(v, x->weight_grad_out, lp, "weight_grad_out",
                        DC_MASK_FLOAT, 2, wshape, &l->weight_grad_out)))
             return rc;
         if (x->bias_grad_out && !x->has_bias)
-            return dc_err_set(v->err, DC_EINVAL, path(f, sizeof f, lp, "bias_grad_out"),
+            return dc_err_set(v->err, DC_EINVAL, fpath(f, sizeof f, lp, "bias_grad_out", NULL),
                               "bias_grad_out given but has_bias is false");
-        if ((rc = vopt(v, x->bias_grad_out, path(f, sizeof f, lp, "bias_grad_out"),
+        if ((rc = vopt(v, x->bias_grad_out, lp, "bias_grad_out",
                        DC_MASK_FLOAT, 1, bshape, &l->bias_grad_out)))
             return rc;
         return 0;
@@ -200,17 +209,17 @@ static int validate_layer(vctx *v, const Dpclip__ClipStep *msg, size_t i, dc_lay
         l->T = l->input.ndim == 2 ? l->input.shape[1] : 1;
         l->d = l->grad.shape[l->grad.ndim - 1];
         if (x->num_embeddings == 0 || x->num_embeddings > (uint64_t)INT64_MAX / 2)
-            return dc_err_set(v->err, DC_EINVAL, path(f, sizeof f, lp, "num_embeddings"),
+            return dc_err_set(v->err, DC_EINVAL, fpath(f, sizeof f, lp, "num_embeddings", NULL),
                               "num_embeddings must be >= 1");
         l->vocab = (int64_t)x->num_embeddings;
         l->has_padding_idx = x->has_padding_idx;
         l->padding_idx = x->padding_idx;
         if (x->has_padding_idx && (x->padding_idx < 0 || x->padding_idx >= l->vocab))
-            return dc_err_set(v->err, DC_EINVAL, path(f, sizeof f, lp, "padding_idx"),
+            return dc_err_set(v->err, DC_EINVAL, fpath(f, sizeof f, lp, "padding_idx", NULL),
                               "padding_idx %lld outside [0, %lld)", (long long)x->padding_idx,
                               (long long)l->vocab);
         int64_t wshape[2] = {l->vocab, l->d};
-        return vopt(v, x->weight_grad_out, path(f, sizeof f, lp, "weight_grad_out"),
+        return vopt(v, x->weight_grad_out, lp, "weight_grad_out",
                     DC_MASK_FLOAT, 2, wshape, &l->weight_grad_out);
     }
     case DPCLIP__LAYER__KIND_LAYER_NORM:
@@ -228,29 +237,29 @@ static int validate_layer(vctx *v, const Dpclip__ClipStep *msg, size_t i, dc_lay
         l->T = l->input.ndim == 3 ? l->input.shape[1] : 1;
         l->d = l->input.shape[l->input.ndim - 1];
         if (l->grad.shape[l->grad.ndim - 1] != l->d)
-            return dc_err_set(v->err, DC_EINVAL, path(f, sizeof f, lp, "output_grad.shape"),
+            return dc_err_set(v->err, DC_EINVAL, fpath(f, sizeof f, lp, "output_grad.shape", NULL),
                               "last dimension %lld must equal the input's %lld",
                               (long long)l->grad.shape[l->grad.ndim - 1], (long long)l->d);
         if (!finite_pos(eps))
-            return dc_err_set(v->err, DC_EINVAL, path(f, sizeof f, lp, "eps"),
+            return dc_err_set(v->err, DC_EINVAL, fpath(f, sizeof f, lp, "eps", NULL),
                               "eps must be finite and > 0");
         l->eps = eps;
         int64_t wshape[1] = {l->d};
-        if ((rc = vopt(v, wo, path(f, sizeof f, lp, "weight_grad_out"), DC_MASK_FLOAT, 1, wshape,
+        if ((rc = vopt(v, wo, lp, "weight_grad_out", DC_MASK_FLOAT, 1, wshape,
                        &l->weight_grad_out)))
             return rc;
         if (ln) {
             l->has_bias = m->layer_norm->has_bias;
             if (m->layer_norm->bias_grad_out && !l->has_bias)
-                return dc_err_set(v->err, DC_EINVAL, path(f, sizeof f, lp, "bias_grad_out"),
+                return dc_err_set(v->err, DC_EINVAL, fpath(f, sizeof f, lp, "bias_grad_out", NULL),
                                   "bias_grad_out given but has_bias is false");
-            return vopt(v, m->layer_norm->bias_grad_out, path(f, sizeof f, lp, "bias_grad_out"),
+            return vopt(v, m->layer_norm->bias_grad_out, lp, "bias_grad_out",
                         DC_MASK_FLOAT, 1, wshape, &l->bias_grad_out);
         }
         return 0;
     }
     default:
-        return dc_err_set(v->err, DC_EINVAL, path(f, sizeof f, lp, "kind"),
+        return dc_err_set(v->err, DC_EINVAL, fpath(f, sizeof f, lp, "kind", NULL),
                           "layer kind not set or unknown");
     }
 }
@@ -299,10 +308,10 @@ int dc_validate_step(const Dpclip__ClipStep *msg, const dc_registry *reg,
         if ((rc = validate_layer(&v, msg, i, &out->layers[i]))) goto fail;
     {
         int64_t bshape[1] = {(int64_t)msg->batch_size};
-        if ((rc = vopt(&v, msg->norms_out, "clip_step.norms_out", DC_MASK_F32, 1, bshape,
+        if ((rc = vopt(&v, msg->norms_out, "clip_step.norms_out", NULL, DC_MASK_F32, 1, bshape,
                        &out->norms_out)))
             goto fail;
-        if ((rc = vopt(&v, msg->coefficients_out, "clip_step.coefficients_out", DC_MASK_F32, 1,
+        if ((rc = vopt(&v, msg->coefficients_out, "clip_step.coefficients_out", NULL, DC_MASK_F32, 1,
                        bshape, &out->coefs_out)))
             goto fail;
     }
