@@ -83,11 +83,11 @@ static int daemon_code(Dpclip__ErrorCode code) {
 
 /* --- locking and callbacks --------------------------------------------- */
 
-static void lock(dpclip_client *c) { pthread_mutex_lock(&c->mu); }
+void cl_lock(dpclip_client *c) { pthread_mutex_lock(&c->mu); }
 
 /* Releases the lock, then runs the callbacks completed during the call, in
  * completion order, with the lock not held (they may call the library). */
-static void unlock(dpclip_client *c) {
+void cl_unlock(dpclip_client *c) {
     cl_done *d = c->cb_head;
     c->cb_head = c->cb_tail = NULL;
     pthread_mutex_unlock(&c->mu);
@@ -198,8 +198,8 @@ static int read_one(dpclip_client *c, int64_t deadline, Dpclip__Reply **sync) {
 /* Sends req and waits for its reply, completing earlier submits on the way.
  * On success *out is the reply with body `expect`; an Error reply becomes
  * the handle's error and its code. */
-static int call(dpclip_client *c, Dpclip__Request *req, int pass_fd,
-                Dpclip__Reply__BodyCase expect, int64_t deadline, Dpclip__Reply **out) {
+int cl_call(dpclip_client *c, Dpclip__Request *req, int pass_fd,
+            Dpclip__Reply__BodyCase expect, int64_t deadline, Dpclip__Reply **out) {
     cl_pending p;
     Dpclip__Reply *r = NULL;
     int rc;
@@ -280,7 +280,7 @@ static int do_connect(dpclip_client *c, const char *path, const dpclip_connect_o
     if (o && o->job_id) hello.job_id = (char *)o->job_id;
     req.body_case = DPCLIP__REQUEST__BODY_HELLO;
     req.hello = &hello;
-    if ((rc = call(c, &req, -1, DPCLIP__REPLY__BODY_HELLO, deadline, &r))) return rc;
+    if ((rc = cl_call(c, &req, -1, DPCLIP__REPLY__BODY_HELLO, deadline, &r))) return rc;
     h = r->hello;
     if (h->protocol_version != DC_PROTOCOL_VERSION) {
         unsigned v = h->protocol_version;
@@ -297,6 +297,7 @@ static int do_connect(dpclip_client *c, const char *path, const dpclip_connect_o
     c->info.session_id = h->session_id;
     for (size_t i = 0; i < h->n_backends; i++)
         if (h->backends[i] && strcmp(h->backends[i], "cuda") == 0) c->info.has_cuda = 1;
+    c->info.mps_active = h->mps_active;
     dpclip__reply__free_unpacked(r, NULL);
     return 0;
 }
@@ -315,14 +316,14 @@ DPCLIP_API int dpclip_connect(const char *socket_path, const dpclip_connect_opts
     }
     c->fd = -1;
     *out = c;
-    lock(c);
+    cl_lock(c);
     rc = do_connect(c, socket_path ? socket_path : dpclip_default_socket(), opts);
     /* Without a completed handshake the handle is of no use. */
     if (rc && c->fd >= 0) {
         close(c->fd);
         c->fd = -1;
     }
-    unlock(c);
+    cl_unlock(c);
     return rc;
 }
 
@@ -338,15 +339,16 @@ static void free_done_list(cl_done *d) {
 /* Callbacks still pending are called with DPCLIP_EIO before this returns. */
 DPCLIP_API void dpclip_disconnect(dpclip_client *c) {
     if (!c) return;
-    lock(c);
+    cl_lock(c);
     if (c->fd >= 0) close(c->fd);
     c->fd = -1;
     fail_all_pending(c, "disconnected");
-    unlock(c);
+    cl_unlock(c);
 
     free_done_list(c->done_head);
     for (size_t i = 0; i < c->m_len; i++) munmap(c->maps[i].addr, c->maps[i].size);
     free(c->maps);
+    free(c->cuda_bufs);
     free(c->pend);
     free(c->sbuf);
     free(c->rbuf);
@@ -385,19 +387,19 @@ DPCLIP_API const char *dpclip_strerror(int code) {
 DPCLIP_API int dpclip_daemon_info_get(dpclip_client *c, dpclip_daemon_info *info) {
     int rc = 0;
     if (!c || !info) return DPCLIP_EARG;
-    lock(c);
+    cl_lock(c);
     if (c->info.protocol_version == 0) rc = cl_fail(c, DPCLIP_EIO, "", "not connected");
     else *info = c->info;
-    unlock(c);
+    cl_unlock(c);
     return rc;
 }
 
 DPCLIP_API int dpclip_fd(const dpclip_client *c) {
     int fd;
     if (!c) return -1;
-    lock((dpclip_client *)c);
+    cl_lock((dpclip_client *)c);
     fd = c->fd;
-    unlock((dpclip_client *)c);
+    cl_unlock((dpclip_client *)c);
     return fd;
 }
 
@@ -408,15 +410,15 @@ DPCLIP_API int dpclip_ping(dpclip_client *c) {
     int rc;
 
     if (!c) return DPCLIP_EARG;
-    lock(c);
+    cl_lock(c);
     ping.nonce = c->next_req_id * 2654435761u + 1;
     req.body_case = DPCLIP__REQUEST__BODY_PING;
     req.ping = &ping;
-    if ((rc = call(c, &req, -1, DPCLIP__REPLY__BODY_PONG, -1, &r)) == 0) {
+    if ((rc = cl_call(c, &req, -1, DPCLIP__REPLY__BODY_PONG, -1, &r)) == 0) {
         if (r->pong->nonce != ping.nonce) rc = cl_die(c, "dpclipd answered a ping with the wrong nonce");
         dpclip__reply__free_unpacked(r, NULL);
     }
-    unlock(c);
+    cl_unlock(c);
     return rc;
 }
 
@@ -432,7 +434,7 @@ static int register_fd(dpclip_client *c, int fd, size_t size, uint64_t *id) {
     rb.size = size;
     req.body_case = DPCLIP__REQUEST__BODY_REGISTER_BUFFER;
     req.register_buffer = &rb;
-    if ((rc = call(c, &req, fd, DPCLIP__REPLY__BODY_REGISTER_BUFFER, -1, &r))) return rc;
+    if ((rc = cl_call(c, &req, fd, DPCLIP__REPLY__BODY_REGISTER_BUFFER, -1, &r))) return rc;
     *id = r->register_buffer->buffer_id;
     dpclip__reply__free_unpacked(r, NULL);
     return 0;
@@ -445,7 +447,7 @@ DPCLIP_API int dpclip_buffer_alloc(dpclip_client *c, size_t size, uint64_t *buff
     int fd = -1, rc;
 
     if (!c || !buffer_id || !data) return DPCLIP_EARG;
-    lock(c);
+    cl_lock(c);
     if (size == 0) {
         rc = cl_fail(c, DPCLIP_EARG, "", "buffer size 0");
         goto out;
@@ -492,7 +494,7 @@ DPCLIP_API int dpclip_buffer_alloc(dpclip_client *c, size_t size, uint64_t *buff
 out:
     if (addr != MAP_FAILED) munmap(addr, size);
     if (fd >= 0) close(fd); /* the daemon holds its own reference */
-    unlock(c);
+    cl_unlock(c);
     return rc;
 }
 
@@ -500,9 +502,9 @@ DPCLIP_API int dpclip_buffer_register_fd(dpclip_client *c, int fd, size_t size,
                                          uint64_t *buffer_id) {
     int rc;
     if (!c || fd < 0 || !buffer_id) return DPCLIP_EARG;
-    lock(c);
+    cl_lock(c);
     rc = register_fd(c, fd, size, buffer_id);
-    unlock(c);
+    cl_unlock(c);
     return rc;
 }
 
@@ -513,14 +515,15 @@ DPCLIP_API int dpclip_buffer_release(dpclip_client *c, uint64_t buffer_id) {
     int rc;
 
     if (!c) return DPCLIP_EARG;
-    lock(c);
+    cl_lock(c);
     rb.buffer_id = buffer_id;
     req.body_case = DPCLIP__REQUEST__BODY_RELEASE_BUFFER;
     req.release_buffer = &rb;
-    rc = call(c, &req, -1, DPCLIP__REPLY__BODY_RELEASE_BUFFER, -1, &r);
+    rc = cl_call(c, &req, -1, DPCLIP__REPLY__BODY_RELEASE_BUFFER, -1, &r);
     if (rc == 0) dpclip__reply__free_unpacked(r, NULL);
     /* Released, or the daemon is gone (which released it): unmap ours. */
     if (rc == 0 || rc == DPCLIP_EIO) {
+        cl_cuda_forget(c, buffer_id);
         for (size_t i = 0; i < c->m_len; i++) {
             if (c->maps[i].id != buffer_id) continue;
             munmap(c->maps[i].addr, c->maps[i].size);
@@ -528,7 +531,7 @@ DPCLIP_API int dpclip_buffer_release(dpclip_client *c, uint64_t buffer_id) {
             break;
         }
     }
-    unlock(c);
+    cl_unlock(c);
     return rc;
 }
 
@@ -571,7 +574,7 @@ DPCLIP_API int dpclip_run(dpclip_client *c, const dpclip_step *s, dpclip_result 
 
     if (res) memset(res, 0, sizeof *res);
     if (!c || !s || !res) return DPCLIP_EARG;
-    lock(c);
+    cl_lock(c);
     if ((rc = send_step(c, s, CL_REQ_SYNC, NULL))) goto out;
     /* Replies to earlier submits come first; read_one completes them. */
     while (!r)
@@ -588,7 +591,7 @@ DPCLIP_API int dpclip_run(dpclip_client *c, const dpclip_step *s, dpclip_result 
     }
     dpclip__reply__free_unpacked(r, NULL);
 out:
-    unlock(c);
+    cl_unlock(c);
     return rc;
 }
 
@@ -597,7 +600,7 @@ static int submit(dpclip_client *c, const dpclip_step *s, cl_req_kind kind, dpcl
     cl_done *d;
     int rc;
 
-    lock(c);
+    cl_lock(c);
     if (!(d = calloc(1, sizeof *d))) {
         rc = cl_fail(c, DPCLIP_ENOMEM, "", "out of memory");
         goto out;
@@ -612,7 +615,7 @@ static int submit(dpclip_client *c, const dpclip_step *s, cl_req_kind kind, dpcl
     }
     if (ticket) *ticket = d->ticket;
 out:
-    unlock(c);
+    cl_unlock(c);
     return rc;
 }
 
@@ -655,7 +658,7 @@ DPCLIP_API int dpclip_wait(dpclip_client *c, uint64_t ticket, int timeout_ms, dp
 
     if (res) memset(res, 0, sizeof *res);
     if (!c || !res) return DPCLIP_EARG;
-    lock(c);
+    cl_lock(c);
     while (!(d = take_done(c, ticket))) {
         if (!ticket_pending(c, ticket)) {
             rc = cl_fail(c, DPCLIP_EARG, "", "ticket %llu is unknown or already collected",
@@ -681,7 +684,7 @@ DPCLIP_API int dpclip_wait(dpclip_client *c, uint64_t ticket, int timeout_ms, dp
     }
     free(d);
 out:
-    unlock(c);
+    cl_unlock(c);
     return rc;
 }
 
@@ -691,7 +694,7 @@ DPCLIP_API int dpclip_poll(dpclip_client *c, int timeout_ms) {
     int n = 0, rc = 0;
 
     if (!c) return -DPCLIP_EARG;
-    lock(c);
+    cl_lock(c);
     while (c->p_len) {
         /* Wait up to the timeout for the first completion, then take only
          * what has already arrived. */
@@ -707,6 +710,6 @@ DPCLIP_API int dpclip_poll(dpclip_client *c, int timeout_ms) {
         if (rc) break;
         n++;
     }
-    unlock(c);
+    cl_unlock(c);
     return rc ? -rc : n;
 }

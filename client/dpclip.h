@@ -97,7 +97,8 @@ typedef struct dpclip_daemon_info {
     uint32_t max_layers;
     uint32_t max_frame;
     uint64_t session_id;
-    int has_cuda;
+    int has_cuda;         /* the daemon serves CUDA buffers */
+    int mps_active;       /* the CUDA MPS control daemon serves the node */
 } dpclip_daemon_info;
 int dpclip_daemon_info_get(dpclip_client *c, dpclip_daemon_info *info);
 
@@ -111,6 +112,30 @@ int dpclip_buffer_alloc(dpclip_client *c, size_t size, uint64_t *buffer_id, void
 int dpclip_buffer_register_fd(dpclip_client *c, int fd, size_t size, uint64_t *buffer_id);
 /* Release a buffer; for dpclip_buffer_alloc buffers also unmaps it here. */
 int dpclip_buffer_release(dpclip_client *c, uint64_t buffer_id);
+
+/* --- GPU memory (CUDA IPC) ------------------------------------------------ */
+
+/* Register the CUDA allocation that holds dev_ptr: the library finds the
+ * allocation's base and size (cuMemGetAddressRange), exports it
+ * (cuIpcGetMemHandle) and registers it once; *offset receives dev_ptr's byte
+ * offset inside the buffer. A pointer into an allocation this handle has
+ * already registered returns the same buffer without a round trip, so
+ * tensors from a caching allocator (PyTorch's) cost one registration per
+ * allocation. The CUDA driver is loaded at run time (libcuda.so.1): this
+ * library has no link-time CUDA dependency. The calling thread must have the
+ * allocation's context current (it does after any CUDA runtime call on that
+ * device). DPCLIP_EUNAVAIL without a CUDA driver. */
+int dpclip_buffer_register_cuda(dpclip_client *c, const void *dev_ptr, uint64_t *buffer_id,
+                                uint64_t *offset);
+/* Register from a CUDA IPC memory handle the caller exported itself
+ * (cudaIpcGetMemHandle on an allocation's base; 64 bytes); `size` bytes from
+ * the base are addressable (0 = the whole allocation). */
+int dpclip_buffer_register_cuda_handle(dpclip_client *c, const void *ipc_handle, uint64_t size,
+                                       int device, uint64_t *buffer_id);
+/* Register an interprocess event (created with cudaEventInterprocess |
+ * cudaEventDisableTiming) by its cudaIpcEventHandle_t bytes (64). */
+int dpclip_event_register_cuda(dpclip_client *c, const void *ipc_event_handle, int device,
+                               uint64_t *event_id);
 
 /* --- steps --------------------------------------------------------------- */
 
@@ -172,6 +197,10 @@ int dpclip_step_add_rmsnorm(dpclip_step *s, const dpclip_norm_layer *n);
 int dpclip_step_set_outputs(dpclip_step *s, const dpclip_tensor *norms_out,
                             const dpclip_tensor *coefs_out);
 void dpclip_step_want_layer_norms(dpclip_step *s, int yes);
+/* GPU steps: the daemon's stream waits on wait_event (which the trainer
+ * recorded after producing the step's tensors) and records signal_event once
+ * the outputs are written. 0 = none. */
+void dpclip_step_set_events(dpclip_step *s, uint64_t wait_event, uint64_t signal_event);
 
 typedef struct dpclip_result {
     uint32_t batch;

@@ -63,6 +63,14 @@ typedef struct cl_mapping {
     size_t size;
 } cl_mapping;
 
+/* A registered CUDA allocation, so that tensors inside it reuse the buffer. */
+typedef struct cl_cuda_buf {
+    uint64_t id;
+    int device;
+    uint64_t base, size;
+    uint8_t handle[64];     /* the IPC handle it was registered with */
+} cl_cuda_buf;
+
 struct dpclip_client {
     pthread_mutex_t mu;
     int fd;                 /* -1 once the connection is dead */
@@ -85,6 +93,9 @@ struct dpclip_client {
     cl_mapping *maps;       /* dpclip_buffer_alloc mappings, unmapped on release */
     size_t m_len, m_cap;
 
+    cl_cuda_buf *cuda_bufs; /* CUDA allocations registered (cuda.c) */
+    size_t cb_n, cb_capn;
+
     /* Scratch for building ClipStep messages (step.c), reused across steps. */
     void *msg_scratch;
     size_t msg_scratch_cap;
@@ -97,6 +108,20 @@ int cl_fail(dpclip_client *c, int code, const char *field, const char *fmt, ...)
 /* Socket failure: closes the connection (the handle is dead from now on),
  * fails every pending request with DPCLIP_EIO and returns DPCLIP_EIO. */
 int cl_die(dpclip_client *c, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+
+void cl_lock(dpclip_client *c);
+/* Drops the lock, then runs the callbacks collected meanwhile. */
+void cl_unlock(dpclip_client *c);
+/* Sends req and waits for its reply (completing earlier submits on the
+ * way). On success *out is the reply with body `expect` (free with
+ * dpclip__reply__free_unpacked); an Error reply becomes the handle's error
+ * and its code. Caller holds the lock. */
+int cl_call(dpclip_client *c, Dpclip__Request *req, int pass_fd,
+            Dpclip__Reply__BodyCase expect, int64_t deadline, Dpclip__Reply **out);
+
+/* --- CUDA (cuda.c) -------------------------------------------------------- */
+/* Forgets a released buffer id (no-op for non-CUDA buffers). */
+void cl_cuda_forget(dpclip_client *c, uint64_t id);
 
 /* --- wire (wire.c) -------------------------------------------------------- */
 /* Monotonic milliseconds; deadlines are absolute values of it, -1 = none. */

@@ -28,6 +28,7 @@ struct dpclip_step {
     size_t n, cap;
     dpclip_tensor norms_out, coefs_out;
     int want_layer_norms;
+    uint64_t wait_event, signal_event;
 };
 
 /* --- step objects ------------------------------------------------------- */
@@ -54,8 +55,8 @@ DPCLIP_API void dpclip_step_free(dpclip_step *s) {
     free(s);
 }
 
-/* Keeps the clip config, the layer array's capacity and want_layer_norms;
- * drops the layers and the norms/coefficients outputs. */
+/* Keeps the clip config, the layer array's capacity, want_layer_norms and
+ * the events; drops the layers and the norms/coefficients outputs. */
 DPCLIP_API void dpclip_step_reset(dpclip_step *s, uint32_t batch_size) {
     if (!s) return;
     clear_layers(s);
@@ -153,6 +154,13 @@ DPCLIP_API int dpclip_step_set_outputs(dpclip_step *s, const dpclip_tensor *norm
     return DPCLIP_OK;
 }
 
+DPCLIP_API void dpclip_step_set_events(dpclip_step *s, uint64_t wait_event,
+                                       uint64_t signal_event) {
+    if (!s) return;
+    s->wait_event = wait_event;
+    s->signal_event = signal_event;
+}
+
 DPCLIP_API void dpclip_step_want_layer_norms(dpclip_step *s, int yes) {
     if (s) s->want_layer_norms = yes != 0;
 }
@@ -242,6 +250,8 @@ int cl_step_message(dpclip_client *c, const dpclip_step *s, Dpclip__ClipStep **o
     m->step.norms_out = ref(&m->norms_out, &s->norms_out);
     m->step.coefficients_out = ref(&m->coefs_out, &s->coefs_out);
     m->step.want_layer_norms = s->want_layer_norms;
+    m->step.wait_event = s->wait_event;
+    m->step.signal_event = s->signal_event;
     m->step.n_layers = s->n;
     m->step.layers = m->ptrs;
 

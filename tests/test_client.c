@@ -479,6 +479,46 @@ static void *shared_thread(void *arg) {
     return NULL;
 }
 
+/* A daemon without GPUs refuses CUDA buffers and events by field, and a step
+ * naming an unknown event fails by field; the session goes on. */
+static void test_cuda_refused_without_gpu(void **state) {
+    (void)state;
+    dpclip_client *c = connect_ok();
+    dpclip_daemon_info info;
+    dc_shm_step s;
+    dpclip_result res;
+    uint8_t handle[64];
+    uint64_t id = 0, off = 0;
+    int x = 0;
+
+    assert_int_equal(dpclip_daemon_info_get(c, &info), 0);
+    if (info.has_cuda) {
+        printf("SKIP: test_cuda_refused_without_gpu: this daemon has a GPU\n");
+        dpclip_disconnect(c);
+        return;
+    }
+    memset(handle, 0x5a, sizeof handle);
+    assert_int_equal(dpclip_buffer_register_cuda_handle(c, handle, 4096, 0, &id), DPCLIP_EPRECOND);
+    assert_string_equal(dpclip_errfield(c), "register_buffer.kind");
+    assert_int_equal(dpclip_event_register_cuda(c, handle, 0, &id), DPCLIP_EPRECOND);
+    assert_string_equal(dpclip_errfield(c), "register_event");
+    /* A host pointer is not device memory (or there is no driver at all). */
+    int rc = dpclip_buffer_register_cuda(c, &x, &id, &off);
+    assert_true(rc == DPCLIP_EARG || rc == DPCLIP_EUNAVAIL);
+    assert_true(strlen(dpclip_errmsg(c)) > 0);
+
+    make_step(&s, c, 8, 31);
+    dpclip_step_set_events(s.step, 77, 0);
+    assert_int_equal(dpclip_run(c, s.step, &res), DPCLIP_ENOTFOUND);
+    assert_string_equal(dpclip_errfield(c), "clip_step.wait_event");
+    dpclip_step_set_events(s.step, 0, 0);
+    assert_int_equal(dpclip_run(c, s.step, &res), 0);
+    check(&s, &res);
+    dpclip_result_free(&res);
+    dc_shm_step_free(&s);
+    dpclip_disconnect(c);
+}
+
 static void test_shared_handle(void **state) {
     (void)state;
     enum { N = 4 };
@@ -582,6 +622,7 @@ int main(void) {
         cmocka_unit_test(test_submit_cb_poll),
         cmocka_unit_test(test_step_errors),
         cmocka_unit_test(test_shared_handle),
+        cmocka_unit_test(test_cuda_refused_without_gpu),
         cmocka_unit_test(test_disconnect_pending),
         cmocka_unit_test(test_daemon_gone),
         cmocka_unit_test(test_clean_shutdown),
