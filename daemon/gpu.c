@@ -171,7 +171,7 @@ int dc_gpu_init(dc_gpu *g, uv_loop_t *loop, bool enable, dc_err *err) {
         }
         g->n = i + 1;
         if (cudaGetDeviceProperties(&prop, i) == cudaSuccess)
-            snprintf(g->names[i], sizeof g->names[i], "%s", prop.name);
+            snprintf(g->names[i], sizeof g->names[i], "%.63s", prop.name);
     }
     dc_registry_set_cuda_unmap(registry_unmap);
     g->mps_active = detect_mps();

@@ -364,7 +364,7 @@ static dpclip_tensor wire(const dc_shm_step *s, const dc_tensor *t) {
     dpclip_tensor w;
     memset(&w, 0, sizeof w);
     if (!t->data) return w;
-    w.buffer = s->buf_id;
+    w.buffer = s->wire_id ? s->wire_id : s->buf_id;
     w.offset = (uint64_t)((const uint8_t *)t->data - s->base);
     w.dtype = dc_shm_dtype(t->dtype);
     w.ndim = t->ndim;
@@ -464,6 +464,11 @@ int dc_shm_step_set_config(dc_shm_step *s, const dpclip_clip_config *cfg) {
         if ((rc = add_wire_layer(s, i))) return rc;
     dpclip_step_want_layer_norms(s->step, s->ref.want_layer_norms);
     return wire_outputs(s);
+}
+
+int dc_shm_step_wire_buffer(dc_shm_step *s, uint64_t id) {
+    s->wire_id = id;
+    return dc_shm_step_set_config(s, &s->cfg);
 }
 
 void dc_shm_step_want_layer_norms(dc_shm_step *s, int yes) {

@@ -66,6 +66,7 @@ const Dpclip__Error *dc_raw_error(const Dpclip__Reply *r);
 typedef struct dc_shm_step {
     dpclip_client *c;        /* not owned */
     uint64_t buf_id;
+    uint64_t wire_id;        /* the buffer the wire step names (0 = buf_id) */
     uint8_t *base;           /* our mapping of the buffer */
     size_t size, used;
     dpclip_step *step;       /* what goes on the wire */
@@ -92,6 +93,10 @@ int dc_shm_step_add_outputs(dc_shm_step *s, int norms, int coefs);
  * from the reference norms of the data. */
 int dc_shm_step_set_config(dc_shm_step *s, const dpclip_clip_config *cfg);
 void dc_shm_step_want_layer_norms(dc_shm_step *s, int yes);
+/* Makes the wire step name buffer `id` at the same offsets (e.g. a GPU copy
+ * of the shared buffer registered over CUDA IPC); 0 = back to the shared
+ * buffer. The reference keeps computing on the shared buffer. */
+int dc_shm_step_wire_buffer(dc_shm_step *s, uint64_t id);
 /* The reference per-sample norms of the current data: out[B]. */
 void dc_shm_step_ref_norms(dc_shm_step *s, double *out);
 /* The median of the reference norms: a threshold that clips about half. */

@@ -1,0 +1,291 @@
+/* The GPU data plane end to end: this process is the trainer, the real
+ * dpclipd another. Tensors live in cudaMalloc'd memory registered through
+ * CUDA IPC, ordering goes through interprocess events, and results are
+ * checked against the double-precision reference computed on a host copy of
+ * the same bytes. A trainer killed in the middle of a step must not take
+ * the daemon down.
+ *
+ * Skips with a printed line where no GPU exists. */
+#include <cuda_runtime_api.h>
+#include <setjmp.h>
+#include <signal.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cmocka.h>
+
+#include "harness.h"
+
+#define CUDA_OK(x) assert_int_equal((int)(x), (int)cudaSuccess)
+/* The GPU kernels accumulate in f32 in a different order (and may use
+ * tensor cores on bf16/f16 inputs, which are exact in f32 products). */
+#define GPU_RTOL 2e-3
+#define GPU_ATOL 1e-5
+
+static dc_harness g_h;
+static int g_have_gpu;
+
+static int group_setup(void **state) {
+    int n = 0;
+    (void)state;
+    if (cudaGetDeviceCount(&n) != cudaSuccess || n == 0) {
+        cudaGetLastError();
+        return 0;
+    }
+    g_have_gpu = 1;
+    return dc_harness_start(&g_h, "--workers 1");
+}
+
+static int group_teardown(void **state) {
+    (void)state;
+    if (g_h.pid) dc_harness_stop(&g_h);
+    return 0;
+}
+
+static dpclip_client *connect_ok(void) {
+    dpclip_client *c = NULL;
+    dpclip_connect_opts o = {"test_cuda_ipc", "gpu-job", 0};
+    int rc = dpclip_connect(g_h.sock, &o, &c);
+    if (rc) fail_msg("connect: %s", dpclip_errmsg(c));
+    return c;
+}
+
+/* A step with every layer kind in `dtype`, in a shared buffer; C at the
+ * median norm so some samples are clipped and some not. */
+static void make_step(dc_shm_step *s, dpclip_client *c, uint32_t B, int64_t T, dc_dtype dt,
+                      uint64_t seed) {
+    dc_test_rng r;
+    dpclip_clip_config cfg = {1.0f, DPCLIP_MEAN, 0, 0.0f, DPCLIP_FLAT};
+    dc_test_layer_spec specs[] = {
+        {DC_LAYER_LINEAR, B, T, 96, 160, dt, 1, DC_ALGO_AUTO, 1, 0},
+        {DC_LAYER_LINEAR, B, T, 72, 40, dt, 0, DC_ALGO_DIRECT, 1, 0},
+        {DC_LAYER_LINEAR, B, T, 64, 64, dt, 1, DC_ALGO_GHOST, 1, 0},
+        {DC_LAYER_EMBEDDING, B, T, 48, 300, dt, 0, DC_ALGO_AUTO, 1, 0},
+        {DC_LAYER_LAYERNORM, B, T, 96, 0, dt, 1, DC_ALGO_AUTO, 1, 0},
+        {DC_LAYER_RMSNORM, B, T, 64, 0, dt, 0, DC_ALGO_AUTO, 1, 0},
+    };
+    dc_test_rng_seed(&r, seed);
+    assert_int_equal(dc_shm_step_init(s, c, 32u << 20, B, &cfg), 0);
+    for (size_t i = 0; i < sizeof specs / sizeof specs[0]; i++)
+        assert_true(dc_shm_step_add(s, &specs[i], &r, 1.0f) >= 0);
+    assert_int_equal(dc_shm_step_add_outputs(s, 1, 1), 0);
+    cfg.max_grad_norm = (float)dc_shm_step_median_norm(s);
+    assert_int_equal(dc_shm_step_set_config(s, &cfg), 0);
+}
+
+static void test_gpu_steps_exact(void **state) {
+    (void)state;
+    if (!g_have_gpu) {
+        printf("SKIP: test_gpu_steps_exact: no CUDA device\n");
+        return;
+    }
+    dpclip_client *c = connect_ok();
+    dpclip_daemon_info info;
+    assert_int_equal(dpclip_daemon_info_get(c, &info), 0);
+    assert_true(info.has_cuda);
+    printf("daemon reports MPS %s\n", info.mps_active ? "active" : "not active");
+
+    const dc_dtype dts[] = {DC_F32, DC_BF16, DC_F16};
+    for (int k = 0; k < 3; k++) {
+        dc_shm_step s;
+        dpclip_result res;
+        uint64_t gid, gid2, off, off2;
+        uint8_t *dev;
+
+        make_step(&s, c, 8, k == 0 ? 1 : 33, dts[k], 100 + (uint64_t)k);
+        CUDA_OK(cudaSetDevice(0));
+        CUDA_OK(cudaMalloc((void **)&dev, s.size + 4096));
+        /* Register a pointer inside the allocation: the library finds the
+         * base; a second pointer into it is the same buffer. */
+        assert_int_equal(dpclip_buffer_register_cuda(c, dev + 4096, &gid, &off), 0);
+        assert_int_equal(off, 4096);
+        assert_int_equal(dpclip_buffer_register_cuda(c, dev + 8192, &gid2, &off2), 0);
+        assert_int_equal(gid2, gid);
+        assert_int_equal(off2, 8192);
+        /* The GPU buffer holds the shared buffer's bytes at the same offsets;
+         * the wire step names the GPU buffer. */
+        CUDA_OK(cudaMemcpy(dev, s.base, s.used, cudaMemcpyHostToDevice));
+        assert_int_equal(dc_shm_step_wire_buffer(&s, gid), 0);
+
+        for (int rep = 0; rep < 3; rep++) {
+            int rc = dpclip_run(c, s.step, &res);
+            if (rc) fail_msg("dtype %s: %s (%s)", dc_dtype_name(dts[k]), dpclip_errmsg(c),
+                             dpclip_errfield(c));
+            CUDA_OK(cudaMemcpy(s.base, dev, s.used, cudaMemcpyDeviceToHost));
+            double worst = dc_shm_step_check(&s, &res, GPU_RTOL, GPU_ATOL);
+            if (worst > 1.0) fail_msg("dtype %s: GPU result off by %.3g tolerances",
+                                      dc_dtype_name(dts[k]), worst);
+            dpclip_result_free(&res);
+        }
+        assert_int_equal(dpclip_buffer_release(c, gid), 0);
+        CUDA_OK(cudaFree(dev));
+        dc_shm_step_free(&s);
+    }
+    dpclip_disconnect(c);
+}
+
+/* Ordering through interprocess events: the trainer writes the inputs on its
+ * own stream and records `ready`; the daemon waits on it, computes, records
+ * `done`; the trainer's stream waits on `done` before copying outputs back.
+ * No host synchronisation between the copy-in and the step. */
+static void test_gpu_events(void **state) {
+    (void)state;
+    if (!g_have_gpu) {
+        printf("SKIP: test_gpu_events: no CUDA device\n");
+        return;
+    }
+    dpclip_client *c = connect_ok();
+    dc_shm_step s;
+    dpclip_result res;
+    cudaStream_t st;
+    cudaEvent_t ready, done;
+    cudaIpcEventHandle_t hr, hd;
+    uint64_t gid, off, eready, edone;
+    uint8_t *dev, *pinned;
+
+    make_step(&s, c, 16, 64, DC_BF16, 7);
+    CUDA_OK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+    CUDA_OK(cudaEventCreateWithFlags(&ready, cudaEventInterprocess | cudaEventDisableTiming));
+    CUDA_OK(cudaEventCreateWithFlags(&done, cudaEventInterprocess | cudaEventDisableTiming));
+    CUDA_OK(cudaIpcGetEventHandle(&hr, ready));
+    CUDA_OK(cudaIpcGetEventHandle(&hd, done));
+    assert_int_equal(dpclip_event_register_cuda(c, &hr, 0, &eready), 0);
+    assert_int_equal(dpclip_event_register_cuda(c, &hd, 0, &edone), 0);
+    assert_true(eready != edone);
+    CUDA_OK(cudaMalloc((void **)&dev, s.size));
+    CUDA_OK(cudaMallocHost((void **)&pinned, s.used));
+    memcpy(pinned, s.base, s.used);
+    assert_int_equal(dpclip_buffer_register_cuda(c, dev, &gid, &off), 0);
+    assert_int_equal(dc_shm_step_wire_buffer(&s, gid), 0);
+    dpclip_step_set_events(s.step, eready, edone);
+
+    for (int rep = 0; rep < 4; rep++) {
+        dc_test_rng r;
+        dc_test_rng_seed(&r, 1000 + (uint64_t)rep);
+        dc_shm_step_refill(&s, &r);
+        memcpy(pinned, s.base, s.used);
+        CUDA_OK(cudaMemsetAsync(dev, 0xff, s.used, st)); /* NaNs, if read too early */
+        CUDA_OK(cudaMemcpyAsync(dev, pinned, s.used, cudaMemcpyHostToDevice, st));
+        CUDA_OK(cudaEventRecord(ready, st));
+        int rc = dpclip_run(c, s.step, &res);
+        if (rc) fail_msg("step %d: %s (%s)", rep, dpclip_errmsg(c), dpclip_errfield(c));
+        CUDA_OK(cudaStreamWaitEvent(st, done, 0));
+        CUDA_OK(cudaMemcpyAsync(pinned, dev, s.used, cudaMemcpyDeviceToHost, st));
+        CUDA_OK(cudaStreamSynchronize(st));
+        memcpy(s.base, pinned, s.used);
+        double worst = dc_shm_step_check(&s, &res, GPU_RTOL, GPU_ATOL);
+        if (worst > 1.0) fail_msg("step %d: GPU result off by %.3g tolerances", rep, worst);
+        dpclip_result_free(&res);
+    }
+    /* An unknown event is refused by field; the session goes on. */
+    dpclip_step_set_events(s.step, edone + 1000, 0);
+    assert_int_equal(dpclip_run(c, s.step, &res), DPCLIP_ENOTFOUND);
+    assert_string_equal(dpclip_errfield(c), "clip_step.wait_event");
+    assert_int_equal(dpclip_ping(c), 0);
+
+    dc_shm_step_free(&s);
+    dpclip_disconnect(c);
+    CUDA_OK(cudaFree(dev));
+    CUDA_OK(cudaFreeHost(pinned));
+    cudaEventDestroy(ready);
+    cudaEventDestroy(done);
+    cudaStreamDestroy(st);
+}
+
+/* A trainer process dies right after submitting a large GPU step: the daemon
+ * finishes it, closes that session's handles and keeps serving. Run as a
+ * separate process (this binary with --child) so that its CUDA context and
+ * its connection really go away. */
+static int child_main(const char *sock) {
+    dpclip_client *c = NULL;
+    dpclip_connect_opts o = {"doomed", "gpu-job", 0};
+    dc_shm_step s;
+    uint64_t gid, off, ticket;
+    uint8_t *dev;
+    if (dpclip_connect(sock, &o, &c)) return 2;
+    {
+        dc_test_rng r;
+        dpclip_clip_config cfg = {1.0f, DPCLIP_SUM, 0, 1.0f, DPCLIP_FLAT};
+        dc_test_layer_spec sp = {DC_LAYER_LINEAR, 32, 512, 768, 3072, DC_BF16, 1,
+                                 DC_ALGO_AUTO, 1, 0};
+        dc_test_rng_seed(&r, 5);
+        if (dc_shm_step_init(&s, c, 64u << 20, 32, &cfg)) return 3;
+        for (int i = 0; i < 4; i++)
+            if (dc_shm_step_add(&s, &sp, &r, 1.0f) < 0) return 4;
+    }
+    if (cudaMalloc((void **)&dev, s.size) != cudaSuccess) return 5;
+    cudaMemcpy(dev, s.base, s.used, cudaMemcpyHostToDevice);
+    if (dpclip_buffer_register_cuda(c, dev, &gid, &off)) return 6;
+    if (dc_shm_step_wire_buffer(&s, gid)) return 7;
+    if (dpclip_submit(c, s.step, &ticket)) return 8;
+    _exit(0); /* no cleanup: the kernel closes the socket, the driver the context */
+}
+
+static void test_client_killed_mid_step(void **state) {
+    (void)state;
+    if (!g_have_gpu) {
+        printf("SKIP: test_client_killed_mid_step: no CUDA device\n");
+        return;
+    }
+    char self[512];
+    ssize_t n = readlink("/proc/self/exe", self, sizeof self - 1);
+    assert_true(n > 0);
+    self[n] = '\0';
+    for (int round = 0; round < 3; round++) {
+        pid_t pid = fork();
+        assert_true(pid >= 0);
+        if (pid == 0) {
+            execl(self, self, "--child", g_h.sock, (char *)NULL);
+            _exit(127);
+        }
+        int status = 0;
+        assert_int_equal(waitpid(pid, &status, 0), pid);
+        assert_true(WIFEXITED(status));
+        assert_int_equal(WEXITSTATUS(status), 0);
+    }
+    /* The daemon is alive and exact for everyone else. */
+    assert_true(dc_harness_alive(&g_h));
+    dpclip_client *c = connect_ok();
+    dc_shm_step s;
+    dpclip_result res;
+    uint64_t gid, off;
+    uint8_t *dev;
+    make_step(&s, c, 4, 16, DC_F32, 9);
+    CUDA_OK(cudaMalloc((void **)&dev, s.size));
+    CUDA_OK(cudaMemcpy(dev, s.base, s.used, cudaMemcpyHostToDevice));
+    assert_int_equal(dpclip_buffer_register_cuda(c, dev, &gid, &off), 0);
+    assert_int_equal(dc_shm_step_wire_buffer(&s, gid), 0);
+    assert_int_equal(dpclip_run(c, s.step, &res), 0);
+    CUDA_OK(cudaMemcpy(s.base, dev, s.used, cudaMemcpyDeviceToHost));
+    assert_true(dc_shm_step_check(&s, &res, GPU_RTOL, GPU_ATOL) <= 1.0);
+    dpclip_result_free(&res);
+    dc_shm_step_free(&s);
+    dpclip_disconnect(c);
+    CUDA_OK(cudaFree(dev));
+}
+
+static void test_clean_shutdown(void **state) {
+    (void)state;
+    if (!g_have_gpu) {
+        printf("SKIP: test_clean_shutdown (GPU): no CUDA device\n");
+        return;
+    }
+    assert_int_equal(dc_harness_stop(&g_h), 0);
+}
+
+int main(int argc, char **argv) {
+    if (argc == 3 && strcmp(argv[1], "--child") == 0) return child_main(argv[2]);
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_gpu_steps_exact),
+        cmocka_unit_test(test_gpu_events),
+        cmocka_unit_test(test_client_killed_mid_step),
+        cmocka_unit_test(test_clean_shutdown),
+    };
+    return cmocka_run_group_tests(tests, group_setup, group_teardown);
+}
