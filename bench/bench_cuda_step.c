@@ -1,0 +1,167 @@
+/* A whole training step of GPT-2-small's 72 Linear layers (12 blocks of
+ * qkv 768->2304, proj 768->768, up 768->3072, down 3072->768; B=8, T=1024,
+ * bf16, with bias, clipped sums written as f32) sent to dpclipd from this
+ * process over CUDA IPC, ordered by interprocess events.
+ *
+ * Prints one JSON line:
+ *   daemon_gpu_ms   the daemon's time for the step (its worker, GPU-bound)
+ *   rt_ms           dpclip_run round trip seen by the trainer (host)
+ *   overhead_ms     rt - daemon time: what crossing processes costs
+ *   timeline_ms     trainer-stream time from `ready` to after `done` (GPU
+ *                   ordering only, no host sync inside)
+ * all medians (p90 too), and whether MPS was active (HelloReply).
+ *
+ *   bench_cuda_step --socket PATH [--iters N] */
+#include <cuda_runtime_api.h>
+#include <getopt.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "dpclip.h"
+
+#define CK(x)                                                                        \
+    do {                                                                             \
+        cudaError_t e_ = (x);                                                        \
+        if (e_ != cudaSuccess) {                                                     \
+            fprintf(stderr, "%s: %s\n", #x, cudaGetErrorString(e_));                 \
+            exit(1);                                                                 \
+        }                                                                            \
+    } while (0)
+
+static double now_ms(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return ts.tv_sec * 1e3 + ts.tv_nsec / 1e6;
+}
+
+static int cmp_d(const void *a, const void *b) {
+    double x = *(const double *)a, y = *(const double *)b;
+    return x < y ? -1 : x > y;
+}
+
+static double pct(double *v, int n, double p) {
+    qsort(v, (size_t)n, sizeof *v, cmp_d);
+    int i = (int)(p * (n - 1) + 0.5);
+    return v[i];
+}
+
+int main(int argc, char **argv) {
+    const char *sock = dpclip_default_socket();
+    int iters = 50, B = 8, T = 1024, c;
+    static const struct option opts[] = {{"socket", required_argument, NULL, 's'},
+                                         {"iters", required_argument, NULL, 'i'},
+                                         {NULL, 0, NULL, 0}};
+    while ((c = getopt_long(argc, argv, "", opts, NULL)) != -1) {
+        if (c == 's') sock = optarg;
+        else if (c == 'i') iters = atoi(optarg);
+        else return 2;
+    }
+    const int shapes[4][2] = {{768, 2304}, {768, 768}, {768, 3072}, {3072, 768}};
+    const int L = 72;
+    size_t off = 0, offs[72][4];
+    for (int l = 0; l < L; l++) {
+        int d = shapes[l % 4][0], p = shapes[l % 4][1];
+        size_t n[4] = {(size_t)B * T * d * 2, (size_t)B * T * p * 2, (size_t)p * d * 4,
+                       (size_t)p * 4};
+        for (int k = 0; k < 4; k++) {
+            offs[l][k] = off;
+            off += (n[k] + 255) & ~(size_t)255;
+        }
+    }
+    size_t total = off;
+
+    CK(cudaSetDevice(0));
+    uint8_t *dev;
+    CK(cudaMalloc((void **)&dev, total));
+    /* 0x3c3c as bf16 is 0.0115: finite, nonzero data everywhere. */
+    CK(cudaMemset(dev, 0x3c, total));
+    CK(cudaDeviceSynchronize());
+
+    dpclip_client *cl = NULL;
+    dpclip_connect_opts o = {"bench_cuda_step", "bench", 0};
+    if (dpclip_connect(sock, &o, &cl)) {
+        fprintf(stderr, "connect: %s\n", dpclip_errmsg(cl));
+        return 1;
+    }
+    dpclip_daemon_info info;
+    dpclip_daemon_info_get(cl, &info);
+    uint64_t buf, boff;
+    if (dpclip_buffer_register_cuda(cl, dev, &buf, &boff)) {
+        fprintf(stderr, "register: %s\n", dpclip_errmsg(cl));
+        return 1;
+    }
+    cudaStream_t st;
+    cudaEvent_t ready, done, t0, t1;
+    cudaIpcEventHandle_t hr, hd;
+    uint64_t er, ed;
+    CK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+    CK(cudaEventCreateWithFlags(&ready, cudaEventInterprocess | cudaEventDisableTiming));
+    CK(cudaEventCreateWithFlags(&done, cudaEventInterprocess | cudaEventDisableTiming));
+    CK(cudaEventCreate(&t0));
+    CK(cudaEventCreate(&t1));
+    CK(cudaIpcGetEventHandle(&hr, ready));
+    CK(cudaIpcGetEventHandle(&hd, done));
+    if (dpclip_event_register_cuda(cl, &hr, 0, &er) || dpclip_event_register_cuda(cl, &hd, 0, &ed)) {
+        fprintf(stderr, "events: %s\n", dpclip_errmsg(cl));
+        return 1;
+    }
+
+    dpclip_clip_config cfg = {1.0f, DPCLIP_MEAN, (uint32_t)B, 1.0f, DPCLIP_FLAT};
+    dpclip_step *s = dpclip_step_new((uint32_t)B, &cfg);
+    for (int l = 0; l < L; l++) {
+        int d = shapes[l % 4][0], p = shapes[l % 4][1];
+        dpclip_linear x;
+        memset(&x, 0, sizeof x);
+        x.has_bias = 1;
+        x.activations = (dpclip_tensor){buf, offs[l][0], DPCLIP_BF16, 3, {B, T, d}};
+        x.output_grad = (dpclip_tensor){buf, offs[l][1], DPCLIP_BF16, 3, {B, T, p}};
+        x.weight_grad_out = (dpclip_tensor){buf, offs[l][2], DPCLIP_F32, 2, {p, d, 0}};
+        x.bias_grad_out = (dpclip_tensor){buf, offs[l][3], DPCLIP_F32, 1, {p, 0, 0}};
+        dpclip_step_add_linear(s, &x);
+    }
+    dpclip_step_set_events(s, er, ed);
+
+    double *rt = calloc((size_t)iters, sizeof *rt), *gpu = calloc((size_t)iters, sizeof *gpu);
+    double *tl = calloc((size_t)iters, sizeof *tl);
+    for (int i = -5; i < iters; i++) {
+        dpclip_result res;
+        CK(cudaEventRecord(t0, st));
+        CK(cudaEventRecord(ready, st));
+        double a = now_ms();
+        if (dpclip_run(cl, s, &res)) {
+            fprintf(stderr, "step: %s (%s)\n", dpclip_errmsg(cl), dpclip_errfield(cl));
+            return 1;
+        }
+        double b = now_ms();
+        CK(cudaStreamWaitEvent(st, done, 0));
+        CK(cudaEventRecord(t1, st));
+        CK(cudaEventSynchronize(t1));
+        float ms = 0;
+        CK(cudaEventElapsedTime(&ms, t0, t1));
+        if (i >= 0) {
+            rt[i] = b - a;
+            gpu[i] = res.compute_ns / 1e6;
+            tl[i] = ms;
+        }
+        dpclip_result_free(&res);
+    }
+    double ov[4096];
+    int n = iters < 4096 ? iters : 4096;
+    for (int i = 0; i < n; i++) ov[i] = rt[i] - gpu[i];
+    printf("{\"bench\":\"cuda_step\",\"model\":\"gpt2-small-linears\",\"layers\":%d,\"B\":%d,"
+           "\"T\":%d,\"dtype\":\"bf16\",\"iters\":%d,\"mps\":%s,\"daemon_gpu_ms\":%.3f,"
+           "\"daemon_gpu_p90_ms\":%.3f,\"rt_ms\":%.3f,\"rt_p90_ms\":%.3f,\"overhead_ms\":%.3f,"
+           "\"overhead_p90_ms\":%.3f,\"timeline_ms\":%.3f,\"buffer_mib\":%.0f}\n",
+           L, B, T, iters, info.mps_active ? "true" : "false", pct(gpu, iters, 0.5),
+           pct(gpu, iters, 0.9), pct(rt, iters, 0.5), pct(rt, iters, 0.9), pct(ov, n, 0.5),
+           pct(ov, n, 0.9), pct(tl, iters, 0.5), total / 1048576.0);
+    dpclip_step_free(s);
+    dpclip_disconnect(cl);
+    cudaFree(dev);
+    free(rt);
+    free(gpu);
+    free(tl);
+    return 0;
+}

@@ -1,0 +1,37 @@
+#!/bin/sh
+# GPT-2-small ClipStep through dpclipd on the GPU, without and then with the
+# CUDA MPS control daemon (when nvidia-cuda-mps-control exists).
+#   bench/run_cuda_step.sh [BUILD_DIR] [bench_cuda_step options...]
+set -eu
+root=$(cd "$(dirname "$0")/.." && pwd)
+build=${1:-"$root/build"}
+[ $# -gt 0 ] && shift
+
+run_one() {
+    rundir=$(mktemp -d /tmp/dpclip-cuda.XXXXXX)
+    mkfifo "$rundir/ready"
+    "$build/dpclipd" --socket "$rundir/d.sock" --ready-fd 3 --workers 1 --log-level warn \
+        3>"$rundir/ready" &
+    daemon=$!
+    read -r line <"$rundir/ready"
+    [ "$line" = READY ] || { echo "dpclipd did not start" >&2; exit 1; }
+    "$build/bench_cuda_step" --socket "$rundir/d.sock" "$@" || true
+    kill -TERM "$daemon"; wait "$daemon" || true
+    rm -rf "$rundir"
+}
+
+run_one "$@"
+if command -v nvidia-cuda-mps-control >/dev/null 2>&1; then
+    export CUDA_MPS_PIPE_DIRECTORY=$(mktemp -d /tmp/mps-pipe.XXXXXX)
+    export CUDA_MPS_LOG_DIRECTORY=$(mktemp -d /tmp/mps-log.XXXXXX)
+    if nvidia-cuda-mps-control -d; then
+        sleep 1
+        run_one "$@"
+        echo quit | nvidia-cuda-mps-control
+        sleep 1
+    else
+        echo '{"bench":"cuda_step","mps":"could not start nvidia-cuda-mps-control"}'
+    fi
+else
+    echo '{"bench":"cuda_step","mps":"nvidia-cuda-mps-control not installed"}'
+fi
