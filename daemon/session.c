@@ -11,6 +11,7 @@
 #include "dpclip.pb-c.h"
 #include "log.h"
 #include "server.h"
+#include "session_int.h"
 #include "validate.h"
 
 /* One packed reply frame waiting to be written. */
@@ -30,6 +31,9 @@ struct dc_step_job {
     dc_step_result res;
     dc_err err;
     int rc;
+    /* Phases of the step (uv_hrtime ns): request decoded, submitted to a
+     * worker, worker started, worker finished. Logged at debug level. */
+    uint64_t t_recv, t_submit, t_start, t_end;
 };
 
 /* Stop reading when this much is buffered (a step in flight, or a client
@@ -37,11 +41,8 @@ struct dc_step_job {
  * back on the client instead of our memory growing. */
 #define DC_WQUEUE_LIMIT (8u << 20)
 
-static void session_process(dc_session *s);
-/* A request is being worked on off the loop: later ones wait for it. */
-static int session_busy(const dc_session *s) { return s->job != NULL || s->async_ops > 0; }
+int dc_session_busy(const dc_session *s) { return s->job != NULL || s->async_ops > 0; }
 static void session_update_poll(dc_session *s);
-static void session_destroy(dc_session *s);
 
 /* --- writing ----------------------------------------------------------- */
 
@@ -67,7 +68,7 @@ static void session_flush(dc_session *s) {
     }
 }
 
-static void session_send(dc_session *s, Dpclip__Reply *reply) {
+void dc_session_send(dc_session *s, Dpclip__Reply *reply) {
     size_t n;
     dc_wbuf *w;
 
@@ -103,10 +104,10 @@ static void send_error(dc_session *s, uint64_t id, const dc_err *e) {
     reply.error = &er;
     dc_log_debug("session %llu: request %llu: error %d %s: %s", (unsigned long long)s->id,
                  (unsigned long long)id, (int)e->code, e->field, e->msg);
-    session_send(s, &reply);
+    dc_session_send(s, &reply);
 }
 
-static void reject(dc_session *s, uint64_t id, const dc_err *e) {
+void dc_session_reject(dc_session *s, uint64_t id, const dc_err *e) {
     s->srv->stats.requests_rejected++;
     send_error(s, id, e);
 }
@@ -127,14 +128,14 @@ static void handle_hello(dc_session *s, uint64_t id, const Dpclip__Hello *h) {
 
     if (s->hello_done) {
         dc_err_set(&e, DC_EPRECOND, "hello", "handshake already done");
-        reject(s, id, &e);
+        dc_session_reject(s, id, &e);
         return;
     }
     if (h->protocol_version != DC_PROTOCOL_VERSION) {
         dc_err_set(&e, DC_EPRECOND, "hello.protocol_version",
                    "protocol version %u is not supported; this daemon speaks %u",
                    h->protocol_version, DC_PROTOCOL_VERSION);
-        reject(s, id, &e);
+        dc_session_reject(s, id, &e);
         s->closing = true;
         return;
     }
@@ -174,7 +175,7 @@ static void handle_hello(dc_session *s, uint64_t id, const Dpclip__Hello *h) {
     reply.id = id;
     reply.body_case = DPCLIP__REPLY__BODY_HELLO;
     reply.hello = &hr;
-    session_send(s, &reply);
+    dc_session_send(s, &reply);
 }
 
 /* Takes the fds that arrived with the frame [start, end) of the stream;
@@ -196,154 +197,6 @@ static int take_fds(dc_session *s, uint64_t start, uint64_t end, int *out, int m
     return n;
 }
 
-/* Room for one more event; on failure the table is unchanged. */
-static int grow_events(dc_session *s) {
-    size_t n = s->cap_events ? s->cap_events * 2 : 8;
-    struct dc_session_event *p;
-    if (s->n_events < s->cap_events) return 0;
-    if (s->cap_events >= 4096) return -1;
-    p = realloc(s->events, n * sizeof *p);
-    if (!p) return -1;
-    s->events = p;
-    s->cap_events = n;
-    return 0;
-}
-
-static void register_cuda_done(dc_gpu_open_job *j) {
-    dc_session *s = j->user;
-    dc_err e;
-    s->async_ops--;
-    if (j->rc == 0) {
-        j->buf.id = ++s->srv->next_buffer_id;
-        if (s->gone || dc_registry_add(&s->reg, &j->buf, &e) != 0) {
-            /* No registry holds it: hand the handle back. */
-            dc_gpu_close_buffer(&s->srv->gpu, &j->buf);
-            if (!s->gone) reject(s, j->req_id, &e);
-        } else {
-            Dpclip__Reply reply = DPCLIP__REPLY__INIT;
-            Dpclip__RegisterBufferReply rr = DPCLIP__REGISTER_BUFFER_REPLY__INIT;
-            rr.buffer_id = j->buf.id;
-            rr.size = j->buf.size;
-            reply.id = j->req_id;
-            reply.body_case = DPCLIP__REPLY__BODY_REGISTER_BUFFER;
-            reply.register_buffer = &rr;
-            session_send(s, &reply);
-        }
-    } else if (!s->gone) {
-        reject(s, j->req_id, &j->err);
-    }
-    free(j);
-    if (s->gone) session_destroy(s);
-    else session_process(s);
-}
-
-static void register_cuda(dc_session *s, uint64_t id, const Dpclip__RegisterBuffer *m) {
-    dc_gpu_open_job *j;
-    dc_err e;
-    if (s->srv->gpu.n == 0) {
-        dc_err_set(&e, DC_EPRECOND, "register_buffer.kind",
-                   "this daemon has no GPU backend; CUDA buffers cannot be registered");
-        goto fail;
-    }
-    if (m->device < 0 || m->device >= s->srv->gpu.n) {
-        dc_err_set(&e, DC_EINVAL, "register_buffer.device", "device %d outside [0, %d)",
-                   (int)m->device, s->srv->gpu.n);
-        goto fail;
-    }
-    if (m->cuda_ipc_handle.len != 64) {
-        dc_err_set(&e, DC_EINVAL, "register_buffer.cuda_ipc_handle",
-                   "a CUDA IPC handle is 64 bytes, got %zu", m->cuda_ipc_handle.len);
-        goto fail;
-    }
-    j = calloc(1, sizeof *j);
-    if (!j) {
-        dc_err_set(&e, DC_ENOSPACE, "register_buffer", "out of memory");
-        goto fail;
-    }
-    j->device = m->device;
-    memcpy(j->handle, m->cuda_ipc_handle.data, 64);
-    j->size = m->size;
-    j->user = s;
-    j->req_id = id;
-    j->done = register_cuda_done;
-    s->async_ops++;
-    dc_gpu_open_buffer(&s->srv->gpu, j);
-    return;
-fail:
-    reject(s, id, &e);
-}
-
-static void register_event_done(dc_gpu_event_job *j) {
-    dc_session *s = j->user;
-    dc_err e;
-    s->async_ops--;
-    if (j->rc != 0) {
-        if (!s->gone) reject(s, j->req_id, &j->err);
-    } else if (s->gone) {
-        dc_gpu_close_event(&s->srv->gpu, j->device, j->event);
-    } else if (grow_events(s) != 0) {
-        dc_gpu_close_event(&s->srv->gpu, j->device, j->event);
-        dc_err_set(&e, DC_ENOSPACE, "register_event", "too many events in this session");
-        reject(s, j->req_id, &e);
-    } else {
-        Dpclip__Reply reply = DPCLIP__REPLY__INIT;
-        Dpclip__RegisterEventReply rr = DPCLIP__REGISTER_EVENT_REPLY__INIT;
-        struct dc_session_event *ev = &s->events[s->n_events++];
-        ev->id = ++s->srv->next_buffer_id;
-        ev->device = j->device;
-        ev->event = j->event;
-        rr.event_id = ev->id;
-        reply.id = j->req_id;
-        reply.body_case = DPCLIP__REPLY__BODY_REGISTER_EVENT;
-        reply.register_event = &rr;
-        session_send(s, &reply);
-    }
-    free(j);
-    if (s->gone) session_destroy(s);
-    else session_process(s);
-}
-
-static void handle_register_event(dc_session *s, uint64_t id, const Dpclip__RegisterEvent *m) {
-    dc_gpu_event_job *j;
-    dc_err e;
-    if (s->srv->gpu.n == 0) {
-        dc_err_set(&e, DC_EPRECOND, "register_event",
-                   "this daemon has no GPU backend; CUDA events cannot be registered");
-        goto fail;
-    }
-    if (m->device < 0 || m->device >= s->srv->gpu.n) {
-        dc_err_set(&e, DC_EINVAL, "register_event.device", "device %d outside [0, %d)",
-                   (int)m->device, s->srv->gpu.n);
-        goto fail;
-    }
-    if (m->cuda_ipc_event_handle.len != 64) {
-        dc_err_set(&e, DC_EINVAL, "register_event.cuda_ipc_event_handle",
-                   "a CUDA IPC event handle is 64 bytes, got %zu", m->cuda_ipc_event_handle.len);
-        goto fail;
-    }
-    j = calloc(1, sizeof *j);
-    if (!j) {
-        dc_err_set(&e, DC_ENOSPACE, "register_event", "out of memory");
-        goto fail;
-    }
-    j->device = m->device;
-    memcpy(j->handle, m->cuda_ipc_event_handle.data, 64);
-    j->user = s;
-    j->req_id = id;
-    j->done = register_event_done;
-    s->async_ops++;
-    dc_gpu_open_event(&s->srv->gpu, j);
-    return;
-fail:
-    reject(s, id, &e);
-}
-
-static const struct dc_session_event *find_event(const dc_session *s, uint64_t id) {
-    for (size_t i = 0; i < s->n_events; i++)
-        if (s->events[i].id == id) return &s->events[i];
-    return NULL;
-}
-
 static void handle_register(dc_session *s, uint64_t id, const Dpclip__RegisterBuffer *m,
                             int *fds, int nfds) {
     Dpclip__Reply reply = DPCLIP__REPLY__INIT;
@@ -357,7 +210,7 @@ static void handle_register(dc_session *s, uint64_t id, const Dpclip__RegisterBu
         goto fail;
     }
     if (m->kind == DPCLIP__BUFFER_KIND__CUDA_IPC) {
-        register_cuda(s, id, m);
+        dc_session_register_cuda(s, id, m);
         return;
     }
     if (m->kind != DPCLIP__BUFFER_KIND__SHM_FD) {
@@ -379,10 +232,10 @@ static void handle_register(dc_session *s, uint64_t id, const Dpclip__RegisterBu
     reply.register_buffer = &rr;
     dc_log_debug("session %llu: buffer %llu registered (%llu bytes)", (unsigned long long)s->id,
                  (unsigned long long)b->id, (unsigned long long)b->size);
-    session_send(s, &reply);
+    dc_session_send(s, &reply);
     return;
 fail:
-    reject(s, id, &e);
+    dc_session_reject(s, id, &e);
 }
 
 static void handle_release(dc_session *s, uint64_t id, const Dpclip__ReleaseBuffer *m) {
@@ -390,23 +243,25 @@ static void handle_release(dc_session *s, uint64_t id, const Dpclip__ReleaseBuff
     Dpclip__ReleaseBufferReply rr = DPCLIP__RELEASE_BUFFER_REPLY__INIT;
     dc_err e;
     if (dc_registry_release(&s->reg, m->buffer_id, &e)) {
-        reject(s, id, &e);
+        dc_session_reject(s, id, &e);
         return;
     }
     rr.buffer_id = m->buffer_id;
     reply.id = id;
     reply.body_case = DPCLIP__REPLY__BODY_RELEASE_BUFFER;
     reply.release_buffer = &rr;
-    session_send(s, &reply);
+    dc_session_send(s, &reply);
 }
 
 static void step_work(dc_job *job, dc_backend *be) {
     dc_step_job *j = (dc_step_job *)job;
+    j->t_start = uv_hrtime();
     dc_err_clear(&j->err);
     if (j->wait_event && (j->rc = dc_gpu_wait_event(be, j->wait_event, &j->err))) return;
     j->rc = dc_backend_run_step(be, &j->step, &j->res, &j->err);
     if (j->rc == 0 && j->signal_event)
         j->rc = dc_gpu_record_event(be, j->signal_event, &j->err);
+    j->t_end = uv_hrtime();
 }
 
 static void step_done(dc_job *job) {
@@ -440,21 +295,31 @@ static void step_done(dc_job *job) {
         reply.id = j->req_id;
         reply.body_case = DPCLIP__REPLY__BODY_CLIP_STEP;
         reply.clip_step = &cr;
-        session_send(s, &reply);
+        dc_session_send(s, &reply);
     } else {
         srv->stats.steps_failed++;
         if (j->err.code == DC_OK) dc_err_set(&j->err, DC_EINTERNAL, "clip_step", "step failed");
         send_error(s, j->req_id, &j->err);
+    }
+    if (dc_log_get_level() >= DC_LOG_DEBUG) {
+        uint64_t now = uv_hrtime();
+        dc_log_debug("session %llu: step %llu (%zu layers, B=%u, %s): validate %.1f us, queue "
+                     "%.1f us, run %.1f us (backend %.1f us), reply %.1f us",
+                     (unsigned long long)s->id, (unsigned long long)s->steps, j->step.n_layers,
+                     j->step.batch, j->step.device < 0 ? "cpu" : "gpu",
+                     (j->t_submit - j->t_recv) / 1e3, (j->t_start - j->t_submit) / 1e3,
+                     (j->t_end - j->t_start) / 1e3, j->res.compute_ns / 1e3,
+                     (now - j->t_end) / 1e3);
     }
     dc_step_result_free(&j->res);
     dc_validate_step_free(&j->step);
     free(j);
 
     if (s->gone) {
-        session_destroy(s);
+        dc_session_destroy(s);
         return;
     }
-    session_process(s);
+    dc_session_process(s);
 }
 
 static void handle_step(dc_session *s, uint64_t id, const Dpclip__ClipStep *m) {
@@ -464,12 +329,13 @@ static void handle_step(dc_session *s, uint64_t id, const Dpclip__ClipStep *m) {
 
     if (!j) {
         dc_err_set(&e, DC_ENOSPACE, "clip_step", "out of memory");
-        reject(s, id, &e);
+        dc_session_reject(s, id, &e);
         return;
     }
+    j->t_recv = uv_hrtime();
     if (dc_validate_step(m, &s->reg, &srv->cfg.limits, &j->step, &e)) {
         free(j);
-        reject(s, id, &e);
+        dc_session_reject(s, id, &e);
         return;
     }
     if (j->step.device >= srv->gpu.n) {
@@ -477,8 +343,8 @@ static void handle_step(dc_session *s, uint64_t id, const Dpclip__ClipStep *m) {
         goto fail_step;
     }
     if (m->wait_event || m->signal_event) {
-        const struct dc_session_event *w = m->wait_event ? find_event(s, m->wait_event) : NULL;
-        const struct dc_session_event *g = m->signal_event ? find_event(s, m->signal_event) : NULL;
+        const struct dc_session_event *w = m->wait_event ? dc_session_find_event(s, m->wait_event) : NULL;
+        const struct dc_session_event *g = m->signal_event ? dc_session_find_event(s, m->signal_event) : NULL;
         if (m->wait_event && !w) {
             dc_err_set(&e, DC_ENOTFOUND, "clip_step.wait_event",
                        "event %llu is not registered in this session",
@@ -506,7 +372,7 @@ static void handle_step(dc_session *s, uint64_t id, const Dpclip__ClipStep *m) {
         dc_validate_step_free(&j->step);
         free(j);
         dc_err_set(&e, DC_ENOSPACE, "clip_step", "out of memory");
-        reject(s, id, &e);
+        dc_session_reject(s, id, &e);
         return;
     }
     j->step.noise_key = srv->noise_key;
@@ -516,6 +382,7 @@ static void handle_step(dc_session *s, uint64_t id, const Dpclip__ClipStep *m) {
     j->job.work = step_work;
     j->job.done = step_done;
     s->job = j;
+    j->t_submit = uv_hrtime();
     dc_worker_pool_submit(j->step.device >= 0 ? &srv->gpu.pools[j->step.device] : &srv->cpu_pool,
                           &j->job);
     dc_server_spin(srv);
@@ -524,7 +391,7 @@ static void handle_step(dc_session *s, uint64_t id, const Dpclip__ClipStep *m) {
 fail_step:
     dc_validate_step_free(&j->step);
     free(j);
-    reject(s, id, &e);
+    dc_session_reject(s, id, &e);
 }
 
 static void dispatch(dc_session *s, const uint8_t *payload, size_t len, uint64_t start,
@@ -540,17 +407,17 @@ static void dispatch(dc_session *s, const uint8_t *payload, size_t len, uint64_t
     req = len ? dpclip__request__unpack(NULL, len, payload) : NULL;
     if (!req) {
         dc_err_set(&e, DC_EPROTO, "request", "the frame does not decode as a dpclip.Request");
-        reject(s, 0, &e);
+        dc_session_reject(s, 0, &e);
         goto out;
     }
     if (req->body_case == DPCLIP__REQUEST__BODY__NOT_SET) {
         dc_err_set(&e, DC_EUNIMPL, "request.body", "unknown or empty request");
-        reject(s, req->id, &e);
+        dc_session_reject(s, req->id, &e);
         goto out;
     }
     if (!s->hello_done && req->body_case != DPCLIP__REQUEST__BODY_HELLO) {
         dc_err_set(&e, DC_EPRECOND, "request", "handshake required: send Hello first");
-        reject(s, req->id, &e);
+        dc_session_reject(s, req->id, &e);
         goto out;
     }
     switch (req->body_case) {
@@ -567,18 +434,18 @@ static void dispatch(dc_session *s, const uint8_t *payload, size_t len, uint64_t
         handle_step(s, req->id, req->clip_step);
         break;
     case DPCLIP__REQUEST__BODY_REGISTER_EVENT:
-        handle_register_event(s, req->id, req->register_event);
+        dc_session_register_event(s, req->id, req->register_event);
         break;
     case DPCLIP__REQUEST__BODY_PING:
         pong.nonce = req->ping->nonce;
         reply.id = req->id;
         reply.body_case = DPCLIP__REPLY__BODY_PONG;
         reply.pong = &pong;
-        session_send(s, &reply);
+        dc_session_send(s, &reply);
         break;
     default:
         dc_err_set(&e, DC_EUNIMPL, "request.body", "unknown request %d", (int)req->body_case);
-        reject(s, req->id, &e);
+        dc_session_reject(s, req->id, &e);
         break;
     }
 out:
@@ -588,17 +455,17 @@ out:
 }
 
 /* Consumes complete frames while no step is in flight. */
-static void session_process(dc_session *s) {
+void dc_session_process(dc_session *s) {
     size_t off = 0;
     uint32_t max = s->srv->cfg.limits.max_frame;
 
-    while (!session_busy(s) && !s->closing && !s->gone && s->rlen - off >= DC_FRAME_HEADER) {
+    while (!dc_session_busy(s) && !s->closing && !s->gone && s->rlen - off >= DC_FRAME_HEADER) {
         uint32_t n = dc_frame_get_len(s->rbuf + off);
         if (n > max) {
             dc_err e;
             dc_err_set(&e, DC_EPROTO, "frame.length",
                        "frame of %u bytes exceeds the maximum of %u; closing", n, max);
-            reject(s, 0, &e);
+            dc_session_reject(s, 0, &e);
             s->closing = true;
             off = s->rlen;
             break;
@@ -614,12 +481,12 @@ static void session_process(dc_session *s) {
         s->rlen -= off;
         s->rbase += off;
     }
-    if (s->eof && !session_busy(s) && !s->closing) {
+    if (s->eof && !dc_session_busy(s) && !s->closing) {
         if (s->rlen) {
             dc_err e;
             dc_err_set(&e, DC_EPROTO, "frame", "truncated frame: connection ended after %zu of a frame's bytes",
                        s->rlen);
-            reject(s, 0, &e);
+            dc_session_reject(s, 0, &e);
         }
         s->closing = true;
     }
@@ -703,7 +570,7 @@ static void on_poll(uv_poll_t *h, int status, int events) {
             dc_session_close(s);
             return;
         }
-        session_process(s);
+        dc_session_process(s);
         return;
     }
     session_update_poll(s);
@@ -714,7 +581,7 @@ static void session_update_poll(dc_session *s) {
     size_t limit = (size_t)s->srv->cfg.limits.max_frame + DC_FRAME_HEADER;
 
     if (s->gone) return;
-    if (s->closing && !s->w_head && !session_busy(s)) {
+    if (s->closing && !s->w_head && !dc_session_busy(s)) {
         dc_session_close(s);
         return;
     }
@@ -763,12 +630,12 @@ static void on_poll_closed(uv_handle_t *h) {
     s->poll_closed = true;
     close(s->fd);
     s->fd = -1;
-    if (!session_busy(s)) session_destroy(s);
+    if (!dc_session_busy(s)) dc_session_destroy(s);
 }
 
 /* Frees everything; only once the poll handle is closed and no step runs. */
-static void session_destroy(dc_session *s) {
-    if (!s->poll_closed || session_busy(s)) return;
+void dc_session_destroy(dc_session *s) {
+    if (!s->poll_closed || dc_session_busy(s)) return;
     for (size_t i = 0; i < s->n_events; i++)
         dc_gpu_close_event(&s->srv->gpu, s->events[i].device, s->events[i].event);
     free(s->events);

@@ -208,15 +208,16 @@ static int child_main(const char *sock) {
     dc_shm_step s;
     uint64_t gid, off, ticket;
     uint8_t *dev;
+    /* Exit codes say which stage failed (they are checked by the parent). */
     if (dpclip_connect(sock, &o, &c)) return 2;
     {
         dc_test_rng r;
         dpclip_clip_config cfg = {1.0f, DPCLIP_SUM, 0, 1.0f, DPCLIP_FLAT};
-        dc_test_layer_spec sp = {DC_LAYER_LINEAR, 32, 512, 768, 3072, DC_BF16, 1,
+        dc_test_layer_spec sp = {DC_LAYER_LINEAR, 16, 512, 768, 3072, DC_BF16, 1,
                                  DC_ALGO_AUTO, 1, 0};
         dc_test_rng_seed(&r, 5);
-        if (dc_shm_step_init(&s, c, 64u << 20, 32, &cfg)) return 3;
-        for (int i = 0; i < 4; i++)
+        if (dc_shm_step_init(&s, c, 192u << 20, 16, &cfg)) return 3;
+        for (int i = 0; i < 2; i++)
             if (dc_shm_step_add(&s, &sp, &r, 1.0f) < 0) return 4;
     }
     if (cudaMalloc((void **)&dev, s.size) != cudaSuccess) return 5;
