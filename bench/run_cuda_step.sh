@@ -10,13 +10,15 @@ build=${1:-"$root/build"}
 run_one() {
     rundir=$(mktemp -d /tmp/dpclip-cuda.XXXXXX)
     mkfifo "$rundir/ready"
-    "$build/dpclipd" --socket "$rundir/d.sock" --ready-fd 3 --workers 1 --log-level warn \
-        3>"$rundir/ready" &
+    "$build/dpclipd" --socket "$rundir/d.sock" --ready-fd 3 --workers 1 --log-level debug \
+        3>"$rundir/ready" 2>"$rundir/log" &
     daemon=$!
     read -r line <"$rundir/ready"
     [ "$line" = READY ] || { echo "dpclipd did not start" >&2; exit 1; }
     "$build/bench_cuda_step" --socket "$rundir/d.sock" "$@" || true
     kill -TERM "$daemon"; wait "$daemon" || true
+    # The daemon's own phase timing of the last steps (debug log).
+    grep -E 'warn|error|: step ' "$rundir/log" | tail -n 3 >&2
     rm -rf "$rundir"
 }
 
