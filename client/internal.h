@@ -99,6 +99,15 @@ struct dpclip_client {
     /* Scratch for building ClipStep messages (step.c), reused across steps. */
     void *msg_scratch;
     size_t msg_scratch_cap;
+
+    /* Adaptive polling for blocking steps: a long step's reply is expected
+     * about when the previous one's came (ewma_rt_ns after sending); from
+     * spin_from_ns to spin_to_ns (CLOCK_MONOTONIC) the reply wait polls
+     * instead of sleeping, saving the thread wake-up (tens to hundreds of
+     * microseconds on an idle core). DPCLIP_SPIN=0 turns it off. */
+    int spin_enabled;
+    uint64_t ewma_rt_ns;
+    uint64_t spin_from_ns, spin_to_ns;
 };
 
 /* --- errors (client.c) ---------------------------------------------------- */
@@ -126,6 +135,7 @@ void cl_cuda_forget(dpclip_client *c, uint64_t id);
 /* --- wire (wire.c) -------------------------------------------------------- */
 /* Monotonic milliseconds; deadlines are absolute values of it, -1 = none. */
 int64_t cl_now_ms(void);
+uint64_t cl_now_ns(void);
 int64_t cl_deadline(int timeout_ms);
 /* Packs req into c->sbuf as one frame and writes it all (with `pass_fd`
  * attached as SCM_RIGHTS when >= 0). While the socket is full it keeps

@@ -12,6 +12,12 @@
 #include "dc_frame.h"
 #include "internal.h"
 
+uint64_t cl_now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
+}
+
 int64_t cl_now_ms(void) {
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
@@ -145,6 +151,26 @@ int cl_send_request(dpclip_client *c, Dpclip__Request *req, int pass_fd, int64_t
     return write_all(c, c->sbuf, need, pass_fd, deadline);
 }
 
+/* Inside the spin window: poll without sleeping. Before it: sleep until it
+ * opens (ppoll has sub-millisecond resolution), bounded by the deadline. */
+static int wait_readable(dpclip_client *c, int64_t deadline) {
+    struct pollfd p = {c->fd, POLLIN, 0};
+    uint64_t now = c->spin_to_ns ? cl_now_ns() : 0;
+    if (now && now < c->spin_to_ns) {
+        if (now >= c->spin_from_ns) return poll(&p, 1, 0) == 0 ? 1 : 0;
+        uint64_t wait = c->spin_from_ns - now;
+        int left = time_left(deadline);
+        if (left >= 0 && (uint64_t)left * 1000000u < wait) wait = (uint64_t)left * 1000000u;
+        struct timespec ts = {(time_t)(wait / 1000000000u), (long)(wait % 1000000000u)};
+        int r = ppoll(&p, 1, &ts, NULL);
+        if (r < 0) return -1;
+        return r == 0 && left == 0 ? -2 : 1; /* re-check; -2: deadline passed */
+    }
+    int r = poll(&p, 1, time_left(deadline));
+    if (r < 0) return -1;
+    return r == 0 ? -2 : 1;
+}
+
 int cl_read_reply(dpclip_client *c, int64_t deadline, Dpclip__Reply **out) {
     *out = NULL;
     for (;;) {
@@ -167,10 +193,9 @@ int cl_read_reply(dpclip_client *c, int64_t deadline, Dpclip__Reply **out) {
         if (rr == -2) return cl_die(c, "dpclipd closed the connection");
         if (rr < 0) return cl_die(c, "recv from dpclipd: %s", strerror(errno));
         if (rr > 0) continue;
-        struct pollfd p = {c->fd, POLLIN, 0};
-        int pr = poll(&p, 1, time_left(deadline));
-        if (pr < 0 && errno == EINTR) continue;
-        if (pr < 0) return cl_die(c, "poll: %s", strerror(errno));
-        if (pr == 0) return DPCLIP_EAGAIN;
+        int pr = wait_readable(c, deadline);
+        if (pr == -1 && errno == EINTR) continue;
+        if (pr == -1) return cl_die(c, "poll: %s", strerror(errno));
+        if (pr == -2) return DPCLIP_EAGAIN;
     }
 }

@@ -71,12 +71,39 @@ void dc_server_spin(dc_server *srv) {
     uv_idle_start(&srv->spin, on_spin);
 }
 
+static void on_spin_timer(uv_timer_t *t) {
+    dc_server *srv = t->data;
+    srv->spin_at = 0;
+    if (!srv->stopping) uv_idle_start(&srv->spin, on_spin);
+}
+
+void dc_server_spin_expect(dc_server *srv, uint64_t expect_ns) {
+    uint64_t now = uv_hrtime(), margin, start, end;
+    if (!srv->cfg.spin_ns || srv->stopping) return;
+    /* libuv timers have millisecond resolution: open the window a bit more
+     * than a millisecond early, close it well after. */
+    margin = expect_ns / 20 > 1500000u ? expect_ns / 20 : 1500000u;
+    if (expect_ns <= margin) {
+        srv->spin_until = now + expect_ns + margin;
+        uv_idle_start(&srv->spin, on_spin);
+        return;
+    }
+    start = now + expect_ns - margin;
+    end = now + expect_ns + 2 * margin;
+    if (end > srv->spin_until) srv->spin_until = end;
+    if (uv_is_active((uv_handle_t *)&srv->spin)) return;   /* already polling */
+    if (srv->spin_at && srv->spin_at <= start) return;      /* an earlier window opens first */
+    srv->spin_at = start;
+    uv_timer_start(&srv->spin_timer, on_spin_timer, (start - now) / 1000000u, 0);
+}
+
 static void maybe_finish(dc_server *srv) {
     if (!srv->stopping || srv->n_sessions || srv->closed) return;
     srv->closed = true;
     uv_timer_stop(&srv->stop_timer);
     uv_close((uv_handle_t *)&srv->stop_timer, NULL);
     uv_close((uv_handle_t *)&srv->spin, NULL);
+    uv_close((uv_handle_t *)&srv->spin_timer, NULL);
     uv_close((uv_handle_t *)&srv->sig_term, NULL);
     uv_close((uv_handle_t *)&srv->sig_int, NULL);
     if (srv->pool_ready) dc_worker_pool_close(&srv->cpu_pool);
@@ -215,6 +242,8 @@ int dc_server_init(dc_server *srv, uv_loop_t *loop, const dc_server_config *cfg,
     srv->stop_timer.data = srv;
     uv_idle_init(loop, &srv->spin);
     srv->spin.data = srv;
+    uv_timer_init(loop, &srv->spin_timer);
+    srv->spin_timer.data = srv;
     uv_signal_init(loop, &srv->sig_term);
     uv_signal_init(loop, &srv->sig_int);
     srv->sig_term.data = srv->sig_int.data = srv;

@@ -52,6 +52,8 @@ typedef struct dc_server {
     uv_timer_t stop_timer;        /* forces sessions closed if they never drain */
     uv_idle_t spin;               /* keeps the loop polling while steps are short */
     uint64_t spin_until;          /* uv_hrtime() deadline of that polling */
+    uv_timer_t spin_timer;        /* starts polling shortly before a long step ends */
+    uint64_t spin_at;             /* when spin_timer fires (uv_hrtime), 0 = idle */
     dc_worker_pool cpu_pool;
     bool pool_ready;
     dc_gpu gpu;                   /* zero GPUs without CUDA */
@@ -76,6 +78,10 @@ void dc_server_shutdown(dc_server *srv);
  * polls instead of sleeping, so a short step's completion is picked up
  * without a thread wake-up (tens of microseconds on an idle core). */
 void dc_server_spin(dc_server *srv);
+/* For a GPU step expected to take expect_ns (the session's previous steps):
+ * the loop polls from shortly before until shortly after that, so the
+ * completion and the reply go out without waking the loop. */
+void dc_server_spin_expect(dc_server *srv, uint64_t expect_ns);
 
 /* Called by session.c when a session has fully closed. */
 void dc_server_session_gone(dc_server *srv, dc_session *s);

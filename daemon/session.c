@@ -270,6 +270,10 @@ static void step_done(dc_job *job) {
     dc_server *srv = s->srv;
 
     s->job = NULL;
+    if (j->step.device >= 0) {
+        uint64_t run = j->t_end - j->t_start;
+        s->ewma_gpu_run_ns = s->ewma_gpu_run_ns ? (3 * s->ewma_gpu_run_ns + run) / 4 : run;
+    }
     if (j->rc == 0) {
         Dpclip__Reply reply = DPCLIP__REPLY__INIT;
         Dpclip__ClipStepReply cr = DPCLIP__CLIP_STEP_REPLY__INIT;
@@ -385,7 +389,10 @@ static void handle_step(dc_session *s, uint64_t id, const Dpclip__ClipStep *m) {
     j->t_submit = uv_hrtime();
     dc_worker_pool_submit(j->step.device >= 0 ? &srv->gpu.pools[j->step.device] : &srv->cpu_pool,
                           &j->job);
-    dc_server_spin(srv);
+    if (j->step.device >= 0 && s->ewma_gpu_run_ns)
+        dc_server_spin_expect(srv, s->ewma_gpu_run_ns);
+    else
+        dc_server_spin(srv);
     return;
 
 fail_step:

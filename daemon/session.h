@@ -62,6 +62,7 @@ typedef struct dc_session {
     size_t n_events, cap_events;
     dc_registry reg;
     uint64_t steps;
+    uint64_t ewma_gpu_run_ns;        /* recent GPU steps' worker time */
 } dc_session;
 
 /* Takes ownership of a connected, non-blocking socket. */
