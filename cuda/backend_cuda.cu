@@ -1,0 +1,689 @@
+/* The CUDA backend: backend.h's run_step on tensors in GPU memory.
+ *
+ * A step is enqueued on the instance's stream in phases, then synchronised
+ * once:
+ *   1. zero the per-step counters, upload the small per-step tables;
+ *   2. per layer, squared norms into n2[l][b] (norms_linear.cu,
+ *      norms_simt.cu, norms_other.cu), flags for bad indices / values;
+ *   3. coefficients and the status word (clip.cu);
+ *   4. every requested clipped sum into f32 staging: LINEAR weights through
+ *      cuBLAS, the rest through small kernels;
+ *   5. noise, division and the output-dtype check in staging; commit into
+ *      the outputs only if the status word is 0 (checked on the device);
+ *   6. one copy of n2, flags, norms, coefficients and status to pinned host
+ *      memory, and the one synchronisation.
+ * A failed step is then diagnosed on the host (which tensor, which sample),
+ * with extra synchronisations on that path only, and reported exactly as the
+ * CPU backend words it.
+ *
+ * Ownership: the instance owns its stream, cuBLAS handle, device workspace
+ * (ws, grown only when a step needs more) and pinned host block; steps only
+ * borrow the client's tensors. */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include <cublas_v2.h>
+
+#include "dc_cuda.h"
+#include "dcc.h"
+
+namespace {
+
+/* LINEAR clipped sums: per-sample GEMMs (exact f32 accumulation with the
+ * coefficient as a device-side alpha) when samples have at least this many
+ * rows; below it, chunks of rows converted to f32 and scaled, one SGEMM each. */
+constexpr int BK_MIN_T = 32;
+constexpr size_t BK_CHUNK_BYTES = (size_t)32 << 20;
+
+struct cuda_backend {
+    dc_backend base; /* first: the worker pool sees a dc_backend * */
+    int device;
+    cudaStream_t stream;
+    cublasHandle_t blas;
+    char *ws;
+    size_t ws_cap;
+    char *host; /* pinned: download block, then upload block */
+    size_t host_cap;
+    /* host-side per-step tables, grown like the workspace */
+    size_t *lay_off; /* [L] per-sample buffers of norm layers, SIZE_MAX = none */
+    size_t lay_cap;
+    dc_backend *cpu; /* created on the first host-memory step */
+    bool broken;
+    char broken_msg[256];
+};
+
+size_t al(size_t x) { return (x + 255) & ~(size_t)255; }
+
+/* Layout of one step in the workspace. The download block comes first so
+ * that one copy brings everything the host needs. */
+struct layout {
+    size_t status, bad, n2, flags, norms, coefs, lcoef, dl_bytes;
+    size_t cs, up, up_bytes, consts, layer_c, outs;
+    size_t staging, per_sample, temp, temp_bytes, total;
+    int n_out;
+    uint64_t max_n, staged;
+};
+
+int numel_out(const dc_tensor *t, uint64_t *n) {
+    uint64_t v = 1;
+    for (int i = 0; i < t->ndim; i++) v *= (uint64_t)t->shape[i];
+    *n = v;
+    return 0;
+}
+
+bool want_out(const dc_layer *l, int k) {
+    return k == 0 ? l->weight_grad_out.data != NULL : (l->has_bias && l->bias_grad_out.data);
+}
+
+int chunk_rows(const dc_layer *l, uint32_t B) {
+    int64_t per = (l->d + l->p) * (int64_t)sizeof(float);
+    int64_t r = (int64_t)BK_CHUNK_BYTES / (per > 0 ? per : 1);
+    int64_t rows = (int64_t)B * l->T;
+    if (r < 1) r = 1;
+    return (int)(r < rows ? r : rows);
+}
+
+bool bk_per_sample(const dc_layer *l) {
+    return l->input.dtype == l->grad.dtype && l->T >= BK_MIN_T;
+}
+
+int cuda_fail(cuda_backend *cb, dc_err *err, cudaError_t e, const char *what) {
+    (void)cudaGetLastError(); /* clears a non-sticky error */
+    if (cudaStreamSynchronize(cb->stream) != cudaSuccess) {
+        cb->broken = true;
+        snprintf(cb->broken_msg, sizeof cb->broken_msg, "%s: %s", what, cudaGetErrorString(e));
+    }
+    return dc_err_set(err, DC_EINTERNAL, "", "CUDA error in %s on cuda:%d: %s (%s)%s", what,
+                      cb->device, cudaGetErrorString(e), cudaGetErrorName(e),
+                      cb->broken ? "; the GPU context is unusable" : "");
+}
+
+int blas_fail(cuda_backend *cb, dc_err *err, cublasStatus_t s, const char *what) {
+    (void)cudaStreamSynchronize(cb->stream);
+    return dc_err_set(err, DC_EINTERNAL, "", "cuBLAS error in %s on cuda:%d: %s", what,
+                      cb->device, cublasGetStatusString(s));
+}
+
+#define CK(call, what)                                                                      \
+    do {                                                                                    \
+        cudaError_t e_ = (call);                                                            \
+        if (e_ != cudaSuccess) {                                                            \
+            rc = cuda_fail(cb, err, e_, what);                                              \
+            goto fail;                                                                      \
+        }                                                                                   \
+    } while (0)
+
+#define CKB(call, what)                                                                     \
+    do {                                                                                    \
+        cublasStatus_t s_ = (call);                                                         \
+        if (s_ != CUBLAS_STATUS_SUCCESS) {                                                  \
+            rc = blas_fail(cb, err, s_, what);                                              \
+            goto fail;                                                                      \
+        }                                                                                   \
+    } while (0)
+
+int plan_step(cuda_backend *cb, const dc_step *s, layout *Lo, dc_err *err) {
+    const size_t L = s->n_layers, B = s->batch, LB = L * B;
+    size_t o = 0, staged = 0, temp = 0;
+    memset(Lo, 0, sizeof *Lo);
+    Lo->status = 0;
+    Lo->bad = 8;
+    Lo->n2 = 16;
+    Lo->flags = Lo->n2 + LB * 4;
+    Lo->norms = Lo->flags + LB * 4;
+    Lo->coefs = Lo->norms + B * 4;
+    Lo->lcoef = Lo->coefs + B * 4;
+    Lo->dl_bytes = Lo->lcoef + LB * 4;
+    o = al(Lo->dl_bytes);
+    Lo->cs = o;
+    o += al(LB * 4);
+    if (L > cb->lay_cap) {
+        size_t *p = (size_t *)realloc(cb->lay_off, L * sizeof *p);
+        if (!p) return dc_err_set(err, DC_ENOSPACE, "", "out of memory");
+        cb->lay_off = p;
+        cb->lay_cap = L;
+    }
+    for (size_t l = 0; l < L; l++) {
+        const dc_layer *ly = &s->layers[l];
+        int64_t rows = (int64_t)B * ly->T;
+        if (ly->T > INT32_MAX || ly->d > INT32_MAX || ly->p > INT32_MAX || rows > INT32_MAX)
+            return dc_err_set(err, DC_EINVAL, ly->name,
+                              "dimensions beyond %d are not supported by the CUDA backend",
+                              INT32_MAX);
+        for (int k = 0; k < 2; k++) {
+            if (!want_out(ly, k)) continue;
+            uint64_t n;
+            numel_out(k ? &ly->bias_grad_out : &ly->weight_grad_out, &n);
+            if (n > ((uint64_t)1 << 33)) {
+                char f[128];
+                snprintf(f, sizeof f, "%s.%s", ly->name, k ? "bias_grad_out" : "weight_grad_out");
+                return dc_err_set(err, DC_EINVAL, f, "more than %llu elements",
+                                  (unsigned long long)((uint64_t)1 << 33));
+            }
+            Lo->n_out++;
+            if (n > Lo->max_n) Lo->max_n = n;
+            staged += n;
+        }
+        size_t t = 0;
+        switch (ly->kind) {
+        case DC_LAYER_LINEAR:
+            if (want_out(ly, 0) && !bk_per_sample(ly))
+                t = (size_t)chunk_rows(ly, (uint32_t)B) * (size_t)(ly->d + ly->p) * 4 + 512;
+            break;
+        case DC_LAYER_EMBEDDING: t = dcc_embedding_ws_bytes((int)B, (int)ly->T); break;
+        case DC_LAYER_LAYERNORM:
+        case DC_LAYER_RMSNORM: /* row statistics; the bias-only sum's dummy weight */
+            t = (size_t)rows * 8 > (size_t)ly->d * 4 ? (size_t)rows * 8 : (size_t)ly->d * 4;
+            break;
+        }
+        if (t > temp) temp = t;
+    }
+    Lo->staged = staged;
+    Lo->up = o;
+    Lo->consts = 0;
+    Lo->layer_c = 16;
+    Lo->outs = al(16 + L * 4);
+    Lo->up_bytes = Lo->outs + (size_t)Lo->n_out * sizeof(dcc_out);
+    o += al(Lo->up_bytes);
+    Lo->staging = o;
+    o += al(staged * 4);
+    Lo->per_sample = o;
+    for (size_t l = 0; l < L; l++) {
+        const dc_layer *ly = &s->layers[l];
+        cb->lay_off[l] = SIZE_MAX;
+        if (ly->kind == DC_LAYER_LAYERNORM || ly->kind == DC_LAYER_RMSNORM) {
+            cb->lay_off[l] = o;
+            o += al(2 * B * (size_t)ly->d * 4);
+        }
+    }
+    Lo->temp = o;
+    Lo->temp_bytes = temp;
+    o += al(temp);
+    Lo->total = o;
+    return 0;
+}
+
+int reserve(cuda_backend *cb, const layout *Lo, dc_err *err) {
+    if (Lo->total > cb->ws_cap) {
+        size_t want = Lo->total + Lo->total / 4;
+        want = (want + ((size_t)2 << 20) - 1) & ~(((size_t)2 << 20) - 1);
+        (void)cudaStreamSynchronize(cb->stream);
+        if (cb->ws) cudaFree(cb->ws);
+        cb->ws = NULL;
+        cb->ws_cap = 0;
+        if (cudaMalloc((void **)&cb->ws, want) != cudaSuccess) {
+            (void)cudaGetLastError();
+            cb->ws = NULL;
+            return dc_err_set(err, DC_ENOSPACE, "", "cannot allocate %zu bytes of workspace on cuda:%d",
+                              want, cb->device);
+        }
+        cb->ws_cap = want;
+    }
+    size_t hneed = al(Lo->dl_bytes) + Lo->up_bytes;
+    if (hneed > cb->host_cap) {
+        size_t want = hneed + hneed / 4 + 4096;
+        if (cb->host) cudaFreeHost(cb->host);
+        cb->host = NULL;
+        cb->host_cap = 0;
+        if (cudaMallocHost((void **)&cb->host, want) != cudaSuccess) {
+            (void)cudaGetLastError();
+            cb->host = NULL;
+            return dc_err_set(err, DC_ENOSPACE, "", "cannot allocate %zu bytes of pinned memory",
+                              want);
+        }
+        cb->host_cap = want;
+    }
+    return 0;
+}
+
+/* --- failure diagnosis (host, after the step's synchronisation) ---------- */
+
+float load_one(cuda_backend *cb, const void *p, dc_dtype t, uint64_t i) {
+    unsigned char raw[8] = {0};
+    size_t sz = dc_dtype_size(t);
+    if (cudaMemcpy(raw, (const char *)p + i * sz, sz, cudaMemcpyDeviceToHost) != cudaSuccess)
+        return NAN;
+    return dc_load_f32(raw, t, 0);
+}
+
+int64_t load_index(const void *p, dc_dtype t, uint64_t i) {
+    if (t == DC_I32) {
+        int32_t v = 0;
+        cudaMemcpy(&v, (const int32_t *)p + i, 4, cudaMemcpyDeviceToHost);
+        return v;
+    }
+    int64_t v = 0;
+    cudaMemcpy(&v, (const int64_t *)p + i, 8, cudaMemcpyDeviceToHost);
+    return v;
+}
+
+/* First bad element of a tensor, or -1 (or -2 on a CUDA error). */
+int64_t find_bad(cuda_backend *cb, const void *p, dc_dtype t, uint64_t n, int64_t vocab) {
+    unsigned long long *first = (unsigned long long *)(cb->ws + 8), h = ~0ull;
+    if (cudaMemsetAsync(first, 0xff, 8, cb->stream) != cudaSuccess ||
+        dcc_find_bad(p, t, n, vocab, first, cb->stream) != cudaSuccess ||
+        cudaMemcpyAsync(&h, first, 8, cudaMemcpyDeviceToHost, cb->stream) != cudaSuccess ||
+        cudaStreamSynchronize(cb->stream) != cudaSuccess)
+        return -2;
+    return h == ~0ull ? -1 : (int64_t)h;
+}
+
+int report_floats(cuda_backend *cb, const dc_layer *l, const dc_tensor *t, const char *what,
+                  uint32_t B, int64_t w, dc_err *err) {
+    uint64_t n = (uint64_t)B * (uint64_t)l->T * (uint64_t)w;
+    int64_t i = find_bad(cb, t->data, t->dtype, n, 0);
+    char f[128];
+    if (i == -1) return 0;
+    if (i < 0) return cuda_fail(cb, err, cudaGetLastError(), "the non-finite scan");
+    int64_t row = i / w, col = i % w;
+    snprintf(f, sizeof f, "%s.%s", l->name, what);
+    return dc_err_set(err, DC_ENONFINITE, f,
+                      "non-finite value %g in %s of sample %lld (position %lld, feature %lld)",
+                      (double)load_one(cb, t->data, t->dtype, (uint64_t)i), what,
+                      (long long)(row / l->T), (long long)(row % l->T), (long long)col);
+}
+
+int diagnose_layer(cuda_backend *cb, const dc_layer *l, uint32_t B, dc_err *err) {
+    int rc;
+    switch (l->kind) {
+    case DC_LAYER_LINEAR:
+        if ((rc = report_floats(cb, l, &l->input, "activations", B, l->d, err))) return rc;
+        return report_floats(cb, l, &l->grad, "output_grad", B, l->p, err);
+    case DC_LAYER_EMBEDDING: {
+        uint64_t n = (uint64_t)B * (uint64_t)l->T;
+        int64_t i = find_bad(cb, l->input.data, l->input.dtype, n, l->vocab);
+        if (i >= 0) {
+            char f[128];
+            snprintf(f, sizeof f, "%s.indices", l->name);
+            return dc_err_set(err, DC_EINVAL, f,
+                              "index %lld of sample %lld (position %lld) is outside [0, %lld)",
+                              (long long)load_index(l->input.data, l->input.dtype, (uint64_t)i),
+                              (long long)(i / l->T), (long long)(i % l->T), (long long)l->vocab);
+        }
+        if (i < -1) return cuda_fail(cb, err, cudaGetLastError(), "the index scan");
+        return report_floats(cb, l, &l->grad, "output_grad", B, l->d, err);
+    }
+    case DC_LAYER_LAYERNORM:
+    case DC_LAYER_RMSNORM:
+        if ((rc = report_floats(cb, l, &l->input, "input", B, l->d, err))) return rc;
+        return report_floats(cb, l, &l->grad, "output_grad", B, l->d, err);
+    }
+    return 0;
+}
+
+int diagnose(cuda_backend *cb, const dc_step *s, const layout *Lo, dc_err *err) {
+    const char *h = cb->host;
+    uint32_t status;
+    unsigned long long bad;
+    const uint32_t B = s->batch;
+    memcpy(&status, h + Lo->status, 4);
+    memcpy(&bad, h + Lo->bad, 8);
+    const float *n2 = (const float *)(h + Lo->n2);
+    const uint32_t *flags = (const uint32_t *)(h + Lo->flags);
+    if (status & DCC_STATUS_INPUT) {
+        for (size_t l = 0; l < s->n_layers; l++) {
+            int64_t first = -1;
+            for (uint32_t b = 0; b < B && first < 0; b++)
+                if (flags[l * B + b] || !isfinite(n2[l * B + b])) first = b;
+            if (first < 0) continue;
+            int rc = diagnose_layer(cb, &s->layers[l], B, err);
+            if (rc) return rc;
+            return dc_err_set(err, DC_ENONFINITE, s->layers[l].name,
+                              "the squared gradient norm of sample %lld is not finite "
+                              "(overflow); nothing was written",
+                              (long long)first);
+        }
+    }
+    /* an output not finite in its dtype */
+    int oi = (int)(bad >> 40), k = 0;
+    uint64_t i = bad & (((uint64_t)1 << 40) - 1);
+    const dcc_out *outs = (const dcc_out *)(h + al(Lo->dl_bytes) + Lo->outs);
+    size_t l = 0;
+    for (int seen = 0; l < s->n_layers; l++) {
+        for (k = 0; k < 2; k++)
+            if (want_out(&s->layers[l], k) && seen++ == oi) goto found;
+    }
+    return dc_err_set(err, DC_EINTERNAL, "", "step failed on the GPU (status %u)", status);
+found: {
+    char f[128];
+    const dc_layer *ly = &s->layers[l];
+    float v = load_one(cb, cb->ws + Lo->staging + (outs[oi].off + i) * 4, DC_F32, 0);
+    snprintf(f, sizeof f, "%s.%s", ly->name, k ? "bias_grad_out" : "weight_grad_out");
+    return dc_err_set(err, DC_ENONFINITE, f,
+                      "clipped sum element %lld is %g, not finite as %s; nothing was written",
+                      (long long)i, (double)v, dc_dtype_name((dc_dtype)outs[oi].dtype));
+}
+}
+
+/* --- the step ------------------------------------------------------------ */
+
+int layer_norms(cuda_backend *cb, const dc_step *s, size_t l, const layout *Lo, float s2,
+                dc_err *err) {
+    const dc_layer *ly = &s->layers[l];
+    const int B = (int)s->batch;
+    float *n2 = (float *)(cb->ws + Lo->n2) + l * B;
+    uint32_t *flags = (uint32_t *)(cb->ws + Lo->flags) + l * B;
+    cudaError_t e = cudaSuccess;
+    int rc = 0;
+    switch (ly->kind) {
+    case DC_LAYER_LINEAR: {
+        dcc_linear x = {ly->input.data, ly->grad.data, ly->input.dtype, ly->grad.dtype, B,
+                        (int)ly->T, (int)ly->d, (int)ly->p, ly->has_bias};
+        e = dcc_linear_sqnorms(&x, dcc_linear_pick(x.T, x.d, x.p, ly->algo), s2, n2,
+                               cb->stream);
+        break;
+    }
+    case DC_LAYER_EMBEDDING: {
+        dcc_embedding x = {ly->input.data, ly->input.dtype, ly->grad.data, ly->grad.dtype, B,
+                           (int)ly->T, (int)ly->d, ly->vocab,
+                           ly->has_padding_idx ? ly->padding_idx : -1};
+        e = dcc_embedding_sqnorms(&x, s2, n2, flags, cb->ws + Lo->temp, Lo->temp_bytes,
+                                  cb->stream);
+        break;
+    }
+    case DC_LAYER_LAYERNORM:
+    case DC_LAYER_RMSNORM: {
+        dcc_norm x = {ly->input.data, ly->grad.data, ly->input.dtype, ly->grad.dtype, B,
+                      (int)ly->T, (int)ly->d, ly->kind == DC_LAYER_RMSNORM, ly->has_bias,
+                      ly->eps};
+        e = dcc_norm_sqnorms(&x, s2, n2, flags, (float *)(cb->ws + Lo->temp),
+                             (float *)(cb->ws + cb->lay_off[l]), cb->stream);
+        break;
+    }
+    default: return dc_err_set(err, DC_EINVAL, ly->name, "unknown layer kind %d", (int)ly->kind);
+    }
+    if (e != cudaSuccess) rc = cuda_fail(cb, err, e, ly->name);
+    return rc;
+}
+
+int layer_clipped(cuda_backend *cb, const dc_step *s, size_t l, const layout *Lo,
+                  const uint64_t off[2], dc_err *err) {
+    const dc_layer *ly = &s->layers[l];
+    const int B = (int)s->batch;
+    const float *cs = (const float *)(cb->ws + Lo->cs) + l * B;
+    const float *one = (const float *)(cb->ws + Lo->up + Lo->consts) + 1;
+    const float *zero = one - 1;
+    float *w = off[0] != UINT64_MAX ? (float *)(cb->ws + Lo->staging) + off[0] : NULL;
+    float *bias = off[1] != UINT64_MAX ? (float *)(cb->ws + Lo->staging) + off[1] : NULL;
+    int rc = 0;
+    switch (ly->kind) {
+    case DC_LAYER_LINEAR: {
+        const int T = (int)ly->T, d = (int)ly->d, p = (int)ly->p;
+        if (w && bk_per_sample(ly)) {
+            cudaDataType_t ty = ly->input.dtype == DC_F32    ? CUDA_R_32F
+                                : ly->input.dtype == DC_BF16 ? CUDA_R_16BF
+                                                             : CUDA_R_16F;
+            size_t esz = dc_dtype_size(ly->input.dtype);
+            for (int b = 0; b < B; b++) {
+                const char *ab = (const char *)ly->input.data + (size_t)b * T * d * esz;
+                const char *gb = (const char *)ly->grad.data + (size_t)b * T * p * esz;
+                CKB(cublasGemmEx(cb->blas, CUBLAS_OP_N, CUBLAS_OP_T, d, p, T, cs + b, ab, ty, d,
+                                 gb, ty, p, b ? one : zero, w, CUDA_R_32F, d,
+                                 CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
+                    "the clipped-sum GEMM");
+            }
+        } else if (w) {
+            int R = chunk_rows(ly, (uint32_t)B);
+            float *af = (float *)(cb->ws + Lo->temp);
+            float *gf = af + al((size_t)R * d * 4) / 4;
+            int64_t rows = (int64_t)B * T;
+            for (int64_t r0 = 0; r0 < rows; r0 += R) {
+                int n = (int)(rows - r0 < R ? rows - r0 : R);
+                CK(dcc_rows_to_f32(ly->input.data, ly->input.dtype, ly->grad.data,
+                                   ly->grad.dtype, T, d, p, r0, n, cs, af, gf, cb->stream),
+                   "the clipped-sum staging");
+                CKB(cublasGemmEx(cb->blas, CUBLAS_OP_N, CUBLAS_OP_T, d, p, n, one, af,
+                                 CUDA_R_32F, d, gf, CUDA_R_32F, p, r0 ? one : zero, w,
+                                 CUDA_R_32F, d, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
+                    "the clipped-sum GEMM");
+            }
+        }
+        if (bias) {
+            CK(cudaMemsetAsync(bias, 0, (size_t)p * 4, cb->stream), "a memset");
+            CK(dcc_bias_clipped_sum(ly->grad.data, ly->grad.dtype, B, T, p, cs, bias,
+                                    cb->stream),
+               "the bias clipped sum");
+        }
+        break;
+    }
+    case DC_LAYER_EMBEDDING: {
+        dcc_embedding x = {ly->input.data, ly->input.dtype, ly->grad.data, ly->grad.dtype, B,
+                           (int)ly->T, (int)ly->d, ly->vocab,
+                           ly->has_padding_idx ? ly->padding_idx : -1};
+        CK(cudaMemsetAsync(w, 0, (size_t)ly->vocab * (size_t)ly->d * 4, cb->stream), "a memset");
+        CK(dcc_embedding_clipped_sum(&x, cs, w, cb->stream), "the embedding clipped sum");
+        break;
+    }
+    case DC_LAYER_LAYERNORM:
+    case DC_LAYER_RMSNORM: {
+        dcc_norm x = {ly->input.data, ly->grad.data, ly->input.dtype, ly->grad.dtype, B,
+                      (int)ly->T, (int)ly->d, ly->kind == DC_LAYER_RMSNORM, ly->has_bias,
+                      ly->eps};
+        if (!w) {
+            /* bias only: the weight sum goes to scratch it is never read from */
+            w = (float *)(cb->ws + Lo->temp);
+        }
+        CK(dcc_norm_clipped_sum(&x, (const float *)(cb->ws + cb->lay_off[l]), cs, w, bias,
+                                cb->stream),
+           "the norm-layer clipped sum");
+        break;
+    }
+    }
+fail:
+    return rc;
+}
+
+int cuda_run_step(dc_backend *be, const dc_step *s, dc_step_result *res, dc_err *err) {
+    cuda_backend *cb = (cuda_backend *)be;
+    struct timespec t0, t1;
+    const uint32_t B = s->batch;
+    const size_t L = s->n_layers;
+    const bool per_layer = s->mode == DC_CLIP_PER_LAYER;
+    const float scale = dc_step_grad_scale(s);
+    layout Lo;
+    int rc = 0;
+
+    clock_gettime(CLOCK_MONOTONIC, &t0);
+    if (s->device < 0) {
+        if (!cb->cpu && (rc = dc_cpu_backend_create(1, &cb->cpu, err))) return rc;
+        return dc_backend_run_step(cb->cpu, s, res, err);
+    }
+    if (cb->broken)
+        return dc_err_set(err, DC_EUNAVAIL, "", "cuda:%d is unusable after an earlier error (%s)",
+                          cb->device, cb->broken_msg);
+    if (s->device != cb->device)
+        return dc_err_set(err, DC_EPRECOND, "clip_step",
+                          "the step's tensors are on cuda:%d but this backend serves cuda:%d",
+                          s->device, cb->device);
+    if (B == 0 || !res->norms || !res->coefs || !res->layer_norms ||
+        (per_layer && !res->layer_coefs) || res->batch != B || res->n_layers != L)
+        return dc_err_set(err, DC_EINTERNAL, "", "step result not initialised for this step");
+    if (cudaSetDevice(cb->device) != cudaSuccess) {
+        (void)cudaGetLastError();
+        return dc_err_set(err, DC_EUNAVAIL, "", "cannot select cuda:%d", cb->device);
+    }
+    if ((rc = plan_step(cb, s, &Lo, err))) return rc;
+    if ((rc = reserve(cb, &Lo, err))) return rc;
+
+    {
+        /* per-step tables, uploaded in one copy */
+        char *up = cb->host + al(Lo.dl_bytes);
+        float *consts = (float *)(up + Lo.consts), *layer_c = (float *)(up + Lo.layer_c);
+        dcc_out *outs = (dcc_out *)(up + Lo.outs);
+        double noise_c2 = 0.0;
+        uint64_t staged = 0;
+        int oi = 0;
+        uint64_t off[2];
+        consts[0] = 0.0f;
+        consts[1] = 1.0f;
+        for (size_t l = 0; l < L; l++) {
+            const dc_layer *ly = &s->layers[l];
+            layer_c[l] = ly->max_grad_norm;
+            noise_c2 += (double)ly->max_grad_norm * ly->max_grad_norm;
+            for (int k = 0; k < 2; k++) {
+                if (!want_out(ly, k)) continue;
+                const dc_tensor *t = k ? &ly->bias_grad_out : &ly->weight_grad_out;
+                uint64_t n;
+                numel_out(t, &n);
+                outs[oi].dst = t->data;
+                outs[oi].off = staged;
+                outs[oi].n = n;
+                outs[oi].stream = (uint32_t)(2 * l + (size_t)k);
+                outs[oi].dtype = (int32_t)t->dtype;
+                oi++;
+                staged += n;
+            }
+        }
+        const float noise_std =
+            s->noise_multiplier * (per_layer ? (float)sqrt(noise_c2) : s->max_grad_norm);
+        const float divisor = s->reduction == DC_REDUCTION_MEAN
+                                  ? (float)(s->expected_batch ? s->expected_batch : B)
+                                  : 1.0f;
+        char *ws = cb->ws;
+
+        /* 1. counters and tables */
+        CK(cudaMemsetAsync(ws, 0, Lo.norms, cb->stream), "a memset");
+        CK(cudaMemsetAsync(ws + Lo.bad, 0xff, 8, cb->stream), "a memset");
+        CK(cudaMemcpyAsync(ws + Lo.up, up, Lo.up_bytes, cudaMemcpyHostToDevice, cb->stream),
+           "the table upload");
+        /* 2. norms */
+        for (size_t l = 0; l < L; l++)
+            if ((rc = layer_norms(cb, s, l, &Lo, scale * scale, err))) goto fail;
+        /* 3. coefficients */
+        CK(dcc_coefs((const float *)(ws + Lo.n2), (const uint32_t *)(ws + Lo.flags), (int)L,
+                     (int)B, per_layer, s->max_grad_norm, (const float *)(ws + Lo.up + Lo.layer_c),
+                     scale, (float *)(ws + Lo.norms), (float *)(ws + Lo.coefs),
+                     (float *)(ws + Lo.lcoef), (float *)(ws + Lo.cs), (uint32_t *)(ws + Lo.status),
+                     cb->stream),
+           "the coefficients");
+        /* 4. clipped sums */
+        oi = 0;
+        for (size_t l = 0; l < L; l++) {
+            for (int k = 0; k < 2; k++)
+                off[k] = want_out(&s->layers[l], k) ? outs[oi++].off : UINT64_MAX;
+            if (off[0] == UINT64_MAX && off[1] == UINT64_MAX) continue;
+            if ((rc = layer_clipped(cb, s, l, &Lo, off, err))) goto fail;
+        }
+        /* 5. noise, division, checks; gated commit */
+        const dcc_out *douts = (const dcc_out *)(ws + Lo.up + Lo.outs);
+        CK(dcc_finalize(douts, Lo.n_out, Lo.max_n, (float *)(ws + Lo.staging), noise_std, divisor,
+                        s->noise_key, s->noise_step, (uint32_t *)(ws + Lo.status),
+                        (unsigned long long *)(ws + Lo.bad), cb->stream),
+           "the noise");
+        CK(dcc_commit(douts, Lo.n_out, Lo.max_n, (const float *)(ws + Lo.staging),
+                      (const uint32_t *)(ws + Lo.status), (const float *)(ws + Lo.norms),
+                      (float *)s->norms_out.data, (const float *)(ws + Lo.coefs),
+                      (float *)s->coefs_out.data, (int)B, cb->stream),
+           "the commit");
+        /* 6. results home, one synchronisation */
+        CK(cudaMemcpyAsync(cb->host, ws, Lo.dl_bytes, cudaMemcpyDeviceToHost, cb->stream),
+           "the result copy");
+        CK(cudaStreamSynchronize(cb->stream), "the step");
+    }
+
+    {
+        const char *h = cb->host;
+        uint32_t status;
+        memcpy(&status, h + Lo.status, 4);
+        if (status) return diagnose(cb, s, &Lo, err);
+        const float *n2 = (const float *)(h + Lo.n2);
+        memcpy(res->norms, h + Lo.norms, B * sizeof(float));
+        memcpy(res->coefs, h + Lo.coefs, B * sizeof(float));
+        for (size_t i = 0; i < L * B; i++) res->layer_norms[i] = (float)sqrt((double)n2[i]);
+        if (per_layer && res->layer_coefs)
+            memcpy(res->layer_coefs, h + Lo.lcoef, L * B * sizeof(float));
+    }
+    clock_gettime(CLOCK_MONOTONIC, &t1);
+    res->compute_ns =
+        (uint64_t)(t1.tv_sec - t0.tv_sec) * 1000000000u + (uint64_t)(t1.tv_nsec - t0.tv_nsec);
+    return 0;
+
+fail:
+    (void)cudaStreamSynchronize(cb->stream);
+    return rc;
+}
+
+void cuda_destroy(dc_backend *be) {
+    cuda_backend *cb = (cuda_backend *)be;
+    if (!cb) return;
+    cudaSetDevice(cb->device);
+    if (cb->stream) cudaStreamSynchronize(cb->stream);
+    if (cb->blas) cublasDestroy(cb->blas);
+    if (cb->stream) cudaStreamDestroy(cb->stream);
+    if (cb->ws) cudaFree(cb->ws);
+    if (cb->host) cudaFreeHost(cb->host);
+    (void)cudaGetLastError();
+    free(cb->lay_off);
+    dc_backend_destroy(cb->cpu);
+    free(cb);
+}
+
+const dc_backend_ops cuda_ops = {"cuda", cuda_run_step, cuda_destroy};
+
+} // namespace
+
+extern "C" int dc_cuda_device_count(void) {
+    int n = 0;
+    if (cudaGetDeviceCount(&n) != cudaSuccess) {
+        (void)cudaGetLastError();
+        return 0;
+    }
+    return n;
+}
+
+extern "C" int dc_cuda_backend_create(int device, dc_backend **out, dc_err *err) {
+    cuda_backend *cb = (cuda_backend *)calloc(1, sizeof *cb);
+    cudaError_t e;
+    if (!cb) return dc_err_set(err, DC_ENOSPACE, "", "out of memory");
+    cb->base.ops = &cuda_ops;
+    cb->device = device;
+    if ((e = cudaSetDevice(device)) != cudaSuccess ||
+        (e = cudaStreamCreateWithFlags(&cb->stream, cudaStreamNonBlocking)) != cudaSuccess) {
+        (void)cudaGetLastError();
+        free(cb);
+        return dc_err_set(err, DC_EUNAVAIL, "", "cannot open cuda:%d: %s", device,
+                          cudaGetErrorString(e));
+    }
+    if (cublasCreate(&cb->blas) != CUBLAS_STATUS_SUCCESS ||
+        cublasSetStream(cb->blas, cb->stream) != CUBLAS_STATUS_SUCCESS ||
+        cublasSetPointerMode(cb->blas, CUBLAS_POINTER_MODE_DEVICE) != CUBLAS_STATUS_SUCCESS) {
+        if (cb->blas) cublasDestroy(cb->blas);
+        cudaStreamDestroy(cb->stream);
+        free(cb);
+        return dc_err_set(err, DC_EUNAVAIL, "", "cannot create a cuBLAS handle on cuda:%d",
+                          device);
+    }
+    *out = &cb->base;
+    return 0;
+}
+
+extern "C" int dc_cuda_backend_wait_event(dc_backend *be, void *cuda_event) {
+    cuda_backend *cb = (cuda_backend *)be;
+    if (cb->broken || cudaSetDevice(cb->device) != cudaSuccess ||
+        cudaStreamWaitEvent(cb->stream, (cudaEvent_t)cuda_event, 0) != cudaSuccess) {
+        (void)cudaGetLastError();
+        return DC_EUNAVAIL;
+    }
+    return 0;
+}
+
+extern "C" int dc_cuda_backend_record_event(dc_backend *be, void *cuda_event) {
+    cuda_backend *cb = (cuda_backend *)be;
+    if (cb->broken || cudaSetDevice(cb->device) != cudaSuccess ||
+        cudaEventRecord((cudaEvent_t)cuda_event, cb->stream) != cudaSuccess) {
+        (void)cudaGetLastError();
+        return DC_EUNAVAIL;
+    }
+    return 0;
+}
+
+extern "C" size_t dc_cuda_backend_workspace_bytes(const dc_backend *be) {
+    return ((const cuda_backend *)be)->ws_cap;
+}
+
+extern "C" dc_algo dc_cuda_linear_pick(const dc_layer *l) {
+    if (l->T > INT32_MAX || l->d > INT32_MAX || l->p > INT32_MAX) return dc_linear_pick(l);
+    return dcc_linear_pick((int)l->T, (int)l->d, (int)l->p, l->algo);
+}

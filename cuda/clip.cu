@@ -1,0 +1,318 @@
+/* Coefficients, the small clipped-sum kernels, noise, and the gated commit.
+ *
+ * Atomic outputs on one synchronisation per step: every output is computed
+ * into an f32 staging area (as the CPU backend does in host memory), noised
+ * and divided there by dcc_finalize, which also checks that each value is
+ * finite in its output dtype; dcc_commit then copies staging into the
+ * outputs only if the step's status word is still 0. The status word is set
+ * on the device by dcc_coefs (bad inputs) and dcc_finalize (bad outputs), so
+ * the host never waits in between.
+ *
+ * Noise: Philox4x32-10 and Box-Muller exactly as daemon/noise.c defines them
+ * (counter = (pair, stream, step lo, step hi), key = noise_key, uniforms with
+ * 53-bit mantissas, Box-Muller in double), so the GPU adds the same values
+ * the CPU backend would. Arithmetic that must round like the CPU's is
+ * written with __fmul_rn / __fadd_rn / __fdiv_rn (no contraction to FMA). */
+#include "dcc_device.cuh"
+
+namespace {
+
+constexpr int NT = 256;
+
+__device__ __forceinline__ float clip_coef(float C, float norm) {
+    float c = __fdiv_rn(C, __fadd_rn(norm, 1e-6f));
+    return c < 1.0f ? c : 1.0f;
+}
+
+__global__ void coefs_kernel(const float *__restrict__ n2, const uint32_t *__restrict__ flags,
+                             int L, int B, int per_layer, float C,
+                             const float *__restrict__ layer_C, float scale,
+                             float *__restrict__ norms, float *__restrict__ coefs,
+                             float *__restrict__ lcoef, float *__restrict__ cs,
+                             uint32_t *__restrict__ status) {
+    for (int b = (int)(blockIdx.x * blockDim.x + threadIdx.x); b < B;
+         b += (int)(gridDim.x * blockDim.x)) {
+        double tot = 0.0;
+        bool bad = false;
+        for (int l = 0; l < L; l++) {
+            float v = n2[(int64_t)l * B + b];
+            tot += (double)v;
+            bad |= !dcc_isfinite(v) || flags[(int64_t)l * B + b] != 0;
+        }
+        float nb = (float)sqrt(tot);
+        float cb = per_layer ? 1.0f : clip_coef(C, nb);
+        norms[b] = nb;
+        coefs[b] = cb;
+        for (int l = 0; l < L; l++) {
+            int64_t i = (int64_t)l * B + b;
+            float c = cb;
+            if (per_layer) {
+                c = clip_coef(layer_C[l], (float)sqrt((double)n2[i]));
+                lcoef[i] = c;
+            }
+            cs[i] = __fmul_rn(c, scale);
+        }
+        if (bad) atomicOr(status, DCC_STATUS_INPUT);
+    }
+}
+
+constexpr int BIAS_ROWS = 128;
+
+template <typename TG>
+__global__ void bias_clipped(const TG *__restrict__ g, int T, int p,
+                             const float *__restrict__ cs, float *__restrict__ out) {
+    int j = (int)(blockIdx.x * blockDim.x + threadIdx.x);
+    int b = (int)blockIdx.y;
+    int t0 = (int)blockIdx.z * BIAS_ROWS, t1 = min(T, t0 + BIAS_ROWS);
+    if (j >= p) return;
+    float s = 0.0f;
+    for (int t = t0; t < t1; t++) s += dcc_ld(g, ((int64_t)b * T + t) * p + j);
+    atomicAdd(out + j, cs[b] * s);
+}
+
+template <typename TA, typename TG>
+__global__ void rows_f32(const TA *__restrict__ a, const TG *__restrict__ g, int T, int d, int p,
+                         int64_t r0, int R, const float *__restrict__ cs, float *__restrict__ af,
+                         float *__restrict__ gf) {
+    int64_t na = (int64_t)R * d, ng = (int64_t)R * p;
+    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < na + ng;
+         i += (int64_t)gridDim.x * blockDim.x) {
+        if (i < na) {
+            af[i] = dcc_ld(a, r0 * d + i);
+        } else {
+            int64_t k = i - na, row = r0 + k / p;
+            gf[k] = cs[row / T] * dcc_ld(g, r0 * p + k);
+        }
+    }
+}
+
+/* --- noise (daemon/noise.c, bit for bit) ---------------------------------- */
+
+__device__ __forceinline__ void philox10(uint32_t (&c)[4], uint32_t k0, uint32_t k1) {
+#pragma unroll
+    for (int r = 0; r < 10; r++) {
+        if (r) {
+            k0 += 0x9E3779B9u;
+            k1 += 0xBB67AE85u;
+        }
+        uint32_t lo0 = 0xD2511F53u * c[0], hi0 = __umulhi(0xD2511F53u, c[0]);
+        uint32_t lo1 = 0xCD9E8D57u * c[2], hi1 = __umulhi(0xCD9E8D57u, c[2]);
+        uint32_t n0 = hi1 ^ c[1] ^ k0, n2 = hi0 ^ c[3] ^ k1;
+        c[0] = n0;
+        c[1] = lo1;
+        c[2] = n2;
+        c[3] = lo0;
+    }
+}
+
+__device__ __forceinline__ void normal_pair(uint64_t key, uint64_t step, uint32_t stream,
+                                            uint64_t pair, float &z0, float &z1) {
+    uint32_t c[4] = {(uint32_t)pair, stream, (uint32_t)step, (uint32_t)(step >> 32)};
+    philox10(c, (uint32_t)key, (uint32_t)(key >> 32));
+    uint64_t a = ((uint64_t)c[0] << 32 | c[1]) >> 11;
+    uint64_t b = ((uint64_t)c[2] << 32 | c[3]) >> 11;
+    const double inv53 = 1.0 / 9007199254740992.0;
+    double u1 = __dmul_rn(__dadd_rn((double)a, 1.0), inv53);
+    double u2 = __dmul_rn((double)b, inv53);
+    double r = sqrt(__dmul_rn(-2.0, log(u1)));
+    double t = __dmul_rn(6.283185307179586476925, u2);
+    z0 = (float)__dmul_rn(r, cos(t));
+    z1 = (float)__dmul_rn(r, sin(t));
+}
+
+__device__ __forceinline__ bool bad_as(float v, int dtype) {
+    if (!dcc_isfinite(v)) return true;
+    if (dtype == DC_F16) return (__half_as_ushort(__float2half_rn(v)) & 0x7c00u) == 0x7c00u;
+    if (dtype == DC_BF16)
+        return (__bfloat16_as_ushort(__float2bfloat16_rn(v)) & 0x7f80u) == 0x7f80u;
+    return false;
+}
+
+__global__ void finalize_kernel(const dcc_out *__restrict__ outs, float *__restrict__ staging,
+                                float std, float divisor, uint64_t key, uint64_t step,
+                                uint32_t *__restrict__ status,
+                                unsigned long long *__restrict__ bad) {
+    const int oi = (int)blockIdx.y;
+    const dcc_out o = outs[oi];
+    float *v = staging + o.off;
+    uint64_t npairs = (o.n + 1) / 2;
+    for (uint64_t pr = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x; pr < npairs;
+         pr += (uint64_t)gridDim.x * blockDim.x) {
+        uint64_t i = 2 * pr;
+        bool two = i + 1 < o.n;
+        float v0 = v[i], v1 = two ? v[i + 1] : 0.0f;
+        if (std != 0.0f) {
+            float z0, z1;
+            normal_pair(key, step, o.stream, pr, z0, z1);
+            v0 = __fadd_rn(v0, __fmul_rn(std, z0));
+            v1 = __fadd_rn(v1, __fmul_rn(std, z1));
+        }
+        if (divisor != 1.0f) {
+            v0 = __fdiv_rn(v0, divisor);
+            v1 = __fdiv_rn(v1, divisor);
+        }
+        v[i] = v0;
+        if (two) v[i + 1] = v1;
+        bool b0 = bad_as(v0, o.dtype), b1 = two && bad_as(v1, o.dtype);
+        if (b0 || b1) {
+            atomicOr(status, DCC_STATUS_OUTPUT);
+            atomicMin(bad, ((unsigned long long)oi << 40) | (b0 ? i : i + 1));
+        }
+    }
+}
+
+__global__ void commit_kernel(const dcc_out *__restrict__ outs,
+                              const float *__restrict__ staging,
+                              const uint32_t *__restrict__ status) {
+    if (*status != 0) return;
+    const dcc_out o = outs[blockIdx.y];
+    const float *v = staging + o.off;
+    for (uint64_t i = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x; i < o.n;
+         i += (uint64_t)gridDim.x * blockDim.x) {
+        switch (o.dtype) {
+        case DC_F32: ((float *)o.dst)[i] = v[i]; break;
+        case DC_BF16: ((__nv_bfloat16 *)o.dst)[i] = __float2bfloat16_rn(v[i]); break;
+        case DC_F16: ((__half *)o.dst)[i] = __float2half_rn(v[i]); break;
+        default: break;
+        }
+    }
+}
+
+__global__ void commit_vec_kernel(const uint32_t *__restrict__ status,
+                                  const float *__restrict__ norms, float *__restrict__ norms_out,
+                                  const float *__restrict__ coefs, float *__restrict__ coefs_out,
+                                  int B) {
+    if (*status != 0) return;
+    for (int b = (int)(blockIdx.x * blockDim.x + threadIdx.x); b < B;
+         b += (int)(gridDim.x * blockDim.x)) {
+        if (norms_out) norms_out[b] = norms[b];
+        if (coefs_out) coefs_out[b] = coefs[b];
+    }
+}
+
+template <typename TX>
+__global__ void find_bad_float(const TX *__restrict__ x, uint64_t n,
+                               unsigned long long *__restrict__ first) {
+    for (uint64_t i = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n;
+         i += (uint64_t)gridDim.x * blockDim.x)
+        if (!dcc_isfinite(dcc_ld(x, (int64_t)i))) atomicMin(first, (unsigned long long)i);
+}
+
+template <typename TI>
+__global__ void find_bad_index(const TI *__restrict__ x, uint64_t n, int64_t vocab,
+                               unsigned long long *__restrict__ first) {
+    for (uint64_t i = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n;
+         i += (uint64_t)gridDim.x * blockDim.x) {
+        int64_t v = (int64_t)x[i];
+        if (v < 0 || v >= vocab) atomicMin(first, (unsigned long long)i);
+    }
+}
+
+__global__ void noise_kernel(uint64_t key, uint64_t step, uint32_t stream, float *out,
+                             uint64_t n) {
+    uint64_t npairs = (n + 1) / 2;
+    for (uint64_t pr = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x; pr < npairs;
+         pr += (uint64_t)gridDim.x * blockDim.x) {
+        float z0, z1;
+        normal_pair(key, step, stream, pr, z0, z1);
+        out[2 * pr] = z0;
+        if (2 * pr + 1 < n) out[2 * pr + 1] = z1;
+    }
+}
+
+unsigned blocks_for(uint64_t n, unsigned cap) {
+    uint64_t b = (n + NT - 1) / NT;
+    if (b < 1) b = 1;
+    return b > cap ? cap : (unsigned)b;
+}
+
+} // namespace
+
+extern "C" cudaError_t dcc_coefs(const float *n2, const uint32_t *flags, int L, int B,
+                                 bool per_layer, float C, const float *layer_C,
+                                 float grad_scale, float *norms, float *coefs, float *lcoef,
+                                 float *cs, uint32_t *status, cudaStream_t st) {
+    coefs_kernel<<<blocks_for((uint64_t)B, 1024), NT, 0, st>>>(
+        n2, flags, L, B, per_layer, C, layer_C, grad_scale, norms, coefs, lcoef, cs, status);
+    return cudaGetLastError();
+}
+
+extern "C" cudaError_t dcc_bias_clipped_sum(const void *g, dc_dtype tg, int B, int T, int p,
+                                            const float *cs, float *out, cudaStream_t st) {
+    return dcc_with_float(tg, [&](auto t) {
+        using TG = DCC_TYPE_OF(t);
+        dim3 grid((unsigned)((p + NT - 1) / NT), (unsigned)B,
+                  (unsigned)((T + BIAS_ROWS - 1) / BIAS_ROWS));
+        bias_clipped<TG><<<grid, NT, 0, st>>>((const TG *)g, T, p, cs, out);
+        return cudaGetLastError();
+    });
+}
+
+extern "C" cudaError_t dcc_rows_to_f32(const void *a, dc_dtype ta, const void *g, dc_dtype tg,
+                                       int T, int d, int p, int64_t r0, int R, const float *cs,
+                                       float *af, float *gf, cudaStream_t st) {
+    return dcc_with_float(ta, [&](auto xa) {
+        return dcc_with_float(tg, [&](auto xg) {
+            using TA = DCC_TYPE_OF(xa);
+            using TG = DCC_TYPE_OF(xg);
+            rows_f32<TA, TG><<<blocks_for((uint64_t)R * (uint64_t)(d + p), 4096), NT, 0, st>>>(
+                (const TA *)a, (const TG *)g, T, d, p, r0, R, cs, af, gf);
+            return cudaGetLastError();
+        });
+    });
+}
+
+extern "C" cudaError_t dcc_finalize(const dcc_out *outs, int n_out, uint64_t max_n,
+                                    float *staging, float std, float divisor, uint64_t key,
+                                    uint64_t step, uint32_t *status, unsigned long long *bad,
+                                    cudaStream_t st) {
+    if (n_out <= 0) return cudaSuccess;
+    if (n_out > 65535) return cudaErrorInvalidValue;
+    dim3 grid(blocks_for((max_n + 1) / 2, 2048), (unsigned)n_out);
+    finalize_kernel<<<grid, NT, 0, st>>>(outs, staging, std, divisor, key, step, status, bad);
+    return cudaGetLastError();
+}
+
+extern "C" cudaError_t dcc_commit(const dcc_out *outs, int n_out, uint64_t max_n,
+                                  const float *staging, const uint32_t *status,
+                                  const float *norms, float *norms_out, const float *coefs,
+                                  float *coefs_out, int B, cudaStream_t st) {
+    if (n_out > 65535) return cudaErrorInvalidValue;
+    if (n_out > 0) {
+        dim3 grid(blocks_for(max_n, 2048), (unsigned)n_out);
+        commit_kernel<<<grid, NT, 0, st>>>(outs, staging, status);
+        cudaError_t e = cudaGetLastError();
+        if (e != cudaSuccess) return e;
+    }
+    if (norms_out || coefs_out) {
+        commit_vec_kernel<<<blocks_for((uint64_t)B, 64), NT, 0, st>>>(status, norms, norms_out,
+                                                                     coefs, coefs_out, B);
+        return cudaGetLastError();
+    }
+    return cudaSuccess;
+}
+
+extern "C" cudaError_t dcc_find_bad(const void *p, dc_dtype t, uint64_t n, int64_t vocab,
+                                    unsigned long long *first, cudaStream_t st) {
+    unsigned blocks = blocks_for(n, 4096);
+    if (t == DC_I32) {
+        find_bad_index<int32_t><<<blocks, NT, 0, st>>>((const int32_t *)p, n, vocab, first);
+        return cudaGetLastError();
+    }
+    if (t == DC_I64) {
+        find_bad_index<int64_t><<<blocks, NT, 0, st>>>((const int64_t *)p, n, vocab, first);
+        return cudaGetLastError();
+    }
+    return dcc_with_float(t, [&](auto x) {
+        using TX = DCC_TYPE_OF(x);
+        find_bad_float<TX><<<blocks, NT, 0, st>>>((const TX *)p, n, first);
+        return cudaGetLastError();
+    });
+}
+
+extern "C" cudaError_t dcc_noise_normal(uint64_t key, uint64_t step, uint32_t stream, float *out,
+                                        uint64_t n, cudaStream_t st) {
+    if (n == 0) return cudaSuccess;
+    noise_kernel<<<blocks_for((n + 1) / 2, 4096), NT, 0, st>>>(key, step, stream, out, n);
+    return cudaGetLastError();
+}

@@ -1,0 +1,57 @@
+/* The CUDA backend, as the daemon sees it: a dc_backend (daemon/backend.h)
+ * whose run_step reads tensors in the memory of one GPU.
+ *
+ * Semantics are exactly the CPU backend's (backend.h): the same norms,
+ * coefficients, checks, error fields and messages, atomic outputs, and the
+ * same noise values (daemon/noise.h: Philox4x32-10 keyed by noise_key, drawn
+ * on the GPU). A step whose tensors are in host memory (step->device == -1)
+ * is handed to a CPU backend the instance owns.
+ *
+ * Threading: one instance per GPU, used by one worker thread at a time. It
+ * owns a stream, a cuBLAS handle and a device workspace that only grows, so a
+ * steady stream of same-shaped steps allocates nothing. Each step is
+ * asynchronous on the instance's stream up to one synchronisation at its end,
+ * where the host-side dc_step_result is filled.
+ *
+ * Errors: a CUDA failure fails the step with DC_EINTERNAL and the CUDA error
+ * string; if the CUDA context is left unusable (a sticky error) every later
+ * step fails fast with DC_EUNAVAIL. */
+#ifndef DC_CUDA_H
+#define DC_CUDA_H
+
+#include <stddef.h>
+
+/* backend.h is C: its functions keep C linkage when C++ (.cu) includes it */
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#include "backend.h"
+
+/* Number of usable CUDA devices; 0 when there is no driver or no GPU (never
+ * aborts, never prints). */
+int dc_cuda_device_count(void);
+
+/* A backend bound to `device`. Creates the stream and cuBLAS handle now, so
+ * that a missing or broken GPU is reported here (DC_EUNAVAIL). */
+int dc_cuda_backend_create(int device, dc_backend **out, dc_err *err);
+
+/* Ordering with other processes' streams through interprocess events
+ * (cudaEvent_t passed as void *): the backend's stream waits on / records
+ * `cuda_event`. Return 0, or DC_EUNAVAIL. Call from the worker thread. */
+int dc_cuda_backend_wait_event(dc_backend *be, void *cuda_event);
+int dc_cuda_backend_record_event(dc_backend *be, void *cuda_event);
+
+/* Device workspace currently held by the instance, in bytes. */
+size_t dc_cuda_backend_workspace_bytes(const dc_backend *be);
+
+/* The GPU cost model's choice for a LINEAR layer (AUTO resolved; a forced
+ * algorithm is returned as is). Differs from dc_linear_pick because the
+ * kernels' tiles and the ghost form's symmetry change the arithmetic. */
+dc_algo dc_cuda_linear_pick(const dc_layer *l);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif

@@ -1,0 +1,173 @@
+/* Internal interface of the CUDA kernels (prefix dcc_): one launcher per
+ * stage, used by backend_cuda.cu and by bench/bench_cuda_norms.cu. Every
+ * launcher only enqueues work on `st` and returns the launch status; none
+ * synchronises. Pointers are device pointers unless stated.
+ *
+ * Accumulation: squared norms are *added* (atomically) into n2[b], so the
+ * caller zeroes n2 first; flags[b] gets bits OR-ed in (DCC_FLAG_*).
+ * Non-finite inputs: LINEAR kernels rely on propagation (a NaN or Inf in a
+ * sample's input or grad makes its squared norm NaN or Inf); the others set
+ * DCC_FLAG_NONFINITE explicitly because they skip some rows (padding). */
+#ifndef DC_DCC_H
+#define DC_DCC_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include <cuda_runtime_api.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#include "step.h"
+
+#define DCC_FLAG_NONFINITE 1u
+#define DCC_FLAG_INDEX 2u
+
+/* status word bits (one per step) */
+#define DCC_STATUS_INPUT 1u   /* a non-finite squared norm or a flagged sample */
+#define DCC_STATUS_OUTPUT 4u  /* an output value not finite in its dtype */
+
+/* A LINEAR layer's data: a [B,T,d] of dtype ta, g [B,T,p] of dtype tg. */
+typedef struct dcc_linear {
+    const void *a;
+    const void *g;
+    dc_dtype ta, tg;
+    int B;
+    int T, d, p;
+    bool has_bias;
+} dcc_linear;
+
+/* GPU cost model (see dc_cuda_linear_pick). */
+dc_algo dcc_linear_pick(int T, int d, int p, dc_algo requested);
+
+/* n2[b] += s2 * ||per-sample gradient of weight (and bias)||^2. algo DIRECT or
+ * GHOST (AUTO is resolved by dcc_linear_pick); with T == 1 GHOST is the
+ * rank-one formula ||a||^2 ||g||^2. Needs no workspace. */
+cudaError_t dcc_linear_sqnorms(const dcc_linear *L, dc_algo algo, float s2, float *n2,
+                               cudaStream_t st);
+
+/* Which kernel family dcc_linear_sqnorms uses: 3 wgmma (sm_90a, 16-byte
+ * loads), 2 mma.sync with 16-byte loads, 1 mma.sync with element loads, 0
+ * CUDA cores (f32 or mixed dtypes). For tests and the benchmark. */
+int dcc_linear_path(const dcc_linear *L);
+
+/* The wgmma kernels (norms_wgmma.cu): available when built for sm_90a, the
+ * current device is compute capability 9.0 and DPCLIP_CUDA_WGMMA is not "0".
+ * dcc_linear_wgmma needs bf16/f16 inputs that qualify for 16-byte loads. */
+int dcc_wgmma_available(void);
+cudaError_t dcc_linear_wgmma(const dcc_linear *L, dc_algo algo, float s2, float *n2,
+                             cudaStream_t st);
+
+/* The CUDA-core paths behind dcc_linear_sqnorms (norms_simt.cu): f32 or
+ * mixed dtypes, and the rank-one T == 1 formula. */
+cudaError_t dcc_linear_simt(const dcc_linear *L, dc_algo algo, float s2, float *n2,
+                            cudaStream_t st);
+cudaError_t dcc_linear_rank1(const dcc_linear *L, float s2, float *n2, cudaStream_t st);
+
+/* --- embedding, LayerNorm, RMSNorm (norms_other.cu) ---------------------- */
+
+typedef struct dcc_embedding {
+    const void *idx;     /* [B,T] i32 or i64 */
+    dc_dtype tidx;
+    const void *g;       /* [B,T,d] */
+    dc_dtype tg;
+    int B;
+    int T, d;
+    int64_t vocab;
+    int64_t padding_idx; /* -1: none */
+} dcc_embedding;
+
+/* Workspace bytes dcc_embedding_sqnorms needs (16-byte aligned pieces). */
+size_t dcc_embedding_ws_bytes(int B, int T);
+cudaError_t dcc_embedding_sqnorms(const dcc_embedding *E, float s2, float *n2, uint32_t *flags,
+                                  void *ws, size_t ws_bytes, cudaStream_t st);
+/* w[idx,:] += cs[b] * g[b,t,:] over non-padding rows (w f32 [vocab,d], zeroed
+ * by the caller). */
+cudaError_t dcc_embedding_clipped_sum(const dcc_embedding *E, const float *cs, float *w,
+                                      cudaStream_t st);
+
+typedef struct dcc_norm {
+    const void *x;       /* [B,T,d] */
+    const void *g;       /* [B,T,d] */
+    dc_dtype tx, tg;
+    int B;
+    int T, d;
+    bool rms;            /* RMSNorm (no bias) */
+    bool has_bias;       /* LayerNorm bias is trainable */
+    float eps;
+} dcc_norm;
+
+/* Row statistics scratch: B*T*2 floats. per_sample: 2*B*d floats that
+ * receive the per-sample weight grads [B,d] then bias grads [B,d] (unscaled);
+ * they stay valid for dcc_norm_clipped_sum. */
+cudaError_t dcc_norm_sqnorms(const dcc_norm *N, float s2, float *n2, uint32_t *flags,
+                             float *row_stats, float *per_sample, cudaStream_t st);
+/* w[j] = sum_b cs[b] * wg[b,j], bias likewise (bias may be NULL). */
+cudaError_t dcc_norm_clipped_sum(const dcc_norm *N, const float *per_sample, const float *cs,
+                                 float *w, float *bias, cudaStream_t st);
+
+/* --- coefficients, clipped sums, noise, commit (clip.cu) ----------------- */
+
+/* From n2[L*B] (layer-major) and flags: norms[b] = sqrt(sum_l n2), coefs[b]
+ * (FLAT: dc_clip_coef(C, norm); PER_LAYER: 1), lcoef[l*B+b] (PER_LAYER:
+ * dc_clip_coef(C_l, sqrt n2)), cs[l*B+b] = coefficient used for layer l times
+ * grad_scale. Sets DCC_STATUS_INPUT in *status when any n2 is not finite or
+ * any flag is set. layer_C: device [L] per-layer thresholds (PER_LAYER). */
+cudaError_t dcc_coefs(const float *n2, const uint32_t *flags, int L, int B, bool per_layer,
+                      float C, const float *layer_C, float grad_scale, float *norms,
+                      float *coefs, float *lcoef, float *cs, uint32_t *status,
+                      cudaStream_t st);
+
+/* out[j] += sum_b cs[b] * sum_t g[b,t,j] for a [B,T,p] grad (out zeroed). */
+cudaError_t dcc_bias_clipped_sum(const void *g, dc_dtype tg, int B, int T, int p,
+                                 const float *cs, float *out, cudaStream_t st);
+
+/* Rows [r0, r0+R) of a [*, d] and g [*, p] (T rows per sample) as f32, g rows
+ * scaled by cs[row / T]: the operands of the small-T clipped-sum GEMM. */
+cudaError_t dcc_rows_to_f32(const void *a, dc_dtype ta, const void *g, dc_dtype tg, int T,
+                            int d, int p, int64_t r0, int R, const float *cs, float *af,
+                            float *gf, cudaStream_t st);
+
+/* One output of a step: `n` f32 values at staging + off, to be written to
+ * dst (dtype) with noise stream `stream`. */
+typedef struct dcc_out {
+    void *dst;
+    uint64_t off;
+    uint64_t n;
+    uint32_t stream;
+    int32_t dtype;
+} dcc_out;
+
+/* For every output o and element i: v = staging[off+i] + std * z(key, step,
+ * stream, i) (no draw when std == 0), v /= divisor, stored back; a value not
+ * finite in the output dtype sets DCC_STATUS_OUTPUT and lowers *bad to
+ * (o << 40 | i). outs: device array [n_out]. */
+cudaError_t dcc_finalize(const dcc_out *outs, int n_out, uint64_t max_n, float *staging,
+                         float std, float divisor, uint64_t key, uint64_t step,
+                         uint32_t *status, unsigned long long *bad, cudaStream_t st);
+
+/* If *status == 0: every output converted from staging into dst; norms and
+ * coefs (device [B]) copied into norms_out / coefs_out when non-NULL. */
+cudaError_t dcc_commit(const dcc_out *outs, int n_out, uint64_t max_n, const float *staging,
+                       const uint32_t *status, const float *norms, float *norms_out,
+                       const float *coefs, float *coefs_out, int B, cudaStream_t st);
+
+/* Index of the first non-finite element of a float array (or of the first
+ * integer outside [0, vocab) for i32/i64), lowered into *first (set it to
+ * ~0 first). */
+cudaError_t dcc_find_bad(const void *p, dc_dtype t, uint64_t n, int64_t vocab,
+                         unsigned long long *first, cudaStream_t st);
+
+/* N(0,1) draws i in [0, n) of (key, step, stream), exactly as dc_noise_normal
+ * (daemon/noise.h) defines them. For tests. */
+cudaError_t dcc_noise_normal(uint64_t key, uint64_t step, uint32_t stream, float *out,
+                             uint64_t n, cudaStream_t st);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif

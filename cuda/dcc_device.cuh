@@ -1,0 +1,186 @@
+/* Device-side helpers shared by the kernels: element loads for the three
+ * float dtypes, block reductions, and the sm_80+ instructions the tensor-core
+ * kernels are built from (cp.async, ldmatrix, mma.sync). */
+#ifndef DC_DCC_DEVICE_CUH
+#define DC_DCC_DEVICE_CUH
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <stdint.h>
+
+#include <type_traits>
+
+#include "dcc.h"
+
+/* Storage types: bf16 and f16 are carried as raw 16-bit words, tagged so that
+ * templates can pick the conversion and the mma variant. */
+struct dcc_bf16 { uint16_t v; };
+struct dcc_f16 { uint16_t v; };
+
+__device__ __forceinline__ float dcc_ld(const float *p, int64_t i) { return p[i]; }
+__device__ __forceinline__ float dcc_ld(const dcc_bf16 *p, int64_t i) {
+    return __uint_as_float((uint32_t)p[i].v << 16);
+}
+__device__ __forceinline__ float dcc_ld(const dcc_f16 *p, int64_t i) {
+    return __half2float(__ushort_as_half(p[i].v));
+}
+
+/* Raw bits of a float dtype are non-finite when the exponent is all ones. */
+__device__ __forceinline__ bool dcc_isfinite(float x) {
+    return (__float_as_uint(x) & 0x7f800000u) != 0x7f800000u;
+}
+
+/* Sum over the block (blockDim.x a multiple of 32, at most 1024); the result
+ * is valid in thread 0. Uses a 32-float shared array. */
+__device__ __forceinline__ float dcc_block_sum(float v) {
+    __shared__ float part[32];
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    int w = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    __syncthreads(); /* part may still be read by a previous call */
+    if (lane == 0) part[w] = v;
+    __syncthreads();
+    v = 0.0f;
+    if (w == 0) {
+        int nw = (int)(blockDim.x >> 5);
+        v = lane < nw ? part[lane] : 0.0f;
+        for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    }
+    return v;
+}
+
+__device__ __forceinline__ double dcc_block_sum_d(double v) {
+    __shared__ double partd[32];
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    int w = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    __syncthreads();
+    if (lane == 0) partd[w] = v;
+    __syncthreads();
+    v = 0.0;
+    if (w == 0) {
+        int nw = (int)(blockDim.x >> 5);
+        v = lane < nw ? partd[lane] : 0.0;
+        for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    }
+    return v;
+}
+
+/* --- tensor-core building blocks ----------------------------------------- */
+
+__device__ __forceinline__ uint32_t dcc_smem(const void *p) {
+    return (uint32_t)__cvta_generic_to_shared(p);
+}
+
+/* 16 bytes global -> shared, bypassing L1; src_bytes 0 writes zeros. */
+__device__ __forceinline__ void dcc_cp_async16(uint32_t dst, const void *src, int src_bytes) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
+                 "r"(src_bytes)
+                 : "memory");
+}
+__device__ __forceinline__ void dcc_cp_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int N> __device__ __forceinline__ void dcc_cp_wait() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
+__device__ __forceinline__ void dcc_sts128(uint32_t dst, uint32_t a, uint32_t b, uint32_t c,
+                                           uint32_t d) {
+    asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(dst), "r"(a), "r"(b),
+                 "r"(c), "r"(d)
+                 : "memory");
+}
+__device__ __forceinline__ uint32_t dcc_lds32(uint32_t src) {
+    uint32_t v;
+    asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(v) : "r"(src));
+    return v;
+}
+
+__device__ __forceinline__ void dcc_ldsm4(uint32_t addr, uint32_t (&r)[4]) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr));
+}
+__device__ __forceinline__ void dcc_ldsm4_t(uint32_t addr, uint32_t (&r)[4]) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr));
+}
+
+/* D += A * B for one m16n8k16 tile, f32 accumulators. */
+__device__ __forceinline__ void dcc_mma(const dcc_bf16 *, float (&c)[4], const uint32_t (&a)[4],
+                                        uint32_t b0, uint32_t b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, "
+        "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+__device__ __forceinline__ void dcc_mma(const dcc_f16 *, float (&c)[4], const uint32_t (&a)[4],
+                                        uint32_t b0, uint32_t b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, "
+        "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+/* Low / high 16-bit element of a packed pair as f32. */
+__device__ __forceinline__ float dcc_lo(const dcc_bf16 *, uint32_t w) {
+    return __uint_as_float(w << 16);
+}
+__device__ __forceinline__ float dcc_hi(const dcc_bf16 *, uint32_t w) {
+    return __uint_as_float(w & 0xffff0000u);
+}
+__device__ __forceinline__ float dcc_lo(const dcc_f16 *, uint32_t w) {
+    return __half2float(__ushort_as_half((unsigned short)(w & 0xffffu)));
+}
+__device__ __forceinline__ float dcc_hi(const dcc_f16 *, uint32_t w) {
+    return __half2float(__ushort_as_half((unsigned short)(w >> 16)));
+}
+
+/* Loads rows [row0, row0+ROWS) x cols [col0, col0+COLS) of a row-major
+ * matrix of 16-bit words (nrows x ncols, leading dimension ld) into a shared
+ * tile of COLS*2-byte rows whose 16-byte chunks are swizzled by
+ * chunk ^ (row % 8) (for 128-byte rows this is the wgmma 128B swizzle); zero
+ * outside the matrix. VEC: 16-byte cp.async, needs ld, col0 and ncols
+ * multiples of 8 and an aligned base; else guarded element loads. */
+template <int ROWS, int COLS, bool VEC, int NTHREADS>
+__device__ __forceinline__ void dcc_load_tile(uint32_t sm, const uint16_t *base, int64_t ld,
+                                              int row0, int nrows, int col0, int ncols) {
+    constexpr int CPR = COLS / 8;
+    constexpr int ITERS = ROWS * CPR / NTHREADS;
+    static_assert(ITERS * NTHREADS == ROWS * CPR, "tile not a multiple of the block");
+#pragma unroll
+    for (int it = 0; it < ITERS; it++) {
+        int i = (int)threadIdx.x + it * NTHREADS;
+        int r = i / CPR, c = i % CPR;
+        int gr = row0 + r, gc = col0 + c * 8;
+        uint32_t dst = sm + (uint32_t)(r * COLS * 2) + (uint32_t)((c ^ (r & 7)) << 4);
+        if (VEC) {
+            bool ok = gr < nrows && gc < ncols;
+            const uint16_t *src = ok ? base + (int64_t)gr * ld + gc : base;
+            dcc_cp_async16(dst, src, ok ? 16 : 0);
+        } else {
+            uint32_t w[4] = {0u, 0u, 0u, 0u};
+            if (gr < nrows) {
+                const uint16_t *src = base + (int64_t)gr * ld;
+#pragma unroll
+                for (int j = 0; j < 8; j++)
+                    if (gc + j < ncols) w[j >> 1] |= (uint32_t)src[gc + j] << ((j & 1) * 16);
+            }
+            dcc_sts128(dst, w[0], w[1], w[2], w[3]);
+        }
+    }
+}
+
+/* Calls fn with a null pointer of the storage type of float dtype t, so a
+ * generic lambda can instantiate a kernel for it. */
+template <typename Fn> static inline cudaError_t dcc_with_float(dc_dtype t, Fn &&fn) {
+    switch (t) {
+    case DC_F32: return fn((const float *)nullptr);
+    case DC_BF16: return fn((const dcc_bf16 *)nullptr);
+    case DC_F16: return fn((const dcc_f16 *)nullptr);
+    default: return cudaErrorInvalidValue;
+    }
+}
+#define DCC_TYPE_OF(tag) typename std::remove_const<typename std::remove_pointer<decltype(tag)>::type>::type
+
+#endif
