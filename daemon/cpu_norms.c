@@ -100,11 +100,6 @@ static int linear_direct(dc_cpu_scratch *s, const float *a, const float *g, uint
  * product counts off-diagonal entries twice. */
 static int linear_ghost(dc_cpu_scratch *s, const float *a, const float *g, uint32_t B,
                         int64_t T, int64_t d, int64_t p, double *n2) {
-    if (T == 1) { /* rank one: ||a||^2 ||g||^2 */
-        for (uint32_t b = 0; b < B; b++)
-            n2[b] = sumsq(a + (size_t)b * d, (size_t)d) * sumsq(g + (size_t)b * p, (size_t)p);
-        return 0;
-    }
     size_t tt = (size_t)T * (size_t)T;
     float *ga = dc_cpu_buf_reserve(&s->work, tt * sizeof(float));
     float *gg = dc_cpu_buf_reserve(&s->work2, tt * sizeof(float));
@@ -140,8 +135,17 @@ int dc_cpu_linear_sqnorms(dc_cpu_scratch *s, const float *a, const float *g, uin
         dc_layer tmp = {.T = T, .d = d, .p = p, .algo = DC_ALGO_AUTO};
         algo = dc_linear_pick(&tmp);
     }
-    rc = algo == DC_ALGO_DIRECT ? linear_direct(s, a, g, B, T, d, p, n2)
-                                : linear_ghost(s, a, g, B, T, d, p, n2);
+    if (T == 1) {
+        /* Both forms collapse here: the per-sample gradient is the outer
+         * product g_b a_b^T, whose squared Frobenius norm is exactly
+         * ||a_b||^2 ||g_b||^2 (forming it would only cost memory traffic). */
+        for (uint32_t b = 0; b < B; b++)
+            n2[b] = sumsq(a + (size_t)b * d, (size_t)d) * sumsq(g + (size_t)b * p, (size_t)p);
+        rc = 0;
+    } else {
+        rc = algo == DC_ALGO_DIRECT ? linear_direct(s, a, g, B, T, d, p, n2)
+                                    : linear_ghost(s, a, g, B, T, d, p, n2);
+    }
     if (rc == 0 && has_bias) rc = bias_sqnorms(s, g, B, T, p, n2);
     return rc;
 }
