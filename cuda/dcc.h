@@ -60,6 +60,13 @@ int dcc_linear_path(const dcc_linear *L);
 int dcc_wgmma_available(void);
 cudaError_t dcc_linear_wgmma(const dcc_linear *L, dc_algo algo, float s2, float *n2,
                              cudaStream_t st);
+/* The wgmma direct form's tile height for this layer: 128 or 256 rows of p. */
+int dcc_direct_tile_rows(const dcc_linear *L);
+/* The TMA-fed variant (norms_tma.cu), tried first by dcc_linear_wgmma;
+ * DPCLIP_CUDA_TMA=0 disables it. cudaErrorNotSupported: use the other. */
+int dcc_tma_available(void);
+cudaError_t dcc_linear_tma(const dcc_linear *L, dc_algo algo, float s2, float *n2,
+                           cudaStream_t st);
 
 /* The CUDA-core paths behind dcc_linear_sqnorms (norms_simt.cu): f32 or
  * mixed dtypes, and the rank-one T == 1 formula. */

@@ -23,110 +23,13 @@
  * cudaErrorNotSupported, so the dispatcher uses the mma.sync kernels. */
 #include <stdlib.h>
 
-#include "dcc_device.cuh"
-
-#if defined(__CUDA_ARCH__) && !defined(__CUDA_ARCH_FEAT_SM90_ALL)
-#define DCC_WG_EMPTY 1 /* device pass for a target without wgmma */
-#endif
+#include "dcc_wgmma.cuh"
 
 namespace {
 
-constexpr int WT = 256;             /* two warpgroups */
-constexpr int WBK = 64;             /* k per stage */
-constexpr int HALF = 64 * 64 * 2;   /* one [64][64] 16-bit block: 8 KiB */
-constexpr int STAGE = 4 * HALF;     /* A and B, 128 x 64 each */
-constexpr int D_ST = 5, G_ST = 4;
-constexpr int D_SMEM = D_ST * STAGE + 1024, G_SMEM = G_ST * STAGE + 1024;
+constexpr int WT = 256; /* two warpgroups */
 
 #ifndef DCC_WG_EMPTY
-template <int TA, int TB>
-__device__ __forceinline__ void wgmma_m64n128k16(const dcc_bf16 *, float (&d)[64], uint64_t da,
-                                                 uint64_t db) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %68, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {"
-        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
-        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
-        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
-        "%64, %65, p, 1, 1, %66, %67;\n}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]),
-          "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]),
-          "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]),
-          "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]),
-          "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]),
-          "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]),
-          "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
-          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]),
-          "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]),
-          "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
-        : "l"(da), "l"(db), "n"(TA), "n"(TB), "r"(1));
-}
-
-template <int TA, int TB>
-__device__ __forceinline__ void wgmma_m64n128k16(const dcc_f16 *, float (&d)[64], uint64_t da,
-                                                 uint64_t db) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %68, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 {"
-        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
-        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
-        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
-        "%64, %65, p, 1, 1, %66, %67;\n}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]),
-          "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]),
-          "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]),
-          "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]),
-          "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]),
-          "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]),
-          "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
-          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]),
-          "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]),
-          "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
-        : "l"(da), "l"(db), "n"(TA), "n"(TB), "r"(1));
-}
-
-__device__ __forceinline__ uint64_t wg_desc(uint32_t addr, uint32_t lbo, uint32_t sbo) {
-    return (uint64_t)((addr & 0x3FFFFu) >> 4) | ((uint64_t)((lbo & 0x3FFFFu) >> 4) << 16) |
-           ((uint64_t)((sbo & 0x3FFFFu) >> 4) << 32) | (1ull << 62); /* 128B swizzle */
-}
-__device__ __forceinline__ void wg_fence() {
-    asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
-}
-__device__ __forceinline__ void wg_commit() {
-    asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
-}
-template <int N> __device__ __forceinline__ void wg_wait() {
-    asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
-}
-__device__ __forceinline__ void fence_proxy_async() {
-    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-}
-/* Keeps the compiler from moving accumulator accesses across async MMAs. */
-__device__ __forceinline__ void acc_fence(float (&d)[64]) {
-#pragma unroll
-    for (int i = 0; i < 64; i++) asm volatile("" : "+f"(d[i])::"memory");
-}
-
-/* The MMAs of one stage for this warpgroup (wg = 0, 1: its 64-row half). */
-template <typename TI, bool DIRECT>
-__device__ __forceinline__ void stage_mma(float (&acc)[64], uint32_t sA, uint32_t sB, int wg) {
-#pragma unroll
-    for (int kk = 0; kk < WBK / 16; kk++) {
-        if (DIRECT) {
-            uint64_t da = wg_desc(sA + (uint32_t)(wg * HALF + kk * 2048), HALF, 1024);
-            uint64_t db = wg_desc(sB + (uint32_t)(kk * 2048), HALF, 1024);
-            wgmma_m64n128k16<1, 1>((const TI *)nullptr, acc, da, db);
-        } else {
-            uint64_t da = wg_desc(sA + (uint32_t)(wg * HALF + kk * 32), 16, 1024);
-            uint64_t db = wg_desc(sB + (uint32_t)(kk * 32), 16, 1024);
-            wgmma_m64n128k16<0, 0>((const TI *)nullptr, acc, da, db);
-        }
-    }
-}
 
 /* One operand pair view: DIRECT loads rows k of g (A) and a (B) at feature
  * offsets m0 / n0; GHOST loads rows t0 / s0 of x at column k. */
@@ -137,35 +40,42 @@ struct wg_src {
     int T;
 };
 
-template <bool DIRECT>
+template <bool DIRECT, int MI>
 __device__ __forceinline__ void stage_load(uint32_t s, const wg_src &v, int kt) {
+    const uint32_t sB = s + (uint32_t)(2 * MI * HALF);
     if (DIRECT) {
         int k0 = kt * WBK;
-        dcc_load_tile<64, 64, true, WT>(s, v.xa, v.lda, k0, v.T, v.ra, v.lda);
-        dcc_load_tile<64, 64, true, WT>(s + HALF, v.xa, v.lda, k0, v.T, v.ra + 64, v.lda);
-        dcc_load_tile<64, 64, true, WT>(s + 2 * HALF, v.xb, v.ldb, k0, v.T, v.rb, v.ldb);
-        dcc_load_tile<64, 64, true, WT>(s + 3 * HALF, v.xb, v.ldb, k0, v.T, v.rb + 64, v.ldb);
+#pragma unroll
+        for (int h = 0; h < 2 * MI; h++)
+            dcc_load_tile<64, 64, true, WT>(s + (uint32_t)(h * HALF), v.xa, v.lda, k0, v.T,
+                                            v.ra + 64 * h, v.lda);
+        dcc_load_tile<64, 64, true, WT>(sB, v.xb, v.ldb, k0, v.T, v.rb, v.ldb);
+        dcc_load_tile<64, 64, true, WT>(sB + HALF, v.xb, v.ldb, k0, v.T, v.rb + 64, v.ldb);
     } else {
         int c0 = kt * WBK;
         dcc_load_tile<128, 64, true, WT>(s, v.xa, v.lda, v.ra, v.T, c0, v.lda);
-        dcc_load_tile<128, 64, true, WT>(s + 2 * HALF, v.xb, v.ldb, v.rb, v.T, c0, v.ldb);
+        if (v.ra != v.rb) /* a diagonal tile reads one block of rows as both */
+            dcc_load_tile<128, 64, true, WT>(sB, v.xb, v.ldb, v.rb, v.T, c0, v.ldb);
     }
 }
 
-/* acc = the 128x128 tile over K (= T for DIRECT, the width for GHOST).
- * DIRECT with colsum: also the column sums of A (bias), thread-owned
- * columns 2*(tid%64), +1 over a quarter of each stage's rows. */
-template <typename TI, bool DIRECT, int ST>
-__device__ __forceinline__ void wg_loop(float (&acc)[64], uint32_t sbase, const wg_src &v, int K,
-                                        bool colsum, float &bs0, float &bs1) {
-    constexpr int P = ST - 2;
+/* acc = the (128*MI)x128 tile over K (= T for DIRECT, the width for GHOST).
+ * DIRECT with colsum: also the column sums of A (the bias gradient); a thread
+ * owns columns 2*(tid % (64*MI)), +1 over a 1/(4/MI) share of each stage's
+ * rows. */
+template <typename TI, bool DIRECT, int MI, int ST>
+__device__ __forceinline__ void wg_loop(float (&acc)[MI][64], uint32_t sbase, const wg_src &v,
+                                        int K, bool colsum, float &bs0, float &bs1) {
+    constexpr int P = ST - 2, SB = stage_bytes<MI>(), CW = 64 * MI, RG = WBK / (4 / MI);
     const int wg = (int)threadIdx.x >> 7;
     const int ktn = (K + WBK - 1) / WBK;
 #pragma unroll
-    for (int i = 0; i < 64; i++) acc[i] = 0.0f;
+    for (int j = 0; j < MI; j++)
+#pragma unroll
+        for (int i = 0; i < 64; i++) acc[j][i] = 0.0f;
 #pragma unroll
     for (int s = 0; s < P; s++) {
-        if (s < ktn) stage_load<DIRECT>(sbase + (uint32_t)(s * STAGE), v, s);
+        if (s < ktn) stage_load<DIRECT, MI>(sbase + (uint32_t)(s * SB), v, s);
         dcc_cp_commit();
     }
     for (int kt = 0; kt < ktn; kt++) {
@@ -174,21 +84,22 @@ __device__ __forceinline__ void wg_loop(float (&acc)[64], uint32_t sbase, const 
         __syncthreads();
         {
             int kn = kt + P;
-            if (kn < ktn) stage_load<DIRECT>(sbase + (uint32_t)((kn % ST) * STAGE), v, kn);
+            if (kn < ktn) stage_load<DIRECT, MI>(sbase + (uint32_t)((kn % ST) * SB), v, kn);
             dcc_cp_commit();
         }
-        const uint32_t sA = sbase + (uint32_t)((kt % ST) * STAGE), sB = sA + 2 * HALF;
-        acc_fence(acc);
+        const uint32_t sA = sbase + (uint32_t)((kt % ST) * SB);
+        const uint32_t sB = (!DIRECT && v.ra == v.rb) ? sA : sA + 2 * MI * HALF;
+        acc_fence<MI>(acc);
         wg_fence();
-        stage_mma<TI, DIRECT>(acc, sA, sB, wg);
+        stage_mma<TI, DIRECT, MI>(acc, sA, sB, wg);
         wg_commit();
-        acc_fence(acc);
+        acc_fence<MI>(acc);
         if (DIRECT && colsum) {
-            int m = ((int)threadIdx.x & 63) * 2, rq = ((int)threadIdx.x >> 6) * (WBK / 4);
+            int m = ((int)threadIdx.x % CW) * 2, rq = ((int)threadIdx.x / CW) * RG;
             uint32_t base = sA + (uint32_t)((m >> 6) * HALF);
             int ml = m & 63;
 #pragma unroll
-            for (int r = rq; r < rq + WBK / 4; r++) {
+            for (int r = rq; r < rq + RG; r++) {
                 uint32_t w = dcc_lds32(base + (uint32_t)(r * 128) +
                                        (uint32_t)((((ml >> 3) ^ (r & 7))) << 4) +
                                        (uint32_t)((ml & 7) * 2));
@@ -197,20 +108,26 @@ __device__ __forceinline__ void wg_loop(float (&acc)[64], uint32_t sbase, const 
             }
         }
         wg_wait<1>();
-        acc_fence(acc);
+        acc_fence<MI>(acc);
     }
     wg_wait<0>();
-    acc_fence(acc);
+    acc_fence<MI>(acc);
     dcc_cp_wait<0>();
     __syncthreads();
 }
 
-template <typename TI>
+/* DIRECT, MI = 1: 128x128 tiles, 5 stages (160 KiB); MI = 2: 256x128 tiles
+ * (twice the arithmetic per byte loaded), 4 stages (192 KiB). */
+template <int MI> __host__ __device__ constexpr int direct_stages() { return MI == 1 ? 5 : 4; }
+template <int MI> __host__ __device__ constexpr int direct_smem() { return direct_stages<MI>() * stage_bytes<MI>() + 1024; }
+
+template <typename TI, int MI>
 __global__ void __launch_bounds__(WT, 1)
 wg_direct(const uint16_t *__restrict__ a, const uint16_t *__restrict__ g, int T, int d, int p,
           int tiles_n, int has_bias, float s2, float *__restrict__ n2) {
     extern __shared__ unsigned char smem[];
-    __shared__ float colsum[4][128];
+    __shared__ float colsum[512];
+    constexpr int CW = 64 * MI;
     const uint32_t sbase = (dcc_smem(smem) + 1023u) & ~1023u;
     const int b = blockIdx.y;
     const int tm = (int)blockIdx.x / tiles_n, tn = (int)blockIdx.x % tiles_n;
@@ -220,29 +137,35 @@ wg_direct(const uint16_t *__restrict__ a, const uint16_t *__restrict__ g, int T,
     v.xb = a + (int64_t)b * T * d;
     v.lda = p;
     v.ldb = d;
-    v.ra = tm * 128;
+    v.ra = tm * 128 * MI;
     v.rb = tn * 128;
     v.T = T;
-    float acc[64];
+    float acc[MI][64];
     float bs0 = 0.0f, bs1 = 0.0f;
-    wg_loop<TI, true, D_ST>(acc, sbase, v, T, do_bias, bs0, bs1);
+    wg_loop<TI, true, MI, direct_stages<MI>()>(acc, sbase, v, T, do_bias, bs0, bs1);
     float sq = 0.0f;
 #pragma unroll
-    for (int i = 0; i < 64; i++) sq += acc[i] * acc[i];
+    for (int j = 0; j < MI; j++)
+#pragma unroll
+        for (int i = 0; i < 64; i++) sq += acc[j][i] * acc[j][i];
     if (do_bias) {
-        int m = ((int)threadIdx.x & 63) * 2, rq = (int)threadIdx.x >> 6;
-        colsum[rq][m] = bs0;
-        colsum[rq][m + 1] = bs1;
+        /* 4/MI row groups of 128*MI columns */
+        int m = ((int)threadIdx.x % CW) * 2, rq = (int)threadIdx.x / CW;
+        colsum[rq * 2 * CW + m] = bs0;
+        colsum[rq * 2 * CW + m + 1] = bs1;
         __syncthreads();
-        if (threadIdx.x < 128) {
-            int c = (int)threadIdx.x;
-            float x = colsum[0][c] + colsum[1][c] + colsum[2][c] + colsum[3][c];
+        if ((int)threadIdx.x < 2 * CW) {
+            float x = 0.0f;
+#pragma unroll
+            for (int q = 0; q < 4 / MI; q++) x += colsum[q * 2 * CW + (int)threadIdx.x];
             sq += x * x;
         }
     }
     float tot = dcc_block_sum(sq);
     if (threadIdx.x == 0) atomicAdd(n2 + b, tot * s2);
 }
+
+constexpr int G_ST = 4, G_SMEM = G_ST * 4 * HALF + 1024;
 
 template <typename TI>
 __global__ void __launch_bounds__(WT, 1)
@@ -255,22 +178,22 @@ wg_ghost(const uint16_t *__restrict__ a, const uint16_t *__restrict__ g, int T, 
     while (ti * (ti + 1) / 2 > idx) ti--;
     while ((ti + 1) * (ti + 2) / 2 <= idx) ti++;
     const int si = idx - ti * (ti + 1) / 2;
-    float ga[64], gg[64], unused0 = 0.0f, unused1 = 0.0f;
+    float ga[1][64], gg[1][64], unused0 = 0.0f, unused1 = 0.0f;
     wg_src v;
     v.xa = v.xb = a + (int64_t)b * T * d;
     v.lda = v.ldb = d;
     v.ra = ti * 128;
     v.rb = si * 128;
     v.T = T;
-    wg_loop<TI, false, G_ST>(ga, sbase, v, d, false, unused0, unused1);
+    wg_loop<TI, false, 1, G_ST>(ga, sbase, v, d, false, unused0, unused1);
     v.xa = v.xb = g + (int64_t)b * T * p;
     v.lda = v.ldb = p;
-    wg_loop<TI, false, G_ST>(gg, sbase, v, p, false, unused0, unused1);
+    wg_loop<TI, false, 1, G_ST>(gg, sbase, v, p, false, unused0, unused1);
     float part = 0.0f, gsum = 0.0f;
 #pragma unroll
     for (int i = 0; i < 64; i++) {
-        part += ga[i] * gg[i];
-        gsum += gg[i];
+        part += ga[0][i] * gg[0][i];
+        gsum += gg[0][i];
     }
     if (has_bias) part += gsum;
     float tot = dcc_block_sum(part);
@@ -279,7 +202,9 @@ wg_ghost(const uint16_t *__restrict__ a, const uint16_t *__restrict__ g, int T, 
 
 #else /* no wgmma on this target: empty kernels keep the host code identical */
 
-template <typename TI>
+template <int MI> __host__ __device__ constexpr int direct_smem() { return 1024; }
+constexpr int G_SMEM = 1024;
+template <typename TI, int MI>
 __global__ void wg_direct(const uint16_t *, const uint16_t *, int, int, int, int, int, float,
                           float *) {}
 template <typename TI>
@@ -287,32 +212,59 @@ __global__ void wg_ghost(const uint16_t *, const uint16_t *, int, int, int, int,
 
 #endif
 
+template <typename TI, int MI>
+cudaError_t launch_direct(const dcc_linear *L, float s2, float *n2, cudaStream_t st) {
+    int tiles_m = (L->p + 128 * MI - 1) / (128 * MI), tiles_n = (L->d + 127) / 128;
+    if ((int64_t)tiles_m * tiles_n > INT32_MAX) return cudaErrorInvalidConfiguration;
+    cudaError_t e = cudaFuncSetAttribute(wg_direct<TI, MI>,
+                                         cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         direct_smem<MI>());
+    if (e != cudaSuccess) return e;
+    dim3 grid((unsigned)(tiles_m * tiles_n), (unsigned)L->B);
+    wg_direct<TI, MI><<<grid, WT, direct_smem<MI>(), st>>>(
+        (const uint16_t *)L->a, (const uint16_t *)L->g, L->T, L->d, L->p, tiles_n, L->has_bias,
+        s2, n2);
+    return cudaGetLastError();
+}
+
 template <typename TI>
 cudaError_t launch_wg(const dcc_linear *L, dc_algo algo, float s2, float *n2, cudaStream_t st) {
-    const uint16_t *a = (const uint16_t *)L->a, *g = (const uint16_t *)L->g;
-    cudaError_t e;
-    if (algo == DC_ALGO_DIRECT) {
-        int tiles_m = (L->p + 127) / 128, tiles_n = (L->d + 127) / 128;
-        if ((int64_t)tiles_m * tiles_n > INT32_MAX) return cudaErrorInvalidConfiguration;
-        e = cudaFuncSetAttribute(wg_direct<TI>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                 D_SMEM);
-        if (e != cudaSuccess) return e;
-        dim3 grid((unsigned)(tiles_m * tiles_n), (unsigned)L->B);
-        wg_direct<TI><<<grid, WT, D_SMEM, st>>>(a, g, L->T, L->d, L->p, tiles_n, L->has_bias, s2,
-                                                n2);
-    } else {
-        int64_t nt = (L->T + 127) / 128, pairs = nt * (nt + 1) / 2;
-        if (pairs > INT32_MAX / 2) return cudaErrorInvalidConfiguration;
-        e = cudaFuncSetAttribute(wg_ghost<TI>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                 G_SMEM);
-        if (e != cudaSuccess) return e;
-        dim3 grid((unsigned)pairs, (unsigned)L->B);
-        wg_ghost<TI><<<grid, WT, G_SMEM, st>>>(a, g, L->T, L->d, L->p, L->has_bias, s2, n2);
-    }
+    if (algo == DC_ALGO_DIRECT)
+        return dcc_direct_tile_rows(L) == 256 ? launch_direct<TI, 2>(L, s2, n2, st)
+                                              : launch_direct<TI, 1>(L, s2, n2, st);
+    int64_t nt = (L->T + 127) / 128, pairs = nt * (nt + 1) / 2;
+    if (pairs > INT32_MAX / 2) return cudaErrorInvalidConfiguration;
+    cudaError_t e = cudaFuncSetAttribute(wg_ghost<TI>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         G_SMEM);
+    if (e != cudaSuccess) return e;
+    dim3 grid((unsigned)pairs, (unsigned)L->B);
+    wg_ghost<TI><<<grid, WT, G_SMEM, st>>>((const uint16_t *)L->a, (const uint16_t *)L->g, L->T,
+                                           L->d, L->p, L->has_bias, s2, n2);
     return cudaGetLastError();
 }
 
 } // namespace
+
+/* Tile height for DIRECT: 256 rows of p halve the bytes loaded per flop but
+ * halve the CTAs too. With one CTA per SM a launch costs about
+ * ceil(CTAs / SMs) tile times; pick the height with the smaller estimate,
+ * the 256-row tile counted at its measured rate relative to the 128-row one
+ * (TALL_GAIN, measured on an H100 with the TMA feed: 1.14-1.36).
+ * DPCLIP_CUDA_DIRECT_TILE=128|256 forces it. */
+extern "C" int dcc_direct_tile_rows(const dcc_linear *L) {
+    const double TALL_GAIN = 1.3;
+    const char *force = getenv("DPCLIP_CUDA_DIRECT_TILE");
+    if (force && force[0]) return atoi(force) >= 256 ? 256 : 128;
+    int dev = 0, sms = 132;
+    if (cudaGetDevice(&dev) == cudaSuccess)
+        cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
+    int64_t tn = (L->d + 127) / 128;
+    int64_t c1 = (int64_t)((L->p + 127) / 128) * tn * L->B;
+    int64_t c2 = (int64_t)((L->p + 255) / 256) * tn * L->B;
+    double t1 = (double)((c1 + sms - 1) / sms);
+    double t2 = (double)((c2 + sms - 1) / sms) * 2.0 / TALL_GAIN;
+    return t2 < t1 ? 256 : 128;
+}
 
 extern "C" int dcc_wgmma_available(void) {
 #ifdef DCC_WGMMA_BUILT
@@ -335,6 +287,10 @@ extern "C" int dcc_wgmma_available(void) {
 extern "C" cudaError_t dcc_linear_wgmma(const dcc_linear *L, dc_algo algo, float s2, float *n2,
                                         cudaStream_t st) {
 #ifdef DCC_WGMMA_BUILT
+    if (dcc_tma_available()) {
+        cudaError_t e = dcc_linear_tma(L, algo, s2, n2, st);
+        if (e != cudaErrorNotSupported) return e;
+    }
     if (L->ta == DC_BF16) return launch_wg<dcc_bf16>(L, algo, s2, n2, st);
     if (L->ta == DC_F16) return launch_wg<dcc_f16>(L, algo, s2, n2, st);
     return cudaErrorInvalidValue;

@@ -1,0 +1,122 @@
+/* Hopper warpgroup MMA helpers shared by norms_wgmma.cu (cp.async feed) and
+ * norms_tma.cu (TMA feed): the m64n128k16 instruction, shared-memory matrix
+ * descriptors for 128B-swizzled tiles, the wgmma fences, and the MMAs of one
+ * pipeline stage. Tiles are [64][64] 16-bit blocks of 128-byte rows (8 KiB,
+ * 1024-byte aligned), 16-byte chunks swizzled by chunk ^ (row % 8). Only
+ * usable in code compiled for sm_90a (guard with DCC_WG_EMPTY). */
+#ifndef DC_DCC_WGMMA_CUH
+#define DC_DCC_WGMMA_CUH
+
+#include "dcc_device.cuh"
+
+#if defined(__CUDA_ARCH__) && !defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define DCC_WG_EMPTY 1 /* device pass for a target without wgmma */
+#endif
+
+constexpr int WBK = 64;           /* k per stage */
+constexpr int HALF = 64 * 64 * 2; /* one [64][64] 16-bit block: 8 KiB */
+
+/* Bytes of one stage: A is 2*MI [64][64] blocks (DIRECT: 128*MI features x
+ * 64 k; GHOST, MI = 1: 128 rows x 64 k), then B, 2 blocks. */
+template <int MI> __host__ __device__ constexpr int stage_bytes() { return (2 * MI + 2) * HALF; }
+
+#ifndef DCC_WG_EMPTY
+template <int TA, int TB>
+__device__ __forceinline__ void wgmma_m64n128k16(const dcc_bf16 *, float (&d)[64], uint64_t da,
+                                                 uint64_t db) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %68, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {"
+        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
+        "%64, %65, p, 1, 1, %66, %67;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]),
+          "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]),
+          "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]),
+          "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]),
+          "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]),
+          "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]),
+          "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]),
+          "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]),
+          "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+        : "l"(da), "l"(db), "n"(TA), "n"(TB), "r"(1));
+}
+
+template <int TA, int TB>
+__device__ __forceinline__ void wgmma_m64n128k16(const dcc_f16 *, float (&d)[64], uint64_t da,
+                                                 uint64_t db) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %68, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 {"
+        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
+        "%64, %65, p, 1, 1, %66, %67;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]),
+          "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]),
+          "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]),
+          "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]),
+          "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]),
+          "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]),
+          "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]),
+          "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]),
+          "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+        : "l"(da), "l"(db), "n"(TA), "n"(TB), "r"(1));
+}
+
+__device__ __forceinline__ uint64_t wg_desc(uint32_t addr, uint32_t lbo, uint32_t sbo) {
+    return (uint64_t)((addr & 0x3FFFFu) >> 4) | ((uint64_t)((lbo & 0x3FFFFu) >> 4) << 16) |
+           ((uint64_t)((sbo & 0x3FFFFu) >> 4) << 32) | (1ull << 62); /* 128B swizzle */
+}
+__device__ __forceinline__ void wg_fence() {
+    asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+}
+__device__ __forceinline__ void wg_commit() {
+    asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+}
+template <int N> __device__ __forceinline__ void wg_wait() {
+    asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
+__device__ __forceinline__ void fence_proxy_async() {
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+/* Keeps the compiler from moving accumulator accesses across async MMAs. */
+template <int MI> __device__ __forceinline__ void acc_fence(float (&d)[MI][64]) {
+#pragma unroll
+    for (int j = 0; j < MI; j++)
+#pragma unroll
+        for (int i = 0; i < 64; i++) asm volatile("" : "+f"(d[j][i])::"memory");
+}
+
+/* The MMAs of one stage for warpgroup wg: rows [wg*64*MI, +64*MI) of A. */
+template <typename TI, bool DIRECT, int MI>
+__device__ __forceinline__ void stage_mma(float (&acc)[MI][64], uint32_t sA, uint32_t sB,
+                                          int wg) {
+#pragma unroll
+    for (int kk = 0; kk < WBK / 16; kk++) {
+#pragma unroll
+        for (int i = 0; i < MI; i++) {
+            if (DIRECT) {
+                uint64_t da =
+                    wg_desc(sA + (uint32_t)((wg * MI + i) * HALF + kk * 2048), HALF, 1024);
+                uint64_t db = wg_desc(sB + (uint32_t)(kk * 2048), HALF, 1024);
+                wgmma_m64n128k16<1, 1>((const TI *)nullptr, acc[i], da, db);
+            } else {
+                uint64_t da = wg_desc(sA + (uint32_t)((wg * MI + i) * HALF + kk * 32), 16, 1024);
+                uint64_t db = wg_desc(sB + (uint32_t)(kk * 32), 16, 1024);
+                wgmma_m64n128k16<0, 0>((const TI *)nullptr, acc[i], da, db);
+            }
+        }
+    }
+}
+
+#endif /* DCC_WG_EMPTY */
+
+#endif

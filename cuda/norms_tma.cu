@@ -1,0 +1,338 @@
+/* LINEAR norms on wgmma fed by the Tensor Memory Accelerator: the kernels of
+ * norms_wgmma.cu with a warp-specialised pipeline instead of every thread
+ * issuing cp.async and meeting at a CTA barrier per k-tile.
+ *
+ * A CTA is two consumer warpgroups (warps 0-7, the MMAs, exactly as in
+ * norms_wgmma.cu) and one producer warp (warp 8) whose lane 0 issues
+ * cp.async.bulk.tensor copies. Each stage has two mbarriers: `full` (the
+ * producer arms it with the stage's byte count; TMA completes it) and
+ * `empty` (each consumer warp arrives once the MMAs that read the stage are
+ * done). Nobody else synchronises inside the K loop.
+ *
+ * Tensor maps view an operand as [B][T][width] (innermost first: width, T,
+ * B) with 128B swizzle, so a box lands in shared memory in exactly the
+ * layout the wgmma descriptors expect; rows past T and features past the
+ * width are zero-filled by TMA, which is what the ragged tiles need. Boxes:
+ *   direct: 64 features x 64 rows (A = g, B = a, both MN-major);
+ *   ghost:  64 features x 128 rows (K-major).
+ * The producer warp is one warp beside 256 consumer threads, so registers
+ * suffice without setmaxnreg (<= 224 per thread for 288 threads). */
+#include <stdlib.h>
+
+#include <cudaTypedefs.h>
+
+#include "dcc_wgmma.cuh"
+
+namespace {
+
+constexpr int CT = 288; /* 8 consumer warps + 1 producer warp */
+
+template <int MI> __host__ __device__ constexpr int tma_direct_stages() { return MI == 1 ? 6 : 4; }
+constexpr int TG_ST = 6;
+template <int MI> __host__ __device__ constexpr int tma_direct_smem() {
+    return tma_direct_stages<MI>() * stage_bytes<MI>() + 1024;
+}
+constexpr int TG_SMEM = TG_ST * stage_bytes<1>() + 1024;
+
+#ifndef DCC_WG_EMPTY
+
+__device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_expect_tx(uint32_t bar, uint32_t bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar),
+                 "r"(bytes)
+                 : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
+    asm volatile("{\n.reg .pred P1;\nLAB_WAIT:\n"
+                 "mbarrier.try_wait.parity.shared::cta.b64 P1, [%0], %1;\n"
+                 "@P1 bra DONE;\nbra LAB_WAIT;\nDONE:\n}\n" ::"r"(bar),
+                 "r"(parity)
+                 : "memory");
+}
+__device__ __forceinline__ void tma_load3(uint32_t dst, const CUtensorMap *map, uint32_t bar,
+                                          int c0, int c1, int c2) {
+    asm volatile("cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes"
+                 " [%0], [%1, {%3, %4, %5}], [%2];\n" ::"r"(dst),
+                 "l"((uint64_t)map), "r"(bar), "r"(c0), "r"(c1), "r"(c2)
+                 : "memory");
+}
+
+/* Stage barriers live in static shared memory: full[s] at bars + 8s,
+ * empty[s] at bars + 8(ST + s). */
+template <int ST> __device__ __forceinline__ uint32_t init_bars(uint64_t *bars) {
+    uint32_t b0 = dcc_smem(bars);
+    if (threadIdx.x == 0) {
+        for (int s = 0; s < ST; s++) {
+            mbar_init(b0 + 8u * (uint32_t)s, 1);             /* the producer's arrive */
+            mbar_init(b0 + 8u * (uint32_t)(ST + s), 8);      /* one per consumer warp */
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+    __syncthreads();
+    return b0;
+}
+
+/* Consumer side: MMAs over k-tiles [u0, u1) of the CTA's stream into acc;
+ * each tile's stage is released once its MMAs are known complete. DIRECT
+ * with colsum: the bias column sums, as in norms_wgmma.cu. */
+template <typename TI, bool DIRECT, int MI, int ST>
+__device__ __forceinline__ void consume(float (&acc)[MI][64], uint32_t sbase, uint32_t bars,
+                                        int u0, int u1, bool same_b, bool colsum, float &bs0,
+                                        float &bs1) {
+    constexpr int SB = stage_bytes<MI>(), CW = 64 * MI, RG = WBK / (4 / MI);
+    const int wg = (int)threadIdx.x >> 7, lane = (int)threadIdx.x & 31;
+#pragma unroll
+    for (int j = 0; j < MI; j++)
+#pragma unroll
+        for (int i = 0; i < 64; i++) acc[j][i] = 0.0f;
+    for (int u = u0; u < u1; u++) {
+        const int s = u % ST;
+        mbar_wait(bars + 8u * (uint32_t)s, (uint32_t)((u / ST) & 1));
+        const uint32_t sA = sbase + (uint32_t)(s * SB);
+        const uint32_t sB = same_b ? sA : sA + 2 * MI * HALF;
+        acc_fence<MI>(acc);
+        wg_fence();
+        stage_mma<TI, DIRECT, MI>(acc, sA, sB, wg);
+        wg_commit();
+        acc_fence<MI>(acc);
+        if (DIRECT && colsum) {
+            int m = ((int)threadIdx.x % CW) * 2, rq = ((int)threadIdx.x / CW) * RG;
+            uint32_t base = sA + (uint32_t)((m >> 6) * HALF);
+            int ml = m & 63;
+#pragma unroll
+            for (int r = rq; r < rq + RG; r++) {
+                uint32_t w = dcc_lds32(base + (uint32_t)(r * 128) +
+                                       (uint32_t)((((ml >> 3) ^ (r & 7))) << 4) +
+                                       (uint32_t)((ml & 7) * 2));
+                bs0 += dcc_lo((const TI *)nullptr, w);
+                bs1 += dcc_hi((const TI *)nullptr, w);
+            }
+        }
+        wg_wait<1>();
+        acc_fence<MI>(acc);
+        __syncwarp();
+        if (u > u0 && lane == 0) mbar_arrive(bars + 8u * (uint32_t)(ST + (u - 1) % ST));
+    }
+    wg_wait<0>();
+    acc_fence<MI>(acc);
+    __syncwarp();
+    if (u1 > u0 && lane == 0) mbar_arrive(bars + 8u * (uint32_t)(ST + (u1 - 1) % ST));
+}
+
+template <typename TI, int MI>
+__global__ void __launch_bounds__(CT, 1)
+tma_direct(const __grid_constant__ CUtensorMap tg, const __grid_constant__ CUtensorMap ta, int T,
+           int tiles_n, int has_bias, float s2, float *__restrict__ n2) {
+    constexpr int ST = tma_direct_stages<MI>(), SB = stage_bytes<MI>(), CW = 64 * MI;
+    extern __shared__ unsigned char smem[];
+    __shared__ __align__(8) uint64_t bar_mem[2 * ST];
+    __shared__ float colsum[512];
+    const uint32_t sbase = (dcc_smem(smem) + 1023u) & ~1023u;
+    const int b = blockIdx.y;
+    const int tm = (int)blockIdx.x / tiles_n, tn = (int)blockIdx.x % tiles_n;
+    const int m0 = tm * 128 * MI, n0 = tn * 128;
+    const bool do_bias = has_bias && tn == 0;
+    const int ktn = (T + WBK - 1) / WBK;
+    const uint32_t bars = init_bars<ST>(bar_mem);
+    float sq = 0.0f, bs0 = 0.0f, bs1 = 0.0f;
+
+    if (threadIdx.x >= 256) { /* producer warp */
+        if (threadIdx.x == 256) {
+            for (int u = 0; u < ktn; u++) {
+                const int s = u % ST;
+                const uint32_t full = bars + 8u * (uint32_t)s, st = sbase + (uint32_t)(s * SB);
+                mbar_wait(bars + 8u * (uint32_t)(ST + s), (uint32_t)(((u / ST) & 1) ^ 1));
+                mbar_expect_tx(full, SB);
+#pragma unroll
+                for (int h = 0; h < 2 * MI; h++)
+                    tma_load3(st + (uint32_t)(h * HALF), &tg, full, m0 + 64 * h, u * WBK, b);
+#pragma unroll
+                for (int h = 0; h < 2; h++)
+                    tma_load3(st + (uint32_t)((2 * MI + h) * HALF), &ta, full, n0 + 64 * h,
+                              u * WBK, b);
+            }
+        }
+    } else {
+        float acc[MI][64];
+        consume<TI, true, MI, ST>(acc, sbase, bars, 0, ktn, false, do_bias, bs0, bs1);
+#pragma unroll
+        for (int j = 0; j < MI; j++)
+#pragma unroll
+            for (int i = 0; i < 64; i++) sq += acc[j][i] * acc[j][i];
+    }
+    if (do_bias) {
+        if (threadIdx.x < 256) {
+            int m = ((int)threadIdx.x % CW) * 2, rq = (int)threadIdx.x / CW;
+            colsum[rq * 2 * CW + m] = bs0;
+            colsum[rq * 2 * CW + m + 1] = bs1;
+        }
+        __syncthreads();
+        if ((int)threadIdx.x < 2 * CW) {
+            float x = 0.0f;
+#pragma unroll
+            for (int q = 0; q < 4 / MI; q++) x += colsum[q * 2 * CW + (int)threadIdx.x];
+            sq += x * x;
+        }
+    }
+    float tot = dcc_block_sum(sq);
+    if (threadIdx.x == 0) atomicAdd(n2 + b, tot * s2);
+}
+
+template <typename TI>
+__global__ void __launch_bounds__(CT, 1)
+tma_ghost(const __grid_constant__ CUtensorMap ta, const __grid_constant__ CUtensorMap tg, int d,
+          int p, int has_bias, float s2, float *__restrict__ n2) {
+    constexpr int ST = TG_ST, SB = stage_bytes<1>();
+    extern __shared__ unsigned char smem[];
+    __shared__ __align__(8) uint64_t bar_mem[2 * ST];
+    const uint32_t sbase = (dcc_smem(smem) + 1023u) & ~1023u;
+    const int b = blockIdx.y, idx = (int)blockIdx.x;
+    int ti = (int)((sqrtf(8.0f * (float)idx + 1.0f) - 1.0f) * 0.5f);
+    while (ti * (ti + 1) / 2 > idx) ti--;
+    while ((ti + 1) * (ti + 2) / 2 <= idx) ti++;
+    const int si = idx - ti * (ti + 1) / 2;
+    const bool diag = ti == si;
+    const int ka = (d + WBK - 1) / WBK, kg = (p + WBK - 1) / WBK;
+    const uint32_t bars = init_bars<ST>(bar_mem);
+    float part = 0.0f;
+
+    if (threadIdx.x >= 256) {
+        if (threadIdx.x == 256) {
+            for (int u = 0; u < ka + kg; u++) {
+                const int s = u % ST;
+                const uint32_t full = bars + 8u * (uint32_t)s, st = sbase + (uint32_t)(s * SB);
+                const CUtensorMap *map = u < ka ? &ta : &tg;
+                const int c0 = (u < ka ? u : u - ka) * WBK;
+                mbar_wait(bars + 8u * (uint32_t)(ST + s), (uint32_t)(((u / ST) & 1) ^ 1));
+                mbar_expect_tx(full, diag ? 2 * HALF : 4 * HALF);
+                tma_load3(st, map, full, c0, ti * 128, b);
+                if (!diag) tma_load3(st + 2 * HALF, map, full, c0, si * 128, b);
+            }
+        }
+    } else {
+        float ga[1][64], gg[1][64], x0 = 0.0f, x1 = 0.0f;
+        consume<TI, false, 1, ST>(ga, sbase, bars, 0, ka, diag, false, x0, x1);
+        consume<TI, false, 1, ST>(gg, sbase, bars, ka, ka + kg, diag, false, x0, x1);
+        float gsum = 0.0f;
+#pragma unroll
+        for (int i = 0; i < 64; i++) {
+            part += ga[0][i] * gg[0][i];
+            gsum += gg[0][i];
+        }
+        if (has_bias) part += gsum;
+    }
+    float tot = dcc_block_sum(part);
+    if (threadIdx.x == 0) atomicAdd(n2 + b, tot * s2 * (diag ? 1.0f : 2.0f));
+}
+
+#else
+
+template <typename TI, int MI>
+__global__ void tma_direct(const __grid_constant__ CUtensorMap, const __grid_constant__ CUtensorMap,
+                           int, int, int, float, float *) {}
+template <typename TI>
+__global__ void tma_ghost(const __grid_constant__ CUtensorMap, const __grid_constant__ CUtensorMap,
+                          int, int, int, float, float *) {}
+
+#endif
+
+PFN_cuTensorMapEncodeTiled_v12000 encode_fn() {
+    /* resolved once through the runtime, so nothing links libcuda */
+    static PFN_cuTensorMapEncodeTiled_v12000 fn = [] {
+        void *p = nullptr;
+        cudaDriverEntryPointQueryResult q;
+        if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &p, 12000,
+                                             cudaEnableDefault, &q) != cudaSuccess ||
+            q != cudaDriverEntryPointSuccess) {
+            (void)cudaGetLastError();
+            p = nullptr;
+        }
+        return (PFN_cuTensorMapEncodeTiled_v12000)p;
+    }();
+    return fn;
+}
+
+/* [B][T][w] 16-bit tensor, boxes of 64 features x rows. */
+bool make_map(CUtensorMap *m, const void *base, dc_dtype t, int B, int T, int w, int rows) {
+    PFN_cuTensorMapEncodeTiled_v12000 fn = encode_fn();
+    if (!fn) return false;
+    cuuint64_t dims[3] = {(cuuint64_t)w, (cuuint64_t)T, (cuuint64_t)B};
+    cuuint64_t strides[2] = {(cuuint64_t)w * 2, (cuuint64_t)w * (cuuint64_t)T * 2};
+    cuuint32_t box[3] = {64, (cuuint32_t)rows, 1};
+    cuuint32_t es[3] = {1, 1, 1};
+    return fn(m, t == DC_BF16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
+              3, (void *)base, dims, strides, box, es, CU_TENSOR_MAP_INTERLEAVE_NONE,
+              CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+              CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
+
+template <typename TI, int MI>
+cudaError_t launch_direct(const dcc_linear *L, float s2, float *n2, cudaStream_t st) {
+    CUtensorMap tg, ta;
+    if (!make_map(&tg, L->g, L->tg, L->B, L->T, L->p, 64) ||
+        !make_map(&ta, L->a, L->ta, L->B, L->T, L->d, 64))
+        return cudaErrorNotSupported;
+    int tiles_m = (L->p + 128 * MI - 1) / (128 * MI), tiles_n = (L->d + 127) / 128;
+    cudaError_t e = cudaFuncSetAttribute(tma_direct<TI, MI>,
+                                         cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         tma_direct_smem<MI>());
+    if (e != cudaSuccess) return e;
+    dim3 grid((unsigned)(tiles_m * tiles_n), (unsigned)L->B);
+    tma_direct<TI, MI><<<grid, CT, tma_direct_smem<MI>(), st>>>(tg, ta, L->T, tiles_n,
+                                                               L->has_bias, s2, n2);
+    return cudaGetLastError();
+}
+
+template <typename TI>
+cudaError_t launch(const dcc_linear *L, dc_algo algo, float s2, float *n2, cudaStream_t st) {
+    if (algo == DC_ALGO_DIRECT)
+        return dcc_direct_tile_rows(L) == 256 ? launch_direct<TI, 2>(L, s2, n2, st)
+                                              : launch_direct<TI, 1>(L, s2, n2, st);
+    CUtensorMap ta, tg;
+    if (!make_map(&ta, L->a, L->ta, L->B, L->T, L->d, 128) ||
+        !make_map(&tg, L->g, L->tg, L->B, L->T, L->p, 128))
+        return cudaErrorNotSupported;
+    int64_t nt = (L->T + 127) / 128, pairs = nt * (nt + 1) / 2;
+    if (pairs > INT32_MAX / 2) return cudaErrorInvalidConfiguration;
+    cudaError_t e =
+        cudaFuncSetAttribute(tma_ghost<TI>, cudaFuncAttributeMaxDynamicSharedMemorySize, TG_SMEM);
+    if (e != cudaSuccess) return e;
+    dim3 grid((unsigned)pairs, (unsigned)L->B);
+    tma_ghost<TI><<<grid, CT, TG_SMEM, st>>>(ta, tg, L->d, L->p, L->has_bias, s2, n2);
+    return cudaGetLastError();
+}
+
+} // namespace
+
+extern "C" int dcc_tma_available(void) {
+#ifdef DCC_WGMMA_BUILT
+    static const int env = [] { /* DPCLIP_CUDA_TMA=0 selects the cp.async feed */
+        const char *s = getenv("DPCLIP_CUDA_TMA");
+        return !(s && s[0] == '0');
+    }();
+    return env && encode_fn() != nullptr;
+#else
+    return 0;
+#endif
+}
+
+extern "C" cudaError_t dcc_linear_tma(const dcc_linear *L, dc_algo algo, float s2, float *n2,
+                                      cudaStream_t st) {
+#ifdef DCC_WGMMA_BUILT
+    if (L->ta == DC_BF16) return launch<dcc_bf16>(L, algo, s2, n2, st);
+    if (L->ta == DC_F16) return launch<dcc_f16>(L, algo, s2, n2, st);
+    return cudaErrorInvalidValue;
+#else
+    (void)L;
+    (void)algo;
+    (void)s2;
+    (void)n2;
+    (void)st;
+    return cudaErrorNotSupported;
+#endif
+}
