@@ -1,0 +1,382 @@
+"""ctypes bindings to libdpclip (client/dpclip.h).
+
+The structures below mirror the C declarations field for field; the test
+suite compiles a small C program that prints sizeof/offsetof of each and
+compares them with ctypes, so a change to dpclip.h that is not mirrored here
+fails loudly instead of corrupting memory.
+
+Where the library comes from (first hit wins):
+  1. $DPCLIP_LIBRARY (a path to libdpclip.so),
+  2. a CMake build directory of the checkout this package lives in
+     (<repo>/build*/libdpclip.so, newest first),
+  3. ctypes.util.find_library("dpclip") (an installed library).
+"""
+import ctypes
+import ctypes.util
+import glob
+import os
+import threading
+
+__all__ = [
+    "DpclipError", "lib", "Tensor", "ConnectOpts", "DaemonInfo", "ClipConfig", "Linear",
+    "Embedding", "NormLayer", "Result", "Client", "DTYPE", "F32", "BF16", "F16", "I32", "I64",
+    "SUM", "MEAN", "ALGO_AUTO", "ALGO_DIRECT", "ALGO_GHOST", "FLAT", "PER_LAYER",
+]
+
+# --- constants (dpclip.h) -------------------------------------------------------
+
+OK, EINVAL, ENOTFOUND, EPERM, EPRECOND, ENOSPACE, ENONFINITE, EPROTO, EINTERNAL, \
+    EUNAVAIL, EUNIMPL = range(11)
+EIO, ENOMEM, EAGAIN, EARG = 100, 101, 102, 103
+
+F32, BF16, F16, I32, I64 = 1, 2, 3, 4, 5
+SUM, MEAN = 1, 2
+ALGO_AUTO, ALGO_DIRECT, ALGO_GHOST = 0, 1, 2
+FLAT, PER_LAYER = 0, 1
+
+DTYPE = {"float32": F32, "bfloat16": BF16, "float16": F16, "int32": I32, "int64": I64}
+
+
+class DpclipError(RuntimeError):
+    """A failed libdpclip call: code (DPCLIP_E*), field (dotted path into the
+    request the daemon objected to, or "") and the daemon's or library's
+    message."""
+
+    def __init__(self, code, field, message):
+        self.code = int(code)
+        self.field = field or ""
+        self.message = message or ""
+        where = " [%s]" % self.field if self.field else ""
+        super().__init__("dpclip error %d (%s)%s: %s" % (self.code, _strerror(self.code), where,
+                                                          self.message))
+
+
+# --- structures -------------------------------------------------------------------
+
+class Tensor(ctypes.Structure):
+    _fields_ = [("buffer", ctypes.c_uint64), ("offset", ctypes.c_uint64),
+                ("dtype", ctypes.c_int), ("ndim", ctypes.c_int),
+                ("shape", ctypes.c_int64 * 3)]
+
+
+class ConnectOpts(ctypes.Structure):
+    _fields_ = [("client_name", ctypes.c_char_p), ("job_id", ctypes.c_char_p),
+                ("timeout_ms", ctypes.c_int)]
+
+
+class DaemonInfo(ctypes.Structure):
+    _fields_ = [("protocol_version", ctypes.c_uint32), ("daemon_version", ctypes.c_char * 32),
+                ("max_batch", ctypes.c_uint32), ("max_layers", ctypes.c_uint32),
+                ("max_frame", ctypes.c_uint32), ("session_id", ctypes.c_uint64),
+                ("has_cuda", ctypes.c_int), ("mps_active", ctypes.c_int)]
+
+
+class ClipConfig(ctypes.Structure):
+    _fields_ = [("max_grad_norm", ctypes.c_float), ("reduction", ctypes.c_int),
+                ("expected_batch_size", ctypes.c_uint32), ("noise_multiplier", ctypes.c_float),
+                ("mode", ctypes.c_int)]
+
+
+class Linear(ctypes.Structure):
+    _fields_ = [("name", ctypes.c_char_p), ("activations", Tensor), ("output_grad", Tensor),
+                ("has_bias", ctypes.c_int), ("algo", ctypes.c_int),
+                ("weight_grad_out", Tensor), ("bias_grad_out", Tensor),
+                ("max_grad_norm", ctypes.c_float)]
+
+
+class Embedding(ctypes.Structure):
+    _fields_ = [("name", ctypes.c_char_p), ("indices", Tensor), ("output_grad", Tensor),
+                ("num_embeddings", ctypes.c_uint64), ("has_padding_idx", ctypes.c_int),
+                ("padding_idx", ctypes.c_int64), ("weight_grad_out", Tensor),
+                ("max_grad_norm", ctypes.c_float)]
+
+
+class NormLayer(ctypes.Structure):
+    _fields_ = [("name", ctypes.c_char_p), ("input", Tensor), ("output_grad", Tensor),
+                ("eps", ctypes.c_float), ("has_bias", ctypes.c_int),
+                ("weight_grad_out", Tensor), ("bias_grad_out", Tensor),
+                ("max_grad_norm", ctypes.c_float)]
+
+
+class Result(ctypes.Structure):
+    _fields_ = [("batch", ctypes.c_uint32), ("n_layers", ctypes.c_uint32),
+                ("norms", ctypes.POINTER(ctypes.c_float)),
+                ("coefs", ctypes.POINTER(ctypes.c_float)),
+                ("layer_norms", ctypes.POINTER(ctypes.c_float)),
+                ("layer_coefs", ctypes.POINTER(ctypes.c_float)),
+                ("step_index", ctypes.c_uint64), ("compute_ns", ctypes.c_uint64)]
+
+
+STRUCTS = {"dpclip_tensor": Tensor, "dpclip_connect_opts": ConnectOpts,
+           "dpclip_daemon_info": DaemonInfo, "dpclip_clip_config": ClipConfig,
+           "dpclip_linear": Linear, "dpclip_embedding": Embedding,
+           "dpclip_norm_layer": NormLayer, "dpclip_result": Result}
+
+# --- loading ----------------------------------------------------------------------
+
+_lib = None
+_lib_lock = threading.Lock()
+
+
+def _candidates():
+    env = os.environ.get("DPCLIP_LIBRARY")
+    if env:
+        return [env], True
+    out = []
+    # python/dpclip/_lib.py -> the repository root, when running from a checkout
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    if os.path.exists(os.path.join(repo, "client", "dpclip.h")):
+        found = glob.glob(os.path.join(repo, "build*", "libdpclip.so"))
+        found.sort(key=lambda p: os.path.getmtime(p), reverse=True)
+        out.extend(found)
+    sys_lib = ctypes.util.find_library("dpclip")
+    if sys_lib:
+        out.append(sys_lib)
+    return out, False
+
+
+def _declare(L):
+    c_void_p, c_int, c_char_p = ctypes.c_void_p, ctypes.c_int, ctypes.c_char_p
+    u64p = ctypes.POINTER(ctypes.c_uint64)
+    sig = {
+        "dpclip_default_socket": (c_char_p, []),
+        "dpclip_connect": (c_int, [c_char_p, ctypes.POINTER(ConnectOpts), ctypes.POINTER(c_void_p)]),
+        "dpclip_disconnect": (None, [c_void_p]),
+        "dpclip_errmsg": (c_char_p, [c_void_p]),
+        "dpclip_errfield": (c_char_p, [c_void_p]),
+        "dpclip_strerror": (c_char_p, [c_int]),
+        "dpclip_daemon_info_get": (c_int, [c_void_p, ctypes.POINTER(DaemonInfo)]),
+        "dpclip_buffer_alloc": (c_int, [c_void_p, ctypes.c_size_t, u64p, ctypes.POINTER(c_void_p)]),
+        "dpclip_buffer_release": (c_int, [c_void_p, ctypes.c_uint64]),
+        "dpclip_buffer_register_cuda": (c_int, [c_void_p, c_void_p, u64p, u64p]),
+        "dpclip_event_register_cuda": (c_int, [c_void_p, c_char_p, c_int, u64p]),
+        "dpclip_step_new": (c_void_p, [ctypes.c_uint32, ctypes.POINTER(ClipConfig)]),
+        "dpclip_step_free": (None, [c_void_p]),
+        "dpclip_step_reset": (None, [c_void_p, ctypes.c_uint32]),
+        "dpclip_step_add_linear": (c_int, [c_void_p, ctypes.POINTER(Linear)]),
+        "dpclip_step_add_embedding": (c_int, [c_void_p, ctypes.POINTER(Embedding)]),
+        "dpclip_step_add_layernorm": (c_int, [c_void_p, ctypes.POINTER(NormLayer)]),
+        "dpclip_step_add_rmsnorm": (c_int, [c_void_p, ctypes.POINTER(NormLayer)]),
+        "dpclip_step_set_outputs": (c_int, [c_void_p, ctypes.POINTER(Tensor), ctypes.POINTER(Tensor)]),
+        "dpclip_step_want_layer_norms": (None, [c_void_p, c_int]),
+        "dpclip_step_set_events": (None, [c_void_p, ctypes.c_uint64, ctypes.c_uint64]),
+        "dpclip_result_free": (None, [ctypes.POINTER(Result)]),
+        "dpclip_run": (c_int, [c_void_p, c_void_p, ctypes.POINTER(Result)]),
+        "dpclip_ping": (c_int, [c_void_p]),
+    }
+    for name, (res, args) in sig.items():
+        fn = getattr(L, name)
+        fn.restype = res
+        fn.argtypes = args
+
+
+def lib():
+    """The loaded library (ctypes.CDLL: calls release the GIL, so a blocking
+    dpclip_run does not stall the trainer's other Python threads)."""
+    global _lib
+    with _lib_lock:
+        if _lib is not None:
+            return _lib
+        cands, from_env = _candidates()
+        errors = []
+        for path in cands:
+            try:
+                L = ctypes.CDLL(path)
+                _declare(L)
+            except (OSError, AttributeError) as e:
+                errors.append("%s: %s" % (path, e))
+                if from_env:
+                    break
+                continue
+            L.path = path
+            _lib = L
+            return L
+        hint = ("set DPCLIP_LIBRARY to the path of libdpclip.so, build the repository "
+                "(cmake --build build) or install libdpclip")
+        if errors:
+            raise OSError("dpclip: cannot load libdpclip (%s); %s" % ("; ".join(errors), hint))
+        raise OSError("dpclip: libdpclip.so not found; " + hint)
+
+
+def _strerror(code):
+    try:
+        s = lib().dpclip_strerror(int(code))
+    except OSError:
+        return "?"
+    return s.decode() if s else "?"
+
+
+def check(client_handle, rc):
+    """Raises DpclipError for a non-zero return code of a call on a handle."""
+    if rc == 0:
+        return
+    L = lib()
+    msg = field = ""
+    if client_handle:
+        m = L.dpclip_errmsg(client_handle)
+        f = L.dpclip_errfield(client_handle)
+        msg = m.decode(errors="replace") if m else ""
+        field = f.decode(errors="replace") if f else ""
+    raise DpclipError(rc, field, msg or _strerror(rc))
+
+
+# --- a connection -----------------------------------------------------------------
+
+class Client:
+    """One session with dpclipd (a dpclip_client handle).
+
+    Owns the handle and the shared-memory buffers it allocated; close() (or
+    garbage collection) disconnects, which makes the daemon release every
+    buffer of the session."""
+
+    def __init__(self, socket_path=None, client_name="dpclip-python", job_id=None,
+                 timeout_ms=10000):
+        L = lib()
+        self._L = L
+        self._h = None
+        if socket_path is None:
+            socket_path = L.dpclip_default_socket().decode()
+        self.socket_path = socket_path
+        opts = ConnectOpts(client_name.encode() if client_name else None,
+                           job_id.encode() if job_id else None, int(timeout_ms))
+        h = ctypes.c_void_p()
+        rc = L.dpclip_connect(os.fsencode(socket_path), ctypes.byref(opts), ctypes.byref(h))
+        if rc:
+            msg = L.dpclip_errmsg(h) if h.value else None
+            msg = msg.decode(errors="replace") if msg else _strerror(rc)
+            if h.value:
+                L.dpclip_disconnect(h)
+            raise DpclipError(rc, "", "cannot reach dpclipd at %s: %s" % (socket_path, msg))
+        self._h = h
+        info = DaemonInfo()
+        check(h, L.dpclip_daemon_info_get(h, ctypes.byref(info)))
+        self.info = info
+
+    @property
+    def handle(self):
+        if self._h is None:
+            raise DpclipError(EIO, "", "this dpclip client is closed")
+        return self._h
+
+    def check(self, rc):
+        check(self._h, rc)
+
+    def ping(self):
+        self.check(self._L.dpclip_ping(self.handle))
+
+    def buffer_alloc(self, size):
+        """(buffer_id, address) of `size` bytes of shared memory mapped here
+        and in the daemon."""
+        bid = ctypes.c_uint64()
+        addr = ctypes.c_void_p()
+        self.check(self._L.dpclip_buffer_alloc(self.handle, ctypes.c_size_t(int(size)),
+                                               ctypes.byref(bid), ctypes.byref(addr)))
+        return bid.value, addr.value
+
+    def buffer_release(self, buffer_id):
+        self.check(self._L.dpclip_buffer_release(self.handle, ctypes.c_uint64(buffer_id)))
+
+    def register_cuda(self, dev_ptr):
+        """(buffer_id, offset) of the CUDA allocation holding dev_ptr."""
+        bid = ctypes.c_uint64()
+        off = ctypes.c_uint64()
+        self.check(self._L.dpclip_buffer_register_cuda(self.handle, ctypes.c_void_p(dev_ptr),
+                                                       ctypes.byref(bid), ctypes.byref(off)))
+        return bid.value, off.value
+
+    def register_event(self, ipc_handle, device):
+        if len(ipc_handle) != 64:
+            raise ValueError("a CUDA IPC event handle is 64 bytes, got %d" % len(ipc_handle))
+        eid = ctypes.c_uint64()
+        self.check(self._L.dpclip_event_register_cuda(self.handle, bytes(ipc_handle), int(device),
+                                                      ctypes.byref(eid)))
+        return eid.value
+
+    def close(self):
+        if self._h is not None:
+            self._L.dpclip_disconnect(self._h)
+            self._h = None
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:  # interpreter shutdown: nothing left to report to
+            pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+class Step:
+    """A dpclip_step: built layer by layer, run on a Client.
+
+    Owns the C step object. The ctypes structures handed to add_* are copied
+    by the library (names too), so nothing here must outlive the call."""
+
+    def __init__(self, batch, max_grad_norm, reduction=MEAN, expected_batch_size=0,
+                 noise_multiplier=0.0, mode=FLAT):
+        self._L = lib()
+        self.cfg = ClipConfig(float(max_grad_norm), int(reduction), int(expected_batch_size),
+                              float(noise_multiplier), int(mode))
+        self._s = self._L.dpclip_step_new(int(batch), ctypes.byref(self.cfg))
+        if not self._s:
+            raise DpclipError(EARG if batch <= 0 else ENOMEM, "",
+                              "dpclip_step_new(batch=%d) failed" % batch)
+        self.batch = int(batch)
+        self.n_layers = 0
+
+    def reset(self, batch):
+        if batch <= 0:
+            raise DpclipError(EARG, "", "a step needs a batch of at least 1 sample")
+        self._L.dpclip_step_reset(self._s, int(batch))
+        self.batch = int(batch)
+        self.n_layers = 0
+
+    def _add(self, fn, layer):
+        rc = fn(self._s, ctypes.byref(layer))
+        if rc:
+            raise DpclipError(rc, "", "adding layer %r to the step" % (layer.name,))
+        self.n_layers += 1
+
+    def add_linear(self, layer):
+        self._add(self._L.dpclip_step_add_linear, layer)
+
+    def add_embedding(self, layer):
+        self._add(self._L.dpclip_step_add_embedding, layer)
+
+    def add_layernorm(self, layer):
+        self._add(self._L.dpclip_step_add_layernorm, layer)
+
+    def add_rmsnorm(self, layer):
+        self._add(self._L.dpclip_step_add_rmsnorm, layer)
+
+    def set_events(self, wait_event, signal_event):
+        self._L.dpclip_step_set_events(self._s, int(wait_event), int(signal_event))
+
+    def run(self, client):
+        """Sends the step and waits for the reply: (norms, coefs, step_index,
+        compute_ns), norms and coefs as lists of B floats."""
+        res = Result()
+        rc = self._L.dpclip_run(client.handle, self._s, ctypes.byref(res))
+        try:
+            client.check(rc)
+            n = res.batch
+            norms = res.norms[:n] if res.norms else []
+            coefs = res.coefs[:n] if res.coefs else []
+            return norms, coefs, res.step_index, res.compute_ns
+        finally:
+            self._L.dpclip_result_free(ctypes.byref(res))
+
+    def close(self):
+        if self._s:
+            self._L.dpclip_step_free(self._s)
+            self._s = None
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass

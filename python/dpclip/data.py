@@ -1,0 +1,121 @@
+"""Poisson-sampled data loading for DP-SGD.
+
+The privacy analysis of DP-SGD (amplification by subsampling) assumes every
+sample joins each batch independently with probability q = sample_rate, so
+batch sizes vary and a batch may be empty. A fixed-size shuffled batch gives
+a different (weaker) guarantee. The loader here draws such batches; the
+expected batch size q * N is what the daemon divides by with a mean loss.
+
+Under torch.distributed each rank samples, with the same q, from its own
+shard of the dataset (indices rank, rank + world, ...): the union of the
+ranks' batches is then a Poisson sample of the whole dataset with rate q,
+whose expected size (q * N, the global one) the engine passes to every rank.
+"""
+import math
+
+import torch
+from torch.utils.data import DataLoader
+from torch.utils.data.dataloader import default_collate
+
+__all__ = ["UniformWithReplacementSampler", "DPDataLoader", "poisson_loader"]
+
+
+class UniformWithReplacementSampler:
+    """A batch sampler: each of `indices` enters each batch independently
+    with probability sample_rate; `steps` batches per epoch (default
+    round(1 / sample_rate), one expected pass over the data)."""
+
+    def __init__(self, indices, sample_rate, steps=None, generator=None):
+        if not 0.0 < sample_rate <= 1.0:
+            raise ValueError("sample_rate must be in (0, 1], got %r" % (sample_rate,))
+        self.indices = torch.as_tensor(list(indices), dtype=torch.long)
+        self.sample_rate = float(sample_rate)
+        self.steps = int(steps) if steps is not None else max(1, int(round(1.0 / sample_rate)))
+        self.generator = generator
+
+    def __len__(self):
+        return self.steps
+
+    def __iter__(self):
+        n = len(self.indices)
+        for _ in range(self.steps):
+            mask = torch.rand(n, generator=self.generator) < self.sample_rate
+            yield self.indices[mask].tolist()
+
+
+def _empty_collate(dataset, collate_fn):
+    """collate_fn that turns an empty batch into correctly shaped tensors
+    with a leading dimension of 0 (default_collate cannot collate nothing),
+    so that the training loop runs unchanged on an empty batch."""
+
+    def collate(batch):
+        if len(batch) > 0:
+            return collate_fn(batch)
+        proto = collate_fn([dataset[0]])
+        return _slice0(proto)
+
+    return collate
+
+
+def _slice0(x):
+    if isinstance(x, torch.Tensor):
+        return x[:0]
+    if isinstance(x, (list, tuple)):
+        return type(x)(_slice0(v) for v in x)
+    if isinstance(x, dict):
+        return {k: _slice0(v) for k, v in x.items()}
+    return x
+
+
+class DPDataLoader(DataLoader):
+    """A DataLoader whose batches are Poisson samples of `dataset`.
+
+    sample_rate: each sample's probability of joining a batch. distributed:
+    None = use torch.distributed when it is initialized; then this rank
+    samples from its shard only. The expected (global) batch size is
+    `expected_batch_size`."""
+
+    def __init__(self, dataset, sample_rate, *, steps=None, generator=None, distributed=None,
+                 collate_fn=None, **kwargs):
+        for bad in ("batch_size", "shuffle", "sampler", "batch_sampler", "drop_last"):
+            if bad in kwargs:
+                raise ValueError("DPDataLoader draws its own batches; do not pass %s" % bad)
+        n = len(dataset)
+        rank, world = 0, 1
+        if distributed is None:
+            distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+        if distributed:
+            rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+        self.sample_rate = float(sample_rate)
+        self.expected_batch_size = max(1, int(round(self.sample_rate * n)))
+        self.rank, self.world_size = rank, world
+        sampler = UniformWithReplacementSampler(range(rank, n, world), sample_rate, steps=steps,
+                                                generator=generator)
+        collate = collate_fn or default_collate
+        super().__init__(dataset, batch_sampler=sampler,
+                         collate_fn=_empty_collate(dataset, collate), **kwargs)
+
+    @classmethod
+    def from_data_loader(cls, loader, *, generator=None, distributed=None):
+        """The Poisson counterpart of a fixed-batch loader: sample rate
+        batch_size / N (world size times that under torch.distributed, whose
+        usual DistributedSampler gives each rank batch_size samples)."""
+        n = len(loader.dataset)
+        bs = loader.batch_size
+        if bs is None:
+            raise ValueError("the data loader has no batch_size to derive a sample rate from")
+        world = 1
+        if distributed is None:
+            distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+        if distributed:
+            world = torch.distributed.get_world_size()
+        rate = min(1.0, bs * world / n)
+        return cls(loader.dataset, rate, steps=max(1, int(math.ceil(n / (bs * world)))),
+                   generator=generator, distributed=distributed,
+                   collate_fn=loader.collate_fn if loader.collate_fn is not default_collate
+                   else None, num_workers=loader.num_workers, pin_memory=loader.pin_memory)
+
+
+def poisson_loader(dataset, sample_rate, **kwargs):
+    """Shorthand for DPDataLoader(dataset, sample_rate, **kwargs)."""
+    return DPDataLoader(dataset, sample_rate, **kwargs)

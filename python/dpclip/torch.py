@@ -1,0 +1,828 @@
+"""PyTorch integration: DP-SGD through dpclipd with one backward pass.
+
+    engine = PrivacyEngine(socket_path)
+    model, optimizer, loader = engine.make_private(
+        module=model, optimizer=optimizer, data_loader=loader,
+        noise_multiplier=1.0, max_grad_norm=1.0, loss_reduction="mean")
+    for x, y in loader:
+        optimizer.zero_grad()
+        loss = engine.loss(per_sample_losses(model(x), y))   # or a plain mean/sum loss
+        loss.backward()          # input gradients only; activations/output grads captured
+        optimizer.step()         # one ClipStep to the daemon fills param.grad, then the update
+
+Book-keeping: the forward of every supported module (nn.Linear,
+nn.Embedding, nn.LayerNorm, nn.RMSNorm where torch has it) is replaced by a
+custom autograd.Function whose backward computes the input gradient only:
+autograd never runs the weight-gradient GEMMs. Instead each module's input
+(activation) and output gradient are kept, and at optimizer.step() the engine
+sends the daemon one ClipStep naming all of them; the daemon computes the
+per-sample norms, clips, sums, adds N(0, (sigma*C)^2) and writes the private
+gradient, which lands in param.grad (divided by the expected batch size with
+a mean loss).
+
+Data planes: CPU tensors are copied into one shared-memory arena per engine
+(the daemon maps it once; it is laid out per step and grown when a step needs
+more), outputs come back through it and are copied into param.grad. CUDA
+tensors are named in place through CUDA IPC (one registration per caching-
+allocator block, cached by libdpclip), outputs go into param-shaped CUDA
+tensors the engine owns and param.grad aliases, and ordering uses two
+interprocess events: the trainer records `ready` on its stream before the
+step, the daemon waits on it and records `done`, the trainer's stream waits on
+`done`. No host synchronisation beyond the step's reply.
+
+Conventions the caller must follow: batch-first inputs (dimension 0 is the
+sample); one forward/backward per optimizer step (no gradient accumulation
+across backward calls); no weight tying between modules; do not wrap the
+model in DistributedDataParallel (the engine all-reduces the clipped sums).
+
+Empty batches (Poisson sampling makes them): the step still happens, as in
+Opacus: param.grad receives the daemon's noise alone (a zero clipped sum plus
+N(0, (sigma*C)^2), divided by the expected batch size for a mean loss), sent
+as a one-sample step of zeros. Skipping it would change the privacy analysis,
+which counts every step.
+"""
+import collections
+import ctypes
+import math
+import types
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from . import _lib
+from ._lib import DpclipError
+from .data import DPDataLoader
+
+__all__ = ["PrivacyEngine", "make_private", "DPOptimizer", "UnsupportedModuleError",
+           "per_sample_cross_entropy", "sequence_cross_entropy", "reduce_loss",
+           "DpclipError"]
+
+_RMSNorm = getattr(nn, "RMSNorm", None)
+_ALIGN = 64
+_DTYPES = {torch.float32: _lib.F32, torch.bfloat16: _lib.BF16, torch.float16: _lib.F16,
+           torch.int32: _lib.I32, torch.int64: _lib.I64}
+_FLOAT_WIRE = (torch.float32, torch.bfloat16, torch.float16)
+_ESIZE = {torch.float32: 4, torch.bfloat16: 2, torch.float16: 2, torch.int32: 4, torch.int64: 8}
+
+
+class UnsupportedModuleError(ValueError):
+    """A trainable parameter lives in a module the daemon cannot clip."""
+
+
+# --- autocast helpers (torch 1.13 and 2.x spell these differently) ---------------
+
+def _autocast_dtype(device_type):
+    """The autocast dtype in force for device_type, or None."""
+    try:
+        if torch.is_autocast_enabled(device_type):
+            return torch.get_autocast_dtype(device_type)
+        return None
+    except (TypeError, AttributeError):
+        if device_type == "cuda":
+            return torch.get_autocast_gpu_dtype() if torch.is_autocast_enabled() else None
+        if device_type == "cpu":
+            return torch.get_autocast_cpu_dtype() if torch.is_autocast_cpu_enabled() else None
+        return None
+
+
+def _low_precision(t):
+    return t.dtype in (torch.bfloat16, torch.float16)
+
+
+# --- the autograd Functions ---------------------------------------------------------
+# Each forward reproduces the module's forward (with the casts autocast would
+# make, done explicitly so that the tensor kept for the daemon is the one the
+# product used); each backward records (input, output grad) for the layer and
+# returns the input gradient only. None for the parameters: autograd then
+# neither computes nor accumulates their gradients.
+
+class _LinearFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, layer):
+        dt = _autocast_dtype(x.device.type)
+        if dt is not None and x.is_floating_point():
+            xc, wc = x.to(dt), weight.to(dt)
+            bc = bias.to(dt) if bias is not None else None
+        else:
+            xc, wc, bc = x, weight, bias
+        ctx.layer = layer
+        ctx.pass_id = layer.engine._pass
+        ctx.x_dtype = x.dtype
+        ctx.save_for_backward(xc, weight)
+        return F.linear(xc, wc, bc)
+
+    @staticmethod
+    def backward(ctx, g):
+        xc, weight = ctx.saved_tensors
+        ctx.layer.capture(xc, g, ctx.pass_id)
+        gx = None
+        if ctx.needs_input_grad[0]:
+            gx = torch.matmul(g, weight.to(g.dtype)).to(ctx.x_dtype)
+        return gx, None, None, None
+
+
+class _EmbeddingFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, idx, weight, layer):
+        ctx.layer = layer
+        ctx.pass_id = layer.engine._pass
+        ctx.save_for_backward(idx)
+        return F.embedding(idx, weight, layer.padding_idx)
+
+    @staticmethod
+    def backward(ctx, g):
+        (idx,) = ctx.saved_tensors
+        ctx.layer.capture(idx, g, ctx.pass_id)
+        return None, None, None
+
+
+def _norm_apply(layer, x, weight, bias, eps):
+    if layer.kind == "layernorm":
+        return F.layer_norm(x, (layer.d,), weight, bias, eps)
+    return F.rms_norm(x, (layer.d,), weight, eps)
+
+
+class _NormFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, layer):
+        # Autocast runs norms in f32; do the same cast here so that the input
+        # the daemon normalizes is the one the forward normalized.
+        xc = x.float() if (_low_precision(x) and _autocast_dtype(x.device.type) is not None) \
+            else x
+        eps = layer.eps_used = layer.eps_for(xc)
+        ctx.layer = layer
+        ctx.pass_id = layer.engine._pass
+        ctx.eps = eps
+        ctx.x_dtype = x.dtype
+        ctx.save_for_backward(xc, weight, bias)
+        return _norm_apply(layer, xc, weight, bias, eps)
+
+    @staticmethod
+    def backward(ctx, g):
+        xc, weight, bias = ctx.saved_tensors
+        ctx.layer.capture(xc, g, ctx.pass_id)
+        gx = None
+        if ctx.needs_input_grad[0]:
+            # The input gradient of a norm is cheap elementwise work:
+            # recompute the forward and differentiate it with respect to the
+            # input alone (parameters detached, so no weight gradient).
+            with torch.enable_grad(), torch.autocast(device_type=xc.device.type, enabled=False):
+                xr = xc.detach().requires_grad_(True)
+                y = _norm_apply(ctx.layer, xr, weight.detach(),
+                                bias.detach() if bias is not None else None, ctx.eps)
+                (gx,) = torch.autograd.grad(y, xr, g.to(y.dtype))
+            gx = gx.to(ctx.x_dtype)
+        return gx, None, None, None
+
+
+# --- one supported module -------------------------------------------------------------
+
+class _Layer:
+    """A supported module under the engine: its parameters, its replaced
+    forward, and the (input, output grad) pairs captured since the last step.
+    The engine owns it; it holds the module (not the other way round, apart
+    from the bound forward, removed by detach())."""
+
+    def __init__(self, engine, name, module, kind):
+        self.engine = engine
+        self.name = name or type(module).__name__
+        self.module = module
+        self.kind = kind
+        self.weight = module.weight
+        b = getattr(module, "bias", None)
+        self.bias = b if (b is not None and b.requires_grad) else None
+        self.padding_idx = getattr(module, "padding_idx", None)
+        if kind == "linear":
+            self.d, self.p = module.in_features, module.out_features
+        elif kind == "embedding":
+            self.d, self.p = module.embedding_dim, 0
+            self.vocab = module.num_embeddings
+        else:
+            self.d, self.p = module.normalized_shape[0], 0
+        self.records = []
+        self.eps_used = None            # norms: the eps the last forward used
+        self.out_w = self.out_b = None  # CUDA outputs, allocated on first GPU step
+        self._orig_forward = None
+
+    def eps_for(self, x):
+        eps = getattr(self.module, "eps", None)
+        if eps is None:  # nn.RMSNorm(eps=None): torch uses the dtype's epsilon
+            eps = torch.finfo(x.dtype).eps
+        return float(eps)
+
+    def capture(self, inp, g, pass_id):
+        self.records.append((inp.detach(), g.detach(), pass_id))
+
+    def attach(self):
+        m, layer = self.module, self
+
+        def forward(mod, x):
+            if not (layer.engine.active and torch.is_grad_enabled() and layer.weight.requires_grad):
+                return layer._orig_forward(x)
+            if layer.kind == "linear":
+                return _LinearFn.apply(x, mod.weight, mod.bias, layer)
+            if layer.kind == "embedding":
+                return _EmbeddingFn.apply(x, mod.weight, layer)
+            return _NormFn.apply(x, mod.weight, getattr(mod, "bias", None), layer)
+
+        self._orig_forward = m.forward
+        m.forward = types.MethodType(forward, m)
+
+    def detach(self):
+        if self._orig_forward is not None:
+            try:
+                del self.module.forward  # the instance attribute; the class method shows again
+            except AttributeError:
+                pass
+            self._orig_forward = None
+
+    # Shapes normalized for the daemon: inputs [B, T, d] (indices [B, T]),
+    # output grads [B, T, p or d]; several calls of the module in one pass
+    # are concatenated along T, which is exact: the per-sample gradient of a
+    # module applied k times is the sum over all k*T positions.
+    def flat_parts(self, B):
+        ins, gs = [], []
+        for inp, g, _ in self.records:
+            if self.kind == "embedding":
+                ins.append(inp.reshape(B, -1))
+            else:
+                ins.append(inp.reshape(B, -1, self.d))
+            gs.append(g.reshape(B, -1, g.shape[-1]))
+        return ins, gs
+
+
+def _classify(module):
+    """The kind of a supported module, or None. Subclasses that override
+    forward are not supported: their forward may not be what we replace."""
+    t = type(module)
+    if isinstance(module, nn.Linear) and t.forward is nn.Linear.forward:
+        return "linear"
+    if isinstance(module, nn.Embedding) and t.forward is nn.Embedding.forward:
+        return "embedding"
+    if isinstance(module, nn.LayerNorm) and t.forward is nn.LayerNorm.forward:
+        return "layernorm"
+    if _RMSNorm is not None and isinstance(module, _RMSNorm) and t.forward is _RMSNorm.forward:
+        return "rmsnorm"
+    return None
+
+
+def _check_module(name, m, kind):
+    label = "%s (%s)" % (name or "<root>", type(m).__name__)
+    w = getattr(m, "weight", None)
+    b = getattr(m, "bias", None)
+    if w is None or not w.requires_grad:
+        if b is not None and b.requires_grad:
+            raise UnsupportedModuleError(
+                "module %s: a trainable bias with a frozen weight is not supported; "
+                "freeze both or neither" % label)
+        return False
+    if kind == "embedding":
+        if m.max_norm is not None or m.scale_grad_by_freq or m.sparse:
+            raise UnsupportedModuleError(
+                "module %s: Embedding with max_norm, scale_grad_by_freq or sparse=True is not "
+                "supported" % label)
+    if kind in ("layernorm", "rmsnorm") and len(m.normalized_shape) != 1:
+        raise UnsupportedModuleError(
+            "module %s: only normalization over the last dimension is supported "
+            "(normalized_shape %s)" % (label, tuple(m.normalized_shape)))
+    return True
+
+
+def _align(n):
+    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
+
+
+def _wire_dtype(t):
+    """The dtype a tensor travels as: its own when the daemon reads it, else
+    f32 (floats) or i64 (indices)."""
+    if t.dtype in _DTYPES:
+        return t.dtype
+    return torch.float32 if t.is_floating_point() else torch.int64
+
+
+def _tref(buf, off, dtype, shape):
+    s = list(shape) + [0] * (3 - len(shape))
+    return _lib.Tensor(buf, off, _DTYPES[dtype], len(shape), (ctypes.c_int64 * 3)(*s))
+
+
+# --- the engine ---------------------------------------------------------------------
+
+class PrivacyEngine:
+    """A session with dpclipd and the book-keeping for one model.
+
+    socket_path: the daemon's socket (default $DPCLIP_SOCKET, else
+    /run/dpclip/dpclipd.sock). The connection is made here, so a daemon that
+    is not running is reported at once (DpclipError, code DPCLIP_EIO)."""
+
+    def __init__(self, socket_path=None, *, client_name="dpclip-torch", job_id=None):
+        self.client = _lib.Client(socket_path, client_name=client_name, job_id=job_id)
+        self.active = False
+        self._layers = []
+        self._pass = 0
+        self._step = None
+        self._arena = None          # (buffer_id, size, uint8 tensor view)
+        self._events = {}           # cuda device index -> (ready, done, ready_id, done_id)
+        self._hook = None
+        self.module = None
+        self.steps = 0
+        self.last_norms = None
+        self.last_coefs = None
+        self.last_compute_ns = 0
+
+    # -- setup ------------------------------------------------------------------
+    def make_private(self, *, module, optimizer=None, data_loader=None, noise_multiplier,
+                     max_grad_norm, loss_reduction="mean", poisson_sampling=True,
+                     expected_batch_size=None, distributed=None, algorithm="auto"):
+        """Attach to `module`; returns (module, optimizer, data_loader), the
+        optimizer wrapped so that step() first fills param.grad with the
+        private gradient, the loader replaced by a Poisson-sampled one
+        (poisson_sampling=True).
+
+        expected_batch_size: the divisor of the noised sum with a mean loss;
+        default sample_rate * len(dataset) of the (Poisson) loader, else the
+        loader's batch size times the world size, else the actual batch size
+        of each step (not private under Poisson sampling: give it).
+        distributed: None = use torch.distributed when initialized. Then
+        every rank has its own session, only rank 0 adds noise, and the
+        clipped sums are all-reduced (SUM) after each step."""
+        if self.module is not None:
+            raise RuntimeError("this PrivacyEngine is already attached to a module")
+        if loss_reduction not in ("mean", "sum"):
+            raise ValueError("loss_reduction must be 'mean' or 'sum', got %r" % (loss_reduction,))
+        if not (max_grad_norm > 0 and math.isfinite(max_grad_norm)):
+            raise ValueError("max_grad_norm must be a positive number")
+        if not (noise_multiplier >= 0 and math.isfinite(noise_multiplier)):
+            raise ValueError("noise_multiplier must be >= 0")
+        algo = {"auto": _lib.ALGO_AUTO, "direct": _lib.ALGO_DIRECT,
+                "ghost": _lib.ALGO_GHOST}[algorithm]
+
+        layers, seen = [], {}
+        for name, m in module.named_modules():
+            own = [(pn, p) for pn, p in m.named_parameters(recurse=False) if p.requires_grad]
+            kind = _classify(m)
+            if kind is None:
+                if own:
+                    raise UnsupportedModuleError(
+                        "module %s (%s) has trainable parameters (%s) but is not supported by "
+                        "dpclip (supported: Linear, Embedding, LayerNorm%s); freeze them or "
+                        "replace the module" % (name or "<root>", type(m).__name__,
+                                                 ", ".join(pn for pn, _ in own),
+                                                 ", RMSNorm" if _RMSNorm else ""))
+                continue
+            if not _check_module(name, m, kind):
+                continue
+            for _, p in own:
+                if id(p) in seen:
+                    raise UnsupportedModuleError(
+                        "modules %s and %s share a parameter (tied weights are not supported)"
+                        % (seen[id(p)], name))
+                seen[id(p)] = name
+            layers.append(_Layer(self, name, m, kind))
+        if not layers:
+            raise UnsupportedModuleError("the module has no trainable parameters to train privately")
+
+        if distributed is None:
+            distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+        self.distributed = bool(distributed)
+        self.rank, self.world_size = 0, 1
+        if self.distributed:
+            self.rank = torch.distributed.get_rank()
+            self.world_size = torch.distributed.get_world_size()
+            # Same starting point on every rank (what DDP would do).
+            for p in module.parameters():
+                torch.distributed.broadcast(p.data, 0)
+
+        if data_loader is not None and poisson_sampling and not isinstance(data_loader,
+                                                                          DPDataLoader):
+            data_loader = DPDataLoader.from_data_loader(data_loader, distributed=self.distributed)
+        if expected_batch_size is None:
+            if isinstance(data_loader, DPDataLoader):
+                expected_batch_size = data_loader.expected_batch_size
+            elif data_loader is not None and data_loader.batch_size:
+                expected_batch_size = data_loader.batch_size * self.world_size
+            else:
+                expected_batch_size = 0
+        self.expected_batch_size = int(expected_batch_size)
+        self.noise_multiplier = float(noise_multiplier)
+        self.max_grad_norm = float(max_grad_norm)
+        self.loss_reduction = loss_reduction
+        self.algorithm = algo
+        # Noise once per logical step: rank 0 adds it, the others send sigma 0.
+        sigma = self.noise_multiplier if self.rank == 0 else 0.0
+        self._step = _lib.Step(1, self.max_grad_norm,
+                               _lib.MEAN if loss_reduction == "mean" else _lib.SUM,
+                               self.expected_batch_size, sigma)
+
+        self._layers = layers
+        for l in layers:
+            l.attach()
+        # A plain function, not a bound method: copy.deepcopy of the model
+        # then leaves the engine (and its ctypes handles) alone.
+        engine = self
+
+        def on_forward(mod, inputs):
+            engine._pass += 1
+
+        self._hook = module.register_forward_pre_hook(on_forward)
+        self.module = module
+        self.active = True
+        if optimizer is not None:
+            optimizer = DPOptimizer(optimizer, self)
+        return module, optimizer, data_loader
+
+    def detach(self):
+        """Restore the modules' own forwards; the engine is unusable after."""
+        for l in self._layers:
+            l.detach()
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+        self.active = False
+        self.module = None
+
+    def close(self):
+        self.detach()
+        if self._step is not None:
+            self._step.close()
+            self._step = None
+        self.client.close()
+
+    # -- losses -------------------------------------------------------------------
+    def loss(self, per_sample):
+        """Reduce a [B] tensor of per-sample losses the way the daemon was
+        told (mean or sum over samples)."""
+        return reduce_loss(per_sample, self.loss_reduction)
+
+    def clear(self):
+        """Forget what was captured since the last step."""
+        for l in self._layers:
+            l.records.clear()
+
+    # -- the step -------------------------------------------------------------------
+    def _batch_size(self):
+        counts = collections.Counter()
+        for l in self._layers:
+            for inp, _, _ in l.records:
+                counts[inp.shape[0] if inp.dim() > 0 else -1] += 1
+        if not counts:
+            return 0
+        B = counts.most_common(1)[0][0]
+        for l in self._layers:
+            for inp, g, _ in l.records:
+                if inp.dim() == 0 or inp.shape[0] != B or g.shape[0] != B:
+                    raise ValueError(
+                        "module %s saw a batch of %s samples where the other modules saw %d: "
+                        "inputs must be batch-first, with the sample in dimension 0 (e.g. "
+                        "positional indices expanded to [B, T])"
+                        % (l.name, tuple(inp.shape[:1]) or "a scalar", B))
+        return B
+
+    def step(self):
+        """Send the captured activations and output gradients as one
+        ClipStep and write the private gradient into each parameter's .grad
+        (replacing what was there). Called by DPOptimizer.step()."""
+        if not self.active:
+            raise RuntimeError("the PrivacyEngine is not attached to a module")
+        try:
+            passes = {pid for l in self._layers for _, _, pid in l.records}
+            if len(passes) > 1:
+                raise RuntimeError(
+                    "activations from %d forward/backward passes were captured for one "
+                    "optimizer step; dpclip takes one pass per step (no gradient "
+                    "accumulation): call optimizer.step() after each backward" % len(passes))
+            B = self._batch_size()
+            if B == 0:
+                if self.loss_reduction == "mean" and self.expected_batch_size <= 0:
+                    raise ValueError("an empty batch with a mean loss needs expected_batch_size")
+                self.clear()
+            device = self._device()
+            if device.type == "cuda":
+                self._run_cuda(B, device)
+            else:
+                self._run_host(B)
+        finally:
+            self.clear()
+        if self.distributed and self.world_size > 1:
+            for l in self._layers:
+                for p in (l.weight, l.bias):
+                    if p is not None:
+                        torch.distributed.all_reduce(p.grad, op=torch.distributed.ReduceOp.SUM)
+        self.steps += 1
+
+    def _device(self):
+        devs = {l.weight.device for l in self._layers}
+        if len(devs) != 1:
+            raise ValueError("the private parameters span several devices (%s); one engine "
+                             "serves one device" % ", ".join(str(d) for d in devs))
+        return devs.pop()
+
+    def _plan(self, B, device):
+        """Per layer: (layer, input tensor or None, grad tensor or None,
+        input shape, input dtype, grad shape, grad dtype). Layers not used
+        in this pass (and every layer of an empty batch) get zeros of one
+        position: norm 0, so the daemon adds noise alone to their params."""
+        nb = max(B, 1)
+        plan = []
+        for l in self._layers:
+            if B > 0 and l.records:
+                ins, gs = l.flat_parts(B)
+                inp = ins[0] if len(ins) == 1 else torch.cat(ins, 1)
+                g = gs[0] if len(gs) == 1 else torch.cat(gs, 1)
+                T = inp.shape[1]
+            else:
+                inp = g = None
+                T = 1
+            gw = l.p if l.kind == "linear" else l.d
+            if l.kind == "embedding":
+                in_shape, in_dt = (nb, T), (_wire_dtype(inp) if inp is not None else torch.int64)
+            else:
+                in_shape = (nb, T, l.d)
+                in_dt = _wire_dtype(inp) if inp is not None else torch.float32
+            g_dt = _wire_dtype(g) if g is not None else torch.float32
+            plan.append((l, inp, g, in_shape, in_dt, (nb, T, gw), g_dt))
+        return plan
+
+    def _add_layers(self, step, plan, refs):
+        """refs(i) -> (input ref, grad ref, weight out ref, bias out ref)."""
+        for i, (l, _, _, _, _, _, _) in enumerate(plan):
+            a_ref, g_ref, w_ref, b_ref = refs(i)
+            name = l.name.encode()
+            if l.kind == "linear":
+                step.add_linear(_lib.Linear(name, a_ref, g_ref, int(l.bias is not None),
+                                            self.algorithm, w_ref, b_ref, 0.0))
+            elif l.kind == "embedding":
+                pad = l.padding_idx
+                step.add_embedding(_lib.Embedding(name, a_ref, g_ref, l.vocab, int(pad is not None),
+                                                  pad if pad is not None else 0, w_ref, 0.0))
+            else:
+                eps = l.eps_used if l.eps_used is not None else \
+                    l.eps_for(torch.empty(0, dtype=torch.float32))
+                nl = _lib.NormLayer(name, a_ref, g_ref, eps, int(l.bias is not None), w_ref,
+                                    b_ref, 0.0)
+                if l.kind == "layernorm":
+                    step.add_layernorm(nl)
+                else:
+                    step.add_rmsnorm(nl)
+
+    def _finish(self, norms, coefs, idx, compute_ns):
+        self.last_norms = torch.tensor(norms, dtype=torch.float32)
+        self.last_coefs = torch.tensor(coefs, dtype=torch.float32)
+        self.last_step_index = idx
+        self.last_compute_ns = compute_ns
+
+    # -- host memory: one shared-memory arena ---------------------------------------
+    def _arena_view(self, need):
+        if self._arena is None or self._arena[1] < need:
+            old = self._arena
+            size = max(need, 2 * old[1] if old else 0, 1 << 20)
+            size = (size + 4095) // 4096 * 4096
+            if old is not None:
+                self._arena = None
+                self.client.buffer_release(old[0])
+            bid, addr = self.client.buffer_alloc(size)
+            raw = (ctypes.c_uint8 * size).from_address(addr)
+            self._arena = (bid, size, torch.frombuffer(raw, dtype=torch.uint8))
+        return self._arena
+
+    def _run_host(self, B):
+        plan = self._plan(B, torch.device("cpu"))
+        nb = max(B, 1)
+        off = 0
+        slots = []
+
+        def take(nbytes):
+            nonlocal off
+            o = _align(off)
+            off = o + nbytes
+            return o
+
+        for l, _, _, in_shape, in_dt, g_shape, g_dt in plan:
+            w_dt = l.weight.dtype if l.weight.dtype in _FLOAT_WIRE else torch.float32
+            w_off = take(l.weight.numel() * _ESIZE[w_dt])
+            b_off = take(l.bias.numel() * _ESIZE[w_dt]) if l.bias is not None else None
+            a_off = take(math.prod(in_shape) * _ESIZE[in_dt])
+            g_off = take(math.prod(g_shape) * _ESIZE[g_dt])
+            slots.append((w_dt, w_off, b_off, a_off, g_off))
+        bid, _, mem = self._arena_view(off)
+
+        def view(o, dtype, shape):
+            n = math.prod(shape) * _ESIZE[dtype]
+            return mem[o:o + n].view(dtype).view(shape)
+
+        for (l, inp, g, in_shape, in_dt, g_shape, g_dt), (_, _, _, a_off, g_off) in zip(plan, slots):
+            av, gv = view(a_off, in_dt, in_shape), view(g_off, g_dt, g_shape)
+            if inp is None:
+                av.zero_()
+                gv.zero_()
+            else:
+                av.copy_(inp)
+                gv.copy_(g)
+
+        def refs(i):
+            l, _, _, in_shape, in_dt, g_shape, g_dt = plan[i]
+            w_dt, w_off, b_off, a_off, g_off = slots[i]
+            b_ref = _tref(bid, b_off, w_dt, tuple(l.bias.shape)) if b_off is not None \
+                else _lib.Tensor()
+            return (_tref(bid, a_off, in_dt, in_shape), _tref(bid, g_off, g_dt, g_shape),
+                    _tref(bid, w_off, w_dt, tuple(l.weight.shape)), b_ref)
+
+        step = self._step
+        step.reset(nb)
+        self._add_layers(step, plan, refs)
+        norms, coefs, idx, ns = step.run(self.client)
+        for (l, *_), (w_dt, w_off, b_off, _, _) in zip(plan, slots):
+            self._set_grad(l.weight, view(w_off, w_dt, tuple(l.weight.shape)))
+            if b_off is not None:
+                self._set_grad(l.bias, view(b_off, w_dt, tuple(l.bias.shape)))
+        self._finish(norms if B > 0 else [], coefs if B > 0 else [], idx, ns)
+
+    @staticmethod
+    def _set_grad(p, src):
+        # A copy: the arena is reused (and may be replaced) by the next step.
+        if p.grad is None or p.grad.shape != p.shape or p.grad.dtype != p.dtype:
+            p.grad = src.to(p.dtype, copy=True)
+        else:
+            p.grad.copy_(src)
+
+    # -- CUDA: tensors in place over CUDA IPC, ordered by interprocess events -------
+    def _cuda_events(self, device):
+        idx = device.index if device.index is not None else torch.cuda.current_device()
+        ev = self._events.get(idx)
+        if ev is None:
+            with torch.cuda.device(idx):
+                ready = torch.cuda.Event(enable_timing=False, blocking=False, interprocess=True)
+                done = torch.cuda.Event(enable_timing=False, blocking=False, interprocess=True)
+                rid = self.client.register_event(ready.ipc_handle(), idx)
+                did = self.client.register_event(done.ipc_handle(), idx)
+            ev = self._events[idx] = (ready, done, rid, did)
+        return ev
+
+    def _cuda_ref(self, t, shape):
+        bid, off = self.client.register_cuda(t.data_ptr())
+        return _tref(bid, off, t.dtype, shape)
+
+    def _run_cuda(self, B, device):
+        plan = self._plan(B, device)
+        nb = max(B, 1)
+        keep = []
+        tensors = []
+        for l, inp, g, in_shape, in_dt, g_shape, g_dt in plan:
+            if inp is None:
+                inp = torch.zeros(in_shape, dtype=in_dt, device=device)
+                g = torch.zeros(g_shape, dtype=g_dt, device=device)
+            else:
+                inp = inp.to(in_dt).contiguous()
+                g = g.to(g_dt).contiguous()
+            if l.out_w is None:
+                w_dt = l.weight.dtype if l.weight.dtype in _FLOAT_WIRE else torch.float32
+                l.out_w = torch.empty(l.weight.shape, dtype=w_dt, device=device)
+                if l.bias is not None:
+                    l.out_b = torch.empty(l.bias.shape, dtype=w_dt, device=device)
+            keep.append((inp, g))
+            tensors.append((inp, g))
+        ready, done, rid, did = self._cuda_events(device)
+
+        def refs(i):
+            l, _, _, in_shape, _, g_shape, _ = plan[i]
+            inp, g = tensors[i]
+            b_ref = self._cuda_ref(l.out_b, tuple(l.out_b.shape)) if l.out_b is not None \
+                else _lib.Tensor()
+            return (self._cuda_ref(inp, in_shape), self._cuda_ref(g, g_shape),
+                    self._cuda_ref(l.out_w, tuple(l.out_w.shape)), b_ref)
+
+        step = self._step
+        step.reset(nb)
+        with torch.cuda.device(device):
+            self._add_layers(step, plan, refs)
+            stream = torch.cuda.current_stream(device)
+            ready.record(stream)
+            step.set_events(rid, did)
+            norms, coefs, idx, ns = step.run(self.client)
+            # The daemon recorded `done` before replying: from here on the
+            # trainer's stream is ordered after the daemon's writes (and after
+            # its reads of `keep`, whose blocks the allocator may now reuse).
+            stream.wait_event(done)
+        keep.clear()
+        for l, *_ in plan:
+            for p, out in ((l.weight, l.out_w), (l.bias, l.out_b)):
+                if p is None:
+                    continue
+                if out.dtype == p.dtype:
+                    p.grad = out  # aliases the output buffer: no copy
+                else:
+                    self._set_grad(p, out)
+        self._finish(norms if B > 0 else [], coefs if B > 0 else [], idx, ns)
+
+
+# --- the optimizer wrapper -------------------------------------------------------------
+
+class DPOptimizer(torch.optim.Optimizer):
+    """Wraps an optimizer: step() first has the engine fill param.grad with
+    the private gradient, then runs the wrapped optimizer's step. State,
+    param_groups and defaults are the wrapped optimizer's (LR schedulers
+    work on either)."""
+
+    def __init__(self, optimizer, engine):  # pylint: disable=super-init-not-called
+        # Optimizer.__init__ would rebuild param_groups; share the wrapped ones.
+        self.original_optimizer = optimizer
+        self.engine = engine
+        self._optimizer_step_pre_hooks = collections.OrderedDict()
+        self._optimizer_step_post_hooks = collections.OrderedDict()
+
+    @property
+    def param_groups(self):
+        return self.original_optimizer.param_groups
+
+    @param_groups.setter
+    def param_groups(self, v):
+        self.original_optimizer.param_groups = v
+
+    @property
+    def state(self):
+        return self.original_optimizer.state
+
+    @state.setter
+    def state(self, v):
+        self.original_optimizer.state = v
+
+    @property
+    def defaults(self):
+        return self.original_optimizer.defaults
+
+    @defaults.setter
+    def defaults(self, v):
+        self.original_optimizer.defaults = v
+
+    def zero_grad(self, set_to_none=True):
+        self.engine.clear()
+        self.original_optimizer.zero_grad(set_to_none=set_to_none)
+
+    def step(self, closure=None):
+        if closure is not None:
+            with torch.enable_grad():
+                closure()
+        self.engine.step()
+        return self.original_optimizer.step()
+
+    def add_param_group(self, param_group):
+        self.original_optimizer.add_param_group(param_group)
+
+    def state_dict(self):
+        return self.original_optimizer.state_dict()
+
+    def load_state_dict(self, state_dict):
+        self.original_optimizer.load_state_dict(state_dict)
+
+    def __getstate__(self):
+        return self.__dict__
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+
+    def __repr__(self):
+        return "DPOptimizer(%r)" % (self.original_optimizer,)
+
+
+def make_private(model, optimizer, data_loader=None, *, noise_multiplier, max_grad_norm,
+                 loss_reduction="mean", socket_path=None, **kwargs):
+    """Opacus-shaped shorthand: a PrivacyEngine on socket_path attached to
+    model; returns (model, optimizer, data_loader). The engine is
+    optimizer.engine."""
+    engine = PrivacyEngine(socket_path)
+    return engine.make_private(module=model, optimizer=optimizer, data_loader=data_loader,
+                               noise_multiplier=noise_multiplier, max_grad_norm=max_grad_norm,
+                               loss_reduction=loss_reduction, **kwargs)
+
+
+# --- per-sample losses -------------------------------------------------------------------
+
+def reduce_loss(per_sample, reduction):
+    """mean or sum over samples of a [B] loss. The mean of an empty batch is
+    0 (with a zero gradient), not NaN."""
+    if reduction == "sum":
+        return per_sample.sum()
+    if reduction == "mean":
+        return per_sample.sum() / max(per_sample.shape[0], 1)
+    raise ValueError("reduction must be 'mean' or 'sum'")
+
+
+def per_sample_cross_entropy(logits, targets, **kwargs):
+    """[B] classification losses of logits [B, C] and targets [B]."""
+    return F.cross_entropy(logits, targets, reduction="none", **kwargs)
+
+
+def sequence_cross_entropy(logits, targets, reduction="mean", ignore_index=-100):
+    """Loss of a sequence model, logits [B, T, V] and targets [B, T]: each
+    sample's loss is the mean over its (non-ignored) tokens, then the batch
+    is reduced by `reduction` over samples ("none" returns the [B] losses).
+    A plain token-level mean over B*T tokens is the same only when every
+    sample has the same number of counted tokens."""
+    B, T = targets.shape[0], targets.shape[1]
+    tok = F.cross_entropy(logits.reshape(B * T, -1).float(), targets.reshape(B * T),
+                          reduction="none", ignore_index=ignore_index).view(B, T)
+    mask = (targets != ignore_index).to(tok.dtype)
+    per_sample = (tok * mask).sum(1) / mask.sum(1).clamp(min=1)
+    if reduction == "none":
+        return per_sample
+    return reduce_loss(per_sample, reduction)

@@ -1,0 +1,111 @@
+"""Fixtures: a real dpclipd per test session.
+
+The daemon comes from $DPCLIPD, else the newest <repo>/build*/dpclipd; the
+library from $DPCLIP_LIBRARY, else the libdpclip.so beside that dpclipd. It
+runs with --insecure-fixed-seed (deterministic noise, for tests only) on a
+socket in a temporary directory, and reports READY on a pipe, as the C
+harness (tests/support/harness.c) does."""
+import glob
+import os
+import select
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(os.path.dirname(HERE))
+sys.path.insert(0, os.path.dirname(HERE))  # the package, when not installed
+
+
+def find_dpclipd():
+    env = os.environ.get("DPCLIPD")
+    if env:
+        return env
+    found = glob.glob(os.path.join(REPO, "build*", "dpclipd"))
+    if not found:
+        raise RuntimeError("dpclipd not found: set DPCLIPD or build the repository")
+    return max(found, key=os.path.getmtime)
+
+
+DPCLIPD = find_dpclipd()
+if not os.environ.get("DPCLIP_LIBRARY"):
+    _lib_path = os.path.join(os.path.dirname(DPCLIPD), "libdpclip.so")
+    if os.path.exists(_lib_path):
+        os.environ["DPCLIP_LIBRARY"] = _lib_path
+
+
+class Daemon:
+    """A dpclipd child process; stop() asks it to exit (SIGTERM) and returns
+    its exit status."""
+
+    def __init__(self, extra=()):
+        self.dir = tempfile.mkdtemp(prefix="dpclip-pytest.")
+        self.socket = os.path.join(self.dir, "d.sock")
+        r, w = os.pipe()
+        try:
+            self.proc = subprocess.Popen(
+                [DPCLIPD, "--socket", self.socket, "--ready-fd", str(w),
+                 "--insecure-fixed-seed", "1234", "--log-level", "warn", "--workers", "2",
+                 *extra], pass_fds=(w,))
+        finally:
+            os.close(w)
+        got = b""
+        deadline = time.monotonic() + 20
+        while b"\n" not in got and time.monotonic() < deadline:
+            ready, _, _ = select.select([r], [], [], max(0.0, deadline - time.monotonic()))
+            if not ready:
+                break
+            chunk = os.read(r, 64)
+            if not chunk:
+                break
+            got += chunk
+        os.close(r)
+        if got != b"READY\n":
+            self.kill()
+            raise RuntimeError("%s did not report READY (got %r)" % (DPCLIPD, got))
+
+    def stop(self):
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._cleanup()
+        return self.proc.returncode
+
+    def kill(self):
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        self._cleanup()
+
+    def _cleanup(self):
+        try:
+            os.unlink(self.socket)
+        except FileNotFoundError:
+            pass
+        try:
+            os.rmdir(self.dir)
+        except OSError:
+            pass
+
+
+@pytest.fixture(scope="session")
+def daemon():
+    d = Daemon()
+    yield d
+    # A clean shutdown is part of what the suite checks.
+    assert d.stop() == 0, "dpclipd did not exit cleanly"
+
+
+@pytest.fixture
+def fresh_daemon():
+    d = Daemon()
+    yield d
+    d.kill()

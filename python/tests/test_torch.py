@@ -1,0 +1,289 @@
+"""dpclip.torch against the per-sample reference, noise statistics, errors."""
+import math
+import os
+import signal
+
+import pytest
+import torch
+import torch.nn as nn
+
+import dpclip
+from dpclip import _lib
+from dpclip.torch import PrivacyEngine, UnsupportedModuleError, make_private, reduce_loss
+from models import (FlatModel, SeqModel, flat_data, per_sample_losses, reference, seq_data,
+                    HAS_RMSNORM)
+
+B = 9
+
+
+def _between_norms(norms):
+    """A clipping threshold strictly between the middle per-sample norms, so
+    that about half the samples are clipped and none sits on the edge."""
+    s = sorted(float(n) for n in norms)
+    k = len(s) // 2
+    return 0.5 * (s[k - 1] + s[k])
+
+
+def _setup(kind, seed=0):
+    torch.manual_seed(seed)
+    if kind == "seq":
+        model = SeqModel()
+        inputs, y = seq_data(B, seed=seed)
+    else:
+        model = FlatModel()
+        inputs, y = flat_data(B, seed=seed)
+    return model, inputs, y
+
+
+def _max_rel(got, want):
+    got = got.double()
+    scale = float(want.abs().max())
+    return float((got - want).abs().max()) / max(scale, 1e-30)
+
+
+@pytest.mark.parametrize("kind", ["seq", "flat"])
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_step_matches_per_sample_reference(daemon, kind, reduction):
+    model, inputs, y = _setup(kind)
+    _, norms0, _ = reference(model, kind, inputs, y, 1e9, "sum", 1)
+    C = _between_norms(norms0)
+    expected = B + 3  # not the batch: the divisor must be the expected batch size
+    want, ref_norms, ref_coefs = reference(model, kind, inputs, y, C, reduction, expected)
+    assert (ref_coefs < 1).any() and (ref_coefs == 1).any(), "need clipped and unclipped samples"
+
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    engine = PrivacyEngine(daemon.socket)
+    model, opt, _ = engine.make_private(module=model, optimizer=opt, noise_multiplier=0.0,
+                                        max_grad_norm=C, loss_reduction=reduction,
+                                        expected_batch_size=expected)
+    opt.zero_grad()
+    loss = reduce_loss(per_sample_losses(kind, model(*inputs), y), reduction)
+    loss.backward()
+    # Book-keeping: autograd computed no parameter gradient.
+    assert all(p.grad is None for p in model.parameters())
+    opt.step()
+
+    for n, p in model.named_parameters():
+        if not p.requires_grad:
+            assert p.grad is None, n
+            continue
+        assert p.grad is not None, n
+        assert _max_rel(p.grad, want[n]) < 2e-4, n
+    assert _max_rel(engine.last_norms, ref_norms) < 1e-4
+    assert torch.allclose(engine.last_coefs.double(), ref_coefs, rtol=1e-4, atol=1e-6)
+    assert (engine.last_coefs < 1).any() and (engine.last_coefs >= 1 - 1e-6).any()
+    engine.close()
+
+
+def test_second_step_and_updates(daemon):
+    """Two optimizer steps with a real learning rate: each step's gradient
+    matches the reference at the parameters of that step."""
+    model, inputs, y = _setup("seq", seed=1)
+    engine = PrivacyEngine(daemon.socket)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    model, opt, _ = engine.make_private(module=model, optimizer=opt, noise_multiplier=0.0,
+                                        max_grad_norm=0.7, expected_batch_size=B)
+    for it in range(2):
+        plain = SeqModel()
+        plain.load_state_dict(model.state_dict())
+        want, _, _ = reference(plain, "seq", inputs, y, 0.7, "mean", B)
+        opt.zero_grad()
+        reduce_loss(per_sample_losses("seq", model(*inputs), y), "mean").backward()
+        opt.step()
+        for n, p in model.named_parameters():
+            # p was updated by the step: compare the gradient it used.
+            assert _max_rel(p.grad, want[n]) < 2e-4, (it, n)
+    assert engine.steps == 2
+    engine.close()
+
+
+def test_autocast_bf16_cpu(daemon):
+    """Mixed precision: under CPU autocast (bf16) the gradient matches the
+    f64 reference to bf16 accuracy."""
+    model, inputs, y = _setup("seq", seed=2)
+    want, _, _ = reference(model, "seq", inputs, y, 0.5, "mean", B)
+    engine = PrivacyEngine(daemon.socket)
+    model, opt, _ = engine.make_private(module=model, optimizer=torch.optim.SGD(
+        model.parameters(), lr=0.0), noise_multiplier=0.0, max_grad_norm=0.5,
+        expected_batch_size=B)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = model(*inputs)
+        loss = reduce_loss(per_sample_losses("seq", out.float(), y), "mean")
+    loss.backward()
+    opt.step()
+    for n, p in model.named_parameters():
+        assert p.grad.dtype == torch.float32
+        assert _max_rel(p.grad, want[n]) < 0.05, n
+    engine.close()
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_noise_std(daemon, reduction):
+    """Zero-gradient data: param.grad is the noise alone, with std sigma*C
+    (divided by the expected batch for a mean loss), mean 0, fresh each
+    step."""
+    sigma, C, expected = 1.5, 2.0, 8
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.LayerNorm(64))
+    engine = PrivacyEngine(daemon.socket)
+    model, opt, _ = engine.make_private(module=model, optimizer=torch.optim.SGD(
+        model.parameters(), lr=0.0), noise_multiplier=sigma, max_grad_norm=C,
+        loss_reduction=reduction, expected_batch_size=expected)
+    vals, prev = [], None
+    for _ in range(4):
+        opt.zero_grad()
+        x = torch.randn(expected, 64)
+        (model(x) * 0.0).sum().backward()
+        opt.step()
+        flat = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+        if prev is not None:
+            assert not torch.equal(flat, prev)
+            corr = float(torch.corrcoef(torch.stack([flat, prev]))[0, 1])
+            assert abs(corr) < 0.05
+        prev = flat
+        vals.append(flat.double())
+    v = torch.cat(vals)
+    n = v.numel()
+    want = sigma * C / (expected if reduction == "mean" else 1)
+    # std of a sample std is about want/sqrt(2n); 6 of those is a wide margin.
+    assert abs(float(v.std()) - want) < 6 * want / math.sqrt(2 * n)
+    assert abs(float(v.mean())) < 6 * want / math.sqrt(n)
+    assert (engine.last_coefs == 1).all()
+    engine.close()
+
+
+def test_empty_batch_gets_noise_only(daemon):
+    sigma, C, expected = 1.0, 3.0, 4
+    model = nn.Sequential(nn.Embedding(50, 32), nn.Linear(32, 32))
+    engine = PrivacyEngine(daemon.socket)
+    model, opt, _ = engine.make_private(module=model, optimizer=torch.optim.SGD(
+        model.parameters(), lr=0.0), noise_multiplier=sigma, max_grad_norm=C,
+        expected_batch_size=expected)
+    x = torch.zeros(0, 5, dtype=torch.long)
+    opt.zero_grad()
+    reduce_loss(model(x).sum((1, 2)), "mean").backward()
+    opt.step()
+    v = torch.cat([p.grad.reshape(-1).double() for p in model.parameters()])
+    want = sigma * C / expected
+    assert abs(float(v.std()) - want) < 6 * want / math.sqrt(2 * v.numel())
+    assert engine.last_norms.numel() == 0
+    # Noise off: an empty batch gives exactly zero.
+    engine2 = PrivacyEngine(daemon.socket)
+    m2 = nn.Linear(4, 3)
+    m2, opt2, _ = engine2.make_private(module=m2, optimizer=torch.optim.SGD(
+        m2.parameters(), lr=0.0), noise_multiplier=0.0, max_grad_norm=1.0,
+        expected_batch_size=2)
+    opt2.step()  # no forward at all: still one (empty) step
+    assert float(m2.weight.grad.abs().max()) == 0.0 and m2.bias.grad.shape == (3,)
+    engine.close()
+    engine2.close()
+
+
+def test_unsupported_layer_is_named(daemon):
+    model = nn.Sequential(nn.Linear(4, 8))
+    model.add_module("conv", nn.Conv1d(1, 2, 3))
+    with pytest.raises(UnsupportedModuleError) as ei:
+        make_private(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                     noise_multiplier=1.0, max_grad_norm=1.0, socket_path=daemon.socket,
+                     expected_batch_size=4)
+    msg = str(ei.value)
+    assert "conv" in msg and "Conv1d" in msg and "weight" in msg
+    # Frozen, the same module is fine (it gets no gradient at all).
+    model.conv.requires_grad_(False)
+    model, opt, _ = make_private(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                                 noise_multiplier=1.0, max_grad_norm=1.0,
+                                 socket_path=daemon.socket, expected_batch_size=4)
+    assert opt.engine.module is model
+    opt.engine.close()
+
+
+def test_tied_weights_and_subclassed_forward_refused(daemon):
+    emb, head = nn.Embedding(10, 4), nn.Linear(4, 10, bias=False)
+    head.weight = emb.weight
+    with pytest.raises(UnsupportedModuleError, match="share a parameter"):
+        PrivacyEngine(daemon.socket).make_private(
+            module=nn.ModuleList([emb, head]), noise_multiplier=0.0, max_grad_norm=1.0)
+
+    class MyLinear(nn.Linear):
+        def forward(self, x):
+            return super().forward(x) * 2
+
+    with pytest.raises(UnsupportedModuleError, match="MyLinear"):
+        PrivacyEngine(daemon.socket).make_private(
+            module=nn.Sequential(MyLinear(3, 3)), noise_multiplier=0.0, max_grad_norm=1.0)
+
+
+def test_daemon_down_errors(tmp_path, fresh_daemon):
+    with pytest.raises(dpclip.DpclipError) as ei:
+        PrivacyEngine(str(tmp_path / "missing.sock"))
+    assert ei.value.code == _lib.EIO and "missing.sock" in str(ei.value)
+
+    # The daemon dies between steps: the next step says so.
+    model = nn.Linear(5, 3)
+    engine = PrivacyEngine(fresh_daemon.socket)
+    model, opt, _ = engine.make_private(module=model, optimizer=torch.optim.SGD(
+        model.parameters(), lr=0.1), noise_multiplier=1.0, max_grad_norm=1.0,
+        expected_batch_size=4)
+    model(torch.randn(4, 5)).sum().backward()
+    opt.step()
+    os.kill(fresh_daemon.proc.pid, signal.SIGKILL)
+    fresh_daemon.proc.wait()
+    opt.zero_grad()
+    model(torch.randn(4, 5)).sum().backward()
+    with pytest.raises(dpclip.DpclipError) as ei:
+        opt.step()
+    assert ei.value.code == _lib.EIO
+    engine.close()
+
+
+def test_two_passes_per_step_refused(daemon):
+    model = nn.Linear(5, 3)
+    engine = PrivacyEngine(daemon.socket)
+    model, opt, _ = engine.make_private(module=model, optimizer=torch.optim.SGD(
+        model.parameters(), lr=0.1), noise_multiplier=0.0, max_grad_norm=1.0,
+        expected_batch_size=4)
+    model(torch.randn(4, 5)).sum().backward()
+    model(torch.randn(4, 5)).sum().backward()
+    with pytest.raises(RuntimeError, match="one pass per step"):
+        opt.step()
+    # The captures were dropped: the next pass steps normally.
+    opt.zero_grad()
+    model(torch.randn(4, 5)).sum().backward()
+    opt.step()
+    assert model.weight.grad is not None
+    engine.close()
+
+
+def test_batch_dim_mismatch_named(daemon):
+    class Bad(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.tok, self.pos = nn.Embedding(7, 4), nn.Embedding(5, 4)
+
+        def forward(self, x):
+            return self.tok(x) + self.pos(torch.arange(x.shape[1]))  # [T], not [B, T]
+
+    model = Bad()
+    engine = PrivacyEngine(daemon.socket)
+    model, opt, _ = engine.make_private(module=model, optimizer=torch.optim.SGD(
+        model.parameters(), lr=0.1), noise_multiplier=0.0, max_grad_norm=1.0,
+        expected_batch_size=3)
+    x = torch.randint(0, 7, (3, 5))
+    model(x).sum().backward()
+    with pytest.raises(ValueError, match="pos"):
+        opt.step()
+    engine.close()
+
+
+def test_eval_and_no_grad_capture_nothing(daemon):
+    model = nn.Sequential(nn.Linear(5, 3))
+    engine = PrivacyEngine(daemon.socket)
+    model, opt, _ = engine.make_private(module=model, optimizer=torch.optim.SGD(
+        model.parameters(), lr=0.1), noise_multiplier=0.0, max_grad_norm=1.0,
+        expected_batch_size=4)
+    with torch.no_grad():
+        y = model(torch.randn(4, 5))
+    assert not y.requires_grad and not engine._layers[0].records
+    engine.detach()
+    assert "forward" not in model[0].__dict__
+    engine.close()
