@@ -17,7 +17,13 @@
  *   bk_step_ms, bk_extra_bytes      the same with the clipped, noised weight
  *                                   and bias sums written (f32 outputs);
  *   direct_vs_ghost                 max relative difference of the two forms'
- *                                   squared norms (a sanity check).
+ *                                   squared norms (a sanity check);
+ *   direct128_ms, direct256_ms      the direct form with each wgmma tile
+ *                                   height forced, and *_split_ms with a
+ *                                   2-CTA cluster splitting K (the cost
+ *                                   model's inputs); direct_tile and
+ *                                   direct_split: the model's choice;
+ *   path                            kernel family (dcc_linear_path).
  * A last line gives the geometric means and the targets (geomean <= 1.0x
  * the GEMM, no shape above 1.5x, extra memory <= 64 MiB per layer).
  *
@@ -213,6 +219,21 @@ int main(int argc, char **argv) {
                 },
                 st, reps);
         }
+        /* the direct form with each tile height forced, then split forced */
+        const int auto_rows = dcc_direct_tile_rows(&L), auto_split = dcc_direct_split(&L);
+        double th[4];
+        for (int k = 0; k < 4; k++) {
+            setenv("DPCLIP_CUDA_DIRECT_TILE", k & 1 ? "256" : "128", 1);
+            setenv("DPCLIP_CUDA_DIRECT_SPLIT", k & 2 ? "2" : "1", 1);
+            th[k] = time_ms(
+                [&] {
+                    CK(cudaMemsetAsync(n2 + B, 0, B * sizeof *n2, st));
+                    CK(dcc_linear_sqnorms(&L, DC_ALGO_DIRECT, 1.0f, n2 + B, st));
+                },
+                st, reps);
+        }
+        unsetenv("DPCLIP_CUDA_DIRECT_TILE");
+        unsetenv("DPCLIP_CUDA_DIRECT_SPLIT");
         std::vector<float> hn(3 * (size_t)B);
         CK(cudaMemcpy(hn.data(), n2, hn.size() * sizeof(float), cudaMemcpyDeviceToHost));
         double dvg = 0.0;
@@ -273,11 +294,14 @@ int main(int argc, char **argv) {
                "\"direct_over_gemm\":%.3f,\"ghost_over_gemm\":%.3f,\"limit_over_gemm\":%.3f,"
                "\"gemm_tflops\":%.1f,\"auto_tflops_equiv\":%.1f,\"direct_vs_ghost\":%.2e,"
                "\"step_ms\":%.4f,\"extra_bytes\":%zu,\"bk_step_ms\":%.4f,"
-               "\"bk_extra_bytes\":%zu}\n",
+               "\"bk_extra_bytes\":%zu,\"direct128_ms\":%.4f,\"direct256_ms\":%.4f,"
+               "\"direct128_split_ms\":%.4f,\"direct256_split_ms\":%.4f,\"direct_tile\":%d,"
+               "\"direct_split\":%d,\"path\":%d}\n",
                B, T, d, p, pick == DC_ALGO_DIRECT ? "direct" : "ghost", t[0], t[1], t[2], gemm,
                limit, r_auto, t[1] / gemm, t[2] / gemm, limit / gemm,
                fl_direct / (gemm * 1e-3) * 1e-12, std::min(fl_direct, fl_ghost) / (t[0] * 1e-3) * 1e-12,
-               dvg, sms, extra, bms, bk_extra);
+               dvg, sms, extra, bms, bk_extra, th[0], th[1], th[2], th[3], auto_rows, auto_split,
+               dcc_linear_path(&L));
         fflush(stdout);
         CK(cudaFree(a));
         CK(cudaFree(g));

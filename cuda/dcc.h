@@ -60,8 +60,10 @@ int dcc_linear_path(const dcc_linear *L);
 int dcc_wgmma_available(void);
 cudaError_t dcc_linear_wgmma(const dcc_linear *L, dc_algo algo, float s2, float *n2,
                              cudaStream_t st);
-/* The wgmma direct form's tile height for this layer: 128 or 256 rows of p. */
+/* The wgmma direct form's tile for this layer: 128 or 256 rows of p, and
+ * whether a 2-CTA cluster splits each tile's K range (2) or not (1). */
 int dcc_direct_tile_rows(const dcc_linear *L);
+int dcc_direct_split(const dcc_linear *L);
 /* The TMA-fed variant (norms_tma.cu), tried first by dcc_linear_wgmma;
  * DPCLIP_CUDA_TMA=0 disables it. cudaErrorNotSupported: use the other. */
 int dcc_tma_available(void);

@@ -16,7 +16,12 @@
  *   direct: 64 features x 64 rows (A = g, B = a, both MN-major);
  *   ghost:  64 features x 128 rows (K-major).
  * The producer warp is one warp beside 256 consumer threads, so registers
- * suffice without setmaxnreg (<= 224 per thread for 288 threads). */
+ * suffice without setmaxnreg (<= 224 per thread for 288 threads).
+ *
+ * Direct tiles cannot be split along K through global memory (a tile must
+ * be complete before it is squared), so when too few tiles would leave SMs
+ * idle in the last wave, a cluster of two CTAs splits K instead and adds the
+ * halves through distributed shared memory (KS = 2). */
 #include <stdlib.h>
 
 #include <cudaTypedefs.h>
@@ -60,6 +65,30 @@ __device__ __forceinline__ void tma_load3(uint32_t dst, const CUtensorMap *map, 
                  " [%0], [%1, {%3, %4, %5}], [%2];\n" ::"r"(dst),
                  "l"((uint64_t)map), "r"(bar), "r"(c0), "r"(c1), "r"(c2)
                  : "memory");
+}
+
+__device__ __forceinline__ void cluster_sync() {
+    asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::
+                     : "memory");
+}
+/* The address of the same shared-memory location in CTA `rank` of the cluster. */
+__device__ __forceinline__ uint32_t map_rank(uint32_t addr, uint32_t rank) {
+    uint32_t r;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(r) : "r"(addr), "r"(rank));
+    return r;
+}
+__device__ __forceinline__ float4 ld_cluster4(uint32_t addr) {
+    float4 v;
+    asm volatile("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4];\n"
+                 : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
+                 : "r"(addr)
+                 : "memory");
+    return v;
+}
+__device__ __forceinline__ float ld_cluster(uint32_t addr) {
+    float v;
+    asm volatile("ld.shared::cluster.f32 %0, [%1];\n" : "=f"(v) : "r"(addr) : "memory");
+    return v;
 }
 
 /* Stage barriers live in static shared memory: full[s] at bars + 8s,
@@ -124,53 +153,93 @@ __device__ __forceinline__ void consume(float (&acc)[MI][64], uint32_t sbase, ui
     if (u1 > u0 && lane == 0) mbar_arrive(bars + 8u * (uint32_t)(ST + (u1 - 1) % ST));
 }
 
-template <typename TI, int MI>
+/* KS = 2: the CTA pair of a cluster splits the tile's K range; rank 1
+ * hands its partial tile (and bias column sums) to rank 0 through
+ * distributed shared memory, and rank 0 squares the sum. */
+template <typename TI, int MI, int KS>
 __global__ void __launch_bounds__(CT, 1)
 tma_direct(const __grid_constant__ CUtensorMap tg, const __grid_constant__ CUtensorMap ta, int T,
            int tiles_n, int has_bias, float s2, float *__restrict__ n2) {
     constexpr int ST = tma_direct_stages<MI>(), SB = stage_bytes<MI>(), CW = 64 * MI;
     extern __shared__ unsigned char smem[];
     __shared__ __align__(8) uint64_t bar_mem[2 * ST];
-    __shared__ float colsum[512];
+    __shared__ __align__(16) float colsum[512];
     const uint32_t sbase = (dcc_smem(smem) + 1023u) & ~1023u;
-    const int b = blockIdx.y;
-    const int tm = (int)blockIdx.x / tiles_n, tn = (int)blockIdx.x % tiles_n;
+    const int b = blockIdx.y, tile = (int)blockIdx.x / KS, rank = (int)blockIdx.x % KS;
+    const int tm = tile / tiles_n, tn = tile % tiles_n;
     const int m0 = tm * 128 * MI, n0 = tn * 128;
     const bool do_bias = has_bias && tn == 0;
     const int ktn = (T + WBK - 1) / WBK;
+    const int k0 = ktn * rank / KS, kn = ktn * (rank + 1) / KS - k0; /* this CTA's k-tiles */
     const uint32_t bars = init_bars<ST>(bar_mem);
-    float sq = 0.0f, bs0 = 0.0f, bs1 = 0.0f;
+    float acc[MI][64];
+    float bs0 = 0.0f, bs1 = 0.0f;
 
     if (threadIdx.x >= 256) { /* producer warp */
         if (threadIdx.x == 256) {
-            for (int u = 0; u < ktn; u++) {
-                const int s = u % ST;
+            for (int u = 0; u < kn; u++) {
+                const int s = u % ST, kr = (k0 + u) * WBK;
                 const uint32_t full = bars + 8u * (uint32_t)s, st = sbase + (uint32_t)(s * SB);
                 mbar_wait(bars + 8u * (uint32_t)(ST + s), (uint32_t)(((u / ST) & 1) ^ 1));
                 mbar_expect_tx(full, SB);
 #pragma unroll
                 for (int h = 0; h < 2 * MI; h++)
-                    tma_load3(st + (uint32_t)(h * HALF), &tg, full, m0 + 64 * h, u * WBK, b);
+                    tma_load3(st + (uint32_t)(h * HALF), &tg, full, m0 + 64 * h, kr, b);
 #pragma unroll
                 for (int h = 0; h < 2; h++)
-                    tma_load3(st + (uint32_t)((2 * MI + h) * HALF), &ta, full, n0 + 64 * h,
-                              u * WBK, b);
+                    tma_load3(st + (uint32_t)((2 * MI + h) * HALF), &ta, full, n0 + 64 * h, kr, b);
             }
         }
     } else {
-        float acc[MI][64];
-        consume<TI, true, MI, ST>(acc, sbase, bars, 0, ktn, false, do_bias, bs0, bs1);
+        consume<TI, true, MI, ST>(acc, sbase, bars, 0, kn, false, do_bias, bs0, bs1);
+    }
+    if (do_bias && threadIdx.x < 256) {
+        int m = ((int)threadIdx.x % CW) * 2, rq = (int)threadIdx.x / CW;
+        colsum[rq * 2 * CW + m] = bs0;
+        colsum[rq * 2 * CW + m + 1] = bs1;
+    }
+    if (KS == 2) {
+        /* every stage has been consumed: the pipeline memory holds rank 1's
+         * partial tile, thread-major so the reads are contiguous */
+        __syncthreads();
+        float4 *x = (float4 *)(smem + (sbase - dcc_smem(smem)));
+        if (rank == 1 && threadIdx.x < 256)
+#pragma unroll
+            for (int j = 0; j < MI; j++)
+#pragma unroll
+                for (int i = 0; i < 16; i++)
+                    x[(j * 16 + i) * 256 + threadIdx.x] = make_float4(
+                        acc[j][4 * i], acc[j][4 * i + 1], acc[j][4 * i + 2], acc[j][4 * i + 3]);
+        cluster_sync();
+        if (rank == 0) {
+            if (threadIdx.x < 256) {
+                uint32_t r = map_rank(sbase, 1);
+#pragma unroll
+                for (int j = 0; j < MI; j++)
+#pragma unroll
+                    for (int i = 0; i < 16; i++) {
+                        float4 v = ld_cluster4(r + (uint32_t)(((j * 16 + i) * 256 + threadIdx.x) * 16));
+                        acc[j][4 * i] += v.x;
+                        acc[j][4 * i + 1] += v.y;
+                        acc[j][4 * i + 2] += v.z;
+                        acc[j][4 * i + 3] += v.w;
+                    }
+            }
+            if (do_bias) {
+                uint32_t r = map_rank(dcc_smem(colsum), 1);
+                for (int i = (int)threadIdx.x; i < 512; i += CT) colsum[i] += ld_cluster(r + 4u * i);
+            }
+        }
+        cluster_sync(); /* rank 1's shared memory must outlive rank 0's reads */
+        if (rank == 1) return;
+    }
+    float sq = 0.0f;
+    if (threadIdx.x < 256)
 #pragma unroll
         for (int j = 0; j < MI; j++)
 #pragma unroll
             for (int i = 0; i < 64; i++) sq += acc[j][i] * acc[j][i];
-    }
     if (do_bias) {
-        if (threadIdx.x < 256) {
-            int m = ((int)threadIdx.x % CW) * 2, rq = (int)threadIdx.x / CW;
-            colsum[rq * 2 * CW + m] = bs0;
-            colsum[rq * 2 * CW + m + 1] = bs1;
-        }
         __syncthreads();
         if ((int)threadIdx.x < 2 * CW) {
             float x = 0.0f;
@@ -232,7 +301,7 @@ tma_ghost(const __grid_constant__ CUtensorMap ta, const __grid_constant__ CUtens
 
 #else
 
-template <typename TI, int MI>
+template <typename TI, int MI, int KS>
 __global__ void tma_direct(const __grid_constant__ CUtensorMap, const __grid_constant__ CUtensorMap,
                            int, int, int, float, float *) {}
 template <typename TI>
@@ -271,28 +340,45 @@ bool make_map(CUtensorMap *m, const void *base, dc_dtype t, int B, int T, int w,
               CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }
 
-template <typename TI, int MI>
+template <typename TI, int MI, int KS>
 cudaError_t launch_direct(const dcc_linear *L, float s2, float *n2, cudaStream_t st) {
     CUtensorMap tg, ta;
     if (!make_map(&tg, L->g, L->tg, L->B, L->T, L->p, 64) ||
         !make_map(&ta, L->a, L->ta, L->B, L->T, L->d, 64))
         return cudaErrorNotSupported;
     int tiles_m = (L->p + 128 * MI - 1) / (128 * MI), tiles_n = (L->d + 127) / 128;
-    cudaError_t e = cudaFuncSetAttribute(tma_direct<TI, MI>,
-                                         cudaFuncAttributeMaxDynamicSharedMemorySize,
+    if ((int64_t)tiles_m * tiles_n * KS > INT32_MAX) return cudaErrorInvalidConfiguration;
+    auto kern = tma_direct<TI, MI, KS>;
+    cudaError_t e = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                          tma_direct_smem<MI>());
     if (e != cudaSuccess) return e;
-    dim3 grid((unsigned)(tiles_m * tiles_n), (unsigned)L->B);
-    tma_direct<TI, MI><<<grid, CT, tma_direct_smem<MI>(), st>>>(tg, ta, L->T, tiles_n,
-                                                               L->has_bias, s2, n2);
+    cudaLaunchConfig_t cfg = {};
+    cudaLaunchAttribute attr[1];
+    cfg.gridDim = dim3((unsigned)(tiles_m * tiles_n * KS), (unsigned)L->B);
+    cfg.blockDim = dim3(CT);
+    cfg.dynamicSmemBytes = tma_direct_smem<MI>();
+    cfg.stream = st;
+    attr[0].id = cudaLaunchAttributeClusterDimension;
+    attr[0].val.clusterDim.x = KS;
+    attr[0].val.clusterDim.y = 1;
+    attr[0].val.clusterDim.z = 1;
+    cfg.attrs = attr;
+    cfg.numAttrs = KS > 1 ? 1 : 0;
+    e = cudaLaunchKernelEx(&cfg, kern, tg, ta, L->T, tiles_n, (int)L->has_bias, s2, n2);
+    if (e != cudaSuccess) return e;
     return cudaGetLastError();
 }
 
 template <typename TI>
 cudaError_t launch(const dcc_linear *L, dc_algo algo, float s2, float *n2, cudaStream_t st) {
-    if (algo == DC_ALGO_DIRECT)
-        return dcc_direct_tile_rows(L) == 256 ? launch_direct<TI, 2>(L, s2, n2, st)
-                                              : launch_direct<TI, 1>(L, s2, n2, st);
+    if (algo == DC_ALGO_DIRECT) {
+        int split = dcc_direct_split(L), rows = dcc_direct_tile_rows(L);
+        if (rows == 256)
+            return split == 2 ? launch_direct<TI, 2, 2>(L, s2, n2, st)
+                              : launch_direct<TI, 2, 1>(L, s2, n2, st);
+        return split == 2 ? launch_direct<TI, 1, 2>(L, s2, n2, st)
+                          : launch_direct<TI, 1, 1>(L, s2, n2, st);
+    }
     CUtensorMap ta, tg;
     if (!make_map(&ta, L->a, L->ta, L->B, L->T, L->d, 128) ||
         !make_map(&tg, L->g, L->tg, L->B, L->T, L->p, 128))

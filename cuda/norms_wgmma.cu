@@ -245,25 +245,55 @@ cudaError_t launch_wg(const dcc_linear *L, dc_algo algo, float s2, float *n2, cu
 
 } // namespace
 
-/* Tile height for DIRECT: 256 rows of p halve the bytes loaded per flop but
- * halve the CTAs too. With one CTA per SM a launch costs about
- * ceil(CTAs / SMs) tile times; pick the height with the smaller estimate,
- * the 256-row tile counted at its measured rate relative to the 128-row one
- * (TALL_GAIN, measured on an H100 with the TMA feed: 1.14-1.36).
- * DPCLIP_CUDA_DIRECT_TILE=128|256 forces it. */
-extern "C" int dcc_direct_tile_rows(const dcc_linear *L) {
-    const double TALL_GAIN = 1.3;
-    const char *force = getenv("DPCLIP_CUDA_DIRECT_TILE");
-    if (force && force[0]) return atoi(force) >= 256 ? 256 : 128;
+/* Tile shape of the wgmma direct form, by a wave-aware cost model. With one
+ * CTA per SM a launch costs about ceil(CTAs / SMs) times one CTA's work:
+ *   - 256 rows of p instead of 128 halve the bytes loaded per flop but also
+ *     the CTAs; the 256-row tile runs TALL_GAIN times faster per flop
+ *     (measured on an H100 with the TMA feed: 1.14-1.36);
+ *   - split 2 (TMA feed only) runs each tile's K range on a 2-CTA cluster:
+ *     twice the CTAs at half the work each, plus the exchange (SPLIT_COST
+ *     of a tile's time for each half instead of 0.5).
+ * DPCLIP_CUDA_DIRECT_TILE=128|256 and DPCLIP_CUDA_DIRECT_SPLIT=1|2 force the
+ * choices (tests, benchmark). */
+static const double TALL_GAIN = 1.3, SPLIT_COST = 0.56;
+
+static double direct_cost(const dcc_linear *L, int rows, int split, int sms) {
+    int64_t ctas = (int64_t)((L->p + rows - 1) / rows) * ((L->d + 127) / 128) * L->B * split;
+    double waves = (double)((ctas + sms - 1) / sms);
+    return waves * (rows == 256 ? 2.0 / TALL_GAIN : 1.0) * (split == 2 ? SPLIT_COST : 1.0);
+}
+
+static int sm_count(void) {
     int dev = 0, sms = 132;
     if (cudaGetDevice(&dev) == cudaSuccess)
         cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
-    int64_t tn = (L->d + 127) / 128;
-    int64_t c1 = (int64_t)((L->p + 127) / 128) * tn * L->B;
-    int64_t c2 = (int64_t)((L->p + 255) / 256) * tn * L->B;
-    double t1 = (double)((c1 + sms - 1) / sms);
-    double t2 = (double)((c2 + sms - 1) / sms) * 2.0 / TALL_GAIN;
-    return t2 < t1 ? 256 : 128;
+    return sms;
+}
+
+static int can_split(const dcc_linear *L) { return dcc_tma_available() && L->T >= 8 * 64; }
+
+extern "C" int dcc_direct_tile_rows(const dcc_linear *L) {
+    const char *force = getenv("DPCLIP_CUDA_DIRECT_TILE");
+    if (force && force[0]) return atoi(force) >= 256 ? 256 : 128;
+    int sms = sm_count(), best = 128;
+    double bc = 1e300;
+    for (int rows = 128; rows <= 256; rows *= 2)
+        for (int split = 1; split <= (can_split(L) ? 2 : 1); split++) {
+            double c = direct_cost(L, rows, split, sms);
+            if (c < bc) {
+                bc = c;
+                best = rows;
+            }
+        }
+    return best;
+}
+
+extern "C" int dcc_direct_split(const dcc_linear *L) {
+    const char *force = getenv("DPCLIP_CUDA_DIRECT_SPLIT");
+    if (force && force[0]) return atoi(force) >= 2 ? 2 : 1;
+    if (!can_split(L)) return 1;
+    int rows = dcc_direct_tile_rows(L), sms = sm_count();
+    return direct_cost(L, rows, 2, sms) < direct_cost(L, rows, 1, sms) ? 2 : 1;
 }
 
 extern "C" int dcc_wgmma_available(void) {
