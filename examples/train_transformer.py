@@ -134,7 +134,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--socket", default=None, help="dpclipd socket (default $DPCLIP_SOCKET)")
     ap.add_argument("--corpus", default=os.path.join(HERE, "data"))
-    ap.add_argument("--epochs", type=int, default=3)
+    ap.add_argument("--epochs", type=int, default=8)
     ap.add_argument("--sigma", type=float, default=0.8, help="noise multiplier")
     ap.add_argument("--clip", type=float, default=1.0, help="max per-sample gradient norm C")
     ap.add_argument("--batch", type=int, default=64, help="expected (Poisson) batch size")

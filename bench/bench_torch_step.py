@@ -1,0 +1,223 @@
+#!/usr/bin/env python3
+"""Private vs non-private training step of a GPT-2-small-like model.
+
+    python3 bench/bench_torch_step.py --socket S                  # the issue's config
+    python3 bench/bench_torch_step.py --socket S --blocks 2 --d 128 --heads 4 \
+        --vocab 1000 --seq 64 --batch 4 --steps 3                   # CPU smoke test
+
+Default config: 12 blocks, d=768, 12 heads, vocab 32000, T=1024, B=8, SGD.
+For each precision (bf16 autocast; fp32 with TF32 matmuls on CUDA) the same
+model (same seed) is timed non-privately (plain autograd) and privately
+(dpclip book-keeping: input gradients only in autograd, one ClipStep per
+step to dpclipd, param.grad filled by the daemon), in the same process, and
+one JSON line per measurement is printed, then one with the ratios. Peak
+memory is torch.cuda.max_memory_allocated on CUDA, the process's peak RSS
+(VmHWM, reset between runs through /proc/self/clear_refs) on the CPU.
+--opacus adds Opacus's ghost-clipping step where Opacus is installed (it is
+never a dependency of dpclip).
+"""
+import argparse
+import gc
+import json
+import math
+import os
+import sys
+import time
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "python"))
+
+from dpclip.torch import PrivacyEngine  # noqa: E402
+
+
+class Block(nn.Module):
+    def __init__(self, d, heads):
+        super().__init__()
+        self.heads = heads
+        self.ln1 = nn.LayerNorm(d)
+        self.qkv = nn.Linear(d, 3 * d)
+        self.proj = nn.Linear(d, d)
+        self.ln2 = nn.LayerNorm(d)
+        self.fc = nn.Linear(d, 4 * d)
+        self.out = nn.Linear(4 * d, d)
+
+    def forward(self, x):
+        B, T, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(d, dim=2)
+        q, k, v = (t.view(B, T, self.heads, d // self.heads).transpose(1, 2) for t in (q, k, v))
+        if hasattr(F, "scaled_dot_product_attention"):
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            att = (q @ k.transpose(-2, -1)) / math.sqrt(q.shape[-1])
+            mask = torch.ones(T, T, dtype=torch.bool, device=x.device).triu(1)
+            y = att.masked_fill(mask, float("-inf")).softmax(-1) @ v
+        x = x + self.proj(y.transpose(1, 2).reshape(B, T, d))
+        return x + self.out(F.gelu(self.fc(self.ln2(x))))
+
+
+class GPT(nn.Module):
+    def __init__(self, vocab, seq, d, blocks, heads):
+        super().__init__()
+        self.tok = nn.Embedding(vocab, d)
+        self.pos = nn.Embedding(seq, d)
+        self.blocks = nn.ModuleList(Block(d, heads) for _ in range(blocks))
+        self.ln = nn.LayerNorm(d)
+        self.head = nn.Linear(d, vocab, bias=False)  # untied: dpclip refuses shared weights
+
+    def forward(self, x):
+        B, T = x.shape
+        pos = torch.arange(T, device=x.device).unsqueeze(0).expand(B, T)
+        h = self.tok(x) + self.pos(pos)
+        for b in self.blocks:
+            h = b(h)
+        return self.head(self.ln(h))
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def reset_peak(device):
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+    else:
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")  # resets VmHWM to the current RSS
+        except OSError:
+            pass
+
+
+def peak_mb(device):
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def run(args, device, precision, mode, socket_path):
+    """Times `steps` training steps after `warmup`; returns (ms/step, peak MiB)."""
+    torch.manual_seed(0)
+    reset_peak(device)
+    model = GPT(args.vocab, args.seq, args.d, args.blocks, args.heads).to(device)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-4)
+    engine = None
+    criterion = None
+    if mode == "dpclip":
+        engine = PrivacyEngine(socket_path, client_name="bench_torch_step")
+        model, opt, _ = engine.make_private(module=model, optimizer=opt, noise_multiplier=1.0,
+                                            max_grad_norm=1.0, loss_reduction="mean",
+                                            expected_batch_size=args.batch)
+    elif mode == "opacus":
+        model, opt, criterion = make_opacus(model, opt, args)
+    g = torch.Generator(device="cpu").manual_seed(1)
+    x = torch.randint(0, args.vocab, (args.batch, args.seq), generator=g).to(device)
+    y = torch.randint(0, args.vocab, (args.batch, args.seq), generator=g).to(device)
+    amp = precision == "bf16"
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=amp):
+            logits = model(x)
+        if criterion is not None:
+            loss = criterion(logits.float().flatten(0, 1), y.flatten())
+        else:
+            # Every sample has T tokens, so the token mean is the mean over
+            # samples of per-sample token means (what loss_reduction="mean" says).
+            loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
+        loss.backward()
+        opt.step()
+
+    for _ in range(args.warmup):
+        step()
+    sync(device)
+    t0 = time.perf_counter()
+    for _ in range(args.steps):
+        step()
+    sync(device)
+    ms = (time.perf_counter() - t0) * 1e3 / args.steps
+    mem = peak_mb(device)
+    extra = {}
+    if engine is not None:
+        extra["daemon_compute_ms"] = engine.last_compute_ns / 1e6
+        engine.close()
+    del model, opt, engine
+    reset_peak(device)
+    return ms, mem, extra
+
+
+def make_opacus(model, opt, args):
+    from opacus import PrivacyEngine as OpacusEngine  # optional, for the comparison only
+    from torch.utils.data import DataLoader, TensorDataset
+    pe = OpacusEngine()
+    dl = DataLoader(TensorDataset(torch.zeros(args.batch * 4, 1)), batch_size=args.batch)
+    model, opt, criterion, _ = pe.make_private(
+        module=model, optimizer=opt, data_loader=dl, criterion=nn.CrossEntropyLoss(),
+        noise_multiplier=1.0, max_grad_norm=1.0, grad_sample_mode="ghost",
+        poisson_sampling=False)
+    return model, opt, criterion
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--socket", default=None, help="dpclipd socket (default $DPCLIP_SOCKET)")
+    ap.add_argument("--blocks", type=int, default=12)
+    ap.add_argument("--d", type=int, default=768)
+    ap.add_argument("--heads", type=int, default=12)
+    ap.add_argument("--vocab", type=int, default=32000)
+    ap.add_argument("--seq", type=int, default=1024)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--precision", default="bf16,fp32", help="comma list of bf16, fp32")
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--opacus", action="store_true", help="also time Opacus ghost clipping")
+    args = ap.parse_args()
+
+    device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available()
+                          else ("cpu" if args.device == "auto" else args.device))
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+    config = {"blocks": args.blocks, "d": args.d, "heads": args.heads, "vocab": args.vocab,
+              "seq": args.seq, "batch": args.batch, "steps": args.steps, "optimizer": "sgd",
+              "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+              "torch": torch.__version__}
+    for precision in args.precision.split(","):
+        modes = ["plain", "dpclip"] + (["opacus"] if args.opacus else [])
+        res = {}
+        for mode in modes:
+            try:
+                ms, mem, extra = run(args, device, precision, mode, args.socket)
+            except Exception as e:  # report and go on: one failed mode is a result too
+                print(json.dumps({"bench": "torch_step", "precision": precision, "mode": mode,
+                                  "error": "%s: %s" % (type(e).__name__, e)}), flush=True)
+                continue
+            res[mode] = (ms, mem)
+            print(json.dumps({"bench": "torch_step", "precision": precision, "mode": mode,
+                              "step_ms": round(ms, 3), "peak_mem_mib": round(mem, 1),
+                              **extra, "config": config}), flush=True)
+        if "plain" in res:
+            base_ms, base_mem = res["plain"]
+            for mode in modes[1:]:
+                if mode in res:
+                    print(json.dumps({
+                        "bench": "torch_step", "precision": precision,
+                        "ratio": "%s/plain" % mode,
+                        "time_ratio": round(res[mode][0] / base_ms, 3),
+                        "mem_ratio": round(res[mode][1] / base_mem, 3),
+                        "target": {"time_ratio": 1.3, "mem_ratio": 1.25}}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
