@@ -140,6 +140,8 @@ static int to_result(const Dpclip__ClipStepReply *r, uint32_t batch, uint32_t n_
     res->n_layers = n_layers;
     res->step_index = r->step_index;
     res->compute_ns = r->compute_ns;
+    res->epsilon = r->epsilon;
+    res->delta = r->delta;
     res->norms = malloc(batch * sizeof(float));
     res->coefs = malloc(batch * sizeof(float));
     if (r->n_layer_norms) res->layer_norms = malloc(lb * sizeof(float));

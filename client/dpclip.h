@@ -149,6 +149,12 @@ typedef struct dpclip_clip_config {
     uint32_t expected_batch_size; /* MEAN: divisor of the noised sum; 0 = batch size */
     float noise_multiplier;       /* sigma >= 0 */
     dpclip_clip_mode mode;
+    /* Privacy accounting (the daemon's ledger for this job: connect's job_id
+     * and the caller's uid). Appended fields: zero keeps the old meaning. */
+    double sample_rate;           /* Poisson rate q of the batch; 0 = not given (counted as 1) */
+    double target_delta;          /* delta to report epsilon at; 0 = the job's current one */
+    double target_epsilon;        /* job budget at that delta: steps past it are refused
+                                     (DPCLIP_ENOSPACE); 0 = keep; it can only be lowered */
 } dpclip_clip_config;
 
 dpclip_step *dpclip_step_new(uint32_t batch_size, const dpclip_clip_config *cfg);
@@ -211,6 +217,8 @@ typedef struct dpclip_result {
     float *layer_coefs;    /* [n_layers*batch] (PER_LAYER) or NULL */
     uint64_t step_index;
     uint64_t compute_ns;
+    double epsilon;        /* the job's epsilon after this step (inf without noise) */
+    double delta;          /* ... at this delta */
 } dpclip_result;
 void dpclip_result_free(dpclip_result *r);
 

@@ -250,6 +250,9 @@ int cl_step_message(dpclip_client *c, const dpclip_step *s, Dpclip__ClipStep **o
     m->step.norms_out = ref(&m->norms_out, &s->norms_out);
     m->step.coefficients_out = ref(&m->coefs_out, &s->coefs_out);
     m->step.want_layer_norms = s->want_layer_norms;
+    m->step.sample_rate = s->cfg.sample_rate;
+    m->step.target_delta = s->cfg.target_delta;
+    m->step.target_epsilon = s->cfg.target_epsilon;
     m->step.wait_event = s->wait_event;
     m->step.signal_event = s->signal_event;
     m->step.n_layers = s->n;
