@@ -147,8 +147,13 @@ def main():
     ap.add_argument("--device", default="auto", help="auto, cpu or cuda")
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = default)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--delta", type=float, default=1e-5, help="delta epsilon is reported at")
+    ap.add_argument("--job", default=None, help="job id for the daemon's privacy ledger "
+                    "(default: a fresh one per run)")
     args = ap.parse_args()
 
+    if args.job is None:
+        args.job = "train_transformer-%d-%d" % (os.getpid(), int(time.time()))
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available()
@@ -166,10 +171,11 @@ def main():
 
     model = CharLM(len(itos), args.seq, args.d, args.layers, args.heads).to(device)
     opt = torch.optim.Adam(model.parameters(), lr=args.lr)
-    engine = PrivacyEngine(args.socket, client_name="train_transformer")
+    engine = PrivacyEngine(args.socket, client_name="train_transformer", job_id=args.job)
     model, opt, loader = engine.make_private(module=model, optimizer=opt, data_loader=loader,
                                              noise_multiplier=args.sigma,
-                                             max_grad_norm=args.clip, loss_reduction="mean")
+                                             max_grad_norm=args.clip, loss_reduction="mean",
+                                             target_delta=args.delta)
     nparams = sum(p.numel() for p in model.parameters())
     print("corpus %d chars, vocab %d, %d training windows, model %.2fM params, device %s, "
           "daemon %s" % (len(text), len(itos), len(ds), nparams / 1e6, device,
@@ -193,12 +199,18 @@ def main():
                 n += x.shape[0]
                 clipped += int((engine.last_coefs < 1).sum())
                 seen += x.shape[0]
+        eps = engine.last_epsilon
         print("epoch %d: train loss %.3f, held-out loss %.3f, clipped %.0f%% of samples, "
-              "%.1f s" % (epoch, tot / max(n, 1), evaluate(model, held, device, args.seq),
-                          100.0 * clipped / max(seen, 1), time.time() - t0))
-    print("privacy: epsilon is not reported yet (the daemon has no privacy ledger); "
-          "%d steps at sigma %.2f, sample rate %.4f" % (engine.steps, args.sigma,
-                                                         loader.sample_rate))
+              "%.1f s%s" % (epoch, tot / max(n, 1), evaluate(model, held, device, args.seq),
+                            100.0 * clipped / max(seen, 1), time.time() - t0,
+                            ", epsilon %.2f" % eps if eps and math.isfinite(eps) else ""))
+    eps = engine.last_epsilon
+    if eps and math.isfinite(eps):
+        print("privacy: epsilon %.2f at delta %.1e after %d steps (the daemon's ledger for this "
+              "job)" % (eps, engine.last_delta, engine.steps))
+    else:
+        print("privacy: the daemon reported no finite epsilon (%r) after %d steps at sigma %.2f, "
+              "sample rate %.4f" % (eps, engine.steps, args.sigma, loader.sample_rate))
     print("sample: %r" % sample(model, itos, stoi, "The ", 120, args.seq, device))
     engine.close()
 

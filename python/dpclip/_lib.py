@@ -11,6 +11,7 @@ Where the library comes from (first hit wins):
      (<repo>/build*/libdpclip.so, newest first),
   3. ctypes.util.find_library("dpclip") (an installed library).
 """
+import collections
 import ctypes
 import ctypes.util
 import glob
@@ -74,7 +75,8 @@ class DaemonInfo(ctypes.Structure):
 class ClipConfig(ctypes.Structure):
     _fields_ = [("max_grad_norm", ctypes.c_float), ("reduction", ctypes.c_int),
                 ("expected_batch_size", ctypes.c_uint32), ("noise_multiplier", ctypes.c_float),
-                ("mode", ctypes.c_int)]
+                ("mode", ctypes.c_int), ("sample_rate", ctypes.c_double),
+                ("target_delta", ctypes.c_double), ("target_epsilon", ctypes.c_double)]
 
 
 class Linear(ctypes.Structure):
@@ -104,7 +106,8 @@ class Result(ctypes.Structure):
                 ("coefs", ctypes.POINTER(ctypes.c_float)),
                 ("layer_norms", ctypes.POINTER(ctypes.c_float)),
                 ("layer_coefs", ctypes.POINTER(ctypes.c_float)),
-                ("step_index", ctypes.c_uint64), ("compute_ns", ctypes.c_uint64)]
+                ("step_index", ctypes.c_uint64), ("compute_ns", ctypes.c_uint64),
+                ("epsilon", ctypes.c_double), ("delta", ctypes.c_double)]
 
 
 STRUCTS = {"dpclip_tensor": Tensor, "dpclip_connect_opts": ConnectOpts,
@@ -310,6 +313,10 @@ class Client:
         self.close()
 
 
+StepResult = collections.namedtuple(
+    "StepResult", "norms coefs step_index compute_ns epsilon delta")
+
+
 class Step:
     """A dpclip_step: built layer by layer, run on a Client.
 
@@ -317,10 +324,12 @@ class Step:
     by the library (names too), so nothing here must outlive the call."""
 
     def __init__(self, batch, max_grad_norm, reduction=MEAN, expected_batch_size=0,
-                 noise_multiplier=0.0, mode=FLAT):
+                 noise_multiplier=0.0, mode=FLAT, sample_rate=0.0, target_delta=0.0,
+                 target_epsilon=0.0):
         self._L = lib()
         self.cfg = ClipConfig(float(max_grad_norm), int(reduction), int(expected_batch_size),
-                              float(noise_multiplier), int(mode))
+                              float(noise_multiplier), int(mode), float(sample_rate),
+                              float(target_delta), float(target_epsilon))
         self._s = self._L.dpclip_step_new(int(batch), ctypes.byref(self.cfg))
         if not self._s:
             raise DpclipError(EARG if batch <= 0 else ENOMEM, "",
@@ -357,8 +366,9 @@ class Step:
         self._L.dpclip_step_set_events(self._s, int(wait_event), int(signal_event))
 
     def run(self, client):
-        """Sends the step and waits for the reply: (norms, coefs, step_index,
-        compute_ns), norms and coefs as lists of B floats."""
+        """Sends the step and waits for the reply: a StepResult, norms and
+        coefs as lists of B floats, epsilon/delta from the daemon's privacy
+        ledger (0 where it reports none)."""
         res = Result()
         rc = self._L.dpclip_run(client.handle, self._s, ctypes.byref(res))
         try:
@@ -366,7 +376,8 @@ class Step:
             n = res.batch
             norms = res.norms[:n] if res.norms else []
             coefs = res.coefs[:n] if res.coefs else []
-            return norms, coefs, res.step_index, res.compute_ns
+            return StepResult(norms, coefs, res.step_index, res.compute_ns, res.epsilon,
+                              res.delta)
         finally:
             self._L.dpclip_result_free(ctypes.byref(res))
 

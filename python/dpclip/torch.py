@@ -44,6 +44,7 @@ which counts every step.
 import collections
 import ctypes
 import math
+import time
 import types
 
 import torch
@@ -329,11 +330,18 @@ class PrivacyEngine:
         self.last_norms = None
         self.last_coefs = None
         self.last_compute_ns = 0
+        self.last_epsilon = self.last_delta = 0.0   # the daemon's ledger, after the last step
+        self._job_id = job_id
+        # Wall time of the last step's phases in the trainer (ms): building
+        # the request (copies, registrations), the daemon round trip, and
+        # writing param.grad. For diagnosing overheads; costs two clock reads.
+        self.last_timing = {}
 
     # -- setup ------------------------------------------------------------------
     def make_private(self, *, module, optimizer=None, data_loader=None, noise_multiplier,
                      max_grad_norm, loss_reduction="mean", poisson_sampling=True,
-                     expected_batch_size=None, distributed=None, algorithm="auto"):
+                     expected_batch_size=None, distributed=None, algorithm="auto",
+                     sample_rate=None, target_delta=0.0, target_epsilon=0.0):
         """Attach to `module`; returns (module, optimizer, data_loader), the
         optimizer wrapped so that step() first fills param.grad with the
         private gradient, the loader replaced by a Poisson-sampled one
@@ -345,7 +353,12 @@ class PrivacyEngine:
         of each step (not private under Poisson sampling: give it).
         distributed: None = use torch.distributed when initialized. Then
         every rank has its own session, only rank 0 adds noise, and the
-        clipped sums are all-reduced (SUM) after each step."""
+        clipped sums are all-reduced (SUM) after each step.
+        sample_rate: the Poisson rate q the daemon's privacy ledger accounts
+        each step at (default: the DPDataLoader's; else 0, which the ledger
+        counts as q = 1). target_delta / target_epsilon: the delta epsilon is
+        reported at (engine.last_epsilon, last_delta) and the job's budget,
+        past which the daemon refuses steps (0 = the daemon's defaults)."""
         if self.module is not None:
             raise RuntimeError("this PrivacyEngine is already attached to a module")
         if loss_reduction not in ("mean", "sum"):
@@ -392,6 +405,14 @@ class PrivacyEngine:
             # Same starting point on every rank (what DDP would do).
             for p in module.parameters():
                 torch.distributed.broadcast(p.data, 0)
+            if self.rank > 0:
+                # Ranks other than 0 send sigma 0 (noise once per logical
+                # step): keep their steps out of the job's privacy ledger,
+                # which would otherwise account noiseless steps to the job.
+                self.client.close()
+                self.client = _lib.Client(self.client.socket_path, client_name="dpclip-torch",
+                                          job_id="%s.rank%d-noiseless" % (
+                                              self._job_id or "dpclip", self.rank))
 
         if data_loader is not None and poisson_sampling and not isinstance(data_loader,
                                                                           DPDataLoader):
@@ -404,15 +425,19 @@ class PrivacyEngine:
             else:
                 expected_batch_size = 0
         self.expected_batch_size = int(expected_batch_size)
+        if sample_rate is None:
+            sample_rate = data_loader.sample_rate if isinstance(data_loader, DPDataLoader) else 0.0
         self.noise_multiplier = float(noise_multiplier)
         self.max_grad_norm = float(max_grad_norm)
         self.loss_reduction = loss_reduction
         self.algorithm = algo
         # Noise once per logical step: rank 0 adds it, the others send sigma 0.
         sigma = self.noise_multiplier if self.rank == 0 else 0.0
+        self.sample_rate = float(sample_rate)
         self._step = _lib.Step(1, self.max_grad_norm,
                                _lib.MEAN if loss_reduction == "mean" else _lib.SUM,
-                               self.expected_batch_size, sigma)
+                               self.expected_batch_size, sigma, sample_rate=self.sample_rate,
+                               target_delta=target_delta, target_epsilon=target_epsilon)
 
         self._layers = layers
         for l in layers:
@@ -565,11 +590,19 @@ class PrivacyEngine:
                 else:
                     step.add_rmsnorm(nl)
 
-    def _finish(self, norms, coefs, idx, compute_ns):
-        self.last_norms = torch.tensor(norms, dtype=torch.float32)
-        self.last_coefs = torch.tensor(coefs, dtype=torch.float32)
-        self.last_step_index = idx
-        self.last_compute_ns = compute_ns
+    def _finish(self, res, B):
+        # An empty batch was sent as one sample of zeros: no real norms.
+        self.last_norms = torch.tensor(res.norms if B > 0 else [], dtype=torch.float32)
+        self.last_coefs = torch.tensor(res.coefs if B > 0 else [], dtype=torch.float32)
+        self.last_step_index = res.step_index
+        self.last_compute_ns = res.compute_ns
+        self.last_epsilon = res.epsilon
+        self.last_delta = res.delta
+
+    def _timing(self, t0, t1, t2):
+        t3 = time.perf_counter()
+        self.last_timing = {"prepare_ms": (t1 - t0) * 1e3, "run_ms": (t2 - t1) * 1e3,
+                            "finish_ms": (t3 - t2) * 1e3}
 
     # -- host memory: one shared-memory arena ---------------------------------------
     def _arena_view(self, need):
@@ -586,6 +619,7 @@ class PrivacyEngine:
         return self._arena
 
     def _run_host(self, B):
+        t0 = time.perf_counter()
         plan = self._plan(B, torch.device("cpu"))
         nb = max(B, 1)
         off = 0
@@ -630,12 +664,15 @@ class PrivacyEngine:
         step = self._step
         step.reset(nb)
         self._add_layers(step, plan, refs)
-        norms, coefs, idx, ns = step.run(self.client)
+        t1 = time.perf_counter()
+        res = step.run(self.client)
+        t2 = time.perf_counter()
         for (l, *_), (w_dt, w_off, b_off, _, _) in zip(plan, slots):
             self._set_grad(l.weight, view(w_off, w_dt, tuple(l.weight.shape)))
             if b_off is not None:
                 self._set_grad(l.bias, view(b_off, w_dt, tuple(l.bias.shape)))
-        self._finish(norms if B > 0 else [], coefs if B > 0 else [], idx, ns)
+        self._finish(res, B)
+        self._timing(t0, t1, t2)
 
     @staticmethod
     def _set_grad(p, src):
@@ -663,6 +700,7 @@ class PrivacyEngine:
         return _tref(bid, off, t.dtype, shape)
 
     def _run_cuda(self, B, device):
+        t0 = time.perf_counter()
         plan = self._plan(B, device)
         nb = max(B, 1)
         keep = []
@@ -698,7 +736,9 @@ class PrivacyEngine:
             stream = torch.cuda.current_stream(device)
             ready.record(stream)
             step.set_events(rid, did)
-            norms, coefs, idx, ns = step.run(self.client)
+            t1 = time.perf_counter()
+            res = step.run(self.client)
+            t2 = time.perf_counter()
             # The daemon recorded `done` before replying: from here on the
             # trainer's stream is ordered after the daemon's writes (and after
             # its reads of `keep`, whose blocks the allocator may now reuse).
@@ -712,7 +752,8 @@ class PrivacyEngine:
                     p.grad = out  # aliases the output buffer: no copy
                 else:
                     self._set_grad(p, out)
-        self._finish(norms if B > 0 else [], coefs if B > 0 else [], idx, ns)
+        self._finish(res, B)
+        self._timing(t0, t1, t2)
 
 
 # --- the optimizer wrapper -------------------------------------------------------------

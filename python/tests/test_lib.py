@@ -16,7 +16,8 @@ FIELDS = {
     "dpclip_daemon_info": ["protocol_version", "daemon_version", "max_batch", "max_layers",
                            "max_frame", "session_id", "has_cuda", "mps_active"],
     "dpclip_clip_config": ["max_grad_norm", "reduction", "expected_batch_size",
-                           "noise_multiplier", "mode"],
+                           "noise_multiplier", "mode", "sample_rate", "target_delta",
+                           "target_epsilon"],
     "dpclip_linear": ["name", "activations", "output_grad", "has_bias", "algo",
                       "weight_grad_out", "bias_grad_out", "max_grad_norm"],
     "dpclip_embedding": ["name", "indices", "output_grad", "num_embeddings", "has_padding_idx",
@@ -24,7 +25,7 @@ FIELDS = {
     "dpclip_norm_layer": ["name", "input", "output_grad", "eps", "has_bias", "weight_grad_out",
                           "bias_grad_out", "max_grad_norm"],
     "dpclip_result": ["batch", "n_layers", "norms", "coefs", "layer_norms", "layer_coefs",
-                      "step_index", "compute_ns"],
+                      "step_index", "compute_ns", "epsilon", "delta"],
 }
 
 

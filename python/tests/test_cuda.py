@@ -1,0 +1,66 @@
+"""The CUDA data plane (CUDA IPC tensors, interprocess events): the same
+checks as the host path against the per-sample reference. Skipped, with the
+reason, where there is no GPU or the daemon has no CUDA backend."""
+import math
+
+import pytest
+import torch
+
+import dpclip
+from dpclip.torch import PrivacyEngine, reduce_loss
+from models import SeqModel, per_sample_losses, reference, seq_data
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+
+
+@pytest.fixture
+def cuda_daemon(daemon):
+    with dpclip.Client(daemon.socket) as c:
+        if not c.info.has_cuda:
+            pytest.skip("this dpclipd has no CUDA backend")
+    return daemon
+
+
+def _rel(got, want):
+    return float((got.double().cpu() - want).abs().max()) / float(want.abs().max())
+
+
+@pytest.mark.parametrize("amp", [False, True])
+def test_cuda_step_matches_reference(cuda_daemon, amp):
+    torch.manual_seed(3)
+    model = SeqModel()
+    (x,), y = seq_data(9, seed=3)
+    C, expected = 0.8, 11
+    want, ref_norms, ref_coefs = reference(model, "seq", (x,), y, C, "mean", expected)
+    model = model.cuda()
+    engine = PrivacyEngine(cuda_daemon.socket)
+    model, opt, _ = engine.make_private(module=model, optimizer=torch.optim.SGD(
+        model.parameters(), lr=0.0), noise_multiplier=0.0, max_grad_norm=C,
+        expected_batch_size=expected)
+    for _ in range(2):  # the second step reuses registrations and events
+        opt.zero_grad()
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=amp):
+            out = model(x.cuda())
+        reduce_loss(per_sample_losses("seq", out.float(), y.cuda()), "mean").backward()
+        opt.step()
+        tol = 0.05 if amp else 2e-4
+        for n, p in model.named_parameters():
+            assert p.grad.is_cuda and _rel(p.grad, want[n]) < tol, n
+        if not amp:
+            assert torch.allclose(engine.last_coefs.double(), ref_coefs, rtol=1e-4, atol=1e-6)
+    engine.close()
+
+
+def test_cuda_noise_std(cuda_daemon):
+    sigma, C, expected = 1.5, 2.0, 8
+    model = torch.nn.Linear(256, 256).cuda()
+    engine = PrivacyEngine(cuda_daemon.socket)
+    model, opt, _ = engine.make_private(module=model, optimizer=torch.optim.SGD(
+        model.parameters(), lr=0.0), noise_multiplier=sigma, max_grad_norm=C,
+        expected_batch_size=expected)
+    (model(torch.randn(expected, 256, device="cuda")) * 0.0).sum().backward()
+    opt.step()
+    v = torch.cat([p.grad.reshape(-1) for p in model.parameters()]).double()
+    want = sigma * C / expected
+    assert abs(float(v.std()) - want) < 6 * want / math.sqrt(2 * v.numel())
+    engine.close()
