@@ -7,28 +7,18 @@
 #include <string.h>
 #include <sys/random.h>
 #include <sys/socket.h>
-#include <sys/stat.h>
-#include <sys/un.h>
+#include <time.h>
 #include <unistd.h>
 
+#include "listen.h"
 #include "log.h"
+#include "sdnotify.h"
 #include "session.h"
 
 static int cpu_factory(void *arg, int index, dc_backend **out, dc_err *err) {
     (void)arg;
     (void)index;
     return dc_cpu_backend_create(1, out, err);
-}
-
-/* A socket file left by a crashed daemon is stale and may be replaced; one a
- * live daemon answers on must not be stolen. */
-static int socket_in_use(const struct sockaddr_un *addr) {
-    int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
-    int live;
-    if (fd < 0) return 0;
-    live = connect(fd, (const struct sockaddr *)addr, sizeof *addr) == 0;
-    close(fd);
-    return live;
 }
 
 static void on_accept(uv_poll_t *h, int status, int events) {
@@ -52,11 +42,13 @@ static void on_accept(uv_poll_t *h, int status, int events) {
         if (srv->sessions) srv->sessions->prev = s;
         srv->sessions = s;
         srv->n_sessions++;
-        srv->stats.sessions_total++;
+        srv->metrics.sessions_total++;
         dc_log_debug("session %llu: connected (pid %d uid %u)", (unsigned long long)s->id,
                      (int)s->peer_pid, (unsigned)s->peer_uid);
     }
 }
+
+/* --- polling around step completions ------------------------------------------ */
 
 static void on_spin(uv_idle_t *h) {
     dc_server *srv = h->data;
@@ -66,8 +58,8 @@ static void on_spin(uv_idle_t *h) {
 }
 
 void dc_server_spin(dc_server *srv) {
-    if (!srv->cfg.spin_ns || srv->stopping) return;
-    srv->spin_until = uv_hrtime() + srv->cfg.spin_ns;
+    if (!srv->spin_ns || srv->stopping) return;
+    srv->spin_until = uv_hrtime() + srv->spin_ns;
     uv_idle_start(&srv->spin, on_spin);
 }
 
@@ -79,7 +71,7 @@ static void on_spin_timer(uv_timer_t *t) {
 
 void dc_server_spin_expect(dc_server *srv, uint64_t expect_ns) {
     uint64_t now = uv_hrtime(), margin, start, end;
-    if (!srv->cfg.spin_ns || srv->stopping) return;
+    if (!srv->spin_ns || srv->stopping) return;
     /* libuv timers have millisecond resolution: open the window a bit more
      * than a millisecond early, close it well after. */
     margin = expect_ns / 20 > 1500000u ? expect_ns / 20 : 1500000u;
@@ -97,6 +89,135 @@ void dc_server_spin_expect(dc_server *srv, uint64_t expect_ns) {
     uv_timer_start(&srv->spin_timer, on_spin_timer, (start - now) / 1000000u, 0);
 }
 
+/* --- the ledger's writes ------------------------------------------------------ */
+
+typedef struct ledger_write {
+    uv_work_t req;
+    dc_server *srv;
+    dc_ledger_job *job;
+    uint64_t gen;
+    char path[600];
+    char *buf;
+    size_t len;
+    int rc;
+    dc_err err;
+    uint64_t t0;
+} ledger_write;
+
+static void start_write(dc_server *srv, dc_ledger_job *job);
+
+static void ledger_write_work(uv_work_t *req) {
+    ledger_write *w = req->data;
+    w->rc = dc_ledger_write_file(w->path, w->buf, w->len, &w->err);
+}
+
+/* Tells every waiter whose generation this write covered. */
+static void notify_waiters(dc_ledger_job *job, uint64_t gen, int rc, const dc_err *err) {
+    dc_ledger_waiter **pp = &job->waiters, *ready = NULL;
+    while (*pp) {
+        dc_ledger_waiter *w = *pp;
+        if (w->gen <= gen) {
+            *pp = w->next;
+            w->next = ready;
+            ready = w;
+        } else {
+            pp = &w->next;
+        }
+    }
+    /* Callbacks may change the job (a failed spend refunds itself) and
+     * queue new waiters: they run after the list is settled. */
+    while (ready) {
+        dc_ledger_waiter *w = ready;
+        ready = w->next;
+        w->done(w, rc, err);
+    }
+}
+
+static void ledger_write_done(uv_work_t *req, int status) {
+    ledger_write *w = req->data;
+    dc_server *srv = w->srv;
+    dc_ledger_job *job = w->job;
+
+    srv->ledger_writes_in_flight--;
+    job->writing = false;
+    if (status != 0 && w->rc == 0)
+        w->rc = dc_err_set(&w->err, DC_EINTERNAL, "ledger", "ledger write cancelled");
+    dc_hist_add(&srv->metrics.ledger_write, (uv_hrtime() - w->t0) / 1e9);
+    if (w->rc == 0) {
+        srv->metrics.ledger_writes++;
+        if (w->gen > job->saved_gen) job->saved_gen = w->gen;
+    } else {
+        srv->metrics.ledger_write_errors++;
+        dc_log_error("ledger: uid %u job '%s': %s", job->uid, job->job, w->err.msg);
+    }
+    notify_waiters(job, w->gen, w->rc, &w->err);
+    free(w->buf);
+    free(w);
+    /* What changed meanwhile (or was refunded by the waiters) goes next. */
+    if (!job->writing && job->saved_gen < job->gen && (job->dirty || job->waiters))
+        start_write(srv, job);
+}
+
+static void start_write(dc_server *srv, dc_ledger_job *job) {
+    ledger_write *w = calloc(1, sizeof *w);
+    dc_err e;
+    if (!w || dc_ledger_serialize(job, &w->buf, &w->len) != 0) {
+        free(w);
+        dc_err_set(&e, DC_ENOSPACE, "ledger", "out of memory writing the ledger");
+        srv->metrics.ledger_write_errors++;
+        notify_waiters(job, job->gen, DC_ENOSPACE, &e);
+        return;
+    }
+    w->req.data = w;
+    w->srv = srv;
+    w->job = job;
+    w->gen = job->gen;
+    w->t0 = uv_hrtime();
+    dc_ledger_job_path(&srv->ledger, job, w->path, sizeof w->path);
+    job->writing = true;
+    job->dirty = false;
+    srv->ledger_writes_in_flight++;
+    uv_queue_work(srv->loop, &w->req, ledger_write_work, ledger_write_done);
+}
+
+void dc_server_ledger_persist(dc_server *srv, dc_ledger_job *job, dc_ledger_waiter *w) {
+    if (w) {
+        w->next = job->waiters;
+        job->waiters = w;
+    }
+    if (!dc_ledger_persistent(&srv->ledger)) {
+        job->saved_gen = job->gen;
+        notify_waiters(job, job->gen, 0, NULL);
+        return;
+    }
+    if (job->saved_gen >= job->gen) {
+        notify_waiters(job, job->saved_gen, 0, NULL);
+        return;
+    }
+    if (job->writing) {
+        job->dirty = true;
+        return;
+    }
+    start_write(srv, job);
+}
+
+/* --- lifecycle ------------------------------------------------------------------ */
+
+static void post_status(dc_server *srv) {
+    dc_sd_status("%zu sessions, %llu steps (%llu failed), %zu jobs in the ledger%s",
+                 srv->n_sessions, (unsigned long long)srv->metrics.steps_ok,
+                 (unsigned long long)srv->metrics.steps_failed, srv->ledger.n_jobs,
+                 srv->stopping ? ", stopping" : "");
+}
+
+static void on_tick(uv_timer_t *t) {
+    dc_server *srv = t->data;
+    /* From the loop itself: if the loop stops turning, the keep-alives stop
+     * and systemd restarts the daemon. */
+    dc_sd_watchdog();
+    post_status(srv);
+}
+
 static void maybe_finish(dc_server *srv) {
     if (!srv->stopping || srv->n_sessions || srv->closed) return;
     srv->closed = true;
@@ -104,15 +225,18 @@ static void maybe_finish(dc_server *srv) {
     uv_close((uv_handle_t *)&srv->stop_timer, NULL);
     uv_close((uv_handle_t *)&srv->spin, NULL);
     uv_close((uv_handle_t *)&srv->spin_timer, NULL);
+    uv_close((uv_handle_t *)&srv->tick, NULL);
     uv_close((uv_handle_t *)&srv->sig_term, NULL);
     uv_close((uv_handle_t *)&srv->sig_int, NULL);
+    uv_close((uv_handle_t *)&srv->sig_hup, NULL);
+    dc_status_stop(&srv->status);
     if (srv->pool_ready) dc_worker_pool_close(&srv->cpu_pool);
     srv->pool_ready = false;
     dc_gpu_close(&srv->gpu);
     dc_log_info("stopped: %llu sessions, %llu steps served, %llu failed",
-                (unsigned long long)srv->stats.sessions_total,
-                (unsigned long long)srv->stats.steps_ok,
-                (unsigned long long)srv->stats.steps_failed);
+                (unsigned long long)srv->metrics.sessions_total,
+                (unsigned long long)srv->metrics.steps_ok,
+                (unsigned long long)srv->metrics.steps_failed);
 }
 
 void dc_server_session_gone(dc_server *srv, dc_session *s) {
@@ -140,12 +264,14 @@ void dc_server_shutdown(dc_server *srv) {
     dc_session *s, *next;
     if (srv->stopping) return;
     srv->stopping = true;
+    dc_sd_stopping();
     if (srv->listen_fd >= 0) {
         uv_poll_stop(&srv->listen_poll);
         uv_close((uv_handle_t *)&srv->listen_poll, NULL);
         close(srv->listen_fd);
         srv->listen_fd = -1;
-        unlink(srv->socket_path);
+        /* systemd's socket stays: connections queue there until we are back. */
+        if (!srv->listen_activated) unlink(srv->socket_path);
     }
     uv_timer_start(&srv->stop_timer, on_stop_timer, 10000, 0);
     /* dc_session_shutdown may free a session (via the poll close callback,
@@ -157,67 +283,94 @@ void dc_server_shutdown(dc_server *srv) {
     maybe_finish(srv);
 }
 
-static int listen_on(dc_server *srv, dc_err *err) {
-    struct sockaddr_un addr;
+static void note_restart(void *arg, const char *name) {
+    (void)arg;
+    dc_log_warn("reload: %s changed; it takes effect at the next restart", name);
+}
+
+void dc_server_apply_config(dc_server *srv, const dc_config *n) {
+    dc_config *c = &srv->cfg;
+    dc_config_restart_needed(c, n, note_restart, NULL);
+    c->log_level = n->log_level;
+    dc_log_set_level(n->log_level);
+    c->max_batch = srv->limits.max_batch = n->max_batch;
+    c->max_layers = srv->limits.max_layers = n->max_layers;
+    c->max_buffers = n->max_buffers;
+    memcpy(c->allowed_uids, n->allowed_uids, sizeof c->allowed_uids);
+    c->n_allowed_uids = n->n_allowed_uids;
+    memcpy(c->allowed_gids, n->allowed_gids, sizeof c->allowed_gids);
+    c->n_allowed_gids = n->n_allowed_gids;
+    c->delta = srv->ledger.default_delta = n->delta;
+    c->budget_epsilon = n->budget_epsilon;
+    c->budget_delta = n->budget_delta;
+    c->require_sample_rate = n->require_sample_rate;
+    snprintf(c->config_path, sizeof c->config_path, "%s", n->config_path);
+}
+
+static void on_hup(uv_signal_t *h, int signum) {
+    dc_server *srv = h->data;
+    dc_config n;
+    dc_err e;
+    (void)signum;
+    if (srv->stopping) return;
+    dc_sd_reloading();
+    if (!srv->reload) {
+        dc_log_warn("SIGHUP: nothing to reload from");
+    } else if (srv->reload(srv->reload_arg, &n, &e) != 0) {
+        srv->metrics.reload_errors++;
+        dc_log_error("reload failed, keeping the running configuration: %s", e.msg);
+    } else {
+        dc_server_apply_config(srv, &n);
+        srv->metrics.reloads++;
+        dc_log_info("configuration reloaded%s%s", n.config_path[0] ? " from " : "",
+                    n.config_path);
+    }
+    dc_sd_ready();
+    post_status(srv);
+}
+
+static int resolve_gid(const char *group) {
+    uint32_t gid;
+    if (!group[0] || dc_config_group_id(group, &gid) != 0) return -1;
+    return (int)gid;
+}
+
+static int listen_main(dc_server *srv, dc_err *err) {
     int fd;
-
-    memset(&addr, 0, sizeof addr);
-    addr.sun_family = AF_UNIX;
-    if (strlen(srv->cfg.socket_path) >= sizeof addr.sun_path)
-        return dc_err_set(err, DC_EINVAL, "socket", "socket path longer than %zu bytes",
-                          sizeof addr.sun_path - 1);
-    snprintf(addr.sun_path, sizeof addr.sun_path, "%s", srv->cfg.socket_path);
-    snprintf(srv->socket_path, sizeof srv->socket_path, "%s", srv->cfg.socket_path);
-
-    fd = socket(AF_UNIX, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
-    if (fd < 0) return dc_err_set(err, DC_EINTERNAL, "socket", "socket: %s", strerror(errno));
-    if (bind(fd, (struct sockaddr *)&addr, sizeof addr) != 0) {
-        struct stat st;
-        if (errno != EADDRINUSE) goto fail_bind;
-        if (socket_in_use(&addr)) {
-            close(fd);
-            return dc_err_set(err, DC_EUNAVAIL, "socket",
-                              "%s: another dpclipd is already serving this socket",
-                              srv->cfg.socket_path);
-        }
-        /* Replace a stale socket, but never some other kind of file. */
-        if (lstat(srv->cfg.socket_path, &st) != 0 || !S_ISSOCK(st.st_mode)) {
-            errno = EEXIST;
-            goto fail_bind;
-        }
-        unlink(srv->cfg.socket_path);
-        if (bind(fd, (struct sockaddr *)&addr, sizeof addr) != 0) goto fail_bind;
-    }
-    /* Group members (the trainers' group) may connect; nobody else. */
-    if (chmod(srv->cfg.socket_path, srv->cfg.socket_mode) != 0) {
-        dc_err_set(err, DC_EINTERNAL, "socket", "chmod %s: %s", srv->cfg.socket_path,
-                   strerror(errno));
-        goto fail_unlink;
-    }
-    if (listen(fd, 128) != 0) {
-        dc_err_set(err, DC_EINTERNAL, "socket", "listen: %s", strerror(errno));
-        goto fail_unlink;
+    snprintf(srv->socket_path, sizeof srv->socket_path, "%s", srv->cfg.socket);
+    if ((fd = dc_sd_take_unix(srv->cfg.socket)) >= 0) {
+        /* systemd made it (SocketMode/SocketGroup apply); it may be blocking. */
+        fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) | O_NONBLOCK);
+        srv->listen_activated = true;
+    } else if ((fd = dc_listen_unix(srv->cfg.socket, srv->cfg.socket_mode,
+                                    resolve_gid(srv->cfg.socket_group), err)) < 0) {
+        return err ? (int)err->code : DC_EUNAVAIL;
     }
     srv->listen_fd = fd;
     return 0;
-
-fail_bind:
-    dc_err_set(err, DC_EUNAVAIL, "socket", "bind %s: %s", srv->cfg.socket_path, strerror(errno));
-    close(fd);
-    return err ? (int)err->code : DC_EUNAVAIL;
-fail_unlink:
-    unlink(srv->cfg.socket_path);
-    close(fd);
-    return err ? (int)err->code : DC_EINTERNAL;
 }
 
-int dc_server_init(dc_server *srv, uv_loop_t *loop, const dc_server_config *cfg, dc_err *err) {
+int dc_server_init(dc_server *srv, uv_loop_t *loop, const dc_config *cfg,
+                   dc_server_reload_fn reload, void *reload_arg, dc_err *err) {
+    long ncpu = sysconf(_SC_NPROCESSORS_ONLN);
+    char status_path[128];
+    dc_status_opts so;
     int rc;
 
     memset(srv, 0, sizeof *srv);
     srv->loop = loop;
     srv->cfg = *cfg;
+    srv->reload = reload;
+    srv->reload_arg = reload_arg;
     srv->listen_fd = -1;
+    srv->ledger.lock_fd = -1;
+    srv->limits.max_batch = cfg->max_batch;
+    srv->limits.max_layers = cfg->max_layers;
+    srv->limits.max_frame = cfg->max_frame;
+    srv->workers = cfg->workers > 0 ? cfg->workers : ncpu > 0 ? (int)ncpu : 1;
+    srv->spin_ns = (uint64_t)cfg->spin_us * 1000u;
+    srv->start_ns = uv_hrtime();
+    srv->start_time = (int64_t)time(NULL);
     if (cfg->fixed_seed) {
         srv->noise_key = cfg->seed;
         dc_log_warn("--insecure-fixed-seed: noise is predictable; for tests only, never for "
@@ -226,14 +379,27 @@ int dc_server_init(dc_server *srv, uv_loop_t *loop, const dc_server_config *cfg,
         return dc_err_set(err, DC_EINTERNAL, "", "getrandom: %s", strerror(errno));
     }
 
-    if ((rc = dc_worker_pool_init(&srv->cpu_pool, loop, "cpu", cfg->workers, cpu_factory, NULL,
+    /* The ledger first: a daemon that cannot account must not serve steps. */
+    if ((rc = dc_ledger_open(&srv->ledger, cfg->ledger_dir, cfg->delta, err))) return rc;
+    if ((rc = dc_worker_pool_init(&srv->cpu_pool, loop, "cpu", srv->workers, cpu_factory, NULL,
                                   err)))
-        return rc;
+        goto fail_ledger;
     srv->pool_ready = true;
-    dc_worker_pool_set_spin(&srv->cpu_pool, cfg->spin_ns);
-    if ((rc = dc_gpu_init(&srv->gpu, loop, cfg->use_gpu, err))) goto fail_pool;
+    dc_worker_pool_set_spin(&srv->cpu_pool, srv->spin_ns);
+    if ((rc = dc_gpu_init(&srv->gpu, loop, cfg->gpu, err))) goto fail_pool;
 
-    if ((rc = listen_on(srv, err))) goto fail_pool;
+    dc_sd_listen_init();
+    if ((rc = listen_main(srv, err))) goto fail_pool;
+    dc_config_status_path(cfg, status_path, sizeof status_path);
+    so.unix_path = status_path;
+    so.unix_mode = cfg->status_mode;
+    so.unix_gid = resolve_gid(cfg->status_group);
+    so.tcp_port = cfg->status_port;
+    so.asked = cfg->status_socket[0] || cfg->status_port;
+    if ((rc = dc_status_start(&srv->status, loop, &so, dc_server_render, srv, err)))
+        goto fail_listen;
+    dc_sd_listen_done();
+
     uv_poll_init(loop, &srv->listen_poll, srv->listen_fd);
     srv->listen_poll.data = srv;
     uv_poll_start(&srv->listen_poll, UV_READABLE, on_accept);
@@ -244,26 +410,52 @@ int dc_server_init(dc_server *srv, uv_loop_t *loop, const dc_server_config *cfg,
     srv->spin.data = srv;
     uv_timer_init(loop, &srv->spin_timer);
     srv->spin_timer.data = srv;
+    uv_timer_init(loop, &srv->tick);
+    srv->tick.data = srv;
+    {
+        /* Keep-alives at a third of systemd's watchdog period, status lines
+         * every few seconds without one. */
+        uint64_t wd = dc_sd_watchdog_usec(), period = wd ? wd / 3000 : 5000;
+        if (period < 100) period = 100;
+        uv_timer_start(&srv->tick, on_tick, period, period);
+    }
     uv_signal_init(loop, &srv->sig_term);
     uv_signal_init(loop, &srv->sig_int);
-    srv->sig_term.data = srv->sig_int.data = srv;
+    uv_signal_init(loop, &srv->sig_hup);
+    srv->sig_term.data = srv->sig_int.data = srv->sig_hup.data = srv;
     uv_signal_start(&srv->sig_term, on_signal, SIGTERM);
     uv_signal_start(&srv->sig_int, on_signal, SIGINT);
+    uv_signal_start(&srv->sig_hup, on_hup, SIGHUP);
 
-    dc_log_info("dpclipd %s listening on %s (cpu: %d workers; gpus: %d; max batch %u)",
-                DPCLIP_VERSION, srv->socket_path, cfg->workers, srv->gpu.n,
-                cfg->limits.max_batch);
+    dc_log_info("dpclipd %s listening on %s%s (cpu: %d workers; gpus: %d%s; max batch %u; "
+                "ledger: %s)",
+                DPCLIP_VERSION, srv->socket_path, srv->listen_activated ? " (from systemd)" : "",
+                srv->workers, srv->gpu.n, srv->gpu.mps_active ? ", MPS" : "",
+                srv->limits.max_batch, cfg->ledger_dir[0] ? cfg->ledger_dir : "in memory only");
     if (cfg->ready_fd >= 0) {
         static const char ready[] = "READY\n";
         ssize_t n = write(cfg->ready_fd, ready, sizeof ready - 1);
         (void)n;
         close(cfg->ready_fd);
     }
+    dc_sd_ready();
+    post_status(srv);
     return 0;
 
+fail_listen:
+    close(srv->listen_fd);
+    if (!srv->listen_activated) unlink(srv->socket_path);
+    srv->listen_fd = -1;
 fail_pool:
     dc_gpu_close(&srv->gpu);
     dc_worker_pool_close(&srv->cpu_pool);
     srv->pool_ready = false;
+fail_ledger:
+    dc_ledger_close(&srv->ledger);
     return rc;
+}
+
+void dc_server_free(dc_server *srv) {
+    /* uv_run has returned: no ledger write is in flight any more. */
+    dc_ledger_close(&srv->ledger);
 }

@@ -1,12 +1,19 @@
-/* The daemon's listening socket, its sessions and its worker pools: one
- * libuv loop owns all of it. The loop thread never blocks: sockets are
- * non-blocking and polled with uv_poll_t, compute runs in worker pools, and
- * completions come back through uv_async_t.
+/* The daemon's listening socket, its sessions, its worker pools, the
+ * privacy ledger and the status endpoint: one libuv loop owns all of it. The
+ * loop thread never blocks: sockets are non-blocking and polled with
+ * uv_poll_t, compute runs in worker pools, ledger writes (fsync) on libuv's
+ * thread pool, and completions come back through uv_async_t / uv_work_t.
  *
- * Shutdown (SIGTERM/SIGINT or dc_server_shutdown): stop accepting and unlink
- * the socket; sessions with a step in flight finish it and get their reply;
- * then every session closes, the pools stop and the loop runs out of handles,
- * so uv_run returns. */
+ * Signals: SIGTERM/SIGINT stop gracefully (stop accepting and unlink the
+ * socket unless systemd owns it; sessions with a step in flight finish it and
+ * get their reply; then every session closes, the pools stop and the loop
+ * runs out of handles, so uv_run returns). SIGHUP reloads the configuration
+ * through the owner's reload callback and applies what may change at run
+ * time.
+ *
+ * systemd: READY=1 once listening, STATUS= lines, WATCHDOG=1 keep-alives
+ * from a loop timer (a stuck loop stops them and gets restarted), RELOADING /
+ * STOPPING around reloads and shutdown. */
 #ifndef DC_SERVER_H
 #define DC_SERVER_H
 
@@ -14,42 +21,35 @@
 #include <stdint.h>
 #include <uv.h>
 
+#include "config.h"
 #include "gpu.h"
+#include "ledger.h"
+#include "metrics.h"
+#include "status.h"
 #include "validate.h"
 #include "worker.h"
 
 typedef struct dc_session dc_session;
 
-typedef struct dc_server_config {
-    const char *socket_path;
-    unsigned socket_mode;        /* e.g. 0660 */
-    int workers;                 /* CPU worker threads (>= 1) */
-    dc_limits limits;
-    uint32_t max_buffers;        /* per session */
-    int ready_fd;                /* write "READY\n" here once listening; -1: none */
-    bool use_gpu;                /* serve CUDA buffers on the GPUs found */
-    uint64_t spin_ns;            /* idle workers and the loop poll this long */
-    bool fixed_seed;             /* test-only: deterministic noise */
-    uint64_t seed;
-} dc_server_config;
-
-typedef struct dc_server_stats {
-    uint64_t sessions_total;
-    uint64_t steps_ok;
-    uint64_t steps_failed;
-    uint64_t requests_rejected;  /* error replies other than failed steps */
-    uint64_t samples_total;
-    uint64_t compute_ns_total;
-} dc_server_stats;
+/* Produces the configuration a reload should apply (main.c: defaults, the
+ * file, the same flags again). */
+typedef int (*dc_server_reload_fn)(void *arg, dc_config *out, dc_err *err);
 
 typedef struct dc_server {
     uv_loop_t *loop;
-    dc_server_config cfg;
+    dc_config cfg;                /* effective; reloadable fields change on SIGHUP */
+    dc_limits limits;             /* from cfg, what validation reads */
+    int workers;                  /* CPU workers (cfg.workers resolved) */
+    uint64_t spin_ns;
+    dc_server_reload_fn reload;
+    void *reload_arg;
     char socket_path[108];
     int listen_fd;
+    bool listen_activated;        /* systemd owns the socket file */
     uv_poll_t listen_poll;
-    uv_signal_t sig_term, sig_int;
+    uv_signal_t sig_term, sig_int, sig_hup;
     uv_timer_t stop_timer;        /* forces sessions closed if they never drain */
+    uv_timer_t tick;              /* watchdog keep-alive and STATUS= */
     uv_idle_t spin;               /* keeps the loop polling while steps are short */
     uint64_t spin_until;          /* uv_hrtime() deadline of that polling */
     uv_timer_t spin_timer;        /* starts polling shortly before a long step ends */
@@ -57,22 +57,36 @@ typedef struct dc_server {
     dc_worker_pool cpu_pool;
     bool pool_ready;
     dc_gpu gpu;                   /* zero GPUs without CUDA */
+    uint64_t gpu_workspace[8];    /* bytes each GPU's backend holds (last step's view) */
     dc_session *sessions;         /* doubly linked, owned */
     size_t n_sessions;
     uint64_t next_session_id;
     uint64_t next_buffer_id;
     uint64_t noise_key;           /* from getrandom, or the fixed test seed */
     uint64_t noise_steps;         /* steps drawn so far: the noise counter */
+    dc_ledger ledger;
+    int ledger_writes_in_flight;
+    dc_status status;
+    dc_metrics metrics;
+    uint64_t start_ns;            /* uv_hrtime at start */
+    int64_t start_time;           /* wall clock at start (s since epoch) */
     bool stopping;
     bool closed;
-    dc_server_stats stats;
 } dc_server;
 
-/* Binds and listens (refusing to steal a live daemon's socket), starts the
- * worker pools and the signal handlers. */
-int dc_server_init(dc_server *srv, uv_loop_t *loop, const dc_server_config *cfg, dc_err *err);
+/* Opens the ledger, binds (or takes from systemd) and listens, starts the
+ * worker pools, the status endpoint and the signal handlers, and tells
+ * systemd it is ready. `reload` may be NULL (SIGHUP then only logs). */
+int dc_server_init(dc_server *srv, uv_loop_t *loop, const dc_config *cfg,
+                   dc_server_reload_fn reload, void *reload_arg, dc_err *err);
 /* Begins the graceful stop described above; idempotent. */
 void dc_server_shutdown(dc_server *srv);
+/* After uv_run has returned: frees what outlives the loop's handles (the
+ * ledger). */
+void dc_server_free(dc_server *srv);
+/* Applies a new configuration's run-time settings (SIGHUP); settings that
+ * need a restart are reported in the log and left as they are. */
+void dc_server_apply_config(dc_server *srv, const dc_config *cfg);
 
 /* Called by session.c after submitting a job: for the next spin_ns the loop
  * polls instead of sleeping, so a short step's completion is picked up
@@ -85,5 +99,14 @@ void dc_server_spin_expect(dc_server *srv, uint64_t expect_ns);
 
 /* Called by session.c when a session has fully closed. */
 void dc_server_session_gone(dc_server *srv, dc_session *s);
+
+/* Makes the job's ledger state durable. `w` (may be NULL) is called back on
+ * the loop once a write holding generation w->gen has reached the disk, or
+ * failed; with an in-memory ledger, at once. Writes of one job never
+ * overlap; changes made while one is in flight go out in the next. */
+void dc_server_ledger_persist(dc_server *srv, dc_ledger_job *job, dc_ledger_waiter *w);
+
+/* /status JSON and /metrics text (report.c), rendered on the loop thread. */
+void dc_server_render(void *srv, dc_sbuf *status_json, dc_sbuf *metrics_text);
 
 #endif

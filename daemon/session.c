@@ -12,7 +12,6 @@
 #include "log.h"
 #include "server.h"
 #include "session_int.h"
-#include "validate.h"
 
 /* One packed reply frame waiting to be written. */
 struct dc_wbuf {
@@ -21,20 +20,6 @@ struct dc_wbuf {
     uint8_t data[];
 };
 
-struct dc_step_job {
-    dc_job job;
-    dc_session *s;
-    uint64_t req_id;
-    void *wait_event;      /* GPU steps: cudaEvent_t or NULL */
-    void *signal_event;
-    dc_step step;
-    dc_step_result res;
-    dc_err err;
-    int rc;
-    /* Phases of the step (uv_hrtime ns): request decoded, submitted to a
-     * worker, worker started, worker finished. Logged at debug level. */
-    uint64_t t_recv, t_submit, t_start, t_end;
-};
 
 /* Stop reading when this much is buffered (a step in flight, or a client
  * that does not read its replies): the kernel's socket buffer then pushes
@@ -93,7 +78,7 @@ void dc_session_send(dc_session *s, Dpclip__Reply *reply) {
     session_flush(s);
 }
 
-static void send_error(dc_session *s, uint64_t id, const dc_err *e) {
+void dc_session_send_error(dc_session *s, uint64_t id, const dc_err *e) {
     Dpclip__Reply reply = DPCLIP__REPLY__INIT;
     Dpclip__Error er = DPCLIP__ERROR__INIT;
     er.code = (Dpclip__ErrorCode)e->code;
@@ -108,11 +93,38 @@ static void send_error(dc_session *s, uint64_t id, const dc_err *e) {
 }
 
 void dc_session_reject(dc_session *s, uint64_t id, const dc_err *e) {
-    s->srv->stats.requests_rejected++;
-    send_error(s, id, e);
+    s->srv->metrics.errors[e->code <= 10 ? e->code : DC_EINTERNAL]++;
+    dc_session_send_error(s, id, e);
 }
 
 /* --- requests ---------------------------------------------------------- */
+
+static bool id_listed(const uint32_t *ids, size_t n, uint32_t id) {
+    for (size_t i = 0; i < n; i++)
+        if (ids[i] == id) return true;
+    return false;
+}
+
+/* [access]: with no lists, whoever can open the socket (its mode and group
+ * decide); else the peer's uid, primary group or a supplementary group
+ * (SO_PEERGROUPS) must be listed. */
+static bool peer_allowed(const dc_session *s) {
+    const dc_config *c = &s->srv->cfg;
+    if (!c->n_allowed_uids && !c->n_allowed_gids) return true;
+    if (id_listed(c->allowed_uids, c->n_allowed_uids, (uint32_t)s->peer_uid)) return true;
+    if (id_listed(c->allowed_gids, c->n_allowed_gids, (uint32_t)s->peer_gid)) return true;
+#ifdef SO_PEERGROUPS
+    {
+        gid_t groups[256];
+        socklen_t len = sizeof groups;
+        if (getsockopt(s->fd, SOL_SOCKET, SO_PEERGROUPS, groups, &len) == 0)
+            for (size_t i = 0; i < len / sizeof groups[0]; i++)
+                if (id_listed(c->allowed_gids, c->n_allowed_gids, (uint32_t)groups[i]))
+                    return true;
+    }
+#endif
+    return false;
+}
 
 static void handle_hello(dc_session *s, uint64_t id, const Dpclip__Hello *h) {
     dc_server *srv = s->srv;
@@ -139,14 +151,27 @@ static void handle_hello(dc_session *s, uint64_t id, const Dpclip__Hello *h) {
         s->closing = true;
         return;
     }
+    if (!peer_allowed(s)) {
+        srv->metrics.sessions_refused++;
+        dc_err_set(&e, DC_EPERM, "hello", "uid %u (gid %u) may not use this daemon: see "
+                   "[access] in its configuration", (unsigned)s->peer_uid, (unsigned)s->peer_gid);
+        dc_log_warn("session %llu: pid %d uid %u refused by [access]", (unsigned long long)s->id,
+                    (int)s->peer_pid, (unsigned)s->peer_uid);
+        dc_session_reject(s, id, &e);
+        s->closing = true;
+        return;
+    }
     snprintf(s->client_name, sizeof s->client_name, "%s", h->client_name ? h->client_name : "");
     snprintf(s->job_id, sizeof s->job_id, "%s", h->job_id ? h->job_id : "");
+    /* The privacy ledger's account: this uid's job of that name. */
+    if ((s->ljob = dc_ledger_job_get(&srv->ledger, (uint32_t)s->peer_uid, s->job_id)))
+        s->ljob->sessions++;
     s->hello_done = true;
     dc_log_info("session %llu: hello from pid %d uid %u client '%s' job '%s'",
                 (unsigned long long)s->id, (int)s->peer_pid, (unsigned)s->peer_uid,
                 s->client_name, s->job_id);
 
-    snprintf(cpu_name, sizeof cpu_name, "cpu (%d workers)", srv->cfg.workers);
+    snprintf(cpu_name, sizeof cpu_name, "cpu (%d workers)", srv->workers);
     dpclip__device__init(&devs[nd]);
     devs[nd].backend = "cpu";
     devs[nd].name = cpu_name;
@@ -167,9 +192,9 @@ static void handle_hello(dc_session *s, uint64_t id, const Dpclip__Hello *h) {
     hr.devices = devp;
     hr.n_layer_kinds = 4;
     hr.layer_kinds = kinds;
-    hr.max_batch = srv->cfg.limits.max_batch;
-    hr.max_frame = srv->cfg.limits.max_frame;
-    hr.max_layers = srv->cfg.limits.max_layers;
+    hr.max_batch = srv->limits.max_batch;
+    hr.max_frame = srv->limits.max_frame;
+    hr.max_layers = srv->limits.max_layers;
     hr.session_id = s->id;
     hr.mps_active = srv->gpu.mps_active;
     reply.id = id;
@@ -253,154 +278,6 @@ static void handle_release(dc_session *s, uint64_t id, const Dpclip__ReleaseBuff
     dc_session_send(s, &reply);
 }
 
-static void step_work(dc_job *job, dc_backend *be) {
-    dc_step_job *j = (dc_step_job *)job;
-    j->t_start = uv_hrtime();
-    dc_err_clear(&j->err);
-    if (j->wait_event && (j->rc = dc_gpu_wait_event(be, j->wait_event, &j->err))) return;
-    j->rc = dc_backend_run_step(be, &j->step, &j->res, &j->err);
-    if (j->rc == 0 && j->signal_event)
-        j->rc = dc_gpu_record_event(be, j->signal_event, &j->err);
-    j->t_end = uv_hrtime();
-}
-
-static void step_done(dc_job *job) {
-    dc_step_job *j = (dc_step_job *)job;
-    dc_session *s = j->s;
-    dc_server *srv = s->srv;
-
-    s->job = NULL;
-    if (j->step.device >= 0) {
-        uint64_t run = j->t_end - j->t_start;
-        s->ewma_gpu_run_ns = s->ewma_gpu_run_ns ? (3 * s->ewma_gpu_run_ns + run) / 4 : run;
-    }
-    if (j->rc == 0) {
-        Dpclip__Reply reply = DPCLIP__REPLY__INIT;
-        Dpclip__ClipStepReply cr = DPCLIP__CLIP_STEP_REPLY__INIT;
-        size_t lb = j->res.n_layers * j->res.batch;
-        srv->stats.steps_ok++;
-        srv->stats.samples_total += j->step.batch;
-        srv->stats.compute_ns_total += j->res.compute_ns;
-        s->steps++;
-        cr.n_norms = j->res.batch;
-        cr.norms = j->res.norms;
-        cr.n_coefficients = j->res.batch;
-        cr.coefficients = j->res.coefs;
-        if (j->step.want_layer_norms || j->step.mode == DC_CLIP_PER_LAYER) {
-            cr.n_layer_norms = lb;
-            cr.layer_norms = j->res.layer_norms;
-        }
-        if (j->step.mode == DC_CLIP_PER_LAYER && j->res.layer_coefs) {
-            cr.n_layer_coefficients = lb;
-            cr.layer_coefficients = j->res.layer_coefs;
-        }
-        cr.step_index = s->steps;
-        cr.compute_ns = j->res.compute_ns;
-        reply.id = j->req_id;
-        reply.body_case = DPCLIP__REPLY__BODY_CLIP_STEP;
-        reply.clip_step = &cr;
-        dc_session_send(s, &reply);
-    } else {
-        srv->stats.steps_failed++;
-        if (j->err.code == DC_OK) dc_err_set(&j->err, DC_EINTERNAL, "clip_step", "step failed");
-        send_error(s, j->req_id, &j->err);
-    }
-    if (dc_log_get_level() >= DC_LOG_DEBUG) {
-        uint64_t now = uv_hrtime();
-        dc_log_debug("session %llu: step %llu (%zu layers, B=%u, %s): validate %.1f us, queue "
-                     "%.1f us, run %.1f us (backend %.1f us), reply %.1f us",
-                     (unsigned long long)s->id, (unsigned long long)s->steps, j->step.n_layers,
-                     j->step.batch, j->step.device < 0 ? "cpu" : "gpu",
-                     (j->t_submit - j->t_recv) / 1e3, (j->t_start - j->t_submit) / 1e3,
-                     (j->t_end - j->t_start) / 1e3, j->res.compute_ns / 1e3,
-                     (now - j->t_end) / 1e3);
-    }
-    dc_step_result_free(&j->res);
-    dc_validate_step_free(&j->step);
-    free(j);
-
-    if (s->gone) {
-        dc_session_destroy(s);
-        return;
-    }
-    dc_session_process(s);
-}
-
-static void handle_step(dc_session *s, uint64_t id, const Dpclip__ClipStep *m) {
-    dc_server *srv = s->srv;
-    dc_step_job *j = calloc(1, sizeof *j);
-    dc_err e;
-
-    if (!j) {
-        dc_err_set(&e, DC_ENOSPACE, "clip_step", "out of memory");
-        dc_session_reject(s, id, &e);
-        return;
-    }
-    j->t_recv = uv_hrtime();
-    if (dc_validate_step(m, &s->reg, &srv->cfg.limits, &j->step, &e)) {
-        free(j);
-        dc_session_reject(s, id, &e);
-        return;
-    }
-    if (j->step.device >= srv->gpu.n) {
-        dc_err_set(&e, DC_EPRECOND, "clip_step", "no GPU backend for device %d", j->step.device);
-        goto fail_step;
-    }
-    if (m->wait_event || m->signal_event) {
-        const struct dc_session_event *w = m->wait_event ? dc_session_find_event(s, m->wait_event) : NULL;
-        const struct dc_session_event *g = m->signal_event ? dc_session_find_event(s, m->signal_event) : NULL;
-        if (m->wait_event && !w) {
-            dc_err_set(&e, DC_ENOTFOUND, "clip_step.wait_event",
-                       "event %llu is not registered in this session",
-                       (unsigned long long)m->wait_event);
-            goto fail_step;
-        }
-        if (m->signal_event && !g) {
-            dc_err_set(&e, DC_ENOTFOUND, "clip_step.signal_event",
-                       "event %llu is not registered in this session",
-                       (unsigned long long)m->signal_event);
-            goto fail_step;
-        }
-        if ((w && w->device != j->step.device) || (g && g->device != j->step.device)) {
-            dc_err_set(&e, DC_EINVAL, w && w->device != j->step.device ? "clip_step.wait_event"
-                                                                      : "clip_step.signal_event",
-                       "events must be on the step's device (%s)",
-                       j->step.device < 0 ? "host memory" : "the tensors' GPU");
-            goto fail_step;
-        }
-        j->wait_event = w ? w->event : NULL;
-        j->signal_event = g ? g->event : NULL;
-    }
-    if (dc_step_result_init(&j->res, j->step.batch, j->step.n_layers,
-                            j->step.mode == DC_CLIP_PER_LAYER)) {
-        dc_validate_step_free(&j->step);
-        free(j);
-        dc_err_set(&e, DC_ENOSPACE, "clip_step", "out of memory");
-        dc_session_reject(s, id, &e);
-        return;
-    }
-    j->step.noise_key = srv->noise_key;
-    j->step.noise_step = ++srv->noise_steps;
-    j->s = s;
-    j->req_id = id;
-    j->job.work = step_work;
-    j->job.done = step_done;
-    s->job = j;
-    j->t_submit = uv_hrtime();
-    dc_worker_pool_submit(j->step.device >= 0 ? &srv->gpu.pools[j->step.device] : &srv->cpu_pool,
-                          &j->job);
-    if (j->step.device >= 0 && s->ewma_gpu_run_ns)
-        dc_server_spin_expect(srv, s->ewma_gpu_run_ns);
-    else
-        dc_server_spin(srv);
-    return;
-
-fail_step:
-    dc_validate_step_free(&j->step);
-    free(j);
-    dc_session_reject(s, id, &e);
-}
-
 static void dispatch(dc_session *s, const uint8_t *payload, size_t len, uint64_t start,
                      uint64_t end) {
     Dpclip__Request *req;
@@ -412,6 +289,20 @@ static void dispatch(dc_session *s, const uint8_t *payload, size_t len, uint64_t
 
     nfds = take_fds(s, start, end, fds, DC_SESSION_MAX_FDS);
     req = len ? dpclip__request__unpack(NULL, len, payload) : NULL;
+    if (req) {
+        static const dc_req_kind kinds[] = {
+            [DPCLIP__REQUEST__BODY_HELLO] = DC_REQ_HELLO,
+            [DPCLIP__REQUEST__BODY_REGISTER_BUFFER] = DC_REQ_REGISTER,
+            [DPCLIP__REQUEST__BODY_RELEASE_BUFFER] = DC_REQ_RELEASE,
+            [DPCLIP__REQUEST__BODY_CLIP_STEP] = DC_REQ_STEP,
+            [DPCLIP__REQUEST__BODY_PING] = DC_REQ_PING,
+            [DPCLIP__REQUEST__BODY_REGISTER_EVENT] = DC_REQ_EVENT};
+        unsigned bc = (unsigned)req->body_case;
+        s->srv->metrics.requests[bc < sizeof kinds / sizeof kinds[0] && bc ? kinds[bc]
+                                                                           : DC_REQ_OTHER]++;
+    } else {
+        s->srv->metrics.requests[DC_REQ_OTHER]++;
+    }
     if (!req) {
         dc_err_set(&e, DC_EPROTO, "request", "the frame does not decode as a dpclip.Request");
         dc_session_reject(s, 0, &e);
@@ -438,7 +329,7 @@ static void dispatch(dc_session *s, const uint8_t *payload, size_t len, uint64_t
         handle_release(s, req->id, req->release_buffer);
         break;
     case DPCLIP__REQUEST__BODY_CLIP_STEP:
-        handle_step(s, req->id, req->clip_step);
+        dc_session_step(s, req->id, req->clip_step);
         break;
     case DPCLIP__REQUEST__BODY_REGISTER_EVENT:
         dc_session_register_event(s, req->id, req->register_event);
@@ -464,7 +355,7 @@ out:
 /* Consumes complete frames while no step is in flight. */
 void dc_session_process(dc_session *s) {
     size_t off = 0;
-    uint32_t max = s->srv->cfg.limits.max_frame;
+    uint32_t max = s->srv->limits.max_frame;
 
     while (!dc_session_busy(s) && !s->closing && !s->gone && s->rlen - off >= DC_FRAME_HEADER) {
         uint32_t n = dc_frame_get_len(s->rbuf + off);
@@ -503,7 +394,7 @@ void dc_session_process(dc_session *s) {
 /* --- reading ----------------------------------------------------------- */
 
 static int session_read(dc_session *s) {
-    size_t limit = (size_t)s->srv->cfg.limits.max_frame + DC_FRAME_HEADER;
+    size_t limit = (size_t)s->srv->limits.max_frame + DC_FRAME_HEADER;
     for (int rounds = 0; rounds < 16; rounds++) {
         union {
             struct cmsghdr h;
@@ -585,7 +476,7 @@ static void on_poll(uv_poll_t *h, int status, int events) {
 
 static void session_update_poll(dc_session *s) {
     int ev = 0;
-    size_t limit = (size_t)s->srv->cfg.limits.max_frame + DC_FRAME_HEADER;
+    size_t limit = (size_t)s->srv->limits.max_frame + DC_FRAME_HEADER;
 
     if (s->gone) return;
     if (s->closing && !s->w_head && !dc_session_busy(s)) {
@@ -614,6 +505,7 @@ int dc_session_start(dc_server *srv, int fd, dc_session **out) {
     s->srv = srv;
     s->fd = fd;
     s->id = ++srv->next_session_id;
+    s->connected_ns = uv_hrtime();
     dc_registry_init(&s->reg);
     if (getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cred, &len) == 0) {
         s->peer_pid = cred.pid;
@@ -655,6 +547,7 @@ void dc_session_destroy(dc_session *s) {
         free(w);
     }
     dc_registry_destroy(&s->reg);
+    if (s->ljob) s->ljob->sessions--;
     free(s->rbuf);
     dc_server_session_gone(s->srv, s);
     free(s);

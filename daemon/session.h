@@ -15,6 +15,7 @@
 #include <sys/socket.h>
 #include <uv.h>
 
+#include "ledger.h"
 #include "registry.h"
 
 typedef struct dc_server dc_server;
@@ -62,7 +63,11 @@ typedef struct dc_session {
     size_t n_events, cap_events;
     dc_registry reg;
     uint64_t steps;
+    uint64_t steps_failed;
     uint64_t ewma_gpu_run_ns;        /* recent GPU steps' worker time */
+    uint64_t connected_ns;           /* uv_hrtime at accept */
+    uint64_t last_step_ns;           /* uv_hrtime of the last reply to a step, 0 = none */
+    dc_ledger_job *ljob;             /* the ledger's (uid, job) since Hello; not owned */
 } dc_session;
 
 /* Takes ownership of a connected, non-blocking socket. */

@@ -1,10 +1,39 @@
-/* Internals shared by session.c (framing, requests, lifecycle) and
- * session_gpu.c (CUDA buffers and events). Loop thread only. */
+/* Internals shared by session.c (framing, requests, lifecycle),
+ * session_step.c (ClipStep: validation, privacy accounting, the worker job,
+ * the reply) and session_gpu.c (CUDA buffers and events). Loop thread only. */
 #ifndef DC_SESSION_INT_H
 #define DC_SESSION_INT_H
 
 #include "dpclip.pb-c.h"
+#include "ledger.h"
 #include "session.h"
+#include "step.h"
+#include "worker.h"
+
+/* A step from request to reply. Owned by the session (s->job) from the
+ * moment it is accepted until step_done has replied. */
+struct dc_step_job {
+    dc_job job;
+    dc_session *s;
+    uint64_t req_id;
+    void *wait_event;      /* GPU steps: cudaEvent_t or NULL */
+    void *signal_event;
+    dc_step step;
+    dc_step_result res;
+    dc_err err;
+    int rc;
+    /* Privacy accounting: the step's spend in the session's job, reserved
+     * (and, with a persistent ledger, on disk) before the step may run. */
+    dc_ledger_job *ljob;
+    double q, sigma;       /* as recorded in the ledger */
+    double eps, delta;     /* the job's eps with this step, at its delta */
+    dc_ledger_waiter wait; /* for the spend to be durable */
+    uint64_t workspace;    /* GPU steps: the backend's workspace after it */
+    /* Phases (uv_hrtime ns): request decoded, validated and accounted,
+     * submitted to a worker, worker started, input event waited, worker
+     * finished. */
+    uint64_t t_recv, t_checked, t_submit, t_start, t_waited, t_end;
+};
 
 /* A request is being worked on off the loop: later ones wait for it. */
 int dc_session_busy(const dc_session *s);
@@ -12,6 +41,8 @@ int dc_session_busy(const dc_session *s);
 void dc_session_send(dc_session *s, Dpclip__Reply *reply);
 /* An error reply for request id (counted as a rejected request). */
 void dc_session_reject(dc_session *s, uint64_t id, const dc_err *e);
+/* An error reply that is not counted as rejected (a failed step). */
+void dc_session_send_error(dc_session *s, uint64_t id, const dc_err *e);
 /* Consumes buffered frames until the session is busy or out of frames. */
 void dc_session_process(dc_session *s);
 /* Frees the session once its socket is closed and nothing runs for it. */
@@ -20,5 +51,8 @@ void dc_session_destroy(dc_session *s);
 void dc_session_register_cuda(dc_session *s, uint64_t id, const Dpclip__RegisterBuffer *m);
 void dc_session_register_event(dc_session *s, uint64_t id, const Dpclip__RegisterEvent *m);
 const struct dc_session_event *dc_session_find_event(const dc_session *s, uint64_t id);
+
+/* ClipStep (session_step.c). */
+void dc_session_step(dc_session *s, uint64_t id, const Dpclip__ClipStep *m);
 
 #endif

@@ -1,0 +1,614 @@
+#include "config.h"
+
+#include <errno.h>
+#include <getopt.h>
+#include <grp.h>
+#include <limits.h>
+#include <math.h>
+#include <pwd.h>
+#include <stddef.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "dc_frame.h"
+
+#ifdef DPCLIP_HAVE_INIH
+#include <ini.h>
+#endif
+
+/* --- the settings table ------------------------------------------------------ */
+
+typedef enum key_type {
+    T_PATH,    /* char[], absolute path (or "" where allowed) */
+    T_GROUP,   /* char[], group name or number, "" = unset */
+    T_MODE,    /* unsigned, octal permission bits */
+    T_UINT,    /* uint32_t / int in [lo, hi] */
+    T_INT,
+    T_BOOL,
+    T_LEVEL,   /* dc_log_level */
+    T_DOUBLE,  /* in [lo, hi] */
+    T_UIDS,    /* list of users (names or numbers) */
+    T_GIDS     /* list of groups */
+} key_type;
+
+typedef struct key_def {
+    const char *section, *key;
+    const char *flag;     /* long option, or NULL */
+    key_type type;
+    size_t off, size;
+    double lo, hi;
+    bool reload;          /* SIGHUP may change it in a running daemon */
+    const char *help;
+} key_def;
+
+#define F(field) offsetof(dc_config, field), sizeof(((dc_config *)0)->field)
+
+static const key_def KEYS[] = {
+    {"daemon", "socket", "socket", T_PATH, F(socket), 0, 0, false,
+     "Unix socket trainers connect to"},
+    {"daemon", "socket_mode", "socket-mode", T_MODE, F(socket_mode), 0, 0777, false,
+     "permissions of the socket file"},
+    {"daemon", "socket_group", "socket-group", T_GROUP, F(socket_group), 0, 0, false,
+     "group of the socket file (the trainers' group); empty = the daemon's"},
+    {"daemon", "workers", "workers", T_INT, F(workers), 0, 256, false,
+     "CPU worker threads; 0 = one per CPU"},
+    {"daemon", "blas_threads", "blas-threads", T_INT, F(blas_threads), 1, 256, false,
+     "BLAS threads inside one CPU step"},
+    {"daemon", "spin_us", "spin-us", T_UINT, F(spin_us), 0, 100000, false,
+     "idle workers and the loop poll this long before sleeping"},
+    {"daemon", "gpu", NULL, T_BOOL, F(gpu), 0, 0, false,
+     "serve CUDA buffers on the GPUs found (--no-gpu: false)"},
+    {"daemon", "log_level", "log-level", T_LEVEL, F(log_level), 0, 0, true,
+     "error, warn, info or debug"},
+    {"limits", "max_batch", "max-batch", T_UINT, F(max_batch), 1, 1u << 24, true,
+     "largest batch a step may declare"},
+    {"limits", "max_layers", "max-layers", T_UINT, F(max_layers), 1, 1u << 20, true,
+     "most layers in one step"},
+    {"limits", "max_frame", "max-frame", T_UINT, F(max_frame), 64, 1u << 30, false,
+     "largest request frame in bytes"},
+    {"limits", "max_buffers", "max-buffers", T_UINT, F(max_buffers), 1, 1u << 20, true,
+     "buffers one session may hold registered"},
+    {"access", "allowed_uids", NULL, T_UIDS, F(allowed_uids), 0, 0, true,
+     "users (names or uids) allowed to connect; empty = anyone who can open the socket"},
+    {"access", "allowed_groups", NULL, T_GIDS, F(allowed_gids), 0, 0, true,
+     "groups (names or gids) whose members may connect"},
+    {"status", "socket", "status-socket", T_PATH, F(status_socket), 0, 0, false,
+     "HTTP status socket; empty = <socket without .sock>-status.sock, none = off"},
+    {"status", "socket_mode", NULL, T_MODE, F(status_mode), 0, 0777, false,
+     "permissions of the status socket"},
+    {"status", "socket_group", NULL, T_GROUP, F(status_group), 0, 0, false,
+     "group of the status socket"},
+    {"status", "tcp_port", "status-port", T_UINT, F(status_port), 0, 65535, false,
+     "also serve status on 127.0.0.1:PORT; 0 = off"},
+    {"ledger", "dir", "ledger-dir", T_PATH, F(ledger_dir), 0, 0, false,
+     "privacy ledger directory; empty = in memory only"},
+    {"ledger", "delta", NULL, T_DOUBLE, F(delta), 1e-300, 0.5, true,
+     "delta at which a job's epsilon is reported unless the job gives one"},
+    {"ledger", "budget_epsilon", "budget-epsilon", T_DOUBLE, F(budget_epsilon), 0, 1e6, true,
+     "refuse steps that would take a job past this epsilon (at budget_delta); 0 = none"},
+    {"ledger", "budget_delta", NULL, T_DOUBLE, F(budget_delta), 1e-300, 0.5, true,
+     "delta of the node-wide budget"},
+    {"ledger", "require_sample_rate", NULL, T_BOOL, F(require_sample_rate), 0, 0, true,
+     "refuse steps that do not state their sample rate (else counted as rate 1)"},
+};
+#define N_KEYS (sizeof KEYS / sizeof KEYS[0])
+
+void dc_config_defaults(dc_config *c) {
+    const char *env = getenv("DPCLIP_SOCKET");
+    memset(c, 0, sizeof *c);
+    snprintf(c->socket, sizeof c->socket, "%s",
+             env && env[0] && strlen(env) < sizeof c->socket ? env : "/run/dpclip/dpclipd.sock");
+    c->socket_mode = 0660;
+    c->workers = 0;
+    c->blas_threads = 1;
+    c->spin_us = 50;
+    c->gpu = true;
+    c->log_level = DC_LOG_INFO;
+    c->max_batch = DC_DEFAULT_MAX_BATCH;
+    c->max_layers = DC_DEFAULT_MAX_LAYERS;
+    c->max_frame = DC_DEFAULT_MAX_FRAME;
+    c->max_buffers = 4096;
+    c->status_mode = 0660;
+    c->delta = 1e-5;
+    c->budget_delta = 1e-5;
+    c->ready_fd = -1;
+}
+
+/* --- values -------------------------------------------------------------------- */
+
+static const key_def *find_key(const char *section, const char *key, bool *section_known) {
+    *section_known = false;
+    for (size_t i = 0; i < N_KEYS; i++) {
+        if (strcmp(KEYS[i].section, section) != 0) continue;
+        *section_known = true;
+        if (strcmp(KEYS[i].key, key) == 0) return &KEYS[i];
+    }
+    return NULL;
+}
+
+static int parse_ull(const char *s, int base, unsigned long long *out) {
+    char *end;
+    errno = 0;
+    if (!s[0] || s[0] == '-' || s[0] == '+') return -1;
+    *out = strtoull(s, &end, base);
+    return errno || *end ? -1 : 0;
+}
+
+static int parse_bool(const char *s, bool *out) {
+    static const char *yes[] = {"true", "yes", "on", "1"}, *no[] = {"false", "no", "off", "0"};
+    for (int i = 0; i < 4; i++) {
+        if (strcasecmp(s, yes[i]) == 0) return *out = true, 0;
+        if (strcasecmp(s, no[i]) == 0) return *out = false, 0;
+    }
+    return -1;
+}
+
+int dc_config_group_id(const char *name, uint32_t *gid) {
+    unsigned long long v;
+    struct group gr, *res = NULL;
+    char buf[4096];
+    if (parse_ull(name, 10, &v) == 0) {
+        if (v > UINT32_MAX - 1) return -1;
+        *gid = (uint32_t)v;
+        return 0;
+    }
+    if (getgrnam_r(name, &gr, buf, sizeof buf, &res) != 0 || !res) return -1;
+    *gid = (uint32_t)res->gr_gid;
+    return 0;
+}
+
+static int user_id(const char *name, uint32_t *uid) {
+    unsigned long long v;
+    struct passwd pw, *res = NULL;
+    char buf[4096];
+    if (parse_ull(name, 10, &v) == 0) {
+        if (v > UINT32_MAX - 1) return -1;
+        *uid = (uint32_t)v;
+        return 0;
+    }
+    if (getpwnam_r(name, &pw, buf, sizeof buf, &res) != 0 || !res) return -1;
+    *uid = (uint32_t)res->pw_uid;
+    return 0;
+}
+
+/* A list of names or numbers separated by commas and/or blanks. */
+static int parse_ids(const char *value, bool users, uint32_t *ids, size_t *n, const char *where,
+                     const key_def *k, dc_err *err) {
+    char buf[1024], *save = NULL;
+    size_t cnt = 0;
+    if (strlen(value) >= sizeof buf)
+        return dc_err_set(err, DC_EINVAL, k->key, "%s: %s.%s: list too long", where, k->section,
+                          k->key);
+    snprintf(buf, sizeof buf, "%s", value);
+    for (char *t = strtok_r(buf, ", \t", &save); t; t = strtok_r(NULL, ", \t", &save)) {
+        uint32_t id;
+        if (cnt == DC_CONFIG_MAX_IDS)
+            return dc_err_set(err, DC_EINVAL, k->key, "%s: %s.%s: more than %d entries", where,
+                              k->section, k->key, DC_CONFIG_MAX_IDS);
+        if ((users ? user_id(t, &id) : dc_config_group_id(t, &id)) != 0)
+            return dc_err_set(err, DC_EINVAL, k->key, "%s: %s.%s: no such %s '%s'", where,
+                              k->section, k->key, users ? "user" : "group", t);
+        ids[cnt++] = id;
+    }
+    *n = cnt;
+    return 0;
+}
+
+static int set_value(dc_config *c, const key_def *k, const char *value, const char *where,
+                     dc_err *err) {
+    char *p = (char *)c + k->off;
+    unsigned long long u;
+    const char *what = NULL;
+
+    switch (k->type) {
+    case T_PATH:
+        if (strlen(value) >= k->size) {
+            what = "path too long";
+            break;
+        }
+        if (value[0] && value[0] != '/' && strcmp(value, "none") != 0) {
+            what = "must be an absolute path";
+            break;
+        }
+        snprintf(p, k->size, "%s", value);
+        return 0;
+    case T_GROUP: {
+        uint32_t gid;
+        if (strlen(value) >= k->size) {
+            what = "name too long";
+            break;
+        }
+        if (value[0] && dc_config_group_id(value, &gid) != 0)
+            return dc_err_set(err, DC_EINVAL, k->key, "%s: %s.%s: no such group '%s'", where,
+                              k->section, k->key, value);
+        snprintf(p, k->size, "%s", value);
+        return 0;
+    }
+    case T_MODE:
+        if (parse_ull(value, 8, &u) || u > (unsigned long long)k->hi) {
+            what = "expected octal permission bits such as 0660";
+            break;
+        }
+        *(unsigned *)p = (unsigned)u;
+        return 0;
+    case T_UINT:
+    case T_INT:
+        if (parse_ull(value, 10, &u) || u < (unsigned long long)k->lo ||
+            u > (unsigned long long)k->hi)
+            return dc_err_set(err, DC_EINVAL, k->key,
+                              "%s: %s.%s: '%s' is not a whole number in [%.0f, %.0f]", where,
+                              k->section, k->key, value, k->lo, k->hi);
+        if (k->type == T_UINT) *(uint32_t *)p = (uint32_t)u;
+        else *(int *)p = (int)u;
+        return 0;
+    case T_BOOL:
+        if (parse_bool(value, (bool *)p)) {
+            what = "expected true or false";
+            break;
+        }
+        return 0;
+    case T_LEVEL: {
+        int lv = dc_log_parse_level(value);
+        if (lv < 0) {
+            what = "expected error, warn, info or debug";
+            break;
+        }
+        *(dc_log_level *)p = (dc_log_level)lv;
+        return 0;
+    }
+    case T_DOUBLE: {
+        char *end;
+        double d;
+        errno = 0;
+        d = strtod(value, &end);
+        if (errno || end == value || *end || !isfinite(d) || (d < k->lo && d != 0.0) ||
+            d > k->hi || (d == 0.0 && k->lo > 0))
+            return dc_err_set(err, DC_EINVAL, k->key, "%s: %s.%s: '%s' is not a number in %s[%g, %g]",
+                              where, k->section, k->key, value, k->lo > 0 ? "" : "{0} or ",
+                              k->lo > 0 ? k->lo : 0.0, k->hi);
+        *(double *)p = d;
+        return 0;
+    }
+    case T_UIDS:
+        return parse_ids(value, true, c->allowed_uids, &c->n_allowed_uids, where, k, err);
+    case T_GIDS:
+        return parse_ids(value, false, c->allowed_gids, &c->n_allowed_gids, where, k, err);
+    }
+    return dc_err_set(err, DC_EINVAL, k->key, "%s: %s.%s: bad value '%s': %s", where, k->section,
+                      k->key, value, what ? what : "invalid");
+}
+
+int dc_config_set(dc_config *c, const char *section, const char *key, const char *value,
+                  const char *where, dc_err *err) {
+    bool known;
+    const key_def *k = find_key(section, key, &known);
+    if (!k) {
+        if (!known)
+            return dc_err_set(err, DC_EINVAL, section, "%s: unknown section [%s]", where,
+                              section);
+        return dc_err_set(err, DC_EINVAL, key, "%s: unknown key '%s' in [%s]", where, key,
+                          section);
+    }
+    return set_value(c, k, value, where, err);
+}
+
+/* --- the file ------------------------------------------------------------------ */
+
+#ifdef DPCLIP_HAVE_INIH
+typedef struct ini_ctx {
+    dc_config *c;
+    const char *name;
+    dc_err *err;
+    int err_line;          /* first error our handler found; 0 = none */
+    int line;              /* lines handed to inih so far */
+    const char *text;      /* string mode: what is left to read */
+    FILE *f;               /* file mode */
+    bool seen[N_KEYS];
+} ini_ctx;
+
+static int on_ini(void *user, const char *section, const char *name, const char *value) {
+    ini_ctx *x = user;
+    char where[DC_CONFIG_PATH_MAX + 16];
+    bool known;
+    const key_def *k;
+
+    if (x->err_line) return 0;       /* report the first problem only */
+    snprintf(where, sizeof where, "%s:%d", x->name, x->line);
+    k = find_key(section, name, &known);
+    if (k && x->seen[k - KEYS]) {
+        dc_err_set(x->err, DC_EINVAL, name, "%s: %s.%s is set twice", where, section, name);
+        x->err_line = x->line;
+        return 0;
+    }
+    if (dc_config_set(x->c, section, name, value, where, x->err) != 0) {
+        x->err_line = x->line;
+        return 0;
+    }
+    x->seen[k - KEYS] = true;
+    return 1;
+}
+
+/* inih's reader callbacks (fgets-like): they count lines so that errors our
+ * handler finds carry the right line number. */
+static char *read_file_line(char *str, int num, void *stream) {
+    ini_ctx *x = stream;
+    char *r = fgets(str, num, x->f);
+    if (r) x->line++;
+    return r;
+}
+
+static char *read_string_line(char *str, int num, void *stream) {
+    ini_ctx *x = stream;
+    size_t n = 0;
+    if (!*x->text || num < 2) return NULL;
+    while (x->text[n] && x->text[n] != '\n' && n < (size_t)num - 2) n++;
+    if (x->text[n] == '\n') n++;
+    memcpy(str, x->text, n);
+    str[n] = '\0';
+    x->text += n;
+    x->line++;
+    return str;
+}
+
+static int parse_ini(ini_ctx *x, ini_reader reader) {
+    int rc = ini_parse_stream(reader, x, on_ini, x);
+    if (rc == 0 && !x->err_line) return 0;
+    if (rc > 0 && (!x->err_line || rc < x->err_line))
+        return dc_err_set(x->err, DC_EINVAL, "", "%s:%d: syntax error: expected '[section]' or "
+                          "'key = value'", x->name, rc);
+    if (rc < 0 && !x->err_line)
+        return dc_err_set(x->err, DC_ENOSPACE, "", "%s: out of memory reading it", x->name);
+    return x->err ? (int)x->err->code : DC_EINVAL;
+}
+
+int dc_config_load_file(dc_config *c, const char *path, dc_err *err) {
+    ini_ctx x;
+    int rc;
+    memset(&x, 0, sizeof x);
+    x.c = c;
+    x.name = path;
+    x.err = err;
+    if (!(x.f = fopen(path, "re")))
+        return dc_err_set(err, DC_EINVAL, "", "%s: cannot open the config file: %s", path,
+                          strerror(errno));
+    rc = parse_ini(&x, read_file_line);
+    fclose(x.f);
+    if (rc == 0) snprintf(c->config_path, sizeof c->config_path, "%s", path);
+    return rc;
+}
+
+int dc_config_load_string(dc_config *c, const char *text, const char *name, dc_err *err) {
+    ini_ctx x;
+    memset(&x, 0, sizeof x);
+    x.c = c;
+    x.name = name;
+    x.err = err;
+    x.text = text;
+    return parse_ini(&x, read_string_line);
+}
+
+#else /* !DPCLIP_HAVE_INIH */
+int dc_config_load_file(dc_config *c, const char *path, dc_err *err) {
+    (void)c;
+    return dc_err_set(err, DC_EUNIMPL, "", "%s: this dpclipd was built without inih "
+                      "(libinih-dev) and cannot read config files; use flags", path);
+}
+
+int dc_config_load_string(dc_config *c, const char *text, const char *name, dc_err *err) {
+    (void)c;
+    (void)text;
+    return dc_err_set(err, DC_EUNIMPL, "", "%s: built without inih", name);
+}
+#endif
+
+/* --- flags --------------------------------------------------------------------- */
+
+enum { O_CONFIG = 1000, O_CHECK, O_SET, O_NOGPU, O_READY, O_SEED, O_VERSION, O_HELP };
+
+void dc_config_usage(FILE *f) {
+    fprintf(f, "usage: dpclipd [options]\n"
+               "  --config PATH          config file (default " DC_CONFIG_DEFAULT_PATH
+               " if it exists)\n"
+               "  --check-config         validate the configuration, print it and exit\n"
+               "  --set SECTION.KEY=VALUE  any setting of the config file\n");
+    for (size_t i = 0; i < N_KEYS; i++) {
+        char opt[64];
+        if (!KEYS[i].flag) continue;
+        snprintf(opt, sizeof opt, "--%s %s", KEYS[i].flag,
+                 KEYS[i].type == T_PATH ? "PATH" : KEYS[i].type == T_MODE ? "OCTAL" : "N");
+        if (KEYS[i].type == T_LEVEL) snprintf(opt, sizeof opt, "--%s LEVEL", KEYS[i].flag);
+        if (KEYS[i].type == T_GROUP) snprintf(opt, sizeof opt, "--%s GROUP", KEYS[i].flag);
+        if (KEYS[i].type == T_DOUBLE) snprintf(opt, sizeof opt, "--%s X", KEYS[i].flag);
+        fprintf(f, "  %-22s %s (%s.%s)\n", opt, KEYS[i].help, KEYS[i].section, KEYS[i].key);
+    }
+    fprintf(f, "  --no-gpu               do not use GPUs even when present (daemon.gpu)\n"
+               "  --ready-fd FD          write READY to FD once listening, then close it\n"
+               "  --insecure-fixed-seed SEED\n"
+               "                         TESTS ONLY: seed the noise generator with SEED instead\n"
+               "                         of getrandom(); the noise is then predictable and the\n"
+               "                         training is NOT private\n"
+               "  --version, --help\n");
+}
+
+static int set_flag(dc_config *c, const char *name, const char *arg, dc_err *err) {
+    for (size_t i = 0; i < N_KEYS; i++)
+        if (KEYS[i].flag && strcmp(KEYS[i].flag, name) == 0) {
+            char where[80];
+            snprintf(where, sizeof where, "--%s", name);
+            return set_value(c, &KEYS[i], arg, where, err);
+        }
+    return dc_err_set(err, DC_EINTERNAL, name, "unhandled flag --%s", name);
+}
+
+static int set_assignment(dc_config *c, const char *arg, dc_err *err) {
+    char buf[512], *dot, *eq;
+    snprintf(buf, sizeof buf, "%s", arg);
+    eq = strchr(buf, '=');
+    dot = strchr(buf, '.');
+    if (!eq || !dot || dot > eq)
+        return dc_err_set(err, DC_EINVAL, "set", "--set %s: expected SECTION.KEY=VALUE", arg);
+    *dot = *eq = '\0';
+    return dc_config_set(c, buf, dot + 1, eq + 1, "--set", err);
+}
+
+int dc_config_from_args(dc_config *c, int argc, char **argv, dc_config_action *action,
+                        dc_err *err) {
+    struct option opts[N_KEYS + 10];
+    const char *path = NULL;
+    int n = 0, ch, idx, rc;
+    unsigned long long v;
+
+    for (size_t i = 0; i < N_KEYS; i++)
+        if (KEYS[i].flag)
+            opts[n++] = (struct option){KEYS[i].flag, required_argument, NULL, 0};
+    opts[n++] = (struct option){"config", required_argument, NULL, O_CONFIG};
+    opts[n++] = (struct option){"check-config", no_argument, NULL, O_CHECK};
+    opts[n++] = (struct option){"set", required_argument, NULL, O_SET};
+    opts[n++] = (struct option){"no-gpu", no_argument, NULL, O_NOGPU};
+    opts[n++] = (struct option){"ready-fd", required_argument, NULL, O_READY};
+    opts[n++] = (struct option){"insecure-fixed-seed", required_argument, NULL, O_SEED};
+    opts[n++] = (struct option){"version", no_argument, NULL, O_VERSION};
+    opts[n++] = (struct option){"help", no_argument, NULL, O_HELP};
+    opts[n] = (struct option){NULL, 0, NULL, 0};
+
+    *action = DC_CONFIG_RUN;
+    dc_config_defaults(c);
+    /* Pass 1: where the file is, and the actions; pass 2: the settings, so
+     * that flags override the file whatever their order. */
+    opterr = 0;
+    optind = 0;
+    while ((ch = getopt_long(argc, argv, "", opts, &idx)) != -1) {
+        if (ch == O_CONFIG) path = optarg;
+        else if (ch == O_CHECK) *action = DC_CONFIG_CHECK;
+        else if (ch == O_HELP) *action = DC_CONFIG_HELP;
+        else if (ch == O_VERSION && *action != DC_CONFIG_HELP) *action = DC_CONFIG_VERSION;
+        else if (ch == '?' || ch == ':')
+            return dc_err_set(err, DC_EINVAL, "", "unknown option or missing value: '%s'",
+                              argv[optind - 1]);
+    }
+    if (optind < argc)
+        return dc_err_set(err, DC_EINVAL, "", "unexpected argument '%s'", argv[optind]);
+    if (*action == DC_CONFIG_HELP || *action == DC_CONFIG_VERSION) return 0;
+
+    if (path) {
+        if ((rc = dc_config_load_file(c, path, err))) return rc;
+    } else if (access(DC_CONFIG_DEFAULT_PATH, F_OK) == 0) {
+        if ((rc = dc_config_load_file(c, DC_CONFIG_DEFAULT_PATH, err))) return rc;
+    }
+
+    optind = 0;
+    while ((ch = getopt_long(argc, argv, "", opts, &idx)) != -1) {
+        switch (ch) {
+        case 0:
+            if ((rc = set_flag(c, opts[idx].name, optarg, err))) return rc;
+            break;
+        case O_SET:
+            if ((rc = set_assignment(c, optarg, err))) return rc;
+            break;
+        case O_NOGPU: c->gpu = false; break;
+        case O_READY:
+            if (parse_ull(optarg, 10, &v) || v > INT_MAX)
+                return dc_err_set(err, DC_EINVAL, "ready-fd", "--ready-fd: '%s' is not a file "
+                                  "descriptor", optarg);
+            c->ready_fd = (int)v;
+            break;
+        case O_SEED:
+            if (parse_ull(optarg, 0, &v))
+                return dc_err_set(err, DC_EINVAL, "insecure-fixed-seed",
+                                  "--insecure-fixed-seed: '%s' is not a number", optarg);
+            c->fixed_seed = true;
+            c->seed = v;
+            break;
+        default: break;
+        }
+    }
+    return dc_config_validate(c, err);
+}
+
+/* --- checks and listing ------------------------------------------------------- */
+
+void dc_config_status_path(const dc_config *c, char *out, size_t n) {
+    size_t len;
+    if (strcmp(c->status_socket, "none") == 0) {
+        snprintf(out, n, "%s", "");
+        return;
+    }
+    if (c->status_socket[0]) {
+        snprintf(out, n, "%s", c->status_socket);
+        return;
+    }
+    len = strlen(c->socket);
+    if (len > 5 && strcmp(c->socket + len - 5, ".sock") == 0) len -= 5;
+    snprintf(out, n, "%.*s-status.sock", (int)len, c->socket);
+}
+
+int dc_config_validate(const dc_config *c, dc_err *err) {
+    char st[128];
+    if (!c->socket[0] || strcmp(c->socket, "none") == 0)
+        return dc_err_set(err, DC_EINVAL, "socket", "daemon.socket: a socket path is required");
+    dc_config_status_path(c, st, sizeof st);
+    if (strlen(st) >= sizeof c->status_socket)
+        return dc_err_set(err, DC_EINVAL, "socket", "status.socket: '%s' is too long for a Unix "
+                          "socket path", st);
+    if (st[0] && strcmp(st, c->socket) == 0)
+        return dc_err_set(err, DC_EINVAL, "socket", "status.socket must differ from "
+                          "daemon.socket (%s)", st);
+    if (strcmp(c->ledger_dir, "none") == 0)
+        return dc_err_set(err, DC_EINVAL, "dir", "ledger.dir: use an empty value for an "
+                          "in-memory ledger");
+    if (c->budget_epsilon > 0 && !c->ledger_dir[0])
+        return dc_err_set(err, DC_EINVAL, "budget_epsilon",
+                          "ledger.budget_epsilon needs ledger.dir: a budget kept only in memory "
+                          "starts again from zero at every restart");
+    return 0;
+}
+
+static void print_ids(FILE *f, const uint32_t *ids, size_t n) {
+    for (size_t i = 0; i < n; i++) fprintf(f, "%s%u", i ? ", " : "", ids[i]);
+}
+
+void dc_config_print(const dc_config *c, FILE *f) {
+    static const char *levels[] = {"error", "warn", "info", "debug"};
+    const char *section = "";
+    fprintf(f, "# dpclipd effective configuration%s%s\n", c->config_path[0] ? " from " : "",
+            c->config_path);
+    for (size_t i = 0; i < N_KEYS; i++) {
+        const key_def *k = &KEYS[i];
+        const char *p = (const char *)c + k->off;
+        if (strcmp(section, k->section) != 0) {
+            fprintf(f, "\n[%s]\n", k->section);
+            section = k->section;
+        }
+        fprintf(f, "# %s%s\n%s = ", k->help, k->reload ? "" : " (restart to change)", k->key);
+        switch (k->type) {
+        case T_PATH:
+        case T_GROUP: fprintf(f, "%s", p); break;
+        case T_MODE: fprintf(f, "%04o", *(const unsigned *)p); break;
+        case T_UINT: fprintf(f, "%u", *(const uint32_t *)p); break;
+        case T_INT: fprintf(f, "%d", *(const int *)p); break;
+        case T_BOOL: fprintf(f, "%s", *(const bool *)p ? "true" : "false"); break;
+        case T_LEVEL: fprintf(f, "%s", levels[*(const dc_log_level *)p]); break;
+        case T_DOUBLE: fprintf(f, "%.17g", *(const double *)p); break;
+        case T_UIDS: print_ids(f, c->allowed_uids, c->n_allowed_uids); break;
+        case T_GIDS: print_ids(f, c->allowed_gids, c->n_allowed_gids); break;
+        }
+        fputc('\n', f);
+    }
+}
+
+int dc_config_restart_needed(const dc_config *old, const dc_config *cur,
+                             void (*note)(void *arg, const char *name), void *arg) {
+    int n = 0;
+    for (size_t i = 0; i < N_KEYS; i++) {
+        const key_def *k = &KEYS[i];
+        if (k->reload) continue;
+        if (memcmp((const char *)old + k->off, (const char *)cur + k->off, k->size) != 0) {
+            char name[64];
+            snprintf(name, sizeof name, "%s.%s", k->section, k->key);
+            if (note) note(arg, name);
+            n++;
+        }
+    }
+    return n;
+}

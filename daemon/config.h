@@ -1,0 +1,114 @@
+/* dpclipd's configuration: every setting the daemon has, from built-in
+ * defaults, then $DPCLIP_SOCKET, then the config file (INI, parsed by inih),
+ * then command-line flags (which therefore always win, also across SIGHUP
+ * reloads: main.c re-applies the same argv on top of the re-read file).
+ *
+ * The settings are described once, in a table (config.c), that drives the
+ * file parser, the flags, the validation and `--check-config`'s listing.
+ * Unknown sections or keys, keys given twice, and bad values are errors
+ * naming the file, the line and the key.
+ *
+ * Ownership: a dc_config is a plain value (fixed-size strings, no pointers):
+ * copy it freely. */
+#ifndef DC_CONFIG_H
+#define DC_CONFIG_H
+
+#include <stdbool.h>
+#include <stdint.h>
+#include <stdio.h>
+
+#include "dc_err.h"
+#include "log.h"
+
+/* Where the file is looked for without --config (the build's sysconfdir). */
+#ifdef DPCLIP_CONFIG_PATH
+#define DC_CONFIG_DEFAULT_PATH DPCLIP_CONFIG_PATH
+#else
+#define DC_CONFIG_DEFAULT_PATH "/etc/dpclip/dpclipd.conf"
+#endif
+#define DC_CONFIG_MAX_IDS 64
+#define DC_CONFIG_PATH_MAX 256
+
+typedef struct dc_config {
+    /* [daemon] */
+    char socket[108];              /* sun_path size */
+    unsigned socket_mode;
+    char socket_group[64];         /* "" = the daemon's own group */
+    int workers;                   /* 0 = number of CPUs */
+    int blas_threads;
+    uint32_t spin_us;
+    bool gpu;
+    dc_log_level log_level;
+    /* [limits] */
+    uint32_t max_batch, max_layers, max_frame, max_buffers;
+    /* [access]: empty lists = whoever can open the socket */
+    uint32_t allowed_uids[DC_CONFIG_MAX_IDS];
+    size_t n_allowed_uids;
+    uint32_t allowed_gids[DC_CONFIG_MAX_IDS];
+    size_t n_allowed_gids;
+    /* [status] */
+    char status_socket[108];       /* "" = derived from socket; "none" = off */
+    unsigned status_mode;
+    char status_group[64];
+    uint32_t status_port;          /* TCP on 127.0.0.1; 0 = off */
+    /* [ledger] */
+    char ledger_dir[DC_CONFIG_PATH_MAX]; /* "" = in memory only (lost at exit) */
+    double delta;                  /* delta at which a job's eps is reported */
+    double budget_epsilon;         /* 0 = no node-wide budget per job */
+    double budget_delta;
+    bool require_sample_rate;      /* refuse steps that do not give one */
+
+    /* Flags only (not in the file). */
+    char config_path[DC_CONFIG_PATH_MAX]; /* the file read, "" = none */
+    int ready_fd;                  /* -1 = none */
+    bool fixed_seed;
+    uint64_t seed;
+} dc_config;
+
+/* What the command line asked for besides settings. */
+typedef enum dc_config_action {
+    DC_CONFIG_RUN = 0,
+    DC_CONFIG_CHECK,               /* --check-config: validate, print, exit */
+    DC_CONFIG_HELP,
+    DC_CONFIG_VERSION
+} dc_config_action;
+
+/* Built-in defaults (socket from $DPCLIP_SOCKET when set). */
+void dc_config_defaults(dc_config *c);
+
+/* Applies one setting, as the file or --set would: section/key/value.
+ * `where` prefixes error messages (e.g. "dpclipd.conf:12"). */
+int dc_config_set(dc_config *c, const char *section, const char *key, const char *value,
+                  const char *where, dc_err *err);
+
+/* Reads an INI file on top of *c. Each key may appear once. */
+int dc_config_load_file(dc_config *c, const char *path, dc_err *err);
+/* Same, from a string (tests); `name` stands for the file in messages. */
+int dc_config_load_string(dc_config *c, const char *text, const char *name, dc_err *err);
+
+/* The whole sequence: defaults, the file (--config PATH, else the default
+ * path if it exists), then every flag. Usable again at reload time with the
+ * same argv (getopt state is reset). */
+int dc_config_from_args(dc_config *c, int argc, char **argv, dc_config_action *action,
+                        dc_err *err);
+
+/* Cross-field checks (paths, groups that must exist, ...). */
+int dc_config_validate(const dc_config *c, dc_err *err);
+
+/* The effective status socket path ("" when disabled). */
+void dc_config_status_path(const dc_config *c, char *out, size_t n);
+
+/* Writes the effective configuration as a config file. */
+void dc_config_print(const dc_config *c, FILE *f);
+void dc_config_usage(FILE *f);
+
+/* Which settings a reload may change in a running daemon. For each setting
+ * that differs between old and new but needs a restart, calls
+ * note(arg, "section.key"); returns how many such settings differ. */
+int dc_config_restart_needed(const dc_config *old, const dc_config *cur,
+                             void (*note)(void *arg, const char *name), void *arg);
+
+/* Resolves a group name or number: 0 and *gid set, or -1. */
+int dc_config_group_id(const char *name, uint32_t *gid);
+
+#endif

@@ -1,0 +1,323 @@
+/* ClipStep requests: validation, the privacy ledger, the worker job and the
+ * reply.
+ *
+ * Order of a step, all on the loop thread except the work itself:
+ *   1. validate every field (validate.c); check events and the device;
+ *   2. account: the step's (sample rate, noise multiplier) in the session's
+ *      job; refuse it (RESOURCE_EXHAUSTED) if it would take the job past a
+ *      budget; otherwise record the spend;
+ *   3. with a persistent ledger, wait until the spend is on disk (written on
+ *      libuv's thread pool): the step's noised outputs reach the trainer's
+ *      memory as soon as it runs, so its cost must already be recorded if
+ *      the daemon dies right after;
+ *   4. run on a worker; reply. A step that fails (non-finite input, ...)
+ *      writes no output, so its spend is refunded. */
+#include <math.h>
+#include <stddef.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "dc_dtype.h"
+#include "log.h"
+#include "server.h"
+#include "session_int.h"
+#include "validate.h"
+
+#ifdef DPCLIP_HAVE_CUDA
+#include "dc_cuda.h"
+#endif
+
+static void step_work(dc_job *job, dc_backend *be) {
+    dc_step_job *j = (dc_step_job *)job;
+    j->t_start = uv_hrtime();
+    dc_err_clear(&j->err);
+    if (j->wait_event && (j->rc = dc_gpu_wait_event(be, j->wait_event, &j->err))) {
+        j->t_waited = j->t_end = uv_hrtime();
+        return;
+    }
+    j->t_waited = uv_hrtime();
+    j->rc = dc_backend_run_step(be, &j->step, &j->res, &j->err);
+    if (j->rc == 0 && j->signal_event)
+        j->rc = dc_gpu_record_event(be, j->signal_event, &j->err);
+#ifdef DPCLIP_HAVE_CUDA
+    /* Read here, on the thread that owns the backend. */
+    if (j->step.device >= 0) j->workspace = dc_cuda_backend_workspace_bytes(be);
+#endif
+    j->t_end = uv_hrtime();
+}
+
+static uint64_t tensor_bytes(const dc_tensor *t) {
+    uint64_t n = 1;
+    if (!t->data) return 0;
+    for (int i = 0; i < t->ndim; i++) n *= (uint64_t)t->shape[i];
+    return n * dc_dtype_size(t->dtype);
+}
+
+static void count_step(dc_server *srv, dc_step_job *j, uint64_t now) {
+    dc_metrics *m = &srv->metrics;
+    uint64_t t_submit = j->t_submit ? j->t_submit : j->t_checked;
+    dc_hist_add(&m->phase[DC_PH_VALIDATE], (j->t_checked - j->t_recv) / 1e9);
+    dc_hist_add(&m->phase[DC_PH_LEDGER], (t_submit - j->t_checked) / 1e9);
+    dc_hist_add(&m->phase[DC_PH_QUEUE], (j->t_start - t_submit) / 1e9);
+    if (j->step.device >= 0)
+        dc_hist_add(&m->phase[DC_PH_WAIT_INPUT], (j->t_waited - j->t_start) / 1e9);
+    dc_hist_add(&m->phase[DC_PH_RUN], (j->t_end - j->t_waited) / 1e9);
+    dc_hist_add(&m->phase[DC_PH_REPLY], (now - j->t_end) / 1e9);
+    dc_hist_add(&m->step, (now - j->t_recv) / 1e9);
+    if (j->rc == 0) {
+        m->steps_ok++;
+        m->samples += j->step.batch;
+        m->layers += j->step.n_layers;
+        m->compute_ns += j->res.compute_ns;
+        for (size_t i = 0; i < j->step.n_layers; i++)
+            m->bytes_referenced += tensor_bytes(&j->step.layers[i].input) +
+                                   tensor_bytes(&j->step.layers[i].grad);
+    } else {
+        m->steps_failed++;
+        m->errors[j->err.code <= 10 ? j->err.code : DC_EINTERNAL]++;
+    }
+    if (j->step.device >= 0 && j->step.device < 8) srv->gpu_workspace[j->step.device] = j->workspace;
+}
+
+static void job_free(dc_step_job *j) {
+    dc_step_result_free(&j->res);
+    dc_validate_step_free(&j->step);
+    free(j);
+}
+
+/* The step's spend goes back: it released nothing. */
+static void refund(dc_server *srv, dc_step_job *j) {
+    if (!j->ljob) return;
+    dc_ledger_refund(j->ljob, j->q, j->sigma);
+    dc_server_ledger_persist(srv, j->ljob, NULL);
+    j->ljob = NULL;
+}
+
+/* The session may take its next request, or go if its client went. */
+static void session_next(dc_session *s) {
+    if (s->gone) dc_session_destroy(s);
+    else dc_session_process(s);
+}
+
+static void step_done(dc_job *job) {
+    dc_step_job *j = (dc_step_job *)job;
+    dc_session *s = j->s;
+    dc_server *srv = s->srv;
+    uint64_t now;
+
+    s->job = NULL;
+    if (j->step.device >= 0) {
+        uint64_t run = j->t_end - j->t_start;
+        s->ewma_gpu_run_ns = s->ewma_gpu_run_ns ? (3 * s->ewma_gpu_run_ns + run) / 4 : run;
+    }
+    if (j->rc == 0) {
+        Dpclip__Reply reply = DPCLIP__REPLY__INIT;
+        Dpclip__ClipStepReply cr = DPCLIP__CLIP_STEP_REPLY__INIT;
+        size_t lb = j->res.n_layers * j->res.batch;
+        s->steps++;
+        cr.n_norms = j->res.batch;
+        cr.norms = j->res.norms;
+        cr.n_coefficients = j->res.batch;
+        cr.coefficients = j->res.coefs;
+        if (j->step.want_layer_norms || j->step.mode == DC_CLIP_PER_LAYER) {
+            cr.n_layer_norms = lb;
+            cr.layer_norms = j->res.layer_norms;
+        }
+        if (j->step.mode == DC_CLIP_PER_LAYER && j->res.layer_coefs) {
+            cr.n_layer_coefficients = lb;
+            cr.layer_coefficients = j->res.layer_coefs;
+        }
+        cr.step_index = s->steps;
+        cr.compute_ns = j->res.compute_ns;
+        cr.epsilon = j->eps;
+        cr.delta = j->delta;
+        reply.id = j->req_id;
+        reply.body_case = DPCLIP__REPLY__BODY_CLIP_STEP;
+        reply.clip_step = &cr;
+        dc_session_send(s, &reply);
+    } else {
+        s->steps_failed++;
+        if (j->err.code == DC_OK) dc_err_set(&j->err, DC_EINTERNAL, "clip_step", "step failed");
+        refund(srv, j);
+        dc_session_send_error(s, j->req_id, &j->err);
+    }
+    now = uv_hrtime();
+    s->last_step_ns = now;
+    count_step(srv, j, now);
+    if (dc_log_get_level() >= DC_LOG_DEBUG)
+        dc_log_debug("session %llu: step %llu (%zu layers, B=%u, %s): validate %.1f us, ledger "
+                     "%.1f us, queue %.1f us, wait %.1f us, run %.1f us (backend %.1f us), reply "
+                     "%.1f us, eps %.4g",
+                     (unsigned long long)s->id, (unsigned long long)s->steps, j->step.n_layers,
+                     j->step.batch, j->step.device < 0 ? "cpu" : "gpu",
+                     (j->t_checked - j->t_recv) / 1e3, (j->t_submit - j->t_checked) / 1e3,
+                     (j->t_start - j->t_submit) / 1e3, (j->t_waited - j->t_start) / 1e3,
+                     (j->t_end - j->t_waited) / 1e3, j->res.compute_ns / 1e3,
+                     (now - j->t_end) / 1e3, j->eps);
+    job_free(j);
+    session_next(s);
+}
+
+static void step_submit(dc_step_job *j) {
+    dc_session *s = j->s;
+    dc_server *srv = s->srv;
+    j->step.noise_key = srv->noise_key;
+    j->step.noise_step = ++srv->noise_steps;
+    j->job.work = step_work;
+    j->job.done = step_done;
+    j->t_submit = uv_hrtime();
+    dc_worker_pool_submit(j->step.device >= 0 ? &srv->gpu.pools[j->step.device] : &srv->cpu_pool,
+                          &j->job);
+    if (j->step.device >= 0 && s->ewma_gpu_run_ns)
+        dc_server_spin_expect(srv, s->ewma_gpu_run_ns);
+    else
+        dc_server_spin(srv);
+}
+
+/* The spend is on disk (or could not be written): run, or refuse. */
+static void on_spend_durable(dc_ledger_waiter *w, int rc, const dc_err *err) {
+    dc_step_job *j = (dc_step_job *)((char *)w - offsetof(dc_step_job, wait));
+    dc_session *s = j->s;
+    dc_server *srv = s->srv;
+    dc_err e;
+
+    if (rc == 0) {
+        step_submit(j);
+        return;
+    }
+    /* Without a durable record the step must not release anything. */
+    refund(srv, j);
+    dc_err_set(&e, DC_EUNAVAIL, "ledger", "the privacy ledger could not record this step's "
+               "spend, so the step was not run: %s", err ? err->msg : "write failed");
+    s->job = NULL;
+    dc_session_reject(s, j->req_id, &e);
+    job_free(j);
+    session_next(s);
+}
+
+/* Step 2 above. On refusal *e names the field: the step's own value, or the
+ * node's budget setting. */
+static int account(dc_session *s, dc_step_job *j, const Dpclip__ClipStep *m, dc_err *e) {
+    dc_server *srv = s->srv;
+    const dc_config *c = &srv->cfg;
+    dc_ledger_job *job = s->ljob;
+    double q = m->sample_rate, sigma = (double)j->step.noise_multiplier, eps;
+
+    if (!(q >= 0.0 && q <= 1.0))
+        return dc_err_set(e, DC_EINVAL, "clip_step.sample_rate",
+                          "sample rate %g is not in [0, 1]", q);
+    if (!(m->target_delta >= 0.0 && m->target_delta < 1.0))
+        return dc_err_set(e, DC_EINVAL, "clip_step.target_delta", "delta %g is not in [0, 1)",
+                          m->target_delta);
+    if (!(m->target_epsilon >= 0.0 && isfinite(m->target_epsilon)))
+        return dc_err_set(e, DC_EINVAL, "clip_step.target_epsilon",
+                          "budget %g is not a finite epsilon >= 0", m->target_epsilon);
+    if (q == 0.0) {
+        if (c->require_sample_rate)
+            return dc_err_set(e, DC_EPRECOND, "clip_step.sample_rate",
+                              "this daemon requires every step to state its sample rate "
+                              "(ledger.require_sample_rate)");
+        q = 1.0; /* unknown sampling: no amplification may be assumed */
+    }
+    if (!job) return dc_err_set(e, DC_ENOSPACE, "clip_step", "no ledger entry (out of memory)");
+    dc_ledger_job_terms(job, m->target_delta, m->target_epsilon);
+
+    if (job->budget_eps > 0 &&
+        (eps = dc_ledger_eps_after(&srv->ledger, job, q, sigma, job->delta)) > job->budget_eps) {
+        srv->metrics.budget_refusals++;
+        dc_server_ledger_persist(srv, job, NULL); /* the terms, if they changed */
+        return dc_err_set(e, DC_ENOSPACE, "clip_step.target_epsilon",
+                          "job '%s' (uid %u) has spent epsilon %.4g at delta %g in %llu steps; "
+                          "this step would bring it to %.4g, over the job's budget of %.4g: "
+                          "refused before any work",
+                          job->job, job->uid, job->eps, job->delta,
+                          (unsigned long long)job->steps, eps, job->budget_eps);
+    }
+    if (c->budget_epsilon > 0 &&
+        (eps = dc_ledger_eps_after(&srv->ledger, job, q, sigma, c->budget_delta)) >
+            c->budget_epsilon) {
+        srv->metrics.budget_refusals++;
+        dc_server_ledger_persist(srv, job, NULL);
+        return dc_err_set(e, DC_ENOSPACE, "ledger.budget_epsilon",
+                          "job '%s' (uid %u): this step would bring epsilon at delta %g to "
+                          "%.4g, over this node's per-job budget of %.4g (ledger.budget_epsilon): "
+                          "refused before any work",
+                          job->job, job->uid, c->budget_delta, eps, c->budget_epsilon);
+    }
+    if (dc_ledger_spend(&srv->ledger, job, q, sigma, e)) return e->code;
+    j->ljob = job;
+    j->q = q;
+    j->sigma = sigma;
+    j->eps = job->eps;
+    j->delta = job->delta;
+    return 0;
+}
+
+void dc_session_step(dc_session *s, uint64_t id, const Dpclip__ClipStep *m) {
+    dc_server *srv = s->srv;
+    dc_step_job *j = calloc(1, sizeof *j);
+    dc_err e;
+
+    if (!j) {
+        dc_err_set(&e, DC_ENOSPACE, "clip_step", "out of memory");
+        dc_session_reject(s, id, &e);
+        return;
+    }
+    j->t_recv = uv_hrtime();
+    if (dc_validate_step(m, &s->reg, &srv->limits, &j->step, &e)) {
+        free(j);
+        dc_session_reject(s, id, &e);
+        return;
+    }
+    if (j->step.device >= srv->gpu.n) {
+        dc_err_set(&e, DC_EPRECOND, "clip_step", "no GPU backend for device %d", j->step.device);
+        goto fail_step;
+    }
+    if (m->wait_event || m->signal_event) {
+        const struct dc_session_event *w = m->wait_event ? dc_session_find_event(s, m->wait_event) : NULL;
+        const struct dc_session_event *g = m->signal_event ? dc_session_find_event(s, m->signal_event) : NULL;
+        if (m->wait_event && !w) {
+            dc_err_set(&e, DC_ENOTFOUND, "clip_step.wait_event",
+                       "event %llu is not registered in this session",
+                       (unsigned long long)m->wait_event);
+            goto fail_step;
+        }
+        if (m->signal_event && !g) {
+            dc_err_set(&e, DC_ENOTFOUND, "clip_step.signal_event",
+                       "event %llu is not registered in this session",
+                       (unsigned long long)m->signal_event);
+            goto fail_step;
+        }
+        if ((w && w->device != j->step.device) || (g && g->device != j->step.device)) {
+            dc_err_set(&e, DC_EINVAL, w && w->device != j->step.device ? "clip_step.wait_event"
+                                                                      : "clip_step.signal_event",
+                       "events must be on the step's device (%s)",
+                       j->step.device < 0 ? "host memory" : "the tensors' GPU");
+            goto fail_step;
+        }
+        j->wait_event = w ? w->event : NULL;
+        j->signal_event = g ? g->event : NULL;
+    }
+    if (dc_step_result_init(&j->res, j->step.batch, j->step.n_layers,
+                            j->step.mode == DC_CLIP_PER_LAYER)) {
+        dc_err_set(&e, DC_ENOSPACE, "clip_step", "out of memory");
+        goto fail_step;
+    }
+    j->s = s;
+    j->req_id = id;
+    if (account(s, j, m, &e)) goto fail_step;
+    j->t_checked = uv_hrtime();
+    s->job = j;
+    if (dc_ledger_persistent(&srv->ledger)) {
+        j->wait.gen = j->ljob->gen;
+        j->wait.done = on_spend_durable;
+        dc_server_ledger_persist(srv, j->ljob, &j->wait); /* may submit at once */
+        return;
+    }
+    step_submit(j);
+    return;
+
+fail_step:
+    job_free(j);
+    dc_session_reject(s, id, &e);
+}
