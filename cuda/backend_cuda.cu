@@ -31,9 +31,13 @@
 
 namespace {
 
-/* LINEAR clipped sums: per-sample GEMMs (exact f32 accumulation with the
- * coefficient as a device-side alpha) when samples have at least this many
- * rows; below it, chunks of rows converted to f32 and scaled, one SGEMM each. */
+/* LINEAR clipped sums: the fused tensor-core kernel where it applies
+ * (dcc_linear_clipped_tc: bf16/f16, sm_90a, T >= 64); else per-sample cuBLAS
+ * GEMMs (exact f32 accumulation with the coefficient as a device-side alpha)
+ * when samples have at least BK_MIN_T rows; below it, chunks of rows
+ * converted to f32 and scaled, one SGEMM each. Measured on an H100 the
+ * per-sample GEMMs were launch-bound for small layers and re-read the f32
+ * sum once per sample for large ones, hence the fused kernel. */
 constexpr int BK_MIN_T = 32;
 constexpr size_t BK_CHUNK_BYTES = (size_t)32 << 20;
 
@@ -411,7 +415,16 @@ int layer_clipped(cuda_backend *cb, const dc_step *s, size_t l, const layout *Lo
     switch (ly->kind) {
     case DC_LAYER_LINEAR: {
         const int T = (int)ly->T, d = (int)ly->d, p = (int)ly->p;
-        if (w && bk_per_sample(ly)) {
+        cudaError_t tc = cudaErrorNotSupported;
+        if (w) {
+            dcc_linear x = {ly->input.data, ly->grad.data, ly->input.dtype, ly->grad.dtype, B,
+                            T, d, p, ly->has_bias};
+            tc = dcc_linear_clipped_tc(&x, cs, w, cb->stream);
+            if (tc != cudaErrorNotSupported) CK(tc, "the clipped-sum kernel");
+        }
+        if (tc == cudaSuccess) {
+            /* done on the tensor cores */
+        } else if (w && bk_per_sample(ly)) {
             cudaDataType_t ty = ly->input.dtype == DC_F32    ? CUDA_R_32F
                                 : ly->input.dtype == DC_BF16 ? CUDA_R_16BF
                                                              : CUDA_R_16F;

@@ -61,12 +61,18 @@ int dcc_wgmma_available(void);
 cudaError_t dcc_linear_wgmma(const dcc_linear *L, dc_algo algo, float s2, float *n2,
                              cudaStream_t st);
 /* The wgmma direct form's tile for this layer: 128 or 256 rows of p, and
- * whether a 2-CTA cluster splits each tile's K range (2) or not (1). */
+ * how many CTAs of a cluster split each tile's K range (1 or 2). */
 int dcc_direct_tile_rows(const dcc_linear *L);
 int dcc_direct_split(const dcc_linear *L);
 /* The TMA-fed variant (norms_tma.cu), tried first by dcc_linear_wgmma;
  * DPCLIP_CUDA_TMA=0 disables it. cudaErrorNotSupported: use the other. */
 int dcc_tma_available(void);
+/* LINEAR clipped weight sum on the TMA/wgmma path: w[p][d] = sum_b cs[b] *
+ * g_b^T a_b (f32, overwritten), exact per-sample scaling in one launch.
+ * cudaErrorNotSupported when the layer does not qualify (T < 64, not bf16/f16
+ * with 16-byte rows, no sm_90a): use cuBLAS then. */
+cudaError_t dcc_linear_clipped_tc(const dcc_linear *L, const float *cs, float *w,
+                                  cudaStream_t st);
 cudaError_t dcc_linear_tma(const dcc_linear *L, dc_algo algo, float s2, float *n2,
                            cudaStream_t st);
 

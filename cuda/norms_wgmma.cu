@@ -250,17 +250,24 @@ cudaError_t launch_wg(const dcc_linear *L, dc_algo algo, float s2, float *n2, cu
  *   - 256 rows of p instead of 128 halve the bytes loaded per flop but also
  *     the CTAs; the 256-row tile runs TALL_GAIN times faster per flop
  *     (measured on an H100 with the TMA feed: 1.14-1.36);
- *   - split 2 (TMA feed only) runs each tile's K range on a 2-CTA cluster:
- *     twice the CTAs at half the work each, plus the exchange (SPLIT_COST
- *     of a tile's time for each half instead of 0.5).
+ *   - split KS (TMA feed only, T >= SPLIT_MIN_T) runs each tile's K range
+ *     on a KS-CTA cluster: KS times the CTAs, each with 1/KS of the k-tiles
+ *     plus a fixed cost (pipeline fill, epilogue; for a split CTA also the
+ *     exchange), FILL_TILES / SPLIT_TILES k-tiles' worth, fitted on an H100
+ *     to the (8,2048,768,3072) and (2,8192,768,3072) shapes.
+ * Clusters of 4 measured far slower than this model says (cluster placement
+ * on 132 SMs), so the split is at most 2.
  * DPCLIP_CUDA_DIRECT_TILE=128|256 and DPCLIP_CUDA_DIRECT_SPLIT=1|2 force the
  * choices (tests, benchmark). */
-static const double TALL_GAIN = 1.3, SPLIT_COST = 0.56;
+static const double TALL_GAIN = 1.3, FILL_TILES = 4.0, SPLIT_TILES = 12.0;
+static const int SPLIT_MIN_T = 2048;
 
 static double direct_cost(const dcc_linear *L, int rows, int split, int sms) {
     int64_t ctas = (int64_t)((L->p + rows - 1) / rows) * ((L->d + 127) / 128) * L->B * split;
     double waves = (double)((ctas + sms - 1) / sms);
-    return waves * (rows == 256 ? 2.0 / TALL_GAIN : 1.0) * (split == 2 ? SPLIT_COST : 1.0);
+    double ktn = (double)((L->T + 63) / 64);
+    return waves * (rows == 256 ? 2.0 / TALL_GAIN : 1.0) *
+           (ktn / split + (split > 1 ? SPLIT_TILES : FILL_TILES));
 }
 
 static int sm_count(void) {
@@ -270,30 +277,51 @@ static int sm_count(void) {
     return sms;
 }
 
-static int can_split(const dcc_linear *L) { return dcc_tma_available() && L->T >= 8 * 64; }
+static int max_split(const dcc_linear *L) {
+    return dcc_tma_available() && L->T >= SPLIT_MIN_T ? 2 : 1;
+}
+
+/* The cheapest (rows, split) pair. */
+static void direct_shape(const dcc_linear *L, int *rows_out, int *split_out) {
+    int sms = sm_count(), ms = max_split(L);
+    double bc = 1e300;
+    *rows_out = 128;
+    *split_out = 1;
+    for (int rows = 128; rows <= 256; rows *= 2)
+        for (int split = 1; split <= ms; split *= 2) {
+            double c = direct_cost(L, rows, split, sms);
+            if (c < bc * 0.999) {
+                bc = c;
+                *rows_out = rows;
+                *split_out = split;
+            }
+        }
+}
 
 extern "C" int dcc_direct_tile_rows(const dcc_linear *L) {
     const char *force = getenv("DPCLIP_CUDA_DIRECT_TILE");
     if (force && force[0]) return atoi(force) >= 256 ? 256 : 128;
-    int sms = sm_count(), best = 128;
-    double bc = 1e300;
-    for (int rows = 128; rows <= 256; rows *= 2)
-        for (int split = 1; split <= (can_split(L) ? 2 : 1); split++) {
-            double c = direct_cost(L, rows, split, sms);
-            if (c < bc) {
-                bc = c;
-                best = rows;
-            }
-        }
-    return best;
+    int rows, split;
+    direct_shape(L, &rows, &split);
+    return rows;
 }
 
 extern "C" int dcc_direct_split(const dcc_linear *L) {
     const char *force = getenv("DPCLIP_CUDA_DIRECT_SPLIT");
-    if (force && force[0]) return atoi(force) >= 2 ? 2 : 1;
-    if (!can_split(L)) return 1;
-    int rows = dcc_direct_tile_rows(L), sms = sm_count();
-    return direct_cost(L, rows, 2, sms) < direct_cost(L, rows, 1, sms) ? 2 : 1;
+    if (force && force[0]) {
+        int k = atoi(force);
+        return k >= 2 ? 2 : 1;
+    }
+    int rows = dcc_direct_tile_rows(L), sms = sm_count(), ms = max_split(L), best = 1;
+    double bc = 1e300;
+    for (int split = 1; split <= ms; split *= 2) {
+        double c = direct_cost(L, rows, split, sms);
+        if (c < bc * 0.999) {
+            bc = c;
+            best = split;
+        }
+    }
+    return best;
 }
 
 extern "C" int dcc_wgmma_available(void) {

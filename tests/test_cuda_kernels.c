@@ -289,7 +289,7 @@ typedef struct multi {
  * bf16 and one in f16. */
 static void multi_make(multi *m, dc_dtype dt, dc_test_rng *r) {
     static const dc_test_layer_spec specs[6] = {
-        {DC_LAYER_LINEAR, 6, 40, 72, 48, DC_F32, 1, DC_ALGO_DIRECT, 1, 0},
+        {DC_LAYER_LINEAR, 6, 70, 72, 48, DC_F32, 1, DC_ALGO_DIRECT, 1, 0}, /* fused book-keeping */
         {DC_LAYER_LINEAR, 6, 9, 30, 20, DC_F32, 1, DC_ALGO_GHOST, 1, 0}, /* small-T book-keeping */
         {DC_LAYER_LINEAR, 6, 0, 33, 17, DC_F32, 0, DC_ALGO_AUTO, 1, 0},  /* T = 1 */
         {DC_LAYER_EMBEDDING, 6, 12, 16, 25, DC_F32, 0, DC_ALGO_AUTO, 1, 0},
@@ -464,6 +464,55 @@ static void test_whole_steps(void **state) {
     }
 }
 
+/* LINEAR clipped sums on their own: the fused tensor-core kernel with one
+ * group of samples (plain stores) and with several (atomics), ragged tiles,
+ * and the cuBLAS paths (f32; T < 64), against the CPU backend. */
+static void test_linear_clipped(void **state) {
+    (void)state;
+    static const struct {
+        uint32_t B;
+        int64_t T, d, p;
+        dc_dtype dt;
+    } cases[] = {
+        {1, 100, 64, 136, DC_BF16}, {3, 64, 200, 264, DC_F16}, {2, 300, 136, 72, DC_BF16},
+        {4, 65, 256, 128, DC_F32},  {5, 20, 64, 72, DC_BF16},
+    };
+    dc_test_rng r;
+    dc_test_rng_seed(&r, 707);
+    for (size_t c = 0; c < sizeof cases / sizeof cases[0]; c++) {
+        dc_test_layer_spec sp = {DC_LAYER_LINEAR, cases[c].B, cases[c].T, cases[c].d, cases[c].p,
+                                 cases[c].dt, 1, DC_ALGO_AUTO, 1, 0};
+        dc_layer h, d;
+        dc_step hs, ds;
+        dc_step_result rh, rd;
+        dc_err eh, ed;
+        dc_test_layer_make(&h, &sp, &r);
+        d = dev_layer(&h);
+        step_init(&hs, &h, 1, cases[c].B, -1);
+        step_init(&ds, &d, 1, cases[c].B, 0);
+        hs.max_grad_norm = ds.max_grad_norm = 0.5f;
+        assert_int_equal(run(g_cpu, &hs, &rh, &eh), 0);
+        assert_int_equal(run(g_cuda, &ds, &rd, &ed), 0);
+        float *gw = dev_to_f32(&d.weight_grad_out), *ww = host_to_f32(&h.weight_grad_out);
+        float *gb = dev_to_f32(&d.bias_grad_out), *wb = host_to_f32(&h.bias_grad_out);
+        double ew = rel_l2(gw, ww, numel(&d.weight_grad_out));
+        double eb = rel_l2(gb, wb, numel(&d.bias_grad_out));
+        printf("clipped sum B=%u T=%lld d=%lld p=%lld %s: weight %.2e bias %.2e\n", cases[c].B,
+               (long long)cases[c].T, (long long)cases[c].d, (long long)cases[c].p,
+               dc_dtype_name(cases[c].dt), ew, eb);
+        assert_true(ew <= 1e-4);
+        assert_true(eb <= 1e-4);
+        free(gw);
+        free(ww);
+        free(gb);
+        free(wb);
+        dc_step_result_free(&rh);
+        dc_step_result_free(&rd);
+        dev_layer_free(&d);
+        dc_test_layer_free(&h);
+    }
+}
+
 /* --- failures -------------------------------------------------------------- */
 
 /* Sets element i of a device tensor (and of its host twin) to v. */
@@ -510,7 +559,7 @@ static void test_failures(void **state) {
         ds.coefs_out = m.coefs_out;
         switch (which) {
         case 0: /* NaN in a linear grad, sample 2 */
-            plant(&m.h[0].grad, &m.d[0].grad, (size_t)(2 * 40 * 48 + 5 * 48 + 7), NAN);
+            plant(&m.h[0].grad, &m.d[0].grad, (size_t)(2 * 70 * 48 + 5 * 48 + 7), NAN);
             snprintf(field, sizeof field, "%s.output_grad", m.h[0].name);
             expect_failure(&m, &hs, &ds, DC_ENONFINITE, field, 1);
             break;
@@ -660,6 +709,7 @@ int main(void) {
         cmocka_unit_test(test_linear_norms),
         cmocka_unit_test(test_linear_mixed),
         cmocka_unit_test(test_other_norms),
+        cmocka_unit_test(test_linear_clipped),
         cmocka_unit_test(test_whole_steps),
         cmocka_unit_test(test_failures),
     };
