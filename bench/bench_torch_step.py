@@ -141,15 +141,24 @@ def run(args, device, precision, mode, socket_path):
     for _ in range(args.warmup):
         step()
     sync(device)
+    phases = {}
     t0 = time.perf_counter()
     for _ in range(args.steps):
         step()
+        if engine is not None:
+            phases["daemon_compute_ms"] = phases.get("daemon_compute_ms", 0.0) + \
+                engine.last_compute_ns / 1e6
+            for k, v in engine.last_timing.items():
+                phases[k] = phases.get(k, 0.0) + v
     sync(device)
     ms = (time.perf_counter() - t0) * 1e3 / args.steps
     mem = peak_mb(device)
-    extra = {}
+    # Per-step means of the engine's phases: building the request in the
+    # trainer, the daemon round trip (which includes waiting for the GPU to
+    # finish the backward) and writing param.grad; the daemon's own compute.
+    extra = {k: round(v / args.steps, 3) for k, v in phases.items()}
     if engine is not None:
-        extra["daemon_compute_ms"] = engine.last_compute_ns / 1e6
+        extra["mps_active"] = bool(engine.client.info.mps_active)
         engine.close()
     del model, opt, engine
     reset_peak(device)

@@ -204,6 +204,7 @@ class _Layer:
         self.records = []
         self.eps_used = None            # norms: the eps the last forward used
         self.out_w = self.out_b = None  # CUDA outputs, allocated on first GPU step
+        self.out_refs = None            # ... and their (buffer, offset) references
         self._orig_forward = None
 
     def eps_for(self, x):
@@ -724,10 +725,15 @@ class PrivacyEngine:
         def refs(i):
             l, _, _, in_shape, _, g_shape, _ = plan[i]
             inp, g = tensors[i]
-            b_ref = self._cuda_ref(l.out_b, tuple(l.out_b.shape)) if l.out_b is not None \
-                else _lib.Tensor()
-            return (self._cuda_ref(inp, in_shape), self._cuda_ref(g, g_shape),
-                    self._cuda_ref(l.out_w, tuple(l.out_w.shape)), b_ref)
+            if l.out_refs is None:
+                # The engine holds the output tensors for its lifetime, so
+                # their allocation cannot be freed and reused: the references
+                # stay valid and are made once (activations and output grads
+                # are new tensors every step and go through libdpclip's check).
+                l.out_refs = (self._cuda_ref(l.out_w, tuple(l.out_w.shape)),
+                              self._cuda_ref(l.out_b, tuple(l.out_b.shape))
+                              if l.out_b is not None else _lib.Tensor())
+            return (self._cuda_ref(inp, in_shape), self._cuda_ref(g, g_shape)) + l.out_refs
 
         step = self._step
         step.reset(nb)
