@@ -12,10 +12,26 @@
 static dc_gpu *g_gpu;
 
 #ifdef DPCLIP_HAVE_CUDA
-#include <cuda.h>
 #include <cuda_runtime_api.h>
+#include <dlfcn.h>
 
 #include "dc_cuda.h"
+
+/* The one driver-API call we need (the runtime has no way to ask for an
+ * allocation's extent). It is looked up in the driver the runtime already
+ * loaded instead of linking libcuda: a daemon built with the toolkit must
+ * still start, CPU-only, on a machine without the NVIDIA driver. */
+typedef int (*mem_get_address_range_fn)(unsigned long long *base, size_t *size,
+                                        unsigned long long ptr);
+static mem_get_address_range_fn g_mem_get_address_range;
+
+static int load_driver_api(void) {
+    void *lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL | RTLD_NOLOAD);
+    if (!lib) lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
+    if (!lib) return -1;
+    *(void **)&g_mem_get_address_range = dlsym(lib, "cuMemGetAddressRange_v2");
+    return g_mem_get_address_range ? 0 : -1;
+}
 
 static int cuda_fail(dc_err *err, const char *field, const char *what, cudaError_t e) {
     return dc_err_set(err, DC_EUNAVAIL, field, "%s: %s (%s)", what, cudaGetErrorString(e),
@@ -40,7 +56,7 @@ static void open_work(dc_job *job, dc_backend *be) {
     dc_gpu_open_job *j = (dc_gpu_open_job *)job;
     cudaIpcMemHandle_t h;
     void *ptr = NULL;
-    CUdeviceptr base = 0;
+    unsigned long long base = 0;
     size_t extent = 0;
     cudaError_t e;
     (void)be;
@@ -55,8 +71,8 @@ static void open_work(dc_job *job, dc_backend *be) {
     }
     /* Never trust the client's size: bound it by the allocation's extent
      * as the driver sees it in our process. */
-    if (cuMemGetAddressRange(&base, &extent, (CUdeviceptr)(uintptr_t)ptr) != CUDA_SUCCESS ||
-        base != (CUdeviceptr)(uintptr_t)ptr) {
+    if (g_mem_get_address_range(&base, &extent, (unsigned long long)(uintptr_t)ptr) != 0 ||
+        base != (unsigned long long)(uintptr_t)ptr) {
         cudaIpcCloseMemHandle(ptr);
         j->rc = dc_err_set(&j->err, DC_EINVAL, "register_buffer.cuda_ipc_handle",
                            "cannot determine the allocation's extent");
@@ -156,6 +172,11 @@ int dc_gpu_init(dc_gpu *g, uv_loop_t *loop, bool enable, dc_err *err) {
         return 0;
     }
     if (n > 8) n = 8;
+    if (load_driver_api() != 0) {
+        dc_log_warn("CUDA devices found but the driver API (libcuda.so.1) cannot be loaded; "
+                    "serving with the CPU backend only");
+        return 0;
+    }
     g->pools = calloc((size_t)n, sizeof *g->pools);
     if (!g->pools) return dc_err_set(err, DC_ENOSPACE, "", "out of memory");
     for (int i = 0; i < n; i++) {
