@@ -27,7 +27,28 @@
  * A last line gives the geometric means and the targets (geomean <= 1.0x
  * the GEMM, no shape above 1.5x, extra memory <= 64 MiB per layer).
  *
- * Usage: bench_cuda_norms [reps]   (default 20) */
+ * Then the whole GPT-2-small ClipStep in this process (72 Linear layers: 12
+ * blocks of qkv 768->2304, proj 768->768, up 768->3072, down 3072->768;
+ * B=8, T=1024, with bias, f32 weight and bias outputs, sigma=1, MEAN)
+ * through dc_cuda_backend_create / run_step, with the backend's phase timing
+ * on (dc_cuda_backend_profile). One line per configuration of the backend's
+ * switches (backend_cuda.cu), bf16 and f32 inputs:
+ *   step_ms           host time of run_step (median; synchronisation
+ *                     included), gpu_ms the sum of the phases (mean);
+ *   phases            GPU ms per phase (mean over reps);
+ *   gemm_sum_ms       the 72 layers' cuBLAS dW GEMMs g^T a over all B*T rows
+ *                     (f32 output; bf16 inputs, or f32 inputs with TF32 and
+ *                     with exact f32 math), back to back, in this run;
+ *   *_over_gemm       step, norms and book-keeping against that sum;
+ *   rel_diff_vs_first the outputs of two layers (first qkv, last down)
+ *                     against the first configuration of the same dtype,
+ *                     as ||x - x0|| / ||x0|| (noise included: a sanity
+ *                     check that the paths agree).
+ * "old" is the previous backend (per-layer book-keeping, staged outputs,
+ * double-precision noise, exact f32); "new" the defaults.
+ *
+ * Usage: bench_cuda_norms [reps]      (default 20): everything
+ *        bench_cuda_norms step [reps] (default 10): the GPT-2 step only */
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -153,13 +174,233 @@ static dc_tensor tensor(void *p, dc_dtype t, int nd, int64_t s0, int64_t s1, int
     return x;
 }
 
+/* --- the GPT-2-small step ------------------------------------------------- */
+
+__global__ void to_f32(const __nv_bfloat16 *x, float *y, size_t n) {
+    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n;
+         i += (size_t)gridDim.x * blockDim.x)
+        y[i] = __bfloat162float(x[i]);
+}
+
+struct gpt2 {
+    static const int NL = 48 + 24; /* 12 blocks x 4 */
+    int B = 8, T = 1024;
+    int d[NL], p[NL];
+    void *a[NL], *g[NL];   /* current dtype */
+    float *w[NL], *bias[NL];
+    std::vector<dc_layer> layers;
+};
+
+static void gpt2_shapes(gpt2 &m) {
+    static const int dp[4][2] = {{768, 2304}, {768, 768}, {768, 3072}, {3072, 768}};
+    for (int l = 0; l < gpt2::NL; l++) {
+        m.d[l] = dp[l % 4][0];
+        m.p[l] = dp[l % 4][1];
+    }
+}
+
+/* Layers over the tensors of m in dtype dt. */
+static void gpt2_layers(gpt2 &m, dc_dtype dt) {
+    static const char *const kind[4] = {"qkv", "proj", "up", "down"};
+    m.layers.assign(gpt2::NL, dc_layer());
+    for (int l = 0; l < gpt2::NL; l++) {
+        dc_layer &ly = m.layers[l];
+        memset(&ly, 0, sizeof ly);
+        ly.kind = DC_LAYER_LINEAR;
+        snprintf(ly.name, sizeof ly.name, "h.%d.%s", l / 4, kind[l % 4]);
+        ly.T = m.T;
+        ly.d = m.d[l];
+        ly.p = m.p[l];
+        ly.input = tensor(m.a[l], dt, 3, m.B, m.T, m.d[l]);
+        ly.grad = tensor(m.g[l], dt, 3, m.B, m.T, m.p[l]);
+        ly.has_bias = true;
+        ly.max_grad_norm = 1.0f;
+        ly.weight_grad_out = tensor(m.w[l], DC_F32, 2, m.p[l], m.d[l], 0);
+        ly.bias_grad_out = tensor(m.bias[l], DC_F32, 1, m.p[l], 0, 0);
+    }
+}
+
+/* The layers' dW GEMMs back to back (f32 out), ms: median of reps. */
+static double gpt2_gemms(cublasHandle_t h, cudaStream_t st, gpt2 &m, dc_dtype dt,
+                         cublasComputeType_t ct, int reps) {
+    const float one = 1.0f, zero = 0.0f;
+    cudaDataType_t ty = dt == DC_BF16 ? CUDA_R_16BF : CUDA_R_32F;
+    CKB(cublasSetPointerMode(h, CUBLAS_POINTER_MODE_HOST));
+    return time_ms(
+        [&] {
+            for (int l = 0; l < gpt2::NL; l++)
+                CKB(cublasGemmEx(h, CUBLAS_OP_N, CUBLAS_OP_T, m.d[l], m.p[l], m.B * m.T, &one,
+                                 m.a[l], ty, m.d[l], m.g[l], ty, m.p[l], &zero, m.w[l],
+                                 CUDA_R_32F, m.d[l], ct, CUBLAS_GEMM_DEFAULT));
+        },
+        st, reps);
+}
+
+struct step_cfg {
+    const char *name;
+    const char *tf32, *grouped, *one_pass, *noise;
+};
+
+static double rel_diff(const float *x, const float *x0, size_t n) {
+    double e = 0.0, w = 0.0;
+    for (size_t i = 0; i < n; i++) {
+        double dd = (double)x[i] - x0[i];
+        e += dd * dd;
+        w += (double)x0[i] * x0[i];
+    }
+    return w > 0.0 ? sqrt(e / w) : sqrt(e);
+}
+
+static void gpt2_run(cublasHandle_t h, cudaStream_t st, gpt2 &m, dc_dtype dt,
+                     const step_cfg *cfgs, int ncfg, double gemm_ms, double gemm_exact_ms,
+                     int reps) {
+    gpt2_layers(m, dt);
+    dc_step s;
+    memset(&s, 0, sizeof s);
+    s.batch = (uint32_t)m.B;
+    s.n_layers = gpt2::NL;
+    s.layers = m.layers.data();
+    s.max_grad_norm = 1.0f;
+    s.reduction = DC_REDUCTION_MEAN;
+    s.expected_batch = (uint32_t)m.B;
+    s.noise_multiplier = 1.0f;
+    s.noise_key = 42;
+    s.noise_step = 1;
+    s.device = 0;
+    const int watch[2] = {0, gpt2::NL - 1};
+    std::vector<float> ref[2];
+    for (int c = 0; c < ncfg; c++) {
+        setenv("DPCLIP_CUDA_TF32", cfgs[c].tf32, 1);
+        setenv("DPCLIP_CUDA_GROUPED", cfgs[c].grouped, 1);
+        setenv("DPCLIP_CUDA_ONE_PASS", cfgs[c].one_pass, 1);
+        setenv("DPCLIP_CUDA_NOISE", cfgs[c].noise, 1);
+        dc_backend *be;
+        dc_err err;
+        if (dc_cuda_backend_create(0, &be, &err) || dc_cuda_backend_profile(be, 1)) {
+            fprintf(stderr, "backend: %s\n", err.msg);
+            exit(1);
+        }
+        dc_step_result r;
+        if (dc_step_result_init(&r, s.batch, s.n_layers, false)) exit(1);
+        std::vector<double> host;
+        double ph[DC_CUDA_PHASES] = {0};
+        for (int i = 0; i < reps + 2; i++) {
+            double t0 = now_ms();
+            if (dc_backend_run_step(be, &s, &r, &err)) {
+                fprintf(stderr, "run_step: %s: %s\n", err.field, err.msg);
+                exit(1);
+            }
+            double t1 = now_ms();
+            float ms[DC_CUDA_PHASES];
+            if (i < 2) continue; /* warm-up: workspace, first launches */
+            host.push_back(t1 - t0);
+            if (dc_cuda_backend_phase_ms(be, ms)) exit(1);
+            for (int k = 0; k < DC_CUDA_PHASES; k++) ph[k] += ms[k] / reps;
+        }
+        std::sort(host.begin(), host.end());
+        double gpu = 0.0;
+        for (int k = 0; k < DC_CUDA_PHASES; k++) gpu += ph[k];
+        double diff = 0.0;
+        for (int k = 0; k < 2; k++) {
+            int l = watch[k];
+            size_t n = (size_t)m.p[l] * m.d[l];
+            std::vector<float> x(n);
+            CK(cudaMemcpy(x.data(), m.w[l], n * sizeof(float), cudaMemcpyDeviceToHost));
+            if (c == 0) ref[k] = x;
+            else diff = std::max(diff, rel_diff(x.data(), ref[k].data(), n));
+        }
+        char phases[512];
+        int o = 0;
+        for (int k = 0; k < DC_CUDA_PHASES; k++)
+            o += snprintf(phases + o, sizeof phases - (size_t)o, "%s\"%s\":%.4f", k ? "," : "",
+                          dc_cuda_phase_name(k), ph[k]);
+        printf("{\"bench\":\"cuda_step_phases\",\"model\":\"gpt2-small-linear\",\"layers\":%d,"
+               "\"B\":%d,\"T\":%d,\"dtype\":\"%s\",\"config\":\"%s\",\"tf32\":%s,"
+               "\"grouped\":%s,\"one_pass\":%s,\"noise\":\"%s\",\"step_ms\":%.3f,"
+               "\"gpu_ms\":%.3f,\"phases\":{%s},\"gemm_sum_ms\":%.3f,"
+               "\"gemm_exact_f32_sum_ms\":%.3f,\"step_over_gemm\":%.3f,"
+               "\"norms_over_gemm\":%.3f,\"clipped_over_gemm\":%.3f,"
+               "\"rel_diff_vs_first\":%.2e,\"workspace_bytes\":%zu}\n",
+               gpt2::NL, m.B, m.T, dc_dtype_name(dt), cfgs[c].name,
+               cfgs[c].tf32[0] == '0' ? "false" : "true",
+               cfgs[c].grouped[0] == '0' ? "false" : "true",
+               cfgs[c].one_pass[0] == '0' ? "false" : "true", cfgs[c].noise,
+               host[host.size() / 2], gpu, phases, gemm_ms, gemm_exact_ms,
+               host[host.size() / 2] / gemm_ms, ph[1] / gemm_ms, ph[3] / gemm_ms, diff,
+               dc_cuda_backend_workspace_bytes(be));
+        fflush(stdout);
+        dc_step_result_free(&r);
+        dc_backend_destroy(be);
+    }
+    unsetenv("DPCLIP_CUDA_TF32");
+    unsetenv("DPCLIP_CUDA_GROUPED");
+    unsetenv("DPCLIP_CUDA_ONE_PASS");
+    unsetenv("DPCLIP_CUDA_NOISE");
+}
+
+static void gpt2_bench(cublasHandle_t h, cudaStream_t st, int reps) {
+    gpt2 m;
+    gpt2_shapes(m);
+    std::vector<void *> bf_a(gpt2::NL), bf_g(gpt2::NL);
+    for (int l = 0; l < gpt2::NL; l++) {
+        size_t rows = (size_t)m.B * m.T;
+        bf_a[l] = rand_bf16(rows * m.d[l], 100 + l, 1.0f);
+        bf_g[l] = rand_bf16(rows * m.p[l], 300 + l, 0.002f);
+        CK(cudaMalloc(&m.w[l], (size_t)m.p[l] * m.d[l] * sizeof(float)));
+        CK(cudaMalloc(&m.bias[l], (size_t)m.p[l] * sizeof(float)));
+        m.a[l] = bf_a[l];
+        m.g[l] = bf_g[l];
+    }
+    CK(cudaDeviceSynchronize());
+    static const step_cfg bf_cfgs[] = {
+        {"old", "0", "0", "0", "exact"},
+        {"new", "1", "1", "1", "fast"},
+        {"new_but_per_layer_bk", "1", "0", "1", "fast"},
+        {"new_but_staged_out", "1", "1", "0", "fast"},
+        {"new_but_exact_noise", "1", "1", "1", "exact"},
+    };
+    double gemm = gpt2_gemms(h, st, m, DC_BF16, CUBLAS_COMPUTE_32F, reps);
+    gpt2_run(h, st, m, DC_BF16, bf_cfgs, 5, gemm, gemm, reps);
+
+    /* f32 copies of the same values */
+    for (int l = 0; l < gpt2::NL; l++) {
+        size_t rows = (size_t)m.B * m.T;
+        float *af, *gf;
+        CK(cudaMalloc(&af, rows * m.d[l] * sizeof(float)));
+        CK(cudaMalloc(&gf, rows * m.p[l] * sizeof(float)));
+        to_f32<<<4096, 256>>>((const __nv_bfloat16 *)bf_a[l], af, rows * m.d[l]);
+        to_f32<<<4096, 256>>>((const __nv_bfloat16 *)bf_g[l], gf, rows * m.p[l]);
+        CK(cudaGetLastError());
+        CK(cudaFree(bf_a[l]));
+        CK(cudaFree(bf_g[l]));
+        m.a[l] = af;
+        m.g[l] = gf;
+    }
+    CK(cudaDeviceSynchronize());
+    static const step_cfg f_cfgs[] = {
+        {"old", "0", "0", "0", "exact"},
+        {"new", "1", "1", "1", "fast"},
+        {"new_but_exact_f32", "0", "1", "1", "fast"},
+    };
+    double g_tf32 = gpt2_gemms(h, st, m, DC_F32, CUBLAS_COMPUTE_32F_FAST_TF32, reps);
+    double g_f32 = gpt2_gemms(h, st, m, DC_F32, CUBLAS_COMPUTE_32F, std::max(1, reps / 4));
+    gpt2_run(h, st, m, DC_F32, f_cfgs, 3, g_tf32, g_f32, std::max(2, reps / 3));
+    for (int l = 0; l < gpt2::NL; l++) {
+        CK(cudaFree(m.a[l]));
+        CK(cudaFree(m.g[l]));
+        CK(cudaFree(m.w[l]));
+        CK(cudaFree(m.bias[l]));
+    }
+}
+
 int main(int argc, char **argv) {
     static const int shapes[7][4] = {
         {32, 512, 768, 768},   {32, 512, 768, 3072},  {8, 2048, 768, 3072},
         {2, 8192, 768, 3072},  {8, 1024, 2048, 8192}, {2, 4096, 2048, 8192},
         {1, 16384, 2048, 2048},
     };
-    int reps = argc > 1 ? atoi(argv[1]) : 20;
+    const bool step_only = argc > 1 && strcmp(argv[1], "step") == 0;
+    int reps = argc > 1 + step_only ? atoi(argv[1 + step_only]) : step_only ? 10 : 20;
     if (reps < 1) reps = 1;
     if (dc_cuda_device_count() == 0) {
         printf("{\"bench\":\"cuda_norms\",\"skipped\":\"no CUDA device\"}\n");
@@ -173,6 +414,12 @@ int main(int argc, char **argv) {
     CK(cudaStreamCreate(&st));
     CKB(cublasCreate(&h));
     CKB(cublasSetStream(h, st));
+    if (step_only) {
+        gpt2_bench(h, st, reps);
+        cublasDestroy(h);
+        cudaStreamDestroy(st);
+        return 0;
+    }
 
     /* the bf16 GEMM peak */
     double peak;
@@ -204,7 +451,7 @@ int main(int argc, char **argv) {
         CK(cudaMalloc(&n2, 3 * (size_t)B * sizeof *n2));
         CK(cudaMalloc(&w32, (size_t)p * d * sizeof *w32));
         CK(cudaMalloc(&b32, (size_t)p * sizeof *b32));
-        dcc_linear L = {a, g, DC_BF16, DC_BF16, B, T, d, p, true};
+        dcc_linear L = {a, g, DC_BF16, DC_BF16, B, T, d, p, true, false};
         dc_algo pick = dcc_linear_pick(T, d, p, DC_ALGO_AUTO);
 
         double gemm = time_ms([&] { gemm_bf16(h, d, p, (int)rows, a, d, CUBLAS_OP_T, g, p, W, d); },
@@ -319,6 +566,7 @@ int main(int argc, char **argv) {
            gm, exp(lg_direct / 7.0), exp(lg_ghost / 7.0), exp(lg_limit / 7.0), worst,
            worst_extra, gm <= 1.0 ? "true" : "false", worst <= 1.5 ? "true" : "false",
            worst_extra <= ((size_t)64 << 20) ? "true" : "false");
+    gpt2_bench(h, st, std::max(2, reps / 2));
     cublasDestroy(h);
     cudaStreamDestroy(st);
     return 0;

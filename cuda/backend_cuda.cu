@@ -6,12 +6,23 @@
  *   2. per layer, squared norms into n2[l][b] (norms_linear.cu,
  *      norms_simt.cu, norms_other.cu), flags for bad indices / values;
  *   3. coefficients and the status word (clip.cu);
- *   4. every requested clipped sum into f32 staging: LINEAR weights through
- *      cuBLAS, the rest through small kernels;
- *   5. noise, division and the output-dtype check in staging; commit into
- *      the outputs only if the status word is 0 (checked on the device);
+ *   4. every requested clipped sum into f32 staging: the bf16/f16 LINEAR
+ *      layers of the step in one persistent tensor-core launch (weights and
+ *      biases), f32 ones on TF32 tensor cores (or exact f32 cuBLAS), the
+ *      rest through cuBLAS and small kernels;
+ *   5. the one-pass output path (clip.cu): max |staging| per output proves
+ *      on the device that no noised value can leave its dtype, then noise,
+ *      division and conversion write the outputs directly; a step that
+ *      cannot be proved safe (or has a bad input) checks in staging and
+ *      commits only if the status word stays 0;
  *   6. one copy of n2, flags, norms, coefficients and status to pinned host
  *      memory, and the one synchronisation.
+ * Switches, read at every step (A/B comparisons, exactness): DPCLIP_CUDA_TF32
+ * =0 keeps f32 inputs on exact f32 kernels; DPCLIP_CUDA_GROUPED=0 runs the
+ * book-keeping per layer; DPCLIP_CUDA_ONE_PASS=0 always stages the outputs;
+ * DPCLIP_CUDA_NOISE=exact draws the noise in double as the CPU does.
+ * DPCLIP_CUDA_PROFILE=1 (or dc_cuda_backend_profile) times each phase with
+ * CUDA events, off by default.
  * A failed step is then diagnosed on the host (which tensor, which sample),
  * with extra synchronisations on that path only, and reported exactly as the
  * CPU backend words it.
@@ -41,6 +52,27 @@ namespace {
 constexpr int BK_MIN_T = 32;
 constexpr size_t BK_CHUNK_BYTES = (size_t)32 << 20;
 
+/* Per-step switches (see the top comment). */
+struct step_opts {
+    bool tf32, grouped, one_pass;
+    int noise; /* DCC_NOISE_* */
+};
+
+bool env_off(const char *name) {
+    const char *v = getenv(name);
+    return v && v[0] == '0';
+}
+
+step_opts read_opts(void) {
+    step_opts o;
+    const char *n = getenv("DPCLIP_CUDA_NOISE");
+    o.tf32 = !env_off("DPCLIP_CUDA_TF32");
+    o.grouped = !env_off("DPCLIP_CUDA_GROUPED");
+    o.one_pass = !env_off("DPCLIP_CUDA_ONE_PASS");
+    o.noise = n && strcmp(n, "exact") == 0 ? DCC_NOISE_EXACT : DCC_NOISE_FAST;
+    return o;
+}
+
 struct cuda_backend {
     dc_backend base; /* first: the worker pool sees a dc_backend * */
     int device;
@@ -53,6 +85,12 @@ struct cuda_backend {
     /* host-side per-step tables, grown like the workspace */
     size_t *lay_off; /* [L] per-sample buffers of norm layers, SIZE_MAX = none */
     size_t lay_cap;
+    dcc_bk_layer *bk;   /* [lay_cap] the grouped book-keeping's layers */
+    bool *bk_grouped;   /* [lay_cap] layer l's outputs come from the grouped launch */
+    /* phase timing (dc_cuda_backend_profile): events recorded between phases */
+    bool prof;
+    cudaEvent_t ev[DC_CUDA_PHASES + 1];
+    float phase_ms[DC_CUDA_PHASES];
     dc_backend *cpu; /* created on the first host-memory step */
     bool broken;
     char broken_msg[256];
@@ -63,12 +101,15 @@ size_t al(size_t x) { return (x + 255) & ~(size_t)255; }
 /* Layout of one step in the workspace. The download block comes first so
  * that one copy brings everything the host needs. */
 struct layout {
-    size_t status, bad, n2, flags, norms, coefs, lcoef, dl_bytes;
+    size_t status, mode, bad, n2, flags, amax, norms, coefs, lcoef, dl_bytes;
     size_t cs, up, up_bytes, consts, layer_c, outs;
     size_t staging, per_sample, temp, temp_bytes, total;
     int n_out;
-    uint64_t max_n, staged;
+    uint64_t max_n, staged, chunks;
 };
+
+/* Staging offsets stay 16-byte aligned, so that kernels may store pairs. */
+uint64_t al4(uint64_t n) { return (n + 3) & ~(uint64_t)3; }
 
 int numel_out(const dc_tensor *t, uint64_t *n) {
     uint64_t v = 1;
@@ -132,21 +173,14 @@ int plan_step(cuda_backend *cb, const dc_step *s, layout *Lo, dc_err *err) {
     const size_t L = s->n_layers, B = s->batch, LB = L * B;
     size_t o = 0, staged = 0, temp = 0;
     memset(Lo, 0, sizeof *Lo);
-    Lo->status = 0;
-    Lo->bad = 8;
-    Lo->n2 = 16;
-    Lo->flags = Lo->n2 + LB * 4;
-    Lo->norms = Lo->flags + LB * 4;
-    Lo->coefs = Lo->norms + B * 4;
-    Lo->lcoef = Lo->coefs + B * 4;
-    Lo->dl_bytes = Lo->lcoef + LB * 4;
-    o = al(Lo->dl_bytes);
-    Lo->cs = o;
-    o += al(LB * 4);
     if (L > cb->lay_cap) {
         size_t *p = (size_t *)realloc(cb->lay_off, L * sizeof *p);
-        if (!p) return dc_err_set(err, DC_ENOSPACE, "", "out of memory");
-        cb->lay_off = p;
+        if (p) cb->lay_off = p;
+        dcc_bk_layer *q = p ? (dcc_bk_layer *)realloc(cb->bk, L * sizeof *q) : NULL;
+        if (q) cb->bk = q;
+        bool *r = q ? (bool *)realloc(cb->bk_grouped, L * sizeof *r) : NULL;
+        if (r) cb->bk_grouped = r;
+        if (!r) return dc_err_set(err, DC_ENOSPACE, "", "out of memory");
         cb->lay_cap = L;
     }
     for (size_t l = 0; l < L; l++) {
@@ -168,7 +202,8 @@ int plan_step(cuda_backend *cb, const dc_step *s, layout *Lo, dc_err *err) {
             }
             Lo->n_out++;
             if (n > Lo->max_n) Lo->max_n = n;
-            staged += n;
+            staged += al4(n);
+            Lo->chunks += dcc_out_chunks(n);
         }
         size_t t = 0;
         switch (ly->kind) {
@@ -185,6 +220,19 @@ int plan_step(cuda_backend *cb, const dc_step *s, layout *Lo, dc_err *err) {
         if (t > temp) temp = t;
     }
     Lo->staged = staged;
+    Lo->status = 0;
+    Lo->mode = 4;
+    Lo->bad = 8;
+    Lo->n2 = 16;
+    Lo->flags = Lo->n2 + LB * 4;
+    Lo->amax = Lo->flags + LB * 4;
+    Lo->norms = Lo->amax + (size_t)Lo->n_out * 4; /* [0, norms) is zeroed per step */
+    Lo->coefs = Lo->norms + B * 4;
+    Lo->lcoef = Lo->coefs + B * 4;
+    Lo->dl_bytes = Lo->lcoef + LB * 4;
+    o = al(Lo->dl_bytes);
+    Lo->cs = o;
+    o += al(LB * 4);
     Lo->up = o;
     Lo->consts = 0;
     Lo->layer_c = 16;
@@ -364,7 +412,7 @@ found: {
 /* --- the step ------------------------------------------------------------ */
 
 int layer_norms(cuda_backend *cb, const dc_step *s, size_t l, const layout *Lo, float s2,
-                dc_err *err) {
+                const step_opts &opt, dc_err *err) {
     const dc_layer *ly = &s->layers[l];
     const int B = (int)s->batch;
     float *n2 = (float *)(cb->ws + Lo->n2) + l * B;
@@ -374,7 +422,7 @@ int layer_norms(cuda_backend *cb, const dc_step *s, size_t l, const layout *Lo, 
     switch (ly->kind) {
     case DC_LAYER_LINEAR: {
         dcc_linear x = {ly->input.data, ly->grad.data, ly->input.dtype, ly->grad.dtype, B,
-                        (int)ly->T, (int)ly->d, (int)ly->p, ly->has_bias};
+                        (int)ly->T, (int)ly->d, (int)ly->p, ly->has_bias, opt.tf32};
         e = dcc_linear_sqnorms(&x, dcc_linear_pick(x.T, x.d, x.p, ly->algo), s2, n2,
                                cb->stream);
         break;
@@ -403,7 +451,7 @@ int layer_norms(cuda_backend *cb, const dc_step *s, size_t l, const layout *Lo, 
 }
 
 int layer_clipped(cuda_backend *cb, const dc_step *s, size_t l, const layout *Lo,
-                  const uint64_t off[2], dc_err *err) {
+                  const uint64_t off[2], const step_opts &opt, dc_err *err) {
     const dc_layer *ly = &s->layers[l];
     const int B = (int)s->batch;
     const float *cs = (const float *)(cb->ws + Lo->cs) + l * B;
@@ -418,8 +466,9 @@ int layer_clipped(cuda_backend *cb, const dc_step *s, size_t l, const layout *Lo
         cudaError_t tc = cudaErrorNotSupported;
         if (w) {
             dcc_linear x = {ly->input.data, ly->grad.data, ly->input.dtype, ly->grad.dtype, B,
-                            T, d, p, ly->has_bias};
-            tc = dcc_linear_clipped_tc(&x, cs, w, cb->stream);
+                            T, d, p, ly->has_bias, opt.tf32};
+            if (dcc_linear_path(&x) == 4) tc = dcc_linear_clipped_tf32(&x, cs, w, cb->stream);
+            else tc = dcc_linear_clipped_tc(&x, cs, w, cb->stream);
             if (tc != cudaErrorNotSupported) CK(tc, "the clipped-sum kernel");
         }
         if (tc == cudaSuccess) {
@@ -488,6 +537,45 @@ fail:
     return rc;
 }
 
+/* The grouped book-keeping launch for every LINEAR layer that qualifies and
+ * wants its weight sum; marks them in cb->bk_grouped so that layer_clipped
+ * skips them. Nothing is marked when the launch is not possible. */
+int grouped_clipped(cuda_backend *cb, const dc_step *s, const layout *Lo, const dcc_out *outs,
+                    dc_err *err) {
+    const int B = (int)s->batch;
+    int n = 0, oi = 0, rc = 0;
+    for (size_t l = 0; l < s->n_layers; l++) {
+        const dc_layer *ly = &s->layers[l];
+        uint64_t off[2];
+        for (int k = 0; k < 2; k++) off[k] = want_out(ly, k) ? outs[oi++].off : UINT64_MAX;
+        cb->bk_grouped[l] = false;
+        if (ly->kind != DC_LAYER_LINEAR || off[0] == UINT64_MAX) continue;
+        dcc_linear x = {ly->input.data, ly->grad.data, ly->input.dtype, ly->grad.dtype, B,
+                        (int)ly->T, (int)ly->d, (int)ly->p, ly->has_bias, false};
+        if (!dcc_bk_grouped_ok(&x)) continue;
+        float *staging = (float *)(cb->ws + Lo->staging);
+        dcc_bk_layer *e = &cb->bk[n++];
+        e->L = x;
+        e->cs = (const float *)(cb->ws + Lo->cs) + l * (size_t)B;
+        e->w = staging + off[0];
+        e->bias = off[1] != UINT64_MAX ? staging + off[1] : NULL;
+        cb->bk_grouped[l] = true;
+    }
+    if (n == 0) return 0;
+    cudaError_t e = dcc_linear_clipped_grouped(cb->bk, n, cb->stream);
+    if (e == cudaErrorNotSupported) { /* e.g. no tensor-map encoder: per layer instead */
+        memset(cb->bk_grouped, 0, s->n_layers * sizeof *cb->bk_grouped);
+        return 0;
+    }
+    CK(e, "the grouped clipped-sum kernel");
+fail:
+    return rc;
+}
+
+void phase_mark(cuda_backend *cb, int i) {
+    if (cb->prof) (void)cudaEventRecord(cb->ev[i], cb->stream);
+}
+
 int cuda_run_step(dc_backend *be, const dc_step *s, dc_step_result *res, dc_err *err) {
     cuda_backend *cb = (cuda_backend *)be;
     struct timespec t0, t1;
@@ -495,6 +583,7 @@ int cuda_run_step(dc_backend *be, const dc_step *s, dc_step_result *res, dc_err 
     const size_t L = s->n_layers;
     const bool per_layer = s->mode == DC_CLIP_PER_LAYER;
     const float scale = dc_step_grad_scale(s);
+    const step_opts opt = read_opts();
     layout Lo;
     int rc = 0;
 
@@ -526,7 +615,7 @@ int cuda_run_step(dc_backend *be, const dc_step *s, dc_step_result *res, dc_err 
         float *consts = (float *)(up + Lo.consts), *layer_c = (float *)(up + Lo.layer_c);
         dcc_out *outs = (dcc_out *)(up + Lo.outs);
         double noise_c2 = 0.0;
-        uint64_t staged = 0;
+        uint64_t staged = 0, chunks = 0;
         int oi = 0;
         uint64_t off[2];
         consts[0] = 0.0f;
@@ -545,8 +634,10 @@ int cuda_run_step(dc_backend *be, const dc_step *s, dc_step_result *res, dc_err 
                 outs[oi].n = n;
                 outs[oi].stream = (uint32_t)(2 * l + (size_t)k);
                 outs[oi].dtype = (int32_t)t->dtype;
+                outs[oi].chunk0 = chunks;
                 oi++;
-                staged += n;
+                staged += al4(n);
+                chunks += dcc_out_chunks(n);
             }
         }
         const float noise_std =
@@ -557,14 +648,17 @@ int cuda_run_step(dc_backend *be, const dc_step *s, dc_step_result *res, dc_err 
         char *ws = cb->ws;
 
         /* 1. counters and tables */
+        phase_mark(cb, 0);
         CK(cudaMemsetAsync(ws, 0, Lo.norms, cb->stream), "a memset");
         CK(cudaMemsetAsync(ws + Lo.bad, 0xff, 8, cb->stream), "a memset");
         CK(cudaMemcpyAsync(ws + Lo.up, up, Lo.up_bytes, cudaMemcpyHostToDevice, cb->stream),
            "the table upload");
         /* 2. norms */
+        phase_mark(cb, 1);
         for (size_t l = 0; l < L; l++)
-            if ((rc = layer_norms(cb, s, l, &Lo, scale * scale, err))) goto fail;
+            if ((rc = layer_norms(cb, s, l, &Lo, scale * scale, opt, err))) goto fail;
         /* 3. coefficients */
+        phase_mark(cb, 2);
         CK(dcc_coefs((const float *)(ws + Lo.n2), (const uint32_t *)(ws + Lo.flags), (int)L,
                      (int)B, per_layer, s->max_grad_norm, (const float *)(ws + Lo.up + Lo.layer_c),
                      scale, (float *)(ws + Lo.norms), (float *)(ws + Lo.coefs),
@@ -572,28 +666,64 @@ int cuda_run_step(dc_backend *be, const dc_step *s, dc_step_result *res, dc_err 
                      cb->stream),
            "the coefficients");
         /* 4. clipped sums */
+        phase_mark(cb, 3);
+        if (opt.grouped) {
+            if ((rc = grouped_clipped(cb, s, &Lo, outs, err))) goto fail;
+        } else {
+            memset(cb->bk_grouped, 0, L * sizeof *cb->bk_grouped);
+        }
         oi = 0;
         for (size_t l = 0; l < L; l++) {
             for (int k = 0; k < 2; k++)
                 off[k] = want_out(&s->layers[l], k) ? outs[oi++].off : UINT64_MAX;
             if (off[0] == UINT64_MAX && off[1] == UINT64_MAX) continue;
-            if ((rc = layer_clipped(cb, s, l, &Lo, off, err))) goto fail;
+            if (cb->bk_grouped[l]) continue;
+            if ((rc = layer_clipped(cb, s, l, &Lo, off, opt, err))) goto fail;
         }
-        /* 5. noise, division, checks; gated commit */
+        /* 5. noise, division, checks; outputs written or gated commit */
         const dcc_out *douts = (const dcc_out *)(ws + Lo.up + Lo.outs);
-        CK(dcc_finalize(douts, Lo.n_out, Lo.max_n, (float *)(ws + Lo.staging), noise_std, divisor,
-                        s->noise_key, s->noise_step, (uint32_t *)(ws + Lo.status),
-                        (unsigned long long *)(ws + Lo.bad), cb->stream),
-           "the noise");
-        CK(dcc_commit(douts, Lo.n_out, Lo.max_n, (const float *)(ws + Lo.staging),
-                      (const uint32_t *)(ws + Lo.status), (const float *)(ws + Lo.norms),
-                      (float *)s->norms_out.data, (const float *)(ws + Lo.coefs),
-                      (float *)s->coefs_out.data, (int)B, cb->stream),
-           "the commit");
+        float *staging = (float *)(ws + Lo.staging);
+        uint32_t *status = (uint32_t *)(ws + Lo.status), *mode = (uint32_t *)(ws + Lo.mode);
+        unsigned long long *bad = (unsigned long long *)(ws + Lo.bad);
+        phase_mark(cb, 4);
+        if (opt.one_pass) {
+            CK(dcc_out_check(douts, Lo.n_out, Lo.chunks, staging, noise_std, divisor,
+                             (float *)(ws + Lo.amax), status, mode, cb->stream),
+               "the output check");
+            phase_mark(cb, 5);
+            CK(dcc_out_write(douts, Lo.n_out, Lo.chunks, staging, noise_std, divisor,
+                             s->noise_key, s->noise_step, mode, status, bad, opt.noise,
+                             cb->stream),
+               "the noise");
+            phase_mark(cb, 6);
+            CK(dcc_out_commit(douts, Lo.n_out, Lo.chunks, staging, mode, status, cb->stream),
+               "the commit");
+            CK(dcc_commit(douts, 0, 0, staging, status, (const float *)(ws + Lo.norms),
+                          (float *)s->norms_out.data, (const float *)(ws + Lo.coefs),
+                          (float *)s->coefs_out.data, (int)B, cb->stream),
+               "the commit");
+        } else {
+            phase_mark(cb, 5);
+            CK(dcc_finalize(douts, Lo.n_out, Lo.max_n, staging, noise_std, divisor,
+                            s->noise_key, s->noise_step, status, bad, opt.noise, cb->stream),
+               "the noise");
+            phase_mark(cb, 6);
+            CK(dcc_commit(douts, Lo.n_out, Lo.max_n, staging, status,
+                          (const float *)(ws + Lo.norms), (float *)s->norms_out.data,
+                          (const float *)(ws + Lo.coefs), (float *)s->coefs_out.data, (int)B,
+                          cb->stream),
+               "the commit");
+        }
         /* 6. results home, one synchronisation */
+        phase_mark(cb, 7);
         CK(cudaMemcpyAsync(cb->host, ws, Lo.dl_bytes, cudaMemcpyDeviceToHost, cb->stream),
            "the result copy");
+        phase_mark(cb, 8);
         CK(cudaStreamSynchronize(cb->stream), "the step");
+        if (cb->prof)
+            for (int i = 0; i < DC_CUDA_PHASES; i++)
+                if (cudaEventElapsedTime(&cb->phase_ms[i], cb->ev[i], cb->ev[i + 1]) != cudaSuccess)
+                    cb->phase_ms[i] = -1.0f;
     }
 
     {
@@ -628,7 +758,12 @@ void cuda_destroy(dc_backend *be) {
     if (cb->ws) cudaFree(cb->ws);
     if (cb->host) cudaFreeHost(cb->host);
     (void)cudaGetLastError();
+    for (int i = 0; i <= DC_CUDA_PHASES; i++)
+        if (cb->ev[i]) cudaEventDestroy(cb->ev[i]);
+    (void)cudaGetLastError();
     free(cb->lay_off);
+    free(cb->bk);
+    free(cb->bk_grouped);
     dc_backend_destroy(cb->cpu);
     free(cb);
 }
@@ -669,7 +804,39 @@ extern "C" int dc_cuda_backend_create(int device, dc_backend **out, dc_err *err)
                           device);
     }
     *out = &cb->base;
+    const char *prof = getenv("DPCLIP_CUDA_PROFILE");
+    if (prof && prof[0] == '1') (void)dc_cuda_backend_profile(&cb->base, 1);
     return 0;
+}
+
+extern "C" int dc_cuda_backend_profile(dc_backend *be, int on) {
+    cuda_backend *cb = (cuda_backend *)be;
+    if (on && !cb->ev[0]) {
+        if (cudaSetDevice(cb->device) != cudaSuccess) return DC_EUNAVAIL;
+        for (int i = 0; i <= DC_CUDA_PHASES; i++)
+            if (cudaEventCreate(&cb->ev[i]) != cudaSuccess) {
+                (void)cudaGetLastError();
+                for (int j = 0; j < i; j++) cudaEventDestroy(cb->ev[j]);
+                memset(cb->ev, 0, sizeof cb->ev);
+                return DC_EUNAVAIL;
+            }
+    }
+    cb->prof = on != 0;
+    for (int i = 0; i < DC_CUDA_PHASES; i++) cb->phase_ms[i] = -1.0f;
+    return 0;
+}
+
+extern "C" int dc_cuda_backend_phase_ms(const dc_backend *be, float ms[DC_CUDA_PHASES]) {
+    const cuda_backend *cb = (const cuda_backend *)be;
+    if (!cb->prof) return DC_EPRECOND;
+    memcpy(ms, cb->phase_ms, sizeof cb->phase_ms);
+    return 0;
+}
+
+extern "C" const char *dc_cuda_phase_name(int phase) {
+    static const char *const names[DC_CUDA_PHASES] = {"setup", "norms", "coefs", "clipped",
+                                                      "check", "noise", "commit", "download"};
+    return phase >= 0 && phase < DC_CUDA_PHASES ? names[phase] : "?";
 }
 
 extern "C" int dc_cuda_backend_wait_event(dc_backend *be, void *cuda_event) {

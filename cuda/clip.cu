@@ -8,10 +8,22 @@
  * on the device by dcc_coefs (bad inputs) and dcc_finalize (bad outputs), so
  * the host never waits in between.
  *
- * Noise: Philox4x32-10 and Box-Muller exactly as daemon/noise.c defines them
+ * The one-pass variant (dcc_out_check / dcc_out_write / dcc_out_commit)
+ * proves first that no output can overflow its dtype (a bound from max
+ * |staging| per output and the largest possible draw), and then writes the
+ * noised values straight into the outputs: one read of staging less, one
+ * write less, and no commit pass. Steps that fail the bound (or a bad input)
+ * fall back to the staged two-pass path inside the same kernels.
+ *
+ * Noise: Philox4x32-10 and Box-Muller as daemon/noise.c defines them
  * (counter = (pair, stream, step lo, step hi), key = noise_key, uniforms with
- * 53-bit mantissas, Box-Muller in double), so the GPU adds the same values
- * the CPU backend would. Arithmetic that must round like the CPU's is
+ * 53-bit mantissas). DCC_NOISE_EXACT does Box-Muller in double as the CPU
+ * (libm ulps apart); DCC_NOISE_FAST (the default) does the same formula in
+ * f32 from the same Philox words: ln u1 by logf (u1 <= 1/2) or log1pf of the
+ * exactly formed 1 - u1, the angle split into its quadrant (exact, the top
+ * two bits) and a remainder for sincospif, so every draw stays within
+ * 6e-7 * r + 1e-7 of the double one (r = sqrt(-2 ln u1) <= 8.58) at a
+ * fraction of the FP64 cost. Arithmetic that must round like the CPU's is
  * written with __fmul_rn / __fadd_rn / __fdiv_rn (no contraction to FMA). */
 #include "dcc_device.cuh"
 
@@ -120,6 +132,34 @@ __device__ __forceinline__ void normal_pair(uint64_t key, uint64_t step, uint32_
     z1 = (float)__dmul_rn(r, sin(t));
 }
 
+/* The same draws in f32 (DCC_NOISE_FAST); see the comment at the top. */
+__device__ __forceinline__ void normal_pair_fast(uint64_t key, uint64_t step, uint32_t stream,
+                                                 uint64_t pair, float &z0, float &z1) {
+    uint32_t c[4] = {(uint32_t)pair, stream, (uint32_t)step, (uint32_t)(step >> 32)};
+    philox10(c, (uint32_t)key, (uint32_t)(key >> 32));
+    uint64_t a = ((uint64_t)c[0] << 32 | c[1]) >> 11;
+    uint64_t b = ((uint64_t)c[2] << 32 | c[3]) >> 11;
+    /* u1 = (a + 1) / 2^53 in (0, 1] */
+    float ln;
+    if (a < ((uint64_t)1 << 52)) ln = logf(__ull2float_rn(a + 1) * 0x1p-53f);
+    else ln = log1pf(-(__ull2float_rn(((uint64_t)1 << 53) - 1 - a) * 0x1p-53f));
+    float r = sqrtf(-2.0f * ln);
+    /* angle 2 pi b / 2^53 = quadrant q * pi/2 + pi * x, x = (b mod 2^51) / 2^52 */
+    uint32_t q = (uint32_t)(b >> 51);
+    float x = __ull2float_rn(b & (((uint64_t)1 << 51) - 1)) * 0x1p-52f, sn, cn;
+    sincospif(x, &sn, &cn);
+    float cq = q == 0 ? cn : q == 1 ? -sn : q == 2 ? -cn : sn;
+    float sq = q == 0 ? sn : q == 1 ? cn : q == 2 ? -sn : -cn;
+    z0 = __fmul_rn(r, cq);
+    z1 = __fmul_rn(r, sq);
+}
+
+__device__ __forceinline__ void draw_pair(int noise, uint64_t key, uint64_t step,
+                                          uint32_t stream, uint64_t pair, float &z0, float &z1) {
+    if (noise == DCC_NOISE_EXACT) normal_pair(key, step, stream, pair, z0, z1);
+    else normal_pair_fast(key, step, stream, pair, z0, z1);
+}
+
 __device__ __forceinline__ bool bad_as(float v, int dtype) {
     if (!dcc_isfinite(v)) return true;
     if (dtype == DC_F16) return (__half_as_ushort(__float2half_rn(v)) & 0x7c00u) == 0x7c00u;
@@ -131,7 +171,7 @@ __device__ __forceinline__ bool bad_as(float v, int dtype) {
 __global__ void finalize_kernel(const dcc_out *__restrict__ outs, float *__restrict__ staging,
                                 float std, float divisor, uint64_t key, uint64_t step,
                                 uint32_t *__restrict__ status,
-                                unsigned long long *__restrict__ bad) {
+                                unsigned long long *__restrict__ bad, int noise) {
     const int oi = (int)blockIdx.y;
     const dcc_out o = outs[oi];
     float *v = staging + o.off;
@@ -143,7 +183,7 @@ __global__ void finalize_kernel(const dcc_out *__restrict__ outs, float *__restr
         float v0 = v[i], v1 = two ? v[i + 1] : 0.0f;
         if (std != 0.0f) {
             float z0, z1;
-            normal_pair(key, step, o.stream, pr, z0, z1);
+            draw_pair(noise, key, step, o.stream, pr, z0, z1);
             v0 = __fadd_rn(v0, __fmul_rn(std, z0));
             v1 = __fadd_rn(v1, __fmul_rn(std, z1));
         }
@@ -209,15 +249,137 @@ __global__ void find_bad_index(const TI *__restrict__ x, uint64_t n, int64_t voc
 }
 
 __global__ void noise_kernel(uint64_t key, uint64_t step, uint32_t stream, float *out,
-                             uint64_t n) {
+                             uint64_t n, int noise) {
     uint64_t npairs = (n + 1) / 2;
     for (uint64_t pr = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x; pr < npairs;
          pr += (uint64_t)gridDim.x * blockDim.x) {
         float z0, z1;
-        normal_pair(key, step, stream, pr, z0, z1);
+        draw_pair(noise, key, step, stream, pr, z0, z1);
         out[2 * pr] = z0;
         if (2 * pr + 1 < n) out[2 * pr + 1] = z1;
     }
+}
+
+/* --- the one-pass output path --------------------------------------------- */
+
+/* Block -> (output, first element) on the chunk grid: the last output whose
+ * chunk0 <= blockIdx.x (outputs are in chunk order). */
+__device__ __forceinline__ int chunk_output(const dcc_out *__restrict__ outs, int n_out,
+                                            uint64_t c) {
+    int lo = 0, hi = n_out - 1;
+    while (lo < hi) {
+        int mid = (lo + hi + 1) >> 1;
+        if (outs[mid].chunk0 <= c) lo = mid;
+        else hi = mid - 1;
+    }
+    return lo;
+}
+
+/* |x| as ordered bits: NaN sorts above +Inf, so a NaN anywhere wins the max. */
+__device__ __forceinline__ unsigned abs_bits(float x) { return __float_as_uint(x) & 0x7fffffffu; }
+
+__global__ void out_amax_kernel(const dcc_out *__restrict__ outs, int n_out,
+                                const float *__restrict__ staging, unsigned *__restrict__ amax,
+                                const uint32_t *__restrict__ status) {
+    __shared__ unsigned part[NT / 32];
+    if (*status != 0) return; /* nothing will be written: skip the pass */
+    const uint64_t c = blockIdx.x;
+    const int oi = chunk_output(outs, n_out, c);
+    const dcc_out o = outs[oi];
+    const uint64_t i0 = (c - o.chunk0) * DCC_OUT_CHUNK;
+    const uint64_t i1 = i0 + DCC_OUT_CHUNK < o.n ? i0 + DCC_OUT_CHUNK : o.n;
+    const float *v = staging + o.off;
+    unsigned m = 0;
+    for (uint64_t i = i0 + threadIdx.x; i < i1; i += NT) m = max(m, abs_bits(v[i]));
+    for (int s = 16; s > 0; s >>= 1) m = max(m, __shfl_xor_sync(0xffffffffu, m, s));
+    if ((threadIdx.x & 31) == 0) part[threadIdx.x >> 5] = m;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        for (int w = 1; w < NT / 32; w++) m = max(m, part[w]);
+        atomicMax(amax + oi, m);
+    }
+}
+
+__global__ void out_decide_kernel(const dcc_out *__restrict__ outs, int n_out,
+                                  const unsigned *__restrict__ amax, float std, float divisor,
+                                  const uint32_t *__restrict__ status, uint32_t *__restrict__ mode) {
+    bool ok = true;
+    for (int oi = (int)threadIdx.x; oi < n_out; oi += (int)blockDim.x) {
+        float m = __uint_as_float(amax[oi]);
+        /* |z| <= sqrt(-2 ln 2^-53) = 8.5718 for every draw; a little slack
+         * for the roundings of the sum and the division */
+        double bound = ((double)m + 8.6 * (double)std) * 1.0001 / (double)divisor;
+        double lim = outs[oi].dtype == DC_F16 ? 65504.0 : outs[oi].dtype == DC_BF16 ? 3.38e38 : 3.4e38;
+        if (!(dcc_isfinite(m) && bound < lim)) ok = false;
+    }
+    ok = __syncthreads_and(ok);
+    if (threadIdx.x == 0) *mode = ok && *status == 0 ? 1u : 0u;
+}
+
+__device__ __forceinline__ void store_as(void *dst, int dtype, uint64_t i, float v) {
+    switch (dtype) {
+    case DC_F32: ((float *)dst)[i] = v; break;
+    case DC_BF16: ((__nv_bfloat16 *)dst)[i] = __float2bfloat16_rn(v); break;
+    case DC_F16: ((__half *)dst)[i] = __float2half_rn(v); break;
+    default: break;
+    }
+}
+
+/* One chunk of one output per block; pairs (2j, 2j+1) of the output share a
+ * draw, as in finalize_kernel. Mode 1: straight into dst; mode 0: back into
+ * staging with the dtype check (dcc_out_commit converts later). */
+__global__ void out_write_kernel(const dcc_out *__restrict__ outs, int n_out,
+                                 float *__restrict__ staging, float std, float divisor,
+                                 uint64_t key, uint64_t step, const uint32_t *__restrict__ mode,
+                                 uint32_t *__restrict__ status,
+                                 unsigned long long *__restrict__ bad, int noise) {
+    const bool direct = *mode != 0;
+    if (!direct && (*status & DCC_STATUS_INPUT)) return; /* the step fails anyway */
+    const uint64_t c = blockIdx.x;
+    const int oi = chunk_output(outs, n_out, c);
+    const dcc_out o = outs[oi];
+    const uint64_t i0 = (c - o.chunk0) * DCC_OUT_CHUNK; /* even: chunks hold whole pairs */
+    const uint64_t i1 = i0 + DCC_OUT_CHUNK < o.n ? i0 + DCC_OUT_CHUNK : o.n;
+    float *v = staging + o.off;
+    for (uint64_t i = i0 + 2 * threadIdx.x; i < i1; i += 2 * NT) {
+        const bool two = i + 1 < i1;
+        float v0 = v[i], v1 = two ? v[i + 1] : 0.0f;
+        if (std != 0.0f) {
+            float z0, z1;
+            draw_pair(noise, key, step, o.stream, i / 2, z0, z1);
+            v0 = __fadd_rn(v0, __fmul_rn(std, z0));
+            v1 = __fadd_rn(v1, __fmul_rn(std, z1));
+        }
+        if (divisor != 1.0f) {
+            v0 = __fdiv_rn(v0, divisor);
+            v1 = __fdiv_rn(v1, divisor);
+        }
+        if (direct) {
+            store_as(o.dst, o.dtype, i, v0);
+            if (two) store_as(o.dst, o.dtype, i + 1, v1);
+            continue;
+        }
+        v[i] = v0;
+        if (two) v[i + 1] = v1;
+        bool b0 = bad_as(v0, o.dtype), b1 = two && bad_as(v1, o.dtype);
+        if (b0 || b1) {
+            atomicOr(status, DCC_STATUS_OUTPUT);
+            atomicMin(bad, ((unsigned long long)oi << 40) | (b0 ? i : i + 1));
+        }
+    }
+}
+
+__global__ void out_commit_kernel(const dcc_out *__restrict__ outs, int n_out,
+                                  const float *__restrict__ staging,
+                                  const uint32_t *__restrict__ mode,
+                                  const uint32_t *__restrict__ status) {
+    if (*mode != 0 || *status != 0) return;
+    const uint64_t c = blockIdx.x;
+    const int oi = chunk_output(outs, n_out, c);
+    const dcc_out o = outs[oi];
+    const uint64_t i0 = (c - o.chunk0) * DCC_OUT_CHUNK;
+    const uint64_t i1 = i0 + DCC_OUT_CHUNK < o.n ? i0 + DCC_OUT_CHUNK : o.n;
+    for (uint64_t i = i0 + threadIdx.x; i < i1; i += NT) store_as(o.dst, o.dtype, i, staging[o.off + i]);
 }
 
 unsigned blocks_for(uint64_t n, unsigned cap) {
@@ -265,11 +427,47 @@ extern "C" cudaError_t dcc_rows_to_f32(const void *a, dc_dtype ta, const void *g
 extern "C" cudaError_t dcc_finalize(const dcc_out *outs, int n_out, uint64_t max_n,
                                     float *staging, float std, float divisor, uint64_t key,
                                     uint64_t step, uint32_t *status, unsigned long long *bad,
-                                    cudaStream_t st) {
+                                    int noise, cudaStream_t st) {
     if (n_out <= 0) return cudaSuccess;
     if (n_out > 65535) return cudaErrorInvalidValue;
     dim3 grid(blocks_for((max_n + 1) / 2, 2048), (unsigned)n_out);
-    finalize_kernel<<<grid, NT, 0, st>>>(outs, staging, std, divisor, key, step, status, bad);
+    finalize_kernel<<<grid, NT, 0, st>>>(outs, staging, std, divisor, key, step, status, bad,
+                                         noise);
+    return cudaGetLastError();
+}
+
+extern "C" cudaError_t dcc_out_check(const dcc_out *outs, int n_out, uint64_t n_chunks,
+                                     const float *staging, float std, float divisor,
+                                     float *amax, const uint32_t *status, uint32_t *mode,
+                                     cudaStream_t st) {
+    if (n_out <= 0) return cudaSuccess;
+    if (n_chunks > INT32_MAX) return cudaErrorInvalidValue;
+    out_amax_kernel<<<(unsigned)n_chunks, NT, 0, st>>>(outs, n_out, staging, (unsigned *)amax,
+                                                       status);
+    cudaError_t e = cudaGetLastError();
+    if (e != cudaSuccess) return e;
+    out_decide_kernel<<<1, 1024, 0, st>>>(outs, n_out, (const unsigned *)amax, std, divisor,
+                                          status, mode);
+    return cudaGetLastError();
+}
+
+extern "C" cudaError_t dcc_out_write(const dcc_out *outs, int n_out, uint64_t n_chunks,
+                                     float *staging, float std, float divisor, uint64_t key,
+                                     uint64_t step, const uint32_t *mode, uint32_t *status,
+                                     unsigned long long *bad, int noise, cudaStream_t st) {
+    if (n_out <= 0) return cudaSuccess;
+    if (n_chunks > INT32_MAX) return cudaErrorInvalidValue;
+    out_write_kernel<<<(unsigned)n_chunks, NT, 0, st>>>(outs, n_out, staging, std, divisor, key,
+                                                        step, mode, status, bad, noise);
+    return cudaGetLastError();
+}
+
+extern "C" cudaError_t dcc_out_commit(const dcc_out *outs, int n_out, uint64_t n_chunks,
+                                      const float *staging, const uint32_t *mode,
+                                      const uint32_t *status, cudaStream_t st) {
+    if (n_out <= 0) return cudaSuccess;
+    if (n_chunks > INT32_MAX) return cudaErrorInvalidValue;
+    out_commit_kernel<<<(unsigned)n_chunks, NT, 0, st>>>(outs, n_out, staging, mode, status);
     return cudaGetLastError();
 }
 
@@ -311,8 +509,8 @@ extern "C" cudaError_t dcc_find_bad(const void *p, dc_dtype t, uint64_t n, int64
 }
 
 extern "C" cudaError_t dcc_noise_normal(uint64_t key, uint64_t step, uint32_t stream, float *out,
-                                        uint64_t n, cudaStream_t st) {
+                                        uint64_t n, int noise, cudaStream_t st) {
     if (n == 0) return cudaSuccess;
-    noise_kernel<<<blocks_for((n + 1) / 2, 4096), NT, 0, st>>>(key, step, stream, out, n);
+    noise_kernel<<<blocks_for((n + 1) / 2, 4096), NT, 0, st>>>(key, step, stream, out, n, noise);
     return cudaGetLastError();
 }

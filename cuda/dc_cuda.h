@@ -13,6 +13,10 @@
  * asynchronous on the instance's stream up to one synchronisation at its end,
  * where the host-side dc_step_result is filled.
  *
+ * Precision: bf16/f16 inputs run on tensor cores with f32 accumulation;
+ * f32 inputs on TF32 tensor cores unless DPCLIP_CUDA_TF32=0 (then exact
+ * f32 kernels); see backend_cuda.cu for the other switches.
+ *
  * Errors: a CUDA failure fails the step with DC_EINTERNAL and the CUDA error
  * string; if the CUDA context is left unusable (a sticky error) every later
  * step fails fast with DC_EUNAVAIL. */
@@ -41,6 +45,22 @@ int dc_cuda_backend_create(int device, dc_backend **out, dc_err *err);
  * `cuda_event`. Return 0, or DC_EUNAVAIL. Call from the worker thread. */
 int dc_cuda_backend_wait_event(dc_backend *be, void *cuda_event);
 int dc_cuda_backend_record_event(dc_backend *be, void *cuda_event);
+
+/* Debug hook: GPU time of each phase of the following steps, measured with
+ * CUDA events recorded between the phases on the backend's stream (off by
+ * default: the events cost a few microseconds a step; DPCLIP_CUDA_PROFILE=1
+ * in the environment turns it on at creation). Phases, in order: setup
+ * (counters, table upload), norms, coefs (norm reduction, coefficients),
+ * clipped (book-keeping sums into staging), check (the one-pass path's
+ * output bound), noise (noise, division, conversion: into the outputs, or
+ * into staging with the dtype check), commit (staging to outputs, gated),
+ * download (results to the host). dc_cuda_backend_phase_ms fills ms with
+ * the last successful step's times (-1 where unknown); DC_EPRECOND when
+ * timing is off. */
+#define DC_CUDA_PHASES 8
+int dc_cuda_backend_profile(dc_backend *be, int on);
+int dc_cuda_backend_phase_ms(const dc_backend *be, float ms[DC_CUDA_PHASES]);
+const char *dc_cuda_phase_name(int phase);
 
 /* Device workspace currently held by the instance, in bytes. */
 size_t dc_cuda_backend_workspace_bytes(const dc_backend *be);

@@ -30,7 +30,9 @@ extern "C" {
 #define DCC_STATUS_INPUT 1u   /* a non-finite squared norm or a flagged sample */
 #define DCC_STATUS_OUTPUT 4u  /* an output value not finite in its dtype */
 
-/* A LINEAR layer's data: a [B,T,d] of dtype ta, g [B,T,p] of dtype tg. */
+/* A LINEAR layer's data: a [B,T,d] of dtype ta, g [B,T,p] of dtype tg.
+ * tf32: f32 inputs may run on TF32 tensor cores (10-bit mantissas, f32
+ * accumulation); false keeps them on the exact f32 CUDA-core kernels. */
 typedef struct dcc_linear {
     const void *a;
     const void *g;
@@ -38,6 +40,7 @@ typedef struct dcc_linear {
     int B;
     int T, d, p;
     bool has_bias;
+    bool tf32;
 } dcc_linear;
 
 /* GPU cost model (see dc_cuda_linear_pick). */
@@ -49,9 +52,10 @@ dc_algo dcc_linear_pick(int T, int d, int p, dc_algo requested);
 cudaError_t dcc_linear_sqnorms(const dcc_linear *L, dc_algo algo, float s2, float *n2,
                                cudaStream_t st);
 
-/* Which kernel family dcc_linear_sqnorms uses: 3 wgmma (sm_90a, 16-byte
- * loads), 2 mma.sync with 16-byte loads, 1 mma.sync with element loads, 0
- * CUDA cores (f32 or mixed dtypes). For tests and the benchmark. */
+/* Which kernel family dcc_linear_sqnorms uses: 4 TF32 mma.sync (f32 inputs
+ * with L->tf32), 3 wgmma (sm_90a, 16-byte loads), 2 mma.sync with 16-byte
+ * loads, 1 mma.sync with element loads, 0 CUDA cores (exact f32 or mixed
+ * dtypes). For tests and the benchmark. */
 int dcc_linear_path(const dcc_linear *L);
 
 /* The wgmma kernels (norms_wgmma.cu): available when built for sm_90a, the
@@ -75,6 +79,34 @@ cudaError_t dcc_linear_clipped_tc(const dcc_linear *L, const float *cs, float *w
                                   cudaStream_t st);
 cudaError_t dcc_linear_tma(const dcc_linear *L, dc_algo algo, float s2, float *n2,
                            cudaStream_t st);
+
+/* Book-keeping for many LINEAR layers in one persistent launch (norms_tma.cu):
+ * every (layer, 128x128 weight tile) is one work item that runs the whole
+ * K = B*T loop, folds each sample's tile with its coefficient in registers
+ * and stores the tile once (no atomics, no zeroing); the tiles of the first
+ * column also write the bias sums. w[p][d] = sum_b cs[b] g_b^T a_b, bias[p]
+ * = sum_b cs[b] sum_t g_b,t (NULL: not wanted). */
+typedef struct dcc_bk_layer {
+    dcc_linear L;
+    const float *cs; /* device [B] */
+    float *w;        /* device f32 [p][d] */
+    float *bias;     /* device f32 [p] or NULL */
+} dcc_bk_layer;
+/* Whether a layer qualifies (bf16/f16 with 16-byte rows, T >= 64, sm_90a,
+ * TMA available); the others use dcc_linear_clipped_tc or cuBLAS. */
+int dcc_bk_grouped_ok(const dcc_linear *L);
+/* All layers must share B and qualify; one launch per 10 layers of one dtype. */
+cudaError_t dcc_linear_clipped_grouped(const dcc_bk_layer *layers, int n, cudaStream_t st);
+
+/* TF32 tensor-core kernels for f32 inputs (norms_tf32.cu), mma.sync
+ * m16n8k8 with operands rounded to TF32 (round to nearest) in shared-memory
+ * reads: the forms of dcc_linear_sqnorms, and the clipped weight sum
+ * w[p][d] = sum_b cs[b] g_b^T a_b (f32, overwritten; exact per-sample
+ * scaling, the bias is not included). */
+cudaError_t dcc_linear_tf32(const dcc_linear *L, dc_algo algo, float s2, float *n2,
+                            cudaStream_t st);
+cudaError_t dcc_linear_clipped_tf32(const dcc_linear *L, const float *cs, float *w,
+                                    cudaStream_t st);
 
 /* The CUDA-core paths behind dcc_linear_sqnorms (norms_simt.cu): f32 or
  * mixed dtypes, and the rank-one T == 1 formula. */
@@ -147,14 +179,28 @@ cudaError_t dcc_rows_to_f32(const void *a, dc_dtype ta, const void *g, dc_dtype 
                             float *gf, cudaStream_t st);
 
 /* One output of a step: `n` f32 values at staging + off, to be written to
- * dst (dtype) with noise stream `stream`. */
+ * dst (dtype) with noise stream `stream`. chunk0: index of its first
+ * DCC_OUT_CHUNK-element chunk in the step's chunk grid (the sum of
+ * dcc_out_chunks over the outputs before it). */
 typedef struct dcc_out {
     void *dst;
     uint64_t off;
     uint64_t n;
     uint32_t stream;
     int32_t dtype;
+    uint64_t chunk0;
 } dcc_out;
+
+#define DCC_OUT_CHUNK 8192
+static inline uint64_t dcc_out_chunks(uint64_t n) {
+    return (n + DCC_OUT_CHUNK - 1) / DCC_OUT_CHUNK;
+}
+
+/* Noise draws: DCC_NOISE_EXACT is daemon/noise.c's Box-Muller in double
+ * (libm ulps apart); DCC_NOISE_FAST the same Philox words and formula in
+ * f32 (logf/log1pf, sincospif on a quadrant-reduced angle): within
+ * 6e-7 * r + 1e-7 of the double draw, r = sqrt(-2 ln u1) <= 8.58. */
+enum { DCC_NOISE_FAST = 0, DCC_NOISE_EXACT = 1 };
 
 /* For every output o and element i: v = staging[off+i] + std * z(key, step,
  * stream, i) (no draw when std == 0), v /= divisor, stored back; a value not
@@ -162,7 +208,8 @@ typedef struct dcc_out {
  * (o << 40 | i). outs: device array [n_out]. */
 cudaError_t dcc_finalize(const dcc_out *outs, int n_out, uint64_t max_n, float *staging,
                          float std, float divisor, uint64_t key, uint64_t step,
-                         uint32_t *status, unsigned long long *bad, cudaStream_t st);
+                         uint32_t *status, unsigned long long *bad, int noise,
+                         cudaStream_t st);
 
 /* If *status == 0: every output converted from staging into dst; norms and
  * coefs (device [B]) copied into norms_out / coefs_out when non-NULL. */
@@ -170,16 +217,37 @@ cudaError_t dcc_commit(const dcc_out *outs, int n_out, uint64_t max_n, const flo
                        const uint32_t *status, const float *norms, float *norms_out,
                        const float *coefs, float *coefs_out, int B, cudaStream_t st);
 
+/* The one-pass output path (chunk grid over all outputs, n_chunks chunks):
+ * dcc_out_check finds max |staging| per output (amax[n_out], zeroed by the
+ * caller) and sets *mode = 1 when the step's status is 0 and no output can
+ * leave its dtype's finite range, whatever the noise: |z| <= 8.58 bounds
+ * every draw, so |v| <= (amax + 8.6 std) / divisor. Then dcc_out_write
+ * writes v = (staging + std z) / divisor straight into the outputs (mode 1),
+ * or as dcc_finalize does into staging (mode 0, status 0) for
+ * dcc_out_commit, which converts only in mode 0 with status 0. A non-finite
+ * staging value makes amax NaN, so such steps always take mode 0. */
+cudaError_t dcc_out_check(const dcc_out *outs, int n_out, uint64_t n_chunks,
+                          const float *staging, float std, float divisor, float *amax,
+                          const uint32_t *status, uint32_t *mode, cudaStream_t st);
+cudaError_t dcc_out_write(const dcc_out *outs, int n_out, uint64_t n_chunks, float *staging,
+                          float std, float divisor, uint64_t key, uint64_t step,
+                          const uint32_t *mode, uint32_t *status, unsigned long long *bad,
+                          int noise, cudaStream_t st);
+cudaError_t dcc_out_commit(const dcc_out *outs, int n_out, uint64_t n_chunks,
+                           const float *staging, const uint32_t *mode, const uint32_t *status,
+                           cudaStream_t st);
+
 /* Index of the first non-finite element of a float array (or of the first
  * integer outside [0, vocab) for i32/i64), lowered into *first (set it to
  * ~0 first). */
 cudaError_t dcc_find_bad(const void *p, dc_dtype t, uint64_t n, int64_t vocab,
                          unsigned long long *first, cudaStream_t st);
 
-/* N(0,1) draws i in [0, n) of (key, step, stream), exactly as dc_noise_normal
- * (daemon/noise.h) defines them. For tests. */
+/* N(0,1) draws i in [0, n) of (key, step, stream) as dc_noise_normal
+ * (daemon/noise.h) defines them, computed as `noise` says (DCC_NOISE_*).
+ * For tests. */
 cudaError_t dcc_noise_normal(uint64_t key, uint64_t step, uint32_t stream, float *out,
-                             uint64_t n, cudaStream_t st);
+                             uint64_t n, int noise, cudaStream_t st);
 
 #ifdef __cplusplus
 }

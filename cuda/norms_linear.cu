@@ -309,6 +309,7 @@ extern "C" dc_algo dcc_linear_pick(int T, int d, int p, dc_algo requested) {
 }
 
 extern "C" int dcc_linear_path(const dcc_linear *L) {
+    if (L->tf32 && L->ta == DC_F32 && L->tg == DC_F32) return 4;
     if (L->ta != L->tg || (L->ta != DC_BF16 && L->ta != DC_F16)) return 0;
     if (!(aligned16(L->a) && aligned16(L->g) && L->d % 8 == 0 && L->p % 8 == 0)) return 1;
     return dcc_wgmma_available() ? 3 : 2;
@@ -320,6 +321,7 @@ extern "C" cudaError_t dcc_linear_sqnorms(const dcc_linear *L, dc_algo algo, flo
     algo = dcc_linear_pick(L->T, L->d, L->p, algo);
     if (L->T == 1 && algo == DC_ALGO_GHOST) return dcc_linear_rank1(L, s2, n2, st);
     switch (dcc_linear_path(L)) {
+    case 4: return dcc_linear_tf32(L, algo, s2, n2, st);
     case 3: return dcc_linear_wgmma(L, algo, s2, n2, st);
     case 2:
         return L->ta == DC_BF16 ? launch_tc<dcc_bf16, true>(L, algo, s2, n2, st)

@@ -25,6 +25,7 @@
  * but clusters of 4 measured slower on an H100: 1.75-1.87x the GEMM against
  * 1.46x for 2 on the (2,8192,768,3072) shape). */
 #include <stdlib.h>
+#include <string.h>
 
 #include <cudaTypedefs.h>
 
@@ -40,6 +41,20 @@ template <int MI> __host__ __device__ constexpr int tma_direct_smem() {
     return tma_direct_stages<MI>() * stage_bytes<MI>() + 1024;
 }
 constexpr int TG_SMEM = TG_ST * stage_bytes<1>() + 1024;
+
+/* The grouped book-keeping kernel's parameters (see tma_bk_grouped). */
+constexpr int BK_MAXL = 10; /* 384 bytes each: parameters within the classic 4 KiB */
+struct bk_entry {
+    CUtensorMap tg, ta;
+    const float *cs;
+    float *w, *bias;
+    int T, d, p, tiles_n, item0, pad_;
+};
+struct bk_params {
+    bk_entry e[BK_MAXL];
+    int n, items, B;
+};
+static_assert(sizeof(bk_params) <= 4096, "kernel parameters beyond 4 KiB need CUDA 12.1+");
 
 #ifndef DCC_WG_EMPTY
 
@@ -370,6 +385,110 @@ tma_clipped(const __grid_constant__ CUtensorMap tg, const __grid_constant__ CUte
     }
 }
 
+
+/* Grouped book-keeping (dcc_linear_clipped_grouped): the tensor maps of up to
+ * BK_MAXL layers travel in the kernel parameters (__grid_constant__, so TMA
+ * reads them in place); a persistent grid walks the work items
+ * (layer, tile) in order, CTA i taking items i, i + grid, ... The producer
+ * and consumers walk the same sequence, so one stage counter u runs across
+ * items and the pipeline never drains between them: the producer already
+ * loads the next item while the consumers store the last. */
+
+__device__ __forceinline__ int bk_find(const bk_params &P, int item) {
+    int lo = 0, hi = P.n - 1; /* last entry with item0 <= item */
+    while (lo < hi) {
+        int mid = (lo + hi + 1) >> 1;
+        if (P.e[mid].item0 <= item) lo = mid;
+        else hi = mid - 1;
+    }
+    return lo;
+}
+
+__device__ __forceinline__ void consumer_bar() { /* the 256 consumer threads only */
+    asm volatile("bar.sync 1, 256;\n" ::: "memory");
+}
+
+template <typename TI>
+__global__ void __launch_bounds__(CT, 1) tma_bk_grouped(const __grid_constant__ bk_params P) {
+    constexpr int ST = tma_direct_stages<1>(), SB = stage_bytes<1>();
+    extern __shared__ unsigned char smem[];
+    __shared__ __align__(8) uint64_t bar_mem[2 * ST];
+    __shared__ __align__(16) float colsum[4][128];
+    const uint32_t sbase = (dcc_smem(smem) + 1023u) & ~1023u;
+    const uint32_t bars = init_bars<ST>(bar_mem);
+    const int B = P.B;
+
+    if (threadIdx.x >= 256) { /* producer warp */
+        if (threadIdx.x == 256) {
+            int u = 0;
+            for (int it = (int)blockIdx.x; it < P.items; it += (int)gridDim.x) {
+                const bk_entry &E = P.e[bk_find(P, it)];
+                const int tile = it - E.item0;
+                const int m0 = (tile / E.tiles_n) * 128, n0 = (tile % E.tiles_n) * 128;
+                const int ktn = (E.T + WBK - 1) / WBK;
+                for (int b = 0; b < B; b++)
+                    for (int kt = 0; kt < ktn; kt++, u++) {
+                        const int s = u % ST, kr = kt * WBK;
+                        const uint32_t full = bars + 8u * (uint32_t)s;
+                        const uint32_t st = sbase + (uint32_t)(s * SB);
+                        mbar_wait(bars + 8u * (uint32_t)(ST + s), (uint32_t)(((u / ST) & 1) ^ 1));
+                        mbar_expect_tx(full, SB);
+                        tma_load3(st, &E.tg, full, m0, kr, b);
+                        tma_load3(st + HALF, &E.tg, full, m0 + 64, kr, b);
+                        tma_load3(st + 2 * HALF, &E.ta, full, n0, kr, b);
+                        tma_load3(st + 3 * HALF, &E.ta, full, n0 + 64, kr, b);
+                    }
+            }
+        }
+        return;
+    }
+    const int wg = (int)threadIdx.x >> 7, wq = ((int)threadIdx.x >> 5) & 3;
+    const int lane = (int)threadIdx.x & 31;
+    int u = 0;
+    for (int it = (int)blockIdx.x; it < P.items; it += (int)gridDim.x) {
+        const bk_entry &E = P.e[bk_find(P, it)];
+        const int tile = it - E.item0, tn = tile % E.tiles_n;
+        const int m0 = (tile / E.tiles_n) * 128, n0 = tn * 128;
+        const int ktn = (E.T + WBK - 1) / WBK, d = E.d, p = E.p;
+        const bool do_bias = E.bias != nullptr && tn == 0;
+        float acc[1][64], tot[64], bt0 = 0.0f, bt1 = 0.0f;
+#pragma unroll
+        for (int i = 0; i < 64; i++) tot[i] = 0.0f;
+        for (int b = 0; b < B; b++) {
+            float bs0 = 0.0f, bs1 = 0.0f;
+            consume<TI, true, 1, ST>(acc, sbase, bars, u, u + ktn, false, do_bias, bs0, bs1);
+            u += ktn;
+            const float c = E.cs[b];
+#pragma unroll
+            for (int i = 0; i < 64; i++) tot[i] += c * acc[0][i];
+            bt0 += c * bs0;
+            bt1 += c * bs1;
+        }
+        /* accumulator layout as in tma_clipped; register pairs (i, i+1) are
+         * adjacent columns, stored as float2 (d is a multiple of 8) */
+        float *w = E.w;
+#pragma unroll
+        for (int i = 0; i < 64; i += 2) {
+            int m = m0 + wg * 64 + wq * 16 + (lane >> 2) + ((i & 2) ? 8 : 0);
+            int n = n0 + (i >> 2) * 8 + (lane & 3) * 2;
+            if (m < p && n < d)
+                *(float2 *)(w + (int64_t)m * d + n) = make_float2(tot[i], tot[i + 1]);
+        }
+        if (do_bias) {
+            /* column sums: thread owns columns 2*(tid%64), +1 of row quarter tid/64 */
+            int m = ((int)threadIdx.x & 63) * 2, rq = (int)threadIdx.x >> 6;
+            colsum[rq][m] = bt0;
+            colsum[rq][m + 1] = bt1;
+            consumer_bar();
+            if (threadIdx.x < 128 && m0 + (int)threadIdx.x < p) {
+                int c = (int)threadIdx.x;
+                E.bias[m0 + c] = colsum[0][c] + colsum[1][c] + colsum[2][c] + colsum[3][c];
+            }
+            consumer_bar(); /* colsum is free for the next item */
+        }
+    }
+}
+
 #else
 
 template <typename TI, int MI, int KS>
@@ -381,6 +500,7 @@ __global__ void tma_ghost(const __grid_constant__ CUtensorMap, const __grid_cons
 template <typename TI>
 __global__ void tma_clipped(const __grid_constant__ CUtensorMap, const __grid_constant__ CUtensorMap,
                             int, int, int, int, int, int, const float *, float *) {}
+template <typename TI> __global__ void tma_bk_grouped(const __grid_constant__ bk_params) {}
 
 #endif
 
@@ -495,6 +615,50 @@ cudaError_t launch_clipped(const dcc_linear *L, const float *cs, float *w, cudaS
     return cudaGetLastError();
 }
 
+
+int sms_now() {
+    int dev = 0, sms = 132;
+    if (cudaGetDevice(&dev) == cudaSuccess)
+        cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
+    return sms;
+}
+
+template <typename TI>
+cudaError_t launch_grouped(const dcc_bk_layer *ls, int n, cudaStream_t st) {
+    bk_params P; /* the launch copies it */
+    cudaError_t e = cudaFuncSetAttribute(tma_bk_grouped<TI>,
+                                         cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         tma_direct_smem<1>());
+    if (e != cudaSuccess) return e;
+    memset(&P, 0, sizeof P);
+    int64_t items = 0;
+    for (int i = 0; i < n; i++) {
+        const dcc_linear *L = &ls[i].L;
+        bk_entry &E = P.e[i];
+        if (!make_map(&E.tg, L->g, L->tg, L->B, L->T, L->p, 64) ||
+            !make_map(&E.ta, L->a, L->ta, L->B, L->T, L->d, 64))
+            return cudaErrorNotSupported;
+        E.cs = ls[i].cs;
+        E.w = ls[i].w;
+        E.bias = ls[i].bias;
+        E.T = L->T;
+        E.d = L->d;
+        E.p = L->p;
+        E.tiles_n = (L->d + 127) / 128;
+        E.item0 = (int)items;
+        items += (int64_t)((L->p + 127) / 128) * E.tiles_n;
+        if (items > INT32_MAX / 2) return cudaErrorInvalidConfiguration;
+    }
+    P.n = n;
+    P.items = (int)items;
+    P.B = ls[0].L.B;
+    if (items == 0) return cudaSuccess;
+    int sms = sms_now();
+    unsigned grid = (unsigned)(items < sms ? items : sms);
+    tma_bk_grouped<TI><<<grid, CT, tma_direct_smem<1>(), st>>>(P);
+    return cudaGetLastError();
+}
+
 } // namespace
 
 extern "C" cudaError_t dcc_linear_clipped_tc(const dcc_linear *L, const float *cs, float *w,
@@ -508,6 +672,40 @@ extern "C" cudaError_t dcc_linear_clipped_tc(const dcc_linear *L, const float *c
     (void)L;
     (void)cs;
     (void)w;
+    (void)st;
+    return cudaErrorNotSupported;
+#endif
+}
+
+extern "C" int dcc_bk_grouped_ok(const dcc_linear *L) {
+#ifdef DCC_WGMMA_BUILT
+    return L->T >= WBK && L->ta == L->tg && dcc_linear_path(L) == 3 && dcc_tma_available();
+#else
+    (void)L;
+    return 0;
+#endif
+}
+
+extern "C" cudaError_t dcc_linear_clipped_grouped(const dcc_bk_layer *ls, int n,
+                                                  cudaStream_t st) {
+#ifdef DCC_WGMMA_BUILT
+    for (int i = 0; i < n; i++)
+        if (!dcc_bk_grouped_ok(&ls[i].L) || ls[i].L.B != ls[0].L.B || !ls[i].w)
+            return cudaErrorNotSupported;
+    /* chunks of at most BK_MAXL layers of one dtype */
+    int i = 0;
+    while (i < n) {
+        int j = 1;
+        while (j < BK_MAXL && i + j < n && ls[i + j].L.ta == ls[i].L.ta) j++;
+        cudaError_t e = ls[i].L.ta == DC_BF16 ? launch_grouped<dcc_bf16>(ls + i, j, st)
+                                              : launch_grouped<dcc_f16>(ls + i, j, st);
+        if (e != cudaSuccess) return e;
+        i += j;
+    }
+    return cudaSuccess;
+#else
+    (void)ls;
+    (void)n;
     (void)st;
     return cudaErrorNotSupported;
 #endif

@@ -1,0 +1,369 @@
+/* LINEAR per-sample norms and clipped sums for f32 inputs on TF32 tensor
+ * cores (mma.sync m16n8k8, f32 accumulation): the path f32 inputs take by
+ * default, as PyTorch's matmuls do with TF32 allowed. DPCLIP_CUDA_TF32=0 in
+ * the daemon's environment keeps them on the exact CUDA-core kernels
+ * (norms_simt.cu) and f32 cuBLAS.
+ *
+ * Operands are rounded to TF32 (cvt.rna: round to nearest, so no bias) as
+ * they leave shared memory; tiles are stored as plain f32, so the bias
+ * column sums of the direct form are exact f32 sums. Error: each product
+ * carries two roundings of at most 2^-11 relative, so squared norms stay
+ * within ~1e-3 of the f32 result (the tests allow 2e-3).
+ *
+ * Direct form: 128x128 tiles of g_b^T a_b over K = T in steps of 32; shared
+ * tiles are [32 rows of T][128 features] padded to 136 floats, so that the
+ * fragment reads (k = lane % 4, feature = lane / 4) hit 32 different banks.
+ * The clipped-sum variant runs the K loops of a group of samples back to
+ * back through one pipeline and folds each finished sample tile into an f32
+ * total with its coefficient (exact per-sample scaling, no copies).
+ * Ghost form: pairs (t, s <= t) of 128-row blocks, Gram tiles over K = d
+ * then p in steps of 32 features, rows padded to 36 floats (conflict-free
+ * for the same reason). */
+#include "dcc_device.cuh"
+
+namespace {
+
+constexpr int NT = 256; /* 8 warps: 2 (M) x 4 (N), 64x32 each */
+constexpr int F_BM = 128, F_BN = 128, F_BK = 32, F_ST = 3, F_LD = F_BM + 8;
+constexpr int F_TILE = F_BK * F_LD;              /* floats */
+constexpr int F_SMEM = F_ST * 2 * F_TILE * 4;    /* 102 KiB: two CTAs per SM */
+constexpr int Q_BT = 128, Q_BK = 32, Q_ST = 3, Q_LD = Q_BK + 4;
+constexpr int Q_TILE = Q_BT * Q_LD;
+constexpr int Q_SMEM = Q_ST * 2 * Q_TILE * 4;    /* 108 KiB */
+
+__device__ __forceinline__ uint32_t to_tf32(float x) {
+    uint32_t r;
+    asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(r) : "f"(x));
+    return r;
+}
+
+__device__ __forceinline__ void mma_tf32(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
+                                         uint32_t b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0, %1, %2, %3}, "
+        "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+/* Rows [r0, r0+ROWS) x columns [c0, c0+COLS) of a row-major f32 matrix
+ * (nrows x ncols, leading dimension ld) into shared rows of LD floats, zero
+ * outside the matrix. VEC: 16-byte cp.async (ld, c0, ncols multiples of 4,
+ * 16-byte aligned base); else guarded element loads. */
+template <int ROWS, int COLS, int LD, bool VEC>
+__device__ __forceinline__ void f_load(float *s, const float *x, int64_t ld, int r0, int nrows,
+                                       int c0, int ncols) {
+    constexpr int CPR = COLS / 4, ITERS = ROWS * CPR / NT;
+    static_assert(ITERS * NT == ROWS * CPR, "tile not a multiple of the block");
+#pragma unroll
+    for (int it = 0; it < ITERS; it++) {
+        int i = (int)threadIdx.x + it * NT;
+        int r = i / CPR, c = (i % CPR) * 4;
+        int gr = r0 + r, gc = c0 + c;
+        float *dst = s + r * LD + c;
+        if (VEC) {
+            bool ok = gr < nrows && gc < ncols;
+            const float *src = ok ? x + (int64_t)gr * ld + gc : x;
+            dcc_cp_async16(dcc_smem(dst), src, ok ? 16 : 0);
+        } else {
+            float v[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+            if (gr < nrows) {
+                const float *src = x + (int64_t)gr * ld;
+#pragma unroll
+                for (int j = 0; j < 4; j++)
+                    if (gc + j < ncols) v[j] = src[gc + j];
+            }
+            *(float4 *)dst = make_float4(v[0], v[1], v[2], v[3]);
+        }
+    }
+}
+
+__device__ __forceinline__ void zero_acc(float (&acc)[4][4][4]) {
+#pragma unroll
+    for (int i = 0; i < 4; i++)
+#pragma unroll
+        for (int j = 0; j < 4; j++)
+#pragma unroll
+            for (int k = 0; k < 4; k++) acc[i][j][k] = 0.0f;
+}
+
+/* NORM (CLIP false): n2[blockIdx.y] += s2 * (||tile||^2 + bias part).
+ * CLIP: w (+)= sum over the samples of blockIdx.y's group of cs[b] * tile. */
+template <bool VEC, bool CLIP>
+__global__ void __launch_bounds__(NT, CLIP ? 1 : 2)
+tf32_direct(const float *__restrict__ a, const float *__restrict__ g, int B, int T, int d, int p,
+            int tiles_n, int per_group, int has_bias, float s2, float *__restrict__ n2,
+            const float *__restrict__ cs, float *__restrict__ w) {
+    extern __shared__ __align__(16) float fsm[];
+    __shared__ float colsum[2][F_BM];
+    const int tm = (int)blockIdx.x / tiles_n, tn = (int)blockIdx.x % tiles_n;
+    const int m0 = tm * F_BM, n0 = tn * F_BN;
+    const int b0 = CLIP ? (int)blockIdx.y * per_group : (int)blockIdx.y;
+    const int b1 = CLIP ? min(B, b0 + per_group) : b0 + 1;
+    if (b0 >= b1) return; /* uniform per CTA, before any barrier */
+    const int ktn = (T + F_BK - 1) / F_BK, U = (b1 - b0) * ktn;
+    const bool do_bias = !CLIP && has_bias && tn == 0;
+    const int warp = (int)threadIdx.x >> 5, lane = (int)threadIdx.x & 31;
+    const int wm = (warp >> 2) * 64, wn = (warp & 3) * 32, gq = lane >> 2, tq = lane & 3;
+    float acc[4][4][4], tot[4][4][4];
+    float bsum = 0.0f;
+    zero_acc(acc);
+    if (CLIP) zero_acc(tot);
+
+    auto load = [&](int u) {
+        const int b = b0 + u / ktn, k0 = (u % ktn) * F_BK;
+        float *sA = fsm + (u % F_ST) * 2 * F_TILE;
+        f_load<F_BK, F_BM, F_LD, VEC>(sA, g + (int64_t)b * T * p, p, k0, T, m0, p);
+        f_load<F_BK, F_BN, F_LD, VEC>(sA + F_TILE, a + (int64_t)b * T * d, d, k0, T, n0, d);
+    };
+#pragma unroll
+    for (int s = 0; s < F_ST - 1; s++) {
+        if (s < U) load(s);
+        dcc_cp_commit();
+    }
+    for (int u = 0; u < U; u++) {
+        dcc_cp_wait<F_ST - 2>();
+        __syncthreads();
+        if (u + F_ST - 1 < U) load(u + F_ST - 1);
+        dcc_cp_commit();
+        const float *sA = fsm + (u % F_ST) * 2 * F_TILE, *sB = sA + F_TILE;
+#pragma unroll
+        for (int kk = 0; kk < F_BK; kk += 8) {
+            uint32_t af[4][4], bf[4][2];
+#pragma unroll
+            for (int mi = 0; mi < 4; mi++) {
+                const float *pa = sA + (kk + tq) * F_LD + wm + mi * 16 + gq;
+                af[mi][0] = to_tf32(pa[0]);
+                af[mi][1] = to_tf32(pa[8]);
+                af[mi][2] = to_tf32(pa[4 * F_LD]);
+                af[mi][3] = to_tf32(pa[4 * F_LD + 8]);
+            }
+#pragma unroll
+            for (int ni = 0; ni < 4; ni++) {
+                const float *pb = sB + (kk + tq) * F_LD + wn + ni * 8 + gq;
+                bf[ni][0] = to_tf32(pb[0]);
+                bf[ni][1] = to_tf32(pb[4 * F_LD]);
+            }
+#pragma unroll
+            for (int mi = 0; mi < 4; mi++)
+#pragma unroll
+                for (int ni = 0; ni < 4; ni++) mma_tf32(acc[mi][ni], af[mi], bf[ni][0], bf[ni][1]);
+        }
+        if (do_bias) { /* column c, rows of half h: exact f32 sums of g */
+            const int c = (int)threadIdx.x & (F_BM - 1), h = (int)threadIdx.x >> 7;
+#pragma unroll
+            for (int r = h * (F_BK / 2); r < (h + 1) * (F_BK / 2); r++) bsum += sA[r * F_LD + c];
+        }
+        if (CLIP && u % ktn == ktn - 1) {
+            const float c = cs[b0 + u / ktn];
+#pragma unroll
+            for (int i = 0; i < 4; i++)
+#pragma unroll
+                for (int j = 0; j < 4; j++)
+#pragma unroll
+                    for (int k = 0; k < 4; k++) {
+                        tot[i][j][k] += c * acc[i][j][k];
+                        acc[i][j][k] = 0.0f;
+                    }
+        }
+    }
+    dcc_cp_wait<0>();
+
+    if (CLIP) {
+        /* C fragment: c0, c1 at row gq, columns 2*tq, +1; c2, c3 at row gq + 8 */
+        const bool atomic = gridDim.y > 1;
+#pragma unroll
+        for (int mi = 0; mi < 4; mi++)
+#pragma unroll
+            for (int ni = 0; ni < 4; ni++)
+#pragma unroll
+                for (int k = 0; k < 4; k++) {
+                    int m = m0 + wm + mi * 16 + gq + (k >= 2 ? 8 : 0);
+                    int n = n0 + wn + ni * 8 + 2 * tq + (k & 1);
+                    if (m < p && n < d) {
+                        if (atomic) atomicAdd(w + (int64_t)m * d + n, tot[mi][ni][k]);
+                        else w[(int64_t)m * d + n] = tot[mi][ni][k];
+                    }
+                }
+        return;
+    }
+    float sq = 0.0f;
+#pragma unroll
+    for (int i = 0; i < 4; i++)
+#pragma unroll
+        for (int j = 0; j < 4; j++)
+#pragma unroll
+            for (int k = 0; k < 4; k++) sq += acc[i][j][k] * acc[i][j][k];
+    if (do_bias) {
+        colsum[threadIdx.x >> 7][threadIdx.x & (F_BM - 1)] = bsum;
+        __syncthreads();
+        if (threadIdx.x < F_BM) {
+            float v = colsum[0][threadIdx.x] + colsum[1][threadIdx.x];
+            sq += v * v;
+        }
+    }
+    float tot_sq = dcc_block_sum(sq);
+    if (threadIdx.x == 0) atomicAdd(n2 + b0, tot_sq * s2);
+}
+
+template <bool VEC>
+__global__ void __launch_bounds__(NT, 1)
+tf32_ghost(const float *__restrict__ a, const float *__restrict__ g, int T, int d, int p,
+           int has_bias, float s2, float *__restrict__ n2) {
+    extern __shared__ __align__(16) float fsm[];
+    const int b = blockIdx.y, idx = (int)blockIdx.x;
+    int ti = (int)((sqrtf(8.0f * (float)idx + 1.0f) - 1.0f) * 0.5f);
+    while (ti * (ti + 1) / 2 > idx) ti--;
+    while ((ti + 1) * (ti + 2) / 2 <= idx) ti++;
+    const int si = idx - ti * (ti + 1) / 2;
+    const int t0 = ti * Q_BT, s0 = si * Q_BT;
+    const float *ab = a + (int64_t)b * T * d, *gb = g + (int64_t)b * T * p;
+    const int ka = (d + Q_BK - 1) / Q_BK, kg = (p + Q_BK - 1) / Q_BK, U = ka + kg;
+    const int warp = (int)threadIdx.x >> 5, lane = (int)threadIdx.x & 31;
+    const int wm = (warp >> 2) * 64, wn = (warp & 3) * 32, gq = lane >> 2, tq = lane & 3;
+    float acc[4][4][4], ga[4][4][4];
+    zero_acc(acc);
+    zero_acc(ga);
+
+    auto load = [&](int u) {
+        const bool first = u < ka;
+        const float *x = first ? ab : gb;
+        const int K = first ? d : p, k0 = (first ? u : u - ka) * Q_BK;
+        float *sX = fsm + (u % Q_ST) * 2 * Q_TILE;
+        f_load<Q_BT, Q_BK, Q_LD, VEC>(sX, x, K, t0, T, k0, K);
+        f_load<Q_BT, Q_BK, Q_LD, VEC>(sX + Q_TILE, x, K, s0, T, k0, K);
+    };
+#pragma unroll
+    for (int s = 0; s < Q_ST - 1; s++) {
+        if (s < U) load(s);
+        dcc_cp_commit();
+    }
+    for (int u = 0; u < U; u++) {
+        dcc_cp_wait<Q_ST - 2>();
+        __syncthreads();
+        if (u + Q_ST - 1 < U) load(u + Q_ST - 1);
+        dcc_cp_commit();
+        const float *sX = fsm + (u % Q_ST) * 2 * Q_TILE, *sY = sX + Q_TILE;
+#pragma unroll
+        for (int kk = 0; kk < Q_BK; kk += 8) {
+            uint32_t af[4][4], bf[4][2];
+#pragma unroll
+            for (int mi = 0; mi < 4; mi++) {
+                const float *pa = sX + (wm + mi * 16 + gq) * Q_LD + kk + tq;
+                af[mi][0] = to_tf32(pa[0]);
+                af[mi][1] = to_tf32(pa[8 * Q_LD]);
+                af[mi][2] = to_tf32(pa[4]);
+                af[mi][3] = to_tf32(pa[8 * Q_LD + 4]);
+            }
+#pragma unroll
+            for (int ni = 0; ni < 4; ni++) {
+                const float *pb = sY + (wn + ni * 8 + gq) * Q_LD + kk + tq;
+                bf[ni][0] = to_tf32(pb[0]);
+                bf[ni][1] = to_tf32(pb[4]);
+            }
+#pragma unroll
+            for (int mi = 0; mi < 4; mi++)
+#pragma unroll
+                for (int ni = 0; ni < 4; ni++) mma_tf32(acc[mi][ni], af[mi], bf[ni][0], bf[ni][1]);
+        }
+        if (u == ka - 1) { /* the a Gram tile is complete: keep it, start g's */
+#pragma unroll
+            for (int i = 0; i < 4; i++)
+#pragma unroll
+                for (int j = 0; j < 4; j++)
+#pragma unroll
+                    for (int k = 0; k < 4; k++) {
+                        ga[i][j][k] = acc[i][j][k];
+                        acc[i][j][k] = 0.0f;
+                    }
+        }
+    }
+    dcc_cp_wait<0>();
+    float part = 0.0f, gsum = 0.0f;
+#pragma unroll
+    for (int i = 0; i < 4; i++)
+#pragma unroll
+        for (int j = 0; j < 4; j++)
+#pragma unroll
+            for (int k = 0; k < 4; k++) {
+                part += ga[i][j][k] * acc[i][j][k];
+                gsum += acc[i][j][k];
+            }
+    if (has_bias) part += gsum;
+    float tot = dcc_block_sum(part);
+    if (threadIdx.x == 0) atomicAdd(n2 + b, tot * s2 * (ti == si ? 1.0f : 2.0f));
+}
+
+bool vec_ok(const dcc_linear *L) {
+    return ((uintptr_t)L->a & 15u) == 0 && ((uintptr_t)L->g & 15u) == 0 && L->d % 4 == 0 &&
+           L->p % 4 == 0;
+}
+
+template <bool VEC>
+cudaError_t launch_norms(const dcc_linear *L, dc_algo algo, float s2, float *n2,
+                         cudaStream_t st) {
+    cudaError_t e;
+    if (algo == DC_ALGO_DIRECT) {
+        int tiles_m = (L->p + F_BM - 1) / F_BM, tiles_n = (L->d + F_BN - 1) / F_BN;
+        if ((int64_t)tiles_m * tiles_n > INT32_MAX) return cudaErrorInvalidConfiguration;
+        auto kern = tf32_direct<VEC, false>;
+        if ((e = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, F_SMEM)))
+            return e;
+        dim3 grid((unsigned)(tiles_m * tiles_n), (unsigned)L->B);
+        kern<<<grid, NT, F_SMEM, st>>>((const float *)L->a, (const float *)L->g, L->B, L->T,
+                                       L->d, L->p, tiles_n, 1, L->has_bias, s2, n2, nullptr,
+                                       nullptr);
+    } else {
+        int64_t nt = (L->T + Q_BT - 1) / Q_BT, pairs = nt * (nt + 1) / 2;
+        if (pairs > INT32_MAX / 2) return cudaErrorInvalidConfiguration;
+        if ((e = cudaFuncSetAttribute(tf32_ghost<VEC>,
+                                      cudaFuncAttributeMaxDynamicSharedMemorySize, Q_SMEM)))
+            return e;
+        dim3 grid((unsigned)pairs, (unsigned)L->B);
+        tf32_ghost<VEC><<<grid, NT, Q_SMEM, st>>>((const float *)L->a, (const float *)L->g,
+                                                  L->T, L->d, L->p, L->has_bias, s2, n2);
+    }
+    return cudaGetLastError();
+}
+
+template <bool VEC>
+cudaError_t launch_clip(const dcc_linear *L, const float *cs, float *w, cudaStream_t st) {
+    int dev = 0, sms = 132;
+    if (cudaGetDevice(&dev) == cudaSuccess)
+        cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
+    int tiles_m = (L->p + F_BM - 1) / F_BM, tiles_n = (L->d + F_BN - 1) / F_BN;
+    if ((int64_t)tiles_m * tiles_n > INT32_MAX / 2) return cudaErrorInvalidConfiguration;
+    int tiles = tiles_m * tiles_n;
+    /* enough CTAs for two waves: groups of samples, summed with atomics */
+    int groups = (2 * sms + tiles - 1) / tiles;
+    if (groups > L->B) groups = L->B;
+    if (groups < 1) groups = 1;
+    int per = (L->B + groups - 1) / groups;
+    groups = (L->B + per - 1) / per;
+    cudaError_t e;
+    if (groups > 1 && (e = cudaMemsetAsync(w, 0, (size_t)L->p * L->d * sizeof(float), st)))
+        return e;
+    auto kern = tf32_direct<VEC, true>;
+    if ((e = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, F_SMEM)))
+        return e;
+    dim3 grid((unsigned)tiles, (unsigned)groups);
+    kern<<<grid, NT, F_SMEM, st>>>((const float *)L->a, (const float *)L->g, L->B, L->T, L->d,
+                                   L->p, tiles_n, per, 0, 1.0f, nullptr, cs, w);
+    return cudaGetLastError();
+}
+
+} // namespace
+
+extern "C" cudaError_t dcc_linear_tf32(const dcc_linear *L, dc_algo algo, float s2, float *n2,
+                                       cudaStream_t st) {
+    if (L->ta != DC_F32 || L->tg != DC_F32) return cudaErrorInvalidValue;
+    return vec_ok(L) ? launch_norms<true>(L, algo, s2, n2, st)
+                     : launch_norms<false>(L, algo, s2, n2, st);
+}
+
+extern "C" cudaError_t dcc_linear_clipped_tf32(const dcc_linear *L, const float *cs, float *w,
+                                               cudaStream_t st) {
+    if (L->ta != DC_F32 || L->tg != DC_F32 || L->B <= 0 || L->T <= 0 || L->d <= 0 || L->p <= 0)
+        return cudaErrorInvalidValue;
+    return vec_ok(L) ? launch_clip<true>(L, cs, w, st) : launch_clip<false>(L, cs, w, st);
+}
