@@ -10,7 +10,7 @@ build=${1:-"$root/build"}
 run_one() {
     rundir=$(mktemp -d /tmp/dpclip-cuda.XXXXXX)
     mkfifo "$rundir/ready"
-    "$build/dpclipd" --socket "$rundir/d.sock" --ready-fd 3 --workers 1 --log-level debug \
+    "$build/dpclipd" --socket "$rundir/d.sock" --ledger-dir "" --ready-fd 3 --workers 1 --log-level debug \
         3>"$rundir/ready" 2>"$rundir/log" &
     daemon=$!
     read -r line <"$rundir/ready"

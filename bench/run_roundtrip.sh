@@ -14,7 +14,7 @@ rundir=$(mktemp -d /tmp/dpclip-bench.XXXXXX)
 sock="$rundir/dpclipd.sock"
 ready="$rundir/ready"
 mkfifo "$ready"
-"$build/dpclipd" --socket "$sock" --ready-fd 3 --log-level warn 3>"$ready" &
+"$build/dpclipd" --socket "$sock" --ledger-dir "" --ready-fd 3 --log-level warn 3>"$ready" &
 daemon=$!
 cleanup() { kill -TERM "$daemon" 2>/dev/null || true; wait "$daemon" 2>/dev/null || true; rm -rf "$rundir"; }
 trap cleanup EXIT INT TERM

@@ -12,7 +12,7 @@ rundir=$(mktemp -d /tmp/dpclip.XXXXXX)
 sock="$rundir/dpclipd.sock"
 ready="$rundir/ready"
 mkfifo "$ready"
-./build/dpclipd --socket "$sock" --ready-fd 3 3>"$ready" &
+./build/dpclipd --socket "$sock" --ledger-dir "$rundir/ledger" --ready-fd 3 3>"$ready" &
 daemon=$!
 cleanup() { kill -TERM "$daemon" 2>/dev/null || true; wait "$daemon" 2>/dev/null || true; rm -rf "$rundir"; }
 trap cleanup EXIT INT TERM

@@ -50,6 +50,7 @@ class Daemon:
             self.proc = subprocess.Popen(
                 [DPCLIPD, "--socket", self.socket, "--ready-fd", str(w),
                  "--insecure-fixed-seed", "1234", "--log-level", "warn", "--workers", "2",
+                 "--ledger-dir", "",  # in-memory ledger: no state directory needed
                  *extra], pass_fds=(w,))
         finally:
             os.close(w)

@@ -58,6 +58,11 @@ int dc_harness_start(dc_harness *h, const char *extra_args) {
     argv[argc++] = "1234";
     argv[argc++] = "--log-level";
     argv[argc++] = "warn";
+    /* An in-memory privacy ledger: these tests are not about persistence
+     * (test_ledger and test_service are), and the default state directory
+     * need not exist on a test machine. */
+    argv[argc++] = "--ledger-dir";
+    argv[argc++] = "";
     snprintf(extra, sizeof extra, "%s", extra_args ? extra_args : "");
     for (char *t = strtok_r(extra, " \t", &save); t && argc < MAX_ARGS - 1;
          t = strtok_r(NULL, " \t", &save))
