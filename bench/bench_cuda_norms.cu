@@ -44,8 +44,10 @@
  *                     against the first configuration of the same dtype,
  *                     as ||x - x0|| / ||x0|| (noise included: a sanity
  *                     check that the paths agree).
- * "old" is the previous backend (per-layer book-keeping, staged outputs,
- * double-precision noise, exact f32); "new" the defaults.
+ * "old" is the previous backend (per-layer norms and book-keeping, staged
+ * outputs, double-precision noise, exact f32); "new" the defaults; the
+ * "new_but_*" lines turn one switch back each (per-layer launches, staged
+ * outputs, double noise, exact f32).
  *
  * Usage: bench_cuda_norms [reps]      (default 20): everything
  *        bench_cuda_norms step [reps] (default 10): the GPT-2 step only */
@@ -355,7 +357,7 @@ static void gpt2_bench(cublasHandle_t h, cudaStream_t st, int reps) {
     static const step_cfg bf_cfgs[] = {
         {"old", "0", "0", "0", "exact"},
         {"new", "1", "1", "1", "fast"},
-        {"new_but_per_layer_bk", "1", "0", "1", "fast"},
+        {"new_but_per_layer", "1", "0", "1", "fast"},
         {"new_but_staged_out", "1", "1", "0", "fast"},
         {"new_but_exact_noise", "1", "1", "1", "exact"},
     };

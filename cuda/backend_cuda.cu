@@ -3,13 +3,16 @@
  * A step is enqueued on the instance's stream in phases, then synchronised
  * once:
  *   1. zero the per-step counters, upload the small per-step tables;
- *   2. per layer, squared norms into n2[l][b] (norms_linear.cu,
- *      norms_simt.cu, norms_other.cu), flags for bad indices / values;
+ *   2. squared norms into n2[l][b]: the direct-form bf16/f16 LINEAR layers
+ *      in persistent launches over many layers (grouped_tma.cu), the others
+ *      per layer (norms_linear.cu, norms_tf32.cu, norms_simt.cu,
+ *      norms_other.cu); flags for bad indices / values;
  *   3. coefficients and the status word (clip.cu);
  *   4. every requested clipped sum into f32 staging: the bf16/f16 LINEAR
- *      layers of the step in one persistent tensor-core launch (weights and
- *      biases), f32 ones on TF32 tensor cores (or exact f32 cuBLAS), the
- *      rest through cuBLAS and small kernels;
+ *      layers of the step in persistent tensor-core launches over many
+ *      layers (weights and biases, grouped_tma.cu), f32 ones on TF32 tensor
+ *      cores (or exact f32 cuBLAS), the rest through cuBLAS and small
+ *      kernels;
  *   5. the one-pass output path (clip.cu): max |staging| per output proves
  *      on the device that no noised value can leave its dtype, then noise,
  *      division and conversion write the outputs directly; a step that
@@ -19,13 +22,13 @@
  *      memory, and the one synchronisation.
  * Switches, read at every step (A/B comparisons, exactness): DPCLIP_CUDA_TF32
  * =0 keeps f32 inputs on exact f32 kernels; DPCLIP_CUDA_GROUPED=0 runs the
- * book-keeping per layer; DPCLIP_CUDA_ONE_PASS=0 always stages the outputs;
+ * norms and the book-keeping per layer; DPCLIP_CUDA_ONE_PASS=0 always stages the outputs;
  * DPCLIP_CUDA_NOISE=exact draws the noise in double as the CPU does.
  * DPCLIP_CUDA_PROFILE=1 (or dc_cuda_backend_profile) times each phase with
  * CUDA events, off by default.
  * A failed step is then diagnosed on the host (which tensor, which sample),
  * with extra synchronisations on that path only, and reported exactly as the
- * CPU backend words it.
+ * CPU backend words it (backend_diag.cu).
  *
  * Ownership: the instance owns its stream, cuBLAS handle, device workspace
  * (ws, grown only when a step needs more) and pinned host block; steps only
@@ -35,15 +38,16 @@
 #include <string.h>
 #include <time.h>
 
-#include <cublas_v2.h>
+#include "backend_int.h"
 
-#include "dc_cuda.h"
-#include "dcc.h"
+using namespace dcb;
 
 namespace {
 
-/* LINEAR clipped sums: the fused tensor-core kernel where it applies
- * (dcc_linear_clipped_tc: bf16/f16, sm_90a, T >= 64); else per-sample cuBLAS
+/* LINEAR clipped sums outside the grouped launch (grouped_clipped below):
+ * TF32 tensor cores for f32 inputs (dcc_linear_clipped_tf32); the per-layer
+ * fused tensor-core kernel where it applies (dcc_linear_clipped_tc:
+ * bf16/f16, sm_90a, T >= 64); else per-sample cuBLAS
  * GEMMs (exact f32 accumulation with the coefficient as a device-side alpha)
  * when samples have at least BK_MIN_T rows; below it, chunks of rows
  * converted to f32 and scaled, one SGEMM each. Measured on an H100 the
@@ -73,55 +77,6 @@ step_opts read_opts(void) {
     return o;
 }
 
-struct cuda_backend {
-    dc_backend base; /* first: the worker pool sees a dc_backend * */
-    int device;
-    cudaStream_t stream;
-    cublasHandle_t blas;
-    char *ws;
-    size_t ws_cap;
-    char *host; /* pinned: download block, then upload block */
-    size_t host_cap;
-    /* host-side per-step tables, grown like the workspace */
-    size_t *lay_off; /* [L] per-sample buffers of norm layers, SIZE_MAX = none */
-    size_t lay_cap;
-    dcc_bk_layer *bk;   /* [lay_cap] the grouped book-keeping's layers */
-    bool *bk_grouped;   /* [lay_cap] layer l's outputs come from the grouped launch */
-    /* phase timing (dc_cuda_backend_profile): events recorded between phases */
-    bool prof;
-    cudaEvent_t ev[DC_CUDA_PHASES + 1];
-    float phase_ms[DC_CUDA_PHASES];
-    dc_backend *cpu; /* created on the first host-memory step */
-    bool broken;
-    char broken_msg[256];
-};
-
-size_t al(size_t x) { return (x + 255) & ~(size_t)255; }
-
-/* Layout of one step in the workspace. The download block comes first so
- * that one copy brings everything the host needs. */
-struct layout {
-    size_t status, mode, bad, n2, flags, amax, norms, coefs, lcoef, dl_bytes;
-    size_t cs, up, up_bytes, consts, layer_c, outs;
-    size_t staging, per_sample, temp, temp_bytes, total;
-    int n_out;
-    uint64_t max_n, staged, chunks;
-};
-
-/* Staging offsets stay 16-byte aligned, so that kernels may store pairs. */
-uint64_t al4(uint64_t n) { return (n + 3) & ~(uint64_t)3; }
-
-int numel_out(const dc_tensor *t, uint64_t *n) {
-    uint64_t v = 1;
-    for (int i = 0; i < t->ndim; i++) v *= (uint64_t)t->shape[i];
-    *n = v;
-    return 0;
-}
-
-bool want_out(const dc_layer *l, int k) {
-    return k == 0 ? l->weight_grad_out.data != NULL : (l->has_bias && l->bias_grad_out.data);
-}
-
 int chunk_rows(const dc_layer *l, uint32_t B) {
     int64_t per = (l->d + l->p) * (int64_t)sizeof(float);
     int64_t r = (int64_t)BK_CHUNK_BYTES / (per > 0 ? per : 1);
@@ -132,17 +87,6 @@ int chunk_rows(const dc_layer *l, uint32_t B) {
 
 bool bk_per_sample(const dc_layer *l) {
     return l->input.dtype == l->grad.dtype && l->T >= BK_MIN_T;
-}
-
-int cuda_fail(cuda_backend *cb, dc_err *err, cudaError_t e, const char *what) {
-    (void)cudaGetLastError(); /* clears a non-sticky error */
-    if (cudaStreamSynchronize(cb->stream) != cudaSuccess) {
-        cb->broken = true;
-        snprintf(cb->broken_msg, sizeof cb->broken_msg, "%s: %s", what, cudaGetErrorString(e));
-    }
-    return dc_err_set(err, DC_EINTERNAL, "", "CUDA error in %s on cuda:%d: %s (%s)%s", what,
-                      cb->device, cudaGetErrorString(e), cudaGetErrorName(e),
-                      cb->broken ? "; the GPU context is unusable" : "");
 }
 
 int blas_fail(cuda_backend *cb, dc_err *err, cublasStatus_t s, const char *what) {
@@ -180,7 +124,11 @@ int plan_step(cuda_backend *cb, const dc_step *s, layout *Lo, dc_err *err) {
         if (q) cb->bk = q;
         bool *r = q ? (bool *)realloc(cb->bk_grouped, L * sizeof *r) : NULL;
         if (r) cb->bk_grouped = r;
-        if (!r) return dc_err_set(err, DC_ENOSPACE, "", "out of memory");
+        dcc_norm_layer *v = r ? (dcc_norm_layer *)realloc(cb->nm, L * sizeof *v) : NULL;
+        if (v) cb->nm = v;
+        bool *x = v ? (bool *)realloc(cb->nm_grouped, L * sizeof *x) : NULL;
+        if (x) cb->nm_grouped = x;
+        if (!x) return dc_err_set(err, DC_ENOSPACE, "", "out of memory");
         cb->lay_cap = L;
     }
     for (size_t l = 0; l < L; l++) {
@@ -232,6 +180,10 @@ int plan_step(cuda_backend *cb, const dc_step *s, layout *Lo, dc_err *err) {
     Lo->dl_bytes = Lo->lcoef + LB * 4;
     o = al(Lo->dl_bytes);
     Lo->cs = o;
+    o += al(LB * 4);
+    Lo->perm = o; /* the grouped book-keeping's sample order and factors */
+    o += al(LB * 4);
+    Lo->fac = o;
     o += al(LB * 4);
     Lo->up = o;
     Lo->consts = 0;
@@ -288,125 +240,6 @@ int reserve(cuda_backend *cb, const layout *Lo, dc_err *err) {
         cb->host_cap = want;
     }
     return 0;
-}
-
-/* --- failure diagnosis (host, after the step's synchronisation) ---------- */
-
-float load_one(cuda_backend *cb, const void *p, dc_dtype t, uint64_t i) {
-    unsigned char raw[8] = {0};
-    size_t sz = dc_dtype_size(t);
-    if (cudaMemcpy(raw, (const char *)p + i * sz, sz, cudaMemcpyDeviceToHost) != cudaSuccess)
-        return NAN;
-    return dc_load_f32(raw, t, 0);
-}
-
-int64_t load_index(const void *p, dc_dtype t, uint64_t i) {
-    if (t == DC_I32) {
-        int32_t v = 0;
-        cudaMemcpy(&v, (const int32_t *)p + i, 4, cudaMemcpyDeviceToHost);
-        return v;
-    }
-    int64_t v = 0;
-    cudaMemcpy(&v, (const int64_t *)p + i, 8, cudaMemcpyDeviceToHost);
-    return v;
-}
-
-/* First bad element of a tensor, or -1 (or -2 on a CUDA error). */
-int64_t find_bad(cuda_backend *cb, const void *p, dc_dtype t, uint64_t n, int64_t vocab) {
-    unsigned long long *first = (unsigned long long *)(cb->ws + 8), h = ~0ull;
-    if (cudaMemsetAsync(first, 0xff, 8, cb->stream) != cudaSuccess ||
-        dcc_find_bad(p, t, n, vocab, first, cb->stream) != cudaSuccess ||
-        cudaMemcpyAsync(&h, first, 8, cudaMemcpyDeviceToHost, cb->stream) != cudaSuccess ||
-        cudaStreamSynchronize(cb->stream) != cudaSuccess)
-        return -2;
-    return h == ~0ull ? -1 : (int64_t)h;
-}
-
-int report_floats(cuda_backend *cb, const dc_layer *l, const dc_tensor *t, const char *what,
-                  uint32_t B, int64_t w, dc_err *err) {
-    uint64_t n = (uint64_t)B * (uint64_t)l->T * (uint64_t)w;
-    int64_t i = find_bad(cb, t->data, t->dtype, n, 0);
-    char f[128];
-    if (i == -1) return 0;
-    if (i < 0) return cuda_fail(cb, err, cudaGetLastError(), "the non-finite scan");
-    int64_t row = i / w, col = i % w;
-    snprintf(f, sizeof f, "%s.%s", l->name, what);
-    return dc_err_set(err, DC_ENONFINITE, f,
-                      "non-finite value %g in %s of sample %lld (position %lld, feature %lld)",
-                      (double)load_one(cb, t->data, t->dtype, (uint64_t)i), what,
-                      (long long)(row / l->T), (long long)(row % l->T), (long long)col);
-}
-
-int diagnose_layer(cuda_backend *cb, const dc_layer *l, uint32_t B, dc_err *err) {
-    int rc;
-    switch (l->kind) {
-    case DC_LAYER_LINEAR:
-        if ((rc = report_floats(cb, l, &l->input, "activations", B, l->d, err))) return rc;
-        return report_floats(cb, l, &l->grad, "output_grad", B, l->p, err);
-    case DC_LAYER_EMBEDDING: {
-        uint64_t n = (uint64_t)B * (uint64_t)l->T;
-        int64_t i = find_bad(cb, l->input.data, l->input.dtype, n, l->vocab);
-        if (i >= 0) {
-            char f[128];
-            snprintf(f, sizeof f, "%s.indices", l->name);
-            return dc_err_set(err, DC_EINVAL, f,
-                              "index %lld of sample %lld (position %lld) is outside [0, %lld)",
-                              (long long)load_index(l->input.data, l->input.dtype, (uint64_t)i),
-                              (long long)(i / l->T), (long long)(i % l->T), (long long)l->vocab);
-        }
-        if (i < -1) return cuda_fail(cb, err, cudaGetLastError(), "the index scan");
-        return report_floats(cb, l, &l->grad, "output_grad", B, l->d, err);
-    }
-    case DC_LAYER_LAYERNORM:
-    case DC_LAYER_RMSNORM:
-        if ((rc = report_floats(cb, l, &l->input, "input", B, l->d, err))) return rc;
-        return report_floats(cb, l, &l->grad, "output_grad", B, l->d, err);
-    }
-    return 0;
-}
-
-int diagnose(cuda_backend *cb, const dc_step *s, const layout *Lo, dc_err *err) {
-    const char *h = cb->host;
-    uint32_t status;
-    unsigned long long bad;
-    const uint32_t B = s->batch;
-    memcpy(&status, h + Lo->status, 4);
-    memcpy(&bad, h + Lo->bad, 8);
-    const float *n2 = (const float *)(h + Lo->n2);
-    const uint32_t *flags = (const uint32_t *)(h + Lo->flags);
-    if (status & DCC_STATUS_INPUT) {
-        for (size_t l = 0; l < s->n_layers; l++) {
-            int64_t first = -1;
-            for (uint32_t b = 0; b < B && first < 0; b++)
-                if (flags[l * B + b] || !isfinite(n2[l * B + b])) first = b;
-            if (first < 0) continue;
-            int rc = diagnose_layer(cb, &s->layers[l], B, err);
-            if (rc) return rc;
-            return dc_err_set(err, DC_ENONFINITE, s->layers[l].name,
-                              "the squared gradient norm of sample %lld is not finite "
-                              "(overflow); nothing was written",
-                              (long long)first);
-        }
-    }
-    /* an output not finite in its dtype */
-    int oi = (int)(bad >> 40), k = 0;
-    uint64_t i = bad & (((uint64_t)1 << 40) - 1);
-    const dcc_out *outs = (const dcc_out *)(h + al(Lo->dl_bytes) + Lo->outs);
-    size_t l = 0;
-    for (int seen = 0; l < s->n_layers; l++) {
-        for (k = 0; k < 2; k++)
-            if (want_out(&s->layers[l], k) && seen++ == oi) goto found;
-    }
-    return dc_err_set(err, DC_EINTERNAL, "", "step failed on the GPU (status %u)", status);
-found: {
-    char f[128];
-    const dc_layer *ly = &s->layers[l];
-    float v = load_one(cb, cb->ws + Lo->staging + (outs[oi].off + i) * 4, DC_F32, 0);
-    snprintf(f, sizeof f, "%s.%s", ly->name, k ? "bias_grad_out" : "weight_grad_out");
-    return dc_err_set(err, DC_ENONFINITE, f,
-                      "clipped sum element %lld is %g, not finite as %s; nothing was written",
-                      (long long)i, (double)v, dc_dtype_name((dc_dtype)outs[oi].dtype));
-}
 }
 
 /* --- the step ------------------------------------------------------------ */
@@ -556,18 +389,58 @@ int grouped_clipped(cuda_backend *cb, const dc_step *s, const layout *Lo, const 
         float *staging = (float *)(cb->ws + Lo->staging);
         dcc_bk_layer *e = &cb->bk[n++];
         e->L = x;
-        e->cs = (const float *)(cb->ws + Lo->cs) + l * (size_t)B;
+        e->perm = (const int *)(cb->ws + Lo->perm) + l * (size_t)B;
+        e->fac = (const float *)(cb->ws + Lo->fac) + l * (size_t)B;
         e->w = staging + off[0];
         e->bias = off[1] != UINT64_MAX ? staging + off[1] : NULL;
         cb->bk_grouped[l] = true;
     }
+    cudaError_t e;
     if (n == 0) return 0;
-    cudaError_t e = dcc_linear_clipped_grouped(cb->bk, n, cb->stream);
+    CK(dcc_bk_order((const float *)(cb->ws + Lo->cs), (int)s->n_layers, B,
+                    (int *)(cb->ws + Lo->perm), (float *)(cb->ws + Lo->fac), cb->stream),
+       "the sample order");
+    e = dcc_linear_clipped_grouped(cb->bk, n, cb->stream);
     if (e == cudaErrorNotSupported) { /* e.g. no tensor-map encoder: per layer instead */
         memset(cb->bk_grouped, 0, s->n_layers * sizeof *cb->bk_grouped);
         return 0;
     }
     CK(e, "the grouped clipped-sum kernel");
+fail:
+    return rc;
+}
+
+/* The grouped norms launch for the direct-form LINEAR layers that qualify,
+ * when there are enough of them to fill the GPU a few times over; marks
+ * them in cb->nm_grouped so that layer_norms skips them. */
+int grouped_norms(cuda_backend *cb, const dc_step *s, const layout *Lo, float s2,
+                  dc_err *err) {
+    const int B = (int)s->batch;
+    int n = 0, rc = 0;
+    int64_t items = 0;
+    for (size_t l = 0; l < s->n_layers; l++) {
+        const dc_layer *ly = &s->layers[l];
+        cb->nm_grouped[l] = false;
+        if (ly->kind != DC_LAYER_LINEAR) continue;
+        dcc_linear x = {ly->input.data, ly->grad.data, ly->input.dtype, ly->grad.dtype, B,
+                        (int)ly->T, (int)ly->d, (int)ly->p, ly->has_bias, false};
+        if (!dcc_norms_grouped_ok(&x, dcc_linear_pick(x.T, x.d, x.p, ly->algo))) continue;
+        dcc_norm_layer *e = &cb->nm[n++];
+        e->L = x;
+        e->n2 = (float *)(cb->ws + Lo->n2) + l * (size_t)B;
+        items += dcc_norms_grouped_items(&x);
+        cb->nm_grouped[l] = true;
+    }
+    if (n == 0 || items < dcc_grouped_min_items()) {
+        memset(cb->nm_grouped, 0, s->n_layers * sizeof *cb->nm_grouped);
+        return 0;
+    }
+    cudaError_t e = dcc_linear_sqnorms_grouped(cb->nm, n, s2, cb->stream);
+    if (e == cudaErrorNotSupported) { /* nothing was launched: per layer instead */
+        memset(cb->nm_grouped, 0, s->n_layers * sizeof *cb->nm_grouped);
+        return 0;
+    }
+    CK(e, "the grouped norm kernel");
 fail:
     return rc;
 }
@@ -655,8 +528,15 @@ int cuda_run_step(dc_backend *be, const dc_step *s, dc_step_result *res, dc_err 
            "the table upload");
         /* 2. norms */
         phase_mark(cb, 1);
+        if (opt.grouped) {
+            if ((rc = grouped_norms(cb, s, &Lo, scale * scale, err))) goto fail;
+        } else {
+            memset(cb->nm_grouped, 0, L * sizeof *cb->nm_grouped);
+        }
         for (size_t l = 0; l < L; l++)
-            if ((rc = layer_norms(cb, s, l, &Lo, scale * scale, opt, err))) goto fail;
+            if (!cb->nm_grouped[l] &&
+                (rc = layer_norms(cb, s, l, &Lo, scale * scale, opt, err)))
+                goto fail;
         /* 3. coefficients */
         phase_mark(cb, 2);
         CK(dcc_coefs((const float *)(ws + Lo.n2), (const uint32_t *)(ws + Lo.flags), (int)L,
@@ -764,6 +644,8 @@ void cuda_destroy(dc_backend *be) {
     free(cb->lay_off);
     free(cb->bk);
     free(cb->bk_grouped);
+    free(cb->nm);
+    free(cb->nm_grouped);
     dc_backend_destroy(cb->cpu);
     free(cb);
 }

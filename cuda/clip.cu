@@ -68,6 +68,37 @@ __global__ void coefs_kernel(const float *__restrict__ n2, const uint32_t *__res
     }
 }
 
+/* Ascending coefficient order and Horner factors for the grouped
+ * book-keeping (dcc_bk_order): one block per layer, ranks by counting
+ * (B is a batch, so B^2 compares are cheap). NaN sorts last. */
+__global__ void bk_order_kernel(const float *__restrict__ cs, int B, int *__restrict__ perm,
+                                float *__restrict__ fac) {
+    const int l = (int)blockIdx.x;
+    const float *c = cs + (int64_t)l * B;
+    int *pm = perm + (int64_t)l * B;
+    float *f = fac + (int64_t)l * B;
+    for (int b = (int)threadIdx.x; b < B; b += (int)blockDim.x) {
+        float v = c[b];
+        if (v != v) v = __int_as_float(0x7f800000);
+        int rank = 0;
+        for (int j = 0; j < B; j++) {
+            float w = c[j];
+            if (w != w) w = __int_as_float(0x7f800000);
+            rank += w < v || (w == v && j < b);
+        }
+        pm[rank] = b;
+    }
+    __syncthreads();
+    for (int k = (int)threadIdx.x; k < B; k += (int)blockDim.x) {
+        if (k == 0) {
+            f[0] = c[pm[B - 1]];
+        } else {
+            float den = c[pm[k]];
+            f[k] = den > 0.0f ? __fdiv_rn(c[pm[k - 1]], den) : 0.0f;
+        }
+    }
+}
+
 constexpr int BIAS_ROWS = 128;
 
 template <typename TG>
@@ -288,9 +319,27 @@ __global__ void out_amax_kernel(const dcc_out *__restrict__ outs, int n_out,
     const dcc_out o = outs[oi];
     const uint64_t i0 = (c - o.chunk0) * DCC_OUT_CHUNK;
     const uint64_t i1 = i0 + DCC_OUT_CHUNK < o.n ? i0 + DCC_OUT_CHUNK : o.n;
-    const float *v = staging + o.off;
+    const float *v = staging + o.off; /* 16-byte aligned, as are the chunks */
     unsigned m = 0;
-    for (uint64_t i = i0 + threadIdx.x; i < i1; i += NT) m = max(m, abs_bits(v[i]));
+    static_assert(DCC_OUT_CHUNK == 8 * 4 * NT, "a chunk is 8 float4 per thread");
+    float4 q[8];
+#pragma unroll
+    for (int k = 0; k < 8; k++) { /* all loads in flight before the first use */
+        uint64_t i = i0 + 4 * (threadIdx.x + (uint64_t)k * NT);
+        if (i + 4 <= i1) {
+            q[k] = *(const float4 *)(v + i);
+        } else {
+            float t[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+            for (int j = 0; j < 4; j++)
+                if (i + j < i1) t[j] = v[i + j];
+            q[k] = make_float4(t[0], t[1], t[2], t[3]);
+        }
+    }
+#pragma unroll
+    for (int k = 0; k < 8; k++)
+        m = max(max(m, max(abs_bits(q[k].x), abs_bits(q[k].y))),
+                max(abs_bits(q[k].z), abs_bits(q[k].w)));
     for (int s = 16; s > 0; s >>= 1) m = max(m, __shfl_xor_sync(0xffffffffu, m, s));
     if ((threadIdx.x & 31) == 0) part[threadIdx.x >> 5] = m;
     __syncthreads();
@@ -325,46 +374,88 @@ __device__ __forceinline__ void store_as(void *dst, int dtype, uint64_t i, float
     }
 }
 
-/* One chunk of one output per block; pairs (2j, 2j+1) of the output share a
- * draw, as in finalize_kernel. Mode 1: straight into dst; mode 0: back into
- * staging with the dtype check (dcc_out_commit converts later). */
+/* One chunk of one output per block, four elements (two draws: pairs (2j,
+ * 2j+1) of the output share one, as in finalize_kernel) per thread and
+ * step, with 16-byte staging loads (offsets and chunks are multiples of 4).
+ * Mode 1: straight into dst (vector stores where dst is aligned); mode 0:
+ * back into staging with the dtype check (dcc_out_commit converts later). */
+template <int NOISE> /* a kernel per noise kind: one inlined Box-Muller each */
 __global__ void out_write_kernel(const dcc_out *__restrict__ outs, int n_out,
                                  float *__restrict__ staging, float std, float divisor,
                                  uint64_t key, uint64_t step, const uint32_t *__restrict__ mode,
                                  uint32_t *__restrict__ status,
-                                 unsigned long long *__restrict__ bad, int noise) {
+                                 unsigned long long *__restrict__ bad) {
     const bool direct = *mode != 0;
     if (!direct && (*status & DCC_STATUS_INPUT)) return; /* the step fails anyway */
     const uint64_t c = blockIdx.x;
     const int oi = chunk_output(outs, n_out, c);
     const dcc_out o = outs[oi];
-    const uint64_t i0 = (c - o.chunk0) * DCC_OUT_CHUNK; /* even: chunks hold whole pairs */
+    const uint64_t i0 = (c - o.chunk0) * DCC_OUT_CHUNK;
     const uint64_t i1 = i0 + DCC_OUT_CHUNK < o.n ? i0 + DCC_OUT_CHUNK : o.n;
     float *v = staging + o.off;
-    for (uint64_t i = i0 + 2 * threadIdx.x; i < i1; i += 2 * NT) {
-        const bool two = i + 1 < i1;
-        float v0 = v[i], v1 = two ? v[i + 1] : 0.0f;
+    const bool vec_dst =
+        ((uintptr_t)o.dst & (uintptr_t)(o.dtype == DC_F32 ? 15 : 7)) == 0;
+    for (uint64_t i = i0 + 4 * threadIdx.x; i < i1; i += 4 * NT) {
+        const int cnt = i + 4 <= i1 ? 4 : (int)(i1 - i);
+        float x[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        if (cnt == 4) {
+            float4 q = *(const float4 *)(v + i);
+            x[0] = q.x;
+            x[1] = q.y;
+            x[2] = q.z;
+            x[3] = q.w;
+        } else { /* constant indices keep x in registers */
+#pragma unroll
+            for (int j = 0; j < 4; j++)
+                if (j < cnt) x[j] = v[i + j];
+        }
         if (std != 0.0f) {
-            float z0, z1;
-            draw_pair(noise, key, step, o.stream, i / 2, z0, z1);
-            v0 = __fadd_rn(v0, __fmul_rn(std, z0));
-            v1 = __fadd_rn(v1, __fmul_rn(std, z1));
+            float z[4];
+            draw_pair(NOISE, key, step, o.stream, i / 2, z[0], z[1]);
+            if (cnt > 2) draw_pair(NOISE, key, step, o.stream, i / 2 + 1, z[2], z[3]);
+            else z[2] = z[3] = 0.0f;
+#pragma unroll
+            for (int j = 0; j < 4; j++) x[j] = __fadd_rn(x[j], __fmul_rn(std, z[j]));
         }
-        if (divisor != 1.0f) {
-            v0 = __fdiv_rn(v0, divisor);
-            v1 = __fdiv_rn(v1, divisor);
-        }
+        if (divisor != 1.0f)
+#pragma unroll
+            for (int j = 0; j < 4; j++) x[j] = __fdiv_rn(x[j], divisor);
         if (direct) {
-            store_as(o.dst, o.dtype, i, v0);
-            if (two) store_as(o.dst, o.dtype, i + 1, v1);
+            if (cnt == 4 && vec_dst) {
+                if (o.dtype == DC_F32) {
+                    *(float4 *)((float *)o.dst + i) = make_float4(x[0], x[1], x[2], x[3]);
+                } else {
+                    uint32_t w[2];
+                    for (int h = 0; h < 2; h++) {
+                        uint16_t lo, hi;
+                        if (o.dtype == DC_BF16) {
+                            lo = __bfloat16_as_ushort(__float2bfloat16_rn(x[2 * h]));
+                            hi = __bfloat16_as_ushort(__float2bfloat16_rn(x[2 * h + 1]));
+                        } else {
+                            lo = __half_as_ushort(__float2half_rn(x[2 * h]));
+                            hi = __half_as_ushort(__float2half_rn(x[2 * h + 1]));
+                        }
+                        w[h] = (uint32_t)lo | (uint32_t)hi << 16;
+                    }
+                    *(uint2 *)((uint16_t *)o.dst + i) = make_uint2(w[0], w[1]);
+                }
+            } else {
+#pragma unroll
+                for (int j = 0; j < 4; j++)
+                    if (j < cnt) store_as(o.dst, o.dtype, i + j, x[j]);
+            }
             continue;
         }
-        v[i] = v0;
-        if (two) v[i + 1] = v1;
-        bool b0 = bad_as(v0, o.dtype), b1 = two && bad_as(v1, o.dtype);
-        if (b0 || b1) {
+        int first = -1;
+#pragma unroll
+        for (int j = 0; j < 4; j++) {
+            if (j >= cnt) break;
+            v[i + j] = x[j];
+            if (first < 0 && bad_as(x[j], o.dtype)) first = j;
+        }
+        if (first >= 0) {
             atomicOr(status, DCC_STATUS_OUTPUT);
-            atomicMin(bad, ((unsigned long long)oi << 40) | (b0 ? i : i + 1));
+            atomicMin(bad, ((unsigned long long)oi << 40) | (i + (uint64_t)first));
         }
     }
 }
@@ -396,6 +487,14 @@ extern "C" cudaError_t dcc_coefs(const float *n2, const uint32_t *flags, int L, 
                                  float *cs, uint32_t *status, cudaStream_t st) {
     coefs_kernel<<<blocks_for((uint64_t)B, 1024), NT, 0, st>>>(
         n2, flags, L, B, per_layer, C, layer_C, grad_scale, norms, coefs, lcoef, cs, status);
+    return cudaGetLastError();
+}
+
+extern "C" cudaError_t dcc_bk_order(const float *cs, int L, int B, int *perm, float *fac,
+                                    cudaStream_t st) {
+    if (L <= 0 || B <= 0) return cudaSuccess;
+    bk_order_kernel<<<(unsigned)L, B < 1024 ? (unsigned)((B + 31) / 32 * 32) : 1024u, 0, st>>>(
+        cs, B, perm, fac);
     return cudaGetLastError();
 }
 
@@ -457,8 +556,12 @@ extern "C" cudaError_t dcc_out_write(const dcc_out *outs, int n_out, uint64_t n_
                                      unsigned long long *bad, int noise, cudaStream_t st) {
     if (n_out <= 0) return cudaSuccess;
     if (n_chunks > INT32_MAX) return cudaErrorInvalidValue;
-    out_write_kernel<<<(unsigned)n_chunks, NT, 0, st>>>(outs, n_out, staging, std, divisor, key,
-                                                        step, mode, status, bad, noise);
+    if (noise == DCC_NOISE_EXACT)
+        out_write_kernel<DCC_NOISE_EXACT><<<(unsigned)n_chunks, NT, 0, st>>>(
+            outs, n_out, staging, std, divisor, key, step, mode, status, bad);
+    else
+        out_write_kernel<DCC_NOISE_FAST><<<(unsigned)n_chunks, NT, 0, st>>>(
+            outs, n_out, staging, std, divisor, key, step, mode, status, bad);
     return cudaGetLastError();
 }
 

@@ -80,23 +80,48 @@ cudaError_t dcc_linear_clipped_tc(const dcc_linear *L, const float *cs, float *w
 cudaError_t dcc_linear_tma(const dcc_linear *L, dc_algo algo, float s2, float *n2,
                            cudaStream_t st);
 
-/* Book-keeping for many LINEAR layers in one persistent launch (norms_tma.cu):
- * every (layer, 128x128 weight tile) is one work item that runs the whole
- * K = B*T loop, folds each sample's tile with its coefficient in registers
- * and stores the tile once (no atomics, no zeroing); the tiles of the first
- * column also write the bias sums. w[p][d] = sum_b cs[b] g_b^T a_b, bias[p]
- * = sum_b cs[b] sum_t g_b,t (NULL: not wanted). */
+/* Persistent kernels over many LINEAR layers (grouped_tma.cu): a few
+ * launches for the whole step, 256x128 tiles dealt to one CTA per SM.
+ *
+ * Book-keeping: every (layer, weight tile) is one item that runs K = B*T,
+ * the samples in ascending coefficient order with the accumulator rescaled
+ * between them (perm and fac from dcc_bk_order), and stores the tile once
+ * (no atomics, no zeroing); the first column of tiles writes the bias.
+ * w[p][d] = sum_b cs[b] g_b^T a_b, bias[p] = sum_b cs[b] sum_t g_b,t. */
 typedef struct dcc_bk_layer {
     dcc_linear L;
-    const float *cs; /* device [B] */
-    float *w;        /* device f32 [p][d] */
-    float *bias;     /* device f32 [p] or NULL */
+    const int *perm;  /* device [B] (dcc_bk_order) */
+    const float *fac; /* device [B] (dcc_bk_order) */
+    float *w;         /* device f32 [p][d] */
+    float *bias;      /* device f32 [p] or NULL */
 } dcc_bk_layer;
 /* Whether a layer qualifies (bf16/f16 with 16-byte rows, T >= 64, sm_90a,
  * TMA available); the others use dcc_linear_clipped_tc or cuBLAS. */
 int dcc_bk_grouped_ok(const dcc_linear *L);
 /* All layers must share B and qualify; one launch per 10 layers of one dtype. */
 cudaError_t dcc_linear_clipped_grouped(const dcc_bk_layer *layers, int n, cudaStream_t st);
+/* For each of L layers of coefficients cs[l*B + b]: perm[l*B + k] = the
+ * samples in ascending order of cs (NaN last, ties by index), fac[l*B + k] =
+ * cs[perm[k-1]] / cs[perm[k]] for k >= 1 (0 where the divisor is 0) and
+ * fac[l*B] = cs[perm[B-1]]. */
+cudaError_t dcc_bk_order(const float *cs, int L, int B, int *perm, float *fac, cudaStream_t st);
+
+/* Norms: every (layer, sample, tile) is one item with K = T; n2[b] +=
+ * s2 * ||G_b||^2 (+ bias), as dcc_linear_sqnorms does with DIRECT. */
+typedef struct dcc_norm_layer {
+    dcc_linear L;
+    float *n2; /* device [B] of this layer */
+} dcc_norm_layer;
+/* Whether a layer with this (resolved) algorithm qualifies: DIRECT, bf16/f16
+ * with 16-byte rows, sm_90a, TMA available. */
+int dcc_norms_grouped_ok(const dcc_linear *L, dc_algo algo);
+/* Work items of a layer, and the fewest items worth a grouped launch (a few
+ * waves; below it the per-layer kernels' split and tile choices do better;
+ * DPCLIP_CUDA_GROUPED_MIN overrides it, for tests). */
+int64_t dcc_norms_grouped_items(const dcc_linear *L);
+int dcc_grouped_min_items(void);
+cudaError_t dcc_linear_sqnorms_grouped(const dcc_norm_layer *layers, int n, float s2,
+                                       cudaStream_t st);
 
 /* TF32 tensor-core kernels for f32 inputs (norms_tf32.cu), mma.sync
  * m16n8k8 with operands rounded to TF32 (round to nearest) in shared-memory

@@ -25,75 +25,13 @@
  * but clusters of 4 measured slower on an H100: 1.75-1.87x the GEMM against
  * 1.46x for 2 on the (2,8192,768,3072) shape). */
 #include <stdlib.h>
-#include <string.h>
 
-#include <cudaTypedefs.h>
-
-#include "dcc_wgmma.cuh"
+#include "dcc_tma.cuh"
 
 namespace {
 
-constexpr int CT = 288; /* 8 consumer warps + 1 producer warp */
-
-template <int MI> __host__ __device__ constexpr int tma_direct_stages() { return MI == 1 ? 6 : 4; }
-constexpr int TG_ST = 6;
-template <int MI> __host__ __device__ constexpr int tma_direct_smem() {
-    return tma_direct_stages<MI>() * stage_bytes<MI>() + 1024;
-}
-constexpr int TG_SMEM = TG_ST * stage_bytes<1>() + 1024;
-
-/* The grouped book-keeping kernel's parameters (see tma_bk_grouped). */
-constexpr int BK_MAXL = 10; /* 384 bytes each: parameters within the classic 4 KiB */
-struct bk_entry {
-    CUtensorMap tg, ta;
-    const float *cs;
-    float *w, *bias;
-    int T, d, p, tiles_n, item0, pad_;
-};
-struct bk_params {
-    bk_entry e[BK_MAXL];
-    int n, items, B;
-};
-static_assert(sizeof(bk_params) <= 4096, "kernel parameters beyond 4 KiB need CUDA 12.1+");
-
 #ifndef DCC_WG_EMPTY
 
-__device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
-}
-__device__ __forceinline__ void mbar_expect_tx(uint32_t bar, uint32_t bytes) {
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar),
-                 "r"(bytes)
-                 : "memory");
-}
-__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
-    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
-}
-__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
-    asm volatile("{\n.reg .pred P1;\nLAB_WAIT:\n"
-                 "mbarrier.try_wait.parity.shared::cta.b64 P1, [%0], %1;\n"
-                 "@P1 bra DONE;\nbra LAB_WAIT;\nDONE:\n}\n" ::"r"(bar),
-                 "r"(parity)
-                 : "memory");
-}
-__device__ __forceinline__ void tma_load3(uint32_t dst, const CUtensorMap *map, uint32_t bar,
-                                          int c0, int c1, int c2) {
-    asm volatile("cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes"
-                 " [%0], [%1, {%3, %4, %5}], [%2];\n" ::"r"(dst),
-                 "l"((uint64_t)map), "r"(bar), "r"(c0), "r"(c1), "r"(c2)
-                 : "memory");
-}
-
-__device__ __forceinline__ void cluster_sync() {
-    asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::
-                     : "memory");
-}
-/* The address of the same shared-memory location in CTA `rank` of the cluster. */
-__device__ __forceinline__ uint32_t map_rank(uint32_t addr, uint32_t rank) {
-    uint32_t r;
-    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(r) : "r"(addr), "r"(rank));
-    return r;
-}
 __device__ __forceinline__ float4 ld_cluster4(uint32_t addr) {
     float4 v;
     asm volatile("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4];\n"
@@ -106,68 +44,6 @@ __device__ __forceinline__ float ld_cluster(uint32_t addr) {
     float v;
     asm volatile("ld.shared::cluster.f32 %0, [%1];\n" : "=f"(v) : "r"(addr) : "memory");
     return v;
-}
-
-/* Stage barriers live in static shared memory: full[s] at bars + 8s,
- * empty[s] at bars + 8(ST + s). */
-template <int ST> __device__ __forceinline__ uint32_t init_bars(uint64_t *bars) {
-    uint32_t b0 = dcc_smem(bars);
-    if (threadIdx.x == 0) {
-        for (int s = 0; s < ST; s++) {
-            mbar_init(b0 + 8u * (uint32_t)s, 1);             /* the producer's arrive */
-            mbar_init(b0 + 8u * (uint32_t)(ST + s), 8);      /* one per consumer warp */
-        }
-        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-    }
-    __syncthreads();
-    return b0;
-}
-
-/* Consumer side: MMAs over k-tiles [u0, u1) of the CTA's stream into acc;
- * each tile's stage is released once its MMAs are known complete. DIRECT
- * with colsum: the bias column sums, as in norms_wgmma.cu. */
-template <typename TI, bool DIRECT, int MI, int ST>
-__device__ __forceinline__ void consume(float (&acc)[MI][64], uint32_t sbase, uint32_t bars,
-                                        int u0, int u1, bool same_b, bool colsum, float &bs0,
-                                        float &bs1) {
-    constexpr int SB = stage_bytes<MI>(), CW = 64 * MI, RG = WBK / (4 / MI);
-    const int wg = (int)threadIdx.x >> 7, lane = (int)threadIdx.x & 31;
-#pragma unroll
-    for (int j = 0; j < MI; j++)
-#pragma unroll
-        for (int i = 0; i < 64; i++) acc[j][i] = 0.0f;
-    for (int u = u0; u < u1; u++) {
-        const int s = u % ST;
-        mbar_wait(bars + 8u * (uint32_t)s, (uint32_t)((u / ST) & 1));
-        const uint32_t sA = sbase + (uint32_t)(s * SB);
-        const uint32_t sB = same_b ? sA : sA + 2 * MI * HALF;
-        acc_fence<MI>(acc);
-        wg_fence();
-        stage_mma<TI, DIRECT, MI>(acc, sA, sB, wg);
-        wg_commit();
-        acc_fence<MI>(acc);
-        if (DIRECT && colsum) {
-            int m = ((int)threadIdx.x % CW) * 2, rq = ((int)threadIdx.x / CW) * RG;
-            uint32_t base = sA + (uint32_t)((m >> 6) * HALF);
-            int ml = m & 63;
-#pragma unroll
-            for (int r = rq; r < rq + RG; r++) {
-                uint32_t w = dcc_lds32(base + (uint32_t)(r * 128) +
-                                       (uint32_t)((((ml >> 3) ^ (r & 7))) << 4) +
-                                       (uint32_t)((ml & 7) * 2));
-                bs0 += dcc_lo((const TI *)nullptr, w);
-                bs1 += dcc_hi((const TI *)nullptr, w);
-            }
-        }
-        wg_wait<1>();
-        acc_fence<MI>(acc);
-        __syncwarp();
-        if (u > u0 && lane == 0) mbar_arrive(bars + 8u * (uint32_t)(ST + (u - 1) % ST));
-    }
-    wg_wait<0>();
-    acc_fence<MI>(acc);
-    __syncwarp();
-    if (u1 > u0 && lane == 0) mbar_arrive(bars + 8u * (uint32_t)(ST + (u1 - 1) % ST));
 }
 
 /* KS > 1: the KS CTAs of a cluster split the tile's K range; ranks > 0
@@ -386,109 +262,6 @@ tma_clipped(const __grid_constant__ CUtensorMap tg, const __grid_constant__ CUte
 }
 
 
-/* Grouped book-keeping (dcc_linear_clipped_grouped): the tensor maps of up to
- * BK_MAXL layers travel in the kernel parameters (__grid_constant__, so TMA
- * reads them in place); a persistent grid walks the work items
- * (layer, tile) in order, CTA i taking items i, i + grid, ... The producer
- * and consumers walk the same sequence, so one stage counter u runs across
- * items and the pipeline never drains between them: the producer already
- * loads the next item while the consumers store the last. */
-
-__device__ __forceinline__ int bk_find(const bk_params &P, int item) {
-    int lo = 0, hi = P.n - 1; /* last entry with item0 <= item */
-    while (lo < hi) {
-        int mid = (lo + hi + 1) >> 1;
-        if (P.e[mid].item0 <= item) lo = mid;
-        else hi = mid - 1;
-    }
-    return lo;
-}
-
-__device__ __forceinline__ void consumer_bar() { /* the 256 consumer threads only */
-    asm volatile("bar.sync 1, 256;\n" ::: "memory");
-}
-
-template <typename TI>
-__global__ void __launch_bounds__(CT, 1) tma_bk_grouped(const __grid_constant__ bk_params P) {
-    constexpr int ST = tma_direct_stages<1>(), SB = stage_bytes<1>();
-    extern __shared__ unsigned char smem[];
-    __shared__ __align__(8) uint64_t bar_mem[2 * ST];
-    __shared__ __align__(16) float colsum[4][128];
-    const uint32_t sbase = (dcc_smem(smem) + 1023u) & ~1023u;
-    const uint32_t bars = init_bars<ST>(bar_mem);
-    const int B = P.B;
-
-    if (threadIdx.x >= 256) { /* producer warp */
-        if (threadIdx.x == 256) {
-            int u = 0;
-            for (int it = (int)blockIdx.x; it < P.items; it += (int)gridDim.x) {
-                const bk_entry &E = P.e[bk_find(P, it)];
-                const int tile = it - E.item0;
-                const int m0 = (tile / E.tiles_n) * 128, n0 = (tile % E.tiles_n) * 128;
-                const int ktn = (E.T + WBK - 1) / WBK;
-                for (int b = 0; b < B; b++)
-                    for (int kt = 0; kt < ktn; kt++, u++) {
-                        const int s = u % ST, kr = kt * WBK;
-                        const uint32_t full = bars + 8u * (uint32_t)s;
-                        const uint32_t st = sbase + (uint32_t)(s * SB);
-                        mbar_wait(bars + 8u * (uint32_t)(ST + s), (uint32_t)(((u / ST) & 1) ^ 1));
-                        mbar_expect_tx(full, SB);
-                        tma_load3(st, &E.tg, full, m0, kr, b);
-                        tma_load3(st + HALF, &E.tg, full, m0 + 64, kr, b);
-                        tma_load3(st + 2 * HALF, &E.ta, full, n0, kr, b);
-                        tma_load3(st + 3 * HALF, &E.ta, full, n0 + 64, kr, b);
-                    }
-            }
-        }
-        return;
-    }
-    const int wg = (int)threadIdx.x >> 7, wq = ((int)threadIdx.x >> 5) & 3;
-    const int lane = (int)threadIdx.x & 31;
-    int u = 0;
-    for (int it = (int)blockIdx.x; it < P.items; it += (int)gridDim.x) {
-        const bk_entry &E = P.e[bk_find(P, it)];
-        const int tile = it - E.item0, tn = tile % E.tiles_n;
-        const int m0 = (tile / E.tiles_n) * 128, n0 = tn * 128;
-        const int ktn = (E.T + WBK - 1) / WBK, d = E.d, p = E.p;
-        const bool do_bias = E.bias != nullptr && tn == 0;
-        float acc[1][64], tot[64], bt0 = 0.0f, bt1 = 0.0f;
-#pragma unroll
-        for (int i = 0; i < 64; i++) tot[i] = 0.0f;
-        for (int b = 0; b < B; b++) {
-            float bs0 = 0.0f, bs1 = 0.0f;
-            consume<TI, true, 1, ST>(acc, sbase, bars, u, u + ktn, false, do_bias, bs0, bs1);
-            u += ktn;
-            const float c = E.cs[b];
-#pragma unroll
-            for (int i = 0; i < 64; i++) tot[i] += c * acc[0][i];
-            bt0 += c * bs0;
-            bt1 += c * bs1;
-        }
-        /* accumulator layout as in tma_clipped; register pairs (i, i+1) are
-         * adjacent columns, stored as float2 (d is a multiple of 8) */
-        float *w = E.w;
-#pragma unroll
-        for (int i = 0; i < 64; i += 2) {
-            int m = m0 + wg * 64 + wq * 16 + (lane >> 2) + ((i & 2) ? 8 : 0);
-            int n = n0 + (i >> 2) * 8 + (lane & 3) * 2;
-            if (m < p && n < d)
-                *(float2 *)(w + (int64_t)m * d + n) = make_float2(tot[i], tot[i + 1]);
-        }
-        if (do_bias) {
-            /* column sums: thread owns columns 2*(tid%64), +1 of row quarter tid/64 */
-            int m = ((int)threadIdx.x & 63) * 2, rq = (int)threadIdx.x >> 6;
-            colsum[rq][m] = bt0;
-            colsum[rq][m + 1] = bt1;
-            consumer_bar();
-            if (threadIdx.x < 128 && m0 + (int)threadIdx.x < p) {
-                int c = (int)threadIdx.x;
-                E.bias[m0 + c] = colsum[0][c] + colsum[1][c] + colsum[2][c] + colsum[3][c];
-            }
-            consumer_bar(); /* colsum is free for the next item */
-        }
-    }
-}
-
 #else
 
 template <typename TI, int MI, int KS>
@@ -500,39 +273,8 @@ __global__ void tma_ghost(const __grid_constant__ CUtensorMap, const __grid_cons
 template <typename TI>
 __global__ void tma_clipped(const __grid_constant__ CUtensorMap, const __grid_constant__ CUtensorMap,
                             int, int, int, int, int, int, const float *, float *) {}
-template <typename TI> __global__ void tma_bk_grouped(const __grid_constant__ bk_params) {}
 
 #endif
-
-PFN_cuTensorMapEncodeTiled_v12000 encode_fn() {
-    /* resolved once through the runtime, so nothing links libcuda */
-    static PFN_cuTensorMapEncodeTiled_v12000 fn = [] {
-        void *p = nullptr;
-        cudaDriverEntryPointQueryResult q;
-        if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &p, 12000,
-                                             cudaEnableDefault, &q) != cudaSuccess ||
-            q != cudaDriverEntryPointSuccess) {
-            (void)cudaGetLastError();
-            p = nullptr;
-        }
-        return (PFN_cuTensorMapEncodeTiled_v12000)p;
-    }();
-    return fn;
-}
-
-/* [B][T][w] 16-bit tensor, boxes of 64 features x rows. */
-bool make_map(CUtensorMap *m, const void *base, dc_dtype t, int B, int T, int w, int rows) {
-    PFN_cuTensorMapEncodeTiled_v12000 fn = encode_fn();
-    if (!fn) return false;
-    cuuint64_t dims[3] = {(cuuint64_t)w, (cuuint64_t)T, (cuuint64_t)B};
-    cuuint64_t strides[2] = {(cuuint64_t)w * 2, (cuuint64_t)w * (cuuint64_t)T * 2};
-    cuuint32_t box[3] = {64, (cuuint32_t)rows, 1};
-    cuuint32_t es[3] = {1, 1, 1};
-    return fn(m, t == DC_BF16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
-              3, (void *)base, dims, strides, box, es, CU_TENSOR_MAP_INTERLEAVE_NONE,
-              CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-              CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
-}
 
 template <typename TI, int MI, int KS>
 cudaError_t launch_direct(const dcc_linear *L, float s2, float *n2, cudaStream_t st) {
@@ -616,49 +358,6 @@ cudaError_t launch_clipped(const dcc_linear *L, const float *cs, float *w, cudaS
 }
 
 
-int sms_now() {
-    int dev = 0, sms = 132;
-    if (cudaGetDevice(&dev) == cudaSuccess)
-        cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
-    return sms;
-}
-
-template <typename TI>
-cudaError_t launch_grouped(const dcc_bk_layer *ls, int n, cudaStream_t st) {
-    bk_params P; /* the launch copies it */
-    cudaError_t e = cudaFuncSetAttribute(tma_bk_grouped<TI>,
-                                         cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                         tma_direct_smem<1>());
-    if (e != cudaSuccess) return e;
-    memset(&P, 0, sizeof P);
-    int64_t items = 0;
-    for (int i = 0; i < n; i++) {
-        const dcc_linear *L = &ls[i].L;
-        bk_entry &E = P.e[i];
-        if (!make_map(&E.tg, L->g, L->tg, L->B, L->T, L->p, 64) ||
-            !make_map(&E.ta, L->a, L->ta, L->B, L->T, L->d, 64))
-            return cudaErrorNotSupported;
-        E.cs = ls[i].cs;
-        E.w = ls[i].w;
-        E.bias = ls[i].bias;
-        E.T = L->T;
-        E.d = L->d;
-        E.p = L->p;
-        E.tiles_n = (L->d + 127) / 128;
-        E.item0 = (int)items;
-        items += (int64_t)((L->p + 127) / 128) * E.tiles_n;
-        if (items > INT32_MAX / 2) return cudaErrorInvalidConfiguration;
-    }
-    P.n = n;
-    P.items = (int)items;
-    P.B = ls[0].L.B;
-    if (items == 0) return cudaSuccess;
-    int sms = sms_now();
-    unsigned grid = (unsigned)(items < sms ? items : sms);
-    tma_bk_grouped<TI><<<grid, CT, tma_direct_smem<1>(), st>>>(P);
-    return cudaGetLastError();
-}
-
 } // namespace
 
 extern "C" cudaError_t dcc_linear_clipped_tc(const dcc_linear *L, const float *cs, float *w,
@@ -672,40 +371,6 @@ extern "C" cudaError_t dcc_linear_clipped_tc(const dcc_linear *L, const float *c
     (void)L;
     (void)cs;
     (void)w;
-    (void)st;
-    return cudaErrorNotSupported;
-#endif
-}
-
-extern "C" int dcc_bk_grouped_ok(const dcc_linear *L) {
-#ifdef DCC_WGMMA_BUILT
-    return L->T >= WBK && L->ta == L->tg && dcc_linear_path(L) == 3 && dcc_tma_available();
-#else
-    (void)L;
-    return 0;
-#endif
-}
-
-extern "C" cudaError_t dcc_linear_clipped_grouped(const dcc_bk_layer *ls, int n,
-                                                  cudaStream_t st) {
-#ifdef DCC_WGMMA_BUILT
-    for (int i = 0; i < n; i++)
-        if (!dcc_bk_grouped_ok(&ls[i].L) || ls[i].L.B != ls[0].L.B || !ls[i].w)
-            return cudaErrorNotSupported;
-    /* chunks of at most BK_MAXL layers of one dtype */
-    int i = 0;
-    while (i < n) {
-        int j = 1;
-        while (j < BK_MAXL && i + j < n && ls[i + j].L.ta == ls[i].L.ta) j++;
-        cudaError_t e = ls[i].L.ta == DC_BF16 ? launch_grouped<dcc_bf16>(ls + i, j, st)
-                                              : launch_grouped<dcc_f16>(ls + i, j, st);
-        if (e != cudaSuccess) return e;
-        i += j;
-    }
-    return cudaSuccess;
-#else
-    (void)ls;
-    (void)n;
     (void)st;
     return cudaErrorNotSupported;
 #endif

@@ -42,11 +42,13 @@ static dc_backend *g_cuda, *g_cpu;
 static int g_tf32 = 1; /* f32 inputs on TF32 tensor cores (the backend's default) */
 
 /* The backend's switches (backend_cuda.cu), read at every step: tf32 for f32
- * inputs; modern = the grouped book-keeping, the one-pass outputs and the
- * f32 noise, else the per-layer, staged, double-precision paths. */
+ * inputs; modern = the grouped norms and book-keeping (for every step, however
+ * small: DPCLIP_CUDA_GROUPED_MIN=0), the one-pass outputs and the f32 noise,
+ * else the per-layer, staged, double-precision paths. */
 static void set_switches(int tf32, int modern) {
     setenv("DPCLIP_CUDA_TF32", tf32 ? "1" : "0", 1);
     setenv("DPCLIP_CUDA_GROUPED", modern ? "1" : "0", 1);
+    setenv("DPCLIP_CUDA_GROUPED_MIN", "0", 1);
     setenv("DPCLIP_CUDA_ONE_PASS", modern ? "1" : "0", 1);
     setenv("DPCLIP_CUDA_NOISE", modern ? "fast" : "exact", 1);
     g_tf32 = tf32;
@@ -559,11 +561,12 @@ static void test_linear_clipped(void **state) {
     set_switches(1, 1);
 }
 
-/* Many LINEAR layers in one step: the grouped book-keeping launch takes the
- * qualifying ones (a launch per 10 layers, and splits where the dtype
- * changes), the others (T < 64, widths not multiples of 8, bias-only
- * outputs) go per layer. Every output against the CPU backend, with the
- * grouped launch and without. */
+/* Many LINEAR layers in one step: the grouped norm and book-keeping
+ * launches take the qualifying ones (a launch per 10 layers, and splits
+ * where the dtype changes), the others (T < 64 for the book-keeping, widths
+ * not multiples of 8, the ghost form for the norms, bias-only outputs) go
+ * per layer. Layer norms and every output against the CPU backend, with the
+ * grouped launches and without. */
 static void test_grouped_many(void **state) {
     (void)state;
     enum { NL = 40 };
@@ -575,8 +578,8 @@ static void test_grouped_many(void **state) {
         int64_t T = l % 7 == 3 ? 40 : 64 + 37 * (l % 5);
         int64_t din = 64 + 8 * (l % 9), p = l % 11 == 5 ? 44 : 40 + 16 * (l % 6);
         dc_dtype dt = l >= 20 && l < 27 ? DC_F16 : DC_BF16;
-        dc_test_layer_spec sp = {DC_LAYER_LINEAR, B, T, din, p, dt, l % 3 != 0, DC_ALGO_AUTO, 1,
-                                 0};
+        dc_algo algo = l % 13 == 7 ? DC_ALGO_GHOST : DC_ALGO_AUTO;
+        dc_test_layer_spec sp = {DC_LAYER_LINEAR, B, T, din, p, dt, l % 3 != 0, algo, 1, 0};
         dc_test_layer_make(&h[l], &sp, &r);
         if (l % 4 == 1 && h[l].has_bias) /* the bias sum alone */
             dc_test_tensor_free(&h[l].weight_grad_out);
@@ -600,6 +603,8 @@ static void test_grouped_many(void **state) {
             assert_true(fabs(rd.norms[b] - rh.norms[b]) <= 1e-3 * rh.norms[b]);
             clipped += rh.coefs[b] < 1.0f;
         }
+        for (size_t i = 0; i < (size_t)NL * B; i++)
+            assert_true(fabs(rd.layer_norms[i] - rh.layer_norms[i]) <= 1e-3 * rh.layer_norms[i]);
         double worst = 0.0;
         for (int l = 0; l < NL; l++) {
             dc_tensor *o[2] = {&d[l].weight_grad_out, &d[l].bias_grad_out};

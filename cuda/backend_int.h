@@ -1,0 +1,81 @@
+/* Internal to the CUDA backend (backend_cuda.cu, backend_diag.cu): the
+ * instance, the per-step workspace layout and the helpers both files use.
+ * Not for the daemon (dc_cuda.h is its interface). C++ only. */
+#ifndef DC_CUDA_BACKEND_INT_H
+#define DC_CUDA_BACKEND_INT_H
+
+#include <stdint.h>
+
+#include <cublas_v2.h>
+
+#include "dc_cuda.h"
+#include "dcc.h"
+
+namespace dcb {
+
+/* Ownership: the instance owns its stream, cuBLAS handle, device workspace
+ * (ws, grown only when a step needs more), pinned host block and host-side
+ * tables; steps only borrow the client's tensors. */
+struct cuda_backend {
+    dc_backend base; /* first: the worker pool sees a dc_backend * */
+    int device;
+    cudaStream_t stream;
+    cublasHandle_t blas;
+    char *ws;
+    size_t ws_cap;
+    char *host; /* pinned: download block, then upload block */
+    size_t host_cap;
+    /* host-side per-step tables, grown like the workspace */
+    size_t *lay_off; /* [L] per-sample buffers of norm layers, SIZE_MAX = none */
+    size_t lay_cap;
+    dcc_bk_layer *bk;   /* [lay_cap] the grouped book-keeping's layers */
+    bool *bk_grouped;   /* [lay_cap] layer l's outputs come from the grouped launch */
+    dcc_norm_layer *nm; /* [lay_cap] the grouped norms' layers */
+    bool *nm_grouped;   /* [lay_cap] layer l's norms come from the grouped launch */
+    /* phase timing (dc_cuda_backend_profile): events recorded between phases */
+    bool prof;
+    cudaEvent_t ev[DC_CUDA_PHASES + 1];
+    float phase_ms[DC_CUDA_PHASES];
+    dc_backend *cpu; /* created on the first host-memory step */
+    bool broken;
+    char broken_msg[256];
+};
+
+inline size_t al(size_t x) { return (x + 255) & ~(size_t)255; }
+
+/* Layout of one step in the workspace. The download block comes first so
+ * that one copy brings everything the host needs. */
+struct layout {
+    size_t status, mode, bad, n2, flags, amax, norms, coefs, lcoef, dl_bytes;
+    size_t cs, perm, fac, up, up_bytes, consts, layer_c, outs;
+    size_t staging, per_sample, temp, temp_bytes, total;
+    int n_out;
+    uint64_t max_n, staged, chunks;
+};
+
+/* Staging offsets stay 16-byte aligned, so that kernels may store pairs. */
+inline uint64_t al4(uint64_t n) { return (n + 3) & ~(uint64_t)3; }
+
+inline int numel_out(const dc_tensor *t, uint64_t *n) {
+    uint64_t v = 1;
+    for (int i = 0; i < t->ndim; i++) v *= (uint64_t)t->shape[i];
+    *n = v;
+    return 0;
+}
+
+inline bool want_out(const dc_layer *l, int k) {
+    return k == 0 ? l->weight_grad_out.data != NULL : (l->has_bias && l->bias_grad_out.data);
+}
+
+/* Fails the step with a CUDA error; marks the instance broken when the
+ * context is left unusable (a sticky error). */
+int cuda_fail(cuda_backend *cb, dc_err *err, cudaError_t e, const char *what);
+
+/* A step whose status word is not 0, after its synchronisation: finds the
+ * tensor, sample and position (extra synchronisations on this path only)
+ * and words the error as the CPU backend does. */
+int diagnose(cuda_backend *cb, const dc_step *s, const layout *Lo, dc_err *err);
+
+} // namespace dcb
+
+#endif

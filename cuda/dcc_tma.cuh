@@ -1,0 +1,171 @@
+/* The TMA-fed, warp-specialised wgmma pipeline shared by norms_tma.cu
+ * (per-layer kernels) and grouped_tma.cu (persistent kernels over many
+ * layers): a CTA is two consumer warpgroups (warps 0-7, the MMAs) and one
+ * producer warp (warp 8) whose lane 0 issues cp.async.bulk.tensor copies.
+ * Each stage has two mbarriers: `full` (the producer arms it with the
+ * stage's byte count; TMA completes it) and `empty` (each consumer warp
+ * arrives once the MMAs that read the stage are done).
+ *
+ * Tensor maps view an operand as [B][T][width] (innermost first) with 128B
+ * swizzle, so a box lands in shared memory in exactly the layout the wgmma
+ * descriptors expect; rows past T and features past the width are
+ * zero-filled. Everything here is file-local to each includer (an unnamed
+ * namespace). Only usable in code compiled for sm_90a (DCC_WG_EMPTY guards
+ * the device parts). */
+#ifndef DC_DCC_TMA_CUH
+#define DC_DCC_TMA_CUH
+
+#include <cudaTypedefs.h>
+
+#include "dcc_wgmma.cuh"
+
+namespace {
+
+constexpr int CT = 288; /* 8 consumer warps + 1 producer warp */
+
+template <int MI> __host__ __device__ constexpr int tma_direct_stages() { return MI == 1 ? 6 : 4; }
+constexpr int TG_ST = 6;
+template <int MI> __host__ __device__ constexpr int tma_direct_smem() {
+    return tma_direct_stages<MI>() * stage_bytes<MI>() + 1024;
+}
+constexpr int TG_SMEM = TG_ST * stage_bytes<1>() + 1024;
+
+#ifndef DCC_WG_EMPTY
+
+__device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_expect_tx(uint32_t bar, uint32_t bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar),
+                 "r"(bytes)
+                 : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
+    asm volatile("{\n.reg .pred P1;\nLAB_WAIT:\n"
+                 "mbarrier.try_wait.parity.shared::cta.b64 P1, [%0], %1;\n"
+                 "@P1 bra DONE;\nbra LAB_WAIT;\nDONE:\n}\n" ::"r"(bar),
+                 "r"(parity)
+                 : "memory");
+}
+__device__ __forceinline__ void tma_load3(uint32_t dst, const CUtensorMap *map, uint32_t bar,
+                                          int c0, int c1, int c2) {
+    asm volatile("cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes"
+                 " [%0], [%1, {%3, %4, %5}], [%2];\n" ::"r"(dst),
+                 "l"((uint64_t)map), "r"(bar), "r"(c0), "r"(c1), "r"(c2)
+                 : "memory");
+}
+
+/* Stage barriers live in static shared memory: full[s] at bars + 8s,
+ * empty[s] at bars + 8(ST + s). */
+template <int ST> __device__ __forceinline__ uint32_t init_bars(uint64_t *bars) {
+    uint32_t b0 = dcc_smem(bars);
+    if (threadIdx.x == 0) {
+        for (int s = 0; s < ST; s++) {
+            mbar_init(b0 + 8u * (uint32_t)s, 1);             /* the producer's arrive */
+            mbar_init(b0 + 8u * (uint32_t)(ST + s), 8);      /* one per consumer warp */
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+    __syncthreads();
+    return b0;
+}
+
+/* --- clusters ------------------------------------------------------------ */
+
+__device__ __forceinline__ void cluster_sync() {
+    asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::
+                     : "memory");
+}
+/* The address of the same shared-memory location in CTA `rank` of the cluster. */
+__device__ __forceinline__ uint32_t map_rank(uint32_t addr, uint32_t rank) {
+    uint32_t r;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(r) : "r"(addr), "r"(rank));
+    return r;
+}
+/* Consumer side: MMAs over k-tiles [u0, u1) of the CTA's stream into acc;
+ * each tile's stage is released once its MMAs are known complete. DIRECT
+ * with colsum: the bias column sums, as in norms_wgmma.cu. keep: accumulate
+ * onto acc as it is. */
+template <typename TI, bool DIRECT, int MI, int ST>
+__device__ __forceinline__ void consume(float (&acc)[MI][64], uint32_t sbase, uint32_t bars,
+                                        int u0, int u1, bool same_b, bool colsum, float &bs0,
+                                        float &bs1, bool keep = false) {
+    constexpr int SB = stage_bytes<MI>(), CW = 64 * MI, RG = WBK / (4 / MI);
+    const int wg = (int)threadIdx.x >> 7, lane = (int)threadIdx.x & 31;
+    if (!keep)
+#pragma unroll
+        for (int j = 0; j < MI; j++)
+#pragma unroll
+            for (int i = 0; i < 64; i++) acc[j][i] = 0.0f;
+    for (int u = u0; u < u1; u++) {
+        const int s = u % ST;
+        mbar_wait(bars + 8u * (uint32_t)s, (uint32_t)((u / ST) & 1));
+        const uint32_t sA = sbase + (uint32_t)(s * SB);
+        const uint32_t sB = same_b ? sA : sA + 2 * MI * HALF;
+        acc_fence<MI>(acc);
+        wg_fence();
+        stage_mma<TI, DIRECT, MI>(acc, sA, sB, wg);
+        wg_commit();
+        acc_fence<MI>(acc);
+        if (DIRECT && colsum) {
+            int m = ((int)threadIdx.x % CW) * 2, rq = ((int)threadIdx.x / CW) * RG;
+            uint32_t base = sA + (uint32_t)((m >> 6) * HALF);
+            int ml = m & 63;
+#pragma unroll
+            for (int r = rq; r < rq + RG; r++) {
+                uint32_t w = dcc_lds32(base + (uint32_t)(r * 128) +
+                                       (uint32_t)((((ml >> 3) ^ (r & 7))) << 4) +
+                                       (uint32_t)((ml & 7) * 2));
+                bs0 += dcc_lo((const TI *)nullptr, w);
+                bs1 += dcc_hi((const TI *)nullptr, w);
+            }
+        }
+        wg_wait<1>();
+        acc_fence<MI>(acc);
+        __syncwarp();
+        if (u > u0 && lane == 0) mbar_arrive(bars + 8u * (uint32_t)(ST + (u - 1) % ST));
+    }
+    wg_wait<0>();
+    acc_fence<MI>(acc);
+    __syncwarp();
+    if (u1 > u0 && lane == 0) mbar_arrive(bars + 8u * (uint32_t)(ST + (u1 - 1) % ST));
+}
+
+#endif /* DCC_WG_EMPTY */
+
+PFN_cuTensorMapEncodeTiled_v12000 encode_fn() {
+    /* resolved once through the runtime, so nothing links libcuda */
+    static PFN_cuTensorMapEncodeTiled_v12000 fn = [] {
+        void *p = nullptr;
+        cudaDriverEntryPointQueryResult q;
+        if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &p, 12000,
+                                             cudaEnableDefault, &q) != cudaSuccess ||
+            q != cudaDriverEntryPointSuccess) {
+            (void)cudaGetLastError();
+            p = nullptr;
+        }
+        return (PFN_cuTensorMapEncodeTiled_v12000)p;
+    }();
+    return fn;
+}
+
+/* [B][T][w] 16-bit tensor, boxes of 64 features x rows. */
+bool make_map(CUtensorMap *m, const void *base, dc_dtype t, int B, int T, int w, int rows) {
+    PFN_cuTensorMapEncodeTiled_v12000 fn = encode_fn();
+    if (!fn) return false;
+    cuuint64_t dims[3] = {(cuuint64_t)w, (cuuint64_t)T, (cuuint64_t)B};
+    cuuint64_t strides[2] = {(cuuint64_t)w * 2, (cuuint64_t)w * (cuuint64_t)T * 2};
+    cuuint32_t box[3] = {64, (cuuint32_t)rows, 1};
+    cuuint32_t es[3] = {1, 1, 1};
+    return fn(m, t == DC_BF16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
+              3, (void *)base, dims, strides, box, es, CU_TENSOR_MAP_INTERLEAVE_NONE,
+              CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+              CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
+
+} // namespace
+
+#endif

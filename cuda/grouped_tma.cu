@@ -1,0 +1,411 @@
+/* Persistent kernels over many LINEAR layers at once (bf16/f16, sm_90a):
+ * the direct-form norms and the book-keeping clipped sums of a whole step in
+ * a few launches, instead of one or more launches per layer whose last
+ * waves leave SMs idle (72 layers of GPT-2-small: 10-20% of each launch).
+ *
+ * Both run the TMA-fed pipeline of dcc_tma.cuh with 256x128 tiles (two
+ * consumer warpgroups of m64n128 x 2). Work items (layer, tile[, sample])
+ * are dealt round robin to a grid of one CTA per SM; the producer and the
+ * consumers walk the same item sequence, so one stage counter runs across
+ * items and the pipeline never drains between them. The tensor maps of up
+ * to GMAXL layers travel in the kernel parameters (__grid_constant__, read
+ * by TMA in place; 384 bytes a layer keeps them within 4 KiB). (Clusters of
+ * two CTAs sharing the g tile by TMA multicast, a third less L2 traffic per
+ * CTA, measured no faster on an H100 for GPT-2-small's layers: the loads
+ * are not what limits these kernels.)
+ *
+ * Norms: an item is (layer, sample, tile) with K = T; the tile is squared in
+ * registers and each warp adds its part to n2[b] (no CTA barrier), the
+ * first column of tiles also the bias sums. Items of one sample are
+ * adjacent, so the CTAs of a wave share that sample's rows in L2.
+ *
+ * Clipped sums: an item is (layer, tile) with K = B*T; the weight tile
+ * sum_b c_b g_b^T a_b is stored once, plain (no atomics, no zeroing), the
+ * bias sums by the first column. The per-sample coefficient cannot scale the
+ * operands (they are the client's tensors, and rounding a scaled copy to
+ * bf16 would cost accuracy), and a second register tile for the weighted
+ * total does not fit beside a 256-row accumulator; so the accumulator is
+ * rescaled between samples (Horner): with the samples in ascending
+ * coefficient order c_(1) <= ... <= c_(B),
+ *     acc <- acc * c_(k-1) / c_(k) + X_(k),   result = c_(B) * acc,
+ * which is sum_k c_(k) X_(k). Every factor is <= 1, so the accumulator never
+ * exceeds sum_k |X_(k)| (no overflow a plain sum would not have), and each
+ * sample adds one f32 rounding per element. dcc_bk_order (clip.cu) gives
+ * the order and the factors on the device. */
+#include <stdlib.h>
+#include <string.h>
+
+#include "dcc_tma.cuh"
+
+namespace {
+
+constexpr int GMAXL = 10;
+struct g_entry {
+    CUtensorMap tg, ta;
+    const int *perm;  /* clipped: samples in ascending coefficient order */
+    const float *fac; /* clipped: Horner factors; fac[0] = the last coefficient */
+    float *out;       /* clipped: w [p][d]; norms: n2 of this layer [B] */
+    float *bias;      /* clipped: bias [p] or NULL */
+    int T, d, p, tiles_n, item0, has_bias;
+};
+struct g_params {
+    g_entry e[GMAXL];
+    int n, items, B;
+    float s2;
+};
+static_assert(sizeof(g_params) <= 4096, "kernel parameters beyond 4 KiB need CUDA 12.1+");
+
+constexpr int GMI = 2, GST = tma_direct_stages<GMI>(), GSB = stage_bytes<GMI>();
+
+#ifndef DCC_WG_EMPTY
+
+__device__ __forceinline__ int g_find(const g_params &P, int item) {
+    int lo = 0, hi = P.n - 1; /* the last entry with item0 <= item */
+    while (lo < hi) {
+        int mid = (lo + hi + 1) >> 1;
+        if (P.e[mid].item0 <= item) lo = mid;
+        else hi = mid - 1;
+    }
+    return lo;
+}
+
+__device__ __forceinline__ void consumer_bar() { /* the 256 consumer threads only */
+    asm volatile("bar.sync 1, 256;\n" ::: "memory");
+}
+
+/* One stage of a direct item: 256 features of g from m0, 128 of a from n0,
+ * rows [kr, kr + 64) of sample b. */
+__device__ __forceinline__ void load_stage(const g_entry &E, uint32_t st, uint32_t full, int m0,
+                                           int n0, int kr, int b) {
+    mbar_expect_tx(full, GSB);
+#pragma unroll
+    for (int h = 0; h < 2 * GMI; h++)
+        tma_load3(st + (uint32_t)(h * HALF), &E.tg, full, m0 + 64 * h, kr, b);
+#pragma unroll
+    for (int h = 0; h < 2; h++)
+        tma_load3(st + (uint32_t)((2 * GMI + h) * HALF), &E.ta, full, n0 + 64 * h, kr, b);
+}
+
+/* Bias column sums of a 256-row tile: thread t holds columns 2*(t%128), +1
+ * of row half t/128; returns the complete sum of column t (t < 256) after
+ * two consumer barriers. */
+__device__ __forceinline__ float colsum_total(float (&cs)[2][256], float bs0, float bs1) {
+    const int m = ((int)threadIdx.x & 127) * 2, rq = (int)threadIdx.x >> 7;
+    cs[rq][m] = bs0;
+    cs[rq][m + 1] = bs1;
+    consumer_bar();
+    float v = cs[0][threadIdx.x] + cs[1][threadIdx.x];
+    consumer_bar(); /* cs is free for the next item */
+    return v;
+}
+
+/* Work item geometry, the same for producer and consumers. */
+struct item_at {
+    int m0, n0, tn, b;
+};
+
+__device__ __forceinline__ item_at norms_item(const g_entry &E, int it) {
+    const int tiles = ((E.p + 255) / 256) * E.tiles_n, r = it - E.item0, t = r % tiles;
+    item_at x;
+    x.b = r / tiles; /* sample-major: a wave's CTAs share the sample's rows in L2 */
+    x.tn = t % E.tiles_n;
+    x.m0 = (t / E.tiles_n) * 256;
+    x.n0 = x.tn * 128;
+    return x;
+}
+
+__device__ __forceinline__ item_at clipped_item(const g_entry &E, int it) {
+    const int t = it - E.item0;
+    item_at x;
+    x.b = 0;
+    x.tn = t % E.tiles_n;
+    x.m0 = (t / E.tiles_n) * 256;
+    x.n0 = x.tn * 128;
+    return x;
+}
+
+template <typename TI>
+__global__ void __launch_bounds__(CT, 1) norms_grouped(const __grid_constant__ g_params P) {
+    extern __shared__ unsigned char smem[];
+    __shared__ __align__(8) uint64_t bar_mem[2 * GST];
+    __shared__ __align__(16) float cs[2][256];
+    const uint32_t sbase = (dcc_smem(smem) + 1023u) & ~1023u;
+    const uint32_t bars = init_bars<GST>(bar_mem);
+
+    if (threadIdx.x >= 256) { /* producer warp */
+        if (threadIdx.x == 256) {
+            int u = 0;
+            for (int it = (int)blockIdx.x; it < P.items; it += (int)gridDim.x) {
+                const g_entry &E = P.e[g_find(P, it)];
+                const item_at x = norms_item(E, it);
+                const int ktn = (E.T + WBK - 1) / WBK;
+                for (int kt = 0; kt < ktn; kt++, u++) {
+                    const int s = u % GST;
+                    mbar_wait(bars + 8u * (uint32_t)(GST + s), (uint32_t)(((u / GST) & 1) ^ 1));
+                    load_stage(E, sbase + (uint32_t)(s * GSB), bars + 8u * (uint32_t)s, x.m0,
+                               x.n0, kt * WBK, x.b);
+                }
+            }
+        }
+        return;
+    }
+    const int lane = (int)threadIdx.x & 31;
+    int u = 0;
+    for (int it = (int)blockIdx.x; it < P.items; it += (int)gridDim.x) {
+        const g_entry &E = P.e[g_find(P, it)];
+        const item_at x = norms_item(E, it);
+        const int ktn = (E.T + WBK - 1) / WBK;
+        const bool do_bias = E.has_bias && x.tn == 0;
+        float acc[GMI][64], bs0 = 0.0f, bs1 = 0.0f;
+        consume<TI, true, GMI, GST>(acc, sbase, bars, u, u + ktn, false, do_bias, bs0, bs1);
+        u += ktn;
+        float sq = 0.0f;
+#pragma unroll
+        for (int j = 0; j < GMI; j++)
+#pragma unroll
+            for (int i = 0; i < 64; i++) sq += acc[j][i] * acc[j][i];
+        if (do_bias) {
+            float v = colsum_total(cs, bs0, bs1);
+            sq += v * v;
+        }
+        for (int o = 16; o > 0; o >>= 1) sq += __shfl_xor_sync(0xffffffffu, sq, o);
+        if (lane == 0) atomicAdd(E.out + x.b, sq * P.s2);
+    }
+}
+
+template <typename TI>
+__global__ void __launch_bounds__(CT, 1) clipped_grouped(const __grid_constant__ g_params P) {
+    extern __shared__ unsigned char smem[];
+    __shared__ __align__(8) uint64_t bar_mem[2 * GST];
+    __shared__ __align__(16) float cs[2][256];
+    const uint32_t sbase = (dcc_smem(smem) + 1023u) & ~1023u;
+    const uint32_t bars = init_bars<GST>(bar_mem);
+    const int B = P.B;
+
+    if (threadIdx.x >= 256) { /* producer warp */
+        if (threadIdx.x == 256) {
+            int u = 0;
+            for (int it = (int)blockIdx.x; it < P.items; it += (int)gridDim.x) {
+                const g_entry &E = P.e[g_find(P, it)];
+                const item_at x = clipped_item(E, it);
+                const int ktn = (E.T + WBK - 1) / WBK;
+                for (int k = 0; k < B; k++) {
+                    const int b = E.perm[k];
+                    for (int kt = 0; kt < ktn; kt++, u++) {
+                        const int s = u % GST;
+                        mbar_wait(bars + 8u * (uint32_t)(GST + s),
+                                  (uint32_t)(((u / GST) & 1) ^ 1));
+                        load_stage(E, sbase + (uint32_t)(s * GSB), bars + 8u * (uint32_t)s, x.m0,
+                                   x.n0, kt * WBK, b);
+                    }
+                }
+            }
+        }
+        return;
+    }
+    const int wg = (int)threadIdx.x >> 7, wq = ((int)threadIdx.x >> 5) & 3;
+    const int lane = (int)threadIdx.x & 31;
+    int u = 0;
+    for (int it = (int)blockIdx.x; it < P.items; it += (int)gridDim.x) {
+        const g_entry &E = P.e[g_find(P, it)];
+        const item_at x = clipped_item(E, it);
+        const int ktn = (E.T + WBK - 1) / WBK, d = E.d, p = E.p, m0 = x.m0, n0 = x.n0;
+        const bool do_bias = E.bias != nullptr && x.tn == 0;
+        float acc[GMI][64], bs0 = 0.0f, bs1 = 0.0f;
+        for (int k = 0; k < B; k++) {
+            if (k > 0) { /* Horner: rescale to the next (larger) coefficient */
+                const float f = E.fac[k];
+#pragma unroll
+                for (int j = 0; j < GMI; j++)
+#pragma unroll
+                    for (int i = 0; i < 64; i++) acc[j][i] *= f;
+                bs0 *= f;
+                bs1 *= f;
+            }
+            consume<TI, true, GMI, GST>(acc, sbase, bars, u, u + ktn, false, do_bias, bs0, bs1,
+                                        k > 0);
+            u += ktn;
+        }
+        const float cl = E.fac[0];
+        float *w = E.out;
+        /* accumulator: acc[j] is rows 64 (2 wg + j) + 16 wq + lane/4 (+8 when
+         * i % 4 >= 2), columns 8 (i / 4) + 2 (lane % 4) + i % 2: pairs (i,
+         * i+1) are adjacent columns, stored as float2 (d % 8 == 0) */
+#pragma unroll
+        for (int j = 0; j < GMI; j++)
+#pragma unroll
+            for (int i = 0; i < 64; i += 2) {
+                int m = m0 + (wg * GMI + j) * 64 + wq * 16 + (lane >> 2) + ((i & 2) ? 8 : 0);
+                int n = n0 + (i >> 2) * 8 + (lane & 3) * 2;
+                if (m < p && n < d)
+                    *(float2 *)(w + (int64_t)m * d + n) =
+                        make_float2(cl * acc[j][i], cl * acc[j][i + 1]);
+            }
+        if (do_bias) {
+            float v = colsum_total(cs, bs0, bs1);
+            if (m0 + (int)threadIdx.x < p) E.bias[m0 + threadIdx.x] = cl * v;
+        }
+    }
+}
+
+#else
+
+template <typename TI> __global__ void norms_grouped(const __grid_constant__ g_params) {}
+template <typename TI> __global__ void clipped_grouped(const __grid_constant__ g_params) {}
+
+#endif
+
+int sm_count_now() {
+    int dev = 0, sms = 132;
+    if (cudaGetDevice(&dev) == cudaSuccess)
+        cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
+    return sms;
+}
+
+/* One persistent launch over P's layers: a CTA per SM at most. */
+cudaError_t launch(void (*kern)(g_params), const g_params &P, cudaStream_t st) {
+    if (P.items == 0) return cudaSuccess;
+    const int smem = tma_direct_smem<GMI>();
+    cudaError_t e = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+    if (e != cudaSuccess) return e;
+    int sms = sm_count_now();
+    unsigned grid = (unsigned)(P.items < sms ? P.items : sms);
+    kern<<<grid, CT, smem, st>>>(P);
+    return cudaGetLastError();
+}
+
+/* Chunks of at most GMAXL layers of one dtype: fill(i, entry) sets layer i's
+ * entry and returns its item count (or -1: not supported). */
+template <typename Fill>
+cudaError_t run_chunks(const dcc_linear *const *Ls, int n, int B, float s2, bool clipped,
+                       Fill fill, cudaStream_t st) {
+    int i = 0;
+    while (i < n) {
+        int j = 1;
+        while (j < GMAXL && i + j < n && Ls[i + j]->ta == Ls[i]->ta) j++;
+        g_params P;
+        memset(&P, 0, sizeof P);
+        int64_t items = 0;
+        for (int k = 0; k < j; k++) {
+            g_entry &E = P.e[k];
+            const dcc_linear *L = Ls[i + k];
+            if (!make_map(&E.tg, L->g, L->tg, L->B, L->T, L->p, 64) ||
+                !make_map(&E.ta, L->a, L->ta, L->B, L->T, L->d, 64))
+                return cudaErrorNotSupported;
+            E.T = L->T;
+            E.d = L->d;
+            E.p = L->p;
+            E.tiles_n = (L->d + 127) / 128;
+            E.has_bias = L->has_bias;
+            E.item0 = (int)items;
+            int64_t tiles = (int64_t)((L->p + 255) / 256) * E.tiles_n;
+            items += clipped ? tiles : tiles * L->B;
+            if (items > INT32_MAX / 2) return cudaErrorInvalidConfiguration;
+            fill(i + k, E);
+        }
+        P.n = j;
+        P.items = (int)items;
+        P.B = B;
+        P.s2 = s2;
+        bool bf = Ls[i]->ta == DC_BF16;
+        cudaError_t e = launch(clipped ? (bf ? clipped_grouped<dcc_bf16> : clipped_grouped<dcc_f16>)
+                                       : (bf ? norms_grouped<dcc_bf16> : norms_grouped<dcc_f16>),
+                               P, st);
+        if (e != cudaSuccess) return e;
+        i += j;
+    }
+    return cudaSuccess;
+}
+
+bool qualifies(const dcc_linear *L) {
+    return L->ta == L->tg && dcc_linear_path(L) == 3 && dcc_tma_available();
+}
+
+} // namespace
+
+extern "C" int dcc_bk_grouped_ok(const dcc_linear *L) {
+#ifdef DCC_WGMMA_BUILT
+    return L->T >= WBK && qualifies(L);
+#else
+    (void)L;
+    return 0;
+#endif
+}
+
+extern "C" cudaError_t dcc_linear_clipped_grouped(const dcc_bk_layer *ls, int n,
+                                                  cudaStream_t st) {
+#ifdef DCC_WGMMA_BUILT
+    if (n <= 0) return cudaSuccess;
+    const dcc_linear *Ls[GMAXL * 64];
+    for (int i0 = 0; i0 < n; i0 += GMAXL * 64) { /* bounded stack, any n */
+        int k = n - i0 < GMAXL * 64 ? n - i0 : GMAXL * 64;
+        for (int i = 0; i < k; i++) {
+            const dcc_bk_layer *x = &ls[i0 + i];
+            if (!dcc_bk_grouped_ok(&x->L) || x->L.B != ls[0].L.B || !x->w)
+                return cudaErrorNotSupported;
+            Ls[i] = &x->L;
+        }
+        cudaError_t e = run_chunks(Ls, k, ls[0].L.B, 1.0f, true,
+                                   [&](int i, g_entry &E) {
+                                       E.perm = ls[i0 + i].perm;
+                                       E.fac = ls[i0 + i].fac;
+                                       E.out = ls[i0 + i].w;
+                                       E.bias = ls[i0 + i].bias;
+                                   },
+                                   st);
+        if (e != cudaSuccess) return e;
+    }
+    return cudaSuccess;
+#else
+    (void)ls;
+    (void)n;
+    (void)st;
+    return cudaErrorNotSupported;
+#endif
+}
+
+extern "C" int dcc_norms_grouped_ok(const dcc_linear *L, dc_algo algo) {
+#ifdef DCC_WGMMA_BUILT
+    return algo == DC_ALGO_DIRECT && qualifies(L);
+#else
+    (void)L;
+    (void)algo;
+    return 0;
+#endif
+}
+
+extern "C" int64_t dcc_norms_grouped_items(const dcc_linear *L) {
+    return (int64_t)((L->p + 255) / 256) * ((L->d + 127) / 128) * L->B;
+}
+
+extern "C" cudaError_t dcc_linear_sqnorms_grouped(const dcc_norm_layer *ls, int n, float s2,
+                                                  cudaStream_t st) {
+#ifdef DCC_WGMMA_BUILT
+    if (n <= 0) return cudaSuccess;
+    const dcc_linear *Ls[GMAXL * 64];
+    for (int i0 = 0; i0 < n; i0 += GMAXL * 64) {
+        int k = n - i0 < GMAXL * 64 ? n - i0 : GMAXL * 64;
+        for (int i = 0; i < k; i++) {
+            const dcc_norm_layer *x = &ls[i0 + i];
+            if (!qualifies(&x->L) || x->L.B != ls[0].L.B) return cudaErrorNotSupported;
+            Ls[i] = &x->L;
+        }
+        cudaError_t e = run_chunks(Ls, k, ls[0].L.B, s2, false,
+                                   [&](int i, g_entry &E) { E.out = ls[i0 + i].n2; }, st);
+        if (e != cudaSuccess) return e;
+    }
+    return cudaSuccess;
+#else
+    (void)ls;
+    (void)n;
+    (void)s2;
+    (void)st;
+    return cudaErrorNotSupported;
+#endif
+}
+
+extern "C" int dcc_grouped_min_items(void) {
+    const char *v = getenv("DPCLIP_CUDA_GROUPED_MIN"); /* tests: 0 groups every step */
+    if (v && v[0]) return atoi(v);
+    return 4 * sm_count_now();
+}
