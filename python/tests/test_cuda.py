@@ -43,11 +43,14 @@ def test_cuda_step_matches_reference(cuda_daemon, amp):
             out = model(x.cuda())
         reduce_loss(per_sample_losses("seq", out.float(), y.cuda()), "mean").backward()
         opt.step()
-        tol = 0.05 if amp else 2e-4
+        # f32 inputs: the daemon's GPU backend uses TF32 tensor cores by default
+        # (10-bit mantissa products; DPCLIP_CUDA_TF32=0 for exact f32), so the
+        # bound is TF32's, not f32's.
+        tol = 0.05 if amp else 3e-3
         for n, p in model.named_parameters():
             assert p.grad.is_cuda and _rel(p.grad, want[n]) < tol, n
         if not amp:
-            assert torch.allclose(engine.last_coefs.double(), ref_coefs, rtol=1e-4, atol=1e-6)
+            assert torch.allclose(engine.last_coefs.double(), ref_coefs, rtol=3e-3, atol=1e-6)
     engine.close()
 
 
