@@ -113,9 +113,8 @@ def run(args, device, precision, mode, socket_path):
     opt = torch.optim.SGD(model.parameters(), lr=1e-4)
     engine = None
     criterion = None
-    if mode in ("dpclip", "dpclip_async"):
-        engine = PrivacyEngine(socket_path, client_name="bench_torch_step",
-                               async_cuda=mode == "dpclip_async")
+    if mode == "dpclip":
+        engine = PrivacyEngine(socket_path, client_name="bench_torch_step")
         model, opt, _ = engine.make_private(module=model, optimizer=opt, noise_multiplier=1.0,
                                             max_grad_norm=1.0, loss_reduction="mean",
                                             expected_batch_size=args.batch)
@@ -151,8 +150,6 @@ def run(args, device, precision, mode, socket_path):
                 engine.last_compute_ns / 1e6
             for k, v in engine.last_timing.items():
                 phases[k] = phases.get(k, 0.0) + v
-    if engine is not None:
-        engine.sync()  # async mode: the last step's reply (errors surface here)
     sync(device)
     ms = (time.perf_counter() - t0) * 1e3 / args.steps
     mem = peak_mb(device)
@@ -206,8 +203,7 @@ def main():
               "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
               "torch": torch.__version__}
     for precision in args.precision.split(","):
-        modes = ["plain", "dpclip"] + (["dpclip_async"] if device.type == "cuda" else []) + \
-            (["opacus"] if args.opacus else [])
+        modes = ["plain", "dpclip"] + (["opacus"] if args.opacus else [])
         res = {}
         for mode in modes:
             try:

@@ -165,8 +165,6 @@ def _declare(L):
         "dpclip_step_set_events": (None, [c_void_p, ctypes.c_uint64, ctypes.c_uint64]),
         "dpclip_result_free": (None, [ctypes.POINTER(Result)]),
         "dpclip_run": (c_int, [c_void_p, c_void_p, ctypes.POINTER(Result)]),
-        "dpclip_submit": (c_int, [c_void_p, c_void_p, ctypes.POINTER(ctypes.c_uint64)]),
-        "dpclip_wait": (c_int, [c_void_p, ctypes.c_uint64, c_int, ctypes.POINTER(Result)]),
         "dpclip_ping": (c_int, [c_void_p]),
     }
     for name, (res, args) in sig.items():
@@ -373,26 +371,6 @@ class Step:
         ledger (0 where it reports none)."""
         res = Result()
         rc = self._L.dpclip_run(client.handle, self._s, ctypes.byref(res))
-        try:
-            client.check(rc)
-            n = res.batch
-            norms = res.norms[:n] if res.norms else []
-            coefs = res.coefs[:n] if res.coefs else []
-            return StepResult(norms, coefs, res.step_index, res.compute_ns, res.epsilon,
-                              res.delta)
-        finally:
-            self._L.dpclip_result_free(ctypes.byref(res))
-
-    def submit(self, client):
-        """Sends the step without waiting: a ticket for wait()."""
-        ticket = ctypes.c_uint64(0)
-        client.check(self._L.dpclip_submit(client.handle, self._s, ctypes.byref(ticket)))
-        return ticket.value
-
-    def wait(self, client, ticket):
-        """The StepResult of a submitted step (blocks until it is there)."""
-        res = Result()
-        rc = self._L.dpclip_wait(client.handle, ctypes.c_uint64(ticket), -1, ctypes.byref(res))
         try:
             client.check(rc)
             n = res.batch

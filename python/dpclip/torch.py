@@ -317,19 +317,8 @@ class PrivacyEngine:
     /run/dpclip/dpclipd.sock). The connection is made here, so a daemon that
     is not running is reported at once (DpclipError, code DPCLIP_EIO)."""
 
-    def __init__(self, socket_path=None, *, client_name="dpclip-torch", job_id=None,
-                 async_cuda=False):
+    def __init__(self, socket_path=None, *, client_name="dpclip-torch", job_id=None):
         self.client = _lib.Client(socket_path, client_name=client_name, job_id=job_id)
-        # async_cuda: GPU steps are submitted without waiting for the reply.
-        # The trainer's stream is still ordered after the daemon's writes
-        # (interprocess event), so param.grad is right; what changes is that
-        # the Python thread goes on queueing the optimizer and the next
-        # forward while the daemon computes. The reply (norms, coefficients,
-        # epsilon, or an error) is collected at the next step or at sync():
-        # a step the daemon rejects raises there, one step late, and its
-        # gradients are zero (outputs are cleared before each step).
-        self.async_cuda = bool(async_cuda)
-        self._pending = None        # (ticket, B) of a submitted, uncollected step
         self.active = False
         self._layers = []
         self._pass = 0
@@ -479,12 +468,6 @@ class PrivacyEngine:
         self.module = None
 
     def close(self):
-        try:
-            self.sync()
-        finally:
-            self._close()
-
-    def _close(self):
         self.detach()
         if self._step is not None:
             self._step.close()
@@ -527,7 +510,6 @@ class PrivacyEngine:
         (replacing what was there). Called by DPOptimizer.step()."""
         if not self.active:
             raise RuntimeError("the PrivacyEngine is not attached to a module")
-        self.sync()
         try:
             passes = {pid for l in self._layers for _, _, pid in l.records}
             if len(passes) > 1:
@@ -553,16 +535,6 @@ class PrivacyEngine:
                     if p is not None:
                         torch.distributed.all_reduce(p.grad, op=torch.distributed.ReduceOp.SUM)
         self.steps += 1
-
-    def sync(self):
-        """Collects the reply of an asynchronously submitted step (async_cuda):
-        updates last_norms/last_coefs/last_epsilon, or raises the daemon's
-        error for that step. A no-op when nothing is pending."""
-        if self._pending is None:
-            return
-        ticket, B = self._pending
-        self._pending = None
-        self._finish(self._step.wait(self.client, ticket), B)
 
     def _device(self):
         devs = {l.weight.device for l in self._layers}
@@ -768,21 +740,10 @@ class PrivacyEngine:
         with torch.cuda.device(device):
             self._add_layers(step, plan, refs)
             stream = torch.cuda.current_stream(device)
-            if self.async_cuda:
-                # A failed step must leave zero gradients, never the last
-                # step's: clear the outputs before the daemon may write them.
-                for l, *_ in plan:
-                    for out in (l.out_w, l.out_b):
-                        if out is not None:
-                            out.zero_()
             ready.record(stream)
             step.set_events(rid, did)
             t1 = time.perf_counter()
-            if self.async_cuda:
-                self._pending = (step.submit(self.client), B)
-                res = None
-            else:
-                res = step.run(self.client)
+            res = step.run(self.client)
             t2 = time.perf_counter()
             # The daemon recorded `done` before replying: from here on the
             # trainer's stream is ordered after the daemon's writes (and after
@@ -797,8 +758,7 @@ class PrivacyEngine:
                     p.grad = out  # aliases the output buffer: no copy
                 else:
                     self._set_grad(p, out)
-        if res is not None:
-            self._finish(res, B)
+        self._finish(res, B)
         self._timing(t0, t1, t2)
 
 
