@@ -28,6 +28,9 @@ struct dc_step_job {
     double q, sigma;       /* as recorded in the ledger */
     double eps, delta;     /* the job's eps with this step, at its delta */
     dc_ledger_waiter wait; /* for the spend to be durable */
+    bool waiting_sync;     /* inside the persist call: a failure is handled there */
+    int sync_rc;
+    dc_err sync_err;
     uint64_t workspace;    /* GPU steps: the backend's workspace after it */
     /* Phases (uv_hrtime ns): request decoded, validated and accounted,
      * submitted to a worker, worker started, input event waited, worker

@@ -185,6 +185,13 @@ static void on_spend_durable(dc_ledger_waiter *w, int rc, const dc_err *err) {
         step_submit(j);
         return;
     }
+    if (j->waiting_sync) {
+        /* Called from within dc_session_step: it replies, so that the
+         * session never processes requests re-entrantly. */
+        j->sync_rc = rc;
+        if (err) j->sync_err = *err;
+        return;
+    }
     /* Without a durable record the step must not release anything. */
     refund(srv, j);
     dc_err_set(&e, DC_EUNAVAIL, "ledger", "the privacy ledger could not record this step's "
@@ -311,7 +318,16 @@ void dc_session_step(dc_session *s, uint64_t id, const Dpclip__ClipStep *m) {
     if (dc_ledger_persistent(&srv->ledger)) {
         j->wait.gen = j->ljob->gen;
         j->wait.done = on_spend_durable;
-        dc_server_ledger_persist(srv, j->ljob, &j->wait); /* may submit at once */
+        j->waiting_sync = true;
+        dc_server_ledger_persist(srv, j->ljob, &j->wait); /* usually completes later */
+        j->waiting_sync = false;
+        if (j->sync_rc) { /* failed at once (out of memory) */
+            s->job = NULL;
+            refund(srv, j);
+            dc_err_set(&e, DC_EUNAVAIL, "ledger", "the privacy ledger could not record this "
+                       "step's spend, so the step was not run: %s", j->sync_err.msg);
+            goto fail_step;
+        }
         return;
     }
     step_submit(j);

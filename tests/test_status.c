@@ -1,0 +1,360 @@
+/* The status endpoint of a real dpclipd: /status JSON (checked against what
+ * the test did and against the accountant), /metrics through a real
+ * Prometheus parser (prometheus_client's, via python3, when installed; else
+ * a strict line grammar check, and the test says which), HTTP errors, an
+ * answer within 50 ms while 8 clients run steps, and dpclipctl's tables. */
+#include <errno.h>
+#include <math.h>
+#include <pthread.h>
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stdatomic.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cmocka.h>
+
+#include "accountant.h"
+#include "harness.h"
+#include "service.h"
+
+/* Whatever dpclip config is installed on this machine stays out. */
+#ifdef DPCLIP_HAVE_INIH
+#define NO_SYSTEM_CONFIG "--config /dev/null "
+#else
+#define NO_SYSTEM_CONFIG ""
+#endif
+
+#ifdef DPCLIP_HAVE_JANSSON
+#include <jansson.h>
+#endif
+
+static dc_harness g_h;
+static char g_status[400], g_ledger[300];
+
+static int group_setup(void **state) {
+    char args[600];
+    (void)state;
+    snprintf(g_ledger, sizeof g_ledger, "%s/dpclip-status-ledger.XXXXXX",
+             getenv("TMPDIR") && getenv("TMPDIR")[0] ? getenv("TMPDIR") : "/tmp");
+    if (!mkdtemp(g_ledger)) return -1;
+    snprintf(args, sizeof args, NO_SYSTEM_CONFIG "--workers 2 --ledger-dir %s", g_ledger);
+    if (dc_harness_start(&g_h, args)) return -1;
+    dc_harness_status_path(&g_h, g_status, sizeof g_status);
+    return 0;
+}
+
+static int group_teardown(void **state) {
+    char cmd[400];
+    (void)state;
+    if (g_h.pid) dc_harness_stop(&g_h);
+    snprintf(cmd, sizeof cmd, "rm -rf '%s'", g_ledger);
+    return system(cmd) == 0 ? 0 : -1;
+}
+
+static dpclip_client *connect_job(const char *job) {
+    dpclip_client *c = NULL;
+    dpclip_connect_opts o = {.client_name = "status-test", .job_id = job};
+    int rc = dpclip_connect(g_h.sock, &o, &c);
+    if (rc) fprintf(stderr, "connect: %s\n", dpclip_errmsg(c));
+    assert_int_equal(rc, 0);
+    return c;
+}
+
+static double accountant_eps(double q, double sigma, double steps, double delta) {
+    double rdp[DC_RDP_N_ORDERS];
+    dc_rdp_steps(q, sigma, dc_rdp_default_orders(), DC_RDP_N_ORDERS, rdp);
+    for (int k = 0; k < DC_RDP_N_ORDERS; k++) rdp[k] *= steps;
+    return dc_rdp_epsilon(dc_rdp_default_orders(), rdp, DC_RDP_N_ORDERS, delta, NULL);
+}
+
+/* Runs n steps of (q, sigma = 1.0) in job `job`; returns the last epsilon. */
+static double run_steps(dpclip_client *c, int n, double q, uint64_t seed) {
+    dc_shm_step s;
+    dpclip_result res;
+    double eps = NAN;
+    assert_int_equal(dc_service_step_init(&s, c, 8, 1.0f, q, seed), 0);
+    for (int i = 0; i < n; i++) {
+        int rc = dpclip_run(c, s.step, &res);
+        if (rc) fprintf(stderr, "run: %s\n", dpclip_errmsg(c));
+        assert_int_equal(rc, 0);
+        eps = res.epsilon;
+        assert_true(res.delta == 1e-5);
+        dpclip_result_free(&res);
+    }
+    dc_shm_step_free(&s);
+    return eps;
+}
+
+static const int k_steps = 12;
+static const double k_q = 0.02;
+
+static void test_status_json(void **state) {
+    dpclip_client *c = connect_job("status-json");
+    double eps = run_steps(c, k_steps, k_q, 1);
+    char *body = NULL, *head = NULL;
+    int code;
+    (void)state;
+
+    /* the reply's epsilon is the accountant's for this many steps */
+    assert_true(fabs(eps - accountant_eps(k_q, 1.0, k_steps, 1e-5)) <= 1e-9 * eps);
+    code = dc_http(g_status, "GET", "/status", 5000, &head, &body, NULL);
+    assert_int_equal(code, 200);
+    assert_non_null(strstr(head, "Content-Type: application/json"));
+#ifdef DPCLIP_HAVE_JANSSON
+    {
+        json_error_t je;
+        json_t *root = json_loads(body, 0, &je), *s, *j, *found_s = NULL, *found_j = NULL;
+        size_t i;
+        if (!root) fprintf(stderr, "/status: %s at line %d\n", je.text, je.line);
+        assert_non_null(root);
+        assert_string_equal(json_string_value(json_object_get(json_object_get(root, "daemon"),
+                                                              "version")), DPCLIP_VERSION);
+        json_array_foreach(json_object_get(root, "sessions"), i, s)
+            if (strcmp(json_string_value(json_object_get(s, "job")), "status-json") == 0) found_s = s;
+        assert_non_null(found_s);
+        assert_int_equal(json_integer_value(json_object_get(found_s, "pid")), getpid());
+        assert_int_equal(json_integer_value(json_object_get(found_s, "uid")), getuid());
+        assert_int_equal(json_integer_value(json_object_get(found_s, "steps")), k_steps);
+        /* run_steps released its buffer again */
+        assert_int_equal(json_integer_value(json_object_get(found_s, "buffers")), 0);
+        json_array_foreach(json_object_get(json_object_get(root, "ledger"), "jobs"), i, j)
+            if (strcmp(json_string_value(json_object_get(j, "job")), "status-json") == 0) found_j = j;
+        assert_non_null(found_j);
+        assert_int_equal(json_integer_value(json_object_get(found_j, "steps")), k_steps);
+        assert_int_equal(json_integer_value(json_object_get(found_j, "uid")), getuid());
+        assert_true(json_real_value(json_object_get(found_j, "epsilon")) == eps);
+        assert_true(json_is_true(json_object_get(found_j, "on_disk")));
+        assert_true(json_is_true(json_object_get(json_object_get(root, "ledger"), "persistent")));
+        json_decref(root);
+    }
+#else
+    printf("test_status: jansson not available: /status checked as text only\n");
+    assert_non_null(strstr(body, "\"job\":\"status-json\""));
+#endif
+    free(head);
+    free(body);
+    dpclip_disconnect(c);
+}
+
+static void test_metrics_prometheus(void **state) {
+    dpclip_client *c = connect_job("status-metrics \"quoted\"\n");
+    double eps = run_steps(c, 3, 0.5, 2);
+    char *body = NULL, *head = NULL, *samples = NULL;
+    int code, parsed;
+    (void)state;
+
+    code = dc_http(g_status, "GET", "/metrics", 5000, &head, &body, NULL);
+    assert_int_equal(code, 200);
+    assert_non_null(strstr(head, "Content-Type: text/plain; version=0.0.4"));
+    /* always: the strict grammar; and the real parser where installed */
+    assert_int_equal(dc_prom_grammar(body), 0);
+    parsed = dc_prom_parse(body, &samples);
+    assert_true(parsed >= 0);
+    if (parsed == 0) {
+        printf("test_status: python3 prometheus_client not installed: /metrics checked with "
+               "the strict line grammar only\n");
+    } else {
+        printf("test_status: /metrics parsed with prometheus_client's text parser\n");
+        assert_true(dc_prom_value(samples, "dpclip_steps_total{result=\"ok\"}") >= k_steps + 3);
+        assert_true(dc_prom_value(samples, "dpclip_requests_total{type=\"clip_step\"}") >=
+                    k_steps + 3);
+        assert_true(dc_prom_value(samples, "dpclip_step_seconds_count{}") >= k_steps + 3);
+        assert_true(dc_prom_value(samples, "dpclip_step_phase_seconds_count{phase=\"run\"}") >=
+                    k_steps + 3);
+        assert_true(dc_prom_value(samples, "dpclip_sessions{}") >= 1);
+        assert_true(dc_prom_value(samples, "dpclip_ledger_writes_total{result=\"ok\"}") >=
+                    k_steps + 3);
+        /* the per-job gauge, with a label value that needed escaping */
+        {
+            char key[256];
+            snprintf(key, sizeof key, "dpclip_job_epsilon{job=\"status-metrics \"quoted\"\n\","
+                     "uid=\"%u\"}", (unsigned)getuid());
+            double v = dc_prom_value(samples, key);
+            if (!(v == eps)) fprintf(stderr, "job epsilon %g, reply said %g\n", v, eps);
+            assert_true(v == eps);
+        }
+        free(samples);
+    }
+    free(head);
+    free(body);
+    dpclip_disconnect(c);
+}
+
+static void test_http_errors(void **state) {
+    char *body = NULL;
+    (void)state;
+    assert_int_equal(dc_http(g_status, "GET", "/nope", 5000, NULL, &body, NULL), 404);
+    free(body);
+    assert_int_equal(dc_http(g_status, "POST", "/status", 5000, NULL, &body, NULL), 405);
+    free(body);
+    assert_int_equal(dc_http(g_status, "GET", "/", 5000, NULL, &body, NULL), 200);
+    assert_non_null(strstr(body, "/metrics"));
+    free(body);
+}
+
+/* --- under load ---------------------------------------------------------------- */
+
+static atomic_int g_stop, g_running;
+static atomic_long g_done;
+
+static void *load_thread(void *arg) {
+    dpclip_client *c = NULL;
+    dpclip_connect_opts o = {.client_name = "load", .job_id = "status-load"};
+    dc_shm_step s;
+    dpclip_clip_config cfg = {.max_grad_norm = 1.0f, .reduction = DPCLIP_MEAN,
+                              .noise_multiplier = 1.0f, .sample_rate = 0.01};
+    dc_test_layer_spec big = {DC_LAYER_LINEAR, 32, 16, 64, 64, DC_F32, 1, DC_ALGO_AUTO, 1, 0};
+    dc_test_rng r;
+    long seed = (long)(intptr_t)arg;
+
+    dc_test_rng_seed(&r, (uint64_t)seed);
+    if (dpclip_connect(g_h.sock, &o, &c) || dc_shm_step_init(&s, c, 4u << 20, 32, &cfg) ||
+        dc_shm_step_add(&s, &big, &r, 1.0f) < 0 || dc_shm_step_add(&s, &big, &r, 1.0f) < 0) {
+        fprintf(stderr, "load thread %ld: setup failed\n", seed);
+        dpclip_disconnect(c);
+        return (void *)1;
+    }
+    atomic_fetch_add(&g_running, 1);
+    while (!atomic_load(&g_stop)) {
+        dpclip_result res;
+        if (dpclip_run(c, s.step, &res)) break;
+        dpclip_result_free(&res);
+        atomic_fetch_add(&g_done, 1);
+    }
+    dc_shm_step_free(&s);
+    dpclip_disconnect(c);
+    return NULL;
+}
+
+static int cmp_double(const void *a, const void *b) {
+    double x = *(const double *)a, y = *(const double *)b;
+    return x < y ? -1 : x > y;
+}
+
+static void test_status_under_load(void **state) {
+    enum { N_CLIENTS = 8, N_REQ = 30 };
+    pthread_t th[N_CLIENTS];
+    double ms[N_REQ];
+    long before;
+    int seen_busy = 0;
+    (void)state;
+
+    atomic_store(&g_stop, 0);
+    atomic_store(&g_running, 0);
+    for (int i = 0; i < N_CLIENTS; i++)
+        assert_int_equal(pthread_create(&th[i], NULL, load_thread, (void *)(intptr_t)(i + 10)), 0);
+    while (atomic_load(&g_running) < N_CLIENTS) usleep(1000);
+    before = atomic_load(&g_done);
+    for (int i = 0; i < N_REQ; i++) {
+        char *body = NULL;
+        int code = dc_http(g_status, "GET", i % 2 ? "/metrics" : "/status", 5000, NULL, &body,
+                           &ms[i]);
+        assert_int_equal(code, 200);
+        seen_busy += i % 2 == 0 && strstr(body, "\"busy\":true") != NULL;
+        free(body);
+        usleep(20000);
+    }
+    atomic_store(&g_stop, 1);
+    for (int i = 0; i < N_CLIENTS; i++) {
+        void *ret;
+        pthread_join(th[i], &ret);
+        assert_null(ret);
+    }
+    /* the clients really were stepping all along */
+    assert_true(atomic_load(&g_done) - before >= N_REQ);
+    assert_true(seen_busy > 0);
+    qsort(ms, N_REQ, sizeof ms[0], cmp_double);
+    printf("test_status: status/metrics under load of %d clients: median %.2f ms, p90 %.2f ms, "
+           "max %.2f ms (%ld steps meanwhile)\n",
+           N_CLIENTS, ms[N_REQ / 2], ms[N_REQ * 9 / 10], ms[N_REQ - 1],
+           atomic_load(&g_done) - before);
+    /* The brief's requirement. The endpoint never waits more than 40 ms for
+     * the loop (it then serves the last rendering), so this holds unless the
+     * machine starves the HTTP thread itself. */
+    assert_true(ms[N_REQ / 2] < 50.0);
+    assert_true(ms[N_REQ * 9 / 10] < 50.0);
+}
+
+/* --- dpclipctl ------------------------------------------------------------------ */
+
+static int run_ctl(const char *args, char *out, size_t n) {
+#ifdef DPCLIPCTL_PATH
+    char cmd[800];
+    FILE *p;
+    size_t got;
+    int st;
+    snprintf(cmd, sizeof cmd, "%s --socket %s %s 2>&1", DPCLIPCTL_PATH, g_status, args);
+    p = popen(cmd, "r");
+    assert_non_null(p);
+    got = fread(out, 1, n - 1, p);
+    out[got] = '\0';
+    st = pclose(p);
+    return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
+#else
+    (void)args;
+    (void)out;
+    (void)n;
+    return -2;
+#endif
+}
+
+static void test_dpclipctl(void **state) {
+    char out[65536], want[64];
+    dpclip_client *c = connect_job("ctl-job");
+    double eps = run_steps(c, 5, 0.1, 3);
+    (void)state;
+    if (run_ctl("status", out, sizeof out) == -2) {
+        printf("test_dpclipctl: SKIPPED: dpclipctl not built (needs libcurl and jansson)\n");
+        dpclip_disconnect(c);
+        skip();
+    }
+    assert_int_equal(run_ctl("status", out, sizeof out), 0);
+    assert_non_null(strstr(out, "dpclipd " DPCLIP_VERSION));
+    assert_non_null(strstr(out, g_h.sock));
+    assert_int_equal(run_ctl("sessions", out, sizeof out), 0);
+    assert_non_null(strstr(out, "ctl-job"));
+    assert_int_equal(run_ctl("ledger", out, sizeof out), 0);
+    snprintf(want, sizeof want, "%.4g", eps);
+    {
+        /* the job's row shows its steps and epsilon */
+        char *row = strstr(out, "ctl-job");
+        assert_non_null(row);
+        assert_non_null(strstr(row, want));
+        assert_non_null(strstr(row, "5 x (q=0.1, s=1)"));
+    }
+    assert_int_equal(run_ctl("metrics", out, sizeof out), 0);
+    assert_non_null(strstr(out, "dpclip_step_phase_seconds{phase=\"run\"}"));
+    assert_int_not_equal(run_ctl("bogus", out, sizeof out), 0);
+    dpclip_disconnect(c);
+}
+
+static void test_clean_shutdown(void **state) {
+    struct stat st;
+    (void)state;
+    assert_int_equal(dc_harness_stop(&g_h), 0);
+    /* the daemon made the status socket, so it removes it */
+    assert_int_equal(stat(g_status, &st), -1);
+}
+
+int main(void) {
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_status_json),
+        cmocka_unit_test(test_metrics_prometheus),
+        cmocka_unit_test(test_http_errors),
+        cmocka_unit_test(test_status_under_load),
+        cmocka_unit_test(test_dpclipctl),
+        cmocka_unit_test(test_clean_shutdown),
+    };
+#ifndef DPCLIP_HAVE_MHD
+    printf("test_status: SKIPPED: dpclipd was built without libmicrohttpd (no status socket)\n");
+    return 0;
+#endif
+    return cmocka_run_group_tests(tests, group_setup, group_teardown);
+}
