@@ -2,16 +2,23 @@
 
 #include <pthread.h>
 #include <stdarg.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <string.h>
 #include <time.h>
 #include <unistd.h>
 
-/* Written once before any thread starts, read afterwards: no lock needed. */
-static dc_log_level g_level = DC_LOG_INFO;
+/* Set at start-up and again by a config reload (SIGHUP, on the loop thread)
+ * while workers log: atomic, relaxed (a line logged at the old level during
+ * a reload is fine). */
+static atomic_int g_level = DC_LOG_INFO;
 
-void dc_log_set_level(dc_log_level level) { g_level = level; }
-dc_log_level dc_log_get_level(void) { return g_level; }
+void dc_log_set_level(dc_log_level level) {
+    atomic_store_explicit(&g_level, (int)level, memory_order_relaxed);
+}
+dc_log_level dc_log_get_level(void) {
+    return (dc_log_level)atomic_load_explicit(&g_level, memory_order_relaxed);
+}
 
 int dc_log_parse_level(const char *s) {
     static const char *names[] = {"error", "warn", "info", "debug"};
@@ -26,7 +33,7 @@ void dc_log(dc_log_level level, const char *fmt, ...) {
     size_t n = 0;
     va_list ap;
 
-    if (level > g_level) return;
+    if ((int)level > atomic_load_explicit(&g_level, memory_order_relaxed)) return;
     if (isatty(STDERR_FILENO)) {
         struct timespec ts;
         struct tm tm;
