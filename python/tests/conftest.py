@@ -51,6 +51,7 @@ class Daemon:
                 [DPCLIPD, "--socket", self.socket, "--ready-fd", str(w),
                  "--insecure-fixed-seed", "1234", "--log-level", "warn", "--workers", "2",
                  "--ledger-dir", "",  # in-memory ledger: no state directory needed
+                 "--config", "/dev/null",  # not a config file installed on this machine
                  *extra], pass_fds=(w,))
         finally:
             os.close(w)

@@ -63,6 +63,9 @@ int dc_harness_start(dc_harness *h, const char *extra_args) {
      * need not exist on a test machine. */
     argv[argc++] = "--ledger-dir";
     argv[argc++] = "";
+    /* Only these flags: not a config file installed on this machine. */
+    argv[argc++] = "--config";
+    argv[argc++] = "/dev/null";
     snprintf(extra, sizeof extra, "%s", extra_args ? extra_args : "");
     for (char *t = strtok_r(extra, " \t", &save); t && argc < MAX_ARGS - 1;
          t = strtok_r(NULL, " \t", &save))
