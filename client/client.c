@@ -430,20 +430,24 @@ DPCLIP_API int dpclip_ping(dpclip_client *c) {
 
 /* --- buffers ------------------------------------------------------------- */
 
-static int register_fd(dpclip_client *c, int fd, size_t size, uint64_t *id) {
+int cl_register_buffer(dpclip_client *c, Dpclip__RegisterBuffer *rb, int pass_fd, uint64_t *id) {
     Dpclip__Request req = DPCLIP__REQUEST__INIT;
-    Dpclip__RegisterBuffer rb = DPCLIP__REGISTER_BUFFER__INIT;
     Dpclip__Reply *r;
     int rc;
 
-    rb.kind = DPCLIP__BUFFER_KIND__SHM_FD;
-    rb.size = size;
     req.body_case = DPCLIP__REQUEST__BODY_REGISTER_BUFFER;
-    req.register_buffer = &rb;
-    if ((rc = cl_call(c, &req, fd, DPCLIP__REPLY__BODY_REGISTER_BUFFER, -1, &r))) return rc;
+    req.register_buffer = rb;
+    if ((rc = cl_call(c, &req, pass_fd, DPCLIP__REPLY__BODY_REGISTER_BUFFER, -1, &r))) return rc;
     *id = r->register_buffer->buffer_id;
     dpclip__reply__free_unpacked(r, NULL);
     return 0;
+}
+
+static int register_fd(dpclip_client *c, int fd, size_t size, uint64_t *id) {
+    Dpclip__RegisterBuffer rb = DPCLIP__REGISTER_BUFFER__INIT;
+    rb.kind = DPCLIP__BUFFER_KIND__SHM_FD;
+    rb.size = size;
+    return cl_register_buffer(c, &rb, fd, id);
 }
 
 DPCLIP_API int dpclip_buffer_alloc(dpclip_client *c, size_t size, uint64_t *buffer_id,
@@ -514,14 +518,12 @@ DPCLIP_API int dpclip_buffer_register_fd(dpclip_client *c, int fd, size_t size,
     return rc;
 }
 
-DPCLIP_API int dpclip_buffer_release(dpclip_client *c, uint64_t buffer_id) {
+int cl_release_buffer(dpclip_client *c, uint64_t buffer_id) {
     Dpclip__Request req = DPCLIP__REQUEST__INIT;
     Dpclip__ReleaseBuffer rb = DPCLIP__RELEASE_BUFFER__INIT;
     Dpclip__Reply *r;
     int rc;
 
-    if (!c) return DPCLIP_EARG;
-    cl_lock(c);
     rb.buffer_id = buffer_id;
     req.body_case = DPCLIP__REQUEST__BODY_RELEASE_BUFFER;
     req.release_buffer = &rb;
@@ -537,6 +539,14 @@ DPCLIP_API int dpclip_buffer_release(dpclip_client *c, uint64_t buffer_id) {
             break;
         }
     }
+    return rc;
+}
+
+DPCLIP_API int dpclip_buffer_release(dpclip_client *c, uint64_t buffer_id) {
+    int rc;
+    if (!c) return DPCLIP_EARG;
+    cl_lock(c);
+    rc = cl_release_buffer(c, buffer_id);
     cl_unlock(c);
     return rc;
 }

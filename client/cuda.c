@@ -58,37 +58,14 @@ static const char *cu_err(cl_curesult e) {
 
 /* Sends RegisterBuffer{CUDA_IPC}; caller holds the lock. */
 static int register_handle(dpclip_client *c, const void *handle, uint64_t size, int device,
-                           uint64_t *id, uint64_t *size_out) {
-    Dpclip__Request req = DPCLIP__REQUEST__INIT;
+                           uint64_t *id) {
     Dpclip__RegisterBuffer rb = DPCLIP__REGISTER_BUFFER__INIT;
-    Dpclip__Reply *r;
-    int rc;
-
     rb.kind = DPCLIP__BUFFER_KIND__CUDA_IPC;
     rb.size = size;
     rb.device = device;
     rb.cuda_ipc_handle.data = (uint8_t *)handle;
     rb.cuda_ipc_handle.len = 64;
-    req.body_case = DPCLIP__REQUEST__BODY_REGISTER_BUFFER;
-    req.register_buffer = &rb;
-    if ((rc = cl_call(c, &req, -1, DPCLIP__REPLY__BODY_REGISTER_BUFFER, -1, &r))) return rc;
-    *id = r->register_buffer->buffer_id;
-    if (size_out) *size_out = r->register_buffer->size;
-    dpclip__reply__free_unpacked(r, NULL);
-    return 0;
-}
-
-static int release_id(dpclip_client *c, uint64_t id) {
-    Dpclip__Request req = DPCLIP__REQUEST__INIT;
-    Dpclip__ReleaseBuffer rb = DPCLIP__RELEASE_BUFFER__INIT;
-    Dpclip__Reply *r;
-    int rc;
-    rb.buffer_id = id;
-    req.body_case = DPCLIP__REQUEST__BODY_RELEASE_BUFFER;
-    req.release_buffer = &rb;
-    rc = cl_call(c, &req, -1, DPCLIP__REPLY__BODY_RELEASE_BUFFER, -1, &r);
-    if (rc == 0) dpclip__reply__free_unpacked(r, NULL);
-    return rc;
+    return cl_register_buffer(c, &rb, -1, id);
 }
 
 void cl_cuda_forget(dpclip_client *c, uint64_t id) {
@@ -138,7 +115,7 @@ DPCLIP_API int dpclip_buffer_register_cuda(dpclip_client *c, const void *dev_ptr
          * memory that is no longer this tensor's. */
         uint64_t old = hit->id;
         cl_cuda_forget(c, old);
-        if ((rc = release_id(c, old)) && rc != DPCLIP_ENOTFOUND) goto out;
+        if ((rc = cl_release_buffer(c, old)) && rc != DPCLIP_ENOTFOUND) goto out;
     }
     if (c->cb_n == c->cb_capn) {
         size_t n = c->cb_capn ? 2 * c->cb_capn : 8;
@@ -150,7 +127,7 @@ DPCLIP_API int dpclip_buffer_register_cuda(dpclip_client *c, const void *dev_ptr
         c->cuda_bufs = nb;
         c->cb_capn = n;
     }
-    if ((rc = register_handle(c, handle, size, device, buffer_id, NULL))) goto out;
+    if ((rc = register_handle(c, handle, size, device, buffer_id))) goto out;
     hit = &c->cuda_bufs[c->cb_n++];
     hit->id = *buffer_id;
     hit->device = device;
@@ -169,7 +146,7 @@ DPCLIP_API int dpclip_buffer_register_cuda_handle(dpclip_client *c, const void *
     int rc;
     if (!c || !ipc_handle || !buffer_id || device < 0) return DPCLIP_EARG;
     cl_lock(c);
-    rc = register_handle(c, ipc_handle, size, device, buffer_id, NULL);
+    rc = register_handle(c, ipc_handle, size, device, buffer_id);
     cl_unlock(c);
     return rc;
 }

@@ -128,6 +128,12 @@ void cl_unlock(dpclip_client *c);
 int cl_call(dpclip_client *c, Dpclip__Request *req, int pass_fd,
             Dpclip__Reply__BodyCase expect, int64_t deadline, Dpclip__Reply **out);
 
+/* RegisterBuffer (rb filled but for the request envelope; pass_fd >= 0 is
+ * attached) and ReleaseBuffer (also drops our mapping / CUDA cache entry).
+ * Caller holds the lock. */
+int cl_register_buffer(dpclip_client *c, Dpclip__RegisterBuffer *rb, int pass_fd, uint64_t *id);
+int cl_release_buffer(dpclip_client *c, uint64_t buffer_id);
+
 /* --- CUDA (cuda.c) -------------------------------------------------------- */
 /* Forgets a released buffer id (no-op for non-CUDA buffers). */
 void cl_cuda_forget(dpclip_client *c, uint64_t id);
