@@ -1,6 +1,7 @@
 #include "server.h"
 
 #include <errno.h>
+#include <signal.h>
 #include <fcntl.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -229,6 +230,12 @@ static void maybe_finish(dc_server *srv) {
     uv_close((uv_handle_t *)&srv->sig_term, NULL);
     uv_close((uv_handle_t *)&srv->sig_int, NULL);
     uv_close((uv_handle_t *)&srv->sig_hup, NULL);
+    /* Closing the watchers restores the default dispositions: a second
+     * SIGTERM (systemd, a test, an impatient operator) would then kill a
+     * daemon that is already stopping cleanly. We are on our way out. */
+    signal(SIGTERM, SIG_IGN);
+    signal(SIGINT, SIG_IGN);
+    signal(SIGHUP, SIG_IGN);
     dc_status_stop(&srv->status);
     if (srv->pool_ready) dc_worker_pool_close(&srv->cpu_pool);
     srv->pool_ready = false;
