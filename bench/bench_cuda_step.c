@@ -108,7 +108,8 @@ int main(int argc, char **argv) {
         return 1;
     }
 
-    dpclip_clip_config cfg = {.max_grad_norm = 1.0f, .reduction = DPCLIP_MEAN, .expected_batch_size = (uint32_t)B, .noise_multiplier = 1.0f, .mode = DPCLIP_FLAT};
+    dpclip_clip_config cfg = {.max_grad_norm = 1.0f, .reduction = DPCLIP_MEAN,
+                              .expected_batch_size = (uint32_t)B, .noise_multiplier = 1.0f};
     dpclip_step *s = dpclip_step_new((uint32_t)B, &cfg);
     for (int l = 0; l < L; l++) {
         int d = shapes[l % 4][0], p = shapes[l % 4][1];

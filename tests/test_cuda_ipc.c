@@ -61,7 +61,7 @@ static dpclip_client *connect_ok(void) {
 static void make_step(dc_shm_step *s, dpclip_client *c, uint32_t B, int64_t T, dc_dtype dt,
                       uint64_t seed) {
     dc_test_rng r;
-    dpclip_clip_config cfg = {.max_grad_norm = 1.0f, .reduction = DPCLIP_MEAN, .expected_batch_size = 0, .noise_multiplier = 0.0f, .mode = DPCLIP_FLAT};
+    dpclip_clip_config cfg = {.max_grad_norm = 1.0f, .reduction = DPCLIP_MEAN};
     dc_test_layer_spec specs[] = {
         {DC_LAYER_LINEAR, B, T, 96, 160, dt, 1, DC_ALGO_AUTO, 1, 0},
         {DC_LAYER_LINEAR, B, T, 72, 40, dt, 0, DC_ALGO_DIRECT, 1, 0},
@@ -212,7 +212,8 @@ static int child_main(const char *sock) {
     if (dpclip_connect(sock, &o, &c)) return 2;
     {
         dc_test_rng r;
-        dpclip_clip_config cfg = {.max_grad_norm = 1.0f, .reduction = DPCLIP_SUM, .expected_batch_size = 0, .noise_multiplier = 1.0f, .mode = DPCLIP_FLAT};
+        dpclip_clip_config cfg = {.max_grad_norm = 1.0f, .reduction = DPCLIP_SUM,
+                                  .noise_multiplier = 1.0f};
         dc_test_layer_spec sp = {DC_LAYER_LINEAR, 16, 512, 768, 3072, DC_BF16, 1,
                                  DC_ALGO_AUTO, 1, 0};
         dc_test_rng_seed(&r, 5);

@@ -30,6 +30,8 @@
 #define MAX_FRAME 65536
 
 static dc_harness g_h;
+/* The attacks' clipping config: sum reduction, no noise. */
+static const dpclip_clip_config k_sum = {.max_grad_norm = 1.0f, .reduction = DPCLIP_SUM};
 
 /* --- the well-behaved client ---------------------------------------------- */
 
@@ -42,7 +44,7 @@ static char g_good_why[256];
 static void *good_client(void *arg) {
     (void)arg;
     const uint32_t B = 8;
-    dpclip_clip_config cfg = {.max_grad_norm = 1.0f, .reduction = DPCLIP_MEAN, .expected_batch_size = 0, .noise_multiplier = 0.0f, .mode = DPCLIP_FLAT};
+    dpclip_clip_config cfg = {.max_grad_norm = 1.0f, .reduction = DPCLIP_MEAN};
     dc_test_layer_spec lin = {DC_LAYER_LINEAR, B, 5, 12, 8, DC_F32, 1, DC_ALGO_AUTO, 1, 0};
     dc_test_layer_spec emb = {DC_LAYER_EMBEDDING, B, 5, 6, 17, DC_F32, 0, DC_ALGO_AUTO, 1, 0};
     dc_test_layer_spec ln = {DC_LAYER_LAYERNORM, B, 5, 12, 0, DC_BF16, 1, DC_ALGO_AUTO, 1, 0};
@@ -184,7 +186,7 @@ static lin_desc lin_on(uint64_t buf, uint32_t B, int64_t T, int64_t d, int64_t p
 
 /* Runs a one-layer step and returns the status; the handle keeps errfield. */
 static int run_linear(dpclip_client *c, const lin_desc *x) {
-    dpclip_clip_config cfg = {.max_grad_norm = 1.0f, .reduction = DPCLIP_SUM, .expected_batch_size = 0, .noise_multiplier = 0.0f, .mode = DPCLIP_FLAT};
+    dpclip_clip_config cfg = k_sum;
     dpclip_step *s = dpclip_step_new(x->B, &cfg);
     dpclip_result res;
     int rc;
@@ -442,7 +444,7 @@ static void test_past_the_end(void **state) {
 
     /* norms_out past the end */
     {
-        dpclip_clip_config cfg = {.max_grad_norm = 1.0f, .reduction = DPCLIP_SUM, .expected_batch_size = 0, .noise_multiplier = 0.0f, .mode = DPCLIP_FLAT};
+        dpclip_clip_config cfg = k_sum;
         dpclip_step *s = dpclip_step_new(8, &cfg);
         dpclip_tensor no = {buf, 4096 - 16, DPCLIP_F32, 1, {8, 0, 0}};
         dpclip_result res;
@@ -531,7 +533,7 @@ static void test_inconsistent_shapes(void **state) {
     assert_true(ends_with(dpclip_errfield(c), "activations.dtype"));
     /* a layer norm whose grad has another width */
     {
-        dpclip_clip_config cfg = {.max_grad_norm = 1.0f, .reduction = DPCLIP_SUM, .expected_batch_size = 0, .noise_multiplier = 0.0f, .mode = DPCLIP_FLAT};
+        dpclip_clip_config cfg = k_sum;
         dpclip_step *s = dpclip_step_new(4, &cfg);
         dpclip_norm_layer n = {.name = "ln", .eps = 1e-5f,
                                .input = {buf, 0, DPCLIP_F32, 2, {4, 8, 0}},
@@ -626,7 +628,7 @@ static void test_embedding_out_of_range(void **state) {
     (void)state;
     const uint32_t B = 4;
     dpclip_client *c = lib_connect();
-    dpclip_clip_config cfg = {.max_grad_norm = 1.0f, .reduction = DPCLIP_SUM, .expected_batch_size = 0, .noise_multiplier = 0.0f, .mode = DPCLIP_FLAT};
+    dpclip_clip_config cfg = k_sum;
     uint64_t buf;
     void *mem;
     int32_t *idx;
@@ -675,7 +677,7 @@ static void test_nonfinite(void **state) {
     (void)state;
     const uint32_t B = 6;
     dpclip_client *c = lib_connect();
-    dpclip_clip_config cfg = {.max_grad_norm = 1.0f, .reduction = DPCLIP_SUM, .expected_batch_size = 0, .noise_multiplier = 0.0f, .mode = DPCLIP_FLAT};
+    dpclip_clip_config cfg = k_sum;
     dc_test_layer_spec lin = {DC_LAYER_LINEAR, B, 3, 8, 5, DC_F32, 1, DC_ALGO_AUTO, 1, 0};
     dc_test_layer_spec ln = {DC_LAYER_LAYERNORM, B, 3, 8, 0, DC_F32, 1, DC_ALGO_AUTO, 1, 0};
     dc_test_rng r;
@@ -735,7 +737,7 @@ static void test_nonfinite(void **state) {
 static void test_client_frame_limit(void **state) {
     (void)state;
     dpclip_client *c = lib_connect();
-    dpclip_clip_config cfg = {.max_grad_norm = 1.0f, .reduction = DPCLIP_SUM, .expected_batch_size = 0, .noise_multiplier = 0.0f, .mode = DPCLIP_FLAT};
+    dpclip_clip_config cfg = k_sum;
     dpclip_step *s = dpclip_step_new(4, &cfg);
     dpclip_result res;
     uint64_t buf;
@@ -760,7 +762,8 @@ static void test_disconnect_mid_step(void **state) {
     const int64_t T = 64, d = 256, p = 256;
     for (int round = 0; round < 3; round++) {
         dpclip_client *c = lib_connect();
-        dpclip_clip_config cfg = {.max_grad_norm = 1.0f, .reduction = DPCLIP_MEAN, .expected_batch_size = 0, .noise_multiplier = 1.0f, .mode = DPCLIP_FLAT};
+        dpclip_clip_config cfg = {.max_grad_norm = 1.0f, .reduction = DPCLIP_MEAN,
+                                  .noise_multiplier = 1.0f};
         dpclip_step *s = dpclip_step_new(B, &cfg);
         size_t act = (size_t)(B * T * d) * 4, grd = (size_t)(B * T * p) * 4;
         uint64_t buf, ticket;
@@ -801,7 +804,7 @@ static void test_survivors(void **state) {
     dc_shm_step s;
     dc_test_rng r;
     dpclip_result res;
-    dpclip_clip_config cfg = {.max_grad_norm = 1.0f, .reduction = DPCLIP_SUM, .expected_batch_size = 0, .noise_multiplier = 0.0f, .mode = DPCLIP_FLAT};
+    dpclip_clip_config cfg = k_sum;
     dc_test_layer_spec lin = {DC_LAYER_LINEAR, 5, 4, 6, 7, DC_F32, 1, DC_ALGO_AUTO, 1, 0};
 
     /* the good client keeps making progress (bounded wait, not a timing check) */
