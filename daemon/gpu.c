@@ -133,9 +133,9 @@ static void post_close(dc_gpu *g, int device, void *ptr, void *event) {
     dc_worker_pool_submit(&g->pools[device], &j->job);
 }
 
-static void registry_unmap(dc_buffer *b) { post_close(g_gpu, b->device, b->base, NULL); }
-
 void dc_gpu_close_buffer(dc_gpu *g, dc_buffer *b) { post_close(g, b->device, b->base, NULL); }
+
+static void registry_unmap(dc_buffer *b) { dc_gpu_close_buffer(g_gpu, b); }
 
 static void event_work(dc_job *job, dc_backend *be) {
     dc_gpu_event_job *j = (dc_gpu_event_job *)job;
