@@ -178,6 +178,18 @@ static int read_one(dpclip_client *c, int64_t deadline, Dpclip__Reply **sync) {
         return cl_die(c, "dpclipd answered request %llu while %llu was next: stream out of sync",
                       got, (unsigned long long)p.req_id);
     }
+    if (r->body_case == DPCLIP__REPLY__BODY_CLIP_STEP_ENQUEUED) {
+        /* A step's early notice: its final reply is still to come, so the
+         * request stays at the head. Blocking calls just read on. */
+        if (p.d && !p.d->enqueued) {
+            p.d->enqueued = 1;
+            p.d->enq.step_index = r->clip_step_enqueued->step_index;
+            p.d->enq.epsilon = r->clip_step_enqueued->epsilon;
+            p.d->enq.delta = r->clip_step_enqueued->delta;
+        }
+        dpclip__reply__free_unpacked(r, NULL);
+        return 0;
+    }
     c->p_head = (c->p_head + 1) % c->p_cap;
     c->p_len--;
     if (p.kind == CL_REQ_SYNC) {
@@ -718,6 +730,67 @@ out:
     return rc;
 }
 
+/* The completion record of a ticket still in flight, or NULL. */
+static cl_done *pending_done(const dpclip_client *c, uint64_t ticket) {
+    for (size_t i = 0; i < c->p_len; i++) {
+        const cl_pending *p = &c->pend[(c->p_head + i) % c->p_cap];
+        if (p->kind == CL_REQ_TICKET && p->d->ticket == ticket) return p->d;
+    }
+    return NULL;
+}
+
+DPCLIP_API int dpclip_wait_enqueued(dpclip_client *c, uint64_t ticket, int timeout_ms,
+                                    dpclip_enqueued *info) {
+    int64_t deadline = cl_deadline(timeout_ms);
+    Dpclip__Reply *sync;
+    int rc;
+
+    if (info) memset(info, 0, sizeof *info);
+    if (!c || !info) return DPCLIP_EARG;
+    cl_lock(c);
+    for (;;) {
+        cl_done *d = pending_done(c, ticket);
+        if (d && d->enqueued) {
+            *info = d->enq;
+            rc = 0;
+            break;
+        }
+        if (!d) {
+            /* finished: a success counts as enqueued (still to collect); a
+             * failure is reported and collected here */
+            for (d = c->done_head; d && d->ticket != ticket; d = d->next) {}
+            if (!d) {
+                rc = cl_fail(c, DPCLIP_EARG, "", "ticket %llu is unknown or already collected",
+                             (unsigned long long)ticket);
+                break;
+            }
+            if (d->status == 0) {
+                info->step_index = d->res.step_index;
+                info->epsilon = d->res.epsilon;
+                info->delta = d->res.delta;
+                rc = 0;
+                break;
+            }
+            d = take_done(c, ticket);
+            rc = d->status;
+            snprintf(c->errmsg, sizeof c->errmsg, "%s", d->errmsg);
+            snprintf(c->errfield, sizeof c->errfield, "%s", d->errfield);
+            dpclip_result_free(&d->res);
+            free(d);
+            break;
+        }
+        rc = read_one(c, deadline, &sync);
+        if (sync) {
+            dpclip__reply__free_unpacked(sync, NULL);
+            rc = cl_die(c, "internal error: stray synchronous reply");
+        }
+        if (rc == DPCLIP_EAGAIN) break;
+        if (rc && rc != DPCLIP_EIO) break;
+    }
+    cl_unlock(c);
+    return rc;
+}
+
 DPCLIP_API int dpclip_poll(dpclip_client *c, int timeout_ms) {
     int64_t deadline = cl_deadline(timeout_ms);
     Dpclip__Reply *sync;
@@ -728,6 +801,7 @@ DPCLIP_API int dpclip_poll(dpclip_client *c, int timeout_ms) {
     while (c->p_len) {
         /* Wait up to the timeout for the first completion, then take only
          * what has already arrived. */
+        size_t before = c->p_len;
         rc = read_one(c, n ? cl_now_ms() : deadline, &sync);
         if (sync) {
             dpclip__reply__free_unpacked(sync, NULL);
@@ -738,7 +812,7 @@ DPCLIP_API int dpclip_poll(dpclip_client *c, int timeout_ms) {
             break;
         }
         if (rc) break;
-        n++;
+        if (c->p_len < before) n++; /* an early notice completes nothing */
     }
     cl_unlock(c);
     return rc ? -rc : n;

@@ -207,6 +207,12 @@ void dpclip_step_want_layer_norms(dpclip_step *s, int yes);
  * recorded after producing the step's tensors) and records signal_event once
  * the outputs are written. 0 = none. */
 void dpclip_step_set_events(dpclip_step *s, uint64_t wait_event, uint64_t signal_event);
+/* GPU steps with a signal_event, submitted with dpclip_submit: ask the
+ * daemon for an early notice once it has queued the step's GPU work and
+ * recorded signal_event, so the trainer can queue work behind the event
+ * (cudaStreamWaitEvent) while the daemon's GPU work runs, and collect the
+ * result later with dpclip_wait. See dpclip_wait_enqueued. */
+void dpclip_step_notify_enqueued(dpclip_step *s, int yes);
 
 typedef struct dpclip_result {
     uint32_t batch;
@@ -233,6 +239,21 @@ int dpclip_submit_cb(dpclip_client *c, const dpclip_step *s, dpclip_step_cb cb, 
 /* Wait up to timeout_ms (-1 forever, 0 poll) for `ticket`. DPCLIP_EAGAIN if
  * not done yet; otherwise the step's status, with *res filled on success. */
 int dpclip_wait(dpclip_client *c, uint64_t ticket, int timeout_ms, dpclip_result *res);
+/* For a ticket whose step asked for an early notice: wait up to timeout_ms
+ * until the daemon has queued the step's GPU work and recorded its
+ * signal_event (or the step finished). 0 then, with *info filled, and the
+ * ticket is still to be collected with dpclip_wait. DPCLIP_EAGAIN on
+ * timeout. If the step failed before any GPU work was queued, its error is
+ * returned and the ticket is collected (no dpclip_wait). A step that fails
+ * after its notice writes zeros to its outputs (the trainer may already
+ * consume them) and its dpclip_wait returns the error. */
+typedef struct dpclip_enqueued {
+    uint64_t step_index;   /* the index the step gets if it succeeds */
+    double epsilon;        /* the job's epsilon with this step counted */
+    double delta;
+} dpclip_enqueued;
+int dpclip_wait_enqueued(dpclip_client *c, uint64_t ticket, int timeout_ms,
+                         dpclip_enqueued *info);
 /* Process replies that have arrived (run callbacks) for up to timeout_ms;
  * returns the number of completions handled, or -code on error. */
 int dpclip_poll(dpclip_client *c, int timeout_ms);

@@ -45,6 +45,8 @@ typedef struct cl_done {
     char errmsg[256];
     char errfield[128];
     dpclip_result res;
+    int enqueued;           /* the step's early notice arrived (enq filled) */
+    dpclip_enqueued enq;
 } cl_done;
 
 /* A request sent and not answered yet. Replies come in request order, so

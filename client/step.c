@@ -29,6 +29,7 @@ struct dpclip_step {
     dpclip_tensor norms_out, coefs_out;
     int want_layer_norms;
     uint64_t wait_event, signal_event;
+    int notify_enqueued;
 };
 
 /* --- step objects ------------------------------------------------------- */
@@ -161,6 +162,10 @@ DPCLIP_API void dpclip_step_set_events(dpclip_step *s, uint64_t wait_event,
     s->signal_event = signal_event;
 }
 
+DPCLIP_API void dpclip_step_notify_enqueued(dpclip_step *s, int yes) {
+    if (s) s->notify_enqueued = yes != 0;
+}
+
 DPCLIP_API void dpclip_step_want_layer_norms(dpclip_step *s, int yes) {
     if (s) s->want_layer_norms = yes != 0;
 }
@@ -255,6 +260,7 @@ int cl_step_message(dpclip_client *c, const dpclip_step *s, Dpclip__ClipStep **o
     m->step.target_epsilon = s->cfg.target_epsilon;
     m->step.wait_event = s->wait_event;
     m->step.signal_event = s->signal_event;
+    m->step.notify_enqueued = s->notify_enqueued != 0;
     m->step.n_layers = s->n;
     m->step.layers = m->ptrs;
 

@@ -565,6 +565,7 @@ int cuda_run_step(dc_backend *be, const dc_step *s, dc_step_result *res, dc_err 
         float *staging = (float *)(ws + Lo.staging);
         uint32_t *status = (uint32_t *)(ws + Lo.status), *mode = (uint32_t *)(ws + Lo.mode);
         unsigned long long *bad = (unsigned long long *)(ws + Lo.bad);
+        const int zero = s->zero_on_fail ? 1 : 0;
         phase_mark(cb, 4);
         if (opt.one_pass) {
             CK(dcc_out_check(douts, Lo.n_out, Lo.chunks, staging, noise_std, divisor,
@@ -576,11 +577,12 @@ int cuda_run_step(dc_backend *be, const dc_step *s, dc_step_result *res, dc_err 
                              cb->stream),
                "the noise");
             phase_mark(cb, 6);
-            CK(dcc_out_commit(douts, Lo.n_out, Lo.chunks, staging, mode, status, cb->stream),
+            CK(dcc_out_commit(douts, Lo.n_out, Lo.chunks, staging, mode, status, zero,
+                              cb->stream),
                "the commit");
             CK(dcc_commit(douts, 0, 0, staging, status, (const float *)(ws + Lo.norms),
                           (float *)s->norms_out.data, (const float *)(ws + Lo.coefs),
-                          (float *)s->coefs_out.data, (int)B, cb->stream),
+                          (float *)s->coefs_out.data, (int)B, zero, cb->stream),
                "the commit");
         } else {
             phase_mark(cb, 5);
@@ -591,7 +593,7 @@ int cuda_run_step(dc_backend *be, const dc_step *s, dc_step_result *res, dc_err 
             CK(dcc_commit(douts, Lo.n_out, Lo.max_n, staging, status,
                           (const float *)(ws + Lo.norms), (float *)s->norms_out.data,
                           (const float *)(ws + Lo.coefs), (float *)s->coefs_out.data, (int)B,
-                          cb->stream),
+                          zero, cb->stream),
                "the commit");
         }
         /* 6. results home, one synchronisation */
@@ -599,6 +601,9 @@ int cuda_run_step(dc_backend *be, const dc_step *s, dc_step_result *res, dc_err 
         CK(cudaMemcpyAsync(cb->host, ws, Lo.dl_bytes, cudaMemcpyDeviceToHost, cb->stream),
            "the result copy");
         phase_mark(cb, 8);
+        /* Everything that writes the client's memory is queued: an early
+         * notice may go now, while the device works. */
+        if (s->enqueued) s->enqueued(s->enqueued_arg);
         CK(cudaStreamSynchronize(cb->stream), "the step");
         if (cb->prof)
             for (int i = 0; i < DC_CUDA_PHASES; i++)

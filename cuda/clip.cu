@@ -232,18 +232,22 @@ __global__ void finalize_kernel(const dcc_out *__restrict__ outs, float *__restr
     }
 }
 
+/* zero != 0: a failed step writes zeros (a step with an early notice, whose
+ * outputs the client may already consume). */
 __global__ void commit_kernel(const dcc_out *__restrict__ outs,
                               const float *__restrict__ staging,
-                              const uint32_t *__restrict__ status) {
-    if (*status != 0) return;
+                              const uint32_t *__restrict__ status, int zero) {
+    const bool ok = *status == 0;
+    if (!ok && !zero) return;
     const dcc_out o = outs[blockIdx.y];
     const float *v = staging + o.off;
     for (uint64_t i = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x; i < o.n;
          i += (uint64_t)gridDim.x * blockDim.x) {
+        const float x = ok ? v[i] : 0.0f;
         switch (o.dtype) {
-        case DC_F32: ((float *)o.dst)[i] = v[i]; break;
-        case DC_BF16: ((__nv_bfloat16 *)o.dst)[i] = __float2bfloat16_rn(v[i]); break;
-        case DC_F16: ((__half *)o.dst)[i] = __float2half_rn(v[i]); break;
+        case DC_F32: ((float *)o.dst)[i] = x; break;
+        case DC_BF16: ((__nv_bfloat16 *)o.dst)[i] = __float2bfloat16_rn(x); break;
+        case DC_F16: ((__half *)o.dst)[i] = __float2half_rn(x); break;
         default: break;
         }
     }
@@ -252,12 +256,13 @@ __global__ void commit_kernel(const dcc_out *__restrict__ outs,
 __global__ void commit_vec_kernel(const uint32_t *__restrict__ status,
                                   const float *__restrict__ norms, float *__restrict__ norms_out,
                                   const float *__restrict__ coefs, float *__restrict__ coefs_out,
-                                  int B) {
-    if (*status != 0) return;
+                                  int B, int zero) {
+    const bool ok = *status == 0;
+    if (!ok && !zero) return;
     for (int b = (int)(blockIdx.x * blockDim.x + threadIdx.x); b < B;
          b += (int)(gridDim.x * blockDim.x)) {
-        if (norms_out) norms_out[b] = norms[b];
-        if (coefs_out) coefs_out[b] = coefs[b];
+        if (norms_out) norms_out[b] = ok ? norms[b] : 0.0f;
+        if (coefs_out) coefs_out[b] = ok ? coefs[b] : 0.0f;
     }
 }
 
@@ -463,14 +468,17 @@ __global__ void out_write_kernel(const dcc_out *__restrict__ outs, int n_out,
 __global__ void out_commit_kernel(const dcc_out *__restrict__ outs, int n_out,
                                   const float *__restrict__ staging,
                                   const uint32_t *__restrict__ mode,
-                                  const uint32_t *__restrict__ status) {
-    if (*mode != 0 || *status != 0) return;
+                                  const uint32_t *__restrict__ status, int zero) {
+    /* mode 1 wrote the outputs already (it implies status 0) */
+    if (*mode != 0 || (*status != 0 && !zero)) return;
+    const bool ok = *status == 0;
     const uint64_t c = blockIdx.x;
     const int oi = chunk_output(outs, n_out, c);
     const dcc_out o = outs[oi];
     const uint64_t i0 = (c - o.chunk0) * DCC_OUT_CHUNK;
     const uint64_t i1 = i0 + DCC_OUT_CHUNK < o.n ? i0 + DCC_OUT_CHUNK : o.n;
-    for (uint64_t i = i0 + threadIdx.x; i < i1; i += NT) store_as(o.dst, o.dtype, i, staging[o.off + i]);
+    for (uint64_t i = i0 + threadIdx.x; i < i1; i += NT)
+        store_as(o.dst, o.dtype, i, ok ? staging[o.off + i] : 0.0f);
 }
 
 unsigned blocks_for(uint64_t n, unsigned cap) {
@@ -567,27 +575,29 @@ extern "C" cudaError_t dcc_out_write(const dcc_out *outs, int n_out, uint64_t n_
 
 extern "C" cudaError_t dcc_out_commit(const dcc_out *outs, int n_out, uint64_t n_chunks,
                                       const float *staging, const uint32_t *mode,
-                                      const uint32_t *status, cudaStream_t st) {
+                                      const uint32_t *status, int zero_on_fail,
+                                      cudaStream_t st) {
     if (n_out <= 0) return cudaSuccess;
     if (n_chunks > INT32_MAX) return cudaErrorInvalidValue;
-    out_commit_kernel<<<(unsigned)n_chunks, NT, 0, st>>>(outs, n_out, staging, mode, status);
+    out_commit_kernel<<<(unsigned)n_chunks, NT, 0, st>>>(outs, n_out, staging, mode, status,
+                                                        zero_on_fail);
     return cudaGetLastError();
 }
 
 extern "C" cudaError_t dcc_commit(const dcc_out *outs, int n_out, uint64_t max_n,
                                   const float *staging, const uint32_t *status,
                                   const float *norms, float *norms_out, const float *coefs,
-                                  float *coefs_out, int B, cudaStream_t st) {
+                                  float *coefs_out, int B, int zero_on_fail, cudaStream_t st) {
     if (n_out > 65535) return cudaErrorInvalidValue;
     if (n_out > 0) {
         dim3 grid(blocks_for(max_n, 2048), (unsigned)n_out);
-        commit_kernel<<<grid, NT, 0, st>>>(outs, staging, status);
+        commit_kernel<<<grid, NT, 0, st>>>(outs, staging, status, zero_on_fail);
         cudaError_t e = cudaGetLastError();
         if (e != cudaSuccess) return e;
     }
     if (norms_out || coefs_out) {
-        commit_vec_kernel<<<blocks_for((uint64_t)B, 64), NT, 0, st>>>(status, norms, norms_out,
-                                                                     coefs, coefs_out, B);
+        commit_vec_kernel<<<blocks_for((uint64_t)B, 64), NT, 0, st>>>(
+            status, norms, norms_out, coefs, coefs_out, B, zero_on_fail);
         return cudaGetLastError();
     }
     return cudaSuccess;

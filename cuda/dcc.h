@@ -237,10 +237,13 @@ cudaError_t dcc_finalize(const dcc_out *outs, int n_out, uint64_t max_n, float *
                          cudaStream_t st);
 
 /* If *status == 0: every output converted from staging into dst; norms and
- * coefs (device [B]) copied into norms_out / coefs_out when non-NULL. */
+ * coefs (device [B]) copied into norms_out / coefs_out when non-NULL.
+ * Otherwise nothing is written, or zeros everywhere with zero_on_fail (the
+ * same for dcc_out_commit). */
 cudaError_t dcc_commit(const dcc_out *outs, int n_out, uint64_t max_n, const float *staging,
                        const uint32_t *status, const float *norms, float *norms_out,
-                       const float *coefs, float *coefs_out, int B, cudaStream_t st);
+                       const float *coefs, float *coefs_out, int B, int zero_on_fail,
+                       cudaStream_t st);
 
 /* The one-pass output path (chunk grid over all outputs, n_chunks chunks):
  * dcc_out_check finds max |staging| per output (amax[n_out], zeroed by the
@@ -260,7 +263,7 @@ cudaError_t dcc_out_write(const dcc_out *outs, int n_out, uint64_t n_chunks, flo
                           int noise, cudaStream_t st);
 cudaError_t dcc_out_commit(const dcc_out *outs, int n_out, uint64_t n_chunks,
                            const float *staging, const uint32_t *mode, const uint32_t *status,
-                           cudaStream_t st);
+                           int zero_on_fail, cudaStream_t st);
 
 /* Index of the first non-finite element of a float array (or of the first
  * integer outside [0, vocab) for i32/i64), lowered into *first (set it to

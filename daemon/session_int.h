@@ -18,6 +18,11 @@ struct dc_step_job {
     uint64_t req_id;
     void *wait_event;      /* GPU steps: cudaEvent_t or NULL */
     void *signal_event;
+    /* notify_enqueued: the backend (worker thread) calls step_enqueued, which
+     * records signal_event and has step_notice send the notice. */
+    bool notify;
+    bool signaled;         /* signal_event recorded (worker thread) */
+    dc_backend *be;        /* the worker's backend, while work() runs */
     dc_step step;
     dc_step_result res;
     dc_err err;

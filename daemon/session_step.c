@@ -27,9 +27,22 @@
 #include "dc_cuda.h"
 #endif
 
+/* Worker thread, inside the backend's run_step: everything that writes the
+ * client's memory is queued. Record the client's event behind it and let
+ * the loop send the notice while the device works. If the record fails the
+ * notice is not sent and the step fails (step_work). */
+static void step_enqueued(void *arg) {
+    dc_step_job *j = arg;
+    dc_err e;
+    if (dc_gpu_record_event(j->be, j->signal_event, &e)) return;
+    j->signaled = true;
+    dc_worker_notify(&j->job);
+}
+
 static void step_work(dc_job *job, dc_backend *be) {
     dc_step_job *j = (dc_step_job *)job;
     j->t_start = uv_hrtime();
+    j->be = be;
     dc_err_clear(&j->err);
     if (j->wait_event && (j->rc = dc_gpu_wait_event(be, j->wait_event, &j->err))) {
         j->t_waited = j->t_end = uv_hrtime();
@@ -37,7 +50,10 @@ static void step_work(dc_job *job, dc_backend *be) {
     }
     j->t_waited = uv_hrtime();
     j->rc = dc_backend_run_step(be, &j->step, &j->res, &j->err);
-    if (j->rc == 0 && j->signal_event)
+    if (j->rc == 0 && j->notify && !j->signaled)
+        j->rc = dc_err_set(&j->err, DC_EINTERNAL, "clip_step.signal_event",
+                           "could not record the step's signal event");
+    else if (j->rc == 0 && j->signal_event && !j->notify)
         j->rc = dc_gpu_record_event(be, j->signal_event, &j->err);
 #ifdef DPCLIP_HAVE_CUDA
     /* Read here, on the thread that owns the backend. */
@@ -156,6 +172,21 @@ static void step_done(dc_job *job) {
                      (now - j->t_end) / 1e3, j->eps);
     job_free(j);
     session_next(s);
+}
+
+/* Loop thread: the step's GPU work is queued and signal_event recorded. */
+static void step_notice(dc_job *job) {
+    dc_step_job *j = (dc_step_job *)job;
+    dc_session *s = j->s;
+    Dpclip__Reply reply = DPCLIP__REPLY__INIT;
+    Dpclip__ClipStepEnqueued n = DPCLIP__CLIP_STEP_ENQUEUED__INIT;
+    n.step_index = s->steps + 1;
+    n.epsilon = j->eps;
+    n.delta = j->delta;
+    reply.id = j->req_id;
+    reply.body_case = DPCLIP__REPLY__BODY_CLIP_STEP_ENQUEUED;
+    reply.clip_step_enqueued = &n;
+    dc_session_send(s, &reply);
 }
 
 static void step_submit(dc_step_job *j) {
@@ -304,6 +335,18 @@ void dc_session_step(dc_session *s, uint64_t id, const Dpclip__ClipStep *m) {
         }
         j->wait_event = w ? w->event : NULL;
         j->signal_event = g ? g->event : NULL;
+    }
+    if (m->notify_enqueued) {
+        if (!j->signal_event) {
+            dc_err_set(&e, DC_EINVAL, "clip_step.notify_enqueued",
+                       "an early notice needs a signal_event for the client to wait on");
+            goto fail_step;
+        }
+        j->notify = true;
+        j->job.notice = step_notice;
+        j->step.enqueued = step_enqueued;
+        j->step.enqueued_arg = j;
+        j->step.zero_on_fail = true;
     }
     if (dc_step_result_init(&j->res, j->step.batch, j->step.n_layers,
                             j->step.mode == DC_CLIP_PER_LAYER)) {

@@ -67,11 +67,20 @@ static void *worker_main(void *arg) {
 }
 
 static void pool_drain(dc_worker_pool *p) {
-    dc_job *list;
+    dc_job *list, *notices;
     pthread_mutex_lock(&p->mu);
     list = p->d_head;
     p->d_head = p->d_tail = NULL;
+    notices = p->n_head;
+    p->n_head = p->n_tail = NULL;
     pthread_mutex_unlock(&p->mu);
+    /* A job notifies before it finishes, so when both are here its notice
+     * goes first. */
+    while (notices) {
+        dc_job *next = notices->n_next;
+        notices->notice(notices);
+        notices = next;
+    }
     while (list) {
         dc_job *next = list->next;
         p->busy--;
@@ -141,8 +150,20 @@ fail:
     return rc;
 }
 
+void dc_worker_notify(dc_job *job) {
+    dc_worker_pool *p = job->pool;
+    pthread_mutex_lock(&p->mu);
+    job->n_next = NULL;
+    if (p->n_tail) p->n_tail->n_next = job;
+    else p->n_head = job;
+    p->n_tail = job;
+    uv_async_send(&p->async);
+    pthread_mutex_unlock(&p->mu);
+}
+
 void dc_worker_pool_submit(dc_worker_pool *p, dc_job *job) {
     job->next = NULL;
+    job->pool = p;
     p->busy++;
     pthread_mutex_lock(&p->mu);
     if (p->q_tail) p->q_tail->next = job;

@@ -19,22 +19,29 @@
 
 #include "backend.h"
 
+typedef struct dc_worker_pool dc_worker_pool;
 typedef struct dc_job dc_job;
 struct dc_job {
     dc_job *next;                              /* pool-internal queue link */
+    dc_job *n_next;                            /* pool-internal notice link */
+    dc_worker_pool *pool;                      /* set by dc_worker_pool_submit */
     void (*work)(dc_job *job, dc_backend *be); /* on a worker thread */
+    /* Optional: on the loop thread, after work() called dc_worker_notify
+     * and before done() (a step's "enqueued" notice). */
+    void (*notice)(dc_job *job);
     void (*done)(dc_job *job);                 /* on the loop thread */
 };
 
 /* Makes backend instance `index` for a worker; called on the creating thread. */
 typedef int (*dc_backend_factory)(void *arg, int index, dc_backend **out, dc_err *err);
 
-typedef struct dc_worker_pool {
+struct dc_worker_pool {
     uv_async_t async;        /* wakes the loop when jobs complete */
     pthread_mutex_t mu;
     pthread_cond_t cv;
     dc_job *q_head, *q_tail; /* waiting to run */
     dc_job *d_head, *d_tail; /* finished, waiting for done() */
+    dc_job *n_head, *n_tail; /* notified, waiting for notice() */
     bool stopping;
     atomic_uint queued;      /* jobs waiting: workers spin on it lock-free */
     uint64_t spin_ns;        /* how long an idle worker polls before sleeping */
@@ -43,11 +50,14 @@ typedef struct dc_worker_pool {
     pthread_t *threads;
     dc_backend **backends;
     char name[16];
-} dc_worker_pool;
+};
 
 int dc_worker_pool_init(dc_worker_pool *p, uv_loop_t *loop, const char *name, int n,
                         dc_backend_factory factory, void *factory_arg, dc_err *err);
 void dc_worker_pool_submit(dc_worker_pool *p, dc_job *job);
+/* From job->work on the worker thread: have job->notice run on the loop
+ * thread soon (before job->done). At most once per job. */
+void dc_worker_notify(dc_job *job);
 /* An idle worker polls for new jobs this long before sleeping on the
  * condition variable: waking a sleeping thread on an idle core costs tens of
  * microseconds on many machines (VMs especially), more than a small step.

@@ -512,6 +512,25 @@ static void test_cuda_refused_without_gpu(void **state) {
     assert_int_equal(dpclip_run(c, s.step, &res), 0);
     check(&s, &res);
     dpclip_result_free(&res);
+
+    /* An early notice needs a signal event: refused by field, and
+     * dpclip_wait_enqueued collects the failed ticket. */
+    uint64_t t1, t2;
+    dpclip_enqueued enq;
+    dpclip_step_notify_enqueued(s.step, 1);
+    assert_int_equal(dpclip_submit(c, s.step, &t1), 0);
+    dpclip_step_notify_enqueued(s.step, 0);
+    assert_int_equal(dpclip_submit(c, s.step, &t2), 0);
+    assert_int_equal(dpclip_wait_enqueued(c, t1, -1, &enq), DPCLIP_EINVAL);
+    assert_string_equal(dpclip_errfield(c), "clip_step.notify_enqueued");
+    assert_int_equal(dpclip_wait(c, t1, 0, &res), DPCLIP_EARG);
+    /* A step that finished counts as enqueued, and stays to be collected. */
+    assert_int_equal(dpclip_wait_enqueued(c, t2, -1, &enq), 0);
+    assert_int_equal(dpclip_wait(c, t2, -1, &res), 0);
+    assert_int_equal(enq.step_index, res.step_index);
+    assert_true(enq.epsilon == res.epsilon);
+    check(&s, &res);
+    dpclip_result_free(&res);
     dc_shm_step_free(&s);
     dpclip_disconnect(c);
 }

@@ -20,6 +20,7 @@
 
 #include <cmocka.h>
 
+#include "dc_dtype.h"
 #include "harness.h"
 
 #define CUDA_OK(x) assert_int_equal((int)(x), (int)cudaSuccess)
@@ -198,6 +199,118 @@ static void test_gpu_events(void **state) {
     cudaStreamDestroy(st);
 }
 
+static size_t tensor_bytes(const dc_tensor *t) {
+    size_t n = 1;
+    if (!t->data) return 0;
+    for (int i = 0; i < t->ndim; i++) n *= (size_t)t->shape[i];
+    return n * dc_dtype_size(t->dtype);
+}
+
+/* Every output of the step (clipped sums, norms_out, coefs_out) in the host
+ * copy is all zero bytes. */
+static int outputs_zero(const dc_shm_step *s) {
+    const dc_tensor *v[2] = {&s->ref.norms_out, &s->ref.coefs_out};
+    for (size_t l = 0; l < s->ref.n_layers; l++) {
+        const dc_tensor *o[2] = {&s->ref.layers[l].weight_grad_out, &s->ref.layers[l].bias_grad_out};
+        for (int k = 0; k < 2; k++)
+            for (size_t i = 0, n = tensor_bytes(o[k]); i < n; i++)
+                if (((const uint8_t *)o[k]->data)[i]) return 0;
+    }
+    for (int k = 0; k < 2; k++)
+        for (size_t i = 0, n = tensor_bytes(v[k]); i < n; i++)
+            if (((const uint8_t *)v[k]->data)[i]) return 0;
+    return 1;
+}
+
+/* notify_enqueued: the notice comes before the result, the trainer's stream
+ * is ordered behind the daemon's writes by `done` alone (the host copy is
+ * taken before the result is collected), results are exact; a step with a
+ * NaN input passes its notice, then writes zeros everywhere and fails with
+ * NON_FINITE at dpclip_wait; without a signal event the flag is refused by
+ * field. */
+static void test_gpu_early_notice(void **state) {
+    (void)state;
+    if (!g_have_gpu) {
+        printf("SKIP: test_gpu_early_notice: no CUDA device\n");
+        return;
+    }
+    dpclip_client *c = connect_ok();
+    dc_shm_step s;
+    dpclip_result res;
+    dpclip_enqueued info;
+    cudaStream_t st;
+    cudaEvent_t ready, done;
+    cudaIpcEventHandle_t hr, hd;
+    uint64_t gid, off, eready, edone, ticket;
+    uint8_t *dev, *pinned;
+
+    make_step(&s, c, 16, 64, DC_BF16, 11);
+    CUDA_OK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+    CUDA_OK(cudaEventCreateWithFlags(&ready, cudaEventInterprocess | cudaEventDisableTiming));
+    CUDA_OK(cudaEventCreateWithFlags(&done, cudaEventInterprocess | cudaEventDisableTiming));
+    CUDA_OK(cudaIpcGetEventHandle(&hr, ready));
+    CUDA_OK(cudaIpcGetEventHandle(&hd, done));
+    assert_int_equal(dpclip_event_register_cuda(c, &hr, 0, &eready), 0);
+    assert_int_equal(dpclip_event_register_cuda(c, &hd, 0, &edone), 0);
+    CUDA_OK(cudaMalloc((void **)&dev, s.size));
+    CUDA_OK(cudaMallocHost((void **)&pinned, s.used));
+    assert_int_equal(dpclip_buffer_register_cuda(c, dev, &gid, &off), 0);
+    assert_int_equal(dc_shm_step_wire_buffer(&s, gid), 0);
+    dpclip_step_set_events(s.step, eready, edone);
+    dpclip_step_notify_enqueued(s.step, 1);
+
+    for (int rep = 0; rep < 5; rep++) {
+        dc_test_rng r;
+        const int poison = rep == 3;
+        dc_test_rng_seed(&r, 2000 + (uint64_t)rep);
+        dc_shm_step_refill(&s, &r);
+        if (poison) { /* a bf16 NaN in the first layer's activations */
+            uint16_t nan = 0x7fc0;
+            memcpy(s.ref.layers[0].input.data, &nan, sizeof nan);
+        }
+        memcpy(pinned, s.base, s.used);
+        CUDA_OK(cudaMemsetAsync(dev, 0xff, s.used, st)); /* NaNs, if read too early */
+        CUDA_OK(cudaMemcpyAsync(dev, pinned, s.used, cudaMemcpyHostToDevice, st));
+        CUDA_OK(cudaEventRecord(ready, st));
+        assert_int_equal(dpclip_submit(c, s.step, &ticket), 0);
+        int rc = dpclip_wait_enqueued(c, ticket, -1, &info);
+        if (rc) fail_msg("step %d: no notice: %s (%s)", rep, dpclip_errmsg(c), dpclip_errfield(c));
+        /* ordered by the event alone: the result is not collected yet */
+        CUDA_OK(cudaStreamWaitEvent(st, done, 0));
+        CUDA_OK(cudaMemcpyAsync(pinned, dev, s.used, cudaMemcpyDeviceToHost, st));
+        CUDA_OK(cudaStreamSynchronize(st));
+        memcpy(s.base, pinned, s.used);
+        rc = dpclip_wait(c, ticket, -1, &res);
+        if (poison) {
+            assert_int_equal(rc, DPCLIP_ENONFINITE);
+            assert_true(outputs_zero(&s));
+            continue;
+        }
+        if (rc) fail_msg("step %d: %s (%s)", rep, dpclip_errmsg(c), dpclip_errfield(c));
+        assert_int_equal(info.step_index, res.step_index);
+        assert_true(info.epsilon == res.epsilon);
+        assert_false(outputs_zero(&s));
+        double worst = dc_shm_step_check(&s, &res, GPU_RTOL, GPU_ATOL);
+        if (worst > 1.0) fail_msg("step %d: GPU result off by %.3g tolerances", rep, worst);
+        dpclip_result_free(&res);
+    }
+    /* the flag needs a signal event */
+    dpclip_step_set_events(s.step, eready, 0);
+    assert_int_equal(dpclip_submit(c, s.step, &ticket), 0);
+    assert_int_equal(dpclip_wait_enqueued(c, ticket, -1, &info), DPCLIP_EINVAL);
+    assert_string_equal(dpclip_errfield(c), "clip_step.notify_enqueued");
+    assert_int_equal(dpclip_wait(c, ticket, 0, &res), DPCLIP_EARG); /* already collected */
+    assert_int_equal(dpclip_ping(c), 0);
+
+    dc_shm_step_free(&s);
+    dpclip_disconnect(c);
+    CUDA_OK(cudaFree(dev));
+    CUDA_OK(cudaFreeHost(pinned));
+    cudaEventDestroy(ready);
+    cudaEventDestroy(done);
+    cudaStreamDestroy(st);
+}
+
 /* A trainer process dies right after submitting a large GPU step: the daemon
  * finishes it, closes that session's handles and keeps serving. Run as a
  * separate process (this binary with --child) so that its CUDA context and
@@ -286,6 +399,7 @@ int main(int argc, char **argv) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_gpu_steps_exact),
         cmocka_unit_test(test_gpu_events),
+        cmocka_unit_test(test_gpu_early_notice),
         cmocka_unit_test(test_client_killed_mid_step),
         cmocka_unit_test(test_clean_shutdown),
     };

@@ -121,6 +121,11 @@ _lib = None
 _lib_lock = threading.Lock()
 
 
+class Enqueued(ctypes.Structure):
+    _fields_ = [("step_index", ctypes.c_uint64), ("epsilon", ctypes.c_double),
+                ("delta", ctypes.c_double)]
+
+
 def _candidates():
     env = os.environ.get("DPCLIP_LIBRARY")
     if env:
@@ -165,6 +170,11 @@ def _declare(L):
         "dpclip_step_set_events": (None, [c_void_p, ctypes.c_uint64, ctypes.c_uint64]),
         "dpclip_result_free": (None, [ctypes.POINTER(Result)]),
         "dpclip_run": (c_int, [c_void_p, c_void_p, ctypes.POINTER(Result)]),
+        "dpclip_step_notify_enqueued": (None, [c_void_p, c_int]),
+        "dpclip_submit": (c_int, [c_void_p, c_void_p, u64p]),
+        "dpclip_wait": (c_int, [c_void_p, ctypes.c_uint64, c_int, ctypes.POINTER(Result)]),
+        "dpclip_wait_enqueued": (c_int, [c_void_p, ctypes.c_uint64, c_int,
+                                         ctypes.POINTER(Enqueued)]),
         "dpclip_ping": (c_int, [c_void_p]),
     }
     for name, (res, args) in sig.items():
@@ -295,6 +305,27 @@ class Client:
                                                       ctypes.byref(eid)))
         return eid.value
 
+    def wait_enqueued(self, ticket):
+        """Blocks until the daemon has queued the GPU work of a step
+        submitted with notify_enqueued and recorded its signal event: an
+        Enqueued (step_index, epsilon, delta). Raises the step's error if it
+        failed before that (the ticket is then spent)."""
+        info = Enqueued()
+        self.check(self._L.dpclip_wait_enqueued(self.handle, ctypes.c_uint64(ticket), -1,
+                                                ctypes.byref(info)))
+        return info
+
+    def wait(self, ticket):
+        """The StepResult of a submitted step (blocks until it finished);
+        raises its error."""
+        res = Result()
+        rc = self._L.dpclip_wait(self.handle, ctypes.c_uint64(ticket), -1, ctypes.byref(res))
+        try:
+            self.check(rc)
+            return _step_result(res)
+        finally:
+            self._L.dpclip_result_free(ctypes.byref(res))
+
     def close(self):
         if self._h is not None:
             self._L.dpclip_disconnect(self._h)
@@ -315,6 +346,13 @@ class Client:
 
 StepResult = collections.namedtuple(
     "StepResult", "norms coefs step_index compute_ns epsilon delta")
+
+
+def _step_result(res):
+    n = res.batch
+    norms = res.norms[:n] if res.norms else []
+    coefs = res.coefs[:n] if res.coefs else []
+    return StepResult(norms, coefs, res.step_index, res.compute_ns, res.epsilon, res.delta)
 
 
 class Step:
@@ -373,13 +411,21 @@ class Step:
         rc = self._L.dpclip_run(client.handle, self._s, ctypes.byref(res))
         try:
             client.check(rc)
-            n = res.batch
-            norms = res.norms[:n] if res.norms else []
-            coefs = res.coefs[:n] if res.coefs else []
-            return StepResult(norms, coefs, res.step_index, res.compute_ns, res.epsilon,
-                              res.delta)
+            return _step_result(res)
         finally:
             self._L.dpclip_result_free(ctypes.byref(res))
+
+    def notify_enqueued(self, yes=True):
+        """GPU steps with a signal event: have submit()'s step send an
+        early notice (Client.wait_enqueued) once its GPU work is queued."""
+        self._L.dpclip_step_notify_enqueued(self._s, 1 if yes else 0)
+
+    def submit(self, client):
+        """Sends the step without waiting: a ticket for Client.wait /
+        Client.wait_enqueued."""
+        t = ctypes.c_uint64()
+        client.check(self._L.dpclip_submit(client.handle, self._s, ctypes.byref(t)))
+        return t.value
 
     def close(self):
         if self._s:

@@ -78,10 +78,16 @@ class PrivacyEngine:
         self._hook = None
         self.module = None
         self.steps = 0
-        self.last_norms = None
-        self.last_coefs = None
-        self.last_compute_ns = 0
+        self._last_norms = None
+        self._last_coefs = None
+        self._last_compute_ns = 0
+        self._last_step_index = 0
+        self.compute_ns_total = 0   # the daemon's compute time of every collected step
         self.last_epsilon = self.last_delta = 0.0   # the daemon's ledger, after the last step
+        # GPU steps run asynchronously (see make_private): (ticket, B) of the
+        # step whose result has not been collected yet.
+        self.asynchronous = True
+        self._inflight = None
         self._job_id = job_id
         # Wall time of the last step's phases in the trainer (ms): building
         # the request (copies, registrations), the daemon round trip, and
@@ -92,7 +98,8 @@ class PrivacyEngine:
     def make_private(self, *, module, optimizer=None, data_loader=None, noise_multiplier,
                      max_grad_norm, loss_reduction="mean", poisson_sampling=True,
                      expected_batch_size=None, distributed=None, algorithm="auto",
-                     sample_rate=None, target_delta=0.0, target_epsilon=0.0):
+                     sample_rate=None, target_delta=0.0, target_epsilon=0.0,
+                     asynchronous=True):
         """Attach to `module`; returns (module, optimizer, data_loader), the
         optimizer wrapped so that step() first fills param.grad with the
         private gradient, the loader replaced by a Poisson-sampled one
@@ -109,7 +116,16 @@ class PrivacyEngine:
         each step at (default: the DPDataLoader's; else 0, which the ledger
         counts as q = 1). target_delta / target_epsilon: the delta epsilon is
         reported at (engine.last_epsilon, last_delta) and the job's budget,
-        past which the daemon refuses steps (0 = the daemon's defaults)."""
+        past which the daemon refuses steps (0 = the daemon's defaults).
+        asynchronous (GPU models): optimizer.step() returns as soon as the
+        daemon has queued the step's GPU work; the trainer's stream waits for
+        it on the device, so the trainer can queue its next work meanwhile.
+        The step's result (norms, coefficients, and any error found on the
+        device, such as a non-finite gradient) is collected at the next
+        step(), by synchronize(), or when last_norms / last_coefs is read. A
+        step that fails on the device leaves zero gradients (the daemon
+        writes zeros, and refunds its privacy spend) and raises DpclipError
+        at that collection. False: every step blocks until its result."""
         if self.module is not None:
             raise RuntimeError("this PrivacyEngine is already attached to a module")
         if loss_reduction not in ("mean", "sum"):
@@ -182,6 +198,7 @@ class PrivacyEngine:
         self.max_grad_norm = float(max_grad_norm)
         self.loss_reduction = loss_reduction
         self.algorithm = algo
+        self.asynchronous = bool(asynchronous)
         # Noise once per logical step: rank 0 adds it, the others send sigma 0.
         sigma = self.noise_multiplier if self.rank == 0 else 0.0
         self.sample_rate = float(sample_rate)
@@ -218,11 +235,54 @@ class PrivacyEngine:
         self.module = None
 
     def close(self):
-        self.detach()
-        if self._step is not None:
-            self._step.close()
-            self._step = None
-        self.client.close()
+        """Collects the last asynchronous step (raising its error, if any),
+        detaches and disconnects."""
+        try:
+            self.synchronize()
+        finally:
+            self.detach()
+            if self._step is not None:
+                self._step.close()
+                self._step = None
+            self.client.close()
+
+    def synchronize(self):
+        """Collects the result of an asynchronous step still in flight:
+        blocks until the daemon finished it; raises DpclipError if it failed
+        (its gradients were zeros)."""
+        if self._inflight is None:
+            return
+        ticket, B, index = self._inflight
+        self._inflight = None
+        try:
+            res = self.client.wait(ticket)
+        except _lib.DpclipError as e:
+            raise _lib.DpclipError(
+                e.code, e.field, "step %d failed on the device after it was queued, so its "
+                "gradients were zeros (the optimizer step that used them changed nothing "
+                "but momentum/weight decay): %s" % (index, e.message)) from None
+        self._finish(res, B)
+
+    # Results of the last step; reading them collects an asynchronous one.
+    @property
+    def last_norms(self):
+        self.synchronize()
+        return self._last_norms
+
+    @property
+    def last_coefs(self):
+        self.synchronize()
+        return self._last_coefs
+
+    @property
+    def last_compute_ns(self):
+        self.synchronize()
+        return self._last_compute_ns
+
+    @property
+    def last_step_index(self):
+        self.synchronize()
+        return self._last_step_index
 
     # -- losses -------------------------------------------------------------------
     def loss(self, per_sample):
@@ -261,6 +321,7 @@ class PrivacyEngine:
         if not self.active:
             raise RuntimeError("the PrivacyEngine is not attached to a module")
         try:
+            self.synchronize()  # the previous step's result, or its error
             passes = {pid for l in self._layers for _, _, pid in l.records}
             if len(passes) > 1:
                 raise RuntimeError(
@@ -343,10 +404,11 @@ class PrivacyEngine:
 
     def _finish(self, res, B):
         # An empty batch was sent as one sample of zeros: no real norms.
-        self.last_norms = torch.tensor(res.norms if B > 0 else [], dtype=torch.float32)
-        self.last_coefs = torch.tensor(res.coefs if B > 0 else [], dtype=torch.float32)
-        self.last_step_index = res.step_index
-        self.last_compute_ns = res.compute_ns
+        self._last_norms = torch.tensor(res.norms if B > 0 else [], dtype=torch.float32)
+        self._last_coefs = torch.tensor(res.coefs if B > 0 else [], dtype=torch.float32)
+        self._last_step_index = res.step_index
+        self._last_compute_ns = res.compute_ns
+        self.compute_ns_total += res.compute_ns
         self.last_epsilon = res.epsilon
         self.last_delta = res.delta
 
@@ -492,8 +554,14 @@ class PrivacyEngine:
             stream = torch.cuda.current_stream(device)
             ready.record(stream)
             step.set_events(rid, did)
+            step.notify_enqueued(self.asynchronous)
             t1 = time.perf_counter()
-            res = step.run(self.client)
+            if self.asynchronous:
+                ticket = step.submit(self.client)
+                info = self.client.wait_enqueued(ticket)  # raises an early error
+                res = None
+            else:
+                res = step.run(self.client)
             t2 = time.perf_counter()
             # The daemon recorded `done` before replying: from here on the
             # trainer's stream is ordered after the daemon's writes (and after
@@ -508,7 +576,11 @@ class PrivacyEngine:
                     p.grad = out  # aliases the output buffer: no copy
                 else:
                     self._set_grad(p, out)
-        self._finish(res, B)
+        if res is None:
+            self._inflight = (ticket, B, info.step_index)
+            self.last_epsilon, self.last_delta = info.epsilon, info.delta
+        else:
+            self._finish(res, B)
         self._timing(t0, t1, t2)
 
 

@@ -25,8 +25,8 @@ def _rel(got, want):
     return float((got.double().cpu() - want).abs().max()) / float(want.abs().max())
 
 
-@pytest.mark.parametrize("amp", [False, True])
-def test_cuda_step_matches_reference(cuda_daemon, amp):
+@pytest.mark.parametrize("amp,asynchronous", [(False, True), (True, True), (False, False)])
+def test_cuda_step_matches_reference(cuda_daemon, amp, asynchronous):
     torch.manual_seed(3)
     model = SeqModel()
     (x,), y = seq_data(9, seed=3)
@@ -36,7 +36,7 @@ def test_cuda_step_matches_reference(cuda_daemon, amp):
     engine = PrivacyEngine(cuda_daemon.socket)
     model, opt, _ = engine.make_private(module=model, optimizer=torch.optim.SGD(
         model.parameters(), lr=0.0), noise_multiplier=0.0, max_grad_norm=C,
-        expected_batch_size=expected)
+        expected_batch_size=expected, asynchronous=asynchronous)
     for _ in range(2):  # the second step reuses registrations and events
         opt.zero_grad()
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=amp):
@@ -66,4 +66,31 @@ def test_cuda_noise_std(cuda_daemon):
     v = torch.cat([p.grad.reshape(-1) for p in model.parameters()]).double()
     want = sigma * C / expected
     assert abs(float(v.std()) - want) < 6 * want / math.sqrt(2 * v.numel())
+    engine.close()
+
+
+def test_cuda_async_failure_surfaces(cuda_daemon):
+    """An asynchronous step whose gradient is not finite passes its notice,
+    leaves zero gradients (the daemon writes zeros) and raises at the next
+    step with the daemon's message; the engine goes on working after."""
+    torch.manual_seed(5)
+    model = torch.nn.Linear(32, 16).cuda()
+    engine = PrivacyEngine(cuda_daemon.socket)
+    model, opt, _ = engine.make_private(module=model, optimizer=torch.optim.SGD(
+        model.parameters(), lr=0.0), noise_multiplier=0.0, max_grad_norm=1.0,
+        expected_batch_size=4)
+    x = torch.randn(4, 32, device="cuda")
+    model(x).sum().backward()
+    opt.step()
+    assert engine.last_norms.shape == (4,)  # collected: a good step
+    assert all(float(p.grad.abs().sum()) > 0 for p in model.parameters())
+    (model(x).sum() * float("nan")).backward()
+    opt.step()  # the notice came: no error yet
+    assert all(float(p.grad.abs().sum()) == 0 for p in model.parameters())
+    with pytest.raises(dpclip.DpclipError) as ei:
+        engine.synchronize()
+    assert "after it was queued" in str(ei.value) and "finite" in str(ei.value)
+    model(x).sum().backward()
+    opt.step()
+    assert engine.last_norms.shape == (4,)
     engine.close()
