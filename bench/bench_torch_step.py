@@ -70,7 +70,8 @@ class GPT(nn.Module):
 
     def forward(self, x):
         B, T = x.shape
-        pos = torch.arange(T, device=x.device).unsqueeze(0).expand(B, T)
+        # repeat, not expand: Opacus' embedding hook views its input
+        pos = torch.arange(T, device=x.device).unsqueeze(0).repeat(B, 1)
         h = self.tok(x) + self.pos(pos)
         for b in self.blocks:
             h = b(h)
