@@ -9,7 +9,9 @@
  *   overhead_ms     rt - daemon time: what crossing processes costs
  *   timeline_ms     trainer-stream time from `ready` to after `done` (GPU
  *                   ordering only, no host sync inside)
- * all medians (p90 too), and whether MPS was active (HelloReply).
+ *   us              the blocking round trip's parts (see main)
+ * all medians (p90 too), and whether MPS was active (HelloReply); then a
+ * second line for the same steps with the early notice (notify_enqueued).
  *
  *   bench_cuda_step --socket PATH [--iters N] */
 #include <cuda_runtime_api.h>
@@ -124,45 +126,97 @@ int main(int argc, char **argv) {
     }
     dpclip_step_set_events(s, er, ed);
 
-    double *rt = calloc((size_t)iters, sizeof *rt), *gpu = calloc((size_t)iters, sizeof *gpu);
-    double *tl = calloc((size_t)iters, sizeof *tl);
-    for (int i = -5; i < iters; i++) {
-        dpclip_result res;
-        CK(cudaEventRecord(t0, st));
-        CK(cudaEventRecord(ready, st));
-        double a = now_ms();
-        if (dpclip_run(cl, s, &res)) {
-            fprintf(stderr, "step: %s (%s)\n", dpclip_errmsg(cl), dpclip_errfield(cl));
-            return 1;
+    /* Pass 1, blocking (dpclip_run), with where the round trip went:
+     *   send      building and sending the request (this process)
+     *   to_daemon sent until the daemon took the frame up (socket, loop wake)
+     *   in_daemon the daemon's time beyond the backend's compute (decode,
+     *             validation, ledger, worker hand-off, result, reply)
+     *   to_client reply sent until read here (socket, wake-up)
+     *   ret       reply read until dpclip_run returned
+     * Pass 2, early notice (dpclip_submit + dpclip_wait_enqueued): notice_ms
+     * is the call-to-notice wall time (what blocks the trainer's thread),
+     * and timeline_ms the trainer stream's time as before. */
+    enum { P_RT, P_GPU, P_TL, P_SEND, P_TOD, P_IND, P_TOC, P_RET, P_NOTICE, P_TL2, P_GPU2, P_N };
+    double *v[P_N];
+    for (int k = 0; k < P_N; k++) v[k] = calloc((size_t)iters, sizeof(double));
+    for (int pass = 0; pass < 2; pass++) {
+        dpclip_step_notify_enqueued(s, pass == 1);
+        for (int i = -5; i < iters; i++) {
+            dpclip_result res;
+            dpclip_timing tm;
+            uint64_t ticket;
+            CK(cudaEventRecord(t0, st));
+            CK(cudaEventRecord(ready, st));
+            double a = now_ms(), b;
+            if (pass == 0) {
+                if (dpclip_run(cl, s, &res) || dpclip_last_timing(cl, &tm)) {
+                    fprintf(stderr, "step: %s (%s)\n", dpclip_errmsg(cl), dpclip_errfield(cl));
+                    return 1;
+                }
+                b = now_ms();
+                CK(cudaStreamWaitEvent(st, done, 0));
+                CK(cudaEventRecord(t1, st));
+            } else {
+                dpclip_enqueued en;
+                if (dpclip_submit(cl, s, &ticket) || dpclip_wait_enqueued(cl, ticket, -1, &en)) {
+                    fprintf(stderr, "step: %s (%s)\n", dpclip_errmsg(cl), dpclip_errfield(cl));
+                    return 1;
+                }
+                b = now_ms();
+                CK(cudaStreamWaitEvent(st, done, 0));
+                CK(cudaEventRecord(t1, st));
+                if (dpclip_wait(cl, ticket, -1, &res)) {
+                    fprintf(stderr, "step: %s (%s)\n", dpclip_errmsg(cl), dpclip_errfield(cl));
+                    return 1;
+                }
+            }
+            CK(cudaEventSynchronize(t1));
+            float ms = 0;
+            CK(cudaEventElapsedTime(&ms, t0, t1));
+            if (i >= 0 && pass == 0) {
+                v[P_RT][i] = b - a;
+                v[P_GPU][i] = res.compute_ns / 1e6;
+                v[P_TL][i] = ms;
+                v[P_SEND][i] = (tm.sent_ns - tm.start_ns) / 1e3;
+                v[P_TOD][i] = ((double)tm.daemon_received_ns - (double)tm.sent_ns) / 1e3;
+                v[P_IND][i] = ((double)tm.daemon_replied_ns - (double)tm.daemon_received_ns -
+                               (double)tm.compute_ns) / 1e3;
+                v[P_TOC][i] = ((double)tm.received_ns - (double)tm.daemon_replied_ns) / 1e3;
+                v[P_RET][i] = (b - tm.received_ns / 1e6) * 1e3;
+            } else if (i >= 0) {
+                v[P_NOTICE][i] = b - a;
+                v[P_TL2][i] = ms;
+                v[P_GPU2][i] = res.compute_ns / 1e6;
+            }
+            dpclip_result_free(&res);
         }
-        double b = now_ms();
-        CK(cudaStreamWaitEvent(st, done, 0));
-        CK(cudaEventRecord(t1, st));
-        CK(cudaEventSynchronize(t1));
-        float ms = 0;
-        CK(cudaEventElapsedTime(&ms, t0, t1));
-        if (i >= 0) {
-            rt[i] = b - a;
-            gpu[i] = res.compute_ns / 1e6;
-            tl[i] = ms;
-        }
-        dpclip_result_free(&res);
     }
-    double ov[4096];
+    double ov[4096], ov2[4096];
     int n = iters < 4096 ? iters : 4096;
-    for (int i = 0; i < n; i++) ov[i] = rt[i] - gpu[i];
+    for (int i = 0; i < n; i++) {
+        ov[i] = v[P_RT][i] - v[P_GPU][i];
+        ov2[i] = v[P_TL2][i] - v[P_GPU2][i];
+    }
     printf("{\"bench\":\"cuda_step\",\"model\":\"gpt2-small-linears\",\"layers\":%d,\"B\":%d,"
            "\"T\":%d,\"dtype\":\"bf16\",\"iters\":%d,\"mps\":%s,\"daemon_gpu_ms\":%.3f,"
            "\"daemon_gpu_p90_ms\":%.3f,\"rt_ms\":%.3f,\"rt_p90_ms\":%.3f,\"overhead_ms\":%.3f,"
-           "\"overhead_p90_ms\":%.3f,\"timeline_ms\":%.3f,\"buffer_mib\":%.0f}\n",
-           L, B, T, iters, info.mps_active ? "true" : "false", pct(gpu, iters, 0.5),
-           pct(gpu, iters, 0.9), pct(rt, iters, 0.5), pct(rt, iters, 0.9), pct(ov, n, 0.5),
-           pct(ov, n, 0.9), pct(tl, iters, 0.5), total / 1048576.0);
+           "\"overhead_p90_ms\":%.3f,\"timeline_ms\":%.3f,\"buffer_mib\":%.0f,"
+           "\"us\":{\"send\":%.1f,\"to_daemon\":%.1f,\"in_daemon\":%.1f,\"to_client\":%.1f,"
+           "\"ret\":%.1f}}\n",
+           L, B, T, iters, info.mps_active ? "true" : "false", pct(v[P_GPU], iters, 0.5),
+           pct(v[P_GPU], iters, 0.9), pct(v[P_RT], iters, 0.5), pct(v[P_RT], iters, 0.9),
+           pct(ov, n, 0.5), pct(ov, n, 0.9), pct(v[P_TL], iters, 0.5), total / 1048576.0,
+           pct(v[P_SEND], iters, 0.5), pct(v[P_TOD], iters, 0.5), pct(v[P_IND], iters, 0.5),
+           pct(v[P_TOC], iters, 0.5), pct(v[P_RET], iters, 0.5));
+    printf("{\"bench\":\"cuda_step_notify\",\"layers\":%d,\"mps\":%s,\"notice_ms\":%.3f,"
+           "\"notice_p90_ms\":%.3f,\"daemon_gpu_ms\":%.3f,\"timeline_ms\":%.3f,"
+           "\"timeline_over_gpu_ms\":%.3f,\"timeline_over_gpu_p90_ms\":%.3f}\n",
+           L, info.mps_active ? "true" : "false", pct(v[P_NOTICE], iters, 0.5),
+           pct(v[P_NOTICE], iters, 0.9), pct(v[P_GPU2], iters, 0.5), pct(v[P_TL2], iters, 0.5),
+           pct(ov2, n, 0.5), pct(ov2, n, 0.9));
     dpclip_step_free(s);
     dpclip_disconnect(cl);
     cudaFree(dev);
-    free(rt);
-    free(gpu);
-    free(tl);
+    for (int k = 0; k < P_N; k++) free(v[k]);
     return 0;
 }

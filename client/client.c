@@ -605,6 +605,7 @@ DPCLIP_API int dpclip_run(dpclip_client *c, const dpclip_step *s, dpclip_result 
     cl_lock(c);
     uint64_t t0 = cl_now_ns();
     if ((rc = send_step(c, s, CL_REQ_SYNC, NULL))) goto out;
+    uint64_t t_sent = cl_now_ns();
     /* Steps of a trainer have the same shape step after step: poll around
      * the time the last reply took instead of sleeping through it. Short
      * steps (< 1 ms) need no window: the daemon answers within the wait's
@@ -619,7 +620,7 @@ DPCLIP_API int dpclip_run(dpclip_client *c, const dpclip_step *s, dpclip_result 
         if ((rc = read_one(c, -1, &r))) break;
     c->spin_to_ns = 0;
     if (rc) goto out;
-    uint64_t rt = cl_now_ns() - t0;
+    uint64_t t_got = cl_now_ns(), rt = t_got - t0;
     c->ewma_rt_ns = c->ewma_rt_ns ? (3 * c->ewma_rt_ns + rt) / 4 : rt;
     if (r->body_case == DPCLIP__REPLY__BODY_ERROR) {
         rc = cl_fail(c, daemon_code(r->error->code), r->error->field, "%s", r->error->message);
@@ -628,11 +629,27 @@ DPCLIP_API int dpclip_run(dpclip_client *c, const dpclip_step *s, dpclip_result 
         if ((rc = to_result(r->clip_step, cl_step_batch(s), cl_step_layers(s), res, msg,
                             sizeof msg)))
             cl_fail(c, rc, "", "%s", msg);
+        else
+            c->last_timing = (dpclip_timing){t0, t_sent, r->clip_step->t_received_ns,
+                                             r->clip_step->t_replied_ns, t_got,
+                                             r->clip_step->compute_ns};
     } else {
         rc = cl_die(c, "dpclipd sent reply type %d to a ClipStep", (int)r->body_case);
     }
     dpclip__reply__free_unpacked(r, NULL);
 out:
+    cl_unlock(c);
+    return rc;
+}
+
+DPCLIP_API int dpclip_last_timing(dpclip_client *c, dpclip_timing *t) {
+    int rc = 0;
+    if (!c || !t) return DPCLIP_EARG;
+    cl_lock(c);
+    if (c->last_timing.start_ns == 0)
+        rc = cl_fail(c, DPCLIP_EPRECOND, "", "no step has completed through dpclip_run yet");
+    else
+        *t = c->last_timing;
     cl_unlock(c);
     return rc;
 }

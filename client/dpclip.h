@@ -231,6 +231,17 @@ void dpclip_result_free(dpclip_result *r);
 /* Blocking: send the step, wait for its reply. */
 int dpclip_run(dpclip_client *c, const dpclip_step *s, dpclip_result *res);
 
+/* Where the last successful dpclip_run's time went, for latency diagnosis:
+ * CLOCK_MONOTONIC stamps (ns) taken here (call start, request sent, reply
+ * read) and by the daemon (request taken up, reply sent: the same clock
+ * when the daemon runs on this machine), and the daemon's compute time.
+ * DPCLIP_EPRECOND before any such step. */
+typedef struct dpclip_timing {
+    uint64_t start_ns, sent_ns, daemon_received_ns, daemon_replied_ns, received_ns;
+    uint64_t compute_ns;
+} dpclip_timing;
+int dpclip_last_timing(dpclip_client *c, dpclip_timing *t);
+
 /* Non-blocking: send now, collect later. Replies come in submission order. */
 typedef void (*dpclip_step_cb)(void *user, int status, const char *errmsg,
                                const dpclip_result *res);

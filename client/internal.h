@@ -110,6 +110,8 @@ struct dpclip_client {
     int spin_enabled;
     uint64_t ewma_rt_ns;
     uint64_t spin_from_ns, spin_to_ns;
+
+    dpclip_timing last_timing;  /* of the last successful dpclip_run */
 };
 
 /* --- errors (client.c) ---------------------------------------------------- */

@@ -287,6 +287,7 @@ static void dispatch(dc_session *s, const uint8_t *payload, size_t len, uint64_t
     int nfds;
     dc_err e;
 
+    s->t_frame = uv_hrtime();
     nfds = take_fds(s, start, end, fds, DC_SESSION_MAX_FDS);
     req = len ? dpclip__request__unpack(NULL, len, payload) : NULL;
     if (req) {

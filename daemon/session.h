@@ -66,6 +66,7 @@ typedef struct dc_session {
     uint64_t steps_failed;
     uint64_t ewma_gpu_run_ns;        /* recent GPU steps' worker time */
     uint64_t connected_ns;           /* uv_hrtime at accept */
+    uint64_t t_frame;                /* uv_hrtime when the current request began decoding */
     uint64_t last_step_ns;           /* uv_hrtime of the last reply to a step, 0 = none */
     dc_ledger_job *ljob;             /* the ledger's (uid, job) since Hello; not owned */
 } dc_session;

@@ -41,6 +41,7 @@ struct dc_step_job {
      * submitted to a worker, worker started, input event waited, worker
      * finished. */
     uint64_t t_recv, t_checked, t_submit, t_start, t_waited, t_end;
+    uint64_t t_frame;      /* the request's frame taken up for decoding */
 };
 
 /* A request is being worked on off the loop: later ones wait for it. */

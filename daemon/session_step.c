@@ -147,6 +147,8 @@ static void step_done(dc_job *job) {
         cr.compute_ns = j->res.compute_ns;
         cr.epsilon = j->eps;
         cr.delta = j->delta;
+        cr.t_received_ns = j->t_frame;
+        cr.t_replied_ns = uv_hrtime();
         reply.id = j->req_id;
         reply.body_case = DPCLIP__REPLY__BODY_CLIP_STEP;
         reply.clip_step = &cr;
@@ -302,6 +304,7 @@ void dc_session_step(dc_session *s, uint64_t id, const Dpclip__ClipStep *m) {
         return;
     }
     j->t_recv = uv_hrtime();
+    j->t_frame = s->t_frame;
     if (dc_validate_step(m, &s->reg, &srv->limits, &j->step, &e)) {
         free(j);
         dc_session_reject(s, id, &e);

@@ -271,9 +271,17 @@ static void test_run(void **state) {
     dc_shm_step s;
     dpclip_result res;
     make_step(&s, c, 16, 1);
+    dpclip_timing tm;
+    assert_int_equal(dpclip_last_timing(c, &tm), DPCLIP_EPRECOND);
     assert_int_equal(dpclip_run(c, s.step, &res), 0);
     assert_int_equal(res.batch, 16);
     assert_int_equal(res.n_layers, 2);
+    /* one clock on one machine: the stamps are in order */
+    assert_int_equal(dpclip_last_timing(c, &tm), 0);
+    assert_true(tm.start_ns <= tm.sent_ns && tm.start_ns <= tm.daemon_received_ns);
+    assert_true(tm.daemon_received_ns + tm.compute_ns <= tm.daemon_replied_ns);
+    assert_true(tm.daemon_replied_ns <= tm.received_ns);
+    assert_true(tm.compute_ns == res.compute_ns);
     assert_null(res.layer_norms);
     check(&s, &res);
     dpclip_result_free(&res);
