@@ -46,7 +46,7 @@ int main(int argc, char **argv) {
                                          {NULL, 0, NULL, 0}};
     const char *sock = dpclip_default_socket();
     int iters = 5000, warmup = 200, layers = 16, o, rc = 1;
-    double sigma = 1.0, compute_ns = 0.0, ping_p50;
+    double sigma = 1.0, compute_ns = 0.0, ping_p50, part[4] = {0, 0, 0, 0};
     dpclip_client *c = NULL;
     dpclip_step *s = NULL;
     double *t = NULL, sum = 0.0;
@@ -118,9 +118,17 @@ int main(int argc, char **argv) {
             goto out;
         }
         double dt = now_us() - t0;
+        dpclip_timing tm;
         if (i >= warmup) {
             t[i - warmup] = dt;
             compute_ns += (double)res.compute_ns;
+            if (dpclip_last_timing(c, &tm) == 0) {
+                part[0] += (double)(tm.sent_ns - tm.start_ns);
+                part[1] += (double)tm.daemon_received_ns - (double)tm.sent_ns;
+                part[2] += (double)tm.daemon_replied_ns - (double)tm.daemon_received_ns -
+                           (double)tm.compute_ns;
+                part[3] += (double)tm.received_ns - (double)tm.daemon_replied_ns;
+            }
         }
         dpclip_result_free(&res);
     }
@@ -145,9 +153,11 @@ int main(int argc, char **argv) {
     }
     printf("{\"bench\":\"roundtrip\",\"layers\":%d,\"B\":%d,\"iters\":%d,\"p50_us\":%.1f,"
            "\"p99_us\":%.1f,\"mean_us\":%.1f,\"sigma\":%g,\"compute_mean_us\":%.1f,"
-           "\"ping_p50_us\":%.1f}\n",
+           "\"ping_p50_us\":%.1f,\"mean_parts_us\":{\"send\":%.1f,\"to_daemon\":%.1f,"
+           "\"in_daemon\":%.1f,\"to_client\":%.1f}}\n",
            layers, BATCH, iters, t[(size_t)iters / 2], t[(size_t)((double)iters * 0.99)],
-           sum / iters, sigma, compute_ns / iters / 1e3, ping_p50);
+           sum / iters, sigma, compute_ns / iters / 1e3, ping_p50, part[0] / iters / 1e3,
+           part[1] / iters / 1e3, part[2] / iters / 1e3, part[3] / iters / 1e3);
     rc = 0;
 out:
     free(t);

@@ -369,6 +369,7 @@ DPCLIP_API void dpclip_disconnect(dpclip_client *c) {
     free(c->cuda_bufs);
     free(c->pend);
     free(c->sbuf);
+    free(c->packed);
     free(c->rbuf);
     cl_step_scratch_free(c);
     pthread_mutex_destroy(&c->mu);
@@ -582,10 +583,25 @@ static int send_step(dpclip_client *c, const dpclip_step *s, cl_req_kind kind, c
     int rc;
 
     if (c->fd < 0) return cl_fail(c, DPCLIP_EIO, "", "the connection to dpclipd is closed");
-    if ((rc = cl_step_message(c, s, &req.clip_step))) return rc;
-    req.body_case = DPCLIP__REQUEST__BODY_CLIP_STEP;
     if ((rc = reserve_pending(c))) return rc;
-    if ((rc = cl_send_request(c, &req, -1, -1))) return rc;
+    if (c->packed_step != s || c->packed_ver != cl_step_version(s)) {
+        size_t n;
+        c->packed_step = NULL;
+        if ((rc = cl_step_message(c, s, &req.clip_step))) return rc;
+        req.body_case = DPCLIP__REQUEST__BODY_CLIP_STEP;
+        req.id = 0;
+        n = dpclip__request__get_packed_size(&req);
+        if (n > c->packed_cap) {
+            uint8_t *nb = realloc(c->packed, n);
+            if (!nb) return cl_fail(c, DPCLIP_ENOMEM, "", "out of memory for a %zu-byte request", n);
+            c->packed = nb;
+            c->packed_cap = n;
+        }
+        c->packed_len = dpclip__request__pack(&req, c->packed);
+        c->packed_step = s;
+        c->packed_ver = cl_step_version(s);
+    }
+    if ((rc = cl_send_body(c, c->packed, c->packed_len, -1, &req.id))) return rc;
     memset(&p, 0, sizeof p);
     p.req_id = req.id;
     p.kind = kind;

@@ -112,6 +112,15 @@ struct dpclip_client {
     uint64_t spin_from_ns, spin_to_ns;
 
     dpclip_timing last_timing;  /* of the last successful dpclip_run */
+
+    /* The last ClipStep sent, packed as a Request without its id (proto3
+     * leaves a zero id out): sent again with a new id while the step object
+     * is unchanged (same pointer and version), so a trainer re-sending its
+     * step pays no message building and packing. */
+    uint8_t *packed;
+    size_t packed_len, packed_cap;
+    const dpclip_step *packed_step;
+    uint64_t packed_ver;
 };
 
 /* --- errors (client.c) ---------------------------------------------------- */
@@ -153,6 +162,10 @@ int64_t cl_deadline(int timeout_ms);
  * daemon. 0, or DPCLIP_EIO (handle dead), DPCLIP_ENOMEM, DPCLIP_EARG (frame
  * larger than the daemon's max_frame). */
 int cl_send_request(dpclip_client *c, Dpclip__Request *req, int pass_fd, int64_t deadline);
+/* Sends a Request packed without its id (body: the fields after it) with a
+ * new id (*id), as cl_send_request does. */
+int cl_send_body(dpclip_client *c, const uint8_t *body, size_t len, int64_t deadline,
+                 uint64_t *id);
 /* Reads until one whole reply frame is buffered, then unpacks it into *out
  * (free with dpclip__reply__free_unpacked). DPCLIP_EAGAIN when the deadline
  * passes first, DPCLIP_EIO (handle dead) on socket errors or EOF. */
@@ -164,6 +177,8 @@ int cl_read_reply(dpclip_client *c, int64_t deadline, Dpclip__Reply **out);
 int cl_step_message(dpclip_client *c, const dpclip_step *s, Dpclip__ClipStep **out);
 uint32_t cl_step_batch(const dpclip_step *s);
 uint32_t cl_step_layers(const dpclip_step *s);
+/* Changes whenever the step object does (any setter, reset, add). */
+uint64_t cl_step_version(const dpclip_step *s);
 void cl_step_scratch_free(dpclip_client *c);
 
 #endif

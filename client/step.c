@@ -6,6 +6,7 @@
  * needs copying. The message is built in scratch memory owned by the client
  * handle (under its lock) and points into the step's arrays: shapes and
  * names are not copied again. */
+#include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -30,7 +31,17 @@ struct dpclip_step {
     int want_layer_norms;
     uint64_t wait_event, signal_event;
     int notify_enqueued;
+    /* Changes with every mutation (from one process-wide counter, so a
+     * step freed and another allocated at its address never share one):
+     * the client reuses its packed request while it stays the same. */
+    uint64_t ver;
 };
+
+static atomic_uint_fast64_t g_step_ver;
+
+static void touch(dpclip_step *s) { s->ver = atomic_fetch_add(&g_step_ver, 1) + 1; }
+
+uint64_t cl_step_version(const dpclip_step *s) { return s->ver; }
 
 /* --- step objects ------------------------------------------------------- */
 
@@ -41,6 +52,7 @@ DPCLIP_API dpclip_step *dpclip_step_new(uint32_t batch_size, const dpclip_clip_c
     if (!s) return NULL;
     s->batch = batch_size;
     s->cfg = *cfg;
+    touch(s);
     return s;
 }
 
@@ -61,6 +73,7 @@ DPCLIP_API void dpclip_step_free(dpclip_step *s) {
 DPCLIP_API void dpclip_step_reset(dpclip_step *s, uint32_t batch_size) {
     if (!s) return;
     clear_layers(s);
+    touch(s);
     s->batch = batch_size;
     memset(&s->norms_out, 0, sizeof s->norms_out);
     memset(&s->coefs_out, 0, sizeof s->coefs_out);
@@ -78,6 +91,7 @@ static int tensor_ok(const dpclip_tensor *t, int required) {
 /* Appends a layer slot with a copy of `name`; NULL on allocation failure. */
 static cl_layer *push_layer(dpclip_step *s, const char *name) {
     cl_layer *l;
+    touch(s);
     if (s->n == s->cap) {
         size_t cap = s->cap ? s->cap * 2 : 8;
         cl_layer *nl = realloc(s->layers, cap * sizeof *nl);
@@ -148,6 +162,7 @@ DPCLIP_API int dpclip_step_set_outputs(dpclip_step *s, const dpclip_tensor *norm
     if (!s) return DPCLIP_EARG;
     if ((norms_out && !tensor_ok(norms_out, 0)) || (coefs_out && !tensor_ok(coefs_out, 0)))
         return DPCLIP_EARG;
+    touch(s);
     if (norms_out) s->norms_out = *norms_out;
     else memset(&s->norms_out, 0, sizeof s->norms_out);
     if (coefs_out) s->coefs_out = *coefs_out;
@@ -158,16 +173,21 @@ DPCLIP_API int dpclip_step_set_outputs(dpclip_step *s, const dpclip_tensor *norm
 DPCLIP_API void dpclip_step_set_events(dpclip_step *s, uint64_t wait_event,
                                        uint64_t signal_event) {
     if (!s) return;
+    touch(s);
     s->wait_event = wait_event;
     s->signal_event = signal_event;
 }
 
 DPCLIP_API void dpclip_step_notify_enqueued(dpclip_step *s, int yes) {
-    if (s) s->notify_enqueued = yes != 0;
+    if (!s) return;
+    touch(s);
+    s->notify_enqueued = yes != 0;
 }
 
 DPCLIP_API void dpclip_step_want_layer_norms(dpclip_step *s, int yes) {
-    if (s) s->want_layer_norms = yes != 0;
+    if (!s) return;
+    touch(s);
+    s->want_layer_norms = yes != 0;
 }
 
 /* --- the message -------------------------------------------------------- */

@@ -151,6 +151,43 @@ int cl_send_request(dpclip_client *c, Dpclip__Request *req, int pass_fd, int64_t
     return write_all(c, c->sbuf, need, pass_fd, deadline);
 }
 
+int cl_send_body(dpclip_client *c, const uint8_t *body, size_t len, int64_t deadline,
+                 uint64_t *id) {
+    uint8_t head[DC_FRAME_HEADER + 11];
+    size_t h = DC_FRAME_HEADER, n, need;
+    uint64_t v;
+
+    if (c->fd < 0) return cl_fail(c, DPCLIP_EIO, "", "the connection to dpclipd is closed");
+    *id = v = ++c->next_req_id;
+    head[h++] = 0x08; /* field 1 (id), varint */
+    do {
+        head[h] = (uint8_t)(v & 0x7f);
+        v >>= 7;
+        if (v) head[h] |= 0x80;
+        h++;
+    } while (v);
+    n = h - DC_FRAME_HEADER + len;
+    if ((c->info.max_frame && n > c->info.max_frame) || n > UINT32_MAX)
+        return cl_fail(c, DPCLIP_EARG, "frame.length",
+                       "the request needs %zu bytes, more than the daemon's max_frame %u "
+                       "(fewer layers per step, or start dpclipd with a larger --max-frame)",
+                       n, c->info.max_frame);
+    need = DC_FRAME_HEADER + n;
+    if (need > c->scap) {
+        size_t cap = c->scap ? c->scap : 4096;
+        uint8_t *nb;
+        while (cap < need) cap *= 2;
+        nb = realloc(c->sbuf, cap);
+        if (!nb) return cl_fail(c, DPCLIP_ENOMEM, "", "out of memory for a %zu-byte request", need);
+        c->sbuf = nb;
+        c->scap = cap;
+    }
+    dc_frame_put_len(head, (uint32_t)n);
+    memcpy(c->sbuf, head, h);
+    memcpy(c->sbuf + h, body, len);
+    return write_all(c, c->sbuf, need, -1, deadline);
+}
+
 /* Inside the spin window: poll without sleeping. Before it: sleep until it
  * opens (ppoll has sub-millisecond resolution), bounded by the deadline. */
 static int wait_readable(dpclip_client *c, int64_t deadline) {

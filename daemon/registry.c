@@ -39,6 +39,7 @@ int dc_registry_add(dc_registry *r, const dc_buffer *b, dc_err *err) {
         r->cap = cap;
     }
     r->items[r->n++] = *b;
+    r->gen++;
     r->bytes += b->size;
     return 0;
 }
@@ -102,6 +103,7 @@ int dc_registry_release(dc_registry *r, uint64_t id, dc_err *err) {
         r->bytes -= r->items[i].size;
         registry_unmap(&r->items[i]);
         r->items[i] = r->items[--r->n];
+        r->gen++;
         return 0;
     }
     return dc_err_set(err, DC_ENOTFOUND, "release_buffer.buffer_id",

@@ -31,6 +31,9 @@ typedef struct dc_registry {
     dc_buffer *items;  /* unordered; small (tens of buffers per client) */
     size_t n, cap;
     uint64_t bytes;    /* total registered bytes, for the session's quota */
+    /* Bumped by every add and release: a step validated at one generation
+     * names only live mappings while the generation is unchanged. */
+    uint64_t gen;
 } dc_registry;
 
 void dc_registry_init(dc_registry *r);

@@ -285,10 +285,34 @@ static void dispatch(dc_session *s, const uint8_t *payload, size_t len, uint64_t
     Dpclip__Pong pong = DPCLIP__PONG__INIT;
     int fds[DC_SESSION_MAX_FDS];
     int nfds;
+    const uint8_t *key = NULL;
+    size_t key_len = 0;
     dc_err e;
 
     s->t_frame = uv_hrtime();
     nfds = take_fds(s, start, end, fds, DC_SESSION_MAX_FDS);
+    /* A Request is packed in field order: [id: tag 0x08, varint] then the
+     * body. A ClipStep body (tag 0x6a) with the bytes of the last step that
+     * validated needs no decoding (session_step.c). */
+    if (s->hello_done && nfds == 0 && len > 1) {
+        uint64_t id = 0;
+        size_t k = 0;
+        if (payload[0] == 0x08) {
+            int shift = 0;
+            for (k = 1; k < len && k < 11; k++) {
+                id |= (uint64_t)(payload[k] & 0x7f) << shift;
+                shift += 7;
+                if (!(payload[k] & 0x80)) break;
+            }
+            k++;
+        }
+        key = payload + k;
+        key_len = k < len ? len - k : 0;
+        if (key_len && key[0] == 0x6a && dc_session_step_cached(s, id, key, key_len)) {
+            s->srv->metrics.requests[DC_REQ_STEP]++;
+            return;
+        }
+    }
     req = len ? dpclip__request__unpack(NULL, len, payload) : NULL;
     if (req) {
         static const dc_req_kind kinds[] = {
@@ -330,7 +354,7 @@ static void dispatch(dc_session *s, const uint8_t *payload, size_t len, uint64_t
         handle_release(s, req->id, req->release_buffer);
         break;
     case DPCLIP__REQUEST__BODY_CLIP_STEP:
-        dc_session_step(s, req->id, req->clip_step);
+        dc_session_step(s, req->id, req->clip_step, key, key_len);
         break;
     case DPCLIP__REQUEST__BODY_REGISTER_EVENT:
         dc_session_register_event(s, req->id, req->register_event);
@@ -547,6 +571,7 @@ void dc_session_destroy(dc_session *s) {
         s->w_head = w->next;
         free(w);
     }
+    dc_session_plan_drop(s);
     dc_registry_destroy(&s->reg);
     if (s->ljob) s->ljob->sessions--;
     free(s->rbuf);

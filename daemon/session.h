@@ -17,6 +17,7 @@
 
 #include "ledger.h"
 #include "registry.h"
+#include "validate.h"
 
 typedef struct dc_server dc_server;
 typedef struct dc_wbuf dc_wbuf;
@@ -69,6 +70,22 @@ typedef struct dc_session {
     uint64_t t_frame;                /* uv_hrtime when the current request began decoding */
     uint64_t last_step_ns;           /* uv_hrtime of the last reply to a step, 0 = none */
     dc_ledger_job *ljob;             /* the ledger's (uid, job) since Hello; not owned */
+    /* The last ClipStep that validated (session_step.c), so that the same
+     * step sent again (a trainer's every iteration) skips decoding and
+     * validation: the request's bytes after its id, the registry generation
+     * and limits it was validated under, and the result. Owned. */
+    struct dc_step_plan {
+        uint8_t *bytes;
+        size_t len;
+        uint64_t reg_gen;
+        dc_limits limits;
+        dc_step step;                /* owns step.layers */
+        struct dc_step_params {
+            uint64_t wait_event, signal_event;
+            bool notify_enqueued;
+            double sample_rate, target_delta, target_epsilon;
+        } params;
+    } *plan;
 } dc_session;
 
 /* Takes ownership of a connected, non-blocking socket. */

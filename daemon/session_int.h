@@ -22,6 +22,7 @@ struct dc_step_job {
      * records signal_event and has step_notice send the notice. */
     bool notify;
     bool signaled;         /* signal_event recorded (worker thread) */
+    bool cached;           /* validated step taken from the session's plan cache */
     dc_backend *be;        /* the worker's backend, while work() runs */
     dc_step step;
     dc_step_result res;
@@ -61,7 +62,13 @@ void dc_session_register_cuda(dc_session *s, uint64_t id, const Dpclip__Register
 void dc_session_register_event(dc_session *s, uint64_t id, const Dpclip__RegisterEvent *m);
 const struct dc_session_event *dc_session_find_event(const dc_session *s, uint64_t id);
 
-/* ClipStep (session_step.c). */
-void dc_session_step(dc_session *s, uint64_t id, const Dpclip__ClipStep *m);
+/* ClipStep (session_step.c). key: the request's bytes after its id (the
+ * plan cache's key; NULL = do not cache). */
+void dc_session_step(dc_session *s, uint64_t id, const Dpclip__ClipStep *m, const uint8_t *key,
+                     size_t key_len);
+/* The same step as the last one that validated: run it from the cache
+ * without decoding. 1 if handled, 0 if the request must be decoded. */
+int dc_session_step_cached(dc_session *s, uint64_t id, const uint8_t *key, size_t key_len);
+void dc_session_plan_drop(dc_session *s);
 
 #endif

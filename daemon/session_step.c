@@ -163,11 +163,12 @@ static void step_done(dc_job *job) {
     s->last_step_ns = now;
     count_step(srv, j, now);
     if (dc_log_get_level() >= DC_LOG_DEBUG)
-        dc_log_debug("session %llu: step %llu (%zu layers, B=%u, %s): validate %.1f us, ledger "
+        dc_log_debug("session %llu: step %llu (%zu layers, B=%u, %s%s): decode %.1f us, validate %.1f us, ledger "
                      "%.1f us, queue %.1f us, wait %.1f us, run %.1f us (backend %.1f us), reply "
                      "%.1f us, eps %.4g",
                      (unsigned long long)s->id, (unsigned long long)s->steps, j->step.n_layers,
                      j->step.batch, j->step.device < 0 ? "cpu" : "gpu",
+                     j->cached ? ", cached" : "", (j->t_recv - j->t_frame) / 1e3,
                      (j->t_checked - j->t_recv) / 1e3, (j->t_submit - j->t_checked) / 1e3,
                      (j->t_start - j->t_submit) / 1e3, (j->t_waited - j->t_start) / 1e3,
                      (j->t_end - j->t_waited) / 1e3, j->res.compute_ns / 1e3,
@@ -237,7 +238,7 @@ static void on_spend_durable(dc_ledger_waiter *w, int rc, const dc_err *err) {
 
 /* Step 2 above. On refusal *e names the field: the step's own value, or the
  * node's budget setting. */
-static int account(dc_session *s, dc_step_job *j, const Dpclip__ClipStep *m, dc_err *e) {
+static int account(dc_session *s, dc_step_job *j, const struct dc_step_params *m, dc_err *e) {
     dc_server *srv = s->srv;
     const dc_config *c = &srv->cfg;
     dc_ledger_job *job = s->ljob;
@@ -293,9 +294,84 @@ static int account(dc_session *s, dc_step_job *j, const Dpclip__ClipStep *m, dc_
     return 0;
 }
 
-void dc_session_step(dc_session *s, uint64_t id, const Dpclip__ClipStep *m) {
-    dc_server *srv = s->srv;
+/* --- the step plan cache ----------------------------------------------------
+ *
+ * A trainer sends the same ClipStep every iteration (the same tensors of the
+ * same registered buffers; PyTorch's caching allocator hands back the same
+ * blocks). Decoding and validating 70-odd layers costs tens of microseconds
+ * on the loop thread per step, so the last step that validated is kept with
+ * its request bytes: the same bytes under the same registry generation (no
+ * buffer added or released since) and the same limits validate to the same
+ * step, and are taken from the cache. Everything that depends on other state
+ * (events, device, budget) is checked again on every step. */
+
+static void plan_free(struct dc_step_plan *p) {
+    if (!p) return;
+    dc_validate_step_free(&p->step);
+    free(p->bytes);
+    free(p);
+}
+
+void dc_session_plan_drop(dc_session *s) {
+    plan_free(s->plan);
+    s->plan = NULL;
+}
+
+/* Keeps a copy of a step that just validated (best effort: out of memory
+ * only costs the next step its cache hit). */
+static void plan_keep(dc_session *s, const dc_step *step, const struct dc_step_params *p,
+                      const uint8_t *key, size_t key_len) {
+    struct dc_step_plan *n;
+    dc_session_plan_drop(s);
+    if (!key || !(n = calloc(1, sizeof *n))) return;
+    n->bytes = malloc(key_len ? key_len : 1);
+    n->step = *step;
+    n->step.layers = malloc(step->n_layers * sizeof *step->layers);
+    if (!n->bytes || !n->step.layers) {
+        free(n->step.layers);
+        free(n->bytes);
+        free(n);
+        return;
+    }
+    memcpy(n->bytes, key, key_len);
+    n->len = key_len;
+    memcpy(n->step.layers, step->layers, step->n_layers * sizeof *step->layers);
+    n->reg_gen = s->reg.gen;
+    n->limits = s->srv->limits;
+    n->params = *p;
+    s->plan = n;
+}
+
+static void step_accept(dc_session *s, uint64_t id, dc_step_job *j,
+                        const struct dc_step_params *m);
+
+int dc_session_step_cached(dc_session *s, uint64_t id, const uint8_t *key, size_t key_len) {
+    const struct dc_step_plan *p = s->plan;
+    dc_step_job *j;
+    if (!p || p->len != key_len || p->reg_gen != s->reg.gen ||
+        memcmp(&p->limits, &s->srv->limits, sizeof p->limits) != 0 ||
+        memcmp(p->bytes, key, key_len) != 0)
+        return 0;
+    if (!(j = calloc(1, sizeof *j))) return 0;
+    j->t_recv = uv_hrtime();
+    j->t_frame = s->t_frame;
+    j->step = p->step;
+    j->step.layers = malloc(p->step.n_layers * sizeof *p->step.layers);
+    if (!j->step.layers) {
+        free(j);
+        return 0;
+    }
+    memcpy(j->step.layers, p->step.layers, p->step.n_layers * sizeof *p->step.layers);
+    j->cached = true;
+    step_accept(s, id, j, &p->params);
+    return 1;
+}
+
+void dc_session_step(dc_session *s, uint64_t id, const Dpclip__ClipStep *m, const uint8_t *key,
+                     size_t key_len) {
     dc_step_job *j = calloc(1, sizeof *j);
+    struct dc_step_params p = {m->wait_event, m->signal_event, m->notify_enqueued,
+                               m->sample_rate, m->target_delta, m->target_epsilon};
     dc_err e;
 
     if (!j) {
@@ -305,11 +381,21 @@ void dc_session_step(dc_session *s, uint64_t id, const Dpclip__ClipStep *m) {
     }
     j->t_recv = uv_hrtime();
     j->t_frame = s->t_frame;
-    if (dc_validate_step(m, &s->reg, &srv->limits, &j->step, &e)) {
+    if (dc_validate_step(m, &s->reg, &s->srv->limits, &j->step, &e)) {
         free(j);
         dc_session_reject(s, id, &e);
         return;
     }
+    plan_keep(s, &j->step, &p, key, key_len);
+    step_accept(s, id, j, &p);
+}
+
+/* A validated step (owned by j): check what depends on the session's
+ * current state, account, run. */
+static void step_accept(dc_session *s, uint64_t id, dc_step_job *j,
+                        const struct dc_step_params *m) {
+    dc_server *srv = s->srv;
+    dc_err e;
     if (j->step.device >= srv->gpu.n) {
         dc_err_set(&e, DC_EPRECOND, "clip_step", "no GPU backend for device %d", j->step.device);
         goto fail_step;

@@ -287,6 +287,26 @@ static void test_run(void **state) {
     dpclip_result_free(&res);
     assert_null(res.norms);
 
+    /* The same request again is served from the daemon's plan cache (no
+     * decoding, no validation): new data in the same tensors is read. */
+    for (int i = 0; i < 3; i++) {
+        dc_test_rng r;
+        dc_test_rng_seed(&r, 100 + (uint64_t)i);
+        dc_shm_step_refill(&s, &r);
+        assert_int_equal(dpclip_run(c, s.step, &res), 0);
+        check(&s, &res);
+        dpclip_result_free(&res);
+    }
+    /* ... until the registry changes: a released buffer is refused by field
+     * for the very same bytes, and the session goes on. */
+    assert_int_equal(dpclip_buffer_release(c, s.buf_id), 0);
+    s.buf_id = 0;
+    assert_int_equal(dpclip_run(c, s.step, &res), DPCLIP_ENOTFOUND);
+    assert_non_null(strstr(dpclip_errfield(c), "buffer_id"));
+    assert_int_equal(dpclip_ping(c), 0);
+    dc_shm_step_free(&s);
+    make_step(&s, c, 16, 2);
+
     /* batch 0 after a reset is a local error */
     dpclip_step_reset(s.step, 0);
     assert_int_equal(dpclip_run(c, s.step, &res), DPCLIP_EARG);
