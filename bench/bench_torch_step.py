@@ -132,7 +132,8 @@ def run(args, device, precision, mode, socket_path):
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=amp):
             logits = model(x)
         if criterion is not None:
-            loss = criterion(logits.float().flatten(0, 1), y.flatten())
+            # shape: Opacus turns the B*T token losses into B per-sample means
+            loss = criterion(logits.float().flatten(0, 1), y.flatten(), shape=logits.shape)
         else:
             # Every sample has T tokens, so the token mean is the mean over
             # samples of per-sample token means (what loss_reduction="mean" says).
