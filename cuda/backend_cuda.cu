@@ -24,8 +24,8 @@
  * =0 keeps f32 inputs on exact f32 kernels; DPCLIP_CUDA_GROUPED=0 runs the
  * norms and the book-keeping per layer; DPCLIP_CUDA_ONE_PASS=0 always stages the outputs;
  * DPCLIP_CUDA_NOISE=exact draws the noise in double as the CPU does.
- * DPCLIP_CUDA_PROFILE=1 (or dc_cuda_backend_profile) times each phase with
- * CUDA events, off by default.
+ * DPCLIP_CUDA_PROFILE=0 stops timing each phase with CUDA events (on by
+ * default: the daemon's per-phase histograms use it).
  * A failed step is then diagnosed on the host (which tensor, which sample),
  * with extra synchronisations on that path only, and reported exactly as the
  * CPU backend words it (backend_diag.cu).
@@ -459,6 +459,8 @@ int cuda_run_step(dc_backend *be, const dc_step *s, dc_step_result *res, dc_err 
     const step_opts opt = read_opts();
     layout Lo;
     int rc = 0;
+    const bool waited = cb->waited; /* ev_wait is this step's (wait_event just ran) */
+    cb->waited = false;
 
     clock_gettime(CLOCK_MONOTONIC, &t0);
     if (s->device < 0) {
@@ -605,10 +607,23 @@ int cuda_run_step(dc_backend *be, const dc_step *s, dc_step_result *res, dc_err 
          * notice may go now, while the device works. */
         if (s->enqueued) s->enqueued(s->enqueued_arg);
         CK(cudaStreamSynchronize(cb->stream), "the step");
-        if (cb->prof)
+        if (cb->prof) {
             for (int i = 0; i < DC_CUDA_PHASES; i++)
                 if (cudaEventElapsedTime(&cb->phase_ms[i], cb->ev[i], cb->ev[i + 1]) != cudaSuccess)
                     cb->phase_ms[i] = -1.0f;
+            /* the metrics' parts: norms; coefs (reduction); clipped; check,
+             * noise and commit (noise) */
+            const float *ms = cb->phase_ms;
+            auto ns = [](float m) { return m > 0.0f ? (uint64_t)((double)m * 1e6) : (uint64_t)0; };
+            res->phase_ns[DC_RUN_NORMS] = ns(ms[1]);
+            res->phase_ns[DC_RUN_REDUCTION] = ns(ms[2]);
+            res->phase_ns[DC_RUN_CLIPPING] = ns(ms[3]);
+            res->phase_ns[DC_RUN_NOISE] = ns(ms[4]) + ns(ms[5]) + ns(ms[6]);
+            float w = 0.0f;
+            if (waited && cudaEventElapsedTime(&w, cb->ev_wait, cb->ev[0]) == cudaSuccess)
+                res->phase_ns[DC_RUN_WAIT_INPUT] = ns(w) ? ns(w) : 1;
+            (void)cudaGetLastError();
+        }
     }
 
     {
@@ -645,6 +660,7 @@ void cuda_destroy(dc_backend *be) {
     (void)cudaGetLastError();
     for (int i = 0; i <= DC_CUDA_PHASES; i++)
         if (cb->ev[i]) cudaEventDestroy(cb->ev[i]);
+    if (cb->ev_wait) cudaEventDestroy(cb->ev_wait);
     (void)cudaGetLastError();
     free(cb->lay_off);
     free(cb->bk);
@@ -691,8 +707,11 @@ extern "C" int dc_cuda_backend_create(int device, dc_backend **out, dc_err *err)
                           device);
     }
     *out = &cb->base;
+    /* Phase timing feeds the daemon's per-phase histograms: on unless
+     * DPCLIP_CUDA_PROFILE=0 (nine event records a step, a few microseconds
+     * of host time that overlap the GPU's work). */
     const char *prof = getenv("DPCLIP_CUDA_PROFILE");
-    if (prof && prof[0] == '1') (void)dc_cuda_backend_profile(&cb->base, 1);
+    if (!(prof && prof[0] == '0')) (void)dc_cuda_backend_profile(&cb->base, 1);
     return 0;
 }
 
@@ -707,6 +726,10 @@ extern "C" int dc_cuda_backend_profile(dc_backend *be, int on) {
                 memset(cb->ev, 0, sizeof cb->ev);
                 return DC_EUNAVAIL;
             }
+        if (cudaEventCreate(&cb->ev_wait) != cudaSuccess) {
+            (void)cudaGetLastError();
+            cb->ev_wait = NULL;
+        }
     }
     cb->prof = on != 0;
     for (int i = 0; i < DC_CUDA_PHASES; i++) cb->phase_ms[i] = -1.0f;
@@ -728,6 +751,9 @@ extern "C" const char *dc_cuda_phase_name(int phase) {
 
 extern "C" int dc_cuda_backend_wait_event(dc_backend *be, void *cuda_event) {
     cuda_backend *cb = (cuda_backend *)be;
+    if (cb->prof && cb->ev_wait && !cb->broken &&
+        cudaEventRecord(cb->ev_wait, cb->stream) == cudaSuccess)
+        cb->waited = true;
     if (cb->broken || cudaSetDevice(cb->device) != cudaSuccess ||
         cudaStreamWaitEvent(cb->stream, (cudaEvent_t)cuda_event, 0) != cudaSuccess) {
         (void)cudaGetLastError();

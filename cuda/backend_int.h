@@ -36,6 +36,10 @@ struct cuda_backend {
     bool prof;
     cudaEvent_t ev[DC_CUDA_PHASES + 1];
     float phase_ms[DC_CUDA_PHASES];
+    /* recorded before the stream waits on a client's event: up to ev[0] is
+     * the GPU's wait for the client's input */
+    cudaEvent_t ev_wait;
+    bool waited;
     dc_backend *cpu; /* created on the first host-memory step */
     bool broken;
     char broken_msg[256];

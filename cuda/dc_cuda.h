@@ -46,10 +46,11 @@ int dc_cuda_backend_create(int device, dc_backend **out, dc_err *err);
 int dc_cuda_backend_wait_event(dc_backend *be, void *cuda_event);
 int dc_cuda_backend_record_event(dc_backend *be, void *cuda_event);
 
-/* Debug hook: GPU time of each phase of the following steps, measured with
- * CUDA events recorded between the phases on the backend's stream (off by
- * default: the events cost a few microseconds a step; DPCLIP_CUDA_PROFILE=1
- * in the environment turns it on at creation). Phases, in order: setup
+/* GPU time of each phase of the following steps, measured with CUDA events
+ * recorded between the phases on the backend's stream; it also fills
+ * dc_step_result.phase_ns (the daemon's per-phase histograms). On from
+ * creation unless DPCLIP_CUDA_PROFILE=0 in the environment (the events cost
+ * a few microseconds of host time a step). Phases, in order: setup
  * (counters, table upload), norms, coefs (norm reduction, coefficients),
  * clipped (book-keeping sums into staging), check (the one-pass path's
  * output bound), noise (noise, division, conversion: into the outputs, or

@@ -137,6 +137,12 @@ static int stats_carve(dc_cpu_scratch *s, size_t L, uint32_t B, step_stats *st) 
     return 0;
 }
 
+static uint64_t mono_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
+}
+
 static int cpu_run_step(dc_backend *be, const dc_step *step, dc_step_result *res,
                         dc_err *err) {
     cpu_backend *cb = (cpu_backend *)be;
@@ -167,9 +173,13 @@ static int cpu_run_step(dc_backend *be, const dc_step *step, dc_step_result *res
         return dc_err_set(err, DC_ENOSPACE, "", "out of memory for the CPU backend's scratch");
 
     /* 2. norms and coefficients */
+    uint64_t tp = mono_ns(), tq;
     for (size_t l = 0; l < L; l++)
         if ((rc = dc_cpu_layer_sqnorms(s, &step->layers[l], B, scale, st.n2 + l * B, err)))
             return rc;
+    tq = mono_ns();
+    res->phase_ns[DC_RUN_NORMS] = tq - tp + 1; /* + 1: measured, even if under 1 ns */
+    tp = tq;
     double noise_c2 = 0.0; /* PER_LAYER noise uses sqrt(sum_l C_l^2) */
     for (uint32_t b = 0; b < B; b++) {
         double tot = 0.0;
@@ -187,6 +197,9 @@ static int cpu_run_step(dc_backend *be, const dc_step *step, dc_step_result *res
     float noise_std =
         step->noise_multiplier *
         (per_layer ? (float)sqrt(noise_c2) : step->max_grad_norm);
+    tq = mono_ns();
+    res->phase_ns[DC_RUN_REDUCTION] = tq - tp + 1;
+    tp = tq;
 
     /* 3. outputs into scratch */
     size_t total = 0;
@@ -225,6 +238,9 @@ static int cpu_run_step(dc_backend *be, const dc_step *step, dc_step_result *res
         rc = dc_cpu_layer_clipped_sum(s, ly, B, st.cvec, ow == SIZE_MAX ? NULL : outs + ow,
                                       ob == SIZE_MAX ? NULL : outs + ob, err);
         if (rc) return rc;
+        tq = mono_ns(); /* clipping and noise alternate per layer: summed apart */
+        res->phase_ns[DC_RUN_CLIPPING] += tq - tp;
+        tp = tq;
         for (int k = 0; k < 2; k++) {
             size_t off = st.off[2 * l + k];
             if (off == SIZE_MAX) continue;
@@ -246,6 +262,9 @@ static int cpu_run_step(dc_backend *be, const dc_step *step, dc_step_result *res
                                   (long long)bad, (double)v[bad], dc_dtype_name(t->dtype));
             }
         }
+        tq = mono_ns();
+        res->phase_ns[DC_RUN_NOISE] += tq - tp;
+        tp = tq;
     }
 
     /* 4. commit: nothing can fail from here on */
@@ -264,6 +283,9 @@ static int cpu_run_step(dc_backend *be, const dc_step *step, dc_step_result *res
     for (size_t i = 0; i < L * B; i++) res->layer_norms[i] = (float)sqrt(st.n2[i]);
     if (per_layer && res->layer_coefs) memcpy(res->layer_coefs, st.lcoef, L * B * sizeof(float));
     clock_gettime(CLOCK_MONOTONIC, &t1);
+    res->phase_ns[DC_RUN_NOISE] += (uint64_t)t1.tv_sec * 1000000000u + (uint64_t)t1.tv_nsec - tp;
+    res->phase_ns[DC_RUN_CLIPPING] += 1;
+    res->phase_ns[DC_RUN_NOISE] += 1;
     res->compute_ns = (uint64_t)(t1.tv_sec - t0.tv_sec) * 1000000000u +
                       (uint64_t)(t1.tv_nsec - t0.tv_nsec);
     return 0;

@@ -11,7 +11,8 @@ const double dc_hist_bounds[DC_HIST_NB] = {
     5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1.0, 10.0};
 
 const char *const dc_phase_names[DC_PH_N] = {"validate", "ledger", "queue", "wait_input",
-                                             "run", "reply"};
+                                             "run", "reply", "norms", "reduction",
+                                             "clipping", "noise"};
 
 const char *const dc_req_names[DC_REQ_N] = {"hello", "register_buffer", "release_buffer",
                                             "clip_step", "register_event", "ping", "other"};

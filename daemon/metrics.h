@@ -60,9 +60,15 @@ typedef enum dc_phase {
     DC_PH_VALIDATE = 0, /* decode to validated step + budget check */
     DC_PH_LEDGER,       /* waiting for the spend to be on disk */
     DC_PH_QUEUE,        /* submitted, waiting for a worker */
-    DC_PH_WAIT_INPUT,   /* GPU: the daemon's stream waiting on the client's event */
+    DC_PH_WAIT_INPUT,   /* GPU: the daemon's stream waiting on the client's event
+                         * (measured on the GPU when the backend times phases) */
     DC_PH_RUN,          /* the backend's step: norms, clipping, sums, noise */
     DC_PH_REPLY,        /* worker done to reply queued */
+    /* parts of run, timed by the backend (dc_run_phase; GPU: CUDA events) */
+    DC_PH_NORMS,        /* per-sample norms */
+    DC_PH_REDUCTION,    /* norms reduced over layers, coefficients */
+    DC_PH_CLIPPING,     /* clipped sums */
+    DC_PH_NOISE,        /* noise, division, checks, outputs written */
     DC_PH_N
 } dc_phase;
 

@@ -191,8 +191,10 @@ static void render_metrics(dc_server *srv, dc_sbuf *b) {
 
     dc_prom_head(b, "dpclip_step_phase_seconds", "histogram",
                  "Where a step's time goes: validate (and budget check), ledger (spend to disk), "
-                 "queue (waiting for a worker), wait_input (GPU: the trainer's event), run "
-                 "(norms, clipping, sums, noise), reply");
+                 "queue (waiting for a worker), wait_input (GPU: the daemon's stream waiting for "
+                 "the trainer's event), run (the backend's whole step), reply; and run's parts "
+                 "as the backend times them: norms (per-sample norms), reduction (over layers, "
+                 "coefficients), clipping (clipped sums), noise (noise, checks, outputs)");
     for (int i = 0; i < DC_PH_N; i++) {
         snprintf(labels, sizeof labels, "phase=\"%s\"", dc_phase_names[i]);
         dc_prom_hist(b, "dpclip_step_phase_seconds", labels, &m->phase[i]);

@@ -69,6 +69,10 @@ static uint64_t tensor_bytes(const dc_tensor *t) {
     return n * dc_dtype_size(t->dtype);
 }
 
+_Static_assert(DC_PH_NOISE - DC_PH_NORMS == DC_RUN_NOISE - DC_RUN_NORMS &&
+                   DC_PH_N - DC_PH_NORMS == DC_RUN_N - DC_RUN_NORMS,
+               "the backend's parts and their histograms are in the same order");
+
 static void count_step(dc_server *srv, dc_step_job *j, uint64_t now) {
     dc_metrics *m = &srv->metrics;
     uint64_t t_submit = j->t_submit ? j->t_submit : j->t_checked;
@@ -76,7 +80,13 @@ static void count_step(dc_server *srv, dc_step_job *j, uint64_t now) {
     dc_hist_add(&m->phase[DC_PH_LEDGER], (t_submit - j->t_checked) / 1e9);
     dc_hist_add(&m->phase[DC_PH_QUEUE], (j->t_start - t_submit) / 1e9);
     if (j->step.device >= 0)
-        dc_hist_add(&m->phase[DC_PH_WAIT_INPUT], (j->t_waited - j->t_start) / 1e9);
+        dc_hist_add(&m->phase[DC_PH_WAIT_INPUT],
+                    (j->res.phase_ns[DC_RUN_WAIT_INPUT] ? j->res.phase_ns[DC_RUN_WAIT_INPUT]
+                                                        : j->t_waited - j->t_start) / 1e9);
+    if (j->rc == 0)
+        for (int k = DC_RUN_NORMS; k < DC_RUN_N; k++)
+            if (j->res.phase_ns[k])
+                dc_hist_add(&m->phase[DC_PH_NORMS + (k - DC_RUN_NORMS)], j->res.phase_ns[k] / 1e9);
     dc_hist_add(&m->phase[DC_PH_RUN], (j->t_end - j->t_waited) / 1e9);
     dc_hist_add(&m->phase[DC_PH_REPLY], (now - j->t_end) / 1e9);
     dc_hist_add(&m->step, (now - j->t_recv) / 1e9);
@@ -163,15 +173,19 @@ static void step_done(dc_job *job) {
     s->last_step_ns = now;
     count_step(srv, j, now);
     if (dc_log_get_level() >= DC_LOG_DEBUG)
-        dc_log_debug("session %llu: step %llu (%zu layers, B=%u, %s%s): decode %.1f us, validate %.1f us, ledger "
-                     "%.1f us, queue %.1f us, wait %.1f us, run %.1f us (backend %.1f us), reply "
-                     "%.1f us, eps %.4g",
+        dc_log_debug("session %llu: step %llu (%zu layers, B=%u, %s%s): decode %.1f us, "
+                     "validate %.1f us, ledger %.1f us, queue %.1f us, wait %.1f us (device "
+                     "%.1f us), run %.1f us (backend %.1f us: norms %.1f, reduction %.1f, "
+                     "clipping %.1f, noise %.1f), reply %.1f us, eps %.4g",
                      (unsigned long long)s->id, (unsigned long long)s->steps, j->step.n_layers,
                      j->step.batch, j->step.device < 0 ? "cpu" : "gpu",
                      j->cached ? ", cached" : "", (j->t_recv - j->t_frame) / 1e3,
                      (j->t_checked - j->t_recv) / 1e3, (j->t_submit - j->t_checked) / 1e3,
                      (j->t_start - j->t_submit) / 1e3, (j->t_waited - j->t_start) / 1e3,
-                     (j->t_end - j->t_waited) / 1e3, j->res.compute_ns / 1e3,
+                     j->res.phase_ns[DC_RUN_WAIT_INPUT] / 1e3, (j->t_end - j->t_waited) / 1e3,
+                     j->res.compute_ns / 1e3, j->res.phase_ns[DC_RUN_NORMS] / 1e3,
+                     j->res.phase_ns[DC_RUN_REDUCTION] / 1e3,
+                     j->res.phase_ns[DC_RUN_CLIPPING] / 1e3, j->res.phase_ns[DC_RUN_NOISE] / 1e3,
                      (now - j->t_end) / 1e3, j->eps);
     job_free(j);
     session_next(s);

@@ -103,6 +103,20 @@ typedef struct dc_step {
     bool zero_on_fail;
 } dc_step;
 
+/* Parts of a backend's step, timed for the metrics (dc_step_result.phase_ns):
+ * per-sample norms; their reduction over layers into total norms and
+ * coefficients (and, with shard groups, across ranks); the clipped sums;
+ * noise, division, checks and the write of the outputs. A GPU backend also
+ * measures how long its stream waited on the client's event. */
+typedef enum dc_run_phase {
+    DC_RUN_WAIT_INPUT = 0, /* GPU: the stream waiting on the client's event */
+    DC_RUN_NORMS,
+    DC_RUN_REDUCTION,
+    DC_RUN_CLIPPING,
+    DC_RUN_NOISE,
+    DC_RUN_N
+} dc_run_phase;
+
 /* Filled by a backend; arrays are malloc'd by dc_step_result_init and freed
  * by dc_step_result_free. */
 typedef struct dc_step_result {
@@ -113,6 +127,7 @@ typedef struct dc_step_result {
     float *layer_norms;  /* [L*B] layer-major, always filled */
     float *layer_coefs;  /* [L*B] PER_LAYER only, else NULL */
     uint64_t compute_ns;
+    uint64_t phase_ns[DC_RUN_N]; /* 0 = not measured */
 } dc_step_result;
 
 int dc_step_result_init(dc_step_result *r, uint32_t batch, size_t n_layers, bool per_layer);

@@ -168,6 +168,24 @@ static void test_metrics_prometheus(void **state) {
         assert_true(dc_prom_value(samples, "dpclip_step_seconds_count{}") >= k_steps + 3);
         assert_true(dc_prom_value(samples, "dpclip_step_phase_seconds_count{phase=\"run\"}") >=
                     k_steps + 3);
+        /* run's parts, timed by the backend: every successful step has each,
+         * and together they fit in run */
+        {
+            static const char *const parts[] = {"norms", "reduction", "clipping", "noise"};
+            double sum = 0.0;
+            char key[128];
+            for (int i = 0; i < 4; i++) {
+                snprintf(key, sizeof key, "dpclip_step_phase_seconds_count{phase=\"%s\"}",
+                         parts[i]);
+                assert_true(dc_prom_value(samples, key) >= k_steps + 3);
+                snprintf(key, sizeof key, "dpclip_step_phase_seconds_sum{phase=\"%s\"}",
+                         parts[i]);
+                assert_true(dc_prom_value(samples, key) > 0.0);
+                sum += dc_prom_value(samples, key);
+            }
+            assert_true(sum <= dc_prom_value(samples,
+                                             "dpclip_step_phase_seconds_sum{phase=\"run\"}"));
+        }
         assert_true(dc_prom_value(samples, "dpclip_sessions{}") >= 1);
         assert_true(dc_prom_value(samples, "dpclip_ledger_writes_total{result=\"ok\"}") >=
                     k_steps + 3);
