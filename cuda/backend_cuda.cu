@@ -209,21 +209,35 @@ int plan_step(cuda_backend *cb, const dc_step *s, layout *Lo, dc_err *err) {
     return 0;
 }
 
+/* Holds `want` bytes of workspace (contents not kept). */
+static int ws_alloc(cuda_backend *cb, size_t want, dc_err *err) {
+    (void)cudaStreamSynchronize(cb->stream);
+    if (cb->ws) cudaFree(cb->ws);
+    cb->ws = NULL;
+    cb->ws_cap = 0;
+    if (cudaMalloc((void **)&cb->ws, want) != cudaSuccess) {
+        (void)cudaGetLastError();
+        cb->ws = NULL;
+        return dc_err_set(err, DC_ENOSPACE, "", "cannot allocate %zu bytes of workspace on cuda:%d",
+                          want, cb->device);
+    }
+    cb->ws_cap = want;
+    return 0;
+}
+
 int reserve(cuda_backend *cb, const layout *Lo, dc_err *err) {
+    if (cb->ws_max && Lo->total > cb->ws_max)
+        return dc_err_set(err, DC_ENOSPACE, "clip_step",
+                          "this step needs %zu bytes of GPU workspace on cuda:%d, over the "
+                          "daemon's gpu.workspace_max of %zu bytes: send fewer or smaller "
+                          "layers per step, or raise gpu.workspace_max",
+                          Lo->total, cb->device, cb->ws_max);
     if (Lo->total > cb->ws_cap) {
         size_t want = Lo->total + Lo->total / 4;
         want = (want + ((size_t)2 << 20) - 1) & ~(((size_t)2 << 20) - 1);
-        (void)cudaStreamSynchronize(cb->stream);
-        if (cb->ws) cudaFree(cb->ws);
-        cb->ws = NULL;
-        cb->ws_cap = 0;
-        if (cudaMalloc((void **)&cb->ws, want) != cudaSuccess) {
-            (void)cudaGetLastError();
-            cb->ws = NULL;
-            return dc_err_set(err, DC_ENOSPACE, "", "cannot allocate %zu bytes of workspace on cuda:%d",
-                              want, cb->device);
-        }
-        cb->ws_cap = want;
+        if (cb->ws_max && want > cb->ws_max) want = cb->ws_max;
+        int rc = ws_alloc(cb, want, err);
+        if (rc) return rc;
     }
     size_t hneed = al(Lo->dl_bytes) + Lo->up_bytes;
     if (hneed > cb->host_cap) {
@@ -769,6 +783,22 @@ extern "C" int dc_cuda_backend_record_event(dc_backend *be, void *cuda_event) {
         (void)cudaGetLastError();
         return DC_EUNAVAIL;
     }
+    return 0;
+}
+
+extern "C" int dc_cuda_backend_set_workspace(dc_backend *be, size_t initial, size_t max,
+                                             dc_err *err) {
+    cuda_backend *cb = (cuda_backend *)be;
+    cb->ws_max = max;
+    if (initial <= cb->ws_cap) return 0;
+    if (cudaSetDevice(cb->device) != cudaSuccess) {
+        (void)cudaGetLastError();
+        return dc_err_set(err, DC_EUNAVAIL, "", "cannot select cuda:%d", cb->device);
+    }
+    if (ws_alloc(cb, initial, err))
+        return dc_err_set(err, DC_ENOSPACE, "workspace",
+                          "cannot preallocate gpu.workspace = %zu bytes on cuda:%d", initial,
+                          cb->device);
     return 0;
 }
 

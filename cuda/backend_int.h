@@ -23,6 +23,7 @@ struct cuda_backend {
     cublasHandle_t blas;
     char *ws;
     size_t ws_cap;
+    size_t ws_max;      /* gpu.workspace_max; 0 = no cap */
     char *host; /* pinned: download block, then upload block */
     size_t host_cap;
     /* host-side per-step tables, grown like the workspace */

@@ -63,6 +63,13 @@ int dc_cuda_backend_profile(dc_backend *be, int on);
 int dc_cuda_backend_phase_ms(const dc_backend *be, float ms[DC_CUDA_PHASES]);
 const char *dc_cuda_phase_name(int phase);
 
+/* Preallocates `initial` bytes of device workspace now (so that steps up to
+ * that size never allocate) and caps it at `max` bytes (0 = no cap): a step
+ * that needs more fails with DC_ENOSPACE naming gpu.workspace_max. A step
+ * needing more than the workspace held (and within the cap) grows it once.
+ * DC_ENOSPACE if the preallocation fails. */
+int dc_cuda_backend_set_workspace(dc_backend *be, size_t initial, size_t max, dc_err *err);
+
 /* Device workspace currently held by the instance, in bytes. */
 size_t dc_cuda_backend_workspace_bytes(const dc_backend *be);
 

@@ -24,6 +24,7 @@ typedef enum key_type {
     T_GROUP,   /* char[], group name or number, "" = unset */
     T_MODE,    /* unsigned, octal permission bits */
     T_UINT,    /* uint32_t / int in [lo, hi] */
+    T_SIZE,    /* uint64_t bytes: a whole number with an optional K, M, G or T (powers of 1024) */
     T_INT,
     T_BOOL,
     T_LEVEL,   /* dc_log_level */
@@ -61,6 +62,10 @@ static const key_def KEYS[] = {
      "serve CUDA buffers on the GPUs found (--no-gpu: false)"},
     {"daemon", "log_level", "log-level", T_LEVEL, F(log_level), 0, 0, true,
      "error, warn, info or debug"},
+    {"gpu", "workspace", "gpu-workspace", T_SIZE, F(gpu_workspace), 0, 0, false,
+     "device workspace preallocated per GPU (K/M/G suffixes); a larger step grows it once"},
+    {"gpu", "workspace_max", "gpu-workspace-max", T_SIZE, F(gpu_workspace_max), 0, 0, false,
+     "most device workspace per GPU; a step needing more fails (0 = no cap)"},
     {"limits", "max_batch", "max-batch", T_UINT, F(max_batch), 1, 1u << 24, true,
      "largest batch a step may declare"},
     {"limits", "max_layers", "max-layers", T_UINT, F(max_layers), 1, 1u << 20, true,
@@ -104,6 +109,7 @@ void dc_config_defaults(dc_config *c) {
     c->blas_threads = 1;
     c->spin_us = 50;
     c->gpu = true;
+    c->gpu_workspace = (uint64_t)256 << 20;
     c->log_level = DC_LOG_INFO;
     c->max_batch = DC_DEFAULT_MAX_BATCH;
     c->max_layers = DC_DEFAULT_MAX_LAYERS;
@@ -242,6 +248,31 @@ static int set_value(dc_config *c, const key_def *k, const char *value, const ch
         if (k->type == T_UINT) *(uint32_t *)p = (uint32_t)u;
         else *(int *)p = (int)u;
         return 0;
+    case T_SIZE: {
+        static const char units[] = "KMGT";
+        char num[32];
+        size_t n = strlen(value);
+        int shift = 0;
+        if (n == 0 || n >= sizeof num) {
+            what = "expected bytes, e.g. 268435456, 256M or 1G";
+            break;
+        }
+        memcpy(num, value, n + 1);
+        const char last = num[n - 1];
+        const char *unit = (last >= 'a' && last <= 'z') || (last >= 'A' && last <= 'Z')
+                               ? strchr(units, last & ~0x20)
+                               : NULL;
+        if (unit) {
+            shift = 10 * (int)(unit - units + 1);
+            num[--n] = '\0';
+        }
+        if (parse_ull(num, 10, &u) != 0 || (shift && u > (UINT64_MAX >> shift))) {
+            what = "expected bytes, e.g. 268435456, 256M or 1G (whole number, no overflow)";
+            break;
+        }
+        *(uint64_t *)p = (uint64_t)u << shift;
+        return 0;
+    }
     case T_BOOL:
         if (parse_bool(value, (bool *)p)) {
             what = "expected true or false";
@@ -557,11 +588,28 @@ int dc_config_validate(const dc_config *c, dc_err *err) {
     if (strcmp(c->ledger_dir, "none") == 0)
         return dc_err_set(err, DC_EINVAL, "dir", "ledger.dir: use an empty value for an "
                           "in-memory ledger");
+    if (c->gpu_workspace_max && c->gpu_workspace > c->gpu_workspace_max)
+        return dc_err_set(err, DC_EINVAL, "workspace",
+                          "gpu.workspace (%llu bytes) is over gpu.workspace_max (%llu bytes)",
+                          (unsigned long long)c->gpu_workspace,
+                          (unsigned long long)c->gpu_workspace_max);
     if (c->budget_epsilon > 0 && !c->ledger_dir[0])
         return dc_err_set(err, DC_EINVAL, "budget_epsilon",
                           "ledger.budget_epsilon needs ledger.dir: a budget kept only in memory "
                           "starts again from zero at every restart");
     return 0;
+}
+
+/* Bytes, with the largest exact K/M/G/T unit. */
+static void print_size(FILE *f, uint64_t v) {
+    static const char units[] = "KMGT";
+    int i = -1;
+    while (i < 3 && v && (v & 1023) == 0) {
+        v >>= 10;
+        i++;
+    }
+    if (i >= 0) fprintf(f, "%llu%c", (unsigned long long)v, units[i]);
+    else fprintf(f, "%llu", (unsigned long long)v);
 }
 
 static void print_ids(FILE *f, const uint32_t *ids, size_t n) {
@@ -586,6 +634,7 @@ void dc_config_print(const dc_config *c, FILE *f) {
         case T_GROUP: fprintf(f, "%s", p); break;
         case T_MODE: fprintf(f, "%04o", *(const unsigned *)p); break;
         case T_UINT: fprintf(f, "%u", *(const uint32_t *)p); break;
+        case T_SIZE: print_size(f, *(const uint64_t *)p); break;
         case T_INT: fprintf(f, "%d", *(const int *)p); break;
         case T_BOOL: fprintf(f, "%s", *(const bool *)p ? "true" : "false"); break;
         case T_LEVEL: fprintf(f, "%s", levels[*(const dc_log_level *)p]); break;

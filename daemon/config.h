@@ -38,6 +38,8 @@ typedef struct dc_config {
     int blas_threads;
     uint32_t spin_us;
     bool gpu;
+    uint64_t gpu_workspace;        /* bytes preallocated per GPU backend */
+    uint64_t gpu_workspace_max;    /* a step needing more fails; 0 = no cap */
     dc_log_level log_level;
     /* [limits] */
     uint32_t max_batch, max_layers, max_frame, max_buffers;

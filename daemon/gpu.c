@@ -38,10 +38,22 @@ static int cuda_fail(dc_err *err, const char *field, const char *what, cudaError
                       cudaGetErrorName(e));
 }
 
+typedef struct gpu_factory_arg {
+    int device;
+    uint64_t workspace, workspace_max;
+} gpu_factory_arg;
+
 static int gpu_factory(void *arg, int index, dc_backend **out, dc_err *err) {
-    int device = *(int *)arg;
+    const gpu_factory_arg *a = arg;
+    int rc;
     (void)index;
-    return dc_cuda_backend_create(device, out, err);
+    if ((rc = dc_cuda_backend_create(a->device, out, err))) return rc;
+    if ((rc = dc_cuda_backend_set_workspace(*out, (size_t)a->workspace, (size_t)a->workspace_max,
+                                            err))) {
+        dc_backend_destroy(*out);
+        *out = NULL;
+    }
+    return rc;
 }
 
 /* MPS: clients find the control daemon through its pipe directory. */
@@ -161,7 +173,8 @@ static void event_done(dc_job *job) {
     j->done(j);
 }
 
-int dc_gpu_init(dc_gpu *g, uv_loop_t *loop, bool enable, dc_err *err) {
+int dc_gpu_init(dc_gpu *g, uv_loop_t *loop, bool enable, uint64_t workspace,
+                uint64_t workspace_max, dc_err *err) {
     int n, rc;
     memset(g, 0, sizeof *g);
     g_gpu = g;
@@ -181,10 +194,10 @@ int dc_gpu_init(dc_gpu *g, uv_loop_t *loop, bool enable, dc_err *err) {
     if (!g->pools) return dc_err_set(err, DC_ENOSPACE, "", "out of memory");
     for (int i = 0; i < n; i++) {
         struct cudaDeviceProp prop;
-        int dev = i;
+        gpu_factory_arg fa = {i, workspace, workspace_max};
         char name[16];
         snprintf(name, sizeof name, "cuda%d", i);
-        if ((rc = dc_worker_pool_init(&g->pools[i], loop, name, 1, gpu_factory, &dev, err))) {
+        if ((rc = dc_worker_pool_init(&g->pools[i], loop, name, 1, gpu_factory, &fa, err))) {
             for (int k = 0; k < i; k++) dc_worker_pool_close(&g->pools[k]);
             free(g->pools);
             g->pools = NULL;
@@ -239,9 +252,12 @@ int dc_gpu_record_event(dc_backend *be, void *event, dc_err *err) {
 
 #else /* no CUDA in this build */
 
-int dc_gpu_init(dc_gpu *g, uv_loop_t *loop, bool enable, dc_err *err) {
+int dc_gpu_init(dc_gpu *g, uv_loop_t *loop, bool enable, uint64_t workspace,
+                uint64_t workspace_max, dc_err *err) {
     (void)loop;
     (void)enable;
+    (void)workspace;
+    (void)workspace_max;
     (void)err;
     memset(g, 0, sizeof *g);
     g_gpu = g;

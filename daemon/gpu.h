@@ -23,8 +23,11 @@ typedef struct dc_gpu {
     char names[8][64];
 } dc_gpu;
 
-/* Finds the GPUs and starts one worker per GPU. `enable` false: none. */
-int dc_gpu_init(dc_gpu *g, uv_loop_t *loop, bool enable, dc_err *err);
+/* Finds the GPUs and starts one worker per GPU. `enable` false: none.
+ * Each GPU's backend preallocates `workspace` bytes of device workspace and
+ * refuses steps that need more than `workspace_max` (0 = no cap). */
+int dc_gpu_init(dc_gpu *g, uv_loop_t *loop, bool enable, uint64_t workspace,
+                uint64_t workspace_max, dc_err *err);
 void dc_gpu_close(dc_gpu *g);
 /* Jobs (including steps) in flight on any GPU. */
 int dc_gpu_busy(const dc_gpu *g);

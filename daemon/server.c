@@ -393,7 +393,8 @@ int dc_server_init(dc_server *srv, uv_loop_t *loop, const dc_config *cfg,
         goto fail_ledger;
     srv->pool_ready = true;
     dc_worker_pool_set_spin(&srv->cpu_pool, srv->spin_ns);
-    if ((rc = dc_gpu_init(&srv->gpu, loop, cfg->gpu, err))) goto fail_pool;
+    if ((rc = dc_gpu_init(&srv->gpu, loop, cfg->gpu, cfg->gpu_workspace,
+                           cfg->gpu_workspace_max, err))) goto fail_pool;
 
     dc_sd_listen_init();
     if ((rc = listen_main(srv, err))) goto fail_pool;

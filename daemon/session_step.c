@@ -102,7 +102,16 @@ static void count_step(dc_server *srv, dc_step_job *j, uint64_t now) {
         m->steps_failed++;
         m->errors[j->err.code <= 10 ? j->err.code : DC_EINTERNAL]++;
     }
-    if (j->step.device >= 0 && j->step.device < 8) srv->gpu_workspace[j->step.device] = j->workspace;
+    if (j->step.device >= 0 && j->step.device < 8) {
+        uint64_t *held = &srv->gpu_workspace[j->step.device];
+        uint64_t had = *held > srv->cfg.gpu_workspace ? *held : srv->cfg.gpu_workspace;
+        if (j->workspace > had)
+            dc_log_warn("cuda:%d: a step needed more device workspace than gpu.workspace; it "
+                        "grew to %llu bytes inside the step: set gpu.workspace to at least "
+                        "that to keep allocations out of the step path",
+                        j->step.device, (unsigned long long)j->workspace);
+        *held = j->workspace;
+    }
 }
 
 static void job_free(dc_step_job *j) {

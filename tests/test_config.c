@@ -68,6 +68,9 @@ static void test_full_file(void **state) {
         "spin_us = 0\n"
         "gpu = no\n"
         "log_level = debug\n"
+        "[gpu]\n"
+        "workspace = 512M\n"
+        "workspace_max = 2g\n"
         "[limits]\n"
         "max_batch = 512\n"
         "max_layers = 8\n"
@@ -95,6 +98,8 @@ static void test_full_file(void **state) {
     assert_int_equal(c.spin_us, 0);
     assert_false(c.gpu);
     assert_int_equal(c.log_level, DC_LOG_DEBUG);
+    assert_true(c.gpu_workspace == (uint64_t)512 << 20);
+    assert_true(c.gpu_workspace_max == (uint64_t)2 << 30);
     assert_int_equal(c.max_batch, 512);
     assert_int_equal(c.max_layers, 8);
     assert_int_equal(c.max_frame, 65536);
@@ -136,6 +141,11 @@ static void test_bad_files(void **state) {
         {"[limits]\nmax_batch = 8\nthis line is not ini\n", "bad.conf:3: syntax error"},
         {"[limits\nmax_batch = 8\n", "bad.conf:1: syntax error"},
         {"workers = 2\n", "bad.conf:1: unknown section []"},
+        {"[gpu]\nworkspace = 12Q\n", "bad.conf:2: gpu.workspace: bad value '12Q'"},
+        {"[gpu]\nworkspace = -5\n", "gpu.workspace: bad value '-5'"},
+        {"[gpu]\nworkspace = M\n", "gpu.workspace: bad value 'M'"},
+        {"[gpu]\nworkspace_max = 99999999999T\n", "gpu.workspace_max: bad value"},
+        {"[gpu]\nworkspace_max = 18446744073709551616\n", "gpu.workspace_max: bad value"},
     };
     (void)state;
     for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
@@ -170,6 +180,13 @@ static void test_cross_checks(void **state) {
     assert_int_not_equal(dc_config_validate(&c, &e), 0);
     assert_non_null(strstr(e.msg, "needs ledger.dir"));
     snprintf(c.ledger_dir, sizeof c.ledger_dir, "/var/lib/dpclip");
+    assert_int_equal(dc_config_validate(&c, &e), 0);
+    /* a preallocation over the cap */
+    c.gpu_workspace = (uint64_t)1 << 30;
+    c.gpu_workspace_max = (uint64_t)1 << 29;
+    assert_int_not_equal(dc_config_validate(&c, &e), 0);
+    assert_non_null(strstr(e.msg, "gpu.workspace_max"));
+    c.gpu_workspace_max = 0; /* no cap */
     assert_int_equal(dc_config_validate(&c, &e), 0);
 }
 

@@ -311,6 +311,37 @@ static void test_gpu_early_notice(void **state) {
     cudaStreamDestroy(st);
 }
 
+/* gpu.workspace_max: a step that needs more device workspace is refused
+ * with RESOURCE_EXHAUSTED naming the setting; the session goes on. */
+static void test_workspace_cap(void **state) {
+    (void)state;
+    if (!g_have_gpu) {
+        printf("SKIP: test_workspace_cap: no CUDA device\n");
+        return;
+    }
+    dc_harness h;
+    assert_int_equal(dc_harness_start(&h, "--workers 1 --gpu-workspace 0 --gpu-workspace-max 64K"), 0);
+    dpclip_client *c = NULL;
+    dpclip_connect_opts o = {"test_cuda_ipc", "gpu-job", 0};
+    if (dpclip_connect(h.sock, &o, &c)) fail_msg("connect: %s", dpclip_errmsg(c));
+    dc_shm_step s;
+    dpclip_result res;
+    uint64_t gid, off;
+    uint8_t *dev;
+    make_step(&s, c, 16, 64, DC_BF16, 13);
+    CUDA_OK(cudaMalloc((void **)&dev, s.size));
+    CUDA_OK(cudaMemcpy(dev, s.base, s.used, cudaMemcpyHostToDevice));
+    assert_int_equal(dpclip_buffer_register_cuda(c, dev, &gid, &off), 0);
+    assert_int_equal(dc_shm_step_wire_buffer(&s, gid), 0);
+    assert_int_equal(dpclip_run(c, s.step, &res), DPCLIP_ENOSPACE);
+    assert_non_null(strstr(dpclip_errmsg(c), "gpu.workspace_max"));
+    assert_int_equal(dpclip_ping(c), 0);
+    dc_shm_step_free(&s);
+    dpclip_disconnect(c);
+    CUDA_OK(cudaFree(dev));
+    dc_harness_stop(&h);
+}
+
 /* A trainer process dies right after submitting a large GPU step: the daemon
  * finishes it, closes that session's handles and keeps serving. Run as a
  * separate process (this binary with --child) so that its CUDA context and
@@ -400,6 +431,7 @@ int main(int argc, char **argv) {
         cmocka_unit_test(test_gpu_steps_exact),
         cmocka_unit_test(test_gpu_events),
         cmocka_unit_test(test_gpu_early_notice),
+        cmocka_unit_test(test_workspace_cap),
         cmocka_unit_test(test_client_killed_mid_step),
         cmocka_unit_test(test_clean_shutdown),
     };
