@@ -75,6 +75,36 @@ static void render_status(dc_server *srv, dc_sbuf *b) {
         dc_sbuf_puts(b, "}");
         first = false;
     }
+    /* Groups the daemon knows: the sessions of one job (uid + job id) on this
+     * node, i.e. a job's data-parallel ranks here. Model-shard groups (a
+     * norm reduction across ranks) will be listed here too once they exist. */
+    dc_sbuf_puts(b, "],\"groups\":[");
+    first = true;
+    for (dc_session *s = srv->sessions; s; s = s->next) {
+        bool seen = false;
+        if (!s->hello_done) continue;
+        for (dc_session *t = srv->sessions; t != s; t = t->next)
+            if (t->hello_done && t->peer_uid == s->peer_uid && strcmp(t->job_id, s->job_id) == 0)
+                seen = true;
+        if (seen) continue; /* listed with its first session */
+        uint64_t steps = 0;
+        int busy = 0;
+        bool first_id = true;
+        dc_sbuf_printf(b, "%s{\"kind\":\"job\",\"uid\":%u,\"job\":", first ? "" : ",",
+                       (unsigned)s->peer_uid);
+        dc_sbuf_json_str(b, s->job_id);
+        dc_sbuf_puts(b, ",\"sessions\":[");
+        for (dc_session *t = s; t; t = t->next) {
+            if (!t->hello_done || t->peer_uid != s->peer_uid || strcmp(t->job_id, s->job_id) != 0)
+                continue;
+            dc_sbuf_printf(b, "%s%llu", first_id ? "" : ",", (unsigned long long)t->id);
+            steps += t->steps;
+            busy += t->job != NULL;
+            first_id = false;
+        }
+        dc_sbuf_printf(b, "],\"steps\":%llu,\"busy\":%d}", (unsigned long long)steps, busy);
+        first = false;
+    }
     dc_sbuf_puts(b, "],\"ledger\":{\"dir\":");
     dc_sbuf_json_str(b, srv->ledger.dir);
     dc_sbuf_printf(b, ",\"persistent\":%s,\"delta\":%.17g,\"budget_epsilon\":%.17g,"

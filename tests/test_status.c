@@ -134,6 +134,38 @@ static void test_status_json(void **state) {
         assert_true(json_is_true(json_object_get(json_object_get(root, "ledger"), "persistent")));
         json_decref(root);
     }
+    /* groups: the sessions of one job (uid + job id) */
+    {
+        dpclip_client *c2 = connect_job("status-json"), *c3 = connect_job("status-other");
+        json_error_t je;
+        json_t *root, *g, *found = NULL, *other = NULL;
+        size_t i;
+        run_steps(c2, 2, k_q, 3);
+        free(body);
+        body = NULL;
+        assert_int_equal(dc_http(g_status, "GET", "/status", 5000, NULL, &body, NULL), 200);
+        root = json_loads(body, 0, &je);
+        assert_non_null(root);
+        json_array_foreach(json_object_get(root, "groups"), i, g) {
+            if (strcmp(json_string_value(json_object_get(g, "job")), "status-json") == 0) {
+                assert_null(found); /* one group per job */
+                found = g;
+            }
+            if (strcmp(json_string_value(json_object_get(g, "job")), "status-other") == 0)
+                other = g;
+        }
+        assert_non_null(found);
+        assert_non_null(other);
+        assert_string_equal(json_string_value(json_object_get(found, "kind")), "job");
+        assert_int_equal(json_integer_value(json_object_get(found, "uid")), getuid());
+        assert_int_equal(json_array_size(json_object_get(found, "sessions")), 2);
+        assert_int_equal(json_integer_value(json_object_get(found, "steps")), k_steps + 2);
+        assert_int_equal(json_array_size(json_object_get(other, "sessions")), 1);
+        assert_int_equal(json_integer_value(json_object_get(other, "steps")), 0);
+        json_decref(root);
+        dpclip_disconnect(c2);
+        dpclip_disconnect(c3);
+    }
 #else
     printf("test_status: jansson not available: /status checked as text only\n");
     assert_non_null(strstr(body, "\"job\":\"status-json\""));

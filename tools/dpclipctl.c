@@ -168,6 +168,21 @@ static void print_sessions(json_t *root) {
                human_secs(num(s, "idle_s"), b3, sizeof b3));
     }
     if (!json_array_size(json_object_get(root, "sessions"))) printf("(no sessions)\n");
+    if (!json_array_size(json_object_get(root, "groups"))) return;
+    printf("\n%-6s %6s %-20s %8s %4s  %s\n", "GROUP", "UID", "JOB", "STEPS", "BUSY", "SESSIONS");
+    json_array_foreach(json_object_get(root, "groups"), i, s) {
+        char ids[256] = "";
+        size_t k, used = 0;
+        json_t *id;
+        json_array_foreach(json_object_get(s, "sessions"), k, id) {
+            int n = snprintf(ids + used, sizeof ids - used, "%s%.0f", k ? "," : "",
+                             json_number_value(id));
+            if (n < 0 || (size_t)n >= sizeof ids - used) break;
+            used += (size_t)n;
+        }
+        printf("%-6s %6.0f %-20.20s %8.0f %4.0f  %s\n", str(s, "kind"), num(s, "uid"),
+               cell(str(s, "job")), num(s, "steps"), num(s, "busy"), ids);
+    }
 }
 
 static void print_ledger(json_t *root) {
