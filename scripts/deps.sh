@@ -7,9 +7,10 @@ PKGS="gcc make cmake pkgconf libuv1-dev libprotobuf-c-dev protobuf-c-compiler \
 libcmocka-dev libopenblas-dev"
 # The node service: config file (inih), status endpoint (libmicrohttpd),
 # systemd notify/socket activation (libsystemd), dpclipctl (libcurl, jansson);
-# the status test parses /metrics with prometheus_client's own parser.
+# the status test parses /metrics with prometheus_client's own parser; the
+# man page test renders the pages with groff.
 PKGS="$PKGS libinih-dev libmicrohttpd-dev libsystemd-dev libcurl4-openssl-dev libjansson-dev \
-python3 python3-prometheus-client"
+python3 python3-prometheus-client groff-base"
 # The Python package's tests need PyTorch from Debian; opt out with DPCLIP_NO_TORCH=1.
 if [ "${DPCLIP_NO_TORCH:-0}" != 1 ] && [ -d "$(dirname "$0")/../python" ] && \
    [ -n "$(ls "$(dirname "$0")/../python" 2>/dev/null)" ]; then

@@ -1,0 +1,43 @@
+#!/bin/sh
+# The man pages: they render without warnings (groff -ww), dpclipd.conf(5)
+# documents every key dpclipd --check-config prints, and dpclipd(8) every
+# flag dpclipd --help lists.
+#   tests/man_check.sh DPCLIPD MANDIR
+set -u
+dpclipd=$1
+mandir=$2
+fail=0
+if command -v groff >/dev/null 2>&1; then
+    for page in "$mandir"/*.[0-9]; do
+        out=$(groff -man -Tutf8 -ww -z "$page" 2>&1)
+        if [ -n "$out" ]; then
+            echo "FAIL: $page: groff warnings:"; echo "$out"; fail=1
+        fi
+    done
+else
+    echo "SKIP: groff not installed: man pages not rendered (install groff-base)"
+fi
+section=
+keys=0
+for line in $("$dpclipd" --check-config --config /dev/null | sed -n 's/^\[\(.*\)\]$/[\1]/p; s/^\([a-z_]*\) = .*/\1/p'); do
+    case $line in
+    \[*\]) section=$(echo "$line" | tr -d '[]') ;;
+    *)
+        keys=$((keys + 1))
+        if ! grep -q "($section.$line)" "$mandir/dpclipd.conf.5"; then
+            echo "FAIL: dpclipd.conf.5 does not document $section.$line"; fail=1
+        fi ;;
+    esac
+done
+[ "$keys" -gt 20 ] || { echo "FAIL: only $keys keys read from --check-config"; fail=1; }
+flags=0
+for flag in $("$dpclipd" --help 2>&1 | grep -o -- '--[a-z][a-z-]*' | sort -u); do
+    flags=$((flags + 1))
+    esc=$(echo "$flag" | sed 's/-/\\\\-/g')
+    if ! grep -q -- "$esc" "$mandir/dpclipd.8"; then
+        echo "FAIL: dpclipd.8 does not document $flag"; fail=1
+    fi
+done
+[ "$flags" -gt 20 ] || { echo "FAIL: only $flags flags read from --help"; fail=1; }
+[ $fail -eq 0 ] && echo "man pages: $keys keys and $flags flags documented"
+exit $fail
