@@ -310,10 +310,12 @@ cudaError_t launch(const dcc_linear *L, dc_algo algo, float s2, float *n2, cudaS
     if (algo == DC_ALGO_DIRECT) {
         int split = dcc_direct_split(L), rows = dcc_direct_tile_rows(L);
         if (rows == 256)
-            return split == 2 ? launch_direct<TI, 2, 2>(L, s2, n2, st)
-                              : launch_direct<TI, 2, 1>(L, s2, n2, st);
-        return split == 2 ? launch_direct<TI, 1, 2>(L, s2, n2, st)
-                          : launch_direct<TI, 1, 1>(L, s2, n2, st);
+            return split == 3   ? launch_direct<TI, 2, 3>(L, s2, n2, st)
+                   : split == 2 ? launch_direct<TI, 2, 2>(L, s2, n2, st)
+                                : launch_direct<TI, 2, 1>(L, s2, n2, st);
+        return split == 3   ? launch_direct<TI, 1, 3>(L, s2, n2, st)
+               : split == 2 ? launch_direct<TI, 1, 2>(L, s2, n2, st)
+                            : launch_direct<TI, 1, 1>(L, s2, n2, st);
     }
     CUtensorMap ta, tg;
     if (!make_map(&ta, L->a, L->ta, L->B, L->T, L->d, 128) ||

@@ -310,7 +310,7 @@ extern "C" int dcc_direct_split(const dcc_linear *L) {
     const char *force = getenv("DPCLIP_CUDA_DIRECT_SPLIT");
     if (force && force[0]) {
         int k = atoi(force);
-        return k >= 2 ? 2 : 1;
+        return k >= 3 ? (dcc_tma_available() ? 3 : 2) : k == 2 ? 2 : 1;
     }
     int rows = dcc_direct_tile_rows(L), sms = sm_count(), ms = max_split(L), best = 1;
     double bc = 1e300;
