@@ -256,9 +256,11 @@ cudaError_t launch_wg(const dcc_linear *L, dc_algo algo, float s2, float *n2, cu
  *     exchange), FILL_TILES / SPLIT_TILES k-tiles' worth, fitted on an H100
  *     to the (8,2048,768,3072) and (2,8192,768,3072) shapes.
  * Clusters of 4 measured far slower than this model says (cluster placement
- * on 132 SMs), so the split is at most 2.
- * DPCLIP_CUDA_DIRECT_TILE=128|256 and DPCLIP_CUDA_DIRECT_SPLIT=1|2 force the
- * choices (tests, benchmark). */
+ * on 132 SMs), so the split is at most 3 (clusters of 3 measured 1.46x the
+ * GEMM on (2,8192,768,3072) against 1.49-1.50x for 2, the only shape of the
+ * benchmark where the model picks 3).
+ * DPCLIP_CUDA_DIRECT_TILE=128|256 and DPCLIP_CUDA_DIRECT_SPLIT=1|2|3 force
+ * the choices (tests, benchmark). */
 static const double TALL_GAIN = 1.3, FILL_TILES = 4.0, SPLIT_TILES = 12.0;
 static const int SPLIT_MIN_T = 2048;
 
@@ -278,7 +280,7 @@ static int sm_count(void) {
 }
 
 static int max_split(const dcc_linear *L) {
-    return dcc_tma_available() && L->T >= SPLIT_MIN_T ? 2 : 1;
+    return dcc_tma_available() && L->T >= SPLIT_MIN_T ? 3 : 1;
 }
 
 /* The cheapest (rows, split) pair. */
@@ -288,7 +290,7 @@ static void direct_shape(const dcc_linear *L, int *rows_out, int *split_out) {
     *rows_out = 128;
     *split_out = 1;
     for (int rows = 128; rows <= 256; rows *= 2)
-        for (int split = 1; split <= ms; split *= 2) {
+        for (int split = 1; split <= ms; split++) {
             double c = direct_cost(L, rows, split, sms);
             if (c < bc * 0.999) {
                 bc = c;
@@ -314,7 +316,7 @@ extern "C" int dcc_direct_split(const dcc_linear *L) {
     }
     int rows = dcc_direct_tile_rows(L), sms = sm_count(), ms = max_split(L), best = 1;
     double bc = 1e300;
-    for (int split = 1; split <= ms; split *= 2) {
+    for (int split = 1; split <= ms; split++) {
         double c = direct_cost(L, rows, split, sms);
         if (c < bc * 0.999) {
             bc = c;

@@ -242,6 +242,30 @@ static void test_linear_norms(void **state) {
     set_switches(1, 1);
 }
 
+/* The direct form's tile heights and K splits (clusters of 1-3 CTAs adding
+ * partial tiles), forced, on a ragged K range with a bias. */
+static void test_direct_splits(void **state) {
+    (void)state;
+    dc_test_rng r;
+    dc_test_layer_spec sp = {DC_LAYER_LINEAR, 2, 2500, 136, 264, DC_BF16, 1, DC_ALGO_DIRECT, 0, 0};
+    dc_layer h;
+    double ref[2];
+    dc_test_rng_seed(&r, 107);
+    dc_test_layer_make(&h, &sp, &r);
+    dc_ref_layer_sqnorms(&h, 2, 1.0, ref);
+    for (int k = 0; k < 6; k++) {
+        char split[2] = {(char)('1' + k % 3), 0};
+        setenv("DPCLIP_CUDA_DIRECT_TILE", k < 3 ? "128" : "256", 1);
+        setenv("DPCLIP_CUDA_DIRECT_SPLIT", split, 1);
+        double e = layer_err(&h, 2, ref);
+        printf("direct tile=%s split=%s: max rel err %.2e\n", k < 3 ? "128" : "256", split, e);
+        assert_true(e <= norm_rtol(DC_BF16));
+    }
+    unsetenv("DPCLIP_CUDA_DIRECT_TILE");
+    unsetenv("DPCLIP_CUDA_DIRECT_SPLIT");
+    dc_test_layer_free(&h);
+}
+
 /* Activations in one dtype, grads in another: the CUDA-core path. */
 static void test_linear_mixed(void **state) {
     (void)state;
@@ -881,6 +905,7 @@ int main(void) {
         cmocka_unit_test(test_events),
         cmocka_unit_test(test_host_step_delegates),
         cmocka_unit_test(test_linear_norms),
+        cmocka_unit_test(test_direct_splits),
         cmocka_unit_test(test_linear_mixed),
         cmocka_unit_test(test_other_norms),
         cmocka_unit_test(test_linear_clipped),
