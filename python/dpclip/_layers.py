@@ -57,25 +57,33 @@ def _low_precision(t):
 class _LinearFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, layer):
+        # Casts only where the dtype differs: each .to() is a few
+        # microseconds of host time even when it returns its input, and a
+        # trainer's step is often bound by the host.
         dt = _autocast_dtype(x.device.type)
         if dt is not None and x.is_floating_point():
-            xc, wc = x.to(dt), weight.to(dt)
-            bc = bias.to(dt) if bias is not None else None
+            xc = x if x.dtype == dt else x.to(dt)
+            wc = weight if weight.dtype == dt else weight.to(dt)
+            bc = bias if bias is None or bias.dtype == dt else bias.to(dt)
         else:
             xc, wc, bc = x, weight, bias
         ctx.layer = layer
         ctx.pass_id = layer.engine._pass
         ctx.x_dtype = x.dtype
-        ctx.save_for_backward(xc, weight)
+        # the weight as the product used it (autocast's linear saves its cast
+        # weight too), so backward does not cast it again
+        ctx.save_for_backward(xc, wc)
         return F.linear(xc, wc, bc)
 
     @staticmethod
     def backward(ctx, g):
-        xc, weight = ctx.saved_tensors
+        xc, wc = ctx.saved_tensors
         ctx.layer.capture(xc, g, ctx.pass_id)
         gx = None
         if ctx.needs_input_grad[0]:
-            gx = torch.matmul(g, weight.to(g.dtype)).to(ctx.x_dtype)
+            gx = torch.matmul(g, wc if wc.dtype == g.dtype else wc.to(g.dtype))
+            if gx.dtype != ctx.x_dtype:
+                gx = gx.to(ctx.x_dtype)
         return gx, None, None, None
 
 
@@ -112,14 +120,26 @@ class _NormFn(torch.autograd.Function):
         ctx.pass_id = layer.engine._pass
         ctx.eps = eps
         ctx.x_dtype = x.dtype
+        if layer.kind == "layernorm":
+            # ATen's own forward keeps the statistics its backward needs, so
+            # the input gradient is one fused kernel (no recomputation)
+            y, mean, rstd = torch.ops.aten.native_layer_norm(xc, [layer.d], weight, bias, eps)
+            ctx.save_for_backward(xc, weight, bias, mean, rstd)
+            return y
         ctx.save_for_backward(xc, weight, bias)
         return _norm_apply(layer, xc, weight, bias, eps)
 
     @staticmethod
     def backward(ctx, g):
-        xc, weight, bias = ctx.saved_tensors
+        xc, weight, bias = ctx.saved_tensors[:3]
         ctx.layer.capture(xc, g, ctx.pass_id)
         gx = None
+        if ctx.needs_input_grad[0] and ctx.layer.kind == "layernorm":
+            mean, rstd = ctx.saved_tensors[3:]
+            gx = torch.ops.aten.native_layer_norm_backward(
+                g if g.dtype == xc.dtype else g.to(xc.dtype), xc, [ctx.layer.d], mean, rstd,
+                weight, bias, [True, False, False])[0]
+            return (gx if gx.dtype == ctx.x_dtype else gx.to(ctx.x_dtype)), None, None, None
         if ctx.needs_input_grad[0]:
             # The input gradient of a norm is cheap elementwise work:
             # recompute the forward and differentiate it with respect to the

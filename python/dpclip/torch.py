@@ -523,8 +523,15 @@ class PrivacyEngine:
                 inp = torch.zeros(in_shape, dtype=in_dt, device=device)
                 g = torch.zeros(g_shape, dtype=g_dt, device=device)
             else:
-                inp = inp.to(in_dt).contiguous()
-                g = g.to(g_dt).contiguous()
+                # (guarded: each call costs host time even when it is a no-op)
+                if inp.dtype != in_dt:
+                    inp = inp.to(in_dt)
+                if not inp.is_contiguous():
+                    inp = inp.contiguous()
+                if g.dtype != g_dt:
+                    g = g.to(g_dt)
+                if not g.is_contiguous():
+                    g = g.contiguous()
             if l.out_w is None:
                 w_dt = l.weight.dtype if l.weight.dtype in _FLOAT_WIRE else torch.float32
                 l.out_w = torch.empty(l.weight.shape, dtype=w_dt, device=device)
