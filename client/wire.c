@@ -124,19 +124,15 @@ static int write_all(dpclip_client *c, const uint8_t *buf, size_t len, int fd_pa
     return 0;
 }
 
-int cl_send_request(dpclip_client *c, Dpclip__Request *req, int pass_fd, int64_t deadline) {
-    size_t n, need;
-
-    if (c->fd < 0) return cl_fail(c, DPCLIP_EIO, "", "the connection to dpclipd is closed");
-    req->id = ++c->next_req_id;
-    n = dpclip__request__get_packed_size(req);
-    if (c->info.max_frame && n > c->info.max_frame)
+/* Checks a request of n payload bytes against the daemon's max_frame and
+ * makes the send buffer hold its frame. */
+static int frame_reserve(dpclip_client *c, size_t n) {
+    size_t need = DC_FRAME_HEADER + n;
+    if ((c->info.max_frame && n > c->info.max_frame) || n > UINT32_MAX)
         return cl_fail(c, DPCLIP_EARG, "frame.length",
                        "the request needs %zu bytes, more than the daemon's max_frame %u "
                        "(fewer layers per step, or start dpclipd with a larger --max-frame)",
                        n, c->info.max_frame);
-    if (n > UINT32_MAX) return cl_fail(c, DPCLIP_EARG, "frame.length", "request too large");
-    need = DC_FRAME_HEADER + n;
     if (need > c->scap) {
         size_t cap = c->scap ? c->scap : 4096;
         uint8_t *nb;
@@ -146,16 +142,28 @@ int cl_send_request(dpclip_client *c, Dpclip__Request *req, int pass_fd, int64_t
         c->sbuf = nb;
         c->scap = cap;
     }
+    return 0;
+}
+
+int cl_send_request(dpclip_client *c, Dpclip__Request *req, int pass_fd, int64_t deadline) {
+    size_t n;
+    int rc;
+
+    if (c->fd < 0) return cl_fail(c, DPCLIP_EIO, "", "the connection to dpclipd is closed");
+    req->id = ++c->next_req_id;
+    n = dpclip__request__get_packed_size(req);
+    if ((rc = frame_reserve(c, n))) return rc;
     dc_frame_put_len(c->sbuf, (uint32_t)n);
     dpclip__request__pack(req, c->sbuf + DC_FRAME_HEADER);
-    return write_all(c, c->sbuf, need, pass_fd, deadline);
+    return write_all(c, c->sbuf, DC_FRAME_HEADER + n, pass_fd, deadline);
 }
 
 int cl_send_body(dpclip_client *c, const uint8_t *body, size_t len, int64_t deadline,
                  uint64_t *id) {
     uint8_t head[DC_FRAME_HEADER + 11];
-    size_t h = DC_FRAME_HEADER, n, need;
+    size_t h = DC_FRAME_HEADER, n;
     uint64_t v;
+    int rc;
 
     if (c->fd < 0) return cl_fail(c, DPCLIP_EIO, "", "the connection to dpclipd is closed");
     *id = v = ++c->next_req_id;
@@ -167,25 +175,11 @@ int cl_send_body(dpclip_client *c, const uint8_t *body, size_t len, int64_t dead
         h++;
     } while (v);
     n = h - DC_FRAME_HEADER + len;
-    if ((c->info.max_frame && n > c->info.max_frame) || n > UINT32_MAX)
-        return cl_fail(c, DPCLIP_EARG, "frame.length",
-                       "the request needs %zu bytes, more than the daemon's max_frame %u "
-                       "(fewer layers per step, or start dpclipd with a larger --max-frame)",
-                       n, c->info.max_frame);
-    need = DC_FRAME_HEADER + n;
-    if (need > c->scap) {
-        size_t cap = c->scap ? c->scap : 4096;
-        uint8_t *nb;
-        while (cap < need) cap *= 2;
-        nb = realloc(c->sbuf, cap);
-        if (!nb) return cl_fail(c, DPCLIP_ENOMEM, "", "out of memory for a %zu-byte request", need);
-        c->sbuf = nb;
-        c->scap = cap;
-    }
+    if ((rc = frame_reserve(c, n))) return rc;
     dc_frame_put_len(head, (uint32_t)n);
     memcpy(c->sbuf, head, h);
     memcpy(c->sbuf + h, body, len);
-    return write_all(c, c->sbuf, need, -1, deadline);
+    return write_all(c, c->sbuf, DC_FRAME_HEADER + n, -1, deadline);
 }
 
 /* Inside the spin window: poll without sleeping. Before it: sleep until it

@@ -131,6 +131,72 @@ static void test_gpu_steps_exact(void **state) {
     dpclip_disconnect(c);
 }
 
+/* A trainer's side of the GPU tests: a step in device memory registered
+ * over CUDA IPC (with a pinned host copy), a stream and the two
+ * interprocess events registered with the daemon. */
+typedef struct gpu_rig {
+    dpclip_client *c;
+    dc_shm_step s;
+    cudaStream_t st;
+    cudaEvent_t ready, done;
+    uint64_t eready, edone;
+    uint8_t *dev, *pinned;
+} gpu_rig;
+
+static void rig_open(gpu_rig *g, uint64_t seed) {
+    cudaIpcEventHandle_t hr, hd;
+    uint64_t gid, off;
+    g->c = connect_ok();
+    make_step(&g->s, g->c, 16, 64, DC_BF16, seed);
+    CUDA_OK(cudaStreamCreateWithFlags(&g->st, cudaStreamNonBlocking));
+    CUDA_OK(cudaEventCreateWithFlags(&g->ready, cudaEventInterprocess | cudaEventDisableTiming));
+    CUDA_OK(cudaEventCreateWithFlags(&g->done, cudaEventInterprocess | cudaEventDisableTiming));
+    CUDA_OK(cudaIpcGetEventHandle(&hr, g->ready));
+    CUDA_OK(cudaIpcGetEventHandle(&hd, g->done));
+    assert_int_equal(dpclip_event_register_cuda(g->c, &hr, 0, &g->eready), 0);
+    assert_int_equal(dpclip_event_register_cuda(g->c, &hd, 0, &g->edone), 0);
+    assert_true(g->eready != g->edone);
+    CUDA_OK(cudaMalloc((void **)&g->dev, g->s.size));
+    CUDA_OK(cudaMallocHost((void **)&g->pinned, g->s.used));
+    assert_int_equal(dpclip_buffer_register_cuda(g->c, g->dev, &gid, &off), 0);
+    assert_int_equal(dc_shm_step_wire_buffer(&g->s, gid), 0);
+    dpclip_step_set_events(g->s.step, g->eready, g->edone);
+}
+
+/* New random inputs, uploaded on the rig's stream over a NaN-filled buffer
+ * (NaNs if the daemon read too early), then `ready` recorded. */
+static void rig_upload(gpu_rig *g, uint64_t seed, int poison) {
+    dc_test_rng r;
+    dc_test_rng_seed(&r, seed);
+    dc_shm_step_refill(&g->s, &r);
+    if (poison) { /* a bf16 NaN in the first layer's activations */
+        uint16_t nan = 0x7fc0;
+        memcpy(g->s.ref.layers[0].input.data, &nan, sizeof nan);
+    }
+    memcpy(g->pinned, g->s.base, g->s.used);
+    CUDA_OK(cudaMemsetAsync(g->dev, 0xff, g->s.used, g->st));
+    CUDA_OK(cudaMemcpyAsync(g->dev, g->pinned, g->s.used, cudaMemcpyHostToDevice, g->st));
+    CUDA_OK(cudaEventRecord(g->ready, g->st));
+}
+
+/* The rig's stream waits on `done` and copies the buffer home. */
+static void rig_download(gpu_rig *g) {
+    CUDA_OK(cudaStreamWaitEvent(g->st, g->done, 0));
+    CUDA_OK(cudaMemcpyAsync(g->pinned, g->dev, g->s.used, cudaMemcpyDeviceToHost, g->st));
+    CUDA_OK(cudaStreamSynchronize(g->st));
+    memcpy(g->s.base, g->pinned, g->s.used);
+}
+
+static void rig_close(gpu_rig *g) {
+    dc_shm_step_free(&g->s);
+    dpclip_disconnect(g->c);
+    CUDA_OK(cudaFree(g->dev));
+    CUDA_OK(cudaFreeHost(g->pinned));
+    cudaEventDestroy(g->ready);
+    cudaEventDestroy(g->done);
+    cudaStreamDestroy(g->st);
+}
+
 /* Ordering through interprocess events: the trainer writes the inputs on its
  * own stream and records `ready`; the daemon waits on it, computes, records
  * `done`; the trainer's stream waits on `done` before copying outputs back.
@@ -141,62 +207,24 @@ static void test_gpu_events(void **state) {
         printf("SKIP: test_gpu_events: no CUDA device\n");
         return;
     }
-    dpclip_client *c = connect_ok();
-    dc_shm_step s;
+    gpu_rig g;
     dpclip_result res;
-    cudaStream_t st;
-    cudaEvent_t ready, done;
-    cudaIpcEventHandle_t hr, hd;
-    uint64_t gid, off, eready, edone;
-    uint8_t *dev, *pinned;
-
-    make_step(&s, c, 16, 64, DC_BF16, 7);
-    CUDA_OK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
-    CUDA_OK(cudaEventCreateWithFlags(&ready, cudaEventInterprocess | cudaEventDisableTiming));
-    CUDA_OK(cudaEventCreateWithFlags(&done, cudaEventInterprocess | cudaEventDisableTiming));
-    CUDA_OK(cudaIpcGetEventHandle(&hr, ready));
-    CUDA_OK(cudaIpcGetEventHandle(&hd, done));
-    assert_int_equal(dpclip_event_register_cuda(c, &hr, 0, &eready), 0);
-    assert_int_equal(dpclip_event_register_cuda(c, &hd, 0, &edone), 0);
-    assert_true(eready != edone);
-    CUDA_OK(cudaMalloc((void **)&dev, s.size));
-    CUDA_OK(cudaMallocHost((void **)&pinned, s.used));
-    memcpy(pinned, s.base, s.used);
-    assert_int_equal(dpclip_buffer_register_cuda(c, dev, &gid, &off), 0);
-    assert_int_equal(dc_shm_step_wire_buffer(&s, gid), 0);
-    dpclip_step_set_events(s.step, eready, edone);
-
+    rig_open(&g, 7);
     for (int rep = 0; rep < 4; rep++) {
-        dc_test_rng r;
-        dc_test_rng_seed(&r, 1000 + (uint64_t)rep);
-        dc_shm_step_refill(&s, &r);
-        memcpy(pinned, s.base, s.used);
-        CUDA_OK(cudaMemsetAsync(dev, 0xff, s.used, st)); /* NaNs, if read too early */
-        CUDA_OK(cudaMemcpyAsync(dev, pinned, s.used, cudaMemcpyHostToDevice, st));
-        CUDA_OK(cudaEventRecord(ready, st));
-        int rc = dpclip_run(c, s.step, &res);
-        if (rc) fail_msg("step %d: %s (%s)", rep, dpclip_errmsg(c), dpclip_errfield(c));
-        CUDA_OK(cudaStreamWaitEvent(st, done, 0));
-        CUDA_OK(cudaMemcpyAsync(pinned, dev, s.used, cudaMemcpyDeviceToHost, st));
-        CUDA_OK(cudaStreamSynchronize(st));
-        memcpy(s.base, pinned, s.used);
-        double worst = dc_shm_step_check(&s, &res, GPU_RTOL, GPU_ATOL);
+        rig_upload(&g, 1000 + (uint64_t)rep, 0);
+        int rc = dpclip_run(g.c, g.s.step, &res);
+        if (rc) fail_msg("step %d: %s (%s)", rep, dpclip_errmsg(g.c), dpclip_errfield(g.c));
+        rig_download(&g);
+        double worst = dc_shm_step_check(&g.s, &res, GPU_RTOL, GPU_ATOL);
         if (worst > 1.0) fail_msg("step %d: GPU result off by %.3g tolerances", rep, worst);
         dpclip_result_free(&res);
     }
     /* An unknown event is refused by field; the session goes on. */
-    dpclip_step_set_events(s.step, edone + 1000, 0);
-    assert_int_equal(dpclip_run(c, s.step, &res), DPCLIP_ENOTFOUND);
-    assert_string_equal(dpclip_errfield(c), "clip_step.wait_event");
-    assert_int_equal(dpclip_ping(c), 0);
-
-    dc_shm_step_free(&s);
-    dpclip_disconnect(c);
-    CUDA_OK(cudaFree(dev));
-    CUDA_OK(cudaFreeHost(pinned));
-    cudaEventDestroy(ready);
-    cudaEventDestroy(done);
-    cudaStreamDestroy(st);
+    dpclip_step_set_events(g.s.step, g.edone + 1000, 0);
+    assert_int_equal(dpclip_run(g.c, g.s.step, &res), DPCLIP_ENOTFOUND);
+    assert_string_equal(dpclip_errfield(g.c), "clip_step.wait_event");
+    assert_int_equal(dpclip_ping(g.c), 0);
+    rig_close(&g);
 }
 
 static size_t tensor_bytes(const dc_tensor *t) {
@@ -234,81 +262,43 @@ static void test_gpu_early_notice(void **state) {
         printf("SKIP: test_gpu_early_notice: no CUDA device\n");
         return;
     }
-    dpclip_client *c = connect_ok();
-    dc_shm_step s;
+    gpu_rig g;
     dpclip_result res;
     dpclip_enqueued info;
-    cudaStream_t st;
-    cudaEvent_t ready, done;
-    cudaIpcEventHandle_t hr, hd;
-    uint64_t gid, off, eready, edone, ticket;
-    uint8_t *dev, *pinned;
-
-    make_step(&s, c, 16, 64, DC_BF16, 11);
-    CUDA_OK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
-    CUDA_OK(cudaEventCreateWithFlags(&ready, cudaEventInterprocess | cudaEventDisableTiming));
-    CUDA_OK(cudaEventCreateWithFlags(&done, cudaEventInterprocess | cudaEventDisableTiming));
-    CUDA_OK(cudaIpcGetEventHandle(&hr, ready));
-    CUDA_OK(cudaIpcGetEventHandle(&hd, done));
-    assert_int_equal(dpclip_event_register_cuda(c, &hr, 0, &eready), 0);
-    assert_int_equal(dpclip_event_register_cuda(c, &hd, 0, &edone), 0);
-    CUDA_OK(cudaMalloc((void **)&dev, s.size));
-    CUDA_OK(cudaMallocHost((void **)&pinned, s.used));
-    assert_int_equal(dpclip_buffer_register_cuda(c, dev, &gid, &off), 0);
-    assert_int_equal(dc_shm_step_wire_buffer(&s, gid), 0);
-    dpclip_step_set_events(s.step, eready, edone);
-    dpclip_step_notify_enqueued(s.step, 1);
-
+    uint64_t ticket;
+    rig_open(&g, 11);
+    dpclip_step_notify_enqueued(g.s.step, 1);
     for (int rep = 0; rep < 5; rep++) {
-        dc_test_rng r;
         const int poison = rep == 3;
-        dc_test_rng_seed(&r, 2000 + (uint64_t)rep);
-        dc_shm_step_refill(&s, &r);
-        if (poison) { /* a bf16 NaN in the first layer's activations */
-            uint16_t nan = 0x7fc0;
-            memcpy(s.ref.layers[0].input.data, &nan, sizeof nan);
-        }
-        memcpy(pinned, s.base, s.used);
-        CUDA_OK(cudaMemsetAsync(dev, 0xff, s.used, st)); /* NaNs, if read too early */
-        CUDA_OK(cudaMemcpyAsync(dev, pinned, s.used, cudaMemcpyHostToDevice, st));
-        CUDA_OK(cudaEventRecord(ready, st));
-        assert_int_equal(dpclip_submit(c, s.step, &ticket), 0);
-        int rc = dpclip_wait_enqueued(c, ticket, -1, &info);
-        if (rc) fail_msg("step %d: no notice: %s (%s)", rep, dpclip_errmsg(c), dpclip_errfield(c));
+        rig_upload(&g, 2000 + (uint64_t)rep, poison);
+        assert_int_equal(dpclip_submit(g.c, g.s.step, &ticket), 0);
+        int rc = dpclip_wait_enqueued(g.c, ticket, -1, &info);
+        if (rc)
+            fail_msg("step %d: no notice: %s (%s)", rep, dpclip_errmsg(g.c), dpclip_errfield(g.c));
         /* ordered by the event alone: the result is not collected yet */
-        CUDA_OK(cudaStreamWaitEvent(st, done, 0));
-        CUDA_OK(cudaMemcpyAsync(pinned, dev, s.used, cudaMemcpyDeviceToHost, st));
-        CUDA_OK(cudaStreamSynchronize(st));
-        memcpy(s.base, pinned, s.used);
-        rc = dpclip_wait(c, ticket, -1, &res);
+        rig_download(&g);
+        rc = dpclip_wait(g.c, ticket, -1, &res);
         if (poison) {
             assert_int_equal(rc, DPCLIP_ENONFINITE);
-            assert_true(outputs_zero(&s));
+            assert_true(outputs_zero(&g.s));
             continue;
         }
-        if (rc) fail_msg("step %d: %s (%s)", rep, dpclip_errmsg(c), dpclip_errfield(c));
+        if (rc) fail_msg("step %d: %s (%s)", rep, dpclip_errmsg(g.c), dpclip_errfield(g.c));
         assert_int_equal(info.step_index, res.step_index);
         assert_true(info.epsilon == res.epsilon);
-        assert_false(outputs_zero(&s));
-        double worst = dc_shm_step_check(&s, &res, GPU_RTOL, GPU_ATOL);
+        assert_false(outputs_zero(&g.s));
+        double worst = dc_shm_step_check(&g.s, &res, GPU_RTOL, GPU_ATOL);
         if (worst > 1.0) fail_msg("step %d: GPU result off by %.3g tolerances", rep, worst);
         dpclip_result_free(&res);
     }
     /* the flag needs a signal event */
-    dpclip_step_set_events(s.step, eready, 0);
-    assert_int_equal(dpclip_submit(c, s.step, &ticket), 0);
-    assert_int_equal(dpclip_wait_enqueued(c, ticket, -1, &info), DPCLIP_EINVAL);
-    assert_string_equal(dpclip_errfield(c), "clip_step.notify_enqueued");
-    assert_int_equal(dpclip_wait(c, ticket, 0, &res), DPCLIP_EARG); /* already collected */
-    assert_int_equal(dpclip_ping(c), 0);
-
-    dc_shm_step_free(&s);
-    dpclip_disconnect(c);
-    CUDA_OK(cudaFree(dev));
-    CUDA_OK(cudaFreeHost(pinned));
-    cudaEventDestroy(ready);
-    cudaEventDestroy(done);
-    cudaStreamDestroy(st);
+    dpclip_step_set_events(g.s.step, g.eready, 0);
+    assert_int_equal(dpclip_submit(g.c, g.s.step, &ticket), 0);
+    assert_int_equal(dpclip_wait_enqueued(g.c, ticket, -1, &info), DPCLIP_EINVAL);
+    assert_string_equal(dpclip_errfield(g.c), "clip_step.notify_enqueued");
+    assert_int_equal(dpclip_wait(g.c, ticket, 0, &res), DPCLIP_EARG); /* already collected */
+    assert_int_equal(dpclip_ping(g.c), 0);
+    rig_close(&g);
 }
 
 /* gpu.workspace_max: a step that needs more device workspace is refused
