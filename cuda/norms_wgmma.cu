@@ -256,9 +256,10 @@ cudaError_t launch_wg(const dcc_linear *L, dc_algo algo, float s2, float *n2, cu
  *     exchange), FILL_TILES / SPLIT_TILES k-tiles' worth, fitted on an H100
  *     to the (8,2048,768,3072) and (2,8192,768,3072) shapes.
  * Clusters of 4 measured far slower than this model says (cluster placement
- * on 132 SMs), so the split is at most 3 (clusters of 3 measured 1.46x the
- * GEMM on (2,8192,768,3072) against 1.49-1.50x for 2, the only shape of the
- * benchmark where the model picks 3).
+ * on 132 SMs), and clusters of 3 no better than 2 (on (2,8192,768,3072), the
+ * one benchmark shape where the model would pick 3: 1.46x the GEMM against
+ * 1.46x for 2 in one run, 1.56-1.58x against 1.46-1.51x across H100s), so
+ * the model's split is at most 2; 3 can be forced.
  * DPCLIP_CUDA_DIRECT_TILE=128|256 and DPCLIP_CUDA_DIRECT_SPLIT=1|2|3 force
  * the choices (tests, benchmark). */
 static const double TALL_GAIN = 1.3, FILL_TILES = 4.0, SPLIT_TILES = 12.0;
@@ -280,7 +281,7 @@ static int sm_count(void) {
 }
 
 static int max_split(const dcc_linear *L) {
-    return dcc_tma_available() && L->T >= SPLIT_MIN_T ? 3 : 1;
+    return dcc_tma_available() && L->T >= SPLIT_MIN_T ? 2 : 1;
 }
 
 /* The cheapest (rows, split) pair. */
