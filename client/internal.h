@@ -147,6 +147,20 @@ int cl_call(dpclip_client *c, Dpclip__Request *req, int pass_fd,
 int cl_register_buffer(dpclip_client *c, Dpclip__RegisterBuffer *rb, int pass_fd, uint64_t *id);
 int cl_release_buffer(dpclip_client *c, uint64_t buffer_id);
 
+/* The request FIFO (client.c), used by submit.c: room for one more request
+ * before it is sent; the request, once sent; one reply read (a synchronous
+ * request's is handed back in *sync, an async one completed; an early
+ * notice marks its step and pops nothing). */
+int cl_reserve_pending(dpclip_client *c);
+void cl_push_pending(dpclip_client *c, const cl_pending *p);
+int cl_read_one(dpclip_client *c, int64_t deadline, Dpclip__Reply **sync);
+/* A daemon ErrorCode as our DPCLIP_E* value (they are equal; bogus values
+ * become DPCLIP_EINTERNAL). */
+int cl_daemon_code(Dpclip__ErrorCode code);
+/* A ClipStepReply as a result with malloc'd arrays; msg says what is wrong. */
+int cl_to_result(const Dpclip__ClipStepReply *r, uint32_t batch, uint32_t n_layers,
+                 dpclip_result *res, char *msg, size_t msgn);
+
 /* --- CUDA (cuda.c) -------------------------------------------------------- */
 /* Forgets a released buffer id (no-op for non-CUDA buffers). */
 void cl_cuda_forget(dpclip_client *c, uint64_t id);

@@ -28,7 +28,8 @@
  * default: the daemon's per-phase histograms use it).
  * A failed step is then diagnosed on the host (which tensor, which sample),
  * with extra synchronisations on that path only, and reported exactly as the
- * CPU backend words it (backend_diag.cu).
+ * CPU backend words it (backend_diag.cu). The small C API around run_step
+ * (phase timing, events, workspace setting) is in backend_api.cu.
  *
  * Ownership: the instance owns its stream, cuBLAS handle, device workspace
  * (ws, grown only when a step needs more) and pinned host block; steps only
@@ -41,6 +42,22 @@
 #include "backend_int.h"
 
 using namespace dcb;
+
+int dcb::ws_alloc(cuda_backend *cb, size_t want, dc_err *err) {
+    (void)cudaStreamSynchronize(cb->stream);
+    if (cb->ws) cudaFree(cb->ws);
+    cb->ws = NULL;
+    cb->ws_cap = 0;
+    if (cudaMalloc((void **)&cb->ws, want) != cudaSuccess) {
+        (void)cudaGetLastError();
+        cb->ws = NULL;
+        return dc_err_set(err, DC_ENOSPACE, "", "cannot allocate %zu bytes of workspace on cuda:%d",
+                          want, cb->device);
+    }
+    cb->ws_cap = want;
+    return 0;
+}
+
 
 namespace {
 
@@ -206,22 +223,6 @@ int plan_step(cuda_backend *cb, const dc_step *s, layout *Lo, dc_err *err) {
     Lo->temp_bytes = temp;
     o += al(temp);
     Lo->total = o;
-    return 0;
-}
-
-/* Holds `want` bytes of workspace (contents not kept). */
-static int ws_alloc(cuda_backend *cb, size_t want, dc_err *err) {
-    (void)cudaStreamSynchronize(cb->stream);
-    if (cb->ws) cudaFree(cb->ws);
-    cb->ws = NULL;
-    cb->ws_cap = 0;
-    if (cudaMalloc((void **)&cb->ws, want) != cudaSuccess) {
-        (void)cudaGetLastError();
-        cb->ws = NULL;
-        return dc_err_set(err, DC_ENOSPACE, "", "cannot allocate %zu bytes of workspace on cuda:%d",
-                          want, cb->device);
-    }
-    cb->ws_cap = want;
     return 0;
 }
 
@@ -729,82 +730,6 @@ extern "C" int dc_cuda_backend_create(int device, dc_backend **out, dc_err *err)
     return 0;
 }
 
-extern "C" int dc_cuda_backend_profile(dc_backend *be, int on) {
-    cuda_backend *cb = (cuda_backend *)be;
-    if (on && !cb->ev[0]) {
-        if (cudaSetDevice(cb->device) != cudaSuccess) return DC_EUNAVAIL;
-        for (int i = 0; i <= DC_CUDA_PHASES; i++)
-            if (cudaEventCreate(&cb->ev[i]) != cudaSuccess) {
-                (void)cudaGetLastError();
-                for (int j = 0; j < i; j++) cudaEventDestroy(cb->ev[j]);
-                memset(cb->ev, 0, sizeof cb->ev);
-                return DC_EUNAVAIL;
-            }
-        if (cudaEventCreate(&cb->ev_wait) != cudaSuccess) {
-            (void)cudaGetLastError();
-            cb->ev_wait = NULL;
-        }
-    }
-    cb->prof = on != 0;
-    for (int i = 0; i < DC_CUDA_PHASES; i++) cb->phase_ms[i] = -1.0f;
-    return 0;
-}
-
-extern "C" int dc_cuda_backend_phase_ms(const dc_backend *be, float ms[DC_CUDA_PHASES]) {
-    const cuda_backend *cb = (const cuda_backend *)be;
-    if (!cb->prof) return DC_EPRECOND;
-    memcpy(ms, cb->phase_ms, sizeof cb->phase_ms);
-    return 0;
-}
-
-extern "C" const char *dc_cuda_phase_name(int phase) {
-    static const char *const names[DC_CUDA_PHASES] = {"setup", "norms", "coefs", "clipped",
-                                                      "check", "noise", "commit", "download"};
-    return phase >= 0 && phase < DC_CUDA_PHASES ? names[phase] : "?";
-}
-
-extern "C" int dc_cuda_backend_wait_event(dc_backend *be, void *cuda_event) {
-    cuda_backend *cb = (cuda_backend *)be;
-    if (cb->prof && cb->ev_wait && !cb->broken &&
-        cudaEventRecord(cb->ev_wait, cb->stream) == cudaSuccess)
-        cb->waited = true;
-    if (cb->broken || cudaSetDevice(cb->device) != cudaSuccess ||
-        cudaStreamWaitEvent(cb->stream, (cudaEvent_t)cuda_event, 0) != cudaSuccess) {
-        (void)cudaGetLastError();
-        return DC_EUNAVAIL;
-    }
-    return 0;
-}
-
-extern "C" int dc_cuda_backend_record_event(dc_backend *be, void *cuda_event) {
-    cuda_backend *cb = (cuda_backend *)be;
-    if (cb->broken || cudaSetDevice(cb->device) != cudaSuccess ||
-        cudaEventRecord((cudaEvent_t)cuda_event, cb->stream) != cudaSuccess) {
-        (void)cudaGetLastError();
-        return DC_EUNAVAIL;
-    }
-    return 0;
-}
-
-extern "C" int dc_cuda_backend_set_workspace(dc_backend *be, size_t initial, size_t max,
-                                             dc_err *err) {
-    cuda_backend *cb = (cuda_backend *)be;
-    cb->ws_max = max;
-    if (initial <= cb->ws_cap) return 0;
-    if (cudaSetDevice(cb->device) != cudaSuccess) {
-        (void)cudaGetLastError();
-        return dc_err_set(err, DC_EUNAVAIL, "", "cannot select cuda:%d", cb->device);
-    }
-    if (ws_alloc(cb, initial, err))
-        return dc_err_set(err, DC_ENOSPACE, "workspace",
-                          "cannot preallocate gpu.workspace = %zu bytes on cuda:%d", initial,
-                          cb->device);
-    return 0;
-}
-
-extern "C" size_t dc_cuda_backend_workspace_bytes(const dc_backend *be) {
-    return ((const cuda_backend *)be)->ws_cap;
-}
 
 extern "C" dc_algo dc_cuda_linear_pick(const dc_layer *l) {
     if (l->T > INT32_MAX || l->d > INT32_MAX || l->p > INT32_MAX) return dc_linear_pick(l);

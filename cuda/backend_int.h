@@ -72,6 +72,10 @@ inline bool want_out(const dc_layer *l, int k) {
     return k == 0 ? l->weight_grad_out.data != NULL : (l->has_bias && l->bias_grad_out.data);
 }
 
+/* Holds `want` bytes of device workspace in cb->ws (contents not kept);
+ * DC_ENOSPACE if the allocation fails. */
+int ws_alloc(cuda_backend *cb, size_t want, dc_err *err);
+
 /* Fails the step with a CUDA error; marks the instance broken when the
  * context is left unusable (a sticky error). */
 int cuda_fail(cuda_backend *cb, dc_err *err, cudaError_t e, const char *what);

@@ -1,0 +1,85 @@
+/* The CUDA backend's small C API around run_step (dc_cuda.h): phase timing,
+ * interprocess events on the backend's stream, and the workspace setting.
+ * Each call runs on the worker thread that owns the instance. */
+#include <string.h>
+
+#include "backend_int.h"
+
+using namespace dcb;
+
+extern "C" int dc_cuda_backend_profile(dc_backend *be, int on) {
+    cuda_backend *cb = (cuda_backend *)be;
+    if (on && !cb->ev[0]) {
+        if (cudaSetDevice(cb->device) != cudaSuccess) return DC_EUNAVAIL;
+        for (int i = 0; i <= DC_CUDA_PHASES; i++)
+            if (cudaEventCreate(&cb->ev[i]) != cudaSuccess) {
+                (void)cudaGetLastError();
+                for (int j = 0; j < i; j++) cudaEventDestroy(cb->ev[j]);
+                memset(cb->ev, 0, sizeof cb->ev);
+                return DC_EUNAVAIL;
+            }
+        if (cudaEventCreate(&cb->ev_wait) != cudaSuccess) {
+            (void)cudaGetLastError();
+            cb->ev_wait = NULL;
+        }
+    }
+    cb->prof = on != 0;
+    for (int i = 0; i < DC_CUDA_PHASES; i++) cb->phase_ms[i] = -1.0f;
+    return 0;
+}
+
+extern "C" int dc_cuda_backend_phase_ms(const dc_backend *be, float ms[DC_CUDA_PHASES]) {
+    const cuda_backend *cb = (const cuda_backend *)be;
+    if (!cb->prof) return DC_EPRECOND;
+    memcpy(ms, cb->phase_ms, sizeof cb->phase_ms);
+    return 0;
+}
+
+extern "C" const char *dc_cuda_phase_name(int phase) {
+    static const char *const names[DC_CUDA_PHASES] = {"setup", "norms", "coefs", "clipped",
+                                                      "check", "noise", "commit", "download"};
+    return phase >= 0 && phase < DC_CUDA_PHASES ? names[phase] : "?";
+}
+
+extern "C" int dc_cuda_backend_wait_event(dc_backend *be, void *cuda_event) {
+    cuda_backend *cb = (cuda_backend *)be;
+    if (cb->prof && cb->ev_wait && !cb->broken &&
+        cudaEventRecord(cb->ev_wait, cb->stream) == cudaSuccess)
+        cb->waited = true;
+    if (cb->broken || cudaSetDevice(cb->device) != cudaSuccess ||
+        cudaStreamWaitEvent(cb->stream, (cudaEvent_t)cuda_event, 0) != cudaSuccess) {
+        (void)cudaGetLastError();
+        return DC_EUNAVAIL;
+    }
+    return 0;
+}
+
+extern "C" int dc_cuda_backend_record_event(dc_backend *be, void *cuda_event) {
+    cuda_backend *cb = (cuda_backend *)be;
+    if (cb->broken || cudaSetDevice(cb->device) != cudaSuccess ||
+        cudaEventRecord((cudaEvent_t)cuda_event, cb->stream) != cudaSuccess) {
+        (void)cudaGetLastError();
+        return DC_EUNAVAIL;
+    }
+    return 0;
+}
+
+extern "C" int dc_cuda_backend_set_workspace(dc_backend *be, size_t initial, size_t max,
+                                             dc_err *err) {
+    cuda_backend *cb = (cuda_backend *)be;
+    cb->ws_max = max;
+    if (initial <= cb->ws_cap) return 0;
+    if (cudaSetDevice(cb->device) != cudaSuccess) {
+        (void)cudaGetLastError();
+        return dc_err_set(err, DC_EUNAVAIL, "", "cannot select cuda:%d", cb->device);
+    }
+    if (ws_alloc(cb, initial, err))
+        return dc_err_set(err, DC_ENOSPACE, "workspace",
+                          "cannot preallocate gpu.workspace = %zu bytes on cuda:%d", initial,
+                          cb->device);
+    return 0;
+}
+
+extern "C" size_t dc_cuda_backend_workspace_bytes(const dc_backend *be) {
+    return ((const cuda_backend *)be)->ws_cap;
+}
