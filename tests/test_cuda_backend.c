@@ -1,0 +1,451 @@
+/* The CUDA backend (cuda/backend_cuda.cu) as the daemon uses it: whole
+ * steps of every layer kind against the CPU backend and the reference, the
+ * staged fallback, failures (non-finite inputs and outputs, bad indices:
+ * nothing written, the same errors as the CPU backend), the noise against
+ * daemon/noise.c, host-memory steps and events. Error bounds: see
+ * test_cuda_kernels.c. Every whole-step test also runs with the backend's
+ * switches in their old positions (per-layer book-keeping, staged outputs,
+ * double noise, exact f32), the configuration the benchmark compares against.
+ * Without a CUDA device the test prints "SKIP: no CUDA device" and passes. */
+#include <math.h>
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <cmocka.h>
+#include <cuda_runtime_api.h>
+
+#include "noise.h"
+#include "cuda_test.h"
+
+typedef struct multi {
+    dc_layer h[6], d[6];
+    size_t L;
+    uint32_t B;
+    dc_tensor norms_out, coefs_out; /* device */
+} multi;
+
+/* Six layers of every kind with outputs, inputs of dtype dt; one output in
+ * bf16 and one in f16. */
+static void multi_make(multi *m, dc_dtype dt, dc_test_rng *r) {
+    static const dc_test_layer_spec specs[6] = {
+        {DC_LAYER_LINEAR, 6, 70, 72, 48, DC_F32, 1, DC_ALGO_DIRECT, 1, 0}, /* fused book-keeping */
+        {DC_LAYER_LINEAR, 6, 9, 30, 20, DC_F32, 1, DC_ALGO_GHOST, 1, 0}, /* small-T book-keeping */
+        {DC_LAYER_LINEAR, 6, 0, 33, 17, DC_F32, 0, DC_ALGO_AUTO, 1, 0},  /* T = 1 */
+        {DC_LAYER_EMBEDDING, 6, 12, 16, 25, DC_F32, 0, DC_ALGO_AUTO, 1, 0},
+        {DC_LAYER_LAYERNORM, 6, 40, 72, 0, DC_F32, 1, DC_ALGO_AUTO, 1, 0},
+        {DC_LAYER_RMSNORM, 6, 40, 48, 0, DC_F32, 0, DC_ALGO_AUTO, 1, 0},
+    };
+    m->L = 6;
+    m->B = 6;
+    for (size_t l = 0; l < m->L; l++) {
+        dc_test_layer_spec sp = specs[l];
+        sp.dtype = dt;
+        dc_test_layer_make(&m->h[l], &sp, r);
+        m->h[l].max_grad_norm = 0.05f + 0.1f * (float)l;
+    }
+    /* output dtypes other than f32 */
+    dc_tensor *w0 = &m->h[0].weight_grad_out;
+    dc_tensor bf = dc_test_tensor_new(DC_BF16, w0->ndim, w0->shape[0], w0->shape[1], 0);
+    dc_test_tensor_free(w0);
+    *w0 = bf;
+    dc_tensor *w4 = &m->h[4].weight_grad_out;
+    dc_tensor hf = dc_test_tensor_new(DC_F16, w4->ndim, w4->shape[0], 0, 0);
+    dc_test_tensor_free(w4);
+    *w4 = hf;
+    for (size_t l = 0; l < m->L; l++) m->d[l] = dev_layer(&m->h[l]);
+    CUDA_OK(cudaMalloc(&m->norms_out.data, m->B * sizeof(float)));
+    CUDA_OK(cudaMalloc(&m->coefs_out.data, m->B * sizeof(float)));
+    m->norms_out.dtype = m->coefs_out.dtype = DC_F32;
+    m->norms_out.ndim = m->coefs_out.ndim = 1;
+    m->norms_out.shape[0] = m->coefs_out.shape[0] = m->B;
+}
+
+static void multi_free(multi *m) {
+    for (size_t l = 0; l < m->L; l++) {
+        dc_test_layer_free(&m->h[l]);
+        dev_layer_free(&m->d[l]);
+    }
+    dev_free(&m->norms_out);
+    dev_free(&m->coefs_out);
+}
+
+/* Fills every device output with a sentinel. */
+static void poison(multi *m, float v) {
+    for (size_t l = 0; l < m->L; l++) {
+        dc_tensor *o[2] = {&m->d[l].weight_grad_out, &m->d[l].bias_grad_out};
+        for (int k = 0; k < 2; k++) {
+            if (!o[k]->data) continue;
+            int64_t n = numel(o[k]);
+            void *raw = malloc(tensor_bytes(o[k]));
+            assert_non_null(raw);
+            for (int64_t i = 0; i < n; i++) dc_store_f32(raw, o[k]->dtype, (size_t)i, v);
+            CUDA_OK(cudaMemcpy(o[k]->data, raw, tensor_bytes(o[k]), cudaMemcpyHostToDevice));
+            free(raw);
+        }
+    }
+    float fill[64];
+    for (int i = 0; i < 64; i++) fill[i] = v;
+    CUDA_OK(cudaMemcpy(m->norms_out.data, fill, m->B * sizeof(float), cudaMemcpyHostToDevice));
+    CUDA_OK(cudaMemcpy(m->coefs_out.data, fill, m->B * sizeof(float), cudaMemcpyHostToDevice));
+}
+
+/* Every output (and norms_out/coefs_out) still holds the sentinel. */
+static void assert_untouched(multi *m, float v) {
+    for (size_t l = 0; l < m->L; l++) {
+        dc_tensor *o[2] = {&m->d[l].weight_grad_out, &m->d[l].bias_grad_out};
+        for (int k = 0; k < 2; k++) {
+            if (!o[k]->data) continue;
+            float *got = dev_to_f32(o[k]);
+            for (int64_t i = 0; i < numel(o[k]); i++) assert_true(got[i] == v);
+            free(got);
+        }
+    }
+    float got[64];
+    CUDA_OK(cudaMemcpy(got, m->norms_out.data, m->B * sizeof(float), cudaMemcpyDeviceToHost));
+    for (uint32_t b = 0; b < m->B; b++) assert_true(got[b] == v);
+    CUDA_OK(cudaMemcpy(got, m->coefs_out.data, m->B * sizeof(float), cudaMemcpyDeviceToHost));
+    for (uint32_t b = 0; b < m->B; b++) assert_true(got[b] == v);
+}
+
+static void compare_steps(multi *m, dc_step *hs, dc_step *ds) {
+    dc_step_result rh, rd;
+    dc_err eh, ed;
+    int rc = run(g_cpu, hs, &rh, &eh);
+    if (rc) fprintf(stderr, "cpu: %s: %s\n", eh.field, eh.msg);
+    assert_int_equal(rc, 0);
+    rc = run(g_cuda, ds, &rd, &ed);
+    if (rc) fprintf(stderr, "cuda: %s: %s\n", ed.field, ed.msg);
+    assert_int_equal(rc, 0);
+    double tol_n = 1e-3; /* norms: relative, the loosest input dtype */
+    int clipped = 0;
+    for (uint32_t b = 0; b < m->B; b++) {
+        assert_true(fabs(rd.norms[b] - rh.norms[b]) <= tol_n * rh.norms[b]);
+        assert_true(fabs(rd.coefs[b] - rh.coefs[b]) <= tol_n * rh.coefs[b]);
+        clipped += rh.coefs[b] < 1.0f;
+    }
+    for (size_t i = 0; i < m->L * m->B; i++) {
+        assert_true(fabs(rd.layer_norms[i] - rh.layer_norms[i]) <= tol_n * rh.layer_norms[i]);
+        if (hs->mode == DC_CLIP_PER_LAYER)
+            assert_true(fabs(rd.layer_coefs[i] - rh.layer_coefs[i]) <= tol_n * rh.layer_coefs[i]);
+    }
+    float *no = dev_to_f32(&m->norms_out), *co = dev_to_f32(&m->coefs_out);
+    for (uint32_t b = 0; b < m->B; b++) {
+        assert_true(no[b] == rd.norms[b]);
+        assert_true(co[b] == rd.coefs[b]);
+    }
+    free(no);
+    free(co);
+    for (size_t l = 0; l < m->L; l++) {
+        dc_tensor *o[2] = {&m->d[l].weight_grad_out, &m->d[l].bias_grad_out};
+        dc_tensor *ho[2] = {&m->h[l].weight_grad_out, &m->h[l].bias_grad_out};
+        for (int k = 0; k < 2; k++) {
+            if (!o[k]->data) continue;
+            float *got = dev_to_f32(o[k]), *want = host_to_f32(ho[k]);
+            double e = rel_l2(got, want, numel(o[k]));
+            double tol = o[k]->dtype == DC_F32 ? 1e-4 : 2e-3;
+            if (k == 0 && m->h[l].kind == DC_LAYER_LINEAR && m->h[l].input.dtype == DC_F32 &&
+                g_tf32)
+                tol += 2e-3;
+            printf("  %s.%s (%s): rel l2 err %.2e\n", m->h[l].name, k ? "bias" : "weight",
+                   dc_dtype_name(o[k]->dtype), e);
+            assert_true(e <= tol);
+            free(got);
+            free(want);
+        }
+    }
+    printf("  %d of %u samples clipped\n", clipped, m->B);
+    dc_step_result_free(&rh);
+    dc_step_result_free(&rd);
+}
+
+static void test_whole_steps(void **state) {
+    (void)state;
+    dc_test_rng r;
+    dc_test_rng_seed(&r, 404);
+    for (int cfg = 0; cfg < 2; cfg++) { /* the default switches, then the old paths */
+    set_switches(cfg == 0, cfg == 0);
+    for (int di = 0; di < 3; di++) {
+        for (int mode = 0; mode < 3; mode++) { /* FLAT+SUM, FLAT+MEAN, PER_LAYER+SUM */
+            multi m;
+            dc_step hs, ds;
+            multi_make(&m, kDtypes[di], &r);
+            step_init(&hs, m.h, m.L, m.B, -1);
+            step_init(&ds, m.d, m.L, m.B, 0);
+            ds.norms_out = m.norms_out;
+            ds.coefs_out = m.coefs_out;
+            if (mode == 1) {
+                hs.reduction = ds.reduction = DC_REDUCTION_MEAN;
+                hs.expected_batch = ds.expected_batch = 8;
+            }
+            if (mode == 2) hs.mode = ds.mode = DC_CLIP_PER_LAYER;
+            /* C at the median norm, so that some samples are clipped */
+            dc_step_result r0;
+            dc_err e0;
+            assert_int_equal(run(g_cpu, &hs, &r0, &e0), 0);
+            float sorted[6];
+            memcpy(sorted, r0.norms, sizeof sorted);
+            for (int i = 0; i < 6; i++)
+                for (int j = i + 1; j < 6; j++)
+                    if (sorted[j] < sorted[i]) {
+                        float t = sorted[i];
+                        sorted[i] = sorted[j];
+                        sorted[j] = t;
+                    }
+            hs.max_grad_norm = ds.max_grad_norm = 0.5f * (sorted[2] + sorted[3]);
+            dc_step_result_free(&r0);
+            hs.noise_multiplier = ds.noise_multiplier = 0.5f;
+            printf("whole step: %s inputs, mode %d, %s switches\n", dc_dtype_name(kDtypes[di]),
+                   mode, cfg == 0 ? "default" : "old");
+            compare_steps(&m, &hs, &ds);
+            /* the same shapes again: the workspace does not grow */
+            size_t ws = dc_cuda_backend_workspace_bytes(g_cuda);
+            dc_step_result rr;
+            dc_err ee;
+            assert_int_equal(run(g_cuda, &ds, &rr, &ee), 0);
+            dc_step_result_free(&rr);
+            assert_true(dc_cuda_backend_workspace_bytes(g_cuda) == ws);
+            multi_free(&m);
+        }
+    }
+    }
+    set_switches(1, 1);
+}
+
+/* LINEAR clipped sums on their own: the fused tensor-core kernel with one
+ * group of samples (plain stores) and with several (atomics), ragged tiles,
+ * and the cuBLAS paths (f32; T < 64), against the CPU backend. */
+static void test_staged_fallback(void **state) {
+    (void)state;
+    dc_test_rng r;
+    dc_test_rng_seed(&r, 909);
+    dc_test_layer_spec sp = {DC_LAYER_LINEAR, 4, 80, 64, 48, DC_BF16, 1, DC_ALGO_AUTO, 1, 0};
+    dc_layer h, d;
+    dc_step hs, ds;
+    dc_step_result rh, rd;
+    dc_err eh, ed;
+    dc_test_layer_make(&h, &sp, &r);
+    dc_tensor *w = &h.weight_grad_out;
+    dc_tensor hf = dc_test_tensor_new(DC_F16, w->ndim, w->shape[0], w->shape[1], 0);
+    dc_test_tensor_free(w);
+    *w = hf;
+    d = dev_layer(&h);
+    step_init(&hs, &h, 1, 4, -1);
+    step_init(&ds, &d, 1, 4, 0);
+    /* 3120 draws of |z| <~ 4.5: |v| < 5e4, finite in f16 */
+    hs.noise_multiplier = ds.noise_multiplier = 1e4f;
+    assert_int_equal(run(g_cpu, &hs, &rh, &eh), 0);
+    int rc = run(g_cuda, &ds, &rd, &ed);
+    if (rc) fprintf(stderr, "cuda: %s: %s\n", ed.field, ed.msg);
+    assert_int_equal(rc, 0);
+    float *gw = dev_to_f32(&d.weight_grad_out), *ww = host_to_f32(&h.weight_grad_out);
+    float *gb = dev_to_f32(&d.bias_grad_out), *wb = host_to_f32(&h.bias_grad_out);
+    double ew = rel_l2(gw, ww, numel(&d.weight_grad_out));
+    double eb = rel_l2(gb, wb, numel(&d.bias_grad_out));
+    printf("staged fallback: f16 weight %.2e, f32 bias %.2e\n", ew, eb);
+    assert_true(ew <= 2e-3);
+    assert_true(eb <= 1e-4);
+    free(gw);
+    free(ww);
+    free(gb);
+    free(wb);
+    dc_step_result_free(&rh);
+    dc_step_result_free(&rd);
+    dev_layer_free(&d);
+    dc_test_layer_free(&h);
+}
+
+/* --- failures -------------------------------------------------------------- */
+
+/* Sets element i of a device tensor (and of its host twin) to v. */
+static void plant(dc_tensor *h, dc_tensor *d, size_t i, float v) {
+    unsigned char raw[8];
+    size_t sz = dc_dtype_size(h->dtype);
+    dc_store_f32(h->data, h->dtype, i, v);
+    memcpy(raw, (char *)h->data + i * sz, sz);
+    CUDA_OK(cudaMemcpy((char *)d->data + i * sz, raw, sz, cudaMemcpyHostToDevice));
+}
+
+/* Runs a failing step on both backends: same code, field (and message when
+ * exact), nothing written by the GPU; then a good step still runs. */
+static void expect_failure(multi *m, dc_step *hs, dc_step *ds, int code, const char *field,
+                           int exact_msg) {
+    dc_step_result rh, rd;
+    dc_err eh, ed;
+    poison(m, 1536.0f);
+    int rch = run(g_cpu, hs, &rh, &eh), rcd = run(g_cuda, ds, &rd, &ed);
+    printf("  cpu: %d %s: %s\n  gpu: %d %s: %s\n", rch, eh.field, eh.msg, rcd, ed.field, ed.msg);
+    assert_int_equal(rch, code);
+    assert_int_equal(rcd, code);
+    assert_string_equal(ed.field, field);
+    assert_string_equal(ed.field, eh.field);
+    if (exact_msg) assert_string_equal(ed.msg, eh.msg);
+    else assert_true(strncmp(ed.msg, eh.msg, 20) == 0);
+    assert_untouched(m, 1536.0f);
+    dc_step_result_free(&rh);
+    dc_step_result_free(&rd);
+}
+
+static void test_failures(void **state) {
+    (void)state;
+    dc_test_rng r;
+    dc_test_rng_seed(&r, 505);
+    char field[128];
+    for (int which = 0; which < 6; which++) {
+        multi m;
+        dc_step hs, ds;
+        multi_make(&m, which == 1 ? DC_F16 : DC_BF16, &r);
+        step_init(&hs, m.h, m.L, m.B, -1);
+        step_init(&ds, m.d, m.L, m.B, 0);
+        ds.norms_out = m.norms_out;
+        ds.coefs_out = m.coefs_out;
+        switch (which) {
+        case 0: /* NaN in a linear grad, sample 2 */
+            plant(&m.h[0].grad, &m.d[0].grad, (size_t)(2 * 70 * 48 + 5 * 48 + 7), NAN);
+            snprintf(field, sizeof field, "%s.output_grad", m.h[0].name);
+            expect_failure(&m, &hs, &ds, DC_ENONFINITE, field, 1);
+            break;
+        case 1: /* Inf in the activations of a T = 1 layer, and a later NaN */
+            plant(&m.h[2].input, &m.d[2].input, (size_t)(4 * 33 + 3), INFINITY);
+            plant(&m.h[5].grad, &m.d[5].grad, 11, NAN);
+            snprintf(field, sizeof field, "%s.activations", m.h[2].name);
+            expect_failure(&m, &hs, &ds, DC_ENONFINITE, field, 1);
+            break;
+        case 2: { /* NaN in an embedding grad row that is padding */
+            dc_layer *e = &m.h[3];
+            e->has_padding_idx = m.d[3].has_padding_idx = true;
+            e->padding_idx = m.d[3].padding_idx = 3;
+            int64_t i = 5; /* make position 5 of sample 1 padding */
+            if (e->input.dtype == DC_I32) ((int32_t *)e->input.data)[12 + i] = 3;
+            else ((int64_t *)e->input.data)[12 + i] = 3;
+            dev_free(&m.d[3].input);
+            m.d[3].input = dev_copy(&e->input);
+            plant(&e->grad, &m.d[3].grad, (size_t)((12 + i) * 16 + 2), NAN);
+            snprintf(field, sizeof field, "%s.output_grad", e->name);
+            expect_failure(&m, &hs, &ds, DC_ENONFINITE, field, 1);
+            break;
+        }
+        case 3: { /* embedding index out of range */
+            dc_layer *e = &m.h[3];
+            if (e->input.dtype == DC_I32) ((int32_t *)e->input.data)[4 * 12 + 9] = 25;
+            else ((int64_t *)e->input.data)[4 * 12 + 9] = -1;
+            dev_free(&m.d[3].input);
+            m.d[3].input = dev_copy(&e->input);
+            snprintf(field, sizeof field, "%s.indices", e->name);
+            expect_failure(&m, &hs, &ds, DC_EINVAL, field, 1);
+            break;
+        }
+        case 4: /* LayerNorm input */
+            plant(&m.h[4].input, &m.d[4].input, 100, -INFINITY);
+            snprintf(field, sizeof field, "%s.input", m.h[4].name);
+            expect_failure(&m, &hs, &ds, DC_ENONFINITE, field, 1);
+            break;
+        case 5: /* a clipped sum that overflows f16 (layer 4's weight output) */
+            hs.max_grad_norm = ds.max_grad_norm = 1e30f;
+            hs.noise_multiplier = ds.noise_multiplier = 1e-20f; /* noise std 1e10 */
+            /* layer 0's bf16 output holds 1e10 fine; layer 4's f16 does not */
+            snprintf(field, sizeof field, "%s.weight_grad_out", m.h[4].name);
+            expect_failure(&m, &hs, &ds, DC_ENONFINITE, field, 0);
+            break;
+        }
+        /* the backend is still usable: a clean step of the same shapes */
+        multi clean;
+        dc_step cs;
+        dc_step_result rr;
+        dc_err ee;
+        multi_make(&clean, DC_BF16, &r);
+        step_init(&cs, clean.d, clean.L, clean.B, 0);
+        assert_int_equal(run(g_cuda, &cs, &rr, &ee), 0);
+        dc_step_result_free(&rr);
+        multi_free(&clean);
+        multi_free(&m);
+    }
+}
+
+/* --- noise, host steps, events ---------------------------------------------- */
+
+static void test_noise_matches_cpu(void **state) {
+    (void)state;
+    const uint64_t n = 100001;
+    float *want = malloc(n * sizeof *want), *got = malloc(n * sizeof *got), *d;
+    assert_non_null(want);
+    assert_non_null(got);
+    CUDA_OK(cudaMalloc((void **)&d, n * sizeof *d));
+    for (int mode = 0; mode < 2; mode++) /* DCC_NOISE_FAST, DCC_NOISE_EXACT */
+    for (uint32_t stream = 0; stream < 3; stream++) {
+        uint64_t key = 0xfeedfacecafebeefull ^ stream, step = 1000 + stream;
+        dc_noise_normal(key, step, stream, want, n);
+        CUDA_OK(dcc_noise_normal(key, step, stream, d, n, mode, 0));
+        CUDA_OK(cudaMemcpy(got, d, n * sizeof *d, cudaMemcpyDeviceToHost));
+        double worst = 0.0, worst_ratio = 0.0;
+        uint64_t exact = 0;
+        for (uint64_t i = 0; i < n; i++) {
+            double e = fabs((double)got[i] - want[i]);
+            /* the pair's radius; the unpaired last draw gets the largest */
+            uint64_t j = i & ~(uint64_t)1;
+            double rr = j + 1 < n ? hypot(want[j], want[j + 1]) : 8.58;
+            double bound = mode == DCC_NOISE_EXACT ? 2e-6 : 6e-7 * rr + 1e-7;
+            if (!(e <= worst)) worst = isnan(e) ? INFINITY : e;
+            if (!(e / bound <= worst_ratio)) worst_ratio = isnan(e) ? INFINITY : e / bound;
+            exact += got[i] == want[i];
+        }
+        printf("noise %s stream %u: max abs diff %.2e (%.2f of its bound), %llu of %llu "
+               "bit-identical\n",
+               mode == DCC_NOISE_EXACT ? "exact" : "fast", stream, worst, worst_ratio,
+               (unsigned long long)exact, (unsigned long long)n);
+        assert_true(worst_ratio <= 1.0);
+    }
+    CUDA_OK(cudaFree(d));
+    free(want);
+    free(got);
+}
+
+static void test_host_step_delegates(void **state) {
+    (void)state;
+    dc_test_rng r;
+    dc_test_rng_seed(&r, 606);
+    dc_test_layer_spec sp = {DC_LAYER_LINEAR, 4, 10, 12, 8, DC_F32, 1, DC_ALGO_AUTO, 0, 0};
+    dc_layer h;
+    dc_step s;
+    dc_step_result a, b;
+    dc_err e;
+    dc_test_layer_make(&h, &sp, &r);
+    step_init(&s, &h, 1, 4, -1);
+    assert_int_equal(run(g_cpu, &s, &a, &e), 0);
+    assert_int_equal(run(g_cuda, &s, &b, &e), 0);
+    for (int i = 0; i < 4; i++) assert_true(a.norms[i] == b.norms[i]);
+    dc_step_result_free(&a);
+    dc_step_result_free(&b);
+    dc_test_layer_free(&h);
+}
+
+static void test_events(void **state) {
+    (void)state;
+    cudaEvent_t ev;
+    CUDA_OK(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming));
+    assert_int_equal(dc_cuda_backend_record_event(g_cuda, ev), 0);
+    assert_int_equal(dc_cuda_backend_wait_event(g_cuda, ev), 0);
+    CUDA_OK(cudaEventSynchronize(ev));
+    CUDA_OK(cudaEventDestroy(ev));
+}
+
+
+int main(void) {
+    if (dc_cuda_device_count() == 0) {
+        printf("SKIP: no CUDA device\n");
+        return 0;
+    }
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_noise_matches_cpu),
+        cmocka_unit_test(test_events),
+        cmocka_unit_test(test_host_step_delegates),
+        cmocka_unit_test(test_staged_fallback),
+        cmocka_unit_test(test_whole_steps),
+        cmocka_unit_test(test_failures),
+    };
+    return cmocka_run_group_tests(tests, cuda_test_setup, cuda_test_teardown);
+}
