@@ -181,6 +181,10 @@ static void step_done(dc_job *job) {
     now = uv_hrtime();
     s->last_step_ns = now;
     count_step(srv, j, now);
+    /* A trainer's next request often follows a reply within microseconds (its
+     * next step in a tight loop, or a registration): poll for it a little
+     * (daemon.spin_us) rather than pay the loop's wake-up. */
+    dc_server_spin(srv);
     if (dc_log_get_level() >= DC_LOG_DEBUG)
         dc_log_debug("session %llu: step %llu (%zu layers, B=%u, %s%s): decode %.1f us, "
                      "validate %.1f us, ledger %.1f us, queue %.1f us, wait %.1f us (device "
