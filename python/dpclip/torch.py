@@ -84,8 +84,8 @@ class PrivacyEngine:
         self._last_step_index = 0
         self.compute_ns_total = 0   # the daemon's compute time of every collected step
         self.last_epsilon = self.last_delta = 0.0   # the daemon's ledger, after the last step
-        # GPU steps run asynchronously (see make_private): (ticket, B) of the
-        # step whose result has not been collected yet.
+        # GPU steps run asynchronously (see make_private): (ticket, B, step
+        # index) of the step whose result has not been collected yet.
         self.asynchronous = True
         self._inflight = None
         self._job_id = job_id
@@ -259,8 +259,8 @@ class PrivacyEngine:
         except _lib.DpclipError as e:
             raise _lib.DpclipError(
                 e.code, e.field, "step %d failed on the device after it was queued, so its "
-                "gradients were zeros (the optimizer step that used them changed nothing "
-                "but momentum/weight decay): %s" % (index, e.message)) from None
+                "gradients were zeros (the optimizer step that used them moved the parameters "
+                "only through momentum or weight decay): %s" % (index, e.message)) from None
         self._finish(res, B)
 
     # Results of the last step; reading them collects an asynchronous one.
