@@ -162,6 +162,27 @@ static void test_status_json(void **state) {
         assert_int_equal(json_integer_value(json_object_get(found, "steps")), k_steps + 2);
         assert_int_equal(json_array_size(json_object_get(other, "sessions")), 1);
         assert_int_equal(json_integer_value(json_object_get(other, "steps")), 0);
+        /* the members are exactly the listed sessions of that job */
+        {
+            json_t *s, *id;
+            size_t k, n_job = 0, n_other = 0;
+            json_array_foreach(json_object_get(root, "sessions"), i, s) {
+                const char *job = json_string_value(json_object_get(s, "job"));
+                json_t *grp = strcmp(job, "status-json") == 0    ? found
+                              : strcmp(job, "status-other") == 0 ? other
+                                                                 : NULL;
+                bool member = false;
+                if (!grp) continue;
+                n_job += grp == found;
+                n_other += grp == other;
+                json_array_foreach(json_object_get(grp, "sessions"), k, id)
+                    if (json_integer_value(id) == json_integer_value(json_object_get(s, "id")))
+                        member = true;
+                assert_true(member);
+            }
+            assert_int_equal(n_job, 2);
+            assert_int_equal(n_other, 1);
+        }
         json_decref(root);
         dpclip_disconnect(c2);
         dpclip_disconnect(c3);
@@ -355,6 +376,24 @@ static int run_ctl(const char *args, char *out, size_t n) {
 #endif
 }
 
+/* dpclipctl's groups table has a row for `job`: one session, `steps` steps. */
+static void check_ctl_group(const char *out, const char *job, unsigned steps) {
+    const char *t = strstr(out, "\nGROUP"), *row;
+    char kind[16], name[64], ids[256];
+    unsigned uid, got_steps, busy;
+    assert_non_null(t);
+    for (row = strchr(t + 1, '\n'); row; row = strchr(row + 1, '\n'))
+        if (sscanf(row + 1, "%15s %u %63s %u %u %255s", kind, &uid, name, &got_steps, &busy,
+                   ids) == 6 &&
+            strcmp(name, job) == 0)
+            break;
+    assert_non_null(row);
+    assert_string_equal(kind, "job");
+    assert_int_equal(uid, getuid());
+    assert_int_equal(got_steps, steps);
+    assert_null(strchr(ids, ',')); /* one session */
+}
+
 static void test_dpclipctl(void **state) {
     char out[65536], want[64];
     dpclip_client *c = connect_job("ctl-job");
@@ -368,8 +407,10 @@ static void test_dpclipctl(void **state) {
     assert_int_equal(run_ctl("status", out, sizeof out), 0);
     assert_non_null(strstr(out, "dpclipd " DPCLIP_VERSION));
     assert_non_null(strstr(out, g_h.sock));
+    check_ctl_group(out, "ctl-job", 5);
     assert_int_equal(run_ctl("sessions", out, sizeof out), 0);
     assert_non_null(strstr(out, "ctl-job"));
+    check_ctl_group(out, "ctl-job", 5);
     assert_int_equal(run_ctl("ledger", out, sizeof out), 0);
     snprintf(want, sizeof want, "%.4g", eps);
     {

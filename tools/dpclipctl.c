@@ -110,6 +110,31 @@ static const char *eps_str(json_t *job, char *out, size_t n) {
 
 /* --- commands ------------------------------------------------------------------ */
 
+/* The node-local groups /status reports (today: the sessions of one job). */
+static void print_groups(json_t *root) {
+    size_t i;
+    json_t *s;
+    if (!json_array_size(json_object_get(root, "groups"))) return;
+    printf("\n%-6s %6s %-20s %8s %4s  %s\n", "GROUP", "UID", "JOB", "STEPS", "BUSY", "SESSIONS");
+    json_array_foreach(json_object_get(root, "groups"), i, s) {
+        char ids[256] = "";
+        const size_t room = sizeof ids - 4; /* keeps room for "..." */
+        size_t k, used = 0;
+        json_t *id;
+        json_array_foreach(json_object_get(s, "sessions"), k, id) {
+            int n = snprintf(ids + used, room - used, "%s%.0f", k ? "," : "",
+                             json_number_value(id));
+            if (n < 0 || (size_t)n >= room - used) {
+                memcpy(ids + used, "...", 4); /* a long list: no half-printed id */
+                break;
+            }
+            used += (size_t)n;
+        }
+        printf("%-6s %6.0f %-20.20s %8.0f %4.0f  %s\n", str(s, "kind"), num(s, "uid"),
+               cell(str(s, "job")), num(s, "steps"), num(s, "busy"), ids);
+    }
+}
+
 static void print_status(json_t *root) {
     json_t *d = json_object_get(root, "daemon"), *t = json_object_get(root, "totals");
     json_t *lim = json_object_get(root, "limits"), *led = json_object_get(root, "ledger");
@@ -149,6 +174,7 @@ static void print_status(json_t *root) {
                cpu ? name : str(be, "name"), num(be, "busy"),
                cpu ? "-" : human_bytes(num(be, "workspace_bytes"), name, sizeof name));
     }
+    print_groups(root);
 }
 
 static void print_sessions(json_t *root) {
@@ -168,21 +194,7 @@ static void print_sessions(json_t *root) {
                human_secs(num(s, "idle_s"), b3, sizeof b3));
     }
     if (!json_array_size(json_object_get(root, "sessions"))) printf("(no sessions)\n");
-    if (!json_array_size(json_object_get(root, "groups"))) return;
-    printf("\n%-6s %6s %-20s %8s %4s  %s\n", "GROUP", "UID", "JOB", "STEPS", "BUSY", "SESSIONS");
-    json_array_foreach(json_object_get(root, "groups"), i, s) {
-        char ids[256] = "";
-        size_t k, used = 0;
-        json_t *id;
-        json_array_foreach(json_object_get(s, "sessions"), k, id) {
-            int n = snprintf(ids + used, sizeof ids - used, "%s%.0f", k ? "," : "",
-                             json_number_value(id));
-            if (n < 0 || (size_t)n >= sizeof ids - used) break;
-            used += (size_t)n;
-        }
-        printf("%-6s %6.0f %-20.20s %8.0f %4.0f  %s\n", str(s, "kind"), num(s, "uid"),
-               cell(str(s, "job")), num(s, "steps"), num(s, "busy"), ids);
-    }
+    print_groups(root);
 }
 
 static void print_ledger(json_t *root) {
