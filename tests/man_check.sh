@@ -1,7 +1,8 @@
 #!/bin/sh
 # The man pages: they render without warnings (groff -ww), dpclipd.conf(5)
-# documents every key dpclipd --check-config prints, and dpclipd(8) every
-# flag dpclipd --help lists.
+# documents every key dpclipd --check-config prints (and so does the
+# settings table of docs/operations.md), and dpclipd(8) every flag
+# dpclipd --help lists.
 #   tests/man_check.sh DPCLIPD MANDIR
 set -u
 dpclipd=$1
@@ -26,6 +27,9 @@ for line in $("$dpclipd" --check-config --config /dev/null | sed -n 's/^\[\(.*\)
         keys=$((keys + 1))
         if ! grep -q "($section.$line)" "$mandir/dpclipd.conf.5"; then
             echo "FAIL: dpclipd.conf.5 does not document $section.$line"; fail=1
+        fi
+        if ! grep -q "^|.*\`$section.$line\`" "$mandir/../docs/operations.md"; then
+            echo "FAIL: docs/operations.md's settings table lacks $section.$line"; fail=1
         fi ;;
     esac
 done
