@@ -172,7 +172,9 @@ static int cpu_run_step(dc_backend *be, const dc_step *step, dc_step_result *res
     if (stats_carve(s, L, B, &st))
         return dc_err_set(err, DC_ENOSPACE, "", "out of memory for the CPU backend's scratch");
 
-    /* 2. norms and coefficients */
+    /* 2. norms and coefficients. Clipping and noise are summed over layers
+     * below: start them at 0 even if the caller reuses a result. */
+    res->phase_ns[DC_RUN_CLIPPING] = res->phase_ns[DC_RUN_NOISE] = 0;
     uint64_t tp = mono_ns(), tq;
     for (size_t l = 0; l < L; l++)
         if ((rc = dc_cpu_layer_sqnorms(s, &step->layers[l], B, scale, st.n2 + l * B, err)))

@@ -612,6 +612,17 @@ static void print_size(FILE *f, uint64_t v) {
     else fprintf(f, "%llu", (unsigned long long)v);
 }
 
+/* The shortest form that reads back as the same double (1e-05, not
+ * 1.0000000000000001e-05): the printed config is meant to be read. */
+static void print_double(FILE *f, double v) {
+    char buf[40];
+    for (int prec = 1; prec <= 17; prec++) {
+        snprintf(buf, sizeof buf, "%.*g", prec, v);
+        if (strtod(buf, NULL) == v) break;
+    }
+    fputs(buf, f);
+}
+
 static void print_ids(FILE *f, const uint32_t *ids, size_t n) {
     for (size_t i = 0; i < n; i++) fprintf(f, "%s%u", i ? ", " : "", ids[i]);
 }
@@ -638,7 +649,7 @@ void dc_config_print(const dc_config *c, FILE *f) {
         case T_INT: fprintf(f, "%d", *(const int *)p); break;
         case T_BOOL: fprintf(f, "%s", *(const bool *)p ? "true" : "false"); break;
         case T_LEVEL: fprintf(f, "%s", levels[*(const dc_log_level *)p]); break;
-        case T_DOUBLE: fprintf(f, "%.17g", *(const double *)p); break;
+        case T_DOUBLE: print_double(f, *(const double *)p); break;
         case T_UIDS: print_ids(f, c->allowed_uids, c->n_allowed_uids); break;
         case T_GIDS: print_ids(f, c->allowed_gids, c->n_allowed_gids); break;
         }

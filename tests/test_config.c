@@ -192,24 +192,27 @@ static void test_cross_checks(void **state) {
 
 static void test_flags_override_file(void **state) {
     const char *path = write_conf("over.conf", "[daemon]\nworkers = 3\nlog_level = debug\n"
+                                               "[gpu]\nworkspace = 1G\nworkspace_max = 4G\n"
                                                "[limits]\nmax_batch = 100\n");
     char *argv[] = {"dpclipd", "--max-batch", "7", "--config", (char *)path,
-                    "--set", "ledger.delta=1e-9", "--no-gpu", NULL};
+                    "--set", "ledger.delta=1e-9", "--no-gpu", "--gpu-workspace", "64m", NULL};
     dc_config c;
     dc_config_action act;
     dc_err e;
     (void)state;
-    assert_int_equal(dc_config_from_args(&c, 8, argv, &act, &e), 0);
+    assert_int_equal(dc_config_from_args(&c, 10, argv, &act, &e), 0);
     assert_int_equal(act, DC_CONFIG_RUN);
     assert_int_equal(c.workers, 3);      /* from the file */
     assert_int_equal(c.max_batch, 7);    /* the flag wins, though it came first */
     assert_true(c.delta == 1e-9);
     assert_false(c.gpu);
+    assert_true(c.gpu_workspace == (uint64_t)64 << 20);     /* the flag */
+    assert_true(c.gpu_workspace_max == (uint64_t)4 << 30);  /* the file */
     assert_string_equal(c.config_path, path);
     /* again, as a reload does: same result */
     {
         dc_config c2;
-        assert_int_equal(dc_config_from_args(&c2, 8, argv, &act, &e), 0);
+        assert_int_equal(dc_config_from_args(&c2, 10, argv, &act, &e), 0);
         assert_int_equal(dc_config_restart_needed(&c, &c2, NULL, NULL), 0);
         assert_int_equal(c2.max_batch, 7);
     }
@@ -236,6 +239,14 @@ static void test_restart_needed(void **state) {
     assert_int_equal(dc_config_restart_needed(&a, &b, note, names), 2);
     assert_non_null(strstr(names, "daemon.workers"));
     assert_non_null(strstr(names, "daemon.socket"));
+    /* the GPU workspace is held from start: SIGHUP cannot change it */
+    names[0] = '\0';
+    b = a;
+    b.gpu_workspace = a.gpu_workspace * 2;
+    b.gpu_workspace_max = (uint64_t)8 << 30;
+    assert_int_equal(dc_config_restart_needed(&a, &b, note, names), 2);
+    assert_non_null(strstr(names, "gpu.workspace "));
+    assert_non_null(strstr(names, "gpu.workspace_max "));
 }
 #endif /* DPCLIP_HAVE_INIH */
 
@@ -247,9 +258,15 @@ static void test_bad_flags(void **state) {
         {"dpclipd", "--set", "daemon.nokey=1", NULL},
         {"dpclipd", "stray", NULL, NULL},
         {"dpclipd", "--config", "/nonexistent/dpclipd.conf", NULL},
+        {"dpclipd", "--gpu-workspace", "12Q", NULL},
+        {"dpclipd", "--gpu-workspace-max", "-1", NULL},
+        {"dpclipd", "--set", "gpu.workspace=17179869184T", NULL},
     };
     static const char *expect[] = {"--workers: daemon.workers: 'x'", "unknown option", "SECTION.KEY=VALUE",
-                                   "unknown key 'nokey'", "unexpected argument", "cannot open"};
+                                   "unknown key 'nokey'", "unexpected argument", "cannot open",
+                                   "gpu.workspace: bad value '12Q'",
+                                   "gpu.workspace_max: bad value '-1'",
+                                   "gpu.workspace: bad value '17179869184T'"};
     (void)state;
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
         dc_config c;
@@ -293,12 +310,17 @@ static void test_check_config_cli(void **state) {
              "dpclip-check.sock\nworkers = 2\n[ledger]\ndelta = 1e-6\n"));
     snprintf(bad, sizeof bad, "%s", write_conf("bad.conf", "[daemon]\nworkers = 2\n"
              "workerz = 3\n"));
-    snprintf(args, sizeof args, "--config %s --check-config --max-batch 33", good);
+    snprintf(args, sizeof args, "--config %s --check-config --max-batch 33 --gpu-workspace 1000 "
+             "--gpu-workspace-max 1536M", good);
     assert_int_equal(run_daemon(args, out, sizeof out), 0);
     /* prints the effective configuration, itself a valid config file */
     assert_non_null(strstr(out, "socket = /tmp/dpclip-check.sock"));
     assert_non_null(strstr(out, "max_batch = 33"));
-    assert_non_null(strstr(out, "delta = 9.9999999999999995e-07"));
+    assert_non_null(strstr(out, "\ndelta = 1e-06\n")); /* the shortest exact form */
+    /* sizes in the largest exact unit; the GPU settings need a restart */
+    assert_non_null(strstr(out, "\nworkspace = 1000\n"));
+    assert_non_null(strstr(out, "\nworkspace_max = 1536M\n"));
+    assert_non_null(strstr(out, "a larger step grows it once (restart to change)\nworkspace ="));
     {
         const char *printed = write_conf("printed.conf", strchr(out, '['));
         dc_config a, b;
@@ -308,7 +330,10 @@ static void test_check_config_cli(void **state) {
         dc_config_defaults(&b);
         assert_int_equal(dc_config_load_file(&b, good, &e), 0);
         b.max_batch = 33;
+        b.gpu_workspace = 1000;
+        b.gpu_workspace_max = (uint64_t)1536 << 20;
         assert_int_equal(dc_config_restart_needed(&a, &b, NULL, NULL), 0);
+        assert_true(a.gpu_workspace == 1000 && a.gpu_workspace_max == (uint64_t)1536 << 20);
         assert_int_equal(a.max_batch, 33);
         assert_true(a.delta == b.delta);
     }
