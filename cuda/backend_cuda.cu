@@ -629,14 +629,18 @@ int cuda_run_step(dc_backend *be, const dc_step *s, dc_step_result *res, dc_err 
             /* the metrics' parts: norms; coefs (reduction); clipped; check,
              * noise and commit (noise) */
             const float *ms = cb->phase_ms;
-            auto ns = [](float m) { return m > 0.0f ? (uint64_t)((double)m * 1e6) : (uint64_t)0; };
+            /* + 1: measured (0 means not measured), even under the events'
+             * resolution of about half a microsecond */
+            auto ns = [](float m) {
+                return m >= 0.0f ? (uint64_t)((double)m * 1e6) + 1 : (uint64_t)0;
+            };
             res->phase_ns[DC_RUN_NORMS] = ns(ms[1]);
             res->phase_ns[DC_RUN_REDUCTION] = ns(ms[2]);
             res->phase_ns[DC_RUN_CLIPPING] = ns(ms[3]);
             res->phase_ns[DC_RUN_NOISE] = ns(ms[4]) + ns(ms[5]) + ns(ms[6]);
             float w = 0.0f;
             if (waited && cudaEventElapsedTime(&w, cb->ev_wait, cb->ev[0]) == cudaSuccess)
-                res->phase_ns[DC_RUN_WAIT_INPUT] = ns(w) ? ns(w) : 1;
+                res->phase_ns[DC_RUN_WAIT_INPUT] = ns(w);
             (void)cudaGetLastError();
         }
     }
