@@ -2,7 +2,7 @@
 # The man pages: they render without warnings (groff -ww), dpclipd.conf(5)
 # documents every key dpclipd --check-config prints (and so does the
 # settings table of docs/operations.md), and dpclipd(8) every flag
-# dpclipd --help lists.
+# dpclipd --help lists and every DPCLIP_* variable daemon/ and cuda/ read.
 #   tests/man_check.sh DPCLIPD MANDIR
 set -u
 dpclipd=$1
@@ -43,5 +43,16 @@ for flag in $("$dpclipd" --help 2>&1 | grep -o -- '--[a-z][a-z-]*' | sort -u); d
     fi
 done
 [ "$flags" -gt 20 ] || { echo "FAIL: only $flags flags read from --help"; fail=1; }
-[ $fail -eq 0 ] && echo "man pages: $keys keys and $flags flags documented"
+# every DPCLIP_* variable the daemon's code reads (daemon/, cuda/)
+envs=0
+for var in $(cat "$mandir"/../daemon/*.c "$mandir"/../cuda/*.cu "$mandir"/../cuda/*.h |
+             grep -o 'getenv("DPCLIP_[A-Z0-9_]*")\|"DPCLIP_CUDA_[A-Z0-9_]*"' |
+             grep -o 'DPCLIP_[A-Z0-9_]*' | sort -u); do
+    envs=$((envs + 1))
+    if ! grep -q "^\.B $var\$" "$mandir/dpclipd.8"; then
+        echo "FAIL: dpclipd.8 does not document the environment variable $var"; fail=1
+    fi
+done
+[ "$envs" -gt 5 ] || { echo "FAIL: only $envs environment variables found in the sources"; fail=1; }
+[ $fail -eq 0 ] && echo "man pages: $keys keys, $flags flags and $envs environment variables documented"
 exit $fail
