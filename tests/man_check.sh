@@ -34,6 +34,20 @@ for line in $("$dpclipd" --check-config --config /dev/null | sed -n 's/^\[\(.*\)
     esac
 done
 [ "$keys" -gt 20 ] || { echo "FAIL: only $keys keys read from --check-config"; fail=1; }
+# a key's entry says "reloadable" exactly when --check-config does not say
+# "(restart to change)" in the comment above it
+for kr in $("$dpclipd" --check-config --config /dev/null | awk '
+        /^\[/ { sec = substr($0, 2, length($0) - 2) }
+        /^# / { c = $0 }
+        /^[a-z_]+ = / { split($0, a, " "); print sec "." a[1] ":" (c ~ /restart to change/ ? "no" : "yes") }'); do
+    key=${kr%:*}
+    entry=$(awk -v k="($key)" 'index($0, k) { p = 1 } p && /^\.(TP|SH)/ { exit } p { print }' \
+            "$mandir/dpclipd.conf.5")
+    if echo "$entry" | grep -q reloadable; then said=yes; else said=no; fi
+    if [ "$said" != "${kr#*:}" ]; then
+        echo "FAIL: dpclipd.conf.5 on $key: reloadable '$said', dpclipd says '${kr#*:}'"; fail=1
+    fi
+done
 flags=0
 for flag in $("$dpclipd" --help 2>&1 | grep -o -- '--[a-z][a-z-]*' | sort -u); do
     flags=$((flags + 1))
