@@ -93,7 +93,7 @@ template <typename TI, bool DIRECT, int MI, int ST>
 __device__ __forceinline__ void consume(float (&acc)[MI][64], uint32_t sbase, uint32_t bars,
                                         int u0, int u1, bool same_b, bool colsum, float &bs0,
                                         float &bs1, bool keep = false) {
-    constexpr int SB = stage_bytes<MI>(), CW = 64 * MI, RG = WBK / (4 / MI);
+    constexpr int SB = stage_bytes<MI>();
     const int wg = (int)threadIdx.x >> 7, lane = (int)threadIdx.x & 31;
     if (!keep)
 #pragma unroll
@@ -105,24 +105,7 @@ __device__ __forceinline__ void consume(float (&acc)[MI][64], uint32_t sbase, ui
         mbar_wait(bars + 8u * (uint32_t)s, (uint32_t)((u / ST) & 1));
         const uint32_t sA = sbase + (uint32_t)(s * SB);
         const uint32_t sB = same_b ? sA : sA + 2 * MI * HALF;
-        acc_fence<MI>(acc);
-        wg_fence();
-        stage_mma<TI, DIRECT, MI>(acc, sA, sB, wg);
-        wg_commit();
-        acc_fence<MI>(acc);
-        if (DIRECT && colsum) {
-            int m = ((int)threadIdx.x % CW) * 2, rq = ((int)threadIdx.x / CW) * RG;
-            uint32_t base = sA + (uint32_t)((m >> 6) * HALF);
-            int ml = m & 63;
-#pragma unroll
-            for (int r = rq; r < rq + RG; r++) {
-                uint32_t w = dcc_lds32(base + (uint32_t)(r * 128) +
-                                       (uint32_t)((((ml >> 3) ^ (r & 7))) << 4) +
-                                       (uint32_t)((ml & 7) * 2));
-                bs0 += dcc_lo((const TI *)nullptr, w);
-                bs1 += dcc_hi((const TI *)nullptr, w);
-            }
-        }
+        stage_issue<TI, DIRECT, MI>(acc, sA, sB, wg, colsum, bs0, bs1);
         wg_wait<1>();
         acc_fence<MI>(acc);
         __syncwarp();

@@ -21,55 +21,37 @@ constexpr int HALF = 64 * 64 * 2; /* one [64][64] 16-bit block: 8 KiB */
 template <int MI> __host__ __device__ constexpr int stage_bytes() { return (2 * MI + 2) * HALF; }
 
 #ifndef DCC_WG_EMPTY
-template <int TA, int TB>
-__device__ __forceinline__ void wgmma_m64n128k16(const dcc_bf16 *, float (&d)[64], uint64_t da,
-                                                 uint64_t db) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %68, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {"
-        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
-        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
-        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
-        "%64, %65, p, 1, 1, %66, %67;\n}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]),
-          "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]),
-          "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]),
-          "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]),
-          "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]),
-          "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]),
-          "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
-          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]),
-          "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]),
-          "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
-        : "l"(da), "l"(db), "n"(TA), "n"(TB), "r"(1));
+/* One m64n128k16 wgmma into d (f32), A and B of element type T (PTX name
+ * PTX) described by da/db; TA/TB: transpose flags. Both overloads come from
+ * this one definition so that their operand lists cannot drift apart. */
+#define DCC_WGMMA_M64N128K16(T, PTX)                                                        \
+template <int TA, int TB>                                                                   \
+__device__ __forceinline__ void wgmma_m64n128k16(const T *, float (&d)[64], uint64_t da,    \
+                                                 uint64_t db) {                             \
+    asm volatile(                                                                           \
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %68, 0;\n"                                        \
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32." PTX "." PTX " {"                     \
+        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "            \
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "  \
+        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "  \
+        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, " \
+        "%64, %65, p, 1, 1, %66, %67;\n}\n"                                                 \
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]),           \
+          "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]),         \
+          "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]),     \
+          "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),     \
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]),     \
+          "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]),     \
+          "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]),     \
+          "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),     \
+          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]),     \
+          "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]),     \
+          "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])                                \
+        : "l"(da), "l"(db), "n"(TA), "n"(TB), "r"(1));                                      \
 }
-
-template <int TA, int TB>
-__device__ __forceinline__ void wgmma_m64n128k16(const dcc_f16 *, float (&d)[64], uint64_t da,
-                                                 uint64_t db) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %68, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 {"
-        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
-        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
-        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
-        "%64, %65, p, 1, 1, %66, %67;\n}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]),
-          "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]),
-          "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]),
-          "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]),
-          "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]),
-          "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]),
-          "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
-          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]),
-          "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]),
-          "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
-        : "l"(da), "l"(db), "n"(TA), "n"(TB), "r"(1));
-}
+DCC_WGMMA_M64N128K16(dcc_bf16, "bf16")
+DCC_WGMMA_M64N128K16(dcc_f16, "f16")
+#undef DCC_WGMMA_M64N128K16
 
 __device__ __forceinline__ uint64_t wg_desc(uint32_t addr, uint32_t lbo, uint32_t sbo) {
     return (uint64_t)((addr & 0x3FFFFu) >> 4) | ((uint64_t)((lbo & 0x3FFFFu) >> 4) << 16) |
@@ -113,6 +95,34 @@ __device__ __forceinline__ void stage_mma(float (&acc)[MI][64], uint32_t sA, uin
                 uint64_t db = wg_desc(sB + (uint32_t)(kk * 32), 16, 1024);
                 wgmma_m64n128k16<0, 0>((const TI *)nullptr, acc[i], da, db);
             }
+        }
+    }
+}
+
+/* One stage issued: fences, the stage's MMAs committed as a group onto acc;
+ * with DIRECT and colsum, while they run, this thread's share of the stage's
+ * bias column sums (columns 2*(tid % (64*MI)), +1 over a 1/(4/MI) share of
+ * the stage's rows) added to bs0/bs1. The caller waits for the group. */
+template <typename TI, bool DIRECT, int MI>
+__device__ __forceinline__ void stage_issue(float (&acc)[MI][64], uint32_t sA, uint32_t sB,
+                                            int wg, bool colsum, float &bs0, float &bs1) {
+    constexpr int CW = 64 * MI, RG = WBK / (4 / MI);
+    acc_fence<MI>(acc);
+    wg_fence();
+    stage_mma<TI, DIRECT, MI>(acc, sA, sB, wg);
+    wg_commit();
+    acc_fence<MI>(acc);
+    if (DIRECT && colsum) {
+        int m = ((int)threadIdx.x % CW) * 2, rq = ((int)threadIdx.x / CW) * RG;
+        uint32_t base = sA + (uint32_t)((m >> 6) * HALF);
+        int ml = m & 63;
+#pragma unroll
+        for (int r = rq; r < rq + RG; r++) {
+            uint32_t w = dcc_lds32(base + (uint32_t)(r * 128) +
+                                   (uint32_t)((((ml >> 3) ^ (r & 7))) << 4) +
+                                   (uint32_t)((ml & 7) * 2));
+            bs0 += dcc_lo((const TI *)nullptr, w);
+            bs1 += dcc_hi((const TI *)nullptr, w);
         }
     }
 }

@@ -66,7 +66,7 @@ __device__ __forceinline__ void stage_load(uint32_t s, const wg_src &v, int kt) 
 template <typename TI, bool DIRECT, int MI, int ST>
 __device__ __forceinline__ void wg_loop(float (&acc)[MI][64], uint32_t sbase, const wg_src &v,
                                         int K, bool colsum, float &bs0, float &bs1) {
-    constexpr int P = ST - 2, SB = stage_bytes<MI>(), CW = 64 * MI, RG = WBK / (4 / MI);
+    constexpr int P = ST - 2, SB = stage_bytes<MI>();
     const int wg = (int)threadIdx.x >> 7;
     const int ktn = (K + WBK - 1) / WBK;
 #pragma unroll
@@ -89,24 +89,7 @@ __device__ __forceinline__ void wg_loop(float (&acc)[MI][64], uint32_t sbase, co
         }
         const uint32_t sA = sbase + (uint32_t)((kt % ST) * SB);
         const uint32_t sB = (!DIRECT && v.ra == v.rb) ? sA : sA + 2 * MI * HALF;
-        acc_fence<MI>(acc);
-        wg_fence();
-        stage_mma<TI, DIRECT, MI>(acc, sA, sB, wg);
-        wg_commit();
-        acc_fence<MI>(acc);
-        if (DIRECT && colsum) {
-            int m = ((int)threadIdx.x % CW) * 2, rq = ((int)threadIdx.x / CW) * RG;
-            uint32_t base = sA + (uint32_t)((m >> 6) * HALF);
-            int ml = m & 63;
-#pragma unroll
-            for (int r = rq; r < rq + RG; r++) {
-                uint32_t w = dcc_lds32(base + (uint32_t)(r * 128) +
-                                       (uint32_t)((((ml >> 3) ^ (r & 7))) << 4) +
-                                       (uint32_t)((ml & 7) * 2));
-                bs0 += dcc_lo((const TI *)nullptr, w);
-                bs1 += dcc_hi((const TI *)nullptr, w);
-            }
-        }
+        stage_issue<TI, DIRECT, MI>(acc, sA, sB, wg, colsum, bs0, bs1);
         wg_wait<1>();
         acc_fence<MI>(acc);
     }
