@@ -47,6 +47,7 @@ typedef struct cl_done {
     dpclip_result res;
     int enqueued;           /* the step's early notice arrived (enq filled) */
     dpclip_enqueued enq;
+    uint64_t t_sent;        /* CLOCK_MONOTONIC ns when the request went out */
 } cl_done;
 
 /* A request sent and not answered yet. Replies come in request order, so
@@ -109,6 +110,7 @@ struct dpclip_client {
      * microseconds on an idle core). DPCLIP_SPIN=0 turns it off. */
     int spin_enabled;
     uint64_t ewma_rt_ns;
+    uint64_t ewma_notice_ns;    /* the same for early notices (dpclip_wait_enqueued) */
     uint64_t spin_from_ns, spin_to_ns;
 
     dpclip_timing last_timing;  /* of the last successful dpclip_run */

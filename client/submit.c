@@ -134,6 +134,7 @@ static int submit(dpclip_client *c, const dpclip_step *s, cl_req_kind kind, dpcl
         free(d);
         goto out;
     }
+    d->t_sent = cl_now_ns();
     if (ticket) *ticket = d->ticket;
 out:
     cl_unlock(c);
@@ -227,10 +228,24 @@ DPCLIP_API int dpclip_wait_enqueued(dpclip_client *c, uint64_t ticket, int timeo
     if (info) memset(info, 0, sizeof *info);
     if (!c || !info) return DPCLIP_EARG;
     cl_lock(c);
+    /* A notice comes within about the time the last ones took (a fraction
+     * of a millisecond: the daemon queues the step's GPU work): poll for it
+     * rather than sleep through a wake-up. */
+    cl_done *pd = pending_done(c, ticket);
+    if (c->spin_enabled && pd && !pd->enqueued) {
+        uint64_t w = c->ewma_notice_ns ? 2 * c->ewma_notice_ns + 200000u : 2000000u;
+        c->spin_from_ns = pd->t_sent;
+        c->spin_to_ns = pd->t_sent + (w < 5000000u ? w : 5000000u);
+    }
     for (;;) {
         cl_done *d = pending_done(c, ticket);
         if (d && d->enqueued) {
             *info = d->enq;
+            if (d == pd && d->t_sent) {
+                uint64_t took = cl_now_ns() - d->t_sent;
+                c->ewma_notice_ns =
+                    c->ewma_notice_ns ? (3 * c->ewma_notice_ns + took) / 4 : took;
+            }
             rc = 0;
             break;
         }
@@ -266,6 +281,7 @@ DPCLIP_API int dpclip_wait_enqueued(dpclip_client *c, uint64_t ticket, int timeo
         if (rc == DPCLIP_EAGAIN) break;
         if (rc && rc != DPCLIP_EIO) break;
     }
+    c->spin_to_ns = 0;
     cl_unlock(c);
     return rc;
 }

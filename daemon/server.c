@@ -49,45 +49,60 @@ static void on_accept(uv_poll_t *h, int status, int events) {
     }
 }
 
-/* --- polling around step completions ------------------------------------------ */
+/* --- polling windows ---------------------------------------------------------- */
 
-static void on_spin(uv_idle_t *h) {
-    dc_server *srv = h->data;
-    if (uv_hrtime() >= srv->spin_until ||
-        dc_worker_pool_busy(&srv->cpu_pool) + dc_gpu_busy(&srv->gpu) == 0)
-        uv_idle_stop(h);
-}
+static void on_spin(uv_idle_t *h);
 
-void dc_server_spin(dc_server *srv) {
-    if (!srv->spin_ns || srv->stopping) return;
-    srv->spin_until = uv_hrtime() + srv->spin_ns;
-    uv_idle_start(&srv->spin, on_spin);
-}
-
-static void on_spin_timer(uv_timer_t *t) {
-    dc_server *srv = t->data;
-    srv->spin_at = 0;
+static void poll_activate(dc_server *srv) {
+    if (srv->pend_any_to > srv->spin_any_to) srv->spin_any_to = srv->pend_any_to;
+    if (srv->pend_busy_to > srv->spin_busy_to) srv->spin_busy_to = srv->pend_busy_to;
+    srv->pend_from = srv->pend_any_to = srv->pend_busy_to = 0;
+    uv_timer_stop(&srv->spin_timer);
     if (!srv->stopping) uv_idle_start(&srv->spin, on_spin);
 }
 
-void dc_server_spin_expect(dc_server *srv, uint64_t expect_ns) {
-    uint64_t now = uv_hrtime(), margin, start, end;
-    if (!srv->spin_ns || srv->stopping) return;
-    /* libuv timers have millisecond resolution: open the window a bit more
-     * than a millisecond early, close it well after. */
-    margin = expect_ns / 20 > 1500000u ? expect_ns / 20 : 1500000u;
-    if (expect_ns <= margin) {
-        srv->spin_until = now + expect_ns + margin;
+static void on_spin_timer(uv_timer_t *t) { poll_activate(t->data); }
+
+static void arm_pending(dc_server *srv, uint64_t now) {
+    uint64_t ms = srv->pend_from > now ? (srv->pend_from - now) / 1000000u : 0;
+    uv_timer_start(&srv->spin_timer, on_spin_timer, ms, 0);
+}
+
+static void on_spin(uv_idle_t *h) {
+    dc_server *srv = h->data;
+    uint64_t now = uv_hrtime();
+    if (srv->pend_from && srv->pend_from <= now) poll_activate(srv);
+    if (now < srv->spin_any_to) return;
+    if (now < srv->spin_busy_to && dc_worker_pool_busy(&srv->cpu_pool) + dc_gpu_busy(&srv->gpu))
+        return;
+    uv_idle_stop(h);
+    srv->spin_any_to = srv->spin_busy_to = 0;
+    if (srv->pend_from) arm_pending(srv, now);
+}
+
+void dc_server_poll(dc_server *srv, uint64_t from_ns, uint64_t to_ns, bool idle) {
+    uint64_t now = uv_hrtime();
+    if (!srv->spin_ns || srv->stopping || to_ns <= now) return;
+    if (from_ns <= now) {
+        uint64_t *end = idle ? &srv->spin_any_to : &srv->spin_busy_to;
+        if (to_ns > *end) *end = to_ns;
         uv_idle_start(&srv->spin, on_spin);
         return;
     }
-    start = now + expect_ns - margin;
-    end = now + expect_ns + 2 * margin;
-    if (end > srv->spin_until) srv->spin_until = end;
-    if (uv_is_active((uv_handle_t *)&srv->spin)) return;   /* already polling */
-    if (srv->spin_at && srv->spin_at <= start) return;      /* an earlier window opens first */
-    srv->spin_at = start;
-    uv_timer_start(&srv->spin_timer, on_spin_timer, (start - now) / 1000000u, 0);
+    if (!srv->pend_from || from_ns < srv->pend_from) srv->pend_from = from_ns;
+    uint64_t *end = idle ? &srv->pend_any_to : &srv->pend_busy_to;
+    if (to_ns > *end) *end = to_ns;
+    /* While polling, on_spin opens the pending window when it is due. */
+    if (!uv_is_active((uv_handle_t *)&srv->spin)) arm_pending(srv, now);
+}
+
+void dc_server_spin(dc_server *srv, bool idle) {
+    uint64_t now = uv_hrtime();
+    dc_server_poll(srv, now, now + srv->spin_ns, idle);
+}
+
+uint64_t dc_server_poll_margin(uint64_t ahead_ns) {
+    return ahead_ns / 20 > 1500000u ? ahead_ns / 20 : 1500000u;
 }
 
 /* --- the ledger's writes ------------------------------------------------------ */
@@ -395,6 +410,7 @@ int dc_server_init(dc_server *srv, uv_loop_t *loop, const dc_config *cfg,
     dc_worker_pool_set_spin(&srv->cpu_pool, srv->spin_ns);
     if ((rc = dc_gpu_init(&srv->gpu, loop, cfg->gpu, cfg->gpu_workspace,
                            cfg->gpu_workspace_max, err))) goto fail_pool;
+    for (int i = 0; i < srv->gpu.n; i++) dc_worker_pool_set_spin(&srv->gpu.pools[i], srv->spin_ns);
 
     dc_sd_listen_init();
     if ((rc = listen_main(srv, err))) goto fail_pool;

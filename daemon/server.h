@@ -50,10 +50,14 @@ typedef struct dc_server {
     uv_signal_t sig_term, sig_int, sig_hup;
     uv_timer_t stop_timer;        /* forces sessions closed if they never drain */
     uv_timer_t tick;              /* watchdog keep-alive and STATUS= */
-    uv_idle_t spin;               /* keeps the loop polling while steps are short */
-    uint64_t spin_until;          /* uv_hrtime() deadline of that polling */
-    uv_timer_t spin_timer;        /* starts polling shortly before a long step ends */
-    uint64_t spin_at;             /* when spin_timer fires (uv_hrtime), 0 = idle */
+    /* Polling windows (dc_server_poll): while `spin` is active the loop
+     * polls until spin_any_to, or while jobs are in flight until spin_busy_to.
+     * One later window waits on spin_timer (libuv timers have millisecond
+     * resolution, so windows are opened early by a margin). uv_hrtime ns. */
+    uv_idle_t spin;
+    uint64_t spin_any_to, spin_busy_to;
+    uv_timer_t spin_timer;
+    uint64_t pend_from, pend_any_to, pend_busy_to; /* pend_from 0: none */
     dc_worker_pool cpu_pool;
     bool pool_ready;
     dc_gpu gpu;                   /* zero GPUs without CUDA */
@@ -88,14 +92,21 @@ void dc_server_free(dc_server *srv);
  * need a restart are reported in the log and left as they are. */
 void dc_server_apply_config(dc_server *srv, const dc_config *cfg);
 
-/* Called by session.c after submitting a job: for the next spin_ns the loop
- * polls instead of sleeping, so a short step's completion is picked up
- * without a thread wake-up (tens of microseconds on an idle core). */
-void dc_server_spin(dc_server *srv);
-/* For a GPU step expected to take expect_ns (the session's previous steps):
- * the loop polls from shortly before until shortly after that, so the
- * completion and the reply go out without waking the loop. */
-void dc_server_spin_expect(dc_server *srv, uint64_t expect_ns);
+/* The loop polls instead of sleeping from from_ns to to_ns (uv_hrtime), so
+ * that what is expected then (a step's completion, a trainer's next
+ * request) is picked up without a thread wake-up: tens of microseconds on
+ * an idle core, more in VMs. `idle` false: the window closes early once
+ * nothing is in flight (it waits for completions); true: it stays open
+ * (it waits for a request). Overlapping windows merge. No-op when
+ * daemon.spin_us is 0. */
+void dc_server_poll(dc_server *srv, uint64_t from_ns, uint64_t to_ns, bool idle);
+/* The next spin_ns (daemon.spin_us): after submitting a job (idle false)
+ * or replying (idle true: a trainer's next request often follows within
+ * microseconds). */
+void dc_server_spin(dc_server *srv, bool idle);
+/* Margin of a window around something expected in `ahead_ns`: libuv timers
+ * fire to the millisecond, so at least 1.5 ms, and 5% of the wait. */
+uint64_t dc_server_poll_margin(uint64_t ahead_ns);
 
 /* Called by session.c when a session has fully closed. */
 void dc_server_session_gone(dc_server *srv, dc_session *s);

@@ -66,6 +66,9 @@ typedef struct dc_session {
     uint64_t steps;
     uint64_t steps_failed;
     uint64_t ewma_gpu_run_ns;        /* recent GPU steps' worker time */
+    uint64_t ewma_notice_ns;         /* recent steps' submit-to-early-notice time */
+    uint64_t ewma_period_ns;         /* recent time between this session's steps */
+    uint64_t prev_step_frame;        /* t_frame of the last step request, 0 = none */
     uint64_t connected_ns;           /* uv_hrtime at accept */
     uint64_t t_frame;                /* uv_hrtime when the current request began decoding */
     uint64_t last_step_ns;           /* uv_hrtime of the last reply to a step, 0 = none */

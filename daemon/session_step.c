@@ -28,15 +28,17 @@
 #endif
 
 /* Worker thread, inside the backend's run_step: everything that writes the
- * client's memory is queued. Record the client's event behind it and let
- * the loop send the notice while the device works. If the record fails the
- * notice is not sent and the step fails (step_work). */
+ * client's memory is queued. Record the client's event behind it now, off
+ * the step's critical path (the driver call costs microseconds; after the
+ * synchronisation the reply would wait for it), and with an early notice
+ * let the loop send it while the device works. If the record fails the
+ * notice is not sent and step_work fails the step or records again. */
 static void step_enqueued(void *arg) {
     dc_step_job *j = arg;
     dc_err e;
     if (dc_gpu_record_event(j->be, j->signal_event, &e)) return;
     j->signaled = true;
-    dc_worker_notify(&j->job);
+    if (j->notify) dc_worker_notify(&j->job);
 }
 
 static void step_work(dc_job *job, dc_backend *be) {
@@ -50,11 +52,13 @@ static void step_work(dc_job *job, dc_backend *be) {
     }
     j->t_waited = uv_hrtime();
     j->rc = dc_backend_run_step(be, &j->step, &j->res, &j->err);
-    if (j->rc == 0 && j->notify && !j->signaled)
-        j->rc = dc_err_set(&j->err, DC_EINTERNAL, "clip_step.signal_event",
-                           "could not record the step's signal event");
-    else if (j->rc == 0 && j->signal_event && !j->notify)
-        j->rc = dc_gpu_record_event(be, j->signal_event, &j->err);
+    if (j->rc == 0 && j->signal_event && !j->signaled) {
+        if (j->notify)
+            j->rc = dc_err_set(&j->err, DC_EINTERNAL, "clip_step.signal_event",
+                               "could not record the step's signal event");
+        else
+            j->rc = dc_gpu_record_event(be, j->signal_event, &j->err);
+    }
 #ifdef DPCLIP_HAVE_CUDA
     /* Read here, on the thread that owns the backend. */
     if (j->step.device >= 0) j->workspace = dc_cuda_backend_workspace_bytes(be);
@@ -134,6 +138,27 @@ static void session_next(dc_session *s) {
     else dc_session_process(s);
 }
 
+/* After a reply: a trainer's next request often follows within
+ * microseconds (its next step in a tight loop, or a registration), so poll
+ * a little (daemon.spin_us). And a trainer's steps come at a steady period:
+ * have the loop, and the GPU's worker, awake around when the next one is
+ * due, rather than pay two wake-ups on its critical path. */
+static void expect_next(dc_session *s, const dc_step_job *j, uint64_t now) {
+    dc_server *srv = s->srv;
+    dc_server_spin(srv, true);
+    if (!s->ewma_period_ns || !srv->spin_ns) return;
+    uint64_t due = j->t_frame + s->ewma_period_ns;
+    if (due + s->ewma_period_ns / 4 <= now) return; /* late already: no cadence to follow */
+    uint64_t m = dc_server_poll_margin(s->ewma_period_ns);
+    dc_server_poll(srv, due > m ? due - m : 0, due + m, true);
+    if (j->step.device >= 0) {
+        /* Its timed wait is precise to microseconds: a narrower window. */
+        uint64_t mw = s->ewma_period_ns / 20 > 300000u ? s->ewma_period_ns / 20 : 300000u;
+        dc_worker_pool_expect(&srv->gpu.pools[j->step.device], due > mw ? due - mw : 0,
+                              due + 2 * mw);
+    }
+}
+
 static void step_done(dc_job *job) {
     dc_step_job *j = (dc_step_job *)job;
     dc_session *s = j->s;
@@ -181,10 +206,7 @@ static void step_done(dc_job *job) {
     now = uv_hrtime();
     s->last_step_ns = now;
     count_step(srv, j, now);
-    /* A trainer's next request often follows a reply within microseconds (its
-     * next step in a tight loop, or a registration): poll for it a little
-     * (daemon.spin_us) rather than pay the loop's wake-up. */
-    dc_server_spin(srv);
+    expect_next(s, j, now);
     if (dc_log_get_level() >= DC_LOG_DEBUG)
         dc_log_debug("session %llu: step %llu (%zu layers, B=%u, %s%s): decode %.1f us, "
                      "validate %.1f us, ledger %.1f us, queue %.1f us, wait %.1f us (device "
@@ -208,6 +230,8 @@ static void step_done(dc_job *job) {
 static void step_notice(dc_job *job) {
     dc_step_job *j = (dc_step_job *)job;
     dc_session *s = j->s;
+    uint64_t took = uv_hrtime() - j->t_submit;
+    s->ewma_notice_ns = s->ewma_notice_ns ? (3 * s->ewma_notice_ns + took) / 4 : took;
     Dpclip__Reply reply = DPCLIP__REPLY__INIT;
     Dpclip__ClipStepEnqueued n = DPCLIP__CLIP_STEP_ENQUEUED__INIT;
     n.step_index = s->steps + 1;
@@ -229,10 +253,18 @@ static void step_submit(dc_step_job *j) {
     j->t_submit = uv_hrtime();
     dc_worker_pool_submit(j->step.device >= 0 ? &srv->gpu.pools[j->step.device] : &srv->cpu_pool,
                           &j->job);
-    if (j->step.device >= 0 && s->ewma_gpu_run_ns)
-        dc_server_spin_expect(srv, s->ewma_gpu_run_ns);
-    else
-        dc_server_spin(srv);
+    /* Poll for what comes back: an early notice within about the time the
+     * last ones took, the completion around the recent steps' run time. */
+    uint64_t now = j->t_submit;
+    if (j->notify)
+        dc_server_poll(srv, now, now + (s->ewma_notice_ns ? 2 * s->ewma_notice_ns + 100000u
+                                                           : 2000000u), false);
+    if (j->step.device >= 0 && s->ewma_gpu_run_ns) {
+        uint64_t run = s->ewma_gpu_run_ns, m = dc_server_poll_margin(run);
+        dc_server_poll(srv, now + run > m ? now + run - m : now, now + run + 2 * m, false);
+    } else {
+        dc_server_spin(srv, false);
+    }
 }
 
 /* The spend is on disk (or could not be written): run, or refuse. */
@@ -423,6 +455,13 @@ static void step_accept(dc_session *s, uint64_t id, dc_step_job *j,
                         const struct dc_step_params *m) {
     dc_server *srv = s->srv;
     dc_err e;
+    if (s->prev_step_frame) {
+        /* A pause (over a second: evaluation, checkpointing) is no period. */
+        uint64_t period = j->t_frame - s->prev_step_frame;
+        if (period < 1000000000u)
+            s->ewma_period_ns = s->ewma_period_ns ? (3 * s->ewma_period_ns + period) / 4 : period;
+    }
+    s->prev_step_frame = j->t_frame;
     if (j->step.device >= srv->gpu.n) {
         dc_err_set(&e, DC_EPRECOND, "clip_step", "no GPU backend for device %d", j->step.device);
         goto fail_step;
@@ -460,9 +499,11 @@ static void step_accept(dc_session *s, uint64_t id, dc_step_job *j,
         }
         j->notify = true;
         j->job.notice = step_notice;
+        j->step.zero_on_fail = true;
+    }
+    if (j->signal_event) {
         j->step.enqueued = step_enqueued;
         j->step.enqueued_arg = j;
-        j->step.zero_on_fail = true;
     }
     if (dc_step_result_init(&j->res, j->step.batch, j->step.n_layers,
                             j->step.mode == DC_CLIP_PER_LAYER)) {

@@ -91,10 +91,11 @@ typedef struct dc_step {
      * mapped by the daemon), else the CUDA device index (validation refuses
      * steps that mix them). */
     int device;
-    /* Asynchronous replies (ClipStep.notify_enqueued): a backend that queues
-     * work on a device calls enqueued(enqueued_arg) once everything that
-     * writes the client's memory is queued, before it waits for the
-     * device; the callback records the client's signal event. A step that
+    /* A backend that queues work on a device calls enqueued(enqueued_arg)
+     * once everything that writes the client's memory is queued, before it
+     * waits for the device; the callback records the client's signal event
+     * and, for an early notice (ClipStep.notify_enqueued), has the loop
+     * send it. With an early notice, a step that
      * fails after that point writes zeros to every output instead of
      * leaving them untouched (zero_on_fail), as the client may already
      * consume them. Synchronous backends ignore both. */

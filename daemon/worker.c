@@ -19,11 +19,8 @@ static uint64_t now_ns(void) {
     return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
 }
 
-/* Polls the lock-free counter for up to spin_ns; true if a job showed up. */
-static bool worker_spin(dc_worker_pool *p) {
-    uint64_t end;
-    if (!p->spin_ns) return false;
-    end = now_ns() + p->spin_ns;
+/* Polls the lock-free counter until `end`; true if a job showed up. */
+static bool worker_spin_until(dc_worker_pool *p, uint64_t end) {
     do {
         for (int i = 0; i < 64; i++)
             if (atomic_load_explicit(&p->queued, memory_order_acquire)) return true;
@@ -32,24 +29,55 @@ static bool worker_spin(dc_worker_pool *p) {
     return false;
 }
 
+/* With mu held and nothing queued: waits (polling or sleeping, releasing mu
+ * meanwhile) until a job is queued, the pool stops, or the expectation
+ * window changes. Returns with mu held. */
+static void worker_idle(dc_worker_pool *p, bool just_ran) {
+    uint64_t now = now_ns();
+    if (p->win_to && p->win_to <= now) p->win_from = p->win_to = 0;
+    if (p->win_to && p->win_from <= now) {
+        uint64_t end = p->win_to;
+        pthread_mutex_unlock(&p->mu);
+        worker_spin_until(p, end);
+        pthread_mutex_lock(&p->mu);
+        if (p->win_to == end) p->win_from = p->win_to = 0; /* spent, not re-armed */
+        return;
+    }
+    if (just_ran && p->spin_ns) {
+        pthread_mutex_unlock(&p->mu);
+        worker_spin_until(p, now + p->spin_ns);
+        pthread_mutex_lock(&p->mu);
+        return;
+    }
+    if (p->win_from) {
+        /* Sleep until the window opens (or something changes). */
+        struct timespec ts = {(time_t)(p->win_from / 1000000000u),
+                              (long)(p->win_from % 1000000000u)};
+        pthread_cond_timedwait(&p->cv, &p->mu, &ts);
+        return;
+    }
+    pthread_cond_wait(&p->cv, &p->mu);
+}
+
 static void *worker_main(void *arg) {
     worker_arg wa = *(worker_arg *)arg;
     dc_worker_pool *p = wa.pool;
+    bool just_ran = false;
     free(arg);
 
     pthread_mutex_lock(&p->mu);
     for (;;) {
-        if (!p->q_head && !p->stopping) {
-            pthread_mutex_unlock(&p->mu);
-            worker_spin(p);
-            pthread_mutex_lock(&p->mu);
+        while (!p->q_head && !p->stopping) {
+            worker_idle(p, just_ran);
+            just_ran = false;
         }
-        while (!p->q_head && !p->stopping) pthread_cond_wait(&p->cv, &p->mu);
         dc_job *job = p->q_head;
         if (!job) break; /* stopping and nothing queued */
         p->q_head = job->next;
         if (!p->q_head) p->q_tail = NULL;
         atomic_fetch_sub_explicit(&p->queued, 1, memory_order_relaxed);
+        /* The job a window waited for came: the window is spent. */
+        if (p->win_to && p->win_from <= now_ns()) p->win_from = p->win_to = 0;
         pthread_mutex_unlock(&p->mu);
 
         job->work(job, p->backends[wa.index]);
@@ -59,6 +87,7 @@ static void *worker_main(void *arg) {
         if (p->d_tail) p->d_tail->next = job;
         else p->d_head = job;
         p->d_tail = job;
+        just_ran = true;
         /* uv_async_send is the one libuv call that is safe from any thread. */
         uv_async_send(&p->async);
     }
@@ -108,7 +137,14 @@ int dc_worker_pool_init(dc_worker_pool *p, uv_loop_t *loop, const char *name, in
     for (int i = 0; i < n; i++)
         if ((rc = factory(factory_arg, i, &p->backends[i], err))) goto fail;
     pthread_mutex_init(&p->mu, NULL);
-    pthread_cond_init(&p->cv, NULL);
+    {
+        /* Timed waits are on the monotonic clock, the clock of the windows. */
+        pthread_condattr_t ca;
+        pthread_condattr_init(&ca);
+        pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
+        pthread_cond_init(&p->cv, &ca);
+        pthread_condattr_destroy(&ca);
+    }
     if (uv_async_init(loop, &p->async, on_async) != 0) {
         rc = dc_err_set(err, DC_EINTERNAL, "", "uv_async_init failed");
         goto fail_sync;
@@ -177,6 +213,23 @@ void dc_worker_pool_submit(dc_worker_pool *p, dc_job *job) {
 int dc_worker_pool_busy(const dc_worker_pool *p) { return p->busy; }
 
 void dc_worker_pool_set_spin(dc_worker_pool *p, uint64_t spin_ns) { p->spin_ns = spin_ns; }
+
+void dc_worker_pool_expect(dc_worker_pool *p, uint64_t from_ns, uint64_t to_ns) {
+    bool wake;
+    if (!p->threads || to_ns <= from_ns || to_ns <= now_ns()) return;
+    pthread_mutex_lock(&p->mu);
+    if (p->win_to && p->win_to > from_ns) { /* overlaps the window set: merge */
+        if (from_ns < p->win_from) p->win_from = from_ns;
+        if (to_ns > p->win_to) p->win_to = to_ns;
+    } else {
+        p->win_from = from_ns;
+        p->win_to = to_ns;
+    }
+    /* A sleeping worker recomputes its wake-up time. */
+    wake = !p->q_head;
+    pthread_mutex_unlock(&p->mu);
+    if (wake) pthread_cond_signal(&p->cv);
+}
 
 void dc_worker_pool_close(dc_worker_pool *p) {
     if (!p->threads) return;

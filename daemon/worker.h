@@ -45,6 +45,9 @@ struct dc_worker_pool {
     bool stopping;
     atomic_uint queued;      /* jobs waiting: workers spin on it lock-free */
     uint64_t spin_ns;        /* how long an idle worker polls before sleeping */
+    /* A window (CLOCK_MONOTONIC ns, under mu) in which a job is expected: an
+     * idle worker sleeps until win_from, then polls until win_to. */
+    uint64_t win_from, win_to;
     int n;
     int busy;                /* jobs submitted and not yet done() */
     pthread_t *threads;
@@ -63,6 +66,12 @@ void dc_worker_notify(dc_job *job);
  * microseconds on many machines (VMs especially), more than a small step.
  * Set before submitting; 0 disables. */
 void dc_worker_pool_set_spin(dc_worker_pool *p, uint64_t spin_ns);
+/* A job is expected between from_ns and to_ns (CLOCK_MONOTONIC, the clock
+ * of uv_hrtime): an idle worker is awake and polling then, so the job does
+ * not pay a sleeping thread's wake-up (the same cost as above) when it
+ * comes. Windows merge (earliest start, latest end); a window already past
+ * is ignored. Any thread. */
+void dc_worker_pool_expect(dc_worker_pool *p, uint64_t from_ns, uint64_t to_ns);
 /* Jobs submitted and not completed yet (loop thread only). */
 int dc_worker_pool_busy(const dc_worker_pool *p);
 /* Stops the threads after the queued jobs ran, runs the remaining done()

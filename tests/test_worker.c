@@ -102,9 +102,75 @@ static void test_jobs_run_and_complete(void **state) {
     free(jobs);
 }
 
+static uint64_t mono_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
+}
+
+/* Expectation windows (a GPU worker awake when a trainer's step is due):
+ * they merge, a past one is ignored, a job inside one spends it, jobs run
+ * whatever the window, and a worker sleeping until a far window still
+ * stops at close. */
+static void test_expect_windows(void **state) {
+    (void)state;
+    uv_loop_t loop;
+    dc_worker_pool pool;
+    dc_err err;
+    int made = 0, ndone = 0;
+    tjob jobs[4];
+    memset(jobs, 0, sizeof jobs);
+
+    assert_int_equal(uv_loop_init(&loop), 0);
+    assert_int_equal(dc_worker_pool_init(&pool, &loop, "t", 1, factory, &made, &err), 0);
+    dc_worker_pool_set_spin(&pool, 20000);
+    uint64_t now = mono_ns();
+
+    dc_worker_pool_expect(&pool, now - 2000000, now - 1000000); /* past: ignored */
+    assert_int_equal(pool.win_to, 0);
+    dc_worker_pool_expect(&pool, now + 5000000, now + 4000000); /* empty: ignored */
+    assert_int_equal(pool.win_to, 0);
+    dc_worker_pool_expect(&pool, now + 50000000000ull, now + 60000000000ull);
+    assert_true(pool.win_from == now + 50000000000ull && pool.win_to == now + 60000000000ull);
+    /* overlapping: merged to the earliest start and the latest end */
+    dc_worker_pool_expect(&pool, now + 40000000000ull, now + 55000000000ull);
+    assert_true(pool.win_from == now + 40000000000ull && pool.win_to == now + 60000000000ull);
+    dc_worker_pool_expect(&pool, now + 45000000000ull, now + 70000000000ull);
+    assert_true(pool.win_from == now + 40000000000ull && pool.win_to == now + 70000000000ull);
+
+    /* A job before the window runs (the sleeping worker is woken). */
+    jobs[0].job.work = tjob_work;
+    jobs[0].job.done = tjob_done;
+    jobs[0].loop_thread = pthread_self();
+    jobs[0].ndone = &ndone;
+    dc_worker_pool_submit(&pool, &jobs[0].job);
+    while (ndone < 1) uv_run(&loop, UV_RUN_ONCE);
+    assert_true(jobs[0].done_on_loop);
+    assert_int_equal(pool.win_to, now + 70000000000ull); /* not yet open: kept */
+
+    /* An open window is spent by the job it waited for. */
+    now = mono_ns();
+    dc_worker_pool_expect(&pool, now, now + 30000000000ull);
+    jobs[1] = jobs[0];
+    dc_worker_pool_submit(&pool, &jobs[1].job);
+    while (ndone < 2) uv_run(&loop, UV_RUN_ONCE);
+    pthread_mutex_lock(&pool.mu);
+    assert_int_equal(pool.win_to, 0);
+    pthread_mutex_unlock(&pool.mu);
+
+    /* Asleep until a window 60 s away: close wakes and stops it now. */
+    dc_worker_pool_expect(&pool, mono_ns() + 60000000000ull, mono_ns() + 61000000000ull);
+    uint64_t t0 = mono_ns();
+    dc_worker_pool_close(&pool);
+    assert_true(mono_ns() - t0 < 30000000000ull);
+    uv_run(&loop, UV_RUN_DEFAULT);
+    assert_int_equal(uv_loop_close(&loop), 0);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_jobs_run_and_complete),
+        cmocka_unit_test(test_expect_windows),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
