@@ -13,7 +13,11 @@
  * all medians (p90 too), and whether MPS was active (HelloReply); then a
  * second line for the same steps with the early notice (notify_enqueued).
  *
- *   bench_cuda_step --socket PATH [--iters N] */
+ * --gap-us N sleeps N microseconds between steps, as a trainer's forward and
+ * backward pass does (the daemon's threads go idle in between, and wake-ups
+ * cost what they cost in training; 0, the default, sends steps back to back).
+ *
+ *   bench_cuda_step --socket PATH [--iters N] [--gap-us N] */
 #include <cuda_runtime_api.h>
 #include <getopt.h>
 #include <stdio.h>
@@ -52,14 +56,18 @@ static double pct(double *v, int n, double p) {
 int main(int argc, char **argv) {
     const char *sock = dpclip_default_socket();
     int iters = 50, B = 8, T = 1024, c;
+    long gap_us = 0;
     static const struct option opts[] = {{"socket", required_argument, NULL, 's'},
                                          {"iters", required_argument, NULL, 'i'},
+                                         {"gap-us", required_argument, NULL, 'g'},
                                          {NULL, 0, NULL, 0}};
     while ((c = getopt_long(argc, argv, "", opts, NULL)) != -1) {
         if (c == 's') sock = optarg;
         else if (c == 'i') iters = atoi(optarg);
+        else if (c == 'g') gap_us = atol(optarg);
         else return 2;
     }
+    if (iters < 1 || gap_us < 0) return 2;
     const int shapes[4][2] = {{768, 2304}, {768, 768}, {768, 3072}, {3072, 768}};
     const int L = 72;
     size_t off = 0, offs[72][4];
@@ -189,6 +197,10 @@ int main(int argc, char **argv) {
                 v[P_GPU2][i] = res.compute_ns / 1e6;
             }
             dpclip_result_free(&res);
+            if (gap_us) {
+                struct timespec gap = {gap_us / 1000000, (gap_us % 1000000) * 1000};
+                nanosleep(&gap, NULL);
+            }
         }
     }
     double ov[4096], ov2[4096];
@@ -198,20 +210,20 @@ int main(int argc, char **argv) {
         ov2[i] = v[P_TL2][i] - v[P_GPU2][i];
     }
     printf("{\"bench\":\"cuda_step\",\"model\":\"gpt2-small-linears\",\"layers\":%d,\"B\":%d,"
-           "\"T\":%d,\"dtype\":\"bf16\",\"iters\":%d,\"mps\":%s,\"daemon_gpu_ms\":%.3f,"
+           "\"T\":%d,\"dtype\":\"bf16\",\"iters\":%d,\"gap_us\":%ld,\"mps\":%s,\"daemon_gpu_ms\":%.3f,"
            "\"daemon_gpu_p90_ms\":%.3f,\"rt_ms\":%.3f,\"rt_p90_ms\":%.3f,\"overhead_ms\":%.3f,"
            "\"overhead_p90_ms\":%.3f,\"timeline_ms\":%.3f,\"buffer_mib\":%.0f,"
            "\"us\":{\"send\":%.1f,\"to_daemon\":%.1f,\"in_daemon\":%.1f,\"to_client\":%.1f,"
            "\"ret\":%.1f}}\n",
-           L, B, T, iters, info.mps_active ? "true" : "false", pct(v[P_GPU], iters, 0.5),
+           L, B, T, iters, gap_us, info.mps_active ? "true" : "false", pct(v[P_GPU], iters, 0.5),
            pct(v[P_GPU], iters, 0.9), pct(v[P_RT], iters, 0.5), pct(v[P_RT], iters, 0.9),
            pct(ov, n, 0.5), pct(ov, n, 0.9), pct(v[P_TL], iters, 0.5), total / 1048576.0,
            pct(v[P_SEND], iters, 0.5), pct(v[P_TOD], iters, 0.5), pct(v[P_IND], iters, 0.5),
            pct(v[P_TOC], iters, 0.5), pct(v[P_RET], iters, 0.5));
-    printf("{\"bench\":\"cuda_step_notify\",\"layers\":%d,\"mps\":%s,\"notice_ms\":%.3f,"
+    printf("{\"bench\":\"cuda_step_notify\",\"layers\":%d,\"gap_us\":%ld,\"mps\":%s,\"notice_ms\":%.3f,"
            "\"notice_p90_ms\":%.3f,\"daemon_gpu_ms\":%.3f,\"timeline_ms\":%.3f,"
            "\"timeline_over_gpu_ms\":%.3f,\"timeline_over_gpu_p90_ms\":%.3f}\n",
-           L, info.mps_active ? "true" : "false", pct(v[P_NOTICE], iters, 0.5),
+           L, gap_us, info.mps_active ? "true" : "false", pct(v[P_NOTICE], iters, 0.5),
            pct(v[P_NOTICE], iters, 0.9), pct(v[P_GPU2], iters, 0.5), pct(v[P_TL2], iters, 0.5),
            pct(ov2, n, 0.5), pct(ov2, n, 0.9));
     dpclip_step_free(s);
