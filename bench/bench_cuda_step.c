@@ -13,11 +13,15 @@
  * all medians (p90 too), and whether MPS was active (HelloReply); then a
  * second line for the same steps with the early notice (notify_enqueued).
  *
- * --gap-us N sleeps N microseconds between steps, as a trainer's forward and
- * backward pass does (the daemon's threads go idle in between, and wake-ups
- * cost what they cost in training; 0, the default, sends steps back to back).
+ * --gap-us N leaves N microseconds between steps, as a trainer's forward and
+ * backward pass does, so that the daemon's threads go idle in between and
+ * wake-ups cost what they cost in training (0, the default: back to back).
+ * By default this process sleeps through the gap and the GPU idles (the
+ * coldest case); with --gap-gpu the gap is GPU work on the trainer's stream
+ * (memsets of its own buffer) that the host waits for, as a trainer that
+ * reads its loss every step does: GPU busy until the step, host awake.
  *
- *   bench_cuda_step --socket PATH [--iters N] [--gap-us N] */
+ *   bench_cuda_step --socket PATH [--iters N] [--gap-us N [--gap-gpu]] */
 #include <cuda_runtime_api.h>
 #include <getopt.h>
 #include <stdio.h>
@@ -57,14 +61,17 @@ int main(int argc, char **argv) {
     const char *sock = dpclip_default_socket();
     int iters = 50, B = 8, T = 1024, c;
     long gap_us = 0;
+    int gap_gpu = 0;
     static const struct option opts[] = {{"socket", required_argument, NULL, 's'},
                                          {"iters", required_argument, NULL, 'i'},
                                          {"gap-us", required_argument, NULL, 'g'},
+                                         {"gap-gpu", no_argument, NULL, 'G'},
                                          {NULL, 0, NULL, 0}};
     while ((c = getopt_long(argc, argv, "", opts, NULL)) != -1) {
         if (c == 's') sock = optarg;
         else if (c == 'i') iters = atoi(optarg);
         else if (c == 'g') gap_us = atol(optarg);
+        else if (c == 'G') gap_gpu = 1;
         else return 2;
     }
     if (iters < 1 || gap_us < 0) return 2;
@@ -116,6 +123,20 @@ int main(int argc, char **argv) {
     if (dpclip_event_register_cuda(cl, &hr, 0, &er) || dpclip_event_register_cuda(cl, &hd, 0, &ed)) {
         fprintf(stderr, "events: %s\n", dpclip_errmsg(cl));
         return 1;
+    }
+
+    /* --gap-gpu: how many memsets of the buffer fill the gap (the data is
+     * 0x3c bytes throughout, so rewriting it changes nothing). */
+    int gap_sets = 0;
+    if (gap_us && gap_gpu) {
+        float ms = 0;
+        CK(cudaEventRecord(t0, st));
+        for (int k = 0; k < 4; k++) CK(cudaMemsetAsync(dev, 0x3c, total, st));
+        CK(cudaEventRecord(t1, st));
+        CK(cudaEventSynchronize(t1));
+        CK(cudaEventElapsedTime(&ms, t0, t1));
+        gap_sets = (int)(gap_us / 1e3 / (ms / 4) + 0.5);
+        if (gap_sets < 1) gap_sets = 1;
     }
 
     dpclip_clip_config cfg = {.max_grad_norm = 1.0f, .reduction = DPCLIP_MEAN,
@@ -197,7 +218,10 @@ int main(int argc, char **argv) {
                 v[P_GPU2][i] = res.compute_ns / 1e6;
             }
             dpclip_result_free(&res);
-            if (gap_us) {
+            if (gap_sets) {
+                for (int k = 0; k < gap_sets; k++) CK(cudaMemsetAsync(dev, 0x3c, total, st));
+                CK(cudaStreamSynchronize(st));
+            } else if (gap_us) {
                 struct timespec gap = {gap_us / 1000000, (gap_us % 1000000) * 1000};
                 nanosleep(&gap, NULL);
             }
@@ -210,20 +234,20 @@ int main(int argc, char **argv) {
         ov2[i] = v[P_TL2][i] - v[P_GPU2][i];
     }
     printf("{\"bench\":\"cuda_step\",\"model\":\"gpt2-small-linears\",\"layers\":%d,\"B\":%d,"
-           "\"T\":%d,\"dtype\":\"bf16\",\"iters\":%d,\"gap_us\":%ld,\"mps\":%s,\"daemon_gpu_ms\":%.3f,"
+           "\"T\":%d,\"dtype\":\"bf16\",\"iters\":%d,\"gap_us\":%ld,\"gap\":\"%s\",\"mps\":%s,\"daemon_gpu_ms\":%.3f,"
            "\"daemon_gpu_p90_ms\":%.3f,\"rt_ms\":%.3f,\"rt_p90_ms\":%.3f,\"overhead_ms\":%.3f,"
            "\"overhead_p90_ms\":%.3f,\"timeline_ms\":%.3f,\"buffer_mib\":%.0f,"
            "\"us\":{\"send\":%.1f,\"to_daemon\":%.1f,\"in_daemon\":%.1f,\"to_client\":%.1f,"
            "\"ret\":%.1f}}\n",
-           L, B, T, iters, gap_us, info.mps_active ? "true" : "false", pct(v[P_GPU], iters, 0.5),
+           L, B, T, iters, gap_us, !gap_us ? "none" : gap_gpu ? "gpu" : "sleep", info.mps_active ? "true" : "false", pct(v[P_GPU], iters, 0.5),
            pct(v[P_GPU], iters, 0.9), pct(v[P_RT], iters, 0.5), pct(v[P_RT], iters, 0.9),
            pct(ov, n, 0.5), pct(ov, n, 0.9), pct(v[P_TL], iters, 0.5), total / 1048576.0,
            pct(v[P_SEND], iters, 0.5), pct(v[P_TOD], iters, 0.5), pct(v[P_IND], iters, 0.5),
            pct(v[P_TOC], iters, 0.5), pct(v[P_RET], iters, 0.5));
-    printf("{\"bench\":\"cuda_step_notify\",\"layers\":%d,\"gap_us\":%ld,\"mps\":%s,\"notice_ms\":%.3f,"
+    printf("{\"bench\":\"cuda_step_notify\",\"layers\":%d,\"gap_us\":%ld,\"gap\":\"%s\",\"mps\":%s,\"notice_ms\":%.3f,"
            "\"notice_p90_ms\":%.3f,\"daemon_gpu_ms\":%.3f,\"timeline_ms\":%.3f,"
            "\"timeline_over_gpu_ms\":%.3f,\"timeline_over_gpu_p90_ms\":%.3f}\n",
-           L, gap_us, info.mps_active ? "true" : "false", pct(v[P_NOTICE], iters, 0.5),
+           L, gap_us, !gap_us ? "none" : gap_gpu ? "gpu" : "sleep", info.mps_active ? "true" : "false", pct(v[P_NOTICE], iters, 0.5),
            pct(v[P_NOTICE], iters, 0.9), pct(v[P_GPU2], iters, 0.5), pct(v[P_TL2], iters, 0.5),
            pct(ov2, n, 0.5), pct(ov2, n, 0.9));
     dpclip_step_free(s);
