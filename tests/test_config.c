@@ -38,6 +38,7 @@ static int teardown(void **state) {
     return system(cmd) == 0 ? 0 : -1;
 }
 
+#ifdef DPCLIP_HAVE_INIH
 /* The path is in a static buffer: copy it before the next call. */
 static const char *write_conf(const char *name, const char *text) {
     static char path[400];
@@ -49,6 +50,7 @@ static const char *write_conf(const char *name, const char *text) {
     fclose(f);
     return path;
 }
+#endif
 
 #ifdef DPCLIP_HAVE_INIH
 static void test_full_file(void **state) {
@@ -349,6 +351,21 @@ static void test_check_config_cli(void **state) {
     assert_non_null(strstr(out, "(limits.max_batch)"));
 }
 
+/* An empty file ("--config /dev/null": no config file) sets nothing, with
+ * or without inih; a missing one is an error naming it. */
+static void test_empty_file(void **state) {
+    dc_config c, d;
+    dc_err e;
+    (void)state;
+    dc_config_defaults(&c);
+    dc_config_defaults(&d);
+    assert_int_equal(dc_config_load_file(&c, "/dev/null", &e), 0);
+    memcpy(d.config_path, c.config_path, sizeof d.config_path); /* the file read, if kept */
+    assert_memory_equal(&c, &d, sizeof c);
+    assert_int_not_equal(dc_config_load_file(&c, "/nonexistent/dpclipd.conf", &e), 0);
+    assert_non_null(strstr(e.msg, "/nonexistent/dpclipd.conf"));
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
 #ifdef DPCLIP_HAVE_INIH
@@ -360,6 +377,7 @@ int main(void) {
 #endif
         cmocka_unit_test(test_bad_flags),
         cmocka_unit_test(test_check_config_cli),
+        cmocka_unit_test(test_empty_file),
     };
 #ifndef DPCLIP_HAVE_INIH
     printf("test_config: SKIPPED the config-file cases: built without inih (libinih-dev)\n");
