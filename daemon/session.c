@@ -308,6 +308,7 @@ static void dispatch(dc_session *s, const uint8_t *payload, size_t len, uint64_t
         }
         key = payload + k;
         key_len = k < len ? len - k : 0;
+        if (key_len && key[0] == 0x6a) dc_session_prewait(s);
         if (key_len && key[0] == 0x6a && dc_session_step_cached(s, id, key, key_len)) {
             s->srv->metrics.requests[DC_REQ_STEP]++;
             return;
@@ -572,6 +573,7 @@ void dc_session_destroy(dc_session *s) {
         free(w);
     }
     dc_session_plan_drop(s);
+    free(s->prewait);
     dc_registry_destroy(&s->reg);
     if (s->ljob) s->ljob->sessions--;
     free(s->rbuf);

@@ -89,6 +89,10 @@ typedef struct dc_session {
             double sample_rate, target_delta, target_epsilon;
         } params;
     } *plan;
+    /* The stream wait on the plan's input event, issued on the GPU's worker
+     * as soon as a ClipStep frame arrives, while the loop validates it
+     * (session_step.c). Owned; NULL until the first one. */
+    struct dc_prewait *prewait;
 } dc_session;
 
 /* Takes ownership of a connected, non-blocking socket. */

@@ -10,6 +10,20 @@
 #include "step.h"
 #include "worker.h"
 
+/* A wait on a step's input event issued ahead of its validation: the
+ * driver call (tens of microseconds with an interprocess event) overlaps
+ * the loop's work instead of following it. Harmless if the step is then
+ * refused: the daemon's stream only waits for the client's own work. */
+struct dc_prewait {
+    dc_job job;
+    dc_session *s;
+    void *event;           /* cudaEvent_t of the session's plan */
+    uint64_t t_frame;      /* the frame it was issued for */
+    bool busy;             /* submitted, done() not run yet */
+    int rc;                /* worker thread: the wait's result */
+    dc_err err;
+};
+
 /* A step from request to reply. Owned by the session (s->job) from the
  * moment it is accepted until step_done has replied. */
 struct dc_step_job {
@@ -18,6 +32,7 @@ struct dc_step_job {
     uint64_t req_id;
     void *wait_event;      /* GPU steps: cudaEvent_t or NULL */
     void *signal_event;
+    struct dc_prewait *prewait; /* issued for this step's frame and event, if any */
     /* notify_enqueued: the backend (worker thread) calls step_enqueued, which
      * records signal_event and has step_notice send the notice. */
     bool notify;
@@ -69,6 +84,9 @@ void dc_session_step(dc_session *s, uint64_t id, const Dpclip__ClipStep *m, cons
 /* The same step as the last one that validated: run it from the cache
  * without decoding. 1 if handled, 0 if the request must be decoded. */
 int dc_session_step_cached(dc_session *s, uint64_t id, const uint8_t *key, size_t key_len);
+/* A ClipStep frame arrived (s->t_frame): if the session's last step waited
+ * on an input event on a GPU, have that GPU's stream wait on it now. */
+void dc_session_prewait(dc_session *s);
 void dc_session_plan_drop(dc_session *s);
 
 #endif

@@ -46,7 +46,10 @@ static void step_work(dc_job *job, dc_backend *be) {
     j->t_start = uv_hrtime();
     j->be = be;
     dc_err_clear(&j->err);
-    if (j->wait_event && (j->rc = dc_gpu_wait_event(be, j->wait_event, &j->err))) {
+    /* A pre-wait ran before this job on this same thread (one worker per
+     * GPU, in order): if it succeeded the stream already waits. */
+    bool waited = j->prewait && j->prewait->rc == 0;
+    if (j->wait_event && !waited && (j->rc = dc_gpu_wait_event(be, j->wait_event, &j->err))) {
         j->t_waited = j->t_end = uv_hrtime();
         return;
     }
@@ -243,9 +246,48 @@ static void step_notice(dc_job *job) {
     dc_session_send(s, &reply);
 }
 
+static void prewait_work(dc_job *job, dc_backend *be) {
+    struct dc_prewait *pw = (struct dc_prewait *)job;
+    pw->rc = dc_gpu_wait_event(be, pw->event, &pw->err);
+}
+
+static void prewait_done(dc_job *job) {
+    struct dc_prewait *pw = (struct dc_prewait *)job;
+    dc_session *s = pw->s;
+    pw->busy = false;
+    s->async_ops--;
+    session_next(s);
+}
+
+void dc_session_prewait(dc_session *s) {
+    const struct dc_step_plan *p = s->plan;
+    const struct dc_session_event *ev;
+    struct dc_prewait *pw = s->prewait;
+    if (!p || p->step.device < 0 || p->step.device >= s->srv->gpu.n || !p->params.wait_event ||
+        (pw && pw->busy) || !(ev = dc_session_find_event(s, p->params.wait_event)) ||
+        ev->device != p->step.device)
+        return;
+    if (!pw && !(pw = s->prewait = calloc(1, sizeof *pw))) return; /* best effort */
+    pw->s = s;
+    pw->event = ev->event;
+    pw->t_frame = s->t_frame;
+    pw->rc = -1;
+    pw->busy = true;
+    pw->job.work = prewait_work;
+    pw->job.done = prewait_done;
+    s->async_ops++; /* the session waits for it like for a handle open */
+    dc_worker_pool_submit(&s->srv->gpu.pools[p->step.device], &pw->job);
+}
+
 static void step_submit(dc_step_job *j) {
     dc_session *s = j->s;
     dc_server *srv = s->srv;
+    struct dc_prewait *pw = s->prewait;
+    /* The pre-wait counts if it was for this frame and this event, and is
+     * still to run (step_work reads its result) or ran fine. */
+    if (pw && j->wait_event && pw->t_frame == j->t_frame && pw->event == j->wait_event &&
+        (pw->busy || pw->rc == 0))
+        j->prewait = pw;
     j->step.noise_key = srv->noise_key;
     j->step.noise_step = ++srv->noise_steps;
     j->job.work = step_work;

@@ -165,7 +165,12 @@ static void rig_open(gpu_rig *g, uint64_t seed) {
 
 /* New random inputs, uploaded on the rig's stream over a NaN-filled buffer
  * (NaNs if the daemon read too early), then `ready` recorded. */
+static void rig_upload_ev(gpu_rig *g, uint64_t seed, int poison, cudaEvent_t ev);
 static void rig_upload(gpu_rig *g, uint64_t seed, int poison) {
+    rig_upload_ev(g, seed, poison, g->ready);
+}
+
+static void rig_upload_ev(gpu_rig *g, uint64_t seed, int poison, cudaEvent_t ev) {
     dc_test_rng r;
     dc_test_rng_seed(&r, seed);
     dc_shm_step_refill(&g->s, &r);
@@ -176,7 +181,7 @@ static void rig_upload(gpu_rig *g, uint64_t seed, int poison) {
     memcpy(g->pinned, g->s.base, g->s.used);
     CUDA_OK(cudaMemsetAsync(g->dev, 0xff, g->s.used, g->st));
     CUDA_OK(cudaMemcpyAsync(g->dev, g->pinned, g->s.used, cudaMemcpyHostToDevice, g->st));
-    CUDA_OK(cudaEventRecord(g->ready, g->st));
+    CUDA_OK(cudaEventRecord(ev, g->st));
 }
 
 /* The rig's stream waits on `done` and copies the buffer home. */
@@ -224,6 +229,55 @@ static void test_gpu_events(void **state) {
     assert_int_equal(dpclip_run(g.c, g.s.step, &res), DPCLIP_ENOTFOUND);
     assert_string_equal(dpclip_errfield(g.c), "clip_step.wait_event");
     assert_int_equal(dpclip_ping(g.c), 0);
+    rig_close(&g);
+}
+
+/* The daemon issues the wait on a session's input event as soon as a step
+ * frame arrives, before validating it (the event of the session's last
+ * step). A step whose wait event changed must still wait on its own: here
+ * the old event completes before the inputs are written (after a long
+ * delay on the trainer's stream), the new one after; results exact. */
+static void test_gpu_event_changed(void **state) {
+    (void)state;
+    if (!g_have_gpu) {
+        printf("SKIP: test_gpu_event_changed: no CUDA device\n");
+        return;
+    }
+    gpu_rig g;
+    dpclip_result res;
+    cudaEvent_t ready2;
+    cudaIpcEventHandle_t h2;
+    uint64_t eready2;
+    uint8_t *scratch;
+    const size_t scratch_bytes = 256u << 20;
+    rig_open(&g, 11);
+    CUDA_OK(cudaEventCreateWithFlags(&ready2, cudaEventInterprocess | cudaEventDisableTiming));
+    CUDA_OK(cudaIpcGetEventHandle(&h2, ready2));
+    assert_int_equal(dpclip_event_register_cuda(g.c, &h2, 0, &eready2), 0);
+    CUDA_OK(cudaMalloc((void **)&scratch, scratch_bytes));
+    for (int rep = 0; rep < 4; rep++) {
+        int changed = rep % 2; /* steps alternate: ready, ready2, ready, ready2 */
+        if (changed) {
+            /* the event the last step waited on, done early */
+            CUDA_OK(cudaEventRecord(g.ready, g.st));
+            for (int k = 0; k < 8; k++) CUDA_OK(cudaMemsetAsync(scratch, k, scratch_bytes, g.st));
+            rig_upload_ev(&g, 2000 + (uint64_t)rep, 0, ready2);
+            dpclip_step_set_events(g.s.step, eready2, g.edone);
+        } else {
+            CUDA_OK(cudaEventRecord(ready2, g.st));
+            for (int k = 0; k < 8; k++) CUDA_OK(cudaMemsetAsync(scratch, k, scratch_bytes, g.st));
+            rig_upload(&g, 2000 + (uint64_t)rep, 0);
+            dpclip_step_set_events(g.s.step, g.eready, g.edone);
+        }
+        int rc = dpclip_run(g.c, g.s.step, &res);
+        if (rc) fail_msg("step %d: %s (%s)", rep, dpclip_errmsg(g.c), dpclip_errfield(g.c));
+        rig_download(&g);
+        double worst = dc_shm_step_check(&g.s, &res, GPU_RTOL, GPU_ATOL);
+        if (worst > 1.0) fail_msg("step %d: GPU result off by %.3g tolerances", rep, worst);
+        dpclip_result_free(&res);
+    }
+    CUDA_OK(cudaFree(scratch));
+    cudaEventDestroy(ready2);
     rig_close(&g);
 }
 
@@ -420,6 +474,7 @@ int main(int argc, char **argv) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_gpu_steps_exact),
         cmocka_unit_test(test_gpu_events),
+        cmocka_unit_test(test_gpu_event_changed),
         cmocka_unit_test(test_gpu_early_notice),
         cmocka_unit_test(test_workspace_cap),
         cmocka_unit_test(test_client_killed_mid_step),
