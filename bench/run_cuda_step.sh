@@ -15,7 +15,16 @@ run_one() {
     daemon=$!
     read -r line <"$rundir/ready"
     [ "$line" = READY ] || { echo "dpclipd did not start" >&2; exit 1; }
+    t0=$(date +%s.%N)
+    cpu0=$(awk '{ print $14 + $15 }' "/proc/$daemon/stat" 2>/dev/null || echo 0)
     "$build/bench_cuda_step" --socket "$rundir/d.sock" "$@" || true
+    # What the daemon's polling costs: its CPU time while the benchmark ran
+    # (the benchmark's own start-up included) over that wall time, in cores.
+    if [ -r "/proc/$daemon/stat" ]; then
+        awk -v t0="$t0" -v t1="$(date +%s.%N)" -v hz="$(getconf CLK_TCK)" -v c0="$cpu0" \
+            '{ cpu = ($14 + $15 - c0) / hz; printf "{\"bench\":\"cuda_step_daemon_cpu\",\"cpu_s\":%.2f,\"wall_s\":%.2f,\"cores\":%.3f}\n", cpu, t1 - t0, cpu / (t1 - t0) }' \
+            "/proc/$daemon/stat"
+    fi
     kill -TERM "$daemon"; wait "$daemon" || true
     # The daemon's own phase timing of the last steps (debug log).
     grep -E 'warn|error|: step ' "$rundir/log" | tail -n 3 >&2
