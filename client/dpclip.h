@@ -205,7 +205,10 @@ int dpclip_step_set_outputs(dpclip_step *s, const dpclip_tensor *norms_out,
 void dpclip_step_want_layer_norms(dpclip_step *s, int yes);
 /* GPU steps: the daemon's stream waits on wait_event (which the trainer
  * recorded after producing the step's tensors) and records signal_event once
- * the outputs are written. 0 = none. */
+ * the outputs are written. 0 = none. Without a wait_event the daemon reads
+ * the tensors as soon as the request arrives, ordered after nothing in this
+ * process: they must be complete on the device (synchronise first; note that
+ * a cudaMemcpy from pageable memory can return before its data lands). */
 void dpclip_step_set_events(dpclip_step *s, uint64_t wait_event, uint64_t signal_event);
 /* GPU steps with a signal_event, submitted with dpclip_submit: ask the
  * daemon for an early notice once it has queued the step's GPU work and

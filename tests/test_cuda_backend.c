@@ -84,14 +84,14 @@ static void poison(multi *m, float v) {
             void *raw = malloc(tensor_bytes(o[k]));
             assert_non_null(raw);
             for (int64_t i = 0; i < n; i++) dc_store_f32(raw, o[k]->dtype, (size_t)i, v);
-            CUDA_OK(cudaMemcpy(o[k]->data, raw, tensor_bytes(o[k]), cudaMemcpyHostToDevice));
+            h2d(o[k]->data, raw, tensor_bytes(o[k]));
             free(raw);
         }
     }
     float fill[64];
     for (int i = 0; i < 64; i++) fill[i] = v;
-    CUDA_OK(cudaMemcpy(m->norms_out.data, fill, m->B * sizeof(float), cudaMemcpyHostToDevice));
-    CUDA_OK(cudaMemcpy(m->coefs_out.data, fill, m->B * sizeof(float), cudaMemcpyHostToDevice));
+    h2d(m->norms_out.data, fill, m->B * sizeof(float));
+    h2d(m->coefs_out.data, fill, m->B * sizeof(float));
 }
 
 /* Every output (and norms_out/coefs_out) still holds the sentinel. */
@@ -267,7 +267,7 @@ static void plant(dc_tensor *h, dc_tensor *d, size_t i, float v) {
     size_t sz = dc_dtype_size(h->dtype);
     dc_store_f32(h->data, h->dtype, i, v);
     memcpy(raw, (char *)h->data + i * sz, sz);
-    CUDA_OK(cudaMemcpy((char *)d->data + i * sz, raw, sz, cudaMemcpyHostToDevice));
+    h2d((char *)d->data + i * sz, raw, sz);
 }
 
 /* Runs a failing step on both backends: same code, field (and message when

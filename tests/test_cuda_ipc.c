@@ -112,6 +112,10 @@ static void test_gpu_steps_exact(void **state) {
         /* The GPU buffer holds the shared buffer's bytes at the same offsets;
          * the wire step names the GPU buffer. */
         CUDA_OK(cudaMemcpy(dev, s.base, s.used, cudaMemcpyHostToDevice));
+    CUDA_OK(cudaDeviceSynchronize()); /* landed before the daemon reads it */
+        /* landed before the daemon's stream reads it (a pageable copy may
+         * return early, and no event orders this step) */
+        CUDA_OK(cudaDeviceSynchronize());
         assert_int_equal(dc_shm_step_wire_buffer(&s, gid), 0);
 
         for (int rep = 0; rep < 3; rep++) {
@@ -375,6 +379,7 @@ static void test_workspace_cap(void **state) {
     make_step(&s, c, 16, 64, DC_BF16, 13);
     CUDA_OK(cudaMalloc((void **)&dev, s.size));
     CUDA_OK(cudaMemcpy(dev, s.base, s.used, cudaMemcpyHostToDevice));
+    CUDA_OK(cudaDeviceSynchronize()); /* landed before the daemon reads it */
     assert_int_equal(dpclip_buffer_register_cuda(c, dev, &gid, &off), 0);
     assert_int_equal(dc_shm_step_wire_buffer(&s, gid), 0);
     assert_int_equal(dpclip_run(c, s.step, &res), DPCLIP_ENOSPACE);
@@ -411,6 +416,7 @@ static int child_main(const char *sock) {
     }
     if (cudaMalloc((void **)&dev, s.size) != cudaSuccess) return 5;
     cudaMemcpy(dev, s.base, s.used, cudaMemcpyHostToDevice);
+    cudaDeviceSynchronize(); /* landed before the daemon reads it */
     if (dpclip_buffer_register_cuda(c, dev, &gid, &off)) return 6;
     if (dc_shm_step_wire_buffer(&s, gid)) return 7;
     if (dpclip_submit(c, s.step, &ticket)) return 8;
@@ -449,6 +455,7 @@ static void test_client_killed_mid_step(void **state) {
     make_step(&s, c, 4, 16, DC_F32, 9);
     CUDA_OK(cudaMalloc((void **)&dev, s.size));
     CUDA_OK(cudaMemcpy(dev, s.base, s.used, cudaMemcpyHostToDevice));
+    CUDA_OK(cudaDeviceSynchronize()); /* landed before the daemon reads it */
     assert_int_equal(dpclip_buffer_register_cuda(c, dev, &gid, &off), 0);
     assert_int_equal(dc_shm_step_wire_buffer(&s, gid), 0);
     assert_int_equal(dpclip_run(c, s.step, &res), 0);

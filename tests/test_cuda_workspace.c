@@ -139,7 +139,7 @@ static void test_workspace_max(void **state) {
     float *w = malloc(n_w * sizeof *w);
     assert_non_null(w);
     for (size_t i = 0; i < n_w; i++) w[i] = sentinel;
-    CUDA_OK(cudaMemcpy(o.d.weight_grad_out.data, w, n_w * sizeof *w, cudaMemcpyHostToDevice));
+    h2d(o.d.weight_grad_out.data, w, n_w * sizeof *w);
     assert_int_equal(dc_cuda_backend_set_workspace(be, 0, 64, &err), 0);
     int rc = one_run(be, &o, &res, &err);
     dc_step_result_free(&res);

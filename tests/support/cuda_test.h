@@ -56,13 +56,23 @@ static inline int64_t numel(const dc_tensor *t) {
     return n;
 }
 
+/* Host to device, complete on return. A cudaMemcpy from pageable memory
+ * may return once the bytes are staged, before the DMA lands, and is
+ * ordered only with the legacy default stream: the backend's stream is
+ * non-blocking, so a step could read the old contents (seen once: a norm of
+ * 0 in a full-suite run on a busy H100). */
+static inline void h2d(void *dst, const void *src, size_t n) {
+    CUDA_OK(cudaMemcpy(dst, src, n, cudaMemcpyHostToDevice));
+    CUDA_OK(cudaDeviceSynchronize());
+}
+
 /* A device copy of a host tensor (same dtype, shape and contents). */
 static inline dc_tensor dev_copy(const dc_tensor *h) {
     dc_tensor d = *h;
     if (!h->data) return d;
     size_t n = tensor_bytes(h);
     CUDA_OK(cudaMalloc(&d.data, n ? n : 1));
-    CUDA_OK(cudaMemcpy(d.data, h->data, n, cudaMemcpyHostToDevice));
+    h2d(d.data, h->data, n);
     return d;
 }
 
