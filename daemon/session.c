@@ -34,7 +34,9 @@ static void session_update_poll(dc_session *s);
 static void session_flush(dc_session *s) {
     while (s->w_head && !s->gone) {
         dc_wbuf *w = s->w_head;
+        uint64_t t0 = uv_hrtime();
         ssize_t n = send(s->fd, w->data + w->off, w->len - w->off, MSG_NOSIGNAL | MSG_DONTWAIT);
+        s->last_send_ns = uv_hrtime() - t0;
         if (n < 0) {
             if (errno == EINTR) continue;
             if (errno == EAGAIN || errno == EWOULDBLOCK) break;

@@ -72,6 +72,7 @@ typedef struct dc_session {
     uint64_t connected_ns;           /* uv_hrtime at accept */
     uint64_t t_frame;                /* uv_hrtime when the current request began decoding */
     uint64_t last_step_ns;           /* uv_hrtime of the last reply to a step, 0 = none */
+    uint64_t last_send_ns;           /* how long the last send() took (debug log) */
     dc_ledger_job *ljob;             /* the ledger's (uid, job) since Hello; not owned */
     /* The last ClipStep that validated (session_step.c), so that the same
      * step sent again (a trainer's every iteration) skips decoding and

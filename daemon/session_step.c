@@ -214,7 +214,7 @@ static void step_done(dc_job *job) {
         dc_log_debug("session %llu: step %llu (%zu layers, B=%u, %s%s): decode %.1f us, "
                      "validate %.1f us, ledger %.1f us, queue %.1f us, wait %.1f us (device "
                      "%.1f us), run %.1f us (backend %.1f us: norms %.1f, reduction %.1f, "
-                     "clipping %.1f, noise %.1f), reply %.1f us (hand-off %.1f), eps %.4g",
+                     "clipping %.1f, noise %.1f), reply %.1f us (hand-off %.1f, send %.1f), eps %.4g",
                      (unsigned long long)s->id, (unsigned long long)s->steps, j->step.n_layers,
                      j->step.batch, j->step.device < 0 ? "cpu" : "gpu",
                      j->cached ? ", cached" : "", (j->t_recv - j->t_frame) / 1e3,
@@ -224,7 +224,7 @@ static void step_done(dc_job *job) {
                      j->res.compute_ns / 1e3, j->res.phase_ns[DC_RUN_NORMS] / 1e3,
                      j->res.phase_ns[DC_RUN_REDUCTION] / 1e3,
                      j->res.phase_ns[DC_RUN_CLIPPING] / 1e3, j->res.phase_ns[DC_RUN_NOISE] / 1e3,
-                     (now - j->t_end) / 1e3, (t_done - j->t_end) / 1e3, j->eps);
+                     (now - j->t_end) / 1e3, (t_done - j->t_end) / 1e3, s->last_send_ns / 1e3, j->eps);
     job_free(j);
     session_next(s);
 }
