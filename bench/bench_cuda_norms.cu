@@ -470,6 +470,8 @@ int main(int argc, char **argv) {
         }
         /* the direct form with each tile height forced, then split forced */
         const int auto_rows = dcc_direct_tile_rows(&L), auto_split = dcc_direct_split(&L);
+        dcc_direct_plan auto_plan;
+        dcc_direct_plan_get(&L, &auto_plan);
         double th[4];
         for (int k = 0; k < 4; k++) {
             setenv("DPCLIP_CUDA_DIRECT_TILE", k & 1 ? "256" : "128", 1);
@@ -545,12 +547,13 @@ int main(int argc, char **argv) {
                "\"step_ms\":%.4f,\"extra_bytes\":%zu,\"bk_step_ms\":%.4f,"
                "\"bk_extra_bytes\":%zu,\"direct128_ms\":%.4f,\"direct256_ms\":%.4f,"
                "\"direct128_split_ms\":%.4f,\"direct256_split_ms\":%.4f,\"direct_tile\":%d,"
-               "\"direct_split\":%d,\"path\":%d}\n",
+               "\"direct_split\":%d,\"direct_tail_split\":%d,\"direct_unsplit_tiles\":%lld,"
+               "\"path\":%d}\n",
                B, T, d, p, pick == DC_ALGO_DIRECT ? "direct" : "ghost", t[0], t[1], t[2], gemm,
                limit, r_auto, t[1] / gemm, t[2] / gemm, limit / gemm,
                fl_direct / (gemm * 1e-3) * 1e-12, std::min(fl_direct, fl_ghost) / (t[0] * 1e-3) * 1e-12,
                dvg, sms, extra, bms, bk_extra, th[0], th[1], th[2], th[3], auto_rows, auto_split,
-               dcc_linear_path(&L));
+               auto_plan.tail_ks, auto_plan.tail_ks ? auto_plan.full : 0LL, dcc_linear_path(&L));
         fflush(stdout);
         CK(cudaFree(a));
         CK(cudaFree(g));

@@ -68,6 +68,17 @@ cudaError_t dcc_linear_wgmma(const dcc_linear *L, dc_algo algo, float s2, float 
  * how many CTAs of a cluster split each tile's K range (1 or 2). */
 int dcc_direct_tile_rows(const dcc_linear *L);
 int dcc_direct_split(const dcc_linear *L);
+/* The whole plan of the TMA direct form. Tiles are numbered over (sample,
+ * tile); with tail_ks > 1 the first `full` of them (whole waves of SMs) run
+ * unsplit and the rest, a partial wave, on clusters of tail_ks CTAs that
+ * split their K ranges; otherwise every tile on a cluster of `split`. */
+typedef struct dcc_direct_plan {
+    int rows;
+    int split;
+    int tail_ks;
+    long long full;
+} dcc_direct_plan;
+void dcc_direct_plan_get(const dcc_linear *L, dcc_direct_plan *p);
 /* The TMA-fed variant (norms_tma.cu), tried first by dcc_linear_wgmma;
  * DPCLIP_CUDA_TMA=0 disables it. cudaErrorNotSupported: use the other. */
 int dcc_tma_available(void);

@@ -23,7 +23,10 @@
  * idle in the last wave, a cluster of two CTAs splits K instead and adds the
  * halves through distributed shared memory (KS = 2; the kernel takes any KS,
  * but clusters of 4 measured slower on an H100: 1.75-1.87x the GEMM against
- * 1.46x for 2 on the (2,8192,768,3072) shape). */
+ * 1.46x for 2 on the (2,8192,768,3072) shape, when every tile is split).
+ * The hybrid plan splits only the last, partial wave: whole waves of tiles
+ * run unsplit, then the tail on clusters of 2-4, which then have the GPU to
+ * themselves (dcc_direct_plan, norms_wgmma.cu). */
 #include <stdlib.h>
 
 #include "dcc_tma.cuh"
@@ -52,13 +55,16 @@ __device__ __forceinline__ float ld_cluster(uint32_t addr) {
 template <typename TI, int MI, int KS>
 __global__ void __launch_bounds__(CT, 1)
 tma_direct(const __grid_constant__ CUtensorMap tg, const __grid_constant__ CUtensorMap ta, int T,
-           int tiles_n, int has_bias, float s2, float *__restrict__ n2) {
+           int tiles_n, int tiles_b, int lin0, int has_bias, float s2, float *__restrict__ n2) {
     constexpr int ST = tma_direct_stages<MI>(), SB = stage_bytes<MI>(), CW = 64 * MI;
     extern __shared__ unsigned char smem[];
     __shared__ __align__(8) uint64_t bar_mem[2 * ST];
     __shared__ __align__(16) float colsum[512];
     const uint32_t sbase = (dcc_smem(smem) + 1023u) & ~1023u;
-    const int b = blockIdx.y, tile = (int)blockIdx.x / KS, rank = (int)blockIdx.x % KS;
+    /* tiles are numbered over (sample, tile) from lin0, so that a launch can
+     * take any run of them (the unsplit waves, then a split tail) */
+    const int lin = lin0 + (int)blockIdx.x / KS, rank = (int)blockIdx.x % KS;
+    const int b = lin / tiles_b, tile = lin % tiles_b;
     const int tm = tile / tiles_n, tn = tile % tiles_n;
     const int m0 = tm * 128 * MI, n0 = tn * 128;
     const bool do_bias = has_bias && tn == 0;
@@ -266,7 +272,7 @@ tma_clipped(const __grid_constant__ CUtensorMap tg, const __grid_constant__ CUte
 
 template <typename TI, int MI, int KS>
 __global__ void tma_direct(const __grid_constant__ CUtensorMap, const __grid_constant__ CUtensorMap,
-                           int, int, int, float, float *) {}
+                           int, int, int, int, int, float, float *) {}
 template <typename TI>
 __global__ void tma_ghost(const __grid_constant__ CUtensorMap, const __grid_constant__ CUtensorMap,
                           int, int, int, float, float *) {}
@@ -276,21 +282,25 @@ __global__ void tma_clipped(const __grid_constant__ CUtensorMap, const __grid_co
 
 #endif
 
+/* Tiles [lin0, lin0 + n) of the (sample, tile) numbering, KS CTAs each. */
 template <typename TI, int MI, int KS>
-cudaError_t launch_direct(const dcc_linear *L, float s2, float *n2, cudaStream_t st) {
+cudaError_t launch_direct(const dcc_linear *L, float s2, float *n2, cudaStream_t st,
+                          int64_t lin0, int64_t n) {
     CUtensorMap tg, ta;
+    if (n <= 0) return cudaSuccess;
     if (!make_map(&tg, L->g, L->tg, L->B, L->T, L->p, 64) ||
         !make_map(&ta, L->a, L->ta, L->B, L->T, L->d, 64))
         return cudaErrorNotSupported;
     int tiles_m = (L->p + 128 * MI - 1) / (128 * MI), tiles_n = (L->d + 127) / 128;
-    if ((int64_t)tiles_m * tiles_n * KS > INT32_MAX) return cudaErrorInvalidConfiguration;
+    if ((int64_t)tiles_m * tiles_n * L->B > INT32_MAX || (lin0 + n) * KS > INT32_MAX)
+        return cudaErrorInvalidConfiguration;
     auto kern = tma_direct<TI, MI, KS>;
     cudaError_t e = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                          tma_direct_smem<MI>());
     if (e != cudaSuccess) return e;
     cudaLaunchConfig_t cfg = {};
     cudaLaunchAttribute attr[1];
-    cfg.gridDim = dim3((unsigned)(tiles_m * tiles_n * KS), (unsigned)L->B);
+    cfg.gridDim = dim3((unsigned)(n * KS));
     cfg.blockDim = dim3(CT);
     cfg.dynamicSmemBytes = tma_direct_smem<MI>();
     cfg.stream = st;
@@ -300,22 +310,44 @@ cudaError_t launch_direct(const dcc_linear *L, float s2, float *n2, cudaStream_t
     attr[0].val.clusterDim.z = 1;
     cfg.attrs = attr;
     cfg.numAttrs = KS > 1 ? 1 : 0;
-    e = cudaLaunchKernelEx(&cfg, kern, tg, ta, L->T, tiles_n, (int)L->has_bias, s2, n2);
+    e = cudaLaunchKernelEx(&cfg, kern, tg, ta, L->T, tiles_n, tiles_m * tiles_n, (int)lin0,
+                           (int)L->has_bias, s2, n2);
     if (e != cudaSuccess) return e;
     return cudaGetLastError();
+}
+
+template <typename TI, int MI>
+cudaError_t launch_direct_ks(const dcc_linear *L, float s2, float *n2, cudaStream_t st, int ks,
+                             int64_t lin0, int64_t n) {
+    switch (ks) {
+    case 4: return launch_direct<TI, MI, 4>(L, s2, n2, st, lin0, n);
+    case 3: return launch_direct<TI, MI, 3>(L, s2, n2, st, lin0, n);
+    case 2: return launch_direct<TI, MI, 2>(L, s2, n2, st, lin0, n);
+    default: return launch_direct<TI, MI, 1>(L, s2, n2, st, lin0, n);
+    }
+}
+
+/* The direct form by its plan: every tile split alike, or the first `full`
+ * tiles (whole waves) unsplit and the rest, a partial wave, split tail_ks
+ * ways so that it takes a fraction of a wave's time. */
+template <typename TI, int MI>
+cudaError_t launch_direct_plan(const dcc_linear *L, const dcc_direct_plan *pl, float s2,
+                               float *n2, cudaStream_t st) {
+    int64_t total = (int64_t)((L->p + 128 * MI - 1) / (128 * MI)) * ((L->d + 127) / 128) * L->B;
+    if (pl->tail_ks < 2) return launch_direct_ks<TI, MI>(L, s2, n2, st, pl->split, 0, total);
+    int64_t full = pl->full < 0 ? 0 : pl->full > total ? total : pl->full;
+    cudaError_t e = launch_direct_ks<TI, MI>(L, s2, n2, st, 1, 0, full);
+    if (e != cudaSuccess) return e;
+    return launch_direct_ks<TI, MI>(L, s2, n2, st, pl->tail_ks, full, total - full);
 }
 
 template <typename TI>
 cudaError_t launch(const dcc_linear *L, dc_algo algo, float s2, float *n2, cudaStream_t st) {
     if (algo == DC_ALGO_DIRECT) {
-        int split = dcc_direct_split(L), rows = dcc_direct_tile_rows(L);
-        if (rows == 256)
-            return split == 3   ? launch_direct<TI, 2, 3>(L, s2, n2, st)
-                   : split == 2 ? launch_direct<TI, 2, 2>(L, s2, n2, st)
-                                : launch_direct<TI, 2, 1>(L, s2, n2, st);
-        return split == 3   ? launch_direct<TI, 1, 3>(L, s2, n2, st)
-               : split == 2 ? launch_direct<TI, 1, 2>(L, s2, n2, st)
-                            : launch_direct<TI, 1, 1>(L, s2, n2, st);
+        dcc_direct_plan pl;
+        dcc_direct_plan_get(L, &pl);
+        return pl.rows == 256 ? launch_direct_plan<TI, 2>(L, &pl, s2, n2, st)
+                              : launch_direct_plan<TI, 1>(L, &pl, s2, n2, st);
     }
     CUtensorMap ta, tg;
     if (!make_map(&ta, L->a, L->ta, L->B, L->T, L->d, 128) ||

@@ -22,6 +22,7 @@
  * targets the kernels compile empty and dcc_linear_wgmma reports
  * cudaErrorNotSupported, so the dispatcher uses the mma.sync kernels. */
 #include <stdlib.h>
+#include <string.h>
 
 #include "dcc_wgmma.cuh"
 
@@ -267,47 +268,84 @@ static int max_split(const dcc_linear *L) {
     return dcc_tma_available() && L->T >= SPLIT_MIN_T ? 2 : 1;
 }
 
-/* The cheapest (rows, split) pair. */
-static void direct_shape(const dcc_linear *L, int *rows_out, int *split_out) {
+static int64_t direct_tiles(const dcc_linear *L, int rows) {
+    return (int64_t)((L->p + rows - 1) / rows) * ((L->d + 127) / 128) * L->B;
+}
+
+/* The cheapest plan, for the given tile height (0: either). Besides a split
+ * of every tile, the hybrid: whole waves unsplit, then the last partial wave
+ * split KS = 2-4 ways so that it fills more SMs for a fraction of a wave's
+ * time. Clusters of 3-4 lose to placement when they fill the GPU; a tail
+ * leaves most SMs to them. */
+static void direct_shape(const dcc_linear *L, int rows_only, dcc_direct_plan *pl) {
     int sms = sm_count(), ms = max_split(L);
-    double bc = 1e300;
-    *rows_out = 128;
-    *split_out = 1;
-    for (int rows = 128; rows <= 256; rows *= 2)
+    double bc = 1e300, ktn = (double)((L->T + 63) / 64);
+    pl->rows = rows_only ? rows_only : 128;
+    pl->split = 1;
+    pl->tail_ks = 0;
+    pl->full = 0;
+    for (int rows = 128; rows <= 256; rows *= 2) {
+        if (rows_only && rows != rows_only) continue;
         for (int split = 1; split <= ms; split++) {
             double c = direct_cost(L, rows, split, sms);
             if (c < bc * 0.999) {
                 bc = c;
-                *rows_out = rows;
-                *split_out = split;
+                *pl = (dcc_direct_plan){rows, split, 0, 0};
             }
         }
+        int64_t ctas = direct_tiles(L, rows), waves = ctas / sms, tail = ctas % sms;
+        if (ms < 2 || waves < 1 || tail == 0) continue;
+        double w = rows == 256 ? 2.0 / TALL_GAIN : 1.0;
+        for (int ks = 2; ks <= 4 && tail * ks <= sms; ks++) {
+            double c = (double)waves * w * (ktn + FILL_TILES) + w * (ktn / ks + SPLIT_TILES);
+            if (c < bc * 0.999) {
+                bc = c;
+                *pl = (dcc_direct_plan){rows, 1, ks, (long long)(waves * sms)};
+            }
+        }
+    }
 }
 
 extern "C" int dcc_direct_tile_rows(const dcc_linear *L) {
     const char *force = getenv("DPCLIP_CUDA_DIRECT_TILE");
     if (force && force[0]) return atoi(force) >= 256 ? 256 : 128;
-    int rows, split;
-    direct_shape(L, &rows, &split);
-    return rows;
+    dcc_direct_plan pl;
+    direct_shape(L, 0, &pl);
+    return pl.rows;
 }
 
+/* The split of every tile; 1 when the plan splits only the tail. */
 extern "C" int dcc_direct_split(const dcc_linear *L) {
     const char *force = getenv("DPCLIP_CUDA_DIRECT_SPLIT");
     if (force && force[0]) {
         int k = atoi(force);
         return k >= 3 ? (dcc_tma_available() ? 3 : 2) : k == 2 ? 2 : 1;
     }
-    int rows = dcc_direct_tile_rows(L), sms = sm_count(), ms = max_split(L), best = 1;
-    double bc = 1e300;
-    for (int split = 1; split <= ms; split++) {
-        double c = direct_cost(L, rows, split, sms);
-        if (c < bc * 0.999) {
-            bc = c;
-            best = split;
-        }
+    dcc_direct_plan pl;
+    direct_shape(L, dcc_direct_tile_rows(L), &pl);
+    return pl.split;
+}
+
+/* DPCLIP_CUDA_DIRECT_SPLIT forces a split of every tile (no hybrid);
+ * DPCLIP_CUDA_DIRECT_TAIL=K[:N] forces the hybrid: K-way tail (2-4) after
+ * N unsplit tiles (default: the whole waves). */
+extern "C" void dcc_direct_plan_get(const dcc_linear *L, dcc_direct_plan *pl) {
+    const char *split = getenv("DPCLIP_CUDA_DIRECT_SPLIT"), *tail = getenv("DPCLIP_CUDA_DIRECT_TAIL");
+    int rows = dcc_direct_tile_rows(L);
+    if (tail && tail[0] && dcc_tma_available()) {
+        int k = atoi(tail);
+        const char *c = strchr(tail, ':');
+        int64_t total = direct_tiles(L, rows), sms = sm_count();
+        long long n = c ? atoll(c + 1) : (long long)(total / sms * sms);
+        *pl = (dcc_direct_plan){rows, 1, k < 2 ? 2 : k > 4 ? 4 : k,
+                                n < 0 ? 0 : n > total ? (long long)total : n};
+        return;
     }
-    return best;
+    if (split && split[0]) {
+        *pl = (dcc_direct_plan){rows, dcc_direct_split(L), 0, 0};
+        return;
+    }
+    direct_shape(L, rows, pl);
 }
 
 extern "C" int dcc_wgmma_available(void) {

@@ -93,7 +93,8 @@ static void test_linear_norms(void **state) {
 }
 
 /* The direct form's tile heights and K splits (clusters of 1-3 CTAs adding
- * partial tiles), forced, on a ragged K range with a bias. */
+ * partial tiles), and the hybrid (whole waves unsplit, a split tail),
+ * forced, on a ragged K range with a bias. */
 static void test_direct_splits(void **state) {
     (void)state;
     dc_test_rng r;
@@ -111,8 +112,20 @@ static void test_direct_splits(void **state) {
         printf("direct tile=%s split=%s: max rel err %.2e\n", k < 3 ? "128" : "256", split, e);
         assert_true(e <= norm_rtol(DC_BF16));
     }
-    unsetenv("DPCLIP_CUDA_DIRECT_TILE");
     unsetenv("DPCLIP_CUDA_DIRECT_SPLIT");
+    /* The hybrid: the first N tiles (numbered over samples) unsplit, the
+     * rest on clusters of K; N = 0 and N = all included. */
+    static const char *const tails[] = {"2:5", "3:0", "4:11", "4:12", "2:7", "3:1"};
+    for (int k = 0; k < 12; k++) {
+        setenv("DPCLIP_CUDA_DIRECT_TILE", k < 6 ? "128" : "256", 1);
+        setenv("DPCLIP_CUDA_DIRECT_TAIL", tails[k % 6], 1);
+        double e = layer_err(&h, 2, ref);
+        printf("direct tile=%s tail=%s: max rel err %.2e\n", k < 6 ? "128" : "256", tails[k % 6],
+               e);
+        assert_true(e <= norm_rtol(DC_BF16));
+    }
+    unsetenv("DPCLIP_CUDA_DIRECT_TAIL");
+    unsetenv("DPCLIP_CUDA_DIRECT_TILE");
     dc_test_layer_free(&h);
 }
 
