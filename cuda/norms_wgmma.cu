@@ -247,6 +247,11 @@ cudaError_t launch_wg(const dcc_linear *L, dc_algo algo, float s2, float *n2, cu
  * DPCLIP_CUDA_DIRECT_TILE=128|256 and DPCLIP_CUDA_DIRECT_SPLIT=1|2|3 force
  * the choices (tests, benchmark). */
 static const double TALL_GAIN = 1.3, FILL_TILES = 4.0, SPLIT_TILES = 12.0;
+/* The hybrid's second launch and its tail's fill cost about 25 k-tiles on
+ * top of the model: fitted on an H100 to (2,8192,768,3072), where the
+ * hybrid ran 1.37x the GEMM against 1.56x for a split of every tile, and
+ * (8,2048,768,3072), where a 2-way tail ran 1.22x against 1.11x unsplit. */
+static const double HYBRID_TILES = 25.0;
 static const int SPLIT_MIN_T = 2048;
 
 static double direct_cost(const dcc_linear *L, int rows, int split, int sms) {
@@ -297,7 +302,8 @@ static void direct_shape(const dcc_linear *L, int rows_only, dcc_direct_plan *pl
         if (ms < 2 || waves < 1 || tail == 0) continue;
         double w = rows == 256 ? 2.0 / TALL_GAIN : 1.0;
         for (int ks = 2; ks <= 4 && tail * ks <= sms; ks++) {
-            double c = (double)waves * w * (ktn + FILL_TILES) + w * (ktn / ks + SPLIT_TILES);
+            double c = (double)waves * w * (ktn + FILL_TILES) +
+                       w * (ktn / ks + SPLIT_TILES + HYBRID_TILES);
             if (c < bc * 0.999) {
                 bc = c;
                 *pl = (dcc_direct_plan){rows, 1, ks, (long long)(waves * sms)};
