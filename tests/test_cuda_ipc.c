@@ -196,6 +196,18 @@ static void rig_download(gpu_rig *g) {
     memcpy(g->s.base, g->pinned, g->s.used);
 }
 
+/* One blocking step on the rig's inputs; outputs downloaded and checked
+ * against the per-sample reference. */
+static void rig_step_check(gpu_rig *g, int rep) {
+    dpclip_result res;
+    int rc = dpclip_run(g->c, g->s.step, &res);
+    if (rc) fail_msg("step %d: %s (%s)", rep, dpclip_errmsg(g->c), dpclip_errfield(g->c));
+    rig_download(g);
+    double worst = dc_shm_step_check(&g->s, &res, GPU_RTOL, GPU_ATOL);
+    if (worst > 1.0) fail_msg("step %d: GPU result off by %.3g tolerances", rep, worst);
+    dpclip_result_free(&res);
+}
+
 static void rig_close(gpu_rig *g) {
     dc_shm_step_free(&g->s);
     dpclip_disconnect(g->c);
@@ -221,12 +233,7 @@ static void test_gpu_events(void **state) {
     rig_open(&g, 7);
     for (int rep = 0; rep < 4; rep++) {
         rig_upload(&g, 1000 + (uint64_t)rep, 0);
-        int rc = dpclip_run(g.c, g.s.step, &res);
-        if (rc) fail_msg("step %d: %s (%s)", rep, dpclip_errmsg(g.c), dpclip_errfield(g.c));
-        rig_download(&g);
-        double worst = dc_shm_step_check(&g.s, &res, GPU_RTOL, GPU_ATOL);
-        if (worst > 1.0) fail_msg("step %d: GPU result off by %.3g tolerances", rep, worst);
-        dpclip_result_free(&res);
+        rig_step_check(&g, rep);
     }
     /* An unknown event is refused by field; the session goes on. */
     dpclip_step_set_events(g.s.step, g.edone + 1000, 0);
@@ -248,7 +255,6 @@ static void test_gpu_event_changed(void **state) {
         return;
     }
     gpu_rig g;
-    dpclip_result res;
     cudaEvent_t ready2;
     cudaIpcEventHandle_t h2;
     uint64_t eready2;
@@ -260,25 +266,14 @@ static void test_gpu_event_changed(void **state) {
     assert_int_equal(dpclip_event_register_cuda(g.c, &h2, 0, &eready2), 0);
     CUDA_OK(cudaMalloc((void **)&scratch, scratch_bytes));
     for (int rep = 0; rep < 4; rep++) {
-        int changed = rep % 2; /* steps alternate: ready, ready2, ready, ready2 */
-        if (changed) {
-            /* the event the last step waited on, done early */
-            CUDA_OK(cudaEventRecord(g.ready, g.st));
-            for (int k = 0; k < 8; k++) CUDA_OK(cudaMemsetAsync(scratch, k, scratch_bytes, g.st));
-            rig_upload_ev(&g, 2000 + (uint64_t)rep, 0, ready2);
-            dpclip_step_set_events(g.s.step, eready2, g.edone);
-        } else {
-            CUDA_OK(cudaEventRecord(ready2, g.st));
-            for (int k = 0; k < 8; k++) CUDA_OK(cudaMemsetAsync(scratch, k, scratch_bytes, g.st));
-            rig_upload(&g, 2000 + (uint64_t)rep, 0);
-            dpclip_step_set_events(g.s.step, g.eready, g.edone);
-        }
-        int rc = dpclip_run(g.c, g.s.step, &res);
-        if (rc) fail_msg("step %d: %s (%s)", rep, dpclip_errmsg(g.c), dpclip_errfield(g.c));
-        rig_download(&g);
-        double worst = dc_shm_step_check(&g.s, &res, GPU_RTOL, GPU_ATOL);
-        if (worst > 1.0) fail_msg("step %d: GPU result off by %.3g tolerances", rep, worst);
-        dpclip_result_free(&res);
+        /* steps alternate: ready, ready2, ready, ready2; the event the last
+         * step waited on is recorded early, this step's after the inputs */
+        int changed = rep % 2;
+        CUDA_OK(cudaEventRecord(changed ? g.ready : ready2, g.st));
+        for (int k = 0; k < 8; k++) CUDA_OK(cudaMemsetAsync(scratch, k, scratch_bytes, g.st));
+        rig_upload_ev(&g, 2000 + (uint64_t)rep, 0, changed ? ready2 : g.ready);
+        dpclip_step_set_events(g.s.step, changed ? eready2 : g.eready, g.edone);
+        rig_step_check(&g, rep);
     }
     CUDA_OK(cudaFree(scratch));
     cudaEventDestroy(ready2);
