@@ -19,14 +19,13 @@ static uint64_t now_ns(void) {
     return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
 }
 
-/* Polls the lock-free counter until `end`; true if a job showed up. */
-static bool worker_spin_until(dc_worker_pool *p, uint64_t end) {
+/* Polls the lock-free counter until a job shows up or `end` passes. */
+static void worker_spin_until(dc_worker_pool *p, uint64_t end) {
     do {
         for (int i = 0; i < 64; i++)
-            if (atomic_load_explicit(&p->queued, memory_order_acquire)) return true;
+            if (atomic_load_explicit(&p->queued, memory_order_acquire)) return;
         sched_yield();
     } while (now_ns() < end);
-    return false;
 }
 
 /* With mu held and nothing queued: waits (polling or sleeping, releasing mu
