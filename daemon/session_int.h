@@ -37,7 +37,7 @@ struct dc_step_job {
      * records signal_event and has step_notice send the notice. */
     bool notify;
     bool signaled;         /* signal_event recorded (worker thread) */
-    bool cached;           /* validated step taken from the session's plan cache */
+    bool cached;           /* from the session's plan cache: step.layers is the plan's */
     dc_backend *be;        /* the worker's backend, while work() runs */
     dc_step step;
     dc_step_result res;

@@ -123,6 +123,7 @@ static void count_step(dc_server *srv, dc_step_job *j, uint64_t now) {
 
 static void job_free(dc_step_job *j) {
     dc_step_result_free(&j->res);
+    if (j->cached) j->step.layers = NULL; /* the plan's */
     dc_validate_step_free(&j->step);
     free(j);
 }
@@ -456,13 +457,10 @@ int dc_session_step_cached(dc_session *s, uint64_t id, const uint8_t *key, size_
     if (!(j = calloc(1, sizeof *j))) return 0;
     j->t_recv = uv_hrtime();
     j->t_frame = s->t_frame;
+    /* The layers are borrowed from the plan, which outlives the job: it is
+     * replaced or dropped only while no step of the session is in flight
+     * (a new step validating, the session's end). */
     j->step = p->step;
-    j->step.layers = malloc(p->step.n_layers * sizeof *p->step.layers);
-    if (!j->step.layers) {
-        free(j);
-        return 0;
-    }
-    memcpy(j->step.layers, p->step.layers, p->step.n_layers * sizeof *p->step.layers);
     j->cached = true;
     step_accept(s, id, j, &p->params);
     return 1;
