@@ -1,0 +1,158 @@
+/* daemon/server.c: the loop's polling windows (dc_server_poll). A window
+ * keeps the loop polling (its idle handle active) from its start to its end;
+ * one for completions closes early once nothing is in flight; a later one
+ * waits on a timer and opens when due, also when it was set while the loop
+ * was polling for an earlier one; spin_us = 0 turns them all off. Only the
+ * windows' state is asserted, never how fast anything went. */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <string.h>
+
+#include <cmocka.h>
+
+#include "server.h"
+
+typedef struct rig {
+    uv_loop_t loop;
+    dc_server srv;
+} rig;
+
+/* The parts of a server the windows use: the loop's idle handle and timer,
+ * and the pools' in-flight counts (no pools, no GPUs: nothing in flight
+ * unless a test says so). */
+static void rig_open(rig *r, uint64_t spin_ns) {
+    memset(r, 0, sizeof *r);
+    assert_int_equal(uv_loop_init(&r->loop), 0);
+    r->srv.loop = &r->loop;
+    r->srv.spin_ns = spin_ns;
+    uv_idle_init(&r->loop, &r->srv.spin);
+    r->srv.spin.data = &r->srv;
+    uv_timer_init(&r->loop, &r->srv.spin_timer);
+    r->srv.spin_timer.data = &r->srv;
+}
+
+static void rig_close(rig *r) {
+    uv_close((uv_handle_t *)&r->srv.spin, NULL);
+    uv_close((uv_handle_t *)&r->srv.spin_timer, NULL);
+    uv_run(&r->loop, UV_RUN_DEFAULT);
+    assert_int_equal(uv_loop_close(&r->loop), 0);
+}
+
+static int polling(const rig *r) { return uv_is_active((const uv_handle_t *)&r->srv.spin); }
+
+/* Runs the loop without blocking until `until` (uv_hrtime) or until the
+ * loop stops polling and has nothing pending, whichever is first; returns
+ * whether it was still polling at the end. */
+static int run_until(rig *r, uint64_t until) {
+    while (uv_hrtime() < until) {
+        uv_run(&r->loop, UV_RUN_NOWAIT);
+        if (!polling(r) && !uv_is_active((uv_handle_t *)&r->srv.spin_timer)) break;
+    }
+    return polling(r);
+}
+
+static void test_idle_window_runs_to_its_end(void **state) {
+    (void)state;
+    rig r;
+    rig_open(&r, 50000);
+    uint64_t now = uv_hrtime();
+    dc_server_poll(&r.srv, now, now + 200000000u, true);
+    assert_true(polling(&r));
+    /* nothing is in flight, yet an idle window stays open */
+    assert_true(run_until(&r, now + 5000000u));
+    /* and closes after its end */
+    while (polling(&r)) uv_run(&r.loop, UV_RUN_NOWAIT);
+    assert_true(uv_hrtime() >= now + 200000000u);
+    assert_int_equal(r.srv.spin_any_to, 0);
+    rig_close(&r);
+}
+
+static void test_busy_window_closes_when_idle(void **state) {
+    (void)state;
+    rig r;
+    rig_open(&r, 50000);
+    uint64_t now = uv_hrtime();
+    r.srv.cpu_pool.busy = 1; /* a job in flight */
+    dc_server_poll(&r.srv, now, now + 60000000000ull, false);
+    assert_true(run_until(&r, now + 2000000u));
+    r.srv.cpu_pool.busy = 0; /* it completed */
+    uv_run(&r.loop, UV_RUN_NOWAIT);
+    assert_false(polling(&r));
+    rig_close(&r);
+}
+
+/* A window that starts later waits on the timer; one set while the loop
+ * polls for an earlier window opens when due, after that one closed. */
+static void test_later_windows_open_when_due(void **state) {
+    (void)state;
+    rig r;
+    rig_open(&r, 50000);
+    uint64_t now = uv_hrtime();
+    /* far enough ahead that a loaded machine still runs the steps below
+     * before it opens */
+    const uint64_t from = now + 300000000u, to = now + 310000000u;
+    dc_server_poll(&r.srv, from, to, true);
+    assert_false(polling(&r));
+    assert_true(uv_is_active((uv_handle_t *)&r.srv.spin_timer));
+    assert_int_equal(r.srv.pend_from, from);
+
+    /* an earlier, shorter window now: it polls at once, the later one waits */
+    dc_server_spin(&r.srv, true);
+    assert_true(polling(&r));
+    while (polling(&r)) uv_run(&r.loop, UV_RUN_NOWAIT);
+    assert_true(uv_hrtime() < from);
+    assert_true(uv_is_active((uv_handle_t *)&r.srv.spin_timer));
+
+    /* the later one opens (libuv's timer may fire up to a millisecond
+     * early: the margins of dc_server_poll_margin cover that) and runs to
+     * its end */
+    while (!polling(&r)) uv_run(&r.loop, UV_RUN_ONCE);
+    assert_true(uv_hrtime() + 2000000u >= from);
+    assert_int_equal(r.srv.pend_from, 0);
+    while (polling(&r)) uv_run(&r.loop, UV_RUN_NOWAIT);
+    assert_true(uv_hrtime() >= to);
+    rig_close(&r);
+}
+
+static void test_off_and_stopping(void **state) {
+    (void)state;
+    rig r;
+    rig_open(&r, 0); /* daemon.spin_us = 0 */
+    uint64_t now = uv_hrtime();
+    dc_server_poll(&r.srv, now, now + 10000000u, true);
+    dc_server_poll(&r.srv, now + 5000000u, now + 10000000u, true);
+    dc_server_spin(&r.srv, true);
+    assert_false(polling(&r));
+    assert_false(uv_is_active((uv_handle_t *)&r.srv.spin_timer));
+    rig_close(&r);
+
+    rig_open(&r, 50000);
+    r.srv.stopping = true;
+    dc_server_poll(&r.srv, now, uv_hrtime() + 10000000u, true);
+    assert_false(polling(&r));
+    /* a window already over is ignored */
+    r.srv.stopping = false;
+    dc_server_poll(&r.srv, now - 2000000u, now - 1000000u, true);
+    assert_false(polling(&r));
+    rig_close(&r);
+}
+
+static void test_margin(void **state) {
+    (void)state;
+    /* at least 1.5 ms (the timers' resolution), else 5% of the wait */
+    assert_int_equal(dc_server_poll_margin(1000000u), 1500000u);
+    assert_int_equal(dc_server_poll_margin(100000000u), 5000000u);
+}
+
+int main(void) {
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_idle_window_runs_to_its_end),
+        cmocka_unit_test(test_busy_window_closes_when_idle),
+        cmocka_unit_test(test_later_windows_open_when_due),
+        cmocka_unit_test(test_off_and_stopping),
+        cmocka_unit_test(test_margin),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}
