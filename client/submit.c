@@ -8,6 +8,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "dc_ewma.h"
 #include "internal.h"
 
 /* --- steps --------------------------------------------------------------- */
@@ -83,7 +84,7 @@ DPCLIP_API int dpclip_run(dpclip_client *c, const dpclip_step *s, dpclip_result 
     c->spin_to_ns = 0;
     if (rc) goto out;
     uint64_t t_got = cl_now_ns(), rt = t_got - t0;
-    c->ewma_rt_ns = c->ewma_rt_ns ? (3 * c->ewma_rt_ns + rt) / 4 : rt;
+    dc_ewma_add(&c->ewma_rt_ns, rt);
     if (r->body_case == DPCLIP__REPLY__BODY_ERROR) {
         rc = cl_fail(c, cl_daemon_code(r->error->code), r->error->field, "%s", r->error->message);
     } else if (r->body_case == DPCLIP__REPLY__BODY_CLIP_STEP) {
@@ -243,8 +244,7 @@ DPCLIP_API int dpclip_wait_enqueued(dpclip_client *c, uint64_t ticket, int timeo
             *info = d->enq;
             if (d == pd && d->t_sent) {
                 uint64_t took = cl_now_ns() - d->t_sent;
-                c->ewma_notice_ns =
-                    c->ewma_notice_ns ? (3 * c->ewma_notice_ns + took) / 4 : took;
+                dc_ewma_add(&c->ewma_notice_ns, took);
             }
             rc = 0;
             break;

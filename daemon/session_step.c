@@ -18,6 +18,7 @@
 #include <string.h>
 
 #include "dc_dtype.h"
+#include "dc_ewma.h"
 #include "log.h"
 #include "server.h"
 #include "session_int.h"
@@ -172,7 +173,7 @@ static void step_done(dc_job *job) {
     s->job = NULL;
     if (j->step.device >= 0) {
         uint64_t run = j->t_end - j->t_start;
-        s->ewma_gpu_run_ns = s->ewma_gpu_run_ns ? (3 * s->ewma_gpu_run_ns + run) / 4 : run;
+        dc_ewma_add(&s->ewma_gpu_run_ns, run);
     }
     if (j->rc == 0) {
         Dpclip__Reply reply = DPCLIP__REPLY__INIT;
@@ -235,7 +236,7 @@ static void step_notice(dc_job *job) {
     dc_step_job *j = (dc_step_job *)job;
     dc_session *s = j->s;
     uint64_t took = uv_hrtime() - j->t_submit;
-    s->ewma_notice_ns = s->ewma_notice_ns ? (3 * s->ewma_notice_ns + took) / 4 : took;
+    dc_ewma_add(&s->ewma_notice_ns, took);
     Dpclip__Reply reply = DPCLIP__REPLY__INIT;
     Dpclip__ClipStepEnqueued n = DPCLIP__CLIP_STEP_ENQUEUED__INIT;
     n.step_index = s->steps + 1;
@@ -499,7 +500,7 @@ static void step_accept(dc_session *s, uint64_t id, dc_step_job *j,
         /* A pause (over a second: evaluation, checkpointing) is no period. */
         uint64_t period = j->t_frame - s->prev_step_frame;
         if (period < 1000000000u)
-            s->ewma_period_ns = s->ewma_period_ns ? (3 * s->ewma_period_ns + period) / 4 : period;
+            dc_ewma_add(&s->ewma_period_ns, period);
     }
     s->prev_step_frame = j->t_frame;
     if (j->step.device >= srv->gpu.n) {
