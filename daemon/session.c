@@ -310,10 +310,12 @@ static void dispatch(dc_session *s, const uint8_t *payload, size_t len, uint64_t
         }
         key = payload + k;
         key_len = k < len ? len - k : 0;
-        if (key_len && key[0] == 0x6a) dc_session_prewait(s);
-        if (key_len && key[0] == 0x6a && dc_session_step_cached(s, id, key, key_len)) {
-            s->srv->metrics.requests[DC_REQ_STEP]++;
-            return;
+        if (key_len && key[0] == 0x6a) {
+            dc_session_prewait(s);
+            if (dc_session_step_cached(s, id, key, key_len)) {
+                s->srv->metrics.requests[DC_REQ_STEP]++;
+                return;
+            }
         }
     }
     req = len ? dpclip__request__unpack(NULL, len, payload) : NULL;
