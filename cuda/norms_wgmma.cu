@@ -312,10 +312,15 @@ static void direct_shape(const dcc_linear *L, int rows_only, dcc_direct_plan *pl
     }
 }
 
-extern "C" int dcc_direct_tile_rows(const dcc_linear *L) {
+/* DPCLIP_CUDA_DIRECT_TILE's tile height, or 0 when it is not set. */
+static int forced_rows(void) {
     const char *force = getenv("DPCLIP_CUDA_DIRECT_TILE");
-    if (force && force[0]) return atoi(force) >= 256 ? 256 : 128;
+    return force && force[0] ? (atoi(force) >= 256 ? 256 : 128) : 0;
+}
+
+extern "C" int dcc_direct_tile_rows(const dcc_linear *L) {
     dcc_direct_plan pl;
+    if (int rows = forced_rows()) return rows;
     direct_shape(L, 0, &pl);
     return pl.rows;
 }
@@ -328,7 +333,7 @@ extern "C" int dcc_direct_split(const dcc_linear *L) {
         return k >= 3 ? (dcc_tma_available() ? 3 : 2) : k == 2 ? 2 : 1;
     }
     dcc_direct_plan pl;
-    direct_shape(L, dcc_direct_tile_rows(L), &pl);
+    direct_shape(L, forced_rows(), &pl);
     return pl.split;
 }
 
@@ -337,21 +342,18 @@ extern "C" int dcc_direct_split(const dcc_linear *L) {
  * N unsplit tiles (default: the whole waves). */
 extern "C" void dcc_direct_plan_get(const dcc_linear *L, dcc_direct_plan *pl) {
     const char *split = getenv("DPCLIP_CUDA_DIRECT_SPLIT"), *tail = getenv("DPCLIP_CUDA_DIRECT_TAIL");
-    int rows = dcc_direct_tile_rows(L);
     if (tail && tail[0] && dcc_tma_available()) {
-        int k = atoi(tail);
+        int k = atoi(tail), rows = dcc_direct_tile_rows(L);
         const char *c = strchr(tail, ':');
         int64_t total = direct_tiles(L, rows), sms = sm_count();
         long long n = c ? atoll(c + 1) : (long long)(total / sms * sms);
         *pl = (dcc_direct_plan){rows, 1, k < 2 ? 2 : k > 4 ? 4 : k,
                                 n < 0 ? 0 : n > total ? (long long)total : n};
-        return;
+    } else if (split && split[0]) {
+        *pl = (dcc_direct_plan){dcc_direct_tile_rows(L), dcc_direct_split(L), 0, 0};
+    } else {
+        direct_shape(L, forced_rows(), pl); /* the model's plan, in one search */
     }
-    if (split && split[0]) {
-        *pl = (dcc_direct_plan){rows, dcc_direct_split(L), 0, 0};
-        return;
-    }
-    direct_shape(L, rows, pl);
 }
 
 extern "C" int dcc_wgmma_available(void) {
