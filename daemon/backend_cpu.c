@@ -30,6 +30,7 @@ typedef struct cpu_backend {
 /* --- scratch helpers (declared in cpu.h) -------------------------------------- */
 
 void *dc_cpu_buf_reserve(dc_cpu_buf *b, size_t bytes) {
+    if (bytes > b->used) b->used = bytes;
     if (bytes <= b->cap && b->p) return b->p;
     /* Grow by at least half again so slowly increasing shapes do not
      * reallocate every step; 64-byte alignment suits AVX-512 loads. */
@@ -49,6 +50,7 @@ void dc_cpu_buf_free(dc_cpu_buf *b) {
     free(b->p);
     b->p = NULL;
     b->cap = 0;
+    b->used = 0;
 }
 
 void dc_cpu_scratch_free(dc_cpu_scratch *s) {
@@ -59,6 +61,33 @@ void dc_cpu_scratch_free(dc_cpu_scratch *s) {
     dc_cpu_buf_free(&s->order);
     dc_cpu_buf_free(&s->out);
     dc_cpu_buf_free(&s->stats);
+    dc_cpu_buf_free(&s->layers);
+    dc_cpu_buf_free(&s->idx);
+    dc_cpu_buf_free(&s->scaled);
+}
+
+/* Scratch a worker keeps between steps whatever they needed. */
+#define SCRATCH_KEEP ((size_t)16 << 20)
+
+/* After a step: a buffer over SCRATCH_KEEP that this step used less than
+ * half of goes back to the system, so one outlier step does not leave an
+ * idle worker holding its peak; steady large steps keep theirs. */
+static void scratch_trim(dc_cpu_scratch *s) {
+    dc_cpu_buf *all[] = {&s->in,  &s->grad,  &s->work,   &s->work2, &s->order,
+                         &s->out, &s->stats, &s->layers, &s->idx,   &s->scaled};
+    for (size_t i = 0; i < sizeof all / sizeof all[0]; i++) {
+        dc_cpu_buf *b = all[i];
+        if (b->cap > SCRATCH_KEEP && b->used < b->cap / 2) dc_cpu_buf_free(b);
+        b->used = 0;
+    }
+}
+
+size_t dc_cpu_scratch_bytes(const dc_cpu_scratch *s) {
+    const dc_cpu_buf *all[] = {&s->in,  &s->grad,  &s->work,   &s->work2, &s->order,
+                               &s->out, &s->stats, &s->layers, &s->idx,   &s->scaled};
+    size_t n = 0;
+    for (size_t i = 0; i < sizeof all / sizeof all[0]; i++) n += all[i]->cap;
+    return n;
 }
 
 size_t dc_cpu_numel(const dc_tensor *t) {
@@ -137,14 +166,56 @@ static int stats_carve(dc_cpu_scratch *s, size_t L, uint32_t B, step_stats *st) 
     return 0;
 }
 
+/* Phase 1 over the whole step: dimensions, finite floats, and every
+ * embedding's indices copied into daemon memory and checked there. *lay
+ * receives the layers the later phases read (scratch, valid until the next
+ * step). */
+static int check_step(dc_cpu_scratch *s, const dc_step *step, const dc_layer **lay,
+                      dc_err *err) {
+    size_t L = step->n_layers, n_idx = 0;
+    uint32_t B = step->batch;
+    int rc;
+    for (size_t l = 0; l < L; l++)
+        if (step->layers[l].kind == DC_LAYER_EMBEDDING)
+            n_idx += (size_t)B * (size_t)step->layers[l].T;
+    dc_layer *safe = dc_cpu_buf_reserve(&s->layers, L * sizeof *safe);
+    int64_t *idx = n_idx ? dc_cpu_buf_reserve(&s->idx, n_idx * sizeof *idx) : NULL;
+    if (!safe || (n_idx && !idx))
+        return dc_err_set(err, DC_ENOSPACE, "", "out of memory for the CPU backend's scratch");
+    for (size_t l = 0; l < L; l++) {
+        const dc_layer *ly = &step->layers[l];
+        if ((rc = check_dims(ly, B, err))) return rc;
+        if ((rc = dc_cpu_check_layer(ly, B, &safe[l], idx, err))) return rc;
+        if (ly->kind == DC_LAYER_EMBEDDING) idx += (size_t)B * (size_t)ly->T;
+    }
+    *lay = safe;
+    return 0;
+}
+
+/* A norm that is not finite cannot be clipped: it fails the step, naming the
+ * layer and sample, before any coefficient exists. Inputs were checked
+ * finite and the products are range-scaled (cpu_norms.c), so this means the
+ * client changed its data during the step, or a sum left double's range. */
+static int check_norms(const dc_layer *lay, size_t L, uint32_t B, const double *n2,
+                       dc_err *err) {
+    for (size_t l = 0; l < L; l++)
+        for (uint32_t b = 0; b < B; b++)
+            if (!isfinite(n2[l * B + b]))
+                return dc_err_set(err, DC_ENONFINITE, lay[l].name,
+                                  "the gradient norm of sample %u is not finite (its inputs "
+                                  "changed during the step, or overflowed); nothing was "
+                                  "written",
+                                  b);
+    return 0;
+}
+
 static uint64_t mono_ns(void) {
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
     return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
 }
 
-static int cpu_run_step(dc_backend *be, const dc_step *step, dc_step_result *res,
-                        dc_err *err) {
+static int run_step(dc_backend *be, const dc_step *step, dc_step_result *res, dc_err *err) {
     cpu_backend *cb = (cpu_backend *)be;
     dc_cpu_scratch *s = &cb->s;
     struct timespec t0, t1;
@@ -164,11 +235,10 @@ static int cpu_run_step(dc_backend *be, const dc_step *step, dc_step_result *res
         (per_layer && !res->layer_coefs) || res->batch != B || res->n_layers != L)
         return dc_err_set(err, DC_EINTERNAL, "", "step result not initialised for this step");
 
-    /* 1. data checks, before any arithmetic */
-    for (size_t l = 0; l < L; l++) {
-        if ((rc = check_dims(&step->layers[l], B, err))) return rc;
-        if ((rc = dc_cpu_check_layer(&step->layers[l], B, err))) return rc;
-    }
+    /* 1. data checks, before any arithmetic; from here on the layers are
+     * read through `lay`, whose embedding indices are daemon-memory copies */
+    const dc_layer *lay = NULL;
+    if ((rc = check_step(s, step, &lay, err))) return rc;
     if (stats_carve(s, L, B, &st))
         return dc_err_set(err, DC_ENOSPACE, "", "out of memory for the CPU backend's scratch");
 
@@ -177,12 +247,13 @@ static int cpu_run_step(dc_backend *be, const dc_step *step, dc_step_result *res
     res->phase_ns[DC_RUN_CLIPPING] = res->phase_ns[DC_RUN_NOISE] = 0;
     uint64_t tp = mono_ns(), tq;
     for (size_t l = 0; l < L; l++)
-        if ((rc = dc_cpu_layer_sqnorms(s, &step->layers[l], B, scale, st.n2 + l * B, err)))
+        if ((rc = dc_cpu_layer_sqnorms(s, &lay[l], B, scale, st.n2 + l * B, err)))
             return rc;
     tq = mono_ns();
     res->phase_ns[DC_RUN_NORMS] = tq - tp + 1; /* + 1: measured, even if under 1 ns */
     tp = tq;
     double noise_c2 = 0.0; /* PER_LAYER noise uses sqrt(sum_l C_l^2) */
+    if ((rc = check_norms(lay, L, B, st.n2, err))) return rc;
     for (uint32_t b = 0; b < B; b++) {
         double tot = 0.0;
         for (size_t l = 0; l < L; l++) tot += st.n2[l * B + b];
@@ -191,7 +262,7 @@ static int cpu_run_step(dc_backend *be, const dc_step *step, dc_step_result *res
     }
     if (per_layer)
         for (size_t l = 0; l < L; l++) {
-            float Cl = step->layers[l].max_grad_norm;
+            float Cl = lay[l].max_grad_norm;
             noise_c2 += (double)Cl * Cl;
             for (uint32_t b = 0; b < B; b++)
                 st.lcoef[l * B + b] = dc_clip_coef(Cl, (float)sqrt(st.n2[l * B + b]));
@@ -206,7 +277,7 @@ static int cpu_run_step(dc_backend *be, const dc_step *step, dc_step_result *res
     /* 3. outputs into scratch */
     size_t total = 0;
     for (size_t l = 0; l < L; l++) {
-        const dc_layer *ly = &step->layers[l];
+        const dc_layer *ly = &lay[l];
         const dc_tensor *o[2] = {&ly->weight_grad_out, &ly->bias_grad_out};
         for (int k = 0; k < 2; k++) {
             st.off[2 * l + k] = SIZE_MAX;
@@ -232,7 +303,7 @@ static int cpu_run_step(dc_backend *be, const dc_step *step, dc_step_result *res
                         ? (float)(step->expected_batch ? step->expected_batch : B)
                         : 1.0f;
     for (size_t l = 0; l < L; l++) {
-        const dc_layer *ly = &step->layers[l];
+        const dc_layer *ly = &lay[l];
         size_t ow = st.off[2 * l], ob = st.off[2 * l + 1];
         if (ow == SIZE_MAX && ob == SIZE_MAX) continue;
         for (uint32_t b = 0; b < B; b++)
@@ -273,7 +344,7 @@ static int cpu_run_step(dc_backend *be, const dc_step *step, dc_step_result *res
     for (size_t l = 0; l < L; l++)
         for (int k = 0; k < 2; k++) {
             size_t off = st.off[2 * l + k];
-            const dc_layer *ly = &step->layers[l];
+            const dc_layer *ly = &lay[l];
             if (off != SIZE_MAX)
                 store_out(k ? &ly->bias_grad_out : &ly->weight_grad_out, outs + off,
                           dc_cpu_numel(k ? &ly->bias_grad_out : &ly->weight_grad_out));
@@ -291,6 +362,17 @@ static int cpu_run_step(dc_backend *be, const dc_step *step, dc_step_result *res
     res->compute_ns = (uint64_t)(t1.tv_sec - t0.tv_sec) * 1000000000u +
                       (uint64_t)(t1.tv_nsec - t0.tv_nsec);
     return 0;
+}
+
+static int cpu_run_step(dc_backend *be, const dc_step *step, dc_step_result *res,
+                        dc_err *err) {
+    int rc = run_step(be, step, res, err);
+    scratch_trim(&((cpu_backend *)be)->s);
+    return rc;
+}
+
+size_t dc_cpu_backend_scratch_bytes(dc_backend *be) {
+    return dc_cpu_scratch_bytes(&((cpu_backend *)be)->s);
 }
 
 static void cpu_destroy(dc_backend *be) {

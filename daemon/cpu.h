@@ -17,6 +17,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "backend.h"
 #include "dc_err.h"
 #include "step.h"
 
@@ -24,6 +25,7 @@
 typedef struct dc_cpu_buf {
     void *p;
     size_t cap;
+    size_t used;        /* the most reserved since the last trim */
 } dc_cpu_buf;
 
 /* NULL on allocation failure (b is then unchanged). */
@@ -38,9 +40,16 @@ typedef struct dc_cpu_scratch {
     dc_cpu_buf order;   /* embedding: (index, position) sort keys */
     dc_cpu_buf out;     /* every output of a step (f32) until all are checked */
     dc_cpu_buf stats;   /* per-step [L*B] squared norms and coefficients */
+    dc_cpu_buf layers;  /* the step's layers with indices in daemon memory */
+    dc_cpu_buf idx;     /* every embedding layer's indices, copied once */
+    dc_cpu_buf scaled;  /* linear: one sample's a and g scaled by powers of 2 */
 } dc_cpu_scratch;
 
 void dc_cpu_scratch_free(dc_cpu_scratch *s);
+/* Bytes of scratch held now (tests: an outlier's scratch is given back). */
+size_t dc_cpu_scratch_bytes(const dc_cpu_scratch *s);
+/* The same for a CPU backend instance made by dc_cpu_backend_create. */
+size_t dc_cpu_backend_scratch_bytes(dc_backend *be);
 
 /* The tensor's first n elements as f32: t->data itself when it is f32, else a
  * converted copy in buf. NULL on allocation failure. */
@@ -54,8 +63,13 @@ size_t dc_cpu_numel(const dc_tensor *t);
 /* Scans a layer's inputs before anything is computed: embedding indices in
  * [0, vocab) (else DC_EINVAL, field "<name>.indices"), every float finite
  * (else DC_ENONFINITE, field "<name>.activations" / ".input" /
- * ".output_grad"). Messages name the sample. */
-int dc_cpu_check_layer(const dc_layer *l, uint32_t B, dc_err *err);
+ * ".output_grad"). Messages name the sample.
+ * *safe receives the layer as the later phases must read it: for an
+ * EMBEDDING its indices are copied into idx (B*T elements, daemon memory)
+ * and safe->input points there (i64), so no index is read twice from client
+ * memory. idx may be NULL for other kinds. */
+int dc_cpu_check_layer(const dc_layer *l, uint32_t B, dc_layer *safe, int64_t *idx,
+                       dc_err *err);
 
 /* Index of the first non-finite value among n floats of dtype t, or -1. */
 int64_t dc_cpu_find_nonfinite(const void *p, dc_dtype t, size_t n);

@@ -1,6 +1,10 @@
 /* Data checks the validator cannot do without touching the data: finite
  * floats and in-range embedding indices. They run over every layer before any
- * arithmetic, so a bad step costs one read of its inputs and writes nothing. */
+ * arithmetic, so a bad step costs one read of its inputs and writes nothing.
+ * Indices are copied into daemon memory as they are checked (the copy is
+ * what the norms and the clipped sum read); floats decide no address, and a
+ * float changed after its check is caught by the finite checks on the norms
+ * and the outputs. */
 #include <stdio.h>
 #include <string.h>
 
@@ -64,11 +68,21 @@ static int check_floats(const dc_layer *l, const dc_tensor *t, const char *what,
                       (long long)(row / l->T), (long long)(row % l->T), (long long)col);
 }
 
-static int check_indices(const dc_layer *l, uint32_t B, dc_err *err) {
+/* Copies the indices into daemon memory, reading each once, and checks the
+ * copies: the client can rewrite its shared memory at any time, so an index
+ * that decides an address must never be read from it a second time. */
+static int check_indices(const dc_layer *l, uint32_t B, int64_t *copy, dc_err *err) {
     size_t n = (size_t)B * (size_t)l->T;
     char f[128];
+    if (l->input.dtype == DC_I32) {
+        const volatile int32_t *src = l->input.data; /* volatile: one load each */
+        for (size_t i = 0; i < n; i++) copy[i] = src[i];
+    } else {
+        const volatile int64_t *src = l->input.data;
+        for (size_t i = 0; i < n; i++) copy[i] = src[i];
+    }
     for (size_t i = 0; i < n; i++) {
-        int64_t v = dc_cpu_index(&l->input, i);
+        int64_t v = copy[i];
         if (v < 0 || v >= l->vocab) {
             snprintf(f, sizeof f, "%s.indices", l->name);
             return dc_err_set(err, DC_EINVAL, f,
@@ -80,14 +94,18 @@ static int check_indices(const dc_layer *l, uint32_t B, dc_err *err) {
     return 0;
 }
 
-int dc_cpu_check_layer(const dc_layer *l, uint32_t B, dc_err *err) {
+int dc_cpu_check_layer(const dc_layer *l, uint32_t B, dc_layer *safe, int64_t *idx,
+                       dc_err *err) {
     int rc;
+    *safe = *l;
     switch (l->kind) {
     case DC_LAYER_LINEAR:
         if ((rc = check_floats(l, &l->input, "activations", B, l->d, err))) return rc;
         return check_floats(l, &l->grad, "output_grad", B, l->p, err);
     case DC_LAYER_EMBEDDING:
-        if ((rc = check_indices(l, B, err))) return rc;
+        if ((rc = check_indices(l, B, idx, err))) return rc;
+        safe->input.data = idx;
+        safe->input.dtype = DC_I64;
         return check_floats(l, &l->grad, "output_grad", B, l->d, err);
     case DC_LAYER_LAYERNORM:
     case DC_LAYER_RMSNORM:

@@ -2,6 +2,7 @@
  * Products run through OpenBLAS in f32; every sum that spans a whole
  * per-sample gradient is accumulated in double. */
 #include <cblas.h>
+#include <float.h>
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -70,6 +71,52 @@ static int bias_sqnorms(dc_cpu_scratch *s, const float *g, uint32_t B, int64_t T
     return 0;
 }
 
+/* Far from 1, the f32 products of a sample's rows leave f32's range (the
+ * ghost form's Gram a a^T overflows for |a| ~ 1e19, where the exact norm is
+ * finite): such a sample is scaled by powers of two, exact in binary
+ * floating point, and the squared norm scaled back in double. Samples whose
+ * largest magnitude lies in [2^-SCALE_EXP, 2^SCALE_EXP] are used as they
+ * are, so normal data costs one max scan. */
+#define SCALE_EXP 30
+
+/* The binary exponent of max |x| (max = f * 2^e, f in [0.5, 1)) when it lies
+ * outside the safe range, else 0. */
+static int range_exp(const float *x, size_t n) {
+    float m = 0.0f;
+    for (size_t i = 0; i < n; i++) m = fmaxf(m, fabsf(x[i]));
+    if (m == 0.0f || !(m <= FLT_MAX)) return 0; /* zeros; non-finite is caught later */
+    int e;
+    (void)frexpf(m, &e);
+    return e > SCALE_EXP || e < -SCALE_EXP ? e : 0;
+}
+
+/* A sample's a [T, d] and g [T, p], scaled into scratch when either needs
+ * it; *e receives the exponent to add back (squared norm * 4^e). */
+typedef struct scaled_sample {
+    const float *a, *g;
+    int e;
+} scaled_sample;
+
+static int scale_sample(dc_cpu_scratch *s, const float *a, const float *g, size_t na, size_t ng,
+                        scaled_sample *out) {
+    int ea = range_exp(a, na), eg = range_exp(g, ng);
+    out->a = a;
+    out->g = g;
+    out->e = ea + eg;
+    if (!ea && !eg) return 0;
+    float *buf = dc_cpu_buf_reserve(&s->scaled, (na + ng) * sizeof(float));
+    if (!buf) return DC_ENOSPACE;
+    if (ea) {
+        for (size_t i = 0; i < na; i++) buf[i] = ldexpf(a[i], -ea);
+        out->a = buf;
+    }
+    if (eg) {
+        for (size_t i = 0; i < ng; i++) buf[na + i] = ldexpf(g[i], -eg);
+        out->g = buf + na;
+    }
+    return 0;
+}
+
 /* Direct: G_b = g_b^T a_b (p x d) formed tile by tile (rows p0..p0+pt) with
  * one sgemm each and squared while the tile is hot in cache. */
 static int linear_direct(dc_cpu_scratch *s, const float *a, const float *g, uint32_t B,
@@ -81,7 +128,11 @@ static int linear_direct(dc_cpu_scratch *s, const float *a, const float *g, uint
     float *tile = dc_cpu_buf_reserve(&s->work, pt * (size_t)d * sizeof(float));
     if (!tile) return DC_ENOSPACE;
     for (uint32_t b = 0; b < B; b++) {
-        const float *ab = a + (size_t)b * T * d, *gb = g + (size_t)b * T * p;
+        scaled_sample x;
+        if (scale_sample(s, a + (size_t)b * T * d, g + (size_t)b * T * p, (size_t)(T * d),
+                         (size_t)(T * p), &x))
+            return DC_ENOSPACE;
+        const float *ab = x.a, *gb = x.g;
         double acc = 0.0;
         for (size_t p0 = 0; p0 < (size_t)p; p0 += pt) {
             size_t rows = (size_t)p - p0 < pt ? (size_t)p - p0 : pt;
@@ -90,7 +141,7 @@ static int linear_direct(dc_cpu_scratch *s, const float *a, const float *g, uint
                         1.0f, gb + p0, (int)p, ab, (int)d, 0.0f, tile, (int)d);
             acc += sumsq(tile, rows * (size_t)d);
         }
-        n2[b] = acc;
+        n2[b] = ldexp(acc, 2 * x.e);
     }
     return 0;
 }
@@ -105,10 +156,14 @@ static int linear_ghost(dc_cpu_scratch *s, const float *a, const float *g, uint3
     float *gg = dc_cpu_buf_reserve(&s->work2, tt * sizeof(float));
     if (!ga || !gg) return DC_ENOSPACE;
     for (uint32_t b = 0; b < B; b++) {
-        cblas_ssyrk(CblasRowMajor, CblasUpper, CblasNoTrans, (int)T, (int)d, 1.0f,
-                    a + (size_t)b * T * d, (int)d, 0.0f, ga, (int)T);
-        cblas_ssyrk(CblasRowMajor, CblasUpper, CblasNoTrans, (int)T, (int)p, 1.0f,
-                    g + (size_t)b * T * p, (int)p, 0.0f, gg, (int)T);
+        scaled_sample x;
+        if (scale_sample(s, a + (size_t)b * T * d, g + (size_t)b * T * p, (size_t)(T * d),
+                         (size_t)(T * p), &x))
+            return DC_ENOSPACE;
+        cblas_ssyrk(CblasRowMajor, CblasUpper, CblasNoTrans, (int)T, (int)d, 1.0f, x.a, (int)d,
+                    0.0f, ga, (int)T);
+        cblas_ssyrk(CblasRowMajor, CblasUpper, CblasNoTrans, (int)T, (int)p, 1.0f, x.g, (int)p,
+                    0.0f, gg, (int)T);
         double diag = 0.0, off = 0.0;
         for (int64_t i = 0; i < T; i++) {
             const float *ra = ga + (size_t)i * T, *rg = gg + (size_t)i * T;
@@ -122,7 +177,7 @@ static int linear_ghost(dc_cpu_scratch *s, const float *a, const float *g, uint3
             if (j < T) o0 += (double)ra[j] * (double)rg[j];
             off += o0 + o1;
         }
-        n2[b] = diag + 2.0 * off;
+        n2[b] = ldexp(diag + 2.0 * off, 2 * x.e);
     }
     return 0;
 }

@@ -13,6 +13,7 @@
 #ifndef DC_STEP_H
 #define DC_STEP_H
 
+#include <float.h>
 #include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -140,8 +141,13 @@ static inline float dc_step_grad_scale(const dc_step *s) {
     return s->reduction == DC_REDUCTION_MEAN ? (float)s->batch : 1.0f;
 }
 
-/* Flat clipping coefficient c = min(1, C / (n + 1e-6)). */
+/* Flat clipping coefficient c = min(1, C / (n + 1e-6)). A norm that is not
+ * a finite number >= 0 gives 0, never 1: NaN compares false, and "no
+ * clipping" for an unknown norm would release that sample unbounded.
+ * Backends fail such a step before its coefficients are used; this is the
+ * second line. */
 static inline float dc_clip_coef(float C, float norm) {
+    if (!(norm >= 0.0f && norm <= FLT_MAX)) return 0.0f;
     float c = C / (norm + 1e-6f);
     return c < 1.0f ? c : 1.0f;
 }

@@ -1,7 +1,9 @@
 /* The CPU backend as the worker sees it: whole multi-layer steps (every
  * layer kind, mixed dtypes and ranks) against dc_ref_step. */
 #include <math.h>
+#include <pthread.h>
 #include <setjmp.h>
+#include <stdatomic.h>
 #include <stdarg.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -12,6 +14,7 @@
 #include <cmocka.h>
 
 #include "backend.h"
+#include "cpu.h"
 #include "ref.h"
 
 #define NL 8
@@ -213,6 +216,190 @@ static void test_refuses_gpu_steps(void **state) {
     dc_test_layer_free(&l);
 }
 
+/* --- a client rewriting its shared memory during a step -------------------
+ * A flipper thread toggles one value of an input while steps run, as a
+ * client can with its shared memory at any moment. Whatever it catches, a
+ * step either fails with the documented error or releases exactly the
+ * result of one consistent input (the reference for the good value): never
+ * a write outside the output (ASan), never an unclipped sample. */
+
+typedef struct flipper {
+    void *p;            /* the value to flip */
+    size_t size;        /* 4 or 8 bytes */
+    uint64_t good, bad; /* the two bit patterns written in turn */
+    atomic_bool stop;
+} flipper;
+
+/* Whole-word stores: a value is either good or bad, never half of each. */
+static void flip_store(flipper *f, uint64_t v) {
+    if (f->size == 8) *(volatile uint64_t *)f->p = v;
+    else *(volatile uint32_t *)f->p = (uint32_t)v;
+}
+
+static void *flip_main(void *arg) {
+    flipper *f = arg;
+    while (!atomic_load(&f->stop)) {
+        flip_store(f, f->bad);
+        flip_store(f, f->good);
+    }
+    return NULL;
+}
+
+/* Runs `steps` steps of s while f flips; each must fail with want_fail or
+ * match want (weights) and have coefficients that clip. Returns how many
+ * steps succeeded. */
+static int run_flipping(dc_step *s, flipper *f, int steps, int want_fail, const double *want,
+                        int64_t n) {
+    dc_backend *be;
+    dc_err e;
+    dc_step_result res;
+    pthread_t th;
+    int ok = 0;
+    float *w = s->layers[0].weight_grad_out.data;
+    assert_int_equal(dc_cpu_backend_create(1, &be, &e), 0);
+    assert_int_equal(dc_step_result_init(&res, s->batch, s->n_layers, false), 0);
+    atomic_init(&f->stop, false);
+    assert_int_equal(pthread_create(&th, NULL, flip_main, f), 0);
+    for (int i = 0; i < steps; i++) {
+        int rc = dc_backend_run_step(be, s, &res, &e);
+        if (rc) {
+            assert_int_equal(rc, want_fail);
+            continue;
+        }
+        ok++;
+        for (uint32_t b = 0; b < s->batch; b++)
+            assert_true(res.coefs[b] * res.norms[b] <= s->max_grad_norm * 1.0001f);
+        double err = dc_test_max_relerr_f(w, want, n, 1e-4, 1e-6);
+        if (err > 1.0) {
+            print_message("step %d: error %.3g of tolerance\n", i, err);
+            atomic_store(&f->stop, true); /* a failed assert leaves this frame */
+            pthread_join(th, NULL);
+        }
+        assert_true(err <= 1.0);
+    }
+    atomic_store(&f->stop, true);
+    pthread_join(th, NULL);
+    dc_step_result_free(&res);
+    dc_backend_destroy(be);
+    return ok;
+}
+
+/* Embedding indices decide where the clipped sum writes: they are read from
+ * client memory once. (Before, an index valid at the check and huge at the
+ * scatter wrote outside the output: a heap overflow under ASan.) */
+static void test_index_flip(void **state) {
+    (void)state;
+    for (int k = 0; k < 2; k++) {
+        dc_dtype it = k ? DC_I64 : DC_I32;
+        dc_test_layer_spec sp = {DC_LAYER_EMBEDDING, 4, 512, 8, 16, DC_F32, 0, DC_ALGO_AUTO,
+                                 1, 0};
+        dc_test_rng r;
+        dc_layer l;
+        dc_test_rng_seed(&r, 40 + (uint64_t)k);
+        dc_test_layer_make(&l, &sp, &r);
+        if (l.input.dtype != it) { /* the maker picks a dtype: use both */
+            dc_tensor t = dc_test_tensor_new(it, 2, 4, 512, 0);
+            for (size_t i = 0; i < 4 * 512; i++) {
+                int64_t v = l.input.dtype == DC_I32 ? ((int32_t *)l.input.data)[i]
+                                                    : ((int64_t *)l.input.data)[i];
+                if (it == DC_I32) ((int32_t *)t.data)[i] = (int32_t)v;
+                else ((int64_t *)t.data)[i] = v;
+            }
+            dc_test_tensor_free(&l.input);
+            l.input = t;
+        }
+        size_t last = 4 * 512 - 1;
+        if (it == DC_I32) ((int32_t *)l.input.data)[last] = 3;
+        else ((int64_t *)l.input.data)[last] = 3;
+        dc_step s = {.batch = 4, .n_layers = 1, .layers = &l, .mode = DC_CLIP_FLAT,
+                     .max_grad_norm = 1e6f, .reduction = DC_REDUCTION_SUM,
+                     .expected_batch = 4, .device = -1};
+        int64_t n = dc_test_tensor_numel(&l.weight_grad_out);
+        double *want = calloc((size_t)n, sizeof *want);
+        double *wp[1] = {want};
+        dc_ref_step(&s, NULL, NULL, NULL, NULL, wp, NULL);
+        flipper f = {.p = (char *)l.input.data + last * dc_dtype_size(it),
+                     .size = dc_dtype_size(it),
+                     .good = 3,
+                     .bad = it == DC_I32 ? (uint64_t)(uint32_t)INT32_MAX : (uint64_t)1 << 40};
+        int ok = run_flipping(&s, &f, 400, DC_EINVAL, want, n);
+        print_message("index flip (%s): %d of 400 steps succeeded\n", dc_dtype_name(it), ok);
+        free(want);
+        dc_test_layer_free(&l);
+    }
+}
+
+/* A gradient value flipped to NaN after the finite check: the norm pass may
+ * see NaN where the clipped sum sees the good value. A NaN norm used to get
+ * coefficient 1 (NaN < 1 is false), releasing that sample unclipped; now the
+ * step fails before any coefficient is used. Threshold C is small so that
+ * every sample is clipped and an unclipped one shows in the output. */
+static void test_value_flip(void **state) {
+    (void)state;
+    dc_algo algos[2] = {DC_ALGO_DIRECT, DC_ALGO_GHOST};
+    for (int k = 0; k < 2; k++) {
+        dc_test_layer_spec sp = {DC_LAYER_LINEAR, 3, 64, 32, 32, DC_F32, 0, algos[k], 1, 0};
+        dc_test_rng r;
+        dc_layer l;
+        dc_test_rng_seed(&r, 50 + (uint64_t)k);
+        dc_test_layer_make(&l, &sp, &r);
+        float *gv = (float *)l.grad.data + 5;
+        *gv = 1.0f;
+        dc_step s = {.batch = 3, .n_layers = 1, .layers = &l, .mode = DC_CLIP_FLAT,
+                     .max_grad_norm = 0.01f, .reduction = DC_REDUCTION_SUM,
+                     .expected_batch = 3, .device = -1};
+        int64_t n = dc_test_tensor_numel(&l.weight_grad_out);
+        double *want = calloc((size_t)n, sizeof *want), *coefs = calloc(3, sizeof *coefs);
+        double *wp[1] = {want};
+        dc_ref_step(&s, NULL, coefs, NULL, NULL, wp, NULL);
+        for (int b = 0; b < 3; b++) assert_true(coefs[b] < 0.5); /* every sample clipped */
+        uint32_t good, bad;
+        float one = 1.0f, nan = NAN;
+        memcpy(&good, &one, 4);
+        memcpy(&bad, &nan, 4);
+        flipper f = {.p = gv, .size = 4, .good = good, .bad = bad};
+        int ok = run_flipping(&s, &f, 400, DC_ENONFINITE, want, n);
+        print_message("value flip (%s): %d of 400 steps succeeded\n",
+                      k ? "ghost" : "direct", ok);
+        free(want);
+        free(coefs);
+        dc_test_layer_free(&l);
+    }
+}
+
+/* dc_clip_coef never turns an unknown norm into "no clipping". */
+static void test_clip_coef_nonfinite(void **state) {
+    (void)state;
+    assert_true(dc_clip_coef(1.0f, NAN) == 0.0f);
+    assert_true(dc_clip_coef(1.0f, -NAN) == 0.0f);
+    assert_true(dc_clip_coef(1.0f, INFINITY) == 0.0f);
+    assert_true(dc_clip_coef(1.0f, -1.0f) == 0.0f);
+    assert_true(dc_clip_coef(1.0f, 0.0f) == 1.0f);
+    assert_true(fabsf(dc_clip_coef(1.0f, 4.0f) - 0.25f) < 1e-6f);
+}
+
+/* An outlier step's scratch is given back after it; steady steps keep
+ * theirs (test_scratch_reuse checks the results stay right). */
+static void test_scratch_trim(void **state) {
+    (void)state;
+    dc_backend *be;
+    dc_err e;
+    assert_int_equal(dc_cpu_backend_create(1, &be, &e), 0);
+    run_model(be, 4, 5, DC_CLIP_FLAT, DC_REDUCTION_SUM, 7);
+    size_t small = dc_cpu_backend_scratch_bytes(be);
+    /* one big step: T = 2500 makes the ghost layer's two T x T Grams 25 MB
+     * each */
+    run_model(be, 2, 2500, DC_CLIP_FLAT, DC_REDUCTION_SUM, 8);
+    size_t after_big = dc_cpu_backend_scratch_bytes(be);
+    run_model(be, 4, 5, DC_CLIP_FLAT, DC_REDUCTION_SUM, 9);
+    size_t after = dc_cpu_backend_scratch_bytes(be);
+    print_message("scratch: %zu, after the outlier %zu, after a small step %zu bytes\n", small,
+                  after_big, after);
+    assert_true(after_big > ((size_t)50 << 20));
+    assert_true(after < after_big / 2);
+    dc_backend_destroy(be);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_flat),
@@ -220,6 +407,10 @@ int main(void) {
         cmocka_unit_test(test_scratch_reuse),
         cmocka_unit_test(test_output_aliases_input),
         cmocka_unit_test(test_refuses_gpu_steps),
+        cmocka_unit_test(test_index_flip),
+        cmocka_unit_test(test_value_flip),
+        cmocka_unit_test(test_clip_coef_nonfinite),
+        cmocka_unit_test(test_scratch_trim),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

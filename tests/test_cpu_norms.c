@@ -28,9 +28,13 @@ static double compare_layer(const dc_layer *l, uint32_t B, dc_dtype dt, const ch
     memset(&s, 0, sizeof s);
     assert_non_null(got);
     assert_non_null(want);
+    int64_t *idx = calloc((size_t)B * (size_t)l->T, sizeof *idx);
+    dc_layer safe;
+    assert_non_null(idx);
     for (int k = 0; k < 2; k++) {
-        assert_int_equal(dc_cpu_check_layer(l, B, &e), 0);
-        assert_int_equal(dc_cpu_layer_sqnorms(&s, l, B, scales[k], got, &e), 0);
+        assert_int_equal(dc_cpu_check_layer(l, B, &safe, idx, &e), 0);
+        /* the norms read the checked copy of the indices */
+        assert_int_equal(dc_cpu_layer_sqnorms(&s, &safe, B, scales[k], got, &e), 0);
         dc_ref_layer_sqnorms(l, B, scales[k], want);
         uint32_t positive = 0;
         for (uint32_t b = 0; b < B; b++) {
@@ -50,6 +54,7 @@ static double compare_layer(const dc_layer *l, uint32_t B, dc_dtype dt, const ch
     assert_true(worst <= dc_test_rtol(dt));
     dc_cpu_scratch_free(&s);
     free(got);
+    free(idx);
     free(want);
     return worst;
 }
@@ -94,6 +99,48 @@ static void test_linear(void **state) {
                         n++;
                     }
     assert_int_equal(n, 8 * 2 * 3 * 3 * 3);
+}
+
+/* Inputs far from 1 whose per-sample gradients are ordinary: activations
+ * ~1e19 with output grads ~1e-19 overflow an f32 Gram a a^T (the ghost form
+ * once gave Inf - Inf = NaN here), and ~1e-25 with ~1e25 underflow it to 0.
+ * Both forms and T = 1 must match the double reference. One sample is
+ * scaled and the others not, so the scaling is per sample. */
+static void test_linear_extreme_range(void **state) {
+    (void)state;
+    static const double sa[] = {1e19, 1e-25, 3e30};
+    static const int64_t Ts[] = {24, 1};
+    for (size_t k = 0; k < sizeof sa / sizeof sa[0]; k++)
+        for (size_t ti = 0; ti < 2; ti++) {
+            int64_t T = Ts[ti];
+            dc_test_layer_spec sp = {DC_LAYER_LINEAR, 3, T, 40, 30, DC_F32, 1, DC_ALGO_AUTO, 0,
+                                     0};
+            dc_test_rng r;
+            dc_layer l;
+            dc_cpu_scratch s;
+            double got[3], want[3];
+            memset(&s, 0, sizeof s);
+            dc_test_rng_seed(&r, 90 + k);
+            dc_test_layer_make(&l, &sp, &r);
+            float *a = l.input.data, *g = l.grad.data;
+            for (int64_t i = 0; i < 2 * T * 40; i++) a[i] *= (float)sa[k]; /* samples 0, 1 */
+            for (int64_t i = 0; i < 2 * T * 30; i++) g[i] *= (float)(1.0 / sa[k]);
+            dc_ref_layer_sqnorms(&l, 3, 1.0, want);
+            for (size_t al = 0; al < 3; al++) {
+                assert_int_equal(dc_cpu_linear_sqnorms(&s, a, g, 3, T, 40, 30, true, algos[al],
+                                                       got),
+                                 0);
+                for (int b = 0; b < 3; b++) {
+                    assert_true(isfinite(want[b]) && want[b] > 0.0);
+                    if (!(fabs(got[b] - want[b]) <= 1e-4 * want[b]))
+                        print_message("scale %g T %lld algo %zu sample %d: %g vs %g\n", sa[k],
+                                      (long long)T, al, b, got[b], want[b]);
+                    assert_true(fabs(got[b] - want[b]) <= 1e-4 * want[b]);
+                }
+            }
+            dc_cpu_scratch_free(&s);
+            dc_test_layer_free(&l);
+        }
 }
 
 /* The unscaled entry point the benchmark uses: direct and ghost agree with
@@ -256,6 +303,7 @@ int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_linear),
         cmocka_unit_test(test_linear_entry_point),
+        cmocka_unit_test(test_linear_extreme_range),
         cmocka_unit_test(test_linear_bias_term),
         cmocka_unit_test(test_embedding),
         cmocka_unit_test(test_embedding_all_padding),
