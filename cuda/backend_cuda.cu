@@ -145,7 +145,9 @@ int plan_step(cuda_backend *cb, const dc_step *s, layout *Lo, dc_err *err) {
         if (v) cb->nm = v;
         bool *x = v ? (bool *)realloc(cb->nm_grouped, L * sizeof *x) : NULL;
         if (x) cb->nm_grouped = x;
-        if (!x) return dc_err_set(err, DC_ENOSPACE, "", "out of memory");
+        dc_layer *y = x ? (dc_layer *)realloc(cb->safe, L * sizeof *y) : NULL;
+        if (y) cb->safe = y;
+        if (!y) return dc_err_set(err, DC_ENOSPACE, "", "out of memory");
         cb->lay_cap = L;
     }
     for (size_t l = 0; l < L; l++) {
@@ -218,6 +220,13 @@ int plan_step(cuda_backend *cb, const dc_step *s, layout *Lo, dc_err *err) {
             cb->lay_off[l] = o;
             o += al(2 * B * (size_t)ly->d * 4);
         }
+    }
+    /* embedding indices, copied here once per step (snapshot_indices) */
+    Lo->idx = o;
+    for (size_t l = 0; l < L; l++) {
+        const dc_layer *ly = &s->layers[l];
+        if (ly->kind == DC_LAYER_EMBEDDING)
+            o += al((size_t)B * (size_t)ly->T * dc_dtype_size(ly->input.dtype));
     }
     Lo->temp = o;
     Lo->temp_bytes = temp;
@@ -460,6 +469,33 @@ fail:
     return rc;
 }
 
+/* Embedding indices decide where the kernels write, and a client can
+ * rewrite its memory during the step: each embedding's indices are copied
+ * into the workspace first (on the stream, after the wait on the client's
+ * event), and every kernel reads that copy, so the norms, the clipped sum and
+ * the range checks all see one set of values. *out is s with its layers
+ * replaced by cb->safe. */
+int snapshot_indices(cuda_backend *cb, const dc_step *s, const layout *Lo, dc_step *out,
+                     dc_err *err) {
+    size_t o = Lo->idx;
+    int rc = 0;
+    *out = *s;
+    out->layers = cb->safe;
+    for (size_t l = 0; l < s->n_layers; l++) {
+        const dc_layer *ly = &s->layers[l];
+        cb->safe[l] = *ly;
+        if (ly->kind != DC_LAYER_EMBEDDING) continue;
+        size_t bytes = (size_t)s->batch * (size_t)ly->T * dc_dtype_size(ly->input.dtype);
+        CK(cudaMemcpyAsync(cb->ws + o, ly->input.data, bytes, cudaMemcpyDeviceToDevice,
+                           cb->stream),
+           "the index copy");
+        cb->safe[l].input.data = cb->ws + o;
+        o += al(bytes);
+    }
+fail:
+    return rc;
+}
+
 void phase_mark(cuda_backend *cb, int i) {
     if (cb->prof) (void)cudaEventRecord(cb->ev[i], cb->stream);
 }
@@ -473,6 +509,7 @@ int cuda_run_step(dc_backend *be, const dc_step *s, dc_step_result *res, dc_err 
     const float scale = dc_step_grad_scale(s);
     const step_opts opt = read_opts();
     layout Lo;
+    dc_step safe;
     int rc = 0;
     const bool waited = cb->waited; /* ev_wait is this step's (wait_event just ran) */
     cb->waited = false;
@@ -537,8 +574,11 @@ int cuda_run_step(dc_backend *be, const dc_step *s, dc_step_result *res, dc_err 
                                   : 1.0f;
         char *ws = cb->ws;
 
-        /* 1. counters and tables */
+        /* 1. counters and tables, the index snapshot; from here on the
+         * step's layers are read through `s` = &safe */
         phase_mark(cb, 0);
+        if ((rc = snapshot_indices(cb, s, &Lo, &safe, err))) goto fail;
+        s = &safe;
         CK(cudaMemsetAsync(ws, 0, Lo.norms, cb->stream), "a memset");
         CK(cudaMemsetAsync(ws + Lo.bad, 0xff, 8, cb->stream), "a memset");
         CK(cudaMemcpyAsync(ws + Lo.up, up, Lo.up_bytes, cudaMemcpyHostToDevice, cb->stream),
@@ -686,6 +726,7 @@ void cuda_destroy(dc_backend *be) {
     free(cb->bk_grouped);
     free(cb->nm);
     free(cb->nm_grouped);
+    free(cb->safe);
     dc_backend_destroy(cb->cpu);
     free(cb);
 }

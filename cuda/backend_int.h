@@ -33,6 +33,9 @@ struct cuda_backend {
     bool *bk_grouped;   /* [lay_cap] layer l's outputs come from the grouped launch */
     dcc_norm_layer *nm; /* [lay_cap] the grouped norms' layers */
     bool *nm_grouped;   /* [lay_cap] layer l's norms come from the grouped launch */
+    /* [lay_cap] the step's layers as the kernels read them: an embedding's
+     * indices point at the workspace copy (layout.idx), made once per step */
+    dc_layer *safe;
     /* phase timing (dc_cuda_backend_profile): events recorded between phases */
     bool prof;
     cudaEvent_t ev[DC_CUDA_PHASES + 1];
@@ -53,7 +56,7 @@ inline size_t al(size_t x) { return (x + 255) & ~(size_t)255; }
 struct layout {
     size_t status, mode, bad, n2, flags, amax, norms, coefs, lcoef, dl_bytes;
     size_t cs, perm, fac, up, up_bytes, consts, layer_c, outs;
-    size_t staging, per_sample, temp, temp_bytes, total;
+    size_t staging, per_sample, idx, temp, temp_bytes, total;
     int n_out;
     uint64_t max_n, staged, chunks;
 };

@@ -31,7 +31,10 @@ namespace {
 
 constexpr int NT = 256;
 
+/* As dc_clip_coef: a norm that is not finite gives 0, never 1 (the status
+ * word already fails such a step; this keeps the coefficient safe too). */
 __device__ __forceinline__ float clip_coef(float C, float norm) {
+    if (!(norm >= 0.0f && norm <= 3.402823466e38f)) return 0.0f;
     float c = __fdiv_rn(C, __fadd_rn(norm, 1e-6f));
     return c < 1.0f ? c : 1.0f;
 }

@@ -329,10 +329,12 @@ static int run_step(dc_backend *be, const dc_step *step, dc_step_result *res, dc
             if (bad >= 0) {
                 char f[128];
                 snprintf(f, sizeof f, "%s.%s", ly->name, k ? "bias_grad_out" : "weight_grad_out");
+                /* no value in the message: it is noised, and a failed
+                 * step releases nothing */
                 return dc_err_set(err, DC_ENONFINITE, f,
-                                  "clipped sum element %lld is %g, not finite as %s; nothing "
-                                  "was written",
-                                  (long long)bad, (double)v[bad], dc_dtype_name(t->dtype));
+                                  "clipped sum element %lld is not finite as %s (overflow); "
+                                  "nothing was written",
+                                  (long long)bad, dc_dtype_name(t->dtype));
             }
         }
         tq = mono_ns();

@@ -74,6 +74,14 @@ static const key_def KEYS[] = {
      "largest request frame in bytes"},
     {"limits", "max_buffers", "max-buffers", T_UINT, F(max_buffers), 1, 1u << 20, true,
      "buffers one session may hold registered"},
+    {"limits", "max_step_samples", NULL, T_UINT, F(max_step_samples), 1, 1u << 31, true,
+     "most layers x batch in one step (its per-sample norm tables and reply)"},
+    {"limits", "max_step_memory", NULL, T_SIZE, F(max_step_memory), 1 << 20, 0, true,
+     "most host memory one step may need: tables, reply and CPU scratch (K/M/G suffixes)"},
+    {"limits", "max_step_gflop", NULL, T_UINT, F(max_step_gflop), 1, 1u << 31, true,
+     "most work in one host-memory step, in GFLOP (CPU backend: about 0.1 s per 10)"},
+    {"limits", "max_gpu_step_gflop", NULL, T_UINT, F(max_gpu_step_gflop), 1, 1u << 31, true,
+     "most work in one GPU step, in GFLOP"},
     {"access", "allowed_uids", NULL, T_UIDS, F(allowed_uids), 0, 0, true,
      "users (names or uids) allowed to connect; empty = anyone who can open the socket"},
     {"access", "allowed_groups", NULL, T_GIDS, F(allowed_gids), 0, 0, true,
@@ -115,6 +123,10 @@ void dc_config_defaults(dc_config *c) {
     c->max_layers = DC_DEFAULT_MAX_LAYERS;
     c->max_frame = DC_DEFAULT_MAX_FRAME;
     c->max_buffers = 4096;
+    c->max_step_samples = 1u << 22;
+    c->max_step_memory = (uint64_t)2 << 30;
+    c->max_step_gflop = 500;
+    c->max_gpu_step_gflop = 2000000;
     c->status_mode = 0660;
     c->delta = 1e-5;
     c->budget_delta = 1e-5;

@@ -43,6 +43,10 @@ typedef struct dc_config {
     dc_log_level log_level;
     /* [limits] */
     uint32_t max_batch, max_layers, max_frame, max_buffers;
+    uint32_t max_step_samples;     /* layers x batch of one step (per-sample tables) */
+    uint64_t max_step_memory;      /* host bytes one step may make the daemon hold */
+    uint32_t max_step_gflop;       /* work of one host-memory (CPU) step */
+    uint32_t max_gpu_step_gflop;   /* work of one GPU step */
     /* [access]: empty lists = whoever can open the socket */
     uint32_t allowed_uids[DC_CONFIG_MAX_IDS];
     size_t n_allowed_uids;

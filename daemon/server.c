@@ -305,6 +305,14 @@ void dc_server_shutdown(dc_server *srv) {
     maybe_finish(srv);
 }
 
+/* The step-cost limits validation reads (limits.max_step_*). */
+static void set_step_limits(dc_limits *l, const dc_config *c) {
+    l->max_step_samples = c->max_step_samples;
+    l->max_step_memory = c->max_step_memory;
+    l->max_step_gflop = c->max_step_gflop;
+    l->max_gpu_step_gflop = c->max_gpu_step_gflop;
+}
+
 static void note_restart(void *arg, const char *name) {
     (void)arg;
     dc_log_warn("reload: %s changed; it takes effect at the next restart", name);
@@ -318,6 +326,11 @@ void dc_server_apply_config(dc_server *srv, const dc_config *n) {
     c->max_batch = srv->limits.max_batch = n->max_batch;
     c->max_layers = srv->limits.max_layers = n->max_layers;
     c->max_buffers = n->max_buffers;
+    c->max_step_samples = n->max_step_samples;
+    c->max_step_memory = n->max_step_memory;
+    c->max_step_gflop = n->max_step_gflop;
+    c->max_gpu_step_gflop = n->max_gpu_step_gflop;
+    set_step_limits(&srv->limits, n);
     memcpy(c->allowed_uids, n->allowed_uids, sizeof c->allowed_uids);
     c->n_allowed_uids = n->n_allowed_uids;
     memcpy(c->allowed_gids, n->allowed_gids, sizeof c->allowed_gids);
@@ -389,6 +402,7 @@ int dc_server_init(dc_server *srv, uv_loop_t *loop, const dc_config *cfg,
     srv->limits.max_batch = cfg->max_batch;
     srv->limits.max_layers = cfg->max_layers;
     srv->limits.max_frame = cfg->max_frame;
+    set_step_limits(&srv->limits, cfg);
     srv->workers = cfg->workers > 0 ? cfg->workers : ncpu > 0 ? (int)ncpu : 1;
     srv->spin_ns = (uint64_t)cfg->spin_us * 1000u;
     srv->start_ns = uv_hrtime();

@@ -132,6 +132,20 @@ typedef struct dc_step_result {
     uint64_t phase_ns[DC_RUN_N]; /* 0 = not measured */
 } dc_step_result;
 
+/* What a validated step will cost the daemon, estimated before it is
+ * accepted, so that one request cannot take a node's memory or its workers
+ * (limits.max_step_*). samples: layers x batch. host_bytes: the per-sample
+ * tables, the reply, and for a host-memory step the CPU backend's largest
+ * scratch (f32 copies, Grams, staged outputs). gflop: the norms and the
+ * clipped sums by the algorithm each layer will use. */
+typedef struct dc_step_cost {
+    uint64_t samples;
+    uint64_t host_bytes;
+    double gflop;
+} dc_step_cost;
+
+void dc_step_cost_estimate(const dc_step *s, dc_step_cost *c);
+
 int dc_step_result_init(dc_step_result *r, uint32_t batch, size_t n_layers, bool per_layer);
 void dc_step_result_free(dc_step_result *r);
 

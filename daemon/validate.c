@@ -30,7 +30,9 @@ static int check_tensor(const Dpclip__TensorRef *ref, const char *prefix, const 
         return dc_err_set(err, DC_ENOTFOUND, FP("buffer_id"),
                           "buffer %llu is not registered in this session",
                           (unsigned long long)ref->buffer_id);
-    if ((int)ref->dtype <= 0 || (int)ref->dtype > DC_I64 || !(dtype_mask & (1u << ref->dtype)))
+    if ((int)ref->dtype <= 0 || (int)ref->dtype > DC_I64)
+        return dc_err_set(err, DC_EINVAL, FP("dtype"), "unknown dtype %d", (int)ref->dtype);
+    if (!(dtype_mask & (1u << ref->dtype)))
         return dc_err_set(err, DC_EINVAL, FP("dtype"),
                           "dtype %s not allowed here", dc_dtype_name((dc_dtype)ref->dtype));
     if ((int)ref->n_shape < min_ndim || (int)ref->n_shape > max_ndim) {
@@ -264,6 +266,32 @@ static int validate_layer(vctx *v, const Dpclip__ClipStep *msg, size_t i, dc_lay
     }
 }
 
+/* What the step will cost, against the limits: refused before any work, the
+ * error naming the setting to raise. */
+static int check_cost(const dc_step *s, const dc_limits *lim, dc_err *err) {
+    dc_step_cost c;
+    dc_step_cost_estimate(s, &c);
+    if (lim->max_step_samples && c.samples > lim->max_step_samples)
+        return dc_err_set(err, DC_ENOSPACE, "clip_step.layers",
+                          "%zu layers x batch %u = %llu per-sample values, over "
+                          "limits.max_step_samples (%llu): send fewer layers or samples per step",
+                          s->n_layers, s->batch, (unsigned long long)c.samples,
+                          (unsigned long long)lim->max_step_samples);
+    if (lim->max_step_memory && c.host_bytes > lim->max_step_memory)
+        return dc_err_set(err, DC_ENOSPACE, "clip_step",
+                          "this step needs about %llu MiB of daemon memory, over "
+                          "limits.max_step_memory (%llu MiB)",
+                          (unsigned long long)(c.host_bytes >> 20),
+                          (unsigned long long)(lim->max_step_memory >> 20));
+    double max = s->device < 0 ? lim->max_step_gflop : lim->max_gpu_step_gflop;
+    if (max > 0.0 && c.gflop > max)
+        return dc_err_set(err, DC_ENOSPACE, "clip_step",
+                          "this step is about %.0f GFLOP of work, over limits.%s (%.0f)",
+                          c.gflop, s->device < 0 ? "max_step_gflop" : "max_gpu_step_gflop",
+                          max);
+    return 0;
+}
+
 int dc_validate_step(const Dpclip__ClipStep *msg, const dc_registry *reg,
                      const dc_limits *lim, dc_step *out, dc_err *err) {
     vctx v = {reg, -2, err};
@@ -316,6 +344,7 @@ int dc_validate_step(const Dpclip__ClipStep *msg, const dc_registry *reg,
             goto fail;
     }
     out->device = v.device < 0 ? -1 : v.device;
+    if ((rc = check_cost(out, lim, err))) goto fail;
     return 0;
 
 fail:

@@ -16,6 +16,10 @@ typedef struct dc_limits {
     uint32_t max_batch;
     uint32_t max_layers;
     uint32_t max_frame;
+    /* What one step may cost (dc_step_cost); 0 = unchecked (tests) */
+    uint64_t max_step_samples;
+    uint64_t max_step_memory;
+    double max_step_gflop, max_gpu_step_gflop;
 } dc_limits;
 
 /* On success *out is filled and owns out->layers (free with

@@ -433,6 +433,142 @@ static void test_events(void **state) {
     CUDA_OK(cudaEventDestroy(ev));
 }
 
+/* --- a client rewriting its memory during a step ----------------------------
+ * A second stream keeps rewriting one embedding index (valid, huge, valid,
+ * ...) while steps run, as a client may with its IPC memory. The backend
+ * copies the indices once per step and every kernel reads the copy, so a
+ * step either fails naming the indices or releases exactly the result of the
+ * valid value; never a write outside its output. */
+static void test_index_flip(void **state) {
+    (void)state;
+    for (int k = 0; k < 2; k++) {
+        dc_dtype it = k ? DC_I64 : DC_I32;
+        dc_test_rng r;
+        dc_test_rng_seed(&r, 707 + (uint64_t)k);
+        dc_test_layer_spec sp = {DC_LAYER_EMBEDDING, 4, 512, 8, 16, DC_F32, 0, DC_ALGO_AUTO,
+                                 1, 0};
+        dc_layer h;
+        dc_test_layer_make(&h, &sp, &r);
+        if (h.input.dtype != it) { /* both index dtypes */
+            dc_tensor t = dc_test_tensor_new(it, 2, 4, 512, 0);
+            for (size_t i = 0; i < 4 * 512; i++) {
+                int64_t v = h.input.dtype == DC_I32 ? ((int32_t *)h.input.data)[i]
+                                                    : ((int64_t *)h.input.data)[i];
+                if (it == DC_I32) ((int32_t *)t.data)[i] = (int32_t)v;
+                else ((int64_t *)t.data)[i] = v;
+            }
+            dc_test_tensor_free(&h.input);
+            h.input = t;
+        }
+        size_t last = 4 * 512 - 1, isz = dc_dtype_size(it);
+        if (it == DC_I32) ((int32_t *)h.input.data)[last] = 3;
+        else ((int64_t *)h.input.data)[last] = 3;
+        dc_layer d = dev_layer(&h);
+        dc_step hs, ds;
+        step_init(&hs, &h, 1, 4, -1);
+        step_init(&ds, &d, 1, 4, 0);
+        hs.max_grad_norm = ds.max_grad_norm = 0.05f; /* clipping bites */
+        dc_step_result rh, rd;
+        dc_err e;
+        assert_int_equal(run(g_cpu, &hs, &rh, &e), 0);
+        float *want = host_to_f32(&h.weight_grad_out);
+        /* the two values, in device memory, for the flipping copies */
+        int64_t vals64[2] = {3, (int64_t)1 << 40};
+        int32_t vals32[2] = {3, INT32_MAX};
+        char *dv;
+        CUDA_OK(cudaMalloc((void **)&dv, 16));
+        h2d(dv, it == DC_I32 ? (const void *)vals32 : (const void *)vals64, 2 * isz);
+        cudaStream_t fs;
+        CUDA_OK(cudaStreamCreateWithFlags(&fs, cudaStreamNonBlocking));
+        char *target = (char *)d.input.data + last * isz;
+        int ok = 0, refused = 0;
+        for (int step = 0; step < 60; step++) {
+            for (int i = 0; i < 400; i++) /* enough flips to span the step */
+                CUDA_OK(cudaMemcpyAsync(target, dv + (size_t)(i & 1) * isz, isz,
+                                        cudaMemcpyDeviceToDevice, fs));
+            CUDA_OK(cudaMemcpyAsync(target, dv, isz, cudaMemcpyDeviceToDevice, fs));
+            int rc = run(g_cuda, &ds, &rd, &e);
+            if (rc) {
+                if (rc != DC_EINVAL) printf("  step %d: %d %s: %s\n", step, rc, e.field, e.msg);
+                assert_int_equal(rc, DC_EINVAL);
+                assert_true(strstr(e.field, ".indices") != NULL);
+                refused++;
+            } else {
+                float *got = dev_to_f32(&d.weight_grad_out);
+                assert_true(rel_l2(got, want, numel(&h.weight_grad_out)) < 1e-5);
+                for (uint32_t b = 0; b < 4; b++)
+                    assert_true(fabsf(rd.norms[b] - rh.norms[b]) <= 1e-4f * rh.norms[b]);
+                free(got);
+                ok++;
+            }
+            dc_step_result_free(&rd);
+            CUDA_OK(cudaStreamSynchronize(fs));
+        }
+        printf("  index flip (%s): %d steps released, %d refused\n", dc_dtype_name(it), ok,
+               refused);
+        CUDA_OK(cudaStreamDestroy(fs));
+        CUDA_OK(cudaFree(dv));
+        free(want);
+        dc_step_result_free(&rh);
+        dev_layer_free(&d);
+        dc_test_layer_free(&h);
+    }
+}
+
+/* Activations ~1e19 with output grads ~1e-19: finite, ordinary per-sample
+ * gradients whose ghost-form Gram a a^T leaves f32. The CPU backend scales
+ * such samples; the GPU kernels accumulate in f32 and fail the step instead
+ * (DC_ENONFINITE naming the layer, nothing written). Either way no sample is
+ * released unclipped, and a step that succeeds matches the reference. */
+static void test_extreme_range(void **state) {
+    (void)state;
+    dc_algo algos[2] = {DC_ALGO_GHOST, DC_ALGO_DIRECT};
+    for (int k = 0; k < 2; k++) {
+        dc_test_rng r;
+        dc_test_rng_seed(&r, 808 + (uint64_t)k);
+        dc_test_layer_spec sp = {DC_LAYER_LINEAR, 3, 32, 64, 48, DC_F32, 0, algos[k], 1, 0};
+        dc_layer h;
+        dc_test_layer_make(&h, &sp, &r);
+        float *a = h.input.data, *g = h.grad.data;
+        for (int64_t i = 0; i < numel(&h.input); i++) a[i] *= 1e19f;
+        for (int64_t i = 0; i < numel(&h.grad); i++) g[i] *= 1e-19f;
+        dc_layer d = dev_layer(&h);
+        dc_step hs, ds;
+        step_init(&hs, &h, 1, 3, -1);
+        step_init(&ds, &d, 1, 3, 0);
+        hs.max_grad_norm = ds.max_grad_norm = 1e-3f;
+        dc_step_result rh, rd;
+        dc_err eh, ed;
+        float sentinel = 1536.0f;
+        float *fill = malloc((size_t)numel(&h.weight_grad_out) * sizeof *fill);
+        for (int64_t i = 0; i < numel(&h.weight_grad_out); i++) fill[i] = sentinel;
+        h2d(d.weight_grad_out.data, fill, tensor_bytes(&d.weight_grad_out));
+        assert_int_equal(run(g_cpu, &hs, &rh, &eh), 0);
+        for (uint32_t b = 0; b < 3; b++) assert_true(rh.coefs[b] < 0.5f); /* all clipped */
+        int rc = run(g_cuda, &ds, &rd, &ed);
+        printf("  %s at 1e19: gpu %d %s: %s\n", k ? "direct" : "ghost", rc, ed.field, ed.msg);
+        float *got = dev_to_f32(&d.weight_grad_out);
+        if (rc) {
+            assert_int_equal(rc, DC_ENONFINITE);
+            assert_string_equal(ed.field, h.name);
+            for (int64_t i = 0; i < numel(&h.weight_grad_out); i++)
+                assert_true(got[i] == sentinel);
+        } else {
+            float *want = host_to_f32(&h.weight_grad_out);
+            assert_true(rel_l2(got, want, numel(&h.weight_grad_out)) < 1e-2);
+            for (uint32_t b = 0; b < 3; b++)
+                assert_true(fabsf(rd.coefs[b] - rh.coefs[b]) <= 1e-2f * rh.coefs[b]);
+            free(want);
+        }
+        free(got);
+        free(fill);
+        dc_step_result_free(&rh);
+        dc_step_result_free(&rd);
+        dev_layer_free(&d);
+        dc_test_layer_free(&h);
+    }
+}
+
 
 int main(void) {
     if (dc_cuda_device_count() == 0) {
@@ -446,6 +582,8 @@ int main(void) {
         cmocka_unit_test(test_staged_fallback),
         cmocka_unit_test(test_whole_steps),
         cmocka_unit_test(test_failures),
+        cmocka_unit_test(test_index_flip),
+        cmocka_unit_test(test_extreme_range),
     };
     return cmocka_run_group_tests(tests, cuda_test_setup, cuda_test_teardown);
 }

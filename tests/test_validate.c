@@ -208,6 +208,12 @@ static void test_tensor_refs(void **state) {
     expect_err(f, DC_EINVAL, "clip_step.layers[0].linear.activations.dtype");
     f->act.dtype = 99;
     expect_err(f, DC_EINVAL, "clip_step.layers[0].linear.activations.dtype");
+    {
+        dc_step s;
+        dc_err e;
+        assert_int_equal(dc_validate_step(&f->step, &f->reg, &f->lim, &s, &e), DC_EINVAL);
+        assert_string_equal(e.msg, "unknown dtype 99"); /* not "dtype unspecified" */
+    }
     f->act.dtype = DPCLIP__DTYPE__F32;
     f->act.n_shape = 4;
     expect_err(f, DC_EINVAL, "clip_step.layers[0].linear.activations.shape");
@@ -297,6 +303,51 @@ static void test_embedding_and_norm_layers(void **state) {
     expect_err(f, DC_EINVAL, "clip_step.layers[0].layer_norm.output_grad.shape");
 }
 
+/* What a step costs is bounded before it is accepted: each limit refuses
+ * with DC_ENOSPACE naming its setting, and a step within all of them passes.
+ * The fixture's step: B = 4, one Linear T = 3, d = 5, p = 6, host memory. */
+static void expect_limit(fx *f, const char *setting) {
+    dc_step s;
+    dc_err e;
+    int rc = dc_validate_step(&f->step, &f->reg, &f->lim, &s, &e);
+    if (rc != DC_ENOSPACE || !strstr(e.msg, setting))
+        fail_msg("expected %s, got %d %s: %s", setting, rc, e.field, e.msg);
+    assert_null(s.layers);
+}
+
+static void test_step_cost_limits(void **state) {
+    fx *f = *state;
+    dc_step s;
+    dc_err e;
+    dc_step_cost c;
+    /* the estimate itself: 4 samples x 1 layer; flops of the direct norms
+     * (d p = 30 <= T (d + p) = 33) and the clipped-sum GEMM */
+    assert_int_equal(dc_validate_step(&f->step, &f->reg, &f->lim, &s, &e), 0);
+    dc_step_cost_estimate(&s, &c);
+    assert_int_equal(c.samples, 4);
+    assert_true(fabs(c.gflop * 1e9 - (4 * 2.0 * 3 * 5 * 6 + 2.0 * 12 * 5 * 6)) < 1e-3);
+    assert_true(c.host_bytes > 4 * 6 * 5 * 4); /* at least the staged weight sum */
+    uint64_t bytes = c.host_bytes;
+    /* the same step on a GPU holds no CPU scratch */
+    s.device = 0;
+    dc_step_cost_estimate(&s, &c);
+    assert_true(c.host_bytes < bytes);
+    dc_validate_step_free(&s);
+
+    f->lim.max_step_samples = 3;
+    expect_limit(f, "limits.max_step_samples");
+    f->lim.max_step_samples = 4;
+    f->lim.max_step_memory = bytes - 1;
+    expect_limit(f, "limits.max_step_memory");
+    f->lim.max_step_memory = bytes;
+    f->lim.max_step_gflop = 1e-9;
+    expect_limit(f, "limits.max_step_gflop");
+    f->lim.max_step_gflop = 1.0;
+    f->lim.max_gpu_step_gflop = 1e-9; /* a host step is not held to the GPU's */
+    assert_int_equal(dc_validate_step(&f->step, &f->reg, &f->lim, &s, &e), 0);
+    dc_validate_step_free(&s);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test_setup_teardown(test_valid_step, setup, teardown),
@@ -305,6 +356,7 @@ int main(void) {
         cmocka_unit_test_setup_teardown(test_tensor_refs, setup, teardown),
         cmocka_unit_test_setup_teardown(test_inconsistent_shapes, setup, teardown),
         cmocka_unit_test_setup_teardown(test_embedding_and_norm_layers, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_step_cost_limits, setup, teardown),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
