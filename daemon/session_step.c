@@ -294,6 +294,7 @@ static void step_submit(dc_step_job *j) {
     j->step.noise_step = ++srv->noise_steps;
     j->job.work = step_work;
     j->job.done = step_done;
+    j->job.owner = (uint32_t)s->peer_uid; /* workers are shared fairly between users */
     j->t_submit = uv_hrtime();
     dc_worker_pool_submit(j->step.device >= 0 ? &srv->gpu.pools[j->step.device] : &srv->cpu_pool,
                           &j->job);

@@ -58,6 +58,61 @@ static void worker_idle(dc_worker_pool *p, bool just_ran) {
     pthread_cond_wait(&p->cv, &p->mu);
 }
 
+/* When owner's last job started (0 = not remembered). */
+static uint64_t owner_last(const dc_worker_pool *p, uint32_t owner) {
+    for (int i = 0; i < DC_WORKER_OWNERS; i++)
+        if (p->served[i].last && p->served[i].owner == owner) return p->served[i].last;
+    return 0;
+}
+
+static void owner_served(dc_worker_pool *p, uint32_t owner) {
+    int slot = 0;
+    uint64_t oldest = UINT64_MAX;
+    p->served_seq++;
+    for (int i = 0; i < DC_WORKER_OWNERS; i++) {
+        if (p->served[i].last && p->served[i].owner == owner) {
+            slot = i;
+            break;
+        }
+        if (p->served[i].last < oldest) { /* a free slot (0) wins, else the LRU */
+            oldest = p->served[i].last;
+            slot = i;
+        }
+    }
+    p->served[slot].owner = owner;
+    p->served[slot].last = p->served_seq;
+}
+
+static int owner_running(const dc_worker_pool *p, uint32_t owner) {
+    int n = 0;
+    for (int i = 0; i < p->n; i++) n += p->has_job[i] && p->running[i] == owner;
+    return n;
+}
+
+/* Unlinks and returns the queued job to run next (the fair-sharing rule in
+ * worker.h), with mu held and the queue not empty. */
+static dc_job *pick_job(dc_worker_pool *p) {
+    dc_job *best = NULL, *best_prev = NULL, *prev = NULL;
+    int best_run = 0;
+    uint64_t best_last = 0;
+    for (dc_job *j = p->q_head; j; prev = j, j = j->next) {
+        int run = owner_running(p, j->owner);
+        uint64_t last = owner_last(p, j->owner);
+        if (!best || run < best_run || (run == best_run && last < best_last)) {
+            best = j;
+            best_prev = prev;
+            best_run = run;
+            best_last = last;
+        }
+    }
+    if (best_prev) best_prev->next = best->next;
+    else p->q_head = best->next;
+    if (p->q_tail == best) p->q_tail = best_prev;
+    best->next = NULL;
+    owner_served(p, best->owner);
+    return best;
+}
+
 static void *worker_main(void *arg) {
     worker_arg wa = *(worker_arg *)arg;
     dc_worker_pool *p = wa.pool;
@@ -70,10 +125,10 @@ static void *worker_main(void *arg) {
             worker_idle(p, just_ran);
             just_ran = false;
         }
-        dc_job *job = p->q_head;
-        if (!job) break; /* stopping and nothing queued */
-        p->q_head = job->next;
-        if (!p->q_head) p->q_tail = NULL;
+        if (!p->q_head) break; /* stopping and nothing queued */
+        dc_job *job = pick_job(p);
+        p->running[wa.index] = job->owner;
+        p->has_job[wa.index] = true;
         atomic_fetch_sub_explicit(&p->queued, 1, memory_order_relaxed);
         /* The job a window waited for came: the window is spent. */
         if (p->win_to && p->win_from <= now_ns()) p->win_from = p->win_to = 0;
@@ -82,6 +137,7 @@ static void *worker_main(void *arg) {
         job->work(job, p->backends[wa.index]);
 
         pthread_mutex_lock(&p->mu);
+        p->has_job[wa.index] = false;
         job->next = NULL;
         if (p->d_tail) p->d_tail->next = job;
         else p->d_head = job;
@@ -129,7 +185,9 @@ int dc_worker_pool_init(dc_worker_pool *p, uv_loop_t *loop, const char *name, in
     if (n < 1) n = 1;
     p->threads = calloc((size_t)n, sizeof *p->threads);
     p->backends = calloc((size_t)n, sizeof *p->backends);
-    if (!p->threads || !p->backends) {
+    p->running = calloc((size_t)n, sizeof *p->running);
+    p->has_job = calloc((size_t)n, sizeof *p->has_job);
+    if (!p->threads || !p->backends || !p->running || !p->has_job) {
         rc = dc_err_set(err, DC_ENOSPACE, "", "out of memory");
         goto fail;
     }
@@ -180,8 +238,12 @@ fail:
         for (int i = 0; i < n; i++) dc_backend_destroy(p->backends[i]);
     free(p->backends);
     free(p->threads);
+    free(p->running);
+    free(p->has_job);
     p->backends = NULL;
     p->threads = NULL;
+    p->running = NULL;
+    p->has_job = NULL;
     return rc;
 }
 
@@ -241,8 +303,12 @@ void dc_worker_pool_close(dc_worker_pool *p) {
     for (int i = 0; i < p->n; i++) dc_backend_destroy(p->backends[i]);
     free(p->backends);
     free(p->threads);
+    free(p->running);
+    free(p->has_job);
     p->backends = NULL;
     p->threads = NULL;
+    p->running = NULL;
+    p->has_job = NULL;
     pthread_mutex_destroy(&p->mu);
     pthread_cond_destroy(&p->cv);
     uv_close((uv_handle_t *)&p->async, NULL);

@@ -25,6 +25,7 @@ struct dc_job {
     dc_job *next;                              /* pool-internal queue link */
     dc_job *n_next;                            /* pool-internal notice link */
     dc_worker_pool *pool;                      /* set by dc_worker_pool_submit */
+    uint32_t owner;                            /* who the work is for (a uid); see below */
     void (*work)(dc_job *job, dc_backend *be); /* on a worker thread */
     /* Optional: on the loop thread, after work() called dc_worker_notify
      * and before done() (a step's "enqueued" notice). */
@@ -34,6 +35,15 @@ struct dc_job {
 
 /* Makes backend instance `index` for a worker; called on the creating thread. */
 typedef int (*dc_backend_factory)(void *arg, int index, dc_backend **out, dc_err *err);
+
+/* Fair sharing: a free worker takes, among the queued jobs, one whose owner
+ * has the fewest jobs running now, and among those the owner served least
+ * recently (then the oldest job). So owners are served in turn whatever
+ * they queue, and one owner's backlog does not hold back another's next
+ * job; with limits.max_step_gflop bounding each job, a newcomer waits at
+ * most about one job per worker. Owners are remembered in a small table
+ * (DC_WORKER_OWNERS); one forgotten counts as never served. */
+#define DC_WORKER_OWNERS 64
 
 struct dc_worker_pool {
     uv_async_t async;        /* wakes the loop when jobs complete */
@@ -50,6 +60,13 @@ struct dc_worker_pool {
     uint64_t win_from, win_to;
     int n;
     int busy;                /* jobs submitted and not yet done() */
+    uint32_t *running;       /* [n] owner of each worker's job (under mu) */
+    bool *has_job;           /* [n] */
+    uint64_t served_seq;     /* jobs started, the clock of `served` */
+    struct {
+        uint32_t owner;
+        uint64_t last;       /* served_seq when its last job started; 0 = free slot */
+    } served[DC_WORKER_OWNERS];
     pthread_t *threads;
     dc_backend **backends;
     char name[16];

@@ -1,6 +1,7 @@
 /* daemon/worker.c: jobs run on worker threads, each with its own backend,
  * and complete on the loop thread; closing runs what was queued. */
 #include <pthread.h>
+#include <sched.h>
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -167,10 +168,71 @@ static void test_expect_windows(void **state) {
     assert_int_equal(uv_loop_close(&loop), 0);
 }
 
+/* Fair sharing: with one worker held by owner 1, jobs queued by owners 1, 2
+ * and 3 start in turn (least recently served owner first), not in arrival
+ * order: one owner's backlog does not hold back the others. */
+typedef struct fjob {
+    dc_job job;
+    int id;
+    int *order, *n;           /* start order, written on the worker */
+    pthread_mutex_t *gate;    /* held by the test until everything is queued */
+} fjob;
+
+static void fjob_work(dc_job *j, dc_backend *be) {
+    fjob *f = (fjob *)j;
+    (void)be;
+    if (f->gate) {
+        pthread_mutex_lock(f->gate);
+        pthread_mutex_unlock(f->gate);
+    }
+    f->order[(*f->n)++] = f->id; /* one worker: no race */
+}
+
+static void fjob_done(dc_job *j) { (void)j; }
+
+static void test_fair_sharing(void **state) {
+    (void)state;
+    uv_loop_t loop;
+    dc_worker_pool pool;
+    dc_err err;
+    int made = 0, order[8], n = 0;
+    pthread_mutex_t gate = PTHREAD_MUTEX_INITIALIZER;
+    /* id: owner * 10 + its own count; 10 is the job that holds the worker */
+    static const int ids[8] = {10, 11, 12, 13, 14, 21, 22, 31};
+    static const int want[8] = {10, 21, 31, 11, 22, 12, 13, 14};
+    fjob jobs[8];
+    assert_int_equal(uv_loop_init(&loop), 0);
+    assert_int_equal(dc_worker_pool_init(&pool, &loop, "f", 1, factory, &made, &err), 0);
+    pthread_mutex_lock(&gate);
+    for (int i = 0; i < 8; i++) {
+        memset(&jobs[i], 0, sizeof jobs[i]);
+        jobs[i].job.work = fjob_work;
+        jobs[i].job.done = fjob_done;
+        jobs[i].job.owner = (uint32_t)(ids[i] / 10);
+        jobs[i].id = ids[i];
+        jobs[i].order = order;
+        jobs[i].n = &n;
+        jobs[i].gate = i == 0 ? &gate : NULL;
+        dc_worker_pool_submit(&pool, &jobs[i].job);
+        if (i == 0) /* the worker has taken job 10 before the rest come */
+            while (atomic_load(&pool.queued) != 0) sched_yield();
+    }
+    pthread_mutex_unlock(&gate);
+    dc_worker_pool_close(&pool); /* runs everything queued */
+    assert_int_equal(n, 8);
+    for (int i = 0; i < 8; i++) {
+        if (order[i] != want[i]) print_message("position %d: job %d, want %d\n", i, order[i], want[i]);
+        assert_int_equal(order[i], want[i]);
+    }
+    uv_run(&loop, UV_RUN_DEFAULT);
+    assert_int_equal(uv_loop_close(&loop), 0);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_jobs_run_and_complete),
         cmocka_unit_test(test_expect_windows),
+        cmocka_unit_test(test_fair_sharing),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
