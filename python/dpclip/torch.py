@@ -33,7 +33,9 @@ step, the daemon waits on it and records `done`, the trainer's stream waits on
 Conventions the caller must follow: batch-first inputs (dimension 0 is the
 sample); one forward/backward per optimizer step (no gradient accumulation
 across backward calls); no weight tying between modules; do not wrap the
-model in DistributedDataParallel (the engine all-reduces the clipped sums).
+model in DistributedDataParallel (the engine all-reduces the clipped sums,
+and applies them only where every rank's step succeeded: rank 0's carries the
+noise).
 
 Empty batches (Poisson sampling makes them): the step still happens, as in
 Opacus: param.grad receives the daemon's noise alone (a zero clipped sum plus
@@ -89,6 +91,15 @@ class PrivacyEngine:
         self.asynchronous = True
         self._inflight = None
         self._job_id = job_id
+        # Data parallel, asynchronous GPU steps: every rank's success flag of
+        # the last step, copied home behind the all-reduce (see _gate), and
+        # its optimizer step number while it is to be checked.
+        self._gate_host = self._gate_event = None
+        self._gate_pending = None
+        # Data parallel GPU steps: the [B] coefficients output the daemon
+        # writes (zeroed before each step: zero after it unless it succeeded).
+        self._coefs = None
+        self._coefs_ref = None
         # Wall time of the last step's phases in the trainer (ms): building
         # the request (copies, registrations), the daemon round trip, and
         # writing param.grad. For diagnosing overheads; costs two clock reads.
@@ -111,7 +122,11 @@ class PrivacyEngine:
         of each step (not private under Poisson sampling: give it).
         distributed: None = use torch.distributed when initialized. Then
         every rank has its own session, only rank 0 adds noise, and the
-        clipped sums are all-reduced (SUM) after each step.
+        clipped sums are all-reduced (SUM) after each step, gated on every
+        rank's success: a step that fails on any rank (even on the device,
+        after the update was queued) leaves zero gradients on every rank, and
+        raises on every rank (DpclipError DPCLIP_EUNAVAIL on the others), at
+        once or, with asynchronous GPU steps, at the next collection.
         sample_rate: the Poisson rate q the daemon's privacy ledger accounts
         each step at (default: the DPDataLoader's; else 0, which the ledger
         counts as q = 1). target_delta / target_epsilon: the delta epsilon is
@@ -250,18 +265,23 @@ class PrivacyEngine:
         """Collects the result of an asynchronous step still in flight:
         blocks until the daemon finished it; raises DpclipError if it failed
         (its gradients were zeros)."""
-        if self._inflight is None:
-            return
-        ticket, B, index = self._inflight
-        self._inflight = None
-        try:
-            res = self.client.wait(ticket)
-        except _lib.DpclipError as e:
-            raise _lib.DpclipError(
-                e.code, e.field, "step %d failed on the device after it was queued, so its "
-                "gradients were zeros (the optimizer step that used them moved the parameters "
-                "only through momentum or weight decay): %s" % (index, e.message)) from None
-        self._finish(res, B)
+        gate, self._gate_pending = self._gate_pending, None
+        if self._inflight is not None:
+            ticket, B, index = self._inflight
+            self._inflight = None
+            try:
+                res = self.client.wait(ticket)
+            except _lib.DpclipError as e:
+                raise _lib.DpclipError(
+                    e.code, e.field, "step %d failed on the device after it was queued, so its "
+                    "gradients were zeros (the optimizer step that used them moved the "
+                    "parameters only through momentum or weight decay): %s"
+                    % (index, e.message)) from None
+            self._finish(res, B)
+        if gate is not None:
+            self._gate_event.synchronize()  # the flag's copy, queued after the all-reduce
+            if not bool(self._gate_host[0]):
+                raise self._not_applied(gate)
 
     # Results of the last step; reading them collects an asynchronous one.
     @property
@@ -317,35 +337,100 @@ class PrivacyEngine:
     def step(self):
         """Send the captured activations and output gradients as one
         ClipStep and write the private gradient into each parameter's .grad
-        (replacing what was there). Called by DPOptimizer.step()."""
+        (replacing what was there). Called by DPOptimizer.step().
+
+        Data parallel: every rank joins the all-reduce even when its own
+        step failed (with zero gradients and a failure flag), so the ranks
+        stay in step, and the summed gradients are zeroed on every rank
+        unless every rank's step succeeded: rank 0 alone adds the noise, so
+        a sum without its result would be a noiseless update. See _gate."""
         if not self.active:
             raise RuntimeError("the PrivacyEngine is not attached to a module")
+        gated = self.distributed and self.world_size > 1
+        ok = failed = None
         try:
-            self.synchronize()  # the previous step's result, or its error
-            passes = {pid for l in self._layers for _, _, pid in l.records}
-            if len(passes) > 1:
-                raise RuntimeError(
-                    "activations from %d forward/backward passes were captured for one "
-                    "optimizer step; dpclip takes one pass per step (no gradient "
-                    "accumulation): call optimizer.step() after each backward" % len(passes))
-            B = self._batch_size()
-            if B == 0:
-                if self.loss_reduction == "mean" and self.expected_batch_size <= 0:
-                    raise ValueError("an empty batch with a mean loss needs expected_batch_size")
-                self.clear()
-            device = self._device()
-            if device.type == "cuda":
-                self._run_cuda(B, device)
-            else:
-                self._run_host(B)
+            # The previous step's result, or its error (or another rank's
+            # failure of it), raised here on every rank alike, before any
+            # collective of this step.
+            self.synchronize()
+            try:
+                ok = self._step_local()
+            except Exception as e:  # pylint: disable=broad-except
+                if not gated:
+                    raise
+                failed = e
         finally:
             self.clear()
-        if self.distributed and self.world_size > 1:
-            for l in self._layers:
-                for p in (l.weight, l.bias):
-                    if p is not None:
-                        torch.distributed.all_reduce(p.grad, op=torch.distributed.ReduceOp.SUM)
+        if gated:
+            self._gate(ok, failed)
         self.steps += 1
+
+    def _step_local(self):
+        """This process's step; returns (data parallel) a [1] f32 tensor on
+        the gradients' device: 1 where the step's result is in param.grad,
+        0 where it is not."""
+        passes = {pid for l in self._layers for _, _, pid in l.records}
+        if len(passes) > 1:
+            raise RuntimeError(
+                "activations from %d forward/backward passes were captured for one "
+                "optimizer step; dpclip takes one pass per step (no gradient "
+                "accumulation): call optimizer.step() after each backward" % len(passes))
+        B = self._batch_size()
+        if B == 0:
+            if self.loss_reduction == "mean" and self.expected_batch_size <= 0:
+                raise ValueError("an empty batch with a mean loss needs expected_batch_size")
+            self.clear()
+        device = self._device()
+        if device.type == "cuda":
+            return self._run_cuda(B, device)
+        self._run_host(B)
+        return torch.ones(1)
+
+    def _gate(self, ok, failed):
+        """Data parallel, after this rank's step (ok: its flag, or failed:
+        its exception): all-reduce the flags (MIN) and the clipped sums
+        (SUM), then zero the sums unless every flag was 1. On the device and
+        without a host synchronisation: with asynchronous GPU steps a rank's
+        failure shows only on the device (the daemon leaves its coefficients
+        output zero), after optimizer.step() has queued the update. A step
+        applied nowhere is raised on every rank: at once where steps block,
+        else at the next collection (synchronize), where every rank's
+        step() raises before its next collectives."""
+        dist = torch.distributed
+        params = [p for l in self._layers for p in (l.weight, l.bias) if p is not None]
+        if failed is not None:
+            ok = torch.zeros(1, device=params[0].device)
+            for p in params:
+                if p.grad is None or p.grad.shape != p.shape:
+                    p.grad = torch.zeros_like(p)
+                else:
+                    p.grad.zero_()
+        dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+        for p in params:
+            dist.all_reduce(p.grad, op=dist.ReduceOp.SUM)
+        bad = ok[0] == 0
+        for p in params:
+            p.grad.masked_fill_(bad, 0)  # masked, not multiplied: a stale grad may be NaN
+        step = self.steps + 1
+        if self.asynchronous and params[0].device.type == "cuda":
+            if self._gate_host is None:
+                self._gate_host = torch.zeros(1, pin_memory=True)
+                self._gate_event = torch.cuda.Event()
+            with torch.cuda.device(params[0].device):
+                self._gate_host.copy_(ok, non_blocking=True)
+                self._gate_event.record()
+            self._gate_pending = step
+        elif failed is None and not bool(ok[0]):
+            raise self._not_applied(step)
+        if failed is not None:
+            raise failed
+
+    def _not_applied(self, step):
+        return _lib.DpclipError(
+            _lib.EUNAVAIL, "", "optimizer step %d was applied on no rank: it failed on at least "
+            "one of the %d ranks (that rank raises its error), and without every rank's result "
+            "the update could lack rank 0's noise; the gradients were zeroed" % (
+                step, self.world_size))
 
     def _device(self):
         devs = {l.weight.device for l in self._layers}
@@ -556,9 +641,15 @@ class PrivacyEngine:
 
         step = self._step
         step.reset(nb)
+        gated = self.distributed and self.world_size > 1
         with torch.cuda.device(device):
             self._add_layers(step, plan, refs)
             stream = torch.cuda.current_stream(device)
+            if gated:
+                coefs = self._coefs_out(nb, device)
+                coefs.zero_()  # stays zero unless the daemon's step succeeds
+                step.set_outputs(coefs_out=_tref(self._coefs_ref[0], self._coefs_ref[1],
+                                                 torch.float32, (nb,)))
             ready.record(stream)
             step.set_events(rid, did)
             step.notify_enqueued(self.asynchronous)
@@ -574,6 +665,11 @@ class PrivacyEngine:
             # trainer's stream is ordered after the daemon's writes (and after
             # its reads of `keep`, whose blocks the allocator may now reuse).
             stream.wait_event(done)
+            # Data parallel: this step's success flag, on the device. Each
+            # coefficient is > 0 once the daemon committed its (noised)
+            # outputs; zero where it failed after its notice (it writes
+            # zeros), wrote nothing, or died first.
+            ok = (coefs > 0).all().to(torch.float32).reshape(1) if gated else None
         keep.clear()
         for l, *_ in plan:
             for p, out in ((l.weight, l.out_w), (l.bias, l.out_b)):
@@ -589,6 +685,17 @@ class PrivacyEngine:
         else:
             self._finish(res, B)
         self._timing(t0, t1, t2)
+        return ok
+
+    def _coefs_out(self, nb, device):
+        """The first nb elements of the engine's coefficients output on
+        `device` (grown when a step needs more; registered once per
+        buffer: the engine holds it, so its reference stays valid)."""
+        if self._coefs is None or self._coefs.numel() < nb or self._coefs.device != device:
+            n = max(nb, 2 * self._coefs.numel() if self._coefs is not None else 0, 64)
+            self._coefs = torch.zeros(n, dtype=torch.float32, device=device)
+            self._coefs_ref = self.client.register_cuda(self._coefs.data_ptr())
+        return self._coefs[:nb]
 
 
 # --- the optimizer wrapper -------------------------------------------------------------

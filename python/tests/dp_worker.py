@@ -1,10 +1,12 @@
 """The per-rank half of the data-parallel test (spawned processes import
 this module by name; it must not be a test module)."""
+import datetime
 import os
 
 import torch
 import torch.distributed as dist
 
+from dpclip import DpclipError
 from dpclip.torch import PrivacyEngine, reduce_loss
 from models import SeqModel, per_sample_losses
 
@@ -44,5 +46,89 @@ def run_rank(rank, world, init_file, socket_path, data, C, expected, out_dir):
         torch.save(torch.cat([p.grad.reshape(-1) for p in model2.parameters()]),
                    os.path.join(out_dir, "noise%d.pt" % rank))
         engine2.close()
+    finally:
+        dist.destroy_process_group()
+
+
+def run_rank_failure(rank, world, init_file, socket_path, data, C, sigma, expected, out_dir):
+    """Step 1 fails on rank 0 only (a non-finite gradient there); step 2 is
+    clean. Saves what each rank saw: step 1's error, the parameters before
+    and after each step, step 1's gradients."""
+    # A timeout well past any step: ranks that fall out of step fail the test
+    # instead of hanging it.
+    dist.init_process_group("gloo", init_method="file://" + init_file, rank=rank,
+                            world_size=world, timeout=datetime.timedelta(seconds=120))
+    try:
+        torch.manual_seed(100 + rank)
+        model = SeqModel()
+        engine = PrivacyEngine(socket_path, job_id="dp-fail-test")
+        opt = torch.optim.SGD(model.parameters(), lr=0.5)
+        model, opt, _ = engine.make_private(module=model, optimizer=opt,
+                                            noise_multiplier=sigma, max_grad_norm=C,
+                                            loss_reduction="mean", expected_batch_size=expected)
+        x, y = data
+        mine = torch.arange(rank, x.shape[0], world)
+        out = {"before": _params(model)}
+        opt.zero_grad()
+        loss = reduce_loss(per_sample_losses("seq", model(x[mine]), y[mine]), "mean")
+        if rank == 0:
+            loss = loss * float("nan")
+        loss.backward()
+        try:
+            opt.step()
+            out["error"] = None
+        except DpclipError as e:
+            out["error"] = (e.code, str(e))
+        out["grads1"] = {n: p.grad.clone() if p.grad is not None else None
+                         for n, p in model.named_parameters()}
+        out["after1"] = _params(model)
+        opt.zero_grad()
+        reduce_loss(per_sample_losses("seq", model(x[mine]), y[mine]), "mean").backward()
+        opt.step()
+        out["grads2"] = {n: p.grad.clone() for n, p in model.named_parameters()}
+        out["after2"] = _params(model)
+        engine.close()
+        torch.save(out, os.path.join(out_dir, "fail%d.pt" % rank))
+    finally:
+        dist.destroy_process_group()
+
+
+def _params(model):
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def run_rank_cuda_failure(rank, world, init_file, socket_path, out_dir):
+    """Asynchronous GPU steps (both ranks on one GPU, gloo): step 1 fails on
+    the device on rank 0 only (non-finite), after its notice, so no rank
+    knows of it before its update is queued; step 2 is the collection;
+    step 3 is clean."""
+    dist.init_process_group("gloo", init_method="file://" + init_file, rank=rank,
+                            world_size=world, timeout=datetime.timedelta(seconds=120))
+    try:
+        torch.manual_seed(7)
+        model = torch.nn.Linear(32, 16).cuda()
+        engine = PrivacyEngine(socket_path, job_id="dp-cuda-fail-test")
+        model, opt, _ = engine.make_private(
+            module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.5),
+            noise_multiplier=1.0, max_grad_norm=1.0, expected_batch_size=8)
+        assert engine.asynchronous
+        x = torch.randn(4, 32, device="cuda")
+        out = {"before": _params(model), "errors": []}
+        for i in range(3):
+            opt.zero_grad()
+            loss = model(x).sum()
+            if i == 0 and rank == 0:
+                loss = loss * float("nan")
+            loss.backward()
+            try:
+                opt.step()
+                out["errors"].append(None)
+            except DpclipError as e:
+                out["errors"].append((e.code, str(e)))
+            torch.cuda.synchronize()
+            out["after%d" % (i + 1)] = {n: p.cpu() for n, p in _params(model).items()}
+        engine.close()
+        out["before"] = {n: p.cpu() for n, p in out["before"].items()}
+        torch.save(out, os.path.join(out_dir, "cudafail%d.pt" % rank))
     finally:
         dist.destroy_process_group()
