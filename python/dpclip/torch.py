@@ -45,6 +45,7 @@ which counts every step.
 """
 import collections
 import ctypes
+import hashlib
 import math
 import time
 
@@ -110,7 +111,7 @@ class PrivacyEngine:
                      max_grad_norm, loss_reduction="mean", poisson_sampling=True,
                      expected_batch_size=None, distributed=None, algorithm="auto",
                      sample_rate=None, target_delta=0.0, target_epsilon=0.0,
-                     asynchronous=True):
+                     asynchronous=True, secure_mode=False):
         """Attach to `module`; returns (module, optimizer, data_loader), the
         optimizer wrapped so that step() first fills param.grad with the
         private gradient, the loader replaced by a Poisson-sampled one
@@ -127,6 +128,12 @@ class PrivacyEngine:
         after the update was queued) leaves zero gradients on every rank, and
         raises on every rank (DpclipError DPCLIP_EUNAVAIL on the others), at
         once or, with asynchronous GPU steps, at the next collection.
+        A DPDataLoader must have been made for the engine's world size and
+        rank (after init_process_group), else every rank would sample the
+        whole dataset while the ledger accounts q once; and no two ranks'
+        generators may be in the same state (their masks would be alike).
+        secure_mode: the loader made here draws its masks from os.urandom
+        (see dpclip.data); a DPDataLoader given must then be in secure mode.
         sample_rate: the Poisson rate q the daemon's privacy ledger accounts
         each step at (default: the DPDataLoader's; else 0, which the ledger
         counts as q = 1). target_delta / target_epsilon: the delta epsilon is
@@ -184,6 +191,8 @@ class PrivacyEngine:
         if self.distributed:
             self.rank = torch.distributed.get_rank()
             self.world_size = torch.distributed.get_world_size()
+        self._check_loader(data_loader, layers[0].weight.device, secure_mode)
+        if self.distributed:
             # Same starting point on every rank (what DDP would do).
             for p in module.parameters():
                 torch.distributed.broadcast(p.data, 0)
@@ -198,7 +207,8 @@ class PrivacyEngine:
 
         if data_loader is not None and poisson_sampling and not isinstance(data_loader,
                                                                           DPDataLoader):
-            data_loader = DPDataLoader.from_data_loader(data_loader, distributed=self.distributed)
+            data_loader = DPDataLoader.from_data_loader(data_loader, distributed=self.distributed,
+                                                        secure_mode=secure_mode)
         if expected_batch_size is None:
             if isinstance(data_loader, DPDataLoader):
                 expected_batch_size = data_loader.expected_batch_size
@@ -238,6 +248,42 @@ class PrivacyEngine:
         if optimizer is not None:
             optimizer = DPOptimizer(optimizer, self)
         return module, optimizer, data_loader
+
+    def _check_loader(self, loader, device, secure_mode):
+        if not isinstance(loader, DPDataLoader):
+            return
+        if secure_mode and not loader.secure_mode:
+            raise ValueError("secure_mode=True, but the DPDataLoader given draws its masks from "
+                             "a torch generator: make it with secure_mode=True")
+        if (loader.world_size, loader.rank) != (self.world_size, self.rank):
+            raise ValueError(
+                "the DPDataLoader samples for world size %d (as rank %d), but the engine trains "
+                "%s: each rank would sample %s while the privacy ledger accounts the sample rate "
+                "once; make the DPDataLoader after torch.distributed.init_process_group, with "
+                "distributed=None or True (the engine's distributed=%s)" % (
+                    loader.world_size, loader.rank,
+                    "data parallel over %d ranks (this is rank %d)" % (self.world_size, self.rank)
+                    if self.world_size > 1 else "in one process",
+                    "the whole dataset" if loader.world_size == 1 else "a shard",
+                    self.distributed))
+        if self.world_size == 1:
+            return
+        # Ranks whose generators are in one state draw the same masks over
+        # their shards: compare a digest of each rank's state.
+        gen = loader.batch_sampler.generator
+        digest = 0 if gen is None else int.from_bytes(hashlib.blake2b(
+            bytes(gen.get_state().tolist()), digest_size=8).digest(), "little", signed=True)
+        mine = torch.tensor([digest], dtype=torch.int64, device=device)
+        every = [torch.zeros_like(mine) for _ in range(self.world_size)]
+        torch.distributed.all_gather(every, mine)
+        every = [int(t) for t in every]
+        for r, d in enumerate(every):
+            if d and every.index(d) != r:
+                raise ValueError(
+                    "the DPDataLoaders of ranks %d and %d have generators in the same state: "
+                    "they would draw the same batch masks; pass no generator (each loader then "
+                    "seeds its own from os.urandom) or seed each rank's differently"
+                    % (every.index(d), r))
 
     def detach(self):
         """Restore the modules' own forwards; the engine is unusable after."""

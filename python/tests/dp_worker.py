@@ -5,8 +5,10 @@ import os
 
 import torch
 import torch.distributed as dist
+from torch.utils.data import TensorDataset
 
 from dpclip import DpclipError
+from dpclip.data import DPDataLoader
 from dpclip.torch import PrivacyEngine, reduce_loss
 from models import SeqModel, per_sample_losses
 
@@ -130,5 +132,41 @@ def run_rank_cuda_failure(rank, world, init_file, socket_path, out_dir):
         engine.close()
         out["before"] = {n: p.cpu() for n, p in out["before"].items()}
         torch.save(out, os.path.join(out_dir, "cudafail%d.pt" % rank))
+    finally:
+        dist.destroy_process_group()
+
+
+def run_rank_loader(rank, world, init_file, socket_path, out_dir):
+    """make_private's checks of a DPDataLoader against the engine's ranks:
+    what each attempt raised (None: accepted), and the first batches of a
+    good loader on ranks whose global RNGs are seeded alike."""
+    ds = TensorDataset(torch.arange(64))
+    early = DPDataLoader(ds, 0.5)  # before init_process_group: one process's loader
+    dist.init_process_group("gloo", init_method="file://" + init_file, rank=rank,
+                            world_size=world, timeout=datetime.timedelta(seconds=120))
+    try:
+        torch.manual_seed(0)
+
+        def attempt(loader):
+            engine = PrivacyEngine(socket_path, job_id="dp-loader-test")
+            model = torch.nn.Linear(2, 2)
+            try:
+                engine.make_private(module=model, optimizer=torch.optim.SGD(
+                    model.parameters(), lr=0.1), data_loader=loader, noise_multiplier=1.0,
+                    max_grad_norm=1.0)
+                return None
+            except ValueError as e:
+                return str(e)
+            finally:
+                engine.close()
+
+        good = DPDataLoader(ds, 0.5)
+        out = {"early": attempt(early),
+               "local": attempt(DPDataLoader(ds, 0.5, distributed=False)),
+               "alike": attempt(DPDataLoader(ds, 0.5, generator=torch.Generator().manual_seed(3))),
+               "good": attempt(good),
+               "shard": sorted({i for idx, in good for i in idx.tolist()}),
+               "masks": [[i // world for i in idx.tolist()] for idx, in good]}
+        torch.save(out, os.path.join(out_dir, "loader%d.pt" % rank))
     finally:
         dist.destroy_process_group()

@@ -1,6 +1,7 @@
 """Data parallel: two gloo ranks, each with its own session, give the same
 gradients as one process on the union batch (noise off); a step that fails
-on one rank is applied on none."""
+on one rank is applied on none; loaders must sample for the engine's ranks,
+independently."""
 import math
 import os
 
@@ -9,7 +10,7 @@ import torch.multiprocessing as mp
 
 from dpclip import _lib
 from dpclip.torch import PrivacyEngine, reduce_loss
-from dp_worker import run_rank, run_rank_failure
+from dp_worker import run_rank, run_rank_failure, run_rank_loader
 from models import SeqModel, per_sample_losses, seq_data
 
 
@@ -84,3 +85,22 @@ def test_a_step_failing_on_rank_0_is_applied_nowhere(daemon, tmp_path):
     diff = torch.cat(diff)
     want_std = sigma * C / expected
     assert abs(float(diff.std()) - want_std) < 6 * want_std / math.sqrt(2 * diff.numel())
+
+
+def test_loaders_must_sample_for_the_engines_ranks(daemon, tmp_path):
+    """A DPDataLoader made before init_process_group, or with
+    distributed=False, samples the whole dataset on every rank while the
+    ledger accounts q once: refused, naming the world sizes. So are loaders
+    whose generators are in the same state on two ranks (their masks would
+    be alike). The default loaders of ranks seeded alike draw apart."""
+    _spawn(run_rank_loader, (2, str(tmp_path / "init"), daemon.socket, str(tmp_path)))
+    got = [torch.load(os.path.join(str(tmp_path), "loader%d.pt" % r)) for r in range(2)]
+    for r in range(2):
+        for case in ("early", "local"):
+            msg = got[r][case]
+            assert msg is not None and "world size 1" in msg and "2 ranks" in msg and \
+                "init_process_group" in msg, (r, case, msg)
+        assert got[r]["alike"] is not None and "generator" in got[r]["alike"], got[r]["alike"]
+        assert got[r]["good"] is None, got[r]["good"]
+        assert got[r]["shard"] and all(i % 2 == r for i in got[r]["shard"])
+    assert got[0]["masks"] != got[1]["masks"]

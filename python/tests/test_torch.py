@@ -6,9 +6,11 @@ import signal
 import pytest
 import torch
 import torch.nn as nn
+from torch.utils.data import DataLoader, TensorDataset
 
 import dpclip
 from dpclip import _lib
+from dpclip.data import DPDataLoader
 from dpclip.torch import PrivacyEngine, UnsupportedModuleError, make_private, reduce_loss
 from models import (FlatModel, SeqModel, flat_data, per_sample_losses, reference, seq_data,
                     HAS_RMSNORM)
@@ -287,3 +289,22 @@ def test_eval_and_no_grad_capture_nothing(daemon):
     engine.detach()
     assert "forward" not in model[0].__dict__
     engine.close()
+
+
+def test_secure_mode_loader(daemon):
+    ds = TensorDataset(torch.randn(40, 5))
+    model = nn.Linear(5, 3)
+    engine = PrivacyEngine(daemon.socket)
+    _, _, loader = engine.make_private(
+        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        data_loader=DataLoader(ds, batch_size=8), noise_multiplier=1.0, max_grad_norm=1.0,
+        secure_mode=True)
+    assert isinstance(loader, DPDataLoader) and loader.secure_mode
+    assert loader.batch_sampler.generator is None
+    engine.close()
+    # A DPDataLoader given must be secure already.
+    model = nn.Linear(5, 3)
+    with pytest.raises(ValueError, match="secure_mode"):
+        PrivacyEngine(daemon.socket).make_private(
+            module=model, data_loader=DPDataLoader(ds, 0.2), noise_multiplier=1.0,
+            max_grad_norm=1.0, secure_mode=True)
