@@ -32,10 +32,11 @@ step, the daemon waits on it and records `done`, the trainer's stream waits on
 
 Conventions the caller must follow: batch-first inputs (dimension 0 is the
 sample); one forward/backward per optimizer step (no gradient accumulation
-across backward calls); no weight tying between modules; do not wrap the
-model in DistributedDataParallel (the engine all-reduces the clipped sums,
-and applies them only where every rank's step succeeded: rank 0's carries the
-noise).
+across backward calls); no weight tying between modules; no module that mixes
+samples (batch statistics: refused at make_private and at each forward); do
+not wrap the model in DistributedDataParallel (the engine all-reduces the
+clipped sums, and applies them only where every rank's step succeeded: rank
+0's carries the noise).
 
 Empty batches (Poisson sampling makes them): the step still happens, as in
 Opacus: param.grad receives the daemon's noise alone (a zero clipped sum plus
@@ -57,7 +58,7 @@ from ._lib import DpclipError
 from .data import DPDataLoader
 from ._layers import (  # noqa: F401  (UnsupportedModuleError is public API)
     UnsupportedModuleError, _Layer, _classify, _check_module, _align, _wire_dtype, _tref,
-    _RMSNorm, _FLOAT_WIRE, _ESIZE)
+    _RMSNorm, _FLOAT_WIRE, _ESIZE, _NORMS, _mixing, _mixing_error)
 from .losses import per_sample_cross_entropy, reduce_loss, sequence_cross_entropy  # noqa: F401
 
 
@@ -79,6 +80,7 @@ class PrivacyEngine:
         self._arena = None          # (buffer_id, size, uint8 tensor view)
         self._events = {}           # cuda device index -> (ready, done, ready_id, done_id)
         self._hook = None
+        self._norm_hooks = []       # normalizations' checks against mixing samples
         self.module = None
         self.steps = 0
         self._last_norms = None
@@ -159,8 +161,13 @@ class PrivacyEngine:
         algo = {"auto": _lib.ALGO_AUTO, "direct": _lib.ALGO_DIRECT,
                 "ghost": _lib.ALGO_GHOST}[algorithm]
 
-        layers, seen = [], {}
+        layers, seen, norms = [], {}, []
         for name, m in module.named_modules():
+            why = _mixing(m)
+            if why is not None:
+                raise _mixing_error(name, m, why)
+            if isinstance(m, _NORMS):
+                norms.append((name, m))
             own = [(pn, p) for pn, p in m.named_parameters(recurse=False) if p.requires_grad]
             kind = _classify(m)
             if kind is None:
@@ -243,6 +250,15 @@ class PrivacyEngine:
             engine._pass += 1
 
         self._hook = module.register_forward_pre_hook(on_forward)
+
+        def mixing_hook(name):
+            def check(mod, inputs):
+                why = _mixing(mod) if engine.active else None
+                if why is not None:
+                    raise _mixing_error(name, mod, why)
+            return check
+
+        self._norm_hooks = [m.register_forward_pre_hook(mixing_hook(n)) for n, m in norms]
         self.module = module
         self.active = True
         if optimizer is not None:
@@ -292,6 +308,9 @@ class PrivacyEngine:
         if self._hook is not None:
             self._hook.remove()
             self._hook = None
+        for h in self._norm_hooks:
+            h.remove()
+        self._norm_hooks = []
         self.active = False
         self.module = None
 
