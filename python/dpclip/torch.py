@@ -46,14 +46,13 @@ which counts every step.
 """
 import collections
 import ctypes
-import hashlib
 import math
 import time
 
 import torch
 import torch.nn as nn
 
-from . import _lib
+from . import _lib, _parallel
 from ._lib import DpclipError
 from .data import DPDataLoader
 from ._layers import (  # noqa: F401  (UnsupportedModuleError is public API)
@@ -94,11 +93,7 @@ class PrivacyEngine:
         self.asynchronous = True
         self._inflight = None
         self._job_id = job_id
-        # Data parallel, asynchronous GPU steps: every rank's success flag of
-        # the last step, copied home behind the all-reduce (see _gate), and
-        # its optimizer step number while it is to be checked.
-        self._gate_host = self._gate_event = None
-        self._gate_pending = None
+        self._gate = None           # data parallel: see _parallel.Gate
         # Data parallel GPU steps: the [B] coefficients output the daemon
         # writes (zeroed before each step: zero after it unless it succeeded).
         self._coefs = None
@@ -198,7 +193,8 @@ class PrivacyEngine:
         if self.distributed:
             self.rank = torch.distributed.get_rank()
             self.world_size = torch.distributed.get_world_size()
-        self._check_loader(data_loader, layers[0].weight.device, secure_mode)
+        _parallel.check_loader(self, data_loader, layers[0].weight.device, secure_mode)
+        self._gate = _parallel.Gate(self.world_size)
         if self.distributed:
             # Same starting point on every rank (what DDP would do).
             for p in module.parameters():
@@ -265,42 +261,6 @@ class PrivacyEngine:
             optimizer = DPOptimizer(optimizer, self)
         return module, optimizer, data_loader
 
-    def _check_loader(self, loader, device, secure_mode):
-        if not isinstance(loader, DPDataLoader):
-            return
-        if secure_mode and not loader.secure_mode:
-            raise ValueError("secure_mode=True, but the DPDataLoader given draws its masks from "
-                             "a torch generator: make it with secure_mode=True")
-        if (loader.world_size, loader.rank) != (self.world_size, self.rank):
-            raise ValueError(
-                "the DPDataLoader samples for world size %d (as rank %d), but the engine trains "
-                "%s: each rank would sample %s while the privacy ledger accounts the sample rate "
-                "once; make the DPDataLoader after torch.distributed.init_process_group, with "
-                "distributed=None or True (the engine's distributed=%s)" % (
-                    loader.world_size, loader.rank,
-                    "data parallel over %d ranks (this is rank %d)" % (self.world_size, self.rank)
-                    if self.world_size > 1 else "in one process",
-                    "the whole dataset" if loader.world_size == 1 else "a shard",
-                    self.distributed))
-        if self.world_size == 1:
-            return
-        # Ranks whose generators are in one state draw the same masks over
-        # their shards: compare a digest of each rank's state.
-        gen = loader.batch_sampler.generator
-        digest = 0 if gen is None else int.from_bytes(hashlib.blake2b(
-            bytes(gen.get_state().tolist()), digest_size=8).digest(), "little", signed=True)
-        mine = torch.tensor([digest], dtype=torch.int64, device=device)
-        every = [torch.zeros_like(mine) for _ in range(self.world_size)]
-        torch.distributed.all_gather(every, mine)
-        every = [int(t) for t in every]
-        for r, d in enumerate(every):
-            if d and every.index(d) != r:
-                raise ValueError(
-                    "the DPDataLoaders of ranks %d and %d have generators in the same state: "
-                    "they would draw the same batch masks; pass no generator (each loader then "
-                    "seeds its own from os.urandom) or seed each rank's differently"
-                    % (every.index(d), r))
-
     def detach(self):
         """Restore the modules' own forwards; the engine is unusable after."""
         for l in self._layers:
@@ -330,23 +290,22 @@ class PrivacyEngine:
         """Collects the result of an asynchronous step still in flight:
         blocks until the daemon finished it; raises DpclipError if it failed
         (its gradients were zeros)."""
-        gate, self._gate_pending = self._gate_pending, None
         if self._inflight is not None:
             ticket, B, index = self._inflight
             self._inflight = None
             try:
                 res = self.client.wait(ticket)
             except _lib.DpclipError as e:
+                if self._gate is not None:
+                    self._gate.drop()
                 raise _lib.DpclipError(
                     e.code, e.field, "step %d failed on the device after it was queued, so its "
                     "gradients were zeros (the optimizer step that used them moved the "
                     "parameters only through momentum or weight decay): %s"
                     % (index, e.message)) from None
             self._finish(res, B)
-        if gate is not None:
-            self._gate_event.synchronize()  # the flag's copy, queued after the all-reduce
-            if not bool(self._gate_host[0]):
-                raise self._not_applied(gate)
+        if self._gate is not None:
+            self._gate.check()
 
     # Results of the last step; reading them collects an asynchronous one.
     @property
@@ -408,7 +367,7 @@ class PrivacyEngine:
         step failed (with zero gradients and a failure flag), so the ranks
         stay in step, and the summed gradients are zeroed on every rank
         unless every rank's step succeeded: rank 0 alone adds the noise, so
-        a sum without its result would be a noiseless update. See _gate."""
+        a sum without its result would be a noiseless update (_parallel)."""
         if not self.active:
             raise RuntimeError("the PrivacyEngine is not attached to a module")
         gated = self.distributed and self.world_size > 1
@@ -427,8 +386,13 @@ class PrivacyEngine:
         finally:
             self.clear()
         if gated:
-            self._gate(ok, failed)
-        self.steps += 1
+            # counted on every rank alike: each joins the step's collectives
+            self.steps += 1
+            params = [p for l in self._layers for p in (l.weight, l.bias) if p is not None]
+            self._gate.reduce(params, ok, failed, self.steps,
+                              self.asynchronous and params[0].device.type == "cuda")
+        else:
+            self.steps += 1
 
     def _step_local(self):
         """This process's step; returns (data parallel) a [1] f32 tensor on
@@ -450,52 +414,6 @@ class PrivacyEngine:
             return self._run_cuda(B, device)
         self._run_host(B)
         return torch.ones(1)
-
-    def _gate(self, ok, failed):
-        """Data parallel, after this rank's step (ok: its flag, or failed:
-        its exception): all-reduce the flags (MIN) and the clipped sums
-        (SUM), then zero the sums unless every flag was 1. On the device and
-        without a host synchronisation: with asynchronous GPU steps a rank's
-        failure shows only on the device (the daemon leaves its coefficients
-        output zero), after optimizer.step() has queued the update. A step
-        applied nowhere is raised on every rank: at once where steps block,
-        else at the next collection (synchronize), where every rank's
-        step() raises before its next collectives."""
-        dist = torch.distributed
-        params = [p for l in self._layers for p in (l.weight, l.bias) if p is not None]
-        if failed is not None:
-            ok = torch.zeros(1, device=params[0].device)
-            for p in params:
-                if p.grad is None or p.grad.shape != p.shape:
-                    p.grad = torch.zeros_like(p)
-                else:
-                    p.grad.zero_()
-        dist.all_reduce(ok, op=dist.ReduceOp.MIN)
-        for p in params:
-            dist.all_reduce(p.grad, op=dist.ReduceOp.SUM)
-        bad = ok[0] == 0
-        for p in params:
-            p.grad.masked_fill_(bad, 0)  # masked, not multiplied: a stale grad may be NaN
-        step = self.steps + 1
-        if self.asynchronous and params[0].device.type == "cuda":
-            if self._gate_host is None:
-                self._gate_host = torch.zeros(1, pin_memory=True)
-                self._gate_event = torch.cuda.Event()
-            with torch.cuda.device(params[0].device):
-                self._gate_host.copy_(ok, non_blocking=True)
-                self._gate_event.record()
-            self._gate_pending = step
-        elif failed is None and not bool(ok[0]):
-            raise self._not_applied(step)
-        if failed is not None:
-            raise failed
-
-    def _not_applied(self, step):
-        return _lib.DpclipError(
-            _lib.EUNAVAIL, "", "optimizer step %d was applied on no rank: it failed on at least "
-            "one of the %d ranks (that rank raises its error), and without every rank's result "
-            "the update could lack rank 0's noise; the gradients were zeroed" % (
-                step, self.world_size))
 
     def _device(self):
         devs = {l.weight.device for l in self._layers}

@@ -79,4 +79,5 @@ def test_secure_mode(monkeypatch):
     monkeypatch.setattr(dpclip.data.os, "urandom", lambda k: b"\xff" * k)
     assert _masks(DPDataLoader(small, 0.3, steps=2, secure_mode=True)) == [()] * 2
     # from_data_loader keeps the mode.
-    assert DPDataLoader.from_data_loader(DataLoader(ds, batch_size=10), secure_mode=True).secure_mode
+    assert DPDataLoader.from_data_loader(DataLoader(ds, batch_size=10),
+                                         secure_mode=True).secure_mode
