@@ -278,7 +278,7 @@ class PrivacyEngine:
         """Collects the last asynchronous step (raising its error, if any),
         detaches and disconnects."""
         try:
-            self.synchronize()
+            self._collect()
         finally:
             self.detach()
             if self._step is not None:
@@ -289,21 +289,34 @@ class PrivacyEngine:
     def synchronize(self):
         """Collects the result of an asynchronous step still in flight:
         blocks until the daemon finished it; raises DpclipError if it failed
-        (its gradients were zeros)."""
-        if self._inflight is not None:
-            ticket, B, index = self._inflight
-            self._inflight = None
-            try:
-                res = self.client.wait(ticket)
-            except _lib.DpclipError as e:
-                if self._gate is not None:
-                    self._gate.drop()
-                raise _lib.DpclipError(
-                    e.code, e.field, "step %d failed on the device after it was queued, so its "
-                    "gradients were zeros (the optimizer step that used them moved the "
-                    "parameters only through momentum or weight decay): %s"
-                    % (index, e.message)) from None
-            self._finish(res, B)
+        (its gradients were zeros). Data parallel: a step that failed on any
+        rank (and so was applied on none) raises at the next step() or
+        close(), on every rank."""
+        if self._inflight is None:
+            return
+        ticket, B, index = self._inflight
+        self._inflight = None
+        try:
+            res = self.client.wait(ticket)
+        except _lib.DpclipError as e:
+            raise _lib.DpclipError(
+                e.code, e.field, "step %d failed on the device after it was queued, so its "
+                "gradients were zeros (the optimizer step that used them moved the parameters "
+                "only through momentum or weight decay): %s" % (index, e.message)) from None
+        self._finish(res, B)
+
+    def _collect(self):
+        """step()'s and close()'s collection of the last step: its error, or
+        (data parallel) any rank's failure of it. Raised by every rank at
+        the same call, before the next step's collectives (a rank that read
+        last_norms may have met its own error earlier: the gate's flag is
+        what every rank checks here)."""
+        try:
+            self.synchronize()
+        except _lib.DpclipError:
+            if self._gate is not None:
+                self._gate.drop()  # its flag is 0: every rank raises here
+            raise
         if self._gate is not None:
             self._gate.check()
 
@@ -373,10 +386,7 @@ class PrivacyEngine:
         gated = self.distributed and self.world_size > 1
         ok = failed = None
         try:
-            # The previous step's result, or its error (or another rank's
-            # failure of it), raised here on every rank alike, before any
-            # collective of this step.
-            self.synchronize()
+            self._collect()
             try:
                 ok = self._step_local()
             except Exception as e:  # pylint: disable=broad-except

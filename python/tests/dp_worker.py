@@ -100,10 +100,11 @@ def _params(model):
 
 
 def run_rank_cuda_failure(rank, world, init_file, socket_path, out_dir):
-    """Asynchronous GPU steps (both ranks on one GPU, gloo): step 1 fails on
-    the device on rank 0 only (non-finite), after its notice, so no rank
-    knows of it before its update is queued; step 2 is the collection;
-    step 3 is clean."""
+    """Asynchronous GPU steps (both ranks on one GPU, gloo): steps 1 and 3
+    fail on the device on rank 0 only (non-finite), after their notices, so
+    no rank knows of it before its update is queued; rank 0 reads
+    last_coefs after step 1 (meeting its error early), not after step 3;
+    step 5 is clean. Saves each step's error and parameters after it."""
     dist.init_process_group("gloo", init_method="file://" + init_file, rank=rank,
                             world_size=world, timeout=datetime.timedelta(seconds=120))
     try:
@@ -115,11 +116,11 @@ def run_rank_cuda_failure(rank, world, init_file, socket_path, out_dir):
             noise_multiplier=1.0, max_grad_norm=1.0, expected_batch_size=8)
         assert engine.asynchronous
         x = torch.randn(4, 32, device="cuda")
-        out = {"before": _params(model), "errors": []}
-        for i in range(3):
+        out = {"before": _cpu(_params(model)), "errors": [], "after": [], "peek": None}
+        for i in range(5):
             opt.zero_grad()
             loss = model(x).sum()
-            if i == 0 and rank == 0:
+            if i in (0, 2) and rank == 0:
                 loss = loss * float("nan")
             loss.backward()
             try:
@@ -127,13 +128,21 @@ def run_rank_cuda_failure(rank, world, init_file, socket_path, out_dir):
                 out["errors"].append(None)
             except DpclipError as e:
                 out["errors"].append((e.code, str(e)))
+            if i == 0 and rank == 0:
+                try:
+                    engine.last_coefs
+                except DpclipError as e:
+                    out["peek"] = (e.code, str(e))
             torch.cuda.synchronize()
-            out["after%d" % (i + 1)] = {n: p.cpu() for n, p in _params(model).items()}
+            out["after"].append(_cpu(_params(model)))
         engine.close()
-        out["before"] = {n: p.cpu() for n, p in out["before"].items()}
         torch.save(out, os.path.join(out_dir, "cudafail%d.pt" % rank))
     finally:
         dist.destroy_process_group()
+
+
+def _cpu(params):
+    return {n: p.cpu() for n, p in params.items()}
 
 
 def run_rank_loader(rank, world, init_file, socket_path, out_dir):
