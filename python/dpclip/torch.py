@@ -659,9 +659,10 @@ class PrivacyEngine:
             # its reads of `keep`, whose blocks the allocator may now reuse).
             stream.wait_event(done)
             # Data parallel: this step's success flag, on the device. Each
-            # coefficient is > 0 once the daemon committed its (noised)
-            # outputs; zero where it failed after its notice (it writes
-            # zeros), wrote nothing, or died first.
+            # coefficient (min(1, C / norm), > 0 for any finite norm) is
+            # written after the (noised) gradients once the daemon commits
+            # them; zero where it failed after its notice (it writes zeros),
+            # wrote nothing, or died first.
             ok = (coefs > 0).all().to(torch.float32).reshape(1) if gated else None
         keep.clear()
         for l, *_ in plan:
