@@ -146,7 +146,10 @@ def main():
     ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--device", default="auto", help="auto, cpu or cuda")
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = default)")
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seed", type=int, default=0, help="model initialisation (the batches "
+                    "are drawn from a generator seeded from os.urandom)")
+    ap.add_argument("--secure", action="store_true", help="draw the batches from os.urandom "
+                    "itself (dpclip.data's secure_mode)")
     ap.add_argument("--delta", type=float, default=1e-5, help="delta epsilon is reported at")
     ap.add_argument("--job", default=None, help="job id for the daemon's privacy ledger "
                     "(default: a fresh one per run)")
@@ -166,8 +169,7 @@ def main():
     split = int(0.9 * len(ids))
     train, held = ids[:split], ids[split:]
     ds = Windows(train, args.seq, args.stride)
-    loader = DPDataLoader(ds, sample_rate=args.batch / len(ds),
-                          generator=torch.Generator().manual_seed(args.seed))
+    loader = DPDataLoader(ds, sample_rate=args.batch / len(ds), secure_mode=args.secure)
 
     model = CharLM(len(itos), args.seq, args.d, args.layers, args.heads).to(device)
     opt = torch.optim.Adam(model.parameters(), lr=args.lr)

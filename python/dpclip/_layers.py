@@ -24,7 +24,8 @@ _ESIZE = {torch.float32: 4, torch.bfloat16: 2, torch.float16: 2, torch.int32: 4,
 
 
 class UnsupportedModuleError(ValueError):
-    """A trainable parameter lives in a module the daemon cannot clip."""
+    """A module dpclip cannot train privately: a trainable parameter in a
+    module the daemon cannot clip, or a module that mixes samples."""
 
 
 # --- autocast helpers (torch 1.13 and 2.x spell these differently) ---------------
@@ -265,6 +266,38 @@ def _check_module(name, m, kind):
             "module %s: only normalization over the last dimension is supported "
             "(normalized_shape %s)" % (label, tuple(m.normalized_shape)))
     return True
+
+
+# Normalizations that can couple the samples of a batch (see _mixing).
+_NORMS = (nn.modules.batchnorm._BatchNorm, nn.modules.instancenorm._InstanceNorm)
+
+
+def _mixing(m):
+    """Why module m, in its present mode, couples the samples of a batch
+    (through its output, or through running statistics the saved model
+    keeps), or None. Checked at make_private and before each forward of
+    the module: model.train() may switch it back to training mode."""
+    if isinstance(m, nn.modules.batchnorm._BatchNorm):
+        if m.training:
+            return ("in training mode it normalizes each sample with the batch's statistics (a "
+                    "sample's gradient then depends on the others') and moves its running "
+                    "statistics, which the saved model keeps, with them")
+        if m.running_mean is None and m.running_var is None:
+            return ("without running statistics (track_running_stats=False) it normalizes each "
+                    "sample with the batch's statistics, in eval mode too")
+    elif isinstance(m, nn.modules.instancenorm._InstanceNorm):
+        if m.training and m.track_running_stats:
+            return ("in training mode it moves its running statistics (track_running_stats="
+                    "True), which the saved model keeps, with the batch's")
+    return None
+
+
+def _mixing_error(name, m, why):
+    return UnsupportedModuleError(
+        "module %s (%s) mixes samples: %s; use a per-sample normalization instead (nn.LayerNorm, "
+        "or nn.GroupNorm without trainable affine parameters), or keep the module in eval mode "
+        "with frozen running statistics (module.eval(); model.train() switches it back)"
+        % (name or "<root>", type(m).__name__, why))
 
 
 def _align(n):

@@ -400,6 +400,16 @@ class Step:
     def add_rmsnorm(self, layer):
         self._add(self._L.dpclip_step_add_rmsnorm, layer)
 
+    def set_outputs(self, norms_out=None, coefs_out=None):
+        """Optional [batch] f32 Tensors the daemon writes the norms and
+        coefficients into (zeros where a step with an early notice fails
+        after its notice). reset() drops them."""
+        rc = self._L.dpclip_step_set_outputs(
+            self._s, ctypes.byref(norms_out) if norms_out is not None else None,
+            ctypes.byref(coefs_out) if coefs_out is not None else None)
+        if rc:
+            raise DpclipError(rc, "", "setting the step's norms/coefficients outputs")
+
     def set_events(self, wait_event, signal_event):
         self._L.dpclip_step_set_events(self._s, int(wait_event), int(signal_event))
 

@@ -10,8 +10,22 @@ Under torch.distributed each rank samples, with the same q, from its own
 shard of the dataset (indices rank, rank + world, ...): the union of the
 ranks' batches is then a Poisson sample of the whole dataset with rate q,
 whose expected size (q * N, the global one) the engine passes to every rank.
+That holds only if the ranks' draws are independent: each sampler has its
+own generator, seeded from os.urandom (not the global torch RNG, which
+trainers seed alike on every rank), and make_private refuses loaders made
+for another world size or rank, and ranks whose generators are in the same
+state.
+
+The masks come from torch's CPU generator (a Mersenne Twister, whose seed
+is 32 bits): independent across ranks and runs, but not secret from
+whoever sees enough batches. secure_mode=True draws them from os.urandom
+instead (the kernel's CSPRNG, as Python's `secrets` does): 8 bytes per
+sample of the shard per batch, some tens of milliseconds per million
+samples, against a few for the generator.
 """
+import fractions
 import math
+import os
 
 import torch
 from torch.utils.data import DataLoader
@@ -20,18 +34,45 @@ from torch.utils.data.dataloader import default_collate
 __all__ = ["UniformWithReplacementSampler", "DPDataLoader", "poisson_loader"]
 
 
+def _urandom_generator():
+    """A CPU generator of its own, seeded from os.urandom."""
+    g = torch.Generator()
+    g.manual_seed(int.from_bytes(os.urandom(8), "little"))
+    return g
+
+
+def _secure_mask(n, rate):
+    """n independent Bernoulli(rate) draws from os.urandom: 63 random bits
+    each against floor(rate * 2^63), computed exactly (off by < 2^-63)."""
+    if rate >= 1.0:
+        return torch.ones(n, dtype=torch.bool)
+    if n == 0:
+        return torch.zeros(0, dtype=torch.bool)
+    bits = torch.frombuffer(bytearray(os.urandom(8 * n)), dtype=torch.int64)
+    return (bits & ((1 << 63) - 1)) < int(fractions.Fraction(rate) * (1 << 63))
+
+
 class UniformWithReplacementSampler:
     """A batch sampler: each of `indices` enters each batch independently
     with probability sample_rate; `steps` batches per epoch (default
-    round(1 / sample_rate), one expected pass over the data)."""
+    round(1 / sample_rate), one expected pass over the data).
 
-    def __init__(self, indices, sample_rate, steps=None, generator=None):
+    generator: where the draws come from (default: one of its own, seeded
+    from os.urandom; give one only for reproducible tests). secure_mode:
+    draw from os.urandom instead (no generator)."""
+
+    def __init__(self, indices, sample_rate, steps=None, generator=None, secure_mode=False):
         if not 0.0 < sample_rate <= 1.0:
             raise ValueError("sample_rate must be in (0, 1], got %r" % (sample_rate,))
+        if secure_mode and generator is not None:
+            raise ValueError("secure_mode draws the masks from os.urandom: do not pass a "
+                             "generator")
         self.indices = torch.as_tensor(list(indices), dtype=torch.long)
         self.sample_rate = float(sample_rate)
         self.steps = int(steps) if steps is not None else max(1, int(round(1.0 / sample_rate)))
-        self.generator = generator
+        self.secure_mode = bool(secure_mode)
+        self.generator = None if secure_mode else (generator if generator is not None
+                                                    else _urandom_generator())
 
     def __len__(self):
         return self.steps
@@ -39,7 +80,12 @@ class UniformWithReplacementSampler:
     def __iter__(self):
         n = len(self.indices)
         for _ in range(self.steps):
-            mask = torch.rand(n, generator=self.generator) < self.sample_rate
+            if self.secure_mode:
+                mask = _secure_mask(n, self.sample_rate)
+            else:
+                # f64: uniform on a 2^-53 grid, so a small rate is drawn at its value
+                mask = torch.rand(n, generator=self.generator, dtype=torch.float64) < \
+                    self.sample_rate
             yield self.indices[mask].tolist()
 
 
@@ -71,12 +117,15 @@ class DPDataLoader(DataLoader):
     """A DataLoader whose batches are Poisson samples of `dataset`.
 
     sample_rate: each sample's probability of joining a batch. distributed:
-    None = use torch.distributed when it is initialized; then this rank
-    samples from its shard only. The expected (global) batch size is
-    `expected_batch_size`."""
+    None = use torch.distributed when it is initialized (make the loader
+    after init_process_group); then this rank samples from its shard only.
+    The expected (global) batch size is `expected_batch_size`. generator:
+    default one of this loader's own, seeded from os.urandom (give one only
+    for reproducible tests). secure_mode: masks from os.urandom (see the
+    module's note on its cost)."""
 
     def __init__(self, dataset, sample_rate, *, steps=None, generator=None, distributed=None,
-                 collate_fn=None, **kwargs):
+                 collate_fn=None, secure_mode=False, **kwargs):
         for bad in ("batch_size", "shuffle", "sampler", "batch_sampler", "drop_last"):
             if bad in kwargs:
                 raise ValueError("DPDataLoader draws its own batches; do not pass %s" % bad)
@@ -89,14 +138,15 @@ class DPDataLoader(DataLoader):
         self.sample_rate = float(sample_rate)
         self.expected_batch_size = max(1, int(round(self.sample_rate * n)))
         self.rank, self.world_size = rank, world
+        self.secure_mode = bool(secure_mode)
         sampler = UniformWithReplacementSampler(range(rank, n, world), sample_rate, steps=steps,
-                                                generator=generator)
+                                                generator=generator, secure_mode=secure_mode)
         collate = collate_fn or default_collate
         super().__init__(dataset, batch_sampler=sampler,
                          collate_fn=_empty_collate(dataset, collate), **kwargs)
 
     @classmethod
-    def from_data_loader(cls, loader, *, generator=None, distributed=None):
+    def from_data_loader(cls, loader, *, generator=None, distributed=None, secure_mode=False):
         """The Poisson counterpart of a fixed-batch loader: sample rate
         batch_size / N (world size times that under torch.distributed, whose
         usual DistributedSampler gives each rank batch_size samples)."""
@@ -111,7 +161,7 @@ class DPDataLoader(DataLoader):
             world = torch.distributed.get_world_size()
         rate = min(1.0, bs * world / n)
         return cls(loader.dataset, rate, steps=max(1, int(math.ceil(n / (bs * world)))),
-                   generator=generator, distributed=distributed,
+                   generator=generator, distributed=distributed, secure_mode=secure_mode,
                    collate_fn=loader.collate_fn if loader.collate_fn is not default_collate
                    else None, num_workers=loader.num_workers, pin_memory=loader.pin_memory)
 

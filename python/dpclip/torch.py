@@ -32,8 +32,11 @@ step, the daemon waits on it and records `done`, the trainer's stream waits on
 
 Conventions the caller must follow: batch-first inputs (dimension 0 is the
 sample); one forward/backward per optimizer step (no gradient accumulation
-across backward calls); no weight tying between modules; do not wrap the
-model in DistributedDataParallel (the engine all-reduces the clipped sums).
+across backward calls); no weight tying between modules; no module that mixes
+samples (batch statistics: refused at make_private and at each forward); do
+not wrap the model in DistributedDataParallel (the engine all-reduces the
+clipped sums, and applies them only where every rank's step succeeded: rank
+0's carries the noise).
 
 Empty batches (Poisson sampling makes them): the step still happens, as in
 Opacus: param.grad receives the daemon's noise alone (a zero clipped sum plus
@@ -49,12 +52,12 @@ import time
 import torch
 import torch.nn as nn
 
-from . import _lib
+from . import _lib, _parallel
 from ._lib import DpclipError
 from .data import DPDataLoader
 from ._layers import (  # noqa: F401  (UnsupportedModuleError is public API)
     UnsupportedModuleError, _Layer, _classify, _check_module, _align, _wire_dtype, _tref,
-    _RMSNorm, _FLOAT_WIRE, _ESIZE)
+    _RMSNorm, _FLOAT_WIRE, _ESIZE, _NORMS, _mixing, _mixing_error)
 from .losses import per_sample_cross_entropy, reduce_loss, sequence_cross_entropy  # noqa: F401
 
 
@@ -76,6 +79,7 @@ class PrivacyEngine:
         self._arena = None          # (buffer_id, size, uint8 tensor view)
         self._events = {}           # cuda device index -> (ready, done, ready_id, done_id)
         self._hook = None
+        self._norm_hooks = []       # normalizations' checks against mixing samples
         self.module = None
         self.steps = 0
         self._last_norms = None
@@ -89,6 +93,11 @@ class PrivacyEngine:
         self.asynchronous = True
         self._inflight = None
         self._job_id = job_id
+        self._gate = None           # data parallel: see _parallel.Gate
+        # Data parallel GPU steps: the [B] coefficients output the daemon
+        # writes (zeroed before each step: zero after it unless it succeeded).
+        self._coefs = None
+        self._coefs_ref = None
         # Wall time of the last step's phases in the trainer (ms): building
         # the request (copies, registrations), the daemon round trip, and
         # writing param.grad. For diagnosing overheads; costs two clock reads.
@@ -99,7 +108,7 @@ class PrivacyEngine:
                      max_grad_norm, loss_reduction="mean", poisson_sampling=True,
                      expected_batch_size=None, distributed=None, algorithm="auto",
                      sample_rate=None, target_delta=0.0, target_epsilon=0.0,
-                     asynchronous=True):
+                     asynchronous=True, secure_mode=False):
         """Attach to `module`; returns (module, optimizer, data_loader), the
         optimizer wrapped so that step() first fills param.grad with the
         private gradient, the loader replaced by a Poisson-sampled one
@@ -111,7 +120,17 @@ class PrivacyEngine:
         of each step (not private under Poisson sampling: give it).
         distributed: None = use torch.distributed when initialized. Then
         every rank has its own session, only rank 0 adds noise, and the
-        clipped sums are all-reduced (SUM) after each step.
+        clipped sums are all-reduced (SUM) after each step, gated on every
+        rank's success: a step that fails on any rank (even on the device,
+        after the update was queued) leaves zero gradients on every rank, and
+        raises on every rank (DpclipError DPCLIP_EUNAVAIL on the others), at
+        once or, with asynchronous GPU steps, at the next collection.
+        A DPDataLoader must have been made for the engine's world size and
+        rank (after init_process_group), else every rank would sample the
+        whole dataset while the ledger accounts q once; and no two ranks'
+        generators may be in the same state (their masks would be alike).
+        secure_mode: the loader made here draws its masks from os.urandom
+        (see dpclip.data); a DPDataLoader given must then be in secure mode.
         sample_rate: the Poisson rate q the daemon's privacy ledger accounts
         each step at (default: the DPDataLoader's; else 0, which the ledger
         counts as q = 1). target_delta / target_epsilon: the delta epsilon is
@@ -137,8 +156,13 @@ class PrivacyEngine:
         algo = {"auto": _lib.ALGO_AUTO, "direct": _lib.ALGO_DIRECT,
                 "ghost": _lib.ALGO_GHOST}[algorithm]
 
-        layers, seen = [], {}
+        layers, seen, norms = [], {}, []
         for name, m in module.named_modules():
+            why = _mixing(m)
+            if why is not None:
+                raise _mixing_error(name, m, why)
+            if isinstance(m, _NORMS):
+                norms.append((name, m))
             own = [(pn, p) for pn, p in m.named_parameters(recurse=False) if p.requires_grad]
             kind = _classify(m)
             if kind is None:
@@ -169,6 +193,9 @@ class PrivacyEngine:
         if self.distributed:
             self.rank = torch.distributed.get_rank()
             self.world_size = torch.distributed.get_world_size()
+        _parallel.check_loader(self, data_loader, layers[0].weight.device, secure_mode)
+        self._gate = _parallel.Gate(self.world_size)
+        if self.distributed:
             # Same starting point on every rank (what DDP would do).
             for p in module.parameters():
                 torch.distributed.broadcast(p.data, 0)
@@ -183,7 +210,8 @@ class PrivacyEngine:
 
         if data_loader is not None and poisson_sampling and not isinstance(data_loader,
                                                                           DPDataLoader):
-            data_loader = DPDataLoader.from_data_loader(data_loader, distributed=self.distributed)
+            data_loader = DPDataLoader.from_data_loader(data_loader, distributed=self.distributed,
+                                                        secure_mode=secure_mode)
         if expected_batch_size is None:
             if isinstance(data_loader, DPDataLoader):
                 expected_batch_size = data_loader.expected_batch_size
@@ -218,6 +246,15 @@ class PrivacyEngine:
             engine._pass += 1
 
         self._hook = module.register_forward_pre_hook(on_forward)
+
+        def mixing_hook(name):
+            def check(mod, inputs):
+                why = _mixing(mod) if engine.active else None
+                if why is not None:
+                    raise _mixing_error(name, mod, why)
+            return check
+
+        self._norm_hooks = [m.register_forward_pre_hook(mixing_hook(n)) for n, m in norms]
         self.module = module
         self.active = True
         if optimizer is not None:
@@ -231,6 +268,9 @@ class PrivacyEngine:
         if self._hook is not None:
             self._hook.remove()
             self._hook = None
+        for h in self._norm_hooks:
+            h.remove()
+        self._norm_hooks = []
         self.active = False
         self.module = None
 
@@ -238,7 +278,7 @@ class PrivacyEngine:
         """Collects the last asynchronous step (raising its error, if any),
         detaches and disconnects."""
         try:
-            self.synchronize()
+            self._collect()
         finally:
             self.detach()
             if self._step is not None:
@@ -249,7 +289,9 @@ class PrivacyEngine:
     def synchronize(self):
         """Collects the result of an asynchronous step still in flight:
         blocks until the daemon finished it; raises DpclipError if it failed
-        (its gradients were zeros)."""
+        (its gradients were zeros). Data parallel: a step that failed on any
+        rank (and so was applied on none) raises at the next step() or
+        close(), on every rank."""
         if self._inflight is None:
             return
         ticket, B, index = self._inflight
@@ -262,6 +304,21 @@ class PrivacyEngine:
                 "gradients were zeros (the optimizer step that used them moved the parameters "
                 "only through momentum or weight decay): %s" % (index, e.message)) from None
         self._finish(res, B)
+
+    def _collect(self):
+        """step()'s and close()'s collection of the last step: its error, or
+        (data parallel) any rank's failure of it. Raised by every rank at
+        the same call, before the next step's collectives (a rank that read
+        last_norms may have met its own error earlier: the gate's flag is
+        what every rank checks here)."""
+        try:
+            self.synchronize()
+        except _lib.DpclipError:
+            if self._gate is not None:
+                self._gate.drop()  # its flag is 0: every rank raises here
+            raise
+        if self._gate is not None:
+            self._gate.check()
 
     # Results of the last step; reading them collects an asynchronous one.
     @property
@@ -317,35 +374,56 @@ class PrivacyEngine:
     def step(self):
         """Send the captured activations and output gradients as one
         ClipStep and write the private gradient into each parameter's .grad
-        (replacing what was there). Called by DPOptimizer.step()."""
+        (replacing what was there). Called by DPOptimizer.step().
+
+        Data parallel: every rank joins the all-reduce even when its own
+        step failed (with zero gradients and a failure flag), so the ranks
+        stay in step, and the summed gradients are zeroed on every rank
+        unless every rank's step succeeded: rank 0 alone adds the noise, so
+        a sum without its result would be a noiseless update (_parallel)."""
         if not self.active:
             raise RuntimeError("the PrivacyEngine is not attached to a module")
+        gated = self.distributed and self.world_size > 1
+        ok = failed = None
         try:
-            self.synchronize()  # the previous step's result, or its error
-            passes = {pid for l in self._layers for _, _, pid in l.records}
-            if len(passes) > 1:
-                raise RuntimeError(
-                    "activations from %d forward/backward passes were captured for one "
-                    "optimizer step; dpclip takes one pass per step (no gradient "
-                    "accumulation): call optimizer.step() after each backward" % len(passes))
-            B = self._batch_size()
-            if B == 0:
-                if self.loss_reduction == "mean" and self.expected_batch_size <= 0:
-                    raise ValueError("an empty batch with a mean loss needs expected_batch_size")
-                self.clear()
-            device = self._device()
-            if device.type == "cuda":
-                self._run_cuda(B, device)
-            else:
-                self._run_host(B)
+            self._collect()
+            try:
+                ok = self._step_local()
+            except Exception as e:  # pylint: disable=broad-except
+                if not gated:
+                    raise
+                failed = e
         finally:
             self.clear()
-        if self.distributed and self.world_size > 1:
-            for l in self._layers:
-                for p in (l.weight, l.bias):
-                    if p is not None:
-                        torch.distributed.all_reduce(p.grad, op=torch.distributed.ReduceOp.SUM)
-        self.steps += 1
+        if gated:
+            # counted on every rank alike: each joins the step's collectives
+            self.steps += 1
+            params = [p for l in self._layers for p in (l.weight, l.bias) if p is not None]
+            self._gate.reduce(params, ok, failed, self.steps,
+                              self.asynchronous and params[0].device.type == "cuda")
+        else:
+            self.steps += 1
+
+    def _step_local(self):
+        """This process's step; returns (data parallel) a [1] f32 tensor on
+        the gradients' device: 1 where the step's result is in param.grad,
+        0 where it is not."""
+        passes = {pid for l in self._layers for _, _, pid in l.records}
+        if len(passes) > 1:
+            raise RuntimeError(
+                "activations from %d forward/backward passes were captured for one "
+                "optimizer step; dpclip takes one pass per step (no gradient "
+                "accumulation): call optimizer.step() after each backward" % len(passes))
+        B = self._batch_size()
+        if B == 0:
+            if self.loss_reduction == "mean" and self.expected_batch_size <= 0:
+                raise ValueError("an empty batch with a mean loss needs expected_batch_size")
+            self.clear()
+        device = self._device()
+        if device.type == "cuda":
+            return self._run_cuda(B, device)
+        self._run_host(B)
+        return torch.ones(1)
 
     def _device(self):
         devs = {l.weight.device for l in self._layers}
@@ -556,9 +634,15 @@ class PrivacyEngine:
 
         step = self._step
         step.reset(nb)
+        gated = self.distributed and self.world_size > 1
         with torch.cuda.device(device):
             self._add_layers(step, plan, refs)
             stream = torch.cuda.current_stream(device)
+            if gated:
+                coefs = self._coefs_out(nb, device)
+                coefs.zero_()  # stays zero unless the daemon's step succeeds
+                step.set_outputs(coefs_out=_tref(self._coefs_ref[0], self._coefs_ref[1],
+                                                 torch.float32, (nb,)))
             ready.record(stream)
             step.set_events(rid, did)
             step.notify_enqueued(self.asynchronous)
@@ -574,6 +658,12 @@ class PrivacyEngine:
             # trainer's stream is ordered after the daemon's writes (and after
             # its reads of `keep`, whose blocks the allocator may now reuse).
             stream.wait_event(done)
+            # Data parallel: this step's success flag, on the device. Each
+            # coefficient (min(1, C / norm), > 0 for any finite norm) is
+            # written after the (noised) gradients once the daemon commits
+            # them; zero where it failed after its notice (it writes zeros),
+            # wrote nothing, or died first.
+            ok = (coefs > 0).all().to(torch.float32).reshape(1) if gated else None
         keep.clear()
         for l, *_ in plan:
             for p, out in ((l.weight, l.out_w), (l.bias, l.out_b)):
@@ -589,6 +679,17 @@ class PrivacyEngine:
         else:
             self._finish(res, B)
         self._timing(t0, t1, t2)
+        return ok
+
+    def _coefs_out(self, nb, device):
+        """The first nb elements of the engine's coefficients output on
+        `device` (grown when a step needs more; registered once per
+        buffer: the engine holds it, so its reference stays valid)."""
+        if self._coefs is None or self._coefs.numel() < nb or self._coefs.device != device:
+            n = max(nb, 2 * self._coefs.numel() if self._coefs is not None else 0, 64)
+            self._coefs = torch.zeros(n, dtype=torch.float32, device=device)
+            self._coefs_ref = self.client.register_cuda(self._coefs.data_ptr())
+        return self._coefs[:nb]
 
 
 # --- the optimizer wrapper -------------------------------------------------------------

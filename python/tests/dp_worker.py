@@ -1,10 +1,14 @@
 """The per-rank half of the data-parallel test (spawned processes import
 this module by name; it must not be a test module)."""
+import datetime
 import os
 
 import torch
 import torch.distributed as dist
+from torch.utils.data import TensorDataset
 
+from dpclip import DpclipError
+from dpclip.data import DPDataLoader
 from dpclip.torch import PrivacyEngine, reduce_loss
 from models import SeqModel, per_sample_losses
 
@@ -44,5 +48,134 @@ def run_rank(rank, world, init_file, socket_path, data, C, expected, out_dir):
         torch.save(torch.cat([p.grad.reshape(-1) for p in model2.parameters()]),
                    os.path.join(out_dir, "noise%d.pt" % rank))
         engine2.close()
+    finally:
+        dist.destroy_process_group()
+
+
+def run_rank_failure(rank, world, init_file, socket_path, data, C, sigma, expected, out_dir):
+    """Step 1 fails on rank 0 only (a non-finite gradient there); step 2 is
+    clean. Saves what each rank saw: step 1's error, the parameters before
+    and after each step, step 1's gradients."""
+    # A timeout well past any step: ranks that fall out of step fail the test
+    # instead of hanging it.
+    dist.init_process_group("gloo", init_method="file://" + init_file, rank=rank,
+                            world_size=world, timeout=datetime.timedelta(seconds=120))
+    try:
+        torch.manual_seed(100 + rank)
+        model = SeqModel()
+        engine = PrivacyEngine(socket_path, job_id="dp-fail-test")
+        opt = torch.optim.SGD(model.parameters(), lr=0.5)
+        model, opt, _ = engine.make_private(module=model, optimizer=opt,
+                                            noise_multiplier=sigma, max_grad_norm=C,
+                                            loss_reduction="mean", expected_batch_size=expected)
+        x, y = data
+        mine = torch.arange(rank, x.shape[0], world)
+        out = {"before": _params(model)}
+        opt.zero_grad()
+        loss = reduce_loss(per_sample_losses("seq", model(x[mine]), y[mine]), "mean")
+        if rank == 0:
+            loss = loss * float("nan")
+        loss.backward()
+        try:
+            opt.step()
+            out["error"] = None
+        except DpclipError as e:
+            out["error"] = (e.code, str(e))
+        out["grads1"] = {n: p.grad.clone() if p.grad is not None else None
+                         for n, p in model.named_parameters()}
+        out["after1"] = _params(model)
+        opt.zero_grad()
+        reduce_loss(per_sample_losses("seq", model(x[mine]), y[mine]), "mean").backward()
+        opt.step()
+        out["grads2"] = {n: p.grad.clone() for n, p in model.named_parameters()}
+        out["after2"] = _params(model)
+        engine.close()
+        torch.save(out, os.path.join(out_dir, "fail%d.pt" % rank))
+    finally:
+        dist.destroy_process_group()
+
+
+def _params(model):
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def run_rank_cuda_failure(rank, world, init_file, socket_path, out_dir):
+    """Asynchronous GPU steps (both ranks on one GPU, gloo): steps 1 and 3
+    fail on the device on rank 0 only (non-finite), after their notices, so
+    no rank knows of it before its update is queued; rank 0 reads
+    last_coefs after step 1 (meeting its error early), not after step 3;
+    step 5 is clean. Saves each step's error and parameters after it."""
+    dist.init_process_group("gloo", init_method="file://" + init_file, rank=rank,
+                            world_size=world, timeout=datetime.timedelta(seconds=120))
+    try:
+        torch.manual_seed(7)
+        model = torch.nn.Linear(32, 16).cuda()
+        engine = PrivacyEngine(socket_path, job_id="dp-cuda-fail-test")
+        model, opt, _ = engine.make_private(
+            module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.5),
+            noise_multiplier=1.0, max_grad_norm=1.0, expected_batch_size=8)
+        assert engine.asynchronous
+        x = torch.randn(4, 32, device="cuda")
+        out = {"before": _cpu(_params(model)), "errors": [], "after": [], "peek": None}
+        for i in range(5):
+            opt.zero_grad()
+            loss = model(x).sum()
+            if i in (0, 2) and rank == 0:
+                loss = loss * float("nan")
+            loss.backward()
+            try:
+                opt.step()
+                out["errors"].append(None)
+            except DpclipError as e:
+                out["errors"].append((e.code, str(e)))
+            if i == 0 and rank == 0:
+                try:
+                    engine.last_coefs
+                except DpclipError as e:
+                    out["peek"] = (e.code, str(e))
+            torch.cuda.synchronize()
+            out["after"].append(_cpu(_params(model)))
+        engine.close()
+        torch.save(out, os.path.join(out_dir, "cudafail%d.pt" % rank))
+    finally:
+        dist.destroy_process_group()
+
+
+def _cpu(params):
+    return {n: p.cpu() for n, p in params.items()}
+
+
+def run_rank_loader(rank, world, init_file, socket_path, out_dir):
+    """make_private's checks of a DPDataLoader against the engine's ranks:
+    what each attempt raised (None: accepted), and the first batches of a
+    good loader on ranks whose global RNGs are seeded alike."""
+    ds = TensorDataset(torch.arange(64))
+    early = DPDataLoader(ds, 0.5)  # before init_process_group: one process's loader
+    dist.init_process_group("gloo", init_method="file://" + init_file, rank=rank,
+                            world_size=world, timeout=datetime.timedelta(seconds=120))
+    try:
+        torch.manual_seed(0)
+
+        def attempt(loader):
+            engine = PrivacyEngine(socket_path, job_id="dp-loader-test")
+            model = torch.nn.Linear(2, 2)
+            try:
+                engine.make_private(module=model, optimizer=torch.optim.SGD(
+                    model.parameters(), lr=0.1), data_loader=loader, noise_multiplier=1.0,
+                    max_grad_norm=1.0)
+                return None
+            except ValueError as e:
+                return str(e)
+            finally:
+                engine.close()
+
+        good = DPDataLoader(ds, 0.5)
+        out = {"early": attempt(early),
+               "local": attempt(DPDataLoader(ds, 0.5, distributed=False)),
+               "alike": attempt(DPDataLoader(ds, 0.5, generator=torch.Generator().manual_seed(3))),
+               "good": attempt(good),
+               "shard": sorted({i for idx, in good for i in idx.tolist()}),
+               "masks": [[i // world for i in idx.tolist()] for idx, in good]}
+        torch.save(out, os.path.join(out_dir, "loader%d.pt" % rank))
     finally:
         dist.destroy_process_group()

@@ -2,12 +2,16 @@
 checks as the host path against the per-sample reference. Skipped, with the
 reason, where there is no GPU or the daemon has no CUDA backend."""
 import math
+import os
 
 import pytest
 import torch
+import torch.multiprocessing as mp
 
 import dpclip
+from dpclip import _lib
 from dpclip.torch import PrivacyEngine, reduce_loss
+from dp_worker import run_rank_cuda_failure
 from models import SeqModel, per_sample_losses, reference, seq_data
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
@@ -94,3 +98,32 @@ def test_cuda_async_failure_surfaces(cuda_daemon):
     opt.step()
     assert engine.last_norms.shape == (4,)
     engine.close()
+
+
+def test_cuda_async_failure_on_rank_0_is_applied_nowhere(cuda_daemon, tmp_path):
+    """Data parallel, asynchronous steps: rank 0's step fails on the device
+    after its update was queued on every rank. The update must be applied on
+    no rank (rank 1's clipped sum alone has no noise), and both ranks raise
+    at the next step, whether or not rank 0 met its error earlier (reading
+    last_coefs); the step after works on both."""
+    ctx = mp.start_processes(run_rank_cuda_failure, nprocs=2, join=False, start_method="spawn",
+                             args=(2, str(tmp_path / "init"), cuda_daemon.socket, str(tmp_path)))
+    while not ctx.join(timeout=120):
+        pass
+    got = [torch.load(os.path.join(str(tmp_path), "cudafail%d.pt" % r)) for r in range(2)]
+    for r in range(2):
+        errors = got[r]["errors"]
+        # nobody knew at steps 1 and 3; both raised at 2 and 4; 5 worked
+        assert errors[0] is None and errors[2] is None and errors[4] is None, (r, errors)
+        for i in range(4):
+            for n, p in got[r]["before"].items():
+                assert torch.equal(got[r]["after"][i][n], p), (r, i, n)  # nothing moved
+        for n, p in got[r]["before"].items():
+            assert not torch.equal(got[r]["after"][4][n], p), (r, n)
+            assert torch.equal(got[r]["after"][4][n], got[1 - r]["after"][4][n]), (r, n)
+    peek = got[0]["peek"]
+    assert peek is not None and "after it was queued" in peek[1], peek
+    for r in range(2):
+        assert got[r]["errors"][1][0] == _lib.EUNAVAIL, (r, got[r]["errors"])
+    assert "after it was queued" in got[0]["errors"][3][1], got[0]["errors"]
+    assert got[1]["errors"][3][0] == _lib.EUNAVAIL, got[1]["errors"]

@@ -1,7 +1,9 @@
 """The Poisson-sampling loader."""
+import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
+import dpclip.data
 from dpclip.data import DPDataLoader
 
 
@@ -38,3 +40,44 @@ def test_from_data_loader():
     ds = TensorDataset(torch.arange(100))
     dl = DPDataLoader.from_data_loader(DataLoader(ds, batch_size=10))
     assert abs(dl.sample_rate - 0.1) < 1e-12 and len(dl) == 10 and dl.expected_batch_size == 10
+
+
+def _masks(loader):
+    return [tuple(idx.tolist()) for idx, in loader]
+
+
+def test_masks_are_independent_of_the_global_rng():
+    """Trainers seed the global RNG alike on every rank (same initial
+    weights): loaders must not draw alike from it."""
+    ds = TensorDataset(torch.arange(200))
+    torch.manual_seed(0)
+    a = _masks(DPDataLoader(ds, 0.5, steps=4))
+    torch.manual_seed(0)
+    b = _masks(DPDataLoader(ds, 0.5, steps=4))
+    assert a != b
+    # A generator given for a reproducible test is still followed.
+    c = _masks(DPDataLoader(ds, 0.5, steps=4, generator=torch.Generator().manual_seed(1)))
+    d = _masks(DPDataLoader(ds, 0.5, steps=4, generator=torch.Generator().manual_seed(1)))
+    assert c == d
+
+
+def test_secure_mode(monkeypatch):
+    n, q = 2000, 0.01
+    ds = TensorDataset(torch.arange(n))
+    loader = DPDataLoader(ds, q, steps=400, secure_mode=True)
+    assert loader.secure_mode and loader.expected_batch_size == 20
+    sizes = torch.tensor([idx.shape[0] for idx, in loader], dtype=torch.float64)
+    assert abs(float(sizes.mean()) - 20) < 6 * (19.8 / 400) ** 0.5
+    assert abs(float(sizes.var()) - 19.8) < 0.35 * 19.8
+    with pytest.raises(ValueError, match="generator"):
+        DPDataLoader(ds, q, secure_mode=True, generator=torch.Generator())
+    # The masks are os.urandom's bits against the rate: all-zero bits take
+    # every sample, all-one bits none, whatever torch's RNG does.
+    small = TensorDataset(torch.arange(10))
+    monkeypatch.setattr(dpclip.data.os, "urandom", lambda k: b"\0" * k)
+    assert _masks(DPDataLoader(small, 0.3, steps=2, secure_mode=True)) == [tuple(range(10))] * 2
+    monkeypatch.setattr(dpclip.data.os, "urandom", lambda k: b"\xff" * k)
+    assert _masks(DPDataLoader(small, 0.3, steps=2, secure_mode=True)) == [()] * 2
+    # from_data_loader keeps the mode.
+    assert DPDataLoader.from_data_loader(DataLoader(ds, batch_size=10),
+                                         secure_mode=True).secure_mode

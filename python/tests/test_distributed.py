@@ -1,23 +1,25 @@
 """Data parallel: two gloo ranks, each with its own session, give the same
-gradients as one process on the union batch (noise off)."""
+gradients as one process on the union batch (noise off); a step that fails
+on one rank is applied on none; loaders must sample for the engine's ranks,
+independently."""
 import math
 import os
 
 import torch
 import torch.multiprocessing as mp
 
+from dpclip import _lib
 from dpclip.torch import PrivacyEngine, reduce_loss
-from dp_worker import run_rank
+from dp_worker import run_rank, run_rank_failure, run_rank_loader
 from models import SeqModel, per_sample_losses, seq_data
 
 
-def test_two_ranks_equal_one_process_on_the_union(daemon, tmp_path):
-    (x,), y = seq_data(7, seed=5)
-    C, expected = 0.95, 7
-
-    torch.manual_seed(100)  # rank 0's initial weights
+def _union_reference(socket, x, y, C, expected):
+    """The noiseless gradient of one process on the union batch, at rank 0's
+    initial weights (seed 100)."""
+    torch.manual_seed(100)
     model = SeqModel()
-    engine = PrivacyEngine(daemon.socket)
+    engine = PrivacyEngine(socket)
     model, opt, _ = engine.make_private(module=model, optimizer=torch.optim.SGD(
         model.parameters(), lr=0.0), noise_multiplier=0.0, max_grad_norm=C,
         loss_reduction="mean", expected_batch_size=expected, distributed=False)
@@ -26,12 +28,21 @@ def test_two_ranks_equal_one_process_on_the_union(daemon, tmp_path):
     assert (engine.last_coefs < 1).any() and (engine.last_coefs >= 1 - 1e-6).any()
     want = {n: p.grad.clone() for n, p in model.named_parameters()}
     engine.close()
+    return want
 
-    ctx = mp.start_processes(run_rank, nprocs=2, join=False, start_method="spawn",
-                             args=(2, str(tmp_path / "init"), daemon.socket, (x, y), C,
-                                   expected, str(tmp_path)))
+
+def _spawn(fn, args):
+    ctx = mp.start_processes(fn, nprocs=2, join=False, start_method="spawn", args=args)
     while not ctx.join(timeout=120):
         pass
+
+
+def test_two_ranks_equal_one_process_on_the_union(daemon, tmp_path):
+    (x,), y = seq_data(7, seed=5)
+    C, expected = 0.95, 7
+    want = _union_reference(daemon.socket, x, y, C, expected)
+    _spawn(run_rank, (2, str(tmp_path / "init"), daemon.socket, (x, y), C, expected,
+                      str(tmp_path)))
     for rank in range(2):
         got = torch.load(os.path.join(str(tmp_path), "rank%d.pt" % rank))
         for n, g in want.items():
@@ -42,3 +53,54 @@ def test_two_ranks_equal_one_process_on_the_union(daemon, tmp_path):
     assert torch.equal(n0, n1)  # every rank holds the same all-reduced gradient
     want_std = 2.0 * C / expected
     assert abs(float(n0.std()) - want_std) < 6 * want_std / math.sqrt(2 * n0.numel())
+
+
+def test_a_step_failing_on_rank_0_is_applied_nowhere(daemon, tmp_path):
+    """Rank 0's step fails (a non-finite gradient there); rank 1's succeeds
+    with sigma 0. Neither rank may apply rank 1's noiseless clipped sum: both
+    raise, neither moves, both hold zero gradients; the next step works on
+    both, in step, with rank 0's noise in it."""
+    (x,), y = seq_data(7, seed=5)
+    C, sigma, expected = 0.95, 1.0, 7
+    want = _union_reference(daemon.socket, x, y, C, expected)
+    _spawn(run_rank_failure, (2, str(tmp_path / "init"), daemon.socket, (x, y), C, sigma,
+                              expected, str(tmp_path)))
+    got = [torch.load(os.path.join(str(tmp_path), "fail%d.pt" % r)) for r in range(2)]
+    assert got[0]["error"] is not None and got[0]["error"][0] == _lib.ENONFINITE, got[0]["error"]
+    assert got[1]["error"] is not None and got[1]["error"][0] == _lib.EUNAVAIL and \
+        "applied on no rank" in got[1]["error"][1], got[1]["error"]
+    for r in range(2):
+        for n, p in got[r]["before"].items():
+            assert torch.equal(got[r]["after1"][n], p), (r, n)  # no update at all
+            g = got[r]["grads1"][n]
+            assert g is not None and float(g.abs().max()) == 0.0, (r, n)
+    # Step 2: the same update on both ranks, the union's gradient plus one
+    # rank's noise (std sigma*C/expected), and the parameters moved by it.
+    diff = []
+    for n, g in want.items():
+        assert torch.equal(got[0]["grads2"][n], got[1]["grads2"][n]), n
+        assert torch.equal(got[0]["after2"][n], got[1]["after2"][n]), n
+        assert not torch.equal(got[0]["after2"][n], got[0]["before"][n]), n
+        diff.append((got[0]["grads2"][n].double() - g.double()).reshape(-1))
+    diff = torch.cat(diff)
+    want_std = sigma * C / expected
+    assert abs(float(diff.std()) - want_std) < 6 * want_std / math.sqrt(2 * diff.numel())
+
+
+def test_loaders_must_sample_for_the_engines_ranks(daemon, tmp_path):
+    """A DPDataLoader made before init_process_group, or with
+    distributed=False, samples the whole dataset on every rank while the
+    ledger accounts q once: refused, naming the world sizes. So are loaders
+    whose generators are in the same state on two ranks (their masks would
+    be alike). The default loaders of ranks seeded alike draw apart."""
+    _spawn(run_rank_loader, (2, str(tmp_path / "init"), daemon.socket, str(tmp_path)))
+    got = [torch.load(os.path.join(str(tmp_path), "loader%d.pt" % r)) for r in range(2)]
+    for r in range(2):
+        for case in ("early", "local"):
+            msg = got[r][case]
+            assert msg is not None and "world size 1" in msg and "2 ranks" in msg and \
+                "init_process_group" in msg, (r, case, msg)
+        assert got[r]["alike"] is not None and "generator" in got[r]["alike"], got[r]["alike"]
+        assert got[r]["good"] is None, got[r]["good"]
+        assert got[r]["shard"] and all(i % 2 == r for i in got[r]["shard"])
+    assert got[0]["masks"] != got[1]["masks"]

@@ -6,9 +6,11 @@ import signal
 import pytest
 import torch
 import torch.nn as nn
+from torch.utils.data import DataLoader, TensorDataset
 
 import dpclip
 from dpclip import _lib
+from dpclip.data import DPDataLoader
 from dpclip.torch import PrivacyEngine, UnsupportedModuleError, make_private, reduce_loss
 from models import (FlatModel, SeqModel, flat_data, per_sample_losses, reference, seq_data,
                     HAS_RMSNORM)
@@ -286,4 +288,79 @@ def test_eval_and_no_grad_capture_nothing(daemon):
     assert not y.requires_grad and not engine._layers[0].records
     engine.detach()
     assert "forward" not in model[0].__dict__
+    engine.close()
+
+
+def test_secure_mode_loader(daemon):
+    ds = TensorDataset(torch.randn(40, 5))
+    model = nn.Linear(5, 3)
+    engine = PrivacyEngine(daemon.socket)
+    _, _, loader = engine.make_private(
+        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        data_loader=DataLoader(ds, batch_size=8), noise_multiplier=1.0, max_grad_norm=1.0,
+        secure_mode=True)
+    assert isinstance(loader, DPDataLoader) and loader.secure_mode
+    assert loader.batch_sampler.generator is None
+    engine.close()
+    # A DPDataLoader given must be secure already.
+    model = nn.Linear(5, 3)
+    with pytest.raises(ValueError, match="secure_mode"):
+        PrivacyEngine(daemon.socket).make_private(
+            module=model, data_loader=DPDataLoader(ds, 0.2), noise_multiplier=1.0,
+            max_grad_norm=1.0, secure_mode=True)
+
+
+@pytest.mark.parametrize("make", [
+    lambda: nn.BatchNorm1d(4, affine=False),  # no trainable parameter at all
+    lambda: nn.BatchNorm1d(4),
+    lambda: nn.SyncBatchNorm(4, affine=False),
+    lambda: nn.InstanceNorm1d(4, track_running_stats=True),
+    lambda: nn.BatchNorm1d(4, affine=False, track_running_stats=False).eval(),
+])
+def test_modules_that_mix_samples_refused(daemon, make):
+    """Batch statistics mix samples (per-sample gradients are no longer
+    per sample) and running statistics carry the batch into the saved
+    model: refused at make_private, trainable parameters or not."""
+    model = nn.Sequential(nn.Linear(3, 4), make(), nn.Linear(4, 2))
+    with pytest.raises(UnsupportedModuleError) as ei:
+        PrivacyEngine(daemon.socket).make_private(
+            module=model, noise_multiplier=1.0, max_grad_norm=1.0, expected_batch_size=4)
+    msg = str(ei.value)
+    assert "module 1 (%s)" % type(model[1]).__name__ in msg, msg
+    assert "mixes samples" in msg and "LayerNorm" in msg and "GroupNorm" in msg, msg
+
+
+class _Normed(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc, self.out = nn.Linear(3, 4), nn.Linear(4, 2)
+        self.bn = nn.BatchNorm1d(4, affine=False)
+        self.inorm = nn.InstanceNorm1d(1)  # no running statistics: each sample alone
+
+    def forward(self, x):
+        return self.out(self.inorm(self.bn(self.fc(x)).unsqueeze(1)).squeeze(1))
+
+
+def test_norms_in_eval_mode_and_switched_back_to_train(daemon):
+    model = _Normed()
+    model.bn.eval()  # frozen running statistics: per sample
+    engine = PrivacyEngine(daemon.socket)
+    model, opt, _ = engine.make_private(module=model, optimizer=torch.optim.SGD(
+        model.parameters(), lr=0.1), noise_multiplier=0.0, max_grad_norm=1.0,
+        expected_batch_size=4)
+    x = torch.randn(4, 3)
+    model(x).sum().backward()
+    opt.step()
+    # model.train() (a training loop's usual first line) switches it back:
+    # the next forward is refused before the statistics move.
+    stats = model.bn.running_mean.clone()
+    model.train()
+    opt.zero_grad()
+    with pytest.raises(UnsupportedModuleError, match=r"module bn \(BatchNorm1d\).*mixes samples"):
+        model(x)
+    assert torch.equal(model.bn.running_mean, stats)
+    model.bn.eval()
+    opt.zero_grad()
+    model(x).sum().backward()
+    opt.step()
     engine.close()
