@@ -341,6 +341,9 @@ static void on_spend_durable(dc_ledger_waiter *w, int rc, const dc_err *err) {
     session_next(s);
 }
 
+_Static_assert(sizeof(((dc_session *)0)->job_id) >= DC_LEDGER_JOB_MAX,
+               "a session keeps every job id the ledger accepts whole");
+
 /* Step 2 above, the checks: the step's terms, and the job's account (which
  * the Hello may have been refused). On refusal *e names the field. */
 static int account(dc_session *s, dc_step_job *j, const struct dc_step_params *m, dc_err *e) {

@@ -280,7 +280,8 @@ static void *load_thread(void *arg) {
     dpclip_connect_opts o = {.client_name = "load", .job_id = "status-load"};
     dc_shm_step s;
     dpclip_clip_config cfg = {.max_grad_norm = 1.0f, .reduction = DPCLIP_MEAN,
-                              .noise_multiplier = 1.0f, .sample_rate = 0.01};
+                              .expected_batch_size = 32, .noise_multiplier = 1.0f,
+                              .sample_rate = 0.01};
     dc_test_layer_spec big = {DC_LAYER_LINEAR, 32, 16, 64, 64, DC_F32, 1, DC_ALGO_AUTO, 1, 0};
     dc_test_rng r;
     long seed = (long)(intptr_t)arg;
