@@ -101,6 +101,10 @@ typedef struct dpclip_daemon_info {
     int mps_active;       /* the CUDA MPS control daemon serves the node */
 } dpclip_daemon_info;
 int dpclip_daemon_info_get(dpclip_client *c, dpclip_daemon_info *info);
+/* 1 once a reply said the daemon runs with --insecure-fixed-seed (every
+ * reply says so, the Hello's first): its noise is predictable and nothing it
+ * computes is private, whatever epsilon it reports. 0 otherwise. */
+int dpclip_insecure(const dpclip_client *c);
 
 /* --- buffers ------------------------------------------------------------- */
 

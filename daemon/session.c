@@ -60,6 +60,7 @@ void dc_session_send(dc_session *s, Dpclip__Reply *reply) {
     dc_wbuf *w;
 
     if (s->gone) return;
+    reply->insecure = s->srv->cfg.fixed_seed; /* every reply says it */
     n = dpclip__reply__get_packed_size(reply);
     w = malloc(sizeof *w + DC_FRAME_HEADER + n);
     if (!w) {

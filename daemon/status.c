@@ -1,6 +1,7 @@
 #include "status.h"
 
 #include <errno.h>
+#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -199,6 +200,16 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *c, const cha
                    body, len, stale);
 }
 
+/* libmicrohttpd's own messages (a client that hung up mid-request, say):
+ * what clients do is no error of the daemon's, so at debug level. */
+static void mhd_log(void *cls, const char *fmt, va_list ap) {
+    char msg[256];
+    (void)cls;
+    vsnprintf(msg, sizeof msg, fmt, ap);
+    msg[strcspn(msg, "\n")] = '\0';
+    dc_log_debug("status: %s", msg);
+}
+
 static void *start_http(dc_status *st, int fd, const dc_status_opts *o) {
     /* epoll, not select: the daemon may hold more than FD_SETSIZE sockets.
      * Slow clients hold a connection for timeout_s of silence at most, and
@@ -208,7 +219,8 @@ static void *start_http(dc_status *st, int fd, const dc_status_opts *o) {
                             MHD_OPTION_THREAD_POOL_SIZE, 2u, MHD_OPTION_CONNECTION_LIMIT,
                             o->max_connections ? o->max_connections : DC_STATUS_MAX_CONNECTIONS,
                             MHD_OPTION_CONNECTION_TIMEOUT,
-                            o->timeout_s ? o->timeout_s : DC_STATUS_TIMEOUT_S, MHD_OPTION_END);
+                            o->timeout_s ? o->timeout_s : DC_STATUS_TIMEOUT_S,
+                            MHD_OPTION_EXTERNAL_LOGGER, mhd_log, NULL, MHD_OPTION_END);
 }
 
 int dc_status_start(dc_status *st, uv_loop_t *loop, const dc_status_opts *o,
