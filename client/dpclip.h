@@ -150,7 +150,8 @@ typedef enum dpclip_clip_mode { DPCLIP_FLAT = 0, DPCLIP_PER_LAYER = 1 } dpclip_c
 typedef struct dpclip_clip_config {
     float max_grad_norm;          /* C > 0 */
     dpclip_reduction reduction;
-    uint32_t expected_batch_size; /* MEAN: divisor of the noised sum; 0 = batch size */
+    uint32_t expected_batch_size; /* MEAN: divisor of the noised sum; 0 = batch size, refused
+                                     with a sample_rate in (0, 1) (it would be released) */
     float noise_multiplier;       /* sigma >= 0 */
     dpclip_clip_mode mode;
     /* Privacy accounting (the daemon's ledger for this job: connect's job_id
