@@ -315,14 +315,16 @@ size_t dc_ledger_expire(dc_ledger *l, uint64_t now_ns) {
     return n;
 }
 
-/* Accounts of uid in memory; at the cap, those of uid that are idle and on
- * disk go first (they are read back when named). */
+/* Accounts of uid in memory; at the cap, those of uid that nothing uses and
+ * that lose nothing by going (never spent, or on disk: read back when
+ * named) go first, whatever their idle time. */
 static size_t make_room(dc_ledger *l, uint32_t uid) {
     size_t n = 0;
     for (dc_ledger_job *j = l->jobs; j; j = j->next) n += j->uid == uid;
-    if (!l->max_jobs_per_uid || n < l->max_jobs_per_uid || !dc_ledger_persistent(l)) return n;
+    if (!l->max_jobs_per_uid || n < l->max_jobs_per_uid) return n;
     for (dc_ledger_job **pp = &l->jobs; *pp && n >= l->max_jobs_per_uid;) {
-        if ((*pp)->uid == uid && job_idle(l, *pp)) {
+        if ((*pp)->uid == uid && job_idle(l, *pp) &&
+            ((*pp)->steps == 0 || dc_ledger_persistent(l))) {
             job_drop(l, pp);
             n--;
         } else {

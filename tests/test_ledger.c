@@ -276,6 +276,16 @@ static void test_jobs_per_uid(void **state) {
     assert_int_equal(dc_ledger_expire(&l, uv_hrtime()), 2); /* and uid 43's unused one */
     assert_null(dc_ledger_job_find(&l, 42, "job-0"));
     assert_int_equal(dc_ledger_job_open(&l, 42, "one-more", &j, &e), 0);
+    /* at the cap, accounts that never spent and have no session make room
+     * at once (a burst of Hellos between two sweeps) */
+    for (int i = 0; i < 2; i++) {
+        snprintf(name, sizeof name, "burst-%d", i);
+        assert_int_equal(dc_ledger_job_open(&l, 42, name, &j, &e), 0);
+    }
+    assert_null(dc_ledger_job_find(&l, 42, "one-more")); /* made room for burst-0 */
+    assert_null(dc_ledger_job_find(&l, 42, "burst-0"));  /* and it for burst-1 */
+    assert_non_null(dc_ledger_job_find(&l, 42, "burst-1"));
+    assert_non_null(dc_ledger_job_find(&l, 42, "job-1")); /* in use: stays */
     /* many Hellos with fresh ids, each closed at once, hold nothing */
     dc_ledger_set_limits(&l, 0, 3600);
     for (int i = 0; i < 2000; i++) {
