@@ -1,8 +1,7 @@
 /* dpclipd as a node service, end to end: the privacy ledger on real steps
  * (epsilon in replies against the accountant, the job's and the node's
- * budgets refusing steps before any work, refunds of failed steps, a job's
- * delta fixed by its first step, long job ids refused, data-parallel ranks'
- * noiseless shares, a bounded history, accounts per uid), the
+ * budgets refusing steps before any work, refunds of failed steps; more in
+ * test_service_ledger.c), the
  * ledger surviving kill -9 with every completed step's spend, [access]
  * lists, SIGHUP reloads (good and bad files), and systemd's side: sd_notify
  * messages and socket activation with a client that connects while no
@@ -289,177 +288,6 @@ static void test_failed_step_refunded(void **state) {
     dpclip_disconnect(c);
 }
 
-
-/* Raising target_delta once a budget was spent made the same spend look
- * smaller and let 2000 more steps run: a job's delta is fixed by its first
- * step. */
-static void test_delta_fixed(void **state) {
-    dpclip_client *c = connect_job(g_h.sock, "delta-fixed");
-    dc_shm_step s;
-    double budget = accountant_eps(0.1, 1.0, 3, 1e-5) * (1 + 1e-9), delta = 0;
-    (void)state;
-    assert_int_equal(dc_service_step_init(&s, c, 8, 1.0f, 0.1, 7), 0);
-    set_privacy(&s, 1.0f, 0.1, 1e-5, budget);
-    for (int i = 0; i < 3; i++) assert_int_equal(run(c, &s, NULL, &delta), 0);
-    assert_int_equal(run(c, &s, NULL, NULL), DPCLIP_ENOSPACE);
-    /* at delta 0.1 three steps cost much less: refused all the same */
-    set_privacy(&s, 1.0f, 0.1, 0.1, 0);
-    assert_int_equal(run(c, &s, NULL, NULL), DPCLIP_EPRECOND);
-    assert_string_equal(dpclip_errfield(c), "clip_step.target_delta");
-    assert_non_null(strstr(dpclip_errmsg(c), "fixed by its first step"));
-    assert_int_equal(job_steps(g_status, "delta-fixed"), 3);
-    /* a new session of the job cannot change it either */
-    dc_shm_step_free(&s);
-    dpclip_disconnect(c);
-    c = connect_job(g_h.sock, "delta-fixed");
-    assert_int_equal(dc_service_step_init(&s, c, 8, 1.0f, 0.1, 7), 0);
-    set_privacy(&s, 1.0f, 0.1, 0.1, 0);
-    assert_int_equal(run(c, &s, NULL, NULL), DPCLIP_EPRECOND);
-    set_privacy(&s, 1.0f, 0.1, 0, 0); /* the job's own delta */
-    assert_int_equal(run(c, &s, NULL, NULL), DPCLIP_ENOSPACE); /* still over budget */
-    assert_true(delta == 1e-5);
-    dc_shm_step_free(&s);
-    dpclip_disconnect(c);
-}
-
-/* Two jobs that differed after byte 63 shared one account: a job id too long
- * to keep whole is refused at the Hello, naming the field and the limit. */
-static void test_long_job_id(void **state) {
-    char a[100], b[100];
-    dpclip_client *c = NULL;
-    dpclip_connect_opts o = {.client_name = "service-test", .job_id = a};
-    (void)state;
-    memset(a, 'j', 80);
-    a[80] = '\0';
-    memcpy(b, a, sizeof a);
-    b[70] = 'k';
-    assert_int_equal(dpclip_connect(g_h.sock, &o, &c), DPCLIP_EINVAL);
-    assert_string_equal(dpclip_errfield(c), "hello.job_id");
-    assert_non_null(strstr(dpclip_errmsg(c), "at most 63 bytes"));
-    dpclip_disconnect(c);
-    o.job_id = b;
-    c = NULL;
-    assert_int_equal(dpclip_connect(g_h.sock, &o, &c), DPCLIP_EINVAL);
-    dpclip_disconnect(c);
-    /* 63 bytes: kept whole, its own account */
-    a[63] = '\0';
-    c = connect_job(g_h.sock, a);
-    {
-        dc_shm_step s;
-        assert_int_equal(dc_service_step_init(&s, c, 8, 1.0f, 0.1, 8), 0);
-        assert_int_equal(run(c, &s, NULL, NULL), 0);
-        dc_shm_step_free(&s);
-    }
-    assert_int_equal(job_steps(g_status, a), 1);
-    dpclip_disconnect(c);
-}
-
-/* Data parallelism: rank 0 adds the noise, ranks 1..W-1 send sigma 0 in the
- * same job. Their steps are shares of rank 0's logical steps: not refused by
- * a budget (they were, at step 0), not charged; the job's epsilon is rank
- * 0's, once per logical step. A lone sigma-0 session still has no privacy. */
-static void test_data_parallel_budget(void **state) {
-    dpclip_client *r0 = connect_job(g_h.sock, "dp"), *r1 = connect_job(g_h.sock, "dp"),
-                  *lone;
-    dc_shm_step s0, s1, sl;
-    double budget = accountant_eps(0.1, 1.0, 3, 1e-5) * (1 + 1e-9), eps0 = 0, eps1 = -1;
-    (void)state;
-    assert_int_equal(dc_service_step_init(&s0, r0, 8, 1.0f, 0.1, 9), 0);
-    assert_int_equal(dc_service_step_init(&s1, r1, 8, 0.0f, 0.1, 10), 0);
-    set_privacy(&s0, 1.0f, 0.1, 0, budget);
-    set_privacy(&s1, 0.0f, 0.1, 0, budget);
-    for (int i = 1; i <= 3; i++) {
-        /* rank 1 first, as it may well be */
-        assert_int_equal(run(r1, &s1, &eps1, NULL), 0);
-        assert_true(eps1 == eps0); /* the job's, before rank 0's step */
-        assert_int_equal(run(r0, &s0, &eps0, NULL), 0);
-        assert_rel(eps0, accountant_eps(0.1, 1.0, i, 1e-5), 1e-9);
-    }
-    assert_int_equal(job_steps(g_status, "dp"), 3);
-    /* the budget stops rank 0, whose step would cost */
-    assert_int_equal(run(r0, &s0, NULL, NULL), DPCLIP_ENOSPACE);
-    {
-        json_t *root = get_status(g_status), *j = ledger_job(root, "dp");
-        assert_non_null(j);
-        assert_int_equal(json_integer_value(json_object_get(j, "shares")), 3);
-        json_decref(root);
-    }
-    /* one session, no noise: no privacy, and a budget refuses it */
-    lone = connect_job(g_h.sock, "dp-lone");
-    assert_int_equal(dc_service_step_init(&sl, lone, 8, 0.0f, 0.1, 11), 0);
-    set_privacy(&sl, 0.0f, 0.1, 0, budget);
-    assert_int_equal(run(lone, &sl, NULL, NULL), DPCLIP_ENOSPACE);
-    dc_shm_step_free(&sl);
-    dpclip_disconnect(lone);
-    dc_shm_step_free(&s0);
-    dc_shm_step_free(&s1);
-    dpclip_disconnect(r0);
-    dpclip_disconnect(r1);
-}
-
-/* 4000 distinct sample rates kept 4000 history entries and slowed steps:
- * the history /status shows is bounded, the rest folded, nothing lost. */
-static void test_many_rates(void **state) {
-    enum { N = 40 };
-    dpclip_client *c = connect_job(g_h.sock, "many-rates");
-    dc_shm_step s;
-    double eps = 0, rdp[DC_RDP_N_ORDERS] = {0}, one[DC_RDP_N_ORDERS], want;
-    const double *o = dc_rdp_default_orders();
-    (void)state;
-    assert_int_equal(dc_service_step_init(&s, c, 8, 1.0f, 0.1, 12), 0);
-    for (int i = 0; i < N; i++) {
-        double q = 0.01 + 0.001 * i;
-        set_privacy(&s, 1.0f, q, 0, 0);
-        assert_int_equal(run(c, &s, &eps, NULL), 0);
-        dc_rdp_steps(q, 1.0, o, DC_RDP_N_ORDERS, one);
-        for (int k = 0; k < DC_RDP_N_ORDERS; k++) rdp[k] += one[k];
-    }
-    want = dc_rdp_epsilon(o, rdp, DC_RDP_N_ORDERS, 1e-5, NULL);
-    assert_true(eps >= want && eps <= want * (1 + 1e-9));
-    {
-        json_t *root = get_status(g_status), *j = ledger_job(root, "many-rates");
-        size_t n_hist;
-        assert_non_null(j);
-        n_hist = json_array_size(json_object_get(j, "history"));
-        assert_true(n_hist > 0 && n_hist < N);
-        assert_int_equal(json_integer_value(json_object_get(j, "steps")), N);
-        assert_int_equal(json_integer_value(json_object_get(j, "folded_steps")), N - (long)n_hist);
-        json_decref(root);
-    }
-    dc_shm_step_free(&s);
-    dpclip_disconnect(c);
-}
-
-/* ledger.max_jobs_per_uid: a uid's accounts in memory are capped; the
- * refusal names the setting, and the uid's existing jobs go on. */
-static void test_jobs_per_uid(void **state) {
-    dc_harness h;
-    dpclip_client *c = NULL;
-    dpclip_connect_opts o = {.client_name = "service-test", .job_id = "cap-3"};
-    dc_shm_step s;
-    char job[16];
-    (void)state;
-    assert_int_equal(dc_harness_start(&h, NO_SYSTEM_CONFIG "--workers 1 "
-                                      "--set ledger.max_jobs_per_uid=3"), 0);
-    for (int i = 0; i < 3; i++) {
-        snprintf(job, sizeof job, "cap-%d", i);
-        c = connect_job(h.sock, job);
-        assert_int_equal(dc_service_step_init(&s, c, 8, 1.0f, 0.1, 13), 0);
-        assert_int_equal(run(c, &s, NULL, NULL), 0); /* spent: the account stays */
-        dc_shm_step_free(&s);
-        dpclip_disconnect(c);
-    }
-    c = NULL;
-    assert_int_equal(dpclip_connect(h.sock, &o, &c), DPCLIP_ENOSPACE);
-    assert_string_equal(dpclip_errfield(c), "ledger.max_jobs_per_uid");
-    dpclip_disconnect(c);
-    c = connect_job(h.sock, "cap-1");
-    assert_int_equal(dc_service_step_init(&s, c, 8, 1.0f, 0.1, 14), 0);
-    assert_int_equal(run(c, &s, NULL, NULL), 0);
-    dc_shm_step_free(&s);
-    dpclip_disconnect(c);
-    assert_int_equal(dc_harness_stop(&h), 0);
-}
 
 /* --- kill -9 ----------------------------------------------------------------------- */
 
@@ -813,11 +641,6 @@ int main(void) {
         cmocka_unit_test(test_bad_privacy_fields),
         cmocka_unit_test(test_job_budget),
         cmocka_unit_test(test_failed_step_refunded),
-        cmocka_unit_test(test_delta_fixed),
-        cmocka_unit_test(test_long_job_id),
-        cmocka_unit_test(test_data_parallel_budget),
-        cmocka_unit_test(test_many_rates),
-        cmocka_unit_test(test_jobs_per_uid),
         cmocka_unit_test(test_ledger_survives_kill9),
         cmocka_unit_test(test_config_budget_access_reload),
 #ifdef DPCLIP_HAVE_SYSTEMD
