@@ -415,6 +415,15 @@ DPCLIP_API int dpclip_daemon_info_get(dpclip_client *c, dpclip_daemon_info *info
     return rc;
 }
 
+DPCLIP_API int dpclip_insecure(const dpclip_client *c) {
+    int v;
+    if (!c) return 0;
+    cl_lock((dpclip_client *)c);
+    v = c->insecure;
+    cl_unlock((dpclip_client *)c);
+    return v;
+}
+
 DPCLIP_API int dpclip_fd(const dpclip_client *c) {
     int fd;
     if (!c) return -1;

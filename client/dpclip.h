@@ -101,6 +101,10 @@ typedef struct dpclip_daemon_info {
     int mps_active;       /* the CUDA MPS control daemon serves the node */
 } dpclip_daemon_info;
 int dpclip_daemon_info_get(dpclip_client *c, dpclip_daemon_info *info);
+/* 1 once a reply said the daemon runs with --insecure-fixed-seed (every
+ * reply says so, the Hello's first): its noise is predictable and nothing it
+ * computes is private, whatever epsilon it reports. 0 otherwise. */
+int dpclip_insecure(const dpclip_client *c);
 
 /* --- buffers ------------------------------------------------------------- */
 
@@ -146,7 +150,8 @@ typedef enum dpclip_clip_mode { DPCLIP_FLAT = 0, DPCLIP_PER_LAYER = 1 } dpclip_c
 typedef struct dpclip_clip_config {
     float max_grad_norm;          /* C > 0 */
     dpclip_reduction reduction;
-    uint32_t expected_batch_size; /* MEAN: divisor of the noised sum; 0 = batch size */
+    uint32_t expected_batch_size; /* MEAN: divisor of the noised sum; 0 = batch size, refused
+                                     with a sample_rate in (0, 1) (it would be released) */
     float noise_multiplier;       /* sigma >= 0 */
     dpclip_clip_mode mode;
     /* Privacy accounting (the daemon's ledger for this job: connect's job_id

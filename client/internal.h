@@ -80,6 +80,7 @@ struct dpclip_client {
     uint64_t next_req_id;
     uint64_t next_ticket;
     dpclip_daemon_info info;
+    int insecure;           /* a reply said the daemon's noise is predictable */
     char errmsg[512];
     char errfield[128];
 

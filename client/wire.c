@@ -216,6 +216,7 @@ int cl_read_reply(dpclip_client *c, int64_t deadline, Dpclip__Reply **out) {
                 memmove(c->rbuf, c->rbuf + used, c->rlen - used);
                 c->rlen -= used;
                 if (!r) return cl_die(c, "dpclipd sent a reply that does not decode");
+                if (r->insecure) c->insecure = 1;
                 *out = r;
                 return 0;
             }

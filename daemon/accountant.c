@@ -60,7 +60,7 @@ static double log_a_int(double q, double sigma, int alpha) {
     return log_a;
 }
 
-static double log_a_frac(double q, double sigma, double alpha) {
+static int log_a_frac(double q, double sigma, double alpha, size_t max_terms, double *out) {
     double log_a0 = -INFINITY, log_a1 = -INFINITY;
     double lq = log(q), l1q = log1p(-q), s2 = 2.0 * sigma * sigma;
     double z0 = sigma * sigma * log(1.0 / q - 1.0) + 0.5;
@@ -70,18 +70,18 @@ static double log_a_frac(double q, double sigma, double alpha) {
     double log_coef = 0.0;
     int sign = 1;
 
-    for (int i = 0; i < 1000000; i++) {
-        double j = alpha - i;
-        if (i > 0) {
+    for (size_t n = 0; n < max_terms; n++) {
+        double i = (double)n, j = alpha - i;
+        if (n > 0) {
             double f = alpha - i + 1.0;
-            log_coef += log(fabs(f)) - log((double)i);
+            log_coef += log(fabs(f)) - log(i);
             if (f < 0) sign = -sign;
         }
         double log_t0 = log_coef + i * lq + j * l1q;
         double log_t1 = log_coef + j * lq + i * l1q;
         double log_e0 = log(0.5) + dc_log_erfc((i - z0) * rs);
         double log_e1 = log(0.5) + dc_log_erfc((z0 - j) * rs);
-        double log_s0 = log_t0 + ((double)i * i - i) / s2 + log_e0;
+        double log_s0 = log_t0 + (i * i - i) / s2 + log_e0;
         double log_s1 = log_t1 + (j * j - j) / s2 + log_e1;
         if (sign > 0) {
             log_a0 = log_add(log_a0, log_s0);
@@ -90,15 +90,30 @@ static double log_a_frac(double q, double sigma, double alpha) {
             log_a0 = log_sub(log_a0, log_s0);
             log_a1 = log_sub(log_a1, log_s1);
         }
-        if (isnan(log_a0) || isnan(log_a1)) return NAN;
-        if (fmax(log_s0, log_s1) < -30.0) return log_add(log_a0, log_a1);
+        if (isnan(log_a0) || isnan(log_a1)) return -1;
+        if (fmax(log_s0, log_s1) < -30.0) {
+            *out = log_add(log_a0, log_a1);
+            return 0;
+        }
     }
-    return NAN; /* did not converge */
+    return -1; /* did not converge */
+}
+
+int dc_rdp_log_a_series(double q, double sigma, double alpha, size_t max_terms, double *out) {
+    return log_a_frac(q, sigma, alpha, max_terms, out);
 }
 
 double dc_rdp_log_a(double q, double sigma, double alpha) {
+    double lo, t, r;
     if (alpha == floor(alpha) && alpha < 1e6) return log_a_int(q, sigma, (int)alpha);
-    return log_a_frac(q, sigma, alpha);
+    if (log_a_frac(q, sigma, alpha, DC_RDP_SERIES_MAX, &r) == 0) return r;
+    if (!(alpha < 1e6)) return NAN;
+    /* The chord of the convex log(A) between floor and ceil: above the
+     * curve between them. log(A_1) = log(1) = 0. */
+    lo = floor(alpha);
+    t = alpha - lo;
+    r = lo >= 2.0 ? (1.0 - t) * log_a_int(q, sigma, (int)lo) : 0.0;
+    return r + t * log_a_int(q, sigma, (int)lo + 1);
 }
 
 double dc_rdp_step(double q, double sigma, double alpha) {
@@ -127,5 +142,5 @@ double dc_rdp_epsilon(const double *orders, const double *rdp, size_t n, double 
         }
     }
     if (best) *best = at;
-    return eps;
+    return eps < 0.0 ? 0.0 : eps;
 }

@@ -94,6 +94,12 @@ static const key_def KEYS[] = {
      "group of the status socket"},
     {"status", "tcp_port", "status-port", T_UINT, F(status_port), 0, 65535, false,
      "also serve status on 127.0.0.1:PORT; 0 = off"},
+    {"status", "max_connections", NULL, T_UINT, F(status_max_connections), 1, 65536, false,
+     "status connections open at once (each socket); more are refused"},
+    {"status", "timeout_s", NULL, T_UINT, F(status_timeout_s), 1, 3600, false,
+     "a status connection silent this long is closed"},
+    {"status", "ops_group", NULL, T_GROUP, F(status_ops_group), 0, 0, true,
+     "group whose members see every job on the status socket; others see their own"},
     {"ledger", "dir", "ledger-dir", T_PATH, F(ledger_dir), 0, 0, false,
      "privacy ledger directory; empty = in memory only"},
     {"ledger", "delta", NULL, T_DOUBLE, F(delta), 1e-300, 0.5, true,
@@ -104,6 +110,11 @@ static const key_def KEYS[] = {
      "delta of the node-wide budget"},
     {"ledger", "require_sample_rate", NULL, T_BOOL, F(require_sample_rate), 0, 0, true,
      "refuse steps that do not state their sample rate (else counted as rate 1)"},
+    {"ledger", "max_jobs_per_uid", NULL, T_UINT, F(ledger_max_jobs_per_uid), 0, 1u << 20, true,
+     "accounts one uid may hold in the ledger's memory (jobs with sessions or recent steps)"},
+    {"ledger", "job_idle_s", NULL, T_UINT, F(ledger_job_idle_s), 0, 1u << 30, true,
+     "an account without sessions leaves memory this long after its last step (in memory "
+     "only: forgotten; 0 = never)"},
 };
 #define N_KEYS (sizeof KEYS / sizeof KEYS[0])
 
@@ -128,8 +139,12 @@ void dc_config_defaults(dc_config *c) {
     c->max_step_gflop = 500;
     c->max_gpu_step_gflop = 2000000;
     c->status_mode = 0660;
+    c->status_max_connections = 256;
+    c->status_timeout_s = 5;
     c->delta = 1e-5;
     c->budget_delta = 1e-5;
+    c->ledger_max_jobs_per_uid = 64;
+    c->ledger_job_idle_s = 86400;
     c->ready_fd = -1;
 }
 

@@ -57,12 +57,16 @@ typedef struct dc_config {
     unsigned status_mode;
     char status_group[64];
     uint32_t status_port;          /* TCP on 127.0.0.1; 0 = off */
+    uint32_t status_max_connections, status_timeout_s;
+    char status_ops_group[64];     /* sees every job in /status; "" = root and the daemon only */
     /* [ledger] */
     char ledger_dir[DC_CONFIG_PATH_MAX]; /* "" = in memory only (lost at exit) */
     double delta;                  /* delta at which a job's eps is reported */
     double budget_epsilon;         /* 0 = no node-wide budget per job */
     double budget_delta;
     bool require_sample_rate;      /* refuse steps that do not give one */
+    uint32_t ledger_max_jobs_per_uid; /* accounts one uid may hold in memory; 0 = no cap */
+    uint32_t ledger_job_idle_s;    /* unused accounts leave memory after this; 0 = never */
 
     /* Flags only (not in the file). */
     char config_path[DC_CONFIG_PATH_MAX]; /* the file read, "" = none */

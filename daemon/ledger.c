@@ -1,43 +1,135 @@
+/* The ledger's accounts and their accounting: RDP curves (cached, computed
+ * off the loop), the bounded history, spends, refunds, terms, and which
+ * accounts stay in memory. The file format is in ledger_file.c. */
 #include "ledger.h"
 
-#include <dirent.h>
-#include <errno.h>
-#include <fcntl.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/file.h>
-#include <sys/stat.h>
-#include <unistd.h>
 
-#define LEDGER_MAGIC "dpclip-ledger 1"
+#include "ledger_int.h"
 
 /* --- RDP curves -------------------------------------------------------------- */
 
-/* The per-step curve of (q, sigma): from the job's history, the cache, or
- * computed (and cached). */
-static const double *curve(dc_ledger *l, const dc_ledger_job *j, double q, double sigma) {
-    dc_ledger_entry *e;
-    if (j)
-        for (size_t i = 0; i < j->n_hist; i++)
-            if (j->hist[i].q == q && j->hist[i].sigma == sigma) return j->hist[i].rdp;
+static const double *cache_find(const dc_ledger *l, double q, double sigma) {
     for (size_t i = 0; i < l->n_cache; i++)
         if (l->cache[i].q == q && l->cache[i].sigma == sigma) return l->cache[i].rdp;
-    e = &l->cache[l->next_cache];
-    l->next_cache = (l->next_cache + 1) % (sizeof l->cache / sizeof l->cache[0]);
-    if (l->n_cache < sizeof l->cache / sizeof l->cache[0]) l->n_cache++;
+    return NULL;
+}
+
+static dc_ledger_entry *find_entry(const dc_ledger_job *j, double q, double sigma) {
+    for (size_t i = 0; i < j->n_hist; i++)
+        if (j->hist[i].q == q && j->hist[i].sigma == sigma) return &j->hist[i];
+    return NULL;
+}
+
+/* A computed curve into the cache (replacing the oldest entry). */
+static const double *cache_put(dc_ledger *l, double q, double sigma, const double *rdp) {
+    dc_ledger_entry *e = &l->cache[l->next_cache];
+    l->next_cache = (l->next_cache + 1) % DC_LEDGER_CACHE;
+    if (l->n_cache < DC_LEDGER_CACHE) l->n_cache++;
     e->q = q;
     e->sigma = sigma;
     e->steps = 0;
-    dc_rdp_steps(q, sigma, dc_rdp_default_orders(), DC_RDP_N_ORDERS, e->rdp);
+    memcpy(e->rdp, rdp, sizeof e->rdp);
     return e->rdp;
 }
 
-static void recompute(dc_ledger_job *j) {
+/* One step's curve. An order the accountant cannot bound (NaN: arguments
+ * it refuses) counts as infinite, i.e. unusable for the conversion. */
+static void compute_curve(double q, double sigma, double *out) {
+    dc_rdp_steps(q, sigma, dc_rdp_default_orders(), DC_RDP_N_ORDERS, out);
+    for (size_t k = 0; k < DC_RDP_N_ORDERS; k++)
+        if (isnan(out[k])) out[k] = INFINITY;
+}
+
+/* The per-step curve of (q, sigma): from the job's history, the cache, or
+ * computed here (and cached). */
+const double *dc_ledger_curve(dc_ledger *l, const dc_ledger_job *j, double q, double sigma) {
+    const dc_ledger_entry *e = j ? find_entry(j, q, sigma) : NULL;
+    const double *c;
+    double tmp[DC_RDP_N_ORDERS];
+    if (e) return e->rdp;
+    if ((c = cache_find(l, q, sigma))) return c;
+    compute_curve(q, sigma, tmp);
+    return cache_put(l, q, sigma, tmp);
+}
+
+bool dc_ledger_has_curve(const dc_ledger *l, const dc_ledger_job *j, double q, double sigma) {
+    return (j && find_entry(j, q, sigma)) || cache_find(l, q, sigma);
+}
+
+static void calc_start(dc_ledger *l, uv_loop_t *loop);
+
+static void calc_work(uv_work_t *req) {
+    dc_ledger *l = req->data;
+    compute_curve(l->calc_q, l->calc_sigma, l->calc_rdp);
+}
+
+static void calc_done(uv_work_t *req, int status) {
+    dc_ledger *l = req->data;
+    dc_ledger_waiter **pp = &l->calc_head, *ready = NULL, **rt = &ready;
+    l->calc_busy = false;
+    if (status == 0) cache_put(l, l->calc_q, l->calc_sigma, l->calc_rdp);
+    /* Every waiter whose curve is now at hand goes, in order (a cancelled
+     * computation: all of them, they compute it themselves). */
+    l->calc_tail = NULL;
+    while (*pp) {
+        dc_ledger_waiter *w = *pp;
+        if (status != 0 || cache_find(l, w->q, w->sigma)) {
+            *pp = w->next;
+            w->next = NULL;
+            *rt = w;
+            rt = &w->next;
+        } else {
+            l->calc_tail = w;
+            pp = &w->next;
+        }
+    }
+    if (l->calc_head) calc_start(l, req->loop);
+    while (ready) {
+        dc_ledger_waiter *w = ready;
+        ready = w->next;
+        w->next = NULL;
+        w->done(w, 0, NULL);
+    }
+}
+
+static void calc_start(dc_ledger *l, uv_loop_t *loop) {
+    l->calc_busy = true;
+    l->calc_q = l->calc_head->q;
+    l->calc_sigma = l->calc_head->sigma;
+    l->calc_req.data = l;
+    if (uv_queue_work(loop, &l->calc_req, calc_work, calc_done) != 0) {
+        /* Cannot happen with valid arguments; never leave a step waiting. */
+        l->calc_req.loop = loop;
+        calc_work(&l->calc_req);
+        calc_done(&l->calc_req, 0);
+    }
+}
+
+void dc_ledger_curve_async(dc_ledger *l, uv_loop_t *loop, double q, double sigma,
+                           dc_ledger_waiter *w) {
+    w->q = q;
+    w->sigma = sigma;
+    w->next = NULL;
+    if (l->calc_tail) l->calc_tail->next = w;
+    else l->calc_head = w;
+    l->calc_tail = w;
+    if (!l->calc_busy) calc_start(l, loop);
+}
+
+/* --- composition --------------------------------------------------------------- */
+
+/* x rounded away from the true value towards +inf: the folded sum must never
+ * understate what it holds, whatever rounding its additions met. */
+static double up(double x) { return isfinite(x) && x != 0.0 ? nextafter(x, INFINITY) : x; }
+
+void dc_ledger_recompute(dc_ledger_job *j) {
     const double *orders = dc_rdp_default_orders();
-    j->steps = 0;
-    for (size_t k = 0; k < DC_RDP_N_ORDERS; k++) j->rdp[k] = 0.0;
+    j->steps = j->folded_steps;
+    memcpy(j->rdp, j->folded, sizeof j->rdp);
     for (size_t i = 0; i < j->n_hist; i++) {
         const dc_ledger_entry *e = &j->hist[i];
         j->steps += e->steps;
@@ -62,88 +154,92 @@ double dc_ledger_eps_at(const dc_ledger_job *j, double delta, double *best_order
 
 double dc_ledger_eps_after(dc_ledger *l, const dc_ledger_job *j, double q, double sigma,
                            double delta) {
-    const double *c = curve(l, j, q, sigma);
+    const double *c = dc_ledger_curve(l, j, q, sigma);
     double tmp[DC_RDP_N_ORDERS];
     for (size_t k = 0; k < DC_RDP_N_ORDERS; k++) tmp[k] = j->rdp[k] + c[k];
     return dc_rdp_epsilon(dc_rdp_default_orders(), tmp, DC_RDP_N_ORDERS, delta, NULL);
 }
 
-/* --- jobs ------------------------------------------------------------------- */
-
-dc_ledger_job *dc_ledger_job_find(dc_ledger *l, uint32_t uid, const char *job) {
-    for (dc_ledger_job *j = l->jobs; j; j = j->next)
-        if (j->uid == uid && strcmp(j->job, job) == 0) return j;
-    return NULL;
-}
-
-static dc_ledger_job *job_new(dc_ledger *l, uint32_t uid, const char *job) {
-    dc_ledger_job *j = calloc(1, sizeof *j);
-    if (!j) return NULL;
-    j->uid = uid;
-    snprintf(j->job, sizeof j->job, "%s", job);
-    j->delta = l->default_delta;
-    j->best_order = NAN;
-    j->next = l->jobs;
-    l->jobs = j;
-    l->n_jobs++;
-    return j;
-}
-
-dc_ledger_job *dc_ledger_job_get(dc_ledger *l, uint32_t uid, const char *job) {
-    dc_ledger_job *j = dc_ledger_job_find(l, uid, job);
-    return j ? j : job_new(l, uid, job);
-}
-
-static dc_ledger_entry *find_entry(dc_ledger_job *j, double q, double sigma) {
-    for (size_t i = 0; i < j->n_hist; i++)
-        if (j->hist[i].q == q && j->hist[i].sigma == sigma) return &j->hist[i];
-    return NULL;
+/* The least recently used pair leaves the history: its steps stay in the
+ * folded sum, so the history stays bounded whatever a client sends. */
+static void fold_oldest(dc_ledger_job *j) {
+    size_t o = 0;
+    for (size_t i = 1; i < j->n_hist; i++)
+        if (j->hist[i].used < j->hist[o].used) o = i;
+    for (size_t k = 0; k < DC_RDP_N_ORDERS; k++)
+        j->folded[k] = up(j->folded[k] + up((double)j->hist[o].steps * j->hist[o].rdp[k]));
+    j->folded_steps += j->hist[o].steps;
+    j->hist[o] = j->hist[j->n_hist - 1];
+    j->n_hist--;
 }
 
 /* Appends an entry with a computed curve and zero steps. */
-static dc_ledger_entry *add_entry(dc_ledger *l, dc_ledger_job *j, double q, double sigma) {
+dc_ledger_entry *dc_ledger_add_entry(dc_ledger *l, dc_ledger_job *j, double q, double sigma) {
     dc_ledger_entry *e;
+    const double *c = dc_ledger_curve(l, j, q, sigma);
+    if (j->n_hist == DC_LEDGER_HIST_MAX) fold_oldest(j);
     if (j->n_hist == j->cap_hist) {
         size_t cap = j->cap_hist ? 2 * j->cap_hist : 2;
-        dc_ledger_entry *h = realloc(j->hist, cap * sizeof *h);
-        if (!h) return NULL;
+        dc_ledger_entry *h;
+        if (cap > DC_LEDGER_HIST_MAX) cap = DC_LEDGER_HIST_MAX;
+        if (!(h = realloc(j->hist, cap * sizeof *h))) return NULL;
         j->hist = h;
         j->cap_hist = cap;
     }
     e = &j->hist[j->n_hist];
-    memcpy(e->rdp, curve(l, j, q, sigma), sizeof e->rdp);
+    memcpy(e->rdp, c, sizeof e->rdp);
     e->q = q;
     e->sigma = sigma;
     e->steps = 0;
+    e->used = j->gen;
     j->n_hist++;
     return e;
 }
 
 int dc_ledger_spend(dc_ledger *l, dc_ledger_job *j, double q, double sigma, dc_err *err) {
     dc_ledger_entry *e = find_entry(j, q, sigma);
-    if (!e && !(e = add_entry(l, j, q, sigma)))
+    if (!e && !(e = dc_ledger_add_entry(l, j, q, sigma)))
         return dc_err_set(err, DC_ENOSPACE, "ledger", "out of memory for the ledger");
     e->steps++;
-    recompute(j);
-    j->gen++;
+    e->used = ++j->gen;
+    if (l->insecure) j->insecure = true;
+    j->used_ns = uv_hrtime();
+    dc_ledger_recompute(j);
     return 0;
 }
 
 void dc_ledger_refund(dc_ledger_job *j, double q, double sigma) {
     dc_ledger_entry *e = find_entry(j, q, sigma);
-    if (!e || e->steps == 0) return;
-    if (--e->steps == 0) {
-        size_t i = (size_t)(e - j->hist);
-        memmove(&j->hist[i], &j->hist[i + 1], (j->n_hist - i - 1) * sizeof *e);
-        j->n_hist--;
+    if (e && e->steps > 0) {
+        if (--e->steps == 0) *e = j->hist[--j->n_hist];
+    } else if (j->folded_steps > 0) {
+        /* Its pair was folded while the step ran. Rounded up again: the
+         * sum keeps covering what stays in it. */
+        const double *c = dc_ledger_curve(j->ledger, NULL, q, sigma);
+        if (--j->folded_steps == 0) {
+            memset(j->folded, 0, sizeof j->folded);
+        } else {
+            for (size_t k = 0; k < DC_RDP_N_ORDERS; k++)
+                if (isfinite(j->folded[k]))
+                    j->folded[k] = j->folded[k] > c[k] ? up(j->folded[k] - c[k]) : 0.0;
+        }
+    } else {
+        return;
     }
-    recompute(j);
+    dc_ledger_recompute(j);
     j->gen++;
 }
 
-void dc_ledger_job_terms(dc_ledger_job *j, double delta, double budget_eps) {
+int dc_ledger_job_terms(dc_ledger_job *j, double delta, double budget_eps, dc_err *err) {
     bool changed = false;
     if (delta > 0 && delta != j->delta) {
+        /* A delta fixed by the first step: a later, larger delta would make
+         * the same spend look smaller and let a budget be overrun. */
+        if (j->steps > 0)
+            return dc_err_set(err, DC_EPRECOND, "clip_step.target_delta",
+                              "job '%s' (uid %u) reports epsilon at delta %g, fixed by its first "
+                              "step; a step cannot change it to %g (use a new job id)",
+                              j->job, j->uid, j->delta, delta);
         j->delta = delta;
         changed = true;
     }
@@ -152,279 +248,127 @@ void dc_ledger_job_terms(dc_ledger_job *j, double delta, double budget_eps) {
         changed = true;
     }
     if (changed) {
-        recompute(j);
+        dc_ledger_recompute(j);
         j->gen++;
     }
+    return 0;
 }
 
-/* --- files ------------------------------------------------------------------ */
+/* --- accounts in memory ---------------------------------------------------------- */
 
-void dc_ledger_job_path(const dc_ledger *l, const dc_ledger_job *j, char *out, size_t n) {
-    char hex[2 * DC_LEDGER_JOB_MAX + 1];
-    size_t k = 0;
-    for (const unsigned char *p = (const unsigned char *)j->job; *p; p++, k += 2)
-        snprintf(hex + k, 3, "%02x", *p);
-    hex[k] = '\0';
-    snprintf(out, n, "%s/%u-%s.ledger", l->dir, j->uid, hex);
+void dc_ledger_set_limits(dc_ledger *l, uint32_t max_jobs_per_uid, uint32_t job_idle_s) {
+    l->max_jobs_per_uid = max_jobs_per_uid;
+    l->job_idle_ns = (uint64_t)job_idle_s * 1000000000u;
 }
 
-int dc_ledger_serialize(const dc_ledger_job *j, char **out, size_t *len) {
-    char *buf = NULL;
+dc_ledger_job *dc_ledger_job_find(dc_ledger *l, uint32_t uid, const char *job) {
+    for (dc_ledger_job *j = l->jobs; j; j = j->next)
+        if (j->uid == uid && strcmp(j->job, job) == 0) return j;
+    return NULL;
+}
+
+dc_ledger_job *dc_ledger_job_new(dc_ledger *l, uint32_t uid, const char *job) {
+    dc_ledger_job *j = calloc(1, sizeof *j);
+    if (!j) return NULL;
+    j->ledger = l;
+    j->uid = uid;
+    snprintf(j->job, sizeof j->job, "%s", job);
+    j->delta = l->default_delta;
+    j->best_order = NAN;
+    j->used_ns = uv_hrtime();
+    j->next = l->jobs;
+    l->jobs = j;
+    l->n_jobs++;
+    return j;
+}
+
+/* Nothing refers to it and nothing of it is only in memory, or what is
+ * only in memory may be forgotten after the idle time. */
+static bool job_idle(const dc_ledger *l, const dc_ledger_job *j) {
+    return j->sessions == 0 && !j->writing && !j->dirty && !j->waiters &&
+           (!dc_ledger_persistent(l) || j->saved_gen >= j->gen);
+}
+
+static void job_drop(dc_ledger *l, dc_ledger_job **pp) {
+    dc_ledger_job *j = *pp;
+    *pp = j->next;
+    l->n_jobs--;
+    free(j->hist);
+    free(j);
+}
+
+size_t dc_ledger_expire(dc_ledger *l, uint64_t now_ns) {
     size_t n = 0;
-    FILE *f = open_memstream(&buf, &n);
-    if (!f) return DC_ENOSPACE;
-    fprintf(f, LEDGER_MAGIC "\nuid %u\njob ", j->uid);
-    for (const unsigned char *p = (const unsigned char *)j->job; *p; p++) fprintf(f, "%02x", *p);
-    fprintf(f, "\ndelta %.17g\nbudget_epsilon %.17g\nsteps %llu\n", j->delta, j->budget_eps,
-            (unsigned long long)j->steps);
-    for (size_t i = 0; i < j->n_hist; i++)
-        fprintf(f, "entry %.17g %.17g %llu\n", j->hist[i].q, j->hist[i].sigma,
-                (unsigned long long)j->hist[i].steps);
-    /* For people reading the file; recomputed from the entries on load. */
-    fprintf(f, "epsilon %.17g\nend\n", j->eps);
-    if (fclose(f) != 0) {
-        free(buf);
-        return DC_ENOSPACE;
+    l->swept_ns = now_ns;
+    for (dc_ledger_job **pp = &l->jobs; *pp;) {
+        dc_ledger_job *j = *pp;
+        bool go = job_idle(l, j) &&
+                  (j->steps == 0 ||
+                   (l->job_idle_ns && now_ns >= j->used_ns && now_ns - j->used_ns >= l->job_idle_ns));
+        if (go) {
+            job_drop(l, pp);
+            n++;
+        } else {
+            pp = &j->next;
+        }
     }
-    *out = buf;
-    *len = n;
-    return 0;
+    return n;
 }
 
-static int fsync_dir_of(const char *path) {
-    char dir[512];
-    const char *slash = strrchr(path, '/');
-    int fd, rc;
-    snprintf(dir, sizeof dir, "%.*s", slash && slash != path ? (int)(slash - path) : 1,
-             slash ? path : ".");
-    if ((fd = open(dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC)) < 0) return -1;
-    rc = fsync(fd);
-    close(fd);
-    return rc;
+/* Accounts of uid in memory; at the cap, those of uid that nothing uses and
+ * that lose nothing by going (never spent, or on disk: read back when
+ * named) go first, whatever their idle time. */
+static size_t make_room(dc_ledger *l, uint32_t uid) {
+    size_t n = 0;
+    for (dc_ledger_job *j = l->jobs; j; j = j->next) n += j->uid == uid;
+    if (!l->max_jobs_per_uid || n < l->max_jobs_per_uid) return n;
+    for (dc_ledger_job **pp = &l->jobs; *pp && n >= l->max_jobs_per_uid;) {
+        if ((*pp)->uid == uid && job_idle(l, *pp) &&
+            ((*pp)->steps == 0 || dc_ledger_persistent(l))) {
+            job_drop(l, pp);
+            n--;
+        } else {
+            pp = &(*pp)->next;
+        }
+    }
+    return n;
 }
 
-int dc_ledger_write_file(const char *path, const char *buf, size_t len, dc_err *err) {
-    char tmp[600];
-    size_t off = 0;
-    int fd;
-
-    snprintf(tmp, sizeof tmp, "%s.tmp", path);
-    fd = open(tmp, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0640);
-    if (fd < 0)
-        return dc_err_set(err, DC_EUNAVAIL, "ledger", "cannot create %s: %s", tmp,
-                          strerror(errno));
-    while (off < len) {
-        ssize_t w = write(fd, buf + off, len - off);
-        if (w < 0 && errno == EINTR) continue;
-        if (w <= 0) goto fail;
-        off += (size_t)w;
-    }
-    /* The data must be on disk before the rename makes it the ledger, and
-     * the rename on disk before anyone is told the spend is recorded. */
-    if (fsync(fd) != 0) goto fail;
-    if (close(fd) != 0) {
-        fd = -1;
-        goto fail;
-    }
-    fd = -1;
-    if (rename(tmp, path) != 0) goto fail;
-    if (fsync_dir_of(path) != 0)
-        return dc_err_set(err, DC_EUNAVAIL, "ledger", "fsync of the ledger directory: %s",
-                          strerror(errno));
-    return 0;
-fail:
-    dc_err_set(err, DC_EUNAVAIL, "ledger", "cannot write %s: %s", tmp, strerror(errno));
-    if (fd >= 0) close(fd);
-    unlink(tmp);
-    return DC_EUNAVAIL;
-}
-
-int dc_ledger_save(dc_ledger *l, dc_ledger_job *j, dc_err *err) {
-    char path[512], *buf;
-    size_t len;
-    uint64_t gen = j->gen;
+int dc_ledger_job_open(dc_ledger *l, uint32_t uid, const char *job, dc_ledger_job **out,
+                       dc_err *err) {
+    dc_ledger_job *j;
+    uint64_t now = uv_hrtime();
+    size_t len = strlen(job), n;
     int rc;
-    if (!dc_ledger_persistent(l)) {
-        j->saved_gen = gen;
+
+    *out = NULL;
+    if (len >= DC_LEDGER_JOB_MAX)
+        return dc_err_set(err, DC_EINVAL, "hello.job_id", "job id of %zu bytes: at most %d bytes "
+                          "are allowed (a longer id would share an account with another job)",
+                          len, DC_LEDGER_JOB_MAX - 1);
+    if ((j = dc_ledger_job_find(l, uid, job))) {
+        *out = j;
         return 0;
     }
-    if (dc_ledger_serialize(j, &buf, &len))
-        return dc_err_set(err, DC_ENOSPACE, "ledger", "out of memory");
-    dc_ledger_job_path(l, j, path, sizeof path);
-    rc = dc_ledger_write_file(path, buf, len, err);
-    free(buf);
-    if (rc == 0) j->saved_gen = gen;
-    return rc;
-}
-
-/* --- loading ---------------------------------------------------------------- */
-
-static int unhex(const char *s, char *out, size_t n) {
-    size_t len = strlen(s), k = 0;
-    if (len % 2 || len / 2 >= n) return -1;
-    for (size_t i = 0; i < len; i += 2) {
-        unsigned v;
-        if (sscanf(s + i, "%2x", &v) != 1 || v == 0) return -1;
-        out[k++] = (char)v;
-    }
-    out[k] = '\0';
+    if (now - l->swept_ns >= 1000000000u) dc_ledger_expire(l, now);
+    if (l->max_jobs_per_uid && (n = make_room(l, uid)) >= l->max_jobs_per_uid)
+        return dc_err_set(err, DC_ENOSPACE, "ledger.max_jobs_per_uid",
+                          "uid %u already has %zu jobs in the privacy ledger, the most "
+                          "ledger.max_jobs_per_uid allows; a job's account goes once its "
+                          "sessions have ended (ledger.job_idle_s after its last step)", uid, n);
+    if (dc_ledger_persistent(l) && (rc = dc_ledger_load_job(l, uid, job, &j, err)) != 0)
+        return rc;
+    if (!j && !(j = dc_ledger_job_new(l, uid, job)))
+        return dc_err_set(err, DC_ENOSPACE, "ledger", "out of memory for the ledger");
+    *out = j;
     return 0;
 }
 
-static int load_job(dc_ledger *l, const char *path, dc_err *err) {
-    FILE *f = fopen(path, "re");
-    char line[512], job[DC_LEDGER_JOB_MAX] = "";
-    unsigned long long steps = 0, sum = 0, cnt;
-    unsigned uid = 0;
-    double delta = l->default_delta, budget = 0, q, sigma;
-    bool have_uid = false, have_job = false, ended = false;
-    int lineno = 0;
-    dc_ledger_job *j = NULL;
-    const char *why = "unreadable";
-    struct { double q, sigma; unsigned long long n; } *ent = NULL;
-    size_t n_ent = 0;
-
-    if (!f) return dc_err_set(err, DC_EINTERNAL, "ledger", "%s: %s", path, strerror(errno));
-
-    if (!fgets(line, sizeof line, f) || strcmp(line, LEDGER_MAGIC "\n") != 0) {
-        why = "not a dpclip ledger file (bad first line)";
-        goto bad;
-    }
-    lineno = 1;
-    while (fgets(line, sizeof line, f)) {
-        char key[32], val[256];
-        lineno++;
-        line[strcspn(line, "\n")] = '\0';
-        if (strcmp(line, "end") == 0) {
-            ended = true;
-            break;
-        }
-        if (sscanf(line, "entry %lf %lf %llu", &q, &sigma, &cnt) == 3) {
-            void *p = realloc(ent, (n_ent + 1) * sizeof *ent);
-            if (!p || !(q >= 0 && q <= 1 && sigma >= 0)) {
-                why = p ? "bad entry" : "out of memory";
-                if (p) ent = p;
-                goto bad;
-            }
-            ent = p;
-            ent[n_ent].q = q;
-            ent[n_ent].sigma = sigma;
-            ent[n_ent].n = cnt;
-            n_ent++;
-            sum += cnt;
-            continue;
-        }
-        val[0] = '\0';
-        if (sscanf(line, "%31s %255s", key, val) < 1) continue;
-        if (strcmp(key, "uid") == 0 && sscanf(val, "%u", &uid) == 1) have_uid = true;
-        else if (strcmp(key, "job") == 0 && unhex(val, job, sizeof job) == 0) have_job = true;
-        else if (strcmp(key, "delta") == 0 && sscanf(val, "%lf", &delta) == 1) continue;
-        else if (strcmp(key, "budget_epsilon") == 0 && sscanf(val, "%lf", &budget) == 1) continue;
-        else if (strcmp(key, "steps") == 0 && sscanf(val, "%llu", &steps) == 1) continue;
-        else if (strcmp(key, "epsilon") == 0) continue;
-        else {
-            why = "unknown or malformed line";
-            goto bad;
-        }
-    }
-    if (!ended || !have_uid || !have_job || sum != steps || !(delta > 0 && delta < 1)) {
-        why = !ended ? "truncated (no 'end' line)" : sum != steps ? "entries do not add up to "
-              "'steps'" : "missing uid, job or delta";
-        lineno = 0;
-        goto bad;
-    }
-    fclose(f);
-    f = NULL;
-    if (dc_ledger_job_find(l, uid, job)) {
-        free(ent);
-        return dc_err_set(err, DC_EINTERNAL, "ledger", "%s: a second file for uid %u job '%s'",
-                          path, uid, job);
-    }
-    if (!(j = job_new(l, uid, job))) goto oom;
-    j->delta = delta;
-    j->budget_eps = budget;
-    for (size_t i = 0; i < n_ent; i++) {
-        dc_ledger_entry *e = find_entry(j, ent[i].q, ent[i].sigma);
-        if (!e && !(e = add_entry(l, j, ent[i].q, ent[i].sigma))) goto oom;
-        e->steps += ent[i].n;
-    }
-    recompute(j);
-    free(ent);
-    return 0;
-oom:
-    free(ent);
-    return dc_err_set(err, DC_ENOSPACE, "ledger", "out of memory loading %s", path);
-bad:
-    if (f) fclose(f);
-    free(ent);
-    if (lineno)
-        return dc_err_set(err, DC_EINTERNAL, "ledger", "%s:%d: %s; refusing to start with a "
-                          "ledger that cannot be read (move the file away to reset that job)",
-                          path, lineno, why);
-    return dc_err_set(err, DC_EINTERNAL, "ledger", "%s: %s; refusing to start with a ledger "
-                      "that cannot be read (move the file away to reset that job)", path, why);
+dc_ledger_job *dc_ledger_job_get(dc_ledger *l, uint32_t uid, const char *job) {
+    dc_ledger_job *j;
+    return dc_ledger_job_open(l, uid, job, &j, NULL) == 0 ? j : NULL;
 }
 
-static int ends_with(const char *s, const char *suffix) {
-    size_t a = strlen(s), b = strlen(suffix);
-    return a >= b && strcmp(s + a - b, suffix) == 0;
-}
-
-int dc_ledger_open(dc_ledger *l, const char *dir, double default_delta, dc_err *err) {
-    char path[600];
-    DIR *d;
-    struct dirent *e;
-    int rc = 0;
-
-    memset(l, 0, sizeof *l);
-    l->lock_fd = -1;
-    l->default_delta = default_delta;
-    if (!dir || !dir[0]) return 0;
-    if (strlen(dir) >= sizeof l->dir - 80)
-        return dc_err_set(err, DC_EINVAL, "ledger", "ledger directory path too long");
-    snprintf(l->dir, sizeof l->dir, "%s", dir);
-    if (mkdir(dir, 0750) != 0 && errno != EEXIST)
-        return dc_err_set(err, DC_EUNAVAIL, "ledger", "cannot create %s: %s", dir,
-                          strerror(errno));
-    snprintf(path, sizeof path, "%s/.lock", dir);
-    l->lock_fd = open(path, O_RDWR | O_CREAT | O_CLOEXEC, 0640);
-    if (l->lock_fd < 0)
-        return dc_err_set(err, DC_EUNAVAIL, "ledger", "cannot open %s: %s", path,
-                          strerror(errno));
-    if (flock(l->lock_fd, LOCK_EX | LOCK_NB) != 0) {
-        close(l->lock_fd);
-        l->lock_fd = -1;
-        return dc_err_set(err, DC_EUNAVAIL, "ledger", "%s is in use by another dpclipd", dir);
-    }
-    if (!(d = opendir(dir))) {
-        rc = dc_err_set(err, DC_EUNAVAIL, "ledger", "cannot read %s: %s", dir, strerror(errno));
-        goto fail;
-    }
-    while ((e = readdir(d))) {
-        snprintf(path, sizeof path, "%s/%s", dir, e->d_name);
-        /* A temp file is a write that never got renamed: the spend it held
-         * was not acknowledged to anyone, and the previous file stands. */
-        if (ends_with(e->d_name, ".ledger.tmp")) unlink(path);
-        else if (ends_with(e->d_name, ".ledger") && (rc = load_job(l, path, err))) break;
-    }
-    closedir(d);
-    if (rc) goto fail;
-    return 0;
-fail:
-    dc_ledger_close(l);
-    return rc;
-}
-
-void dc_ledger_close(dc_ledger *l) {
-    dc_ledger_job *j = l->jobs;
-    while (j) {
-        dc_ledger_job *next = j->next;
-        free(j->hist);
-        free(j);
-        j = next;
-    }
-    l->jobs = NULL;
-    l->n_jobs = 0;
-    if (l->lock_fd >= 0) close(l->lock_fd);
-    l->lock_fd = -1;
+void dc_ledger_drop_jobs(dc_ledger *l) {
+    while (l->jobs) job_drop(l, &l->jobs);
 }

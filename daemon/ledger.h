@@ -2,9 +2,19 @@
  * Gaussian mechanism, composed in RDP (accountant.h), and the job's budget.
  *
  * A job's history is the list of distinct (sample rate q, noise multiplier
- * sigma) pairs with a step count each (what Opacus' RDPAccountant keeps);
- * the RDP curve is sum(count * rdp(q, sigma)) over it, recomputed from the
- * history at each change, so adding and refunding steps never drifts.
+ * sigma) pairs with a step count each (what Opacus' RDPAccountant keeps),
+ * bounded to DC_LEDGER_HIST_MAX pairs: when a new pair comes to a full
+ * history, the least recently used pair is folded into a running sum of
+ * RDP curves (rounded upwards, so it never understates the spend) and only
+ * its step count is kept apart. The RDP curve is that sum plus
+ * sum(count * rdp(q, sigma)) over the history, recomputed at each change, so
+ * a step costs O(DC_LEDGER_HIST_MAX) however many pairs a job used, and
+ * adding and refunding steps of the history never drifts.
+ *
+ * A job's delta is fixed by its first step: eps is always reported, and
+ * budgets checked, at one delta (a step naming another is refused). A
+ * step with sigma 0 from a data-parallel rank is a share of a logical step
+ * whose noise another rank adds; it is not charged (dc_ledger_share).
  *
  * Persistence: one small text file per job under the ledger directory,
  * "<uid>-<hex of job id>.ledger", replaced atomically (written to a temp
@@ -12,44 +22,71 @@
  * either the old or the new file, never a torn one. A lock file keeps two
  * daemons from sharing a directory.
  *
+ * Memory: accounts are created by a session naming a job, at most
+ * max_jobs_per_uid per uid, and dropped from memory once no session uses
+ * them and nothing of theirs is in flight: at once when they never spent
+ * anything, else after job_idle_s without a step. A persistent account
+ * stays on disk and is read back when a session names it again (an account
+ * on disk may also be dropped early to make room under the cap); an
+ * in-memory one is forgotten.
+ *
+ * Curves: computing one (q, sigma) pair costs 0.1-3 ms, so the loop does
+ * not: dc_ledger_curve_async computes it on libuv's thread pool, one at a
+ * time, and steps wait for it (a client changing q every step delays its
+ * own steps and one pool thread, not the loop).
+ *
  * Threads: a dc_ledger and its jobs belong to the loop thread. Only
  * dc_ledger_write_file is safe on another thread (it touches no ledger
  * state): the server serializes a job on the loop, writes it on a pool
  * thread, and records the generation it made durable back on the loop.
  *
- * Ownership: the ledger owns its jobs; jobs live until dc_ledger_close. */
+ * Ownership: the ledger owns its jobs. A job pointer stays valid while a
+ * session counts itself in job->sessions, a write or waiter is pending, or
+ * until dc_ledger_close. */
 #ifndef DC_LEDGER_H
 #define DC_LEDGER_H
 
 #include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <uv.h>
 
 #include "accountant.h"
 #include "dc_err.h"
 
-#define DC_LEDGER_JOB_MAX 64 /* bytes of a job id, with its NUL (as the session keeps it) */
+#define DC_LEDGER_JOB_MAX 64  /* bytes of a job id, with its NUL: longer ids are refused */
+#define DC_LEDGER_HIST_MAX 16 /* (q, sigma) pairs a job keeps apart; older ones are folded */
+#define DC_LEDGER_CACHE 16    /* recently computed curves, shared by all jobs */
 
 typedef struct dc_ledger_entry {
     double q, sigma;
     uint64_t steps;
-    double rdp[DC_RDP_N_ORDERS]; /* of one step */
+    uint64_t used;                /* the job's gen at its last spend: the oldest is folded */
+    double rdp[DC_RDP_N_ORDERS];  /* of one step */
 } dc_ledger_entry;
 
 typedef struct dc_ledger_waiter dc_ledger_waiter;
 
+typedef struct dc_ledger dc_ledger;
+
 typedef struct dc_ledger_job {
     struct dc_ledger_job *next;
+    dc_ledger *ledger;            /* its owner (refunds may need the curve cache) */
     uint32_t uid;
     char job[DC_LEDGER_JOB_MAX];
-    uint64_t steps;               /* all entries' steps */
+    uint64_t steps;               /* every step charged, folded ones included */
+    uint64_t shares;              /* data-parallel shares seen (not charged; not on disk) */
     double delta;                 /* the job's delta: eps is reported at it */
     double budget_eps;            /* the job's own budget at `delta`; 0 = none */
-    dc_ledger_entry *hist;
+    dc_ledger_entry *hist;        /* at most DC_LEDGER_HIST_MAX */
     size_t n_hist, cap_hist;
-    double rdp[DC_RDP_N_ORDERS];  /* composed over the history */
+    uint64_t folded_steps;        /* steps of pairs folded out of hist */
+    double folded[DC_RDP_N_ORDERS]; /* their RDP, summed (rounded up) */
+    double rdp[DC_RDP_N_ORDERS];  /* composed over folded + history */
     double eps, best_order;       /* at delta, kept current */
     int sessions;                 /* live sessions naming this job */
+    bool insecure;                /* spent under --insecure-fixed-seed: not private */
+    uint64_t used_ns;             /* uv_hrtime of its last step (or creation) */
 
     /* Durability, driven by the server (loop thread). gen counts changes;
      * saved_gen is the last one on disk. */
@@ -58,36 +95,70 @@ typedef struct dc_ledger_job {
     dc_ledger_waiter *waiters;
 } dc_ledger_job;
 
-/* Something waiting for a job's state (as of generation `gen`) to be on
- * disk: a step that may not start before its spend is durable. */
+/* Something waiting on the ledger: a step that may not start before its
+ * spend is durable (gen: the job's state as of that generation), or that
+ * waits for the curve of (q, sigma). */
 struct dc_ledger_waiter {
     dc_ledger_waiter *next;
     uint64_t gen;
+    double q, sigma;
     void (*done)(dc_ledger_waiter *w, int rc, const dc_err *err);
 };
 
-typedef struct dc_ledger {
+struct dc_ledger {
     char dir[256];                /* "" = in memory only */
     int lock_fd;
     double default_delta;
+    uint32_t max_jobs_per_uid;    /* ledger.max_jobs_per_uid; 0 = no cap */
+    uint64_t job_idle_ns;         /* ledger.job_idle_s; 0 = keep spent accounts */
+    bool insecure;                /* --insecure-fixed-seed: mark what is spent */
     dc_ledger_job *jobs;
     size_t n_jobs;
+    uint64_t swept_ns;            /* last expiry sweep */
     /* Recently computed per-step RDP curves, so a new job (or a session
      * that changes q or sigma back and forth) rarely recomputes one. */
-    dc_ledger_entry cache[8];
+    dc_ledger_entry cache[DC_LEDGER_CACHE];
     size_t n_cache, next_cache;
-} dc_ledger;
+    /* Curves being computed (dc_ledger_curve_async): one on the pool at a
+     * time, the waiters queued in order. */
+    uv_work_t calc_req;
+    bool calc_busy;
+    double calc_q, calc_sigma, calc_rdp[DC_RDP_N_ORDERS];
+    dc_ledger_waiter *calc_head, *calc_tail;
+};
 
 /* Opens (creating it, mode 0750) and locks the directory and loads every job
  * file in it; dir "" makes an in-memory ledger. A corrupt job file is an
- * error naming it: the daemon must not start believing a job spent nothing. */
+ * error naming it: the daemon must not start believing a job spent nothing.
+ * No cap or expiry until dc_ledger_set_limits. */
 int dc_ledger_open(dc_ledger *l, const char *dir, double default_delta, dc_err *err);
 void dc_ledger_close(dc_ledger *l);
 static inline bool dc_ledger_persistent(const dc_ledger *l) { return l->dir[0] != '\0'; }
+/* ledger.max_jobs_per_uid and ledger.job_idle_s (0: no cap / never). */
+void dc_ledger_set_limits(dc_ledger *l, uint32_t max_jobs_per_uid, uint32_t job_idle_s);
 
-/* The job, created (in memory) when absent; NULL only when out of memory. */
+/* The job: in memory, read back from its file, or created. Refused (NULL
+ * and *err) when the id is too long (field hello.job_id), the uid already
+ * has max_jobs_per_uid accounts in memory (field ledger.max_jobs_per_uid),
+ * its file cannot be read, or out of memory. */
+int dc_ledger_job_open(dc_ledger *l, uint32_t uid, const char *job, dc_ledger_job **out,
+                       dc_err *err);
+/* dc_ledger_job_open without the reason. */
 dc_ledger_job *dc_ledger_job_get(dc_ledger *l, uint32_t uid, const char *job);
 dc_ledger_job *dc_ledger_job_find(dc_ledger *l, uint32_t uid, const char *job);
+/* Drops the accounts that may go by `now_ns` (uv_hrtime) as described
+ * above; returns how many. Runs by itself at most once a second from
+ * dc_ledger_job_open; the status rendering calls it too. */
+size_t dc_ledger_expire(dc_ledger *l, uint64_t now_ns);
+
+/* Whether the curve of one step of (q, sigma) is at hand (the job's history
+ * or the cache). When it is not, dc_ledger_eps_after and dc_ledger_spend
+ * compute it on the calling thread: the loop asks dc_ledger_curve_async. */
+bool dc_ledger_has_curve(const dc_ledger *l, const dc_ledger_job *j, double q, double sigma);
+/* Computes that curve on libuv's thread pool and calls w->done(w, 0, NULL)
+ * on the loop with it in the cache (w->q, w->sigma are set here). */
+void dc_ledger_curve_async(dc_ledger *l, uv_loop_t *loop, double q, double sigma,
+                           dc_ledger_waiter *w);
 
 /* The job's eps at `delta` if one more step (q, sigma) were added. */
 double dc_ledger_eps_after(dc_ledger *l, const dc_ledger_job *j, double q, double sigma,
@@ -100,9 +171,14 @@ int dc_ledger_spend(dc_ledger *l, dc_ledger_job *j, double q, double sigma, dc_e
 /* Takes back one step of (q, sigma) that was spent and then not released
  * (the step failed before writing anything). Bumps gen. */
 void dc_ledger_refund(dc_ledger_job *j, double q, double sigma);
-/* Sets the job's delta and lowers (never raises) its budget; 0 leaves
- * either unchanged. Bumps gen when something changed. */
-void dc_ledger_job_terms(dc_ledger_job *j, double delta, double budget_eps);
+/* A data-parallel rank's share of a logical step (sigma 0: rank 0 adds the
+ * noise and is charged): counted, not charged, not written. */
+static inline void dc_ledger_share(dc_ledger_job *j) { j->shares++; }
+/* The job's terms from a step: delta (0 = the job's) may be set until the
+ * job's first step, then a different one is refused (field
+ * clip_step.target_delta); the budget (0 = keep) is lowered, never raised.
+ * Bumps gen when something changed. */
+int dc_ledger_job_terms(dc_ledger_job *j, double delta, double budget_eps, dc_err *err);
 
 /* The job's file contents (malloc'd, NUL-terminated) and its path. */
 int dc_ledger_serialize(const dc_ledger_job *j, char **out, size_t *len);

@@ -1,8 +1,11 @@
-/* What the status endpoint serves: /status as JSON and /metrics in the
- * Prometheus text format, rendered from the server's own structures on the
- * loop thread (status.c asks for it), so no locking is needed here. */
+/* What the status endpoint serves: the loop copies the server's state into a
+ * dc_report (report.h), and the HTTP thread that answers renders /status as
+ * JSON or /metrics in the Prometheus text format from it, for its caller. */
+#include "report.h"
+
 #include <math.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
 
@@ -21,57 +24,204 @@ static void json_ids(dc_sbuf *b, const uint32_t *ids, size_t n) {
     dc_sbuf_puts(b, "]");
 }
 
-static void render_status(dc_server *srv, dc_sbuf *b) {
-    uint64_t now = uv_hrtime();
+/* --- the snapshot (loop thread) ---------------------------------------------------- */
+
+/* status.ops_group's gid, -1 for none. Looked up again only when the name
+ * changes (a reload): a group database lookup may block. */
+static int64_t ops_gid(const char *name) {
+    static char last[64];
+    static int64_t gid = -1;
+    uint32_t g;
+    if (strcmp(name, last) != 0) {
+        snprintf(last, sizeof last, "%s", name);
+        gid = name[0] && dc_config_group_id(name, &g) == 0 ? (int64_t)g : -1;
+    }
+    return gid;
+}
+
+static void *snapshot(void *arg) {
+    dc_server *srv = arg;
     const dc_config *c = &srv->cfg;
+    uint64_t now = uv_hrtime();
+    dc_report *r = calloc(1, sizeof *r);
+    size_t i;
+
+    if (!r) return NULL;
+    /* Accounts nothing uses go here too, not only when jobs are opened. */
+    dc_ledger_expire(&srv->ledger, now);
+    if ((srv->n_sessions && !(r->sessions = calloc(srv->n_sessions, sizeof *r->sessions))) ||
+        (srv->ledger.n_jobs && !(r->jobs = calloc(srv->ledger.n_jobs, sizeof *r->jobs)))) {
+        dc_report_free(r);
+        return NULL;
+    }
+    r->pid = (int)getpid();
+    r->daemon_uid = (uint32_t)geteuid();
+    r->ops_gid = ops_gid(c->status_ops_group);
+    r->uptime_s = (now - srv->start_ns) / 1e9;
+    r->started = srv->start_time;
+    snprintf(r->config_file, sizeof r->config_file, "%s", c->config_path);
+    snprintf(r->socket, sizeof r->socket, "%s", srv->socket_path);
+    r->socket_activated = srv->listen_activated;
+    r->stopping = srv->stopping;
+    r->insecure = c->fixed_seed;
+    r->log_level = level_name(dc_log_get_level());
+    r->cpu_workers = srv->workers;
+    r->cpu_busy = srv->pool_ready ? dc_worker_pool_busy(&srv->cpu_pool) : 0;
+    r->n_gpus = srv->gpu.n < 8 ? srv->gpu.n : 8;
+    for (int g = 0; g < r->n_gpus; g++) {
+        memcpy(r->gpu_names[g], srv->gpu.names[g], sizeof r->gpu_names[g]);
+        r->gpu_busy[g] = dc_worker_pool_busy(&srv->gpu.pools[g]);
+        r->gpu_workspace[g] = srv->gpu_workspace[g];
+    }
+    r->mps_active = srv->gpu.mps_active;
+    r->max_batch = srv->limits.max_batch;
+    r->max_layers = srv->limits.max_layers;
+    r->max_frame = srv->limits.max_frame;
+    r->max_buffers = c->max_buffers;
+    memcpy(r->allowed_uids, c->allowed_uids, sizeof r->allowed_uids);
+    memcpy(r->allowed_gids, c->allowed_gids, sizeof r->allowed_gids);
+    r->n_allowed_uids = c->n_allowed_uids;
+    r->n_allowed_gids = c->n_allowed_gids;
+    snprintf(r->ledger_dir, sizeof r->ledger_dir, "%s", srv->ledger.dir);
+    r->persistent = dc_ledger_persistent(&srv->ledger);
+    r->require_sample_rate = c->require_sample_rate;
+    r->delta = c->delta;
+    r->budget_epsilon = c->budget_epsilon;
+    r->budget_delta = c->budget_delta;
+    r->max_jobs_per_uid = c->ledger_max_jobs_per_uid;
+    r->job_idle_s = c->ledger_job_idle_s;
+    r->writes_in_flight = srv->ledger_writes_in_flight;
+
+    i = 0;
+    for (dc_session *s = srv->sessions; s && i < srv->n_sessions; s = s->next, i++) {
+        dc_report_session *o = &r->sessions[i];
+        o->id = s->id;
+        o->pid = (int)s->peer_pid;
+        o->uid = (uint32_t)s->peer_uid;
+        o->gid = (uint32_t)s->peer_gid;
+        memcpy(o->client, s->client_name, sizeof o->client);
+        memcpy(o->job, s->job_id, sizeof o->job);
+        o->client[sizeof o->client - 1] = o->job[sizeof o->job - 1] = '\0';
+        o->hello = s->hello_done;
+        o->busy = s->job != NULL;
+        o->steps = s->steps;
+        o->steps_failed = s->steps_failed;
+        o->buffers = s->reg.n;
+        o->buffer_bytes = s->reg.bytes;
+        o->connected_s = (now - s->connected_ns) / 1e9;
+        o->idle_s = s->last_step_ns ? (now - s->last_step_ns) / 1e9 : NAN;
+        r->buffers += s->reg.n;
+        r->buffer_bytes += s->reg.bytes;
+        r->busy_sessions += o->busy;
+    }
+    r->n_sessions = i;
+    i = 0;
+    for (dc_ledger_job *j = srv->ledger.jobs; j && i < srv->ledger.n_jobs; j = j->next, i++) {
+        dc_report_job *o = &r->jobs[i];
+        o->uid = j->uid;
+        memcpy(o->job, j->job, sizeof o->job);
+        o->sessions = j->sessions;
+        o->steps = j->steps;
+        o->shares = j->shares;
+        o->folded_steps = j->folded_steps;
+        o->eps = j->eps;
+        o->delta = j->delta;
+        o->best_order = j->best_order;
+        o->budget_eps = j->budget_eps;
+        o->on_disk = r->persistent && j->saved_gen >= j->gen;
+        o->insecure = j->insecure;
+        o->n_hist = j->n_hist;
+        for (size_t k = 0; k < j->n_hist; k++) {
+            o->hist[k].q = j->hist[k].q;
+            o->hist[k].sigma = j->hist[k].sigma;
+            o->hist[k].steps = j->hist[k].steps;
+        }
+    }
+    r->n_jobs = i;
+    r->metrics = srv->metrics;
+    return r;
+}
+
+void dc_report_free(dc_report *r) {
+    if (!r) return;
+    free(r->sessions);
+    free(r->jobs);
+    free(r);
+}
+
+dc_view dc_report_view(const dc_report *r, const dc_status_viewer *v) {
+    if (!v->known) return DC_VIEW_AGGREGATE;
+    if (v->uid == 0 || v->uid == r->daemon_uid) return DC_VIEW_ALL;
+    if (r->ops_gid >= 0) {
+        if (v->gid == (uint32_t)r->ops_gid) return DC_VIEW_ALL;
+        for (size_t i = 0; i < v->n_groups; i++)
+            if (v->groups[i] == (uint32_t)r->ops_gid) return DC_VIEW_ALL;
+    }
+    return DC_VIEW_OWN;
+}
+
+/* Whether a caller with `view` (and uid) sees something of `owner`. */
+static bool shown(dc_view view, uint32_t uid, uint32_t owner) {
+    return view == DC_VIEW_ALL || (view == DC_VIEW_OWN && uid == owner);
+}
+
+static void render_status(const dc_report *r, dc_view view, uint32_t uid, dc_sbuf *b) {
+    static const char *const views[] = {"all", "own", "aggregate"};
     bool first;
+    size_t n;
 
     dc_sbuf_printf(b, "{\"daemon\":{\"version\":\"%s\",\"pid\":%d,\"uptime_s\":%.3f,"
                       "\"started\":%lld,",
-                   DPCLIP_VERSION, (int)getpid(), (now - srv->start_ns) / 1e9,
-                   (long long)srv->start_time);
+                   DPCLIP_VERSION, r->pid, r->uptime_s, (long long)r->started);
     dc_sbuf_puts(b, "\"config_file\":");
-    dc_sbuf_json_str(b, c->config_path);
+    dc_sbuf_json_str(b, r->config_file);
     dc_sbuf_puts(b, ",\"socket\":");
-    dc_sbuf_json_str(b, srv->socket_path);
-    dc_sbuf_printf(b, ",\"socket_activated\":%s,\"log_level\":\"%s\",\"stopping\":%s},",
-                   srv->listen_activated ? "true" : "false", level_name(dc_log_get_level()),
-                   srv->stopping ? "true" : "false");
+    dc_sbuf_json_str(b, r->socket);
+    /* insecure: --insecure-fixed-seed, predictable noise: nothing it
+     * computes is private. */
+    dc_sbuf_printf(b, ",\"socket_activated\":%s,\"log_level\":\"%s\",\"stopping\":%s,"
+                      "\"insecure\":%s},",
+                   r->socket_activated ? "true" : "false", r->log_level,
+                   r->stopping ? "true" : "false", r->insecure ? "true" : "false");
+    /* What this caller is shown (docs/operations.md, "Who sees what"). */
+    dc_sbuf_printf(b, "\"view\":\"%s\",", views[view]);
+    if (view == DC_VIEW_OWN) dc_sbuf_printf(b, "\"view_uid\":%u,", uid);
 
     dc_sbuf_printf(b, "\"backends\":[{\"backend\":\"cpu\",\"workers\":%d,\"busy\":%d}",
-                   srv->workers, srv->pool_ready ? dc_worker_pool_busy(&srv->cpu_pool) : 0);
-    for (int i = 0; i < srv->gpu.n; i++) {
+                   r->cpu_workers, r->cpu_busy);
+    for (int i = 0; i < r->n_gpus; i++) {
         dc_sbuf_printf(b, ",{\"backend\":\"cuda\",\"index\":%d,\"name\":", i);
-        dc_sbuf_json_str(b, srv->gpu.names[i]);
-        dc_sbuf_printf(b, ",\"busy\":%d,\"workspace_bytes\":%llu}",
-                       dc_worker_pool_busy(&srv->gpu.pools[i]),
-                       (unsigned long long)(i < 8 ? srv->gpu_workspace[i] : 0));
+        dc_sbuf_json_str(b, r->gpu_names[i]);
+        dc_sbuf_printf(b, ",\"busy\":%d,\"workspace_bytes\":%llu}", r->gpu_busy[i],
+                       (unsigned long long)r->gpu_workspace[i]);
     }
-    dc_sbuf_printf(b, "],\"mps_active\":%s,", srv->gpu.mps_active ? "true" : "false");
+    dc_sbuf_printf(b, "],\"mps_active\":%s,", r->mps_active ? "true" : "false");
     dc_sbuf_printf(b, "\"limits\":{\"max_batch\":%u,\"max_layers\":%u,\"max_frame\":%u,"
                       "\"max_buffers\":%u},",
-                   srv->limits.max_batch, srv->limits.max_layers, srv->limits.max_frame,
-                   c->max_buffers);
+                   r->max_batch, r->max_layers, r->max_frame, r->max_buffers);
     dc_sbuf_puts(b, "\"access\":{\"allowed_uids\":");
-    json_ids(b, c->allowed_uids, c->n_allowed_uids);
+    json_ids(b, view == DC_VIEW_ALL ? r->allowed_uids : NULL,
+             view == DC_VIEW_ALL ? r->n_allowed_uids : 0);
     dc_sbuf_puts(b, ",\"allowed_gids\":");
-    json_ids(b, c->allowed_gids, c->n_allowed_gids);
+    json_ids(b, view == DC_VIEW_ALL ? r->allowed_gids : NULL,
+             view == DC_VIEW_ALL ? r->n_allowed_gids : 0);
     dc_sbuf_puts(b, "},\"sessions\":[");
     first = true;
-    for (dc_session *s = srv->sessions; s; s = s->next) {
+    for (size_t i = 0; i < r->n_sessions; i++) {
+        const dc_report_session *s = &r->sessions[i];
+        if (!shown(view, uid, s->uid)) continue;
         dc_sbuf_printf(b, "%s{\"id\":%llu,\"pid\":%d,\"uid\":%u,\"gid\":%u,\"client\":",
-                       first ? "" : ",", (unsigned long long)s->id, (int)s->peer_pid,
-                       (unsigned)s->peer_uid, (unsigned)s->peer_gid);
-        dc_sbuf_json_str(b, s->client_name);
+                       first ? "" : ",", (unsigned long long)s->id, s->pid, s->uid, s->gid);
+        dc_sbuf_json_str(b, s->client);
         dc_sbuf_puts(b, ",\"job\":");
-        dc_sbuf_json_str(b, s->job_id);
+        dc_sbuf_json_str(b, s->job);
         dc_sbuf_printf(b, ",\"hello\":%s,\"steps\":%llu,\"steps_failed\":%llu,\"buffers\":%zu,"
                           "\"buffer_bytes\":%llu,\"busy\":%s,\"connected_s\":%.3f,\"idle_s\":",
-                       s->hello_done ? "true" : "false", (unsigned long long)s->steps,
-                       (unsigned long long)s->steps_failed, s->reg.n,
-                       (unsigned long long)s->reg.bytes, s->job ? "true" : "false",
-                       (now - s->connected_ns) / 1e9);
-        dc_sbuf_json_num(b, s->last_step_ns ? (now - s->last_step_ns) / 1e9 : NAN);
+                       s->hello ? "true" : "false", (unsigned long long)s->steps,
+                       (unsigned long long)s->steps_failed, s->buffers,
+                       (unsigned long long)s->buffer_bytes, s->busy ? "true" : "false",
+                       s->connected_s);
+        dc_sbuf_json_num(b, s->idle_s);
         dc_sbuf_puts(b, "}");
         first = false;
     }
@@ -80,68 +230,76 @@ static void render_status(dc_server *srv, dc_sbuf *b) {
      * norm reduction across ranks) will be listed here too once they exist. */
     dc_sbuf_puts(b, "],\"groups\":[");
     first = true;
-    for (dc_session *s = srv->sessions; s; s = s->next) {
-        bool seen = false;
-        if (!s->hello_done) continue;
-        for (dc_session *t = srv->sessions; t != s; t = t->next)
-            if (t->hello_done && t->peer_uid == s->peer_uid && strcmp(t->job_id, s->job_id) == 0)
-                seen = true;
-        if (seen) continue; /* listed with its first session */
+    for (size_t i = 0; i < r->n_sessions; i++) {
+        const dc_report_session *s = &r->sessions[i];
+        bool seen = false, first_id = true;
         uint64_t steps = 0;
         int busy = 0;
-        bool first_id = true;
-        dc_sbuf_printf(b, "%s{\"kind\":\"job\",\"uid\":%u,\"job\":", first ? "" : ",",
-                       (unsigned)s->peer_uid);
-        dc_sbuf_json_str(b, s->job_id);
+        if (!s->hello || !shown(view, uid, s->uid)) continue;
+        for (size_t k = 0; k < i && !seen; k++)
+            seen = r->sessions[k].hello && r->sessions[k].uid == s->uid &&
+                   strcmp(r->sessions[k].job, s->job) == 0;
+        if (seen) continue; /* listed with its first session */
+        dc_sbuf_printf(b, "%s{\"kind\":\"job\",\"uid\":%u,\"job\":", first ? "" : ",", s->uid);
+        dc_sbuf_json_str(b, s->job);
         dc_sbuf_puts(b, ",\"sessions\":[");
-        for (dc_session *t = s; t; t = t->next) {
-            if (!t->hello_done || t->peer_uid != s->peer_uid || strcmp(t->job_id, s->job_id) != 0)
-                continue;
+        for (size_t k = i; k < r->n_sessions; k++) {
+            const dc_report_session *t = &r->sessions[k];
+            if (!t->hello || t->uid != s->uid || strcmp(t->job, s->job) != 0) continue;
             dc_sbuf_printf(b, "%s%llu", first_id ? "" : ",", (unsigned long long)t->id);
             steps += t->steps;
-            busy += t->job != NULL;
+            busy += t->busy;
             first_id = false;
         }
         dc_sbuf_printf(b, "],\"steps\":%llu,\"busy\":%d}", (unsigned long long)steps, busy);
         first = false;
     }
     dc_sbuf_puts(b, "],\"ledger\":{\"dir\":");
-    dc_sbuf_json_str(b, srv->ledger.dir);
+    dc_sbuf_json_str(b, view == DC_VIEW_ALL ? r->ledger_dir : "");
     dc_sbuf_printf(b, ",\"persistent\":%s,\"delta\":%.17g,\"budget_epsilon\":%.17g,"
                       "\"budget_delta\":%.17g,\"require_sample_rate\":%s,"
-                      "\"writes_in_flight\":%d,\"jobs\":[",
-                   dc_ledger_persistent(&srv->ledger) ? "true" : "false", c->delta,
-                   c->budget_epsilon, c->budget_delta, c->require_sample_rate ? "true" : "false",
-                   srv->ledger_writes_in_flight);
+                      "\"max_jobs_per_uid\":%u,\"job_idle_s\":%u,\"writes_in_flight\":%d,"
+                      "\"n_jobs\":%zu,\"jobs\":[",
+                   r->persistent ? "true" : "false", r->delta, r->budget_epsilon, r->budget_delta,
+                   r->require_sample_rate ? "true" : "false", r->max_jobs_per_uid, r->job_idle_s,
+                   r->writes_in_flight, r->n_jobs);
     first = true;
-    for (dc_ledger_job *j = srv->ledger.jobs; j; j = j->next) {
+    for (size_t i = 0; i < r->n_jobs; i++) {
+        const dc_report_job *j = &r->jobs[i];
+        if (!shown(view, uid, j->uid)) continue;
         dc_sbuf_printf(b, "%s{\"uid\":%u,\"job\":", first ? "" : ",", j->uid);
         dc_sbuf_json_str(b, j->job);
-        dc_sbuf_printf(b, ",\"sessions\":%d,\"steps\":%llu,\"epsilon\":", j->sessions,
-                       (unsigned long long)j->steps);
+        dc_sbuf_printf(b, ",\"sessions\":%d,\"steps\":%llu,\"shares\":%llu,\"epsilon\":",
+                       j->sessions, (unsigned long long)j->steps, (unsigned long long)j->shares);
         dc_sbuf_json_num(b, j->eps);
         dc_sbuf_printf(b, ",\"epsilon_infinite\":%s,\"delta\":%.17g,\"best_order\":",
                        isinf(j->eps) ? "true" : "false", j->delta);
         dc_sbuf_json_num(b, j->best_order);
-        dc_sbuf_printf(b, ",\"budget_epsilon\":%.17g,\"on_disk\":%s,\"history\":[",
-                       j->budget_eps,
-                       !dc_ledger_persistent(&srv->ledger) ? "false"
-                       : j->saved_gen >= j->gen            ? "true"
-                                                           : "false");
-        for (size_t i = 0; i < j->n_hist; i++)
+        dc_sbuf_printf(b, ",\"budget_epsilon\":%.17g,\"on_disk\":%s,\"insecure\":%s,"
+                          "\"folded_steps\":%llu,\"history\":[",
+                       j->budget_eps, j->on_disk ? "true" : "false",
+                       j->insecure ? "true" : "false", (unsigned long long)j->folded_steps);
+        for (size_t k = 0; k < j->n_hist; k++)
             dc_sbuf_printf(b, "%s{\"sample_rate\":%.17g,\"noise_multiplier\":%.17g,\"steps\":%llu}",
-                           i ? "," : "", j->hist[i].q, j->hist[i].sigma,
-                           (unsigned long long)j->hist[i].steps);
+                           k ? "," : "", j->hist[k].q, j->hist[k].sigma,
+                           (unsigned long long)j->hist[k].steps);
         dc_sbuf_puts(b, "]}");
         first = false;
     }
-    dc_sbuf_printf(b, "]},\"totals\":{\"sessions\":%llu,\"steps_ok\":%llu,\"steps_failed\":%llu,"
-                      "\"samples\":%llu,\"layers\":%llu}}\n",
-                   (unsigned long long)srv->metrics.sessions_total,
-                   (unsigned long long)srv->metrics.steps_ok,
-                   (unsigned long long)srv->metrics.steps_failed,
-                   (unsigned long long)srv->metrics.samples,
-                   (unsigned long long)srv->metrics.layers);
+    n = 0;
+    for (size_t i = 0; i < r->n_sessions; i++) n += shown(view, uid, r->sessions[i].uid);
+    /* samples and layers: only for the full view (batch sizes, see report.h) */
+    dc_sbuf_printf(b, "]},\"totals\":{\"sessions_open\":%zu,\"sessions\":%llu,\"steps_ok\":%llu,"
+                      "\"steps_failed\":%llu",
+                   view == DC_VIEW_AGGREGATE ? r->n_sessions : n,
+                   (unsigned long long)r->metrics.sessions_total,
+                   (unsigned long long)r->metrics.steps_ok,
+                   (unsigned long long)r->metrics.steps_failed);
+    if (view == DC_VIEW_ALL)
+        dc_sbuf_printf(b, ",\"samples\":%llu,\"layers\":%llu",
+                       (unsigned long long)r->metrics.samples,
+                       (unsigned long long)r->metrics.layers);
+    dc_sbuf_puts(b, "}}\n");
 }
 
 static void counter(dc_sbuf *b, const char *name, const char *help, uint64_t v) {
@@ -156,13 +314,15 @@ static void gauge(dc_sbuf *b, const char *name, const char *help, double v) {
     dc_sbuf_puts(b, "\n");
 }
 
-/* One gauge sample per ledger job, labelled uid and job. */
-static void job_gauge(dc_sbuf *b, dc_server *srv, const char *name, const char *help, int which) {
+/* One gauge sample per ledger job the caller may see, labelled uid and job. */
+static void job_gauge(dc_sbuf *b, const dc_report *r, dc_view view, uint32_t uid,
+                      const char *name, const char *help, int which) {
     dc_prom_head(b, name, "gauge", help);
-    for (dc_ledger_job *j = srv->ledger.jobs; j; j = j->next) {
+    for (size_t i = 0; i < r->n_jobs; i++) {
+        const dc_report_job *j = &r->jobs[i];
         double v = which == 0 ? j->eps : which == 1 ? (double)j->steps : which == 2 ? j->delta
                                                                                     : j->budget_eps;
-        if (which == 3 && j->budget_eps <= 0) continue;
+        if (!shown(view, uid, j->uid) || (which == 3 && j->budget_eps <= 0)) continue;
         dc_sbuf_printf(b, "%s{uid=\"%u\",job=", name, j->uid);
         dc_sbuf_prom_str(b, j->job);
         dc_sbuf_puts(b, "} ");
@@ -171,20 +331,15 @@ static void job_gauge(dc_sbuf *b, dc_server *srv, const char *name, const char *
     }
 }
 
-static void render_metrics(dc_server *srv, dc_sbuf *b) {
-    const dc_metrics *m = &srv->metrics;
-    uint64_t buffers = 0, bytes = 0, busy_sessions = 0;
+static void render_metrics(const dc_report *r, dc_view view, uint32_t uid, dc_sbuf *b) {
+    const dc_metrics *m = &r->metrics;
     char labels[64];
 
-    for (dc_session *s = srv->sessions; s; s = s->next) {
-        buffers += s->reg.n;
-        bytes += s->reg.bytes;
-        busy_sessions += s->job != NULL;
-    }
     dc_prom_head(b, "dpclip_build_info", "gauge", "dpclipd version");
     dc_sbuf_printf(b, "dpclip_build_info{version=\"%s\"} 1\n", DPCLIP_VERSION);
-    gauge(b, "dpclip_uptime_seconds", "Seconds since the daemon started",
-          (uv_hrtime() - srv->start_ns) / 1e9);
+    gauge(b, "dpclip_uptime_seconds", "Seconds since the daemon started", r->uptime_s);
+    gauge(b, "dpclip_insecure", "1 when the daemon runs with --insecure-fixed-seed: its noise is "
+          "predictable and nothing it computes is private", r->insecure ? 1 : 0);
 
     dc_prom_head(b, "dpclip_requests_total", "counter", "Requests received, by type");
     for (int i = 0; i < DC_REQ_N; i++)
@@ -200,10 +355,13 @@ static void render_metrics(dc_server *srv, dc_sbuf *b) {
                       " %llu\n",
                    (unsigned long long)m->steps_ok, (unsigned long long)m->steps_failed);
     counter(b, "dpclip_layers_total", "Layers in successful steps", m->layers);
-    counter(b, "dpclip_samples_total", "Samples in successful steps", m->samples);
-    counter(b, "dpclip_bytes_referenced_total",
-            "Bytes of input tensors (activations, gradients) successful steps named",
-            m->bytes_referenced);
+    if (view == DC_VIEW_ALL) {
+        /* Scraped every step, these give jobs' exact batch sizes: ops only. */
+        counter(b, "dpclip_samples_total", "Samples in successful steps", m->samples);
+        counter(b, "dpclip_bytes_referenced_total",
+                "Bytes of input tensors (activations, gradients) successful steps named",
+                m->bytes_referenced);
+    }
     dc_prom_head(b, "dpclip_compute_seconds_total", "counter", "Backend time of successful steps");
     dc_sbuf_printf(b, "dpclip_compute_seconds_total %.9f\n", m->compute_ns / 1e9);
     counter(b, "dpclip_sessions_total", "Connections accepted", m->sessions_total);
@@ -236,32 +394,46 @@ static void render_metrics(dc_server *srv, dc_sbuf *b) {
                  "One crash-safe ledger write (temp file, fsync, rename, fsync dir)");
     dc_prom_hist(b, "dpclip_ledger_write_seconds", "", &m->ledger_write);
 
-    gauge(b, "dpclip_sessions", "Open sessions", (double)srv->n_sessions);
+    gauge(b, "dpclip_sessions", "Open sessions", (double)r->n_sessions);
     gauge(b, "dpclip_steps_in_flight", "Sessions with a step accepted and not answered",
-          (double)busy_sessions);
-    gauge(b, "dpclip_buffers", "Registered buffers", (double)buffers);
-    gauge(b, "dpclip_buffer_bytes", "Bytes of registered buffers", (double)bytes);
+          (double)r->busy_sessions);
+    gauge(b, "dpclip_buffers", "Registered buffers", (double)r->buffers);
+    gauge(b, "dpclip_buffer_bytes", "Bytes of registered buffers", (double)r->buffer_bytes);
     dc_prom_head(b, "dpclip_queue_depth", "gauge", "Jobs submitted to a worker pool, not done");
-    dc_sbuf_printf(b, "dpclip_queue_depth{pool=\"cpu\"} %d\n",
-                   srv->pool_ready ? dc_worker_pool_busy(&srv->cpu_pool) : 0);
-    for (int i = 0; i < srv->gpu.n; i++)
-        dc_sbuf_printf(b, "dpclip_queue_depth{pool=\"cuda:%d\"} %d\n", i,
-                       dc_worker_pool_busy(&srv->gpu.pools[i]));
+    dc_sbuf_printf(b, "dpclip_queue_depth{pool=\"cpu\"} %d\n", r->cpu_busy);
+    for (int i = 0; i < r->n_gpus; i++)
+        dc_sbuf_printf(b, "dpclip_queue_depth{pool=\"cuda:%d\"} %d\n", i, r->gpu_busy[i]);
     dc_prom_head(b, "dpclip_gpu_workspace_bytes", "gauge", "Device workspace of each GPU's backend");
-    for (int i = 0; i < srv->gpu.n && i < 8; i++)
+    for (int i = 0; i < r->n_gpus; i++)
         dc_sbuf_printf(b, "dpclip_gpu_workspace_bytes{device=\"%d\"} %llu\n", i,
-                       (unsigned long long)srv->gpu_workspace[i]);
+                       (unsigned long long)r->gpu_workspace[i]);
     gauge(b, "dpclip_mps_active", "1 when the CUDA MPS control daemon serves this node",
-          srv->gpu.mps_active ? 1 : 0);
-    gauge(b, "dpclip_ledger_jobs", "Jobs in the privacy ledger", (double)srv->ledger.n_jobs);
-    job_gauge(b, srv, "dpclip_job_epsilon", "Epsilon a job has spent, at dpclip_job_delta", 0);
-    job_gauge(b, srv, "dpclip_job_steps", "Steps a job has spent", 1);
-    job_gauge(b, srv, "dpclip_job_delta", "Delta at which a job's epsilon is reported", 2);
-    job_gauge(b, srv, "dpclip_job_budget_epsilon", "A job's own budget, where it set one", 3);
+          r->mps_active ? 1 : 0);
+    gauge(b, "dpclip_ledger_jobs", "Jobs in the privacy ledger (in memory)", (double)r->n_jobs);
+    if (view == DC_VIEW_AGGREGATE) return;
+    job_gauge(b, r, view, uid, "dpclip_job_epsilon", "Epsilon a job has spent, at dpclip_job_delta", 0);
+    job_gauge(b, r, view, uid, "dpclip_job_steps", "Steps a job has spent", 1);
+    job_gauge(b, r, view, uid, "dpclip_job_delta", "Delta at which a job's epsilon is reported", 2);
+    job_gauge(b, r, view, uid, "dpclip_job_budget_epsilon", "A job's own budget, where it set one", 3);
 }
 
-void dc_server_render(void *arg, dc_sbuf *status_json, dc_sbuf *metrics_text) {
-    dc_server *srv = arg;
-    render_status(srv, status_json);
-    render_metrics(srv, metrics_text);
+void dc_report_status(const dc_report *r, dc_view view, uint32_t uid, dc_sbuf *b) {
+    render_status(r, view, uid, b);
 }
+
+void dc_report_metrics(const dc_report *r, dc_view view, uint32_t uid, dc_sbuf *b) {
+    render_metrics(r, view, uid, b);
+}
+
+/* --- the provider (HTTP threads render, release) ---------------------------------------- */
+
+static void render(const void *snap, const dc_status_viewer *v, bool metrics, dc_sbuf *out) {
+    const dc_report *r = snap;
+    dc_view view = dc_report_view(r, v);
+    if (metrics) render_metrics(r, view, v->uid, out);
+    else render_status(r, view, v->uid, out);
+}
+
+static void release(void *snap) { dc_report_free(snap); }
+
+const dc_status_provider dc_server_status = {snapshot, render, release};

@@ -13,6 +13,7 @@
 
 #include "listen.h"
 #include "log.h"
+#include "report.h"
 #include "sdnotify.h"
 #include "session.h"
 
@@ -339,6 +340,10 @@ void dc_server_apply_config(dc_server *srv, const dc_config *n) {
     c->budget_epsilon = n->budget_epsilon;
     c->budget_delta = n->budget_delta;
     c->require_sample_rate = n->require_sample_rate;
+    c->ledger_max_jobs_per_uid = n->ledger_max_jobs_per_uid;
+    c->ledger_job_idle_s = n->ledger_job_idle_s;
+    dc_ledger_set_limits(&srv->ledger, n->ledger_max_jobs_per_uid, n->ledger_job_idle_s);
+    memcpy(c->status_ops_group, n->status_ops_group, sizeof c->status_ops_group);
     snprintf(c->config_path, sizeof c->config_path, "%s", n->config_path);
 }
 
@@ -417,6 +422,8 @@ int dc_server_init(dc_server *srv, uv_loop_t *loop, const dc_config *cfg,
 
     /* The ledger first: a daemon that cannot account must not serve steps. */
     if ((rc = dc_ledger_open(&srv->ledger, cfg->ledger_dir, cfg->delta, err))) return rc;
+    dc_ledger_set_limits(&srv->ledger, cfg->ledger_max_jobs_per_uid, cfg->ledger_job_idle_s);
+    srv->ledger.insecure = cfg->fixed_seed;
     if ((rc = dc_worker_pool_init(&srv->cpu_pool, loop, "cpu", srv->workers, cpu_factory, NULL,
                                   err)))
         goto fail_ledger;
@@ -434,7 +441,9 @@ int dc_server_init(dc_server *srv, uv_loop_t *loop, const dc_config *cfg,
     so.unix_gid = resolve_gid(cfg->status_group);
     so.tcp_port = cfg->status_port;
     so.asked = cfg->status_socket[0] || cfg->status_port;
-    if ((rc = dc_status_start(&srv->status, loop, &so, dc_server_render, srv, err)))
+    so.max_connections = cfg->status_max_connections;
+    so.timeout_s = cfg->status_timeout_s;
+    if ((rc = dc_status_start(&srv->status, loop, &so, &dc_server_status, srv, err)))
         goto fail_listen;
     dc_sd_listen_done();
 

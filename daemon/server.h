@@ -117,7 +117,5 @@ void dc_server_session_gone(dc_server *srv, dc_session *s);
  * overlap; changes made while one is in flight go out in the next. */
 void dc_server_ledger_persist(dc_server *srv, dc_ledger_job *job, dc_ledger_waiter *w);
 
-/* /status JSON and /metrics text (report.c), rendered on the loop thread. */
-void dc_server_render(void *srv, dc_sbuf *status_json, dc_sbuf *metrics_text);
 
 #endif

@@ -60,6 +60,7 @@ void dc_session_send(dc_session *s, Dpclip__Reply *reply) {
     dc_wbuf *w;
 
     if (s->gone) return;
+    reply->insecure = s->srv->cfg.fixed_seed; /* every reply says it */
     n = dpclip__reply__get_packed_size(reply);
     w = malloc(sizeof *w + DC_FRAME_HEADER + n);
     if (!w) {
@@ -163,11 +164,17 @@ static void handle_hello(dc_session *s, uint64_t id, const Dpclip__Hello *h) {
         s->closing = true;
         return;
     }
+    /* The privacy ledger's account: this uid's job of that name, whole (an
+     * id too long to keep is refused, never truncated into another job's),
+     * within ledger.max_jobs_per_uid. */
+    if (dc_ledger_job_open(&srv->ledger, (uint32_t)s->peer_uid, h->job_id ? h->job_id : "",
+                           &s->ljob, &e)) {
+        dc_session_reject(s, id, &e);
+        return;
+    }
+    s->ljob->sessions++;
     snprintf(s->client_name, sizeof s->client_name, "%s", h->client_name ? h->client_name : "");
     snprintf(s->job_id, sizeof s->job_id, "%s", h->job_id ? h->job_id : "");
-    /* The privacy ledger's account: this uid's job of that name. */
-    if ((s->ljob = dc_ledger_job_get(&srv->ledger, (uint32_t)s->peer_uid, s->job_id)))
-        s->ljob->sessions++;
     s->hello_done = true;
     dc_log_info("session %llu: hello from pid %d uid %u client '%s' job '%s'",
                 (unsigned long long)s->id, (int)s->peer_pid, (unsigned)s->peer_uid,

@@ -4,8 +4,10 @@
  * Order of a step, all on the loop thread except the work itself:
  *   1. validate every field (validate.c); check events and the device;
  *   2. account: the step's (sample rate, noise multiplier) in the session's
- *      job; refuse it (RESOURCE_EXHAUSTED) if it would take the job past a
- *      budget; otherwise record the spend;
+ *      job (a pair the ledger has no curve for waits while libuv's pool
+ *      computes it); refuse it (RESOURCE_EXHAUSTED) if it would take the job
+ *      past a budget; otherwise record the spend (a sigma-0 step of one of
+ *      a job's several sessions is a data-parallel share: not charged);
  *   3. with a persistent ledger, wait until the spend is on disk (written on
  *      libuv's thread pool): the step's noised outputs reach the trainer's
  *      memory as soon as it runs, so its cost must already be recorded if
@@ -340,13 +342,16 @@ static void on_spend_durable(dc_ledger_waiter *w, int rc, const dc_err *err) {
     session_next(s);
 }
 
-/* Step 2 above. On refusal *e names the field: the step's own value, or the
- * node's budget setting. */
+_Static_assert(sizeof(((dc_session *)0)->job_id) >= DC_LEDGER_JOB_MAX,
+               "a session keeps every job id the ledger accepts whole");
+
+/* Step 2 above, the checks: the step's terms, and the job's account (which
+ * the Hello may have been refused). On refusal *e names the field. */
 static int account(dc_session *s, dc_step_job *j, const struct dc_step_params *m, dc_err *e) {
     dc_server *srv = s->srv;
     const dc_config *c = &srv->cfg;
-    dc_ledger_job *job = s->ljob;
-    double q = m->sample_rate, sigma = (double)j->step.noise_multiplier, eps;
+    double q = m->sample_rate, sigma = (double)j->step.noise_multiplier;
+    int rc;
 
     if (!(q >= 0.0 && q <= 1.0))
         return dc_err_set(e, DC_EINVAL, "clip_step.sample_rate",
@@ -364,9 +369,34 @@ static int account(dc_session *s, dc_step_job *j, const struct dc_step_params *m
                               "(ledger.require_sample_rate)");
         q = 1.0; /* unknown sampling: no amplification may be assumed */
     }
-    if (!job) return dc_err_set(e, DC_ENOSPACE, "clip_step", "no ledger entry (out of memory)");
-    dc_ledger_job_terms(job, m->target_delta, m->target_epsilon);
+    if (!s->ljob) {
+        if ((rc = dc_ledger_job_open(&srv->ledger, (uint32_t)s->peer_uid, s->job_id, &s->ljob, e)))
+            return rc;
+        s->ljob->sessions++; /* as the Hello does; the session's end takes it back */
+    }
+    if ((rc = dc_ledger_job_terms(s->ljob, m->target_delta, m->target_epsilon, e))) return rc;
+    j->q = q;
+    j->sigma = sigma;
+    return 0;
+}
 
+/* Step 2, the charge: refuse the step (RESOURCE_EXHAUSTED) if it would take
+ * the job past a budget, else record its spend. */
+static int charge(dc_session *s, dc_step_job *j, dc_err *e) {
+    dc_server *srv = s->srv;
+    const dc_config *c = &srv->cfg;
+    dc_ledger_job *job = s->ljob;
+    double q = j->q, sigma = j->sigma, eps;
+
+    if (sigma == 0.0 && job->sessions > 1) {
+        /* A data-parallel rank other than 0 (the job's other sessions): its
+         * noiseless sum is added to rank 0's, which carries the noise and is
+         * charged for the logical step. Nothing to charge or refuse here. */
+        dc_ledger_share(job);
+        j->eps = job->eps;
+        j->delta = job->delta;
+        return 0;
+    }
     if (job->budget_eps > 0 &&
         (eps = dc_ledger_eps_after(&srv->ledger, job, q, sigma, job->delta)) > job->budget_eps) {
         srv->metrics.budget_refusals++;
@@ -391,11 +421,49 @@ static int account(dc_session *s, dc_step_job *j, const struct dc_step_params *m
     }
     if (dc_ledger_spend(&srv->ledger, job, q, sigma, e)) return e->code;
     j->ljob = job;
-    j->q = q;
-    j->sigma = sigma;
     j->eps = job->eps;
     j->delta = job->delta;
     return 0;
+}
+
+/* Steps 2 (the charge) and 3 once the step's curve is at hand. `async`:
+ * called back by the ledger, so a refusal moves the session on. */
+static void step_charge(dc_step_job *j, bool async) {
+    dc_session *s = j->s;
+    dc_server *srv = s->srv;
+    uint64_t id = j->req_id;
+    dc_err e;
+    if (charge(s, j, &e)) goto fail;
+    j->t_checked = uv_hrtime();
+    s->job = j;
+    if (j->ljob && dc_ledger_persistent(&srv->ledger)) {
+        j->wait.gen = j->ljob->gen;
+        j->wait.done = on_spend_durable;
+        j->waiting_sync = true;
+        dc_server_ledger_persist(srv, j->ljob, &j->wait); /* usually completes later */
+        j->waiting_sync = false;
+        if (j->sync_rc) { /* failed at once (out of memory) */
+            refund(srv, j);
+            dc_err_set(&e, DC_EUNAVAIL, "ledger", "the privacy ledger could not record this "
+                       "step's spend, so the step was not run: %s", j->sync_err.msg);
+            goto fail;
+        }
+        return;
+    }
+    step_submit(j);
+    return;
+fail:
+    s->job = NULL;
+    job_free(j);
+    dc_session_reject(s, id, &e);
+    if (async) session_next(s);
+}
+
+/* The curve of a (q, sigma) pair the ledger had not seen lately is ready. */
+static void on_curve(dc_ledger_waiter *w, int rc, const dc_err *err) {
+    (void)rc;
+    (void)err;
+    step_charge((dc_step_job *)((char *)w - offsetof(dc_step_job, wait)), true);
 }
 
 /* --- the step plan cache ----------------------------------------------------
@@ -555,24 +623,15 @@ static void step_accept(dc_session *s, uint64_t id, dc_step_job *j,
     j->s = s;
     j->req_id = id;
     if (account(s, j, m, &e)) goto fail_step;
-    j->t_checked = uv_hrtime();
-    s->job = j;
-    if (dc_ledger_persistent(&srv->ledger)) {
-        j->wait.gen = j->ljob->gen;
-        j->wait.done = on_spend_durable;
-        j->waiting_sync = true;
-        dc_server_ledger_persist(srv, j->ljob, &j->wait); /* usually completes later */
-        j->waiting_sync = false;
-        if (j->sync_rc) { /* failed at once (out of memory) */
-            s->job = NULL;
-            refund(srv, j);
-            dc_err_set(&e, DC_EUNAVAIL, "ledger", "the privacy ledger could not record this "
-                       "step's spend, so the step was not run: %s", j->sync_err.msg);
-            goto fail_step;
-        }
+    if (j->sigma > 0 && !dc_ledger_has_curve(&srv->ledger, s->ljob, j->q, j->sigma)) {
+        /* A pair the ledger has not seen lately: its curve (0.1-3 ms) is
+         * computed off the loop while the session waits. */
+        s->job = j;
+        j->wait.done = on_curve;
+        dc_ledger_curve_async(&srv->ledger, srv->loop, j->q, j->sigma, &j->wait);
         return;
     }
-    step_submit(j);
+    step_charge(j, false);
     return;
 
 fail_step:

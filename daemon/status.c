@@ -1,9 +1,11 @@
 #include "status.h"
 
 #include <errno.h>
+#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/socket.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -20,11 +22,29 @@ static uint64_t mono_ns(void) {
     return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
 }
 
+/* A snapshot shared by the requests that render from it. */
+struct dc_status_snap {
+    void *data;
+    int refs;                  /* under dc_status.mu */
+};
+
+static void snap_unref(dc_status *st, dc_status_snap *sn) {
+    bool last;
+    if (!sn) return;
+    pthread_mutex_lock(&st->mu);
+    last = --sn->refs == 0;
+    pthread_mutex_unlock(&st->mu);
+    if (last) {
+        st->provider->release(sn->data);
+        free(sn);
+    }
+}
+
 /* --- the loop side ---------------------------------------------------------- */
 
 static void on_async(uv_async_t *h) {
     dc_status *st = h->data;
-    dc_sbuf js = {0}, pm = {0};
+    dc_status_snap *sn, *old = NULL;
     uint64_t target;
 
     pthread_mutex_lock(&st->mu);
@@ -32,30 +52,33 @@ static void on_async(uv_async_t *h) {
     pthread_mutex_unlock(&st->mu);
     if (target == st->have) return; /* have: written by this thread only */
 
-    st->render(st->arg, &js, &pm);
-
+    /* Copies only: the formatting happens on the HTTP threads. */
+    if ((sn = calloc(1, sizeof *sn)) && !(sn->data = st->provider->snapshot(st->arg))) {
+        free(sn);
+        sn = NULL;
+    }
     pthread_mutex_lock(&st->mu);
-    free(st->status_body);
-    free(st->metrics_body);
-    st->status_body = js.oom ? NULL : js.p;
-    st->metrics_body = pm.oom ? NULL : pm.p;
-    st->status_len = js.oom ? 0 : js.len;
-    st->metrics_len = pm.oom ? 0 : pm.len;
-    if (js.oom) free(js.p);
-    if (pm.oom) free(pm.p);
+    if (sn) {
+        sn->refs = 1;
+        old = st->snap;
+        st->snap = sn;
+    }
     st->have = target;
     st->rendered_ns = uv_hrtime();
     pthread_cond_broadcast(&st->cv);
     pthread_mutex_unlock(&st->mu);
+    snap_unref(st, old);
 }
 
 /* --- the HTTP side (libmicrohttpd threads) ------------------------------------ */
 
-/* A copy of the current body for `metrics` (or /status), fresh if the loop
- * answers in time. *stale_ms: 0 if fresh, else the age of what is served. */
-static char *fetch(dc_status *st, bool metrics, size_t *len, uint64_t *stale_ms) {
-    char *copy = NULL;
-    const char *body;
+/* The body for `metrics` (or /status) as `v` may see it, from a fresh
+ * snapshot if the loop answers in time. *stale_ms: 0 if fresh, else the age
+ * of what is served. */
+static char *fetch(dc_status *st, const dc_status_viewer *v, bool metrics, size_t *len,
+                   uint64_t *stale_ms) {
+    dc_status_snap *sn = NULL;
+    dc_sbuf b = {0};
     bool fresh = false;
 
     pthread_mutex_lock(&st->mu);
@@ -68,13 +91,47 @@ static char *fetch(dc_status *st, bool metrics, size_t *len, uint64_t *stale_ms)
             if (pthread_cond_timedwait(&st->cv, &st->mu, &ts) == ETIMEDOUT) break;
         fresh = st->have >= my;
     }
-    body = metrics ? st->metrics_body : st->status_body;
-    *len = metrics ? st->metrics_len : st->status_len;
-    if (body && (copy = malloc(*len + 1))) memcpy(copy, body, *len + 1);
+    if ((sn = st->snap)) sn->refs++;
     *stale_ms = fresh ? 0 : st->rendered_ns ? (mono_ns() - st->rendered_ns) / 1000000u : 0;
     st->served++;
     pthread_mutex_unlock(&st->mu);
-    return copy;
+    if (!sn) return NULL;
+    st->provider->render(sn->data, v, metrics, &b);
+    snap_unref(st, sn);
+    if (b.oom) {
+        dc_sbuf_free(&b);
+        return NULL;
+    }
+    *len = b.len;
+    return b.p;
+}
+
+/* Who is on the other end: SO_PEERCRED on the Unix socket; nobody known on
+ * TCP (127.0.0.1 says nothing about the user). */
+static void viewer_of(struct MHD_Connection *c, dc_status_viewer *v) {
+    const union MHD_ConnectionInfo *ci =
+        MHD_get_connection_info(c, MHD_CONNECTION_INFO_CONNECTION_FD);
+    struct sockaddr_storage sa;
+    socklen_t sl = sizeof sa;
+    struct ucred cred;
+    socklen_t cl = sizeof cred;
+    memset(v, 0, sizeof *v);
+    if (!ci || getsockname(ci->connect_fd, (struct sockaddr *)&sa, &sl) != 0 ||
+        sa.ss_family != AF_UNIX ||
+        getsockopt(ci->connect_fd, SOL_SOCKET, SO_PEERCRED, &cred, &cl) != 0)
+        return;
+    v->known = true;
+    v->uid = (uint32_t)cred.uid;
+    v->gid = (uint32_t)cred.gid;
+#ifdef SO_PEERGROUPS
+    {
+        gid_t groups[DC_STATUS_MAX_GROUPS];
+        socklen_t gl = sizeof groups;
+        if (getsockopt(ci->connect_fd, SOL_SOCKET, SO_PEERGROUPS, groups, &gl) == 0)
+            for (size_t i = 0; i < gl / sizeof groups[0]; i++)
+                v->groups[v->n_groups++] = (uint32_t)groups[i];
+    }
+#endif
 }
 
 static enum MHD_Result respond(struct MHD_Connection *c, unsigned code, const char *type,
@@ -109,9 +166,10 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *c, const cha
                                   const char *upload_data, size_t *upload_size, void **ctx) {
     dc_status *st = cls;
     static int first_call;
+    dc_status_viewer viewer;
     bool metrics;
     char *body;
-    size_t len;
+    size_t len = 0;
     uint64_t stale;
     (void)version;
     (void)upload_data;
@@ -134,30 +192,46 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *c, const cha
     else
         return text(c, MHD_HTTP_NOT_FOUND, "not found: GET /status or /metrics\n");
 
-    body = fetch(st, metrics, &len, &stale);
+    viewer_of(c, &viewer);
+    body = fetch(st, &viewer, metrics, &len, &stale);
     if (!body) return text(c, MHD_HTTP_SERVICE_UNAVAILABLE, "no status rendered yet\n");
     return respond(c, MHD_HTTP_OK,
                    metrics ? "text/plain; version=0.0.4; charset=utf-8" : "application/json",
                    body, len, stale);
 }
 
-static void *start_http(dc_status *st, int fd) {
-    /* epoll, not select: the daemon may hold more than FD_SETSIZE sockets. */
+/* libmicrohttpd's own messages (a client that hung up mid-request, say):
+ * what clients do is no error of the daemon's, so at debug level. */
+static void mhd_log(void *cls, const char *fmt, va_list ap) {
+    char msg[256];
+    (void)cls;
+    vsnprintf(msg, sizeof msg, fmt, ap);
+    msg[strcspn(msg, "\n")] = '\0';
+    dc_log_debug("status: %s", msg);
+}
+
+static void *start_http(dc_status *st, int fd, const dc_status_opts *o) {
+    /* epoll, not select: the daemon may hold more than FD_SETSIZE sockets.
+     * Slow clients hold a connection for timeout_s of silence at most, and
+     * max_connections of them at once. */
     return MHD_start_daemon(MHD_USE_INTERNAL_POLLING_THREAD | MHD_USE_EPOLL | MHD_USE_ERROR_LOG,
                             0, NULL, NULL, on_request, st, MHD_OPTION_LISTEN_SOCKET, (MHD_socket)fd,
-                            MHD_OPTION_THREAD_POOL_SIZE, 2u, MHD_OPTION_CONNECTION_LIMIT, 64u,
-                            MHD_OPTION_CONNECTION_TIMEOUT, 10u, MHD_OPTION_END);
+                            MHD_OPTION_THREAD_POOL_SIZE, 2u, MHD_OPTION_CONNECTION_LIMIT,
+                            o->max_connections ? o->max_connections : DC_STATUS_MAX_CONNECTIONS,
+                            MHD_OPTION_CONNECTION_TIMEOUT,
+                            o->timeout_s ? o->timeout_s : DC_STATUS_TIMEOUT_S,
+                            MHD_OPTION_EXTERNAL_LOGGER, mhd_log, NULL, MHD_OPTION_END);
 }
 
 int dc_status_start(dc_status *st, uv_loop_t *loop, const dc_status_opts *o,
-                    dc_status_render_fn render, void *arg, dc_err *err) {
+                    const dc_status_provider *provider, void *arg, dc_err *err) {
     pthread_condattr_t ca;
     bool want_unix = o->unix_path && o->unix_path[0];
 
     memset(st, 0, sizeof *st);
     st->fds[0] = st->fds[1] = -1;
     if (!want_unix && !o->tcp_port) return 0;
-    st->render = render;
+    st->provider = provider;
     st->arg = arg;
 
     if (want_unix) {
@@ -183,7 +257,7 @@ int dc_status_start(dc_status *st, uv_loop_t *loop, const dc_status_opts *o,
     st->running = true;
     for (int i = 0; i < 2; i++) {
         if (st->fds[i] < 0) continue;
-        if (!(st->http[i] = start_http(st, st->fds[i]))) {
+        if (!(st->http[i] = start_http(st, st->fds[i], o))) {
             dc_err_set(err, DC_EINTERNAL, "status", "libmicrohttpd could not serve %s",
                        i ? "the TCP status port" : st->unix_path);
             dc_status_stop(st);
@@ -217,9 +291,8 @@ void dc_status_stop(dc_status *st) {
     }
     if (st->unix_owned) unlink(st->unix_path);
     uv_close((uv_handle_t *)&st->async, NULL);
-    free(st->status_body);
-    free(st->metrics_body);
-    st->status_body = st->metrics_body = NULL;
+    snap_unref(st, st->snap); /* no HTTP thread holds one any more */
+    st->snap = NULL;
     /* mu and cv are destroyed with the status by its owner's memory: no
      * thread can touch them once the HTTP daemons are stopped. */
     pthread_cond_destroy(&st->cv);
@@ -229,9 +302,9 @@ void dc_status_stop(dc_status *st) {
 #else /* !DPCLIP_HAVE_MHD */
 
 int dc_status_start(dc_status *st, uv_loop_t *loop, const dc_status_opts *o,
-                    dc_status_render_fn render, void *arg, dc_err *err) {
+                    const dc_status_provider *provider, void *arg, dc_err *err) {
     (void)loop;
-    (void)render;
+    (void)provider;
     (void)arg;
     (void)err;
     memset(st, 0, sizeof *st);

@@ -6,13 +6,20 @@
  *   GET /status   JSON
  *
  * The data belong to the loop thread. An HTTP thread asks the loop for a
- * fresh rendering (uv_async_send) and waits for it up to DC_STATUS_WAIT_MS;
- * a loop that never blocks renders within microseconds, and a loop that is
- * stuck still gets an answer: the last rendering, marked with its age in an
- * `X-Dpclip-Stale-Ms` header (systemd's watchdog restarts such a daemon).
+ * fresh snapshot (uv_async_send) and waits for it up to DC_STATUS_WAIT_MS;
+ * the loop only copies its state (no formatting: microseconds), and the HTTP
+ * thread renders the body from the snapshot for its caller. A loop that is
+ * stuck still gets an answer: from the last snapshot, marked with its age in
+ * an `X-Dpclip-Stale-Ms` header (systemd's watchdog restarts such a daemon).
+ * Requests at the same time share one snapshot.
+ *
+ * Callers: on the Unix socket the caller's uid and groups come from
+ * SO_PEERCRED / SO_PEERGROUPS, and the renderer decides what that caller
+ * may see; a TCP caller is anonymous. A connection idle for timeout_s is
+ * closed, and at most max_connections are open at once.
  *
  * Ownership: dc_status owns its sockets (Unix socket file included, unless
- * systemd handed it over), the HTTP daemons and the last rendering. */
+ * systemd handed it over), the HTTP daemons and the last snapshot. */
 #ifndef DC_STATUS_H
 #define DC_STATUS_H
 
@@ -26,8 +33,25 @@
 
 #define DC_STATUS_WAIT_MS 40
 
-/* Loop thread: fill both bodies. */
-typedef void (*dc_status_render_fn)(void *arg, dc_sbuf *status_json, dc_sbuf *metrics_text);
+#define DC_STATUS_MAX_GROUPS 64
+
+/* Who asks. */
+typedef struct dc_status_viewer {
+    bool known;                /* Unix socket: from SO_PEERCRED; TCP: false */
+    uint32_t uid, gid;
+    uint32_t groups[DC_STATUS_MAX_GROUPS]; /* supplementary (SO_PEERGROUPS) */
+    size_t n_groups;
+} dc_status_viewer;
+
+/* What is served: snapshot() runs on the loop thread and returns an owned
+ * copy of the state (NULL when out of memory); render() and release() run
+ * on HTTP threads, render() once per request (metrics: /metrics, else
+ * /status), release() when no request uses the snapshot any more. */
+typedef struct dc_status_provider {
+    void *(*snapshot)(void *arg);
+    void (*render)(const void *snap, const dc_status_viewer *v, bool metrics, dc_sbuf *out);
+    void (*release)(void *snap);
+} dc_status_provider;
 
 typedef struct dc_status_opts {
     const char *unix_path;     /* "" or NULL: no Unix socket */
@@ -35,7 +59,14 @@ typedef struct dc_status_opts {
     int unix_gid;              /* chown the socket to this group; -1: leave */
     unsigned tcp_port;         /* 0: no TCP */
     bool asked;                /* configured explicitly (not a derived default) */
+    unsigned max_connections;  /* status.max_connections; 0 = the default */
+    unsigned timeout_s;        /* status.timeout_s; 0 = the default */
 } dc_status_opts;
+
+#define DC_STATUS_MAX_CONNECTIONS 256
+#define DC_STATUS_TIMEOUT_S 5
+
+typedef struct dc_status_snap dc_status_snap;
 
 typedef struct dc_status {
     void *http[2];             /* struct MHD_Daemon *: Unix, TCP */
@@ -44,15 +75,14 @@ typedef struct dc_status {
     bool unix_owned;           /* we created the file: unlink it at stop */
     uv_async_t async;
     bool running;
-    dc_status_render_fn render;
+    const dc_status_provider *provider;
     void *arg;
 
     pthread_mutex_t mu;        /* guards everything below */
     pthread_cond_t cv;
-    uint64_t want, have;       /* renderings asked for / done */
-    char *status_body, *metrics_body;
-    size_t status_len, metrics_len;
-    uint64_t rendered_ns;      /* uv_hrtime of the last rendering */
+    uint64_t want, have;       /* snapshots asked for / taken */
+    dc_status_snap *snap;      /* the last one (reference counted) */
+    uint64_t rendered_ns;      /* uv_hrtime of the last snapshot */
     bool closing;
     uint64_t served;           /* HTTP requests answered */
 } dc_status;
@@ -61,7 +91,7 @@ typedef struct dc_status {
  * to serve (no path, no port) it does nothing and returns 0; without
  * libmicrohttpd at build time it logs that and returns 0. */
 int dc_status_start(dc_status *st, uv_loop_t *loop, const dc_status_opts *o,
-                    dc_status_render_fn render, void *arg, dc_err *err);
+                    const dc_status_provider *provider, void *arg, dc_err *err);
 /* Stops the HTTP threads, removes the socket file, closes the async handle
  * (st must stay valid until the loop has run the close). Idempotent. */
 void dc_status_stop(dc_status *st);

@@ -316,6 +316,16 @@ int dc_validate_step(const Dpclip__ClipStep *msg, const dc_registry *reg,
         c->loss_reduction != DPCLIP__LOSS_REDUCTION__MEAN)
         return dc_err_set(err, DC_EINVAL, "clip_step.clip.loss_reduction",
                           "loss_reduction must be SUM or MEAN");
+    /* A mean loss divides the noised sum by expected_batch_size; 0 would
+     * divide by the actual batch size, which under Poisson sampling says who
+     * is in the batch and would be released without noise. Only a rate of 1
+     * (or none stated, which the ledger counts as 1) has a public one. */
+    if (c->loss_reduction == DPCLIP__LOSS_REDUCTION__MEAN && c->expected_batch_size == 0 &&
+        msg->sample_rate != 0.0 && msg->sample_rate != 1.0)
+        return dc_err_set(err, DC_EINVAL, "clip_step.clip.expected_batch_size",
+                          "a MEAN step with sample_rate %g needs expected_batch_size (the "
+                          "sample rate times the dataset size): dividing by the actual batch "
+                          "size would release it without noise", msg->sample_rate);
     if (!isfinite(msg->noise_multiplier) || msg->noise_multiplier < 0.0f)
         return dc_err_set(err, DC_EINVAL, "clip_step.noise_multiplier",
                           "noise_multiplier must be finite and >= 0");

@@ -76,6 +76,11 @@ if __name__ == "__main__":
                             (.01, 10, 20), (.99, .1, 256), (0.02, 0.9, 63)]:
         print("{%g, %g, %g, %s}," % (q, sigma, alpha,
                                      mp.nstr(rdp(q, sigma, alpha) * (alpha - 1), 17)))
+    print("# log(A_alpha) where the series needs more than DC_RDP_SERIES_MAX terms")
+    for q, sigma, alpha in [(0.5, 1e6, 1.1), (0.5, 1e6, 2.5), (0.5, 1e3, 2.2), (0.5, 1.0, 1.3),
+                            (0.5, 10.0, 1.6), (0.3, 0.5, 1.1), (0.5, 1.0, 1.5)]:
+        print("{%g, %g, %g, %s}," % (q, sigma, alpha,
+                                     mp.nstr(log_a_integral(q, sigma, alpha), 17)))
     print("# eps over the default orders")
     for q, sigma, steps, delta in [(0.04, 1.5, 2250, 1e-5), (0.01, 1.1, 10000, 1e-5),
                                    (0.001, 0.7, 5000, 1e-6), (0.25, 3.0, 40, 1e-5)]:

@@ -178,6 +178,71 @@ static void test_monotone(void **state) {
     assert_true(eps_for(0.01, 1.0, 100, 1e-7, NULL) > a);
 }
 
+static void test_epsilon_never_negative(void **state) {
+    double rdp[DC_RDP_N_ORDERS], best;
+    const double *o = dc_rdp_default_orders();
+    (void)state;
+    /* A large delta and a tiny spend: the conversion's formula goes below 0
+     * (-0.69 here). Any mechanism with a negative bound is (0, delta)-DP, so
+     * 0 is what is reported, never a negative epsilon. */
+    dc_rdp_steps(1e-4, 2.0, o, DC_RDP_N_ORDERS, rdp);
+    assert_true(dc_rdp_epsilon(o, rdp, DC_RDP_N_ORDERS, 0.5, &best) == 0.0);
+    assert_false(isnan(best));
+    for (int k = 0; k < DC_RDP_N_ORDERS; k++) rdp[k] = 0.0;
+    assert_true(dc_rdp_epsilon(o, rdp, DC_RDP_N_ORDERS, 1e-5, NULL) >= 0.0);
+    /* where the formula is positive it is reported as it is */
+    dc_rdp_steps(1e-4, 2.0, o, DC_RDP_N_ORDERS, rdp);
+    assert_true(dc_rdp_epsilon(o, rdp, DC_RDP_N_ORDERS, 1e-5, NULL) > 0.0);
+}
+
+/* The fractional orders' series is cut at DC_RDP_SERIES_MAX terms; where it
+ * has not converged by then (q = 0.5 needs up to ~270000 terms, 47 ms a
+ * curve), log(A) is bounded from above by the chord between the
+ * neighbouring integer orders (log A is convex in alpha). [MP] values by
+ * numerical integration: the bound is never below them, and no worse than
+ * the next integer order; the long series itself even overshoots at
+ * sigma = 1e6 (1.1e-13 for a true 1.4e-14: cancellation over 10^5 terms). */
+static void test_series_bound(void **state) {
+    static const double cases[][4] = {
+        {0.5, 1e+06, 1.1, 1.3750000000002076e-14},
+        {0.5, 1e+06, 2.5, 4.6875000000023437e-13},
+        {0.5, 1000, 2.2, 3.3000014025003115e-7},
+        {0.5, 1, 1.3, 0.058135710707566645},
+        {0.5, 10, 1.6, 0.0012033016976809444},
+        {0.3, 0.5, 1.1, 0.037294843305469452},
+        {0.5, 1, 1.5, 0.11757901724126551},
+    };
+    double full;
+    int bounded = 0;
+    (void)state;
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        double q = cases[i][0], sigma = cases[i][1], alpha = cases[i][2], want = cases[i][3];
+        double got = dc_rdp_log_a(q, sigma, alpha), up = ceil(alpha);
+        char what[96];
+        snprintf(what, sizeof what, "log A(q=%g, sigma=%g, alpha=%g)", q, sigma, alpha);
+        if (dc_rdp_log_a_series(q, sigma, alpha, DC_RDP_SERIES_MAX, &full) == 0) {
+            /* converged within the cap: the series, as accurate as ever */
+            assert_true(got == full);
+            assert_close(got, want, 1e-6, 1e-13, what);
+            continue;
+        }
+        bounded++;
+        if (!(got >= want && isfinite(got))) {
+            fprintf(stderr, "%s: %.17g is below the true %.17g\n", what, got, want);
+            fail();
+        }
+        assert_true(got / (alpha - 1.0) <=
+                    dc_rdp_log_a(q, sigma, up) / (up - 1.0) * (1.0 + 1e-12));
+    }
+    assert_true(bounded >= 6); /* all but the last need more terms than the cap */
+    /* Opacus' settings converge well within the cap: the series as before. */
+    for (double q = 1e-4; q <= 0.1; q *= 3)
+        for (double sigma = 0.5; sigma <= 20; sigma *= 1.7)
+            for (int x = 1; x <= 99; x += 7)
+                assert_int_equal(dc_rdp_log_a_series(q, sigma, 1 + x / 10.0, DC_RDP_SERIES_MAX,
+                                                     &full), 0);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_default_orders),
@@ -188,6 +253,8 @@ int main(void) {
         cmocka_unit_test(test_conversion),
         cmocka_unit_test(test_gaussian_fine_orders),
         cmocka_unit_test(test_monotone),
+        cmocka_unit_test(test_epsilon_never_negative),
+        cmocka_unit_test(test_series_bound),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -1,8 +1,11 @@
-/* The privacy ledger (daemon/ledger.c): composition matches the accountant,
- * refunds are exact, files round-trip, writes are atomic, a corrupt or
- * foreign file stops the start with a message naming it, and two daemons
- * cannot share a directory. (The daemon-level kill -9 test is in
- * test_service.c.) */
+/* The privacy ledger (daemon/ledger.c, ledger_file.c): composition matches
+ * the accountant, refunds are exact, a job's delta is fixed by its first
+ * step, job ids are never truncated, the history is bounded (and never
+ * understates), accounts are capped per uid and expire, curves are computed
+ * off the calling thread, files round-trip (with the insecure mark), writes
+ * are atomic, a corrupt or foreign file stops the start with a message
+ * naming it, and two daemons cannot share a directory. Each test gets its
+ * own directory. (The daemon-level kill -9 test is in test_service.c.) */
 #include <errno.h>
 #include <fcntl.h>
 #include <math.h>
@@ -110,22 +113,321 @@ static void test_terms(void **state) {
     (void)state;
     assert_int_equal(dc_ledger_open(&l, "", 1e-5, &e), 0);
     j = dc_ledger_job_get(&l, 7, "terms");
+    /* before its first step a job may say at which delta it reports */
+    assert_int_equal(dc_ledger_job_terms(j, 1e-7, 0, &e), 0);
+    assert_true(j->delta == 1e-7);
     assert_int_equal(dc_ledger_spend(&l, j, 0.02, 1.0, &e), 0);
-    eps5 = j->eps;
-    /* a job's delta changes where its eps is reported */
-    dc_ledger_job_terms(j, 1e-7, 0);
-    assert_true(j->delta == 1e-7 && j->eps > eps5);
+    eps5 = dc_ledger_eps_at(j, 1e-5, NULL);
+    assert_true(j->eps > eps5);
     /* the budget only goes down */
-    dc_ledger_job_terms(j, 0, 8.0);
+    assert_int_equal(dc_ledger_job_terms(j, 0, 8.0, &e), 0);
     assert_true(j->budget_eps == 8.0);
-    dc_ledger_job_terms(j, 0, 9.0);
+    assert_int_equal(dc_ledger_job_terms(j, 0, 9.0, &e), 0);
     assert_true(j->budget_eps == 8.0);
     gen = j->gen;
-    dc_ledger_job_terms(j, 0, 8.0);
+    assert_int_equal(dc_ledger_job_terms(j, 1e-7, 8.0, &e), 0); /* its own delta: fine */
     assert_true(j->gen == gen);  /* no change, no new generation to write */
-    dc_ledger_job_terms(j, 0, 3.0);
+    assert_int_equal(dc_ledger_job_terms(j, 0, 3.0, &e), 0);
     assert_true(j->budget_eps == 3.0 && j->gen == gen + 1);
     dc_ledger_close(&l);
+}
+
+/* Raising delta after spending made the same spend look smaller: 2000 more
+ * steps ran past a budget. A job's delta is fixed by its first step. */
+static void test_delta_fixed_by_first_step(void **state) {
+    dc_ledger l;
+    dc_ledger_job *j;
+    dc_err e;
+    double eps;
+    uint64_t gen;
+    (void)state;
+    assert_int_equal(dc_ledger_open(&l, "", 1e-5, &e), 0);
+    j = dc_ledger_job_get(&l, 7, "fixed");
+    assert_int_equal(dc_ledger_job_terms(j, 0, 2.0, &e), 0); /* a budget at the default delta */
+    for (int i = 0; i < 50; i++) assert_int_equal(dc_ledger_spend(&l, j, 0.05, 1.0, &e), 0);
+    eps = j->eps;
+    gen = j->gen;
+    dc_err_clear(&e);
+    assert_int_equal(dc_ledger_job_terms(j, 0.1, 0, &e), DC_EPRECOND);
+    assert_string_equal(e.field, "clip_step.target_delta");
+    assert_non_null(strstr(e.msg, "fixed by its first step"));
+    assert_true(j->delta == 1e-5 && j->eps == eps && j->gen == gen);
+    /* a smaller delta is refused as well: one delta per job */
+    assert_int_equal(dc_ledger_job_terms(j, 1e-9, 0, &e), DC_EPRECOND);
+    assert_true(j->delta == 1e-5);
+    dc_ledger_close(&l);
+}
+
+/* A job id is kept whole or refused: ids that differ after byte 63 once
+ * shared one account. */
+static void test_job_id_length(void **state) {
+    dc_ledger l;
+    dc_ledger_job *a = NULL, *b = NULL;
+    dc_err e;
+    char id1[100], id2[100];
+    (void)state;
+    assert_int_equal(dc_ledger_open(&l, "", 1e-5, &e), 0);
+    memset(id1, 'x', 80);
+    id1[80] = '\0';
+    memcpy(id2, id1, sizeof id1);
+    id2[70] = 'y';
+    assert_int_equal(dc_ledger_job_open(&l, 1, id1, &a, &e), DC_EINVAL);
+    assert_string_equal(e.field, "hello.job_id");
+    assert_non_null(strstr(e.msg, "at most 63 bytes"));
+    assert_null(a);
+    assert_null(dc_ledger_job_get(&l, 1, id2));
+    assert_int_equal(l.n_jobs, 0);
+    /* the longest id kept whole */
+    id1[DC_LEDGER_JOB_MAX - 1] = '\0';
+    assert_int_equal(dc_ledger_job_open(&l, 1, id1, &a, &e), 0);
+    assert_int_equal(strlen(a->job), DC_LEDGER_JOB_MAX - 1);
+    id2[DC_LEDGER_JOB_MAX - 1] = '\0';
+    id2[DC_LEDGER_JOB_MAX - 2] = 'y';
+    assert_int_equal(dc_ledger_job_open(&l, 1, id2, &b, &e), 0);
+    assert_true(a != b);
+    dc_ledger_close(&l);
+}
+
+/* eps of steps[i] steps of (q[i], sigma[i]) for i < n, composed exactly. */
+static double exact_eps(const double *q, const double *sigma, const double *steps, size_t n,
+                        double delta) {
+    double rdp[DC_RDP_N_ORDERS] = {0}, one[DC_RDP_N_ORDERS];
+    for (size_t i = 0; i < n; i++) {
+        dc_rdp_steps(q[i], sigma[i], dc_rdp_default_orders(), DC_RDP_N_ORDERS, one);
+        for (int k = 0; k < DC_RDP_N_ORDERS; k++) rdp[k] += steps[i] * one[k];
+    }
+    return dc_rdp_epsilon(dc_rdp_default_orders(), rdp, DC_RDP_N_ORDERS, delta, NULL);
+}
+
+/* 4000 distinct sample rates kept 4000 entries and slowed every step: the
+ * history is bounded, what leaves it is folded into a sum that never
+ * understates the spend, and refunds of folded pairs still work. */
+static void test_history_bounded(void **state) {
+    enum { N = 400 };
+    static double q[N], sigma[N], steps[N];
+    dc_ledger l;
+    dc_ledger_job *j;
+    dc_err e;
+    double want, before;
+    (void)state;
+    assert_int_equal(dc_ledger_open(&l, g_dir, 1e-5, &e), 0);
+    j = dc_ledger_job_get(&l, 3, "many-rates");
+    for (int i = 0; i < N; i++) {
+        q[i] = 0.001 + 0.0001 * i;
+        sigma[i] = 1.0;
+        steps[i] = 1 + i % 3;
+        for (int k = 0; k < (int)steps[i]; k++)
+            assert_int_equal(dc_ledger_spend(&l, j, q[i], sigma[i], &e), 0);
+        assert_true(j->n_hist <= DC_LEDGER_HIST_MAX);
+    }
+    assert_int_equal(j->n_hist, DC_LEDGER_HIST_MAX);
+    want = exact_eps(q, sigma, steps, N, 1e-5);
+    assert_true(j->folded_steps > 0);
+    assert_true(j->eps >= want);                   /* never understated */
+    assert_true(j->eps <= want * (1 + 1e-9));      /* and as good as exact */
+    /* the most recent pairs are the ones kept apart */
+    for (int i = N - DC_LEDGER_HIST_MAX; i < N; i++) {
+        bool found = false;
+        for (size_t k = 0; k < j->n_hist; k++) found |= j->hist[k].q == q[i];
+        assert_true(found);
+    }
+    /* a refund of an early (folded) pair takes its step back */
+    before = j->eps;
+    dc_ledger_refund(j, q[0], sigma[0]);
+    steps[0] -= 1;
+    assert_true(j->eps < before);
+    assert_true(j->eps >= exact_eps(q, sigma, steps, N, 1e-5));
+    /* the bounded history round-trips through the file */
+    assert_int_equal(dc_ledger_save(&l, j, &e), 0);
+    before = j->eps;
+    dc_ledger_close(&l);
+    assert_int_equal(dc_ledger_open(&l, g_dir, 1e-5, &e), 0);
+    j = dc_ledger_job_find(&l, 3, "many-rates");
+    assert_non_null(j);
+    assert_true(j->eps == before);
+    assert_true(j->n_hist == DC_LEDGER_HIST_MAX && j->folded_steps > 0);
+    dc_ledger_close(&l);
+}
+
+/* 20k Hellos with fresh job ids kept 20k accounts: at most
+ * max_jobs_per_uid per uid, and accounts nothing uses go. */
+static void test_jobs_per_uid(void **state) {
+    dc_ledger l;
+    dc_ledger_job *j;
+    dc_err e;
+    char name[32];
+    (void)state;
+    assert_int_equal(dc_ledger_open(&l, "", 1e-5, &e), 0);
+    dc_ledger_set_limits(&l, 3, 3600);
+    for (int i = 0; i < 3; i++) {
+        snprintf(name, sizeof name, "job-%d", i);
+        assert_int_equal(dc_ledger_job_open(&l, 42, name, &j, &e), 0);
+        j->sessions++; /* attached to a session */
+    }
+    assert_int_equal(dc_ledger_job_open(&l, 42, "one-more", &j, &e), DC_ENOSPACE);
+    assert_string_equal(e.field, "ledger.max_jobs_per_uid");
+    assert_non_null(strstr(e.msg, "ledger.max_jobs_per_uid"));
+    assert_null(j);
+    /* its existing jobs and other uids are not affected */
+    assert_int_equal(dc_ledger_job_open(&l, 42, "job-1", &j, &e), 0);
+    assert_int_equal(dc_ledger_job_open(&l, 43, "one-more", &j, &e), 0);
+    /* a session ends; its job never spent anything: its place is free */
+    dc_ledger_job_find(&l, 42, "job-0")->sessions--;
+    assert_int_equal(dc_ledger_expire(&l, uv_hrtime()), 2); /* and uid 43's unused one */
+    assert_null(dc_ledger_job_find(&l, 42, "job-0"));
+    assert_int_equal(dc_ledger_job_open(&l, 42, "one-more", &j, &e), 0);
+    /* at the cap, accounts that never spent and have no session make room
+     * at once (a burst of Hellos between two sweeps) */
+    for (int i = 0; i < 2; i++) {
+        snprintf(name, sizeof name, "burst-%d", i);
+        assert_int_equal(dc_ledger_job_open(&l, 42, name, &j, &e), 0);
+    }
+    assert_null(dc_ledger_job_find(&l, 42, "one-more")); /* made room for burst-0 */
+    assert_null(dc_ledger_job_find(&l, 42, "burst-0"));  /* and it for burst-1 */
+    assert_non_null(dc_ledger_job_find(&l, 42, "burst-1"));
+    assert_non_null(dc_ledger_job_find(&l, 42, "job-1")); /* in use: stays */
+    /* many Hellos with fresh ids, each closed at once, hold nothing */
+    dc_ledger_set_limits(&l, 0, 3600);
+    for (int i = 0; i < 2000; i++) {
+        snprintf(name, sizeof name, "hello-%d", i);
+        assert_non_null(dc_ledger_job_get(&l, 44, name));
+    }
+    dc_ledger_expire(&l, uv_hrtime());
+    for (dc_ledger_job *k = l.jobs; k; k = k->next) assert_int_not_equal(k->uid, 44);
+    dc_ledger_close(&l);
+}
+
+/* An account that spent stays for job_idle_s after its last step and with
+ * a session attached; then it goes, from memory only when it is on disk. */
+static void test_idle_expiry(void **state) {
+    dc_ledger l;
+    dc_ledger_job *j;
+    dc_err e;
+    uint64_t now, idle = 60 * 1000000000ull;
+    double eps;
+    (void)state;
+    /* in memory: forgotten after the idle time */
+    assert_int_equal(dc_ledger_open(&l, "", 1e-5, &e), 0);
+    dc_ledger_set_limits(&l, 0, 60);
+    j = dc_ledger_job_get(&l, 5, "idle");
+    assert_int_equal(dc_ledger_spend(&l, j, 0.01, 1.0, &e), 0);
+    now = j->used_ns;
+    assert_int_equal(dc_ledger_expire(&l, now + idle - 1), 0);
+    j->sessions++;
+    assert_int_equal(dc_ledger_expire(&l, now + 10 * idle), 0); /* in use */
+    j->sessions--;
+    assert_int_equal(dc_ledger_expire(&l, now + idle), 1);
+    assert_null(dc_ledger_job_find(&l, 5, "idle"));
+    dc_ledger_close(&l);
+
+    /* persistent: dropped once on disk, and read back whole when named */
+    assert_int_equal(dc_ledger_open(&l, g_dir, 1e-5, &e), 0);
+    dc_ledger_set_limits(&l, 0, 60);
+    j = dc_ledger_job_get(&l, 5, "idle-disk");
+    assert_int_equal(dc_ledger_job_terms(j, 1e-6, 9.0, &e), 0);
+    for (int i = 0; i < 7; i++) assert_int_equal(dc_ledger_spend(&l, j, 0.02, 1.1, &e), 0);
+    eps = j->eps;
+    now = j->used_ns;
+    assert_int_equal(dc_ledger_expire(&l, now + idle), 0); /* not on disk yet */
+    assert_int_equal(dc_ledger_save(&l, j, &e), 0);
+    assert_int_equal(dc_ledger_expire(&l, now + idle), 1);
+    assert_null(dc_ledger_job_find(&l, 5, "idle-disk"));
+    assert_int_equal(dc_ledger_job_open(&l, 5, "idle-disk", &j, &e), 0);
+    assert_true(j->eps == eps && j->steps == 7 && j->delta == 1e-6 && j->budget_eps == 9.0);
+    assert_true(j->saved_gen == j->gen);
+    dc_ledger_close(&l);
+}
+
+/* At the cap, a persistent ledger makes room with accounts that are on
+ * disk and unused, instead of refusing. */
+static void test_cap_drops_saved_accounts(void **state) {
+    dc_ledger l;
+    dc_ledger_job *j;
+    dc_err e;
+    char name[32];
+    (void)state;
+    assert_int_equal(dc_ledger_open(&l, g_dir, 1e-5, &e), 0);
+    dc_ledger_set_limits(&l, 2, 3600);
+    for (int i = 0; i < 2; i++) {
+        snprintf(name, sizeof name, "saved-%d", i);
+        assert_int_equal(dc_ledger_job_open(&l, 9, name, &j, &e), 0);
+        assert_int_equal(dc_ledger_spend(&l, j, 0.1, 2.0, &e), 0);
+    }
+    /* one is not on disk yet: only the other may go */
+    assert_int_equal(dc_ledger_save(&l, dc_ledger_job_find(&l, 9, "saved-0"), &e), 0);
+    assert_int_equal(dc_ledger_job_open(&l, 9, "new", &j, &e), 0);
+    assert_null(dc_ledger_job_find(&l, 9, "saved-0"));
+    assert_non_null(dc_ledger_job_find(&l, 9, "saved-1"));
+    j->sessions++;
+    assert_int_equal(dc_ledger_job_open(&l, 9, "saved-0", &j, &e), DC_ENOSPACE);
+    dc_ledger_close(&l);
+}
+
+/* A spend under --insecure-fixed-seed marks the account, on disk too. */
+static void test_insecure_mark(void **state) {
+    dc_ledger l;
+    dc_ledger_job *j;
+    dc_err e;
+    char *buf;
+    size_t len;
+    (void)state;
+    assert_int_equal(dc_ledger_open(&l, g_dir, 1e-5, &e), 0);
+    l.insecure = true;
+    j = dc_ledger_job_get(&l, 11, "insecure");
+    assert_false(j->insecure);
+    assert_int_equal(dc_ledger_spend(&l, j, 0.1, 2.0, &e), 0);
+    assert_true(j->insecure);
+    assert_int_equal(dc_ledger_serialize(j, &buf, &len), 0);
+    assert_non_null(strstr(buf, "\ninsecure 1\n"));
+    free(buf);
+    assert_int_equal(dc_ledger_save(&l, j, &e), 0);
+    dc_ledger_close(&l);
+    assert_int_equal(dc_ledger_open(&l, g_dir, 1e-5, &e), 0); /* a secure daemon now */
+    j = dc_ledger_job_find(&l, 11, "insecure");
+    assert_true(j->insecure);
+    dc_ledger_close(&l);
+}
+
+/* Curves are computed on libuv's pool, one at a time, waiters called back
+ * on the loop in order once theirs is at hand. */
+static int g_order[8], g_called;
+static void on_curve(dc_ledger_waiter *w, int rc, const dc_err *err) {
+    (void)err;
+    assert_int_equal(rc, 0);
+    g_order[g_called++] = (int)w->gen;
+}
+
+static void test_curve_async(void **state) {
+    dc_ledger l;
+    dc_ledger_job *j;
+    dc_ledger_waiter w[3] = {{.gen = 0}, {.gen = 1}, {.gen = 2}};
+    uv_loop_t loop;
+    dc_err e;
+    double expect[DC_RDP_N_ORDERS];
+    (void)state;
+    assert_int_equal(uv_loop_init(&loop), 0);
+    assert_int_equal(dc_ledger_open(&l, "", 1e-5, &e), 0);
+    j = dc_ledger_job_get(&l, 1, "async");
+    assert_false(dc_ledger_has_curve(&l, j, 0.5, 1e6));
+    for (int i = 0; i < 3; i++) w[i].done = on_curve;
+    g_called = 0;
+    dc_ledger_curve_async(&l, &loop, 0.5, 1e6, &w[0]);
+    dc_ledger_curve_async(&l, &loop, 0.25, 3.0, &w[1]);
+    dc_ledger_curve_async(&l, &loop, 0.5, 1e6, &w[2]);
+    assert_int_equal(g_called, 0);            /* nothing computed on this thread */
+    assert_int_equal(uv_run(&loop, UV_RUN_DEFAULT), 0);
+    assert_int_equal(g_called, 3);
+    /* the same pair's waiters together, then the next pair */
+    assert_int_equal(g_order[0], 0);
+    assert_int_equal(g_order[1], 2);
+    assert_int_equal(g_order[2], 1);
+    assert_true(dc_ledger_has_curve(&l, j, 0.5, 1e6) && dc_ledger_has_curve(&l, j, 0.25, 3.0));
+    /* and the cached curve is the accountant's */
+    dc_rdp_steps(0.25, 3.0, dc_rdp_default_orders(), DC_RDP_N_ORDERS, expect);
+    assert_int_equal(dc_ledger_spend(&l, j, 0.25, 3.0, &e), 0);
+    assert_memory_equal(j->hist[0].rdp, expect, sizeof expect);
+    dc_ledger_close(&l);
+    assert_int_equal(uv_loop_close(&loop), 0);
 }
 
 static void test_persist_roundtrip(void **state) {
@@ -144,7 +446,7 @@ static void test_persist_roundtrip(void **state) {
     for (int i = 0; i < 37; i++) assert_int_equal(dc_ledger_spend(&l, a, 0.004, 0.9, &e), 0);
     for (int i = 0; i < 3; i++) assert_int_equal(dc_ledger_spend(&l, a, 1.0, 5.0, &e), 0);
     assert_int_equal(dc_ledger_spend(&l, b, 0.5, 3.0, &e), 0);
-    dc_ledger_job_terms(a, 1e-6, 12.5);
+    assert_int_equal(dc_ledger_job_terms(a, 0, 12.5, &e), 0);
     assert_int_equal(dc_ledger_save(&l, a, &e), 0);
     assert_int_equal(dc_ledger_save(&l, b, &e), 0);
     assert_true(a->saved_gen == a->gen);
@@ -174,7 +476,7 @@ static void test_persist_roundtrip(void **state) {
     assert_non_null(b);
     assert_int_equal(a->steps, 40);
     assert_int_equal(a->n_hist, 2);
-    assert_true(a->delta == 1e-6 && a->budget_eps == 12.5);
+    assert_true(a->delta == 1e-5 && a->budget_eps == 12.5);
     assert_true(a->eps == eps_a);  /* %.17g round-trips doubles exactly */
     assert_true(b->eps == eps_b && b->steps == 1);
     dc_ledger_close(&l);
@@ -262,12 +564,20 @@ static void test_write_file_errors(void **state) {
 
 int main(void) {
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(test_compose_and_refund),
-        cmocka_unit_test(test_terms),
-        cmocka_unit_test(test_persist_roundtrip),
-        cmocka_unit_test(test_corrupt_files_refuse),
-        cmocka_unit_test(test_lock),
-        cmocka_unit_test(test_write_file_errors),
+        cmocka_unit_test_setup_teardown(test_compose_and_refund, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_terms, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_delta_fixed_by_first_step, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_job_id_length, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_history_bounded, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_jobs_per_uid, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_idle_expiry, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_cap_drops_saved_accounts, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_insecure_mark, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_curve_async, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_persist_roundtrip, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_corrupt_files_refuse, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_lock, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_write_file_errors, setup, teardown),
     };
-    return cmocka_run_group_tests(tests, setup, teardown);
+    return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -1,6 +1,7 @@
 /* dpclipd as a node service, end to end: the privacy ledger on real steps
  * (epsilon in replies against the accountant, the job's and the node's
- * budgets refusing steps before any work, refunds of failed steps), the
+ * budgets refusing steps before any work, refunds of failed steps; more in
+ * test_service_ledger.c), the
  * ledger surviving kill -9 with every completed step's spend, [access]
  * lists, SIGHUP reloads (good and bad files), and systemd's side: sd_notify
  * messages and socket activation with a client that connects while no
@@ -286,6 +287,7 @@ static void test_failed_step_refunded(void **state) {
     dc_shm_step_free(&s);
     dpclip_disconnect(c);
 }
+
 
 /* --- kill -9 ----------------------------------------------------------------------- */
 

@@ -2,7 +2,11 @@
  * the test did and against the accountant), /metrics through a real
  * Prometheus parser (prometheus_client's, via python3, when installed; else
  * a strict line grammar check, and the test says which), HTTP errors, an
- * answer within 50 ms while 8 clients run steps, and dpclipctl's tables. */
+ * answer within 50 ms while 8 clients run steps, slow connections that
+ * neither lock others out nor stay forever, what each caller may see (the
+ * renderer on hand-made snapshots, and a real caller of another uid when
+ * run as root), Hellos that leave no account behind, the insecure mark, and
+ * dpclipctl's tables. */
 #include <errno.h>
 #include <math.h>
 #include <pthread.h>
@@ -14,7 +18,9 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
+#include <sys/un.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -22,6 +28,7 @@
 
 #include "accountant.h"
 #include "harness.h"
+#include "report.h"
 #include "service.h"
 
 /* Whatever dpclip config is installed on this machine stays out. */
@@ -44,7 +51,10 @@ static int group_setup(void **state) {
     snprintf(g_ledger, sizeof g_ledger, "%s/dpclip-status-ledger.XXXXXX",
              getenv("TMPDIR") && getenv("TMPDIR")[0] ? getenv("TMPDIR") : "/tmp");
     if (!mkdtemp(g_ledger)) return -1;
-    snprintf(args, sizeof args, NO_SYSTEM_CONFIG "--workers 2 --ledger-dir %s", g_ledger);
+    /* status.timeout_s: short, for test_idle_connection_closed; a status
+     * socket any user can open, for test_own_view. */
+    snprintf(args, sizeof args, NO_SYSTEM_CONFIG "--workers 2 --ledger-dir %s "
+             "--set status.timeout_s=1 --set status.socket_mode=0666", g_ledger);
     if (dc_harness_start(&g_h, args)) return -1;
     dc_harness_status_path(&g_h, g_status, sizeof g_status);
     return 0;
@@ -280,7 +290,8 @@ static void *load_thread(void *arg) {
     dpclip_connect_opts o = {.client_name = "load", .job_id = "status-load"};
     dc_shm_step s;
     dpclip_clip_config cfg = {.max_grad_norm = 1.0f, .reduction = DPCLIP_MEAN,
-                              .noise_multiplier = 1.0f, .sample_rate = 0.01};
+                              .expected_batch_size = 32, .noise_multiplier = 1.0f,
+                              .sample_rate = 0.01};
     dc_test_layer_spec big = {DC_LAYER_LINEAR, 32, 16, 64, 64, DC_F32, 1, DC_ALGO_AUTO, 1, 0};
     dc_test_rng r;
     long seed = (long)(intptr_t)arg;
@@ -351,6 +362,262 @@ static void test_status_under_load(void **state) {
      * machine starves the HTTP thread itself. */
     assert_true(ms[N_REQ / 2] < 50.0);
     assert_true(ms[N_REQ * 9 / 10] < 50.0);
+}
+
+
+/* --- slow connections ------------------------------------------------------------ */
+
+/* A connection to the status socket that sent half a request line. */
+static int stalled_connection(void) {
+    struct sockaddr_un a;
+    int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    memset(&a, 0, sizeof a);
+    a.sun_family = AF_UNIX;
+    assert_true(strlen(g_status) < sizeof a.sun_path);
+    memcpy(a.sun_path, g_status, strlen(g_status) + 1);
+    assert_true(fd >= 0);
+    assert_int_equal(connect(fd, (struct sockaddr *)&a, sizeof a), 0);
+    assert_int_equal(send(fd, "GET /sta", 8, MSG_NOSIGNAL), 8);
+    return fd;
+}
+
+/* 70 slow connections locked /status out (64 at most were served). */
+static void test_slow_connections(void **state) {
+    enum { N = 70 };
+    int fds[N];
+    char *body = NULL;
+    (void)state;
+    for (int i = 0; i < N; i++) fds[i] = stalled_connection();
+    assert_int_equal(dc_http(g_status, "GET", "/status", 5000, NULL, &body, NULL), 200);
+    assert_non_null(strstr(body, "\"daemon\""));
+    free(body);
+    for (int i = 0; i < N; i++) close(fds[i]);
+}
+
+/* A connection silent for status.timeout_s (1 s here) is closed. */
+static void test_idle_connection_closed(void **state) {
+    int fd = stalled_connection();
+    char buf[256];
+    ssize_t n;
+    struct timeval tv = {60, 0}; /* generous: closing is what is checked */
+    (void)state;
+    assert_int_equal(setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv), 0);
+    while ((n = read(fd, buf, sizeof buf)) > 0) continue;
+    assert_int_equal(n, 0); /* EOF from the daemon, not our timeout */
+    close(fd);
+}
+
+/* --- who sees what ------------------------------------------------------------------ */
+
+/* A snapshot by hand: two users' sessions and jobs. */
+static void fake_report(dc_report *r, dc_report_session *ss, dc_report_job *jj) {
+    memset(r, 0, sizeof *r);
+    memset(ss, 0, 2 * sizeof *ss);
+    memset(jj, 0, 2 * sizeof *jj);
+    r->pid = 1;
+    r->daemon_uid = 999;
+    r->ops_gid = 4242;
+    r->log_level = "info";
+    r->sessions = ss;
+    r->jobs = jj;
+    r->n_sessions = r->n_jobs = 2;
+    for (int i = 0; i < 2; i++) {
+        ss[i].id = (uint64_t)i + 1;
+        ss[i].pid = 100 + i;
+        ss[i].uid = jj[i].uid = 1000 + (uint32_t)i;
+        ss[i].hello = true;
+        snprintf(ss[i].client, sizeof ss[i].client, "client-of-%d", 1000 + i);
+        snprintf(ss[i].job, sizeof ss[i].job, "job-of-%d", 1000 + i);
+        snprintf(jj[i].job, sizeof jj[i].job, "job-of-%d", 1000 + i);
+        jj[i].steps = 10;
+        jj[i].eps = 1.5 + i;
+        jj[i].delta = 1e-5;
+    }
+    r->metrics.samples = 12345;
+    r->metrics.bytes_referenced = 777;
+    r->metrics.steps_ok = 20;
+}
+
+static void test_views(void **state) {
+    dc_report r;
+    dc_report_session ss[2];
+    dc_report_job jj[2];
+    dc_status_viewer v = {.known = true, .uid = 1000, .gid = 1000};
+    dc_sbuf b = {0};
+    (void)state;
+    fake_report(&r, ss, jj);
+
+    /* who gets which view */
+    assert_int_equal(dc_report_view(&r, &v), DC_VIEW_OWN);
+    v.groups[v.n_groups++] = 4242; /* status.ops_group, as a supplementary group */
+    assert_int_equal(dc_report_view(&r, &v), DC_VIEW_ALL);
+    v.n_groups = 0;
+    v.gid = 4242;
+    assert_int_equal(dc_report_view(&r, &v), DC_VIEW_ALL);
+    v.gid = 1000;
+    v.uid = 0;
+    assert_int_equal(dc_report_view(&r, &v), DC_VIEW_ALL);
+    v.uid = 999; /* the daemon's own user */
+    assert_int_equal(dc_report_view(&r, &v), DC_VIEW_ALL);
+    v.known = false; /* TCP */
+    assert_int_equal(dc_report_view(&r, &v), DC_VIEW_AGGREGATE);
+
+    /* everything */
+    dc_report_status(&r, DC_VIEW_ALL, 0, &b);
+    assert_non_null(strstr(b.p, "client-of-1000"));
+    assert_non_null(strstr(b.p, "client-of-1001"));
+    assert_non_null(strstr(b.p, "\"samples\":12345"));
+    dc_sbuf_free(&b);
+    /* one's own */
+    dc_report_status(&r, DC_VIEW_OWN, 1000, &b);
+    assert_non_null(strstr(b.p, "client-of-1000"));
+    assert_non_null(strstr(b.p, "\"job\":\"job-of-1000\""));
+    assert_null(strstr(b.p, "1001"));    /* no session, pid, job or group of the other */
+    assert_null(strstr(b.p, "\"samples\""));
+    assert_non_null(strstr(b.p, "\"view\":\"own\""));
+    dc_sbuf_free(&b);
+    /* TCP: counts only */
+    dc_report_status(&r, DC_VIEW_AGGREGATE, 0, &b);
+    assert_null(strstr(b.p, "client-of"));
+    assert_null(strstr(b.p, "job-of"));
+    assert_null(strstr(b.p, "\"samples\""));
+    assert_non_null(strstr(b.p, "\"steps_ok\":20"));
+    dc_sbuf_free(&b);
+
+    /* /metrics: per-job series of one's own; batch-size counters for ops */
+    dc_report_metrics(&r, DC_VIEW_ALL, 0, &b);
+    assert_int_equal(dc_prom_grammar(b.p), 0);
+    assert_non_null(strstr(b.p, "dpclip_samples_total 12345"));
+    assert_non_null(strstr(b.p, "dpclip_bytes_referenced_total 777"));
+    assert_non_null(strstr(b.p, "job=\"job-of-1001\""));
+    dc_sbuf_free(&b);
+    dc_report_metrics(&r, DC_VIEW_OWN, 1000, &b);
+    assert_int_equal(dc_prom_grammar(b.p), 0);
+    assert_null(strstr(b.p, "dpclip_samples_total"));
+    assert_null(strstr(b.p, "dpclip_bytes_referenced_total"));
+    assert_non_null(strstr(b.p, "dpclip_job_epsilon{uid=\"1000\",job=\"job-of-1000\"}"));
+    assert_null(strstr(b.p, "job-of-1001"));
+    dc_sbuf_free(&b);
+    dc_report_metrics(&r, DC_VIEW_AGGREGATE, 0, &b);
+    assert_int_equal(dc_prom_grammar(b.p), 0);
+    assert_null(strstr(b.p, "job-of"));
+    assert_null(strstr(b.p, "dpclip_samples_total"));
+    assert_non_null(strstr(b.p, "dpclip_steps_total{result=\"ok\"} 20"));
+    dc_sbuf_free(&b);
+}
+
+/* A real caller of another uid (needs root to become one): it sees its own
+ * sessions and jobs, i.e. none, and not this test's. */
+static void test_own_view(void **state) {
+    pid_t pid;
+    int st;
+    dpclip_client *c;
+    (void)state;
+    if (geteuid() != 0) {
+        printf("test_own_view: SKIPPED: needs root to query as another uid (the renderer's "
+               "views are covered by test_views)\n");
+        skip();
+    }
+    c = connect_job("own-view-secret");
+    run_steps(c, 1, k_q, 9);
+    assert_int_equal(chmod(g_h.dir, 0755), 0); /* the socket's directory */
+    pid = fork();
+    assert_true(pid >= 0);
+    if (pid == 0) {
+        char *body = NULL;
+        int bad = 0;
+        if (setgid(65534) != 0 || setuid(65534) != 0) _exit(10);
+        if (dc_http(g_status, "GET", "/status", 5000, NULL, &body, NULL) != 200) _exit(11);
+        bad |= strstr(body, "own-view-secret") != NULL || strstr(body, "status-test") != NULL;
+        bad |= strstr(body, "\"view\":\"own\"") == NULL;
+        bad |= strstr(body, "\"samples\"") != NULL;
+        free(body);
+        if (dc_http(g_status, "GET", "/metrics", 5000, NULL, &body, NULL) != 200) _exit(12);
+        bad |= strstr(body, "own-view-secret") != NULL;
+        bad |= strstr(body, "dpclip_samples_total") != NULL;
+        free(body);
+        _exit(bad ? 13 : 0);
+    }
+    assert_int_equal(waitpid(pid, &st, 0), pid);
+    if (!WIFEXITED(st) || WEXITSTATUS(st) != 0)
+        fprintf(stderr, "the other uid's view: exit %d\n", WIFEXITED(st) ? WEXITSTATUS(st) : -1);
+    assert_true(WIFEXITED(st) && WEXITSTATUS(st) == 0);
+    dpclip_disconnect(c);
+}
+
+/* --- accounts ------------------------------------------------------------------------ */
+
+/* 20k Hellos with fresh job ids kept 20k accounts (and /status grew to
+ * 3.7 MB): an account that never spent anything goes with its sessions. */
+static void test_hellos_leave_no_accounts(void **state) {
+    enum { N = 300 };
+    char job[32], *body = NULL;
+    (void)state;
+    for (int i = 0; i < N; i++) {
+        snprintf(job, sizeof job, "fresh-%d", i);
+        dpclip_disconnect(connect_job(job));
+    }
+    /* the sessions are gone once a ping on a new one has been answered */
+    {
+        dpclip_client *c = connect_job("fresh-check");
+        assert_int_equal(dpclip_ping(c), 0);
+        dpclip_disconnect(c);
+    }
+    for (int tries = 0; tries < 100; tries++) { /* disconnects are asynchronous */
+        free(body);
+        assert_int_equal(dc_http(g_status, "GET", "/status", 5000, NULL, &body, NULL), 200);
+        if (!strstr(body, "\"job\":\"fresh-")) break;
+        usleep(50000);
+    }
+    assert_null(strstr(body, "\"job\":\"fresh-"));
+    assert_true(strlen(body) < 64 * 1024);
+    free(body);
+}
+
+/* --insecure-fixed-seed (the harness's daemons all run with it) marks the
+ * replies, /status, /metrics and the ledger's accounts. */
+static void test_insecure_marked(void **state) {
+    dpclip_client *c = connect_job("insecure-mark");
+    char *body = NULL, *samples = NULL;
+    (void)state;
+    assert_int_equal(dpclip_insecure(c), 1); /* from the Hello's reply on */
+    run_steps(c, 1, k_q, 11);
+    assert_int_equal(dc_http(g_status, "GET", "/status", 5000, NULL, &body, NULL), 200);
+    assert_non_null(strstr(body, "\"insecure\":true}")); /* the daemon's */
+#ifdef DPCLIP_HAVE_JANSSON
+    {
+        json_error_t je;
+        json_t *root = json_loads(body, 0, &je), *j, *found = NULL;
+        size_t i;
+        assert_non_null(root);
+        assert_true(json_is_true(json_object_get(json_object_get(root, "daemon"), "insecure")));
+        json_array_foreach(json_object_get(json_object_get(root, "ledger"), "jobs"), i, j)
+            if (strcmp(json_string_value(json_object_get(j, "job")), "insecure-mark") == 0)
+                found = j;
+        assert_non_null(found);
+        assert_true(json_is_true(json_object_get(found, "insecure")));
+        json_decref(root);
+    }
+#endif
+    free(body);
+    assert_int_equal(dc_http(g_status, "GET", "/metrics", 5000, NULL, &body, NULL), 200);
+    assert_non_null(strstr(body, "\ndpclip_insecure 1\n"));
+    (void)samples;
+    free(body);
+    /* and on disk */
+    {
+        char path[600], line[256];
+        FILE *f;
+        bool marked = false;
+        snprintf(path, sizeof path, "%s/%u-%s.ledger", g_ledger, (unsigned)getuid(),
+                 "696e7365637572652d6d61726b"); /* hex of "insecure-mark" */
+        f = fopen(path, "r");
+        assert_non_null(f);
+        while (fgets(line, sizeof line, f)) marked |= strcmp(line, "insecure 1\n") == 0;
+        fclose(f);
+        assert_true(marked);
+    }
+    dpclip_disconnect(c);
 }
 
 /* --- dpclipctl ------------------------------------------------------------------ */
@@ -440,6 +707,12 @@ int main(void) {
         cmocka_unit_test(test_metrics_prometheus),
         cmocka_unit_test(test_http_errors),
         cmocka_unit_test(test_status_under_load),
+        cmocka_unit_test(test_slow_connections),
+        cmocka_unit_test(test_idle_connection_closed),
+        cmocka_unit_test(test_views),
+        cmocka_unit_test(test_own_view),
+        cmocka_unit_test(test_hellos_leave_no_accounts),
+        cmocka_unit_test(test_insecure_marked),
         cmocka_unit_test(test_dpclipctl),
         cmocka_unit_test(test_clean_shutdown),
     };

@@ -348,11 +348,39 @@ static void test_step_cost_limits(void **state) {
     dc_validate_step_free(&s);
 }
 
+/* With a mean loss, expected_batch_size 0 divides by the actual batch size,
+ * which under Poisson sampling (q < 1) is released without noise: refused,
+ * naming the field. q = 1 (and a step stating no rate, which the ledger
+ * counts as 1) keeps the batch size as the divisor; SUM has none. */
+static void test_mean_needs_expected_batch(void **state) {
+    fx *f = *state;
+    dc_step s;
+    dc_err e;
+    f->step.sample_rate = 0.01;
+    expect_err(f, DC_EINVAL, "clip_step.clip.expected_batch_size");
+    f->clip.expected_batch_size = 256;
+    assert_int_equal(dc_validate_step(&f->step, &f->reg, &f->lim, &s, &e), 0);
+    assert_int_equal(s.expected_batch, 256);
+    dc_validate_step_free(&s);
+    f->clip.expected_batch_size = 0;
+    f->clip.loss_reduction = DPCLIP__LOSS_REDUCTION__SUM;
+    assert_int_equal(dc_validate_step(&f->step, &f->reg, &f->lim, &s, &e), 0);
+    dc_validate_step_free(&s);
+    f->clip.loss_reduction = DPCLIP__LOSS_REDUCTION__MEAN;
+    for (int i = 0; i < 2; i++) {
+        f->step.sample_rate = i ? 1.0 : 0.0;
+        assert_int_equal(dc_validate_step(&f->step, &f->reg, &f->lim, &s, &e), 0);
+        assert_int_equal(s.expected_batch, 4);
+        dc_validate_step_free(&s);
+    }
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test_setup_teardown(test_valid_step, setup, teardown),
         cmocka_unit_test_setup_teardown(test_batch_and_layers, setup, teardown),
         cmocka_unit_test_setup_teardown(test_clip_config, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_mean_needs_expected_batch, setup, teardown),
         cmocka_unit_test_setup_teardown(test_tensor_refs, setup, teardown),
         cmocka_unit_test_setup_teardown(test_inconsistent_shapes, setup, teardown),
         cmocka_unit_test_setup_teardown(test_embedding_and_norm_layers, setup, teardown),

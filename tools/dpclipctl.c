@@ -145,6 +145,14 @@ static void print_status(json_t *root) {
     printf("dpclipd %s  pid %.0f  up %s%s\n", str(d, "version"), num(d, "pid"),
            human_secs(num(d, "uptime_s"), a, sizeof a),
            json_is_true(json_object_get(d, "stopping")) ? "  (stopping)" : "");
+    if (json_is_true(json_object_get(d, "insecure")))
+        printf("INSECURE    --insecure-fixed-seed: the noise is predictable, nothing this "
+               "daemon computes is private\n");
+    if (strcmp(str(root, "view"), "own") == 0)
+        printf("view        uid %.0f's sessions and jobs only (status.ops_group sees all)\n",
+               num(root, "view_uid"));
+    else if (strcmp(str(root, "view"), "aggregate") == 0)
+        printf("view        node-wide counts only (TCP callers cannot be told apart)\n");
     printf("socket      %s%s\n", str(d, "socket"),
            json_is_true(json_object_get(d, "socket_activated")) ? "  (from systemd)" : "");
     printf("config      %s\n", cell(str(d, "config_file")));
@@ -153,17 +161,20 @@ static void print_status(json_t *root) {
     printf("limits      batch %.0f, layers %.0f, frame %s, buffers/session %.0f\n",
            num(lim, "max_batch"), num(lim, "max_layers"), human_bytes(num(lim, "max_frame"), a, sizeof a),
            num(lim, "max_buffers"));
-    printf("ledger      %s%s, %zu jobs, delta %g, node budget %s\n",
-           json_is_true(json_object_get(led, "persistent")) ? str(led, "dir") : "in memory only",
-           "", json_array_size(json_object_get(led, "jobs")), num(led, "delta"),
-           num(led, "budget_epsilon") > 0 ? "set" : "none");
+    printf("ledger      %s, %.0f jobs in memory, delta %g, node budget %s\n",
+           json_is_true(json_object_get(led, "persistent")) ? cell(str(led, "dir"))
+                                                            : "in memory only",
+           num(led, "n_jobs"), num(led, "delta"), num(led, "budget_epsilon") > 0 ? "set" : "none");
     if (num(led, "budget_epsilon") > 0)
         printf("            budget epsilon %g at delta %g per job\n", num(led, "budget_epsilon"),
                num(led, "budget_delta"));
     printf("sessions    %zu open, %.0f since start\n",
            json_array_size(json_object_get(root, "sessions")), num(t, "sessions"));
-    printf("steps       %.0f ok, %.0f failed, %.0f samples, %.0f layers\n\n", num(t, "steps_ok"),
-           num(t, "steps_failed"), num(t, "samples"), num(t, "layers"));
+    if (isnan(num(t, "samples"))) /* not shown to this caller: batch sizes */
+        printf("steps       %.0f ok, %.0f failed\n\n", num(t, "steps_ok"), num(t, "steps_failed"));
+    else
+        printf("steps       %.0f ok, %.0f failed, %.0f samples, %.0f layers\n\n",
+               num(t, "steps_ok"), num(t, "steps_failed"), num(t, "samples"), num(t, "layers"));
     printf("%-8s %-5s %-28s %6s %16s\n", "BACKEND", "INDEX", "NAME", "BUSY", "WORKSPACE");
     json_array_foreach(json_object_get(root, "backends"), i, be) {
         bool cpu = strcmp(str(be, "backend"), "cpu") == 0;
@@ -214,6 +225,16 @@ static void print_ledger(json_t *root) {
                                          k ? ", " : "", num(h, "steps"), num(h, "sample_rate"),
                                          num(h, "noise_multiplier"));
         }
+        /* pairs folded out of the bounded history; data-parallel shares;
+         * spent under --insecure-fixed-seed */
+        if (num(j, "folded_steps") > 0 && used < sizeof hist)
+            used += (size_t)snprintf(hist + used, sizeof hist - used, ", %.0f x (older pairs)",
+                                     num(j, "folded_steps"));
+        if (num(j, "shares") > 0 && used < sizeof hist)
+            used += (size_t)snprintf(hist + used, sizeof hist - used, "; %.0f rank shares",
+                                     num(j, "shares"));
+        if (json_is_true(json_object_get(j, "insecure")) && used < sizeof hist)
+            used += (size_t)snprintf(hist + used, sizeof hist - used, "; INSECURE");
         if (num(j, "budget_epsilon") > 0) snprintf(b, sizeof b, "%.4g", num(j, "budget_epsilon"));
         else snprintf(b, sizeof b, "-");
         if (isnan(num(j, "best_order"))) snprintf(o, sizeof o, "-");

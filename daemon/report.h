@@ -1,0 +1,99 @@
+/* What the status endpoint serves (report.c), in two halves: the loop thread
+ * copies the server's state into a dc_report (plain copies, no formatting,
+ * no pointers into the server), and an HTTP thread renders /status (JSON)
+ * or /metrics (Prometheus text) from it for one caller.
+ *
+ * Who sees what (docs/operations.md, "Who sees what"):
+ *   - DC_VIEW_ALL: root, the daemon's own user, and members of
+ *     status.ops_group on the Unix socket: everything.
+ *   - DC_VIEW_OWN: any other caller on the Unix socket: the daemon's own
+ *     state and node-wide counters, and only its own uid's sessions, groups
+ *     and ledger jobs (client names, pids, job ids and epsilons of other
+ *     users stay hidden).
+ *   - DC_VIEW_AGGREGATE: TCP callers (127.0.0.1 cannot tell users apart):
+ *     node-wide counts only, no session, job or per-job series.
+ * Counters that add up batch sizes (samples, bytes referenced) give a
+ * job's exact Poisson batch sizes to whoever scrapes them every step: only
+ * DC_VIEW_ALL gets them. */
+#ifndef DC_REPORT_H
+#define DC_REPORT_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "config.h"
+#include "ledger.h"
+#include "metrics.h"
+#include "status.h"
+
+typedef enum dc_view { DC_VIEW_ALL = 0, DC_VIEW_OWN, DC_VIEW_AGGREGATE } dc_view;
+
+typedef struct dc_report_session {
+    uint64_t id;
+    int pid;
+    uint32_t uid, gid;
+    char client[64], job[64];
+    bool hello, busy;
+    uint64_t steps, steps_failed;
+    size_t buffers;
+    uint64_t buffer_bytes;
+    double connected_s, idle_s;   /* idle_s NaN: no step yet */
+} dc_report_session;
+
+typedef struct dc_report_job {
+    uint32_t uid;
+    char job[DC_LEDGER_JOB_MAX];
+    int sessions;
+    uint64_t steps, shares, folded_steps;
+    double eps, delta, best_order, budget_eps;
+    bool on_disk, insecure;
+    size_t n_hist;
+    struct { double q, sigma; uint64_t steps; } hist[DC_LEDGER_HIST_MAX];
+} dc_report_job;
+
+typedef struct dc_report {
+    /* the daemon */
+    int pid;
+    uint32_t daemon_uid;
+    int64_t ops_gid;              /* status.ops_group; -1 = none */
+    double uptime_s;
+    int64_t started;
+    char config_file[DC_CONFIG_PATH_MAX], socket[108];
+    bool socket_activated, stopping, insecure;
+    const char *log_level;        /* static string */
+    int cpu_workers, cpu_busy;
+    int n_gpus;
+    char gpu_names[8][64];
+    int gpu_busy[8];
+    uint64_t gpu_workspace[8];
+    bool mps_active;
+    uint32_t max_batch, max_layers, max_frame, max_buffers;
+    uint32_t allowed_uids[DC_CONFIG_MAX_IDS], allowed_gids[DC_CONFIG_MAX_IDS];
+    size_t n_allowed_uids, n_allowed_gids;
+    /* the ledger */
+    char ledger_dir[256];
+    bool persistent, require_sample_rate;
+    double delta, budget_epsilon, budget_delta;
+    uint32_t max_jobs_per_uid, job_idle_s;
+    int writes_in_flight;
+    /* sessions, ledger jobs, counters */
+    dc_report_session *sessions;
+    size_t n_sessions;
+    dc_report_job *jobs;
+    size_t n_jobs;
+    uint64_t buffers, buffer_bytes, busy_sessions;
+    dc_metrics metrics;
+} dc_report;
+
+/* The view a caller gets of report r (its ops group and daemon uid). */
+dc_view dc_report_view(const dc_report *r, const dc_status_viewer *v);
+/* The bodies, for `view` (uid: the caller's, for DC_VIEW_OWN). */
+void dc_report_status(const dc_report *r, dc_view view, uint32_t uid, dc_sbuf *b);
+void dc_report_metrics(const dc_report *r, dc_view view, uint32_t uid, dc_sbuf *b);
+void dc_report_free(dc_report *r);
+
+/* The status endpoint's provider over a dc_server (snapshots on its loop). */
+extern const dc_status_provider dc_server_status;
+
+#endif
