@@ -388,10 +388,15 @@ static int charge(dc_session *s, dc_step_job *j, dc_err *e) {
     dc_ledger_job *job = s->ljob;
     double q = j->q, sigma = j->sigma, eps;
 
-    if (sigma == 0.0 && job->sessions > 1) {
+    if (sigma == 0.0 && job->sessions > 1 &&
+        job->shares < (uint64_t)(job->sessions - 1) * (job->steps + 1)) {
         /* A data-parallel rank other than 0 (the job's other sessions): its
          * noiseless sum is added to rank 0's, which carries the noise and is
-         * charged for the logical step. Nothing to charge or refuse here. */
+         * charged for the logical step. Nothing to charge or refuse here.
+         * Shares must be backed by charged steps (one per other session and
+         * charged step, and one ahead: rank 1 may come first), so a client
+         * that opens two sessions of one job cannot take noiseless steps
+         * for free: past that they are charged (sigma 0: epsilon infinite). */
         dc_ledger_share(job);
         j->eps = job->eps;
         j->delta = job->delta;

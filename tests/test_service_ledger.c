@@ -223,6 +223,10 @@ static void test_data_parallel_budget(void **state) {
         assert_int_equal(json_integer_value(json_object_get(j, "shares")), 3);
         json_decref(root);
     }
+    /* shares are backed by charged steps (one ahead): two sessions of one
+     * job cannot take noiseless steps for free */
+    assert_int_equal(run(r1, &s1, NULL, NULL), 0);
+    assert_int_equal(run(r1, &s1, NULL, NULL), DPCLIP_ENOSPACE);
     /* one session, no noise: no privacy, and a budget refuses it */
     lone = connect_job(g_h.sock, "dp-lone");
     assert_int_equal(dc_service_step_init(&sl, lone, 8, 0.0f, 0.1, 11), 0);

@@ -199,14 +199,11 @@ class PrivacyEngine:
             # Same starting point on every rank (what DDP would do).
             for p in module.parameters():
                 torch.distributed.broadcast(p.data, 0)
-            if self.rank > 0:
-                # Ranks other than 0 send sigma 0 (noise once per logical
-                # step): keep their steps out of the job's privacy ledger,
-                # which would otherwise account noiseless steps to the job.
-                self.client.close()
-                self.client = _lib.Client(self.client.socket_path, client_name="dpclip-torch",
-                                          job_id="%s.rank%d-noiseless" % (
-                                              self._job_id or "dpclip", self.rank))
+            # Ranks other than 0 send sigma 0 (noise once per logical step)
+            # under rank 0's job id: the daemon counts a sigma-0 step of a
+            # job with several sessions as a data-parallel share, charged
+            # through rank 0's step, so a budget does not refuse them. A
+            # node without rank 0's session charges them as sigma 0.
 
         if data_loader is not None and poisson_sampling and not isinstance(data_loader,
                                                                           DPDataLoader):
