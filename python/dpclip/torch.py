@@ -219,6 +219,13 @@ class PrivacyEngine:
         self.expected_batch_size = int(expected_batch_size)
         if sample_rate is None:
             sample_rate = data_loader.sample_rate if isinstance(data_loader, DPDataLoader) else 0.0
+        if loss_reduction == "mean" and self.expected_batch_size <= 0 and \
+                0.0 < float(sample_rate) < 1.0:
+            # Dividing by the drawn batch size would release it without noise.
+            raise ValueError(
+                "a mean loss under Poisson sampling (sample_rate %g) needs expected_batch_size "
+                "(the daemon divides the noised sum by it, not by the drawn batch size)"
+                % float(sample_rate))
         self.noise_multiplier = float(noise_multiplier)
         self.max_grad_norm = float(max_grad_norm)
         self.loss_reduction = loss_reduction

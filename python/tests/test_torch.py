@@ -364,3 +364,13 @@ def test_norms_in_eval_mode_and_switched_back_to_train(daemon):
     model(x).sum().backward()
     opt.step()
     engine.close()
+
+
+def test_mean_loss_needs_expected_batch_size(daemon):
+    """A mean loss under Poisson sampling divides by the expected batch size:
+    without one, make_private refuses, naming it (the daemon would too)."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match="expected_batch_size"):
+        make_private(model, opt, noise_multiplier=1.0, max_grad_norm=1.0,
+                     socket_path=daemon.socket, sample_rate=0.01)
