@@ -403,10 +403,13 @@ static int account(dc_session *s, dc_step_job *j, const struct dc_step_params *m
  * same registered buffers; PyTorch's caching allocator hands back the same
  * blocks). Decoding and validating 70-odd layers costs tens of microseconds
  * on the loop thread per step, so the last step that validated is kept with
- * its request bytes: the same bytes under the same registry generation (no
- * buffer added or released since) and the same limits validate to the same
- * step, and are taken from the cache. Everything that depends on other state
- * (events, device, budget) is checked again on every step. */
+ * the bytes of its clip_step field: the same bytes under the same registry
+ * generation (no buffer added or released since) and the same limits
+ * validate to the same step, and are taken from the cache. Only frames whose
+ * id and step those bytes alone decide are keyed (wire.h): any other frame is
+ * decoded, so the cache never answers what the decoder would refuse, nor
+ * with another id. Everything that depends on other state (events, device,
+ * budget) is checked again on every step. */
 
 static void plan_free(struct dc_step_plan *p) {
     if (!p) return;
