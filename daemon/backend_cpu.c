@@ -257,6 +257,7 @@ static int cpu_run_step(dc_backend *be, const dc_step *step, dc_step_result *res
             int64_t bad = find_bad_out(v, n, t->dtype);
             if (bad >= 0) {
                 char f[128];
+                res->released = true; /* where it failed depends on the noise */
                 snprintf(f, sizeof f, "%s.%s", ly->name, k ? "bias_grad_out" : "weight_grad_out");
                 return dc_err_set(err, DC_ENONFINITE, f,
                                   "clipped sum element %lld is %g, not finite as %s; nothing "
