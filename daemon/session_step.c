@@ -18,6 +18,7 @@
  *      (dc_step_result.released). */
 #include <math.h>
 #include <stddef.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
