@@ -31,11 +31,10 @@ static void fz_fail(const char *what, size_t layer) {
 
 /* The buffer holding [p, p + bytes), or abort. */
 static void fz_check_range(const dc_registry *reg, const void *p, uint64_t bytes, size_t layer) {
-    const char *c = p;
+    uintptr_t c = (uintptr_t)p; /* addresses: the blocks are unrelated objects */
     for (size_t i = 0; i < reg->n; i++) {
-        const char *b = reg->items[i].base;
-        if (c >= b && c <= b + reg->items[i].size &&
-            bytes <= (uint64_t)(b + reg->items[i].size - c))
+        uintptr_t b = (uintptr_t)reg->items[i].base;
+        if (c >= b && c - b <= reg->items[i].size && bytes <= reg->items[i].size - (c - b))
             return;
     }
     fz_fail("a validated tensor is not inside one buffer", layer);
