@@ -18,6 +18,8 @@
  *     plus N(0, (sigma*C)^2) per element, divided by expected_batch for MEAN.
  *     Outputs are written only if the whole step succeeds and every value is
  *     finite; otherwise nothing is written (the step fails DC_ENONFINITE).
+ *     A failure found once noise was added sets res->released: it depends
+ *     on the noise, so the step is charged (and its message is replaced).
  *  5. norms_out / coefs_out (when present) receive n[b] and coefs[b].
  */
 #ifndef DC_BACKEND_H

@@ -328,6 +328,7 @@ static int run_step(dc_backend *be, const dc_step *step, dc_step_result *res, dc
             int64_t bad = find_bad_out(v, n, t->dtype);
             if (bad >= 0) {
                 char f[128];
+                res->released = true; /* where it failed depends on the noise */
                 snprintf(f, sizeof f, "%s.%s", ly->name, k ? "bias_grad_out" : "weight_grad_out");
                 /* no value in the message: it is noised, and a failed
                  * step releases nothing */

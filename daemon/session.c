@@ -12,6 +12,7 @@
 #include "log.h"
 #include "server.h"
 #include "session_int.h"
+#include "wire.h"
 
 /* One packed reply frame waiting to be written. */
 struct dc_wbuf {
@@ -295,34 +296,21 @@ static void dispatch(dc_session *s, const uint8_t *payload, size_t len, uint64_t
     int fds[DC_SESSION_MAX_FDS];
     int nfds;
     const uint8_t *key = NULL;
-    size_t key_len = 0;
+    size_t key_len = 0, k;
+    uint64_t id;
     dc_err e;
 
     s->t_frame = uv_hrtime();
     nfds = take_fds(s, start, end, fds, DC_SESSION_MAX_FDS);
-    /* A Request is packed in field order: [id: tag 0x08, varint] then the
-     * body. A ClipStep body (tag 0x6a) with the bytes of the last step that
-     * validated needs no decoding (session_step.c). */
-    if (s->hello_done && nfds == 0 && len > 1) {
-        uint64_t id = 0;
-        size_t k = 0;
-        if (payload[0] == 0x08) {
-            int shift = 0;
-            for (k = 1; k < len && k < 11; k++) {
-                id |= (uint64_t)(payload[k] & 0x7f) << shift;
-                shift += 7;
-                if (!(payload[k] & 0x80)) break;
-            }
-            k++;
-        }
+    /* A ClipStep with the bytes of the last step that validated needs no
+     * decoding (session_step.c); wire.h says which frames may be taken so. */
+    if (s->hello_done && nfds == 0 && dc_wire_step_key(payload, len, &id, &k)) {
         key = payload + k;
-        key_len = k < len ? len - k : 0;
-        if (key_len && key[0] == 0x6a) {
-            dc_session_prewait(s);
-            if (dc_session_step_cached(s, id, key, key_len)) {
-                s->srv->metrics.requests[DC_REQ_STEP]++;
-                return;
-            }
+        key_len = len - k;
+        dc_session_prewait(s);
+        if (dc_session_step_cached(s, id, key, key_len)) {
+            s->srv->metrics.requests[DC_REQ_STEP]++;
+            return;
         }
     }
     req = len ? dpclip__request__unpack(NULL, len, payload) : NULL;

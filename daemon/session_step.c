@@ -12,10 +12,15 @@
  *      libuv's thread pool): the step's noised outputs reach the trainer's
  *      memory as soon as it runs, so its cost must already be recorded if
  *      the daemon dies right after;
- *   4. run on a worker; reply. A step that fails (non-finite input, ...)
- *      writes no output, so its spend is refunded. */
+ *   4. run on a worker; reply. A step that fails writes no output. If it
+ *      failed before anything depended on its noise (a non-finite input,
+ *      ...) it released nothing and its spend is refunded; one that failed
+ *      once noised (an output beyond its dtype's range) or after writing
+ *      its outputs has released something and is charged
+ *      (dc_step_result.released). */
 #include <math.h>
 #include <stddef.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -44,6 +49,14 @@ static void step_enqueued(void *arg) {
     if (j->notify) dc_worker_notify(&j->job);
 }
 
+/* A step that failed once noised: no noised value may leave in its message,
+ * whatever the backend wrote there (the client keeps its code and field). */
+static void released_error(dc_err *e) {
+    snprintf(e->msg, sizeof e->msg,
+             "the noised clipped sum is not finite in this output's dtype; nothing was "
+             "written. The failure depends on the noise, so the step's privacy spend stands");
+}
+
 static void step_work(dc_job *job, dc_backend *be) {
     dc_step_job *j = (dc_step_job *)job;
     j->t_start = uv_hrtime();
@@ -58,7 +71,9 @@ static void step_work(dc_job *job, dc_backend *be) {
     }
     j->t_waited = uv_hrtime();
     j->rc = dc_backend_run_step(be, &j->step, &j->res, &j->err);
+    if (j->rc && j->res.released) released_error(&j->err);
     if (j->rc == 0 && j->signal_event && !j->signaled) {
+        j->res.released = true; /* the outputs are written, whatever happens next */
         if (j->notify)
             j->rc = dc_err_set(&j->err, DC_EINTERNAL, "clip_step.signal_event",
                                "could not record the step's signal event");
@@ -131,7 +146,8 @@ static void job_free(dc_step_job *j) {
     free(j);
 }
 
-/* The step's spend goes back: it released nothing. */
+/* The step's spend goes back: it released nothing (it failed before it ran,
+ * or before anything depended on its noise). */
 static void refund(dc_server *srv, dc_step_job *j) {
     if (!j->ljob) return;
     dc_ledger_refund(j->ljob, j->q, j->sigma);
@@ -207,7 +223,7 @@ static void step_done(dc_job *job) {
     } else {
         s->steps_failed++;
         if (j->err.code == DC_OK) dc_err_set(&j->err, DC_EINTERNAL, "clip_step", "step failed");
-        refund(srv, j);
+        if (!j->res.released) refund(srv, j);
         dc_session_send_error(s, j->req_id, &j->err);
     }
     now = uv_hrtime();
@@ -477,10 +493,13 @@ static void on_curve(dc_ledger_waiter *w, int rc, const dc_err *err) {
  * same registered buffers; PyTorch's caching allocator hands back the same
  * blocks). Decoding and validating 70-odd layers costs tens of microseconds
  * on the loop thread per step, so the last step that validated is kept with
- * its request bytes: the same bytes under the same registry generation (no
- * buffer added or released since) and the same limits validate to the same
- * step, and are taken from the cache. Everything that depends on other state
- * (events, device, budget) is checked again on every step. */
+ * the bytes of its clip_step field: the same bytes under the same registry
+ * generation (no buffer added or released since) and the same limits
+ * validate to the same step, and are taken from the cache. Only frames whose
+ * id and step those bytes alone decide are keyed (wire.h): any other frame is
+ * decoded, so the cache never answers what the decoder would refuse, nor
+ * with another id. Everything that depends on other state (events, device,
+ * budget) is checked again on every step. */
 
 static void plan_free(struct dc_step_plan *p) {
     if (!p) return;

@@ -10,6 +10,7 @@ int dc_step_result_init(dc_step_result *r, uint32_t batch, size_t n_layers, bool
     r->n_layers = n_layers;
     r->compute_ns = 0;
     memset(r->phase_ns, 0, sizeof r->phase_ns);
+    r->released = false;
     r->layer_coefs = NULL;
     r->norms = calloc(batch, sizeof(float));
     r->coefs = calloc(batch, sizeof(float));

@@ -130,6 +130,11 @@ typedef struct dc_step_result {
     float *layer_coefs;  /* [L*B] PER_LAYER only, else NULL */
     uint64_t compute_ns;
     uint64_t phase_ns[DC_RUN_N]; /* 0 = not measured */
+    /* A failed step that released something all the same: an output found
+     * not finite once noised (where it failed depends on the noise; the
+     * backend sets this), or outputs written before a later failure. Its
+     * privacy spend then stands instead of being refunded. */
+    bool released;
 } dc_step_result;
 
 /* What a validated step will cost the daemon, estimated before it is

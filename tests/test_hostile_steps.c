@@ -3,7 +3,9 @@
  * and batches, indices out of range, non-finite data, frames over the
  * client's limit, and clients that vanish mid-step, while a well-behaved client keeps running exact steps (the
  * fixture: support/hostile.c). Each must get an Error naming the field and
- * write nothing; the daemon keeps serving. */
+ * write nothing; the daemon keeps serving. A failed step's privacy spend is
+ * refunded only if nothing depended on its noise. */
+#include <ctype.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <math.h>
@@ -443,6 +445,113 @@ static void test_client_frame_limit(void **state) {
     dpclip_disconnect(c);
 }
 
+/* --- refunds: a failed step is refunded only if it released nothing --------- */
+
+/* Noise std sigma * C = 1e5 leaves f16's range (65504) in one of the 32
+ * weight elements but with probability about 0.49^32; before noise the
+ * clipped sum is small (C is far above every norm). sigma = 1 and q = 0.1
+ * make each step's spend visible in epsilon. */
+#define REFUND_C 1e5f
+
+typedef struct refund_rig {
+    dpclip_client *c;
+    float *mem;        /* activations [4,2,8] at 0, grads [4,2,4] at 1 KiB */
+    uint64_t buf;
+} refund_rig;
+
+static void refund_open(refund_rig *r, const char *job) {
+    dpclip_connect_opts o = {.client_name = "hostile", .job_id = job};
+    void *mem;
+    assert_int_equal(dpclip_connect(dc_hostile_h.sock, &o, &r->c), 0);
+    assert_int_equal(dpclip_buffer_alloc(r->c, 1u << 14, &r->buf, &mem), 0);
+    r->mem = mem;
+    for (int i = 0; i < 64; i++) r->mem[i] = 0.01f * (float)(i % 11) - 0.05f;
+    for (int i = 0; i < 32; i++) r->mem[256 + i] = 0.02f * (float)(i % 5) - 0.04f;
+}
+
+/* One noised step, its weight output (at 4 KiB) in f32 or f16; *eps gets
+ * the job's epsilon on success. */
+static int refund_step(refund_rig *r, dpclip_dtype out, double *eps) {
+    dpclip_clip_config cfg = {.max_grad_norm = REFUND_C, .reduction = DPCLIP_SUM,
+                              .noise_multiplier = 1.0f, .sample_rate = 0.1};
+    dpclip_linear l = {.name = "victim",
+                       .activations = {r->buf, 0, DPCLIP_F32, 3, {4, 2, 8}},
+                       .output_grad = {r->buf, 1024, DPCLIP_F32, 3, {4, 2, 4}},
+                       .weight_grad_out = {r->buf, 4096, out, 2, {4, 8, 0}}};
+    dpclip_step *s = dpclip_step_new(4, &cfg);
+    dpclip_result res;
+    int rc;
+    assert_non_null(s);
+    assert_int_equal(dpclip_step_add_linear(s, &l), 0);
+    rc = dpclip_run(r->c, s, &res);
+    if (rc == 0) *eps = res.epsilon;
+    dpclip_result_free(&res);
+    dpclip_step_free(s);
+    return rc;
+}
+
+static void assert_same_eps(double got, double want) {
+    if (!(fabs(got - want) <= 1e-12 * want))
+        fprintf(stderr, "epsilon %.17g, expected %.17g\n", got, want);
+    assert_true(isfinite(want) && want > 0);
+    assert_true(fabs(got - want) <= 1e-12 * want);
+}
+
+/* No number in msg is beyond f16's range: an output that left it once
+ * noised is not quoted. */
+static void assert_quotes_no_overflow(const char *msg) {
+    for (const char *p = msg; *p; p++) {
+        if (!isdigit((unsigned char)*p) || (p > msg && (isalnum((unsigned char)p[-1]) || p[-1] == '.')))
+            continue;
+        double v = strtod(p, NULL);
+        if (!(v <= 65504.0)) fprintf(stderr, "message quotes %g: %s\n", v, msg);
+        assert_true(v <= 65504.0);
+    }
+    assert_null(strstr(msg, "inf"));
+    assert_null(strstr(msg, "nan"));
+}
+
+/* A step whose f16 output overflows once noised fails with nothing written,
+ * but where it failed depends on the noise: its spend stands, and its
+ * message quotes no noised value. A step refused by a check of its inputs
+ * (before any noise) is refunded. Epsilons are compared with a job that
+ * only ran good steps of the same (q, sigma). */
+static void test_refund_only_before_noise(void **state) {
+    (void)state;
+    refund_rig ref, noised, input;
+    double want[4] = {0}, eps = 0;
+    uint16_t *w16;
+
+    refund_open(&ref, "refund-reference");
+    for (int i = 1; i <= 3; i++) assert_int_equal(refund_step(&ref, DPCLIP_F32, &want[i]), 0);
+    assert_true(want[1] < want[2] && want[2] < want[3]);
+
+    refund_open(&noised, "refund-after-noise");
+    assert_int_equal(refund_step(&noised, DPCLIP_F32, &eps), 0);
+    assert_same_eps(eps, want[1]);
+    w16 = (uint16_t *)((char *)noised.mem + 4096);
+    for (int i = 0; i < 32; i++) w16[i] = 0x1234;
+    assert_int_equal(refund_step(&noised, DPCLIP_F16, &eps), DPCLIP_ENONFINITE);
+    assert_string_equal(dpclip_errfield(noised.c), "victim.weight_grad_out");
+    assert_quotes_no_overflow(dpclip_errmsg(noised.c));
+    for (int i = 0; i < 32; i++) assert_int_equal(w16[i], 0x1234);
+    assert_int_equal(refund_step(&noised, DPCLIP_F32, &eps), 0);
+    assert_same_eps(eps, want[3]); /* charged */
+
+    refund_open(&input, "refund-before-noise");
+    assert_int_equal(refund_step(&input, DPCLIP_F32, &eps), 0);
+    input.mem[5] = NAN;
+    assert_int_equal(refund_step(&input, DPCLIP_F16, &eps), DPCLIP_ENONFINITE);
+    assert_non_null(strstr(dpclip_errfield(input.c), "activations"));
+    input.mem[5] = 0.0f;
+    assert_int_equal(refund_step(&input, DPCLIP_F32, &eps), 0);
+    assert_same_eps(eps, want[2]); /* refunded */
+
+    dpclip_disconnect(ref.c);
+    dpclip_disconnect(noised.c);
+    dpclip_disconnect(input.c);
+}
+
 /* --- clients that vanish ---------------------------------------------------- */
 
 static void test_disconnect_mid_step(void **state) {
@@ -495,6 +604,7 @@ int main(void) {
         cmocka_unit_test(test_embedding_out_of_range),
         cmocka_unit_test(test_nonfinite),
         cmocka_unit_test(test_client_frame_limit),
+        cmocka_unit_test(test_refund_only_before_noise),
         cmocka_unit_test(test_disconnect_mid_step),
         cmocka_unit_test(dc_hostile_survivors),
         cmocka_unit_test(dc_hostile_clean_shutdown),
