@@ -2,11 +2,17 @@
 
 #include <errno.h>
 #include <fcntl.h>
+#include <linux/magic.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
+#include <sys/vfs.h>
 #include <unistd.h>
+
+#ifndef F_SEAL_FUTURE_WRITE
+#define F_SEAL_FUTURE_WRITE 0x0010 /* Linux 5.1; older headers lack it */
+#endif
 
 /* Set once by the CUDA backend at start-up (before any session exists). */
 static dc_registry_unmap_fn g_cuda_unmap;
@@ -44,6 +50,32 @@ int dc_registry_add(dc_registry *r, const dc_buffer *b, dc_err *err) {
     return 0;
 }
 
+/* Why mmap refused: the client's fd (INVALID_ARGUMENT, the reason named),
+ * or the daemon out of memory or mappings (RESOURCE_EXHAUSTED). */
+static int map_error(int errnum, int fd, uint64_t size, dc_err *err) {
+    struct statfs fs;
+    if (fstatfs(fd, &fs) == 0 && fs.f_type == HUGETLBFS_MAGIC)
+        return dc_err_set(err, DC_EINVAL, "register_buffer",
+                          "a hugetlb memfd of %llu bytes could not be mapped (%s): its size must "
+                          "be a multiple of its huge page size and the node must have free huge "
+                          "pages for it; use an ordinary memfd",
+                          (unsigned long long)size, strerror(errnum));
+    switch (errnum) {
+    case EACCES:
+    case EPERM:
+    case EINVAL:
+    case ENODEV:
+    case EOVERFLOW:
+        return dc_err_set(err, DC_EINVAL, "register_buffer",
+                          "the shared-memory fd cannot be mapped shared and read-write: %s",
+                          strerror(errnum));
+    default:
+        return dc_err_set(err, DC_ENOSPACE, "register_buffer",
+                          "the daemon could not map %llu bytes: %s", (unsigned long long)size,
+                          strerror(errnum));
+    }
+}
+
 int dc_registry_add_shm(dc_registry *r, uint64_t id, int fd, uint64_t size,
                         const dc_buffer **out, dc_err *err) {
     struct stat st;
@@ -60,6 +92,12 @@ int dc_registry_add_shm(dc_registry *r, uint64_t id, int fd, uint64_t size,
     if (seals < 0 || !(seals & F_SEAL_SHRINK))
         return dc_err_set(err, DC_EINVAL, "register_buffer",
                           "the shared-memory fd must be a memfd sealed with F_SEAL_SHRINK");
+    /* The daemon writes the step's outputs through its mapping. */
+    if (seals & (F_SEAL_WRITE | F_SEAL_FUTURE_WRITE))
+        return dc_err_set(err, DC_EINVAL, "register_buffer",
+                          "the shared-memory fd is sealed with %s: the daemon writes each step's "
+                          "outputs into the buffer and must map it writable",
+                          seals & F_SEAL_WRITE ? "F_SEAL_WRITE" : "F_SEAL_FUTURE_WRITE");
     flags = fcntl(fd, F_GETFL);
     if (flags < 0 || (flags & O_ACCMODE) != O_RDWR)
         return dc_err_set(err, DC_EINVAL, "register_buffer",
@@ -74,8 +112,7 @@ int dc_registry_add_shm(dc_registry *r, uint64_t id, int fd, uint64_t size,
     if (size > (uint64_t)SIZE_MAX / 2)
         return dc_err_set(err, DC_EINVAL, "register_buffer.size", "size too large");
     base = mmap(NULL, (size_t)size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-    if (base == MAP_FAILED)
-        return dc_err_set(err, DC_ENOSPACE, "register_buffer", "mmap failed: %s", strerror(errno));
+    if (base == MAP_FAILED) return map_error(errno, fd, size, err);
 
     memset(&b, 0, sizeof b);
     b.id = id;

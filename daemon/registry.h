@@ -41,7 +41,9 @@ void dc_registry_init(dc_registry *r);
 void dc_registry_destroy(dc_registry *r);
 
 /* Checks and maps a shared-memory fd: it must be a sealed (F_SEAL_SHRINK)
- * memfd opened read-write, at least `size` bytes (0 = whole object). The fd
+ * memfd opened read-write and not sealed against writing, at least `size`
+ * bytes (0 = whole object). An fd that cannot be mapped is DC_EINVAL naming
+ * why; DC_ENOSPACE is the daemon out of memory or mappings. The fd
  * is not consumed (the caller closes it). On success *out is the new entry
  * (valid until the next add/release). */
 int dc_registry_add_shm(dc_registry *r, uint64_t id, int fd, uint64_t size,

@@ -5,11 +5,16 @@
 #include <stdarg.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <stdio.h>
 #include <string.h>
 #include <sys/mman.h>
 #include <unistd.h>
 
 #include <cmocka.h>
+
+#ifndef F_SEAL_FUTURE_WRITE
+#define F_SEAL_FUTURE_WRITE 0x0010
+#endif
 
 #include "registry.h"
 
@@ -97,6 +102,53 @@ static void test_bad_fds_rejected(void **state) {
     dc_registry_destroy(&r);
 }
 
+/* Memfds the daemon cannot map read-write are the client's mistake
+ * (INVALID_ARGUMENT naming the reason), not the daemon running out of
+ * memory (RESOURCE_EXHAUSTED). */
+static void test_unmappable_fds_are_invalid(void **state) {
+    (void)state;
+    static const struct { int seal; const char *name; } seals[] = {
+        {F_SEAL_WRITE, "F_SEAL_WRITE"}, {F_SEAL_FUTURE_WRITE, "F_SEAL_FUTURE_WRITE"}};
+    dc_registry r;
+    dc_err e;
+    int fd;
+
+    dc_registry_init(&r);
+    for (size_t i = 0; i < sizeof seals / sizeof seals[0]; i++) {
+        fd = memfd_create("test", MFD_CLOEXEC | MFD_ALLOW_SEALING);
+        assert_true(fd >= 0);
+        assert_int_equal(ftruncate(fd, 4096), 0);
+        if (fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK | seals[i].seal) != 0) { /* old kernel */
+            close(fd);
+            continue;
+        }
+        assert_int_equal(dc_registry_add_shm(&r, 1, fd, 0, NULL, &e), DC_EINVAL);
+        assert_string_equal(e.field, "register_buffer");
+        assert_non_null(strstr(e.msg, seals[i].name));
+        close(fd);
+    }
+
+    /* hugetlb: mapped where the node has huge pages for it, else refused
+     * as the client's choice of memory, naming it */
+    fd = memfd_create("test", MFD_CLOEXEC | MFD_ALLOW_SEALING | MFD_HUGETLB);
+    if (fd >= 0 && ftruncate(fd, 2u << 20) == 0 && fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK) == 0) {
+        void *m = mmap(NULL, 2u << 20, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+        int rc = dc_registry_add_shm(&r, 2, fd, 0, NULL, &e);
+        if (m != MAP_FAILED) {
+            assert_int_equal(rc, 0);
+            munmap(m, 2u << 20);
+        } else {
+            assert_int_equal(rc, DC_EINVAL);
+            assert_non_null(strstr(e.msg, "hugetlb"));
+        }
+    } else {
+        fprintf(stderr, "no hugetlb memfds here: that case not run\n");
+    }
+    if (fd >= 0) close(fd);
+    assert_true(r.n <= 1);
+    dc_registry_destroy(&r);
+}
+
 static void test_isolation_and_release(void **state) {
     (void)state;
     dc_registry a, b;
@@ -127,6 +179,7 @@ int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_sealed_memfd_maps),
         cmocka_unit_test(test_bad_fds_rejected),
+        cmocka_unit_test(test_unmappable_fds_are_invalid),
         cmocka_unit_test(test_isolation_and_release),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
