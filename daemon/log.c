@@ -88,3 +88,14 @@ void dc_log(dc_log_level level, const char *fmt, ...) {
     line[n + 1] = '\0';
     fputs(line, stderr);
 }
+
+int dc_log_limit_pass(dc_log_limit *l, uint64_t now_ns, uint64_t period_ns, uint64_t *skipped) {
+    if (l->next_ns && now_ns < l->next_ns) {
+        l->skipped++;
+        return 0;
+    }
+    *skipped = l->skipped;
+    l->skipped = 0;
+    l->next_ns = now_ns + period_ns;
+    return 1;
+}

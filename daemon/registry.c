@@ -30,13 +30,46 @@ static void registry_unmap(dc_buffer *b) {
     b->base = NULL;
 }
 
+/* Counts b in (sign 1) or out (-1) of the daemon-wide totals. */
+static void totals_count(dc_registry *r, const dc_buffer *b, int sign) {
+    if (!r->totals) return;
+    r->totals->buffers += (uint64_t)(int64_t)sign;
+    if (b->kind == DC_BUFFER_SHM) r->totals->shm_bytes += (uint64_t)(int64_t)sign * b->size;
+}
+
+/* Whether one more buffer (of shm_size mapped bytes) fits the caps. */
+static int totals_check(const dc_registry *r, uint64_t shm_size, dc_err *err) {
+    const dc_registry_totals *t = r->totals;
+    if (!t) return 0;
+    if (t->buffers >= t->max_buffers)
+        return dc_err_set(err, DC_ENOSPACE, "limits.max_buffers_total",
+                          "the daemon holds %llu buffers for all its sessions, its limit "
+                          "(limits.max_buffers_total): release buffers, or raise it",
+                          (unsigned long long)t->buffers);
+    /* (A reload may have lowered the cap below what is mapped.) */
+    if (t->max_shm_bytes && shm_size && (t->shm_bytes >= t->max_shm_bytes ||
+                                         shm_size > t->max_shm_bytes - t->shm_bytes))
+        return dc_err_set(err, DC_ENOSPACE, "limits.max_mapped_bytes",
+                          "mapping %llu more bytes would take the daemon past %llu bytes of "
+                          "shared memory for all its sessions (limits.max_mapped_bytes; %llu "
+                          "mapped now)",
+                          (unsigned long long)shm_size, (unsigned long long)t->max_shm_bytes,
+                          (unsigned long long)t->shm_bytes);
+    return 0;
+}
+
 void dc_registry_destroy(dc_registry *r) {
-    for (size_t i = 0; i < r->n; i++) registry_unmap(&r->items[i]);
+    for (size_t i = 0; i < r->n; i++) {
+        totals_count(r, &r->items[i], -1);
+        registry_unmap(&r->items[i]);
+    }
     free(r->items);
     memset(r, 0, sizeof *r);
 }
 
 int dc_registry_add(dc_registry *r, const dc_buffer *b, dc_err *err) {
+    int rc;
+    if ((rc = totals_check(r, b->kind == DC_BUFFER_SHM ? b->size : 0, err))) return rc;
     if (r->n == r->cap) {
         size_t cap = r->cap ? r->cap * 2 : 8;
         dc_buffer *items = realloc(r->items, cap * sizeof *items);
@@ -47,6 +80,7 @@ int dc_registry_add(dc_registry *r, const dc_buffer *b, dc_err *err) {
     r->items[r->n++] = *b;
     r->gen++;
     r->bytes += b->size;
+    totals_count(r, b, 1);
     return 0;
 }
 
@@ -79,7 +113,7 @@ static int map_error(int errnum, int fd, uint64_t size, dc_err *err) {
 int dc_registry_add_shm(dc_registry *r, uint64_t id, int fd, uint64_t size,
                         const dc_buffer **out, dc_err *err) {
     struct stat st;
-    int seals, flags;
+    int seals, flags, rc;
     void *base;
     dc_buffer b;
 
@@ -111,6 +145,8 @@ int dc_registry_add_shm(dc_registry *r, uint64_t id, int fd, uint64_t size,
                           (unsigned long long)size, (unsigned long long)st.st_size);
     if (size > (uint64_t)SIZE_MAX / 2)
         return dc_err_set(err, DC_EINVAL, "register_buffer.size", "size too large");
+    /* Before mapping: a mapping is what the caps protect. */
+    if ((rc = totals_check(r, size, err))) return rc;
     base = mmap(NULL, (size_t)size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
     if (base == MAP_FAILED) return map_error(errno, fd, size, err);
 
@@ -138,6 +174,7 @@ int dc_registry_release(dc_registry *r, uint64_t id, dc_err *err) {
     for (size_t i = 0; i < r->n; i++) {
         if (r->items[i].id != id) continue;
         r->bytes -= r->items[i].size;
+        totals_count(r, &r->items[i], -1);
         registry_unmap(&r->items[i]);
         r->items[i] = r->items[--r->n];
         r->gen++;
