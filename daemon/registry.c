@@ -3,6 +3,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <linux/magic.h>
+#include <stdbool.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
@@ -30,11 +31,18 @@ static void registry_unmap(dc_buffer *b) {
     b->base = NULL;
 }
 
-/* Counts b in (sign 1) or out (-1) of the daemon-wide totals. */
-static void totals_count(dc_registry *r, const dc_buffer *b, int sign) {
-    if (!r->totals) return;
-    r->totals->buffers += (uint64_t)(int64_t)sign;
-    if (b->kind == DC_BUFFER_SHM) r->totals->shm_bytes += (uint64_t)(int64_t)sign * b->size;
+/* Counts b into (add) or out of the daemon-wide totals. */
+static void totals_count(dc_registry *r, const dc_buffer *b, bool add) {
+    dc_registry_totals *t = r->totals;
+    uint64_t bytes = b->kind == DC_BUFFER_SHM ? b->size : 0;
+    if (!t) return;
+    if (add) {
+        t->buffers++;
+        t->shm_bytes += bytes;
+    } else {
+        t->buffers--;
+        t->shm_bytes -= bytes;
+    }
 }
 
 /* Whether one more buffer (of shm_size mapped bytes) fits the caps. */
@@ -60,7 +68,7 @@ static int totals_check(const dc_registry *r, uint64_t shm_size, dc_err *err) {
 
 void dc_registry_destroy(dc_registry *r) {
     for (size_t i = 0; i < r->n; i++) {
-        totals_count(r, &r->items[i], -1);
+        totals_count(r, &r->items[i], false);
         registry_unmap(&r->items[i]);
     }
     free(r->items);
@@ -80,7 +88,7 @@ int dc_registry_add(dc_registry *r, const dc_buffer *b, dc_err *err) {
     r->items[r->n++] = *b;
     r->gen++;
     r->bytes += b->size;
-    totals_count(r, b, 1);
+    totals_count(r, b, true);
     return 0;
 }
 
@@ -174,7 +182,7 @@ int dc_registry_release(dc_registry *r, uint64_t id, dc_err *err) {
     for (size_t i = 0; i < r->n; i++) {
         if (r->items[i].id != id) continue;
         r->bytes -= r->items[i].size;
-        totals_count(r, &r->items[i], -1);
+        totals_count(r, &r->items[i], false);
         registry_unmap(&r->items[i]);
         r->items[i] = r->items[--r->n];
         r->gen++;

@@ -22,6 +22,8 @@ struct dc_wbuf {
 
 int dc_session_busy(const dc_session *s) { return s->job != NULL || s->async_ops > 0; }
 static void session_update_poll(dc_session *s);
+static void on_timer(uv_timer_t *t);
+static uint64_t seconds_ms(double sec);
 
 /* Replies the client has not read yet past limits.max_reply_queue: its next
  * request waits (and reading stops), so the kernel's socket buffer pushes
@@ -539,6 +541,12 @@ static void session_update_poll(dc_session *s) {
         dc_session_close(s);
         return;
     }
+    if (s->closing && !s->drain_armed) {
+        /* Its last replies wait for a client that may never read them: it
+         * has as long as a handshake, then the connection goes. */
+        s->drain_armed = true;
+        uv_timer_start(&s->timer, on_timer, seconds_ms(s->srv->cfg.handshake_timeout), 0);
+    }
     if (!s->eof && !s->closing && s->rlen < limit && !replies_pile_up(s)) ev |= UV_READABLE;
     if (s->w_head) ev |= UV_WRITABLE;
     if (ev == s->poll_events) return;
@@ -571,7 +579,12 @@ static void on_timer(uv_timer_t *t) {
     const dc_config *c = &s->srv->cfg;
     uint64_t now = uv_hrtime(), last, idle_ns;
 
-    if (s->gone || s->closing) return;
+    if (s->gone) return;
+    if (s->closing) {
+        if (dc_session_busy(s)) uv_timer_start(&s->timer, on_timer, 1000, 0); /* its reply first */
+        else dc_session_close(s);
+        return;
+    }
     if (!s->hello_done) {
         session_expire(s, DC_EPRECOND, "limits.handshake_timeout", "connected without a Hello",
                        c->handshake_timeout);
@@ -594,7 +607,7 @@ static void on_timer(uv_timer_t *t) {
 
 void dc_session_limits_changed(dc_session *s) {
     const dc_config *c = &s->srv->cfg;
-    if (s->gone) return;
+    if (s->gone || s->drain_armed) return;
     if (!s->hello_done) {
         uint64_t ms = seconds_ms(c->handshake_timeout);
         uint64_t spent = (uv_hrtime() - s->connected_ns) / 1000000u;

@@ -56,6 +56,7 @@ typedef struct dc_session {
     bool closing;                    /* close once the write queue drains */
     bool gone;                       /* socket closed; waiting for the step */
     bool poll_closed;                /* both handles closed, the socket too */
+    bool drain_armed;                /* closing: the timer ends the wait for the client */
     dc_step_job *job;                /* the step in flight, if any */
     int async_ops;                   /* GPU handle opens in flight (0 or 1) */
     struct dc_session_event {
