@@ -1,6 +1,7 @@
 /* daemon/log.c: one event is one line. Client-chosen strings inside a
  * message (a Hello's client name or job id) cannot forge lines or terminal
- * escapes: control bytes and backslashes come out as C escapes. */
+ * escapes: control bytes and backslashes come out as C escapes. A condition
+ * that recurs gets at most one line per period. */
 #include <fcntl.h>
 #include <setjmp.h>
 #include <stdarg.h>
@@ -89,12 +90,30 @@ static void test_escape_bounds(void **state) {
     assert_string_equal(out, "");
 }
 
+/* A recurring condition gets one line per period, and the next line says
+ * how many were held back. */
+static void test_rate_limit(void **state) {
+    (void)state;
+    dc_log_limit l = {0};
+    uint64_t skipped = 99;
+    const uint64_t period = 10;
+    assert_true(dc_log_limit_pass(&l, 1000, period, &skipped));
+    assert_int_equal(skipped, 0);
+    for (uint64_t t = 1000; t < 1010; t++) assert_false(dc_log_limit_pass(&l, t, period, &skipped));
+    assert_true(dc_log_limit_pass(&l, 1010, period, &skipped));
+    assert_int_equal(skipped, 10);
+    assert_false(dc_log_limit_pass(&l, 1011, period, &skipped));
+    assert_true(dc_log_limit_pass(&l, 5000, period, &skipped));
+    assert_int_equal(skipped, 1);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_forged_line),
         cmocka_unit_test(test_plain_text_unchanged),
         cmocka_unit_test(test_long_message),
         cmocka_unit_test(test_escape_bounds),
+        cmocka_unit_test(test_rate_limit),
     };
     dc_log_set_level(DC_LOG_INFO);
     return cmocka_run_group_tests(tests, NULL, NULL);
