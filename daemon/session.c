@@ -524,7 +524,7 @@ static void on_poll(uv_poll_t *h, int status, int events) {
         session_flush(s);
         if (s->gone) return;
     }
-    if (events & UV_READABLE && session_read(s) != 0) {
+    if ((events & UV_READABLE) && session_read(s) != 0) {
         dc_session_close(s);
         return;
     }

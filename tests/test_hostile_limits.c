@@ -387,6 +387,13 @@ static void test_max_connections(void **state) {
     expect_refused_then_closed(extra, DPCLIP__ERROR_CODE__RESOURCE_EXHAUSTED,
                                "limits.max_connections");
     close(extra);
+    {
+        /* libdpclip says why */
+        dpclip_client *c = NULL;
+        assert_int_equal(dpclip_connect(h->sock, NULL, &c), DPCLIP_ENOSPACE);
+        assert_non_null(strstr(dpclip_errmsg(c), "limits.max_connections"));
+        dpclip_disconnect(c);
+    }
     /* one goes: a newcomer is served (once the daemon has seen it go) */
     close(fds[0]);
     for (int tries = 0;; tries++) {
