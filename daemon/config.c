@@ -82,6 +82,18 @@ static const key_def KEYS[] = {
      "most work in one host-memory step, in GFLOP (CPU backend: about 0.1 s per 10)"},
     {"limits", "max_gpu_step_gflop", NULL, T_UINT, F(max_gpu_step_gflop), 1, 1u << 31, true,
      "most work in one GPU step, in GFLOP"},
+    {"limits", "max_connections", NULL, T_UINT, F(max_connections), 1, 1u << 20, true,
+     "connections open at once; more are refused"},
+    {"limits", "handshake_timeout", NULL, T_DOUBLE, F(handshake_timeout), 0.001, 3600, true,
+     "seconds a connection has to say Hello"},
+    {"limits", "idle_timeout", NULL, T_DOUBLE, F(idle_timeout), 0, 1e7, true,
+     "seconds a session may go without a request or a step in flight; 0 = no limit"},
+    {"limits", "max_buffers_total", NULL, T_UINT, F(max_buffers_total), 1, 1u << 24, true,
+     "buffers all sessions together may hold registered"},
+    {"limits", "max_mapped_bytes", NULL, T_SIZE, F(max_mapped_bytes), 0, 0, true,
+     "shared memory all sessions together may have mapped (K/M/G/T; 0 = no cap)"},
+    {"limits", "max_reply_queue", NULL, T_SIZE, F(max_reply_queue), 0, 0, true,
+     "unsent reply bytes a session may have before its next request waits"},
     {"access", "allowed_uids", NULL, T_UIDS, F(allowed_uids), 0, 0, true,
      "users (names or uids) allowed to connect; empty = anyone who can open the socket"},
     {"access", "allowed_groups", NULL, T_GIDS, F(allowed_gids), 0, 0, true,
@@ -138,6 +150,11 @@ void dc_config_defaults(dc_config *c) {
     c->max_step_memory = (uint64_t)2 << 30;
     c->max_step_gflop = 500;
     c->max_gpu_step_gflop = 2000000;
+    c->max_connections = 1024;
+    c->handshake_timeout = 10;
+    c->max_buffers_total = 16384;
+    c->max_mapped_bytes = (uint64_t)1 << 40;
+    c->max_reply_queue = 8u << 20;
     c->status_mode = 0660;
     c->status_max_connections = 256;
     c->status_timeout_s = 5;
@@ -651,6 +668,10 @@ static void print_size(FILE *f, uint64_t v) {
  * 1.0000000000000001e-05): the printed config is meant to be read. */
 static void print_double(FILE *f, double v) {
     char buf[40];
+    if (v == floor(v) && fabs(v) < 1e15) { /* seconds and the like: 10, not 1e+01 */
+        fprintf(f, "%.0f", v);
+        return;
+    }
     for (int prec = 1; prec <= 17; prec++) {
         snprintf(buf, sizeof buf, "%.*g", prec, v);
         if (strtod(buf, NULL) == v) break;

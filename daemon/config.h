@@ -47,6 +47,13 @@ typedef struct dc_config {
     uint64_t max_step_memory;      /* host bytes one step may make the daemon hold */
     uint32_t max_step_gflop;       /* work of one host-memory (CPU) step */
     uint32_t max_gpu_step_gflop;   /* work of one GPU step */
+    /* What clients can make the daemon hold (session.c, server.c). */
+    uint32_t max_connections;
+    double handshake_timeout;      /* s from accept to Hello */
+    double idle_timeout;           /* s without a request or a step; 0 = never */
+    uint32_t max_buffers_total;    /* all sessions' buffers */
+    uint64_t max_mapped_bytes;     /* all sessions' shared memory mapped; 0 = no cap */
+    uint64_t max_reply_queue;      /* a session's unsent reply bytes before it waits */
     /* [access]: empty lists = whoever can open the socket */
     uint32_t allowed_uids[DC_CONFIG_MAX_IDS];
     size_t n_allowed_uids;

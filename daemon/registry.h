@@ -27,6 +27,18 @@ typedef struct dc_buffer {
     int device;       /* CUDA device, -1 for SHM */
 } dc_buffer;
 
+/* What all sessions' registries hold together, against the daemon-wide caps
+ * (limits.max_buffers_total, limits.max_mapped_bytes): each session's own
+ * cap alone let 17 sessions exhaust the kernel's map count, after which
+ * every other client's registrations, and the ledger's writes, failed. The
+ * server owns it and sets the caps (also on reload). */
+typedef struct dc_registry_totals {
+    uint64_t buffers;       /* every kind */
+    uint64_t shm_bytes;     /* shared memory mapped */
+    uint64_t max_buffers;
+    uint64_t max_shm_bytes; /* 0 = no cap */
+} dc_registry_totals;
+
 typedef struct dc_registry {
     dc_buffer *items;  /* unordered; small (tens of buffers per client) */
     size_t n, cap;
@@ -34,6 +46,7 @@ typedef struct dc_registry {
     /* Bumped by every add and release: a step validated at one generation
      * names only live mappings while the generation is unchanged. */
     uint64_t gen;
+    dc_registry_totals *totals; /* counted in and capped by; NULL = neither */
 } dc_registry;
 
 void dc_registry_init(dc_registry *r);
@@ -41,14 +54,17 @@ void dc_registry_init(dc_registry *r);
 void dc_registry_destroy(dc_registry *r);
 
 /* Checks and maps a shared-memory fd: it must be a sealed (F_SEAL_SHRINK)
- * memfd opened read-write, at least `size` bytes (0 = whole object). The fd
+ * memfd opened read-write and not sealed against writing, at least `size`
+ * bytes (0 = whole object). An fd that cannot be mapped is DC_EINVAL naming
+ * why; DC_ENOSPACE is the daemon out of memory or mappings. The fd
  * is not consumed (the caller closes it). On success *out is the new entry
  * (valid until the next add/release). */
 int dc_registry_add_shm(dc_registry *r, uint64_t id, int fd, uint64_t size,
                         const dc_buffer **out, dc_err *err);
 
 /* Adds an already opened region (CUDA IPC); the registry will call `unmap`
- * on it at release/destroy. */
+ * on it at release/destroy. Both adds refuse with DC_ENOSPACE naming the
+ * daemon-wide cap that a new buffer would pass. */
 typedef void (*dc_registry_unmap_fn)(dc_buffer *b);
 void dc_registry_set_cuda_unmap(dc_registry_unmap_fn fn);
 int dc_registry_add(dc_registry *r, const dc_buffer *b, dc_err *err);

@@ -7,6 +7,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/random.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <time.h>
 #include <unistd.h>
@@ -23,18 +24,100 @@ static int cpu_factory(void *arg, int index, dc_backend **out, dc_err *err) {
     return dc_cpu_backend_create(1, out, err);
 }
 
+/* --- accepting ------------------------------------------------------------------ */
+
+/* Descriptors kept free for what must not fail while clients hold all the
+ * others: the ledger's writes (a temp file and its directory), the status
+ * socket's connections, the buffers passed with requests. A connection
+ * that would take one of them is refused. */
+#define DC_SERVER_FD_RESERVE 64
+/* How long accepting rests once out of descriptors: accept would fail again
+ * at once (a loop at full CPU), and only sessions closing free them. */
+#define DC_SERVER_ACCEPT_PAUSE_MS 250
+/* At most one line per this for a condition that recurs per connection. */
+#define DC_SERVER_LOG_PERIOD_NS (10ull * 1000000000u)
+
+static void on_accept(uv_poll_t *h, int status, int events);
+
+static void on_accept_resume(uv_timer_t *t) {
+    dc_server *srv = t->data;
+    if (srv->stopping || srv->listen_fd < 0) return;
+    uv_poll_start(&srv->listen_poll, UV_READABLE, on_accept);
+}
+
+static uint64_t fd_limit(void) {
+    struct rlimit rl;
+    return getrlimit(RLIMIT_NOFILE, &rl) == 0 ? (uint64_t)rl.rlim_cur : 1024;
+}
+
+/* Out of descriptors: accept failed with errnum (EMFILE, ENFILE), or fd
+ * (>= 0) was accepted into the reserve. The peer waiting is told, and
+ * accepting rests. */
+static void accept_exhausted(dc_server *srv, int errnum, int fd) {
+    uint64_t skipped;
+    dc_err e;
+
+    if (fd < 0 && srv->reserve_fd >= 0) {
+        close(srv->reserve_fd);
+        srv->reserve_fd = -1;
+        fd = accept4(srv->listen_fd, NULL, NULL, SOCK_NONBLOCK | SOCK_CLOEXEC);
+    }
+    dc_err_set(&e, DC_ENOSPACE, "limits.max_connections",
+               "the daemon is out of file descriptors (RLIMIT_NOFILE %llu): try again later; "
+               "its operator may raise LimitNOFILE or lower limits.max_connections",
+               (unsigned long long)fd_limit());
+    if (fd >= 0) {
+        dc_session_refuse(fd, &e);
+        srv->metrics.sessions_refused++;
+    }
+    if (srv->reserve_fd < 0) srv->reserve_fd = open("/dev/null", O_RDONLY | O_CLOEXEC);
+    uv_poll_stop(&srv->listen_poll);
+    uv_timer_start(&srv->accept_timer, on_accept_resume, DC_SERVER_ACCEPT_PAUSE_MS, 0);
+    if (dc_log_limit_pass(&srv->fd_log, uv_hrtime(), DC_SERVER_LOG_PERIOD_NS, &skipped))
+        dc_log_warn("accept: out of file descriptors (%s; RLIMIT_NOFILE %llu, the last %d kept "
+                    "for the ledger and status) with %zu sessions: refusing connections, "
+                    "accepting again every %d ms (%llu more times since the last such line)",
+                    errnum ? strerror(errnum) : "a connection took one of the reserve",
+                    (unsigned long long)fd_limit(), DC_SERVER_FD_RESERVE, srv->n_sessions,
+                    DC_SERVER_ACCEPT_PAUSE_MS, (unsigned long long)skipped);
+}
+
 static void on_accept(uv_poll_t *h, int status, int events) {
     dc_server *srv = h->data;
+    uint64_t skipped;
+    dc_err e;
     (void)events;
     if (status < 0 || srv->stopping) return;
     for (int i = 0; i < 64; i++) {
         int fd = accept4(srv->listen_fd, NULL, NULL, SOCK_NONBLOCK | SOCK_CLOEXEC);
         dc_session *s;
         if (fd < 0) {
-            if (errno == EINTR) continue;
-            if (errno != EAGAIN && errno != EWOULDBLOCK)
+            if (errno == EINTR || errno == ECONNABORTED) continue;
+            if (errno == EMFILE || errno == ENFILE) accept_exhausted(srv, errno, -1);
+            else if (errno != EAGAIN && errno != EWOULDBLOCK &&
+                     dc_log_limit_pass(&srv->fd_log, uv_hrtime(), DC_SERVER_LOG_PERIOD_NS,
+                                       &skipped))
                 dc_log_warn("accept: %s", strerror(errno));
             return;
+        }
+        /* Descriptors are handed out lowest first: past this one, fewer
+         * than the reserve are left. */
+        if ((uint64_t)fd + DC_SERVER_FD_RESERVE >= fd_limit()) {
+            accept_exhausted(srv, 0, fd);
+            return;
+        }
+        if (srv->n_sessions >= srv->cfg.max_connections) {
+            dc_err_set(&e, DC_ENOSPACE, "limits.max_connections",
+                       "the daemon serves %zu connections, its limit (limits.max_connections): "
+                       "try again later", srv->n_sessions);
+            dc_session_refuse(fd, &e);
+            srv->metrics.sessions_refused++;
+            if (dc_log_limit_pass(&srv->refuse_log, uv_hrtime(), DC_SERVER_LOG_PERIOD_NS,
+                                  &skipped))
+                dc_log_warn("refusing a connection: %zu open, limits.max_connections (%llu more "
+                            "refused since the last such line)",
+                            srv->n_sessions, (unsigned long long)skipped);
+            continue;
         }
         if (dc_session_start(srv, fd, &s) != 0) {
             dc_log_error("cannot start a session (out of memory?)");
@@ -240,6 +323,9 @@ static void maybe_finish(dc_server *srv) {
     srv->closed = true;
     uv_timer_stop(&srv->stop_timer);
     uv_close((uv_handle_t *)&srv->stop_timer, NULL);
+    uv_close((uv_handle_t *)&srv->accept_timer, NULL);
+    if (srv->reserve_fd >= 0) close(srv->reserve_fd);
+    srv->reserve_fd = -1;
     uv_close((uv_handle_t *)&srv->spin, NULL);
     uv_close((uv_handle_t *)&srv->spin_timer, NULL);
     uv_close((uv_handle_t *)&srv->tick, NULL);
@@ -288,6 +374,7 @@ void dc_server_shutdown(dc_server *srv) {
     if (srv->stopping) return;
     srv->stopping = true;
     dc_sd_stopping();
+    uv_timer_stop(&srv->accept_timer);
     if (srv->listen_fd >= 0) {
         uv_poll_stop(&srv->listen_poll);
         uv_close((uv_handle_t *)&srv->listen_poll, NULL);
@@ -332,6 +419,15 @@ void dc_server_apply_config(dc_server *srv, const dc_config *n) {
     c->max_step_gflop = n->max_step_gflop;
     c->max_gpu_step_gflop = n->max_gpu_step_gflop;
     set_step_limits(&srv->limits, n);
+    c->max_connections = n->max_connections;
+    c->handshake_timeout = n->handshake_timeout;
+    c->idle_timeout = n->idle_timeout;
+    c->max_buffers_total = n->max_buffers_total;
+    c->max_mapped_bytes = n->max_mapped_bytes;
+    c->max_reply_queue = n->max_reply_queue;
+    srv->buf_totals.max_buffers = c->max_buffers_total;
+    srv->buf_totals.max_shm_bytes = c->max_mapped_bytes;
+    for (dc_session *s = srv->sessions; s; s = s->next) dc_session_limits_changed(s);
     memcpy(c->allowed_uids, n->allowed_uids, sizeof c->allowed_uids);
     c->n_allowed_uids = n->n_allowed_uids;
     memcpy(c->allowed_gids, n->allowed_gids, sizeof c->allowed_gids);
@@ -403,7 +499,10 @@ int dc_server_init(dc_server *srv, uv_loop_t *loop, const dc_config *cfg,
     srv->reload = reload;
     srv->reload_arg = reload_arg;
     srv->listen_fd = -1;
+    srv->reserve_fd = -1;
     srv->ledger.lock_fd = -1;
+    srv->buf_totals.max_buffers = cfg->max_buffers_total;
+    srv->buf_totals.max_shm_bytes = cfg->max_mapped_bytes;
     srv->limits.max_batch = cfg->max_batch;
     srv->limits.max_layers = cfg->max_layers;
     srv->limits.max_frame = cfg->max_frame;
@@ -433,6 +532,20 @@ int dc_server_init(dc_server *srv, uv_loop_t *loop, const dc_config *cfg,
                            cfg->gpu_workspace_max, err))) goto fail_pool;
     for (int i = 0; i < srv->gpu.n; i++) dc_worker_pool_set_spin(&srv->gpu.pools[i], srv->spin_ns);
 
+    {
+        /* systemd's LimitNOFILE sets both limits; started by hand, the soft
+         * one is often 1024: sessions get what the hard one allows. */
+        struct rlimit rl;
+        if (getrlimit(RLIMIT_NOFILE, &rl) == 0 && rl.rlim_cur < rl.rlim_max) {
+            rl.rlim_cur = rl.rlim_max;
+            setrlimit(RLIMIT_NOFILE, &rl);
+        }
+    }
+    if ((srv->reserve_fd = open("/dev/null", O_RDONLY | O_CLOEXEC)) < 0) {
+        rc = dc_err_set(err, DC_EINTERNAL, "", "/dev/null: %s", strerror(errno));
+        goto fail_pool;
+    }
+
     dc_sd_listen_init();
     if ((rc = listen_main(srv, err))) goto fail_pool;
     dc_config_status_path(cfg, status_path, sizeof status_path);
@@ -453,6 +566,8 @@ int dc_server_init(dc_server *srv, uv_loop_t *loop, const dc_config *cfg,
 
     uv_timer_init(loop, &srv->stop_timer);
     srv->stop_timer.data = srv;
+    uv_timer_init(loop, &srv->accept_timer);
+    srv->accept_timer.data = srv;
     uv_idle_init(loop, &srv->spin);
     srv->spin.data = srv;
     uv_timer_init(loop, &srv->spin_timer);
@@ -494,6 +609,8 @@ fail_listen:
     if (!srv->listen_activated) unlink(srv->socket_path);
     srv->listen_fd = -1;
 fail_pool:
+    if (srv->reserve_fd >= 0) close(srv->reserve_fd);
+    srv->reserve_fd = -1;
     dc_gpu_close(&srv->gpu);
     dc_worker_pool_close(&srv->cpu_pool);
     srv->pool_ready = false;

@@ -24,7 +24,9 @@
 #include "config.h"
 #include "gpu.h"
 #include "ledger.h"
+#include "log.h"
 #include "metrics.h"
+#include "registry.h"
 #include "status.h"
 #include "validate.h"
 #include "worker.h"
@@ -47,6 +49,13 @@ typedef struct dc_server {
     int listen_fd;
     bool listen_activated;        /* systemd owns the socket file */
     uv_poll_t listen_poll;
+    /* Out of file descriptors: accept rests on a timer (not a loop at full
+     * CPU), and reserve_fd (/dev/null) is closed for a moment to accept and
+     * tell the peer waiting. */
+    uv_timer_t accept_timer;
+    int reserve_fd;
+    dc_log_limit fd_log, refuse_log;
+    dc_registry_totals buf_totals; /* every session's buffers, against the daemon's caps */
     uv_signal_t sig_term, sig_int, sig_hup;
     uv_timer_t stop_timer;        /* forces sessions closed if they never drain */
     uv_timer_t tick;              /* watchdog keep-alive and STATUS= */

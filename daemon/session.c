@@ -21,14 +21,24 @@ struct dc_wbuf {
     uint8_t data[];
 };
 
-
-/* Stop reading when this much is buffered (a step in flight, or a client
- * that does not read its replies): the kernel's socket buffer then pushes
- * back on the client instead of our memory growing. */
-#define DC_WQUEUE_LIMIT (8u << 20)
-
 int dc_session_busy(const dc_session *s) { return s->job != NULL || s->async_ops > 0; }
 static void session_update_poll(dc_session *s);
+static void on_timer(uv_timer_t *t);
+static uint64_t seconds_ms(double sec);
+
+/* Replies the client has not read yet past limits.max_reply_queue: its next
+ * request waits (and reading stops), so the kernel's socket buffer pushes
+ * back on a client that pipelines requests without reading the replies,
+ * instead of our memory growing by a reply per request. */
+static bool replies_pile_up(const dc_session *s) {
+    return s->w_head && s->w_bytes >= s->srv->cfg.max_reply_queue;
+}
+
+/* The longest frame the session may send now. */
+static uint32_t frame_max(const dc_session *s) {
+    uint32_t max = s->srv->limits.max_frame;
+    return s->hello_done || max < DC_SESSION_HELLO_MAX_FRAME ? max : DC_SESSION_HELLO_MAX_FRAME;
+}
 
 /* --- writing ----------------------------------------------------------- */
 
@@ -177,6 +187,7 @@ static void handle_hello(dc_session *s, uint64_t id, const Dpclip__Hello *h) {
     snprintf(s->client_name, sizeof s->client_name, "%s", h->client_name ? h->client_name : "");
     snprintf(s->job_id, sizeof s->job_id, "%s", h->job_id ? h->job_id : "");
     s->hello_done = true;
+    dc_session_limits_changed(s); /* from the handshake's deadline to the idle one */
     dc_log_info("session %llu: hello from pid %d uid %u client '%s' job '%s'",
                 (unsigned long long)s->id, (int)s->peer_pid, (unsigned)s->peer_uid,
                 s->client_name, s->job_id);
@@ -240,8 +251,17 @@ static void handle_register(dc_session *s, uint64_t id, const Dpclip__RegisterBu
     dc_err e;
 
     if (s->reg.n >= s->srv->cfg.max_buffers) {
-        dc_err_set(&e, DC_ENOSPACE, "register_buffer", "this session already has %u buffers",
-                   s->srv->cfg.max_buffers);
+        dc_err_set(&e, DC_ENOSPACE, "limits.max_buffers",
+                   "this session already has %u buffers, the limit per session "
+                   "(limits.max_buffers)", s->srv->cfg.max_buffers);
+        goto fail;
+    }
+    /* Checked here too (the registry checks again when it adds) so that a
+     * CUDA handle is not opened only to be refused. */
+    if (s->srv->buf_totals.buffers >= s->srv->buf_totals.max_buffers) {
+        dc_err_set(&e, DC_ENOSPACE, "limits.max_buffers_total",
+                   "the daemon holds %llu buffers for all its sessions, its limit "
+                   "(limits.max_buffers_total)", (unsigned long long)s->srv->buf_totals.buffers);
         goto fail;
     }
     if (m->kind == DPCLIP__BUFFER_KIND__CUDA_IPC) {
@@ -377,17 +397,27 @@ out:
     if (req) dpclip__request__free_unpacked(req, NULL);
 }
 
-/* Consumes complete frames while no step is in flight. */
+/* Consumes complete frames while no step is in flight and the client reads
+ * its replies. */
 void dc_session_process(dc_session *s) {
     size_t off = 0;
-    uint32_t max = s->srv->limits.max_frame;
+    bool held = false;
 
     while (!dc_session_busy(s) && !s->closing && !s->gone && s->rlen - off >= DC_FRAME_HEADER) {
-        uint32_t n = dc_frame_get_len(s->rbuf + off);
+        uint32_t n = dc_frame_get_len(s->rbuf + off), max = frame_max(s);
+        if (replies_pile_up(s)) {
+            held = true;
+            break;
+        }
         if (n > max) {
             dc_err e;
-            dc_err_set(&e, DC_EPROTO, "frame.length",
-                       "frame of %u bytes exceeds the maximum of %u; closing", n, max);
+            if (s->hello_done)
+                dc_err_set(&e, DC_EPROTO, "frame.length",
+                           "frame of %u bytes exceeds the maximum of %u; closing", n, max);
+            else
+                dc_err_set(&e, DC_EPROTO, "frame.length", "frame of %u bytes before Hello "
+                           "exceeds the %u a connection may send before its Hello; closing",
+                           n, max);
             dc_session_reject(s, 0, &e);
             s->closing = true;
             off = s->rlen;
@@ -404,7 +434,8 @@ void dc_session_process(dc_session *s) {
         s->rlen -= off;
         s->rbase += off;
     }
-    if (s->eof && !dc_session_busy(s) && !s->closing) {
+    /* (Held frames are whole: they are answered once the client reads.) */
+    if (s->eof && !dc_session_busy(s) && !s->closing && !held) {
         if (s->rlen) {
             dc_err e;
             dc_err_set(&e, DC_EPROTO, "frame", "truncated frame: connection ended after %zu of a frame's bytes",
@@ -419,7 +450,7 @@ void dc_session_process(dc_session *s) {
 /* --- reading ----------------------------------------------------------- */
 
 static int session_read(dc_session *s) {
-    size_t limit = (size_t)s->srv->limits.max_frame + DC_FRAME_HEADER;
+    size_t limit = (size_t)frame_max(s) + DC_FRAME_HEADER;
     for (int rounds = 0; rounds < 16; rounds++) {
         union {
             struct cmsghdr h;
@@ -488,27 +519,30 @@ static void on_poll(uv_poll_t *h, int status, int events) {
         session_flush(s);
         if (s->gone) return;
     }
-    if (events & UV_READABLE) {
-        if (session_read(s) != 0) {
-            dc_session_close(s);
-            return;
-        }
-        dc_session_process(s);
+    if ((events & UV_READABLE) && session_read(s) != 0) {
+        dc_session_close(s);
         return;
     }
-    session_update_poll(s);
+    /* New frames, or room in the reply queue for held ones. */
+    dc_session_process(s);
 }
 
 static void session_update_poll(dc_session *s) {
     int ev = 0;
-    size_t limit = (size_t)s->srv->limits.max_frame + DC_FRAME_HEADER;
+    size_t limit = (size_t)frame_max(s) + DC_FRAME_HEADER;
 
     if (s->gone) return;
     if (s->closing && !s->w_head && !dc_session_busy(s)) {
         dc_session_close(s);
         return;
     }
-    if (!s->eof && !s->closing && s->rlen < limit && s->w_bytes < DC_WQUEUE_LIMIT) ev |= UV_READABLE;
+    if (s->closing && !s->drain_armed) {
+        /* Its last replies wait for a client that may never read them: it
+         * has as long as a handshake, then the connection goes. */
+        s->drain_armed = true;
+        uv_timer_start(&s->timer, on_timer, seconds_ms(s->srv->cfg.handshake_timeout), 0);
+    }
+    if (!s->eof && !s->closing && s->rlen < limit && !replies_pile_up(s)) ev |= UV_READABLE;
     if (s->w_head) ev |= UV_WRITABLE;
     if (ev == s->poll_events) return;
     s->poll_events = ev;
@@ -516,7 +550,92 @@ static void session_update_poll(dc_session *s) {
     else uv_poll_stop(&s->poll);
 }
 
+/* --- deadlines ----------------------------------------------------------- */
+
+static uint64_t seconds_ms(double sec) {
+    double ms = sec * 1000.0 + 0.5;
+    return ms < 1.0 ? 1 : (uint64_t)ms;
+}
+
+/* An Error naming the setting, what of it the socket takes now, and the
+ * end: the client is not reading, or is not there. */
+static void session_expire(dc_session *s, dc_code code, const char *setting, const char *what,
+                           double sec) {
+    dc_err e;
+    dc_err_set(&e, code, setting, "%s for %g s (%s); closing", what, sec, setting);
+    dc_log_info("session %llu: pid %d uid %u: %s", (unsigned long long)s->id, (int)s->peer_pid,
+                (unsigned)s->peer_uid, e.msg);
+    dc_session_reject(s, 0, &e);
+    dc_session_close(s);
+}
+
+static void on_timer(uv_timer_t *t) {
+    dc_session *s = t->data;
+    const dc_config *c = &s->srv->cfg;
+    uint64_t now = uv_hrtime(), last, idle_ns;
+
+    if (s->gone) return;
+    if (s->closing) {
+        if (dc_session_busy(s)) uv_timer_start(&s->timer, on_timer, 1000, 0); /* its reply first */
+        else dc_session_close(s);
+        return;
+    }
+    if (!s->hello_done) {
+        session_expire(s, DC_EPRECOND, "limits.handshake_timeout", "connected without a Hello",
+                       c->handshake_timeout);
+        return;
+    }
+    if (c->idle_timeout <= 0) return;
+    idle_ns = seconds_ms(c->idle_timeout) * 1000000u;
+    /* A step in flight is not idleness; the last request or step reply is
+     * activity (both stamped anyway, so requests cost no timer call). */
+    last = s->t_frame > s->last_step_ns ? s->t_frame : s->last_step_ns;
+    if (last < s->connected_ns) last = s->connected_ns;
+    if (dc_session_busy(s)) last = now;
+    if (now - last >= idle_ns) {
+        session_expire(s, DC_EUNAVAIL, "limits.idle_timeout", "no request and no step in flight",
+                       c->idle_timeout);
+        return;
+    }
+    uv_timer_start(&s->timer, on_timer, (last + idle_ns - now) / 1000000u + 1, 0);
+}
+
+void dc_session_limits_changed(dc_session *s) {
+    const dc_config *c = &s->srv->cfg;
+    if (s->gone || s->drain_armed) return;
+    if (!s->hello_done) {
+        uint64_t ms = seconds_ms(c->handshake_timeout);
+        uint64_t spent = (uv_hrtime() - s->connected_ns) / 1000000u;
+        uv_timer_start(&s->timer, on_timer, spent < ms ? ms - spent : 0, 0);
+    } else if (c->idle_timeout > 0) {
+        uv_timer_start(&s->timer, on_timer, seconds_ms(c->idle_timeout), 0);
+    } else {
+        uv_timer_stop(&s->timer);
+    }
+}
+
 /* --- lifecycle ---------------------------------------------------------- */
+
+void dc_session_refuse(int fd, const dc_err *e) {
+    Dpclip__Reply reply = DPCLIP__REPLY__INIT;
+    Dpclip__Error er = DPCLIP__ERROR__INIT;
+    uint8_t buf[DC_FRAME_HEADER + 1024];
+    size_t n;
+    er.code = (Dpclip__ErrorCode)e->code;
+    er.field = (char *)e->field;
+    er.message = (char *)e->msg;
+    reply.body_case = DPCLIP__REPLY__BODY_ERROR;
+    reply.error = &er;
+    n = dpclip__reply__get_packed_size(&reply);
+    if (n <= sizeof buf - DC_FRAME_HEADER) {
+        dc_frame_put_len(buf, (uint32_t)n);
+        dpclip__reply__pack(&reply, buf + DC_FRAME_HEADER);
+        /* A fresh socket's buffer takes it; if not, the close says enough. */
+        ssize_t w = send(fd, buf, DC_FRAME_HEADER + n, MSG_NOSIGNAL | MSG_DONTWAIT);
+        (void)w;
+    }
+    close(fd);
+}
 
 int dc_session_start(dc_server *srv, int fd, dc_session **out) {
     dc_session *s = calloc(1, sizeof *s);
@@ -545,12 +664,18 @@ int dc_session_start(dc_server *srv, int fd, dc_session **out) {
     s->poll.data = s;
     s->poll_events = UV_READABLE;
     uv_poll_start(&s->poll, UV_READABLE, on_poll);
+    uv_timer_init(srv->loop, &s->timer);
+    s->timer.data = s;
+    s->handles_open = 2;
+    s->reg.totals = &srv->buf_totals;
+    dc_session_limits_changed(s); /* the handshake's deadline */
     *out = s;
     return 0;
 }
 
-static void on_poll_closed(uv_handle_t *h) {
+static void on_handle_closed(uv_handle_t *h) {
     dc_session *s = h->data;
+    if (--s->handles_open > 0) return;
     s->poll_closed = true;
     close(s->fd);
     s->fd = -1;
@@ -584,7 +709,8 @@ void dc_session_close(dc_session *s) {
     if (s->gone) return;
     s->gone = true;
     uv_poll_stop(&s->poll);
-    uv_close((uv_handle_t *)&s->poll, on_poll_closed);
+    uv_close((uv_handle_t *)&s->poll, on_handle_closed);
+    uv_close((uv_handle_t *)&s->timer, on_handle_closed);
 }
 
 void dc_session_shutdown(dc_session *s) {

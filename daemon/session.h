@@ -32,6 +32,8 @@ typedef struct dc_session {
     int fd;
     uv_poll_t poll;
     int poll_events;                 /* current uv_poll interest */
+    uv_timer_t timer;                /* the handshake's deadline, then the idle one */
+    int handles_open;                /* poll and timer, until both are closed */
     pid_t peer_pid;
     uid_t peer_uid;
     gid_t peer_gid;
@@ -53,7 +55,8 @@ typedef struct dc_session {
     bool eof;                        /* peer finished sending */
     bool closing;                    /* close once the write queue drains */
     bool gone;                       /* socket closed; waiting for the step */
-    bool poll_closed;
+    bool poll_closed;                /* both handles closed, the socket too */
+    bool drain_armed;                /* closing: the timer ends the wait for the client */
     dc_step_job *job;                /* the step in flight, if any */
     int async_ops;                   /* GPU handle opens in flight (0 or 1) */
     struct dc_session_event {
@@ -96,8 +99,17 @@ typedef struct dc_session {
     struct dc_prewait *prewait;
 } dc_session;
 
+/* Before Hello a frame may be at most this long (a Hello is a few hundred
+ * bytes): connections that never said Hello cannot each hold max_frame. */
+#define DC_SESSION_HELLO_MAX_FRAME 65536u
+
 /* Takes ownership of a connected, non-blocking socket. */
 int dc_session_start(dc_server *srv, int fd, dc_session **out);
+/* Answers a connection the server will not serve with one Error frame (what
+ * a non-blocking send takes) and closes it. */
+void dc_session_refuse(int fd, const dc_err *e);
+/* The timeouts changed (reload): re-arm the session's deadline. */
+void dc_session_limits_changed(dc_session *s);
 /* Server shutdown: reply to the step in flight (if any), then close. */
 void dc_session_shutdown(dc_session *s);
 /* Closes now, dropping queued replies (the step in flight, if any, still

@@ -5,11 +5,16 @@
 #include <stdarg.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <stdio.h>
 #include <string.h>
 #include <sys/mman.h>
 #include <unistd.h>
 
 #include <cmocka.h>
+
+#ifndef F_SEAL_FUTURE_WRITE
+#define F_SEAL_FUTURE_WRITE 0x0010
+#endif
 
 #include "registry.h"
 
@@ -97,6 +102,53 @@ static void test_bad_fds_rejected(void **state) {
     dc_registry_destroy(&r);
 }
 
+/* Memfds the daemon cannot map read-write are the client's mistake
+ * (INVALID_ARGUMENT naming the reason), not the daemon running out of
+ * memory (RESOURCE_EXHAUSTED). */
+static void test_unmappable_fds_are_invalid(void **state) {
+    (void)state;
+    static const struct { int seal; const char *name; } seals[] = {
+        {F_SEAL_WRITE, "F_SEAL_WRITE"}, {F_SEAL_FUTURE_WRITE, "F_SEAL_FUTURE_WRITE"}};
+    dc_registry r;
+    dc_err e;
+    int fd;
+
+    dc_registry_init(&r);
+    for (size_t i = 0; i < sizeof seals / sizeof seals[0]; i++) {
+        fd = memfd_create("test", MFD_CLOEXEC | MFD_ALLOW_SEALING);
+        assert_true(fd >= 0);
+        assert_int_equal(ftruncate(fd, 4096), 0);
+        if (fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK | seals[i].seal) != 0) { /* old kernel */
+            close(fd);
+            continue;
+        }
+        assert_int_equal(dc_registry_add_shm(&r, 1, fd, 0, NULL, &e), DC_EINVAL);
+        assert_string_equal(e.field, "register_buffer");
+        assert_non_null(strstr(e.msg, seals[i].name));
+        close(fd);
+    }
+
+    /* hugetlb: mapped where the node has huge pages for it, else refused
+     * as the client's choice of memory, naming it */
+    fd = memfd_create("test", MFD_CLOEXEC | MFD_ALLOW_SEALING | MFD_HUGETLB);
+    if (fd >= 0 && ftruncate(fd, 2u << 20) == 0 && fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK) == 0) {
+        void *m = mmap(NULL, 2u << 20, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+        int rc = dc_registry_add_shm(&r, 2, fd, 0, NULL, &e);
+        if (m != MAP_FAILED) {
+            assert_int_equal(rc, 0);
+            munmap(m, 2u << 20);
+        } else {
+            assert_int_equal(rc, DC_EINVAL);
+            assert_non_null(strstr(e.msg, "hugetlb"));
+        }
+    } else {
+        fprintf(stderr, "no hugetlb memfds here: that case not run\n");
+    }
+    if (fd >= 0) close(fd);
+    assert_true(r.n <= 1);
+    dc_registry_destroy(&r);
+}
+
 static void test_isolation_and_release(void **state) {
     (void)state;
     dc_registry a, b;
@@ -123,11 +175,58 @@ static void test_isolation_and_release(void **state) {
     dc_registry_destroy(&b);
 }
 
+/* The daemon-wide caps: sessions' registries count into one total and a
+ * buffer that would pass a cap is refused naming it, in whichever session;
+ * release and destroy give the room back. */
+static void test_daemon_wide_caps(void **state) {
+    (void)state;
+    dc_registry_totals t = {.max_buffers = 3, .max_shm_bytes = 5 * 4096};
+    dc_registry a, b;
+    dc_buffer cuda = {.id = 90, .kind = DC_BUFFER_CUDA, .size = 1u << 30, .device = 0};
+    dc_err e;
+    int fd = make_memfd(4 * 4096, F_SEAL_SHRINK);
+
+    dc_registry_init(&a);
+    dc_registry_init(&b);
+    a.totals = b.totals = &t;
+    assert_int_equal(dc_registry_add_shm(&a, 1, fd, 2 * 4096, NULL, &e), 0);
+    assert_int_equal(dc_registry_add_shm(&b, 2, fd, 2 * 4096, NULL, &e), 0);
+    assert_int_equal(t.buffers, 2);
+    assert_int_equal(t.shm_bytes, 4 * 4096);
+    /* 2 more pages would pass the bytes cap, in either session */
+    assert_int_equal(dc_registry_add_shm(&b, 3, fd, 2 * 4096, NULL, &e), DC_ENOSPACE);
+    assert_string_equal(e.field, "limits.max_mapped_bytes");
+    assert_non_null(strstr(e.msg, "limits.max_mapped_bytes"));
+    assert_int_equal(dc_registry_add_shm(&a, 3, fd, 4096, NULL, &e), 0);
+    /* the count cap holds for device buffers too (their bytes are not mapped) */
+    assert_int_equal(dc_registry_add(&b, &cuda, &e), DC_ENOSPACE);
+    assert_string_equal(e.field, "limits.max_buffers_total");
+    assert_int_equal(a.n + b.n, 3);
+    assert_int_equal(dc_registry_release(&a, 1, &e), 0);
+    assert_int_equal(t.buffers, 2);
+    assert_int_equal(t.shm_bytes, 3 * 4096);
+    dc_registry_set_cuda_unmap(NULL);
+    assert_int_equal(dc_registry_add(&b, &cuda, &e), 0);
+    assert_int_equal(t.shm_bytes, 3 * 4096);
+    /* a lowered cap (reload) refuses new mappings, keeps the old ones */
+    t.max_shm_bytes = 4096;
+    assert_int_equal(dc_registry_add_shm(&a, 4, fd, 4096, NULL, &e), DC_ENOSPACE);
+    dc_registry_destroy(&b);
+    assert_int_equal(t.buffers, 1);
+    assert_int_equal(t.shm_bytes, 4096);
+    dc_registry_destroy(&a);
+    assert_int_equal(t.buffers, 0);
+    assert_int_equal(t.shm_bytes, 0);
+    close(fd);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_sealed_memfd_maps),
         cmocka_unit_test(test_bad_fds_rejected),
+        cmocka_unit_test(test_unmappable_fds_are_invalid),
         cmocka_unit_test(test_isolation_and_release),
+        cmocka_unit_test(test_daemon_wide_caps),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -74,12 +74,50 @@ static void *good_client(void *arg) {
     return NULL;
 }
 
-int dc_hostile_setup(void **state) {
-    (void)state;
-    char args[128];
-    snprintf(args, sizeof args, "--workers 2 --max-batch %d --max-frame %d", DC_HOSTILE_MAX_BATCH,
-             DC_HOSTILE_MAX_FRAME);
-    if (dc_harness_start(&dc_hostile_h, args)) return -1;
+static char g_log[64]; /* the fixture daemon's stderr, if captured */
+
+int dc_hostile_harness_logged(dc_harness *h, const char *args, char *log_path) {
+    int fd, saved, rc;
+    snprintf(log_path, 64, "/tmp/dpclip-hostile-log.XXXXXX");
+    if ((fd = mkstemp(log_path)) < 0) return -1;
+    /* the daemon inherits our stderr when the harness forks it */
+    fflush(stderr);
+    saved = dup(STDERR_FILENO);
+    dup2(fd, STDERR_FILENO);
+    close(fd);
+    rc = dc_harness_start(h, args);
+    fflush(stderr);
+    dup2(saved, STDERR_FILENO);
+    close(saved);
+    return rc;
+}
+
+char *dc_hostile_read_file(const char *path) {
+    FILE *f = fopen(path, "re");
+    char *buf = NULL;
+    size_t len = 0, cap = 0, n;
+    if (!f) return NULL;
+    do {
+        if (cap - len < 4096) {
+            char *nb = realloc(buf, cap = cap * 2 + 8192);
+            if (!nb) break;
+            buf = nb;
+        }
+        n = fread(buf + len, 1, cap - len - 1, f);
+        len += n;
+    } while (n > 0);
+    fclose(f);
+    if (buf) buf[len] = '\0';
+    return buf;
+}
+
+char *dc_hostile_log(void) {
+    char *s = g_log[0] ? dc_hostile_read_file(g_log) : NULL;
+    return s ? s : strdup("");
+}
+
+/* The good client, once the daemon runs. */
+static int start_good(void) {
     if (pthread_create(&g_good, NULL, good_client, NULL)) return -1;
     while (!dc_hostile_good_buffer()) {
         struct timespec ts = {0, 1000000};
@@ -88,15 +126,36 @@ int dc_hostile_setup(void **state) {
     return 0;
 }
 
+int dc_hostile_setup(void **state) {
+    (void)state;
+    char args[128];
+    snprintf(args, sizeof args, "--workers 2 --max-batch %d --max-frame %d", DC_HOSTILE_MAX_BATCH,
+             DC_HOSTILE_MAX_FRAME);
+    if (dc_harness_start(&dc_hostile_h, args)) return -1;
+    return start_good();
+}
+
+int dc_hostile_start_logged(const char *args) {
+    if (dc_hostile_harness_logged(&dc_hostile_h, args, g_log)) return -1;
+    return start_good();
+}
+
 int dc_hostile_teardown(void **state) {
     (void)state;
     if (!atomic_load(&g_stop)) { /* a test failed before stopping it */
         atomic_store(&g_stop, 1);
         pthread_join(g_good, NULL);
+        if (g_log[0]) {
+            char *log = dc_hostile_log();
+            fprintf(stderr, "--- the daemon's log ---\n%s--- end of the log ---\n", log);
+            free(log);
+        }
     }
     /* normally stopped (and checked) by test_clean_shutdown; this only
      * cleans up after a failure */
     if (dc_hostile_h.pid) dc_harness_stop(&dc_hostile_h);
+    if (g_log[0]) unlink(g_log);
+    g_log[0] = '\0';
     return 0;
 }
 

@@ -23,6 +23,15 @@ extern const dpclip_clip_config dc_hostile_sum; /* the attacks' config: sum, no 
  * them (after a failure: the tests below normally do it). */
 int dc_hostile_setup(void **state);
 int dc_hostile_teardown(void **state);
+/* The same setup with other daemon flags, and its stderr (the log) in a
+ * file that dc_hostile_log reads (printed at teardown after a failure). */
+int dc_hostile_start_logged(const char *args);
+/* The fixture daemon's log so far (malloc'd; "" when not captured). */
+char *dc_hostile_log(void);
+/* A daemon of a test's own, its stderr in log_path (a char[64], filled). */
+int dc_hostile_harness_logged(dc_harness *h, const char *args, char *log_path);
+/* A whole file (malloc'd, NUL-terminated), or NULL. */
+char *dc_hostile_read_file(const char *path);
 /* Tests to run last: the good client made progress with exact results and a
  * newcomer is served; then SIGTERM stops the daemon cleanly. */
 void dc_hostile_survivors(void **state);
