@@ -689,7 +689,7 @@ int cuda_run_step(dc_backend *be, const dc_step *s, dc_step_result *res, dc_err 
         const char *h = cb->host;
         uint32_t status;
         memcpy(&status, h + Lo.status, 4);
-        if (status) return diagnose(cb, s, &Lo, err);
+        if (status) return diagnose(cb, s, &Lo, res, err);
         const float *n2 = (const float *)(h + Lo.n2);
         memcpy(res->norms, h + Lo.norms, B * sizeof(float));
         memcpy(res->coefs, h + Lo.coefs, B * sizeof(float));

@@ -86,7 +86,8 @@ int diagnose_layer(cuda_backend *cb, const dc_layer *l, uint32_t B, dc_err *err)
 
 } // namespace
 
-int diagnose(cuda_backend *cb, const dc_step *s, const layout *Lo, dc_err *err) {
+int diagnose(cuda_backend *cb, const dc_step *s, const layout *Lo, dc_step_result *res,
+             dc_err *err) {
     const char *h = cb->host;
     uint32_t status;
     unsigned long long bad;
@@ -122,8 +123,10 @@ int diagnose(cuda_backend *cb, const dc_step *s, const layout *Lo, dc_err *err) 
 found: {
     char f[128];
     const dc_layer *ly = &s->layers[l];
-    /* The value itself is noised: it is not the client's to see (a failed
-     * step releases nothing), so the message gives only where and why. */
+    /* Whether and where it failed depends on the noise: the step released
+     * something and is charged (dc_step_result.released). The value itself
+     * is noised and not quoted. */
+    res->released = true;
     snprintf(f, sizeof f, "%s.%s", ly->name, k ? "bias_grad_out" : "weight_grad_out");
     return dc_err_set(err, DC_ENONFINITE, f,
                       "clipped sum element %lld is not finite as %s (overflow); nothing was "

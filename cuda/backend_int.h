@@ -86,7 +86,8 @@ int cuda_fail(cuda_backend *cb, dc_err *err, cudaError_t e, const char *what);
 /* A step whose status word is not 0, after its synchronisation: finds the
  * tensor, sample and position (extra synchronisations on this path only)
  * and words the error as the CPU backend does. */
-int diagnose(cuda_backend *cb, const dc_step *s, const layout *Lo, dc_err *err);
+int diagnose(cuda_backend *cb, const dc_step *s, const layout *Lo, dc_step_result *res,
+             dc_err *err);
 
 } // namespace dcb
 

@@ -11,6 +11,8 @@ libcmocka-dev libopenblas-dev"
 # man page test renders the pages with groff.
 PKGS="$PKGS libinih-dev libmicrohttpd-dev libsystemd-dev libcurl4-openssl-dev libjansson-dev \
 python3 python3-prometheus-client groff-base"
+# The fuzz targets (tests/fuzz) need clang's libFuzzer and sanitizer runtimes.
+PKGS="$PKGS clang libclang-rt-14-dev"
 # The Python package's tests need PyTorch from Debian; opt out with DPCLIP_NO_TORCH=1.
 if [ "${DPCLIP_NO_TORCH:-0}" != 1 ] && [ -d "$(dirname "$0")/../python" ] && \
    [ -n "$(ls "$(dirname "$0")/../python" 2>/dev/null)" ]; then

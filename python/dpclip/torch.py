@@ -143,7 +143,8 @@ class PrivacyEngine:
         device, such as a non-finite gradient) is collected at the next
         step(), by synchronize(), or when last_norms / last_coefs is read. A
         step that fails on the device leaves zero gradients (the daemon
-        writes zeros, and refunds its privacy spend) and raises DpclipError
+        writes zeros; it refunds the spend unless the failure depended on
+        the noise, e.g. an f16 output overflowing once noised) and raises DpclipError
         at that collection. False: every step blocks until its result."""
         if self.module is not None:
             raise RuntimeError("this PrivacyEngine is already attached to a module")
