@@ -198,9 +198,8 @@ int dc_gpu_init(dc_gpu *g, uv_loop_t *loop, bool enable, uint64_t workspace,
         char name[16];
         snprintf(name, sizeof name, "cuda%d", i);
         if ((rc = dc_worker_pool_init(&g->pools[i], loop, name, 1, gpu_factory, &fa, err))) {
-            for (int k = 0; k < i; k++) dc_worker_pool_close(&g->pools[k]);
-            free(g->pools);
-            g->pools = NULL;
+            g->n = i; /* the ones started */
+            dc_gpu_close(g);
             return rc;
         }
         g->n = i + 1;
@@ -301,9 +300,30 @@ int dc_gpu_record_event(dc_backend *be, void *event, dc_err *err) {
 
 #endif
 
+/* The pools' array goes only when the loop has closed every pool's handle:
+ * freeing it at once left libuv finishing the close of freed memory (an
+ * assertion in uv__finish_close at shutdown, seen on GPU machines). */
+static void pool_closed(dc_worker_pool *p) {
+    dc_gpu *g = p->closed_arg;
+    if (--g->n_closing > 0) return;
+    free(g->closing);
+    g->closing = NULL;
+}
+
 void dc_gpu_close(dc_gpu *g) {
-    for (int i = 0; i < g->n; i++) dc_worker_pool_close(&g->pools[i]);
-    free(g->pools);
+    if (!g->pools) return;
+    if (g->n == 0) {
+        free(g->pools);
+        g->pools = NULL;
+        return;
+    }
+    g->closing = g->pools;
+    g->n_closing = g->n;
+    for (int i = 0; i < g->n; i++) {
+        g->pools[i].closed = pool_closed;
+        g->pools[i].closed_arg = g;
+        dc_worker_pool_close(&g->pools[i]);
+    }
     g->pools = NULL;
     g->n = 0;
 }

@@ -19,6 +19,8 @@
 typedef struct dc_gpu {
     int n;                    /* usable devices */
     dc_worker_pool *pools;    /* [n] */
+    dc_worker_pool *closing;  /* pools closed, freed once their handles are */
+    int n_closing;
     bool mps_active;
     char names[8][64];
 } dc_gpu;

@@ -292,6 +292,11 @@ void dc_worker_pool_expect(dc_worker_pool *p, uint64_t from_ns, uint64_t to_ns) 
     if (wake) pthread_cond_signal(&p->cv);
 }
 
+static void on_async_closed(uv_handle_t *h) {
+    dc_worker_pool *p = h->data;
+    if (p->closed) p->closed(p);
+}
+
 void dc_worker_pool_close(dc_worker_pool *p) {
     if (!p->threads) return;
     pthread_mutex_lock(&p->mu);
@@ -311,6 +316,6 @@ void dc_worker_pool_close(dc_worker_pool *p) {
     p->has_job = NULL;
     pthread_mutex_destroy(&p->mu);
     pthread_cond_destroy(&p->cv);
-    uv_close((uv_handle_t *)&p->async, NULL);
+    uv_close((uv_handle_t *)&p->async, on_async_closed);
     dc_log_debug("worker pool %s stopped", p->name);
 }

@@ -70,6 +70,11 @@ struct dc_worker_pool {
     pthread_t *threads;
     dc_backend **backends;
     char name[16];
+    /* Optional: called on the loop thread once the pool's handle is closed
+     * (after dc_worker_pool_close, in a later loop turn), when the pool's
+     * memory may go. */
+    void (*closed)(dc_worker_pool *p);
+    void *closed_arg;
 };
 
 int dc_worker_pool_init(dc_worker_pool *p, uv_loop_t *loop, const char *name, int n,
@@ -93,7 +98,8 @@ void dc_worker_pool_expect(dc_worker_pool *p, uint64_t from_ns, uint64_t to_ns);
 int dc_worker_pool_busy(const dc_worker_pool *p);
 /* Stops the threads after the queued jobs ran, runs the remaining done()
  * callbacks, destroys the backends and closes the async handle (the pool
- * memory must stay valid until the loop has processed the close). */
+ * memory must stay valid until the loop has processed the close: p->closed
+ * says when). */
 void dc_worker_pool_close(dc_worker_pool *p);
 
 #endif
