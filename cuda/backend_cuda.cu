@@ -276,6 +276,10 @@ int layer_norms(cuda_backend *cb, const dc_step *s, size_t l, const layout *Lo, 
     uint32_t *flags = (uint32_t *)(cb->ws + Lo->flags) + l * B;
     cudaError_t e = cudaSuccess;
     int rc = 0;
+    if (cb->ovr_active && cb->ovr[l]) /* a rescued layer: its host-computed norms */
+        e = cudaMemcpyAsync(n2, cb->ovr_n2 + l * B, (size_t)B * sizeof(float),
+                            cudaMemcpyHostToDevice, cb->stream);
+    else
     switch (ly->kind) {
     case DC_LAYER_LINEAR: {
         dcc_linear x = {ly->input.data, ly->grad.data, ly->input.dtype, ly->grad.dtype, B,
@@ -445,7 +449,7 @@ int grouped_norms(cuda_backend *cb, const dc_step *s, const layout *Lo, float s2
     for (size_t l = 0; l < s->n_layers; l++) {
         const dc_layer *ly = &s->layers[l];
         cb->nm_grouped[l] = false;
-        if (ly->kind != DC_LAYER_LINEAR) continue;
+        if (ly->kind != DC_LAYER_LINEAR || (cb->ovr_active && cb->ovr[l])) continue;
         dcc_linear x = {ly->input.data, ly->grad.data, ly->input.dtype, ly->grad.dtype, B,
                         (int)ly->T, (int)ly->d, (int)ly->p, ly->has_bias, false};
         if (!dcc_norms_grouped_ok(&x, dcc_linear_pick(x.T, x.d, x.p, ly->algo))) continue;
@@ -502,6 +506,7 @@ void phase_mark(cuda_backend *cb, int i) {
 
 int cuda_run_step(dc_backend *be, const dc_step *s, dc_step_result *res, dc_err *err) {
     cuda_backend *cb = (cuda_backend *)be;
+    const dc_step *const orig = s; /* s becomes the step with its index snapshot */
     struct timespec t0, t1;
     const uint32_t B = s->batch;
     const size_t L = s->n_layers;
@@ -689,7 +694,20 @@ int cuda_run_step(dc_backend *be, const dc_step *s, dc_step_result *res, dc_err 
         const char *h = cb->host;
         uint32_t status;
         memcpy(&status, h + Lo.status, 4);
-        if (status) return diagnose(cb, s, &Lo, res, err);
+        if (status) {
+            /* An f32 overflow of some LINEAR layers' norms where the inputs
+             * are finite: run the step again with those norms computed on
+             * the host, range-scaled. Not after an early notice: the client
+             * may already use the zeros that a failed step wrote. */
+            if (!cb->ovr_active && !orig->zero_on_fail &&
+                rescue_overflow(cb, s, &Lo, scale)) {
+                cb->ovr_active = true;
+                rc = cuda_run_step(be, orig, res, err);
+                cb->ovr_active = false;
+                return rc;
+            }
+            return diagnose(cb, s, &Lo, res, err);
+        }
         const float *n2 = (const float *)(h + Lo.n2);
         memcpy(res->norms, h + Lo.norms, B * sizeof(float));
         memcpy(res->coefs, h + Lo.coefs, B * sizeof(float));
@@ -727,6 +745,8 @@ void cuda_destroy(dc_backend *be) {
     free(cb->nm);
     free(cb->nm_grouped);
     free(cb->safe);
+    free(cb->ovr_n2);
+    free(cb->ovr);
     dc_backend_destroy(cb->cpu);
     free(cb);
 }

@@ -146,4 +146,73 @@ int cuda_fail(cuda_backend *cb, dc_err *err, cudaError_t e, const char *what) {
                       cb->broken ? "; the GPU context is unusable" : "");
 }
 
+/* A LINEAR layer's f32 copy of one tensor on the host (malloc'd), or NULL. */
+static float *host_f32(const dc_tensor *t, size_t n) {
+    size_t esz = dc_dtype_size(t->dtype);
+    void *raw = malloc(n * esz + 1);
+    float *out = (float *)malloc(n * sizeof(float) + 1);
+    if (!raw || !out || cudaMemcpy(raw, t->data, n * esz, cudaMemcpyDeviceToHost) != cudaSuccess) {
+        (void)cudaGetLastError();
+        free(raw);
+        free(out);
+        return NULL;
+    }
+    for (size_t i = 0; i < n; i++) out[i] = dc_load_f32(raw, t->dtype, i);
+    free(raw);
+    return out;
+}
+
+bool rescue_overflow(cuda_backend *cb, const dc_step *s, const layout *Lo, float grad_scale) {
+    const char *h = cb->host;
+    const uint32_t B = s->batch;
+    const size_t L = s->n_layers;
+    const float *n2 = (const float *)(h + Lo->n2);
+    const uint32_t *flags = (const uint32_t *)(h + Lo->flags);
+    uint32_t status;
+    bool any = false;
+    memcpy(&status, h + Lo->status, 4);
+    if (status != DCC_STATUS_INPUT) return false; /* an output failed too: not this */
+    if (L * B > cb->ovr_cap) {
+        float *a = (float *)realloc(cb->ovr_n2, L * B * sizeof *a);
+        if (a) cb->ovr_n2 = a;
+        bool *m = a ? (bool *)realloc(cb->ovr, L * sizeof *m) : NULL;
+        if (m) cb->ovr = m;
+        if (!m) return false;
+        cb->ovr_cap = L * B;
+    }
+    memset(cb->ovr, 0, L * sizeof *cb->ovr);
+    for (size_t l = 0; l < L; l++) {
+        const dc_layer *ly = &s->layers[l];
+        bool bad = false;
+        dc_err e;
+        for (uint32_t b = 0; b < B; b++) {
+            if (flags[l * B + b]) return false; /* a flagged input: a real failure */
+            bad |= !isfinite(n2[l * B + b]);
+        }
+        if (!bad) continue;
+        if (ly->kind != DC_LAYER_LINEAR || diagnose_layer(cb, ly, B, &e) != 0) return false;
+        size_t rows = (size_t)B * (size_t)ly->T;
+        float *a = host_f32(&ly->input, rows * (size_t)ly->d);
+        float *g = a ? host_f32(&ly->grad, rows * (size_t)ly->p) : NULL;
+        double *d2 = (double *)malloc(B * sizeof *d2);
+        dc_cpu_scratch sc;
+        memset(&sc, 0, sizeof sc);
+        int rc = a && g && d2 ? dc_cpu_linear_sqnorms(&sc, a, g, B, ly->T, ly->d, ly->p,
+                                                       ly->has_bias, dc_linear_pick(ly), d2)
+                              : DC_ENOSPACE;
+        for (uint32_t b = 0; rc == 0 && b < B; b++) {
+            double v = d2[b] * (double)grad_scale * (double)grad_scale;
+            if (!(v <= 3.4e38)) rc = DC_ENONFINITE; /* past f32 itself: no rescue */
+            cb->ovr_n2[l * B + b] = (float)v;
+        }
+        dc_cpu_scratch_free(&sc);
+        free(a);
+        free(g);
+        free(d2);
+        if (rc) return false;
+        cb->ovr[l] = any = true;
+    }
+    return any;
+}
+
 } // namespace dcb

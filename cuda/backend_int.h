@@ -10,6 +10,9 @@
 
 #include "dc_cuda.h"
 #include "dcc.h"
+extern "C" {
+#include "cpu.h" /* the host-side rescue reuses the CPU backend's norms */
+}
 
 namespace dcb {
 
@@ -36,6 +39,13 @@ struct cuda_backend {
     /* [lay_cap] the step's layers as the kernels read them: an embedding's
      * indices point at the workspace copy (layout.idx), made once per step */
     dc_layer *safe;
+    /* A step retried after an f32 overflow of some LINEAR layers' norms
+     * (rescue_overflow): their n2 [lay_cap * B], computed on the host with
+     * range scaling, replace the kernels'. NULL = none. */
+    float *ovr_n2;
+    bool *ovr;
+    size_t ovr_cap;
+    bool ovr_active; /* this run uses them */
     /* phase timing (dc_cuda_backend_profile): events recorded between phases */
     bool prof;
     cudaEvent_t ev[DC_CUDA_PHASES + 1];
@@ -88,6 +98,14 @@ int cuda_fail(cuda_backend *cb, dc_err *err, cudaError_t e, const char *what);
  * and words the error as the CPU backend does. */
 int diagnose(cuda_backend *cb, const dc_step *s, const layout *Lo, dc_step_result *res,
              dc_err *err);
+
+/* After a failed step without an early notice: when every failure is a
+ * LINEAR layer's squared norm that left f32 (|a| ~ 1e19 overflows the ghost
+ * Gram) while its inputs are finite, computes those layers' norms on the
+ * host, range-scaled in double as the CPU backend does (cpu_norms.c), into
+ * cb->ovr_n2 and marks them in cb->ovr; returns true if the step should run
+ * again with them. False (nothing marked) otherwise. */
+bool rescue_overflow(cuda_backend *cb, const dc_step *s, const layout *Lo, float grad_scale);
 
 } // namespace dcb
 
