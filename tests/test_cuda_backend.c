@@ -6,7 +6,8 @@
  * test_cuda_kernels.c. Every whole-step test also runs with the backend's
  * switches in their old positions (per-layer book-keeping, staged outputs,
  * double noise, exact f32), the configuration the benchmark compares against.
- * Without a CUDA device the test prints "SKIP: no CUDA device" and passes. */
+ * Without a CUDA device the test prints "SKIP: no CUDA device" and exits
+ * DC_TEST_SKIP (77), which ctest reports as skipped. */
 #include <math.h>
 #include <pthread.h>
 #include <setjmp.h>
@@ -601,7 +602,7 @@ static void test_extreme_range(void **state) {
 int main(void) {
     if (dc_cuda_device_count() == 0) {
         printf("SKIP: no CUDA device\n");
-        return 0;
+        return DC_TEST_SKIP;
     }
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_noise_matches_cpu),

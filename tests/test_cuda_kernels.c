@@ -19,7 +19,8 @@
  *     f32 draws, r = sqrt(-2 ln u1) the pair's radius (f32 transcendentals
  *     of 1 ulp; a host emulation with 1-ulp perturbations reached half of it).
  * (The noise and whole steps are tested in test_cuda_backend.c.)
- * Without a CUDA device the test prints "SKIP: no CUDA device" and passes. */
+ * Without a CUDA device the test prints "SKIP: no CUDA device" and exits
+ * DC_TEST_SKIP (77), which ctest reports as skipped. */
 #include <math.h>
 #include <setjmp.h>
 #include <stdarg.h>
@@ -362,7 +363,7 @@ static void test_grouped_many(void **state) {
 int main(void) {
     if (dc_cuda_device_count() == 0) {
         printf("SKIP: no CUDA device\n");
-        return 0;
+        return DC_TEST_SKIP;
     }
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_linear_norms),

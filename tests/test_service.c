@@ -577,7 +577,7 @@ int main(void) {
     };
 #if !defined(DPCLIP_HAVE_MHD) || !defined(DPCLIP_HAVE_INIH)
     printf("test_service: SKIPPED: needs dpclipd built with libmicrohttpd and inih\n");
-    return 0;
+    return DC_TEST_SKIP;
 #endif
 #ifndef DPCLIP_HAVE_SYSTEMD
     printf("test_service: sd_notify and socket activation cases SKIPPED: no libsystemd\n");
@@ -588,6 +588,6 @@ int main(void) {
 #else /* !DPCLIP_HAVE_JANSSON */
 int main(void) {
     printf("test_service: SKIPPED: needs jansson (libjansson-dev) to read /status\n");
-    return 0;
+    return DC_TEST_SKIP;
 }
 #endif

@@ -241,7 +241,7 @@ int main(void) {
     };
 #if !defined(DPCLIP_HAVE_MHD)
     printf("test_service_ledger: SKIPPED: needs dpclipd built with libmicrohttpd\n");
-    return 0;
+    return DC_TEST_SKIP;
 #endif
     return cmocka_run_group_tests(tests, group_setup, group_teardown);
 }
@@ -249,6 +249,6 @@ int main(void) {
 #else /* !DPCLIP_HAVE_JANSSON */
 int main(void) {
     printf("test_service_ledger: SKIPPED: needs jansson (libjansson-dev) to read /status\n");
-    return 0;
+    return DC_TEST_SKIP;
 }
 #endif

@@ -718,7 +718,7 @@ int main(void) {
     };
 #ifndef DPCLIP_HAVE_MHD
     printf("test_status: SKIPPED: dpclipd was built without libmicrohttpd (no status socket)\n");
-    return 0;
+    return DC_TEST_SKIP;
 #endif
     return cmocka_run_group_tests(tests, group_setup, group_teardown);
 }
