@@ -69,6 +69,32 @@ static int read_some(dpclip_client *c) {
 }
 
 /* Writes [buf, buf+len) fully; `fd_pass` goes with the first byte. */
+/* The daemon may refuse a connection (one Error frame, then close: a
+ * connection limit, out of descriptors) before our request reaches it, so
+ * that the send fails with EPIPE: the refusal is still queued here. Returns
+ * its code with its words (the connection closed), or 0 if there is none. */
+static int refusal(dpclip_client *c) {
+    uint8_t buf[DC_FRAME_HEADER + 4096];
+    size_t got = 0;
+    Dpclip__Reply *r;
+    int rc = 0;
+    while (got < sizeof buf) {
+        ssize_t n = recv(c->fd, buf + got, sizeof buf - got, MSG_DONTWAIT);
+        if (n <= 0) break;
+        got += (size_t)n;
+    }
+    if (got < DC_FRAME_HEADER || dc_frame_get_len(buf) > got - DC_FRAME_HEADER) return 0;
+    r = dpclip__reply__unpack(NULL, dc_frame_get_len(buf), buf + DC_FRAME_HEADER);
+    if (!r) return 0;
+    if (r->body_case == DPCLIP__REPLY__BODY_ERROR && r->error) {
+        (void)cl_die(c, "dpclipd closed the connection");
+        rc = cl_fail(c, cl_daemon_code(r->error->code), r->error->field, "%s",
+                     r->error->message ? r->error->message : "");
+    }
+    dpclip__reply__free_unpacked(r, NULL);
+    return rc;
+}
+
 static int write_all(dpclip_client *c, const uint8_t *buf, size_t len, int fd_pass,
                      int64_t deadline) {
     size_t off = 0;
@@ -103,6 +129,11 @@ static int write_all(dpclip_client *c, const uint8_t *buf, size_t len, int fd_pa
             continue;
         }
         if (n < 0 && errno == EINTR) continue;
+        if (n < 0 && (errno == EPIPE || errno == ECONNRESET)) {
+            int e = errno, rc = refusal(c);
+            if (rc) return rc;
+            return cl_die(c, "send to dpclipd: %s", strerror(e));
+        }
         if (n < 0 && errno != EAGAIN && errno != EWOULDBLOCK)
             return cl_die(c, "send to dpclipd: %s", strerror(errno));
         /* Socket full. The daemon may be blocked writing replies we have
