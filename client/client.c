@@ -452,6 +452,33 @@ DPCLIP_API int dpclip_ping(dpclip_client *c) {
     return rc;
 }
 
+/* --- norm groups ----------------------------------------------------------- */
+
+DPCLIP_API int dpclip_join_group(dpclip_client *c, const dpclip_group_opts *o,
+                                 uint64_t *group_id) {
+    Dpclip__Request req = DPCLIP__REQUEST__INIT;
+    Dpclip__JoinGroup jg = DPCLIP__JOIN_GROUP__INIT;
+    Dpclip__Reply *r;
+    int rc;
+
+    if (!c || !o || !o->name) return DPCLIP_EARG;
+    cl_lock(c);
+    jg.name = (char *)o->name;
+    jg.rank = o->rank;
+    jg.size = o->size;
+    jg.timeout_ms = o->timeout_ms;
+    jg.clipping = o->group_wise ? DPCLIP__GROUP_CLIPPING__GROUP_WISE
+                                : DPCLIP__GROUP_CLIPPING__NORM_REDUCE;
+    req.body_case = DPCLIP__REQUEST__BODY_JOIN_GROUP;
+    req.join_group = &jg;
+    if ((rc = cl_call(c, &req, -1, DPCLIP__REPLY__BODY_JOIN_GROUP, -1, &r)) == 0) {
+        if (group_id) *group_id = r->join_group->group_id;
+        dpclip__reply__free_unpacked(r, NULL);
+    }
+    cl_unlock(c);
+    return rc;
+}
+
 /* --- buffers ------------------------------------------------------------- */
 
 int cl_register_buffer(dpclip_client *c, Dpclip__RegisterBuffer *rb, int pass_fd, uint64_t *id) {

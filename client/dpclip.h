@@ -281,6 +281,30 @@ int dpclip_fd(const dpclip_client *c);
 
 int dpclip_ping(dpclip_client *c);
 
+/* --- norm groups ------------------------------------------------------------
+ * The sessions that together hold one model replica (tensor or pipeline
+ * parallel ranks, one session each, same user) form a norm group: with flat
+ * clipping the daemon sums each sample's squared norm over every member's
+ * layers before it clips, so the split model is clipped exactly as the whole
+ * one. After joining, each member sends one step per logical step (the
+ * daemon matches them by count); a step waits for the other members up to
+ * the group's timeout. Layers every member holds whole (LayerNorm weights
+ * under tensor parallelism) are marked with dpclip_step_set_replicated, in
+ * the same order on every member: counted once, noised identically. The
+ * privacy ledger charges rank 0's job once per group step. A member that
+ * disconnects or times out dissolves the group: the steps waiting fail on
+ * every member, naming it, and each member must join again. */
+typedef struct dpclip_group_opts {
+    const char *name;   /* the same on every member */
+    uint32_t rank;      /* this member, in [0, size) */
+    uint32_t size;
+    uint32_t timeout_ms; /* 0 = the daemon's groups.timeout_ms */
+    int group_wise;     /* 1: each member clips to C / sqrt(size) alone, no reduction */
+} dpclip_group_opts;
+int dpclip_join_group(dpclip_client *c, const dpclip_group_opts *opts, uint64_t *group_id);
+/* Marks layer `layer` (its index in the step) as held whole by every member. */
+int dpclip_step_set_replicated(dpclip_step *s, size_t layer, int yes);
+
 #ifdef __cplusplus
 }
 #endif

@@ -15,6 +15,7 @@
 typedef struct cl_layer {
     Dpclip__Layer__KindCase kind;
     char *name;               /* owned copy, or NULL */
+    int replicated;           /* norm groups: held whole by every member */
     union {
         dpclip_linear lin;
         dpclip_embedding emb;
@@ -178,6 +179,13 @@ DPCLIP_API void dpclip_step_set_events(dpclip_step *s, uint64_t wait_event,
     s->signal_event = signal_event;
 }
 
+DPCLIP_API int dpclip_step_set_replicated(dpclip_step *s, size_t layer, int yes) {
+    if (!s || layer >= s->n) return DPCLIP_EARG;
+    s->layers[layer].replicated = yes != 0;
+    touch(s);
+    return 0;
+}
+
 DPCLIP_API void dpclip_step_notify_enqueued(dpclip_step *s, int yes) {
     if (!s) return;
     touch(s);
@@ -292,6 +300,7 @@ int cl_step_message(dpclip_client *c, const dpclip_step *s, Dpclip__ClipStep **o
         dpclip__layer__init(L);
         m->ptrs[i] = L;
         if (x->name) L->name = x->name;
+        L->replicated = x->replicated != 0;
         L->kind_case = x->kind;
         switch (x->kind) {
         case DPCLIP__LAYER__KIND_LINEAR: {

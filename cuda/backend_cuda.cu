@@ -573,7 +573,9 @@ int cuda_run_step(dc_backend *be, const dc_step *s, dc_step_result *res, dc_err 
             }
         }
         const float noise_std =
-            s->noise_multiplier * (per_layer ? (float)sqrt(noise_c2) : s->max_grad_norm);
+            s->noise_multiplier *
+            (per_layer ? (float)sqrt(noise_c2)
+                       : s->noise_norm > 0.0f ? s->noise_norm : s->max_grad_norm);
         const float divisor = s->reduction == DC_REDUCTION_MEAN
                                   ? (float)(s->expected_batch ? s->expected_batch : B)
                                   : 1.0f;
@@ -751,7 +753,7 @@ void cuda_destroy(dc_backend *be) {
     free(cb);
 }
 
-const dc_backend_ops cuda_ops = {"cuda", cuda_run_step, cuda_destroy};
+const dc_backend_ops cuda_ops = {"cuda", cuda_run_step, cuda_destroy, NULL, NULL};
 
 } // namespace
 

@@ -33,6 +33,16 @@ typedef struct dc_backend_ops {
     const char *name;                     /* "cpu", "cuda" */
     int (*run_step)(dc_backend *be, const dc_step *step, dc_step_result *res, dc_err *err);
     void (*destroy)(dc_backend *be);
+    /* The two halves of run_step, for norm groups (group.c sums the
+     * members' per-sample squared norms between them). run_norms: the data
+     * checks (2.) and n2[L*B] (1.), the step's own squared layer norms.
+     * run_clip: steps 3.-5. with the coefficients taken from the group's
+     * per-sample totals tot[B] (n2 as run_norms gave it, for the per-layer
+     * results); it checks the data again. NULL: this backend cannot serve
+     * grouped steps. */
+    int (*run_norms)(dc_backend *be, const dc_step *step, double *n2, dc_err *err);
+    int (*run_clip)(dc_backend *be, const dc_step *step, const double *n2, const double *tot,
+                    dc_step_result *res, dc_err *err);
 } dc_backend_ops;
 
 struct dc_backend {

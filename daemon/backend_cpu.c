@@ -215,7 +215,16 @@ static uint64_t mono_ns(void) {
     return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
 }
 
-static int run_step(dc_backend *be, const dc_step *step, dc_step_result *res, dc_err *err) {
+/* The step's phases. want: PHASE_NORMS stops after the norms (copied to
+ * n2_out); PHASE_CLIP takes this step's norms from n2_in and the group's
+ * per-sample totals from tot instead of computing them (the data are
+ * checked again: the clip phase may run on another worker, after other
+ * steps used its scratch); PHASE_ALL is a whole step. */
+enum run_phases { PHASE_ALL, PHASE_NORMS, PHASE_CLIP };
+
+static int run_phases(dc_backend *be, const dc_step *step, enum run_phases want, double *n2_out,
+                      const double *n2_in, const double *tot_in, dc_step_result *res,
+                      dc_err *err) {
     cpu_backend *cb = (cpu_backend *)be;
     dc_cpu_scratch *s = &cb->s;
     struct timespec t0, t1;
@@ -231,8 +240,9 @@ static int run_step(dc_backend *be, const dc_step *step, dc_step_result *res, dc
         return dc_err_set(err, DC_EPRECOND, "clip_step",
                           "the CPU backend cannot read tensors in GPU memory (cuda:%d)",
                           step->device);
-    if (B == 0 || !res->norms || !res->coefs || !res->layer_norms ||
-        (per_layer && !res->layer_coefs) || res->batch != B || res->n_layers != L)
+    if (want != PHASE_NORMS &&
+        (B == 0 || !res->norms || !res->coefs || !res->layer_norms ||
+         (per_layer && !res->layer_coefs) || res->batch != B || res->n_layers != L))
         return dc_err_set(err, DC_EINTERNAL, "", "step result not initialised for this step");
 
     /* 1. data checks, before any arithmetic; from here on the layers are
@@ -244,19 +254,35 @@ static int run_step(dc_backend *be, const dc_step *step, dc_step_result *res, dc
 
     /* 2. norms and coefficients. Clipping and noise are summed over layers
      * below: start them at 0 even if the caller reuses a result. */
-    res->phase_ns[DC_RUN_CLIPPING] = res->phase_ns[DC_RUN_NOISE] = 0;
     uint64_t tp = mono_ns(), tq;
-    for (size_t l = 0; l < L; l++)
-        if ((rc = dc_cpu_layer_sqnorms(s, &lay[l], B, scale, st.n2 + l * B, err)))
-            return rc;
+    if (want == PHASE_CLIP) {
+        memcpy(st.n2, n2_in, L * B * sizeof *st.n2);
+    } else {
+        for (size_t l = 0; l < L; l++)
+            if ((rc = dc_cpu_layer_sqnorms(s, &lay[l], B, scale, st.n2 + l * B, err)))
+                return rc;
+        if ((rc = check_norms(lay, L, B, st.n2, err))) return rc;
+    }
+    if (want == PHASE_NORMS) {
+        memcpy(n2_out, st.n2, L * B * sizeof *n2_out);
+        return 0;
+    }
+    res->phase_ns[DC_RUN_CLIPPING] = res->phase_ns[DC_RUN_NOISE] = 0;
     tq = mono_ns();
     res->phase_ns[DC_RUN_NORMS] = tq - tp + 1; /* + 1: measured, even if under 1 ns */
     tp = tq;
     double noise_c2 = 0.0; /* PER_LAYER noise uses sqrt(sum_l C_l^2) */
-    if ((rc = check_norms(lay, L, B, st.n2, err))) return rc;
     for (uint32_t b = 0; b < B; b++) {
         double tot = 0.0;
-        for (size_t l = 0; l < L; l++) tot += st.n2[l * B + b];
+        if (tot_in) {
+            tot = tot_in[b]; /* the group's: every member's layers */
+        } else {
+            for (size_t l = 0; l < L; l++) tot += st.n2[l * B + b];
+        }
+        if (!isfinite(tot))
+            return dc_err_set(err, DC_ENONFINITE, "clip_step",
+                              "the gradient norm of sample %u is not finite; nothing was written",
+                              b);
         st.norms[b] = (float)sqrt(tot);
         st.coefs[b] = per_layer ? 1.0f : dc_clip_coef(step->max_grad_norm, st.norms[b]);
     }
@@ -269,7 +295,8 @@ static int run_step(dc_backend *be, const dc_step *step, dc_step_result *res, dc
         }
     float noise_std =
         step->noise_multiplier *
-        (per_layer ? (float)sqrt(noise_c2) : step->max_grad_norm);
+        (per_layer ? (float)sqrt(noise_c2)
+                   : step->noise_norm > 0.0f ? step->noise_norm : step->max_grad_norm);
     tq = mono_ns();
     res->phase_ns[DC_RUN_REDUCTION] = tq - tp + 1;
     tp = tq;
@@ -321,8 +348,13 @@ static int run_step(dc_backend *be, const dc_step *step, dc_step_result *res, dc
             size_t n = dc_cpu_numel(t);
             float *v = outs + off;
             /* stream: the tensor's serial within the step (weight, bias of l) */
-            dc_noise_add_normal(step->noise_key, step->noise_step, (uint32_t)(2 * l + k),
-                                noise_std, v, n);
+            if (ly->replicated) /* identical on every member of the group */
+                dc_noise_add_normal(step->group_noise_key, step->group_step,
+                                    DC_NOISE_STREAM_REPLICATED + 2 * ly->rep_ordinal + (uint32_t)k,
+                                    noise_std, v, n);
+            else
+                dc_noise_add_normal(step->noise_key, step->noise_step, (uint32_t)(2 * l + k),
+                                    noise_std, v, n);
             if (divisor != 1.0f)
                 for (size_t i = 0; i < n; i++) v[i] /= divisor;
             int64_t bad = find_bad_out(v, n, t->dtype);
@@ -369,7 +401,20 @@ static int run_step(dc_backend *be, const dc_step *step, dc_step_result *res, dc
 
 static int cpu_run_step(dc_backend *be, const dc_step *step, dc_step_result *res,
                         dc_err *err) {
-    int rc = run_step(be, step, res, err);
+    int rc = run_phases(be, step, PHASE_ALL, NULL, NULL, NULL, res, err);
+    scratch_trim(&((cpu_backend *)be)->s);
+    return rc;
+}
+
+static int cpu_run_norms(dc_backend *be, const dc_step *step, double *n2, dc_err *err) {
+    int rc = run_phases(be, step, PHASE_NORMS, n2, NULL, NULL, NULL, err);
+    scratch_trim(&((cpu_backend *)be)->s);
+    return rc;
+}
+
+static int cpu_run_clip(dc_backend *be, const dc_step *step, const double *n2,
+                        const double *tot, dc_step_result *res, dc_err *err) {
+    int rc = run_phases(be, step, PHASE_CLIP, NULL, n2, tot, res, err);
     scratch_trim(&((cpu_backend *)be)->s);
     return rc;
 }
@@ -385,7 +430,8 @@ static void cpu_destroy(dc_backend *be) {
     free(cb);
 }
 
-static const dc_backend_ops cpu_ops = {"cpu", cpu_run_step, cpu_destroy};
+static const dc_backend_ops cpu_ops = {"cpu", cpu_run_step, cpu_destroy, cpu_run_norms,
+                                        cpu_run_clip};
 
 int dc_cpu_backend_create(int threads, dc_backend **out, dc_err *err) {
     cpu_backend *cb = calloc(1, sizeof *cb);

@@ -94,6 +94,10 @@ static const key_def KEYS[] = {
      "shared memory all sessions together may have mapped (K/M/G/T; 0 = no cap)"},
     {"limits", "max_reply_queue", NULL, T_SIZE, F(max_reply_queue), 0, 0, true,
      "unsent reply bytes a session may have before its next request waits"},
+    {"limits", "max_group_size", NULL, T_UINT, F(max_group_size), 1, 1u << 16, true,
+     "members of one norm group"},
+    {"groups", "timeout_ms", "group-timeout-ms", T_UINT, F(group_timeout_ms), 1, 86400000, true,
+     "how long a grouped step waits for the group's other members (a join may ask for another)"},
     {"access", "allowed_uids", NULL, T_UIDS, F(allowed_uids), 0, 0, true,
      "users (names or uids) allowed to connect; empty = anyone who can open the socket"},
     {"access", "allowed_groups", NULL, T_GIDS, F(allowed_gids), 0, 0, true,
@@ -155,6 +159,8 @@ void dc_config_defaults(dc_config *c) {
     c->max_buffers_total = 16384;
     c->max_mapped_bytes = (uint64_t)1 << 40;
     c->max_reply_queue = 8u << 20;
+    c->max_group_size = 256;
+    c->group_timeout_ms = 60000;
     c->status_mode = 0660;
     c->status_max_connections = 256;
     c->status_timeout_s = 5;

@@ -54,6 +54,9 @@ typedef struct dc_config {
     uint32_t max_buffers_total;    /* all sessions' buffers */
     uint64_t max_mapped_bytes;     /* all sessions' shared memory mapped; 0 = no cap */
     uint64_t max_reply_queue;      /* a session's unsent reply bytes before it waits */
+    uint32_t max_group_size;       /* members of one norm group */
+    /* [groups] */
+    uint32_t group_timeout_ms;     /* a grouped step waits this long for the others */
     /* [access]: empty lists = whoever can open the socket */
     uint32_t allowed_uids[DC_CONFIG_MAX_IDS];
     size_t n_allowed_uids;

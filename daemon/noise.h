@@ -18,6 +18,10 @@
 #include <stdint.h>
 
 #define DC_NOISE_MAX_N ((uint64_t)1 << 33)
+/* Streams from here on are a norm group's replicated layers (2 per layer,
+ * under the group's key); a step's own outputs use 2 * layer + k, below it
+ * (limits.max_layers <= 2^20). */
+#define DC_NOISE_STREAM_REPLICATED ((uint32_t)1 << 30)
 
 /* The raw block function: out = Philox4x32-10(ctr, key). */
 void dc_philox4x32_10(const uint32_t ctr[4], const uint32_t key[2], uint32_t out[4]);

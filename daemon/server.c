@@ -338,6 +338,7 @@ static void maybe_finish(dc_server *srv) {
     signal(SIGTERM, SIG_IGN);
     signal(SIGINT, SIG_IGN);
     signal(SIGHUP, SIG_IGN);
+    dc_groups_close(&srv->groups);
     dc_status_stop(&srv->status);
     if (srv->pool_ready) dc_worker_pool_close(&srv->cpu_pool);
     srv->pool_ready = false;
@@ -425,6 +426,8 @@ void dc_server_apply_config(dc_server *srv, const dc_config *n) {
     c->max_buffers_total = n->max_buffers_total;
     c->max_mapped_bytes = n->max_mapped_bytes;
     c->max_reply_queue = n->max_reply_queue;
+    c->max_group_size = srv->groups.max_size = n->max_group_size;
+    c->group_timeout_ms = srv->groups.timeout_ms = n->group_timeout_ms;
     srv->buf_totals.max_buffers = c->max_buffers_total;
     srv->buf_totals.max_shm_bytes = c->max_mapped_bytes;
     for (dc_session *s = srv->sessions; s; s = s->next) dc_session_limits_changed(s);
@@ -518,6 +521,9 @@ int dc_server_init(dc_server *srv, uv_loop_t *loop, const dc_config *cfg,
     } else if (getrandom(&srv->noise_key, sizeof srv->noise_key, 0) != sizeof srv->noise_key) {
         return dc_err_set(err, DC_EINTERNAL, "", "getrandom: %s", strerror(errno));
     }
+
+    dc_groups_init(&srv->groups, loop, srv->noise_key, cfg->max_group_size,
+                   cfg->group_timeout_ms);
 
     /* The ledger first: a daemon that cannot account must not serve steps. */
     if ((rc = dc_ledger_open(&srv->ledger, cfg->ledger_dir, cfg->delta, err))) return rc;

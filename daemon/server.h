@@ -23,6 +23,7 @@
 
 #include "config.h"
 #include "gpu.h"
+#include "group.h"
 #include "ledger.h"
 #include "log.h"
 #include "metrics.h"
@@ -77,6 +78,7 @@ typedef struct dc_server {
     uint64_t next_buffer_id;
     uint64_t noise_key;           /* from getrandom, or the fixed test seed */
     uint64_t noise_steps;         /* steps drawn so far: the noise counter */
+    dc_groups groups;             /* norm groups (group.c) */
     dc_ledger ledger;
     int ledger_writes_in_flight;
     dc_status status;

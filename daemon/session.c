@@ -341,7 +341,8 @@ static void dispatch(dc_session *s, const uint8_t *payload, size_t len, uint64_t
             [DPCLIP__REQUEST__BODY_RELEASE_BUFFER] = DC_REQ_RELEASE,
             [DPCLIP__REQUEST__BODY_CLIP_STEP] = DC_REQ_STEP,
             [DPCLIP__REQUEST__BODY_PING] = DC_REQ_PING,
-            [DPCLIP__REQUEST__BODY_REGISTER_EVENT] = DC_REQ_EVENT};
+            [DPCLIP__REQUEST__BODY_REGISTER_EVENT] = DC_REQ_EVENT,
+            [DPCLIP__REQUEST__BODY_JOIN_GROUP] = DC_REQ_OTHER};
         unsigned bc = (unsigned)req->body_case;
         s->srv->metrics.requests[bc < sizeof kinds / sizeof kinds[0] && bc ? kinds[bc]
                                                                            : DC_REQ_OTHER]++;
@@ -378,6 +379,9 @@ static void dispatch(dc_session *s, const uint8_t *payload, size_t len, uint64_t
         break;
     case DPCLIP__REQUEST__BODY_REGISTER_EVENT:
         dc_session_register_event(s, req->id, req->register_event);
+        break;
+    case DPCLIP__REQUEST__BODY_JOIN_GROUP:
+        dc_session_join_group(s, req->id, req->join_group);
         break;
     case DPCLIP__REQUEST__BODY_PING:
         pong.nonce = req->ping->nonce;
@@ -711,6 +715,8 @@ void dc_session_close(dc_session *s) {
     uv_poll_stop(&s->poll);
     uv_close((uv_handle_t *)&s->poll, on_handle_closed);
     uv_close((uv_handle_t *)&s->timer, on_handle_closed);
+    /* last: the group fails the steps waiting for this member at once */
+    dc_session_group_leave(s, "disconnected");
 }
 
 void dc_session_shutdown(dc_session *s) {

@@ -77,6 +77,9 @@ typedef struct dc_session {
     uint64_t last_step_ns;           /* uv_hrtime of the last reply to a step, 0 = none */
     uint64_t last_send_ns;           /* how long the last send() took (debug log) */
     dc_ledger_job *ljob;             /* the ledger's (uid, job) since Hello; not owned */
+    struct dc_group *group;          /* the norm group joined (a reference), or NULL */
+    uint32_t group_rank;
+    uint64_t group_steps;            /* the last group step this member delivered */
     /* The last ClipStep that validated (session_step.c), so that the same
      * step sent again (a trainer's every iteration) skips decoding and
      * validation: the request's bytes after its id, the registry generation

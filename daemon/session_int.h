@@ -5,6 +5,7 @@
 #define DC_SESSION_INT_H
 
 #include "dpclip.pb-c.h"
+#include "group.h"
 #include "ledger.h"
 #include "session.h"
 #include "step.h"
@@ -58,6 +59,13 @@ struct dc_step_job {
      * finished. */
     uint64_t t_recv, t_checked, t_submit, t_start, t_waited, t_end;
     uint64_t t_frame;      /* the request's frame taken up for decoding */
+    /* Norm groups (session_group.c): the step's own squared layer norms
+     * [L*B] from its norm phase, its partial sum [B] delivered to the group,
+     * the group's totals [B] for its clip phase. */
+    bool grouped;
+    uint64_t group_step;
+    double *n2, *partial, *tot;
+    dc_group_waiter gw;
 };
 
 /* A request is being worked on off the loop: later ones wait for it. */
@@ -88,5 +96,22 @@ int dc_session_step_cached(dc_session *s, uint64_t id, const uint8_t *key, size_
  * on an input event on a GPU, have that GPU's stream wait on it now. */
 void dc_session_prewait(dc_session *s);
 void dc_session_plan_drop(dc_session *s);
+
+/* The last stage of a step's worker job, on the loop thread: the reply
+ * (session_step.c). A grouped step's clip phase ends here too. */
+void dc_session_step_done(dc_job *job);
+
+/* Norm groups (session_group.c). */
+void dc_session_join_group(dc_session *s, uint64_t id, const Dpclip__JoinGroup *m);
+/* The session leaves its group (disconnect, a new join): the group is
+ * dissolved and its waiting steps fail, naming this member. */
+void dc_session_group_leave(dc_session *s, const char *why);
+/* After validation: fits the step to the session's group (the group step,
+ * replicated layers, group-wise thresholds); an error refuses it. */
+int dc_session_group_prepare(dc_session *s, const Dpclip__ClipStep *m, dc_step_job *j,
+                             dc_err *e);
+/* Runs an accepted grouped step (norm phase, reduction, clip phase); the
+ * reply comes from dc_session_step_done. */
+void dc_session_group_submit(dc_step_job *j);
 
 #endif

@@ -139,8 +139,19 @@ static void count_step(dc_server *srv, dc_step_job *j, uint64_t now) {
     }
 }
 
+/* A step of a grouped session refused before its norms reached the group:
+ * the group step fails on every member, not only here. */
+static void group_fail(dc_session *s, const dc_step_job *j, const dc_err *e) {
+    if (s->group)
+        dc_group_fail(s->group, s->group_rank,
+                      j && j->group_step ? j->group_step : s->group_steps + 1, e);
+}
+
 static void job_free(dc_step_job *j) {
     dc_step_result_free(&j->res);
+    free(j->n2);
+    free(j->partial);
+    free(j->tot);
     if (j->cached) j->step.layers = NULL; /* the plan's */
     dc_validate_step_free(&j->step);
     free(j);
@@ -182,7 +193,7 @@ static void expect_next(dc_session *s, const dc_step_job *j, uint64_t now) {
     }
 }
 
-static void step_done(dc_job *job) {
+void dc_session_step_done(dc_job *job) {
     dc_step_job *j = (dc_step_job *)job;
     dc_session *s = j->s;
     dc_server *srv = s->srv;
@@ -310,9 +321,13 @@ static void step_submit(dc_step_job *j) {
         j->prewait = pw;
     j->step.noise_key = srv->noise_key;
     j->step.noise_step = ++srv->noise_steps;
-    j->job.work = step_work;
-    j->job.done = step_done;
     j->job.owner = (uint32_t)s->peer_uid; /* workers are shared fairly between users */
+    if (j->grouped) { /* norm phase, the group's reduction, clip phase */
+        dc_session_group_submit(j);
+        return;
+    }
+    j->job.work = step_work;
+    j->job.done = dc_session_step_done;
     j->t_submit = uv_hrtime();
     dc_worker_pool_submit(j->step.device >= 0 ? &srv->gpu.pools[j->step.device] : &srv->cpu_pool,
                           &j->job);
@@ -353,6 +368,7 @@ static void on_spend_durable(dc_ledger_waiter *w, int rc, const dc_err *err) {
     dc_err_set(&e, DC_EUNAVAIL, "ledger", "the privacy ledger could not record this step's "
                "spend, so the step was not run: %s", err ? err->msg : "write failed");
     s->job = NULL;
+    group_fail(s, j, &e);
     dc_session_reject(s, j->req_id, &e);
     job_free(j);
     session_next(s);
@@ -404,6 +420,14 @@ static int charge(dc_session *s, dc_step_job *j, dc_err *e) {
     dc_ledger_job *job = s->ljob;
     double q = j->q, sigma = j->sigma, eps;
 
+    if (s->group && s->group_rank > 0) {
+        /* A norm group's step is one logical step: rank 0 is charged for it,
+         * and every member's step waits for rank 0's (the group fails the
+         * step on all if rank 0's is refused). */
+        j->eps = job->eps;
+        j->delta = job->delta;
+        return 0;
+    }
     if (sigma == 0.0 && job->sessions > 1 &&
         job->shares < (uint64_t)(job->sessions - 1) * (job->steps + 1)) {
         /* A data-parallel rank other than 0 (the job's other sessions): its
@@ -475,6 +499,7 @@ static void step_charge(dc_step_job *j, bool async) {
     return;
 fail:
     s->job = NULL;
+    group_fail(s, j, &e);
     job_free(j);
     dc_session_reject(s, id, &e);
     if (async) session_next(s);
@@ -544,7 +569,7 @@ static void step_accept(dc_session *s, uint64_t id, dc_step_job *j,
 int dc_session_step_cached(dc_session *s, uint64_t id, const uint8_t *key, size_t key_len) {
     const struct dc_step_plan *p = s->plan;
     dc_step_job *j;
-    if (!p || p->len != key_len || p->reg_gen != s->reg.gen ||
+    if (!p || s->group || p->len != key_len || p->reg_gen != s->reg.gen ||
         memcmp(&p->limits, &s->srv->limits, sizeof p->limits) != 0 ||
         memcmp(p->bytes, key, key_len) != 0)
         return 0;
@@ -576,10 +601,18 @@ void dc_session_step(dc_session *s, uint64_t id, const Dpclip__ClipStep *m, cons
     j->t_frame = s->t_frame;
     if (dc_validate_step(m, &s->reg, &s->srv->limits, &j->step, &e)) {
         free(j);
+        group_fail(s, NULL, &e);
         dc_session_reject(s, id, &e);
         return;
     }
-    plan_keep(s, &j->step, &p, key, key_len);
+    if (dc_session_group_prepare(s, m, j, &e)) {
+        group_fail(s, j, &e);
+        job_free(j);
+        dc_session_reject(s, id, &e);
+        return;
+    }
+    /* a grouped step depends on the group's state and counter: not cached */
+    if (!s->group) plan_keep(s, &j->step, &p, key, key_len);
     step_accept(s, id, j, &p);
 }
 
@@ -659,6 +692,7 @@ static void step_accept(dc_session *s, uint64_t id, dc_step_job *j,
     return;
 
 fail_step:
+    group_fail(s, j, &e);
     job_free(j);
     dc_session_reject(s, id, &e);
 }

@@ -68,6 +68,11 @@ typedef struct dc_layer {
     int64_t padding_idx;
     float eps;              /* LAYERNORM, RMSNORM */
     float max_grad_norm;    /* threshold in PER_LAYER mode */
+    /* Norm groups: held whole by every member (counted in the norm once,
+     * by the lowest rank; noise from the group's key, stream by rep_ordinal,
+     * the layer's place among the step's replicated layers) */
+    bool replicated;
+    uint32_t rep_ordinal;
     dc_tensor weight_grad_out; /* optional */
     dc_tensor bias_grad_out;   /* optional, only with has_bias */
 } dc_layer;
@@ -78,6 +83,8 @@ typedef struct dc_step {
     dc_layer *layers;
     dc_clip_mode mode;
     float max_grad_norm;       /* C (FLAT) */
+    float noise_norm;          /* the C of the noise std when it is not max_grad_norm
+                                * (group-wise clipping: C, with C / sqrt(size) clipping); 0 = C */
     dc_reduction reduction;
     uint32_t expected_batch;   /* MEAN divisor; set to batch when the request said 0 */
     float noise_multiplier;    /* sigma >= 0 */
@@ -85,6 +92,10 @@ typedef struct dc_step {
      * the daemon's lifetime. Set by the daemon, never by the client. */
     uint64_t noise_key;
     uint64_t noise_step;
+    /* Norm groups: the group's noise key and step, for replicated layers
+     * (the same on every member); 0 outside a group. */
+    uint64_t group_noise_key;
+    uint64_t group_step;
     dc_tensor norms_out;       /* optional [B] f32 */
     dc_tensor coefs_out;       /* optional [B] f32 */
     bool want_layer_norms;

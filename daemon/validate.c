@@ -169,6 +169,7 @@ static int validate_layer(vctx *v, const Dpclip__ClipStep *msg, size_t i, dc_lay
         snprintf(l->name, sizeof l->name, "layers[%zu]", i);
     }
     l->max_grad_norm = m->max_grad_norm;
+    l->replicated = m->replicated;
     if (msg->clip->mode == DPCLIP__CLIPPING_MODE__PER_LAYER && !finite_pos(m->max_grad_norm))
         return dc_err_set(v->err, DC_EINVAL, fpath(f, sizeof f, lp, "max_grad_norm", NULL),
                           "per-layer clipping needs a finite max_grad_norm > 0 for every layer");
@@ -354,6 +355,8 @@ int dc_validate_step(const Dpclip__ClipStep *msg, const dc_registry *reg,
             goto fail;
     }
     out->device = v.device < 0 ? -1 : v.device;
+    for (size_t i = 0, r = 0; i < out->n_layers; i++)
+        if (out->layers[i].replicated) out->layers[i].rep_ordinal = (uint32_t)r++;
     if ((rc = check_cost(out, lim, err))) goto fail;
     return 0;
 

@@ -531,6 +531,26 @@ int dc_shm_step_add(dc_shm_step *s, const dc_test_layer_spec *spec, dc_test_rng 
     return (int)i;
 }
 
+int dc_shm_step_add_layer(dc_shm_step *s, const dc_layer *src) {
+    dc_layer l = *src;
+    size_t i = s->ref.n_layers;
+    if (s->ref.n_layers == s->cap) {
+        size_t cap = s->cap ? s->cap * 2 : 8;
+        dc_layer *nl = realloc(s->ref.layers, cap * sizeof *nl);
+        if (!nl) return -1;
+        s->ref.layers = nl;
+        s->cap = cap;
+    }
+    /* place() copies from t->data into the buffer and repoints t */
+    if (place(s, &l.input) || place(s, &l.grad) || place(s, &l.weight_grad_out) ||
+        place(s, &l.bias_grad_out))
+        return -1;
+    s->ref.layers[i] = l;
+    s->ref.n_layers++;
+    if (add_wire_layer(s, i) != 0) return -1;
+    return (int)i;
+}
+
 int dc_shm_step_add_outputs(dc_shm_step *s, int norms, int coefs) {
     uint32_t B = s->ref.batch;
     if (norms) {

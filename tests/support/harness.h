@@ -87,6 +87,10 @@ int dc_shm_step_init(dc_shm_step *s, dpclip_client *c, size_t capacity, uint32_t
  * layer's threshold (PER_LAYER). Returns the layer's index, or -1. */
 int dc_shm_step_add(dc_shm_step *s, const dc_test_layer_spec *spec, dc_test_rng *r,
                     float max_grad_norm);
+/* Copies a given layer (host tensors, e.g. a slice of another layer) into
+ * the shared buffer and adds it to both steps, as dc_shm_step_add does with
+ * a random one. src is not changed or freed. Returns the index, or -1. */
+int dc_shm_step_add_layer(dc_shm_step *s, const dc_layer *src);
 /* Adds [B] f32 norms_out / coefs_out tensors in the buffer. */
 int dc_shm_step_add_outputs(dc_shm_step *s, int norms, int coefs);
 /* Replaces the clipping config (rebuilding the wire step), e.g. to pick C

@@ -1,0 +1,108 @@
+/* Norm groups: the sessions that together hold one model replica (tensor or
+ * pipeline parallel ranks), and the reduction stage of a grouped step.
+ *
+ * With flat clipping a sample's gradient norm spans every member's layers.
+ * Each member's step computes its own per-sample squared norms (the
+ * backend's run_norms) and delivers their sum over its layers here; when
+ * every member has delivered the same group step, the group sums them and
+ * hands each member the per-sample totals, from which it clips (run_clip).
+ * Members may arrive in any order (pipeline stages finish their backward
+ * passes at different times); a step waits at most the group's timeout.
+ *
+ * A group is per uid and name: members must run as the same user. It forms
+ * as members join; a member that leaves (disconnects, joins again) or a step
+ * that times out dissolves it: the steps waiting fail on every member with
+ * an error naming the member missing, and the members must join again,
+ * which forms a new group (a new id). A step that fails on one member
+ * before its norms are delivered fails on every member; the group goes on
+ * with the next step.
+ *
+ * Everything here runs on the loop thread. Ownership: dc_groups owns its
+ * groups; a member holds a reference (dc_group_join / dc_group_leave), and a
+ * group is freed when dissolved and left by every member. */
+#ifndef DC_GROUP_H
+#define DC_GROUP_H
+
+#include <stdbool.h>
+#include <stdint.h>
+#include <uv.h>
+
+#include "dc_err.h"
+
+typedef enum dc_group_clipping {
+    DC_GROUP_NORM_REDUCE = 0, /* norms summed over the group: exact flat clipping */
+    DC_GROUP_WISE = 1         /* each member clips to C / sqrt(size) alone */
+} dc_group_clipping;
+
+typedef struct dc_group dc_group;
+
+/* What every member's step of one group step must agree on; a mismatch
+ * fails the step on every member, naming the field. */
+typedef struct dc_group_terms {
+    uint32_t batch;
+    float max_grad_norm, noise_multiplier;
+    int reduction;
+    uint32_t expected_batch;
+    uint64_t replicated_hash; /* names of the replicated layers, in order */
+} dc_group_terms;
+
+/* One member's step in the reduction stage. The caller fills rank, step,
+ * terms, partial and done, and keeps the waiter alive until done ran. */
+typedef struct dc_group_waiter dc_group_waiter;
+struct dc_group_waiter {
+    uint32_t rank;
+    uint64_t step;
+    dc_group_terms terms;
+    const double *partial; /* [batch] this member's squared norms, summed over its layers */
+    /* Loop thread. rc 0: tot[batch] are the group's per-sample squared
+     * norms (valid during the call). Else err says why the step fails. */
+    void (*done)(dc_group_waiter *w, int rc, const double *tot, const dc_err *err);
+    void *arg;
+};
+
+typedef struct dc_groups {
+    uv_loop_t *loop;
+    dc_group *list;
+    uint64_t next_id;
+    uint64_t key_seed;      /* secret: group noise keys derive from it */
+    uint32_t max_size;      /* limits.max_group_size */
+    uint32_t timeout_ms;    /* groups.timeout_ms, a join may ask for another */
+    /* totals, for /status and /metrics */
+    uint64_t formed, dissolved, reductions, timeouts;
+} dc_groups;
+
+void dc_groups_init(dc_groups *gs, uv_loop_t *loop, uint64_t key_seed, uint32_t max_size,
+                    uint32_t timeout_ms);
+/* Dissolves every group (at shutdown); members' references stay valid until
+ * they leave. */
+void dc_groups_close(dc_groups *gs);
+
+/* Joins (uid, name) as rank of size; *out is the member's reference. Refused
+ * (INVALID_ARGUMENT naming the join_group field) for a rank taken or out of
+ * range, a size or clipping unlike the group's, or size over the limit. */
+int dc_group_join(dc_groups *gs, uint32_t uid, const char *name, uint32_t rank, uint32_t size,
+                  uint32_t timeout_ms, dc_group_clipping clipping, dc_group **out, dc_err *err);
+/* The member of rank leaves: the group is dissolved if it was whole, the
+ * steps waiting fail naming the member and `why`. Drops the reference. */
+void dc_group_leave(dc_group *g, uint32_t rank, const char *why);
+
+/* Delivers a member's norms for a step (see dc_group_waiter). Returns an
+ * error (and does not call done) when the step cannot wait: the group is
+ * dissolved, the rank is not this member's, or the step is not the group's
+ * current one. */
+int dc_group_deliver(dc_group *g, dc_group_waiter *w, dc_err *err);
+/* A member's step failed before it could deliver: the other members' steps
+ * of that group step fail with err (those waiting now and those to come). */
+void dc_group_fail(dc_group *g, uint32_t rank, uint64_t step, const dc_err *err);
+
+/* The group's facts, for the session and /status. */
+uint64_t dc_group_id(const dc_group *g);
+const char *dc_group_name(const dc_group *g);
+uint32_t dc_group_size(const dc_group *g);
+dc_group_clipping dc_group_clipping_of(const dc_group *g);
+uint64_t dc_group_noise_key(const dc_group *g);
+bool dc_group_dissolved(const dc_group *g, const char **why);
+/* The last reduction's latency: first delivery to the totals, ns. */
+uint64_t dc_group_last_wait_ns(const dc_group *g);
+
+#endif

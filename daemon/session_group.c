@@ -1,0 +1,217 @@
+/* A session's norm group: JoinGroup, and the grouped step's stages.
+ *
+ * A step of a NORM_REDUCE group runs as two worker jobs with the group's
+ * reduction between them (group.c):
+ *   1. norm phase (the backend's run_norms): the step's own squared layer
+ *      norms; their per-sample sum over the member's layers (replicated
+ *      layers counted by rank 0 only) goes to the group;
+ *   2. once every member has delivered, the group's per-sample totals come
+ *      back and the clip phase (run_clip) clips by them, adds the noise and
+ *      writes the outputs; dc_session_step_done replies.
+ * Validation and the ledger come before (session_step.c): rank 0 is charged
+ * for the group step, the other members not (their steps are the same
+ * logical step). A GROUP_WISE group needs no reduction: each member's step
+ * runs whole, clipped to C / sqrt(size), noised at sigma * C. */
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "log.h"
+#include "server.h"
+#include "session_int.h"
+
+void dc_session_group_leave(dc_session *s, const char *why) {
+    if (!s->group) return;
+    dc_log_info("session %llu: leaves norm group '%s' (%s)", (unsigned long long)s->id,
+                dc_group_name(s->group), why);
+    dc_group *g = s->group;
+    s->group = NULL;
+    dc_group_leave(g, s->group_rank, why);
+}
+
+void dc_session_join_group(dc_session *s, uint64_t id, const Dpclip__JoinGroup *m) {
+    dc_server *srv = s->srv;
+    Dpclip__Reply reply = DPCLIP__REPLY__INIT;
+    Dpclip__JoinGroupReply jr = DPCLIP__JOIN_GROUP_REPLY__INIT;
+    dc_group *g;
+    dc_err e;
+
+    dc_session_group_leave(s, "it joined again");
+    if (dc_group_join(&srv->groups, (uint32_t)s->peer_uid, m->name, m->rank, m->size,
+                      m->timeout_ms, (dc_group_clipping)m->clipping, &g, &e)) {
+        dc_session_reject(s, id, &e);
+        return;
+    }
+    s->group = g;
+    s->group_rank = m->rank;
+    s->group_steps = 0;
+    dc_log_info("session %llu: joins norm group '%s' %llu as rank %u of %u",
+                (unsigned long long)s->id, m->name, (unsigned long long)dc_group_id(g), m->rank,
+                m->size);
+    jr.group_id = dc_group_id(g);
+    reply.id = id;
+    reply.body_case = DPCLIP__REPLY__BODY_JOIN_GROUP;
+    reply.join_group = &jr;
+    dc_session_send(s, &reply);
+}
+
+/* FNV-1a over the replicated layers' names, in order: members must agree. */
+static uint64_t replicated_hash(const dc_step *st) {
+    uint64_t h = 0xcbf29ce484222325ull;
+    for (size_t l = 0; l < st->n_layers; l++) {
+        if (!st->layers[l].replicated) continue;
+        for (const char *p = st->layers[l].name; *p; p++) h = (h ^ (uint8_t)*p) * 0x100000001b3ull;
+        h = (h ^ 0xff) * 0x100000001b3ull;
+    }
+    return h;
+}
+
+int dc_session_group_prepare(dc_session *s, const Dpclip__ClipStep *m, dc_step_job *j,
+                             dc_err *e) {
+    dc_step *st = &j->step;
+    bool replicated = false;
+    const char *why;
+    for (size_t l = 0; l < st->n_layers; l++) replicated |= st->layers[l].replicated;
+    if (!s->group) {
+        if (replicated)
+            return dc_err_set(e, DC_EINVAL, "clip_step.layers.replicated",
+                              "replicated layers need a norm group (JoinGroup)");
+        if (m->group_step)
+            return dc_err_set(e, DC_EPRECOND, "clip_step.group_step",
+                              "this session is in no norm group (JoinGroup)");
+        return 0;
+    }
+    dc_group *g = s->group;
+    if (dc_group_dissolved(g, &why))
+        return dc_err_set(e, DC_EUNAVAIL, "join_group",
+                          "norm group '%s' was dissolved: %s; every member must join again",
+                          dc_group_name(g), why);
+    if (st->mode == DC_CLIP_PER_LAYER)
+        return dc_err_set(e, DC_EINVAL, "clip_step.clip.mode",
+                          "per-layer clipping needs no norm group: each member clips its own "
+                          "layers (leave the group)");
+    j->group_step = m->group_step ? m->group_step : s->group_steps + 1;
+    if (dc_group_clipping_of(g) == DC_GROUP_WISE) {
+        /* He et al.: C_k = C / sqrt(K), so that sum_k C_k^2 = C^2; the
+         * noise stays sigma * C on every coordinate */
+        if (replicated)
+            return dc_err_set(e, DC_EINVAL, "clip_step.layers.replicated",
+                              "a GROUP_WISE group cannot share replicated layers (each member "
+                              "clips to its own threshold): give each to one member");
+        st->noise_norm = st->max_grad_norm;
+        st->max_grad_norm = (float)(st->max_grad_norm / sqrt((double)dc_group_size(g)));
+        s->group_steps = j->group_step;
+        return 0;
+    }
+    if (st->device >= 0)
+        return dc_err_set(e, DC_EUNIMPL, "clip_step",
+                          "NORM_REDUCE groups run on host-memory steps only for now (the CUDA "
+                          "backend has no separate norm phase yet); GROUP_WISE groups run on "
+                          "GPUs");
+    j->grouped = true;
+    st->group_noise_key = dc_group_noise_key(g);
+    st->group_step = j->group_step;
+    j->gw.terms.batch = st->batch;
+    j->gw.terms.max_grad_norm = st->max_grad_norm;
+    j->gw.terms.noise_multiplier = st->noise_multiplier;
+    j->gw.terms.reduction = (int)st->reduction;
+    j->gw.terms.expected_batch = st->expected_batch;
+    j->gw.terms.replicated_hash = replicated_hash(st);
+    return 0;
+}
+
+/* --- the stages ------------------------------------------------------------ */
+
+static void clip_work(dc_job *job, dc_backend *be) {
+    dc_step_job *j = (dc_step_job *)job;
+    j->t_start = j->t_waited = uv_hrtime();
+    j->be = be;
+    dc_err_clear(&j->err);
+    j->rc = be->ops->run_clip(be, &j->step, j->n2, j->tot, &j->res, &j->err);
+    j->t_end = uv_hrtime();
+}
+
+/* The group's totals (or why the group step failed). */
+static void on_totals(dc_group_waiter *w, int rc, const double *tot, const dc_err *err) {
+    dc_step_job *j = w->arg;
+    dc_session *s = j->s;
+    if (rc) {
+        j->rc = rc;
+        j->err = *err;
+        dc_session_step_done(&j->job);
+        return;
+    }
+    memcpy(j->tot, tot, j->step.batch * sizeof *j->tot);
+    /* From here the other members may release their parts of this step:
+     * rank 0's charge for it stands whatever happens to its own part. */
+    if (s->group_rank == 0) j->res.released = true;
+    j->job.work = clip_work;
+    j->job.done = dc_session_step_done;
+    dc_worker_pool_submit(&s->srv->cpu_pool, &j->job);
+}
+
+static void norms_work(dc_job *job, dc_backend *be) {
+    dc_step_job *j = (dc_step_job *)job;
+    j->t_start = j->t_waited = uv_hrtime();
+    dc_err_clear(&j->err);
+    j->rc = be->ops->run_norms
+                ? be->ops->run_norms(be, &j->step, j->n2, &j->err)
+                : dc_err_set(&j->err, DC_EUNIMPL, "clip_step",
+                             "the %s backend has no separate norm phase", be->ops->name);
+}
+
+static void norms_done(dc_job *job) {
+    dc_step_job *j = (dc_step_job *)job;
+    dc_session *s = j->s;
+    const uint32_t B = j->step.batch;
+    dc_err e;
+    if (!s->group) { /* it left meanwhile */
+        dc_err_set(&j->err, DC_EUNAVAIL, "join_group", "the session left its norm group");
+        j->rc = DC_EUNAVAIL;
+        dc_session_step_done(job);
+        return;
+    }
+    if (j->rc) {
+        dc_group_fail(s->group, s->group_rank, j->group_step, &j->err);
+        dc_session_step_done(job);
+        return;
+    }
+    /* This member's part of each sample's squared norm: a replicated
+     * layer's is counted by rank 0 alone. */
+    for (uint32_t b = 0; b < B; b++) {
+        double p = 0.0;
+        for (size_t l = 0; l < j->step.n_layers; l++)
+            if (!j->step.layers[l].replicated || s->group_rank == 0) p += j->n2[l * B + b];
+        j->partial[b] = p;
+    }
+    j->gw.rank = s->group_rank;
+    j->gw.step = j->group_step;
+    j->gw.partial = j->partial;
+    j->gw.done = on_totals;
+    j->gw.arg = j;
+    s->group_steps = j->group_step;
+    if ((j->rc = dc_group_deliver(s->group, &j->gw, &e))) {
+        j->err = e;
+        dc_session_step_done(job);
+    }
+}
+
+void dc_session_group_submit(dc_step_job *j) {
+    dc_session *s = j->s;
+    size_t LB = j->step.n_layers * (size_t)j->step.batch;
+    j->n2 = malloc(LB * sizeof *j->n2);
+    j->partial = malloc(j->step.batch * sizeof *j->partial);
+    j->tot = malloc(j->step.batch * sizeof *j->tot);
+    if (!j->n2 || !j->partial || !j->tot) {
+        dc_err_set(&j->err, DC_ENOSPACE, "clip_step", "out of memory");
+        j->rc = DC_ENOSPACE;
+        dc_group_fail(s->group, s->group_rank, j->group_step, &j->err);
+        dc_session_step_done(&j->job);
+        return;
+    }
+    j->job.work = norms_work;
+    j->job.done = norms_done;
+    j->t_submit = uv_hrtime();
+    dc_worker_pool_submit(&s->srv->cpu_pool, &j->job);
+}

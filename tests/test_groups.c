@@ -1,0 +1,513 @@
+/* Norm groups through a real daemon (daemon/group.c, session_group.c): a
+ * model split over 2-4 sessions is clipped exactly as the whole model, by
+ * its per-sample double-precision reference: a tensor-parallel split of a
+ * Linear by output features, a pipeline split of a small transformer by
+ * layers, replicated LayerNorms; members that never come or disconnect; the
+ * ledger charged once per group step; group-wise clipping. Noise is off
+ * except where the test is about noise (the daemon's seed is fixed). */
+#include <math.h>
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include <cmocka.h>
+
+#include "accountant.h"
+#include "harness.h"
+
+#define B 6
+#define MAXM 4
+
+static dc_harness g_h;
+
+static int group_setup(void **state) {
+    (void)state;
+    return dc_harness_start(&g_h, "--workers 2");
+}
+
+static int group_teardown(void **state) {
+    (void)state;
+    return dc_harness_stop(&g_h) == 0 ? 0 : -1;
+}
+
+static dpclip_client *member(const char *group, uint32_t rank, uint32_t size, uint32_t timeout_ms,
+                             int group_wise, const char *job) {
+    dpclip_client *c = NULL;
+    dpclip_connect_opts o = {.client_name = "group-test", .job_id = job};
+    dpclip_group_opts g = {group, rank, size, timeout_ms, group_wise};
+    uint64_t id = 0;
+    int rc = dpclip_connect(g_h.sock, &o, &c);
+    if (rc) fprintf(stderr, "connect: %s\n", dpclip_errmsg(c));
+    assert_int_equal(rc, 0);
+    rc = dpclip_join_group(c, &g, &id);
+    if (rc) fprintf(stderr, "join: %s: %s\n", dpclip_errfield(c), dpclip_errmsg(c));
+    assert_int_equal(rc, 0);
+    assert_true(id > 0);
+    return c;
+}
+
+static dpclip_clip_config config(float C, float sigma) {
+    dpclip_clip_config cfg = {.max_grad_norm = C, .reduction = DPCLIP_SUM,
+                              .expected_batch_size = B, .noise_multiplier = sigma};
+    return cfg;
+}
+
+/* Submits every member's step, then waits for each (a member's step waits
+ * for the others inside the daemon). rcs[k] gets each code. */
+static void run_group(dc_shm_step *st, int n, dpclip_result *res, int *rcs) {
+    uint64_t t[MAXM];
+    for (int k = 0; k < n; k++) assert_int_equal(dpclip_submit(st[k].c, st[k].step, &t[k]), 0);
+    for (int k = 0; k < n; k++) rcs[k] = dpclip_wait(st[k].c, t[k], 30000, &res[k]);
+}
+
+/* The reference per-sample squared norms of the whole model: every member's
+ * layers, replicated ones once (from member 0). */
+static void group_sq(dc_shm_step *st, int n, double *tot) {
+    double sq[B];
+    memset(tot, 0, B * sizeof *tot);
+    for (int k = 0; k < n; k++)
+        for (size_t l = 0; l < st[k].ref.n_layers; l++) {
+            const dc_layer *ly = &st[k].ref.layers[l];
+            if (ly->replicated && k > 0) continue;
+            dc_ref_layer_sqnorms(ly, B, 1.0, sq);
+            for (int b = 0; b < B; b++) tot[b] += sq[b];
+        }
+}
+
+/* A threshold between the middle two of the model's norms: it clips half. */
+static float group_median(dc_shm_step *st, int n) {
+    double tot[B], v[B];
+    group_sq(st, n, tot);
+    for (int b = 0; b < B; b++) v[b] = sqrt(tot[b]);
+    for (int i = 0; i < B; i++)
+        for (int j = i + 1; j < B; j++)
+            if (v[j] < v[i]) {
+                double t = v[i];
+                v[i] = v[j];
+                v[j] = t;
+            }
+    return (float)(0.5 * (v[B / 2 - 1] + v[B / 2]));
+}
+
+/* Sets every member's threshold to C. */
+static void set_c(dc_shm_step *st, int n, float C, float sigma) {
+    dpclip_clip_config cfg = config(C, sigma);
+    for (int k = 0; k < n; k++) assert_int_equal(dc_shm_step_set_config(&st[k], &cfg), 0);
+}
+
+/* The group's reference: per-sample squared norm over every member's layers
+ * (replicated ones once, from member 0), coefficients, and each member's
+ * clipped sums compared with what the daemon wrote. */
+static void check_group(dc_shm_step *st, int n, const dpclip_result *res, float C) {
+    double tot[B], coef[B];
+    group_sq(st, n, tot);
+    int clipped = 0;
+    for (int b = 0; b < B; b++) {
+        coef[b] = fmin(1.0, C / (sqrt(tot[b]) + 1e-6));
+        clipped += coef[b] < 1.0;
+    }
+    assert_true(clipped > 0 && clipped < B); /* the threshold bites, not everywhere */
+    for (int k = 0; k < n; k++) {
+        for (int b = 0; b < B; b++) {
+            assert_true(fabs(res[k].norms[b] - sqrt(tot[b])) <= 1e-4 * sqrt(tot[b]));
+            assert_true(fabs(res[k].coefs[b] - coef[b]) <= 1e-4 * coef[b]);
+        }
+        int64_t m = dc_shm_step_outputs(&st[k], NULL);
+        float *got = malloc((size_t)m * sizeof *got);
+        double *want = calloc((size_t)m, sizeof *want);
+        int64_t off = 0;
+        dc_shm_step_outputs(&st[k], got);
+        for (size_t l = 0; l < st[k].ref.n_layers; l++) {
+            const dc_layer *ly = &st[k].ref.layers[l];
+            int64_t nw = dc_test_tensor_numel(&ly->weight_grad_out);
+            int64_t nb = ly->bias_grad_out.data ? dc_test_tensor_numel(&ly->bias_grad_out) : 0;
+            dc_ref_layer_clipped_sum(ly, B, 1.0, coef, want + off, nb ? want + off + nw : NULL);
+            off += nw + nb;
+        }
+        assert_int_equal(off, m);
+        double e = dc_test_max_relerr_f(got, want, m, 1e-4, 1e-6);
+        if (e > 1.0) print_message("member %d: outputs off by %.3g of tolerance\n", k, e);
+        assert_true(e <= 1.0);
+        free(got);
+        free(want);
+    }
+}
+
+/* A copy of columns [p0, p0 + pn) of a Linear's output features: the
+ * output grad's slice, the same activations, outputs [pn, d] and [pn]. */
+static dc_layer tp_slice(const dc_layer *full, int64_t p0, int64_t pn, const char *name) {
+    dc_layer l = *full;
+    int64_t rows = B * full->T;
+    snprintf(l.name, sizeof l.name, "%s", name);
+    l.p = pn;
+    l.grad = dc_test_tensor_new(DC_F32, 3, B, full->T, pn);
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t j = 0; j < pn; j++)
+            ((float *)l.grad.data)[r * pn + j] = ((const float *)full->grad.data)[r * full->p + p0 + j];
+    l.weight_grad_out = dc_test_tensor_new(DC_F32, 2, pn, full->d, 0);
+    l.bias_grad_out = full->has_bias ? dc_test_tensor_new(DC_F32, 1, pn, 0, 0) : (dc_tensor){0};
+    return l;
+}
+
+static void free_slice(dc_layer *l) {
+    dc_test_tensor_free(&l->grad);
+    dc_test_tensor_free(&l->weight_grad_out);
+    dc_test_tensor_free(&l->bias_grad_out);
+}
+
+/* Tensor parallelism: one Linear's output features over 2 and 4 members.
+ * The members' outputs, stacked, are the unsplit layer's clipped sum. */
+static void test_tp_split(void **state) {
+    (void)state;
+    static const int64_t cuts[2][5] = {{0, 4, 10, 0, 0}, {0, 3, 6, 8, 10}};
+    for (int v = 0; v < 2; v++) {
+        int n = v ? 4 : 2;
+        char name[32];
+        dc_test_rng r;
+        dc_test_rng_seed(&r, 300 + (uint64_t)v);
+        dc_test_layer_spec sp = {DC_LAYER_LINEAR, B, 5, 12, 10, DC_F32, 1, DC_ALGO_AUTO, 1, 0};
+        dc_layer full;
+        dc_test_layer_make(&full, &sp, &r);
+        double sq[B];
+        dc_ref_layer_sqnorms(&full, B, 1.0, sq);
+        double med = 0;
+        for (int b = 0; b < B; b++) med += sqrt(sq[b]) / B;
+        dpclip_clip_config cfg = config((float)med, 0.0f);
+        dc_shm_step st[MAXM];
+        dpclip_result res[MAXM];
+        int rcs[MAXM];
+        snprintf(name, sizeof name, "tp%d", n);
+        for (int k = 0; k < n; k++) {
+            dc_layer sl = tp_slice(&full, cuts[v][k], cuts[v][k + 1] - cuts[v][k], "fc");
+            assert_int_equal(dc_shm_step_init(&st[k], member(name, (uint32_t)k, (uint32_t)n, 0, 0,
+                                                             "tp-job"),
+                                              0, B, &cfg),
+                             0);
+            assert_true(dc_shm_step_add_layer(&st[k], &sl) >= 0);
+            free_slice(&sl);
+        }
+        for (int it = 0; it < 2; it++) { /* two group steps */
+            run_group(st, n, res, rcs);
+            for (int k = 0; k < n; k++) {
+                if (rcs[k]) print_message("member %d: %s\n", k, dpclip_errmsg(st[k].c));
+                assert_int_equal(rcs[k], 0);
+            }
+            check_group(st, n, res, cfg.max_grad_norm);
+            /* and the unsplit layer's own norms */
+            for (int b = 0; b < B; b++)
+                assert_true(fabs(res[0].norms[b] - sqrt(sq[b])) <= 1e-4 * sqrt(sq[b]));
+            for (int k = 0; k < n; k++) dpclip_result_free(&res[k]);
+        }
+        for (int k = 0; k < n; k++) {
+            dpclip_client *c = st[k].c;
+            dc_shm_step_free(&st[k]);
+            dpclip_disconnect(c);
+        }
+        dc_test_layer_free(&full);
+    }
+}
+
+/* Pipeline parallelism: a small transformer's layers over 2 stages (3 over
+ * 4 members in the second round), which arrive in any order. */
+static void test_pp_split(void **state) {
+    (void)state;
+    dc_test_layer_spec model[6] = {
+        {DC_LAYER_EMBEDDING, B, 7, 8, 30, DC_F32, 0, DC_ALGO_AUTO, 1, 0},
+        {DC_LAYER_LAYERNORM, B, 7, 8, 0, DC_BF16, 1, DC_ALGO_AUTO, 1, 0},
+        {DC_LAYER_LINEAR, B, 7, 8, 16, DC_F32, 1, DC_ALGO_GHOST, 1, 0},
+        {DC_LAYER_LINEAR, B, 7, 16, 8, DC_F16, 1, DC_ALGO_DIRECT, 1, 0},
+        {DC_LAYER_RMSNORM, B, 7, 8, 0, DC_F32, 0, DC_ALGO_AUTO, 1, 0},
+        {DC_LAYER_LINEAR, B, 7, 8, 30, DC_F32, 0, DC_ALGO_AUTO, 1, 0},
+    };
+    static const int stage_of[2][6] = {{0, 0, 0, 1, 1, 1}, {0, 1, 1, 2, 3, 3}};
+    for (int v = 0; v < 2; v++) {
+        int n = v ? 4 : 2;
+        char name[32];
+        dc_test_rng r;
+        dc_shm_step st[MAXM];
+        dpclip_result res[MAXM];
+        int rcs[MAXM];
+        dpclip_clip_config cfg = config(1.0f, 0.0f);
+        snprintf(name, sizeof name, "pp%d", n);
+        dc_test_rng_seed(&r, 400 + (uint64_t)v);
+        for (int k = 0; k < n; k++)
+            assert_int_equal(dc_shm_step_init(&st[k], member(name, (uint32_t)k, (uint32_t)n, 0, 0,
+                                                             "pp-job"),
+                                              0, B, &cfg),
+                             0);
+        for (int l = 0; l < 6; l++) assert_true(dc_shm_step_add(&st[stage_of[v][l]], &model[l], &r, 1.0f) >= 0);
+        cfg = config(group_median(st, n), 0.0f); /* clips half of the whole model's */
+        set_c(st, n, cfg.max_grad_norm, 0.0f);
+        /* the last stage first: members may come in any order */
+        uint64_t t[MAXM];
+        for (int k = n - 1; k >= 0; k--) assert_int_equal(dpclip_submit(st[k].c, st[k].step, &t[k]), 0);
+        for (int k = 0; k < n; k++) rcs[k] = dpclip_wait(st[k].c, t[k], 30000, &res[k]);
+        for (int k = 0; k < n; k++) {
+            if (rcs[k]) print_message("stage %d: %s\n", k, dpclip_errmsg(st[k].c));
+            assert_int_equal(rcs[k], 0);
+        }
+        check_group(st, n, res, cfg.max_grad_norm);
+        for (int k = 0; k < n; k++) {
+            dpclip_client *c = st[k].c;
+            dpclip_result_free(&res[k]);
+            dc_shm_step_free(&st[k]);
+            dpclip_disconnect(c);
+        }
+    }
+}
+
+/* Tensor parallelism with a LayerNorm every member holds whole: counted in
+ * the norm once, and with noise on, its noised gradient is the same on both
+ * members while the split Linear's noise differs. */
+static void test_replicated(void **state) {
+    (void)state;
+    for (int noisy = 0; noisy < 2; noisy++) {
+        dc_test_rng r;
+        dc_test_rng_seed(&r, 500 + (uint64_t)noisy);
+        dc_test_layer_spec lsp = {DC_LAYER_LINEAR, B, 5, 12, 10, DC_F32, 0, DC_ALGO_AUTO, 1, 0};
+        dc_test_layer_spec nsp = {DC_LAYER_LAYERNORM, B, 5, 12, 0, DC_F32, 1, DC_ALGO_AUTO, 1, 0};
+        dc_layer full, ln;
+        dc_test_layer_make(&full, &lsp, &r);
+        dc_test_layer_make(&ln, &nsp, &r);
+        snprintf(ln.name, sizeof ln.name, "ln");
+        ln.replicated = true;
+        dc_shm_step st[2];
+        dpclip_result res[2];
+        int rcs[2];
+        dpclip_clip_config cfg = config(0.3f, noisy ? 0.5f : 0.0f);
+        const char *gname = noisy ? "rep-noisy" : "rep";
+        for (int k = 0; k < 2; k++) {
+            dc_layer sl = tp_slice(&full, k ? 4 : 0, k ? 6 : 4, "fc");
+            assert_int_equal(dc_shm_step_init(&st[k], member(gname, (uint32_t)k, 2, 0, 0, "rep-job"),
+                                              0, B, &cfg),
+                             0);
+            assert_true(dc_shm_step_add_layer(&st[k], &ln) >= 0);
+            assert_true(dc_shm_step_add_layer(&st[k], &sl) >= 0);
+            free_slice(&sl);
+        }
+        cfg = config(group_median(st, 2), cfg.noise_multiplier);
+        set_c(st, 2, cfg.max_grad_norm, cfg.noise_multiplier);
+        for (int k = 0; k < 2; k++)
+            assert_int_equal(dpclip_step_set_replicated(st[k].step, 0, 1), 0);
+        run_group(st, 2, res, rcs);
+        for (int k = 0; k < 2; k++) {
+            if (rcs[k]) print_message("member %d: %s\n", k, dpclip_errmsg(st[k].c));
+            assert_int_equal(rcs[k], 0);
+        }
+        if (!noisy) {
+            check_group(st, 2, res, cfg.max_grad_norm);
+        } else {
+            /* LN weight and bias: bitwise equal on both; the fc slices'
+             * noise is independent (compare a noised output to its
+             * reference: it must differ) */
+            const dc_layer *a = &st[0].ref.layers[0], *b = &st[1].ref.layers[0];
+            assert_memory_equal(a->weight_grad_out.data, b->weight_grad_out.data, 12 * sizeof(float));
+            assert_memory_equal(a->bias_grad_out.data, b->bias_grad_out.data, 12 * sizeof(float));
+            const float *w0 = st[0].ref.layers[1].weight_grad_out.data,
+                        *w1 = st[1].ref.layers[1].weight_grad_out.data;
+            assert_true(memcmp(w0, w1, 4 * 12 * sizeof(float)) != 0);
+        }
+        for (int k = 0; k < 2; k++) {
+            dpclip_client *c = st[k].c;
+            dpclip_result_free(&res[k]);
+            dc_shm_step_free(&st[k]);
+            dpclip_disconnect(c);
+        }
+        free_slice(&full); /* grad and outputs; input below */
+        dc_test_tensor_free(&full.input);
+        dc_test_layer_free(&ln);
+    }
+}
+
+static uint64_t ms_now(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000u + (uint64_t)ts.tv_nsec / 1000000u;
+}
+
+/* A member that never sends its step: the others get an error naming it
+ * within the timeout, the group is dissolved, joining again forms a new one,
+ * and the daemon serves everyone meanwhile. */
+static void test_member_timeout(void **state) {
+    (void)state;
+    dc_test_rng r;
+    dc_test_rng_seed(&r, 600);
+    dc_test_layer_spec sp = {DC_LAYER_LINEAR, B, 3, 8, 6, DC_F32, 0, DC_ALGO_AUTO, 1, 0};
+    dpclip_clip_config cfg = config(1.0f, 0.0f);
+    dc_shm_step st[2];
+    dpclip_result res;
+    for (int k = 0; k < 2; k++) {
+        assert_int_equal(dc_shm_step_init(&st[k], member("late", (uint32_t)k, 2, 300, 0, "late-job"),
+                                          0, B, &cfg),
+                         0);
+        assert_true(dc_shm_step_add(&st[k], &sp, &r, 1.0f) >= 0);
+    }
+    uint64_t t0 = ms_now();
+    int rc = dpclip_run(st[0].c, st[0].step, &res);
+    uint64_t took = ms_now() - t0;
+    print_message("timeout: %d after %llu ms: %s\n", rc, (unsigned long long)took,
+                  dpclip_errmsg(st[0].c));
+    assert_int_equal(rc, DPCLIP_EUNAVAIL);
+    assert_non_null(strstr(dpclip_errmsg(st[0].c), "rank 1 did not arrive"));
+    assert_true(took >= 250 && took < 10000);
+    assert_int_equal(dpclip_ping(st[1].c), 0); /* served throughout */
+    /* the late member's step: the group is gone */
+    assert_int_equal(dpclip_run(st[1].c, st[1].step, &res), DPCLIP_EUNAVAIL);
+    assert_non_null(strstr(dpclip_errmsg(st[1].c), "join again"));
+    /* both join again: a new group, and steps run */
+    for (int k = 0; k < 2; k++) {
+        dpclip_group_opts g = {"late", (uint32_t)k, 2, 5000, 0};
+        assert_int_equal(dpclip_join_group(st[k].c, &g, NULL), 0);
+    }
+    dpclip_result rr[2];
+    int rcs[2];
+    run_group(st, 2, rr, rcs);
+    assert_int_equal(rcs[0], 0);
+    assert_int_equal(rcs[1], 0);
+    for (int k = 0; k < 2; k++) {
+        dpclip_client *c = st[k].c;
+        dpclip_result_free(&rr[k]);
+        dc_shm_step_free(&st[k]);
+        dpclip_disconnect(c);
+    }
+}
+
+/* A member that disconnects while another's step waits: the waiting member
+ * gets an error naming it at once, not at the timeout. */
+static void test_member_disconnect(void **state) {
+    (void)state;
+    dc_test_rng r;
+    dc_test_rng_seed(&r, 700);
+    dc_test_layer_spec sp = {DC_LAYER_LINEAR, B, 3, 8, 6, DC_F32, 0, DC_ALGO_AUTO, 1, 0};
+    dpclip_clip_config cfg = config(1.0f, 0.0f);
+    dc_shm_step st;
+    dpclip_client *gone = member("gone", 1, 2, 60000, 0, "gone-job");
+    dpclip_result res;
+    uint64_t ticket;
+    assert_int_equal(dc_shm_step_init(&st, member("gone", 0, 2, 60000, 0, "gone-job"), 0, B, &cfg), 0);
+    assert_true(dc_shm_step_add(&st, &sp, &r, 1.0f) >= 0);
+    uint64_t t0 = ms_now();
+    assert_int_equal(dpclip_submit(st.c, st.step, &ticket), 0);
+    struct timespec ts = {0, 100 * 1000000L};
+    nanosleep(&ts, NULL); /* the step is waiting in the group */
+    dpclip_disconnect(gone);
+    int rc = dpclip_wait(st.c, ticket, 30000, &res);
+    uint64_t took = ms_now() - t0;
+    print_message("disconnect: %d after %llu ms: %s\n", rc, (unsigned long long)took,
+                  dpclip_errmsg(st.c));
+    assert_int_equal(rc, DPCLIP_EUNAVAIL);
+    assert_non_null(strstr(dpclip_errmsg(st.c), "rank 1 left (disconnected)"));
+    assert_true(took < 20000);
+    dpclip_client *c = st.c;
+    dc_shm_step_free(&st);
+    dpclip_disconnect(c);
+}
+
+/* The ledger charges rank 0's job once per group step; the other members'
+ * jobs are not charged. */
+static void test_ledger_once(void **state) {
+    (void)state;
+    dc_test_rng r;
+    dc_test_rng_seed(&r, 800);
+    dc_test_layer_spec sp = {DC_LAYER_LINEAR, B, 3, 8, 6, DC_F32, 0, DC_ALGO_AUTO, 1, 0};
+    dpclip_clip_config cfg = config(1.0f, 1.0f);
+    cfg.sample_rate = 0.1;
+    dc_shm_step st[3];
+    dpclip_result res[3];
+    int rcs[3];
+    const char *jobs[3] = {"once-0", "once-1", "once-2"};
+    for (int k = 0; k < 3; k++) {
+        assert_int_equal(dc_shm_step_init(&st[k], member("once", (uint32_t)k, 3, 0, 0, jobs[k]),
+                                          0, B, &cfg),
+                         0);
+        assert_true(dc_shm_step_add(&st[k], &sp, &r, 1.0f) >= 0);
+    }
+    double rdp[DC_RDP_N_ORDERS];
+    for (int it = 1; it <= 3; it++) {
+        run_group(st, 3, res, rcs);
+        for (int k = 0; k < 3; k++) assert_int_equal(rcs[k], 0);
+        dc_rdp_steps(0.1, 1.0, dc_rdp_default_orders(), DC_RDP_N_ORDERS, rdp);
+        for (int k = 0; k < DC_RDP_N_ORDERS; k++) rdp[k] *= it;
+        double want = dc_rdp_epsilon(dc_rdp_default_orders(), rdp, DC_RDP_N_ORDERS, 1e-5, NULL);
+        assert_true(fabs(res[0].epsilon - want) <= 1e-9 * want);
+        assert_true(res[1].epsilon == 0.0 && res[2].epsilon == 0.0);
+        for (int k = 0; k < 3; k++) dpclip_result_free(&res[k]);
+    }
+    for (int k = 0; k < 3; k++) {
+        dpclip_client *c = st[k].c;
+        dc_shm_step_free(&st[k]);
+        dpclip_disconnect(c);
+    }
+}
+
+/* Group-wise clipping: each member clips to C / sqrt(2) alone and does not
+ * wait for the other. */
+static void test_group_wise(void **state) {
+    (void)state;
+    dc_test_rng r;
+    dc_test_rng_seed(&r, 900);
+    dc_test_layer_spec sp = {DC_LAYER_LINEAR, B, 4, 10, 8, DC_F32, 1, DC_ALGO_AUTO, 1, 0};
+    dc_shm_step st;
+    dpclip_clip_config cfg = config(1.0f, 0.0f);
+    dpclip_client *other = member("gw", 1, 2, 100, 1, "gw-job"); /* never steps */
+    assert_int_equal(dc_shm_step_init(&st, member("gw", 0, 2, 100, 1, "gw-job"), 0, B, &cfg), 0);
+    assert_true(dc_shm_step_add(&st, &sp, &r, 1.0f) >= 0);
+    double med = dc_shm_step_median_norm(&st);
+    cfg.max_grad_norm = (float)(med * sqrt(2.0)); /* C_k = C / sqrt(2) = the median */
+    assert_int_equal(dc_shm_step_set_config(&st, &cfg), 0);
+    dpclip_result res;
+    assert_int_equal(dpclip_run(st.c, st.step, &res), 0); /* no wait for rank 1 */
+    st.ref.max_grad_norm = (float)med; /* the reference at C_k */
+    double e = dc_shm_step_check(&st, &res, 1e-4, 1e-6);
+    assert_true(e <= 1.0);
+    dpclip_result_free(&res);
+    dpclip_client *c = st.c;
+    dc_shm_step_free(&st);
+    dpclip_disconnect(c);
+    dpclip_disconnect(other);
+}
+
+/* Members whose steps disagree (batch size) fail the step on both, naming
+ * the field. */
+static void test_members_disagree(void **state) {
+    (void)state;
+    dc_test_rng r;
+    dc_test_rng_seed(&r, 1000);
+    dpclip_clip_config cfg = config(1.0f, 0.0f);
+    dc_shm_step st[2];
+    dpclip_result res[2];
+    int rcs[2];
+    for (int k = 0; k < 2; k++) {
+        uint32_t b = k ? B - 1 : B;
+        dc_test_layer_spec sp = {DC_LAYER_LINEAR, b, 3, 8, 6, DC_F32, 0, DC_ALGO_AUTO, 1, 0};
+        assert_int_equal(dc_shm_step_init(&st[k], member("disagree", (uint32_t)k, 2, 0, 0, "dis"),
+                                          0, b, &cfg),
+                         0);
+        assert_true(dc_shm_step_add(&st[k], &sp, &r, 1.0f) >= 0);
+    }
+    run_group(st, 2, res, rcs);
+    for (int k = 0; k < 2; k++) {
+        assert_int_equal(rcs[k], DPCLIP_EINVAL);
+        assert_string_equal(dpclip_errfield(st[k].c), "clip_step.batch_size");
+    }
+    for (int k = 0; k < 2; k++) {
+        dpclip_client *c = st[k].c;
+        dc_shm_step_free(&st[k]);
+        dpclip_disconnect(c);
+    }
+}
+
+int main(void) {
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_tp_split),         cmocka_unit_test(test_pp_split),
+        cmocka_unit_test(test_replicated),       cmocka_unit_test(test_member_timeout),
+        cmocka_unit_test(test_member_disconnect), cmocka_unit_test(test_ledger_once),
+        cmocka_unit_test(test_group_wise),       cmocka_unit_test(test_members_disagree),
+    };
+    return cmocka_run_group_tests(tests, group_setup, group_teardown);
+}
