@@ -24,6 +24,9 @@
 extern "C" {
 #endif
 
+/* The release: the one place its number is written. CMakeLists.txt reads it
+ * (the daemon, the tools, the library's soname) and so does the Python
+ * package (python/dpclip/_version.py). */
 #define DPCLIP_VERSION_MAJOR 0
 #define DPCLIP_VERSION_MINOR 1
 #define DPCLIP_VERSION_PATCH 0
@@ -280,6 +283,15 @@ int dpclip_poll(dpclip_client *c, int timeout_ms);
 int dpclip_fd(const dpclip_client *c);
 
 int dpclip_ping(dpclip_client *c);
+
+/* --- ABI ----------------------------------------------------------------- */
+
+/* "MAJOR.MINOR.PATCH" of this library (DPCLIP_VERSION_* as it was built). */
+const char *dpclip_version(void);
+/* sizeof the public struct named `name` ("dpclip_tensor", "dpclip_result",
+ * ...) as this library was built; 0 for a name it does not know. For
+ * bindings that mirror this header without compiling it. */
+size_t dpclip_sizeof(const char *name);
 
 #ifdef __cplusplus
 }
