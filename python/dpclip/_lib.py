@@ -5,31 +5,14 @@ suite compiles a small C program that prints sizeof/offsetof of each and
 compares them with ctypes, so a change to dpclip.h that is not mirrored here
 fails loudly instead of corrupting memory.
 
-Where the library comes from (first hit wins):
-  1. $DPCLIP_LIBRARY (a path to libdpclip.so), as given;
-  2. <repo>/build/libdpclip.so, the default build tree of the checkout this
-     package lives in, unless it is a sanitizer build;
-  3. ctypes.util.find_library("dpclip") (an installed library).
-Never another build tree, and never by modification time: after
-scripts/test.sh the newest tree is build-asan, whose library kills a Python
-that did not preload the ASan runtime ("ASan runtime does not come first").
-A sanitizer build named by $DPCLIP_LIBRARY without its runtime preloaded is
-refused with a message saying so, for the same reason.
-
-Every library is checked before use: its dpclip_version() must be this
-package's release and its dpclip_sizeof() must match each mirrored struct
-(importing dpclip does this), so a stale or foreign library is an error
-naming what differs, not memory corrupted by a struct of the wrong size.
+Which library is loaded, and the checks it must pass first: dpclip._loader.
 """
-import collections
 import ctypes
-import ctypes.util
 import os
-import struct
 import threading
-from typing import Callable, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Any, List, NamedTuple, Optional, Tuple
 
-from ._version import __version__
+from . import _loader
 
 __all__ = [
     "DpclipError", "lib", "Tensor", "ConnectOpts", "DaemonInfo", "ClipConfig", "Linear",
@@ -56,7 +39,7 @@ class DpclipError(RuntimeError):
     request the daemon objected to, or "") and the daemon's or library's
     message."""
 
-    def __init__(self, code, field, message):
+    def __init__(self, code: int, field: Optional[str], message: Optional[str]) -> None:
         self.code = int(code)
         self.field = field or ""
         self.message = message or ""
@@ -140,113 +123,7 @@ _lib = None
 _lib_lock = threading.Lock()
 
 
-def _elf_needed(path: str) -> List[str]:
-    """The DT_NEEDED entries of a shared object (the libraries the dynamic
-    loader brings in with it), read from its section headers; [] for a file
-    that is not a readable ELF object."""
-    try:
-        with open(path, "rb") as f:
-            data = f.read()
-        if data[:4] != b"\x7fELF":
-            return []
-        e = "<" if data[5] == 1 else ">"
-        if data[4] == 2:  # ELFCLASS64
-            (shoff,), (shentsize, shnum) = struct.unpack_from(e + "Q", data, 0x28), \
-                struct.unpack_from(e + "HH", data, 0x3A)
-            shdr, dyn = e + "IIQQQQIIQQ", e + "qQ"
-        else:
-            (shoff,), (shentsize, shnum) = struct.unpack_from(e + "I", data, 0x20), \
-                struct.unpack_from(e + "HH", data, 0x2E)
-            shdr, dyn = e + "IIIIIIIIII", e + "iI"
-        secs = [struct.unpack_from(shdr, data, shoff + i * shentsize) for i in range(shnum)]
-        out = []
-        for sec in secs:
-            if sec[1] != _SHT_DYNAMIC:
-                continue
-            strtab = secs[sec[6]][4]  # sh_link: the section of its strings
-            for off in range(sec[4], sec[4] + sec[5], struct.calcsize(dyn)):
-                tag, val = struct.unpack_from(dyn, data, off)
-                if tag == _DT_NULL:
-                    break
-                if tag == _DT_NEEDED:
-                    end = data.index(b"\0", strtab + val)
-                    out.append(data[strtab + val:end].decode(errors="replace"))
-        return out
-    except (OSError, struct.error, IndexError, ValueError):
-        return []
-
-
-_SHT_DYNAMIC, _DT_NULL, _DT_NEEDED = 6, 0, 1
-_SANITIZERS = ("libasan", "libubsan", "libtsan", "liblsan", "libmsan", "libhwasan",
-               "libclang_rt.")
-
-
-def sanitizer_runtime(path: str) -> Optional[str]:
-    """The sanitizer runtime a library was linked with (e.g. "libasan.so.8"),
-    or None for a plain build."""
-    for name in _elf_needed(path):
-        if name.startswith(_SANITIZERS):
-            return name
-    return None
-
-
-def _preloaded(runtime: str) -> bool:
-    # ASan must come first in the process's initial libraries: LD_PRELOAD.
-    pre = os.environ.get("LD_PRELOAD", "").replace(":", " ").split()
-    stem = runtime.split(".so")[0]
-    return any(os.path.basename(p).split(".so")[0] == stem for p in pre)
-
-
-def candidates(repo: Optional[str] = None) -> Tuple[List[str], List[str], bool]:
-    """(paths to try in order, paths passed over with the reason, whether
-    the first path came from $DPCLIP_LIBRARY). repo: the checkout to look in
-    (default: the one this package lives in, if it lives in one)."""
-    env = os.environ.get("DPCLIP_LIBRARY")
-    if env:
-        return [env], [], True
-    out, skipped = [], []
-    if repo is None:
-        # python/dpclip/_lib.py -> the repository root, when running from a checkout
-        repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    if os.path.exists(os.path.join(repo, "client", "dpclip.h")):
-        built = os.path.join(repo, "build", "libdpclip.so")
-        if os.path.exists(built):
-            rt = sanitizer_runtime(built)
-            if rt:
-                skipped.append("%s: a sanitizer build (linked with %s), not loadable into a "
-                               "plain python" % (built, rt))
-            else:
-                out.append(built)
-    sys_lib = ctypes.util.find_library("dpclip")
-    if sys_lib:
-        out.append(sys_lib)
-    return out, skipped, False
-
-
-def check_abi(L: ctypes.CDLL, path: str) -> None:
-    """Raises OSError naming what differs where library L (loaded from path)
-    is not the release this package mirrors, or a struct's size differs."""
-    try:
-        L.dpclip_version.restype = ctypes.c_char_p
-        L.dpclip_version.argtypes = []
-        L.dpclip_sizeof.restype = ctypes.c_size_t
-        L.dpclip_sizeof.argtypes = [ctypes.c_char_p]
-    except AttributeError:
-        raise OSError("dpclip: %s predates this package (it exports no dpclip_version / "
-                      "dpclip_sizeof); rebuild it or install libdpclip %s"
-                      % (path, __version__)) from None
-    v = (L.dpclip_version() or b"").decode(errors="replace")
-    if v != __version__:
-        raise OSError("dpclip: %s is libdpclip %s, this package is dpclip %s; use the "
-                      "library of the same release" % (path, v, __version__))
-    bad = ["%s is %d bytes there, %d here" % (n, L.dpclip_sizeof(n.encode()), ctypes.sizeof(t))
-           for n, t in STRUCTS.items() if L.dpclip_sizeof(n.encode()) != ctypes.sizeof(t)]
-    if bad:
-        raise OSError("dpclip: %s does not match this package's structs (%s); rebuild the "
-                      "library and the package from one checkout" % (path, "; ".join(bad)))
-
-
-def _declare(L):
+def _declare(L: ctypes.CDLL) -> None:
     c_void_p, c_int, c_char_p = ctypes.c_void_p, ctypes.c_int, ctypes.c_char_p
     u64p = ctypes.POINTER(ctypes.c_uint64)
     sig = {
@@ -292,36 +169,12 @@ def lib() -> ctypes.CDLL:
     OSError saying which libraries were tried and why each was refused."""
     global _lib
     with _lib_lock:
-        if _lib is not None:
-            return _lib
-        cands, errors, from_env = candidates()
-        for path in cands:
-            rt = sanitizer_runtime(path) if from_env else None
-            if rt and rt.startswith("libasan") and not _preloaded(rt):
-                errors.append("%s is a sanitizer build linked with %s, which must be loaded "
-                              "first (LD_PRELOAD=$(cc -print-file-name=libasan.so)); or use a "
-                              "plain build such as build/libdpclip.so" % (path, rt))
-                break
-            try:
-                L = ctypes.CDLL(path)
-                check_abi(L, path)
-                _declare(L)
-            except (OSError, AttributeError) as e:
-                errors.append("%s: %s" % (path, e))
-                if from_env:
-                    break
-                continue
-            L.path = path
-            _lib = L
-            return L
-        hint = ("set DPCLIP_LIBRARY to the path of libdpclip.so, build the repository "
-                "(cmake --build build) or install libdpclip")
-        if errors:
-            raise OSError("dpclip: cannot load libdpclip (%s); %s" % ("; ".join(errors), hint))
-        raise OSError("dpclip: libdpclip.so not found; " + hint)
+        if _lib is None:
+            _lib = _loader.load(_declare, STRUCTS)
+        return _lib
 
 
-def _strerror(code):
+def _strerror(code: int) -> str:
     try:
         s = lib().dpclip_strerror(int(code))
     except OSError:
@@ -329,7 +182,7 @@ def _strerror(code):
     return s.decode() if s else "?"
 
 
-def check(client_handle, rc):
+def check(client_handle: Optional[ctypes.c_void_p], rc: int) -> None:
     """Raises DpclipError for a non-zero return code of a call on a handle."""
     if rc == 0:
         return
@@ -352,8 +205,8 @@ class Client:
     garbage collection) disconnects, which makes the daemon release every
     buffer of the session."""
 
-    def __init__(self, socket_path=None, client_name="dpclip-python", job_id=None,
-                 timeout_ms=10000):
+    def __init__(self, socket_path: Optional[str] = None, client_name: str = "dpclip-python",
+                 job_id: Optional[str] = None, timeout_ms: int = 10000) -> None:
         L = lib()
         self._L = L
         self._h = None
@@ -376,18 +229,18 @@ class Client:
         self.info = info
 
     @property
-    def handle(self):
+    def handle(self) -> ctypes.c_void_p:
         if self._h is None:
             raise DpclipError(EIO, "", "this dpclip client is closed")
         return self._h
 
-    def check(self, rc):
+    def check(self, rc: int) -> None:
         check(self._h, rc)
 
-    def ping(self):
+    def ping(self) -> None:
         self.check(self._L.dpclip_ping(self.handle))
 
-    def buffer_alloc(self, size):
+    def buffer_alloc(self, size: int) -> Tuple[int, int]:
         """(buffer_id, address) of `size` bytes of shared memory mapped here
         and in the daemon."""
         bid = ctypes.c_uint64()
@@ -396,10 +249,10 @@ class Client:
                                                ctypes.byref(bid), ctypes.byref(addr)))
         return bid.value, addr.value
 
-    def buffer_release(self, buffer_id):
+    def buffer_release(self, buffer_id: int) -> None:
         self.check(self._L.dpclip_buffer_release(self.handle, ctypes.c_uint64(buffer_id)))
 
-    def register_cuda(self, dev_ptr):
+    def register_cuda(self, dev_ptr: int) -> Tuple[int, int]:
         """(buffer_id, offset) of the CUDA allocation holding dev_ptr."""
         bid = ctypes.c_uint64()
         off = ctypes.c_uint64()
@@ -407,7 +260,7 @@ class Client:
                                                        ctypes.byref(bid), ctypes.byref(off)))
         return bid.value, off.value
 
-    def register_event(self, ipc_handle, device):
+    def register_event(self, ipc_handle: bytes, device: int) -> int:
         if len(ipc_handle) != 64:
             raise ValueError("a CUDA IPC event handle is 64 bytes, got %d" % len(ipc_handle))
         eid = ctypes.c_uint64()
@@ -415,7 +268,7 @@ class Client:
                                                       ctypes.byref(eid)))
         return eid.value
 
-    def wait_enqueued(self, ticket):
+    def wait_enqueued(self, ticket: int) -> Enqueued:
         """Blocks until the daemon has queued the GPU work of a step
         submitted with notify_enqueued and recorded its signal event: an
         Enqueued (step_index, epsilon, delta). Raises the step's error if it
@@ -425,7 +278,7 @@ class Client:
                                                 ctypes.byref(info)))
         return info
 
-    def wait(self, ticket):
+    def wait(self, ticket: int) -> "StepResult":
         """The StepResult of a submitted step (blocks until it finished);
         raises its error."""
         res = Result()
@@ -436,29 +289,37 @@ class Client:
         finally:
             self._L.dpclip_result_free(ctypes.byref(res))
 
-    def close(self):
+    def close(self) -> None:
         if self._h is not None:
             self._L.dpclip_disconnect(self._h)
             self._h = None
 
-    def __del__(self):
+    def __del__(self) -> None:
         try:
             self.close()
         except Exception:  # interpreter shutdown: nothing left to report to
             pass
 
-    def __enter__(self):
+    def __enter__(self) -> "Client":
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, *exc: Any) -> None:
         self.close()
 
 
-StepResult = collections.namedtuple(
-    "StepResult", "norms coefs step_index compute_ns epsilon delta")
+class StepResult(NamedTuple):
+    """A finished step: norms and coefs (lists of B floats), the daemon's
+    step index and compute time, and its ledger's epsilon/delta for the job
+    after the step (0 where it reports none)."""
+    norms: List[float]
+    coefs: List[float]
+    step_index: int
+    compute_ns: int
+    epsilon: float
+    delta: float
 
 
-def _step_result(res):
+def _step_result(res: Result) -> StepResult:
     n = res.batch
     norms = res.norms[:n] if res.norms else []
     coefs = res.coefs[:n] if res.coefs else []
@@ -471,9 +332,10 @@ class Step:
     Owns the C step object. The ctypes structures handed to add_* are copied
     by the library (names too), so nothing here must outlive the call."""
 
-    def __init__(self, batch, max_grad_norm, reduction=MEAN, expected_batch_size=0,
-                 noise_multiplier=0.0, mode=FLAT, sample_rate=0.0, target_delta=0.0,
-                 target_epsilon=0.0):
+    def __init__(self, batch: int, max_grad_norm: float, reduction: int = MEAN,
+                 expected_batch_size: int = 0, noise_multiplier: float = 0.0, mode: int = FLAT,
+                 sample_rate: float = 0.0, target_delta: float = 0.0,
+                 target_epsilon: float = 0.0) -> None:
         self._L = lib()
         self.cfg = ClipConfig(float(max_grad_norm), int(reduction), int(expected_batch_size),
                               float(noise_multiplier), int(mode), float(sample_rate),
@@ -485,32 +347,33 @@ class Step:
         self.batch = int(batch)
         self.n_layers = 0
 
-    def reset(self, batch):
+    def reset(self, batch: int) -> None:
         if batch <= 0:
             raise DpclipError(EARG, "", "a step needs a batch of at least 1 sample")
         self._L.dpclip_step_reset(self._s, int(batch))
         self.batch = int(batch)
         self.n_layers = 0
 
-    def _add(self, fn, layer):
+    def _add(self, fn: Any, layer: ctypes.Structure) -> None:
         rc = fn(self._s, ctypes.byref(layer))
         if rc:
             raise DpclipError(rc, "", "adding layer %r to the step" % (layer.name,))
         self.n_layers += 1
 
-    def add_linear(self, layer):
+    def add_linear(self, layer: Linear) -> None:
         self._add(self._L.dpclip_step_add_linear, layer)
 
-    def add_embedding(self, layer):
+    def add_embedding(self, layer: Embedding) -> None:
         self._add(self._L.dpclip_step_add_embedding, layer)
 
-    def add_layernorm(self, layer):
+    def add_layernorm(self, layer: NormLayer) -> None:
         self._add(self._L.dpclip_step_add_layernorm, layer)
 
-    def add_rmsnorm(self, layer):
+    def add_rmsnorm(self, layer: NormLayer) -> None:
         self._add(self._L.dpclip_step_add_rmsnorm, layer)
 
-    def set_outputs(self, norms_out=None, coefs_out=None):
+    def set_outputs(self, norms_out: Optional[Tensor] = None,
+                    coefs_out: Optional[Tensor] = None) -> None:
         """Optional [batch] f32 Tensors the daemon writes the norms and
         coefficients into (zeros where a step with an early notice fails
         after its notice). reset() drops them."""
@@ -520,10 +383,10 @@ class Step:
         if rc:
             raise DpclipError(rc, "", "setting the step's norms/coefficients outputs")
 
-    def set_events(self, wait_event, signal_event):
+    def set_events(self, wait_event: int, signal_event: int) -> None:
         self._L.dpclip_step_set_events(self._s, int(wait_event), int(signal_event))
 
-    def run(self, client):
+    def run(self, client: Client) -> StepResult:
         """Sends the step and waits for the reply: a StepResult, norms and
         coefs as lists of B floats, epsilon/delta from the daemon's privacy
         ledger (0 where it reports none)."""
@@ -535,24 +398,24 @@ class Step:
         finally:
             self._L.dpclip_result_free(ctypes.byref(res))
 
-    def notify_enqueued(self, yes=True):
+    def notify_enqueued(self, yes: bool = True) -> None:
         """GPU steps with a signal event: have submit()'s step send an
         early notice (Client.wait_enqueued) once its GPU work is queued."""
         self._L.dpclip_step_notify_enqueued(self._s, 1 if yes else 0)
 
-    def submit(self, client):
+    def submit(self, client: Client) -> int:
         """Sends the step without waiting: a ticket for Client.wait /
         Client.wait_enqueued."""
         t = ctypes.c_uint64()
         client.check(self._L.dpclip_submit(client.handle, self._s, ctypes.byref(t)))
         return t.value
 
-    def close(self):
+    def close(self) -> None:
         if self._s:
             self._L.dpclip_step_free(self._s)
             self._s = None
 
-    def __del__(self):
+    def __del__(self) -> None:
         try:
             self.close()
         except Exception:

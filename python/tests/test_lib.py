@@ -11,7 +11,7 @@ import pytest
 
 from conftest import DPCLIPD, REPO
 import dpclip
-from dpclip import _lib
+from dpclip import _lib, _loader
 
 FIELDS = {
     "dpclip_tensor": ["buffer", "offset", "dtype", "ndim", "shape"],
@@ -152,21 +152,21 @@ def test_library_search_prefers_build_and_never_a_sanitizer_build(tmp_path, monk
     asan = _shared_object(str(repo / "build-asan" / "libdpclip.so"), PLAIN, "-fsanitize=address")
     later = time.time() + 3600
     os.utime(asan, (later, later))
-    assert _lib.sanitizer_runtime(plain) is None
-    assert _lib.sanitizer_runtime(asan).startswith("libasan")
-    cands, skipped, from_env = _lib.candidates(str(repo))
+    assert _loader.sanitizer_runtime(plain) is None
+    assert _loader.sanitizer_runtime(asan).startswith("libasan")
+    cands, skipped, from_env = _loader.candidates(str(repo))
     assert cands[0] == plain and not from_env and not skipped
     assert not [c for c in cands if "build-asan" in c]
     # build/ itself configured with -DDPCLIP_SANITIZE=ON: passed over, saying why
     shutil.copy(asan, plain)
-    cands, skipped, _ = _lib.candidates(str(repo))
+    cands, skipped, _ = _loader.candidates(str(repo))
     assert plain not in cands and not [c for c in cands if "build-asan" in c]
     assert len(skipped) == 1 and plain in skipped[0] and "sanitizer build" in skipped[0]
 
 
 def _plain_build_library():
     for path in (dpclip.lib().path, os.path.join(REPO, "build", "libdpclip.so")):
-        if os.path.exists(path) and _lib.sanitizer_runtime(path) is None:
+        if os.path.exists(path) and _loader.sanitizer_runtime(path) is None:
             return path
     pytest.skip("no plain (non-sanitizer) libdpclip.so built here")
 
