@@ -56,8 +56,10 @@ def sequence_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, reductio
             "engine.loss(per_sample_cross_entropy(logits, targets))"
             % (list(logits.shape), list(targets.shape)))
     B, T = targets.shape[0], targets.shape[1]
-    tok = F.cross_entropy(logits.reshape(B * T, -1).float(), targets.reshape(B * T),
-                          reduction="none", ignore_index=ignore_index).view(B, T)
+    # (the vocabulary named, not -1: an empty batch has no elements to infer it from)
+    tok = F.cross_entropy(logits.reshape(B * T, logits.shape[-1]).float(),
+                          targets.reshape(B * T), reduction="none",
+                          ignore_index=ignore_index).view(B, T)
     mask = (targets != ignore_index).to(tok.dtype)
     per_sample = (tok * mask).sum(1) / mask.sum(1).clamp(min=1)
     if reduction == "none":
