@@ -24,6 +24,9 @@
 extern "C" {
 #endif
 
+/* The release: the one place its number is written. CMakeLists.txt reads it
+ * (the daemon, the tools, the library's soname) and so does the Python
+ * package (python/dpclip/_version.py). */
 #define DPCLIP_VERSION_MAJOR 0
 #define DPCLIP_VERSION_MINOR 1
 #define DPCLIP_VERSION_PATCH 0
@@ -304,6 +307,15 @@ typedef struct dpclip_group_opts {
 int dpclip_join_group(dpclip_client *c, const dpclip_group_opts *opts, uint64_t *group_id);
 /* Marks layer `layer` (its index in the step) as held whole by every member. */
 int dpclip_step_set_replicated(dpclip_step *s, size_t layer, int yes);
+
+/* --- ABI ----------------------------------------------------------------- */
+
+/* "MAJOR.MINOR.PATCH" of this library (DPCLIP_VERSION_* as it was built). */
+const char *dpclip_version(void);
+/* sizeof the public struct named `name` ("dpclip_tensor", "dpclip_result",
+ * ...) as this library was built; 0 for a name it does not know. For
+ * bindings that mirror this header without compiling it. */
+size_t dpclip_sizeof(const char *name);
 
 #ifdef __cplusplus
 }

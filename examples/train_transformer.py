@@ -1,9 +1,12 @@
-#!/usr/bin/env python3
+#!/usr/bin/python3
 """Train a small character-level transformer language model with DP-SGD
 through dpclipd.
 
     dpclipd --socket /tmp/d.sock &
-    python3 examples/train_transformer.py --socket /tmp/d.sock --epochs 3
+    /usr/bin/python3 examples/train_transformer.py --socket /tmp/d.sock --epochs 3
+
+(/usr/bin/python3: the python that Debian's python3-torch, which
+scripts/deps.sh installs, is for; scripts/quickstart.sh --python runs this.)
 
 The corpus is the prose under examples/data/. Each training sample (the
 unit of privacy) is one window of --seq characters (windows overlap with
@@ -19,15 +22,16 @@ import os
 import sys
 import time
 
-import torch
-import torch.nn as nn
-import torch.nn.functional as F
-
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "python"))  # run from a checkout
 
-from dpclip.data import DPDataLoader  # noqa: E402
+# dpclip first: without torch it says which python3 has it
 from dpclip.torch import PrivacyEngine, sequence_cross_entropy  # noqa: E402
+from dpclip.data import DPDataLoader  # noqa: E402
+
+import torch  # noqa: E402
+import torch.nn as nn  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
 
 
 class Block(nn.Module):
@@ -152,11 +156,9 @@ def main():
                     "itself (dpclip.data's secure_mode)")
     ap.add_argument("--delta", type=float, default=1e-5, help="delta epsilon is reported at")
     ap.add_argument("--job", default=None, help="job id for the daemon's privacy ledger "
-                    "(default: a fresh one per run)")
+                    "(default: a fresh one per run, printed)")
     args = ap.parse_args()
 
-    if args.job is None:
-        args.job = "train_transformer-%d-%d" % (os.getpid(), int(time.time()))
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available()

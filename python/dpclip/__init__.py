@@ -2,10 +2,16 @@
 
 The C client library (libdpclip) is bound with ctypes in dpclip._lib; the
 PyTorch integration is dpclip.torch (make_private, PrivacyEngine) and the
-Poisson-sampling loader dpclip.data. Importing this package does not import
-torch.
+Poisson-sampling loader dpclip.data. Importing this package loads libdpclip
+and checks that it is this release with these struct sizes (an ImportError
+says which library was refused and why); it does not import torch.
 """
 from ._lib import Client, DpclipError, Step, lib
+from ._version import __version__
 
-__version__ = "0.1.0"
+try:
+    lib()
+except OSError as _e:
+    raise ImportError(str(_e), name=__name__) from None
+
 __all__ = ["Client", "DpclipError", "Step", "lib", "__version__"]

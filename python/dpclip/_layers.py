@@ -3,6 +3,7 @@ compute only input gradients and capture (activation, output gradient), the
 record of one supported module, and the checks done at attach time."""
 import ctypes
 import types
+from typing import Any, List, Tuple
 
 import torch
 import torch.nn as nn
@@ -11,9 +12,7 @@ import torch.nn.functional as F
 from . import _lib
 
 
-__all__ = ["PrivacyEngine", "make_private", "DPOptimizer", "UnsupportedModuleError",
-           "per_sample_cross_entropy", "sequence_cross_entropy", "reduce_loss",
-           "DpclipError"]
+__all__ = ["UnsupportedModuleError"]
 
 _RMSNorm = getattr(nn, "RMSNorm", None)
 _ALIGN = 64
@@ -315,3 +314,40 @@ def _wire_dtype(t):
 def _tref(buf, off, dtype, shape):
     s = list(shape) + [0] * (3 - len(shape))
     return _lib.Tensor(buf, off, _DTYPES[dtype], len(shape), (ctypes.c_int64 * 3)(*s))
+
+
+def _collect_layers(engine: Any, module: nn.Module
+                    ) -> Tuple[List[_Layer], List[Tuple[str, nn.Module]]]:
+    """make_private's walk of the module tree: a _Layer per supported module
+    with a trainable weight, and the normalizations whose mode is checked at
+    each forward. UnsupportedModuleError names any module it cannot train."""
+    layers, seen, norms = [], {}, []
+    for name, m in module.named_modules():
+        why = _mixing(m)
+        if why is not None:
+            raise _mixing_error(name, m, why)
+        if isinstance(m, _NORMS):
+            norms.append((name, m))
+        own = [(pn, p) for pn, p in m.named_parameters(recurse=False) if p.requires_grad]
+        kind = _classify(m)
+        if kind is None:
+            if own:
+                raise UnsupportedModuleError(
+                    "module %s (%s) has trainable parameters (%s) but is not supported by "
+                    "dpclip (supported: Linear, Embedding, LayerNorm%s); freeze them or "
+                    "replace the module" % (name or "<root>", type(m).__name__,
+                                             ", ".join(pn for pn, _ in own),
+                                             ", RMSNorm" if _RMSNorm else ""))
+            continue
+        if not _check_module(name, m, kind):
+            continue
+        for _, p in own:
+            if id(p) in seen:
+                raise UnsupportedModuleError(
+                    "modules %s and %s share a parameter (tied weights are not supported)"
+                    % (seen[id(p)], name))
+            seen[id(p)] = name
+        layers.append(_Layer(engine, name, m, kind))
+    if not layers:
+        raise UnsupportedModuleError("the module has no trainable parameters to train privately")
+    return layers, norms

@@ -5,18 +5,14 @@ suite compiles a small C program that prints sizeof/offsetof of each and
 compares them with ctypes, so a change to dpclip.h that is not mirrored here
 fails loudly instead of corrupting memory.
 
-Where the library comes from (first hit wins):
-  1. $DPCLIP_LIBRARY (a path to libdpclip.so),
-  2. a CMake build directory of the checkout this package lives in
-     (<repo>/build*/libdpclip.so, newest first),
-  3. ctypes.util.find_library("dpclip") (an installed library).
+Which library is loaded, and the checks it must pass first: dpclip._loader.
 """
-import collections
 import ctypes
-import ctypes.util
-import glob
 import os
 import threading
+from typing import Any, List, NamedTuple, Optional, Tuple
+
+from . import _loader
 
 __all__ = [
     "DpclipError", "lib", "Tensor", "ConnectOpts", "DaemonInfo", "ClipConfig", "Linear",
@@ -43,7 +39,7 @@ class DpclipError(RuntimeError):
     request the daemon objected to, or "") and the daemon's or library's
     message."""
 
-    def __init__(self, code, field, message):
+    def __init__(self, code: int, field: Optional[str], message: Optional[str]) -> None:
         self.code = int(code)
         self.field = field or ""
         self.message = message or ""
@@ -110,10 +106,16 @@ class Result(ctypes.Structure):
                 ("epsilon", ctypes.c_double), ("delta", ctypes.c_double)]
 
 
+class Enqueued(ctypes.Structure):
+    _fields_ = [("step_index", ctypes.c_uint64), ("epsilon", ctypes.c_double),
+                ("delta", ctypes.c_double)]
+
+
 STRUCTS = {"dpclip_tensor": Tensor, "dpclip_connect_opts": ConnectOpts,
            "dpclip_daemon_info": DaemonInfo, "dpclip_clip_config": ClipConfig,
            "dpclip_linear": Linear, "dpclip_embedding": Embedding,
-           "dpclip_norm_layer": NormLayer, "dpclip_result": Result}
+           "dpclip_norm_layer": NormLayer, "dpclip_result": Result,
+           "dpclip_enqueued": Enqueued}
 
 # --- loading ----------------------------------------------------------------------
 
@@ -121,29 +123,7 @@ _lib = None
 _lib_lock = threading.Lock()
 
 
-class Enqueued(ctypes.Structure):
-    _fields_ = [("step_index", ctypes.c_uint64), ("epsilon", ctypes.c_double),
-                ("delta", ctypes.c_double)]
-
-
-def _candidates():
-    env = os.environ.get("DPCLIP_LIBRARY")
-    if env:
-        return [env], True
-    out = []
-    # python/dpclip/_lib.py -> the repository root, when running from a checkout
-    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    if os.path.exists(os.path.join(repo, "client", "dpclip.h")):
-        found = glob.glob(os.path.join(repo, "build*", "libdpclip.so"))
-        found.sort(key=lambda p: os.path.getmtime(p), reverse=True)
-        out.extend(found)
-    sys_lib = ctypes.util.find_library("dpclip")
-    if sys_lib:
-        out.append(sys_lib)
-    return out, False
-
-
-def _declare(L):
+def _declare(L: ctypes.CDLL) -> None:
     c_void_p, c_int, c_char_p = ctypes.c_void_p, ctypes.c_int, ctypes.c_char_p
     u64p = ctypes.POINTER(ctypes.c_uint64)
     sig = {
@@ -183,35 +163,18 @@ def _declare(L):
         fn.argtypes = args
 
 
-def lib():
+def lib() -> ctypes.CDLL:
     """The loaded library (ctypes.CDLL: calls release the GIL, so a blocking
-    dpclip_run does not stall the trainer's other Python threads)."""
+    dpclip_run does not stall the trainer's other Python threads). Raises
+    OSError saying which libraries were tried and why each was refused."""
     global _lib
     with _lib_lock:
-        if _lib is not None:
-            return _lib
-        cands, from_env = _candidates()
-        errors = []
-        for path in cands:
-            try:
-                L = ctypes.CDLL(path)
-                _declare(L)
-            except (OSError, AttributeError) as e:
-                errors.append("%s: %s" % (path, e))
-                if from_env:
-                    break
-                continue
-            L.path = path
-            _lib = L
-            return L
-        hint = ("set DPCLIP_LIBRARY to the path of libdpclip.so, build the repository "
-                "(cmake --build build) or install libdpclip")
-        if errors:
-            raise OSError("dpclip: cannot load libdpclip (%s); %s" % ("; ".join(errors), hint))
-        raise OSError("dpclip: libdpclip.so not found; " + hint)
+        if _lib is None:
+            _lib = _loader.load(_declare, STRUCTS)
+        return _lib
 
 
-def _strerror(code):
+def _strerror(code: int) -> str:
     try:
         s = lib().dpclip_strerror(int(code))
     except OSError:
@@ -219,7 +182,7 @@ def _strerror(code):
     return s.decode() if s else "?"
 
 
-def check(client_handle, rc):
+def check(client_handle: Optional[ctypes.c_void_p], rc: int) -> None:
     """Raises DpclipError for a non-zero return code of a call on a handle."""
     if rc == 0:
         return
@@ -242,8 +205,8 @@ class Client:
     garbage collection) disconnects, which makes the daemon release every
     buffer of the session."""
 
-    def __init__(self, socket_path=None, client_name="dpclip-python", job_id=None,
-                 timeout_ms=10000):
+    def __init__(self, socket_path: Optional[str] = None, client_name: str = "dpclip-python",
+                 job_id: Optional[str] = None, timeout_ms: int = 10000) -> None:
         L = lib()
         self._L = L
         self._h = None
@@ -266,18 +229,18 @@ class Client:
         self.info = info
 
     @property
-    def handle(self):
+    def handle(self) -> ctypes.c_void_p:
         if self._h is None:
             raise DpclipError(EIO, "", "this dpclip client is closed")
         return self._h
 
-    def check(self, rc):
+    def check(self, rc: int) -> None:
         check(self._h, rc)
 
-    def ping(self):
+    def ping(self) -> None:
         self.check(self._L.dpclip_ping(self.handle))
 
-    def buffer_alloc(self, size):
+    def buffer_alloc(self, size: int) -> Tuple[int, int]:
         """(buffer_id, address) of `size` bytes of shared memory mapped here
         and in the daemon."""
         bid = ctypes.c_uint64()
@@ -286,10 +249,10 @@ class Client:
                                                ctypes.byref(bid), ctypes.byref(addr)))
         return bid.value, addr.value
 
-    def buffer_release(self, buffer_id):
+    def buffer_release(self, buffer_id: int) -> None:
         self.check(self._L.dpclip_buffer_release(self.handle, ctypes.c_uint64(buffer_id)))
 
-    def register_cuda(self, dev_ptr):
+    def register_cuda(self, dev_ptr: int) -> Tuple[int, int]:
         """(buffer_id, offset) of the CUDA allocation holding dev_ptr."""
         bid = ctypes.c_uint64()
         off = ctypes.c_uint64()
@@ -297,7 +260,7 @@ class Client:
                                                        ctypes.byref(bid), ctypes.byref(off)))
         return bid.value, off.value
 
-    def register_event(self, ipc_handle, device):
+    def register_event(self, ipc_handle: bytes, device: int) -> int:
         if len(ipc_handle) != 64:
             raise ValueError("a CUDA IPC event handle is 64 bytes, got %d" % len(ipc_handle))
         eid = ctypes.c_uint64()
@@ -305,7 +268,7 @@ class Client:
                                                       ctypes.byref(eid)))
         return eid.value
 
-    def wait_enqueued(self, ticket):
+    def wait_enqueued(self, ticket: int) -> Enqueued:
         """Blocks until the daemon has queued the GPU work of a step
         submitted with notify_enqueued and recorded its signal event: an
         Enqueued (step_index, epsilon, delta). Raises the step's error if it
@@ -315,7 +278,7 @@ class Client:
                                                 ctypes.byref(info)))
         return info
 
-    def wait(self, ticket):
+    def wait(self, ticket: int) -> "StepResult":
         """The StepResult of a submitted step (blocks until it finished);
         raises its error."""
         res = Result()
@@ -326,29 +289,37 @@ class Client:
         finally:
             self._L.dpclip_result_free(ctypes.byref(res))
 
-    def close(self):
+    def close(self) -> None:
         if self._h is not None:
             self._L.dpclip_disconnect(self._h)
             self._h = None
 
-    def __del__(self):
+    def __del__(self) -> None:
         try:
             self.close()
         except Exception:  # interpreter shutdown: nothing left to report to
             pass
 
-    def __enter__(self):
+    def __enter__(self) -> "Client":
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, *exc: Any) -> None:
         self.close()
 
 
-StepResult = collections.namedtuple(
-    "StepResult", "norms coefs step_index compute_ns epsilon delta")
+class StepResult(NamedTuple):
+    """A finished step: norms and coefs (lists of B floats), the daemon's
+    step index and compute time, and its ledger's epsilon/delta for the job
+    after the step (0 where it reports none)."""
+    norms: List[float]
+    coefs: List[float]
+    step_index: int
+    compute_ns: int
+    epsilon: float
+    delta: float
 
 
-def _step_result(res):
+def _step_result(res: Result) -> StepResult:
     n = res.batch
     norms = res.norms[:n] if res.norms else []
     coefs = res.coefs[:n] if res.coefs else []
@@ -361,9 +332,10 @@ class Step:
     Owns the C step object. The ctypes structures handed to add_* are copied
     by the library (names too), so nothing here must outlive the call."""
 
-    def __init__(self, batch, max_grad_norm, reduction=MEAN, expected_batch_size=0,
-                 noise_multiplier=0.0, mode=FLAT, sample_rate=0.0, target_delta=0.0,
-                 target_epsilon=0.0):
+    def __init__(self, batch: int, max_grad_norm: float, reduction: int = MEAN,
+                 expected_batch_size: int = 0, noise_multiplier: float = 0.0, mode: int = FLAT,
+                 sample_rate: float = 0.0, target_delta: float = 0.0,
+                 target_epsilon: float = 0.0) -> None:
         self._L = lib()
         self.cfg = ClipConfig(float(max_grad_norm), int(reduction), int(expected_batch_size),
                               float(noise_multiplier), int(mode), float(sample_rate),
@@ -375,32 +347,33 @@ class Step:
         self.batch = int(batch)
         self.n_layers = 0
 
-    def reset(self, batch):
+    def reset(self, batch: int) -> None:
         if batch <= 0:
             raise DpclipError(EARG, "", "a step needs a batch of at least 1 sample")
         self._L.dpclip_step_reset(self._s, int(batch))
         self.batch = int(batch)
         self.n_layers = 0
 
-    def _add(self, fn, layer):
+    def _add(self, fn: Any, layer: ctypes.Structure) -> None:
         rc = fn(self._s, ctypes.byref(layer))
         if rc:
             raise DpclipError(rc, "", "adding layer %r to the step" % (layer.name,))
         self.n_layers += 1
 
-    def add_linear(self, layer):
+    def add_linear(self, layer: Linear) -> None:
         self._add(self._L.dpclip_step_add_linear, layer)
 
-    def add_embedding(self, layer):
+    def add_embedding(self, layer: Embedding) -> None:
         self._add(self._L.dpclip_step_add_embedding, layer)
 
-    def add_layernorm(self, layer):
+    def add_layernorm(self, layer: NormLayer) -> None:
         self._add(self._L.dpclip_step_add_layernorm, layer)
 
-    def add_rmsnorm(self, layer):
+    def add_rmsnorm(self, layer: NormLayer) -> None:
         self._add(self._L.dpclip_step_add_rmsnorm, layer)
 
-    def set_outputs(self, norms_out=None, coefs_out=None):
+    def set_outputs(self, norms_out: Optional[Tensor] = None,
+                    coefs_out: Optional[Tensor] = None) -> None:
         """Optional [batch] f32 Tensors the daemon writes the norms and
         coefficients into (zeros where a step with an early notice fails
         after its notice). reset() drops them."""
@@ -410,10 +383,10 @@ class Step:
         if rc:
             raise DpclipError(rc, "", "setting the step's norms/coefficients outputs")
 
-    def set_events(self, wait_event, signal_event):
+    def set_events(self, wait_event: int, signal_event: int) -> None:
         self._L.dpclip_step_set_events(self._s, int(wait_event), int(signal_event))
 
-    def run(self, client):
+    def run(self, client: Client) -> StepResult:
         """Sends the step and waits for the reply: a StepResult, norms and
         coefs as lists of B floats, epsilon/delta from the daemon's privacy
         ledger (0 where it reports none)."""
@@ -425,24 +398,24 @@ class Step:
         finally:
             self._L.dpclip_result_free(ctypes.byref(res))
 
-    def notify_enqueued(self, yes=True):
+    def notify_enqueued(self, yes: bool = True) -> None:
         """GPU steps with a signal event: have submit()'s step send an
         early notice (Client.wait_enqueued) once its GPU work is queued."""
         self._L.dpclip_step_notify_enqueued(self._s, 1 if yes else 0)
 
-    def submit(self, client):
+    def submit(self, client: Client) -> int:
         """Sends the step without waiting: a ticket for Client.wait /
         Client.wait_enqueued."""
         t = ctypes.c_uint64()
         client.check(self._L.dpclip_submit(client.handle, self._s, ctypes.byref(t)))
         return t.value
 
-    def close(self):
+    def close(self) -> None:
         if self._s:
             self._L.dpclip_step_free(self._s)
             self._s = None
 
-    def __del__(self):
+    def __del__(self) -> None:
         try:
             self.close()
         except Exception:

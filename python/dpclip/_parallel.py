@@ -118,3 +118,10 @@ class Gate:
             "one of the %d ranks (that rank raises its error), and without every rank's result "
             "the update could lack rank 0's noise; the gradients were zeroed" % (
                 step, self.world_size))
+
+
+def broadcast_job_id(job_id: str) -> str:
+    """Rank 0's ledger job id, on every rank (every rank calls it)."""
+    box = [job_id]
+    torch.distributed.broadcast_object_list(box, src=0)
+    return box[0]

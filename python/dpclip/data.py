@@ -26,9 +26,12 @@ samples, against a few for the generator.
 import fractions
 import math
 import os
+from typing import Any, Callable, Iterator, List, Optional, Sequence
+
+from . import _needs_torch  # noqa: F401  (says which python3 has torch when it is missing)
 
 import torch
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, Dataset
 from torch.utils.data.dataloader import default_collate
 
 __all__ = ["UniformWithReplacementSampler", "DPDataLoader", "poisson_loader"]
@@ -61,7 +64,8 @@ class UniformWithReplacementSampler:
     from os.urandom; give one only for reproducible tests). secure_mode:
     draw from os.urandom instead (no generator)."""
 
-    def __init__(self, indices, sample_rate, steps=None, generator=None, secure_mode=False):
+    def __init__(self, indices: Sequence[int], sample_rate: float, steps: Optional[int] = None,
+                 generator: Optional[torch.Generator] = None, secure_mode: bool = False) -> None:
         if not 0.0 < sample_rate <= 1.0:
             raise ValueError("sample_rate must be in (0, 1], got %r" % (sample_rate,))
         if secure_mode and generator is not None:
@@ -74,10 +78,10 @@ class UniformWithReplacementSampler:
         self.generator = None if secure_mode else (generator if generator is not None
                                                     else _urandom_generator())
 
-    def __len__(self):
+    def __len__(self) -> int:
         return self.steps
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[List[int]]:
         n = len(self.indices)
         for _ in range(self.steps):
             if self.secure_mode:
@@ -124,8 +128,10 @@ class DPDataLoader(DataLoader):
     for reproducible tests). secure_mode: masks from os.urandom (see the
     module's note on its cost)."""
 
-    def __init__(self, dataset, sample_rate, *, steps=None, generator=None, distributed=None,
-                 collate_fn=None, secure_mode=False, **kwargs):
+    def __init__(self, dataset: Dataset, sample_rate: float, *, steps: Optional[int] = None,
+                 generator: Optional[torch.Generator] = None, distributed: Optional[bool] = None,
+                 collate_fn: Optional[Callable[[List[Any]], Any]] = None,
+                 secure_mode: bool = False, **kwargs: Any) -> None:
         for bad in ("batch_size", "shuffle", "sampler", "batch_sampler", "drop_last"):
             if bad in kwargs:
                 raise ValueError("DPDataLoader draws its own batches; do not pass %s" % bad)
@@ -146,7 +152,9 @@ class DPDataLoader(DataLoader):
                          collate_fn=_empty_collate(dataset, collate), **kwargs)
 
     @classmethod
-    def from_data_loader(cls, loader, *, generator=None, distributed=None, secure_mode=False):
+    def from_data_loader(cls, loader: DataLoader, *, generator: Optional[torch.Generator] = None,
+                         distributed: Optional[bool] = None,
+                         secure_mode: bool = False) -> "DPDataLoader":
         """The Poisson counterpart of a fixed-batch loader: sample rate
         batch_size / N (world size times that under torch.distributed, whose
         usual DistributedSampler gives each rank batch_size samples)."""
@@ -166,6 +174,6 @@ class DPDataLoader(DataLoader):
                    else None, num_workers=loader.num_workers, pin_memory=loader.pin_memory)
 
 
-def poisson_loader(dataset, sample_rate, **kwargs):
+def poisson_loader(dataset: Dataset, sample_rate: float, **kwargs: Any) -> DPDataLoader:
     """Shorthand for DPDataLoader(dataset, sample_rate, **kwargs)."""
     return DPDataLoader(dataset, sample_rate, **kwargs)

@@ -20,15 +20,16 @@ per-sample norms, clips, sums, adds N(0, (sigma*C)^2) and writes the private
 gradient, which lands in param.grad (divided by the expected batch size with
 a mean loss).
 
-Data planes: CPU tensors are copied into one shared-memory arena per engine
-(the daemon maps it once; it is laid out per step and grown when a step needs
-more), outputs come back through it and are copied into param.grad. CUDA
-tensors are named in place through CUDA IPC (one registration per caching-
-allocator block, cached by libdpclip), outputs go into param-shaped CUDA
-tensors the engine owns and param.grad aliases, and ordering uses two
-interprocess events: the trainer records `ready` on its stream before the
-step, the daemon waits on it and records `done`, the trainer's stream waits on
-`done`. No host synchronisation beyond the step's reply.
+The engine is this module; dpclip._planner lays out each step, and the
+transports move the tensors: dpclip._host (CPU tensors, through one
+shared-memory arena) and dpclip._cuda (GPU tensors in place, CUDA IPC and
+interprocess events). dpclip._layers holds the per-module autograd
+Functions, dpclip._parallel the data-parallel gate, dpclip._optimizer the
+optimizer wrapper.
+
+Ledger account: a PrivacyEngine without job_id gets a fresh job id (printed
+once at make_private), so runs do not share one account by accident; pass
+job_id= to continue or share one. Data-parallel ranks all use rank 0's.
 
 Conventions the caller must follow: batch-first inputs (dimension 0 is the
 sample); one forward/backward per optimizer step (no gradient accumulation
@@ -44,21 +45,38 @@ N(0, (sigma*C)^2), divided by the expected batch size for a mean loss), sent
 as a one-sample step of zeros. Skipping it would change the privacy analysis,
 which counts every step.
 """
-import collections
-import ctypes
 import math
+import secrets
+import sys
 import time
+from typing import Any, List, Optional, Tuple
+
+from . import _needs_torch  # noqa: F401  (says which python3 has torch when it is missing)
 
 import torch
 import torch.nn as nn
+from torch.utils.data import DataLoader
 
-from . import _lib, _parallel
+from . import _lib, _parallel, _planner
+from ._cuda import CudaIPC
+from ._host import HostArena
 from ._lib import DpclipError
+from ._optimizer import DPOptimizer
 from .data import DPDataLoader
 from ._layers import (  # noqa: F401  (UnsupportedModuleError is public API)
-    UnsupportedModuleError, _Layer, _classify, _check_module, _align, _wire_dtype, _tref,
-    _RMSNorm, _FLOAT_WIRE, _ESIZE, _NORMS, _mixing, _mixing_error)
-from .losses import per_sample_cross_entropy, reduce_loss, sequence_cross_entropy  # noqa: F401
+    UnsupportedModuleError, _Layer, _collect_layers, _mixing, _mixing_error)
+from .losses import (  # noqa: F401  (public API)
+    cross_entropy, per_sample_cross_entropy, reduce_loss, sequence_cross_entropy)
+
+__all__ = ["PrivacyEngine", "make_private", "DPOptimizer", "UnsupportedModuleError",
+           "cross_entropy", "per_sample_cross_entropy", "sequence_cross_entropy", "reduce_loss",
+           "DpclipError", "fresh_job_id"]
+
+
+def fresh_job_id() -> str:
+    """A new ledger job id: the time and 32 random bits, readable in
+    /status and unique in practice."""
+    return "%s-%s" % (time.strftime("%Y%m%d-%H%M%S"), secrets.token_hex(4))
 
 
 # --- the engine ---------------------------------------------------------------------
@@ -68,22 +86,32 @@ class PrivacyEngine:
 
     socket_path: the daemon's socket (default $DPCLIP_SOCKET, else
     /run/dpclip/dpclipd.sock). The connection is made here, so a daemon that
-    is not running is reported at once (DpclipError, code DPCLIP_EIO)."""
+    is not running is reported at once (DpclipError, code DPCLIP_EIO).
+    job_id: the daemon's privacy-ledger account the steps are charged to
+    (with the user's uid). None: a fresh one (fresh_job_id()), printed once
+    at make_private, so two runs never share an account unless told to;
+    pass one to continue a run's account or share it (at most 63 bytes).
+    Data parallel: every rank uses rank 0's (make_private broadcasts it; a
+    rank given another is refused), since the daemon counts the sigma-0
+    steps of the other ranks as shares of rank 0's job."""
 
-    def __init__(self, socket_path=None, *, client_name="dpclip-torch", job_id=None):
-        self.client = _lib.Client(socket_path, client_name=client_name, job_id=job_id)
+    def __init__(self, socket_path: Optional[str] = None, *, client_name: str = "dpclip-torch",
+                 job_id: Optional[str] = None) -> None:
+        self._socket_path = socket_path
+        self._client_name = client_name
+        self._job_given = job_id is not None
+        self.job_id: str = job_id if job_id is not None else fresh_job_id()
+        self._connect()
         self.active = False
-        self._layers = []
+        self._layers: List[_Layer] = []
         self._pass = 0
-        self._step = None
-        self._arena = None          # (buffer_id, size, uint8 tensor view)
-        self._events = {}           # cuda device index -> (ready, done, ready_id, done_id)
+        self._step: Optional[_lib.Step] = None
         self._hook = None
-        self._norm_hooks = []       # normalizations' checks against mixing samples
-        self.module = None
+        self._norm_hooks: list = []  # normalizations' checks against mixing samples
+        self.module: Optional[nn.Module] = None
         self.steps = 0
-        self._last_norms = None
-        self._last_coefs = None
+        self._last_norms: Optional[torch.Tensor] = None
+        self._last_coefs: Optional[torch.Tensor] = None
         self._last_compute_ns = 0
         self._last_step_index = 0
         self.compute_ns_total = 0   # the daemon's compute time of every collected step
@@ -92,23 +120,46 @@ class PrivacyEngine:
         # index) of the step whose result has not been collected yet.
         self.asynchronous = True
         self._inflight = None
-        self._job_id = job_id
         self._gate = None           # data parallel: see _parallel.Gate
-        # Data parallel GPU steps: the [B] coefficients output the daemon
-        # writes (zeroed before each step: zero after it unless it succeeded).
-        self._coefs = None
-        self._coefs_ref = None
         # Wall time of the last step's phases in the trainer (ms): building
         # the request (copies, registrations), the daemon round trip, and
         # writing param.grad. For diagnosing overheads; costs two clock reads.
         self.last_timing = {}
 
+    def _connect(self) -> None:
+        """(Re)connects under self.job_id; the transports start empty."""
+        self.client = _lib.Client(self._socket_path, client_name=self._client_name,
+                                  job_id=self.job_id)
+        self._host = HostArena(self.client)     # CPU tensors: a shared-memory arena
+        self._cuda = CudaIPC(self.client)       # GPU tensors: CUDA IPC and events
+
+    def _agree_job_id(self) -> None:
+        """Data parallel (every rank calls it): take rank 0's job id,
+        reconnecting under it where this rank's was generated (nothing is
+        registered yet); refuse one given that differs."""
+        rank0 = _parallel.broadcast_job_id(self.job_id)
+        if rank0 == self.job_id:
+            return
+        if self._job_given:
+            raise ValueError(
+                "job_id: rank %d's %r differs from rank 0's %r; data-parallel ranks must share "
+                "rank 0's job id (the daemon counts their noiseless steps as shares of its "
+                "account): pass the same job_id on every rank, or none" % (
+                    self.rank, self.job_id, rank0))
+        self.client.close()
+        self.job_id = rank0
+        self._connect()
+
     # -- setup ------------------------------------------------------------------
-    def make_private(self, *, module, optimizer=None, data_loader=None, noise_multiplier,
-                     max_grad_norm, loss_reduction="mean", poisson_sampling=True,
-                     expected_batch_size=None, distributed=None, algorithm="auto",
-                     sample_rate=None, target_delta=0.0, target_epsilon=0.0,
-                     asynchronous=True, secure_mode=False):
+    def make_private(self, *, module: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None,
+                     data_loader: Optional[DataLoader] = None, noise_multiplier: float,
+                     max_grad_norm: float, loss_reduction: str = "mean",
+                     poisson_sampling: bool = True, expected_batch_size: Optional[int] = None,
+                     distributed: Optional[bool] = None, algorithm: str = "auto",
+                     sample_rate: Optional[float] = None, target_delta: float = 0.0,
+                     target_epsilon: float = 0.0, asynchronous: bool = True,
+                     secure_mode: bool = False
+                     ) -> Tuple[nn.Module, Optional[torch.optim.Optimizer], Optional[DataLoader]]:
         """Attach to `module`; returns (module, optimizer, data_loader), the
         optimizer wrapped so that step() first fills param.grad with the
         private gradient, the loader replaced by a Poisson-sampled one
@@ -157,35 +208,7 @@ class PrivacyEngine:
         algo = {"auto": _lib.ALGO_AUTO, "direct": _lib.ALGO_DIRECT,
                 "ghost": _lib.ALGO_GHOST}[algorithm]
 
-        layers, seen, norms = [], {}, []
-        for name, m in module.named_modules():
-            why = _mixing(m)
-            if why is not None:
-                raise _mixing_error(name, m, why)
-            if isinstance(m, _NORMS):
-                norms.append((name, m))
-            own = [(pn, p) for pn, p in m.named_parameters(recurse=False) if p.requires_grad]
-            kind = _classify(m)
-            if kind is None:
-                if own:
-                    raise UnsupportedModuleError(
-                        "module %s (%s) has trainable parameters (%s) but is not supported by "
-                        "dpclip (supported: Linear, Embedding, LayerNorm%s); freeze them or "
-                        "replace the module" % (name or "<root>", type(m).__name__,
-                                                 ", ".join(pn for pn, _ in own),
-                                                 ", RMSNorm" if _RMSNorm else ""))
-                continue
-            if not _check_module(name, m, kind):
-                continue
-            for _, p in own:
-                if id(p) in seen:
-                    raise UnsupportedModuleError(
-                        "modules %s and %s share a parameter (tied weights are not supported)"
-                        % (seen[id(p)], name))
-                seen[id(p)] = name
-            layers.append(_Layer(self, name, m, kind))
-        if not layers:
-            raise UnsupportedModuleError("the module has no trainable parameters to train privately")
+        layers, norms = _collect_layers(self, module)
 
         if distributed is None:
             distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
@@ -205,6 +228,10 @@ class PrivacyEngine:
             # job with several sessions as a data-parallel share, charged
             # through rank 0's step, so a budget does not refuse them. A
             # node without rank 0's session charges them as sigma 0.
+            self._agree_job_id()
+        if not self._job_given and self.rank == 0:
+            print("dpclip: job id %s (pass job_id= to share an account)" % self.job_id,
+                  file=sys.stderr, flush=True)
 
         if data_loader is not None and poisson_sampling and not isinstance(data_loader,
                                                                           DPDataLoader):
@@ -266,7 +293,7 @@ class PrivacyEngine:
             optimizer = DPOptimizer(optimizer, self)
         return module, optimizer, data_loader
 
-    def detach(self):
+    def detach(self) -> None:
         """Restore the modules' own forwards; the engine is unusable after."""
         for l in self._layers:
             l.detach()
@@ -279,7 +306,7 @@ class PrivacyEngine:
         self.active = False
         self.module = None
 
-    def close(self):
+    def close(self) -> None:
         """Collects the last asynchronous step (raising its error, if any),
         detaches and disconnects."""
         try:
@@ -291,7 +318,7 @@ class PrivacyEngine:
                 self._step = None
             self.client.close()
 
-    def synchronize(self):
+    def synchronize(self) -> None:
         """Collects the result of an asynchronous step still in flight:
         blocks until the daemon finished it; raises DpclipError if it failed
         (its gradients were zeros). Data parallel: a step that failed on any
@@ -310,7 +337,7 @@ class PrivacyEngine:
                 "only through momentum or weight decay): %s" % (index, e.message)) from None
         self._finish(res, B)
 
-    def _collect(self):
+    def _collect(self) -> None:
         """step()'s and close()'s collection of the last step: its error, or
         (data parallel) any rank's failure of it. Raised by every rank at
         the same call, before the next step's collectives (a rank that read
@@ -327,56 +354,38 @@ class PrivacyEngine:
 
     # Results of the last step; reading them collects an asynchronous one.
     @property
-    def last_norms(self):
+    def last_norms(self) -> Optional[torch.Tensor]:
         self.synchronize()
         return self._last_norms
 
     @property
-    def last_coefs(self):
+    def last_coefs(self) -> Optional[torch.Tensor]:
         self.synchronize()
         return self._last_coefs
 
     @property
-    def last_compute_ns(self):
+    def last_compute_ns(self) -> int:
         self.synchronize()
         return self._last_compute_ns
 
     @property
-    def last_step_index(self):
+    def last_step_index(self) -> int:
         self.synchronize()
         return self._last_step_index
 
     # -- losses -------------------------------------------------------------------
-    def loss(self, per_sample):
+    def loss(self, per_sample: torch.Tensor) -> torch.Tensor:
         """Reduce a [B] tensor of per-sample losses the way the daemon was
         told (mean or sum over samples)."""
         return reduce_loss(per_sample, self.loss_reduction)
 
-    def clear(self):
+    def clear(self) -> None:
         """Forget what was captured since the last step."""
         for l in self._layers:
             l.records.clear()
 
     # -- the step -------------------------------------------------------------------
-    def _batch_size(self):
-        counts = collections.Counter()
-        for l in self._layers:
-            for inp, _, _ in l.records:
-                counts[inp.shape[0] if inp.dim() > 0 else -1] += 1
-        if not counts:
-            return 0
-        B = counts.most_common(1)[0][0]
-        for l in self._layers:
-            for inp, g, _ in l.records:
-                if inp.dim() == 0 or inp.shape[0] != B or g.shape[0] != B:
-                    raise ValueError(
-                        "module %s saw a batch of %s samples where the other modules saw %d: "
-                        "inputs must be batch-first, with the sample in dimension 0 (e.g. "
-                        "positional indices expanded to [B, T])"
-                        % (l.name, tuple(inp.shape[:1]) or "a scalar", B))
-        return B
-
-    def step(self):
+    def step(self) -> None:
         """Send the captured activations and output gradients as one
         ClipStep and write the private gradient into each parameter's .grad
         (replacing what was there). Called by DPOptimizer.step().
@@ -409,7 +418,7 @@ class PrivacyEngine:
         else:
             self.steps += 1
 
-    def _step_local(self):
+    def _step_local(self) -> Optional[torch.Tensor]:
         """This process's step; returns (data parallel) a [1] f32 tensor on
         the gradients' device: 1 where the step's result is in param.grad,
         0 where it is not."""
@@ -419,73 +428,38 @@ class PrivacyEngine:
                 "activations from %d forward/backward passes were captured for one "
                 "optimizer step; dpclip takes one pass per step (no gradient "
                 "accumulation): call optimizer.step() after each backward" % len(passes))
-        B = self._batch_size()
+        B = _planner.batch_size(self._layers)
         if B == 0:
             if self.loss_reduction == "mean" and self.expected_batch_size <= 0:
                 raise ValueError("an empty batch with a mean loss needs expected_batch_size")
             self.clear()
         device = self._device()
+        t0 = time.perf_counter()
+        plan = _planner.plan(self._layers, B)
+        nb = max(B, 1)
         if device.type == "cuda":
-            return self._run_cuda(B, device)
-        self._run_host(B)
+            run = self._cuda.run(self._step, plan, nb, device, self.algorithm,
+                                 self.distributed and self.world_size > 1, self.asynchronous)
+            if run.res is None:
+                self._inflight = (run.ticket, B, run.info.step_index)
+                self.last_epsilon, self.last_delta = run.info.epsilon, run.info.delta
+            else:
+                self._finish(run.res, B)
+            self._timing(t0, run.t1, run.t2)
+            return run.ok
+        res, t1, t2 = self._host.run(self._step, plan, nb, self.algorithm)
+        self._finish(res, B)
+        self._timing(t0, t1, t2)
         return torch.ones(1)
 
-    def _device(self):
+    def _device(self) -> torch.device:
         devs = {l.weight.device for l in self._layers}
         if len(devs) != 1:
             raise ValueError("the private parameters span several devices (%s); one engine "
                              "serves one device" % ", ".join(str(d) for d in devs))
         return devs.pop()
 
-    def _plan(self, B, device):
-        """Per layer: (layer, input tensor or None, grad tensor or None,
-        input shape, input dtype, grad shape, grad dtype). Layers not used
-        in this pass (and every layer of an empty batch) get zeros of one
-        position: norm 0, so the daemon adds noise alone to their params."""
-        nb = max(B, 1)
-        plan = []
-        for l in self._layers:
-            if B > 0 and l.records:
-                ins, gs = l.flat_parts(B)
-                inp = ins[0] if len(ins) == 1 else torch.cat(ins, 1)
-                g = gs[0] if len(gs) == 1 else torch.cat(gs, 1)
-                T = inp.shape[1]
-            else:
-                inp = g = None
-                T = 1
-            gw = l.p if l.kind == "linear" else l.d
-            if l.kind == "embedding":
-                in_shape, in_dt = (nb, T), (_wire_dtype(inp) if inp is not None else torch.int64)
-            else:
-                in_shape = (nb, T, l.d)
-                in_dt = _wire_dtype(inp) if inp is not None else torch.float32
-            g_dt = _wire_dtype(g) if g is not None else torch.float32
-            plan.append((l, inp, g, in_shape, in_dt, (nb, T, gw), g_dt))
-        return plan
-
-    def _add_layers(self, step, plan, refs):
-        """refs(i) -> (input ref, grad ref, weight out ref, bias out ref)."""
-        for i, (l, _, _, _, _, _, _) in enumerate(plan):
-            a_ref, g_ref, w_ref, b_ref = refs(i)
-            name = l.name.encode()
-            if l.kind == "linear":
-                step.add_linear(_lib.Linear(name, a_ref, g_ref, int(l.bias is not None),
-                                            self.algorithm, w_ref, b_ref, 0.0))
-            elif l.kind == "embedding":
-                pad = l.padding_idx
-                step.add_embedding(_lib.Embedding(name, a_ref, g_ref, l.vocab, int(pad is not None),
-                                                  pad if pad is not None else 0, w_ref, 0.0))
-            else:
-                eps = l.eps_used if l.eps_used is not None else \
-                    l.eps_for(torch.empty(0, dtype=torch.float32))
-                nl = _lib.NormLayer(name, a_ref, g_ref, eps, int(l.bias is not None), w_ref,
-                                    b_ref, 0.0)
-                if l.kind == "layernorm":
-                    step.add_layernorm(nl)
-                else:
-                    step.add_rmsnorm(nl)
-
-    def _finish(self, res, B):
+    def _finish(self, res: _lib.StepResult, B: int) -> None:
         # An empty batch was sent as one sample of zeros: no real norms.
         self._last_norms = torch.tensor(res.norms if B > 0 else [], dtype=torch.float32)
         self._last_coefs = torch.tensor(res.coefs if B > 0 else [], dtype=torch.float32)
@@ -495,283 +469,20 @@ class PrivacyEngine:
         self.last_epsilon = res.epsilon
         self.last_delta = res.delta
 
-    def _timing(self, t0, t1, t2):
+    def _timing(self, t0: float, t1: float, t2: float) -> None:
         t3 = time.perf_counter()
         self.last_timing = {"prepare_ms": (t1 - t0) * 1e3, "run_ms": (t2 - t1) * 1e3,
                             "finish_ms": (t3 - t2) * 1e3}
 
-    # -- host memory: one shared-memory arena ---------------------------------------
-    def _arena_view(self, need):
-        if self._arena is None or self._arena[1] < need:
-            old = self._arena
-            size = max(need, 2 * old[1] if old else 0, 1 << 20)
-            size = (size + 4095) // 4096 * 4096
-            if old is not None:
-                self._arena = None
-                self.client.buffer_release(old[0])
-            bid, addr = self.client.buffer_alloc(size)
-            raw = (ctypes.c_uint8 * size).from_address(addr)
-            self._arena = (bid, size, torch.frombuffer(raw, dtype=torch.uint8))
-        return self._arena
-
-    def _run_host(self, B):
-        t0 = time.perf_counter()
-        plan = self._plan(B, torch.device("cpu"))
-        nb = max(B, 1)
-        off = 0
-        slots = []
-
-        def take(nbytes):
-            nonlocal off
-            o = _align(off)
-            off = o + nbytes
-            return o
-
-        for l, _, _, in_shape, in_dt, g_shape, g_dt in plan:
-            w_dt = l.weight.dtype if l.weight.dtype in _FLOAT_WIRE else torch.float32
-            w_off = take(l.weight.numel() * _ESIZE[w_dt])
-            b_off = take(l.bias.numel() * _ESIZE[w_dt]) if l.bias is not None else None
-            a_off = take(math.prod(in_shape) * _ESIZE[in_dt])
-            g_off = take(math.prod(g_shape) * _ESIZE[g_dt])
-            slots.append((w_dt, w_off, b_off, a_off, g_off))
-        bid, _, mem = self._arena_view(off)
-
-        def view(o, dtype, shape):
-            n = math.prod(shape) * _ESIZE[dtype]
-            return mem[o:o + n].view(dtype).view(shape)
-
-        for (l, inp, g, in_shape, in_dt, g_shape, g_dt), (_, _, _, a_off, g_off) in zip(plan, slots):
-            av, gv = view(a_off, in_dt, in_shape), view(g_off, g_dt, g_shape)
-            if inp is None:
-                av.zero_()
-                gv.zero_()
-            else:
-                av.copy_(inp)
-                gv.copy_(g)
-
-        def refs(i):
-            l, _, _, in_shape, in_dt, g_shape, g_dt = plan[i]
-            w_dt, w_off, b_off, a_off, g_off = slots[i]
-            b_ref = _tref(bid, b_off, w_dt, tuple(l.bias.shape)) if b_off is not None \
-                else _lib.Tensor()
-            return (_tref(bid, a_off, in_dt, in_shape), _tref(bid, g_off, g_dt, g_shape),
-                    _tref(bid, w_off, w_dt, tuple(l.weight.shape)), b_ref)
-
-        step = self._step
-        step.reset(nb)
-        self._add_layers(step, plan, refs)
-        t1 = time.perf_counter()
-        res = step.run(self.client)
-        t2 = time.perf_counter()
-        for (l, *_), (w_dt, w_off, b_off, _, _) in zip(plan, slots):
-            self._set_grad(l.weight, view(w_off, w_dt, tuple(l.weight.shape)))
-            if b_off is not None:
-                self._set_grad(l.bias, view(b_off, w_dt, tuple(l.bias.shape)))
-        self._finish(res, B)
-        self._timing(t0, t1, t2)
-
-    @staticmethod
-    def _set_grad(p, src):
-        # A copy: the arena is reused (and may be replaced) by the next step.
-        if p.grad is None or p.grad.shape != p.shape or p.grad.dtype != p.dtype:
-            p.grad = src.to(p.dtype, copy=True)
-        else:
-            p.grad.copy_(src)
-
-    # -- CUDA: tensors in place over CUDA IPC, ordered by interprocess events -------
-    def _cuda_events(self, device):
-        idx = device.index if device.index is not None else torch.cuda.current_device()
-        ev = self._events.get(idx)
-        if ev is None:
-            with torch.cuda.device(idx):
-                ready = torch.cuda.Event(enable_timing=False, blocking=False, interprocess=True)
-                done = torch.cuda.Event(enable_timing=False, blocking=False, interprocess=True)
-                rid = self.client.register_event(ready.ipc_handle(), idx)
-                did = self.client.register_event(done.ipc_handle(), idx)
-            ev = self._events[idx] = (ready, done, rid, did)
-        return ev
-
-    def _cuda_ref(self, t, shape):
-        bid, off = self.client.register_cuda(t.data_ptr())
-        return _tref(bid, off, t.dtype, shape)
-
-    def _run_cuda(self, B, device):
-        t0 = time.perf_counter()
-        plan = self._plan(B, device)
-        nb = max(B, 1)
-        keep = []
-        tensors = []
-        for l, inp, g, in_shape, in_dt, g_shape, g_dt in plan:
-            if inp is None:
-                inp = torch.zeros(in_shape, dtype=in_dt, device=device)
-                g = torch.zeros(g_shape, dtype=g_dt, device=device)
-            else:
-                # (guarded: each call costs host time even when it is a no-op)
-                if inp.dtype != in_dt:
-                    inp = inp.to(in_dt)
-                if not inp.is_contiguous():
-                    inp = inp.contiguous()
-                if g.dtype != g_dt:
-                    g = g.to(g_dt)
-                if not g.is_contiguous():
-                    g = g.contiguous()
-            if l.out_w is None:
-                w_dt = l.weight.dtype if l.weight.dtype in _FLOAT_WIRE else torch.float32
-                l.out_w = torch.empty(l.weight.shape, dtype=w_dt, device=device)
-                if l.bias is not None:
-                    l.out_b = torch.empty(l.bias.shape, dtype=w_dt, device=device)
-            keep.append((inp, g))
-            tensors.append((inp, g))
-        ready, done, rid, did = self._cuda_events(device)
-
-        def refs(i):
-            l, _, _, in_shape, _, g_shape, _ = plan[i]
-            inp, g = tensors[i]
-            if l.out_refs is None:
-                # The engine holds the output tensors for its lifetime, so
-                # their allocation cannot be freed and reused: the references
-                # stay valid and are made once (activations and output grads
-                # are new tensors every step and go through libdpclip's check).
-                l.out_refs = (self._cuda_ref(l.out_w, tuple(l.out_w.shape)),
-                              self._cuda_ref(l.out_b, tuple(l.out_b.shape))
-                              if l.out_b is not None else _lib.Tensor())
-            return (self._cuda_ref(inp, in_shape), self._cuda_ref(g, g_shape)) + l.out_refs
-
-        step = self._step
-        step.reset(nb)
-        gated = self.distributed and self.world_size > 1
-        with torch.cuda.device(device):
-            self._add_layers(step, plan, refs)
-            stream = torch.cuda.current_stream(device)
-            if gated:
-                coefs = self._coefs_out(nb, device)
-                coefs.zero_()  # stays zero unless the daemon's step succeeds
-                step.set_outputs(coefs_out=_tref(self._coefs_ref[0], self._coefs_ref[1],
-                                                 torch.float32, (nb,)))
-            ready.record(stream)
-            step.set_events(rid, did)
-            step.notify_enqueued(self.asynchronous)
-            t1 = time.perf_counter()
-            if self.asynchronous:
-                ticket = step.submit(self.client)
-                info = self.client.wait_enqueued(ticket)  # raises an early error
-                res = None
-            else:
-                res = step.run(self.client)
-            t2 = time.perf_counter()
-            # The daemon recorded `done` before replying: from here on the
-            # trainer's stream is ordered after the daemon's writes (and after
-            # its reads of `keep`, whose blocks the allocator may now reuse).
-            stream.wait_event(done)
-            # Data parallel: this step's success flag, on the device. Each
-            # coefficient (min(1, C / norm), > 0 for any finite norm) is
-            # written after the (noised) gradients once the daemon commits
-            # them; zero where it failed after its notice (it writes zeros),
-            # wrote nothing, or died first.
-            ok = (coefs > 0).all().to(torch.float32).reshape(1) if gated else None
-        keep.clear()
-        for l, *_ in plan:
-            for p, out in ((l.weight, l.out_w), (l.bias, l.out_b)):
-                if p is None:
-                    continue
-                if out.dtype == p.dtype:
-                    p.grad = out  # aliases the output buffer: no copy
-                else:
-                    self._set_grad(p, out)
-        if res is None:
-            self._inflight = (ticket, B, info.step_index)
-            self.last_epsilon, self.last_delta = info.epsilon, info.delta
-        else:
-            self._finish(res, B)
-        self._timing(t0, t1, t2)
-        return ok
-
-    def _coefs_out(self, nb, device):
-        """The first nb elements of the engine's coefficients output on
-        `device` (grown when a step needs more; registered once per
-        buffer: the engine holds it, so its reference stays valid)."""
-        if self._coefs is None or self._coefs.numel() < nb or self._coefs.device != device:
-            n = max(nb, 2 * self._coefs.numel() if self._coefs is not None else 0, 64)
-            self._coefs = torch.zeros(n, dtype=torch.float32, device=device)
-            self._coefs_ref = self.client.register_cuda(self._coefs.data_ptr())
-        return self._coefs[:nb]
-
-
-# --- the optimizer wrapper -------------------------------------------------------------
-
-class DPOptimizer(torch.optim.Optimizer):
-    """Wraps an optimizer: step() first has the engine fill param.grad with
-    the private gradient, then runs the wrapped optimizer's step. State,
-    param_groups and defaults are the wrapped optimizer's (LR schedulers
-    work on either)."""
-
-    def __init__(self, optimizer, engine):  # pylint: disable=super-init-not-called
-        # Optimizer.__init__ would rebuild param_groups; share the wrapped ones.
-        self.original_optimizer = optimizer
-        self.engine = engine
-        self._optimizer_step_pre_hooks = collections.OrderedDict()
-        self._optimizer_step_post_hooks = collections.OrderedDict()
-
-    @property
-    def param_groups(self):
-        return self.original_optimizer.param_groups
-
-    @param_groups.setter
-    def param_groups(self, v):
-        self.original_optimizer.param_groups = v
-
-    @property
-    def state(self):
-        return self.original_optimizer.state
-
-    @state.setter
-    def state(self, v):
-        self.original_optimizer.state = v
-
-    @property
-    def defaults(self):
-        return self.original_optimizer.defaults
-
-    @defaults.setter
-    def defaults(self, v):
-        self.original_optimizer.defaults = v
-
-    def zero_grad(self, set_to_none=True):
-        self.engine.clear()
-        self.original_optimizer.zero_grad(set_to_none=set_to_none)
-
-    def step(self, closure=None):
-        if closure is not None:
-            with torch.enable_grad():
-                closure()
-        self.engine.step()
-        return self.original_optimizer.step()
-
-    def add_param_group(self, param_group):
-        self.original_optimizer.add_param_group(param_group)
-
-    def state_dict(self):
-        return self.original_optimizer.state_dict()
-
-    def load_state_dict(self, state_dict):
-        self.original_optimizer.load_state_dict(state_dict)
-
-    def __getstate__(self):
-        return self.__dict__
-
-    def __setstate__(self, state):
-        self.__dict__.update(state)
-
-    def __repr__(self):
-        return "DPOptimizer(%r)" % (self.original_optimizer,)
-
-
-def make_private(model, optimizer, data_loader=None, *, noise_multiplier, max_grad_norm,
-                 loss_reduction="mean", socket_path=None, **kwargs):
-    """Opacus-shaped shorthand: a PrivacyEngine on socket_path attached to
-    model; returns (model, optimizer, data_loader). The engine is
-    optimizer.engine."""
-    engine = PrivacyEngine(socket_path)
+def make_private(model: nn.Module, optimizer: Optional[torch.optim.Optimizer],
+                 data_loader: Optional[DataLoader] = None, *, noise_multiplier: float,
+                 max_grad_norm: float, loss_reduction: str = "mean",
+                 socket_path: Optional[str] = None, job_id: Optional[str] = None, **kwargs: Any
+                 ) -> Tuple[nn.Module, Optional[torch.optim.Optimizer], Optional[DataLoader]]:
+    """Opacus-shaped shorthand: a PrivacyEngine on socket_path (job_id: its
+    ledger account, as PrivacyEngine's) attached to model; returns (model,
+    optimizer, data_loader). The engine is optimizer.engine."""
+    engine = PrivacyEngine(socket_path, job_id=job_id)
     return engine.make_private(module=model, optimizer=optimizer, data_loader=data_loader,
                                noise_multiplier=noise_multiplier, max_grad_norm=max_grad_norm,
                                loss_reduction=loss_reduction, **kwargs)

@@ -1,11 +1,15 @@
 """Fixtures: a real dpclipd per test session.
 
-The daemon comes from $DPCLIPD, else the newest <repo>/build*/dpclipd; the
-library from $DPCLIP_LIBRARY, else the libdpclip.so beside that dpclipd. It
-runs with --insecure-fixed-seed (deterministic noise, for tests only) on a
-socket in a temporary directory, and reports READY on a pipe, as the C
-harness (tests/support/harness.c) does."""
-import glob
+The daemon comes from $DPCLIPD, else <repo>/build/dpclipd (never another
+build tree, never chosen by modification time); the library from
+$DPCLIP_LIBRARY, else the package's own search (<repo>/build, then the
+installed library; never a sanitizer build). It runs with
+--insecure-fixed-seed (deterministic noise, for tests only) on a socket in a
+temporary directory, reports READY on a pipe, as the C harness
+(tests/support/harness.c) does, and is killed by the kernel if this process
+dies first (PR_SET_PDEATHSIG), so a crashed or killed pytest leaves no
+daemon behind."""
+import ctypes
 import os
 import select
 import signal
@@ -20,22 +24,30 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, os.path.dirname(HERE))  # the package, when not installed
 
+_PR_SET_PDEATHSIG = 1
+
 
 def find_dpclipd():
     env = os.environ.get("DPCLIPD")
     if env:
         return env
-    found = glob.glob(os.path.join(REPO, "build*", "dpclipd"))
-    if not found:
-        raise RuntimeError("dpclipd not found: set DPCLIPD or build the repository")
-    return max(found, key=os.path.getmtime)
+    built = os.path.join(REPO, "build", "dpclipd")
+    if not os.path.exists(built):
+        raise RuntimeError("dpclipd not found: set DPCLIPD or build the repository "
+                           "(sh scripts/build.sh build)")
+    return built
 
 
 DPCLIPD = find_dpclipd()
-if not os.environ.get("DPCLIP_LIBRARY"):
-    _lib_path = os.path.join(os.path.dirname(DPCLIPD), "libdpclip.so")
-    if os.path.exists(_lib_path):
-        os.environ["DPCLIP_LIBRARY"] = _lib_path
+
+
+def _die_with_parent(parent):
+    """preexec_fn of the daemon: SIGTERM (its clean shutdown) when the
+    process that started it dies, however it dies."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+    if os.getppid() != parent:  # it died before the prctl
+        os._exit(1)
 
 
 class Daemon:
@@ -52,7 +64,7 @@ class Daemon:
                  "--insecure-fixed-seed", "1234", "--log-level", "warn", "--workers", "2",
                  "--ledger-dir", "",  # in-memory ledger: no state directory needed
                  "--config", "/dev/null",  # not a config file installed on this machine
-                 *extra], pass_fds=(w,))
+                 *extra], pass_fds=(w,), preexec_fn=lambda p=os.getpid(): _die_with_parent(p))
         finally:
             os.close(w)
         got = b""

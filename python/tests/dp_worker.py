@@ -1,6 +1,8 @@
 """The per-rank half of the data-parallel test (spawned processes import
 this module by name; it must not be a test module)."""
+import contextlib
 import datetime
+import io
 import os
 
 import torch
@@ -177,5 +179,45 @@ def run_rank_loader(rank, world, init_file, socket_path, out_dir):
                "shard": sorted({i for idx, in good for i in idx.tolist()}),
                "masks": [[i // world for i in idx.tolist()] for idx, in good]}
         torch.save(out, os.path.join(out_dir, "loader%d.pt" % rank))
+    finally:
+        dist.destroy_process_group()
+
+
+def run_rank_job_id(rank, world, init_file, socket_path, out_dir):
+    """Engines without a job id: one made before init_process_group (each
+    rank generates its own), whose make_private adopts rank 0's; what each
+    rank printed; rank 1's sigma-0 step as a share of rank 0's job (finite
+    epsilon); and ranks given different job ids."""
+    engine = PrivacyEngine(socket_path)
+    out = {"before": engine.job_id}
+    dist.init_process_group("gloo", init_method="file://" + init_file, rank=rank,
+                            world_size=world, timeout=datetime.timedelta(seconds=120))
+    try:
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 2)
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err):
+            model, opt, _ = engine.make_private(
+                module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                noise_multiplier=1.0, max_grad_norm=1.0, expected_batch_size=4,
+                sample_rate=0.01, target_delta=1e-5)
+        out["after"], out["printed"] = engine.job_id, err.getvalue()
+        opt.zero_grad()
+        model(torch.randn(3, 4)).sum().backward()
+        opt.step()
+        out["epsilon"] = engine.last_epsilon
+        engine.close()
+
+        other = PrivacyEngine(socket_path, job_id="pytest-explicit-%d" % rank)
+        try:
+            m = torch.nn.Linear(4, 2)
+            other.make_private(module=m, optimizer=torch.optim.SGD(m.parameters(), lr=0.1),
+                               noise_multiplier=1.0, max_grad_norm=1.0, expected_batch_size=4)
+            out["mismatch"] = None
+        except ValueError as e:
+            out["mismatch"] = str(e)
+        finally:
+            other.close()
+        torch.save(out, os.path.join(out_dir, "job%d.pt" % rank))
     finally:
         dist.destroy_process_group()

@@ -10,7 +10,7 @@ import torch.multiprocessing as mp
 
 from dpclip import _lib
 from dpclip.torch import PrivacyEngine, reduce_loss
-from dp_worker import run_rank, run_rank_failure, run_rank_loader
+from dp_worker import run_rank, run_rank_failure, run_rank_job_id, run_rank_loader
 from models import SeqModel, per_sample_losses, seq_data
 
 
@@ -104,3 +104,26 @@ def test_loaders_must_sample_for_the_engines_ranks(daemon, tmp_path):
         assert got[r]["good"] is None, got[r]["good"]
         assert got[r]["shard"] and all(i % 2 == r for i in got[r]["shard"])
     assert got[0]["masks"] != got[1]["masks"]
+
+
+def test_ranks_without_a_job_id_use_rank_0s(daemon, tmp_path):
+    """Engines made without job_id, before init_process_group, each with
+    its own fresh id: make_private gives every rank rank 0's (printed once,
+    by rank 0), so rank 1's noiseless steps are shares of rank 0's account
+    (a finite epsilon, not a job of its own without privacy). Ranks given
+    different job ids are refused, naming both."""
+    _spawn(run_rank_job_id, (2, str(tmp_path / "init"), daemon.socket, str(tmp_path)))
+    got = [torch.load(os.path.join(str(tmp_path), "job%d.pt" % r)) for r in range(2)]
+    assert got[0]["before"] != got[1]["before"]
+    assert got[0]["after"] == got[1]["after"] == got[0]["before"]
+    assert got[0]["printed"] == "dpclip: job id %s (pass job_id= to share an account)\n" % \
+        got[0]["after"]
+    assert got[1]["printed"] == ""
+    assert 0 < got[0]["epsilon"] < math.inf, got[0]["epsilon"]
+    # a share's reply carries the job's epsilon so far (0 where it came
+    # first); a sigma-0 job of its own would be charged as no privacy (inf)
+    assert 0 <= got[1]["epsilon"] < math.inf, got[1]["epsilon"]
+    assert got[0]["mismatch"] is None
+    msg = got[1]["mismatch"]
+    assert msg is not None and "job_id" in msg and "'pytest-explicit-1'" in msg and \
+        "'pytest-explicit-0'" in msg, msg

@@ -1,14 +1,17 @@
-"""The ctypes bindings: struct layouts against the C header, errors, buffers."""
+"""The ctypes bindings: struct layouts against the C header, the library's
+ABI exports checked at import, which library is loaded, errors, buffers."""
 import ctypes
 import os
 import shutil
 import subprocess
+import sys
+import time
 
 import pytest
 
-from conftest import REPO
+from conftest import DPCLIPD, REPO
 import dpclip
-from dpclip import _lib
+from dpclip import _lib, _loader
 
 FIELDS = {
     "dpclip_tensor": ["buffer", "offset", "dtype", "ndim", "shape"],
@@ -26,14 +29,42 @@ FIELDS = {
                           "bias_grad_out", "max_grad_norm"],
     "dpclip_result": ["batch", "n_layers", "norms", "coefs", "layer_norms", "layer_coefs",
                       "step_index", "compute_ns", "epsilon", "delta"],
+    "dpclip_enqueued": ["step_index", "epsilon", "delta"],
 }
+
+
+def _cc():
+    cc = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+    assert cc, "a C compiler is needed to check the bindings against dpclip.h"
+    return cc
+
+
+def _shared_object(path, source, *flags):
+    """Compiles `source` into the shared object `path`."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    src = path + ".c"
+    with open(src, "w") as f:
+        f.write(source)
+    subprocess.run([_cc(), "-shared", "-fPIC", *flags, src, "-o", path], check=True)
+    return path
+
+
+def _import_dpclip(library, pythonpath=os.path.join(REPO, "python")):
+    """`import dpclip` in a fresh plain python (no sanitizer preloaded) with
+    DPCLIP_LIBRARY=library (None: unset); prints the library it loaded."""
+    env = {k: v for k, v in os.environ.items() if k not in ("DPCLIP_LIBRARY", "LD_PRELOAD")}
+    if library is not None:
+        env["DPCLIP_LIBRARY"] = library
+    env["PYTHONPATH"] = pythonpath
+    return subprocess.run([sys.executable, "-c", "import dpclip; print(dpclip.lib().path)"],
+                          env=env, cwd=os.path.dirname(pythonpath), capture_output=True,
+                          text=True, timeout=120)
 
 
 def test_struct_layouts_match_the_header(tmp_path):
     """Compile a program that prints sizeof/offsetof of every struct the
     bindings mirror, and compare with ctypes."""
-    cc = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
-    assert cc, "a C compiler is needed to check the bindings against dpclip.h"
+    cc = _cc()
     lines = ['#include <stdio.h>', '#include <stddef.h>', '#include "dpclip.h"',
              'int main(void) {']
     for s, fields in FIELDS.items():
@@ -57,6 +88,116 @@ def test_struct_layouts_match_the_header(tmp_path):
         assert [n for n, _ in py._fields_] == fields, s
         for f in fields:
             assert getattr(py, f).offset == c[(s, f)], "%s.%s" % (s, f)
+        # what the library exports for the check at import
+        assert dpclip.lib().dpclip_sizeof(s.encode()) == c[(s, "sizeof")], s
+    assert dpclip.lib().dpclip_sizeof(b"dpclip_no_such_struct") == 0
+
+
+def _abi_source(version, sizes):
+    cases = "".join('    if (!strcmp(n, "%s")) return %d;\n' % kv for kv in sizes.items())
+    return ('#include <stddef.h>\n#include <string.h>\n'
+            'const char *dpclip_version(void) { return "%s"; }\n'
+            'size_t dpclip_sizeof(const char *n) {\n%s    return 0;\n}\n' % (version, cases))
+
+
+def test_import_refuses_a_library_of_another_abi(tmp_path):
+    """import dpclip itself (not only this suite) refuses a library whose
+    release or struct sizes differ from the package's, or that exports no
+    ABI information, naming what differs."""
+    sizes = {n: ctypes.sizeof(t) for n, t in _lib.STRUCTS.items()}
+    grown = dict(sizes, dpclip_result=sizes["dpclip_result"] + 8)
+    cases = {
+        "grown": (_abi_source(dpclip.__version__, grown), "dpclip_result is %d bytes there"
+                  % grown["dpclip_result"]),
+        "release": (_abi_source("9.9.9", sizes), "libdpclip 9.9.9, this package is dpclip %s"
+                    % dpclip.__version__),
+        "old": ("int dpclip_ping(void *c) { return 0; }\n", "exports no dpclip_version"),
+    }
+    for name, (source, words) in cases.items():
+        so = _shared_object(str(tmp_path / name / "libdpclip.so"), source)
+        p = _import_dpclip(so)
+        assert p.returncode != 0, (name, p.stdout)
+        assert "ImportError" in p.stderr and so in p.stderr and words in p.stderr, \
+            (name, p.stderr)
+
+
+def test_one_version_number():
+    """The release is written once (client/dpclip.h): the package, the
+    library and the daemon report the same one, and no other file of the
+    build spells it out."""
+    v = dpclip.__version__
+    with open(os.path.join(REPO, "client", "dpclip.h")) as f:
+        header = f.read()
+    assert v == ".".join(header.split("DPCLIP_VERSION_%s " % k)[1].split()[0]
+                         for k in ("MAJOR", "MINOR", "PATCH"))
+    assert dpclip.lib().dpclip_version().decode() == v
+    out = subprocess.run([DPCLIPD, "--version"], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["dpclipd", v]
+    for f in ("CMakeLists.txt", "python/pyproject.toml", "python/dpclip/__init__.py"):
+        with open(os.path.join(REPO, f)) as fh:
+            assert v not in fh.read(), "%s spells out the version again" % f
+
+
+PLAIN = "int dpclip_fake(void) { return 1; }\n"
+
+
+def test_library_search_prefers_build_and_never_a_sanitizer_build(tmp_path, monkeypatch):
+    """build/libdpclip.so first, then the installed one: never a newer
+    build-asan/, never by modification time, never a sanitizer build."""
+    monkeypatch.delenv("DPCLIP_LIBRARY", raising=False)
+    repo = tmp_path / "repo"
+    (repo / "client").mkdir(parents=True)
+    (repo / "client" / "dpclip.h").write_text("")
+    plain = _shared_object(str(repo / "build" / "libdpclip.so"), PLAIN)
+    asan = _shared_object(str(repo / "build-asan" / "libdpclip.so"), PLAIN, "-fsanitize=address")
+    later = time.time() + 3600
+    os.utime(asan, (later, later))
+    assert _loader.sanitizer_runtime(plain) is None
+    assert _loader.sanitizer_runtime(asan).startswith("libasan")
+    cands, skipped, from_env = _loader.candidates(str(repo))
+    assert cands[0] == plain and not from_env and not skipped
+    assert not [c for c in cands if "build-asan" in c]
+    # build/ itself configured with -DDPCLIP_SANITIZE=ON: passed over, saying why
+    shutil.copy(asan, plain)
+    cands, skipped, _ = _loader.candidates(str(repo))
+    assert plain not in cands and not [c for c in cands if "build-asan" in c]
+    assert len(skipped) == 1 and plain in skipped[0] and "sanitizer build" in skipped[0]
+
+
+def _plain_build_library():
+    for path in (dpclip.lib().path, os.path.join(REPO, "build", "libdpclip.so")):
+        if os.path.exists(path) and _loader.sanitizer_runtime(path) is None:
+            return path
+    pytest.skip("no plain (non-sanitizer) libdpclip.so built here")
+
+
+def test_checkout_after_a_sanitizer_build_imports_the_plain_build(tmp_path):
+    """The README's example after scripts/test.sh: a checkout whose newest
+    library is build-asan's. A plain python imports dpclip with build/'s
+    (it died with "ASan runtime does not come first")."""
+    repo = tmp_path / "repo"
+    shutil.copytree(os.path.join(REPO, "python", "dpclip"), str(repo / "python" / "dpclip"),
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    (repo / "client").mkdir()
+    shutil.copy(os.path.join(REPO, "client", "dpclip.h"), str(repo / "client"))
+    (repo / "build").mkdir()
+    plain = shutil.copy(_plain_build_library(), str(repo / "build" / "libdpclip.so"))
+    asan = _shared_object(str(repo / "build-asan" / "libdpclip.so"), PLAIN, "-fsanitize=address")
+    later = time.time() + 3600
+    os.utime(asan, (later, later))
+    p = _import_dpclip(None, str(repo / "python"))
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.strip() == plain and "ASan" not in p.stderr
+
+
+def test_a_sanitizer_build_named_without_its_runtime_is_refused(tmp_path):
+    """DPCLIP_LIBRARY naming an ASan build in a python without the ASan
+    runtime preloaded: an ImportError saying so, not a dead interpreter."""
+    asan = _shared_object(str(tmp_path / "libdpclip.so"), PLAIN, "-fsanitize=address")
+    p = _import_dpclip(asan)
+    assert p.returncode == 1 and "ImportError" in p.stderr, p.stderr
+    assert "sanitizer build" in p.stderr and "LD_PRELOAD" in p.stderr and asan in p.stderr
+    assert "ASan runtime does not come first" not in p.stderr
 
 
 def test_daemon_down_is_a_clear_error(tmp_path):

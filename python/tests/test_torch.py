@@ -11,7 +11,8 @@ from torch.utils.data import DataLoader, TensorDataset
 import dpclip
 from dpclip import _lib
 from dpclip.data import DPDataLoader
-from dpclip.torch import PrivacyEngine, UnsupportedModuleError, make_private, reduce_loss
+from dpclip.torch import (PrivacyEngine, UnsupportedModuleError, fresh_job_id, make_private,
+                          reduce_loss)
 from models import (FlatModel, SeqModel, flat_data, per_sample_losses, reference, seq_data,
                     HAS_RMSNORM)
 
@@ -374,3 +375,53 @@ def test_mean_loss_needs_expected_batch_size(daemon):
     with pytest.raises(ValueError, match="expected_batch_size"):
         make_private(model, opt, noise_multiplier=1.0, max_grad_norm=1.0,
                      socket_path=daemon.socket, sample_rate=0.01)
+
+
+def _ledger_engine(socket, job_id=None):
+    model = nn.Linear(4, 2)
+    engine = PrivacyEngine(socket, job_id=job_id)
+    model, opt, _ = engine.make_private(
+        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        noise_multiplier=1.0, max_grad_norm=1.0, loss_reduction="sum", sample_rate=0.01,
+        target_delta=1e-5, distributed=False)
+    return engine, model, opt
+
+
+def _epsilons(engine, model, opt, n):
+    out = []
+    for _ in range(n):
+        opt.zero_grad()
+        model(torch.randn(3, 4)).sum().backward()
+        opt.step()
+        out.append(engine.last_epsilon)
+    engine.close()
+    return out
+
+
+def test_engines_without_a_job_id_have_accounts_of_their_own(daemon, capsys):
+    """No job id is a fresh account per engine (it was one shared account
+    for every run), printed once: a second engine's first step costs what
+    the first engine's first step did."""
+    e1, m1, o1 = _ledger_engine(daemon.socket)
+    first = _epsilons(e1, m1, o1, 2)
+    e2, m2, o2 = _ledger_engine(daemon.socket)
+    second = _epsilons(e2, m2, o2, 1)
+    assert 0 < first[0] < first[1]
+    assert e1.job_id != e2.job_id
+    assert second[0] == pytest.approx(first[0], rel=1e-9)
+    err = capsys.readouterr().err
+    for e in (e1, e2):
+        assert err.count("dpclip: job id %s (pass job_id= to share an account)\n" % e.job_id) == 1
+
+
+def test_a_job_id_given_shares_its_account(daemon, capsys):
+    """An explicit job id is the way to share (or resume) an account: the
+    second engine's step adds to the first's spend, and nothing is printed."""
+    job = "pytest-shared-" + fresh_job_id()
+    e1, m1, o1 = _ledger_engine(daemon.socket, job)
+    first = _epsilons(e1, m1, o1, 1)
+    e2, m2, o2 = _ledger_engine(daemon.socket, job)
+    second = _epsilons(e2, m2, o2, 1)
+    assert e1.job_id == e2.job_id == job
+    assert 0 < first[0] < second[0]
+    assert "dpclip: job id" not in capsys.readouterr().err

@@ -1,0 +1,154 @@
+"""The CUDA transport: GPU tensors are named in place through CUDA IPC (one
+registration per caching-allocator block, cached by libdpclip), outputs go
+into param-shaped CUDA tensors the layers own and param.grad aliases, and
+ordering uses two interprocess events per device: the trainer records
+`ready` on its stream before the step, the daemon waits on it and records
+`done`, the trainer's stream waits on `done`. No host synchronisation beyond
+the step's reply (or, asynchronous, its early notice)."""
+import time
+from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
+
+import torch
+
+from . import _lib
+from ._layers import _tref
+from ._planner import LayerPlan, add_layers, out_dtype, set_grad
+
+
+class CudaRun(NamedTuple):
+    """What CudaIPC.run did: res, the step's result (None when it was
+    submitted asynchronously: collect `ticket` later; `info` is its early
+    notice); ok, data parallel, a [1] f32 flag on the device (1 where the
+    daemon committed the step); t1/t2 when it was sent and answered."""
+    res: Optional[_lib.StepResult]
+    ticket: int
+    info: Optional[_lib.Enqueued]
+    ok: Optional[torch.Tensor]
+    t1: float
+    t2: float
+
+
+class CudaIPC:
+    """One engine's CUDA plumbing: its interprocess events per device and
+    (data parallel) the coefficients output the daemon writes."""
+
+    def __init__(self, client: _lib.Client) -> None:
+        self.client = client
+        # cuda device index -> (ready, done, ready_id, done_id)
+        self._events: Dict[int, Tuple[torch.cuda.Event, torch.cuda.Event, int, int]] = {}
+        # Data parallel: the [B] coefficients output the daemon writes
+        # (zeroed before each step: zero after it unless it succeeded).
+        self._coefs: Optional[torch.Tensor] = None
+        self._coefs_ref: Optional[Tuple[int, int]] = None
+
+    def events(self, device: torch.device) -> Tuple[torch.cuda.Event, torch.cuda.Event, int, int]:
+        idx = device.index if device.index is not None else torch.cuda.current_device()
+        ev = self._events.get(idx)
+        if ev is None:
+            with torch.cuda.device(idx):
+                ready = torch.cuda.Event(enable_timing=False, blocking=False, interprocess=True)
+                done = torch.cuda.Event(enable_timing=False, blocking=False, interprocess=True)
+                rid = self.client.register_event(ready.ipc_handle(), idx)
+                did = self.client.register_event(done.ipc_handle(), idx)
+            ev = self._events[idx] = (ready, done, rid, did)
+        return ev
+
+    def ref(self, t: torch.Tensor, shape: Tuple[int, ...]) -> _lib.Tensor:
+        bid, off = self.client.register_cuda(t.data_ptr())
+        return _tref(bid, off, t.dtype, shape)
+
+    def coefs_out(self, nb: int, device: torch.device) -> torch.Tensor:
+        """The first nb elements of the coefficients output on `device`
+        (grown when a step needs more; registered once per buffer: the
+        engine holds it, so its reference stays valid)."""
+        if self._coefs is None or self._coefs.numel() < nb or self._coefs.device != device:
+            n = max(nb, 2 * self._coefs.numel() if self._coefs is not None else 0, 64)
+            self._coefs = torch.zeros(n, dtype=torch.float32, device=device)
+            self._coefs_ref = self.client.register_cuda(self._coefs.data_ptr())
+        return self._coefs[:nb]
+
+    def run(self, step: _lib.Step, plan: Sequence[LayerPlan], nb: int, device: torch.device,
+            algorithm: int, gated: bool, asynchronous: bool) -> CudaRun:
+        """Sends the planned step of nb samples on `device`; param.grad
+        aliases (or, in another dtype, holds) the daemon's outputs, valid on
+        the current stream. gated: data parallel, have the daemon write the
+        coefficients and return the success flag."""
+        keep: List[Tuple[torch.Tensor, torch.Tensor]] = []
+        tensors: List[Tuple[torch.Tensor, torch.Tensor]] = []
+        for l, inp, g, in_shape, in_dt, g_shape, g_dt in plan:
+            if inp is None:
+                inp = torch.zeros(in_shape, dtype=in_dt, device=device)
+                g = torch.zeros(g_shape, dtype=g_dt, device=device)
+            else:
+                # (guarded: each call costs host time even when it is a no-op)
+                if inp.dtype != in_dt:
+                    inp = inp.to(in_dt)
+                if not inp.is_contiguous():
+                    inp = inp.contiguous()
+                if g.dtype != g_dt:
+                    g = g.to(g_dt)
+                if not g.is_contiguous():
+                    g = g.contiguous()
+            if l.out_w is None:
+                w_dt = out_dtype(l.weight)
+                l.out_w = torch.empty(l.weight.shape, dtype=w_dt, device=device)
+                if l.bias is not None:
+                    l.out_b = torch.empty(l.bias.shape, dtype=w_dt, device=device)
+            keep.append((inp, g))
+            tensors.append((inp, g))
+        ready, done, rid, did = self.events(device)
+
+        def refs(i: int) -> Tuple[_lib.Tensor, _lib.Tensor, _lib.Tensor, _lib.Tensor]:
+            l, _, _, in_shape, _, g_shape, _ = plan[i]
+            inp, g = tensors[i]
+            if l.out_refs is None:
+                # The engine holds the output tensors for its lifetime, so
+                # their allocation cannot be freed and reused: the references
+                # stay valid and are made once (activations and output grads
+                # are new tensors every step and go through libdpclip's check).
+                l.out_refs = (self.ref(l.out_w, tuple(l.out_w.shape)),
+                              self.ref(l.out_b, tuple(l.out_b.shape))
+                              if l.out_b is not None else _lib.Tensor())
+            return (self.ref(inp, in_shape), self.ref(g, g_shape)) + l.out_refs
+
+        step.reset(nb)
+        ticket, info, res = 0, None, None
+        with torch.cuda.device(device):
+            add_layers(step, plan, algorithm, refs)
+            stream = torch.cuda.current_stream(device)
+            if gated:
+                coefs = self.coefs_out(nb, device)
+                coefs.zero_()  # stays zero unless the daemon's step succeeds
+                step.set_outputs(coefs_out=_tref(self._coefs_ref[0], self._coefs_ref[1],
+                                                 torch.float32, (nb,)))
+            ready.record(stream)
+            step.set_events(rid, did)
+            step.notify_enqueued(asynchronous)
+            t1 = time.perf_counter()
+            if asynchronous:
+                ticket = step.submit(self.client)
+                info = self.client.wait_enqueued(ticket)  # raises an early error
+            else:
+                res = step.run(self.client)
+            t2 = time.perf_counter()
+            # The daemon recorded `done` before replying: from here on the
+            # trainer's stream is ordered after the daemon's writes (and after
+            # its reads of `keep`, whose blocks the allocator may now reuse).
+            stream.wait_event(done)
+            # Data parallel: this step's success flag, on the device. Each
+            # coefficient (min(1, C / norm), > 0 for any finite norm) is
+            # written after the (noised) gradients once the daemon commits
+            # them; zero where it failed after its notice (it writes zeros),
+            # wrote nothing, or died first.
+            ok = (coefs > 0).all().to(torch.float32).reshape(1) if gated else None
+        keep.clear()
+        for lp in plan:
+            l = lp.layer
+            for p, out in ((l.weight, l.out_w), (l.bias, l.out_b)):
+                if p is None:
+                    continue
+                if out.dtype == p.dtype:
+                    p.grad = out  # aliases the output buffer: no copy
+                else:
+                    set_grad(p, out)
+        return CudaRun(res, ticket, info, ok, t1, t2)
