@@ -42,7 +42,7 @@ typedef struct buf {
 typedef struct target {
     char sock[108];    /* the status socket; "" with url */
     char url[256];     /* http://127.0.0.1:PORT; "" with sock */
-    char from[400];
+    char from[512];
 } target;
 
 static size_t on_data(char *ptr, size_t size, size_t n, void *user) {
@@ -70,6 +70,7 @@ static void status_beside(const char *sock, char *out, size_t n) {
 typedef struct conf {
     char daemon_socket[108], status_socket[108];
     unsigned long tcp_port;
+    char problem[160];     /* why the default file was not used ("" = it was, or is absent) */
 } conf;
 
 #ifdef DPCLIP_HAVE_INIH
@@ -85,32 +86,34 @@ static int on_conf(void *user, const char *section, const char *key, const char 
 }
 #endif
 
-/* Reads `path` into *c. A file that is not there is no error unless named
- * (--config); one that is there but unreadable is. 0, or 2 (said why). */
+/* Reads `path` into *c. The file named by --config must be readable (else
+ * 2, said why); the default one is used if it is (else c->problem says why
+ * not, for the messages). 0 or 2. */
 static int read_conf(const char *path, bool named, conf *c) {
+    int rc = -1;
     memset(c, 0, sizeof *c);
     if (!named && access(path, F_OK) != 0) return 0;
 #ifdef DPCLIP_HAVE_INIH
-    {
-        int rc = ini_parse(path, on_conf, c);
-        if (rc < 0) {
-            fprintf(stderr, "dpclipctl: cannot read the config file %s: %s\n", path,
-                    strerror(errno));
-            return named ? 2 : 0;
-        }
-        if (rc > 0) {
-            fprintf(stderr, "dpclipctl: %s:%d: not a config line (dpclipd --check-config says "
-                    "more)\n", path, rc);
-            return 2;
-        }
-    }
-    return 0;
+    errno = 0;
+    rc = ini_parse(path, on_conf, c);
+    if (rc < 0)
+        snprintf(c->problem, sizeof c->problem, "cannot be read: %s", strerror(errno));
+    else if (rc > 0)
+        snprintf(c->problem, sizeof c->problem, "has a bad line %d (dpclipd --check-config "
+                 "--config FILE says more)", rc);
 #else
-    if (!named) return 0;
-    fprintf(stderr, "dpclipctl: built without inih: it cannot read %s; use --socket PATH\n",
-            path);
-    return 2;
+    snprintf(c->problem, sizeof c->problem, "cannot be read: dpclipctl was built without inih");
 #endif
+    if (rc == 0) return 0;
+    if (!named) {
+        char keep[sizeof c->problem];
+        memcpy(keep, c->problem, sizeof keep);
+        memset(c, 0, sizeof *c); /* nothing half-read */
+        memcpy(c->problem, keep, sizeof keep);
+        return 0;
+    }
+    fprintf(stderr, "dpclipctl: the config file %s %s; use --socket PATH\n", path, c->problem);
+    return 2;
 }
 
 /* Where the status socket is (see the top). 0, 1 (none), or 2 (usage). */
@@ -153,7 +156,8 @@ static int find_target(const char *config, target *t) {
     } else {
         snprintf(t->sock, sizeof t->sock, "%s", DEFAULT_SOCKET);
         snprintf(t->from, sizeof t->from, "the default; no $DPCLIP_SOCKET, and %s %s", path,
-                 access(path, F_OK) == 0 ? "names no socket" : "does not exist");
+                 c.problem[0] ? c.problem
+                 : access(path, F_OK) == 0 ? "names no socket" : "does not exist");
     }
     return 0;
 }
