@@ -712,7 +712,8 @@ void dc_session_destroy(dc_session *s) {
     free(s->events);
     /* A session that said Hello was logged at info: so is its end. */
     dc_log(s->hello_done ? DC_LOG_INFO : DC_LOG_DEBUG,
-           "session %llu: closed after %llu steps (%llu failed); pid %d uid %u job '%s'",
+           "session %llu: closed after %llu steps done, %llu failed running; pid %d uid %u "
+           "job '%s'",
            (unsigned long long)s->id, (unsigned long long)s->steps,
            (unsigned long long)s->steps_failed, (int)s->peer_pid, (unsigned)s->peer_uid,
            s->job_id);
