@@ -64,12 +64,32 @@ static void fail_all_pending(dpclip_client *c, const char *msg) {
     }
 }
 
+int cl_keep_notice(dpclip_client *c, const Dpclip__Reply *r) {
+    if (r->id != 0 || r->body_case != DPCLIP__REPLY__BODY_ERROR || !r->error ||
+        !r->error->field || strcmp(r->error->field, "daemon") != 0)
+        return 0;
+    snprintf(c->notice, sizeof c->notice, "%s",
+             r->error->message && r->error->message[0] ? r->error->message
+                                                       : "dpclipd is closing the connection");
+    return 1;
+}
+
+int cl_closed(dpclip_client *c) {
+    if (c->notice[0]) return cl_fail(c, DPCLIP_EIO, "daemon", "%s", c->notice);
+    return cl_fail(c, DPCLIP_EIO, "", "the connection to dpclipd is closed");
+}
+
 int cl_die(dpclip_client *c, const char *fmt, ...) {
     va_list ap;
     c->errfield[0] = '\0';
     va_start(ap, fmt);
     vsnprintf(c->errmsg, sizeof c->errmsg, fmt, ap);
     va_end(ap);
+    /* After the daemon's notice, that is why (not "Broken pipe"). */
+    if (c->notice[0]) {
+        snprintf(c->errmsg, sizeof c->errmsg, "%s", c->notice);
+        snprintf(c->errfield, sizeof c->errfield, "daemon");
+    }
     if (c->fd >= 0) close(c->fd);
     c->fd = -1;
     c->rlen = 0;
@@ -221,7 +241,7 @@ int cl_call(dpclip_client *c, Dpclip__Request *req, int pass_fd,
     int rc;
 
     *out = NULL;
-    if (c->fd < 0) return cl_fail(c, DPCLIP_EIO, "", "the connection to dpclipd is closed");
+    if (c->fd < 0) return cl_closed(c);
     if ((rc = cl_reserve_pending(c))) return rc;
     if ((rc = cl_send_request(c, req, pass_fd, deadline))) return rc;
     memset(&p, 0, sizeof p);

@@ -81,6 +81,9 @@ struct dpclip_client {
     uint64_t next_ticket;
     dpclip_daemon_info info;
     int insecure;           /* a reply said the daemon's noise is predictable */
+    char notice[256];       /* the daemon's words about the connection (an Error with
+                             * id 0 and field "daemon": it is shutting down), the
+                             * reason for every failure once the connection ends */
     char errmsg[512];
     char errfield[128];
 
@@ -133,6 +136,11 @@ int cl_fail(dpclip_client *c, int code, const char *field, const char *fmt, ...)
 /* Socket failure: closes the connection (the handle is dead from now on),
  * fails every pending request with DPCLIP_EIO and returns DPCLIP_EIO. */
 int cl_die(dpclip_client *c, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+/* A call on a dead handle: DPCLIP_EIO, with the notice's words if any. */
+int cl_closed(dpclip_client *c);
+/* 1 if r is the daemon's notice about the connection (kept in c->notice,
+ * and answering no request), else 0. */
+int cl_keep_notice(dpclip_client *c, const Dpclip__Reply *r);
 
 void cl_lock(dpclip_client *c);
 /* Drops the lock, then runs the callbacks collected meanwhile. */

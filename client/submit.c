@@ -29,7 +29,7 @@ static int send_step(dpclip_client *c, const dpclip_step *s, cl_req_kind kind, c
     cl_pending p;
     int rc;
 
-    if (c->fd < 0) return cl_fail(c, DPCLIP_EIO, "", "the connection to dpclipd is closed");
+    if (c->fd < 0) return cl_closed(c);
     if ((rc = cl_reserve_pending(c))) return rc;
     if (c->packed_step != s || c->packed_ver != cl_step_version(s)) {
         size_t n;

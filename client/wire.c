@@ -86,7 +86,9 @@ static int refusal(dpclip_client *c) {
     if (got < DC_FRAME_HEADER || dc_frame_get_len(buf) > got - DC_FRAME_HEADER) return 0;
     r = dpclip__reply__unpack(NULL, dc_frame_get_len(buf), buf + DC_FRAME_HEADER);
     if (!r) return 0;
-    if (r->body_case == DPCLIP__REPLY__BODY_ERROR && r->error) {
+    if (cl_keep_notice(c, r)) {
+        rc = cl_die(c, "dpclipd closed the connection"); /* with the notice's words */
+    } else if (r->body_case == DPCLIP__REPLY__BODY_ERROR && r->error) {
         (void)cl_die(c, "dpclipd closed the connection");
         rc = cl_fail(c, cl_daemon_code(r->error->code), r->error->field, "%s",
                      r->error->message ? r->error->message : "");
@@ -180,7 +182,7 @@ int cl_send_request(dpclip_client *c, Dpclip__Request *req, int pass_fd, int64_t
     size_t n;
     int rc;
 
-    if (c->fd < 0) return cl_fail(c, DPCLIP_EIO, "", "the connection to dpclipd is closed");
+    if (c->fd < 0) return cl_closed(c);
     req->id = ++c->next_req_id;
     n = dpclip__request__get_packed_size(req);
     if ((rc = frame_reserve(c, n))) return rc;
@@ -196,7 +198,7 @@ int cl_send_body(dpclip_client *c, const uint8_t *body, size_t len, int64_t dead
     uint64_t v;
     int rc;
 
-    if (c->fd < 0) return cl_fail(c, DPCLIP_EIO, "", "the connection to dpclipd is closed");
+    if (c->fd < 0) return cl_closed(c);
     *id = v = ++c->next_req_id;
     head[h++] = 0x08; /* field 1 (id), varint */
     do {
@@ -236,7 +238,7 @@ static int wait_readable(dpclip_client *c, int64_t deadline) {
 int cl_read_reply(dpclip_client *c, int64_t deadline, Dpclip__Reply **out) {
     *out = NULL;
     for (;;) {
-        if (c->fd < 0) return cl_fail(c, DPCLIP_EIO, "", "the connection to dpclipd is closed");
+        if (c->fd < 0) return cl_closed(c);
         if (c->rlen >= DC_FRAME_HEADER) {
             uint32_t n = dc_frame_get_len(c->rbuf);
             if (n > CL_MAX_REPLY)
@@ -248,6 +250,10 @@ int cl_read_reply(dpclip_client *c, int64_t deadline, Dpclip__Reply **out) {
                 c->rlen -= used;
                 if (!r) return cl_die(c, "dpclipd sent a reply that does not decode");
                 if (r->insecure) c->insecure = 1;
+                if (cl_keep_notice(c, r)) { /* answers no request */
+                    dpclip__reply__free_unpacked(r, NULL);
+                    continue;
+                }
                 *out = r;
                 return 0;
             }

@@ -12,6 +12,7 @@
 #include <unistd.h>
 
 #include "dc_frame.h"
+#include "dc_install.h"
 
 #ifdef DPCLIP_HAVE_INIH
 #include <ini.h>
@@ -495,12 +496,18 @@ int dc_config_load_string(dc_config *c, const char *text, const char *name, dc_e
 
 enum { O_CONFIG = 1000, O_CHECK, O_SET, O_NOGPU, O_READY, O_SEED, O_VERSION, O_HELP };
 
+const char *dc_config_default_path(void) {
+    static char path[DC_CONFIG_PATH_MAX];
+    if (!path[0]) dc_install_config_path(DPCLIP_SBINDIR, path, sizeof path);
+    return path;
+}
+
 void dc_config_usage(FILE *f) {
     fprintf(f, "usage: dpclipd [options]\n"
-               "  --config PATH          config file (default " DC_CONFIG_DEFAULT_PATH
-               " if it exists)\n"
+               "  --config PATH          config file (default %s if it exists)\n"
                "  --check-config         validate the configuration, print it and exit\n"
-               "  --set SECTION.KEY=VALUE  any setting of the config file\n");
+               "  --set SECTION.KEY=VALUE  any setting of the config file\n",
+            dc_config_default_path());
     for (size_t i = 0; i < N_KEYS; i++) {
         char opt[64];
         if (!KEYS[i].flag) continue;
@@ -582,8 +589,8 @@ int dc_config_from_args(dc_config *c, int argc, char **argv, dc_config_action *a
 
     if (path) {
         if ((rc = dc_config_load_file(c, path, err))) return rc;
-    } else if (access(DC_CONFIG_DEFAULT_PATH, F_OK) == 0) {
-        if ((rc = dc_config_load_file(c, DC_CONFIG_DEFAULT_PATH, err))) return rc;
+    } else if (access(dc_config_default_path(), F_OK) == 0) {
+        if ((rc = dc_config_load_file(c, dc_config_default_path(), err))) return rc;
     }
 
     optind = 0;

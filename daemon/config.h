@@ -20,12 +20,10 @@
 #include "dc_err.h"
 #include "log.h"
 
-/* Where the file is looked for without --config (the build's sysconfdir). */
-#ifdef DPCLIP_CONFIG_PATH
-#define DC_CONFIG_DEFAULT_PATH DPCLIP_CONFIG_PATH
-#else
-#define DC_CONFIG_DEFAULT_PATH "/etc/dpclip/dpclipd.conf"
-#endif
+/* Where the file is looked for without --config: the config of the install
+ * this dpclipd belongs to (dc_install.h: also after `cmake --install
+ * --prefix X`), else the build's sysconfdir. */
+const char *dc_config_default_path(void);
 #define DC_CONFIG_MAX_IDS 64
 #define DC_CONFIG_PATH_MAX 256
 

@@ -3,14 +3,20 @@
  * until SIGTERM/SIGINT; SIGHUP rebuilds the configuration the same way and
  * applies it. */
 #include <cblas.h>
+#include <errno.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
 #include "config.h"
 #include "log.h"
 #include "server.h"
+
+/* The directory of the built-in socket (config.c), made by tmpfiles.d. */
+#define DC_SOCKET_DIR "/run/dpclip"
 
 typedef struct args {
     int argc;
@@ -25,6 +31,45 @@ static int rebuild_config(void *arg, dc_config *out, dc_err *err) {
     /* Test-only and one-shot settings stay as they were at start. */
     out->ready_fd = -1;
     return rc;
+}
+
+/* The socket's directory is usually made by systemd (RuntimeDirectory=,
+ * tmpfiles.d): someone trying dpclipd by hand needs to hear how to get one,
+ * or how to do without, rather than "No such file or directory". 1 if it
+ * logged the reason (a missing or unwritable directory), 0 if not. */
+static int explain_socket_dir(const dc_config *cfg, const dc_err *err) {
+    char dir[sizeof cfg->socket], *slash;
+    struct stat st;
+
+    if (strcmp(err->field, "socket") != 0 || err->code != DC_EUNAVAIL) return 0;
+    snprintf(dir, sizeof dir, "%s", cfg->socket);
+    if (!(slash = strrchr(dir, '/'))) return 0;
+    slash[slash == dir] = '\0'; /* "/" stays */
+    if (stat(dir, &st) != 0 && errno == ENOENT) {
+        if (strcmp(dir, DC_SOCKET_DIR) == 0)
+            dc_log_error("daemon.socket: cannot create %s: %s does not exist. Run dpclipd with "
+                         "--socket PATH in a directory you can write (and trainers with "
+                         "DPCLIP_SOCKET=PATH), or create %s with `sudo systemd-tmpfiles "
+                         "--create` (cmake --install puts dpclip's tmpfiles.d entry in place; "
+                         "`sudo systemd-sysusers` first makes its user)",
+                         cfg->socket, dir, dir);
+        else
+            dc_log_error("daemon.socket: cannot create %s: %s does not exist. Create it, or "
+                         "run dpclipd with --socket PATH in a directory you can write (and "
+                         "trainers with DPCLIP_SOCKET=PATH)", cfg->socket, dir);
+        return 1;
+    }
+    if (access(dir, W_OK | X_OK) != 0 && errno == EACCES) {
+        dc_log_error("daemon.socket: cannot create %s: this user may not create files in %s%s. "
+                     "Run dpclipd with --socket PATH in a directory you can write (and "
+                     "trainers with DPCLIP_SOCKET=PATH)%s", cfg->socket, dir,
+                     strcmp(dir, DC_SOCKET_DIR) == 0 ? " (it is the service's)" : "",
+                     strcmp(dir, DC_SOCKET_DIR) == 0
+                         ? ", or run the installed service: `sudo systemctl start dpclipd.socket`"
+                         : "");
+        return 1;
+    }
+    return 0;
 }
 
 int main(int argc, char **argv) {
@@ -64,7 +109,9 @@ int main(int argc, char **argv) {
         return 1;
     }
     if (dc_server_init(&srv, &loop, &cfg, rebuild_config, &a, &err) != 0) {
-        dc_log_error("%s%s%s", err.field[0] ? err.field : "", err.field[0] ? ": " : "", err.msg);
+        if (!explain_socket_dir(&cfg, &err))
+            dc_log_error("%s%s%s", err.field[0] ? err.field : "", err.field[0] ? ": " : "",
+                         err.msg);
         uv_run(&loop, UV_RUN_NOWAIT);
         uv_loop_close(&loop);
         return 1;

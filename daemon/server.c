@@ -389,6 +389,7 @@ void dc_server_shutdown(dc_server *srv) {
      * later), never synchronously: iterating with `next` is safe. */
     for (s = srv->sessions; s; s = next) {
         next = s->next;
+        dc_session_notify_shutdown(s);
         dc_session_shutdown(s);
     }
     maybe_finish(srv);

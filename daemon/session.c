@@ -14,6 +14,9 @@
 #include "session_int.h"
 #include "wire.h"
 
+/* Failed steps: at most one log line per session per period. */
+#define DC_SESSION_LOG_PERIOD_NS 1000000000ull
+
 /* One packed reply frame waiting to be written. */
 struct dc_wbuf {
     dc_wbuf *next;
@@ -92,6 +95,20 @@ void dc_session_send(dc_session *s, Dpclip__Reply *reply) {
     session_flush(s);
 }
 
+/* A failed step is what an operator looks for when a trainer misbehaves:
+ * at info, naming the error; a trainer failing every step gets one line a
+ * second (with the count held back), not one per step. */
+static void log_failed_step(dc_session *s, const dc_err *e) {
+    uint64_t skipped;
+    char more[96] = "";
+    if (!dc_log_limit_pass(&s->fail_log, uv_hrtime(), DC_SESSION_LOG_PERIOD_NS, &skipped)) return;
+    if (skipped)
+        snprintf(more, sizeof more, " (%llu more failed steps since the previous line)",
+                 (unsigned long long)skipped);
+    dc_log_info("session %llu: step failed (%s%s%s): %s%s", (unsigned long long)s->id,
+                dc_code_name(e->code), e->field[0] ? ", " : "", e->field, e->msg, more);
+}
+
 void dc_session_send_error(dc_session *s, uint64_t id, const dc_err *e) {
     Dpclip__Reply reply = DPCLIP__REPLY__INIT;
     Dpclip__Error er = DPCLIP__ERROR__INIT;
@@ -101,8 +118,11 @@ void dc_session_send_error(dc_session *s, uint64_t id, const dc_err *e) {
     reply.id = id;
     reply.body_case = DPCLIP__REPLY__BODY_ERROR;
     reply.error = &er;
-    dc_log_debug("session %llu: request %llu: error %d %s: %s", (unsigned long long)s->id,
-                 (unsigned long long)id, (int)e->code, e->field, e->msg);
+    /* Replies go in request order and a step holds back the requests after
+     * it: an error for the last ClipStep's id is that step's. */
+    if (id && id == s->step_req_id) log_failed_step(s, e);
+    else dc_log_debug("session %llu: request %llu: error %d %s: %s", (unsigned long long)s->id,
+                      (unsigned long long)id, (int)e->code, e->field, e->msg);
     dc_session_send(s, &reply);
 }
 
@@ -327,6 +347,7 @@ static void dispatch(dc_session *s, const uint8_t *payload, size_t len, uint64_t
     if (s->hello_done && nfds == 0 && dc_wire_step_key(payload, len, &id, &k)) {
         key = payload + k;
         key_len = len - k;
+        s->step_req_id = id;
         dc_session_prewait(s);
         if (dc_session_step_cached(s, id, key, key_len)) {
             s->srv->metrics.requests[DC_REQ_STEP]++;
@@ -375,6 +396,7 @@ static void dispatch(dc_session *s, const uint8_t *payload, size_t len, uint64_t
         handle_release(s, req->id, req->release_buffer);
         break;
     case DPCLIP__REQUEST__BODY_CLIP_STEP:
+        s->step_req_id = req->id;
         dc_session_step(s, req->id, req->clip_step, key, key_len);
         break;
     case DPCLIP__REQUEST__BODY_REGISTER_EVENT:
@@ -692,8 +714,13 @@ void dc_session_destroy(dc_session *s) {
     for (size_t i = 0; i < s->n_events; i++)
         dc_gpu_close_event(&s->srv->gpu, s->events[i].device, s->events[i].event);
     free(s->events);
-    dc_log_debug("session %llu: closed after %llu steps", (unsigned long long)s->id,
-                 (unsigned long long)s->steps);
+    /* A session that said Hello was logged at info: so is its end. */
+    dc_log(s->hello_done ? DC_LOG_INFO : DC_LOG_DEBUG,
+           "session %llu: closed after %llu steps done, %llu failed running; pid %d uid %u "
+           "job '%s'",
+           (unsigned long long)s->id, (unsigned long long)s->steps,
+           (unsigned long long)s->steps_failed, (int)s->peer_pid, (unsigned)s->peer_uid,
+           s->job_id);
     for (int i = 0; i < s->nfds; i++) close(s->fds[i].fd);
     while (s->w_head) {
         dc_wbuf *w = s->w_head;
@@ -717,6 +744,13 @@ void dc_session_close(dc_session *s) {
     uv_close((uv_handle_t *)&s->timer, on_handle_closed);
     /* last: the group fails the steps waiting for this member at once */
     dc_session_group_leave(s, "disconnected");
+}
+
+void dc_session_notify_shutdown(dc_session *s) {
+    dc_err e;
+    if (s->gone) return;
+    dc_err_set(&e, DC_EUNAVAIL, "daemon", "dpclipd is shutting down");
+    dc_session_send_error(s, 0, &e);
 }
 
 void dc_session_shutdown(dc_session *s) {

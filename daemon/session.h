@@ -16,6 +16,7 @@
 #include <uv.h>
 
 #include "ledger.h"
+#include "log.h"
 #include "registry.h"
 #include "validate.h"
 
@@ -80,6 +81,8 @@ typedef struct dc_session {
     struct dc_group *group;          /* the norm group joined (a reference), or NULL */
     uint32_t group_rank;
     uint64_t group_steps;            /* the last group step this member delivered */
+    uint64_t step_req_id;            /* the last ClipStep taken up: its error is logged */
+    dc_log_limit fail_log;           /* failed steps logged at most once a second */
     /* The last ClipStep that validated (session_step.c), so that the same
      * step sent again (a trainer's every iteration) skips decoding and
      * validation: the request's bytes after its id, the registry generation
@@ -115,6 +118,9 @@ void dc_session_refuse(int fd, const dc_err *e);
 void dc_session_limits_changed(dc_session *s);
 /* Server shutdown: reply to the step in flight (if any), then close. */
 void dc_session_shutdown(dc_session *s);
+/* Server shutdown, first: tells the client why its connection will close
+ * (an Error with id 0 and field "daemon": docs/protocol.md). */
+void dc_session_notify_shutdown(dc_session *s);
 /* Closes now, dropping queued replies (the step in flight, if any, still
  * completes before the memory goes). */
 void dc_session_close(dc_session *s);

@@ -11,6 +11,8 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <sys/socket.h>
+#include <sys/un.h>
 #include <unistd.h>
 
 #include <cmocka.h>
@@ -643,6 +645,104 @@ static void test_daemon_gone(void **state) {
     dpclip_disconnect(c);
 }
 
+/* A daemon stopped with SIGTERM: its notice is the reason calls then give,
+ * not "Broken pipe" or "closed the connection". */
+static void test_shutdown_reason(void **state) {
+    (void)state;
+    dc_harness h2;
+    dpclip_client *c = NULL;
+    assert_int_equal(dc_harness_start(&h2, "--workers 1"), 0);
+    assert_int_equal(dpclip_connect(h2.sock, NULL, &c), 0);
+    assert_int_equal(dc_harness_stop(&h2), 0);
+    assert_int_equal(dpclip_ping(c), DPCLIP_EIO);
+    assert_string_equal(dpclip_errmsg(c), "dpclipd is shutting down");
+    assert_string_equal(dpclip_errfield(c), "daemon");
+    assert_int_equal(dpclip_ping(c), DPCLIP_EIO); /* and on the dead handle */
+    assert_string_equal(dpclip_errmsg(c), "dpclipd is shutting down");
+    dpclip_disconnect(c);
+}
+
+/* One frame of a scripted daemon (fake_daemon). */
+static void fake_send(int fd, Dpclip__Reply *r) {
+    uint8_t buf[1024];
+    size_t n = dpclip__reply__get_packed_size(r);
+    assert_true(n + DC_FRAME_HEADER <= sizeof buf);
+    dc_frame_put_len(buf, (uint32_t)n);
+    dpclip__reply__pack(r, buf + DC_FRAME_HEADER);
+    assert_int_equal(dc_raw_send(fd, buf, DC_FRAME_HEADER + n), 0);
+}
+
+/* Plays a daemon that shuts down while a request is in flight: answers the
+ * Hello, then sends the notice before the Ping's reply, then closes. */
+static void *fake_daemon(void *arg) {
+    int lfd = *(int *)arg, fd = accept(lfd, NULL, NULL);
+    for (int i = 0; i < 2 && fd >= 0; i++) {
+        uint8_t hdr[DC_FRAME_HEADER], buf[1024];
+        Dpclip__Request *req;
+        Dpclip__Reply r = DPCLIP__REPLY__INIT;
+        uint32_t len;
+        if (recv(fd, hdr, sizeof hdr, MSG_WAITALL) != (ssize_t)sizeof hdr) break;
+        len = dc_frame_get_len(hdr);
+        if (len > sizeof buf || recv(fd, buf, len, MSG_WAITALL) != (ssize_t)len) break;
+        if (!(req = dpclip__request__unpack(NULL, len, buf))) break;
+        r.id = req->id;
+        if (req->body_case == DPCLIP__REQUEST__BODY_HELLO) {
+            Dpclip__HelloReply h = DPCLIP__HELLO_REPLY__INIT;
+            h.protocol_version = DC_PROTOCOL_VERSION;
+            h.max_frame = 1u << 20;
+            r.body_case = DPCLIP__REPLY__BODY_HELLO;
+            r.hello = &h;
+            fake_send(fd, &r);
+        } else {
+            Dpclip__Reply n = DPCLIP__REPLY__INIT;
+            Dpclip__Error e = DPCLIP__ERROR__INIT;
+            Dpclip__Pong pong = DPCLIP__PONG__INIT;
+            e.code = DPCLIP__ERROR_CODE__UNAVAILABLE;
+            e.field = "daemon";
+            e.message = "dpclipd is shutting down";
+            n.body_case = DPCLIP__REPLY__BODY_ERROR;
+            n.error = &e;
+            fake_send(fd, &n);
+            pong.nonce = req->ping ? req->ping->nonce : 0;
+            r.body_case = DPCLIP__REPLY__BODY_PONG;
+            r.pong = &pong;
+            fake_send(fd, &r);
+        }
+        dpclip__request__free_unpacked(req, NULL);
+    }
+    if (fd >= 0) close(fd);
+    return NULL;
+}
+
+/* The notice answers no request: the request in flight still gets its own
+ * reply, and the calls after it give the notice's words. */
+static void test_notice_before_reply(void **state) {
+    (void)state;
+    struct sockaddr_un a;
+    char dir[] = "/tmp/dpclip-notice.XXXXXX";
+    dpclip_client *c = NULL;
+    pthread_t th;
+    int lfd;
+    assert_non_null(mkdtemp(dir));
+    memset(&a, 0, sizeof a);
+    a.sun_family = AF_UNIX;
+    snprintf(a.sun_path, sizeof a.sun_path, "%s/fake.sock", dir);
+    lfd = socket(AF_UNIX, SOCK_STREAM, 0);
+    assert_true(lfd >= 0);
+    assert_int_equal(bind(lfd, (struct sockaddr *)&a, sizeof a), 0);
+    assert_int_equal(listen(lfd, 1), 0);
+    assert_int_equal(pthread_create(&th, NULL, fake_daemon, &lfd), 0);
+    assert_int_equal(dpclip_connect(a.sun_path, NULL, &c), 0);
+    assert_int_equal(dpclip_ping(c), 0);
+    assert_int_equal(dpclip_ping(c), DPCLIP_EIO);
+    assert_string_equal(dpclip_errmsg(c), "dpclipd is shutting down");
+    assert_int_equal(pthread_join(th, NULL), 0);
+    dpclip_disconnect(c);
+    close(lfd);
+    unlink(a.sun_path);
+    rmdir(dir);
+}
+
 /* SIGTERM: the daemon finishes, exits 0 and removes its socket (cmocka
  * does not count a failing group teardown, so this is a test). */
 static void test_clean_shutdown(void **state) {
@@ -655,6 +755,7 @@ int main(void) {
         cmocka_unit_test(test_local_args),
         cmocka_unit_test(test_strerror),
         cmocka_unit_test(test_default_socket),
+        cmocka_unit_test(test_notice_before_reply),
     };
     const struct CMUnitTest daemon[] = {
         cmocka_unit_test(test_connect_missing),
@@ -669,6 +770,7 @@ int main(void) {
         cmocka_unit_test(test_cuda_refused_without_gpu),
         cmocka_unit_test(test_disconnect_pending),
         cmocka_unit_test(test_daemon_gone),
+        cmocka_unit_test(test_shutdown_reason),
         cmocka_unit_test(test_clean_shutdown),
     };
     int fails = cmocka_run_group_tests_name("client_local", local, NULL, NULL);

@@ -1,25 +1,49 @@
 /* dpclipctl: reads dpclipd's status endpoint and prints readable tables.
  *
- *   dpclipctl [--socket PATH | --url URL] status|sessions|ledger|metrics|get PATH
+ *   dpclipctl [--socket PATH | --url URL | --config FILE] status|sessions|ledger|metrics|get PATH
  *
  * HTTP through libcurl (over the Unix status socket, or TCP), JSON through
- * jansson. Exit status: 0 ok, 1 the daemon could not be reached or answered
- * an error, 2 usage. */
+ * jansson. The status socket is --socket, else $DPCLIP_STATUS_SOCKET, else
+ * the one of the daemon $DPCLIP_SOCKET names (what the trainers use), else
+ * what the daemon's config file says (inih), else the default. Failures
+ * are said in dpclip's terms: which socket, where that path came from, and
+ * what to do. Exit status: 0 ok, 1 the daemon could not be reached or
+ * answered an error, 2 usage. */
 #include <curl/curl.h>
+#include <errno.h>
 #include <getopt.h>
 #include <jansson.h>
 #include <math.h>
 #include <stdbool.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#ifdef DPCLIP_HAVE_INIH
+#include <ini.h>
+#endif
+
+#include "dc_install.h"
 
 #define DEFAULT_SOCKET "/run/dpclip/dpclipd-status.sock"
+#define TIMEOUT_S 10L
 
 typedef struct buf {
     char *p;
     size_t len;
 } buf;
+
+/* The status endpoint and where it came from (for messages). */
+typedef struct target {
+    char sock[108];    /* the status socket; "" with url */
+    char url[256];     /* http://127.0.0.1:PORT; "" with sock */
+    char from[512];
+} target;
 
 static size_t on_data(char *ptr, size_t size, size_t n, void *user) {
     buf *b = user;
@@ -33,36 +57,212 @@ static size_t on_data(char *ptr, size_t size, size_t n, void *user) {
     return add;
 }
 
-/* GET path from the daemon; 0 and *out (malloc'd, NUL-terminated) or -1. */
-static int fetch(const char *sock, const char *url, const char *path, char **out) {
+/* --- finding the status socket ---------------------------------------------- */
+
+/* The daemon's rule (config.c): beside its socket, X.sock -> X-status.sock. */
+static void status_beside(const char *sock, char *out, size_t n) {
+    size_t len = strlen(sock);
+    if (len > 5 && strcmp(sock + len - 5, ".sock") == 0) len -= 5;
+    snprintf(out, n, "%.*s-status.sock", (int)len, sock);
+}
+
+/* What the config file says about the sockets. */
+typedef struct conf {
+    char daemon_socket[108], status_socket[108];
+    unsigned long tcp_port;
+    char problem[160];     /* why the default file was not used ("" = it was, or is absent) */
+} conf;
+
+#ifdef DPCLIP_HAVE_INIH
+static int on_conf(void *user, const char *section, const char *key, const char *value) {
+    conf *c = user;
+    if (strcmp(section, "daemon") == 0 && strcmp(key, "socket") == 0)
+        snprintf(c->daemon_socket, sizeof c->daemon_socket, "%s", value);
+    else if (strcmp(section, "status") == 0 && strcmp(key, "socket") == 0)
+        snprintf(c->status_socket, sizeof c->status_socket, "%s", value);
+    else if (strcmp(section, "status") == 0 && strcmp(key, "tcp_port") == 0)
+        c->tcp_port = strtoul(value, NULL, 10);
+    return 1; /* the rest is the daemon's to check */
+}
+#endif
+
+/* Reads `path` into *c. The file named by --config must be readable (else
+ * 2, said why); the default one is used if it is (else c->problem says why
+ * not, for the messages). 0 or 2. */
+static int read_conf(const char *path, bool named, conf *c) {
+    int rc = -1;
+    memset(c, 0, sizeof *c);
+    if (!named && access(path, F_OK) != 0) return 0;
+#ifdef DPCLIP_HAVE_INIH
+    errno = 0;
+    rc = ini_parse(path, on_conf, c);
+    if (rc < 0)
+        snprintf(c->problem, sizeof c->problem, "cannot be read: %s", strerror(errno));
+    else if (rc > 0)
+        snprintf(c->problem, sizeof c->problem, "has a bad line %d (dpclipd --check-config "
+                 "--config FILE says more)", rc);
+#else
+    snprintf(c->problem, sizeof c->problem, "cannot be read: dpclipctl was built without inih");
+#endif
+    if (rc == 0) return 0;
+    if (!named) {
+        char keep[sizeof c->problem];
+        memcpy(keep, c->problem, sizeof keep);
+        memset(c, 0, sizeof *c); /* nothing half-read */
+        memcpy(c->problem, keep, sizeof keep);
+        return 0;
+    }
+    fprintf(stderr, "dpclipctl: the config file %s %s; use --socket PATH\n", path, c->problem);
+    return 2;
+}
+
+/* Where the status socket is (see the top). 0, 1 (none), or 2 (usage). */
+static int find_target(const char *config, target *t) {
+    const char *st = getenv("DPCLIP_STATUS_SOCKET"), *ds = getenv("DPCLIP_SOCKET");
+    char path[256];
+    bool same;
+    conf c;
+    int rc;
+
+    memset(t, 0, sizeof *t);
+    if (st && st[0]) {
+        snprintf(t->sock, sizeof t->sock, "%s", st);
+        snprintf(t->from, sizeof t->from, "$DPCLIP_STATUS_SOCKET");
+        return 0;
+    }
+    if (!config) dc_install_config_path(DPCLIP_BINDIR, path, sizeof path);
+    else snprintf(path, sizeof path, "%s", config);
+    if ((rc = read_conf(path, config != NULL, &c))) return rc;
+    /* The file's status socket is that of the daemon the file describes:
+     * it applies unless $DPCLIP_SOCKET names another one. */
+    same = !ds || !ds[0] || !c.daemon_socket[0] || strcmp(ds, c.daemon_socket) == 0;
+    if (c.status_socket[0] && same && strcmp(c.status_socket, "none") == 0) {
+        if (!c.tcp_port) {
+            fprintf(stderr, "dpclipctl: the daemon has no status socket (status.socket = none "
+                    "in %s) and no status.tcp_port\n", path);
+            return 1;
+        }
+        snprintf(t->url, sizeof t->url, "http://127.0.0.1:%lu", c.tcp_port);
+        snprintf(t->from, sizeof t->from, "status.tcp_port in %s", path);
+    } else if (c.status_socket[0] && same) {
+        snprintf(t->sock, sizeof t->sock, "%s", c.status_socket);
+        snprintf(t->from, sizeof t->from, "status.socket in %s", path);
+    } else if (ds && ds[0]) {
+        status_beside(ds, t->sock, sizeof t->sock);
+        snprintf(t->from, sizeof t->from, "the status socket beside $DPCLIP_SOCKET=%s", ds);
+    } else if (c.daemon_socket[0]) {
+        status_beside(c.daemon_socket, t->sock, sizeof t->sock);
+        snprintf(t->from, sizeof t->from, "the status socket beside daemon.socket in %s", path);
+    } else {
+        snprintf(t->sock, sizeof t->sock, "%s", DEFAULT_SOCKET);
+        snprintf(t->from, sizeof t->from, "the default; no $DPCLIP_SOCKET, and %s %s", path,
+                 c.problem[0] ? c.problem
+                 : access(path, F_OK) == 0 ? "names no socket" : "does not exist");
+    }
+    return 0;
+}
+
+/* --- asking it ------------------------------------------------------------------ */
+
+/* Why the Unix socket t->sock took no connection, in our words. */
+static void say_unreachable(const target *t) {
+    struct sockaddr_un a;
+    struct stat st;
+    int fd, e = 0;
+
+    if (stat(t->sock, &st) != 0) {
+        fprintf(stderr, "dpclipctl: no such socket: %s (%s). Is dpclipd running? Name its "
+                "status socket with --socket PATH, or the daemon with $DPCLIP_SOCKET or "
+                "--config FILE\n", t->sock, t->from);
+        return;
+    }
+    if (!S_ISSOCK(st.st_mode)) {
+        fprintf(stderr, "dpclipctl: %s (%s) is not a socket\n", t->sock, t->from);
+        return;
+    }
+    memset(&a, 0, sizeof a);
+    a.sun_family = AF_UNIX;
+    memcpy(a.sun_path, t->sock, strlen(t->sock) + 1); /* < sizeof sun_path: target.sock */
+    fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (fd >= 0 && connect(fd, (struct sockaddr *)&a, sizeof a) != 0) e = errno;
+    if (fd >= 0) close(fd);
+    if (e == ECONNREFUSED)
+        fprintf(stderr, "dpclipctl: nothing is listening on %s (%s): dpclipd is not running (a "
+                "daemon that did not stop cleanly left the socket behind)\n", t->sock, t->from);
+    else if (e == EACCES || e == EPERM)
+        fprintf(stderr, "dpclipctl: %s (%s): permission denied: the status socket's group "
+                "and mode (status.socket_group, status.socket_mode) say who may connect\n",
+                t->sock, t->from);
+    else
+        fprintf(stderr, "dpclipctl: cannot connect to %s (%s): %s\n", t->sock, t->from,
+                strerror(e ? e : EIO));
+}
+
+/* A reply that is not HTTP: our daemon's trainers' socket answers a dpclip
+ * frame (a u32 length, then that many bytes: its refusal of the request). */
+static void say_not_http(const target *t, const buf *b) {
+    const unsigned char *p = (const unsigned char *)b->p;
+    if (!t->url[0] && b->len >= 4 &&
+        ((uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24) ==
+            b->len - 4) {
+        char st[128];
+        status_beside(t->sock, st, sizeof st);
+        fprintf(stderr, "dpclipctl: %s (%s) is dpclipd's trainers' socket, not its status "
+                "socket; that daemon's status socket is %s unless its status.socket says "
+                "otherwise (dpclipctl --socket %s, or DPCLIP_SOCKET=%s dpclipctl)\n",
+                t->sock, t->from, st, st, t->sock);
+        return;
+    }
+    fprintf(stderr, "dpclipctl: %s (%s) does not answer HTTP: it is not dpclipd's status %s\n",
+            t->url[0] ? t->url : t->sock, t->from, t->url[0] ? "port" : "socket");
+}
+
+/* GET path from the daemon; 0 and *out (malloc'd, NUL-terminated) or -1
+ * (said why). */
+static int fetch(const target *t, const char *path, char **out) {
     char full[512], err[CURL_ERROR_SIZE] = "";
+    const char *where = t->url[0] ? t->url : t->sock;
     buf b = {NULL, 0};
     long code = 0;
     CURL *c = curl_easy_init();
     CURLcode rc;
     if (!c) return -1;
-    snprintf(full, sizeof full, "%s%s", url ? url : "http://localhost", path);
+    snprintf(full, sizeof full, "%s%s", t->url[0] ? t->url : "http://localhost", path);
     curl_easy_setopt(c, CURLOPT_URL, full);
-    if (!url) curl_easy_setopt(c, CURLOPT_UNIX_SOCKET_PATH, sock);
+    if (!t->url[0]) curl_easy_setopt(c, CURLOPT_UNIX_SOCKET_PATH, t->sock);
     curl_easy_setopt(c, CURLOPT_WRITEFUNCTION, on_data);
     curl_easy_setopt(c, CURLOPT_WRITEDATA, &b);
     curl_easy_setopt(c, CURLOPT_ERRORBUFFER, err);
-    curl_easy_setopt(c, CURLOPT_TIMEOUT, 10L);
+    curl_easy_setopt(c, CURLOPT_TIMEOUT, TIMEOUT_S);
+    /* whatever answers: we tell what it is, not curl */
+    curl_easy_setopt(c, CURLOPT_HTTP09_ALLOWED, 1L);
     rc = curl_easy_perform(c);
     if (rc == CURLE_OK) curl_easy_getinfo(c, CURLINFO_RESPONSE_CODE, &code);
     curl_easy_cleanup(c);
-    if (rc != CURLE_OK) {
-        fprintf(stderr, "dpclipctl: %s: %s\n", url ? full : sock, err[0] ? err : curl_easy_strerror(rc));
-        free(b.p);
-        return -1;
+    if (rc == CURLE_COULDNT_CONNECT && !t->url[0]) {
+        say_unreachable(t);
+    } else if (rc == CURLE_COULDNT_CONNECT) {
+        fprintf(stderr, "dpclipctl: nothing answers at %s (%s): is dpclipd running with "
+                "status.tcp_port set?\n", t->url, t->from);
+    } else if (rc == CURLE_OPERATION_TIMEDOUT) {
+        fprintf(stderr, "dpclipctl: %s (%s) did not answer within %ld s\n", where, t->from,
+                TIMEOUT_S);
+    } else if ((rc == CURLE_OK && code == 0) || rc == CURLE_WEIRD_SERVER_REPLY ||
+               rc == CURLE_UNSUPPORTED_PROTOCOL || rc == CURLE_GOT_NOTHING ||
+               rc == CURLE_RECV_ERROR || rc == CURLE_SEND_ERROR) {
+        say_not_http(t, &b);
+    } else if (rc != CURLE_OK) {
+        fprintf(stderr, "dpclipctl: %s (%s): %s\n", where, t->from,
+                err[0] ? err : curl_easy_strerror(rc));
+    } else if (code != 200) {
+        fprintf(stderr, "dpclipctl: %s%s: HTTP %ld: %s", where, path, code,
+                b.p && b.p[0] ? b.p : "(no body)\n");
+    } else {
+        *out = b.p ? b.p : strdup("");
+        return *out ? 0 : -1;
     }
-    if (code != 200) {
-        fprintf(stderr, "dpclipctl: %s: HTTP %ld: %s", path, code, b.p ? b.p : "\n");
-        free(b.p);
-        return -1;
-    }
-    *out = b.p ? b.p : strdup("");
-    return *out ? 0 : -1;
+    free(b.p);
+    return -1;
 }
 
 /* --- formatting --------------------------------------------------------------- */
@@ -102,6 +302,24 @@ static const char *str(json_t *o, const char *key) {
 /* A job or client name for a table cell: empty shows as "-". */
 static const char *cell(const char *s) { return s && s[0] ? s : "-"; }
 
+/* A name chosen by a client (or a driver) for a column w wide (w < n):
+ * control bytes become '?' (a name must not drive the operator's
+ * terminal), and a longer name is cut at a character boundary and ends in
+ * '~', so that a cut name never passes for a whole one. */
+static const char *fit(const char *s, int w, char *out, size_t n) {
+    size_t len, keep;
+    s = cell(s);
+    for (len = 0; s[len] && len + 1 < n; len++)
+        out[len] = (unsigned char)s[len] < 0x20 || s[len] == 0x7f ? '?' : s[len];
+    out[len] = '\0';
+    if (len <= (size_t)w) return out;
+    keep = (size_t)w - 1;
+    while (keep > 0 && ((unsigned char)out[keep] & 0xc0) == 0x80) keep--;
+    out[keep] = '~';
+    out[keep + 1] = '\0';
+    return out;
+}
+
 static const char *eps_str(json_t *job, char *out, size_t n) {
     if (json_is_true(json_object_get(job, "epsilon_infinite"))) snprintf(out, n, "inf");
     else snprintf(out, n, "%.4g", num(job, "epsilon"));
@@ -110,14 +328,17 @@ static const char *eps_str(json_t *job, char *out, size_t n) {
 
 /* --- commands ------------------------------------------------------------------ */
 
-/* The node-local groups /status reports (today: the sessions of one job). */
+/* The node-local groups /status reports (today: the sessions of one job):
+ * their steps in total, how many of them are running one now, and their
+ * ids (as `dpclipctl sessions` lists them). */
 static void print_groups(json_t *root) {
     size_t i;
     json_t *s;
     if (!json_array_size(json_object_get(root, "groups"))) return;
-    printf("\n%-6s %6s %-20s %8s %4s  %s\n", "GROUP", "UID", "JOB", "STEPS", "BUSY", "SESSIONS");
+    printf("\n%-6s %6s %-20s %8s %7s  %s\n", "GROUP", "UID", "JOB", "STEPS", "RUNNING",
+           "SESSION IDS");
     json_array_foreach(json_object_get(root, "groups"), i, s) {
-        char ids[256] = "";
+        char ids[256] = "", job[64];
         const size_t room = sizeof ids - 4; /* keeps room for "..." */
         size_t k, used = 0;
         json_t *id;
@@ -130,8 +351,8 @@ static void print_groups(json_t *root) {
             }
             used += (size_t)n;
         }
-        printf("%-6s %6.0f %-20.20s %8.0f %4.0f  %s\n", str(s, "kind"), num(s, "uid"),
-               cell(str(s, "job")), num(s, "steps"), num(s, "busy"), ids);
+        printf("%-6s %6.0f %-20s %8.0f %7.0f  %s\n", str(s, "kind"), num(s, "uid"),
+               fit(str(s, "job"), 20, job, sizeof job), num(s, "steps"), num(s, "busy"), ids);
     }
 }
 
@@ -180,9 +401,10 @@ static void print_status(json_t *root) {
         bool cpu = strcmp(str(be, "backend"), "cpu") == 0;
         char name[64];
         if (cpu) snprintf(name, sizeof name, "%.0f workers", num(be, "workers"));
+        else fit(str(be, "name"), 28, name, sizeof name);
         printf("%-8s %-5s %-28s %6.0f %16s\n", str(be, "backend"),
-               cpu ? "-" : (snprintf(a, sizeof a, "%.0f", num(be, "index")), a),
-               cpu ? name : str(be, "name"), num(be, "busy"),
+               cpu ? "-" : (snprintf(a, sizeof a, "%.0f", num(be, "index")), a), name,
+               num(be, "busy"),
                cpu ? "-" : human_bytes(num(be, "workspace_bytes"), name, sizeof name));
     }
     print_groups(root);
@@ -191,18 +413,21 @@ static void print_status(json_t *root) {
 static void print_sessions(json_t *root) {
     size_t i;
     json_t *s;
-    printf("%6s %8s %6s %-16s %-20s %8s %6s %7s %10s %4s %9s %9s\n", "ID", "PID", "UID",
-           "CLIENT", "JOB", "STEPS", "FAILED", "BUFFERS", "BYTES", "BUSY", "CONNECTED",
+    printf("%6s %8s %6s %-16s %-20s %8s %6s %7s %10s %7s %9s %13s\n", "ID", "PID", "UID",
+           "CLIENT", "JOB", "STEPS", "FAILED", "BUFFERS", "BYTES", "RUNNING", "CONNECTED",
            "LAST STEP");
     json_array_foreach(json_object_get(root, "sessions"), i, s) {
-        char b1[32], b2[32], b3[32];
-        printf("%6.0f %8.0f %6.0f %-16.16s %-20.20s %8.0f %6.0f %7.0f %10s %4s %9s %9s\n",
-               num(s, "id"), num(s, "pid"), num(s, "uid"), cell(str(s, "client")),
-               cell(str(s, "job")), num(s, "steps"), num(s, "steps_failed"), num(s, "buffers"),
-               human_bytes(num(s, "buffer_bytes"), b1, sizeof b1),
+        char b1[32], b2[32], b3[32], last[40], client[64], job[64];
+        double idle = num(s, "idle_s");
+        if (isnan(idle)) snprintf(last, sizeof last, "-");
+        else snprintf(last, sizeof last, "%s ago", human_secs(idle, b3, sizeof b3));
+        printf("%6.0f %8.0f %6.0f %-16s %-20s %8.0f %6.0f %7.0f %10s %7s %9s %13s\n",
+               num(s, "id"), num(s, "pid"), num(s, "uid"),
+               fit(str(s, "client"), 16, client, sizeof client),
+               fit(str(s, "job"), 20, job, sizeof job), num(s, "steps"), num(s, "steps_failed"),
+               num(s, "buffers"), human_bytes(num(s, "buffer_bytes"), b1, sizeof b1),
                json_is_true(json_object_get(s, "busy")) ? "yes" : "no",
-               human_secs(num(s, "connected_s"), b2, sizeof b2),
-               human_secs(num(s, "idle_s"), b3, sizeof b3));
+               human_secs(num(s, "connected_s"), b2, sizeof b2), last);
     }
     if (!json_array_size(json_object_get(root, "sessions"))) printf("(no sessions)\n");
     print_groups(root);
@@ -213,10 +438,11 @@ static void print_ledger(json_t *root) {
     size_t i;
     printf("ledger: %s\n", json_is_true(json_object_get(led, "persistent")) ? str(led, "dir")
                                                                             : "in memory only");
-    printf("%6s %-24s %8s %9s %10s %8s %8s %6s %5s  %s\n", "UID", "JOB", "SESSIONS", "STEPS",
-           "EPSILON", "DELTA", "BUDGET", "ORDER", "DISK", "STEPS BY (SAMPLE RATE, NOISE)");
+    printf("%6s %-24s %13s %9s %10s %8s %10s %9s %7s  %s\n", "UID", "JOB", "OPEN SESSIONS",
+           "STEPS", "EPSILON", "DELTA", "EPS BUDGET", "RDP ORDER", "ON DISK",
+           "STEPS BY (SAMPLE RATE q, NOISE MULTIPLIER s)");
     json_array_foreach(json_object_get(led, "jobs"), i, j) {
-        char e[32], b[32], o[16], hist[256] = "";
+        char e[32], b[32], o[16], hist[256] = "", job[64];
         size_t k, used = 0;
         json_t *h;
         json_array_foreach(json_object_get(j, "history"), k, h) {
@@ -239,8 +465,9 @@ static void print_ledger(json_t *root) {
         else snprintf(b, sizeof b, "-");
         if (isnan(num(j, "best_order"))) snprintf(o, sizeof o, "-");
         else snprintf(o, sizeof o, "%g", num(j, "best_order"));
-        printf("%6.0f %-24.24s %8.0f %9.0f %10s %8.2g %8s %6s %5s  %s\n", num(j, "uid"),
-               cell(str(j, "job")), num(j, "sessions"), num(j, "steps"), eps_str(j, e, sizeof e),
+        printf("%6.0f %-24s %13.0f %9.0f %10s %8.2g %10s %9s %7s  %s\n", num(j, "uid"),
+               fit(str(j, "job"), 24, job, sizeof job), num(j, "sessions"), num(j, "steps"),
+               eps_str(j, e, sizeof e),
                num(j, "delta"), b, o,
                !json_is_true(json_object_get(led, "persistent")) ? "-"
                : json_is_true(json_object_get(j, "on_disk"))     ? "yes"
@@ -321,75 +548,103 @@ static void print_metrics(char *text) {
 }
 
 static void usage(FILE *f) {
-    fprintf(f, "usage: dpclipctl [--socket PATH | --url URL] COMMAND\n"
+    char usage_conf[256];
+    fprintf(f, "usage: dpclipctl [--socket PATH | --url URL | --config FILE] COMMAND\n"
                "  status     the daemon, its backends and totals\n"
                "  sessions   open sessions: pid, uid, client, job, steps, buffers\n"
                "  ledger     privacy ledger: epsilon spent per job (uid + job id)\n"
                "  metrics    the Prometheus metrics as a table\n"
                "  get PATH   the raw body of PATH (/status, /metrics)\n"
-               "  --socket PATH  the status socket (default $DPCLIP_STATUS_SOCKET, else "
-               DEFAULT_SOCKET ")\n"
-               "  --url URL      http://127.0.0.1:PORT instead of the socket\n");
+               "  --socket PATH  the status socket; default: $DPCLIP_STATUS_SOCKET, else the\n"
+               "                 one beside $DPCLIP_SOCKET, else the config file's, else\n"
+               "                 " DEFAULT_SOCKET "\n"
+               "  --url URL      http://127.0.0.1:PORT instead of the socket\n"
+               "  --config FILE  the daemon's config file, to find its status socket\n"
+               "                 (default %s)\n"
+               "Names cut to fit a column end in '~'.\n",
+            (dc_install_config_path(DPCLIP_BINDIR, usage_conf, sizeof usage_conf), usage_conf));
+}
+
+static bool known_command(const char *cmd) {
+    static const char *k[] = {"status", "sessions", "ledger", "metrics", "get"};
+    for (size_t i = 0; i < sizeof k / sizeof k[0]; i++)
+        if (strcmp(cmd, k[i]) == 0) return true;
+    return false;
 }
 
 int main(int argc, char **argv) {
     static const struct option opts[] = {{"socket", required_argument, NULL, 's'},
                                          {"url", required_argument, NULL, 'u'},
+                                         {"config", required_argument, NULL, 'c'},
                                          {"help", no_argument, NULL, 'h'},
                                          {"version", no_argument, NULL, 'V'},
                                          {NULL, 0, NULL, 0}};
-    const char *sock = getenv("DPCLIP_STATUS_SOCKET"), *url = NULL, *cmd;
+    const char *sock = NULL, *url = NULL, *config = NULL, *cmd;
     char *body = NULL;
+    target t;
     int c, rc = 1;
 
-    if (!sock || !sock[0]) sock = DEFAULT_SOCKET;
     while ((c = getopt_long(argc, argv, "", opts, NULL)) != -1) {
         switch (c) {
         case 's': sock = optarg; break;
         case 'u': url = optarg; break;
+        case 'c': config = optarg; break;
         case 'h': usage(stdout); return 0;
         case 'V': printf("dpclipctl %s\n", DPCLIP_VERSION); return 0;
         default: usage(stderr); return 2;
         }
     }
-    if (optind >= argc) {
+    if (optind >= argc || (strcmp(argv[optind], "get") == 0 && optind + 1 >= argc)) {
         usage(stderr);
         return 2;
     }
     cmd = argv[optind];
+    if (!known_command(cmd)) {
+        fprintf(stderr, "dpclipctl: unknown command '%s'\n", cmd);
+        usage(stderr);
+        return 2;
+    }
+    memset(&t, 0, sizeof t);
+    if (url) {
+        snprintf(t.url, sizeof t.url, "%s", url);
+        snprintf(t.from, sizeof t.from, "--url");
+    } else if (sock) {
+        if (strlen(sock) >= sizeof t.sock) {
+            fprintf(stderr, "dpclipctl: --socket %s: longer than a socket path may be (%zu)\n",
+                    sock, sizeof t.sock - 1);
+            return 2;
+        }
+        snprintf(t.sock, sizeof t.sock, "%s", sock);
+        snprintf(t.from, sizeof t.from, "--socket");
+    } else if ((rc = find_target(config, &t))) {
+        return rc;
+    }
+    rc = 1;
     curl_global_init(CURL_GLOBAL_DEFAULT);
     if (strcmp(cmd, "get") == 0) {
-        if (optind + 1 >= argc) {
-            usage(stderr);
-            rc = 2;
-        } else if (fetch(sock, url, argv[optind + 1], &body) == 0) {
+        if (fetch(&t, argv[optind + 1], &body) == 0) {
             fputs(body, stdout);
             rc = 0;
         }
     } else if (strcmp(cmd, "metrics") == 0) {
-        if (fetch(sock, url, "/metrics", &body) == 0) {
+        if (fetch(&t, "/metrics", &body) == 0) {
             print_metrics(body);
             rc = 0;
         }
-    } else if (strcmp(cmd, "status") == 0 || strcmp(cmd, "sessions") == 0 ||
-               strcmp(cmd, "ledger") == 0) {
-        if (fetch(sock, url, "/status", &body) == 0) {
-            json_error_t je;
-            json_t *root = json_loads(body, 0, &je);
-            if (!root) {
-                fprintf(stderr, "dpclipctl: /status is not JSON: %s (line %d)\n", je.text, je.line);
-            } else {
-                if (cmd[1] == 't') print_status(root);
-                else if (cmd[0] == 's') print_sessions(root);
-                else print_ledger(root);
-                json_decref(root);
-                rc = 0;
-            }
+    } else if (fetch(&t, "/status", &body) == 0) {
+        json_error_t je;
+        json_t *root = json_loads(body, 0, &je);
+        if (!root) {
+            fprintf(stderr, "dpclipctl: %s (%s) answered /status, but not with dpclipd's JSON "
+                    "(%s, line %d): is it dpclipd's status endpoint?\n",
+                    t.url[0] ? t.url : t.sock, t.from, je.text, je.line);
+        } else {
+            if (cmd[1] == 't') print_status(root);
+            else if (cmd[0] == 's') print_sessions(root);
+            else print_ledger(root);
+            json_decref(root);
+            rc = 0;
         }
-    } else {
-        fprintf(stderr, "dpclipctl: unknown command '%s'\n", cmd);
-        usage(stderr);
-        rc = 2;
     }
     free(body);
     curl_global_cleanup();
