@@ -28,7 +28,7 @@ struct dc_group {
     uint32_t first_rank;
     double *tot;               /* [terms.batch] */
     uint32_t tot_cap;
-    uint64_t t_first, last_wait_ns;
+    uint64_t t_first, last_wait_ns, reductions;
     /* the last group step that failed on a member, and why */
     uint64_t failed;
     dc_err failed_err;
@@ -263,6 +263,7 @@ int dc_group_deliver(dc_group *g, dc_group_waiter *w, dc_err *err) {
         uv_timer_stop(&g->timer);
         g->last_wait_ns = uv_hrtime() - g->t_first;
         g->gs->reductions++;
+        g->reductions++;
         for (uint32_t r = 0; r < g->size; r++) all[r]->done(all[r], 0, g->tot, NULL);
     }
     return 0;
@@ -288,4 +289,29 @@ uint64_t dc_group_last_wait_ns(const dc_group *g) { return g->last_wait_ns; }
 bool dc_group_dissolved(const dc_group *g, const char **why) {
     if (why) *why = g->why;
     return g->dissolved;
+}
+
+size_t dc_groups_count(const dc_groups *gs) {
+    size_t n = 0;
+    for (const dc_group *g = gs->list; g; g = g->next) n++;
+    return n;
+}
+
+size_t dc_groups_info(const dc_groups *gs, dc_group_info *out, size_t max) {
+    size_t n = 0;
+    for (const dc_group *g = gs->list; g && n < max; g = g->next, n++) {
+        dc_group_info *o = &out[n];
+        o->id = g->id;
+        o->uid = g->uid;
+        memcpy(o->name, g->name, sizeof o->name);
+        o->size = g->size;
+        o->joined = g->n_joined;
+        o->waiting = g->n_waiting;
+        o->clipping = g->clipping;
+        o->dissolved = g->dissolved;
+        o->step = g->cur;
+        o->reductions = g->reductions;
+        o->last_wait_ns = g->last_wait_ns;
+    }
+    return n;
 }

@@ -105,4 +105,20 @@ bool dc_group_dissolved(const dc_group *g, const char **why);
 /* The last reduction's latency: first delivery to the totals, ns. */
 uint64_t dc_group_last_wait_ns(const dc_group *g);
 
+/* A copy of a group's state for /status (taken on the loop thread). */
+typedef struct dc_group_info {
+    uint64_t id;
+    uint32_t uid;
+    char name[64];
+    uint32_t size, joined, waiting;
+    dc_group_clipping clipping;
+    bool dissolved;
+    uint64_t step;          /* the group step being reduced, 0 = none */
+    uint64_t reductions;    /* group steps completed */
+    uint64_t last_wait_ns;  /* the last one's first delivery to its totals */
+} dc_group_info;
+size_t dc_groups_count(const dc_groups *gs);
+/* Fills out[0..max) with the groups' states; returns how many. */
+size_t dc_groups_info(const dc_groups *gs, dc_group_info *out, size_t max);
+
 #endif

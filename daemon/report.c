@@ -91,6 +91,15 @@ static void *snapshot(void *arg) {
     r->max_jobs_per_uid = c->ledger_max_jobs_per_uid;
     r->job_idle_s = c->ledger_job_idle_s;
     r->writes_in_flight = srv->ledger_writes_in_flight;
+    {
+        size_t ng = dc_groups_count(&srv->groups);
+        if (ng && (r->norm_groups = calloc(ng, sizeof *r->norm_groups)))
+            r->n_norm_groups = dc_groups_info(&srv->groups, r->norm_groups, ng);
+        r->groups_formed = srv->groups.formed;
+        r->groups_dissolved = srv->groups.dissolved;
+        r->group_reductions = srv->groups.reductions;
+        r->group_timeouts = srv->groups.timeouts;
+    }
 
     i = 0;
     for (dc_session *s = srv->sessions; s && i < srv->n_sessions; s = s->next, i++) {
@@ -146,6 +155,7 @@ void dc_report_free(dc_report *r) {
     if (!r) return;
     free(r->sessions);
     free(r->jobs);
+    free(r->norm_groups);
     free(r);
 }
 
@@ -226,8 +236,8 @@ static void render_status(const dc_report *r, dc_view view, uint32_t uid, dc_sbu
         first = false;
     }
     /* Groups the daemon knows: the sessions of one job (uid + job id) on this
-     * node, i.e. a job's data-parallel ranks here. Model-shard groups (a
-     * norm reduction across ranks) will be listed here too once they exist. */
+     * node, i.e. a job's data-parallel ranks here. Model-parallel ranks
+     * whose norms are summed are under norm_groups. */
     dc_sbuf_puts(b, "],\"groups\":[");
     first = true;
     for (size_t i = 0; i < r->n_sessions; i++) {
@@ -252,6 +262,25 @@ static void render_status(const dc_report *r, dc_view view, uint32_t uid, dc_sbu
             first_id = false;
         }
         dc_sbuf_printf(b, "],\"steps\":%llu,\"busy\":%d}", (unsigned long long)steps, busy);
+        first = false;
+    }
+    /* Norm groups: model-parallel ranks whose norms are summed */
+    dc_sbuf_puts(b, "],\"norm_groups\":[");
+    first = true;
+    for (size_t i = 0; i < r->n_norm_groups; i++) {
+        const dc_group_info *g = &r->norm_groups[i];
+        if (!shown(view, uid, g->uid)) continue;
+        dc_sbuf_printf(b, "%s{\"id\":%llu,\"uid\":%u,\"name\":", first ? "" : ",",
+                       (unsigned long long)g->id, g->uid);
+        dc_sbuf_json_str(b, g->name);
+        dc_sbuf_printf(b, ",\"size\":%u,\"joined\":%u,\"waiting\":%u,\"clipping\":\"%s\","
+                          "\"state\":\"%s\",\"step\":%llu,\"reductions\":%llu,"
+                          "\"last_wait_ms\":%.3f}",
+                       g->size, g->joined, g->waiting,
+                       g->clipping == DC_GROUP_WISE ? "GROUP_WISE" : "NORM_REDUCE",
+                       g->dissolved ? "dissolved" : g->joined < g->size ? "forming" : "ready",
+                       (unsigned long long)g->step, (unsigned long long)g->reductions,
+                       g->last_wait_ns / 1e6);
         first = false;
     }
     dc_sbuf_puts(b, "],\"ledger\":{\"dir\":");
@@ -368,6 +397,13 @@ static void render_metrics(const dc_report *r, dc_view view, uint32_t uid, dc_sb
     counter(b, "dpclip_sessions_refused_total", "Hellos refused by [access]", m->sessions_refused);
     counter(b, "dpclip_budget_refusals_total", "Steps refused by a privacy budget",
             m->budget_refusals);
+    counter(b, "dpclip_norm_groups_formed_total", "Norm groups formed", r->groups_formed);
+    counter(b, "dpclip_norm_groups_dissolved_total",
+            "Norm groups dissolved (a member left or timed out)", r->groups_dissolved);
+    counter(b, "dpclip_norm_group_reductions_total", "Group steps whose norms were summed",
+            r->group_reductions);
+    counter(b, "dpclip_norm_group_timeouts_total", "Group steps a member did not arrive for",
+            r->group_timeouts);
     dc_prom_head(b, "dpclip_ledger_writes_total", "counter", "Crash-safe ledger file writes");
     dc_sbuf_printf(b, "dpclip_ledger_writes_total{result=\"ok\"} %llu\n"
                       "dpclip_ledger_writes_total{result=\"error\"} %llu\n",

@@ -23,6 +23,7 @@
 #include <stdint.h>
 
 #include "config.h"
+#include "group.h"
 #include "ledger.h"
 #include "metrics.h"
 #include "status.h"
@@ -84,6 +85,10 @@ typedef struct dc_report {
     size_t n_jobs;
     uint64_t buffers, buffer_bytes, busy_sessions;
     dc_metrics metrics;
+    /* norm groups */
+    dc_group_info *norm_groups;
+    size_t n_norm_groups;
+    uint64_t groups_formed, groups_dissolved, group_reductions, group_timeouts;
 } dc_report;
 
 /* The view a caller gets of report r (its ops group and daemon uid). */

@@ -19,6 +19,7 @@
 
 #include "accountant.h"
 #include "harness.h"
+#include "service.h"
 
 #define B 6
 #define MAXM 4
@@ -502,12 +503,58 @@ static void test_members_disagree(void **state) {
     }
 }
 
+/* /status lists each norm group (members, state, reductions) and /metrics
+ * counts the reductions. */
+static void test_status_shows_groups(void **state) {
+    (void)state;
+#ifndef DPCLIP_HAVE_MHD
+    skip();
+#endif
+    dc_test_rng r;
+    dc_test_rng_seed(&r, 1100);
+    dc_test_layer_spec sp = {DC_LAYER_LINEAR, B, 3, 8, 6, DC_F32, 0, DC_ALGO_AUTO, 1, 0};
+    dpclip_clip_config cfg = config(1.0f, 0.0f);
+    dc_shm_step st[2];
+    dpclip_result res[2];
+    int rcs[2];
+    char sock[400], *body = NULL;
+    for (int k = 0; k < 2; k++) {
+        assert_int_equal(dc_shm_step_init(&st[k], member("shown", (uint32_t)k, 2, 0, 0, "shown"),
+                                          0, B, &cfg),
+                         0);
+        assert_true(dc_shm_step_add(&st[k], &sp, &r, 1.0f) >= 0);
+    }
+    run_group(st, 2, res, rcs);
+    assert_int_equal(rcs[0], 0);
+    assert_int_equal(rcs[1], 0);
+    dc_harness_status_path(&g_h, sock, sizeof sock);
+    assert_int_equal(dc_http(sock, "GET", "/status", 10000, NULL, &body, NULL), 200);
+    const char *g = strstr(body, "\"norm_groups\":[");
+    assert_non_null(g);
+    g = strstr(g, "\"name\":\"shown\"");
+    assert_non_null(g);
+    assert_non_null(strstr(g, "\"size\":2,\"joined\":2,\"waiting\":0,\"clipping\":\"NORM_REDUCE\","
+                              "\"state\":\"ready\",\"step\":0,\"reductions\":1"));
+    free(body);
+    body = NULL;
+    assert_int_equal(dc_http(sock, "GET", "/metrics", 10000, NULL, &body, NULL), 200);
+    assert_non_null(strstr(body, "dpclip_norm_group_reductions_total "));
+    free(body);
+    for (int k = 0; k < 2; k++) {
+        dpclip_client *c = st[k].c;
+        dpclip_result_free(&res[k]);
+        dc_shm_step_free(&st[k]);
+        dpclip_disconnect(c);
+    }
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_tp_split),         cmocka_unit_test(test_pp_split),
         cmocka_unit_test(test_replicated),       cmocka_unit_test(test_member_timeout),
         cmocka_unit_test(test_member_disconnect), cmocka_unit_test(test_ledger_once),
         cmocka_unit_test(test_group_wise),       cmocka_unit_test(test_members_disagree),
+        cmocka_unit_test(test_status_shows_groups),
     };
     return cmocka_run_group_tests(tests, group_setup, group_teardown);
 }
