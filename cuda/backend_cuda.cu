@@ -221,6 +221,9 @@ int plan_step(cuda_backend *cb, const dc_step *s, layout *Lo, dc_err *err) {
             o += al(2 * B * (size_t)ly->d * 4);
         }
     }
+    /* a norm group's per-sample totals, for the clip phase */
+    Lo->tot = o;
+    o += al(B * 4);
     /* embedding indices, copied here once per step (snapshot_indices) */
     Lo->idx = o;
     for (size_t l = 0; l < L; l++) {
@@ -504,7 +507,47 @@ void phase_mark(cuda_backend *cb, int i) {
     if (cb->prof) (void)cudaEventRecord(cb->ev[i], cb->stream);
 }
 
+/* Which part of a step a call runs (backend.h: run_step, run_norms,
+ * run_clip). The clip phase takes the step's norms and the group's totals
+ * from the host, recomputing only what the clipped sums of the norm layers
+ * read (their per-sample vectors). */
+enum cuda_phase { CP_ALL, CP_NORMS, CP_CLIP };
+struct phase_io {
+    cuda_phase want;
+    double *n2_out;       /* CP_NORMS: [L*B] */
+    const double *n2_in;  /* CP_CLIP: [L*B] */
+    const double *tot_in; /* CP_CLIP: [B] */
+};
+
+int run_impl(dc_backend *be, const dc_step *s, dc_step_result *res, dc_err *err,
+             const phase_io &io);
+
 int cuda_run_step(dc_backend *be, const dc_step *s, dc_step_result *res, dc_err *err) {
+    return run_impl(be, s, res, err, phase_io{CP_ALL, NULL, NULL, NULL});
+}
+
+int cuda_run_norms(dc_backend *be, const dc_step *s, double *n2, dc_err *err) {
+    return run_impl(be, s, NULL, err, phase_io{CP_NORMS, n2, NULL, NULL});
+}
+
+int cuda_run_clip(dc_backend *be, const dc_step *s, const double *n2, const double *tot,
+                  dc_step_result *res, dc_err *err) {
+    return run_impl(be, s, res, err, phase_io{CP_CLIP, NULL, n2, tot});
+}
+
+/* Host doubles as f32 in device memory (a pageable copy: the source may go
+ * when it returns). */
+int upload_f32(cuda_backend *cb, void *dst, const double *src, size_t n, dc_err *err) {
+    float *tmp = (float *)malloc(n * sizeof *tmp + 1);
+    if (!tmp) return dc_err_set(err, DC_ENOSPACE, "", "out of memory");
+    for (size_t i = 0; i < n; i++) tmp[i] = (float)src[i];
+    cudaError_t e = cudaMemcpyAsync(dst, tmp, n * sizeof *tmp, cudaMemcpyHostToDevice, cb->stream);
+    free(tmp);
+    return e == cudaSuccess ? 0 : cuda_fail(cb, err, e, "an upload");
+}
+
+int run_impl(dc_backend *be, const dc_step *s, dc_step_result *res, dc_err *err,
+             const phase_io &io) {
     cuda_backend *cb = (cuda_backend *)be;
     const dc_step *const orig = s; /* s becomes the step with its index snapshot */
     struct timespec t0, t1;
@@ -522,8 +565,20 @@ int cuda_run_step(dc_backend *be, const dc_step *s, dc_step_result *res, dc_err 
     clock_gettime(CLOCK_MONOTONIC, &t0);
     if (s->device < 0) {
         if (!cb->cpu && (rc = dc_cpu_backend_create(1, &cb->cpu, err))) return rc;
+        if (io.want == CP_NORMS) return cb->cpu->ops->run_norms(cb->cpu, s, io.n2_out, err);
+        if (io.want == CP_CLIP)
+            return cb->cpu->ops->run_clip(cb->cpu, s, io.n2_in, io.tot_in, res, err);
         return dc_backend_run_step(cb->cpu, s, res, err);
     }
+    if (io.want != CP_ALL && per_layer)
+        return dc_err_set(err, DC_EINVAL, "clip_step.clip.mode",
+                          "a step in phases (a norm group) clips flat");
+    if (io.want != CP_ALL)
+        for (size_t l = 0; l < L; l++)
+            if (s->layers[l].replicated)
+                return dc_err_set(err, DC_EUNIMPL, "clip_step.layers.replicated",
+                                  "replicated layers of a norm group run on host-memory steps "
+                                  "only for now");
     if (cb->broken)
         return dc_err_set(err, DC_EUNAVAIL, "", "cuda:%d is unusable after an earlier error (%s)",
                           cb->device, cb->broken_msg);
@@ -531,8 +586,9 @@ int cuda_run_step(dc_backend *be, const dc_step *s, dc_step_result *res, dc_err 
         return dc_err_set(err, DC_EPRECOND, "clip_step",
                           "the step's tensors are on cuda:%d but this backend serves cuda:%d",
                           s->device, cb->device);
-    if (B == 0 || !res->norms || !res->coefs || !res->layer_norms ||
-        (per_layer && !res->layer_coefs) || res->batch != B || res->n_layers != L)
+    if (io.want != CP_NORMS &&
+        (B == 0 || !res->norms || !res->coefs || !res->layer_norms ||
+         (per_layer && !res->layer_coefs) || res->batch != B || res->n_layers != L))
         return dc_err_set(err, DC_EINTERNAL, "", "step result not initialised for this step");
     if (cudaSetDevice(cb->device) != cudaSuccess) {
         (void)cudaGetLastError();
@@ -592,23 +648,61 @@ int cuda_run_step(dc_backend *be, const dc_step *s, dc_step_result *res, dc_err 
            "the table upload");
         /* 2. norms */
         phase_mark(cb, 1);
-        if (opt.grouped) {
-            if ((rc = grouped_norms(cb, s, &Lo, scale * scale, err))) goto fail;
-        } else {
-            memset(cb->nm_grouped, 0, L * sizeof *cb->nm_grouped);
-        }
-        for (size_t l = 0; l < L; l++)
-            if (!cb->nm_grouped[l] &&
-                (rc = layer_norms(cb, s, l, &Lo, scale * scale, opt, err)))
+        if (io.want == CP_CLIP) {
+            /* the norm phase's n2, and the norm layers' per-sample vectors
+             * (which their clipped sums read) computed again */
+            for (size_t l = 0; l < L; l++)
+                if ((s->layers[l].kind == DC_LAYER_LAYERNORM ||
+                     s->layers[l].kind == DC_LAYER_RMSNORM) &&
+                    (rc = layer_norms(cb, s, l, &Lo, scale * scale, opt, err)))
+                    goto fail;
+            if ((rc = upload_f32(cb, ws + Lo.n2, io.n2_in, L * B, err)) ||
+                (rc = upload_f32(cb, ws + Lo.tot, io.tot_in, B, err)))
                 goto fail;
+        } else {
+            if (opt.grouped) {
+                if ((rc = grouped_norms(cb, s, &Lo, scale * scale, err))) goto fail;
+            } else {
+                memset(cb->nm_grouped, 0, L * sizeof *cb->nm_grouped);
+            }
+            for (size_t l = 0; l < L; l++)
+                if (!cb->nm_grouped[l] &&
+                    (rc = layer_norms(cb, s, l, &Lo, scale * scale, opt, err)))
+                    goto fail;
+        }
+        if (io.want == CP_NORMS) {
+            /* n2 and the flags home; a bad input fails here, as in a step */
+            CK(cudaMemcpyAsync(cb->host, ws, Lo.dl_bytes, cudaMemcpyDeviceToHost, cb->stream),
+               "the result copy");
+            CK(cudaStreamSynchronize(cb->stream), "the norms");
+            const float *hn2 = (const float *)(cb->host + Lo.n2);
+            const uint32_t *hfl = (const uint32_t *)(cb->host + Lo.flags);
+            for (size_t i = 0; i < L * B; i++)
+                if (hfl[i] || !isfinite(hn2[i])) {
+                    uint32_t st = DCC_STATUS_INPUT;
+                    dc_step_result none;
+                    memset(&none, 0, sizeof none);
+                    memcpy(cb->host + Lo.status, &st, 4);
+                    return diagnose(cb, s, &Lo, &none, err);
+                }
+            for (size_t i = 0; i < L * B; i++) io.n2_out[i] = (double)hn2[i];
+            return 0;
+        }
         /* 3. coefficients */
         phase_mark(cb, 2);
-        CK(dcc_coefs((const float *)(ws + Lo.n2), (const uint32_t *)(ws + Lo.flags), (int)L,
-                     (int)B, per_layer, s->max_grad_norm, (const float *)(ws + Lo.up + Lo.layer_c),
-                     scale, (float *)(ws + Lo.norms), (float *)(ws + Lo.coefs),
-                     (float *)(ws + Lo.lcoef), (float *)(ws + Lo.cs), (uint32_t *)(ws + Lo.status),
-                     cb->stream),
-           "the coefficients");
+        if (io.want == CP_CLIP)
+            CK(dcc_coefs_tot((const float *)(ws + Lo.n2), (const uint32_t *)(ws + Lo.flags),
+                             (const float *)(ws + Lo.tot), (int)L, (int)B, s->max_grad_norm,
+                             scale, (float *)(ws + Lo.norms), (float *)(ws + Lo.coefs),
+                             (float *)(ws + Lo.cs), (uint32_t *)(ws + Lo.status), cb->stream),
+               "the coefficients");
+        else
+            CK(dcc_coefs((const float *)(ws + Lo.n2), (const uint32_t *)(ws + Lo.flags), (int)L,
+                         (int)B, per_layer, s->max_grad_norm,
+                         (const float *)(ws + Lo.up + Lo.layer_c), scale, (float *)(ws + Lo.norms),
+                         (float *)(ws + Lo.coefs), (float *)(ws + Lo.lcoef), (float *)(ws + Lo.cs),
+                         (uint32_t *)(ws + Lo.status), cb->stream),
+               "the coefficients");
         /* 4. clipped sums */
         phase_mark(cb, 3);
         if (opt.grouped) {
@@ -701,7 +795,7 @@ int cuda_run_step(dc_backend *be, const dc_step *s, dc_step_result *res, dc_err 
              * are finite: run the step again with those norms computed on
              * the host, range-scaled. Not after an early notice: the client
              * may already use the zeros that a failed step wrote. */
-            if (!cb->ovr_active && !orig->zero_on_fail &&
+            if (io.want == CP_ALL && !cb->ovr_active && !orig->zero_on_fail &&
                 rescue_overflow(cb, s, &Lo, scale)) {
                 cb->ovr_active = true;
                 rc = cuda_run_step(be, orig, res, err);
@@ -753,7 +847,8 @@ void cuda_destroy(dc_backend *be) {
     free(cb);
 }
 
-const dc_backend_ops cuda_ops = {"cuda", cuda_run_step, cuda_destroy, NULL, NULL};
+const dc_backend_ops cuda_ops = {"cuda", cuda_run_step, cuda_destroy, cuda_run_norms,
+                                  cuda_run_clip};
 
 } // namespace
 

@@ -40,8 +40,8 @@ __device__ __forceinline__ float clip_coef(float C, float norm) {
 }
 
 __global__ void coefs_kernel(const float *__restrict__ n2, const uint32_t *__restrict__ flags,
-                             int L, int B, int per_layer, float C,
-                             const float *__restrict__ layer_C, float scale,
+                             const float *__restrict__ tot_in, int L, int B, int per_layer,
+                             float C, const float *__restrict__ layer_C, float scale,
                              float *__restrict__ norms, float *__restrict__ coefs,
                              float *__restrict__ lcoef, float *__restrict__ cs,
                              uint32_t *__restrict__ status) {
@@ -53,6 +53,10 @@ __global__ void coefs_kernel(const float *__restrict__ n2, const uint32_t *__res
             float v = n2[(int64_t)l * B + b];
             tot += (double)v;
             bad |= !dcc_isfinite(v) || flags[(int64_t)l * B + b] != 0;
+        }
+        if (tot_in) { /* a norm group's total over every member's layers */
+            tot = (double)tot_in[b];
+            bad |= !dcc_isfinite(tot_in[b]);
         }
         float nb = (float)sqrt(tot);
         float cb = per_layer ? 1.0f : clip_coef(C, nb);
@@ -497,7 +501,17 @@ extern "C" cudaError_t dcc_coefs(const float *n2, const uint32_t *flags, int L, 
                                  float grad_scale, float *norms, float *coefs, float *lcoef,
                                  float *cs, uint32_t *status, cudaStream_t st) {
     coefs_kernel<<<blocks_for((uint64_t)B, 1024), NT, 0, st>>>(
-        n2, flags, L, B, per_layer, C, layer_C, grad_scale, norms, coefs, lcoef, cs, status);
+        n2, flags, NULL, L, B, per_layer, C, layer_C, grad_scale, norms, coefs, lcoef, cs,
+        status);
+    return cudaGetLastError();
+}
+
+extern "C" cudaError_t dcc_coefs_tot(const float *n2, const uint32_t *flags, const float *tot,
+                                     int L, int B, float C, float grad_scale, float *norms,
+                                     float *coefs, float *cs, uint32_t *status,
+                                     cudaStream_t st) {
+    coefs_kernel<<<blocks_for((uint64_t)B, 1024), NT, 0, st>>>(
+        n2, flags, tot, L, B, 0, C, NULL, grad_scale, norms, coefs, NULL, cs, status);
     return cudaGetLastError();
 }
 

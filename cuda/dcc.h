@@ -203,6 +203,11 @@ cudaError_t dcc_coefs(const float *n2, const uint32_t *flags, int L, int B, bool
                       float C, const float *layer_C, float grad_scale, float *norms,
                       float *coefs, float *lcoef, float *cs, uint32_t *status,
                       cudaStream_t st);
+/* The same with the per-sample total squared norms given (device [B], a norm
+ * group's): the flat coefficients come from tot, not from n2's sum. */
+cudaError_t dcc_coefs_tot(const float *n2, const uint32_t *flags, const float *tot, int L,
+                          int B, float C, float grad_scale, float *norms, float *coefs,
+                          float *cs, uint32_t *status, cudaStream_t st);
 
 /* out[j] += sum_b cs[b] * sum_t g[b,t,j] for a [B,T,p] grad (out zeroed). */
 cudaError_t dcc_bias_clipped_sum(const void *g, dc_dtype tg, int B, int T, int p,

@@ -17,6 +17,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "gpu.h"
 #include "log.h"
 #include "server.h"
 #include "session_int.h"
@@ -104,11 +105,10 @@ int dc_session_group_prepare(dc_session *s, const Dpclip__ClipStep *m, dc_step_j
         s->group_steps = j->group_step;
         return 0;
     }
-    if (st->device >= 0)
-        return dc_err_set(e, DC_EUNIMPL, "clip_step",
-                          "NORM_REDUCE groups run on host-memory steps only for now (the CUDA "
-                          "backend has no separate norm phase yet); GROUP_WISE groups run on "
-                          "GPUs");
+    if (m->notify_enqueued)
+        return dc_err_set(e, DC_EINVAL, "clip_step.notify_enqueued",
+                          "a step of a NORM_REDUCE group has no early notice: its outputs are "
+                          "queued only once every member's norms are in");
     j->grouped = true;
     st->group_noise_key = dc_group_noise_key(g);
     st->group_step = j->group_step;
@@ -129,7 +129,17 @@ static void clip_work(dc_job *job, dc_backend *be) {
     j->be = be;
     dc_err_clear(&j->err);
     j->rc = be->ops->run_clip(be, &j->step, j->n2, j->tot, &j->res, &j->err);
+    if (j->rc == 0 && j->signal_event) { /* the client's stream may go on */
+        j->res.released = true;
+        j->rc = dc_gpu_record_event(be, j->signal_event, &j->err);
+    }
     j->t_end = uv_hrtime();
+}
+
+/* Where a phase runs: the step's GPU's worker, or the CPU pool. */
+static dc_worker_pool *pool_of(dc_step_job *j) {
+    dc_server *srv = j->s->srv;
+    return j->step.device >= 0 ? &srv->gpu.pools[j->step.device] : &srv->cpu_pool;
 }
 
 /* The group's totals (or why the group step failed). */
@@ -148,13 +158,18 @@ static void on_totals(dc_group_waiter *w, int rc, const double *tot, const dc_er
     if (s->group_rank == 0) j->res.released = true;
     j->job.work = clip_work;
     j->job.done = dc_session_step_done;
-    dc_worker_pool_submit(&s->srv->cpu_pool, &j->job);
+    dc_worker_pool_submit(pool_of(j), &j->job);
 }
 
 static void norms_work(dc_job *job, dc_backend *be) {
     dc_step_job *j = (dc_step_job *)job;
     j->t_start = j->t_waited = uv_hrtime();
     dc_err_clear(&j->err);
+    /* GPU steps: the stream waits for the client's inputs first (unless a
+     * pre-wait for this step's event already did, on this thread) */
+    bool waited = j->prewait && j->prewait->rc == 0;
+    if (j->wait_event && !waited && (j->rc = dc_gpu_wait_event(be, j->wait_event, &j->err)))
+        return;
     j->rc = be->ops->run_norms
                 ? be->ops->run_norms(be, &j->step, j->n2, &j->err)
                 : dc_err_set(&j->err, DC_EUNIMPL, "clip_step",
@@ -213,5 +228,5 @@ void dc_session_group_submit(dc_step_job *j) {
     j->job.work = norms_work;
     j->job.done = norms_done;
     j->t_submit = uv_hrtime();
-    dc_worker_pool_submit(&s->srv->cpu_pool, &j->job);
+    dc_worker_pool_submit(pool_of(j), &j->job);
 }

@@ -400,6 +400,54 @@ static void test_scratch_trim(void **state) {
     dc_backend_destroy(be);
 }
 
+/* The halves of a step for norm groups: run_norms gives the squared layer
+ * norms of run_step; run_clip with their own sums as the totals writes what
+ * run_step writes (bitwise: the same arithmetic and noise), and with 4x the
+ * totals clips by twice the norm. */
+static void test_phases(void **state) {
+    (void)state;
+    dc_backend *be;
+    dc_err e;
+    dc_layer ls[NL];
+    dc_test_rng r;
+    dc_step_result whole, part;
+    dc_test_rng_seed(&r, 77);
+    size_t L = make_model(ls, 5, 6, &r, 77);
+    dc_step s = {.batch = 5, .n_layers = L, .layers = ls, .mode = DC_CLIP_FLAT,
+                 .max_grad_norm = 0.8f, .reduction = DC_REDUCTION_SUM, .expected_batch = 5,
+                 .noise_multiplier = 0.5f, .noise_key = 3, .noise_step = 4, .device = -1};
+    double n2[NL * 5], tot[5];
+    float *w1 = malloc((size_t)dc_test_tensor_numel(&ls[2].weight_grad_out) * sizeof *w1);
+    assert_int_equal(dc_cpu_backend_create(1, &be, &e), 0);
+    assert_int_equal(dc_step_result_init(&whole, 5, L, false), 0);
+    assert_int_equal(dc_backend_run_step(be, &s, &whole, &e), 0);
+    memcpy(w1, ls[2].weight_grad_out.data,
+           (size_t)dc_test_tensor_numel(&ls[2].weight_grad_out) * sizeof *w1);
+    assert_int_equal(be->ops->run_norms(be, &s, n2, &e), 0);
+    for (size_t i = 0; i < L * 5; i++)
+        assert_true(fabs(sqrt(n2[i]) - whole.layer_norms[i]) <= 1e-6 * whole.layer_norms[i]);
+    for (int b = 0; b < 5; b++) {
+        tot[b] = 0.0;
+        for (size_t l = 0; l < L; l++) tot[b] += n2[l * 5 + b];
+    }
+    assert_int_equal(dc_step_result_init(&part, 5, L, false), 0);
+    assert_int_equal(be->ops->run_clip(be, &s, n2, tot, &part, &e), 0);
+    assert_memory_equal(ls[2].weight_grad_out.data, w1,
+                        (size_t)dc_test_tensor_numel(&ls[2].weight_grad_out) * sizeof *w1);
+    assert_memory_equal(part.coefs, whole.coefs, 5 * sizeof(float));
+    for (int b = 0; b < 5; b++) tot[b] *= 4.0;
+    assert_int_equal(be->ops->run_clip(be, &s, n2, tot, &part, &e), 0);
+    for (int b = 0; b < 5; b++) {
+        double want = fmin(1.0, 0.8 / (2.0 * whole.norms[b] + 1e-6));
+        assert_true(fabs(part.coefs[b] - want) <= 1e-5 * want);
+    }
+    dc_step_result_free(&part);
+    dc_step_result_free(&whole);
+    free(w1);
+    for (size_t l = 0; l < L; l++) dc_test_layer_free(&ls[l]);
+    dc_backend_destroy(be);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_flat),
@@ -411,6 +459,7 @@ int main(void) {
         cmocka_unit_test(test_value_flip),
         cmocka_unit_test(test_clip_coef_nonfinite),
         cmocka_unit_test(test_scratch_trim),
+        cmocka_unit_test(test_phases),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -598,6 +598,64 @@ static void test_extreme_range(void **state) {
         dc_test_layer_free(&h);
     }
 }
+/* The two halves of a step for norm groups (run_norms, run_clip): the norm
+ * phase gives the step's squared layer norms; the clip phase with their own
+ * sum as the totals writes what the whole step writes (same noise), and with
+ * 4x the totals clips by twice the norm. Replicated layers are refused on
+ * the GPU for now. */
+static void test_phases(void **state) {
+    (void)state;
+    dc_test_rng r;
+    dc_test_rng_seed(&r, 909);
+    for (int di = 0; di < 3; di++) {
+        multi m;
+        dc_step ds;
+        dc_step_result whole, part;
+        dc_err e;
+        multi_make(&m, kDtypes[di], &r);
+        step_init(&ds, m.d, m.L, m.B, 0);
+        ds.noise_multiplier = 0.5f;
+        assert_int_equal(run(g_cuda, &ds, &whole, &e), 0);
+        float *out1[6], *out2[6];
+        for (size_t l = 0; l < m.L; l++) out1[l] = dev_to_f32(&m.d[l].weight_grad_out);
+        double n2[6 * 6], tot[6];
+        assert_int_equal(g_cuda->ops->run_norms(g_cuda, &ds, n2, &e), 0);
+        for (size_t i = 0; i < m.L * m.B; i++) {
+            double want = (double)whole.layer_norms[i] * whole.layer_norms[i];
+            assert_true(fabs(n2[i] - want) <= 1e-5 * want + 1e-12);
+        }
+        for (uint32_t b = 0; b < m.B; b++) {
+            tot[b] = 0.0;
+            for (size_t l = 0; l < m.L; l++) tot[b] += n2[l * m.B + b];
+        }
+        assert_int_equal(dc_step_result_init(&part, m.B, m.L, false), 0);
+        assert_int_equal(g_cuda->ops->run_clip(g_cuda, &ds, n2, tot, &part, &e), 0);
+        for (size_t l = 0; l < m.L; l++) {
+            out2[l] = dev_to_f32(&m.d[l].weight_grad_out);
+            assert_true(rel_l2(out2[l], out1[l], numel(&m.d[l].weight_grad_out)) < 1e-5);
+            free(out2[l]);
+        }
+        for (uint32_t b = 0; b < m.B; b++) {
+            assert_true(fabsf(part.coefs[b] - whole.coefs[b]) <= 1e-5f * whole.coefs[b]);
+            tot[b] *= 4.0;
+        }
+        dc_step_result_free(&part);
+        assert_int_equal(dc_step_result_init(&part, m.B, m.L, false), 0);
+        assert_int_equal(g_cuda->ops->run_clip(g_cuda, &ds, n2, tot, &part, &e), 0);
+        for (uint32_t b = 0; b < m.B; b++) {
+            double want = fmin(1.0, ds.max_grad_norm / (2.0 * whole.norms[b] + 1e-6));
+            assert_true(fabs(part.norms[b] - 2.0 * whole.norms[b]) <= 1e-4 * whole.norms[b]);
+            assert_true(fabs(part.coefs[b] - want) <= 1e-4 * want);
+        }
+        dc_step_result_free(&part);
+        m.d[4].replicated = true;
+        assert_int_equal(g_cuda->ops->run_norms(g_cuda, &ds, n2, &e), DC_EUNIMPL);
+        for (size_t l = 0; l < m.L; l++) free(out1[l]);
+        dc_step_result_free(&whole);
+        multi_free(&m);
+    }
+}
+
 
 int main(void) {
     if (dc_cuda_device_count() == 0) {
@@ -613,6 +671,7 @@ int main(void) {
         cmocka_unit_test(test_failures),
         cmocka_unit_test(test_index_flip),
         cmocka_unit_test(test_extreme_range),
+        cmocka_unit_test(test_phases),
     };
     return cmocka_run_group_tests(tests, cuda_test_setup, cuda_test_teardown);
 }
