@@ -8,7 +8,14 @@ rank's failure shows on the device alone (the daemon writes zeros after its
 early notice), after optimizer.step() has queued the update on every rank;
 so the gate works on the device: each rank's success flag is all-reduced
 (MIN) with the clipped sums (SUM), and the sums are zeroed unless every flag
-is 1, with no host synchronisation."""
+is 1, with no host synchronisation.
+
+With norm groups (model parallelism, dpclip._group) the data-parallel
+ranks are the replicas: the members holding the same part of the model in
+each replica form a data-parallel group of their own (replicas()), over
+which the parameters are broadcast, the loaders checked and the gradients
+gated; the engine's rank and world size are then the replica's index and
+the number of replicas."""
 import hashlib
 
 import torch
@@ -17,15 +24,32 @@ from . import _lib
 from .data import DPDataLoader
 
 
-def check_loader(engine, loader, device, secure_mode):
+def generator_digest(loader):
+    """A digest of a DPDataLoader's generator state (0: secure mode, none)."""
+    gen = loader.batch_sampler.generator
+    return 0 if gen is None else int.from_bytes(hashlib.blake2b(
+        bytes(gen.get_state().tolist()), digest_size=8).digest(), "little", signed=True)
+
+
+def check_loader(engine, loader, device, secure_mode, group=None):
     """Refuses a DPDataLoader made for another world size or rank than the
     engine's, and (data parallel) ranks whose generators are in one state.
-    Every rank calls it (an all-gather)."""
+    Every rank of `group` (the data-parallel ranks; None: all) calls it (an
+    all-gather)."""
     if not isinstance(loader, DPDataLoader):
         return
     if secure_mode and not loader.secure_mode:
         raise ValueError("secure_mode=True, but the DPDataLoader given draws its masks from a "
                          "torch generator: make it with secure_mode=True")
+    if (loader.world_size, loader.rank) != (engine.world_size, engine.rank) and \
+            engine.norm_group is not None:
+        raise ValueError(
+            "the DPDataLoader samples for world size %d (as rank %d), but with its norm group "
+            "the engine trains %d data-parallel replica%s (this is replica %d): make it with "
+            "rank=%d and world_size=%d (the replica's index and count), or distributed=False "
+            "where one replica trains" % (loader.world_size, loader.rank, engine.world_size,
+                                          "s" if engine.world_size > 1 else "", engine.rank,
+                                          engine.rank, engine.world_size))
     if (loader.world_size, loader.rank) != (engine.world_size, engine.rank):
         raise ValueError(
             "the DPDataLoader samples for world size %d (as rank %d), but the engine trains %s: "
@@ -41,12 +65,9 @@ def check_loader(engine, loader, device, secure_mode):
         return
     # Ranks whose generators are in one state draw the same masks over their
     # shards: compare a digest of each rank's state (0: secure mode, none).
-    gen = loader.batch_sampler.generator
-    digest = 0 if gen is None else int.from_bytes(hashlib.blake2b(
-        bytes(gen.get_state().tolist()), digest_size=8).digest(), "little", signed=True)
-    mine = torch.tensor([digest], dtype=torch.int64, device=device)
+    mine = torch.tensor([generator_digest(loader)], dtype=torch.int64, device=device)
     every = [torch.zeros_like(mine) for _ in range(engine.world_size)]
-    torch.distributed.all_gather(every, mine)
+    torch.distributed.all_gather(every, mine, group=group)
     every = [int(t) for t in every]
     for r, d in enumerate(every):
         if d and every.index(d) != r:
@@ -63,8 +84,9 @@ class Gate:
     check() at the next collection, where every rank's step() raises before
     its next collectives, so the ranks stay in step."""
 
-    def __init__(self, world_size):
+    def __init__(self, world_size, group=None):
         self.world_size = world_size
+        self.group = group               # the data-parallel ranks (None: all)
         self._host = self._event = None  # the flag's pinned copy and its event
         self._pending = None             # the optimizer step it belongs to
 
@@ -80,9 +102,9 @@ class Gate:
                     p.grad = torch.zeros_like(p)
                 else:
                     p.grad.zero_()
-        dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+        dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=self.group)
         for p in params:
-            dist.all_reduce(p.grad, op=dist.ReduceOp.SUM)
+            dist.all_reduce(p.grad, op=dist.ReduceOp.SUM, group=self.group)
         bad = ok[0] == 0
         for p in params:
             p.grad.masked_fill_(bad, 0)  # masked, not multiplied: a stale grad may be NaN
@@ -120,8 +142,40 @@ class Gate:
                 step, self.world_size))
 
 
-def broadcast_job_id(job_id: str) -> str:
-    """Rank 0's ledger job id, on every rank (every rank calls it)."""
+def broadcast_job_id(job_id: str, group=None, src: int = 0) -> str:
+    """The ledger job id of global rank src, on every rank of group (None:
+    all; every one calls it)."""
     box = [job_id]
-    torch.distributed.broadcast_object_list(box, src=0)
+    torch.distributed.broadcast_object_list(box, src=src, group=group)
     return box[0]
+
+
+def replicas(norm_group):
+    """Data parallelism over norm groups (every rank calls it, each with its
+    own norm group: a collective over all ranks). The norm groups must
+    split the ranks into replicas of one size. Returns (the data-parallel
+    group of the members holding this rank's part in every replica, None
+    where there is one replica; this replica's index; the number of
+    replicas; the global rank of this part's member in replica 0)."""
+    dist = torch.distributed
+    world = dist.get_world_size()
+    mine = tuple(norm_group.ranks)
+    every = [None] * world
+    dist.all_gather_object(every, mine)
+    groups = sorted({tuple(g) for g in every})
+    if sorted(r for g in groups for r in g) != list(range(world)) or \
+            any(len(g) != len(mine) for g in groups) or \
+            any(r not in every[r] for r in range(world)):
+        raise ValueError(
+            "norm_group: with data parallelism (distributed) the norm groups must split the %d "
+            "ranks into replicas of one size, each rank in exactly one, and every rank must "
+            "call make_private; they are %s (pass distributed=False if the groups train apart)"
+            % (world, ", ".join(str(list(g)) for g in groups)))
+    dp = None
+    if len(groups) > 1:
+        # every rank makes every data-parallel group, in one order (new_group's rule)
+        for j in range(len(mine)):
+            g = dist.new_group([grp[j] for grp in groups])
+            if j == norm_group.rank:
+                dp = g
+    return dp, groups.index(mine), len(groups), groups[0][norm_group.rank]

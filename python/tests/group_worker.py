@@ -1,0 +1,134 @@
+"""The per-rank half of the norm-group tests (spawned processes import this
+module by name; it must not be a test module). Each function saves what its
+rank saw under out_dir for the test to compare with the reference."""
+import datetime
+import os
+
+import torch
+import torch.distributed as dist
+
+from dpclip.torch import PrivacyEngine, reduce_loss
+from models import TPModel, TPShard, per_sample_losses, pipeline_model
+
+
+def _init(rank, world, init_file):
+    # A timeout well past any step: ranks that fall out of step fail the test
+    # instead of hanging it.
+    dist.init_process_group("gloo", init_method="file://" + init_file, rank=rank,
+                            world_size=world, timeout=datetime.timedelta(seconds=120))
+
+
+def _grads(module, prefix):
+    return {prefix + n: p.grad.clone() if p.grad is not None else None
+            for n, p in module.named_parameters()}
+
+
+def _pipeline_pass(stage, opt, rank, x, y, d=16):
+    """One training step of the 2-stage pipeline: stage 0 sends its output
+    to stage 1, which computes the loss and sends back its input gradient."""
+    opt.zero_grad()
+    if rank == 0:
+        h = stage(x)
+        dist.send(h.detach().contiguous(), 1)
+        g = torch.empty_like(h)
+        dist.recv(g, 1)
+        h.backward(g)
+    else:
+        h = torch.empty(x.shape[0], x.shape[1], d)
+        dist.recv(h, 0)
+        h.requires_grad_(True)
+        reduce_loss(per_sample_losses("seq", stage(h), y), "mean").backward()
+        dist.send(h.grad.contiguous(), 0)
+    opt.step()
+
+
+def run_pipeline(rank, world, init_file, socket_path, data, C, expected, clipping, out_dir):
+    """SeqModel cut into 2 stages, one per rank, in one norm group (the
+    default group): stage 0 alone is given the expected batch size (stage 1
+    takes it from the group's rank 0). Noise off. Then, noise on, two steps
+    whose epsilon is saved: rank 0's job, charged once per group step."""
+    _init(rank, world, init_file)
+    try:
+        torch.manual_seed(3)
+        stage = pipeline_model()[rank]
+        engine = PrivacyEngine(socket_path)
+        kw = {"expected_batch_size": expected} if rank == 0 else {}
+        stage, opt, _ = engine.make_private(
+            module=stage, optimizer=torch.optim.SGD(stage.parameters(), lr=0.0),
+            noise_multiplier=0.0, max_grad_norm=C, loss_reduction="mean",
+            norm_group=dist.group.WORLD, norm_group_clipping=clipping, **kw)
+        assert not engine.distributed or engine.world_size == 1  # no data parallelism
+        x, y = data
+        _pipeline_pass(stage, opt, rank, x, y)
+        out = {"grads": _grads(stage, "%d." % rank), "norms": engine.last_norms,
+               "expected": engine.expected_batch_size, "group": engine.norm_group_name}
+        engine.close()
+
+        if clipping == "flat":
+            torch.manual_seed(3)
+            stage = pipeline_model()[rank]
+            engine = PrivacyEngine(socket_path)
+            kw = {"expected_batch_size": expected, "sample_rate": 0.05} if rank == 0 else {}
+            stage, opt, _ = engine.make_private(
+                module=stage, optimizer=torch.optim.SGD(stage.parameters(), lr=0.1),
+                noise_multiplier=1.0, max_grad_norm=C, loss_reduction="mean",
+                norm_group=dist.group.WORLD, target_delta=1e-5, **kw)
+            for _ in range(2):
+                _pipeline_pass(stage, opt, rank, x, y)
+            out["epsilon"], out["job"] = engine.last_epsilon, engine.job_id
+            out["sample_rate"] = engine.sample_rate
+            engine.close()
+        torch.save(out, os.path.join(out_dir, "pp%d.pt" % rank))
+    finally:
+        dist.destroy_process_group()
+
+
+def run_tensor_parallel(rank, world, init_file, socket_path, data, C, expected, out_dir):
+    """A TPModel split over a 2-rank group made with new_group: the
+    LayerNorm replicated, the Linear's output features halved. Then what
+    make_private raises (None: accepted) for members that disagree on the
+    replicated modules or on the threshold, and for replicated modules
+    under group-wise clipping or outside the model."""
+    _init(rank, world, init_file)
+    try:
+        tp = dist.new_group([0, 1])
+        torch.manual_seed(4)
+        whole = TPModel()
+        shard = TPShard(whole, tp)
+        engine = PrivacyEngine(socket_path)
+        shard, opt, _ = engine.make_private(
+            module=shard, optimizer=torch.optim.SGD(shard.parameters(), lr=0.0),
+            noise_multiplier=0.0, max_grad_norm=C, loss_reduction="mean",
+            expected_batch_size=expected, norm_group=tp, replicated_modules=[shard.ln])
+        x, y = data
+        opt.zero_grad()
+        reduce_loss(per_sample_losses("seq", shard(*x), y), "mean").backward()
+        opt.step()
+        out = {"grads": _grads(shard, ""), "norms": engine.last_norms}
+        engine.close()
+
+        def attempt(**kw):
+            e = PrivacyEngine(socket_path)
+            m = TPShard(whole, tp)
+            args = dict(module=m, optimizer=torch.optim.SGD(m.parameters(), lr=0.0),
+                        noise_multiplier=0.0, max_grad_norm=C, loss_reduction="mean",
+                        expected_batch_size=expected, norm_group=tp,
+                        replicated_modules=[m.ln])
+            for k, v in kw.items():
+                args[k] = v(m) if callable(v) else v
+            try:
+                e.make_private(**args)
+                return None
+            except (ValueError, NotImplementedError) as err:
+                return str(err)
+            finally:
+                e.close()
+
+        out["rep_differ"] = attempt(replicated_modules=lambda m: [m.ln] if rank == 0 else [])
+        out["c_differ"] = attempt(max_grad_norm=C * (1 + rank))
+        out["rep_wise"] = attempt(norm_group_clipping="group_wise")
+        out["rep_outside"] = attempt(replicated_modules=[whole.ln])
+        out["clipping"] = attempt(norm_group_clipping="by-layer")
+        torch.save(out, os.path.join(out_dir, "tp%d.pt" % rank))
+    finally:
+        dist.destroy_process_group()
