@@ -31,19 +31,54 @@ def generator_digest(loader):
         bytes(gen.get_state().tolist()), digest_size=8).digest(), "little", signed=True)
 
 
-def check_loader(engine, loader, device, secure_mode, group=None):
+def check_loader(engine, loader, device, secure_mode):
     """Refuses a DPDataLoader made for another world size or rank than the
     engine's, and (data parallel) ranks whose generators are in one state.
-    Every rank of `group` (the data-parallel ranks; None: all) calls it (an
-    all-gather)."""
+    Every rank calls it (an all-gather)."""
     if not isinstance(loader, DPDataLoader):
         return
+    fault = loader_fault(engine, loader, secure_mode)
+    if fault is not None:
+        raise fault
+    if engine.world_size == 1:
+        return
+    # Ranks whose generators are in one state draw the same masks over their
+    # shards: compare a digest of each rank's state (0: secure mode, none).
+    mine = torch.tensor([generator_digest(loader)], dtype=torch.int64, device=device)
+    every = [torch.zeros_like(mine) for _ in range(engine.world_size)]
+    torch.distributed.all_gather(every, mine)
+    fault = same_generators(list(enumerate(int(t) for t in every)))
+    if fault is not None:
+        raise fault
+
+
+def same_generators(digests):
+    """The fault of (rank, generator digest) pairs of the data-parallel
+    ranks where two are in one state (they would draw the same masks over
+    their shards), or None; a digest of 0 or None (secure mode, no loader)
+    is passed over."""
+    seen = {}
+    for r, d in digests:
+        if d and d in seen:
+            return ValueError(
+                "the DPDataLoaders of ranks %d and %d have generators in the same state: they "
+                "would draw the same batch masks; pass no generator (each loader then seeds its "
+                "own from os.urandom) or seed each rank's differently" % (seen[d], r))
+        seen.setdefault(d, r)
+    return None
+
+
+def loader_fault(engine, loader, secure_mode):
+    """What is wrong with a DPDataLoader for this engine (made for another
+    world size or rank, or not in the secure mode asked for), or None."""
+    if not isinstance(loader, DPDataLoader):
+        return None
     if secure_mode and not loader.secure_mode:
-        raise ValueError("secure_mode=True, but the DPDataLoader given draws its masks from a "
+        return ValueError("secure_mode=True, but the DPDataLoader given draws its masks from a "
                          "torch generator: make it with secure_mode=True")
     if (loader.world_size, loader.rank) != (engine.world_size, engine.rank) and \
             engine.norm_group is not None:
-        raise ValueError(
+        return ValueError(
             "the DPDataLoader samples for world size %d (as rank %d), but with its norm group "
             "the engine trains %d data-parallel replica%s (this is replica %d): make it with "
             "rank=%d and world_size=%d (the replica's index and count), or distributed=False "
@@ -51,7 +86,7 @@ def check_loader(engine, loader, device, secure_mode, group=None):
                                           "s" if engine.world_size > 1 else "", engine.rank,
                                           engine.rank, engine.world_size))
     if (loader.world_size, loader.rank) != (engine.world_size, engine.rank):
-        raise ValueError(
+        return ValueError(
             "the DPDataLoader samples for world size %d (as rank %d), but the engine trains %s: "
             "each rank would sample %s while the privacy ledger accounts the sample rate once; "
             "make the DPDataLoader after torch.distributed.init_process_group, with "
@@ -61,20 +96,7 @@ def check_loader(engine, loader, device, secure_mode, group=None):
                 if engine.world_size > 1 else "in one process",
                 "the whole dataset" if loader.world_size == 1 else "a shard",
                 engine.distributed))
-    if engine.world_size == 1:
-        return
-    # Ranks whose generators are in one state draw the same masks over their
-    # shards: compare a digest of each rank's state (0: secure mode, none).
-    mine = torch.tensor([generator_digest(loader)], dtype=torch.int64, device=device)
-    every = [torch.zeros_like(mine) for _ in range(engine.world_size)]
-    torch.distributed.all_gather(every, mine, group=group)
-    every = [int(t) for t in every]
-    for r, d in enumerate(every):
-        if d and every.index(d) != r:
-            raise ValueError(
-                "the DPDataLoaders of ranks %d and %d have generators in the same state: they "
-                "would draw the same batch masks; pass no generator (each loader then seeds its "
-                "own from os.urandom) or seed each rank's differently" % (every.index(d), r))
+    return None
 
 
 class Gate:
@@ -150,32 +172,19 @@ def broadcast_job_id(job_id: str, group=None, src: int = 0) -> str:
     return box[0]
 
 
-def replicas(norm_group):
-    """Data parallelism over norm groups (every rank calls it, each with its
-    own norm group: a collective over all ranks). The norm groups must
-    split the ranks into replicas of one size. Returns (the data-parallel
-    group of the members holding this rank's part in every replica, None
-    where there is one replica; this replica's index; the number of
-    replicas; the global rank of this part's member in replica 0)."""
-    dist = torch.distributed
-    world = dist.get_world_size()
-    mine = tuple(norm_group.ranks)
-    every = [None] * world
-    dist.all_gather_object(every, mine)
-    groups = sorted({tuple(g) for g in every})
-    if sorted(r for g in groups for r in g) != list(range(world)) or \
-            any(len(g) != len(mine) for g in groups) or \
-            any(r not in every[r] for r in range(world)):
-        raise ValueError(
-            "norm_group: with data parallelism (distributed) the norm groups must split the %d "
-            "ranks into replicas of one size, each rank in exactly one, and every rank must "
-            "call make_private; they are %s (pass distributed=False if the groups train apart)"
-            % (world, ", ".join(str(list(g)) for g in groups)))
+def replica_groups(parts, mine, rank):
+    """Data parallelism over norm groups (every rank calls it alike):
+    `parts` are the norm groups' global ranks (each in rank order, sorted,
+    the same list on every rank), `mine` this rank's and `rank` its rank in
+    it. Makes the data-parallel groups, one per part of the model (the
+    members holding it in every replica; new_group is a collective of all
+    ranks, in one order) and returns (this rank's, None where there is one
+    replica; this replica's index; the number of replicas; the global rank
+    of this part's member in replica 0, which adds the noise)."""
     dp = None
-    if len(groups) > 1:
-        # every rank makes every data-parallel group, in one order (new_group's rule)
+    if len(parts) > 1:
         for j in range(len(mine)):
-            g = dist.new_group([grp[j] for grp in groups])
-            if j == norm_group.rank:
+            g = torch.distributed.new_group([part[j] for part in parts])
+            if j == rank:
                 dp = g
-    return dp, groups.index(mine), len(groups), groups[0][norm_group.rank]
+    return dp, parts.index(tuple(mine)), len(parts), parts[0][rank]

@@ -248,26 +248,43 @@ class PrivacyEngine:
 
         layers, norms = _collect_layers(self, module)
         device = layers[0].weight.device
-        group = None
-        if norm_group is not None:
-            group = _group.setup(norm_group, norm_group_clipping, replicated_modules,
-                                 norm_group_timeout_ms, module, layers, device)
-        elif replicated_modules:
-            raise ValueError("replicated_modules needs a norm_group (the process group of the "
-                             "ranks that hold the model together)")
-
         if distributed is None:
             distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
         self.distributed = bool(distributed)
-        self.norm_group = group
         self.rank, self.world_size = 0, 1
         dp_group, dp_src = None, 0  # the data-parallel ranks (None: all) and their rank 0
-        if self.distributed and group is not None:
-            dp_group, self.rank, self.world_size, dp_src = _parallel.replicas(group)
+        group = None
+        if norm_group is not None:
+            group = _group.open_group(norm_group, norm_group_clipping, norm_group_timeout_ms)
+            failure = None
+            try:
+                _group.check(group, replicated_modules, module, layers, device)
+            except (ValueError, NotImplementedError) as e:
+                failure = e  # raised once every member (every rank) knows of it
+            mates, parts = _group.agree(group, _group.terms(group, layers, {
+                "max_grad_norm": float(max_grad_norm), "noise_multiplier": float(noise_multiplier),
+                "loss_reduction": loss_reduction}, _loader_kind(data_loader, poisson_sampling,
+                                                                secure_mode)),
+                failure, self.distributed, _group.judge_terms)
+            group.name, group.seed = mates[0]["name"], mates[0]["seed"]
+            if self.distributed:
+                _group.judge_layout(torch.distributed.get_world_size(), sorted(parts))
+                dp_group, self.rank, self.world_size, dp_src = _parallel.replica_groups(
+                    sorted(parts), group.ranks, group.rank)
+        elif replicated_modules:
+            raise ValueError("replicated_modules needs a norm_group (the process group of the "
+                             "ranks that hold the model together)")
         elif self.distributed:
             self.rank = torch.distributed.get_rank()
             self.world_size = torch.distributed.get_world_size()
-        _parallel.check_loader(self, data_loader, device, secure_mode, dp_group)
+        self.norm_group = group
+        loader_fault = digest = None
+        if group is None:
+            _parallel.check_loader(self, data_loader, device, secure_mode)
+        elif isinstance(data_loader, DPDataLoader):
+            # checked with the second agreement, where every rank raises alike
+            loader_fault = _parallel.loader_fault(self, data_loader, secure_mode)
+            digest = _parallel.generator_digest(data_loader)
         self._gate = _parallel.Gate(self.world_size, dp_group)
         if self.distributed and self.world_size > 1:
             # Same starting point on every rank (what DDP would do).
@@ -291,14 +308,9 @@ class PrivacyEngine:
         rate_given = sample_rate is not None or isinstance(data_loader, DPDataLoader) or \
             (data_loader is not None and poisson_sampling)
         gen = None
-        if group is not None:
-            _group.agree_terms(group, layers, {
-                "clipping": group.clipping, "max_grad_norm": float(max_grad_norm),
-                "noise_multiplier": float(noise_multiplier), "loss_reduction": loss_reduction},
-                _loader_kind(data_loader, poisson_sampling, secure_mode))
-            if not secure_mode:
-                # the members' loaders made here draw the same masks
-                gen = torch.Generator().manual_seed(group.seed)
+        if group is not None and not secure_mode:
+            # the members' loaders made here draw the same masks
+            gen = torch.Generator().manual_seed(group.seed)
         if data_loader is not None and poisson_sampling and not isinstance(data_loader,
                                                                           DPDataLoader):
             replica = {"rank": self.rank, "world_size": self.world_size} if group else {}
@@ -316,11 +328,19 @@ class PrivacyEngine:
         if sample_rate is None:
             sample_rate = data_loader.sample_rate if isinstance(data_loader, DPDataLoader) else 0.0
         if group is not None:
-            agreed = _group.agree_sampling(
-                group, self.expected_batch_size if ebs_given else None,
-                float(sample_rate) if rate_given else None)
-            self.expected_batch_size = int(agreed["expected_batch_size"] or 0)
-            sample_rate = agreed["sample_rate"] or 0.0
+            # a member without them (a later pipeline stage) takes the loader's member's
+            mates, parts = _group.agree(group, {
+                "expected_batch_size": self.expected_batch_size if ebs_given else None,
+                "sample_rate": float(sample_rate) if rate_given else None, "digest": digest},
+                loader_fault, self.distributed, _group.judge_sampling)
+            if self.world_size > 1:  # the replicas' loaders, part by part
+                for j in range(group.size):
+                    fault = _parallel.same_generators(
+                        [(p[j]["ranks"][j], p[j]["digest"]) for p in parts.values()])
+                    if fault is not None:
+                        raise fault
+            self.expected_batch_size = int(_group.first_given(mates, "expected_batch_size") or 0)
+            sample_rate = _group.first_given(mates, "sample_rate") or 0.0
         if loss_reduction == "mean" and self.expected_batch_size <= 0 and \
                 0.0 < float(sample_rate) < 1.0:
             # Dividing by the drawn batch size would release it without noise.

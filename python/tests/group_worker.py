@@ -7,6 +7,9 @@ import os
 import torch
 import torch.distributed as dist
 
+from torch.utils.data import TensorDataset
+
+from dpclip.data import DPDataLoader
 from dpclip.torch import PrivacyEngine, reduce_loss
 from models import TPModel, TPShard, per_sample_losses, pipeline_model
 
@@ -23,22 +26,23 @@ def _grads(module, prefix):
             for n, p in module.named_parameters()}
 
 
-def _pipeline_pass(stage, opt, rank, x, y, d=16):
-    """One training step of the 2-stage pipeline: stage 0 sends its output
-    to stage 1, which computes the loss and sends back its input gradient."""
+def _pipeline_pass(stage, opt, rank, x, y, d=16, first=0, scale=1.0):
+    """One training step of a 2-stage pipeline on global ranks first and
+    first + 1: stage 0 sends its output to stage 1, which computes the loss
+    (times scale) and sends back its input gradient."""
     opt.zero_grad()
-    if rank == 0:
+    if rank == first:
         h = stage(x)
-        dist.send(h.detach().contiguous(), 1)
+        dist.send(h.detach().contiguous(), first + 1)
         g = torch.empty_like(h)
-        dist.recv(g, 1)
+        dist.recv(g, first + 1)
         h.backward(g)
     else:
         h = torch.empty(x.shape[0], x.shape[1], d)
-        dist.recv(h, 0)
+        dist.recv(h, first)
         h.requires_grad_(True)
-        reduce_loss(per_sample_losses("seq", stage(h), y), "mean").backward()
-        dist.send(h.grad.contiguous(), 0)
+        (reduce_loss(per_sample_losses("seq", stage(h), y), "mean") * scale).backward()
+        dist.send(h.grad.contiguous(), first)
     opt.step()
 
 
@@ -128,7 +132,51 @@ def run_tensor_parallel(rank, world, init_file, socket_path, data, C, expected, 
         out["c_differ"] = attempt(max_grad_norm=C * (1 + rank))
         out["rep_wise"] = attempt(norm_group_clipping="group_wise")
         out["rep_outside"] = attempt(replicated_modules=[whole.ln])
+        # one member's own mistake: both raise (the other one names it)
+        out["one_fails"] = attempt(replicated_modules=lambda m: [whole.ln] if rank == 0 else
+                                   [m.ln])
         out["clipping"] = attempt(norm_group_clipping="by-layer")
         torch.save(out, os.path.join(out_dir, "tp%d.pt" % rank))
+    finally:
+        dist.destroy_process_group()
+
+
+def run_replicated_pipeline(rank, world, init_file, socket_path, data, C, expected, out_dir):
+    """Data parallelism over norm groups: 2 replicas of the 2-stage
+    pipeline (ranks 0, 1 and 2, 3), each its own norm group, each on its
+    half of the batch; replica 1 starts from other weights (make_private
+    broadcasts replica 0's). Stage 0 of each replica passes a DPDataLoader
+    for its replica (checked, not used). Noise off; then noise on with zero
+    gradients: the update must carry one replica's noise."""
+    _init(rank, world, init_file)
+    try:
+        pipes = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+        replica, part = rank // 2, rank % 2
+        out = {}
+        for sigma in (0.0, 2.0):
+            torch.manual_seed(3 + 10 * replica)
+            stage = pipeline_model()[part]
+            engine = PrivacyEngine(socket_path)
+            kw = {"expected_batch_size": expected} if part == 0 else {}
+            if part == 0:
+                kw["data_loader"] = DPDataLoader(TensorDataset(torch.arange(16)), 0.5,
+                                                 rank=replica, world_size=2)
+            stage, opt, _ = engine.make_private(
+                module=stage, optimizer=torch.optim.SGD(stage.parameters(), lr=0.0),
+                noise_multiplier=sigma, max_grad_norm=C, loss_reduction="mean",
+                norm_group=pipes[replica], **kw)
+            out["replica"] = (engine.rank, engine.world_size)
+            x, y = data
+            mine = torch.arange(replica, x.shape[0], 2)
+            _pipeline_pass(stage, opt, rank, x[mine], y[mine], first=2 * replica,
+                           scale=1.0 if sigma == 0 else 0.0)
+            if sigma == 0:
+                out["grads"] = _grads(stage, "%d." % part)
+                out["norms"] = engine.last_norms
+            else:
+                out["noise"] = torch.cat([p.grad.reshape(-1) for p in stage.parameters()])
+                out["epsilon"], out["job"] = engine.last_epsilon, engine.job_id
+            engine.close()
+        torch.save(out, os.path.join(out_dir, "dp%d.pt" % rank))
     finally:
         dist.destroy_process_group()

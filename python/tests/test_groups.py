@@ -12,7 +12,7 @@ import torch
 import torch.multiprocessing as mp
 
 from dpclip.torch import PrivacyEngine
-from group_worker import run_pipeline, run_tensor_parallel
+from group_worker import run_pipeline, run_replicated_pipeline, run_tensor_parallel
 from models import TPModel, pipeline_model, reference, seq_data, tp_data
 
 B, EXPECTED = 7, 9  # the divisor is the expected batch size, not the batch
@@ -130,8 +130,35 @@ def test_tensor_parallel_split_with_a_replicated_layernorm(daemon, tmp_path):
         msg = got["rep_outside"]
         assert msg is not None and "replicated_modules" in msg and "not a submodule" in msg, \
             (r, msg)
+        msg = got["one_fails"]
+        assert msg is not None and "not a submodule" in msg and \
+            (r == 0 or "failed on member 0" in msg), (r, msg)
         msg = got["clipping"]
         assert msg is not None and "norm_group_clipping" in msg and "'by-layer'" in msg, (r, msg)
+
+
+def test_replicas_of_a_pipeline_are_data_parallel(daemon, tmp_path):
+    """4 ranks: 2 data-parallel replicas of a 2-stage pipeline give the
+    union batch's gradient of the whole model on every rank, and with noise
+    on, one replica's noise (std sigma * C / expected), not two."""
+    whole, x, y, C = _pipeline_reference()
+    want, norms, coefs = reference(whole, "seq", (x,), y, C, "mean", EXPECTED)
+    assert (coefs < 1).any() and (coefs == 1).any()
+    _spawn(run_replicated_pipeline, (4, str(tmp_path / "init"), daemon.socket, (x, y), C,
+                                     EXPECTED, str(tmp_path)), nprocs=4)
+    got = [torch.load(str(tmp_path / ("dp%d.pt" % r))) for r in range(4)]
+    for r in range(4):
+        assert got[r]["replica"] == (r // 2, 2), r
+        for n, g in got[r]["grads"].items():
+            assert _max_rel(g, want[n]) < 2e-4, (r, n)
+        assert _max_rel(got[r]["norms"], norms[r // 2::2]) < 1e-4, r
+        assert got[r]["job"] == got[0]["job"]
+    for part in range(2):  # both replicas apply the same noised update
+        assert torch.equal(got[part]["noise"], got[2 + part]["noise"])
+    noise = torch.cat([got[0]["noise"], got[1]["noise"]]).double()
+    want_std = 2.0 * C / EXPECTED
+    assert abs(float(noise.std()) - want_std) < 6 * want_std / math.sqrt(2 * noise.numel())
+    assert 0 < got[0]["epsilon"] < math.inf
 
 
 def test_norm_group_needs_torch_distributed(daemon):
