@@ -6,12 +6,17 @@ of the unsplit model; group-wise clipping against its own reference (each
 stage clipped alone to C / sqrt(2)); the ledger charged once per group
 step; make_private's refusals."""
 import math
+import os
+import re
+import subprocess
+import sys
 
 import pytest
 import torch
 import torch.multiprocessing as mp
 
 from dpclip.torch import PrivacyEngine
+from conftest import REPO
 from group_worker import run_pipeline, run_replicated_pipeline, run_tensor_parallel
 from models import TPModel, pipeline_model, reference, seq_data, tp_data
 
@@ -171,3 +176,19 @@ def test_norm_group_needs_torch_distributed(daemon):
                             norm_group=object())
     assert "norm_group" in str(ei.value) and "init_process_group" in str(ei.value)
     engine.close()
+
+
+def test_pipeline_example_trains(daemon):
+    """examples/train_pipeline.py, 20 steps against the suite's daemon:
+    both stages train, and stage 0 prints the epoch's loss, epsilon and
+    tokens/s, and the steps the ledger charged."""
+    p = subprocess.run([sys.executable, os.path.join(REPO, "examples", "train_pipeline.py"),
+                        "--socket", daemon.socket, "--steps", "20"], capture_output=True,
+                       text=True, timeout=300)
+    assert p.returncode == 0, p.stdout + p.stderr
+    m = re.search(r"^epoch 1: loss ([0-9.]+), epsilon ([0-9.]+), ([0-9]+) tokens/s$", p.stdout,
+                  re.M)
+    assert m, p.stdout
+    loss, eps, rate = float(m.group(1)), float(m.group(2)), int(m.group(3))
+    assert 0 < loss < 10 and 0 < eps < math.inf and rate > 0, m.group(0)
+    assert "after 20 steps" in p.stdout, p.stdout
