@@ -29,32 +29,36 @@ def _grads(module, prefix):
 def _pipeline_pass(stage, opt, rank, x, y, d=16, first=0, scale=1.0):
     """One training step of a 2-stage pipeline on global ranks first and
     first + 1: stage 0 sends its output to stage 1, which computes the loss
-    (times scale) and sends back its input gradient."""
+    (times scale) and sends back its input gradient (through host memory:
+    gloo sends no CUDA tensors)."""
     opt.zero_grad()
+    dev = next(stage.parameters()).device
     if rank == first:
-        h = stage(x)
-        dist.send(h.detach().contiguous(), first + 1)
-        g = torch.empty_like(h)
+        h = stage(x.to(dev))
+        dist.send(h.detach().cpu().contiguous(), first + 1)
+        g = torch.empty(h.shape)
         dist.recv(g, first + 1)
-        h.backward(g)
+        h.backward(g.to(dev))
     else:
         h = torch.empty(x.shape[0], x.shape[1], d)
         dist.recv(h, first)
-        h.requires_grad_(True)
-        (reduce_loss(per_sample_losses("seq", stage(h), y), "mean") * scale).backward()
-        dist.send(h.grad.contiguous(), first)
+        h = h.to(dev).requires_grad_(True)
+        (reduce_loss(per_sample_losses("seq", stage(h), y.to(dev)), "mean") * scale).backward()
+        dist.send(h.grad.cpu().contiguous(), first)
     opt.step()
 
 
-def run_pipeline(rank, world, init_file, socket_path, data, C, expected, clipping, out_dir):
+def run_pipeline(rank, world, init_file, socket_path, data, C, expected, clipping, out_dir,
+                 device="cpu"):
     """SeqModel cut into 2 stages, one per rank, in one norm group (the
     default group): stage 0 alone is given the expected batch size (stage 1
-    takes it from the group's rank 0). Noise off. Then, noise on, two steps
-    whose epsilon is saved: rank 0's job, charged once per group step."""
+    takes it from the group's rank 0). Noise off. Then (flat clipping),
+    noise on, two steps whose epsilon is saved: rank 0's job, charged once
+    per group step."""
     _init(rank, world, init_file)
     try:
         torch.manual_seed(3)
-        stage = pipeline_model()[rank]
+        stage = pipeline_model()[rank].to(device)
         engine = PrivacyEngine(socket_path)
         kw = {"expected_batch_size": expected} if rank == 0 else {}
         stage, opt, _ = engine.make_private(
@@ -64,7 +68,8 @@ def run_pipeline(rank, world, init_file, socket_path, data, C, expected, clippin
         assert not engine.distributed or engine.world_size == 1  # no data parallelism
         x, y = data
         _pipeline_pass(stage, opt, rank, x, y)
-        out = {"grads": _grads(stage, "%d." % rank), "norms": engine.last_norms,
+        out = {"grads": {n: g.cpu() for n, g in _grads(stage, "%d." % rank).items()},
+               "norms": engine.last_norms,
                "expected": engine.expected_batch_size, "group": engine.norm_group_name}
         engine.close()
 
