@@ -163,12 +163,13 @@ def _differ(what: str, members: Sequence[Dict[str, Any]], key: str,
 def judge_terms(members: List[Dict[str, Any]]) -> Optional[Exception]:
     """The first agreement's faults: members that clip differently, mark
     other replicated layers, or would draw different batches."""
-    for key, hint in (("clipping", ""), ("max_grad_norm", ""), ("noise_multiplier", ""),
-                      ("loss_reduction", ""),
-                      ("replicated", ": mark the same layers (by name) on every member, in "
-                                     "the same order")):
-        err = _differ("norm_group_clipping" if key == "clipping" else
-                      "replicated_modules" if key == "replicated" else key, members, key, hint)
+    same_order = ": mark the same layers (by name) on every member, in the same order"
+    for what, key, hint in (("norm_group_clipping", "clipping", ""),
+                            ("max_grad_norm", "max_grad_norm", ""),
+                            ("noise_multiplier", "noise_multiplier", ""),
+                            ("loss_reduction", "loss_reduction", ""),
+                            ("replicated_modules", "replicated", same_order)):
+        err = _differ(what, members, key, hint)
         if err is not None:
             return err
     kinds = [m["loader"] for m in members if m["loader"]]

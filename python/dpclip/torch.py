@@ -335,8 +335,8 @@ class PrivacyEngine:
                 loader_fault, self.distributed, _group.judge_sampling)
             if self.world_size > 1:  # the replicas' loaders, part by part
                 for j in range(group.size):
-                    fault = _parallel.same_generators(
-                        [(p[j]["ranks"][j], p[j]["digest"]) for p in parts.values()])
+                    fault = _parallel.same_generators([(p[j]["ranks"][j], p[j]["digest"])
+                                                       for p in parts.values()])
                     if fault is not None:
                         raise fault
             self.expected_batch_size = int(_group.first_given(mates, "expected_batch_size") or 0)
