@@ -187,7 +187,8 @@ class DPDataLoader(DataLoader):
         rate = min(1.0, bs * world / n)
         return cls(loader.dataset, rate, steps=max(1, int(math.ceil(n / (bs * world)))),
                    generator=generator, distributed=distributed, secure_mode=secure_mode,
-                   rank=rank, world_size=world_size, collate_fn=loader.collate_fn if loader.collate_fn is not default_collate
+                   rank=rank, world_size=world_size,
+                   collate_fn=loader.collate_fn if loader.collate_fn is not default_collate
                    else None, num_workers=loader.num_workers, pin_memory=loader.pin_memory)
 
 
