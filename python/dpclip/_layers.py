@@ -178,6 +178,7 @@ class _Layer:
         else:
             self.d, self.p = module.normalized_shape[0], 0
         self.records = []
+        self.replicated = False         # norm groups: held whole by every member
         self.eps_used = None            # norms: the eps the last forward used
         self.out_w = self.out_b = None  # CUDA outputs, allocated on first GPU step
         self.out_refs = None            # ... and their (buffer, offset) references

@@ -20,7 +20,7 @@ import ctypes
 import ctypes.util
 import os
 import struct
-from typing import Callable, Dict, List, Optional, Tuple, Type
+from typing import Callable, Dict, FrozenSet, List, Optional, Tuple, Type
 
 from ._version import __version__
 
@@ -107,10 +107,12 @@ def candidates(repo: Optional[str] = None) -> Tuple[List[str], List[str], bool]:
     return out, skipped, False
 
 
-def check_abi(L: ctypes.CDLL, path: str,
-              structs: Dict[str, Type[ctypes.Structure]]) -> None:
+def check_abi(L: ctypes.CDLL, path: str, structs: Dict[str, Type[ctypes.Structure]],
+              unlisted: FrozenSet[str] = frozenset()) -> None:
     """Raises OSError naming what differs where library L (loaded from path)
-    is not the release this package mirrors, or a struct's size differs."""
+    is not the release this package mirrors, or a struct's size differs
+    (for the `unlisted` ones, which the library may not report: one it
+    reports)."""
     try:
         L.dpclip_version.restype = ctypes.c_char_p
         L.dpclip_version.argtypes = []
@@ -125,14 +127,15 @@ def check_abi(L: ctypes.CDLL, path: str,
         raise OSError("dpclip: %s is libdpclip %s, this package is dpclip %s; use the "
                       "library of the same release" % (path, v, __version__))
     bad = ["%s is %d bytes there, %d here" % (n, L.dpclip_sizeof(n.encode()), ctypes.sizeof(t))
-           for n, t in structs.items() if L.dpclip_sizeof(n.encode()) != ctypes.sizeof(t)]
+           for n, t in structs.items() if L.dpclip_sizeof(n.encode()) != ctypes.sizeof(t) and
+           not (n in unlisted and L.dpclip_sizeof(n.encode()) == 0)]
     if bad:
         raise OSError("dpclip: %s does not match this package's structs (%s); rebuild the "
                       "library and the package from one checkout" % (path, "; ".join(bad)))
 
 
-def load(declare: Callable[[ctypes.CDLL], None],
-         structs: Dict[str, Type[ctypes.Structure]]) -> ctypes.CDLL:
+def load(declare: Callable[[ctypes.CDLL], None], structs: Dict[str, Type[ctypes.Structure]],
+         unlisted: FrozenSet[str] = frozenset()) -> ctypes.CDLL:
     """The first candidate that loads and passes check_abi, its functions
     declared by `declare`; L.path says where it came from. OSError saying
     which libraries were tried and why each was refused."""
@@ -146,7 +149,7 @@ def load(declare: Callable[[ctypes.CDLL], None],
             break
         try:
             L = ctypes.CDLL(path)
-            check_abi(L, path, structs)
+            check_abi(L, path, structs, unlisted)
             declare(L)
         except (OSError, AttributeError) as e:
             errors.append("%s: %s" % (path, e))

@@ -8,7 +8,14 @@ rank's failure shows on the device alone (the daemon writes zeros after its
 early notice), after optimizer.step() has queued the update on every rank;
 so the gate works on the device: each rank's success flag is all-reduced
 (MIN) with the clipped sums (SUM), and the sums are zeroed unless every flag
-is 1, with no host synchronisation."""
+is 1, with no host synchronisation.
+
+With norm groups (model parallelism, dpclip._group) the data-parallel
+ranks are the replicas: the members holding the same part of the model in
+each replica form a data-parallel group of their own (replicas()), over
+which the parameters are broadcast, the loaders checked and the gradients
+gated; the engine's rank and world size are then the replica's index and
+the number of replicas."""
 import hashlib
 
 import torch
@@ -17,17 +24,69 @@ from . import _lib
 from .data import DPDataLoader
 
 
+def generator_digest(loader):
+    """A digest of a DPDataLoader's generator state (0: secure mode, none)."""
+    gen = loader.batch_sampler.generator
+    return 0 if gen is None else int.from_bytes(hashlib.blake2b(
+        bytes(gen.get_state().tolist()), digest_size=8).digest(), "little", signed=True)
+
+
 def check_loader(engine, loader, device, secure_mode):
     """Refuses a DPDataLoader made for another world size or rank than the
     engine's, and (data parallel) ranks whose generators are in one state.
     Every rank calls it (an all-gather)."""
     if not isinstance(loader, DPDataLoader):
         return
+    fault = loader_fault(engine, loader, secure_mode)
+    if fault is not None:
+        raise fault
+    if engine.world_size == 1:
+        return
+    # Ranks whose generators are in one state draw the same masks over their
+    # shards: compare a digest of each rank's state (0: secure mode, none).
+    mine = torch.tensor([generator_digest(loader)], dtype=torch.int64, device=device)
+    every = [torch.zeros_like(mine) for _ in range(engine.world_size)]
+    torch.distributed.all_gather(every, mine)
+    fault = same_generators(list(enumerate(int(t) for t in every)))
+    if fault is not None:
+        raise fault
+
+
+def same_generators(digests):
+    """The fault of (rank, generator digest) pairs of the data-parallel
+    ranks where two are in one state (they would draw the same masks over
+    their shards), or None; a digest of 0 or None (secure mode, no loader)
+    is passed over."""
+    seen = {}
+    for r, d in digests:
+        if d and d in seen:
+            return ValueError(
+                "the DPDataLoaders of ranks %d and %d have generators in the same state: they "
+                "would draw the same batch masks; pass no generator (each loader then seeds its "
+                "own from os.urandom) or seed each rank's differently" % (seen[d], r))
+        seen.setdefault(d, r)
+    return None
+
+
+def loader_fault(engine, loader, secure_mode):
+    """What is wrong with a DPDataLoader for this engine (made for another
+    world size or rank, or not in the secure mode asked for), or None."""
+    if not isinstance(loader, DPDataLoader):
+        return None
     if secure_mode and not loader.secure_mode:
-        raise ValueError("secure_mode=True, but the DPDataLoader given draws its masks from a "
+        return ValueError("secure_mode=True, but the DPDataLoader given draws its masks from a "
                          "torch generator: make it with secure_mode=True")
+    if (loader.world_size, loader.rank) != (engine.world_size, engine.rank) and \
+            engine.norm_group is not None:
+        return ValueError(
+            "the DPDataLoader samples for world size %d (as rank %d), but with its norm group "
+            "the engine trains %d data-parallel replica%s (this is replica %d): make it with "
+            "rank=%d and world_size=%d (the replica's index and count), or distributed=False "
+            "where one replica trains" % (loader.world_size, loader.rank, engine.world_size,
+                                          "s" if engine.world_size > 1 else "", engine.rank,
+                                          engine.rank, engine.world_size))
     if (loader.world_size, loader.rank) != (engine.world_size, engine.rank):
-        raise ValueError(
+        return ValueError(
             "the DPDataLoader samples for world size %d (as rank %d), but the engine trains %s: "
             "each rank would sample %s while the privacy ledger accounts the sample rate once; "
             "make the DPDataLoader after torch.distributed.init_process_group, with "
@@ -37,23 +96,7 @@ def check_loader(engine, loader, device, secure_mode):
                 if engine.world_size > 1 else "in one process",
                 "the whole dataset" if loader.world_size == 1 else "a shard",
                 engine.distributed))
-    if engine.world_size == 1:
-        return
-    # Ranks whose generators are in one state draw the same masks over their
-    # shards: compare a digest of each rank's state (0: secure mode, none).
-    gen = loader.batch_sampler.generator
-    digest = 0 if gen is None else int.from_bytes(hashlib.blake2b(
-        bytes(gen.get_state().tolist()), digest_size=8).digest(), "little", signed=True)
-    mine = torch.tensor([digest], dtype=torch.int64, device=device)
-    every = [torch.zeros_like(mine) for _ in range(engine.world_size)]
-    torch.distributed.all_gather(every, mine)
-    every = [int(t) for t in every]
-    for r, d in enumerate(every):
-        if d and every.index(d) != r:
-            raise ValueError(
-                "the DPDataLoaders of ranks %d and %d have generators in the same state: they "
-                "would draw the same batch masks; pass no generator (each loader then seeds its "
-                "own from os.urandom) or seed each rank's differently" % (every.index(d), r))
+    return None
 
 
 class Gate:
@@ -63,8 +106,9 @@ class Gate:
     check() at the next collection, where every rank's step() raises before
     its next collectives, so the ranks stay in step."""
 
-    def __init__(self, world_size):
+    def __init__(self, world_size, group=None):
         self.world_size = world_size
+        self.group = group               # the data-parallel ranks (None: all)
         self._host = self._event = None  # the flag's pinned copy and its event
         self._pending = None             # the optimizer step it belongs to
 
@@ -80,9 +124,9 @@ class Gate:
                     p.grad = torch.zeros_like(p)
                 else:
                     p.grad.zero_()
-        dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+        dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=self.group)
         for p in params:
-            dist.all_reduce(p.grad, op=dist.ReduceOp.SUM)
+            dist.all_reduce(p.grad, op=dist.ReduceOp.SUM, group=self.group)
         bad = ok[0] == 0
         for p in params:
             p.grad.masked_fill_(bad, 0)  # masked, not multiplied: a stale grad may be NaN
@@ -120,8 +164,27 @@ class Gate:
                 step, self.world_size))
 
 
-def broadcast_job_id(job_id: str) -> str:
-    """Rank 0's ledger job id, on every rank (every rank calls it)."""
+def broadcast_job_id(job_id: str, group=None, src: int = 0) -> str:
+    """The ledger job id of global rank src, on every rank of group (None:
+    all; every one calls it)."""
     box = [job_id]
-    torch.distributed.broadcast_object_list(box, src=0)
+    torch.distributed.broadcast_object_list(box, src=src, group=group)
     return box[0]
+
+
+def replica_groups(parts, mine, rank):
+    """Data parallelism over norm groups (every rank calls it alike):
+    `parts` are the norm groups' global ranks (each in rank order, sorted,
+    the same list on every rank), `mine` this rank's and `rank` its rank in
+    it. Makes the data-parallel groups, one per part of the model (the
+    members holding it in every replica; new_group is a collective of all
+    ranks, in one order) and returns (this rank's, None where there is one
+    replica; this replica's index; the number of replicas; the global rank
+    of this part's member in replica 0, which adds the noise)."""
+    dp = None
+    if len(parts) > 1:
+        for j in range(len(mine)):
+            g = torch.distributed.new_group([part[j] for part in parts])
+            if j == rank:
+                dp = g
+    return dp, parts.index(tuple(mine)), len(parts), parts[0][rank]

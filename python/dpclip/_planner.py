@@ -101,6 +101,8 @@ def add_layers(step: _lib.Step, plan: Sequence[LayerPlan], algorithm: int, refs:
                 step.add_layernorm(nl)
             else:
                 step.add_rmsnorm(nl)
+        if l.replicated:
+            step.set_replicated(i)
 
 
 def out_dtype(weight: torch.Tensor) -> torch.dtype:

@@ -123,6 +123,9 @@ class DPDataLoader(DataLoader):
     sample_rate: each sample's probability of joining a batch. distributed:
     None = use torch.distributed when it is initialized (make the loader
     after init_process_group); then this rank samples from its shard only.
+    rank, world_size: the data-parallel rank and world size to sample for,
+    where they are not torch.distributed's: with model parallelism (norm
+    groups) the replica's index and the number of replicas.
     The expected (global) batch size is `expected_batch_size`. generator:
     default one of this loader's own, seeded from os.urandom (give one only
     for reproducible tests). secure_mode: masks from os.urandom (see the
@@ -131,16 +134,26 @@ class DPDataLoader(DataLoader):
     def __init__(self, dataset: Dataset, sample_rate: float, *, steps: Optional[int] = None,
                  generator: Optional[torch.Generator] = None, distributed: Optional[bool] = None,
                  collate_fn: Optional[Callable[[List[Any]], Any]] = None,
-                 secure_mode: bool = False, **kwargs: Any) -> None:
+                 secure_mode: bool = False, rank: Optional[int] = None,
+                 world_size: Optional[int] = None, **kwargs: Any) -> None:
         for bad in ("batch_size", "shuffle", "sampler", "batch_sampler", "drop_last"):
             if bad in kwargs:
                 raise ValueError("DPDataLoader draws its own batches; do not pass %s" % bad)
         n = len(dataset)
-        rank, world = 0, 1
-        if distributed is None:
-            distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
-        if distributed:
-            rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+        if (rank is None) != (world_size is None):
+            raise ValueError("DPDataLoader: give rank and world_size together")
+        if world_size is not None:
+            if not 0 <= rank < world_size:
+                raise ValueError("DPDataLoader: rank %r outside [0, world_size=%r)"
+                                 % (rank, world_size))
+            rank, world = int(rank), int(world_size)
+        else:
+            rank, world = 0, 1
+            if distributed is None:
+                distributed = torch.distributed.is_available() and \
+                    torch.distributed.is_initialized()
+            if distributed:
+                rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
         self.sample_rate = float(sample_rate)
         self.expected_batch_size = max(1, int(round(self.sample_rate * n)))
         self.rank, self.world_size = rank, world
@@ -153,11 +166,13 @@ class DPDataLoader(DataLoader):
 
     @classmethod
     def from_data_loader(cls, loader: DataLoader, *, generator: Optional[torch.Generator] = None,
-                         distributed: Optional[bool] = None,
-                         secure_mode: bool = False) -> "DPDataLoader":
+                         distributed: Optional[bool] = None, secure_mode: bool = False,
+                         rank: Optional[int] = None,
+                         world_size: Optional[int] = None) -> "DPDataLoader":
         """The Poisson counterpart of a fixed-batch loader: sample rate
         batch_size / N (world size times that under torch.distributed, whose
-        usual DistributedSampler gives each rank batch_size samples)."""
+        usual DistributedSampler gives each rank batch_size samples; or
+        world_size, given with rank, as DPDataLoader takes them)."""
         n = len(loader.dataset)
         bs = loader.batch_size
         if bs is None:
@@ -167,9 +182,12 @@ class DPDataLoader(DataLoader):
             distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
         if distributed:
             world = torch.distributed.get_world_size()
+        if world_size is not None:
+            world = int(world_size)
         rate = min(1.0, bs * world / n)
         return cls(loader.dataset, rate, steps=max(1, int(math.ceil(n / (bs * world)))),
                    generator=generator, distributed=distributed, secure_mode=secure_mode,
+                   rank=rank, world_size=world_size,
                    collate_fn=loader.collate_fn if loader.collate_fn is not default_collate
                    else None, num_workers=loader.num_workers, pin_memory=loader.pin_memory)
 

@@ -39,6 +39,12 @@ not wrap the model in DistributedDataParallel (the engine all-reduces the
 clipped sums, and applies them only where every rank's step succeeded: rank
 0's carries the noise).
 
+Model parallelism (tensor-parallel shards, pipeline stages): make_private's
+norm_group is the process group of the ranks that hold one model replica
+together; their engines form a dpclip norm group, whose per-sample norms
+the daemon sums before clipping (dpclip._group). With data parallelism
+too, each replica is a norm group of its own.
+
 Empty batches (Poisson sampling makes them): the step still happens, as in
 Opacus: param.grad receives the daemon's noise alone (a zero clipped sum plus
 N(0, (sigma*C)^2), divided by the expected batch size for a mean loss), sent
@@ -49,7 +55,7 @@ import math
 import secrets
 import sys
 import time
-from typing import Any, List, Optional, Tuple
+from typing import Any, Iterable, List, Optional, Tuple, Union
 
 from . import _needs_torch  # noqa: F401  (says which python3 has torch when it is missing)
 
@@ -57,7 +63,7 @@ import torch
 import torch.nn as nn
 from torch.utils.data import DataLoader
 
-from . import _lib, _parallel, _planner
+from . import _group, _lib, _parallel, _planner
 from ._cuda import CudaIPC
 from ._host import HostArena
 from ._lib import DpclipError
@@ -121,6 +127,7 @@ class PrivacyEngine:
         self.asynchronous = True
         self._inflight = None
         self._gate = None           # data parallel: see _parallel.Gate
+        self.norm_group: Optional[_group.NormGroup] = None  # model parallel: see make_private
         # Wall time of the last step's phases in the trainer (ms): building
         # the request (copies, registrations), the daemon round trip, and
         # writing param.grad. For diagnosing overheads; costs two clock reads.
@@ -133,19 +140,20 @@ class PrivacyEngine:
         self._host = HostArena(self.client)     # CPU tensors: a shared-memory arena
         self._cuda = CudaIPC(self.client)       # GPU tensors: CUDA IPC and events
 
-    def _agree_job_id(self) -> None:
-        """Data parallel (every rank calls it): take rank 0's job id,
-        reconnecting under it where this rank's was generated (nothing is
-        registered yet); refuse one given that differs."""
-        rank0 = _parallel.broadcast_job_id(self.job_id)
+    def _agree_job_id(self, group: Any = None, src: int = 0) -> None:
+        """Data parallel, or a norm group (every rank of `group` calls it;
+        None: all): take global rank src's job id, reconnecting under it
+        where this rank's was generated (nothing is registered yet); refuse
+        one given that differs."""
+        rank0 = _parallel.broadcast_job_id(self.job_id, group, src)
         if rank0 == self.job_id:
             return
         if self._job_given:
             raise ValueError(
-                "job_id: rank %d's %r differs from rank 0's %r; data-parallel ranks must share "
-                "rank 0's job id (the daemon counts their noiseless steps as shares of its "
-                "account): pass the same job_id on every rank, or none" % (
-                    self.rank, self.job_id, rank0))
+                "job_id: rank %d's %r differs from rank %d's %r; data-parallel ranks and the "
+                "members of a norm group must share one job id (the daemon charges each "
+                "logical step once, to that account): pass the same job_id on every rank, or "
+                "none" % (torch.distributed.get_rank(), self.job_id, src, rank0))
         self.client.close()
         self.job_id = rank0
         self._connect()
@@ -158,7 +166,10 @@ class PrivacyEngine:
                      distributed: Optional[bool] = None, algorithm: str = "auto",
                      sample_rate: Optional[float] = None, target_delta: float = 0.0,
                      target_epsilon: float = 0.0, asynchronous: bool = True,
-                     secure_mode: bool = False
+                     secure_mode: bool = False, norm_group: Any = None,
+                     norm_group_clipping: str = "flat",
+                     replicated_modules: Iterable[Union[nn.Module, str]] = (),
+                     norm_group_timeout_ms: int = 0
                      ) -> Tuple[nn.Module, Optional[torch.optim.Optimizer], Optional[DataLoader]]:
         """Attach to `module`; returns (module, optimizer, data_loader), the
         optimizer wrapped so that step() first fills param.grad with the
@@ -196,7 +207,34 @@ class PrivacyEngine:
         step that fails on the device leaves zero gradients (the daemon
         writes zeros; it refunds the spend unless the failure depended on
         the noise, e.g. an f16 output overflowing once noised) and raises DpclipError
-        at that collection. False: every step blocks until its result."""
+        at that collection. False: every step blocks until its result.
+
+        norm_group (model parallelism): the torch.distributed process group
+        of the ranks that hold one model replica together, each with its own
+        shard or stage in `module` (tensor-parallel shards as plain
+        nn.Linears, pipeline stages); every member calls make_private with
+        its part. The members' engines join one dpclip norm group (rank 0 of
+        the process group names it; ranks and size are the process group's)
+        and share its rank 0's job id; each member's optimizer.step() is its
+        part of the group's step and waits in the daemon for the others'
+        (norm_group_timeout_ms, 0: the daemon's groups.timeout_ms); the
+        ledger charges the group step once. norm_group_clipping: "flat" (the
+        default: each sample's norm is summed over every member's layers,
+        so the split model is clipped exactly as the whole one; host-memory
+        models only for now) or "group_wise" (each member clips its own
+        layers to C / sqrt(size), no waiting; GPUs too). replicated_modules:
+        the modules (this rank's objects, or their names in `module`) that
+        every member holds whole, such as a LayerNorm under tensor
+        parallelism: counted once in the norms and noised alike on every
+        member. Their output gradient must be the whole model's on every
+        member (all-reduced over the group, as a tensor-parallel "copy to
+        region" does), and every member must mark the same ones. The members
+        must train on the same samples: a member without data_loader or
+        expected_batch_size / sample_rate takes them from the one that has
+        them. With distributed (data parallelism) as well, the norm groups
+        must split the ranks into replicas of one size: each replica is a
+        group, replica 0 adds the noise, and rank / world_size are the
+        replica's index and count."""
         if self.module is not None:
             raise RuntimeError("this PrivacyEngine is already attached to a module")
         if loss_reduction not in ("mean", "sum"):
@@ -209,34 +247,76 @@ class PrivacyEngine:
                 "ghost": _lib.ALGO_GHOST}[algorithm]
 
         layers, norms = _collect_layers(self, module)
-
+        device = layers[0].weight.device
         if distributed is None:
             distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
         self.distributed = bool(distributed)
         self.rank, self.world_size = 0, 1
-        if self.distributed:
+        dp_group, dp_src = None, 0  # the data-parallel ranks (None: all) and their rank 0
+        group = None
+        if norm_group is not None:
+            group = _group.open_group(norm_group, norm_group_clipping, norm_group_timeout_ms)
+            failure = None
+            try:
+                _group.check(group, replicated_modules, module, layers, device)
+            except (ValueError, NotImplementedError) as e:
+                failure = e  # raised once every member (every rank) knows of it
+            mates, parts = _group.agree(group, _group.terms(group, layers, {
+                "max_grad_norm": float(max_grad_norm), "noise_multiplier": float(noise_multiplier),
+                "loss_reduction": loss_reduction}, _loader_kind(data_loader, poisson_sampling,
+                                                                secure_mode)),
+                failure, self.distributed, _group.judge_terms)
+            group.name, group.seed = mates[0]["name"], mates[0]["seed"]
+            if self.distributed:
+                _group.judge_layout(torch.distributed.get_world_size(), sorted(parts))
+                dp_group, self.rank, self.world_size, dp_src = _parallel.replica_groups(
+                    sorted(parts), group.ranks, group.rank)
+        elif replicated_modules:
+            raise ValueError("replicated_modules needs a norm_group (the process group of the "
+                             "ranks that hold the model together)")
+        elif self.distributed:
             self.rank = torch.distributed.get_rank()
             self.world_size = torch.distributed.get_world_size()
-        _parallel.check_loader(self, data_loader, layers[0].weight.device, secure_mode)
-        self._gate = _parallel.Gate(self.world_size)
-        if self.distributed:
+        self.norm_group = group
+        loader_fault = digest = None
+        if group is None:
+            _parallel.check_loader(self, data_loader, device, secure_mode)
+        elif isinstance(data_loader, DPDataLoader):
+            # checked with the second agreement, where every rank raises alike
+            loader_fault = _parallel.loader_fault(self, data_loader, secure_mode)
+            digest = _parallel.generator_digest(data_loader)
+        self._gate = _parallel.Gate(self.world_size, dp_group)
+        if self.distributed and self.world_size > 1:
             # Same starting point on every rank (what DDP would do).
             for p in module.parameters():
-                torch.distributed.broadcast(p.data, 0)
+                torch.distributed.broadcast(p.data, dp_src, group=dp_group)
             # Ranks other than 0 send sigma 0 (noise once per logical step)
             # under rank 0's job id: the daemon counts a sigma-0 step of a
             # job with several sessions as a data-parallel share, charged
             # through rank 0's step, so a budget does not refuse them. A
             # node without rank 0's session charges them as sigma 0.
             self._agree_job_id()
-        if not self._job_given and self.rank == 0:
+        elif group is not None:
+            # the group step is charged to its rank 0's job: one account
+            self._agree_job_id(group.pg, group.ranks[0])
+        if not self._job_given and self.rank == 0 and (group is None or group.rank == 0):
             print("dpclip: job id %s (pass job_id= to share an account)" % self.job_id,
                   file=sys.stderr, flush=True)
 
+        ebs_given = expected_batch_size is not None or isinstance(data_loader, DPDataLoader) \
+            or (data_loader is not None and bool(data_loader.batch_size))
+        rate_given = sample_rate is not None or isinstance(data_loader, DPDataLoader) or \
+            (data_loader is not None and poisson_sampling)
+        gen = None
+        if group is not None and not secure_mode:
+            # the members' loaders made here draw the same masks
+            gen = torch.Generator().manual_seed(group.seed)
         if data_loader is not None and poisson_sampling and not isinstance(data_loader,
                                                                           DPDataLoader):
+            replica = {"rank": self.rank, "world_size": self.world_size} if group else {}
             data_loader = DPDataLoader.from_data_loader(data_loader, distributed=self.distributed,
-                                                        secure_mode=secure_mode)
+                                                        secure_mode=secure_mode, generator=gen,
+                                                        **replica)
         if expected_batch_size is None:
             if isinstance(data_loader, DPDataLoader):
                 expected_batch_size = data_loader.expected_batch_size
@@ -247,6 +327,20 @@ class PrivacyEngine:
         self.expected_batch_size = int(expected_batch_size)
         if sample_rate is None:
             sample_rate = data_loader.sample_rate if isinstance(data_loader, DPDataLoader) else 0.0
+        if group is not None:
+            # a member without them (a later pipeline stage) takes the loader's member's
+            mates, parts = _group.agree(group, {
+                "expected_batch_size": self.expected_batch_size if ebs_given else None,
+                "sample_rate": float(sample_rate) if rate_given else None, "digest": digest},
+                loader_fault, self.distributed, _group.judge_sampling)
+            if self.world_size > 1:  # the replicas' loaders, part by part
+                for j in range(group.size):
+                    fault = _parallel.same_generators([(p[j]["ranks"][j], p[j]["digest"])
+                                                       for p in parts.values()])
+                    if fault is not None:
+                        raise fault
+            self.expected_batch_size = int(_group.first_given(mates, "expected_batch_size") or 0)
+            sample_rate = _group.first_given(mates, "sample_rate") or 0.0
         if loss_reduction == "mean" and self.expected_batch_size <= 0 and \
                 0.0 < float(sample_rate) < 1.0:
             # Dividing by the drawn batch size would release it without noise.
@@ -266,6 +360,8 @@ class PrivacyEngine:
                                _lib.MEAN if loss_reduction == "mean" else _lib.SUM,
                                self.expected_batch_size, sigma, sample_rate=self.sample_rate,
                                target_delta=target_delta, target_epsilon=target_epsilon)
+        if group is not None:
+            _group.join(group, self.client)
 
         self._layers = layers
         for l in layers:
@@ -308,7 +404,11 @@ class PrivacyEngine:
 
     def close(self) -> None:
         """Collects the last asynchronous step (raising its error, if any),
-        detaches and disconnects."""
+        detaches and disconnects. A member of a norm group first waits for
+        the other members to get there (a barrier over the group): a member
+        that leaves dissolves the group in the daemon, which would fail
+        another's last step still under way (group-wise steps do not wait
+        for each other)."""
         try:
             self._collect()
         finally:
@@ -316,7 +416,12 @@ class PrivacyEngine:
             if self._step is not None:
                 self._step.close()
                 self._step = None
-            self.client.close()
+            group, self.norm_group = self.norm_group, None
+            try:
+                if group is not None and group.id and torch.distributed.is_initialized():
+                    torch.distributed.barrier(group=group.pg)
+            finally:
+                self.client.close()
 
     def synchronize(self) -> None:
         """Collects the result of an asynchronous step still in flight:
@@ -452,6 +557,11 @@ class PrivacyEngine:
         self._timing(t0, t1, t2)
         return torch.ones(1)
 
+    @property
+    def norm_group_name(self) -> Optional[str]:
+        """The dpclip norm group's name (the same on every member), or None."""
+        return self.norm_group.name if self.norm_group is not None else None
+
     def _device(self) -> torch.device:
         devs = {l.weight.device for l in self._layers}
         if len(devs) != 1:
@@ -473,6 +583,19 @@ class PrivacyEngine:
         t3 = time.perf_counter()
         self.last_timing = {"prepare_ms": (t1 - t0) * 1e3, "run_ms": (t2 - t1) * 1e3,
                             "finish_ms": (t3 - t2) * 1e3}
+
+def _loader_kind(loader: Optional[DataLoader], poisson_sampling: bool, secure_mode: bool) -> str:
+    """How a norm group member's loader draws its batches, for the members
+    to compare (dpclip._group.agree_terms): "" without one."""
+    if loader is None:
+        return ""
+    if isinstance(loader, DPDataLoader):
+        return "secure" if loader.secure_mode else \
+            "generator %016x" % (_parallel.generator_digest(loader) & (2 ** 64 - 1))
+    if not poisson_sampling:
+        return "a loader of its own"
+    return "secure" if secure_mode else "converted by make_private"
+
 
 def make_private(model: nn.Module, optimizer: Optional[torch.optim.Optimizer],
                  data_loader: Optional[DataLoader] = None, *, noise_multiplier: float,

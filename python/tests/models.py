@@ -1,6 +1,8 @@
 """Small models with every supported layer kind, and the naive reference:
 explicit per-sample gradients, one sample at a time through autograd, in
-double precision."""
+double precision. The model-parallel ones: SeqModel cut into two pipeline
+stages, and a LayerNorm + Linear split by the Linear's output features
+over a tensor-parallel group (the LayerNorm held whole by every rank)."""
 import copy
 import math
 
@@ -61,6 +63,116 @@ class FlatModel(nn.Module):
         return self.out(self.norm2(h))
 
 
+class Stage0(nn.Module):
+    """SeqModel's first pipeline stage: tokens [B, T] -> hidden [B, T, d]."""
+
+    def __init__(self, V=11, T=6, d=16, h=24):
+        super().__init__()
+        self.tok = nn.Embedding(V, d, padding_idx=0)
+        self.pos = nn.Embedding(T, d)
+        self.ln = nn.LayerNorm(d)
+        self.fc1 = nn.Linear(d, h)
+        self.fc2 = nn.Linear(h, d, bias=False)
+
+    def forward(self, x):
+        B, T = x.shape
+        pos = torch.arange(T, device=x.device).unsqueeze(0).expand(B, T)
+        h = self.tok(x) + self.pos(pos)
+        return h + self.fc2(torch.tanh(self.fc1(self.ln(h))))
+
+
+class Stage1(nn.Module):
+    """SeqModel's second stage: hidden [B, T, d] -> logits [B, T, V]."""
+
+    def __init__(self, V=11, d=16):
+        super().__init__()
+        self.norm2 = _norm(d)
+        self.shared = nn.Linear(d, d)
+        self.head = nn.Linear(d, V)
+
+    def forward(self, h):
+        h = self.norm2(h)
+        return self.head(self.shared(torch.tanh(self.shared(h))))
+
+
+def pipeline_model():
+    """The whole model; its [k] is pipeline stage k."""
+    return nn.Sequential(Stage0(), Stage1())
+
+
+class TPModel(nn.Module):
+    """Features [B, T, d] -> logits [B, T, p]: a LayerNorm, then a Linear
+    that TPShard splits by output features."""
+
+    def __init__(self, d=8, p=10):
+        super().__init__()
+        self.ln = nn.LayerNorm(d)
+        self.fc = nn.Linear(d, p)
+
+    def forward(self, x):
+        return self.fc(self.ln(x))
+
+
+class _CopyToGroup(torch.autograd.Function):
+    """Identity forward; backward all-reduces the gradient over the group
+    (each rank's Linear slice gives part of its input's gradient)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        g = g.contiguous().clone()
+        torch.distributed.all_reduce(g, group=ctx.group)
+        return g, None
+
+
+class _GatherFromGroup(torch.autograd.Function):
+    """Concatenates the ranks' output features; backward keeps this rank's."""
+
+    @staticmethod
+    def forward(ctx, y, group):
+        ctx.rank = torch.distributed.get_rank(group)
+        ctx.size = torch.distributed.get_world_size(group)
+        parts = [torch.empty_like(y) for _ in range(ctx.size)]
+        torch.distributed.all_gather(parts, y.contiguous(), group=group)
+        return torch.cat(parts, -1)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g.chunk(ctx.size, -1)[ctx.rank].contiguous(), None
+
+
+class TPShard(nn.Module):
+    """This rank's part of a TPModel over `group`: the whole LayerNorm (a
+    copy on every rank) and rows [k * p / size, (k + 1) * p / size) of the
+    Linear, as a plain nn.Linear."""
+
+    def __init__(self, whole, group):
+        super().__init__()
+        k, n = torch.distributed.get_rank(group), torch.distributed.get_world_size(group)
+        self.group = group
+        self.ln = copy.deepcopy(whole.ln)
+        p = whole.fc.out_features // n
+        self.fc = nn.Linear(whole.fc.in_features, p)
+        with torch.no_grad():
+            self.fc.weight.copy_(whole.fc.weight[k * p:(k + 1) * p])
+            self.fc.bias.copy_(whole.fc.bias[k * p:(k + 1) * p])
+
+    def forward(self, x):
+        h = _CopyToGroup.apply(self.ln(x), self.group)
+        return _GatherFromGroup.apply(self.fc(h), self.group)
+
+
+def tp_data(B, T=3, d=8, p=10, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(B, T, d, generator=g) * torch.linspace(0.3, 3.0, B).view(B, 1, 1) + 0.5
+    y = torch.randint(0, p, (B, T), generator=g)
+    return (x,), y
+
+
 def seq_data(B, T=6, V=11, seed=0):
     g = torch.Generator().manual_seed(seed)
     x = torch.randint(0, V, (B, T), generator=g)
@@ -86,14 +198,16 @@ def per_sample_losses(kind, out, y):
     return F.cross_entropy(out, y, reduction="none")
 
 
-def reference(model, kind, inputs, y, C, reduction, expected):
+def reference(model, kind, inputs, y, C, reduction, expected, only=None):
     """(grads by parameter name, norms [B], coefs [B]) of DP-SGD without
-    noise: each sample's full gradient (all trainable parameters) built
-    explicitly in double precision, clipped to C, summed, divided by
-    `expected` for a mean loss."""
+    noise: each sample's full gradient (all trainable parameters, or those
+    named in `only`) built explicitly in double precision, clipped to C,
+    summed, divided by `expected` for a mean loss."""
     ref = copy.deepcopy(model).double()
-    names = [n for n, p in ref.named_parameters() if p.requires_grad]
-    params = [p for p in ref.parameters() if p.requires_grad]
+    named = [(n, p) for n, p in ref.named_parameters()
+             if p.requires_grad and (only is None or n in only)]
+    names = [n for n, _ in named]
+    params = [p for _, p in named]
     B = y.shape[0]
     per = []
     for b in range(B):

@@ -12,7 +12,8 @@ import dpclip
 from dpclip import _lib
 from dpclip.torch import PrivacyEngine, reduce_loss
 from dp_worker import run_rank_cuda_failure
-from models import SeqModel, per_sample_losses, reference, seq_data
+from group_worker import run_pipeline
+from models import SeqModel, per_sample_losses, pipeline_model, reference, seq_data
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 
@@ -127,3 +128,40 @@ def test_cuda_async_failure_on_rank_0_is_applied_nowhere(cuda_daemon, tmp_path):
         assert got[r]["errors"][1][0] == _lib.EUNAVAIL, (r, got[r]["errors"])
     assert "after it was queued" in got[0]["errors"][3][1], got[0]["errors"]
     assert got[1]["errors"][3][0] == _lib.EUNAVAIL, got[1]["errors"]
+
+
+def test_norm_groups_on_cuda(cuda_daemon, tmp_path):
+    """Flat clipping across a norm group is refused for a CUDA model (the
+    daemon sums group norms on host-memory steps only, for now), naming the
+    way out; group-wise clipping runs there: two pipeline stages on one GPU,
+    each clipped alone to C / sqrt(2), against the reference."""
+    torch.distributed.init_process_group("gloo", init_method="file://" + str(tmp_path / "one"),
+                                         rank=0, world_size=1)
+    try:
+        m = torch.nn.Linear(4, 4).cuda()
+        engine = PrivacyEngine(cuda_daemon.socket)
+        with pytest.raises(NotImplementedError) as ei:
+            engine.make_private(module=m, optimizer=torch.optim.SGD(m.parameters(), lr=0.1),
+                                noise_multiplier=1.0, max_grad_norm=1.0, expected_batch_size=4,
+                                norm_group=torch.distributed.group.WORLD)
+        assert "GPU" in str(ei.value) and "norm_group_clipping='group_wise'" in str(ei.value)
+        engine.close()
+    finally:
+        torch.distributed.destroy_process_group()
+    torch.manual_seed(3)
+    whole = pipeline_model()
+    (x,), y = seq_data(7, seed=8)
+    C, expected = 0.5, 9
+    ctx = mp.start_processes(run_pipeline, nprocs=2, join=False, start_method="spawn",
+                             args=(2, str(tmp_path / "init"), cuda_daemon.socket, (x, y), C,
+                                   expected, "group_wise", str(tmp_path), "cuda"))
+    while not ctx.join(timeout=120):
+        pass
+    for r in range(2):
+        got = torch.load(str(tmp_path / ("pp%d.pt" % r)))
+        only = {n for n, _ in whole.named_parameters() if n.startswith("%d." % r)}
+        want, norms, coefs = reference(whole, "seq", (x,), y, C / math.sqrt(2), "mean", expected,
+                                       only=only)
+        assert (coefs < 1).any(), r
+        for n, g in got["grads"].items():
+            assert _rel(g, want[n]) < 3e-3, (r, n)  # TF32 (test_cuda_step_matches_reference)

@@ -81,3 +81,21 @@ def test_secure_mode(monkeypatch):
     # from_data_loader keeps the mode.
     assert DPDataLoader.from_data_loader(DataLoader(ds, batch_size=10),
                                          secure_mode=True).secure_mode
+
+
+def test_a_replicas_shard():
+    """rank= and world_size= (a model-parallel replica's index and count,
+    not torch.distributed's): the loader samples that shard, reports the
+    global expected batch size, and from_data_loader derives the rate from
+    them; half of the pair, or a rank outside, is refused."""
+    ds = TensorDataset(torch.arange(300))
+    loader = DPDataLoader(ds, 0.5, rank=1, world_size=3, steps=4)
+    assert (loader.rank, loader.world_size, loader.expected_batch_size) == (1, 3, 150)
+    drawn = {i for idx, in loader for i in idx.tolist()}
+    assert drawn and all(i % 3 == 1 for i in drawn)
+    conv = DPDataLoader.from_data_loader(DataLoader(ds, batch_size=10), rank=2, world_size=3)
+    assert (conv.rank, conv.world_size, conv.sample_rate) == (2, 3, 0.1)
+    with pytest.raises(ValueError, match="together"):
+        DPDataLoader(ds, 0.5, rank=1)
+    with pytest.raises(ValueError, match="outside"):
+        DPDataLoader(ds, 0.5, rank=3, world_size=3)

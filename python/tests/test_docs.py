@@ -55,7 +55,8 @@ def test_commands_name_the_python_that_has_debian_torch():
     """Every shell command of the docs, the quick start and the examples'
     usage lines that runs python3 runs /usr/bin/python3 (python3-torch's)."""
     texts = {rel: _read(rel) for rel in DOCS + ("scripts/quickstart.sh",
-                                                "examples/train_transformer.py")}
+                                                "examples/train_transformer.py",
+                                                "examples/train_pipeline.py")}
     bare = []
     for rel, text in texts.items():
         for line in text.splitlines():
