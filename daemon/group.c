@@ -191,8 +191,14 @@ void dc_group_leave(dc_group *g, uint32_t rank, const char *why) {
         char msg[200];
         g->joined[rank] = false;
         g->n_joined--;
-        snprintf(msg, sizeof msg, "rank %u left (%s)", rank, why);
-        dissolve(g, msg);
+        /* A GROUP_WISE group's steps never wait for each other: a member
+         * leaving (a fast one done first) takes nothing from the others. */
+        if (g->clipping != DC_GROUP_WISE) {
+            snprintf(msg, sizeof msg, "rank %u left (%s)", rank, why);
+            dissolve(g, msg);
+        } else if (g->n_joined == 0) {
+            dissolve(g, "every member left");
+        }
     }
     g->refs--;
     maybe_free(g);

@@ -82,8 +82,9 @@ void dc_groups_close(dc_groups *gs);
  * range, a size or clipping unlike the group's, or size over the limit. */
 int dc_group_join(dc_groups *gs, uint32_t uid, const char *name, uint32_t rank, uint32_t size,
                   uint32_t timeout_ms, dc_group_clipping clipping, dc_group **out, dc_err *err);
-/* The member of rank leaves: the group is dissolved if it was whole, the
- * steps waiting fail naming the member and `why`. Drops the reference. */
+/* The member of rank leaves: a NORM_REDUCE group is dissolved, the steps
+ * waiting fail naming the member and `why`; a GROUP_WISE group goes on
+ * until its last member leaves. Drops the reference. */
 void dc_group_leave(dc_group *g, uint32_t rank, const char *why);
 
 /* Delivers a member's norms for a step (see dc_group_waiter). Returns an
