@@ -23,6 +23,7 @@ struct dc_group {
     /* the group step being reduced: 0 = none */
     uint64_t cur;
     dc_group_waiter **waiting; /* [size] */
+    dc_group_waiter **calling; /* [size]: the waiters being answered */
     uint32_t n_waiting;
     dc_group_terms terms;      /* of the first member to deliver */
     uint32_t first_rank;
@@ -57,6 +58,7 @@ static void on_timer_closed(uv_handle_t *h) {
     dc_group *g = h->data;
     free(g->joined);
     free(g->waiting);
+    free(g->calling);
     free(g->tot);
     free(g);
 }
@@ -77,7 +79,7 @@ static void maybe_free(dc_group *g) {
 
 /* Fails every step waiting now, with rc and err; the group step ends. */
 static void fail_waiting(dc_group *g, int rc, const dc_err *err) {
-    dc_group_waiter *w[g->size ? g->size : 1];
+    dc_group_waiter **w = g->calling;
     uint32_t n = 0;
     for (uint32_t r = 0; r < g->size; r++)
         if (g->waiting[r]) {
@@ -159,8 +161,12 @@ int dc_group_join(dc_groups *gs, uint32_t uid, const char *name, uint32_t rank, 
     } else {
         g = calloc(1, sizeof *g);
         if (!g || !(g->joined = calloc(size, sizeof *g->joined)) ||
-            !(g->waiting = calloc(size, sizeof *g->waiting))) {
-            if (g) free(g->joined);
+            !(g->waiting = calloc(size, sizeof *g->waiting)) ||
+            !(g->calling = calloc(size, sizeof *g->calling))) {
+            if (g) {
+                free(g->joined);
+                free(g->waiting);
+            }
             free(g);
             return dc_err_set(err, DC_ENOSPACE, "join_group", "out of memory");
         }
@@ -261,7 +267,7 @@ int dc_group_deliver(dc_group *g, dc_group_waiter *w, dc_err *err) {
     if (++g->n_waiting < g->size) return 0;
     /* every member is here: the totals go to each */
     {
-        dc_group_waiter *all[g->size];
+        dc_group_waiter **all = g->calling;
         memcpy(all, g->waiting, g->size * sizeof *all);
         memset(g->waiting, 0, g->size * sizeof *g->waiting);
         g->n_waiting = 0;
