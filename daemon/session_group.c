@@ -136,11 +136,6 @@ static void clip_work(dc_job *job, dc_backend *be) {
     j->t_end = uv_hrtime();
 }
 
-/* Where a phase runs: the step's GPU's worker, or the CPU pool. */
-static dc_worker_pool *pool_of(dc_step_job *j) {
-    dc_server *srv = j->s->srv;
-    return j->step.device >= 0 ? &srv->gpu.pools[j->step.device] : &srv->cpu_pool;
-}
 
 /* The group's totals (or why the group step failed). */
 static void on_totals(dc_group_waiter *w, int rc, const double *tot, const dc_err *err) {
@@ -158,7 +153,7 @@ static void on_totals(dc_group_waiter *w, int rc, const double *tot, const dc_er
     if (s->group_rank == 0) j->res.released = true;
     j->job.work = clip_work;
     j->job.done = dc_session_step_done;
-    dc_worker_pool_submit(pool_of(j), &j->job);
+    dc_worker_pool_submit(dc_session_step_pool(j), &j->job);
 }
 
 static void norms_work(dc_job *job, dc_backend *be) {
@@ -228,5 +223,5 @@ void dc_session_group_submit(dc_step_job *j) {
     j->job.work = norms_work;
     j->job.done = norms_done;
     j->t_submit = uv_hrtime();
-    dc_worker_pool_submit(pool_of(j), &j->job);
+    dc_worker_pool_submit(dc_session_step_pool(j), &j->job);
 }

@@ -100,6 +100,8 @@ void dc_session_plan_drop(dc_session *s);
 /* The last stage of a step's worker job, on the loop thread: the reply
  * (session_step.c). A grouped step's clip phase ends here too. */
 void dc_session_step_done(dc_job *job);
+/* Where a step's work runs: its GPU's worker, or the CPU pool. */
+dc_worker_pool *dc_session_step_pool(const dc_step_job *j);
 
 /* Norm groups (session_group.c). */
 void dc_session_join_group(dc_session *s, uint64_t id, const Dpclip__JoinGroup *m);

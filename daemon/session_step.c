@@ -310,6 +310,11 @@ void dc_session_prewait(dc_session *s) {
     dc_worker_pool_submit(&s->srv->gpu.pools[p->step.device], &pw->job);
 }
 
+dc_worker_pool *dc_session_step_pool(const dc_step_job *j) {
+    dc_server *srv = j->s->srv;
+    return j->step.device >= 0 ? &srv->gpu.pools[j->step.device] : &srv->cpu_pool;
+}
+
 static void step_submit(dc_step_job *j) {
     dc_session *s = j->s;
     dc_server *srv = s->srv;
@@ -329,8 +334,7 @@ static void step_submit(dc_step_job *j) {
     j->job.work = step_work;
     j->job.done = dc_session_step_done;
     j->t_submit = uv_hrtime();
-    dc_worker_pool_submit(j->step.device >= 0 ? &srv->gpu.pools[j->step.device] : &srv->cpu_pool,
-                          &j->job);
+    dc_worker_pool_submit(dc_session_step_pool(j), &j->job);
     /* Poll for what comes back: an early notice within about the time the
      * last ones took, the completion around the recent steps' run time. */
     uint64_t now = j->t_submit;
