@@ -14,6 +14,8 @@
 
 #include <cmocka.h>
 
+#include "service.h"
+
 #include "config.h"
 
 #ifndef DPCLIPD_PATH
@@ -291,16 +293,10 @@ static void test_bad_flags(void **state) {
 /* Runs dpclipd with args; returns its exit status and its stdout+stderr. */
 static int run_daemon(const char *args, char *out, size_t n) {
     char cmd[1024];
-    FILE *p;
-    size_t got;
-    int st;
     snprintf(cmd, sizeof cmd, "env -u DPCLIP_SOCKET %s %s 2>&1", DPCLIPD_PATH, args);
-    p = popen(cmd, "r");
-    assert_non_null(p);
-    got = fread(out, 1, n - 1, p);
-    out[got] = '\0';
-    st = pclose(p);
-    return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
+    int rc = dc_sh(cmd, out, n);
+    assert_int_not_equal(rc, DC_SH_NOSTART);
+    return rc;
 }
 
 static void test_check_config_cli(void **state) {

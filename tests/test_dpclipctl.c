@@ -43,16 +43,10 @@ static int group_teardown(void **state) {
 static int ctl(const char *env, const char *args, char *out, size_t n) {
 #ifdef DPCLIPCTL_PATH
     char cmd[1600];
-    FILE *p;
-    size_t got;
-    int st;
     snprintf(cmd, sizeof cmd, "%s %s %s 2>&1", env, DPCLIPCTL_PATH, args);
-    p = popen(cmd, "r");
-    assert_non_null(p);
-    got = fread(out, 1, n - 1, p);
-    out[got] = '\0';
-    st = pclose(p);
-    return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
+    int rc = dc_sh(cmd, out, n);
+    assert_int_not_equal(rc, DC_SH_NOSTART);
+    return rc;
 #else
     (void)env;
     (void)args;

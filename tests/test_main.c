@@ -17,6 +17,8 @@
 
 #include <cmocka.h>
 
+#include "service.h"
+
 static char g_tmp[300];
 
 static int setup(void **state) {
@@ -37,17 +39,11 @@ static int teardown(void **state) {
  * its exit status, and what it printed in out. */
 static int run_daemon(const char *env, const char *args, char *out, size_t n) {
     char cmd[1200];
-    FILE *p;
-    size_t got;
-    int st;
     snprintf(cmd, sizeof cmd, "%s '%s' --config /dev/null --no-gpu --ledger-dir '' --workers 1 "
              "%s 2>&1 </dev/null", env, DPCLIPD_PATH, args);
-    p = popen(cmd, "r");
-    assert_non_null(p);
-    got = fread(out, 1, n - 1, p);
-    out[got] = '\0';
-    st = pclose(p);
-    return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
+    int rc = dc_sh(cmd, out, n);
+    assert_int_not_equal(rc, DC_SH_NOSTART);
+    return rc;
 }
 
 /* The socket's directory does not exist: the error names it and says how

@@ -625,16 +625,10 @@ static void test_insecure_marked(void **state) {
 static int run_ctl(const char *args, char *out, size_t n) {
 #ifdef DPCLIPCTL_PATH
     char cmd[800];
-    FILE *p;
-    size_t got;
-    int st;
     snprintf(cmd, sizeof cmd, "%s --socket %s %s 2>&1", DPCLIPCTL_PATH, g_status, args);
-    p = popen(cmd, "r");
-    assert_non_null(p);
-    got = fread(out, 1, n - 1, p);
-    out[got] = '\0';
-    st = pclose(p);
-    return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
+    int rc = dc_sh(cmd, out, n);
+    assert_int_not_equal(rc, DC_SH_NOSTART);
+    return rc;
 #else
     (void)args;
     (void)out;

@@ -17,6 +17,8 @@
 
 #include <cmocka.h>
 
+#include "service.h"
+
 #if !defined(DPCLIP_UNIT_DIR) || !defined(DPCLIP_CMAKE_COMMAND)
 #error "the unit paths are defined by the top-level CMakeLists.txt"
 #endif
@@ -41,14 +43,9 @@ static int teardown(void **state) {
 
 /* Runs a shell command; its exit status, output (both streams) in out. */
 static int sh(const char *cmd, char *out, size_t n) {
-    FILE *p = popen(cmd, "r");
-    size_t got;
-    int st;
-    assert_non_null(p);
-    got = fread(out, 1, n - 1, p);
-    out[got] = '\0';
-    st = pclose(p);
-    return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
+    int rc = dc_sh(cmd, out, n);
+    assert_int_not_equal(rc, DC_SH_NOSTART);
+    return rc;
 }
 
 static int have_analyze(void) {

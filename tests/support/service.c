@@ -300,3 +300,15 @@ int dc_spawn_stop(pid_t pid) {
     }
     return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
 }
+
+int dc_sh(const char *cmd, char *out, size_t n) {
+    FILE *p = popen(cmd, "r");
+    size_t got;
+    int st;
+    out[0] = '\0';
+    if (!p) return DC_SH_NOSTART;
+    got = fread(out, 1, n - 1, p);
+    out[got] = '\0';
+    st = pclose(p);
+    return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
+}

@@ -16,6 +16,12 @@
  * daemon's server is libmicrohttpd). Returns the status code or -1; *head
  * and *body (either may be NULL) get the header block and the body; *ms
  * (may be NULL) the time to the last byte. */
+/* Runs a shell command: its exit status (-1 if it did not exit normally),
+ * its stdout (and whatever the command sends there, e.g. 2>&1) in out[n],
+ * NUL-terminated. DC_SH_NOSTART if the command could not be started. */
+#define DC_SH_NOSTART (-2)
+int dc_sh(const char *cmd, char *out, size_t n);
+
 int dc_http(const char *sock, const char *method, const char *path, int timeout_ms,
             char **head, char **body, double *ms);
 
