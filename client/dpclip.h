@@ -308,6 +308,16 @@ int dpclip_join_group(dpclip_client *c, const dpclip_group_opts *opts, uint64_t 
 /* Marks layer `layer` (its index in the step) as held whole by every member. */
 int dpclip_step_set_replicated(dpclip_step *s, size_t layer, int yes);
 
+/* --- tied parameters ---------------------------------------------------------
+ * Marks layer `layer`'s weight as the same parameter as the weight of the
+ * earlier layer `owner` (owner < layer): an embedding and a linear layer of
+ * one weight shape, such as a language model's input embedding and output
+ * projection. The daemon then computes each sample's norm of the sum of both
+ * uses (cross term included) and writes the clipped, noised sum of both into
+ * the owner's weight_grad_out; `layer` must have no weight_grad_out. FLAT
+ * clipping only. DPCLIP_EARG unless owner < layer < the layers added. */
+int dpclip_step_set_tied(dpclip_step *s, size_t layer, size_t owner);
+
 /* --- ABI ----------------------------------------------------------------- */
 
 /* "MAJOR.MINOR.PATCH" of this library (DPCLIP_VERSION_* as it was built). */

@@ -16,6 +16,7 @@ typedef struct cl_layer {
     Dpclip__Layer__KindCase kind;
     char *name;               /* owned copy, or NULL */
     int replicated;           /* norm groups: held whole by every member */
+    uint32_t tied_to;         /* 1 + the layer whose weight this one's is; 0 = none */
     union {
         dpclip_linear lin;
         dpclip_embedding emb;
@@ -186,6 +187,13 @@ DPCLIP_API int dpclip_step_set_replicated(dpclip_step *s, size_t layer, int yes)
     return 0;
 }
 
+DPCLIP_API int dpclip_step_set_tied(dpclip_step *s, size_t layer, size_t owner) {
+    if (!s || layer >= s->n || owner >= layer) return DPCLIP_EARG;
+    s->layers[layer].tied_to = (uint32_t)owner + 1;
+    touch(s);
+    return 0;
+}
+
 DPCLIP_API void dpclip_step_notify_enqueued(dpclip_step *s, int yes) {
     if (!s) return;
     touch(s);
@@ -301,6 +309,7 @@ int cl_step_message(dpclip_client *c, const dpclip_step *s, Dpclip__ClipStep **o
         m->ptrs[i] = L;
         if (x->name) L->name = x->name;
         L->replicated = x->replicated != 0;
+        L->tied_to = x->tied_to;
         L->kind_case = x->kind;
         switch (x->kind) {
         case DPCLIP__LAYER__KIND_LINEAR: {

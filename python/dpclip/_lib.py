@@ -167,6 +167,7 @@ def _declare(L: ctypes.CDLL) -> None:
         "dpclip_ping": (c_int, [c_void_p]),
         "dpclip_join_group": (c_int, [c_void_p, ctypes.POINTER(GroupOpts), u64p]),
         "dpclip_step_set_replicated": (c_int, [c_void_p, ctypes.c_size_t, c_int]),
+        "dpclip_step_set_tied": (c_int, [c_void_p, ctypes.c_size_t, ctypes.c_size_t]),
     }
     for name, (res, args) in sig.items():
         fn = getattr(L, name)
@@ -417,6 +418,17 @@ class Step:
         if rc:
             raise DpclipError(rc, "", "marking layer %d of a step of %d layers replicated"
                               % (layer, self.n_layers))
+
+    def set_tied(self, layer: int, owner: int) -> None:
+        """Tied parameters: the weight of the step's layer `layer` is the
+        weight of its earlier layer `owner` (an embedding and a linear layer:
+        see dpclip.h, dpclip_step_set_tied). The owner's weight output gets
+        the clipped, noised sum of both uses."""
+        rc = self._L.dpclip_step_set_tied(self._s, ctypes.c_size_t(int(layer)),
+                                          ctypes.c_size_t(int(owner)))
+        if rc:
+            raise DpclipError(rc, "", "tying layer %d to layer %d of a step of %d layers"
+                              % (layer, owner, self.n_layers))
 
     def set_events(self, wait_event: int, signal_event: int) -> None:
         self._L.dpclip_step_set_events(self._s, int(wait_event), int(signal_event))
