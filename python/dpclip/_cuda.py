@@ -1,18 +1,19 @@
 """The CUDA transport: GPU tensors are named in place through CUDA IPC (one
 registration per caching-allocator block, cached by libdpclip), outputs go
-into param-shaped CUDA tensors the layers own and param.grad aliases, and
+into one flat CUDA tensor per parameter that the engine keeps and param.grad
+aliases (a view; a copy where the layout or dtype differs), and
 ordering uses two interprocess events per device: the trainer records
 `ready` on its stream before the step, the daemon waits on it and records
 `done`, the trainer's stream waits on `done`. No host synchronisation beyond
 the step's reply (or, asynchronous, its early notice)."""
 import time
-from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Dict, List, NamedTuple, Optional, Tuple
 
 import torch
 
 from . import _lib
-from ._layers import _tref
-from ._planner import LayerPlan, add_layers, out_dtype, set_grad
+from ._layers import Slice, _tref
+from ._planner import Plan, add_layers, set_grad
 
 
 class CudaRun(NamedTuple):
@@ -67,35 +68,52 @@ class CudaIPC:
             self._coefs_ref = self.client.register_cuda(self._coefs.data_ptr())
         return self._coefs[:nb]
 
-    def run(self, step: _lib.Step, plan: Sequence[LayerPlan], nb: int, device: torch.device,
+    def run(self, step: _lib.Step, plan: Plan, nb: int, device: torch.device,
             algorithm: int, gated: bool, asynchronous: bool) -> CudaRun:
         """Sends the planned step of nb samples on `device`; param.grad
-        aliases (or, in another dtype, holds) the daemon's outputs, valid on
-        the current stream. gated: data parallel, have the daemon write the
-        coefficients and return the success flag."""
+        aliases (or, in another dtype or layout, holds) the daemon's outputs,
+        valid on the current stream. gated: data parallel, have the daemon
+        write the coefficients and return the success flag."""
         keep: List[Tuple[torch.Tensor, torch.Tensor]] = []
         tensors: List[Tuple[torch.Tensor, torch.Tensor]] = []
-        for l, inp, g, in_shape, in_dt, g_shape, g_dt in plan:
+        for pt in plan.parts:
+            inp, g = pt.inp, pt.grad
             if inp is None:
-                inp = torch.zeros(in_shape, dtype=in_dt, device=device)
-                g = torch.zeros(g_shape, dtype=g_dt, device=device)
+                inp = torch.zeros(pt.in_shape, dtype=pt.in_dtype, device=device)
+                g = torch.zeros(pt.grad_shape, dtype=pt.grad_dtype, device=device)
             else:
                 # (guarded: each call costs host time even when it is a no-op)
-                if inp.dtype != in_dt:
-                    inp = inp.to(in_dt)
+                if inp.dtype != pt.in_dtype:
+                    inp = inp.to(pt.in_dtype)
                 if not inp.is_contiguous():
                     inp = inp.contiguous()
-                if g.dtype != g_dt:
-                    g = g.to(g_dt)
+                if g.dtype != pt.grad_dtype:
+                    g = g.to(pt.grad_dtype)
                 if not g.is_contiguous():
                     g = g.contiguous()
-            if l.out_w is None:
-                w_dt = out_dtype(l.weight)
-                l.out_w = torch.empty(l.weight.shape, dtype=w_dt, device=device)
-                if l.bias is not None:
-                    l.out_b = torch.empty(l.bias.shape, dtype=w_dt, device=device)
             keep.append((inp, g))
             tensors.append((inp, g))
+        for o in plan.outs:
+            if o.buf is None or o.buf.device != device:
+                # The engine holds the output tensors for its lifetime, so
+                # their allocation cannot be freed and reused: the references
+                # stay valid and are made once (activations and output grads
+                # are new tensors every step and go through libdpclip's check).
+                o.buf = torch.empty(o.numel, dtype=o.dtype, device=device)
+                o.ref = self.client.register_cuda(o.buf.data_ptr())
+
+        def out_ref(sl: Optional[Slice]) -> _lib.Tensor:
+            if sl is None:
+                return _lib.Tensor()
+            o, elem, shape = sl
+            return _tref(o.ref[0], o.ref[1] + elem * o.buf.element_size(), o.dtype, shape)
+
+        def refs(i: int) -> Tuple[_lib.Tensor, _lib.Tensor, _lib.Tensor, _lib.Tensor]:
+            pt = plan.parts[i]
+            inp, g = tensors[i]
+            return (self.ref(inp, pt.in_shape), self.ref(g, pt.grad_shape), out_ref(pt.w),
+                    out_ref(pt.b))
+
         ready, done, rid, did = self.events(device)
 
         def refs(i: int) -> Tuple[_lib.Tensor, _lib.Tensor, _lib.Tensor, _lib.Tensor]:
@@ -114,7 +132,7 @@ class CudaIPC:
         step.reset(nb)
         ticket, info, res = 0, None, None
         with torch.cuda.device(device):
-            add_layers(step, plan, algorithm, refs)
+            add_layers(step, plan.parts, algorithm, refs)
             stream = torch.cuda.current_stream(device)
             if gated:
                 coefs = self.coefs_out(nb, device)
@@ -142,13 +160,10 @@ class CudaIPC:
             # wrote nothing, or died first.
             ok = (coefs > 0).all().to(torch.float32).reshape(1) if gated else None
         keep.clear()
-        for lp in plan:
-            l = lp.layer
-            for p, out in ((l.weight, l.out_w), (l.bias, l.out_b)):
-                if p is None:
-                    continue
-                if out.dtype == p.dtype:
-                    p.grad = out  # aliases the output buffer: no copy
-                else:
-                    set_grad(p, out)
+        for o in plan.outs:
+            p, out = o.param, o.grad(o.buf)
+            if out.dtype == p.dtype and out.is_contiguous():
+                p.grad = out  # aliases the output buffer: no copy
+            else:
+                set_grad(p, out)
         return CudaRun(res, ticket, info, ok, t1, t2)

@@ -6,13 +6,13 @@ arena grows (doubling, at least 1 MiB) when a step needs more."""
 import ctypes
 import math
 import time
-from typing import List, Optional, Sequence, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 
 from . import _lib
-from ._layers import _ESIZE, _align, _tref
-from ._planner import LayerPlan, add_layers, out_dtype, set_grad
+from ._layers import _ESIZE, Slice, _align, _tref
+from ._planner import Plan, add_layers, set_grad
 
 
 class HostArena:
@@ -38,12 +38,11 @@ class HostArena:
             self._arena = (bid, size, torch.frombuffer(raw, dtype=torch.uint8))
         return self._arena
 
-    def run(self, step: _lib.Step, plan: Sequence[LayerPlan], nb: int,
+    def run(self, step: _lib.Step, plan: Plan, nb: int,
             algorithm: int) -> Tuple[_lib.StepResult, float, float]:
         """Sends the planned step of nb samples and waits for it; param.grad
         holds the private gradient after. (result, time sent, time answered)."""
         off = 0
-        slots: List[Tuple[torch.dtype, int, Optional[int], int, int]] = []
 
         def take(nbytes: int) -> int:
             nonlocal off
@@ -51,43 +50,44 @@ class HostArena:
             off = o + nbytes
             return o
 
-        for l, _, _, in_shape, in_dt, g_shape, g_dt in plan:
-            w_dt = out_dtype(l.weight)
-            w_off = take(l.weight.numel() * _ESIZE[w_dt])
-            b_off = take(l.bias.numel() * _ESIZE[w_dt]) if l.bias is not None else None
-            a_off = take(math.prod(in_shape) * _ESIZE[in_dt])
-            g_off = take(math.prod(g_shape) * _ESIZE[g_dt])
-            slots.append((w_dt, w_off, b_off, a_off, g_off))
+        out_off = {id(o): take(o.numel * _ESIZE[o.dtype]) for o in plan.outs}
+        slots: List[Tuple[int, int]] = [
+            (take(math.prod(pt.in_shape) * _ESIZE[pt.in_dtype]),
+             take(math.prod(pt.grad_shape) * _ESIZE[pt.grad_dtype])) for pt in plan.parts]
         bid, _, mem = self.view(off)
 
         def view(o: int, dtype: torch.dtype, shape: Tuple[int, ...]) -> torch.Tensor:
             n = math.prod(shape) * _ESIZE[dtype]
             return mem[o:o + n].view(dtype).view(shape)
 
-        for (l, inp, g, in_shape, in_dt, g_shape, g_dt), (_, _, _, a_off, g_off) in zip(plan, slots):
-            av, gv = view(a_off, in_dt, in_shape), view(g_off, g_dt, g_shape)
-            if inp is None:
+        for pt, (a_off, g_off) in zip(plan.parts, slots):
+            av, gv = view(a_off, pt.in_dtype, pt.in_shape), view(g_off, pt.grad_dtype,
+                                                                  pt.grad_shape)
+            if pt.inp is None:
                 av.zero_()
                 gv.zero_()
             else:
-                av.copy_(inp)
-                gv.copy_(g)
+                av.copy_(pt.inp.reshape(pt.in_shape))
+                gv.copy_(pt.grad.reshape(pt.grad_shape))
+
+        def out_ref(sl: Optional[Slice]) -> _lib.Tensor:
+            if sl is None:
+                return _lib.Tensor()
+            o, elem, shape = sl
+            return _tref(bid, out_off[id(o)] + elem * _ESIZE[o.dtype], o.dtype, shape)
 
         def refs(i: int) -> Tuple[_lib.Tensor, _lib.Tensor, _lib.Tensor, _lib.Tensor]:
-            l, _, _, in_shape, in_dt, g_shape, g_dt = plan[i]
-            w_dt, w_off, b_off, a_off, g_off = slots[i]
-            b_ref = _tref(bid, b_off, w_dt, tuple(l.bias.shape)) if b_off is not None \
-                else _lib.Tensor()
-            return (_tref(bid, a_off, in_dt, in_shape), _tref(bid, g_off, g_dt, g_shape),
-                    _tref(bid, w_off, w_dt, tuple(l.weight.shape)), b_ref)
+            pt = plan.parts[i]
+            a_off, g_off = slots[i]
+            return (_tref(bid, a_off, pt.in_dtype, pt.in_shape),
+                    _tref(bid, g_off, pt.grad_dtype, pt.grad_shape), out_ref(pt.w),
+                    out_ref(pt.b))
 
         step.reset(nb)
-        add_layers(step, plan, algorithm, refs)
+        add_layers(step, plan.parts, algorithm, refs)
         t1 = time.perf_counter()
         res = step.run(self.client)
         t2 = time.perf_counter()
-        for (l, *_), (w_dt, w_off, b_off, _, _) in zip(plan, slots):
-            set_grad(l.weight, view(w_off, w_dt, tuple(l.weight.shape)))
-            if b_off is not None:
-                set_grad(l.bias, view(b_off, w_dt, tuple(l.bias.shape)))
+        for o in plan.outs:
+            set_grad(o.param, o.grad(view(out_off[id(o)], o.dtype, (o.numel,))))
         return res, t1, t2

@@ -1,9 +1,14 @@
 """The per-module half of the PyTorch integration: autograd Functions that
-compute only input gradients and capture (activation, output gradient), the
-record of one supported module, and the checks done at attach time."""
+compute only input gradients and capture what the daemon needs, the record
+of one supported module (a _Layer, which sends the daemon one or more
+layers: its parts), and the walk of the module tree done at attach time.
+
+Which modules are supported, and as what, is dpclip._registry's; the
+convolutions and GroupNorm are dpclip._conv's, the attention drop-in
+dpclip._mha's."""
 import ctypes
 import types
-from typing import Any, List, Tuple
+from typing import Any, Callable, List, NamedTuple, Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -47,6 +52,11 @@ def _low_precision(t):
     return t.dtype in (torch.bfloat16, torch.float16)
 
 
+def _cast(t, dt):
+    """t in dtype dt (None: as it is); a no-op costs no host time."""
+    return t if t is None or dt is None or t.dtype == dt else t.to(dt)
+
+
 # --- the autograd Functions ---------------------------------------------------------
 # Each forward reproduces the module's forward (with the casts autocast would
 # make, done explicitly so that the tensor kept for the daemon is the one the
@@ -60,13 +70,8 @@ class _LinearFn(torch.autograd.Function):
         # Casts only where the dtype differs: each .to() is a few
         # microseconds of host time even when it returns its input, and a
         # trainer's step is often bound by the host.
-        dt = _autocast_dtype(x.device.type)
-        if dt is not None and x.is_floating_point():
-            xc = x if x.dtype == dt else x.to(dt)
-            wc = weight if weight.dtype == dt else weight.to(dt)
-            bc = bias if bias is None or bias.dtype == dt else bias.to(dt)
-        else:
-            xc, wc, bc = x, weight, bias
+        dt = _autocast_dtype(x.device.type) if x.is_floating_point() else None
+        xc, wc, bc = _cast(x, dt), _cast(weight, dt), _cast(bias, dt)
         ctx.layer = layer
         ctx.pass_id = layer.engine._pass
         ctx.x_dtype = x.dtype
@@ -89,22 +94,42 @@ class _LinearFn(torch.autograd.Function):
 
 class _EmbeddingFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, idx, weight, layer):
+    def forward(ctx, idx, weight, layer, batch):
         ctx.layer = layer
         ctx.pass_id = layer.engine._pass
+        ctx.batch = batch
         ctx.save_for_backward(idx)
-        return F.embedding(idx, weight, layer.padding_idx)
+        y = F.embedding(idx, weight, layer.padding_idx)
+        # Indices shared by the batch (positions [1, T]): the output is
+        # expanded to the batch here, so that each sample's output gradient
+        # reaches backward instead of their sum (a broadcast add downstream
+        # would sum them).
+        return y.expand((batch,) + tuple(y.shape[1:])).contiguous() if batch else y
 
     @staticmethod
     def backward(ctx, g):
         (idx,) = ctx.saved_tensors
+        if ctx.batch:
+            idx = idx.expand((ctx.batch,) + tuple(idx.shape[1:]))
         ctx.layer.capture(idx, g, ctx.pass_id)
-        return None, None, None
+        return None, None, None, None
+
+
+def _rms(x, d, weight, eps):
+    """RMSNorm over the last dim as Hugging Face's RMSNorms compute it: in f32,
+    normalized in the input dtype, then times the weight."""
+    xf = x.float()
+    y = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    return y * weight if weight is not None else y
 
 
 def _norm_apply(layer, x, weight, bias, eps):
     if layer.kind == "layernorm":
         return F.layer_norm(x, (layer.d,), weight, bias, eps)
+    if layer.offset:  # Gemma's (1 + weight)
+        weight = weight + layer.offset
+    if layer.hf_style or not hasattr(F, "rms_norm"):
+        return _rms(x, layer.d, weight, eps)
     return F.rms_norm(x, (layer.d,), weight, eps)
 
 
@@ -153,60 +178,152 @@ class _NormFn(torch.autograd.Function):
         return gx, None, None, None
 
 
+# --- what a step sends: parts and outputs -----------------------------------------
+
+class Out:
+    """One trainable parameter's private gradient as the daemon writes it:
+    `numel` values of `dtype`, flat; each part that writes it names a slice
+    (its element offset and wire shape). grad(flat) is the parameter-shaped
+    tensor (a view where the layouts agree: a transposed one for a weight
+    kept as [in, out]). The CUDA transport keeps its buffer in `buf` and its
+    (buffer id, offset) in `ref`."""
+    __slots__ = ("param", "numel", "dtype", "grad", "buf", "ref")
+
+    def __init__(self, param: torch.Tensor, grad: Optional[Callable] = None) -> None:
+        self.param = param
+        self.numel = param.numel()
+        self.dtype = param.dtype if param.dtype in _FLOAT_WIRE else torch.float32
+        shape = tuple(param.shape)
+        self.grad = grad if grad is not None else (lambda flat: flat.view(shape))
+        self.buf = None
+        self.ref = None
+
+
+# (Out, element offset, shape on the wire)
+Slice = Tuple[Out, int, Tuple[int, ...]]
+
+
+class Part(NamedTuple):
+    """One daemon layer of a step: its wire kind ("linear", "embedding",
+    "layernorm", "rmsnorm"), its input and output gradient (None where the
+    module was not used this step: the transport sends zeros) in the shapes
+    and dtypes they travel in (inputs [B, T, d] or indices [B, T], output
+    grads [B, T, p or d]), the output slices its weight and bias
+    gradients go to (None: not written by this part), the daemon's has_bias,
+    and tied_to: 1 + the index in the step of the part whose weight this
+    part's weight is (tied parameters), else 0."""
+    layer: Any
+    kind: str
+    name: str
+    inp: Optional[torch.Tensor]
+    grad: Optional[torch.Tensor]
+    in_shape: Tuple[int, ...]
+    in_dtype: torch.dtype
+    grad_shape: Tuple[int, ...]
+    grad_dtype: torch.dtype
+    w: Optional[Slice]
+    b: Optional[Slice]
+    has_bias: bool
+    tied_to: int = 0
+
+
+def _wire_dtype(t):
+    """The dtype a tensor travels as: its own when the daemon reads it, else
+    f32 (floats) or i64 (indices)."""
+    if t.dtype in _DTYPES:
+        return t.dtype
+    return torch.float32 if t.is_floating_point() else torch.int64
+
+
+def _part(layer, kind, name, inp, g, in_shape, grad_shape, w, b, has_bias, tied_to=0):
+    idx = kind == "embedding"
+    in_dt = _wire_dtype(inp) if inp is not None else (torch.int64 if idx else torch.float32)
+    g_dt = _wire_dtype(g) if g is not None else torch.float32
+    return Part(layer, kind, name, inp, g, in_shape, in_dt, grad_shape, g_dt, w, b, has_bias,
+                tied_to)
+
+
+def _cat(ts):
+    return ts[0] if len(ts) == 1 else torch.cat(ts, 1)
+
+
+def _persample_part(layer, name, v, n, nb, out, offset=0):
+    """A part that carries per-sample gradients v [B, n] the trainer computed
+    itself (cheap ones: a norm's affine parameters): a Linear with one
+    position and one input feature equal to 1, whose per-sample weight
+    gradient [n, 1] is v_b itself (its squared norm, ||1||^2 ||v_b||^2, is
+    exact), written to `out` from element `offset`."""
+    if v is None:
+        return _part(layer, "linear", name, None, None, (nb, 1, 1), (nb, 1, n),
+                     (out, offset, (n, 1)), None, False)
+    v = v.reshape(v.shape[0], 1, n)
+    return _part(layer, "linear", name, v.new_ones((v.shape[0], 1, 1)), v, (nb, 1, 1),
+                 (nb, 1, n), (out, offset, (n, 1)), None, False)
+
+
 # --- one supported module -------------------------------------------------------------
 
 class _Layer:
     """A supported module under the engine: its parameters, its replaced
-    forward, and the (input, output grad) pairs captured since the last step.
-    The engine owns it; it holds the module (not the other way round, apart
-    from the bound forward, removed by detach())."""
+    forward, and what it captured since the last step (records of (input,
+    output grad, pass), both batch-first). The engine owns it; it holds the
+    module (not the other way round, apart from the bound forward, removed
+    by detach()).
 
-    def __init__(self, engine, name, module, kind):
+    Subclasses say how the module is replaced (_forward), which outputs its
+    parameters have (outputs) and what it sends the daemon (parts). This
+    class is a Linear: y = x W^T + b, W [p, d]."""
+    kind = "linear"
+
+    def __init__(self, engine, name, module, weight=None, bias=None):
         self.engine = engine
         self.name = name or type(module).__name__
         self.module = module
-        self.kind = kind
-        self.weight = module.weight
-        b = getattr(module, "bias", None)
-        self.bias = b if (b is not None and b.requires_grad) else None
-        self.padding_idx = getattr(module, "padding_idx", None)
-        if kind == "linear":
-            self.d, self.p = module.in_features, module.out_features
-        elif kind == "embedding":
-            self.d, self.p = module.embedding_dim, 0
-            self.vocab = module.num_embeddings
-        else:
-            self.d, self.p = module.normalized_shape[0], 0
+        self.weight = module.weight if weight is None else weight
+        # bias: None = the module's own "bias", False = none
+        b = getattr(module, "bias", None) if bias is None else (None if bias is False else bias)
+        self.bias_any = b if isinstance(b, torch.Tensor) else None  # what the forward adds
+        self.bias = b if (isinstance(b, torch.Tensor) and b.requires_grad) else None
         self.records = []
         self.replicated = False         # norm groups: held whole by every member
-        self.eps_used = None            # norms: the eps the last forward used
-        self.out_w = self.out_b = None  # CUDA outputs, allocated on first GPU step
-        self.out_refs = None            # ... and their (buffer, offset) references
+        self.tie = None                 # the earlier layer whose weight this one's is
+        self.tied_by = None             # ... and the later one, on that layer
+        self.w_out = self.b_out = None  # Outs of the weight and bias (bind_outputs)
+        self.part0 = 0                  # index of its first part in a step
+        self.verify = None              # first-step check of the module's output
         self._orig_forward = None
+        self._setup()
 
-    def eps_for(self, x):
-        eps = getattr(self.module, "eps", None)
-        if eps is None:  # nn.RMSNorm(eps=None): torch uses the dtype's epsilon
-            eps = torch.finfo(x.dtype).eps
-        return float(eps)
+    def _setup(self):
+        self.d, self.p = self.module.in_features, self.module.out_features
+
+    def outputs(self) -> List[Tuple[torch.Tensor, Optional[Callable]]]:
+        """(parameter, grad(flat) or None for a plain view) of every
+        trainable parameter this layer's parts write."""
+        return [(p, None) for p in (self.weight, self.bias) if p is not None]
 
     def capture(self, inp, g, pass_id):
         self.records.append((inp.detach(), g.detach(), pass_id))
 
+    def active(self):
+        return self.engine.active and torch.is_grad_enabled() and self.weight.requires_grad
+
     def attach(self):
-        m, layer = self.module, self
+        layer = self
 
-        def forward(mod, x):
-            if not (layer.engine.active and torch.is_grad_enabled() and layer.weight.requires_grad):
-                return layer._orig_forward(x)
-            if layer.kind == "linear":
-                return _LinearFn.apply(x, mod.weight, mod.bias, layer)
-            if layer.kind == "embedding":
-                return _EmbeddingFn.apply(x, mod.weight, layer)
-            return _NormFn.apply(x, mod.weight, getattr(mod, "bias", None), layer)
+        def forward(mod, *args, **kwargs):
+            if not layer.active():
+                return layer._orig_forward(*args, **kwargs)
+            y = layer._forward(mod, *args, **kwargs)
+            if layer.verify is not None:
+                layer.verify(layer, args, kwargs, y)
+            return y
 
-        self._orig_forward = m.forward
-        m.forward = types.MethodType(forward, m)
+        self._orig_forward = self.module.forward
+        self.module.forward = types.MethodType(forward, self.module)
+
+    def _forward(self, mod, x):
+        return _LinearFn.apply(x, mod.weight, mod.bias, self)
 
     def detach(self):
         if self._orig_forward is not None:
@@ -230,43 +347,121 @@ class _Layer:
             gs.append(g.reshape(B, -1, g.shape[-1]))
         return ins, gs
 
+    def _wslice(self, shape):
+        """The weight's output slice, or None where a tie makes the earlier
+        layer write it."""
+        return None if self.tie is not None else (self.w_out, 0, shape)
 
-def _classify(module):
-    """The kind of a supported module, or None. Subclasses that override
-    forward are not supported: their forward may not be what we replace."""
-    t = type(module)
-    if isinstance(module, nn.Linear) and t.forward is nn.Linear.forward:
-        return "linear"
-    if isinstance(module, nn.Embedding) and t.forward is nn.Embedding.forward:
-        return "embedding"
-    if isinstance(module, nn.LayerNorm) and t.forward is nn.LayerNorm.forward:
-        return "layernorm"
-    if _RMSNorm is not None and isinstance(module, _RMSNorm) and t.forward is _RMSNorm.forward:
-        return "rmsnorm"
-    return None
+    def _tied_to(self):
+        return self.tie.part0 + 1 if self.tie is not None else 0
+
+    def parts(self, B: int, nb: int) -> List[Part]:
+        """This layer's daemon layers for a step of B samples (0: nothing
+        captured; nb = max(B, 1) samples are sent)."""
+        inp = g = None
+        T = 1
+        if B:
+            ins, gs = self.flat_parts(B)
+            inp, g = _cat(ins), _cat(gs)
+            T = inp.shape[1]
+        b = (self.b_out, 0, (self.p,)) if self.bias is not None else None
+        return [_part(self, "linear", self.name, inp, g, (nb, T, self.d), (nb, T, self.p),
+                      self._wslice((self.p, self.d)), b, self.bias is not None,
+                      self._tied_to())]
 
 
-def _check_module(name, m, kind):
-    label = "%s (%s)" % (name or "<root>", type(m).__name__)
-    w = getattr(m, "weight", None)
-    b = getattr(m, "bias", None)
-    if w is None or not w.requires_grad:
-        if b is not None and b.requires_grad:
-            raise UnsupportedModuleError(
-                "module %s: a trainable bias with a frozen weight is not supported; "
-                "freeze both or neither" % label)
-        return False
-    if kind == "embedding":
-        if m.max_norm is not None or m.scale_grad_by_freq or m.sparse:
-            raise UnsupportedModuleError(
-                "module %s: Embedding with max_norm, scale_grad_by_freq or sparse=True is not "
-                "supported" % label)
-    if kind in ("layernorm", "rmsnorm") and len(m.normalized_shape) != 1:
-        raise UnsupportedModuleError(
-            "module %s: only normalization over the last dimension is supported "
-            "(normalized_shape %s)" % (label, tuple(m.normalized_shape)))
-    return True
+class _HFConv1DLayer(_Layer):
+    """Hugging Face's Conv1D (GPT-2): a Linear whose weight is kept
+    transposed, [in, out] (nx, nf): y = x W + b. Sent as a Linear with
+    d = nx, p = nf; the daemon writes [nf, nx], which param.grad sees
+    transposed."""
 
+    def _setup(self):
+        self.d, self.p = self.weight.shape
+
+    def outputs(self):
+        nx, nf = self.d, self.p
+        return [(self.weight, lambda flat: flat.view(nf, nx).t())] + \
+            ([(self.bias, None)] if self.bias is not None else [])
+
+    def _forward(self, mod, x):
+        return _LinearFn.apply(x, mod.weight.t(), mod.bias, self)
+
+
+class _EmbeddingLayer(_Layer):
+    kind = "embedding"
+
+    def _setup(self):
+        m = self.module
+        self.d, self.p, self.vocab = m.embedding_dim, 0, m.num_embeddings
+        self.padding_idx = m.padding_idx
+
+    def _forward(self, mod, idx):
+        # positions [1, T] shared by the batch: expand to the pass's batch
+        # (seen by the layers before this one in the pass: the token
+        # embedding, usually)
+        batch = 0
+        hint = getattr(self.engine, "_batch_hint", None)
+        if hint is None or hint[0] != self.engine._pass:
+            hint = None
+            if idx.dim() >= 1 and idx.shape[0] > 1:
+                self.engine._batch_hint = (self.engine._pass, idx.shape[0])
+        elif idx.dim() >= 1 and idx.shape[0] == 1:
+            batch = hint[1]
+        return _EmbeddingFn.apply(idx, mod.weight, self, batch)
+
+    def parts(self, B, nb):
+        inp = g = None
+        T = 1
+        if B:
+            ins, gs = self.flat_parts(B)
+            inp, g = _cat(ins), _cat(gs)
+            T = inp.shape[1]
+        return [_part(self, "embedding", self.name, inp, g, (nb, T), (nb, T, self.d),
+                      self._wslice((self.vocab, self.d)), None, False, self._tied_to())]
+
+
+class _NormLayer(_Layer):
+    """LayerNorm / RMSNorm over the last dimension: torch's, or a registered
+    class (dpclip._registry.register) whose eps and weight attributes it
+    names."""
+
+    def __init__(self, engine, name, module, kind, weight=None, bias=None, eps="eps",
+                 offset=0.0, hf_style=False):
+        self.kind = kind
+        self.eps_attr = eps
+        self.offset = float(offset)
+        self.hf_style = hf_style
+        self.eps_used = None            # the eps the last forward used
+        super().__init__(engine, name, module, weight, bias)
+
+    def _setup(self):
+        self.d, self.p = self.weight.shape[0], 0
+
+    def eps_for(self, x):
+        eps = self.eps_attr if not isinstance(self.eps_attr, str) else \
+            getattr(self.module, self.eps_attr, None)
+        if eps is None:  # nn.RMSNorm(eps=None): torch uses the dtype's epsilon
+            eps = torch.finfo(x.dtype).eps
+        return float(eps)
+
+    def _forward(self, mod, x):
+        return _NormFn.apply(x, self.weight,
+                             self.bias_any if self.kind == "layernorm" else None, self)
+
+    def parts(self, B, nb):
+        inp = g = None
+        T = 1
+        if B:
+            ins, gs = self.flat_parts(B)
+            inp, g = _cat(ins), _cat(gs)
+            T = inp.shape[1]
+        b = (self.b_out, 0, (self.d,)) if self.bias is not None else None
+        return [_part(self, self.kind, self.name, inp, g, (nb, T, self.d), (nb, T, self.d),
+                      (self.w_out, 0, (self.d,)), b, self.bias is not None)]
+
+
+# --- checks -------------------------------------------------------------------------
 
 # Normalizations that can couple the samples of a batch (see _mixing).
 _NORMS = (nn.modules.batchnorm._BatchNorm, nn.modules.instancenorm._InstanceNorm)
@@ -304,25 +499,41 @@ def _align(n):
     return (n + _ALIGN - 1) // _ALIGN * _ALIGN
 
 
-def _wire_dtype(t):
-    """The dtype a tensor travels as: its own when the daemon reads it, else
-    f32 (floats) or i64 (indices)."""
-    if t.dtype in _DTYPES:
-        return t.dtype
-    return torch.float32 if t.is_floating_point() else torch.int64
-
-
 def _tref(buf, off, dtype, shape):
     s = list(shape) + [0] * (3 - len(shape))
     return _lib.Tensor(buf, off, _DTYPES[dtype], len(shape), (ctypes.c_int64 * 3)(*s))
 
 
+def _label(name, m):
+    return "%s (%s)" % (name or "<root>", type(m).__name__)
+
+
+def _tie(a, b):
+    """Marks b's weight as a's (a met first): an Embedding and a Linear (a
+    language model's input embedding and output projection). Anything else
+    that shares a parameter is refused."""
+    kinds = {type(a), type(b)}
+    if kinds != {_Layer, _EmbeddingLayer} or a.weight.shape != b.weight.shape or \
+            a.tie is not None or a.tied_by is not None:
+        raise UnsupportedModuleError(
+            "modules %s and %s share a parameter: dpclip trains a weight shared by one "
+            "nn.Embedding and one nn.Linear of the same shape (tied input and output "
+            "embeddings); untie the others" % (_label(a.name, a.module), _label(b.name, b.module)))
+    b.tie, a.tied_by = a, b
+
+
 def _collect_layers(engine: Any, module: nn.Module
                     ) -> Tuple[List[_Layer], List[Tuple[str, nn.Module]]]:
-    """make_private's walk of the module tree: a _Layer per supported module
-    with a trainable weight, and the normalizations whose mode is checked at
-    each forward. UnsupportedModuleError names any module it cannot train."""
-    layers, seen, norms = [], {}, []
+    """make_private's walk of the module tree: the _Layers of the supported
+    modules with a trainable weight, and the normalizations whose mode is
+    checked at each forward. UnsupportedModuleError names any module it
+    cannot train. A parameter owned by an unsupported module is fine where
+    a supported one uses it too (BERT's prediction head holds the bias its
+    decoder Linear uses)."""
+    from . import _registry  # noqa: E402 (it imports this module)
+
+    layers, norms, pending = [], [], []
+    owner = {}  # id(param) -> the _Layer that trains it
     for name, m in module.named_modules():
         why = _mixing(m)
         if why is not None:
@@ -330,25 +541,49 @@ def _collect_layers(engine: Any, module: nn.Module
         if isinstance(m, _NORMS):
             norms.append((name, m))
         own = [(pn, p) for pn, p in m.named_parameters(recurse=False) if p.requires_grad]
-        kind = _classify(m)
-        if kind is None:
+        made = _registry.layers_for(engine, name, m)
+        if made is None:
             if own:
-                raise UnsupportedModuleError(
-                    "module %s (%s) has trainable parameters (%s) but is not supported by "
-                    "dpclip (supported: Linear, Embedding, LayerNorm%s); freeze them or "
-                    "replace the module" % (name or "<root>", type(m).__name__,
-                                             ", ".join(pn for pn, _ in own),
-                                             ", RMSNorm" if _RMSNorm else ""))
+                pending.append((name, m, own))
             continue
-        if not _check_module(name, m, kind):
-            continue
-        for _, p in own:
-            if id(p) in seen:
-                raise UnsupportedModuleError(
-                    "modules %s and %s share a parameter (tied weights are not supported)"
-                    % (seen[id(p)], name))
-            seen[id(p)] = name
-        layers.append(_Layer(engine, name, m, kind))
+        for l in made:
+            for p in (l.weight, l.bias):
+                if p is None:
+                    continue
+                other = owner.get(id(p))
+                if other is None:
+                    owner[id(p)] = l
+                elif other.module is not l.module:
+                    if p is not l.weight or p is not other.weight:
+                        raise UnsupportedModuleError(
+                            "modules %s and %s share a parameter (%s): dpclip trains a shared "
+                            "weight of an nn.Embedding and an nn.Linear only"
+                            % (_label(other.name, other.module), _label(name, m),
+                               "bias" if p is l.bias else "weight"))
+                    _tie(other, l)
+            layers.append(l)
+    for name, m, own in pending:
+        left = [pn for pn, p in own if id(p) not in owner]
+        if left:
+            raise _registry.unsupported(name, m, left)
     if not layers:
         raise UnsupportedModuleError("the module has no trainable parameters to train privately")
+    bind_outputs(layers)
     return layers, norms
+
+
+def bind_outputs(layers: List[_Layer]) -> List[Out]:
+    """One Out per trainable parameter, in the layers' order (a tied weight
+    has one, its first layer's); sets each layer's w_out and b_out."""
+    outs, by_id = [], {}
+    for l in layers:
+        for p, grad in l.outputs():
+            o = by_id.get(id(p))
+            if o is None:
+                o = by_id[id(p)] = Out(p, grad)
+                outs.append(o)
+            if p is l.weight:
+                l.w_out = o
+            elif p is l.bias:
+                l.b_out = o
+    return outs

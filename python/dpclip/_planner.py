@@ -1,35 +1,30 @@
-"""The step planner: what one optimizer step sends the daemon. From the
-(input, output grad) pairs the layers captured in one forward/backward pass
-it finds the batch size, lays each layer's tensors out in the shapes and
-dtypes the daemon reads (a LayerPlan per layer), adds the layers to a
-dpclip Step given each tensor's reference in a transport (_host, _cuda), and
-writes the daemon's outputs into param.grad. It holds no state: the engine
-(dpclip.torch) owns the layers and the Step."""
+"""The step planner: what one optimizer step sends the daemon. From what the
+layers captured in one forward/backward pass it finds the batch size, has
+each layer lay out its daemon layers (Parts: tensors in the shapes and
+dtypes the daemon reads, and the slices of the parameters' outputs they
+write), adds them to a dpclip Step given each tensor's reference in a
+transport (_host, _cuda), and writes the daemon's outputs into param.grad.
+It holds no state: the engine (dpclip.torch) owns the layers and the Step."""
 import collections
-from typing import Callable, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Callable, List, NamedTuple, Sequence, Tuple
 
 import torch
 
 from . import _lib
-from ._layers import _FLOAT_WIRE, _Layer, _wire_dtype
+from ._layers import _FLOAT_WIRE, Out, Part, _Layer
+
+__all__ = ["Plan", "batch_size", "plan", "add_layers", "params", "set_grad", "out_dtype"]
 
 # refs(i) -> (input ref, output grad ref, weight out ref, bias out ref) of
-# the plan's layer i, in the transport's buffers.
+# the plan's part i, in the transport's buffers.
 Refs = Callable[[int], Tuple[_lib.Tensor, _lib.Tensor, _lib.Tensor, _lib.Tensor]]
 
 
-class LayerPlan(NamedTuple):
-    """One layer of a step: its captured input and output gradient (None
-    where it has none this step: the transport sends zeros), and the shapes
-    and dtypes they travel in (inputs [B, T, d] or indices [B, T], output
-    grads [B, T, p or d])."""
-    layer: _Layer
-    inp: Optional[torch.Tensor]
-    grad: Optional[torch.Tensor]
-    in_shape: Tuple[int, ...]
-    in_dtype: torch.dtype
-    grad_shape: Tuple[int, ...]
-    grad_dtype: torch.dtype
+class Plan(NamedTuple):
+    """A step's parts, in the order they are sent, and the outputs they
+    write (one per trainable parameter, each written by one or more parts)."""
+    parts: List[Part]
+    outs: List[Out]
 
 
 def batch_size(layers: Sequence[_Layer]) -> int:
@@ -53,56 +48,60 @@ def batch_size(layers: Sequence[_Layer]) -> int:
     return B
 
 
-def plan(layers: Sequence[_Layer], B: int) -> List[LayerPlan]:
-    """A LayerPlan per layer. Layers not used in this pass (and every layer
-    of an empty batch) get zeros of one position: norm 0, so the daemon adds
-    noise alone to their params."""
-    nb = max(B, 1)
-    out = []
+def outputs(layers: Sequence[_Layer]) -> List[Out]:
+    """Every layer's outputs, each once, in the layers' order."""
+    outs, seen = [], set()
     for l in layers:
-        if B > 0 and l.records:
-            ins, gs = l.flat_parts(B)
-            inp = ins[0] if len(ins) == 1 else torch.cat(ins, 1)
-            g = gs[0] if len(gs) == 1 else torch.cat(gs, 1)
-            T = inp.shape[1]
-        else:
-            inp = g = None
-            T = 1
-        gw = l.p if l.kind == "linear" else l.d
-        if l.kind == "embedding":
-            in_shape, in_dt = (nb, T), (_wire_dtype(inp) if inp is not None else torch.int64)
-        else:
-            in_shape = (nb, T, l.d)
-            in_dt = _wire_dtype(inp) if inp is not None else torch.float32
-        g_dt = _wire_dtype(g) if g is not None else torch.float32
-        out.append(LayerPlan(l, inp, g, in_shape, in_dt, (nb, T, gw), g_dt))
-    return out
+        for o in (l.w_out, l.b_out):
+            if o is not None and id(o) not in seen:
+                seen.add(id(o))
+                outs.append(o)
+    return outs
 
 
-def add_layers(step: _lib.Step, plan: Sequence[LayerPlan], algorithm: int, refs: Refs) -> None:
-    """Adds every planned layer to the step, its tensors named by refs."""
-    for i, lp in enumerate(plan):
-        l = lp.layer
+def params(layers: Sequence[_Layer]) -> List[torch.Tensor]:
+    """The trainable parameters the layers train, each once (a tied weight
+    is one parameter)."""
+    return [o.param for o in outputs(layers)]
+
+
+def plan(layers: Sequence[_Layer], B: int) -> Plan:
+    """The step's parts and outputs. Layers not used in this pass (and
+    every layer of an empty batch) send zeros of one position: norm 0, so
+    the daemon adds noise alone to their params."""
+    nb = max(B, 1)
+    parts: List[Part] = []
+    for l in layers:
+        l.part0 = len(parts)  # a tied layer's partner, earlier, is placed already
+        parts.extend(l.parts(B if l.records else 0, nb))
+    return Plan(parts, outputs(layers))
+
+
+def add_layers(step: _lib.Step, parts: Sequence[Part], algorithm: int, refs: Refs) -> None:
+    """Adds every part to the step, its tensors named by refs."""
+    for i, pt in enumerate(parts):
+        l = pt.layer
         a_ref, g_ref, w_ref, b_ref = refs(i)
-        name = l.name.encode()
-        if l.kind == "linear":
-            step.add_linear(_lib.Linear(name, a_ref, g_ref, int(l.bias is not None),
-                                        algorithm, w_ref, b_ref, 0.0))
-        elif l.kind == "embedding":
+        name = pt.name.encode()
+        if pt.kind == "linear":
+            step.add_linear(_lib.Linear(name, a_ref, g_ref, int(pt.has_bias), algorithm, w_ref,
+                                        b_ref, 0.0))
+        elif pt.kind == "embedding":
             pad = l.padding_idx
             step.add_embedding(_lib.Embedding(name, a_ref, g_ref, l.vocab, int(pad is not None),
                                               pad if pad is not None else 0, w_ref, 0.0))
         else:
             eps = l.eps_used if l.eps_used is not None else \
                 l.eps_for(torch.empty(0, dtype=torch.float32))
-            nl = _lib.NormLayer(name, a_ref, g_ref, eps, int(l.bias is not None), w_ref,
-                                b_ref, 0.0)
-            if l.kind == "layernorm":
+            nl = _lib.NormLayer(name, a_ref, g_ref, eps, int(pt.has_bias), w_ref, b_ref, 0.0)
+            if pt.kind == "layernorm":
                 step.add_layernorm(nl)
             else:
                 step.add_rmsnorm(nl)
         if l.replicated:
             step.set_replicated(i)
+        if pt.tied_to:
+            step.set_tied(i, pt.tied_to - 1)
 
 
 def out_dtype(weight: torch.Tensor) -> torch.dtype:
@@ -115,6 +114,5 @@ def set_grad(p: torch.Tensor, src: torch.Tensor) -> None:
     """param.grad = a copy of src in the parameter's dtype (a copy: the
     transport's buffer is reused, and may be replaced, by the next step)."""
     if p.grad is None or p.grad.shape != p.shape or p.grad.dtype != p.dtype:
-        p.grad = src.to(p.dtype, copy=True)
-    else:
-        p.grad.copy_(src)
+        p.grad = torch.empty(p.shape, dtype=p.dtype, device=p.device)
+    p.grad.copy_(src)

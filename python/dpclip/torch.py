@@ -33,7 +33,8 @@ job_id= to continue or share one. Data-parallel ranks all use rank 0's.
 
 Conventions the caller must follow: batch-first inputs (dimension 0 is the
 sample); one forward/backward per optimizer step (no gradient accumulation
-across backward calls); no weight tying between modules; no module that mixes
+across backward calls); a weight shared between modules only by an
+nn.Embedding and an nn.Linear (tied embeddings: exact); no module that mixes
 samples (batch statistics: refused at make_private and at each forward); do
 not wrap the model in DistributedDataParallel (the engine all-reduces the
 clipped sums, and applies them only where every rank's step succeeded: rank
@@ -71,12 +72,15 @@ from ._optimizer import DPOptimizer
 from .data import DPDataLoader
 from ._layers import (  # noqa: F401  (UnsupportedModuleError is public API)
     UnsupportedModuleError, _Layer, _collect_layers, _mixing, _mixing_error)
+from . import _mha
+from ._mha import DPMultiheadAttention, replace_mha  # noqa: F401  (public API)
+from ._registry import register  # noqa: F401  (public API)
 from .losses import (  # noqa: F401  (public API)
     cross_entropy, per_sample_cross_entropy, reduce_loss, sequence_cross_entropy)
 
 __all__ = ["PrivacyEngine", "make_private", "DPOptimizer", "UnsupportedModuleError",
            "cross_entropy", "per_sample_cross_entropy", "sequence_cross_entropy", "reduce_loss",
-           "DpclipError", "fresh_job_id"]
+           "DpclipError", "fresh_job_id", "register", "DPMultiheadAttention", "replace_mha"]
 
 
 def fresh_job_id() -> str:
@@ -169,7 +173,7 @@ class PrivacyEngine:
                      secure_mode: bool = False, norm_group: Any = None,
                      norm_group_clipping: str = "flat",
                      replicated_modules: Iterable[Union[nn.Module, str]] = (),
-                     norm_group_timeout_ms: int = 0
+                     norm_group_timeout_ms: int = 0, replace_mha: bool = False
                      ) -> Tuple[nn.Module, Optional[torch.optim.Optimizer], Optional[DataLoader]]:
         """Attach to `module`; returns (module, optimizer, data_loader), the
         optimizer wrapped so that step() first fills param.grad with the
@@ -191,6 +195,9 @@ class PrivacyEngine:
         rank (after init_process_group), else every rank would sample the
         whole dataset while the ledger accounts q once; and no two ranks'
         generators may be in the same state (their masks would be alike).
+        replace_mha: swap every nn.MultiheadAttention in module for a
+        DPMultiheadAttention first (the same function and parameters, from
+        parts dpclip trains; see dpclip._mha).
         secure_mode: the loader made here draws its masks from os.urandom
         (see dpclip.data); a DPDataLoader given must then be in secure mode.
         sample_rate: the Poisson rate q the daemon's privacy ledger accounts
@@ -246,6 +253,8 @@ class PrivacyEngine:
         algo = {"auto": _lib.ALGO_AUTO, "direct": _lib.ALGO_DIRECT,
                 "ghost": _lib.ALGO_GHOST}[algorithm]
 
+        if replace_mha:
+            _mha.replace_mha(module)
         layers, norms = _collect_layers(self, module)
         device = layers[0].weight.device
         if distributed is None:
@@ -517,7 +526,7 @@ class PrivacyEngine:
         if gated:
             # counted on every rank alike: each joins the step's collectives
             self.steps += 1
-            params = [p for l in self._layers for p in (l.weight, l.bias) if p is not None]
+            params = _planner.params(self._layers)  # a tied weight once
             self._gate.reduce(params, ok, failed, self.steps,
                               self.asynchronous and params[0].device.type == "cuda")
         else:

@@ -2,9 +2,13 @@
 explicit per-sample gradients, one sample at a time through autograd, in
 double precision. The model-parallel ones: SeqModel cut into two pipeline
 stages, and a LayerNorm + Linear split by the Linear's output features
-over a tensor-parallel group (the LayerNorm held whole by every rank)."""
+over a tensor-parallel group (the LayerNorm held whole by every rank).
+Hugging Face's structures, reproduced without transformers: Conv1D,
+LlamaRMSNorm, and GPT-2-, Llama- and BERT-like models with tied embeddings,
+trained on the prose in examples/data."""
 import copy
 import math
+import os
 
 import torch
 import torch.nn as nn
@@ -224,3 +228,181 @@ def reference(model, kind, inputs, y, C, reduction, expected, only=None):
         s = sum(coefs[b] * per[b][i] for b in range(B))
         out[n] = s / expected if reduction == "mean" else s
     return out, norms, coefs
+
+
+# --- Hugging Face structures, reproduced (the suite has no transformers) ----------
+
+DATA = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(
+    __file__)))), "examples", "data")
+
+
+def prose(B, T, seed=0):
+    """A small real sequence task: B windows of T + 1 characters of the prose
+    in examples/data, as (inputs [B, T], next characters [B, T]) over a
+    vocabulary of the corpus's characters (index 0 unused, for padding)."""
+    text = "".join(open(os.path.join(DATA, f), encoding="utf-8").read()
+                   for f in sorted(os.listdir(DATA)))
+    chars = sorted(set(text))
+    ids = torch.tensor([chars.index(c) + 1 for c in text], dtype=torch.int64)
+    g = torch.Generator().manual_seed(seed)
+    start = torch.randint(0, len(ids) - T - 1, (B,), generator=g)
+    w = torch.stack([ids[s:s + T + 1] for s in start.tolist()])
+    return (w[:, :-1],), w[:, 1:], len(chars) + 1
+
+
+class Conv1D(nn.Module):
+    """transformers.pytorch_utils.Conv1D: a Linear whose weight is [in, out]."""
+
+    def __init__(self, nf, nx):
+        super().__init__()
+        self.nf = nf
+        self.weight = nn.Parameter(torch.randn(nx, nf) * 0.2)
+        self.bias = nn.Parameter(torch.randn(nf) * 0.1)
+
+    def forward(self, x):
+        size_out = x.size()[:-1] + (self.nf,)
+        x = torch.addmm(self.bias, x.view(-1, x.size(-1)), self.weight)
+        return x.view(size_out)
+
+
+class LlamaRMSNorm(nn.Module):
+    """transformers' LlamaRMSNorm (registered by name in dpclip)."""
+
+    def __init__(self, d, eps=1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(d) + 0.1 * torch.randn(d))
+        self.variance_epsilon = eps
+
+    def forward(self, hidden_states):
+        input_dtype = hidden_states.dtype
+        hidden_states = hidden_states.to(torch.float32)
+        variance = hidden_states.pow(2).mean(-1, keepdim=True)
+        hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
+        return self.weight * hidden_states.to(input_dtype)
+
+
+def _causal(q, k, v, heads):
+    B, T, d = q.shape
+    q, k, v = (t.reshape(B, T, heads, d // heads).transpose(1, 2) for t in (q, k, v))
+    s = q @ k.transpose(-1, -2) / math.sqrt(d // heads)
+    s = s.masked_fill(torch.ones(T, T, dtype=torch.bool, device=q.device).triu(1),
+                      float("-inf"))
+    return (torch.softmax(s, -1) @ v).transpose(1, 2).reshape(B, T, d)
+
+
+class GPT2Block(nn.Module):
+    def __init__(self, d, heads):
+        super().__init__()
+        self.heads = heads
+        self.ln_1 = nn.LayerNorm(d)
+        self.c_attn = Conv1D(3 * d, d)
+        self.c_proj = Conv1D(d, d)
+        self.ln_2 = nn.LayerNorm(d)
+        self.c_fc = Conv1D(2 * d, d)
+        self.c_proj2 = Conv1D(d, 2 * d)
+
+    def forward(self, h):
+        q, k, v = self.c_attn(self.ln_1(h)).split(h.shape[-1], dim=2)
+        h = h + self.c_proj(_causal(q, k, v, self.heads))
+        return h + self.c_proj2(F.gelu(self.c_fc(self.ln_2(h))))
+
+
+class GPT2Like(nn.Module):
+    """GPT2LMHeadModel's structure: wte and wpe (positions [1, T], broadcast
+    over the batch as GPT-2 does), Conv1D projections, LayerNorms, and an
+    lm_head tied to wte."""
+
+    def __init__(self, V, T=16, d=16, heads=2, layers=2):
+        super().__init__()
+        self.wte = nn.Embedding(V, d)
+        self.wpe = nn.Embedding(T, d)
+        self.h = nn.ModuleList(GPT2Block(d, heads) for _ in range(layers))
+        self.ln_f = nn.LayerNorm(d)
+        self.lm_head = nn.Linear(d, V, bias=False)
+        self.lm_head.weight = self.wte.weight
+
+    def forward(self, x):
+        position_ids = torch.arange(x.shape[1], device=x.device).unsqueeze(0)
+        h = self.wte(x) + self.wpe(position_ids)
+        for blk in self.h:
+            h = blk(h)
+        return self.lm_head(self.ln_f(h))
+
+
+class LlamaLike(nn.Module):
+    """LlamaForCausalLM's structure: embed_tokens, LlamaRMSNorms, bias-free
+    q/k/v/o and gated MLP Linears, an lm_head tied to embed_tokens or not."""
+
+    def __init__(self, V, d=16, heads=2, tied=True):
+        super().__init__()
+        self.heads = heads
+        self.embed_tokens = nn.Embedding(V, d)
+        self.input_layernorm = LlamaRMSNorm(d)
+        self.q_proj, self.k_proj, self.v_proj, self.o_proj = \
+            (nn.Linear(d, d, bias=False) for _ in range(4))
+        self.post_attention_layernorm = LlamaRMSNorm(d)
+        self.gate_proj, self.up_proj = nn.Linear(d, 24, bias=False), nn.Linear(d, 24, bias=False)
+        self.down_proj = nn.Linear(24, d, bias=False)
+        self.norm = LlamaRMSNorm(d)
+        self.lm_head = nn.Linear(d, V, bias=False)
+        if tied:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def forward(self, x):
+        h = self.embed_tokens(x)
+        a = self.input_layernorm(h)
+        h = h + self.o_proj(_causal(self.q_proj(a), self.k_proj(a), self.v_proj(a), self.heads))
+        a = self.post_attention_layernorm(h)
+        h = h + self.down_proj(F.silu(self.gate_proj(a)) * self.up_proj(a))
+        return self.lm_head(self.norm(h))
+
+
+class BertLMPredictionHead(nn.Module):
+    """Owns the decoder's bias as its own parameter, as BERT's does."""
+
+    def __init__(self, d, V):
+        super().__init__()
+        self.dense = nn.Linear(d, d)
+        self.LayerNorm = nn.LayerNorm(d, eps=1e-12)
+        self.decoder = nn.Linear(d, V, bias=False)
+        self.bias = nn.Parameter(torch.randn(V) * 0.1)
+        self.decoder.bias = self.bias
+
+    def forward(self, h):
+        return self.decoder(self.LayerNorm(F.gelu(self.dense(h))))
+
+
+class BertLike(nn.Module):
+    """BertForMaskedLM's structure: word (padding_idx 0), position (a [1, T]
+    buffer) and token-type embeddings (a buffer of zeros expanded to the
+    batch), LayerNorm, a self-attention layer, and the prediction head whose
+    decoder is tied to the word embeddings."""
+
+    def __init__(self, V, T=16, d=16, heads=2):
+        super().__init__()
+        self.heads = heads
+        self.word_embeddings = nn.Embedding(V, d, padding_idx=0)
+        self.position_embeddings = nn.Embedding(T, d)
+        self.token_type_embeddings = nn.Embedding(2, d)
+        self.LayerNorm = nn.LayerNorm(d, eps=1e-12)
+        self.register_buffer("position_ids", torch.arange(T).unsqueeze(0), persistent=False)
+        self.register_buffer("token_type_ids", torch.zeros(1, T, dtype=torch.long),
+                             persistent=False)
+        self.query, self.key, self.value = (nn.Linear(d, d) for _ in range(3))
+        self.attn_out = nn.Linear(d, d)
+        self.attn_ln = nn.LayerNorm(d, eps=1e-12)
+        self.cls = BertLMPredictionHead(d, V)
+        self.cls.decoder.weight = self.word_embeddings.weight
+
+    def forward(self, x):
+        B, T = x.shape
+        h = self.word_embeddings(x) + \
+            self.token_type_embeddings(self.token_type_ids[:, :T].expand(B, T))
+        h = self.LayerNorm(h + self.position_embeddings(self.position_ids[:, :T]))
+        q, k, v = self.query(h), self.key(h), self.value(h)
+        s = (q.reshape(B, T, self.heads, -1).transpose(1, 2) @
+             k.reshape(B, T, self.heads, -1).transpose(1, 2).transpose(-1, -2))
+        a = (torch.softmax(s / math.sqrt(q.shape[-1] // self.heads), -1) @
+             v.reshape(B, T, self.heads, -1).transpose(1, 2)).transpose(1, 2).reshape(B, T, -1)
+        h = self.attn_ln(h + self.attn_out(a))
+        return self.cls(h)

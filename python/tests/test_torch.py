@@ -184,13 +184,13 @@ def test_empty_batch_gets_noise_only(daemon):
 
 def test_unsupported_layer_is_named(daemon):
     model = nn.Sequential(nn.Linear(4, 8))
-    model.add_module("conv", nn.Conv1d(1, 2, 3))
+    model.add_module("conv", nn.ConvTranspose1d(1, 2, 3))
     with pytest.raises(UnsupportedModuleError) as ei:
         make_private(model, torch.optim.SGD(model.parameters(), lr=0.1),
                      noise_multiplier=1.0, max_grad_norm=1.0, socket_path=daemon.socket,
                      expected_batch_size=4)
     msg = str(ei.value)
-    assert "conv" in msg and "Conv1d" in msg and "weight" in msg
+    assert "conv" in msg and "ConvTranspose1d" in msg and "weight" in msg
     # Frozen, the same module is fine (it gets no gradient at all).
     model.conv.requires_grad_(False)
     model, opt, _ = make_private(model, torch.optim.SGD(model.parameters(), lr=0.1),
@@ -200,12 +200,17 @@ def test_unsupported_layer_is_named(daemon):
     opt.engine.close()
 
 
-def test_tied_weights_and_subclassed_forward_refused(daemon):
-    emb, head = nn.Embedding(10, 4), nn.Linear(4, 10, bias=False)
-    head.weight = emb.weight
+def test_shared_weights_other_than_tied_embeddings_and_subclassed_forward_refused(daemon):
+    a, b = nn.Linear(4, 4), nn.Linear(4, 4)
+    b.weight = a.weight
     with pytest.raises(UnsupportedModuleError, match="share a parameter"):
         PrivacyEngine(daemon.socket).make_private(
-            module=nn.ModuleList([emb, head]), noise_multiplier=0.0, max_grad_norm=1.0)
+            module=nn.ModuleList([a, b]), noise_multiplier=0.0, max_grad_norm=1.0)
+    emb, emb2 = nn.Embedding(10, 4), nn.Embedding(10, 4)
+    emb2.weight = emb.weight
+    with pytest.raises(UnsupportedModuleError, match="share a parameter"):
+        PrivacyEngine(daemon.socket).make_private(
+            module=nn.ModuleList([emb, emb2]), noise_multiplier=0.0, max_grad_norm=1.0)
 
     class MyLinear(nn.Linear):
         def forward(self, x):
