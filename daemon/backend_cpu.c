@@ -64,6 +64,7 @@ void dc_cpu_scratch_free(dc_cpu_scratch *s) {
     dc_cpu_buf_free(&s->layers);
     dc_cpu_buf_free(&s->idx);
     dc_cpu_buf_free(&s->scaled);
+    dc_cpu_buf_free(&s->tie);
 }
 
 /* Scratch a worker keeps between steps whatever they needed. */
@@ -74,7 +75,7 @@ void dc_cpu_scratch_free(dc_cpu_scratch *s) {
  * idle worker holding its peak; steady large steps keep theirs. */
 static void scratch_trim(dc_cpu_scratch *s) {
     dc_cpu_buf *all[] = {&s->in,  &s->grad,  &s->work,   &s->work2, &s->order,
-                         &s->out, &s->stats, &s->layers, &s->idx,   &s->scaled};
+                         &s->out, &s->stats, &s->layers, &s->idx,   &s->scaled, &s->tie};
     for (size_t i = 0; i < sizeof all / sizeof all[0]; i++) {
         dc_cpu_buf *b = all[i];
         if (b->cap > SCRATCH_KEEP && b->used < b->cap / 2) dc_cpu_buf_free(b);
@@ -84,7 +85,7 @@ static void scratch_trim(dc_cpu_scratch *s) {
 
 size_t dc_cpu_scratch_bytes(const dc_cpu_scratch *s) {
     const dc_cpu_buf *all[] = {&s->in,  &s->grad,  &s->work,   &s->work2, &s->order,
-                               &s->out, &s->stats, &s->layers, &s->idx,   &s->scaled};
+                               &s->out, &s->stats, &s->layers, &s->idx,   &s->scaled, &s->tie};
     size_t n = 0;
     for (size_t i = 0; i < sizeof all / sizeof all[0]; i++) n += all[i]->cap;
     return n;
@@ -261,6 +262,10 @@ static int run_phases(dc_backend *be, const dc_step *step, enum run_phases want,
         for (size_t l = 0; l < L; l++)
             if ((rc = dc_cpu_layer_sqnorms(s, &lay[l], B, scale, st.n2 + l * B, err)))
                 return rc;
+        for (size_t l = 0; l < L; l++) /* tied pairs: the shared weight's norm */
+            if (dc_layer_tied_later(&lay[l]) &&
+                (rc = dc_cpu_tie_sqnorms(s, lay, l, B, scale, st.n2, err)))
+                return rc;
         if ((rc = check_norms(lay, L, B, st.n2, err))) return rc;
     }
     if (want == PHASE_NORMS) {
@@ -338,6 +343,9 @@ static int run_phases(dc_backend *be, const dc_step *step, enum run_phases want,
         rc = dc_cpu_layer_clipped_sum(s, ly, B, st.cvec, ow == SIZE_MAX ? NULL : outs + ow,
                                       ob == SIZE_MAX ? NULL : outs + ob, err);
         if (rc) return rc;
+        if (ly->tie_owner && ow != SIZE_MAX && /* the other use of the shared weight */
+            (rc = dc_cpu_layer_clipped_add(s, &lay[ly->tie - 1], B, st.cvec, outs + ow, err)))
+            return rc;
         tq = mono_ns(); /* clipping and noise alternate per layer: summed apart */
         res->phase_ns[DC_RUN_CLIPPING] += tq - tp;
         tp = tq;

@@ -43,6 +43,7 @@ typedef struct dc_cpu_scratch {
     dc_cpu_buf layers;  /* the step's layers with indices in daemon memory */
     dc_cpu_buf idx;     /* every embedding layer's indices, copied once */
     dc_cpu_buf scaled;  /* linear: one sample's a and g scaled by powers of 2 */
+    dc_cpu_buf tie;     /* tied pair: the embedding's output grad as f32 */
 } dc_cpu_scratch;
 
 void dc_cpu_scratch_free(dc_cpu_scratch *s);
@@ -94,6 +95,15 @@ int dc_cpu_linear_sqnorms(dc_cpu_scratch *s, const float *a, const float *g, uin
 void dc_cpu_norm_sample(const dc_layer *l, const float *x, const float *g, uint32_t b,
                         double *wg, double *bg);
 
+/* Tied parameters (dc_layer.tie): given n2 [L*B] with every layer's
+ * squared norms (the later layer of the pair, `later`, without its bias),
+ * moves the later layer's weight part into the owner's and adds the cross
+ * term of the two uses, so that the owner's is the shared weight's norm;
+ * the later layer's becomes its bias's (0 for an embedding). Output grads
+ * times `scale`, as dc_cpu_layer_sqnorms. Inputs checked as there. */
+int dc_cpu_tie_sqnorms(dc_cpu_scratch *s, const dc_layer *lay, size_t later, uint32_t B,
+                       float scale, double *n2, dc_err *err);
+
 /* Embedding index at flat position i (i32 or i64 tensor). */
 static inline int64_t dc_cpu_index(const dc_tensor *t, size_t i) {
     return t->dtype == DC_I32 ? (int64_t)((const int32_t *)t->data)[i]
@@ -107,5 +117,9 @@ static inline int64_t dc_cpu_index(const dc_tensor *t, size_t i) {
  * scale. w and bias are f32 arrays the caller owns (overwritten). */
 int dc_cpu_layer_clipped_sum(dc_cpu_scratch *s, const dc_layer *l, uint32_t B, const float *c,
                              float *w, float *bias, dc_err *err);
+/* Tied parameters: adds layer l's weight part of the clipped sum (its use of
+ * the shared weight) into w, which holds the owner's. */
+int dc_cpu_layer_clipped_add(dc_cpu_scratch *s, const dc_layer *l, uint32_t B, const float *c,
+                             float *w, dc_err *err);
 
 #endif

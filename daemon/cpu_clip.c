@@ -8,9 +8,10 @@
 
 /* Linear: W = (diag(c) g)^T a over all B*T rows (c broadcast over each
  * sample's T rows): scale the g rows into scratch, then one sgemm with
- * K = B*T. Bias: sum_b c_b sum_t g_t, accumulated in double. */
+ * K = B*T (beta 1 adds to w: a tied weight's second use). Bias: sum_b c_b
+ * sum_t g_t, accumulated in double. */
 static int linear_sum(dc_cpu_scratch *s, const dc_layer *l, uint32_t B, const float *c,
-                      const float *a, const float *g, float *w, float *bias) {
+                      const float *a, const float *g, float *w, float *bias, float beta) {
     size_t T = (size_t)l->T, p = (size_t)l->p, d = (size_t)l->d, rows = (size_t)B * T;
     if (w) {
         float *gs = dc_cpu_buf_reserve(&s->work, rows * p * sizeof(float));
@@ -22,7 +23,7 @@ static int linear_sum(dc_cpu_scratch *s, const dc_layer *l, uint32_t B, const fl
             for (size_t j = 0; j < p; j++) dst[j] = cb * src[j];
         }
         cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, (int)p, (int)d, (int)rows, 1.0f,
-                    gs, (int)p, a, (int)d, 0.0f, w, (int)d);
+                    gs, (int)p, a, (int)d, beta, w, (int)d);
     }
     if (bias) {
         double *acc = dc_cpu_buf_reserve(&s->work2, p * sizeof(double));
@@ -38,11 +39,12 @@ static int linear_sum(dc_cpu_scratch *s, const dc_layer *l, uint32_t B, const fl
     return 0;
 }
 
-/* Embedding: scatter-add c_b g_t into row i_t; padding rows get nothing. */
+/* Embedding: scatter-add c_b g_t into row i_t (into w as it is with add:
+ * a tied weight's second use); padding rows get nothing. */
 static void embedding_sum(const dc_layer *l, uint32_t B, const float *c, const float *g,
-                          float *w) {
+                          float *w, bool add) {
     size_t T = (size_t)l->T, d = (size_t)l->d;
-    memset(w, 0, (size_t)l->vocab * d * sizeof(float));
+    if (!add) memset(w, 0, (size_t)l->vocab * d * sizeof(float));
     for (size_t r = 0; r < (size_t)B * T; r++) {
         int64_t v = dc_cpu_index(&l->input, r);
         if (l->has_padding_idx && v == l->padding_idx) continue;
@@ -76,8 +78,10 @@ static int norm_sum(dc_cpu_scratch *s, const dc_layer *l, uint32_t B, const floa
     return 0;
 }
 
-int dc_cpu_layer_clipped_sum(dc_cpu_scratch *s, const dc_layer *l, uint32_t B, const float *c,
-                             float *w, float *bias, dc_err *err) {
+/* w (and bias) = layer l's clipped sums; add: w += its weight's (bias is
+ * then NULL). */
+static int clipped(dc_cpu_scratch *s, const dc_layer *l, uint32_t B, const float *c, float *w,
+                   float *bias, bool add, dc_err *err) {
     size_t rows = (size_t)B * (size_t)l->T;
     const float *x = NULL, *g;
     int rc = 0;
@@ -95,10 +99,10 @@ int dc_cpu_layer_clipped_sum(dc_cpu_scratch *s, const dc_layer *l, uint32_t B, c
             return dc_err_set(err, DC_EINVAL, l->name,
                               "batch * sequence length %zu is too large for the CPU backend",
                               rows);
-        rc = linear_sum(s, l, B, c, x, g, w, bias);
+        rc = linear_sum(s, l, B, c, x, g, w, bias, add ? 1.0f : 0.0f);
         break;
     case DC_LAYER_EMBEDDING:
-        if (w) embedding_sum(l, B, c, g, w);
+        if (w) embedding_sum(l, B, c, g, w, add);
         break;
     case DC_LAYER_LAYERNORM:
     case DC_LAYER_RMSNORM: rc = norm_sum(s, l, B, c, x, g, w, bias); break;
@@ -109,4 +113,14 @@ int dc_cpu_layer_clipped_sum(dc_cpu_scratch *s, const dc_layer *l, uint32_t B, c
 
 oom:
     return dc_err_set(err, DC_ENOSPACE, l->name, "out of memory for the CPU backend's scratch");
+}
+
+int dc_cpu_layer_clipped_sum(dc_cpu_scratch *s, const dc_layer *l, uint32_t B, const float *c,
+                             float *w, float *bias, dc_err *err) {
+    return clipped(s, l, B, c, w, bias, false, err);
+}
+
+int dc_cpu_layer_clipped_add(dc_cpu_scratch *s, const dc_layer *l, uint32_t B, const float *c,
+                             float *w, dc_err *err) {
+    return clipped(s, l, B, c, w, NULL, true, err);
 }

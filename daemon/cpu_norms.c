@@ -309,7 +309,7 @@ int dc_cpu_layer_sqnorms(dc_cpu_scratch *s, const dc_layer *l, uint32_t B, float
     if (!g) goto oom;
     switch (l->kind) {
     case DC_LAYER_LINEAR:
-        rc = dc_cpu_linear_sqnorms(s, x, g, B, l->T, l->d, l->p, l->has_bias,
+        rc = dc_cpu_linear_sqnorms(s, x, g, B, l->T, l->d, l->p, dc_layer_norm_bias(l),
                                    dc_linear_pick(l), n2);
         break;
     case DC_LAYER_EMBEDDING: rc = embedding_sqnorms(s, l, g, B, n2); break;
@@ -321,6 +321,69 @@ int dc_cpu_layer_sqnorms(dc_cpu_scratch *s, const dc_layer *l, uint32_t B, float
     /* Norms are of the gradient with output grads times scale. */
     double s2 = (double)scale * (double)scale;
     for (uint32_t b = 0; b < B; b++) n2[b] *= s2;
+    return 0;
+
+oom:
+    return dc_err_set(err, DC_ENOSPACE, l->name, "out of memory for the CPU backend's scratch");
+}
+
+/* --- tied parameters ------------------------------------------------------ */
+
+/* The shared weight's norm of a tied pair, sample by sample: no[b] (the
+ * owner's, its own use's norm so far) += nl[b] (the later layer's use's)
+ * + s2 * 2 <G_emb,b, G_lin,b>. G_emb,b has row i_t += e_t at each
+ * non-padding position t and G_lin,b = g_b^T a_b, so the inner product is
+ * sum_t sum_s g_b[s, i_t] (e_t . a_s): the Gram M = E_b A_b^T [Te x Tl] in one
+ * sgemm, then its entries weighted by the linear layer's output grads at the
+ * embedding's indices. e and a are range-scaled like the linear norms. */
+static int tie_combine(dc_cpu_scratch *s, const dc_layer *emb, const dc_layer *lin,
+                       const float *e, const float *a, const float *g, uint32_t B, double s2,
+                       double *no, const double *nl) {
+    size_t Te = (size_t)emb->T, Tl = (size_t)lin->T, d = (size_t)lin->d, V = (size_t)lin->p;
+    float *M = dc_cpu_buf_reserve(&s->work, Te * Tl * sizeof(float));
+    if (!M) return DC_ENOSPACE;
+    for (uint32_t b = 0; b < B; b++) {
+        scaled_sample x;
+        if (scale_sample(s, e + (size_t)b * Te * d, a + (size_t)b * Tl * d, Te * d, Tl * d, &x))
+            return DC_ENOSPACE;
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (int)Te, (int)Tl, (int)d, 1.0f,
+                    x.a, (int)d, x.g, (int)d, 0.0f, M, (int)Tl);
+        const float *gb = g + (size_t)b * Tl * V;
+        double acc = 0.0;
+        for (size_t t = 0; t < Te; t++) {
+            int64_t v = dc_cpu_index(&emb->input, (size_t)b * Te + t);
+            if (emb->has_padding_idx && v == emb->padding_idx) continue;
+            const float *Mt = M + t * Tl;
+            double r = 0.0;
+            for (size_t q = 0; q < Tl; q++) r += (double)Mt[q] * (double)gb[q * V + (size_t)v];
+            acc += r;
+        }
+        /* |G_o + G_l|^2 = |G_o|^2 + |G_l|^2 + 2 <G_o, G_l>; rounding may take
+         * a near-cancellation below 0 */
+        double w = no[b] + nl[b] + s2 * 2.0 * ldexp(acc, x.e);
+        no[b] = w > 0.0 ? w : 0.0;
+    }
+    return 0;
+}
+
+int dc_cpu_tie_sqnorms(dc_cpu_scratch *s, const dc_layer *lay, size_t later, uint32_t B,
+                       float scale, double *n2, dc_err *err) {
+    const dc_layer *l = &lay[later], *o = &lay[l->tie - 1];
+    const dc_layer *emb = l->kind == DC_LAYER_EMBEDDING ? l : o;
+    const dc_layer *lin = l->kind == DC_LAYER_LINEAR ? l : o;
+    double *no = n2 + (size_t)(l->tie - 1) * B, *nl = n2 + later * B;
+    double s2 = (double)scale * (double)scale;
+    size_t rows_e = (size_t)B * (size_t)emb->T, rows_l = (size_t)B * (size_t)lin->T;
+    const float *e = dc_cpu_as_f32(&s->tie, &emb->grad, rows_e * (size_t)emb->d);
+    const float *a = dc_cpu_as_f32(&s->in, &lin->input, rows_l * (size_t)lin->d);
+    const float *g = dc_cpu_as_f32(&s->grad, &lin->grad, rows_l * (size_t)lin->p);
+    if (!e || !a || !g || tie_combine(s, emb, lin, e, a, g, B, s2, no, nl)) goto oom;
+    /* the later layer's own norm: its bias, if it is the linear one */
+    memset(nl, 0, B * sizeof *nl);
+    if (l->kind == DC_LAYER_LINEAR && l->has_bias) {
+        if (bias_sqnorms(s, g, B, l->T, l->p, nl)) goto oom;
+        for (uint32_t b = 0; b < B; b++) nl[b] *= s2;
+    }
     return 0;
 
 oom:

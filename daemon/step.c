@@ -70,6 +70,15 @@ void dc_step_cost_estimate(const dc_step *s, dc_step_cost *c) {
             mem = 8.0 * rows * d + 32.0 * d;
             break;
         }
+        if (dc_layer_tied_later(ly)) {
+            /* the cross term of a tied pair: a Gram of the two uses'
+             * positions per sample, and the embedding's grads as f32 */
+            const dc_layer *o = &s->layers[ly->tie - 1];
+            double Te = (double)(ly->kind == DC_LAYER_EMBEDDING ? ly->T : o->T);
+            double Tl = (double)(ly->kind == DC_LAYER_LINEAR ? ly->T : o->T);
+            f += 2.0 * B * Te * Tl * d;
+            mem += 4.0 * Te * Tl + 4.0 * B * Te * d;
+        }
         flops += f;
         if (mem > scratch) scratch = mem;
         staged += 4.0 * (tensor_elems(&ly->weight_grad_out) + tensor_elems(&ly->bias_grad_out));

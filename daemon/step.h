@@ -73,6 +73,14 @@ typedef struct dc_layer {
      * the layer's place among the step's replicated layers) */
     bool replicated;
     uint32_t rep_ordinal;
+    /* Tied parameters (Layer.tied_to): an EMBEDDING and a LINEAR whose
+     * weight is one parameter. tie = 1 + the index of the other layer of
+     * the pair, 0 = none. The owner (the earlier of the two) writes the
+     * weight_grad_out, the clipped sum of both uses, and its layer norm
+     * covers the whole shared weight, cross term included; the later one's
+     * covers its bias alone (backends compute its weight part without it). */
+    uint32_t tie;
+    bool tie_owner;
     dc_tensor weight_grad_out; /* optional */
     dc_tensor bias_grad_out;   /* optional, only with has_bias */
 } dc_layer;
@@ -180,6 +188,17 @@ static inline float dc_clip_coef(float C, float norm) {
     if (!(norm >= 0.0f && norm <= FLT_MAX)) return 0.0f;
     float c = C / (norm + 1e-6f);
     return c < 1.0f ? c : 1.0f;
+}
+
+/* The later layer of a tied pair: its weight's norm and clipped sum go to
+ * the owner's. */
+static inline bool dc_layer_tied_later(const dc_layer *l) { return l->tie && !l->tie_owner; }
+
+/* Whether a layer's norm kernels count its bias with its weight: not for
+ * the later layer of a tied pair, whose weight part goes to the owner and
+ * whose bias is counted apart. */
+static inline bool dc_layer_norm_bias(const dc_layer *l) {
+    return l->has_bias && !dc_layer_tied_later(l);
 }
 
 /* LINEAR cost model: direct costs 2*T*d*p flops per sample, ghost

@@ -267,6 +267,62 @@ static int validate_layer(vctx *v, const Dpclip__ClipStep *msg, size_t i, dc_lay
     }
 }
 
+/* Tied parameters: each Layer.tied_to names an earlier layer whose weight is
+ * this one's. A pair is one EMBEDDING and one LINEAR of one weight shape
+ * ([vocab, d] = [p, d]), each in at most one pair; only the earlier layer
+ * names a weight_grad_out (it receives both uses); FLAT clipping; in a norm
+ * group both layers are replicated or neither. */
+static int validate_ties(const Dpclip__ClipStep *msg, dc_step *out, dc_err *err) {
+    char f[96];
+    for (size_t i = 0; i < out->n_layers; i++) {
+        uint32_t to = msg->layers[i]->tied_to;
+        dc_layer *l = &out->layers[i], *o;
+        if (!to) continue;
+        snprintf(f, sizeof f, "clip_step.layers[%zu].tied_to", i);
+        if ((size_t)to > i)
+            return dc_err_set(err, DC_EINVAL, f,
+                              "tied_to %u names no earlier layer (1 + the index of one before "
+                              "this, layer %zu)", to, i);
+        o = &out->layers[to - 1];
+        if (o->tie)
+            return dc_err_set(err, DC_EINVAL, f,
+                              "layer %u is tied to another layer already: a weight is shared "
+                              "by two layers at most", to - 1);
+        if (!((o->kind == DC_LAYER_EMBEDDING && l->kind == DC_LAYER_LINEAR) ||
+              (o->kind == DC_LAYER_LINEAR && l->kind == DC_LAYER_EMBEDDING)))
+            return dc_err_set(err, DC_EINVAL, f,
+                              "tied layers are one embedding and one linear layer; layer %u "
+                              "and this one are not", to - 1);
+        const dc_layer *e = o->kind == DC_LAYER_EMBEDDING ? o : l;
+        const dc_layer *n = o->kind == DC_LAYER_LINEAR ? o : l;
+        if (e->vocab != n->p || e->d != n->d)
+            return dc_err_set(err, DC_EINVAL, f,
+                              "the tied weights differ in shape: the embedding's is [%lld, "
+                              "%lld] (num_embeddings, dim), the linear layer's [%lld, %lld] "
+                              "(out, in)",
+                              (long long)e->vocab, (long long)e->d, (long long)n->p,
+                              (long long)n->d);
+        if (l->weight_grad_out.data) {
+            snprintf(f, sizeof f, "clip_step.layers[%zu].weight_grad_out", i);
+            return dc_err_set(err, DC_EINVAL, f,
+                              "a layer tied to an earlier one has no weight_grad_out: the "
+                              "earlier layer's receives the sum of both uses");
+        }
+        if (out->mode != DC_CLIP_FLAT)
+            return dc_err_set(err, DC_EINVAL, f,
+                              "tied layers need FLAT clipping (clip.mode): a per-layer "
+                              "threshold would clip one weight twice");
+        if (l->replicated != o->replicated)
+            return dc_err_set(err, DC_EINVAL, f,
+                              "a tied pair is replicated on both layers or neither");
+        l->tie = to;
+        l->tie_owner = false;
+        o->tie = (uint32_t)i + 1;
+        o->tie_owner = true;
+    }
+    return 0;
+}
+
 /* What the step will cost, against the limits: refused before any work, the
  * error naming the setting to raise. */
 static int check_cost(const dc_step *s, const dc_limits *lim, dc_err *err) {
@@ -354,6 +410,7 @@ int dc_validate_step(const Dpclip__ClipStep *msg, const dc_registry *reg,
                        bshape, &out->coefs_out)))
             goto fail;
     }
+    if ((rc = validate_ties(msg, out, err))) goto fail;
     out->device = v.device < 0 ? -1 : v.device;
     for (size_t i = 0, r = 0; i < out->n_layers; i++)
         if (out->layers[i].replicated) out->layers[i].rep_ordinal = (uint32_t)r++;

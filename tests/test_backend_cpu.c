@@ -448,6 +448,93 @@ static void test_phases(void **state) {
     dc_backend_destroy(be);
 }
 
+/* Tied parameters: an embedding and a linear layer sharing one weight, in
+ * both orders, behind other layers, against the reference that sums both
+ * uses' per-sample gradients explicitly: every norm (the cross term of the
+ * two uses included), the owner's weight output (both uses' clipped sums)
+ * and the later layer's bias. */
+static void run_tied(uint32_t B, int64_t Te, int64_t Tl, dc_dtype dt, int has_bias,
+                     int embedding_first, dc_reduction red, uint64_t seed) {
+    dc_layer ls[4];
+    dc_test_rng r;
+    dc_test_layer_spec pre[2] = {
+        {DC_LAYER_LAYERNORM, B, Tl, 12, 0, dt, 1, DC_ALGO_AUTO, 1, 0},
+        {DC_LAYER_LINEAR, B, Tl, 12, 12, dt, 1, DC_ALGO_GHOST, 1, 0},
+    };
+    dc_backend *be;
+    dc_err e;
+    dc_step_result res;
+    const size_t L = 4;
+    double norms[64], coefs[64], lsq[4 * 64], *w[4] = {0}, *bb[4] = {0};
+
+    assert_true(B <= 64);
+    dc_test_rng_seed(&r, seed);
+    dc_test_layer_make(&ls[0], &pre[0], &r);
+    dc_test_layer_make(&ls[1], &pre[1], &r);
+    dc_test_tied_pair(ls + 2, 2, B, Te, Tl, 12, 23, dt, has_bias, embedding_first, &r);
+    dc_step s = {.batch = B, .n_layers = L, .layers = ls, .mode = DC_CLIP_FLAT,
+                 .reduction = red, .expected_batch = B + 1, .noise_key = 1,
+                 .noise_step = seed, .device = -1};
+    /* C between the middle per-sample norms: some samples clipped, some not */
+    s.max_grad_norm = 1e30f;
+    dc_ref_step(&s, norms, NULL, NULL, NULL, NULL, NULL);
+    double sorted[64];
+    memcpy(sorted, norms, B * sizeof *sorted);
+    for (uint32_t i = 1; i < B; i++)
+        for (uint32_t j = i; j > 0 && sorted[j] < sorted[j - 1]; j--) {
+            double x = sorted[j];
+            sorted[j] = sorted[j - 1];
+            sorted[j - 1] = x;
+        }
+    s.max_grad_norm = (float)(0.5 * (sorted[B / 2 - 1] + sorted[B / 2]));
+    for (size_t l = 0; l < L; l++) {
+        if (ls[l].weight_grad_out.data)
+            w[l] = calloc((size_t)dc_test_tensor_numel(&ls[l].weight_grad_out), sizeof(double));
+        if (ls[l].bias_grad_out.data)
+            bb[l] = calloc((size_t)dc_test_tensor_numel(&ls[l].bias_grad_out), sizeof(double));
+    }
+    dc_ref_step(&s, norms, coefs, lsq, NULL, w, bb);
+    int clipped = 0;
+    for (uint32_t b = 0; b < B; b++) clipped += coefs[b] < 1.0;
+    assert_true(clipped > 0 && clipped < (int)B);
+
+    assert_int_equal(dc_cpu_backend_create(1, &be, &e), 0);
+    assert_int_equal(dc_step_result_init(&res, B, L, false), 0);
+    int rc = dc_backend_run_step(be, &s, &res, &e);
+    if (rc) print_message("run_step %d: %s: %s\n", rc, e.field, e.msg);
+    assert_int_equal(rc, 0);
+    const double rt = dc_test_rtol(dt);
+    for (uint32_t b = 0; b < B; b++) {
+        assert_true(fabs(res.norms[b] - norms[b]) <= rt * norms[b]);
+        assert_true(fabs(res.coefs[b] - coefs[b]) <= rt * coefs[b]);
+    }
+    for (size_t i = 0; i < L * B; i++)
+        assert_true(fabs(res.layer_norms[i] - sqrt(lsq[i])) <= rt * sqrt(lsq[i]) + 1e-30);
+    for (size_t l = 0; l < L; l++) {
+        if (w[l])
+            assert_close(ls[l].weight_grad_out.data, w[l],
+                         dc_test_tensor_numel(&ls[l].weight_grad_out), rt);
+        if (bb[l])
+            assert_close(ls[l].bias_grad_out.data, bb[l],
+                         dc_test_tensor_numel(&ls[l].bias_grad_out), rt);
+        free(w[l]);
+        free(bb[l]);
+        dc_test_layer_free(&ls[l]);
+    }
+    dc_step_result_free(&res);
+    dc_backend_destroy(be);
+}
+
+static void test_tied(void **state) {
+    (void)state;
+    static const dc_dtype dts[] = {DC_F32, DC_BF16, DC_F16};
+    for (int k = 0; k < 12; k++) {
+        int64_t Te = 5 + k % 3, Tl = k % 4 == 3 ? 1 : Te + k % 2; /* Tl = 1: the rank-1 form */
+        run_tied(6 + (uint32_t)(k % 3), Te, Tl, dts[k % 3], k % 2, (k / 2) % 2,
+                 k % 5 == 0 ? DC_REDUCTION_MEAN : DC_REDUCTION_SUM, 500 + (uint64_t)k);
+    }
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_flat),
@@ -460,6 +547,7 @@ int main(void) {
         cmocka_unit_test(test_clip_coef_nonfinite),
         cmocka_unit_test(test_scratch_trim),
         cmocka_unit_test(test_phases),
+        cmocka_unit_test(test_tied),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -303,6 +303,80 @@ static void test_embedding_and_norm_layers(void **state) {
     expect_err(f, DC_EINVAL, "clip_step.layers[0].layer_norm.output_grad.shape");
 }
 
+/* Tied parameters: layer 1 (the fixture's Linear, [p, d] = [6, 5]) names
+ * layer 0, an embedding [6, 5], as the holder of its weight. */
+static void test_tied_layers(void **state) {
+    fx *f = *state;
+    Dpclip__EmbeddingLayer emb = DPCLIP__EMBEDDING_LAYER__INIT;
+    Dpclip__Layer el = DPCLIP__LAYER__INIT;
+    Dpclip__TensorRef idx, eg, ewo;
+    int64_t idx_shape[2], eg_shape[3], ewo_shape[2];
+    Dpclip__Layer *two[2] = {&el, &f->layer};
+    dc_step s;
+    dc_err e;
+
+    ref_init(&idx, idx_shape, f->buf, 32768, DPCLIP__DTYPE__I64, 2, 4, 7, 0);
+    ref_init(&eg, eg_shape, f->buf, 40960, DPCLIP__DTYPE__F32, 3, 4, 7, 5);
+    ref_init(&ewo, ewo_shape, f->buf, 49152, DPCLIP__DTYPE__F32, 2, 6, 5, 0);
+    emb.indices = &idx;
+    emb.output_grad = &eg;
+    emb.num_embeddings = 6;
+    emb.weight_grad_out = &ewo;
+    el.kind_case = DPCLIP__LAYER__KIND_EMBEDDING;
+    el.embedding = &emb;
+    el.name = "wte";
+    f->step.layers = two;
+    f->step.n_layers = 2;
+    f->layer.tied_to = 1;
+    f->lin.weight_grad_out = NULL;
+    assert_int_equal(dc_validate_step(&f->step, &f->reg, &f->lim, &s, &e), 0);
+    assert_int_equal(s.layers[0].tie, 2);
+    assert_true(s.layers[0].tie_owner);
+    assert_int_equal(s.layers[1].tie, 1);
+    assert_false(s.layers[1].tie_owner);
+    assert_true(dc_layer_tied_later(&s.layers[1]) && !dc_layer_norm_bias(&s.layers[1]));
+    assert_true(dc_layer_norm_bias(&(dc_layer){.has_bias = true}));
+    dc_validate_step_free(&s);
+
+    f->lin.weight_grad_out = &f->wout; /* only the owner writes the weight */
+    expect_err(f, DC_EINVAL, "clip_step.layers[1].weight_grad_out");
+    f->lin.weight_grad_out = NULL;
+    f->layer.tied_to = 2; /* itself */
+    expect_err(f, DC_EINVAL, "clip_step.layers[1].tied_to");
+    f->layer.tied_to = 1;
+    el.tied_to = 1; /* the first layer cannot name an earlier one */
+    expect_err(f, DC_EINVAL, "clip_step.layers[0].tied_to");
+    el.tied_to = 0;
+    emb.num_embeddings = 7; /* [7, 5] against [6, 5] */
+    ewo_shape[0] = 7;
+    expect_err(f, DC_EINVAL, "clip_step.layers[1].tied_to");
+    emb.num_embeddings = 6;
+    ewo_shape[0] = 6;
+    f->clip.mode = DPCLIP__CLIPPING_MODE__PER_LAYER;
+    f->layer.max_grad_norm = el.max_grad_norm = 1.0f;
+    expect_err(f, DC_EINVAL, "clip_step.layers[1].tied_to");
+    f->clip.mode = DPCLIP__CLIPPING_MODE__FLAT;
+    f->layer.replicated = 1;
+    expect_err(f, DC_EINVAL, "clip_step.layers[1].tied_to");
+    el.replicated = 1;
+    assert_int_equal(dc_validate_step(&f->step, &f->reg, &f->lim, &s, &e), 0);
+    dc_validate_step_free(&s);
+    el.replicated = f->layer.replicated = 0;
+
+    /* two linear layers, and a third layer tied to an owner already tied */
+    Dpclip__Layer *three[3] = {&el, &f->layer, &f->layer};
+    f->step.layers = three;
+    f->step.n_layers = 3;
+    expect_err(f, DC_EINVAL, "clip_step.layers[2].tied_to");
+    f->layer.tied_to = 0;
+    Dpclip__Layer tl = f->layer;
+    tl.tied_to = 2;
+    three[2] = &tl;
+    expect_err(f, DC_EINVAL, "clip_step.layers[2].tied_to"); /* linear with linear */
+    f->step.layers = f->layers;
+    f->step.n_layers = 1;
+}
+
 /* What a step costs is bounded before it is accepted: each limit refuses
  * with DC_ENOSPACE naming its setting, and a step within all of them passes.
  * The fixture's step: B = 4, one Linear T = 3, d = 5, p = 6, host memory. */
@@ -385,6 +459,7 @@ int main(void) {
         cmocka_unit_test_setup_teardown(test_inconsistent_shapes, setup, teardown),
         cmocka_unit_test_setup_teardown(test_embedding_and_norm_layers, setup, teardown),
         cmocka_unit_test_setup_teardown(test_step_cost_limits, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_tied_layers, setup, teardown),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -17,9 +17,12 @@ from models import (BertLike, Conv1D, GPT2Like, LlamaLike, per_sample_losses, pr
 B, T = 6, 12
 
 
-def _max_rel(got, want):
+def _max_rel(got, want, floor=1e-30):
+    """The largest error relative to want's largest value (or to floor: a
+    gradient that is 0 in exact arithmetic, as a key bias's under softmax,
+    is compared at the scale of the others)."""
     scale = float(want.abs().max())
-    return float((got.double() - want).abs().max()) / max(scale, 1e-30)
+    return float((got.double() - want).abs().max()) / max(scale, floor)
 
 
 def _between(norms):
@@ -48,9 +51,10 @@ def _check_step(daemon, model, inputs, y, reduction="mean", lr=0.0, steps=1):
         reduce_loss(per_sample_losses("seq", model(*inputs), y), reduction).backward()
         assert all(p.grad is None for p in model.parameters()), "autograd made a weight grad"
         opt.step()
+        floor = 1e-4 * max(float(w.abs().max()) for w in want.values())
         for n, p in model.named_parameters():
             assert p.grad is not None and p.grad.shape == p.shape, n
-            assert _max_rel(p.grad, want[n]) < 2e-4, (it, n)
+            assert _max_rel(p.grad, want[n], floor) < 2e-4, (it, n)
         assert _max_rel(engine.last_norms, ref_norms) < 1e-4, it
     return engine
 

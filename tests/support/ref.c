@@ -211,6 +211,22 @@ void dc_test_layer_free(dc_layer *l) {
     dc_test_tensor_free(&l->bias_grad_out);
 }
 
+void dc_test_tied_pair(dc_layer *ls, size_t at, uint32_t B, int64_t Te, int64_t Tl, int64_t d,
+                       int64_t V, dc_dtype dt, int has_bias, int embedding_first,
+                       dc_test_rng *r) {
+    dc_test_layer_spec e = {DC_LAYER_EMBEDDING, B, Te, d, V, dt, 0, DC_ALGO_AUTO, 1, 0};
+    dc_test_layer_spec n = {DC_LAYER_LINEAR, B, Tl, d, V, dt, has_bias, DC_ALGO_AUTO, 1, 0};
+    dc_layer *le = &ls[embedding_first ? 0 : 1], *ln = &ls[embedding_first ? 1 : 0];
+    dc_test_layer_make(le, &e, r);
+    dc_test_layer_make(ln, &n, r);
+    dc_test_tensor_free(&ls[1].weight_grad_out);
+    memset(&ls[1].weight_grad_out, 0, sizeof ls[1].weight_grad_out);
+    ls[0].tie = (uint32_t)at + 2;
+    ls[0].tie_owner = true;
+    ls[1].tie = (uint32_t)at + 1;
+    ls[1].tie_owner = false;
+}
+
 /* --- the reference -------------------------------------------------------- */
 
 static size_t weight_numel(const dc_layer *l) {
@@ -334,6 +350,30 @@ void dc_ref_step(const dc_step *s, double *norms, double *coefs, double *layer_s
     double *c = xcalloc(B, sizeof *c);
 
     for (size_t l = 0; l < L; l++) dc_ref_layer_sqnorms(&s->layers[l], B, scale, lsq + l * B);
+    /* tied pairs: the owner's norm is the shared weight's, both uses'
+     * per-sample gradients summed explicitly; the later layer's, its bias's */
+    for (size_t l = 0; l < L; l++) {
+        const dc_layer *t = &s->layers[l];
+        if (!t->tie || t->tie_owner) continue;
+        const dc_layer *o = &s->layers[t->tie - 1];
+        size_t nw = weight_numel(o), nbo = bias_numel(o), nbt = bias_numel(t);
+        double *go = xcalloc(nw, sizeof *go), *gt = xcalloc(nw, sizeof *gt);
+        double *bo = xcalloc(nbo, sizeof *bo), *bt = xcalloc(nbt, sizeof *bt);
+        for (uint32_t b = 0; b < B; b++) {
+            double so = 0.0, st = 0.0;
+            sample_grad(o, b, scale, go, bo);
+            sample_grad(t, b, scale, gt, bt);
+            for (size_t i = 0; i < nw; i++) so += (go[i] + gt[i]) * (go[i] + gt[i]);
+            for (size_t i = 0; i < nbo; i++) so += bo[i] * bo[i];
+            for (size_t i = 0; i < nbt; i++) st += bt[i] * bt[i];
+            lsq[(t->tie - 1) * B + b] = so;
+            lsq[l * B + b] = st;
+        }
+        free(go);
+        free(gt);
+        free(bo);
+        free(bt);
+    }
     for (uint32_t b = 0; b < B; b++) {
         double tot = 0.0;
         for (size_t l = 0; l < L; l++) tot += lsq[l * B + b];
@@ -354,6 +394,13 @@ void dc_ref_step(const dc_step *s, double *norms, double *coefs, double *layer_s
         double *bo = b_exp && ly->bias_grad_out.data && bias_numel(ly) ? b_exp[l] : NULL;
         if (!w && !bo) continue;
         dc_ref_layer_clipped_sum(ly, B, scale, per_layer ? lc + l * B : c, w, bo);
+        if (w && ly->tie_owner) { /* the other use of the shared weight */
+            const dc_layer *t = &s->layers[ly->tie - 1];
+            double *w2 = xcalloc(weight_numel(t), sizeof *w2);
+            dc_ref_layer_clipped_sum(t, B, scale, c, w2, NULL);
+            for (size_t i = 0; i < weight_numel(ly); i++) w[i] += w2[i];
+            free(w2);
+        }
         if (w)
             for (size_t i = 0; i < weight_numel(ly); i++) w[i] /= div;
         if (bo)

@@ -56,6 +56,18 @@ typedef struct dc_test_layer_spec {
 void dc_test_layer_make(dc_layer *l, const dc_test_layer_spec *spec, dc_test_rng *r);
 void dc_test_layer_free(dc_layer *l);
 
+/* A tied pair, as a language model's input embedding and output projection
+ * share a weight: an embedding (indices [B, Te] from a small vocabulary V,
+ * so tokens repeat, and a padding index at random) and a linear layer
+ * [B, Tl, d] -> [B, Tl, V] (with a bias when has_bias), inputs of dtype dt.
+ * They go at ls[0] and ls[1], layers `at` and `at + 1` of a step, the
+ * embedding first when embedding_first; tie and tie_owner are set as
+ * validation sets them, the owner (ls[0]) has an f32 weight_grad_out and
+ * the later one none (its bias one, if any). Free with dc_test_layer_free. */
+void dc_test_tied_pair(dc_layer *ls, size_t at, uint32_t B, int64_t Te, int64_t Tl, int64_t d,
+                       int64_t V, dc_dtype dt, int has_bias, int embedding_first,
+                       dc_test_rng *r);
+
 /* --- the reference -------------------------------------------------------- */
 
 /* Squared norm of each sample's full per-sample gradient of layer l (all its
@@ -69,7 +81,10 @@ void dc_ref_layer_sqnorms(const dc_layer *l, uint32_t B, double scale, double *o
 void dc_ref_layer_clipped_sum(const dc_layer *l, uint32_t B, double scale,
                               const double *coef, double *w_out, double *b_out);
 
-/* The whole step with noise_multiplier treated as 0: norms[B], coefs[B]
+/* The whole step with noise_multiplier treated as 0 (tied pairs: the
+ * owner's layer norm is that of both uses' per-sample gradients summed, the
+ * later layer's its bias's; the owner's weight output both uses' sum):
+ * norms[B], coefs[B]
  * (FLAT: min(1, C/(n+1e-6)); PER_LAYER: 1), layer_sq[L*B] squared layer
  * norms, layer_coefs[L*B] (PER_LAYER, else may be NULL). Then, for every layer
  * with weight/bias_grad_out set, the expected output values (divided by
