@@ -143,6 +143,56 @@ static void test_linear_extreme_range(void **state) {
         }
 }
 
+/* A tied pair's shared-weight norm (cross term included) through
+ * dc_cpu_tie_sqnorms, against the reference, at ordinary scale and where
+ * the products e_t . a_s of the cross term's Gram leave f32's range
+ * (samples 0 and 1 scaled by 1e25: range-scaled like the linear norms). */
+static void test_tied_pair(void **state) {
+    (void)state;
+    static const double sa[] = {1.0, 1e25, 1e-24};
+    for (size_t k = 0; k < sizeof sa / sizeof sa[0]; k++)
+        for (int first = 0; first < 2; first++) {
+            dc_layer ls[2], safe[2];
+            dc_test_rng r;
+            dc_cpu_scratch s;
+            dc_err e;
+            const uint32_t B = 3;
+            double got[6], want[6];
+            int64_t idx[3 * 9];
+            memset(&s, 0, sizeof s);
+            dc_test_rng_seed(&r, 300 + 2 * k + (uint64_t)first);
+            dc_test_tied_pair(ls, 0, B, 9, 7, 16, 11, DC_F32, 1, first, &r);
+            dc_layer *emb = ls[first ? 0 : 1].kind == DC_LAYER_EMBEDDING ? &ls[first ? 0 : 1]
+                                                                          : &ls[first ? 1 : 0];
+            dc_layer *lin = emb == &ls[0] ? &ls[1] : &ls[0];
+            float *eg = emb->grad.data, *a = lin->input.data, *g = lin->grad.data;
+            for (int64_t i = 0; i < 2 * 9 * 16; i++) eg[i] *= (float)sa[k];
+            for (int64_t i = 0; i < 2 * 7 * 16; i++) a[i] *= (float)sa[k];
+            for (int64_t i = 0; i < 2 * 7 * 11; i++) g[i] *= (float)(1.0 / sa[k]);
+            dc_step st = {.batch = B, .n_layers = 2, .layers = ls, .mode = DC_CLIP_FLAT,
+                          .max_grad_norm = 1.0f, .reduction = DC_REDUCTION_SUM,
+                          .expected_batch = B, .device = -1};
+            dc_ref_step(&st, NULL, NULL, want, NULL, NULL, NULL);
+            for (int l = 0; l < 2; l++) {
+                assert_int_equal(dc_cpu_check_layer(&ls[l], B, &safe[l], idx, &e), 0);
+                assert_int_equal(dc_cpu_layer_sqnorms(&s, &safe[l], B, 1.0f, got + l * B, &e),
+                                 0);
+            }
+            assert_int_equal(dc_cpu_tie_sqnorms(&s, safe, 1, B, 1.0f, got, &e), 0);
+            for (int i = 0; i < 6; i++) {
+                double tol = 1e-4 * fmax(want[i], want[i % 3]) + 1e-300;
+                if (!(fabs(got[i] - want[i]) <= tol))
+                    print_message("scale %g first %d value %d: %g vs %g\n", sa[k], first, i,
+                                  got[i], want[i]);
+                assert_true(isfinite(got[i]) && fabs(got[i] - want[i]) <= tol);
+            }
+            assert_true(want[0] > 0.0 && (want[3] > 0.0) == (first == 1)); /* a bias or none */
+            dc_cpu_scratch_free(&s);
+            dc_test_layer_free(&ls[0]);
+            dc_test_layer_free(&ls[1]);
+        }
+}
+
 /* The unscaled entry point the benchmark uses: direct and ghost agree with
  * the reference on the same f32 data. */
 static void test_linear_entry_point(void **state) {
@@ -308,6 +358,7 @@ int main(void) {
         cmocka_unit_test(test_embedding),
         cmocka_unit_test(test_embedding_all_padding),
         cmocka_unit_test(test_norm_layers),
+        cmocka_unit_test(test_tied_pair),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
