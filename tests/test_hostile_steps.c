@@ -364,6 +364,83 @@ static void test_embedding_out_of_range(void **state) {
     dpclip_disconnect(c);
 }
 
+/* Tied pairs a client gets wrong: each refused naming the field, nothing
+ * written, and a sane pair on the same buffers works after. */
+static void test_tied_abuse(void **state) {
+    (void)state;
+    const uint32_t B = 4;
+    const int T = 3, d = 4, V = 10;
+    dpclip_client *c = dc_hostile_connect();
+    dpclip_clip_config cfg = dc_hostile_sum;
+    uint64_t buf;
+    void *mem;
+    dpclip_result res;
+
+    assert_int_equal(dpclip_buffer_alloc(c, 1u << 16, &buf, &mem), 0);
+    int32_t *idx = mem;
+    float *eg = (float *)((char *)mem + 1024), *a = (float *)((char *)mem + 2048);
+    float *g = (float *)((char *)mem + 4096), *w = (float *)((char *)mem + 8192);
+    for (int i = 0; i < (int)B * T; i++) idx[i] = (i * 7) % V;
+    for (int i = 0; i < (int)B * T * d; i++) eg[i] = 0.01f * (float)(i % 7) - 0.02f;
+    for (int i = 0; i < (int)B * T * d; i++) a[i] = 0.03f * (float)(i % 5) - 0.05f;
+    for (int i = 0; i < (int)B * T * V; i++) g[i] = 0.02f * (float)(i % 9) - 0.07f;
+    for (int i = 0; i < V * d; i++) w[i] = 123.0f;
+    dpclip_embedding e = {.name = "wte", .num_embeddings = (uint64_t)V,
+                          .indices = {buf, 0, DPCLIP_I32, 2, {B, T, 0}},
+                          .output_grad = {buf, 1024, DPCLIP_F32, 3, {B, T, d}},
+                          .weight_grad_out = {buf, 8192, DPCLIP_F32, 2, {V, d, 0}}};
+    dpclip_linear l = {.name = "lm_head", .activations = {buf, 2048, DPCLIP_F32, 3, {B, T, d}},
+                       .output_grad = {buf, 4096, DPCLIP_F32, 3, {B, T, V}}};
+    dpclip_step *s = dpclip_step_new(B, &cfg);
+    assert_int_equal(dpclip_step_add_embedding(s, &e), 0);
+    assert_int_equal(dpclip_step_set_tied(s, 0, 0), DPCLIP_EARG); /* no earlier layer */
+    assert_int_equal(dpclip_step_add_linear(s, &l), 0);
+    assert_int_equal(dpclip_step_set_tied(s, 1, 1), DPCLIP_EARG);
+    assert_int_equal(dpclip_step_set_tied(s, 2, 0), DPCLIP_EARG);
+    assert_int_equal(dpclip_step_set_tied(s, 1, 0), 0);
+
+    idx[5] = V; /* an index past the vocabulary in the tied embedding */
+    assert_int_equal(dpclip_run(c, s, &res), DPCLIP_EINVAL);
+    assert_non_null(strstr(dpclip_errfield(c), "wte.indices"));
+    assert_true(all_equal(w, V * d, 123.0f));
+    idx[5] = 1;
+    g[7] = NAN; /* a non-finite gradient of the tied linear layer */
+    assert_int_equal(dpclip_run(c, s, &res), DPCLIP_ENONFINITE);
+    assert_non_null(strstr(dpclip_errfield(c), "lm_head"));
+    assert_true(all_equal(w, V * d, 123.0f));
+    g[7] = 0.0f;
+    assert_int_equal(dpclip_run(c, s, &res), 0); /* sane */
+    assert_true(res.norms[0] > 0.0f && !all_equal(w, V * d, 123.0f));
+    dpclip_result_free(&res);
+
+    /* the later layer writing the shared weight too */
+    dpclip_step_reset(s, B);
+    l.weight_grad_out = (dpclip_tensor){buf, 12288, DPCLIP_F32, 2, {V, d, 0}};
+    assert_int_equal(dpclip_step_add_embedding(s, &e), 0);
+    assert_int_equal(dpclip_step_add_linear(s, &l), 0);
+    assert_int_equal(dpclip_step_set_tied(s, 1, 0), 0);
+    assert_int_equal(dpclip_run(c, s, &res), DPCLIP_EINVAL);
+    assert_non_null(strstr(dpclip_errfield(c), "layers[1].weight_grad_out"));
+    /* two embeddings, and weights of different shapes */
+    memset(&l.weight_grad_out, 0, sizeof l.weight_grad_out);
+    dpclip_step_reset(s, B);
+    assert_int_equal(dpclip_step_add_embedding(s, &e), 0);
+    assert_int_equal(dpclip_step_add_embedding(s, &e), 0);
+    assert_int_equal(dpclip_step_set_tied(s, 1, 0), 0);
+    assert_int_equal(dpclip_run(c, s, &res), DPCLIP_EINVAL);
+    assert_non_null(strstr(dpclip_errfield(c), "layers[1].tied_to"));
+    dpclip_step_reset(s, B);
+    l.activations.shape[2] = 2;
+    assert_int_equal(dpclip_step_add_embedding(s, &e), 0);
+    assert_int_equal(dpclip_step_add_linear(s, &l), 0);
+    assert_int_equal(dpclip_step_set_tied(s, 1, 0), 0);
+    assert_int_equal(dpclip_run(c, s, &res), DPCLIP_EINVAL);
+    assert_non_null(strstr(dpclip_errfield(c), "layers[1].tied_to"));
+    assert_non_null(strstr(dpclip_errmsg(c), "shape"));
+    dpclip_step_free(s);
+    dpclip_disconnect(c);
+}
+
 static void test_nonfinite(void **state) {
     (void)state;
     const uint32_t B = 6;
@@ -603,6 +680,7 @@ int main(void) {
         cmocka_unit_test(test_batch_bounds),
         cmocka_unit_test(test_embedding_out_of_range),
         cmocka_unit_test(test_nonfinite),
+        cmocka_unit_test(test_tied_abuse),
         cmocka_unit_test(test_client_frame_limit),
         cmocka_unit_test(test_refund_only_before_noise),
         cmocka_unit_test(test_disconnect_mid_step),
