@@ -147,7 +147,9 @@ int plan_step(cuda_backend *cb, const dc_step *s, layout *Lo, dc_err *err) {
         if (x) cb->nm_grouped = x;
         dc_layer *y = x ? (dc_layer *)realloc(cb->safe, L * sizeof *y) : NULL;
         if (y) cb->safe = y;
-        if (!y) return dc_err_set(err, DC_ENOSPACE, "", "out of memory");
+        uint64_t *z = y ? (uint64_t *)realloc(cb->woff, L * sizeof *z) : NULL;
+        if (z) cb->woff = z;
+        if (!z) return dc_err_set(err, DC_ENOSPACE, "", "out of memory");
         cb->lay_cap = L;
     }
     for (size_t l = 0; l < L; l++) {
@@ -184,6 +186,7 @@ int plan_step(cuda_backend *cb, const dc_step *s, layout *Lo, dc_err *err) {
             t = (size_t)rows * 8 > (size_t)ly->d * 4 ? (size_t)rows * 8 : (size_t)ly->d * 4;
             break;
         }
+        if (ly->tie && t < B * sizeof(double)) t = B * sizeof(double); /* the cross terms */
         if (t > temp) temp = t;
     }
     Lo->staged = staged;
@@ -286,7 +289,7 @@ int layer_norms(cuda_backend *cb, const dc_step *s, size_t l, const layout *Lo, 
     switch (ly->kind) {
     case DC_LAYER_LINEAR: {
         dcc_linear x = {ly->input.data, ly->grad.data, ly->input.dtype, ly->grad.dtype, B,
-                        (int)ly->T, (int)ly->d, (int)ly->p, ly->has_bias, opt.tf32};
+                        (int)ly->T, (int)ly->d, (int)ly->p, dc_layer_norm_bias(ly), opt.tf32};
         e = dcc_linear_sqnorms(&x, dcc_linear_pick(x.T, x.d, x.p, ly->algo), s2, n2,
                                cb->stream);
         break;
@@ -315,7 +318,7 @@ int layer_norms(cuda_backend *cb, const dc_step *s, size_t l, const layout *Lo, 
 }
 
 int layer_clipped(cuda_backend *cb, const dc_step *s, size_t l, const layout *Lo,
-                  const uint64_t off[2], const step_opts &opt, dc_err *err) {
+                  const uint64_t off[2], const step_opts &opt, dc_err *err, bool add = false) {
     const dc_layer *ly = &s->layers[l];
     const int B = (int)s->batch;
     const float *cs = (const float *)(cb->ws + Lo->cs) + l * B;
@@ -378,7 +381,9 @@ int layer_clipped(cuda_backend *cb, const dc_step *s, size_t l, const layout *Lo
         dcc_embedding x = {ly->input.data, ly->input.dtype, ly->grad.data, ly->grad.dtype, B,
                            (int)ly->T, (int)ly->d, ly->vocab,
                            ly->has_padding_idx ? ly->padding_idx : -1};
-        CK(cudaMemsetAsync(w, 0, (size_t)ly->vocab * (size_t)ly->d * 4, cb->stream), "a memset");
+        if (!add) /* add: onto the other use of a tied weight */
+            CK(cudaMemsetAsync(w, 0, (size_t)ly->vocab * (size_t)ly->d * 4, cb->stream),
+               "a memset");
         CK(dcc_embedding_clipped_sum(&x, cs, w, cb->stream), "the embedding clipped sum");
         break;
     }
@@ -412,6 +417,7 @@ int grouped_clipped(cuda_backend *cb, const dc_step *s, const layout *Lo, const 
         const dc_layer *ly = &s->layers[l];
         uint64_t off[2];
         for (int k = 0; k < 2; k++) off[k] = want_out(ly, k) ? outs[oi++].off : UINT64_MAX;
+        off[0] = cb->woff[l]; /* a tied layer's: its owner's */
         cb->bk_grouped[l] = false;
         if (ly->kind != DC_LAYER_LINEAR || off[0] == UINT64_MAX) continue;
         dcc_linear x = {ly->input.data, ly->grad.data, ly->input.dtype, ly->grad.dtype, B,
@@ -454,7 +460,7 @@ int grouped_norms(cuda_backend *cb, const dc_step *s, const layout *Lo, float s2
         cb->nm_grouped[l] = false;
         if (ly->kind != DC_LAYER_LINEAR || (cb->ovr_active && cb->ovr[l])) continue;
         dcc_linear x = {ly->input.data, ly->grad.data, ly->input.dtype, ly->grad.dtype, B,
-                        (int)ly->T, (int)ly->d, (int)ly->p, ly->has_bias, false};
+                        (int)ly->T, (int)ly->d, (int)ly->p, dc_layer_norm_bias(ly), false};
         if (!dcc_norms_grouped_ok(&x, dcc_linear_pick(x.T, x.d, x.p, ly->algo))) continue;
         dcc_norm_layer *e = &cb->nm[n++];
         e->L = x;
@@ -628,6 +634,7 @@ int run_impl(dc_backend *be, const dc_step *s, dc_step_result *res, dc_err *err,
                 chunks += dcc_out_chunks(n);
             }
         }
+        tied_offsets(cb, s, outs);
         const float noise_std =
             s->noise_multiplier *
             (per_layer ? (float)sqrt(noise_c2)
@@ -669,6 +676,7 @@ int run_impl(dc_backend *be, const dc_step *s, dc_step_result *res, dc_err *err,
                 if (!cb->nm_grouped[l] &&
                     (rc = layer_norms(cb, s, l, &Lo, scale * scale, opt, err)))
                     goto fail;
+            if ((rc = tied_norms(cb, s, &Lo, scale * scale, err))) goto fail;
         }
         if (io.want == CP_NORMS) {
             /* n2 and the flags home; a bad input fails here, as in a step */
@@ -714,9 +722,18 @@ int run_impl(dc_backend *be, const dc_step *s, dc_step_result *res, dc_err *err,
         for (size_t l = 0; l < L; l++) {
             for (int k = 0; k < 2; k++)
                 off[k] = want_out(&s->layers[l], k) ? outs[oi++].off : UINT64_MAX;
+            off[0] = cb->woff[l];
             if (off[0] == UINT64_MAX && off[1] == UINT64_MAX) continue;
-            if (cb->bk_grouped[l]) continue;
+            if (cb->bk_grouped[l] || tied_deferred(&s->layers[l], off[0])) continue;
             if ((rc = layer_clipped(cb, s, l, &Lo, off, opt, err))) goto fail;
+        }
+        /* a tied embedding's use adds onto the linear layer's, written above */
+        for (size_t l = 0; l < L; l++) {
+            off[0] = cb->woff[l];
+            off[1] = UINT64_MAX;
+            if (tied_deferred(&s->layers[l], off[0]) &&
+                (rc = layer_clipped(cb, s, l, &Lo, off, opt, err, true)))
+                goto fail;
         }
         /* 5. noise, division, checks; outputs written or gated commit */
         const dcc_out *douts = (const dcc_out *)(ws + Lo.up + Lo.outs);
@@ -841,6 +858,7 @@ void cuda_destroy(dc_backend *be) {
     free(cb->nm);
     free(cb->nm_grouped);
     free(cb->safe);
+    free(cb->woff);
     free(cb->ovr_n2);
     free(cb->ovr);
     dc_backend_destroy(cb->cpu);

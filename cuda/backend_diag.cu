@@ -190,7 +190,9 @@ bool rescue_overflow(cuda_backend *cb, const dc_step *s, const layout *Lo, float
             bad |= !isfinite(n2[l * B + b]);
         }
         if (!bad) continue;
-        if (ly->kind != DC_LAYER_LINEAR || diagnose_layer(cb, ly, B, &e) != 0) return false;
+        /* a tied pair's norms are not one layer's: no rescue */
+        if (ly->kind != DC_LAYER_LINEAR || ly->tie || diagnose_layer(cb, ly, B, &e) != 0)
+            return false;
         size_t rows = (size_t)B * (size_t)ly->T;
         float *a = host_f32(&ly->input, rows * (size_t)ly->d);
         float *g = a ? host_f32(&ly->grad, rows * (size_t)ly->p) : NULL;

@@ -39,6 +39,9 @@ struct cuda_backend {
     /* [lay_cap] the step's layers as the kernels read them: an embedding's
      * indices point at the workspace copy (layout.idx), made once per step */
     dc_layer *safe;
+    /* [lay_cap] the staging offset of each layer's weight sum (UINT64_MAX:
+     * none); a tied pair's later layer has its owner's (tied_offsets) */
+    uint64_t *woff;
     /* A step retried after an f32 overflow of some LINEAR layers' norms
      * (rescue_overflow): their n2 [lay_cap * B], computed on the host with
      * range scaling, replace the kernels'. NULL = none. */
@@ -106,6 +109,17 @@ int diagnose(cuda_backend *cb, const dc_step *s, const layout *Lo, dc_step_resul
  * cb->ovr_n2 and marks them in cb->ovr; returns true if the step should run
  * again with them. False (nothing marked) otherwise. */
 bool rescue_overflow(cuda_backend *cb, const dc_step *s, const layout *Lo, float grad_scale);
+
+/* Tied pairs (backend_tied.cu). tied_offsets: cb->woff from the step's
+ * output table. tied_norms: after every layer's norms, the owner's becomes
+ * the shared weight's (cross term included) and the later layer's its
+ * bias's. tied_deferred: a tied embedding with a weight sum, which runs
+ * after the pair's linear layer wrote it (it adds onto it). */
+void tied_offsets(cuda_backend *cb, const dc_step *s, const dcc_out *outs);
+int tied_norms(cuda_backend *cb, const dc_step *s, const layout *Lo, float s2, dc_err *err);
+inline bool tied_deferred(const dc_layer *l, uint64_t woff) {
+    return l->tie && l->kind == DC_LAYER_EMBEDDING && woff != UINT64_MAX;
+}
 
 } // namespace dcb
 

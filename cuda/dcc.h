@@ -172,6 +172,15 @@ cudaError_t dcc_embedding_sqnorms(const dcc_embedding *E, float s2, float *n2, u
 cudaError_t dcc_embedding_clipped_sum(const dcc_embedding *E, const float *cs, float *w,
                                       cudaStream_t st);
 
+/* Tied parameters (tied.cu): E and N are a pair's embedding and linear
+ * layer (one weight, [vocab, d] = [p, d]) whose norms are in n2o (the
+ * owner's) and n2l (the later layer's, its weight part only): n2o[b] +=
+ * n2l[b] + s2 * 2 <G_emb,b, G_lin,b>, then n2l[b] = s2 * ||sum_t g_b,t||^2
+ * when later_bias (the later layer is N, with a bias), else 0. cross:
+ * device workspace of B doubles. */
+cudaError_t dcc_tied_sqnorms(const dcc_embedding *E, const dcc_linear *N, bool later_bias,
+                             float s2, float *n2o, float *n2l, double *cross, cudaStream_t st);
+
 typedef struct dcc_norm {
     const void *x;       /* [B,T,d] */
     const void *g;       /* [B,T,d] */

@@ -359,9 +359,9 @@ static int tie_combine(dc_cpu_scratch *s, const dc_layer *emb, const dc_layer *l
             acc += r;
         }
         /* |G_o + G_l|^2 = |G_o|^2 + |G_l|^2 + 2 <G_o, G_l>; rounding may take
-         * a near-cancellation below 0 */
+         * a near-cancellation below 0 (a NaN stays NaN: check_norms fails it) */
         double w = no[b] + nl[b] + s2 * 2.0 * ldexp(acc, x.e);
-        no[b] = w > 0.0 ? w : 0.0;
+        no[b] = w < 0.0 ? 0.0 : w;
     }
     return 0;
 }
