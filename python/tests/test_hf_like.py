@@ -155,3 +155,19 @@ def test_tied_weights_under_data_parallel_counted_once(daemon):
     ps = _planner.params(engine._layers)
     assert len(ps) == len({id(p) for p in ps}) == len(list(model.parameters()))
     engine.close()
+
+
+def test_gpt2_example_without_transformers_says_so(tmp_path):
+    """examples/train_hf_gpt2.py needs transformers: where it cannot be
+    imported, the example exits with status 2 and says so (a stand-in
+    module that fails to import hides an installed one)."""
+    import os
+    import subprocess
+    import sys
+    from conftest import REPO
+    (tmp_path / "transformers.py").write_text("raise ImportError('hidden by the test')\n")
+    p = subprocess.run([sys.executable, os.path.join(REPO, "examples", "train_hf_gpt2.py")],
+                       env=dict(os.environ, PYTHONPATH=str(tmp_path)), capture_output=True,
+                       text=True, timeout=120)
+    assert p.returncode == 2, p.stderr
+    assert "needs transformers" in p.stderr

@@ -10,41 +10,10 @@ import torch
 import torch.nn as nn
 
 from dpclip.torch import PrivacyEngine, reduce_loss
-from models import Conv1D, GPT2Like, LlamaLike, per_sample_losses, prose, reference
+from models import (Conv1D, GPT2Like, LlamaLike, lorafy as _lorafy,
+                    per_sample_losses, prose, reference)
 
 B, T = 5, 10
-
-
-class LoraLinear(nn.Module):
-    """peft.tuners.lora.Linear's structure: base_layer, and per adapter a
-    dropout, lora_A (in -> r) and lora_B (r -> out) Linears and a scaling."""
-
-    def __init__(self, base, r=3, alpha=6, fan_in_fan_out=False):
-        super().__init__()
-        self.base_layer = base
-        w = base.weight
-        n_in, n_out = (w.shape[0], w.shape[1]) if fan_in_fan_out else (w.shape[1], w.shape[0])
-        self.lora_dropout = nn.ModuleDict({"default": nn.Identity()})
-        self.lora_A = nn.ModuleDict({"default": nn.Linear(n_in, r, bias=False)})
-        self.lora_B = nn.ModuleDict({"default": nn.Linear(r, n_out, bias=False)})
-        nn.init.normal_(self.lora_B["default"].weight, std=0.3)  # peft starts it at 0
-        self.scaling = {"default": alpha / r}
-
-    def forward(self, x, *args, **kwargs):
-        result = self.base_layer(x, *args, **kwargs)
-        for a in self.lora_A:
-            result = result + self.lora_B[a](self.lora_A[a](self.lora_dropout[a](x))) * \
-                self.scaling[a]
-        return result
-
-
-def _lorafy(model, names, **kw):
-    model.requires_grad_(False)
-    for name in names:
-        parent, _, child = name.rpartition(".")
-        holder = model.get_submodule(parent) if parent else model
-        setattr(holder, child, LoraLinear(getattr(holder, child), **kw))
-    return model
 
 
 def _check(daemon, model, inputs, y):
