@@ -121,7 +121,7 @@ def run(args, device, mode):
                                            args.steps, 3)
         extra["mps_active"] = bool(engine.client.info.mps_active)
     ms = (time.perf_counter() - t0) * 1e3 / args.steps
-    extra["loss"] = round(float(loss), 4)
+    extra["loss"] = round(float(loss.detach()), 4)
     mem = peak_mb(device)
     if engine is not None:
         engine.close()

@@ -116,19 +116,6 @@ class CudaIPC:
 
         ready, done, rid, did = self.events(device)
 
-        def refs(i: int) -> Tuple[_lib.Tensor, _lib.Tensor, _lib.Tensor, _lib.Tensor]:
-            l, _, _, in_shape, _, g_shape, _ = plan[i]
-            inp, g = tensors[i]
-            if l.out_refs is None:
-                # The engine holds the output tensors for its lifetime, so
-                # their allocation cannot be freed and reused: the references
-                # stay valid and are made once (activations and output grads
-                # are new tensors every step and go through libdpclip's check).
-                l.out_refs = (self.ref(l.out_w, tuple(l.out_w.shape)),
-                              self.ref(l.out_b, tuple(l.out_b.shape))
-                              if l.out_b is not None else _lib.Tensor())
-            return (self.ref(inp, in_shape), self.ref(g, g_shape)) + l.out_refs
-
         step.reset(nb)
         ticket, info, res = 0, None, None
         with torch.cuda.device(device):
