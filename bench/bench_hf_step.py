@@ -40,7 +40,11 @@ def gpt2(args, device):
                                      n_embd=args.d, n_layer=args.layers, n_head=args.heads,
                                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
     torch.manual_seed(0)
-    return transformers.GPT2LMHeadModel(config).to(device).train()
+    model = transformers.GPT2LMHeadModel(config)
+    if args.untied:  # for comparison: lm_head a weight of its own
+        model.config.tie_word_embeddings = False
+        model.lm_head.weight = nn.Parameter(model.transformer.wte.weight.detach().clone())
+    return model.to(device).train()
 
 
 def sync(device):
@@ -111,10 +115,15 @@ def run(args, device, mode):
     if engine is not None:
         engine.synchronize()
         compute0 = engine.compute_ns_total
+    phases = {}
     t0 = time.perf_counter()
     for _ in range(args.steps):
         loss = step()
+        if engine is not None:  # the trainer's side: request, round trip, param.grad
+            for k, v in engine.last_timing.items():
+                phases[k] = phases.get(k, 0.0) + v / args.steps
     sync(device)
+    extra.update({k: round(v, 3) for k, v in phases.items()})
     if engine is not None:
         engine.synchronize()
         extra["daemon_compute_ms"] = round((engine.compute_ns_total - compute0) / 1e6 /
@@ -143,6 +152,7 @@ def main():
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--fp32", dest="bf16", action="store_false", help="no bf16 autocast")
     ap.add_argument("--modes", default="plain,dpclip,opacus")
+    ap.add_argument("--untied", action="store_true", help="lm_head not tied to wte")
     ap.add_argument("--device", default="auto")
     args = ap.parse_args()
     try:
@@ -154,7 +164,7 @@ def main():
     config = {"model": "GPT2LMHeadModel", "layers": args.layers, "d": args.d,
               "heads": args.heads, "vocab": args.vocab, "seq": args.seq, "batch": args.batch,
               "steps": args.steps, "precision": "bf16" if args.bf16 else "fp32",
-              "optimizer": "adamw",
+              "optimizer": "adamw", "tied": not args.untied,
               "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
               "torch": torch.__version__, "transformers": transformers.__version__}
     res = {}
