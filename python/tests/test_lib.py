@@ -284,3 +284,45 @@ def test_join_group_and_replicated_layers(daemon):
         step.set_replicated(0, False)
         step.run(c)  # the same step, no longer replicated, runs outside a group
         step.close()
+
+
+def test_set_tied_binding(daemon):
+    """Step.set_tied reaches the daemon: an embedding [V=6, d=4] and a linear
+    layer [6, 4] tied run, the owner's weight output written; the library
+    checks the indices here, the daemon names tied_to for a bad pair."""
+    with dpclip.Client(daemon.socket) as c:
+        bid, addr = c.buffer_alloc(1 << 16)
+        mem = (ctypes.c_float * (1 << 14)).from_address(addr)
+        for i in range(1 << 14):
+            mem[i] = ((i * 37) % 11 - 5) / 10.0
+        idx = (ctypes.c_int64 * 6).from_address(addr + 8192)
+        for i in range(6):
+            idx[i] = (i * 5) % 6
+
+        def t(off, shape, dt=_lib.F32):
+            return _lib.Tensor(bid, off, dt, len(shape),
+                               (ctypes.c_int64 * 3)(*(list(shape) + [0] * 3)[:3]))
+
+        step = dpclip.Step(2, max_grad_norm=1e6, reduction=_lib.SUM)
+        step.add_embedding(_lib.Embedding(b"wte", t(8192, (2, 3), _lib.I64), t(0, (2, 3, 4)),
+                                          6, 0, 0, t(16384, (6, 4)), 0.0))
+        with pytest.raises(dpclip.DpclipError) as ei:
+            step.set_tied(0, 0)
+        assert ei.value.code == _lib.EARG
+        step.add_linear(_lib.Linear(b"head", t(1024, (2, 3, 4)), t(2048, (2, 3, 6)), 0,
+                                    _lib.ALGO_AUTO, _lib.Tensor(), _lib.Tensor(), 0.0))
+        step.set_tied(1, 0)
+        mem[16384 // 4] = 1234.0
+        res = step.run(c)
+        assert len(res.norms) == 2 and all(n > 0 for n in res.norms)
+        assert mem[16384 // 4] != 1234.0
+        step.reset(2)
+        step.add_embedding(_lib.Embedding(b"wte", t(8192, (2, 3), _lib.I64), t(0, (2, 3, 4)),
+                                          7, 0, 0, t(16384, (7, 4)), 0.0))
+        step.add_linear(_lib.Linear(b"head", t(1024, (2, 3, 4)), t(2048, (2, 3, 6)), 0,
+                                    _lib.ALGO_AUTO, _lib.Tensor(), _lib.Tensor(), 0.0))
+        step.set_tied(1, 0)
+        with pytest.raises(dpclip.DpclipError) as ei:
+            step.run(c)
+        assert ei.value.code == _lib.EINVAL and ei.value.field == "clip_step.layers[1].tied_to"
+        step.close()
