@@ -181,3 +181,23 @@ def test_unregistered_norm_hint(daemon):
     with pytest.raises(UnsupportedModuleError, match=r"dpclip.torch.register\(MyRMSNorm"):
         PrivacyEngine(daemon.socket).make_private(module=nn.Sequential(MyRMSNorm(4)),
                                                   noise_multiplier=0.0, max_grad_norm=1.0)
+
+
+def test_check_allows_autocast_precision(daemon):
+    """Under bf16 autocast the norm's input is bf16: the replacement runs in
+    f32, LlamaRMSNorm's own forward rounds to bf16, and the check compares
+    them at bf16's precision (not refused)."""
+    from models import LlamaRMSNorm
+    torch.manual_seed(4)
+    inputs, y, V = prose(B, T, seed=4)
+    model = Net(V, LlamaRMSNorm(12))
+    engine = PrivacyEngine(daemon.socket)
+    model, opt, _ = engine.make_private(module=model, optimizer=torch.optim.SGD(
+        model.parameters(), lr=0.0), noise_multiplier=0.0, max_grad_norm=1.0,
+        loss_reduction="sum")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = model(*inputs)
+    reduce_loss(per_sample_losses("seq", out.float(), y), "sum").backward()
+    opt.step()
+    assert model.norm.weight.grad is not None and float(model.norm.weight.grad.abs().sum()) > 0
+    engine.close()
