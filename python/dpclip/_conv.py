@@ -165,8 +165,12 @@ class _AffineFn(torch.autograd.Function):
             gf = g.to(xh.dtype)
             dims = list(range(2, g.dim()))
             B, C = g.shape[:2]
-            vw = (gf * xh).detach().sum(dims).reshape(B, C) if l.weight is not None else None
-            vb = gf.sum(dims).reshape(B, C) if l.bias is not None else None
+
+            def per_sample(t):  # sum over positions ([B, C] input: none; sum([]) is all)
+                return (t.sum(dims) if dims else t).reshape(B, C)
+
+            vw = per_sample((gf * xh).detach()) if l.weight is not None else None
+            vb = per_sample(gf) if l.bias is not None else None
             l.capture_affine(vw, vb, ctx.pass_id)
             gx = None
             if ctx.needs_input_grad[0]:

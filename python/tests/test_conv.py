@@ -158,3 +158,18 @@ def test_batchnorm_in_training_still_refused(daemon):
     with pytest.raises(UnsupportedModuleError, match="mixes samples"):
         PrivacyEngine(daemon.socket).make_private(module=model, noise_multiplier=0.0,
                                                   max_grad_norm=1.0)
+
+
+def test_batchnorm1d_eval_on_features(daemon):
+    """BatchNorm1d in eval mode on [B, C] features (no positions to sum)."""
+    torch.manual_seed(5)
+    x = torch.randn(B, 7) * torch.linspace(0.3, 2.0, B).view(B, 1)
+    y = torch.randint(0, 5, (B,))
+    bn = nn.BatchNorm1d(9)
+    bn.running_mean.uniform_(-0.2, 0.2)
+    bn.running_var.uniform_(0.5, 2.0)
+    with torch.no_grad():
+        bn.weight.uniform_(0.5, 1.5)
+        bn.bias.uniform_(-0.3, 0.3)
+    model = nn.Sequential(nn.Linear(7, 9), bn, nn.Tanh(), nn.Linear(9, 5)).eval()
+    _check(daemon, model, x, y).close()

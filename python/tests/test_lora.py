@@ -7,7 +7,6 @@ their input gradients)."""
 import copy
 
 import torch
-import torch.nn as nn
 
 from dpclip.torch import PrivacyEngine, reduce_loss
 from models import (Conv1D, GPT2Like, LlamaLike, lorafy as _lorafy,

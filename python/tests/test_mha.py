@@ -6,7 +6,6 @@ import copy
 import pytest
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from dpclip.torch import (DPMultiheadAttention, PrivacyEngine, UnsupportedModuleError,
                           reduce_loss, replace_mha)
