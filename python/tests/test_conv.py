@@ -173,3 +173,28 @@ def test_batchnorm1d_eval_on_features(daemon):
         bn.bias.uniform_(-0.3, 0.3)
     model = nn.Sequential(nn.Linear(7, 9), bn, nn.Tanh(), nn.Linear(9, 5)).eval()
     _check(daemon, model, x, y).close()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("groups", [1, 2])
+def test_on_cuda(daemon, groups):
+    """A convolution (a patch embedding when groups is 1, grouped else), a
+    GroupNorm and a head on the GPU (the CUDA transport; TF32 products in
+    the daemon), against the reference of a CPU copy."""
+    torch.manual_seed(6)
+    x = torch.randn(B, 4, 8, 8) * torch.linspace(0.3, 2.0, B).view(B, 1, 1, 1)
+    y = torch.randint(0, 5, (B,))
+    kw = dict(kernel_size=4, stride=4) if groups == 1 else dict(kernel_size=3, groups=2)
+    model = _net(nn.Conv2d(4, 6, **kw), (4, 8, 8), norm=nn.GroupNorm(3, 6))
+    want, _, _ = reference(copy.deepcopy(model), "flat", (x,), y, 0.05, "sum", 1)
+    model = model.cuda()
+    engine = PrivacyEngine(daemon.socket)
+    model, opt, _ = engine.make_private(module=model, optimizer=torch.optim.SGD(
+        model.parameters(), lr=0.0), noise_multiplier=0.0, max_grad_norm=0.05,
+        loss_reduction="sum")
+    reduce_loss(_losses(model(x.cuda()), y.cuda()), "sum").backward()
+    opt.step()
+    for n, p in model.named_parameters():
+        err = float((p.grad.double().cpu() - want[n]).abs().max()) / float(want[n].abs().max())
+        assert err < 5e-3, (n, err)
+    engine.close()

@@ -72,7 +72,7 @@ class Attn(nn.Module):
 
     def forward(self, x):
         h = self.emb(x)
-        mask = torch.ones(x.shape[1], x.shape[1], dtype=torch.bool).triu(1)
+        mask = torch.ones(x.shape[1], x.shape[1], dtype=torch.bool, device=x.device).triu(1)
         kv = torch.flip(h, [1]) if self.cross else h
         a, _ = self.attn(h, kv, kv, attn_mask=mask, need_weights=False)
         return self.head(torch.tanh(h + a))
@@ -120,4 +120,25 @@ def test_refused_without_replace_and_copyable(daemon):
     x = torch.randint(0, V, (2, 4))
     with torch.no_grad():
         assert torch.allclose(clone(x), model(x))
+    engine.close()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_cuda(daemon):
+    """DPMultiheadAttention on the GPU (the CUDA transport) against the
+    reference of a CPU copy."""
+    torch.manual_seed(3)
+    inputs, y, V = prose(B, T, seed=3)
+    model = Attn(V, cross=True)
+    want, _, _ = reference(copy.deepcopy(model), "seq", inputs, y, 0.03, "sum", 1)
+    model = model.cuda()
+    engine = PrivacyEngine(daemon.socket)
+    model, opt, _ = engine.make_private(module=model, optimizer=torch.optim.SGD(
+        model.parameters(), lr=0.0), noise_multiplier=0.0, max_grad_norm=0.03,
+        loss_reduction="sum", replace_mha=True)
+    reduce_loss(per_sample_losses("seq", model(inputs[0].cuda()), y.cuda()), "sum").backward()
+    opt.step()
+    for n, p in model.named_parameters():
+        err = float((p.grad.double().cpu() - want[n]).abs().max()) / float(want[n].abs().max())
+        assert err < 5e-3, (n, err)
     engine.close()
