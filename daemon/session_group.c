@@ -35,22 +35,48 @@ void dc_session_join_group(dc_session *s, uint64_t id, const Dpclip__JoinGroup *
     dc_server *srv = s->srv;
     Dpclip__Reply reply = DPCLIP__REPLY__INIT;
     Dpclip__JoinGroupReply jr = DPCLIP__JOIN_GROUP_REPLY__INIT;
+    dc_group_spec sp;
+    uint8_t nccl_id[DC_NCCL_ID_BYTES];
+    uint32_t nccl_version;
     dc_group *g;
     dc_err e;
 
     dc_session_group_leave(s, "it joined again");
-    if (dc_group_join(&srv->groups, (uint32_t)s->peer_uid, m->name, m->rank, m->size,
-                      m->timeout_ms, (dc_group_clipping)m->clipping, &g, &e)) {
+    if (m->nccl_id.len && m->nccl_id.len != DC_NCCL_ID_BYTES) {
+        dc_err_set(&e, DC_EINVAL, "join_group.nccl_id", "%zu bytes; an NCCL id has %d",
+                   m->nccl_id.len, DC_NCCL_ID_BYTES);
+        dc_session_reject(s, id, &e);
+        return;
+    }
+    memset(&sp, 0, sizeof sp);
+    sp.name = m->name;
+    sp.rank = m->rank;
+    sp.size = m->size;
+    sp.timeout_ms = m->timeout_ms;
+    sp.clipping = (dc_group_clipping)m->clipping;
+    sp.daemons = m->daemons;
+    sp.daemon_rank = m->daemon_rank;
+    sp.local_size = m->local_size;
+    sp.nccl_id = m->nccl_id.len ? m->nccl_id.data : NULL;
+    sp.nccl_version = m->nccl_version;
+    /* the link's few bytes per step travel through the daemon's first GPU */
+    sp.device = srv->gpu.n > 0 ? 0 : -1;
+    if (dc_group_join(&srv->groups, (uint32_t)s->peer_uid, &sp, &g, &e)) {
         dc_session_reject(s, id, &e);
         return;
     }
     s->group = g;
     s->group_rank = m->rank;
     s->group_steps = 0;
-    dc_log_info("session %llu: joins norm group '%s' %llu as rank %u of %u",
+    dc_log_info("session %llu: joins norm group '%s' %llu as rank %u of %u%s",
                 (unsigned long long)s->id, m->name, (unsigned long long)dc_group_id(g), m->rank,
-                m->size);
+                m->size, m->daemons > 1 ? " (across daemons)" : "");
     jr.group_id = dc_group_id(g);
+    if (dc_group_nccl_id(g, nccl_id, &nccl_version)) {
+        jr.nccl_id.data = nccl_id;
+        jr.nccl_id.len = DC_NCCL_ID_BYTES;
+        jr.nccl_version = nccl_version;
+    }
     reply.id = id;
     reply.body_case = DPCLIP__REPLY__BODY_JOIN_GROUP;
     reply.join_group = &jr;
@@ -148,6 +174,8 @@ static void on_totals(dc_group_waiter *w, int rc, const double *tot, const dc_er
         return;
     }
     memcpy(j->tot, tot, j->step.batch * sizeof *j->tot);
+    j->group_wait_ns = w->wait_ns;
+    j->group_exchange_ns = w->exchange_ns;
     /* From here the other members may release their parts of this step:
      * rank 0's charge for it stands whatever happens to its own part. */
     if (s->group_rank == 0) j->res.released = true;

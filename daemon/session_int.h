@@ -66,6 +66,7 @@ struct dc_step_job {
     uint64_t group_step;
     double *n2, *partial, *tot;
     dc_group_waiter gw;
+    uint64_t group_wait_ns, group_exchange_ns; /* for the reply */
 };
 
 /* A request is being worked on off the loop: later ones wait for it. */

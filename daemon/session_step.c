@@ -226,6 +226,8 @@ void dc_session_step_done(dc_job *job) {
         cr.epsilon = j->eps;
         cr.delta = j->delta;
         cr.t_received_ns = j->t_frame;
+        cr.group_wait_ns = j->group_wait_ns;
+        cr.group_exchange_ns = j->group_exchange_ns;
         cr.t_replied_ns = uv_hrtime();
         reply.id = j->req_id;
         reply.body_case = DPCLIP__REPLY__BODY_CLIP_STEP;

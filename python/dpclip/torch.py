@@ -352,7 +352,9 @@ class PrivacyEngine:
         self.max_grad_norm = float(max_grad_norm)
         self.loss_reduction = loss_reduction
         self.algorithm = algo
-        self.asynchronous = bool(asynchronous)
+        # A flat-clipped group step has no early notice (its outputs are
+        # queued once every member's norms are in): its GPU steps run synchronously.
+        self.asynchronous = bool(asynchronous) and (group is None or group.group_wise)
         # Noise once per logical step: rank 0 adds it, the others send sigma 0.
         sigma = self.noise_multiplier if self.rank == 0 else 0.0
         self.sample_rate = float(sample_rate)
