@@ -11,8 +11,11 @@
  * With --socket2, a second daemon on the same GPU: the 2-member split with
  * one member on each daemon, whose daemons exchange their totals through
  * NCCL (give each daemon its own NCCL_HOSTID; see docs/groups.md):
- *   exchange_ms  median of the cross-daemon exchange's time (rank 0's
- *                daemon: its totals sent to the others' received)
+ *   exchange_ms  median of the cross-daemon exchange's time on rank 0's
+ *                daemon: its totals sent to the other's received, which
+ *                includes waiting for the other daemon's members
+ *   exchange_last_arrival_ms  the same on whichever daemon came last: the
+ *                transport's latency
  *   bench/bench_cuda_group --socket S [--socket2 S2] [--iters N] */
 #include <getopt.h>
 #include <pthread.h>
@@ -37,7 +40,7 @@ typedef struct member {
     int rank, n, first, count, iters;
     pthread_barrier_t *bar;
     double *ms;  /* [iters], rank 0 writes */
-    double *wait, *exch; /* [iters], rank 0's group wait and exchange */
+    double *wait, *exch; /* [iters], this member's group wait and exchange */
     int daemons; /* the group spans 2 daemons: rank 0 on daemon 0, the rest on daemon 1 */
     dpclip_group_link *link; /* shared: rank 0's join fills the NCCL id */
     int rc;
@@ -136,9 +139,9 @@ static void *member_main(void *arg) {
         }
         dpclip_result_free(&res);
         pthread_barrier_wait(m->bar);
-        if (m->rank == 0 && it >= 0) {
+        if (it >= 0) {
             dpclip_timing tm;
-            m->ms[it] = now_ms() - t0;
+            if (m->rank == 0) m->ms[it] = now_ms() - t0;
             if (dpclip_last_timing(cl, &tm) == 0) {
                 m->wait[it] = tm.group_wait_ns / 1e6;
                 m->exch[it] = tm.group_exchange_ns / 1e6;
@@ -154,7 +157,9 @@ out:
 }
 
 typedef struct split_ms {
-    double step, wait, exch; /* medians */
+    double step, wait, exch; /* medians; wait and exch are rank 0's */
+    double exch_last;        /* median of the smaller exchange of ranks 0 and 1: the
+                              * daemon that came last waits for no one */
 } split_ms;
 
 static double median(double *v, int n) {
@@ -169,20 +174,24 @@ static split_ms run_split(const char *sock, const char *sock2, int n, int iters)
     member m[4];
     pthread_barrier_t bar;
     dpclip_group_link link = {.daemons = 2};
-    double *ms = calloc((size_t)iters * 3, sizeof *ms);
+    double *ms = calloc((size_t)iters * (1 + 2 * 4 + 1), sizeof *ms), *last = ms + 9 * iters;
     split_ms r;
     pthread_barrier_init(&bar, NULL, (unsigned)n);
     for (int k = 0; k < n; k++) {
         m[k] = (member){k && sock2 ? sock2 : sock, k, n, k * (L_ALL / n), L_ALL / n, iters,
-                        &bar, ms, ms + iters, ms + 2 * iters, sock2 ? 2 : 1, &link, 1};
+                        &bar, ms, ms + (1 + 2 * k) * iters, ms + (2 + 2 * k) * iters,
+                        sock2 ? 2 : 1, &link, 1};
         pthread_create(&th[k], NULL, member_main, &m[k]);
     }
     for (int k = 0; k < n; k++) pthread_join(th[k], NULL);
     for (int k = 0; k < n; k++)
         if (m[k].rc) exit(1);
+    for (int i = 0; i < iters && n > 1; i++)
+        last[i] = m[0].exch[i] < m[1].exch[i] ? m[0].exch[i] : m[1].exch[i];
     r.step = median(ms, iters);
-    r.wait = median(ms + iters, iters);
-    r.exch = median(ms + 2 * iters, iters);
+    r.exch_last = n > 1 ? median(last, iters) : 0;
+    r.wait = median(m[0].wait, iters);
+    r.exch = median(m[0].exch, iters);
     free(ms);
     pthread_barrier_destroy(&bar);
     return r;
@@ -222,8 +231,10 @@ int main(int argc, char **argv) {
         printf("{\"bench\":\"cuda_group\",\"members\":2,\"daemons\":2,"
                "\"transport\":\"nccl-socket\",\"layers\":%d,\"B\":%d,\"T\":%d,"
                "\"dtype\":\"bf16\",\"iters\":%d,\"step_ms\":%.3f,\"one_daemon_ms\":%.3f,"
-               "\"added_vs_one_daemon_ms\":%.3f,\"wait_ms\":%.3f,\"exchange_ms\":%.3f}\n",
-               L_ALL, B, T, iters, r.step, two, r.step - two, r.wait, r.exch);
+               "\"added_vs_one_daemon_ms\":%.3f,\"wait_ms\":%.3f,\"exchange_ms\":%.3f,"
+               "\"exchange_last_arrival_ms\":%.3f,\"mps\":%s}\n",
+               L_ALL, B, T, iters, r.step, two, r.step - two, r.wait, r.exch, r.exch_last,
+               getenv("CUDA_MPS_PIPE_DIRECTORY") ? "true" : "false");
     }
     return 0;
 }

@@ -22,9 +22,25 @@ start() { # start NAME
     read -r line <"$rundir/$1.ready"
     [ "$line" = READY ] || { echo "dpclipd $1 did not start" >&2; cat "$rundir/$1.log" >&2; exit 1; }
 }
-start a
-start b
-"$build/bench_cuda_group" --socket "$rundir/a.sock" --socket2 "$rundir/b.sock" "$@"
-status=$?
-cat "$rundir/a.log" "$rundir/b.log" >&2
-exit $status
+run() {
+    start a
+    start b
+    "$build/bench_cuda_group" --socket "$rundir/a.sock" --socket2 "$rundir/b.sock" "$@"
+    for p in $pids; do kill -TERM "$p"; wait "$p" || true; done
+    pids=""
+    cat "$rundir/a.log" "$rundir/b.log" >&2
+    rm -f "$rundir"/*
+}
+run "$@"
+# Under MPS the two daemons' kernels share the GPU: NCCL's waiting kernel in
+# one daemon no longer holds the GPU while the other computes its norms.
+if command -v nvidia-cuda-mps-control >/dev/null 2>&1; then
+    export CUDA_MPS_PIPE_DIRECTORY="$rundir.mps" CUDA_MPS_LOG_DIRECTORY="$rundir.mpslog"
+    mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+    if nvidia-cuda-mps-control -d; then
+        sleep 1
+        run "$@"
+        echo quit | nvidia-cuda-mps-control
+    fi
+    rm -rf "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+fi
