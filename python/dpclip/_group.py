@@ -272,13 +272,17 @@ def join(group: NormGroup, client: _lib.Client) -> None:
             box = [(b"", 0, "rank 0: %s" % e)]
     dist.broadcast_object_list(box, src=group.ranks[0], group=group.pg)
     nccl_id, version, failure = box[0]
-    if group.rank != 0 and not failure:
-        try:
-            group.id = client.join_group_linked(
-                group.name, group.rank, group.size, daemons, daemon_rank, local, nccl_id,
-                version, timeout_ms=group.timeout_ms)[0]
-        except _lib.DpclipError as e:
-            failure = "rank %d: %s" % (group.rank, e)
+    if group.rank != 0:
+        if failure:  # rank 0 reports it
+            failure = ""
+            nccl_id = b""
+        else:
+            try:
+                group.id = client.join_group_linked(
+                    group.name, group.rank, group.size, daemons, daemon_rank, local, nccl_id,
+                    version, timeout_ms=group.timeout_ms)[0]
+            except _lib.DpclipError as e:
+                failure = "rank %d: %s" % (group.rank, e)
     outcomes: List[Any] = [None] * group.size
     dist.all_gather_object(outcomes, failure, group=group.pg)
     bad = [o for o in outcomes if o]
