@@ -105,11 +105,6 @@ def check(group: NormGroup, replicated_modules: Iterable[Union[nn.Module, str]],
             "replicated_modules: a norm group with norm_group_clipping='group_wise' cannot "
             "share replicated layers (each member clips its own layers to its own threshold, "
             "C / sqrt(size)); use 'flat', or hold each such module on one member only")
-    if device.type == "cuda" and not group.group_wise and any(l.replicated for l in layers):
-        raise NotImplementedError(
-            "replicated_modules: dpclipd shares replicated layers of a flat-clipped norm group "
-            "on host-memory steps only for now; on the GPU, hold each such module on one "
-            "member (or clip group-wise without replicated layers)")
 
 
 Judge = Callable[[List[Dict[str, Any]]], Optional[Exception]]

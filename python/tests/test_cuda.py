@@ -131,25 +131,10 @@ def test_cuda_async_failure_on_rank_0_is_applied_nowhere(cuda_daemon, tmp_path):
 
 
 def test_norm_groups_on_cuda(cuda_daemon, tmp_path):
-    """Norm groups with a CUDA model: replicated layers of a flat-clipped
-    group are refused on the GPU (host-memory steps only), naming the way
-    out; two pipeline stages on one GPU run group-wise (each clipped alone
-    to C / sqrt(2)) against the reference. Flat clipping: see
-    test_norm_group_flat_on_cuda and test_norm_group_across_two_daemons."""
-    torch.distributed.init_process_group("gloo", init_method="file://" + str(tmp_path / "one"),
-                                         rank=0, world_size=1)
-    try:
-        m = torch.nn.Sequential(torch.nn.LayerNorm(4), torch.nn.Linear(4, 4)).cuda()
-        engine = PrivacyEngine(cuda_daemon.socket)
-        with pytest.raises(NotImplementedError) as ei:
-            engine.make_private(module=m, optimizer=torch.optim.SGD(m.parameters(), lr=0.1),
-                                noise_multiplier=1.0, max_grad_norm=1.0, expected_batch_size=4,
-                                norm_group=torch.distributed.group.WORLD,
-                                replicated_modules=["0"])
-        assert "replicated_modules" in str(ei.value) and "one member" in str(ei.value)
-        engine.close()
-    finally:
-        torch.distributed.destroy_process_group()
+    """Norm groups with a CUDA model, group-wise: two pipeline stages on one
+    GPU, each clipped alone to C / sqrt(2), against the reference. Flat
+    clipping: test_norm_group_flat_on_cuda and
+    test_norm_group_across_two_daemons."""
     torch.manual_seed(3)
     whole = pipeline_model()
     (x,), y = seq_data(7, seed=8)
