@@ -1,4 +1,4 @@
-/* One client connection: framing, fd passing, the handshake, the session's
+/* One client connection: its frames (frame.c), the handshake, the session's
  * buffer registry, and its requests, processed strictly one at a time and in
  * order (a ClipStep runs on a worker while the loop serves everyone else;
  * this session's next request waits for it, which is also what keeps its
@@ -15,6 +15,7 @@
 #include <sys/socket.h>
 #include <uv.h>
 
+#include "frame.h"
 #include "ledger.h"
 #include "log.h"
 #include "registry.h"
@@ -23,8 +24,6 @@
 typedef struct dc_server dc_server;
 typedef struct dc_wbuf dc_wbuf;
 typedef struct dc_step_job dc_step_job;
-
-#define DC_SESSION_MAX_FDS 16
 
 typedef struct dc_session {
     struct dc_session *prev, *next;  /* server list */
@@ -41,19 +40,12 @@ typedef struct dc_session {
     char client_name[64];
     char job_id[64];
 
-    /* Bytes received and not yet consumed; rbase is the stream offset of
-     * rbuf[0], so that passed fds can be matched to the frame they came with. */
-    uint8_t *rbuf;
-    size_t rlen, rcap;
-    uint64_t rbase;
-    struct { int fd; uint64_t pos; } fds[DC_SESSION_MAX_FDS];
-    int nfds;
+    dc_frame_in in;                  /* bytes and fds received, not yet answered */
 
     dc_wbuf *w_head, *w_tail;        /* replies not yet written */
     size_t w_bytes;
 
     bool hello_done;
-    bool eof;                        /* peer finished sending */
     bool closing;                    /* close once the write queue drains */
     bool gone;                       /* socket closed; waiting for the step */
     bool poll_closed;                /* both handles closed, the socket too */

@@ -1,4 +1,4 @@
-/* Internals shared by session.c (framing, requests, lifecycle),
+/* Internals shared by session.c (requests, lifecycle),
  * session_step.c (ClipStep: validation, privacy accounting, the worker job,
  * the reply) and session_gpu.c (CUDA buffers and events). Loop thread only. */
 #ifndef DC_SESSION_INT_H
