@@ -162,7 +162,7 @@ static void job_free(dc_step_job *j) {
 static void refund(dc_server *srv, dc_step_job *j) {
     if (!j->ljob) return;
     dc_ledger_refund(j->ljob, j->q, j->sigma);
-    dc_server_ledger_persist(srv, j->ljob, NULL);
+    dc_ledger_persist(j->ljob, NULL);
     j->ljob = NULL;
 }
 
@@ -449,7 +449,7 @@ static int charge(dc_session *s, dc_step_job *j, dc_err *e) {
     if (job->budget_eps > 0 &&
         (eps = dc_ledger_eps_after(&srv->ledger, job, q, sigma, job->delta)) > job->budget_eps) {
         srv->metrics.budget_refusals++;
-        dc_server_ledger_persist(srv, job, NULL); /* the terms, if they changed */
+        dc_ledger_persist(job, NULL); /* the terms, if they changed */
         return dc_err_set(e, DC_ENOSPACE, "clip_step.target_epsilon",
                           "job '%s' (uid %u) has spent epsilon %.4g at delta %g in %llu steps; "
                           "this step would bring it to %.4g, over the job's budget of %.4g: "
@@ -461,7 +461,7 @@ static int charge(dc_session *s, dc_step_job *j, dc_err *e) {
         (eps = dc_ledger_eps_after(&srv->ledger, job, q, sigma, c->budget_delta)) >
             c->budget_epsilon) {
         srv->metrics.budget_refusals++;
-        dc_server_ledger_persist(srv, job, NULL);
+        dc_ledger_persist(job, NULL);
         return dc_err_set(e, DC_ENOSPACE, "ledger.budget_epsilon",
                           "job '%s' (uid %u): this step would bring epsilon at delta %g to "
                           "%.4g, over this node's per-job budget of %.4g (ledger.budget_epsilon): "
@@ -489,7 +489,7 @@ static void step_charge(dc_step_job *j, bool async) {
         j->wait.gen = j->ljob->gen;
         j->wait.done = on_spend_durable;
         j->waiting_sync = true;
-        dc_server_ledger_persist(srv, j->ljob, &j->wait); /* usually completes later */
+        dc_ledger_persist(j->ljob, &j->wait); /* usually completes later */
         j->waiting_sync = false;
         if (j->sync_rc) { /* failed at once (out of memory) */
             refund(srv, j);
