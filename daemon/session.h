@@ -19,11 +19,11 @@
 #include "ledger.h"
 #include "log.h"
 #include "registry.h"
+#include "step_job.h"
 #include "validate.h"
 
 typedef struct dc_server dc_server;
 typedef struct dc_wbuf dc_wbuf;
-typedef struct dc_step_job dc_step_job;
 
 typedef struct dc_session {
     struct dc_session *prev, *next;  /* server list */
@@ -52,11 +52,7 @@ typedef struct dc_session {
     bool drain_armed;                /* closing: the timer ends the wait for the client */
     dc_step_job *job;                /* the step in flight, if any */
     int async_ops;                   /* GPU handle opens in flight (0 or 1) */
-    struct dc_session_event {
-        uint64_t id;
-        int device;
-        void *event;                 /* cudaEvent_t opened in the daemon */
-    } *events;
+    struct dc_session_event *events; /* registered (step_job.h) */
     size_t n_events, cap_events;
     dc_registry reg;
     uint64_t steps;
@@ -85,11 +81,7 @@ typedef struct dc_session {
         uint64_t reg_gen;
         dc_limits limits;
         dc_step step;                /* owns step.layers */
-        struct dc_step_params {
-            uint64_t wait_event, signal_event;
-            bool notify_enqueued;
-            double sample_rate, target_delta, target_epsilon;
-        } params;
+        struct dc_step_params params;
     } *plan;
     /* The stream wait on the plan's input event, issued on the GPU's worker
      * as soon as a ClipStep frame arrives, while the loop validates it
