@@ -24,11 +24,11 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "dc_dtype.h"
 #include "dc_ewma.h"
 #include "log.h"
 #include "server.h"
 #include "session_int.h"
+#include "step_reply.h"
 #include "validate.h"
 
 #ifdef DPCLIP_HAVE_CUDA
@@ -87,46 +87,9 @@ static void step_work(dc_job *job, dc_backend *be) {
     j->t_end = uv_hrtime();
 }
 
-static uint64_t tensor_bytes(const dc_tensor *t) {
-    uint64_t n = 1;
-    if (!t->data) return 0;
-    for (int i = 0; i < t->ndim; i++) n *= (uint64_t)t->shape[i];
-    return n * dc_dtype_size(t->dtype);
-}
-
-_Static_assert(DC_PH_NOISE - DC_PH_NORMS == DC_RUN_NOISE - DC_RUN_NORMS &&
-                   DC_PH_N - DC_PH_NORMS == DC_RUN_N - DC_RUN_NORMS,
-               "the backend's parts and their histograms are in the same order");
-
-static void count_step(dc_server *srv, dc_step_job *j, uint64_t now) {
-    dc_metrics *m = &srv->metrics;
-    uint64_t t_submit = j->t_submit ? j->t_submit : j->t_checked;
-    dc_hist_add(&m->phase[DC_PH_VALIDATE], (j->t_checked - j->t_recv) / 1e9);
-    dc_hist_add(&m->phase[DC_PH_LEDGER], (t_submit - j->t_checked) / 1e9);
-    dc_hist_add(&m->phase[DC_PH_QUEUE], (j->t_start - t_submit) / 1e9);
-    if (j->step.device >= 0)
-        dc_hist_add(&m->phase[DC_PH_WAIT_INPUT],
-                    (j->res.phase_ns[DC_RUN_WAIT_INPUT] ? j->res.phase_ns[DC_RUN_WAIT_INPUT]
-                                                        : j->t_waited - j->t_start) / 1e9);
-    if (j->rc == 0)
-        for (int k = DC_RUN_NORMS; k < DC_RUN_N; k++)
-            if (j->res.phase_ns[k])
-                dc_hist_add(&m->phase[DC_PH_NORMS + (k - DC_RUN_NORMS)], j->res.phase_ns[k] / 1e9);
-    dc_hist_add(&m->phase[DC_PH_RUN], (j->t_end - j->t_waited) / 1e9);
-    dc_hist_add(&m->phase[DC_PH_REPLY], (now - j->t_end) / 1e9);
-    dc_hist_add(&m->step, (now - j->t_recv) / 1e9);
-    if (j->rc == 0) {
-        m->steps_ok++;
-        m->samples += j->step.batch;
-        m->layers += j->step.n_layers;
-        m->compute_ns += j->res.compute_ns;
-        for (size_t i = 0; i < j->step.n_layers; i++)
-            m->bytes_referenced += tensor_bytes(&j->step.layers[i].input) +
-                                   tensor_bytes(&j->step.layers[i].grad);
-    } else {
-        m->steps_failed++;
-        m->errors[j->err.code <= 10 ? j->err.code : DC_EINTERNAL]++;
-    }
+/* A GPU step's workspace as its backend holds it now: a step that made it
+ * grow past gpu.workspace allocated inside the step path. */
+static void note_workspace(dc_server *srv, const dc_step_job *j) {
     if (j->step.device >= 0 && j->step.device < 8) {
         uint64_t *held = &srv->gpu_workspace[j->step.device];
         uint64_t had = *held > srv->cfg.gpu_workspace ? *held : srv->cfg.gpu_workspace;
@@ -207,26 +170,7 @@ void dc_session_step_done(dc_job *job) {
     if (j->rc == 0) {
         Dpclip__Reply reply = DPCLIP__REPLY__INIT;
         Dpclip__ClipStepReply cr = DPCLIP__CLIP_STEP_REPLY__INIT;
-        size_t lb = j->res.n_layers * j->res.batch;
-        s->steps++;
-        cr.n_norms = j->res.batch;
-        cr.norms = j->res.norms;
-        cr.n_coefficients = j->res.batch;
-        cr.coefficients = j->res.coefs;
-        if (j->step.want_layer_norms || j->step.mode == DC_CLIP_PER_LAYER) {
-            cr.n_layer_norms = lb;
-            cr.layer_norms = j->res.layer_norms;
-        }
-        if (j->step.mode == DC_CLIP_PER_LAYER && j->res.layer_coefs) {
-            cr.n_layer_coefficients = lb;
-            cr.layer_coefficients = j->res.layer_coefs;
-        }
-        cr.step_index = s->steps;
-        cr.compute_ns = j->res.compute_ns;
-        cr.epsilon = j->eps;
-        cr.delta = j->delta;
-        cr.t_received_ns = j->t_frame;
-        cr.t_replied_ns = uv_hrtime();
+        dc_step_reply_fill(j, ++s->steps, &cr);
         reply.id = j->req_id;
         reply.body_case = DPCLIP__REPLY__BODY_CLIP_STEP;
         reply.clip_step = &cr;
@@ -239,23 +183,10 @@ void dc_session_step_done(dc_job *job) {
     }
     now = uv_hrtime();
     s->last_step_ns = now;
-    count_step(srv, j, now);
+    dc_step_reply_count(j, now, &srv->metrics);
+    note_workspace(srv, j);
     expect_next(s, j, now);
-    if (dc_log_get_level() >= DC_LOG_DEBUG)
-        dc_log_debug("session %llu: step %llu (%zu layers, B=%u, %s%s): decode %.1f us, "
-                     "validate %.1f us, ledger %.1f us, queue %.1f us, wait %.1f us (device "
-                     "%.1f us), run %.1f us (backend %.1f us: norms %.1f, reduction %.1f, "
-                     "clipping %.1f, noise %.1f), reply %.1f us (hand-off %.1f, send %.1f), eps %.4g",
-                     (unsigned long long)s->id, (unsigned long long)s->steps, j->step.n_layers,
-                     j->step.batch, j->step.device < 0 ? "cpu" : "gpu",
-                     j->cached ? ", cached" : "", (j->t_recv - j->t_frame) / 1e3,
-                     (j->t_checked - j->t_recv) / 1e3, (j->t_submit - j->t_checked) / 1e3,
-                     (j->t_start - j->t_submit) / 1e3, (j->t_waited - j->t_start) / 1e3,
-                     j->res.phase_ns[DC_RUN_WAIT_INPUT] / 1e3, (j->t_end - j->t_waited) / 1e3,
-                     j->res.compute_ns / 1e3, j->res.phase_ns[DC_RUN_NORMS] / 1e3,
-                     j->res.phase_ns[DC_RUN_REDUCTION] / 1e3,
-                     j->res.phase_ns[DC_RUN_CLIPPING] / 1e3, j->res.phase_ns[DC_RUN_NOISE] / 1e3,
-                     (now - j->t_end) / 1e3, (t_done - j->t_end) / 1e3, s->last_send_ns / 1e3, j->eps);
+    dc_step_reply_log(j, s->id, s->steps, t_done, now, s->last_send_ns);
     job_free(j);
     session_next(s);
 }
@@ -268,9 +199,7 @@ static void step_notice(dc_job *job) {
     dc_ewma_add(&s->ewma_notice_ns, took);
     Dpclip__Reply reply = DPCLIP__REPLY__INIT;
     Dpclip__ClipStepEnqueued n = DPCLIP__CLIP_STEP_ENQUEUED__INIT;
-    n.step_index = s->steps + 1;
-    n.epsilon = j->eps;
-    n.delta = j->delta;
+    dc_step_reply_notice(j, s->steps + 1, &n);
     reply.id = j->req_id;
     reply.body_case = DPCLIP__REPLY__BODY_CLIP_STEP_ENQUEUED;
     reply.clip_step_enqueued = &n;
