@@ -28,6 +28,7 @@
 #include "log.h"
 #include "server.h"
 #include "session_int.h"
+#include "step_account.h"
 #include "step_reply.h"
 #include "step_run.h"
 #include "validate.h"
@@ -63,15 +64,6 @@ static void job_free(dc_step_job *j) {
     if (j->cached) j->step.layers = NULL; /* the plan's */
     dc_validate_step_free(&j->step);
     free(j);
-}
-
-/* The step's spend goes back: it released nothing (it failed before it ran,
- * or before anything depended on its noise). */
-static void refund(dc_server *srv, dc_step_job *j) {
-    if (!j->ljob) return;
-    dc_ledger_refund(j->ljob, j->q, j->sigma);
-    dc_ledger_persist(j->ljob, NULL);
-    j->ljob = NULL;
 }
 
 /* The session may take its next request, or go if its client went. */
@@ -123,7 +115,7 @@ void dc_session_step_done(dc_job *job) {
     } else {
         s->steps_failed++;
         if (j->err.code == DC_OK) dc_err_set(&j->err, DC_EINTERNAL, "clip_step", "step failed");
-        if (!j->res.released) refund(srv, j);
+        if (!j->res.released) dc_step_account_refund(j);
         dc_session_send_error(s, j->req_id, &j->err);
     }
     now = uv_hrtime();
@@ -218,171 +210,73 @@ static void step_submit(dc_step_job *j) {
     }
 }
 
-/* The spend is on disk (or could not be written): run, or refuse. */
-static void on_spend_durable(dc_ledger_waiter *w, int rc, const dc_err *err) {
-    dc_step_job *j = (dc_step_job *)((char *)w - offsetof(dc_step_job, wait));
+/* A step refused before it ran: a grouped session's group step fails on
+ * every member too. `async`: from a stage that waited, so the session then
+ * moves on to its next request. */
+static void step_refuse(dc_step_job *j, const dc_err *e, bool async) {
+    dc_session *s = j->s;
+    uint64_t id = j->req_id;
+    s->job = NULL;
+    group_fail(s, j, e);
+    job_free(j);
+    dc_session_reject(s, id, e);
+    if (async) session_next(s);
+}
+
+/* The spend is on disk, or could not be written (rc: the step is refused). */
+static void step_durable(dc_step_job *j, int rc, const dc_err *e) {
+    if (rc) step_refuse(j, e, true);
+    else step_submit(j);
+}
+
+/* Accounting, once the curve of the step's (q, sigma) is at hand: the
+ * charge, then the wait for it to be durable. `async`: resumed by the
+ * ledger. */
+static void step_charge(dc_step_job *j, bool async) {
     dc_session *s = j->s;
     dc_server *srv = s->srv;
+    bool wait;
     dc_err e;
+    if (dc_step_account_charge(j, s->ljob, s->group && s->group_rank > 0, &srv->cfg,
+                               &srv->metrics, &e))
+        goto fail;
+    j->t_checked = uv_hrtime();
+    s->job = j;
+    if (dc_step_account_durable(j, step_durable, &wait, &e)) goto fail;
+    if (!wait) step_submit(j);
+    return;
+fail:
+    step_refuse(j, &e, async);
+}
 
-    if (rc == 0) {
-        step_submit(j);
-        return;
-    }
-    if (j->waiting_sync) {
-        /* Called from within dc_session_step: it replies, so that the
-         * session never processes requests re-entrantly. */
-        j->sync_rc = rc;
-        if (err) j->sync_err = *err;
-        return;
-    }
-    /* Without a durable record the step must not release anything. */
-    refund(srv, j);
-    dc_err_set(&e, DC_EUNAVAIL, "ledger", "the privacy ledger could not record this step's "
-               "spend, so the step was not run: %s", err ? err->msg : "write failed");
-    s->job = NULL;
-    group_fail(s, j, &e);
-    dc_session_reject(s, j->req_id, &e);
-    job_free(j);
-    session_next(s);
+static void step_curve_ready(dc_step_job *j, int rc, const dc_err *e) {
+    (void)rc;
+    (void)e;
+    step_charge(j, true);
 }
 
 _Static_assert(sizeof(((dc_session *)0)->job_id) >= DC_LEDGER_JOB_MAX,
                "a session keeps every job id the ledger accepts whole");
 
-/* Step 2 above, the checks: the step's terms, and the job's account (which
- * the Hello may have been refused). On refusal *e names the field. */
-static int account(dc_session *s, dc_step_job *j, const struct dc_step_params *m, dc_err *e) {
-    dc_server *srv = s->srv;
-    const dc_config *c = &srv->cfg;
-    double q = m->sample_rate, sigma = (double)j->step.noise_multiplier;
-    int rc;
-
-    if (!(q >= 0.0 && q <= 1.0))
-        return dc_err_set(e, DC_EINVAL, "clip_step.sample_rate",
-                          "sample rate %g is not in [0, 1]", q);
-    if (!(m->target_delta >= 0.0 && m->target_delta < 1.0))
-        return dc_err_set(e, DC_EINVAL, "clip_step.target_delta", "delta %g is not in [0, 1)",
-                          m->target_delta);
-    if (!(m->target_epsilon >= 0.0 && isfinite(m->target_epsilon)))
-        return dc_err_set(e, DC_EINVAL, "clip_step.target_epsilon",
-                          "budget %g is not a finite epsilon >= 0", m->target_epsilon);
-    if (q == 0.0) {
-        if (c->require_sample_rate)
-            return dc_err_set(e, DC_EPRECOND, "clip_step.sample_rate",
-                              "this daemon requires every step to state its sample rate "
-                              "(ledger.require_sample_rate)");
-        q = 1.0; /* unknown sampling: no amplification may be assumed */
-    }
-    if (!s->ljob) {
-        if ((rc = dc_ledger_job_open(&srv->ledger, (uint32_t)s->peer_uid, s->job_id, &s->ljob, e)))
-            return rc;
-        s->ljob->sessions++; /* as the Hello does; the session's end takes it back */
-    }
-    if ((rc = dc_ledger_job_terms(s->ljob, m->target_delta, m->target_epsilon, e))) return rc;
-    j->q = q;
-    j->sigma = sigma;
-    return 0;
-}
-
-/* Step 2, the charge: refuse the step (RESOURCE_EXHAUSTED) if it would take
- * the job past a budget, else record its spend. */
-static int charge(dc_session *s, dc_step_job *j, dc_err *e) {
-    dc_server *srv = s->srv;
-    const dc_config *c = &srv->cfg;
-    dc_ledger_job *job = s->ljob;
-    double q = j->q, sigma = j->sigma, eps;
-
-    if (s->group && s->group_rank > 0) {
-        /* A norm group's step is one logical step: rank 0 is charged for it,
-         * and every member's step waits for rank 0's (the group fails the
-         * step on all if rank 0's is refused). */
-        j->eps = job->eps;
-        j->delta = job->delta;
-        return 0;
-    }
-    if (sigma == 0.0 && job->sessions > 1 &&
-        job->shares < (uint64_t)(job->sessions - 1) * (job->steps + 1)) {
-        /* A data-parallel rank other than 0 (the job's other sessions): its
-         * noiseless sum is added to rank 0's, which carries the noise and is
-         * charged for the logical step. Nothing to charge or refuse here.
-         * Shares must be backed by charged steps (one per other session and
-         * charged step, and one ahead: rank 1 may come first), so a client
-         * that opens two sessions of one job cannot take noiseless steps
-         * for free: past that they are charged (sigma 0: epsilon infinite). */
-        dc_ledger_share(job);
-        j->eps = job->eps;
-        j->delta = job->delta;
-        return 0;
-    }
-    if (job->budget_eps > 0 &&
-        (eps = dc_ledger_eps_after(&srv->ledger, job, q, sigma, job->delta)) > job->budget_eps) {
-        srv->metrics.budget_refusals++;
-        dc_ledger_persist(job, NULL); /* the terms, if they changed */
-        return dc_err_set(e, DC_ENOSPACE, "clip_step.target_epsilon",
-                          "job '%s' (uid %u) has spent epsilon %.4g at delta %g in %llu steps; "
-                          "this step would bring it to %.4g, over the job's budget of %.4g: "
-                          "refused before any work",
-                          job->job, job->uid, job->eps, job->delta,
-                          (unsigned long long)job->steps, eps, job->budget_eps);
-    }
-    if (c->budget_epsilon > 0 &&
-        (eps = dc_ledger_eps_after(&srv->ledger, job, q, sigma, c->budget_delta)) >
-            c->budget_epsilon) {
-        srv->metrics.budget_refusals++;
-        dc_ledger_persist(job, NULL);
-        return dc_err_set(e, DC_ENOSPACE, "ledger.budget_epsilon",
-                          "job '%s' (uid %u): this step would bring epsilon at delta %g to "
-                          "%.4g, over this node's per-job budget of %.4g (ledger.budget_epsilon): "
-                          "refused before any work",
-                          job->job, job->uid, c->budget_delta, eps, c->budget_epsilon);
-    }
-    if (dc_ledger_spend(&srv->ledger, job, q, sigma, e)) return e->code;
-    j->ljob = job;
-    j->eps = job->eps;
-    j->delta = job->delta;
-    return 0;
-}
-
-/* Steps 2 (the charge) and 3 once the step's curve is at hand. `async`:
- * called back by the ledger, so a refusal moves the session on. */
-static void step_charge(dc_step_job *j, bool async) {
+/* Accounting, up to the charge: the step's terms on the session's job
+ * (opened now if the Hello's was refused). */
+static void step_account(dc_step_job *j) {
     dc_session *s = j->s;
     dc_server *srv = s->srv;
-    uint64_t id = j->req_id;
     dc_err e;
-    if (charge(s, j, &e)) goto fail;
-    j->t_checked = uv_hrtime();
-    s->job = j;
-    if (j->ljob && dc_ledger_persistent(&srv->ledger)) {
-        j->wait.gen = j->ljob->gen;
-        j->wait.done = on_spend_durable;
-        j->waiting_sync = true;
-        dc_ledger_persist(j->ljob, &j->wait); /* usually completes later */
-        j->waiting_sync = false;
-        if (j->sync_rc) { /* failed at once (out of memory) */
-            refund(srv, j);
-            dc_err_set(&e, DC_EUNAVAIL, "ledger", "the privacy ledger could not record this "
-                       "step's spend, so the step was not run: %s", j->sync_err.msg);
+    if (dc_step_account_check(j, &srv->cfg, &e)) goto fail;
+    if (!s->ljob) {
+        if (dc_ledger_job_open(&srv->ledger, (uint32_t)s->peer_uid, s->job_id, &s->ljob, &e))
             goto fail;
-        }
-        return;
+        s->ljob->sessions++; /* as the Hello does; the session's end takes it back */
     }
-    step_submit(j);
+    if (dc_step_account_terms(j, s->ljob, &e)) goto fail;
+    s->job = j; /* from here the session's next request waits for this step */
+    if (dc_step_account_curve(j, s->ljob, srv->loop, step_curve_ready)) return;
+    step_charge(j, false);
     return;
 fail:
-    s->job = NULL;
-    group_fail(s, j, &e);
-    job_free(j);
-    dc_session_reject(s, id, &e);
-    if (async) session_next(s);
-}
-
-/* The curve of a (q, sigma) pair the ledger had not seen lately is ready. */
-static void on_curve(dc_ledger_waiter *w, int rc, const dc_err *err) {
-    (void)rc;
-    (void)err;
-    step_charge((dc_step_job *)((char *)w - offsetof(dc_step_job, wait)), true);
+    step_refuse(j, &e, false);
 }
 
 /* --- the step plan cache ----------------------------------------------------
@@ -436,8 +330,7 @@ static void plan_keep(dc_session *s, const dc_step *step, const struct dc_step_p
     s->plan = n;
 }
 
-static void step_accept(dc_session *s, uint64_t id, dc_step_job *j,
-                        const struct dc_step_params *m);
+static void step_accept(dc_session *s, uint64_t id, dc_step_job *j);
 
 int dc_session_step_cached(dc_session *s, uint64_t id, const uint8_t *key, size_t key_len) {
     const struct dc_step_plan *p = s->plan;
@@ -453,16 +346,15 @@ int dc_session_step_cached(dc_session *s, uint64_t id, const uint8_t *key, size_
      * replaced or dropped only while no step of the session is in flight
      * (a new step validating, the session's end). */
     j->step = p->step;
+    j->params = p->params;
     j->cached = true;
-    step_accept(s, id, j, &p->params);
+    step_accept(s, id, j);
     return 1;
 }
 
 void dc_session_step(dc_session *s, uint64_t id, const Dpclip__ClipStep *m, const uint8_t *key,
                      size_t key_len) {
     dc_step_job *j = calloc(1, sizeof *j);
-    struct dc_step_params p = {m->wait_event, m->signal_event, m->notify_enqueued,
-                               m->sample_rate, m->target_delta, m->target_epsilon};
     dc_err e;
 
     if (!j) {
@@ -472,6 +364,8 @@ void dc_session_step(dc_session *s, uint64_t id, const Dpclip__ClipStep *m, cons
     }
     j->t_recv = uv_hrtime();
     j->t_frame = s->t_frame;
+    j->params = (struct dc_step_params){m->wait_event, m->signal_event, m->notify_enqueued,
+                                        m->sample_rate, m->target_delta, m->target_epsilon};
     if (dc_validate_step(m, &s->reg, &s->srv->limits, &j->step, &e)) {
         free(j);
         group_fail(s, NULL, &e);
@@ -485,16 +379,18 @@ void dc_session_step(dc_session *s, uint64_t id, const Dpclip__ClipStep *m, cons
         return;
     }
     /* a grouped step depends on the group's state and counter: not cached */
-    if (!s->group) plan_keep(s, &j->step, &p, key, key_len);
-    step_accept(s, id, j, &p);
+    if (!s->group) plan_keep(s, &j->step, &j->params, key, key_len);
+    step_accept(s, id, j);
 }
 
 /* A validated step (owned by j): check what depends on the session's
  * current state, account, run. */
-static void step_accept(dc_session *s, uint64_t id, dc_step_job *j,
-                        const struct dc_step_params *m) {
+static void step_accept(dc_session *s, uint64_t id, dc_step_job *j) {
+    const struct dc_step_params *m = &j->params;
     dc_server *srv = s->srv;
     dc_err e;
+    j->s = s;
+    j->req_id = id;
     if (s->prev_step_frame) {
         /* A pause (over a second: evaluation, checkpointing) is no period. */
         uint64_t period = j->t_frame - s->prev_step_frame;
@@ -541,22 +437,9 @@ static void step_accept(dc_session *s, uint64_t id, dc_step_job *j,
         j->job.notice = step_notice;
     }
     if (dc_step_run_prepare(j, &e)) goto fail_step;
-    j->s = s;
-    j->req_id = id;
-    if (account(s, j, m, &e)) goto fail_step;
-    if (j->sigma > 0 && !dc_ledger_has_curve(&srv->ledger, s->ljob, j->q, j->sigma)) {
-        /* A pair the ledger has not seen lately: its curve (0.1-3 ms) is
-         * computed off the loop while the session waits. */
-        s->job = j;
-        j->wait.done = on_curve;
-        dc_ledger_curve_async(&srv->ledger, srv->loop, j->q, j->sigma, &j->wait);
-        return;
-    }
-    step_charge(j, false);
+    step_account(j);
     return;
 
 fail_step:
-    group_fail(s, j, &e);
-    job_free(j);
-    dc_session_reject(s, id, &e);
+    step_refuse(j, &e, false);
 }

@@ -29,6 +29,10 @@
 typedef struct dc_session dc_session;
 typedef struct dc_step_job dc_step_job;
 
+/* The session's continuation after a stage that waited (on the loop): rc 0
+ * to go on, else err says why the step is refused. */
+typedef void (*dc_step_cb)(dc_step_job *j, int rc, const dc_err *err);
+
 /* An interprocess CUDA event a session registered (session_gpu.c), which its
  * steps may wait on (their inputs) or signal (their outputs). */
 struct dc_session_event {
@@ -65,6 +69,8 @@ struct dc_step_job {
     dc_job job;
     dc_session *s;
     uint64_t req_id;
+    struct dc_step_params params; /* as the request gave them */
+    dc_step_cb resume;     /* after a stage that waited (step_account.c) */
     void *wait_event;      /* GPU steps: cudaEvent_t or NULL */
     void *signal_event;
     struct dc_prewait *prewait; /* issued for this step's frame and event, if any */
@@ -83,8 +89,9 @@ struct dc_step_job {
     dc_ledger_job *ljob;
     double q, sigma;       /* as recorded in the ledger */
     double eps, delta;     /* the job's eps with this step, at its delta */
-    dc_ledger_waiter wait; /* for the spend to be durable */
-    bool waiting_sync;     /* inside the persist call: a failure is handled there */
+    dc_ledger_waiter wait; /* for the curve, then for the spend to be durable */
+    bool waiting_sync;     /* inside the persist call: its outcome is handled there */
+    bool sync_done;        /* ... and came within it */
     int sync_rc;
     dc_err sync_err;
     uint64_t workspace;    /* GPU steps: the backend's workspace after it */
