@@ -73,16 +73,8 @@ typedef struct dc_session {
     dc_log_limit fail_log;           /* failed steps logged at most once a second */
     /* The last ClipStep that validated (session_step.c), so that the same
      * step sent again (a trainer's every iteration) skips decoding and
-     * validation: the request's bytes after its id, the registry generation
-     * and limits it was validated under, and the result. Owned. */
-    struct dc_step_plan {
-        uint8_t *bytes;
-        size_t len;
-        uint64_t reg_gen;
-        dc_limits limits;
-        dc_step step;                /* owns step.layers */
-        struct dc_step_params params;
-    } *plan;
+     * validation. Owned. */
+    struct dc_step_plan *plan;       /* step_validate.h */
     /* The stream wait on the plan's input event, issued on the GPU's worker
      * as soon as a ClipStep frame arrives, while the loop validates it
      * (session_step.c). Owned; NULL until the first one. */

@@ -1,6 +1,6 @@
-/* Internals shared by session.c (requests, lifecycle),
- * session_step.c (ClipStep: validation, privacy accounting, the worker job,
- * the reply) and session_gpu.c (CUDA buffers and events). Loop thread only. */
+/* Internals shared by session.c (requests, lifecycle), session_step.c
+ * (ClipStep: drives its stages, step_job.h), session_group.c (norm groups)
+ * and session_gpu.c (CUDA buffers and events). Loop thread only. */
 #ifndef DC_SESSION_INT_H
 #define DC_SESSION_INT_H
 

@@ -1,28 +1,21 @@
-/* ClipStep requests: validation, the privacy ledger, the worker job and the
- * reply.
- *
- * Order of a step, all on the loop thread except the work itself:
- *   1. validate every field (validate.c); check events and the device;
- *   2. account: the step's (sample rate, noise multiplier) in the session's
- *      job (a pair the ledger has no curve for waits while libuv's pool
- *      computes it); refuse it (RESOURCE_EXHAUSTED) if it would take the job
- *      past a budget; otherwise record the spend (a sigma-0 step of one of
- *      a job's several sessions is a data-parallel share: not charged);
- *   3. with a persistent ledger, wait until the spend is on disk (written on
- *      libuv's thread pool): the step's noised outputs reach the trainer's
- *      memory as soon as it runs, so its cost must already be recorded if
- *      the daemon dies right after;
- *   4. run on a worker; reply. A step that fails writes no output. If it
- *      failed before anything depended on its noise (a non-finite input,
- *      ...) it released nothing and its spend is refunded; one that failed
- *      once noised (an output beyond its dtype's range) or after writing
- *      its outputs has released something and is charged
- *      (dc_step_result.released). */
-#include <math.h>
+/* ClipStep requests: the session's side of a step, which drives its stages
+ * in order (step_job.h lists them). Each stage fills its part of the job
+ * and returns; what comes next is decided here, top to bottom:
+ *   1. validate (step_validate.c): the request's fields, or the plan cache's
+ *      copy of the same step; then a norm group's terms (session_group.c)
+ *      and what the step names of the session (device, events);
+ *   2. account (step_account.c): the terms, the curve (may wait), the
+ *      charge, the spend durable (may wait);
+ *   3. run (step_run.c) on a worker: norms, coefficients, clipped sum and
+ *      noise; a NORM_REDUCE group's step goes to session_group.c instead,
+ *      whose norm phase, reduction and clip phase end in
+ *      dc_session_step_done as well;
+ *   4. reply (step_reply.c), or the error, with the spend of a step that
+ *      released nothing refunded.
+ * All on the loop thread except the work itself. While a step is accepted
+ * and not replied to (s->job), the session takes no other request. */
 #include <stddef.h>
-#include <stdio.h>
 #include <stdlib.h>
-#include <string.h>
 
 #include "dc_ewma.h"
 #include "log.h"
@@ -31,30 +24,11 @@
 #include "step_account.h"
 #include "step_reply.h"
 #include "step_run.h"
-#include "validate.h"
+#include "step_validate.h"
 
-/* A GPU step's workspace as its backend holds it now: a step that made it
- * grow past gpu.workspace allocated inside the step path. */
-static void note_workspace(dc_server *srv, const dc_step_job *j) {
-    if (j->step.device >= 0 && j->step.device < 8) {
-        uint64_t *held = &srv->gpu_workspace[j->step.device];
-        uint64_t had = *held > srv->cfg.gpu_workspace ? *held : srv->cfg.gpu_workspace;
-        if (j->workspace > had)
-            dc_log_warn("cuda:%d: a step needed more device workspace than gpu.workspace; it "
-                        "grew to %llu bytes inside the step: set gpu.workspace to at least "
-                        "that to keep allocations out of the step path",
-                        j->step.device, (unsigned long long)j->workspace);
-        *held = j->workspace;
-    }
-}
-
-/* A step of a grouped session refused before its norms reached the group:
- * the group step fails on every member, not only here. */
-static void group_fail(dc_session *s, const dc_step_job *j, const dc_err *e) {
-    if (s->group)
-        dc_group_fail(s->group, s->group_rank,
-                      j && j->group_step ? j->group_step : s->group_steps + 1, e);
-}
+static void step_accept(dc_session *s, uint64_t id, dc_step_job *j);
+static void step_account(dc_step_job *j);
+static void step_submit(dc_step_job *j);
 
 static void job_free(dc_step_job *j) {
     dc_step_result_free(&j->res);
@@ -72,60 +46,73 @@ static void session_next(dc_session *s) {
     else dc_session_process(s);
 }
 
-/* After a reply: a trainer's next request often follows within
- * microseconds (its next step in a tight loop, or a registration), so poll
- * a little (daemon.spin_us). And a trainer's steps come at a steady period:
- * have the loop, and the GPU's worker, awake around when the next one is
- * due, rather than pay two wake-ups on its critical path. */
-static void expect_next(dc_session *s, const dc_step_job *j, uint64_t now) {
-    dc_server *srv = s->srv;
-    dc_server_spin(srv, true);
-    if (!s->ewma_period_ns || !srv->spin_ns) return;
-    uint64_t due = j->t_frame + s->ewma_period_ns;
-    if (due + s->ewma_period_ns / 4 <= now) return; /* late already: no cadence to follow */
-    uint64_t m = dc_server_poll_margin(s->ewma_period_ns);
-    dc_server_poll(srv, due > m ? due - m : 0, due + m, true);
-    if (j->step.device >= 0) {
-        /* Its timed wait is precise to microseconds: a narrower window. */
-        uint64_t mw = s->ewma_period_ns / 20 > 300000u ? s->ewma_period_ns / 20 : 300000u;
-        dc_worker_pool_expect(&srv->gpu.pools[j->step.device], due > mw ? due - mw : 0,
-                              due + 2 * mw);
-    }
+/* A step of a grouped session refused before its norms reached the group:
+ * the group step fails on every member, not only here. */
+static void group_fail(dc_session *s, const dc_step_job *j, const dc_err *e) {
+    if (s->group)
+        dc_group_fail(s->group, s->group_rank,
+                      j && j->group_step ? j->group_step : s->group_steps + 1, e);
 }
 
-void dc_session_step_done(dc_job *job) {
-    dc_step_job *j = (dc_step_job *)job;
+/* A step refused before it ran. `async`: from a stage that waited, so the
+ * session then moves on to its next request. */
+static void step_refuse(dc_step_job *j, const dc_err *e, bool async) {
     dc_session *s = j->s;
-    dc_server *srv = s->srv;
-    uint64_t now, t_done = uv_hrtime();
-
+    uint64_t id = j->req_id;
     s->job = NULL;
-    if (j->step.device >= 0) {
-        uint64_t run = j->t_end - j->t_start;
-        dc_ewma_add(&s->ewma_gpu_run_ns, run);
-    }
-    if (j->rc == 0) {
-        Dpclip__Reply reply = DPCLIP__REPLY__INIT;
-        Dpclip__ClipStepReply cr = DPCLIP__CLIP_STEP_REPLY__INIT;
-        dc_step_reply_fill(j, ++s->steps, &cr);
-        reply.id = j->req_id;
-        reply.body_case = DPCLIP__REPLY__BODY_CLIP_STEP;
-        reply.clip_step = &cr;
-        dc_session_send(s, &reply);
-    } else {
-        s->steps_failed++;
-        if (j->err.code == DC_OK) dc_err_set(&j->err, DC_EINTERNAL, "clip_step", "step failed");
-        if (!j->res.released) dc_step_account_refund(j);
-        dc_session_send_error(s, j->req_id, &j->err);
-    }
-    now = uv_hrtime();
-    s->last_step_ns = now;
-    dc_step_reply_count(j, now, &srv->metrics);
-    note_workspace(srv, j);
-    expect_next(s, j, now);
-    dc_step_reply_log(j, s->id, s->steps, t_done, now, s->last_send_ns);
+    group_fail(s, j, e);
     job_free(j);
-    session_next(s);
+    dc_session_reject(s, id, e);
+    if (async) session_next(s);
+}
+
+/* --- 1. validate --------------------------------------------------------- */
+
+void dc_session_plan_drop(dc_session *s) {
+    dc_step_plan_free(s->plan);
+    s->plan = NULL;
+}
+
+int dc_session_step_cached(dc_session *s, uint64_t id, const uint8_t *key, size_t key_len) {
+    const dc_step_plan *p = s->plan;
+    dc_step_job *j;
+    if (!p || s->group || !dc_step_plan_matches(p, key, key_len, s->reg.gen, &s->srv->limits))
+        return 0;
+    if (!(j = calloc(1, sizeof *j))) return 0;
+    j->t_recv = uv_hrtime();
+    j->t_frame = s->t_frame;
+    /* The layers are borrowed from the plan, which outlives the job: it is
+     * replaced or dropped only while no step of the session is in flight
+     * (a new step validating, the session's end). */
+    dc_step_plan_use(p, j);
+    step_accept(s, id, j);
+    return 1;
+}
+
+void dc_session_step(dc_session *s, uint64_t id, const Dpclip__ClipStep *m, const uint8_t *key,
+                     size_t key_len) {
+    dc_step_job *j = calloc(1, sizeof *j);
+    dc_err e;
+
+    if (!j) {
+        dc_err_set(&e, DC_ENOSPACE, "clip_step", "out of memory");
+        dc_session_reject(s, id, &e);
+        return;
+    }
+    j->s = s;
+    j->req_id = id;
+    j->t_recv = uv_hrtime();
+    j->t_frame = s->t_frame;
+    if (dc_step_validate(j, m, &s->reg, &s->srv->limits, &e) ||
+        dc_session_group_prepare(s, m, j, &e)) {
+        step_refuse(j, &e, false);
+        return;
+    }
+    if (!s->group) { /* a grouped step depends on the group's state and counter */
+        dc_session_plan_drop(s);
+        if (key) s->plan = dc_step_plan_new(j, key, key_len, s->reg.gen, &s->srv->limits);
+    }
+    step_accept(s, id, j);
 }
 
 /* Loop thread: the step's GPU work is queued and signal_event recorded. */
@@ -143,85 +130,33 @@ static void step_notice(dc_job *job) {
     dc_session_send(s, &reply);
 }
 
-static void prewait_done(dc_job *job) {
-    struct dc_prewait *pw = (struct dc_prewait *)job;
-    dc_session *s = pw->s;
-    pw->busy = false;
-    s->async_ops--;
-    session_next(s);
-}
-
-void dc_session_prewait(dc_session *s) {
-    const struct dc_step_plan *p = s->plan;
-    const struct dc_session_event *ev;
-    struct dc_prewait *pw = s->prewait;
-    if (!p || p->step.device < 0 || p->step.device >= s->srv->gpu.n || !p->params.wait_event ||
-        (pw && pw->busy) || !(ev = dc_session_find_event(s, p->params.wait_event)) ||
-        ev->device != p->step.device)
-        return;
-    if (!pw && !(pw = s->prewait = calloc(1, sizeof *pw))) return; /* best effort */
-    pw->s = s;
-    pw->event = ev->event;
-    pw->t_frame = s->t_frame;
-    pw->rc = -1;
-    pw->busy = true;
-    pw->job.work = dc_step_run_prewait;
-    pw->job.done = prewait_done;
-    s->async_ops++; /* the session waits for it like for a handle open */
-    dc_worker_pool_submit(&s->srv->gpu.pools[p->step.device], &pw->job);
-}
-
-dc_worker_pool *dc_session_step_pool(const dc_step_job *j) {
-    dc_server *srv = j->s->srv;
-    return j->step.device >= 0 ? &srv->gpu.pools[j->step.device] : &srv->cpu_pool;
-}
-
-static void step_submit(dc_step_job *j) {
-    dc_session *s = j->s;
-    dc_server *srv = s->srv;
-    struct dc_prewait *pw = s->prewait;
-    /* The pre-wait counts if it was for this frame and this event, and is
-     * still to run (step_work reads its result) or ran fine. */
-    if (pw && j->wait_event && pw->t_frame == j->t_frame && pw->event == j->wait_event &&
-        (pw->busy || pw->rc == 0))
-        j->prewait = pw;
-    j->step.noise_key = srv->noise_key;
-    j->step.noise_step = ++srv->noise_steps;
-    j->job.owner = (uint32_t)s->peer_uid; /* workers are shared fairly between users */
-    if (j->grouped) { /* norm phase, the group's reduction, clip phase */
-        dc_session_group_submit(j);
+/* A validated step (owned by j): check what it names of the session's
+ * current state, then account for it. */
+static void step_accept(dc_session *s, uint64_t id, dc_step_job *j) {
+    const struct dc_step_params *m = &j->params;
+    dc_err e;
+    j->s = s;
+    j->req_id = id;
+    if (s->prev_step_frame) {
+        /* A pause (over a second: evaluation, checkpointing) is no period. */
+        uint64_t period = j->t_frame - s->prev_step_frame;
+        if (period < 1000000000u)
+            dc_ewma_add(&s->ewma_period_ns, period);
+    }
+    s->prev_step_frame = j->t_frame;
+    if (dc_step_validate_names(j, s->srv->gpu.n,
+                               m->wait_event ? dc_session_find_event(s, m->wait_event) : NULL,
+                               m->signal_event ? dc_session_find_event(s, m->signal_event) : NULL,
+                               &e) ||
+        dc_step_run_prepare(j, &e)) {
+        step_refuse(j, &e, false);
         return;
     }
-    j->job.work = dc_step_run_work;
-    j->job.done = dc_session_step_done;
-    j->t_submit = uv_hrtime();
-    dc_worker_pool_submit(dc_session_step_pool(j), &j->job);
-    /* Poll for what comes back: an early notice within about the time the
-     * last ones took, the completion around the recent steps' run time. */
-    uint64_t now = j->t_submit;
-    if (j->notify)
-        dc_server_poll(srv, now, now + (s->ewma_notice_ns ? 2 * s->ewma_notice_ns + 100000u
-                                                           : 2000000u), false);
-    if (j->step.device >= 0 && s->ewma_gpu_run_ns) {
-        uint64_t run = s->ewma_gpu_run_ns, m = dc_server_poll_margin(run);
-        dc_server_poll(srv, now + run > m ? now + run - m : now, now + run + 2 * m, false);
-    } else {
-        dc_server_spin(srv, false);
-    }
+    if (j->notify) j->job.notice = step_notice;
+    step_account(j);
 }
 
-/* A step refused before it ran: a grouped session's group step fails on
- * every member too. `async`: from a stage that waited, so the session then
- * moves on to its next request. */
-static void step_refuse(dc_step_job *j, const dc_err *e, bool async) {
-    dc_session *s = j->s;
-    uint64_t id = j->req_id;
-    s->job = NULL;
-    group_fail(s, j, e);
-    job_free(j);
-    dc_session_reject(s, id, e);
-    if (async) session_next(s);
-}
+/* --- 2. account ---------------------------------------------------------- */
 
 /* The spend is on disk, or could not be written (rc: the step is refused). */
 static void step_durable(dc_step_job *j, int rc, const dc_err *e) {
@@ -279,167 +214,144 @@ fail:
     step_refuse(j, &e, false);
 }
 
-/* --- the step plan cache ----------------------------------------------------
- *
- * A trainer sends the same ClipStep every iteration (the same tensors of the
- * same registered buffers; PyTorch's caching allocator hands back the same
- * blocks). Decoding and validating 70-odd layers costs tens of microseconds
- * on the loop thread per step, so the last step that validated is kept with
- * the bytes of its clip_step field: the same bytes under the same registry
- * generation (no buffer added or released since) and the same limits
- * validate to the same step, and are taken from the cache. Only frames whose
- * id and step those bytes alone decide are keyed (wire.h): any other frame is
- * decoded, so the cache never answers what the decoder would refuse, nor
- * with another id. Everything that depends on other state (events, device,
- * budget) is checked again on every step. */
+/* --- 3. run ---------------------------------------------------------------- */
 
-static void plan_free(struct dc_step_plan *p) {
-    if (!p) return;
-    dc_validate_step_free(&p->step);
-    free(p->bytes);
-    free(p);
+dc_worker_pool *dc_session_step_pool(const dc_step_job *j) {
+    dc_server *srv = j->s->srv;
+    return j->step.device >= 0 ? &srv->gpu.pools[j->step.device] : &srv->cpu_pool;
 }
 
-void dc_session_plan_drop(dc_session *s) {
-    plan_free(s->plan);
-    s->plan = NULL;
-}
-
-/* Keeps a copy of a step that just validated (best effort: out of memory
- * only costs the next step its cache hit). */
-static void plan_keep(dc_session *s, const dc_step *step, const struct dc_step_params *p,
-                      const uint8_t *key, size_t key_len) {
-    struct dc_step_plan *n;
-    dc_session_plan_drop(s);
-    if (!key || !(n = calloc(1, sizeof *n))) return;
-    n->bytes = malloc(key_len ? key_len : 1);
-    n->step = *step;
-    n->step.layers = malloc(step->n_layers * sizeof *step->layers);
-    if (!n->bytes || !n->step.layers) {
-        free(n->step.layers);
-        free(n->bytes);
-        free(n);
-        return;
-    }
-    memcpy(n->bytes, key, key_len);
-    n->len = key_len;
-    memcpy(n->step.layers, step->layers, step->n_layers * sizeof *step->layers);
-    n->reg_gen = s->reg.gen;
-    n->limits = s->srv->limits;
-    n->params = *p;
-    s->plan = n;
-}
-
-static void step_accept(dc_session *s, uint64_t id, dc_step_job *j);
-
-int dc_session_step_cached(dc_session *s, uint64_t id, const uint8_t *key, size_t key_len) {
-    const struct dc_step_plan *p = s->plan;
-    dc_step_job *j;
-    if (!p || s->group || p->len != key_len || p->reg_gen != s->reg.gen ||
-        memcmp(&p->limits, &s->srv->limits, sizeof p->limits) != 0 ||
-        memcmp(p->bytes, key, key_len) != 0)
-        return 0;
-    if (!(j = calloc(1, sizeof *j))) return 0;
-    j->t_recv = uv_hrtime();
-    j->t_frame = s->t_frame;
-    /* The layers are borrowed from the plan, which outlives the job: it is
-     * replaced or dropped only while no step of the session is in flight
-     * (a new step validating, the session's end). */
-    j->step = p->step;
-    j->params = p->params;
-    j->cached = true;
-    step_accept(s, id, j);
-    return 1;
-}
-
-void dc_session_step(dc_session *s, uint64_t id, const Dpclip__ClipStep *m, const uint8_t *key,
-                     size_t key_len) {
-    dc_step_job *j = calloc(1, sizeof *j);
-    dc_err e;
-
-    if (!j) {
-        dc_err_set(&e, DC_ENOSPACE, "clip_step", "out of memory");
-        dc_session_reject(s, id, &e);
-        return;
-    }
-    j->t_recv = uv_hrtime();
-    j->t_frame = s->t_frame;
-    j->params = (struct dc_step_params){m->wait_event, m->signal_event, m->notify_enqueued,
-                                        m->sample_rate, m->target_delta, m->target_epsilon};
-    if (dc_validate_step(m, &s->reg, &s->srv->limits, &j->step, &e)) {
-        free(j);
-        group_fail(s, NULL, &e);
-        dc_session_reject(s, id, &e);
-        return;
-    }
-    if (dc_session_group_prepare(s, m, j, &e)) {
-        group_fail(s, j, &e);
-        job_free(j);
-        dc_session_reject(s, id, &e);
-        return;
-    }
-    /* a grouped step depends on the group's state and counter: not cached */
-    if (!s->group) plan_keep(s, &j->step, &j->params, key, key_len);
-    step_accept(s, id, j);
-}
-
-/* A validated step (owned by j): check what depends on the session's
- * current state, account, run. */
-static void step_accept(dc_session *s, uint64_t id, dc_step_job *j) {
-    const struct dc_step_params *m = &j->params;
+static void step_submit(dc_step_job *j) {
+    dc_session *s = j->s;
     dc_server *srv = s->srv;
-    dc_err e;
-    j->s = s;
-    j->req_id = id;
-    if (s->prev_step_frame) {
-        /* A pause (over a second: evaluation, checkpointing) is no period. */
-        uint64_t period = j->t_frame - s->prev_step_frame;
-        if (period < 1000000000u)
-            dc_ewma_add(&s->ewma_period_ns, period);
+    struct dc_prewait *pw = s->prewait;
+    /* The pre-wait counts if it was for this frame and this event, and is
+     * still to run (dc_step_run_work reads its result) or ran fine. */
+    if (pw && j->wait_event && pw->t_frame == j->t_frame && pw->event == j->wait_event &&
+        (pw->busy || pw->rc == 0))
+        j->prewait = pw;
+    j->step.noise_key = srv->noise_key;
+    j->step.noise_step = ++srv->noise_steps;
+    j->job.owner = (uint32_t)s->peer_uid; /* workers are shared fairly between users */
+    if (j->grouped) { /* norm phase, the group's reduction, clip phase */
+        dc_session_group_submit(j);
+        return;
     }
-    s->prev_step_frame = j->t_frame;
-    if (j->step.device >= srv->gpu.n) {
-        dc_err_set(&e, DC_EPRECOND, "clip_step", "no GPU backend for device %d", j->step.device);
-        goto fail_step;
+    j->job.work = dc_step_run_work;
+    j->job.done = dc_session_step_done;
+    j->t_submit = uv_hrtime();
+    dc_worker_pool_submit(dc_session_step_pool(j), &j->job);
+    /* Poll for what comes back: an early notice within about the time the
+     * last ones took, the completion around the recent steps' run time. */
+    uint64_t now = j->t_submit;
+    if (j->notify)
+        dc_server_poll(srv, now, now + (s->ewma_notice_ns ? 2 * s->ewma_notice_ns + 100000u
+                                                           : 2000000u), false);
+    if (j->step.device >= 0 && s->ewma_gpu_run_ns) {
+        uint64_t run = s->ewma_gpu_run_ns, m = dc_server_poll_margin(run);
+        dc_server_poll(srv, now + run > m ? now + run - m : now, now + run + 2 * m, false);
+    } else {
+        dc_server_spin(srv, false);
     }
-    if (m->wait_event || m->signal_event) {
-        const struct dc_session_event *w = m->wait_event ? dc_session_find_event(s, m->wait_event) : NULL;
-        const struct dc_session_event *g = m->signal_event ? dc_session_find_event(s, m->signal_event) : NULL;
-        if (m->wait_event && !w) {
-            dc_err_set(&e, DC_ENOTFOUND, "clip_step.wait_event",
-                       "event %llu is not registered in this session",
-                       (unsigned long long)m->wait_event);
-            goto fail_step;
-        }
-        if (m->signal_event && !g) {
-            dc_err_set(&e, DC_ENOTFOUND, "clip_step.signal_event",
-                       "event %llu is not registered in this session",
-                       (unsigned long long)m->signal_event);
-            goto fail_step;
-        }
-        if ((w && w->device != j->step.device) || (g && g->device != j->step.device)) {
-            dc_err_set(&e, DC_EINVAL, w && w->device != j->step.device ? "clip_step.wait_event"
-                                                                      : "clip_step.signal_event",
-                       "events must be on the step's device (%s)",
-                       j->step.device < 0 ? "host memory" : "the tensors' GPU");
-            goto fail_step;
-        }
-        j->wait_event = w ? w->event : NULL;
-        j->signal_event = g ? g->event : NULL;
-    }
-    if (m->notify_enqueued) {
-        if (!j->signal_event) {
-            dc_err_set(&e, DC_EINVAL, "clip_step.notify_enqueued",
-                       "an early notice needs a signal_event for the client to wait on");
-            goto fail_step;
-        }
-        j->notify = true;
-        j->job.notice = step_notice;
-    }
-    if (dc_step_run_prepare(j, &e)) goto fail_step;
-    step_account(j);
-    return;
+}
 
-fail_step:
-    step_refuse(j, &e, false);
+static void prewait_done(dc_job *job) {
+    struct dc_prewait *pw = (struct dc_prewait *)job;
+    dc_session *s = pw->s;
+    pw->busy = false;
+    s->async_ops--;
+    session_next(s);
+}
+
+void dc_session_prewait(dc_session *s) {
+    const dc_step_plan *p = s->plan;
+    const struct dc_session_event *ev;
+    struct dc_prewait *pw = s->prewait;
+    if (!p || p->step.device < 0 || p->step.device >= s->srv->gpu.n || !p->params.wait_event ||
+        (pw && pw->busy) || !(ev = dc_session_find_event(s, p->params.wait_event)) ||
+        ev->device != p->step.device)
+        return;
+    if (!pw && !(pw = s->prewait = calloc(1, sizeof *pw))) return; /* best effort */
+    pw->s = s;
+    pw->event = ev->event;
+    pw->t_frame = s->t_frame;
+    pw->rc = -1;
+    pw->busy = true;
+    pw->job.work = dc_step_run_prewait;
+    pw->job.done = prewait_done;
+    s->async_ops++; /* the session waits for it like for a handle open */
+    dc_worker_pool_submit(&s->srv->gpu.pools[p->step.device], &pw->job);
+}
+
+/* --- 4. reply ---------------------------------------------------------------- */
+
+/* A GPU step's workspace as its backend holds it now: a step that made it
+ * grow past gpu.workspace allocated inside the step path. */
+static void note_workspace(dc_server *srv, const dc_step_job *j) {
+    if (j->step.device >= 0 && j->step.device < 8) {
+        uint64_t *held = &srv->gpu_workspace[j->step.device];
+        uint64_t had = *held > srv->cfg.gpu_workspace ? *held : srv->cfg.gpu_workspace;
+        if (j->workspace > had)
+            dc_log_warn("cuda:%d: a step needed more device workspace than gpu.workspace; it "
+                        "grew to %llu bytes inside the step: set gpu.workspace to at least "
+                        "that to keep allocations out of the step path",
+                        j->step.device, (unsigned long long)j->workspace);
+        *held = j->workspace;
+    }
+}
+
+/* After a reply: a trainer's next request often follows within
+ * microseconds (its next step in a tight loop, or a registration), so poll
+ * a little (daemon.spin_us). And a trainer's steps come at a steady period:
+ * have the loop, and the GPU's worker, awake around when the next one is
+ * due, rather than pay two wake-ups on its critical path. */
+static void expect_next(dc_session *s, const dc_step_job *j, uint64_t now) {
+    dc_server *srv = s->srv;
+    dc_server_spin(srv, true);
+    if (!s->ewma_period_ns || !srv->spin_ns) return;
+    uint64_t due = j->t_frame + s->ewma_period_ns;
+    if (due + s->ewma_period_ns / 4 <= now) return; /* late already: no cadence to follow */
+    uint64_t m = dc_server_poll_margin(s->ewma_period_ns);
+    dc_server_poll(srv, due > m ? due - m : 0, due + m, true);
+    if (j->step.device >= 0) {
+        /* Its timed wait is precise to microseconds: a narrower window. */
+        uint64_t mw = s->ewma_period_ns / 20 > 300000u ? s->ewma_period_ns / 20 : 300000u;
+        dc_worker_pool_expect(&srv->gpu.pools[j->step.device], due > mw ? due - mw : 0,
+                              due + 2 * mw);
+    }
+}
+
+void dc_session_step_done(dc_job *job) {
+    dc_step_job *j = (dc_step_job *)job;
+    dc_session *s = j->s;
+    dc_server *srv = s->srv;
+    uint64_t now, t_done = uv_hrtime();
+
+    s->job = NULL;
+    if (j->step.device >= 0) {
+        uint64_t run = j->t_end - j->t_start;
+        dc_ewma_add(&s->ewma_gpu_run_ns, run);
+    }
+    if (j->rc == 0) {
+        Dpclip__Reply reply = DPCLIP__REPLY__INIT;
+        Dpclip__ClipStepReply cr = DPCLIP__CLIP_STEP_REPLY__INIT;
+        dc_step_reply_fill(j, ++s->steps, &cr);
+        reply.id = j->req_id;
+        reply.body_case = DPCLIP__REPLY__BODY_CLIP_STEP;
+        reply.clip_step = &cr;
+        dc_session_send(s, &reply);
+    } else {
+        s->steps_failed++;
+        if (j->err.code == DC_OK) dc_err_set(&j->err, DC_EINTERNAL, "clip_step", "step failed");
+        if (!j->res.released) dc_step_account_refund(j);
+        dc_session_send_error(s, j->req_id, &j->err);
+    }
+    now = uv_hrtime();
+    s->last_step_ns = now;
+    dc_step_reply_count(j, now, &srv->metrics);
+    note_workspace(srv, j);
+    expect_next(s, j, now);
+    dc_step_reply_log(j, s->id, s->steps, t_done, now, s->last_send_ns);
+    job_free(j);
+    session_next(s);
 }
