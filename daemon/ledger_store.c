@@ -3,9 +3,10 @@
  * fsync: dc_ledger_write_file) on libuv's thread pool, and the generation
  * it holds is recorded back on the loop, where the waiters for it are
  * answered. */
+#include "ledger.h"
+
 #include <stdlib.h>
 
-#include "ledger.h"
 #include "log.h"
 #include "metrics.h"
 

@@ -64,7 +64,7 @@ struct dc_prewait {
 };
 
 /* A step from request to reply. Owned by the session (s->job) from the
- * moment it is accepted until step_done has replied. */
+ * moment it is accepted until dc_session_step_done has replied. */
 struct dc_step_job {
     dc_job job;
     dc_session *s;
@@ -74,8 +74,8 @@ struct dc_step_job {
     void *wait_event;      /* GPU steps: cudaEvent_t or NULL */
     void *signal_event;
     struct dc_prewait *prewait; /* issued for this step's frame and event, if any */
-    /* notify_enqueued: the backend (worker thread) calls step_enqueued, which
-     * records signal_event and has step_notice send the notice. */
+    /* notify_enqueued: the backend (worker thread) calls step_run.c's hook,
+     * which records signal_event and has the session send the notice. */
     bool notify;
     bool signaled;         /* signal_event recorded (worker thread) */
     bool cached;           /* from the session's plan cache: step.layers is the plan's */
