@@ -90,7 +90,7 @@ static void *snapshot(void *arg) {
     r->budget_delta = c->budget_delta;
     r->max_jobs_per_uid = c->ledger_max_jobs_per_uid;
     r->job_idle_s = c->ledger_job_idle_s;
-    r->writes_in_flight = srv->ledger_writes_in_flight;
+    r->writes_in_flight = srv->ledger.writes_in_flight;
     {
         size_t ng = dc_groups_count(&srv->groups);
         if (ng && (r->norm_groups = calloc(ng, sizeof *r->norm_groups)))

@@ -17,10 +17,10 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "gpu.h"
 #include "log.h"
 #include "server.h"
 #include "session_int.h"
+#include "step_run.h"
 
 void dc_session_group_leave(dc_session *s, const char *why) {
     if (!s->group) return;
@@ -149,20 +149,6 @@ int dc_session_group_prepare(dc_session *s, const Dpclip__ClipStep *m, dc_step_j
 
 /* --- the stages ------------------------------------------------------------ */
 
-static void clip_work(dc_job *job, dc_backend *be) {
-    dc_step_job *j = (dc_step_job *)job;
-    j->t_start = j->t_waited = uv_hrtime();
-    j->be = be;
-    dc_err_clear(&j->err);
-    j->rc = be->ops->run_clip(be, &j->step, j->n2, j->tot, &j->res, &j->err);
-    if (j->rc == 0 && j->signal_event) { /* the client's stream may go on */
-        j->res.released = true;
-        j->rc = dc_gpu_record_event(be, j->signal_event, &j->err);
-    }
-    j->t_end = uv_hrtime();
-}
-
-
 /* The group's totals (or why the group step failed). */
 static void on_totals(dc_group_waiter *w, int rc, const double *tot, const dc_err *err) {
     dc_step_job *j = w->arg;
@@ -179,24 +165,9 @@ static void on_totals(dc_group_waiter *w, int rc, const double *tot, const dc_er
     /* From here the other members may release their parts of this step:
      * rank 0's charge for it stands whatever happens to its own part. */
     if (s->group_rank == 0) j->res.released = true;
-    j->job.work = clip_work;
+    j->job.work = dc_step_run_clip_work;
     j->job.done = dc_session_step_done;
     dc_worker_pool_submit(dc_session_step_pool(j), &j->job);
-}
-
-static void norms_work(dc_job *job, dc_backend *be) {
-    dc_step_job *j = (dc_step_job *)job;
-    j->t_start = j->t_waited = uv_hrtime();
-    dc_err_clear(&j->err);
-    /* GPU steps: the stream waits for the client's inputs first (unless a
-     * pre-wait for this step's event already did, on this thread) */
-    bool waited = j->prewait && j->prewait->rc == 0;
-    if (j->wait_event && !waited && (j->rc = dc_gpu_wait_event(be, j->wait_event, &j->err)))
-        return;
-    j->rc = be->ops->run_norms
-                ? be->ops->run_norms(be, &j->step, j->n2, &j->err)
-                : dc_err_set(&j->err, DC_EUNIMPL, "clip_step",
-                             "the %s backend has no separate norm phase", be->ops->name);
 }
 
 static void norms_done(dc_job *job) {
@@ -248,7 +219,7 @@ void dc_session_group_submit(dc_step_job *j) {
         dc_session_step_done(&j->job);
         return;
     }
-    j->job.work = norms_work;
+    j->job.work = dc_step_run_norms_work;
     j->job.done = norms_done;
     j->t_submit = uv_hrtime();
     dc_worker_pool_submit(dc_session_step_pool(j), &j->job);
