@@ -120,15 +120,6 @@ static void test_tp_split(void **state) {
  * 4 members in the second round), which arrive in any order. */
 static void test_pp_split(void **state) {
     (void)state;
-    dc_test_layer_spec model[6] = {
-        {DC_LAYER_EMBEDDING, B, 7, 8, 30, DC_F32, 0, DC_ALGO_AUTO, 1, 0},
-        {DC_LAYER_LAYERNORM, B, 7, 8, 0, DC_BF16, 1, DC_ALGO_AUTO, 1, 0},
-        {DC_LAYER_LINEAR, B, 7, 8, 16, DC_F32, 1, DC_ALGO_GHOST, 1, 0},
-        {DC_LAYER_LINEAR, B, 7, 16, 8, DC_F16, 1, DC_ALGO_DIRECT, 1, 0},
-        {DC_LAYER_RMSNORM, B, 7, 8, 0, DC_F32, 0, DC_ALGO_AUTO, 1, 0},
-        {DC_LAYER_LINEAR, B, 7, 8, 30, DC_F32, 0, DC_ALGO_AUTO, 1, 0},
-    };
-    static const int stage_of[2][6] = {{0, 0, 0, 1, 1, 1}, {0, 1, 1, 2, 3, 3}};
     for (int v = 0; v < 2; v++) {
         int n = v ? 4 : 2;
         char name[32];
@@ -144,7 +135,7 @@ static void test_pp_split(void **state) {
                                                              "pp-job"),
                                               0, B, &cfg),
                              0);
-        for (int l = 0; l < 6; l++) assert_true(dc_shm_step_add(&st[stage_of[v][l]], &model[l], &r, 1.0f) >= 0);
+        for (int l = 0; l < 6; l++) assert_true(dc_shm_step_add(&st[dc_group_pp_stage_of[v][l]], &dc_group_pp_model[l], &r, 1.0f) >= 0);
         cfg = dc_group_config(dc_group_median(st, n), 0.0f); /* clips half of the whole model's */
         dc_group_set_c(st, n, cfg.max_grad_norm, 0.0f);
         /* the last stage first: members may come in any order */

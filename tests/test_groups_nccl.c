@@ -90,15 +90,6 @@ static void skip_without_nccl(void) {
  * (two per daemon: the daemons sum their own members, then exchange). */
 static void test_pp_across_daemons(void **state) {
     (void)state;
-    dc_test_layer_spec model[6] = {
-        {DC_LAYER_EMBEDDING, B, 7, 8, 30, DC_F32, 0, DC_ALGO_AUTO, 1, 0},
-        {DC_LAYER_LAYERNORM, B, 7, 8, 0, DC_BF16, 1, DC_ALGO_AUTO, 1, 0},
-        {DC_LAYER_LINEAR, B, 7, 8, 16, DC_F32, 1, DC_ALGO_GHOST, 1, 0},
-        {DC_LAYER_LINEAR, B, 7, 16, 8, DC_F16, 1, DC_ALGO_DIRECT, 1, 0},
-        {DC_LAYER_RMSNORM, B, 7, 8, 0, DC_F32, 0, DC_ALGO_AUTO, 1, 0},
-        {DC_LAYER_LINEAR, B, 7, 8, 30, DC_F32, 0, DC_ALGO_AUTO, 1, 0},
-    };
-    static const int stage_of[2][6] = {{0, 0, 0, 1, 1, 1}, {0, 1, 1, 2, 3, 3}};
     skip_without_nccl();
     for (int v = 0; v < 2; v++) {
         int n = v ? 4 : 2;
@@ -114,7 +105,7 @@ static void test_pp_across_daemons(void **state) {
         join_all(name, n, 30000, c);
         for (int k = 0; k < n; k++) assert_int_equal(dc_shm_step_init(&st[k], c[k], 0, B, &cfg), 0);
         for (int l = 0; l < 6; l++)
-            assert_true(dc_shm_step_add(&st[stage_of[v][l]], &model[l], &r, 1.0f) >= 0);
+            assert_true(dc_shm_step_add(&st[dc_group_pp_stage_of[v][l]], &dc_group_pp_model[l], &r, 1.0f) >= 0);
         dc_group_set_c(st, n, dc_group_median(st, n), 0.0f); /* clips half */
         for (int it = 0; it < 3; it++) { /* the first step waits for the link to form */
             dc_group_run(st, n, res, rcs);

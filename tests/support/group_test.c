@@ -124,3 +124,13 @@ uint64_t dc_ms_now(void) {
     return (uint64_t)ts.tv_sec * 1000u + (uint64_t)ts.tv_nsec / 1000000u;
 }
 
+
+const dc_test_layer_spec dc_group_pp_model[6] = {
+    {DC_LAYER_EMBEDDING, B, 7, 8, 30, DC_F32, 0, DC_ALGO_AUTO, 1, 0},
+    {DC_LAYER_LAYERNORM, B, 7, 8, 0, DC_BF16, 1, DC_ALGO_AUTO, 1, 0},
+    {DC_LAYER_LINEAR, B, 7, 8, 16, DC_F32, 1, DC_ALGO_GHOST, 1, 0},
+    {DC_LAYER_LINEAR, B, 7, 16, 8, DC_F16, 1, DC_ALGO_DIRECT, 1, 0},
+    {DC_LAYER_RMSNORM, B, 7, 8, 0, DC_F32, 0, DC_ALGO_AUTO, 1, 0},
+    {DC_LAYER_LINEAR, B, 7, 8, 30, DC_F32, 0, DC_ALGO_AUTO, 1, 0},
+};
+const int dc_group_pp_stage_of[2][6] = {{0, 0, 0, 1, 1, 1}, {0, 1, 1, 2, 3, 3}};

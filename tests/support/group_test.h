@@ -29,4 +29,9 @@ void dc_group_set_c(dc_shm_step *st, int n, float C, float sigma);
 void dc_group_check(dc_shm_step *st, int n, const dpclip_result *res, float C);
 uint64_t dc_ms_now(void);
 
+/* A small transformer (embedding, LayerNorm, MLP, RMSNorm, head) and its
+ * pipeline split over 2 members ([0]) and over 4 ([1]): layer l's stage. */
+extern const dc_test_layer_spec dc_group_pp_model[6];
+extern const int dc_group_pp_stage_of[2][6];
+
 #endif
