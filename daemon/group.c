@@ -48,6 +48,9 @@ struct dc_group {
     uint8_t *xsend, *xrecv;    /* the exchange's bytes, this daemon's and all */
     size_t xcap;
     uint64_t t_local, exchanges, last_exchange_ns;
+    /* the leader's last charged group step, at its noise multiplier */
+    uint64_t charged_step;
+    float charged_sigma;
 };
 
 /* One daemon's part of an exchange: its group step, its members' terms
@@ -614,6 +617,24 @@ void dc_group_fail(dc_group *g, uint32_t rank, uint64_t step, const dc_err *err)
     g->failed = step;
     g->failed_err = e;
     if (g->cur == step) fail_waiting(g, e.code, &e);
+}
+
+static uint32_t leader(const dc_group *g) {
+    for (uint32_t r = 0; r < g->size; r++)
+        if (g->joined[r]) return r;
+    return UINT32_MAX;
+}
+
+bool dc_group_covers(const dc_group *g, uint32_t rank, uint64_t step, float sigma) {
+    if (g->dissolved || rank == leader(g)) return false;
+    if (g->clipping == DC_GROUP_NORM_REDUCE) return true;
+    return g->charged_step >= step && sigma >= g->charged_sigma;
+}
+
+void dc_group_charged(dc_group *g, uint32_t rank, uint64_t step, float sigma) {
+    if (rank != leader(g) || step < g->charged_step) return;
+    g->charged_step = step;
+    g->charged_sigma = sigma;
 }
 
 uint64_t dc_group_id(const dc_group *g) { return g->id; }

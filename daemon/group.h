@@ -137,6 +137,19 @@ int dc_group_deliver(dc_group *g, dc_group_waiter *w, dc_err *err);
  * of that group step fail with err (those waiting now and those to come). */
 void dc_group_fail(dc_group *g, uint32_t rank, uint64_t step, const dc_err *err);
 
+/* Accounting: a group step is one logical step, charged on each daemon
+ * once, to the step of the group's leader there (its lowest rank joined on
+ * this daemon: rank 0 on daemon 0). dc_group_covers says whether rank's
+ * step of group step `step` is covered by the leader's charge: in a
+ * NORM_REDUCE group every other member's step waits for the leader's (and
+ * fails with it, terms checked equal); in a GROUP_WISE group, whose steps
+ * never wait, only once the leader's step of that group step was charged
+ * at a noise multiplier <= sigma. Otherwise the step is charged itself
+ * (over-counting, never under-counting). dc_group_charged records a
+ * charged step. */
+bool dc_group_covers(const dc_group *g, uint32_t rank, uint64_t step, float sigma);
+void dc_group_charged(dc_group *g, uint32_t rank, uint64_t step, float sigma);
+
 /* The group's facts, for the session and /status. */
 uint64_t dc_group_id(const dc_group *g);
 const char *dc_group_name(const dc_group *g);

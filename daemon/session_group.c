@@ -118,6 +118,14 @@ int dc_session_group_prepare(dc_session *s, const Dpclip__ClipStep *m, dc_step_j
         return dc_err_set(e, DC_EINVAL, "clip_step.clip.mode",
                           "per-layer clipping needs no norm group: each member clips its own "
                           "layers (leave the group)");
+    /* Group steps only go forward: a step number taken again could claim
+     * the leader's charge for a step already released. */
+    if (m->group_step && m->group_step <= s->group_steps)
+        return dc_err_set(e, DC_EINVAL, "clip_step.group_step",
+                          "group step %llu: this member is at group step %llu already (group "
+                          "steps only increase)",
+                          (unsigned long long)m->group_step,
+                          (unsigned long long)s->group_steps);
     j->group_step = m->group_step ? m->group_step : s->group_steps + 1;
     if (dc_group_clipping_of(g) == DC_GROUP_WISE) {
         /* He et al.: C_k = C / sqrt(K), so that sum_k C_k^2 = C^2; the

@@ -172,9 +172,11 @@ static void step_charge(dc_step_job *j, bool async) {
     dc_server *srv = s->srv;
     bool wait;
     dc_err e;
-    if (dc_step_account_charge(j, s->ljob, s->group && s->group_rank > 0, &srv->cfg,
-                               &srv->metrics, &e))
-        goto fail;
+    bool covered = s->group && dc_group_covers(s->group, s->group_rank, j->group_step,
+                                               (float)j->sigma);
+    if (dc_step_account_charge(j, s->ljob, covered, &srv->cfg, &srv->metrics, &e)) goto fail;
+    if (s->group && !covered) dc_group_charged(s->group, s->group_rank, j->group_step,
+                                               (float)j->sigma);
     j->t_checked = uv_hrtime();
     s->job = j;
     if (dc_step_account_durable(j, step_durable, &wait, &e)) goto fail;

@@ -334,6 +334,51 @@ static void test_ledger_once(void **state) {
     }
 }
 
+/* Group-wise steps never wait for each other, so a member's step is
+ * charged unless the leader's (rank 0's) step of that group step was
+ * charged first: a member stepping alone, or ahead of rank 0, cannot take
+ * steps for free. */
+static void test_group_wise_charges(void **state) {
+    (void)state;
+    dc_test_rng r;
+    dc_test_rng_seed(&r, 880);
+    dc_test_layer_spec sp = {DC_LAYER_LINEAR, B, 3, 8, 6, DC_F32, 0, DC_ALGO_AUTO, 1, 0};
+    dpclip_clip_config cfg = dc_group_config(1.0f, 1.0f);
+    cfg.sample_rate = 0.1;
+    dc_shm_step st[2];
+    dpclip_result res;
+    const char *jobs[2] = {"gwc-0", "gwc-1"};
+    for (int k = 0; k < 2; k++) {
+        assert_int_equal(dc_shm_step_init(&st[k], member("gwc", (uint32_t)k, 2, 0, 1, jobs[k]),
+                                          0, B, &cfg),
+                         0);
+        assert_true(dc_shm_step_add(&st[k], &sp, &r, 1.0f) >= 0);
+    }
+    /* rank 1 ahead of rank 0 (group step 1): charged to its own job */
+    assert_int_equal(dpclip_run(st[1].c, st[1].step, &res), 0);
+    double eps1 = res.epsilon;
+    assert_true(eps1 > 0.0 && isfinite(eps1));
+    dpclip_result_free(&res);
+    /* rank 0 steps 1 and 2; rank 1's step 2 then is covered */
+    for (int it = 0; it < 2; it++) {
+        assert_int_equal(dpclip_run(st[0].c, st[0].step, &res), 0);
+        assert_true(res.epsilon > 0.0);
+        dpclip_result_free(&res);
+    }
+    assert_int_equal(dpclip_run(st[1].c, st[1].step, &res), 0);
+    assert_true(res.epsilon == eps1);
+    dpclip_result_free(&res);
+    /* and its step 3, ahead of rank 0 again, is charged */
+    assert_int_equal(dpclip_run(st[1].c, st[1].step, &res), 0);
+    assert_true(res.epsilon > eps1);
+    dpclip_result_free(&res);
+    for (int k = 0; k < 2; k++) {
+        dpclip_client *c = st[k].c;
+        dc_shm_step_free(&st[k]);
+        dpclip_disconnect(c);
+    }
+}
+
 /* Group-wise clipping: each member clips to C / sqrt(2) alone and does not
  * wait for the other. */
 static void test_group_wise(void **state) {
@@ -496,7 +541,7 @@ static void test_cross_daemon_join(void **state) {
 
 int main(void) {
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(test_cross_daemon_join),
+        cmocka_unit_test(test_cross_daemon_join), cmocka_unit_test(test_group_wise_charges),
         cmocka_unit_test(test_tp_split),         cmocka_unit_test(test_pp_split),
         cmocka_unit_test(test_replicated),       cmocka_unit_test(test_member_timeout),
         cmocka_unit_test(test_member_disconnect), cmocka_unit_test(test_ledger_once),
