@@ -367,10 +367,10 @@ class Sharded:
         shards = self._reduce_scatter(full, cuda)
         del full
         t2 = time.perf_counter()
-        noise = None
+        noise = nres = None
         if failed is None:
             try:
-                noise, ok_noise = (self._noise_cuda if cuda else self._noise_host)(device)
+                noise, nres, ok_noise = (self._noise_cuda if cuda else self._noise_host)(device)
                 ok = ok * ok_noise
             except Exception as exc:  # pylint: disable=broad-except
                 failed = exc
@@ -391,6 +391,8 @@ class Sharded:
                 "rank's result a shard could lack its owner's noise or a rank's samples; the "
                 "gradients were zeroed" % (e.steps + 1, self.world))
         e._finish(res, B)  # pylint: disable=protected-access
+        # the job's spend with this step: the noise step's (rank 0's is charged)
+        e.last_epsilon, e.last_delta = nres.epsilon, nres.delta
 
     def reduce_scatter_ms(self) -> float:
         """The last step's reduce-scatter on the device (CUDA; synchronizes),
@@ -521,9 +523,11 @@ class Sharded:
         return shards
 
     # -- the noise step -------------------------------------------------------------------------
-    def _noise_host(self, device: torch.device) -> Tuple[torch.Tensor, torch.Tensor]:
+    def _noise_host(self, device: torch.device
+                    ) -> Tuple[torch.Tensor, _lib.StepResult, torch.Tensor]:
         """The noise of this rank's shards, [shard_n] f32, from the noise
-        session's arena (one Linear of zeros whose [p, d] output holds it)."""
+        session's arena (one Linear of zeros whose [p, d] output holds it),
+        the step's result and its flag."""
         p, d = _noise_shape(self.shard_n)
         a_off = _align(p * d * 4)
         g_off = _align(a_off + d * 4)
@@ -534,10 +538,11 @@ class Sharded:
             b"noise of rank %d's shards" % self.rank, _tref(bid, a_off, torch.float32, (1, 1, d)),
             _tref(bid, g_off, torch.float32, (1, 1, p)), 0, _lib.ALGO_AUTO,
             _tref(bid, 0, torch.float32, (p, d)), _lib.Tensor(), 0.0))
-        self._noise.run(self.client)
-        return mem[:self.shard_n * 4].view(torch.float32), torch.ones(1)
+        res = self._noise.run(self.client)
+        return mem[:self.shard_n * 4].view(torch.float32), res, torch.ones(1)
 
-    def _noise_cuda(self, device: torch.device) -> Tuple[torch.Tensor, torch.Tensor]:
+    def _noise_cuda(self, device: torch.device
+                    ) -> Tuple[torch.Tensor, _lib.StepResult, torch.Tensor]:
         p, d = _noise_shape(self.shard_n)
         io = self._cuda
         out = torch.empty(p * d, dtype=torch.float32, device=device)
@@ -556,10 +561,10 @@ class Sharded:
             ready.record(stream)
             self._noise.set_events(rid, did)
             self._noise.notify_enqueued(False)
-            self._noise.run(self.client)
+            res = self._noise.run(self.client)
             stream.wait_event(done)
             ok = (coefs > 0).all().to(torch.float32).reshape(1)
-        return out[:self.shard_n], ok
+        return out[:self.shard_n], res, ok
 
     # -- param.grad -------------------------------------------------------------------------------
     def _write(self, shards: torch.Tensor, noise: Optional[torch.Tensor]) -> None:
