@@ -8,21 +8,25 @@ Each optimizer step, on every rank:
      daemon writes the clipped sum of this rank's samples into one buffer
      in the reduce dtype, each parameter in a padded region of world *
      chunk rows (chunk = ceil(rows / world): fully_shard's dim-0 chunks);
-  2. the reduce-scatter: the trainer's process group (the FSDP mesh's)
+  2. the noise step: a second session of the engine (same job) draws
+     N(0, (sigma*C)^2) (divided by the expected batch size for a mean loss)
+     for exactly the rows this rank owns: a one-sample step of zeros whose
+     output is as long as this rank's shards. Each coordinate is noised
+     once, by its owner, at the full sigma*C; no rank is special. It comes
+     before the collectives, which it does not need: on a GPU the daemon's
+     work must never wait for a collective that waits for another rank's
+     daemon work queued behind it;
+  3. the reduce-scatter: the trainer's process group (the FSDP mesh's)
      reduce-scatters each parameter's region, so that each rank holds the
      sum over every rank's samples of the rows it owns, and no more;
-  3. the noise step: a second session of the engine (same job) adds
-     N(0, (sigma*C)^2) (divided by the expected batch size for a mean loss)
-     to exactly those rows: a one-sample step of zeros whose output is this
-     rank's shard. Each coordinate is noised once, by its owner, at the
-     full sigma*C; no rank is special;
   4. the gate: a flag (1: this rank's clipping and noise steps both
      succeeded) is all-reduced (MIN). Unless every rank's is 1, every rank
      writes zero gradients and raises: a shard missing its owner's noise,
      or a sum missing a rank's samples, is never applied;
-  5. param.grad: under FSDP2 the sharded DTensor fully_shard expects (this
-     rank's rows, in the parameter's dtype); with sharded_noise the noised
-     shards are all-gathered, so that every rank holds the whole gradient.
+  5. param.grad, the shards plus their noise: under FSDP2 the sharded
+     DTensor fully_shard expects (this rank's rows, in the parameter's
+     dtype); with sharded_noise the noised shards are all-gathered, so that
+     every rank holds the whole gradient.
 
 Accounting: the ranks' noise sessions form a GROUP_WISE dpclip norm group,
 whose rank 0 the ledger charges once per group step (its members' steps are
@@ -364,9 +368,7 @@ class Sharded:
             failed = exc  # this rank still joins every collective, with zeros
             full = torch.zeros(self.full_n, dtype=self.dtype, device=device)
         t1 = time.perf_counter()
-        shards = self._reduce_scatter(full, cuda)
-        del full
-        t2 = time.perf_counter()
+        # the noise before the collectives (see the module's docstring)
         noise = nres = None
         if failed is None:
             try:
@@ -376,12 +378,16 @@ class Sharded:
                 failed = exc
         if failed is not None:
             ok = torch.zeros(1, device=device)
+        t2 = time.perf_counter()
+        shards = self._reduce_scatter(full, cuda)
+        del full
         dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=self.group)
         applied = bool(ok[0] > 0)  # CUDA: waits for the steps and the collectives
         t3 = time.perf_counter()
         self._write(shards, noise if applied else None)
-        self.timing = {"clip_ms": (t1 - t0) * 1e3, "reduce_scatter_ms": (t2 - t1) * 1e3,
-                       "noise_ms": (t3 - t2) * 1e3, "write_ms": (time.perf_counter() - t3) * 1e3}
+        self.timing = {"clip_ms": (t1 - t0) * 1e3, "noise_ms": (t2 - t1) * 1e3,
+                       "reduce_scatter_ms": (t3 - t2) * 1e3,
+                       "write_ms": (time.perf_counter() - t3) * 1e3}
         if failed is not None:
             raise failed
         if not applied:

@@ -12,7 +12,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from dpclip import DpclipError
+from dpclip import DpclipError, _fsdp
 from dpclip.torch import PrivacyEngine, UnsupportedModuleError, reduce_loss
 from models import SeqModel, per_sample_losses
 
@@ -202,9 +202,21 @@ class GPT(nn.Module):
         return self.head(self.ln(h))
 
 
+def fsdp2_api():
+    """(fully_shard, MixedPrecisionPolicy): public in torch.distributed.fsdp
+    from torch 2.6, in torch.distributed._composable.fsdp in 2.4 and 2.5."""
+    try:
+        from torch.distributed.fsdp import (  # pylint: disable=import-outside-toplevel
+            MixedPrecisionPolicy, fully_shard)
+    except ImportError:
+        from torch.distributed._composable.fsdp import (  # pylint: disable=import-outside-toplevel
+            MixedPrecisionPolicy, fully_shard)
+    return fully_shard, MixedPrecisionPolicy
+
+
 def _shard(model, mesh, mp):
     """fully_shard each block, then the root: the documented order."""
-    from torch.distributed.fsdp import fully_shard  # pylint: disable=import-outside-toplevel
+    fully_shard = fsdp2_api()[0]
     kw = {"mesh": mesh}
     if mp is not None:
         kw["mp_policy"] = mp
@@ -226,9 +238,10 @@ def run_fsdp2(rank, world, init_file, socket_path, data, C, expected, seed, out_
     torch.cuda.set_device(0)
     _init("nccl", rank, world, init_file)
     try:
-        from torch.distributed.device_mesh import DeviceMesh  # pylint: disable=import-outside-toplevel
-        from torch.distributed.fsdp import MixedPrecisionPolicy  # pylint: disable=import-outside-toplevel
-        mesh = DeviceMesh("cuda", list(range(world)))
+        from torch.distributed.device_mesh import init_device_mesh  # pylint: disable=import-outside-toplevel
+        MixedPrecisionPolicy = fsdp2_api()[1]  # pylint: disable=invalid-name
+        Shard = _fsdp._classes()[1]  # pylint: disable=invalid-name,protected-access
+        mesh = init_device_mesh("cuda", (world,))  # keeps the device set above
         x, y = (t.cuda() for t in data)
         mine = torch.arange(rank, x.shape[0], world, device="cuda")
         out = {}
@@ -256,8 +269,8 @@ def run_fsdp2(rank, world, init_file, socket_path, data, C, expected, seed, out_
             out[case] = {
                 "local": {n: p.grad.to_local().cpu() for n, p in model.named_parameters()},
                 "whole": {n: p.grad.full_tensor().cpu() for n, p in model.named_parameters()},
-                "placements": {n: str(tuple(p.grad.placements))
-                               for n, p in model.named_parameters()},
+                "sharded": {n: tuple(p.grad.placements) == (Shard(0),)
+                            for n, p in model.named_parameters()},
                 "dtypes": {n: p.grad.dtype for n, p in model.named_parameters()},
                 "sharded_dtype": engine._shards.dtype}  # pylint: disable=protected-access
             engine.close()
@@ -302,19 +315,25 @@ def run_fsdp2(rank, world, init_file, socket_path, data, C, expected, seed, out_
             out["late"] = str(e)
         engine.close()
 
-        from torch.distributed.fsdp import FullyShardedDataParallel  # pylint: disable=import-outside-toplevel
-        torch.manual_seed(seed)
-        flat = FullyShardedDataParallel(GPT().cuda(), use_orig_params=False)
-        engine = PrivacyEngine(socket_path, job_id="fsdp2-fsdp1")
         try:
-            engine.make_private(module=flat, optimizer=torch.optim.SGD(flat.parameters(), lr=0.1),
-                                noise_multiplier=1.0, max_grad_norm=C,
-                                expected_batch_size=expected)
-            out["fsdp1"] = None
-        except UnsupportedModuleError as e:
-            out["fsdp1"] = str(e)
-        finally:
-            engine.close()
+            from torch.distributed.fsdp import (  # pylint: disable=import-outside-toplevel
+                FullyShardedDataParallel)
+        except ImportError:
+            FullyShardedDataParallel = None  # pylint: disable=invalid-name
+        out["fsdp1"] = "skipped"
+        if FullyShardedDataParallel is not None:
+            torch.manual_seed(seed)
+            flat = FullyShardedDataParallel(GPT().cuda(), use_orig_params=False)
+            engine = PrivacyEngine(socket_path, job_id="fsdp2-fsdp1")
+            try:
+                engine.make_private(module=flat, optimizer=torch.optim.SGD(
+                    flat.parameters(), lr=0.1), noise_multiplier=1.0, max_grad_norm=C,
+                    expected_batch_size=expected)
+                out["fsdp1"] = None
+            except UnsupportedModuleError as e:
+                out["fsdp1"] = str(e)
+            finally:
+                engine.close()
         torch.save(out, os.path.join(out_dir, "fsdp2_%d.pt" % rank))
     finally:
         dist.destroy_process_group()
