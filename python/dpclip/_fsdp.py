@@ -514,6 +514,9 @@ class Sharded:
             self._events = (torch.cuda.Event(enable_timing=True),
                             torch.cuda.Event(enable_timing=True))
             self._events[0].record()
+        if not self._rs_native:
+            full = full.clone()  # one all-reduce of every region (the arena stays the daemon's)
+            dist.all_reduce(full, group=self.group)
         for pc in self.pieces:
             n = pc.chunk * pc.inner
             src = full[pc.full_off:pc.full_off + self.world * n]
@@ -521,9 +524,7 @@ class Sharded:
             if self._rs_native:
                 dist.reduce_scatter_tensor(dst, src, group=self.group)
             else:
-                tmp = src.clone()  # the arena's copy stays the daemon's
-                dist.all_reduce(tmp, group=self.group)
-                dst.copy_(tmp[self.rank * n:(self.rank + 1) * n])
+                dst.copy_(src[self.rank * n:(self.rank + 1) * n])
         if cuda:
             self._events[1].record()
         return shards

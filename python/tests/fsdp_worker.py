@@ -238,7 +238,8 @@ def run_fsdp2(rank, world, init_file, socket_path, data, C, expected, seed, out_
     torch.cuda.set_device(0)
     _init("nccl", rank, world, init_file)
     try:
-        from torch.distributed.device_mesh import init_device_mesh  # pylint: disable=import-outside-toplevel
+        # pylint: disable=import-outside-toplevel
+        from torch.distributed.device_mesh import init_device_mesh
         MixedPrecisionPolicy = fsdp2_api()[1]  # pylint: disable=invalid-name
         Shard = _fsdp._classes()[1]  # pylint: disable=invalid-name,protected-access
         mesh = init_device_mesh("cuda", (world,))  # keeps the device set above
