@@ -41,13 +41,14 @@ runs, and it needs no second communicator: the daemons' NCCL (ClipStep
 writing straight into each rank's shard) would need one per data-parallel
 job, bootstrapped through the trainers anyway, and the daemon has none for
 data parallelism yet. Backends without reduce-scatter (gloo in older
-torches) all-reduce each region and keep their rows: the same result.
+torches) all-reduce the sums and keep their rows: the same result.
 
 Memory: the local clipped sum of every parameter exists at once, for the
-step (one ClipStep writes every layer, and the daemon charges one step per
-rank and logical step); FSDP itself holds one layer group's at a time.
-Splitting the step by layer group needs a ClipStep that continues the last
-one's coefficients without a charge of its own (see python/README.md)."""
+step: one ClipStep writes every layer, as the ledger takes one sigma-0
+share per rank and logical step (more would be charged as steps without
+noise). FSDP itself holds one layer group's at a time; splitting the step
+by layer group needs the daemon to write a step's outputs group by group
+under one norm pass and one charge."""
 import math
 import secrets
 import time

@@ -162,3 +162,24 @@ def test_refusals(daemon, tmp_path, monkeypatch):
     for r in range(2):
         got = torch.load(os.path.join(str(tmp_path), "refusals%d.pt" % r))
         assert got["no_ebs"] is not None and "expected_batch_size" in got["no_ebs"], got
+
+
+def test_a_model_wrapped_after_make_private_is_refused_at_its_first_step(daemon):
+    """fully_shard after make_private puts a new (sharded) parameter in
+    each module: param.grad would go to the old one, which the optimizer
+    holds and FSDP no longer uses. The first step raises, naming the
+    module and the order that works; nothing is sent."""
+    model = nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2))
+    engine = PrivacyEngine(daemon.socket, job_id="fsdp-cpu-late")
+    model, opt, _ = engine.make_private(module=model, optimizer=torch.optim.SGD(
+        model.parameters(), lr=0.1), noise_multiplier=1.0, max_grad_norm=1.0,
+        expected_batch_size=2, distributed=False)
+    model[1].weight = nn.Parameter(model[1].weight.detach().clone())  # as fully_shard does
+    model(torch.randn(2, 4)).sum().backward()
+    with pytest.raises(RuntimeError) as e:
+        opt.step()
+    msg = str(e.value)
+    assert msg.startswith("module 1:") and "apply fully_shard first" in msg and \
+        "then call make_private" in msg, msg
+    assert engine.steps == 0 and engine.last_step_index == 0
+    engine.close()
