@@ -153,10 +153,14 @@ def _policies(module: nn.Module) -> Tuple[Optional[torch.dtype], bool]:
             state = m._get_fsdp_state()  # pylint: disable=protected-access
         except Exception:  # pylint: disable=broad-except
             continue
-        mp = getattr(state, "_mp_policy", None)
-        dtypes.add(getattr(mp, "reduce_dtype", None) or getattr(mp, "param_dtype", None))
-        group = getattr(state, "_fsdp_param_group", None)
-        offload |= type(getattr(group, "offload_policy", None)).__name__ == "CPUOffloadPolicy"
+        # one parameter group per state (_fsdp_param_group) or several (later torches)
+        groups = [g for g in (getattr(state, "_fsdp_param_groups", None) or
+                              [getattr(state, "_fsdp_param_group", None)]) if g is not None]
+        for mp in [getattr(g, "mp_policy", None) for g in groups] or \
+                [getattr(state, "_mp_policy", None)]:
+            dtypes.add(getattr(mp, "reduce_dtype", None) or getattr(mp, "param_dtype", None))
+        offload |= any(type(getattr(g, "offload_policy", None)).__name__ == "CPUOffloadPolicy"
+                       for g in groups)
     return (dtypes.pop() if len(dtypes) == 1 else None), offload
 
 
