@@ -373,14 +373,21 @@ class Sharded:
             failed = exc  # this rank still joins every collective, with zeros
             full = torch.zeros(self.full_n, dtype=self.dtype, device=device)
         t1 = time.perf_counter()
-        # the noise before the collectives (see the module's docstring)
+        # the noise before the collectives (see the module's docstring);
+        # rank 0's first: the daemon charges the noise group's step to rank
+        # 0's and covers the others' only once that one is charged (a rank
+        # ahead of it would be charged again), so the others wait for it
         noise = nres = None
-        if failed is None:
-            try:
-                noise, nres, ok_noise = (self._noise_cuda if cuda else self._noise_host)(device)
-                ok = ok * ok_noise
-            except Exception as exc:  # pylint: disable=broad-except
-                failed = exc
+        for turn in (0, 1):
+            if turn == 1:
+                dist.all_reduce(torch.zeros(1, device=device), group=self.group)
+            if failed is None and (self.rank == 0) == (turn == 0):
+                try:
+                    noise, nres, ok_noise = (self._noise_cuda if cuda else self._noise_host)(
+                        device)
+                    ok = ok * ok_noise
+                except Exception as exc:  # pylint: disable=broad-except
+                    failed = exc
         if failed is not None:
             ok = torch.zeros(1, device=device)
         t2 = time.perf_counter()
