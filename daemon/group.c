@@ -90,6 +90,7 @@ static void on_timer_closed(uv_handle_t *h) {
     free(g->tot);
     free(g->xsend);
     free(g->xrecv);
+    if (g->daemons > 1) g->gs->links--;
     free(g);
 }
 
@@ -466,6 +467,10 @@ int dc_group_join(dc_groups *gs, uint32_t uid, const dc_group_spec *sp, dc_group
                               "group '%s' is not forming on this daemon (its daemon 0): rank "
                               "0 joins first, without an id, and its reply carries the id",
                               sp->name);
+        if (multi && gs->links >= gs->max_links)
+            return dc_err_set(err, DC_ENOSPACE, "join_group.daemons",
+                              "this daemon holds %u groups across daemons already "
+                              "(limits.max_group_links)", gs->links);
         if (multi && !sp->nccl_id && (rc = dc_nccl_unique_id(id, err))) return rc;
         g = calloc(1, sizeof *g);
         if (!g || !(g->joined = calloc(sp->size, sizeof *g->joined)) ||
@@ -487,6 +492,7 @@ int dc_group_join(dc_groups *gs, uint32_t uid, const dc_group_spec *sp, dc_group
         g->timeout_ms = sp->timeout_ms ? sp->timeout_ms : gs->timeout_ms;
         g->noise_key = mix(gs->key_seed ^ mix(g->id));
         g->daemons = multi ? sp->daemons : 1;
+        gs->links += multi;
         if (multi) {
             g->daemon_rank = sp->daemon_rank;
             g->local_size = sp->local_size;

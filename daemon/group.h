@@ -101,6 +101,8 @@ typedef struct dc_groups {
     uint64_t next_id;
     uint64_t key_seed;      /* secret: group noise keys derive from it */
     uint32_t max_size;      /* limits.max_group_size */
+    uint32_t max_links;     /* limits.max_group_links */
+    uint32_t links;         /* cross-daemon groups held now */
     uint32_t timeout_ms;    /* groups.timeout_ms, a join may ask for another */
     /* totals, for /status and /metrics */
     uint64_t formed, dissolved, reductions, timeouts;

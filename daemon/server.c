@@ -316,6 +316,7 @@ void dc_server_apply_config(dc_server *srv, const dc_config *n) {
     c->max_mapped_bytes = n->max_mapped_bytes;
     c->max_reply_queue = n->max_reply_queue;
     c->max_group_size = srv->groups.max_size = n->max_group_size;
+    c->max_group_links = srv->groups.max_links = n->max_group_links;
     c->group_timeout_ms = srv->groups.timeout_ms = n->group_timeout_ms;
     srv->buf_totals.max_buffers = c->max_buffers_total;
     srv->buf_totals.max_shm_bytes = c->max_mapped_bytes;
@@ -413,6 +414,7 @@ int dc_server_init(dc_server *srv, uv_loop_t *loop, const dc_config *cfg,
 
     dc_groups_init(&srv->groups, loop, srv->noise_key, cfg->max_group_size,
                    cfg->group_timeout_ms);
+    srv->groups.max_links = cfg->max_group_links;
 
     /* The ledger first: a daemon that cannot account must not serve steps. */
     if ((rc = dc_ledger_open(&srv->ledger, cfg->ledger_dir, cfg->delta, err))) return rc;

@@ -535,6 +535,19 @@ static void test_cross_daemon_join(void **state) {
         assert_int_equal(try_join(c2, "x", 1, 3, &other), DPCLIP_EINVAL);
         assert_string_equal(dpclip_errfield(c2), "join_group.nccl_id");
         dpclip_disconnect(c2);
+        /* limits.max_group_links (16 by default, this one included) */
+        dpclip_client *more[16];
+        for (int k = 0; k < 16; k++) {
+            char name[16];
+            dpclip_group_link l = {.daemons = 2, .daemon_rank = 0, .local_size = 2};
+            snprintf(name, sizeof name, "x%d", k);
+            assert_int_equal(dpclip_connect(g_h.sock, &o, &more[k]), 0);
+            rc = try_join(more[k], name, 0, 3, &l);
+            assert_int_equal(rc, k < 15 ? 0 : DPCLIP_ENOSPACE);
+        }
+        assert_string_equal(dpclip_errfield(more[15]), "join_group.daemons");
+        assert_non_null(strstr(dpclip_errmsg(more[15]), "limits.max_group_links"));
+        for (int k = 0; k < 16; k++) dpclip_disconnect(more[k]);
     }
     dpclip_disconnect(c);
 }
