@@ -109,17 +109,24 @@ static void maybe_free(dc_group *g) {
 }
 
 /* Fails every step waiting now, with rc and err; the group step ends. */
-static void fail_waiting(dc_group *g, int rc, const dc_err *err) {
-    dc_group_waiter **w = g->calling;
+/* Ends the group step: the steps waiting move to g->calling (their done
+ * may run anything, a new step included); returns how many. */
+static uint32_t take_waiting(dc_group *g) {
     uint32_t n = 0;
     for (uint32_t r = 0; r < g->size; r++)
         if (g->waiting[r]) {
-            w[n++] = g->waiting[r];
+            g->calling[n++] = g->waiting[r];
             g->waiting[r] = NULL;
         }
     g->n_waiting = 0;
     g->cur = 0;
     uv_timer_stop(&g->timer);
+    return n;
+}
+
+static void fail_waiting(dc_group *g, int rc, const dc_err *err) {
+    dc_group_waiter **w = g->calling;
+    uint32_t n = take_waiting(g);
     for (uint32_t i = 0; i < n; i++) w[i]->done(w[i], rc, NULL, err);
 }
 
@@ -235,16 +242,8 @@ static const char *terms_differ(const dc_group_terms *a, const dc_group_terms *b
 /* Every member waiting gets the totals; the group step ends. */
 static void answer(dc_group *g, uint64_t exchange_ns) {
     dc_group_waiter **all = g->calling;
-    uint32_t n = 0;
+    uint32_t n = take_waiting(g);
     uint64_t now = uv_hrtime();
-    for (uint32_t r = 0; r < g->size; r++)
-        if (g->waiting[r]) {
-            all[n++] = g->waiting[r];
-            g->waiting[r] = NULL;
-        }
-    g->n_waiting = 0;
-    g->cur = 0;
-    uv_timer_stop(&g->timer);
     g->last_wait_ns = now - g->t_first;
     g->gs->reductions++;
     g->reductions++;

@@ -244,23 +244,26 @@ static void on_async(uv_async_t *a) {
     dc_nccl *l = a->data;
     bool state_posted, op_finished, exited;
     dc_nccl_state st;
-    dc_err serr;
+    dc_err serr, oerr;
+    int orc;
+    uint64_t ons;
     uv_mutex_lock(&l->mu);
     state_posted = l->state_posted;
     st = l->posted_state;
     serr = l->state_err;
     op_finished = l->op_finished;
+    orc = l->op_rc;
+    oerr = l->op_err;
+    ons = l->op_ns;
     exited = l->exited;
     l->state_posted = l->op_finished = false;
     uv_mutex_unlock(&l->mu);
     if (!atomic_load(&l->closing) && op_finished && l->op) {
         dc_nccl_op *op = l->op;
         l->op = NULL;
-        uv_mutex_lock(&l->mu);
-        op->rc = l->op_rc;
-        op->err = l->op_err;
-        op->ns = l->op_ns;
-        uv_mutex_unlock(&l->mu);
+        op->rc = orc;
+        op->err = oerr;
+        op->ns = ons;
         if (op->rc == 0) memcpy(op->recv, l->recv_copy, op->bytes * (size_t)l->ranks);
         op->done(op); /* may close the link */
     }
