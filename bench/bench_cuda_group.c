@@ -6,9 +6,17 @@
  *   step_ms   median wall time from all members starting a step to the last
  *             one's reply
  *   added_ms  step_ms minus the unsplit step's
- *   wait_ms   the daemon's last reduction wait (first member's norms to the
- *             group's totals), from /status when given --status
- *   bench/bench_cuda_group --socket S [--iters N] */
+ *   wait_ms   median of rank 0's wait for the group's totals (its norms in
+ *             to the totals back: the reduction, and the others' norms)
+ * With --socket2, a second daemon on the same GPU: the 2-member split with
+ * one member on each daemon, whose daemons exchange their totals through
+ * NCCL (give each daemon its own NCCL_HOSTID; see docs/groups.md):
+ *   exchange_ms  median of the cross-daemon exchange's time on rank 0's
+ *                daemon: its totals sent to the other's received, which
+ *                includes waiting for the other daemon's members
+ *   exchange_last_arrival_ms  the same on whichever daemon came last: the
+ *                transport's latency
+ *   bench/bench_cuda_group --socket S [--socket2 S2] [--iters N] */
 #include <getopt.h>
 #include <pthread.h>
 #include <stdint.h>
@@ -32,6 +40,9 @@ typedef struct member {
     int rank, n, first, count, iters;
     pthread_barrier_t *bar;
     double *ms;  /* [iters], rank 0 writes */
+    double *wait, *exch; /* [iters], this member's group wait and exchange */
+    int daemons; /* the group spans 2 daemons: rank 0 on daemon 0, the rest on daemon 1 */
+    dpclip_group_link *link; /* shared: rank 0's join fills the NCCL id */
     int rc;
 } member;
 
@@ -74,11 +85,32 @@ static void *member_main(void *arg) {
     }
     if (m->n > 1) {
         char name[32];
-        snprintf(name, sizeof name, "bench-g%d", m->n);
+        int rc;
+        snprintf(name, sizeof name, "bench-g%d-d%d", m->n, m->daemons);
         dpclip_group_opts g = {name, (uint32_t)m->rank, (uint32_t)m->n, 0, 0};
-        if (dpclip_join_group(cl, &g, NULL)) {
+        if (m->daemons > 1) {
+            /* rank 0 joins first (its daemon makes the NCCL id), the rest
+             * after it with the id: the barrier is this bench's rendezvous */
+            dpclip_group_link link = *m->link;
+            link.daemon_rank = m->rank ? 1 : 0;
+            link.local_size = m->rank ? (uint32_t)m->n - 1 : 1;
+            if (m->rank == 0) {
+                rc = dpclip_join_group_linked(cl, &g, &link, NULL);
+                *m->link = link;
+                pthread_barrier_wait(m->bar);
+            } else {
+                pthread_barrier_wait(m->bar);
+                link = *m->link;
+                link.daemon_rank = 1;
+                link.local_size = (uint32_t)m->n - 1;
+                rc = m->link->nccl_version ? dpclip_join_group_linked(cl, &g, &link, NULL) : -1;
+            }
+        } else {
+            rc = dpclip_join_group(cl, &g, NULL);
+        }
+        if (rc) {
             fprintf(stderr, "member %d: join: %s\n", m->rank, dpclip_errmsg(cl));
-            goto out;
+            exit(1); /* the others would wait for this member for ever */
         }
     }
     dpclip_clip_config cfg = {.max_grad_norm = 1.0f, .reduction = DPCLIP_MEAN,
@@ -107,7 +139,14 @@ static void *member_main(void *arg) {
         }
         dpclip_result_free(&res);
         pthread_barrier_wait(m->bar);
-        if (m->rank == 0 && it >= 0) m->ms[it] = now_ms() - t0;
+        if (it >= 0) {
+            dpclip_timing tm;
+            if (m->rank == 0) m->ms[it] = now_ms() - t0;
+            if (dpclip_last_timing(cl, &tm) == 0) {
+                m->wait[it] = tm.group_wait_ns / 1e6;
+                m->exch[it] = tm.group_exchange_ns / 1e6;
+            }
+        }
     }
     dpclip_step_free(s);
     m->rc = 0;
@@ -117,51 +156,85 @@ out:
     return NULL;
 }
 
-/* Median step wall time with the layers split over n members. */
-static double run_split(const char *sock, int n, int iters) {
+typedef struct split_ms {
+    double step, wait, exch; /* medians; wait and exch are rank 0's */
+    double exch_last;        /* median of the smaller exchange of ranks 0 and 1: the
+                              * daemon that came last waits for no one */
+} split_ms;
+
+static double median(double *v, int n) {
+    qsort(v, (size_t)n, sizeof *v, cmp_d);
+    return v[n / 2];
+}
+
+/* Median times with the layers split over n members; with sock2, rank 0 on
+ * sock and the others on sock2. */
+static split_ms run_split(const char *sock, const char *sock2, int n, int iters) {
     pthread_t th[4];
     member m[4];
     pthread_barrier_t bar;
-    double *ms = calloc((size_t)iters, sizeof *ms), med;
+    dpclip_group_link link = {.daemons = 2};
+    double *ms = calloc((size_t)iters * (1 + 2 * 4 + 1), sizeof *ms), *last = ms + 9 * iters;
+    split_ms r;
     pthread_barrier_init(&bar, NULL, (unsigned)n);
     for (int k = 0; k < n; k++) {
-        m[k] = (member){sock, k, n, k * (L_ALL / n), L_ALL / n, iters, &bar, ms, 1};
+        m[k] = (member){k && sock2 ? sock2 : sock, k, n, k * (L_ALL / n), L_ALL / n, iters,
+                        &bar, ms, ms + (1 + 2 * k) * iters, ms + (2 + 2 * k) * iters,
+                        sock2 ? 2 : 1, &link, 1};
         pthread_create(&th[k], NULL, member_main, &m[k]);
     }
     for (int k = 0; k < n; k++) pthread_join(th[k], NULL);
     for (int k = 0; k < n; k++)
         if (m[k].rc) exit(1);
-    qsort(ms, (size_t)iters, sizeof *ms, cmp_d);
-    med = ms[iters / 2];
+    for (int i = 0; i < iters && n > 1; i++)
+        last[i] = m[0].exch[i] < m[1].exch[i] ? m[0].exch[i] : m[1].exch[i];
+    r.step = median(ms, iters);
+    r.exch_last = n > 1 ? median(last, iters) : 0;
+    r.wait = median(m[0].wait, iters);
+    r.exch = median(m[0].exch, iters);
     free(ms);
     pthread_barrier_destroy(&bar);
-    return med;
+    return r;
 }
 
 int main(int argc, char **argv) {
-    const char *sock = dpclip_default_socket();
+    const char *sock = dpclip_default_socket(), *sock2 = NULL;
     int iters = 30, c;
     static const struct option opts[] = {{"socket", required_argument, NULL, 's'},
+                                         {"socket2", required_argument, NULL, 'S'},
                                          {"iters", required_argument, NULL, 'i'},
                                          {NULL, 0, NULL, 0}};
     while ((c = getopt_long(argc, argv, "", opts, NULL)) != -1) {
         if (c == 's') sock = optarg;
+        else if (c == 'S') sock2 = optarg;
         else if (c == 'i') iters = atoi(optarg);
         else return 2;
     }
     if (iters < 1) return 2;
-    double unsplit = run_split(sock, 1, iters);
+    double unsplit = run_split(sock, NULL, 1, iters).step, two = 0;
     printf("{\"bench\":\"cuda_group\",\"members\":1,\"layers\":%d,\"B\":%d,\"T\":%d,"
            "\"dtype\":\"bf16\",\"iters\":%d,\"step_ms\":%.3f}\n",
            L_ALL, B, T, iters, unsplit);
     for (int n = 2; n <= 4; n *= 2) {
-        double ms = run_split(sock, n, iters);
-        printf("{\"bench\":\"cuda_group\",\"members\":%d,\"layers\":%d,\"B\":%d,\"T\":%d,"
-               "\"dtype\":\"bf16\",\"iters\":%d,\"step_ms\":%.3f,\"unsplit_ms\":%.3f,"
-               "\"added_ms\":%.3f,\"target_added_le_0_1_ms\":%s}\n",
-               n, L_ALL, B, T, iters, ms, unsplit, ms - unsplit,
-               ms - unsplit <= 0.1 ? "true" : "false");
+        split_ms r = run_split(sock, NULL, n, iters);
+        if (n == 2) two = r.step;
+        printf("{\"bench\":\"cuda_group\",\"members\":%d,\"daemons\":1,\"layers\":%d,"
+               "\"B\":%d,\"T\":%d,\"dtype\":\"bf16\",\"iters\":%d,\"step_ms\":%.3f,"
+               "\"unsplit_ms\":%.3f,\"added_ms\":%.3f,\"wait_ms\":%.3f,"
+               "\"target_added_le_0_1_ms\":%s}\n",
+               n, L_ALL, B, T, iters, r.step, unsplit, r.step - unsplit, r.wait,
+               r.step - unsplit <= 0.1 ? "true" : "false");
         fflush(stdout);
+    }
+    if (sock2) {
+        split_ms r = run_split(sock, sock2, 2, iters);
+        printf("{\"bench\":\"cuda_group\",\"members\":2,\"daemons\":2,"
+               "\"transport\":\"nccl-socket\",\"layers\":%d,\"B\":%d,\"T\":%d,"
+               "\"dtype\":\"bf16\",\"iters\":%d,\"step_ms\":%.3f,\"one_daemon_ms\":%.3f,"
+               "\"added_vs_one_daemon_ms\":%.3f,\"wait_ms\":%.3f,\"exchange_ms\":%.3f,"
+               "\"exchange_last_arrival_ms\":%.3f,\"mps\":%s}\n",
+               L_ALL, B, T, iters, r.step, two, r.step - two, r.wait, r.exch, r.exch_last,
+               getenv("CUDA_MPS_PIPE_DIRECTORY") ? "true" : "false");
     }
     return 0;
 }

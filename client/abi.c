@@ -19,7 +19,7 @@ static const struct {
     CL_STRUCT(dpclip_tensor),     CL_STRUCT(dpclip_connect_opts), CL_STRUCT(dpclip_daemon_info),
     CL_STRUCT(dpclip_clip_config), CL_STRUCT(dpclip_linear),      CL_STRUCT(dpclip_embedding),
     CL_STRUCT(dpclip_norm_layer), CL_STRUCT(dpclip_result),       CL_STRUCT(dpclip_timing),
-    CL_STRUCT(dpclip_enqueued),   CL_STRUCT(dpclip_group_opts),
+    CL_STRUCT(dpclip_enqueued),   CL_STRUCT(dpclip_group_opts),   CL_STRUCT(dpclip_group_link),
 };
 
 DPCLIP_API const char *dpclip_version(void) {

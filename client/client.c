@@ -474,8 +474,8 @@ DPCLIP_API int dpclip_ping(dpclip_client *c) {
 
 /* --- norm groups ----------------------------------------------------------- */
 
-DPCLIP_API int dpclip_join_group(dpclip_client *c, const dpclip_group_opts *o,
-                                 uint64_t *group_id) {
+static int join_group(dpclip_client *c, const dpclip_group_opts *o, dpclip_group_link *link,
+                      uint64_t *group_id) {
     Dpclip__Request req = DPCLIP__REQUEST__INIT;
     Dpclip__JoinGroup jg = DPCLIP__JOIN_GROUP__INIT;
     Dpclip__Reply *r;
@@ -489,14 +489,44 @@ DPCLIP_API int dpclip_join_group(dpclip_client *c, const dpclip_group_opts *o,
     jg.timeout_ms = o->timeout_ms;
     jg.clipping = o->group_wise ? DPCLIP__GROUP_CLIPPING__GROUP_WISE
                                 : DPCLIP__GROUP_CLIPPING__NORM_REDUCE;
+    if (link) {
+        jg.daemons = link->daemons;
+        jg.daemon_rank = link->daemon_rank;
+        jg.local_size = link->local_size;
+        if (link->nccl_version) { /* relayed from daemon 0 */
+            jg.nccl_id.data = link->nccl_id;
+            jg.nccl_id.len = DPCLIP_NCCL_ID_BYTES;
+            jg.nccl_version = link->nccl_version;
+        }
+    }
     req.body_case = DPCLIP__REQUEST__BODY_JOIN_GROUP;
     req.join_group = &jg;
     if ((rc = cl_call(c, &req, -1, DPCLIP__REPLY__BODY_JOIN_GROUP, -1, &r)) == 0) {
-        if (group_id) *group_id = r->join_group->group_id;
+        Dpclip__JoinGroupReply *jr = r->join_group;
+        if (group_id) *group_id = jr->group_id;
+        if (link && link->daemons > 1 && !o->group_wise) {
+            if (jr->nccl_id.len != DPCLIP_NCCL_ID_BYTES || !jr->nccl_version)
+                rc = cl_die(c, "dpclipd answered a cross-daemon join without an NCCL id");
+            else if (!link->nccl_version) {
+                memcpy(link->nccl_id, jr->nccl_id.data, DPCLIP_NCCL_ID_BYTES);
+                link->nccl_version = jr->nccl_version;
+            }
+        }
         dpclip__reply__free_unpacked(r, NULL);
     }
     cl_unlock(c);
     return rc;
+}
+
+DPCLIP_API int dpclip_join_group(dpclip_client *c, const dpclip_group_opts *o,
+                                 uint64_t *group_id) {
+    return join_group(c, o, NULL, group_id);
+}
+
+DPCLIP_API int dpclip_join_group_linked(dpclip_client *c, const dpclip_group_opts *o,
+                                        dpclip_group_link *link, uint64_t *group_id) {
+    if (!link) return DPCLIP_EARG;
+    return join_group(c, o, link, group_id);
 }
 
 /* --- buffers ------------------------------------------------------------- */

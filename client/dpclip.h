@@ -250,6 +250,9 @@ int dpclip_run(dpclip_client *c, const dpclip_step *s, dpclip_result *res);
 typedef struct dpclip_timing {
     uint64_t start_ns, sent_ns, daemon_received_ns, daemon_replied_ns, received_ns;
     uint64_t compute_ns;
+    /* Norm groups: this member's wait for the group's totals, and the part
+     * of it spent exchanging with other daemons (NCCL); 0 outside groups. */
+    uint64_t group_wait_ns, group_exchange_ns;
 } dpclip_timing;
 int dpclip_last_timing(dpclip_client *c, dpclip_timing *t);
 
@@ -305,6 +308,26 @@ typedef struct dpclip_group_opts {
     int group_wise;     /* 1: each member clips to C / sqrt(size) alone, no reduction */
 } dpclip_group_opts;
 int dpclip_join_group(dpclip_client *c, const dpclip_group_opts *opts, uint64_t *group_id);
+
+/* A group whose members use several daemons (several nodes, or several
+ * daemons on one node): each daemon sums its own members' norms, then the
+ * daemons exchange their sums through NCCL, one communicator per group
+ * with one rank per daemon. The trainers set the layout and relay the NCCL
+ * id: rank 0 joins first with nccl_version 0, and its daemon (daemon 0)
+ * fills nccl_id and nccl_version; the trainers pass those bytes to every
+ * other member (over their own rendezvous: a broadcast, a file, ...), which
+ * join with them. Every daemon needs NCCL and a GPU; daemons whose NCCL
+ * versions differ are refused. */
+#define DPCLIP_NCCL_ID_BYTES 128
+typedef struct dpclip_group_link {
+    uint32_t daemons;       /* daemons the group spans, >= 2 */
+    uint32_t daemon_rank;   /* this member's daemon: 0 = rank 0's, then in any agreed order */
+    uint32_t local_size;    /* members that use this member's daemon */
+    uint32_t nccl_version;  /* in: daemon 0's (0 on rank 0); out: the group's */
+    uint8_t nccl_id[DPCLIP_NCCL_ID_BYTES]; /* in: daemon 0's; out on rank 0 */
+} dpclip_group_link;
+int dpclip_join_group_linked(dpclip_client *c, const dpclip_group_opts *opts,
+                             dpclip_group_link *link, uint64_t *group_id);
 /* Marks layer `layer` (its index in the step) as held whole by every member. */
 int dpclip_step_set_replicated(dpclip_step *s, size_t layer, int yes);
 

@@ -95,7 +95,9 @@ DPCLIP_API int dpclip_run(dpclip_client *c, const dpclip_step *s, dpclip_result 
         else
             c->last_timing = (dpclip_timing){t0, t_sent, r->clip_step->t_received_ns,
                                              r->clip_step->t_replied_ns, t_got,
-                                             r->clip_step->compute_ns};
+                                             r->clip_step->compute_ns,
+                                             r->clip_step->group_wait_ns,
+                                             r->clip_step->group_exchange_ns};
     } else {
         rc = cl_die(c, "dpclipd sent reply type %d to a ClipStep", (int)r->body_case);
     }

@@ -40,6 +40,7 @@
 #include <time.h>
 
 #include "backend_int.h"
+#include "noise.h"
 
 using namespace dcb;
 
@@ -579,12 +580,6 @@ int run_impl(dc_backend *be, const dc_step *s, dc_step_result *res, dc_err *err,
     if (io.want != CP_ALL && per_layer)
         return dc_err_set(err, DC_EINVAL, "clip_step.clip.mode",
                           "a step in phases (a norm group) clips flat");
-    if (io.want != CP_ALL)
-        for (size_t l = 0; l < L; l++)
-            if (s->layers[l].replicated)
-                return dc_err_set(err, DC_EUNIMPL, "clip_step.layers.replicated",
-                                  "replicated layers of a norm group run on host-memory steps "
-                                  "only for now");
     if (cb->broken)
         return dc_err_set(err, DC_EUNAVAIL, "", "cuda:%d is unusable after an earlier error (%s)",
                           cb->device, cb->broken_msg);
@@ -626,7 +621,15 @@ int run_impl(dc_backend *be, const dc_step *s, dc_step_result *res, dc_err *err,
                 outs[oi].dst = t->data;
                 outs[oi].off = staged;
                 outs[oi].n = n;
-                outs[oi].stream = (uint32_t)(2 * l + (size_t)k);
+                if (ly->replicated) { /* the same noise on every member (backend_cpu.c) */
+                    outs[oi].key = s->group_noise_key;
+                    outs[oi].step = s->group_step;
+                    outs[oi].stream = DC_NOISE_STREAM_REPLICATED + 2 * ly->rep_ordinal + (uint32_t)k;
+                } else {
+                    outs[oi].key = s->noise_key;
+                    outs[oi].step = s->noise_step;
+                    outs[oi].stream = (uint32_t)(2 * l + (size_t)k);
+                }
                 outs[oi].dtype = (int32_t)t->dtype;
                 outs[oi].chunk0 = chunks;
                 oi++;
@@ -747,9 +750,8 @@ int run_impl(dc_backend *be, const dc_step *s, dc_step_result *res, dc_err *err,
                              (float *)(ws + Lo.amax), status, mode, cb->stream),
                "the output check");
             phase_mark(cb, 5);
-            CK(dcc_out_write(douts, Lo.n_out, Lo.chunks, staging, noise_std, divisor,
-                             s->noise_key, s->noise_step, mode, status, bad, opt.noise,
-                             cb->stream),
+            CK(dcc_out_write(douts, Lo.n_out, Lo.chunks, staging, noise_std, divisor, mode,
+                             status, bad, opt.noise, cb->stream),
                "the noise");
             phase_mark(cb, 6);
             CK(dcc_out_commit(douts, Lo.n_out, Lo.chunks, staging, mode, status, zero,
@@ -761,8 +763,8 @@ int run_impl(dc_backend *be, const dc_step *s, dc_step_result *res, dc_err *err,
                "the commit");
         } else {
             phase_mark(cb, 5);
-            CK(dcc_finalize(douts, Lo.n_out, Lo.max_n, staging, noise_std, divisor,
-                            s->noise_key, s->noise_step, status, bad, opt.noise, cb->stream),
+            CK(dcc_finalize(douts, Lo.n_out, Lo.max_n, staging, noise_std, divisor, status,
+                            bad, opt.noise, cb->stream),
                "the noise");
             phase_mark(cb, 6);
             CK(dcc_commit(douts, Lo.n_out, Lo.max_n, staging, status,

@@ -207,8 +207,7 @@ __device__ __forceinline__ bool bad_as(float v, int dtype) {
 }
 
 __global__ void finalize_kernel(const dcc_out *__restrict__ outs, float *__restrict__ staging,
-                                float std, float divisor, uint64_t key, uint64_t step,
-                                uint32_t *__restrict__ status,
+                                float std, float divisor, uint32_t *__restrict__ status,
                                 unsigned long long *__restrict__ bad, int noise) {
     const int oi = (int)blockIdx.y;
     const dcc_out o = outs[oi];
@@ -221,7 +220,7 @@ __global__ void finalize_kernel(const dcc_out *__restrict__ outs, float *__restr
         float v0 = v[i], v1 = two ? v[i + 1] : 0.0f;
         if (std != 0.0f) {
             float z0, z1;
-            draw_pair(noise, key, step, o.stream, pr, z0, z1);
+            draw_pair(noise, o.key, o.step, o.stream, pr, z0, z1);
             v0 = __fadd_rn(v0, __fmul_rn(std, z0));
             v1 = __fadd_rn(v1, __fmul_rn(std, z1));
         }
@@ -394,7 +393,7 @@ __device__ __forceinline__ void store_as(void *dst, int dtype, uint64_t i, float
 template <int NOISE> /* a kernel per noise kind: one inlined Box-Muller each */
 __global__ void out_write_kernel(const dcc_out *__restrict__ outs, int n_out,
                                  float *__restrict__ staging, float std, float divisor,
-                                 uint64_t key, uint64_t step, const uint32_t *__restrict__ mode,
+                                 const uint32_t *__restrict__ mode,
                                  uint32_t *__restrict__ status,
                                  unsigned long long *__restrict__ bad) {
     const bool direct = *mode != 0;
@@ -423,8 +422,8 @@ __global__ void out_write_kernel(const dcc_out *__restrict__ outs, int n_out,
         }
         if (std != 0.0f) {
             float z[4];
-            draw_pair(NOISE, key, step, o.stream, i / 2, z[0], z[1]);
-            if (cnt > 2) draw_pair(NOISE, key, step, o.stream, i / 2 + 1, z[2], z[3]);
+            draw_pair(NOISE, o.key, o.step, o.stream, i / 2, z[0], z[1]);
+            if (cnt > 2) draw_pair(NOISE, o.key, o.step, o.stream, i / 2 + 1, z[2], z[3]);
             else z[2] = z[3] = 0.0f;
 #pragma unroll
             for (int j = 0; j < 4; j++) x[j] = __fadd_rn(x[j], __fmul_rn(std, z[j]));
@@ -549,14 +548,13 @@ extern "C" cudaError_t dcc_rows_to_f32(const void *a, dc_dtype ta, const void *g
 }
 
 extern "C" cudaError_t dcc_finalize(const dcc_out *outs, int n_out, uint64_t max_n,
-                                    float *staging, float std, float divisor, uint64_t key,
-                                    uint64_t step, uint32_t *status, unsigned long long *bad,
-                                    int noise, cudaStream_t st) {
+                                    float *staging, float std, float divisor,
+                                    uint32_t *status, unsigned long long *bad, int noise,
+                                    cudaStream_t st) {
     if (n_out <= 0) return cudaSuccess;
     if (n_out > 65535) return cudaErrorInvalidValue;
     dim3 grid(blocks_for((max_n + 1) / 2, 2048), (unsigned)n_out);
-    finalize_kernel<<<grid, NT, 0, st>>>(outs, staging, std, divisor, key, step, status, bad,
-                                         noise);
+    finalize_kernel<<<grid, NT, 0, st>>>(outs, staging, std, divisor, status, bad, noise);
     return cudaGetLastError();
 }
 
@@ -576,17 +574,17 @@ extern "C" cudaError_t dcc_out_check(const dcc_out *outs, int n_out, uint64_t n_
 }
 
 extern "C" cudaError_t dcc_out_write(const dcc_out *outs, int n_out, uint64_t n_chunks,
-                                     float *staging, float std, float divisor, uint64_t key,
-                                     uint64_t step, const uint32_t *mode, uint32_t *status,
+                                     float *staging, float std, float divisor,
+                                     const uint32_t *mode, uint32_t *status,
                                      unsigned long long *bad, int noise, cudaStream_t st) {
     if (n_out <= 0) return cudaSuccess;
     if (n_chunks > INT32_MAX) return cudaErrorInvalidValue;
     if (noise == DCC_NOISE_EXACT)
         out_write_kernel<DCC_NOISE_EXACT><<<(unsigned)n_chunks, NT, 0, st>>>(
-            outs, n_out, staging, std, divisor, key, step, mode, status, bad);
+            outs, n_out, staging, std, divisor, mode, status, bad);
     else
         out_write_kernel<DCC_NOISE_FAST><<<(unsigned)n_chunks, NT, 0, st>>>(
-            outs, n_out, staging, std, divisor, key, step, mode, status, bad);
+            outs, n_out, staging, std, divisor, mode, status, bad);
     return cudaGetLastError();
 }
 

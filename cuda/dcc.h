@@ -239,6 +239,10 @@ typedef struct dcc_out {
     uint32_t stream;
     int32_t dtype;
     uint64_t chunk0;
+    /* its noise's Philox key and step: the step's own, or for a layer
+     * replicated over a norm group the group's, so that every member draws
+     * the same noise for it */
+    uint64_t key, step;
 } dcc_out;
 
 #define DCC_OUT_CHUNK 8192
@@ -252,14 +256,13 @@ static inline uint64_t dcc_out_chunks(uint64_t n) {
  * 6e-7 * r + 1e-7 of the double draw, r = sqrt(-2 ln u1) <= 8.58. */
 enum { DCC_NOISE_FAST = 0, DCC_NOISE_EXACT = 1 };
 
-/* For every output o and element i: v = staging[off+i] + std * z(key, step,
- * stream, i) (no draw when std == 0), v /= divisor, stored back; a value not
+/* For every output o and element i: v = staging[off+i] + std * z(o.key, o.step,
+ * o.stream, i) (no draw when std == 0), v /= divisor, stored back; a value not
  * finite in the output dtype sets DCC_STATUS_OUTPUT and lowers *bad to
  * (o << 40 | i). outs: device array [n_out]. */
 cudaError_t dcc_finalize(const dcc_out *outs, int n_out, uint64_t max_n, float *staging,
-                         float std, float divisor, uint64_t key, uint64_t step,
-                         uint32_t *status, unsigned long long *bad, int noise,
-                         cudaStream_t st);
+                         float std, float divisor, uint32_t *status,
+                         unsigned long long *bad, int noise, cudaStream_t st);
 
 /* If *status == 0: every output converted from staging into dst; norms and
  * coefs (device [B]) copied into norms_out / coefs_out when non-NULL.
@@ -283,9 +286,8 @@ cudaError_t dcc_out_check(const dcc_out *outs, int n_out, uint64_t n_chunks,
                           const float *staging, float std, float divisor, float *amax,
                           const uint32_t *status, uint32_t *mode, cudaStream_t st);
 cudaError_t dcc_out_write(const dcc_out *outs, int n_out, uint64_t n_chunks, float *staging,
-                          float std, float divisor, uint64_t key, uint64_t step,
-                          const uint32_t *mode, uint32_t *status, unsigned long long *bad,
-                          int noise, cudaStream_t st);
+                          float std, float divisor, const uint32_t *mode, uint32_t *status,
+                          unsigned long long *bad, int noise, cudaStream_t st);
 cudaError_t dcc_out_commit(const dcc_out *outs, int n_out, uint64_t n_chunks,
                            const float *staging, const uint32_t *mode, const uint32_t *status,
                            int zero_on_fail, cudaStream_t st);

@@ -97,6 +97,9 @@ static const key_def KEYS[] = {
      "unsent reply bytes a session may have before its next request waits"},
     {"limits", "max_group_size", NULL, T_UINT, F(max_group_size), 1, 1u << 16, true,
      "members of one norm group"},
+    {"limits", "max_group_links", NULL, T_UINT, F(max_group_links), 0, 4096, true,
+     "norm groups across daemons (each an NCCL communicator and a thread) held at once; "
+     "0 = none"},
     {"groups", "timeout_ms", "group-timeout-ms", T_UINT, F(group_timeout_ms), 1, 86400000, true,
      "how long a grouped step waits for the group's other members (a join may ask for another)"},
     {"access", "allowed_uids", NULL, T_UIDS, F(allowed_uids), 0, 0, true,
@@ -161,6 +164,7 @@ void dc_config_defaults(dc_config *c) {
     c->max_mapped_bytes = (uint64_t)1 << 40;
     c->max_reply_queue = 8u << 20;
     c->max_group_size = 256;
+    c->max_group_links = 16;
     c->group_timeout_ms = 60000;
     c->status_mode = 0660;
     c->status_max_connections = 256;

@@ -53,6 +53,7 @@ typedef struct dc_config {
     uint64_t max_mapped_bytes;     /* all sessions' shared memory mapped; 0 = no cap */
     uint64_t max_reply_queue;      /* a session's unsent reply bytes before it waits */
     uint32_t max_group_size;       /* members of one norm group */
+    uint32_t max_group_links;      /* cross-daemon groups (NCCL links) held at once */
     /* [groups] */
     uint32_t group_timeout_ms;     /* a grouped step waits this long for the others */
     /* [access]: empty lists = whoever can open the socket */

@@ -1,5 +1,6 @@
 #include "group.h"
 
+#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -34,7 +35,34 @@ struct dc_group {
     uint64_t failed;
     dc_err failed_err;
     uv_timer_t timer;
+    /* across daemons */
+    uint32_t daemons, daemon_rank, local_size;
+    int device;
+    uint8_t nccl_id[DC_NCCL_ID_BYTES];
+    uint32_t nccl_version;
+    bool made_id;              /* this daemon made the id (rank 0's join) */
+    dc_group_link link_state;
+    dc_nccl *link;
+    bool exchange_due;         /* the local totals wait for the link to form */
+    dc_nccl_op op;
+    uint8_t *xsend, *xrecv;    /* the exchange's bytes, this daemon's and all */
+    size_t xcap;
+    uint64_t t_local, exchanges, last_exchange_ns;
+    /* the leader's last charged group step, at its noise multiplier */
+    uint64_t charged_step;
+    float charged_sigma;
 };
+
+/* One daemon's part of an exchange: its group step, its members' terms
+ * (each daemon checks the others') and then its totals [batch]. Fixed
+ * widths: daemons of one group may be different builds. */
+typedef struct link_head {
+    uint64_t magic, step, replicated_hash;
+    uint32_t batch, daemon_rank, expected_batch;
+    int32_t reduction;
+    float max_grad_norm, noise_multiplier;
+} link_head;
+#define LINK_MAGIC 0x6470636c69703031ull /* "dpclip01" */
 
 /* splitmix64: group noise keys from the daemon's secret seed and the id */
 static uint64_t mix(uint64_t x) {
@@ -60,6 +88,9 @@ static void on_timer_closed(uv_handle_t *h) {
     free(g->waiting);
     free(g->calling);
     free(g->tot);
+    free(g->xsend);
+    free(g->xrecv);
+    if (g->daemons > 1) g->gs->links--;
     free(g);
 }
 
@@ -78,17 +109,24 @@ static void maybe_free(dc_group *g) {
 }
 
 /* Fails every step waiting now, with rc and err; the group step ends. */
-static void fail_waiting(dc_group *g, int rc, const dc_err *err) {
-    dc_group_waiter **w = g->calling;
+/* Ends the group step: the steps waiting move to g->calling (their done
+ * may run anything, a new step included); returns how many. */
+static uint32_t take_waiting(dc_group *g) {
     uint32_t n = 0;
     for (uint32_t r = 0; r < g->size; r++)
         if (g->waiting[r]) {
-            w[n++] = g->waiting[r];
+            g->calling[n++] = g->waiting[r];
             g->waiting[r] = NULL;
         }
     g->n_waiting = 0;
     g->cur = 0;
     uv_timer_stop(&g->timer);
+    return n;
+}
+
+static void fail_waiting(dc_group *g, int rc, const dc_err *err) {
+    dc_group_waiter **w = g->calling;
+    uint32_t n = take_waiting(g);
     for (uint32_t i = 0; i < n; i++) w[i]->done(w[i], rc, NULL, err);
 }
 
@@ -98,6 +136,14 @@ static void dissolve(dc_group *g, const char *why) {
     g->dissolved = true;
     g->gs->dissolved++;
     snprintf(g->why, sizeof g->why, "%s", why);
+    /* aborting the link tells the other daemons at once (a remote error)
+     * instead of leaving them to their timeout */
+    if (g->link) {
+        dc_nccl_close(g->link);
+        g->link = NULL;
+        g->link_state = DC_GROUP_LINK_BROKEN;
+    }
+    g->exchange_due = false;
     dc_err_set(&e, DC_EUNAVAIL, "join_group",
                "norm group '%s' was dissolved: %s; every member must join again", g->name, why);
     fail_waiting(g, DC_EUNAVAIL, &e);
@@ -111,58 +157,324 @@ void dc_groups_close(dc_groups *gs) {
     }
 }
 
+/* The members this daemon waits for in a group step. */
+static uint32_t local_members(const dc_group *g) {
+    return g->daemons > 1 ? g->local_size : g->size;
+}
+
 static void on_timeout(uv_timer_t *t) {
     dc_group *g = t->data;
     char missing[160] = "", why[256];
     size_t off = 0;
     int n = 0;
+    /* across daemons only this daemon's joined members are known here */
     for (uint32_t r = 0; r < g->size && off < sizeof missing - 16; r++)
-        if (!g->waiting[r]) {
+        if (!g->waiting[r] && (g->daemons <= 1 || g->joined[r])) {
             int k = snprintf(missing + off, sizeof missing - off, "%s%u", n ? ", " : "", r);
             if (k > 0) off += (size_t)k;
             n++;
         }
     g->gs->timeouts++;
-    snprintf(why, sizeof why, "step %llu: rank%s %s did not arrive within %u ms",
-             (unsigned long long)g->cur, n > 1 ? "s" : "", missing, g->timeout_ms);
+    if (g->daemons > 1 && g->n_joined < g->local_size)
+        snprintf(why, sizeof why,
+                 "step %llu: %u of the %u members on this daemon never joined (within %u ms)",
+                 (unsigned long long)g->cur, g->local_size - g->n_joined, g->local_size,
+                 g->timeout_ms);
+    else
+        snprintf(why, sizeof why, "step %llu: rank%s %s did not arrive within %u ms",
+                 (unsigned long long)g->cur, n > 1 ? "s" : "", missing, g->timeout_ms);
     dissolve(g, why);
     maybe_free(g);
 }
 
-int dc_group_join(dc_groups *gs, uint32_t uid, const char *name, uint32_t rank, uint32_t size,
-                  uint32_t timeout_ms, dc_group_clipping clipping, dc_group **out, dc_err *err) {
-    dc_group *g;
-    if (!name || !name[0] || strlen(name) >= GROUP_NAME_MAX)
+const char *dc_group_link_name(dc_group_link l) {
+    switch (l) {
+    case DC_GROUP_LINK_NONE: return "none";
+    case DC_GROUP_LINK_WAITING: return "waiting";
+    case DC_GROUP_LINK_FORMING: return "forming";
+    case DC_GROUP_LINK_READY: return "ready";
+    case DC_GROUP_LINK_BROKEN: return "broken";
+    }
+    return "?";
+}
+
+static void exchange_start(dc_group *g);
+
+static void on_link_state(dc_nccl *link, dc_nccl_state st, const dc_err *err, void *arg) {
+    dc_group *g = arg;
+    char why[256];
+    (void)link;
+    if (st == DC_NCCL_READY) {
+        g->link_state = DC_GROUP_LINK_READY;
+        if (g->exchange_due) exchange_start(g);
+        return;
+    }
+    if (st != DC_NCCL_BROKEN || g->dissolved) return;
+    g->gs->link_failures++;
+    snprintf(why, sizeof why, "its cross-daemon link (daemon %u of %u) failed: %.180s",
+             g->daemon_rank, g->daemons, err->msg);
+    dissolve(g, why);
+    maybe_free(g);
+}
+
+/* Opens the link once every member on this daemon has joined. */
+static int link_open(dc_group *g, dc_err *err) {
+    int rc;
+    if (g->daemons <= 1 || g->link || g->n_joined < g->local_size) return 0;
+    if ((rc = dc_nccl_open(g->gs->loop, g->device, g->nccl_id, (int)g->daemons,
+                           (int)g->daemon_rank, g->timeout_ms, on_link_state, g, &g->link, err)))
+        return rc;
+    g->link_state = DC_GROUP_LINK_FORMING;
+    return 0;
+}
+
+/* The field two members' terms differ in, or NULL. */
+static const char *terms_differ(const dc_group_terms *a, const dc_group_terms *b) {
+    if (a->batch != b->batch) return "clip_step.batch_size";
+    if (a->max_grad_norm != b->max_grad_norm) return "clip_step.clip.max_grad_norm";
+    if (a->noise_multiplier != b->noise_multiplier) return "clip_step.noise_multiplier";
+    if (a->reduction != b->reduction) return "clip_step.clip.loss_reduction";
+    if (a->expected_batch != b->expected_batch) return "clip_step.clip.expected_batch_size";
+    if (a->replicated_hash != b->replicated_hash) return "clip_step.layers.replicated";
+    return NULL;
+}
+
+/* Every member waiting gets the totals; the group step ends. */
+static void answer(dc_group *g, uint64_t exchange_ns) {
+    dc_group_waiter **all = g->calling;
+    uint32_t n = take_waiting(g);
+    uint64_t now = uv_hrtime();
+    g->last_wait_ns = now - g->t_first;
+    g->gs->reductions++;
+    g->reductions++;
+    for (uint32_t i = 0; i < n; i++) {
+        all[i]->exchange_ns = exchange_ns;
+        all[i]->wait_ns = now - all[i]->wait_ns; /* wait_ns held the delivery time */
+        all[i]->done(all[i], 0, g->tot, NULL);
+    }
+}
+
+static void fail_exchange(dc_group *g, const char *fmt, ...);
+
+static void on_exchanged(dc_nccl_op *op) {
+    dc_group *g = op->arg;
+    const size_t B = g->terms.batch, each = sizeof(link_head) + B * sizeof(double);
+    link_head mine;
+    if (op->rc) {
+        fail_exchange(g, "the cross-daemon exchange of group step %llu failed: %s",
+                      (unsigned long long)g->cur, op->err.msg);
+        return;
+    }
+    memcpy(&mine, g->xsend, sizeof mine);
+    /* each daemon's step and terms first: a mismatch names the daemon */
+    for (uint32_t d = 0; d < g->daemons; d++) {
+        link_head h;
+        dc_group_terms t;
+        const char *f;
+        memcpy(&h, g->xrecv + d * each, sizeof h);
+        if (h.magic != LINK_MAGIC || h.daemon_rank != d) {
+            fail_exchange(g, "daemon %u sent a malformed exchange in group step %llu", d,
+                          (unsigned long long)g->cur);
+            return;
+        }
+        if (h.step != mine.step) {
+            fail_exchange(g, "daemon %u is at group step %llu, this daemon (%u) at %llu", d,
+                          (unsigned long long)h.step, g->daemon_rank,
+                          (unsigned long long)mine.step);
+            return;
+        }
+        t.batch = h.batch;
+        t.max_grad_norm = h.max_grad_norm;
+        t.noise_multiplier = h.noise_multiplier;
+        t.reduction = h.reduction;
+        t.expected_batch = h.expected_batch;
+        t.replicated_hash = h.replicated_hash;
+        if ((f = terms_differ(&g->terms, &t))) {
+            fail_exchange(g, "the members on daemon %u and on this daemon (%u) disagree on %s in "
+                          "group step %llu", d, g->daemon_rank, f, (unsigned long long)g->cur);
+            return;
+        }
+    }
+    /* the same order on every daemon: bit-identical totals everywhere */
+    for (size_t b = 0; b < B; b++) {
+        double sum = 0.0;
+        for (uint32_t d = 0; d < g->daemons; d++) {
+            double v;
+            memcpy(&v, g->xrecv + d * each + sizeof(link_head) + b * sizeof v, sizeof v);
+            sum += v;
+        }
+        g->tot[b] = sum;
+    }
+    g->exchanges++;
+    g->gs->exchanges++;
+    g->last_exchange_ns = op->ns;
+    answer(g, uv_hrtime() - g->t_local);
+}
+
+/* This daemon's members are all in: its totals go to the other daemons. */
+static void exchange_start(dc_group *g) {
+    const size_t B = g->terms.batch, each = sizeof(link_head) + B * sizeof(double);
+    link_head h;
+    dc_err e;
+    g->exchange_due = false;
+    if (each * g->daemons > g->xcap) {
+        uint8_t *s = realloc(g->xsend, each), *r = s ? realloc(g->xrecv, each * g->daemons) : NULL;
+        if (s) g->xsend = s;
+        if (!s || !r) {
+            fail_exchange(g, "out of memory for the cross-daemon exchange");
+            return;
+        }
+        g->xrecv = r;
+        g->xcap = each * g->daemons;
+    }
+    memset(&h, 0, sizeof h);
+    h.magic = LINK_MAGIC;
+    h.step = g->cur;
+    h.replicated_hash = g->terms.replicated_hash;
+    h.batch = g->terms.batch;
+    h.daemon_rank = g->daemon_rank;
+    h.expected_batch = g->terms.expected_batch;
+    h.reduction = g->terms.reduction;
+    h.max_grad_norm = g->terms.max_grad_norm;
+    h.noise_multiplier = g->terms.noise_multiplier;
+    memcpy(g->xsend, &h, sizeof h);
+    memcpy(g->xsend + sizeof h, g->tot, B * sizeof(double));
+    g->op.send = g->xsend;
+    g->op.recv = g->xrecv;
+    g->op.bytes = each;
+    g->op.done = on_exchanged;
+    g->op.arg = g;
+    if (dc_nccl_submit(g->link, &g->op, &e))
+        fail_exchange(g, "the cross-daemon exchange of group step %llu: %s",
+                      (unsigned long long)g->cur, e.msg);
+}
+
+static void fail_exchange(dc_group *g, const char *fmt, ...) {
+    char why[256];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(why, sizeof why, fmt, ap);
+    va_end(ap);
+    g->gs->link_failures++;
+    dissolve(g, why);
+    maybe_free(g);
+}
+
+static int join_checks(const dc_groups *gs, const dc_group_spec *sp, dc_err *err) {
+    if (!sp->name || !sp->name[0] || strlen(sp->name) >= GROUP_NAME_MAX)
         return dc_err_set(err, DC_EINVAL, "join_group.name",
                           "a group name of 1 to %d bytes is needed", GROUP_NAME_MAX - 1);
-    if (size == 0 || size > gs->max_size)
+    if (sp->size == 0 || sp->size > gs->max_size)
         return dc_err_set(err, DC_EINVAL, "join_group.size",
-                          "size %u outside [1, %u] (limits.max_group_size)", size, gs->max_size);
-    if (rank >= size)
-        return dc_err_set(err, DC_EINVAL, "join_group.rank", "rank %u outside [0, %u)", rank,
-                          size);
-    if (clipping != DC_GROUP_NORM_REDUCE && clipping != DC_GROUP_WISE)
+                          "size %u outside [1, %u] (limits.max_group_size)", sp->size,
+                          gs->max_size);
+    if (sp->rank >= sp->size)
+        return dc_err_set(err, DC_EINVAL, "join_group.rank", "rank %u outside [0, %u)", sp->rank,
+                          sp->size);
+    if (sp->clipping != DC_GROUP_NORM_REDUCE && sp->clipping != DC_GROUP_WISE)
         return dc_err_set(err, DC_EINVAL, "join_group.clipping", "unknown clipping %d",
-                          (int)clipping);
+                          (int)sp->clipping);
+    if (sp->daemons <= 1 || sp->clipping == DC_GROUP_WISE) return 0;
+    if (sp->daemons > sp->size)
+        return dc_err_set(err, DC_EINVAL, "join_group.daemons",
+                          "%u daemons for %u members: each daemon serves one member or more",
+                          sp->daemons, sp->size);
+    if (sp->daemon_rank >= sp->daemons)
+        return dc_err_set(err, DC_EINVAL, "join_group.daemon_rank", "%u outside [0, %u)",
+                          sp->daemon_rank, sp->daemons);
+    if (sp->local_size == 0 || sp->local_size > sp->size - (sp->daemons - 1))
+        return dc_err_set(err, DC_EINVAL, "join_group.local_size",
+                          "%u members on this daemon: outside [1, %u] for %u members on %u "
+                          "daemons", sp->local_size, sp->size - (sp->daemons - 1), sp->size,
+                          sp->daemons);
+    if (sp->rank == 0 && sp->daemon_rank != 0)
+        return dc_err_set(err, DC_EINVAL, "join_group.daemon_rank",
+                          "rank 0's daemon is daemon 0 (it makes the group's NCCL id)");
+    if (!dc_nccl_version()) {
+        dc_err_set(err, DC_EUNIMPL, "join_group.daemons",
+                   "this dpclipd was built without NCCL: it serves only groups whose members "
+                   "all use it (daemons = 1)");
+        return err->code;
+    }
+    if (sp->device < 0)
+        return dc_err_set(err, DC_EUNIMPL, "join_group.daemons",
+                          "this dpclipd has no GPU, and a group across daemons needs one for "
+                          "its NCCL link: it serves only groups whose members all use it");
+    if (sp->nccl_id && sp->nccl_version != dc_nccl_version()) {
+        char a[24], b[24];
+        dc_nccl_version_str(sp->nccl_version, a, sizeof a);
+        dc_nccl_version_str(dc_nccl_version(), b, sizeof b);
+        return dc_err_set(err, DC_EINVAL, "join_group.nccl_version",
+                          "daemon 0 of the group runs NCCL %s, this daemon NCCL %s: the daemons "
+                          "of a group need the same NCCL", a, b);
+    }
+    if (!sp->nccl_id && sp->rank != 0)
+        return dc_err_set(err, DC_EINVAL, "join_group.nccl_id",
+                          "a member of a group across daemons joins with the NCCL id that rank "
+                          "0's join returned");
+    return 0;
+}
+
+/* A member joining an existing group must agree with it. */
+static int join_agrees(const dc_group *g, const dc_group_spec *sp, dc_err *err) {
+    bool multi = sp->daemons > 1 && sp->clipping != DC_GROUP_WISE;
+    if (g->size != sp->size)
+        return dc_err_set(err, DC_EINVAL, "join_group.size",
+                          "group '%s' has %u members, this join says %u", g->name, g->size,
+                          sp->size);
+    if (g->clipping != sp->clipping)
+        return dc_err_set(err, DC_EINVAL, "join_group.clipping", "group '%s' clips %s", g->name,
+                          g->clipping == DC_GROUP_WISE ? "GROUP_WISE" : "NORM_REDUCE");
+    if (g->joined[sp->rank])
+        return dc_err_set(err, DC_EINVAL, "join_group.rank",
+                          "rank %u of group '%s' has joined already", sp->rank, g->name);
+    if ((multi ? sp->daemons : 1) != (g->daemons > 1 ? g->daemons : 1))
+        return dc_err_set(err, DC_EINVAL, "join_group.daemons",
+                          "group '%s' spans %u daemons, this join says %u", g->name,
+                          g->daemons > 1 ? g->daemons : 1, multi ? sp->daemons : 1);
+    if (!multi) return 0;
+    if (g->daemon_rank != sp->daemon_rank)
+        return dc_err_set(err, DC_EINVAL, "join_group.daemon_rank",
+                          "this daemon is daemon %u of group '%s', this join says %u",
+                          g->daemon_rank, g->name, sp->daemon_rank);
+    if (g->local_size != sp->local_size)
+        return dc_err_set(err, DC_EINVAL, "join_group.local_size",
+                          "group '%s' has %u members on this daemon, this join says %u", g->name,
+                          g->local_size, sp->local_size);
+    if (!sp->nccl_id || memcmp(sp->nccl_id, g->nccl_id, DC_NCCL_ID_BYTES) != 0)
+        return dc_err_set(err, DC_EINVAL, "join_group.nccl_id",
+                          "not the NCCL id of group '%s' (rank 0's join returned it)", g->name);
+    return 0;
+}
+
+int dc_group_join(dc_groups *gs, uint32_t uid, const dc_group_spec *sp, dc_group **out,
+                  dc_err *err) {
+    dc_group *g;
+    int rc;
+    if ((rc = join_checks(gs, sp, err))) return rc;
     for (g = gs->list; g; g = g->next)
-        if (!g->dissolved && g->uid == uid && strcmp(g->name, name) == 0) break;
+        if (!g->dissolved && g->uid == uid && strcmp(g->name, sp->name) == 0) break;
     if (g) {
-        if (g->size != size)
-            return dc_err_set(err, DC_EINVAL, "join_group.size",
-                              "group '%s' has %u members, this join says %u", name, g->size,
-                              size);
-        if (g->clipping != clipping)
-            return dc_err_set(err, DC_EINVAL, "join_group.clipping",
-                              "group '%s' clips %s", name,
-                              g->clipping == DC_GROUP_WISE ? "GROUP_WISE" : "NORM_REDUCE");
-        if (g->joined[rank])
-            return dc_err_set(err, DC_EINVAL, "join_group.rank",
-                              "rank %u of group '%s' has joined already", rank, name);
+        if ((rc = join_agrees(g, sp, err))) return rc;
     } else {
+        bool multi = sp->daemons > 1 && sp->clipping != DC_GROUP_WISE;
+        uint8_t id[DC_NCCL_ID_BYTES];
+        /* Daemon 0 makes the id at rank 0's join; anywhere else an id names
+         * a group that must be forming already or be made on another daemon. */
+        if (multi && sp->nccl_id && sp->daemon_rank == 0)
+            return dc_err_set(err, DC_EINVAL, "join_group.nccl_id",
+                              "group '%s' is not forming on this daemon (its daemon 0): rank "
+                              "0 joins first, without an id, and its reply carries the id",
+                              sp->name);
+        if (multi && gs->links >= gs->max_links)
+            return dc_err_set(err, DC_ENOSPACE, "join_group.daemons",
+                              "this daemon holds %u groups across daemons already "
+                              "(limits.max_group_links)", gs->links);
+        if (multi && !sp->nccl_id && (rc = dc_nccl_unique_id(id, err))) return rc;
         g = calloc(1, sizeof *g);
-        if (!g || !(g->joined = calloc(size, sizeof *g->joined)) ||
-            !(g->waiting = calloc(size, sizeof *g->waiting)) ||
-            !(g->calling = calloc(size, sizeof *g->calling))) {
+        if (!g || !(g->joined = calloc(sp->size, sizeof *g->joined)) ||
+            !(g->waiting = calloc(sp->size, sizeof *g->waiting)) ||
+            !(g->calling = calloc(sp->size, sizeof *g->calling))) {
             if (g) {
                 free(g->joined);
                 free(g->waiting);
@@ -173,22 +485,56 @@ int dc_group_join(dc_groups *gs, uint32_t uid, const char *name, uint32_t rank, 
         g->gs = gs;
         g->id = gs->next_id++;
         g->uid = uid;
-        snprintf(g->name, sizeof g->name, "%s", name);
-        g->size = size;
-        g->clipping = clipping;
-        g->timeout_ms = timeout_ms ? timeout_ms : gs->timeout_ms;
+        snprintf(g->name, sizeof g->name, "%s", sp->name);
+        g->size = sp->size;
+        g->clipping = sp->clipping;
+        g->timeout_ms = sp->timeout_ms ? sp->timeout_ms : gs->timeout_ms;
         g->noise_key = mix(gs->key_seed ^ mix(g->id));
+        g->daemons = multi ? sp->daemons : 1;
+        gs->links += multi;
+        if (multi) {
+            g->daemon_rank = sp->daemon_rank;
+            g->local_size = sp->local_size;
+            g->device = sp->device;
+            g->made_id = !sp->nccl_id;
+            memcpy(g->nccl_id, sp->nccl_id ? sp->nccl_id : id, DC_NCCL_ID_BYTES);
+            g->nccl_version = dc_nccl_version();
+            g->link_state = DC_GROUP_LINK_WAITING;
+        }
         uv_timer_init(gs->loop, &g->timer);
         g->timer.data = g;
         g->next = gs->list;
         gs->list = g;
         gs->formed++;
     }
-    g->joined[rank] = true;
+    if (g->daemons > 1 && g->n_joined >= g->local_size)
+        return dc_err_set(err, DC_EINVAL, "join_group.local_size",
+                          "group '%s' has its %u members on this daemon already", g->name,
+                          g->local_size);
+    g->joined[sp->rank] = true;
     g->n_joined++;
     g->refs++;
     *out = g;
+    if ((rc = link_open(g, err))) {
+        /* the group cannot work: the others' steps fail, this join too */
+        char why[256];
+        snprintf(why, sizeof why, "its cross-daemon link cannot open: %.200s", err->msg);
+        dissolve(g, why);
+        g->joined[sp->rank] = false;
+        g->n_joined--;
+        g->refs--;
+        maybe_free(g);
+        *out = NULL;
+        return rc;
+    }
     return 0;
+}
+
+bool dc_group_nccl_id(const dc_group *g, uint8_t id[DC_NCCL_ID_BYTES], uint32_t *version) {
+    if (g->daemons <= 1) return false;
+    memcpy(id, g->nccl_id, DC_NCCL_ID_BYTES);
+    *version = g->nccl_version;
+    return true;
 }
 
 void dc_group_leave(dc_group *g, uint32_t rank, const char *why) {
@@ -208,17 +554,6 @@ void dc_group_leave(dc_group *g, uint32_t rank, const char *why) {
     }
     g->refs--;
     maybe_free(g);
-}
-
-/* The field two members' terms differ in, or NULL. */
-static const char *terms_differ(const dc_group_terms *a, const dc_group_terms *b) {
-    if (a->batch != b->batch) return "clip_step.batch_size";
-    if (a->max_grad_norm != b->max_grad_norm) return "clip_step.clip.max_grad_norm";
-    if (a->noise_multiplier != b->noise_multiplier) return "clip_step.noise_multiplier";
-    if (a->reduction != b->reduction) return "clip_step.clip.loss_reduction";
-    if (a->expected_batch != b->expected_batch) return "clip_step.clip.expected_batch_size";
-    if (a->replicated_hash != b->replicated_hash) return "clip_step.layers.replicated";
-    return NULL;
 }
 
 int dc_group_deliver(dc_group *g, dc_group_waiter *w, dc_err *err) {
@@ -264,20 +599,18 @@ int dc_group_deliver(dc_group *g, dc_group_waiter *w, dc_err *err) {
     }
     for (uint32_t b = 0; b < g->terms.batch; b++) g->tot[b] += w->partial[b];
     g->waiting[w->rank] = w;
-    if (++g->n_waiting < g->size) return 0;
-    /* every member is here: the totals go to each */
-    {
-        dc_group_waiter **all = g->calling;
-        memcpy(all, g->waiting, g->size * sizeof *all);
-        memset(g->waiting, 0, g->size * sizeof *g->waiting);
-        g->n_waiting = 0;
-        g->cur = 0;
-        uv_timer_stop(&g->timer);
-        g->last_wait_ns = uv_hrtime() - g->t_first;
-        g->gs->reductions++;
-        g->reductions++;
-        for (uint32_t r = 0; r < g->size; r++) all[r]->done(all[r], 0, g->tot, NULL);
+    w->wait_ns = uv_hrtime();
+    if (++g->n_waiting < local_members(g)) return 0;
+    if (g->daemons <= 1) {
+        answer(g, 0); /* every member is here: the totals go to each */
+        return 0;
     }
+    /* this daemon's members are here: the link's own deadline bounds the
+     * rest (forming, exchanging) */
+    uv_timer_stop(&g->timer);
+    g->t_local = uv_hrtime();
+    g->exchange_due = true;
+    if (g->link_state == DC_GROUP_LINK_READY) exchange_start(g);
     return 0;
 }
 
@@ -289,6 +622,24 @@ void dc_group_fail(dc_group *g, uint32_t rank, uint64_t step, const dc_err *err)
     g->failed = step;
     g->failed_err = e;
     if (g->cur == step) fail_waiting(g, e.code, &e);
+}
+
+static uint32_t leader(const dc_group *g) {
+    for (uint32_t r = 0; r < g->size; r++)
+        if (g->joined[r]) return r;
+    return UINT32_MAX;
+}
+
+bool dc_group_covers(const dc_group *g, uint32_t rank, uint64_t step, float sigma) {
+    if (g->dissolved || rank == leader(g)) return false;
+    if (g->clipping == DC_GROUP_NORM_REDUCE) return true;
+    return g->charged_step >= step && sigma >= g->charged_sigma;
+}
+
+void dc_group_charged(dc_group *g, uint32_t rank, uint64_t step, float sigma) {
+    if (rank != leader(g) || step < g->charged_step) return;
+    g->charged_step = step;
+    g->charged_sigma = sigma;
 }
 
 uint64_t dc_group_id(const dc_group *g) { return g->id; }
@@ -324,6 +675,13 @@ size_t dc_groups_info(const dc_groups *gs, dc_group_info *out, size_t max) {
         o->step = g->cur;
         o->reductions = g->reductions;
         o->last_wait_ns = g->last_wait_ns;
+        o->daemons = g->daemons;
+        o->daemon_rank = g->daemon_rank;
+        o->local_size = g->daemons > 1 ? g->local_size : g->size;
+        o->link = g->link_state;
+        o->exchanges = g->exchanges;
+        o->last_exchange_ns = g->last_exchange_ns;
+        snprintf(o->why, sizeof o->why, "%.150s", g->dissolved ? g->why : "");
     }
     return n;
 }

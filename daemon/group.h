@@ -17,6 +17,12 @@
  * before its norms are delivered fails on every member; the group goes on
  * with the next step.
  *
+ * A group may span daemons (members on several nodes, or several daemons
+ * on one): each daemon then sums its own members' norms as above, and the
+ * daemons exchange their totals over the group's NCCL link (nccl.h), one
+ * exchange per group step; every daemon sums the totals in daemon order,
+ * so every member everywhere clips by bit-identical norms.
+ *
  * Everything here runs on the loop thread. Ownership: dc_groups owns its
  * groups; a member holds a reference (dc_group_join / dc_group_leave), and a
  * group is freed when dissolved and left by every member. */
@@ -28,6 +34,7 @@
 #include <uv.h>
 
 #include "dc_err.h"
+#include "nccl_link.h"
 
 typedef enum dc_group_clipping {
     DC_GROUP_NORM_REDUCE = 0, /* norms summed over the group: exact flat clipping */
@@ -58,7 +65,35 @@ struct dc_group_waiter {
      * norms (valid during the call). Else err says why the step fails. */
     void (*done)(dc_group_waiter *w, int rc, const double *tot, const dc_err *err);
     void *arg;
+    /* set before done: from this delivery to the totals, and the part of
+     * it spent in the cross-daemon exchange (0 for a one-daemon group) */
+    uint64_t wait_ns, exchange_ns;
 };
+
+/* How a member joins (the JoinGroup request). */
+typedef struct dc_group_spec {
+    const char *name;
+    uint32_t rank, size;
+    uint32_t timeout_ms;            /* 0 = groups.timeout_ms */
+    dc_group_clipping clipping;
+    /* Across daemons (daemons > 1): this daemon's place and how many of the
+     * members use it; the NCCL id made by daemon 0 (NULL on rank 0's join,
+     * which makes it) and that daemon's NCCL version. */
+    uint32_t daemons, daemon_rank, local_size;
+    const uint8_t *nccl_id;
+    uint32_t nccl_version;
+    int device;                     /* the GPU the link uses; -1 = none */
+} dc_group_spec;
+
+/* The cross-daemon link's state, for /status. */
+typedef enum dc_group_link {
+    DC_GROUP_LINK_NONE = 0,    /* one daemon: no link */
+    DC_GROUP_LINK_WAITING,     /* for this daemon's members to join */
+    DC_GROUP_LINK_FORMING,     /* the NCCL communicator is being formed */
+    DC_GROUP_LINK_READY,
+    DC_GROUP_LINK_BROKEN
+} dc_group_link;
+const char *dc_group_link_name(dc_group_link l);
 
 typedef struct dc_groups {
     uv_loop_t *loop;
@@ -66,9 +101,12 @@ typedef struct dc_groups {
     uint64_t next_id;
     uint64_t key_seed;      /* secret: group noise keys derive from it */
     uint32_t max_size;      /* limits.max_group_size */
+    uint32_t max_links;     /* limits.max_group_links */
+    uint32_t links;         /* cross-daemon groups held now */
     uint32_t timeout_ms;    /* groups.timeout_ms, a join may ask for another */
     /* totals, for /status and /metrics */
     uint64_t formed, dissolved, reductions, timeouts;
+    uint64_t exchanges, link_failures; /* cross-daemon */
 } dc_groups;
 
 void dc_groups_init(dc_groups *gs, uv_loop_t *loop, uint64_t key_seed, uint32_t max_size,
@@ -77,11 +115,16 @@ void dc_groups_init(dc_groups *gs, uv_loop_t *loop, uint64_t key_seed, uint32_t 
  * they leave. */
 void dc_groups_close(dc_groups *gs);
 
-/* Joins (uid, name) as rank of size; *out is the member's reference. Refused
- * (INVALID_ARGUMENT naming the join_group field) for a rank taken or out of
- * range, a size or clipping unlike the group's, or size over the limit. */
-int dc_group_join(dc_groups *gs, uint32_t uid, const char *name, uint32_t rank, uint32_t size,
-                  uint32_t timeout_ms, dc_group_clipping clipping, dc_group **out, dc_err *err);
+/* Joins (uid, spec->name) as spec->rank of spec->size; *out is the
+ * member's reference. Refused (naming the join_group field) for a rank taken
+ * or out of range, a size, clipping or cross-daemon layout unlike the
+ * group's, size over the limit, or a cross-daemon group this daemon cannot
+ * link (no NCCL or GPU, another NCCL version, an id it did not make). */
+int dc_group_join(dc_groups *gs, uint32_t uid, const dc_group_spec *spec, dc_group **out,
+                  dc_err *err);
+/* A cross-daemon group's NCCL id and version (for the join reply); false
+ * for a one-daemon group. */
+bool dc_group_nccl_id(const dc_group *g, uint8_t id[DC_NCCL_ID_BYTES], uint32_t *version);
 /* The member of rank leaves: a NORM_REDUCE group is dissolved, the steps
  * waiting fail naming the member and `why`; a GROUP_WISE group goes on
  * until its last member leaves. Drops the reference. */
@@ -95,6 +138,19 @@ int dc_group_deliver(dc_group *g, dc_group_waiter *w, dc_err *err);
 /* A member's step failed before it could deliver: the other members' steps
  * of that group step fail with err (those waiting now and those to come). */
 void dc_group_fail(dc_group *g, uint32_t rank, uint64_t step, const dc_err *err);
+
+/* Accounting: a group step is one logical step, charged on each daemon
+ * once, to the step of the group's leader there (its lowest rank joined on
+ * this daemon: rank 0 on daemon 0). dc_group_covers says whether rank's
+ * step of group step `step` is covered by the leader's charge: in a
+ * NORM_REDUCE group every other member's step waits for the leader's (and
+ * fails with it, terms checked equal); in a GROUP_WISE group, whose steps
+ * never wait, only once the leader's step of that group step was charged
+ * at a noise multiplier <= sigma. Otherwise the step is charged itself
+ * (over-counting, never under-counting). dc_group_charged records a
+ * charged step. */
+bool dc_group_covers(const dc_group *g, uint32_t rank, uint64_t step, float sigma);
+void dc_group_charged(dc_group *g, uint32_t rank, uint64_t step, float sigma);
 
 /* The group's facts, for the session and /status. */
 uint64_t dc_group_id(const dc_group *g);
@@ -117,6 +173,11 @@ typedef struct dc_group_info {
     uint64_t step;          /* the group step being reduced, 0 = none */
     uint64_t reductions;    /* group steps completed */
     uint64_t last_wait_ns;  /* the last one's first delivery to its totals */
+    uint32_t daemons, daemon_rank, local_size;
+    dc_group_link link;
+    uint64_t exchanges;        /* cross-daemon exchanges completed */
+    uint64_t last_exchange_ns; /* the last one's time on the link */
+    char why[160];             /* why it was dissolved */
 } dc_group_info;
 size_t dc_groups_count(const dc_groups *gs);
 /* Fills out[0..max) with the groups' states; returns how many. */

@@ -37,8 +37,9 @@
  *
  * Threads: a dc_ledger and its jobs belong to the loop thread. Only
  * dc_ledger_write_file is safe on another thread (it touches no ledger
- * state): the server serializes a job on the loop, writes it on a pool
- * thread, and records the generation it made durable back on the loop.
+ * state): dc_ledger_persist (ledger_store.c) serializes a job on the loop,
+ * writes it on a pool thread, and records the generation it made durable
+ * back on the loop.
  *
  * Ownership: the ledger owns its jobs. A job pointer stays valid while a
  * session counts itself in job->sessions, a write or waiter is pending, or
@@ -53,6 +54,7 @@
 
 #include "accountant.h"
 #include "dc_err.h"
+#include "metrics.h"
 
 #define DC_LEDGER_JOB_MAX 64  /* bytes of a job id, with its NUL: longer ids are refused */
 #define DC_LEDGER_HIST_MAX 16 /* (q, sigma) pairs a job keeps apart; older ones are folded */
@@ -125,6 +127,11 @@ struct dc_ledger {
     bool calc_busy;
     double calc_q, calc_sigma, calc_rdp[DC_RDP_N_ORDERS];
     dc_ledger_waiter *calc_head, *calc_tail;
+    /* Writes (ledger_store.c): the loop whose pool runs them, the daemon's
+     * metrics that count them (NULL: none), and how many are running. */
+    uv_loop_t *loop;
+    dc_metrics *metrics;
+    int writes_in_flight;
 };
 
 /* Opens (creating it, mode 0750) and locks the directory and loads every job
@@ -188,5 +195,17 @@ void dc_ledger_job_path(const dc_ledger *l, const dc_ledger_job *j, char *out, s
 int dc_ledger_write_file(const char *path, const char *buf, size_t len, dc_err *err);
 /* Synchronous save of one job (serialize + write) and its saved_gen. */
 int dc_ledger_save(dc_ledger *l, dc_ledger_job *j, dc_err *err);
+
+/* --- ledger_store.c: durability off the loop ------------------------------ */
+
+/* Where dc_ledger_persist writes from (after dc_ledger_open, which clears
+ * it): loop's thread pool, counted in m (may be NULL). */
+void dc_ledger_store_init(dc_ledger *l, uv_loop_t *loop, dc_metrics *m);
+/* Makes the job's ledger state durable. `w` (may be NULL) is called back on
+ * the loop once a write holding generation w->gen has reached the disk, or
+ * failed; with an in-memory ledger, or nothing changed since the last
+ * write, at once (within this call). Writes of one job never overlap;
+ * changes made while one is in flight go out in the next. */
+void dc_ledger_persist(dc_ledger_job *job, dc_ledger_waiter *w);
 
 #endif

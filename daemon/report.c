@@ -90,7 +90,7 @@ static void *snapshot(void *arg) {
     r->budget_delta = c->budget_delta;
     r->max_jobs_per_uid = c->ledger_max_jobs_per_uid;
     r->job_idle_s = c->ledger_job_idle_s;
-    r->writes_in_flight = srv->ledger_writes_in_flight;
+    r->writes_in_flight = srv->ledger.writes_in_flight;
     {
         size_t ng = dc_groups_count(&srv->groups);
         if (ng && (r->norm_groups = calloc(ng, sizeof *r->norm_groups)))
@@ -98,6 +98,8 @@ static void *snapshot(void *arg) {
         r->groups_formed = srv->groups.formed;
         r->groups_dissolved = srv->groups.dissolved;
         r->group_reductions = srv->groups.reductions;
+        r->group_exchanges = srv->groups.exchanges;
+        r->group_link_failures = srv->groups.link_failures;
         r->group_timeouts = srv->groups.timeouts;
     }
 
@@ -275,12 +277,18 @@ static void render_status(const dc_report *r, dc_view view, uint32_t uid, dc_sbu
         dc_sbuf_json_str(b, g->name);
         dc_sbuf_printf(b, ",\"size\":%u,\"joined\":%u,\"waiting\":%u,\"clipping\":\"%s\","
                           "\"state\":\"%s\",\"step\":%llu,\"reductions\":%llu,"
-                          "\"last_wait_ms\":%.3f}",
+                          "\"last_wait_ms\":%.3f,\"daemons\":%u,\"daemon_rank\":%u,"
+                          "\"local_members\":%u,\"link\":\"%s\",\"exchanges\":%llu,"
+                          "\"last_exchange_ms\":%.3f,\"why\":",
                        g->size, g->joined, g->waiting,
                        g->clipping == DC_GROUP_WISE ? "GROUP_WISE" : "NORM_REDUCE",
-                       g->dissolved ? "dissolved" : g->joined < g->size ? "forming" : "ready",
+                       g->dissolved ? "dissolved" : g->joined < g->local_size ? "forming" : "ready",
                        (unsigned long long)g->step, (unsigned long long)g->reductions,
-                       g->last_wait_ns / 1e6);
+                       g->last_wait_ns / 1e6, g->daemons, g->daemon_rank, g->local_size,
+                       dc_group_link_name(g->link), (unsigned long long)g->exchanges,
+                       g->last_exchange_ns / 1e6);
+        dc_sbuf_json_str(b, g->why);
+        dc_sbuf_puts(b, "}");
         first = false;
     }
     dc_sbuf_puts(b, "],\"ledger\":{\"dir\":");
@@ -404,6 +412,11 @@ static void render_metrics(const dc_report *r, dc_view view, uint32_t uid, dc_sb
             r->group_reductions);
     counter(b, "dpclip_norm_group_timeouts_total", "Group steps a member did not arrive for",
             r->group_timeouts);
+    counter(b, "dpclip_norm_group_exchanges_total",
+            "Cross-daemon exchanges of group norm totals (NCCL)", r->group_exchanges);
+    counter(b, "dpclip_norm_group_link_failures_total",
+            "Cross-daemon group links that failed (timeout, peer gone, mismatch)",
+            r->group_link_failures);
     dc_prom_head(b, "dpclip_ledger_writes_total", "counter", "Crash-safe ledger file writes");
     dc_sbuf_printf(b, "dpclip_ledger_writes_total{result=\"ok\"} %llu\n"
                       "dpclip_ledger_writes_total{result=\"error\"} %llu\n",

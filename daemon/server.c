@@ -189,118 +189,6 @@ uint64_t dc_server_poll_margin(uint64_t ahead_ns) {
     return ahead_ns / 20 > 1500000u ? ahead_ns / 20 : 1500000u;
 }
 
-/* --- the ledger's writes ------------------------------------------------------ */
-
-typedef struct ledger_write {
-    uv_work_t req;
-    dc_server *srv;
-    dc_ledger_job *job;
-    uint64_t gen;
-    char path[600];
-    char *buf;
-    size_t len;
-    int rc;
-    dc_err err;
-    uint64_t t0;
-} ledger_write;
-
-static void start_write(dc_server *srv, dc_ledger_job *job);
-
-static void ledger_write_work(uv_work_t *req) {
-    ledger_write *w = req->data;
-    w->rc = dc_ledger_write_file(w->path, w->buf, w->len, &w->err);
-}
-
-/* Tells every waiter whose generation this write covered. */
-static void notify_waiters(dc_ledger_job *job, uint64_t gen, int rc, const dc_err *err) {
-    dc_ledger_waiter **pp = &job->waiters, *ready = NULL;
-    while (*pp) {
-        dc_ledger_waiter *w = *pp;
-        if (w->gen <= gen) {
-            *pp = w->next;
-            w->next = ready;
-            ready = w;
-        } else {
-            pp = &w->next;
-        }
-    }
-    /* Callbacks may change the job (a failed spend refunds itself) and
-     * queue new waiters: they run after the list is settled. */
-    while (ready) {
-        dc_ledger_waiter *w = ready;
-        ready = w->next;
-        w->done(w, rc, err);
-    }
-}
-
-static void ledger_write_done(uv_work_t *req, int status) {
-    ledger_write *w = req->data;
-    dc_server *srv = w->srv;
-    dc_ledger_job *job = w->job;
-
-    srv->ledger_writes_in_flight--;
-    job->writing = false;
-    if (status != 0 && w->rc == 0)
-        w->rc = dc_err_set(&w->err, DC_EINTERNAL, "ledger", "ledger write cancelled");
-    dc_hist_add(&srv->metrics.ledger_write, (uv_hrtime() - w->t0) / 1e9);
-    if (w->rc == 0) {
-        srv->metrics.ledger_writes++;
-        if (w->gen > job->saved_gen) job->saved_gen = w->gen;
-    } else {
-        srv->metrics.ledger_write_errors++;
-        dc_log_error("ledger: uid %u job '%s': %s", job->uid, job->job, w->err.msg);
-    }
-    notify_waiters(job, w->gen, w->rc, &w->err);
-    free(w->buf);
-    free(w);
-    /* What changed meanwhile (or was refunded by the waiters) goes next. */
-    if (!job->writing && job->saved_gen < job->gen && (job->dirty || job->waiters))
-        start_write(srv, job);
-}
-
-static void start_write(dc_server *srv, dc_ledger_job *job) {
-    ledger_write *w = calloc(1, sizeof *w);
-    dc_err e;
-    if (!w || dc_ledger_serialize(job, &w->buf, &w->len) != 0) {
-        free(w);
-        dc_err_set(&e, DC_ENOSPACE, "ledger", "out of memory writing the ledger");
-        srv->metrics.ledger_write_errors++;
-        notify_waiters(job, job->gen, DC_ENOSPACE, &e);
-        return;
-    }
-    w->req.data = w;
-    w->srv = srv;
-    w->job = job;
-    w->gen = job->gen;
-    w->t0 = uv_hrtime();
-    dc_ledger_job_path(&srv->ledger, job, w->path, sizeof w->path);
-    job->writing = true;
-    job->dirty = false;
-    srv->ledger_writes_in_flight++;
-    uv_queue_work(srv->loop, &w->req, ledger_write_work, ledger_write_done);
-}
-
-void dc_server_ledger_persist(dc_server *srv, dc_ledger_job *job, dc_ledger_waiter *w) {
-    if (w) {
-        w->next = job->waiters;
-        job->waiters = w;
-    }
-    if (!dc_ledger_persistent(&srv->ledger)) {
-        job->saved_gen = job->gen;
-        notify_waiters(job, job->gen, 0, NULL);
-        return;
-    }
-    if (job->saved_gen >= job->gen) {
-        notify_waiters(job, job->saved_gen, 0, NULL);
-        return;
-    }
-    if (job->writing) {
-        job->dirty = true;
-        return;
-    }
-    start_write(srv, job);
-}
-
 /* --- lifecycle ------------------------------------------------------------------ */
 
 static void post_status(dc_server *srv) {
@@ -428,6 +316,7 @@ void dc_server_apply_config(dc_server *srv, const dc_config *n) {
     c->max_mapped_bytes = n->max_mapped_bytes;
     c->max_reply_queue = n->max_reply_queue;
     c->max_group_size = srv->groups.max_size = n->max_group_size;
+    c->max_group_links = srv->groups.max_links = n->max_group_links;
     c->group_timeout_ms = srv->groups.timeout_ms = n->group_timeout_ms;
     srv->buf_totals.max_buffers = c->max_buffers_total;
     srv->buf_totals.max_shm_bytes = c->max_mapped_bytes;
@@ -525,9 +414,11 @@ int dc_server_init(dc_server *srv, uv_loop_t *loop, const dc_config *cfg,
 
     dc_groups_init(&srv->groups, loop, srv->noise_key, cfg->max_group_size,
                    cfg->group_timeout_ms);
+    srv->groups.max_links = cfg->max_group_links;
 
     /* The ledger first: a daemon that cannot account must not serve steps. */
     if ((rc = dc_ledger_open(&srv->ledger, cfg->ledger_dir, cfg->delta, err))) return rc;
+    dc_ledger_store_init(&srv->ledger, loop, &srv->metrics);
     dc_ledger_set_limits(&srv->ledger, cfg->ledger_max_jobs_per_uid, cfg->ledger_job_idle_s);
     srv->ledger.insecure = cfg->fixed_seed;
     if ((rc = dc_worker_pool_init(&srv->cpu_pool, loop, "cpu", srv->workers, cpu_factory, NULL,

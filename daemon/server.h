@@ -80,7 +80,6 @@ typedef struct dc_server {
     uint64_t noise_steps;         /* steps drawn so far: the noise counter */
     dc_groups groups;             /* norm groups (group.c) */
     dc_ledger ledger;
-    int ledger_writes_in_flight;
     dc_status status;
     dc_metrics metrics;
     uint64_t start_ns;            /* uv_hrtime at start */
@@ -121,12 +120,5 @@ uint64_t dc_server_poll_margin(uint64_t ahead_ns);
 
 /* Called by session.c when a session has fully closed. */
 void dc_server_session_gone(dc_server *srv, dc_session *s);
-
-/* Makes the job's ledger state durable. `w` (may be NULL) is called back on
- * the loop once a write holding generation w->gen has reached the disk, or
- * failed; with an in-memory ledger, at once. Writes of one job never
- * overlap; changes made while one is in flight go out in the next. */
-void dc_server_ledger_persist(dc_server *srv, dc_ledger_job *job, dc_ledger_waiter *w);
-
 
 #endif

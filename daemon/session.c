@@ -244,27 +244,8 @@ static void handle_hello(dc_session *s, uint64_t id, const Dpclip__Hello *h) {
     dc_session_send(s, &reply);
 }
 
-/* Takes the fds that arrived with the frame [start, end) of the stream;
- * fds that arrived with earlier frames were not claimed by them: close. */
-static int take_fds(dc_session *s, uint64_t start, uint64_t end, int *out, int max) {
-    int n = 0, keep = 0;
-    for (int i = 0; i < s->nfds; i++) {
-        if (s->fds[i].pos < start) {
-            close(s->fds[i].fd);
-        } else if (s->fds[i].pos < end) {
-            if (n < max) out[n] = s->fds[i].fd;
-            else close(s->fds[i].fd);
-            n++;
-        } else {
-            s->fds[keep++] = s->fds[i];
-        }
-    }
-    s->nfds = keep;
-    return n;
-}
-
 static void handle_register(dc_session *s, uint64_t id, const Dpclip__RegisterBuffer *m,
-                            int *fds, int nfds) {
+                            const int *fds, int nfds) {
     Dpclip__Reply reply = DPCLIP__REPLY__INIT;
     Dpclip__RegisterBufferReply rr = DPCLIP__REGISTER_BUFFER_REPLY__INIT;
     const dc_buffer *b = NULL;
@@ -328,25 +309,22 @@ static void handle_release(dc_session *s, uint64_t id, const Dpclip__ReleaseBuff
     dc_session_send(s, &reply);
 }
 
-static void dispatch(dc_session *s, const uint8_t *payload, size_t len, uint64_t start,
-                     uint64_t end) {
+/* One frame, answered (or handed to the work that will answer it). */
+static void dispatch(dc_session *s, const dc_frame *f) {
     Dpclip__Request *req;
     Dpclip__Reply reply = DPCLIP__REPLY__INIT;
     Dpclip__Pong pong = DPCLIP__PONG__INIT;
-    int fds[DC_SESSION_MAX_FDS];
-    int nfds;
     const uint8_t *key = NULL;
     size_t key_len = 0, k;
     uint64_t id;
     dc_err e;
 
     s->t_frame = uv_hrtime();
-    nfds = take_fds(s, start, end, fds, DC_SESSION_MAX_FDS);
     /* A ClipStep with the bytes of the last step that validated needs no
      * decoding (session_step.c); wire.h says which frames may be taken so. */
-    if (s->hello_done && nfds == 0 && dc_wire_step_key(payload, len, &id, &k)) {
-        key = payload + k;
-        key_len = len - k;
+    if (s->hello_done && f->nfds == 0 && dc_wire_step_key(f->payload, f->len, &id, &k)) {
+        key = f->payload + k;
+        key_len = f->len - k;
         s->step_req_id = id;
         dc_session_prewait(s);
         if (dc_session_step_cached(s, id, key, key_len)) {
@@ -354,26 +332,11 @@ static void dispatch(dc_session *s, const uint8_t *payload, size_t len, uint64_t
             return;
         }
     }
-    req = len ? dpclip__request__unpack(NULL, len, payload) : NULL;
-    if (req) {
-        static const dc_req_kind kinds[] = {
-            [DPCLIP__REQUEST__BODY_HELLO] = DC_REQ_HELLO,
-            [DPCLIP__REQUEST__BODY_REGISTER_BUFFER] = DC_REQ_REGISTER,
-            [DPCLIP__REQUEST__BODY_RELEASE_BUFFER] = DC_REQ_RELEASE,
-            [DPCLIP__REQUEST__BODY_CLIP_STEP] = DC_REQ_STEP,
-            [DPCLIP__REQUEST__BODY_PING] = DC_REQ_PING,
-            [DPCLIP__REQUEST__BODY_REGISTER_EVENT] = DC_REQ_EVENT,
-            [DPCLIP__REQUEST__BODY_JOIN_GROUP] = DC_REQ_OTHER};
-        unsigned bc = (unsigned)req->body_case;
-        s->srv->metrics.requests[bc < sizeof kinds / sizeof kinds[0] && bc ? kinds[bc]
-                                                                           : DC_REQ_OTHER]++;
-    } else {
-        s->srv->metrics.requests[DC_REQ_OTHER]++;
-    }
+    req = dc_frame_decode(f, &e);
+    s->srv->metrics.requests[dc_frame_kind(req)]++;
     if (!req) {
-        dc_err_set(&e, DC_EPROTO, "request", "the frame does not decode as a dpclip.Request");
         dc_session_reject(s, 0, &e);
-        goto out;
+        return;
     }
     if (req->body_case == DPCLIP__REQUEST__BODY__NOT_SET) {
         dc_err_set(&e, DC_EUNIMPL, "request.body", "unknown or empty request");
@@ -390,7 +353,7 @@ static void dispatch(dc_session *s, const uint8_t *payload, size_t len, uint64_t
         handle_hello(s, req->id, req->hello);
         break;
     case DPCLIP__REQUEST__BODY_REGISTER_BUFFER:
-        handle_register(s, req->id, req->register_buffer, fds, nfds < DC_SESSION_MAX_FDS ? nfds : DC_SESSION_MAX_FDS);
+        handle_register(s, req->id, req->register_buffer, f->fds, f->nfds);
         break;
     case DPCLIP__REQUEST__BODY_RELEASE_BUFFER:
         handle_release(s, req->id, req->release_buffer);
@@ -418,121 +381,55 @@ static void dispatch(dc_session *s, const uint8_t *payload, size_t len, uint64_t
         break;
     }
 out:
-    /* The registry dup'd nothing: it mapped the fd, so ours can go. */
-    for (int i = 0; i < nfds && i < DC_SESSION_MAX_FDS; i++) close(fds[i]);
-    if (req) dpclip__request__free_unpacked(req, NULL);
+    dpclip__request__free_unpacked(req, NULL);
 }
 
 /* Consumes complete frames while no step is in flight and the client reads
  * its replies. */
 void dc_session_process(dc_session *s) {
-    size_t off = 0;
     bool held = false;
+    dc_frame f;
 
-    while (!dc_session_busy(s) && !s->closing && !s->gone && s->rlen - off >= DC_FRAME_HEADER) {
-        uint32_t n = dc_frame_get_len(s->rbuf + off), max = frame_max(s);
+    while (!dc_session_busy(s) && !s->closing && !s->gone && dc_frame_started(&s->in)) {
+        dc_frame_status st;
+        uint32_t max = frame_max(s);
         if (replies_pile_up(s)) {
             held = true;
             break;
         }
-        if (n > max) {
+        st = dc_frame_next(&s->in, max, &f);
+        if (st == DC_FRAME_TOO_LONG) {
             dc_err e;
             if (s->hello_done)
                 dc_err_set(&e, DC_EPROTO, "frame.length",
-                           "frame of %u bytes exceeds the maximum of %u; closing", n, max);
+                           "frame of %u bytes exceeds the maximum of %u; closing", f.len, max);
             else
                 dc_err_set(&e, DC_EPROTO, "frame.length", "frame of %u bytes before Hello "
                            "exceeds the %u a connection may send before its Hello; closing",
-                           n, max);
+                           f.len, max);
             dc_session_reject(s, 0, &e);
             s->closing = true;
-            off = s->rlen;
+            dc_frame_drop(&s->in);
             break;
         }
-        if (s->rlen - off - DC_FRAME_HEADER < n) break;
-        uint64_t start = s->rbase + off;
-        dispatch(s, s->rbuf + off + DC_FRAME_HEADER, n, start, start + DC_FRAME_HEADER + n);
-        off += DC_FRAME_HEADER + n;
+        if (st == DC_FRAME_NONE) break;
+        dispatch(s, &f);
+        /* The registry dup'd nothing: it mapped the fd, so ours can go. */
+        dc_frame_release(&f);
     }
     if (s->gone) return;
-    if (off) {
-        memmove(s->rbuf, s->rbuf + off, s->rlen - off);
-        s->rlen -= off;
-        s->rbase += off;
-    }
+    dc_frame_compact(&s->in);
     /* (Held frames are whole: they are answered once the client reads.) */
-    if (s->eof && !dc_session_busy(s) && !s->closing && !held) {
-        if (s->rlen) {
+    if (s->in.eof && !dc_session_busy(s) && !s->closing && !held) {
+        if (dc_frame_buffered(&s->in)) {
             dc_err e;
             dc_err_set(&e, DC_EPROTO, "frame", "truncated frame: connection ended after %zu of a frame's bytes",
-                       s->rlen);
+                       dc_frame_buffered(&s->in));
             dc_session_reject(s, 0, &e);
         }
         s->closing = true;
     }
     session_update_poll(s);
-}
-
-/* --- reading ----------------------------------------------------------- */
-
-static int session_read(dc_session *s) {
-    size_t limit = (size_t)frame_max(s) + DC_FRAME_HEADER;
-    for (int rounds = 0; rounds < 16; rounds++) {
-        union {
-            struct cmsghdr h;
-            char buf[CMSG_SPACE(sizeof(int) * DC_SESSION_MAX_FDS)];
-        } cm;
-        struct iovec iov;
-        struct msghdr msg;
-        ssize_t n;
-
-        if (s->rlen >= limit) return 0; /* a full frame is buffered: process first */
-        if (s->rcap - s->rlen < 4096) {
-            size_t cap = s->rcap ? s->rcap * 2 : 16384;
-            if (cap > limit + 65536) cap = limit + 65536;
-            if (cap <= s->rlen) return 0;
-            uint8_t *nb = realloc(s->rbuf, cap);
-            if (!nb) return -1;
-            s->rbuf = nb;
-            s->rcap = cap;
-        }
-        iov.iov_base = s->rbuf + s->rlen;
-        iov.iov_len = s->rcap - s->rlen;
-        memset(&msg, 0, sizeof msg);
-        msg.msg_iov = &iov;
-        msg.msg_iovlen = 1;
-        msg.msg_control = cm.buf;
-        msg.msg_controllen = sizeof cm.buf;
-        n = recvmsg(s->fd, &msg, MSG_DONTWAIT | MSG_CMSG_CLOEXEC);
-        if (n < 0) {
-            if (errno == EINTR) continue;
-            if (errno == EAGAIN || errno == EWOULDBLOCK) return 0;
-            return -1;
-        }
-        for (struct cmsghdr *c = CMSG_FIRSTHDR(&msg); c; c = CMSG_NXTHDR(&msg, c)) {
-            if (c->cmsg_level != SOL_SOCKET || c->cmsg_type != SCM_RIGHTS) continue;
-            int cnt = (int)((c->cmsg_len - CMSG_LEN(0)) / sizeof(int));
-            for (int i = 0; i < cnt; i++) {
-                int fd;
-                memcpy(&fd, CMSG_DATA(c) + i * sizeof(int), sizeof fd);
-                if (s->nfds == DC_SESSION_MAX_FDS || n == 0) {
-                    close(fd);
-                    continue;
-                }
-                /* The kernel ends a read at the message that carried fds, so
-                 * they belong to the frame holding the last byte read. */
-                s->fds[s->nfds].fd = fd;
-                s->fds[s->nfds].pos = s->rbase + s->rlen + (uint64_t)n - 1;
-                s->nfds++;
-            }
-        }
-        if (n == 0) {
-            s->eof = true;
-            return 0;
-        }
-        s->rlen += (size_t)n;
-    }
-    return 0;
 }
 
 static void on_poll(uv_poll_t *h, int status, int events) {
@@ -545,7 +442,8 @@ static void on_poll(uv_poll_t *h, int status, int events) {
         session_flush(s);
         if (s->gone) return;
     }
-    if ((events & UV_READABLE) && session_read(s) != 0) {
+    if ((events & UV_READABLE) &&
+        dc_frame_read(&s->in, s->fd, (size_t)frame_max(s) + DC_FRAME_HEADER) != 0) {
         dc_session_close(s);
         return;
     }
@@ -568,7 +466,7 @@ static void session_update_poll(dc_session *s) {
         s->drain_armed = true;
         uv_timer_start(&s->timer, on_timer, seconds_ms(s->srv->cfg.handshake_timeout), 0);
     }
-    if (!s->eof && !s->closing && s->rlen < limit && !replies_pile_up(s)) ev |= UV_READABLE;
+    if (!s->in.eof && !s->closing && s->in.len < limit && !replies_pile_up(s)) ev |= UV_READABLE;
     if (s->w_head) ev |= UV_WRITABLE;
     if (ev == s->poll_events) return;
     s->poll_events = ev;
@@ -676,6 +574,7 @@ int dc_session_start(dc_server *srv, int fd, dc_session **out) {
     s->fd = fd;
     s->id = ++srv->next_session_id;
     s->connected_ns = uv_hrtime();
+    dc_frame_in_init(&s->in);
     dc_registry_init(&s->reg);
     if (getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cred, &len) == 0) {
         s->peer_pid = cred.pid;
@@ -721,7 +620,6 @@ void dc_session_destroy(dc_session *s) {
            (unsigned long long)s->id, (unsigned long long)s->steps,
            (unsigned long long)s->steps_failed, (int)s->peer_pid, (unsigned)s->peer_uid,
            s->job_id);
-    for (int i = 0; i < s->nfds; i++) close(s->fds[i].fd);
     while (s->w_head) {
         dc_wbuf *w = s->w_head;
         s->w_head = w->next;
@@ -731,7 +629,7 @@ void dc_session_destroy(dc_session *s) {
     free(s->prewait);
     dc_registry_destroy(&s->reg);
     if (s->ljob) s->ljob->sessions--;
-    free(s->rbuf);
+    dc_frame_in_free(&s->in);
     dc_server_session_gone(s->srv, s);
     free(s);
 }
@@ -757,6 +655,6 @@ void dc_session_shutdown(dc_session *s) {
     if (s->gone) return;
     s->closing = true;
     /* Drop requests not started yet; the step in flight (if any) replies. */
-    s->rlen = 0;
+    dc_frame_drop(&s->in);
     session_update_poll(s);
 }

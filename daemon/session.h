@@ -1,4 +1,4 @@
-/* One client connection: framing, fd passing, the handshake, the session's
+/* One client connection: its frames (frame.c), the handshake, the session's
  * buffer registry, and its requests, processed strictly one at a time and in
  * order (a ClipStep runs on a worker while the loop serves everyone else;
  * this session's next request waits for it, which is also what keeps its
@@ -15,16 +15,15 @@
 #include <sys/socket.h>
 #include <uv.h>
 
+#include "frame.h"
 #include "ledger.h"
 #include "log.h"
 #include "registry.h"
+#include "step_job.h"
 #include "validate.h"
 
 typedef struct dc_server dc_server;
 typedef struct dc_wbuf dc_wbuf;
-typedef struct dc_step_job dc_step_job;
-
-#define DC_SESSION_MAX_FDS 16
 
 typedef struct dc_session {
     struct dc_session *prev, *next;  /* server list */
@@ -41,30 +40,19 @@ typedef struct dc_session {
     char client_name[64];
     char job_id[64];
 
-    /* Bytes received and not yet consumed; rbase is the stream offset of
-     * rbuf[0], so that passed fds can be matched to the frame they came with. */
-    uint8_t *rbuf;
-    size_t rlen, rcap;
-    uint64_t rbase;
-    struct { int fd; uint64_t pos; } fds[DC_SESSION_MAX_FDS];
-    int nfds;
+    dc_frame_in in;                  /* bytes and fds received, not yet answered */
 
     dc_wbuf *w_head, *w_tail;        /* replies not yet written */
     size_t w_bytes;
 
     bool hello_done;
-    bool eof;                        /* peer finished sending */
     bool closing;                    /* close once the write queue drains */
     bool gone;                       /* socket closed; waiting for the step */
     bool poll_closed;                /* both handles closed, the socket too */
     bool drain_armed;                /* closing: the timer ends the wait for the client */
     dc_step_job *job;                /* the step in flight, if any */
     int async_ops;                   /* GPU handle opens in flight (0 or 1) */
-    struct dc_session_event {
-        uint64_t id;
-        int device;
-        void *event;                 /* cudaEvent_t opened in the daemon */
-    } *events;
+    struct dc_session_event *events; /* registered (step_job.h) */
     size_t n_events, cap_events;
     dc_registry reg;
     uint64_t steps;
@@ -85,20 +73,8 @@ typedef struct dc_session {
     dc_log_limit fail_log;           /* failed steps logged at most once a second */
     /* The last ClipStep that validated (session_step.c), so that the same
      * step sent again (a trainer's every iteration) skips decoding and
-     * validation: the request's bytes after its id, the registry generation
-     * and limits it was validated under, and the result. Owned. */
-    struct dc_step_plan {
-        uint8_t *bytes;
-        size_t len;
-        uint64_t reg_gen;
-        dc_limits limits;
-        dc_step step;                /* owns step.layers */
-        struct dc_step_params {
-            uint64_t wait_event, signal_event;
-            bool notify_enqueued;
-            double sample_rate, target_delta, target_epsilon;
-        } params;
-    } *plan;
+     * validation. Owned. */
+    struct dc_step_plan *plan;       /* step_validate.h */
     /* The stream wait on the plan's input event, issued on the GPU's worker
      * as soon as a ClipStep frame arrives, while the loop validates it
      * (session_step.c). Owned; NULL until the first one. */

@@ -17,10 +17,10 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "gpu.h"
 #include "log.h"
 #include "server.h"
 #include "session_int.h"
+#include "step_run.h"
 
 void dc_session_group_leave(dc_session *s, const char *why) {
     if (!s->group) return;
@@ -35,22 +35,48 @@ void dc_session_join_group(dc_session *s, uint64_t id, const Dpclip__JoinGroup *
     dc_server *srv = s->srv;
     Dpclip__Reply reply = DPCLIP__REPLY__INIT;
     Dpclip__JoinGroupReply jr = DPCLIP__JOIN_GROUP_REPLY__INIT;
+    dc_group_spec sp;
+    uint8_t nccl_id[DC_NCCL_ID_BYTES];
+    uint32_t nccl_version;
     dc_group *g;
     dc_err e;
 
     dc_session_group_leave(s, "it joined again");
-    if (dc_group_join(&srv->groups, (uint32_t)s->peer_uid, m->name, m->rank, m->size,
-                      m->timeout_ms, (dc_group_clipping)m->clipping, &g, &e)) {
+    if (m->nccl_id.len && m->nccl_id.len != DC_NCCL_ID_BYTES) {
+        dc_err_set(&e, DC_EINVAL, "join_group.nccl_id", "%zu bytes; an NCCL id has %d",
+                   m->nccl_id.len, DC_NCCL_ID_BYTES);
+        dc_session_reject(s, id, &e);
+        return;
+    }
+    memset(&sp, 0, sizeof sp);
+    sp.name = m->name;
+    sp.rank = m->rank;
+    sp.size = m->size;
+    sp.timeout_ms = m->timeout_ms;
+    sp.clipping = (dc_group_clipping)m->clipping;
+    sp.daemons = m->daemons;
+    sp.daemon_rank = m->daemon_rank;
+    sp.local_size = m->local_size;
+    sp.nccl_id = m->nccl_id.len ? m->nccl_id.data : NULL;
+    sp.nccl_version = m->nccl_version;
+    /* the link's few bytes per step travel through the daemon's first GPU */
+    sp.device = srv->gpu.n > 0 ? 0 : -1;
+    if (dc_group_join(&srv->groups, (uint32_t)s->peer_uid, &sp, &g, &e)) {
         dc_session_reject(s, id, &e);
         return;
     }
     s->group = g;
     s->group_rank = m->rank;
     s->group_steps = 0;
-    dc_log_info("session %llu: joins norm group '%s' %llu as rank %u of %u",
+    dc_log_info("session %llu: joins norm group '%s' %llu as rank %u of %u%s",
                 (unsigned long long)s->id, m->name, (unsigned long long)dc_group_id(g), m->rank,
-                m->size);
+                m->size, m->daemons > 1 ? " (across daemons)" : "");
     jr.group_id = dc_group_id(g);
+    if (dc_group_nccl_id(g, nccl_id, &nccl_version)) {
+        jr.nccl_id.data = nccl_id;
+        jr.nccl_id.len = DC_NCCL_ID_BYTES;
+        jr.nccl_version = nccl_version;
+    }
     reply.id = id;
     reply.body_case = DPCLIP__REPLY__BODY_JOIN_GROUP;
     reply.join_group = &jr;
@@ -92,6 +118,14 @@ int dc_session_group_prepare(dc_session *s, const Dpclip__ClipStep *m, dc_step_j
         return dc_err_set(e, DC_EINVAL, "clip_step.clip.mode",
                           "per-layer clipping needs no norm group: each member clips its own "
                           "layers (leave the group)");
+    /* Group steps only go forward: a step number taken again could claim
+     * the leader's charge for a step already released. */
+    if (m->group_step && m->group_step <= s->group_steps)
+        return dc_err_set(e, DC_EINVAL, "clip_step.group_step",
+                          "group step %llu: this member is at group step %llu already (group "
+                          "steps only increase)",
+                          (unsigned long long)m->group_step,
+                          (unsigned long long)s->group_steps);
     j->group_step = m->group_step ? m->group_step : s->group_steps + 1;
     if (dc_group_clipping_of(g) == DC_GROUP_WISE) {
         /* He et al.: C_k = C / sqrt(K), so that sum_k C_k^2 = C^2; the
@@ -123,20 +157,6 @@ int dc_session_group_prepare(dc_session *s, const Dpclip__ClipStep *m, dc_step_j
 
 /* --- the stages ------------------------------------------------------------ */
 
-static void clip_work(dc_job *job, dc_backend *be) {
-    dc_step_job *j = (dc_step_job *)job;
-    j->t_start = j->t_waited = uv_hrtime();
-    j->be = be;
-    dc_err_clear(&j->err);
-    j->rc = be->ops->run_clip(be, &j->step, j->n2, j->tot, &j->res, &j->err);
-    if (j->rc == 0 && j->signal_event) { /* the client's stream may go on */
-        j->res.released = true;
-        j->rc = dc_gpu_record_event(be, j->signal_event, &j->err);
-    }
-    j->t_end = uv_hrtime();
-}
-
-
 /* The group's totals (or why the group step failed). */
 static void on_totals(dc_group_waiter *w, int rc, const double *tot, const dc_err *err) {
     dc_step_job *j = w->arg;
@@ -148,27 +168,14 @@ static void on_totals(dc_group_waiter *w, int rc, const double *tot, const dc_er
         return;
     }
     memcpy(j->tot, tot, j->step.batch * sizeof *j->tot);
+    j->group_wait_ns = w->wait_ns;
+    j->group_exchange_ns = w->exchange_ns;
     /* From here the other members may release their parts of this step:
      * rank 0's charge for it stands whatever happens to its own part. */
     if (s->group_rank == 0) j->res.released = true;
-    j->job.work = clip_work;
+    j->job.work = dc_step_run_clip_work;
     j->job.done = dc_session_step_done;
     dc_worker_pool_submit(dc_session_step_pool(j), &j->job);
-}
-
-static void norms_work(dc_job *job, dc_backend *be) {
-    dc_step_job *j = (dc_step_job *)job;
-    j->t_start = j->t_waited = uv_hrtime();
-    dc_err_clear(&j->err);
-    /* GPU steps: the stream waits for the client's inputs first (unless a
-     * pre-wait for this step's event already did, on this thread) */
-    bool waited = j->prewait && j->prewait->rc == 0;
-    if (j->wait_event && !waited && (j->rc = dc_gpu_wait_event(be, j->wait_event, &j->err)))
-        return;
-    j->rc = be->ops->run_norms
-                ? be->ops->run_norms(be, &j->step, j->n2, &j->err)
-                : dc_err_set(&j->err, DC_EUNIMPL, "clip_step",
-                             "the %s backend has no separate norm phase", be->ops->name);
 }
 
 static void norms_done(dc_job *job) {
@@ -220,7 +227,7 @@ void dc_session_group_submit(dc_step_job *j) {
         dc_session_step_done(&j->job);
         return;
     }
-    j->job.work = norms_work;
+    j->job.work = dc_step_run_norms_work;
     j->job.done = norms_done;
     j->t_submit = uv_hrtime();
     dc_worker_pool_submit(dc_session_step_pool(j), &j->job);

@@ -1,6 +1,6 @@
-/* Internals shared by session.c (framing, requests, lifecycle),
- * session_step.c (ClipStep: validation, privacy accounting, the worker job,
- * the reply) and session_gpu.c (CUDA buffers and events). Loop thread only. */
+/* Internals shared by session.c (requests, lifecycle), session_step.c
+ * (ClipStep: drives its stages, step_job.h), session_group.c (norm groups)
+ * and session_gpu.c (CUDA buffers and events). Loop thread only. */
 #ifndef DC_SESSION_INT_H
 #define DC_SESSION_INT_H
 
@@ -9,64 +9,8 @@
 #include "ledger.h"
 #include "session.h"
 #include "step.h"
+#include "step_job.h"
 #include "worker.h"
-
-/* A wait on a step's input event issued ahead of its validation: the
- * driver call (tens of microseconds with an interprocess event) overlaps
- * the loop's work instead of following it. Harmless if the step is then
- * refused: the daemon's stream only waits for the client's own work. */
-struct dc_prewait {
-    dc_job job;
-    dc_session *s;
-    void *event;           /* cudaEvent_t of the session's plan */
-    uint64_t t_frame;      /* the frame it was issued for */
-    bool busy;             /* submitted, done() not run yet */
-    int rc;                /* worker thread: the wait's result */
-    dc_err err;
-};
-
-/* A step from request to reply. Owned by the session (s->job) from the
- * moment it is accepted until step_done has replied. */
-struct dc_step_job {
-    dc_job job;
-    dc_session *s;
-    uint64_t req_id;
-    void *wait_event;      /* GPU steps: cudaEvent_t or NULL */
-    void *signal_event;
-    struct dc_prewait *prewait; /* issued for this step's frame and event, if any */
-    /* notify_enqueued: the backend (worker thread) calls step_enqueued, which
-     * records signal_event and has step_notice send the notice. */
-    bool notify;
-    bool signaled;         /* signal_event recorded (worker thread) */
-    bool cached;           /* from the session's plan cache: step.layers is the plan's */
-    dc_backend *be;        /* the worker's backend, while work() runs */
-    dc_step step;
-    dc_step_result res;
-    dc_err err;
-    int rc;
-    /* Privacy accounting: the step's spend in the session's job, reserved
-     * (and, with a persistent ledger, on disk) before the step may run. */
-    dc_ledger_job *ljob;
-    double q, sigma;       /* as recorded in the ledger */
-    double eps, delta;     /* the job's eps with this step, at its delta */
-    dc_ledger_waiter wait; /* for the spend to be durable */
-    bool waiting_sync;     /* inside the persist call: a failure is handled there */
-    int sync_rc;
-    dc_err sync_err;
-    uint64_t workspace;    /* GPU steps: the backend's workspace after it */
-    /* Phases (uv_hrtime ns): request decoded, validated and accounted,
-     * submitted to a worker, worker started, input event waited, worker
-     * finished. */
-    uint64_t t_recv, t_checked, t_submit, t_start, t_waited, t_end;
-    uint64_t t_frame;      /* the request's frame taken up for decoding */
-    /* Norm groups (session_group.c): the step's own squared layer norms
-     * [L*B] from its norm phase, its partial sum [B] delivered to the group,
-     * the group's totals [B] for its clip phase. */
-    bool grouped;
-    uint64_t group_step;
-    double *n2, *partial, *tot;
-    dc_group_waiter gw;
-};
 
 /* A request is being worked on off the loop: later ones wait for it. */
 int dc_session_busy(const dc_session *s);

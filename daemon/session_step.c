@@ -1,151 +1,34 @@
-/* ClipStep requests: validation, the privacy ledger, the worker job and the
- * reply.
- *
- * Order of a step, all on the loop thread except the work itself:
- *   1. validate every field (validate.c); check events and the device;
- *   2. account: the step's (sample rate, noise multiplier) in the session's
- *      job (a pair the ledger has no curve for waits while libuv's pool
- *      computes it); refuse it (RESOURCE_EXHAUSTED) if it would take the job
- *      past a budget; otherwise record the spend (a sigma-0 step of one of
- *      a job's several sessions is a data-parallel share: not charged);
- *   3. with a persistent ledger, wait until the spend is on disk (written on
- *      libuv's thread pool): the step's noised outputs reach the trainer's
- *      memory as soon as it runs, so its cost must already be recorded if
- *      the daemon dies right after;
- *   4. run on a worker; reply. A step that fails writes no output. If it
- *      failed before anything depended on its noise (a non-finite input,
- *      ...) it released nothing and its spend is refunded; one that failed
- *      once noised (an output beyond its dtype's range) or after writing
- *      its outputs has released something and is charged
- *      (dc_step_result.released). */
-#include <math.h>
+/* ClipStep requests: the session's side of a step, which drives its stages
+ * in order (step_job.h lists them). Each stage fills its part of the job
+ * and returns; what comes next is decided here, top to bottom:
+ *   1. validate (step_validate.c): the request's fields, or the plan cache's
+ *      copy of the same step; then a norm group's terms (session_group.c)
+ *      and what the step names of the session (device, events);
+ *   2. account (step_account.c): the terms, the curve (may wait), the
+ *      charge, the spend durable (may wait);
+ *   3. run (step_run.c) on a worker: norms, coefficients, clipped sum and
+ *      noise; a NORM_REDUCE group's step goes to session_group.c instead,
+ *      whose norm phase, reduction and clip phase end in
+ *      dc_session_step_done as well;
+ *   4. reply (step_reply.c), or the error, with the spend of a step that
+ *      released nothing refunded.
+ * All on the loop thread except the work itself. While a step is accepted
+ * and not replied to (s->job), the session takes no other request. */
 #include <stddef.h>
-#include <stdio.h>
 #include <stdlib.h>
-#include <string.h>
 
-#include "dc_dtype.h"
 #include "dc_ewma.h"
 #include "log.h"
 #include "server.h"
 #include "session_int.h"
-#include "validate.h"
+#include "step_account.h"
+#include "step_reply.h"
+#include "step_run.h"
+#include "step_validate.h"
 
-#ifdef DPCLIP_HAVE_CUDA
-#include "dc_cuda.h"
-#endif
-
-/* Worker thread, inside the backend's run_step: everything that writes the
- * client's memory is queued. Record the client's event behind it now, off
- * the step's critical path (the driver call costs microseconds; after the
- * synchronisation the reply would wait for it), and with an early notice
- * let the loop send it while the device works. If the record fails the
- * notice is not sent and step_work fails the step or records again. */
-static void step_enqueued(void *arg) {
-    dc_step_job *j = arg;
-    dc_err e;
-    if (dc_gpu_record_event(j->be, j->signal_event, &e)) return;
-    j->signaled = true;
-    if (j->notify) dc_worker_notify(&j->job);
-}
-
-/* A step that failed once noised: no noised value may leave in its message,
- * whatever the backend wrote there (the client keeps its code and field). */
-static void released_error(dc_err *e) {
-    snprintf(e->msg, sizeof e->msg,
-             "the noised clipped sum is not finite in this output's dtype; nothing was "
-             "written. The failure depends on the noise, so the step's privacy spend stands");
-}
-
-static void step_work(dc_job *job, dc_backend *be) {
-    dc_step_job *j = (dc_step_job *)job;
-    j->t_start = uv_hrtime();
-    j->be = be;
-    dc_err_clear(&j->err);
-    /* A pre-wait ran before this job on this same thread (one worker per
-     * GPU, in order): if it succeeded the stream already waits. */
-    bool waited = j->prewait && j->prewait->rc == 0;
-    if (j->wait_event && !waited && (j->rc = dc_gpu_wait_event(be, j->wait_event, &j->err))) {
-        j->t_waited = j->t_end = uv_hrtime();
-        return;
-    }
-    j->t_waited = uv_hrtime();
-    j->rc = dc_backend_run_step(be, &j->step, &j->res, &j->err);
-    if (j->rc && j->res.released) released_error(&j->err);
-    if (j->rc == 0 && j->signal_event && !j->signaled) {
-        j->res.released = true; /* the outputs are written, whatever happens next */
-        if (j->notify)
-            j->rc = dc_err_set(&j->err, DC_EINTERNAL, "clip_step.signal_event",
-                               "could not record the step's signal event");
-        else
-            j->rc = dc_gpu_record_event(be, j->signal_event, &j->err);
-    }
-#ifdef DPCLIP_HAVE_CUDA
-    /* Read here, on the thread that owns the backend. */
-    if (j->step.device >= 0) j->workspace = dc_cuda_backend_workspace_bytes(be);
-#endif
-    j->t_end = uv_hrtime();
-}
-
-static uint64_t tensor_bytes(const dc_tensor *t) {
-    uint64_t n = 1;
-    if (!t->data) return 0;
-    for (int i = 0; i < t->ndim; i++) n *= (uint64_t)t->shape[i];
-    return n * dc_dtype_size(t->dtype);
-}
-
-_Static_assert(DC_PH_NOISE - DC_PH_NORMS == DC_RUN_NOISE - DC_RUN_NORMS &&
-                   DC_PH_N - DC_PH_NORMS == DC_RUN_N - DC_RUN_NORMS,
-               "the backend's parts and their histograms are in the same order");
-
-static void count_step(dc_server *srv, dc_step_job *j, uint64_t now) {
-    dc_metrics *m = &srv->metrics;
-    uint64_t t_submit = j->t_submit ? j->t_submit : j->t_checked;
-    dc_hist_add(&m->phase[DC_PH_VALIDATE], (j->t_checked - j->t_recv) / 1e9);
-    dc_hist_add(&m->phase[DC_PH_LEDGER], (t_submit - j->t_checked) / 1e9);
-    dc_hist_add(&m->phase[DC_PH_QUEUE], (j->t_start - t_submit) / 1e9);
-    if (j->step.device >= 0)
-        dc_hist_add(&m->phase[DC_PH_WAIT_INPUT],
-                    (j->res.phase_ns[DC_RUN_WAIT_INPUT] ? j->res.phase_ns[DC_RUN_WAIT_INPUT]
-                                                        : j->t_waited - j->t_start) / 1e9);
-    if (j->rc == 0)
-        for (int k = DC_RUN_NORMS; k < DC_RUN_N; k++)
-            if (j->res.phase_ns[k])
-                dc_hist_add(&m->phase[DC_PH_NORMS + (k - DC_RUN_NORMS)], j->res.phase_ns[k] / 1e9);
-    dc_hist_add(&m->phase[DC_PH_RUN], (j->t_end - j->t_waited) / 1e9);
-    dc_hist_add(&m->phase[DC_PH_REPLY], (now - j->t_end) / 1e9);
-    dc_hist_add(&m->step, (now - j->t_recv) / 1e9);
-    if (j->rc == 0) {
-        m->steps_ok++;
-        m->samples += j->step.batch;
-        m->layers += j->step.n_layers;
-        m->compute_ns += j->res.compute_ns;
-        for (size_t i = 0; i < j->step.n_layers; i++)
-            m->bytes_referenced += tensor_bytes(&j->step.layers[i].input) +
-                                   tensor_bytes(&j->step.layers[i].grad);
-    } else {
-        m->steps_failed++;
-        m->errors[j->err.code <= 10 ? j->err.code : DC_EINTERNAL]++;
-    }
-    if (j->step.device >= 0 && j->step.device < 8) {
-        uint64_t *held = &srv->gpu_workspace[j->step.device];
-        uint64_t had = *held > srv->cfg.gpu_workspace ? *held : srv->cfg.gpu_workspace;
-        if (j->workspace > had)
-            dc_log_warn("cuda:%d: a step needed more device workspace than gpu.workspace; it "
-                        "grew to %llu bytes inside the step: set gpu.workspace to at least "
-                        "that to keep allocations out of the step path",
-                        j->step.device, (unsigned long long)j->workspace);
-        *held = j->workspace;
-    }
-}
-
-/* A step of a grouped session refused before its norms reached the group:
- * the group step fails on every member, not only here. */
-static void group_fail(dc_session *s, const dc_step_job *j, const dc_err *e) {
-    if (s->group)
-        dc_group_fail(s->group, s->group_rank,
-                      j && j->group_step ? j->group_step : s->group_steps + 1, e);
-}
+static void step_accept(dc_session *s, uint64_t id, dc_step_job *j);
+static void step_account(dc_step_job *j);
+static void step_submit(dc_step_job *j);
 
 static void job_free(dc_step_job *j) {
     dc_step_result_free(&j->res);
@@ -157,19 +40,266 @@ static void job_free(dc_step_job *j) {
     free(j);
 }
 
-/* The step's spend goes back: it released nothing (it failed before it ran,
- * or before anything depended on its noise). */
-static void refund(dc_server *srv, dc_step_job *j) {
-    if (!j->ljob) return;
-    dc_ledger_refund(j->ljob, j->q, j->sigma);
-    dc_server_ledger_persist(srv, j->ljob, NULL);
-    j->ljob = NULL;
-}
-
 /* The session may take its next request, or go if its client went. */
 static void session_next(dc_session *s) {
     if (s->gone) dc_session_destroy(s);
     else dc_session_process(s);
+}
+
+/* A step of a grouped session refused before its norms reached the group:
+ * the group step fails on every member, not only here. */
+static void group_fail(dc_session *s, const dc_step_job *j, const dc_err *e) {
+    if (s->group)
+        dc_group_fail(s->group, s->group_rank,
+                      j && j->group_step ? j->group_step : s->group_steps + 1, e);
+}
+
+/* A step refused before it ran. `async`: from a stage that waited, so the
+ * session then moves on to its next request. */
+static void step_refuse(dc_step_job *j, const dc_err *e, bool async) {
+    dc_session *s = j->s;
+    uint64_t id = j->req_id;
+    s->job = NULL;
+    group_fail(s, j, e);
+    job_free(j);
+    dc_session_reject(s, id, e);
+    if (async) session_next(s);
+}
+
+/* --- 1. validate --------------------------------------------------------- */
+
+void dc_session_plan_drop(dc_session *s) {
+    dc_step_plan_free(s->plan);
+    s->plan = NULL;
+}
+
+int dc_session_step_cached(dc_session *s, uint64_t id, const uint8_t *key, size_t key_len) {
+    const dc_step_plan *p = s->plan;
+    dc_step_job *j;
+    if (!p || s->group || !dc_step_plan_matches(p, key, key_len, s->reg.gen, &s->srv->limits))
+        return 0;
+    if (!(j = calloc(1, sizeof *j))) return 0;
+    j->t_recv = uv_hrtime();
+    j->t_frame = s->t_frame;
+    /* The layers are borrowed from the plan, which outlives the job: it is
+     * replaced or dropped only while no step of the session is in flight
+     * (a new step validating, the session's end). */
+    dc_step_plan_use(p, j);
+    step_accept(s, id, j);
+    return 1;
+}
+
+void dc_session_step(dc_session *s, uint64_t id, const Dpclip__ClipStep *m, const uint8_t *key,
+                     size_t key_len) {
+    dc_step_job *j = calloc(1, sizeof *j);
+    dc_err e;
+
+    if (!j) {
+        dc_err_set(&e, DC_ENOSPACE, "clip_step", "out of memory");
+        dc_session_reject(s, id, &e);
+        return;
+    }
+    j->s = s;
+    j->req_id = id;
+    j->t_recv = uv_hrtime();
+    j->t_frame = s->t_frame;
+    if (dc_step_validate(j, m, &s->reg, &s->srv->limits, &e) ||
+        dc_session_group_prepare(s, m, j, &e)) {
+        step_refuse(j, &e, false);
+        return;
+    }
+    if (!s->group) { /* a grouped step depends on the group's state and counter */
+        dc_session_plan_drop(s);
+        if (key) s->plan = dc_step_plan_new(j, key, key_len, s->reg.gen, &s->srv->limits);
+    }
+    step_accept(s, id, j);
+}
+
+/* Loop thread: the step's GPU work is queued and signal_event recorded. */
+static void step_notice(dc_job *job) {
+    dc_step_job *j = (dc_step_job *)job;
+    dc_session *s = j->s;
+    uint64_t took = uv_hrtime() - j->t_submit;
+    dc_ewma_add(&s->ewma_notice_ns, took);
+    Dpclip__Reply reply = DPCLIP__REPLY__INIT;
+    Dpclip__ClipStepEnqueued n = DPCLIP__CLIP_STEP_ENQUEUED__INIT;
+    dc_step_reply_notice(j, s->steps + 1, &n);
+    reply.id = j->req_id;
+    reply.body_case = DPCLIP__REPLY__BODY_CLIP_STEP_ENQUEUED;
+    reply.clip_step_enqueued = &n;
+    dc_session_send(s, &reply);
+}
+
+/* A validated step (owned by j): check what it names of the session's
+ * current state, then account for it. */
+static void step_accept(dc_session *s, uint64_t id, dc_step_job *j) {
+    const struct dc_step_params *m = &j->params;
+    dc_err e;
+    j->s = s;
+    j->req_id = id;
+    if (s->prev_step_frame) {
+        /* A pause (over a second: evaluation, checkpointing) is no period. */
+        uint64_t period = j->t_frame - s->prev_step_frame;
+        if (period < 1000000000u)
+            dc_ewma_add(&s->ewma_period_ns, period);
+    }
+    s->prev_step_frame = j->t_frame;
+    if (dc_step_validate_names(j, s->srv->gpu.n,
+                               m->wait_event ? dc_session_find_event(s, m->wait_event) : NULL,
+                               m->signal_event ? dc_session_find_event(s, m->signal_event) : NULL,
+                               &e) ||
+        dc_step_run_prepare(j, &e)) {
+        step_refuse(j, &e, false);
+        return;
+    }
+    if (j->notify) j->job.notice = step_notice;
+    step_account(j);
+}
+
+/* --- 2. account ---------------------------------------------------------- */
+
+/* The spend is on disk, or could not be written (rc: the step is refused). */
+static void step_durable(dc_step_job *j, int rc, const dc_err *e) {
+    if (rc) step_refuse(j, e, true);
+    else step_submit(j);
+}
+
+/* Accounting, once the curve of the step's (q, sigma) is at hand: the
+ * charge, then the wait for it to be durable. `async`: resumed by the
+ * ledger. */
+static void step_charge(dc_step_job *j, bool async) {
+    dc_session *s = j->s;
+    dc_server *srv = s->srv;
+    bool wait;
+    dc_err e;
+    bool covered = s->group && dc_group_covers(s->group, s->group_rank, j->group_step,
+                                               (float)j->sigma);
+    if (dc_step_account_charge(j, s->ljob, covered, &srv->cfg, &srv->metrics, &e)) goto fail;
+    if (s->group && !covered) dc_group_charged(s->group, s->group_rank, j->group_step,
+                                               (float)j->sigma);
+    j->t_checked = uv_hrtime();
+    s->job = j;
+    if (dc_step_account_durable(j, step_durable, &wait, &e)) goto fail;
+    if (!wait) step_submit(j);
+    return;
+fail:
+    step_refuse(j, &e, async);
+}
+
+static void step_curve_ready(dc_step_job *j, int rc, const dc_err *e) {
+    (void)rc;
+    (void)e;
+    step_charge(j, true);
+}
+
+_Static_assert(sizeof(((dc_session *)0)->job_id) >= DC_LEDGER_JOB_MAX,
+               "a session keeps every job id the ledger accepts whole");
+
+/* Accounting, up to the charge: the step's terms on the session's job
+ * (opened now if the Hello's was refused). */
+static void step_account(dc_step_job *j) {
+    dc_session *s = j->s;
+    dc_server *srv = s->srv;
+    dc_err e;
+    if (dc_step_account_check(j, &srv->cfg, &e)) goto fail;
+    if (!s->ljob) {
+        if (dc_ledger_job_open(&srv->ledger, (uint32_t)s->peer_uid, s->job_id, &s->ljob, &e))
+            goto fail;
+        s->ljob->sessions++; /* as the Hello does; the session's end takes it back */
+    }
+    if (dc_step_account_terms(j, s->ljob, &e)) goto fail;
+    s->job = j; /* from here the session's next request waits for this step */
+    if (dc_step_account_curve(j, s->ljob, srv->loop, step_curve_ready)) return;
+    step_charge(j, false);
+    return;
+fail:
+    step_refuse(j, &e, false);
+}
+
+/* --- 3. run ---------------------------------------------------------------- */
+
+dc_worker_pool *dc_session_step_pool(const dc_step_job *j) {
+    dc_server *srv = j->s->srv;
+    return j->step.device >= 0 ? &srv->gpu.pools[j->step.device] : &srv->cpu_pool;
+}
+
+static void step_submit(dc_step_job *j) {
+    dc_session *s = j->s;
+    dc_server *srv = s->srv;
+    struct dc_prewait *pw = s->prewait;
+    /* The pre-wait counts if it was for this frame and this event, and is
+     * still to run (dc_step_run_work reads its result) or ran fine. */
+    if (pw && j->wait_event && pw->t_frame == j->t_frame && pw->event == j->wait_event &&
+        (pw->busy || pw->rc == 0))
+        j->prewait = pw;
+    j->step.noise_key = srv->noise_key;
+    j->step.noise_step = ++srv->noise_steps;
+    j->job.owner = (uint32_t)s->peer_uid; /* workers are shared fairly between users */
+    if (j->grouped) { /* norm phase, the group's reduction, clip phase */
+        dc_session_group_submit(j);
+        return;
+    }
+    j->job.work = dc_step_run_work;
+    j->job.done = dc_session_step_done;
+    j->t_submit = uv_hrtime();
+    dc_worker_pool_submit(dc_session_step_pool(j), &j->job);
+    /* Poll for what comes back: an early notice within about the time the
+     * last ones took, the completion around the recent steps' run time. */
+    uint64_t now = j->t_submit;
+    if (j->notify)
+        dc_server_poll(srv, now, now + (s->ewma_notice_ns ? 2 * s->ewma_notice_ns + 100000u
+                                                           : 2000000u), false);
+    if (j->step.device >= 0 && s->ewma_gpu_run_ns) {
+        uint64_t run = s->ewma_gpu_run_ns, m = dc_server_poll_margin(run);
+        dc_server_poll(srv, now + run > m ? now + run - m : now, now + run + 2 * m, false);
+    } else {
+        dc_server_spin(srv, false);
+    }
+}
+
+static void prewait_done(dc_job *job) {
+    struct dc_prewait *pw = (struct dc_prewait *)job;
+    dc_session *s = pw->s;
+    pw->busy = false;
+    s->async_ops--;
+    session_next(s);
+}
+
+void dc_session_prewait(dc_session *s) {
+    const dc_step_plan *p = s->plan;
+    const struct dc_session_event *ev;
+    struct dc_prewait *pw = s->prewait;
+    if (!p || p->step.device < 0 || p->step.device >= s->srv->gpu.n || !p->params.wait_event ||
+        (pw && pw->busy) || !(ev = dc_session_find_event(s, p->params.wait_event)) ||
+        ev->device != p->step.device)
+        return;
+    if (!pw && !(pw = s->prewait = calloc(1, sizeof *pw))) return; /* best effort */
+    pw->s = s;
+    pw->event = ev->event;
+    pw->t_frame = s->t_frame;
+    pw->rc = -1;
+    pw->busy = true;
+    pw->job.work = dc_step_run_prewait;
+    pw->job.done = prewait_done;
+    s->async_ops++; /* the session waits for it like for a handle open */
+    dc_worker_pool_submit(&s->srv->gpu.pools[p->step.device], &pw->job);
+}
+
+/* --- 4. reply ---------------------------------------------------------------- */
+
+/* A GPU step's workspace as its backend holds it now: a step that made it
+ * grow past gpu.workspace allocated inside the step path. */
+static void note_workspace(dc_server *srv, const dc_step_job *j) {
+    if (j->step.device >= 0 && j->step.device < 8) {
+        uint64_t *held = &srv->gpu_workspace[j->step.device];
+        uint64_t had = *held > srv->cfg.gpu_workspace ? *held : srv->cfg.gpu_workspace;
+        if (j->workspace > had)
+            dc_log_warn("cuda:%d: a step needed more device workspace than gpu.workspace; it "
+                        "grew to %llu bytes inside the step: set gpu.workspace to at least "
+                        "that to keep allocations out of the step path",
+                        j->step.device, (unsigned long long)j->workspace);
+        *held = j->workspace;
+    }
 }
 
 /* After a reply: a trainer's next request often follows within
@@ -207,26 +337,7 @@ void dc_session_step_done(dc_job *job) {
     if (j->rc == 0) {
         Dpclip__Reply reply = DPCLIP__REPLY__INIT;
         Dpclip__ClipStepReply cr = DPCLIP__CLIP_STEP_REPLY__INIT;
-        size_t lb = j->res.n_layers * j->res.batch;
-        s->steps++;
-        cr.n_norms = j->res.batch;
-        cr.norms = j->res.norms;
-        cr.n_coefficients = j->res.batch;
-        cr.coefficients = j->res.coefs;
-        if (j->step.want_layer_norms || j->step.mode == DC_CLIP_PER_LAYER) {
-            cr.n_layer_norms = lb;
-            cr.layer_norms = j->res.layer_norms;
-        }
-        if (j->step.mode == DC_CLIP_PER_LAYER && j->res.layer_coefs) {
-            cr.n_layer_coefficients = lb;
-            cr.layer_coefficients = j->res.layer_coefs;
-        }
-        cr.step_index = s->steps;
-        cr.compute_ns = j->res.compute_ns;
-        cr.epsilon = j->eps;
-        cr.delta = j->delta;
-        cr.t_received_ns = j->t_frame;
-        cr.t_replied_ns = uv_hrtime();
+        dc_step_reply_fill(j, ++s->steps, &cr);
         reply.id = j->req_id;
         reply.body_case = DPCLIP__REPLY__BODY_CLIP_STEP;
         reply.clip_step = &cr;
@@ -234,469 +345,15 @@ void dc_session_step_done(dc_job *job) {
     } else {
         s->steps_failed++;
         if (j->err.code == DC_OK) dc_err_set(&j->err, DC_EINTERNAL, "clip_step", "step failed");
-        if (!j->res.released) refund(srv, j);
+        if (!j->res.released) dc_step_account_refund(j);
         dc_session_send_error(s, j->req_id, &j->err);
     }
     now = uv_hrtime();
     s->last_step_ns = now;
-    count_step(srv, j, now);
+    dc_step_reply_count(j, now, &srv->metrics);
+    note_workspace(srv, j);
     expect_next(s, j, now);
-    if (dc_log_get_level() >= DC_LOG_DEBUG)
-        dc_log_debug("session %llu: step %llu (%zu layers, B=%u, %s%s): decode %.1f us, "
-                     "validate %.1f us, ledger %.1f us, queue %.1f us, wait %.1f us (device "
-                     "%.1f us), run %.1f us (backend %.1f us: norms %.1f, reduction %.1f, "
-                     "clipping %.1f, noise %.1f), reply %.1f us (hand-off %.1f, send %.1f), eps %.4g",
-                     (unsigned long long)s->id, (unsigned long long)s->steps, j->step.n_layers,
-                     j->step.batch, j->step.device < 0 ? "cpu" : "gpu",
-                     j->cached ? ", cached" : "", (j->t_recv - j->t_frame) / 1e3,
-                     (j->t_checked - j->t_recv) / 1e3, (j->t_submit - j->t_checked) / 1e3,
-                     (j->t_start - j->t_submit) / 1e3, (j->t_waited - j->t_start) / 1e3,
-                     j->res.phase_ns[DC_RUN_WAIT_INPUT] / 1e3, (j->t_end - j->t_waited) / 1e3,
-                     j->res.compute_ns / 1e3, j->res.phase_ns[DC_RUN_NORMS] / 1e3,
-                     j->res.phase_ns[DC_RUN_REDUCTION] / 1e3,
-                     j->res.phase_ns[DC_RUN_CLIPPING] / 1e3, j->res.phase_ns[DC_RUN_NOISE] / 1e3,
-                     (now - j->t_end) / 1e3, (t_done - j->t_end) / 1e3, s->last_send_ns / 1e3, j->eps);
+    dc_step_reply_log(j, s->id, s->steps, t_done, now, s->last_send_ns);
     job_free(j);
     session_next(s);
-}
-
-/* Loop thread: the step's GPU work is queued and signal_event recorded. */
-static void step_notice(dc_job *job) {
-    dc_step_job *j = (dc_step_job *)job;
-    dc_session *s = j->s;
-    uint64_t took = uv_hrtime() - j->t_submit;
-    dc_ewma_add(&s->ewma_notice_ns, took);
-    Dpclip__Reply reply = DPCLIP__REPLY__INIT;
-    Dpclip__ClipStepEnqueued n = DPCLIP__CLIP_STEP_ENQUEUED__INIT;
-    n.step_index = s->steps + 1;
-    n.epsilon = j->eps;
-    n.delta = j->delta;
-    reply.id = j->req_id;
-    reply.body_case = DPCLIP__REPLY__BODY_CLIP_STEP_ENQUEUED;
-    reply.clip_step_enqueued = &n;
-    dc_session_send(s, &reply);
-}
-
-static void prewait_work(dc_job *job, dc_backend *be) {
-    struct dc_prewait *pw = (struct dc_prewait *)job;
-    pw->rc = dc_gpu_wait_event(be, pw->event, &pw->err);
-}
-
-static void prewait_done(dc_job *job) {
-    struct dc_prewait *pw = (struct dc_prewait *)job;
-    dc_session *s = pw->s;
-    pw->busy = false;
-    s->async_ops--;
-    session_next(s);
-}
-
-void dc_session_prewait(dc_session *s) {
-    const struct dc_step_plan *p = s->plan;
-    const struct dc_session_event *ev;
-    struct dc_prewait *pw = s->prewait;
-    if (!p || p->step.device < 0 || p->step.device >= s->srv->gpu.n || !p->params.wait_event ||
-        (pw && pw->busy) || !(ev = dc_session_find_event(s, p->params.wait_event)) ||
-        ev->device != p->step.device)
-        return;
-    if (!pw && !(pw = s->prewait = calloc(1, sizeof *pw))) return; /* best effort */
-    pw->s = s;
-    pw->event = ev->event;
-    pw->t_frame = s->t_frame;
-    pw->rc = -1;
-    pw->busy = true;
-    pw->job.work = prewait_work;
-    pw->job.done = prewait_done;
-    s->async_ops++; /* the session waits for it like for a handle open */
-    dc_worker_pool_submit(&s->srv->gpu.pools[p->step.device], &pw->job);
-}
-
-dc_worker_pool *dc_session_step_pool(const dc_step_job *j) {
-    dc_server *srv = j->s->srv;
-    return j->step.device >= 0 ? &srv->gpu.pools[j->step.device] : &srv->cpu_pool;
-}
-
-static void step_submit(dc_step_job *j) {
-    dc_session *s = j->s;
-    dc_server *srv = s->srv;
-    struct dc_prewait *pw = s->prewait;
-    /* The pre-wait counts if it was for this frame and this event, and is
-     * still to run (step_work reads its result) or ran fine. */
-    if (pw && j->wait_event && pw->t_frame == j->t_frame && pw->event == j->wait_event &&
-        (pw->busy || pw->rc == 0))
-        j->prewait = pw;
-    j->step.noise_key = srv->noise_key;
-    j->step.noise_step = ++srv->noise_steps;
-    j->job.owner = (uint32_t)s->peer_uid; /* workers are shared fairly between users */
-    if (j->grouped) { /* norm phase, the group's reduction, clip phase */
-        dc_session_group_submit(j);
-        return;
-    }
-    j->job.work = step_work;
-    j->job.done = dc_session_step_done;
-    j->t_submit = uv_hrtime();
-    dc_worker_pool_submit(dc_session_step_pool(j), &j->job);
-    /* Poll for what comes back: an early notice within about the time the
-     * last ones took, the completion around the recent steps' run time. */
-    uint64_t now = j->t_submit;
-    if (j->notify)
-        dc_server_poll(srv, now, now + (s->ewma_notice_ns ? 2 * s->ewma_notice_ns + 100000u
-                                                           : 2000000u), false);
-    if (j->step.device >= 0 && s->ewma_gpu_run_ns) {
-        uint64_t run = s->ewma_gpu_run_ns, m = dc_server_poll_margin(run);
-        dc_server_poll(srv, now + run > m ? now + run - m : now, now + run + 2 * m, false);
-    } else {
-        dc_server_spin(srv, false);
-    }
-}
-
-/* The spend is on disk (or could not be written): run, or refuse. */
-static void on_spend_durable(dc_ledger_waiter *w, int rc, const dc_err *err) {
-    dc_step_job *j = (dc_step_job *)((char *)w - offsetof(dc_step_job, wait));
-    dc_session *s = j->s;
-    dc_server *srv = s->srv;
-    dc_err e;
-
-    if (rc == 0) {
-        step_submit(j);
-        return;
-    }
-    if (j->waiting_sync) {
-        /* Called from within dc_session_step: it replies, so that the
-         * session never processes requests re-entrantly. */
-        j->sync_rc = rc;
-        if (err) j->sync_err = *err;
-        return;
-    }
-    /* Without a durable record the step must not release anything. */
-    refund(srv, j);
-    dc_err_set(&e, DC_EUNAVAIL, "ledger", "the privacy ledger could not record this step's "
-               "spend, so the step was not run: %s", err ? err->msg : "write failed");
-    s->job = NULL;
-    group_fail(s, j, &e);
-    dc_session_reject(s, j->req_id, &e);
-    job_free(j);
-    session_next(s);
-}
-
-_Static_assert(sizeof(((dc_session *)0)->job_id) >= DC_LEDGER_JOB_MAX,
-               "a session keeps every job id the ledger accepts whole");
-
-/* Step 2 above, the checks: the step's terms, and the job's account (which
- * the Hello may have been refused). On refusal *e names the field. */
-static int account(dc_session *s, dc_step_job *j, const struct dc_step_params *m, dc_err *e) {
-    dc_server *srv = s->srv;
-    const dc_config *c = &srv->cfg;
-    double q = m->sample_rate, sigma = (double)j->step.noise_multiplier;
-    int rc;
-
-    if (!(q >= 0.0 && q <= 1.0))
-        return dc_err_set(e, DC_EINVAL, "clip_step.sample_rate",
-                          "sample rate %g is not in [0, 1]", q);
-    if (!(m->target_delta >= 0.0 && m->target_delta < 1.0))
-        return dc_err_set(e, DC_EINVAL, "clip_step.target_delta", "delta %g is not in [0, 1)",
-                          m->target_delta);
-    if (!(m->target_epsilon >= 0.0 && isfinite(m->target_epsilon)))
-        return dc_err_set(e, DC_EINVAL, "clip_step.target_epsilon",
-                          "budget %g is not a finite epsilon >= 0", m->target_epsilon);
-    if (q == 0.0) {
-        if (c->require_sample_rate)
-            return dc_err_set(e, DC_EPRECOND, "clip_step.sample_rate",
-                              "this daemon requires every step to state its sample rate "
-                              "(ledger.require_sample_rate)");
-        q = 1.0; /* unknown sampling: no amplification may be assumed */
-    }
-    if (!s->ljob) {
-        if ((rc = dc_ledger_job_open(&srv->ledger, (uint32_t)s->peer_uid, s->job_id, &s->ljob, e)))
-            return rc;
-        s->ljob->sessions++; /* as the Hello does; the session's end takes it back */
-    }
-    if ((rc = dc_ledger_job_terms(s->ljob, m->target_delta, m->target_epsilon, e))) return rc;
-    j->q = q;
-    j->sigma = sigma;
-    return 0;
-}
-
-/* Step 2, the charge: refuse the step (RESOURCE_EXHAUSTED) if it would take
- * the job past a budget, else record its spend. */
-static int charge(dc_session *s, dc_step_job *j, dc_err *e) {
-    dc_server *srv = s->srv;
-    const dc_config *c = &srv->cfg;
-    dc_ledger_job *job = s->ljob;
-    double q = j->q, sigma = j->sigma, eps;
-
-    if (s->group && s->group_rank > 0) {
-        /* A norm group's step is one logical step: rank 0 is charged for it,
-         * and every member's step waits for rank 0's (the group fails the
-         * step on all if rank 0's is refused). */
-        j->eps = job->eps;
-        j->delta = job->delta;
-        return 0;
-    }
-    if (sigma == 0.0 && job->sessions > 1 &&
-        job->shares < (uint64_t)(job->sessions - 1) * (job->steps + 1)) {
-        /* A data-parallel rank other than 0 (the job's other sessions): its
-         * noiseless sum is added to rank 0's, which carries the noise and is
-         * charged for the logical step. Nothing to charge or refuse here.
-         * Shares must be backed by charged steps (one per other session and
-         * charged step, and one ahead: rank 1 may come first), so a client
-         * that opens two sessions of one job cannot take noiseless steps
-         * for free: past that they are charged (sigma 0: epsilon infinite). */
-        dc_ledger_share(job);
-        j->eps = job->eps;
-        j->delta = job->delta;
-        return 0;
-    }
-    if (job->budget_eps > 0 &&
-        (eps = dc_ledger_eps_after(&srv->ledger, job, q, sigma, job->delta)) > job->budget_eps) {
-        srv->metrics.budget_refusals++;
-        dc_server_ledger_persist(srv, job, NULL); /* the terms, if they changed */
-        return dc_err_set(e, DC_ENOSPACE, "clip_step.target_epsilon",
-                          "job '%s' (uid %u) has spent epsilon %.4g at delta %g in %llu steps; "
-                          "this step would bring it to %.4g, over the job's budget of %.4g: "
-                          "refused before any work",
-                          job->job, job->uid, job->eps, job->delta,
-                          (unsigned long long)job->steps, eps, job->budget_eps);
-    }
-    if (c->budget_epsilon > 0 &&
-        (eps = dc_ledger_eps_after(&srv->ledger, job, q, sigma, c->budget_delta)) >
-            c->budget_epsilon) {
-        srv->metrics.budget_refusals++;
-        dc_server_ledger_persist(srv, job, NULL);
-        return dc_err_set(e, DC_ENOSPACE, "ledger.budget_epsilon",
-                          "job '%s' (uid %u): this step would bring epsilon at delta %g to "
-                          "%.4g, over this node's per-job budget of %.4g (ledger.budget_epsilon): "
-                          "refused before any work",
-                          job->job, job->uid, c->budget_delta, eps, c->budget_epsilon);
-    }
-    if (dc_ledger_spend(&srv->ledger, job, q, sigma, e)) return e->code;
-    j->ljob = job;
-    j->eps = job->eps;
-    j->delta = job->delta;
-    return 0;
-}
-
-/* Steps 2 (the charge) and 3 once the step's curve is at hand. `async`:
- * called back by the ledger, so a refusal moves the session on. */
-static void step_charge(dc_step_job *j, bool async) {
-    dc_session *s = j->s;
-    dc_server *srv = s->srv;
-    uint64_t id = j->req_id;
-    dc_err e;
-    if (charge(s, j, &e)) goto fail;
-    j->t_checked = uv_hrtime();
-    s->job = j;
-    if (j->ljob && dc_ledger_persistent(&srv->ledger)) {
-        j->wait.gen = j->ljob->gen;
-        j->wait.done = on_spend_durable;
-        j->waiting_sync = true;
-        dc_server_ledger_persist(srv, j->ljob, &j->wait); /* usually completes later */
-        j->waiting_sync = false;
-        if (j->sync_rc) { /* failed at once (out of memory) */
-            refund(srv, j);
-            dc_err_set(&e, DC_EUNAVAIL, "ledger", "the privacy ledger could not record this "
-                       "step's spend, so the step was not run: %s", j->sync_err.msg);
-            goto fail;
-        }
-        return;
-    }
-    step_submit(j);
-    return;
-fail:
-    s->job = NULL;
-    group_fail(s, j, &e);
-    job_free(j);
-    dc_session_reject(s, id, &e);
-    if (async) session_next(s);
-}
-
-/* The curve of a (q, sigma) pair the ledger had not seen lately is ready. */
-static void on_curve(dc_ledger_waiter *w, int rc, const dc_err *err) {
-    (void)rc;
-    (void)err;
-    step_charge((dc_step_job *)((char *)w - offsetof(dc_step_job, wait)), true);
-}
-
-/* --- the step plan cache ----------------------------------------------------
- *
- * A trainer sends the same ClipStep every iteration (the same tensors of the
- * same registered buffers; PyTorch's caching allocator hands back the same
- * blocks). Decoding and validating 70-odd layers costs tens of microseconds
- * on the loop thread per step, so the last step that validated is kept with
- * the bytes of its clip_step field: the same bytes under the same registry
- * generation (no buffer added or released since) and the same limits
- * validate to the same step, and are taken from the cache. Only frames whose
- * id and step those bytes alone decide are keyed (wire.h): any other frame is
- * decoded, so the cache never answers what the decoder would refuse, nor
- * with another id. Everything that depends on other state (events, device,
- * budget) is checked again on every step. */
-
-static void plan_free(struct dc_step_plan *p) {
-    if (!p) return;
-    dc_validate_step_free(&p->step);
-    free(p->bytes);
-    free(p);
-}
-
-void dc_session_plan_drop(dc_session *s) {
-    plan_free(s->plan);
-    s->plan = NULL;
-}
-
-/* Keeps a copy of a step that just validated (best effort: out of memory
- * only costs the next step its cache hit). */
-static void plan_keep(dc_session *s, const dc_step *step, const struct dc_step_params *p,
-                      const uint8_t *key, size_t key_len) {
-    struct dc_step_plan *n;
-    dc_session_plan_drop(s);
-    if (!key || !(n = calloc(1, sizeof *n))) return;
-    n->bytes = malloc(key_len ? key_len : 1);
-    n->step = *step;
-    n->step.layers = malloc(step->n_layers * sizeof *step->layers);
-    if (!n->bytes || !n->step.layers) {
-        free(n->step.layers);
-        free(n->bytes);
-        free(n);
-        return;
-    }
-    memcpy(n->bytes, key, key_len);
-    n->len = key_len;
-    memcpy(n->step.layers, step->layers, step->n_layers * sizeof *step->layers);
-    n->reg_gen = s->reg.gen;
-    n->limits = s->srv->limits;
-    n->params = *p;
-    s->plan = n;
-}
-
-static void step_accept(dc_session *s, uint64_t id, dc_step_job *j,
-                        const struct dc_step_params *m);
-
-int dc_session_step_cached(dc_session *s, uint64_t id, const uint8_t *key, size_t key_len) {
-    const struct dc_step_plan *p = s->plan;
-    dc_step_job *j;
-    if (!p || s->group || p->len != key_len || p->reg_gen != s->reg.gen ||
-        memcmp(&p->limits, &s->srv->limits, sizeof p->limits) != 0 ||
-        memcmp(p->bytes, key, key_len) != 0)
-        return 0;
-    if (!(j = calloc(1, sizeof *j))) return 0;
-    j->t_recv = uv_hrtime();
-    j->t_frame = s->t_frame;
-    /* The layers are borrowed from the plan, which outlives the job: it is
-     * replaced or dropped only while no step of the session is in flight
-     * (a new step validating, the session's end). */
-    j->step = p->step;
-    j->cached = true;
-    step_accept(s, id, j, &p->params);
-    return 1;
-}
-
-void dc_session_step(dc_session *s, uint64_t id, const Dpclip__ClipStep *m, const uint8_t *key,
-                     size_t key_len) {
-    dc_step_job *j = calloc(1, sizeof *j);
-    struct dc_step_params p = {m->wait_event, m->signal_event, m->notify_enqueued,
-                               m->sample_rate, m->target_delta, m->target_epsilon};
-    dc_err e;
-
-    if (!j) {
-        dc_err_set(&e, DC_ENOSPACE, "clip_step", "out of memory");
-        dc_session_reject(s, id, &e);
-        return;
-    }
-    j->t_recv = uv_hrtime();
-    j->t_frame = s->t_frame;
-    if (dc_validate_step(m, &s->reg, &s->srv->limits, &j->step, &e)) {
-        free(j);
-        group_fail(s, NULL, &e);
-        dc_session_reject(s, id, &e);
-        return;
-    }
-    if (dc_session_group_prepare(s, m, j, &e)) {
-        group_fail(s, j, &e);
-        job_free(j);
-        dc_session_reject(s, id, &e);
-        return;
-    }
-    /* a grouped step depends on the group's state and counter: not cached */
-    if (!s->group) plan_keep(s, &j->step, &p, key, key_len);
-    step_accept(s, id, j, &p);
-}
-
-/* A validated step (owned by j): check what depends on the session's
- * current state, account, run. */
-static void step_accept(dc_session *s, uint64_t id, dc_step_job *j,
-                        const struct dc_step_params *m) {
-    dc_server *srv = s->srv;
-    dc_err e;
-    if (s->prev_step_frame) {
-        /* A pause (over a second: evaluation, checkpointing) is no period. */
-        uint64_t period = j->t_frame - s->prev_step_frame;
-        if (period < 1000000000u)
-            dc_ewma_add(&s->ewma_period_ns, period);
-    }
-    s->prev_step_frame = j->t_frame;
-    if (j->step.device >= srv->gpu.n) {
-        dc_err_set(&e, DC_EPRECOND, "clip_step", "no GPU backend for device %d", j->step.device);
-        goto fail_step;
-    }
-    if (m->wait_event || m->signal_event) {
-        const struct dc_session_event *w = m->wait_event ? dc_session_find_event(s, m->wait_event) : NULL;
-        const struct dc_session_event *g = m->signal_event ? dc_session_find_event(s, m->signal_event) : NULL;
-        if (m->wait_event && !w) {
-            dc_err_set(&e, DC_ENOTFOUND, "clip_step.wait_event",
-                       "event %llu is not registered in this session",
-                       (unsigned long long)m->wait_event);
-            goto fail_step;
-        }
-        if (m->signal_event && !g) {
-            dc_err_set(&e, DC_ENOTFOUND, "clip_step.signal_event",
-                       "event %llu is not registered in this session",
-                       (unsigned long long)m->signal_event);
-            goto fail_step;
-        }
-        if ((w && w->device != j->step.device) || (g && g->device != j->step.device)) {
-            dc_err_set(&e, DC_EINVAL, w && w->device != j->step.device ? "clip_step.wait_event"
-                                                                      : "clip_step.signal_event",
-                       "events must be on the step's device (%s)",
-                       j->step.device < 0 ? "host memory" : "the tensors' GPU");
-            goto fail_step;
-        }
-        j->wait_event = w ? w->event : NULL;
-        j->signal_event = g ? g->event : NULL;
-    }
-    if (m->notify_enqueued) {
-        if (!j->signal_event) {
-            dc_err_set(&e, DC_EINVAL, "clip_step.notify_enqueued",
-                       "an early notice needs a signal_event for the client to wait on");
-            goto fail_step;
-        }
-        j->notify = true;
-        j->job.notice = step_notice;
-        j->step.zero_on_fail = true;
-    }
-    if (j->signal_event) {
-        j->step.enqueued = step_enqueued;
-        j->step.enqueued_arg = j;
-    }
-    if (dc_step_result_init(&j->res, j->step.batch, j->step.n_layers,
-                            j->step.mode == DC_CLIP_PER_LAYER)) {
-        dc_err_set(&e, DC_ENOSPACE, "clip_step", "out of memory");
-        goto fail_step;
-    }
-    j->s = s;
-    j->req_id = id;
-    if (account(s, j, m, &e)) goto fail_step;
-    if (j->sigma > 0 && !dc_ledger_has_curve(&srv->ledger, s->ljob, j->q, j->sigma)) {
-        /* A pair the ledger has not seen lately: its curve (0.1-3 ms) is
-         * computed off the loop while the session waits. */
-        s->job = j;
-        j->wait.done = on_curve;
-        dc_ledger_curve_async(&srv->ledger, srv->loop, j->q, j->sigma, &j->wait);
-        return;
-    }
-    step_charge(j, false);
-    return;
-
-fail_step:
-    group_fail(s, j, &e);
-    job_free(j);
-    dc_session_reject(s, id, &e);
 }

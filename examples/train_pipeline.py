@@ -5,6 +5,7 @@ stages, exactly as if the model were whole.
 
     /usr/bin/python3 examples/train_pipeline.py                 # starts build/dpclipd itself
     /usr/bin/python3 examples/train_pipeline.py --socket /tmp/d.sock --epochs 3
+    /usr/bin/python3 examples/train_pipeline.py --daemons 2     # a GPU machine: one daemon per stage
 
 Stage 0 (rank 0) holds the token and position embeddings and the first
 blocks, stage 1 (rank 1) the last blocks, the final LayerNorm and the head.
@@ -21,6 +22,11 @@ loss, epsilon and tokens per second of each epoch.
 
 Without --socket a daemon is started from this checkout's build/dpclipd
 ($DPCLIPD names another) on a temporary socket and stopped at the end.
+With --daemons 2 each stage uses its own daemon, as stages on two nodes
+would: the daemons exchange their stages' norms through NCCL (each needs a
+GPU). Started here, both run on this machine's GPU with their own
+NCCL_HOSTID, so that NCCL links them over its socket transport; --socket
+A,B names two running daemons instead.
 """
 import argparse
 import datetime
@@ -79,7 +85,8 @@ class Last(nn.Module):
         return self.head(self.ln(h))
 
 
-def stage_main(rank, args, init_file, socket_path):
+def stage_main(rank, args, init_file, sockets):
+    socket_path = sockets[rank % len(sockets)]
     torch.set_num_threads(args.threads)
     dist.init_process_group("gloo", init_method="file://" + init_file, rank=rank, world_size=2,
                             timeout=datetime.timedelta(seconds=300))
@@ -169,15 +176,17 @@ def train(rank, args, socket_path):
     engine.close()
 
 
-def start_daemon(rundir):
+def start_daemon(rundir, k=0):
     """build/dpclipd (or $DPCLIPD) on a socket in rundir; returns (process,
-    socket) once it reported READY."""
+    socket) once it reported READY. k: which of several on this machine."""
     exe = os.environ.get("DPCLIPD") or os.path.join(os.path.dirname(HERE), "build", "dpclipd")
-    sock = os.path.join(rundir, "dpclipd.sock")
+    sock = os.path.join(rundir, "dpclipd%d.sock" % k)
+    env = dict(os.environ, NCCL_HOSTID="train-pipeline-%d" % k, NCCL_NVLS_ENABLE="0")
+    env.setdefault("NCCL_SOCKET_IFNAME", "lo")
     r, w = os.pipe()
     proc = subprocess.Popen([exe, "--socket", sock, "--ready-fd", str(w), "--ledger-dir",
-                             os.path.join(rundir, "ledger"), "--log-level", "warn"],
-                            pass_fds=(w,))
+                             os.path.join(rundir, "ledger%d" % k), "--log-level", "warn"],
+                            pass_fds=(w,), env=env)
     os.close(w)
     with os.fdopen(r) as f:
         if f.readline() != "READY\n":
@@ -188,8 +197,10 @@ def start_daemon(rundir):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--socket", default=None, help="a running dpclipd's socket (default: start "
-                    "build/dpclipd on a temporary one)")
+    ap.add_argument("--socket", default=None, help="a running dpclipd's socket, or two "
+                    "(A,B: one per stage) (default: start build/dpclipd on a temporary one)")
+    ap.add_argument("--daemons", type=int, choices=(1, 2), default=1,
+                    help="daemons to start: 2 puts each stage on its own (NCCL, GPU)")
     ap.add_argument("--corpus", default=os.path.join(HERE, "data"))
     ap.add_argument("--epochs", type=int, default=2)
     ap.add_argument("--steps", type=int, default=0, help="stop after this many steps (0: none)")
@@ -209,14 +220,18 @@ def main():
                     "(default: a fresh one, printed)")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="dpclip-pipeline.") as rundir:
-        daemon, socket_path = (None, args.socket) if args.socket else start_daemon(rundir)
+        daemons, sockets = [], args.socket.split(",") if args.socket else []
         try:
-            mp.start_processes(stage_main, args=(args, os.path.join(rundir, "init"), socket_path),
+            for k in range(0 if sockets else args.daemons):
+                proc, sock = start_daemon(rundir, k)
+                daemons.append(proc)
+                sockets.append(sock)
+            mp.start_processes(stage_main, args=(args, os.path.join(rundir, "init"), sockets),
                                nprocs=2, start_method="spawn")
         finally:
-            if daemon is not None:
-                daemon.terminate()
-                daemon.wait()
+            for proc in daemons:
+                proc.terminate()
+                proc.wait()
 
 
 if __name__ == "__main__":

@@ -601,8 +601,9 @@ static void test_extreme_range(void **state) {
 /* The two halves of a step for norm groups (run_norms, run_clip): the norm
  * phase gives the step's squared layer norms; the clip phase with their own
  * sum as the totals writes what the whole step writes (same noise), and with
- * 4x the totals clips by twice the norm. Replicated layers are refused on
- * the GPU for now. */
+ * 4x the totals clips by twice the norm. A replicated layer's noise comes
+ * from the group's key and step: two members (their own noise keys) draw
+ * the same noise for it, and different noise for their other layers. */
 static void test_phases(void **state) {
     (void)state;
     dc_test_rng r;
@@ -649,7 +650,23 @@ static void test_phases(void **state) {
         }
         dc_step_result_free(&part);
         m.d[4].replicated = true;
-        assert_int_equal(g_cuda->ops->run_norms(g_cuda, &ds, n2, &e), DC_EUNIMPL);
+        m.d[4].rep_ordinal = 0;
+        ds.group_noise_key = 0x5eed5eed5eedull;
+        ds.group_step = 7;
+        assert_int_equal(g_cuda->ops->run_norms(g_cuda, &ds, n2, &e), 0);
+        float *mem[2][6];
+        for (int k = 0; k < 2; k++) { /* member k */
+            ds.noise_key = 0xabcdef00ull + (uint64_t)k;
+            assert_int_equal(dc_step_result_init(&part, m.B, m.L, false), 0);
+            assert_int_equal(g_cuda->ops->run_clip(g_cuda, &ds, n2, tot, &part, &e), 0);
+            for (size_t l = 0; l < m.L; l++) mem[k][l] = dev_to_f32(&m.d[l].weight_grad_out);
+            dc_step_result_free(&part);
+        }
+        assert_memory_equal(mem[0][4], mem[1][4],
+                            (size_t)numel(&m.d[4].weight_grad_out) * sizeof(float));
+        assert_true(rel_l2(mem[0][0], mem[1][0], numel(&m.d[0].weight_grad_out)) > 1e-3);
+        for (int k = 0; k < 2; k++)
+            for (size_t l = 0; l < m.L; l++) free(mem[k][l]);
         for (size_t l = 0; l < m.L; l++) free(out1[l]);
         dc_step_result_free(&whole);
         multi_free(&m);

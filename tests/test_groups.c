@@ -19,12 +19,18 @@
 
 #include "accountant.h"
 #include "harness.h"
+#include "group_test.h"
 #include "service.h"
 
-#define B 6
-#define MAXM 4
+#define B DC_GROUP_TEST_B
+#define MAXM DC_GROUP_TEST_MAXM
 
 static dc_harness g_h;
+
+static dpclip_client *member(const char *group, uint32_t rank, uint32_t size, uint32_t timeout_ms,
+                             int group_wise, const char *job) {
+    return dc_group_member(g_h.sock, group, rank, size, timeout_ms, group_wise, job, NULL);
+}
 
 static int group_setup(void **state) {
     (void)state;
@@ -34,109 +40,6 @@ static int group_setup(void **state) {
 static int group_teardown(void **state) {
     (void)state;
     return dc_harness_stop(&g_h) == 0 ? 0 : -1;
-}
-
-static dpclip_client *member(const char *group, uint32_t rank, uint32_t size, uint32_t timeout_ms,
-                             int group_wise, const char *job) {
-    dpclip_client *c = NULL;
-    dpclip_connect_opts o = {.client_name = "group-test", .job_id = job};
-    dpclip_group_opts g = {group, rank, size, timeout_ms, group_wise};
-    uint64_t id = 0;
-    int rc = dpclip_connect(g_h.sock, &o, &c);
-    if (rc) fprintf(stderr, "connect: %s\n", dpclip_errmsg(c));
-    assert_int_equal(rc, 0);
-    rc = dpclip_join_group(c, &g, &id);
-    if (rc) fprintf(stderr, "join: %s: %s\n", dpclip_errfield(c), dpclip_errmsg(c));
-    assert_int_equal(rc, 0);
-    assert_true(id > 0);
-    return c;
-}
-
-static dpclip_clip_config config(float C, float sigma) {
-    dpclip_clip_config cfg = {.max_grad_norm = C, .reduction = DPCLIP_SUM,
-                              .expected_batch_size = B, .noise_multiplier = sigma};
-    return cfg;
-}
-
-/* Submits every member's step, then waits for each (a member's step waits
- * for the others inside the daemon). rcs[k] gets each code. */
-static void run_group(dc_shm_step *st, int n, dpclip_result *res, int *rcs) {
-    uint64_t t[MAXM];
-    for (int k = 0; k < n; k++) assert_int_equal(dpclip_submit(st[k].c, st[k].step, &t[k]), 0);
-    for (int k = 0; k < n; k++) rcs[k] = dpclip_wait(st[k].c, t[k], 30000, &res[k]);
-}
-
-/* The reference per-sample squared norms of the whole model: every member's
- * layers, replicated ones once (from member 0). */
-static void group_sq(dc_shm_step *st, int n, double *tot) {
-    double sq[B];
-    memset(tot, 0, B * sizeof *tot);
-    for (int k = 0; k < n; k++)
-        for (size_t l = 0; l < st[k].ref.n_layers; l++) {
-            const dc_layer *ly = &st[k].ref.layers[l];
-            if (ly->replicated && k > 0) continue;
-            dc_ref_layer_sqnorms(ly, B, 1.0, sq);
-            for (int b = 0; b < B; b++) tot[b] += sq[b];
-        }
-}
-
-/* A threshold between the middle two of the model's norms: it clips half. */
-static float group_median(dc_shm_step *st, int n) {
-    double tot[B], v[B];
-    group_sq(st, n, tot);
-    for (int b = 0; b < B; b++) v[b] = sqrt(tot[b]);
-    for (int i = 0; i < B; i++)
-        for (int j = i + 1; j < B; j++)
-            if (v[j] < v[i]) {
-                double t = v[i];
-                v[i] = v[j];
-                v[j] = t;
-            }
-    return (float)(0.5 * (v[B / 2 - 1] + v[B / 2]));
-}
-
-/* Sets every member's threshold to C. */
-static void set_c(dc_shm_step *st, int n, float C, float sigma) {
-    dpclip_clip_config cfg = config(C, sigma);
-    for (int k = 0; k < n; k++) assert_int_equal(dc_shm_step_set_config(&st[k], &cfg), 0);
-}
-
-/* The group's reference: per-sample squared norm over every member's layers
- * (replicated ones once, from member 0), coefficients, and each member's
- * clipped sums compared with what the daemon wrote. */
-static void check_group(dc_shm_step *st, int n, const dpclip_result *res, float C) {
-    double tot[B], coef[B];
-    group_sq(st, n, tot);
-    int clipped = 0;
-    for (int b = 0; b < B; b++) {
-        coef[b] = fmin(1.0, C / (sqrt(tot[b]) + 1e-6));
-        clipped += coef[b] < 1.0;
-    }
-    assert_true(clipped > 0 && clipped < B); /* the threshold bites, not everywhere */
-    for (int k = 0; k < n; k++) {
-        for (int b = 0; b < B; b++) {
-            assert_true(fabs(res[k].norms[b] - sqrt(tot[b])) <= 1e-4 * sqrt(tot[b]));
-            assert_true(fabs(res[k].coefs[b] - coef[b]) <= 1e-4 * coef[b]);
-        }
-        int64_t m = dc_shm_step_outputs(&st[k], NULL);
-        float *got = malloc((size_t)m * sizeof *got);
-        double *want = calloc((size_t)m, sizeof *want);
-        int64_t off = 0;
-        dc_shm_step_outputs(&st[k], got);
-        for (size_t l = 0; l < st[k].ref.n_layers; l++) {
-            const dc_layer *ly = &st[k].ref.layers[l];
-            int64_t nw = dc_test_tensor_numel(&ly->weight_grad_out);
-            int64_t nb = ly->bias_grad_out.data ? dc_test_tensor_numel(&ly->bias_grad_out) : 0;
-            dc_ref_layer_clipped_sum(ly, B, 1.0, coef, want + off, nb ? want + off + nw : NULL);
-            off += nw + nb;
-        }
-        assert_int_equal(off, m);
-        double e = dc_test_max_relerr_f(got, want, m, 1e-4, 1e-6);
-        if (e > 1.0) print_message("member %d: outputs off by %.3g of tolerance\n", k, e);
-        assert_true(e <= 1.0);
-        free(got);
-        free(want);
-    }
 }
 
 /* A copy of columns [p0, p0 + pn) of a Linear's output features: the
@@ -178,7 +81,7 @@ static void test_tp_split(void **state) {
         dc_ref_layer_sqnorms(&full, B, 1.0, sq);
         double med = 0;
         for (int b = 0; b < B; b++) med += sqrt(sq[b]) / B;
-        dpclip_clip_config cfg = config((float)med, 0.0f);
+        dpclip_clip_config cfg = dc_group_config((float)med, 0.0f);
         dc_shm_step st[MAXM];
         dpclip_result res[MAXM];
         int rcs[MAXM];
@@ -193,12 +96,12 @@ static void test_tp_split(void **state) {
             free_slice(&sl);
         }
         for (int it = 0; it < 2; it++) { /* two group steps */
-            run_group(st, n, res, rcs);
+            dc_group_run(st, n, res, rcs);
             for (int k = 0; k < n; k++) {
                 if (rcs[k]) print_message("member %d: %s\n", k, dpclip_errmsg(st[k].c));
                 assert_int_equal(rcs[k], 0);
             }
-            check_group(st, n, res, cfg.max_grad_norm);
+            dc_group_check(st, n, res, cfg.max_grad_norm);
             /* and the unsplit layer's own norms */
             for (int b = 0; b < B; b++)
                 assert_true(fabs(res[0].norms[b] - sqrt(sq[b])) <= 1e-4 * sqrt(sq[b]));
@@ -217,15 +120,6 @@ static void test_tp_split(void **state) {
  * 4 members in the second round), which arrive in any order. */
 static void test_pp_split(void **state) {
     (void)state;
-    dc_test_layer_spec model[6] = {
-        {DC_LAYER_EMBEDDING, B, 7, 8, 30, DC_F32, 0, DC_ALGO_AUTO, 1, 0},
-        {DC_LAYER_LAYERNORM, B, 7, 8, 0, DC_BF16, 1, DC_ALGO_AUTO, 1, 0},
-        {DC_LAYER_LINEAR, B, 7, 8, 16, DC_F32, 1, DC_ALGO_GHOST, 1, 0},
-        {DC_LAYER_LINEAR, B, 7, 16, 8, DC_F16, 1, DC_ALGO_DIRECT, 1, 0},
-        {DC_LAYER_RMSNORM, B, 7, 8, 0, DC_F32, 0, DC_ALGO_AUTO, 1, 0},
-        {DC_LAYER_LINEAR, B, 7, 8, 30, DC_F32, 0, DC_ALGO_AUTO, 1, 0},
-    };
-    static const int stage_of[2][6] = {{0, 0, 0, 1, 1, 1}, {0, 1, 1, 2, 3, 3}};
     for (int v = 0; v < 2; v++) {
         int n = v ? 4 : 2;
         char name[32];
@@ -233,7 +127,7 @@ static void test_pp_split(void **state) {
         dc_shm_step st[MAXM];
         dpclip_result res[MAXM];
         int rcs[MAXM];
-        dpclip_clip_config cfg = config(1.0f, 0.0f);
+        dpclip_clip_config cfg = dc_group_config(1.0f, 0.0f);
         snprintf(name, sizeof name, "pp%d", n);
         dc_test_rng_seed(&r, 400 + (uint64_t)v);
         for (int k = 0; k < n; k++)
@@ -241,9 +135,9 @@ static void test_pp_split(void **state) {
                                                              "pp-job"),
                                               0, B, &cfg),
                              0);
-        for (int l = 0; l < 6; l++) assert_true(dc_shm_step_add(&st[stage_of[v][l]], &model[l], &r, 1.0f) >= 0);
-        cfg = config(group_median(st, n), 0.0f); /* clips half of the whole model's */
-        set_c(st, n, cfg.max_grad_norm, 0.0f);
+        for (int l = 0; l < 6; l++) assert_true(dc_shm_step_add(&st[dc_group_pp_stage_of[v][l]], &dc_group_pp_model[l], &r, 1.0f) >= 0);
+        cfg = dc_group_config(dc_group_median(st, n), 0.0f); /* clips half of the whole model's */
+        dc_group_set_c(st, n, cfg.max_grad_norm, 0.0f);
         /* the last stage first: members may come in any order */
         uint64_t t[MAXM];
         for (int k = n - 1; k >= 0; k--) assert_int_equal(dpclip_submit(st[k].c, st[k].step, &t[k]), 0);
@@ -252,7 +146,7 @@ static void test_pp_split(void **state) {
             if (rcs[k]) print_message("stage %d: %s\n", k, dpclip_errmsg(st[k].c));
             assert_int_equal(rcs[k], 0);
         }
-        check_group(st, n, res, cfg.max_grad_norm);
+        dc_group_check(st, n, res, cfg.max_grad_norm);
         for (int k = 0; k < n; k++) {
             dpclip_client *c = st[k].c;
             dpclip_result_free(&res[k]);
@@ -280,7 +174,7 @@ static void test_replicated(void **state) {
         dc_shm_step st[2];
         dpclip_result res[2];
         int rcs[2];
-        dpclip_clip_config cfg = config(0.3f, noisy ? 0.5f : 0.0f);
+        dpclip_clip_config cfg = dc_group_config(0.3f, noisy ? 0.5f : 0.0f);
         const char *gname = noisy ? "rep-noisy" : "rep";
         for (int k = 0; k < 2; k++) {
             dc_layer sl = tp_slice(&full, k ? 4 : 0, k ? 6 : 4, "fc");
@@ -291,17 +185,17 @@ static void test_replicated(void **state) {
             assert_true(dc_shm_step_add_layer(&st[k], &sl) >= 0);
             free_slice(&sl);
         }
-        cfg = config(group_median(st, 2), cfg.noise_multiplier);
-        set_c(st, 2, cfg.max_grad_norm, cfg.noise_multiplier);
+        cfg = dc_group_config(dc_group_median(st, 2), cfg.noise_multiplier);
+        dc_group_set_c(st, 2, cfg.max_grad_norm, cfg.noise_multiplier);
         for (int k = 0; k < 2; k++)
             assert_int_equal(dpclip_step_set_replicated(st[k].step, 0, 1), 0);
-        run_group(st, 2, res, rcs);
+        dc_group_run(st, 2, res, rcs);
         for (int k = 0; k < 2; k++) {
             if (rcs[k]) print_message("member %d: %s\n", k, dpclip_errmsg(st[k].c));
             assert_int_equal(rcs[k], 0);
         }
         if (!noisy) {
-            check_group(st, 2, res, cfg.max_grad_norm);
+            dc_group_check(st, 2, res, cfg.max_grad_norm);
         } else {
             /* LN weight and bias: bitwise equal on both; the fc slices'
              * noise is independent (compare a noised output to its
@@ -325,12 +219,6 @@ static void test_replicated(void **state) {
     }
 }
 
-static uint64_t ms_now(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (uint64_t)ts.tv_sec * 1000u + (uint64_t)ts.tv_nsec / 1000000u;
-}
-
 /* A member that never sends its step: the others get an error naming it
  * within the timeout, the group is dissolved, joining again forms a new one,
  * and the daemon serves everyone meanwhile. */
@@ -339,7 +227,7 @@ static void test_member_timeout(void **state) {
     dc_test_rng r;
     dc_test_rng_seed(&r, 600);
     dc_test_layer_spec sp = {DC_LAYER_LINEAR, B, 3, 8, 6, DC_F32, 0, DC_ALGO_AUTO, 1, 0};
-    dpclip_clip_config cfg = config(1.0f, 0.0f);
+    dpclip_clip_config cfg = dc_group_config(1.0f, 0.0f);
     dc_shm_step st[2];
     dpclip_result res;
     for (int k = 0; k < 2; k++) {
@@ -348,9 +236,9 @@ static void test_member_timeout(void **state) {
                          0);
         assert_true(dc_shm_step_add(&st[k], &sp, &r, 1.0f) >= 0);
     }
-    uint64_t t0 = ms_now();
+    uint64_t t0 = dc_ms_now();
     int rc = dpclip_run(st[0].c, st[0].step, &res);
-    uint64_t took = ms_now() - t0;
+    uint64_t took = dc_ms_now() - t0;
     print_message("timeout: %d after %llu ms: %s\n", rc, (unsigned long long)took,
                   dpclip_errmsg(st[0].c));
     assert_int_equal(rc, DPCLIP_EUNAVAIL);
@@ -367,7 +255,7 @@ static void test_member_timeout(void **state) {
     }
     dpclip_result rr[2];
     int rcs[2];
-    run_group(st, 2, rr, rcs);
+    dc_group_run(st, 2, rr, rcs);
     assert_int_equal(rcs[0], 0);
     assert_int_equal(rcs[1], 0);
     for (int k = 0; k < 2; k++) {
@@ -385,20 +273,20 @@ static void test_member_disconnect(void **state) {
     dc_test_rng r;
     dc_test_rng_seed(&r, 700);
     dc_test_layer_spec sp = {DC_LAYER_LINEAR, B, 3, 8, 6, DC_F32, 0, DC_ALGO_AUTO, 1, 0};
-    dpclip_clip_config cfg = config(1.0f, 0.0f);
+    dpclip_clip_config cfg = dc_group_config(1.0f, 0.0f);
     dc_shm_step st;
     dpclip_client *gone = member("gone", 1, 2, 60000, 0, "gone-job");
     dpclip_result res;
     uint64_t ticket;
     assert_int_equal(dc_shm_step_init(&st, member("gone", 0, 2, 60000, 0, "gone-job"), 0, B, &cfg), 0);
     assert_true(dc_shm_step_add(&st, &sp, &r, 1.0f) >= 0);
-    uint64_t t0 = ms_now();
+    uint64_t t0 = dc_ms_now();
     assert_int_equal(dpclip_submit(st.c, st.step, &ticket), 0);
     struct timespec ts = {0, 100 * 1000000L};
     nanosleep(&ts, NULL); /* the step is waiting in the group */
     dpclip_disconnect(gone);
     int rc = dpclip_wait(st.c, ticket, 30000, &res);
-    uint64_t took = ms_now() - t0;
+    uint64_t took = dc_ms_now() - t0;
     print_message("disconnect: %d after %llu ms: %s\n", rc, (unsigned long long)took,
                   dpclip_errmsg(st.c));
     assert_int_equal(rc, DPCLIP_EUNAVAIL);
@@ -416,7 +304,7 @@ static void test_ledger_once(void **state) {
     dc_test_rng r;
     dc_test_rng_seed(&r, 800);
     dc_test_layer_spec sp = {DC_LAYER_LINEAR, B, 3, 8, 6, DC_F32, 0, DC_ALGO_AUTO, 1, 0};
-    dpclip_clip_config cfg = config(1.0f, 1.0f);
+    dpclip_clip_config cfg = dc_group_config(1.0f, 1.0f);
     cfg.sample_rate = 0.1;
     dc_shm_step st[3];
     dpclip_result res[3];
@@ -430,7 +318,7 @@ static void test_ledger_once(void **state) {
     }
     double rdp[DC_RDP_N_ORDERS];
     for (int it = 1; it <= 3; it++) {
-        run_group(st, 3, res, rcs);
+        dc_group_run(st, 3, res, rcs);
         for (int k = 0; k < 3; k++) assert_int_equal(rcs[k], 0);
         dc_rdp_steps(0.1, 1.0, dc_rdp_default_orders(), DC_RDP_N_ORDERS, rdp);
         for (int k = 0; k < DC_RDP_N_ORDERS; k++) rdp[k] *= it;
@@ -446,6 +334,51 @@ static void test_ledger_once(void **state) {
     }
 }
 
+/* Group-wise steps never wait for each other, so a member's step is
+ * charged unless the leader's (rank 0's) step of that group step was
+ * charged first: a member stepping alone, or ahead of rank 0, cannot take
+ * steps for free. */
+static void test_group_wise_charges(void **state) {
+    (void)state;
+    dc_test_rng r;
+    dc_test_rng_seed(&r, 880);
+    dc_test_layer_spec sp = {DC_LAYER_LINEAR, B, 3, 8, 6, DC_F32, 0, DC_ALGO_AUTO, 1, 0};
+    dpclip_clip_config cfg = dc_group_config(1.0f, 1.0f);
+    cfg.sample_rate = 0.1;
+    dc_shm_step st[2];
+    dpclip_result res;
+    const char *jobs[2] = {"gwc-0", "gwc-1"};
+    for (int k = 0; k < 2; k++) {
+        assert_int_equal(dc_shm_step_init(&st[k], member("gwc", (uint32_t)k, 2, 0, 1, jobs[k]),
+                                          0, B, &cfg),
+                         0);
+        assert_true(dc_shm_step_add(&st[k], &sp, &r, 1.0f) >= 0);
+    }
+    /* rank 1 ahead of rank 0 (group step 1): charged to its own job */
+    assert_int_equal(dpclip_run(st[1].c, st[1].step, &res), 0);
+    double eps1 = res.epsilon;
+    assert_true(eps1 > 0.0 && isfinite(eps1));
+    dpclip_result_free(&res);
+    /* rank 0 steps 1 and 2; rank 1's step 2 then is covered */
+    for (int it = 0; it < 2; it++) {
+        assert_int_equal(dpclip_run(st[0].c, st[0].step, &res), 0);
+        assert_true(res.epsilon > 0.0);
+        dpclip_result_free(&res);
+    }
+    assert_int_equal(dpclip_run(st[1].c, st[1].step, &res), 0);
+    assert_true(res.epsilon == eps1);
+    dpclip_result_free(&res);
+    /* and its step 3, ahead of rank 0 again, is charged */
+    assert_int_equal(dpclip_run(st[1].c, st[1].step, &res), 0);
+    assert_true(res.epsilon > eps1);
+    dpclip_result_free(&res);
+    for (int k = 0; k < 2; k++) {
+        dpclip_client *c = st[k].c;
+        dc_shm_step_free(&st[k]);
+        dpclip_disconnect(c);
+    }
+}
+
 /* Group-wise clipping: each member clips to C / sqrt(2) alone and does not
  * wait for the other. */
 static void test_group_wise(void **state) {
@@ -454,7 +387,7 @@ static void test_group_wise(void **state) {
     dc_test_rng_seed(&r, 900);
     dc_test_layer_spec sp = {DC_LAYER_LINEAR, B, 4, 10, 8, DC_F32, 1, DC_ALGO_AUTO, 1, 0};
     dc_shm_step st;
-    dpclip_clip_config cfg = config(1.0f, 0.0f);
+    dpclip_clip_config cfg = dc_group_config(1.0f, 0.0f);
     dpclip_client *other = member("gw", 1, 2, 100, 1, "gw-job"); /* never steps */
     assert_int_equal(dc_shm_step_init(&st, member("gw", 0, 2, 100, 1, "gw-job"), 0, B, &cfg), 0);
     assert_true(dc_shm_step_add(&st, &sp, &r, 1.0f) >= 0);
@@ -483,7 +416,7 @@ static void test_members_disagree(void **state) {
     (void)state;
     dc_test_rng r;
     dc_test_rng_seed(&r, 1000);
-    dpclip_clip_config cfg = config(1.0f, 0.0f);
+    dpclip_clip_config cfg = dc_group_config(1.0f, 0.0f);
     dc_shm_step st[2];
     dpclip_result res[2];
     int rcs[2];
@@ -495,7 +428,7 @@ static void test_members_disagree(void **state) {
                          0);
         assert_true(dc_shm_step_add(&st[k], &sp, &r, 1.0f) >= 0);
     }
-    run_group(st, 2, res, rcs);
+    dc_group_run(st, 2, res, rcs);
     for (int k = 0; k < 2; k++) {
         assert_int_equal(rcs[k], DPCLIP_EINVAL);
         assert_string_equal(dpclip_errfield(st[k].c), "clip_step.batch_size");
@@ -517,7 +450,7 @@ static void test_status_shows_groups(void **state) {
     dc_test_rng r;
     dc_test_rng_seed(&r, 1100);
     dc_test_layer_spec sp = {DC_LAYER_LINEAR, B, 3, 8, 6, DC_F32, 0, DC_ALGO_AUTO, 1, 0};
-    dpclip_clip_config cfg = config(1.0f, 0.0f);
+    dpclip_clip_config cfg = dc_group_config(1.0f, 0.0f);
     dc_shm_step st[2];
     dpclip_result res[2];
     int rcs[2];
@@ -528,7 +461,7 @@ static void test_status_shows_groups(void **state) {
                          0);
         assert_true(dc_shm_step_add(&st[k], &sp, &r, 1.0f) >= 0);
     }
-    run_group(st, 2, res, rcs);
+    dc_group_run(st, 2, res, rcs);
     assert_int_equal(rcs[0], 0);
     assert_int_equal(rcs[1], 0);
     dc_harness_status_path(&g_h, sock, sizeof sock);
@@ -552,8 +485,76 @@ static void test_status_shows_groups(void **state) {
     }
 }
 
+static int try_join(dpclip_client *c, const char *group, uint32_t rank, uint32_t size,
+                    dpclip_group_link *link) {
+    dpclip_group_opts g = {group, rank, size, 0, 0};
+    uint64_t id = 0;
+    return dpclip_join_group_linked(c, &g, link, &id);
+}
+
+/* A group across daemons: a layout that cannot be is refused naming the
+ * field; a daemon without NCCL or a GPU refuses such a group saying it
+ * serves only one-daemon groups; one with both makes the NCCL id at rank
+ * 0's join and holds every local member to the layout rank 0 gave. (The
+ * link itself is tested between two daemons: test_groups_nccl.c.) */
+static void test_cross_daemon_join(void **state) {
+    (void)state;
+    dpclip_client *c = NULL;
+    dpclip_connect_opts o = {.client_name = "group-test"};
+    dpclip_group_link bad_rank = {.daemons = 2, .daemon_rank = 2, .local_size = 1};
+    dpclip_group_link bad_local = {.daemons = 2, .daemon_rank = 0, .local_size = 0};
+    dpclip_group_link no_id = {.daemons = 2, .daemon_rank = 1, .local_size = 1};
+    dpclip_group_link root = {.daemons = 2, .daemon_rank = 0, .local_size = 2};
+    assert_int_equal(dpclip_connect(g_h.sock, &o, &c), 0);
+    assert_int_equal(try_join(c, "x", 0, 3, &bad_rank), DPCLIP_EINVAL);
+    assert_string_equal(dpclip_errfield(c), "join_group.daemon_rank");
+    assert_int_equal(try_join(c, "x", 0, 3, &bad_local), DPCLIP_EINVAL);
+    assert_string_equal(dpclip_errfield(c), "join_group.local_size");
+    int rc = try_join(c, "x", 1, 3, &no_id);
+    if (rc == DPCLIP_EUNIMPL) { /* no NCCL or no GPU: one-daemon groups only */
+        assert_string_equal(dpclip_errfield(c), "join_group.daemons");
+        assert_non_null(strstr(dpclip_errmsg(c), "only groups whose members all use"));
+        assert_int_equal(try_join(c, "x", 0, 3, &root), DPCLIP_EUNIMPL);
+    } else {
+        assert_int_equal(rc, DPCLIP_EINVAL);
+        assert_string_equal(dpclip_errfield(c), "join_group.nccl_id");
+        assert_int_equal(try_join(c, "x", 0, 3, &root), 0);
+        assert_true(root.nccl_version > 0);
+        int nonzero = 0;
+        for (int i = 0; i < DPCLIP_NCCL_ID_BYTES; i++) nonzero |= root.nccl_id[i];
+        assert_true(nonzero);
+        /* a second member on this daemon claiming another daemon's place */
+        dpclip_client *c2 = NULL;
+        dpclip_group_link other = root;
+        other.daemon_rank = 1;
+        assert_int_equal(dpclip_connect(g_h.sock, &o, &c2), 0);
+        assert_int_equal(try_join(c2, "x", 1, 3, &other), DPCLIP_EINVAL);
+        assert_string_equal(dpclip_errfield(c2), "join_group.daemon_rank");
+        other.daemon_rank = 0;
+        other.nccl_id[0] ^= 1;
+        assert_int_equal(try_join(c2, "x", 1, 3, &other), DPCLIP_EINVAL);
+        assert_string_equal(dpclip_errfield(c2), "join_group.nccl_id");
+        dpclip_disconnect(c2);
+        /* limits.max_group_links (16 by default, this one included) */
+        dpclip_client *more[16];
+        for (int k = 0; k < 16; k++) {
+            char name[16];
+            dpclip_group_link l = {.daemons = 2, .daemon_rank = 0, .local_size = 2};
+            snprintf(name, sizeof name, "x%d", k);
+            assert_int_equal(dpclip_connect(g_h.sock, &o, &more[k]), 0);
+            rc = try_join(more[k], name, 0, 3, &l);
+            assert_int_equal(rc, k < 15 ? 0 : DPCLIP_ENOSPACE);
+        }
+        assert_string_equal(dpclip_errfield(more[15]), "join_group.daemons");
+        assert_non_null(strstr(dpclip_errmsg(more[15]), "limits.max_group_links"));
+        for (int k = 0; k < 16; k++) dpclip_disconnect(more[k]);
+    }
+    dpclip_disconnect(c);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_cross_daemon_join), cmocka_unit_test(test_group_wise_charges),
         cmocka_unit_test(test_tp_split),         cmocka_unit_test(test_pp_split),
         cmocka_unit_test(test_replicated),       cmocka_unit_test(test_member_timeout),
         cmocka_unit_test(test_member_disconnect), cmocka_unit_test(test_ledger_once),

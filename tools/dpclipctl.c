@@ -356,6 +356,27 @@ static void print_groups(json_t *root) {
     }
 }
 
+/* Norm groups (model-parallel ranks whose norms are summed) and their
+ * cross-daemon links. */
+static void print_norm_groups(json_t *root) {
+    size_t i;
+    json_t *g;
+    if (!json_array_size(json_object_get(root, "norm_groups"))) return;
+    printf("\n%-6s %-16s %6s %-11s %-9s %-10s %9s %10s %9s %11s\n", "NGROUP", "NAME", "UID",
+           "MEMBERS", "STATE", "DAEMON", "LINK", "REDUCTIONS", "LAST MS", "EXCH. MS");
+    json_array_foreach(json_object_get(root, "norm_groups"), i, g) {
+        char name[40], members[32], daemon[32];
+        snprintf(members, sizeof members, "%.0f/%.0f of %.0f", num(g, "joined"),
+                 num(g, "local_members"), num(g, "size"));
+        snprintf(daemon, sizeof daemon, "%.0f of %.0f", num(g, "daemon_rank"), num(g, "daemons"));
+        printf("%-6.0f %-16s %6.0f %-11s %-9s %-10s %9s %10.0f %9.3f %11.3f\n", num(g, "id"),
+               fit(str(g, "name"), 16, name, sizeof name), num(g, "uid"), members,
+               str(g, "state"), daemon, str(g, "link"), num(g, "reductions"),
+               num(g, "last_wait_ms"), num(g, "last_exchange_ms"));
+        if (str(g, "why")[0]) printf("       dissolved: %s\n", str(g, "why"));
+    }
+}
+
 static void print_status(json_t *root) {
     json_t *d = json_object_get(root, "daemon"), *t = json_object_get(root, "totals");
     json_t *lim = json_object_get(root, "limits"), *led = json_object_get(root, "ledger");
@@ -408,6 +429,7 @@ static void print_status(json_t *root) {
                cpu ? "-" : human_bytes(num(be, "workspace_bytes"), name, sizeof name));
     }
     print_groups(root);
+    print_norm_groups(root);
 }
 
 static void print_sessions(json_t *root) {
@@ -431,6 +453,7 @@ static void print_sessions(json_t *root) {
     }
     if (!json_array_size(json_object_get(root, "sessions"))) printf("(no sessions)\n");
     print_groups(root);
+    print_norm_groups(root);
 }
 
 static void print_ledger(json_t *root) {

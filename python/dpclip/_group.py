@@ -16,7 +16,9 @@ and so raises the same error: none is left waiting in a collective). Data
 parallelism composes: each replica is a norm group, and the members
 holding one part of the model in every replica are its data-parallel
 ranks (_parallel.replica_groups)."""
+import os
 import secrets
+import socket
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 import torch
@@ -47,6 +49,7 @@ class NormGroup:
         self.name = ""
         self.seed = 0
         self.id = 0
+        self.daemons = 1
 
 
 def open_group(pg: Any, clipping: str, timeout_ms: int) -> NormGroup:
@@ -102,12 +105,6 @@ def check(group: NormGroup, replicated_modules: Iterable[Union[nn.Module, str]],
             "replicated_modules: a norm group with norm_group_clipping='group_wise' cannot "
             "share replicated layers (each member clips its own layers to its own threshold, "
             "C / sqrt(size)); use 'flat', or hold each such module on one member only")
-    if device.type == "cuda" and not group.group_wise:
-        raise NotImplementedError(
-            "norm_group: flat clipping across a norm group (norm_group_clipping='flat') is not "
-            "implemented for GPU tensors yet: dpclipd sums a group's per-sample norms on "
-            "host-memory steps only for now. Train this model on the CPU, or clip group-wise "
-            "(norm_group_clipping='group_wise': each member to C / sqrt(size), no reduction)")
 
 
 Judge = Callable[[List[Dict[str, Any]]], Optional[Exception]]
@@ -227,7 +224,63 @@ def judge_layout(world: int, parts: List[Tuple[int, ...]]) -> None:
             % (world, ", ".join(str(list(p)) for p in parts)))
 
 
+def daemon_key(client: _lib.Client) -> str:
+    """Which daemon this member uses: members with the same key share one."""
+    return "%s:%s" % (socket.gethostname(), os.path.realpath(client.socket_path))
+
+
+def daemon_layout(keys: Sequence[str], rank: int) -> Tuple[int, int, int]:
+    """(daemons, this member's daemon rank, members on its daemon), from
+    every member's daemon_key in rank order; daemons are numbered by their
+    lowest member, so rank 0's daemon is daemon 0 (it makes the NCCL id)."""
+    order: List[str] = []
+    for k in keys:
+        if k not in order:
+            order.append(k)
+    mine = keys[rank]
+    return len(order), order.index(mine), sum(1 for k in keys if k == mine)
+
+
 def join(group: NormGroup, client: _lib.Client) -> None:
-    """Joins the daemon's norm group (after the connection is final)."""
-    group.id = client.join_group(group.name, group.rank, group.size, group.timeout_ms,
-                                 group.group_wise)
+    """Joins the daemon's norm group (after the connection is final). When
+    the members use several daemons, rank 0 joins first; its daemon makes
+    the group's NCCL id, which is broadcast over pg to the other members
+    (dpclipd opens no port: the trainers are the rendezvous). Every member
+    raises the same error if any member's join failed."""
+    dist = torch.distributed
+    keys: List[Any] = [None] * group.size
+    dist.all_gather_object(keys, daemon_key(client), group=group.pg)
+    daemons, daemon_rank, local = daemon_layout(keys, group.rank)
+    group.daemons = daemons
+    if daemons == 1 or group.group_wise:
+        group.id = client.join_group(group.name, group.rank, group.size, group.timeout_ms,
+                                     group.group_wise)
+        return
+    failure = ""
+    box: List[Any] = [None]
+    if group.rank == 0:
+        try:
+            group.id, nccl_id, version = client.join_group_linked(
+                group.name, 0, group.size, daemons, 0, local, timeout_ms=group.timeout_ms)
+            box = [(nccl_id, version, "")]
+        except _lib.DpclipError as e:
+            box = [(b"", 0, "rank 0: %s" % e)]
+    dist.broadcast_object_list(box, src=group.ranks[0], group=group.pg)
+    nccl_id, version, failure = box[0]
+    if group.rank != 0:
+        if failure:  # rank 0 reports it
+            failure = ""
+            nccl_id = b""
+        else:
+            try:
+                group.id = client.join_group_linked(
+                    group.name, group.rank, group.size, daemons, daemon_rank, local, nccl_id,
+                    version, timeout_ms=group.timeout_ms)[0]
+            except _lib.DpclipError as e:
+                failure = "rank %d: %s" % (group.rank, e)
+    outcomes: List[Any] = [None] * group.size
+    dist.all_gather_object(outcomes, failure, group=group.pg)
+    bad = [o for o in outcomes if o]
+    if bad:
+        raise RuntimeError("norm_group: joining the group across %d daemons failed: %s"
+                           % (daemons, "; ".join(bad)))

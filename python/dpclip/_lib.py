@@ -116,15 +116,25 @@ class GroupOpts(ctypes.Structure):
                 ("timeout_ms", ctypes.c_uint32), ("group_wise", ctypes.c_int)]
 
 
+NCCL_ID_BYTES = 128
+
+
+class GroupLink(ctypes.Structure):
+    _fields_ = [("daemons", ctypes.c_uint32), ("daemon_rank", ctypes.c_uint32),
+                ("local_size", ctypes.c_uint32), ("nccl_version", ctypes.c_uint32),
+                ("nccl_id", ctypes.c_uint8 * NCCL_ID_BYTES)]
+
+
 STRUCTS = {"dpclip_tensor": Tensor, "dpclip_connect_opts": ConnectOpts,
            "dpclip_daemon_info": DaemonInfo, "dpclip_clip_config": ClipConfig,
            "dpclip_linear": Linear, "dpclip_embedding": Embedding,
            "dpclip_norm_layer": NormLayer, "dpclip_result": Result,
-           "dpclip_enqueued": Enqueued, "dpclip_group_opts": GroupOpts}
+           "dpclip_enqueued": Enqueued, "dpclip_group_opts": GroupOpts,
+           "dpclip_group_link": GroupLink}
 # Structs this release's dpclip_sizeof() does not list (client/abi.c): the
 # import check passes over a 0 for them (a size it does report must match);
 # the test suite checks them against dpclip.h.
-UNLISTED = frozenset({"dpclip_group_opts"})
+UNLISTED = frozenset({"dpclip_group_opts", "dpclip_group_link"})
 
 # --- loading ----------------------------------------------------------------------
 
@@ -166,6 +176,8 @@ def _declare(L: ctypes.CDLL) -> None:
                                          ctypes.POINTER(Enqueued)]),
         "dpclip_ping": (c_int, [c_void_p]),
         "dpclip_join_group": (c_int, [c_void_p, ctypes.POINTER(GroupOpts), u64p]),
+        "dpclip_join_group_linked": (c_int, [c_void_p, ctypes.POINTER(GroupOpts),
+                                             ctypes.POINTER(GroupLink), u64p]),
         "dpclip_step_set_replicated": (c_int, [c_void_p, ctypes.c_size_t, c_int]),
         "dpclip_step_set_tied": (c_int, [c_void_p, ctypes.c_size_t, ctypes.c_size_t]),
     }
@@ -293,6 +305,27 @@ class Client:
                          1 if group_wise else 0)
         self.check(self._L.dpclip_join_group(self.handle, ctypes.byref(opts), ctypes.byref(gid)))
         return gid.value
+
+    def join_group_linked(self, name: str, rank: int, size: int, daemons: int,
+                          daemon_rank: int, local_size: int, nccl_id: bytes = b"",
+                          nccl_version: int = 0, timeout_ms: int = 0) -> Tuple[int, bytes, int]:
+        """Joins a norm group whose members use `daemons` daemons (flat
+        clipping; see dpclip.h, dpclip_join_group_linked): this member's
+        daemon is daemon_rank (0: rank 0's) and serves local_size of the
+        members. Rank 0 passes no id; every other member passes the
+        (nccl_id, nccl_version) rank 0's join returned. Returns (group id,
+        nccl_id, nccl_version)."""
+        gid = ctypes.c_uint64()
+        opts = GroupOpts(name.encode(), int(rank), int(size), int(timeout_ms), 0)
+        link = GroupLink(int(daemons), int(daemon_rank), int(local_size), int(nccl_version))
+        if nccl_version:
+            if len(nccl_id) != NCCL_ID_BYTES:
+                raise ValueError("nccl_id: %d bytes, an NCCL id has %d"
+                                 % (len(nccl_id), NCCL_ID_BYTES))
+            ctypes.memmove(link.nccl_id, nccl_id, NCCL_ID_BYTES)
+        self.check(self._L.dpclip_join_group_linked(self.handle, ctypes.byref(opts),
+                                                    ctypes.byref(link), ctypes.byref(gid)))
+        return gid.value, bytes(link.nccl_id), int(link.nccl_version)
 
     def wait_enqueued(self, ticket: int) -> Enqueued:
         """Blocks until the daemon has queued the GPU work of a step

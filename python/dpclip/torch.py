@@ -64,7 +64,7 @@ import torch
 import torch.nn as nn
 from torch.utils.data import DataLoader
 
-from . import _group, _lib, _parallel, _planner
+from . import _fsdp, _group, _lib, _parallel, _planner
 from ._cuda import CudaIPC
 from ._host import HostArena
 from ._lib import DpclipError
@@ -131,6 +131,7 @@ class PrivacyEngine:
         self.asynchronous = True
         self._inflight = None
         self._gate = None           # data parallel: see _parallel.Gate
+        self._shards: Optional[_fsdp.Sharded] = None  # sharded data parallel: see _fsdp
         self.norm_group: Optional[_group.NormGroup] = None  # model parallel: see make_private
         # Wall time of the last step's phases in the trainer (ms): building
         # the request (copies, registrations), the daemon round trip, and
@@ -173,7 +174,8 @@ class PrivacyEngine:
                      secure_mode: bool = False, norm_group: Any = None,
                      norm_group_clipping: str = "flat",
                      replicated_modules: Iterable[Union[nn.Module, str]] = (),
-                     norm_group_timeout_ms: int = 0, replace_mha: bool = False
+                     norm_group_timeout_ms: int = 0, sharded_noise: bool = False,
+                     replace_mha: bool = False
                      ) -> Tuple[nn.Module, Optional[torch.optim.Optimizer], Optional[DataLoader]]:
         """Attach to `module`; returns (module, optimizer, data_loader), the
         optimizer wrapped so that step() first fills param.grad with the
@@ -241,7 +243,18 @@ class PrivacyEngine:
         them. With distributed (data parallelism) as well, the norm groups
         must split the ranks into replicas of one size: each replica is a
         group, replica 0 adds the noise, and rank / world_size are the
-        replica's index and count."""
+        replica's index and count.
+
+        Sharded data parallelism (dpclip._fsdp): a model under FSDP2
+        (fully_shard on each block, then on the root, before make_private
+        and the optimizer) gets, on each rank, only its shard of the private
+        gradient, as the sharded DTensor fully_shard expects: the daemon
+        clips this rank's samples, the mesh's process group reduce-scatters
+        the sums, and each rank's second session noises the rows it owns
+        (sigma * C, once per coordinate; the ledger charges rank 0 once per
+        step). Steps block (no asynchronous GPU steps). sharded_noise=True
+        runs the same steps for a plain model and all-gathers the noised
+        shards into param.grad on every rank: no rank is special."""
         if self.module is not None:
             raise RuntimeError("this PrivacyEngine is already attached to a module")
         if loss_reduction not in ("mean", "sum"):
@@ -253,6 +266,8 @@ class PrivacyEngine:
         algo = {"auto": _lib.ALGO_AUTO, "direct": _lib.ALGO_DIRECT,
                 "ghost": _lib.ALGO_GHOST}[algorithm]
 
+        _fsdp.refuse_fsdp1(module)
+        fsdp = _fsdp.is_fsdp2(module)
         if replace_mha:
             _mha.replace_mha(module)
         layers, norms = _collect_layers(self, module)
@@ -286,6 +301,9 @@ class PrivacyEngine:
         elif self.distributed:
             self.rank = torch.distributed.get_rank()
             self.world_size = torch.distributed.get_world_size()
+        if fsdp or sharded_noise:
+            self._shards = _fsdp.Sharded(self, layers, module, fsdp, self.distributed, norm_group)
+            self.rank, self.world_size = self._shards.rank, self._shards.world
         self.norm_group = group
         loader_fault = digest = None
         if group is None:
@@ -296,8 +314,9 @@ class PrivacyEngine:
             digest = _parallel.generator_digest(data_loader)
         self._gate = _parallel.Gate(self.world_size, dp_group)
         if self.distributed and self.world_size > 1:
-            # Same starting point on every rank (what DDP would do).
-            for p in module.parameters():
+            # Same starting point on every rank (what DDP would do; fully_shard
+            # leaves that to the trainer, as FSDP itself does).
+            for p in module.parameters() if not fsdp else ():
                 torch.distributed.broadcast(p.data, dp_src, group=dp_group)
             # Ranks other than 0 send sigma 0 (noise once per logical step)
             # under rank 0's job id: the daemon counts a sigma-0 step of a
@@ -361,7 +380,9 @@ class PrivacyEngine:
         self.max_grad_norm = float(max_grad_norm)
         self.loss_reduction = loss_reduction
         self.algorithm = algo
-        self.asynchronous = bool(asynchronous)
+        # A flat-clipped group step has no early notice (its outputs are
+        # queued once every member's norms are in): its GPU steps run synchronously.
+        self.asynchronous = bool(asynchronous) and (group is None or group.group_wise)
         # Noise once per logical step: rank 0 adds it, the others send sigma 0.
         sigma = self.noise_multiplier if self.rank == 0 else 0.0
         self.sample_rate = float(sample_rate)
@@ -371,6 +392,10 @@ class PrivacyEngine:
                                target_delta=target_delta, target_epsilon=target_epsilon)
         if group is not None:
             _group.join(group, self.client)
+        if self._shards is not None:
+            self._shards.open(self._socket_path, self._client_name, self.job_id, self._step.cfg,
+                              target_delta, target_epsilon, device)
+            self.asynchronous = False
 
         self._layers = layers
         for l in layers:
@@ -425,6 +450,8 @@ class PrivacyEngine:
             if self._step is not None:
                 self._step.close()
                 self._step = None
+            if self._shards is not None:
+                self._shards.close()
             group, self.norm_group = self.norm_group, None
             try:
                 if group is not None and group.id and torch.distributed.is_initialized():
@@ -511,6 +538,15 @@ class PrivacyEngine:
         a sum without its result would be a noiseless update (_parallel)."""
         if not self.active:
             raise RuntimeError("the PrivacyEngine is not attached to a module")
+        if self.steps == 0:
+            _fsdp.check_unwrapped(self._layers)
+        if self._shards is not None:
+            try:
+                self._shards.step()
+            finally:
+                self.clear()
+                self.steps += 1
+            return
         gated = self.distributed and self.world_size > 1
         ok = failed = None
         try:

@@ -54,7 +54,7 @@ class Daemon:
     """A dpclipd child process; stop() asks it to exit (SIGTERM) and returns
     its exit status."""
 
-    def __init__(self, extra=()):
+    def __init__(self, extra=(), env=None):
         self.dir = tempfile.mkdtemp(prefix="dpclip-pytest.")
         self.socket = os.path.join(self.dir, "d.sock")
         r, w = os.pipe()
@@ -64,7 +64,8 @@ class Daemon:
                  "--insecure-fixed-seed", "1234", "--log-level", "warn", "--workers", "2",
                  "--ledger-dir", "",  # in-memory ledger: no state directory needed
                  "--config", "/dev/null",  # not a config file installed on this machine
-                 *extra], pass_fds=(w,), preexec_fn=lambda p=os.getpid(): _die_with_parent(p))
+                 *extra], pass_fds=(w,), env=dict(os.environ, **(env or {})),
+                preexec_fn=lambda p=os.getpid(): _die_with_parent(p))
         finally:
             os.close(w)
         got = b""

@@ -56,6 +56,8 @@ def run_pipeline(rank, world, init_file, socket_path, data, C, expected, clippin
     noise on, two steps whose epsilon is saved: rank 0's job, charged once
     per group step."""
     _init(rank, world, init_file)
+    if isinstance(socket_path, (list, tuple)):  # one daemon per rank
+        socket_path = socket_path[rank]
     try:
         torch.manual_seed(3)
         stage = pipeline_model()[rank].to(device)
@@ -69,7 +71,7 @@ def run_pipeline(rank, world, init_file, socket_path, data, C, expected, clippin
         x, y = data
         _pipeline_pass(stage, opt, rank, x, y)
         out = {"grads": {n: g.cpu() for n, g in _grads(stage, "%d." % rank).items()},
-               "norms": engine.last_norms,
+               "norms": engine.last_norms, "daemons": engine.norm_group.daemons,
                "expected": engine.expected_batch_size, "group": engine.norm_group_name}
         engine.close()
 

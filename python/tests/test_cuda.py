@@ -131,23 +131,10 @@ def test_cuda_async_failure_on_rank_0_is_applied_nowhere(cuda_daemon, tmp_path):
 
 
 def test_norm_groups_on_cuda(cuda_daemon, tmp_path):
-    """Flat clipping across a norm group is refused for a CUDA model (the
-    daemon sums group norms on host-memory steps only, for now), naming the
-    way out; group-wise clipping runs there: two pipeline stages on one GPU,
-    each clipped alone to C / sqrt(2), against the reference."""
-    torch.distributed.init_process_group("gloo", init_method="file://" + str(tmp_path / "one"),
-                                         rank=0, world_size=1)
-    try:
-        m = torch.nn.Linear(4, 4).cuda()
-        engine = PrivacyEngine(cuda_daemon.socket)
-        with pytest.raises(NotImplementedError) as ei:
-            engine.make_private(module=m, optimizer=torch.optim.SGD(m.parameters(), lr=0.1),
-                                noise_multiplier=1.0, max_grad_norm=1.0, expected_batch_size=4,
-                                norm_group=torch.distributed.group.WORLD)
-        assert "GPU" in str(ei.value) and "norm_group_clipping='group_wise'" in str(ei.value)
-        engine.close()
-    finally:
-        torch.distributed.destroy_process_group()
+    """Norm groups with a CUDA model, group-wise: two pipeline stages on one
+    GPU, each clipped alone to C / sqrt(2), against the reference. Flat
+    clipping: test_norm_group_flat_on_cuda and
+    test_norm_group_across_two_daemons."""
     torch.manual_seed(3)
     whole = pipeline_model()
     (x,), y = seq_data(7, seed=8)
@@ -170,3 +157,55 @@ def test_norm_groups_on_cuda(cuda_daemon, tmp_path):
         assert (coefs < 1).any(), r
         for n, g in got["grads"].items():
             assert _rel(g, want[n]) < 3e-3, (r, n)  # TF32 (test_cuda_step_matches_reference)
+
+
+def _flat_pipeline(tmp_path, sockets):
+    """Two pipeline stages on the GPU, one rank each, flat clipping across
+    the group: every stage's gradients equal the whole model's per-sample
+    reference (TF32 tolerance). sockets: one daemon, or one per rank."""
+    torch.manual_seed(3)
+    whole = pipeline_model()
+    (x,), y = seq_data(7, seed=8)
+    expected = 9
+    _, norms, _ = reference(whole, "seq", (x,), y, 1e9, "sum", 1)
+    C = float(norms.median())  # clips about half of the whole model's samples
+    ctx = mp.start_processes(run_pipeline, nprocs=2, join=False, start_method="spawn",
+                             args=(2, str(tmp_path / "init"), sockets, (x, y), C, expected,
+                                   "flat", str(tmp_path), "cuda"))
+    while not ctx.join(timeout=180):
+        pass
+    want, norms, coefs = reference(whole, "seq", (x,), y, C, "mean", expected)
+    assert (coefs < 1).any() and (coefs == 1).any()
+    got = [torch.load(str(tmp_path / ("pp%d.pt" % r))) for r in range(2)]
+    for r in range(2):
+        assert torch.allclose(got[r]["norms"].double().cpu(), norms, rtol=3e-3), r
+        for n, g in got[r]["grads"].items():
+            assert _rel(g, want[n]) < 3e-3, (r, n)
+    # the noisy steps (host tensors) ran and charged rank 0's job
+    assert got[0]["epsilon"] > 0 and got[0]["job"] == got[1]["job"]
+    return got
+
+
+def test_norm_group_flat_on_cuda(cuda_daemon, tmp_path):
+    got = _flat_pipeline(tmp_path, cuda_daemon.socket)
+    assert got[0]["daemons"] == 1
+
+
+# Two daemons on one GPU (a test setting): each its own NCCL_HOSTID, so NCCL
+# takes them for two hosts and links them over its socket transport.
+NCCL_TEST_ENV = {"NCCL_NVLS_ENABLE": "0", "NCCL_SOCKET_IFNAME": "lo"}
+
+
+def test_norm_group_across_two_daemons(cuda_daemon, tmp_path):
+    """The same model with each stage on its own daemon: the daemons
+    exchange their norm totals through NCCL, and the result is the one
+    daemon's (the reference)."""
+    from conftest import Daemon
+    daemons = [Daemon(env=dict(NCCL_TEST_ENV, NCCL_HOSTID="dpclip-pytest-%d" % k))
+               for k in range(2)]
+    try:
+        got = _flat_pipeline(tmp_path, [d.socket for d in daemons])
+        assert got[0]["daemons"] == 2 and got[1]["daemons"] == 2
+    finally:
+        for d in daemons:
+            d.kill()

@@ -192,3 +192,15 @@ def test_pipeline_example_trains(daemon):
     loss, eps, rate = float(m.group(1)), float(m.group(2)), int(m.group(3))
     assert 0 < loss < 10 and 0 < eps < math.inf and rate > 0, m.group(0)
     assert "after 20 steps" in p.stdout, p.stdout
+
+
+def test_daemon_layout():
+    """Members are placed on daemons by the daemon each uses: daemons
+    numbered by their lowest member (rank 0's daemon is daemon 0)."""
+    from dpclip._group import daemon_layout
+    keys = ["h:/b", "h:/a", "h:/b", "g:/a"]
+    assert daemon_layout(keys, 0) == (3, 0, 2)
+    assert daemon_layout(keys, 1) == (3, 1, 1)
+    assert daemon_layout(keys, 2) == (3, 0, 2)
+    assert daemon_layout(keys, 3) == (3, 2, 1)
+    assert daemon_layout(["x"] * 3, 1) == (1, 0, 3)

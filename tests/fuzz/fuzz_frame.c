@@ -1,6 +1,7 @@
 /* libFuzzer target: request frames into a real session, in process: frame
- * decoding and dispatch (daemon/session.c), the step cache's fast path
- * (wire.c, session_step.c), validation, the ledger and the CPU backend.
+ * reading and decoding (daemon/frame.c), dispatch (session.c), the step
+ * cache's fast path (wire.c, session_step.c), validation, the ledger and the
+ * CPU backend.
  *
  * One server for the whole run (dc_server_init on a socket in a temporary
  * directory, one CPU worker, in-memory ledger, no status socket); each input

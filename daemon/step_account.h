@@ -1,0 +1,60 @@
+/* The stage that accounts: a step's privacy spend in its job's account of
+ * the ledger, decided on the loop before any work.
+ *   1. check: the step's sample rate, delta and budget are in range (a step
+ *      that states no sample rate counts as q = 1, or is refused under
+ *      ledger.require_sample_rate);
+ *   2. terms: the job's delta (fixed by its first step) and budget;
+ *   3. curve: a (q, sigma) pair the ledger has no curve for waits while
+ *      libuv's pool computes it;
+ *   4. charge: refused (RESOURCE_EXHAUSTED, naming the budget) if it would
+ *      take the job past its own budget or the node's; otherwise the spend
+ *      is recorded (a sigma-0 step of one of a job's several sessions is a
+ *      data-parallel share, and a norm group's member other than rank 0
+ *      shares rank 0's step: neither is charged);
+ *   5. durable: with a persistent ledger the step waits until its spend is
+ *      on disk: its noised outputs reach the trainer's memory as soon as it
+ *      runs, so its cost must already be recorded if the daemon dies right
+ *      after.
+ * A step that fails writes no output. If it failed before anything depended
+ * on its noise (a non-finite input, ...) it released nothing and its spend
+ * is refunded; one that failed once noised (an output beyond its dtype's
+ * range) or after writing its outputs has released something and stays
+ * charged (dc_step_result.released).
+ *
+ * The session (session_step.c) calls these in order; where one waits, the
+ * session's `resume` is called on the loop when it is over. Refusals name
+ * the field or setting. */
+#ifndef DC_STEP_ACCOUNT_H
+#define DC_STEP_ACCOUNT_H
+
+#include <stdbool.h>
+#include <uv.h>
+
+#include "config.h"
+#include "ledger.h"
+#include "metrics.h"
+#include "step_job.h"
+
+/* 1. j->params against their ranges and c; sets j->q, j->sigma. */
+int dc_step_account_check(dc_step_job *j, const dc_config *c, dc_err *e);
+/* 2. The step's delta and budget set on the job's account. */
+int dc_step_account_terms(dc_step_job *j, dc_ledger_job *job, dc_err *e);
+/* 3. false: the curve of (j->q, j->sigma) is at hand. true: it is being
+ * computed; resume(j, 0, NULL) follows on the loop. */
+bool dc_step_account_curve(dc_step_job *j, dc_ledger_job *job, uv_loop_t *loop,
+                           dc_step_cb resume);
+/* 4. The charge (j->ljob, j->eps, j->delta once charged; the job's eps and
+ * delta when not). group_member: a norm group's member other than rank 0.
+ * Budget refusals are counted in m. */
+int dc_step_account_charge(dc_step_job *j, dc_ledger_job *job, bool group_member,
+                           const dc_config *c, dc_metrics *m, dc_err *e);
+/* 5. 0 and *wait false: nothing to wait for (in memory, or already on
+ * disk); 0 and *wait true: resume(j, rc, err) follows on the loop, with an
+ * error (UNAVAILABLE, field "ledger") if the write failed, the spend then
+ * refunded. An error now: the write failed at once; refunded. */
+int dc_step_account_durable(dc_step_job *j, dc_step_cb resume, bool *wait, dc_err *e);
+/* The spend goes back (the step released nothing); a step not charged is
+ * left as it is. */
+void dc_step_account_refund(dc_step_job *j);
+
+#endif

@@ -1,0 +1,109 @@
+#include "step_run.h"
+
+#include <stdio.h>
+#include <uv.h>
+
+#include "gpu.h"
+
+#ifdef DPCLIP_HAVE_CUDA
+#include "dc_cuda.h"
+#endif
+
+/* Worker thread, inside the backend's run_step: everything that writes the
+ * client's memory is queued. Record the client's event behind it now, off
+ * the step's critical path (the driver call costs microseconds; after the
+ * synchronisation the reply would wait for it), and with an early notice
+ * let the loop send it while the device works. If the record fails the
+ * notice is not sent and dc_step_run_work fails the step or records again. */
+static void step_enqueued(void *arg) {
+    dc_step_job *j = arg;
+    dc_err e;
+    if (dc_gpu_record_event(j->be, j->signal_event, &e)) return;
+    j->signaled = true;
+    if (j->notify) dc_worker_notify(&j->job);
+}
+
+/* A step that failed once noised: no noised value may leave in its message,
+ * whatever the backend wrote there (the client keeps its code and field). */
+static void released_error(dc_err *e) {
+    snprintf(e->msg, sizeof e->msg,
+             "the noised clipped sum is not finite in this output's dtype; nothing was "
+             "written. The failure depends on the noise, so the step's privacy spend stands");
+}
+
+int dc_step_run_prepare(dc_step_job *j, dc_err *e) {
+    if (j->notify) j->step.zero_on_fail = true;
+    if (j->signal_event) {
+        j->step.enqueued = step_enqueued;
+        j->step.enqueued_arg = j;
+    }
+    if (dc_step_result_init(&j->res, j->step.batch, j->step.n_layers,
+                            j->step.mode == DC_CLIP_PER_LAYER))
+        return dc_err_set(e, DC_ENOSPACE, "clip_step", "out of memory");
+    return 0;
+}
+
+void dc_step_run_work(dc_job *job, dc_backend *be) {
+    dc_step_job *j = (dc_step_job *)job;
+    j->t_start = uv_hrtime();
+    j->be = be;
+    dc_err_clear(&j->err);
+    /* A pre-wait ran before this job on this same thread (one worker per
+     * GPU, in order): if it succeeded the stream already waits. */
+    bool waited = j->prewait && j->prewait->rc == 0;
+    if (j->wait_event && !waited && (j->rc = dc_gpu_wait_event(be, j->wait_event, &j->err))) {
+        j->t_waited = j->t_end = uv_hrtime();
+        return;
+    }
+    j->t_waited = uv_hrtime();
+    j->rc = dc_backend_run_step(be, &j->step, &j->res, &j->err);
+    if (j->rc && j->res.released) released_error(&j->err);
+    if (j->rc == 0 && j->signal_event && !j->signaled) {
+        j->res.released = true; /* the outputs are written, whatever happens next */
+        if (j->notify)
+            j->rc = dc_err_set(&j->err, DC_EINTERNAL, "clip_step.signal_event",
+                               "could not record the step's signal event");
+        else
+            j->rc = dc_gpu_record_event(be, j->signal_event, &j->err);
+    }
+#ifdef DPCLIP_HAVE_CUDA
+    /* Read here, on the thread that owns the backend. */
+    if (j->step.device >= 0) j->workspace = dc_cuda_backend_workspace_bytes(be);
+#endif
+    j->t_end = uv_hrtime();
+}
+
+void dc_step_run_prewait(dc_job *job, dc_backend *be) {
+    struct dc_prewait *pw = (struct dc_prewait *)job;
+    pw->rc = dc_gpu_wait_event(be, pw->event, &pw->err);
+}
+
+/* --- a NORM_REDUCE group's step, in two jobs ------------------------------- */
+
+void dc_step_run_norms_work(dc_job *job, dc_backend *be) {
+    dc_step_job *j = (dc_step_job *)job;
+    j->t_start = j->t_waited = uv_hrtime();
+    dc_err_clear(&j->err);
+    /* GPU steps: the stream waits for the client's inputs first (unless a
+     * pre-wait for this step's event already did, on this thread) */
+    bool waited = j->prewait && j->prewait->rc == 0;
+    if (j->wait_event && !waited && (j->rc = dc_gpu_wait_event(be, j->wait_event, &j->err)))
+        return;
+    j->rc = be->ops->run_norms
+                ? be->ops->run_norms(be, &j->step, j->n2, &j->err)
+                : dc_err_set(&j->err, DC_EUNIMPL, "clip_step",
+                             "the %s backend has no separate norm phase", be->ops->name);
+}
+
+void dc_step_run_clip_work(dc_job *job, dc_backend *be) {
+    dc_step_job *j = (dc_step_job *)job;
+    j->t_start = j->t_waited = uv_hrtime();
+    j->be = be;
+    dc_err_clear(&j->err);
+    j->rc = be->ops->run_clip(be, &j->step, j->n2, j->tot, &j->res, &j->err);
+    if (j->rc == 0 && j->signal_event) { /* the client's stream may go on */
+        j->res.released = true;
+        j->rc = dc_gpu_record_event(be, j->signal_event, &j->err);
+    }
+    j->t_end = uv_hrtime();
+}

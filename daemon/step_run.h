@@ -1,0 +1,34 @@
+/* The stage that computes: a step's work on a worker thread (its GPU's
+ * worker, or the CPU pool's). The input event is waited on (GPU steps), the
+ * backend's run_step computes the per-sample norms, the coefficients, the
+ * clipped sums and the noise (backend.h says what each is), and the
+ * client's signal event is recorded. A NORM_REDUCE group's step runs the
+ * same parts as two jobs, the backend's run_norms and run_clip, with the
+ * group's reduction (group.c) between them (session_group.c).
+ *
+ * The session (session_step.c) prepares the job, submits it with
+ * dc_step_run_work as its work and its own completion as done, and reads
+ * the result there: rc, err, res and the phase stamps. */
+#ifndef DC_STEP_RUN_H
+#define DC_STEP_RUN_H
+
+#include "step_job.h"
+
+/* On the loop, before the job is submitted: the result's arrays and, with a
+ * signal event, the backend's enqueued hook (j->notify: the early notice
+ * too, and outputs zeroed on a later failure, as the client may already
+ * read them). An error (out of memory) refuses the step. */
+int dc_step_run_prepare(dc_step_job *j, dc_err *e);
+/* dc_job.work of a step (worker thread): j->rc, j->err, j->res,
+ * t_start, t_waited, t_end (and a GPU backend's workspace). */
+void dc_step_run_work(dc_job *job, dc_backend *be);
+/* dc_job.work of a dc_prewait: the stream waits on the client's input event
+ * ahead of the step's validation (pw->rc). */
+void dc_step_run_prewait(dc_job *job, dc_backend *be);
+/* A NORM_REDUCE group's step (session_group.c): the norm phase (input
+ * event, the backend's run_norms into j->n2) and, once the group's totals
+ * are in j->tot, the clip phase (run_clip, then the signal event). */
+void dc_step_run_norms_work(dc_job *job, dc_backend *be);
+void dc_step_run_clip_work(dc_job *job, dc_backend *be);
+
+#endif

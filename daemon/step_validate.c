@@ -1,0 +1,84 @@
+#include "step_validate.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+int dc_step_validate(dc_step_job *j, const Dpclip__ClipStep *m, const dc_registry *reg,
+                     const dc_limits *lim, dc_err *e) {
+    j->params = (struct dc_step_params){m->wait_event, m->signal_event, m->notify_enqueued,
+                                        m->sample_rate, m->target_delta, m->target_epsilon};
+    return dc_validate_step(m, reg, lim, &j->step, e);
+}
+
+int dc_step_validate_names(dc_step_job *j, int n_gpus, const struct dc_session_event *w,
+                           const struct dc_session_event *g, dc_err *e) {
+    const struct dc_step_params *m = &j->params;
+    if (j->step.device >= n_gpus)
+        return dc_err_set(e, DC_EPRECOND, "clip_step", "no GPU backend for device %d",
+                          j->step.device);
+    if (m->wait_event && !w)
+        return dc_err_set(e, DC_ENOTFOUND, "clip_step.wait_event",
+                          "event %llu is not registered in this session",
+                          (unsigned long long)m->wait_event);
+    if (m->signal_event && !g)
+        return dc_err_set(e, DC_ENOTFOUND, "clip_step.signal_event",
+                          "event %llu is not registered in this session",
+                          (unsigned long long)m->signal_event);
+    if ((w && w->device != j->step.device) || (g && g->device != j->step.device))
+        return dc_err_set(e, DC_EINVAL,
+                          w && w->device != j->step.device ? "clip_step.wait_event"
+                                                           : "clip_step.signal_event",
+                          "events must be on the step's device (%s)",
+                          j->step.device < 0 ? "host memory" : "the tensors' GPU");
+    j->wait_event = w ? w->event : NULL;
+    j->signal_event = g ? g->event : NULL;
+    if (m->notify_enqueued) {
+        if (!j->signal_event)
+            return dc_err_set(e, DC_EINVAL, "clip_step.notify_enqueued",
+                              "an early notice needs a signal_event for the client to wait on");
+        j->notify = true;
+    }
+    return 0;
+}
+
+dc_step_plan *dc_step_plan_new(const dc_step_job *j, const uint8_t *key, size_t key_len,
+                               uint64_t reg_gen, const dc_limits *lim) {
+    const dc_step *step = &j->step;
+    dc_step_plan *n = calloc(1, sizeof *n);
+    if (!n) return NULL;
+    n->bytes = malloc(key_len ? key_len : 1);
+    n->step = *step;
+    n->step.layers = malloc(step->n_layers * sizeof *step->layers);
+    if (!n->bytes || !n->step.layers) {
+        free(n->step.layers);
+        free(n->bytes);
+        free(n);
+        return NULL;
+    }
+    memcpy(n->bytes, key, key_len);
+    n->len = key_len;
+    memcpy(n->step.layers, step->layers, step->n_layers * sizeof *step->layers);
+    n->reg_gen = reg_gen;
+    n->limits = *lim;
+    n->params = j->params;
+    return n;
+}
+
+void dc_step_plan_free(dc_step_plan *p) {
+    if (!p) return;
+    dc_validate_step_free(&p->step);
+    free(p->bytes);
+    free(p);
+}
+
+bool dc_step_plan_matches(const dc_step_plan *p, const uint8_t *key, size_t key_len,
+                          uint64_t reg_gen, const dc_limits *lim) {
+    return p->len == key_len && p->reg_gen == reg_gen &&
+           memcmp(&p->limits, lim, sizeof p->limits) == 0 && memcmp(p->bytes, key, key_len) == 0;
+}
+
+void dc_step_plan_use(const dc_step_plan *p, dc_step_job *j) {
+    j->step = p->step;
+    j->params = p->params;
+    j->cached = true;
+}

@@ -1,0 +1,340 @@
+"""The per-rank halves of the sharded data-parallel tests (spawned processes
+import this module by name; it must not be a test module): plain models
+with make_private(sharded_noise=True) on gloo, which torch 1.13 runs, and
+FSDP2 (fully_shard) models on one GPU, two NCCL ranks told apart by
+NCCL_HOSTID, which torch >= 2.4 runs."""
+import datetime
+import math
+import os
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+from dpclip import DpclipError, _fsdp
+from dpclip.torch import PrivacyEngine, UnsupportedModuleError, reduce_loss
+from models import SeqModel, per_sample_losses
+
+
+def _init(backend, rank, world, init_file):
+    # A timeout well past any step: ranks that fall out of step fail the
+    # test instead of hanging it.
+    dist.init_process_group(backend, init_method="file://" + init_file, rank=rank,
+                            world_size=world, timeout=datetime.timedelta(seconds=120))
+
+
+def _error(e):
+    return (getattr(e, "code", None), type(e).__name__, str(e))
+
+
+def run_sharded(rank, world, init_file, socket_path, data, C, expected, sigma, q, steps,
+                out_dir):
+    """sharded_noise=True on SeqModel: (1) sigma 0, this rank's samples of
+    the union batch (uneven shards); (2) sigma > 0 on a zero loss, `steps`
+    steps at sample rate q: the gradients are the noise alone. Saves both,
+    the engine's rank and world size, this rank's norms and the ledger's
+    epsilon."""
+    _init("gloo", rank, world, init_file)
+    try:
+        torch.manual_seed(100 + rank)  # make_private broadcasts rank 0's weights
+        model = SeqModel()
+        engine = PrivacyEngine(socket_path, job_id="fsdp-cpu-exact")
+        model, opt, _ = engine.make_private(
+            module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.0),
+            noise_multiplier=0.0, max_grad_norm=C, expected_batch_size=expected,
+            sharded_noise=True)
+        x, y = data
+        mine = torch.arange(rank, x.shape[0], world)
+        opt.zero_grad()
+        reduce_loss(per_sample_losses("seq", model(x[mine]), y[mine]), "mean").backward()
+        opt.step()
+        out = {"grads": {n: p.grad.clone() for n, p in model.named_parameters()},
+               "world": engine.world_size, "rank": engine.rank, "B": len(mine),
+               "norms": engine.last_norms.clone()}
+        engine.close()
+
+        engine = PrivacyEngine(socket_path, job_id="fsdp-cpu-noise")
+        model = SeqModel()
+        model, opt, _ = engine.make_private(
+            module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.0),
+            noise_multiplier=sigma, max_grad_norm=C, expected_batch_size=expected,
+            sample_rate=q, target_delta=1e-5, sharded_noise=True)
+        out["noise"] = []
+        for _ in range(steps):
+            opt.zero_grad()
+            (model(x[mine]) * 0.0).sum().backward()
+            opt.step()
+            out["noise"].append({n: p.grad.clone() for n, p in model.named_parameters()})
+        out["epsilon"] = engine.last_epsilon
+        engine.close()
+        torch.save(out, os.path.join(out_dir, "sharded%d.pt" % rank))
+    finally:
+        dist.destroy_process_group()
+
+
+def run_sharded_failures(rank, world, init_file, socket_path, data, C, expected, out_dir):
+    """Step 1's clipping fails on the last rank only (a non-finite
+    gradient); step 2 is clean; then, in a job whose budget its first step
+    exceeds, rank 0's noise step is refused. Saves each step's error, the
+    gradients and the parameters before and after."""
+    _init("gloo", rank, world, init_file)
+    try:
+        torch.manual_seed(5)
+        model = SeqModel()
+        engine = PrivacyEngine(socket_path, job_id="fsdp-cpu-fail")
+        model, opt, _ = engine.make_private(
+            module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.5),
+            noise_multiplier=1.0, max_grad_norm=C, expected_batch_size=expected,
+            sharded_noise=True)
+        x, y = data
+        mine = torch.arange(rank, x.shape[0], world)
+        out = {"before": _params(model), "errors": [], "grads": [], "after": []}
+        for i in range(2):
+            opt.zero_grad()
+            loss = reduce_loss(per_sample_losses("seq", model(x[mine]), y[mine]), "mean")
+            if i == 0 and rank == world - 1:
+                loss = loss * float("nan")
+            loss.backward()
+            try:
+                opt.step()
+                out["errors"].append(None)
+            except DpclipError as e:
+                out["errors"].append(_error(e))
+            out["grads"].append({n: p.grad.clone() for n, p in model.named_parameters()})
+            out["after"].append(_params(model))
+        engine.close()
+
+        model = SeqModel()
+        engine = PrivacyEngine(socket_path, job_id="fsdp-cpu-budget")
+        model, opt, _ = engine.make_private(
+            module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.5),
+            noise_multiplier=1.0, max_grad_norm=C, expected_batch_size=expected,
+            sample_rate=0.5, target_delta=1e-5, target_epsilon=1e-3, sharded_noise=True)
+        before = _params(model)
+        opt.zero_grad()
+        reduce_loss(per_sample_losses("seq", model(x[mine]), y[mine]), "mean").backward()
+        try:
+            opt.step()
+            out["budget"] = None
+        except DpclipError as e:
+            out["budget"] = _error(e)
+        out["budget_moved"] = [n for n, p in model.named_parameters()
+                               if not torch.equal(p.detach(), before[n])]
+        out["budget_grads"] = [n for n, p in model.named_parameters()
+                               if p.grad is None or float(p.grad.abs().max()) != 0.0]
+        engine.close()
+        torch.save(out, os.path.join(out_dir, "shfail%d.pt" % rank))
+    finally:
+        dist.destroy_process_group()
+
+
+def run_sharded_refusals(rank, world, init_file, socket_path, out_dir):
+    """What make_private(sharded_noise=True) raises for a mean loss without
+    an expected batch size (None: accepted)."""
+    _init("gloo", rank, world, init_file)
+    try:
+        out = {}
+        engine = PrivacyEngine(socket_path, job_id="fsdp-cpu-refusals")
+        m = nn.Linear(4, 2)
+        try:
+            engine.make_private(module=m, optimizer=torch.optim.SGD(m.parameters(), lr=0.1),
+                                noise_multiplier=1.0, max_grad_norm=1.0, sharded_noise=True)
+            out["no_ebs"] = None
+        except ValueError as e:
+            out["no_ebs"] = str(e)
+        finally:
+            engine.close()
+        torch.save(out, os.path.join(out_dir, "refusals%d.pt" % rank))
+    finally:
+        dist.destroy_process_group()
+
+
+def _params(model):
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+# --- FSDP2 on a GPU ----------------------------------------------------------------------
+
+class Block(nn.Module):
+    """A GPT-2 block (pre-LayerNorm attention and MLP) of plain modules."""
+
+    def __init__(self, d, heads):
+        super().__init__()
+        self.heads = heads
+        self.ln1 = nn.LayerNorm(d)
+        self.qkv = nn.Linear(d, 3 * d)
+        self.proj = nn.Linear(d, d)
+        self.ln2 = nn.LayerNorm(d)
+        self.fc = nn.Linear(d, 4 * d)
+        self.out = nn.Linear(4 * d, d)
+
+    def forward(self, x):
+        B, T, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(d, dim=2)
+        q, k, v = (t.view(B, T, self.heads, d // self.heads).transpose(1, 2) for t in (q, k, v))
+        att = (q @ k.transpose(-2, -1)) / math.sqrt(q.shape[-1])
+        mask = torch.ones(T, T, dtype=torch.bool, device=x.device).triu(1)
+        y = att.masked_fill(mask, float("-inf")).softmax(-1) @ v
+        x = x + self.proj(y.transpose(1, 2).reshape(B, T, d))
+        return x + self.out(F.gelu(self.fc(self.ln2(x))))
+
+
+class GPT(nn.Module):
+    """GPT-2-small's shape, scaled down: token and position embeddings,
+    blocks, a final LayerNorm and an untied head (dpclip refuses tied
+    weights). A vocabulary not divisible by 2 gives uneven shards."""
+
+    def __init__(self, vocab=67, seq=12, d=32, blocks=2, heads=4):
+        super().__init__()
+        self.tok = nn.Embedding(vocab, d)
+        self.pos = nn.Embedding(seq, d)
+        self.blocks = nn.ModuleList(Block(d, heads) for _ in range(blocks))
+        self.ln = nn.LayerNorm(d)
+        self.head = nn.Linear(d, vocab, bias=False)
+
+    def forward(self, x):
+        B, T = x.shape
+        pos = torch.arange(T, device=x.device).unsqueeze(0).expand(B, T)
+        h = self.tok(x) + self.pos(pos)
+        for b in self.blocks:
+            h = b(h)
+        return self.head(self.ln(h))
+
+
+def fsdp2_api():
+    """(fully_shard, MixedPrecisionPolicy): public in torch.distributed.fsdp
+    from torch 2.6, in torch.distributed._composable.fsdp in 2.4 and 2.5."""
+    try:
+        from torch.distributed.fsdp import (  # pylint: disable=import-outside-toplevel
+            MixedPrecisionPolicy, fully_shard)
+    except ImportError:
+        from torch.distributed._composable.fsdp import (  # pylint: disable=import-outside-toplevel
+            MixedPrecisionPolicy, fully_shard)
+    return fully_shard, MixedPrecisionPolicy
+
+
+def _shard(model, mesh, mp):
+    """fully_shard each block, then the root: the documented order."""
+    fully_shard = fsdp2_api()[0]
+    kw = {"mesh": mesh}
+    if mp is not None:
+        kw["mp_policy"] = mp
+    for b in model.blocks:
+        fully_shard(b, **kw)
+    fully_shard(model, **kw)
+    return model
+
+
+def run_fsdp2(rank, world, init_file, socket_path, data, C, expected, seed, out_dir):
+    """Two ranks on one GPU (NCCL, a host id each). Cases, each with a fresh
+    engine: f32 and bf16 MixedPrecisionPolicy at sigma 0 (this rank's
+    gradient shards and the gathered whole); the noise alone (sigma 1, zero
+    loss); training (sigma 0, 8 steps, the loss before and after); the
+    ledger after 3 steps at sigma 1; make_private before fully_shard; FSDP1
+    with use_orig_params=False."""
+    os.environ["NCCL_HOSTID"] = "dpclip-fsdp-test-%d" % rank
+    os.environ["NCCL_NVLS_ENABLE"] = "0"
+    torch.cuda.set_device(0)
+    _init("nccl", rank, world, init_file)
+    try:
+        # pylint: disable=import-outside-toplevel
+        from torch.distributed.device_mesh import init_device_mesh
+        MixedPrecisionPolicy = fsdp2_api()[1]  # pylint: disable=invalid-name
+        Shard = _fsdp._classes()[1]  # pylint: disable=invalid-name,protected-access
+        mesh = init_device_mesh("cuda", (world,))  # keeps the device set above
+        x, y = (t.cuda() for t in data)
+        mine = torch.arange(rank, x.shape[0], world, device="cuda")
+        out = {}
+
+        def fresh(mp=None):
+            torch.manual_seed(seed)  # the same weights on every rank, as fully_shard needs
+            return _shard(GPT().cuda(), mesh, mp)
+
+        def private(model, job, sigma, lr=0.0, **kw):
+            engine = PrivacyEngine(socket_path, job_id=job)
+            model, opt, _ = engine.make_private(
+                module=model, optimizer=torch.optim.SGD(model.parameters(), lr=lr),
+                noise_multiplier=sigma, max_grad_norm=C, expected_batch_size=expected, **kw)
+            return engine, model, opt
+
+        def loss_of(model):
+            return reduce_loss(per_sample_losses("seq", model(x[mine]).float(), y[mine]), "mean")
+
+        bf16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
+        for case, mp in (("f32", None), ("bf16", bf16)):
+            engine, model, opt = private(fresh(mp), "fsdp2-" + case, 0.0)
+            opt.zero_grad()
+            loss_of(model).backward()
+            opt.step()
+            out[case] = {
+                "local": {n: p.grad.to_local().cpu() for n, p in model.named_parameters()},
+                "whole": {n: p.grad.full_tensor().cpu() for n, p in model.named_parameters()},
+                "sharded": {n: tuple(p.grad.placements) == (Shard(0),)
+                            for n, p in model.named_parameters()},
+                "dtypes": {n: p.grad.dtype for n, p in model.named_parameters()},
+                "sharded_dtype": engine._shards.dtype}  # pylint: disable=protected-access
+            engine.close()
+
+        engine, model, opt = private(fresh(bf16), "fsdp2-noise", 1.0)
+        opt.zero_grad()
+        (model(x[mine]).float() * 0.0).sum().backward()
+        opt.step()
+        out["noise"] = {n: p.grad.to_local().cpu() for n, p in model.named_parameters()}
+        engine.close()
+
+        engine, model, opt = private(fresh(bf16), "fsdp2-train", 0.0, lr=0.5)
+        losses = []
+        for _ in range(8):
+            opt.zero_grad()
+            loss = loss_of(model)
+            loss.backward()
+            opt.step()
+            losses.append(float(loss))
+        out["losses"] = losses
+        engine.close()
+
+        engine, model, opt = private(fresh(bf16), "fsdp2-ledger", 1.0, lr=0.1, sample_rate=0.01,
+                                     target_delta=1e-5)
+        for _ in range(3):
+            opt.zero_grad()
+            loss_of(model).backward()
+            opt.step()
+        out["epsilon"] = engine.last_epsilon
+        engine.close()
+
+        torch.manual_seed(seed)
+        late = GPT().cuda()
+        engine, late, opt = private(late, "fsdp2-late", 0.0)
+        _shard(late, mesh, None)
+        opt.zero_grad()
+        loss_of(late).backward()
+        try:
+            opt.step()
+            out["late"] = None
+        except RuntimeError as e:
+            out["late"] = str(e)
+        engine.close()
+
+        try:
+            from torch.distributed.fsdp import (  # pylint: disable=import-outside-toplevel
+                FullyShardedDataParallel)
+        except ImportError:
+            FullyShardedDataParallel = None  # pylint: disable=invalid-name
+        out["fsdp1"] = "skipped"
+        if FullyShardedDataParallel is not None:
+            torch.manual_seed(seed)
+            flat = FullyShardedDataParallel(GPT().cuda(), use_orig_params=False)
+            engine = PrivacyEngine(socket_path, job_id="fsdp2-fsdp1")
+            try:
+                engine.make_private(module=flat, optimizer=torch.optim.SGD(
+                    flat.parameters(), lr=0.1), noise_multiplier=1.0, max_grad_norm=C,
+                    expected_batch_size=expected)
+                out["fsdp1"] = None
+            except UnsupportedModuleError as e:
+                out["fsdp1"] = str(e)
+            finally:
+                engine.close()
+        torch.save(out, os.path.join(out_dir, "fsdp2_%d.pt" % rank))
+    finally:
+        dist.destroy_process_group()

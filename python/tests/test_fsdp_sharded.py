@@ -1,0 +1,188 @@
+"""Sharded data parallelism on the CPU (dpclip._fsdp through
+make_private(sharded_noise=True): the steps fully_shard models take,
+reduce-scatter by fully_shard's dim-0 chunks, noise by each shard's owner,
+for plain models on gloo, which Debian's torch 1.13 runs): gradients
+against the single-process per-sample reference, the noise once per
+coordinate, the ledger once per step, failures applied nowhere, FSDP1
+refused. FSDP2 itself: test_fsdp.py."""
+import math
+import os
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+import torch.nn as nn
+
+from dpclip import _fsdp, _lib
+from dpclip.torch import PrivacyEngine, UnsupportedModuleError
+from fsdp_worker import run_sharded, run_sharded_failures, run_sharded_refusals
+from models import SeqModel, reference, seq_data
+
+
+def _spawn(fn, world, args):
+    ctx = mp.start_processes(fn, nprocs=world, join=False, start_method="spawn",
+                             args=(world,) + args)
+    while not ctx.join(timeout=120):
+        pass
+
+
+def test_layout_gives_each_rank_fully_shards_dim0_chunks():
+    """Rows [r * chunk, (r + 1) * chunk) of each parameter, chunk =
+    ceil(rows / world), as torch.chunk splits (the last ranks may hold
+    fewer rows, or none); every region padded to world * chunk rows."""
+    class L:  # the two attributes layout() reads of a _Layer
+        def __init__(self, w, b):
+            self.weight, self.bias = w, b
+
+    layers = [L(torch.empty(5, 3), torch.empty(5)), L(torch.empty(2, 4), None)]
+    for world in (1, 2, 3, 4):
+        for rank in range(world):
+            pieces, full, shard = _fsdp.layout(layers, world, rank)
+            assert [pc.shape for pc in pieces] == [(5, 3), (5,), (2, 4)]
+            for pc, t in zip(pieces, (layers[0].weight, layers[0].bias, layers[1].weight)):
+                chunks = torch.chunk(torch.arange(t.shape[0]), world)
+                want = chunks[rank].numel() if rank < len(chunks) else 0
+                assert pc.mine == want and pc.chunk == chunks[0].numel(), (world, rank, pc)
+                assert pc.full_off + world * pc.chunk * pc.inner <= full
+                assert pc.shard_off + pc.chunk * pc.inner <= shard
+            ends = sorted((pc.full_off, pc.full_off + world * pc.chunk * pc.inner)
+                          for pc in pieces)
+            assert all(a[1] <= b[0] for a, b in zip(ends, ends[1:]))  # regions apart
+
+
+def test_three_ranks_hold_the_union_gradient_noise_once_ledger_once(daemon, tmp_path):
+    """Three gloo ranks, uneven batches and uneven shards (SeqModel's
+    11-row head and embedding over 3 ranks): each rank's gradient, its
+    shard gathered with the others', equals the double-precision per-sample
+    reference on the union batch (sigma 0). With sigma > 0 on a zero loss
+    the gradient is the noise alone: std sigma*C/expected per coordinate
+    (measured: a coordinate noised on two ranks would show sqrt(2) times
+    that), the same on every rank, and each shard drawn apart (two owners
+    drawing one stream would repeat it). The ledger charges each logical
+    step once: the job's epsilon after 3 steps is one process's."""
+    (x,), y = seq_data(7, seed=5)
+    C, expected, sigma, q, steps = 0.95, 7, 2.0, 0.05, 3
+    torch.manual_seed(100)
+    want, ref_norms, _ = reference(SeqModel(), "seq", (x,), y, C, "mean", expected)
+    _spawn(run_sharded, 3, (str(tmp_path / "init"), daemon.socket, (x, y), C, expected, sigma,
+                            q, steps, str(tmp_path)))
+    got = [torch.load(os.path.join(str(tmp_path), "sharded%d.pt" % r)) for r in range(3)]
+    for r in range(3):
+        assert got[r]["world"] == 3 and got[r]["rank"] == r
+        for n, g in want.items():
+            err = float((got[r]["grads"][n].double() - g).abs().max()) / float(g.abs().max())
+            assert err < 1e-4, (r, n, err)
+        # each rank's daemon clipped its own samples: x[r::3]
+        mine = ref_norms[r::3].float()
+        assert torch.allclose(got[r]["norms"], mine, rtol=1e-4), (r, got[r]["norms"], mine)
+    noise = []
+    for s in range(steps):
+        for n in want:
+            assert torch.equal(got[0]["noise"][s][n], got[1]["noise"][s][n]), (s, n)
+            assert torch.equal(got[0]["noise"][s][n], got[2]["noise"][s][n]), (s, n)
+        noise.append(torch.cat([g.double().reshape(-1) for g in got[0]["noise"][s].values()]))
+        tok = got[0]["noise"][s]["tok.weight"]  # rows 0-3, 4-7, 8-10 on ranks 0, 1, 2
+        assert not torch.equal(tok[0:3], tok[4:7]) and not torch.equal(tok[4:7], tok[8:11])
+    noise = torch.cat(noise)
+    want_std = sigma * C / expected
+    assert abs(float(noise.std()) - want_std) < 6 * want_std / math.sqrt(2 * noise.numel()), \
+        (float(noise.std()), want_std)
+    assert abs(float(noise.mean())) < 6 * want_std / math.sqrt(noise.numel())
+
+    single = PrivacyEngine(daemon.socket, job_id="fsdp-cpu-noise-single")
+    model = nn.Linear(3, 2)
+    _, opt, _ = single.make_private(module=model, optimizer=torch.optim.SGD(
+        model.parameters(), lr=0.0), noise_multiplier=sigma, max_grad_norm=C,
+        expected_batch_size=expected, sample_rate=q, target_delta=1e-5, distributed=False)
+    for _ in range(steps):
+        opt.zero_grad()
+        model(torch.ones(2, 3)).sum().backward()
+        opt.step()
+    assert 0 < single.last_epsilon < math.inf
+    assert got[0]["epsilon"] == pytest.approx(single.last_epsilon, rel=1e-9)
+    single.close()
+
+
+def test_a_failure_on_any_rank_is_applied_on_none(daemon, tmp_path):
+    """Step 1: the last rank's clipping step fails (non-finite): no rank
+    moves, every rank holds zero gradients and raises (that rank its own
+    error, the others DPCLIP_EUNAVAIL), not a sum lacking its samples.
+    Step 2 is applied on both. Then rank 0's noise step is refused by its
+    job's budget: its shard would go un-noised, so no rank applies its own
+    shard either (rank 1's own noise step, no longer covered by rank 0's
+    charge, is refused by the budget too, or rank 1 raises EUNAVAIL)."""
+    (x,), y = seq_data(8, seed=2)
+    _spawn(run_sharded_failures, 2, (str(tmp_path / "init"), daemon.socket, (x, y), 0.9, 8,
+                                     str(tmp_path)))
+    got = [torch.load(os.path.join(str(tmp_path), "shfail%d.pt" % r)) for r in range(2)]
+    assert got[1]["errors"][0][0] == _lib.ENONFINITE, got[1]["errors"][0]
+    assert got[0]["errors"][0][0] == _lib.EUNAVAIL and \
+        "applied on no rank" in got[0]["errors"][0][2], got[0]["errors"][0]
+    for r in range(2):
+        for n, p in got[r]["before"].items():
+            assert torch.equal(got[r]["after"][0][n], p), (r, n)
+            assert float(got[r]["grads"][0][n].abs().max()) == 0.0, (r, n)
+            assert not torch.equal(got[r]["after"][1][n], p), (r, n)
+            assert torch.equal(got[0]["grads"][1][n], got[1]["grads"][1][n]), n
+        assert got[r]["errors"][1] is None
+    assert got[0]["budget"][0] == _lib.ENOSPACE, got[0]["budget"]
+    # rank 1's noise step comes after rank 0's refused one: not covered by a
+    # charge, it is charged itself and refused by the same budget
+    assert got[1]["budget"][0] in (_lib.EUNAVAIL, _lib.ENOSPACE), got[1]["budget"]
+    for r in range(2):
+        assert got[r]["budget_moved"] == [] and got[r]["budget_grads"] == [], r
+
+
+def test_refusals(daemon, tmp_path, monkeypatch):
+    """sharded_noise without torch.distributed, and with a mean loss but no
+    expected batch size (each rank's noise is divided by it); FSDP1, by
+    its class (its flat parameters hold many modules' weights in one
+    tensor), before anything else: Debian's torch cannot import FSDP1, so a
+    stand-in of its name and module stands for it."""
+    engine = PrivacyEngine(daemon.socket, job_id="fsdp-cpu-refusals")
+    m = nn.Linear(4, 2)
+    with pytest.raises(ValueError, match="init_process_group"):
+        engine.make_private(module=m, optimizer=None, noise_multiplier=1.0, max_grad_norm=1.0,
+                            expected_batch_size=4, sharded_noise=True)
+    engine.close()
+
+    fsdp1 = type("FullyShardedDataParallel", (nn.Module,),
+                 {"__module__": "torch.distributed.fsdp.fully_sharded_data_parallel"})
+    wrapped = fsdp1()
+    wrapped.inner = nn.Linear(4, 2)
+    wrapped._use_orig_params = False
+    engine = PrivacyEngine(daemon.socket, job_id="fsdp-cpu-refusals")
+    with pytest.raises(UnsupportedModuleError) as e:
+        engine.make_private(module=nn.Sequential(wrapped), optimizer=None, noise_multiplier=1.0,
+                            max_grad_norm=1.0, expected_batch_size=4)
+    msg = str(e.value)
+    assert "module 0 (FullyShardedDataParallel)" in msg and "FSDP1" in msg and \
+        "use_orig_params=False" in msg and "fully_shard" in msg, msg
+    assert not engine.active
+    engine.close()
+
+    _spawn(run_sharded_refusals, 2, (str(tmp_path / "init"), daemon.socket, str(tmp_path)))
+    for r in range(2):
+        got = torch.load(os.path.join(str(tmp_path), "refusals%d.pt" % r))
+        assert got["no_ebs"] is not None and "expected_batch_size" in got["no_ebs"], got
+
+
+def test_a_model_wrapped_after_make_private_is_refused_at_its_first_step(daemon):
+    """fully_shard after make_private puts a new (sharded) parameter in
+    each module: param.grad would go to the old one, which the optimizer
+    holds and FSDP no longer uses. The first step raises, naming the
+    module and the order that works; nothing is sent."""
+    model = nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2))
+    engine = PrivacyEngine(daemon.socket, job_id="fsdp-cpu-late")
+    model, opt, _ = engine.make_private(module=model, optimizer=torch.optim.SGD(
+        model.parameters(), lr=0.1), noise_multiplier=1.0, max_grad_norm=1.0,
+        expected_batch_size=2, distributed=False)
+    model[1].weight = nn.Parameter(model[1].weight.detach().clone())  # as fully_shard does
+    model(torch.randn(2, 4)).sum().backward()
+    with pytest.raises(RuntimeError) as e:
+        opt.step()
+    msg = str(e.value)
+    assert msg.startswith("module 1:") and "apply fully_shard first" in msg and \
+        "then call make_private" in msg, msg
+    assert engine.steps == 0 and engine.last_step_index == 0
+    engine.close()

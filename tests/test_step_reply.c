@@ -1,0 +1,216 @@
+/* daemon/step_reply.c: the last stage of a step. Its ClipStepReply carries
+ * the backend's per-sample norms and coefficients, layer norms only when
+ * asked for or clipping per layer, layer coefficients only per layer, the
+ * job's epsilon and delta and the daemon's stamps, and packs into a Reply
+ * that decodes to the same; the early notice names the step's index and
+ * spend; the metrics count a step that ran and one that failed. */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <cmocka.h>
+
+#include "dpclip.pb-c.h"
+#include "step_reply.h"
+
+enum { B = 3, L = 2 };
+
+typedef struct fixture {
+    dc_step_job j;
+    dc_layer layers[L];
+    float act[L][B * 4], grad[L][B * 5];
+} fixture;
+
+/* A step of L linear layers (B x 4 -> B x 5, f32) that ran: its result
+ * holds distinct values, so a field copied from the wrong array shows. */
+static fixture *make(dc_clip_mode mode, bool want_layer_norms) {
+    fixture *f = calloc(1, sizeof *f);
+    dc_step_job *j;
+    assert_non_null(f);
+    j = &f->j;
+    for (int l = 0; l < L; l++) {
+        dc_layer *ly = &f->layers[l];
+        ly->kind = DC_LAYER_LINEAR;
+        ly->T = 1;
+        ly->d = 4;
+        ly->p = 5;
+        ly->input = (dc_tensor){f->act[l], DC_F32, 2, {B, 4, 0}};
+        ly->grad = (dc_tensor){f->grad[l], DC_F32, 2, {B, 5, 0}};
+    }
+    j->step.batch = B;
+    j->step.n_layers = L;
+    j->step.layers = f->layers;
+    j->step.mode = mode;
+    j->step.want_layer_norms = want_layer_norms;
+    j->step.device = -1;
+    assert_int_equal(dc_step_result_init(&j->res, B, L, mode == DC_CLIP_PER_LAYER), 0);
+    for (int b = 0; b < B; b++) {
+        j->res.norms[b] = 1.0f + (float)b;
+        j->res.coefs[b] = 0.5f / (float)(b + 1);
+    }
+    for (int i = 0; i < L * B; i++) {
+        j->res.layer_norms[i] = 10.0f + (float)i;
+        if (j->res.layer_coefs) j->res.layer_coefs[i] = 0.01f * (float)(i + 1);
+    }
+    j->res.compute_ns = 12345;
+    j->eps = 1.25;
+    j->delta = 1e-5;
+    j->req_id = 77;
+    j->t_frame = 1000;
+    j->t_recv = 1100;
+    j->t_checked = 1200;
+    j->t_submit = 1300;
+    j->t_start = 1400;
+    j->t_waited = 1500;
+    j->t_end = 1600;
+    return f;
+}
+
+static void destroy(fixture *f) {
+    dc_step_result_free(&f->j.res);
+    free(f);
+}
+
+/* Packs the reply into a Reply and decodes it back (the caller frees). */
+static Dpclip__Reply *roundtrip(Dpclip__ClipStepReply *cr) {
+    Dpclip__Reply reply = DPCLIP__REPLY__INIT;
+    uint8_t *buf;
+    size_t n;
+    Dpclip__Reply *back;
+    reply.id = 77;
+    reply.body_case = DPCLIP__REPLY__BODY_CLIP_STEP;
+    reply.clip_step = cr;
+    n = dpclip__reply__get_packed_size(&reply);
+    buf = malloc(n ? n : 1);
+    assert_non_null(buf);
+    assert_int_equal(dpclip__reply__pack(&reply, buf), n);
+    back = dpclip__reply__unpack(NULL, n, buf);
+    free(buf);
+    assert_non_null(back);
+    assert_int_equal(back->body_case, DPCLIP__REPLY__BODY_CLIP_STEP);
+    return back;
+}
+
+static void test_flat(void **state) {
+    (void)state;
+    fixture *f = make(DC_CLIP_FLAT, false);
+    Dpclip__ClipStepReply cr = DPCLIP__CLIP_STEP_REPLY__INIT;
+    Dpclip__Reply *back;
+
+    dc_step_reply_fill(&f->j, 9, &cr);
+    assert_int_equal(cr.n_norms, B);
+    assert_int_equal(cr.n_coefficients, B);
+    for (int b = 0; b < B; b++) {
+        assert_true(cr.norms[b] == f->j.res.norms[b]);
+        assert_true(cr.coefficients[b] == f->j.res.coefs[b]);
+    }
+    /* not asked for, not per layer: no layer arrays */
+    assert_int_equal(cr.n_layer_norms, 0);
+    assert_int_equal(cr.n_layer_coefficients, 0);
+    assert_int_equal(cr.step_index, 9);
+    assert_int_equal(cr.compute_ns, 12345);
+    assert_true(cr.epsilon == 1.25);
+    assert_true(cr.delta == 1e-5);
+    assert_int_equal(cr.t_received_ns, 1000);
+    assert_true(cr.t_replied_ns >= cr.t_received_ns);
+
+    back = roundtrip(&cr);
+    assert_int_equal(back->clip_step->n_norms, B);
+    for (int b = 0; b < B; b++)
+        assert_true(back->clip_step->coefficients[b] == f->j.res.coefs[b]);
+    assert_int_equal(back->clip_step->n_layer_norms, 0);
+    assert_int_equal(back->clip_step->step_index, 9);
+    assert_true(back->clip_step->epsilon == 1.25);
+    dpclip__reply__free_unpacked(back, NULL);
+    destroy(f);
+}
+
+static void test_layer_norms_asked(void **state) {
+    (void)state;
+    fixture *f = make(DC_CLIP_FLAT, true);
+    Dpclip__ClipStepReply cr = DPCLIP__CLIP_STEP_REPLY__INIT;
+
+    dc_step_reply_fill(&f->j, 1, &cr);
+    assert_int_equal(cr.n_layer_norms, L * B);
+    for (int i = 0; i < L * B; i++) assert_true(cr.layer_norms[i] == f->j.res.layer_norms[i]);
+    assert_int_equal(cr.n_layer_coefficients, 0);
+    destroy(f);
+}
+
+static void test_per_layer(void **state) {
+    (void)state;
+    fixture *f = make(DC_CLIP_PER_LAYER, false);
+    Dpclip__ClipStepReply cr = DPCLIP__CLIP_STEP_REPLY__INIT;
+    Dpclip__Reply *back;
+
+    dc_step_reply_fill(&f->j, 2, &cr);
+    /* per layer: both layer arrays, whether asked for or not */
+    assert_int_equal(cr.n_layer_norms, L * B);
+    assert_int_equal(cr.n_layer_coefficients, L * B);
+    back = roundtrip(&cr);
+    assert_int_equal(back->clip_step->n_layer_coefficients, L * B);
+    for (int i = 0; i < L * B; i++)
+        assert_true(back->clip_step->layer_coefficients[i] == f->j.res.layer_coefs[i]);
+    dpclip__reply__free_unpacked(back, NULL);
+    destroy(f);
+}
+
+static void test_notice(void **state) {
+    (void)state;
+    fixture *f = make(DC_CLIP_FLAT, false);
+    Dpclip__ClipStepEnqueued n = DPCLIP__CLIP_STEP_ENQUEUED__INIT;
+
+    dc_step_reply_notice(&f->j, 4, &n);
+    assert_int_equal(n.step_index, 4);
+    assert_true(n.epsilon == 1.25);
+    assert_true(n.delta == 1e-5);
+    destroy(f);
+}
+
+static void test_count(void **state) {
+    (void)state;
+    fixture *f = make(DC_CLIP_FLAT, false);
+    dc_metrics *m = calloc(1, sizeof *m);
+    assert_non_null(m);
+
+    dc_step_reply_count(&f->j, 1700, m);
+    assert_int_equal(m->steps_ok, 1);
+    assert_int_equal(m->steps_failed, 0);
+    assert_int_equal(m->samples, B);
+    assert_int_equal(m->layers, L);
+    assert_int_equal(m->compute_ns, 12345);
+    /* inputs and output grads of every layer, f32 */
+    assert_int_equal(m->bytes_referenced, (uint64_t)L * B * (4 + 5) * sizeof(float));
+    assert_int_equal(m->step.count, 1);
+    assert_int_equal(m->phase[DC_PH_VALIDATE].count, 1);
+    assert_int_equal(m->phase[DC_PH_QUEUE].count, 1);
+    assert_int_equal(m->phase[DC_PH_RUN].count, 1);
+    assert_int_equal(m->phase[DC_PH_REPLY].count, 1);
+    assert_int_equal(m->phase[DC_PH_WAIT_INPUT].count, 0); /* a host step */
+
+    /* a failed step: counted by its code, not as samples */
+    f->j.rc = DC_ENONFINITE;
+    f->j.err.code = DC_ENONFINITE;
+    dc_step_reply_count(&f->j, 1700, m);
+    assert_int_equal(m->steps_ok, 1);
+    assert_int_equal(m->steps_failed, 1);
+    assert_int_equal(m->errors[DC_ENONFINITE], 1);
+    assert_int_equal(m->samples, B);
+    assert_int_equal(m->step.count, 2);
+    free(m);
+    destroy(f);
+}
+
+int main(void) {
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_flat),
+        cmocka_unit_test(test_layer_norms_asked),
+        cmocka_unit_test(test_per_layer),
+        cmocka_unit_test(test_notice),
+        cmocka_unit_test(test_count),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}
