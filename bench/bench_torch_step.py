@@ -66,7 +66,7 @@ class GPT(nn.Module):
         self.pos = nn.Embedding(seq, d)
         self.blocks = nn.ModuleList(Block(d, heads) for _ in range(blocks))
         self.ln = nn.LayerNorm(d)
-        self.head = nn.Linear(d, vocab, bias=False)  # untied: dpclip refuses shared weights
+        self.head = nn.Linear(d, vocab, bias=False)  # untied: the figures of issue 8 (bench_hf_step.py measures a tied model)
 
     def forward(self, x):
         B, T = x.shape

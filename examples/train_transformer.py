@@ -73,7 +73,7 @@ class CharLM(nn.Module):
         self.pos = nn.Embedding(seq, d)
         self.blocks = nn.ModuleList(Block(d, heads) for _ in range(layers))
         self.ln = nn.LayerNorm(d)
-        self.head = nn.Linear(d, vocab)  # not tied to tok: dpclip refuses shared weights
+        self.head = nn.Linear(d, vocab)  # untied, with a bias (tied ones work too: see train_hf_gpt2.py)
 
     def forward(self, x):
         B, T = x.shape

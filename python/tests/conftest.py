@@ -64,6 +64,8 @@ class Daemon:
                  "--insecure-fixed-seed", "1234", "--log-level", "warn", "--workers", "2",
                  "--ledger-dir", "",  # in-memory ledger: no state directory needed
                  "--config", "/dev/null",  # not a config file installed on this machine
+                 # one daemon serves the whole session's tests, each a job
+                 "--set", "ledger.max_jobs_per_uid=4096",
                  *extra], pass_fds=(w,), env=dict(os.environ, **(env or {})),
                 preexec_fn=lambda p=os.getpid(): _die_with_parent(p))
         finally:

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from dpclip import DpclipError, _fsdp
 from dpclip.torch import PrivacyEngine, UnsupportedModuleError, reduce_loss
-from models import SeqModel, per_sample_losses
+from models import GPT2Like, SeqModel, per_sample_losses
 
 
 def _init(backend, rank, world, init_file):
@@ -69,6 +69,31 @@ def run_sharded(rank, world, init_file, socket_path, data, C, expected, sigma, q
         out["epsilon"] = engine.last_epsilon
         engine.close()
         torch.save(out, os.path.join(out_dir, "sharded%d.pt" % rank))
+    finally:
+        dist.destroy_process_group()
+
+
+def run_sharded_hf(rank, world, init_file, socket_path, data, V, C, expected, out_dir):
+    """sharded_noise=True at sigma 0 on GPT2Like (Conv1D weights kept
+    [in, out], an lm_head tied to wte): this rank's samples of the union
+    batch; saves the gradients."""
+    _init("gloo", rank, world, init_file)
+    try:
+        torch.manual_seed(7)
+        model = GPT2Like(V, T=data[0].shape[1])
+        engine = PrivacyEngine(socket_path, job_id="fsdp-cpu-hf")
+        model, opt, _ = engine.make_private(
+            module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.0),
+            noise_multiplier=0.0, max_grad_norm=C, expected_batch_size=expected,
+            sharded_noise=True)
+        x, y = data
+        mine = torch.arange(rank, x.shape[0], world)
+        opt.zero_grad()
+        reduce_loss(per_sample_losses("seq", model(x[mine]), y[mine]), "mean").backward()
+        opt.step()
+        torch.save({n: p.grad.clone() for n, p in model.named_parameters()},
+                   os.path.join(out_dir, "hf%d.pt" % rank))
+        engine.close()
     finally:
         dist.destroy_process_group()
 

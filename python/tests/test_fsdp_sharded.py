@@ -14,9 +14,10 @@ import torch.multiprocessing as mp
 import torch.nn as nn
 
 from dpclip import _fsdp, _lib
+from dpclip._layers import Out
 from dpclip.torch import PrivacyEngine, UnsupportedModuleError
-from fsdp_worker import run_sharded, run_sharded_failures, run_sharded_refusals
-from models import SeqModel, reference, seq_data
+from fsdp_worker import run_sharded, run_sharded_failures, run_sharded_hf, run_sharded_refusals
+from models import GPT2Like, SeqModel, prose, reference, seq_data
 
 
 def _spawn(fn, world, args):
@@ -30,9 +31,11 @@ def test_layout_gives_each_rank_fully_shards_dim0_chunks():
     """Rows [r * chunk, (r + 1) * chunk) of each parameter, chunk =
     ceil(rows / world), as torch.chunk splits (the last ranks may hold
     fewer rows, or none); every region padded to world * chunk rows."""
-    class L:  # the two attributes layout() reads of a _Layer
+    class L:  # what layout() reads of a _Layer: its outputs
         def __init__(self, w, b):
             self.weight, self.bias = w, b
+            self.w_out = Out(w)
+            self.b_out = Out(b) if b is not None else None
 
     layers = [L(torch.empty(5, 3), torch.empty(5)), L(torch.empty(2, 4), None)]
     for world in (1, 2, 3, 4):
@@ -101,6 +104,26 @@ def test_three_ranks_hold_the_union_gradient_noise_once_ledger_once(daemon, tmp_
     assert 0 < single.last_epsilon < math.inf
     assert got[0]["epsilon"] == pytest.approx(single.last_epsilon, rel=1e-9)
     single.close()
+
+
+def test_hugging_face_structures_sharded(daemon, tmp_path):
+    """GPT-2's structure under sharded data parallelism on two ranks: the
+    Conv1D weights (written [out, in] by the daemon, sharded by their own
+    [in, out] rows) and the lm_head tied to wte (one parameter, one region)
+    match the per-sample reference on the union batch."""
+    (x,), y, V = prose(6, 8, seed=3)
+    x, y = x.clone(), y.clone()  # views of one window tensor do not pickle to spawned ranks
+    C, expected = 0.7, 6
+    torch.manual_seed(7)
+    want, _, _ = reference(GPT2Like(V, T=8), "seq", (x,), y, C, "mean", expected)
+    _spawn(run_sharded_hf, 2, (str(tmp_path / "init"), daemon.socket, (x, y), V, C, expected,
+                               str(tmp_path)))
+    for r in range(2):
+        got = torch.load(os.path.join(str(tmp_path), "hf%d.pt" % r))
+        assert set(got) == set(want)
+        for n, g in want.items():
+            err = float((got[n].double() - g).abs().max()) / float(g.abs().max())
+            assert err < 1e-4, (r, n, err)
 
 
 def test_a_failure_on_any_rank_is_applied_on_none(daemon, tmp_path):
