@@ -377,11 +377,18 @@ class Sharded:
         # the noise before the collectives (see the module's docstring);
         # rank 0's first: the daemon charges the noise group's step to rank
         # 0's and covers the others' only once that one is charged (a rank
-        # ahead of it would be charged again), so the others wait for it
+        # ahead of it would be charged again), so the others wait for it.
+        # The wait is the host's: an NCCL all_reduce returns at once, and
+        # a rank's noise step sent ahead of rank 0's would queue in the
+        # daemon in front of it, waiting on this rank's stream, which waits
+        # in the all_reduce for rank 0's stream, which waits for the daemon
+        # (a deadlock on a GPU; the first version had it)
         noise = nres = None
         for turn in (0, 1):
             if turn == 1:
-                dist.all_reduce(torch.zeros(1, device=device), group=self.group)
+                after_rank0 = torch.zeros(1, device=device)
+                dist.all_reduce(after_rank0, group=self.group)
+                float(after_rank0)  # the host waits for rank 0's noise step to be sent
             if failed is None and (self.rank == 0) == (turn == 0):
                 try:
                     noise, nres, ok_noise = (self._noise_cuda if cuda else self._noise_host)(

@@ -4,6 +4,7 @@ with make_private(sharded_noise=True) on gloo, which torch 1.13 runs, and
 FSDP2 (fully_shard) models on one GPU, two NCCL ranks told apart by
 NCCL_HOSTID, which torch >= 2.4 runs."""
 import datetime
+import faulthandler
 import math
 import os
 
@@ -18,6 +19,8 @@ from models import GPT2Like, SeqModel, per_sample_losses
 
 
 def _init(backend, rank, world, init_file):
+    # A rank that hangs prints where, on stderr, before the test's timeout.
+    faulthandler.dump_traceback_later(200, exit=True)
     # A timeout well past any step: ranks that fall out of step fail the
     # test instead of hanging it.
     dist.init_process_group(backend, init_method="file://" + init_file, rank=rank,
@@ -207,8 +210,8 @@ class Block(nn.Module):
 
 class GPT(nn.Module):
     """GPT-2-small's shape, scaled down: token and position embeddings,
-    blocks, a final LayerNorm and an untied head (dpclip refuses tied
-    weights). A vocabulary not divisible by 2 gives uneven shards."""
+    blocks, a final LayerNorm and an untied head (test_fsdp_sharded.py
+    covers a tied one). A vocabulary not divisible by 2 gives uneven shards."""
 
     def __init__(self, vocab=67, seq=12, d=32, blocks=2, heads=4):
         super().__init__()
