@@ -263,6 +263,18 @@ def _persample_part(layer, name, v, n, nb, out, offset=0):
 
 # --- one supported module -------------------------------------------------------------
 
+def _attr_name(module: nn.Module, t: Optional[torch.Tensor]) -> Optional[str]:
+    """The name under which module holds t directly (a parameter or a
+    buffer), else None."""
+    if t is None:
+        return None
+    for n, v in list(module.named_parameters(recurse=False)) + \
+            list(module.named_buffers(recurse=False)):
+        if v is t:
+            return n
+    return None
+
+
 class _Layer:
     """A supported module under the engine: its parameters, its replaced
     forward, and what it captured since the last step (records of (input,
@@ -437,6 +449,13 @@ class _NormLayer(_Layer):
 
     def _setup(self):
         self.d, self.p = self.weight.shape[0], 0
+        # the attributes the forward reads: a wrapper may swap the module's
+        # tensors between forwards (FSDP2 puts the unsharded parameter in
+        # the sharded one's place), so they are looked up by name each time
+        self._attrs = [_attr_name(self.module, t) for t in (self.weight, self.bias_any)]
+
+    def _live(self, mod, i, t):
+        return getattr(mod, self._attrs[i]) if self._attrs[i] is not None else t
 
     def eps_for(self, x):
         eps = self.eps_attr if not isinstance(self.eps_attr, str) else \
@@ -446,8 +465,9 @@ class _NormLayer(_Layer):
         return float(eps)
 
     def _forward(self, mod, x):
-        return _NormFn.apply(x, self.weight,
-                             self.bias_any if self.kind == "layernorm" else None, self)
+        return _NormFn.apply(x, self._live(mod, 0, self.weight),
+                             self._live(mod, 1, self.bias_any) if self.kind == "layernorm"
+                             else None, self)
 
     def parts(self, B, nb):
         inp = g = None
