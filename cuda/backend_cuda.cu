@@ -211,7 +211,8 @@ int plan_step(cuda_backend *cb, const dc_step *s, layout *Lo, dc_err *err) {
     Lo->up = o;
     Lo->consts = 0;
     Lo->layer_c = 16;
-    Lo->outs = al(16 + L * 4);
+    Lo->count = al(16 + L * 4);
+    Lo->outs = al(Lo->count + L * 4);
     Lo->up_bytes = Lo->outs + (size_t)Lo->n_out * sizeof(dcc_out);
     o += al(Lo->up_bytes);
     Lo->staging = o;
@@ -602,6 +603,8 @@ int run_impl(dc_backend *be, const dc_step *s, dc_step_result *res, dc_err *err,
         /* per-step tables, uploaded in one copy */
         char *up = cb->host + al(Lo.dl_bytes);
         float *consts = (float *)(up + Lo.consts), *layer_c = (float *)(up + Lo.layer_c);
+        float *count = (float *)(up + Lo.count);
+        bool excluded = false;
         dcc_out *outs = (dcc_out *)(up + Lo.outs);
         double noise_c2 = 0.0;
         uint64_t staged = 0, chunks = 0;
@@ -612,6 +615,8 @@ int run_impl(dc_backend *be, const dc_step *s, dc_step_result *res, dc_err *err,
         for (size_t l = 0; l < L; l++) {
             const dc_layer *ly = &s->layers[l];
             layer_c[l] = ly->max_grad_norm;
+            count[l] = ly->norm_excluded ? 0.0f : 1.0f;
+            excluded |= ly->norm_excluded;
             noise_c2 += (double)ly->max_grad_norm * ly->max_grad_norm;
             for (int k = 0; k < 2; k++) {
                 if (!want_out(ly, k)) continue;
@@ -625,6 +630,10 @@ int run_impl(dc_backend *be, const dc_step *s, dc_step_result *res, dc_err *err,
                     outs[oi].key = s->group_noise_key;
                     outs[oi].step = s->group_step;
                     outs[oi].stream = DC_NOISE_STREAM_REPLICATED + 2 * ly->rep_ordinal + (uint32_t)k;
+                } else if (ly->noise_step) { /* its member's own stream (step.h) */
+                    outs[oi].key = s->noise_key;
+                    outs[oi].step = ly->noise_step;
+                    outs[oi].stream = 2 * ly->noise_index + (uint32_t)k;
                 } else {
                     outs[oi].key = s->noise_key;
                     outs[oi].step = s->noise_step;
@@ -708,7 +717,8 @@ int run_impl(dc_backend *be, const dc_step *s, dc_step_result *res, dc_err *err,
                              (float *)(ws + Lo.cs), (uint32_t *)(ws + Lo.status), cb->stream),
                "the coefficients");
         else
-            CK(dcc_coefs((const float *)(ws + Lo.n2), (const uint32_t *)(ws + Lo.flags), (int)L,
+            CK(dcc_coefs((const float *)(ws + Lo.n2), (const uint32_t *)(ws + Lo.flags),
+                         excluded ? (const float *)(ws + Lo.up + Lo.count) : NULL, (int)L,
                          (int)B, per_layer, s->max_grad_norm,
                          (const float *)(ws + Lo.up + Lo.layer_c), scale, (float *)(ws + Lo.norms),
                          (float *)(ws + Lo.coefs), (float *)(ws + Lo.lcoef), (float *)(ws + Lo.cs),
@@ -773,6 +783,12 @@ int run_impl(dc_backend *be, const dc_step *s, dc_step_result *res, dc_err *err,
                           zero, cb->stream),
                "the commit");
         }
+        /* a fused group step's other members: the same norms and coefficients */
+        for (size_t i = 0; i < s->n_more_outs; i++)
+            CK(dcc_commit(douts, 0, 0, staging, status, (const float *)(ws + Lo.norms),
+                          (float *)s->more_norms_out[i].data, (const float *)(ws + Lo.coefs),
+                          (float *)s->more_coefs_out[i].data, (int)B, zero, cb->stream),
+               "the commit");
         /* 6. results home, one synchronisation */
         phase_mark(cb, 7);
         CK(cudaMemcpyAsync(cb->host, ws, Lo.dl_bytes, cudaMemcpyDeviceToHost, cb->stream),

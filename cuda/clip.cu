@@ -40,7 +40,8 @@ __device__ __forceinline__ float clip_coef(float C, float norm) {
 }
 
 __global__ void coefs_kernel(const float *__restrict__ n2, const uint32_t *__restrict__ flags,
-                             const float *__restrict__ tot_in, int L, int B, int per_layer,
+                             const float *__restrict__ tot_in, const float *__restrict__ count,
+                             int L, int B, int per_layer,
                              float C, const float *__restrict__ layer_C, float scale,
                              float *__restrict__ norms, float *__restrict__ coefs,
                              float *__restrict__ lcoef, float *__restrict__ cs,
@@ -51,7 +52,9 @@ __global__ void coefs_kernel(const float *__restrict__ n2, const uint32_t *__res
         bool bad = false;
         for (int l = 0; l < L; l++) {
             float v = n2[(int64_t)l * B + b];
-            tot += (double)v;
+            /* count[l] 0: left out of the norm (a fused group step's layer
+             * another member counts), its own norm still checked */
+            if (!count || count[l] != 0.0f) tot += (double)v;
             bad |= !dcc_isfinite(v) || flags[(int64_t)l * B + b] != 0;
         }
         if (tot_in) { /* a norm group's total over every member's layers */
@@ -495,13 +498,13 @@ unsigned blocks_for(uint64_t n, unsigned cap) {
 
 } // namespace
 
-extern "C" cudaError_t dcc_coefs(const float *n2, const uint32_t *flags, int L, int B,
-                                 bool per_layer, float C, const float *layer_C,
+extern "C" cudaError_t dcc_coefs(const float *n2, const uint32_t *flags, const float *count,
+                                 int L, int B, bool per_layer, float C, const float *layer_C,
                                  float grad_scale, float *norms, float *coefs, float *lcoef,
                                  float *cs, uint32_t *status, cudaStream_t st) {
     coefs_kernel<<<blocks_for((uint64_t)B, 1024), NT, 0, st>>>(
-        n2, flags, NULL, L, B, per_layer, C, layer_C, grad_scale, norms, coefs, lcoef, cs,
-        status);
+        n2, flags, NULL, count, L, B, per_layer, C, layer_C, grad_scale, norms, coefs, lcoef,
+        cs, status);
     return cudaGetLastError();
 }
 
@@ -510,7 +513,7 @@ extern "C" cudaError_t dcc_coefs_tot(const float *n2, const uint32_t *flags, con
                                      float *coefs, float *cs, uint32_t *status,
                                      cudaStream_t st) {
     coefs_kernel<<<blocks_for((uint64_t)B, 1024), NT, 0, st>>>(
-        n2, flags, tot, L, B, 0, C, NULL, grad_scale, norms, coefs, NULL, cs, status);
+        n2, flags, tot, NULL, L, B, 0, C, NULL, grad_scale, norms, coefs, NULL, cs, status);
     return cudaGetLastError();
 }
 

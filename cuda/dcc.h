@@ -207,10 +207,12 @@ cudaError_t dcc_norm_clipped_sum(const dcc_norm *N, const float *per_sample, con
  * (FLAT: dc_clip_coef(C, norm); PER_LAYER: 1), lcoef[l*B+b] (PER_LAYER:
  * dc_clip_coef(C_l, sqrt n2)), cs[l*B+b] = coefficient used for layer l times
  * grad_scale. Sets DCC_STATUS_INPUT in *status when any n2 is not finite or
- * any flag is set. layer_C: device [L] per-layer thresholds (PER_LAYER). */
-cudaError_t dcc_coefs(const float *n2, const uint32_t *flags, int L, int B, bool per_layer,
-                      float C, const float *layer_C, float grad_scale, float *norms,
-                      float *coefs, float *lcoef, float *cs, uint32_t *status,
+ * any flag is set. layer_C: device [L] per-layer thresholds (PER_LAYER).
+ * count: device [L], NULL = every layer in the norm; count[l] = 0 leaves
+ * layer l out of the sum (step.h: norm_excluded). */
+cudaError_t dcc_coefs(const float *n2, const uint32_t *flags, const float *count, int L,
+                      int B, bool per_layer, float C, const float *layer_C, float grad_scale,
+                      float *norms, float *coefs, float *lcoef, float *cs, uint32_t *status,
                       cudaStream_t st);
 /* The same with the per-sample total squared norms given (device [B], a norm
  * group's): the flat coefficients come from tot, not from n2's sum. */

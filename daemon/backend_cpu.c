@@ -282,7 +282,12 @@ static int run_phases(dc_backend *be, const dc_step *step, enum run_phases want,
         if (tot_in) {
             tot = tot_in[b]; /* the group's: every member's layers */
         } else {
-            for (size_t l = 0; l < L; l++) tot += st.n2[l * B + b];
+            for (size_t l = 0; l < L; l++) {
+                double v = st.n2[l * B + b];
+                /* a layer left out (step.h: fused group steps) still fails
+                 * the step when its norm is not finite */
+                tot += !lay[l].norm_excluded ? v : isfinite(v) ? 0.0 : v;
+            }
         }
         if (!isfinite(tot))
             return dc_err_set(err, DC_ENONFINITE, "clip_step",
@@ -360,6 +365,9 @@ static int run_phases(dc_backend *be, const dc_step *step, enum run_phases want,
                 dc_noise_add_normal(step->group_noise_key, step->group_step,
                                     DC_NOISE_STREAM_REPLICATED + 2 * ly->rep_ordinal + (uint32_t)k,
                                     noise_std, v, n);
+            else if (ly->noise_step) /* its member's own stream (step.h) */
+                dc_noise_add_normal(step->noise_key, ly->noise_step,
+                                    (uint32_t)(2 * ly->noise_index + (uint32_t)k), noise_std, v, n);
             else
                 dc_noise_add_normal(step->noise_key, step->noise_step, (uint32_t)(2 * l + k),
                                     noise_std, v, n);
@@ -394,6 +402,12 @@ static int run_phases(dc_backend *be, const dc_step *step, enum run_phases want,
         }
     if (step->norms_out.data) memcpy(step->norms_out.data, st.norms, B * sizeof(float));
     if (step->coefs_out.data) memcpy(step->coefs_out.data, st.coefs, B * sizeof(float));
+    for (size_t i = 0; i < step->n_more_outs; i++) {
+        if (step->more_norms_out[i].data)
+            memcpy(step->more_norms_out[i].data, st.norms, B * sizeof(float));
+        if (step->more_coefs_out[i].data)
+            memcpy(step->more_coefs_out[i].data, st.coefs, B * sizeof(float));
+    }
     memcpy(res->norms, st.norms, B * sizeof(float));
     memcpy(res->coefs, st.coefs, B * sizeof(float));
     for (size_t i = 0; i < L * B; i++) res->layer_norms[i] = (float)sqrt(st.n2[i]);

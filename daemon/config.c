@@ -102,6 +102,9 @@ static const key_def KEYS[] = {
      "0 = none"},
     {"groups", "timeout_ms", "group-timeout-ms", T_UINT, F(group_timeout_ms), 1, 86400000, true,
      "how long a grouped step waits for the group's other members (a join may ask for another)"},
+    {"groups", "fuse", NULL, T_BOOL, F(group_fuse), 0, 0, true,
+     "run a one-daemon group's steps on one device as one fused step (false: each member's "
+     "norm and clip phases apart)"},
     {"access", "allowed_uids", NULL, T_UIDS, F(allowed_uids), 0, 0, true,
      "users (names or uids) allowed to connect; empty = anyone who can open the socket"},
     {"access", "allowed_groups", NULL, T_GIDS, F(allowed_gids), 0, 0, true,
@@ -166,6 +169,7 @@ void dc_config_defaults(dc_config *c) {
     c->max_group_size = 256;
     c->max_group_links = 16;
     c->group_timeout_ms = 60000;
+    c->group_fuse = true;
     c->status_mode = 0660;
     c->status_max_connections = 256;
     c->status_timeout_s = 5;

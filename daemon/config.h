@@ -56,6 +56,7 @@ typedef struct dc_config {
     uint32_t max_group_links;      /* cross-daemon groups (NCCL links) held at once */
     /* [groups] */
     uint32_t group_timeout_ms;     /* a grouped step waits this long for the others */
+    bool group_fuse;               /* one-daemon groups' steps on one device run fused */
     /* [access]: empty lists = whoever can open the socket */
     uint32_t allowed_uids[DC_CONFIG_MAX_IDS];
     size_t n_allowed_uids;

@@ -25,6 +25,7 @@ struct dc_group {
     uint64_t cur;
     dc_group_waiter **waiting; /* [size] */
     dc_group_waiter **calling; /* [size]: the waiters being answered */
+    dc_group_waiter **unfusing; /* [size]: unrun steps sent to compute their norms */
     uint32_t n_waiting;
     dc_group_terms terms;      /* of the first member to deliver */
     uint32_t first_rank;
@@ -54,15 +55,18 @@ struct dc_group {
 };
 
 /* One daemon's part of an exchange: its group step, its members' terms
- * (each daemon checks the others') and then its totals [batch]. Fixed
- * widths: daemons of one group may be different builds. */
+ * (each daemon checks the others'), its group noise key (every daemon
+ * takes daemon 0's: replicated layers are noised alike on every member,
+ * and the key travels between daemons only, never through a trainer) and
+ * then its totals [batch]. Fixed widths: daemons of one group may be
+ * different builds. */
 typedef struct link_head {
-    uint64_t magic, step, replicated_hash;
+    uint64_t magic, step, replicated_hash, noise_key;
     uint32_t batch, daemon_rank, expected_batch;
     int32_t reduction;
     float max_grad_norm, noise_multiplier;
 } link_head;
-#define LINK_MAGIC 0x6470636c69703031ull /* "dpclip01" */
+#define LINK_MAGIC 0x6470636c69703032ull /* "dpclip02" */
 
 /* splitmix64: group noise keys from the daemon's secret seed and the id */
 static uint64_t mix(uint64_t x) {
@@ -87,6 +91,7 @@ static void on_timer_closed(uv_handle_t *h) {
     free(g->joined);
     free(g->waiting);
     free(g->calling);
+    free(g->unfusing);
     free(g->tot);
     free(g->xsend);
     free(g->xrecv);
@@ -239,8 +244,9 @@ static const char *terms_differ(const dc_group_terms *a, const dc_group_terms *b
     return NULL;
 }
 
-/* Every member waiting gets the totals; the group step ends. */
-static void answer(dc_group *g, uint64_t exchange_ns) {
+/* Ends the group step as reduced: the waiters move to g->calling with
+ * their wait times set; returns how many. */
+static uint32_t take_reduced(dc_group *g, uint64_t exchange_ns) {
     dc_group_waiter **all = g->calling;
     uint32_t n = take_waiting(g);
     uint64_t now = uv_hrtime();
@@ -250,8 +256,48 @@ static void answer(dc_group *g, uint64_t exchange_ns) {
     for (uint32_t i = 0; i < n; i++) {
         all[i]->exchange_ns = exchange_ns;
         all[i]->wait_ns = now - all[i]->wait_ns; /* wait_ns held the delivery time */
-        all[i]->done(all[i], 0, g->tot, NULL);
     }
+    return n;
+}
+
+/* Every member waiting gets the totals; the group step ends. */
+static void answer(dc_group *g, uint64_t exchange_ns) {
+    dc_group_waiter **all = g->calling;
+    uint32_t n = take_reduced(g, exchange_ns);
+    for (uint32_t i = 0; i < n; i++) all[i]->done(all[i], 0, g->tot, NULL);
+}
+
+/* Every member of a one-daemon group is here. Steps delivered unrun
+ * (partial NULL) run as one fused step when all were, on one device: the
+ * group step ends, handed to fuse. Otherwise each unrun step leaves the
+ * waiting list to compute its norms and delivers them again. Returns false
+ * when every member delivered norms (the caller answers). */
+static bool fuse_or_split(dc_group *g) {
+    uint32_t unrun = 0, m = 0;
+    bool one_device = true;
+    int device = 0;
+    for (uint32_t r = 0; r < g->size; r++) {
+        const dc_group_waiter *w = g->waiting[r];
+        if (!w || w->partial) continue;
+        if (unrun++ == 0) device = w->device;
+        else one_device &= w->device == device;
+    }
+    if (unrun == 0) return false;
+    if (unrun == g->n_waiting && one_device) {
+        dc_group_waiter **all = g->calling;
+        uint32_t n = take_reduced(g, 0);
+        all[0]->fuse(all, n);
+        return true;
+    }
+    for (uint32_t r = 0; r < g->size; r++) {
+        dc_group_waiter *w = g->waiting[r];
+        if (!w || w->partial) continue;
+        g->unfusing[m++] = w;
+        g->waiting[r] = NULL;
+        g->n_waiting--;
+    }
+    for (uint32_t i = 0; i < m; i++) g->unfusing[i]->unfuse(g->unfusing[i]);
+    return true;
 }
 
 static void fail_exchange(dc_group *g, const char *fmt, ...);
@@ -295,6 +341,12 @@ static void on_exchanged(dc_nccl_op *op) {
             return;
         }
     }
+    /* daemon 0's key for the replicated layers' noise (link_head) */
+    {
+        link_head h0;
+        memcpy(&h0, g->xrecv, sizeof h0);
+        g->noise_key = h0.noise_key;
+    }
     /* the same order on every daemon: bit-identical totals everywhere */
     for (size_t b = 0; b < B; b++) {
         double sum = 0.0;
@@ -331,6 +383,7 @@ static void exchange_start(dc_group *g) {
     h.magic = LINK_MAGIC;
     h.step = g->cur;
     h.replicated_hash = g->terms.replicated_hash;
+    h.noise_key = g->noise_key;
     h.batch = g->terms.batch;
     h.daemon_rank = g->daemon_rank;
     h.expected_batch = g->terms.expected_batch;
@@ -474,10 +527,12 @@ int dc_group_join(dc_groups *gs, uint32_t uid, const dc_group_spec *sp, dc_group
         g = calloc(1, sizeof *g);
         if (!g || !(g->joined = calloc(sp->size, sizeof *g->joined)) ||
             !(g->waiting = calloc(sp->size, sizeof *g->waiting)) ||
-            !(g->calling = calloc(sp->size, sizeof *g->calling))) {
+            !(g->calling = calloc(sp->size, sizeof *g->calling)) ||
+            !(g->unfusing = calloc(sp->size, sizeof *g->unfusing))) {
             if (g) {
                 free(g->joined);
                 free(g->waiting);
+                free(g->calling);
             }
             free(g);
             return dc_err_set(err, DC_ENOSPACE, "join_group", "out of memory");
@@ -562,7 +617,8 @@ int dc_group_deliver(dc_group *g, dc_group_waiter *w, dc_err *err) {
         return dc_err_set(err, DC_EUNAVAIL, "join_group",
                           "norm group '%s' was dissolved: %s; every member must join again",
                           g->name, g->why);
-    if (w->rank >= g->size || !g->joined[w->rank] || g->waiting[w->rank])
+    if (w->rank >= g->size || !g->joined[w->rank] || g->waiting[w->rank] ||
+        (!w->partial && (g->daemons > 1 || !w->fuse || !w->unfuse)))
         return dc_err_set(err, DC_EINTERNAL, "clip_step", "rank %u cannot deliver", w->rank);
     if (g->failed && w->step == g->failed) {
         *err = g->failed_err;
@@ -597,12 +653,14 @@ int dc_group_deliver(dc_group *g, dc_group_waiter *w, dc_err *err) {
         *err = e;
         return DC_EINVAL;
     }
-    for (uint32_t b = 0; b < g->terms.batch; b++) g->tot[b] += w->partial[b];
+    if (w->partial)
+        for (uint32_t b = 0; b < g->terms.batch; b++) g->tot[b] += w->partial[b];
     g->waiting[w->rank] = w;
-    w->wait_ns = uv_hrtime();
+    if (!w->wait_ns) w->wait_ns = uv_hrtime(); /* kept from a fusable delivery */
     if (++g->n_waiting < local_members(g)) return 0;
     if (g->daemons <= 1) {
-        answer(g, 0); /* every member is here: the totals go to each */
+        /* every member is here: the totals go to each */
+        if (!fuse_or_split(g)) answer(g, 0);
         return 0;
     }
     /* this daemon's members are here: the link's own deadline bounds the
@@ -645,6 +703,7 @@ void dc_group_charged(dc_group *g, uint32_t rank, uint64_t step, float sigma) {
 uint64_t dc_group_id(const dc_group *g) { return g->id; }
 const char *dc_group_name(const dc_group *g) { return g->name; }
 uint32_t dc_group_size(const dc_group *g) { return g->size; }
+uint32_t dc_group_daemons(const dc_group *g) { return g->daemons > 1 ? g->daemons : 1; }
 dc_group_clipping dc_group_clipping_of(const dc_group *g) { return g->clipping; }
 uint64_t dc_group_noise_key(const dc_group *g) { return g->noise_key; }
 uint64_t dc_group_last_wait_ns(const dc_group *g) { return g->last_wait_ns; }

@@ -60,14 +60,26 @@ struct dc_group_waiter {
     uint32_t rank;
     uint64_t step;
     dc_group_terms terms;
-    const double *partial; /* [batch] this member's squared norms, summed over its layers */
+    const double *partial; /* [batch] this member's squared norms, summed over its layers;
+                            * NULL: the step is delivered unrun (one-daemon groups), see fuse */
     /* Loop thread. rc 0: tot[batch] are the group's per-sample squared
      * norms (valid during the call). Else err says why the step fails. */
     void (*done)(dc_group_waiter *w, int rc, const double *tot, const dc_err *err);
     void *arg;
     /* set before done: from this delivery to the totals, and the part of
-     * it spent in the cross-daemon exchange (0 for a one-daemon group) */
+     * it spent in the cross-daemon exchange (0 for a one-daemon group).
+     * The caller zeroes wait_ns before a step's first delivery. */
     uint64_t wait_ns, exchange_ns;
+    /* An unrun step (partial NULL) and where its tensors are (device, -1
+     * = host). When every member's step arrives unrun, on one device,
+     * fuse(all, n) gets them all and the group step ends there: the caller
+     * runs them as one step (one norm pass over every member's layers, no
+     * round trip between phases). Otherwise unfuse(w) takes a step back,
+     * to compute its norms and deliver them to the same group step. Loop
+     * thread; done still reports a failure of the group step. */
+    int device;
+    void (*fuse)(dc_group_waiter **all, uint32_t n);
+    void (*unfuse)(dc_group_waiter *w);
 };
 
 /* How a member joins (the JoinGroup request). */
@@ -156,6 +168,7 @@ void dc_group_charged(dc_group *g, uint32_t rank, uint64_t step, float sigma);
 uint64_t dc_group_id(const dc_group *g);
 const char *dc_group_name(const dc_group *g);
 uint32_t dc_group_size(const dc_group *g);
+uint32_t dc_group_daemons(const dc_group *g); /* 1: every member uses this daemon */
 dc_group_clipping dc_group_clipping_of(const dc_group *g);
 uint64_t dc_group_noise_key(const dc_group *g);
 bool dc_group_dissolved(const dc_group *g, const char **why);

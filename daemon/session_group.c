@@ -1,7 +1,11 @@
 /* A session's norm group: JoinGroup, and the grouped step's stages.
  *
- * A step of a NORM_REDUCE group runs as two worker jobs with the group's
- * reduction between them (group.c):
+ * A step of a NORM_REDUCE group on one daemon is delivered to the group
+ * unrun; once every member's step is there, on one device, they run as one
+ * fused step (step_fuse.c: one norm pass over every member's layers, no
+ * round trip between phases), unless groups.fuse is off. Otherwise (a
+ * group across daemons, members on different devices) it runs as two
+ * worker jobs with the group's reduction between them (group.c):
  *   1. norm phase (the backend's run_norms): the step's own squared layer
  *      norms; their per-sample sum over the member's layers (replicated
  *      layers counted by rank 0 only) goes to the group;
@@ -20,6 +24,7 @@
 #include "log.h"
 #include "server.h"
 #include "session_int.h"
+#include "step_fuse.h"
 #include "step_run.h"
 
 void dc_session_group_leave(dc_session *s, const char *why) {
@@ -168,6 +173,9 @@ static void on_totals(dc_group_waiter *w, int rc, const double *tot, const dc_er
         return;
     }
     memcpy(j->tot, tot, j->step.batch * sizeof *j->tot);
+    /* across daemons the group's noise key is daemon 0's, known once the
+     * totals came through the link (group.c) */
+    if (s->group) j->step.group_noise_key = dc_group_noise_key(s->group);
     j->group_wait_ns = w->wait_ns;
     j->group_exchange_ns = w->exchange_ns;
     /* From here the other members may release their parts of this step:
@@ -202,11 +210,7 @@ static void norms_done(dc_job *job) {
             if (!j->step.layers[l].replicated || s->group_rank == 0) p += j->n2[l * B + b];
         j->partial[b] = p;
     }
-    j->gw.rank = s->group_rank;
-    j->gw.step = j->group_step;
-    j->gw.partial = j->partial;
-    j->gw.done = on_totals;
-    j->gw.arg = j;
+    j->gw.partial = j->partial; /* the rest was set at submission */
     s->group_steps = j->group_step;
     if ((j->rc = dc_group_deliver(s->group, &j->gw, &e))) {
         j->err = e;
@@ -214,8 +218,69 @@ static void norms_done(dc_job *job) {
     }
 }
 
+/* --- fused: every member's step as one (step_fuse.c) ------------------------ */
+
+static void fused_done(dc_job *job) {
+    dc_step_fused *f = (dc_step_fused *)job;
+    dc_step_fuse_split(f);
+    /* each reply may start the session's next request: the fused job is
+     * only read before */
+    for (uint32_t i = 0; i < f->n; i++) dc_session_step_done(&f->members[i]->job);
+    dc_step_fuse_free(f);
+    free(f);
+}
+
+/* The group's every member is here, unrun, on one device (loop thread).
+ * `all` is the group's array, which a reply may reuse (a session's next
+ * step): the members are chained through their jobs before any reply. */
+static void on_fuse(dc_group_waiter **all, uint32_t n) {
+    dc_step_job *first = all[0]->arg, *chain = NULL;
+    dc_step_job **members = malloc(n * sizeof *members);
+    dc_step_fused *f = malloc(sizeof *f);
+    dc_err e;
+    for (uint32_t i = n; i-- > 0;) {
+        dc_step_job *j = all[i]->arg;
+        j->fuse_next = chain;
+        chain = j;
+        if (members) members[i] = j;
+        /* rank 0's charge for this group step stands from here, whatever
+         * happens to the step (as on_totals) */
+        if (j->s->group_rank == 0) j->res.released = true;
+    }
+    if (!members || !f || dc_step_fuse_build(f, members, n, &e)) {
+        if (!members || !f) dc_err_set(&e, DC_ENOSPACE, "clip_step", "out of memory");
+        free(f);
+        free(members);
+        while (chain) {
+            dc_step_job *j = chain;
+            chain = j->fuse_next;
+            j->rc = e.code;
+            j->err = e;
+            dc_session_step_done(&j->job);
+        }
+        return;
+    }
+    free(members); /* the fused job keeps its own copy */
+    f->job.work = dc_step_fuse_work;
+    f->job.done = fused_done;
+    f->job.owner = first->job.owner;
+    dc_worker_pool_submit(dc_session_step_pool(first), &f->job);
+}
+
+static void submit_norms(dc_step_job *j) {
+    j->job.work = dc_step_run_norms_work;
+    j->job.done = norms_done;
+    j->t_submit = uv_hrtime();
+    dc_worker_pool_submit(dc_session_step_pool(j), &j->job);
+}
+
+/* Not every member's step can join a fused one: this one computes its
+ * norms and delivers them to the same group step. */
+static void on_unfuse(dc_group_waiter *w) { submit_norms(w->arg); }
+
 void dc_session_group_submit(dc_step_job *j) {
     dc_session *s = j->s;
+    dc_err e;
     size_t LB = j->step.n_layers * (size_t)j->step.batch;
     j->n2 = malloc(LB * sizeof *j->n2);
     j->partial = malloc(j->step.batch * sizeof *j->partial);
@@ -227,8 +292,23 @@ void dc_session_group_submit(dc_step_job *j) {
         dc_session_step_done(&j->job);
         return;
     }
-    j->job.work = dc_step_run_norms_work;
-    j->job.done = norms_done;
-    j->t_submit = uv_hrtime();
-    dc_worker_pool_submit(dc_session_step_pool(j), &j->job);
+    j->gw.rank = s->group_rank;
+    j->gw.step = j->group_step;
+    j->gw.done = on_totals;
+    j->gw.arg = j;
+    j->gw.wait_ns = 0;
+    j->gw.device = j->step.device;
+    j->gw.fuse = on_fuse;
+    j->gw.unfuse = on_unfuse;
+    if (s->srv->cfg.group_fuse && dc_group_daemons(s->group) <= 1) {
+        j->gw.partial = NULL; /* unrun: the group decides (group.h) */
+        j->t_submit = uv_hrtime();
+        s->group_steps = j->group_step;
+        if ((j->rc = dc_group_deliver(s->group, &j->gw, &e))) {
+            j->err = e;
+            dc_session_step_done(&j->job);
+        }
+        return;
+    }
+    submit_norms(j);
 }

@@ -81,6 +81,15 @@ typedef struct dc_layer {
      * covers its bias alone (backends compute its weight part without it). */
     uint32_t tie;
     bool tie_owner;
+    /* A fused group step (step_fuse.c: the group's members' steps run as
+     * one): a layer another member also holds (replicated, rank > 0) is
+     * left out of the per-sample norm; noise_step != 0 gives the layer its
+     * member's noise step and stream index (2 * noise_index + k) instead of
+     * the step's, so that every member's noise is what its own step would
+     * have drawn. 0 / false everywhere else. */
+    bool norm_excluded;
+    uint64_t noise_step;
+    uint32_t noise_index;
     dc_tensor weight_grad_out; /* optional */
     dc_tensor bias_grad_out;   /* optional, only with has_bias */
 } dc_layer;
@@ -106,6 +115,10 @@ typedef struct dc_step {
     uint64_t group_step;
     dc_tensor norms_out;       /* optional [B] f32 */
     dc_tensor coefs_out;       /* optional [B] f32 */
+    /* A fused group step: the other members' norms_out and coefs_out
+     * [n_more_outs] each (absent ones data NULL), written as these are. */
+    size_t n_more_outs;
+    const dc_tensor *more_norms_out, *more_coefs_out;
     bool want_layer_norms;
     /* Where every tensor of the step lives: -1 = host memory (shared memory
      * mapped by the daemon), else the CUDA device index (validation refuses

@@ -8,8 +8,9 @@
  *   step_account.c   the privacy ledger: the terms, the charge, durability;
  *   step_run.c       on a worker: norms, coefficients, clipped sum and
  *                    noise (the backend's run_step); a NORM_REDUCE group's
- *                    step runs the norm phase, the group's reduction
- *                    (group.c) and the clip phase instead (session_group.c);
+ *                    step runs fused with its other members' (step_fuse.c),
+ *                    or the norm phase, the group's reduction (group.c) and
+ *                    the clip phase (session_group.c);
  *   step_reply.c     the reply and the step's metrics.
  *
  * Loop thread, except where a field says a worker writes it. */
@@ -107,6 +108,7 @@ struct dc_step_job {
     uint64_t group_step;
     double *n2, *partial, *tot;
     dc_group_waiter gw;
+    dc_step_job *fuse_next; /* the next member of a fused step being failed */
     uint64_t group_wait_ns, group_exchange_ns; /* for the reply */
 };
 

@@ -25,7 +25,7 @@ static void step_enqueued(void *arg) {
 
 /* A step that failed once noised: no noised value may leave in its message,
  * whatever the backend wrote there (the client keeps its code and field). */
-static void released_error(dc_err *e) {
+void dc_step_run_released_error(dc_err *e) {
     snprintf(e->msg, sizeof e->msg,
              "the noised clipped sum is not finite in this output's dtype; nothing was "
              "written. The failure depends on the noise, so the step's privacy spend stands");
@@ -57,7 +57,7 @@ void dc_step_run_work(dc_job *job, dc_backend *be) {
     }
     j->t_waited = uv_hrtime();
     j->rc = dc_backend_run_step(be, &j->step, &j->res, &j->err);
-    if (j->rc && j->res.released) released_error(&j->err);
+    if (j->rc && j->res.released) dc_step_run_released_error(&j->err);
     if (j->rc == 0 && j->signal_event && !j->signaled) {
         j->res.released = true; /* the outputs are written, whatever happens next */
         if (j->notify)

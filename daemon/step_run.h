@@ -22,6 +22,9 @@ int dc_step_run_prepare(dc_step_job *j, dc_err *e);
 /* dc_job.work of a step (worker thread): j->rc, j->err, j->res,
  * t_start, t_waited, t_end (and a GPU backend's workspace). */
 void dc_step_run_work(dc_job *job, dc_backend *be);
+/* A failed step that released something: its message, whatever the
+ * backend wrote there, says so and holds no noised value. */
+void dc_step_run_released_error(dc_err *e);
 /* dc_job.work of a dc_prewait: the stream waits on the client's input event
  * ahead of the step's validation (pw->rc). */
 void dc_step_run_prewait(dc_job *job, dc_backend *be);

@@ -32,9 +32,11 @@ static dpclip_client *member(const char *group, uint32_t rank, uint32_t size, ui
     return dc_group_member(g_h.sock, group, rank, size, timeout_ms, group_wise, job, NULL);
 }
 
+static const char *g_args = "--workers 2";
+
 static int group_setup(void **state) {
     (void)state;
-    return dc_harness_start(&g_h, "--workers 2");
+    return dc_harness_start(&g_h, g_args);
 }
 
 static int group_teardown(void **state) {
@@ -552,8 +554,106 @@ static void test_cross_daemon_join(void **state) {
     dpclip_disconnect(c);
 }
 
-int main(void) {
+/* One group step of a TP split (a replicated LayerNorm, a Linear's output
+ * features 5 and 5) with noise, then the same without, on the daemon at
+ * sock: each member's noise (noisy - clean outputs) into noise[k]. */
+static int64_t split_noise(const char *sock, const dc_layer *full, const dc_layer *ln, float sigma,
+                           float *noise[2]) {
+    dc_shm_step st[2];
+    dpclip_result res[2];
+    int rcs[2];
+    int64_t m = 0;
+    float *clean[2];
+    dpclip_clip_config cfg = dc_group_config(1.0f, sigma);
+    for (int k = 0; k < 2; k++) {
+        dc_layer sl = tp_slice(full, 5 * k, 5, "fc");
+        dpclip_client *c = dc_group_member(sock, "fx", (uint32_t)k, 2, 0, 0, "fx-job", NULL);
+        assert_int_equal(dc_shm_step_init(&st[k], c, 0, B, &cfg), 0);
+        assert_true(dc_shm_step_add_layer(&st[k], ln) >= 0);
+        assert_true(dc_shm_step_add_layer(&st[k], &sl) >= 0);
+        free_slice(&sl);
+    }
+    float C = dc_group_median(st, 2);
+    for (int pass = 0; pass < 2; pass++) { /* noisy, then clean */
+        dc_group_set_c(st, 2, C, pass ? 0.0f : sigma); /* a new wire step: marked again */
+        for (int k = 0; k < 2; k++)
+            assert_int_equal(dpclip_step_set_replicated(st[k].step, 0, 1), 0);
+        dc_group_run(st, 2, res, rcs);
+        for (int k = 0; k < 2; k++) {
+            assert_int_equal(rcs[k], 0);
+            dpclip_result_free(&res[k]);
+            m = dc_shm_step_outputs(&st[k], NULL);
+            float *out = malloc((size_t)m * sizeof *out);
+            assert_non_null(out);
+            dc_shm_step_outputs(&st[k], out);
+            if (pass == 0) {
+                noise[k] = out;
+            } else {
+                clean[k] = out;
+                for (int64_t i = 0; i < m; i++) noise[k][i] -= clean[k][i];
+                free(clean[k]);
+            }
+        }
+    }
+    for (int k = 0; k < 2; k++) {
+        dpclip_client *c = st[k].c;
+        dc_shm_step_free(&st[k]);
+        dpclip_disconnect(c);
+    }
+    return m;
+}
+
+/* A fused group step (groups.fuse, the default) draws each member's noise
+ * from the stream its own step would have used, as the phased path does:
+ * the same fresh daemon run fused and phased gives the same noise. The
+ * members' steps may be numbered in either order on each daemon (they
+ * arrive concurrently), so member noise is matched as a set; the members'
+ * own noise differs, and the replicated LayerNorm's is the same on both. */
+static void test_fused_matches_phased(void **state) {
+    (void)state;
+    dc_harness a, p;
+    dc_test_rng r;
+    dc_layer full, ln;
+    float *na[2], *np[2];
+    dc_test_rng_seed(&r, 900);
+    dc_test_layer_spec lsp = {DC_LAYER_LINEAR, B, 5, 12, 10, DC_F32, 1, DC_ALGO_AUTO, 1, 0};
+    dc_test_layer_spec nsp = {DC_LAYER_LAYERNORM, B, 5, 12, 0, DC_F32, 1, DC_ALGO_AUTO, 1, 0};
+    dc_test_layer_make(&full, &lsp, &r);
+    dc_test_layer_make(&ln, &nsp, &r);
+    snprintf(ln.name, sizeof ln.name, "ln");
+    ln.replicated = true;
+    assert_int_equal(dc_harness_start(&a, "--workers 2"), 0);
+    assert_int_equal(dc_harness_start(&p, "--workers 2 --set groups.fuse=false"), 0);
+    int64_t m = split_noise(a.sock, &full, &ln, 0.5f, na);
+    assert_int_equal(split_noise(p.sock, &full, &ln, 0.5f, np), m);
+    const int64_t nln = 2 * 12; /* the LayerNorm's weight and bias come first */
+    double tol = 1e-4;
+    for (int k = 0; k < 2; k++) {
+        /* member k of the fused daemon has the noise of one phased member */
+        double e[2] = {0, 0};
+        for (int q = 0; q < 2; q++)
+            for (int64_t i = nln; i < m; i++) e[q] = fmax(e[q], fabs(na[k][i] - np[q][i]));
+        if (fmin(e[0], e[1]) > tol) print_message("member %d: off by %g\n", k, fmin(e[0], e[1]));
+        assert_true(fmin(e[0], e[1]) <= tol);
+        assert_true(fmax(e[0], e[1]) > 100 * tol); /* and not the other's */
+        for (int64_t i = 0; i < nln; i++) assert_true(fabs(na[k][i] - np[0][i]) <= tol);
+    }
+    for (int k = 0; k < 2; k++) {
+        free(na[k]);
+        free(np[k]);
+    }
+    assert_int_equal(dc_harness_stop(&a), 0);
+    assert_int_equal(dc_harness_stop(&p), 0);
+    free_slice(&full);
+    dc_test_tensor_free(&full.input);
+    dc_test_layer_free(&ln);
+}
+
+int main(int argc, char **argv) {
+    /* --phased: the whole suite again with each member's phases apart */
+    if (argc > 1 && strcmp(argv[1], "--phased") == 0) g_args = "--workers 2 --set groups.fuse=false";
     const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_fused_matches_phased),
         cmocka_unit_test(test_cross_daemon_join), cmocka_unit_test(test_group_wise_charges),
         cmocka_unit_test(test_tp_split),         cmocka_unit_test(test_pp_split),
         cmocka_unit_test(test_replicated),       cmocka_unit_test(test_member_timeout),

@@ -126,6 +126,51 @@ static void test_pp_across_daemons(void **state) {
     }
 }
 
+/* A LayerNorm both members hold whole, one member per daemon, with noise:
+ * its noised gradient is bitwise the same on both (the daemons use daemon
+ * 0's group noise key, which only the daemons exchange), while the split
+ * Linear's noise is each member's own. The daemons' own group ids differ
+ * (the probe formed a group on daemon 0 only), so their own keys would. */
+static void test_replicated_across_daemons(void **state) {
+    (void)state;
+    dc_test_rng r;
+    dc_test_layer_spec lsp = {DC_LAYER_LINEAR, B, 3, 8, 6, DC_F32, 1, DC_ALGO_AUTO, 1, 0};
+    dc_test_layer_spec nsp = {DC_LAYER_LAYERNORM, B, 3, 8, 0, DC_F32, 1, DC_ALGO_AUTO, 1, 0};
+    dpclip_clip_config cfg = dc_group_config(1.0f, 0.5f);
+    dpclip_client *c[2];
+    dc_shm_step st[2];
+    dpclip_result res[2];
+    int rcs[2];
+    skip_without_nccl();
+    dc_test_rng_seed(&r, 970);
+    join_all("xrep", 2, 30000, c);
+    for (int k = 0; k < 2; k++) {
+        dc_test_rng same; /* the replicated LayerNorm: the same tensors on both */
+        dc_test_rng_seed(&same, 971);
+        assert_int_equal(dc_shm_step_init(&st[k], c[k], 0, B, &cfg), 0);
+        assert_true(dc_shm_step_add(&st[k], &nsp, &same, 1.0f) >= 0);
+        assert_true(dc_shm_step_add(&st[k], &lsp, &r, 1.0f) >= 0);
+        assert_int_equal(dpclip_step_set_replicated(st[k].step, 0, 1), 0);
+    }
+    for (int it = 0; it < 2; it++) {
+        dc_group_run(st, 2, res, rcs);
+        for (int k = 0; k < 2; k++) {
+            if (rcs[k]) print_message("member %d: %s\n", k, dpclip_errmsg(st[k].c));
+            assert_int_equal(rcs[k], 0);
+            dpclip_result_free(&res[k]);
+        }
+        const dc_layer *a = &st[0].ref.layers[0], *b = &st[1].ref.layers[0];
+        assert_memory_equal(a->weight_grad_out.data, b->weight_grad_out.data, 8 * sizeof(float));
+        assert_memory_equal(a->bias_grad_out.data, b->bias_grad_out.data, 8 * sizeof(float));
+        assert_true(memcmp(st[0].ref.layers[1].weight_grad_out.data,
+                           st[1].ref.layers[1].weight_grad_out.data, 6 * 8 * sizeof(float)) != 0);
+    }
+    for (int k = 0; k < 2; k++) {
+        dc_shm_step_free(&st[k]);
+        dpclip_disconnect(c[k]);
+    }
+}
+
 /* kill -9 of daemon 1 while daemon 0's member waits in a group step: that
  * step fails within the group's timeout with an error naming the other
  * daemon, and daemon 0 keeps serving (a new session's step runs). */
@@ -190,6 +235,7 @@ static void test_peer_daemon_killed(void **state) {
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_pp_across_daemons),
+        cmocka_unit_test(test_replicated_across_daemons),
         cmocka_unit_test(test_peer_daemon_killed),
     };
     return cmocka_run_group_tests(tests, setup, teardown);

@@ -1,0 +1,151 @@
+#include "step_fuse.h"
+
+#include <stdlib.h>
+#include <string.h>
+#include <uv.h>
+
+#include "gpu.h"
+#include "step_run.h"
+
+#ifdef DPCLIP_HAVE_CUDA
+#include "dc_cuda.h"
+#endif
+
+int dc_step_fuse_build(dc_step_fused *f, dc_step_job *const *members, uint32_t n, dc_err *e) {
+    const dc_step *first = &members[0]->step;
+    size_t L = 0, at = 0;
+    memset(f, 0, sizeof *f);
+    for (uint32_t i = 0; i < n; i++) L += members[i]->step.n_layers;
+    f->n = n;
+    f->members = malloc(n * sizeof *f->members);
+    f->step.layers = malloc((L ? L : 1) * sizeof *f->step.layers);
+    f->more_norms = calloc(n, sizeof *f->more_norms);
+    f->more_coefs = calloc(n, sizeof *f->more_coefs);
+    if (!f->members || !f->step.layers || !f->more_norms || !f->more_coefs ||
+        dc_step_result_init(&f->res, first->batch, L, false))
+        goto fail;
+    memcpy(f->members, members, n * sizeof *f->members);
+    /* the terms are every member's (the group checked them) */
+    f->step.batch = first->batch;
+    f->step.n_layers = L;
+    f->step.mode = DC_CLIP_FLAT;
+    f->step.max_grad_norm = first->max_grad_norm;
+    f->step.reduction = first->reduction;
+    f->step.expected_batch = first->expected_batch;
+    f->step.noise_multiplier = first->noise_multiplier;
+    f->step.noise_key = first->noise_key;
+    f->step.noise_step = first->noise_step;
+    f->step.group_noise_key = first->group_noise_key;
+    f->step.group_step = first->group_step;
+    f->step.device = first->device;
+    f->step.norms_out = first->norms_out;
+    f->step.coefs_out = first->coefs_out;
+    f->step.n_more_outs = n - 1;
+    f->step.more_norms_out = f->more_norms;
+    f->step.more_coefs_out = f->more_coefs;
+    for (uint32_t i = 0; i < n; i++) {
+        const dc_step_job *j = members[i];
+        const dc_step *st = &j->step;
+        f->step.want_layer_norms |= st->want_layer_norms;
+        if (i) {
+            f->more_norms[i - 1] = st->norms_out;
+            f->more_coefs[i - 1] = st->coefs_out;
+        }
+        for (size_t l = 0; l < st->n_layers; l++) {
+            dc_layer *ly = &f->step.layers[at + l];
+            *ly = st->layers[l];
+            /* counted by rank 0 alone, as in the phased path */
+            ly->norm_excluded = ly->replicated && j->gw.rank != 0;
+            ly->noise_step = st->noise_step;
+            ly->noise_index = (uint32_t)l;
+            if (ly->tie) ly->tie += (uint32_t)at;
+        }
+        at += st->n_layers;
+    }
+    return 0;
+fail:
+    dc_step_fuse_free(f);
+    return dc_err_set(e, DC_ENOSPACE, "clip_step", "out of memory for a fused group step");
+}
+
+/* Everything that writes the members' memory is queued: their signal
+ * events follow it (the backend's enqueued hook, before it synchronises). */
+static void fused_enqueued(void *arg) {
+    dc_step_fused *f = arg;
+    for (uint32_t i = 0; i < f->n; i++) {
+        dc_step_job *j = f->members[i];
+        dc_err e;
+        if (j->signal_event && dc_gpu_record_event(j->be, j->signal_event, &e) == 0)
+            j->signaled = true;
+    }
+}
+
+void dc_step_fuse_work(dc_job *job, dc_backend *be) {
+    dc_step_fused *f = (dc_step_fused *)job;
+    f->t_start = uv_hrtime();
+    dc_err_clear(&f->err);
+    for (uint32_t i = 0; i < f->n; i++) {
+        dc_step_job *j = f->members[i];
+        bool waited = j->prewait && j->prewait->rc == 0; /* on this thread, before */
+        j->be = be;
+        if (j->wait_event && !waited && (f->rc = dc_gpu_wait_event(be, j->wait_event, &f->err))) {
+            f->t_waited = f->t_end = uv_hrtime();
+            return;
+        }
+    }
+    f->t_waited = uv_hrtime();
+    f->step.enqueued = fused_enqueued;
+    f->step.enqueued_arg = f;
+    f->rc = dc_backend_run_step(be, &f->step, &f->res, &f->err);
+    if (f->rc && f->res.released) dc_step_run_released_error(&f->err);
+    for (uint32_t i = 0; f->rc == 0 && i < f->n; i++) {
+        dc_step_job *j = f->members[i];
+        if (j->signal_event && !j->signaled) {
+            f->res.released = true; /* the outputs are written, whatever happens next */
+            f->rc = dc_gpu_record_event(be, j->signal_event, &f->err);
+        }
+    }
+#ifdef DPCLIP_HAVE_CUDA
+    if (f->step.device >= 0) f->workspace = dc_cuda_backend_workspace_bytes(be);
+#endif
+    f->t_end = uv_hrtime();
+}
+
+void dc_step_fuse_split(dc_step_fused *f) {
+    const uint32_t B = f->step.batch;
+    size_t at = 0;
+    for (uint32_t i = 0; i < f->n; i++) {
+        dc_step_job *j = f->members[i];
+        const size_t L = j->step.n_layers;
+        j->rc = f->rc;
+        j->err = f->err;
+        j->t_start = f->t_start;
+        j->t_waited = f->t_waited;
+        j->t_end = f->t_end;
+        j->workspace = f->workspace;
+        j->group_wait_ns = j->gw.wait_ns;
+        j->group_exchange_ns = 0;
+        j->res.released |= f->res.released;
+        j->res.compute_ns = f->res.compute_ns;
+        memcpy(j->res.phase_ns, f->res.phase_ns, sizeof j->res.phase_ns);
+        if (f->rc == 0) {
+            memcpy(j->res.norms, f->res.norms, B * sizeof *j->res.norms);
+            memcpy(j->res.coefs, f->res.coefs, B * sizeof *j->res.coefs);
+            memcpy(j->res.layer_norms, f->res.layer_norms + at * B,
+                   L * B * sizeof *j->res.layer_norms);
+        }
+        at += L;
+    }
+}
+
+void dc_step_fuse_free(dc_step_fused *f) {
+    if (!f) return;
+    free(f->members);
+    free(f->step.layers);
+    free(f->more_norms);
+    free(f->more_coefs);
+    dc_step_result_free(&f->res);
+    f->members = NULL;
+    f->step.layers = NULL;
+    f->more_norms = f->more_coefs = NULL;
+}
