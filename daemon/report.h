@@ -69,7 +69,7 @@ typedef struct dc_report {
     int gpu_busy[8];
     uint64_t gpu_workspace[8];
     bool mps_active;
-    uint32_t max_batch, max_layers, max_frame, max_buffers;
+    dc_config cfg;                /* the settings in effect (limits: every dc_config_is_limit) */
     uint32_t allowed_uids[DC_CONFIG_MAX_IDS], allowed_gids[DC_CONFIG_MAX_IDS];
     size_t n_allowed_uids, n_allowed_gids;
     /* the ledger */

@@ -322,6 +322,18 @@ static void test_metrics_text(void **state) {
     assert_non_null(strstr(b.p, "# TYPE dpclip_step_phase_seconds histogram\n"));
     assert_non_null(strstr(b.p, "# HELP dpclip_budget_refusals_total Steps refused by a "
                                 "privacy budget\n"));
+    /* refusals are counted at accept (the connection limit, or no file
+     * descriptor left) and at Hello ([access]): the help says all three */
+    {
+        const char *h = strstr(b.p, "# HELP dpclip_sessions_refused_total ");
+        const char *nl = h ? strchr(h, '\n') : NULL;
+        char help[512];
+        assert_non_null(nl);
+        snprintf(help, sizeof help, "%.*s", (int)(nl - h), h);
+        assert_non_null(strstr(help, "limits.max_connections"));
+        assert_non_null(strstr(help, "file descriptors"));
+        assert_non_null(strstr(help, "[access]"));
+    }
     dc_sbuf_free(&b);
 }
 
