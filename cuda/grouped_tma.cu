@@ -35,6 +35,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "dcc_path.h"
 #include "dcc_tma.cuh"
 
 namespace {
@@ -318,7 +319,7 @@ cudaError_t run_chunks(const dcc_linear *const *Ls, int n, int B, float s2, bool
 }
 
 bool qualifies(const dcc_linear *L) {
-    return L->ta == L->tg && dcc_linear_path(L) == 3 && dcc_tma_available();
+    return L->ta == L->tg && dcc_linear_path(L) == DCC_PATH_WGMMA && dcc_tma_available();
 }
 
 } // namespace

@@ -20,6 +20,7 @@
  * arrive through a multi-stage cp.async pipeline when rows are 16-byte
  * aligned, else through guarded element loads (odd feature sizes). */
 #include "dcc_device.cuh"
+#include "dcc_path.h"
 
 namespace {
 
@@ -308,11 +309,13 @@ extern "C" dc_algo dcc_linear_pick(int T, int d, int p, dc_algo requested) {
     return direct <= ghost ? DC_ALGO_DIRECT : DC_ALGO_GHOST;
 }
 
+/* A dcc_path (dcc_path.h); int as dcc.h declares it. */
 extern "C" int dcc_linear_path(const dcc_linear *L) {
-    if (L->tf32 && L->ta == DC_F32 && L->tg == DC_F32) return 4;
-    if (L->ta != L->tg || (L->ta != DC_BF16 && L->ta != DC_F16)) return 0;
-    if (!(aligned16(L->a) && aligned16(L->g) && L->d % 8 == 0 && L->p % 8 == 0)) return 1;
-    return dcc_wgmma_available() ? 3 : 2;
+    if (L->tf32 && L->ta == DC_F32 && L->tg == DC_F32) return DCC_PATH_TF32;
+    if (L->ta != L->tg || (L->ta != DC_BF16 && L->ta != DC_F16)) return DCC_PATH_SIMT;
+    if (!(aligned16(L->a) && aligned16(L->g) && L->d % 8 == 0 && L->p % 8 == 0))
+        return DCC_PATH_MMA_ELEM;
+    return dcc_wgmma_available() ? DCC_PATH_WGMMA : DCC_PATH_MMA_VEC;
 }
 
 extern "C" cudaError_t dcc_linear_sqnorms(const dcc_linear *L, dc_algo algo, float s2,
@@ -320,15 +323,16 @@ extern "C" cudaError_t dcc_linear_sqnorms(const dcc_linear *L, dc_algo algo, flo
     if (L->B <= 0 || L->T <= 0 || L->d <= 0 || L->p <= 0) return cudaErrorInvalidValue;
     algo = dcc_linear_pick(L->T, L->d, L->p, algo);
     if (L->T == 1 && algo == DC_ALGO_GHOST) return dcc_linear_rank1(L, s2, n2, st);
-    switch (dcc_linear_path(L)) {
-    case 4: return dcc_linear_tf32(L, algo, s2, n2, st);
-    case 3: return dcc_linear_wgmma(L, algo, s2, n2, st);
-    case 2:
+    switch ((dcc_path)dcc_linear_path(L)) {
+    case DCC_PATH_TF32: return dcc_linear_tf32(L, algo, s2, n2, st);
+    case DCC_PATH_WGMMA: return dcc_linear_wgmma(L, algo, s2, n2, st);
+    case DCC_PATH_MMA_VEC:
         return L->ta == DC_BF16 ? launch_tc<dcc_bf16, true>(L, algo, s2, n2, st)
                                 : launch_tc<dcc_f16, true>(L, algo, s2, n2, st);
-    case 1:
+    case DCC_PATH_MMA_ELEM:
         return L->ta == DC_BF16 ? launch_tc<dcc_bf16, false>(L, algo, s2, n2, st)
                                 : launch_tc<dcc_f16, false>(L, algo, s2, n2, st);
-    default: return dcc_linear_simt(L, algo, s2, n2, st);
+    case DCC_PATH_SIMT: break;
     }
+    return dcc_linear_simt(L, algo, s2, n2, st);
 }

@@ -29,6 +29,7 @@
  * themselves (dcc_direct_plan, norms_wgmma.cu). */
 #include <stdlib.h>
 
+#include "dcc_path.h"
 #include "dcc_tma.cuh"
 
 namespace {
@@ -397,7 +398,7 @@ cudaError_t launch_clipped(const dcc_linear *L, const float *cs, float *w, cudaS
 extern "C" cudaError_t dcc_linear_clipped_tc(const dcc_linear *L, const float *cs, float *w,
                                              cudaStream_t st) {
 #ifdef DCC_WGMMA_BUILT
-    if (L->T < WBK || dcc_linear_path(L) != 3 || !dcc_tma_available())
+    if (L->T < WBK || dcc_linear_path(L) != DCC_PATH_WGMMA || !dcc_tma_available())
         return cudaErrorNotSupported;
     if (L->ta == DC_BF16) return launch_clipped<dcc_bf16>(L, cs, w, st);
     return launch_clipped<dcc_f16>(L, cs, w, st);

@@ -85,7 +85,7 @@ static void *snapshot(void *arg) {
     r->log_level = level_name(dc_log_get_level());
     r->cpu_workers = srv->workers;
     r->cpu_busy = srv->pool_ready ? dc_worker_pool_busy(&srv->cpu_pool) : 0;
-    r->n_gpus = srv->gpu.n < 8 ? srv->gpu.n : 8;
+    r->n_gpus = srv->gpu.n < DC_MAX_GPUS ? srv->gpu.n : DC_MAX_GPUS;
     for (int g = 0; g < r->n_gpus; g++) {
         memcpy(r->gpu_names[g], srv->gpu.names[g], sizeof r->gpu_names[g]);
         r->gpu_busy[g] = dc_worker_pool_busy(&srv->gpu.pools[g]);
@@ -397,7 +397,7 @@ static void render_metrics(const dc_report *r, dc_view view, uint32_t uid, dc_sb
                        (unsigned long long)m->requests[i]);
     dc_prom_head(b, "dpclip_errors_total", "counter",
                  "Error replies (refused requests and failed steps), by code");
-    for (int i = 1; i <= 10; i++)
+    for (int i = DC_EINVAL; i < DC_CODE_N; i++)
         dc_sbuf_printf(b, "dpclip_errors_total{code=\"%s\"} %llu\n", dc_code_name(i),
                        (unsigned long long)m->errors[i]);
     dc_prom_head(b, "dpclip_steps_total", "counter", "ClipSteps that ran, by result");

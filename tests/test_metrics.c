@@ -142,8 +142,29 @@ static void test_code_names(void **state) {
     assert_string_equal(dc_code_name(DC_ENONFINITE), "non_finite");
     assert_string_equal(dc_code_name(DC_EUNAVAIL), "unavailable");
     assert_string_equal(dc_code_name(DC_EUNIMPL), "unimplemented");
-    assert_string_equal(dc_code_name(DC_EUNIMPL + 1), "unknown");
+    assert_string_equal(dc_code_name(DC_CODE_N), "unknown");
     assert_string_equal(dc_code_name(-1), "unknown");
+    /* every code below the count has its own name */
+    for (int c = 0; c < DC_CODE_N; c++) {
+        assert_string_not_equal(dc_code_name(c), "unknown");
+        for (int k = 0; k < c; k++) assert_string_not_equal(dc_code_name(c), dc_code_name(k));
+    }
+}
+
+static void test_error_counts(void **state) {
+    dc_metrics m;
+    (void)state;
+    memset(&m, 0, sizeof m);
+    dc_metrics_error(&m, DC_EUNIMPL);
+    dc_metrics_error(&m, DC_EINVAL);
+    dc_metrics_error(&m, DC_EINVAL);
+    /* a code the table has no row for counts as internal, never out of bounds */
+    dc_metrics_error(&m, DC_CODE_N);
+    dc_metrics_error(&m, -3);
+    assert_int_equal(m.errors[DC_EUNIMPL], 1);
+    assert_int_equal(m.errors[DC_EINVAL], 2);
+    assert_int_equal(m.errors[DC_EINTERNAL], 2);
+    assert_int_equal(sizeof m.errors / sizeof m.errors[0], DC_CODE_N);
 }
 
 /* --- the whole /metrics text ------------------------------------------------------- */
@@ -200,8 +221,9 @@ static void fake_report(dc_report *r, dc_report_job *jobs) {
     r->ops_gid = -1;
     r->log_level = "info";
     r->uptime_s = 12.5;
-    r->n_gpus = 2;
+    r->n_gpus = DC_MAX_GPUS;
     r->gpu_busy[1] = 3;
+    r->gpu_busy[DC_MAX_GPUS - 1] = 5;
     r->gpu_workspace[0] = 1u << 20;
     r->cpu_busy = 2;
     r->n_sessions = 4;
@@ -209,7 +231,7 @@ static void fake_report(dc_report *r, dc_report_job *jobs) {
     r->buffers = 9;
     r->buffer_bytes = 4096;
     for (int i = 0; i < DC_REQ_N; i++) m->requests[i] = 100 + (uint64_t)i;
-    for (int i = 0; i <= DC_EUNIMPL; i++) m->errors[i] = 200 + (uint64_t)i;
+    for (int i = 0; i < DC_CODE_N; i++) m->errors[i] = 200 + (uint64_t)i;
     m->steps_ok = 11;
     m->steps_failed = 12;
     m->layers = 13;
@@ -296,6 +318,9 @@ static void test_metrics_text(void **state) {
         if (got != want[i].v) fprintf(stderr, "%s: %g, want %g\n", want[i].key, got, want[i].v);
         assert_true(got == want[i].v);
     }
+    /* the last GPU the daemon can serve is shown */
+    snprintf(key, sizeof key, "dpclip_queue_depth{pool=\"cuda:%d\"}", DC_MAX_GPUS - 1);
+    assert_true(sample(b.p, key) == 5);
     /* a job without a budget has no budget sample */
     assert_true(isnan(sample(b.p, "dpclip_job_budget_epsilon{uid=\"1000\",job=\"job-0\"}")));
     /* requests by type and errors by code (not "ok"), each its own count */
@@ -304,7 +329,7 @@ static void test_metrics_text(void **state) {
         assert_true(sample(b.p, key) == 100 + i);
     }
     assert_null(strstr(b.p, "code=\"ok\""));
-    for (int c = DC_EINVAL; c <= DC_EUNIMPL; c++) {
+    for (int c = DC_EINVAL; c < DC_CODE_N; c++) {
         snprintf(key, sizeof key, "dpclip_errors_total{code=\"%s\"}", dc_code_name(c));
         assert_true(sample(b.p, key) == 200 + c);
     }
@@ -345,6 +370,7 @@ int main(void) {
         cmocka_unit_test(test_prom_head),
         cmocka_unit_test(test_histogram),
         cmocka_unit_test(test_code_names),
+        cmocka_unit_test(test_error_counts),
         cmocka_unit_test(test_metrics_text),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
