@@ -21,6 +21,7 @@
  * aligned, else through guarded element loads (odd feature sizes). */
 #include "dcc_device.cuh"
 #include "dcc_path.h"
+#include "dcc_util.cuh"
 
 namespace {
 
@@ -227,15 +228,6 @@ __device__ __forceinline__ void gram_tile(float (&acc)[4][4][4], uint32_t sbase,
     __syncthreads();
 }
 
-/* Lower-triangle pair index -> (ti, si), si <= ti. */
-__device__ __forceinline__ void tri_pair(int idx, int &ti, int &si) {
-    int t = (int)((sqrtf(8.0f * (float)idx + 1.0f) - 1.0f) * 0.5f);
-    while (t * (t + 1) / 2 > idx) t--;
-    while ((t + 1) * (t + 2) / 2 <= idx) t++;
-    ti = t;
-    si = idx - t * (t + 1) / 2;
-}
-
 template <typename TI, bool VEC>
 __global__ void __launch_bounds__(NT, 1)
 ghost_kernel(const uint16_t *__restrict__ a, const uint16_t *__restrict__ g, int T, int d,
@@ -243,7 +235,7 @@ ghost_kernel(const uint16_t *__restrict__ a, const uint16_t *__restrict__ g, int
     extern __shared__ __align__(128) unsigned char smem[];
     const int b = blockIdx.y;
     int ti, si;
-    tri_pair((int)blockIdx.x, ti, si);
+    dcc_tri_pair((int)blockIdx.x, &ti, &si);
     const uint32_t sbase = dcc_smem(smem);
     float ga[4][4][4], gg[4][4][4];
     gram_tile<TI, VEC>(ga, sbase, a + (int64_t)b * T * d, d, T, ti * G_BT, si * G_BT);
