@@ -19,6 +19,8 @@ typedef enum dc_code {
     DC_EUNAVAIL = 9,      /* UNAVAILABLE */
     DC_EUNIMPL = 10       /* UNIMPLEMENTED */
 } dc_code;
+/* How many codes there are, DC_OK included: the size of a table by code. */
+#define DC_CODE_N (DC_EUNIMPL + 1)
 
 /* field: dotted path into the request, e.g.
  * "clip_step.layers[2].linear.activations.shape"; empty when not about one. */

@@ -336,7 +336,7 @@ int layer_clipped(cuda_backend *cb, const dc_step *s, size_t l, const layout *Lo
         if (w) {
             dcc_linear x = {ly->input.data, ly->grad.data, ly->input.dtype, ly->grad.dtype, B,
                             T, d, p, ly->has_bias, opt.tf32};
-            if (dcc_linear_path(&x) == 4) tc = dcc_linear_clipped_tf32(&x, cs, w, cb->stream);
+            if (dcc_linear_path(&x) == DCC_PATH_TF32) tc = dcc_linear_clipped_tf32(&x, cs, w, cb->stream);
             else tc = dcc_linear_clipped_tc(&x, cs, w, cb->stream);
             if (tc != cudaErrorNotSupported) CK(tc, "the clipped-sum kernel");
         }

@@ -21,6 +21,7 @@
 extern "C" {
 #endif
 
+#include "dcc_path.h"
 #include "step.h"
 
 #define DCC_FLAG_NONFINITE 1u
@@ -52,11 +53,10 @@ dc_algo dcc_linear_pick(int T, int d, int p, dc_algo requested);
 cudaError_t dcc_linear_sqnorms(const dcc_linear *L, dc_algo algo, float s2, float *n2,
                                cudaStream_t st);
 
-/* Which kernel family dcc_linear_sqnorms uses: 4 TF32 mma.sync (f32 inputs
- * with L->tf32), 3 wgmma (sm_90a, 16-byte loads), 2 mma.sync with 16-byte
- * loads, 1 mma.sync with element loads, 0 CUDA cores (exact f32 or mixed
- * dtypes). For tests and the benchmark. */
-int dcc_linear_path(const dcc_linear *L);
+/* Which kernel family dcc_linear_sqnorms uses (dcc_path.h: TF32 mma.sync,
+ * wgmma, mma.sync with 16-byte or element loads, CUDA cores). For tests
+ * and the benchmark. */
+dcc_path dcc_linear_path(const dcc_linear *L);
 
 /* The wgmma kernels (norms_wgmma.cu): available when built for sm_90a, the
  * current device is compute capability 9.0 and DPCLIP_CUDA_WGMMA is not "0".

@@ -32,10 +32,13 @@
  * exceeds sum_k |X_(k)| (no overflow a plain sum would not have), and each
  * sample adds one f32 rounding per element. dcc_bk_order (clip.cu) gives
  * the order and the factors on the device. */
+#include <limits.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include "dcc_path.h"
 #include "dcc_tma.cuh"
+#include "dcc_util.cuh"
 
 namespace {
 
@@ -255,20 +258,13 @@ template <typename TI> __global__ void clipped_grouped(const __grid_constant__ g
 
 #endif
 
-int sm_count_now() {
-    int dev = 0, sms = 132;
-    if (cudaGetDevice(&dev) == cudaSuccess)
-        cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
-    return sms;
-}
-
 /* One persistent launch over P's layers: a CTA per SM at most. */
 cudaError_t launch(void (*kern)(g_params), const g_params &P, cudaStream_t st) {
     if (P.items == 0) return cudaSuccess;
     const int smem = tma_direct_smem<GMI>();
     cudaError_t e = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-    if (e != cudaSuccess) return e;
-    int sms = sm_count_now();
+    int sms;
+    if (e != cudaSuccess || (e = dcc_sm_count(&sms)) != cudaSuccess) return e;
     unsigned grid = (unsigned)(P.items < sms ? P.items : sms);
     kern<<<grid, CT, smem, st>>>(P);
     return cudaGetLastError();
@@ -318,7 +314,7 @@ cudaError_t run_chunks(const dcc_linear *const *Ls, int n, int B, float s2, bool
 }
 
 bool qualifies(const dcc_linear *L) {
-    return L->ta == L->tg && dcc_linear_path(L) == 3 && dcc_tma_available();
+    return L->ta == L->tg && dcc_linear_path(L) == DCC_PATH_WGMMA && dcc_tma_available();
 }
 
 } // namespace
@@ -407,5 +403,8 @@ extern "C" cudaError_t dcc_linear_sqnorms_grouped(const dcc_norm_layer *ls, int 
 extern "C" int dcc_grouped_min_items(void) {
     const char *v = getenv("DPCLIP_CUDA_GROUPED_MIN"); /* tests: 0 groups every step */
     if (v && v[0]) return atoi(v);
-    return 4 * sm_count_now();
+    /* a device that cannot be asked groups nothing: the per-layer launches
+     * then report its error */
+    int sms;
+    return dcc_sm_count(&sms) == cudaSuccess ? 4 * sms : INT_MAX;
 }

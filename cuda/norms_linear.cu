@@ -20,6 +20,8 @@
  * arrive through a multi-stage cp.async pipeline when rows are 16-byte
  * aligned, else through guarded element loads (odd feature sizes). */
 #include "dcc_device.cuh"
+#include "dcc_path.h"
+#include "dcc_util.cuh"
 
 namespace {
 
@@ -226,15 +228,6 @@ __device__ __forceinline__ void gram_tile(float (&acc)[4][4][4], uint32_t sbase,
     __syncthreads();
 }
 
-/* Lower-triangle pair index -> (ti, si), si <= ti. */
-__device__ __forceinline__ void tri_pair(int idx, int &ti, int &si) {
-    int t = (int)((sqrtf(8.0f * (float)idx + 1.0f) - 1.0f) * 0.5f);
-    while (t * (t + 1) / 2 > idx) t--;
-    while ((t + 1) * (t + 2) / 2 <= idx) t++;
-    ti = t;
-    si = idx - t * (t + 1) / 2;
-}
-
 template <typename TI, bool VEC>
 __global__ void __launch_bounds__(NT, 1)
 ghost_kernel(const uint16_t *__restrict__ a, const uint16_t *__restrict__ g, int T, int d,
@@ -242,7 +235,7 @@ ghost_kernel(const uint16_t *__restrict__ a, const uint16_t *__restrict__ g, int
     extern __shared__ __align__(128) unsigned char smem[];
     const int b = blockIdx.y;
     int ti, si;
-    tri_pair((int)blockIdx.x, ti, si);
+    dcc_tri_pair((int)blockIdx.x, &ti, &si);
     const uint32_t sbase = dcc_smem(smem);
     float ga[4][4][4], gg[4][4][4];
     gram_tile<TI, VEC>(ga, sbase, a + (int64_t)b * T * d, d, T, ti * G_BT, si * G_BT);
@@ -308,11 +301,12 @@ extern "C" dc_algo dcc_linear_pick(int T, int d, int p, dc_algo requested) {
     return direct <= ghost ? DC_ALGO_DIRECT : DC_ALGO_GHOST;
 }
 
-extern "C" int dcc_linear_path(const dcc_linear *L) {
-    if (L->tf32 && L->ta == DC_F32 && L->tg == DC_F32) return 4;
-    if (L->ta != L->tg || (L->ta != DC_BF16 && L->ta != DC_F16)) return 0;
-    if (!(aligned16(L->a) && aligned16(L->g) && L->d % 8 == 0 && L->p % 8 == 0)) return 1;
-    return dcc_wgmma_available() ? 3 : 2;
+extern "C" dcc_path dcc_linear_path(const dcc_linear *L) {
+    if (L->tf32 && L->ta == DC_F32 && L->tg == DC_F32) return DCC_PATH_TF32;
+    if (L->ta != L->tg || (L->ta != DC_BF16 && L->ta != DC_F16)) return DCC_PATH_SIMT;
+    if (!(aligned16(L->a) && aligned16(L->g) && L->d % 8 == 0 && L->p % 8 == 0))
+        return DCC_PATH_MMA_ELEM;
+    return dcc_wgmma_available() ? DCC_PATH_WGMMA : DCC_PATH_MMA_VEC;
 }
 
 extern "C" cudaError_t dcc_linear_sqnorms(const dcc_linear *L, dc_algo algo, float s2,
@@ -321,14 +315,15 @@ extern "C" cudaError_t dcc_linear_sqnorms(const dcc_linear *L, dc_algo algo, flo
     algo = dcc_linear_pick(L->T, L->d, L->p, algo);
     if (L->T == 1 && algo == DC_ALGO_GHOST) return dcc_linear_rank1(L, s2, n2, st);
     switch (dcc_linear_path(L)) {
-    case 4: return dcc_linear_tf32(L, algo, s2, n2, st);
-    case 3: return dcc_linear_wgmma(L, algo, s2, n2, st);
-    case 2:
+    case DCC_PATH_TF32: return dcc_linear_tf32(L, algo, s2, n2, st);
+    case DCC_PATH_WGMMA: return dcc_linear_wgmma(L, algo, s2, n2, st);
+    case DCC_PATH_MMA_VEC:
         return L->ta == DC_BF16 ? launch_tc<dcc_bf16, true>(L, algo, s2, n2, st)
                                 : launch_tc<dcc_f16, true>(L, algo, s2, n2, st);
-    case 1:
+    case DCC_PATH_MMA_ELEM:
         return L->ta == DC_BF16 ? launch_tc<dcc_bf16, false>(L, algo, s2, n2, st)
                                 : launch_tc<dcc_f16, false>(L, algo, s2, n2, st);
-    default: return dcc_linear_simt(L, algo, s2, n2, st);
+    case DCC_PATH_SIMT: break;
     }
+    return dcc_linear_simt(L, algo, s2, n2, st);
 }

@@ -7,6 +7,7 @@
  * in registers (bias from the first d-tile's column sums), ghost pairs of
  * Gram tiles on the lower triangle (bias = sum of the g Gram tile). */
 #include "dcc_device.cuh"
+#include "dcc_util.cuh"
 
 namespace {
 
@@ -103,10 +104,8 @@ simt_ghost(const TA *__restrict__ a, const TG *__restrict__ g, int T, int d, int
     __shared__ float Xs[S_K][S_T + 4];
     __shared__ float Ys[S_K][S_T + 4];
     const int b = blockIdx.y, idx = (int)blockIdx.x;
-    int ti = (int)((sqrtf(8.0f * (float)idx + 1.0f) - 1.0f) * 0.5f);
-    while (ti * (ti + 1) / 2 > idx) ti--;
-    while ((ti + 1) * (ti + 2) / 2 <= idx) ti++;
-    const int si = idx - ti * (ti + 1) / 2;
+    int ti, si;
+    dcc_tri_pair(idx, &ti, &si);
     float ga[4][4], gg[4][4];
     simt_gram(ga, Xs, Ys, a + (int64_t)b * T * d, d, T, ti * S_T, si * S_T);
     simt_gram(gg, Xs, Ys, g + (int64_t)b * T * p, p, T, ti * S_T, si * S_T);

@@ -20,6 +20,7 @@
  * then p in steps of 32 features, rows padded to 36 floats (conflict-free
  * for the same reason). */
 #include "dcc_device.cuh"
+#include "dcc_util.cuh"
 
 namespace {
 
@@ -212,10 +213,8 @@ tf32_ghost(const float *__restrict__ a, const float *__restrict__ g, int T, int 
            int has_bias, float s2, float *__restrict__ n2) {
     extern __shared__ __align__(16) float fsm[];
     const int b = blockIdx.y, idx = (int)blockIdx.x;
-    int ti = (int)((sqrtf(8.0f * (float)idx + 1.0f) - 1.0f) * 0.5f);
-    while (ti * (ti + 1) / 2 > idx) ti--;
-    while ((ti + 1) * (ti + 2) / 2 <= idx) ti++;
-    const int si = idx - ti * (ti + 1) / 2;
+    int ti, si;
+    dcc_tri_pair(idx, &ti, &si);
     const int t0 = ti * Q_BT, s0 = si * Q_BT;
     const float *ab = a + (int64_t)b * T * d, *gb = g + (int64_t)b * T * p;
     const int ka = (d + Q_BK - 1) / Q_BK, kg = (p + Q_BK - 1) / Q_BK, U = ka + kg;
@@ -328,9 +327,9 @@ cudaError_t launch_norms(const dcc_linear *L, dc_algo algo, float s2, float *n2,
 
 template <bool VEC>
 cudaError_t launch_clip(const dcc_linear *L, const float *cs, float *w, cudaStream_t st) {
-    int dev = 0, sms = 132;
-    if (cudaGetDevice(&dev) == cudaSuccess)
-        cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
+    int sms;
+    cudaError_t e = dcc_sm_count(&sms);
+    if (e != cudaSuccess) return e;
     int tiles_m = (L->p + F_BM - 1) / F_BM, tiles_n = (L->d + F_BN - 1) / F_BN;
     if ((int64_t)tiles_m * tiles_n > INT32_MAX / 2) return cudaErrorInvalidConfiguration;
     int tiles = tiles_m * tiles_n;
@@ -340,7 +339,6 @@ cudaError_t launch_clip(const dcc_linear *L, const float *cs, float *w, cudaStre
     if (groups < 1) groups = 1;
     int per = (L->B + groups - 1) / groups;
     groups = (L->B + per - 1) / per;
-    cudaError_t e;
     if (groups > 1 && (e = cudaMemsetAsync(w, 0, (size_t)L->p * L->d * sizeof(float), st)))
         return e;
     auto kern = tf32_direct<VEC, true>;

@@ -29,7 +29,9 @@
  * themselves (dcc_direct_plan, norms_wgmma.cu). */
 #include <stdlib.h>
 
+#include "dcc_path.h"
 #include "dcc_tma.cuh"
+#include "dcc_util.cuh"
 
 namespace {
 
@@ -165,10 +167,8 @@ tma_ghost(const __grid_constant__ CUtensorMap ta, const __grid_constant__ CUtens
     __shared__ __align__(8) uint64_t bar_mem[2 * ST];
     const uint32_t sbase = (dcc_smem(smem) + 1023u) & ~1023u;
     const int b = blockIdx.y, idx = (int)blockIdx.x;
-    int ti = (int)((sqrtf(8.0f * (float)idx + 1.0f) - 1.0f) * 0.5f);
-    while (ti * (ti + 1) / 2 > idx) ti--;
-    while ((ti + 1) * (ti + 2) / 2 <= idx) ti++;
-    const int si = idx - ti * (ti + 1) / 2;
+    int ti, si;
+    dcc_tri_pair(idx, &ti, &si);
     const bool diag = ti == si;
     const int ka = (d + WBK - 1) / WBK, kg = (p + WBK - 1) / WBK;
     const uint32_t bars = init_bars<ST>(bar_mem);
@@ -369,9 +369,9 @@ cudaError_t launch_clipped(const dcc_linear *L, const float *cs, float *w, cudaS
     if (!make_map(&tg, L->g, L->tg, L->B, L->T, L->p, 64) ||
         !make_map(&ta, L->a, L->ta, L->B, L->T, L->d, 64))
         return cudaErrorNotSupported;
-    int dev = 0, sms = 132;
-    if (cudaGetDevice(&dev) == cudaSuccess)
-        cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
+    int sms;
+    cudaError_t e = dcc_sm_count(&sms);
+    if (e != cudaSuccess) return e;
     int tiles_m = (L->p + 127) / 128, tiles_n = (L->d + 127) / 128, tiles = tiles_m * tiles_n;
     /* enough CTAs for two waves: groups of samples, summed with atomics */
     int groups = (2 * sms + tiles - 1) / tiles;
@@ -379,7 +379,6 @@ cudaError_t launch_clipped(const dcc_linear *L, const float *cs, float *w, cudaS
     if (groups < 1) groups = 1;
     int per = (L->B + groups - 1) / groups;
     groups = (L->B + per - 1) / per;
-    cudaError_t e;
     if (groups > 1 && (e = cudaMemsetAsync(w, 0, (size_t)L->p * L->d * sizeof(float), st)))
         return e;
     e = cudaFuncSetAttribute(tma_clipped<TI>, cudaFuncAttributeMaxDynamicSharedMemorySize,
@@ -397,7 +396,7 @@ cudaError_t launch_clipped(const dcc_linear *L, const float *cs, float *w, cudaS
 extern "C" cudaError_t dcc_linear_clipped_tc(const dcc_linear *L, const float *cs, float *w,
                                              cudaStream_t st) {
 #ifdef DCC_WGMMA_BUILT
-    if (L->T < WBK || dcc_linear_path(L) != 3 || !dcc_tma_available())
+    if (L->T < WBK || dcc_linear_path(L) != DCC_PATH_WGMMA || !dcc_tma_available())
         return cudaErrorNotSupported;
     if (L->ta == DC_BF16) return launch_clipped<dcc_bf16>(L, cs, w, st);
     return launch_clipped<dcc_f16>(L, cs, w, st);

@@ -24,6 +24,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "dcc_util.cuh"
 #include "dcc_wgmma.cuh"
 
 namespace {
@@ -158,10 +159,8 @@ wg_ghost(const uint16_t *__restrict__ a, const uint16_t *__restrict__ g, int T, 
     extern __shared__ unsigned char smem[];
     const uint32_t sbase = (dcc_smem(smem) + 1023u) & ~1023u;
     const int b = blockIdx.y, idx = (int)blockIdx.x;
-    int ti = (int)((sqrtf(8.0f * (float)idx + 1.0f) - 1.0f) * 0.5f);
-    while (ti * (ti + 1) / 2 > idx) ti--;
-    while ((ti + 1) * (ti + 2) / 2 <= idx) ti++;
-    const int si = idx - ti * (ti + 1) / 2;
+    int ti, si;
+    dcc_tri_pair(idx, &ti, &si);
     float ga[1][64], gg[1][64], unused0 = 0.0f, unused1 = 0.0f;
     wg_src v;
     v.xa = v.xb = a + (int64_t)b * T * d;
@@ -262,13 +261,6 @@ static double direct_cost(const dcc_linear *L, int rows, int split, int sms) {
            (ktn / split + (split > 1 ? SPLIT_TILES : FILL_TILES));
 }
 
-static int sm_count(void) {
-    int dev = 0, sms = 132;
-    if (cudaGetDevice(&dev) == cudaSuccess)
-        cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
-    return sms;
-}
-
 static int max_split(const dcc_linear *L) {
     return dcc_tma_available() && L->T >= SPLIT_MIN_T ? 2 : 1;
 }
@@ -283,12 +275,15 @@ static int64_t direct_tiles(const dcc_linear *L, int rows) {
  * time. Clusters of 3-4 lose to placement when they fill the GPU; a tail
  * leaves most SMs to them. */
 static void direct_shape(const dcc_linear *L, int rows_only, dcc_direct_plan *pl) {
-    int sms = sm_count(), ms = max_split(L);
+    int sms, ms = max_split(L);
     double bc = 1e300, ktn = (double)((L->T + 63) / 64);
     pl->rows = rows_only ? rows_only : 128;
     pl->split = 1;
     pl->tail_ks = 0;
     pl->full = 0;
+    /* a device that cannot be asked gets the plain plan; its launch then
+     * reports the error */
+    if (dcc_sm_count(&sms) != cudaSuccess) return;
     for (int rows = 128; rows <= 256; rows *= 2) {
         if (rows_only && rows != rows_only) continue;
         for (int split = 1; split <= ms; split++) {
@@ -345,8 +340,11 @@ extern "C" void dcc_direct_plan_get(const dcc_linear *L, dcc_direct_plan *pl) {
     if (tail && tail[0] && dcc_tma_available()) {
         int k = atoi(tail), rows = dcc_direct_tile_rows(L);
         const char *c = strchr(tail, ':');
-        int64_t total = direct_tiles(L, rows), sms = sm_count();
-        long long n = c ? atoll(c + 1) : (long long)(total / sms * sms);
+        int64_t total = direct_tiles(L, rows);
+        int sms;
+        long long n = 0; /* default: the whole waves; none if the device cannot be asked */
+        if (c) n = atoll(c + 1);
+        else if (dcc_sm_count(&sms) == cudaSuccess) n = (long long)(total / sms * sms);
         *pl = (dcc_direct_plan){rows, 1, k < 2 ? 2 : k > 4 ? 4 : k,
                                 n < 0 ? 0 : n > total ? (long long)total : n};
     } else if (split && split[0]) {

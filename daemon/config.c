@@ -734,6 +734,43 @@ void dc_config_print(const dc_config *c, FILE *f) {
     }
 }
 
+/* Settings outside [limits] that bound what a client can make the daemon
+ * hold: device workspace, how long a grouped step or a status connection is
+ * held, status connections, ledger accounts. */
+static const char *const OTHER_LIMITS[] = {"gpu.workspace_max",      "groups.timeout_ms",
+                                           "status.max_connections", "status.timeout_s",
+                                           "ledger.max_jobs_per_uid", "ledger.job_idle_s"};
+
+bool dc_config_key(size_t i, const char **section, const char **key) {
+    if (i >= N_KEYS) return false;
+    *section = KEYS[i].section;
+    *key = KEYS[i].key;
+    return true;
+}
+
+bool dc_config_number(const dc_config *c, size_t i, char *out, size_t n) {
+    const char *p;
+    if (i >= N_KEYS) return false;
+    p = (const char *)c + KEYS[i].off;
+    switch (KEYS[i].type) {
+    case T_UINT: snprintf(out, n, "%u", *(const uint32_t *)p); return true;
+    case T_INT: snprintf(out, n, "%d", *(const int *)p); return true;
+    case T_SIZE: snprintf(out, n, "%llu", (unsigned long long)*(const uint64_t *)p); return true;
+    case T_DOUBLE: snprintf(out, n, "%.17g", *(const double *)p); return true;
+    default: return false;
+    }
+}
+
+bool dc_config_is_limit(size_t i) {
+    char name[64];
+    if (i >= N_KEYS) return false;
+    if (strcmp(KEYS[i].section, "limits") == 0) return true;
+    snprintf(name, sizeof name, "%s.%s", KEYS[i].section, KEYS[i].key);
+    for (size_t k = 0; k < sizeof OTHER_LIMITS / sizeof OTHER_LIMITS[0]; k++)
+        if (strcmp(OTHER_LIMITS[k], name) == 0) return true;
+    return false;
+}
+
 int dc_config_restart_needed(const dc_config *old, const dc_config *cur,
                              void (*note)(void *arg, const char *name), void *arg) {
     int n = 0;

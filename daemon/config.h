@@ -128,6 +128,16 @@ void dc_config_usage(FILE *f);
 int dc_config_restart_needed(const dc_config *old, const dc_config *cur,
                              void (*note)(void *arg, const char *name), void *arg);
 
+/* The settings table, for listings and tests. dc_config_key: section and
+ * key of setting i, false past the end. dc_config_number: its value in c as
+ * JSON number text, false when it is not a number. dc_config_is_limit:
+ * whether it bounds what a client can make the daemon hold (every [limits]
+ * key, and a few elsewhere such as ledger.max_jobs_per_uid): /status lists
+ * these under "limits". */
+bool dc_config_key(size_t i, const char **section, const char **key);
+bool dc_config_number(const dc_config *c, size_t i, char *out, size_t n);
+bool dc_config_is_limit(size_t i);
+
 /* Resolves a group name or number: 0 and *gid set, or -1. */
 int dc_config_group_id(const char *name, uint32_t *gid);
 

@@ -1,5 +1,5 @@
 /* Book-keeping on the CPU: the clipped gradient sums sum_b c_b G_b without
- * forming any per-sample gradient (DESIGN.md: one GEMM for a Linear). */
+ * forming any per-sample gradient (docs/design.md: one GEMM for a Linear). */
 #include <cblas.h>
 #include <limits.h>
 #include <string.h>

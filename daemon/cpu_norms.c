@@ -1,4 +1,4 @@
-/* Per-sample squared gradient norms on the CPU (DESIGN.md, "The math").
+/* Per-sample squared gradient norms on the CPU (docs/design.md).
  * Products run through OpenBLAS in f32; every sum that spans a whole
  * per-sample gradient is accumulated in double. */
 #include <cblas.h>

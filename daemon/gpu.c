@@ -184,7 +184,11 @@ int dc_gpu_init(dc_gpu *g, uv_loop_t *loop, bool enable, uint64_t workspace,
         dc_log_info("no CUDA device found; serving with the CPU backend only");
         return 0;
     }
-    if (n > 8) n = 8;
+    if (n > DC_MAX_GPUS) {
+        dc_log_warn("%d CUDA devices found; serving the first %d (DC_MAX_GPUS), the others "
+                    "stay unused", n, DC_MAX_GPUS);
+        n = DC_MAX_GPUS;
+    }
     if (load_driver_api() != 0) {
         dc_log_warn("CUDA devices found but the driver API (libcuda.so.1) cannot be loaded; "
                     "serving with the CPU backend only");

@@ -16,13 +16,16 @@
 #include "registry.h"
 #include "worker.h"
 
+/* GPUs one daemon serves: devices past these are left unused (and logged). */
+#define DC_MAX_GPUS 8
+
 typedef struct dc_gpu {
-    int n;                    /* usable devices */
+    int n;                    /* usable devices, at most DC_MAX_GPUS */
     dc_worker_pool *pools;    /* [n] */
     dc_worker_pool *closing;  /* pools closed, freed once their handles are */
     int n_closing;
     bool mps_active;
-    char names[8][64];
+    char names[DC_MAX_GPUS][64];
 } dc_gpu;
 
 /* Finds the GPUs and starts one worker per GPU. `enable` false: none.

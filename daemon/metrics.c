@@ -21,7 +21,8 @@ const char *dc_code_name(int code) {
     static const char *names[] = {"ok", "invalid_argument", "not_found", "permission_denied",
                                   "failed_precondition", "resource_exhausted", "non_finite",
                                   "protocol", "internal", "unavailable", "unimplemented"};
-    return code >= 0 && code <= 10 ? names[code] : "unknown";
+    _Static_assert(sizeof names / sizeof names[0] == DC_CODE_N, "a name for every dc_code");
+    return code >= 0 && code < DC_CODE_N ? names[code] : "unknown";
 }
 
 /* --- strings ---------------------------------------------------------------- */

@@ -85,7 +85,7 @@ const char *dc_code_name(int code);
 
 typedef struct dc_metrics {
     uint64_t requests[DC_REQ_N];
-    uint64_t errors[11];          /* error replies by dc_code */
+    uint64_t errors[DC_CODE_N];   /* error replies by dc_code */
     uint64_t steps_ok, steps_failed;
     uint64_t layers, samples;     /* in successful steps */
     uint64_t bytes_referenced;    /* input tensor bytes named by successful steps */
@@ -98,5 +98,10 @@ typedef struct dc_metrics {
     dc_hist step;                 /* request decoded to reply queued */
     dc_hist ledger_write;         /* one crash-safe job file write */
 } dc_metrics;
+
+/* Counts an error reply; a code outside dc_code counts as internal. */
+static inline void dc_metrics_error(dc_metrics *m, int code) {
+    m->errors[code >= 0 && code < DC_CODE_N ? code : DC_EINTERNAL]++;
+}
 
 #endif

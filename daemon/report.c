@@ -24,6 +24,24 @@ static void json_ids(dc_sbuf *b, const uint32_t *ids, size_t n) {
     dc_sbuf_puts(b, "]");
 }
 
+/* "limits":{...}, from the config table: every setting that bounds what a
+ * client can make the daemon hold, [limits] ones by key, others by
+ * section.key (status.max_connections is not limits.max_connections). */
+static void json_limits(dc_sbuf *b, const dc_config *c) {
+    const char *section, *key;
+    char v[32];
+    bool first = true;
+    dc_sbuf_puts(b, "\"limits\":{");
+    for (size_t i = 0; dc_config_key(i, &section, &key); i++) {
+        bool own = strcmp(section, "limits") == 0;
+        if (!dc_config_is_limit(i) || !dc_config_number(c, i, v, sizeof v)) continue;
+        dc_sbuf_printf(b, "%s\"%s%s%s\":%s", first ? "" : ",", own ? "" : section, own ? "" : ".",
+                       key, v);
+        first = false;
+    }
+    dc_sbuf_puts(b, "},");
+}
+
 /* --- the snapshot (loop thread) ---------------------------------------------------- */
 
 /* status.ops_group's gid, -1 for none. Looked up again only when the name
@@ -67,17 +85,14 @@ static void *snapshot(void *arg) {
     r->log_level = level_name(dc_log_get_level());
     r->cpu_workers = srv->workers;
     r->cpu_busy = srv->pool_ready ? dc_worker_pool_busy(&srv->cpu_pool) : 0;
-    r->n_gpus = srv->gpu.n < 8 ? srv->gpu.n : 8;
+    r->n_gpus = srv->gpu.n < DC_MAX_GPUS ? srv->gpu.n : DC_MAX_GPUS;
     for (int g = 0; g < r->n_gpus; g++) {
         memcpy(r->gpu_names[g], srv->gpu.names[g], sizeof r->gpu_names[g]);
         r->gpu_busy[g] = dc_worker_pool_busy(&srv->gpu.pools[g]);
         r->gpu_workspace[g] = srv->gpu_workspace[g];
     }
     r->mps_active = srv->gpu.mps_active;
-    r->max_batch = srv->limits.max_batch;
-    r->max_layers = srv->limits.max_layers;
-    r->max_frame = srv->limits.max_frame;
-    r->max_buffers = c->max_buffers;
+    r->cfg = *c;
     memcpy(r->allowed_uids, c->allowed_uids, sizeof r->allowed_uids);
     memcpy(r->allowed_gids, c->allowed_gids, sizeof r->allowed_gids);
     r->n_allowed_uids = c->n_allowed_uids;
@@ -208,9 +223,7 @@ static void render_status(const dc_report *r, dc_view view, uint32_t uid, dc_sbu
                        (unsigned long long)r->gpu_workspace[i]);
     }
     dc_sbuf_printf(b, "],\"mps_active\":%s,", r->mps_active ? "true" : "false");
-    dc_sbuf_printf(b, "\"limits\":{\"max_batch\":%u,\"max_layers\":%u,\"max_frame\":%u,"
-                      "\"max_buffers\":%u},",
-                   r->max_batch, r->max_layers, r->max_frame, r->max_buffers);
+    json_limits(b, &r->cfg);
     dc_sbuf_puts(b, "\"access\":{\"allowed_uids\":");
     json_ids(b, view == DC_VIEW_ALL ? r->allowed_uids : NULL,
              view == DC_VIEW_ALL ? r->n_allowed_uids : 0);
@@ -384,7 +397,7 @@ static void render_metrics(const dc_report *r, dc_view view, uint32_t uid, dc_sb
                        (unsigned long long)m->requests[i]);
     dc_prom_head(b, "dpclip_errors_total", "counter",
                  "Error replies (refused requests and failed steps), by code");
-    for (int i = 1; i <= 10; i++)
+    for (int i = DC_EINVAL; i < DC_CODE_N; i++)
         dc_sbuf_printf(b, "dpclip_errors_total{code=\"%s\"} %llu\n", dc_code_name(i),
                        (unsigned long long)m->errors[i]);
     dc_prom_head(b, "dpclip_steps_total", "counter", "ClipSteps that ran, by result");
@@ -402,7 +415,10 @@ static void render_metrics(const dc_report *r, dc_view view, uint32_t uid, dc_sb
     dc_prom_head(b, "dpclip_compute_seconds_total", "counter", "Backend time of successful steps");
     dc_sbuf_printf(b, "dpclip_compute_seconds_total %.9f\n", m->compute_ns / 1e9);
     counter(b, "dpclip_sessions_total", "Connections accepted", m->sessions_total);
-    counter(b, "dpclip_sessions_refused_total", "Hellos refused by [access]", m->sessions_refused);
+    counter(b, "dpclip_sessions_refused_total",
+            "Connections refused: at accept, past limits.max_connections or with no file "
+            "descriptors left; at Hello, by [access]",
+            m->sessions_refused);
     counter(b, "dpclip_budget_refusals_total", "Steps refused by a privacy budget",
             m->budget_refusals);
     counter(b, "dpclip_norm_groups_formed_total", "Norm groups formed", r->groups_formed);

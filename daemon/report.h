@@ -23,6 +23,7 @@
 #include <stdint.h>
 
 #include "config.h"
+#include "gpu.h"
 #include "group.h"
 #include "ledger.h"
 #include "metrics.h"
@@ -65,11 +66,11 @@ typedef struct dc_report {
     const char *log_level;        /* static string */
     int cpu_workers, cpu_busy;
     int n_gpus;
-    char gpu_names[8][64];
-    int gpu_busy[8];
-    uint64_t gpu_workspace[8];
+    char gpu_names[DC_MAX_GPUS][64];
+    int gpu_busy[DC_MAX_GPUS];
+    uint64_t gpu_workspace[DC_MAX_GPUS];
     bool mps_active;
-    uint32_t max_batch, max_layers, max_frame, max_buffers;
+    dc_config cfg;                /* the settings in effect (limits: every dc_config_is_limit) */
     uint32_t allowed_uids[DC_CONFIG_MAX_IDS], allowed_gids[DC_CONFIG_MAX_IDS];
     size_t n_allowed_uids, n_allowed_gids;
     /* the ledger */

@@ -127,7 +127,7 @@ void dc_session_send_error(dc_session *s, uint64_t id, const dc_err *e) {
 }
 
 void dc_session_reject(dc_session *s, uint64_t id, const dc_err *e) {
-    s->srv->metrics.errors[e->code <= 10 ? e->code : DC_EINTERNAL]++;
+    dc_metrics_error(&s->srv->metrics, e->code);
     dc_session_send_error(s, id, e);
 }
 

@@ -290,7 +290,7 @@ void dc_session_prewait(dc_session *s) {
 /* A GPU step's workspace as its backend holds it now: a step that made it
  * grow past gpu.workspace allocated inside the step path. */
 static void note_workspace(dc_server *srv, const dc_step_job *j) {
-    if (j->step.device >= 0 && j->step.device < 8) {
+    if (j->step.device >= 0 && j->step.device < DC_MAX_GPUS) {
         uint64_t *held = &srv->gpu_workspace[j->step.device];
         uint64_t had = *held > srv->cfg.gpu_workspace ? *held : srv->cfg.gpu_workspace;
         if (j->workspace > had)

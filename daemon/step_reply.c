@@ -72,7 +72,7 @@ void dc_step_reply_count(const dc_step_job *j, uint64_t now, dc_metrics *m) {
                                    tensor_bytes(&j->step.layers[i].grad);
     } else {
         m->steps_failed++;
-        m->errors[j->err.code <= 10 ? j->err.code : DC_EINTERNAL]++;
+        dc_metrics_error(m, j->err.code);
     }
 }
 

@@ -34,21 +34,22 @@
 #include <cuda_runtime_api.h>
 
 #include "cuda_test.h"
+#include "dcc_path.h"
 
 static void test_linear_norms(void **state) {
     (void)state;
     static const struct {
         uint32_t B;
         int64_t T, d, p;
-        int path16; /* expected tensor-core path for bf16/f16 inputs (see dcc.h) */
+        dcc_path path16; /* expected tensor-core path for bf16/f16 inputs */
     } cases[] = {
-        {3, 19, 100, 37, 1},    /* odd sizes: element loads, ragged tiles */
-        {2, 77, 136, 264, 2},   /* 16-byte rows, not multiples of the tiles */
-        {4, 0, 200, 120, 2},    /* 2D input: T = 1 */
-        {5, 1, 64, 48, 2},      /* [B,1,d] */
-        {1, 16384, 64, 40, 2},  /* long sequence, B = 1 */
-        {64, 33, 48, 24, 2},    /* B = 64 */
-        {1, 1000, 520, 648, 2}, /* several full tiles both ways */
+        {3, 19, 100, 37, DCC_PATH_MMA_ELEM},   /* odd sizes: element loads, ragged tiles */
+        {2, 77, 136, 264, DCC_PATH_MMA_VEC},   /* 16-byte rows, not multiples of the tiles */
+        {4, 0, 200, 120, DCC_PATH_MMA_VEC},    /* 2D input: T = 1 */
+        {5, 1, 64, 48, DCC_PATH_MMA_VEC},      /* [B,1,d] */
+        {1, 16384, 64, 40, DCC_PATH_MMA_VEC},  /* long sequence, B = 1 */
+        {64, 33, 48, 24, DCC_PATH_MMA_VEC},    /* B = 64 */
+        {1, 1000, 520, 648, DCC_PATH_MMA_VEC}, /* several full tiles both ways */
     };
     static const dc_algo algos[3] = {DC_ALGO_AUTO, DC_ALGO_DIRECT, DC_ALGO_GHOST};
     dc_test_rng r;
@@ -71,10 +72,11 @@ static void test_linear_norms(void **state) {
             /* the path is decided on alignment; host pointers from malloc are
              * 16-byte aligned like cudaMalloc's */
             int path = dcc_linear_path(&x);
-            /* 2 (mma.sync, 16-byte loads) becomes 3 where wgmma runs */
-            assert_int_equal(path == 3 ? 2 : path,
-                             kDtypes[di] == DC_F32 ? (g_tf32 ? 4 : 0) : cases[c].path16);
-            assert_true(path != 3 || dcc_wgmma_available());
+            /* mma.sync with 16-byte loads becomes wgmma where wgmma runs */
+            assert_int_equal(path == DCC_PATH_WGMMA ? DCC_PATH_MMA_VEC : path,
+                             kDtypes[di] == DC_F32 ? (g_tf32 ? DCC_PATH_TF32 : DCC_PATH_SIMT)
+                                                   : cases[c].path16);
+            assert_true(path != DCC_PATH_WGMMA || dcc_wgmma_available());
             for (int ai = 0; ai < 3; ai++) {
                 h.algo = algos[ai];
                 double e = layer_err(&h, cases[c].B, ref);

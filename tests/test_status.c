@@ -506,6 +506,48 @@ static void test_views(void **state) {
     dc_sbuf_free(&b);
 }
 
+/* The limits object lists every setting the config table counts as a
+ * limit, [limits] ones by key, others by section.key, with the configured
+ * value: a limits.* setting added to config.c and left out fails here. */
+static void test_status_limits(void **state) {
+    dc_report r;
+    dc_report_session ss[2];
+    dc_report_job jj[2];
+    dc_sbuf b = {0};
+    dc_err e;
+    const char *section, *key, *lim, *end;
+    char obj[4096], want[160], num[32];
+    size_t n = 0;
+    (void)state;
+    fake_report(&r, ss, jj);
+    dc_config_defaults(&r.cfg);
+    assert_int_equal(dc_config_set(&r.cfg, "limits", "max_group_links", "7", "test", &e), 0);
+    assert_int_equal(dc_config_set(&r.cfg, "ledger", "max_jobs_per_uid", "77", "test", &e), 0);
+    dc_report_status(&r, DC_VIEW_OWN, 1000, &b);
+    assert_non_null(lim = strstr(b.p, "\"limits\":{"));
+    assert_non_null(end = strchr(lim, '}'));
+    lim += strlen("\"limits\":{");
+    snprintf(obj, sizeof obj, "%.*s,", (int)(end - lim), lim);
+    for (size_t i = 0; dc_config_key(i, &section, &key); i++) {
+        bool in_limits = strcmp(section, "limits") == 0;
+        if (in_limits) assert_true(dc_config_is_limit(i));
+        if (!dc_config_is_limit(i)) continue;
+        assert_true(dc_config_number(&r.cfg, i, num, sizeof num));
+        snprintf(want, sizeof want, "\"%s%s%s\":%s,", in_limits ? "" : section,
+                 in_limits ? "" : ".", key, num);
+        if (!strstr(obj, want)) fprintf(stderr, "/status limits lack %s in %s\n", want, obj);
+        assert_non_null(strstr(obj, want));
+        n++;
+    }
+    /* every entry is a listed setting, and the values are the snapshot's */
+    for (const char *p = obj; (p = strchr(p, ':')); p++) n--;
+    assert_int_equal(n, 0);
+    assert_non_null(strstr(obj, "\"max_group_links\":7,"));
+    assert_non_null(strstr(obj, "\"ledger.max_jobs_per_uid\":77,"));
+    assert_non_null(strstr(obj, "\"max_step_memory\":2147483648,"));
+    dc_sbuf_free(&b);
+}
+
 /* A real caller of another uid (needs root to become one): it sees its own
  * sessions and jobs, i.e. none, and not this test's. */
 static void test_own_view(void **state) {
@@ -704,6 +746,7 @@ int main(void) {
         cmocka_unit_test(test_slow_connections),
         cmocka_unit_test(test_idle_connection_closed),
         cmocka_unit_test(test_views),
+        cmocka_unit_test(test_status_limits),
         cmocka_unit_test(test_own_view),
         cmocka_unit_test(test_hellos_leave_no_accounts),
         cmocka_unit_test(test_insecure_marked),

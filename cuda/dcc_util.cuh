@@ -1,0 +1,34 @@
+/* Helpers the kernel files share on both sides: the ghost form's tile-pair
+ * decode (device, and host for tests) and the device's SM count (host). */
+#ifndef DC_DCC_UTIL_CUH
+#define DC_DCC_UTIL_CUH
+
+#include <math.h>
+#include <stdint.h>
+
+#include <cuda_runtime_api.h>
+
+/* The ghost form's CTAs each take one pair (ti, si), si <= ti, of row
+ * blocks from the lower triangle, numbered row by row:
+ * idx = ti (ti + 1) / 2 + si. The float square root lands within one of ti;
+ * the loops correct it, in 64 bits (for idx near 2^30, (ti + 1) (ti + 2)
+ * passes INT_MAX). */
+__host__ __device__ __forceinline__ void dcc_tri_pair(int idx, int *ti, int *si) {
+    int64_t t = (int64_t)((sqrtf(8.0f * (float)idx + 1.0f) - 1.0f) * 0.5f);
+    while (t * (t + 1) / 2 > idx) t--;
+    while ((t + 1) * (t + 2) / 2 <= idx) t++;
+    *ti = (int)t;
+    *si = (int)(idx - t * (t + 1) / 2);
+}
+
+/* The current device's SM count, for the grids of persistent and
+ * wave-sized launches. A failed query is returned, never replaced by a
+ * guess: launchers pass it on. */
+static inline cudaError_t dcc_sm_count(int *sms) {
+    int dev;
+    cudaError_t e = cudaGetDevice(&dev);
+    if (e == cudaSuccess) e = cudaDeviceGetAttribute(sms, cudaDevAttrMultiProcessorCount, dev);
+    return e;
+}
+
+#endif
