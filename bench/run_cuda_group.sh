@@ -4,6 +4,8 @@
 # Two daemons on one GPU is a test setting: each gets its own NCCL_HOSTID, so
 # NCCL takes them for two hosts and uses its socket transport (over lo).
 #   bench/run_cuda_group.sh [BUILD_DIR] [bench_cuda_group options...]
+# DPCLIPD_ARGS: more daemon options (e.g. --set groups.fuse=false for the
+# phased path); DPCLIP_NO_MPS=1 skips the run under MPS.
 set -eu
 root=$(cd "$(dirname "$0")/.." && pwd)
 build=${1:-"$root/build"}
@@ -17,7 +19,7 @@ trap 'for p in $pids; do kill -TERM "$p" 2>/dev/null || true; done; rm -rf "$run
 start() { # start NAME
     mkfifo "$rundir/$1.ready"
     NCCL_HOSTID="dpclip-bench-$1" "$build/dpclipd" --socket "$rundir/$1.sock" --ledger-dir "" \
-        --ready-fd 3 --workers 1 --log-level warn 3>"$rundir/$1.ready" 2>"$rundir/$1.log" &
+        --ready-fd 3 --workers 1 --log-level warn ${DPCLIPD_ARGS:-} 3>"$rundir/$1.ready" 2>"$rundir/$1.log" &
     pids="$pids $!"
     read -r line <"$rundir/$1.ready"
     [ "$line" = READY ] || { echo "dpclipd $1 did not start" >&2; cat "$rundir/$1.log" >&2; exit 1; }
@@ -34,7 +36,7 @@ run() {
 run "$@"
 # Under MPS the two daemons' kernels share the GPU: NCCL's waiting kernel in
 # one daemon no longer holds the GPU while the other computes its norms.
-if command -v nvidia-cuda-mps-control >/dev/null 2>&1; then
+if [ -z "${DPCLIP_NO_MPS:-}" ] && command -v nvidia-cuda-mps-control >/dev/null 2>&1; then
     export CUDA_MPS_PIPE_DIRECTORY="$rundir.mps" CUDA_MPS_LOG_DIRECTORY="$rundir.mpslog"
     mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
     if nvidia-cuda-mps-control -d; then
