@@ -265,6 +265,7 @@ static void on_fuse(dc_group_waiter **all, uint32_t n) {
     f->job.done = fused_done;
     f->job.owner = first->job.owner;
     dc_worker_pool_submit(dc_session_step_pool(first), &f->job);
+    dc_session_step_expect(first, uv_hrtime());
 }
 
 static void submit_norms(dc_step_job *j) {

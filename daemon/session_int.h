@@ -46,6 +46,10 @@ void dc_session_plan_drop(dc_session *s);
 void dc_session_step_done(dc_job *job);
 /* Where a step's work runs: its GPU's worker, or the CPU pool. */
 dc_worker_pool *dc_session_step_pool(const dc_step_job *j);
+/* After submitting j's work at `now`: the loop polls around when it should
+ * come back (its early notice, a GPU step's usual run time) instead of
+ * sleeping through the wake-up. */
+void dc_session_step_expect(const dc_step_job *j, uint64_t now);
 
 /* Norm groups (session_group.c). */
 void dc_session_join_group(dc_session *s, uint64_t id, const Dpclip__JoinGroup *m);

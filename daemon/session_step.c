@@ -243,9 +243,14 @@ static void step_submit(dc_step_job *j) {
     j->job.done = dc_session_step_done;
     j->t_submit = uv_hrtime();
     dc_worker_pool_submit(dc_session_step_pool(j), &j->job);
-    /* Poll for what comes back: an early notice within about the time the
-     * last ones took, the completion around the recent steps' run time. */
-    uint64_t now = j->t_submit;
+    dc_session_step_expect(j, j->t_submit);
+}
+
+/* Poll for what comes back: an early notice within about the time the
+ * last ones took, the completion around the recent steps' run time. */
+void dc_session_step_expect(const dc_step_job *j, uint64_t now) {
+    dc_session *s = j->s;
+    dc_server *srv = s->srv;
     if (j->notify)
         dc_server_poll(srv, now, now + (s->ewma_notice_ns ? 2 * s->ewma_notice_ns + 100000u
                                                            : 2000000u), false);

@@ -141,14 +141,16 @@ static void test_replicated_across_daemons(void **state) {
     dc_shm_step st[2];
     dpclip_result res[2];
     int rcs[2];
+    dc_layer ln; /* the replicated LayerNorm: the same tensors and name on both */
     skip_without_nccl();
     dc_test_rng_seed(&r, 970);
+    dc_test_layer_make(&ln, &nsp, &r);
+    snprintf(ln.name, sizeof ln.name, "ln");
+    ln.replicated = true;
     join_all("xrep", 2, 30000, c);
     for (int k = 0; k < 2; k++) {
-        dc_test_rng same; /* the replicated LayerNorm: the same tensors on both */
-        dc_test_rng_seed(&same, 971);
         assert_int_equal(dc_shm_step_init(&st[k], c[k], 0, B, &cfg), 0);
-        assert_true(dc_shm_step_add(&st[k], &nsp, &same, 1.0f) >= 0);
+        assert_true(dc_shm_step_add_layer(&st[k], &ln) >= 0);
         assert_true(dc_shm_step_add(&st[k], &lsp, &r, 1.0f) >= 0);
         assert_int_equal(dpclip_step_set_replicated(st[k].step, 0, 1), 0);
     }
@@ -169,6 +171,7 @@ static void test_replicated_across_daemons(void **state) {
         dc_shm_step_free(&st[k]);
         dpclip_disconnect(c[k]);
     }
+    dc_test_layer_free(&ln);
 }
 
 /* kill -9 of daemon 1 while daemon 0's member waits in a group step: that
