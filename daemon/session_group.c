@@ -223,9 +223,10 @@ static void norms_done(dc_job *job) {
 static void fused_done(dc_job *job) {
     dc_step_fused *f = (dc_step_fused *)job;
     dc_step_fuse_split(f);
-    /* each reply may start the session's next request: the fused job is
-     * only read before */
-    for (uint32_t i = 0; i < f->n; i++) dc_session_step_done(&f->members[i]->job);
+    /* every member's reply first (they wait for it), then each session's
+     * bookkeeping, which may start its next request */
+    for (uint32_t i = 0; i < f->n; i++) dc_session_step_reply(f->members[i]);
+    for (uint32_t i = 0; i < f->n; i++) dc_session_step_finish(f->members[i]);
     dc_step_fuse_free(f);
     free(f);
 }

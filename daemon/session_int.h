@@ -44,6 +44,11 @@ void dc_session_plan_drop(dc_session *s);
 /* The last stage of a step's worker job, on the loop thread: the reply
  * (session_step.c). A grouped step's clip phase ends here too. */
 void dc_session_step_done(dc_job *job);
+/* dc_session_step_done in two halves, for a fused group step that answers
+ * every member before the bookkeeping of any (session_group.c): the reply
+ * (or error) sent, then the metrics, the next request and the job freed. */
+void dc_session_step_reply(dc_step_job *j);
+void dc_session_step_finish(dc_step_job *j);
 /* Where a step's work runs: its GPU's worker, or the CPU pool. */
 dc_worker_pool *dc_session_step_pool(const dc_step_job *j);
 /* After submitting j's work at `now`: the loop polls around when it should

@@ -330,10 +330,13 @@ static void expect_next(dc_session *s, const dc_step_job *j, uint64_t now) {
 
 void dc_session_step_done(dc_job *job) {
     dc_step_job *j = (dc_step_job *)job;
-    dc_session *s = j->s;
-    dc_server *srv = s->srv;
-    uint64_t now, t_done = uv_hrtime();
+    dc_session_step_reply(j);
+    dc_session_step_finish(j);
+}
 
+void dc_session_step_reply(dc_step_job *j) {
+    dc_session *s = j->s;
+    j->t_done = uv_hrtime();
     s->job = NULL;
     if (j->step.device >= 0) {
         uint64_t run = j->t_end - j->t_start;
@@ -353,12 +356,17 @@ void dc_session_step_done(dc_job *job) {
         if (!j->res.released) dc_step_account_refund(j);
         dc_session_send_error(s, j->req_id, &j->err);
     }
-    now = uv_hrtime();
+}
+
+void dc_session_step_finish(dc_step_job *j) {
+    dc_session *s = j->s;
+    dc_server *srv = s->srv;
+    uint64_t now = uv_hrtime();
     s->last_step_ns = now;
     dc_step_reply_count(j, now, &srv->metrics);
     note_workspace(srv, j);
     expect_next(s, j, now);
-    dc_step_reply_log(j, s->id, s->steps, t_done, now, s->last_send_ns);
+    dc_step_reply_log(j, s->id, s->steps, j->t_done, now, s->last_send_ns);
     job_free(j);
     session_next(s);
 }
