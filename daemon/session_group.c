@@ -99,8 +99,8 @@ static uint64_t replicated_hash(const dc_step *st) {
     return h;
 }
 
-int dc_session_group_prepare(dc_session *s, const Dpclip__ClipStep *m, dc_step_job *j,
-                             dc_err *e) {
+int dc_session_group_prepare(dc_session *s, dc_step_job *j, dc_err *e) {
+    const struct dc_step_params *m = &j->params;
     dc_step *st = &j->step;
     bool replicated = false;
     const char *why;

@@ -63,8 +63,7 @@ void dc_session_join_group(dc_session *s, uint64_t id, const Dpclip__JoinGroup *
 void dc_session_group_leave(dc_session *s, const char *why);
 /* After validation: fits the step to the session's group (the group step,
  * replicated layers, group-wise thresholds); an error refuses it. */
-int dc_session_group_prepare(dc_session *s, const Dpclip__ClipStep *m, dc_step_job *j,
-                             dc_err *e);
+int dc_session_group_prepare(dc_session *s, dc_step_job *j, dc_err *e);
 /* Runs an accepted grouped step (norm phase, reduction, clip phase); the
  * reply comes from dc_session_step_done. */
 void dc_session_group_submit(dc_step_job *j);

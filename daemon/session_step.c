@@ -76,16 +76,20 @@ void dc_session_plan_drop(dc_session *s) {
 int dc_session_step_cached(dc_session *s, uint64_t id, const uint8_t *key, size_t key_len) {
     const dc_step_plan *p = s->plan;
     dc_step_job *j;
-    if (!p || s->group || !dc_step_plan_matches(p, key, key_len, s->reg.gen, &s->srv->limits))
-        return 0;
+    dc_err e;
+    if (!p || !dc_step_plan_matches(p, key, key_len, s->reg.gen, &s->srv->limits)) return 0;
     if (!(j = calloc(1, sizeof *j))) return 0;
+    j->s = s;
+    j->req_id = id;
     j->t_recv = uv_hrtime();
     j->t_frame = s->t_frame;
     /* The layers are borrowed from the plan, which outlives the job: it is
      * replaced or dropped only while no step of the session is in flight
-     * (a new step validating, the session's end). */
+     * (a new step validating, the session's end). The group's terms are
+     * the step's own each time (its state and counter move on). */
     dc_step_plan_use(p, j);
-    step_accept(s, id, j);
+    if (dc_session_group_prepare(s, j, &e)) step_refuse(j, &e, false);
+    else step_accept(s, id, j);
     return 1;
 }
 
@@ -103,14 +107,16 @@ void dc_session_step(dc_session *s, uint64_t id, const Dpclip__ClipStep *m, cons
     j->req_id = id;
     j->t_recv = uv_hrtime();
     j->t_frame = s->t_frame;
-    if (dc_step_validate(j, m, &s->reg, &s->srv->limits, &e) ||
-        dc_session_group_prepare(s, m, j, &e)) {
+    if (dc_step_validate(j, m, &s->reg, &s->srv->limits, &e)) {
         step_refuse(j, &e, false);
         return;
     }
-    if (!s->group) { /* a grouped step depends on the group's state and counter */
-        dc_session_plan_drop(s);
-        if (key) s->plan = dc_step_plan_new(j, key, key_len, s->reg.gen, &s->srv->limits);
+    /* the validated step, before a norm group's terms change it */
+    dc_session_plan_drop(s);
+    if (key) s->plan = dc_step_plan_new(j, key, key_len, s->reg.gen, &s->srv->limits);
+    if (dc_session_group_prepare(s, j, &e)) {
+        step_refuse(j, &e, false);
+        return;
     }
     step_accept(s, id, j);
 }

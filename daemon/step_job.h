@@ -46,6 +46,7 @@ struct dc_session_event {
  * accounting terms (kept with the plan cache, step_validate.c). */
 struct dc_step_params {
     uint64_t wait_event, signal_event;
+    uint64_t group_step;   /* 0: the session's next */
     bool notify_enqueued;
     double sample_rate, target_delta, target_epsilon;
 };

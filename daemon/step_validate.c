@@ -5,8 +5,9 @@
 
 int dc_step_validate(dc_step_job *j, const Dpclip__ClipStep *m, const dc_registry *reg,
                      const dc_limits *lim, dc_err *e) {
-    j->params = (struct dc_step_params){m->wait_event, m->signal_event, m->notify_enqueued,
-                                        m->sample_rate, m->target_delta, m->target_epsilon};
+    j->params = (struct dc_step_params){m->wait_event,   m->signal_event, m->group_step,
+                                        m->notify_enqueued, m->sample_rate, m->target_delta,
+                                        m->target_epsilon};
     return dc_validate_step(m, reg, lim, &j->step, e);
 }
 
