@@ -82,6 +82,7 @@ def run_sharded_hf(rank, world, init_file, socket_path, data, V, C, expected, ou
     batch; saves the gradients."""
     _init("gloo", rank, world, init_file)
     try:
+        _fsdp._BUCKET = 256  # several reduce-scatter buckets, some of one large piece
         torch.manual_seed(7)
         model = GPT2Like(V, T=data[0].shape[1])
         engine = PrivacyEngine(socket_path, job_id="fsdp-cpu-hf")

@@ -106,6 +106,27 @@ def test_three_ranks_hold_the_union_gradient_noise_once_ledger_once(daemon, tmp_
     single.close()
 
 
+def test_buckets_cover_the_pieces_in_order():
+    """Reduce-scatter buckets: consecutive ranges covering every piece
+    once, each within the size unless one piece alone exceeds it."""
+    class L:
+        def __init__(self, w):
+            self.w_out, self.b_out = Out(w), None
+
+    layers = [L(torch.empty(r, c)) for r, c in ((5, 3), (40, 40), (2, 4), (7, 1), (300, 2))]
+    for world in (1, 2, 3):
+        pieces, _, _ = _fsdp.layout(layers, world, 0)
+        for size in (1, 32, 100, 10 ** 6):
+            got = _fsdp.buckets(pieces, size)
+            assert got[0][0] == 0 and got[-1][1] == len(pieces)
+            assert all(a[1] == b[0] for a, b in zip(got, got[1:]))
+            for first, last in got:
+                width = sum(_fsdp._al(pc.chunk * pc.inner) for pc in pieces[first:last])
+                assert last - first == 1 or width <= size, (world, size, first, last)
+            if size == 10 ** 6:
+                assert got == [(0, len(pieces))]
+
+
 def test_hugging_face_structures_sharded(daemon, tmp_path):
     """GPT-2's structure under sharded data parallelism on two ranks: the
     Conv1D weights (written [out, in] by the daemon, sharded by their own
