@@ -359,6 +359,16 @@ class _Layer:
             gs.append(g.reshape(B, -1, g.shape[-1]))
         return ins, gs
 
+    def captured(self, B):
+        """(input, output grad, positions T) of what the layer captured, each
+        concatenated over its uses, or (None, None, 1) for B = 0 (the
+        transport sends zeros of one position)."""
+        if not B:
+            return None, None, 1
+        ins, gs = self.flat_parts(B)
+        inp = _cat(ins)
+        return inp, _cat(gs), inp.shape[1]
+
     def _wslice(self, shape):
         """The weight's output slice, or None where a tie makes the earlier
         layer write it."""
@@ -370,12 +380,7 @@ class _Layer:
     def parts(self, B: int, nb: int) -> List[Part]:
         """This layer's daemon layers for a step of B samples (0: nothing
         captured; nb = max(B, 1) samples are sent)."""
-        inp = g = None
-        T = 1
-        if B:
-            ins, gs = self.flat_parts(B)
-            inp, g = _cat(ins), _cat(gs)
-            T = inp.shape[1]
+        inp, g, T = self.captured(B)
         b = (self.b_out, 0, (self.p,)) if self.bias is not None else None
         return [_part(self, "linear", self.name, inp, g, (nb, T, self.d), (nb, T, self.p),
                       self._wslice((self.p, self.d)), b, self.bias is not None,
@@ -423,12 +428,7 @@ class _EmbeddingLayer(_Layer):
         return _EmbeddingFn.apply(idx, mod.weight, self, batch)
 
     def parts(self, B, nb):
-        inp = g = None
-        T = 1
-        if B:
-            ins, gs = self.flat_parts(B)
-            inp, g = _cat(ins), _cat(gs)
-            T = inp.shape[1]
+        inp, g, T = self.captured(B)
         return [_part(self, "embedding", self.name, inp, g, (nb, T), (nb, T, self.d),
                       self._wslice((self.vocab, self.d)), None, False, self._tied_to())]
 
@@ -470,12 +470,7 @@ class _NormLayer(_Layer):
                              else None, self)
 
     def parts(self, B, nb):
-        inp = g = None
-        T = 1
-        if B:
-            ins, gs = self.flat_parts(B)
-            inp, g = _cat(ins), _cat(gs)
-            T = inp.shape[1]
+        inp, g, T = self.captured(B)
         b = (self.b_out, 0, (self.d,)) if self.bias is not None else None
         return [_part(self, self.kind, self.name, inp, g, (nb, T, self.d), (nb, T, self.d),
                       (self.w_out, 0, (self.d,)), b, self.bias is not None)]

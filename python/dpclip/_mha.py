@@ -18,7 +18,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ._layers import _Layer, _LinearFn, _cat, _part, _persample_part
+from ._layers import _Layer, _LinearFn, _part, _persample_part
 
 __all__ = ["DPMultiheadAttention", "replace_mha"]
 
@@ -214,12 +214,7 @@ class _ProjLayer(_Layer):
         self.module._dp[self.i] = None
 
     def parts(self, B, nb):
-        inp = g = None
-        T = 1
-        if B:
-            ins, gs = self.flat_parts(B)
-            inp, g = _cat(ins), _cat(gs)
-            T = inp.shape[1]
+        inp, g, T = self.captured(B)
         b = (self.b_out, self.i * self.p, (self.p,)) if self.bias is not None else None
         return [_part(self, "linear", self.name, inp, g, (nb, T, self.d), (nb, T, self.p),
                       (self.w_out, self.w_off, (self.p, self.d)), b, self.bias is not None)]
