@@ -251,8 +251,6 @@ static uint32_t take_reduced(dc_group *g, uint64_t exchange_ns) {
     uint32_t n = take_waiting(g);
     uint64_t now = uv_hrtime();
     g->last_wait_ns = now - g->t_first;
-    g->gs->reductions++;
-    g->reductions++;
     for (uint32_t i = 0; i < n; i++) {
         all[i]->exchange_ns = exchange_ns;
         all[i]->wait_ns = now - all[i]->wait_ns; /* wait_ns held the delivery time */
@@ -264,6 +262,8 @@ static uint32_t take_reduced(dc_group *g, uint64_t exchange_ns) {
 static void answer(dc_group *g, uint64_t exchange_ns) {
     dc_group_waiter **all = g->calling;
     uint32_t n = take_reduced(g, exchange_ns);
+    g->gs->reductions++;
+    g->reductions++;
     for (uint32_t i = 0; i < n; i++) all[i]->done(all[i], 0, g->tot, NULL);
 }
 
@@ -706,6 +706,12 @@ uint32_t dc_group_size(const dc_group *g) { return g->size; }
 uint32_t dc_group_daemons(const dc_group *g) { return g->daemons > 1 ? g->daemons : 1; }
 dc_group_clipping dc_group_clipping_of(const dc_group *g) { return g->clipping; }
 uint64_t dc_group_noise_key(const dc_group *g) { return g->noise_key; }
+
+void dc_group_fused(dc_group *g) {
+    g->gs->reductions++;
+    g->gs->fused++;
+    g->reductions++;
+}
 uint64_t dc_group_last_wait_ns(const dc_group *g) { return g->last_wait_ns; }
 
 bool dc_group_dissolved(const dc_group *g, const char **why) {

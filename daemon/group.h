@@ -118,6 +118,7 @@ typedef struct dc_groups {
     uint32_t timeout_ms;    /* groups.timeout_ms, a join may ask for another */
     /* totals, for /status and /metrics */
     uint64_t formed, dissolved, reductions, timeouts;
+    uint64_t fused;                    /* reductions run as one fused step */
     uint64_t exchanges, link_failures; /* cross-daemon */
 } dc_groups;
 
@@ -171,6 +172,9 @@ uint32_t dc_group_size(const dc_group *g);
 uint32_t dc_group_daemons(const dc_group *g); /* 1: every member uses this daemon */
 dc_group_clipping dc_group_clipping_of(const dc_group *g);
 uint64_t dc_group_noise_key(const dc_group *g);
+/* A group step handed to fuse ran fused (counted as its reduction; one
+ * that fell back to the phases is counted when their reduction answers). */
+void dc_group_fused(dc_group *g);
 bool dc_group_dissolved(const dc_group *g, const char **why);
 /* The last reduction's latency: first delivery to the totals, ns. */
 uint64_t dc_group_last_wait_ns(const dc_group *g);

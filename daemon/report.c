@@ -114,6 +114,7 @@ static void *snapshot(void *arg) {
         r->groups_dissolved = srv->groups.dissolved;
         r->group_reductions = srv->groups.reductions;
         r->group_exchanges = srv->groups.exchanges;
+        r->group_fused = srv->groups.fused;
         r->group_link_failures = srv->groups.link_failures;
         r->group_timeouts = srv->groups.timeouts;
     }
@@ -428,6 +429,9 @@ static void render_metrics(const dc_report *r, dc_view view, uint32_t uid, dc_sb
             r->group_reductions);
     counter(b, "dpclip_norm_group_timeouts_total", "Group steps a member did not arrive for",
             r->group_timeouts);
+    counter(b, "dpclip_norm_group_fused_total",
+            "Group steps whose members' steps ran as one fused step (groups.fuse)",
+            r->group_fused);
     counter(b, "dpclip_norm_group_exchanges_total",
             "Cross-daemon exchanges of group norm totals (NCCL)", r->group_exchanges);
     counter(b, "dpclip_norm_group_link_failures_total",

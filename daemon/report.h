@@ -90,6 +90,7 @@ typedef struct dc_report {
     dc_group_info *norm_groups;
     size_t n_norm_groups;
     uint64_t groups_formed, groups_dissolved, group_reductions, group_timeouts;
+    uint64_t group_fused;
     uint64_t group_exchanges, group_link_failures;
 } dc_report;
 

@@ -25,6 +25,7 @@
 #include "server.h"
 #include "session_int.h"
 #include "step_fuse.h"
+#include "validate.h"
 #include "step_run.h"
 
 void dc_session_group_leave(dc_session *s, const char *why) {
@@ -231,6 +232,8 @@ static void fused_done(dc_job *job) {
     free(f);
 }
 
+static void submit_norms(dc_step_job *j);
+
 /* The group's every member is here, unrun, on one device (loop thread).
  * `all` is the group's array, which a reply may reuse (a session's next
  * step): the members are chained through their jobs before any reply. */
@@ -262,6 +265,20 @@ static void on_fuse(dc_group_waiter **all, uint32_t n) {
         return;
     }
     free(members); /* the fused job keeps its own copy */
+    if (dc_validate_step_cost(&f->step, &first->s->srv->limits, &e)) {
+        /* every member's step fits the per-step limits, their sum may not:
+         * each runs its own phases instead (a new reduction of this step) */
+        dc_step_fuse_free(f);
+        free(f);
+        while (chain) {
+            dc_step_job *j = chain;
+            chain = j->fuse_next;
+            j->gw.wait_ns = 0;
+            submit_norms(j);
+        }
+        return;
+    }
+    if (first->s->group) dc_group_fused(first->s->group);
     f->job.work = dc_step_fuse_work;
     f->job.done = fused_done;
     f->job.owner = first->job.owner;

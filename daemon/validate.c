@@ -325,7 +325,7 @@ static int validate_ties(const Dpclip__ClipStep *msg, dc_step *out, dc_err *err)
 
 /* What the step will cost, against the limits: refused before any work, the
  * error naming the setting to raise. */
-static int check_cost(const dc_step *s, const dc_limits *lim, dc_err *err) {
+int dc_validate_step_cost(const dc_step *s, const dc_limits *lim, dc_err *err) {
     dc_step_cost c;
     dc_step_cost_estimate(s, &c);
     if (lim->max_step_samples && c.samples > lim->max_step_samples)
@@ -414,7 +414,7 @@ int dc_validate_step(const Dpclip__ClipStep *msg, const dc_registry *reg,
     out->device = v.device < 0 ? -1 : v.device;
     for (size_t i = 0, r = 0; i < out->n_layers; i++)
         if (out->layers[i].replicated) out->layers[i].rep_ordinal = (uint32_t)r++;
-    if ((rc = check_cost(out, lim, err))) goto fail;
+    if ((rc = dc_validate_step_cost(out, lim, err))) goto fail;
     return 0;
 
 fail:

@@ -24,6 +24,9 @@ typedef struct dc_limits {
 
 /* On success *out is filled and owns out->layers (free with
  * dc_validate_step_free). On failure *out holds nothing to free. */
+/* What a step will cost the daemon (dc_step_cost_estimate) against the
+ * limits.max_step_* settings; the error names the setting. */
+int dc_validate_step_cost(const dc_step *s, const dc_limits *lim, dc_err *err);
 int dc_validate_step(const Dpclip__ClipStep *msg, const dc_registry *reg,
                      const dc_limits *lim, dc_step *out, dc_err *err);
 void dc_validate_step_free(dc_step *s);

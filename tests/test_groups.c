@@ -554,6 +554,26 @@ static void test_cross_daemon_join(void **state) {
     dpclip_disconnect(c);
 }
 
+/* A counter of the daemon's /metrics, or -1 without the status socket. */
+static long long metric(dc_harness *h, const char *name) {
+#ifndef DPCLIP_HAVE_MHD
+    (void)h;
+    (void)name;
+    return -1;
+#else
+    char sock[400], line[160], *body = NULL;
+    long long v = -1;
+    dc_harness_status_path(h, sock, sizeof sock);
+    assert_int_equal(dc_http(sock, "GET", "/metrics", 10000, NULL, &body, NULL), 200);
+    snprintf(line, sizeof line, "\n%s ", name);
+    const char *at = strstr(body, line);
+    assert_non_null(at);
+    v = atoll(at + strlen(line));
+    free(body);
+    return v;
+#endif
+}
+
 /* One group step of a TP split (a replicated LayerNorm, a Linear's output
  * features 5 and 5) with noise, then the same without, on the daemon at
  * sock: each member's noise (noisy - clean outputs) into noise[k]. */
@@ -642,6 +662,14 @@ static void test_fused_matches_phased(void **state) {
         free(na[k]);
         free(np[k]);
     }
+    /* two group steps each: fused on one daemon, phased on the other */
+    long long fa = metric(&a, "dpclip_norm_group_fused_total");
+    if (fa >= 0) {
+        assert_int_equal(fa, 2);
+        assert_int_equal(metric(&p, "dpclip_norm_group_fused_total"), 0);
+        assert_int_equal(metric(&a, "dpclip_norm_group_reductions_total"), 2);
+        assert_int_equal(metric(&p, "dpclip_norm_group_reductions_total"), 2);
+    }
     assert_int_equal(dc_harness_stop(&a), 0);
     assert_int_equal(dc_harness_stop(&p), 0);
     free_slice(&full);
@@ -649,11 +677,56 @@ static void test_fused_matches_phased(void **state) {
     dc_test_layer_free(&ln);
 }
 
+/* Each member's step within limits.max_step_samples, their sum over it:
+ * the group step runs in phases instead of fused, still exact. */
+static void test_fused_over_limits(void **state) {
+    (void)state;
+    dc_harness h;
+    dc_test_rng r;
+    dc_shm_step st[2];
+    dpclip_result res[2];
+    int rcs[2];
+    dpclip_clip_config cfg = dc_group_config(1.0f, 0.0f);
+    /* 3 layers x 6 samples a member: 18 fits, 36 does not */
+    assert_int_equal(dc_harness_start(&h, "--workers 2 --set limits.max_step_samples=20"), 0);
+    dc_test_rng_seed(&r, 990);
+    for (int k = 0; k < 2; k++)
+        assert_int_equal(dc_shm_step_init(&st[k], dc_group_member(h.sock, "big", (uint32_t)k, 2,
+                                                                   0, 0, "big-job", NULL),
+                                          0, B, &cfg),
+                         0);
+    for (int l = 0; l < 6; l++)
+        assert_true(dc_shm_step_add(&st[dc_group_pp_stage_of[0][l]], &dc_group_pp_model[l], &r,
+                                    1.0f) >= 0);
+    dc_group_set_c(st, 2, dc_group_median(st, 2), 0.0f);
+    for (int it = 0; it < 2; it++) {
+        dc_group_run(st, 2, res, rcs);
+        for (int k = 0; k < 2; k++) {
+            if (rcs[k]) print_message("member %d: %s\n", k, dpclip_errmsg(st[k].c));
+            assert_int_equal(rcs[k], 0);
+        }
+        dc_group_check(st, 2, res, dc_group_median(st, 2));
+        for (int k = 0; k < 2; k++) dpclip_result_free(&res[k]);
+    }
+    /* not fused (the sum is over the limit): phased, each counted once */
+    long long fused = metric(&h, "dpclip_norm_group_fused_total");
+    if (fused >= 0) {
+        assert_int_equal(fused, 0);
+        assert_int_equal(metric(&h, "dpclip_norm_group_reductions_total"), 2);
+    }
+    for (int k = 0; k < 2; k++) {
+        dpclip_client *c = st[k].c;
+        dc_shm_step_free(&st[k]);
+        dpclip_disconnect(c);
+    }
+    assert_int_equal(dc_harness_stop(&h), 0);
+}
+
 int main(int argc, char **argv) {
     /* --phased: the whole suite again with each member's phases apart */
     if (argc > 1 && strcmp(argv[1], "--phased") == 0) g_args = "--workers 2 --set groups.fuse=false";
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(test_fused_matches_phased),
+        cmocka_unit_test(test_fused_matches_phased), cmocka_unit_test(test_fused_over_limits),
         cmocka_unit_test(test_cross_daemon_join), cmocka_unit_test(test_group_wise_charges),
         cmocka_unit_test(test_tp_split),         cmocka_unit_test(test_pp_split),
         cmocka_unit_test(test_replicated),       cmocka_unit_test(test_member_timeout),
