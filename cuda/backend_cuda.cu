@@ -40,7 +40,6 @@
 #include <time.h>
 
 #include "backend_int.h"
-#include "noise.h"
 
 using namespace dcb;
 
@@ -626,19 +625,10 @@ int run_impl(dc_backend *be, const dc_step *s, dc_step_result *res, dc_err *err,
                 outs[oi].dst = t->data;
                 outs[oi].off = staged;
                 outs[oi].n = n;
-                if (ly->replicated) { /* the same noise on every member (backend_cpu.c) */
-                    outs[oi].key = s->group_noise_key;
-                    outs[oi].step = s->group_step;
-                    outs[oi].stream = DC_NOISE_STREAM_REPLICATED + 2 * ly->rep_ordinal + (uint32_t)k;
-                } else if (ly->noise_step) { /* its member's own stream (step.h) */
-                    outs[oi].key = s->noise_key;
-                    outs[oi].step = ly->noise_step;
-                    outs[oi].stream = 2 * ly->noise_index + (uint32_t)k;
-                } else {
-                    outs[oi].key = s->noise_key;
-                    outs[oi].step = s->noise_step;
-                    outs[oi].stream = (uint32_t)(2 * l + (size_t)k);
-                }
+                const dc_noise_src src = dc_step_noise_src(s, ly, l, k);
+                outs[oi].key = src.key;
+                outs[oi].step = src.step;
+                outs[oi].stream = src.stream;
                 outs[oi].dtype = (int32_t)t->dtype;
                 outs[oi].chunk0 = chunks;
                 oi++;

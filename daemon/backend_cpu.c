@@ -360,17 +360,8 @@ static int run_phases(dc_backend *be, const dc_step *step, enum run_phases want,
             const dc_tensor *t = k ? &ly->bias_grad_out : &ly->weight_grad_out;
             size_t n = dc_cpu_numel(t);
             float *v = outs + off;
-            /* stream: the tensor's serial within the step (weight, bias of l) */
-            if (ly->replicated) /* identical on every member of the group */
-                dc_noise_add_normal(step->group_noise_key, step->group_step,
-                                    DC_NOISE_STREAM_REPLICATED + 2 * ly->rep_ordinal + (uint32_t)k,
-                                    noise_std, v, n);
-            else if (ly->noise_step) /* its member's own stream (step.h) */
-                dc_noise_add_normal(step->noise_key, ly->noise_step,
-                                    (uint32_t)(2 * ly->noise_index + (uint32_t)k), noise_std, v, n);
-            else
-                dc_noise_add_normal(step->noise_key, step->noise_step, (uint32_t)(2 * l + k),
-                                    noise_std, v, n);
+            const dc_noise_src src = dc_step_noise_src(step, ly, l, k);
+            dc_noise_add_normal(src.key, src.step, src.stream, noise_std, v, n);
             if (divisor != 1.0f)
                 for (size_t i = 0; i < n; i++) v[i] /= divisor;
             int64_t bad = find_bad_out(v, n, t->dtype);

@@ -239,22 +239,19 @@ static void submit_norms(dc_step_job *j);
  * step): the members are chained through their jobs before any reply. */
 static void on_fuse(dc_group_waiter **all, uint32_t n) {
     dc_step_job *first = all[0]->arg, *chain = NULL;
-    dc_step_job **members = malloc(n * sizeof *members);
     dc_step_fused *f = malloc(sizeof *f);
     dc_err e;
     for (uint32_t i = n; i-- > 0;) {
         dc_step_job *j = all[i]->arg;
         j->fuse_next = chain;
         chain = j;
-        if (members) members[i] = j;
         /* rank 0's charge for this group step stands from here, whatever
          * happens to the step (as on_totals) */
         if (j->s->group_rank == 0) j->res.released = true;
     }
-    if (!members || !f || dc_step_fuse_build(f, members, n, &e)) {
-        if (!members || !f) dc_err_set(&e, DC_ENOSPACE, "clip_step", "out of memory");
+    if (!f || dc_step_fuse_build(f, chain, n, &e)) {
+        if (!f) dc_err_set(&e, DC_ENOSPACE, "clip_step", "out of memory");
         free(f);
-        free(members);
         while (chain) {
             dc_step_job *j = chain;
             chain = j->fuse_next;
@@ -264,7 +261,6 @@ static void on_fuse(dc_group_waiter **all, uint32_t n) {
         }
         return;
     }
-    free(members); /* the fused job keeps its own copy */
     if (dc_validate_step_cost(&f->step, &first->s->srv->limits, &e)) {
         /* every member's step fits the per-step limits, their sum may not:
          * each runs its own phases instead (a new reduction of this step) */

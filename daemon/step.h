@@ -20,6 +20,7 @@
 
 #include "dc_dtype.h"
 #include "dc_err.h"
+#include "noise.h"
 
 typedef struct dc_tensor {
     void *data;        /* NULL: absent (optional outputs) */
@@ -205,6 +206,31 @@ static inline float dc_clip_coef(float C, float norm) {
 
 /* The later layer of a tied pair: its weight's norm and clipped sum go to
  * the owner's. */
+/* Where the noise of output k (0 weight, 1 bias) of layer l is drawn
+ * (noise.h: key, step, stream). Replicated layers draw the group's stream,
+ * alike on every member; a fused group step's layers their member's own
+ * (noise_step, noise_index); the rest the step's. Both backends draw from
+ * it, so they draw the same values. */
+typedef struct dc_noise_src {
+    uint64_t key, step;
+    uint32_t stream;
+} dc_noise_src;
+
+static inline dc_noise_src dc_step_noise_src(const dc_step *s, const dc_layer *ly, size_t l,
+                                             int k) {
+    dc_noise_src n;
+    if (ly->replicated) {
+        n.key = s->group_noise_key;
+        n.step = s->group_step;
+        n.stream = DC_NOISE_STREAM_REPLICATED + 2 * ly->rep_ordinal + (uint32_t)k;
+    } else {
+        n.key = s->noise_key;
+        n.step = ly->noise_step ? ly->noise_step : s->noise_step;
+        n.stream = (uint32_t)(2 * (ly->noise_step ? (size_t)ly->noise_index : l) + (size_t)k);
+    }
+    return n;
+}
+
 static inline bool dc_layer_tied_later(const dc_layer *l) { return l->tie && !l->tie_owner; }
 
 /* Whether a layer's norm kernels count its bias with its weight: not for

@@ -11,20 +11,23 @@
 #include "dc_cuda.h"
 #endif
 
-int dc_step_fuse_build(dc_step_fused *f, dc_step_job *const *members, uint32_t n, dc_err *e) {
-    const dc_step *first = &members[0]->step;
+int dc_step_fuse_build(dc_step_fused *f, dc_step_job *chain, uint32_t n, dc_err *e) {
+    const dc_step *first = &chain->step;
     size_t L = 0, at = 0;
     memset(f, 0, sizeof *f);
-    for (uint32_t i = 0; i < n; i++) L += members[i]->step.n_layers;
     f->n = n;
     f->members = malloc(n * sizeof *f->members);
+    if (!f->members) goto fail;
+    for (uint32_t i = 0; i < n; i++, chain = chain->fuse_next) {
+        f->members[i] = chain;
+        L += chain->step.n_layers;
+    }
     f->step.layers = malloc((L ? L : 1) * sizeof *f->step.layers);
     f->more_norms = calloc(n, sizeof *f->more_norms);
     f->more_coefs = calloc(n, sizeof *f->more_coefs);
-    if (!f->members || !f->step.layers || !f->more_norms || !f->more_coefs ||
+    if (!f->step.layers || !f->more_norms || !f->more_coefs ||
         dc_step_result_init(&f->res, first->batch, L, false))
         goto fail;
-    memcpy(f->members, members, n * sizeof *f->members);
     /* the terms are every member's (the group checked them) */
     f->step.batch = first->batch;
     f->step.n_layers = L;
@@ -44,7 +47,7 @@ int dc_step_fuse_build(dc_step_fused *f, dc_step_job *const *members, uint32_t n
     f->step.more_norms_out = f->more_norms;
     f->step.more_coefs_out = f->more_coefs;
     for (uint32_t i = 0; i < n; i++) {
-        const dc_step_job *j = members[i];
+        const dc_step_job *j = f->members[i];
         const dc_step *st = &j->step;
         f->step.want_layer_norms |= st->want_layer_norms;
         if (i) {

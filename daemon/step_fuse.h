@@ -41,9 +41,10 @@ typedef struct dc_step_fused {
     uint64_t t_start, t_waited, t_end;
 } dc_step_fused;
 
-/* On the loop: the fused step of members[0..n) (their steps validated and
- * accounted, their terms agreed by the group). An error is out of memory. */
-int dc_step_fuse_build(dc_step_fused *f, dc_step_job *const *members, uint32_t n, dc_err *e);
+/* On the loop: the fused step of the n member jobs chained from `chain`
+ * through fuse_next, in rank order (their steps validated and accounted,
+ * their terms agreed by the group). An error is out of memory. */
+int dc_step_fuse_build(dc_step_fused *f, dc_step_job *chain, uint32_t n, dc_err *e);
 /* dc_job.work of a fused step (worker thread): the members' input events,
  * the backend's run_step, their signal events. */
 void dc_step_fuse_work(dc_job *job, dc_backend *be);

@@ -110,7 +110,7 @@ struct dc_step_job {
     uint64_t group_step;
     double *n2, *partial, *tot;
     dc_group_waiter gw;
-    dc_step_job *fuse_next; /* the next member of a fused step being failed */
+    dc_step_job *fuse_next; /* the next member of a fused group step (rank order) */
     uint64_t group_wait_ns, group_exchange_ns; /* for the reply */
 };
 
