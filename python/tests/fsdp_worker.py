@@ -31,6 +31,23 @@ def _error(e):
     return (getattr(e, "code", None), type(e).__name__, str(e))
 
 
+def _sharded(model, socket_path, job, C, expected, sigma=0.0, lr=0.0, **kw):
+    """(engine, model, optimizer) of make_private(sharded_noise=True) over
+    SGD at lr."""
+    engine = PrivacyEngine(socket_path, job_id=job)
+    model, opt, _ = engine.make_private(
+        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=lr),
+        noise_multiplier=sigma, max_grad_norm=C, expected_batch_size=expected,
+        sharded_noise=True, **kw)
+    return engine, model, opt
+
+
+def _mean_loss(model, data, mine):
+    """The mean sequence loss of this rank's samples (indices mine)."""
+    x, y = data
+    return reduce_loss(per_sample_losses("seq", model(x[mine]), y[mine]), "mean")
+
+
 def run_sharded(rank, world, init_file, socket_path, data, C, expected, sigma, q, steps,
                 out_dir):
     """sharded_noise=True on SeqModel: (1) sigma 0, this rank's samples of
@@ -41,28 +58,19 @@ def run_sharded(rank, world, init_file, socket_path, data, C, expected, sigma, q
     _init("gloo", rank, world, init_file)
     try:
         torch.manual_seed(100 + rank)  # make_private broadcasts rank 0's weights
-        model = SeqModel()
-        engine = PrivacyEngine(socket_path, job_id="fsdp-cpu-exact")
-        model, opt, _ = engine.make_private(
-            module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.0),
-            noise_multiplier=0.0, max_grad_norm=C, expected_batch_size=expected,
-            sharded_noise=True)
-        x, y = data
+        engine, model, opt = _sharded(SeqModel(), socket_path, "fsdp-cpu-exact", C, expected)
+        x = data[0]
         mine = torch.arange(rank, x.shape[0], world)
         opt.zero_grad()
-        reduce_loss(per_sample_losses("seq", model(x[mine]), y[mine]), "mean").backward()
+        _mean_loss(model, data, mine).backward()
         opt.step()
         out = {"grads": {n: p.grad.clone() for n, p in model.named_parameters()},
                "world": engine.world_size, "rank": engine.rank, "B": len(mine),
                "norms": engine.last_norms.clone()}
         engine.close()
 
-        engine = PrivacyEngine(socket_path, job_id="fsdp-cpu-noise")
-        model = SeqModel()
-        model, opt, _ = engine.make_private(
-            module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.0),
-            noise_multiplier=sigma, max_grad_norm=C, expected_batch_size=expected,
-            sample_rate=q, target_delta=1e-5, sharded_noise=True)
+        engine, model, opt = _sharded(SeqModel(), socket_path, "fsdp-cpu-noise", C, expected,
+                                      sigma, sample_rate=q, target_delta=1e-5)
         out["noise"] = []
         for _ in range(steps):
             opt.zero_grad()
@@ -84,16 +92,10 @@ def run_sharded_hf(rank, world, init_file, socket_path, data, V, C, expected, ou
     try:
         _fsdp._BUCKET = 256  # several reduce-scatter buckets, some of one large piece
         torch.manual_seed(7)
-        model = GPT2Like(V, T=data[0].shape[1])
-        engine = PrivacyEngine(socket_path, job_id="fsdp-cpu-hf")
-        model, opt, _ = engine.make_private(
-            module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.0),
-            noise_multiplier=0.0, max_grad_norm=C, expected_batch_size=expected,
-            sharded_noise=True)
-        x, y = data
-        mine = torch.arange(rank, x.shape[0], world)
+        engine, model, opt = _sharded(GPT2Like(V, T=data[0].shape[1]), socket_path,
+                                      "fsdp-cpu-hf", C, expected)
         opt.zero_grad()
-        reduce_loss(per_sample_losses("seq", model(x[mine]), y[mine]), "mean").backward()
+        _mean_loss(model, data, torch.arange(rank, data[0].shape[0], world)).backward()
         opt.step()
         torch.save({n: p.grad.clone() for n, p in model.named_parameters()},
                    os.path.join(out_dir, "hf%d.pt" % rank))
@@ -110,18 +112,13 @@ def run_sharded_failures(rank, world, init_file, socket_path, data, C, expected,
     _init("gloo", rank, world, init_file)
     try:
         torch.manual_seed(5)
-        model = SeqModel()
-        engine = PrivacyEngine(socket_path, job_id="fsdp-cpu-fail")
-        model, opt, _ = engine.make_private(
-            module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.5),
-            noise_multiplier=1.0, max_grad_norm=C, expected_batch_size=expected,
-            sharded_noise=True)
-        x, y = data
-        mine = torch.arange(rank, x.shape[0], world)
+        engine, model, opt = _sharded(SeqModel(), socket_path, "fsdp-cpu-fail", C, expected,
+                                      1.0, lr=0.5)
+        mine = torch.arange(rank, data[0].shape[0], world)
         out = {"before": _params(model), "errors": [], "grads": [], "after": []}
         for i in range(2):
             opt.zero_grad()
-            loss = reduce_loss(per_sample_losses("seq", model(x[mine]), y[mine]), "mean")
+            loss = _mean_loss(model, data, mine)
             if i == 0 and rank == world - 1:
                 loss = loss * float("nan")
             loss.backward()
@@ -134,15 +131,12 @@ def run_sharded_failures(rank, world, init_file, socket_path, data, C, expected,
             out["after"].append(_params(model))
         engine.close()
 
-        model = SeqModel()
-        engine = PrivacyEngine(socket_path, job_id="fsdp-cpu-budget")
-        model, opt, _ = engine.make_private(
-            module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.5),
-            noise_multiplier=1.0, max_grad_norm=C, expected_batch_size=expected,
-            sample_rate=0.5, target_delta=1e-5, target_epsilon=1e-3, sharded_noise=True)
+        engine, model, opt = _sharded(SeqModel(), socket_path, "fsdp-cpu-budget", C, expected,
+                                      1.0, lr=0.5, sample_rate=0.5, target_delta=1e-5,
+                                      target_epsilon=1e-3)
         before = _params(model)
         opt.zero_grad()
-        reduce_loss(per_sample_losses("seq", model(x[mine]), y[mine]), "mean").backward()
+        _mean_loss(model, data, mine).backward()
         try:
             opt.step()
             out["budget"] = None
