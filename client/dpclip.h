@@ -224,6 +224,19 @@ void dpclip_step_set_events(dpclip_step *s, uint64_t wait_event, uint64_t signal
  * (cudaStreamWaitEvent) while the daemon's GPU work runs, and collect the
  * result later with dpclip_wait. See dpclip_wait_enqueued. */
 void dpclip_step_notify_enqueued(dpclip_step *s, int yes);
+/* A logical step in phases, for sharded models whose clipped sums are wanted
+ * one layer group at a time (docs/protocol.md, "Steps in phases"): one
+ * DPCLIP_STEP_NORMS step names every layer and writes nothing (its norms and
+ * coefficients come in the result, and the session keeps them), then
+ * DPCLIP_STEP_SUMS steps each name some of those layers again, with the same
+ * tensors and their outputs, and get their clipped sums. Noise multiplier 0
+ * and flat clipping only. Kept by dpclip_step_reset. */
+typedef enum dpclip_phase {
+    DPCLIP_STEP_WHOLE = 0,
+    DPCLIP_STEP_NORMS = 1,
+    DPCLIP_STEP_SUMS = 2
+} dpclip_phase;
+int dpclip_step_set_phase(dpclip_step *s, dpclip_phase phase);
 
 typedef struct dpclip_result {
     uint32_t batch;

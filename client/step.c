@@ -33,6 +33,7 @@ struct dpclip_step {
     int want_layer_norms;
     uint64_t wait_event, signal_event;
     int notify_enqueued;
+    dpclip_phase phase;
     /* Changes with every mutation (from one process-wide counter, so a
      * step freed and another allocated at its address never share one):
      * the client reuses its packed request while it stays the same. */
@@ -200,6 +201,15 @@ DPCLIP_API void dpclip_step_notify_enqueued(dpclip_step *s, int yes) {
     s->notify_enqueued = yes != 0;
 }
 
+DPCLIP_API int dpclip_step_set_phase(dpclip_step *s, dpclip_phase phase) {
+    if (!s || (phase != DPCLIP_STEP_WHOLE && phase != DPCLIP_STEP_NORMS &&
+               phase != DPCLIP_STEP_SUMS))
+        return DPCLIP_EARG;
+    touch(s);
+    s->phase = phase;
+    return 0;
+}
+
 DPCLIP_API void dpclip_step_want_layer_norms(dpclip_step *s, int yes) {
     if (!s) return;
     touch(s);
@@ -297,6 +307,7 @@ int cl_step_message(dpclip_client *c, const dpclip_step *s, Dpclip__ClipStep **o
     m->step.wait_event = s->wait_event;
     m->step.signal_event = s->signal_event;
     m->step.notify_enqueued = s->notify_enqueued != 0;
+    m->step.phase = (Dpclip__StepPhase)s->phase;
     m->step.n_layers = s->n;
     m->step.layers = m->ptrs;
 

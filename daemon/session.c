@@ -12,6 +12,7 @@
 #include "log.h"
 #include "server.h"
 #include "session_int.h"
+#include "step_pass.h"
 #include "wire.h"
 
 /* Failed steps: at most one log line per session per period. */
@@ -626,6 +627,7 @@ void dc_session_destroy(dc_session *s) {
         free(w);
     }
     dc_session_plan_drop(s);
+    dc_pass_free(s->pass);
     free(s->prewait);
     dc_registry_destroy(&s->reg);
     if (s->ljob) s->ljob->sessions--;

@@ -79,6 +79,9 @@ typedef struct dc_session {
      * as soon as a ClipStep frame arrives, while the loop validates it
      * (session_step.c). Owned; NULL until the first one. */
     struct dc_prewait *prewait;
+    /* The norm pass of a step in phases, for its STEP_SUMS steps
+     * (step_pass.h). Owned; NULL when none. */
+    struct dc_pass *pass;
 } dc_session;
 
 /* Before Hello a frame may be at most this long (a Hello is a few hundred

@@ -22,6 +22,7 @@
 #include "server.h"
 #include "session_int.h"
 #include "step_account.h"
+#include "step_pass.h"
 #include "step_reply.h"
 #include "step_run.h"
 #include "step_validate.h"
@@ -136,6 +137,22 @@ static void step_notice(dc_job *job) {
     dc_session_send(s, &reply);
 }
 
+/* A step in phases (step_pass.h): its rules, and a sums step's norm pass.
+ * Any other step is a new logical step, which ends the session's pass. */
+static int step_phase(dc_session *s, dc_step_job *j, dc_err *e) {
+    const dc_step_phase ph = j->params.phase;
+    if (ph != DC_PHASE_SUMS) {
+        dc_pass_free(s->pass);
+        s->pass = NULL;
+    }
+    if (ph == DC_PHASE_WHOLE) return 0;
+    if (dc_pass_check(j, s->group != NULL, e)) return e->code;
+    if (ph == DC_PHASE_SUMS) return dc_pass_take(s->pass, j, e);
+    if (!(j->n2 = malloc((size_t)j->step.batch * j->step.n_layers * sizeof *j->n2)))
+        return dc_err_set(e, DC_ENOSPACE, "clip_step", "out of memory");
+    return 0;
+}
+
 /* A validated step (owned by j): check what it names of the session's
  * current state, then account for it. */
 static void step_accept(dc_session *s, uint64_t id, dc_step_job *j) {
@@ -154,7 +171,7 @@ static void step_accept(dc_session *s, uint64_t id, dc_step_job *j) {
                                m->wait_event ? dc_session_find_event(s, m->wait_event) : NULL,
                                m->signal_event ? dc_session_find_event(s, m->signal_event) : NULL,
                                &e) ||
-        dc_step_run_prepare(j, &e)) {
+        dc_step_run_prepare(j, &e) || step_phase(s, j, &e)) {
         step_refuse(j, &e, false);
         return;
     }
@@ -207,6 +224,15 @@ static void step_account(dc_step_job *j) {
     dc_session *s = j->s;
     dc_server *srv = s->srv;
     dc_err e;
+    if (j->params.phase == DC_PHASE_SUMS && s->ljob) {
+        /* the rest of its norm pass's logical step, which was accounted */
+        j->eps = s->ljob->eps;
+        j->delta = s->ljob->delta;
+        j->t_checked = uv_hrtime();
+        s->job = j;
+        step_submit(j);
+        return;
+    }
     if (dc_step_account_check(j, &srv->cfg, &e)) goto fail;
     if (!s->ljob) {
         if (dc_ledger_job_open(&srv->ledger, (uint32_t)s->peer_uid, s->job_id, &s->ljob, &e))
@@ -229,6 +255,14 @@ dc_worker_pool *dc_session_step_pool(const dc_step_job *j) {
     return j->step.device >= 0 ? &srv->gpu.pools[j->step.device] : &srv->cpu_pool;
 }
 
+/* Loop thread: a norm pass ran; the session keeps it for its sums. */
+static void pass_done(dc_job *job) {
+    dc_step_job *j = (dc_step_job *)job;
+    dc_session *s = j->s;
+    if (j->rc == 0) j->rc = dc_pass_new(j, &s->pass, &j->err);
+    dc_session_step_done(job);
+}
+
 static void step_submit(dc_step_job *j) {
     dc_session *s = j->s;
     dc_server *srv = s->srv;
@@ -245,8 +279,10 @@ static void step_submit(dc_step_job *j) {
         dc_session_group_submit(j);
         return;
     }
-    j->job.work = dc_step_run_work;
-    j->job.done = dc_session_step_done;
+    j->job.work = j->params.phase == DC_PHASE_NORMS  ? dc_step_run_pass_work
+                  : j->params.phase == DC_PHASE_SUMS ? dc_step_run_sums_work
+                                                     : dc_step_run_work;
+    j->job.done = j->params.phase == DC_PHASE_NORMS ? pass_done : dc_session_step_done;
     j->t_submit = uv_hrtime();
     dc_worker_pool_submit(dc_session_step_pool(j), &j->job);
     dc_session_step_expect(j, j->t_submit);
@@ -351,7 +387,8 @@ void dc_session_step_reply(dc_step_job *j) {
     if (j->rc == 0) {
         Dpclip__Reply reply = DPCLIP__REPLY__INIT;
         Dpclip__ClipStepReply cr = DPCLIP__CLIP_STEP_REPLY__INIT;
-        dc_step_reply_fill(j, ++s->steps, &cr);
+        /* a sums step is part of its norm pass's logical step */
+        dc_step_reply_fill(j, j->params.phase == DC_PHASE_SUMS ? s->steps : ++s->steps, &cr);
         reply.id = j->req_id;
         reply.body_case = DPCLIP__REPLY__BODY_CLIP_STEP;
         reply.clip_step = &cr;
@@ -371,6 +408,10 @@ void dc_session_step_finish(dc_step_job *j) {
     s->last_step_ns = now;
     dc_step_reply_count(j, now, &srv->metrics);
     note_workspace(srv, j);
+    if (j->params.phase == DC_PHASE_SUMS && dc_pass_done(s->pass)) {
+        dc_pass_free(s->pass); /* every layer summed: nothing more to hold */
+        s->pass = NULL;
+    }
     expect_next(s, j, now);
     dc_step_reply_log(j, s->id, s->steps, j->t_done, now, s->last_send_ns);
     job_free(j);

@@ -42,12 +42,21 @@ struct dc_session_event {
     void *event;                 /* cudaEvent_t opened in the daemon */
 };
 
+/* ClipStep.phase: a logical step whole, or its norm pass and the clipped
+ * sums that follow it (step_pass.c). */
+typedef enum dc_step_phase {
+    DC_PHASE_WHOLE = 0,
+    DC_PHASE_NORMS = 1,
+    DC_PHASE_SUMS = 2
+} dc_step_phase;
+
 /* What a ClipStep asks besides its tensors: the events it names and its
  * accounting terms (kept with the plan cache, step_validate.c). */
 struct dc_step_params {
     uint64_t wait_event, signal_event;
     uint64_t group_step;   /* 0: the session's next */
     bool notify_enqueued;
+    dc_step_phase phase;
     double sample_rate, target_delta, target_epsilon;
 };
 

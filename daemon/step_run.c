@@ -43,8 +43,9 @@ int dc_step_run_prepare(dc_step_job *j, dc_err *e) {
     return 0;
 }
 
-void dc_step_run_work(dc_job *job, dc_backend *be) {
-    dc_step_job *j = (dc_step_job *)job;
+/* The whole step, or (sums) the clip phase of a step in phases with the
+ * norm pass's totals (step_pass.c). */
+static void run_step(dc_step_job *j, dc_backend *be, bool sums) {
     j->t_start = uv_hrtime();
     j->be = be;
     dc_err_clear(&j->err);
@@ -56,7 +57,13 @@ void dc_step_run_work(dc_job *job, dc_backend *be) {
         return;
     }
     j->t_waited = uv_hrtime();
-    j->rc = dc_backend_run_step(be, &j->step, &j->res, &j->err);
+    if (!sums)
+        j->rc = dc_backend_run_step(be, &j->step, &j->res, &j->err);
+    else if (be->ops->run_clip)
+        j->rc = be->ops->run_clip(be, &j->step, j->n2, j->tot, &j->res, &j->err);
+    else
+        j->rc = dc_err_set(&j->err, DC_EUNIMPL, "clip_step.phase",
+                           "the %s backend has no separate clip phase", be->ops->name);
     if (j->rc && j->res.released) dc_step_run_released_error(&j->err);
     if (j->rc == 0 && j->signal_event && !j->signaled) {
         j->res.released = true; /* the outputs are written, whatever happens next */
@@ -70,6 +77,16 @@ void dc_step_run_work(dc_job *job, dc_backend *be) {
     /* Read here, on the thread that owns the backend. */
     if (j->step.device >= 0) j->workspace = dc_cuda_backend_workspace_bytes(be);
 #endif
+    j->t_end = uv_hrtime();
+}
+
+void dc_step_run_work(dc_job *job, dc_backend *be) { run_step((dc_step_job *)job, be, false); }
+
+void dc_step_run_sums_work(dc_job *job, dc_backend *be) { run_step((dc_step_job *)job, be, true); }
+
+void dc_step_run_pass_work(dc_job *job, dc_backend *be) {
+    dc_step_job *j = (dc_step_job *)job;
+    dc_step_run_norms_work(job, be);
     j->t_end = uv_hrtime();
 }
 

@@ -33,5 +33,10 @@ void dc_step_run_prewait(dc_job *job, dc_backend *be);
  * are in j->tot, the clip phase (run_clip, then the signal event). */
 void dc_step_run_norms_work(dc_job *job, dc_backend *be);
 void dc_step_run_clip_work(dc_job *job, dc_backend *be);
+/* A step in phases (step_pass.h): the norm pass (as a group's norm phase,
+ * into j->n2), and a sums step (as dc_step_run_work, with run_clip on the
+ * pass's n2 rows and totals in j->n2 and j->tot). */
+void dc_step_run_pass_work(dc_job *job, dc_backend *be);
+void dc_step_run_sums_work(dc_job *job, dc_backend *be);
 
 #endif

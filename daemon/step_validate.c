@@ -5,8 +5,16 @@
 
 int dc_step_validate(dc_step_job *j, const Dpclip__ClipStep *m, const dc_registry *reg,
                      const dc_limits *lim, dc_err *e) {
-    j->params = (struct dc_step_params){m->wait_event,   m->signal_event, m->group_step,
-                                        m->notify_enqueued, m->sample_rate, m->target_delta,
+    if (m->phase != DPCLIP__STEP_PHASE__STEP_WHOLE && m->phase != DPCLIP__STEP_PHASE__STEP_NORMS &&
+        m->phase != DPCLIP__STEP_PHASE__STEP_SUMS)
+        return dc_err_set(e, DC_EINVAL, "clip_step.phase", "unknown phase %d", (int)m->phase);
+    j->params = (struct dc_step_params){m->wait_event,
+                                        m->signal_event,
+                                        m->group_step,
+                                        m->notify_enqueued,
+                                        (dc_step_phase)m->phase,
+                                        m->sample_rate,
+                                        m->target_delta,
                                         m->target_epsilon};
     return dc_validate_step(m, reg, lim, &j->step, e);
 }

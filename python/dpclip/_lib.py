@@ -29,6 +29,8 @@ EIO, ENOMEM, EAGAIN, EARG = 100, 101, 102, 103
 F32, BF16, F16, I32, I64 = 1, 2, 3, 4, 5
 SUM, MEAN = 1, 2
 ALGO_AUTO, ALGO_DIRECT, ALGO_GHOST = 0, 1, 2
+# ClipStep.phase (Step.set_phase): whole, or a norm pass and its sums
+STEP_WHOLE, STEP_NORMS, STEP_SUMS = 0, 1, 2
 FLAT, PER_LAYER = 0, 1
 
 DTYPE = {"float32": F32, "bfloat16": BF16, "float16": F16, "int32": I32, "int64": I64}
@@ -170,6 +172,7 @@ def _declare(L: ctypes.CDLL) -> None:
         "dpclip_result_free": (None, [ctypes.POINTER(Result)]),
         "dpclip_run": (c_int, [c_void_p, c_void_p, ctypes.POINTER(Result)]),
         "dpclip_step_notify_enqueued": (None, [c_void_p, c_int]),
+        "dpclip_step_set_phase": (c_int, [c_void_p, c_int]),
         "dpclip_submit": (c_int, [c_void_p, c_void_p, u64p]),
         "dpclip_wait": (c_int, [c_void_p, ctypes.c_uint64, c_int, ctypes.POINTER(Result)]),
         "dpclip_wait_enqueued": (c_int, [c_void_p, ctypes.c_uint64, c_int,
@@ -477,6 +480,14 @@ class Step:
             return _step_result(res)
         finally:
             self._L.dpclip_result_free(ctypes.byref(res))
+
+    def set_phase(self, phase: int) -> None:
+        """STEP_WHOLE, or a step in phases: one STEP_NORMS step naming
+        every layer (no outputs), then STEP_SUMS steps naming some of them
+        again with their outputs (docs/protocol.md, "Steps in phases").
+        Kept across reset()."""
+        if self._L.dpclip_step_set_phase(self._s, phase) != 0:
+            raise ValueError("unknown step phase %r" % (phase,))
 
     def notify_enqueued(self, yes: bool = True) -> None:
         """GPU steps with a signal event: have submit()'s step send an

@@ -380,9 +380,12 @@ static dpclip_tensor wire(const dc_shm_step *s, const dc_tensor *t) {
     return w;
 }
 
-/* Adds ref layer i to the wire step. */
-static int add_wire_layer(dc_shm_step *s, size_t i) {
+/* Adds ref layer i to a wire step (with its outputs or without). */
+static int add_wire_to(dc_shm_step *s, dpclip_step *dst, size_t i, int outputs) {
     const dc_layer *l = &s->ref.layers[i];
+    const dc_tensor none = {0};
+    const dc_tensor *wo = outputs ? &l->weight_grad_out : &none;
+    const dc_tensor *bo = outputs ? &l->bias_grad_out : &none;
     switch (l->kind) {
     case DC_LAYER_LINEAR: {
         dpclip_linear x;
@@ -392,10 +395,10 @@ static int add_wire_layer(dc_shm_step *s, size_t i) {
         x.output_grad = wire(s, &l->grad);
         x.has_bias = l->has_bias;
         x.algo = (dpclip_algo)l->algo;
-        x.weight_grad_out = wire(s, &l->weight_grad_out);
-        x.bias_grad_out = wire(s, &l->bias_grad_out);
+        x.weight_grad_out = wire(s, wo);
+        x.bias_grad_out = wire(s, bo);
         x.max_grad_norm = l->max_grad_norm;
-        return dpclip_step_add_linear(s->step, &x);
+        return dpclip_step_add_linear(dst, &x);
     }
     case DC_LAYER_EMBEDDING: {
         dpclip_embedding x;
@@ -406,9 +409,9 @@ static int add_wire_layer(dc_shm_step *s, size_t i) {
         x.num_embeddings = (uint64_t)l->vocab;
         x.has_padding_idx = l->has_padding_idx;
         x.padding_idx = l->padding_idx;
-        x.weight_grad_out = wire(s, &l->weight_grad_out);
+        x.weight_grad_out = wire(s, wo);
         x.max_grad_norm = l->max_grad_norm;
-        return dpclip_step_add_embedding(s->step, &x);
+        return dpclip_step_add_embedding(dst, &x);
     }
     case DC_LAYER_LAYERNORM:
     case DC_LAYER_RMSNORM: {
@@ -419,14 +422,25 @@ static int add_wire_layer(dc_shm_step *s, size_t i) {
         x.output_grad = wire(s, &l->grad);
         x.eps = l->eps;
         x.has_bias = l->has_bias;
-        x.weight_grad_out = wire(s, &l->weight_grad_out);
-        x.bias_grad_out = wire(s, &l->bias_grad_out);
+        x.weight_grad_out = wire(s, wo);
+        x.bias_grad_out = wire(s, bo);
         x.max_grad_norm = l->max_grad_norm;
-        return l->kind == DC_LAYER_LAYERNORM ? dpclip_step_add_layernorm(s->step, &x)
-                                             : dpclip_step_add_rmsnorm(s->step, &x);
+        return l->kind == DC_LAYER_LAYERNORM ? dpclip_step_add_layernorm(dst, &x)
+                                             : dpclip_step_add_rmsnorm(dst, &x);
     }
     }
     return DPCLIP_EARG;
+}
+
+static int add_wire_layer(dc_shm_step *s, size_t i) { return add_wire_to(s, s->step, i, 1); }
+
+int dc_shm_step_wire_layers(dc_shm_step *s, dpclip_step *dst, const size_t *layers, size_t n,
+                            int outputs) {
+    int rc;
+    for (size_t k = 0; k < n; k++)
+        if (layers[k] >= s->ref.n_layers) return DPCLIP_EARG;
+        else if ((rc = add_wire_to(s, dst, layers[k], outputs))) return rc;
+    return 0;
 }
 
 int dc_shm_step_init(dc_shm_step *s, dpclip_client *c, size_t capacity, uint32_t B,

@@ -91,6 +91,10 @@ int dc_shm_step_add(dc_shm_step *s, const dc_test_layer_spec *spec, dc_test_rng 
  * the shared buffer and adds it to both steps, as dc_shm_step_add does with
  * a random one. src is not changed or freed. Returns the index, or -1. */
 int dc_shm_step_add_layer(dc_shm_step *s, const dc_layer *src);
+/* Adds ref layers layers[0..n) to another wire step dst (a step in
+ * phases naming some of them), with their outputs or without. */
+int dc_shm_step_wire_layers(dc_shm_step *s, dpclip_step *dst, const size_t *layers, size_t n,
+                            int outputs);
 /* Adds [B] f32 norms_out / coefs_out tensors in the buffer. */
 int dc_shm_step_add_outputs(dc_shm_step *s, int norms, int coefs);
 /* Replaces the clipping config (rebuilding the wire step), e.g. to pick C

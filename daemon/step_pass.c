@@ -1,0 +1,224 @@
+#include "step_pass.h"
+
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* What identifies a layer between a pass and its sums: the tensors it reads
+ * (daemon addresses of the same buffers at the same offsets), its shapes and
+ * its terms. */
+typedef struct pass_layer {
+    dc_layer_kind kind;
+    int64_t T, d, p, vocab;
+    dc_tensor input, grad;
+    bool has_bias, has_padding_idx, tie_owner;
+    int64_t padding_idx;
+    float eps;
+    uint32_t tie; /* 1 + the pass index of the other layer of a tied pair, 0 = none */
+    bool summed;
+} pass_layer;
+
+struct dc_pass {
+    uint32_t batch;
+    int device;
+    float max_grad_norm;
+    dc_reduction reduction;
+    uint32_t expected_batch;
+    size_t n_layers, n_summed;
+    size_t next;       /* where the next match is looked for first: sums come in order */
+    double *n2;        /* [L*B] */
+    double *tot;       /* [B] */
+    pass_layer *layers;
+};
+
+int dc_pass_check(const dc_step_job *j, bool grouped, dc_err *e) {
+    const dc_step *s = &j->step;
+    const char *what = j->params.phase == DC_PHASE_NORMS ? "a norm pass (phase STEP_NORMS)"
+                                                         : "a sums step (phase STEP_SUMS)";
+    if (grouped)
+        return dc_err_set(e, DC_EINVAL, "clip_step.phase",
+                          "%s is not taken in a norm group: a group's members already sum "
+                          "their norms", what);
+    if (s->noise_multiplier != 0.0f)
+        return dc_err_set(e, DC_EINVAL, "clip_step.noise_multiplier",
+                          "%s draws no noise (give 0): its sums are data-parallel shares, "
+                          "noised by the owners of the shards in steps of their own", what);
+    if (s->mode != DC_CLIP_FLAT)
+        return dc_err_set(e, DC_EINVAL, "clip_step.clip.mode", "%s clips flat", what);
+    if (j->params.phase != DC_PHASE_NORMS) return 0;
+    for (size_t l = 0; l < s->n_layers; l++)
+        if (s->layers[l].weight_grad_out.data || s->layers[l].bias_grad_out.data)
+            return dc_err_set(e, DC_EINVAL,
+                              s->layers[l].weight_grad_out.data ? "clip_step.layers.weight_grad_out"
+                                                                : "clip_step.layers.bias_grad_out",
+                              "layer %zu ('%s'): a norm pass writes no sums; name the outputs "
+                              "in the STEP_SUMS steps that follow", l, s->layers[l].name);
+    if (s->norms_out.data || s->coefs_out.data)
+        return dc_err_set(e, DC_EINVAL,
+                          s->norms_out.data ? "clip_step.norms_out" : "clip_step.coefficients_out",
+                          "a norm pass writes nothing to client memory: its norms and "
+                          "coefficients are in the reply");
+    if (j->params.signal_event || j->params.notify_enqueued)
+        return dc_err_set(e, DC_EINVAL,
+                          j->params.signal_event ? "clip_step.signal_event"
+                                                 : "clip_step.notify_enqueued",
+                          "a norm pass writes nothing for an event to signal");
+    return 0;
+}
+
+static bool tensor_same(const dc_tensor *a, const dc_tensor *b) {
+    if (a->data != b->data || a->dtype != b->dtype || a->ndim != b->ndim) return false;
+    for (int i = 0; i < a->ndim; i++)
+        if (a->shape[i] != b->shape[i]) return false;
+    return true;
+}
+
+static void layer_keep(pass_layer *k, const dc_layer *ly) {
+    memset(k, 0, sizeof *k);
+    k->kind = ly->kind;
+    k->T = ly->T;
+    k->d = ly->d;
+    k->p = ly->p;
+    k->vocab = ly->vocab;
+    k->input = ly->input;
+    k->grad = ly->grad;
+    k->has_bias = ly->has_bias;
+    k->has_padding_idx = ly->has_padding_idx;
+    k->padding_idx = ly->padding_idx;
+    k->tie_owner = ly->tie_owner;
+    k->eps = ly->eps;
+    k->tie = ly->tie;
+}
+
+static bool layer_same(const pass_layer *k, const dc_layer *ly) {
+    return k->kind == ly->kind && k->T == ly->T && k->d == ly->d && k->p == ly->p &&
+           k->vocab == ly->vocab && tensor_same(&k->input, &ly->input) &&
+           tensor_same(&k->grad, &ly->grad) && k->has_bias == ly->has_bias &&
+           k->has_padding_idx == ly->has_padding_idx &&
+           (!k->has_padding_idx || k->padding_idx == ly->padding_idx) &&
+           k->tie_owner == ly->tie_owner && (k->tie != 0) == (ly->tie != 0) &&
+           memcmp(&k->eps, &ly->eps, sizeof k->eps) == 0;
+}
+
+int dc_pass_new(dc_step_job *j, dc_pass **out, dc_err *e) {
+    const dc_step *s = &j->step;
+    const uint32_t B = s->batch;
+    const size_t L = s->n_layers;
+    dc_step_result *r = &j->res;
+    dc_pass *p = calloc(1, sizeof *p);
+    *out = NULL;
+    if (!p || !(p->tot = malloc(B * sizeof *p->tot)) ||
+        !(p->layers = malloc(L * sizeof *p->layers)))
+        goto nomem;
+    p->batch = B;
+    p->device = s->device;
+    p->max_grad_norm = s->max_grad_norm;
+    p->reduction = s->reduction;
+    p->expected_batch = s->expected_batch;
+    p->n_layers = L;
+    for (size_t l = 0; l < L; l++) layer_keep(&p->layers[l], &s->layers[l]);
+    for (uint32_t b = 0; b < B; b++) {
+        double t = 0.0;
+        for (size_t l = 0; l < L; l++) t += j->n2[l * B + b];
+        /* run_norms failed the step on a non-finite input; a total that
+         * overflowed still must not clip as "no clipping" */
+        if (!isfinite(t)) {
+            dc_pass_free(p);
+            return dc_err_set(e, DC_ENONFINITE, "clip_step",
+                              "sample %u: its squared gradient norm overflows", b);
+        }
+        p->tot[b] = t;
+        r->norms[b] = (float)sqrt(t);
+        r->coefs[b] = dc_clip_coef(s->max_grad_norm, r->norms[b]);
+    }
+    for (size_t i = 0; i < L * B; i++) r->layer_norms[i] = (float)sqrt(j->n2[i]);
+    p->n2 = j->n2;
+    j->n2 = NULL;
+    *out = p;
+    return 0;
+nomem:
+    dc_pass_free(p);
+    return dc_err_set(e, DC_ENOSPACE, "clip_step", "out of memory");
+}
+
+/* The pass's layer that a sums layer names, not summed yet: SIZE_MAX if
+ * none. Looked for from where the last match left off. */
+static size_t find(const dc_pass *p, const dc_layer *ly) {
+    for (size_t i = 0; i < p->n_layers; i++) {
+        size_t k = (p->next + i) % p->n_layers;
+        if (!p->layers[k].summed && layer_same(&p->layers[k], ly)) return k;
+    }
+    return SIZE_MAX;
+}
+
+int dc_pass_take(dc_pass *p, dc_step_job *j, dc_err *e) {
+    const dc_step *s = &j->step;
+    const uint32_t B = s->batch;
+    const size_t L = s->n_layers;
+    size_t *at = NULL, matched = 0;
+    int rc;
+
+    if (!p)
+        return dc_err_set(e, DC_EPRECOND, "clip_step.phase",
+                          "no norm pass to sum: send a STEP_NORMS step naming every layer "
+                          "first (any other step ends the pass)");
+    if (s->device != p->device || B != p->batch)
+        return dc_err_set(e, DC_EINVAL, s->device != p->device ? "clip_step" : "clip_step.batch_size",
+                          "the norm pass was of %u samples on %s: a sums step takes its batch "
+                          "and device", p->batch, p->device < 0 ? "host memory" : "a GPU");
+    if (s->max_grad_norm != p->max_grad_norm || s->reduction != p->reduction ||
+        s->expected_batch != p->expected_batch)
+        return dc_err_set(e, DC_EINVAL, "clip_step.clip",
+                          "a sums step takes its norm pass's max_grad_norm, reduction and "
+                          "expected batch size");
+    if (!(at = malloc(L * sizeof *at)) || !(j->n2 = malloc(L * B * sizeof *j->n2)) ||
+        !(j->tot = malloc(B * sizeof *j->tot))) {
+        rc = dc_err_set(e, DC_ENOSPACE, "clip_step", "out of memory");
+        goto fail;
+    }
+    for (size_t l = 0; l < L; l++) {
+        const dc_layer *ly = &s->layers[l];
+        if ((at[l] = find(p, ly)) == SIZE_MAX) {
+            rc = dc_err_set(e, DC_EINVAL, "clip_step.layers",
+                            "layer %zu ('%s') is no layer of the norm pass that is still to "
+                            "sum: name each of the pass's layers once, with the same kind, "
+                            "shapes and tensors", l, ly->name);
+            goto fail;
+        }
+        p->layers[at[l]].summed = true; /* for the search of the next ones */
+        p->next = at[l] + 1;
+        matched++;
+    }
+    /* a tied pair: both layers here, and the pass's pair */
+    for (size_t l = 0; l < L; l++) {
+        const dc_layer *ly = &s->layers[l];
+        if (ly->tie && p->layers[at[l]].tie != at[ly->tie - 1] + 1) {
+            rc = dc_err_set(e, DC_EINVAL, "clip_step.layers.tied_to",
+                            "layer %zu ('%s'): its tied pair is not the norm pass's", l,
+                            ly->name);
+            goto fail;
+        }
+    }
+    for (size_t l = 0; l < L; l++) memcpy(&j->n2[l * B], &p->n2[at[l] * B], B * sizeof *j->n2);
+    memcpy(j->tot, p->tot, B * sizeof *j->tot);
+    p->n_summed += L;
+    free(at);
+    return 0;
+fail:
+    for (size_t l = 0; l < matched; l++) p->layers[at[l]].summed = false;
+    free(at);
+    free(j->n2);
+    free(j->tot);
+    j->n2 = j->tot = NULL;
+    return rc;
+}
+
+bool dc_pass_done(const dc_pass *p) { return p && p->n_summed == p->n_layers; }
+
+void dc_pass_free(dc_pass *p) {
+    if (!p) return;
+    free(p->n2);
+    free(p->tot);
+    free(p->layers);
+    free(p);
+}

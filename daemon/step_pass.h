@@ -1,0 +1,46 @@
+/* Steps in phases (ClipStep.phase): a norm pass kept between steps.
+ *
+ * A sharded model (FSDP) wants its clipped sums one layer group at a time,
+ * so that no full unsharded gradient exists at once. Flat clipping needs
+ * each sample's whole norm first: a NORMS step computes every layer's
+ * per-sample norms, and the session keeps them here; SUMS steps then name
+ * some of those layers again and get their clipped sums with the pass's
+ * coefficients (the backends' run_clip, as a norm group's clip phase).
+ *
+ * What this guards: a SUMS layer is one the pass measured (the same kind,
+ * shapes and tensors), each summed at most once, with the pass's batch and
+ * clip terms. Both phases draw no noise (the shards' owners noise them in
+ * steps of their own), so a sum released here is a data-parallel share.
+ *
+ * Ownership: the session owns its pass (dc_session.pass, one at a time); a
+ * SUMS job owns the n2 and tot copies dc_pass_take gives it. */
+#ifndef DC_STEP_PASS_H
+#define DC_STEP_PASS_H
+
+#include <stdbool.h>
+
+#include "dc_err.h"
+#include "step_job.h"
+
+typedef struct dc_pass dc_pass;
+
+/* The rules of a NORMS or SUMS request that need no pass: no noise, flat
+ * clipping, no norm group; a NORMS step names no outputs and no signal. */
+int dc_pass_check(const dc_step_job *j, bool grouped, dc_err *e);
+
+/* A NORMS job that ran (j->n2 filled by the backend's run_norms): fills its
+ * result (norms, coefficients, layer norms) and keeps the pass, taking
+ * j->n2. */
+int dc_pass_new(dc_step_job *j, dc_pass **out, dc_err *e);
+
+/* A SUMS job: matches each of its layers to a layer of the pass not summed
+ * yet and marks it summed; gives the job its n2 rows and the pass's totals
+ * (j->n2, j->tot, owned by the job). p may be NULL (no pass: refused). */
+int dc_pass_take(dc_pass *p, dc_step_job *j, dc_err *e);
+
+/* Whether every layer of the pass was summed (the session may drop it). */
+bool dc_pass_done(const dc_pass *p);
+
+void dc_pass_free(dc_pass *p);
+
+#endif
