@@ -3,11 +3,9 @@
 make_private(sharded_noise=True), which run the same steps.
 
 Each optimizer step, on every rank:
-  1. the clipping step: one ClipStep of the engine's session names every
-     layer (flat clipping needs each sample's whole norm), sigma 0; the
-     daemon writes the clipped sum of this rank's samples into one buffer
-     in the reduce dtype, each parameter in a padded region of world *
-     chunk rows (chunk = ceil(rows / world): fully_shard's dim-0 chunks);
+  1. the norm pass: one ClipStep of the engine's session in phase
+     STEP_NORMS names every layer (flat clipping needs each sample's whole
+     norm), sigma 0; the daemon keeps the per-sample norms for the sums;
   2. the noise step: a second session of the engine (same job) draws
      N(0, (sigma*C)^2) (divided by the expected batch size for a mean loss)
      for exactly the rows this rank owns: a one-sample step of zeros whose
@@ -16,11 +14,14 @@ Each optimizer step, on every rank:
      before the collectives, which it does not need: on a GPU the daemon's
      work must never wait for a collective that waits for another rank's
      daemon work queued behind it;
-  3. the reduce-scatter: the trainer's process group (the FSDP mesh's)
-     reduce-scatters the parameters' regions, in buckets of about 16M
-     elements per rank (each staged rank-major, one collective each), so
-     that each rank holds the sum over every rank's samples of the rows it
-     owns, and no more;
+  3. the sums and the reduce-scatter, bucket by bucket (about 16M
+     elements per rank, each a run of whole layers): a STEP_SUMS step names
+     the layers writing the bucket's parameters and gets their clipped sum
+     of this rank's samples, in the reduce dtype, each parameter in a padded
+     region of world * chunk rows (chunk = ceil(rows / world): fully_shard's
+     dim-0 chunks); the trainer's process group (the FSDP mesh's)
+     reduce-scatters it, staged rank-major, so that each rank holds the sum
+     over every rank's samples of the rows it owns, and no more;
   4. the gate: a flag (1: this rank's clipping and noise steps both
      succeeded) is all-reduced (MIN). Unless every rank's is 1, every rank
      writes zero gradients and raises: a shard missing its owner's noise,
@@ -33,8 +34,9 @@ Each optimizer step, on every rank:
 Accounting: the ranks' noise sessions form a GROUP_WISE dpclip norm group,
 whose rank 0 the ledger charges once per group step (its members' steps are
 the same logical step; they clip zeros, so the group's C / sqrt(size) never
-matters and the noise stays sigma*C). The clipping steps carry sigma 0 in
-the same job: data-parallel shares, charged nothing.
+matters and the noise stays sigma*C). The norm passes carry sigma 0 in the
+same job: data-parallel shares, charged nothing; their sums steps are part
+of them and are not accounted at all.
 
 Who reduce-scatters: the trainer's process group, after the daemon wrote the
 local sum. It is the group FSDP itself reduce-scatters over (NCCL on GPUs,
@@ -45,12 +47,13 @@ job, bootstrapped through the trainers anyway, and the daemon has none for
 data parallelism yet. Backends without reduce-scatter (gloo in older
 torches) all-reduce the sums and keep their rows: the same result.
 
-Memory: the local clipped sum of every parameter exists at once, for the
-step: one ClipStep writes every layer, as the ledger takes one sigma-0
-share per rank and logical step (more would be charged as steps without
-noise). FSDP itself holds one layer group's at a time; splitting the step
-by layer group needs the daemon to write a step's outputs group by group
-under one norm pass and one charge."""
+Memory: as FSDP holds one layer group's unsharded gradient at a time, the
+clipped sums exist one bucket at a time: two slots of the largest bucket's
+size (the daemon fills one while the trainer's stream copies the other out)
+and that bucket's staging. Past the norm pass (which waits for the
+backward's end) the daemon waits for nothing of the trainer's: a sums step
+replies once written, and the host reuses a slot only after the stream
+copied it out, so no daemon work ever waits behind a collective."""
 import math
 import secrets
 import time
@@ -212,13 +215,22 @@ def layout(layers: Sequence[_Layer], world: int, rank: int
     return pieces, full, shard
 
 
-def buckets(pieces: Sequence[Piece], per_rank: int) -> List[Tuple[int, int]]:
+def buckets(pieces: Sequence[Piece], per_rank: int,
+            spans: Sequence[Tuple[int, int]] = ()) -> List[Tuple[int, int]]:
     """[first, last) ranges of consecutive pieces whose shards span about
-    per_rank elements (a larger piece alone): one collective each."""
+    per_rank elements (a larger piece alone): one collective each, and one
+    sums step of the layer group writing them. spans: [lo, hi] piece
+    ranges never cut (the pieces one part writes: a layer's weight and
+    bias, a tied weight's uses), so that each part is summed in one
+    bucket."""
+    joined = [False] * len(pieces)  # joined[i]: pieces i and i + 1 go together
+    for lo, hi in spans:
+        for i in range(lo, hi):
+            joined[i] = True
     out, first, width = [], 0, 0
     for i, pc in enumerate(pieces):
         w = _al(pc.chunk * pc.inner)
-        if i > first and width + w > per_rank:
+        if i > first and width + w > per_rank and not joined[i - 1]:
             out.append((first, i))
             first, width = i, 0
         width += w
@@ -232,6 +244,152 @@ def _noise_shape(n: int) -> Tuple[int, int]:
     values: near square, so its zero inputs are small."""
     d = max(1, math.isqrt(max(n - 1, 0)) + 1)
     return -(-n // d), d
+
+
+# --- the clipping step in phases: the transports ----------------------------------------
+
+class _HostIO:
+    """A step's norm pass and sums through the engine's arena: one slot of
+    the largest bucket's size at its start (the sums steps are synchronous:
+    the slot is copied out before the next), then each part's activations
+    and output gradients, which the norm pass and the sums name alike."""
+
+    def __init__(self, sh: "Sharded", plan: _planner.Plan, nb: int, device: torch.device):
+        e = sh.engine
+        self.sh, self.plan, self.nb = sh, plan, nb
+        esz = _ESIZE[sh.dtype]
+        off = _align(sh.widest * esz)
+        slots = []
+        for lp in plan.parts:
+            a_off = _align(off)
+            g_off = _align(a_off + math.prod(lp.in_shape) * _ESIZE[lp.in_dtype])
+            off = g_off + math.prod(lp.grad_shape) * _ESIZE[lp.grad_dtype]
+            slots.append((a_off, g_off))
+        self.bid, _, self.mem = e._host.view(off)  # pylint: disable=protected-access
+
+        def view(o: int, dtype: torch.dtype, shape: Tuple[int, ...]) -> torch.Tensor:
+            return self.mem[o:o + math.prod(shape) * _ESIZE[dtype]].view(dtype).view(shape)
+
+        for lp, (a_off, g_off) in zip(plan.parts, slots):
+            av, gv = view(a_off, lp.in_dtype, lp.in_shape), view(g_off, lp.grad_dtype,
+                                                               lp.grad_shape)
+            if lp.inp is None:
+                av.zero_()
+                gv.zero_()
+            else:
+                av.copy_(lp.inp)
+                gv.copy_(lp.grad)
+        self.slots = slots
+
+    def _ins(self, i: int) -> Tuple[_lib.Tensor, _lib.Tensor]:
+        lp, (a_off, g_off) = self.plan.parts[i], self.slots[i]
+        return (_tref(self.bid, a_off, lp.in_dtype, lp.in_shape),
+                _tref(self.bid, g_off, lp.grad_dtype, lp.grad_shape))
+
+    def norms(self) -> _lib.StepResult:
+        st = self.sh._clip  # pylint: disable=protected-access
+        st.reset(self.nb)
+        st.set_phase(_lib.STEP_NORMS)
+        _planner.add_layers(st, self.plan.parts, self.sh.engine.algorithm,
+                            lambda i: self._ins(i) + (_lib.Tensor(), _lib.Tensor()))
+        return st.run(self.sh.engine.client)
+
+    def sums(self, k: int, which: List[int], base: int, n: int) -> torch.Tensor:
+        sh = self.sh
+        esz = _ESIZE[sh.dtype]
+        outs = sh._out_refs(lambda o, shape: _tref(self.bid, o * esz, sh.dtype, shape), base)
+        st = sh._clip  # pylint: disable=protected-access
+        st.reset(self.nb)
+        st.set_phase(_lib.STEP_SUMS)
+        _planner.add_layers(st, self.plan.parts, sh.engine.algorithm,
+                            lambda i: self._ins(i) + outs(self.plan.parts[i]), which)
+        st.run(sh.engine.client)
+        return self.mem[:n * esz].view(sh.dtype)
+
+    def copied(self, k: int) -> None:
+        pass  # synchronous: the slot was copied out already
+
+    def close(self) -> None:
+        self.sh._clip.set_phase(_lib.STEP_WHOLE)  # pylint: disable=protected-access
+
+
+class _CudaIO:
+    """A step's norm pass and sums on the GPU: the parts' tensors named in
+    place (kept until the sums are done); two slots of the largest bucket's
+    size, written in turn. The daemon's steps wait on no event of ours but
+    the norm pass's (its input: the backward's end): a sums step replies
+    once its writes are done, and the host reuses a slot only once the
+    trainer's stream has copied it out. So the daemon never waits for work
+    queued behind a collective, which waits for another rank's daemon
+    work (the deadlock the noise step's ordering avoids too)."""
+
+    def __init__(self, sh: "Sharded", plan: _planner.Plan, nb: int, device: torch.device):
+        self.sh, self.plan, self.nb, self.device = sh, plan, nb, device
+        self.keep = []
+        for lp in plan.parts:
+            if lp.inp is None:
+                inp = torch.zeros(lp.in_shape, dtype=lp.in_dtype, device=device)
+                g = torch.zeros(lp.grad_shape, dtype=lp.grad_dtype, device=device)
+            else:
+                inp = lp.inp.to(lp.in_dtype).contiguous()
+                g = lp.grad.to(lp.grad_dtype).contiguous()
+            self.keep.append((inp, g))
+        self.widest = sh.widest
+        self.slots: List[Optional[torch.Tensor]] = [None, None]
+        self.copied_ev: List[Optional[Any]] = [None, None]
+
+    def _ins(self, i: int) -> Tuple[_lib.Tensor, _lib.Tensor]:
+        io = self.sh.engine._cuda  # pylint: disable=protected-access
+        lp, (inp, g) = self.plan.parts[i], self.keep[i]
+        return io.ref(inp, lp.in_shape), io.ref(g, lp.grad_shape)
+
+    def norms(self) -> _lib.StepResult:
+        e = self.sh.engine
+        io = e._cuda  # pylint: disable=protected-access
+        ready, _, rid, _ = io.events(self.device)
+        st = self.sh._clip  # pylint: disable=protected-access
+        with torch.cuda.device(self.device):
+            st.reset(self.nb)
+            st.set_phase(_lib.STEP_NORMS)
+            _planner.add_layers(st, self.plan.parts, e.algorithm,
+                                lambda i: self._ins(i) + (_lib.Tensor(), _lib.Tensor()))
+            ready.record(torch.cuda.current_stream(self.device))
+            st.set_events(rid, 0)
+            st.notify_enqueued(False)
+            try:
+                return st.run(e.client)
+            finally:
+                st.set_events(0, 0)
+
+    def sums(self, k: int, which: List[int], base: int, n: int) -> torch.Tensor:
+        sh, e = self.sh, self.sh.engine
+        slot = k % 2
+        if self.copied_ev[slot] is not None:
+            self.copied_ev[slot].synchronize()  # the host: bucket k - 2 is out of it
+        if self.slots[slot] is None:
+            self.slots[slot] = torch.empty(self.widest, dtype=sh.dtype, device=self.device)
+        buf = self.slots[slot]
+        esz = _ESIZE[sh.dtype]
+        st = sh._clip  # pylint: disable=protected-access
+        with torch.cuda.device(self.device):
+            fbid, foff = e.client.register_cuda(buf.data_ptr())
+            outs = sh._out_refs(lambda o, shape: _tref(fbid, foff + o * esz, sh.dtype, shape),
+                                base)
+            st.reset(self.nb)
+            st.set_phase(_lib.STEP_SUMS)
+            _planner.add_layers(st, self.plan.parts, e.algorithm,
+                                lambda i: self._ins(i) + outs(self.plan.parts[i]), which)
+            st.run(e.client)  # replies once the daemon's writes are done
+        return buf[:n]
+
+    def copied(self, k: int) -> None:
+        ev = torch.cuda.Event()
+        ev.record(torch.cuda.current_stream(self.device))
+        self.copied_ev[k % 2] = ev
+
+    def close(self) -> None:
+        self.sh._clip.set_phase(_lib.STEP_WHOLE)  # pylint: disable=protected-access
+        self.keep.clear()
 
 
 # --- the engine's sharded steps ---------------------------------------------------------
@@ -271,16 +429,21 @@ class Sharded:
         self._global = [k if self.group is None else int(get(self.group, k))
                         for k in range(self.world)]
         self.pieces, self.full_n, self.shard_n = layout(self.layers, self.world, self.rank)
-        self._buckets = buckets(self.pieces, _BUCKET)
+        self._buckets = buckets(self.pieces, _BUCKET, self._spans())
+        # the largest bucket's sums, in elements: what a slot holds
+        self.widest = max((self.pieces[l - 1].full_off - self.pieces[f].full_off +
+                           _al(self.world * self.pieces[l - 1].chunk * self.pieces[l - 1].inner)
+                           for f, l in self._buckets), default=0)
+        self.sums_steps = 0  # the last step's sums steps run (one per bucket)
         if fsdp:
             self._check_rows()
         self.client: Optional[_lib.Client] = None  # the noise session
         self._host: Optional[HostArena] = None
         self._cuda: Optional[CudaIPC] = None
-        self._clip: Optional[_lib.Step] = None
+        self._clip: Optional[_lib.Step] = None  # the norm pass, then each bucket's sums
         self._noise: Optional[_lib.Step] = None
         self._rs_native = True  # reduce_scatter_tensor works on this backend (probed at open)
-        self._events: Optional[Tuple[Any, Any]] = None  # CUDA: the reduce-scatter's start/end
+        self._events: List[Tuple[Any, Any]] = []  # CUDA: each reduce-scatter's start/end
         self.timing: Dict[str, float] = {}
 
     def _check_dtensors(self, module: nn.Module) -> Any:
@@ -368,6 +531,17 @@ class Sharded:
             self.client.close()
             self.client = None
 
+    def _spans(self) -> List[Tuple[int, int]]:
+        """[lo, hi] piece ranges each layer writes (its weight and bias,
+        and a tied weight's other use): what a bucket must not cut."""
+        at = {id(pc.out): i for i, pc in enumerate(self.pieces)}
+        spans = []
+        for l in self.layers:
+            idx = [at[id(o)] for o in (l.w_out, l.b_out) if o is not None and id(o) in at]
+            if len(idx) > 1:
+                spans.append((min(idx), max(idx)))
+        return spans
+
     # -- the step -------------------------------------------------------------------------
     def step(self) -> None:
         """One optimizer step (see the module's docstring); raises on every
@@ -377,7 +551,7 @@ class Sharded:
         device = self.layers[0].weight.device
         cuda = device.type == "cuda"
         failed: Optional[BaseException] = None
-        res, B, ok = None, 0, None
+        res, B, plan, io = None, 0, None, None
         t0 = time.perf_counter()
         try:
             passes = {pid for l in self.layers for _, _, pid in l.records}
@@ -388,12 +562,10 @@ class Sharded:
                     "accumulation): call optimizer.step() after each backward" % len(passes))
             B = _planner.batch_size(self.layers)
             plan = _planner.plan(self.layers, B)
-            run = self._clip_cuda if cuda else self._clip_host
-            full, res, ok = run(plan, max(B, 1), device)
-            self._to_param_layout(full)
+            io = (_CudaIO if cuda else _HostIO)(self, plan, max(B, 1), device)
+            res = io.norms()
         except Exception as exc:  # pylint: disable=broad-except
             failed = exc  # this rank still joins every collective, with zeros
-            full = torch.zeros(self.full_n, dtype=self.dtype, device=device)
         t1 = time.perf_counter()
         # the noise before the collectives (see the module's docstring);
         # rank 0's first: the daemon charges the noise group's step to rank
@@ -405,6 +577,7 @@ class Sharded:
         # in the all_reduce for rank 0's stream, which waits for the daemon
         # (a deadlock on a GPU; the first version had it)
         noise = nres = None
+        ok = torch.ones(1, device=device)
         for turn in (0, 1):
             if turn == 1:
                 after_rank0 = torch.zeros(1, device=device)
@@ -417,16 +590,19 @@ class Sharded:
                     ok = ok * ok_noise
                 except Exception as exc:  # pylint: disable=broad-except
                     failed = exc
+        t2 = time.perf_counter()
+        shards, failed = self._sums_and_scatter(plan, io if failed is None else None, device,
+                                                cuda, failed)
+        if io is not None:
+            io.close()
         if failed is not None:
             ok = torch.zeros(1, device=device)
-        t2 = time.perf_counter()
-        shards = self._reduce_scatter(full, cuda)
-        del full
         dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=self.group)
         applied = bool(ok[0] > 0)  # CUDA: waits for the steps and the collectives
         t3 = time.perf_counter()
         self._write(shards, noise if applied else None)
         self.timing = {"clip_ms": (t1 - t0) * 1e3, "noise_ms": (t2 - t1) * 1e3,
+                       "sums_and_reduce_scatter_ms": (t3 - t2) * 1e3,
                        "reduce_scatter_ms": (t3 - t2) * 1e3,
                        "write_ms": (time.perf_counter() - t3) * 1e3}
         if failed is not None:
@@ -442,162 +618,117 @@ class Sharded:
         e.last_epsilon, e.last_delta = nres.epsilon, nres.delta
 
     def reduce_scatter_ms(self) -> float:
-        """The last step's reduce-scatter on the device (CUDA; synchronizes),
-        else its wall time."""
-        if self._events is None:
+        """The last step's reduce-scatters on the device (CUDA; synchronizes),
+        else the wall time of its sums and reduce-scatters."""
+        if not self._events:
             return self.timing.get("reduce_scatter_ms", 0.0)
-        self._events[1].synchronize()
-        return self._events[0].elapsed_time(self._events[1])
+        self._events[-1][1].synchronize()
+        return sum(a.elapsed_time(b) for a, b in self._events)
 
-    # -- the clipping step ------------------------------------------------------------------
-    def _out_refs(self, ref: Any) -> Any:
+    def _sums_and_scatter(self, plan: Optional[_planner.Plan], io: Any, device: torch.device,
+                          cuda: bool, failed: Optional[BaseException]
+                          ) -> Tuple[torch.Tensor, Optional[BaseException]]:
+        """This rank's shards of the sums over every rank: [shard_n], each
+        piece's padded [chunk, ...] at its shard offset. Bucket by bucket
+        (a layer group of about _BUCKET elements per rank): the daemon's
+        sums step of the parts writing the bucket's pieces, into a slot of
+        the bucket's size; its regions copied rank-major into a staging
+        buffer; one collective. So no more than two buckets' full sums
+        exist at once, as FSDP holds one layer group's gradient. Without io
+        (this rank failed) and after a failure, zeros: every rank runs every
+        collective. Backends without reduce-scatter all-reduce the bucket
+        and keep this rank's row: the same result."""
+        dist = torch.distributed
+        shards = torch.empty(self.shard_n, dtype=self.dtype, device=device)
+        self._events = []
+        self.sums_steps = 0
+        by_out = {id(pc.out): i for i, pc in enumerate(self.pieces)}
+        for k, (first, last) in enumerate(self._buckets):
+            base = self.pieces[first].full_off
+            end = self.pieces[last - 1].full_off + _al(
+                self.world * self.pieces[last - 1].chunk * self.pieces[last - 1].inner)
+            s0 = self.pieces[first].shard_off
+            s1 = self.pieces[last - 1].shard_off + _al(self.pieces[last - 1].chunk *
+                                                        self.pieces[last - 1].inner)
+            full = None
+            if io is not None and failed is None:
+                try:
+                    which = self._bucket_parts(plan, by_out, first, last)
+                    full = io.sums(k, which, base, end - base)
+                    self.sums_steps += 1
+                    self._to_param_layout(full, first, last, base)
+                except Exception as exc:  # pylint: disable=broad-except
+                    failed = exc
+                    full = None
+            if full is None:
+                full = torch.zeros(end - base, dtype=self.dtype, device=device)
+            stage = torch.empty((self.world, s1 - s0), dtype=self.dtype, device=device)
+            for pc in self.pieces[first:last]:
+                n = pc.chunk * pc.inner
+                o = pc.shard_off - s0
+                f = pc.full_off - base
+                stage[:, o:o + n].copy_(full[f:f + self.world * n].view(self.world, n))
+            if io is not None:
+                io.copied(k)  # the slot may be written again
+            del full
+            if cuda:
+                ev = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                ev[0].record()
+            if self._rs_native:
+                dist.reduce_scatter_tensor(shards[s0:s1], stage.view(-1), group=self.group)
+            else:
+                dist.all_reduce(stage, group=self.group)
+                shards[s0:s1].copy_(stage[self.rank])
+            if cuda:
+                ev[1].record()
+                self._events.append(ev)
+            del stage
+        return shards, failed
+
+    @staticmethod
+    def _bucket_parts(plan: _planner.Plan, by_out: Dict[int, int], first: int,
+                      last: int) -> List[int]:
+        """The parts a bucket's sums step names, in the plan's order: those
+        writing its pieces [first, last), and the other use of a tied weight
+        among them (its later use writes nothing itself: the owner's output
+        holds both)."""
+        which = {i for i, pt in enumerate(plan.parts)
+                 if any(sl is not None and first <= by_out[id(sl[0])] < last
+                        for sl in (pt.w, pt.b))}
+        for i, pt in enumerate(plan.parts):
+            if pt.tied_to and (i in which or pt.tied_to - 1 in which):
+                which |= {i, pt.tied_to - 1}
+        return sorted(which)
+
+    def _out_refs(self, ref: Any, base: int) -> Any:
         """outs(part) -> (weight out ref, bias out ref) of a part, where
-        ref(element offset, shape) names a place in the sums: each slice at
-        its offset in its parameter's region."""
+        ref(element offset, shape) names a place in a bucket's sums starting
+        at element base of the layout: each slice at its offset in its
+        parameter's region."""
         by_out = {id(pc.out): pc for pc in self.pieces}
 
         def one(sl: Optional[Slice]) -> _lib.Tensor:
             if sl is None:
                 return _lib.Tensor()
             o, off, shape = sl
-            return ref(by_out[id(o)].full_off + off, shape)
+            return ref(by_out[id(o)].full_off - base + off, shape)
 
         def outs(pt: Part) -> Tuple[_lib.Tensor, _lib.Tensor]:
             return one(pt.w), one(pt.b)
         return outs
 
-    def _to_param_layout(self, full: torch.Tensor) -> None:
-        """Rewrites, in place, each region the daemon wrote in another
-        layout than its parameter's (a weight kept as [in, out], such as
-        transformers' Conv1D, is written [out, in]) in the parameter's, so
-        that its dim-0 rows are the ones fully_shard shards."""
-        for pc in self.pieces:
+    def _to_param_layout(self, full: torch.Tensor, first: int, last: int, base: int) -> None:
+        """Rewrites, in place, each region of pieces [first, last) the daemon
+        wrote in another layout than its parameter's (a weight kept as
+        [in, out], such as transformers' Conv1D, is written [out, in]) in
+        the parameter's, so that its dim-0 rows are the ones fully_shard
+        shards. full: the bucket's sums, from element base."""
+        for pc in self.pieces[first:last]:
             n = math.prod(pc.shape)
-            flat = full[pc.full_off:pc.full_off + n]
+            flat = full[pc.full_off - base:pc.full_off - base + n]
             g = pc.out.grad(flat)
             if g.data_ptr() != flat.data_ptr() or not g.is_contiguous():
                 flat.copy_(g.contiguous().reshape(-1))
-
-    def _clip_host(self, plan: _planner.Plan, nb: int, device: torch.device
-                   ) -> Tuple[torch.Tensor, _lib.StepResult, torch.Tensor]:
-        """The clipping step through the engine's arena: the sums at its
-        start (the reduce-scatter reads them there), then each layer's
-        activations and output gradients."""
-        e = self.engine
-        esz = _ESIZE[self.dtype]
-        off = self.full_n * esz
-        parts = plan.parts
-        slots = []
-        for lp in parts:
-            a_off = _align(off)
-            g_off = _align(a_off + math.prod(lp.in_shape) * _ESIZE[lp.in_dtype])
-            off = g_off + math.prod(lp.grad_shape) * _ESIZE[lp.grad_dtype]
-            slots.append((a_off, g_off))
-        bid, _, mem = e._host.view(off)  # pylint: disable=protected-access
-
-        def view(o: int, dtype: torch.dtype, shape: Tuple[int, ...]) -> torch.Tensor:
-            return mem[o:o + math.prod(shape) * _ESIZE[dtype]].view(dtype).view(shape)
-
-        for lp, (a_off, g_off) in zip(parts, slots):
-            av, gv = view(a_off, lp.in_dtype, lp.in_shape), view(g_off, lp.grad_dtype,
-                                                               lp.grad_shape)
-            if lp.inp is None:
-                av.zero_()
-                gv.zero_()
-            else:
-                av.copy_(lp.inp)
-                gv.copy_(lp.grad)
-        outs = self._out_refs(lambda o, shape: _tref(bid, o * esz, self.dtype, shape))
-
-        def refs(i: int) -> Tuple[_lib.Tensor, _lib.Tensor, _lib.Tensor, _lib.Tensor]:
-            lp, (a_off, g_off) = parts[i], slots[i]
-            return (_tref(bid, a_off, lp.in_dtype, lp.in_shape),
-                    _tref(bid, g_off, lp.grad_dtype, lp.grad_shape)) + outs(lp)
-
-        self._clip.reset(nb)
-        _planner.add_layers(self._clip, plan.parts, e.algorithm, refs)
-        res = self._clip.run(e.client)
-        return mem[:self.full_n * esz].view(self.dtype), res, torch.ones(1)
-
-    def _clip_cuda(self, plan: _planner.Plan, nb: int, device: torch.device
-                   ) -> Tuple[torch.Tensor, _lib.StepResult, torch.Tensor]:
-        """The clipping step on the GPU: tensors named in place, the sums a
-        fresh buffer (freed after the reduce-scatter), ordered by the
-        engine's events; its flag is its coefficients' (each > 0 once the
-        daemon committed the step, zeros otherwise)."""
-        e = self.engine
-        io = e._cuda  # pylint: disable=protected-access
-        full = torch.empty(self.full_n, dtype=self.dtype, device=device)
-        esz = _ESIZE[self.dtype]
-        keep = []
-        for lp in plan.parts:
-            if lp.inp is None:
-                inp = torch.zeros(lp.in_shape, dtype=lp.in_dtype, device=device)
-                g = torch.zeros(lp.grad_shape, dtype=lp.grad_dtype, device=device)
-            else:
-                inp = lp.inp.to(lp.in_dtype).contiguous()
-                g = lp.grad.to(lp.grad_dtype).contiguous()
-            keep.append((inp, g))
-        ready, done, rid, did = io.events(device)
-        with torch.cuda.device(device):
-            fbid, foff = e.client.register_cuda(full.data_ptr())
-            outs = self._out_refs(lambda o, shape: _tref(fbid, foff + o * esz, self.dtype, shape))
-
-            def refs(i: int) -> Tuple[_lib.Tensor, _lib.Tensor, _lib.Tensor, _lib.Tensor]:
-                lp = plan.parts[i]
-                inp, g = keep[i]
-                return (io.ref(inp, lp.in_shape), io.ref(g, lp.grad_shape)) + outs(lp)
-
-            self._clip.reset(nb)
-            _planner.add_layers(self._clip, plan.parts, e.algorithm, refs)
-            coefs = io.coefs_out(nb, device)
-            coefs.zero_()  # stays zero unless the daemon commits the step
-            self._clip.set_outputs(coefs_out=io.ref(coefs, (nb,)))
-            stream = torch.cuda.current_stream(device)
-            ready.record(stream)
-            self._clip.set_events(rid, did)
-            self._clip.notify_enqueued(False)
-            res = self._clip.run(e.client)
-            stream.wait_event(done)  # after the daemon's reads of `keep` and writes of `full`
-            ok = (coefs > 0).all().to(torch.float32).reshape(1)
-        keep.clear()
-        return full, res, ok
-
-    # -- the reduce-scatter -------------------------------------------------------------------
-    def _reduce_scatter(self, full: torch.Tensor, cuda: bool) -> torch.Tensor:
-        """This rank's shards of the sums over every rank: [shard_n], each
-        piece's padded [chunk, ...] at its shard offset. In buckets of
-        consecutive pieces (about _BUCKET elements per rank): each bucket's
-        regions copied rank-major into a staging buffer, then one collective
-        per bucket, as FSDP itself does (one reduce-scatter per parameter
-        cost a collective's latency each: 150 of them on GPT-2 small).
-        Backends without reduce-scatter all-reduce the bucket and keep this
-        rank's row: the same result."""
-        dist = torch.distributed
-        shards = torch.empty(self.shard_n, dtype=self.dtype, device=full.device)
-        if cuda:
-            self._events = (torch.cuda.Event(enable_timing=True),
-                            torch.cuda.Event(enable_timing=True))
-            self._events[0].record()
-        for first, last in self._buckets:
-            s0 = self.pieces[first].shard_off
-            s1 = self.pieces[last - 1].shard_off + _al(self.pieces[last - 1].chunk *
-                                                        self.pieces[last - 1].inner)
-            stage = torch.empty((self.world, s1 - s0), dtype=self.dtype, device=full.device)
-            for pc in self.pieces[first:last]:
-                n = pc.chunk * pc.inner
-                o = pc.shard_off - s0
-                stage[:, o:o + n].copy_(full[pc.full_off:pc.full_off + self.world * n]
-                                        .view(self.world, n))
-            if self._rs_native:
-                dist.reduce_scatter_tensor(shards[s0:s1], stage.view(-1), group=self.group)
-            else:
-                dist.all_reduce(stage, group=self.group)
-                shards[s0:s1].copy_(stage[self.rank])
-            del stage
-        if cuda:
-            self._events[1].record()
-        return shards
 
     # -- the noise step -------------------------------------------------------------------------
     def _noise_host(self, device: torch.device

@@ -6,7 +6,7 @@ write), adds them to a dpclip Step given each tensor's reference in a
 transport (_host, _cuda), and writes the daemon's outputs into param.grad.
 It holds no state: the engine (dpclip.torch) owns the layers and the Step."""
 import collections
-from typing import Callable, List, NamedTuple, Sequence, Tuple
+from typing import Callable, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
@@ -77,9 +77,15 @@ def plan(layers: Sequence[_Layer], B: int) -> Plan:
     return Plan(parts, outputs(layers))
 
 
-def add_layers(step: _lib.Step, parts: Sequence[Part], algorithm: int, refs: Refs) -> None:
-    """Adds every part to the step, its tensors named by refs."""
-    for i, pt in enumerate(parts):
+def add_layers(step: _lib.Step, parts: Sequence[Part], algorithm: int, refs: Refs,
+               which: Optional[Sequence[int]] = None) -> None:
+    """Adds every part to the step (or the parts which names, in increasing
+    order: a step in phases' sums), its tensors named by refs(index in
+    parts)."""
+    which = range(len(parts)) if which is None else which
+    at = {i: k for k, i in enumerate(which)}
+    for k, i in enumerate(which):
+        pt = parts[i]
         l = pt.layer
         a_ref, g_ref, w_ref, b_ref = refs(i)
         name = pt.name.encode()
@@ -99,9 +105,9 @@ def add_layers(step: _lib.Step, parts: Sequence[Part], algorithm: int, refs: Ref
             else:
                 step.add_rmsnorm(nl)
         if l.replicated:
-            step.set_replicated(i)
+            step.set_replicated(k)
         if pt.tied_to:
-            step.set_tied(i, pt.tied_to - 1)
+            step.set_tied(k, at[pt.tied_to - 1])
 
 
 def out_dtype(weight: torch.Tensor) -> torch.dtype:

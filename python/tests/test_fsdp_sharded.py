@@ -125,6 +125,11 @@ def test_buckets_cover_the_pieces_in_order():
                 assert last - first == 1 or width <= size, (world, size, first, last)
             if size == 10 ** 6:
                 assert got == [(0, len(pieces))]
+            # pieces one layer writes (weight and bias, a tied weight's
+            # uses) are never cut apart
+            joined = _fsdp.buckets(pieces, size, [(1, 2), (3, 4)])
+            assert all(a[1] == b[0] for a, b in zip(joined, joined[1:]))
+            assert all(cut not in (2, 4) for cut in (b[0] for b in joined[1:])), joined
 
 
 def test_hugging_face_structures_sharded(daemon, tmp_path):
@@ -145,6 +150,11 @@ def test_hugging_face_structures_sharded(daemon, tmp_path):
         for n, g in want.items():
             err = float((got[n].double() - g).abs().max()) / float(g.abs().max())
             assert err < 1e-4, (r, n, err)
+        # the sums came layer group by layer group: one daemon sums step per
+        # bucket, none holding more than a part of the whole
+        meta = torch.load(os.path.join(str(tmp_path), "hfmeta%d.pt" % r))
+        assert meta["buckets"] > 2 and meta["sums_steps"] == meta["buckets"], meta
+        assert meta["widest"] < meta["full"] / 2, meta
 
 
 def test_a_failure_on_any_rank_is_applied_on_none(daemon, tmp_path):
