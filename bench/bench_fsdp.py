@@ -91,16 +91,30 @@ def run(args, rank, world, device, mesh, mode):
     y = torch.randint(0, args.vocab, (args.batch, args.seq), generator=g).to(device)
     parts = {"reduce_scatter_ms": 0.0, "clip_ms": 0.0, "noise_ms": 0.0}
 
-    def step(timed):
+    extra = {}
+
+    def step(timed, measure=False):
         opt.zero_grad(set_to_none=True)
         logits = model(x)
         # every sample has T tokens: the token mean is the mean of per-sample means
-        F.cross_entropy(logits.float().flatten(0, 1), y.flatten()).backward()
+        loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
+        if measure and device.type == "cuda":
+            # what the gradient's phase (backward and step) holds above the
+            # forward's memory: FSDP's unsharded gradients one layer group at
+            # a time, dpclip's sums one bucket at a time
+            sync(device)
+            base = torch.cuda.memory_allocated(device)
+            torch.cuda.reset_peak_memory_stats(device)
+        loss.backward()
         if mode == "ddp":  # the plain data-parallel step, without fully_shard
             for p in model.parameters():
                 dist.all_reduce(p.grad)
                 p.grad /= world
         opt.step()
+        if measure and device.type == "cuda":
+            sync(device)
+            extra["grad_phase_extra_mib"] = round(
+                (torch.cuda.max_memory_allocated(device) - base) / 2 ** 20, 1)
         if timed and engine is not None:
             sh = engine._shards  # pylint: disable=protected-access
             parts["reduce_scatter_ms"] += sh.reduce_scatter_ms()
@@ -116,11 +130,20 @@ def run(args, rank, world, device, mesh, mode):
         step(True)
     sync(device)
     ms = (time.perf_counter() - t0) * 1e3 / args.steps
+    peak = peak_mb(device)
+    step(False, measure=True)
     out = {"bench": "fsdp", "rank": rank, "world": world, "mode": mode,
            "fully_shard": mesh is not None, "precision": args.precision,
            "device": str(device), "ms_per_step": round(ms, 3),
-           "peak_mib": round(peak_mb(device), 1)}
+           "peak_mib": round(peak, 1), **extra}
     if engine is not None:
+        sh = engine._shards  # pylint: disable=protected-access
+        esz = torch.empty(0, dtype=sh.dtype).element_size()
+        # the sums' memory: up to two slots of the largest bucket, against the
+        # whole local sum a single sums step would hold
+        out["sums_slots_mib"] = round(min(2, len(sh._buckets)) * sh.widest * esz / 2 ** 20, 1)
+        out["whole_sum_mib"] = round(sh.full_n * esz / 2 ** 20, 1)
+        out["buckets"] = len(sh._buckets)  # pylint: disable=protected-access
         for k, v in parts.items():
             out[k] = round(v / args.steps, 3)
         out["reduce_scatter_share"] = round(out["reduce_scatter_ms"] / ms, 4)
@@ -188,7 +211,10 @@ def main():
                                                        plain["ms_per_step"], 3),
                       "reduce_scatter_share": private["reduce_scatter_share"],
                       "private_over_plain_peak": round(peak, 3), "peak_target": PEAK_TARGET,
-                      "peak_within_target": peak <= PEAK_TARGET}), flush=True)
+                      "peak_within_target": peak <= PEAK_TARGET,
+                      **({"grad_phase_extra_over_plain": round(
+                          private["grad_phase_extra_mib"] / plain["grad_phase_extra_mib"], 3)}
+                         if plain.get("grad_phase_extra_mib") else {})}), flush=True)
 
 
 if __name__ == "__main__":
