@@ -71,6 +71,9 @@ namespace {
  * per-sample GEMMs were launch-bound for small layers and re-read the f32
  * sum once per sample for large ones, hence the fused kernel. */
 constexpr int BK_MIN_T = 32;
+/* Workspace for padded copies of unaligned 16-bit layers (pad.cu), a few
+ * samples at a time: GPT-2's lm_head takes 100 MiB a sample at T = 1024. */
+constexpr size_t PAD_CAP = (size_t)256 << 20;
 constexpr size_t BK_CHUNK_BYTES = (size_t)32 << 20;
 
 /* Per-step switches (see the top comment). */
@@ -176,10 +179,17 @@ int plan_step(cuda_backend *cb, const dc_step *s, layout *Lo, dc_err *err) {
         }
         size_t t = 0;
         switch (ly->kind) {
-        case DC_LAYER_LINEAR:
+        case DC_LAYER_LINEAR: {
             if (want_out(ly, 0) && !bk_per_sample(ly))
                 t = (size_t)chunk_rows(ly, (uint32_t)B) * (size_t)(ly->d + ly->p) * 4 + 512;
+            dcc_linear x = {ly->input.data, ly->grad.data, ly->input.dtype, ly->grad.dtype,
+                            (int)B, (int)ly->T, (int)ly->d, (int)ly->p, false, false};
+            if (dcc_pad_wanted(&x)) {
+                size_t pt = (size_t)dcc_pad_samples(&x, PAD_CAP) * dcc_pad_sample_bytes(&x);
+                if (pt > t) t = pt;
+            }
             break;
+        }
         case DC_LAYER_EMBEDDING: t = dcc_embedding_ws_bytes((int)B, (int)ly->T); break;
         case DC_LAYER_LAYERNORM:
         case DC_LAYER_RMSNORM: /* row statistics; the bias-only sum's dummy weight */
@@ -291,8 +301,19 @@ int layer_norms(cuda_backend *cb, const dc_step *s, size_t l, const layout *Lo, 
     case DC_LAYER_LINEAR: {
         dcc_linear x = {ly->input.data, ly->grad.data, ly->input.dtype, ly->grad.dtype, B,
                         (int)ly->T, (int)ly->d, (int)ly->p, dc_layer_norm_bias(ly), opt.tf32};
-        e = dcc_linear_sqnorms(&x, dcc_linear_pick(x.T, x.d, x.p, ly->algo), s2, n2,
-                               cb->stream);
+        const dc_algo algo = dcc_linear_pick(x.T, x.d, x.p, ly->algo);
+        if (!dcc_pad_wanted(&x)) {
+            e = dcc_linear_sqnorms(&x, algo, s2, n2, cb->stream);
+            break;
+        }
+        /* rows not on 16 bytes: padded copies, a few samples at a time */
+        const int n = dcc_pad_samples(&x, PAD_CAP);
+        for (int b0 = 0; b0 < B && e == cudaSuccess; b0 += n) {
+            dcc_linear c;
+            e = dcc_pad_chunk(&x, b0, B - b0 < n ? B - b0 : n, cb->ws + Lo->temp, &c,
+                              cb->stream);
+            if (e == cudaSuccess) e = dcc_linear_sqnorms(&c, algo, s2, n2 + b0, cb->stream);
+        }
         break;
     }
     case DC_LAYER_EMBEDDING: {
@@ -332,15 +353,35 @@ int layer_clipped(cuda_backend *cb, const dc_step *s, size_t l, const layout *Lo
     case DC_LAYER_LINEAR: {
         const int T = (int)ly->T, d = (int)ly->d, p = (int)ly->p;
         cudaError_t tc = cudaErrorNotSupported;
-        if (w) {
-            dcc_linear x = {ly->input.data, ly->grad.data, ly->input.dtype, ly->grad.dtype, B,
-                            T, d, p, ly->has_bias, opt.tf32};
+        dcc_linear x = {ly->input.data, ly->grad.data, ly->input.dtype, ly->grad.dtype, B,
+                        T, d, p, ly->has_bias, opt.tf32};
+        const bool pad = w && bk_per_sample(ly) && dcc_pad_wanted(&x);
+        if (w && !pad) {
             if (dcc_linear_path(&x) == DCC_PATH_TF32) tc = dcc_linear_clipped_tf32(&x, cs, w, cb->stream);
             else tc = dcc_linear_clipped_tc(&x, cs, w, cb->stream);
             if (tc != cudaErrorNotSupported) CK(tc, "the clipped-sum kernel");
         }
         if (tc == cudaSuccess) {
             /* done on the tensor cores */
+        } else if (pad) {
+            /* per-sample GEMMs on padded copies: leading dimensions on 16
+             * bytes, extents the real d and p */
+            cudaDataType_t ty = ly->input.dtype == DC_BF16 ? CUDA_R_16BF : CUDA_R_16F;
+            const int n = dcc_pad_samples(&x, PAD_CAP);
+            for (int b0 = 0; b0 < B; b0 += n) {
+                dcc_linear c;
+                CK(dcc_pad_chunk(&x, b0, B - b0 < n ? B - b0 : n, cb->ws + Lo->temp, &c,
+                                 cb->stream),
+                   "the padded copy");
+                for (int b = 0; b < c.B; b++) {
+                    const char *ab = (const char *)c.a + (size_t)b * T * c.d * 2;
+                    const char *gb = (const char *)c.g + (size_t)b * T * c.p * 2;
+                    CKB(cublasGemmEx(cb->blas, CUBLAS_OP_N, CUBLAS_OP_T, d, p, T, cs + b0 + b,
+                                     ab, ty, c.d, gb, ty, c.p, b0 + b ? one : zero, w,
+                                     CUDA_R_32F, d, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
+                        "the clipped-sum GEMM");
+                }
+            }
         } else if (w && bk_per_sample(ly)) {
             cudaDataType_t ty = ly->input.dtype == DC_F32    ? CUDA_R_32F
                                 : ly->input.dtype == DC_BF16 ? CUDA_R_16BF

@@ -44,6 +44,18 @@ typedef struct dcc_linear {
     bool tf32;
 } dcc_linear;
 
+/* Padded copies of a 16-bit LINEAR layer whose d or p is not a multiple of
+ * 8 (pad.cu): whether the layer wants them, the workspace bytes of one
+ * sample's copies, how many samples fit in cap bytes (at least 1), and the
+ * copies of samples [b0, b0 + n) into ws (that many samples' bytes): *out
+ * is the chunk as a layer of n samples with d and p rounded up to 8 (the
+ * extra columns zero, so its norms are the chunk's). */
+bool dcc_pad_wanted(const dcc_linear *L);
+size_t dcc_pad_sample_bytes(const dcc_linear *L);
+int dcc_pad_samples(const dcc_linear *L, size_t cap);
+cudaError_t dcc_pad_chunk(const dcc_linear *L, int b0, int n, void *ws, dcc_linear *out,
+                          cudaStream_t st);
+
 /* GPU cost model (see dc_cuda_linear_pick). */
 dc_algo dcc_linear_pick(int T, int d, int p, dc_algo requested);
 

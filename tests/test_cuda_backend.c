@@ -24,6 +24,7 @@
 
 #include "noise.h"
 #include "cuda_test.h"
+#include "dcc.h"
 
 typedef struct multi {
     dc_layer h[6], d[6];
@@ -217,6 +218,73 @@ static void test_whole_steps(void **state) {
     }
     }
     set_switches(1, 1);
+}
+
+/* 16-bit Linear layers whose widths are not multiples of 8 (a vocabulary of
+ * 50257): their norms and clipped sums run on padded copies (cuda/pad.cu), a
+ * few samples at a time, and match the CPU backend; an unaligned p, then an
+ * unaligned d, with noise, flat and per-layer. */
+static void test_padded_layers(void **state) {
+    (void)state;
+    static const dc_test_layer_spec specs[2] = {
+        {DC_LAYER_LINEAR, 6, 128, 96, 3001, DC_BF16, 1, DC_ALGO_AUTO, 1, 0},
+        {DC_LAYER_LINEAR, 6, 300, 100, 520, DC_F16, 1, DC_ALGO_DIRECT, 1, 0},
+    };
+    dc_test_rng r;
+    dc_test_rng_seed(&r, 515);
+    for (int mode = 0; mode < 2; mode++) {
+        multi m;
+        memset(&m, 0, sizeof m);
+        m.L = 2;
+        m.B = 6;
+        for (size_t l = 0; l < m.L; l++) {
+            dc_test_layer_make(&m.h[l], &specs[l], &r);
+            m.h[l].max_grad_norm = 0.05f;
+            m.d[l] = dev_layer(&m.h[l]);
+            dcc_linear x = {m.d[l].input.data, m.d[l].grad.data, m.d[l].input.dtype,
+                            m.d[l].grad.dtype, (int)m.B, (int)m.h[l].T, (int)m.h[l].d,
+                            (int)m.h[l].p, true, false};
+            assert_true(dcc_pad_wanted(&x));
+            /* the norms from padded chunks of 4 samples (then 2) are the
+             * unpadded kernels' (element loads) */
+            const int per = dcc_pad_samples(&x, dcc_pad_sample_bytes(&x) * 4);
+            assert_int_equal(per, 4);
+            float *n2;
+            void *ws;
+            CUDA_OK(cudaMalloc((void **)&n2, 2 * m.B * sizeof(float)));
+            CUDA_OK(cudaMalloc(&ws, (size_t)per * dcc_pad_sample_bytes(&x)));
+            CUDA_OK(cudaMemset(n2, 0, 2 * m.B * sizeof(float)));
+            CUDA_OK(dcc_linear_sqnorms(&x, DC_ALGO_DIRECT, 1.0f, n2, 0));
+            for (int b0 = 0; b0 < (int)m.B; b0 += per) {
+                dcc_linear c;
+                int n = (int)m.B - b0 < per ? (int)m.B - b0 : per;
+                CUDA_OK(dcc_pad_chunk(&x, b0, n, ws, &c, 0));
+                assert_true(c.d % 8 == 0 && c.p % 8 == 0 && c.B == n);
+                CUDA_OK(dcc_linear_sqnorms(&c, DC_ALGO_DIRECT, 1.0f, n2 + m.B + b0, 0));
+            }
+            float got[12];
+            CUDA_OK(cudaMemcpy(got, n2, sizeof got, cudaMemcpyDeviceToHost));
+            for (uint32_t b = 0; b < m.B; b++)
+                assert_true(fabsf(got[m.B + b] - got[b]) <= 1e-3f * got[b] && got[b] > 0.0f);
+            CUDA_OK(cudaFree(n2));
+            CUDA_OK(cudaFree(ws));
+        }
+        CUDA_OK(cudaMalloc(&m.norms_out.data, m.B * sizeof(float)));
+        CUDA_OK(cudaMalloc(&m.coefs_out.data, m.B * sizeof(float)));
+        m.norms_out.dtype = m.coefs_out.dtype = DC_F32;
+        m.norms_out.ndim = m.coefs_out.ndim = 1;
+        m.norms_out.shape[0] = m.coefs_out.shape[0] = m.B;
+        dc_step hs, ds;
+        step_init(&hs, m.h, m.L, m.B, -1);
+        step_init(&ds, m.d, m.L, m.B, 0);
+        ds.norms_out = m.norms_out;
+        ds.coefs_out = m.coefs_out;
+        if (mode == 1) hs.mode = ds.mode = DC_CLIP_PER_LAYER;
+        hs.noise_multiplier = ds.noise_multiplier = 0.5f;
+        printf("padded layers: mode %d\n", mode);
+        compare_steps(&m, &hs, &ds);
+        multi_free(&m);
+    }
 }
 
 /* LINEAR clipped sums on their own: the fused tensor-core kernel with one
@@ -689,6 +757,7 @@ int main(void) {
         cmocka_unit_test(test_index_flip),
         cmocka_unit_test(test_extreme_range),
         cmocka_unit_test(test_phases),
+        cmocka_unit_test(test_padded_layers),
     };
     return cmocka_run_group_tests(tests, cuda_test_setup, cuda_test_teardown);
 }
