@@ -828,7 +828,9 @@ int run_impl(dc_backend *be, const dc_step *s, dc_step_result *res, dc_err *err,
         /* Everything that writes the client's memory is queued: an early
          * notice may go now, while the device works. */
         if (s->enqueued) s->enqueued(s->enqueued_arg);
-        CK(cudaStreamSynchronize(cb->stream), "the step");
+        dc_step_cost cost;
+        dc_step_cost_estimate(s, &cost);
+        CK(wait_stream(cb, cost.gflop), "the step");
         if (cb->prof) {
             for (int i = 0; i < DC_CUDA_PHASES; i++)
                 if (cudaEventElapsedTime(&cb->phase_ms[i], cb->ev[i], cb->ev[i + 1]) != cudaSuccess)
@@ -900,6 +902,7 @@ void cuda_destroy(dc_backend *be) {
     for (int i = 0; i <= DC_CUDA_PHASES; i++)
         if (cb->ev[i]) cudaEventDestroy(cb->ev[i]);
     if (cb->ev_wait) cudaEventDestroy(cb->ev_wait);
+    if (cb->ev_done) cudaEventDestroy(cb->ev_done);
     (void)cudaGetLastError();
     free(cb->lay_off);
     free(cb->bk);

@@ -57,6 +57,10 @@ struct cuda_backend {
      * the GPU's wait for the client's input */
     cudaEvent_t ev_wait;
     bool waited;
+    /* wait_stream (wait.cu): the end of a step's work (blocking sync), and
+     * the recent steps' wait per unit of estimated cost (ns; 0 = none yet) */
+    cudaEvent_t ev_done;
+    double ns_per_cost;
     dc_backend *cpu; /* created on the first host-memory step */
     bool broken;
     char broken_msg[256];
@@ -120,6 +124,11 @@ int tied_norms(cuda_backend *cb, const dc_step *s, const layout *Lo, float s2, d
 inline bool tied_deferred(const dc_layer *l, uint64_t woff) {
     return l->tie && l->kind == DC_LAYER_EMBEDDING && woff != UINT64_MAX;
 }
+
+/* Waits for everything queued on cb->stream (wait.cu): naps until the
+ * predicted end of a step of this estimated cost (dc_step_cost.gflop),
+ * spins around it, sleeps on a blocking-sync event past it. */
+cudaError_t wait_stream(cuda_backend *cb, double cost);
 
 } // namespace dcb
 
