@@ -9,6 +9,7 @@
 #include <sys/random.h>
 #include <sys/resource.h>
 #include <sys/socket.h>
+#include <sys/timerfd.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -137,17 +138,39 @@ static void on_accept(uv_poll_t *h, int status, int events) {
 
 static void on_spin(uv_idle_t *h);
 
+static void tfd_set(dc_server *srv, uint64_t at_ns) {
+    struct itimerspec it;
+    memset(&it, 0, sizeof it);
+    it.it_value.tv_sec = (time_t)(at_ns / 1000000000u);
+    it.it_value.tv_nsec = (long)(at_ns % 1000000000u);
+    (void)timerfd_settime(srv->spin_tfd, TFD_TIMER_ABSTIME, &it, NULL); /* 0: disarmed */
+}
+
 static void poll_activate(dc_server *srv) {
     if (srv->pend_any_to > srv->spin_any_to) srv->spin_any_to = srv->pend_any_to;
     if (srv->pend_busy_to > srv->spin_busy_to) srv->spin_busy_to = srv->pend_busy_to;
     srv->pend_from = srv->pend_any_to = srv->pend_busy_to = 0;
-    uv_timer_stop(&srv->spin_timer);
+    if (srv->spin_tfd >= 0) tfd_set(srv, 0);
+    else uv_timer_stop(&srv->spin_timer);
     if (!srv->stopping) uv_idle_start(&srv->spin, on_spin);
 }
 
 static void on_spin_timer(uv_timer_t *t) { poll_activate(t->data); }
 
+static void on_spin_tfd(uv_poll_t *h, int status, int events) {
+    dc_server *srv = h->data;
+    uint64_t n;
+    (void)status;
+    (void)events;
+    if (read(srv->spin_tfd, &n, sizeof n) == (ssize_t)sizeof n) poll_activate(srv);
+}
+
+/* uv_hrtime is CLOCK_MONOTONIC: the timerfd fires at pend_from itself. */
 static void arm_pending(dc_server *srv, uint64_t now) {
+    if (srv->spin_tfd >= 0) {
+        tfd_set(srv, srv->pend_from > now ? srv->pend_from : now + 1);
+        return;
+    }
     uint64_t ms = srv->pend_from > now ? (srv->pend_from - now) / 1000000u : 0;
     uv_timer_start(&srv->spin_timer, on_spin_timer, ms, 0);
 }
@@ -180,13 +203,48 @@ void dc_server_poll(dc_server *srv, uint64_t from_ns, uint64_t to_ns, bool idle)
     if (!uv_is_active((uv_handle_t *)&srv->spin)) arm_pending(srv, now);
 }
 
+void dc_server_windows_init(dc_server *srv, uv_loop_t *loop, bool precise) {
+    uv_idle_init(loop, &srv->spin);
+    srv->spin.data = srv;
+    uv_timer_init(loop, &srv->spin_timer);
+    srv->spin_timer.data = srv;
+    srv->spin_tfd = precise ? timerfd_create(CLOCK_MONOTONIC, TFD_NONBLOCK | TFD_CLOEXEC) : -1;
+    if (srv->spin_tfd >= 0 && uv_poll_init(loop, &srv->spin_tpoll, srv->spin_tfd) != 0) {
+        close(srv->spin_tfd);
+        srv->spin_tfd = -1;
+    }
+    if (srv->spin_tfd >= 0) {
+        srv->spin_tpoll.data = srv;
+        uv_poll_start(&srv->spin_tpoll, UV_READABLE, on_spin_tfd);
+    }
+}
+
+static void on_tpoll_closed(uv_handle_t *h) {
+    dc_server *srv = h->data;
+    close(srv->spin_tfd);
+    srv->spin_tfd = -1;
+}
+
+void dc_server_windows_close(dc_server *srv) {
+    uv_close((uv_handle_t *)&srv->spin, NULL);
+    uv_close((uv_handle_t *)&srv->spin_timer, NULL);
+    if (srv->spin_tfd >= 0) uv_close((uv_handle_t *)&srv->spin_tpoll, on_tpoll_closed);
+}
+
+bool dc_server_window_pending(const dc_server *srv) {
+    if (srv->spin_tfd < 0) return uv_is_active((const uv_handle_t *)&srv->spin_timer);
+    struct itimerspec it;
+    return timerfd_gettime(srv->spin_tfd, &it) == 0 &&
+           (it.it_value.tv_sec != 0 || it.it_value.tv_nsec != 0);
+}
+
 void dc_server_spin(dc_server *srv, bool idle) {
     uint64_t now = uv_hrtime();
     dc_server_poll(srv, now, now + srv->spin_ns, idle);
 }
 
 uint64_t dc_server_poll_margin(uint64_t ahead_ns) {
-    return ahead_ns / 20 > 1500000u ? ahead_ns / 20 : 1500000u;
+    return ahead_ns / 40 > 300000u ? ahead_ns / 40 : 300000u;
 }
 
 /* --- lifecycle ------------------------------------------------------------------ */
@@ -214,8 +272,7 @@ static void maybe_finish(dc_server *srv) {
     uv_close((uv_handle_t *)&srv->accept_timer, NULL);
     if (srv->reserve_fd >= 0) close(srv->reserve_fd);
     srv->reserve_fd = -1;
-    uv_close((uv_handle_t *)&srv->spin, NULL);
-    uv_close((uv_handle_t *)&srv->spin_timer, NULL);
+    dc_server_windows_close(srv);
     uv_close((uv_handle_t *)&srv->tick, NULL);
     uv_close((uv_handle_t *)&srv->sig_term, NULL);
     uv_close((uv_handle_t *)&srv->sig_int, NULL);
@@ -393,6 +450,7 @@ int dc_server_init(dc_server *srv, uv_loop_t *loop, const dc_config *cfg,
     srv->reload_arg = reload_arg;
     srv->listen_fd = -1;
     srv->reserve_fd = -1;
+    srv->spin_tfd = -1;
     srv->ledger.lock_fd = -1;
     srv->buf_totals.max_buffers = cfg->max_buffers_total;
     srv->buf_totals.max_shm_bytes = cfg->max_mapped_bytes;
@@ -466,10 +524,7 @@ int dc_server_init(dc_server *srv, uv_loop_t *loop, const dc_config *cfg,
     srv->stop_timer.data = srv;
     uv_timer_init(loop, &srv->accept_timer);
     srv->accept_timer.data = srv;
-    uv_idle_init(loop, &srv->spin);
-    srv->spin.data = srv;
-    uv_timer_init(loop, &srv->spin_timer);
-    srv->spin_timer.data = srv;
+    dc_server_windows_init(srv, loop, true);
     uv_timer_init(loop, &srv->tick);
     srv->tick.data = srv;
     {

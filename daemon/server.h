@@ -62,11 +62,14 @@ typedef struct dc_server {
     uv_timer_t tick;              /* watchdog keep-alive and STATUS= */
     /* Polling windows (dc_server_poll): while `spin` is active the loop
      * polls until spin_any_to, or while jobs are in flight until spin_busy_to.
-     * One later window waits on spin_timer (libuv timers have millisecond
-     * resolution, so windows are opened early by a margin). uv_hrtime ns. */
+     * One later window waits on spin_tfd, a timerfd precise to
+     * microseconds (or, where none could be made, on spin_timer: libuv
+     * timers have millisecond resolution). uv_hrtime ns. */
     uv_idle_t spin;
     uint64_t spin_any_to, spin_busy_to;
     uv_timer_t spin_timer;
+    int spin_tfd;                 /* -1: none */
+    uv_poll_t spin_tpoll;
     uint64_t pend_from, pend_any_to, pend_busy_to; /* pend_from 0: none */
     dc_worker_pool cpu_pool;
     bool pool_ready;
@@ -114,9 +117,15 @@ void dc_server_poll(dc_server *srv, uint64_t from_ns, uint64_t to_ns, bool idle)
  * or replying (idle true: a trainer's next request often follows within
  * microseconds). */
 void dc_server_spin(dc_server *srv, bool idle);
-/* Margin of a window around something expected in `ahead_ns`: libuv timers
- * fire to the millisecond, so at least 1.5 ms, and 5% of the wait. */
+/* Margin of a window around something expected in `ahead_ns`: 2.5% of the
+ * wait (the jitter of a trainer's period), and at least 0.3 ms, with the
+ * window opened by a timerfd (1.5 ms on the millisecond uv timer). */
 uint64_t dc_server_poll_margin(uint64_t ahead_ns);
+/* The windows' handles on loop (precise: with the timerfd, else the uv
+ * timer alone), their close, and whether a later window is armed. */
+void dc_server_windows_init(dc_server *srv, uv_loop_t *loop, bool precise);
+void dc_server_windows_close(dc_server *srv);
+bool dc_server_window_pending(const dc_server *srv);
 
 /* Called by session.c when a session has fully closed. */
 void dc_server_session_gone(dc_server *srv, dc_session *s);

@@ -364,7 +364,7 @@ static void expect_next(dc_session *s, const dc_step_job *j, uint64_t now) {
     dc_server_poll(srv, due > m ? due - m : 0, due + m, true);
     if (j->step.device >= 0) {
         /* Its timed wait is precise to microseconds: a narrower window. */
-        uint64_t mw = s->ewma_period_ns / 20 > 300000u ? s->ewma_period_ns / 20 : 300000u;
+        uint64_t mw = s->ewma_period_ns / 40 > 300000u ? s->ewma_period_ns / 40 : 300000u;
         dc_worker_pool_expect(&srv->gpu.pools[j->step.device], due > mw ? due - mw : 0,
                               due + 2 * mw);
     }
