@@ -258,28 +258,9 @@ class _HostIO:
         e = sh.engine
         self.sh, self.plan, self.nb = sh, plan, nb
         esz = _ESIZE[sh.dtype]
-        off = _align(sh.widest * esz)
-        slots = []
-        for lp in plan.parts:
-            a_off = _align(off)
-            g_off = _align(a_off + math.prod(lp.in_shape) * _ESIZE[lp.in_dtype])
-            off = g_off + math.prod(lp.grad_shape) * _ESIZE[lp.grad_dtype]
-            slots.append((a_off, g_off))
-        self.bid, _, self.mem = e._host.view(off)  # pylint: disable=protected-access
-
-        def view(o: int, dtype: torch.dtype, shape: Tuple[int, ...]) -> torch.Tensor:
-            return self.mem[o:o + math.prod(shape) * _ESIZE[dtype]].view(dtype).view(shape)
-
-        for lp, (a_off, g_off) in zip(plan.parts, slots):
-            av, gv = view(a_off, lp.in_dtype, lp.in_shape), view(g_off, lp.grad_dtype,
-                                                               lp.grad_shape)
-            if lp.inp is None:
-                av.zero_()
-                gv.zero_()
-            else:
-                av.copy_(lp.inp)
-                gv.copy_(lp.grad)
-        self.slots = slots
+        # the slot first, then the parts' tensors
+        self.bid, self.mem, self.slots = e._host.stage(  # pylint: disable=protected-access
+            plan.parts, _align(sh.widest * esz))
 
     def _ins(self, i: int) -> Tuple[_lib.Tensor, _lib.Tensor]:
         lp, (a_off, g_off) = self.plan.parts[i], self.slots[i]

@@ -6,12 +6,12 @@ arena grows (doubling, at least 1 MiB) when a step needs more."""
 import ctypes
 import math
 import time
-from typing import List, Optional, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 
 from . import _lib
-from ._layers import _ESIZE, Slice, _align, _tref
+from ._layers import _ESIZE, Part, Slice, _align, _tref
 from ._planner import Plan, add_layers, set_grad
 
 
@@ -38,6 +38,34 @@ class HostArena:
             self._arena = (bid, size, torch.frombuffer(raw, dtype=torch.uint8))
         return self._arena
 
+    def stage(self, parts: Sequence[Part], off: int
+              ) -> Tuple[int, torch.Tensor, List[Tuple[int, int]]]:
+        """Copies each part's input and output gradient into the arena from
+        byte off on (zeros for a part not used this pass): (the arena's
+        buffer id, its bytes, each part's (input, grad) byte offsets)."""
+        slots: List[Tuple[int, int]] = []
+        for pt in parts:
+            a_off = _align(off)
+            g_off = _align(a_off + math.prod(pt.in_shape) * _ESIZE[pt.in_dtype])
+            off = g_off + math.prod(pt.grad_shape) * _ESIZE[pt.grad_dtype]
+            slots.append((a_off, g_off))
+        bid, _, mem = self.view(off)
+
+        def view(o: int, dtype: torch.dtype, shape: Tuple[int, ...]) -> torch.Tensor:
+            n = math.prod(shape) * _ESIZE[dtype]
+            return mem[o:o + n].view(dtype).view(shape)
+
+        for pt, (a_off, g_off) in zip(parts, slots):
+            av, gv = view(a_off, pt.in_dtype, pt.in_shape), view(g_off, pt.grad_dtype,
+                                                                  pt.grad_shape)
+            if pt.inp is None:
+                av.zero_()
+                gv.zero_()
+            else:
+                av.copy_(pt.inp.reshape(pt.in_shape))
+                gv.copy_(pt.grad.reshape(pt.grad_shape))
+        return bid, mem, slots
+
     def run(self, step: _lib.Step, plan: Plan, nb: int,
             algorithm: int) -> Tuple[_lib.StepResult, float, float]:
         """Sends the planned step of nb samples and waits for it; param.grad
@@ -51,24 +79,7 @@ class HostArena:
             return o
 
         out_off = {id(o): take(o.numel * _ESIZE[o.dtype]) for o in plan.outs}
-        slots: List[Tuple[int, int]] = [
-            (take(math.prod(pt.in_shape) * _ESIZE[pt.in_dtype]),
-             take(math.prod(pt.grad_shape) * _ESIZE[pt.grad_dtype])) for pt in plan.parts]
-        bid, _, mem = self.view(off)
-
-        def view(o: int, dtype: torch.dtype, shape: Tuple[int, ...]) -> torch.Tensor:
-            n = math.prod(shape) * _ESIZE[dtype]
-            return mem[o:o + n].view(dtype).view(shape)
-
-        for pt, (a_off, g_off) in zip(plan.parts, slots):
-            av, gv = view(a_off, pt.in_dtype, pt.in_shape), view(g_off, pt.grad_dtype,
-                                                                  pt.grad_shape)
-            if pt.inp is None:
-                av.zero_()
-                gv.zero_()
-            else:
-                av.copy_(pt.inp.reshape(pt.in_shape))
-                gv.copy_(pt.grad.reshape(pt.grad_shape))
+        bid, mem, slots = self.stage(plan.parts, off)
 
         def out_ref(sl: Optional[Slice]) -> _lib.Tensor:
             if sl is None:
@@ -89,5 +100,6 @@ class HostArena:
         res = step.run(self.client)
         t2 = time.perf_counter()
         for o in plan.outs:
-            set_grad(o.param, o.grad(view(out_off[id(o)], o.dtype, (o.numel,))))
+            at = out_off[id(o)]
+            set_grad(o.param, o.grad(mem[at:at + o.numel * _ESIZE[o.dtype]].view(o.dtype)))
         return res, t1, t2
