@@ -5,6 +5,7 @@
 #define DC_CUDA_BACKEND_INT_H
 
 #include <stdint.h>
+#include <stdlib.h>
 
 #include <cublas_v2.h>
 
@@ -124,6 +125,88 @@ int tied_norms(cuda_backend *cb, const dc_step *s, const layout *Lo, float s2, d
 inline bool tied_deferred(const dc_layer *l, uint64_t woff) {
     return l->tie && l->kind == DC_LAYER_EMBEDDING && woff != UINT64_MAX;
 }
+
+/* --- what the step's parts share (backend_cuda.cu, backend_layers.cu) ------ */
+
+/* LINEAR clipped sums outside the grouped launch (grouped_clipped):
+ * TF32 tensor cores for f32 inputs (dcc_linear_clipped_tf32); the per-layer
+ * fused tensor-core kernel where it applies (dcc_linear_clipped_tc:
+ * bf16/f16, sm_90a, T >= 64); padded copies for 16-bit layers whose widths
+ * are not multiples of 8 (pad.cu); else per-sample cuBLAS GEMMs (exact f32
+ * accumulation with the coefficient as a device-side alpha) when samples
+ * have at least BK_MIN_T rows; below it, chunks of rows converted to f32 and
+ * scaled, one SGEMM each. Measured on an H100 the per-sample GEMMs were
+ * launch-bound for small layers and re-read the f32 sum once per sample for
+ * large ones, hence the fused kernel. */
+constexpr int BK_MIN_T = 32;
+/* Workspace for padded copies of unaligned 16-bit layers (pad.cu), a few
+ * samples at a time: GPT-2's lm_head takes 100 MiB a sample at T = 1024. */
+constexpr size_t PAD_CAP = (size_t)256 << 20;
+constexpr size_t BK_CHUNK_BYTES = (size_t)32 << 20;
+
+/* Per-step switches (DPCLIP_CUDA_*, backend_cuda.cu's top comment). */
+struct step_opts {
+    bool tf32, grouped, one_pass;
+    int noise; /* DCC_NOISE_* */
+};
+
+inline bool env_off(const char *name) {
+    const char *v = getenv(name);
+    return v && v[0] == '0';
+}
+
+step_opts read_opts(void);
+
+/* Rows of a LINEAR layer converted to f32 per chunk of the fallback sum. */
+inline int chunk_rows(const dc_layer *l, uint32_t B) {
+    int64_t per = (l->d + l->p) * (int64_t)sizeof(float);
+    int64_t r = (int64_t)BK_CHUNK_BYTES / (per > 0 ? per : 1);
+    int64_t rows = (int64_t)B * l->T;
+    if (r < 1) r = 1;
+    return (int)(r < rows ? r : rows);
+}
+
+inline bool bk_per_sample(const dc_layer *l) {
+    return l->input.dtype == l->grad.dtype && l->T >= BK_MIN_T;
+}
+
+int blas_fail(cuda_backend *cb, dc_err *err, cublasStatus_t s, const char *what);
+
+/* In a function with `int rc`, `cb`, `err` and a `fail:` label. */
+#define CK(call, what)                                                                      \
+    do {                                                                                    \
+        cudaError_t e_ = (call);                                                            \
+        if (e_ != cudaSuccess) {                                                            \
+            rc = cuda_fail(cb, err, e_, what);                                              \
+            goto fail;                                                                      \
+        }                                                                                   \
+    } while (0)
+
+#define CKB(call, what)                                                                     \
+    do {                                                                                    \
+        cublasStatus_t s_ = (call);                                                         \
+        if (s_ != CUBLAS_STATUS_SUCCESS) {                                                  \
+            rc = blas_fail(cb, err, s_, what);                                              \
+            goto fail;                                                                      \
+        }                                                                                   \
+    } while (0)
+
+/* A step's layers, one at a time or grouped (backend_layers.cu): the
+ * per-sample squared norms of layer l into the workspace's n2; its clipped
+ * sums at the staging offsets off[0] (weight) and off[1] (bias), UINT64_MAX
+ * none (add: onto what a tied pair's linear layer wrote); the grouped
+ * launches, which mark the layers they did (cb->bk_grouped, nm_grouped);
+ * the embeddings' indices copied once into the workspace (*out: s reading
+ * them there). */
+int layer_norms(cuda_backend *cb, const dc_step *s, size_t l, const layout *Lo, float s2,
+                const step_opts &opt, dc_err *err);
+int layer_clipped(cuda_backend *cb, const dc_step *s, size_t l, const layout *Lo,
+                  const uint64_t off[2], const step_opts &opt, dc_err *err, bool add = false);
+int grouped_clipped(cuda_backend *cb, const dc_step *s, const layout *Lo, const dcc_out *outs,
+                    dc_err *err);
+int grouped_norms(cuda_backend *cb, const dc_step *s, const layout *Lo, float s2, dc_err *err);
+int snapshot_indices(cuda_backend *cb, const dc_step *s, const layout *Lo, dc_step *out,
+                     dc_err *err);
 
 /* Waits for everything queued on cb->stream (wait.cu): naps until the
  * predicted end of a step of this estimated cost (dc_step_cost.gflop),

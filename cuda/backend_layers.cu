@@ -1,0 +1,277 @@
+/* A step's layers on the CUDA backend: each layer's per-sample norms and
+ * clipped sums by kind (the kernels in norms_*.cu, clip.cu, pad.cu, cuBLAS),
+ * the grouped launches over many layers, and the snapshot of the
+ * embeddings' indices. backend_cuda.cu drives them phase by phase. */
+#include <string.h>
+
+#include "backend_int.h"
+
+namespace dcb {
+
+int layer_norms(cuda_backend *cb, const dc_step *s, size_t l, const layout *Lo, float s2,
+                const step_opts &opt, dc_err *err) {
+    const dc_layer *ly = &s->layers[l];
+    const int B = (int)s->batch;
+    float *n2 = (float *)(cb->ws + Lo->n2) + l * B;
+    uint32_t *flags = (uint32_t *)(cb->ws + Lo->flags) + l * B;
+    cudaError_t e = cudaSuccess;
+    int rc = 0;
+    if (cb->ovr_active && cb->ovr[l]) /* a rescued layer: its host-computed norms */
+        e = cudaMemcpyAsync(n2, cb->ovr_n2 + l * B, (size_t)B * sizeof(float),
+                            cudaMemcpyHostToDevice, cb->stream);
+    else
+    switch (ly->kind) {
+    case DC_LAYER_LINEAR: {
+        dcc_linear x = {ly->input.data, ly->grad.data, ly->input.dtype, ly->grad.dtype, B,
+                        (int)ly->T, (int)ly->d, (int)ly->p, dc_layer_norm_bias(ly), opt.tf32};
+        const dc_algo algo = dcc_linear_pick(x.T, x.d, x.p, ly->algo);
+        if (!dcc_pad_wanted(&x)) {
+            e = dcc_linear_sqnorms(&x, algo, s2, n2, cb->stream);
+            break;
+        }
+        /* rows not on 16 bytes: padded copies, a few samples at a time */
+        const int n = dcc_pad_samples(&x, PAD_CAP);
+        for (int b0 = 0; b0 < B && e == cudaSuccess; b0 += n) {
+            dcc_linear c;
+            e = dcc_pad_chunk(&x, b0, B - b0 < n ? B - b0 : n, cb->ws + Lo->temp, &c,
+                              cb->stream);
+            if (e == cudaSuccess) e = dcc_linear_sqnorms(&c, algo, s2, n2 + b0, cb->stream);
+        }
+        break;
+    }
+    case DC_LAYER_EMBEDDING: {
+        dcc_embedding x = {ly->input.data, ly->input.dtype, ly->grad.data, ly->grad.dtype, B,
+                           (int)ly->T, (int)ly->d, ly->vocab,
+                           ly->has_padding_idx ? ly->padding_idx : -1};
+        e = dcc_embedding_sqnorms(&x, s2, n2, flags, cb->ws + Lo->temp, Lo->temp_bytes,
+                                  cb->stream);
+        break;
+    }
+    case DC_LAYER_LAYERNORM:
+    case DC_LAYER_RMSNORM: {
+        dcc_norm x = {ly->input.data, ly->grad.data, ly->input.dtype, ly->grad.dtype, B,
+                      (int)ly->T, (int)ly->d, ly->kind == DC_LAYER_RMSNORM, ly->has_bias,
+                      ly->eps};
+        e = dcc_norm_sqnorms(&x, s2, n2, flags, (float *)(cb->ws + Lo->temp),
+                             (float *)(cb->ws + cb->lay_off[l]), cb->stream);
+        break;
+    }
+    default: return dc_err_set(err, DC_EINVAL, ly->name, "unknown layer kind %d", (int)ly->kind);
+    }
+    if (e != cudaSuccess) rc = cuda_fail(cb, err, e, ly->name);
+    return rc;
+}
+
+int layer_clipped(cuda_backend *cb, const dc_step *s, size_t l, const layout *Lo,
+                  const uint64_t off[2], const step_opts &opt, dc_err *err, bool add) {
+    const dc_layer *ly = &s->layers[l];
+    const int B = (int)s->batch;
+    const float *cs = (const float *)(cb->ws + Lo->cs) + l * B;
+    const float *one = (const float *)(cb->ws + Lo->up + Lo->consts) + 1;
+    const float *zero = one - 1;
+    float *w = off[0] != UINT64_MAX ? (float *)(cb->ws + Lo->staging) + off[0] : NULL;
+    float *bias = off[1] != UINT64_MAX ? (float *)(cb->ws + Lo->staging) + off[1] : NULL;
+    int rc = 0;
+    switch (ly->kind) {
+    case DC_LAYER_LINEAR: {
+        const int T = (int)ly->T, d = (int)ly->d, p = (int)ly->p;
+        cudaError_t tc = cudaErrorNotSupported;
+        dcc_linear x = {ly->input.data, ly->grad.data, ly->input.dtype, ly->grad.dtype, B,
+                        T, d, p, ly->has_bias, opt.tf32};
+        const bool pad = w && bk_per_sample(ly) && dcc_pad_wanted(&x);
+        if (w && !pad) {
+            if (dcc_linear_path(&x) == DCC_PATH_TF32) tc = dcc_linear_clipped_tf32(&x, cs, w, cb->stream);
+            else tc = dcc_linear_clipped_tc(&x, cs, w, cb->stream);
+            if (tc != cudaErrorNotSupported) CK(tc, "the clipped-sum kernel");
+        }
+        if (tc == cudaSuccess) {
+            /* done on the tensor cores */
+        } else if (pad) {
+            /* per-sample GEMMs on padded copies: leading dimensions on 16
+             * bytes, extents the real d and p */
+            cudaDataType_t ty = ly->input.dtype == DC_BF16 ? CUDA_R_16BF : CUDA_R_16F;
+            const int n = dcc_pad_samples(&x, PAD_CAP);
+            for (int b0 = 0; b0 < B; b0 += n) {
+                dcc_linear c;
+                CK(dcc_pad_chunk(&x, b0, B - b0 < n ? B - b0 : n, cb->ws + Lo->temp, &c,
+                                 cb->stream),
+                   "the padded copy");
+                for (int b = 0; b < c.B; b++) {
+                    const char *ab = (const char *)c.a + (size_t)b * T * c.d * 2;
+                    const char *gb = (const char *)c.g + (size_t)b * T * c.p * 2;
+                    CKB(cublasGemmEx(cb->blas, CUBLAS_OP_N, CUBLAS_OP_T, d, p, T, cs + b0 + b,
+                                     ab, ty, c.d, gb, ty, c.p, b0 + b ? one : zero, w,
+                                     CUDA_R_32F, d, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
+                        "the clipped-sum GEMM");
+                }
+            }
+        } else if (w && bk_per_sample(ly)) {
+            cudaDataType_t ty = ly->input.dtype == DC_F32    ? CUDA_R_32F
+                                : ly->input.dtype == DC_BF16 ? CUDA_R_16BF
+                                                             : CUDA_R_16F;
+            size_t esz = dc_dtype_size(ly->input.dtype);
+            for (int b = 0; b < B; b++) {
+                const char *ab = (const char *)ly->input.data + (size_t)b * T * d * esz;
+                const char *gb = (const char *)ly->grad.data + (size_t)b * T * p * esz;
+                CKB(cublasGemmEx(cb->blas, CUBLAS_OP_N, CUBLAS_OP_T, d, p, T, cs + b, ab, ty, d,
+                                 gb, ty, p, b ? one : zero, w, CUDA_R_32F, d,
+                                 CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
+                    "the clipped-sum GEMM");
+            }
+        } else if (w) {
+            int R = chunk_rows(ly, (uint32_t)B);
+            float *af = (float *)(cb->ws + Lo->temp);
+            float *gf = af + al((size_t)R * d * 4) / 4;
+            int64_t rows = (int64_t)B * T;
+            for (int64_t r0 = 0; r0 < rows; r0 += R) {
+                int n = (int)(rows - r0 < R ? rows - r0 : R);
+                CK(dcc_rows_to_f32(ly->input.data, ly->input.dtype, ly->grad.data,
+                                   ly->grad.dtype, T, d, p, r0, n, cs, af, gf, cb->stream),
+                   "the clipped-sum staging");
+                CKB(cublasGemmEx(cb->blas, CUBLAS_OP_N, CUBLAS_OP_T, d, p, n, one, af,
+                                 CUDA_R_32F, d, gf, CUDA_R_32F, p, r0 ? one : zero, w,
+                                 CUDA_R_32F, d, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
+                    "the clipped-sum GEMM");
+            }
+        }
+        if (bias) {
+            CK(cudaMemsetAsync(bias, 0, (size_t)p * 4, cb->stream), "a memset");
+            CK(dcc_bias_clipped_sum(ly->grad.data, ly->grad.dtype, B, T, p, cs, bias,
+                                    cb->stream),
+               "the bias clipped sum");
+        }
+        break;
+    }
+    case DC_LAYER_EMBEDDING: {
+        dcc_embedding x = {ly->input.data, ly->input.dtype, ly->grad.data, ly->grad.dtype, B,
+                           (int)ly->T, (int)ly->d, ly->vocab,
+                           ly->has_padding_idx ? ly->padding_idx : -1};
+        if (!add) /* add: onto the other use of a tied weight */
+            CK(cudaMemsetAsync(w, 0, (size_t)ly->vocab * (size_t)ly->d * 4, cb->stream),
+               "a memset");
+        CK(dcc_embedding_clipped_sum(&x, cs, w, cb->stream), "the embedding clipped sum");
+        break;
+    }
+    case DC_LAYER_LAYERNORM:
+    case DC_LAYER_RMSNORM: {
+        dcc_norm x = {ly->input.data, ly->grad.data, ly->input.dtype, ly->grad.dtype, B,
+                      (int)ly->T, (int)ly->d, ly->kind == DC_LAYER_RMSNORM, ly->has_bias,
+                      ly->eps};
+        if (!w) {
+            /* bias only: the weight sum goes to scratch it is never read from */
+            w = (float *)(cb->ws + Lo->temp);
+        }
+        CK(dcc_norm_clipped_sum(&x, (const float *)(cb->ws + cb->lay_off[l]), cs, w, bias,
+                                cb->stream),
+           "the norm-layer clipped sum");
+        break;
+    }
+    }
+fail:
+    return rc;
+}
+
+/* The grouped book-keeping launch for every LINEAR layer that qualifies and
+ * wants its weight sum; marks them in cb->bk_grouped so that layer_clipped
+ * skips them. Nothing is marked when the launch is not possible. */
+int grouped_clipped(cuda_backend *cb, const dc_step *s, const layout *Lo, const dcc_out *outs,
+                    dc_err *err) {
+    const int B = (int)s->batch;
+    int n = 0, oi = 0, rc = 0;
+    for (size_t l = 0; l < s->n_layers; l++) {
+        const dc_layer *ly = &s->layers[l];
+        uint64_t off[2];
+        for (int k = 0; k < 2; k++) off[k] = want_out(ly, k) ? outs[oi++].off : UINT64_MAX;
+        off[0] = cb->woff[l]; /* a tied layer's: its owner's */
+        cb->bk_grouped[l] = false;
+        if (ly->kind != DC_LAYER_LINEAR || off[0] == UINT64_MAX) continue;
+        dcc_linear x = {ly->input.data, ly->grad.data, ly->input.dtype, ly->grad.dtype, B,
+                        (int)ly->T, (int)ly->d, (int)ly->p, ly->has_bias, false};
+        if (!dcc_bk_grouped_ok(&x)) continue;
+        float *staging = (float *)(cb->ws + Lo->staging);
+        dcc_bk_layer *e = &cb->bk[n++];
+        e->L = x;
+        e->perm = (const int *)(cb->ws + Lo->perm) + l * (size_t)B;
+        e->fac = (const float *)(cb->ws + Lo->fac) + l * (size_t)B;
+        e->w = staging + off[0];
+        e->bias = off[1] != UINT64_MAX ? staging + off[1] : NULL;
+        cb->bk_grouped[l] = true;
+    }
+    cudaError_t e;
+    if (n == 0) return 0;
+    CK(dcc_bk_order((const float *)(cb->ws + Lo->cs), (int)s->n_layers, B,
+                    (int *)(cb->ws + Lo->perm), (float *)(cb->ws + Lo->fac), cb->stream),
+       "the sample order");
+    e = dcc_linear_clipped_grouped(cb->bk, n, cb->stream);
+    if (e == cudaErrorNotSupported) { /* e.g. no tensor-map encoder: per layer instead */
+        memset(cb->bk_grouped, 0, s->n_layers * sizeof *cb->bk_grouped);
+        return 0;
+    }
+    CK(e, "the grouped clipped-sum kernel");
+fail:
+    return rc;
+}
+
+/* The grouped norms launch for the direct-form LINEAR layers that qualify,
+ * when there are enough of them to fill the GPU a few times over; marks
+ * them in cb->nm_grouped so that layer_norms skips them. */
+int grouped_norms(cuda_backend *cb, const dc_step *s, const layout *Lo, float s2,
+                  dc_err *err) {
+    const int B = (int)s->batch;
+    int n = 0, rc = 0;
+    int64_t items = 0;
+    for (size_t l = 0; l < s->n_layers; l++) {
+        const dc_layer *ly = &s->layers[l];
+        cb->nm_grouped[l] = false;
+        if (ly->kind != DC_LAYER_LINEAR || (cb->ovr_active && cb->ovr[l])) continue;
+        dcc_linear x = {ly->input.data, ly->grad.data, ly->input.dtype, ly->grad.dtype, B,
+                        (int)ly->T, (int)ly->d, (int)ly->p, dc_layer_norm_bias(ly), false};
+        if (!dcc_norms_grouped_ok(&x, dcc_linear_pick(x.T, x.d, x.p, ly->algo))) continue;
+        dcc_norm_layer *e = &cb->nm[n++];
+        e->L = x;
+        e->n2 = (float *)(cb->ws + Lo->n2) + l * (size_t)B;
+        items += dcc_norms_grouped_items(&x);
+        cb->nm_grouped[l] = true;
+    }
+    if (n == 0 || items < dcc_grouped_min_items()) {
+        memset(cb->nm_grouped, 0, s->n_layers * sizeof *cb->nm_grouped);
+        return 0;
+    }
+    cudaError_t e = dcc_linear_sqnorms_grouped(cb->nm, n, s2, cb->stream);
+    if (e == cudaErrorNotSupported) { /* nothing was launched: per layer instead */
+        memset(cb->nm_grouped, 0, s->n_layers * sizeof *cb->nm_grouped);
+        return 0;
+    }
+    CK(e, "the grouped norm kernel");
+fail:
+    return rc;
+}
+
+/* Embedding indices decide where the kernels write, and a client can
+ * rewrite its memory during the step: each embedding's indices are copied
+ * into the workspace first (on the stream, after the wait on the client's
+ * event), and every kernel reads that copy, so the norms, the clipped sum and
+ * the range checks all see one set of values. *out is s with its layers
+ * replaced by cb->safe. */
+int snapshot_indices(cuda_backend *cb, const dc_step *s, const layout *Lo, dc_step *out,
+                     dc_err *err) {
+    size_t o = Lo->idx;
+    int rc = 0;
+    *out = *s;
+    out->layers = cb->safe;
+    for (size_t l = 0; l < s->n_layers; l++) {
+        const dc_layer *ly = &s->layers[l];
+        cb->safe[l] = *ly;
+        if (ly->kind != DC_LAYER_EMBEDDING) continue;
+        size_t bytes = (size_t)s->batch * (size_t)ly->T * dc_dtype_size(ly->input.dtype);
+        CK(cudaMemcpyAsync(cb->ws + o, ly->input.data, bytes, cudaMemcpyDeviceToDevice,
+                           cb->stream),
+           "the index copy");
+        cb->safe[l].input.data = cb->ws + o;
+        o += al(bytes);
+    }
+fail:
+    return rc;
+}
+
+} // namespace dcb
