@@ -595,8 +595,14 @@ void cuda_destroy(dc_backend *be) {
     free(cb);
 }
 
-const dc_backend_ops cuda_ops = {"cuda", cuda_run_step, cuda_destroy, cuda_run_norms,
-                                  cuda_run_clip};
+const dc_backend_ops cuda_ops = {"cuda",
+                                  cuda_run_step,
+                                  cuda_destroy,
+                                  cuda_run_norms,
+                                  cuda_run_clip,
+                                  dc_cuda_backend_wait_event,
+                                  dc_cuda_backend_record_event,
+                                  dc_cuda_backend_workspace_bytes};
 
 } // namespace
 

@@ -25,6 +25,8 @@
 #ifndef DC_BACKEND_H
 #define DC_BACKEND_H
 
+#include <stddef.h>
+
 #include "step.h"
 
 typedef struct dc_backend dc_backend;
@@ -43,6 +45,13 @@ typedef struct dc_backend_ops {
     int (*run_norms)(dc_backend *be, const dc_step *step, double *n2, dc_err *err);
     int (*run_clip)(dc_backend *be, const dc_step *step, const double *n2, const double *tot,
                     dc_step_result *res, dc_err *err);
+    /* A backend that queues work on a device: its queue waits for a
+     * client's interprocess event (the step's inputs), records one after
+     * the work queued so far (its outputs), and the device workspace it
+     * holds (bytes). NULL where the backend has no device queue (CPU). */
+    int (*wait_event)(dc_backend *be, void *event);
+    int (*record_event)(dc_backend *be, void *event);
+    size_t (*workspace_bytes)(const dc_backend *be);
 } dc_backend_ops;
 
 struct dc_backend {
@@ -52,6 +61,19 @@ struct dc_backend {
 static inline int dc_backend_run_step(dc_backend *be, const dc_step *step,
                                       dc_step_result *res, dc_err *err) {
     return be->ops->run_step(be, step, res, err);
+}
+
+/* The device queue's events (DC_EUNIMPL without one) and workspace (0). */
+static inline int dc_backend_wait_event(dc_backend *be, void *event) {
+    return be->ops->wait_event ? be->ops->wait_event(be, event) : DC_EUNIMPL;
+}
+
+static inline int dc_backend_record_event(dc_backend *be, void *event) {
+    return be->ops->record_event ? be->ops->record_event(be, event) : DC_EUNIMPL;
+}
+
+static inline size_t dc_backend_workspace_bytes(const dc_backend *be) {
+    return be->ops->workspace_bytes ? be->ops->workspace_bytes(be) : 0;
 }
 
 static inline void dc_backend_destroy(dc_backend *be) {

@@ -443,8 +443,9 @@ static void cpu_destroy(dc_backend *be) {
     free(cb);
 }
 
-static const dc_backend_ops cpu_ops = {"cpu", cpu_run_step, cpu_destroy, cpu_run_norms,
-                                        cpu_run_clip};
+/* No device queue: no events, no workspace. */
+static const dc_backend_ops cpu_ops = {"cpu",         cpu_run_step, cpu_destroy, cpu_run_norms,
+                                        cpu_run_clip, NULL,         NULL,        NULL};
 
 int dc_cpu_backend_create(int threads, dc_backend **out, dc_err *err) {
     cpu_backend *cb = calloc(1, sizeof *cb);

@@ -240,19 +240,6 @@ void dc_gpu_close_event(dc_gpu *g, int device, void *event) {
     post_close(g, device, NULL, event);
 }
 
-int dc_gpu_wait_event(dc_backend *be, void *event, dc_err *err) {
-    if (dc_cuda_backend_wait_event(be, event) != 0)
-        return dc_err_set(err, DC_EUNAVAIL, "clip_step.wait_event",
-                          "cannot make the daemon's stream wait on the event");
-    return 0;
-}
-
-int dc_gpu_record_event(dc_backend *be, void *event, dc_err *err) {
-    if (dc_cuda_backend_record_event(be, event) != 0)
-        return dc_err_set(err, DC_EUNAVAIL, "clip_step.signal_event", "cannot record the event");
-    return 0;
-}
-
 #else /* no CUDA in this build */
 
 int dc_gpu_init(dc_gpu *g, uv_loop_t *loop, bool enable, uint64_t workspace,
@@ -290,19 +277,23 @@ void dc_gpu_close_event(dc_gpu *g, int device, void *event) {
     (void)event;
 }
 
+#endif
+
+/* Through the backend interface: the same with or without CUDA in the
+ * build (a backend without a device queue refuses). */
 int dc_gpu_wait_event(dc_backend *be, void *event, dc_err *err) {
-    (void)be;
-    (void)event;
-    return dc_err_set(err, DC_EUNAVAIL, "clip_step.wait_event", "no CUDA in this build");
+    if (dc_backend_wait_event(be, event) != 0)
+        return dc_err_set(err, DC_EUNAVAIL, "clip_step.wait_event",
+                          "cannot make the daemon's %s stream wait on the event", be->ops->name);
+    return 0;
 }
 
 int dc_gpu_record_event(dc_backend *be, void *event, dc_err *err) {
-    (void)be;
-    (void)event;
-    return dc_err_set(err, DC_EUNAVAIL, "clip_step.signal_event", "no CUDA in this build");
+    if (dc_backend_record_event(be, event) != 0)
+        return dc_err_set(err, DC_EUNAVAIL, "clip_step.signal_event",
+                          "cannot record the event on the daemon's %s stream", be->ops->name);
+    return 0;
 }
-
-#endif
 
 /* The pools' array goes only when the loop has closed every pool's handle:
  * freeing it at once left libuv finishing the close of freed memory (an

@@ -7,9 +7,6 @@
 #include "gpu.h"
 #include "step_run.h"
 
-#ifdef DPCLIP_HAVE_CUDA
-#include "dc_cuda.h"
-#endif
 
 int dc_step_fuse_build(dc_step_fused *f, dc_step_job *chain, uint32_t n, dc_err *e) {
     const dc_step *first = &chain->step;
@@ -108,9 +105,7 @@ void dc_step_fuse_work(dc_job *job, dc_backend *be) {
             f->rc = dc_gpu_record_event(be, j->signal_event, &f->err);
         }
     }
-#ifdef DPCLIP_HAVE_CUDA
-    if (f->step.device >= 0) f->workspace = dc_cuda_backend_workspace_bytes(be);
-#endif
+    f->workspace = dc_backend_workspace_bytes(be);
     f->t_end = uv_hrtime();
 }
 

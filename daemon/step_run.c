@@ -5,9 +5,6 @@
 
 #include "gpu.h"
 
-#ifdef DPCLIP_HAVE_CUDA
-#include "dc_cuda.h"
-#endif
 
 /* Worker thread, inside the backend's run_step: everything that writes the
  * client's memory is queued. Record the client's event behind it now, off
@@ -73,10 +70,8 @@ static void run_step(dc_step_job *j, dc_backend *be, bool sums) {
         else
             j->rc = dc_gpu_record_event(be, j->signal_event, &j->err);
     }
-#ifdef DPCLIP_HAVE_CUDA
     /* Read here, on the thread that owns the backend. */
-    if (j->step.device >= 0) j->workspace = dc_cuda_backend_workspace_bytes(be);
-#endif
+    j->workspace = dc_backend_workspace_bytes(be);
     j->t_end = uv_hrtime();
 }
 
