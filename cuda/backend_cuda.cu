@@ -289,13 +289,10 @@ int run_impl(dc_backend *be, const dc_step *s, dc_step_result *res, dc_err *err,
     cb->waited = false;
 
     clock_gettime(CLOCK_MONOTONIC, &t0);
-    if (s->device < 0) {
-        if (!cb->cpu && (rc = dc_cpu_backend_create(1, &cb->cpu, err))) return rc;
-        if (io.want == CP_NORMS) return cb->cpu->ops->run_norms(cb->cpu, s, io.n2_out, err);
-        if (io.want == CP_CLIP)
-            return cb->cpu->ops->run_clip(cb->cpu, s, io.n2_in, io.tot_in, res, err);
-        return dc_backend_run_step(cb->cpu, s, res, err);
-    }
+    if (s->device < 0) /* the daemon runs host-memory steps on its CPU workers */
+        return dc_err_set(err, DC_EINVAL, "clip_step",
+                          "a step on host memory was given to the CUDA backend of cuda:%d",
+                          cb->device);
     if (io.want != CP_ALL && per_layer)
         return dc_err_set(err, DC_EINVAL, "clip_step.clip.mode",
                           "a step in phases (a norm group) clips flat");
@@ -591,7 +588,6 @@ void cuda_destroy(dc_backend *be) {
     free(cb->woff);
     free(cb->ovr_n2);
     free(cb->ovr);
-    dc_backend_destroy(cb->cpu);
     free(cb);
 }
 

@@ -62,7 +62,6 @@ struct cuda_backend {
      * the recent steps' wait per unit of estimated cost (ns; 0 = none yet) */
     cudaEvent_t ev_done;
     double ns_per_cost;
-    dc_backend *cpu; /* created on the first host-memory step */
     bool broken;
     char broken_msg[256];
 };
