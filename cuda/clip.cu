@@ -15,7 +15,7 @@
  * write less, and no commit pass. Steps that fail the bound (or a bad input)
  * fall back to the staged two-pass path inside the same kernels.
  *
- * Noise: Philox4x32-10 and Box-Muller as daemon/noise.c defines them
+ * Noise: Philox4x32-10 and Box-Muller as daemon/compute/noise.c defines them
  * (counter = (pair, stream, step lo, step hi), key = noise_key, uniforms with
  * 53-bit mantissas). DCC_NOISE_EXACT does Box-Muller in double as the CPU
  * (libm ulps apart); DCC_NOISE_FAST (the default) does the same formula in
@@ -139,7 +139,7 @@ __global__ void rows_f32(const TA *__restrict__ a, const TG *__restrict__ g, int
     }
 }
 
-/* --- noise (daemon/noise.c, bit for bit) ---------------------------------- */
+/* --- noise (daemon/compute/noise.c, bit for bit) ---------------------------------- */
 
 __device__ __forceinline__ void philox10(uint32_t (&c)[4], uint32_t k0, uint32_t k1) {
 #pragma unroll

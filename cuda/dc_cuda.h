@@ -1,9 +1,9 @@
-/* The CUDA backend, as the daemon sees it: a dc_backend (daemon/backend.h)
+/* The CUDA backend, as the daemon sees it: a dc_backend (daemon/compute/backend.h)
  * whose run_step reads tensors in the memory of one GPU.
  *
  * Semantics are exactly the CPU backend's (backend.h): the same norms,
  * coefficients, checks, error fields and messages, atomic outputs, and the
- * same noise values (daemon/noise.h: Philox4x32-10 keyed by noise_key, drawn
+ * same noise values (daemon/compute/noise.h: Philox4x32-10 keyed by noise_key, drawn
  * on the GPU). A step whose tensors are in host memory (step->device == -1)
  * is handed to a CPU backend the instance owns.
  *

@@ -264,7 +264,7 @@ static inline uint64_t dcc_out_chunks(uint64_t n) {
     return (n + DCC_OUT_CHUNK - 1) / DCC_OUT_CHUNK;
 }
 
-/* Noise draws: DCC_NOISE_EXACT is daemon/noise.c's Box-Muller in double
+/* Noise draws: DCC_NOISE_EXACT is daemon/compute/noise.c's Box-Muller in double
  * (libm ulps apart); DCC_NOISE_FAST the same Philox words and formula in
  * f32 (logf/log1pf, sincospif on a quadrant-reduced angle): within
  * 6e-7 * r + 1e-7 of the double draw, r = sqrt(-2 ln u1) <= 8.58. */
@@ -313,7 +313,7 @@ cudaError_t dcc_find_bad(const void *p, dc_dtype t, uint64_t n, int64_t vocab,
                          unsigned long long *first, cudaStream_t st);
 
 /* N(0,1) draws i in [0, n) of (key, step, stream) as dc_noise_normal
- * (daemon/noise.h) defines them, computed as `noise` says (DCC_NOISE_*).
+ * (daemon/compute/noise.h) defines them, computed as `noise` says (DCC_NOISE_*).
  * For tests. */
 cudaError_t dcc_noise_normal(uint64_t key, uint64_t step, uint32_t stream, float *out,
                              uint64_t n, int noise, cudaStream_t st);

@@ -1,4 +1,4 @@
-/* The RDP accountant (daemon/accountant.c) against reference values.
+/* The RDP accountant (daemon/privacy/accountant.c) against reference values.
  *
  * Where each number comes from:
  *  [TFP] TensorFlow Privacy, tensorflow_privacy/privacy/analysis/

@@ -1,4 +1,4 @@
-/* dpclipd's configuration (daemon/config.c): the INI file through inih,
+/* dpclipd's configuration (daemon/service/config.c): the INI file through inih,
  * flags over the file, every bad file giving an error that names the file,
  * the line and the key, and `dpclipd --check-config` end to end. */
 #include <errno.h>

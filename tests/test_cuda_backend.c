@@ -2,7 +2,7 @@
  * steps of every layer kind against the CPU backend and the reference, the
  * staged fallback, failures (non-finite inputs and outputs, bad indices:
  * nothing written, the same errors as the CPU backend), the noise against
- * daemon/noise.c, host-memory steps and events. Error bounds: see
+ * daemon/compute/noise.c, host-memory steps and events. Error bounds: see
  * test_cuda_kernels.c. Every whole-step test also runs with the backend's
  * switches in their old positions (per-layer book-keeping, staged outputs,
  * double noise, exact f32), the configuration the benchmark compares against.

@@ -14,7 +14,7 @@
  *     rounding flip of a single element is allowed; LINEAR weights from f32
  *     inputs on TF32 add 2e-3 (one TF32 rounding of each operand, ~4e-4
  *     typical);
- *   noise vs daemon/noise.c: 2e-6 absolute per N(0,1) draw in double
+ *   noise vs daemon/compute/noise.c: 2e-6 absolute per N(0,1) draw in double
  *     (DPCLIP_CUDA_NOISE=exact, libm ulps); 6e-7 * r + 1e-7 for the default
  *     f32 draws, r = sqrt(-2 ln u1) the pair's radius (f32 transcendentals
  *     of 1 ulp; a host emulation with 1-ulp perturbations reached half of it).

@@ -1,4 +1,4 @@
-/* daemon/frame.c: a connection's bytes cut into whole frames, whatever the
+/* daemon/protocol/frame.c: a connection's bytes cut into whole frames, whatever the
  * reads they arrive in; the descriptors passed with a frame's bytes go with
  * that frame and no other; a frame over the maximum is reported, not
  * buffered; descriptors no frame claims are closed; a frame decodes into a

@@ -1,4 +1,4 @@
-/* Norm groups through a real daemon (daemon/group.c, session_group.c): a
+/* Norm groups through a real daemon (daemon/protocol/group.c, session_group.c): a
  * model split over 2-4 sessions is clipped exactly as the whole model, by
  * its per-sample double-precision reference: a tensor-parallel split of a
  * Linear by output features, a pipeline split of a small transformer by

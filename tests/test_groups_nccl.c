@@ -1,4 +1,4 @@
-/* Norm groups across daemons (daemon/nccl_link.c): two dpclipd processes
+/* Norm groups across daemons (daemon/protocol/nccl_link.c): two dpclipd processes
  * form one group through NCCL, and its members' results equal the whole
  * model's per-sample double-precision reference, as on one daemon; a
  * daemon killed mid-step fails the other's step within the group timeout

@@ -1,4 +1,4 @@
-/* The privacy ledger (daemon/ledger.c, ledger_file.c): composition matches
+/* The privacy ledger (daemon/privacy/ledger.c, ledger_file.c): composition matches
  * the accountant, refunds are exact, a job's delta is fixed by its first
  * step, job ids are never truncated, the history is bounded (and never
  * understates), accounts are capped per uid and expire, curves are computed

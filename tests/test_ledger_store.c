@@ -1,4 +1,4 @@
-/* daemon/ledger_store.c: a job's ledger state made durable off the loop.
+/* daemon/privacy/ledger_store.c: a job's ledger state made durable off the loop.
  * In memory a waiter is answered at once; on disk it is answered only once
  * a write holding its generation is in the file (the loop runs meanwhile),
  * changes made during a write go out in the next one, writes and failures

@@ -1,4 +1,4 @@
-/* daemon/server.c: the loop's polling windows (dc_server_poll). A window
+/* daemon/service/server.c: the loop's polling windows (dc_server_poll). A window
  * keeps the loop polling (its idle handle active) from its start to its end;
  * one for completions closes early once nothing is in flight; a later one
  * waits on a timer and opens when due, also when it was set while the loop

@@ -1,4 +1,4 @@
-/* daemon/step_account.c: the accounting stage of a step, alone (a ledger and
+/* daemon/protocol/step_account.c: the accounting stage of a step, alone (a ledger and
  * a loop, no session). Terms out of range are refused naming the field; a
  * step without a sample rate counts as q = 1 or is refused under
  * ledger.require_sample_rate; the charge spends, and a refund takes it back;

@@ -1,4 +1,4 @@
-/* Steps in phases (daemon/step_pass.c) through a real daemon: one norm pass
+/* Steps in phases (daemon/protocol/step_pass.c) through a real daemon: one norm pass
  * (STEP_NORMS) and the clipped sums it keeps for (STEP_SUMS), layer group by
  * layer group, against the per-sample double-precision reference and the
  * same step whole; and every rule a pass enforces, each refused naming its

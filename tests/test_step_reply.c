@@ -1,4 +1,4 @@
-/* daemon/step_reply.c: the last stage of a step. Its ClipStepReply carries
+/* daemon/protocol/step_reply.c: the last stage of a step. Its ClipStepReply carries
  * the backend's per-sample norms and coefficients, layer norms only when
  * asked for or clipping per layer, layer coefficients only per layer, the
  * job's epsilon and delta and the daemon's stamps, and packs into a Reply

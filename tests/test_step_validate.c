@@ -1,4 +1,4 @@
-/* daemon/step_validate.c: the validation stage of a step, alone. A request's
+/* daemon/protocol/step_validate.c: the validation stage of a step, alone. A request's
  * refusal names its field and holds nothing; what the step names of the
  * session (device, events, early notice) is refused naming the field or
  * taken into the job; the plan cache matches exactly the bytes, registry

@@ -1,4 +1,4 @@
-/* daemon/validate.c: every field of a ClipStep is checked before any work,
+/* daemon/protocol/validate.c: every field of a ClipStep is checked before any work,
  * and each rejection names the field. */
 #include <fcntl.h>
 #include <math.h>

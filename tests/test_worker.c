@@ -1,4 +1,4 @@
-/* daemon/worker.c: jobs run on worker threads, each with its own backend,
+/* daemon/service/worker.c: jobs run on worker threads, each with its own backend,
  * and complete on the loop thread; closing runs what was queued. */
 #include <pthread.h>
 #include <sched.h>

@@ -1,5 +1,5 @@
 /* libFuzzer target: ClipStep decoding and validation against a registry
- * (daemon/validate.c, registry.c).
+ * (daemon/protocol/validate.c, registry.c).
  *
  * Input: 8 bytes of buffer sizes (4 x u16 little-endian, + 1: buffers 1..4
  * of 1 to 65536 bytes), then a serialized dpclip.ClipStep. Each buffer is a
