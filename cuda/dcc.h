@@ -21,8 +21,10 @@
 extern "C" {
 #endif
 
+/* the kernels see common/ only: the daemon's step is the backend's business */
+#include "dc_algo.h"
+#include "dc_dtype.h"
 #include "dcc_path.h"
-#include "step.h"
 
 #define DCC_FLAG_NONFINITE 1u
 #define DCC_FLAG_INDEX 2u

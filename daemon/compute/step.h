@@ -18,6 +18,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "dc_algo.h"
 #include "dc_dtype.h"
 #include "dc_err.h"
 #include "noise.h"
@@ -35,12 +36,6 @@ typedef enum dc_layer_kind {
     DC_LAYER_LAYERNORM = 3,
     DC_LAYER_RMSNORM = 4
 } dc_layer_kind;
-
-typedef enum dc_algo {
-    DC_ALGO_AUTO = 0,
-    DC_ALGO_DIRECT = 1,
-    DC_ALGO_GHOST = 2
-} dc_algo;
 
 typedef enum dc_reduction { DC_REDUCTION_SUM = 1, DC_REDUCTION_MEAN = 2 } dc_reduction;
 typedef enum dc_clip_mode { DC_CLIP_FLAT = 0, DC_CLIP_PER_LAYER = 1 } dc_clip_mode;
