@@ -453,7 +453,7 @@ int main(int argc, char **argv) {
         CK(cudaMalloc(&n2, 3 * (size_t)B * sizeof *n2));
         CK(cudaMalloc(&w32, (size_t)p * d * sizeof *w32));
         CK(cudaMalloc(&b32, (size_t)p * sizeof *b32));
-        dcc_linear L = {a, g, DC_BF16, DC_BF16, B, T, d, p, true, false};
+        dcc_linear L = {a, g, DC_BF16, DC_BF16, B, T, d, p, true, false, NULL};
         dc_algo pick = dcc_linear_pick(T, d, p, DC_ALGO_AUTO);
 
         double gemm = time_ms([&] { gemm_bf16(h, d, p, (int)rows, a, d, CUBLAS_OP_T, g, p, W, d); },
@@ -473,9 +473,12 @@ int main(int argc, char **argv) {
         dcc_direct_plan auto_plan;
         dcc_direct_plan_get(&L, &auto_plan);
         double th[4];
+        dcc_options forced;
+        dcc_options_default(&forced);
+        L.opt = &forced;
         for (int k = 0; k < 4; k++) {
-            setenv("DPCLIP_CUDA_DIRECT_TILE", k & 1 ? "256" : "128", 1);
-            setenv("DPCLIP_CUDA_DIRECT_SPLIT", k & 2 ? "2" : "1", 1);
+            forced.direct_tile = k & 1 ? 256 : 128;
+            forced.direct_split = k & 2 ? 2 : 1;
             th[k] = time_ms(
                 [&] {
                     CK(cudaMemsetAsync(n2 + B, 0, B * sizeof *n2, st));
@@ -483,8 +486,7 @@ int main(int argc, char **argv) {
                 },
                 st, reps);
         }
-        unsetenv("DPCLIP_CUDA_DIRECT_TILE");
-        unsetenv("DPCLIP_CUDA_DIRECT_SPLIT");
+        L.opt = NULL; /* the model's choices again */
         std::vector<float> hn(3 * (size_t)B);
         CK(cudaMemcpy(hn.data(), n2, hn.size() * sizeof(float), cudaMemcpyDeviceToHost));
         double dvg = 0.0;

@@ -83,3 +83,11 @@ extern "C" int dc_cuda_backend_set_workspace(dc_backend *be, size_t initial, siz
 extern "C" size_t dc_cuda_backend_workspace_bytes(const dc_backend *be) {
     return ((const cuda_backend *)be)->ws_cap;
 }
+
+extern "C" void dc_cuda_backend_get_options(const dc_backend *be, dcc_options *out) {
+    *out = ((const cuda_backend *)be)->opt;
+}
+
+extern "C" void dc_cuda_backend_set_options(dc_backend *be, const dcc_options *o) {
+    ((cuda_backend *)be)->opt = *o;
+}

@@ -20,7 +20,9 @@
  *      commits only if the status word stays 0;
  *   6. one copy of n2, flags, norms, coefficients and status to pinned host
  *      memory, and the one wait.
- * Switches, read at every step (A/B comparisons, exactness): DPCLIP_CUDA_TF32
+ * Switches (dcc_options: read from the environment when the instance is
+ * made, options.cu; tests set them with dc_cuda_backend_set_options), for
+ * A/B comparisons and exactness: DPCLIP_CUDA_TF32
  * =0 keeps f32 inputs on exact f32 kernels; DPCLIP_CUDA_GROUPED=0 runs the
  * norms and the book-keeping per layer; DPCLIP_CUDA_ONE_PASS=0 always stages the outputs;
  * DPCLIP_CUDA_NOISE=exact draws the noise in double as the CPU does.
@@ -47,16 +49,6 @@ int dcb::blas_fail(cuda_backend *cb, dc_err *err, cublasStatus_t s, const char *
     (void)cudaStreamSynchronize(cb->stream);
     return dc_err_set(err, DC_EINTERNAL, "", "cuBLAS error in %s on cuda:%d: %s", what,
                       cb->device, cublasGetStatusString(s));
-}
-
-step_opts dcb::read_opts(void) {
-    step_opts o;
-    const char *n = getenv("DPCLIP_CUDA_NOISE");
-    o.tf32 = !env_off("DPCLIP_CUDA_TF32");
-    o.grouped = !env_off("DPCLIP_CUDA_GROUPED");
-    o.one_pass = !env_off("DPCLIP_CUDA_ONE_PASS");
-    o.noise = n && strcmp(n, "exact") == 0 ? DCC_NOISE_EXACT : DCC_NOISE_FAST;
-    return o;
 }
 
 int dcb::ws_alloc(cuda_backend *cb, size_t want, dc_err *err) {
@@ -129,7 +121,7 @@ int plan_step(cuda_backend *cb, const dc_step *s, layout *Lo, dc_err *err) {
             if (want_out(ly, 0) && !bk_per_sample(ly))
                 t = (size_t)chunk_rows(ly, (uint32_t)B) * (size_t)(ly->d + ly->p) * 4 + 512;
             dcc_linear x = {ly->input.data, ly->grad.data, ly->input.dtype, ly->grad.dtype,
-                            (int)B, (int)ly->T, (int)ly->d, (int)ly->p, false, false};
+                            (int)B, (int)ly->T, (int)ly->d, (int)ly->p, false, false, &cb->opt};
             if (dcc_pad_wanted(&x)) {
                 size_t pt = (size_t)dcc_pad_samples(&x, PAD_CAP) * dcc_pad_sample_bytes(&x);
                 if (pt > t) t = pt;
@@ -281,7 +273,7 @@ int run_impl(dc_backend *be, const dc_step *s, dc_step_result *res, dc_err *err,
     const size_t L = s->n_layers;
     const bool per_layer = s->mode == DC_CLIP_PER_LAYER;
     const float scale = dc_step_grad_scale(s);
-    const step_opts opt = read_opts();
+    const step_opts &opt = cb->opt;
     layout Lo;
     dc_step safe;
     int rc = 0;
@@ -637,8 +629,8 @@ extern "C" int dc_cuda_backend_create(int device, dc_backend **out, dc_err *err)
     /* Phase timing feeds the daemon's per-phase histograms: on unless
      * DPCLIP_CUDA_PROFILE=0 (nine event records a step, a few microseconds
      * of host time that overlap the GPU's work). */
-    const char *prof = getenv("DPCLIP_CUDA_PROFILE");
-    if (!(prof && prof[0] == '0')) (void)dc_cuda_backend_profile(&cb->base, 1);
+    dcc_options_from_env(&cb->opt);
+    if (cb->opt.profile) (void)dc_cuda_backend_profile(&cb->base, 1);
     return 0;
 }
 

@@ -62,6 +62,9 @@ struct cuda_backend {
      * the recent steps' wait per unit of estimated cost (ns; 0 = none yet) */
     cudaEvent_t ev_done;
     double ns_per_cost;
+    /* the DPCLIP_CUDA_* switches, read when the instance was made
+     * (dc_cuda_backend_set_options replaces them) */
+    dcc_options opt;
     bool broken;
     char broken_msg[256];
 };
@@ -143,18 +146,8 @@ constexpr int BK_MIN_T = 32;
 constexpr size_t PAD_CAP = (size_t)256 << 20;
 constexpr size_t BK_CHUNK_BYTES = (size_t)32 << 20;
 
-/* Per-step switches (DPCLIP_CUDA_*, backend_cuda.cu's top comment). */
-struct step_opts {
-    bool tf32, grouped, one_pass;
-    int noise; /* DCC_NOISE_* */
-};
-
-inline bool env_off(const char *name) {
-    const char *v = getenv(name);
-    return v && v[0] == '0';
-}
-
-step_opts read_opts(void);
+/* The switches a step follows: the instance's (cuda_backend.opt). */
+typedef dcc_options step_opts;
 
 /* Rows of a LINEAR layer converted to f32 per chunk of the fallback sum. */
 inline int chunk_rows(const dc_layer *l, uint32_t B) {

@@ -23,7 +23,8 @@ int layer_norms(cuda_backend *cb, const dc_step *s, size_t l, const layout *Lo, 
     switch (ly->kind) {
     case DC_LAYER_LINEAR: {
         dcc_linear x = {ly->input.data, ly->grad.data, ly->input.dtype, ly->grad.dtype, B,
-                        (int)ly->T, (int)ly->d, (int)ly->p, dc_layer_norm_bias(ly), opt.tf32};
+                        (int)ly->T, (int)ly->d, (int)ly->p, dc_layer_norm_bias(ly), opt.tf32,
+                        &cb->opt};
         const dc_algo algo = dcc_linear_pick(x.T, x.d, x.p, ly->algo);
         if (!dcc_pad_wanted(&x)) {
             e = dcc_linear_sqnorms(&x, algo, s2, n2, cb->stream);
@@ -77,7 +78,7 @@ int layer_clipped(cuda_backend *cb, const dc_step *s, size_t l, const layout *Lo
         const int T = (int)ly->T, d = (int)ly->d, p = (int)ly->p;
         cudaError_t tc = cudaErrorNotSupported;
         dcc_linear x = {ly->input.data, ly->grad.data, ly->input.dtype, ly->grad.dtype, B,
-                        T, d, p, ly->has_bias, opt.tf32};
+                        T, d, p, ly->has_bias, opt.tf32, &cb->opt};
         const bool pad = w && bk_per_sample(ly) && dcc_pad_wanted(&x);
         if (w && !pad) {
             if (dcc_linear_path(&x) == DCC_PATH_TF32) tc = dcc_linear_clipped_tf32(&x, cs, w, cb->stream);
@@ -186,7 +187,7 @@ int grouped_clipped(cuda_backend *cb, const dc_step *s, const layout *Lo, const 
         cb->bk_grouped[l] = false;
         if (ly->kind != DC_LAYER_LINEAR || off[0] == UINT64_MAX) continue;
         dcc_linear x = {ly->input.data, ly->grad.data, ly->input.dtype, ly->grad.dtype, B,
-                        (int)ly->T, (int)ly->d, (int)ly->p, ly->has_bias, false};
+                        (int)ly->T, (int)ly->d, (int)ly->p, ly->has_bias, false, &cb->opt};
         if (!dcc_bk_grouped_ok(&x)) continue;
         float *staging = (float *)(cb->ws + Lo->staging);
         dcc_bk_layer *e = &cb->bk[n++];
@@ -225,7 +226,8 @@ int grouped_norms(cuda_backend *cb, const dc_step *s, const layout *Lo, float s2
         cb->nm_grouped[l] = false;
         if (ly->kind != DC_LAYER_LINEAR || (cb->ovr_active && cb->ovr[l])) continue;
         dcc_linear x = {ly->input.data, ly->grad.data, ly->input.dtype, ly->grad.dtype, B,
-                        (int)ly->T, (int)ly->d, (int)ly->p, dc_layer_norm_bias(ly), false};
+                        (int)ly->T, (int)ly->d, (int)ly->p, dc_layer_norm_bias(ly), false,
+                        &cb->opt};
         if (!dcc_norms_grouped_ok(&x, dcc_linear_pick(x.T, x.d, x.p, ly->algo))) continue;
         dcc_norm_layer *e = &cb->nm[n++];
         e->L = x;
@@ -233,7 +235,7 @@ int grouped_norms(cuda_backend *cb, const dc_step *s, const layout *Lo, float s2
         items += dcc_norms_grouped_items(&x);
         cb->nm_grouped[l] = true;
     }
-    if (n == 0 || items < dcc_grouped_min_items()) {
+    if (n == 0 || items < dcc_grouped_min_items(&cb->opt)) {
         memset(cb->nm_grouped, 0, s->n_layers * sizeof *cb->nm_grouped);
         return 0;
     }

@@ -34,7 +34,7 @@ int tied_norms(cuda_backend *cb, const dc_step *s, const layout *Lo, float s2, d
                            (int)e->T, (int)e->d, e->vocab,
                            e->has_padding_idx ? e->padding_idx : -1};
         dcc_linear N = {n->input.data, n->grad.data, n->input.dtype, n->grad.dtype, B,
-                        (int)n->T, (int)n->d, (int)n->p, false, false};
+                        (int)n->T, (int)n->d, (int)n->p, false, false, &cb->opt};
         cudaError_t e_ = dcc_tied_sqnorms(&E, &N, ly == n && ly->has_bias, s2, n2 + o * B,
                                           n2 + l * B, (double *)(cb->ws + Lo->temp),
                                           cb->stream);

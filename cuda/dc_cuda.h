@@ -70,6 +70,13 @@ const char *dc_cuda_phase_name(int phase);
  * DC_ENOSPACE if the preallocation fails. */
 int dc_cuda_backend_set_workspace(dc_backend *be, size_t initial, size_t max, dc_err *err);
 
+/* The DPCLIP_CUDA_* switches the instance follows (cuda/dcc.h,
+ * dcc_options): read from the environment when it was made; tests and
+ * benchmarks replace them between steps. */
+struct dcc_options;
+void dc_cuda_backend_get_options(const dc_backend *be, struct dcc_options *out);
+void dc_cuda_backend_set_options(dc_backend *be, const struct dcc_options *o);
+
 /* Device workspace currently held by the instance, in bytes. */
 size_t dc_cuda_backend_workspace_bytes(const dc_backend *be);
 

@@ -33,9 +33,32 @@ extern "C" {
 #define DCC_STATUS_INPUT 1u   /* a non-finite squared norm or a flagged sample */
 #define DCC_STATUS_OUTPUT 4u  /* an output value not finite in its dtype */
 
+/* The DPCLIP_CUDA_* switches (docs/gpu.md), for A/B comparisons and tests:
+ * read from the environment once, where a backend is made
+ * (dcc_options_from_env, options.cu, the one reader), and passed down to
+ * the kernels' choosers (dcc_linear.opt; NULL means the defaults). */
+typedef struct dcc_options {
+    bool tf32;         /* TF32=0: f32 inputs on the exact f32 kernels */
+    bool grouped;      /* GROUPED=0: per-layer launches only */
+    int grouped_min;   /* GROUPED_MIN: work items a step needs to group; -1: 4 per SM */
+    bool one_pass;     /* ONE_PASS=0: outputs always staged and committed */
+    int noise;         /* NOISE=exact: DCC_NOISE_EXACT, else DCC_NOISE_FAST */
+    bool profile;      /* PROFILE=0: the phases are not timed */
+    bool wgmma;        /* WGMMA=0: the mma.sync kernels instead of wgmma */
+    bool tma;          /* TMA=0: the cp.async feed instead of TMA */
+    int direct_tile;   /* DIRECT_TILE: 128 or 256 rows; 0: the cost model's */
+    int direct_split;  /* DIRECT_SPLIT: every tile split 1-3 ways; 0: the model's */
+    int tail_k;        /* DIRECT_TAIL=K[:N]: a K-way tail (2-4); 0: none */
+    long long tail_after; /* ... after N unsplit tiles; -1: the whole waves */
+} dcc_options;
+
+void dcc_options_default(dcc_options *o);
+void dcc_options_from_env(dcc_options *o);
+
 /* A LINEAR layer's data: a [B,T,d] of dtype ta, g [B,T,p] of dtype tg.
  * tf32: f32 inputs may run on TF32 tensor cores (10-bit mantissas, f32
- * accumulation); false keeps them on the exact f32 CUDA-core kernels. */
+ * accumulation); false keeps them on the exact f32 CUDA-core kernels.
+ * opt: the switches the kernels' choosers follow (NULL: the defaults). */
 typedef struct dcc_linear {
     const void *a;
     const void *g;
@@ -44,6 +67,7 @@ typedef struct dcc_linear {
     int T, d, p;
     bool has_bias;
     bool tf32;
+    const dcc_options *opt;
 } dcc_linear;
 
 /* Padded copies of a 16-bit LINEAR layer whose d or p is not a multiple of
@@ -75,7 +99,7 @@ dcc_path dcc_linear_path(const dcc_linear *L);
 /* The wgmma kernels (norms_wgmma.cu): available when built for sm_90a, the
  * current device is compute capability 9.0 and DPCLIP_CUDA_WGMMA is not "0".
  * dcc_linear_wgmma needs bf16/f16 inputs that qualify for 16-byte loads. */
-int dcc_wgmma_available(void);
+int dcc_wgmma_available(const dcc_options *o);
 cudaError_t dcc_linear_wgmma(const dcc_linear *L, dc_algo algo, float s2, float *n2,
                              cudaStream_t st);
 /* The wgmma direct form's tile for this layer: 128 or 256 rows of p, and
@@ -95,7 +119,7 @@ typedef struct dcc_direct_plan {
 void dcc_direct_plan_get(const dcc_linear *L, dcc_direct_plan *p);
 /* The TMA-fed variant (norms_tma.cu), tried first by dcc_linear_wgmma;
  * DPCLIP_CUDA_TMA=0 disables it. cudaErrorNotSupported: use the other. */
-int dcc_tma_available(void);
+int dcc_tma_available(const dcc_options *o);
 /* LINEAR clipped weight sum on the TMA/wgmma path: w[p][d] = sum_b cs[b] *
  * g_b^T a_b (f32, overwritten), exact per-sample scaling in one launch.
  * cudaErrorNotSupported when the layer does not qualify (T < 64, not bf16/f16
@@ -144,7 +168,7 @@ int dcc_norms_grouped_ok(const dcc_linear *L, dc_algo algo);
  * waves; below it the per-layer kernels' split and tile choices do better;
  * DPCLIP_CUDA_GROUPED_MIN overrides it, for tests). */
 int64_t dcc_norms_grouped_items(const dcc_linear *L);
-int dcc_grouped_min_items(void);
+int dcc_grouped_min_items(const dcc_options *o);
 cudaError_t dcc_linear_sqnorms_grouped(const dcc_norm_layer *layers, int n, float s2,
                                        cudaStream_t st);
 

@@ -314,7 +314,7 @@ cudaError_t run_chunks(const dcc_linear *const *Ls, int n, int B, float s2, bool
 }
 
 bool qualifies(const dcc_linear *L) {
-    return L->ta == L->tg && dcc_linear_path(L) == DCC_PATH_WGMMA && dcc_tma_available();
+    return L->ta == L->tg && dcc_linear_path(L) == DCC_PATH_WGMMA && dcc_tma_available(L->opt);
 }
 
 } // namespace
@@ -400,9 +400,8 @@ extern "C" cudaError_t dcc_linear_sqnorms_grouped(const dcc_norm_layer *ls, int 
 #endif
 }
 
-extern "C" int dcc_grouped_min_items(void) {
-    const char *v = getenv("DPCLIP_CUDA_GROUPED_MIN"); /* tests: 0 groups every step */
-    if (v && v[0]) return atoi(v);
+extern "C" int dcc_grouped_min_items(const dcc_options *o) {
+    if (o && o->grouped_min >= 0) return o->grouped_min; /* tests: 0 groups every step */
     /* a device that cannot be asked groups nothing: the per-layer launches
      * then report its error */
     int sms;

@@ -306,7 +306,7 @@ extern "C" dcc_path dcc_linear_path(const dcc_linear *L) {
     if (L->ta != L->tg || (L->ta != DC_BF16 && L->ta != DC_F16)) return DCC_PATH_SIMT;
     if (!(aligned16(L->a) && aligned16(L->g) && L->d % 8 == 0 && L->p % 8 == 0))
         return DCC_PATH_MMA_ELEM;
-    return dcc_wgmma_available() ? DCC_PATH_WGMMA : DCC_PATH_MMA_VEC;
+    return dcc_wgmma_available(L->opt) ? DCC_PATH_WGMMA : DCC_PATH_MMA_VEC;
 }
 
 extern "C" cudaError_t dcc_linear_sqnorms(const dcc_linear *L, dc_algo algo, float s2,

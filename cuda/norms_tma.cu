@@ -396,7 +396,7 @@ cudaError_t launch_clipped(const dcc_linear *L, const float *cs, float *w, cudaS
 extern "C" cudaError_t dcc_linear_clipped_tc(const dcc_linear *L, const float *cs, float *w,
                                              cudaStream_t st) {
 #ifdef DCC_WGMMA_BUILT
-    if (L->T < WBK || dcc_linear_path(L) != DCC_PATH_WGMMA || !dcc_tma_available())
+    if (L->T < WBK || dcc_linear_path(L) != DCC_PATH_WGMMA || !dcc_tma_available(L->opt))
         return cudaErrorNotSupported;
     if (L->ta == DC_BF16) return launch_clipped<dcc_bf16>(L, cs, w, st);
     return launch_clipped<dcc_f16>(L, cs, w, st);
@@ -409,14 +409,12 @@ extern "C" cudaError_t dcc_linear_clipped_tc(const dcc_linear *L, const float *c
 #endif
 }
 
-extern "C" int dcc_tma_available(void) {
+extern "C" int dcc_tma_available(const dcc_options *o) {
 #ifdef DCC_WGMMA_BUILT
-    static const int env = [] { /* DPCLIP_CUDA_TMA=0 selects the cp.async feed */
-        const char *s = getenv("DPCLIP_CUDA_TMA");
-        return !(s && s[0] == '0');
-    }();
-    return env && encode_fn() != nullptr;
+    /* o->tma false selects the cp.async feed */
+    return (!o || o->tma) && encode_fn() != nullptr;
 #else
+    (void)o;
     return 0;
 #endif
 }

@@ -262,7 +262,7 @@ static double direct_cost(const dcc_linear *L, int rows, int split, int sms) {
 }
 
 static int max_split(const dcc_linear *L) {
-    return dcc_tma_available() && L->T >= SPLIT_MIN_T ? 2 : 1;
+    return dcc_tma_available(L->opt) && L->T >= SPLIT_MIN_T ? 2 : 1;
 }
 
 static int64_t direct_tiles(const dcc_linear *L, int rows) {
@@ -307,67 +307,56 @@ static void direct_shape(const dcc_linear *L, int rows_only, dcc_direct_plan *pl
     }
 }
 
-/* DPCLIP_CUDA_DIRECT_TILE's tile height, or 0 when it is not set. */
-static int forced_rows(void) {
-    const char *force = getenv("DPCLIP_CUDA_DIRECT_TILE");
-    return force && force[0] ? (atoi(force) >= 256 ? 256 : 128) : 0;
-}
+/* The forced tile height (dcc_options.direct_tile), or 0. */
+static int forced_rows(const dcc_linear *L) { return L->opt ? L->opt->direct_tile : 0; }
 
 extern "C" int dcc_direct_tile_rows(const dcc_linear *L) {
     dcc_direct_plan pl;
-    if (int rows = forced_rows()) return rows;
+    if (int rows = forced_rows(L)) return rows;
     direct_shape(L, 0, &pl);
     return pl.rows;
 }
 
 /* The split of every tile; 1 when the plan splits only the tail. */
 extern "C" int dcc_direct_split(const dcc_linear *L) {
-    const char *force = getenv("DPCLIP_CUDA_DIRECT_SPLIT");
-    if (force && force[0]) {
-        int k = atoi(force);
-        return k >= 3 ? (dcc_tma_available() ? 3 : 2) : k == 2 ? 2 : 1;
-    }
+    if (int k = L->opt ? L->opt->direct_split : 0)
+        return k >= 3 ? (dcc_tma_available(L->opt) ? 3 : 2) : k;
     dcc_direct_plan pl;
-    direct_shape(L, forced_rows(), &pl);
+    direct_shape(L, forced_rows(L), &pl);
     return pl.split;
 }
 
-/* DPCLIP_CUDA_DIRECT_SPLIT forces a split of every tile (no hybrid);
- * DPCLIP_CUDA_DIRECT_TAIL=K[:N] forces the hybrid: K-way tail (2-4) after
- * N unsplit tiles (default: the whole waves). */
+/* dcc_options.direct_split forces a split of every tile (no hybrid);
+ * tail_k forces the hybrid: a K-way tail (2-4) after tail_after unsplit
+ * tiles (-1: the whole waves). */
 extern "C" void dcc_direct_plan_get(const dcc_linear *L, dcc_direct_plan *pl) {
-    const char *split = getenv("DPCLIP_CUDA_DIRECT_SPLIT"), *tail = getenv("DPCLIP_CUDA_DIRECT_TAIL");
-    if (tail && tail[0] && dcc_tma_available()) {
-        int k = atoi(tail), rows = dcc_direct_tile_rows(L);
-        const char *c = strchr(tail, ':');
+    const dcc_options *o = L->opt;
+    if (o && o->tail_k && dcc_tma_available(o)) {
+        int rows = dcc_direct_tile_rows(L);
         int64_t total = direct_tiles(L, rows);
         int sms;
         long long n = 0; /* default: the whole waves; none if the device cannot be asked */
-        if (c) n = atoll(c + 1);
+        if (o->tail_after >= 0) n = o->tail_after;
         else if (dcc_sm_count(&sms) == cudaSuccess) n = (long long)(total / sms * sms);
-        *pl = (dcc_direct_plan){rows, 1, k < 2 ? 2 : k > 4 ? 4 : k,
-                                n < 0 ? 0 : n > total ? (long long)total : n};
-    } else if (split && split[0]) {
+        *pl = (dcc_direct_plan){rows, 1, o->tail_k, n > total ? (long long)total : n};
+    } else if (o && o->direct_split) {
         *pl = (dcc_direct_plan){dcc_direct_tile_rows(L), dcc_direct_split(L), 0, 0};
     } else {
-        direct_shape(L, forced_rows(), pl); /* the model's plan, in one search */
+        direct_shape(L, forced_rows(L), pl); /* the model's plan, in one search */
     }
 }
 
-extern "C" int dcc_wgmma_available(void) {
+extern "C" int dcc_wgmma_available(const dcc_options *o) {
 #ifdef DCC_WGMMA_BUILT
-    static int env = -1;
     int dev, major = 0, minor = 0;
-    if (env < 0) { /* DPCLIP_CUDA_WGMMA=0 selects the mma.sync kernels (A/B checks) */
-        const char *s = getenv("DPCLIP_CUDA_WGMMA");
-        env = !(s && s[0] == '0');
-    }
-    if (!env || cudaGetDevice(&dev) != cudaSuccess ||
+    /* o->wgmma false selects the mma.sync kernels (A/B checks) */
+    if ((o && !o->wgmma) || cudaGetDevice(&dev) != cudaSuccess ||
         cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess ||
         cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev) != cudaSuccess)
         return 0;
     return major == 9 && minor == 0;
 #else
+    (void)o;
     return 0;
 #endif
 }
@@ -375,7 +364,7 @@ extern "C" int dcc_wgmma_available(void) {
 extern "C" cudaError_t dcc_linear_wgmma(const dcc_linear *L, dc_algo algo, float s2, float *n2,
                                         cudaStream_t st) {
 #ifdef DCC_WGMMA_BUILT
-    if (dcc_tma_available()) {
+    if (dcc_tma_available(L->opt)) {
         cudaError_t e = dcc_linear_tma(L, algo, s2, n2, st);
         if (e != cudaErrorNotSupported) return e;
     }

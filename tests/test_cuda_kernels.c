@@ -68,7 +68,7 @@ static void test_linear_norms(void **state) {
             dc_ref_layer_sqnorms(&h, cases[c].B, 1.0, ref);
             dcc_linear x = {h.input.data, h.grad.data, h.input.dtype, h.grad.dtype,
                             (int)cases[c].B, (int)h.T, (int)h.d, (int)h.p, h.has_bias,
-                            g_tf32 != 0};
+                            g_tf32 != 0, &g_opts};
             /* the path is decided on alignment; host pointers from malloc are
              * 16-byte aligned like cudaMalloc's */
             int path = dcc_linear_path(&x);
@@ -76,7 +76,7 @@ static void test_linear_norms(void **state) {
             assert_int_equal(path == DCC_PATH_WGMMA ? DCC_PATH_MMA_VEC : path,
                              kDtypes[di] == DC_F32 ? (g_tf32 ? DCC_PATH_TF32 : DCC_PATH_SIMT)
                                                    : cases[c].path16);
-            assert_true(path != DCC_PATH_WGMMA || dcc_wgmma_available());
+            assert_true(path != DCC_PATH_WGMMA || dcc_wgmma_available(&g_opts));
             for (int ai = 0; ai < 3; ai++) {
                 h.algo = algos[ai];
                 double e = layer_err(&h, cases[c].B, ref);
@@ -109,26 +109,28 @@ static void test_direct_splits(void **state) {
     dc_ref_layer_sqnorms(&h, 2, 1.0, ref);
     for (int k = 0; k < 6; k++) {
         char split[2] = {(char)('1' + k % 3), 0};
-        setenv("DPCLIP_CUDA_DIRECT_TILE", k < 3 ? "128" : "256", 1);
-        setenv("DPCLIP_CUDA_DIRECT_SPLIT", split, 1);
+        g_opts.direct_tile = k < 3 ? 128 : 256;
+        g_opts.direct_split = 1 + k % 3;
+        apply_switches();
         double e = layer_err(&h, 2, ref);
         printf("direct tile=%s split=%s: max rel err %.2e\n", k < 3 ? "128" : "256", split, e);
         assert_true(e <= norm_rtol(DC_BF16));
     }
-    unsetenv("DPCLIP_CUDA_DIRECT_SPLIT");
+    g_opts.direct_split = 0;
     /* The hybrid: the first N tiles (numbered over samples) unsplit, the
      * rest on clusters of K; N = 0 and N = all included. */
-    static const char *const tails[] = {"2:5", "3:0", "4:11", "4:12", "2:7", "3:1"};
+    static const int tails[6][2] = {{2, 5}, {3, 0}, {4, 11}, {4, 12}, {2, 7}, {3, 1}};
     for (int k = 0; k < 12; k++) {
-        setenv("DPCLIP_CUDA_DIRECT_TILE", k < 6 ? "128" : "256", 1);
-        setenv("DPCLIP_CUDA_DIRECT_TAIL", tails[k % 6], 1);
+        g_opts.direct_tile = k < 6 ? 128 : 256;
+        g_opts.tail_k = tails[k % 6][0];
+        g_opts.tail_after = tails[k % 6][1];
+        apply_switches();
         double e = layer_err(&h, 2, ref);
-        printf("direct tile=%s tail=%s: max rel err %.2e\n", k < 6 ? "128" : "256", tails[k % 6],
-               e);
+        printf("direct tile=%d tail=%d:%d: max rel err %.2e\n", g_opts.direct_tile,
+               tails[k % 6][0], tails[k % 6][1], e);
         assert_true(e <= norm_rtol(DC_BF16));
     }
-    unsetenv("DPCLIP_CUDA_DIRECT_TAIL");
-    unsetenv("DPCLIP_CUDA_DIRECT_TILE");
+    set_switches(1, 1); /* the model's tiles and splits again */
     dc_test_layer_free(&h);
 }
 
@@ -313,7 +315,8 @@ static void test_grouped_many(void **state) {
         dc_step_result rh, rd;
         dc_err eh, ed;
         set_switches(1, 1);
-        setenv("DPCLIP_CUDA_GROUPED", grouped ? "1" : "0", 1);
+        g_opts.grouped = grouped != 0;
+        apply_switches();
         step_init(&hs, h, NL, B, -1);
         step_init(&ds, d, NL, B, 0);
         hs.max_grad_norm = ds.max_grad_norm = 4.0f;

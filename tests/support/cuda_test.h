@@ -24,17 +24,27 @@
 static dc_backend *g_cuda, *g_cpu;
 static int g_tf32 = 1; /* f32 inputs on TF32 tensor cores (the backend's default) */
 
-/* The backend's switches (backend_cuda.cu), read at every step: tf32 for f32
- * inputs; modern = the grouped norms and book-keeping (for every step, however
- * small: DPCLIP_CUDA_GROUPED_MIN=0), the one-pass outputs and the f32 noise,
- * else the per-layer, staged, double-precision paths. */
+/* The switches g_cuda follows (dcc_options): set with apply_switches after
+ * a change; the environment is never read by the tests. */
+static dcc_options g_opts;
+
+static inline void apply_switches(void) {
+    if (g_cuda) dc_cuda_backend_set_options(g_cuda, &g_opts);
+}
+
+/* tf32 for f32 inputs; modern = the grouped norms and book-keeping (for
+ * every step, however small: grouped_min 0), the one-pass outputs and the
+ * f32 noise, else the per-layer, staged, double-precision paths. The
+ * kernels' own choices (tiles, splits, wgmma, TMA) go back to the model's. */
 static inline void set_switches(int tf32, int modern) {
-    setenv("DPCLIP_CUDA_TF32", tf32 ? "1" : "0", 1);
-    setenv("DPCLIP_CUDA_GROUPED", modern ? "1" : "0", 1);
-    setenv("DPCLIP_CUDA_GROUPED_MIN", "0", 1);
-    setenv("DPCLIP_CUDA_ONE_PASS", modern ? "1" : "0", 1);
-    setenv("DPCLIP_CUDA_NOISE", modern ? "fast" : "exact", 1);
+    dcc_options_default(&g_opts);
+    g_opts.tf32 = tf32 != 0;
+    g_opts.grouped = modern != 0;
+    g_opts.grouped_min = 0;
+    g_opts.one_pass = modern != 0;
+    g_opts.noise = modern ? DCC_NOISE_FAST : DCC_NOISE_EXACT;
     g_tf32 = tf32;
+    apply_switches();
 }
 
 /* Relative norm tolerance for inputs of dtype t under the current switches. */
@@ -181,11 +191,11 @@ static const dc_dtype kDtypes[3] = {DC_BF16, DC_F16, DC_F32};
 static inline int cuda_test_setup(void **state) {
     dc_err err;
     (void)state;
-    set_switches(1, 1); /* whatever the environment says */
     if (dc_cuda_backend_create(0, &g_cuda, &err)) {
         fprintf(stderr, "dc_cuda_backend_create: %s\n", err.msg);
         return -1;
     }
+    set_switches(1, 1); /* whatever the environment says */
     if (dc_cpu_backend_create(1, &g_cpu, &err)) return -1;
     return 0;
 }

@@ -1,0 +1,54 @@
+/* The DPCLIP_CUDA_* switches, read from the environment in this one place
+ * (dcc.h, dcc_options). A backend reads them when it is made; kernels and
+ * tests get them passed down, never from getenv. */
+#include <stdlib.h>
+#include <string.h>
+
+#include "dcc.h"
+
+namespace {
+
+/* "0" turns a switch off; anything else (or nothing) leaves it on. */
+bool on(const char *name) {
+    const char *v = getenv(name);
+    return !(v && v[0] == '0');
+}
+
+const char *set(const char *name) {
+    const char *v = getenv(name);
+    return v && v[0] ? v : NULL;
+}
+
+} // namespace
+
+extern "C" void dcc_options_default(dcc_options *o) {
+    memset(o, 0, sizeof *o);
+    o->tf32 = o->grouped = o->one_pass = o->profile = o->wgmma = o->tma = true;
+    o->grouped_min = -1;
+    o->noise = DCC_NOISE_FAST;
+    o->tail_after = -1;
+}
+
+extern "C" void dcc_options_from_env(dcc_options *o) {
+    const char *v;
+    dcc_options_default(o);
+    o->tf32 = on("DPCLIP_CUDA_TF32");
+    o->grouped = on("DPCLIP_CUDA_GROUPED");
+    o->one_pass = on("DPCLIP_CUDA_ONE_PASS");
+    o->profile = on("DPCLIP_CUDA_PROFILE");
+    o->wgmma = on("DPCLIP_CUDA_WGMMA");
+    o->tma = on("DPCLIP_CUDA_TMA");
+    if ((v = set("DPCLIP_CUDA_NOISE")) && strcmp(v, "exact") == 0) o->noise = DCC_NOISE_EXACT;
+    if ((v = set("DPCLIP_CUDA_GROUPED_MIN"))) o->grouped_min = atoi(v);
+    if ((v = set("DPCLIP_CUDA_DIRECT_TILE"))) o->direct_tile = atoi(v) >= 256 ? 256 : 128;
+    if ((v = set("DPCLIP_CUDA_DIRECT_SPLIT"))) {
+        int k = atoi(v);
+        o->direct_split = k >= 3 ? 3 : k == 2 ? 2 : 1;
+    }
+    if ((v = set("DPCLIP_CUDA_DIRECT_TAIL"))) {
+        const char *c = strchr(v, ':');
+        int k = atoi(v);
+        o->tail_k = k < 2 ? 2 : k > 4 ? 4 : k;
+        o->tail_after = c ? atoll(c + 1) : -1;
+    }
+}
