@@ -107,11 +107,25 @@ static void test_direct_splits(void **state) {
     dc_test_rng_seed(&r, 107);
     dc_test_layer_make(&h, &sp, &r);
     dc_ref_layer_sqnorms(&h, 2, 1.0, ref);
+    /* what the backend will plan for this layer: the split kernels run on
+     * the wgmma path with TMA only (else these cases test nothing new) */
+    dc_layer d = dev_layer(&h);
+    dcc_linear L = {d.input.data, d.grad.data, DC_BF16, DC_BF16, 2, (int)h.T, (int)h.d,
+                    (int)h.p, true, true, &g_opts};
+    if (dcc_linear_path(&L) != DCC_PATH_WGMMA || !dcc_tma_available(&g_opts)) {
+        dev_layer_free(&d);
+        dc_test_layer_free(&h);
+        skip();
+    }
     for (int k = 0; k < 6; k++) {
         char split[2] = {(char)('1' + k % 3), 0};
         g_opts.direct_tile = k < 3 ? 128 : 256;
         g_opts.direct_split = 1 + k % 3;
         apply_switches();
+        dcc_direct_plan pl;
+        dcc_direct_plan_get(&L, &pl); /* the forced tile and split are what runs */
+        assert_int_equal(pl.rows, g_opts.direct_tile);
+        assert_int_equal(pl.split, g_opts.direct_split);
         double e = layer_err(&h, 2, ref);
         printf("direct tile=%s split=%s: max rel err %.2e\n", k < 3 ? "128" : "256", split, e);
         assert_true(e <= norm_rtol(DC_BF16));
@@ -125,12 +139,17 @@ static void test_direct_splits(void **state) {
         g_opts.tail_k = tails[k % 6][0];
         g_opts.tail_after = tails[k % 6][1];
         apply_switches();
+        dcc_direct_plan pl;
+        dcc_direct_plan_get(&L, &pl);
+        assert_int_equal(pl.tail_ks, tails[k % 6][0]);
+        assert_true(pl.full <= tails[k % 6][1] && pl.split == 1); /* N: at most all tiles */
         double e = layer_err(&h, 2, ref);
         printf("direct tile=%d tail=%d:%d: max rel err %.2e\n", g_opts.direct_tile,
                tails[k % 6][0], tails[k % 6][1], e);
         assert_true(e <= norm_rtol(DC_BF16));
     }
     set_switches(1, 1); /* the model's tiles and splits again */
+    dev_layer_free(&d);
     dc_test_layer_free(&h);
 }
 
