@@ -257,15 +257,7 @@ class PrivacyEngine:
         shards into param.grad on every rank: no rank is special."""
         if self.module is not None:
             raise RuntimeError("this PrivacyEngine is already attached to a module")
-        if loss_reduction not in ("mean", "sum"):
-            raise ValueError("loss_reduction must be 'mean' or 'sum', got %r" % (loss_reduction,))
-        if not (max_grad_norm > 0 and math.isfinite(max_grad_norm)):
-            raise ValueError("max_grad_norm must be a positive number")
-        if not (noise_multiplier >= 0 and math.isfinite(noise_multiplier)):
-            raise ValueError("noise_multiplier must be >= 0")
-        algo = {"auto": _lib.ALGO_AUTO, "direct": _lib.ALGO_DIRECT,
-                "ghost": _lib.ALGO_GHOST}[algorithm]
-
+        algo = _check_terms(loss_reduction, max_grad_norm, noise_multiplier, algorithm)
         _fsdp.refuse_fsdp1(module)
         fsdp = _fsdp.is_fsdp2(module)
         if replace_mha:
@@ -275,32 +267,12 @@ class PrivacyEngine:
         if distributed is None:
             distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
         self.distributed = bool(distributed)
-        self.rank, self.world_size = 0, 1
-        dp_group, dp_src = None, 0  # the data-parallel ranks (None: all) and their rank 0
-        group = None
-        if norm_group is not None:
-            group = _group.open_group(norm_group, norm_group_clipping, norm_group_timeout_ms)
-            failure = None
-            try:
-                _group.check(group, replicated_modules, module, layers, device)
-            except (ValueError, NotImplementedError) as e:
-                failure = e  # raised once every member (every rank) knows of it
-            mates, parts = _group.agree(group, _group.terms(group, layers, {
-                "max_grad_norm": float(max_grad_norm), "noise_multiplier": float(noise_multiplier),
-                "loss_reduction": loss_reduction}, _loader_kind(data_loader, poisson_sampling,
-                                                                secure_mode)),
-                failure, self.distributed, _group.judge_terms)
-            group.name, group.seed = mates[0]["name"], mates[0]["seed"]
-            if self.distributed:
-                _group.judge_layout(torch.distributed.get_world_size(), sorted(parts))
-                dp_group, self.rank, self.world_size, dp_src = _parallel.replica_groups(
-                    sorted(parts), group.ranks, group.rank)
-        elif replicated_modules:
-            raise ValueError("replicated_modules needs a norm_group (the process group of the "
-                             "ranks that hold the model together)")
-        elif self.distributed:
-            self.rank = torch.distributed.get_rank()
-            self.world_size = torch.distributed.get_world_size()
+        group, dp_group, dp_src = self._open_parallel(
+            module, layers, device, norm_group, norm_group_clipping, norm_group_timeout_ms,
+            replicated_modules, {"max_grad_norm": float(max_grad_norm),
+                                 "noise_multiplier": float(noise_multiplier),
+                                 "loss_reduction": loss_reduction},
+            _loader_kind(data_loader, poisson_sampling, secure_mode))
         if fsdp or sharded_noise:
             self._shards = _fsdp.Sharded(self, layers, module, fsdp, self.distributed, norm_group)
             self.rank, self.world_size = self._shards.rank, self._shards.world
@@ -313,6 +285,71 @@ class PrivacyEngine:
             loader_fault = _parallel.loader_fault(self, data_loader, secure_mode)
             digest = _parallel.generator_digest(data_loader)
         self._gate = _parallel.Gate(self.world_size, dp_group)
+        self._agree_account(module, fsdp, group, dp_group, dp_src)
+        data_loader = self._settle_sampling(data_loader, poisson_sampling, secure_mode,
+                                            expected_batch_size, sample_rate, loss_reduction,
+                                            group, loader_fault, digest)
+        self.noise_multiplier = float(noise_multiplier)
+        self.max_grad_norm = float(max_grad_norm)
+        self.loss_reduction = loss_reduction
+        self.algorithm = algo
+        # A flat-clipped group step has no early notice (its outputs are
+        # queued once every member's norms are in): its GPU steps run synchronously.
+        self.asynchronous = bool(asynchronous) and (group is None or group.group_wise)
+        # Noise once per logical step: rank 0 adds it, the others send sigma 0.
+        sigma = self.noise_multiplier if self.rank == 0 else 0.0
+        self._step = _lib.Step(1, self.max_grad_norm,
+                               _lib.MEAN if loss_reduction == "mean" else _lib.SUM,
+                               self.expected_batch_size, sigma, sample_rate=self.sample_rate,
+                               target_delta=target_delta, target_epsilon=target_epsilon)
+        if group is not None:
+            _group.join(group, self.client)
+        if self._shards is not None:
+            self._shards.open(self._socket_path, self._client_name, self.job_id, self._step.cfg,
+                              target_delta, target_epsilon, device)
+            self.asynchronous = False
+        self._attach(module, layers, norms)
+        if optimizer is not None:
+            optimizer = DPOptimizer(optimizer, self)
+        return module, optimizer, data_loader
+
+    def _open_parallel(self, module: nn.Module, layers: List[_Layer], device: torch.device,
+                       norm_group: Any, clipping: str, timeout_ms: int,
+                       replicated_modules: Iterable[Union[nn.Module, str]],
+                       terms: dict, loader_kind: str) -> Tuple[Any, Any, int]:
+        """Sets rank and world size (of the data-parallel replicas); with a
+        norm group, opens it and agrees its terms with every member. Returns
+        (the norm group or None, the data-parallel process group (None: all
+        ranks), the global rank of its rank 0)."""
+        self.rank, self.world_size = 0, 1
+        if norm_group is None:
+            if replicated_modules:
+                raise ValueError("replicated_modules needs a norm_group (the process group of "
+                                 "the ranks that hold the model together)")
+            if self.distributed:
+                self.rank = torch.distributed.get_rank()
+                self.world_size = torch.distributed.get_world_size()
+            return None, None, 0
+        group = _group.open_group(norm_group, clipping, timeout_ms)
+        failure = None
+        try:
+            _group.check(group, replicated_modules, module, layers, device)
+        except (ValueError, NotImplementedError) as e:
+            failure = e  # raised once every member (every rank) knows of it
+        mates, parts = _group.agree(group, _group.terms(group, layers, terms, loader_kind),
+                                    failure, self.distributed, _group.judge_terms)
+        group.name, group.seed = mates[0]["name"], mates[0]["seed"]
+        if not self.distributed:
+            return group, None, 0
+        _group.judge_layout(torch.distributed.get_world_size(), sorted(parts))
+        dp_group, self.rank, self.world_size, dp_src = _parallel.replica_groups(
+            sorted(parts), group.ranks, group.rank)
+        return group, dp_group, dp_src
+
+    def _agree_account(self, module: nn.Module, fsdp: bool, group: Any, dp_group: Any,
+                       dp_src: int) -> None:
+        """One ledger account for a logical step: every data-parallel rank
+        and every member of a norm group takes its rank 0's job id."""
         if self.distributed and self.world_size > 1:
             # Same starting point on every rank (what DDP would do; fully_shard
             # leaves that to the trainer, as FSDP itself does).
@@ -331,6 +368,12 @@ class PrivacyEngine:
             print("dpclip: job id %s (pass job_id= to share an account)" % self.job_id,
                   file=sys.stderr, flush=True)
 
+    def _settle_sampling(self, data_loader: Optional[DataLoader], poisson_sampling: bool,
+                         secure_mode: bool, expected_batch_size: Optional[int],
+                         sample_rate: Optional[float], loss_reduction: str, group: Any,
+                         loader_fault: Any, digest: Any) -> Optional[DataLoader]:
+        """Sets expected_batch_size and sample_rate (a norm group's members
+        agree on them) and returns the loader, Poisson-sampled where asked."""
         ebs_given = expected_batch_size is not None or isinstance(data_loader, DPDataLoader) \
             or (data_loader is not None and bool(data_loader.batch_size))
         rate_given = sample_rate is not None or isinstance(data_loader, DPDataLoader) or \
@@ -376,27 +419,12 @@ class PrivacyEngine:
                 "a mean loss under Poisson sampling (sample_rate %g) needs expected_batch_size "
                 "(the daemon divides the noised sum by it, not by the drawn batch size)"
                 % float(sample_rate))
-        self.noise_multiplier = float(noise_multiplier)
-        self.max_grad_norm = float(max_grad_norm)
-        self.loss_reduction = loss_reduction
-        self.algorithm = algo
-        # A flat-clipped group step has no early notice (its outputs are
-        # queued once every member's norms are in): its GPU steps run synchronously.
-        self.asynchronous = bool(asynchronous) and (group is None or group.group_wise)
-        # Noise once per logical step: rank 0 adds it, the others send sigma 0.
-        sigma = self.noise_multiplier if self.rank == 0 else 0.0
         self.sample_rate = float(sample_rate)
-        self._step = _lib.Step(1, self.max_grad_norm,
-                               _lib.MEAN if loss_reduction == "mean" else _lib.SUM,
-                               self.expected_batch_size, sigma, sample_rate=self.sample_rate,
-                               target_delta=target_delta, target_epsilon=target_epsilon)
-        if group is not None:
-            _group.join(group, self.client)
-        if self._shards is not None:
-            self._shards.open(self._socket_path, self._client_name, self.job_id, self._step.cfg,
-                              target_delta, target_epsilon, device)
-            self.asynchronous = False
+        return data_loader
 
+    def _attach(self, module: nn.Module, layers: List[_Layer], norms: list) -> None:
+        """Swaps in the layers' forwards and hooks the module: a pass count,
+        and each normalization's check against mixing samples."""
         self._layers = layers
         for l in layers:
             l.attach()
@@ -419,9 +447,6 @@ class PrivacyEngine:
         self._norm_hooks = [m.register_forward_pre_hook(mixing_hook(n)) for n, m in norms]
         self.module = module
         self.active = True
-        if optimizer is not None:
-            optimizer = DPOptimizer(optimizer, self)
-        return module, optimizer, data_loader
 
     def detach(self) -> None:
         """Restore the modules' own forwards; the engine is unusable after."""
@@ -628,6 +653,22 @@ class PrivacyEngine:
         t3 = time.perf_counter()
         self.last_timing = {"prepare_ms": (t1 - t0) * 1e3, "run_ms": (t2 - t1) * 1e3,
                             "finish_ms": (t3 - t2) * 1e3}
+
+def _check_terms(loss_reduction: str, max_grad_norm: float, noise_multiplier: float,
+                 algorithm: str) -> int:
+    """make_private's clipping terms, each refused by its name; returns the
+    algorithm's wire value."""
+    if loss_reduction not in ("mean", "sum"):
+        raise ValueError("loss_reduction must be 'mean' or 'sum', got %r" % (loss_reduction,))
+    if not (max_grad_norm > 0 and math.isfinite(max_grad_norm)):
+        raise ValueError("max_grad_norm must be a positive number")
+    if not (noise_multiplier >= 0 and math.isfinite(noise_multiplier)):
+        raise ValueError("noise_multiplier must be >= 0")
+    algos = {"auto": _lib.ALGO_AUTO, "direct": _lib.ALGO_DIRECT, "ghost": _lib.ALGO_GHOST}
+    if algorithm not in algos:
+        raise ValueError("algorithm must be one of %s, got %r" % (", ".join(algos), algorithm))
+    return algos[algorithm]
+
 
 def _loader_kind(loader: Optional[DataLoader], poisson_sampling: bool, secure_mode: bool) -> str:
     """How a norm group member's loader draws its batches, for the members

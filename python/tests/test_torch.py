@@ -430,3 +430,17 @@ def test_a_job_id_given_shares_its_account(daemon, capsys):
     assert e1.job_id == e2.job_id == job
     assert 0 < first[0] < second[0]
     assert "dpclip: job id" not in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("field,value", [("loss_reduction", "avg"), ("max_grad_norm", 0.0),
+                                         ("max_grad_norm", float("nan")),
+                                         ("noise_multiplier", -1.0), ("algorithm", "flash")])
+def test_make_private_terms_refused_by_name(daemon, field, value):
+    model = nn.Sequential(nn.Linear(5, 3))
+    engine = PrivacyEngine(daemon.socket)
+    terms = {"noise_multiplier": 1.0, "max_grad_norm": 1.0, "expected_batch_size": 4,
+             field: value}
+    with pytest.raises(ValueError, match=field):
+        engine.make_private(module=model, **terms)
+    assert engine.module is None and "forward" not in model[0].__dict__
+    engine.close()
