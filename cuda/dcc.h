@@ -45,7 +45,6 @@ typedef struct dcc_options {
     int noise;         /* NOISE=exact: DCC_NOISE_EXACT, else DCC_NOISE_FAST */
     bool profile;      /* PROFILE=0: the phases are not timed */
     bool wgmma;        /* WGMMA=0: the mma.sync kernels instead of wgmma */
-    bool tma;          /* TMA=0: the cp.async feed instead of TMA */
     int direct_tile;   /* DIRECT_TILE: 128 or 256 rows; 0: the cost model's */
     int direct_split;  /* DIRECT_SPLIT: every tile split 1-3 ways; 0: the model's */
     int tail_k;        /* DIRECT_TAIL=K[:N]: a K-way tail (2-4); 0: none */
@@ -96,14 +95,16 @@ cudaError_t dcc_linear_sqnorms(const dcc_linear *L, dc_algo algo, float s2, floa
  * and the benchmark. */
 dcc_path dcc_linear_path(const dcc_linear *L);
 
-/* The wgmma kernels (norms_wgmma.cu): available when built for sm_90a, the
- * current device is compute capability 9.0 and DPCLIP_CUDA_WGMMA is not "0".
- * dcc_linear_wgmma needs bf16/f16 inputs that qualify for 16-byte loads. */
+/* The wgmma kernels, fed by TMA (norms_tma.cu): available when built for
+ * sm_90a, the current device is compute capability 9.0, the driver encodes
+ * tensor maps and DPCLIP_CUDA_WGMMA is not "0". dcc_linear_wgmma needs
+ * bf16/f16 inputs that qualify for 16-byte loads (cudaErrorNotSupported
+ * where a tensor map cannot be made: use the mma.sync kernels then). */
 int dcc_wgmma_available(const dcc_options *o);
 cudaError_t dcc_linear_wgmma(const dcc_linear *L, dc_algo algo, float s2, float *n2,
                              cudaStream_t st);
-/* The wgmma direct form's tile for this layer: 128 or 256 rows of p, and
- * how many CTAs of a cluster split each tile's K range (1 or 2). */
+/* The wgmma direct form's tile for this layer (direct_plan.cu): 128 or 256
+ * rows of p, and how many CTAs of a cluster split each tile's K range. */
 int dcc_direct_tile_rows(const dcc_linear *L);
 int dcc_direct_split(const dcc_linear *L);
 /* The whole plan of the TMA direct form. Tiles are numbered over (sample,
@@ -117,17 +118,12 @@ typedef struct dcc_direct_plan {
     long long full;
 } dcc_direct_plan;
 void dcc_direct_plan_get(const dcc_linear *L, dcc_direct_plan *p);
-/* The TMA-fed variant (norms_tma.cu), tried first by dcc_linear_wgmma;
- * DPCLIP_CUDA_TMA=0 disables it. cudaErrorNotSupported: use the other. */
-int dcc_tma_available(const dcc_options *o);
 /* LINEAR clipped weight sum on the TMA/wgmma path: w[p][d] = sum_b cs[b] *
  * g_b^T a_b (f32, overwritten), exact per-sample scaling in one launch.
  * cudaErrorNotSupported when the layer does not qualify (T < 64, not bf16/f16
  * with 16-byte rows, no sm_90a): use cuBLAS then. */
 cudaError_t dcc_linear_clipped_tc(const dcc_linear *L, const float *cs, float *w,
                                   cudaStream_t st);
-cudaError_t dcc_linear_tma(const dcc_linear *L, dc_algo algo, float s2, float *n2,
-                           cudaStream_t st);
 
 /* Persistent kernels over many LINEAR layers (grouped_tma.cu): a few
  * launches for the whole step, 256x128 tiles dealt to one CTA per SM.

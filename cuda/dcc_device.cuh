@@ -81,6 +81,60 @@ template <int N> __device__ __forceinline__ void dcc_cp_wait() {
     asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
 }
 
+/* The K loop of the mma.sync kernels (16-bit and TF32): ST shared stages,
+ * ST-1 k-tiles in flight. load(u) issues k-tile u's cp.async copies into
+ * stage u % ST; step(u) computes on it once it has landed. A stage is
+ * refilled only after the barrier that every thread reaches once done with
+ * it. Returns with every copy landed (the caller syncs before reusing the
+ * stages). */
+template <int ST, typename Load, typename Step>
+__device__ __forceinline__ void dcc_cp_pipeline(int n, const Load &load, const Step &step) {
+    static_assert(ST >= 2, "a pipeline needs two stages");
+#pragma unroll
+    for (int s = 0; s < ST - 1; s++) {
+        if (s < n) load(s);
+        dcc_cp_commit();
+    }
+    for (int u = 0; u < n; u++) {
+        dcc_cp_wait<ST - 2>();
+        __syncthreads();
+        if (u + ST - 1 < n) load(u + ST - 1);
+        dcc_cp_commit();
+        step(u);
+    }
+    dcc_cp_wait<0>();
+}
+
+/* A warp's accumulator in the mma.sync kernels: 4 x 4 m16n8 fragments of
+ * four f32 each (a 64 x 32 warp tile). */
+__device__ __forceinline__ void dcc_acc_zero(float (&acc)[4][4][4]) {
+#pragma unroll
+    for (int i = 0; i < 4; i++)
+#pragma unroll
+        for (int j = 0; j < 4; j++)
+#pragma unroll
+            for (int k = 0; k < 4; k++) acc[i][j][k] = 0.0f;
+}
+__device__ __forceinline__ float dcc_acc_sumsq(const float (&acc)[4][4][4]) {
+    float s = 0.0f;
+#pragma unroll
+    for (int i = 0; i < 4; i++)
+#pragma unroll
+        for (int j = 0; j < 4; j++)
+#pragma unroll
+            for (int k = 0; k < 4; k++) s += acc[i][j][k] * acc[i][j][k];
+    return s;
+}
+/* acc[mi][ni] += A fragment mi x B fragment ni, by mma(c, a, b0, b1). */
+template <typename Mma>
+__device__ __forceinline__ void dcc_warp_mma(float (&acc)[4][4][4], const uint32_t (&af)[4][4],
+                                             const uint32_t (&bf)[4][2], const Mma &mma) {
+#pragma unroll
+    for (int mi = 0; mi < 4; mi++)
+#pragma unroll
+        for (int ni = 0; ni < 4; ni++) mma(acc[mi][ni], af[mi], bf[ni][0], bf[ni][1]);
+}
+
 __device__ __forceinline__ void dcc_sts128(uint32_t dst, uint32_t a, uint32_t b, uint32_t c,
                                            uint32_t d) {
     asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(dst), "r"(a), "r"(b),
@@ -121,6 +175,13 @@ __device__ __forceinline__ void dcc_mma(const dcc_f16 *, float (&c)[4], const ui
         : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
+/* dcc_mma for elements TI, as a dcc_warp_mma step. */
+template <typename TI> struct dcc_mma16 {
+    __device__ __forceinline__ void operator()(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
+                                               uint32_t b1) const {
+        dcc_mma((const TI *)nullptr, c, a, b0, b1);
+    }
+};
 
 /* Low / high 16-bit element of a packed pair as f32. */
 __device__ __forceinline__ float dcc_lo(const dcc_bf16 *, uint32_t w) {

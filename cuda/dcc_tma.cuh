@@ -87,8 +87,8 @@ __device__ __forceinline__ uint32_t map_rank(uint32_t addr, uint32_t rank) {
 }
 /* Consumer side: MMAs over k-tiles [u0, u1) of the CTA's stream into acc;
  * each tile's stage is released once its MMAs are known complete. DIRECT
- * with colsum: the bias column sums, as in norms_wgmma.cu. keep: accumulate
- * onto acc as it is. */
+ * with colsum: the bias column sums (stage_issue). keep: accumulate onto
+ * acc as it is. */
 template <typename TI, bool DIRECT, int MI, int ST>
 __device__ __forceinline__ void consume(float (&acc)[MI][64], uint32_t sbase, uint32_t bars,
                                         int u0, int u1, bool same_b, bool colsum, float &bs0,

@@ -1,5 +1,5 @@
-/* Hopper warpgroup MMA helpers shared by norms_wgmma.cu (cp.async feed) and
- * norms_tma.cu (TMA feed): the m64n128k16 instruction, shared-memory matrix
+/* Hopper warpgroup MMA helpers of the TMA-fed kernels (norms_tma.cu,
+ * grouped_tma.cu): the m64n128k16 instruction, shared-memory matrix
  * descriptors for 128B-swizzled tiles, the wgmma fences, and the MMAs of one
  * pipeline stage. Tiles are [64][64] 16-bit blocks of 128-byte rows (8 KiB,
  * 1024-byte aligned), 16-byte chunks swizzled by chunk ^ (row % 8). Only

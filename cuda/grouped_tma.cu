@@ -314,7 +314,7 @@ cudaError_t run_chunks(const dcc_linear *const *Ls, int n, int B, float s2, bool
 }
 
 bool qualifies(const dcc_linear *L) {
-    return L->ta == L->tg && dcc_linear_path(L) == DCC_PATH_WGMMA && dcc_tma_available(L->opt);
+    return L->ta == L->tg && dcc_linear_path(L) == DCC_PATH_WGMMA;
 }
 
 } // namespace

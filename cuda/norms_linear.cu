@@ -36,17 +36,6 @@ constexpr int G_BT = 128, G_BK = 64, G_ST = 3;
 constexpr int G_TILE = G_BT * G_BK * 2;
 constexpr int G_SMEM = G_ST * 2 * G_TILE; /* 96 KiB */
 
-__device__ __forceinline__ float sumsq_acc(const float (&acc)[4][4][4]) {
-    float s = 0.0f;
-#pragma unroll
-    for (int i = 0; i < 4; i++)
-#pragma unroll
-        for (int j = 0; j < 4; j++)
-#pragma unroll
-            for (int k = 0; k < 4; k++) s += acc[i][j][k] * acc[i][j][k];
-    return s;
-}
-
 template <typename TI, bool VEC>
 __global__ void __launch_bounds__(NT, 2)
 direct_kernel(const uint16_t *__restrict__ a, const uint16_t *__restrict__ g, int T, int d,
@@ -65,35 +54,15 @@ direct_kernel(const uint16_t *__restrict__ a, const uint16_t *__restrict__ g, in
     const bool do_bias = has_bias && tn == 0;
     const int kt_n = (T + D_BK - 1) / D_BK;
     float acc[4][4][4];
-#pragma unroll
-    for (int i = 0; i < 4; i++)
-#pragma unroll
-        for (int j = 0; j < 4; j++)
-#pragma unroll
-            for (int k = 0; k < 4; k++) acc[i][j][k] = 0.0f;
+    dcc_acc_zero(acc);
     float bs0 = 0.0f, bs1 = 0.0f; /* bias: sums of columns 2*(tid%64), +1 */
 
-#pragma unroll
-    for (int s = 0; s < D_ST - 1; s++) {
-        if (s < kt_n) {
-            uint32_t sA = sbase + (uint32_t)(s * 2 * D_TILE);
-            dcc_load_tile<D_BK, D_BM, VEC, NT>(sA, gb, p, s * D_BK, T, m0, p);
-            dcc_load_tile<D_BK, D_BN, VEC, NT>(sA + D_TILE, ab, d, s * D_BK, T, n0, d);
-        }
-        dcc_cp_commit();
-    }
-    for (int kt = 0; kt < kt_n; kt++) {
-        dcc_cp_wait<D_ST - 2>();
-        __syncthreads();
-        {
-            int kn = kt + D_ST - 1;
-            if (kn < kt_n) {
-                uint32_t sA = sbase + (uint32_t)((kn % D_ST) * 2 * D_TILE);
-                dcc_load_tile<D_BK, D_BM, VEC, NT>(sA, gb, p, kn * D_BK, T, m0, p);
-                dcc_load_tile<D_BK, D_BN, VEC, NT>(sA + D_TILE, ab, d, kn * D_BK, T, n0, d);
-            }
-            dcc_cp_commit();
-        }
+    auto load = [&](int kt) {
+        uint32_t sA = sbase + (uint32_t)((kt % D_ST) * 2 * D_TILE);
+        dcc_load_tile<D_BK, D_BM, VEC, NT>(sA, gb, p, kt * D_BK, T, m0, p);
+        dcc_load_tile<D_BK, D_BN, VEC, NT>(sA + D_TILE, ab, d, kt * D_BK, T, n0, d);
+    };
+    dcc_cp_pipeline<D_ST>(kt_n, load, [&](int kt) {
         const uint32_t sA = sbase + (uint32_t)((kt % D_ST) * 2 * D_TILE), sB = sA + D_TILE;
 #pragma unroll
         for (int kk = 0; kk < D_BK; kk += 16) {
@@ -117,11 +86,7 @@ direct_kernel(const uint16_t *__restrict__ a, const uint16_t *__restrict__ g, in
                 bf[2 * nj + 1][0] = t4[2];
                 bf[2 * nj + 1][1] = t4[3];
             }
-#pragma unroll
-            for (int mi = 0; mi < 4; mi++)
-#pragma unroll
-                for (int ni = 0; ni < 4; ni++)
-                    dcc_mma((const TI *)nullptr, acc[mi][ni], af[mi], bf[ni][0], bf[ni][1]);
+            dcc_warp_mma(acc, af, bf, dcc_mma16<TI>{});
         }
         if (do_bias) {
             /* Column sums of this g tile: thread owns columns m, m+1 and a
@@ -136,10 +101,9 @@ direct_kernel(const uint16_t *__restrict__ a, const uint16_t *__restrict__ g, in
                 bs1 += dcc_hi((const TI *)nullptr, w);
             }
         }
-    }
-    dcc_cp_wait<0>();
+    });
 
-    float sq = sumsq_acc(acc);
+    float sq = dcc_acc_sumsq(acc);
     if (do_bias) {
         int m = ((int)threadIdx.x & 63) * 2, rq = (int)threadIdx.x >> 6;
         colsum[rq][m] = bs0;
@@ -163,34 +127,14 @@ __device__ __forceinline__ void gram_tile(float (&acc)[4][4][4], uint32_t sbase,
     const int wm = (warp >> 2) * 64, wn = (warp & 3) * 32;
     const int q = lane >> 3, r8 = lane & 7;
     const int kt_n = (K + G_BK - 1) / G_BK;
-#pragma unroll
-    for (int i = 0; i < 4; i++)
-#pragma unroll
-        for (int j = 0; j < 4; j++)
-#pragma unroll
-            for (int k = 0; k < 4; k++) acc[i][j][k] = 0.0f;
+    dcc_acc_zero(acc);
 
-#pragma unroll
-    for (int s = 0; s < G_ST - 1; s++) {
-        if (s < kt_n) {
-            uint32_t sA = sbase + (uint32_t)(s * 2 * G_TILE);
-            dcc_load_tile<G_BT, G_BK, VEC, NT>(sA, x, K, t0, T, s * G_BK, K);
-            dcc_load_tile<G_BT, G_BK, VEC, NT>(sA + G_TILE, x, K, s0, T, s * G_BK, K);
-        }
-        dcc_cp_commit();
-    }
-    for (int kt = 0; kt < kt_n; kt++) {
-        dcc_cp_wait<G_ST - 2>();
-        __syncthreads();
-        {
-            int kn = kt + G_ST - 1;
-            if (kn < kt_n) {
-                uint32_t sA = sbase + (uint32_t)((kn % G_ST) * 2 * G_TILE);
-                dcc_load_tile<G_BT, G_BK, VEC, NT>(sA, x, K, t0, T, kn * G_BK, K);
-                dcc_load_tile<G_BT, G_BK, VEC, NT>(sA + G_TILE, x, K, s0, T, kn * G_BK, K);
-            }
-            dcc_cp_commit();
-        }
+    auto load = [&](int kt) {
+        uint32_t sA = sbase + (uint32_t)((kt % G_ST) * 2 * G_TILE);
+        dcc_load_tile<G_BT, G_BK, VEC, NT>(sA, x, K, t0, T, kt * G_BK, K);
+        dcc_load_tile<G_BT, G_BK, VEC, NT>(sA + G_TILE, x, K, s0, T, kt * G_BK, K);
+    };
+    dcc_cp_pipeline<G_ST>(kt_n, load, [&](int kt) {
         const uint32_t sA = sbase + (uint32_t)((kt % G_ST) * 2 * G_TILE), sB = sA + G_TILE;
 #pragma unroll
         for (int kk = 0; kk < G_BK; kk += 16) {
@@ -216,15 +160,10 @@ __device__ __forceinline__ void gram_tile(float (&acc)[4][4][4], uint32_t sbase,
                 bf[2 * nj + 1][0] = t4[2];
                 bf[2 * nj + 1][1] = t4[3];
             }
-#pragma unroll
-            for (int mi = 0; mi < 4; mi++)
-#pragma unroll
-                for (int ni = 0; ni < 4; ni++)
-                    dcc_mma((const TI *)nullptr, acc[mi][ni], af[mi], bf[ni][0], bf[ni][1]);
+            dcc_warp_mma(acc, af, bf, dcc_mma16<TI>{});
         }
-    }
-    /* Drain and make the stages free for the next Gram tile. */
-    dcc_cp_wait<0>();
+    });
+    /* Make the stages free for the next Gram tile. */
     __syncthreads();
 }
 
@@ -314,9 +253,15 @@ extern "C" cudaError_t dcc_linear_sqnorms(const dcc_linear *L, dc_algo algo, flo
     if (L->B <= 0 || L->T <= 0 || L->d <= 0 || L->p <= 0) return cudaErrorInvalidValue;
     algo = dcc_linear_pick(L->T, L->d, L->p, algo);
     if (L->T == 1 && algo == DC_ALGO_GHOST) return dcc_linear_rank1(L, s2, n2, st);
+    cudaError_t e;
     switch (dcc_linear_path(L)) {
     case DCC_PATH_TF32: return dcc_linear_tf32(L, algo, s2, n2, st);
-    case DCC_PATH_WGMMA: return dcc_linear_wgmma(L, algo, s2, n2, st);
+    case DCC_PATH_WGMMA:
+        e = dcc_linear_wgmma(L, algo, s2, n2, st);
+        if (e != cudaErrorNotSupported) return e;
+        (void)cudaGetLastError(); /* no tensor map for this layer: mma.sync */
+        return L->ta == DC_BF16 ? launch_tc<dcc_bf16, true>(L, algo, s2, n2, st)
+                                : launch_tc<dcc_f16, true>(L, algo, s2, n2, st);
     case DCC_PATH_MMA_VEC:
         return L->ta == DC_BF16 ? launch_tc<dcc_bf16, true>(L, algo, s2, n2, st)
                                 : launch_tc<dcc_f16, true>(L, algo, s2, n2, st);

@@ -38,14 +38,17 @@ __device__ __forceinline__ uint32_t to_tf32(float x) {
     return r;
 }
 
-__device__ __forceinline__ void mma_tf32(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
-                                         uint32_t b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0, %1, %2, %3}, "
-        "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
+/* D += A * B for one m16n8k8 TF32 tile (a dcc_warp_mma step). */
+struct tf32_mma {
+    __device__ __forceinline__ void operator()(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
+                                               uint32_t b1) const {
+        asm volatile(
+            "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0, %1, %2, %3}, "
+            "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+            : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+    }
+};
 
 /* Rows [r0, r0+ROWS) x columns [c0, c0+COLS) of a row-major f32 matrix
  * (nrows x ncols, leading dimension ld) into shared rows of LD floats, zero
@@ -79,15 +82,6 @@ __device__ __forceinline__ void f_load(float *s, const float *x, int64_t ld, int
     }
 }
 
-__device__ __forceinline__ void zero_acc(float (&acc)[4][4][4]) {
-#pragma unroll
-    for (int i = 0; i < 4; i++)
-#pragma unroll
-        for (int j = 0; j < 4; j++)
-#pragma unroll
-            for (int k = 0; k < 4; k++) acc[i][j][k] = 0.0f;
-}
-
 /* NORM (CLIP false): n2[blockIdx.y] += s2 * (||tile||^2 + bias part).
  * CLIP: w (+)= sum over the samples of blockIdx.y's group of cs[b] * tile. */
 template <bool VEC, bool CLIP>
@@ -108,8 +102,8 @@ tf32_direct(const float *__restrict__ a, const float *__restrict__ g, int B, int
     const int wm = (warp >> 2) * 64, wn = (warp & 3) * 32, gq = lane >> 2, tq = lane & 3;
     float acc[4][4][4], tot[4][4][4];
     float bsum = 0.0f;
-    zero_acc(acc);
-    if (CLIP) zero_acc(tot);
+    dcc_acc_zero(acc);
+    if (CLIP) dcc_acc_zero(tot);
 
     auto load = [&](int u) {
         const int b = b0 + u / ktn, k0 = (u % ktn) * F_BK;
@@ -117,16 +111,7 @@ tf32_direct(const float *__restrict__ a, const float *__restrict__ g, int B, int
         f_load<F_BK, F_BM, F_LD, VEC>(sA, g + (int64_t)b * T * p, p, k0, T, m0, p);
         f_load<F_BK, F_BN, F_LD, VEC>(sA + F_TILE, a + (int64_t)b * T * d, d, k0, T, n0, d);
     };
-#pragma unroll
-    for (int s = 0; s < F_ST - 1; s++) {
-        if (s < U) load(s);
-        dcc_cp_commit();
-    }
-    for (int u = 0; u < U; u++) {
-        dcc_cp_wait<F_ST - 2>();
-        __syncthreads();
-        if (u + F_ST - 1 < U) load(u + F_ST - 1);
-        dcc_cp_commit();
+    dcc_cp_pipeline<F_ST>(U, load, [&](int u) {
         const float *sA = fsm + (u % F_ST) * 2 * F_TILE, *sB = sA + F_TILE;
 #pragma unroll
         for (int kk = 0; kk < F_BK; kk += 8) {
@@ -145,10 +130,7 @@ tf32_direct(const float *__restrict__ a, const float *__restrict__ g, int B, int
                 bf[ni][0] = to_tf32(pb[0]);
                 bf[ni][1] = to_tf32(pb[4 * F_LD]);
             }
-#pragma unroll
-            for (int mi = 0; mi < 4; mi++)
-#pragma unroll
-                for (int ni = 0; ni < 4; ni++) mma_tf32(acc[mi][ni], af[mi], bf[ni][0], bf[ni][1]);
+            dcc_warp_mma(acc, af, bf, tf32_mma{});
         }
         if (do_bias) { /* column c, rows of half h: exact f32 sums of g */
             const int c = (int)threadIdx.x & (F_BM - 1), h = (int)threadIdx.x >> 7;
@@ -167,8 +149,7 @@ tf32_direct(const float *__restrict__ a, const float *__restrict__ g, int B, int
                         acc[i][j][k] = 0.0f;
                     }
         }
-    }
-    dcc_cp_wait<0>();
+    });
 
     if (CLIP) {
         /* C fragment: c0, c1 at row gq, columns 2*tq, +1; c2, c3 at row gq + 8 */
@@ -188,13 +169,7 @@ tf32_direct(const float *__restrict__ a, const float *__restrict__ g, int B, int
                 }
         return;
     }
-    float sq = 0.0f;
-#pragma unroll
-    for (int i = 0; i < 4; i++)
-#pragma unroll
-        for (int j = 0; j < 4; j++)
-#pragma unroll
-            for (int k = 0; k < 4; k++) sq += acc[i][j][k] * acc[i][j][k];
+    float sq = dcc_acc_sumsq(acc);
     if (do_bias) {
         colsum[threadIdx.x >> 7][threadIdx.x & (F_BM - 1)] = bsum;
         __syncthreads();
@@ -221,8 +196,8 @@ tf32_ghost(const float *__restrict__ a, const float *__restrict__ g, int T, int 
     const int warp = (int)threadIdx.x >> 5, lane = (int)threadIdx.x & 31;
     const int wm = (warp >> 2) * 64, wn = (warp & 3) * 32, gq = lane >> 2, tq = lane & 3;
     float acc[4][4][4], ga[4][4][4];
-    zero_acc(acc);
-    zero_acc(ga);
+    dcc_acc_zero(acc);
+    dcc_acc_zero(ga);
 
     auto load = [&](int u) {
         const bool first = u < ka;
@@ -232,16 +207,7 @@ tf32_ghost(const float *__restrict__ a, const float *__restrict__ g, int T, int 
         f_load<Q_BT, Q_BK, Q_LD, VEC>(sX, x, K, t0, T, k0, K);
         f_load<Q_BT, Q_BK, Q_LD, VEC>(sX + Q_TILE, x, K, s0, T, k0, K);
     };
-#pragma unroll
-    for (int s = 0; s < Q_ST - 1; s++) {
-        if (s < U) load(s);
-        dcc_cp_commit();
-    }
-    for (int u = 0; u < U; u++) {
-        dcc_cp_wait<Q_ST - 2>();
-        __syncthreads();
-        if (u + Q_ST - 1 < U) load(u + Q_ST - 1);
-        dcc_cp_commit();
+    dcc_cp_pipeline<Q_ST>(U, load, [&](int u) {
         const float *sX = fsm + (u % Q_ST) * 2 * Q_TILE, *sY = sX + Q_TILE;
 #pragma unroll
         for (int kk = 0; kk < Q_BK; kk += 8) {
@@ -260,10 +226,7 @@ tf32_ghost(const float *__restrict__ a, const float *__restrict__ g, int T, int 
                 bf[ni][0] = to_tf32(pb[0]);
                 bf[ni][1] = to_tf32(pb[4]);
             }
-#pragma unroll
-            for (int mi = 0; mi < 4; mi++)
-#pragma unroll
-                for (int ni = 0; ni < 4; ni++) mma_tf32(acc[mi][ni], af[mi], bf[ni][0], bf[ni][1]);
+            dcc_warp_mma(acc, af, bf, tf32_mma{});
         }
         if (u == ka - 1) { /* the a Gram tile is complete: keep it, start g's */
 #pragma unroll
@@ -276,8 +239,7 @@ tf32_ghost(const float *__restrict__ a, const float *__restrict__ g, int T, int 
                         acc[i][j][k] = 0.0f;
                     }
         }
-    }
-    dcc_cp_wait<0>();
+    });
     float part = 0.0f, gsum = 0.0f;
 #pragma unroll
     for (int i = 0; i < 4; i++)

@@ -1,22 +1,28 @@
-/* LINEAR norms on wgmma fed by the Tensor Memory Accelerator: the kernels of
- * norms_wgmma.cu with a warp-specialised pipeline instead of every thread
- * issuing cp.async and meeting at a CTA barrier per k-tile.
+/* LINEAR per-sample squared norms on Hopper's warpgroup MMA (wgmma, sm_90a),
+ * fed by the Tensor Memory Accelerator: the two forms of norms_linear.cu
+ * with the tensor cores reading shared memory through matrix descriptors
+ * instead of mma.sync's register fragments (about twice the rate on an
+ * H100), and the clipped sum's direct form.
  *
- * A CTA is two consumer warpgroups (warps 0-7, the MMAs, exactly as in
- * norms_wgmma.cu) and one producer warp (warp 8) whose lane 0 issues
- * cp.async.bulk.tensor copies. Each stage has two mbarriers: `full` (the
- * producer arms it with the stage's byte count; TMA completes it) and
- * `empty` (each consumer warp arrives once the MMAs that read the stage are
- * done). Nobody else synchronises inside the K loop.
+ * A CTA is two consumer warpgroups (warps 0-7); each computes a 64*MI x 128
+ * part of the CTA's f32 tile with m64n128k16 instructions. Tiles are
+ * 128-byte rows with the 128B swizzle, the layout the descriptors name:
+ *   direct: K = T; A = g_b^T and B = a_b both stored MN-major, [64 k][64
+ *     features] blocks, transposed in the instruction;
+ *   ghost: K = features; A and B are 128 rows of a_b (then g_b), K-major.
+ * One producer warp (warp 8), lane 0, issues cp.async.bulk.tensor copies.
+ * Each stage has two mbarriers: `full` (the producer arms it with the
+ * stage's byte count; TMA completes it) and `empty` (each consumer warp
+ * arrives once the MMAs that read the stage are done). Nobody else
+ * synchronises inside the K loop.
  *
  * Tensor maps view an operand as [B][T][width] (innermost first: width, T,
- * B) with 128B swizzle, so a box lands in shared memory in exactly the
- * layout the wgmma descriptors expect; rows past T and features past the
- * width are zero-filled by TMA, which is what the ragged tiles need. Boxes:
- *   direct: 64 features x 64 rows (A = g, B = a, both MN-major);
- *   ghost:  64 features x 128 rows (K-major).
- * The producer warp is one warp beside 256 consumer threads, so registers
- * suffice without setmaxnreg (<= 224 per thread for 288 threads).
+ * B), so a box lands in shared memory in exactly the descriptors' layout;
+ * rows past T and features past the width are zero-filled by TMA, which is
+ * what the ragged tiles need. Boxes: direct 64 features x 64 rows, ghost 64
+ * features x 128 rows. The producer warp is one warp beside 256 consumer
+ * threads, so registers suffice without setmaxnreg (<= 224 per thread for
+ * 288 threads).
  *
  * Direct tiles cannot be split along K through global memory (a tile must
  * be complete before it is squared), so when too few tiles would leave SMs
@@ -26,7 +32,13 @@
  * 1.46x for 2 on the (2,8192,768,3072) shape, when every tile is split).
  * The hybrid plan splits only the last, partial wave: whole waves of tiles
  * run unsplit, then the tail on clusters of 2-4, which then have the GPU to
- * themselves (dcc_direct_plan, norms_wgmma.cu). */
+ * themselves (direct_plan.cu).
+ *
+ * Built only for sm_90a (the instructions do not exist elsewhere); on other
+ * targets the kernels compile empty, dcc_wgmma_available says 0 and the
+ * dispatcher uses the mma.sync kernels. An earlier cp.async-fed variant of
+ * these kernels is gone: TMA serves every layer it served (16-byte rows,
+ * bf16/f16), and tensor-map encoding only fails where it could not run. */
 #include <stdlib.h>
 
 #include "dcc_path.h"
@@ -396,7 +408,7 @@ cudaError_t launch_clipped(const dcc_linear *L, const float *cs, float *w, cudaS
 extern "C" cudaError_t dcc_linear_clipped_tc(const dcc_linear *L, const float *cs, float *w,
                                              cudaStream_t st) {
 #ifdef DCC_WGMMA_BUILT
-    if (L->T < WBK || dcc_linear_path(L) != DCC_PATH_WGMMA || !dcc_tma_available(L->opt))
+    if (L->T < WBK || dcc_linear_path(L) != DCC_PATH_WGMMA)
         return cudaErrorNotSupported;
     if (L->ta == DC_BF16) return launch_clipped<dcc_bf16>(L, cs, w, st);
     return launch_clipped<dcc_f16>(L, cs, w, st);
@@ -409,18 +421,25 @@ extern "C" cudaError_t dcc_linear_clipped_tc(const dcc_linear *L, const float *c
 #endif
 }
 
-extern "C" int dcc_tma_available(const dcc_options *o) {
+/* The wgmma kernels need sm_90a code, a device of compute capability 9.0
+ * and the driver's tensor-map encoder; o->wgmma false selects the mma.sync
+ * kernels (A/B checks). */
+extern "C" int dcc_wgmma_available(const dcc_options *o) {
 #ifdef DCC_WGMMA_BUILT
-    /* o->tma false selects the cp.async feed */
-    return (!o || o->tma) && encode_fn() != nullptr;
+    int dev, major = 0, minor = 0;
+    if ((o && !o->wgmma) || cudaGetDevice(&dev) != cudaSuccess ||
+        cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess ||
+        cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev) != cudaSuccess)
+        return 0;
+    return major == 9 && minor == 0 && encode_fn() != nullptr;
 #else
     (void)o;
     return 0;
 #endif
 }
 
-extern "C" cudaError_t dcc_linear_tma(const dcc_linear *L, dc_algo algo, float s2, float *n2,
-                                      cudaStream_t st) {
+extern "C" cudaError_t dcc_linear_wgmma(const dcc_linear *L, dc_algo algo, float s2, float *n2,
+                                        cudaStream_t st) {
 #ifdef DCC_WGMMA_BUILT
     if (L->ta == DC_BF16) return launch<dcc_bf16>(L, algo, s2, n2, st);
     if (L->ta == DC_F16) return launch<dcc_f16>(L, algo, s2, n2, st);

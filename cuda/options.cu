@@ -23,7 +23,7 @@ const char *set(const char *name) {
 
 extern "C" void dcc_options_default(dcc_options *o) {
     memset(o, 0, sizeof *o);
-    o->tf32 = o->grouped = o->one_pass = o->profile = o->wgmma = o->tma = true;
+    o->tf32 = o->grouped = o->one_pass = o->profile = o->wgmma = true;
     o->grouped_min = -1;
     o->noise = DCC_NOISE_FAST;
     o->tail_after = -1;
@@ -37,7 +37,6 @@ extern "C" void dcc_options_from_env(dcc_options *o) {
     o->one_pass = on("DPCLIP_CUDA_ONE_PASS");
     o->profile = on("DPCLIP_CUDA_PROFILE");
     o->wgmma = on("DPCLIP_CUDA_WGMMA");
-    o->tma = on("DPCLIP_CUDA_TMA");
     if ((v = set("DPCLIP_CUDA_NOISE")) && strcmp(v, "exact") == 0) o->noise = DCC_NOISE_EXACT;
     if ((v = set("DPCLIP_CUDA_GROUPED_MIN"))) o->grouped_min = atoi(v);
     if ((v = set("DPCLIP_CUDA_DIRECT_TILE"))) o->direct_tile = atoi(v) >= 256 ? 256 : 128;

@@ -1,0 +1,124 @@
+/* The plan of the wgmma direct form (norms_tma.cu): tile height, a K split
+ * over a cluster, or the hybrid with a split tail. Host code only, so it is
+ * built for every architecture; the kernels it plans exist on sm_90a. */
+#include "dcc.h"
+#include "dcc_util.cuh"
+
+/* Tile shape of the wgmma direct form, by a wave-aware cost model. With one
+ * CTA per SM a launch costs about ceil(CTAs / SMs) times one CTA's work:
+ *   - 256 rows of p instead of 128 halve the bytes loaded per flop but also
+ *     the CTAs; the 256-row tile runs TALL_GAIN times faster per flop
+ *     (measured on an H100: 1.14-1.36);
+ *   - split KS (T >= SPLIT_MIN_T) runs each tile's K range
+ *     on a KS-CTA cluster: KS times the CTAs, each with 1/KS of the k-tiles
+ *     plus a fixed cost (pipeline fill, epilogue; for a split CTA also the
+ *     exchange), FILL_TILES / SPLIT_TILES k-tiles' worth, fitted on an H100
+ *     to the (8,2048,768,3072) and (2,8192,768,3072) shapes.
+ * Clusters of 4 measured far slower than this model says (cluster placement
+ * on 132 SMs), and clusters of 3 no better than 2 (on (2,8192,768,3072), the
+ * one benchmark shape where the model would pick 3: 1.46x the GEMM against
+ * 1.46x for 2 in one run, 1.56-1.58x against 1.46-1.51x across H100s), so
+ * the model's split is at most 2; 3 can be forced.
+ * DPCLIP_CUDA_DIRECT_TILE=128|256 and DPCLIP_CUDA_DIRECT_SPLIT=1|2|3 force
+ * the choices (tests, benchmark). */
+static const double TALL_GAIN = 1.3, FILL_TILES = 4.0, SPLIT_TILES = 12.0;
+/* The hybrid's second launch and its tail's fill cost about 25 k-tiles on
+ * top of the model: fitted on an H100 to (2,8192,768,3072), where the
+ * hybrid ran 1.37x the GEMM against 1.56x for a split of every tile, and
+ * (8,2048,768,3072), where a 2-way tail ran 1.22x against 1.11x unsplit. */
+static const double HYBRID_TILES = 25.0;
+static const int SPLIT_MIN_T = 2048;
+
+static double direct_cost(const dcc_linear *L, int rows, int split, int sms) {
+    int64_t ctas = (int64_t)((L->p + rows - 1) / rows) * ((L->d + 127) / 128) * L->B * split;
+    double waves = (double)((ctas + sms - 1) / sms);
+    double ktn = (double)((L->T + 63) / 64);
+    return waves * (rows == 256 ? 2.0 / TALL_GAIN : 1.0) *
+           (ktn / split + (split > 1 ? SPLIT_TILES : FILL_TILES));
+}
+
+static int max_split(const dcc_linear *L) {
+    return dcc_wgmma_available(L->opt) && L->T >= SPLIT_MIN_T ? 2 : 1;
+}
+
+static int64_t direct_tiles(const dcc_linear *L, int rows) {
+    return (int64_t)((L->p + rows - 1) / rows) * ((L->d + 127) / 128) * L->B;
+}
+
+/* The cheapest plan, for the given tile height (0: either). Besides a split
+ * of every tile, the hybrid: whole waves unsplit, then the last partial wave
+ * split KS = 2-4 ways so that it fills more SMs for a fraction of a wave's
+ * time. Clusters of 3-4 lose to placement when they fill the GPU; a tail
+ * leaves most SMs to them. */
+static void direct_shape(const dcc_linear *L, int rows_only, dcc_direct_plan *pl) {
+    int sms, ms = max_split(L);
+    double bc = 1e300, ktn = (double)((L->T + 63) / 64);
+    pl->rows = rows_only ? rows_only : 128;
+    pl->split = 1;
+    pl->tail_ks = 0;
+    pl->full = 0;
+    /* a device that cannot be asked gets the plain plan; its launch then
+     * reports the error */
+    if (dcc_sm_count(&sms) != cudaSuccess) return;
+    for (int rows = 128; rows <= 256; rows *= 2) {
+        if (rows_only && rows != rows_only) continue;
+        for (int split = 1; split <= ms; split++) {
+            double c = direct_cost(L, rows, split, sms);
+            if (c < bc * 0.999) {
+                bc = c;
+                *pl = (dcc_direct_plan){rows, split, 0, 0};
+            }
+        }
+        int64_t ctas = direct_tiles(L, rows), waves = ctas / sms, tail = ctas % sms;
+        if (ms < 2 || waves < 1 || tail == 0) continue;
+        double w = rows == 256 ? 2.0 / TALL_GAIN : 1.0;
+        for (int ks = 2; ks <= 4 && tail * ks <= sms; ks++) {
+            double c = (double)waves * w * (ktn + FILL_TILES) +
+                       w * (ktn / ks + SPLIT_TILES + HYBRID_TILES);
+            if (c < bc * 0.999) {
+                bc = c;
+                *pl = (dcc_direct_plan){rows, 1, ks, (long long)(waves * sms)};
+            }
+        }
+    }
+}
+
+/* The forced tile height (dcc_options.direct_tile), or 0. */
+static int forced_rows(const dcc_linear *L) { return L->opt ? L->opt->direct_tile : 0; }
+
+extern "C" int dcc_direct_tile_rows(const dcc_linear *L) {
+    dcc_direct_plan pl;
+    if (int rows = forced_rows(L)) return rows;
+    direct_shape(L, 0, &pl);
+    return pl.rows;
+}
+
+/* The split of every tile; 1 when the plan splits only the tail. */
+extern "C" int dcc_direct_split(const dcc_linear *L) {
+    if (int k = L->opt ? L->opt->direct_split : 0)
+        return k >= 3 ? (dcc_wgmma_available(L->opt) ? 3 : 2) : k;
+    dcc_direct_plan pl;
+    direct_shape(L, forced_rows(L), &pl);
+    return pl.split;
+}
+
+/* dcc_options.direct_split forces a split of every tile (no hybrid);
+ * tail_k forces the hybrid: a K-way tail (2-4) after tail_after unsplit
+ * tiles (-1: the whole waves). */
+extern "C" void dcc_direct_plan_get(const dcc_linear *L, dcc_direct_plan *pl) {
+    const dcc_options *o = L->opt;
+    if (o && o->tail_k && dcc_wgmma_available(o)) {
+        int rows = dcc_direct_tile_rows(L);
+        int64_t total = direct_tiles(L, rows);
+        int sms;
+        long long n = 0; /* default: the whole waves; none if the device cannot be asked */
+        if (o->tail_after >= 0) n = o->tail_after;
+        else if (dcc_sm_count(&sms) == cudaSuccess) n = (long long)(total / sms * sms);
+        *pl = (dcc_direct_plan){rows, 1, o->tail_k, n > total ? (long long)total : n};
+    } else if (o && o->direct_split) {
+        *pl = (dcc_direct_plan){dcc_direct_tile_rows(L), dcc_direct_split(L), 0, 0};
+    } else {
+        direct_shape(L, forced_rows(L), pl); /* the model's plan, in one search */
+    }
+}
+
