@@ -238,9 +238,10 @@ static double gpt2_gemms(cublasHandle_t h, cudaStream_t st, gpt2 &m, dc_dtype dt
         st, reps);
 }
 
+/* A configuration of the backend's switches (dcc_options). */
 struct step_cfg {
     const char *name;
-    const char *tf32, *grouped, *one_pass, *noise;
+    bool tf32, grouped, one_pass, fused_noise, exact_noise;
 };
 
 static double rel_diff(const float *x, const float *x0, size_t n) {
@@ -272,16 +273,20 @@ static void gpt2_run(cublasHandle_t h, cudaStream_t st, gpt2 &m, dc_dtype dt,
     const int watch[2] = {0, gpt2::NL - 1};
     std::vector<float> ref[2];
     for (int c = 0; c < ncfg; c++) {
-        setenv("DPCLIP_CUDA_TF32", cfgs[c].tf32, 1);
-        setenv("DPCLIP_CUDA_GROUPED", cfgs[c].grouped, 1);
-        setenv("DPCLIP_CUDA_ONE_PASS", cfgs[c].one_pass, 1);
-        setenv("DPCLIP_CUDA_NOISE", cfgs[c].noise, 1);
         dc_backend *be;
         dc_err err;
         if (dc_cuda_backend_create(0, &be, &err) || dc_cuda_backend_profile(be, 1)) {
             fprintf(stderr, "backend: %s\n", err.msg);
             exit(1);
         }
+        dcc_options opt;
+        dc_cuda_backend_get_options(be, &opt);
+        opt.tf32 = cfgs[c].tf32;
+        opt.grouped = cfgs[c].grouped;
+        opt.one_pass = cfgs[c].one_pass;
+        opt.fused_noise = cfgs[c].fused_noise;
+        opt.noise = cfgs[c].exact_noise ? DCC_NOISE_EXACT : DCC_NOISE_FAST;
+        dc_cuda_backend_set_options(be, &opt);
         dc_step_result r;
         if (dc_step_result_init(&r, s.batch, s.n_layers, false)) exit(1);
         std::vector<double> host;
@@ -318,26 +323,22 @@ static void gpt2_run(cublasHandle_t h, cudaStream_t st, gpt2 &m, dc_dtype dt,
                           dc_cuda_phase_name(k), ph[k]);
         printf("{\"bench\":\"cuda_step_phases\",\"model\":\"gpt2-small-linear\",\"layers\":%d,"
                "\"B\":%d,\"T\":%d,\"dtype\":\"%s\",\"config\":\"%s\",\"tf32\":%s,"
-               "\"grouped\":%s,\"one_pass\":%s,\"noise\":\"%s\",\"step_ms\":%.3f,"
+               "\"grouped\":%s,\"one_pass\":%s,\"noise\":\"%s\",\"noised_in_epilogue\":%d,"
+               "\"step_ms\":%.3f,"
                "\"gpu_ms\":%.3f,\"phases\":{%s},\"gemm_sum_ms\":%.3f,"
                "\"gemm_exact_f32_sum_ms\":%.3f,\"step_over_gemm\":%.3f,"
                "\"norms_over_gemm\":%.3f,\"clipped_over_gemm\":%.3f,"
                "\"rel_diff_vs_first\":%.2e,\"workspace_bytes\":%zu}\n",
                gpt2::NL, m.B, m.T, dc_dtype_name(dt), cfgs[c].name,
-               cfgs[c].tf32[0] == '0' ? "false" : "true",
-               cfgs[c].grouped[0] == '0' ? "false" : "true",
-               cfgs[c].one_pass[0] == '0' ? "false" : "true", cfgs[c].noise,
-               host[host.size() / 2], gpu, phases, gemm_ms, gemm_exact_ms,
+               cfgs[c].tf32 ? "true" : "false", cfgs[c].grouped ? "true" : "false",
+               cfgs[c].one_pass ? "true" : "false", cfgs[c].exact_noise ? "exact" : "fast",
+               dc_cuda_backend_noised_in_epilogue(be), host[host.size() / 2], gpu, phases, gemm_ms, gemm_exact_ms,
                host[host.size() / 2] / gemm_ms, ph[1] / gemm_ms, ph[3] / gemm_ms, diff,
                dc_cuda_backend_workspace_bytes(be));
         fflush(stdout);
         dc_step_result_free(&r);
         dc_backend_destroy(be);
     }
-    unsetenv("DPCLIP_CUDA_TF32");
-    unsetenv("DPCLIP_CUDA_GROUPED");
-    unsetenv("DPCLIP_CUDA_ONE_PASS");
-    unsetenv("DPCLIP_CUDA_NOISE");
 }
 
 static void gpt2_bench(cublasHandle_t h, cudaStream_t st, int reps) {
@@ -355,14 +356,15 @@ static void gpt2_bench(cublasHandle_t h, cudaStream_t st, int reps) {
     }
     CK(cudaDeviceSynchronize());
     static const step_cfg bf_cfgs[] = {
-        {"old", "0", "0", "0", "exact"},
-        {"new", "1", "1", "1", "fast"},
-        {"new_but_per_layer", "1", "0", "1", "fast"},
-        {"new_but_staged_out", "1", "1", "0", "fast"},
-        {"new_but_exact_noise", "1", "1", "1", "exact"},
+        {"old", false, false, false, false, true},
+        {"new", true, true, true, true, false},
+        {"new_but_per_layer", true, false, true, true, false},
+        {"new_but_staged_out", true, true, false, true, false},
+        {"new_but_exact_noise", true, true, true, true, true},
+        {"new_but_noise_in_pass", true, true, true, false, false},
     };
     double gemm = gpt2_gemms(h, st, m, DC_BF16, CUBLAS_COMPUTE_32F, reps);
-    gpt2_run(h, st, m, DC_BF16, bf_cfgs, 5, gemm, gemm, reps);
+    gpt2_run(h, st, m, DC_BF16, bf_cfgs, 6, gemm, gemm, reps);
 
     /* f32 copies of the same values */
     for (int l = 0; l < gpt2::NL; l++) {
@@ -380,9 +382,9 @@ static void gpt2_bench(cublasHandle_t h, cudaStream_t st, int reps) {
     }
     CK(cudaDeviceSynchronize());
     static const step_cfg f_cfgs[] = {
-        {"old", "0", "0", "0", "exact"},
-        {"new", "1", "1", "1", "fast"},
-        {"new_but_exact_f32", "0", "1", "1", "fast"},
+        {"old", false, false, false, false, true},
+        {"new", true, true, true, true, false},
+        {"new_but_exact_f32", false, true, true, true, false},
     };
     double g_tf32 = gpt2_gemms(h, st, m, DC_F32, CUBLAS_COMPUTE_32F_FAST_TF32, reps);
     double g_f32 = gpt2_gemms(h, st, m, DC_F32, CUBLAS_COMPUTE_32F, std::max(1, reps / 4));

@@ -18,7 +18,7 @@
  *     (DPCLIP_CUDA_NOISE=exact, libm ulps); 6e-7 * r + 1e-7 for the default
  *     f32 draws, r = sqrt(-2 ln u1) the pair's radius (f32 transcendentals
  *     of 1 ulp; a host emulation with 1-ulp perturbations reached half of it).
- * (The noise and whole steps are tested in test_cuda_backend.c.)
+ * (Whole steps are tested in test_cuda_backend.c.)
  * Without a CUDA device the test prints "SKIP: no CUDA device" and exits
  * DC_TEST_SKIP (77), which ctest reports as skipped. */
 #include <math.h>
@@ -35,6 +35,7 @@
 
 #include "cuda_test.h"
 #include "dcc_path.h"
+#include "noise.h"
 
 static void test_linear_norms(void **state) {
     (void)state;
@@ -384,6 +385,43 @@ static void test_grouped_many(void **state) {
  * output with noise std 1e4: 8.6 std > 65504) that are finite: the step
  * takes the staged path and commits; against the CPU backend. */
 
+/* The noise kernel against daemon/compute/noise.c (the bounds above). */
+static void test_noise_matches_cpu(void **state) {
+    (void)state;
+    const uint64_t n = 100001;
+    float *want = malloc(n * sizeof *want), *got = malloc(n * sizeof *got), *d;
+    assert_non_null(want);
+    assert_non_null(got);
+    CUDA_OK(cudaMalloc((void **)&d, n * sizeof *d));
+    for (int mode = 0; mode < 2; mode++) /* DCC_NOISE_FAST, DCC_NOISE_EXACT */
+    for (uint32_t stream = 0; stream < 3; stream++) {
+        uint64_t key = 0xfeedfacecafebeefull ^ stream, step = 1000 + stream;
+        dc_noise_normal(key, step, stream, want, n);
+        CUDA_OK(dcc_noise_normal(key, step, stream, d, n, mode, 0));
+        CUDA_OK(cudaMemcpy(got, d, n * sizeof *d, cudaMemcpyDeviceToHost));
+        double worst = 0.0, worst_ratio = 0.0;
+        uint64_t exact = 0;
+        for (uint64_t i = 0; i < n; i++) {
+            double e = fabs((double)got[i] - want[i]);
+            /* the pair's radius; the unpaired last draw gets the largest */
+            uint64_t j = i & ~(uint64_t)1;
+            double rr = j + 1 < n ? hypot(want[j], want[j + 1]) : 8.58;
+            double bound = mode == DCC_NOISE_EXACT ? 2e-6 : 6e-7 * rr + 1e-7;
+            if (!(e <= worst)) worst = isnan(e) ? INFINITY : e;
+            if (!(e / bound <= worst_ratio)) worst_ratio = isnan(e) ? INFINITY : e / bound;
+            exact += got[i] == want[i];
+        }
+        printf("noise %s stream %u: max abs diff %.2e (%.2f of its bound), %llu of %llu "
+               "bit-identical\n",
+               mode == DCC_NOISE_EXACT ? "exact" : "fast", stream, worst, worst_ratio,
+               (unsigned long long)exact, (unsigned long long)n);
+        assert_true(worst_ratio <= 1.0);
+    }
+    CUDA_OK(cudaFree(d));
+    free(want);
+    free(got);
+}
+
 int main(void) {
     if (dc_cuda_device_count() == 0) {
         printf("SKIP: no CUDA device\n");
@@ -397,6 +435,7 @@ int main(void) {
         cmocka_unit_test(test_other_norms),
         cmocka_unit_test(test_linear_clipped),
         cmocka_unit_test(test_grouped_many),
+        cmocka_unit_test(test_noise_matches_cpu),
     };
     return cmocka_run_group_tests(tests, cuda_test_setup, cuda_test_teardown);
 }
