@@ -195,12 +195,9 @@ __device__ __forceinline__ void mark_noised(const g_params &P, int o, unsigned a
 }
 
 /* NOISE: the epilogue's draws (DCC_NOISE_*), one kernel each so that only
- * one Box-Muller is inlined beside the accumulators. __maxnreg__ instead of
- * __launch_bounds__(CT, 1): under the latter ptxas kept to 168 registers
- * and spilled in the noised epilogue; with 224 it uses about 200 and spills
- * nothing (CT threads of them still fit one CTA per SM). */
+ * one Box-Muller is inlined. */
 template <typename TI, int NOISE>
-__global__ void __maxnreg__(224) clipped_grouped(const __grid_constant__ g_params P) {
+__global__ void __launch_bounds__(CT, 1) clipped_grouped(const __grid_constant__ g_params P) {
     extern __shared__ unsigned char smem[];
     __shared__ __align__(8) uint64_t bar_mem[2 * GST];
     __shared__ __align__(16) float cs[2][256];
@@ -256,32 +253,51 @@ __global__ void __maxnreg__(224) clipped_grouped(const __grid_constant__ g_param
         float *w = E.out;
         /* accumulator: acc[j] is rows 64 (2 wg + j) + 16 wq + lane/4 (+8 when
          * i % 4 >= 2), columns 8 (i / 4) + 2 (lane % 4) + i % 2: pairs (i,
-         * i+1) are adjacent columns, stored as float2 (d % 8 == 0). With
-         * noise, a pair is elements (2k, 2k+1) of the output, which share
-         * draw k as in dcc_out_write, and the same roundings. */
-        const bool nw = P.nz_std != 0.0f && E.out_w >= 0;
-        unsigned am = 0;
-        const dcc_out *ow = nw ? P.outs + E.out_w : nullptr;
+         * i+1) are adjacent columns, stored as float2 (d % 8 == 0) */
 #pragma unroll
         for (int j = 0; j < GMI; j++)
 #pragma unroll
             for (int i = 0; i < 64; i += 2) {
                 int m = m0 + (wg * GMI + j) * 64 + wq * 16 + (lane >> 2) + ((i & 2) ? 8 : 0);
                 int n = n0 + (i >> 2) * 8 + (lane & 3) * 2;
-                if (m < p && n < d) {
-                    float v0 = __fmul_rn(cl, acc[j][i]), v1 = __fmul_rn(cl, acc[j][i + 1]);
-                    if (nw) {
-                        float z0, z1;
-                        draw_pair(NOISE, ow->key, ow->step, ow->stream,
-                                  ((uint64_t)m * (uint64_t)d + (uint64_t)n) >> 1, z0, z1);
-                        v0 = __fadd_rn(v0, __fmul_rn(P.nz_std, z0));
-                        v1 = __fadd_rn(v1, __fmul_rn(P.nz_std, z1));
-                        am = max(am, max(dcc_abs_bits(v0), dcc_abs_bits(v1)));
-                    }
-                    *(float2 *)(w + (int64_t)m * d + n) = make_float2(v0, v1);
-                }
+                if (m < p && n < d)
+                    *(float2 *)(w + (int64_t)m * d + n) =
+                        make_float2(__fmul_rn(cl, acc[j][i]), __fmul_rn(cl, acc[j][i + 1]));
             }
-        if (nw) mark_noised(P, E.out_w, am);
+        /* The noise: this thread's pairs again, read back from L2 once the
+         * accumulators are dead (drawn beside them, the Box-Muller spilled:
+         * 288 threads get at most 168 registers), the next pair's load in
+         * flight while this one's draw is computed. A pair is elements (2k,
+         * 2k+1) of the output, which share draw k as in dcc_out_write, with
+         * the same roundings. */
+        if (P.nz_std != 0.0f && E.out_w >= 0) {
+            const dcc_out *ow = P.outs + E.out_w;
+            unsigned am = 0;
+            auto at = [&](int k) -> int64_t { /* element of this thread's pair k, or -1 */
+                const int j = k >> 5, i = (k & 31) * 2;
+                int m = m0 + (wg * GMI + j) * 64 + wq * 16 + (lane >> 2) + ((i & 2) ? 8 : 0);
+                int n = n0 + (i >> 2) * 8 + (lane & 3) * 2;
+                return m < p && n < d ? (int64_t)m * d + n : -1;
+            };
+            int64_t e = at(0);
+            float2 v = e >= 0 ? *(const float2 *)(w + e) : make_float2(0.0f, 0.0f);
+#pragma unroll 1
+            for (int k = 0; k < GMI * 32; k++) {
+                const int64_t e1 = k + 1 < GMI * 32 ? at(k + 1) : -1;
+                const float2 v1 = e1 >= 0 ? *(const float2 *)(w + e1) : make_float2(0.0f, 0.0f);
+                if (e >= 0) {
+                    float z0, z1;
+                    draw_pair(NOISE, ow->key, ow->step, ow->stream, (uint64_t)e >> 1, z0, z1);
+                    v.x = __fadd_rn(v.x, __fmul_rn(P.nz_std, z0));
+                    v.y = __fadd_rn(v.y, __fmul_rn(P.nz_std, z1));
+                    am = max(am, max(dcc_abs_bits(v.x), dcc_abs_bits(v.y)));
+                    *(float2 *)(w + e) = v;
+                }
+                e = e1;
+                v = v1;
+            }
+            mark_noised(P, E.out_w, am);
+        }
         if (do_bias) {
             const bool nb = P.nz_std != 0.0f && E.out_b >= 0;
             const float v = colsum_total(cs, bs0, bs1);
