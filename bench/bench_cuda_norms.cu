@@ -241,7 +241,7 @@ static double gpt2_gemms(cublasHandle_t h, cudaStream_t st, gpt2 &m, dc_dtype dt
 /* A configuration of the backend's switches (dcc_options). */
 struct step_cfg {
     const char *name;
-    bool tf32, grouped, one_pass, fused_noise, exact_noise;
+    bool tf32, grouped, one_pass, exact_noise;
 };
 
 static double rel_diff(const float *x, const float *x0, size_t n) {
@@ -284,7 +284,6 @@ static void gpt2_run(cublasHandle_t h, cudaStream_t st, gpt2 &m, dc_dtype dt,
         opt.tf32 = cfgs[c].tf32;
         opt.grouped = cfgs[c].grouped;
         opt.one_pass = cfgs[c].one_pass;
-        opt.fused_noise = cfgs[c].fused_noise;
         opt.noise = cfgs[c].exact_noise ? DCC_NOISE_EXACT : DCC_NOISE_FAST;
         dc_cuda_backend_set_options(be, &opt);
         dc_step_result r;
@@ -323,8 +322,7 @@ static void gpt2_run(cublasHandle_t h, cudaStream_t st, gpt2 &m, dc_dtype dt,
                           dc_cuda_phase_name(k), ph[k]);
         printf("{\"bench\":\"cuda_step_phases\",\"model\":\"gpt2-small-linear\",\"layers\":%d,"
                "\"B\":%d,\"T\":%d,\"dtype\":\"%s\",\"config\":\"%s\",\"tf32\":%s,"
-               "\"grouped\":%s,\"one_pass\":%s,\"noise\":\"%s\",\"noised_in_epilogue\":%d,"
-               "\"step_ms\":%.3f,"
+               "\"grouped\":%s,\"one_pass\":%s,\"noise\":\"%s\",\"step_ms\":%.3f,"
                "\"gpu_ms\":%.3f,\"phases\":{%s},\"gemm_sum_ms\":%.3f,"
                "\"gemm_exact_f32_sum_ms\":%.3f,\"step_over_gemm\":%.3f,"
                "\"norms_over_gemm\":%.3f,\"clipped_over_gemm\":%.3f,"
@@ -332,7 +330,7 @@ static void gpt2_run(cublasHandle_t h, cudaStream_t st, gpt2 &m, dc_dtype dt,
                gpt2::NL, m.B, m.T, dc_dtype_name(dt), cfgs[c].name,
                cfgs[c].tf32 ? "true" : "false", cfgs[c].grouped ? "true" : "false",
                cfgs[c].one_pass ? "true" : "false", cfgs[c].exact_noise ? "exact" : "fast",
-               dc_cuda_backend_noised_in_epilogue(be), host[host.size() / 2], gpu, phases, gemm_ms, gemm_exact_ms,
+               host[host.size() / 2], gpu, phases, gemm_ms, gemm_exact_ms,
                host[host.size() / 2] / gemm_ms, ph[1] / gemm_ms, ph[3] / gemm_ms, diff,
                dc_cuda_backend_workspace_bytes(be));
         fflush(stdout);
@@ -356,15 +354,14 @@ static void gpt2_bench(cublasHandle_t h, cudaStream_t st, int reps) {
     }
     CK(cudaDeviceSynchronize());
     static const step_cfg bf_cfgs[] = {
-        {"old", false, false, false, false, true},
-        {"new", true, true, true, true, false},
-        {"new_but_per_layer", true, false, true, true, false},
-        {"new_but_staged_out", true, true, false, true, false},
-        {"new_but_exact_noise", true, true, true, true, true},
-        {"new_but_noise_in_pass", true, true, true, false, false},
+        {"old", false, false, false, true},
+        {"new", true, true, true, false},
+        {"new_but_per_layer", true, false, true, false},
+        {"new_but_staged_out", true, true, false, false},
+        {"new_but_exact_noise", true, true, true, true},
     };
     double gemm = gpt2_gemms(h, st, m, DC_BF16, CUBLAS_COMPUTE_32F, reps);
-    gpt2_run(h, st, m, DC_BF16, bf_cfgs, 6, gemm, gemm, reps);
+    gpt2_run(h, st, m, DC_BF16, bf_cfgs, 5, gemm, gemm, reps);
 
     /* f32 copies of the same values */
     for (int l = 0; l < gpt2::NL; l++) {
@@ -382,9 +379,9 @@ static void gpt2_bench(cublasHandle_t h, cudaStream_t st, int reps) {
     }
     CK(cudaDeviceSynchronize());
     static const step_cfg f_cfgs[] = {
-        {"old", false, false, false, false, true},
-        {"new", true, true, true, true, false},
-        {"new_but_exact_f32", false, true, true, true, false},
+        {"old", false, false, false, true},
+        {"new", true, true, true, false},
+        {"new_but_exact_f32", false, true, true, false},
     };
     double g_tf32 = gpt2_gemms(h, st, m, DC_F32, CUBLAS_COMPUTE_32F_FAST_TF32, reps);
     double g_f32 = gpt2_gemms(h, st, m, DC_F32, CUBLAS_COMPUTE_32F, std::max(1, reps / 4));

@@ -144,8 +144,7 @@ int plan_step(cuda_backend *cb, const dc_step *s, layout *Lo, dc_err *err) {
     Lo->n2 = 16;
     Lo->flags = Lo->n2 + LB * 4;
     Lo->amax = Lo->flags + LB * 4;
-    Lo->noised = Lo->amax + (size_t)Lo->n_out * 4; /* dcc_bk_noise */
-    Lo->norms = Lo->noised + (size_t)Lo->n_out * 4; /* [0, norms) is zeroed per step */
+    Lo->norms = Lo->amax + (size_t)Lo->n_out * 4; /* [0, norms) is zeroed per step */
     Lo->coefs = Lo->norms + B * 4;
     Lo->lcoef = Lo->coefs + B * 4;
     Lo->dl_bytes = Lo->lcoef + LB * 4;
@@ -426,7 +425,7 @@ int run_impl(dc_backend *be, const dc_step *s, dc_step_result *res, dc_err *err,
         /* 4. clipped sums */
         phase_mark(cb, 3);
         if (opt.grouped) {
-            if ((rc = grouped_clipped(cb, s, &Lo, outs, noise_std, err))) goto fail;
+            if ((rc = grouped_clipped(cb, s, &Lo, outs, err))) goto fail;
         } else {
             memset(cb->bk_grouped, 0, L * sizeof *cb->bk_grouped);
         }
@@ -452,16 +451,15 @@ int run_impl(dc_backend *be, const dc_step *s, dc_step_result *res, dc_err *err,
         float *staging = (float *)(ws + Lo.staging);
         uint32_t *status = (uint32_t *)(ws + Lo.status), *mode = (uint32_t *)(ws + Lo.mode);
         unsigned long long *bad = (unsigned long long *)(ws + Lo.bad);
-        const uint32_t *noised = (const uint32_t *)(ws + Lo.noised);
         const int zero = s->zero_on_fail ? 1 : 0;
         phase_mark(cb, 4);
         if (opt.one_pass) {
             CK(dcc_out_check(douts, Lo.n_out, Lo.chunks, staging, noise_std, divisor,
-                             (float *)(ws + Lo.amax), status, mode, noised, cb->stream),
+                             (float *)(ws + Lo.amax), status, mode, cb->stream),
                "the output check");
             phase_mark(cb, 5);
             CK(dcc_out_write(douts, Lo.n_out, Lo.chunks, staging, noise_std, divisor, mode,
-                             status, bad, opt.noise, noised, cb->stream),
+                             status, bad, opt.noise, cb->stream),
                "the noise");
             phase_mark(cb, 6);
             CK(dcc_out_commit(douts, Lo.n_out, Lo.chunks, staging, mode, status, zero,
@@ -474,7 +472,7 @@ int run_impl(dc_backend *be, const dc_step *s, dc_step_result *res, dc_err *err,
         } else {
             phase_mark(cb, 5);
             CK(dcc_finalize(douts, Lo.n_out, Lo.max_n, staging, noise_std, divisor, status,
-                            bad, opt.noise, noised, cb->stream),
+                            bad, opt.noise, cb->stream),
                "the noise");
             phase_mark(cb, 6);
             CK(dcc_commit(douts, Lo.n_out, Lo.max_n, staging, status,
@@ -547,9 +545,6 @@ int run_impl(dc_backend *be, const dc_step *s, dc_step_result *res, dc_err *err,
         for (size_t i = 0; i < L * B; i++) res->layer_norms[i] = (float)sqrt((double)n2[i]);
         if (per_layer && res->layer_coefs)
             memcpy(res->layer_coefs, h + Lo.lcoef, L * B * sizeof(float));
-        const uint32_t *noised = (const uint32_t *)(h + Lo.noised);
-        cb->noised_last = 0;
-        for (int i = 0; i < Lo.n_out; i++) cb->noised_last += noised[i] != 0;
     }
     clock_gettime(CLOCK_MONOTONIC, &t1);
     res->compute_ns =

@@ -65,7 +65,6 @@ struct cuda_backend {
     /* the DPCLIP_CUDA_* switches, read when the instance was made
      * (dc_cuda_backend_set_options replaces them) */
     dcc_options opt;
-    int noised_last; /* outputs of the last step noised in an epilogue */
     bool broken;
     char broken_msg[256];
 };
@@ -75,7 +74,7 @@ inline size_t al(size_t x) { return (x + 255) & ~(size_t)255; }
 /* Layout of one step in the workspace. The download block comes first so
  * that one copy brings everything the host needs. */
 struct layout {
-    size_t status, mode, bad, n2, flags, amax, noised, norms, coefs, lcoef, dl_bytes;
+    size_t status, mode, bad, n2, flags, amax, norms, coefs, lcoef, dl_bytes;
     size_t cs, perm, fac, up, up_bytes, consts, layer_c, count, outs;
     size_t staging, per_sample, tot, idx, temp, temp_bytes, total;
     int n_out;
@@ -196,7 +195,7 @@ int layer_norms(cuda_backend *cb, const dc_step *s, size_t l, const layout *Lo, 
 int layer_clipped(cuda_backend *cb, const dc_step *s, size_t l, const layout *Lo,
                   const uint64_t off[2], const step_opts &opt, dc_err *err, bool add = false);
 int grouped_clipped(cuda_backend *cb, const dc_step *s, const layout *Lo, const dcc_out *outs,
-                    float noise_std, dc_err *err);
+                    dc_err *err);
 int grouped_norms(cuda_backend *cb, const dc_step *s, const layout *Lo, float s2, dc_err *err);
 int snapshot_indices(cuda_backend *cb, const dc_step *s, const layout *Lo, dc_step *out,
                      dc_err *err);

@@ -174,25 +174,16 @@ fail:
 
 /* The grouped book-keeping launch for every LINEAR layer that qualifies and
  * wants its weight sum; marks them in cb->bk_grouped so that layer_clipped
- * skips them. Nothing is marked when the launch is not possible. The noise
- * of the outputs it writes whole is drawn in its epilogue (dcc_bk_noise):
- * the kernel marks them in Lo->noised, so that the output passes add the
- * noise of every other output, and of these too if the launch falls back. */
+ * skips them. Nothing is marked when the launch is not possible. */
 int grouped_clipped(cuda_backend *cb, const dc_step *s, const layout *Lo, const dcc_out *outs,
-                    float noise_std, dc_err *err) {
+                    dc_err *err) {
     const int B = (int)s->batch;
     int n = 0, oi = 0, rc = 0;
     for (size_t l = 0; l < s->n_layers; l++) {
         const dc_layer *ly = &s->layers[l];
         uint64_t off[2];
-        int idx[2];
-        for (int k = 0; k < 2; k++) {
-            idx[k] = want_out(ly, k) ? oi++ : -1;
-            off[k] = idx[k] >= 0 ? outs[idx[k]].off : UINT64_MAX;
-        }
-        /* a tied layer's: its owner's, onto which the embedding adds later */
-        if (cb->woff[l] != off[0]) idx[0] = -1;
-        off[0] = cb->woff[l];
+        for (int k = 0; k < 2; k++) off[k] = want_out(ly, k) ? outs[oi++].off : UINT64_MAX;
+        off[0] = cb->woff[l]; /* a tied layer's: its owner's */
         cb->bk_grouped[l] = false;
         if (ly->kind != DC_LAYER_LINEAR || off[0] == UINT64_MAX) continue;
         dcc_linear x = {ly->input.data, ly->grad.data, ly->input.dtype, ly->grad.dtype, B,
@@ -205,22 +196,14 @@ int grouped_clipped(cuda_backend *cb, const dc_step *s, const layout *Lo, const 
         e->fac = (const float *)(cb->ws + Lo->fac) + l * (size_t)B;
         e->w = staging + off[0];
         e->bias = off[1] != UINT64_MAX ? staging + off[1] : NULL;
-        e->out_w = idx[0];
-        e->out_b = idx[1];
         cb->bk_grouped[l] = true;
     }
     cudaError_t e;
     if (n == 0) return 0;
-    dcc_bk_noise nz;
-    nz.outs = (const dcc_out *)(cb->ws + Lo->up + Lo->outs);
-    nz.amax = (unsigned *)(cb->ws + Lo->amax);
-    nz.noised = (uint32_t *)(cb->ws + Lo->noised);
-    nz.std = noise_std;
-    nz.noise = cb->opt.noise;
     CK(dcc_bk_order((const float *)(cb->ws + Lo->cs), (int)s->n_layers, B,
                     (int *)(cb->ws + Lo->perm), (float *)(cb->ws + Lo->fac), cb->stream),
        "the sample order");
-    e = dcc_linear_clipped_grouped(cb->bk, n, cb->opt.fused_noise ? &nz : NULL, cb->stream);
+    e = dcc_linear_clipped_grouped(cb->bk, n, cb->stream);
     if (e == cudaErrorNotSupported) { /* e.g. no tensor-map encoder: per layer instead */
         memset(cb->bk_grouped, 0, s->n_layers * sizeof *cb->bk_grouped);
         return 0;

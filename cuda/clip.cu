@@ -26,7 +26,6 @@
  * fraction of the FP64 cost. Arithmetic that must round like the CPU's is
  * written with __fmul_rn / __fadd_rn / __fdiv_rn (no contraction to FMA). */
 #include "dcc_device.cuh"
-#include "dcc_noise.cuh"
 
 namespace {
 
@@ -140,6 +139,68 @@ __global__ void rows_f32(const TA *__restrict__ a, const TG *__restrict__ g, int
     }
 }
 
+/* --- noise (daemon/compute/noise.c, bit for bit) ---------------------------------- */
+
+__device__ __forceinline__ void philox10(uint32_t (&c)[4], uint32_t k0, uint32_t k1) {
+#pragma unroll
+    for (int r = 0; r < 10; r++) {
+        if (r) {
+            k0 += 0x9E3779B9u;
+            k1 += 0xBB67AE85u;
+        }
+        uint32_t lo0 = 0xD2511F53u * c[0], hi0 = __umulhi(0xD2511F53u, c[0]);
+        uint32_t lo1 = 0xCD9E8D57u * c[2], hi1 = __umulhi(0xCD9E8D57u, c[2]);
+        uint32_t n0 = hi1 ^ c[1] ^ k0, n2 = hi0 ^ c[3] ^ k1;
+        c[0] = n0;
+        c[1] = lo1;
+        c[2] = n2;
+        c[3] = lo0;
+    }
+}
+
+__device__ __forceinline__ void normal_pair(uint64_t key, uint64_t step, uint32_t stream,
+                                            uint64_t pair, float &z0, float &z1) {
+    uint32_t c[4] = {(uint32_t)pair, stream, (uint32_t)step, (uint32_t)(step >> 32)};
+    philox10(c, (uint32_t)key, (uint32_t)(key >> 32));
+    uint64_t a = ((uint64_t)c[0] << 32 | c[1]) >> 11;
+    uint64_t b = ((uint64_t)c[2] << 32 | c[3]) >> 11;
+    const double inv53 = 1.0 / 9007199254740992.0;
+    double u1 = __dmul_rn(__dadd_rn((double)a, 1.0), inv53);
+    double u2 = __dmul_rn((double)b, inv53);
+    double r = sqrt(__dmul_rn(-2.0, log(u1)));
+    double t = __dmul_rn(6.283185307179586476925, u2);
+    z0 = (float)__dmul_rn(r, cos(t));
+    z1 = (float)__dmul_rn(r, sin(t));
+}
+
+/* The same draws in f32 (DCC_NOISE_FAST); see the comment at the top. */
+__device__ __forceinline__ void normal_pair_fast(uint64_t key, uint64_t step, uint32_t stream,
+                                                 uint64_t pair, float &z0, float &z1) {
+    uint32_t c[4] = {(uint32_t)pair, stream, (uint32_t)step, (uint32_t)(step >> 32)};
+    philox10(c, (uint32_t)key, (uint32_t)(key >> 32));
+    uint64_t a = ((uint64_t)c[0] << 32 | c[1]) >> 11;
+    uint64_t b = ((uint64_t)c[2] << 32 | c[3]) >> 11;
+    /* u1 = (a + 1) / 2^53 in (0, 1] */
+    float ln;
+    if (a < ((uint64_t)1 << 52)) ln = logf(__ull2float_rn(a + 1) * 0x1p-53f);
+    else ln = log1pf(-(__ull2float_rn(((uint64_t)1 << 53) - 1 - a) * 0x1p-53f));
+    float r = sqrtf(-2.0f * ln);
+    /* angle 2 pi b / 2^53 = quadrant q * pi/2 + pi * x, x = (b mod 2^51) / 2^52 */
+    uint32_t q = (uint32_t)(b >> 51);
+    float x = __ull2float_rn(b & (((uint64_t)1 << 51) - 1)) * 0x1p-52f, sn, cn;
+    sincospif(x, &sn, &cn);
+    float cq = q == 0 ? cn : q == 1 ? -sn : q == 2 ? -cn : sn;
+    float sq = q == 0 ? sn : q == 1 ? cn : q == 2 ? -sn : -cn;
+    z0 = __fmul_rn(r, cq);
+    z1 = __fmul_rn(r, sq);
+}
+
+__device__ __forceinline__ void draw_pair(int noise, uint64_t key, uint64_t step,
+                                          uint32_t stream, uint64_t pair, float &z0, float &z1) {
+    if (noise == DCC_NOISE_EXACT) normal_pair(key, step, stream, pair, z0, z1);
+    else normal_pair_fast(key, step, stream, pair, z0, z1);
+}
+
 __device__ __forceinline__ bool bad_as(float v, int dtype) {
     if (!dcc_isfinite(v)) return true;
     if (dtype == DC_F16) return (__half_as_ushort(__float2half_rn(v)) & 0x7c00u) == 0x7c00u;
@@ -148,19 +209,11 @@ __device__ __forceinline__ bool bad_as(float v, int dtype) {
     return false;
 }
 
-/* noised[o] != 0 (noised may be NULL): output o holds its noise already (the
- * grouped clipped sum's epilogue drew it); it is only divided and checked. */
-__device__ __forceinline__ float std_of(const uint32_t *__restrict__ noised, int oi, float std) {
-    return noised && noised[oi] ? 0.0f : std;
-}
-
 __global__ void finalize_kernel(const dcc_out *__restrict__ outs, float *__restrict__ staging,
-                                float std_step, float divisor, uint32_t *__restrict__ status,
-                                unsigned long long *__restrict__ bad, int noise,
-                                const uint32_t *__restrict__ noised) {
+                                float std, float divisor, uint32_t *__restrict__ status,
+                                unsigned long long *__restrict__ bad, int noise) {
     const int oi = (int)blockIdx.y;
     const dcc_out o = outs[oi];
-    const float std = std_of(noised, oi, std_step);
     float *v = staging + o.off;
     uint64_t npairs = (o.n + 1) / 2;
     for (uint64_t pr = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x; pr < npairs;
@@ -267,16 +320,16 @@ __device__ __forceinline__ int chunk_output(const dcc_out *__restrict__ outs, in
     return lo;
 }
 
+/* |x| as ordered bits: NaN sorts above +Inf, so a NaN anywhere wins the max. */
+__device__ __forceinline__ unsigned abs_bits(float x) { return __float_as_uint(x) & 0x7fffffffu; }
 
 __global__ void out_amax_kernel(const dcc_out *__restrict__ outs, int n_out,
                                 const float *__restrict__ staging, unsigned *__restrict__ amax,
-                                const uint32_t *__restrict__ status,
-                                const uint32_t *__restrict__ noised) {
+                                const uint32_t *__restrict__ status) {
     __shared__ unsigned part[NT / 32];
     if (*status != 0) return; /* nothing will be written: skip the pass */
     const uint64_t c = blockIdx.x;
     const int oi = chunk_output(outs, n_out, c);
-    if (noised && noised[oi]) return; /* its epilogue found its amax */
     const dcc_out o = outs[oi];
     const uint64_t i0 = (c - o.chunk0) * DCC_OUT_CHUNK;
     const uint64_t i1 = i0 + DCC_OUT_CHUNK < o.n ? i0 + DCC_OUT_CHUNK : o.n;
@@ -299,8 +352,8 @@ __global__ void out_amax_kernel(const dcc_out *__restrict__ outs, int n_out,
     }
 #pragma unroll
     for (int k = 0; k < 8; k++)
-        m = max(max(m, max(dcc_abs_bits(q[k].x), dcc_abs_bits(q[k].y))),
-                max(dcc_abs_bits(q[k].z), dcc_abs_bits(q[k].w)));
+        m = max(max(m, max(abs_bits(q[k].x), abs_bits(q[k].y))),
+                max(abs_bits(q[k].z), abs_bits(q[k].w)));
     for (int s = 16; s > 0; s >>= 1) m = max(m, __shfl_xor_sync(0xffffffffu, m, s));
     if ((threadIdx.x & 31) == 0) part[threadIdx.x >> 5] = m;
     __syncthreads();
@@ -312,15 +365,13 @@ __global__ void out_amax_kernel(const dcc_out *__restrict__ outs, int n_out,
 
 __global__ void out_decide_kernel(const dcc_out *__restrict__ outs, int n_out,
                                   const unsigned *__restrict__ amax, float std, float divisor,
-                                  const uint32_t *__restrict__ status, uint32_t *__restrict__ mode,
-                                  const uint32_t *__restrict__ noised) {
+                                  const uint32_t *__restrict__ status, uint32_t *__restrict__ mode) {
     bool ok = true;
     for (int oi = (int)threadIdx.x; oi < n_out; oi += (int)blockDim.x) {
         float m = __uint_as_float(amax[oi]);
         /* |z| <= sqrt(-2 ln 2^-53) = 8.5718 for every draw; a little slack
          * for the roundings of the sum and the division */
-        double bound = ((double)m + 8.6 * (double)std_of(noised, oi, std)) * 1.0001 /
-                       (double)divisor;
+        double bound = ((double)m + 8.6 * (double)std) * 1.0001 / (double)divisor;
         double lim = outs[oi].dtype == DC_F16 ? 65504.0 : outs[oi].dtype == DC_BF16 ? 3.38e38 : 3.4e38;
         if (!(dcc_isfinite(m) && bound < lim)) ok = false;
     }
@@ -344,17 +395,15 @@ __device__ __forceinline__ void store_as(void *dst, int dtype, uint64_t i, float
  * back into staging with the dtype check (dcc_out_commit converts later). */
 template <int NOISE> /* a kernel per noise kind: one inlined Box-Muller each */
 __global__ void out_write_kernel(const dcc_out *__restrict__ outs, int n_out,
-                                 float *__restrict__ staging, float std_step, float divisor,
+                                 float *__restrict__ staging, float std, float divisor,
                                  const uint32_t *__restrict__ mode,
                                  uint32_t *__restrict__ status,
-                                 unsigned long long *__restrict__ bad,
-                                 const uint32_t *__restrict__ noised) {
+                                 unsigned long long *__restrict__ bad) {
     const bool direct = *mode != 0;
     if (!direct && (*status & DCC_STATUS_INPUT)) return; /* the step fails anyway */
     const uint64_t c = blockIdx.x;
     const int oi = chunk_output(outs, n_out, c);
     const dcc_out o = outs[oi];
-    const float std = std_of(noised, oi, std_step);
     const uint64_t i0 = (c - o.chunk0) * DCC_OUT_CHUNK;
     const uint64_t i1 = i0 + DCC_OUT_CHUNK < o.n ? i0 + DCC_OUT_CHUNK : o.n;
     float *v = staging + o.off;
@@ -504,43 +553,41 @@ extern "C" cudaError_t dcc_rows_to_f32(const void *a, dc_dtype ta, const void *g
 extern "C" cudaError_t dcc_finalize(const dcc_out *outs, int n_out, uint64_t max_n,
                                     float *staging, float std, float divisor,
                                     uint32_t *status, unsigned long long *bad, int noise,
-                                    const uint32_t *noised, cudaStream_t st) {
+                                    cudaStream_t st) {
     if (n_out <= 0) return cudaSuccess;
     if (n_out > 65535) return cudaErrorInvalidValue;
     dim3 grid(blocks_for((max_n + 1) / 2, 2048), (unsigned)n_out);
-    finalize_kernel<<<grid, NT, 0, st>>>(outs, staging, std, divisor, status, bad, noise,
-                                         noised);
+    finalize_kernel<<<grid, NT, 0, st>>>(outs, staging, std, divisor, status, bad, noise);
     return cudaGetLastError();
 }
 
 extern "C" cudaError_t dcc_out_check(const dcc_out *outs, int n_out, uint64_t n_chunks,
                                      const float *staging, float std, float divisor,
                                      float *amax, const uint32_t *status, uint32_t *mode,
-                                     const uint32_t *noised, cudaStream_t st) {
+                                     cudaStream_t st) {
     if (n_out <= 0) return cudaSuccess;
     if (n_chunks > INT32_MAX) return cudaErrorInvalidValue;
     out_amax_kernel<<<(unsigned)n_chunks, NT, 0, st>>>(outs, n_out, staging, (unsigned *)amax,
-                                                       status, noised);
+                                                       status);
     cudaError_t e = cudaGetLastError();
     if (e != cudaSuccess) return e;
     out_decide_kernel<<<1, 1024, 0, st>>>(outs, n_out, (const unsigned *)amax, std, divisor,
-                                          status, mode, noised);
+                                          status, mode);
     return cudaGetLastError();
 }
 
 extern "C" cudaError_t dcc_out_write(const dcc_out *outs, int n_out, uint64_t n_chunks,
                                      float *staging, float std, float divisor,
                                      const uint32_t *mode, uint32_t *status,
-                                     unsigned long long *bad, int noise, const uint32_t *noised,
-                                     cudaStream_t st) {
+                                     unsigned long long *bad, int noise, cudaStream_t st) {
     if (n_out <= 0) return cudaSuccess;
     if (n_chunks > INT32_MAX) return cudaErrorInvalidValue;
     if (noise == DCC_NOISE_EXACT)
         out_write_kernel<DCC_NOISE_EXACT><<<(unsigned)n_chunks, NT, 0, st>>>(
-            outs, n_out, staging, std, divisor, mode, status, bad, noised);
+            outs, n_out, staging, std, divisor, mode, status, bad);
     else
         out_write_kernel<DCC_NOISE_FAST><<<(unsigned)n_chunks, NT, 0, st>>>(
-            outs, n_out, staging, std, divisor, mode, status, bad, noised);
+            outs, n_out, staging, std, divisor, mode, status, bad);
     return cudaGetLastError();
 }
 

@@ -42,8 +42,6 @@ typedef struct dcc_options {
     bool grouped;      /* GROUPED=0: per-layer launches only */
     int grouped_min;   /* GROUPED_MIN: work items a step needs to group; -1: 4 per SM */
     bool one_pass;     /* ONE_PASS=0: outputs always staged and committed */
-    bool fused_noise;  /* FUSED_NOISE=0: the grouped clipped sum's noise drawn
-                          by the output pass instead of its epilogue */
     int noise;         /* NOISE=exact: DCC_NOISE_EXACT, else DCC_NOISE_FAST */
     bool profile;      /* PROFILE=0: the phases are not timed */
     bool wgmma;        /* WGMMA=0: the mma.sync kernels instead of wgmma */
@@ -141,29 +139,12 @@ typedef struct dcc_bk_layer {
     const float *fac; /* device [B] (dcc_bk_order) */
     float *w;         /* device f32 [p][d] */
     float *bias;      /* device f32 [p] or NULL */
-    /* the outputs (indices into dcc_bk_noise.outs) that w and bias are,
-     * whole: their noise is added in the epilogue; -1: a plain sum (a
-     * tied weight, to which another layer adds later) */
-    int out_w, out_b;
 } dcc_bk_layer;
-/* Noise in the epilogue: a fused output's values leave the kernel as the
- * clipped sum plus std * z (the draws its dcc_out names, as dcc_out_write
- * would make them), with their max |.| in amax[o] and noised[o] = 1, so the
- * output passes neither draw again nor scan it. std == 0: plain sums. */
-typedef struct dcc_bk_noise {
-    const struct dcc_out *outs; /* device [n_out] */
-    unsigned *amax;             /* device [n_out], zeroed by the caller */
-    uint32_t *noised;           /* device [n_out], zeroed by the caller */
-    float std;
-    int noise;                  /* DCC_NOISE_* */
-} dcc_bk_noise;
 /* Whether a layer qualifies (bf16/f16 with 16-byte rows, T >= 64, sm_90a,
  * TMA available); the others use dcc_linear_clipped_tc or cuBLAS. */
 int dcc_bk_grouped_ok(const dcc_linear *L);
-/* All layers must share B and qualify; one launch per 10 layers of one dtype.
- * nz NULL: plain sums everywhere. */
-cudaError_t dcc_linear_clipped_grouped(const dcc_bk_layer *layers, int n, const dcc_bk_noise *nz,
-                                       cudaStream_t st);
+/* All layers must share B and qualify; one launch per 10 layers of one dtype. */
+cudaError_t dcc_linear_clipped_grouped(const dcc_bk_layer *layers, int n, cudaStream_t st);
 /* For each of L layers of coefficients cs[l*B + b]: perm[l*B + k] = the
  * samples in ascending order of cs (NaN last, ties by index), fac[l*B + k] =
  * cs[perm[k-1]] / cs[perm[k]] for k >= 1 (0 where the divisor is 0) and
@@ -314,13 +295,10 @@ enum { DCC_NOISE_FAST = 0, DCC_NOISE_EXACT = 1 };
 /* For every output o and element i: v = staging[off+i] + std * z(o.key, o.step,
  * o.stream, i) (no draw when std == 0), v /= divisor, stored back; a value not
  * finite in the output dtype sets DCC_STATUS_OUTPUT and lowers *bad to
- * (o << 40 | i). outs: device array [n_out]. noised (device [n_out], or
- * NULL): an output marked there holds its noise already (dcc_bk_noise), so
- * it is not drawn again, and dcc_out_check takes its amax as found. */
+ * (o << 40 | i). outs: device array [n_out]. */
 cudaError_t dcc_finalize(const dcc_out *outs, int n_out, uint64_t max_n, float *staging,
                          float std, float divisor, uint32_t *status,
-                         unsigned long long *bad, int noise, const uint32_t *noised,
-                         cudaStream_t st);
+                         unsigned long long *bad, int noise, cudaStream_t st);
 
 /* If *status == 0: every output converted from staging into dst; norms and
  * coefs (device [B]) copied into norms_out / coefs_out when non-NULL.
@@ -342,12 +320,10 @@ cudaError_t dcc_commit(const dcc_out *outs, int n_out, uint64_t max_n, const flo
  * staging value makes amax NaN, so such steps always take mode 0. */
 cudaError_t dcc_out_check(const dcc_out *outs, int n_out, uint64_t n_chunks,
                           const float *staging, float std, float divisor, float *amax,
-                          const uint32_t *status, uint32_t *mode, const uint32_t *noised,
-                          cudaStream_t st);
+                          const uint32_t *status, uint32_t *mode, cudaStream_t st);
 cudaError_t dcc_out_write(const dcc_out *outs, int n_out, uint64_t n_chunks, float *staging,
                           float std, float divisor, const uint32_t *mode, uint32_t *status,
-                          unsigned long long *bad, int noise, const uint32_t *noised,
-                          cudaStream_t st);
+                          unsigned long long *bad, int noise, cudaStream_t st);
 cudaError_t dcc_out_commit(const dcc_out *outs, int n_out, uint64_t n_chunks,
                            const float *staging, const uint32_t *mode, const uint32_t *status,
                            int zero_on_fail, cudaStream_t st);

@@ -36,7 +36,6 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "dcc_noise.cuh"
 #include "dcc_path.h"
 #include "dcc_tma.cuh"
 #include "dcc_util.cuh"
@@ -51,18 +50,11 @@ struct g_entry {
     float *out;       /* clipped: w [p][d]; norms: n2 of this layer [B] */
     float *bias;      /* clipped: bias [p] or NULL */
     int T, d, p, tiles_n, item0, has_bias;
-    int out_w, out_b; /* clipped: noised in the epilogue (dcc_bk_layer); -1: not */
 };
 struct g_params {
     g_entry e[GMAXL];
     int n, items, B;
     float s2;
-    /* clipped: the epilogue's noise (dcc_bk_noise); nz_std 0: none */
-    const dcc_out *outs;
-    unsigned *amax;
-    uint32_t *noised;
-    float nz_std;
-    int noise;
 };
 static_assert(sizeof(g_params) <= 4096, "kernel parameters beyond 4 KiB need CUDA 12.1+");
 
@@ -184,19 +176,7 @@ __global__ void __launch_bounds__(CT, 1) norms_grouped(const __grid_constant__ g
     }
 }
 
-/* A consumer warp's part of output o noised in the epilogue: its max |.|
- * into amax[o], and o marked so that the output passes draw it no more. */
-__device__ __forceinline__ void mark_noised(const g_params &P, int o, unsigned am) {
-    for (int s = 16; s > 0; s >>= 1) am = max(am, __shfl_xor_sync(0xffffffffu, am, s));
-    if ((threadIdx.x & 31) == 0) {
-        atomicMax(P.amax + o, am);
-        P.noised[o] = 1u;
-    }
-}
-
-/* NOISE: the epilogue's draws (DCC_NOISE_*), one kernel each so that only
- * one Box-Muller is inlined. */
-template <typename TI, int NOISE>
+template <typename TI>
 __global__ void __launch_bounds__(CT, 1) clipped_grouped(const __grid_constant__ g_params P) {
     extern __shared__ unsigned char smem[];
     __shared__ __align__(8) uint64_t bar_mem[2 * GST];
@@ -262,59 +242,11 @@ __global__ void __launch_bounds__(CT, 1) clipped_grouped(const __grid_constant__
                 int n = n0 + (i >> 2) * 8 + (lane & 3) * 2;
                 if (m < p && n < d)
                     *(float2 *)(w + (int64_t)m * d + n) =
-                        make_float2(__fmul_rn(cl, acc[j][i]), __fmul_rn(cl, acc[j][i + 1]));
+                        make_float2(cl * acc[j][i], cl * acc[j][i + 1]);
             }
-        /* The noise: this thread's pairs again, read back from L2 once the
-         * accumulators are dead (drawn beside them, the Box-Muller spilled:
-         * 288 threads get at most 168 registers), the next pair's load in
-         * flight while this one's draw is computed. A pair is elements (2k,
-         * 2k+1) of the output, which share draw k as in dcc_out_write, with
-         * the same roundings. */
-        if (P.nz_std != 0.0f && E.out_w >= 0) {
-            const dcc_out *ow = P.outs + E.out_w;
-            unsigned am = 0;
-            auto at = [&](int k) -> int64_t { /* element of this thread's pair k, or -1 */
-                const int j = k >> 5, i = (k & 31) * 2;
-                int m = m0 + (wg * GMI + j) * 64 + wq * 16 + (lane >> 2) + ((i & 2) ? 8 : 0);
-                int n = n0 + (i >> 2) * 8 + (lane & 3) * 2;
-                return m < p && n < d ? (int64_t)m * d + n : -1;
-            };
-            int64_t e = at(0);
-            float2 v = e >= 0 ? *(const float2 *)(w + e) : make_float2(0.0f, 0.0f);
-#pragma unroll 1
-            for (int k = 0; k < GMI * 32; k++) {
-                const int64_t e1 = k + 1 < GMI * 32 ? at(k + 1) : -1;
-                const float2 v1 = e1 >= 0 ? *(const float2 *)(w + e1) : make_float2(0.0f, 0.0f);
-                if (e >= 0) {
-                    float z0, z1;
-                    draw_pair(NOISE, ow->key, ow->step, ow->stream, (uint64_t)e >> 1, z0, z1);
-                    v.x = __fadd_rn(v.x, __fmul_rn(P.nz_std, z0));
-                    v.y = __fadd_rn(v.y, __fmul_rn(P.nz_std, z1));
-                    am = max(am, max(dcc_abs_bits(v.x), dcc_abs_bits(v.y)));
-                    *(float2 *)(w + e) = v;
-                }
-                e = e1;
-                v = v1;
-            }
-            mark_noised(P, E.out_w, am);
-        }
         if (do_bias) {
-            const bool nb = P.nz_std != 0.0f && E.out_b >= 0;
-            const float v = colsum_total(cs, bs0, bs1);
-            const int m = m0 + (int)threadIdx.x;
-            unsigned ab = 0;
-            if (m < p) {
-                float y = __fmul_rn(cl, v);
-                if (nb) {
-                    const dcc_out *ob = P.outs + E.out_b;
-                    float z0, z1;
-                    draw_pair(NOISE, ob->key, ob->step, ob->stream, (uint64_t)m >> 1, z0, z1);
-                    y = __fadd_rn(y, __fmul_rn(P.nz_std, (m & 1) ? z1 : z0));
-                    ab = dcc_abs_bits(y);
-                }
-                E.bias[m] = y;
-            }
-            if (nb) mark_noised(P, E.out_b, ab);
+            float v = colsum_total(cs, bs0, bs1);
+            if (m0 + (int)threadIdx.x < p) E.bias[m0 + threadIdx.x] = cl * v;
         }
     }
 }
@@ -322,8 +254,7 @@ __global__ void __launch_bounds__(CT, 1) clipped_grouped(const __grid_constant__
 #else
 
 template <typename TI> __global__ void norms_grouped(const __grid_constant__ g_params) {}
-template <typename TI, int NOISE>
-__global__ void clipped_grouped(const __grid_constant__ g_params) {}
+template <typename TI> __global__ void clipped_grouped(const __grid_constant__ g_params) {}
 
 #endif
 
@@ -343,7 +274,7 @@ cudaError_t launch(void (*kern)(g_params), const g_params &P, cudaStream_t st) {
  * entry and returns its item count (or -1: not supported). */
 template <typename Fill>
 cudaError_t run_chunks(const dcc_linear *const *Ls, int n, int B, float s2, bool clipped,
-                       const dcc_bk_noise *nz, Fill fill, cudaStream_t st) {
+                       Fill fill, cudaStream_t st) {
     int i = 0;
     while (i < n) {
         int j = 1;
@@ -372,23 +303,10 @@ cudaError_t run_chunks(const dcc_linear *const *Ls, int n, int B, float s2, bool
         P.items = (int)items;
         P.B = B;
         P.s2 = s2;
-        if (nz && nz->std != 0.0f) {
-            P.outs = nz->outs;
-            P.amax = nz->amax;
-            P.noised = nz->noised;
-            P.nz_std = nz->std;
-            P.noise = nz->noise;
-        }
         bool bf = Ls[i]->ta == DC_BF16;
-        void (*kern)(g_params);
-        if (!clipped) kern = bf ? norms_grouped<dcc_bf16> : norms_grouped<dcc_f16>;
-        else if (P.noise == DCC_NOISE_EXACT)
-            kern = bf ? clipped_grouped<dcc_bf16, DCC_NOISE_EXACT>
-                      : clipped_grouped<dcc_f16, DCC_NOISE_EXACT>;
-        else
-            kern = bf ? clipped_grouped<dcc_bf16, DCC_NOISE_FAST>
-                      : clipped_grouped<dcc_f16, DCC_NOISE_FAST>;
-        cudaError_t e = launch(kern, P, st);
+        cudaError_t e = launch(clipped ? (bf ? clipped_grouped<dcc_bf16> : clipped_grouped<dcc_f16>)
+                                       : (bf ? norms_grouped<dcc_bf16> : norms_grouped<dcc_f16>),
+                               P, st);
         if (e != cudaSuccess) return e;
         i += j;
     }
@@ -411,7 +329,7 @@ extern "C" int dcc_bk_grouped_ok(const dcc_linear *L) {
 }
 
 extern "C" cudaError_t dcc_linear_clipped_grouped(const dcc_bk_layer *ls, int n,
-                                                  const dcc_bk_noise *nz, cudaStream_t st) {
+                                                  cudaStream_t st) {
 #ifdef DCC_WGMMA_BUILT
     if (n <= 0) return cudaSuccess;
     const dcc_linear *Ls[GMAXL * 64];
@@ -423,14 +341,12 @@ extern "C" cudaError_t dcc_linear_clipped_grouped(const dcc_bk_layer *ls, int n,
                 return cudaErrorNotSupported;
             Ls[i] = &x->L;
         }
-        cudaError_t e = run_chunks(Ls, k, ls[0].L.B, 1.0f, true, nz,
+        cudaError_t e = run_chunks(Ls, k, ls[0].L.B, 1.0f, true,
                                    [&](int i, g_entry &E) {
                                        E.perm = ls[i0 + i].perm;
                                        E.fac = ls[i0 + i].fac;
                                        E.out = ls[i0 + i].w;
                                        E.bias = ls[i0 + i].bias;
-                                       E.out_w = ls[i0 + i].out_w;
-                                       E.out_b = ls[i0 + i].bias ? ls[i0 + i].out_b : -1;
                                    },
                                    st);
         if (e != cudaSuccess) return e;
@@ -470,7 +386,7 @@ extern "C" cudaError_t dcc_linear_sqnorms_grouped(const dcc_norm_layer *ls, int 
             if (!qualifies(&x->L) || x->L.B != ls[0].L.B) return cudaErrorNotSupported;
             Ls[i] = &x->L;
         }
-        cudaError_t e = run_chunks(Ls, k, ls[0].L.B, s2, false, nullptr,
+        cudaError_t e = run_chunks(Ls, k, ls[0].L.B, s2, false,
                                    [&](int i, g_entry &E) { E.out = ls[i0 + i].n2; }, st);
         if (e != cudaSuccess) return e;
     }

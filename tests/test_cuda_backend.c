@@ -1,8 +1,8 @@
 /* The CUDA backend (cuda/backend_cuda.cu) as the daemon uses it: whole
  * steps of every layer kind against the CPU backend and the reference, the
  * staged fallback, failures (non-finite inputs and outputs, bad indices:
- * nothing written, the same errors as the CPU backend), the noise drawn in
- * the clipped sum's epilogue, host-memory steps and events. Error bounds: see
+ * nothing written, the same errors as the CPU backend), host-memory steps
+ * and events (the noise kernel: test_cuda_kernels.c). Error bounds: see
  * test_cuda_kernels.c. Every whole-step test also runs with the backend's
  * switches in their old positions (per-layer book-keeping, staged outputs,
  * double noise, exact f32), the configuration the benchmark compares against.
@@ -437,95 +437,6 @@ static void test_failures(void **state) {
     }
 }
 
-/* Raw bytes of a device tensor (malloc'd). */
-static void *dev_raw(const dc_tensor *t) {
-    void *raw = malloc(tensor_bytes(t));
-    assert_non_null(raw);
-    CUDA_OK(cudaMemcpy(raw, t->data, tensor_bytes(t), cudaMemcpyDeviceToHost));
-    return raw;
-}
-
-/* The grouped clipped sum draws the noise of the outputs it writes whole in
- * its epilogue (dcc_bk_noise): they match the CPU backend's (the same
- * draws), and bit for bit the same step with every draw left to the output
- * pass (FUSED_NOISE off). No output is drawn twice: that would double the
- * noise's variance and miss the CPU's outputs by far more than the bound.
- * bf16 and f16 inputs, with and without bias, f32 and bf16 outputs; a sum,
- * a mean (the division after the epilogue's noise), and a sum through the
- * staged outputs (dcc_finalize instead of the one-pass kernels). */
-static void test_fused_noise(void **state) {
-    (void)state;
-    static const dc_test_layer_spec specs[3] = {
-        {DC_LAYER_LINEAR, 5, 96, 64, 40, DC_BF16, 1, DC_ALGO_DIRECT, 1, 0},
-        {DC_LAYER_LINEAR, 5, 70, 136, 264, DC_BF16, 0, DC_ALGO_AUTO, 1, 0},
-        {DC_LAYER_LINEAR, 5, 64, 72, 48, DC_F16, 1, DC_ALGO_AUTO, 1, 0},
-    };
-    dc_test_rng r;
-    dc_test_rng_seed(&r, 626);
-    for (int mode = 0; mode < 3; mode++) {
-        multi m;
-        memset(&m, 0, sizeof m);
-        m.L = 3;
-        m.B = 5;
-        for (size_t l = 0; l < m.L; l++) {
-            dc_test_layer_make(&m.h[l], &specs[l], &r);
-            m.h[l].max_grad_norm = 0.05f;
-        }
-        dc_tensor *w1 = &m.h[1].weight_grad_out;
-        dc_tensor bf = dc_test_tensor_new(DC_BF16, w1->ndim, w1->shape[0], w1->shape[1], 0);
-        dc_test_tensor_free(w1);
-        *w1 = bf;
-        for (size_t l = 0; l < m.L; l++) m.d[l] = dev_layer(&m.h[l]);
-        CUDA_OK(cudaMalloc(&m.norms_out.data, m.B * sizeof(float)));
-        CUDA_OK(cudaMalloc(&m.coefs_out.data, m.B * sizeof(float)));
-        m.norms_out.dtype = m.coefs_out.dtype = DC_F32;
-        m.norms_out.ndim = m.coefs_out.ndim = 1;
-        m.norms_out.shape[0] = m.coefs_out.shape[0] = m.B;
-        dc_step hs, ds;
-        step_init(&hs, m.h, m.L, m.B, -1);
-        step_init(&ds, m.d, m.L, m.B, 0);
-        ds.norms_out = m.norms_out;
-        ds.coefs_out = m.coefs_out;
-        if (mode == 1) {
-            hs.reduction = ds.reduction = DC_REDUCTION_MEAN;
-            hs.expected_batch = ds.expected_batch = 8;
-        }
-        hs.noise_multiplier = ds.noise_multiplier = 2.0f;
-        printf("fused noise: %s\n", mode == 1 ? "mean" : mode ? "sum, staged" : "sum");
-        set_switches(1, 1);
-        g_opts.one_pass = mode != 2;
-        apply_switches();
-        compare_steps(&m, &hs, &ds);
-        assert_int_equal(dc_cuda_backend_noised_in_epilogue(g_cuda), 5);
-        void *fused[3][2] = {{NULL}};
-        for (size_t l = 0; l < m.L; l++) {
-            dc_tensor *o[2] = {&m.d[l].weight_grad_out, &m.d[l].bias_grad_out};
-            for (int k = 0; k < 2; k++)
-                if (o[k]->data) fused[l][k] = dev_raw(o[k]);
-        }
-        g_opts.fused_noise = false;
-        apply_switches();
-        poison(&m, 1536.0f);
-        dc_step_result rd;
-        dc_err ed;
-        assert_int_equal(run(g_cuda, &ds, &rd, &ed), 0);
-        dc_step_result_free(&rd);
-        assert_int_equal(dc_cuda_backend_noised_in_epilogue(g_cuda), 0);
-        for (size_t l = 0; l < m.L; l++) {
-            dc_tensor *o[2] = {&m.d[l].weight_grad_out, &m.d[l].bias_grad_out};
-            for (int k = 0; k < 2; k++) {
-                if (!o[k]->data) continue;
-                void *pass = dev_raw(o[k]);
-                assert_memory_equal(pass, fused[l][k], tensor_bytes(o[k]));
-                free(pass);
-                free(fused[l][k]);
-            }
-        }
-        set_switches(1, 1);
-        multi_free(&m);
-    }
-}
-
 /* --- noise, host steps, events ---------------------------------------------- */
 
 /* Host-memory steps are the CPU workers': the CUDA backend refuses them,
@@ -819,7 +730,6 @@ int main(void) {
         cmocka_unit_test(test_extreme_range),
         cmocka_unit_test(test_phases),
         cmocka_unit_test(test_padded_layers),
-        cmocka_unit_test(test_fused_noise),
     };
     return cmocka_run_group_tests(tests, cuda_test_setup, cuda_test_teardown);
 }
