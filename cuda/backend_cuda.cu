@@ -120,8 +120,7 @@ int plan_step(cuda_backend *cb, const dc_step *s, layout *Lo, dc_err *err) {
         case DC_LAYER_LINEAR: {
             if (want_out(ly, 0) && !bk_per_sample(ly))
                 t = (size_t)chunk_rows(ly, (uint32_t)B) * (size_t)(ly->d + ly->p) * 4 + 512;
-            dcc_linear x = {ly->input.data, ly->grad.data, ly->input.dtype, ly->grad.dtype,
-                            (int)B, (int)ly->T, (int)ly->d, (int)ly->p, false, false, &cb->opt};
+            dcc_linear x = linear_of(cb, ly, (int)B, false, false);
             if (dcc_pad_wanted(&x)) {
                 size_t pt = (size_t)dcc_pad_samples(&x, PAD_CAP) * dcc_pad_sample_bytes(&x);
                 if (pt > t) t = pt;

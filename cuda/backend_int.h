@@ -91,6 +91,25 @@ inline int numel_out(const dc_tensor *t, uint64_t *n) {
     return 0;
 }
 
+/* Layer ly of a B-sample step as the kernels see it (the one place that maps
+ * dc_layer onto the kernels' descriptors). has_bias: whether the kernel
+ * counts a bias (the norms count dc_layer_norm_bias, the sums has_bias, a
+ * size query neither); tf32: whether f32 inputs may use TF32. */
+inline dcc_linear linear_of(const cuda_backend *cb, const dc_layer *ly, int B, bool has_bias,
+                            bool tf32) {
+    return dcc_linear{ly->input.data, ly->grad.data, ly->input.dtype, ly->grad.dtype, B,
+                      (int)ly->T, (int)ly->d, (int)ly->p, has_bias, tf32, &cb->opt};
+}
+inline dcc_embedding embedding_of(const dc_layer *ly, int B) {
+    return dcc_embedding{ly->input.data, ly->input.dtype, ly->grad.data, ly->grad.dtype, B,
+                         (int)ly->T, (int)ly->d, ly->vocab,
+                         ly->has_padding_idx ? ly->padding_idx : -1};
+}
+inline dcc_norm norm_of(const dc_layer *ly, int B) {
+    return dcc_norm{ly->input.data, ly->grad.data, ly->input.dtype, ly->grad.dtype, B,
+                    (int)ly->T, (int)ly->d, ly->kind == DC_LAYER_RMSNORM, ly->has_bias, ly->eps};
+}
+
 inline bool want_out(const dc_layer *l, int k) {
     return k == 0 ? l->weight_grad_out.data != NULL : (l->has_bias && l->bias_grad_out.data);
 }

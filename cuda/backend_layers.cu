@@ -22,9 +22,7 @@ int layer_norms(cuda_backend *cb, const dc_step *s, size_t l, const layout *Lo, 
     else
     switch (ly->kind) {
     case DC_LAYER_LINEAR: {
-        dcc_linear x = {ly->input.data, ly->grad.data, ly->input.dtype, ly->grad.dtype, B,
-                        (int)ly->T, (int)ly->d, (int)ly->p, dc_layer_norm_bias(ly), opt.tf32,
-                        &cb->opt};
+        dcc_linear x = linear_of(cb, ly, B, dc_layer_norm_bias(ly), opt.tf32);
         const dc_algo algo = dcc_linear_pick(x.T, x.d, x.p, ly->algo);
         if (!dcc_pad_wanted(&x)) {
             e = dcc_linear_sqnorms(&x, algo, s2, n2, cb->stream);
@@ -41,18 +39,14 @@ int layer_norms(cuda_backend *cb, const dc_step *s, size_t l, const layout *Lo, 
         break;
     }
     case DC_LAYER_EMBEDDING: {
-        dcc_embedding x = {ly->input.data, ly->input.dtype, ly->grad.data, ly->grad.dtype, B,
-                           (int)ly->T, (int)ly->d, ly->vocab,
-                           ly->has_padding_idx ? ly->padding_idx : -1};
+        dcc_embedding x = embedding_of(ly, B);
         e = dcc_embedding_sqnorms(&x, s2, n2, flags, cb->ws + Lo->temp, Lo->temp_bytes,
                                   cb->stream);
         break;
     }
     case DC_LAYER_LAYERNORM:
     case DC_LAYER_RMSNORM: {
-        dcc_norm x = {ly->input.data, ly->grad.data, ly->input.dtype, ly->grad.dtype, B,
-                      (int)ly->T, (int)ly->d, ly->kind == DC_LAYER_RMSNORM, ly->has_bias,
-                      ly->eps};
+        dcc_norm x = norm_of(ly, B);
         e = dcc_norm_sqnorms(&x, s2, n2, flags, (float *)(cb->ws + Lo->temp),
                              (float *)(cb->ws + cb->lay_off[l]), cb->stream);
         break;
@@ -77,8 +71,7 @@ int layer_clipped(cuda_backend *cb, const dc_step *s, size_t l, const layout *Lo
     case DC_LAYER_LINEAR: {
         const int T = (int)ly->T, d = (int)ly->d, p = (int)ly->p;
         cudaError_t tc = cudaErrorNotSupported;
-        dcc_linear x = {ly->input.data, ly->grad.data, ly->input.dtype, ly->grad.dtype, B,
-                        T, d, p, ly->has_bias, opt.tf32, &cb->opt};
+        dcc_linear x = linear_of(cb, ly, B, ly->has_bias, opt.tf32);
         const bool pad = w && bk_per_sample(ly) && dcc_pad_wanted(&x);
         if (w && !pad) {
             if (dcc_linear_path(&x) == DCC_PATH_TF32) tc = dcc_linear_clipped_tf32(&x, cs, w, cb->stream);
@@ -144,9 +137,7 @@ int layer_clipped(cuda_backend *cb, const dc_step *s, size_t l, const layout *Lo
         break;
     }
     case DC_LAYER_EMBEDDING: {
-        dcc_embedding x = {ly->input.data, ly->input.dtype, ly->grad.data, ly->grad.dtype, B,
-                           (int)ly->T, (int)ly->d, ly->vocab,
-                           ly->has_padding_idx ? ly->padding_idx : -1};
+        dcc_embedding x = embedding_of(ly, B);
         if (!add) /* add: onto the other use of a tied weight */
             CK(cudaMemsetAsync(w, 0, (size_t)ly->vocab * (size_t)ly->d * 4, cb->stream),
                "a memset");
@@ -155,9 +146,7 @@ int layer_clipped(cuda_backend *cb, const dc_step *s, size_t l, const layout *Lo
     }
     case DC_LAYER_LAYERNORM:
     case DC_LAYER_RMSNORM: {
-        dcc_norm x = {ly->input.data, ly->grad.data, ly->input.dtype, ly->grad.dtype, B,
-                      (int)ly->T, (int)ly->d, ly->kind == DC_LAYER_RMSNORM, ly->has_bias,
-                      ly->eps};
+        dcc_norm x = norm_of(ly, B);
         if (!w) {
             /* bias only: the weight sum goes to scratch it is never read from */
             w = (float *)(cb->ws + Lo->temp);
@@ -186,8 +175,7 @@ int grouped_clipped(cuda_backend *cb, const dc_step *s, const layout *Lo, const 
         off[0] = cb->woff[l]; /* a tied layer's: its owner's */
         cb->bk_grouped[l] = false;
         if (ly->kind != DC_LAYER_LINEAR || off[0] == UINT64_MAX) continue;
-        dcc_linear x = {ly->input.data, ly->grad.data, ly->input.dtype, ly->grad.dtype, B,
-                        (int)ly->T, (int)ly->d, (int)ly->p, ly->has_bias, false, &cb->opt};
+        dcc_linear x = linear_of(cb, ly, B, ly->has_bias, false);
         if (!dcc_bk_grouped_ok(&x)) continue;
         float *staging = (float *)(cb->ws + Lo->staging);
         dcc_bk_layer *e = &cb->bk[n++];
@@ -225,9 +213,7 @@ int grouped_norms(cuda_backend *cb, const dc_step *s, const layout *Lo, float s2
         const dc_layer *ly = &s->layers[l];
         cb->nm_grouped[l] = false;
         if (ly->kind != DC_LAYER_LINEAR || (cb->ovr_active && cb->ovr[l])) continue;
-        dcc_linear x = {ly->input.data, ly->grad.data, ly->input.dtype, ly->grad.dtype, B,
-                        (int)ly->T, (int)ly->d, (int)ly->p, dc_layer_norm_bias(ly), false,
-                        &cb->opt};
+        dcc_linear x = linear_of(cb, ly, B, dc_layer_norm_bias(ly), false);
         if (!dcc_norms_grouped_ok(&x, dcc_linear_pick(x.T, x.d, x.p, ly->algo))) continue;
         dcc_norm_layer *e = &cb->nm[n++];
         e->L = x;

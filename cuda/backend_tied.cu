@@ -30,11 +30,8 @@ int tied_norms(cuda_backend *cb, const dc_step *s, const layout *Lo, float s2, d
         size_t o = ly->tie - 1;
         const dc_layer *e = ly->kind == DC_LAYER_EMBEDDING ? ly : &s->layers[o];
         const dc_layer *n = ly->kind == DC_LAYER_LINEAR ? ly : &s->layers[o];
-        dcc_embedding E = {e->input.data, e->input.dtype, e->grad.data, e->grad.dtype, B,
-                           (int)e->T, (int)e->d, e->vocab,
-                           e->has_padding_idx ? e->padding_idx : -1};
-        dcc_linear N = {n->input.data, n->grad.data, n->input.dtype, n->grad.dtype, B,
-                        (int)n->T, (int)n->d, (int)n->p, false, false, &cb->opt};
+        dcc_embedding E = embedding_of(e, B);
+        dcc_linear N = linear_of(cb, n, B, false, false);
         cudaError_t e_ = dcc_tied_sqnorms(&E, &N, ly == n && ly->has_bias, s2, n2 + o * B,
                                           n2 + l * B, (double *)(cb->ws + Lo->temp),
                                           cb->stream);

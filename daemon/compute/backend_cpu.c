@@ -97,6 +97,18 @@ size_t dc_cpu_numel(const dc_tensor *t) {
     return n;
 }
 
+int dc_cpu_layer_f32(dc_cpu_scratch *s, const dc_layer *l, uint32_t B, const float **x,
+                     const float **g) {
+    size_t rows = (size_t)B * (size_t)l->T;
+    *x = NULL;
+    if (l->kind != DC_LAYER_EMBEDDING &&
+        !(*x = dc_cpu_as_f32(&s->in, &l->input, rows * (size_t)l->d)))
+        return -1;
+    *g = dc_cpu_as_f32(&s->grad, &l->grad,
+                       rows * (size_t)(l->kind == DC_LAYER_LINEAR ? l->p : l->d));
+    return *g ? 0 : -1;
+}
+
 const float *dc_cpu_as_f32(dc_cpu_buf *buf, const dc_tensor *t, size_t n) {
     if (t->dtype == DC_F32) return t->data;
     float *out = dc_cpu_buf_reserve(buf, n * sizeof(float));

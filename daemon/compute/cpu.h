@@ -55,6 +55,11 @@ size_t dc_cpu_backend_scratch_bytes(dc_backend *be);
 /* The tensor's first n elements as f32: t->data itself when it is f32, else a
  * converted copy in buf. NULL on allocation failure. */
 const float *dc_cpu_as_f32(dc_cpu_buf *buf, const dc_tensor *t, size_t n);
+/* Layer l's input (*x; NULL for an embedding, whose input is indices) and
+ * output gradient (*g) over B samples as f32, in s->in and s->grad where
+ * converted. -1 on allocation failure. */
+int dc_cpu_layer_f32(dc_cpu_scratch *s, const dc_layer *l, uint32_t B, const float **x,
+                     const float **g);
 
 /* Product of a tensor's dims. */
 size_t dc_cpu_numel(const dc_tensor *t);

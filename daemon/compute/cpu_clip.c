@@ -83,16 +83,10 @@ static int norm_sum(dc_cpu_scratch *s, const dc_layer *l, uint32_t B, const floa
 static int clipped(dc_cpu_scratch *s, const dc_layer *l, uint32_t B, const float *c, float *w,
                    float *bias, bool add, dc_err *err) {
     size_t rows = (size_t)B * (size_t)l->T;
-    const float *x = NULL, *g;
+    const float *x, *g;
     int rc = 0;
 
-    if (l->kind != DC_LAYER_EMBEDDING) {
-        x = dc_cpu_as_f32(&s->in, &l->input, rows * (size_t)l->d);
-        if (!x) goto oom;
-    }
-    g = dc_cpu_as_f32(&s->grad, &l->grad,
-                      rows * (size_t)(l->kind == DC_LAYER_LINEAR ? l->p : l->d));
-    if (!g) goto oom;
+    if (dc_cpu_layer_f32(s, l, B, &x, &g)) goto oom;
     switch (l->kind) {
     case DC_LAYER_LINEAR:
         if (rows > INT_MAX)

@@ -296,17 +296,10 @@ static int norm_sqnorms(dc_cpu_scratch *s, const dc_layer *l, const float *x, co
 
 int dc_cpu_layer_sqnorms(dc_cpu_scratch *s, const dc_layer *l, uint32_t B, float scale,
                          double *n2, dc_err *err) {
-    size_t rows = (size_t)B * (size_t)l->T;
-    const float *x = NULL, *g;
+    const float *x, *g;
     int rc;
 
-    if (l->kind != DC_LAYER_EMBEDDING) {
-        x = dc_cpu_as_f32(&s->in, &l->input, rows * (size_t)l->d);
-        if (!x) goto oom;
-    }
-    g = dc_cpu_as_f32(&s->grad, &l->grad,
-                      rows * (size_t)(l->kind == DC_LAYER_LINEAR ? l->p : l->d));
-    if (!g) goto oom;
+    if (dc_cpu_layer_f32(s, l, B, &x, &g)) goto oom;
     switch (l->kind) {
     case DC_LAYER_LINEAR:
         rc = dc_cpu_linear_sqnorms(s, x, g, B, l->T, l->d, l->p, dc_layer_norm_bias(l),

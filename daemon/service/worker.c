@@ -175,6 +175,21 @@ static void pool_drain(dc_worker_pool *p) {
 
 static void on_async(uv_async_t *a) { pool_drain(a->data); }
 
+/* Frees what init allocated: the first n backends (NULL ones are skipped
+ * by dc_backend_destroy) and the per-thread arrays. */
+static void pool_release(dc_worker_pool *p, int n) {
+    if (p->backends)
+        for (int i = 0; i < n; i++) dc_backend_destroy(p->backends[i]);
+    free(p->backends);
+    free(p->threads);
+    free(p->running);
+    free(p->has_job);
+    p->backends = NULL;
+    p->threads = NULL;
+    p->running = NULL;
+    p->has_job = NULL;
+}
+
 int dc_worker_pool_init(dc_worker_pool *p, uv_loop_t *loop, const char *name, int n,
                         dc_backend_factory factory, void *factory_arg, dc_err *err) {
     int started = 0, rc;
@@ -234,16 +249,7 @@ fail_sync:
     pthread_mutex_destroy(&p->mu);
     pthread_cond_destroy(&p->cv);
 fail:
-    if (p->backends)
-        for (int i = 0; i < n; i++) dc_backend_destroy(p->backends[i]);
-    free(p->backends);
-    free(p->threads);
-    free(p->running);
-    free(p->has_job);
-    p->backends = NULL;
-    p->threads = NULL;
-    p->running = NULL;
-    p->has_job = NULL;
+    pool_release(p, n);
     return rc;
 }
 
@@ -305,15 +311,7 @@ void dc_worker_pool_close(dc_worker_pool *p) {
     pthread_mutex_unlock(&p->mu);
     for (int i = 0; i < p->n; i++) pthread_join(p->threads[i], NULL);
     pool_drain(p);
-    for (int i = 0; i < p->n; i++) dc_backend_destroy(p->backends[i]);
-    free(p->backends);
-    free(p->threads);
-    free(p->running);
-    free(p->has_job);
-    p->backends = NULL;
-    p->threads = NULL;
-    p->running = NULL;
-    p->has_job = NULL;
+    pool_release(p, p->n);
     pthread_mutex_destroy(&p->mu);
     pthread_cond_destroy(&p->cv);
     uv_close((uv_handle_t *)&p->async, on_async_closed);
