@@ -84,6 +84,10 @@ extern "C" size_t dc_cuda_backend_workspace_bytes(const dc_backend *be) {
     return ((const cuda_backend *)be)->ws_cap;
 }
 
+extern "C" int dc_cuda_backend_noised_ahead(const dc_backend *be) {
+    return ((const cuda_backend *)be)->ahead_last;
+}
+
 extern "C" void dc_cuda_backend_get_options(const dc_backend *be, dcc_options *out) {
     *out = ((const cuda_backend *)be)->opt;
 }

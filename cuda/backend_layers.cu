@@ -162,39 +162,84 @@ fail:
 }
 
 /* The grouped book-keeping launch for every LINEAR layer that qualifies and
- * wants its weight sum; marks them in cb->bk_grouped so that layer_clipped
- * skips them. Nothing is marked when the launch is not possible. */
-int grouped_clipped(cuda_backend *cb, const dc_step *s, const layout *Lo, const dcc_out *outs,
-                    dc_err *err) {
+ * wants its weight sum: its entries in cb->bk (cb->bk_n) and its marks in
+ * cb->bk_grouped, so that layer_clipped skips those layers. ahead: the
+ * outputs it will write whole (not a tied weight, onto which an embedding
+ * adds later) get their noise ahead (dcc_out.ahead, set in the host table
+ * before it goes up; dcc_bk_layer.amax_*). Returns how many are marked. */
+int grouped_clipped_plan(cuda_backend *cb, const dc_step *s, const layout *Lo, dcc_out *outs,
+                         bool ahead) {
     const int B = (int)s->batch;
-    int n = 0, oi = 0, rc = 0;
+    int n = 0, oi = 0, marked = 0;
+    unsigned *amax = (unsigned *)(cb->ws + Lo->amax);
+    float *staging = (float *)(cb->ws + Lo->staging);
     for (size_t l = 0; l < s->n_layers; l++) {
         const dc_layer *ly = &s->layers[l];
-        uint64_t off[2];
-        for (int k = 0; k < 2; k++) off[k] = want_out(ly, k) ? outs[oi++].off : UINT64_MAX;
-        off[0] = cb->woff[l]; /* a tied layer's: its owner's */
+        int idx[2];
+        for (int k = 0; k < 2; k++) idx[k] = want_out(ly, k) ? oi++ : -1;
         cb->bk_grouped[l] = false;
-        if (ly->kind != DC_LAYER_LINEAR || off[0] == UINT64_MAX) continue;
+        if (ly->kind != DC_LAYER_LINEAR || cb->woff[l] == UINT64_MAX) continue;
+        if (ly->tie) idx[0] = -1; /* the pair's embedding adds onto it */
         dcc_linear x = linear_of(cb, ly, B, ly->has_bias, false);
         if (!dcc_bk_grouped_ok(&x)) continue;
-        float *staging = (float *)(cb->ws + Lo->staging);
         dcc_bk_layer *e = &cb->bk[n++];
         e->L = x;
         e->perm = (const int *)(cb->ws + Lo->perm) + l * (size_t)B;
         e->fac = (const float *)(cb->ws + Lo->fac) + l * (size_t)B;
-        e->w = staging + off[0];
-        e->bias = off[1] != UINT64_MAX ? staging + off[1] : NULL;
+        e->w = staging + cb->woff[l]; /* a tied layer's: its owner's */
+        e->bias = idx[1] >= 0 ? staging + outs[idx[1]].off : NULL;
+        e->amax_w = e->amax_b = NULL;
+        for (int k = 0; k < 2 && ahead; k++) {
+            if (idx[k] < 0) continue;
+            outs[idx[k]].ahead = 1;
+            (k ? e->amax_b : e->amax_w) = amax + idx[k];
+            marked++;
+        }
         cb->bk_grouped[l] = true;
     }
+    cb->bk_n = n;
+    return marked;
+}
+
+/* Undoes the noise ahead of the planned layers' outputs on the device, after
+ * the grouped launch could not run them all: their staging and amax
+ * zeroed and their marks cleared, so that the per-layer sums start clean and
+ * the output pass draws their noise. */
+static int ahead_undo(cuda_backend *cb, const layout *Lo, dc_err *err) {
+    int rc = 0;
+    dcc_out *douts = (dcc_out *)(cb->ws + Lo->up + Lo->outs);
+    const unsigned *amax0 = (const unsigned *)(cb->ws + Lo->amax);
+    for (int i = 0; i < cb->bk_n; i++) {
+        const dcc_bk_layer *e = &cb->bk[i];
+        for (int k = 0; k < 2; k++) {
+            unsigned *am = k ? e->amax_b : e->amax_w;
+            if (!am) continue;
+            size_t n = k ? (size_t)e->L.p : (size_t)e->L.p * (size_t)e->L.d;
+            CK(cudaMemsetAsync(k ? e->bias : e->w, 0, n * 4, cb->stream), "a memset");
+            CK(cudaMemsetAsync(am, 0, 4, cb->stream), "a memset");
+            CK(cudaMemsetAsync(&douts[am - amax0].ahead, 0, sizeof(uint32_t), cb->stream),
+               "a memset");
+            cb->ahead_last--;
+        }
+    }
+fail:
+    return rc;
+}
+
+/* The planned grouped launch. Where it is not possible (e.g. no tensor-map
+ * encoder) every layer goes per layer instead, the noise ahead undone. */
+int grouped_clipped(cuda_backend *cb, const dc_step *s, const layout *Lo, dc_err *err) {
+    const int B = (int)s->batch;
+    int rc = 0;
     cudaError_t e;
-    if (n == 0) return 0;
+    if (cb->bk_n == 0) return 0;
     CK(dcc_bk_order((const float *)(cb->ws + Lo->cs), (int)s->n_layers, B,
                     (int *)(cb->ws + Lo->perm), (float *)(cb->ws + Lo->fac), cb->stream),
        "the sample order");
-    e = dcc_linear_clipped_grouped(cb->bk, n, cb->stream);
-    if (e == cudaErrorNotSupported) { /* e.g. no tensor-map encoder: per layer instead */
+    e = dcc_linear_clipped_grouped(cb->bk, cb->bk_n, cb->stream);
+    if (e == cudaErrorNotSupported) {
         memset(cb->bk_grouped, 0, s->n_layers * sizeof *cb->bk_grouped);
-        return 0;
+        return ahead_undo(cb, Lo, err);
     }
     CK(e, "the grouped clipped-sum kernel");
 fail:

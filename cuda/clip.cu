@@ -15,6 +15,11 @@
  * write less, and no commit pass. Steps that fail the bound (or a bad input)
  * fall back to the staged two-pass path inside the same kernels.
  *
+ * Noise ahead (dcc_noise_ahead): the outputs that the grouped clipped sum
+ * writes whole get their draws before it, on a second stream while the
+ * norms run, as std * z in staging, onto which its epilogue adds the sum;
+ * the passes here then only divide, check and convert them.
+ *
  * Noise: Philox4x32-10 and Box-Muller as daemon/compute/noise.c defines them
  * (counter = (pair, stream, step lo, step hi), key = noise_key, uniforms with
  * 53-bit mantissas). DCC_NOISE_EXACT does Box-Muller in double as the CPU
@@ -214,6 +219,7 @@ __global__ void finalize_kernel(const dcc_out *__restrict__ outs, float *__restr
                                 unsigned long long *__restrict__ bad, int noise) {
     const int oi = (int)blockIdx.y;
     const dcc_out o = outs[oi];
+    const float sd = o.ahead ? 0.0f : std; /* dcc_noise_ahead drew it */
     float *v = staging + o.off;
     uint64_t npairs = (o.n + 1) / 2;
     for (uint64_t pr = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x; pr < npairs;
@@ -221,11 +227,11 @@ __global__ void finalize_kernel(const dcc_out *__restrict__ outs, float *__restr
         uint64_t i = 2 * pr;
         bool two = i + 1 < o.n;
         float v0 = v[i], v1 = two ? v[i + 1] : 0.0f;
-        if (std != 0.0f) {
+        if (sd != 0.0f) {
             float z0, z1;
             draw_pair(noise, o.key, o.step, o.stream, pr, z0, z1);
-            v0 = __fadd_rn(v0, __fmul_rn(std, z0));
-            v1 = __fadd_rn(v1, __fmul_rn(std, z1));
+            v0 = __fadd_rn(v0, __fmul_rn(sd, z0));
+            v1 = __fadd_rn(v1, __fmul_rn(sd, z1));
         }
         if (divisor != 1.0f) {
             v0 = __fdiv_rn(v0, divisor);
@@ -320,8 +326,6 @@ __device__ __forceinline__ int chunk_output(const dcc_out *__restrict__ outs, in
     return lo;
 }
 
-/* |x| as ordered bits: NaN sorts above +Inf, so a NaN anywhere wins the max. */
-__device__ __forceinline__ unsigned abs_bits(float x) { return __float_as_uint(x) & 0x7fffffffu; }
 
 __global__ void out_amax_kernel(const dcc_out *__restrict__ outs, int n_out,
                                 const float *__restrict__ staging, unsigned *__restrict__ amax,
@@ -331,6 +335,7 @@ __global__ void out_amax_kernel(const dcc_out *__restrict__ outs, int n_out,
     const uint64_t c = blockIdx.x;
     const int oi = chunk_output(outs, n_out, c);
     const dcc_out o = outs[oi];
+    if (o.ahead) return; /* the grouped clipped sum found its amax */
     const uint64_t i0 = (c - o.chunk0) * DCC_OUT_CHUNK;
     const uint64_t i1 = i0 + DCC_OUT_CHUNK < o.n ? i0 + DCC_OUT_CHUNK : o.n;
     const float *v = staging + o.off; /* 16-byte aligned, as are the chunks */
@@ -352,8 +357,8 @@ __global__ void out_amax_kernel(const dcc_out *__restrict__ outs, int n_out,
     }
 #pragma unroll
     for (int k = 0; k < 8; k++)
-        m = max(max(m, max(abs_bits(q[k].x), abs_bits(q[k].y))),
-                max(abs_bits(q[k].z), abs_bits(q[k].w)));
+        m = max(max(m, max(dcc_abs_bits(q[k].x), dcc_abs_bits(q[k].y))),
+                max(dcc_abs_bits(q[k].z), dcc_abs_bits(q[k].w)));
     for (int s = 16; s > 0; s >>= 1) m = max(m, __shfl_xor_sync(0xffffffffu, m, s));
     if ((threadIdx.x & 31) == 0) part[threadIdx.x >> 5] = m;
     __syncthreads();
@@ -388,6 +393,45 @@ __device__ __forceinline__ void store_as(void *dst, int dtype, uint64_t i, float
     }
 }
 
+/* The draws of elements [i, i + cnt) of output o, i a multiple of 4: pairs
+ * (2j, 2j+1) share draw j (as in finalize_kernel); z[cnt..3] are 0. */
+__device__ __forceinline__ void draw4(int noise, const dcc_out &o, uint64_t i, int cnt,
+                                      float (&z)[4]) {
+    draw_pair(noise, o.key, o.step, o.stream, i / 2, z[0], z[1]);
+    if (cnt > 2) draw_pair(noise, o.key, o.step, o.stream, i / 2 + 1, z[2], z[3]);
+    else z[2] = z[3] = 0.0f;
+}
+
+/* staging = std * z for the chunks of the outputs marked ahead: the same
+ * products out_write_kernel adds, so that the grouped clipped sum's
+ * fl(staging + sum) is the value the pass would have made (but for the f32
+ * reduction's flush of subnormals to zero). Streaming stores:
+ * the norms beside it keep their samples' rows in L2. */
+template <int NOISE>
+__global__ void noise_ahead_kernel(const dcc_out *__restrict__ outs, int n_out,
+                                   float *__restrict__ staging, float std) {
+    const uint64_t c = blockIdx.x;
+    const int oi = chunk_output(outs, n_out, c);
+    const dcc_out o = outs[oi];
+    if (!o.ahead) return;
+    const uint64_t i0 = (c - o.chunk0) * DCC_OUT_CHUNK;
+    const uint64_t i1 = i0 + DCC_OUT_CHUNK < o.n ? i0 + DCC_OUT_CHUNK : o.n;
+    float *v = staging + o.off;
+    for (uint64_t i = i0 + 4 * threadIdx.x; i < i1; i += 4 * NT) {
+        const int cnt = i + 4 <= i1 ? 4 : (int)(i1 - i);
+        float z[4];
+        draw4(NOISE, o, i, cnt, z);
+        if (cnt == 4) {
+            __stcs((float4 *)(v + i), make_float4(__fmul_rn(std, z[0]), __fmul_rn(std, z[1]),
+                                                  __fmul_rn(std, z[2]), __fmul_rn(std, z[3])));
+        } else {
+#pragma unroll
+            for (int j = 0; j < 4; j++)
+                if (j < cnt) v[i + j] = __fmul_rn(std, z[j]);
+        }
+    }
+}
+
 /* One chunk of one output per block, four elements (two draws: pairs (2j,
  * 2j+1) of the output share one, as in finalize_kernel) per thread and
  * step, with 16-byte staging loads (offsets and chunks are multiples of 4).
@@ -407,6 +451,7 @@ __global__ void out_write_kernel(const dcc_out *__restrict__ outs, int n_out,
     const uint64_t i0 = (c - o.chunk0) * DCC_OUT_CHUNK;
     const uint64_t i1 = i0 + DCC_OUT_CHUNK < o.n ? i0 + DCC_OUT_CHUNK : o.n;
     float *v = staging + o.off;
+    const float sd = o.ahead ? 0.0f : std; /* dcc_noise_ahead drew it */
     const bool vec_dst =
         ((uintptr_t)o.dst & (uintptr_t)(o.dtype == DC_F32 ? 15 : 7)) == 0;
     for (uint64_t i = i0 + 4 * threadIdx.x; i < i1; i += 4 * NT) {
@@ -423,13 +468,11 @@ __global__ void out_write_kernel(const dcc_out *__restrict__ outs, int n_out,
             for (int j = 0; j < 4; j++)
                 if (j < cnt) x[j] = v[i + j];
         }
-        if (std != 0.0f) {
+        if (sd != 0.0f) {
             float z[4];
-            draw_pair(NOISE, o.key, o.step, o.stream, i / 2, z[0], z[1]);
-            if (cnt > 2) draw_pair(NOISE, o.key, o.step, o.stream, i / 2 + 1, z[2], z[3]);
-            else z[2] = z[3] = 0.0f;
+            draw4(NOISE, o, i, cnt, z);
 #pragma unroll
-            for (int j = 0; j < 4; j++) x[j] = __fadd_rn(x[j], __fmul_rn(std, z[j]));
+            for (int j = 0; j < 4; j++) x[j] = __fadd_rn(x[j], __fmul_rn(sd, z[j]));
         }
         if (divisor != 1.0f)
 #pragma unroll
@@ -573,6 +616,19 @@ extern "C" cudaError_t dcc_out_check(const dcc_out *outs, int n_out, uint64_t n_
     if (e != cudaSuccess) return e;
     out_decide_kernel<<<1, 1024, 0, st>>>(outs, n_out, (const unsigned *)amax, std, divisor,
                                           status, mode);
+    return cudaGetLastError();
+}
+
+extern "C" cudaError_t dcc_noise_ahead(const dcc_out *outs, int n_out, uint64_t n_chunks,
+                                       float *staging, float std, int noise, cudaStream_t st) {
+    if (n_out <= 0 || n_chunks == 0) return cudaSuccess;
+    if (n_chunks > INT32_MAX) return cudaErrorInvalidValue;
+    if (noise == DCC_NOISE_EXACT)
+        noise_ahead_kernel<DCC_NOISE_EXACT><<<(unsigned)n_chunks, NT, 0, st>>>(outs, n_out,
+                                                                               staging, std);
+    else
+        noise_ahead_kernel<DCC_NOISE_FAST><<<(unsigned)n_chunks, NT, 0, st>>>(outs, n_out,
+                                                                              staging, std);
     return cudaGetLastError();
 }
 

@@ -30,6 +30,12 @@ __device__ __forceinline__ bool dcc_isfinite(float x) {
     return (__float_as_uint(x) & 0x7f800000u) != 0x7f800000u;
 }
 
+/* |x| as ordered bits: NaN sorts above +Inf, so a NaN anywhere wins a max
+ * (the output check's amax). */
+__device__ __forceinline__ unsigned dcc_abs_bits(float x) {
+    return __float_as_uint(x) & 0x7fffffffu;
+}
+
 /* Sum over the block (blockDim.x a multiple of 32, at most 1024); the result
  * is valid in thread 0. Uses a 32-float shared array. */
 __device__ __forceinline__ float dcc_block_sum(float v) {
