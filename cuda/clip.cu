@@ -31,6 +31,7 @@
  * fraction of the FP64 cost. Arithmetic that must round like the CPU's is
  * written with __fmul_rn / __fadd_rn / __fdiv_rn (no contraction to FMA). */
 #include "dcc_device.cuh"
+#include "dcc_util.cuh"
 
 namespace {
 
@@ -405,29 +406,33 @@ __device__ __forceinline__ void draw4(int noise, const dcc_out &o, uint64_t i, i
 /* staging = std * z for the chunks of the outputs marked ahead: the same
  * products out_write_kernel adds, so that the grouped clipped sum's
  * fl(staging + sum) is the value the pass would have made (but for the f32
- * reduction's flush of subnormals to zero). Streaming stores:
- * the norms beside it keep their samples' rows in L2. */
+ * reduction's flush of subnormals to zero). A few blocks per SM walk the
+ * chunks, small enough to sit beside a norm kernel's CTA (their shared
+ * memory carveout too, see dcc_noise_ahead); streaming stores, so that the
+ * norms keep their samples' rows in L2. */
 template <int NOISE>
 __global__ void noise_ahead_kernel(const dcc_out *__restrict__ outs, int n_out,
-                                   float *__restrict__ staging, float std) {
-    const uint64_t c = blockIdx.x;
-    const int oi = chunk_output(outs, n_out, c);
-    const dcc_out o = outs[oi];
-    if (!o.ahead) return;
-    const uint64_t i0 = (c - o.chunk0) * DCC_OUT_CHUNK;
-    const uint64_t i1 = i0 + DCC_OUT_CHUNK < o.n ? i0 + DCC_OUT_CHUNK : o.n;
-    float *v = staging + o.off;
-    for (uint64_t i = i0 + 4 * threadIdx.x; i < i1; i += 4 * NT) {
-        const int cnt = i + 4 <= i1 ? 4 : (int)(i1 - i);
-        float z[4];
-        draw4(NOISE, o, i, cnt, z);
-        if (cnt == 4) {
-            __stcs((float4 *)(v + i), make_float4(__fmul_rn(std, z[0]), __fmul_rn(std, z[1]),
-                                                  __fmul_rn(std, z[2]), __fmul_rn(std, z[3])));
-        } else {
+                                   uint64_t n_chunks, float *__restrict__ staging, float std) {
+    for (uint64_t c = blockIdx.x; c < n_chunks; c += gridDim.x) {
+        const int oi = chunk_output(outs, n_out, c);
+        const dcc_out o = outs[oi];
+        if (!o.ahead) continue;
+        const uint64_t i0 = (c - o.chunk0) * DCC_OUT_CHUNK;
+        const uint64_t i1 = i0 + DCC_OUT_CHUNK < o.n ? i0 + DCC_OUT_CHUNK : o.n;
+        float *v = staging + o.off;
+        for (uint64_t i = i0 + 4 * threadIdx.x; i < i1; i += 4 * NT) {
+            const int cnt = i + 4 <= i1 ? 4 : (int)(i1 - i);
+            float z[4];
+            draw4(NOISE, o, i, cnt, z);
+            if (cnt == 4) {
+                __stcs((float4 *)(v + i),
+                       make_float4(__fmul_rn(std, z[0]), __fmul_rn(std, z[1]),
+                                   __fmul_rn(std, z[2]), __fmul_rn(std, z[3])));
+            } else {
 #pragma unroll
-            for (int j = 0; j < 4; j++)
-                if (j < cnt) v[i + j] = __fmul_rn(std, z[j]);
+                for (int j = 0; j < 4; j++)
+                    if (j < cnt) v[i + j] = __fmul_rn(std, z[j]);
+            }
         }
     }
 }
@@ -622,13 +627,19 @@ extern "C" cudaError_t dcc_out_check(const dcc_out *outs, int n_out, uint64_t n_
 extern "C" cudaError_t dcc_noise_ahead(const dcc_out *outs, int n_out, uint64_t n_chunks,
                                        float *staging, float std, int noise, cudaStream_t st) {
     if (n_out <= 0 || n_chunks == 0) return cudaSuccess;
-    if (n_chunks > INT32_MAX) return cudaErrorInvalidValue;
-    if (noise == DCC_NOISE_EXACT)
-        noise_ahead_kernel<DCC_NOISE_EXACT><<<(unsigned)n_chunks, NT, 0, st>>>(outs, n_out,
-                                                                               staging, std);
-    else
-        noise_ahead_kernel<DCC_NOISE_FAST><<<(unsigned)n_chunks, NT, 0, st>>>(outs, n_out,
-                                                                              staging, std);
+    void (*kern)(const dcc_out *, int, uint64_t, float *, float) =
+        noise == DCC_NOISE_EXACT ? noise_ahead_kernel<DCC_NOISE_EXACT>
+                                 : noise_ahead_kernel<DCC_NOISE_FAST>;
+    /* An SM's shared memory split changes only when it is idle: with the
+     * default preference these blocks would hold SMs in a split the norm
+     * kernels' CTAs cannot use, and run before them instead of beside. */
+    cudaError_t e = cudaFuncSetAttribute(kern, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                         (int)cudaSharedmemCarveoutMaxShared);
+    int sms;
+    if (e != cudaSuccess || (e = dcc_sm_count(&sms)) != cudaSuccess) return e;
+    const uint64_t want = 2 * (uint64_t)sms;
+    kern<<<(unsigned)(n_chunks < want ? n_chunks : want), NT, 0, st>>>(outs, n_out, n_chunks,
+                                                                      staging, std);
     return cudaGetLastError();
 }
 
