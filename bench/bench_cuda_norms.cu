@@ -243,7 +243,8 @@ static double gpt2_gemms(cublasHandle_t h, cudaStream_t st, gpt2 &m, dc_dtype dt
 /* A configuration of the backend's switches (dcc_options). */
 struct step_cfg {
     const char *name;
-    bool tf32, grouped, one_pass, exact_noise, noise_ahead;
+    bool tf32, grouped, one_pass, exact_noise;
+    int noise_ahead; /* 0: in the output pass; 1: beside the norms; 2: beside the clipped sum */
 };
 
 static double rel_diff(const float *x, const float *x0, size_t n) {
@@ -287,7 +288,8 @@ static void gpt2_run(cublasHandle_t h, cudaStream_t st, gpt2 &m, dc_dtype dt,
         opt.grouped = cfgs[c].grouped;
         opt.one_pass = cfgs[c].one_pass;
         opt.noise = cfgs[c].exact_noise ? DCC_NOISE_EXACT : DCC_NOISE_FAST;
-        opt.noise_ahead = cfgs[c].noise_ahead;
+        opt.noise_ahead = cfgs[c].noise_ahead != 0;
+        opt.ahead_at = cfgs[c].noise_ahead == 2;
         dc_cuda_backend_set_options(be, &opt);
         dc_step_result r;
         if (dc_step_result_init(&r, s.batch, s.n_layers, false)) exit(1);
@@ -360,12 +362,13 @@ static void gpt2_bench(cublasHandle_t h, cudaStream_t st, int reps) {
         {"old", false, false, false, true, false},
         {"new", true, true, true, false, true},
         {"new_but_noise_in_pass", true, true, true, false, false},
+        {"new_ahead_beside_clipped", true, true, true, false, 2},
         {"new_but_per_layer", true, false, true, false, true},
         {"new_but_staged_out", true, true, false, false, true},
         {"new_but_exact_noise", true, true, true, true, true},
     };
     double gemm = gpt2_gemms(h, st, m, DC_BF16, CUBLAS_COMPUTE_32F, reps);
-    gpt2_run(h, st, m, DC_BF16, bf_cfgs, 6, gemm, gemm, reps);
+    gpt2_run(h, st, m, DC_BF16, bf_cfgs, 7, gemm, gemm, reps);
 
     /* f32 copies of the same values */
     for (int l = 0; l < gpt2::NL; l++) {

@@ -364,7 +364,8 @@ int run_impl(dc_backend *be, const dc_step *s, dc_step_result *res, dc_err *err,
         if (opt.grouped && io.want != CP_NORMS)
             cb->ahead_last = grouped_clipped_plan(cb, s, &Lo, outs,
                                                   opt.noise_ahead && noise_std != 0.0f);
-        const bool ahead = cb->ahead_last > 0;
+        const bool ahead = cb->ahead_last > 0 && !opt.ahead_at;
+        const bool ahead_clip = cb->ahead_last > 0 && opt.ahead_at;
         const dcc_out *douts = (const dcc_out *)(ws + Lo.up + Lo.outs);
         float *staging = (float *)(ws + Lo.staging);
 
@@ -381,7 +382,7 @@ int run_impl(dc_backend *be, const dc_step *s, dc_step_result *res, dc_err *err,
          * grouped clipped sum, launched after them so that their CTAs take
          * the SMs first and the noise fills what they leave */
         phase_mark(cb, 1);
-        if (ahead) CK(cudaEventRecord(cb->ev_fork, cb->stream), "an event");
+        if (ahead || ahead_clip) CK(cudaEventRecord(cb->ev_fork, cb->stream), "an event");
         if (io.want == CP_CLIP) {
             /* the norm phase's n2, and the norm layers' per-sample vectors
              * (which their clipped sums read) computed again */
@@ -407,9 +408,14 @@ int run_impl(dc_backend *be, const dc_step *s, dc_step_result *res, dc_err *err,
         }
         if (ahead) {
             CK(cudaStreamWaitEvent(cb->side, cb->ev_fork, 0), "an event wait");
-            CK(dcc_noise_ahead(douts, Lo.n_out, Lo.chunks, staging, noise_std, opt.noise,
+            CK(dcc_noise_ahead(douts, Lo.n_out, Lo.chunks, staging, noise_std, opt.noise, false,
                                cb->side),
                "the noise");
+            CK(cudaEventRecord(cb->ev_join, cb->side), "an event");
+        }
+        if (ahead_clip) {
+            CK(cudaStreamWaitEvent(cb->side, cb->ev_fork, 0), "an event wait");
+            CK(cudaMemsetAsync(staging, 0, Lo.staged * 4, cb->side), "a memset");
             CK(cudaEventRecord(cb->ev_join, cb->side), "an event");
         }
         if (io.want == CP_NORMS) {
@@ -449,7 +455,18 @@ int run_impl(dc_backend *be, const dc_step *s, dc_step_result *res, dc_err *err,
         /* 4. clipped sums */
         phase_mark(cb, 3);
         if (ahead) CK(cudaStreamWaitEvent(cb->stream, cb->ev_join, 0), "an event wait");
+        if (ahead_clip) {
+            CK(cudaStreamWaitEvent(cb->stream, cb->ev_join, 0), "an event wait");
+            CK(cudaEventRecord(cb->ev_fork, cb->stream), "an event");
+        }
         if ((rc = grouped_clipped(cb, s, &Lo, err))) goto fail;
+        if (ahead_clip) {
+            CK(cudaStreamWaitEvent(cb->side, cb->ev_fork, 0), "an event wait");
+            CK(dcc_noise_ahead(douts, Lo.n_out, Lo.chunks, staging, noise_std, opt.noise, true,
+                               cb->side),
+               "the noise");
+            CK(cudaEventRecord(cb->ev_join, cb->side), "an event");
+        }
         oi = 0;
         for (size_t l = 0; l < L; l++) {
             for (int k = 0; k < 2; k++)
@@ -471,6 +488,7 @@ int run_impl(dc_backend *be, const dc_step *s, dc_step_result *res, dc_err *err,
         uint32_t *status = (uint32_t *)(ws + Lo.status), *mode = (uint32_t *)(ws + Lo.mode);
         unsigned long long *bad = (unsigned long long *)(ws + Lo.bad);
         const int zero = s->zero_on_fail ? 1 : 0;
+        if (ahead_clip) CK(cudaStreamWaitEvent(cb->stream, cb->ev_join, 0), "an event wait");
         phase_mark(cb, 4);
         if (opt.one_pass) {
             CK(dcc_out_check(douts, Lo.n_out, Lo.chunks, staging, noise_std, divisor,

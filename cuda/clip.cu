@@ -412,7 +412,8 @@ __device__ __forceinline__ void draw4(int noise, const dcc_out &o, uint64_t i, i
  * norms keep their samples' rows in L2. */
 template <int NOISE>
 __global__ void noise_ahead_kernel(const dcc_out *__restrict__ outs, int n_out,
-                                   uint64_t n_chunks, float *__restrict__ staging, float std) {
+                                   uint64_t n_chunks, float *__restrict__ staging, float std,
+                                   bool add) {
     for (uint64_t c = blockIdx.x; c < n_chunks; c += gridDim.x) {
         const int oi = chunk_output(outs, n_out, c);
         const dcc_out o = outs[oi];
@@ -424,7 +425,9 @@ __global__ void noise_ahead_kernel(const dcc_out *__restrict__ outs, int n_out,
             const int cnt = i + 4 <= i1 ? 4 : (int)(i1 - i);
             float z[4];
             draw4(NOISE, o, i, cnt, z);
-            if (cnt == 4) {
+            if (add) {
+                for (int j = 0; j < cnt; j++) atomicAdd(v + i + j, __fmul_rn(std, z[j]));
+            } else if (cnt == 4) {
                 __stcs((float4 *)(v + i),
                        make_float4(__fmul_rn(std, z[0]), __fmul_rn(std, z[1]),
                                    __fmul_rn(std, z[2]), __fmul_rn(std, z[3])));
@@ -625,9 +628,10 @@ extern "C" cudaError_t dcc_out_check(const dcc_out *outs, int n_out, uint64_t n_
 }
 
 extern "C" cudaError_t dcc_noise_ahead(const dcc_out *outs, int n_out, uint64_t n_chunks,
-                                       float *staging, float std, int noise, cudaStream_t st) {
+                                       float *staging, float std, int noise, bool add,
+                                       cudaStream_t st) {
     if (n_out <= 0 || n_chunks == 0) return cudaSuccess;
-    void (*kern)(const dcc_out *, int, uint64_t, float *, float) =
+    void (*kern)(const dcc_out *, int, uint64_t, float *, float, bool) =
         noise == DCC_NOISE_EXACT ? noise_ahead_kernel<DCC_NOISE_EXACT>
                                  : noise_ahead_kernel<DCC_NOISE_FAST>;
     /* An SM's shared memory split changes only when it is idle: with the
@@ -639,7 +643,7 @@ extern "C" cudaError_t dcc_noise_ahead(const dcc_out *outs, int n_out, uint64_t 
     if (e != cudaSuccess || (e = dcc_sm_count(&sms)) != cudaSuccess) return e;
     const uint64_t want = 2 * (uint64_t)sms;
     kern<<<(unsigned)(n_chunks < want ? n_chunks : want), NT, 0, st>>>(outs, n_out, n_chunks,
-                                                                      staging, std);
+                                                                      staging, std, add);
     return cudaGetLastError();
 }
 

@@ -44,6 +44,8 @@ typedef struct dcc_options {
     bool one_pass;     /* ONE_PASS=0: outputs always staged and committed */
     bool noise_ahead;  /* NOISE_AHEAD=0: the grouped clipped sums' noise drawn
                           by the output pass, not beside the norms */
+    int ahead_at;      /* NOISE_AHEAD_AT=clip: beside the clipped sum (reductions
+                          into zeroed staging), not beside the norms */
     int noise;         /* NOISE=exact: DCC_NOISE_EXACT, else DCC_NOISE_FAST */
     bool profile;      /* PROFILE=0: the phases are not timed */
     bool wgmma;        /* WGMMA=0: the mma.sync kernels instead of wgmma */
@@ -313,7 +315,7 @@ enum { DCC_NOISE_FAST = 0, DCC_NOISE_EXACT = 1 };
  * leave the SMs' ALUs and most issue slots free), so the noise costs the
  * step's critical path nothing. */
 cudaError_t dcc_noise_ahead(const dcc_out *outs, int n_out, uint64_t n_chunks, float *staging,
-                            float std, int noise, cudaStream_t st);
+                            float std, int noise, bool add, cudaStream_t st);
 
 /* For every output o and element i: v = staging[off+i] + std * z(o.key,
  * o.step, o.stream, i) (no draw when std == 0 or o.ahead), v /= divisor,

@@ -39,6 +39,7 @@ extern "C" void dcc_options_from_env(dcc_options *o) {
     o->profile = on("DPCLIP_CUDA_PROFILE");
     o->wgmma = on("DPCLIP_CUDA_WGMMA");
     if ((v = set("DPCLIP_CUDA_NOISE")) && strcmp(v, "exact") == 0) o->noise = DCC_NOISE_EXACT;
+    if ((v = set("DPCLIP_CUDA_NOISE_AHEAD_AT")) && strcmp(v, "clip") == 0) o->ahead_at = 1;
     if ((v = set("DPCLIP_CUDA_GROUPED_MIN"))) o->grouped_min = atoi(v);
     if ((v = set("DPCLIP_CUDA_DIRECT_TILE"))) o->direct_tile = atoi(v) >= 256 ? 256 : 128;
     if ((v = set("DPCLIP_CUDA_DIRECT_SPLIT"))) {

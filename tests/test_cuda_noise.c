@@ -102,7 +102,7 @@ static void test_noise_ahead_matches(void **state) {
     (void)state;
     dc_test_rng r;
     dc_test_rng_seed(&r, 4242);
-    for (int mode = 0; mode < 4; mode++) {
+    for (int mode = 0; mode < 5; mode++) {
         set m;
         set_make(&m, &r, DC_BF16, DC_F16);
         dc_step hs, ds;
@@ -113,11 +113,13 @@ static void test_noise_ahead_matches(void **state) {
             hs.reduction = ds.reduction = DC_REDUCTION_MEAN;
             hs.expected_batch = ds.expected_batch = 8;
         }
-        static const char *const names[4] = {"sum", "mean", "sum, staged", "sum, exact draws"};
+        static const char *const names[5] = {"sum", "mean", "sum, staged", "sum, exact draws",
+                                             "sum, beside the clipped sum"};
         printf("noise ahead: %s\n", names[mode]);
         set_switches(1, 1);
         g_opts.one_pass = mode != 2;
         g_opts.noise = mode == 3 ? DCC_NOISE_EXACT : DCC_NOISE_FAST;
+        g_opts.ahead_at = mode == 4;
         apply_switches();
         run_ok(g_cpu, &hs);
         run_ok(g_cuda, &ds);
