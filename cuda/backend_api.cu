@@ -84,8 +84,8 @@ extern "C" size_t dc_cuda_backend_workspace_bytes(const dc_backend *be) {
     return ((const cuda_backend *)be)->ws_cap;
 }
 
-extern "C" int dc_cuda_backend_noised_ahead(const dc_backend *be) {
-    return ((const cuda_backend *)be)->ahead_last;
+extern "C" int dc_cuda_backend_amax_found(const dc_backend *be) {
+    return ((const cuda_backend *)be)->amax_found;
 }
 
 extern "C" void dc_cuda_backend_get_options(const dc_backend *be, dcc_options *out) {

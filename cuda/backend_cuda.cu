@@ -6,14 +6,12 @@
  *   2. squared norms into n2[l][b]: the direct-form bf16/f16 LINEAR layers
  *      in persistent launches over many layers (grouped_tma.cu), the others
  *      per layer (norms_linear.cu, norms_tf32.cu, norms_simt.cu,
- *      norms_other.cu); flags for bad indices / values. Beside them, on a
- *      second stream, the noise of the outputs the grouped clipped sum will
- *      write whole goes into their staging (dcc_noise_ahead, clip.cu);
+ *      norms_other.cu); flags for bad indices / values;
  *   3. coefficients and the status word (clip.cu);
  *   4. every requested clipped sum into f32 staging: the bf16/f16 LINEAR
  *      layers of the step in persistent tensor-core launches over many
- *      layers (weights and biases, grouped_tma.cu; adding onto the noise
- *      ahead, with their max |.|), f32 ones on TF32 tensor
+ *      layers (weights and biases, grouped_tma.cu, which also finds the
+ *      max |.| of the outputs it writes whole), f32 ones on TF32 tensor
  *      cores (or exact f32 cuBLAS), the rest through cuBLAS and small
  *      kernels;
  *   5. the one-pass output path (clip.cu): max |staging| per output proves
@@ -28,7 +26,6 @@
  * A/B comparisons and exactness: DPCLIP_CUDA_TF32
  * =0 keeps f32 inputs on exact f32 kernels; DPCLIP_CUDA_GROUPED=0 runs the
  * norms and the book-keeping per layer; DPCLIP_CUDA_ONE_PASS=0 always stages the outputs;
- * DPCLIP_CUDA_NOISE_AHEAD=0 leaves all the noise to the output pass;
  * DPCLIP_CUDA_NOISE=exact draws the noise in double as the CPU does.
  * DPCLIP_CUDA_PROFILE=0 stops timing each phase with CUDA events (on by
  * default: the daemon's per-phase histograms use it).
@@ -37,7 +34,7 @@
  * CPU backend words it (backend_diag.cu). The small C API around run_step
  * (phase timing, events, workspace setting) is in backend_api.cu.
  *
- * Ownership: the instance owns its streams, cuBLAS handle, device workspace
+ * Ownership: the instance owns its stream, cuBLAS handle, device workspace
  * (ws, grown only when a step needs more) and pinned host block; steps only
  * borrow the client's tensors. */
 #include <math.h>
@@ -342,7 +339,7 @@ int run_impl(dc_backend *be, const dc_step *s, dc_step_result *res, dc_err *err,
                 outs[oi].stream = src.stream;
                 outs[oi].dtype = (int32_t)t->dtype;
                 outs[oi].chunk0 = chunks;
-                outs[oi].ahead = 0; /* grouped_clipped_plan sets it */
+                outs[oi].amax_found = 0; /* grouped_clipped_plan sets it */
                 outs[oi].pad_ = 0;
                 oi++;
                 staged += al4(n);
@@ -359,15 +356,10 @@ int run_impl(dc_backend *be, const dc_step *s, dc_step_result *res, dc_err *err,
                                   : 1.0f;
         char *ws = cb->ws;
         cb->bk_n = 0;
-        cb->ahead_last = 0;
         memset(cb->bk_grouped, 0, L * sizeof *cb->bk_grouped);
-        if (opt.grouped && io.want != CP_NORMS)
-            cb->ahead_last = grouped_clipped_plan(cb, s, &Lo, outs,
-                                                  opt.noise_ahead && noise_std != 0.0f);
-        const bool ahead = cb->ahead_last > 0 && !opt.ahead_at;
-        const bool ahead_clip = cb->ahead_last > 0 && opt.ahead_at;
-        const dcc_out *douts = (const dcc_out *)(ws + Lo.up + Lo.outs);
-        float *staging = (float *)(ws + Lo.staging);
+        cb->amax_found = opt.grouped && io.want != CP_NORMS
+                             ? grouped_clipped_plan(cb, s, &Lo, outs)
+                             : 0;
 
         /* 1. counters and tables, the index snapshot; from here on the
          * step's layers are read through `s` = &safe */
@@ -378,11 +370,8 @@ int run_impl(dc_backend *be, const dc_step *s, dc_step_result *res, dc_err *err,
         CK(cudaMemsetAsync(ws + Lo.bad, 0xff, 8, cb->stream), "a memset");
         CK(cudaMemcpyAsync(ws + Lo.up, up, Lo.up_bytes, cudaMemcpyHostToDevice, cb->stream),
            "the table upload");
-        /* 2. norms; beside them, on the side stream, the noise ahead of the
-         * grouped clipped sum, launched after them so that their CTAs take
-         * the SMs first and the noise fills what they leave */
+        /* 2. norms */
         phase_mark(cb, 1);
-        if (ahead || ahead_clip) CK(cudaEventRecord(cb->ev_fork, cb->stream), "an event");
         if (io.want == CP_CLIP) {
             /* the norm phase's n2, and the norm layers' per-sample vectors
              * (which their clipped sums read) computed again */
@@ -405,18 +394,6 @@ int run_impl(dc_backend *be, const dc_step *s, dc_step_result *res, dc_err *err,
                     (rc = layer_norms(cb, s, l, &Lo, scale * scale, opt, err)))
                     goto fail;
             if ((rc = tied_norms(cb, s, &Lo, scale * scale, err))) goto fail;
-        }
-        if (ahead) {
-            CK(cudaStreamWaitEvent(cb->side, cb->ev_fork, 0), "an event wait");
-            CK(dcc_noise_ahead(douts, Lo.n_out, Lo.chunks, staging, noise_std, opt.noise, false,
-                               cb->side),
-               "the noise");
-            CK(cudaEventRecord(cb->ev_join, cb->side), "an event");
-        }
-        if (ahead_clip) {
-            CK(cudaStreamWaitEvent(cb->side, cb->ev_fork, 0), "an event wait");
-            CK(cudaMemsetAsync(staging, 0, Lo.staged * 4, cb->side), "a memset");
-            CK(cudaEventRecord(cb->ev_join, cb->side), "an event");
         }
         if (io.want == CP_NORMS) {
             /* n2 and the flags home; a bad input fails here, as in a step */
@@ -454,19 +431,7 @@ int run_impl(dc_backend *be, const dc_step *s, dc_step_result *res, dc_err *err,
                "the coefficients");
         /* 4. clipped sums */
         phase_mark(cb, 3);
-        if (ahead) CK(cudaStreamWaitEvent(cb->stream, cb->ev_join, 0), "an event wait");
-        if (ahead_clip) {
-            CK(cudaStreamWaitEvent(cb->stream, cb->ev_join, 0), "an event wait");
-            CK(cudaEventRecord(cb->ev_fork, cb->stream), "an event");
-        }
         if ((rc = grouped_clipped(cb, s, &Lo, err))) goto fail;
-        if (ahead_clip) {
-            CK(cudaStreamWaitEvent(cb->side, cb->ev_fork, 0), "an event wait");
-            CK(dcc_noise_ahead(douts, Lo.n_out, Lo.chunks, staging, noise_std, opt.noise, true,
-                               cb->side),
-               "the noise");
-            CK(cudaEventRecord(cb->ev_join, cb->side), "an event");
-        }
         oi = 0;
         for (size_t l = 0; l < L; l++) {
             for (int k = 0; k < 2; k++)
@@ -485,10 +450,11 @@ int run_impl(dc_backend *be, const dc_step *s, dc_step_result *res, dc_err *err,
                 goto fail;
         }
         /* 5. noise, division, checks; outputs written or gated commit */
+        const dcc_out *douts = (const dcc_out *)(ws + Lo.up + Lo.outs);
+        float *staging = (float *)(ws + Lo.staging);
         uint32_t *status = (uint32_t *)(ws + Lo.status), *mode = (uint32_t *)(ws + Lo.mode);
         unsigned long long *bad = (unsigned long long *)(ws + Lo.bad);
         const int zero = s->zero_on_fail ? 1 : 0;
-        if (ahead_clip) CK(cudaStreamWaitEvent(cb->stream, cb->ev_join, 0), "an event wait");
         phase_mark(cb, 4);
         if (opt.one_pass) {
             CK(dcc_out_check(douts, Lo.n_out, Lo.chunks, staging, noise_std, divisor,
@@ -590,7 +556,6 @@ int run_impl(dc_backend *be, const dc_step *s, dc_step_result *res, dc_err *err,
 
 fail:
     (void)cudaStreamSynchronize(cb->stream);
-    (void)cudaStreamSynchronize(cb->side); /* its noise is in this step's staging */
     return rc;
 }
 
@@ -599,10 +564,8 @@ void cuda_destroy(dc_backend *be) {
     if (!cb) return;
     cudaSetDevice(cb->device);
     if (cb->stream) cudaStreamSynchronize(cb->stream);
-    if (cb->side) cudaStreamSynchronize(cb->side);
     if (cb->blas) cublasDestroy(cb->blas);
     if (cb->stream) cudaStreamDestroy(cb->stream);
-    if (cb->side) cudaStreamDestroy(cb->side);
     if (cb->ws) cudaFree(cb->ws);
     if (cb->host) cudaFreeHost(cb->host);
     (void)cudaGetLastError();
@@ -610,8 +573,6 @@ void cuda_destroy(dc_backend *be) {
         if (cb->ev[i]) cudaEventDestroy(cb->ev[i]);
     if (cb->ev_wait) cudaEventDestroy(cb->ev_wait);
     if (cb->ev_done) cudaEventDestroy(cb->ev_done);
-    if (cb->ev_fork) cudaEventDestroy(cb->ev_fork);
-    if (cb->ev_join) cudaEventDestroy(cb->ev_join);
     (void)cudaGetLastError();
     free(cb->lay_off);
     free(cb->bk);
@@ -652,14 +613,7 @@ extern "C" int dc_cuda_backend_create(int device, dc_backend **out, dc_err *err)
     cb->base.ops = &cuda_ops;
     cb->device = device;
     if ((e = cudaSetDevice(device)) != cudaSuccess ||
-        (e = cudaStreamCreateWithFlags(&cb->stream, cudaStreamNonBlocking)) != cudaSuccess ||
-        (e = cudaStreamCreateWithFlags(&cb->side, cudaStreamNonBlocking)) != cudaSuccess ||
-        (e = cudaEventCreateWithFlags(&cb->ev_fork, cudaEventDisableTiming)) != cudaSuccess ||
-        (e = cudaEventCreateWithFlags(&cb->ev_join, cudaEventDisableTiming)) != cudaSuccess) {
-        (void)cudaGetLastError();
-        if (cb->ev_fork) cudaEventDestroy(cb->ev_fork);
-        if (cb->side) cudaStreamDestroy(cb->side);
-        if (cb->stream) cudaStreamDestroy(cb->stream);
+        (e = cudaStreamCreateWithFlags(&cb->stream, cudaStreamNonBlocking)) != cudaSuccess) {
         (void)cudaGetLastError();
         free(cb);
         return dc_err_set(err, DC_EUNAVAIL, "", "cannot open cuda:%d: %s", device,
@@ -669,9 +623,6 @@ extern "C" int dc_cuda_backend_create(int device, dc_backend **out, dc_err *err)
         cublasSetStream(cb->blas, cb->stream) != CUBLAS_STATUS_SUCCESS ||
         cublasSetPointerMode(cb->blas, CUBLAS_POINTER_MODE_DEVICE) != CUBLAS_STATUS_SUCCESS) {
         if (cb->blas) cublasDestroy(cb->blas);
-        cudaEventDestroy(cb->ev_fork);
-        cudaEventDestroy(cb->ev_join);
-        cudaStreamDestroy(cb->side);
         cudaStreamDestroy(cb->stream);
         free(cb);
         return dc_err_set(err, DC_EUNAVAIL, "", "cannot create a cuBLAS handle on cuda:%d",

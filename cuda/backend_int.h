@@ -62,12 +62,9 @@ struct cuda_backend {
      * the recent steps' wait per unit of estimated cost (ns; 0 = none yet) */
     cudaEvent_t ev_done;
     double ns_per_cost;
-    /* the noise ahead (dcc_noise_ahead): a second stream forked after the
-     * step's tables are up and joined before the clipped sums */
-    cudaStream_t side;
-    cudaEvent_t ev_fork, ev_join;
-    int bk_n;         /* entries of bk the step's grouped clipped sum takes */
-    int ahead_last;   /* outputs of the last step whose noise went ahead */
+    int bk_n;       /* entries of bk the step's grouped clipped sum takes */
+    int amax_found; /* outputs of the last step whose max |.| the grouped
+                       clipped sum found (dcc_out.amax_found) */
     /* the DPCLIP_CUDA_* switches, read when the instance was made
      * (dc_cuda_backend_set_options replaces them) */
     dcc_options opt;
@@ -214,15 +211,14 @@ int blas_fail(cuda_backend *cb, dc_err *err, cublasStatus_t s, const char *what)
  * none (add: onto what a tied pair's linear layer wrote); the grouped
  * launches, which mark the layers they did (cb->bk_grouped, nm_grouped);
  * the grouped clipped sum is planned (grouped_clipped_plan) before the
- * step's tables go up, since with the noise ahead it marks their outputs;
+ * step's tables go up, since it marks the outputs whose amax it finds;
  * the embeddings' indices copied once into the workspace (*out: s reading
  * them there). */
 int layer_norms(cuda_backend *cb, const dc_step *s, size_t l, const layout *Lo, float s2,
                 const step_opts &opt, dc_err *err);
 int layer_clipped(cuda_backend *cb, const dc_step *s, size_t l, const layout *Lo,
                   const uint64_t off[2], const step_opts &opt, dc_err *err, bool add = false);
-int grouped_clipped_plan(cuda_backend *cb, const dc_step *s, const layout *Lo, dcc_out *outs,
-                         bool ahead);
+int grouped_clipped_plan(cuda_backend *cb, const dc_step *s, const layout *Lo, dcc_out *outs);
 int grouped_clipped(cuda_backend *cb, const dc_step *s, const layout *Lo, dc_err *err);
 int grouped_norms(cuda_backend *cb, const dc_step *s, const layout *Lo, float s2, dc_err *err);
 int snapshot_indices(cuda_backend *cb, const dc_step *s, const layout *Lo, dc_step *out,

@@ -163,12 +163,11 @@ fail:
 
 /* The grouped book-keeping launch for every LINEAR layer that qualifies and
  * wants its weight sum: its entries in cb->bk (cb->bk_n) and its marks in
- * cb->bk_grouped, so that layer_clipped skips those layers. ahead: the
- * outputs it will write whole (not a tied weight, onto which an embedding
- * adds later) get their noise ahead (dcc_out.ahead, set in the host table
- * before it goes up; dcc_bk_layer.amax_*). Returns how many are marked. */
-int grouped_clipped_plan(cuda_backend *cb, const dc_step *s, const layout *Lo, dcc_out *outs,
-                         bool ahead) {
+ * cb->bk_grouped, so that layer_clipped skips those layers. The outputs it
+ * writes whole (not a tied weight, onto which an embedding adds later) get
+ * their max |.| from its epilogue (dcc_out.amax_found, set in the host
+ * table before it goes up; dcc_bk_layer.amax_*). Returns how many. */
+int grouped_clipped_plan(cuda_backend *cb, const dc_step *s, const layout *Lo, dcc_out *outs) {
     const int B = (int)s->batch;
     int n = 0, oi = 0, marked = 0;
     unsigned *amax = (unsigned *)(cb->ws + Lo->amax);
@@ -189,9 +188,9 @@ int grouped_clipped_plan(cuda_backend *cb, const dc_step *s, const layout *Lo, d
         e->w = staging + cb->woff[l]; /* a tied layer's: its owner's */
         e->bias = idx[1] >= 0 ? staging + outs[idx[1]].off : NULL;
         e->amax_w = e->amax_b = NULL;
-        for (int k = 0; k < 2 && ahead; k++) {
+        for (int k = 0; k < 2; k++) {
             if (idx[k] < 0) continue;
-            outs[idx[k]].ahead = 1;
+            outs[idx[k]].amax_found = 1;
             (k ? e->amax_b : e->amax_w) = amax + idx[k];
             marked++;
         }
@@ -201,11 +200,10 @@ int grouped_clipped_plan(cuda_backend *cb, const dc_step *s, const layout *Lo, d
     return marked;
 }
 
-/* Undoes the noise ahead of the planned layers' outputs on the device, after
- * the grouped launch could not run them all: their staging and amax
- * zeroed and their marks cleared, so that the per-layer sums start clean and
- * the output pass draws their noise. */
-static int ahead_undo(cuda_backend *cb, const layout *Lo, dc_err *err) {
+/* After a grouped launch that could not run every chunk: the planned
+ * outputs' amax zeroed and their marks cleared on the device, so that the
+ * output check scans what the per-layer sums write instead. */
+static int amax_undo(cuda_backend *cb, const layout *Lo, dc_err *err) {
     int rc = 0;
     dcc_out *douts = (dcc_out *)(cb->ws + Lo->up + Lo->outs);
     const unsigned *amax0 = (const unsigned *)(cb->ws + Lo->amax);
@@ -214,12 +212,10 @@ static int ahead_undo(cuda_backend *cb, const layout *Lo, dc_err *err) {
         for (int k = 0; k < 2; k++) {
             unsigned *am = k ? e->amax_b : e->amax_w;
             if (!am) continue;
-            size_t n = k ? (size_t)e->L.p : (size_t)e->L.p * (size_t)e->L.d;
-            CK(cudaMemsetAsync(k ? e->bias : e->w, 0, n * 4, cb->stream), "a memset");
             CK(cudaMemsetAsync(am, 0, 4, cb->stream), "a memset");
-            CK(cudaMemsetAsync(&douts[am - amax0].ahead, 0, sizeof(uint32_t), cb->stream),
+            CK(cudaMemsetAsync(&douts[am - amax0].amax_found, 0, sizeof(uint32_t), cb->stream),
                "a memset");
-            cb->ahead_last--;
+            cb->amax_found--;
         }
     }
 fail:
@@ -227,7 +223,7 @@ fail:
 }
 
 /* The planned grouped launch. Where it is not possible (e.g. no tensor-map
- * encoder) every layer goes per layer instead, the noise ahead undone. */
+ * encoder) every layer goes per layer instead. */
 int grouped_clipped(cuda_backend *cb, const dc_step *s, const layout *Lo, dc_err *err) {
     const int B = (int)s->batch;
     int rc = 0;
@@ -239,7 +235,7 @@ int grouped_clipped(cuda_backend *cb, const dc_step *s, const layout *Lo, dc_err
     e = dcc_linear_clipped_grouped(cb->bk, cb->bk_n, cb->stream);
     if (e == cudaErrorNotSupported) {
         memset(cb->bk_grouped, 0, s->n_layers * sizeof *cb->bk_grouped);
-        return ahead_undo(cb, Lo, err);
+        return amax_undo(cb, Lo, err);
     }
     CK(e, "the grouped clipped-sum kernel");
 fail:

@@ -15,11 +15,6 @@
  * write less, and no commit pass. Steps that fail the bound (or a bad input)
  * fall back to the staged two-pass path inside the same kernels.
  *
- * Noise ahead (dcc_noise_ahead): the outputs that the grouped clipped sum
- * writes whole get their draws before it, on a second stream while the
- * norms run, as std * z in staging, onto which its epilogue adds the sum;
- * the passes here then only divide, check and convert them.
- *
  * Noise: Philox4x32-10 and Box-Muller as daemon/compute/noise.c defines them
  * (counter = (pair, stream, step lo, step hi), key = noise_key, uniforms with
  * 53-bit mantissas). DCC_NOISE_EXACT does Box-Muller in double as the CPU
@@ -31,7 +26,6 @@
  * fraction of the FP64 cost. Arithmetic that must round like the CPU's is
  * written with __fmul_rn / __fadd_rn / __fdiv_rn (no contraction to FMA). */
 #include "dcc_device.cuh"
-#include "dcc_util.cuh"
 
 namespace {
 
@@ -220,7 +214,6 @@ __global__ void finalize_kernel(const dcc_out *__restrict__ outs, float *__restr
                                 unsigned long long *__restrict__ bad, int noise) {
     const int oi = (int)blockIdx.y;
     const dcc_out o = outs[oi];
-    const float sd = o.ahead ? 0.0f : std; /* dcc_noise_ahead drew it */
     float *v = staging + o.off;
     uint64_t npairs = (o.n + 1) / 2;
     for (uint64_t pr = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x; pr < npairs;
@@ -228,11 +221,11 @@ __global__ void finalize_kernel(const dcc_out *__restrict__ outs, float *__restr
         uint64_t i = 2 * pr;
         bool two = i + 1 < o.n;
         float v0 = v[i], v1 = two ? v[i + 1] : 0.0f;
-        if (sd != 0.0f) {
+        if (std != 0.0f) {
             float z0, z1;
             draw_pair(noise, o.key, o.step, o.stream, pr, z0, z1);
-            v0 = __fadd_rn(v0, __fmul_rn(sd, z0));
-            v1 = __fadd_rn(v1, __fmul_rn(sd, z1));
+            v0 = __fadd_rn(v0, __fmul_rn(std, z0));
+            v1 = __fadd_rn(v1, __fmul_rn(std, z1));
         }
         if (divisor != 1.0f) {
             v0 = __fdiv_rn(v0, divisor);
@@ -336,7 +329,7 @@ __global__ void out_amax_kernel(const dcc_out *__restrict__ outs, int n_out,
     const uint64_t c = blockIdx.x;
     const int oi = chunk_output(outs, n_out, c);
     const dcc_out o = outs[oi];
-    if (o.ahead) return; /* the grouped clipped sum found its amax */
+    if (o.amax_found) return; /* the grouped clipped sum's epilogue found it */
     const uint64_t i0 = (c - o.chunk0) * DCC_OUT_CHUNK;
     const uint64_t i1 = i0 + DCC_OUT_CHUNK < o.n ? i0 + DCC_OUT_CHUNK : o.n;
     const float *v = staging + o.off; /* 16-byte aligned, as are the chunks */
@@ -394,52 +387,6 @@ __device__ __forceinline__ void store_as(void *dst, int dtype, uint64_t i, float
     }
 }
 
-/* The draws of elements [i, i + cnt) of output o, i a multiple of 4: pairs
- * (2j, 2j+1) share draw j (as in finalize_kernel); z[cnt..3] are 0. */
-__device__ __forceinline__ void draw4(int noise, const dcc_out &o, uint64_t i, int cnt,
-                                      float (&z)[4]) {
-    draw_pair(noise, o.key, o.step, o.stream, i / 2, z[0], z[1]);
-    if (cnt > 2) draw_pair(noise, o.key, o.step, o.stream, i / 2 + 1, z[2], z[3]);
-    else z[2] = z[3] = 0.0f;
-}
-
-/* staging = std * z for the chunks of the outputs marked ahead: the same
- * products out_write_kernel adds, so that the grouped clipped sum's
- * fl(staging + sum) is the value the pass would have made (but for the f32
- * reduction's flush of subnormals to zero). A few blocks per SM walk the
- * chunks, small enough to sit beside a norm kernel's CTA (their shared
- * memory carveout too, see dcc_noise_ahead); streaming stores, so that the
- * norms keep their samples' rows in L2. */
-template <int NOISE>
-__global__ void noise_ahead_kernel(const dcc_out *__restrict__ outs, int n_out,
-                                   uint64_t n_chunks, float *__restrict__ staging, float std,
-                                   bool add) {
-    for (uint64_t c = blockIdx.x; c < n_chunks; c += gridDim.x) {
-        const int oi = chunk_output(outs, n_out, c);
-        const dcc_out o = outs[oi];
-        if (!o.ahead) continue;
-        const uint64_t i0 = (c - o.chunk0) * DCC_OUT_CHUNK;
-        const uint64_t i1 = i0 + DCC_OUT_CHUNK < o.n ? i0 + DCC_OUT_CHUNK : o.n;
-        float *v = staging + o.off;
-        for (uint64_t i = i0 + 4 * threadIdx.x; i < i1; i += 4 * NT) {
-            const int cnt = i + 4 <= i1 ? 4 : (int)(i1 - i);
-            float z[4];
-            draw4(NOISE, o, i, cnt, z);
-            if (add) {
-                for (int j = 0; j < cnt; j++) atomicAdd(v + i + j, __fmul_rn(std, z[j]));
-            } else if (cnt == 4) {
-                __stcs((float4 *)(v + i),
-                       make_float4(__fmul_rn(std, z[0]), __fmul_rn(std, z[1]),
-                                   __fmul_rn(std, z[2]), __fmul_rn(std, z[3])));
-            } else {
-#pragma unroll
-                for (int j = 0; j < 4; j++)
-                    if (j < cnt) v[i + j] = __fmul_rn(std, z[j]);
-            }
-        }
-    }
-}
-
 /* One chunk of one output per block, four elements (two draws: pairs (2j,
  * 2j+1) of the output share one, as in finalize_kernel) per thread and
  * step, with 16-byte staging loads (offsets and chunks are multiples of 4).
@@ -459,7 +406,6 @@ __global__ void out_write_kernel(const dcc_out *__restrict__ outs, int n_out,
     const uint64_t i0 = (c - o.chunk0) * DCC_OUT_CHUNK;
     const uint64_t i1 = i0 + DCC_OUT_CHUNK < o.n ? i0 + DCC_OUT_CHUNK : o.n;
     float *v = staging + o.off;
-    const float sd = o.ahead ? 0.0f : std; /* dcc_noise_ahead drew it */
     const bool vec_dst =
         ((uintptr_t)o.dst & (uintptr_t)(o.dtype == DC_F32 ? 15 : 7)) == 0;
     for (uint64_t i = i0 + 4 * threadIdx.x; i < i1; i += 4 * NT) {
@@ -476,11 +422,13 @@ __global__ void out_write_kernel(const dcc_out *__restrict__ outs, int n_out,
             for (int j = 0; j < 4; j++)
                 if (j < cnt) x[j] = v[i + j];
         }
-        if (sd != 0.0f) {
+        if (std != 0.0f) {
             float z[4];
-            draw4(NOISE, o, i, cnt, z);
+            draw_pair(NOISE, o.key, o.step, o.stream, i / 2, z[0], z[1]);
+            if (cnt > 2) draw_pair(NOISE, o.key, o.step, o.stream, i / 2 + 1, z[2], z[3]);
+            else z[2] = z[3] = 0.0f;
 #pragma unroll
-            for (int j = 0; j < 4; j++) x[j] = __fadd_rn(x[j], __fmul_rn(sd, z[j]));
+            for (int j = 0; j < 4; j++) x[j] = __fadd_rn(x[j], __fmul_rn(std, z[j]));
         }
         if (divisor != 1.0f)
 #pragma unroll
@@ -624,26 +572,6 @@ extern "C" cudaError_t dcc_out_check(const dcc_out *outs, int n_out, uint64_t n_
     if (e != cudaSuccess) return e;
     out_decide_kernel<<<1, 1024, 0, st>>>(outs, n_out, (const unsigned *)amax, std, divisor,
                                           status, mode);
-    return cudaGetLastError();
-}
-
-extern "C" cudaError_t dcc_noise_ahead(const dcc_out *outs, int n_out, uint64_t n_chunks,
-                                       float *staging, float std, int noise, bool add,
-                                       cudaStream_t st) {
-    if (n_out <= 0 || n_chunks == 0) return cudaSuccess;
-    void (*kern)(const dcc_out *, int, uint64_t, float *, float, bool) =
-        noise == DCC_NOISE_EXACT ? noise_ahead_kernel<DCC_NOISE_EXACT>
-                                 : noise_ahead_kernel<DCC_NOISE_FAST>;
-    /* An SM's shared memory split changes only when it is idle: with the
-     * default preference these blocks would hold SMs in a split the norm
-     * kernels' CTAs cannot use, and run before them instead of beside. */
-    cudaError_t e = cudaFuncSetAttribute(kern, cudaFuncAttributePreferredSharedMemoryCarveout,
-                                         (int)cudaSharedmemCarveoutMaxShared);
-    int sms;
-    if (e != cudaSuccess || (e = dcc_sm_count(&sms)) != cudaSuccess) return e;
-    const uint64_t want = 2 * (uint64_t)sms;
-    kern<<<(unsigned)(n_chunks < want ? n_chunks : want), NT, 0, st>>>(outs, n_out, n_chunks,
-                                                                      staging, std, add);
     return cudaGetLastError();
 }
 

@@ -77,10 +77,10 @@ struct dcc_options;
 void dc_cuda_backend_get_options(const dc_backend *be, struct dcc_options *out);
 void dc_cuda_backend_set_options(dc_backend *be, const struct dcc_options *o);
 
-/* How many outputs of the last step had their noise drawn ahead, beside
- * the norms (dcc_noise_ahead), rather than by the output pass. For tests
- * and benchmarks. */
-int dc_cuda_backend_noised_ahead(const dc_backend *be);
+/* How many outputs of the last step had their max |.| found by the grouped
+ * clipped sum's epilogue rather than by a pass of the output check. For
+ * tests and benchmarks. */
+int dc_cuda_backend_amax_found(const dc_backend *be);
 
 /* Device workspace currently held by the instance, in bytes. */
 size_t dc_cuda_backend_workspace_bytes(const dc_backend *be);

@@ -42,10 +42,6 @@ typedef struct dcc_options {
     bool grouped;      /* GROUPED=0: per-layer launches only */
     int grouped_min;   /* GROUPED_MIN: work items a step needs to group; -1: 4 per SM */
     bool one_pass;     /* ONE_PASS=0: outputs always staged and committed */
-    bool noise_ahead;  /* NOISE_AHEAD=0: the grouped clipped sums' noise drawn
-                          by the output pass, not beside the norms */
-    int ahead_at;      /* NOISE_AHEAD_AT=clip: beside the clipped sum (reductions
-                          into zeroed staging), not beside the norms */
     int noise;         /* NOISE=exact: DCC_NOISE_EXACT, else DCC_NOISE_FAST */
     bool profile;      /* PROFILE=0: the phases are not timed */
     bool wgmma;        /* WGMMA=0: the mma.sync kernels instead of wgmma */
@@ -143,11 +139,9 @@ typedef struct dcc_bk_layer {
     const float *fac; /* device [B] (dcc_bk_order) */
     float *w;         /* device f32 [p][d] */
     float *bias;      /* device f32 [p] or NULL */
-    /* Non-NULL: w (bias) holds its output's noise already (dcc_noise_ahead);
-     * the epilogue adds the sum onto it, w = fl(noise + sum) as the output
-     * pass would round it (f32 reductions flush subnormals), and raises
-     * *amax_w (*amax_b) to max |sum| as bits: dcc_out_check's amax of that
-     * output, to which it adds the noise's bound as for any other */
+    /* Non-NULL: w (bias) is a whole output of the step, whose max |.| the
+     * epilogue raises *amax_w (*amax_b) to, as bits: dcc_out_check's amax
+     * of that output, found without a pass over it (dcc_out.amax_found) */
     unsigned *amax_w, *amax_b;
 } dcc_bk_layer;
 /* Whether a layer qualifies (bf16/f16 with 16-byte rows, T >= 64, sm_90a,
@@ -291,10 +285,9 @@ typedef struct dcc_out {
      * replicated over a norm group the group's, so that every member draws
      * the same noise for it */
     uint64_t key, step;
-    /* 1: staging holds its noise already, from dcc_noise_ahead, with the
-     * clipped sum added by the grouped kernel, which found its amax; the
-     * output passes neither draw it again nor scan it */
-    uint32_t ahead;
+    /* 1: the grouped clipped sum writes it whole and finds its max |.| in
+     * its epilogue (dcc_bk_layer.amax_*): dcc_out_check does not scan it */
+    uint32_t amax_found;
     uint32_t pad_;
 } dcc_out;
 
@@ -309,17 +302,9 @@ static inline uint64_t dcc_out_chunks(uint64_t n) {
  * 6e-7 * r + 1e-7 of the double draw, r = sqrt(-2 ln u1) <= 8.58. */
 enum { DCC_NOISE_FAST = 0, DCC_NOISE_EXACT = 1 };
 
-/* staging[off+i] = std * z(o.key, o.step, o.stream, i), rounded as the output
- * passes round it, for every output with o.ahead set; the others are left
- * alone. Runs on a side stream beside the norms (whose tensor-core kernels
- * leave the SMs' ALUs and most issue slots free), so the noise costs the
- * step's critical path nothing. */
-cudaError_t dcc_noise_ahead(const dcc_out *outs, int n_out, uint64_t n_chunks, float *staging,
-                            float std, int noise, bool add, cudaStream_t st);
-
-/* For every output o and element i: v = staging[off+i] + std * z(o.key,
- * o.step, o.stream, i) (no draw when std == 0 or o.ahead), v /= divisor,
- * stored back; a value not finite in the output dtype sets DCC_STATUS_OUTPUT and lowers *bad to
+/* For every output o and element i: v = staging[off+i] + std * z(o.key, o.step,
+ * o.stream, i) (no draw when std == 0), v /= divisor, stored back; a value not
+ * finite in the output dtype sets DCC_STATUS_OUTPUT and lowers *bad to
  * (o << 40 | i). outs: device array [n_out]. */
 cudaError_t dcc_finalize(const dcc_out *outs, int n_out, uint64_t max_n, float *staging,
                          float std, float divisor, uint32_t *status,
@@ -336,8 +321,9 @@ cudaError_t dcc_commit(const dcc_out *outs, int n_out, uint64_t max_n, const flo
 
 /* The one-pass output path (chunk grid over all outputs, n_chunks chunks):
  * dcc_out_check finds max |staging| per output (amax[n_out], zeroed by the
- * caller; an output marked ahead keeps what the grouped kernel found) and sets *mode = 1 when the step's status is 0 and no output can
- * leave its dtype's finite range, whatever the noise: |z| <= 8.58 bounds
+ * caller; an output marked amax_found keeps what the grouped kernel found)
+ * and sets *mode = 1 when the step's status is 0 and no output can leave
+ * its dtype's finite range, whatever the noise: |z| <= 8.58 bounds
  * every draw, so |v| <= (amax + 8.6 std) / divisor. Then dcc_out_write
  * writes v = (staging + std z) / divisor straight into the outputs (mode 1),
  * or as dcc_finalize does into staging (mode 0, status 0) for

@@ -31,10 +31,9 @@
  * which is sum_k c_(k) X_(k). Every factor is <= 1, so the accumulator never
  * exceeds sum_k |X_(k)| (no overflow a plain sum would not have), and each
  * sample adds one f32 rounding per element. dcc_bk_order (clip.cu) gives
- * the order and the factors on the device. With the noise ahead
- * (dcc_noise_ahead), the tile's place holds std * z already: the epilogue
- * adds onto it (a reduction in L2: no load) and keeps the sum's max |.|,
- * so that the output passes need not scan the output. */
+ * the order and the factors on the device. The epilogue also keeps the max
+ * |.| of the outputs it writes whole, so that the output check need not
+ * read them again (dcc_out.amax_found). */
 #include <limits.h>
 #include <stdlib.h>
 #include <string.h>
@@ -52,7 +51,7 @@ struct g_entry {
     const float *fac; /* clipped: Horner factors; fac[0] = the last coefficient */
     float *out;       /* clipped: w [p][d]; norms: n2 of this layer [B] */
     float *bias;      /* clipped: bias [p] or NULL */
-    unsigned *amax_w, *amax_b; /* clipped: noise ahead (dcc_bk_layer); NULL: none */
+    unsigned *amax_w, *amax_b; /* clipped: their max |.| (dcc_bk_layer); NULL: none */
     int T, d, p, tiles_n, item0, has_bias;
 };
 struct g_params {
@@ -181,12 +180,6 @@ __global__ void __launch_bounds__(CT, 1) norms_grouped(const __grid_constant__ g
 }
 
 
-/* *q += (v0, v1) in L2, without a reply: fl(noise + sum) as the output
- * pass rounds it, except that f32 reductions flush subnormals to zero. */
-__device__ __forceinline__ void red_add2(float *q, float v0, float v1) {
-    (void)atomicAdd((float2 *)q, make_float2(v0, v1));
-}
-
 /* A warp's max of am into *amax (one atomic a warp). */
 __device__ __forceinline__ void warp_amax(unsigned *amax, unsigned am) {
     for (int s = 16; s > 0; s >>= 1) am = max(am, __shfl_xor_sync(0xffffffffu, am, s));
@@ -250,12 +243,8 @@ __global__ void __launch_bounds__(CT, 1) clipped_grouped(const __grid_constant__
         float *w = E.out;
         /* accumulator: acc[j] is rows 64 (2 wg + j) + 16 wq + lane/4 (+8 when
          * i % 4 >= 2), columns 8 (i / 4) + 2 (lane % 4) + i % 2: pairs (i,
-         * i+1) are adjacent columns, stored as float2 (d % 8 == 0). With the
-         * noise ahead, w holds std * z already and the sum is added onto it
-         * in L2 (red: no load, no register waits for one), with its max |.|
-         * into *amax_w. (ptxas spills a few registers here, in the
-         * epilogue only: none in the K loop.) */
-        const bool nw = E.amax_w != nullptr;
+         * i+1) are adjacent columns, stored as float2 (d % 8 == 0); their
+         * max |.| as bits (NaN above all) into *amax_w */
         unsigned am = 0;
 #pragma unroll
         for (int j = 0; j < GMI; j++)
@@ -264,23 +253,17 @@ __global__ void __launch_bounds__(CT, 1) clipped_grouped(const __grid_constant__
                 int m = m0 + (wg * GMI + j) * 64 + wq * 16 + (lane >> 2) + ((i & 2) ? 8 : 0);
                 int n = n0 + (i >> 2) * 8 + (lane & 3) * 2;
                 if (m < p && n < d) {
-                    float *q = w + (int64_t)m * d + n;
-                    const float v0 = __fmul_rn(cl, acc[j][i]), v1 = __fmul_rn(cl, acc[j][i + 1]);
-                    if (nw) {
-                        red_add2(q, v0, v1);
-                        am = max(am, max(dcc_abs_bits(v0), dcc_abs_bits(v1)));
-                    } else {
-                        *(float2 *)q = make_float2(v0, v1);
-                    }
+                    const float v0 = cl * acc[j][i], v1 = cl * acc[j][i + 1];
+                    *(float2 *)(w + (int64_t)m * d + n) = make_float2(v0, v1);
+                    am = max(am, max(dcc_abs_bits(v0), dcc_abs_bits(v1)));
                 }
             }
-        if (nw) warp_amax(E.amax_w, am);
+        if (E.amax_w) warp_amax(E.amax_w, am);
         if (do_bias) {
             const float v = colsum_total(cs, bs0, bs1);
             const int m = m0 + (int)threadIdx.x;
-            const float y = __fmul_rn(cl, v);
-            if (m < p && E.amax_b) atomicAdd(E.bias + m, y);
-            else if (m < p) E.bias[m] = y;
+            const float y = cl * v;
+            if (m < p) E.bias[m] = y;
             if (E.amax_b) warp_amax(E.amax_b, m < p ? dcc_abs_bits(y) : 0u);
         }
     }

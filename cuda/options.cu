@@ -23,7 +23,7 @@ const char *set(const char *name) {
 
 extern "C" void dcc_options_default(dcc_options *o) {
     memset(o, 0, sizeof *o);
-    o->tf32 = o->grouped = o->one_pass = o->noise_ahead = o->profile = o->wgmma = true;
+    o->tf32 = o->grouped = o->one_pass = o->profile = o->wgmma = true;
     o->grouped_min = -1;
     o->noise = DCC_NOISE_FAST;
     o->tail_after = -1;
@@ -35,11 +35,9 @@ extern "C" void dcc_options_from_env(dcc_options *o) {
     o->tf32 = on("DPCLIP_CUDA_TF32");
     o->grouped = on("DPCLIP_CUDA_GROUPED");
     o->one_pass = on("DPCLIP_CUDA_ONE_PASS");
-    o->noise_ahead = on("DPCLIP_CUDA_NOISE_AHEAD");
     o->profile = on("DPCLIP_CUDA_PROFILE");
     o->wgmma = on("DPCLIP_CUDA_WGMMA");
     if ((v = set("DPCLIP_CUDA_NOISE")) && strcmp(v, "exact") == 0) o->noise = DCC_NOISE_EXACT;
-    if ((v = set("DPCLIP_CUDA_NOISE_AHEAD_AT")) && strcmp(v, "clip") == 0) o->ahead_at = 1;
     if ((v = set("DPCLIP_CUDA_GROUPED_MIN"))) o->grouped_min = atoi(v);
     if ((v = set("DPCLIP_CUDA_DIRECT_TILE"))) o->direct_tile = atoi(v) >= 256 ? 256 : 128;
     if ((v = set("DPCLIP_CUDA_DIRECT_SPLIT"))) {

@@ -1,0 +1,221 @@
+/* The one-pass output path with the max |.| that the grouped clipped sum's
+ * epilogue finds (cuda/grouped_tma.cu, dcc_out.amax_found): the output
+ * check then reads only the other outputs, and its proof that no noised
+ * value can leave its dtype rests on those maxima. Checked: whole steps
+ * against the CPU backend (grouped layers with and without bias, bf16 and
+ * f16 outputs, an f32 layer outside the grouped launch whose output the
+ * check still scans); a value past f16 in the last, ragged tile of a
+ * grouped output, which the epilogue's max must see (or the step would
+ * write it); a non-finite input. A failed step writes nothing. Error
+ * bounds: see test_cuda_kernels.c. Without a CUDA device the test prints
+ * "SKIP: no CUDA device" and exits DC_TEST_SKIP (77). */
+#include <math.h>
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <cmocka.h>
+#include <cuda_runtime_api.h>
+
+#include "cuda_test.h"
+
+enum { NL = 4, NB = 5 };
+
+/* Grouped: bf16 with bias, bf16 without (ragged tiles: p = 264 rows in two
+ * 256-row tiles, d = 136 columns in two 128-column ones), f16 with bias;
+ * not grouped: f32 (TF32 kernels). */
+static const dc_test_layer_spec kSpecs[NL] = {
+    {DC_LAYER_LINEAR, NB, 96, 64, 40, DC_BF16, 1, DC_ALGO_DIRECT, 1, 0},
+    {DC_LAYER_LINEAR, NB, 70, 136, 264, DC_BF16, 0, DC_ALGO_AUTO, 1, 0},
+    {DC_LAYER_LINEAR, NB, 64, 72, 48, DC_F16, 1, DC_ALGO_AUTO, 1, 0},
+    {DC_LAYER_LINEAR, NB, 80, 32, 24, DC_F32, 1, DC_ALGO_AUTO, 1, 0},
+};
+enum { FOUND = 5 }; /* layers 0-2: weights and biases */
+
+typedef struct set {
+    dc_layer h[NL], d[NL];
+} set;
+
+/* Layer 1's weight output in dtype w1, layer 2's in f16; the rest f32. */
+static void set_make(set *m, dc_test_rng *r, dc_dtype w1) {
+    for (int l = 0; l < NL; l++) {
+        dc_test_layer_make(&m->h[l], &kSpecs[l], r);
+        m->h[l].max_grad_norm = 0.05f;
+    }
+    const dc_dtype want[2] = {w1, DC_F16};
+    for (int k = 0; k < 2; k++) {
+        dc_tensor *w = &m->h[1 + k].weight_grad_out;
+        dc_tensor t = dc_test_tensor_new(want[k], w->ndim, w->shape[0], w->shape[1], 0);
+        dc_test_tensor_free(w);
+        *w = t;
+    }
+    for (int l = 0; l < NL; l++) m->d[l] = dev_layer(&m->h[l]);
+}
+
+static void set_free(set *m) {
+    for (int l = 0; l < NL; l++) {
+        dc_test_layer_free(&m->h[l]);
+        dev_layer_free(&m->d[l]);
+    }
+}
+
+static dc_tensor *out_of(set *m, int l, int k) {
+    return k ? &m->d[l].bias_grad_out : &m->d[l].weight_grad_out;
+}
+
+static void poison(set *m, float v) {
+    for (int l = 0; l < NL; l++)
+        for (int k = 0; k < 2; k++) {
+            dc_tensor *o = out_of(m, l, k);
+            if (!o->data) continue;
+            void *raw = malloc(tensor_bytes(o));
+            assert_non_null(raw);
+            for (int64_t i = 0; i < numel(o); i++) dc_store_f32(raw, o->dtype, (size_t)i, v);
+            h2d(o->data, raw, tensor_bytes(o));
+            free(raw);
+        }
+}
+
+static void assert_untouched(set *m, float v) {
+    for (int l = 0; l < NL; l++)
+        for (int k = 0; k < 2; k++) {
+            dc_tensor *o = out_of(m, l, k);
+            if (!o->data) continue;
+            float *got = dev_to_f32(o);
+            for (int64_t i = 0; i < numel(o); i++) assert_true(got[i] == v);
+            free(got);
+        }
+}
+
+/* Sets element i of a 16-bit device tensor and of its host twin to v. */
+static void plant16(dc_tensor *h, dc_tensor *d, size_t i, float v) {
+    dc_store_f32(h->data, h->dtype, i, v);
+    h2d((uint16_t *)d->data + i, (const uint16_t *)h->data + i, sizeof(uint16_t));
+}
+
+/* Against the CPU backend: a sum, a mean, the staged outputs (the maxima
+ * unused) and the double-precision draws; then with grouped launches off,
+ * where the check finds every maximum itself. */
+static void test_found_maxima(void **state) {
+    (void)state;
+    dc_test_rng r;
+    dc_test_rng_seed(&r, 4242);
+    for (int mode = 0; mode < 5; mode++) {
+        set m;
+        set_make(&m, &r, DC_BF16);
+        dc_step hs, ds;
+        step_init(&hs, m.h, NL, NB, -1);
+        step_init(&ds, m.d, NL, NB, 0);
+        hs.noise_multiplier = ds.noise_multiplier = 2.0f;
+        if (mode == 1) {
+            hs.reduction = ds.reduction = DC_REDUCTION_MEAN;
+            hs.expected_batch = ds.expected_batch = 8;
+        }
+        static const char *const names[5] = {"sum", "mean", "sum, staged", "sum, exact draws",
+                                             "sum, per layer"};
+        printf("%s\n", names[mode]);
+        set_switches(1, mode != 4);
+        g_opts.one_pass = mode != 2;
+        if (mode == 3) g_opts.noise = DCC_NOISE_EXACT;
+        apply_switches();
+        dc_step_result rh, rd;
+        dc_err eh, ed;
+        assert_int_equal(run(g_cpu, &hs, &rh, &eh), 0);
+        int rc = run(g_cuda, &ds, &rd, &ed);
+        if (rc) fprintf(stderr, "cuda: %s: %s\n", ed.field, ed.msg);
+        assert_int_equal(rc, 0);
+        assert_int_equal(dc_cuda_backend_amax_found(g_cuda), mode == 4 ? 0 : FOUND);
+        for (int l = 0; l < NL; l++)
+            for (int k = 0; k < 2; k++) {
+                const dc_tensor *ho = k ? &m.h[l].bias_grad_out : &m.h[l].weight_grad_out;
+                if (!ho->data) continue;
+                float *got = dev_to_f32(out_of(&m, l, k)), *want = host_to_f32(ho);
+                double e = rel_l2(got, want, numel(ho));
+                double tol = ho->dtype == DC_F32 ? 1e-4 : 2e-3;
+                if (l == NL - 1 && k == 0) tol += 2e-3; /* TF32 */
+                printf("  layer %d %s (%s): rel l2 err %.2e\n", l, k ? "bias" : "weight",
+                       dc_dtype_name(ho->dtype), e);
+                assert_true(e <= tol);
+                free(got);
+                free(want);
+            }
+        dc_step_result_free(&rh);
+        dc_step_result_free(&rd);
+        set_free(&m);
+    }
+    set_switches(1, 1);
+}
+
+/* Failures with the maxima found in the epilogue: nothing is written.
+ * 0: one product past f16's range in the last element of layer 1's weight
+ *    (its f16 output), in the last row and column tile, without clipping or
+ *    noise: only that tile's maximum says the value cannot be written;
+ * 1: a NaN in a grouped layer's grad (an input the norms catch);
+ * 2: noise that no f16 output can hold (layer 2's weight). */
+static void test_failures_write_nothing(void **state) {
+    (void)state;
+    dc_test_rng r;
+    dc_test_rng_seed(&r, 777);
+    for (int which = 0; which < 3; which++) {
+        set m;
+        set_make(&m, &r, which == 0 ? DC_F16 : DC_BF16);
+        dc_step ds;
+        step_init(&ds, m.d, NL, NB, 0);
+        const char *field = "weight_grad_out";
+        int bad_layer = 1;
+        /* sample 3, row 41, the last feature of layer 1; sample 3, row 0,
+         * feature 17 of layer 0 */
+        const int64_t T = kSpecs[1].T, d = kSpecs[1].d, p = kSpecs[1].p;
+        const size_t gi = (size_t)((3 * T + 41) * p + p - 1);
+        const size_t ai = (size_t)((3 * T + 41) * d + d - 1);
+        const size_t ni = (size_t)(3 * kSpecs[0].T * kSpecs[0].p + 17);
+        if (which == 0) {
+            ds.max_grad_norm = 1e30f; /* no clipping: 400 * 400 lands whole */
+            plant16(&m.h[1].grad, &m.d[1].grad, gi, 400.0f);
+            plant16(&m.h[1].input, &m.d[1].input, ai, 400.0f);
+        } else if (which == 1) {
+            plant16(&m.h[0].grad, &m.d[0].grad, ni, NAN);
+            field = "output_grad";
+            bad_layer = 0;
+        } else {
+            ds.noise_multiplier = 1e7f; /* std 1e7 */
+            bad_layer = 2;
+        }
+        poison(&m, 3.0f);
+        dc_step_result res;
+        dc_err err;
+        int rc = run(g_cuda, &ds, &res, &err);
+        printf("failure %d: %s: %s\n", which, err.field, err.msg);
+        assert_int_equal(rc, DC_ENONFINITE);
+        assert_non_null(strstr(err.field, field));
+        assert_non_null(strstr(err.field, m.h[bad_layer].name));
+        assert_untouched(&m, 3.0f);
+        dc_step_result_free(&res);
+        /* the backend serves the next step */
+        ds.max_grad_norm = 1.0f;
+        ds.noise_multiplier = 0.5f;
+        if (which == 0) plant16(&m.h[1].grad, &m.d[1].grad, gi, 0.0f);
+        if (which == 1) plant16(&m.h[0].grad, &m.d[0].grad, ni, 0.0f);
+        rc = run(g_cuda, &ds, &res, &err);
+        if (rc) fprintf(stderr, "cuda: %s: %s\n", err.field, err.msg);
+        assert_int_equal(rc, 0);
+        dc_step_result_free(&res);
+        set_free(&m);
+    }
+}
+
+int main(void) {
+    if (dc_cuda_device_count() == 0) {
+        printf("SKIP: no CUDA device\n");
+        return DC_TEST_SKIP;
+    }
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_found_maxima),
+        cmocka_unit_test(test_failures_write_nothing),
+    };
+    return cmocka_run_group_tests(tests, cuda_test_setup, cuda_test_teardown);
+}
