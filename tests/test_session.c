@@ -160,7 +160,7 @@ static void test_shutdown_notice(void **state) {
         assert_int_equal(dc_raw_wait_eof(fd[i], 20000), 1);
         close(fd[i]);
     }
-    assert_int_equal(dc_harness_stop(&h), 0);
+    assert_int_equal(dc_harness_join(&h), 0);
 }
 
 int main(void) {

@@ -124,19 +124,23 @@ int dc_harness_alive(const dc_harness *h) {
 }
 
 int dc_harness_stop(dc_harness *h) {
+    if (h->pid > 0) kill(h->pid, SIGTERM);
+    return dc_harness_join(h);
+}
+
+int dc_harness_join(dc_harness *h) {
     int status = 0, rc = -1;
     struct stat st;
 
     if (h->pid > 0) {
         int64_t deadline = now_ms() + 30000;
         pid_t w;
-        kill(h->pid, SIGTERM);
         while ((w = waitpid(h->pid, &status, WNOHANG)) == 0 && now_ms() < deadline) {
             struct timespec ts = {0, 10 * 1000 * 1000};
             nanosleep(&ts, NULL);
         }
         if (w == 0) {
-            fprintf(stderr, "harness: dpclipd did not exit within 30 s of SIGTERM; killing it\n");
+            fprintf(stderr, "harness: dpclipd did not exit within 30 s; killing it\n");
             kill(h->pid, SIGKILL);
             waitpid(h->pid, &status, 0);
         } else if (w == h->pid && WIFEXITED(status)) {

@@ -34,6 +34,10 @@ int dc_harness_start(dc_harness *h, const char *extra_args);
  * dir. Returns the daemon's exit status (0 = clean), or -1 if it did not
  * exit by itself or died from a signal. */
 int dc_harness_stop(dc_harness *h);
+/* As dc_harness_stop for a daemon already told to stop (no signal sent: a
+ * second SIGTERM may land as the daemon closes its signal watchers, when
+ * the default action applies). */
+int dc_harness_join(dc_harness *h);
 /* 1 while the daemon process is running. */
 int dc_harness_alive(const dc_harness *h);
 
