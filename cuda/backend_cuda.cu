@@ -356,10 +356,11 @@ int run_impl(dc_backend *be, const dc_step *s, dc_step_result *res, dc_err *err,
                                   : 1.0f;
         char *ws = cb->ws;
         cb->bk_n = 0;
-        memset(cb->bk_grouped, 0, L * sizeof *cb->bk_grouped);
-        cb->amax_found = opt.grouped && io.want != CP_NORMS
-                             ? grouped_clipped_plan(cb, s, &Lo, outs)
-                             : 0;
+        cb->amax_found = 0;
+        if (opt.grouped && io.want != CP_NORMS) /* marks every layer, grouped or not */
+            cb->amax_found = grouped_clipped_plan(cb, s, &Lo, outs);
+        else
+            memset(cb->bk_grouped, 0, L * sizeof *cb->bk_grouped);
 
         /* 1. counters and tables, the index snapshot; from here on the
          * step's layers are read through `s` = &safe */

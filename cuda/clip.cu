@@ -353,7 +353,7 @@ __global__ void out_amax_kernel(const dcc_out *__restrict__ outs, int n_out,
     for (int k = 0; k < 8; k++)
         m = max(max(m, max(dcc_abs_bits(q[k].x), dcc_abs_bits(q[k].y))),
                 max(dcc_abs_bits(q[k].z), dcc_abs_bits(q[k].w)));
-    for (int s = 16; s > 0; s >>= 1) m = max(m, __shfl_xor_sync(0xffffffffu, m, s));
+    m = dcc_warp_max(m);
     if ((threadIdx.x & 31) == 0) part[threadIdx.x >> 5] = m;
     __syncthreads();
     if (threadIdx.x == 0) {

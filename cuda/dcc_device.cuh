@@ -36,6 +36,12 @@ __device__ __forceinline__ unsigned dcc_abs_bits(float x) {
     return __float_as_uint(x) & 0x7fffffffu;
 }
 
+/* The max over the warp, in every lane. */
+__device__ __forceinline__ unsigned dcc_warp_max(unsigned v) {
+    for (int o = 16; o > 0; o >>= 1) v = max(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+
 /* Sum over the block (blockDim.x a multiple of 32, at most 1024); the result
  * is valid in thread 0. Uses a 32-float shared array. */
 __device__ __forceinline__ float dcc_block_sum(float v) {

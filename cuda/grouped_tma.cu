@@ -182,7 +182,7 @@ __global__ void __launch_bounds__(CT, 1) norms_grouped(const __grid_constant__ g
 
 /* A warp's max of am into *amax (one atomic a warp). */
 __device__ __forceinline__ void warp_amax(unsigned *amax, unsigned am) {
-    for (int s = 16; s > 0; s >>= 1) am = max(am, __shfl_xor_sync(0xffffffffu, am, s));
+    am = dcc_warp_max(am);
     if ((threadIdx.x & 31) == 0) atomicMax(amax, am);
 }
 
