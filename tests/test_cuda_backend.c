@@ -80,18 +80,7 @@ static void multi_free(multi *m) {
 
 /* Fills every device output with a sentinel. */
 static void poison(multi *m, float v) {
-    for (size_t l = 0; l < m->L; l++) {
-        dc_tensor *o[2] = {&m->d[l].weight_grad_out, &m->d[l].bias_grad_out};
-        for (int k = 0; k < 2; k++) {
-            if (!o[k]->data) continue;
-            int64_t n = numel(o[k]);
-            void *raw = malloc(tensor_bytes(o[k]));
-            assert_non_null(raw);
-            for (int64_t i = 0; i < n; i++) dc_store_f32(raw, o[k]->dtype, (size_t)i, v);
-            h2d(o[k]->data, raw, tensor_bytes(o[k]));
-            free(raw);
-        }
-    }
+    outputs_fill(m->d, m->L, v);
     float fill[64];
     for (int i = 0; i < 64; i++) fill[i] = v;
     h2d(m->norms_out.data, fill, m->B * sizeof(float));
@@ -100,15 +89,7 @@ static void poison(multi *m, float v) {
 
 /* Every output (and norms_out/coefs_out) still holds the sentinel. */
 static void assert_untouched(multi *m, float v) {
-    for (size_t l = 0; l < m->L; l++) {
-        dc_tensor *o[2] = {&m->d[l].weight_grad_out, &m->d[l].bias_grad_out};
-        for (int k = 0; k < 2; k++) {
-            if (!o[k]->data) continue;
-            float *got = dev_to_f32(o[k]);
-            for (int64_t i = 0; i < numel(o[k]); i++) assert_true(got[i] == v);
-            free(got);
-        }
-    }
+    assert_outputs_hold(m->d, m->L, v);
     float got[64];
     CUDA_OK(cudaMemcpy(got, m->norms_out.data, m->B * sizeof(float), cudaMemcpyDeviceToHost));
     for (uint32_t b = 0; b < m->B; b++) assert_true(got[b] == v);
@@ -331,15 +312,6 @@ static void test_staged_fallback(void **state) {
 }
 
 /* --- failures -------------------------------------------------------------- */
-
-/* Sets element i of a device tensor (and of its host twin) to v. */
-static void plant(dc_tensor *h, dc_tensor *d, size_t i, float v) {
-    unsigned char raw[8];
-    size_t sz = dc_dtype_size(h->dtype);
-    dc_store_f32(h->data, h->dtype, i, v);
-    memcpy(raw, (char *)h->data + i * sz, sz);
-    h2d((char *)d->data + i * sz, raw, sz);
-}
 
 /* Runs a failing step on both backends: same code, field (and message when
  * exact), nothing written by the GPU; then a good step still runs. */

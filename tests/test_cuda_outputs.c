@@ -67,36 +67,6 @@ static dc_tensor *out_of(set *m, int l, int k) {
     return k ? &m->d[l].bias_grad_out : &m->d[l].weight_grad_out;
 }
 
-static void poison(set *m, float v) {
-    for (int l = 0; l < NL; l++)
-        for (int k = 0; k < 2; k++) {
-            dc_tensor *o = out_of(m, l, k);
-            if (!o->data) continue;
-            void *raw = malloc(tensor_bytes(o));
-            assert_non_null(raw);
-            for (int64_t i = 0; i < numel(o); i++) dc_store_f32(raw, o->dtype, (size_t)i, v);
-            h2d(o->data, raw, tensor_bytes(o));
-            free(raw);
-        }
-}
-
-static void assert_untouched(set *m, float v) {
-    for (int l = 0; l < NL; l++)
-        for (int k = 0; k < 2; k++) {
-            dc_tensor *o = out_of(m, l, k);
-            if (!o->data) continue;
-            float *got = dev_to_f32(o);
-            for (int64_t i = 0; i < numel(o); i++) assert_true(got[i] == v);
-            free(got);
-        }
-}
-
-/* Sets element i of a 16-bit device tensor and of its host twin to v. */
-static void plant16(dc_tensor *h, dc_tensor *d, size_t i, float v) {
-    dc_store_f32(h->data, h->dtype, i, v);
-    h2d((uint16_t *)d->data + i, (const uint16_t *)h->data + i, sizeof(uint16_t));
-}
-
 /* Against the CPU backend: a sum, a mean, the staged outputs (the maxima
  * unused) and the double-precision draws; then with grouped launches off,
  * where the check finds every maximum itself. */
@@ -175,17 +145,17 @@ static void test_failures_write_nothing(void **state) {
         const size_t ni = (size_t)(3 * kSpecs[0].T * kSpecs[0].p + 17);
         if (which == 0) {
             ds.max_grad_norm = 1e30f; /* no clipping: 400 * 400 lands whole */
-            plant16(&m.h[1].grad, &m.d[1].grad, gi, 400.0f);
-            plant16(&m.h[1].input, &m.d[1].input, ai, 400.0f);
+            plant(&m.h[1].grad, &m.d[1].grad, gi, 400.0f);
+            plant(&m.h[1].input, &m.d[1].input, ai, 400.0f);
         } else if (which == 1) {
-            plant16(&m.h[0].grad, &m.d[0].grad, ni, NAN);
+            plant(&m.h[0].grad, &m.d[0].grad, ni, NAN);
             field = "output_grad";
             bad_layer = 0;
         } else {
             ds.noise_multiplier = 1e7f; /* std 1e7 */
             bad_layer = 2;
         }
-        poison(&m, 3.0f);
+        outputs_fill(m.d, NL, 3.0f);
         dc_step_result res;
         dc_err err;
         int rc = run(g_cuda, &ds, &res, &err);
@@ -193,13 +163,13 @@ static void test_failures_write_nothing(void **state) {
         assert_int_equal(rc, DC_ENONFINITE);
         assert_non_null(strstr(err.field, field));
         assert_non_null(strstr(err.field, m.h[bad_layer].name));
-        assert_untouched(&m, 3.0f);
+        assert_outputs_hold(m.d, NL, 3.0f);
         dc_step_result_free(&res);
         /* the backend serves the next step */
         ds.max_grad_norm = 1.0f;
         ds.noise_multiplier = 0.5f;
-        if (which == 0) plant16(&m.h[1].grad, &m.d[1].grad, gi, 0.0f);
-        if (which == 1) plant16(&m.h[0].grad, &m.d[0].grad, ni, 0.0f);
+        if (which == 0) plant(&m.h[1].grad, &m.d[1].grad, gi, 0.0f);
+        if (which == 1) plant(&m.h[0].grad, &m.d[0].grad, ni, 0.0f);
         rc = run(g_cuda, &ds, &res, &err);
         if (rc) fprintf(stderr, "cuda: %s: %s\n", err.field, err.msg);
         assert_int_equal(rc, 0);

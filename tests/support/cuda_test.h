@@ -121,6 +121,44 @@ static inline float *dev_to_f32(const dc_tensor *d) {
     return out;
 }
 
+/* Sets element i of a device tensor (and of its host twin) to v. */
+static inline void plant(dc_tensor *h, dc_tensor *d, size_t i, float v) {
+    unsigned char raw[8];
+    size_t sz = dc_dtype_size(h->dtype);
+    dc_store_f32(h->data, h->dtype, i, v);
+    memcpy(raw, (char *)h->data + i * sz, sz);
+    h2d((char *)d->data + i * sz, raw, sz);
+}
+
+/* Every weight and bias output of device layers d[0..L) set to v. */
+static inline void outputs_fill(dc_layer *d, size_t L, float v) {
+    for (size_t l = 0; l < L; l++) {
+        dc_tensor *o[2] = {&d[l].weight_grad_out, &d[l].bias_grad_out};
+        for (int k = 0; k < 2; k++) {
+            if (!o[k]->data) continue;
+            int64_t n = numel(o[k]);
+            void *raw = malloc(tensor_bytes(o[k]));
+            assert_non_null(raw);
+            for (int64_t i = 0; i < n; i++) dc_store_f32(raw, o[k]->dtype, (size_t)i, v);
+            h2d(o[k]->data, raw, tensor_bytes(o[k]));
+            free(raw);
+        }
+    }
+}
+
+/* Every weight and bias output of d[0..L) still holds v. */
+static inline void assert_outputs_hold(dc_layer *d, size_t L, float v) {
+    for (size_t l = 0; l < L; l++) {
+        dc_tensor *o[2] = {&d[l].weight_grad_out, &d[l].bias_grad_out};
+        for (int k = 0; k < 2; k++) {
+            if (!o[k]->data) continue;
+            float *got = dev_to_f32(o[k]);
+            for (int64_t i = 0; i < numel(o[k]); i++) assert_true(got[i] == v);
+            free(got);
+        }
+    }
+}
+
 static inline float *host_to_f32(const dc_tensor *h) {
     int64_t n = numel(h);
     float *out = malloc((size_t)(n ? n : 1) * sizeof *out);
