@@ -22,6 +22,33 @@ static int grow_events(dc_session *s) {
     return 0;
 }
 
+/* What a CUDA IPC registration's errors name: a buffer's or an event's. */
+typedef struct ipc_names {
+    const char *gpu_field, *kind, *device_field, *handle_field, *handle;
+} ipc_names;
+static const ipc_names k_buffer_names = {"register_buffer.kind", "buffers",
+                                         "register_buffer.device",
+                                         "register_buffer.cuda_ipc_handle", "handle"};
+static const ipc_names k_event_names = {"register_event", "events", "register_event.device",
+                                        "register_event.cuda_ipc_event_handle", "event handle"};
+
+/* The checks both registrations make before the open: a GPU backend, a
+ * device it serves, a 64-byte handle. */
+static int ipc_request_ok(const dc_session *s, int32_t device, size_t handle_len,
+                          const ipc_names *nm, dc_err *e) {
+    if (s->srv->gpu.n == 0)
+        return dc_err_set(e, DC_EPRECOND, nm->gpu_field,
+                          "this daemon has no GPU backend; CUDA %s cannot be registered",
+                          nm->kind);
+    if (device < 0 || device >= s->srv->gpu.n)
+        return dc_err_set(e, DC_EINVAL, nm->device_field, "device %d outside [0, %d)",
+                          (int)device, s->srv->gpu.n);
+    if (handle_len != 64)
+        return dc_err_set(e, DC_EINVAL, nm->handle_field, "a CUDA IPC %s is 64 bytes, got %zu",
+                          nm->handle, handle_len);
+    return 0;
+}
+
 static void register_cuda_done(dc_gpu_open_job *j) {
     dc_session *s = j->user;
     dc_err e;
@@ -53,21 +80,7 @@ static void register_cuda_done(dc_gpu_open_job *j) {
 void dc_session_register_cuda(dc_session *s, uint64_t id, const Dpclip__RegisterBuffer *m) {
     dc_gpu_open_job *j;
     dc_err e;
-    if (s->srv->gpu.n == 0) {
-        dc_err_set(&e, DC_EPRECOND, "register_buffer.kind",
-                   "this daemon has no GPU backend; CUDA buffers cannot be registered");
-        goto fail;
-    }
-    if (m->device < 0 || m->device >= s->srv->gpu.n) {
-        dc_err_set(&e, DC_EINVAL, "register_buffer.device", "device %d outside [0, %d)",
-                   (int)m->device, s->srv->gpu.n);
-        goto fail;
-    }
-    if (m->cuda_ipc_handle.len != 64) {
-        dc_err_set(&e, DC_EINVAL, "register_buffer.cuda_ipc_handle",
-                   "a CUDA IPC handle is 64 bytes, got %zu", m->cuda_ipc_handle.len);
-        goto fail;
-    }
+    if (ipc_request_ok(s, m->device, m->cuda_ipc_handle.len, &k_buffer_names, &e)) goto fail;
     j = calloc(1, sizeof *j);
     if (!j) {
         dc_err_set(&e, DC_ENOSPACE, "register_buffer", "out of memory");
@@ -119,21 +132,8 @@ static void register_event_done(dc_gpu_event_job *j) {
 void dc_session_register_event(dc_session *s, uint64_t id, const Dpclip__RegisterEvent *m) {
     dc_gpu_event_job *j;
     dc_err e;
-    if (s->srv->gpu.n == 0) {
-        dc_err_set(&e, DC_EPRECOND, "register_event",
-                   "this daemon has no GPU backend; CUDA events cannot be registered");
+    if (ipc_request_ok(s, m->device, m->cuda_ipc_event_handle.len, &k_event_names, &e))
         goto fail;
-    }
-    if (m->device < 0 || m->device >= s->srv->gpu.n) {
-        dc_err_set(&e, DC_EINVAL, "register_event.device", "device %d outside [0, %d)",
-                   (int)m->device, s->srv->gpu.n);
-        goto fail;
-    }
-    if (m->cuda_ipc_event_handle.len != 64) {
-        dc_err_set(&e, DC_EINVAL, "register_event.cuda_ipc_event_handle",
-                   "a CUDA IPC event handle is 64 bytes, got %zu", m->cuda_ipc_event_handle.len);
-        goto fail;
-    }
     j = calloc(1, sizeof *j);
     if (!j) {
         dc_err_set(&e, DC_ENOSPACE, "register_event", "out of memory");
