@@ -40,6 +40,10 @@
  *                     (f32 output; bf16 inputs, or f32 inputs with TF32 and
  *                     with exact f32 math), back to back, in this run;
  *   *_over_gemm       step, norms and book-keeping against that sum;
+ *   gemm_after_step_ms the same GEMMs timed between the steps (median):
+ *                     under the clocks and power state the step ran in
+ *                     (an H100 lowers its clocks under a sustained tensor
+ *                     load), so *_over_gemm_after compares like with like;
  *   rel_diff_vs_first the outputs of two layers (first qkv, last down)
  *                     against the first configuration of the same dtype,
  *                     as ||x - x0|| / ||x0|| (noise included: a sanity
@@ -52,7 +56,9 @@
  * outputs, double noise, exact f32).
  *
  * Usage: bench_cuda_norms [reps]      (default 20): everything
- *        bench_cuda_norms step [reps] (default 10): the GPT-2 step only */
+ *        bench_cuda_norms step [reps] (default 10): the GPT-2 step only
+ * DPCLIP_BENCH_ONLY=<config> runs that configuration alone (for profilers;
+ * rel_diff_vs_first is then 0). */
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -224,20 +230,21 @@ static void gpt2_layers(gpt2 &m, dc_dtype dt) {
     }
 }
 
-/* The layers' dW GEMMs back to back (f32 out), ms: median of reps. */
-static double gpt2_gemms(cublasHandle_t h, cudaStream_t st, gpt2 &m, dc_dtype dt,
-                         cublasComputeType_t ct, int reps) {
+/* The layers' dW GEMMs back to back (f32 out), enqueued. */
+static void gpt2_gemm_pass(cublasHandle_t h, gpt2 &m, dc_dtype dt, cublasComputeType_t ct) {
     const float one = 1.0f, zero = 0.0f;
     cudaDataType_t ty = dt == DC_BF16 ? CUDA_R_16BF : CUDA_R_32F;
     CKB(cublasSetPointerMode(h, CUBLAS_POINTER_MODE_HOST));
-    return time_ms(
-        [&] {
-            for (int l = 0; l < gpt2::NL; l++)
-                CKB(cublasGemmEx(h, CUBLAS_OP_N, CUBLAS_OP_T, m.d[l], m.p[l], m.B * m.T, &one,
-                                 m.a[l], ty, m.d[l], m.g[l], ty, m.p[l], &zero, m.w[l],
-                                 CUDA_R_32F, m.d[l], ct, CUBLAS_GEMM_DEFAULT));
-        },
-        st, reps);
+    for (int l = 0; l < gpt2::NL; l++)
+        CKB(cublasGemmEx(h, CUBLAS_OP_N, CUBLAS_OP_T, m.d[l], m.p[l], m.B * m.T, &one, m.a[l],
+                         ty, m.d[l], m.g[l], ty, m.p[l], &zero, m.w[l], CUDA_R_32F, m.d[l], ct,
+                         CUBLAS_GEMM_DEFAULT));
+}
+
+/* The same, ms: median of reps. */
+static double gpt2_gemms(cublasHandle_t h, cudaStream_t st, gpt2 &m, dc_dtype dt,
+                         cublasComputeType_t ct, int reps) {
+    return time_ms([&] { gpt2_gemm_pass(h, m, dt, ct); }, st, reps);
 }
 
 /* A configuration of the backend's switches (dcc_options). */
@@ -258,7 +265,7 @@ static double rel_diff(const float *x, const float *x0, size_t n) {
 
 static void gpt2_run(cublasHandle_t h, cudaStream_t st, gpt2 &m, dc_dtype dt,
                      const step_cfg *cfgs, int ncfg, double gemm_ms, double gemm_exact_ms,
-                     int reps) {
+                     cublasComputeType_t ct, int reps) {
     gpt2_layers(m, dt);
     dc_step s;
     memset(&s, 0, sizeof s);
@@ -274,7 +281,9 @@ static void gpt2_run(cublasHandle_t h, cudaStream_t st, gpt2 &m, dc_dtype dt,
     s.device = 0;
     const int watch[2] = {0, gpt2::NL - 1};
     std::vector<float> ref[2];
+    const char *only = getenv("DPCLIP_BENCH_ONLY"); /* one configuration, for profilers */
     for (int c = 0; c < ncfg; c++) {
+        if (only && strcmp(only, cfgs[c].name) != 0) continue;
         dc_backend *be;
         dc_err err;
         if (dc_cuda_backend_create(0, &be, &err) || dc_cuda_backend_profile(be, 1)) {
@@ -290,9 +299,22 @@ static void gpt2_run(cublasHandle_t h, cudaStream_t st, gpt2 &m, dc_dtype dt,
         dc_cuda_backend_set_options(be, &opt);
         dc_step_result r;
         if (dc_step_result_init(&r, s.batch, s.n_layers, false)) exit(1);
-        std::vector<double> host;
+        std::vector<double> host, hot;
         double ph[DC_CUDA_PHASES] = {0};
+        cudaEvent_t ga, gb;
+        CK(cudaEventCreate(&ga));
+        CK(cudaEventCreate(&gb));
         for (int i = 0; i < reps + 2; i++) {
+            if (i >= 2) { /* the GEMMs between two steps, in the clocks the last one left
+                             (into w, which the next step overwrites) */
+                float gms;
+                CK(cudaEventRecord(ga, st));
+                gpt2_gemm_pass(h, m, dt, ct);
+                CK(cudaEventRecord(gb, st));
+                CK(cudaEventSynchronize(gb));
+                CK(cudaEventElapsedTime(&gms, ga, gb));
+                hot.push_back(gms);
+            }
             double t0 = now_ms();
             if (dc_backend_run_step(be, &s, &r, &err)) {
                 fprintf(stderr, "run_step: %s: %s\n", err.field, err.msg);
@@ -305,7 +327,11 @@ static void gpt2_run(cublasHandle_t h, cudaStream_t st, gpt2 &m, dc_dtype dt,
             if (dc_cuda_backend_phase_ms(be, ms)) exit(1);
             for (int k = 0; k < DC_CUDA_PHASES; k++) ph[k] += ms[k] / reps;
         }
+        CK(cudaEventDestroy(ga));
+        CK(cudaEventDestroy(gb));
         std::sort(host.begin(), host.end());
+        std::sort(hot.begin(), hot.end());
+        const double gemm_hot = hot[hot.size() / 2];
         double gpu = 0.0;
         for (int k = 0; k < DC_CUDA_PHASES; k++) gpu += ph[k];
         double diff = 0.0;
@@ -328,12 +354,15 @@ static void gpt2_run(cublasHandle_t h, cudaStream_t st, gpt2 &m, dc_dtype dt,
                "\"gpu_ms\":%.3f,\"phases\":{%s},\"gemm_sum_ms\":%.3f,"
                "\"gemm_exact_f32_sum_ms\":%.3f,\"step_over_gemm\":%.3f,"
                "\"norms_over_gemm\":%.3f,\"clipped_over_gemm\":%.3f,"
+               "\"gemm_after_step_ms\":%.3f,\"step_over_gemm_after\":%.3f,"
+               "\"norms_over_gemm_after\":%.3f,\"clipped_over_gemm_after\":%.3f,"
                "\"rel_diff_vs_first\":%.2e,\"workspace_bytes\":%zu,\"amax_found\":%d}\n",
                gpt2::NL, m.B, m.T, dc_dtype_name(dt), cfgs[c].name,
                cfgs[c].tf32 ? "true" : "false", cfgs[c].grouped ? "true" : "false",
                cfgs[c].one_pass ? "true" : "false", cfgs[c].exact_noise ? "exact" : "fast",
                host[host.size() / 2], gpu, phases, gemm_ms, gemm_exact_ms,
-               host[host.size() / 2] / gemm_ms, ph[1] / gemm_ms, ph[3] / gemm_ms, diff,
+               host[host.size() / 2] / gemm_ms, ph[1] / gemm_ms, ph[3] / gemm_ms, gemm_hot,
+               host[host.size() / 2] / gemm_hot, ph[1] / gemm_hot, ph[3] / gemm_hot, diff,
                dc_cuda_backend_workspace_bytes(be), dc_cuda_backend_amax_found(be));
         fflush(stdout);
         dc_step_result_free(&r);
@@ -363,7 +392,7 @@ static void gpt2_bench(cublasHandle_t h, cudaStream_t st, int reps) {
         {"new_but_exact_noise", true, true, true, true},
     };
     double gemm = gpt2_gemms(h, st, m, DC_BF16, CUBLAS_COMPUTE_32F, reps);
-    gpt2_run(h, st, m, DC_BF16, bf_cfgs, 5, gemm, gemm, reps);
+    gpt2_run(h, st, m, DC_BF16, bf_cfgs, 5, gemm, gemm, CUBLAS_COMPUTE_32F, reps);
 
     /* f32 copies of the same values */
     for (int l = 0; l < gpt2::NL; l++) {
@@ -387,7 +416,8 @@ static void gpt2_bench(cublasHandle_t h, cudaStream_t st, int reps) {
     };
     double g_tf32 = gpt2_gemms(h, st, m, DC_F32, CUBLAS_COMPUTE_32F_FAST_TF32, reps);
     double g_f32 = gpt2_gemms(h, st, m, DC_F32, CUBLAS_COMPUTE_32F, std::max(1, reps / 4));
-    gpt2_run(h, st, m, DC_F32, f_cfgs, 3, g_tf32, g_f32, std::max(2, reps / 3));
+    gpt2_run(h, st, m, DC_F32, f_cfgs, 3, g_tf32, g_f32, CUBLAS_COMPUTE_32F_FAST_TF32,
+             std::max(2, reps / 3));
     for (int l = 0; l < gpt2::NL; l++) {
         CK(cudaFree(m.a[l]));
         CK(cudaFree(m.g[l]));

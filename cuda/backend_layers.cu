@@ -255,7 +255,7 @@ int grouped_norms(cuda_backend *cb, const dc_step *s, const layout *Lo, float s2
         cb->nm_grouped[l] = false;
         if (ly->kind != DC_LAYER_LINEAR || (cb->ovr_active && cb->ovr[l])) continue;
         dcc_linear x = linear_of(cb, ly, B, dc_layer_norm_bias(ly), false);
-        if (!dcc_norms_grouped_ok(&x, dcc_linear_pick(x.T, x.d, x.p, ly->algo))) continue;
+        if (!dcc_norms_grouped_ok(&x, dcc_linear_pick_grouped(x.T, x.d, x.p, ly->algo))) continue;
         dcc_norm_layer *e = &cb->nm[n++];
         e->L = x;
         e->n2 = (float *)(cb->ws + Lo->n2) + l * (size_t)B;

@@ -19,11 +19,11 @@
  * (counter = (pair, stream, step lo, step hi), key = noise_key, uniforms with
  * 53-bit mantissas). DCC_NOISE_EXACT does Box-Muller in double as the CPU
  * (libm ulps apart); DCC_NOISE_FAST (the default) does the same formula in
- * f32 from the same Philox words: ln u1 by logf (u1 <= 1/2) or log1pf of the
- * exactly formed 1 - u1, the angle split into its quadrant (exact, the top
- * two bits) and a remainder for sincospif, so every draw stays within
- * 6e-7 * r + 1e-7 of the double one (r = sqrt(-2 ln u1) <= 8.58) at a
- * fraction of the FP64 cost. Arithmetic that must round like the CPU's is
+ * f32 from the same Philox words: ln u1 as logf of its rounded top bits
+ * plus the exact remainder's first-order term, the angle split into its
+ * octant (exact, the top three bits) and a remainder for two short
+ * polynomials, so every draw stays within 6e-7 * r + 1e-7 of the double
+ * one (r = sqrt(-2 ln u1) <= 8.58) at a fraction of the FP64 cost. Arithmetic that must round like the CPU's is
  * written with __fmul_rn / __fadd_rn / __fdiv_rn (no contraction to FMA). */
 #include "dcc_device.cuh"
 
@@ -158,10 +158,8 @@ __device__ __forceinline__ void philox10(uint32_t (&c)[4], uint32_t k0, uint32_t
     }
 }
 
-__device__ __forceinline__ void normal_pair(uint64_t key, uint64_t step, uint32_t stream,
-                                            uint64_t pair, float &z0, float &z1) {
-    uint32_t c[4] = {(uint32_t)pair, stream, (uint32_t)step, (uint32_t)(step >> 32)};
-    philox10(c, (uint32_t)key, (uint32_t)(key >> 32));
+/* Box-Muller from one Philox output c, in double (DCC_NOISE_EXACT). */
+__device__ __forceinline__ void box_muller_exact(const uint32_t (&c)[4], float &z0, float &z1) {
     uint64_t a = ((uint64_t)c[0] << 32 | c[1]) >> 11;
     uint64_t b = ((uint64_t)c[2] << 32 | c[3]) >> 11;
     const double inv53 = 1.0 / 9007199254740992.0;
@@ -173,32 +171,87 @@ __device__ __forceinline__ void normal_pair(uint64_t key, uint64_t step, uint32_
     z1 = (float)__dmul_rn(r, sin(t));
 }
 
-/* The same draws in f32 (DCC_NOISE_FAST); see the comment at the top. */
-__device__ __forceinline__ void normal_pair_fast(uint64_t key, uint64_t step, uint32_t stream,
-                                                 uint64_t pair, float &z0, float &z1) {
-    uint32_t c[4] = {(uint32_t)pair, stream, (uint32_t)step, (uint32_t)(step >> 32)};
-    philox10(c, (uint32_t)key, (uint32_t)(key >> 32));
-    uint64_t a = ((uint64_t)c[0] << 32 | c[1]) >> 11;
-    uint64_t b = ((uint64_t)c[2] << 32 | c[3]) >> 11;
-    /* u1 = (a + 1) / 2^53 in (0, 1] */
+/* 1/x to about an ulp (one MUFU op), for x a normal float. */
+__device__ __forceinline__ float rcp_approx(float x) {
+    float y;
+    asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+
+/* x / d as __fdiv_rn rounds it, with d's reciprocal made once per thread
+ * instead of once per element: the refined reciprocal and the two FMAs
+ * are __fdiv_rn's own fast path, exact (correctly rounded) while x, d, the
+ * quotient and the remainder stay normal, so x and d are kept within
+ * 2^+-60 and everything else (zeros, tiny or huge values, non-finite)
+ * takes __fdiv_rn itself. */
+struct fdiv {
+    float d, y;
+    bool fast;
+};
+
+__device__ __forceinline__ fdiv fdiv_make(float d) {
+    fdiv f;
+    f.d = d;
+    f.fast = fabsf(d) >= 0x1p-60f && fabsf(d) <= 0x1p60f;
+    const float y0 = rcp_approx(d);
+    f.y = __fmaf_rn(y0, __fmaf_rn(y0, -d, 1.0f), y0);
+    return f;
+}
+
+__device__ __forceinline__ float fdiv_by(const fdiv &f, float x) {
+    const float ax = fabsf(x);
+    if (!(f.fast && ax >= 0x1p-60f && ax <= 0x1p60f)) return __fdiv_rn(x, f.d);
+    const float q = __fmul_rn(x, f.y);
+    return __fmaf_rn(__fmaf_rn(-q, f.d, x), f.y, q);
+}
+
+/* The same draws in f32 (DCC_NOISE_FAST); see the comment at the top. Few
+ * instructions per draw matter here: the output pass is issue-bound. */
+__device__ __forceinline__ void box_muller_fast(const uint32_t (&c)[4], float &z0, float &z1) {
+    /* u1 = N / 2^53 in (0, 1], N = a + 1. Above 2^-12, u1 = hi + lo with hi
+     * = n1 / 2^24 its top bits rounded (exact in f32) and |lo| <= half an
+     * ulp of hi, so ln u1 = logf(hi) + lo / hi (the dropped lo^2 / 2hi^2 <
+     * 2^-25) stays relatively accurate up to u1 = 1 without log1pf: when
+     * the two terms cancel, ln(hi) is at least twice lo / hi. Below 2^-12
+     * (one draw in 4096, so warps rarely diverge) f32 u1 is accurate enough
+     * for its large log. */
+    const uint64_t N = (((uint64_t)c[0] << 21) | (c[1] >> 11)) + 1;
     float ln;
-    if (a < ((uint64_t)1 << 52)) ln = logf(__ull2float_rn(a + 1) * 0x1p-53f);
-    else ln = log1pf(-(__ull2float_rn(((uint64_t)1 << 53) - 1 - a) * 0x1p-53f));
-    float r = sqrtf(-2.0f * ln);
-    /* angle 2 pi b / 2^53 = quadrant q * pi/2 + pi * x, x = (b mod 2^51) / 2^52 */
-    uint32_t q = (uint32_t)(b >> 51);
-    float x = __ull2float_rn(b & (((uint64_t)1 << 51) - 1)) * 0x1p-52f, sn, cn;
-    sincospif(x, &sn, &cn);
-    float cq = q == 0 ? cn : q == 1 ? -sn : q == 2 ? -cn : sn;
-    float sq = q == 0 ? sn : q == 1 ? cn : q == 2 ? -sn : -cn;
+    if (N >= (uint64_t)1 << 41) {
+        const uint32_t n1 = (uint32_t)((N + ((uint64_t)1 << 28)) >> 29); /* [2^12, 2^24] */
+        const int32_t lo = (int32_t)((int64_t)N - ((int64_t)n1 << 29));  /* |lo| <= 2^28 */
+        const float hi = (float)n1 * 0x1p-24f;
+        ln = logf(hi) + (float)lo * 0x1p-53f * rcp_approx(hi);
+    } else {
+        ln = logf(__ull2float_rn(N) * 0x1p-53f);
+    }
+    const float r = sqrtf(-2.0f * ln);
+    /* angle 2 pi b / 2^53 = octant o * pi/4 + pi/4 * f, f = the next 29 bits
+     * / 2^29 (the lower ones move it < 2^-29 of an octant). On [0, pi/4]
+     * Taylor polynomials in x = f / 4 (or (1 - f) / 4 in odd octants, whose
+     * sine and cosine swap) are good to 2e-9. */
+    const uint32_t o = c[2] >> 29, m = c[2] & 0x1fffffffu;
+    const float x = (float)((o & 1) ? 0x20000000u - m : m) * 0x1p-31f, x2 = x * x;
+    const float s = x * fmaf(fmaf(fmaf(fmaf(8.214588661e-02f, x2, -5.992645293e-01f), x2,
+                                       2.550164040e+00f), x2, -5.167712780e+00f), x2,
+                             3.141592654e+00f);
+    const float k = fmaf(fmaf(fmaf(fmaf(fmaf(-2.580689139e-02f, x2, 2.353306304e-01f), x2,
+                                        -1.335262769e+00f), x2, 4.058712126e+00f), x2,
+                              -4.934802201e+00f), x2, 1.0f);
+    const float sn = (o & 1) ? k : s, cn = (o & 1) ? s : k;
+    const uint32_t q = o >> 1;
+    const float cq = q == 0 ? cn : q == 1 ? -sn : q == 2 ? -cn : sn;
+    const float sq = q == 0 ? sn : q == 1 ? cn : q == 2 ? -sn : -cn;
     z0 = __fmul_rn(r, cq);
     z1 = __fmul_rn(r, sq);
 }
 
 __device__ __forceinline__ void draw_pair(int noise, uint64_t key, uint64_t step,
                                           uint32_t stream, uint64_t pair, float &z0, float &z1) {
-    if (noise == DCC_NOISE_EXACT) normal_pair(key, step, stream, pair, z0, z1);
-    else normal_pair_fast(key, step, stream, pair, z0, z1);
+    uint32_t c[4] = {(uint32_t)pair, stream, (uint32_t)step, (uint32_t)(step >> 32)};
+    philox10(c, (uint32_t)key, (uint32_t)(key >> 32));
+    if (noise == DCC_NOISE_EXACT) box_muller_exact(c, z0, z1);
+    else box_muller_fast(c, z0, z1);
 }
 
 __device__ __forceinline__ bool bad_as(float v, int dtype) {
@@ -305,6 +358,30 @@ __global__ void noise_kernel(uint64_t key, uint64_t step, uint32_t stream, float
     }
 }
 
+/* Box-Muller alone, from given Philox words (4 per pair): lets a test
+ * reach the transform's edges (u1 near 0 and 1, octant borders) that random
+ * counters would take billions of draws to hit. */
+__global__ void box_muller_kernel(const uint32_t *__restrict__ words, float *__restrict__ out,
+                                  uint64_t npairs, int noise) {
+    for (uint64_t pr = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x; pr < npairs;
+         pr += (uint64_t)gridDim.x * blockDim.x) {
+        const uint32_t c[4] = {words[4 * pr], words[4 * pr + 1], words[4 * pr + 2],
+                               words[4 * pr + 3]};
+        if (noise == DCC_NOISE_EXACT) box_muller_exact(c, out[2 * pr], out[2 * pr + 1]);
+        else box_muller_fast(c, out[2 * pr], out[2 * pr + 1]);
+    }
+}
+
+__global__ void fdiv_kernel(const float *__restrict__ x, float *__restrict__ out, uint64_t n,
+                            float d) {
+    const fdiv f = fdiv_make(d);
+    for (uint64_t i = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n;
+         i += (uint64_t)gridDim.x * blockDim.x) {
+        out[2 * i] = fdiv_by(f, x[i]);
+        out[2 * i + 1] = __fdiv_rn(x[i], d);
+    }
+}
+
 /* --- the one-pass output path --------------------------------------------- */
 
 /* Block -> (output, first element) on the chunk grid: the last output whose
@@ -408,6 +485,7 @@ __global__ void out_write_kernel(const dcc_out *__restrict__ outs, int n_out,
     float *v = staging + o.off;
     const bool vec_dst =
         ((uintptr_t)o.dst & (uintptr_t)(o.dtype == DC_F32 ? 15 : 7)) == 0;
+    const fdiv div = fdiv_make(divisor);
     for (uint64_t i = i0 + 4 * threadIdx.x; i < i1; i += 4 * NT) {
         const int cnt = i + 4 <= i1 ? 4 : (int)(i1 - i);
         float x[4] = {0.0f, 0.0f, 0.0f, 0.0f};
@@ -432,7 +510,7 @@ __global__ void out_write_kernel(const dcc_out *__restrict__ outs, int n_out,
         }
         if (divisor != 1.0f)
 #pragma unroll
-            for (int j = 0; j < 4; j++) x[j] = __fdiv_rn(x[j], divisor);
+            for (int j = 0; j < 4; j++) x[j] = fdiv_by(div, x[j]);
         if (direct) {
             if (cnt == 4 && vec_dst) {
                 if (o.dtype == DC_F32) {
@@ -636,6 +714,20 @@ extern "C" cudaError_t dcc_find_bad(const void *p, dc_dtype t, uint64_t n, int64
         find_bad_float<TX><<<blocks, NT, 0, st>>>((const TX *)p, n, first);
         return cudaGetLastError();
     });
+}
+
+extern "C" cudaError_t dcc_noise_box_muller(const uint32_t *words, float *out, uint64_t npairs,
+                                            int noise, cudaStream_t st) {
+    if (npairs == 0) return cudaSuccess;
+    box_muller_kernel<<<blocks_for(npairs, 4096), NT, 0, st>>>(words, out, npairs, noise);
+    return cudaGetLastError();
+}
+
+extern "C" cudaError_t dcc_test_fdiv(const float *x, float *out, uint64_t n, float d,
+                                     cudaStream_t st) {
+    if (n == 0) return cudaSuccess;
+    fdiv_kernel<<<blocks_for(n, 4096), NT, 0, st>>>(x, out, n, d);
+    return cudaGetLastError();
 }
 
 extern "C" cudaError_t dcc_noise_normal(uint64_t key, uint64_t step, uint32_t stream, float *out,

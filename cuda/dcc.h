@@ -83,6 +83,9 @@ cudaError_t dcc_pad_chunk(const dcc_linear *L, int b0, int n, void *ws, dcc_line
 
 /* GPU cost model (see dc_cuda_linear_pick). */
 dc_algo dcc_linear_pick(int T, int d, int p, dc_algo requested);
+/* The same for a layer that may join the grouped norms launch, whose direct
+ * form runs faster than a launch of its own. */
+dc_algo dcc_linear_pick_grouped(int T, int d, int p, dc_algo requested);
 
 /* n2[b] += s2 * ||per-sample gradient of weight (and bias)||^2. algo DIRECT or
  * GHOST (AUTO is resolved by dcc_linear_pick); with T == 1 GHOST is the
@@ -350,6 +353,16 @@ cudaError_t dcc_find_bad(const void *p, dc_dtype t, uint64_t n, int64_t vocab,
  * For tests. */
 cudaError_t dcc_noise_normal(uint64_t key, uint64_t step, uint32_t stream, float *out,
                              uint64_t n, int noise, cudaStream_t st);
+
+/* out[2i] = x[i] / d as the output pass divides (a reciprocal made once),
+ * out[2i+1] = __fdiv_rn(x[i], d), for n elements of device memory. For
+ * tests: the two must agree bit for bit. */
+cudaError_t dcc_test_fdiv(const float *x, float *out, uint64_t n, float d, cudaStream_t st);
+
+/* The Box-Muller step alone: out[2j], out[2j+1] from the Philox words
+ * words[4j..4j+3] (device memory), as `noise` says. For tests. */
+cudaError_t dcc_noise_box_muller(const uint32_t *words, float *out, uint64_t npairs, int noise,
+                                 cudaStream_t st);
 
 #ifdef __cplusplus
 }

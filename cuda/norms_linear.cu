@@ -225,19 +225,34 @@ bool aligned16(const void *p) { return ((uintptr_t)p & 15u) == 0; }
 
 } // namespace
 
-extern "C" dc_algo dcc_linear_pick(int T, int d, int p, dc_algo requested) {
+/* direct_rate: how much faster the direct form runs than the ghost form
+ * per unit of the work below. */
+static dc_algo pick(int T, int d, int p, dc_algo requested, double direct_rate) {
     if (requested != DC_ALGO_AUTO) return requested;
     if (T == 1) return DC_ALGO_GHOST; /* the rank-one formula */
     /* Work the kernels really do, padding to their tiles included. Direct:
      * 128x128 output tiles over K = T in steps of 32. Ghost: the lower
      * triangle of 128x128 (t, s) tiles, each two Gram tiles over K = d and p
-     * in steps of 64. Both run the same mma loop at about the same rate. */
+     * in steps of 64. */
     double tm = (double)((p + 127) / 128), tn = (double)((d + 127) / 128);
     double direct = tm * tn * 128.0 * 128.0 * 32.0 * (double)((T + 31) / 32);
     double nt = (double)((T + 127) / 128);
     double ghost = nt * (nt + 1.0) * 0.5 * 128.0 * 128.0 * 64.0 *
                    (double)((d + 63) / 64 + (p + 63) / 64);
-    return direct <= ghost ? DC_ALGO_DIRECT : DC_ALGO_GHOST;
+    return direct <= ghost * direct_rate ? DC_ALGO_DIRECT : DC_ALGO_GHOST;
+}
+
+/* Layer by layer both forms run the same mma loop at about the same rate. */
+extern "C" dc_algo dcc_linear_pick(int T, int d, int p, dc_algo requested) {
+    return pick(T, d, p, requested, 1.0);
+}
+
+/* In the grouped launch the direct form runs persistent, with no partial
+ * last wave, at the cuBLAS GEMM's rate, where a per-layer ghost launch of
+ * the same layer took 1.4x its GEMM (GPT-2-small's MLP layers, B=8,
+ * T=1024, H100): direct work counts a third less there. */
+extern "C" dc_algo dcc_linear_pick_grouped(int T, int d, int p, dc_algo requested) {
+    return pick(T, d, p, requested, 1.5);
 }
 
 extern "C" dcc_path dcc_linear_path(const dcc_linear *L) {

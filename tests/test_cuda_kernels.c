@@ -18,12 +18,15 @@
  *     (DPCLIP_CUDA_NOISE=exact, libm ulps); 6e-7 * r + 1e-7 for the default
  *     f32 draws, r = sqrt(-2 ln u1) the pair's radius (f32 transcendentals
  *     of 1 ulp; a host emulation with 1-ulp perturbations reached half of it).
+ *   The transform alone is also held to these bounds on chosen Philox words
+ *   (u1 near 0 and 1, octant borders), which random counters rarely reach.
  * (Whole steps are tested in test_cuda_backend.c.)
  * Without a CUDA device the test prints "SKIP: no CUDA device" and exits
  * DC_TEST_SKIP (77), which ctest reports as skipped. */
 #include <math.h>
 #include <setjmp.h>
 #include <stdarg.h>
+#include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -307,14 +310,14 @@ static void test_linear_clipped(void **state) {
 }
 
 /* Many LINEAR layers in one step: the grouped norm and book-keeping
- * launches take the qualifying ones (a launch per 10 layers, and splits
- * where the dtype changes), the others (T < 64 for the book-keeping, widths
+ * launches take the qualifying ones (a launch per 80 layers at most, so
+ * 110 layers split, and splits where the dtype changes), the others (T < 64 for the book-keeping, widths
  * not multiples of 8, the ghost form for the norms, bias-only outputs) go
  * per layer. Layer norms and every output against the CPU backend, with the
  * grouped launches and without. */
 static void test_grouped_many(void **state) {
     (void)state;
-    enum { NL = 40 };
+    enum { NL = 110 };
     const uint32_t B = 3;
     dc_layer h[NL], d[NL];
     dc_test_rng r;
@@ -422,6 +425,172 @@ static void test_noise_matches_cpu(void **state) {
     free(got);
 }
 
+/* Philox words (a, b: the 53-bit uniforms' integers) for the transform. */
+static void put_words(uint32_t *w, uint64_t a, uint64_t b, dc_test_rng *r) {
+    uint64_t x = dc_test_next(r); /* the 11 bits below each uniform */
+    w[0] = (uint32_t)(a >> 21);
+    w[1] = (uint32_t)((a & 0x1fffff) << 11) | (uint32_t)(x & 0x7ff);
+    w[2] = (uint32_t)(b >> 21);
+    w[3] = (uint32_t)((b & 0x1fffff) << 11) | (uint32_t)((x >> 11) & 0x7ff);
+}
+
+/* The Box-Muller step alone on chosen words, against the double formula
+ * of daemon/compute/noise.c: u1 at 0 and next to 1, both sides of the f32
+ * path's split (u1 = 2^-12) and of its rounding ties, every power of two;
+ * angles at every octant border; then random and log-uniform u1. */
+static void test_box_muller_edges(void **state) {
+    (void)state;
+    const uint64_t top = (uint64_t)1 << 53;
+    uint64_t as[600], bs[64];
+    size_t na = 0, nb = 0;
+    for (int k = 0; k <= 53; k++) {
+        uint64_t p2 = (uint64_t)1 << k;
+        as[na++] = p2 - 1;
+        if (p2 < top) as[na++] = p2;
+        if (k >= 1 && p2 + 1 < top) as[na++] = p2 + 1;
+    }
+    for (uint64_t k = 0; k < 200; k++) as[na++] = top - 1 - k; /* u1 next to 1 */
+    for (int j = -3; j <= 3; j++) {
+        as[na++] = ((uint64_t)1 << 41) - 1 + (uint64_t)j;          /* the split */
+        as[na++] = top - ((uint64_t)1 << 29) - 1 + (uint64_t)j;    /* hi's last step below 1 */
+        as[na++] = ((uint64_t)12345 << 29) + ((uint64_t)1 << 28) - 1 + (uint64_t)j; /* ties */
+        as[na++] = top - ((uint64_t)1 << 28) - 1 + (uint64_t)j;
+    }
+    for (uint64_t o = 0; o < 8; o++) {
+        uint64_t base = o << 50;
+        bs[nb++] = base;
+        bs[nb++] = base + 1;
+        bs[nb++] = base + ((uint64_t)1 << 49);
+        bs[nb++] = base + ((uint64_t)1 << 50) - 1;
+        bs[nb++] = base + ((uint64_t)1 << 50) - ((uint64_t)1 << 21);
+    }
+    dc_test_rng r;
+    dc_test_rng_seed(&r, 77);
+    const uint64_t nrand = 1 << 20;
+    const uint64_t npairs = na * nb + nrand;
+    uint32_t *w = malloc(npairs * 4 * sizeof *w);
+    uint64_t *pa = malloc(npairs * sizeof *pa), *pb = malloc(npairs * sizeof *pb);
+    float *got = malloc(npairs * 2 * sizeof *got);
+    assert_non_null(w);
+    assert_non_null(pa);
+    assert_non_null(pb);
+    assert_non_null(got);
+    uint64_t n = 0;
+    for (size_t i = 0; i < na; i++)
+        for (size_t j = 0; j < nb; j++, n++) {
+            pa[n] = as[i];
+            pb[n] = bs[j];
+        }
+    for (uint64_t i = 0; i < nrand; i++, n++) {
+        pa[n] = dc_test_next(&r) >> 11;
+        if (i & 1) pa[n] >>= dc_test_range(&r, 0, 52); /* log-uniform u1 */
+        pb[n] = dc_test_next(&r) >> 11;
+    }
+    for (uint64_t i = 0; i < npairs; i++) put_words(w + 4 * i, pa[i], pb[i], &r);
+    uint32_t *dw;
+    float *dz;
+    CUDA_OK(cudaMalloc((void **)&dw, npairs * 4 * sizeof *dw));
+    CUDA_OK(cudaMalloc((void **)&dz, npairs * 2 * sizeof *dz));
+    CUDA_OK(cudaMemcpy(dw, w, npairs * 4 * sizeof *w, cudaMemcpyHostToDevice));
+    for (int mode = 0; mode < 2; mode++) { /* DCC_NOISE_FAST, DCC_NOISE_EXACT */
+        CUDA_OK(dcc_noise_box_muller(dw, dz, npairs, mode, 0));
+        CUDA_OK(cudaMemcpy(got, dz, npairs * 2 * sizeof *got, cudaMemcpyDeviceToHost));
+        double worst_ratio = 0.0;
+        uint64_t worst_a = 0;
+        for (uint64_t i = 0; i < npairs; i++) {
+            double u1 = ((double)pa[i] + 1.0) / 9007199254740992.0;
+            double u2 = (double)pb[i] / 9007199254740992.0;
+            double rr = sqrt(-2.0 * log(u1)), t = 6.283185307179586476925 * u2;
+            double want[2] = {rr * cos(t), rr * sin(t)};
+            double bound = mode == DCC_NOISE_EXACT ? 2e-6 : 6e-7 * rr + 1e-7;
+            for (int k = 0; k < 2; k++) {
+                double e = fabs((double)got[2 * i + k] - want[k]);
+                double ratio = isnan(e) ? INFINITY : e / bound;
+                if (ratio > worst_ratio) {
+                    worst_ratio = ratio;
+                    worst_a = pa[i];
+                }
+            }
+        }
+        printf("box-muller %s: %llu pairs (%zu x %zu edges), worst %.2f of the bound "
+               "(at a = %llu)\n",
+               mode == DCC_NOISE_EXACT ? "exact" : "fast", (unsigned long long)npairs, na, nb,
+               worst_ratio, (unsigned long long)worst_a);
+        assert_true(worst_ratio <= 1.0);
+    }
+    CUDA_OK(cudaFree(dw));
+    CUDA_OK(cudaFree(dz));
+    free(w);
+    free(pa);
+    free(pb);
+    free(got);
+}
+
+/* The output pass's division (its reciprocal made once) against __fdiv_rn,
+ * bit for bit: every float bit pattern class (zeros, subnormals, the edges
+ * of the fast range, huge, infinite, NaN) and typical gradient values, over
+ * divisors from batch sizes to ones outside the fast range. */
+static void test_division_exact(void **state) {
+    (void)state;
+    static const float divisors[] = {8.0f,    3.0f,    1.0f / 3.0f, 7.5f,     1e-3f,   1e5f,
+                                     0.1f,    255.9f,  0x1p-60f,    0x1p60f,  0x1p-70f,
+                                     0x1p70f, 1e-38f,  3e38f,       -12.0f,   1e-45f};
+    const uint64_t n = 1 << 20;
+    float *x = malloc(n * sizeof *x), *got = malloc(2 * n * sizeof *got), *dx, *dout;
+    assert_non_null(x);
+    assert_non_null(got);
+    dc_test_rng r;
+    dc_test_rng_seed(&r, 5);
+    for (uint64_t i = 0; i < n; i++) {
+        uint32_t bits = (uint32_t)dc_test_next(&r);
+        switch (i % 4) {
+        case 0: break; /* any pattern */
+        case 1: x[i] = (float)dc_test_normal(&r); continue;
+        case 2: /* exponents at the fast range's edges */
+            bits = (bits & 0x807fffffu) | (uint32_t)(127 + dc_test_range(&r, -62, -58)) << 23;
+            if (i & 4) bits = (bits & 0x807fffffu) | (uint32_t)(127 + dc_test_range(&r, 58, 62)) << 23;
+            break;
+        default: bits &= 0x80ffffffu; break; /* subnormal and tiny */
+        }
+        memcpy(&x[i], &bits, sizeof bits);
+    }
+    x[0] = 0.0f;
+    x[1] = -0.0f;
+    x[2] = INFINITY;
+    x[3] = NAN;
+    CUDA_OK(cudaMalloc((void **)&dx, n * sizeof *dx));
+    CUDA_OK(cudaMalloc((void **)&dout, 2 * n * sizeof *dout));
+    CUDA_OK(cudaMemcpy(dx, x, n * sizeof *x, cudaMemcpyHostToDevice));
+    for (size_t k = 0; k < sizeof divisors / sizeof divisors[0]; k++) {
+        CUDA_OK(dcc_test_fdiv(dx, dout, n, divisors[k], 0));
+        CUDA_OK(cudaMemcpy(got, dout, 2 * n * sizeof *got, cudaMemcpyDeviceToHost));
+        uint64_t differ = 0, first = 0;
+        for (uint64_t i = 0; i < n; i++) {
+            uint32_t a, b;
+            memcpy(&a, &got[2 * i], sizeof a);
+            memcpy(&b, &got[2 * i + 1], sizeof b);
+            bool same = a == b || (isnan(got[2 * i]) && isnan(got[2 * i + 1]));
+            /* and both as the host rounds x / d */
+            float host = x[i] / divisors[k];
+            uint32_t h;
+            memcpy(&h, &host, sizeof h);
+            same = same && (h == b || (isnan(host) && isnan(got[2 * i + 1])));
+            if (!same && differ++ == 0) first = i;
+        }
+        if (differ)
+            printf("division by %g: %llu of %llu differ, first x = %a: %a vs %a\n",
+                   (double)divisors[k], (unsigned long long)differ, (unsigned long long)n,
+                   (double)x[first], (double)got[2 * first], (double)got[2 * first + 1]);
+        assert_int_equal(differ, 0);
+    }
+    printf("division: %zu divisors x %llu values bit-identical to __fdiv_rn and the host\n",
+           sizeof divisors / sizeof divisors[0], (unsigned long long)n);
+    CUDA_OK(cudaFree(dx));
+    CUDA_OK(cudaFree(dout));
+    free(x);
+    free(got);
+}
+
 int main(void) {
     if (dc_cuda_device_count() == 0) {
         printf("SKIP: no CUDA device\n");
@@ -436,6 +605,8 @@ int main(void) {
         cmocka_unit_test(test_linear_clipped),
         cmocka_unit_test(test_grouped_many),
         cmocka_unit_test(test_noise_matches_cpu),
+        cmocka_unit_test(test_box_muller_edges),
+        cmocka_unit_test(test_division_exact),
     };
     return cmocka_run_group_tests(tests, cuda_test_setup, cuda_test_teardown);
 }
