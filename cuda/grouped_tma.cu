@@ -292,15 +292,16 @@ cudaError_t launch(void (*kern)(g_params), const g_params &P, cudaStream_t st) {
     return cudaGetLastError();
 }
 
-/* Chunks of at most GMAXL layers of one dtype: fill(i, entry) sets layer i's
- * entry and returns its item count (or -1: not supported). */
+/* Chunks of at most max_layers (<= GMAXL) layers of one dtype: fill(i,
+ * entry) sets layer i's entry. */
 template <typename Fill>
 cudaError_t run_chunks(const dcc_linear *const *Ls, int n, int B, float s2, bool clipped,
-                       Fill fill, cudaStream_t st) {
+                       int max_layers, Fill fill, cudaStream_t st) {
+    const int per = max_layers < 1 ? 1 : max_layers < GMAXL ? max_layers : GMAXL;
     int i = 0;
     while (i < n) {
         int j = 1;
-        while (j < GMAXL && i + j < n && Ls[i + j]->ta == Ls[i]->ta) j++;
+        while (j < per && i + j < n && Ls[i + j]->ta == Ls[i]->ta) j++;
         g_params P;
         memset(&P, 0, sizeof P);
         int64_t items = 0;
@@ -350,7 +351,11 @@ extern "C" int dcc_bk_grouped_ok(const dcc_linear *L) {
 #endif
 }
 
-extern "C" cudaError_t dcc_linear_clipped_grouped(const dcc_bk_layer *ls, int n,
+extern "C" int dcc_grouped_layers(const dcc_options *o) {
+    return o && o->grouped_layers >= 1 && o->grouped_layers < GMAXL ? o->grouped_layers : GMAXL;
+}
+
+extern "C" cudaError_t dcc_linear_clipped_grouped(const dcc_bk_layer *ls, int n, int max_layers,
                                                   cudaStream_t st) {
 #ifdef DCC_WGMMA_BUILT
     if (n <= 0) return cudaSuccess;
@@ -363,7 +368,7 @@ extern "C" cudaError_t dcc_linear_clipped_grouped(const dcc_bk_layer *ls, int n,
                 return cudaErrorNotSupported;
             Ls[i] = &x->L;
         }
-        cudaError_t e = run_chunks(Ls, k, ls[0].L.B, 1.0f, true,
+        cudaError_t e = run_chunks(Ls, k, ls[0].L.B, 1.0f, true, max_layers,
                                    [&](int i, g_entry &E) {
                                        E.perm = ls[i0 + i].perm;
                                        E.fac = ls[i0 + i].fac;
@@ -380,6 +385,7 @@ extern "C" cudaError_t dcc_linear_clipped_grouped(const dcc_bk_layer *ls, int n,
 #else
     (void)ls;
     (void)n;
+    (void)max_layers;
     (void)st;
     return cudaErrorNotSupported;
 #endif
@@ -400,7 +406,7 @@ extern "C" int64_t dcc_norms_grouped_items(const dcc_linear *L) {
 }
 
 extern "C" cudaError_t dcc_linear_sqnorms_grouped(const dcc_norm_layer *ls, int n, float s2,
-                                                  cudaStream_t st) {
+                                                  int max_layers, cudaStream_t st) {
 #ifdef DCC_WGMMA_BUILT
     if (n <= 0) return cudaSuccess;
     const dcc_linear *Ls[GMAXL * 16];
@@ -411,7 +417,7 @@ extern "C" cudaError_t dcc_linear_sqnorms_grouped(const dcc_norm_layer *ls, int 
             if (!qualifies(&x->L) || x->L.B != ls[0].L.B) return cudaErrorNotSupported;
             Ls[i] = &x->L;
         }
-        cudaError_t e = run_chunks(Ls, k, ls[0].L.B, s2, false,
+        cudaError_t e = run_chunks(Ls, k, ls[0].L.B, s2, false, max_layers,
                                    [&](int i, g_entry &E) { E.out = ls[i0 + i].n2; }, st);
         if (e != cudaSuccess) return e;
     }
@@ -420,6 +426,7 @@ extern "C" cudaError_t dcc_linear_sqnorms_grouped(const dcc_norm_layer *ls, int 
     (void)ls;
     (void)n;
     (void)s2;
+    (void)max_layers;
     (void)st;
     return cudaErrorNotSupported;
 #endif

@@ -1,6 +1,7 @@
 /* The DPCLIP_CUDA_* switches, read from the environment in this one place
  * (dcc.h, dcc_options). A backend reads them when it is made; kernels and
  * tests get them passed down, never from getenv. */
+#include <limits.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -25,6 +26,7 @@ extern "C" void dcc_options_default(dcc_options *o) {
     memset(o, 0, sizeof *o);
     o->tf32 = o->grouped = o->one_pass = o->profile = o->wgmma = true;
     o->grouped_min = -1;
+    o->grouped_layers = INT_MAX;
     o->noise = DCC_NOISE_FAST;
     o->tail_after = -1;
 }
@@ -39,6 +41,7 @@ extern "C" void dcc_options_from_env(dcc_options *o) {
     o->wgmma = on("DPCLIP_CUDA_WGMMA");
     if ((v = set("DPCLIP_CUDA_NOISE")) && strcmp(v, "exact") == 0) o->noise = DCC_NOISE_EXACT;
     if ((v = set("DPCLIP_CUDA_GROUPED_MIN"))) o->grouped_min = atoi(v);
+    if ((v = set("DPCLIP_CUDA_GROUPED_LAYERS"))) o->grouped_layers = atoi(v) < 1 ? 1 : atoi(v);
     if ((v = set("DPCLIP_CUDA_DIRECT_TILE"))) o->direct_tile = atoi(v) >= 256 ? 256 : 128;
     if ((v = set("DPCLIP_CUDA_DIRECT_SPLIT"))) {
         int k = atoi(v);

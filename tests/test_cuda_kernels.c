@@ -311,7 +311,8 @@ static void test_linear_clipped(void **state) {
 
 /* Many LINEAR layers in one step: the grouped norm and book-keeping
  * launches take the qualifying ones (a launch per 80 layers at most, so
- * 110 layers split, and splits where the dtype changes), the others (T < 64 for the book-keeping, widths
+ * 110 layers split, or per DPCLIP_CUDA_GROUPED_LAYERS = 7, and splits where
+ * the dtype changes), the others (T < 64 for the book-keeping, widths
  * not multiples of 8, the ghost form for the norms, bias-only outputs) go
  * per layer. Layer norms and every output against the CPU backend, with the
  * grouped launches and without. */
@@ -333,12 +334,13 @@ static void test_grouped_many(void **state) {
             dc_test_tensor_free(&h[l].weight_grad_out);
         d[l] = dev_layer(&h[l]);
     }
-    for (int grouped = 1; grouped >= 0; grouped--) {
+    for (int grouped = 2; grouped >= 0; grouped--) { /* 2: 7 layers a launch */
         dc_step hs, ds;
         dc_step_result rh, rd;
         dc_err eh, ed;
         set_switches(1, 1);
         g_opts.grouped = grouped != 0;
+        if (grouped == 2) g_opts.grouped_layers = 7;
         apply_switches();
         step_init(&hs, h, NL, B, -1);
         step_init(&ds, d, NL, B, 0);
