@@ -57,6 +57,8 @@
  *
  * Usage: bench_cuda_norms [reps]      (default 20): everything
  *        bench_cuda_norms step [reps] (default 10): the GPT-2 step only
+ *        bench_cuda_norms llama [reps]: the Llama-1B-like step, bf16 ("old"
+ *                                       and "new")
  * DPCLIP_BENCH_ONLY=<config> runs that configuration alone (for profilers;
  * rel_diff_vs_first is then 0). */
 #include <math.h>
@@ -66,6 +68,7 @@
 #include <time.h>
 
 #include <algorithm>
+#include <string>
 #include <vector>
 
 #include <cublas_v2.h>
@@ -192,59 +195,88 @@ __global__ void to_f32(const __nv_bfloat16 *x, float *y, size_t n) {
         y[i] = __bfloat162float(x[i]);
 }
 
-struct gpt2 {
-    static const int NL = 48 + 24; /* 12 blocks x 4 */
-    int B = 8, T = 1024;
-    int d[NL], p[NL];
-    void *a[NL], *g[NL];   /* current dtype */
-    float *w[NL], *bias[NL];
+/* A model's LINEAR layers: GPT-2-small-like (72 layers: 18 blocks of qkv,
+ * proj, up, down; B=8, T=1024) or Llama-1B-like (16 blocks of q, k, v, o,
+ * gate, up, down and the 32000-word head; B=4, T=2048). */
+struct stack {
+    const char *name;
+    int NL, B, T;
+    bool bias;
+    std::vector<int> d, p;
+    std::vector<std::string> kind;
+    std::vector<void *> a, g; /* current dtype */
+    std::vector<float *> w, b;
     std::vector<dc_layer> layers;
 };
 
-static void gpt2_shapes(gpt2 &m) {
-    static const int dp[4][2] = {{768, 2304}, {768, 768}, {768, 3072}, {3072, 768}};
-    for (int l = 0; l < gpt2::NL; l++) {
-        m.d[l] = dp[l % 4][0];
-        m.p[l] = dp[l % 4][1];
+static void stack_shapes(stack &m, bool llama) {
+    struct shape {
+        const char *kind;
+        int d, p;
+    };
+    static const shape gpt[4] = {{"qkv", 768, 2304}, {"proj", 768, 768}, {"up", 768, 3072},
+                                 {"down", 3072, 768}};
+    static const shape lla[7] = {{"q", 2048, 2048},    {"k", 2048, 2048},   {"v", 2048, 2048},
+                                 {"o", 2048, 2048},    {"gate", 2048, 8192}, {"up", 2048, 8192},
+                                 {"down", 8192, 2048}};
+    const shape *sh = llama ? lla : gpt;
+    const int per = llama ? 7 : 4, blocks = llama ? 16 : 18;
+    m.name = llama ? "llama1b-linear" : "gpt2-small-linear";
+    m.B = llama ? 4 : 8;
+    m.T = llama ? 2048 : 1024;
+    m.bias = !llama;
+    for (int l = 0; l < per * blocks; l++) {
+        m.d.push_back(sh[l % per].d);
+        m.p.push_back(sh[l % per].p);
+        m.kind.push_back("h." + std::to_string(l / per) + "." + sh[l % per].kind);
     }
+    if (llama) {
+        m.d.push_back(2048);
+        m.p.push_back(32000);
+        m.kind.push_back("lm_head");
+    }
+    m.NL = (int)m.d.size();
+    m.a.assign(m.NL, nullptr);
+    m.g.assign(m.NL, nullptr);
+    m.w.assign(m.NL, nullptr);
+    m.b.assign(m.NL, nullptr);
 }
 
 /* Layers over the tensors of m in dtype dt. */
-static void gpt2_layers(gpt2 &m, dc_dtype dt) {
-    static const char *const kind[4] = {"qkv", "proj", "up", "down"};
-    m.layers.assign(gpt2::NL, dc_layer());
-    for (int l = 0; l < gpt2::NL; l++) {
+static void stack_layers(stack &m, dc_dtype dt) {
+    m.layers.assign(m.NL, dc_layer());
+    for (int l = 0; l < m.NL; l++) {
         dc_layer &ly = m.layers[l];
         memset(&ly, 0, sizeof ly);
         ly.kind = DC_LAYER_LINEAR;
-        snprintf(ly.name, sizeof ly.name, "h.%d.%s", l / 4, kind[l % 4]);
+        snprintf(ly.name, sizeof ly.name, "%s", m.kind[l].c_str());
         ly.T = m.T;
         ly.d = m.d[l];
         ly.p = m.p[l];
         ly.input = tensor(m.a[l], dt, 3, m.B, m.T, m.d[l]);
         ly.grad = tensor(m.g[l], dt, 3, m.B, m.T, m.p[l]);
-        ly.has_bias = true;
+        ly.has_bias = m.bias;
         ly.max_grad_norm = 1.0f;
         ly.weight_grad_out = tensor(m.w[l], DC_F32, 2, m.p[l], m.d[l], 0);
-        ly.bias_grad_out = tensor(m.bias[l], DC_F32, 1, m.p[l], 0, 0);
+        if (m.bias) ly.bias_grad_out = tensor(m.b[l], DC_F32, 1, m.p[l], 0, 0);
     }
 }
 
 /* The layers' dW GEMMs back to back (f32 out), enqueued. */
-static void gpt2_gemm_pass(cublasHandle_t h, gpt2 &m, dc_dtype dt, cublasComputeType_t ct) {
+static void stack_gemm_pass(cublasHandle_t h, stack &m, dc_dtype dt, cublasComputeType_t ct) {
     const float one = 1.0f, zero = 0.0f;
     cudaDataType_t ty = dt == DC_BF16 ? CUDA_R_16BF : CUDA_R_32F;
     CKB(cublasSetPointerMode(h, CUBLAS_POINTER_MODE_HOST));
-    for (int l = 0; l < gpt2::NL; l++)
+    for (int l = 0; l < m.NL; l++)
         CKB(cublasGemmEx(h, CUBLAS_OP_N, CUBLAS_OP_T, m.d[l], m.p[l], m.B * m.T, &one, m.a[l],
                          ty, m.d[l], m.g[l], ty, m.p[l], &zero, m.w[l], CUDA_R_32F, m.d[l], ct,
                          CUBLAS_GEMM_DEFAULT));
 }
 
 /* The same, ms: median of reps. */
-static double gpt2_gemms(cublasHandle_t h, cudaStream_t st, gpt2 &m, dc_dtype dt,
+static double stack_gemms(cublasHandle_t h, cudaStream_t st, stack &m, dc_dtype dt,
                          cublasComputeType_t ct, int reps) {
-    return time_ms([&] { gpt2_gemm_pass(h, m, dt, ct); }, st, reps);
+    return time_ms([&] { stack_gemm_pass(h, m, dt, ct); }, st, reps);
 }
 
 /* A configuration of the backend's switches (dcc_options). */
@@ -263,14 +295,14 @@ static double rel_diff(const float *x, const float *x0, size_t n) {
     return w > 0.0 ? sqrt(e / w) : sqrt(e);
 }
 
-static void gpt2_run(cublasHandle_t h, cudaStream_t st, gpt2 &m, dc_dtype dt,
+static void stack_run(cublasHandle_t h, cudaStream_t st, stack &m, dc_dtype dt,
                      const step_cfg *cfgs, int ncfg, double gemm_ms, double gemm_exact_ms,
                      cublasComputeType_t ct, int reps) {
-    gpt2_layers(m, dt);
+    stack_layers(m, dt);
     dc_step s;
     memset(&s, 0, sizeof s);
     s.batch = (uint32_t)m.B;
-    s.n_layers = gpt2::NL;
+    s.n_layers = (size_t)m.NL;
     s.layers = m.layers.data();
     s.max_grad_norm = 1.0f;
     s.reduction = DC_REDUCTION_MEAN;
@@ -279,7 +311,7 @@ static void gpt2_run(cublasHandle_t h, cudaStream_t st, gpt2 &m, dc_dtype dt,
     s.noise_key = 42;
     s.noise_step = 1;
     s.device = 0;
-    const int watch[2] = {0, gpt2::NL - 1};
+    const int watch[2] = {0, m.NL - 1};
     std::vector<float> ref[2];
     const char *only = getenv("DPCLIP_BENCH_ONLY"); /* one configuration, for profilers */
     for (int c = 0; c < ncfg; c++) {
@@ -309,7 +341,7 @@ static void gpt2_run(cublasHandle_t h, cudaStream_t st, gpt2 &m, dc_dtype dt,
                              (into w, which the next step overwrites) */
                 float gms;
                 CK(cudaEventRecord(ga, st));
-                gpt2_gemm_pass(h, m, dt, ct);
+                stack_gemm_pass(h, m, dt, ct);
                 CK(cudaEventRecord(gb, st));
                 CK(cudaEventSynchronize(gb));
                 CK(cudaEventElapsedTime(&gms, ga, gb));
@@ -348,7 +380,7 @@ static void gpt2_run(cublasHandle_t h, cudaStream_t st, gpt2 &m, dc_dtype dt,
         for (int k = 0; k < DC_CUDA_PHASES; k++)
             o += snprintf(phases + o, sizeof phases - (size_t)o, "%s\"%s\":%.4f", k ? "," : "",
                           dc_cuda_phase_name(k), ph[k]);
-        printf("{\"bench\":\"cuda_step_phases\",\"model\":\"gpt2-small-linear\",\"layers\":%d,"
+        printf("{\"bench\":\"cuda_step_phases\",\"model\":\"%s\",\"layers\":%d,"
                "\"B\":%d,\"T\":%d,\"dtype\":\"%s\",\"config\":\"%s\",\"tf32\":%s,"
                "\"grouped\":%s,\"one_pass\":%s,\"noise\":\"%s\",\"step_ms\":%.3f,"
                "\"gpu_ms\":%.3f,\"phases\":{%s},\"gemm_sum_ms\":%.3f,"
@@ -357,7 +389,7 @@ static void gpt2_run(cublasHandle_t h, cudaStream_t st, gpt2 &m, dc_dtype dt,
                "\"gemm_after_step_ms\":%.3f,\"step_over_gemm_after\":%.3f,"
                "\"norms_over_gemm_after\":%.3f,\"clipped_over_gemm_after\":%.3f,"
                "\"rel_diff_vs_first\":%.2e,\"workspace_bytes\":%zu,\"amax_found\":%d}\n",
-               gpt2::NL, m.B, m.T, dc_dtype_name(dt), cfgs[c].name,
+               m.name, m.NL, m.B, m.T, dc_dtype_name(dt), cfgs[c].name,
                cfgs[c].tf32 ? "true" : "false", cfgs[c].grouped ? "true" : "false",
                cfgs[c].one_pass ? "true" : "false", cfgs[c].exact_noise ? "exact" : "fast",
                host[host.size() / 2], gpu, phases, gemm_ms, gemm_exact_ms,
@@ -370,16 +402,18 @@ static void gpt2_run(cublasHandle_t h, cudaStream_t st, gpt2 &m, dc_dtype dt,
     }
 }
 
-static void gpt2_bench(cublasHandle_t h, cudaStream_t st, int reps) {
-    gpt2 m;
-    gpt2_shapes(m);
-    std::vector<void *> bf_a(gpt2::NL), bf_g(gpt2::NL);
-    for (int l = 0; l < gpt2::NL; l++) {
+/* The step of a model's layers in bf16, then (GPT-2 only: Llama's f32 copies
+ * would take 26 GB) in f32. */
+static void stack_bench(cublasHandle_t h, cudaStream_t st, int reps, bool llama) {
+    stack m;
+    stack_shapes(m, llama);
+    std::vector<void *> bf_a(m.NL), bf_g(m.NL);
+    for (int l = 0; l < m.NL; l++) {
         size_t rows = (size_t)m.B * m.T;
         bf_a[l] = rand_bf16(rows * m.d[l], 100 + l, 1.0f);
         bf_g[l] = rand_bf16(rows * m.p[l], 300 + l, 0.002f);
         CK(cudaMalloc(&m.w[l], (size_t)m.p[l] * m.d[l] * sizeof(float)));
-        CK(cudaMalloc(&m.bias[l], (size_t)m.p[l] * sizeof(float)));
+        CK(cudaMalloc(&m.b[l], (size_t)m.p[l] * sizeof(float)));
         m.a[l] = bf_a[l];
         m.g[l] = bf_g[l];
     }
@@ -391,11 +425,20 @@ static void gpt2_bench(cublasHandle_t h, cudaStream_t st, int reps) {
         {"new_but_staged_out", true, true, false, false},
         {"new_but_exact_noise", true, true, true, true},
     };
-    double gemm = gpt2_gemms(h, st, m, DC_BF16, CUBLAS_COMPUTE_32F, reps);
-    gpt2_run(h, st, m, DC_BF16, bf_cfgs, 5, gemm, gemm, CUBLAS_COMPUTE_32F, reps);
+    double gemm = stack_gemms(h, st, m, DC_BF16, CUBLAS_COMPUTE_32F, reps);
+    stack_run(h, st, m, DC_BF16, bf_cfgs, llama ? 2 : 5, gemm, gemm, CUBLAS_COMPUTE_32F, reps);
+    if (llama) {
+        for (int l = 0; l < m.NL; l++) {
+            CK(cudaFree(m.a[l]));
+            CK(cudaFree(m.g[l]));
+            CK(cudaFree(m.w[l]));
+            CK(cudaFree(m.b[l]));
+        }
+        return;
+    }
 
     /* f32 copies of the same values */
-    for (int l = 0; l < gpt2::NL; l++) {
+    for (int l = 0; l < m.NL; l++) {
         size_t rows = (size_t)m.B * m.T;
         float *af, *gf;
         CK(cudaMalloc(&af, rows * m.d[l] * sizeof(float)));
@@ -414,15 +457,15 @@ static void gpt2_bench(cublasHandle_t h, cudaStream_t st, int reps) {
         {"new", true, true, true, false},
         {"new_but_exact_f32", false, true, true, false},
     };
-    double g_tf32 = gpt2_gemms(h, st, m, DC_F32, CUBLAS_COMPUTE_32F_FAST_TF32, reps);
-    double g_f32 = gpt2_gemms(h, st, m, DC_F32, CUBLAS_COMPUTE_32F, std::max(1, reps / 4));
-    gpt2_run(h, st, m, DC_F32, f_cfgs, 3, g_tf32, g_f32, CUBLAS_COMPUTE_32F_FAST_TF32,
+    double g_tf32 = stack_gemms(h, st, m, DC_F32, CUBLAS_COMPUTE_32F_FAST_TF32, reps);
+    double g_f32 = stack_gemms(h, st, m, DC_F32, CUBLAS_COMPUTE_32F, std::max(1, reps / 4));
+    stack_run(h, st, m, DC_F32, f_cfgs, 3, g_tf32, g_f32, CUBLAS_COMPUTE_32F_FAST_TF32,
              std::max(2, reps / 3));
-    for (int l = 0; l < gpt2::NL; l++) {
+    for (int l = 0; l < m.NL; l++) {
         CK(cudaFree(m.a[l]));
         CK(cudaFree(m.g[l]));
         CK(cudaFree(m.w[l]));
-        CK(cudaFree(m.bias[l]));
+        CK(cudaFree(m.b[l]));
     }
 }
 
@@ -432,7 +475,8 @@ int main(int argc, char **argv) {
         {2, 8192, 768, 3072},  {8, 1024, 2048, 8192}, {2, 4096, 2048, 8192},
         {1, 16384, 2048, 2048},
     };
-    const bool step_only = argc > 1 && strcmp(argv[1], "step") == 0;
+    const bool llama = argc > 1 && strcmp(argv[1], "llama") == 0;
+    const bool step_only = argc > 1 && (strcmp(argv[1], "step") == 0 || llama);
     int reps = argc > 1 + step_only ? atoi(argv[1 + step_only]) : step_only ? 10 : 20;
     if (reps < 1) reps = 1;
     if (dc_cuda_device_count() == 0) {
@@ -448,7 +492,7 @@ int main(int argc, char **argv) {
     CKB(cublasCreate(&h));
     CKB(cublasSetStream(h, st));
     if (step_only) {
-        gpt2_bench(h, st, reps);
+        stack_bench(h, st, reps, llama);
         cublasDestroy(h);
         cudaStreamDestroy(st);
         return 0;
@@ -604,7 +648,7 @@ int main(int argc, char **argv) {
            gm, exp(lg_direct / 7.0), exp(lg_ghost / 7.0), exp(lg_limit / 7.0), worst,
            worst_extra, gm <= 1.0 ? "true" : "false", worst <= 1.5 ? "true" : "false",
            worst_extra <= ((size_t)64 << 20) ? "true" : "false");
-    gpt2_bench(h, st, std::max(2, reps / 2));
+    stack_bench(h, st, std::max(2, reps / 2), false);
     cublasDestroy(h);
     cudaStreamDestroy(st);
     return 0;

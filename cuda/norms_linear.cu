@@ -248,11 +248,12 @@ extern "C" dc_algo dcc_linear_pick(int T, int d, int p, dc_algo requested) {
 }
 
 /* In the grouped launch the direct form runs persistent, with no partial
- * last wave, at the cuBLAS GEMM's rate, where a per-layer ghost launch of
- * the same layer took 1.4x its GEMM (GPT-2-small's MLP layers, B=8,
- * T=1024, H100): direct work counts a third less there. */
+ * last wave, at about the cuBLAS GEMM's rate. Measured on an H100: GPT-2-
+ * small's MLP layers (B=8, T=1024; direct 1.07x the ghost work) ran faster
+ * there than in per-layer ghost launches, Llama-1B's (B=4, T=2048; 1.51x)
+ * slower; 1.25 sits between the two. */
 extern "C" dc_algo dcc_linear_pick_grouped(int T, int d, int p, dc_algo requested) {
-    return pick(T, d, p, requested, 1.5);
+    return pick(T, d, p, requested, 1.25);
 }
 
 extern "C" dcc_path dcc_linear_path(const dcc_linear *L) {
