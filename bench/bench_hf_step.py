@@ -115,6 +115,7 @@ def run(args, device, mode):
     if engine is not None:
         engine.synchronize()
         compute0 = engine.compute_ns_total
+        wait0 = engine.input_wait_ns_total
     phases = {}
     t0 = time.perf_counter()
     for _ in range(args.steps):
@@ -128,6 +129,8 @@ def run(args, device, mode):
         engine.synchronize()
         extra["daemon_compute_ms"] = round((engine.compute_ns_total - compute0) / 1e6 /
                                            args.steps, 3)
+        extra["daemon_input_wait_ms"] = round((engine.input_wait_ns_total - wait0) / 1e6 /
+                                              args.steps, 3)
         extra["mps_active"] = bool(engine.client.info.mps_active)
     ms = (time.perf_counter() - t0) * 1e3 / args.steps
     extra["loss"] = round(float(loss.detach()), 4)

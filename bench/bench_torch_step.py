@@ -222,6 +222,7 @@ def run(args, device, precision, mode, socket_path):
     if engine is not None:
         engine.synchronize()
         compute0 = engine.compute_ns_total
+        wait0 = engine.input_wait_ns_total
     t0 = time.perf_counter()
     for _ in range(args.steps):
         step()
@@ -234,6 +235,8 @@ def run(args, device, precision, mode, socket_path):
     if engine is not None:
         engine.synchronize()
         phases["daemon_compute_ms"] = (engine.compute_ns_total - compute0) / 1e6
+        # of it, the daemon's GPU waiting for the trainer's backward to finish
+        phases["daemon_input_wait_ms"] = (engine.input_wait_ns_total - wait0) / 1e6
     ms = (time.perf_counter() - t0) * 1e3 / args.steps
     mem = peak_mb(device)
     # Per-step means of the engine's phases: building the request in the

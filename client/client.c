@@ -162,6 +162,7 @@ int cl_to_result(const Dpclip__ClipStepReply *r, uint32_t batch, uint32_t n_laye
     res->n_layers = n_layers;
     res->step_index = r->step_index;
     res->compute_ns = r->compute_ns;
+    res->input_wait_ns = r->input_wait_ns;
     res->epsilon = r->epsilon;
     res->delta = r->delta;
     res->norms = malloc(batch * sizeof(float));

@@ -249,6 +249,8 @@ typedef struct dpclip_result {
     uint64_t compute_ns;
     double epsilon;        /* the job's epsilon after this step (inf without noise) */
     double delta;          /* ... at this delta */
+    uint64_t input_wait_ns; /* of compute_ns: the GPU waiting for the step's wait_event
+                               (the client's own work still running) */
 } dpclip_result;
 void dpclip_result_free(dpclip_result *r);
 
@@ -266,6 +268,7 @@ typedef struct dpclip_timing {
     /* Norm groups: this member's wait for the group's totals, and the part
      * of it spent exchanging with other daemons (NCCL); 0 outside groups. */
     uint64_t group_wait_ns, group_exchange_ns;
+    uint64_t input_wait_ns; /* of compute_ns: waiting for the client's wait_event */
 } dpclip_timing;
 int dpclip_last_timing(dpclip_client *c, dpclip_timing *t);
 

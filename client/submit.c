@@ -97,7 +97,8 @@ DPCLIP_API int dpclip_run(dpclip_client *c, const dpclip_step *s, dpclip_result 
                                              r->clip_step->t_replied_ns, t_got,
                                              r->clip_step->compute_ns,
                                              r->clip_step->group_wait_ns,
-                                             r->clip_step->group_exchange_ns};
+                                             r->clip_step->group_exchange_ns,
+                                             r->clip_step->input_wait_ns};
     } else {
         rc = cl_die(c, "dpclipd sent reply type %d to a ClipStep", (int)r->body_case);
     }

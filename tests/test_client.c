@@ -284,6 +284,7 @@ static void test_run(void **state) {
     assert_true(tm.daemon_received_ns + tm.compute_ns <= tm.daemon_replied_ns);
     assert_true(tm.daemon_replied_ns <= tm.received_ns);
     assert_true(tm.compute_ns == res.compute_ns);
+    assert_true(tm.input_wait_ns == res.input_wait_ns && res.input_wait_ns <= res.compute_ns);
     assert_null(res.layer_norms);
     check(&s, &res);
     dpclip_result_free(&res);

@@ -56,6 +56,7 @@ static fixture *make(dc_clip_mode mode, bool want_layer_norms) {
         if (j->res.layer_coefs) j->res.layer_coefs[i] = 0.01f * (float)(i + 1);
     }
     j->res.compute_ns = 12345;
+    j->res.phase_ns[DC_RUN_WAIT_INPUT] = 2345;
     j->eps = 1.25;
     j->delta = 1e-5;
     j->req_id = 77;
@@ -112,6 +113,7 @@ static void test_flat(void **state) {
     assert_int_equal(cr.n_layer_coefficients, 0);
     assert_int_equal(cr.step_index, 9);
     assert_int_equal(cr.compute_ns, 12345);
+    assert_int_equal(cr.input_wait_ns, 2345);
     assert_true(cr.epsilon == 1.25);
     assert_true(cr.delta == 1e-5);
     assert_int_equal(cr.t_received_ns, 1000);

@@ -21,6 +21,7 @@ void dc_step_reply_fill(const dc_step_job *j, uint64_t step_index, Dpclip__ClipS
     }
     cr->step_index = step_index;
     cr->compute_ns = j->res.compute_ns;
+    cr->input_wait_ns = j->res.phase_ns[DC_RUN_WAIT_INPUT];
     cr->epsilon = j->eps;
     cr->delta = j->delta;
     cr->t_received_ns = j->t_frame;

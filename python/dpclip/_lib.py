@@ -105,7 +105,8 @@ class Result(ctypes.Structure):
                 ("layer_norms", ctypes.POINTER(ctypes.c_float)),
                 ("layer_coefs", ctypes.POINTER(ctypes.c_float)),
                 ("step_index", ctypes.c_uint64), ("compute_ns", ctypes.c_uint64),
-                ("epsilon", ctypes.c_double), ("delta", ctypes.c_double)]
+                ("epsilon", ctypes.c_double), ("delta", ctypes.c_double),
+                ("input_wait_ns", ctypes.c_uint64)]
 
 
 class Enqueued(ctypes.Structure):
@@ -372,20 +373,24 @@ class Client:
 class StepResult(NamedTuple):
     """A finished step: norms and coefs (lists of B floats), the daemon's
     step index and compute time, and its ledger's epsilon/delta for the job
-    after the step (0 where it reports none)."""
+    after the step (0 where it reports none). input_wait_ns: the part of
+    compute_ns the GPU spent waiting for the trainer's own work (its
+    backward) to finish before the daemon's could start."""
     norms: List[float]
     coefs: List[float]
     step_index: int
     compute_ns: int
     epsilon: float
     delta: float
+    input_wait_ns: int = 0
 
 
 def _step_result(res: Result) -> StepResult:
     n = res.batch
     norms = res.norms[:n] if res.norms else []
     coefs = res.coefs[:n] if res.coefs else []
-    return StepResult(norms, coefs, res.step_index, res.compute_ns, res.epsilon, res.delta)
+    return StepResult(norms, coefs, res.step_index, res.compute_ns, res.epsilon, res.delta,
+                      res.input_wait_ns)
 
 
 class Step:

@@ -125,6 +125,9 @@ class PrivacyEngine:
         self._last_compute_ns = 0
         self._last_step_index = 0
         self.compute_ns_total = 0   # the daemon's compute time of every collected step
+        # ... of which its GPU waited for this trainer's own work (the backward
+        # the step's gradients come from) before the daemon's could start
+        self.input_wait_ns_total = 0
         self.last_epsilon = self.last_delta = 0.0   # the daemon's ledger, after the last step
         # GPU steps run asynchronously (see make_private): (ticket, B, step
         # index) of the step whose result has not been collected yet.
@@ -646,6 +649,7 @@ class PrivacyEngine:
         self._last_step_index = res.step_index
         self._last_compute_ns = res.compute_ns
         self.compute_ns_total += res.compute_ns
+        self.input_wait_ns_total += res.input_wait_ns
         self.last_epsilon = res.epsilon
         self.last_delta = res.delta
 

@@ -28,7 +28,7 @@ FIELDS = {
     "dpclip_norm_layer": ["name", "input", "output_grad", "eps", "has_bias", "weight_grad_out",
                           "bias_grad_out", "max_grad_norm"],
     "dpclip_result": ["batch", "n_layers", "norms", "coefs", "layer_norms", "layer_coefs",
-                      "step_index", "compute_ns", "epsilon", "delta"],
+                      "step_index", "compute_ns", "epsilon", "delta", "input_wait_ns"],
     "dpclip_enqueued": ["step_index", "epsilon", "delta"],
     "dpclip_group_opts": ["name", "rank", "size", "timeout_ms", "group_wise"],
 }
