@@ -80,6 +80,7 @@ static void test_full_file(void **state) {
         "max_layers = 8\n"
         "max_frame = 65536\n"
         "max_buffers = 9\n"
+        "max_events = 5\n"
         "[access]\n"
         "allowed_uids = root, 1234\n"
         "allowed_groups = 0 root\n"
@@ -108,6 +109,7 @@ static void test_full_file(void **state) {
     assert_int_equal(c.max_layers, 8);
     assert_int_equal(c.max_frame, 65536);
     assert_int_equal(c.max_buffers, 9);
+    assert_int_equal(c.max_events, 5);
     assert_int_equal(c.n_allowed_uids, 2);
     assert_int_equal(c.allowed_uids[0], 0);
     assert_int_equal(c.allowed_uids[1], 1234);

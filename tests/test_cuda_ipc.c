@@ -386,6 +386,40 @@ static void test_workspace_cap(void **state) {
     dc_harness_stop(&h);
 }
 
+/* limits.max_events: a registration past it is refused naming the setting,
+ * before the daemon opens the handle; the session goes on. */
+static void test_event_cap(void **state) {
+    (void)state;
+    if (!g_have_gpu) {
+        printf("SKIP: test_event_cap: no CUDA device\n");
+        return;
+    }
+    dc_harness h;
+    assert_int_equal(dc_harness_start(&h, "--workers 1 --max-events 2"), 0);
+    dpclip_client *c = NULL;
+    dpclip_connect_opts o = {"test_cuda_ipc", "gpu-job", 0};
+    if (dpclip_connect(h.sock, &o, &c)) fail_msg("connect: %s", dpclip_errmsg(c));
+    cudaEvent_t ev[3];
+    uint64_t id[3];
+    for (int i = 0; i < 3; i++) {
+        cudaIpcEventHandle_t hd;
+        CUDA_OK(cudaEventCreateWithFlags(&ev[i], cudaEventInterprocess | cudaEventDisableTiming));
+        CUDA_OK(cudaIpcGetEventHandle(&hd, ev[i]));
+        int rc = dpclip_event_register_cuda(c, &hd, 0, &id[i]);
+        if (i < 2) {
+            assert_int_equal(rc, 0);
+        } else {
+            assert_int_equal(rc, DPCLIP_ENOSPACE);
+            assert_string_equal(dpclip_errfield(c), "limits.max_events");
+        }
+    }
+    assert_true(id[0] != id[1]);
+    assert_int_equal(dpclip_ping(c), 0);
+    dpclip_disconnect(c);
+    for (int i = 0; i < 3; i++) CUDA_OK(cudaEventDestroy(ev[i]));
+    dc_harness_stop(&h);
+}
+
 /* A trainer process dies right after submitting a large GPU step: the daemon
  * finishes it, closes that session's handles and keeps serving. Run as a
  * separate process (this binary with --child) so that its CUDA context and
@@ -482,6 +516,7 @@ int main(int argc, char **argv) {
         cmocka_unit_test(test_gpu_steps_exact),
         cmocka_unit_test(test_gpu_events),
         cmocka_unit_test(test_gpu_event_changed),
+        cmocka_unit_test(test_event_cap),
         cmocka_unit_test(test_gpu_early_notice),
         cmocka_unit_test(test_workspace_cap),
         cmocka_unit_test(test_client_killed_mid_step),

@@ -9,12 +9,21 @@
 #include "server.h"
 #include "session_int.h"
 
-/* Room for one more event; on failure the table is unchanged. */
+/* Whether the session may hold one more event (limits.max_events, read
+ * where it is used: the setting is reloadable); fills e if not. */
+static int events_room(const dc_session *s, dc_err *e) {
+    const uint32_t max = s->srv->cfg.max_events;
+    if (s->n_events < max) return 0;
+    return dc_err_set(e, DC_ENOSPACE, "limits.max_events",
+                      "this session holds %zu events, the most it may (limits.max_events)",
+                      s->n_events);
+}
+
+/* Room for one more event in the table; on failure it is unchanged. */
 static int grow_events(dc_session *s) {
     size_t n = s->cap_events ? s->cap_events * 2 : 8;
     struct dc_session_event *p;
     if (s->n_events < s->cap_events) return 0;
-    if (s->cap_events >= 4096) return -1;
     p = realloc(s->events, n * sizeof *p);
     if (!p) return -1;
     s->events = p;
@@ -107,9 +116,12 @@ static void register_event_done(dc_gpu_event_job *j) {
         if (!s->gone) dc_session_reject(s, j->req_id, &j->err);
     } else if (s->gone) {
         dc_gpu_close_event(&s->srv->gpu, j->device, j->event);
+    } else if (events_room(s, &e) != 0) { /* the setting may have shrunk meanwhile */
+        dc_gpu_close_event(&s->srv->gpu, j->device, j->event);
+        dc_session_reject(s, j->req_id, &e);
     } else if (grow_events(s) != 0) {
         dc_gpu_close_event(&s->srv->gpu, j->device, j->event);
-        dc_err_set(&e, DC_ENOSPACE, "register_event", "too many events in this session");
+        dc_err_set(&e, DC_ENOSPACE, "register_event", "out of memory");
         dc_session_reject(s, j->req_id, &e);
     } else {
         Dpclip__Reply reply = DPCLIP__REPLY__INIT;
@@ -134,6 +146,9 @@ void dc_session_register_event(dc_session *s, uint64_t id, const Dpclip__Registe
     dc_err e;
     if (ipc_request_ok(s, m->device, m->cuda_ipc_event_handle.len, &k_event_names, &e))
         goto fail;
+    /* before the open: a session at its limit costs the GPU thread nothing
+     * (registrations are serialized, so none is in flight here) */
+    if (events_room(s, &e)) goto fail;
     j = calloc(1, sizeof *j);
     if (!j) {
         dc_err_set(&e, DC_ENOSPACE, "register_event", "out of memory");

@@ -75,6 +75,8 @@ static const key_def KEYS[] = {
      "largest request frame in bytes"},
     {"limits", "max_buffers", "max-buffers", T_UINT, F(max_buffers), 1, 1u << 20, true,
      "buffers one session may hold registered"},
+    {"limits", "max_events", "max-events", T_UINT, F(max_events), 1, 1u << 20, true,
+     "CUDA IPC events one session may hold registered"},
     {"limits", "max_step_samples", NULL, T_UINT, F(max_step_samples), 1, 1u << 31, true,
      "most layers x batch in one step (its per-sample norm tables and reply)"},
     {"limits", "max_step_memory", NULL, T_SIZE, F(max_step_memory), 1 << 20, 0, true,
@@ -157,6 +159,7 @@ void dc_config_defaults(dc_config *c) {
     c->max_layers = DC_DEFAULT_MAX_LAYERS;
     c->max_frame = DC_DEFAULT_MAX_FRAME;
     c->max_buffers = 4096;
+    c->max_events = 4096;
     c->max_step_samples = 1u << 22;
     c->max_step_memory = (uint64_t)2 << 30;
     c->max_step_gflop = 500;

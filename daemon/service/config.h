@@ -41,6 +41,7 @@ typedef struct dc_config {
     dc_log_level log_level;
     /* [limits] */
     uint32_t max_batch, max_layers, max_frame, max_buffers;
+    uint32_t max_events;           /* CUDA IPC events one session may hold registered */
     uint32_t max_step_samples;     /* layers x batch of one step (per-sample tables) */
     uint64_t max_step_memory;      /* host bytes one step may make the daemon hold */
     uint32_t max_step_gflop;       /* work of one host-memory (CPU) step */
