@@ -402,52 +402,18 @@ static void stack_run(cublasHandle_t h, cudaStream_t st, stack &m, dc_dtype dt,
     }
 }
 
-/* The step of a model's layers in bf16, then (GPT-2 only: Llama's f32 copies
- * would take 26 GB) in f32. */
-static void stack_bench(cublasHandle_t h, cudaStream_t st, int reps, bool llama) {
-    stack m;
-    stack_shapes(m, llama);
-    std::vector<void *> bf_a(m.NL), bf_g(m.NL);
-    for (int l = 0; l < m.NL; l++) {
-        size_t rows = (size_t)m.B * m.T;
-        bf_a[l] = rand_bf16(rows * m.d[l], 100 + l, 1.0f);
-        bf_g[l] = rand_bf16(rows * m.p[l], 300 + l, 0.002f);
-        CK(cudaMalloc(&m.w[l], (size_t)m.p[l] * m.d[l] * sizeof(float)));
-        CK(cudaMalloc(&m.b[l], (size_t)m.p[l] * sizeof(float)));
-        m.a[l] = bf_a[l];
-        m.g[l] = bf_g[l];
-    }
-    CK(cudaDeviceSynchronize());
-    static const step_cfg bf_cfgs[] = {
-        {"old", false, false, false, true},
-        {"new", true, true, true, false},
-        {"new_but_per_layer", true, false, true, false},
-        {"new_but_staged_out", true, true, false, false},
-        {"new_but_exact_noise", true, true, true, true},
-    };
-    double gemm = stack_gemms(h, st, m, DC_BF16, CUBLAS_COMPUTE_32F, reps);
-    stack_run(h, st, m, DC_BF16, bf_cfgs, llama ? 2 : 5, gemm, gemm, CUBLAS_COMPUTE_32F, reps);
-    if (llama) {
-        for (int l = 0; l < m.NL; l++) {
-            CK(cudaFree(m.a[l]));
-            CK(cudaFree(m.g[l]));
-            CK(cudaFree(m.w[l]));
-            CK(cudaFree(m.b[l]));
-        }
-        return;
-    }
-
-    /* f32 copies of the same values */
+/* The same step on f32 copies of m's bf16 values (replacing them in m). */
+static void stack_f32(cublasHandle_t h, cudaStream_t st, stack &m, int reps) {
     for (int l = 0; l < m.NL; l++) {
         size_t rows = (size_t)m.B * m.T;
         float *af, *gf;
         CK(cudaMalloc(&af, rows * m.d[l] * sizeof(float)));
         CK(cudaMalloc(&gf, rows * m.p[l] * sizeof(float)));
-        to_f32<<<4096, 256>>>((const __nv_bfloat16 *)bf_a[l], af, rows * m.d[l]);
-        to_f32<<<4096, 256>>>((const __nv_bfloat16 *)bf_g[l], gf, rows * m.p[l]);
+        to_f32<<<4096, 256>>>((const __nv_bfloat16 *)m.a[l], af, rows * m.d[l]);
+        to_f32<<<4096, 256>>>((const __nv_bfloat16 *)m.g[l], gf, rows * m.p[l]);
         CK(cudaGetLastError());
-        CK(cudaFree(bf_a[l]));
-        CK(cudaFree(bf_g[l]));
+        CK(cudaFree(m.a[l]));
+        CK(cudaFree(m.g[l]));
         m.a[l] = af;
         m.g[l] = gf;
     }
@@ -461,6 +427,31 @@ static void stack_bench(cublasHandle_t h, cudaStream_t st, int reps, bool llama)
     double g_f32 = stack_gemms(h, st, m, DC_F32, CUBLAS_COMPUTE_32F, std::max(1, reps / 4));
     stack_run(h, st, m, DC_F32, f_cfgs, 3, g_tf32, g_f32, CUBLAS_COMPUTE_32F_FAST_TF32,
              std::max(2, reps / 3));
+}
+
+/* The step of a model's layers in bf16, then (GPT-2 only: Llama's f32 copies
+ * would take 26 GB) in f32. */
+static void stack_bench(cublasHandle_t h, cudaStream_t st, int reps, bool llama) {
+    stack m;
+    stack_shapes(m, llama);
+    for (int l = 0; l < m.NL; l++) {
+        size_t rows = (size_t)m.B * m.T;
+        m.a[l] = rand_bf16(rows * m.d[l], 100 + l, 1.0f);
+        m.g[l] = rand_bf16(rows * m.p[l], 300 + l, 0.002f);
+        CK(cudaMalloc(&m.w[l], (size_t)m.p[l] * m.d[l] * sizeof(float)));
+        if (m.bias) CK(cudaMalloc(&m.b[l], (size_t)m.p[l] * sizeof(float)));
+    }
+    CK(cudaDeviceSynchronize());
+    static const step_cfg bf_cfgs[] = {
+        {"old", false, false, false, true},
+        {"new", true, true, true, false},
+        {"new_but_per_layer", true, false, true, false},
+        {"new_but_staged_out", true, true, false, false},
+        {"new_but_exact_noise", true, true, true, true},
+    };
+    double gemm = stack_gemms(h, st, m, DC_BF16, CUBLAS_COMPUTE_32F, reps);
+    stack_run(h, st, m, DC_BF16, bf_cfgs, llama ? 2 : 5, gemm, gemm, CUBLAS_COMPUTE_32F, reps);
+    if (!llama) stack_f32(h, st, m, reps);
     for (int l = 0; l < m.NL; l++) {
         CK(cudaFree(m.a[l]));
         CK(cudaFree(m.g[l]));

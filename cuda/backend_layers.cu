@@ -232,7 +232,7 @@ int grouped_clipped(cuda_backend *cb, const dc_step *s, const layout *Lo, dc_err
     CK(dcc_bk_order((const float *)(cb->ws + Lo->cs), (int)s->n_layers, B,
                     (int *)(cb->ws + Lo->perm), (float *)(cb->ws + Lo->fac), cb->stream),
        "the sample order");
-    e = dcc_linear_clipped_grouped(cb->bk, cb->bk_n, dcc_grouped_layers(&cb->opt), cb->stream);
+    e = dcc_linear_clipped_grouped(cb->bk, cb->bk_n, cb->opt.grouped_layers, cb->stream);
     if (e == cudaErrorNotSupported) {
         memset(cb->bk_grouped, 0, s->n_layers * sizeof *cb->bk_grouped);
         return amax_undo(cb, Lo, err);
@@ -255,7 +255,8 @@ int grouped_norms(cuda_backend *cb, const dc_step *s, const layout *Lo, float s2
         cb->nm_grouped[l] = false;
         if (ly->kind != DC_LAYER_LINEAR || (cb->ovr_active && cb->ovr[l])) continue;
         dcc_linear x = linear_of(cb, ly, B, dc_layer_norm_bias(ly), false);
-        if (!dcc_norms_grouped_ok(&x, dcc_linear_pick_grouped(x.T, x.d, x.p, ly->algo))) continue;
+        if (!dcc_norms_grouped_ok(&x, dcc_linear_pick_grouped(x.T, x.d, x.p, ly->algo)))
+            continue;
         dcc_norm_layer *e = &cb->nm[n++];
         e->L = x;
         e->n2 = (float *)(cb->ws + Lo->n2) + l * (size_t)B;
@@ -266,8 +267,7 @@ int grouped_norms(cuda_backend *cb, const dc_step *s, const layout *Lo, float s2
         memset(cb->nm_grouped, 0, s->n_layers * sizeof *cb->nm_grouped);
         return 0;
     }
-    cudaError_t e =
-        dcc_linear_sqnorms_grouped(cb->nm, n, s2, dcc_grouped_layers(&cb->opt), cb->stream);
+    cudaError_t e = dcc_linear_sqnorms_grouped(cb->nm, n, s2, cb->opt.grouped_layers, cb->stream);
     if (e == cudaErrorNotSupported) { /* nothing was launched: per layer instead */
         memset(cb->nm_grouped, 0, s->n_layers * sizeof *cb->nm_grouped);
         return 0;

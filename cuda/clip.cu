@@ -23,8 +23,9 @@
  * plus the exact remainder's first-order term, the angle split into its
  * octant (exact, the top three bits) and a remainder for two short
  * polynomials, so every draw stays within 6e-7 * r + 1e-7 of the double
- * one (r = sqrt(-2 ln u1) <= 8.58) at a fraction of the FP64 cost. Arithmetic that must round like the CPU's is
- * written with __fmul_rn / __fadd_rn / __fdiv_rn (no contraction to FMA). */
+ * one (r = sqrt(-2 ln u1) <= 8.58) at a fraction of the FP64 cost.
+ * Arithmetic that must round like the CPU's is written with __fmul_rn /
+ * __fadd_rn / __fdiv_rn (no contraction to FMA). */
 #include "dcc_device.cuh"
 
 namespace {
@@ -246,12 +247,18 @@ __device__ __forceinline__ void box_muller_fast(const uint32_t (&c)[4], float &z
     z1 = __fmul_rn(r, sq);
 }
 
+/* Box-Muller as `noise` says (DCC_NOISE_*). */
+__device__ __forceinline__ void box_muller(int noise, const uint32_t (&c)[4], float &z0,
+                                           float &z1) {
+    if (noise == DCC_NOISE_EXACT) box_muller_exact(c, z0, z1);
+    else box_muller_fast(c, z0, z1);
+}
+
 __device__ __forceinline__ void draw_pair(int noise, uint64_t key, uint64_t step,
                                           uint32_t stream, uint64_t pair, float &z0, float &z1) {
     uint32_t c[4] = {(uint32_t)pair, stream, (uint32_t)step, (uint32_t)(step >> 32)};
     philox10(c, (uint32_t)key, (uint32_t)(key >> 32));
-    if (noise == DCC_NOISE_EXACT) box_muller_exact(c, z0, z1);
-    else box_muller_fast(c, z0, z1);
+    box_muller(noise, c, z0, z1);
 }
 
 __device__ __forceinline__ bool bad_as(float v, int dtype) {
@@ -367,8 +374,7 @@ __global__ void box_muller_kernel(const uint32_t *__restrict__ words, float *__r
          pr += (uint64_t)gridDim.x * blockDim.x) {
         const uint32_t c[4] = {words[4 * pr], words[4 * pr + 1], words[4 * pr + 2],
                                words[4 * pr + 3]};
-        if (noise == DCC_NOISE_EXACT) box_muller_exact(c, out[2 * pr], out[2 * pr + 1]);
-        else box_muller_fast(c, out[2 * pr], out[2 * pr + 1]);
+        box_muller(noise, c, out[2 * pr], out[2 * pr + 1]);
     }
 }
 

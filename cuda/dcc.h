@@ -41,7 +41,8 @@ typedef struct dcc_options {
     bool tf32;         /* TF32=0: f32 inputs on the exact f32 kernels */
     bool grouped;      /* GROUPED=0: per-layer launches only */
     int grouped_min;   /* GROUPED_MIN: work items a step needs to group; -1: 4 per SM */
-    int grouped_layers; /* GROUPED_LAYERS: most layers a grouped launch takes (1-80) */
+    int grouped_layers; /* GROUPED_LAYERS: most layers a grouped launch takes (1-80;
+                           more means 80) */
     bool one_pass;     /* ONE_PASS=0: outputs always staged and committed */
     int noise;         /* NOISE=exact: DCC_NOISE_EXACT, else DCC_NOISE_FAST */
     bool profile;      /* PROFILE=0: the phases are not timed */
@@ -151,12 +152,10 @@ typedef struct dcc_bk_layer {
 /* Whether a layer qualifies (bf16/f16 with 16-byte rows, T >= 64, sm_90a,
  * TMA available); the others use dcc_linear_clipped_tc or cuBLAS. */
 int dcc_bk_grouped_ok(const dcc_linear *L);
-/* The most layers one grouped launch takes (their tensor maps fill the
- * kernel parameters); opt->grouped_layers may ask for fewer. */
-int dcc_grouped_layers(const dcc_options *o);
 /* All layers must share B and qualify; one launch per max_layers layers of
- * one dtype. cudaErrorNotSupported (a tensor map the driver refuses) may
- * come after some chunks ran: redo every layer then. */
+ * one dtype (clamped to 1-80, the most the kernel parameters hold).
+ * cudaErrorNotSupported (a tensor map the driver refuses) may come after
+ * some chunks ran: redo every layer then. */
 cudaError_t dcc_linear_clipped_grouped(const dcc_bk_layer *layers, int n, int max_layers,
                                        cudaStream_t st);
 /* For each of L layers of coefficients cs[l*B + b]: perm[l*B + k] = the
@@ -179,6 +178,7 @@ int dcc_norms_grouped_ok(const dcc_linear *L, dc_algo algo);
  * DPCLIP_CUDA_GROUPED_MIN overrides it, for tests). */
 int64_t dcc_norms_grouped_items(const dcc_linear *L);
 int dcc_grouped_min_items(const dcc_options *o);
+/* max_layers as for dcc_linear_clipped_grouped. */
 cudaError_t dcc_linear_sqnorms_grouped(const dcc_norm_layer *layers, int n, float s2,
                                        int max_layers, cudaStream_t st);
 

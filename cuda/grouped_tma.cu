@@ -292,8 +292,9 @@ cudaError_t launch(void (*kern)(g_params), const g_params &P, cudaStream_t st) {
     return cudaGetLastError();
 }
 
-/* Chunks of at most max_layers (<= GMAXL) layers of one dtype: fill(i,
- * entry) sets layer i's entry. */
+/* Chunks of at most max_layers layers (1 to GMAXL: their tensor maps fill
+ * the kernel parameters) of one dtype: fill(i, entry) sets layer i's
+ * entry. */
 template <typename Fill>
 cudaError_t run_chunks(const dcc_linear *const *Ls, int n, int B, float s2, bool clipped,
                        int max_layers, Fill fill, cudaStream_t st) {
@@ -349,10 +350,6 @@ extern "C" int dcc_bk_grouped_ok(const dcc_linear *L) {
     (void)L;
     return 0;
 #endif
-}
-
-extern "C" int dcc_grouped_layers(const dcc_options *o) {
-    return o && o->grouped_layers >= 1 && o->grouped_layers < GMAXL ? o->grouped_layers : GMAXL;
 }
 
 extern "C" cudaError_t dcc_linear_clipped_grouped(const dcc_bk_layer *ls, int n, int max_layers,

@@ -41,7 +41,7 @@ extern "C" void dcc_options_from_env(dcc_options *o) {
     o->wgmma = on("DPCLIP_CUDA_WGMMA");
     if ((v = set("DPCLIP_CUDA_NOISE")) && strcmp(v, "exact") == 0) o->noise = DCC_NOISE_EXACT;
     if ((v = set("DPCLIP_CUDA_GROUPED_MIN"))) o->grouped_min = atoi(v);
-    if ((v = set("DPCLIP_CUDA_GROUPED_LAYERS"))) o->grouped_layers = atoi(v) < 1 ? 1 : atoi(v);
+    if ((v = set("DPCLIP_CUDA_GROUPED_LAYERS"))) o->grouped_layers = atoi(v); /* clamped where used */
     if ((v = set("DPCLIP_CUDA_DIRECT_TILE"))) o->direct_tile = atoi(v) >= 256 ? 256 : 128;
     if ((v = set("DPCLIP_CUDA_DIRECT_SPLIT"))) {
         int k = atoi(v);

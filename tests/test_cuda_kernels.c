@@ -390,6 +390,11 @@ static void test_grouped_many(void **state) {
  * output with noise std 1e4: 8.6 std > 65504) that are finite: the step
  * takes the staged path and commits; against the CPU backend. */
 
+/* A draw's error bound (see the top) for a pair of radius r. */
+static double noise_bound(int mode, double r) {
+    return mode == DCC_NOISE_EXACT ? 2e-6 : 6e-7 * r + 1e-7;
+}
+
 /* The noise kernel against daemon/compute/noise.c (the bounds above). */
 static void test_noise_matches_cpu(void **state) {
     (void)state;
@@ -411,7 +416,7 @@ static void test_noise_matches_cpu(void **state) {
             /* the pair's radius; the unpaired last draw gets the largest */
             uint64_t j = i & ~(uint64_t)1;
             double rr = j + 1 < n ? hypot(want[j], want[j + 1]) : 8.58;
-            double bound = mode == DCC_NOISE_EXACT ? 2e-6 : 6e-7 * rr + 1e-7;
+            double bound = noise_bound(mode, rr);
             if (!(e <= worst)) worst = isnan(e) ? INFINITY : e;
             if (!(e / bound <= worst_ratio)) worst_ratio = isnan(e) ? INFINITY : e / bound;
             exact += got[i] == want[i];
@@ -504,7 +509,7 @@ static void test_box_muller_edges(void **state) {
             double u2 = (double)pb[i] / 9007199254740992.0;
             double rr = sqrt(-2.0 * log(u1)), t = 6.283185307179586476925 * u2;
             double want[2] = {rr * cos(t), rr * sin(t)};
-            double bound = mode == DCC_NOISE_EXACT ? 2e-6 : 6e-7 * rr + 1e-7;
+            double bound = noise_bound(mode, rr);
             for (int k = 0; k < 2; k++) {
                 double e = fabs((double)got[2 * i + k] - want[k]);
                 double ratio = isnan(e) ? INFINITY : e / bound;
