@@ -23,7 +23,7 @@ int layer_norms(cuda_backend *cb, const dc_step *s, size_t l, const layout *Lo, 
     switch (ly->kind) {
     case DC_LAYER_LINEAR: {
         dcc_linear x = linear_of(cb, ly, B, dc_layer_norm_bias(ly), opt.tf32);
-        const dc_algo algo = dcc_linear_pick(x.T, x.d, x.p, ly->algo);
+        const dc_algo algo = dcc_linear_pick_for(&x, ly->algo);
         if (!dcc_pad_wanted(&x)) {
             e = dcc_linear_sqnorms(&x, algo, s2, n2, cb->stream);
             break;
@@ -130,8 +130,8 @@ int layer_clipped(cuda_backend *cb, const dc_step *s, size_t l, const layout *Lo
         }
         if (bias) {
             CK(cudaMemsetAsync(bias, 0, (size_t)p * 4, cb->stream), "a memset");
-            CK(dcc_bias_clipped_sum(ly->grad.data, ly->grad.dtype, B, T, p, cs, bias,
-                                    cb->stream),
+            CK(dcc_bias_clipped_sum(ly->grad.data, ly->grad.dtype, B, T, p,
+                                    dcc_linear_path(&x) == DCC_PATH_TF32, cs, bias, cb->stream),
                "the bias clipped sum");
         }
         break;

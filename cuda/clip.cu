@@ -113,14 +113,15 @@ __global__ void bk_order_kernel(const float *__restrict__ cs, int B, int *__rest
 constexpr int BIAS_ROWS = 128;
 
 template <typename TG>
-__global__ void bias_clipped(const TG *__restrict__ g, int T, int p,
+__global__ void bias_clipped(const TG *__restrict__ g, int T, int p, uint32_t mask,
                              const float *__restrict__ cs, float *__restrict__ out) {
     int j = (int)(blockIdx.x * blockDim.x + threadIdx.x);
     int b = (int)blockIdx.y;
     int t0 = (int)blockIdx.z * BIAS_ROWS, t1 = min(T, t0 + BIAS_ROWS);
     if (j >= p) return;
     float s = 0.0f;
-    for (int t = t0; t < t1; t++) s += dcc_ld(g, ((int64_t)b * T + t) * p + j);
+    for (int t = t0; t < t1; t++)
+        s += __uint_as_float(__float_as_uint(dcc_ld(g, ((int64_t)b * T + t) * p + j)) & mask);
     atomicAdd(out + j, cs[b] * s);
 }
 
@@ -609,12 +610,14 @@ extern "C" cudaError_t dcc_bk_order(const float *cs, int L, int B, int *perm, fl
 }
 
 extern "C" cudaError_t dcc_bias_clipped_sum(const void *g, dc_dtype tg, int B, int T, int p,
-                                            const float *cs, float *out, cudaStream_t st) {
+                                            bool tf32, const float *cs, float *out,
+                                            cudaStream_t st) {
+    const uint32_t mask = tf32 && tg == DC_F32 ? DCC_TF32_MASK : 0xffffffffu;
     return dcc_with_float(tg, [&](auto t) {
         using TG = DCC_TYPE_OF(t);
         dim3 grid((unsigned)((p + NT - 1) / NT), (unsigned)B,
                   (unsigned)((T + BIAS_ROWS - 1) / BIAS_ROWS));
-        bias_clipped<TG><<<grid, NT, 0, st>>>((const TG *)g, T, p, cs, out);
+        bias_clipped<TG><<<grid, NT, 0, st>>>((const TG *)g, T, p, mask, cs, out);
         return cudaGetLastError();
     });
 }

@@ -85,6 +85,9 @@ cudaError_t dcc_pad_chunk(const dcc_linear *L, int b0, int n, void *ws, dcc_line
 
 /* GPU cost model (see dc_cuda_linear_pick). */
 dc_algo dcc_linear_pick(int T, int d, int p, dc_algo requested);
+/* The same for this layer on the kernels it would run on (f32 on TF32 with
+ * the ghost form on wgmma: the direct form counts double). */
+dc_algo dcc_linear_pick_for(const dcc_linear *L, dc_algo requested);
 /* The same for a layer that may join the grouped norms launch, whose direct
  * form runs faster than a launch of its own. */
 dc_algo dcc_linear_pick_grouped(int T, int d, int p, dc_algo requested);
@@ -108,6 +111,12 @@ dcc_path dcc_linear_path(const dcc_linear *L);
 int dcc_wgmma_available(const dcc_options *o);
 cudaError_t dcc_linear_wgmma(const dcc_linear *L, dc_algo algo, float s2, float *n2,
                              cudaStream_t st);
+/* The ghost form of f32 inputs on TF32 wgmma (both Grams' operands are
+ * K-major, which TF32 wgmma requires; the direct form's are not):
+ * cudaErrorNotSupported where the wgmma kernels are not available or no
+ * tensor map can be made (rows not on 16 bytes). */
+cudaError_t dcc_linear_ghost_wgmma_tf32(const dcc_linear *L, float s2, float *n2,
+                                        cudaStream_t st);
 /* The wgmma direct form's tile for this layer (direct_plan.cu): 128 or 256
  * rows of p, and how many CTAs of a cluster split each tile's K range. */
 int dcc_direct_tile_rows(const dcc_linear *L);
@@ -182,11 +191,13 @@ int dcc_grouped_min_items(const dcc_options *o);
 cudaError_t dcc_linear_sqnorms_grouped(const dcc_norm_layer *layers, int n, float s2,
                                        int max_layers, cudaStream_t st);
 
-/* TF32 tensor-core kernels for f32 inputs (norms_tf32.cu), mma.sync
- * m16n8k8 with operands rounded to TF32 (round to nearest) in shared-memory
- * reads: the forms of dcc_linear_sqnorms, and the clipped weight sum
- * w[p][d] = sum_b cs[b] g_b^T a_b (f32, overwritten; exact per-sample
- * scaling, the bias is not included). */
+/* TF32 tensor-core kernels for f32 inputs (norms_tf32.cu): the forms of
+ * dcc_linear_sqnorms, and the clipped weight sum w[p][d] = sum_b cs[b]
+ * g_b^T a_b (f32, overwritten; exact per-sample scaling, the bias is not
+ * included). Every kernel multiplies the operands' TF32 truncations (the top
+ * 19 bits, as the tensor cores read f32), so that the norms and the sum they
+ * clip are of the same values. The ghost form runs on wgmma
+ * (dcc_linear_ghost_wgmma_tf32) where it can, the rest on mma.sync m16n8k8. */
 cudaError_t dcc_linear_tf32(const dcc_linear *L, dc_algo algo, float s2, float *n2,
                             cudaStream_t st);
 cudaError_t dcc_linear_clipped_tf32(const dcc_linear *L, const float *cs, float *w,
@@ -268,8 +279,10 @@ cudaError_t dcc_coefs_tot(const float *n2, const uint32_t *flags, const float *t
                           int B, float C, float grad_scale, float *norms, float *coefs,
                           float *cs, uint32_t *status, cudaStream_t st);
 
-/* out[j] += sum_b cs[b] * sum_t g[b,t,j] for a [B,T,p] grad (out zeroed). */
-cudaError_t dcc_bias_clipped_sum(const void *g, dc_dtype tg, int B, int T, int p,
+/* out[j] += sum_b cs[b] * sum_t g[b,t,j] for a [B,T,p] grad (out zeroed);
+ * tf32: f32 values truncated to TF32 first, as the layer's norms saw them
+ * (norms_tf32.cu). */
+cudaError_t dcc_bias_clipped_sum(const void *g, dc_dtype tg, int B, int T, int p, bool tf32,
                                  const float *cs, float *out, cudaStream_t st);
 
 /* Rows [r0, r0+R) of a [*, d] and g [*, p] (T rows per sample) as f32, g rows

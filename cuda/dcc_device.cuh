@@ -25,6 +25,12 @@ __device__ __forceinline__ float dcc_ld(const dcc_f16 *p, int64_t i) {
     return __half2float(__ushort_as_half(p[i].v));
 }
 
+/* x as the TF32 tensor cores read it: its top 19 bits (norms_tf32.cu). */
+constexpr uint32_t DCC_TF32_MASK = 0xffffe000u;
+__device__ __forceinline__ float dcc_tf32_trunc(float x) {
+    return __uint_as_float(__float_as_uint(x) & DCC_TF32_MASK);
+}
+
 /* Raw bits of a float dtype are non-finite when the exponent is all ones. */
 __device__ __forceinline__ bool dcc_isfinite(float x) {
     return (__float_as_uint(x) & 0x7f800000u) != 0x7f800000u;

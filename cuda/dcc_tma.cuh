@@ -135,16 +135,20 @@ PFN_cuTensorMapEncodeTiled_v12000 encode_fn() {
     return fn;
 }
 
-/* [B][T][w] 16-bit tensor, boxes of 64 features x rows. */
+/* [B][T][w] tensor of 16-bit or f32 values, boxes of 128 bytes of features
+ * (64 16-bit, 32 f32) x rows. */
 bool make_map(CUtensorMap *m, const void *base, dc_dtype t, int B, int T, int w, int rows) {
     PFN_cuTensorMapEncodeTiled_v12000 fn = encode_fn();
     if (!fn) return false;
+    const cuuint64_t esz = t == DC_F32 ? 4 : 2;
     cuuint64_t dims[3] = {(cuuint64_t)w, (cuuint64_t)T, (cuuint64_t)B};
-    cuuint64_t strides[2] = {(cuuint64_t)w * 2, (cuuint64_t)w * (cuuint64_t)T * 2};
-    cuuint32_t box[3] = {64, (cuuint32_t)rows, 1};
+    cuuint64_t strides[2] = {(cuuint64_t)w * esz, (cuuint64_t)w * (cuuint64_t)T * esz};
+    cuuint32_t box[3] = {(cuuint32_t)(128 / esz), (cuuint32_t)rows, 1};
     cuuint32_t es[3] = {1, 1, 1};
-    return fn(m, t == DC_BF16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
-              3, (void *)base, dims, strides, box, es, CU_TENSOR_MAP_INTERLEAVE_NONE,
+    CUtensorMapDataType ty = t == DC_F32    ? CU_TENSOR_MAP_DATA_TYPE_FLOAT32
+                             : t == DC_BF16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16
+                                            : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
+    return fn(m, ty, 3, (void *)base, dims, strides, box, es, CU_TENSOR_MAP_INTERLEAVE_NONE,
               CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
               CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }

@@ -1,8 +1,9 @@
 /* Hopper warpgroup MMA helpers of the TMA-fed kernels (norms_tma.cu,
- * grouped_tma.cu): the m64n128k16 instruction, shared-memory matrix
- * descriptors for 128B-swizzled tiles, the wgmma fences, and the MMAs of one
- * pipeline stage. Tiles are [64][64] 16-bit blocks of 128-byte rows (8 KiB,
- * 1024-byte aligned), 16-byte chunks swizzled by chunk ^ (row % 8). Only
+ * grouped_tma.cu): the m64n128 instructions (k16 for 16-bit inputs, k8 for
+ * TF32), shared-memory matrix descriptors for 128B-swizzled tiles, the wgmma
+ * fences, and the MMAs of one pipeline stage. Tiles are 64 rows of 128 bytes
+ * (8 KiB, 1024-byte aligned: [64][64] 16-bit or [64][32] f32 values), 16-byte
+ * chunks swizzled by chunk ^ (row % 8). Only
  * usable in code compiled for sm_90a (guard with DCC_WG_EMPTY). */
 #ifndef DC_DCC_WGMMA_CUH
 #define DC_DCC_WGMMA_CUH
@@ -13,29 +14,36 @@
 #define DCC_WG_EMPTY 1 /* device pass for a target without wgmma */
 #endif
 
-constexpr int WBK = 64;           /* k per stage */
-constexpr int HALF = 64 * 64 * 2; /* one [64][64] 16-bit block: 8 KiB */
+constexpr int WBK = 64;           /* k per stage (16-bit inputs) */
+constexpr int HALF = 64 * 64 * 2; /* one block of 64 rows of 128 bytes: 8 KiB */
+/* Elements of TI in a stage's 128-byte rows: the k per stage. */
+template <typename TI> __host__ __device__ constexpr int stage_k() { return 128 / (int)sizeof(TI); }
 
 /* Bytes of one stage: A is 2*MI [64][64] blocks (DIRECT: 128*MI features x
  * 64 k; GHOST, MI = 1: 128 rows x 64 k), then B, 2 blocks. */
 template <int MI> __host__ __device__ constexpr int stage_bytes() { return (2 * MI + 2) * HALF; }
 
 #ifndef DCC_WG_EMPTY
-/* One m64n128k16 wgmma into d (f32), A and B of element type T (PTX name
- * PTX) described by da/db; TA/TB: transpose flags. Both overloads come from
- * this one definition so that their operand lists cannot drift apart. */
-#define DCC_WGMMA_M64N128K16(T, PTX)                                                        \
+/* One m64n128 wgmma over one 32-byte k step (k16 for 16-bit inputs, k8 for
+ * TF32) into d (f32), A and B of element type T (PTX name PTX) described by
+ * da/db; TA/TB: transpose flags, which TF32 does not have (its operands are
+ * K-major only: TRANS is empty and TA, TB must be 0). f32 operands go to the
+ * instruction as they are in shared memory: the tensor cores use the top 19
+ * bits of each (TF32, truncated). The overloads come from this one
+ * definition so that their operand lists cannot drift apart. */
+#define DCC_WGMMA_M64N128(T, PTX, K, TRANS)                                                 \
 template <int TA, int TB>                                                                   \
-__device__ __forceinline__ void wgmma_m64n128k16(const T *, float (&d)[64], uint64_t da,    \
-                                                 uint64_t db) {                             \
+__device__ __forceinline__ void wgmma_m64n128(const T *, float (&d)[64], uint64_t da,       \
+                                              uint64_t db) {                                \
+    static_assert(K == 16 || (TA == 0 && TB == 0), "TF32 operands are K-major");            \
     asm volatile(                                                                           \
         "{\n.reg .pred p;\nsetp.ne.b32 p, %68, 0;\n"                                        \
-        "wgmma.mma_async.sync.aligned.m64n128k16.f32." PTX "." PTX " {"                     \
+        "wgmma.mma_async.sync.aligned.m64n128k" #K ".f32." PTX "." PTX " {"                 \
         "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "            \
         "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "  \
         "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "  \
         "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, " \
-        "%64, %65, p, 1, 1, %66, %67;\n}\n"                                                 \
+        "%64, %65, p, 1, 1" TRANS ";\n}\n"                                                  \
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]),           \
           "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]),         \
           "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]),     \
@@ -49,9 +57,10 @@ __device__ __forceinline__ void wgmma_m64n128k16(const T *, float (&d)[64], uint
           "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])                                \
         : "l"(da), "l"(db), "n"(TA), "n"(TB), "r"(1));                                      \
 }
-DCC_WGMMA_M64N128K16(dcc_bf16, "bf16")
-DCC_WGMMA_M64N128K16(dcc_f16, "f16")
-#undef DCC_WGMMA_M64N128K16
+DCC_WGMMA_M64N128(dcc_bf16, "bf16", 16, ", %66, %67")
+DCC_WGMMA_M64N128(dcc_f16, "f16", 16, ", %66, %67")
+DCC_WGMMA_M64N128(float, "tf32", 8, "")
+#undef DCC_WGMMA_M64N128
 
 __device__ __forceinline__ uint64_t wg_desc(uint32_t addr, uint32_t lbo, uint32_t sbo) {
     return (uint64_t)((addr & 0x3FFFFu) >> 4) | ((uint64_t)((lbo & 0x3FFFFu) >> 4) << 16) |
@@ -82,18 +91,18 @@ template <typename TI, bool DIRECT, int MI>
 __device__ __forceinline__ void stage_mma(float (&acc)[MI][64], uint32_t sA, uint32_t sB,
                                           int wg) {
 #pragma unroll
-    for (int kk = 0; kk < WBK / 16; kk++) {
+    for (int kk = 0; kk < 4; kk++) { /* a 128-byte row is four 32-byte k steps */
 #pragma unroll
         for (int i = 0; i < MI; i++) {
-            if (DIRECT) {
+            if constexpr (DIRECT) {
                 uint64_t da =
                     wg_desc(sA + (uint32_t)((wg * MI + i) * HALF + kk * 2048), HALF, 1024);
                 uint64_t db = wg_desc(sB + (uint32_t)(kk * 2048), HALF, 1024);
-                wgmma_m64n128k16<1, 1>((const TI *)nullptr, acc[i], da, db);
+                wgmma_m64n128<1, 1>((const TI *)nullptr, acc[i], da, db);
             } else {
                 uint64_t da = wg_desc(sA + (uint32_t)((wg * MI + i) * HALF + kk * 32), 16, 1024);
                 uint64_t db = wg_desc(sB + (uint32_t)(kk * 32), 16, 1024);
-                wgmma_m64n128k16<0, 0>((const TI *)nullptr, acc[i], da, db);
+                wgmma_m64n128<0, 0>((const TI *)nullptr, acc[i], da, db);
             }
         }
     }
@@ -112,7 +121,8 @@ __device__ __forceinline__ void stage_issue(float (&acc)[MI][64], uint32_t sA, u
     stage_mma<TI, DIRECT, MI>(acc, sA, sB, wg);
     wg_commit();
     acc_fence<MI>(acc);
-    if (DIRECT && colsum) {
+    if constexpr (DIRECT) {
+        if (!colsum) return;
         int m = ((int)threadIdx.x % CW) * 2, rq = ((int)threadIdx.x / CW) * RG;
         uint32_t base = sA + (uint32_t)((m >> 6) * HALF);
         int ml = m & 63;

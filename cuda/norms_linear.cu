@@ -247,6 +247,17 @@ extern "C" dc_algo dcc_linear_pick(int T, int d, int p, dc_algo requested) {
     return pick(T, d, p, requested, 1.0);
 }
 
+/* f32 on TF32: the ghost form runs on wgmma at about twice the rate of the
+ * direct form's mma.sync (TF32 wgmma takes K-major operands only, which the
+ * direct form's are not). */
+constexpr double TF32_DIRECT_RATE = 0.5;
+
+extern "C" dc_algo dcc_linear_pick_for(const dcc_linear *L, dc_algo requested) {
+    const bool tf32_wg = dcc_linear_path(L) == DCC_PATH_TF32 && dcc_wgmma_available(L->opt) &&
+                         aligned16(L->a) && aligned16(L->g) && L->d % 4 == 0 && L->p % 4 == 0;
+    return pick(L->T, L->d, L->p, requested, tf32_wg ? TF32_DIRECT_RATE : 1.0);
+}
+
 /* In the grouped launch the direct form runs persistent, with no partial
  * last wave, at about the cuBLAS GEMM's rate. Measured on an H100: GPT-2-
  * small's MLP layers (B=8, T=1024; direct 1.07x the ghost work) ran faster
@@ -267,7 +278,7 @@ extern "C" dcc_path dcc_linear_path(const dcc_linear *L) {
 extern "C" cudaError_t dcc_linear_sqnorms(const dcc_linear *L, dc_algo algo, float s2,
                                           float *n2, cudaStream_t st) {
     if (L->B <= 0 || L->T <= 0 || L->d <= 0 || L->p <= 0) return cudaErrorInvalidValue;
-    algo = dcc_linear_pick(L->T, L->d, L->p, algo);
+    algo = dcc_linear_pick_for(L, algo);
     if (L->T == 1 && algo == DC_ALGO_GHOST) return dcc_linear_rank1(L, s2, n2, st);
     cudaError_t e;
     switch (dcc_linear_path(L)) {

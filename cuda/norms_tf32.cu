@@ -1,14 +1,20 @@
 /* LINEAR per-sample norms and clipped sums for f32 inputs on TF32 tensor
- * cores (mma.sync m16n8k8, f32 accumulation): the path f32 inputs take by
- * default, as PyTorch's matmuls do with TF32 allowed. DPCLIP_CUDA_TF32=0 in
- * the daemon's environment keeps them on the exact CUDA-core kernels
- * (norms_simt.cu) and f32 cuBLAS.
+ * cores (mma.sync m16n8k8, f32 accumulation; the ghost form on wgmma where
+ * it can run, norms_tma.cu): the path f32 inputs take by default, as
+ * PyTorch's matmuls do with TF32 allowed. DPCLIP_CUDA_TF32=0 in the daemon's
+ * environment keeps them on the exact CUDA-core kernels (norms_simt.cu) and
+ * f32 cuBLAS.
  *
- * Operands are rounded to TF32 (cvt.rna: round to nearest, so no bias) as
- * they leave shared memory; tiles are stored as plain f32, so the bias
- * column sums of the direct form are exact f32 sums. Error: each product
- * carries two roundings of at most 2^-11 relative, so squared norms stay
- * within ~1e-3 of the f32 result (the tests allow 2e-3).
+ * Operands go to the tensor cores as the f32 bits they are: the hardware
+ * reads their top 19 bits (TF32, truncated toward zero). wgmma, which reads
+ * shared memory itself, can do nothing else, and the mma.sync kernels do the
+ * same so that a sum is clipped by the norm of exactly the values it adds
+ * (a round-to-nearest norm beside a truncated sum could let a clipped
+ * gradient exceed C by 2^-10); the bias's norm and clipped sum
+ * (dcc_bias_clipped_sum) take g's TF32 values too. Error: each operand
+ * loses less than 2^-10 of itself, each product less than 2^-9, so squared
+ * norms stay within 2^-8 (3.9e-3) of the f32 result, plus f32 accumulation
+ * (the tests allow 5e-3).
  *
  * Direct form: 128x128 tiles of g_b^T a_b over K = T in steps of 32; shared
  * tiles are [32 rows of T][128 features] padded to 136 floats, so that the
@@ -32,11 +38,8 @@ constexpr int Q_BT = 128, Q_BK = 32, Q_ST = 3, Q_LD = Q_BK + 4;
 constexpr int Q_TILE = Q_BT * Q_LD;
 constexpr int Q_SMEM = Q_ST * 2 * Q_TILE * 4;    /* 108 KiB */
 
-__device__ __forceinline__ uint32_t to_tf32(float x) {
-    uint32_t r;
-    asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(r) : "f"(x));
-    return r;
-}
+/* The operand as the tensor cores take it: its bits (see the top). */
+__device__ __forceinline__ uint32_t to_tf32(float x) { return __float_as_uint(x); }
 
 /* D += A * B for one m16n8k8 TF32 tile (a dcc_warp_mma step). */
 struct tf32_mma {
@@ -132,10 +135,11 @@ tf32_direct(const float *__restrict__ a, const float *__restrict__ g, int B, int
             }
             dcc_warp_mma(acc, af, bf, tf32_mma{});
         }
-        if (do_bias) { /* column c, rows of half h: exact f32 sums of g */
+        if (do_bias) { /* column c, rows of half h: f32 sums of g's TF32 values */
             const int c = (int)threadIdx.x & (F_BM - 1), h = (int)threadIdx.x >> 7;
 #pragma unroll
-            for (int r = h * (F_BK / 2); r < (h + 1) * (F_BK / 2); r++) bsum += sA[r * F_LD + c];
+            for (int r = h * (F_BK / 2); r < (h + 1) * (F_BK / 2); r++)
+                bsum += dcc_tf32_trunc(sA[r * F_LD + c]);
         }
         if (CLIP && u % ktn == ktn - 1) {
             const float c = cs[b0 + u / ktn];
@@ -275,6 +279,10 @@ cudaError_t launch_norms(const dcc_linear *L, dc_algo algo, float s2, float *n2,
                                        L->d, L->p, tiles_n, 1, L->has_bias, s2, n2, nullptr,
                                        nullptr);
     } else {
+        if (VEC) {
+            if ((e = dcc_linear_ghost_wgmma_tf32(L, s2, n2, st)) != cudaErrorNotSupported) return e;
+            (void)cudaGetLastError(); /* no tensor map: mma.sync */
+        }
         int64_t nt = (L->T + Q_BT - 1) / Q_BT, pairs = nt * (nt + 1) / 2;
         if (pairs > INT32_MAX / 2) return cudaErrorInvalidConfiguration;
         if ((e = cudaFuncSetAttribute(tf32_ghost<VEC>,

@@ -182,7 +182,8 @@ tma_ghost(const __grid_constant__ CUtensorMap ta, const __grid_constant__ CUtens
     int ti, si;
     dcc_tri_pair(idx, &ti, &si);
     const bool diag = ti == si;
-    const int ka = (d + WBK - 1) / WBK, kg = (p + WBK - 1) / WBK;
+    constexpr int KB = stage_k<TI>();
+    const int ka = (d + KB - 1) / KB, kg = (p + KB - 1) / KB;
     const uint32_t bars = init_bars<ST>(bar_mem);
     float part = 0.0f;
 
@@ -192,7 +193,7 @@ tma_ghost(const __grid_constant__ CUtensorMap ta, const __grid_constant__ CUtens
                 const int s = u % ST;
                 const uint32_t full = bars + 8u * (uint32_t)s, st = sbase + (uint32_t)(s * SB);
                 const CUtensorMap *map = u < ka ? &ta : &tg;
-                const int c0 = (u < ka ? u : u - ka) * WBK;
+                const int c0 = (u < ka ? u : u - ka) * KB;
                 mbar_wait(bars + 8u * (uint32_t)(ST + s), (uint32_t)(((u / ST) & 1) ^ 1));
                 mbar_expect_tx(full, diag ? 2 * HALF : 4 * HALF);
                 tma_load3(st, map, full, c0, ti * 128, b);
@@ -353,14 +354,7 @@ cudaError_t launch_direct_plan(const dcc_linear *L, const dcc_direct_plan *pl, f
     return launch_direct_ks<TI, MI>(L, s2, n2, st, pl->tail_ks, full, total - full);
 }
 
-template <typename TI>
-cudaError_t launch(const dcc_linear *L, dc_algo algo, float s2, float *n2, cudaStream_t st) {
-    if (algo == DC_ALGO_DIRECT) {
-        dcc_direct_plan pl;
-        dcc_direct_plan_get(L, &pl);
-        return pl.rows == 256 ? launch_direct_plan<TI, 2>(L, &pl, s2, n2, st)
-                              : launch_direct_plan<TI, 1>(L, &pl, s2, n2, st);
-    }
+template <typename TI> cudaError_t launch_ghost(const dcc_linear *L, float s2, float *n2, cudaStream_t st) {
     CUtensorMap ta, tg;
     if (!make_map(&ta, L->a, L->ta, L->B, L->T, L->d, 128) ||
         !make_map(&tg, L->g, L->tg, L->B, L->T, L->p, 128))
@@ -373,6 +367,17 @@ cudaError_t launch(const dcc_linear *L, dc_algo algo, float s2, float *n2, cudaS
     dim3 grid((unsigned)pairs, (unsigned)L->B);
     tma_ghost<TI><<<grid, CT, TG_SMEM, st>>>(ta, tg, L->d, L->p, L->has_bias, s2, n2);
     return cudaGetLastError();
+}
+
+template <typename TI>
+cudaError_t launch(const dcc_linear *L, dc_algo algo, float s2, float *n2, cudaStream_t st) {
+    if (algo == DC_ALGO_DIRECT) {
+        dcc_direct_plan pl;
+        dcc_direct_plan_get(L, &pl);
+        return pl.rows == 256 ? launch_direct_plan<TI, 2>(L, &pl, s2, n2, st)
+                              : launch_direct_plan<TI, 1>(L, &pl, s2, n2, st);
+    }
+    return launch_ghost<TI>(L, s2, n2, st);
 }
 
 template <typename TI>
@@ -435,6 +440,21 @@ extern "C" int dcc_wgmma_available(const dcc_options *o) {
 #else
     (void)o;
     return 0;
+#endif
+}
+
+extern "C" cudaError_t dcc_linear_ghost_wgmma_tf32(const dcc_linear *L, float s2, float *n2,
+                                                   cudaStream_t st) {
+#ifdef DCC_WGMMA_BUILT
+    if (L->ta != DC_F32 || L->tg != DC_F32 || !dcc_wgmma_available(L->opt))
+        return cudaErrorNotSupported;
+    return launch_ghost<float>(L, s2, n2, st);
+#else
+    (void)L;
+    (void)s2;
+    (void)n2;
+    (void)st;
+    return cudaErrorNotSupported;
 #endif
 }
 

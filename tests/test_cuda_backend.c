@@ -133,9 +133,8 @@ static void compare_steps(multi *m, dc_step *hs, dc_step *ds) {
             float *got = dev_to_f32(o[k]), *want = host_to_f32(ho[k]);
             double e = rel_l2(got, want, numel(o[k]));
             double tol = o[k]->dtype == DC_F32 ? 1e-4 : 2e-3;
-            if (k == 0 && m->h[l].kind == DC_LAYER_LINEAR && m->h[l].input.dtype == DC_F32 &&
-                g_tf32)
-                tol += 2e-3;
+            if (m->h[l].kind == DC_LAYER_LINEAR && m->h[l].input.dtype == DC_F32 && g_tf32)
+                tol += TF32_RTOL; /* the weight's and the bias's sums of TF32 values */
             printf("  %s.%s (%s): rel l2 err %.2e\n", m->h[l].name, k ? "bias" : "weight",
                    dc_dtype_name(o[k]->dtype), e);
             assert_true(e <= tol);
