@@ -74,7 +74,9 @@ int layer_clipped(cuda_backend *cb, const dc_step *s, size_t l, const layout *Lo
         dcc_linear x = linear_of(cb, ly, B, ly->has_bias, opt.tf32);
         const bool pad = w && bk_per_sample(ly) && dcc_pad_wanted(&x);
         if (w && !pad) {
-            if (dcc_linear_path(&x) == DCC_PATH_TF32) tc = dcc_linear_clipped_tf32(&x, cs, w, cb->stream);
+            if (dcc_linear_path(&x) == DCC_PATH_TF32)
+                tc = dcc_linear_clipped_tf32(&x, cs, (int *)(cb->ws + Lo->perm) + l * B,
+                                             (float *)(cb->ws + Lo->fac) + l * B, w, cb->stream);
             else tc = dcc_linear_clipped_tc(&x, cs, w, cb->stream);
             if (tc != cudaErrorNotSupported) CK(tc, "the clipped-sum kernel");
         }

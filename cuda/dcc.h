@@ -200,8 +200,9 @@ cudaError_t dcc_linear_sqnorms_grouped(const dcc_norm_layer *layers, int n, floa
  * (dcc_linear_ghost_wgmma_tf32) where it can, the rest on mma.sync m16n8k8. */
 cudaError_t dcc_linear_tf32(const dcc_linear *L, dc_algo algo, float s2, float *n2,
                             cudaStream_t st);
-cudaError_t dcc_linear_clipped_tf32(const dcc_linear *L, const float *cs, float *w,
-                                    cudaStream_t st);
+/* perm, fac: B ints and floats of scratch for the sample order. */
+cudaError_t dcc_linear_clipped_tf32(const dcc_linear *L, const float *cs, int *perm, float *fac,
+                                    float *w, cudaStream_t st);
 
 /* The CUDA-core paths behind dcc_linear_sqnorms (norms_simt.cu): f32 or
  * mixed dtypes, and the rank-one T == 1 formula. */

@@ -123,13 +123,14 @@ __device__ __forceinline__ void dcc_cp_pipeline(int n, const Load &load, const S
     dcc_cp_wait<0>();
 }
 
-/* A warp's accumulator in the mma.sync kernels: 4 x 4 m16n8 fragments of
- * four f32 each (a 64 x 32 warp tile). */
-__device__ __forceinline__ void dcc_acc_zero(float (&acc)[4][4][4]) {
+/* A warp's accumulator in the mma.sync kernels: 4 x NI m16n8 fragments of
+ * four f32 each (a 64 x 8*NI warp tile; NI = 4 but for the TF32 clipped
+ * sum's 64 x 64). */
+template <int NI> __device__ __forceinline__ void dcc_acc_zero(float (&acc)[4][NI][4]) {
 #pragma unroll
     for (int i = 0; i < 4; i++)
 #pragma unroll
-        for (int j = 0; j < 4; j++)
+        for (int j = 0; j < NI; j++)
 #pragma unroll
             for (int k = 0; k < 4; k++) acc[i][j][k] = 0.0f;
 }
@@ -144,13 +145,13 @@ __device__ __forceinline__ float dcc_acc_sumsq(const float (&acc)[4][4][4]) {
     return s;
 }
 /* acc[mi][ni] += A fragment mi x B fragment ni, by mma(c, a, b0, b1). */
-template <typename Mma>
-__device__ __forceinline__ void dcc_warp_mma(float (&acc)[4][4][4], const uint32_t (&af)[4][4],
-                                             const uint32_t (&bf)[4][2], const Mma &mma) {
+template <int NI, typename Mma>
+__device__ __forceinline__ void dcc_warp_mma(float (&acc)[4][NI][4], const uint32_t (&af)[4][4],
+                                             const uint32_t (&bf)[NI][2], const Mma &mma) {
 #pragma unroll
     for (int mi = 0; mi < 4; mi++)
 #pragma unroll
-        for (int ni = 0; ni < 4; ni++) mma(acc[mi][ni], af[mi], bf[ni][0], bf[ni][1]);
+        for (int ni = 0; ni < NI; ni++) mma(acc[mi][ni], af[mi], bf[ni][0], bf[ni][1]);
 }
 
 __device__ __forceinline__ void dcc_sts128(uint32_t dst, uint32_t a, uint32_t b, uint32_t c,
