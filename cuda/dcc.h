@@ -200,9 +200,19 @@ cudaError_t dcc_linear_sqnorms_grouped(const dcc_norm_layer *layers, int n, floa
  * (dcc_linear_ghost_wgmma_tf32) where it can, the rest on mma.sync m16n8k8. */
 cudaError_t dcc_linear_tf32(const dcc_linear *L, dc_algo algo, float s2, float *n2,
                             cudaStream_t st);
-/* perm, fac: B ints and floats of scratch for the sample order. */
+/* perm, fac: B ints and floats of scratch for the sample order. The sum
+ * runs on wgmma (dcc_tf32_clipped_wgmma) where it can. */
 cudaError_t dcc_linear_clipped_tf32(const dcc_linear *L, const float *cs, int *perm, float *fac,
                                     float *w, cudaStream_t st);
+
+/* The TF32 clipped sum on wgmma (clipped_tf32.cu), 128x256 tiles, sample
+ * groups of per_group as dcc_clip_groups makes them (groups > 1: w zeroed,
+ * summed with atomics), perm and fac from dcc_bk_order: for
+ * dcc_linear_clipped_tf32. cudaErrorNotSupported without sm_90a code or
+ * where rows are not on 16 bytes. */
+cudaError_t dcc_tf32_clipped_wgmma(const dcc_linear *L, const float *cs, const int *perm,
+                                   const float *fac, float *w, int per_group, int groups,
+                                   cudaStream_t st);
 
 /* The CUDA-core paths behind dcc_linear_sqnorms (norms_simt.cu): f32 or
  * mixed dtypes, and the rank-one T == 1 formula. */

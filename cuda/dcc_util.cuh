@@ -1,5 +1,6 @@
 /* Helpers the kernel files share on both sides: the ghost form's tile-pair
- * decode (device, and host for tests) and the device's SM count (host). */
+ * decode (device, and host for tests), the device's SM count and the
+ * clipped sums' sample groups (host). */
 #ifndef DC_DCC_UTIL_CUH
 #define DC_DCC_UTIL_CUH
 
@@ -29,6 +30,22 @@ static inline cudaError_t dcc_sm_count(int *sms) {
     cudaError_t e = cudaGetDevice(&dev);
     if (e == cudaSuccess) e = cudaDeviceGetAttribute(sms, cudaDevAttrMultiProcessorCount, dev);
     return e;
+}
+
+/* Sample groups of a clipped-sum launch of `tiles` output tiles at one CTA
+ * per SM: enough groups for two waves (their tiles summed with atomics
+ * into a zeroed output), at most B: *groups of *per samples (the last may
+ * have fewer). */
+static inline cudaError_t dcc_clip_groups(int tiles, int B, int *groups, int *per) {
+    int sms;
+    cudaError_t e = dcc_sm_count(&sms);
+    if (e != cudaSuccess) return e;
+    int n = (2 * sms + tiles - 1) / tiles;
+    if (n > B) n = B;
+    if (n < 1) n = 1;
+    *per = (B + n - 1) / n;
+    *groups = (B + *per - 1) / *per;
+    return cudaSuccess;
 }
 
 #endif

@@ -386,16 +386,10 @@ cudaError_t launch_clipped(const dcc_linear *L, const float *cs, float *w, cudaS
     if (!make_map(&tg, L->g, L->tg, L->B, L->T, L->p, 64) ||
         !make_map(&ta, L->a, L->ta, L->B, L->T, L->d, 64))
         return cudaErrorNotSupported;
-    int sms;
-    cudaError_t e = dcc_sm_count(&sms);
-    if (e != cudaSuccess) return e;
     int tiles_m = (L->p + 127) / 128, tiles_n = (L->d + 127) / 128, tiles = tiles_m * tiles_n;
-    /* enough CTAs for two waves: groups of samples, summed with atomics */
-    int groups = (2 * sms + tiles - 1) / tiles;
-    if (groups > L->B) groups = L->B;
-    if (groups < 1) groups = 1;
-    int per = (L->B + groups - 1) / groups;
-    groups = (L->B + per - 1) / per;
+    int groups, per;
+    cudaError_t e = dcc_clip_groups(tiles, L->B, &groups, &per);
+    if (e != cudaSuccess) return e;
     if (groups > 1 && (e = cudaMemsetAsync(w, 0, (size_t)L->p * L->d * sizeof(float), st)))
         return e;
     e = cudaFuncSetAttribute(tma_clipped<TI>, cudaFuncAttributeMaxDynamicSharedMemorySize,

@@ -1,0 +1,187 @@
+/* The TF32 clipped sum on Hopper's warpgroup MMA (sm_90a): w[p][d] = sum_b
+ * cs[b] g_b^T a_b for f32 inputs, the operands' TF32 truncations multiplied
+ * (as every TF32 kernel does, norms_tf32.cu), on 128x256 output tiles.
+ *
+ * TF32 wgmma reads K-major operands only, and both of these are stored with
+ * K (= T) outermost: the direct form's layout, which the 16-bit kernels
+ * transpose in the instruction. So each stage (32 rows of T) is copied into
+ * shared memory as stored (cp.async, two stages in flight), and the same
+ * two warpgroups transpose it there into the K-major tiles the descriptors
+ * name (128-byte rows of 32 k per feature, 16-byte chunks swizzled by
+ * chunk ^ (row % 8), the TMA kernels' layout) while the tensor cores work
+ * on the previous stage from the other of two transposed buffers. A lane
+ * reads four rows of one column (conflict-free: a warp's lanes take 32
+ * consecutive columns) and writes them as one 16-byte chunk (conflict-free
+ * through the swizzle).
+ *
+ * The samples of a CTA's group run in ascending coefficient order and the
+ * accumulator is rescaled between them (Horner, as grouped_tma.cu), so one
+ * register tile holds the weighted total. Layers whose rows are not on 16
+ * bytes go to the mma.sync kernel (norms_tf32.cu), which calls this one. */
+#include "dcc_tma.cuh"
+#include "dcc_util.cuh"
+
+namespace {
+
+constexpr int XT = 256;                        /* two consumer warpgroups */
+constexpr int XM = 128, XN = 256, XK = 32;     /* the CTA's tile; k per stage */
+constexpr int XR = XM + XN;                    /* transposed rows: g's features, then a's */
+constexpr int NAT = XK * XR;                   /* floats of a stage as stored */
+constexpr int KMJ = XR * 128;                  /* bytes of a transposed stage */
+constexpr int X_SMEM = 2 * NAT * 4 + 2 * KMJ + 1024;
+
+#ifndef DCC_WG_EMPTY
+
+__global__ void __launch_bounds__(XT, 1)
+tf32_wg_clipped(const float *__restrict__ a, const float *__restrict__ g, int B, int T, int d,
+                int p, int tiles_n, int per_group, const int *__restrict__ perm,
+                const float *__restrict__ fac, const float *__restrict__ cs,
+                float *__restrict__ w) {
+    extern __shared__ __align__(16) unsigned char smem[];
+    const uint32_t base = (dcc_smem(smem) + 1023u) & ~1023u;
+    float *nat = (float *)(smem + (base - dcc_smem(smem))); /* 2 stages as stored */
+    const uint32_t kmj = base + 2u * NAT * 4u;                /* 2 transposed; 1024-aligned */
+    const int tm = (int)blockIdx.x / tiles_n, tn = (int)blockIdx.x % tiles_n;
+    const int m0 = tm * XM, n0 = tn * XN;
+    const int k0 = (int)blockIdx.y * per_group, k1 = min(B, k0 + per_group);
+    if (k0 >= k1) return; /* uniform per CTA, before any barrier */
+    const int ktn = (T + XK - 1) / XK, U = (k1 - k0) * ktn;
+    const int tid = (int)threadIdx.x, wg = tid >> 7;
+    float acc[2][64];
+#pragma unroll
+    for (int h = 0; h < 2; h++)
+#pragma unroll
+        for (int i = 0; i < 64; i++) acc[h][i] = 0.0f;
+
+    /* stage u as stored: [32 rows of T][128 of g's features], then [32][256 of a's];
+     * zero past T and past the widths (multiples of 4: whole chunks) */
+    auto load = [&](int u) {
+        const int b = perm[k0 + u / ktn], t0 = (u % ktn) * XK;
+        float *s = nat + (u & 1) * NAT;
+        const float *gb = g + (int64_t)b * T * p, *ab = a + (int64_t)b * T * d;
+#pragma unroll
+        for (int j = 0; j < NAT / 4 / XT; j++) {
+            const int i = tid + j * XT;
+            const bool is_g = i < XK * XM / 4; /* warp-uniform: XK * XM / 4 is a multiple of 32 */
+            const int W = is_g ? XM : XN, q = is_g ? i : i - XK * XM / 4;
+            const int t = q / (W / 4), c = (q % (W / 4)) * 4;
+            const int col = (is_g ? m0 : n0) + c, width = is_g ? p : d;
+            const bool ok = t0 + t < T && col < width;
+            const float *src = (is_g ? gb : ab) + (ok ? (int64_t)(t0 + t) * width + col : 0);
+            dcc_cp_async16(dcc_smem((is_g ? s : s + XK * XM) + t * W + c), src, ok ? 16 : 0);
+        }
+    };
+    /* stage u, as stored, into transposed buffer u & 1 */
+    auto transpose = [&](int u) {
+        const float *s = nat + (u & 1) * NAT;
+        const uint32_t kb = kmj + (uint32_t)((u & 1) * KMJ);
+#pragma unroll 4
+        for (int q = tid; q < XR * 8; q += XT) {
+            const int c = q / XR, r = q % XR; /* chunk c holds k = 4c .. 4c + 3 of row r */
+            const bool is_g = r < XM;
+            const int W = is_g ? XM : XN;
+            const float *src = (is_g ? s + r : s + XK * XM + (r - XM)) + 4 * c * W;
+            dcc_sts128(kb + (uint32_t)(r * 128 + ((c ^ (r & 7)) << 4)),
+                       __float_as_uint(src[0]), __float_as_uint(src[W]),
+                       __float_as_uint(src[2 * W]), __float_as_uint(src[3 * W]));
+        }
+    };
+
+    load(0);
+    dcc_cp_commit();
+    for (int u = 0; u < U; u++) {
+        /* stage u has landed; every thread is done with u - 1's copy as
+         * stored and (after its wait below) with the MMAs of u - 2, so both
+         * of those buffers may be refilled */
+        dcc_cp_wait<0>();
+        __syncthreads();
+        if (u + 1 < U) load(u + 1);
+        dcc_cp_commit();
+        if (u > 0 && u % ktn == 0) { /* the next sample: rescale to its coefficient */
+            wg_wait<0>();
+            acc_fence<2>(acc);
+            const float f = fac[k0 + u / ktn];
+#pragma unroll
+            for (int h = 0; h < 2; h++)
+#pragma unroll
+                for (int i = 0; i < 64; i++) acc[h][i] *= f;
+        }
+        transpose(u);
+        fence_proxy_async(); /* the stores, visible to the tensor cores */
+        __syncthreads();     /* both warpgroups read all of the a tile */
+        const uint32_t kb = kmj + (uint32_t)((u & 1) * KMJ);
+        acc_fence<2>(acc);
+        wg_fence();
+#pragma unroll
+        for (int kk = 0; kk < 4; kk++) {
+            const uint64_t da = wg_desc(kb + (uint32_t)(wg * 64 * 128 + kk * 32), 16, 1024);
+#pragma unroll
+            for (int h = 0; h < 2; h++) {
+                const uint64_t db =
+                    wg_desc(kb + (uint32_t)((XM + h * 128) * 128 + kk * 32), 16, 1024);
+                wgmma_m64n128<0, 0>((const float *)nullptr, acc[h], da, db);
+            }
+        }
+        wg_commit();
+        acc_fence<2>(acc);
+        wg_wait<1>();
+    }
+    wg_wait<0>();
+    acc_fence<2>(acc);
+
+    /* accumulator: warp wq of the warpgroup holds rows 16 wq .. +15; register
+     * i is row lane/4 (+8 when i%4 >= 2), column 8 (i/4) + 2 (lane%4) + i%2 */
+    const float cl = cs[perm[k1 - 1]];
+    const int wq = (tid >> 5) & 3, lane = tid & 31;
+    const bool atomic = gridDim.y > 1;
+#pragma unroll
+    for (int h = 0; h < 2; h++)
+#pragma unroll
+        for (int i = 0; i < 64; i++) {
+            const int m = m0 + wg * 64 + wq * 16 + (lane >> 2) + ((i & 2) ? 8 : 0);
+            const int n = n0 + h * 128 + (i >> 2) * 8 + (lane & 3) * 2 + (i & 1);
+            if (m < p && n < d) {
+                const float v = cl * acc[h][i];
+                if (atomic) atomicAdd(w + (int64_t)m * d + n, v);
+                else w[(int64_t)m * d + n] = v;
+            }
+        }
+}
+
+#else
+
+__global__ void tf32_wg_clipped(const float *, const float *, int, int, int, int, int, int,
+                                const int *, const float *, const float *, float *) {}
+
+#endif
+
+} // namespace
+
+extern "C" cudaError_t dcc_tf32_clipped_wgmma(const dcc_linear *L, const float *cs,
+                                              const int *perm, const float *fac, float *w,
+                                              int per_group, int groups, cudaStream_t st) {
+#ifdef DCC_WGMMA_BUILT
+    if (L->ta != DC_F32 || L->tg != DC_F32 || !dcc_wgmma_available(L->opt) || L->d % 4 ||
+        L->p % 4 || ((uintptr_t)L->a & 15u) || ((uintptr_t)L->g & 15u))
+        return cudaErrorNotSupported;
+    const int tiles_m = (L->p + XM - 1) / XM, tiles_n = (L->d + XN - 1) / XN;
+    cudaError_t e =
+        cudaFuncSetAttribute(tf32_wg_clipped, cudaFuncAttributeMaxDynamicSharedMemorySize, X_SMEM);
+    if (e != cudaSuccess) return e;
+    dim3 grid((unsigned)(tiles_m * tiles_n), (unsigned)groups);
+    tf32_wg_clipped<<<grid, XT, X_SMEM, st>>>((const float *)L->a, (const float *)L->g, L->B,
+                                              L->T, L->d, L->p, tiles_n, per_group, perm, fac,
+                                              cs, w);
+    return cudaGetLastError();
+#else
+    (void)L;
+    (void)cs;
+    (void)perm;
+    (void)fac;
+    (void)w;
+    (void)per_group;
+    (void)groups;
+    (void)st;
+    return cudaErrorNotSupported;
+#endif
+}
