@@ -53,37 +53,56 @@ tf32_wg_clipped(const float *__restrict__ a, const float *__restrict__ g, int B,
 #pragma unroll
         for (int i = 0; i < 64; i++) acc[h][i] = 0.0f;
 
-    /* stage u as stored: [32 rows of T][128 of g's features], then [32][256 of a's];
-     * zero past T and past the widths (multiples of 4: whole chunks) */
+    /* stage u as stored: [32 rows of T][128 of g's features], then [32][256 of
+     * a's]; zero past T and past the widths (multiples of 4: whole chunks).
+     * This thread's chunks: g rows warp + 8j (j < 4), a rows tid/64 + 4j
+     * (j < 8), at fixed columns, so only the row test changes with u. */
+    const int gc = (tid & 31) * 4, ac = (tid & 63) * 4, gr = tid >> 5, ar = tid >> 6;
+    const bool g_in = m0 + gc < p, a_in = n0 + ac < d;
     auto load = [&](int u) {
         const int b = perm[k0 + u / ktn], t0 = (u % ktn) * XK;
         float *s = nat + (u & 1) * NAT;
-        const float *gb = g + (int64_t)b * T * p, *ab = a + (int64_t)b * T * d;
+        const float *gs = g + ((int64_t)b * T + t0 + gr) * p + m0 + gc;
+        const float *as = a + ((int64_t)b * T + t0 + ar) * d + n0 + ac;
+        const uint32_t gd = dcc_smem(s + gr * XM + gc), ad = dcc_smem(s + XK * XM + ar * XN + ac);
 #pragma unroll
-        for (int j = 0; j < NAT / 4 / XT; j++) {
-            const int i = tid + j * XT;
-            const bool is_g = i < XK * XM / 4; /* warp-uniform: XK * XM / 4 is a multiple of 32 */
-            const int W = is_g ? XM : XN, q = is_g ? i : i - XK * XM / 4;
-            const int t = q / (W / 4), c = (q % (W / 4)) * 4;
-            const int col = (is_g ? m0 : n0) + c, width = is_g ? p : d;
-            const bool ok = t0 + t < T && col < width;
-            const float *src = (is_g ? gb : ab) + (ok ? (int64_t)(t0 + t) * width + col : 0);
-            dcc_cp_async16(dcc_smem((is_g ? s : s + XK * XM) + t * W + c), src, ok ? 16 : 0);
+        for (int j = 0; j < 4; j++) {
+            const bool ok = g_in && t0 + gr + 8 * j < T;
+            dcc_cp_async16(gd + (uint32_t)(j * 8 * XM * 4), ok ? gs + (int64_t)j * 8 * p : g,
+                           ok ? 16 : 0);
+        }
+#pragma unroll
+        for (int j = 0; j < 8; j++) {
+            const bool ok = a_in && t0 + ar + 4 * j < T;
+            dcc_cp_async16(ad + (uint32_t)(j * 4 * XN * 4), ok ? as + (int64_t)j * 4 * d : a,
+                           ok ? 16 : 0);
         }
     };
-    /* stage u, as stored, into transposed buffer u & 1 */
+    /* stage u, as stored, into transposed buffer u & 1: this thread's rows
+     * r1 = tid (all 8 chunks) and r2 = 256 + tid % 128 (chunks 4 (tid / 128)
+     * .. +3); chunk c of row r holds k = 4c .. 4c + 3 and sits at 16 (c ^ (r
+     * % 8)) in the row; a warp's lanes take consecutive rows (columns as
+     * stored) */
+    const int r1 = tid, r2 = XN + (tid & 127), c2 = (tid >> 7) * 4;
+    const int w1 = r1 < XM ? XM : XN;
+    const int o1 = r1 < XM ? r1 : XK * XM + (r1 - XM), o2 = XK * XM + (r2 - XM);
     auto transpose = [&](int u) {
         const float *s = nat + (u & 1) * NAT;
         const uint32_t kb = kmj + (uint32_t)((u & 1) * KMJ);
-#pragma unroll 4
-        for (int q = tid; q < XR * 8; q += XT) {
-            const int c = q / XR, r = q % XR; /* chunk c holds k = 4c .. 4c + 3 of row r */
-            const bool is_g = r < XM;
-            const int W = is_g ? XM : XN;
-            const float *src = (is_g ? s + r : s + XK * XM + (r - XM)) + 4 * c * W;
-            dcc_sts128(kb + (uint32_t)(r * 128 + ((c ^ (r & 7)) << 4)),
-                       __float_as_uint(src[0]), __float_as_uint(src[W]),
-                       __float_as_uint(src[2 * W]), __float_as_uint(src[3 * W]));
+#pragma unroll
+        for (int c = 0; c < 8; c++) {
+            const float *x = s + o1 + 4 * c * w1;
+            dcc_sts128(kb + (uint32_t)(r1 * 128 + ((c ^ (r1 & 7)) << 4)), __float_as_uint(x[0]),
+                       __float_as_uint(x[w1]), __float_as_uint(x[2 * w1]),
+                       __float_as_uint(x[3 * w1]));
+        }
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            const int c = c2 + i;
+            const float *x = s + o2 + 4 * c * XN;
+            dcc_sts128(kb + (uint32_t)(r2 * 128 + ((c ^ (r2 & 7)) << 4)), __float_as_uint(x[0]),
+                       __float_as_uint(x[XN]), __float_as_uint(x[2 * XN]),
+                       __float_as_uint(x[3 * XN]));
         }
     };
 
