@@ -59,23 +59,23 @@ tf32_wg_clipped(const float *__restrict__ a, const float *__restrict__ g, int B,
      * (j < 8), at fixed columns, so only the row test changes with u. */
     const int gc = (tid & 31) * 4, ac = (tid & 63) * 4, gr = tid >> 5, ar = tid >> 6;
     const bool g_in = m0 + gc < p, a_in = n0 + ac < d;
+    const int64_t gstep = (int64_t)8 * p, astep = (int64_t)4 * d;
     auto load = [&](int u) {
-        const int b = perm[k0 + u / ktn], t0 = (u % ktn) * XK;
+        const int kb = u / ktn, t0 = (u - kb * ktn) * XK, b = perm[k0 + kb];
         float *s = nat + (u & 1) * NAT;
         const float *gs = g + ((int64_t)b * T + t0 + gr) * p + m0 + gc;
         const float *as = a + ((int64_t)b * T + t0 + ar) * d + n0 + ac;
+        const int grem = g_in ? T - t0 - gr : 0, arem = a_in ? T - t0 - ar : 0;
         const uint32_t gd = dcc_smem(s + gr * XM + gc), ad = dcc_smem(s + XK * XM + ar * XN + ac);
 #pragma unroll
-        for (int j = 0; j < 4; j++) {
-            const bool ok = g_in && t0 + gr + 8 * j < T;
-            dcc_cp_async16(gd + (uint32_t)(j * 8 * XM * 4), ok ? gs + (int64_t)j * 8 * p : g,
-                           ok ? 16 : 0);
+        for (int j = 0; j < 4; j++, gs += gstep) {
+            const bool ok = 8 * j < grem;
+            dcc_cp_async16(gd + (uint32_t)(j * 8 * XM * 4), ok ? gs : g, ok ? 16 : 0);
         }
 #pragma unroll
-        for (int j = 0; j < 8; j++) {
-            const bool ok = a_in && t0 + ar + 4 * j < T;
-            dcc_cp_async16(ad + (uint32_t)(j * 4 * XN * 4), ok ? as + (int64_t)j * 4 * d : a,
-                           ok ? 16 : 0);
+        for (int j = 0; j < 8; j++, as += astep) {
+            const bool ok = 4 * j < arem;
+            dcc_cp_async16(ad + (uint32_t)(j * 4 * XN * 4), ok ? as : a, ok ? 16 : 0);
         }
     };
     /* stage u, as stored, into transposed buffer u & 1: this thread's rows
