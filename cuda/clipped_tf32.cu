@@ -18,6 +18,8 @@
  * accumulator is rescaled between them (Horner, as grouped_tma.cu), so one
  * register tile holds the weighted total. Layers whose rows are not on 16
  * bytes go to the mma.sync kernel (norms_tf32.cu), which calls this one. */
+#include <stdlib.h>
+
 #include "dcc_tma.cuh"
 #include "dcc_util.cuh"
 
@@ -32,6 +34,40 @@ constexpr int X_SMEM = 2 * NAT * 4 + 2 * KMJ + 1024;
 
 #ifndef DCC_WG_EMPTY
 
+/* One m64n256k8 TF32 wgmma: A read once for the tile's 256 columns. */
+__device__ __forceinline__ void wgmma_m64n256k8_tf32(float (&d)[128], uint64_t da, uint64_t db) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n256k8.f32.tf32.tf32 {"
+        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, "
+        "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, "
+        "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, "
+        "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, "
+        "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127"
+        "}, %128, %129, p, 1, 1;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]),
+          "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]),
+          "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]),
+          "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]),
+          "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]),
+          "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]),
+          "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]),
+          "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]),
+          "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
+        : "l"(da), "l"(db), "r"(1));
+}
+
+template <bool N256>
 __global__ void __launch_bounds__(XT, 1)
 tf32_wg_clipped(const float *__restrict__ a, const float *__restrict__ g, int B, int T, int d,
                 int p, int tiles_n, int per_group, const int *__restrict__ perm,
@@ -134,11 +170,16 @@ tf32_wg_clipped(const float *__restrict__ a, const float *__restrict__ g, int B,
 #pragma unroll
         for (int kk = 0; kk < 4; kk++) {
             const uint64_t da = wg_desc(kb + (uint32_t)(wg * 64 * 128 + kk * 32), 16, 1024);
+            if constexpr (N256) {
+                wgmma_m64n256k8_tf32(*reinterpret_cast<float(*)[128]>(&acc[0][0]), da,
+                                     wg_desc(kb + (uint32_t)(XM * 128 + kk * 32), 16, 1024));
+            } else {
 #pragma unroll
-            for (int h = 0; h < 2; h++) {
-                const uint64_t db =
-                    wg_desc(kb + (uint32_t)((XM + h * 128) * 128 + kk * 32), 16, 1024);
-                wgmma_m64n128<0, 0>((const float *)nullptr, acc[h], da, db);
+                for (int h = 0; h < 2; h++) {
+                    const uint64_t db =
+                        wg_desc(kb + (uint32_t)((XM + h * 128) * 128 + kk * 32), 16, 1024);
+                    wgmma_m64n128<0, 0>((const float *)nullptr, acc[h], da, db);
+                }
             }
         }
         wg_commit();
@@ -169,6 +210,7 @@ tf32_wg_clipped(const float *__restrict__ a, const float *__restrict__ g, int B,
 
 #else
 
+template <bool N256>
 __global__ void tf32_wg_clipped(const float *, const float *, int, int, int, int, int, int,
                                 const int *, const float *, const float *, float *) {}
 
@@ -184,11 +226,12 @@ extern "C" cudaError_t dcc_tf32_clipped_wgmma(const dcc_linear *L, const float *
         L->p % 4 || ((uintptr_t)L->a & 15u) || ((uintptr_t)L->g & 15u))
         return cudaErrorNotSupported;
     const int tiles_m = (L->p + XM - 1) / XM, tiles_n = (L->d + XN - 1) / XN;
-    cudaError_t e =
-        cudaFuncSetAttribute(tf32_wg_clipped, cudaFuncAttributeMaxDynamicSharedMemorySize, X_SMEM);
+    static const bool n256 = getenv("DPCLIP_X256") && getenv("DPCLIP_X256")[0] == '1';
+    auto kern = n256 ? tf32_wg_clipped<true> : tf32_wg_clipped<false>;
+    cudaError_t e = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, X_SMEM);
     if (e != cudaSuccess) return e;
     dim3 grid((unsigned)(tiles_m * tiles_n), (unsigned)groups);
-    tf32_wg_clipped<<<grid, XT, X_SMEM, st>>>((const float *)L->a, (const float *)L->g, L->B,
+    kern<<<grid, XT, X_SMEM, st>>>((const float *)L->a, (const float *)L->g, L->B,
                                               L->T, L->d, L->p, tiles_n, per_group, perm, fac,
                                               cs, w);
     return cudaGetLastError();
