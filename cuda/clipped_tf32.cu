@@ -5,17 +5,19 @@
  *
  * TF32 wgmma reads K-major operands only, and both of these are stored with
  * K (= T) outermost: the direct form's layout, which the 16-bit kernels
- * transpose in the instruction. Neither TMA nor 16-byte copies can
- * transpose 4-byte elements, so every element is its own 4-byte cp.async,
- * straight into the K-major tile the descriptors name (128-byte rows of 32
- * k per feature, 16-byte chunks swizzled by chunk ^ (row % 8), the TMA
- * kernels' layout): a warp's instruction takes 8 consecutive features x 4
- * consecutive rows of T, 32-byte global segments, and lands on 32 distinct
- * banks through the swizzle. Warp w copies chunk w (rows 4w .. 4w+3 of the
- * stage) of all 384 features, 48 instructions a stage, no shared-memory
- * round trip; four stages, two in flight ahead of the MMAs. (A first form
- * copied stages as stored and transposed them in shared memory: 400
- * instructions a warp a stage left the tensor cores 30% busy.)
+ * transpose in the instruction; neither TMA nor 16-byte copies can
+ * transpose 4-byte elements. So each stage (32 rows of T) is copied into
+ * shared memory as stored (cp.async, three stages: two in flight while one
+ * is used), and the two warpgroups transpose it there into the K-major tile
+ * the descriptors name (128-byte rows of 32 k per feature, 16-byte chunks
+ * swizzled by chunk ^ (row % 8), the TMA kernels' layout), then run its
+ * MMAs. A lane reads four rows of one column (conflict-free: a warp's lanes
+ * take consecutive columns) and writes them as one 16-byte chunk
+ * (conflict-free through the swizzle). One transposed buffer: shared memory
+ * holds no second beside three stages as stored, and the copies' latency,
+ * not the transpose, bounded a form with two of each (measured on an H100,
+ * as was a form with no transpose at all, each element its own 4-byte
+ * cp.async into place: slower, the copies' issue and L1 traffic).
  *
  * The samples of a CTA's group run in ascending coefficient order and the
  * accumulator is rescaled between them (Horner, as grouped_tma.cu), so one
@@ -28,17 +30,13 @@ namespace {
 
 constexpr int XT = 256;                    /* two warpgroups */
 constexpr int XM = 128, XN = 256, XK = 32; /* the CTA's tile; k per stage */
-constexpr int KMJ = (XM + XN) * 128;       /* bytes of a stage: g's rows, then a's */
-constexpr int XST = 4;                     /* stages */
-constexpr int X_SMEM = XST * KMJ + 1024;
+constexpr int XR = XM + XN;                /* transposed rows: g's features, then a's */
+constexpr int NAT = XK * XR;               /* floats of a stage as stored */
+constexpr int NST = 3;                     /* stages as stored */
+constexpr int KMJ = XR * 128;              /* bytes of the transposed stage */
+constexpr int X_SMEM = NST * NAT * 4 + KMJ + 1024;
 
 #ifndef DCC_WG_EMPTY
-
-__device__ __forceinline__ void cp_async4(uint32_t dst, const void *src, int src_bytes) {
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src),
-                 "r"(src_bytes)
-                 : "memory");
-}
 
 /* One m64n256k8 TF32 wgmma: A read once for the tile's 256 columns. */
 __device__ __forceinline__ void wgmma_m64n256k8_tf32(float (&d)[128], uint64_t da, uint64_t db) {
@@ -79,85 +77,110 @@ tf32_wg_clipped(const float *__restrict__ a, const float *__restrict__ g, int B,
                 const float *__restrict__ fac, const float *__restrict__ cs,
                 float *__restrict__ w) {
     extern __shared__ __align__(16) unsigned char smem[];
-    const uint32_t kmj = (dcc_smem(smem) + 1023u) & ~1023u;
+    const uint32_t kmj = (dcc_smem(smem) + 1023u) & ~1023u; /* the transposed stage */
+    float *nat = (float *)(smem + (kmj - dcc_smem(smem)) + KMJ); /* NST stages as stored */
     const int tm = (int)blockIdx.x / tiles_n, tn = (int)blockIdx.x % tiles_n;
     const int m0 = tm * XM, n0 = tn * XN;
     const int k0 = (int)blockIdx.y * per_group, k1 = min(B, k0 + per_group);
     if (k0 >= k1) return; /* uniform per CTA, before any barrier */
     const int ktn = (T + XK - 1) / XK, U = (k1 - k0) * ktn;
-    const int tid = (int)threadIdx.x, wg = tid >> 7, warp = tid >> 5, lane = tid & 31;
-    const bool whole = m0 + XM <= p && n0 + XN <= d; /* no ragged feature edge */
+    const int tid = (int)threadIdx.x, wg = tid >> 7;
     float acc[2][64]; /* the m64n256 accumulator, as the helpers take it in halves */
     float(&acc_all)[128] = *reinterpret_cast<float(*)[128]>(&acc[0][0]);
 #pragma unroll
     for (int i = 0; i < 128; i++) acc_all[i] = 0.0f;
 
-    /* this lane's element of each 8 x 4 block: feature f8 of 8, row warp*4 + r4
-     * of the stage, at column 4 r4 of chunk warp ^ f8 in its feature's row */
-    const int f8 = lane & 7, r4 = lane >> 3;
-    const uint32_t lane_off = (uint32_t)(f8 * 128 + ((warp ^ f8) << 4) + r4 * 4);
+    /* stage u as stored: [32 rows of T][128 of g's features], then [32][256 of
+     * a's]; zero past T and past the widths (multiples of 4: whole chunks).
+     * This thread's chunks: g rows warp + 8j (j < 4), a rows tid/64 + 4j
+     * (j < 8), at fixed columns, so only the row test changes with u. */
+    const int gc = (tid & 31) * 4, ac = (tid & 63) * 4, gr = tid >> 5, ar = tid >> 6;
+    const bool g_in = m0 + gc < p, a_in = n0 + ac < d;
+    const int64_t gstep = (int64_t)8 * p, astep = (int64_t)4 * d;
     /* stage u = sample kb of the group, k-tile kt */
     auto load = [&](int u, int kb, int kt) {
-        const int t = kt * XK + warp * 4 + r4, b = perm[k0 + kb];
-        const bool rok = t < T;
-        const float *gr = g + ((int64_t)b * T + t) * p + m0 + f8;
-        const float *ar = a + ((int64_t)b * T + t) * d + n0 + f8;
-        const uint32_t st = kmj + (uint32_t)((u % XST) * KMJ) + lane_off;
-        if (whole && rok) { /* the common case: no test an element */
+        const int t0 = kt * XK, b = perm[k0 + kb];
+        float *s = nat + (u % NST) * NAT;
+        const float *gs = g + ((int64_t)b * T + t0 + gr) * p + m0 + gc;
+        const float *as = a + ((int64_t)b * T + t0 + ar) * d + n0 + ac;
+        const int grem = g_in ? T - t0 - gr : 0, arem = a_in ? T - t0 - ar : 0;
+        const uint32_t gd = dcc_smem(s + gr * XM + gc), ad = dcc_smem(s + XK * XM + ar * XN + ac);
 #pragma unroll
-            for (int j = 0; j < XM / 8; j++) cp_async4(st + (uint32_t)(j * 1024), gr + 8 * j, 4);
-#pragma unroll
-            for (int j = 0; j < XN / 8; j++)
-                cp_async4(st + (uint32_t)(XM * 128 + j * 1024), ar + 8 * j, 4);
-            return;
+        for (int j = 0; j < 4; j++, gs += gstep) {
+            const bool ok = 8 * j < grem;
+            dcc_cp_async16(gd + (uint32_t)(j * 8 * XM * 4), ok ? gs : g, ok ? 16 : 0);
         }
 #pragma unroll
-        for (int j = 0; j < XM / 8; j++) {
-            const bool ok = rok && m0 + 8 * j + f8 < p;
-            cp_async4(st + (uint32_t)(j * 1024), ok ? gr + 8 * j : g, ok ? 4 : 0);
+        for (int j = 0; j < 8; j++, as += astep) {
+            const bool ok = 4 * j < arem;
+            dcc_cp_async16(ad + (uint32_t)(j * 4 * XN * 4), ok ? as : a, ok ? 16 : 0);
+        }
+    };
+    /* stage u, as stored, into the transposed buffer: this thread's rows
+     * r1 = tid (all 8 chunks) and r2 = 256 + tid % 128 (chunks 4 (tid / 128)
+     * .. +3); chunk c of row r holds k = 4c .. 4c + 3 and sits at 16 (c ^ (r
+     * % 8)) in the row; a warp's lanes take consecutive rows (columns as
+     * stored) */
+    const int r1 = tid, r2 = XN + (tid & 127), c2 = (tid >> 7) * 4;
+    const int w1 = r1 < XM ? XM : XN;
+    const int o1 = r1 < XM ? r1 : XK * XM + (r1 - XM), o2 = XK * XM + (r2 - XM);
+    auto transpose = [&](int u) {
+        const float *s = nat + (u % NST) * NAT;
+        const uint32_t kb = kmj;
+#pragma unroll
+        for (int c = 0; c < 8; c++) {
+            const float *x = s + o1 + 4 * c * w1;
+            dcc_sts128(kb + (uint32_t)(r1 * 128 + ((c ^ (r1 & 7)) << 4)), __float_as_uint(x[0]),
+                       __float_as_uint(x[w1]), __float_as_uint(x[2 * w1]),
+                       __float_as_uint(x[3 * w1]));
         }
 #pragma unroll
-        for (int j = 0; j < XN / 8; j++) {
-            const bool ok = rok && n0 + 8 * j + f8 < d;
-            cp_async4(st + (uint32_t)(XM * 128 + j * 1024), ok ? ar + 8 * j : a, ok ? 4 : 0);
+        for (int i = 0; i < 4; i++) {
+            const int c = c2 + i;
+            const float *x = s + o2 + 4 * c * XN;
+            dcc_sts128(kb + (uint32_t)(r2 * 128 + ((c ^ (r2 & 7)) << 4)), __float_as_uint(x[0]),
+                       __float_as_uint(x[XN]), __float_as_uint(x[2 * XN]),
+                       __float_as_uint(x[3 * XN]));
         }
     };
 
-    int lb = 0, lt = 0; /* the next stage to load */
+    int lb = 0, lt = 0; /* the next stage to copy */
 #pragma unroll
-    for (int s = 0; s < XST - 2; s++) {
+    for (int s = 0; s < NST - 1; s++) {
         if (s < U) load(s, lb, lt);
         if (++lt == ktn) lt = 0, lb++;
         dcc_cp_commit();
     }
     for (int u = 0, cb = 0, ct = 0; u < U; u++) {
-        /* stage u has landed (for this thread; the barrier makes it all of
-         * them), and every thread has waited out the MMAs of u - 2, whose
-         * stage the next copy refills */
-        dcc_cp_wait<XST - 3>();
-        fence_proxy_async(); /* the copies, visible to the tensor cores */
+        /* stage u has landed (the barrier: for every thread), the MMAs of u - 1
+         * are done (they read the transposed buffer), and every thread is
+         * done with u - 1 as stored, whose buffer the next copy refills */
+        dcc_cp_wait<NST - 2>();
+        wg_wait<0>();
+        acc_fence<2>(acc);
         __syncthreads();
-        if (u + XST - 2 < U) load(u + XST - 2, lb, lt);
+        if (u + NST - 1 < U) load(u + NST - 1, lb, lt);
         if (++lt == ktn) lt = 0, lb++;
         dcc_cp_commit();
         if (ct == ktn) ct = 0, cb++;
         if (ct++ == 0 && cb > 0) { /* the next sample: rescale to its coefficient */
-            wg_wait<0>();
-            acc_fence<2>(acc);
             const float f = fac[k0 + cb];
 #pragma unroll
             for (int i = 0; i < 128; i++) acc_all[i] *= f;
         }
-        const uint32_t kb = kmj + (uint32_t)((u % XST) * KMJ);
+        transpose(u);
+        fence_proxy_async(); /* the stores, visible to the tensor cores */
+        __syncthreads();     /* both warpgroups read all of the a tile */
         acc_fence<2>(acc);
         wg_fence();
 #pragma unroll
-        for (int kk = 0; kk < 4; kk++)
-            wgmma_m64n256k8_tf32(acc_all, wg_desc(kb + (uint32_t)(wg * 64 * 128 + kk * 32), 16, 1024),
-                                 wg_desc(kb + (uint32_t)(XM * 128 + kk * 32), 16, 1024));
+        for (int kk = 0; kk < 4; kk++) {
+            const uint32_t ka = kmj + (uint32_t)(wg * 64 * 128 + kk * 32);
+            const uint32_t kb = kmj + (uint32_t)(XM * 128 + kk * 32);
+            wgmma_m64n256k8_tf32(acc_all, wg_desc(ka, 16, 1024), wg_desc(kb, 16, 1024));
+        }
         wg_commit();
         acc_fence<2>(acc);
-        wg_wait<1>();
     }
     wg_wait<0>();
     acc_fence<2>(acc);
@@ -165,18 +188,20 @@ tf32_wg_clipped(const float *__restrict__ a, const float *__restrict__ g, int B,
     /* accumulator: warp wq of the warpgroup holds rows 16 wq .. +15; register
      * i is row lane/4 (+8 when i%4 >= 2), column 8 (i/4) + 2 (lane%4) + i%2 */
     const float cl = cs[perm[k1 - 1]];
-    const int wq = warp & 3;
+    const int wq = (tid >> 5) & 3, lane = tid & 31;
     const bool atomic = gridDim.y > 1;
 #pragma unroll
-    for (int i = 0; i < 128; i++) {
-        const int m = m0 + wg * 64 + wq * 16 + (lane >> 2) + ((i & 2) ? 8 : 0);
-        const int n = n0 + (i >> 2) * 8 + (lane & 3) * 2 + (i & 1);
-        if (m < p && n < d) {
-            const float v = cl * acc_all[i];
-            if (atomic) atomicAdd(w + (int64_t)m * d + n, v);
-            else w[(int64_t)m * d + n] = v;
+    for (int h = 0; h < 2; h++)
+#pragma unroll
+        for (int i = 0; i < 64; i++) {
+            const int m = m0 + wg * 64 + wq * 16 + (lane >> 2) + ((i & 2) ? 8 : 0);
+            const int n = n0 + h * 128 + (i >> 2) * 8 + (lane & 3) * 2 + (i & 1);
+            if (m < p && n < d) {
+                const float v = cl * acc[h][i];
+                if (atomic) atomicAdd(w + (int64_t)m * d + n, v);
+                else w[(int64_t)m * d + n] = v;
+            }
         }
-    }
 }
 
 #else
