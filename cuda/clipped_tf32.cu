@@ -82,7 +82,7 @@ __device__ __forceinline__ void wgmma_m64n256k8_tf32(float (&d)[128], uint64_t d
 
 __global__ void __launch_bounds__(XT, 1)
 tf32_wg_clipped(const float *__restrict__ a, const float *__restrict__ g, int B, int T, int d,
-                int p, int tiles_n, int per_group, const int *__restrict__ perm,
+                int p, int tiles_n, int chunks, const int *__restrict__ perm,
                 const float *__restrict__ fac, const float *__restrict__ cs,
                 float *__restrict__ w) {
     extern __shared__ __align__(16) unsigned char smem[];
@@ -90,9 +90,14 @@ tf32_wg_clipped(const float *__restrict__ a, const float *__restrict__ g, int B,
     float *nat = (float *)(smem + (kmj - dcc_smem(smem)) + KMJ); /* NST stages as stored */
     const int tm = (int)blockIdx.x / tiles_n, tn = (int)blockIdx.x % tiles_n;
     const int m0 = tm * XM, n0 = tn * XN;
-    const int k0 = (int)blockIdx.y * per_group, k1 = min(B, k0 + per_group);
-    if (k0 >= k1) return; /* uniform per CTA, before any barrier */
-    const int ktn = (T + XK - 1) / XK, U = (k1 - k0) * ktn;
+    /* this CTA's chunk of the tile's stage sequence (sample-major over the
+     * samples in coefficient order, then k-tiles): stages [u0, u0 + U) */
+    const int ktn = (T + XK - 1) / XK;
+    const int64_t S = (int64_t)B * ktn;
+    const int64_t u0 = S * blockIdx.y / chunks;
+    const int U = (int)(S * (blockIdx.y + 1) / chunks - u0);
+    if (U <= 0) return; /* uniform per CTA, before any barrier */
+    const int k0 = (int)(u0 / ktn), kt0 = (int)(u0 - (int64_t)k0 * ktn);
     const int tid = (int)threadIdx.x, wg = tid >> 7;
     float acc[2][64]; /* the m64n256 accumulator, as the helpers take it in halves */
     float(&acc_all)[128] = *reinterpret_cast<float(*)[128]>(&acc[0][0]);
@@ -153,14 +158,14 @@ tf32_wg_clipped(const float *__restrict__ a, const float *__restrict__ g, int B,
         }
     };
 
-    int lb = 0, lt = 0; /* the next stage to copy */
+    int lb = 0, lt = kt0; /* the next stage to copy */
 #pragma unroll
     for (int s = 0; s < NST - 1; s++) {
         if (s < U) load(s, lb, lt);
         if (++lt == ktn) lt = 0, lb++;
         dcc_cp_commit();
     }
-    for (int u = 0, cb = 0, ct = 0; u < U; u++) {
+    for (int u = 0, cb = 0, ct = kt0; u < U; u++) {
         /* stage u has landed (the barrier: for every thread), the MMAs of u - 1
          * are done (they read the transposed buffer), and every thread is
          * done with u - 1 as stored, whose buffer the next copy refills */
@@ -172,7 +177,7 @@ tf32_wg_clipped(const float *__restrict__ a, const float *__restrict__ g, int B,
         if (++lt == ktn) lt = 0, lb++;
         dcc_cp_commit();
         if (ct == ktn) ct = 0, cb++;
-        if (ct++ == 0 && cb > 0) { /* the next sample: rescale to its coefficient */
+        if (ct++ == 0 && u > 0) { /* the next sample: rescale to its coefficient */
             const float f = fac[k0 + cb];
 #pragma unroll
             for (int i = 0; i < 128; i++) acc_all[i] *= f;
@@ -196,9 +201,9 @@ tf32_wg_clipped(const float *__restrict__ a, const float *__restrict__ g, int B,
 
     /* accumulator: warp wq of the warpgroup holds rows 16 wq .. +15; register
      * i is row lane/4 (+8 when i%4 >= 2), column 8 (i/4) + 2 (lane%4) + i%2 */
-    const float cl = cs[perm[k1 - 1]];
+    const float cl = cs[perm[k0 + (kt0 + U - 1) / ktn]]; /* the last sample's */
     const int wq = (tid >> 5) & 3, lane = tid & 31;
-    const bool atomic = gridDim.y > 1;
+    const bool atomic = chunks > 1;
 #pragma unroll
     for (int h = 0; h < 2; h++)
 #pragma unroll
@@ -222,20 +227,44 @@ __global__ void tf32_wg_clipped(const float *, const float *, int, int, int, int
 
 } // namespace
 
+/* Chunks of each tile's B * ceil(T/32) stages, one CTA each (one CTA fits
+ * an SM): the count whose whole waves, each chunk paying ~3 stages of
+ * pipeline fill, finish first. Whole samples per CTA left GPT-2's
+ * 768x768 layers (18 tiles) 144 CTAs on 132 SMs: two rounds for 1.1 of
+ * work. */
+static int tf32_chunks(int tiles, int64_t stages, int sms) {
+    int best = 1;
+    double best_t = 1e300;
+    const int cap = stages < 256 ? (int)stages : 256;
+    for (int c = 1; c <= cap; c++) {
+        const int64_t rounds = ((int64_t)tiles * c + sms - 1) / sms;
+        const double t = (double)rounds * ((double)stages / c + 3.0);
+        if (t < best_t * 0.999) best_t = t, best = c;
+    }
+    return best;
+}
+
 extern "C" cudaError_t dcc_tf32_clipped_wgmma(const dcc_linear *L, const float *cs,
                                               const int *perm, const float *fac, float *w,
-                                              int per_group, int groups, cudaStream_t st) {
+                                              cudaStream_t st) {
 #ifdef DCC_WGMMA_BUILT
     if (L->ta != DC_F32 || L->tg != DC_F32 || !dcc_wgmma_available(L->opt) || L->d % 4 ||
         L->p % 4 || ((uintptr_t)L->a & 15u) || ((uintptr_t)L->g & 15u))
         return cudaErrorNotSupported;
     const int tiles_m = (L->p + XM - 1) / XM, tiles_n = (L->d + XN - 1) / XN;
-    cudaError_t e =
-        cudaFuncSetAttribute(tf32_wg_clipped, cudaFuncAttributeMaxDynamicSharedMemorySize, X_SMEM);
+    if ((int64_t)tiles_m * tiles_n > INT32_MAX / 256) return cudaErrorInvalidConfiguration;
+    int sms;
+    cudaError_t e = dcc_sm_count(&sms);
     if (e != cudaSuccess) return e;
-    dim3 grid((unsigned)(tiles_m * tiles_n), (unsigned)groups);
+    const int chunks =
+        tf32_chunks(tiles_m * tiles_n, (int64_t)L->B * ((L->T + XK - 1) / XK), sms);
+    if (chunks > 1 && (e = cudaMemsetAsync(w, 0, (size_t)L->p * L->d * sizeof(float), st)))
+        return e;
+    e = cudaFuncSetAttribute(tf32_wg_clipped, cudaFuncAttributeMaxDynamicSharedMemorySize, X_SMEM);
+    if (e != cudaSuccess) return e;
+    dim3 grid((unsigned)(tiles_m * tiles_n), (unsigned)chunks);
     tf32_wg_clipped<<<grid, XT, X_SMEM, st>>>((const float *)L->a, (const float *)L->g, L->B,
-                                              L->T, L->d, L->p, tiles_n, per_group, perm, fac,
+                                              L->T, L->d, L->p, tiles_n, chunks, perm, fac,
                                               cs, w);
     return cudaGetLastError();
 #else
@@ -244,8 +273,6 @@ extern "C" cudaError_t dcc_tf32_clipped_wgmma(const dcc_linear *L, const float *
     (void)perm;
     (void)fac;
     (void)w;
-    (void)per_group;
-    (void)groups;
     (void)st;
     return cudaErrorNotSupported;
 #endif

@@ -205,14 +205,13 @@ cudaError_t dcc_linear_tf32(const dcc_linear *L, dc_algo algo, float s2, float *
 cudaError_t dcc_linear_clipped_tf32(const dcc_linear *L, const float *cs, int *perm, float *fac,
                                     float *w, cudaStream_t st);
 
-/* The TF32 clipped sum on wgmma (clipped_tf32.cu), 128x256 tiles, sample
- * groups of per_group as dcc_clip_groups makes them (groups > 1: w zeroed,
- * summed with atomics), perm and fac from dcc_bk_order: for
+/* The TF32 clipped sum on wgmma (clipped_tf32.cu), 128x256 tiles, each
+ * tile's stages split in chunks against wave quantization (several: w
+ * zeroed, summed with atomics), perm and fac from dcc_bk_order: for
  * dcc_linear_clipped_tf32. cudaErrorNotSupported without sm_90a code or
  * where rows are not on 16 bytes. */
 cudaError_t dcc_tf32_clipped_wgmma(const dcc_linear *L, const float *cs, const int *perm,
-                                   const float *fac, float *w, int per_group, int groups,
-                                   cudaStream_t st);
+                                   const float *fac, float *w, cudaStream_t st);
 
 /* The CUDA-core paths behind dcc_linear_sqnorms (norms_simt.cu): f32 or
  * mixed dtypes, and the rank-one T == 1 formula. */

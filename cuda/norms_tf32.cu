@@ -337,19 +337,18 @@ cudaError_t launch_norms(const dcc_linear *L, dc_algo algo, float s2, float *n2,
 template <bool VEC>
 cudaError_t launch_clip(const dcc_linear *L, const float *cs, int *perm, float *fac, float *w,
                         cudaStream_t st) {
+    cudaError_t e = dcc_bk_order(cs, 1, L->B, perm, fac, st);
+    if (e != cudaSuccess) return e;
+    /* on wgmma where it runs */
+    if (VEC && (e = dcc_tf32_clipped_wgmma(L, cs, perm, fac, w, st)) != cudaErrorNotSupported)
+        return e;
+    (void)cudaGetLastError();
     int tiles_m = (L->p + F_BM - 1) / F_BM, tiles_n = (L->d + C_BN - 1) / C_BN;
     if ((int64_t)tiles_m * tiles_n > INT32_MAX / 2) return cudaErrorInvalidConfiguration;
     int groups, per;
-    cudaError_t e = dcc_clip_groups(tiles_m * tiles_n, L->B, &groups, &per);
-    if (e != cudaSuccess) return e;
-    if ((e = dcc_bk_order(cs, 1, L->B, perm, fac, st))) return e;
+    if ((e = dcc_clip_groups(tiles_m * tiles_n, L->B, &groups, &per))) return e;
     if (groups > 1 && (e = cudaMemsetAsync(w, 0, (size_t)L->p * L->d * sizeof(float), st)))
         return e;
-    /* 128x256 tiles on wgmma where it runs: the same groups */
-    if (VEC && (e = dcc_tf32_clipped_wgmma(L, cs, perm, fac, w, per, groups, st)) !=
-                   cudaErrorNotSupported)
-        return e;
-    (void)cudaGetLastError();
     auto kern = tf32_clipped<VEC>;
     if ((e = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, C_SMEM)))
         return e;

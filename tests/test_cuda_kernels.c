@@ -278,8 +278,10 @@ static void test_tf32_truncation(void **state) {
         {2, 300, 520, 648}, /* several tiles both ways */
         {4, 65, 256, 128},
         {3, 19, 100, 37},   /* rows not on 16 bytes: the mma.sync ghost form */
-        {3, 40, 3072, 1536}, /* 144 clipped-sum tiles: on an H100 the samples go in groups
-                                of two, so the Horner rescale between them runs */
+        {3, 40, 3072, 1536}, /* 144 clipped-sum tiles: on an H100 a CTA takes every
+                                sample, rescaling between them (Horner) */
+        {6, 200, 512, 256},  /* 4 tiles of 42 stages in chunks of 1-2 that start and
+                                end inside samples or cross from one to the next */
     };
     set_switches(1, 1);
     for (size_t c = 0; c < sizeof cases / sizeof cases[0]; c++) {
