@@ -28,13 +28,14 @@
 
 namespace {
 
-constexpr int XT = 256;                    /* two warpgroups */
+constexpr int XT = 384;                    /* two consumer warpgroups, one producer */
 constexpr int XM = 128, XN = 256, XK = 32; /* the CTA's tile; k per stage */
 constexpr int XR = XM + XN;                /* transposed rows: g's features, then a's */
 constexpr int NAT = XK * XR;               /* floats of a stage as stored */
-constexpr int NST = 3;                     /* stages as stored */
-constexpr int KMJ = XR * 128;              /* bytes of the transposed stage */
-constexpr int X_SMEM = NST * NAT * 4 + KMJ + 1024;
+constexpr int NST = 2;                     /* stages as stored */
+constexpr int KST = 2;                     /* stages transposed */
+constexpr int KMJ = XR * 128;              /* bytes of a transposed stage */
+constexpr int X_SMEM = NST * NAT * 4 + KST * KMJ + 1024;
 
 #ifndef DCC_WG_EMPTY
 
@@ -80,14 +81,19 @@ __device__ __forceinline__ void wgmma_m64n256k8_tf32(float (&d)[128], uint64_t d
         : "l"(da), "l"(db), "r"(1));
 }
 
+__device__ __forceinline__ void producer_sync() {
+    asm volatile("bar.sync 1, 128;\n" ::: "memory"); /* the producer warpgroup only */
+}
+
 __global__ void __launch_bounds__(XT, 1)
 tf32_wg_clipped(const float *__restrict__ a, const float *__restrict__ g, int B, int T, int d,
                 int p, int tiles_n, int chunks, const int *__restrict__ perm,
                 const float *__restrict__ fac, const float *__restrict__ cs,
                 float *__restrict__ w) {
     extern __shared__ __align__(16) unsigned char smem[];
-    const uint32_t kmj = (dcc_smem(smem) + 1023u) & ~1023u; /* the transposed stage */
-    float *nat = (float *)(smem + (kmj - dcc_smem(smem)) + KMJ); /* NST stages as stored */
+    __shared__ __align__(8) uint64_t bar_mem[2 * KST];
+    const uint32_t kmj = (dcc_smem(smem) + 1023u) & ~1023u; /* KST transposed stages */
+    float *nat = (float *)(smem + (kmj - dcc_smem(smem)) + KST * KMJ); /* NST as stored */
     const int tm = (int)blockIdx.x / tiles_n, tn = (int)blockIdx.x % tiles_n;
     const int m0 = tm * XM, n0 = tn * XN;
     /* this CTA's chunk of the tile's stage sequence (sample-major over the
@@ -98,103 +104,119 @@ tf32_wg_clipped(const float *__restrict__ a, const float *__restrict__ g, int B,
     const int U = (int)(S * (blockIdx.y + 1) / chunks - u0);
     if (U <= 0) return; /* uniform per CTA, before any barrier */
     const int k0 = (int)(u0 / ktn), kt0 = (int)(u0 - (int64_t)k0 * ktn);
-    const int tid = (int)threadIdx.x, wg = tid >> 7;
+    const int tid = (int)threadIdx.x;
+    /* full[s]: the producer's 128 threads have transposed into buffer s;
+     * empty[s]: the 8 consumer warps' MMAs on it are done */
+    const uint32_t bars = dcc_smem(bar_mem);
+    if (tid == 0) {
+        for (int s = 0; s < KST; s++) {
+            mbar_init(bars + 8u * (uint32_t)s, 128);
+            mbar_init(bars + 8u * (uint32_t)(KST + s), 8);
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+    __syncthreads();
+
+    if (tid >= 256) { /* the producer warpgroup: copies, then transposes */
+        const int q = tid - 256;
+        /* stage u as stored: [32 rows of T][128 of g's features], then [32][256
+         * of a's]; zero past T and past the widths (multiples of 4: whole
+         * chunks). This thread's chunks: g rows q/32 + 4j (j < 8), a rows q/64
+         * + 2j (j < 16), at fixed columns: only the row test changes with u. */
+        const int gc = (q & 31) * 4, ac = (q & 63) * 4, gr = q >> 5, ar = q >> 6;
+        const bool g_in = m0 + gc < p, a_in = n0 + ac < d;
+        const int64_t gstep = (int64_t)4 * p, astep = (int64_t)2 * d;
+        auto load = [&](int u, int kb, int kt) { /* stage u: sample kb, k-tile kt */
+            const int t0 = kt * XK, b = perm[k0 + kb];
+            float *s = nat + (u % NST) * NAT;
+            const float *gs = g + ((int64_t)b * T + t0 + gr) * p + m0 + gc;
+            const float *as = a + ((int64_t)b * T + t0 + ar) * d + n0 + ac;
+            const int grem = g_in ? T - t0 - gr : 0, arem = a_in ? T - t0 - ar : 0;
+            const uint32_t gd = dcc_smem(s + gr * XM + gc);
+            const uint32_t ad = dcc_smem(s + XK * XM + ar * XN + ac);
+#pragma unroll
+            for (int j = 0; j < 8; j++, gs += gstep) {
+                const bool ok = 4 * j < grem;
+                dcc_cp_async16(gd + (uint32_t)(j * 4 * XM * 4), ok ? gs : g, ok ? 16 : 0);
+            }
+#pragma unroll
+            for (int j = 0; j < 16; j++, as += astep) {
+                const bool ok = 2 * j < arem;
+                dcc_cp_async16(ad + (uint32_t)(j * 2 * XN * 4), ok ? as : a, ok ? 16 : 0);
+            }
+        };
+        /* stage u, as stored, into transposed buffer u % KST: this thread's
+         * rows q (g's feature q), 128 + q and 256 + q (a's q and 128 + q);
+         * chunk c of row r holds k = 4c .. 4c + 3 and sits at 16 (c ^ (r %
+         * 8)) in the row; a warp's lanes take consecutive rows (columns as
+         * stored) */
+        auto transpose = [&](int u) {
+            const float *s = nat + (u % NST) * NAT;
+            const uint32_t kb = kmj + (uint32_t)((u % KST) * KMJ) + (uint32_t)(q * 128);
+            const uint32_t sw = (uint32_t)(q & 7);
+#pragma unroll
+            for (int h = 0; h < 3; h++) {
+                const float *x0 = h == 0 ? s + q : s + XK * XM + (h - 1) * 128 + q;
+                const int W = h == 0 ? XM : XN;
+#pragma unroll
+                for (int c = 0; c < 8; c++) {
+                    const float *x = x0 + 4 * c * W;
+                    dcc_sts128(kb + (uint32_t)(h * 128 * 128) + ((c ^ sw) << 4),
+                               __float_as_uint(x[0]), __float_as_uint(x[W]),
+                               __float_as_uint(x[2 * W]), __float_as_uint(x[3 * W]));
+                }
+            }
+        };
+        int lb = 0, lt = kt0; /* the next stage to copy */
+        load(0, lb, lt);
+        if (++lt == ktn) lt = 0, lb++;
+        dcc_cp_commit();
+        for (int u = 0; u < U; u++) {
+            /* stage u has landed (for all of the warpgroup, after the
+             * barrier), which is also done with u - 1 as stored: refill it */
+            dcc_cp_wait<0>();
+            producer_sync();
+            if (u + 1 < U) load(u + 1, lb, lt);
+            if (++lt == ktn) lt = 0, lb++;
+            dcc_cp_commit();
+            mbar_wait(bars + 8u * (uint32_t)(KST + u % KST), (uint32_t)(((u / KST) & 1) ^ 1));
+            transpose(u);
+            fence_proxy_async(); /* the stores, visible to the tensor cores */
+            mbar_arrive(bars + 8u * (uint32_t)(u % KST));
+        }
+        return;
+    }
+
+    /* the two consumer warpgroups: the MMAs */
+    const int wg = tid >> 7, lane = tid & 31;
     float acc[2][64]; /* the m64n256 accumulator, as the helpers take it in halves */
     float(&acc_all)[128] = *reinterpret_cast<float(*)[128]>(&acc[0][0]);
 #pragma unroll
     for (int i = 0; i < 128; i++) acc_all[i] = 0.0f;
-
-    /* stage u as stored: [32 rows of T][128 of g's features], then [32][256 of
-     * a's]; zero past T and past the widths (multiples of 4: whole chunks).
-     * This thread's chunks: g rows warp + 8j (j < 4), a rows tid/64 + 4j
-     * (j < 8), at fixed columns, so only the row test changes with u. */
-    const int gc = (tid & 31) * 4, ac = (tid & 63) * 4, gr = tid >> 5, ar = tid >> 6;
-    const bool g_in = m0 + gc < p, a_in = n0 + ac < d;
-    const int64_t gstep = (int64_t)8 * p, astep = (int64_t)4 * d;
-    /* stage u = sample kb of the group, k-tile kt */
-    auto load = [&](int u, int kb, int kt) {
-        const int t0 = kt * XK, b = perm[k0 + kb];
-        float *s = nat + (u % NST) * NAT;
-        const float *gs = g + ((int64_t)b * T + t0 + gr) * p + m0 + gc;
-        const float *as = a + ((int64_t)b * T + t0 + ar) * d + n0 + ac;
-        const int grem = g_in ? T - t0 - gr : 0, arem = a_in ? T - t0 - ar : 0;
-        const uint32_t gd = dcc_smem(s + gr * XM + gc), ad = dcc_smem(s + XK * XM + ar * XN + ac);
-#pragma unroll
-        for (int j = 0; j < 4; j++, gs += gstep) {
-            const bool ok = 8 * j < grem;
-            dcc_cp_async16(gd + (uint32_t)(j * 8 * XM * 4), ok ? gs : g, ok ? 16 : 0);
-        }
-#pragma unroll
-        for (int j = 0; j < 8; j++, as += astep) {
-            const bool ok = 4 * j < arem;
-            dcc_cp_async16(ad + (uint32_t)(j * 4 * XN * 4), ok ? as : a, ok ? 16 : 0);
-        }
-    };
-    /* stage u, as stored, into the transposed buffer: this thread's rows
-     * r1 = tid (all 8 chunks) and r2 = 256 + tid % 128 (chunks 4 (tid / 128)
-     * .. +3); chunk c of row r holds k = 4c .. 4c + 3 and sits at 16 (c ^ (r
-     * % 8)) in the row; a warp's lanes take consecutive rows (columns as
-     * stored) */
-    const int r1 = tid, r2 = XN + (tid & 127), c2 = (tid >> 7) * 4;
-    const int w1 = r1 < XM ? XM : XN;
-    const int o1 = r1 < XM ? r1 : XK * XM + (r1 - XM), o2 = XK * XM + (r2 - XM);
-    auto transpose = [&](int u) {
-        const float *s = nat + (u % NST) * NAT;
-        const uint32_t kb = kmj;
-#pragma unroll
-        for (int c = 0; c < 8; c++) {
-            const float *x = s + o1 + 4 * c * w1;
-            dcc_sts128(kb + (uint32_t)(r1 * 128 + ((c ^ (r1 & 7)) << 4)), __float_as_uint(x[0]),
-                       __float_as_uint(x[w1]), __float_as_uint(x[2 * w1]),
-                       __float_as_uint(x[3 * w1]));
-        }
-#pragma unroll
-        for (int i = 0; i < 4; i++) {
-            const int c = c2 + i;
-            const float *x = s + o2 + 4 * c * XN;
-            dcc_sts128(kb + (uint32_t)(r2 * 128 + ((c ^ (r2 & 7)) << 4)), __float_as_uint(x[0]),
-                       __float_as_uint(x[XN]), __float_as_uint(x[2 * XN]),
-                       __float_as_uint(x[3 * XN]));
-        }
-    };
-
-    int lb = 0, lt = kt0; /* the next stage to copy */
-#pragma unroll
-    for (int s = 0; s < NST - 1; s++) {
-        if (s < U) load(s, lb, lt);
-        if (++lt == ktn) lt = 0, lb++;
-        dcc_cp_commit();
-    }
-    for (int u = 0, cb = 0, ct = kt0; u < U; u++) {
-        /* stage u has landed (the barrier: for every thread), the MMAs of u - 1
-         * are done (they read the transposed buffer), and every thread is
-         * done with u - 1 as stored, whose buffer the next copy refills */
-        dcc_cp_wait<NST - 2>();
-        wg_wait<0>();
-        acc_fence<2>(acc);
-        __syncthreads();
-        if (u + NST - 1 < U) load(u + NST - 1, lb, lt);
-        if (++lt == ktn) lt = 0, lb++;
-        dcc_cp_commit();
+    for (int u = 0, ct = kt0, cb = 0; u < U; u++) {
+        mbar_wait(bars + 8u * (uint32_t)(u % KST), (uint32_t)((u / KST) & 1));
         if (ct == ktn) ct = 0, cb++;
         if (ct++ == 0 && u > 0) { /* the next sample: rescale to its coefficient */
+            wg_wait<0>();
+            acc_fence<2>(acc);
             const float f = fac[k0 + cb];
 #pragma unroll
             for (int i = 0; i < 128; i++) acc_all[i] *= f;
         }
-        transpose(u);
-        fence_proxy_async(); /* the stores, visible to the tensor cores */
-        __syncthreads();     /* both warpgroups read all of the a tile */
+        const uint32_t kb = kmj + (uint32_t)((u % KST) * KMJ);
         acc_fence<2>(acc);
         wg_fence();
 #pragma unroll
         for (int kk = 0; kk < 4; kk++) {
-            const uint32_t ka = kmj + (uint32_t)(wg * 64 * 128 + kk * 32);
-            const uint32_t kb = kmj + (uint32_t)(XM * 128 + kk * 32);
-            wgmma_m64n256k8_tf32(acc_all, wg_desc(ka, 16, 1024), wg_desc(kb, 16, 1024));
+            const uint32_t ka = kb + (uint32_t)(wg * 64 * 128 + kk * 32);
+            const uint32_t kn = kb + (uint32_t)(XM * 128 + kk * 32);
+            wgmma_m64n256k8_tf32(acc_all, wg_desc(ka, 16, 1024), wg_desc(kn, 16, 1024));
         }
         wg_commit();
         acc_fence<2>(acc);
+        wg_wait<1>(); /* the MMAs of u - 1 are done: their buffer goes back */
+        __syncwarp();
+        if (u > 0 && lane == 0) mbar_arrive(bars + 8u * (uint32_t)(KST + (u - 1) % KST));
     }
     wg_wait<0>();
     acc_fence<2>(acc);
@@ -202,7 +224,7 @@ tf32_wg_clipped(const float *__restrict__ a, const float *__restrict__ g, int B,
     /* accumulator: warp wq of the warpgroup holds rows 16 wq .. +15; register
      * i is row lane/4 (+8 when i%4 >= 2), column 8 (i/4) + 2 (lane%4) + i%2 */
     const float cl = cs[perm[k0 + (kt0 + U - 1) / ktn]]; /* the last sample's */
-    const int wq = (tid >> 5) & 3, lane = tid & 31;
+    const int wq = (tid >> 5) & 3;
     const bool atomic = chunks > 1;
 #pragma unroll
     for (int h = 0; h < 2; h++)
