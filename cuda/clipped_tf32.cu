@@ -1,43 +1,90 @@
 /* The TF32 clipped sum on Hopper's warpgroup MMA (sm_90a): w[p][d] = sum_b
  * cs[b] g_b^T a_b for f32 inputs, the operands' TF32 truncations multiplied
- * (as every TF32 kernel does, norms_tf32.cu), on 128x256 output tiles, two
- * warpgroups of m64n256k8.
+ * (as every TF32 kernel does, norms_tf32.cu), on 128x256 output tiles.
  *
  * TF32 wgmma reads K-major operands only, and both of these are stored with
  * K (= T) outermost: the direct form's layout, which the 16-bit kernels
  * transpose in the instruction; neither TMA nor 16-byte copies can
- * transpose 4-byte elements. So each stage (32 rows of T) is copied into
- * shared memory as stored (cp.async, three stages: two in flight while one
- * is used), and the two warpgroups transpose it there into the K-major tile
- * the descriptors name (128-byte rows of 32 k per feature, 16-byte chunks
- * swizzled by chunk ^ (row % 8), the TMA kernels' layout), then run its
- * MMAs. A lane reads four rows of one column (conflict-free: a warp's lanes
- * take consecutive columns) and writes them as one 16-byte chunk
- * (conflict-free through the swizzle). One transposed buffer: shared memory
- * holds no second beside three stages as stored, and the copies' latency,
- * not the transpose, bounded a form with two of each (measured on an H100,
- * as was a form with no transpose at all, each element its own 4-byte
- * cp.async into place: slower, the copies' issue and L1 traffic).
+ * transpose 4-byte elements. So a producer warpgroup copies each stage (32
+ * rows of T) into shared memory as stored (cp.async, one stage ahead) and
+ * transposes it into one of two K-major buffers in the layout the
+ * descriptors name (128-byte rows of 32 k per feature, 16-byte chunks
+ * swizzled by chunk ^ (row % 8), the TMA kernels' layout): a lane reads four
+ * rows of one column (conflict-free: a warp's lanes take consecutive
+ * columns) and writes them as one 16-byte chunk (conflict-free through the
+ * swizzle). Two consumer warpgroups only issue m64n256k8 MMAs on the
+ * buffers, handed over by full/empty mbarriers.
  *
- * The samples of a CTA's group run in ascending coefficient order and the
- * accumulator is rescaled between them (Horner, as grouped_tma.cu), so one
- * register tile holds the weighted total. Layers whose rows are not on 16
- * bytes go to the mma.sync kernel (norms_tf32.cu), which calls this one. */
+ * Each tile's stage sequence (its samples in ascending coefficient order,
+ * each ceil(T/32) stages) is cut into the number of chunks, one CTA each,
+ * whose whole waves finish first (tf32_chunks; chunks start and end inside
+ * samples), summed with atomics. Within a chunk the accumulator is rescaled
+ * between samples (Horner, as grouped_tma.cu), so one register tile holds
+ * the weighted total.
+ *
+ * Measured on an H100 (GPT-2-small's 72 layers, B=8, T=1024; the TF32 cuBLAS
+ * GEMMs take 12.5 ms): this form 17.9 ms; the same with whole samples per
+ * CTA and no producer warpgroup 20.9-21.3; 128x128 tiles with three copies
+ * in flight 21.6; every element its own 4-byte cp.async straight into
+ * place, no transpose 23.2; mma.sync (norms_tf32.cu) 23.5. Layers whose rows
+ * are not on 16 bytes go to the mma.sync kernel, which calls this one. */
 #include "dcc_tma.cuh"
 #include "dcc_util.cuh"
 
 namespace {
 
 constexpr int XT = 384;                    /* two consumer warpgroups, one producer */
-constexpr int XM = 128, XN = 128, XK = 32; /* the CTA's tile; k per stage */
+constexpr int XM = 128, XN = 256, XK = 32; /* the CTA's tile; k per stage */
 constexpr int XR = XM + XN;                /* transposed rows: g's features, then a's */
 constexpr int NAT = XK * XR;               /* floats of a stage as stored */
-constexpr int NST = 4;                     /* stages as stored: three in flight */
+constexpr int NST = 2;                     /* stages as stored */
 constexpr int KST = 2;                     /* stages transposed */
 constexpr int KMJ = XR * 128;              /* bytes of a transposed stage */
 constexpr int X_SMEM = NST * NAT * 4 + KST * KMJ + 1024;
 
 #ifndef DCC_WG_EMPTY
+
+/* One m64n256k8 TF32 wgmma: A read once for the tile's 256 columns. */
+__device__ __forceinline__ void wgmma_m64n256k8_tf32(float (&d)[128], uint64_t da, uint64_t db) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n256k8.f32.tf32.tf32 {"
+        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, "
+        "%12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, "
+        "%24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, "
+        "%36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, "
+        "%60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, "
+        "%72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, "
+        "%84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, "
+        "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, "
+        "%108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, "
+        "%120, %121, %122, %123, %124, %125, %126, %127"
+        "}, %128, %129, p, 1, 1;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]),
+          "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]),
+          "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]),
+          "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]),
+          "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]),
+          "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]),
+          "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]),
+          "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]),
+          "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), "+f"(d[64]), "+f"(d[65]),
+          "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]),
+          "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]),
+          "+f"(d[78]), "+f"(d[79]), "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]),
+          "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), "+f"(d[88]), "+f"(d[89]),
+          "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]),
+          "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]),
+          "+f"(d[102]), "+f"(d[103]), "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]),
+          "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]), "+f"(d[112]), "+f"(d[113]),
+          "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]),
+          "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]),
+          "+f"(d[126]), "+f"(d[127])
+        : "l"(da), "l"(db), "r"(1));
+}
 
 __device__ __forceinline__ void producer_sync() {
     asm volatile("bar.sync 1, 128;\n" ::: "memory"); /* the producer warpgroup only */
@@ -79,11 +126,11 @@ tf32_wg_clipped(const float *__restrict__ a, const float *__restrict__ g, int B,
         const int q = tid - 256;
         /* stage u as stored: [32 rows of T][128 of g's features], then [32][256
          * of a's]; zero past T and past the widths (multiples of 4: whole
-         * chunks). This thread's chunks: rows q/32 + 4j (j < 8) of each, at
-         * fixed columns: only the row test changes with u. */
-        const int gc = (q & 31) * 4, ac = gc, gr = q >> 5, ar = gr;
+         * chunks). This thread's chunks: g rows q/32 + 4j (j < 8), a rows q/64
+         * + 2j (j < 16), at fixed columns: only the row test changes with u. */
+        const int gc = (q & 31) * 4, ac = (q & 63) * 4, gr = q >> 5, ar = q >> 6;
         const bool g_in = m0 + gc < p, a_in = n0 + ac < d;
-        const int64_t gstep = (int64_t)4 * p, astep = (int64_t)4 * d;
+        const int64_t gstep = (int64_t)4 * p, astep = (int64_t)2 * d;
         auto load = [&](int u, int kb, int kt) { /* stage u: sample kb, k-tile kt */
             const int t0 = kt * XK, b = perm[k0 + kb];
             float *s = nat + (u % NST) * NAT;
@@ -98,13 +145,13 @@ tf32_wg_clipped(const float *__restrict__ a, const float *__restrict__ g, int B,
                 dcc_cp_async16(gd + (uint32_t)(j * 4 * XM * 4), ok ? gs : g, ok ? 16 : 0);
             }
 #pragma unroll
-            for (int j = 0; j < 8; j++, as += astep) {
-                const bool ok = 4 * j < arem;
-                dcc_cp_async16(ad + (uint32_t)(j * 4 * XN * 4), ok ? as : a, ok ? 16 : 0);
+            for (int j = 0; j < 16; j++, as += astep) {
+                const bool ok = 2 * j < arem;
+                dcc_cp_async16(ad + (uint32_t)(j * 2 * XN * 4), ok ? as : a, ok ? 16 : 0);
             }
         };
         /* stage u, as stored, into transposed buffer u % KST: this thread's
-         * rows q (g's feature q) and 128 + q (a's q);
+         * rows q (g's feature q), 128 + q and 256 + q (a's q and 128 + q);
          * chunk c of row r holds k = 4c .. 4c + 3 and sits at 16 (c ^ (r %
          * 8)) in the row; a warp's lanes take consecutive rows (columns as
          * stored) */
@@ -113,9 +160,9 @@ tf32_wg_clipped(const float *__restrict__ a, const float *__restrict__ g, int B,
             const uint32_t kb = kmj + (uint32_t)((u % KST) * KMJ) + (uint32_t)(q * 128);
             const uint32_t sw = (uint32_t)(q & 7);
 #pragma unroll
-            for (int h = 0; h < 2; h++) {
-                const float *x0 = h == 0 ? s + q : s + XK * XM + q;
-                constexpr int W = XM; /* = XN */
+            for (int h = 0; h < 3; h++) {
+                const float *x0 = h == 0 ? s + q : s + XK * XM + (h - 1) * 128 + q;
+                const int W = h == 0 ? XM : XN;
 #pragma unroll
                 for (int c = 0; c < 8; c++) {
                     const float *x = x0 + 4 * c * W;
@@ -126,17 +173,15 @@ tf32_wg_clipped(const float *__restrict__ a, const float *__restrict__ g, int B,
             }
         };
         int lb = 0, lt = kt0; /* the next stage to copy */
-        for (int u = 0; u < NST - 1; u++) {
-            if (u < U) load(u, lb, lt);
-            if (++lt == ktn) lt = 0, lb++;
-            dcc_cp_commit();
-        }
+        load(0, lb, lt);
+        if (++lt == ktn) lt = 0, lb++;
+        dcc_cp_commit();
         for (int u = 0; u < U; u++) {
             /* stage u has landed (for all of the warpgroup, after the
              * barrier), which is also done with u - 1 as stored: refill it */
-            dcc_cp_wait<NST - 2>();
+            dcc_cp_wait<0>();
             producer_sync();
-            if (u + NST - 1 < U) load(u + NST - 1, lb, lt);
+            if (u + 1 < U) load(u + 1, lb, lt);
             if (++lt == ktn) lt = 0, lb++;
             dcc_cp_commit();
             mbar_wait(bars + 8u * (uint32_t)(KST + u % KST), (uint32_t)(((u / KST) & 1) ^ 1));
@@ -149,37 +194,37 @@ tf32_wg_clipped(const float *__restrict__ a, const float *__restrict__ g, int B,
 
     /* the two consumer warpgroups: the MMAs */
     const int wg = tid >> 7, lane = tid & 31;
-    float acc[1][64]; /* the m64n128 accumulator */
+    float acc[2][64]; /* the m64n256 accumulator, as the helpers take it in halves */
+    float(&acc_all)[128] = *reinterpret_cast<float(*)[128]>(&acc[0][0]);
 #pragma unroll
-    for (int i = 0; i < 64; i++) acc[0][i] = 0.0f;
+    for (int i = 0; i < 128; i++) acc_all[i] = 0.0f;
     for (int u = 0, ct = kt0, cb = 0; u < U; u++) {
         mbar_wait(bars + 8u * (uint32_t)(u % KST), (uint32_t)((u / KST) & 1));
         if (ct == ktn) ct = 0, cb++;
         if (ct++ == 0 && u > 0) { /* the next sample: rescale to its coefficient */
             wg_wait<0>();
-            acc_fence<1>(acc);
+            acc_fence<2>(acc);
             const float f = fac[k0 + cb];
 #pragma unroll
-            for (int i = 0; i < 64; i++) acc[0][i] *= f;
+            for (int i = 0; i < 128; i++) acc_all[i] *= f;
         }
         const uint32_t kb = kmj + (uint32_t)((u % KST) * KMJ);
-        acc_fence<1>(acc);
+        acc_fence<2>(acc);
         wg_fence();
 #pragma unroll
         for (int kk = 0; kk < 4; kk++) {
             const uint32_t ka = kb + (uint32_t)(wg * 64 * 128 + kk * 32);
             const uint32_t kn = kb + (uint32_t)(XM * 128 + kk * 32);
-            wgmma_m64n128<0, 0>((const float *)nullptr, acc[0], wg_desc(ka, 16, 1024),
-                                wg_desc(kn, 16, 1024));
+            wgmma_m64n256k8_tf32(acc_all, wg_desc(ka, 16, 1024), wg_desc(kn, 16, 1024));
         }
         wg_commit();
-        acc_fence<1>(acc);
+        acc_fence<2>(acc);
         wg_wait<1>(); /* the MMAs of u - 1 are done: their buffer goes back */
         __syncwarp();
         if (u > 0 && lane == 0) mbar_arrive(bars + 8u * (uint32_t)(KST + (u - 1) % KST));
     }
     wg_wait<0>();
-    acc_fence<1>(acc);
+    acc_fence<2>(acc);
 
     /* accumulator: warp wq of the warpgroup holds rows 16 wq .. +15; register
      * i is row lane/4 (+8 when i%4 >= 2), column 8 (i/4) + 2 (lane%4) + i%2 */
@@ -187,15 +232,17 @@ tf32_wg_clipped(const float *__restrict__ a, const float *__restrict__ g, int B,
     const int wq = (tid >> 5) & 3;
     const bool atomic = chunks > 1;
 #pragma unroll
-    for (int i = 0; i < 64; i++) {
-        const int m = m0 + wg * 64 + wq * 16 + (lane >> 2) + ((i & 2) ? 8 : 0);
-        const int n = n0 + (i >> 2) * 8 + (lane & 3) * 2 + (i & 1);
-        if (m < p && n < d) {
-            const float v = cl * acc[0][i];
-            if (atomic) atomicAdd(w + (int64_t)m * d + n, v);
-            else w[(int64_t)m * d + n] = v;
+    for (int h = 0; h < 2; h++)
+#pragma unroll
+        for (int i = 0; i < 64; i++) {
+            const int m = m0 + wg * 64 + wq * 16 + (lane >> 2) + ((i & 2) ? 8 : 0);
+            const int n = n0 + h * 128 + (i >> 2) * 8 + (lane & 3) * 2 + (i & 1);
+            if (m < p && n < d) {
+                const float v = cl * acc[h][i];
+                if (atomic) atomicAdd(w + (int64_t)m * d + n, v);
+                else w[(int64_t)m * d + n] = v;
+            }
         }
-    }
 }
 
 #else
