@@ -6,14 +6,16 @@
  * K (= T) outermost: the direct form's layout, which the 16-bit kernels
  * transpose in the instruction; neither TMA nor 16-byte copies can
  * transpose 4-byte elements. So a producer warpgroup copies each stage (32
- * rows of T) into shared memory as stored (cp.async, one stage ahead) and
- * transposes it into one of two K-major buffers in the layout the
- * descriptors name (128-byte rows of 32 k per feature, 16-byte chunks
- * swizzled by chunk ^ (row % 8), the TMA kernels' layout): a lane reads four
- * rows of one column (conflict-free: a warp's lanes take consecutive
- * columns) and writes them as one 16-byte chunk (conflict-free through the
- * swizzle). Two consumer warpgroups only issue m64n256k8 MMAs on the
- * buffers, handed over by full/empty mbarriers.
+ * rows of T) into shared memory as stored (cp.async, one stage ahead), and
+ * every thread of the CTA transposes its row of it (one of the tile's 384
+ * features) into one of two K-major buffers in the layout the descriptors
+ * name (128-byte rows of 32 k per feature, 16-byte chunks swizzled by chunk
+ * ^ (row % 8), the TMA kernels' layout): a lane reads four rows of one
+ * column (conflict-free: a warp's lanes take consecutive columns) and
+ * writes them as one 16-byte chunk (conflict-free through the swizzle). The
+ * two consumer warpgroups transpose stage u + 1 while the tensor cores run
+ * their m64n256k8 MMAs on stage u; mbarriers hand the stages round
+ * (landed, taken, ready, empty).
  *
  * Each tile's stage sequence (its samples in ascending coefficient order,
  * each ceil(T/32) stages) is cut into the number of chunks, one CTA each,
@@ -23,10 +25,12 @@
  * the weighted total.
  *
  * Measured on an H100 (GPT-2-small's 72 layers, B=8, T=1024; the TF32 cuBLAS
- * GEMMs take 12.5 ms): this form 17.9 ms; the same with whole samples per
- * CTA and no producer warpgroup 20.9-21.3; 128x128 tiles with three copies
- * in flight 21.6; every element its own 4-byte cp.async straight into
- * place, no transpose 23.2; mma.sync (norms_tf32.cu) 23.5. Layers whose rows
+ * GEMMs take 12.6 ms): this form 17.0 ms; the producer warpgroup alone
+ * transposing (the consumers only issuing MMAs) 17.8-17.9, and 19.4 with
+ * its rows also prefetched into the L2 three stages ahead; whole samples
+ * per CTA and no producer warpgroup 20.9-21.3; 128x128 tiles with three
+ * copies in flight 21.6; every element its own 4-byte cp.async straight
+ * into place, no transpose 23.2; mma.sync (norms_tf32.cu) 23.5. Layers whose rows
  * are not on 16 bytes go to the mma.sync kernel, which calls this one. */
 #include "dcc_tma.cuh"
 #include "dcc_util.cuh"
@@ -86,17 +90,17 @@ __device__ __forceinline__ void wgmma_m64n256k8_tf32(float (&d)[128], uint64_t d
         : "l"(da), "l"(db), "r"(1));
 }
 
-__device__ __forceinline__ void producer_sync() {
-    asm volatile("bar.sync 1, 128;\n" ::: "memory"); /* the producer warpgroup only */
-}
-
 __global__ void __launch_bounds__(XT, 1)
 tf32_wg_clipped(const float *__restrict__ a, const float *__restrict__ g, int B, int T, int d,
                 int p, int tiles_n, int chunks, const int *__restrict__ perm,
                 const float *__restrict__ fac, const float *__restrict__ cs,
                 float *__restrict__ w) {
     extern __shared__ __align__(16) unsigned char smem[];
-    __shared__ __align__(8) uint64_t bar_mem[2 * KST];
+    /* per slot s (stages v with v % 2 == s): landed (the producer's copies
+     * of v are in nat), taken (every thread has read them: nat is free),
+     * ready (every thread has transposed its row of v into kmj), empty (the
+     * MMAs on kmj are done: the 8 consumer warps) */
+    __shared__ __align__(8) uint64_t bar_mem[4 * KST];
     const uint32_t kmj = (dcc_smem(smem) + 1023u) & ~1023u; /* KST transposed stages */
     float *nat = (float *)(smem + (kmj - dcc_smem(smem)) + KST * KMJ); /* NST as stored */
     const int tm = (int)blockIdx.x / tiles_n, tn = (int)blockIdx.x % tiles_n;
@@ -110,19 +114,49 @@ tf32_wg_clipped(const float *__restrict__ a, const float *__restrict__ g, int B,
     if (U <= 0) return; /* uniform per CTA, before any barrier */
     const int k0 = (int)(u0 / ktn), kt0 = (int)(u0 - (int64_t)k0 * ktn);
     const int tid = (int)threadIdx.x;
-    /* full[s]: the producer's 128 threads have transposed into buffer s;
-     * empty[s]: the 8 consumer warps' MMAs on it are done */
     const uint32_t bars = dcc_smem(bar_mem);
+    const uint32_t landed = bars, taken = bars + 8u * KST, ready = bars + 16u * KST,
+                   empty = bars + 24u * KST;
     if (tid == 0) {
         for (int s = 0; s < KST; s++) {
-            mbar_init(bars + 8u * (uint32_t)s, 128);
-            mbar_init(bars + 8u * (uint32_t)(KST + s), 8);
+            mbar_init(landed + 8u * (uint32_t)s, 128);
+            mbar_init(taken + 8u * (uint32_t)s, XT);
+            mbar_init(ready + 8u * (uint32_t)s, XT);
+            mbar_init(empty + 8u * (uint32_t)s, 8);
         }
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }
     __syncthreads();
+    /* the parity of stage v's completion of its slot's barriers */
+    auto par = [](int v) { return (uint32_t)((v >> 1) & 1); };
 
-    if (tid >= 256) { /* the producer warpgroup: copies, then transposes */
+    /* Stage v, as stored, into transposed buffer v % KST, by every thread of
+     * the CTA: its row r = tid (g's feature r, then a's r - 128); chunk c of
+     * a row holds k = 4c .. 4c + 3 and sits at 16 (c ^ (r % 8)) in the row;
+     * a warp's lanes take consecutive rows (columns as stored). It waits
+     * for the copies and for the buffer's last MMAs (stage v - 2), and
+     * hands the buffer over (ready) and the copy back (taken). */
+    auto transpose = [&](int v) {
+        const int sl = v % KST;
+        mbar_wait(landed + 8u * (uint32_t)sl, par(v));
+        if (v >= KST) mbar_wait(empty + 8u * (uint32_t)sl, par(v - KST));
+        const float *st = nat + (v % NST) * NAT;
+        const uint32_t kb = kmj + (uint32_t)(sl * KMJ) + (uint32_t)(tid * 128);
+        const uint32_t sw = (uint32_t)(tid & 7);
+        const float *x0 = tid < XM ? st + tid : st + XK * XM + (tid - XM);
+        const int W = tid < XM ? XM : XN;
+#pragma unroll
+        for (int c = 0; c < 8; c++) {
+            const float *x = x0 + 4 * c * W;
+            dcc_sts128(kb + ((c ^ sw) << 4), __float_as_uint(x[0]), __float_as_uint(x[W]),
+                       __float_as_uint(x[2 * W]), __float_as_uint(x[3 * W]));
+        }
+        fence_proxy_async(); /* the stores, visible to the tensor cores */
+        mbar_arrive(ready + 8u * (uint32_t)sl);
+        mbar_arrive(taken + 8u * (uint32_t)sl);
+    };
+
+    if (tid >= 256) { /* the producer warpgroup: copies, and its rows */
         const int q = tid - 256;
         /* stage u as stored: [32 rows of T][128 of g's features], then [32][256
          * of a's]; zero past T and past the widths (multiples of 4: whole
@@ -150,56 +184,36 @@ tf32_wg_clipped(const float *__restrict__ a, const float *__restrict__ g, int B,
                 dcc_cp_async16(ad + (uint32_t)(j * 2 * XN * 4), ok ? as : a, ok ? 16 : 0);
             }
         };
-        /* stage u, as stored, into transposed buffer u % KST: this thread's
-         * rows q (g's feature q), 128 + q and 256 + q (a's q and 128 + q);
-         * chunk c of row r holds k = 4c .. 4c + 3 and sits at 16 (c ^ (r %
-         * 8)) in the row; a warp's lanes take consecutive rows (columns as
-         * stored) */
-        auto transpose = [&](int u) {
-            const float *s = nat + (u % NST) * NAT;
-            const uint32_t kb = kmj + (uint32_t)((u % KST) * KMJ) + (uint32_t)(q * 128);
-            const uint32_t sw = (uint32_t)(q & 7);
-#pragma unroll
-            for (int h = 0; h < 3; h++) {
-                const float *x0 = h == 0 ? s + q : s + XK * XM + (h - 1) * 128 + q;
-                const int W = h == 0 ? XM : XN;
-#pragma unroll
-                for (int c = 0; c < 8; c++) {
-                    const float *x = x0 + 4 * c * W;
-                    dcc_sts128(kb + (uint32_t)(h * 128 * 128) + ((c ^ sw) << 4),
-                               __float_as_uint(x[0]), __float_as_uint(x[W]),
-                               __float_as_uint(x[2 * W]), __float_as_uint(x[3 * W]));
-                }
-            }
-        };
         int lb = 0, lt = kt0; /* the next stage to copy */
         load(0, lb, lt);
         if (++lt == ktn) lt = 0, lb++;
         dcc_cp_commit();
-        for (int u = 0; u < U; u++) {
-            /* stage u has landed (for all of the warpgroup, after the
-             * barrier), which is also done with u - 1 as stored: refill it */
-            dcc_cp_wait<0>();
-            producer_sync();
-            if (u + 1 < U) load(u + 1, lb, lt);
+        for (int v = 0; v < U; v++) {
+            dcc_cp_wait<0>(); /* this thread's copies of v */
+            mbar_arrive(landed + 8u * (uint32_t)(v % KST));
+            /* the next copy, once every thread has read the stage it
+             * replaces (v - 1) */
+            if (v + 1 < U) {
+                if (v >= 1) mbar_wait(taken + 8u * (uint32_t)((v + 1) % KST), par(v - 1));
+                load(v + 1, lb, lt);
+            }
             if (++lt == ktn) lt = 0, lb++;
             dcc_cp_commit();
-            mbar_wait(bars + 8u * (uint32_t)(KST + u % KST), (uint32_t)(((u / KST) & 1) ^ 1));
-            transpose(u);
-            fence_proxy_async(); /* the stores, visible to the tensor cores */
-            mbar_arrive(bars + 8u * (uint32_t)(u % KST));
+            transpose(v);
         }
         return;
     }
 
-    /* the two consumer warpgroups: the MMAs */
+    /* the two consumer warpgroups: their rows of each stage, then the MMAs,
+     * under which the next stage's rows are transposed */
     const int wg = tid >> 7, lane = tid & 31;
     float acc[2][64]; /* the m64n256 accumulator, as the helpers take it in halves */
     float(&acc_all)[128] = *reinterpret_cast<float(*)[128]>(&acc[0][0]);
 #pragma unroll
     for (int i = 0; i < 128; i++) acc_all[i] = 0.0f;
+    transpose(0);
     for (int u = 0, ct = kt0, cb = 0; u < U; u++) {
-        mbar_wait(bars + 8u * (uint32_t)(u % KST), (uint32_t)((u / KST) & 1));
+        mbar_wait(ready + 8u * (uint32_t)(u % KST), par(u));
         if (ct == ktn) ct = 0, cb++;
         if (ct++ == 0 && u > 0) { /* the next sample: rescale to its coefficient */
             wg_wait<0>();
@@ -220,8 +234,10 @@ tf32_wg_clipped(const float *__restrict__ a, const float *__restrict__ g, int B,
         wg_commit();
         acc_fence<2>(acc);
         wg_wait<1>(); /* the MMAs of u - 1 are done: their buffer goes back */
+        acc_fence<2>(acc);
         __syncwarp();
-        if (u > 0 && lane == 0) mbar_arrive(bars + 8u * (uint32_t)(KST + (u - 1) % KST));
+        if (u > 0 && lane == 0) mbar_arrive(empty + 8u * (uint32_t)((u - 1) % KST));
+        if (u + 1 < U) transpose(u + 1);
     }
     wg_wait<0>();
     acc_fence<2>(acc);
