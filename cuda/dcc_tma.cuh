@@ -89,7 +89,7 @@ __device__ __forceinline__ uint32_t map_rank(uint32_t addr, uint32_t rank) {
  * each tile's stage is released once its MMAs are known complete. DIRECT
  * with colsum: the bias column sums (stage_issue). keep: accumulate onto
  * acc as it is. */
-template <typename TI, bool DIRECT, int MI, int ST>
+template <typename TI, bool DIRECT, int MI, int ST, bool WIDE = false>
 __device__ __forceinline__ void consume(float (&acc)[MI][64], uint32_t sbase, uint32_t bars,
                                         int u0, int u1, bool same_b, bool colsum, float &bs0,
                                         float &bs1, bool keep = false) {
@@ -105,7 +105,7 @@ __device__ __forceinline__ void consume(float (&acc)[MI][64], uint32_t sbase, ui
         mbar_wait(bars + 8u * (uint32_t)s, (uint32_t)((u / ST) & 1));
         const uint32_t sA = sbase + (uint32_t)(s * SB);
         const uint32_t sB = same_b ? sA : sA + 2 * MI * HALF;
-        stage_issue<TI, DIRECT, MI>(acc, sA, sB, wg, colsum, bs0, bs1);
+        stage_issue<TI, DIRECT, MI, WIDE>(acc, sA, sB, wg, colsum, bs0, bs1);
         wg_wait<1>();
         acc_fence<MI>(acc);
         __syncwarp();

@@ -3,11 +3,15 @@
  * a few launches, instead of one or more launches per layer whose last
  * waves leave SMs idle (72 layers of GPT-2-small: 10-20% of each launch).
  *
- * Both run the TMA-fed pipeline of dcc_tma.cuh with 256x128 tiles (two
- * consumer warpgroups of m64n128 x 2). Work items (layer, tile[, sample])
- * are dealt round robin to a grid of one CTA per SM; the producer and the
- * consumers walk the same item sequence, so one stage counter runs across
- * items and the pipeline never drains between them. The tensor maps of up
+ * Both run the TMA-fed pipeline of dcc_tma.cuh with 256x128 tiles, in the
+ * wide form (dcc_wgmma.cuh: the tile transposed, each consumer warpgroup 64
+ * of its columns against its 256 rows in m64n256 instructions, which read
+ * less shared memory per MMA than m64n128 pairs: 3-6% faster on
+ * GPT-2-small's step, the tensor pipes 86% busy instead of 84-85%). Work
+ * items (layer, tile[, sample]) are dealt round robin to a grid of one CTA
+ * per SM; the producer and the consumers walk the same item sequence, so
+ * one stage counter runs across items and the pipeline never drains
+ * between them. The tensor maps of up
  * to GMAXL layers travel in the kernel parameters (__grid_constant__, read
  * by TMA in place; 384 bytes a layer, within the 32 KiB CUDA 12.1 allows).
  * One launch covers a whole model where it can: a clipped-sum item is a
@@ -167,9 +171,10 @@ __global__ void __launch_bounds__(CT, 1) norms_grouped(const __grid_constant__ g
         const int ktn = (E.T + WBK - 1) / WBK;
         const bool do_bias = E.has_bias && x.tn == 0;
         float acc[GMI][64], bs0 = 0.0f, bs1 = 0.0f;
-        consume<TI, true, GMI, GST>(acc, sbase, bars, u, u + ktn, false, do_bias, bs0, bs1);
+        consume<TI, true, GMI, GST, true>(acc, sbase, bars, u, u + ktn, false, do_bias, bs0,
+                                          bs1);
         u += ktn;
-        float sq = 0.0f;
+        float sq = 0.0f; /* the tile transposed (the wide form): its squares the same */
 #pragma unroll
         for (int j = 0; j < GMI; j++)
 #pragma unroll
@@ -239,29 +244,29 @@ __global__ void __launch_bounds__(CT, 1) clipped_grouped(const __grid_constant__
                 bs0 *= f;
                 bs1 *= f;
             }
-            consume<TI, true, GMI, GST>(acc, sbase, bars, u, u + ktn, false, do_bias, bs0, bs1,
-                                        k > 0);
+            consume<TI, true, GMI, GST, true>(acc, sbase, bars, u, u + ktn, false, do_bias, bs0,
+                                              bs1, k > 0);
             u += ktn;
         }
         const float cl = E.fac[0];
         float *w = E.out;
-        /* accumulator: acc[j] is rows 64 (2 wg + j) + 16 wq + lane/4 (+8 when
-         * i % 4 >= 2), columns 8 (i / 4) + 2 (lane % 4) + i % 2: pairs (i,
-         * i+1) are adjacent columns, stored as float2 (d % 8 == 0); their
-         * max |.| as bits (NaN above all) into *amax_w */
+        /* accumulator (the wide form: the tile transposed): register i is
+         * column n = 64 wg + 16 wq + lane/4 (+8 when i % 4 >= 2) of a's,
+         * row m = 8 (i / 4) + 2 (lane % 4) + i % 2 of g's; for one i a
+         * warp's stores fill four 32-byte sectors (eight n of four m). The
+         * max |.| as bits (NaN above all) into *amax_w. */
+        const float(&all)[128] = *reinterpret_cast<const float(*)[128]>(&acc[0][0]);
         unsigned am = 0;
 #pragma unroll
-        for (int j = 0; j < GMI; j++)
-#pragma unroll
-            for (int i = 0; i < 64; i += 2) {
-                int m = m0 + (wg * GMI + j) * 64 + wq * 16 + (lane >> 2) + ((i & 2) ? 8 : 0);
-                int n = n0 + (i >> 2) * 8 + (lane & 3) * 2;
-                if (m < p && n < d) {
-                    const float v0 = cl * acc[j][i], v1 = cl * acc[j][i + 1];
-                    *(float2 *)(w + (int64_t)m * d + n) = make_float2(v0, v1);
-                    am = max(am, max(dcc_abs_bits(v0), dcc_abs_bits(v1)));
-                }
+        for (int i = 0; i < 128; i++) {
+            const int n = n0 + wg * 64 + wq * 16 + (lane >> 2) + ((i & 2) ? 8 : 0);
+            const int m = m0 + (i >> 2) * 8 + (lane & 3) * 2 + (i & 1);
+            if (m < p && n < d) {
+                const float v = cl * all[i];
+                w[(int64_t)m * d + n] = v;
+                am = max(am, dcc_abs_bits(v));
             }
+        }
         if (E.amax_w) warp_amax(E.amax_w, am);
         if (do_bias) {
             const float v = colsum_total(cs, bs0, bs1);

@@ -5,7 +5,9 @@
  * H100), and the clipped sum's direct form.
  *
  * A CTA is two consumer warpgroups (warps 0-7); each computes a 64*MI x 128
- * part of the CTA's f32 tile with m64n128k16 instructions. Tiles are
+ * part of the CTA's f32 tile with m64n128k16 instructions (the direct norms'
+ * 256-row tiles: 64 columns x 256 rows in m64n256k16, the wide form of
+ * dcc_wgmma.cuh, whose squares sum alike). Tiles are
  * 128-byte rows with the 128B swizzle, the layout the descriptors name:
  *   direct: K = T; A = g_b^T and B = a_b both stored MN-major, [64 k][64
  *     features] blocks, transposed in the instruction;
@@ -104,7 +106,9 @@ tma_direct(const __grid_constant__ CUtensorMap tg, const __grid_constant__ CUten
             }
         }
     } else {
-        consume<TI, true, MI, ST>(acc, sbase, bars, 0, kn, false, do_bias, bs0, bs1);
+        /* MI = 2: the wide form (dcc_wgmma.cuh), the tile transposed: squared and
+         * summed, or added to a cluster peer's alike, its layout does not matter */
+        consume<TI, true, MI, ST, MI == 2>(acc, sbase, bars, 0, kn, false, do_bias, bs0, bs1);
     }
     if (do_bias && threadIdx.x < 256) {
         int m = ((int)threadIdx.x % CW) * 2, rq = (int)threadIdx.x / CW;
