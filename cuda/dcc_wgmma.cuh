@@ -24,6 +24,25 @@ template <typename TI> __host__ __device__ constexpr int stage_k() { return 128 
 template <int MI> __host__ __device__ constexpr int stage_bytes() { return (2 * MI + 2) * HALF; }
 
 #ifndef DCC_WG_EMPTY
+/* The accumulator operands of the wgmma instructions below: registers
+ * %0.. as one string, d[b..b+63] as "+f" outputs. */
+#define DCC_WG_R64A                                                                                \
+    "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, "        \
+    "%19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, "        \
+    "%36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, "        \
+    "%53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
+#define DCC_WG_R64B                                                                                \
+    "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, "        \
+    "%81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, "        \
+    "%98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, "     \
+    "%113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127"
+#define DCC_WG_D8(b)                                                                               \
+    "+f"(d[(b)]), "+f"(d[(b) + 1]), "+f"(d[(b) + 2]), "+f"(d[(b) + 3]),                            \
+    "+f"(d[(b) + 4]), "+f"(d[(b) + 5]), "+f"(d[(b) + 6]), "+f"(d[(b) + 7])
+#define DCC_WG_D64(b)                                                                              \
+    DCC_WG_D8(b), DCC_WG_D8((b) + 8), DCC_WG_D8((b) + 16), DCC_WG_D8((b) + 24),                    \
+    DCC_WG_D8((b) + 32), DCC_WG_D8((b) + 40), DCC_WG_D8((b) + 48), DCC_WG_D8((b) + 56)
+
 /* One m64n128 wgmma over one 32-byte k step (k16 for 16-bit inputs, k8 for
  * TF32) into d (f32), A and B of element type T (PTX name PTX) described by
  * da/db; TA/TB: transpose flags, which TF32 does not have (its operands are
@@ -31,31 +50,16 @@ template <int MI> __host__ __device__ constexpr int stage_bytes() { return (2 * 
  * instruction as they are in shared memory: the tensor cores use the top 19
  * bits of each (TF32, truncated). The overloads come from this one
  * definition so that their operand lists cannot drift apart. */
-#define DCC_WGMMA_M64N128(T, PTX, K, TRANS)                                                 \
-template <int TA, int TB>                                                                   \
-__device__ __forceinline__ void wgmma_m64n128(const T *, float (&d)[64], uint64_t da,       \
-                                              uint64_t db) {                                \
-    static_assert(K == 16 || (TA == 0 && TB == 0), "TF32 operands are K-major");            \
-    asm volatile(                                                                           \
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %68, 0;\n"                                        \
-        "wgmma.mma_async.sync.aligned.m64n128k" #K ".f32." PTX "." PTX " {"                 \
-        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "            \
-        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "  \
-        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "  \
-        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, " \
-        "%64, %65, p, 1, 1" TRANS ";\n}\n"                                                  \
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]),           \
-          "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]),         \
-          "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]),     \
-          "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),     \
-          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]),     \
-          "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]),     \
-          "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]),     \
-          "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),     \
-          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]),     \
-          "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]),     \
-          "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])                                \
-        : "l"(da), "l"(db), "n"(TA), "n"(TB), "r"(1));                                      \
+#define DCC_WGMMA_M64N128(T, PTX, K, TRANS)                                                        \
+template <int TA, int TB>                                                                          \
+__device__ __forceinline__ void wgmma_m64n128(const T *, float (&d)[64], uint64_t da,              \
+                                              uint64_t db) {                                       \
+    static_assert(K == 16 || (TA == 0 && TB == 0), "TF32 operands are K-major");                   \
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %68, 0;\n"                                      \
+                 "wgmma.mma_async.sync.aligned.m64n128k" #K ".f32." PTX "." PTX " {" DCC_WG_R64A   \
+                 "}, %64, %65, p, 1, 1" TRANS ";\n}\n"                                             \
+                 : DCC_WG_D64(0)                                                                   \
+                 : "l"(da), "l"(db), "n"(TA), "n"(TB), "r"(1));                                    \
 }
 DCC_WGMMA_M64N128(dcc_bf16, "bf16", 16, ", %66, %67")
 DCC_WGMMA_M64N128(dcc_f16, "f16", 16, ", %66, %67")
@@ -71,49 +75,21 @@ DCC_WGMMA_M64N128(float, "tf32", 8, "")
 template <int TA, int TB>                                                                          \
 __device__ __forceinline__ void wgmma_m64n256(const T *, float (&d)[128], uint64_t da,             \
                                               uint64_t db) {                                       \
-    static_assert(K == 16 || (TA == 0 && TB == 0), "TF32 operands are K-major");                  \
-    asm volatile(                                                                                  \
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %132, 0;\n"                                              \
-        "wgmma.mma_async.sync.aligned.m64n256k" #K ".f32." PTX "." PTX " {"                        \
-        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, "              \
-        "%17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "              \
-        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, "              \
-        "%47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, "              \
-        "%62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, "              \
-        "%77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, "              \
-        "%92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, "             \
-        "%106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, "                 \
-        "%118, %119, %120, %121, %122, %123, %124, %125, %126, %127"                               \
-        "}, %128, %129, p, 1, 1" TRANS ";\n}\n"                                                    \
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]),                  \
-          "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]),                \
-          "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]),            \
-          "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),            \
-          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]),            \
-          "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]),            \
-          "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]),            \
-          "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),            \
-          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]),            \
-          "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]),            \
-          "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), "+f"(d[64]), "+f"(d[65]),            \
-          "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]),            \
-          "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]),            \
-          "+f"(d[78]), "+f"(d[79]), "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]),            \
-          "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), "+f"(d[88]), "+f"(d[89]),            \
-          "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]),            \
-          "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]),                        \
-          "+f"(d[101]), "+f"(d[102]), "+f"(d[103]), "+f"(d[104]), "+f"(d[105]),                    \
-          "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]),                    \
-          "+f"(d[111]), "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]),                    \
-          "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]), "+f"(d[120]),                    \
-          "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]),                    \
-          "+f"(d[126]), "+f"(d[127])                                                               \
-        : "l"(da), "l"(db), "n"(TA), "n"(TB), "r"(1));                                             \
+    static_assert(K == 16 || (TA == 0 && TB == 0), "TF32 operands are K-major");                   \
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %132, 0;\n"                                     \
+                 "wgmma.mma_async.sync.aligned.m64n256k" #K ".f32." PTX "." PTX " {"               \
+                 DCC_WG_R64A ", " DCC_WG_R64B "}, %128, %129, p, 1, 1" TRANS ";\n}\n"              \
+                 : DCC_WG_D64(0), DCC_WG_D64(64)                                                   \
+                 : "l"(da), "l"(db), "n"(TA), "n"(TB), "r"(1));                                    \
 }
 DCC_WGMMA_M64N256(dcc_bf16, "bf16", 16, ", %130, %131")
 DCC_WGMMA_M64N256(dcc_f16, "f16", 16, ", %130, %131")
 DCC_WGMMA_M64N256(float, "tf32", 8, "")
 #undef DCC_WGMMA_M64N256
+#undef DCC_WG_D64
+#undef DCC_WG_D8
+#undef DCC_WG_R64B
+#undef DCC_WG_R64A
 
 __device__ __forceinline__ uint64_t wg_desc(uint32_t addr, uint32_t lbo, uint32_t sbo) {
     return (uint64_t)((addr & 0x3FFFFu) >> 4) | ((uint64_t)((lbo & 0x3FFFFu) >> 4) << 16) |
