@@ -121,6 +121,9 @@ static void test_direct_splits(void **state) {
         dc_test_layer_free(&h);
         skip();
     }
+    /* per-layer launches: a grouped step would run the layer in the
+     * persistent kernel, whatever these switches say */
+    g_opts.grouped = false;
     for (int k = 0; k < 6; k++) {
         char split[2] = {(char)('1' + k % 3), 0};
         g_opts.direct_tile = k < 3 ? 128 : 256;
