@@ -45,6 +45,7 @@ constexpr int NST = 2;                     /* stages as stored */
 constexpr int KST = 2;                     /* stages transposed */
 constexpr int KMJ = XR * 128;              /* bytes of a transposed stage */
 constexpr int X_SMEM = NST * NAT * 4 + KST * KMJ + 1024;
+static_assert(XR == XT, "every thread transposes one row of a stage");
 
 #ifndef DCC_WG_EMPTY
 
