@@ -86,8 +86,9 @@ tf32_wg_clipped(const float *__restrict__ a, const float *__restrict__ g, int B,
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }
     __syncthreads();
-    /* the parity of stage v's completion of its slot's barriers */
-    auto par = [](int v) { return (uint32_t)((v >> 1) & 1); };
+    /* the parity of stage v's completion of its slot's barriers (slot v %
+     * KST, completed once per KST stages) */
+    auto par = [](int v) { return ((uint32_t)v / KST) & 1u; };
 
     /* Stage v, as stored, into transposed buffer v % KST, by every thread of
      * the CTA: its row r = tid (g's feature r, then a's r - 128); chunk c of
