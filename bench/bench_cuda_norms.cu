@@ -519,7 +519,10 @@ int main(int argc, char **argv) {
         CK(cudaMalloc(&n2, 3 * (size_t)B * sizeof *n2));
         CK(cudaMalloc(&w32, (size_t)p * d * sizeof *w32));
         CK(cudaMalloc(&b32, (size_t)p * sizeof *b32));
-        dcc_linear L = {a, g, DC_BF16, DC_BF16, B, T, d, p, true, false, NULL};
+        /* the DPCLIP_CUDA_* switches apply here as in the daemon (A/B runs) */
+        dcc_options env;
+        dcc_options_from_env(&env);
+        dcc_linear L = {a, g, DC_BF16, DC_BF16, B, T, d, p, true, false, &env};
         dc_algo pick = dcc_linear_pick(T, d, p, DC_ALGO_AUTO);
 
         double gemm = time_ms([&] { gemm_bf16(h, d, p, (int)rows, a, d, CUBLAS_OP_T, g, p, W, d); },
@@ -552,7 +555,7 @@ int main(int argc, char **argv) {
                 },
                 st, reps);
         }
-        L.opt = NULL; /* the model's choices again */
+        L.opt = &env; /* the model's choices again */
         std::vector<float> hn(3 * (size_t)B);
         CK(cudaMemcpy(hn.data(), n2, hn.size() * sizeof(float), cudaMemcpyDeviceToHost));
         double dvg = 0.0;

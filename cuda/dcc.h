@@ -47,9 +47,10 @@ typedef struct dcc_options {
     int noise;         /* NOISE=exact: DCC_NOISE_EXACT, else DCC_NOISE_FAST */
     bool profile;      /* PROFILE=0: the phases are not timed */
     bool wgmma;        /* WGMMA=0: the mma.sync kernels instead of wgmma */
+    bool pdl;          /* PDL=0: a split tail's launch waits for all unsplit CTAs */
     int direct_tile;   /* DIRECT_TILE: 128 or 256 rows; 0: the cost model's */
     int direct_split;  /* DIRECT_SPLIT: every tile split 1-3 ways; 0: the model's */
-    int tail_k;        /* DIRECT_TAIL=K[:N]: a K-way tail (2-4); 0: none */
+    int tail_k;        /* DIRECT_TAIL=K[:N]: a K-way tail (2, 3, 4, 6, 8); 0: none */
     long long tail_after; /* ... after N unsplit tiles; -1: the whole waves */
 } dcc_options;
 
@@ -132,6 +133,11 @@ typedef struct dcc_direct_plan {
     long long full;
 } dcc_direct_plan;
 void dcc_direct_plan_get(const dcc_linear *L, dcc_direct_plan *p);
+/* The largest tail cluster size the kernels take that is <= k (at least 2). */
+int dcc_direct_ks_floor(int k);
+/* How many clusters of ks direct-form CTAs (rows-row tiles) fit the current
+ * device at once; 0 where the kernels are not built or it cannot be asked. */
+int dcc_direct_max_clusters(int rows, int ks);
 /* LINEAR clipped weight sum on the TMA/wgmma path: w[p][d] = sum_b cs[b] *
  * g_b^T a_b (f32, overwritten), exact per-sample scaling in one launch.
  * cudaErrorNotSupported when the layer does not qualify (T < 64, not bf16/f16

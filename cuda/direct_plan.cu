@@ -27,6 +27,17 @@ static const double TALL_GAIN = 1.3, FILL_TILES = 4.0, SPLIT_TILES = 12.0;
  * hybrid ran 1.37x the GEMM against 1.56x for a split of every tile, and
  * (8,2048,768,3072), where a 2-way tail ran 1.22x against 1.11x unsplit. */
 static const double HYBRID_TILES = 25.0;
+/* ... and about 6 when the tail's launch overlaps the unsplit one's last
+ * CTAs (programmatic dependent launch, dcc_options.pdl): its clusters take
+ * SMs as they free up instead of after the slowest unsplit CTA. On an H100,
+ * (2,8192,768,3072) with a tail of 2, 3, 4, 6 and 8 ran 1.35, 1.21, 1.18,
+ * 1.17 and 1.25x the GEMM with the overlap, 1.49, 1.36, 1.37, 1.31 and
+ * 1.35x without; (8,2048,768,3072)'s 2-way tail 1.10x against 1.11x
+ * unsplit. */
+static const double HYBRID_PDL_TILES = 6.0;
+/* The tail's cluster sizes (norms_tma.cu instantiates these). 8 measured
+ * slower than 6 (above): rank 0 adds its peers' partial tiles one by one. */
+static const int DIRECT_KS[] = {2, 3, 4, 6};
 static const int SPLIT_MIN_T = 2048;
 
 static double direct_cost(const dcc_linear *L, int rows, int split, int sms) {
@@ -47,7 +58,7 @@ static int64_t direct_tiles(const dcc_linear *L, int rows) {
 
 /* The cheapest plan, for the given tile height (0: either). Besides a split
  * of every tile, the hybrid: whole waves unsplit, then the last partial wave
- * split KS = 2-4 ways so that it fills more SMs for a fraction of a wave's
+ * split KS (DIRECT_KS) ways so that it fills more SMs for a fraction of a wave's
  * time. Clusters of 3-4 lose to placement when they fill the GPU; a tail
  * leaves most SMs to them. */
 static void direct_shape(const dcc_linear *L, int rows_only, dcc_direct_plan *pl) {
@@ -72,15 +83,27 @@ static void direct_shape(const dcc_linear *L, int rows_only, dcc_direct_plan *pl
         int64_t ctas = direct_tiles(L, rows), waves = ctas / sms, tail = ctas % sms;
         if (ms < 2 || waves < 1 || tail == 0) continue;
         double w = rows == 256 ? 2.0 / TALL_GAIN : 1.0;
-        for (int ks = 2; ks <= 4 && tail * ks <= sms; ks++) {
+        double hybrid = L->opt && !L->opt->pdl ? HYBRID_TILES : HYBRID_PDL_TILES;
+        for (int ks : DIRECT_KS) {
+            /* the whole tail at once: its CTAs fit the SMs, and its
+             * clusters the GPCs (a cluster runs within one) */
+            if (tail * ks > sms) break;
+            if (tail > dcc_direct_max_clusters(rows, ks)) continue;
             double c = (double)waves * w * (ktn + FILL_TILES) +
-                       w * (ktn / ks + SPLIT_TILES + HYBRID_TILES);
+                       w * (ktn / ks + SPLIT_TILES + hybrid);
             if (c < bc * 0.999) {
                 bc = c;
                 *pl = (dcc_direct_plan){rows, 1, ks, (long long)(waves * sms)};
             }
         }
     }
+}
+
+extern "C" int dcc_direct_ks_floor(int k) {
+    int r = DIRECT_KS[0];
+    for (int ks : DIRECT_KS)
+        if (ks <= k) r = ks;
+    return r;
 }
 
 /* The forced tile height (dcc_options.direct_tile), or 0. */
@@ -103,7 +126,7 @@ extern "C" int dcc_direct_split(const dcc_linear *L) {
 }
 
 /* dcc_options.direct_split forces a split of every tile (no hybrid);
- * tail_k forces the hybrid: a K-way tail (2-4) after tail_after unsplit
+ * tail_k forces the hybrid: a K-way tail (DIRECT_KS) after tail_after unsplit
  * tiles (-1: the whole waves). */
 extern "C" void dcc_direct_plan_get(const dcc_linear *L, dcc_direct_plan *pl) {
     const dcc_options *o = L->opt;

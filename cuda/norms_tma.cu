@@ -33,7 +33,7 @@
  * but clusters of 4 measured slower on an H100: 1.75-1.87x the GEMM against
  * 1.46x for 2 on the (2,8192,768,3072) shape, when every tile is split).
  * The hybrid plan splits only the last, partial wave: whole waves of tiles
- * run unsplit, then the tail on clusters of 2-4, which then have the GPU to
+ * run unsplit, then the tail on clusters of 2-6, which then have the GPU to
  * themselves (direct_plan.cu).
  *
  * Built only for sm_90a (the instructions do not exist elsewhere); on other
@@ -42,6 +42,8 @@
  * these kernels is gone: TMA serves every layer it served (16-byte rows,
  * bf16/f16), and tensor-map encoding only fails where it could not run. */
 #include <stdlib.h>
+
+#include <atomic>
 
 #include "dcc_path.h"
 #include "dcc_tma.cuh"
@@ -65,6 +67,13 @@ __device__ __forceinline__ float ld_cluster(uint32_t addr) {
     return v;
 }
 
+/* The end of a tail launch made with programmatic stream serialization
+ * (launch_direct): it waits for the unsplit launch before it, so that work
+ * queued after it is ordered after both (a no-op in other launches). */
+__device__ __forceinline__ void grid_dep_wait() {
+    asm volatile("griddepcontrol.wait;\n" ::: "memory");
+}
+
 /* KS > 1: the KS CTAs of a cluster split the tile's K range; ranks > 0
  * hand their partial tiles (and bias column sums) to rank 0 through
  * distributed shared memory, and rank 0 squares the sum. */
@@ -86,6 +95,9 @@ tma_direct(const __grid_constant__ CUtensorMap tg, const __grid_constant__ CUten
     const bool do_bias = has_bias && tn == 0;
     const int ktn = (T + WBK - 1) / WBK;
     const int k0 = ktn * rank / KS, kn = ktn * (rank + 1) / KS - k0; /* this CTA's k-tiles */
+    /* A hybrid's tail launch may start on the SMs this launch frees (it
+     * adds to n2 only, as this one does) once every CTA here has started. */
+    asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
     const uint32_t bars = init_bars<ST>(bar_mem);
     float acc[MI][64];
     float bs0 = 0.0f, bs1 = 0.0f;
@@ -153,7 +165,10 @@ tma_direct(const __grid_constant__ CUtensorMap tg, const __grid_constant__ CUten
             }
         }
         cluster_sync(); /* the other ranks' shared memory must outlive the reads */
-        if (rank > 0) return;
+        if (rank > 0) {
+            grid_dep_wait();
+            return;
+        }
     }
     float sq = 0.0f;
     if (threadIdx.x < 256)
@@ -172,6 +187,7 @@ tma_direct(const __grid_constant__ CUtensorMap tg, const __grid_constant__ CUten
     }
     float tot = dcc_block_sum(sq);
     if (threadIdx.x == 0) atomicAdd(n2 + b, tot * s2);
+    grid_dep_wait();
 }
 
 template <typename TI>
@@ -302,7 +318,7 @@ __global__ void tma_clipped(const __grid_constant__ CUtensorMap, const __grid_co
 /* Tiles [lin0, lin0 + n) of the (sample, tile) numbering, KS CTAs each. */
 template <typename TI, int MI, int KS>
 cudaError_t launch_direct(const dcc_linear *L, float s2, float *n2, cudaStream_t st,
-                          int64_t lin0, int64_t n) {
+                          int64_t lin0, int64_t n, bool after_unsplit) {
     CUtensorMap tg, ta;
     if (n <= 0) return cudaSuccess;
     if (!make_map(&tg, L->g, L->tg, L->B, L->T, L->p, 64) ||
@@ -316,7 +332,7 @@ cudaError_t launch_direct(const dcc_linear *L, float s2, float *n2, cudaStream_t
                                          tma_direct_smem<MI>());
     if (e != cudaSuccess) return e;
     cudaLaunchConfig_t cfg = {};
-    cudaLaunchAttribute attr[1];
+    cudaLaunchAttribute attr[2];
     cfg.gridDim = dim3((unsigned)(n * KS));
     cfg.blockDim = dim3(CT);
     cfg.dynamicSmemBytes = tma_direct_smem<MI>();
@@ -327,21 +343,59 @@ cudaError_t launch_direct(const dcc_linear *L, float s2, float *n2, cudaStream_t
     attr[0].val.clusterDim.z = 1;
     cfg.attrs = attr;
     cfg.numAttrs = KS > 1 ? 1 : 0;
+    if (after_unsplit && !(L->opt && !L->opt->pdl)) {
+        /* the tail's clusters start as the unsplit CTAs leave their SMs,
+         * not after the last of them (grid_dep_wait keeps the order) */
+        attr[cfg.numAttrs].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+        attr[cfg.numAttrs].val.programmaticStreamSerializationAllowed = 1;
+        cfg.numAttrs++;
+    }
     e = cudaLaunchKernelEx(&cfg, kern, tg, ta, L->T, tiles_n, tiles_m * tiles_n, (int)lin0,
                            (int)L->has_bias, s2, n2);
     if (e != cudaSuccess) return e;
     return cudaGetLastError();
 }
 
+/* ks: 1 or a tail cluster size direct_plan.cu plans (DIRECT_KS). */
 template <typename TI, int MI>
 cudaError_t launch_direct_ks(const dcc_linear *L, float s2, float *n2, cudaStream_t st, int ks,
-                             int64_t lin0, int64_t n) {
+                             int64_t lin0, int64_t n, bool after_unsplit) {
     switch (ks) {
-    case 4: return launch_direct<TI, MI, 4>(L, s2, n2, st, lin0, n);
-    case 3: return launch_direct<TI, MI, 3>(L, s2, n2, st, lin0, n);
-    case 2: return launch_direct<TI, MI, 2>(L, s2, n2, st, lin0, n);
-    default: return launch_direct<TI, MI, 1>(L, s2, n2, st, lin0, n);
+    case 6: return launch_direct<TI, MI, 6>(L, s2, n2, st, lin0, n, after_unsplit);
+    case 4: return launch_direct<TI, MI, 4>(L, s2, n2, st, lin0, n, after_unsplit);
+    case 3: return launch_direct<TI, MI, 3>(L, s2, n2, st, lin0, n, after_unsplit);
+    case 2: return launch_direct<TI, MI, 2>(L, s2, n2, st, lin0, n, after_unsplit);
+    default: return launch_direct<TI, MI, 1>(L, s2, n2, st, lin0, n, after_unsplit);
     }
+}
+
+/* How many clusters of ks CTAs of the direct kernel fit the current device
+ * at once (0 where it cannot be asked); cached per device, since the plan
+ * asks at every per-layer launch. */
+template <int MI, int KS> int max_clusters() {
+    auto kern = tma_direct<dcc_bf16, MI, KS>; /* f16's resources are the same */
+    if (cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                             tma_direct_smem<MI>()) != cudaSuccess) {
+        (void)cudaGetLastError(); /* not the next launch's error */
+        return 0;
+    }
+    cudaLaunchConfig_t cfg = {};
+    cudaLaunchAttribute attr[1];
+    cfg.gridDim = dim3(KS);
+    cfg.blockDim = dim3(CT);
+    cfg.dynamicSmemBytes = tma_direct_smem<MI>();
+    attr[0].id = cudaLaunchAttributeClusterDimension;
+    attr[0].val.clusterDim.x = KS;
+    attr[0].val.clusterDim.y = 1;
+    attr[0].val.clusterDim.z = 1;
+    cfg.attrs = attr;
+    cfg.numAttrs = 1;
+    int n = 0;
+    if (cudaOccupancyMaxActiveClusters(&n, kern, &cfg) != cudaSuccess) {
+        (void)cudaGetLastError();
+        return 0;
+    }
+    return n;
 }
 
 /* The direct form by its plan: every tile split alike, or the first `full`
@@ -351,11 +405,12 @@ template <typename TI, int MI>
 cudaError_t launch_direct_plan(const dcc_linear *L, const dcc_direct_plan *pl, float s2,
                                float *n2, cudaStream_t st) {
     int64_t total = (int64_t)((L->p + 128 * MI - 1) / (128 * MI)) * ((L->d + 127) / 128) * L->B;
-    if (pl->tail_ks < 2) return launch_direct_ks<TI, MI>(L, s2, n2, st, pl->split, 0, total);
+    if (pl->tail_ks < 2)
+        return launch_direct_ks<TI, MI>(L, s2, n2, st, pl->split, 0, total, false);
     int64_t full = pl->full < 0 ? 0 : pl->full > total ? total : pl->full;
-    cudaError_t e = launch_direct_ks<TI, MI>(L, s2, n2, st, 1, 0, full);
+    cudaError_t e = launch_direct_ks<TI, MI>(L, s2, n2, st, 1, 0, full, false);
     if (e != cudaSuccess) return e;
-    return launch_direct_ks<TI, MI>(L, s2, n2, st, pl->tail_ks, full, total - full);
+    return launch_direct_ks<TI, MI>(L, s2, n2, st, pl->tail_ks, full, total - full, full > 0);
 }
 
 template <typename TI> cudaError_t launch_ghost(const dcc_linear *L, float s2, float *n2, cudaStream_t st) {
@@ -407,6 +462,31 @@ cudaError_t launch_clipped(const dcc_linear *L, const float *cs, float *w, cudaS
 
 
 } // namespace
+
+extern "C" int dcc_direct_max_clusters(int rows, int ks) {
+#ifdef DCC_WGMMA_BUILT
+    enum { DEVS = 16, KSN = 7 };
+    static std::atomic<int> cache[DEVS][2][KSN]; /* the count + 1; 0: not asked yet */
+    int dev = 0;
+    if (ks < 2 || ks >= KSN || cudaGetDevice(&dev) != cudaSuccess) return 0;
+    std::atomic<int> *c = dev < DEVS ? &cache[dev][rows == 256][ks] : nullptr;
+    if (c && c->load(std::memory_order_relaxed)) return c->load(std::memory_order_relaxed) - 1;
+    int n = 0;
+    switch (ks) {
+    case 2: n = rows == 256 ? max_clusters<2, 2>() : max_clusters<1, 2>(); break;
+    case 3: n = rows == 256 ? max_clusters<2, 3>() : max_clusters<1, 3>(); break;
+    case 4: n = rows == 256 ? max_clusters<2, 4>() : max_clusters<1, 4>(); break;
+    case 6: n = rows == 256 ? max_clusters<2, 6>() : max_clusters<1, 6>(); break;
+    default: break;
+    }
+    if (c) c->store(n + 1, std::memory_order_relaxed);
+    return n;
+#else
+    (void)rows;
+    (void)ks;
+    return 0;
+#endif
+}
 
 extern "C" cudaError_t dcc_linear_clipped_tc(const dcc_linear *L, const float *cs, float *w,
                                              cudaStream_t st) {

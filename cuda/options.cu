@@ -24,7 +24,7 @@ const char *set(const char *name) {
 
 extern "C" void dcc_options_default(dcc_options *o) {
     memset(o, 0, sizeof *o);
-    o->tf32 = o->grouped = o->one_pass = o->profile = o->wgmma = true;
+    o->tf32 = o->grouped = o->one_pass = o->profile = o->wgmma = o->pdl = true;
     o->grouped_min = -1;
     o->grouped_layers = INT_MAX;
     o->noise = DCC_NOISE_FAST;
@@ -39,6 +39,7 @@ extern "C" void dcc_options_from_env(dcc_options *o) {
     o->one_pass = on("DPCLIP_CUDA_ONE_PASS");
     o->profile = on("DPCLIP_CUDA_PROFILE");
     o->wgmma = on("DPCLIP_CUDA_WGMMA");
+    o->pdl = on("DPCLIP_CUDA_PDL");
     if ((v = set("DPCLIP_CUDA_NOISE")) && strcmp(v, "exact") == 0) o->noise = DCC_NOISE_EXACT;
     if ((v = set("DPCLIP_CUDA_GROUPED_MIN"))) o->grouped_min = atoi(v);
     if ((v = set("DPCLIP_CUDA_GROUPED_LAYERS"))) o->grouped_layers = atoi(v); /* clamped where used */
@@ -50,7 +51,7 @@ extern "C" void dcc_options_from_env(dcc_options *o) {
     if ((v = set("DPCLIP_CUDA_DIRECT_TAIL"))) {
         const char *c = strchr(v, ':');
         int k = atoi(v);
-        o->tail_k = k < 2 ? 2 : k > 4 ? 4 : k;
+        o->tail_k = dcc_direct_ks_floor(k);
         o->tail_after = c ? atoll(c + 1) : -1;
     }
 }

@@ -139,20 +139,27 @@ static void test_direct_splits(void **state) {
     }
     g_opts.direct_split = 0;
     /* The hybrid: the first N tiles (numbered over samples) unsplit, the
-     * rest on clusters of K; N = 0 and N = all included. */
-    static const int tails[6][2] = {{2, 5}, {3, 0}, {4, 11}, {4, 12}, {2, 7}, {3, 1}};
-    for (int k = 0; k < 12; k++) {
-        g_opts.direct_tile = k < 6 ? 128 : 256;
-        g_opts.tail_k = tails[k % 6][0];
-        g_opts.tail_after = tails[k % 6][1];
+     * rest on clusters of K; N = 0 and N = all included; the tail launch
+     * overlapping the unsplit one (PDL) and after it. */
+    assert_int_equal(dcc_direct_ks_floor(1), 2); /* DPCLIP_CUDA_DIRECT_TAIL's rounding */
+    assert_int_equal(dcc_direct_ks_floor(5), 4);
+    assert_int_equal(dcc_direct_ks_floor(8), 6);
+    enum { NTAIL = 8 };
+    static const int tails[NTAIL][2] = {{2, 5}, {3, 0}, {4, 11}, {4, 12},
+                                        {2, 7}, {3, 1}, {6, 3},  {6, 0}};
+    for (int k = 0; k < 2 * NTAIL; k++) {
+        g_opts.direct_tile = k < NTAIL ? 128 : 256;
+        g_opts.tail_k = tails[k % NTAIL][0];
+        g_opts.tail_after = tails[k % NTAIL][1];
+        g_opts.pdl = k % 3 != 2;
         apply_switches();
         dcc_direct_plan pl;
         dcc_direct_plan_get(&L, &pl);
-        assert_int_equal(pl.tail_ks, tails[k % 6][0]);
-        assert_true(pl.full <= tails[k % 6][1] && pl.split == 1); /* N: at most all tiles */
+        assert_int_equal(pl.tail_ks, tails[k % NTAIL][0]);
+        assert_true(pl.full <= tails[k % NTAIL][1] && pl.split == 1); /* N: at most all */
         double e = layer_err(&h, 2, ref);
-        printf("direct tile=%d tail=%d:%d: max rel err %.2e\n", g_opts.direct_tile,
-               tails[k % 6][0], tails[k % 6][1], e);
+        printf("direct tile=%d tail=%d:%d pdl=%d: max rel err %.2e\n", g_opts.direct_tile,
+               tails[k % NTAIL][0], tails[k % NTAIL][1], (int)g_opts.pdl, e);
         assert_true(e <= norm_rtol(DC_BF16));
     }
     set_switches(1, 1); /* the model's tiles and splits again */
