@@ -2,20 +2,24 @@
  * cs[b] g_b^T a_b for f32 inputs, the operands' TF32 truncations multiplied
  * (as every TF32 kernel does, norms_tf32.cu), on 128x256 output tiles.
  *
- * TF32 wgmma reads K-major operands only, and both of these are stored with
- * K (= T) outermost: the direct form's layout, which the 16-bit kernels
- * transpose in the instruction; neither TMA nor 16-byte copies can
- * transpose 4-byte elements. So a producer warpgroup copies each stage (32
- * rows of T) into shared memory as stored (cp.async, one stage ahead), and
- * every thread of the CTA transposes its row of it (one of the tile's 384
- * features) into one of two K-major buffers in the layout the descriptors
- * name (128-byte rows of 32 k per feature, 16-byte chunks swizzled by chunk
- * ^ (row % 8), the TMA kernels' layout): a lane reads four rows of one
- * column (conflict-free: a warp's lanes take consecutive columns) and
- * writes them as one 16-byte chunk (conflict-free through the swizzle). The
- * two consumer warpgroups transpose stage u + 1 while the tensor cores run
- * their m64n256k8 MMAs on stage u; mbarriers hand the stages round
- * (landed, taken, ready, empty).
+ * TF32 wgmma reads K-major operands only from shared memory, and both of
+ * these are stored with K (= T) outermost: the direct form's layout, which
+ * the 16-bit kernels transpose in the instruction; neither TMA nor 16-byte
+ * copies can transpose 4-byte elements. So a producer warpgroup copies each
+ * stage (32 rows of T) into shared memory as stored (cp.async, two stages
+ * ahead), and then:
+ *   - A (g's 128 features) goes to the MMAs from registers: each consumer
+ *     thread loads its fragments straight from the rows as stored (rows
+ *     padded to 136 floats: conflict-free), nothing transposed;
+ *   - B (a's 256 features) is transposed, each consumer thread one feature,
+ *     into a K-major buffer in the layout the descriptors name (128-byte
+ *     rows of 32 k, 16-byte chunks swizzled by chunk ^ (row % 8), the TMA
+ *     kernels' layout): a lane reads four rows of one column (conflict-free:
+ *     a warp's lanes take consecutive columns) and writes them as one
+ *     16-byte chunk (conflict-free through the swizzle).
+ * The consumers prepare stage u + 1 (B transposed, A's fragments loaded)
+ * while the tensor cores run their m64n256k8 MMAs on stage u; mbarriers
+ * hand the stages round (landed, taken, ready, empty).
  *
  * Each tile's stage sequence (its samples in ascending coefficient order,
  * each ceil(T/32) stages) is cut into the number of chunks, one CTA each,
@@ -25,13 +29,14 @@
  * the weighted total.
  *
  * Measured on an H100 (GPT-2-small's 72 layers, B=8, T=1024; the TF32 cuBLAS
- * GEMMs take 12.6 ms): this form 17.0 ms; the producer warpgroup alone
- * transposing (the consumers only issuing MMAs) 17.8-17.9, and 19.4 with
- * its rows also prefetched into the L2 three stages ahead; whole samples
- * per CTA and no producer warpgroup 20.9-21.3; 128x128 tiles with three
- * copies in flight 21.6; every element its own 4-byte cp.async straight
- * into place, no transpose 23.2; mma.sync (norms_tf32.cu) 23.5. Layers whose rows
- * are not on 16 bytes go to the mma.sync kernel, which calls this one. */
+ * GEMMs take 12.5 ms): this form 15.3 ms; A transposed as well (every
+ * thread of the CTA one row of 384, one copy in flight) 17.0; the producer
+ * warpgroup alone transposing 17.8-17.9, and 19.4 with its rows also
+ * prefetched into the L2 three stages ahead; whole samples per CTA and no
+ * producer warpgroup 20.9-21.3; 128x128 tiles with three copies in flight
+ * 21.6; every element its own 4-byte cp.async straight into place, no
+ * transpose 23.2; mma.sync (norms_tf32.cu) 23.5. Layers whose rows are not
+ * on 16 bytes go to the mma.sync kernel, which calls this one. */
 #include "dcc_tma.cuh"
 #include "dcc_util.cuh"
 
@@ -39,15 +44,42 @@ namespace {
 
 constexpr int XT = 384;                    /* two consumer warpgroups, one producer */
 constexpr int XM = 128, XN = 256, XK = 32; /* the CTA's tile; k per stage */
-constexpr int XR = XM + XN;                /* transposed rows: g's features, then a's */
-constexpr int NAT = XK * XR;               /* floats of a stage as stored */
-constexpr int NST = 2;                     /* stages as stored */
-constexpr int KST = 2;                     /* stages transposed */
-constexpr int KMJ = XR * 128;              /* bytes of a transposed stage */
+constexpr int XLA = XM + 8;                /* floats per stored row of g (see A_frag) */
+constexpr int NAT = XK * (XLA + XN);       /* floats of a stage as stored */
+constexpr int NST = 3;                     /* stages as stored: two copies in flight */
+constexpr int KST = 2;                     /* stages of a's rows transposed */
+constexpr int KMJ = XN * 128;              /* bytes of a transposed stage */
 constexpr int X_SMEM = NST * NAT * 4 + KST * KMJ + 1024;
-static_assert(XR == XT, "every thread transposes one row of a stage");
+/* setmaxnreg: the producer's copies need few registers, the consumers hold
+ * the 128 accumulators and two stages' A fragments (128 x 40 + 256 x 232 <=
+ * 64 Ki, the CTA's 384 x 168) */
+constexpr int PRODUCER_REGS = 40, CONSUMER_REGS = 232;
+static_assert(XN == 256 && XT == 384, "each consumer thread transposes one of a's rows");
 
 #ifndef DCC_WG_EMPTY
+
+template <int N> __device__ __forceinline__ void regs_dec() {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(N));
+}
+template <int N> __device__ __forceinline__ void regs_inc() {
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(N));
+}
+
+/* The A fragments of one stage for a consumer thread (wgmma_m64n256_tf32_ra:
+ * four k8 steps), straight from g's rows as stored, [k][XLA floats]: lanes
+ * read (k = lane % 4, feature = lane / 4); a row stride of 8 mod 32 floats
+ * puts the 32 lanes on 32 banks. */
+__device__ __forceinline__ void A_frag(uint32_t (&a)[4][4], const float *sg, int r0, int lane) {
+    const float *p = sg + (lane & 3) * XLA + r0 + (lane >> 2);
+#pragma unroll
+    for (int kk = 0; kk < 4; kk++) {
+        const float *q = p + 8 * kk * XLA;
+        a[kk][0] = __float_as_uint(q[0]);
+        a[kk][1] = __float_as_uint(q[8]);
+        a[kk][2] = __float_as_uint(q[4 * XLA]);
+        a[kk][3] = __float_as_uint(q[4 * XLA + 8]);
+    }
+}
 
 __global__ void __launch_bounds__(XT, 1)
 tf32_wg_clipped(const float *__restrict__ a, const float *__restrict__ g, int B, int T, int d,
@@ -55,11 +87,11 @@ tf32_wg_clipped(const float *__restrict__ a, const float *__restrict__ g, int B,
                 const float *__restrict__ fac, const float *__restrict__ cs,
                 float *__restrict__ w) {
     extern __shared__ __align__(16) unsigned char smem[];
-    /* per slot s (stages v with v % 2 == s): landed (the producer's copies
-     * of v are in nat), taken (every thread has read them: nat is free),
-     * ready (every thread has transposed its row of v into kmj), empty (the
-     * MMAs on kmj are done: the 8 consumer warps) */
-    __shared__ __align__(8) uint64_t bar_mem[4 * KST];
+    /* landed[NST] (the producer's copies of a stage are in nat), taken[NST]
+     * (the consumers have read that stage: its slot is free), ready[KST]
+     * (the consumers have transposed a's rows of a stage into kmj), empty[KST]
+     * (the MMAs on a kmj slot are done: the 8 consumer warps) */
+    __shared__ __align__(8) uint64_t bar_mem[2 * NST + 2 * KST];
     const uint32_t kmj = (dcc_smem(smem) + 1023u) & ~1023u; /* KST transposed stages */
     float *nat = (float *)(smem + (kmj - dcc_smem(smem)) + KST * KMJ); /* NST as stored */
     const int tm = (int)blockIdx.x / tiles_n, tn = (int)blockIdx.x % tiles_n;
@@ -74,106 +106,114 @@ tf32_wg_clipped(const float *__restrict__ a, const float *__restrict__ g, int B,
     const int k0 = (int)(u0 / ktn), kt0 = (int)(u0 - (int64_t)k0 * ktn);
     const int tid = (int)threadIdx.x;
     const uint32_t bars = dcc_smem(bar_mem);
-    const uint32_t landed = bars, taken = bars + 8u * KST, ready = bars + 16u * KST,
-                   empty = bars + 24u * KST;
+    const uint32_t landed = bars, taken = bars + 8u * NST, ready = bars + 16u * NST,
+                   empty = bars + 16u * NST + 8u * KST;
     if (tid == 0) {
-        for (int s = 0; s < KST; s++) {
+        for (int s = 0; s < NST; s++) {
             mbar_init(landed + 8u * (uint32_t)s, 128);
-            mbar_init(taken + 8u * (uint32_t)s, XT);
-            mbar_init(ready + 8u * (uint32_t)s, XT);
+            mbar_init(taken + 8u * (uint32_t)s, 256);
+        }
+        for (int s = 0; s < KST; s++) {
+            mbar_init(ready + 8u * (uint32_t)s, 256);
             mbar_init(empty + 8u * (uint32_t)s, 8);
         }
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }
     __syncthreads();
-    /* the parity of stage v's completion of its slot's barriers (slot v %
-     * KST, completed once per KST stages) */
-    auto par = [](int v) { return ((uint32_t)v / KST) & 1u; };
+    /* the parity of stage v's completion of its slot's barriers (a slot of
+     * N is completed once per N stages) */
+    auto par = [](int v, int N) { return ((uint32_t)v / (uint32_t)N) & 1u; };
 
-    /* Stage v, as stored, into transposed buffer v % KST, by every thread of
-     * the CTA: its row r = tid (g's feature r, then a's r - 128); chunk c of
-     * a row holds k = 4c .. 4c + 3 and sits at 16 (c ^ (r % 8)) in the row;
-     * a warp's lanes take consecutive rows (columns as stored). It waits
-     * for the copies and for the buffer's last MMAs (stage v - 2), and
-     * hands the buffer over (ready) and the copy back (taken). */
-    auto transpose = [&](int v) {
-        const int sl = v % KST;
-        mbar_wait(landed + 8u * (uint32_t)sl, par(v));
-        if (v >= KST) mbar_wait(empty + 8u * (uint32_t)sl, par(v - KST));
-        const float *st = nat + (v % NST) * NAT;
-        const uint32_t kb = kmj + (uint32_t)(sl * KMJ) + (uint32_t)(tid * 128);
-        const uint32_t sw = (uint32_t)(tid & 7);
-        const float *x0 = tid < XM ? st + tid : st + XK * XM + (tid - XM);
-        const int W = tid < XM ? XM : XN;
-#pragma unroll
-        for (int c = 0; c < 8; c++) {
-            const float *x = x0 + 4 * c * W;
-            dcc_sts128(kb + ((c ^ sw) << 4), __float_as_uint(x[0]), __float_as_uint(x[W]),
-                       __float_as_uint(x[2 * W]), __float_as_uint(x[3 * W]));
-        }
-        fence_proxy_async(); /* the stores, visible to the tensor cores */
-        mbar_arrive(ready + 8u * (uint32_t)sl);
-        mbar_arrive(taken + 8u * (uint32_t)sl);
-    };
-
-    if (tid >= 256) { /* the producer warpgroup: copies, and its rows */
+    if (tid >= 256) { /* the producer warpgroup: the copies */
+        regs_dec<PRODUCER_REGS>();
         const int q = tid - 256;
-        /* stage u as stored: [32 rows of T][128 of g's features], then [32][256
-         * of a's]; zero past T and past the widths (multiples of 4: whole
-         * chunks). This thread's chunks: g rows q/32 + 4j (j < 8), a rows q/64
-         * + 2j (j < 16), at fixed columns: only the row test changes with u. */
+        /* stage u as stored: [32 rows of T][XLA: g's 128 features], then
+         * [32][256 of a's]; zero past T and past the widths (multiples of 4:
+         * whole chunks). This thread's chunks: g rows q/32 + 4j (j < 8), a
+         * rows q/64 + 2j (j < 16), at fixed columns: only the row test
+         * changes with u. */
         const int gc = (q & 31) * 4, ac = (q & 63) * 4, gr = q >> 5, ar = q >> 6;
         const bool g_in = m0 + gc < p, a_in = n0 + ac < d;
         const int64_t gstep = (int64_t)4 * p, astep = (int64_t)2 * d;
-        auto load = [&](int u, int kb, int kt) { /* stage u: sample kb, k-tile kt */
-            const int t0 = kt * XK, b = perm[k0 + kb];
+        int lb = 0, lt = kt0; /* the next stage to copy: its sample and k-tile */
+        auto load = [&](int u) {
+            const int t0 = lt * XK, b = perm[k0 + lb];
             float *s = nat + (u % NST) * NAT;
             const float *gs = g + ((int64_t)b * T + t0 + gr) * p + m0 + gc;
             const float *as = a + ((int64_t)b * T + t0 + ar) * d + n0 + ac;
             const int grem = g_in ? T - t0 - gr : 0, arem = a_in ? T - t0 - ar : 0;
-            const uint32_t gd = dcc_smem(s + gr * XM + gc);
-            const uint32_t ad = dcc_smem(s + XK * XM + ar * XN + ac);
+            const uint32_t gd = dcc_smem(s + gr * XLA + gc);
+            const uint32_t ad = dcc_smem(s + XK * XLA + ar * XN + ac);
 #pragma unroll
             for (int j = 0; j < 8; j++, gs += gstep) {
                 const bool ok = 4 * j < grem;
-                dcc_cp_async16(gd + (uint32_t)(j * 4 * XM * 4), ok ? gs : g, ok ? 16 : 0);
+                dcc_cp_async16(gd + (uint32_t)(j * 4 * XLA * 4), ok ? gs : g, ok ? 16 : 0);
             }
 #pragma unroll
             for (int j = 0; j < 16; j++, as += astep) {
                 const bool ok = 2 * j < arem;
                 dcc_cp_async16(ad + (uint32_t)(j * 2 * XN * 4), ok ? as : a, ok ? 16 : 0);
             }
+            if (++lt == ktn) lt = 0, lb++;
         };
-        int lb = 0, lt = kt0; /* the next stage to copy */
-        load(0, lb, lt);
-        if (++lt == ktn) lt = 0, lb++;
+        load(0);
+        dcc_cp_commit();
+        if (U > 1) load(1);
         dcc_cp_commit();
         for (int v = 0; v < U; v++) {
-            dcc_cp_wait<0>(); /* this thread's copies of v */
-            mbar_arrive(landed + 8u * (uint32_t)(v % KST));
-            /* the next copy, once every thread has read the stage it
-             * replaces (v - 1) */
-            if (v + 1 < U) {
-                if (v >= 1) mbar_wait(taken + 8u * (uint32_t)((v + 1) % KST), par(v - 1));
-                load(v + 1, lb, lt);
+            dcc_cp_wait<1>(); /* this thread's copies of v (v + 1's may fly on) */
+            mbar_arrive(landed + 8u * (uint32_t)(v % NST));
+            /* stage v + 2 into the slot of v - 1, once the consumers are
+             * done with it */
+            if (v + 2 < U) {
+                if (v >= 1) mbar_wait(taken + 8u * (uint32_t)((v + 2) % NST), par(v - 1, NST));
+                load(v + 2);
             }
-            if (++lt == ktn) lt = 0, lb++;
             dcc_cp_commit();
-            transpose(v);
         }
         return;
     }
 
-    /* the two consumer warpgroups: their rows of each stage, then the MMAs,
-     * under which the next stage's rows are transposed */
+    /* the two consumer warpgroups */
+    regs_inc<CONSUMER_REGS>();
     const int wg = tid >> 7, lane = tid & 31;
+    const int r0 = wg * 64 + ((tid >> 5) & 3) * 16; /* this warp's rows of g's 128 */
     float acc[2][64]; /* the m64n256 accumulator, as the helpers take it in halves */
     float(&acc_all)[128] = *reinterpret_cast<float(*)[128]>(&acc[0][0]);
 #pragma unroll
     for (int i = 0; i < 128; i++) acc_all[i] = 0.0f;
-    transpose(0);
-    for (int u = 0, ct = kt0, cb = 0; u < U; u++) {
-        mbar_wait(ready + 8u * (uint32_t)(u % KST), par(u));
+    uint32_t af[2][4][4]; /* two stages' A fragments: the MMAs of one read its set */
+
+    /* Stage v's a rows into kmj slot v % KST, row tid (a's feature n0 +
+     * tid): chunk c of the row holds k = 4c .. 4c + 3 and sits at 16 (c ^
+     * (tid % 8)) in it, the TMA kernels' 128-byte swizzle; a warp's lanes
+     * take consecutive columns as stored (conflict-free reads), the swizzle
+     * spreads the 16-byte writes. Then this thread's A fragments of v, and
+     * the slot as stored goes back (taken). */
+    auto prepare = [&](int v, uint32_t(&fr)[4][4]) {
+        const int sl = v % KST;
+        mbar_wait(landed + 8u * (uint32_t)(v % NST), par(v, NST));
+        if (v >= KST) mbar_wait(empty + 8u * (uint32_t)sl, par(v - KST, KST));
+        const float *st = nat + (v % NST) * NAT;
+        const uint32_t kb = kmj + (uint32_t)(sl * KMJ) + (uint32_t)(tid * 128);
+        const uint32_t sw = (uint32_t)(tid & 7);
+        const float *x = st + XK * XLA + tid;
+#pragma unroll
+        for (int c = 0; c < 8; c++, x += 4 * XN)
+            dcc_sts128(kb + ((c ^ sw) << 4), __float_as_uint(x[0]), __float_as_uint(x[XN]),
+                       __float_as_uint(x[2 * XN]), __float_as_uint(x[3 * XN]));
+        fence_proxy_async(); /* the stores, visible to the tensor cores */
+        mbar_arrive(ready + 8u * (uint32_t)sl);
+        A_frag(fr, st, r0, lane);
+        mbar_arrive(taken + 8u * (uint32_t)(v % NST));
+    };
+
+    /* Stage u's MMAs (A from fr), under which stage u + 1 is prepared into
+     * the other set of fragments. ct/cb: the k-tile and sample stage u is
+     * in (samples start with ct == 0). */
+    int ct = kt0, cb = 0;
+    auto step = [&](int u, uint32_t(&fr)[4][4], uint32_t(&next)[4][4]) {
+        mbar_wait(ready + 8u * (uint32_t)(u % KST), par(u, KST));
         if (ct == ktn) ct = 0, cb++;
         if (ct++ == 0 && u > 0) { /* the next sample: rescale to its coefficient */
             wg_wait<0>();
@@ -186,19 +226,21 @@ tf32_wg_clipped(const float *__restrict__ a, const float *__restrict__ g, int B,
         acc_fence<2>(acc);
         wg_fence();
 #pragma unroll
-        for (int kk = 0; kk < 4; kk++) {
-            const uint32_t ka = kb + (uint32_t)(wg * 64 * 128 + kk * 32);
-            const uint32_t kn = kb + (uint32_t)(XM * 128 + kk * 32);
-            wgmma_m64n256<0, 0>((const float *)nullptr, acc_all, wg_desc(ka, 16, 1024),
-                                wg_desc(kn, 16, 1024));
-        }
+        for (int kk = 0; kk < 4; kk++)
+            wgmma_m64n256_tf32_ra(acc_all, fr[kk], wg_desc(kb + (uint32_t)(kk * 32), 16, 1024));
         wg_commit();
         acc_fence<2>(acc);
-        wg_wait<1>(); /* the MMAs of u - 1 are done: their buffer goes back */
+        wg_wait<1>(); /* the MMAs of u - 1 are done: their slot and fragments are free */
         acc_fence<2>(acc);
         __syncwarp();
         if (u > 0 && lane == 0) mbar_arrive(empty + 8u * (uint32_t)((u - 1) % KST));
-        if (u + 1 < U) transpose(u + 1);
+        if (u + 1 < U) prepare(u + 1, next);
+    };
+    prepare(0, af[0]);
+    /* two stages a round, so that each set of fragments has a fixed name */
+    for (int u = 0; u < U; u += 2) {
+        step(u, af[0], af[1]);
+        if (u + 1 < U) step(u + 1, af[1], af[0]);
     }
     wg_wait<0>();
     acc_fence<2>(acc);

@@ -86,6 +86,20 @@ DCC_WGMMA_M64N256(dcc_bf16, "bf16", 16, ", %130, %131")
 DCC_WGMMA_M64N256(dcc_f16, "f16", 16, ", %130, %131")
 DCC_WGMMA_M64N256(float, "tf32", 8, "")
 #undef DCC_WGMMA_M64N256
+
+/* m64n256k8 TF32 with A from registers: a, this thread's fragment of the
+ * warpgroup's 64 x 8 A (its warp's 16 rows: row lane/4 in a[0] and a[2],
+ * lane/4 + 8 in a[1] and a[3]; k lane%4 in a[0..1], lane%4 + 4 in a[2..3],
+ * as mma.sync m16n8k8), f32 bits the tensor cores truncate to TF32. The
+ * registers must keep their values until the MMA is waited for. */
+__device__ __forceinline__ void wgmma_m64n256_tf32_ra(float (&d)[128], const uint32_t (&a)[4],
+                                                      uint64_t db) {
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %133, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n256k8.f32.tf32.tf32 {" DCC_WG_R64A
+                 ", " DCC_WG_R64B "}, {%128, %129, %130, %131}, %132, p, 1, 1;\n}\n"
+                 : DCC_WG_D64(0), DCC_WG_D64(64)
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(1));
+}
 #undef DCC_WG_D64
 #undef DCC_WG_D8
 #undef DCC_WG_R64B

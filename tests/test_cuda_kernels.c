@@ -292,6 +292,8 @@ static void test_tf32_truncation(void **state) {
                                 sample, rescaling between them (Horner) */
         {6, 200, 512, 256},  /* 4 tiles of 42 stages in chunks of 1-2 that start and
                                 end inside samples or cross from one to the next */
+        {2, 520, 1536, 1024}, /* 48 tiles in chunks of 17 stages: the clipped sum's
+                                 copy and transpose rings wrap several times */
     };
     set_switches(1, 1);
     for (size_t c = 0; c < sizeof cases / sizeof cases[0]; c++) {
