@@ -29,7 +29,10 @@
  * the weighted total.
  *
  * Measured on an H100 (GPT-2-small's 72 layers, B=8, T=1024; the TF32 cuBLAS
- * GEMMs take 12.5 ms): this form 15.3 ms; A transposed as well (every
+ * GEMMs take 12.5 ms): this form 14.2 ms (15.3 with the chunks costed at 3
+ * stages, tf32_chunks, as the figures after it were; three transposed
+ * buffers and two stored, the transposition no longer waiting for the MMAs
+ * two stages back, 15.5); A transposed as well (every
  * thread of the CTA one row of 384, one copy in flight) 17.0; the producer
  * warpgroup alone transposing 17.8-17.9, and 19.4 with its rows also
  * prefetched into the L2 three stages ahead; whole samples per CTA and no
@@ -274,17 +277,22 @@ __global__ void tf32_wg_clipped(const float *, const float *, int, int, int, int
 } // namespace
 
 /* Chunks of each tile's B * ceil(T/32) stages, one CTA each (one CTA fits
- * an SM): the count whose whole waves, each chunk paying ~3 stages of
- * pipeline fill, finish first. Whole samples per CTA left GPT-2's
+ * an SM): the count whose whole waves, each chunk paying a fixed cost of
+ * CHUNK_STAGES stages (pipeline fill, its atomic epilogue, the output's
+ * zeroing shared out), finish first. Whole samples per CTA left GPT-2's
  * 768x768 layers (18 tiles) 144 CTAs on 132 SMs: two rounds for 1.1 of
- * work. */
+ * work. Measured on an H100 (GPT-2-small's 72 layers, f32): a fixed cost of
+ * 3 stages cut the layers into many short chunks, 15.3 ms; 8: 14.5; 12 to
+ * 30: 14.2-14.3; one chunk a tile: 16.7. */
+static const double CHUNK_STAGES = 16.0;
+
 static int tf32_chunks(int tiles, int64_t stages, int sms) {
     int best = 1;
     double best_t = 1e300;
     const int cap = stages < 256 ? (int)stages : 256;
     for (int c = 1; c <= cap; c++) {
         const int64_t rounds = ((int64_t)tiles * c + sms - 1) / sms;
-        const double t = (double)rounds * ((double)stages / c + 3.0);
+        const double t = (double)rounds * ((double)stages / c + CHUNK_STAGES);
         if (t < best_t * 0.999) best_t = t, best = c;
     }
     return best;
