@@ -35,7 +35,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_torch_step import MODELS, build  # noqa: E402
+from bench_torch_step import MODELS, build, token_batch  # noqa: E402
 
 
 class Recorder:
@@ -100,9 +100,7 @@ def run(args, mode, precision):
     if mode != "plain":
         for m in linears:
             m.forward = (lambda x, m=m: _Linear.apply(x, m.weight, m.bias, box["rec"]))
-    g = torch.Generator(device="cpu").manual_seed(1)
-    x = torch.randint(0, args.vocab, (args.batch, args.seq), generator=g).to(dev)
-    y = torch.randint(0, args.vocab, (args.batch, args.seq), generator=g).to(dev)
+    x, y = token_batch(args, dev)
     amp = precision == "bf16"
 
     def step():

@@ -151,6 +151,14 @@ def build(args):
     return GPT(args.vocab, args.seq, args.d, args.blocks, args.heads)
 
 
+def token_batch(args, device):
+    """The benchmark's (inputs, targets): the same random tokens every run."""
+    g = torch.Generator(device="cpu").manual_seed(1)
+    x = torch.randint(0, args.vocab, (args.batch, args.seq), generator=g).to(device)
+    y = torch.randint(0, args.vocab, (args.batch, args.seq), generator=g).to(device)
+    return x, y
+
+
 def sync(device):
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -197,9 +205,7 @@ def run(args, device, precision, mode, socket_path):
                                             asynchronous=mode == "dpclip")
     elif mode == "opacus":
         model, opt, criterion = make_opacus(model, opt, args)
-    g = torch.Generator(device="cpu").manual_seed(1)
-    x = torch.randint(0, args.vocab, (args.batch, args.seq), generator=g).to(device)
-    y = torch.randint(0, args.vocab, (args.batch, args.seq), generator=g).to(device)
+    x, y = token_batch(args, device)
     amp = precision == "bf16"
 
     def step():
