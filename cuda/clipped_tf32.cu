@@ -32,7 +32,9 @@
  * GEMMs take 12.5 ms): this form 14.2 ms (15.3 with the chunks costed at 3
  * stages, tf32_chunks, as the figures after it were; three transposed
  * buffers and two stored, the transposition no longer waiting for the MMAs
- * two stages back, 15.5); A transposed as well (every
+ * two stages back, 15.5; the producer warpgroup transposing 3 of each
+ * row's 8 chunks beside its copies, 16.6 at 16-stage chunks); A transposed
+ * as well (every
  * thread of the CTA one row of 384, one copy in flight) 17.0; the producer
  * warpgroup alone transposing 17.8-17.9, and 19.4 with its rows also
  * prefetched into the L2 three stages ahead; whole samples per CTA and no
