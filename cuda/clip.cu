@@ -185,22 +185,28 @@ __device__ __forceinline__ float rcp_approx(float x) {
  * are __fdiv_rn's own fast path, exact (correctly rounded) while x, d, the
  * quotient and the remainder stay normal, so x and d are kept within
  * 2^+-60 and everything else (zeros, tiny or huge values, non-finite)
- * takes __fdiv_rn itself. */
+ * takes __fdiv_rn itself. A power of two whose reciprocal is a normal
+ * float (a MEAN step's expected batch often is) divides as one multiply:
+ * x * 2^-k is the exact quotient, rounded once, whatever x is. */
 struct fdiv {
     float d, y;
-    bool fast;
+    bool fast, pow2;
 };
 
 __device__ __forceinline__ fdiv fdiv_make(float d) {
     fdiv f;
     f.d = d;
     f.fast = fabsf(d) >= 0x1p-60f && fabsf(d) <= 0x1p60f;
+    const uint32_t e = (__float_as_uint(d) >> 23) & 0xffu;
+    f.pow2 = (__float_as_uint(d) & 0x7fffffu) == 0 && e >= 1 && e <= 253;
     const float y0 = rcp_approx(d);
-    f.y = __fmaf_rn(y0, __fmaf_rn(y0, -d, 1.0f), y0);
+    f.y = f.pow2 ? __uint_as_float((__float_as_uint(d) & 0x80000000u) | (254u - e) << 23)
+                 : __fmaf_rn(y0, __fmaf_rn(y0, -d, 1.0f), y0);
     return f;
 }
 
 __device__ __forceinline__ float fdiv_by(const fdiv &f, float x) {
+    if (f.pow2) return __fmul_rn(x, f.y);
     const float ax = fabsf(x);
     if (!(f.fast && ax >= 0x1p-60f && ax <= 0x1p60f)) return __fdiv_rn(x, f.d);
     const float q = __fmul_rn(x, f.y);

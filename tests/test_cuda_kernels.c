@@ -654,9 +654,13 @@ static void test_box_muller_edges(void **state) {
  * divisors from batch sizes to ones outside the fast range. */
 static void test_division_exact(void **state) {
     (void)state;
-    static const float divisors[] = {8.0f,    3.0f,    1.0f / 3.0f, 7.5f,     1e-3f,   1e5f,
-                                     0.1f,    255.9f,  0x1p-60f,    0x1p60f,  0x1p-70f,
-                                     0x1p70f, 1e-38f,  3e38f,       -12.0f,   1e-45f};
+    /* powers of two take a multiply (exact) where their reciprocal is a
+     * normal float: 2^-126 .. 2^126, either sign; 2^127 and 2^-149 do not */
+    static const float divisors[] = {8.0f,      3.0f,      1.0f / 3.0f, 7.5f,      1e-3f,
+                                     1e5f,      0.1f,      255.9f,      0x1p-60f,  0x1p60f,
+                                     0x1p-70f,  0x1p70f,   1e-38f,      3e38f,     -12.0f,
+                                     1e-45f,    -8.0f,     0x1p-126f,   0x1p126f,  0x1p127f,
+                                     1.0f,      -0x1p-3f};
     const uint64_t n = 1 << 20;
     float *x = malloc(n * sizeof *x), *got = malloc(2 * n * sizeof *got), *dx, *dout;
     assert_non_null(x);
