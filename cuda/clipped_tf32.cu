@@ -48,6 +48,7 @@
 namespace {
 
 constexpr int XT = 384;                    /* two consumer warpgroups, one producer */
+constexpr int XC = 256, XP = XT - XC;      /* consumer and producer threads */
 constexpr int XM = 128, XN = 256, XK = 32; /* the CTA's tile; k per stage */
 constexpr int XLA = XM + 8;                /* floats per stored row of g (see A_frag) */
 constexpr int NAT = XK * (XLA + XN);       /* floats of a stage as stored */
@@ -59,7 +60,8 @@ constexpr int X_SMEM = NST * NAT * 4 + KST * KMJ + 1024;
  * the 128 accumulators and two stages' A fragments (128 x 40 + 256 x 232 <=
  * 64 Ki, the CTA's 384 x 168) */
 constexpr int PRODUCER_REGS = 40, CONSUMER_REGS = 232;
-static_assert(XN == 256 && XT == 384, "each consumer thread transposes one of a's rows");
+static_assert(XN == XC, "each consumer thread transposes one of a's rows");
+static_assert(XP == 128 && XM == 128, "the producer's copy pattern: 128 threads, 128 of g's columns");
 
 #ifndef DCC_WG_EMPTY
 
@@ -115,11 +117,11 @@ tf32_wg_clipped(const float *__restrict__ a, const float *__restrict__ g, int B,
                    empty = bars + 16u * NST + 8u * KST;
     if (tid == 0) {
         for (int s = 0; s < NST; s++) {
-            mbar_init(landed + 8u * (uint32_t)s, 128);
-            mbar_init(taken + 8u * (uint32_t)s, 256);
+            mbar_init(landed + 8u * (uint32_t)s, XP);
+            mbar_init(taken + 8u * (uint32_t)s, XC);
         }
         for (int s = 0; s < KST; s++) {
-            mbar_init(ready + 8u * (uint32_t)s, 256);
+            mbar_init(ready + 8u * (uint32_t)s, XC);
             mbar_init(empty + 8u * (uint32_t)s, 8);
         }
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
@@ -129,9 +131,9 @@ tf32_wg_clipped(const float *__restrict__ a, const float *__restrict__ g, int B,
      * N is completed once per N stages) */
     auto par = [](int v, int N) { return ((uint32_t)v / (uint32_t)N) & 1u; };
 
-    if (tid >= 256) { /* the producer warpgroup: the copies */
+    if (tid >= XC) { /* the producer warpgroup: the copies */
         regs_dec<PRODUCER_REGS>();
-        const int q = tid - 256;
+        const int q = tid - XC;
         /* stage u as stored: [32 rows of T][XLA: g's 128 features], then
          * [32][256 of a's]; zero past T and past the widths (multiples of 4:
          * whole chunks). This thread's chunks: g rows q/32 + 4j (j < 8), a
