@@ -50,11 +50,14 @@ typedef struct dcc_options {
     bool pdl;          /* PDL=0: a split tail's launch waits for all unsplit CTAs */
     int direct_tile;   /* DIRECT_TILE: 128 or 256 rows; 0: the cost model's */
     int direct_split;  /* DIRECT_SPLIT: every tile split 1-3 ways; 0: the model's */
-    int tail_k;        /* DIRECT_TAIL=K[:N]: a K-way tail (2, 3, 4, 6, 8); 0: none */
+    int tail_k;        /* DIRECT_TAIL=K[:N]: a K-way tail (2, 3, 4 or 6); 0: none */
     long long tail_after; /* ... after N unsplit tiles; -1: the whole waves */
 } dcc_options;
 
 void dcc_options_default(dcc_options *o);
+/* Whether a split tail's launch may overlap the unsplit one (NULL: the
+ * defaults, which let it). */
+static inline bool dcc_pdl_on(const dcc_options *o) { return !o || o->pdl; }
 void dcc_options_from_env(dcc_options *o);
 
 /* A LINEAR layer's data: a [B,T,d] of dtype ta, g [B,T,p] of dtype tg.

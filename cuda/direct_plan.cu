@@ -83,7 +83,7 @@ static void direct_shape(const dcc_linear *L, int rows_only, dcc_direct_plan *pl
         int64_t ctas = direct_tiles(L, rows), waves = ctas / sms, tail = ctas % sms;
         if (ms < 2 || waves < 1 || tail == 0) continue;
         double w = rows == 256 ? 2.0 / TALL_GAIN : 1.0;
-        double hybrid = L->opt && !L->opt->pdl ? HYBRID_TILES : HYBRID_PDL_TILES;
+        double hybrid = dcc_pdl_on(L->opt) ? HYBRID_PDL_TILES : HYBRID_TILES;
         for (int ks : DIRECT_KS) {
             /* the whole tail at once: its CTAs fit the SMs, and its
              * clusters the GPCs (a cluster runs within one) */

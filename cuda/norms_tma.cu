@@ -44,6 +44,7 @@
 #include <stdlib.h>
 
 #include <atomic>
+#include <type_traits>
 
 #include "dcc_path.h"
 #include "dcc_tma.cuh"
@@ -315,6 +316,30 @@ __global__ void tma_clipped(const __grid_constant__ CUtensorMap, const __grid_co
 
 #endif
 
+/* The launch of `ctas` CTAs of tma_direct<TI, MI, KS> in clusters of KS
+ * (attr[0] holds the cluster shape; the caller may add attributes after
+ * cfg.numAttrs), its shared memory allowed first. */
+template <typename TI, int MI, int KS>
+cudaError_t direct_config(cudaLaunchConfig_t &cfg, cudaLaunchAttribute *attr, unsigned ctas,
+                          cudaStream_t st) {
+    cudaError_t e = cudaFuncSetAttribute(tma_direct<TI, MI, KS>,
+                                         cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         tma_direct_smem<MI>());
+    if (e != cudaSuccess) return e;
+    cfg = {};
+    cfg.gridDim = dim3(ctas);
+    cfg.blockDim = dim3(CT);
+    cfg.dynamicSmemBytes = tma_direct_smem<MI>();
+    cfg.stream = st;
+    attr[0].id = cudaLaunchAttributeClusterDimension;
+    attr[0].val.clusterDim.x = KS;
+    attr[0].val.clusterDim.y = 1;
+    attr[0].val.clusterDim.z = 1;
+    cfg.attrs = attr;
+    cfg.numAttrs = KS > 1 ? 1 : 0;
+    return cudaSuccess;
+}
+
 /* Tiles [lin0, lin0 + n) of the (sample, tile) numbering, KS CTAs each. */
 template <typename TI, int MI, int KS>
 cudaError_t launch_direct(const dcc_linear *L, float s2, float *n2, cudaStream_t st,
@@ -327,71 +352,53 @@ cudaError_t launch_direct(const dcc_linear *L, float s2, float *n2, cudaStream_t
     int tiles_m = (L->p + 128 * MI - 1) / (128 * MI), tiles_n = (L->d + 127) / 128;
     if ((int64_t)tiles_m * tiles_n * L->B > INT32_MAX || (lin0 + n) * KS > INT32_MAX)
         return cudaErrorInvalidConfiguration;
-    auto kern = tma_direct<TI, MI, KS>;
-    cudaError_t e = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                         tma_direct_smem<MI>());
-    if (e != cudaSuccess) return e;
-    cudaLaunchConfig_t cfg = {};
+    cudaLaunchConfig_t cfg;
     cudaLaunchAttribute attr[2];
-    cfg.gridDim = dim3((unsigned)(n * KS));
-    cfg.blockDim = dim3(CT);
-    cfg.dynamicSmemBytes = tma_direct_smem<MI>();
-    cfg.stream = st;
-    attr[0].id = cudaLaunchAttributeClusterDimension;
-    attr[0].val.clusterDim.x = KS;
-    attr[0].val.clusterDim.y = 1;
-    attr[0].val.clusterDim.z = 1;
-    cfg.attrs = attr;
-    cfg.numAttrs = KS > 1 ? 1 : 0;
-    if (after_unsplit && !(L->opt && !L->opt->pdl)) {
+    cudaError_t e = direct_config<TI, MI, KS>(cfg, attr, (unsigned)(n * KS), st);
+    if (e != cudaSuccess) return e;
+    if (after_unsplit && dcc_pdl_on(L->opt)) {
         /* the tail's clusters start as the unsplit CTAs leave their SMs,
          * not after the last of them (grid_dep_wait keeps the order) */
         attr[cfg.numAttrs].id = cudaLaunchAttributeProgrammaticStreamSerialization;
         attr[cfg.numAttrs].val.programmaticStreamSerializationAllowed = 1;
         cfg.numAttrs++;
     }
-    e = cudaLaunchKernelEx(&cfg, kern, tg, ta, L->T, tiles_n, tiles_m * tiles_n, (int)lin0,
+    e = cudaLaunchKernelEx(&cfg, tma_direct<TI, MI, KS>, tg, ta, L->T, tiles_n, tiles_m * tiles_n, (int)lin0,
                            (int)L->has_bias, s2, n2);
     if (e != cudaSuccess) return e;
     return cudaGetLastError();
 }
 
-/* ks: 1 or a tail cluster size direct_plan.cu plans (DIRECT_KS). */
-template <typename TI, int MI>
-cudaError_t launch_direct_ks(const dcc_linear *L, float s2, float *n2, cudaStream_t st, int ks,
-                             int64_t lin0, int64_t n, bool after_unsplit) {
+/* f(std::integral_constant<int, KS>()) for KS = ks, one of the tail
+ * cluster sizes direct_plan.cu plans (DIRECT_KS), else for KS = 1. */
+template <typename F> auto with_ks(int ks, F f) {
     switch (ks) {
-    case 6: return launch_direct<TI, MI, 6>(L, s2, n2, st, lin0, n, after_unsplit);
-    case 4: return launch_direct<TI, MI, 4>(L, s2, n2, st, lin0, n, after_unsplit);
-    case 3: return launch_direct<TI, MI, 3>(L, s2, n2, st, lin0, n, after_unsplit);
-    case 2: return launch_direct<TI, MI, 2>(L, s2, n2, st, lin0, n, after_unsplit);
-    default: return launch_direct<TI, MI, 1>(L, s2, n2, st, lin0, n, after_unsplit);
+    case 6: return f(std::integral_constant<int, 6>());
+    case 4: return f(std::integral_constant<int, 4>());
+    case 3: return f(std::integral_constant<int, 3>());
+    case 2: return f(std::integral_constant<int, 2>());
+    default: return f(std::integral_constant<int, 1>());
     }
 }
 
-/* How many clusters of ks CTAs of the direct kernel fit the current device
- * at once (0 where it cannot be asked); cached per device, since the plan
- * asks at every per-layer launch. */
+template <typename TI, int MI>
+cudaError_t launch_direct_ks(const dcc_linear *L, float s2, float *n2, cudaStream_t st, int ks,
+                             int64_t lin0, int64_t n, bool after_unsplit) {
+    return with_ks(ks, [&](auto K) {
+        return launch_direct<TI, MI, K.value>(L, s2, n2, st, lin0, n, after_unsplit);
+    });
+}
+
+/* How many clusters of KS CTAs of the direct kernel fit the current device
+ * at once (0 where it cannot be asked, or KS is 1). */
 template <int MI, int KS> int max_clusters() {
-    auto kern = tma_direct<dcc_bf16, MI, KS>; /* f16's resources are the same */
-    if (cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                             tma_direct_smem<MI>()) != cudaSuccess) {
-        (void)cudaGetLastError(); /* not the next launch's error */
-        return 0;
-    }
-    cudaLaunchConfig_t cfg = {};
+    cudaLaunchConfig_t cfg;
     cudaLaunchAttribute attr[1];
-    cfg.gridDim = dim3(KS);
-    cfg.blockDim = dim3(CT);
-    cfg.dynamicSmemBytes = tma_direct_smem<MI>();
-    attr[0].id = cudaLaunchAttributeClusterDimension;
-    attr[0].val.clusterDim.x = KS;
-    attr[0].val.clusterDim.y = 1;
-    attr[0].val.clusterDim.z = 1;
-    cfg.attrs = attr;
-    cfg.numAttrs = 1;
     int n = 0;
-    if (cudaOccupancyMaxActiveClusters(&n, kern, &cfg) != cudaSuccess) {
+    /* f16's resources are bf16's; a failed call's error is not left for the
+     * next launch to report */
+    if (KS < 2 || direct_config<dcc_bf16, MI, KS>(cfg, attr, KS, 0) != cudaSuccess ||
+        cudaOccupancyMaxActiveClusters(&n, tma_direct<dcc_bf16, MI, KS>, &cfg) != cudaSuccess) {
         (void)cudaGetLastError();
         return 0;
     }
@@ -463,6 +470,7 @@ cudaError_t launch_clipped(const dcc_linear *L, const float *cs, float *w, cudaS
 
 } // namespace
 
+/* Cached per device, since the plan asks at every per-layer launch. */
 extern "C" int dcc_direct_max_clusters(int rows, int ks) {
 #ifdef DCC_WGMMA_BUILT
     enum { DEVS = 16, KSN = 7 };
@@ -470,15 +478,10 @@ extern "C" int dcc_direct_max_clusters(int rows, int ks) {
     int dev = 0;
     if (ks < 2 || ks >= KSN || cudaGetDevice(&dev) != cudaSuccess) return 0;
     std::atomic<int> *c = dev < DEVS ? &cache[dev][rows == 256][ks] : nullptr;
-    if (c && c->load(std::memory_order_relaxed)) return c->load(std::memory_order_relaxed) - 1;
-    int n = 0;
-    switch (ks) {
-    case 2: n = rows == 256 ? max_clusters<2, 2>() : max_clusters<1, 2>(); break;
-    case 3: n = rows == 256 ? max_clusters<2, 3>() : max_clusters<1, 3>(); break;
-    case 4: n = rows == 256 ? max_clusters<2, 4>() : max_clusters<1, 4>(); break;
-    case 6: n = rows == 256 ? max_clusters<2, 6>() : max_clusters<1, 6>(); break;
-    default: break;
-    }
+    if (int v = c ? c->load(std::memory_order_relaxed) : 0) return v - 1;
+    const int n = with_ks(ks, [&](auto K) {
+        return rows == 256 ? max_clusters<2, K.value>() : max_clusters<1, K.value>();
+    });
     if (c) c->store(n + 1, std::memory_order_relaxed);
     return n;
 #else
