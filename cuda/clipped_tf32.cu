@@ -183,8 +183,10 @@ tf32_wg_clipped(const float *__restrict__ a, const float *__restrict__ g, int B,
 
     /* the two consumer warpgroups */
     regs_inc<CONSUMER_REGS>();
-    const int wg = tid >> 7, lane = tid & 31;
-    const int r0 = wg * 64 + ((tid >> 5) & 3) * 16; /* this warp's rows of g's 128 */
+    const int lane = tid & 31;
+    /* this warp's 16 rows of g's 128: consumer warpgroup k = tid / 128
+     * takes rows 64 k .. 64 k + 63 (its MMAs' M), each of its warps 16 */
+    const int r0 = (tid >> 5) * 16;
     float acc[2][64]; /* the m64n256 accumulator, as the helpers take it in halves */
     float(&acc_all)[128] = *reinterpret_cast<float(*)[128]>(&acc[0][0]);
 #pragma unroll
@@ -252,16 +254,16 @@ tf32_wg_clipped(const float *__restrict__ a, const float *__restrict__ g, int B,
     wg_wait<0>();
     acc_fence<2>(acc);
 
-    /* accumulator: warp wq of the warpgroup holds rows 16 wq .. +15; register
-     * i is row lane/4 (+8 when i%4 >= 2), column 8 (i/4) + 2 (lane%4) + i%2 */
+    /* accumulator: this warp's rows are r0 .. r0 + 15 (as its A fragments);
+     * register i is row r0 + lane/4 (+8 when i%4 >= 2), column 8 (i/4) +
+     * 2 (lane%4) + i%2 */
     const float cl = cs[perm[k0 + (kt0 + U - 1) / ktn]]; /* the last sample's */
-    const int wq = (tid >> 5) & 3;
     const bool atomic = chunks > 1;
 #pragma unroll
     for (int h = 0; h < 2; h++)
 #pragma unroll
         for (int i = 0; i < 64; i++) {
-            const int m = m0 + wg * 64 + wq * 16 + (lane >> 2) + ((i & 2) ? 8 : 0);
+            const int m = m0 + r0 + (lane >> 2) + ((i & 2) ? 8 : 0);
             const int n = n0 + h * 128 + (i >> 2) * 8 + (lane & 3) * 2 + (i & 1);
             if (m < p && n < d) {
                 const float v = cl * acc[h][i];
