@@ -327,10 +327,10 @@ def main():
         for mode in modes:
             if not runs[mode]:
                 continue
-            times = sorted(r[0] for r in runs[mode])
-            ms = times[len(times) // 2]
-            mem = max(r[1] for r in runs[mode])
-            extra = next(r[2] for r in runs[mode] if r[0] == ms)
+            ordered = sorted(runs[mode], key=lambda r: r[0])
+            ms, _, extra = ordered[len(ordered) // 2]
+            times = [r[0] for r in ordered]
+            mem = max(r[1] for r in ordered)
             res[mode] = (ms, mem)
             print(json.dumps({"bench": "torch_step", "precision": precision, "mode": mode,
                               "step_ms": round(ms, 3), "step_ms_runs": [round(t, 3) for t in times],
