@@ -27,6 +27,8 @@ typedef struct cl_cuda_api {
     cl_curesult (*ipc_get_mem_handle)(void *handle64, cl_cudeviceptr p);
     cl_curesult (*pointer_get_attribute)(void *data, int attr, cl_cudeviceptr p);
     cl_curesult (*get_error_string)(cl_curesult e, const char **s);
+    cl_curesult (*device_get)(int *dev, int ordinal);
+    cl_curesult (*device_get_uuid)(unsigned char uuid[16], int dev);
 } cl_cuda_api;
 
 /* Loaded once per process: the driver is process-wide by nature. */
@@ -41,6 +43,9 @@ static void cu_load(void) {
     *(void **)&g_cu.ipc_get_mem_handle = dlsym(lib, "cuIpcGetMemHandle");
     *(void **)&g_cu.pointer_get_attribute = dlsym(lib, "cuPointerGetAttribute");
     *(void **)&g_cu.get_error_string = dlsym(lib, "cuGetErrorString");
+    *(void **)&g_cu.device_get = dlsym(lib, "cuDeviceGet");
+    *(void **)&g_cu.device_get_uuid = dlsym(lib, "cuDeviceGetUuid_v2");
+    if (!g_cu.device_get_uuid) *(void **)&g_cu.device_get_uuid = dlsym(lib, "cuDeviceGetUuid");
     if (!g_cu.mem_get_address_range || !g_cu.ipc_get_mem_handle || !g_cu.pointer_get_attribute) {
         dlclose(lib);
         memset(&g_cu, 0, sizeof g_cu);
@@ -56,13 +61,31 @@ static const char *cu_err(cl_curesult e) {
     return "CUDA driver error";
 }
 
+/* The UUID of this process's device `ordinal` into uuid[16]; 0, or -1
+ * where the driver cannot say (the daemon then takes the ordinal as its
+ * own, which is right only where both processes see the same GPUs). The
+ * daemon is sent the UUID because ordinals follow each process's
+ * CUDA_VISIBLE_DEVICES: a trainer given one GPU calls it 0 whichever it is. */
+static int device_uuid(int ordinal, unsigned char uuid[16]) {
+    int dev;
+    pthread_once(&g_cu_once, cu_load);
+    if (!g_cu_ok || !g_cu.device_get || !g_cu.device_get_uuid) return -1;
+    if (g_cu.device_get(&dev, ordinal) || g_cu.device_get_uuid(uuid, dev)) return -1;
+    return 0;
+}
+
 /* Sends RegisterBuffer{CUDA_IPC}; caller holds the lock. */
 static int register_handle(dpclip_client *c, const void *handle, uint64_t size, int device,
                            uint64_t *id) {
     Dpclip__RegisterBuffer rb = DPCLIP__REGISTER_BUFFER__INIT;
+    unsigned char uuid[16];
     rb.kind = DPCLIP__BUFFER_KIND__CUDA_IPC;
     rb.size = size;
     rb.device = device;
+    if (device_uuid(device, uuid) == 0) {
+        rb.device_uuid.data = uuid;
+        rb.device_uuid.len = sizeof uuid;
+    }
     rb.cuda_ipc_handle.data = (uint8_t *)handle;
     rb.cuda_ipc_handle.len = 64;
     return cl_register_buffer(c, &rb, -1, id);
@@ -156,6 +179,7 @@ DPCLIP_API int dpclip_event_register_cuda(dpclip_client *c, const void *ipc_even
     Dpclip__Request req = DPCLIP__REQUEST__INIT;
     Dpclip__RegisterEvent re = DPCLIP__REGISTER_EVENT__INIT;
     Dpclip__Reply *r;
+    unsigned char uuid[16];
     int rc;
 
     if (!c || !ipc_event_handle || !event_id || device < 0) return DPCLIP_EARG;
@@ -163,6 +187,10 @@ DPCLIP_API int dpclip_event_register_cuda(dpclip_client *c, const void *ipc_even
     re.cuda_ipc_event_handle.data = (uint8_t *)ipc_event_handle;
     re.cuda_ipc_event_handle.len = 64;
     re.device = device;
+    if (device_uuid(device, uuid) == 0) {
+        re.device_uuid.data = uuid;
+        re.device_uuid.len = sizeof uuid;
+    }
     req.body_case = DPCLIP__REQUEST__BODY_REGISTER_EVENT;
     req.register_event = &re;
     rc = cl_call(c, &req, -1, DPCLIP__REPLY__BODY_REGISTER_EVENT, -1, &r);

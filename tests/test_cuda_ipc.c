@@ -82,13 +82,10 @@ static void make_step(dc_shm_step *s, dpclip_client *c, uint32_t B, int64_t T, d
     assert_int_equal(dc_shm_step_set_config(s, &cfg), 0);
 }
 
-static void test_gpu_steps_exact(void **state) {
-    (void)state;
-    if (!g_have_gpu) {
-        printf("SKIP: test_gpu_steps_exact: no CUDA device\n");
-        return;
-    }
-    dpclip_client *c = connect_ok();
+/* Steps of every dtype on a buffer of the trainer's `device`, through the
+ * daemon of `h`, checked against the reference. */
+static void steps_exact(const dc_harness *h, int device) {
+    dpclip_client *c = connect_to(h);
     dpclip_daemon_info info;
     assert_int_equal(dpclip_daemon_info_get(c, &info), 0);
     assert_true(info.has_cuda);
@@ -102,7 +99,7 @@ static void test_gpu_steps_exact(void **state) {
         uint8_t *dev;
 
         make_step(&s, c, 8, k == 0 ? 1 : 33, dts[k], 100 + (uint64_t)k);
-        CUDA_OK(cudaSetDevice(0));
+        CUDA_OK(cudaSetDevice(device));
         CUDA_OK(cudaMalloc((void **)&dev, s.size + 4096));
         /* Register a pointer inside the allocation: the library finds the
          * base; a second pointer into it is the same buffer. */
@@ -134,7 +131,77 @@ static void test_gpu_steps_exact(void **state) {
         CUDA_OK(cudaFree(dev));
         dc_shm_step_free(&s);
     }
+    CUDA_OK(cudaSetDevice(0));
     dpclip_disconnect(c);
+}
+
+static void test_gpu_steps_exact(void **state) {
+    (void)state;
+    if (!g_have_gpu) {
+        printf("SKIP: test_gpu_steps_exact: no CUDA device\n");
+        return;
+    }
+    steps_exact(&g_h, 0);
+}
+
+/* The CUDA_VISIBLE_DEVICES that shows a child only this process's device 1:
+ * the second entry of this process's own list where it has one. */
+static void second_device(char *out, size_t n) {
+    const char *v = getenv("CUDA_VISIBLE_DEVICES");
+    const char *comma = v ? strchr(v, ',') : NULL;
+    if (!comma) {
+        snprintf(out, n, "1");
+        return;
+    }
+    snprintf(out, n, "%.*s", (int)strcspn(comma + 1, ","), comma + 1);
+}
+
+/* Trainers name their GPU by UUID, not by ordinal (which follows each
+ * process's CUDA_VISIBLE_DEVICES): a daemon shown only this process's
+ * device 1, its own device 0, serves buffers and events there, and refuses
+ * a buffer on a GPU it does not serve instead of opening it through peer
+ * access (every step would then run on the wrong GPU, across NVLink). */
+static void test_gpu_named_by_uuid(void **state) {
+    (void)state;
+    int n = 0;
+    char only[64], *saved = NULL;
+    const char *was;
+    dc_harness h;
+    cudaEvent_t ev;
+    cudaIpcEventHandle_t eh;
+    uint64_t eid, gid, off;
+    uint8_t *dev0;
+    dpclip_client *c;
+    if (!g_have_gpu || cudaGetDeviceCount(&n) != cudaSuccess || n < 2) {
+        printf("SKIP: test_gpu_named_by_uuid: needs 2 CUDA devices\n");
+        return;
+    }
+    second_device(only, sizeof only);
+    if ((was = getenv("CUDA_VISIBLE_DEVICES"))) saved = strdup(was);
+    setenv("CUDA_VISIBLE_DEVICES", only, 1); /* the child's view only: ours is made */
+    int rc = dc_harness_start(&h, "--workers 1");
+    if (saved) setenv("CUDA_VISIBLE_DEVICES", saved, 1);
+    else unsetenv("CUDA_VISIBLE_DEVICES");
+    free(saved);
+    assert_int_equal(rc, 0);
+
+    steps_exact(&h, 1); /* the daemon's device 0: an ordinal 1 it would refuse */
+
+    c = connect_to(&h);
+    CUDA_OK(cudaSetDevice(1));
+    CUDA_OK(cudaEventCreateWithFlags(&ev, cudaEventInterprocess | cudaEventDisableTiming));
+    CUDA_OK(cudaIpcGetEventHandle(&eh, ev));
+    assert_int_equal(dpclip_event_register_cuda(c, &eh, 1, &eid), 0);
+    CUDA_OK(cudaSetDevice(0));
+    CUDA_OK(cudaMalloc((void **)&dev0, 1 << 20));
+    assert_int_equal(dpclip_buffer_register_cuda(c, dev0, &gid, &off), DPCLIP_ENOTFOUND);
+    assert_string_equal(dpclip_errfield(c), "register_buffer.device_uuid");
+    printf("refused: %s\n", dpclip_errmsg(c));
+    assert_int_equal(dpclip_ping(c), 0); /* the session goes on */
+    dpclip_disconnect(c);
+    CUDA_OK(cudaFree(dev0));
+    CUDA_OK(cudaEventDestroy(ev));
+    assert_int_equal(dc_harness_stop(&h), 0);
 }
 
 /* A trainer's side of the GPU tests: a step in device memory registered
@@ -508,6 +575,7 @@ int main(int argc, char **argv) {
     }
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_gpu_steps_exact),
+        cmocka_unit_test(test_gpu_named_by_uuid),
         cmocka_unit_test(test_gpu_events),
         cmocka_unit_test(test_gpu_event_changed),
         cmocka_unit_test(test_event_cap),

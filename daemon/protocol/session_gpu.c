@@ -33,25 +33,59 @@ static int grow_events(dc_session *s) {
 
 /* What a CUDA IPC registration's errors name: a buffer's or an event's. */
 typedef struct ipc_names {
-    const char *gpu_field, *kind, *device_field, *handle_field, *handle;
+    const char *gpu_field, *kind, *device_field, *uuid_field, *handle_field, *handle;
 } ipc_names;
 static const ipc_names k_buffer_names = {"register_buffer.kind", "buffers",
-                                         "register_buffer.device",
+                                         "register_buffer.device", "register_buffer.device_uuid",
                                          "register_buffer.cuda_ipc_handle", "handle"};
 static const ipc_names k_event_names = {"register_event", "events", "register_event.device",
+                                        "register_event.device_uuid",
                                         "register_event.cuda_ipc_event_handle", "event handle"};
+
+/* The daemon's device for a registration: the one of the client's UUID, or
+ * (a client that sent none) its ordinal taken as the daemon's. A UUID this
+ * daemon does not serve is refused rather than opened through peer access
+ * on another GPU, which would run every step across NVLink. */
+static int ipc_device(const dc_session *s, int32_t device, const ProtobufCBinaryData *uuid,
+                      const ipc_names *nm, int *out, dc_err *e) {
+    const dc_gpu *g = &s->srv->gpu;
+    char want[DC_GPU_UUID_STR], have[DC_MAX_GPUS * DC_GPU_UUID_STR + 2 * DC_MAX_GPUS];
+    size_t used = 0;
+    if (uuid->len == 0) {
+        if (device < 0 || device >= g->n)
+            return dc_err_set(e, DC_EINVAL, nm->device_field, "device %d outside [0, %d)",
+                              (int)device, g->n);
+        *out = device;
+        return 0;
+    }
+    if (uuid->len != DC_GPU_UUID_LEN)
+        return dc_err_set(e, DC_EINVAL, nm->uuid_field, "a GPU UUID is %d bytes, got %zu",
+                          DC_GPU_UUID_LEN, uuid->len);
+    if ((*out = dc_gpu_find_uuid(g, uuid->data)) >= 0) return 0;
+    have[0] = 0;
+    for (int i = 0; i < g->n; i++) {
+        char one[DC_GPU_UUID_STR];
+        if (!g->has_uuid[i]) continue;
+        dc_gpu_uuid_str(g->uuids[i], one);
+        used += (size_t)snprintf(have + used, sizeof have - used, "%s%s", used ? ", " : "", one);
+    }
+    dc_gpu_uuid_str(uuid->data, want);
+    return dc_err_set(e, DC_ENOTFOUND, nm->uuid_field,
+                      "%s (the client's device %d) is not a GPU this daemon serves (%s); its "
+                      "CUDA_VISIBLE_DEVICES must include the trainer's GPU",
+                      want, (int)device, have[0] ? have : "none");
+}
 
 /* The checks both registrations make before the open: a GPU backend, a
  * device it serves, a 64-byte handle. */
-static int ipc_request_ok(const dc_session *s, int32_t device, size_t handle_len,
-                          const ipc_names *nm, dc_err *e) {
+static int ipc_request_ok(const dc_session *s, int32_t device, const ProtobufCBinaryData *uuid,
+                          size_t handle_len, const ipc_names *nm, int *dev, dc_err *e) {
+    int rc;
     if (s->srv->gpu.n == 0)
         return dc_err_set(e, DC_EPRECOND, nm->gpu_field,
                           "this daemon has no GPU backend; CUDA %s cannot be registered",
                           nm->kind);
-    if (device < 0 || device >= s->srv->gpu.n)
-        return dc_err_set(e, DC_EINVAL, nm->device_field, "device %d outside [0, %d)",
-                          (int)device, s->srv->gpu.n);
+    if ((rc = ipc_device(s, device, uuid, nm, dev, e))) return rc;
     if (handle_len != 64)
         return dc_err_set(e, DC_EINVAL, nm->handle_field, "a CUDA IPC %s is 64 bytes, got %zu",
                           nm->handle, handle_len);
@@ -89,13 +123,16 @@ static void register_cuda_done(dc_gpu_open_job *j) {
 void dc_session_register_cuda(dc_session *s, uint64_t id, const Dpclip__RegisterBuffer *m) {
     dc_gpu_open_job *j;
     dc_err e;
-    if (ipc_request_ok(s, m->device, m->cuda_ipc_handle.len, &k_buffer_names, &e)) goto fail;
+    int dev;
+    if (ipc_request_ok(s, m->device, &m->device_uuid, m->cuda_ipc_handle.len, &k_buffer_names,
+                       &dev, &e))
+        goto fail;
     j = calloc(1, sizeof *j);
     if (!j) {
         dc_err_set(&e, DC_ENOSPACE, "register_buffer", "out of memory");
         goto fail;
     }
-    j->device = m->device;
+    j->device = dev;
     memcpy(j->handle, m->cuda_ipc_handle.data, 64);
     j->size = m->size;
     j->user = s;
@@ -144,7 +181,9 @@ static void register_event_done(dc_gpu_event_job *j) {
 void dc_session_register_event(dc_session *s, uint64_t id, const Dpclip__RegisterEvent *m) {
     dc_gpu_event_job *j;
     dc_err e;
-    if (ipc_request_ok(s, m->device, m->cuda_ipc_event_handle.len, &k_event_names, &e))
+    int dev;
+    if (ipc_request_ok(s, m->device, &m->device_uuid, m->cuda_ipc_event_handle.len,
+                       &k_event_names, &dev, &e))
         goto fail;
     /* before the open: a session at its limit costs the GPU thread nothing
      * (registrations are serialized, so none is in flight here) */
@@ -154,7 +193,7 @@ void dc_session_register_event(dc_session *s, uint64_t id, const Dpclip__Registe
         dc_err_set(&e, DC_ENOSPACE, "register_event", "out of memory");
         goto fail;
     }
-    j->device = m->device;
+    j->device = dev;
     memcpy(j->handle, m->cuda_ipc_event_handle.data, 64);
     j->user = s;
     j->req_id = id;

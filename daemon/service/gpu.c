@@ -11,6 +11,19 @@
  * dc_gpu, set in dc_gpu_init before any session exists. */
 static dc_gpu *g_gpu;
 
+int dc_gpu_find_uuid(const dc_gpu *g, const uint8_t *uuid) {
+    for (int i = 0; i < g->n; i++)
+        if (g->has_uuid[i] && memcmp(g->uuids[i], uuid, DC_GPU_UUID_LEN) == 0) return i;
+    return -1;
+}
+
+void dc_gpu_uuid_str(const uint8_t *u, char out[DC_GPU_UUID_STR]) {
+    snprintf(out, DC_GPU_UUID_STR,
+             "GPU-%02x%02x%02x%02x-%02x%02x-%02x%02x-%02x%02x-%02x%02x%02x%02x%02x%02x", u[0],
+             u[1], u[2], u[3], u[4], u[5], u[6], u[7], u[8], u[9], u[10], u[11], u[12], u[13],
+             u[14], u[15]);
+}
+
 #ifdef DPCLIP_HAVE_CUDA
 #include <cuda_runtime_api.h>
 #include <dlfcn.h>
@@ -207,8 +220,12 @@ int dc_gpu_init(dc_gpu *g, uv_loop_t *loop, bool enable, uint64_t workspace,
             return rc;
         }
         g->n = i + 1;
-        if (cudaGetDeviceProperties(&prop, i) == cudaSuccess)
+        if (cudaGetDeviceProperties(&prop, i) == cudaSuccess) {
             snprintf(g->names[i], sizeof g->names[i], "%.63s", prop.name);
+            _Static_assert(sizeof prop.uuid.bytes == DC_GPU_UUID_LEN, "a CUDA UUID is 16 bytes");
+            memcpy(g->uuids[i], prop.uuid.bytes, DC_GPU_UUID_LEN);
+            g->has_uuid[i] = true;
+        }
     }
     dc_registry_set_cuda_unmap(registry_unmap);
     g->mps_active = detect_mps();

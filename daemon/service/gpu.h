@@ -18,6 +18,8 @@
 
 /* GPUs one daemon serves: devices past these are left unused (and logged). */
 #define DC_MAX_GPUS 8
+#define DC_GPU_UUID_LEN 16
+#define DC_GPU_UUID_STR 41 /* "GPU-" and 36 characters, NUL */
 
 typedef struct dc_gpu {
     int n;                    /* usable devices, at most DC_MAX_GPUS */
@@ -26,7 +28,17 @@ typedef struct dc_gpu {
     int n_closing;
     bool mps_active;
     char names[DC_MAX_GPUS][64];
+    /* Each device's UUID: trainers name their GPU by it, since ordinals
+     * depend on each process's CUDA_VISIBLE_DEVICES. has_uuid false: the
+     * runtime did not say (the device is then found by ordinal only). */
+    uint8_t uuids[DC_MAX_GPUS][DC_GPU_UUID_LEN];
+    bool has_uuid[DC_MAX_GPUS];
 } dc_gpu;
+
+/* The device serving `uuid` (DC_GPU_UUID_LEN bytes), or -1. */
+int dc_gpu_find_uuid(const dc_gpu *g, const uint8_t *uuid);
+/* `uuid` as nvidia-smi prints it (GPU-8-4-4-4-12 hex digits). */
+void dc_gpu_uuid_str(const uint8_t *uuid, char out[DC_GPU_UUID_STR]);
 
 /* Finds the GPUs and starts one worker per GPU. `enable` false: none.
  * Each GPU's backend preallocates `workspace` bytes of device workspace and

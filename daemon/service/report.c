@@ -88,6 +88,8 @@ static void *snapshot(void *arg) {
     r->n_gpus = srv->gpu.n < DC_MAX_GPUS ? srv->gpu.n : DC_MAX_GPUS;
     for (int g = 0; g < r->n_gpus; g++) {
         memcpy(r->gpu_names[g], srv->gpu.names[g], sizeof r->gpu_names[g]);
+        r->gpu_uuids[g][0] = 0;
+        if (srv->gpu.has_uuid[g]) dc_gpu_uuid_str(srv->gpu.uuids[g], r->gpu_uuids[g]);
         r->gpu_busy[g] = dc_worker_pool_busy(&srv->gpu.pools[g]);
         r->gpu_workspace[g] = srv->gpu_workspace[g];
     }
@@ -220,6 +222,8 @@ static void render_status(const dc_report *r, dc_view view, uint32_t uid, dc_sbu
     for (int i = 0; i < r->n_gpus; i++) {
         dc_sbuf_printf(b, ",{\"backend\":\"cuda\",\"index\":%d,\"name\":", i);
         dc_sbuf_json_str(b, r->gpu_names[i]);
+        dc_sbuf_puts(b, ",\"uuid\":");
+        dc_sbuf_json_str(b, r->gpu_uuids[i]);
         dc_sbuf_printf(b, ",\"busy\":%d,\"workspace_bytes\":%llu}", r->gpu_busy[i],
                        (unsigned long long)r->gpu_workspace[i]);
     }

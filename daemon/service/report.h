@@ -67,6 +67,7 @@ typedef struct dc_report {
     int cpu_workers, cpu_busy;
     int n_gpus;
     char gpu_names[DC_MAX_GPUS][64];
+    char gpu_uuids[DC_MAX_GPUS][DC_GPU_UUID_STR]; /* "" where unknown */
     int gpu_busy[DC_MAX_GPUS];
     uint64_t gpu_workspace[DC_MAX_GPUS];
     bool mps_active;
