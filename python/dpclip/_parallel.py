@@ -99,6 +99,32 @@ def loader_fault(engine, loader, secure_mode):
     return None
 
 
+# Gradient elements per all-reduce: one collective per parameter costs a launch
+# and a latency-bound exchange each (~150 for GPT-2), one for everything a
+# copy of the whole model; a bucket of this size (32 MiB of f32) takes NCCL
+# near its bandwidth.
+BUCKET_ELEMS = 1 << 23
+
+
+def buckets(params, limit=None):
+    """params' consecutive runs of one gradient dtype and device, each at most
+    `limit` (BUCKET_ELEMS) elements, a larger parameter alone: the
+    all-reduces."""
+    limit = BUCKET_ELEMS if limit is None else limit
+    out, cur, n = [], [], 0
+    for p in params:
+        g = p.grad
+        if cur and (g.dtype != cur[0].grad.dtype or g.device != cur[0].grad.device
+                    or n + g.numel() > limit):
+            out.append(cur)
+            cur, n = [], 0
+        cur.append(p)
+        n += g.numel()
+    if cur:
+        out.append(cur)
+    return out
+
+
 class Gate:
     """One engine's gate: after each step, reduce() sums the ranks' clipped
     sums and zeroes them unless every rank succeeded. A step applied on no
@@ -125,11 +151,15 @@ class Gate:
                 else:
                     p.grad.zero_()
         dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=self.group)
-        for p in params:
-            dist.all_reduce(p.grad, op=dist.ReduceOp.SUM, group=self.group)
         bad = ok[0] == 0
-        for p in params:
-            p.grad.masked_fill_(bad, 0)  # masked, not multiplied: a stale grad may be NaN
+        for bucket in buckets(params):
+            grads = [p.grad for p in bucket]
+            flat = grads[0] if len(grads) == 1 else torch.cat([g.reshape(-1) for g in grads])
+            dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.group)
+            flat.masked_fill_(bad, 0)  # masked, not multiplied: a stale grad may be NaN
+            if len(grads) > 1:
+                for g, part in zip(grads, flat.split([g.numel() for g in grads])):
+                    g.copy_(part.view_as(g))
         if deferred:
             if self._host is None:
                 self._host = torch.zeros(1, pin_memory=True)

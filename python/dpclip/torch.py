@@ -232,9 +232,9 @@ class PrivacyEngine:
         (norm_group_timeout_ms, 0: the daemon's groups.timeout_ms); the
         ledger charges the group step once. norm_group_clipping: "flat" (the
         default: each sample's norm is summed over every member's layers,
-        so the split model is clipped exactly as the whole one; host-memory
-        models only for now) or "group_wise" (each member clips its own
-        layers to C / sqrt(size), no waiting; GPUs too). replicated_modules:
+        so the split model is clipped exactly as the whole one) or
+        "group_wise" (each member clips its own layers to C / sqrt(size), no
+        waiting); both on CPU and CUDA models. replicated_modules:
         the modules (this rank's objects, or their names in `module`) that
         every member holds whole, such as a LayerNorm under tensor
         parallelism: counted once in the norms and noised alike on every

@@ -55,6 +55,23 @@ def test_two_ranks_equal_one_process_on_the_union(daemon, tmp_path):
     assert abs(float(n0.std()) - want_std) < 6 * want_std / math.sqrt(2 * n0.numel())
 
 
+def test_gradient_buckets_keep_order_dtype_and_size():
+    from dpclip._parallel import buckets
+    sizes = [(3, torch.float32), (60, torch.float32), (10, torch.float32), (100, torch.float32),
+             (5, torch.bfloat16), (7, torch.bfloat16), (2, torch.float32)]
+    params = []
+    for n, dt in sizes:
+        p = torch.nn.Parameter(torch.zeros(n, dtype=dt))
+        p.grad = torch.zeros(n, dtype=dt)
+        params.append(p)
+    got = buckets(params, limit=64)
+    assert [p for b in got for p in b] == params  # every parameter once, in order
+    for b in got:
+        assert len({p.grad.dtype for p in b}) == 1
+        assert len(b) == 1 or sum(p.numel() for p in b) <= 64
+    assert [len(b) for b in got] == [2, 1, 1, 2, 1]
+
+
 def test_a_step_failing_on_rank_0_is_applied_nowhere(daemon, tmp_path):
     """Rank 0's step fails (a non-finite gradient there); rank 1's succeeds
     with sigma 0. Neither rank may apply rank 1's noiseless clipped sum: both
