@@ -114,6 +114,12 @@ class Enqueued(ctypes.Structure):
                 ("delta", ctypes.c_double)]
 
 
+class Timing(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_uint64) for n in (
+        "start_ns", "sent_ns", "daemon_received_ns", "daemon_replied_ns", "received_ns",
+        "compute_ns", "group_wait_ns", "group_exchange_ns", "input_wait_ns")]
+
+
 class GroupOpts(ctypes.Structure):
     _fields_ = [("name", ctypes.c_char_p), ("rank", ctypes.c_uint32), ("size", ctypes.c_uint32),
                 ("timeout_ms", ctypes.c_uint32), ("group_wise", ctypes.c_int)]
@@ -132,7 +138,7 @@ STRUCTS = {"dpclip_tensor": Tensor, "dpclip_connect_opts": ConnectOpts,
            "dpclip_daemon_info": DaemonInfo, "dpclip_clip_config": ClipConfig,
            "dpclip_linear": Linear, "dpclip_embedding": Embedding,
            "dpclip_norm_layer": NormLayer, "dpclip_result": Result,
-           "dpclip_enqueued": Enqueued, "dpclip_group_opts": GroupOpts,
+           "dpclip_enqueued": Enqueued, "dpclip_timing": Timing, "dpclip_group_opts": GroupOpts,
            "dpclip_group_link": GroupLink}
 # Structs this release's dpclip_sizeof() does not list (client/abi.c): the
 # import check passes over a 0 for them (a size it does report must match);
@@ -172,6 +178,7 @@ def _declare(L: ctypes.CDLL) -> None:
         "dpclip_step_set_events": (None, [c_void_p, ctypes.c_uint64, ctypes.c_uint64]),
         "dpclip_result_free": (None, [ctypes.POINTER(Result)]),
         "dpclip_run": (c_int, [c_void_p, c_void_p, ctypes.POINTER(Result)]),
+        "dpclip_last_timing": (c_int, [c_void_p, ctypes.POINTER(Timing)]),
         "dpclip_step_notify_enqueued": (None, [c_void_p, c_int]),
         "dpclip_step_set_phase": (c_int, [c_void_p, c_int]),
         "dpclip_submit": (c_int, [c_void_p, c_void_p, u64p]),
@@ -279,6 +286,19 @@ class Client:
 
     def buffer_release(self, buffer_id: int) -> None:
         self.check(self._L.dpclip_buffer_release(self.handle, ctypes.c_uint64(buffer_id)))
+
+    def last_timing(self) -> Optional[dict]:
+        """The last blocking step's times in ms (None before the first): the
+        daemon's part (daemon_ms, received to replied), its device work
+        (compute_ms), and in a norm group the wait for the group's totals
+        (group_wait_ms) and of it the exchange between daemons
+        (group_exchange_ms)."""
+        t = Timing()
+        if self._L.dpclip_last_timing(self.handle, ctypes.byref(t)):
+            return None
+        return {"daemon_ms": (t.daemon_replied_ns - t.daemon_received_ns) / 1e6,
+                "compute_ms": t.compute_ns / 1e6, "group_wait_ms": t.group_wait_ns / 1e6,
+                "group_exchange_ms": t.group_exchange_ns / 1e6}
 
     def register_cuda(self, dev_ptr: int) -> Tuple[int, int]:
         """(buffer_id, offset) of the CUDA allocation holding dev_ptr."""

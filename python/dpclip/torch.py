@@ -138,7 +138,10 @@ class PrivacyEngine:
         self.norm_group: Optional[_group.NormGroup] = None  # model parallel: see make_private
         # Wall time of the last step's phases in the trainer (ms): building
         # the request (copies, registrations), the daemon round trip, and
-        # writing param.grad. For diagnosing overheads; costs two clock reads.
+        # writing param.grad; after a blocking step also the daemon's own
+        # (_lib.Client.last_timing: daemon_ms, compute_ms, and in a norm
+        # group group_wait_ms and group_exchange_ms). For diagnosing
+        # overheads; costs a few clock reads.
         self.last_timing = {}
 
     def _connect(self) -> None:
@@ -623,11 +626,11 @@ class PrivacyEngine:
                 self.last_epsilon, self.last_delta = run.info.epsilon, run.info.delta
             else:
                 self._finish(run.res, B)
-            self._timing(t0, run.t1, run.t2)
+            self._timing(t0, run.t1, run.t2, run.res is not None)
             return run.ok
         res, t1, t2 = self._host.run(self._step, plan, nb, self.algorithm)
         self._finish(res, B)
-        self._timing(t0, t1, t2)
+        self._timing(t0, t1, t2, True)
         return torch.ones(1)
 
     @property
@@ -653,10 +656,12 @@ class PrivacyEngine:
         self.last_epsilon = res.epsilon
         self.last_delta = res.delta
 
-    def _timing(self, t0: float, t1: float, t2: float) -> None:
+    def _timing(self, t0: float, t1: float, t2: float, blocked: bool) -> None:
         t3 = time.perf_counter()
         self.last_timing = {"prepare_ms": (t1 - t0) * 1e3, "run_ms": (t2 - t1) * 1e3,
                             "finish_ms": (t3 - t2) * 1e3}
+        if blocked:  # the daemon's own times come with a blocking step's reply
+            self.last_timing.update(self.client.last_timing() or {})
 
 def _check_terms(loss_reduction: str, max_grad_norm: float, noise_multiplier: float,
                  algorithm: str) -> int:

@@ -30,6 +30,9 @@ FIELDS = {
     "dpclip_result": ["batch", "n_layers", "norms", "coefs", "layer_norms", "layer_coefs",
                       "step_index", "compute_ns", "epsilon", "delta", "input_wait_ns"],
     "dpclip_enqueued": ["step_index", "epsilon", "delta"],
+    "dpclip_timing": ["start_ns", "sent_ns", "daemon_received_ns", "daemon_replied_ns",
+                      "received_ns", "compute_ns", "group_wait_ns", "group_exchange_ns",
+                      "input_wait_ns"],
     "dpclip_group_opts": ["name", "rank", "size", "timeout_ms", "group_wise"],
 }
 

@@ -96,6 +96,11 @@ def test_second_step_and_updates(daemon):
         for n, p in model.named_parameters():
             # p was updated by the step: compare the gradient it used.
             assert _max_rel(p.grad, want[n]) < 2e-4, (it, n)
+        # the daemon's own times, within the round trip the trainer saw
+        t = engine.last_timing
+        assert 0 < t["daemon_ms"] <= t["run_ms"], t
+        assert 0 < t["compute_ms"] <= t["daemon_ms"], t
+        assert t["group_wait_ms"] == 0 and t["group_exchange_ms"] == 0, t  # no group
     assert engine.steps == 2
     engine.close()
 

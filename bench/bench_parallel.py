@@ -1,0 +1,484 @@
+#!/usr/bin/env python3
+"""Pipeline- and data-parallel training steps, private (dpclip) vs plain, one
+process per device.
+
+    python3 bench/bench_parallel.py --mode pipeline --socket S              # 2 GPUs, 1 daemon
+    python3 bench/bench_parallel.py --mode pipeline --daemons 2 --socket A,B  # a daemon per GPU
+    python3 bench/bench_parallel.py --mode ddp --socket S                   # 4 GPUs
+    python3 bench/bench_parallel.py --mode ddp_pipeline --socket S          # 2 replicas x 2 stages
+    python3 bench/bench_parallel.py --mode pipeline --socket S --check      # exactness first
+    python3 bench/bench_parallel.py --mode ddp --socket S --device cpu --blocks 2 --d 128 \
+        --heads 4 --vocab 1000 --seq 64 --batch 4 --steps 3                 # CPU smoke test
+
+Model: bench_torch_step.py's GPT-2-small-like GPT (12 blocks, d=768, 12
+heads, vocab 32000, T=1024, untied head), B=8 samples per replica, SGD, bf16
+autocast (--precision fp32: none). Rank r runs on cuda:r (NCCL; gloo on the
+CPU); NCCL_NVLS_ENABLE=0 is set here for every rank.
+
+Modes (replicas x stages):
+  pipeline      1 x 2: stage 0 holds the embeddings and the first half of
+                the blocks, stage 1 the rest, the final LayerNorm and the
+                head; the activations (f32 residual stream) and their
+                gradients go by torch.distributed send/recv. One batch per
+                step (no micro-batches: dpclip takes one forward/backward
+                per optimizer step), so the stages run one after the other.
+                dpclip: make_private(norm_group=WORLD), flat clipping across
+                the stages (the group's norms reduced in the daemon with
+                --daemons 1, exchanged between the daemons through NCCL with
+                --daemons 2). Plain: the same pipeline, autograd's gradients.
+  ddp           N x 1 (--world, 4): plain is torch DistributedDataParallel;
+                dpclip is make_private's data parallelism (no DDP wrapper:
+                each rank's own session, rank 0 alone noises, the clipped
+                sums all-reduced and gated after the step; asynchronous GPU
+                steps).
+  ddp_pipeline  2 x 2: two replicas of the pipeline, each its own norm group
+                (ranks 0,1 and 2,3); plain wraps each stage in DDP over the
+                ranks holding that stage.
+
+Sockets: --socket S (every rank's daemon) or one per rank, comma-separated
+(--daemons = their count; rank r uses the r-th: its GPU's daemon).
+
+Each of --repeat rounds times plain, then dpclip: --warmup steps, then
+--steps steps, each step's time taken between CUDA events recorded on the
+stream at each step's start (no host synchronisation between steps; wall
+clock on the CPU). Each rank's median step; a round's time is its slowest
+rank's; a mode's time is its median round. JSON lines on stdout (rank 0),
+progress on stderr: one per mode (every rank's figures of the median
+round), then the ratio. For dpclip with a norm group, each rank's figures
+include, per step (medians): daemon_call_ms (optimizer.step()'s round trip
+to the daemon: engine.last_timing["run_ms"]), and from the daemon's reply
+(engine.last_timing's daemon figures) group_wait_ms (from this member's norms being in to the group's
+totals: a later stage's includes waiting for the earlier stage's backward),
+group_exchange_ms (of it, the daemons' NCCL exchange) and
+daemon_compute_ms. The ratio line's reduction_ms is the group's smallest
+group_wait_ms (the member that arrives last, stage 0 of a pipeline, waits
+only for the reduction itself), reduction_share its share of the step, and
+last_member_daemon_call_ms that member's whole daemon call (the private
+step's part of the critical path: reduction, clipped sums, noise).
+
+--check (any mode), before the timing: noise off, fp32, TF32 off in the
+trainers, one step on the fixed batch with C between the middle per-sample
+norms; rank 0 first computes the reference, the unsplit model on one
+device, each sample's gradient by its own backward, clipped and summed in
+f64 (divided by the expected batch, the replicas' union). Every rank
+compares its parameters' .grad after the engine's step (max over
+parameters of max|got - want| / max|want|) and its per-sample norms; one
+JSON line; exit 1 where an error exceeds --tol (default 5e-3 on CUDA, the
+daemon's f32 clipped sums run in TF32; 1e-3 on the CPU).
+"""
+import argparse
+import datetime
+import json
+import math
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+
+os.environ["NCCL_NVLS_ENABLE"] = "0"  # before NCCL starts, in every rank (spawn inherits it)
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.multiprocessing as mp  # noqa: E402
+import torch.nn as nn  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from bench_torch_step import GPT, peak_mb, reset_peak, sync, token_batch  # noqa: E402
+from dpclip.torch import PrivacyEngine  # noqa: E402
+
+LAYOUTS = {"pipeline": (1, 2), "ddp": (None, 1), "ddp_pipeline": (2, 2)}  # (replicas, stages)
+
+
+def log(msg):
+    print("bench_parallel: " + msg, file=sys.stderr, flush=True)
+
+
+class Stage(nn.Module):
+    """One of two pipeline stages cut from a GPT (its modules, not copies)."""
+
+    def __init__(self, g, stage):
+        super().__init__()
+        k = len(g.blocks) // 2
+        self.first = stage == 0
+        if self.first:
+            self.tok, self.pos = g.tok, g.pos
+            self.blocks = nn.ModuleList(g.blocks[:k])
+        else:
+            self.blocks = nn.ModuleList(g.blocks[k:])
+            self.ln, self.head = g.ln, g.head
+
+    def forward(self, h):
+        if self.first:  # as GPT.forward
+            B, T = h.shape
+            pos = torch.arange(T, device=h.device).unsqueeze(0).repeat(B, 1)
+            h = self.tok(h) + self.pos(pos)
+        for b in self.blocks:
+            h = b(h)
+        return h if self.first else self.head(self.ln(h))
+
+
+def build_part(args, stages, stage, device):
+    """This rank's part of the GPT (seed 0, as bench_torch_step) and its
+    parameters' names in the whole model."""
+    torch.manual_seed(0)
+    whole = GPT(args.vocab, args.seq, args.d, args.blocks, args.heads)
+    names = {id(p): n for n, p in whole.named_parameters()}
+    part = whole if stages == 1 else Stage(whole, stage)
+    return part.to(device), [names[id(p)] for p in part.parameters()]
+
+
+def union_batch(args, replicas, device):
+    """token_batch's fixed tokens for every replica: replica i takes rows
+    [i*B, (i+1)*B) (with one replica, token_batch's batch itself)."""
+    a = argparse.Namespace(**vars(args))
+    a.batch = args.batch * replicas
+    x, y = token_batch(a, torch.device("cpu"))
+    return x.to(device), y.to(device)
+
+
+class Rank:
+    """This process's place: replica and stage, its peers and groups."""
+
+    def __init__(self, rank, world, args, sockets):
+        self.rank, self.world, self.args = rank, world, args
+        self.R, self.S = world // LAYOUTS[args.mode][1], LAYOUTS[args.mode][1]
+        self.replica, self.stage = rank // self.S, rank % self.S
+        self.peer = self.replica * self.S + 1 - self.stage
+        self.socket = sockets[rank] if len(sockets) > 1 else sockets[0]
+        self.device = torch.device("cuda", rank) if args.device == "cuda" else torch.device("cpu")
+        # new_group is a collective of every rank, in one order
+        pipes = [dist.new_group([i * self.S + s for s in range(self.S)]) for i in range(self.R)] \
+            if self.S > 1 and self.R > 1 else None
+        dps = [dist.new_group([i * self.S + s for i in range(self.R)]) for s in range(self.S)] \
+            if self.S > 1 and self.R > 1 else None
+        self.pipe = None if self.S == 1 else (pipes[self.replica] if pipes else dist.group.WORLD)
+        self.dp = dps[self.stage] if dps else None  # plain DDP's group (None: every rank)
+        x, y = union_batch(args, self.R, self.device)
+        rows = slice(self.replica * args.batch, (self.replica + 1) * args.batch)
+        self.x, self.y = x[rows], y[rows]
+
+
+def make_step(c, model, opt, amp):
+    """One training step: forward, loss, backward (across the stages by
+    send/recv), opt.step()."""
+    a = c.args
+
+    def fwd(inp):
+        with torch.autocast(c.device.type, dtype=torch.bfloat16, enabled=amp):
+            return model(inp)
+
+    def loss_of(logits):  # the token mean: the mean over samples of their token means
+        return F.cross_entropy(logits.float().flatten(0, 1), c.y.flatten())
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        if c.S == 1:
+            loss_of(fwd(c.x)).backward()
+        elif c.stage == 0:
+            h = fwd(c.x)
+            dist.send(h.detach().float().contiguous(), c.peer)
+            g = torch.empty(h.shape, dtype=torch.float32, device=c.device)
+            dist.recv(g, c.peer)
+            h.backward(g.to(h.dtype))
+        else:
+            h = torch.empty(a.batch, a.seq, a.d, dtype=torch.float32, device=c.device)
+            dist.recv(h, c.peer)
+            h.requires_grad_(True)
+            loss_of(fwd(h)).backward()
+            dist.send(h.grad.contiguous(), c.peer)
+        opt.step()
+    return step
+
+
+def private(c, model, sigma, C, lr):
+    engine = PrivacyEngine(c.socket, client_name="bench_parallel")
+    model, opt, _ = engine.make_private(
+        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=lr),
+        noise_multiplier=sigma, max_grad_norm=C, loss_reduction="mean",
+        expected_batch_size=c.R * c.args.batch, norm_group=c.pipe)
+    return engine, model, opt
+
+
+def mark(device):
+    if device.type != "cuda":
+        return time.perf_counter()
+    ev = torch.cuda.Event(enable_timing=True)
+    ev.record()
+    return ev
+
+
+def between(a, b):
+    return a.elapsed_time(b) if isinstance(a, torch.cuda.Event) else (b - a) * 1e3
+
+
+def run(c, mode):
+    """Times --steps steps of `mode` (plain or dpclip) after --warmup; a dict."""
+    a, dev = c.args, c.device
+    reset_peak(dev)
+    model, _ = build_part(a, c.S, c.stage, dev)
+    engine = None
+    if mode == "plain":
+        if c.R > 1:
+            model = DDP(model, device_ids=[dev.index] if dev.type == "cuda" else None,
+                        process_group=c.dp)
+        opt = torch.optim.SGD(model.parameters(), lr=1e-4)
+    else:
+        engine, model, opt = private(c, model, 1.0, 1.0, 1e-4)
+    step = make_step(c, model, opt, a.precision == "bf16")
+    for _ in range(a.warmup):
+        step()
+    sync(dev)
+    grouped = engine is not None and engine.norm_group is not None and not engine.asynchronous
+    if engine is not None:
+        engine.synchronize()
+        c0, w0 = engine.compute_ns_total, engine.input_wait_ns_total
+    stats = {}
+
+    def add(k, v):
+        stats.setdefault(k, []).append(v)
+    marks, t0 = [], time.perf_counter()
+    for _ in range(a.steps):
+        marks.append(mark(dev))
+        step()
+        if engine is not None:
+            for k, v in engine.last_timing.items():
+                if grouped or not k.startswith("group_"):
+                    add({"run_ms": "daemon_call_ms",
+                         "compute_ms": "daemon_compute_ms"}.get(k, k), v)
+    marks.append(mark(dev))
+    sync(dev)
+    wall = (time.perf_counter() - t0) * 1e3 / a.steps
+    times = [between(marks[i], marks[i + 1]) for i in range(a.steps)]
+    out = {"rank": c.rank, "replica": c.replica, "stage": c.stage,
+           "step_ms": round(statistics.median(times), 3), "mean_ms": round(wall, 3)}
+    if engine is not None:
+        engine.synchronize()
+        out.update({k: round(statistics.median(v), 3) for k, v in stats.items()})
+        if not grouped:  # asynchronous steps: the daemon's totals
+            out["daemon_compute_ms"] = round((engine.compute_ns_total - c0) / 1e6 / a.steps, 3)
+            out["daemon_input_wait_ms"] = round(
+                (engine.input_wait_ns_total - w0) / 1e6 / a.steps, 3)
+        out["daemons_in_group"] = engine.norm_group.daemons if engine.norm_group else 0
+        engine.close()
+    out["peak_mem_mib"] = round(peak_mb(dev), 1)
+    del model, opt, engine, step
+    reset_peak(dev)
+    return out
+
+
+def reference(args, replicas, device, path):
+    """The check's reference (rank 0): the unsplit model's per-sample
+    clipped sum over the replicas' union batch, in f64; saved to path."""
+    torch.manual_seed(0)
+    m = GPT(args.vocab, args.seq, args.d, args.blocks, args.heads).to(device)
+    params = list(m.named_parameters())
+    x, y = union_batch(args, replicas, device)
+    n = x.shape[0]
+
+    def grads(b):
+        m.zero_grad(set_to_none=True)
+        F.cross_entropy(m(x[b:b + 1]).flatten(0, 1), y[b]).backward()
+        return [p.grad for _, p in params]
+    norms = torch.tensor([math.sqrt(sum(float(g.double().pow(2).sum()) for g in grads(b)))
+                          for b in range(n)], dtype=torch.float64)
+    s = sorted(norms.tolist())
+    C = 0.5 * (s[n // 2 - 1] + s[n // 2]) if n > 1 else 0.5 * s[0]  # about half clip
+    coefs = (C / (norms + 1e-6)).clamp(max=1.0)
+    acc = [torch.zeros(p.shape, dtype=torch.float64, device=device) for _, p in params]
+    for b in range(n):
+        for t, g in zip(acc, grads(b)):
+            t.add_(g.double(), alpha=float(coefs[b]))
+    torch.save({"C": C, "norms": norms.float(), "clipped": int((coefs < 1).sum()),
+                "grads": {name: (t / n).float().cpu() for (name, _), t in zip(params, acc)}},
+               path)
+
+
+def check(c, out_dir, tol):
+    """One private step (noise off, fp32) against the reference; a dict."""
+    a = c.args
+    if c.device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+    path = os.path.join(out_dir, "reference.pt")
+    if c.rank == 0:
+        log("check: the reference (%d samples, one backward each, twice)" % (c.R * a.batch))
+        reference(a, c.R, c.device, path)
+        reset_peak(c.device)  # frees its model and sums
+    dist.barrier()
+    ref = torch.load(path, map_location="cpu")
+    model, names = build_part(a, c.S, c.stage, c.device)
+    params = list(model.parameters())
+    engine, model, opt = private(c, model, 0.0, ref["C"], 0.0)
+    make_step(c, model, opt, amp=False)()
+    got_norms = engine.last_norms  # collects an asynchronous step
+    err, worst = 0.0, ""
+    for name, p in zip(names, params):
+        want = ref["grads"][name].to(c.device)
+        e = math.inf if p.grad is None else \
+            float((p.grad.float() - want).abs().max()) / max(float(want.abs().max()), 1e-30)
+        if e >= err:
+            err, worst = e, name
+    want_n = ref["norms"][c.replica * a.batch:(c.replica + 1) * a.batch]
+    n_err = float((got_norms.float() - want_n).abs().max()) / float(want_n.abs().max())
+    engine.close()
+    if c.device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+    return {"rank": c.rank, "params": len(params), "max_rel_err": err, "worst_param": worst,
+            "norms_max_rel_err": n_err, "ok": err <= tol and n_err <= tol,
+            "C": ref["C"], "clipped": ref["clipped"]}
+
+
+def gather(obj):
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, obj)
+    return every
+
+
+def rank_main(rank, world, init_file, args, sockets, out_dir, config):
+    cuda = args.device == "cuda"
+    torch.set_num_threads(args.threads or max(1, (os.cpu_count() or 1) // world))
+    if cuda:  # (not in the parent: it makes no CUDA context)
+        torch.cuda.set_device(rank)
+        torch.backends.cuda.matmul.allow_tf32 = True  # as bench_torch_step (fp32 runs)
+        torch.backends.cudnn.allow_tf32 = True
+        config = dict(config, device=torch.cuda.get_device_name(rank), nccl=nccl_version())
+    else:
+        config = dict(config, device="cpu")
+    dist.init_process_group("nccl" if cuda else "gloo", init_method="file://" + init_file,
+                            rank=rank, world_size=world, timeout=datetime.timedelta(seconds=600))
+    try:
+        c = Rank(rank, world, args, sockets)
+        head = {"bench": "parallel", "mode": args.mode, "daemons": len(sockets)}
+        if args.check:
+            tol = args.tol if args.tol is not None else (5e-3 if cuda else 1e-3)
+            every = gather(check(c, out_dir, tol))
+            ok = all(r["ok"] for r in every)
+            if rank == 0:
+                print(json.dumps(dict(head, check=True, ok=ok, tol=tol, C=every[0]["C"],
+                                      clipped=every[0]["clipped"], samples=c.R * args.batch,
+                                      max_rel_err=max(r["max_rel_err"] for r in every),
+                                      norms_max_rel_err=max(r["norms_max_rel_err"]
+                                                            for r in every),
+                                      ranks=every, config=config)), flush=True)
+                if not ok:
+                    open(os.path.join(out_dir, "check_failed"), "w").close()
+            if not ok:
+                return
+        rounds = {"plain": [], "dpclip": []}
+        for rnd in range(args.repeat):
+            for mode in rounds:
+                every = gather(run(c, mode))
+                rounds[mode].append(every)
+                if rank == 0:
+                    log("round %d/%d %s %s: %s ms (ranks %s)" % (
+                        rnd + 1, args.repeat, args.mode, mode,
+                        max(r["step_ms"] for r in every), [r["step_ms"] for r in every]))
+        if rank != 0:
+            return
+        res = {}
+        for mode, rs in rounds.items():
+            ordered = sorted(rs, key=lambda every: max(r["step_ms"] for r in every))
+            med = ordered[len(ordered) // 2]
+            res[mode] = med
+            print(json.dumps(dict(head, run=mode, baseline=baseline(args.mode) if mode == "plain"
+                                  else None, precision=args.precision,
+                                  step_ms=max(r["step_ms"] for r in med),
+                                  step_ms_rounds=[max(r["step_ms"] for r in e) for e in ordered],
+                                  ranks=med, config=config)), flush=True)
+        t_plain = max(r["step_ms"] for r in res["plain"])
+        t_priv = max(r["step_ms"] for r in res["dpclip"])
+        ratio = dict(head, ratio="dpclip/plain", precision=args.precision,
+                     time_ratio=round(t_priv / t_plain, 3), plain_ms=t_plain, dpclip_ms=t_priv)
+        grouped = [r for r in res["dpclip"] if "group_wait_ms" in r]
+        if grouped:  # the member that arrives last waits for the reduction alone
+            last = min(grouped, key=lambda r: r["group_wait_ms"])
+            ratio.update(reduction_ms=last["group_wait_ms"],
+                         reduction_share=round(last["group_wait_ms"] / t_priv, 4),
+                         exchange_ms=max(r["group_exchange_ms"] for r in grouped),
+                         last_member_daemon_call_ms=last["daemon_call_ms"],
+                         last_member_daemon_call_share=round(last["daemon_call_ms"] / t_priv, 4))
+        ratio["daemon_call_ms_max"] = max(r.get("daemon_call_ms", 0.0) for r in res["dpclip"])
+        print(json.dumps(ratio), flush=True)
+    finally:
+        dist.destroy_process_group()
+
+
+def baseline(mode):
+    return {"pipeline": "the same pipeline, autograd's gradients",
+            "ddp": "DistributedDataParallel",
+            "ddp_pipeline": "the same pipelines, each stage in DDP over its replicas"}[mode]
+
+
+def nccl_version():
+    v = torch.cuda.nccl.version()  # a tuple in torch 2.x, an int before
+    return ".".join(map(str, v)) if isinstance(v, tuple) else str(v)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--mode", choices=sorted(LAYOUTS), default="pipeline")
+    ap.add_argument("--socket", default=os.environ.get("DPCLIP_SOCKET"),
+                    help="dpclipd's socket, or one per rank comma-separated "
+                         "(default $DPCLIP_SOCKET)")
+    ap.add_argument("--daemons", type=int, default=None,
+                    help="how many sockets --socket names (1, or one per rank)")
+    ap.add_argument("--world", type=int, default=4, help="ddp: ranks (pipeline 2, "
+                    "ddp_pipeline 4 always)")
+    ap.add_argument("--device", choices=("cuda", "cpu"),
+                    default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--precision", choices=("bf16", "fp32"), default="bf16")
+    ap.add_argument("--blocks", type=int, default=12)
+    ap.add_argument("--d", type=int, default=768)
+    ap.add_argument("--heads", type=int, default=12)
+    ap.add_argument("--vocab", type=int, default=32000)
+    ap.add_argument("--seq", type=int, default=1024)
+    ap.add_argument("--batch", type=int, default=8, help="samples per replica")
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--repeat", type=int, default=3, help="rounds of plain then dpclip")
+    ap.add_argument("--check", action="store_true", help="check exactness first (exit 1 if not)")
+    ap.add_argument("--tol", type=float, default=None)
+    ap.add_argument("--threads", type=int, default=0,
+                    help="torch CPU threads per rank (0: the cores / the ranks)")
+    args = ap.parse_args()
+    R, S = LAYOUTS[args.mode]
+    world = args.world if R is None else R * S
+    sockets = args.socket.split(",") if args.socket else [None]
+    if args.daemons is not None and args.daemons != len(sockets):
+        ap.error("--daemons %d, but --socket names %d" % (args.daemons, len(sockets)))
+    if len(sockets) not in (1, world):
+        ap.error("--socket: one daemon for every rank, or one per rank (%d), not %d"
+                 % (world, len(sockets)))
+    if S > 1 and args.blocks < 2:
+        ap.error("--blocks: a pipeline needs at least 2")
+    if args.device == "cuda" and torch.cuda.device_count() < world:
+        ap.error("%s needs %d GPUs, this machine has %d" % (args.mode, world,
+                                                           torch.cuda.device_count()))
+    config = {k: getattr(args, k) for k in ("blocks", "d", "heads", "vocab", "seq", "batch",
+                                            "warmup", "steps", "repeat")}
+    config.update(world=world, replicas=world // S, stages=S, sockets=sockets,
+                  precision=args.precision, torch=torch.__version__, optimizer="sgd")
+    log("%s: %d ranks (%d replica(s) x %d stage(s)), %d daemon(s), %s" % (
+        args.mode, world, world // S, S, len(sockets), args.device))
+    out_dir = tempfile.mkdtemp(prefix="bench_parallel.")
+    try:
+        ctx = mp.start_processes(rank_main, nprocs=world, join=False, start_method="spawn",
+                                 args=(world, os.path.join(out_dir, "init"), args, sockets,
+                                       out_dir, config))
+        while not ctx.join(timeout=600):
+            pass
+        failed = os.path.exists(os.path.join(out_dir, "check_failed"))
+    finally:
+        shutil.rmtree(out_dir, ignore_errors=True)
+    if failed:
+        sys.exit("bench_parallel: --check failed (see its JSON line)")
+
+
+if __name__ == "__main__":
+    main()
