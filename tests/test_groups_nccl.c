@@ -4,12 +4,21 @@
  * daemon killed mid-step fails the other's step within the group timeout
  * while the survivor goes on serving.
  *
- * Test setting: both daemons use the one GPU of the test machine. NCCL
- * refuses two ranks of a communicator on one GPU of one host, so each
- * daemon gets its own NCCL_HOSTID: NCCL then takes them for two hosts and
- * links them with its socket transport over loopback (NCCL_SOCKET_IFNAME=lo).
- * NVLink multicast stays off (NCCL_NVLS_ENABLE=0), as in the shipped unit.
- * Skipped (77) where the daemon has no NCCL or no GPU. */
+ * Two layouts, by the CUDA devices this process sees:
+ *  - two or more: each daemon serves a GPU of its own (CUDA_VISIBLE_DEVICES
+ *    naming GPU k by its UUID), and each member's tensors are a copy of its
+ *    shared buffer on its daemon's GPU, registered over CUDA IPC. No
+ *    NCCL_HOSTID: NCCL sees two GPUs of one host and links them by
+ *    P2P/NVLink. The daemons run f32 on the exact kernels
+ *    (DPCLIP_CUDA_TF32=0) and results are held to the GPU's bounds.
+ *  - one (or none): both daemons use the one GPU of the test machine, the
+ *    members' tensors in host memory. NCCL refuses two ranks of a
+ *    communicator on one GPU of one host, so each daemon gets its own
+ *    NCCL_HOSTID: NCCL then takes them for two hosts and links them with its
+ *    socket transport over loopback.
+ * NCCL's bootstrap goes over loopback (NCCL_SOCKET_IFNAME=lo) and NVLink
+ * multicast stays off (NCCL_NVLS_ENABLE=0), as in the shipped unit. Skipped
+ * (77) where the daemon has no NCCL or no GPU. */
 #include <math.h>
 #include <setjmp.h>
 #include <signal.h>
@@ -23,26 +32,102 @@
 
 #include <cmocka.h>
 
+#ifdef DPCLIP_HAVE_CUDA
+#include <cuda_runtime_api.h>
+#endif
+
 #include "group_test.h"
 #include "harness.h"
 
 #define B DC_GROUP_TEST_B
 #define MAXM DC_GROUP_TEST_MAXM
+/* The GPU's bounds against the double reference (test_cuda_kernels.c:
+ * bf16/f16 layers' norms within 1e-3; test_cuda_ipc.c: a whole step's
+ * outputs) */
+#define GPU_NORM_RTOL 1e-3
+#define GPU_OUT_RTOL 2e-3
+#define GPU_OUT_ATOL 1e-5
 
 static dc_harness g_d[2]; /* daemon 0 and daemon 1 */
+static int g_gpus;        /* 1: the layout with a GPU per daemon */
+static char g_gpu_id[2][48]; /* there, daemon k's CUDA_VISIBLE_DEVICES: GPU k's UUID */
+
+/* A member's tensors on its daemon's GPU (the GPU layout; p is NULL in the
+ * other). */
+typedef struct gpu_copy {
+    void *p;
+    int device; /* this process's ordinal */
+} gpu_copy;
+
+/* 1 when this process sees two CUDA devices; g_gpu_id then names them. A
+ * UUID names the same GPU to a daemon whatever this process's own
+ * CUDA_VISIBLE_DEVICES or device order. */
+static int find_gpus(void) {
+#ifdef DPCLIP_HAVE_CUDA
+    int n = 0;
+    if (cudaGetDeviceCount(&n) != cudaSuccess || n < 2) {
+        cudaGetLastError(); /* no GPU: the other layout, not an error */
+        return 0;
+    }
+    for (int k = 0; k < 2; k++) {
+        struct cudaDeviceProp p;
+        const unsigned char *u;
+        cudaError_t e = cudaGetDeviceProperties(&p, k);
+        if (e != cudaSuccess) {
+            fprintf(stderr, "cudaGetDeviceProperties(%d): %s\n", k, cudaGetErrorString(e));
+            return -1;
+        }
+        u = (const unsigned char *)p.uuid.bytes;
+        snprintf(g_gpu_id[k], sizeof g_gpu_id[k],
+                 "GPU-%02x%02x%02x%02x-%02x%02x-%02x%02x-%02x%02x-%02x%02x%02x%02x%02x%02x", u[0],
+                 u[1], u[2], u[3], u[4], u[5], u[6], u[7], u[8], u[9], u[10], u[11], u[12], u[13],
+                 u[14], u[15]);
+    }
+    return 1;
+#else
+    return 0;
+#endif
+}
 
 static int start_daemon(int k) {
     char host[32];
-    snprintf(host, sizeof host, "dpclip-test-host-%d", k);
-    setenv("NCCL_HOSTID", host, 1); /* inherited by the daemon started now */
+    if (g_gpus) {
+        /* GPU k alone, its device 0; NCCL needs no fake host id for two
+         * GPUs (these are inherited by the daemon started now) */
+        unsetenv("NCCL_HOSTID");
+        setenv("CUDA_VISIBLE_DEVICES", g_gpu_id[k], 1);
+    } else {
+        snprintf(host, sizeof host, "dpclip-test-host-%d", k);
+        setenv("NCCL_HOSTID", host, 1); /* inherited by the daemon started now */
+    }
     return dc_harness_start(&g_d[k], "--workers 2");
 }
 
 static int setup(void **state) {
+    const char *cvd = getenv("CUDA_VISIBLE_DEVICES");
+    char *saved = cvd ? strdup(cvd) : NULL;
+    int rc = -1, found;
     (void)state;
+    if (cvd && !saved) return -1;
     setenv("NCCL_NVLS_ENABLE", "0", 1);
     if (!getenv("NCCL_SOCKET_IFNAME")) setenv("NCCL_SOCKET_IFNAME", "lo", 1);
-    return start_daemon(0) || start_daemon(1) ? -1 : 0;
+    if ((found = find_gpus()) < 0) goto out;
+    g_gpus = found;
+    if (g_gpus) {
+        setenv("DPCLIP_CUDA_TF32", "0", 1); /* exact f32 kernels: the reference's bounds */
+        printf("layout: daemon 0 on %s, daemon 1 on %s (NCCL P2P), tensors on the GPUs\n",
+               g_gpu_id[0], g_gpu_id[1]);
+    } else {
+        printf("layout: both daemons on one GPU, NCCL_HOSTID each (NCCL socket), host tensors\n");
+    }
+    if (start_daemon(0) || start_daemon(1)) goto out;
+    rc = 0;
+out:
+    /* this process's CUDA read it at its start; only the daemons differ */
+    if (saved) setenv("CUDA_VISIBLE_DEVICES", saved, 1);
+    else unsetenv("CUDA_VISIBLE_DEVICES");
+    free(saved);
+    return rc;
 }
 
 static int teardown(void **state) {
@@ -52,13 +137,119 @@ static int teardown(void **state) {
     return 0;
 }
 
-/* n members over the two daemons, the first half on daemon 0: rank 0 joins
- * first and its reply's NCCL id goes to the others, as a trainer's
- * rendezvous would pass it. */
+/* In the GPU layout: a copy of st's shared buffer on `device`, registered
+ * over CUDA IPC (by this process's ordinal, as a trainer's buffer is) and
+ * named by st's wire step; the reference keeps reading the shared buffer.
+ * Nothing in the other layout. 0, or -1 (said why). */
+static int to_gpu(dc_shm_step *st, int device, gpu_copy *g) {
+    g->p = NULL;
+    g->device = device;
+    if (!g_gpus) return 0;
+#ifdef DPCLIP_HAVE_CUDA
+    uint64_t id, off;
+    cudaError_t e;
+    if ((e = cudaSetDevice(device)) != cudaSuccess ||
+        (e = cudaMalloc(&g->p, st->used)) != cudaSuccess ||
+        (e = cudaMemcpy(g->p, st->base, st->used, cudaMemcpyHostToDevice)) != cudaSuccess ||
+        (e = cudaDeviceSynchronize()) != cudaSuccess) { /* landed before the daemon reads */
+        print_message("device %d: %s\n", device, cudaGetErrorString(e));
+        goto fail;
+    }
+    if (dpclip_buffer_register_cuda(st->c, g->p, &id, &off)) {
+        print_message("device %d: register: %s (%s)\n", device, dpclip_errmsg(st->c),
+                      dpclip_errfield(st->c));
+        goto fail;
+    }
+    if (off != 0 || dc_shm_step_wire_buffer(st, id)) goto fail;
+    return 0;
+fail:
+    if (g->p) cudaFree(g->p);
+    g->p = NULL;
+#endif
+    return -1;
+}
+
+/* The GPU copy back into the shared buffer, where the checks read the
+ * outputs (the reply came after the daemon's writes finished). */
+static int from_gpu(dc_shm_step *st, const gpu_copy *g) {
+    if (!g->p) return 0;
+#ifdef DPCLIP_HAVE_CUDA
+    cudaError_t e;
+    if ((e = cudaSetDevice(g->device)) != cudaSuccess ||
+        (e = cudaMemcpy(st->base, g->p, st->used, cudaMemcpyDeviceToHost)) != cudaSuccess) {
+        print_message("device %d: %s\n", g->device, cudaGetErrorString(e));
+        return -1;
+    }
+#endif
+    return 0;
+}
+
+/* After the member's session is gone (the daemon closed its handle). */
+static void gpu_free(gpu_copy *g) {
+#ifdef DPCLIP_HAVE_CUDA
+    if (g->p && cudaSetDevice(g->device) == cudaSuccess) cudaFree(g->p);
+#endif
+    g->p = NULL;
+}
+
+/* dc_group_run, then each member's GPU copy home. */
+static void run_group(dc_shm_step *st, int n, dpclip_result *res, int *rcs, const gpu_copy *g) {
+    dc_group_run(st, n, res, rcs);
+    for (int k = 0; k < n; k++) assert_int_equal(from_gpu(&st[k], &g[k]), 0);
+}
+
+/* dc_group_check; in the GPU layout the same checks at the GPU's bounds. */
+static void check(dc_shm_step *st, int n, const dpclip_result *res, float C) {
+    double tot[B], coef[B];
+    int clipped = 0;
+    if (!g_gpus) {
+        dc_group_check(st, n, res, C);
+        return;
+    }
+    dc_group_sq(st, n, tot);
+    for (int b = 0; b < B; b++) {
+        coef[b] = fmin(1.0, C / (sqrt(tot[b]) + 1e-6));
+        clipped += coef[b] < 1.0;
+    }
+    assert_true(clipped > 0 && clipped < B); /* the threshold bites, not everywhere */
+    for (int k = 0; k < n; k++) {
+        for (int b = 0; b < B; b++) {
+            assert_true(fabs(res[k].norms[b] - sqrt(tot[b])) <= GPU_NORM_RTOL * sqrt(tot[b]));
+            assert_true(fabs(res[k].coefs[b] - coef[b]) <= GPU_NORM_RTOL * coef[b]);
+        }
+        int64_t m = dc_shm_step_outputs(&st[k], NULL), off = 0;
+        float *got = malloc((size_t)m * sizeof *got);
+        double *want = calloc((size_t)m, sizeof *want);
+        assert_non_null(got);
+        assert_non_null(want);
+        dc_shm_step_outputs(&st[k], got);
+        for (size_t l = 0; l < st[k].ref.n_layers; l++) {
+            const dc_layer *ly = &st[k].ref.layers[l];
+            int64_t nw = dc_test_tensor_numel(&ly->weight_grad_out);
+            int64_t nb = ly->bias_grad_out.data ? dc_test_tensor_numel(&ly->bias_grad_out) : 0;
+            dc_ref_layer_clipped_sum(ly, B, 1.0, coef, want + off, nb ? want + off + nw : NULL);
+            off += nw + nb;
+        }
+        assert_int_equal(off, m);
+        double e = dc_test_max_relerr_f(got, want, m, GPU_OUT_RTOL, GPU_OUT_ATOL);
+        if (e > 1.0) print_message("member %d: outputs off by %.3g of tolerance\n", k, e);
+        assert_true(e <= 1.0);
+        free(got);
+        free(want);
+    }
+}
+
+/* Member k's daemon: the first half of n on daemon 0. Its GPU in the GPU
+ * layout too. */
+static int daemon_of(int k, int n) { return k < n / 2 ? 0 : 1; }
+
+/* n members over the two daemons (daemon_of): rank 0 joins first and its
+ * reply's NCCL id goes to the others, as a trainer's rendezvous would pass
+ * it. */
 static void join_all(const char *name, int n, uint32_t timeout_ms, dpclip_client **c) {
     dpclip_group_link link = {.daemons = 2, .daemon_rank = 0, .local_size = (uint32_t)n / 2};
     for (int k = 0; k < n; k++) {
-        int d = k < n / 2 ? 0 : 1;
+        int d = daemon_of(k, n);
         link.daemon_rank = (uint32_t)d;
         link.local_size = d == 0 ? (uint32_t)n / 2 : (uint32_t)(n - n / 2);
         c[k] = dc_group_member(g_d[d].sock, name, (uint32_t)k, (uint32_t)n, timeout_ms, 0,
@@ -74,6 +265,17 @@ static void skip_without_nccl(void) {
     /* two of three members here: the link would open only once both are */
     dpclip_group_opts g = {"probe", 0, 3, 0, 0};
     dpclip_group_link link = {.daemons = 2, .daemon_rank = 0, .local_size = 2};
+    for (int k = 0; k < 2 && g_gpus; k++) {
+        /* a UUID the daemon's CUDA did not take would leave it without a
+         * GPU, and this test skipped rather than failed */
+        dpclip_daemon_info info;
+        assert_int_equal(dpclip_connect(g_d[k].sock, &o, &c), 0);
+        assert_int_equal(dpclip_daemon_info_get(c, &info), 0);
+        if (!info.has_cuda)
+            fail_msg("daemon %d has no GPU with CUDA_VISIBLE_DEVICES=%s", k, g_gpu_id[k]);
+        dpclip_disconnect(c);
+        c = NULL;
+    }
     assert_int_equal(dpclip_connect(g_d[0].sock, &o, &c), 0);
     int rc = dpclip_join_group_linked(c, &g, &link, NULL);
     if (rc == DPCLIP_EUNIMPL) {
@@ -97,6 +299,7 @@ static void test_pp_across_daemons(void **state) {
         dc_test_rng r;
         dpclip_client *c[MAXM];
         dc_shm_step st[MAXM];
+        gpu_copy gc[MAXM];
         dpclip_result res[MAXM];
         int rcs[MAXM];
         dpclip_clip_config cfg = dc_group_config(1.0f, 0.0f);
@@ -107,13 +310,14 @@ static void test_pp_across_daemons(void **state) {
         for (int l = 0; l < 6; l++)
             assert_true(dc_shm_step_add(&st[dc_group_pp_stage_of[v][l]], &dc_group_pp_model[l], &r, 1.0f) >= 0);
         dc_group_set_c(st, n, dc_group_median(st, n), 0.0f); /* clips half */
+        for (int k = 0; k < n; k++) assert_int_equal(to_gpu(&st[k], daemon_of(k, n), &gc[k]), 0);
         for (int it = 0; it < 3; it++) { /* the first step waits for the link to form */
-            dc_group_run(st, n, res, rcs);
+            run_group(st, n, res, rcs, gc);
             for (int k = 0; k < n; k++) {
                 if (rcs[k]) print_message("member %d: %s\n", k, dpclip_errmsg(st[k].c));
                 assert_int_equal(rcs[k], 0);
             }
-            dc_group_check(st, n, res, dc_group_median(st, n));
+            check(st, n, res, dc_group_median(st, n));
             /* every member everywhere clips by the same norms, to the bit */
             for (int k = 1; k < n; k++)
                 assert_memory_equal(res[k].norms, res[0].norms, B * sizeof *res[0].norms);
@@ -122,6 +326,7 @@ static void test_pp_across_daemons(void **state) {
         for (int k = 0; k < n; k++) {
             dc_shm_step_free(&st[k]);
             dpclip_disconnect(c[k]);
+            gpu_free(&gc[k]);
         }
     }
 }
@@ -139,6 +344,7 @@ static void test_replicated_across_daemons(void **state) {
     dpclip_clip_config cfg = dc_group_config(1.0f, 0.5f);
     dpclip_client *c[2];
     dc_shm_step st[2];
+    gpu_copy gc[2];
     dpclip_result res[2];
     int rcs[2];
     dc_layer ln; /* the replicated LayerNorm: the same tensors and name on both */
@@ -152,10 +358,12 @@ static void test_replicated_across_daemons(void **state) {
         assert_int_equal(dc_shm_step_init(&st[k], c[k], 0, B, &cfg), 0);
         assert_true(dc_shm_step_add_layer(&st[k], &ln) >= 0);
         assert_true(dc_shm_step_add(&st[k], &lsp, &r, 1.0f) >= 0);
+        /* before the mark: naming the GPU copy rebuilds the wire step */
+        assert_int_equal(to_gpu(&st[k], k, &gc[k]), 0);
         assert_int_equal(dpclip_step_set_replicated(st[k].step, 0, 1), 0);
     }
     for (int it = 0; it < 2; it++) {
-        dc_group_run(st, 2, res, rcs);
+        run_group(st, 2, res, rcs, gc);
         for (int k = 0; k < 2; k++) {
             if (rcs[k]) print_message("member %d: %s\n", k, dpclip_errmsg(st[k].c));
             assert_int_equal(rcs[k], 0);
@@ -170,6 +378,7 @@ static void test_replicated_across_daemons(void **state) {
     for (int k = 0; k < 2; k++) {
         dc_shm_step_free(&st[k]);
         dpclip_disconnect(c[k]);
+        gpu_free(&gc[k]);
     }
     dc_test_layer_free(&ln);
 }
@@ -184,6 +393,7 @@ static void test_peer_daemon_killed(void **state) {
     dpclip_clip_config cfg = dc_group_config(1.0f, 0.0f);
     dpclip_client *c[2];
     dc_shm_step st[2];
+    gpu_copy gc[2], ga;
     dpclip_result res[2];
     int rcs[2];
     const uint32_t timeout_ms = 4000;
@@ -193,8 +403,9 @@ static void test_peer_daemon_killed(void **state) {
     for (int k = 0; k < 2; k++) {
         assert_int_equal(dc_shm_step_init(&st[k], c[k], 0, B, &cfg), 0);
         assert_true(dc_shm_step_add(&st[k], &sp, &r, 1.0f) >= 0);
+        assert_int_equal(to_gpu(&st[k], k, &gc[k]), 0);
     }
-    dc_group_run(st, 2, res, rcs); /* the link works */
+    run_group(st, 2, res, rcs, gc); /* the link works */
     assert_int_equal(rcs[0], 0);
     assert_int_equal(rcs[1], 0);
     for (int k = 0; k < 2; k++) dpclip_result_free(&res[k]);
@@ -225,13 +436,16 @@ static void test_peer_daemon_killed(void **state) {
     assert_int_equal(dpclip_connect(g_d[0].sock, &o, &fresh), 0);
     assert_int_equal(dc_shm_step_init(&alone, fresh, 0, B, &cfg), 0);
     assert_true(dc_shm_step_add(&alone, &sp, &r, 1.0f) >= 0);
+    assert_int_equal(to_gpu(&alone, 0, &ga), 0); /* its GPU too, past the abort */
     assert_int_equal(dpclip_run(fresh, alone.step, &one), 0);
     dpclip_result_free(&one);
     dc_shm_step_free(&alone);
     dpclip_disconnect(fresh);
+    gpu_free(&ga);
     for (int k = 0; k < 2; k++) {
         dc_shm_step_free(&st[k]);
         dpclip_disconnect(c[k]);
+        gpu_free(&gc[k]);
     }
 }
 
