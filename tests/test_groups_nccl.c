@@ -383,6 +383,77 @@ static void test_replicated_across_daemons(void **state) {
     dc_test_layer_free(&ln);
 }
 
+/* Two members, one on each daemon, joined as `name`; their steps (one
+ * layer each) on their daemons' GPUs where the layout has them. */
+static void pair_open(const char *name, uint32_t timeout_ms, dc_test_rng *r, dpclip_client **c,
+                      dc_shm_step *st, gpu_copy *gc) {
+    dc_test_layer_spec sp = {DC_LAYER_LINEAR, B, 3, 8, 6, DC_F32, 0, DC_ALGO_AUTO, 1, 0};
+    dpclip_clip_config cfg = dc_group_config(1.0f, 0.0f);
+    join_all(name, 2, timeout_ms, c);
+    for (int k = 0; k < 2; k++) {
+        assert_int_equal(dc_shm_step_init(&st[k], c[k], 0, B, &cfg), 0);
+        assert_true(dc_shm_step_add(&st[k], &sp, r, 1.0f) >= 0);
+        assert_int_equal(to_gpu(&st[k], k, &gc[k]), 0);
+    }
+}
+
+static void pair_step_ok(dc_shm_step *st, const gpu_copy *gc) {
+    dpclip_result res[2];
+    int rcs[2];
+    run_group(st, 2, res, rcs, gc);
+    for (int k = 0; k < 2; k++) {
+        if (rcs[k]) print_message("member %d: %s\n", k, dpclip_errmsg(st[k].c));
+        assert_int_equal(rcs[k], 0);
+        dpclip_result_free(&res[k]);
+    }
+}
+
+static void pair_close(dpclip_client **c, dc_shm_step *st, gpu_copy *gc) {
+    for (int k = 0; k < 2; k++) {
+        dc_shm_step_free(&st[k]);
+        if (c[k]) dpclip_disconnect(c[k]);
+        gpu_free(&gc[k]);
+    }
+}
+
+/* A trainer gone mid-step (its socket closed, as when its process is
+ * killed) while the other daemon's member waits in the group step: that
+ * step fails within the group's timeout, both daemons serve on, and the
+ * trainers rejoin as a new group and train on. */
+static void test_peer_member_gone(void **state) {
+    (void)state;
+    dc_test_rng r;
+    dpclip_client *c[2], *c2[2];
+    dc_shm_step st[2], st2[2];
+    gpu_copy gc[2], gc2[2];
+    dpclip_result res;
+    uint64_t ticket, t0;
+    const uint32_t timeout_ms = 4000;
+    skip_without_nccl();
+    dc_test_rng_seed(&r, 940);
+    pair_open("xgone", timeout_ms, &r, c, st, gc);
+    pair_step_ok(st, gc); /* the link works */
+
+    t0 = dc_ms_now();
+    assert_int_equal(dpclip_submit(st[0].c, st[0].step, &ticket), 0);
+    struct timespec ts = {0, 200 * 1000000L};
+    nanosleep(&ts, NULL); /* the step is in the exchange, waiting for member 1 */
+    dpclip_disconnect(c[1]);
+    c[1] = st[1].c = NULL;
+    int rc = dpclip_wait(st[0].c, ticket, 60000, &res);
+    uint64_t took = dc_ms_now() - t0;
+    print_message("member gone: %d after %llu ms: %s\n", rc, (unsigned long long)took,
+                  dpclip_errmsg(st[0].c));
+    assert_int_not_equal(rc, 0);
+    assert_true(took < timeout_ms + 10000);
+    assert_int_equal(dpclip_ping(st[0].c), 0);
+
+    pair_open("xgone-again", timeout_ms, &r, c2, st2, gc2);
+    for (int it = 0; it < 2; it++) pair_step_ok(st2, gc2);
+    pair_close(c2, st2, gc2);
+    pair_close(c, st, gc);
+}
+
 /* kill -9 of daemon 1 while daemon 0's member waits in a group step: that
  * step fails within the group's timeout with an error naming the other
  * daemon, and daemon 0 keeps serving (a new session's step runs). */
@@ -453,6 +524,7 @@ int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_pp_across_daemons),
         cmocka_unit_test(test_replicated_across_daemons),
+        cmocka_unit_test(test_peer_member_gone),
         cmocka_unit_test(test_peer_daemon_killed),
     };
     return cmocka_run_group_tests(tests, setup, teardown);
