@@ -410,6 +410,13 @@ def check_rank(rank, world, init_file, args, out_dir):
             if rank == 0:
                 log("check: step %d/%d, loss %.5f" % (s + 1, CHECK_STEPS, losses[-1]))
         engine.close()
+        # What the module holds after the steps: a parameter that is not the
+        # sharded one FSDP steps (an unsharded copy left registered) is
+        # reported, and read as the optimizer's after reshard().
+        held = {n: "%s/%s" % (type(p).__name__, str(p.dtype).replace("torch.", ""))
+                for n, p in model.named_parameters()}
+        if hasattr(model, "reshard"):
+            model.reshard()
         final = {}
         with torch.no_grad():
             for n, p in model.named_parameters():
@@ -417,7 +424,8 @@ def check_rank(rank, world, init_file, args, out_dir):
                 if rank == 0:
                     final[n] = whole.float().cpu()
         if rank == 0:
-            torch.save({"final": final, "losses": losses}, os.path.join(out_dir, "check.pt"))
+            torch.save({"final": final, "losses": losses, "held": held},
+                       os.path.join(out_dir, "check.pt"))
     finally:
         dist.destroy_process_group()
 
@@ -462,6 +470,7 @@ def compare(ref, got):
     out = {"max_abs_diff": 0.0, "max_rel_diff": 0.0, "max_rel_param": None,
            "max_tensor_l2_rel_diff": 0.0, "l2_worst_param": None, "max_abs_update": 0.0}
     num = den = 0.0
+    per = {}
     for n, p0 in ref["init"].items():
         pr, pf = ref["final"][n].double(), got["final"][n].double()
         upd = pr - p0.double()
@@ -475,11 +484,14 @@ def compare(ref, got):
         for key, worst, rel in rels:
             if out[worst] is None or rel > out[key]:
                 out[key], out[worst] = rel, n
+        per[n] = math.sqrt(dd / uu) if uu > 0 else (0.0 if dd == 0 else math.inf)
         out["max_abs_diff"] = max(out["max_abs_diff"], d)
         out["max_abs_update"] = max(out["max_abs_update"], scale)
         num += dd
         den += uu
     out["update_l2_rel_diff"] = math.sqrt(num / den) if den > 0 else math.inf
+    out["l2_rel_diff_top"] = {n: round(v, 6) for n, v in sorted(
+        per.items(), key=lambda kv: -kv[1])[:5]}
     return out
 
 
@@ -631,6 +643,10 @@ def check(args, out_dir, sharded):
     ref = torch.load(os.path.join(out_dir, "reference.pt"))
     got = torch.load(os.path.join(out_dir, "check.pt"))
     res = compare(ref, got)
+    kinds = set(got.get("held", {}).values())
+    if sharded and len(kinds) > 1:  # every parameter should be a sharded f32 DTensor
+        res["held_after_steps"] = {k: sorted(n for n, v in got["held"].items() if v == k)[:4]
+                                   for k in sorted(kinds)}
     ok = res["max_tensor_l2_rel_diff"] <= tol and res["max_abs_update"] > 0
     print(json.dumps({
         "bench": "fsdp", "check": True, "model": args.model, "world": args.world,
