@@ -198,45 +198,10 @@ static void run_group(dc_shm_step *st, int n, dpclip_result *res, int *rcs, cons
     for (int k = 0; k < n; k++) assert_int_equal(from_gpu(&st[k], &g[k]), 0);
 }
 
-/* dc_group_check; in the GPU layout the same checks at the GPU's bounds. */
+/* dc_group_check; in the GPU layout at the GPU's bounds. */
 static void check(dc_shm_step *st, int n, const dpclip_result *res, float C) {
-    double tot[B], coef[B];
-    int clipped = 0;
-    if (!g_gpus) {
-        dc_group_check(st, n, res, C);
-        return;
-    }
-    dc_group_sq(st, n, tot);
-    for (int b = 0; b < B; b++) {
-        coef[b] = fmin(1.0, C / (sqrt(tot[b]) + 1e-6));
-        clipped += coef[b] < 1.0;
-    }
-    assert_true(clipped > 0 && clipped < B); /* the threshold bites, not everywhere */
-    for (int k = 0; k < n; k++) {
-        for (int b = 0; b < B; b++) {
-            assert_true(fabs(res[k].norms[b] - sqrt(tot[b])) <= GPU_NORM_RTOL * sqrt(tot[b]));
-            assert_true(fabs(res[k].coefs[b] - coef[b]) <= GPU_NORM_RTOL * coef[b]);
-        }
-        int64_t m = dc_shm_step_outputs(&st[k], NULL), off = 0;
-        float *got = malloc((size_t)m * sizeof *got);
-        double *want = calloc((size_t)m, sizeof *want);
-        assert_non_null(got);
-        assert_non_null(want);
-        dc_shm_step_outputs(&st[k], got);
-        for (size_t l = 0; l < st[k].ref.n_layers; l++) {
-            const dc_layer *ly = &st[k].ref.layers[l];
-            int64_t nw = dc_test_tensor_numel(&ly->weight_grad_out);
-            int64_t nb = ly->bias_grad_out.data ? dc_test_tensor_numel(&ly->bias_grad_out) : 0;
-            dc_ref_layer_clipped_sum(ly, B, 1.0, coef, want + off, nb ? want + off + nw : NULL);
-            off += nw + nb;
-        }
-        assert_int_equal(off, m);
-        double e = dc_test_max_relerr_f(got, want, m, GPU_OUT_RTOL, GPU_OUT_ATOL);
-        if (e > 1.0) print_message("member %d: outputs off by %.3g of tolerance\n", k, e);
-        assert_true(e <= 1.0);
-        free(got);
-        free(want);
-    }
+    if (g_gpus) dc_group_check_tol(st, n, res, C, GPU_NORM_RTOL, GPU_OUT_RTOL, GPU_OUT_ATOL);
+    else dc_group_check(st, n, res, C);
 }
 
 /* Member k's daemon: the first half of n on daemon 0. Its GPU in the GPU

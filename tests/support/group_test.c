@@ -84,6 +84,11 @@ void dc_group_set_c(dc_shm_step *st, int n, float C, float sigma) {
  * (replicated ones once, from member 0), coefficients, and each member's
  * clipped sums compared with what the daemon wrote. */
 void dc_group_check(dc_shm_step *st, int n, const dpclip_result *res, float C) {
+    dc_group_check_tol(st, n, res, C, 1e-4, 1e-4, 1e-6);
+}
+
+void dc_group_check_tol(dc_shm_step *st, int n, const dpclip_result *res, float C,
+                        double norm_rtol, double out_rtol, double out_atol) {
     double tot[B], coef[B];
     dc_group_sq(st, n, tot);
     int clipped = 0;
@@ -94,8 +99,8 @@ void dc_group_check(dc_shm_step *st, int n, const dpclip_result *res, float C) {
     assert_true(clipped > 0 && clipped < B); /* the threshold bites, not everywhere */
     for (int k = 0; k < n; k++) {
         for (int b = 0; b < B; b++) {
-            assert_true(fabs(res[k].norms[b] - sqrt(tot[b])) <= 1e-4 * sqrt(tot[b]));
-            assert_true(fabs(res[k].coefs[b] - coef[b]) <= 1e-4 * coef[b]);
+            assert_true(fabs(res[k].norms[b] - sqrt(tot[b])) <= norm_rtol * sqrt(tot[b]));
+            assert_true(fabs(res[k].coefs[b] - coef[b]) <= norm_rtol * coef[b]);
         }
         int64_t m = dc_shm_step_outputs(&st[k], NULL);
         float *got = malloc((size_t)m * sizeof *got);
@@ -110,7 +115,7 @@ void dc_group_check(dc_shm_step *st, int n, const dpclip_result *res, float C) {
             off += nw + nb;
         }
         assert_int_equal(off, m);
-        double e = dc_test_max_relerr_f(got, want, m, 1e-4, 1e-6);
+        double e = dc_test_max_relerr_f(got, want, m, out_rtol, out_atol);
         if (e > 1.0) print_message("member %d: outputs off by %.3g of tolerance\n", k, e);
         assert_true(e <= 1.0);
         free(got);

@@ -27,6 +27,10 @@ void dc_group_set_c(dc_shm_step *st, int n, float C, float sigma);
 /* Asserts norms, coefficients and every member's clipped sums against the
  * whole model's reference at threshold C. */
 void dc_group_check(dc_shm_step *st, int n, const dpclip_result *res, float C);
+/* The same at other bounds: norms and coefficients within norm_rtol, the
+ * clipped sums within out_rtol/out_atol (the GPU's, for instance). */
+void dc_group_check_tol(dc_shm_step *st, int n, const dpclip_result *res, float C,
+                        double norm_rtol, double out_rtol, double out_atol);
 uint64_t dc_ms_now(void);
 
 /* A small transformer (embedding, LayerNorm, MLP, RMSNorm, head) and its
