@@ -302,7 +302,18 @@ class _CudaIO:
     once its writes are done, and the host reuses a slot only once the
     trainer's stream has copied it out. So the daemon never waits for work
     queued behind a collective, which waits for another rank's daemon
-    work (the deadlock the noise step's ordering avoids too)."""
+    work (the deadlock the noise step's ordering avoids too).
+
+    The slots are taken from the caching allocator together, at the first
+    sums step, and the trainer's stream is drained before the daemon
+    writes either: the daemon's writes are in no order with that stream,
+    and memory the allocator hands out may still be read by work queued
+    on it. A slot taken at the second bucket got the memory of the first
+    bucket's staging, free for the stream once its reduce-scatter was
+    queued (torch's NCCL group releases a synchronous collective's tensors
+    when the stream is made to wait for it) but still being read: the
+    daemon wrote the second bucket's sums over it, and the first bucket's
+    parameters (a Llama's token embedding and block 0's norms) summed them."""
 
     def __init__(self, sh: "Sharded", plan: _planner.Plan, nb: int, device: torch.device):
         self.sh, self.plan, self.nb, self.device = sh, plan, nb, device
@@ -348,7 +359,13 @@ class _CudaIO:
         if self.copied_ev[slot] is not None:
             self.copied_ev[slot].synchronize()  # the host: bucket k - 2 is out of it
         if self.slots[slot] is None:
-            self.slots[slot] = torch.empty(self.widest, dtype=sh.dtype, device=self.device)
+            # both slots now, none later (see the class's docstring), then
+            # the stream drained: nearly free, the host waited on it just
+            # before (the noise step's turn)
+            for i in range(min(2, len(sh._buckets))):  # pylint: disable=protected-access
+                if self.slots[i] is None:
+                    self.slots[i] = torch.empty(self.widest, dtype=sh.dtype, device=self.device)
+            torch.cuda.current_stream(self.device).synchronize()
         buf = self.slots[slot]
         esz = _ESIZE[sh.dtype]
         st = sh._clip  # pylint: disable=protected-access

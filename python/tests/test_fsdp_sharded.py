@@ -240,3 +240,130 @@ def test_a_model_wrapped_after_make_private_is_refused_at_its_first_step(daemon)
         "then call make_private" in msg, msg
     assert engine.steps == 0 and engine.last_step_index == 0
     engine.close()
+
+
+def test_cuda_sums_slots_never_take_memory_a_queued_collective_still_reads(monkeypatch):
+    """The GPU transport (_CudaIO) on the CPU, with a caching allocator's
+    and an NCCL group's semantics emulated: a synchronous reduce-scatter
+    only reads its input once the stream runs it (here: at the next
+    collective or synchronization), while its input, freed by the caller,
+    is handed out again at once to an allocation of its size; the daemon
+    writes a sums slot as soon as the sums step is sent, in no order with
+    the stream. Bucket 0 (the widest; as a Llama's token embedding and
+    block 0's norms) must still be reduce-scattered from its own sums: a
+    slot taken at bucket 1 got bucket 0's staging and the daemon wrote
+    bucket 1's sums over it before the reduce-scatter read it (the
+    llama1b --check failure of bench_fsdp.py on 4 GPUs)."""
+    import contextlib
+    import ctypes
+    import weakref
+
+    class L:
+        def __init__(self, w):
+            self.w_out, self.b_out = Out(w), None
+
+    layers = [L(torch.empty(r, 32)) for r in (64, 32, 16)]  # buckets [0], [1, 2] below
+    pieces, full_n, shard_n = _fsdp.layout(layers, 1, 0)
+    bks = _fsdp.buckets(pieces, 64 * 32)
+    assert bks == [(0, 1), (1, 3)]
+
+    real_empty = torch.empty
+    pending = []  # the stream's queued collectives, run in order
+
+    def flush():
+        while pending:
+            pending.pop(0)()
+
+    def storage(t):
+        return t.untyped_storage() if hasattr(t, "untyped_storage") else t.storage()
+
+    def alias(t):  # the same memory, holding no reference to t
+        return real_empty(0, dtype=t.dtype).set_(storage(t), t.storage_offset(), t.size(),
+                                                 t.stride())
+
+    freed = {}  # (numel, dtype) -> memory the allocator may hand out again
+
+    def empty(*size, dtype=None, device=None, **kw):
+        shape = tuple(size[0]) if len(size) == 1 and isinstance(size[0], (tuple, list)) \
+            else tuple(size)
+        key = (math.prod(shape), dtype)
+        if freed.get(key):
+            t = real_empty(0, dtype=dtype).set_(freed[key].pop(), 0, shape)
+        else:
+            t = real_empty(*size, dtype=dtype, device=device, **kw)
+        weakref.finalize(t, lambda s=storage(t): freed.setdefault(key, []).append(s))
+        return t
+
+    def reduce_scatter_tensor(out, inp, group=None):
+        flush()  # collectives run in order
+        src = alias(inp)
+        pending.append(lambda: out.copy_(src))  # world 1: the rank's row is the input
+
+    class Stream:
+        def synchronize(self):
+            flush()
+
+    class Event:
+        def __init__(self, **_):
+            pass
+
+        def record(self, stream=None):
+            pass
+
+        def synchronize(self):
+            flush()
+
+    monkeypatch.setattr(torch, "empty", empty)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda *a, **k: Stream())
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
+    monkeypatch.setattr(torch.distributed, "reduce_scatter_tensor", reduce_scatter_tensor,
+                        raising=False)
+
+    def want(first, last):  # bucket's sums as the daemon writes them: element i is i + 1
+        base = pieces[first].full_off
+        end = pieces[last - 1].full_off + _fsdp._al(pieces[last - 1].chunk *
+                                                     pieces[last - 1].inner)
+        return torch.arange(base, end, dtype=torch.float32) + 1
+
+    class Client:
+        ptr = None
+
+        def register_cuda(self, ptr):
+            self.ptr = ptr
+            return 7, 0
+
+    class Daemon:  # the sums steps: written through the daemon's own mapping
+        calls = 0
+
+        def reset(self, nb):
+            pass
+
+        def set_phase(self, phase):
+            pass
+
+        def run(self, client):
+            src = want(*bks[self.calls])
+            self.calls += 1
+            ctypes.memmove(client.ptr, src.data_ptr(), src.numel() * 4)
+
+    sh = _fsdp.Sharded.__new__(_fsdp.Sharded)
+    sh.engine = type("E", (), {"client": Client(), "algorithm": 0, "_cuda": None})()
+    sh.pieces, sh.full_n, sh.shard_n, sh._buckets = pieces, full_n, shard_n, bks
+    sh.widest = max(pieces[l - 1].full_off - pieces[f].full_off +
+                    _fsdp._al(pieces[l - 1].chunk * pieces[l - 1].inner) for f, l in bks)
+    sh.world, sh.rank, sh.group, sh.dtype = 1, 0, None, torch.float32
+    sh._rs_native, sh._events, sh.sums_steps, sh._clip = True, [], 0, Daemon()
+    plan = _fsdp._planner.Plan([], [])
+    io = _fsdp._CudaIO(sh, plan, 1, torch.device("cpu"))
+    shards, failed = sh._sums_and_scatter(plan, io, torch.device("cpu"), True, None)
+    flush()
+    assert failed is None and sh.sums_steps == 2
+    for k, (first, last) in enumerate(bks):
+        sums = want(first, last)
+        base = pieces[first].full_off
+        for pc in pieces[first:last]:
+            n = pc.chunk * pc.inner
+            got = shards[pc.shard_off:pc.shard_off + n]
+            assert torch.equal(got, sums[pc.full_off - base:pc.full_off - base + n]), \
+                (k, pc.shape, got[:4])
