@@ -27,6 +27,9 @@ struct dc_group {
     dc_group_waiter **calling; /* [size]: the waiters being answered */
     dc_group_waiter **unfusing; /* [size]: unrun steps sent to compute their norms */
     uint32_t n_waiting;
+    /* The last group step's members were on different devices: later steps
+     * compute their norms on arrival instead of waiting to be fused. */
+    bool split_devices;
     dc_group_terms terms;      /* of the first member to deliver */
     uint32_t first_rank;
     double *tot;               /* [terms.batch] */
@@ -267,28 +270,32 @@ static void answer(dc_group *g, uint64_t exchange_ns) {
     for (uint32_t i = 0; i < n; i++) all[i]->done(all[i], 0, g->tot, NULL);
 }
 
-/* Every member of a one-daemon group is here. Steps delivered unrun
- * (partial NULL) run as one fused step when all were, on one device: the
- * group step ends, handed to fuse. Otherwise each unrun step leaves the
- * waiting list to compute its norms and delivers them again. Returns false
- * when every member delivered norms (the caller answers). */
-static bool fuse_or_split(dc_group *g) {
-    uint32_t unrun = 0, m = 0;
-    bool one_device = true;
+/* Whether the steps waiting now are on one device (or host memory). */
+static bool one_device(const dc_group *g) {
     int device = 0;
+    bool seen = false;
     for (uint32_t r = 0; r < g->size; r++) {
         const dc_group_waiter *w = g->waiting[r];
-        if (!w || w->partial) continue;
-        if (unrun++ == 0) device = w->device;
-        else one_device &= w->device == device;
+        if (!w) continue;
+        if (seen && w->device != device) return false;
+        device = w->device;
+        seen = true;
     }
-    if (unrun == 0) return false;
-    if (unrun == g->n_waiting && one_device) {
-        dc_group_waiter **all = g->calling;
-        uint32_t n = take_reduced(g, 0);
-        all[0]->fuse(all, n);
-        return true;
-    }
+    return true;
+}
+
+/* Whether the steps waiting now can still run as one fused step: none has
+ * computed its norms, all on one device. */
+static bool may_fuse(const dc_group *g) {
+    for (uint32_t r = 0; r < g->size; r++)
+        if (g->waiting[r] && g->waiting[r]->partial) return false;
+    return one_device(g);
+}
+
+/* Each unrun step waiting leaves the list to compute its norms and
+ * delivers them again (unfuse). */
+static void split_unrun(dc_group *g) {
+    uint32_t m = 0;
     for (uint32_t r = 0; r < g->size; r++) {
         dc_group_waiter *w = g->waiting[r];
         if (!w || w->partial) continue;
@@ -297,6 +304,26 @@ static bool fuse_or_split(dc_group *g) {
         g->n_waiting--;
     }
     for (uint32_t i = 0; i < m; i++) g->unfusing[i]->unfuse(g->unfusing[i]);
+}
+
+/* Every member of a one-daemon group is here. Steps delivered unrun
+ * (partial NULL) run as one fused step when all were, on one device: the
+ * group step ends, handed to fuse. Otherwise each unrun step leaves the
+ * waiting list to compute its norms and delivers them again. Returns false
+ * when every member delivered norms (the caller answers). */
+static bool fuse_or_split(dc_group *g) {
+    uint32_t unrun = 0;
+    g->split_devices = !one_device(g);
+    for (uint32_t r = 0; r < g->size; r++)
+        unrun += g->waiting[r] && !g->waiting[r]->partial;
+    if (unrun == 0) return false;
+    if (unrun == g->n_waiting && !g->split_devices) {
+        dc_group_waiter **all = g->calling;
+        uint32_t n = take_reduced(g, 0);
+        all[0]->fuse(all, n);
+        return true;
+    }
+    split_unrun(g);
     return true;
 }
 
@@ -657,7 +684,12 @@ int dc_group_deliver(dc_group *g, dc_group_waiter *w, dc_err *err) {
         for (uint32_t b = 0; b < g->terms.batch; b++) g->tot[b] += w->partial[b];
     g->waiting[w->rank] = w;
     if (!w->wait_ns) w->wait_ns = uv_hrtime(); /* kept from a fusable delivery */
-    if (++g->n_waiting < local_members(g)) return 0;
+    if (++g->n_waiting < local_members(g)) {
+        /* Steps that can no longer fuse (members on several GPUs) compute
+         * their norms now rather than after the last member's arrival. */
+        if (g->daemons <= 1 && (g->split_devices || !may_fuse(g))) split_unrun(g);
+        return 0;
+    }
     if (g->daemons <= 1) {
         /* every member is here: the totals go to each */
         if (!fuse_or_split(g)) answer(g, 0);
