@@ -51,8 +51,11 @@ to the daemon: engine.last_timing["run_ms"]), and from the daemon's reply
 totals: a later stage's includes waiting for the earlier stage's backward),
 group_exchange_ms (of it, the daemons' NCCL exchange) and
 daemon_compute_ms. The ratio line's reduction_ms is the group's smallest
-group_wait_ms (the member that arrives last, stage 0 of a pipeline, waits
-only for the reduction itself), reduction_share its share of the step, and
+group_wait_ms (across daemons the member that arrives last, stage 0 of a
+pipeline, waits only for the reduction itself; on one daemon over several
+GPUs its wait also holds its own norm pass, which waits on the GPU for its
+backward: there the step ratio is the measure), reduction_share its share
+of the step, and
 last_member_daemon_call_ms that member's whole daemon call (the private
 step's part of the critical path: reduction, clipped sums, noise).
 
