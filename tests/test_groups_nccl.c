@@ -36,6 +36,7 @@
 #include <cuda_runtime_api.h>
 #endif
 
+#include "gpu.h"
 #include "group_test.h"
 #include "harness.h"
 
@@ -50,7 +51,7 @@
 
 static dc_harness g_d[2]; /* daemon 0 and daemon 1 */
 static int g_gpus;        /* 1: the layout with a GPU per daemon */
-static char g_gpu_id[2][48]; /* there, daemon k's CUDA_VISIBLE_DEVICES: GPU k's UUID */
+static char g_gpu_id[2][DC_GPU_UUID_STR]; /* there, daemon k's CUDA_VISIBLE_DEVICES: GPU k's UUID */
 
 /* A member's tensors on its daemon's GPU (the GPU layout; p is NULL in the
  * other). */
@@ -71,17 +72,12 @@ static int find_gpus(void) {
     }
     for (int k = 0; k < 2; k++) {
         struct cudaDeviceProp p;
-        const unsigned char *u;
         cudaError_t e = cudaGetDeviceProperties(&p, k);
         if (e != cudaSuccess) {
             fprintf(stderr, "cudaGetDeviceProperties(%d): %s\n", k, cudaGetErrorString(e));
             return -1;
         }
-        u = (const unsigned char *)p.uuid.bytes;
-        snprintf(g_gpu_id[k], sizeof g_gpu_id[k],
-                 "GPU-%02x%02x%02x%02x-%02x%02x-%02x%02x-%02x%02x-%02x%02x%02x%02x%02x%02x", u[0],
-                 u[1], u[2], u[3], u[4], u[5], u[6], u[7], u[8], u[9], u[10], u[11], u[12], u[13],
-                 u[14], u[15]);
+        dc_gpu_uuid_str((const uint8_t *)p.uuid.bytes, g_gpu_id[k]); /* as the daemon prints it */
     }
     return 1;
 #else
