@@ -85,7 +85,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "python"))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from bench_torch_step import MODELS, RMSNorm, peak_mb, reset_peak, sync  # noqa: E402
+from bench_torch_step import MODELS, RMSNorm, peak_mb, reset_peak, sync, token_batch  # noqa: E402
 from bench_torch_step import build as make_model  # noqa: E402
 from dpclip.torch import PrivacyEngine, register  # noqa: E402
 
@@ -232,20 +232,9 @@ def make_opacus(args, model, rank, world, own_norms):
     return model, opt, criterion
 
 
-def rank_batch(args, rank, device):
-    """The timing's fixed batch of this rank."""
-    g = torch.Generator(device="cpu").manual_seed(1 + rank)
-    x = torch.randint(0, args.vocab, (args.batch, args.seq), generator=g).to(device)
-    y = torch.randint(0, args.vocab, (args.batch, args.seq), generator=g).to(device)
-    return x, y
-
-
 def global_batch(args, world, step):
     """The check's global batch of a step: world * B samples."""
-    g = torch.Generator(device="cpu").manual_seed(1000 + step)
-    shape = (world * args.batch, args.seq)
-    return (torch.randint(0, args.vocab, shape, generator=g),
-            torch.randint(0, args.vocab, shape, generator=g))
+    return token_batch(args, torch.device("cpu"), seed=1000 + step, batch=world * args.batch)
 
 
 def seq_loss(logits, y):
@@ -267,7 +256,7 @@ def timed_run(args, rank, world, device, mesh, init, mode, own_norms=True):
         opt = torch.optim.SGD(model.parameters(), lr=LR)
         if mode == "dpclip":
             engine, model, opt = private(args, model, world, mesh is None, 1.0, LR)
-    x, y = rank_batch(args, rank, device)
+    x, y = token_batch(args, device, seed=1 + rank)  # the timing's fixed batch of this rank
     parts = {"reduce_scatter_ms": 0.0, "clip_ms": 0.0, "noise_ms": 0.0}
     extra = {}
 

@@ -138,10 +138,7 @@ def build_part(args, stages, stage, device):
 def union_batch(args, replicas, device):
     """token_batch's fixed tokens for every replica: replica i takes rows
     [i*B, (i+1)*B) (with one replica, token_batch's batch itself)."""
-    a = argparse.Namespace(**vars(args))
-    a.batch = args.batch * replicas
-    x, y = token_batch(a, torch.device("cpu"))
-    return x.to(device), y.to(device)
+    return token_batch(args, device, batch=args.batch * replicas)
 
 
 class Rank:

@@ -151,11 +151,13 @@ def build(args):
     return GPT(args.vocab, args.seq, args.d, args.blocks, args.heads)
 
 
-def token_batch(args, device):
-    """The benchmark's (inputs, targets): the same random tokens every run."""
-    g = torch.Generator(device="cpu").manual_seed(1)
-    x = torch.randint(0, args.vocab, (args.batch, args.seq), generator=g).to(device)
-    y = torch.randint(0, args.vocab, (args.batch, args.seq), generator=g).to(device)
+def token_batch(args, device, seed=1, batch=None):
+    """The benchmark's (inputs, targets): the same random tokens every run
+    of one seed; `batch` samples (args.batch)."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    shape = (args.batch if batch is None else batch, args.seq)
+    x = torch.randint(0, args.vocab, shape, generator=g).to(device)
+    y = torch.randint(0, args.vocab, shape, generator=g).to(device)
     return x, y
 
 
