@@ -51,10 +51,13 @@
  *                     check that the paths agree);
  *   amax_found        outputs whose max |.| the grouped clipped sum's
  *                     epilogue found (the output check does not read them).
+ *   kept_layers       layers whose per-sample gradients the norms kept
+ *                     (cuda/sgrad.cu): their clipped sum is a pass over them.
  * "old" is the previous backend (per-layer norms and book-keeping, staged
  * outputs, double-precision noise, exact f32); "new" the defaults; the
- * "new_but_*" lines turn one switch back each (per-layer launches, staged
- * outputs, double noise, exact f32).
+ * "new_but_*" lines turn one switch back each (the GEMM clipped sum with no
+ * kept gradients, per-layer launches, staged outputs, double noise, exact
+ * f32); "new_keep_16g" (Llama) keeps up to 16 GiB instead of the default 4.
  *
  * Usage: bench_cuda_norms [reps]      (default 20): everything
  *        bench_cuda_norms step [reps] (default 10): the GPT-2 step only
@@ -284,6 +287,8 @@ static double stack_gemms(cublasHandle_t h, cudaStream_t st, stack &m, dc_dtype 
 struct step_cfg {
     const char *name;
     bool tf32, grouped, one_pass, exact_noise;
+    long long keep; /* per-sample gradients kept: -1 none (DPCLIP_CUDA_SGRAD=0), 0 up to
+                       the default gpu.sample_grads_max, else up to that many bytes */
 };
 
 static double rel_diff(const float *x, const float *x0, size_t n) {
@@ -329,7 +334,9 @@ static void stack_run(cublasHandle_t h, cudaStream_t st, stack &m, dc_dtype dt,
         opt.grouped = cfgs[c].grouped;
         opt.one_pass = cfgs[c].one_pass;
         opt.noise = cfgs[c].exact_noise ? DCC_NOISE_EXACT : DCC_NOISE_FAST;
+        opt.sgrad = cfgs[c].keep >= 0 ? DCC_SGRAD_AUTO : DCC_SGRAD_OFF;
         dc_cuda_backend_set_options(be, &opt);
+        if (cfgs[c].keep > 0) dc_cuda_backend_set_sample_grads(be, (size_t)cfgs[c].keep);
         dc_step_result r;
         if (dc_step_result_init(&r, s.batch, s.n_layers, false)) exit(1);
         std::vector<double> host, hot;
@@ -389,14 +396,16 @@ static void stack_run(cublasHandle_t h, cudaStream_t st, stack &m, dc_dtype dt,
                "\"norms_over_gemm\":%.3f,\"clipped_over_gemm\":%.3f,"
                "\"gemm_after_step_ms\":%.3f,\"step_over_gemm_after\":%.3f,"
                "\"norms_over_gemm_after\":%.3f,\"clipped_over_gemm_after\":%.3f,"
-               "\"rel_diff_vs_first\":%.2e,\"workspace_bytes\":%zu,\"amax_found\":%d}\n",
+               "\"rel_diff_vs_first\":%.2e,\"workspace_bytes\":%zu,\"amax_found\":%d,"
+               "\"kept_layers\":%d}\n",
                m.name, m.NL, m.B, m.T, dc_dtype_name(dt), cfgs[c].name,
                cfgs[c].tf32 ? "true" : "false", cfgs[c].grouped ? "true" : "false",
                cfgs[c].one_pass ? "true" : "false", cfgs[c].exact_noise ? "exact" : "fast",
                host[host.size() / 2], gpu, phases, gemm_ms, gemm_exact_ms,
                host[host.size() / 2] / gemm_ms, ph[1] / gemm_ms, ph[3] / gemm_ms, gemm_hot,
                host[host.size() / 2] / gemm_hot, ph[1] / gemm_hot, ph[3] / gemm_hot, diff,
-               dc_cuda_backend_workspace_bytes(be), dc_cuda_backend_amax_found(be));
+               dc_cuda_backend_workspace_bytes(be), dc_cuda_backend_amax_found(be),
+               dc_cuda_backend_kept_layers(be));
         fflush(stdout);
         dc_step_result_free(&r);
         dc_backend_destroy(be);
@@ -420,9 +429,9 @@ static void stack_f32(cublasHandle_t h, cudaStream_t st, stack &m, int reps) {
     }
     CK(cudaDeviceSynchronize());
     static const step_cfg f_cfgs[] = {
-        {"old", false, false, false, true},
-        {"new", true, true, true, false},
-        {"new_but_exact_f32", false, true, true, false},
+        {"old", false, false, false, true, -1},
+        {"new", true, true, true, false, 0},
+        {"new_but_exact_f32", false, true, true, false, 0},
     };
     double g_tf32 = stack_gemms(h, st, m, DC_F32, CUBLAS_COMPUTE_32F_FAST_TF32, reps);
     double g_f32 = stack_gemms(h, st, m, DC_F32, CUBLAS_COMPUTE_32F, std::max(1, reps / 4));
@@ -444,14 +453,22 @@ static void stack_bench(cublasHandle_t h, cudaStream_t st, int reps, bool llama)
     }
     CK(cudaDeviceSynchronize());
     static const step_cfg bf_cfgs[] = {
-        {"old", false, false, false, true},
-        {"new", true, true, true, false},
-        {"new_but_per_layer", true, false, true, false},
-        {"new_but_staged_out", true, true, false, false},
-        {"new_but_exact_noise", true, true, true, true},
+        {"old", false, false, false, true, -1},
+        {"new", true, true, true, false, 0},
+        {"new_but_gemm_sum", true, true, true, false, -1},
+        {"new_keep_16g", true, true, true, false, 16LL << 30},
+        {"new_but_per_layer", true, false, true, false, -1},
+        {"new_but_staged_out", true, true, false, false, 0},
+        {"new_but_exact_noise", true, true, true, true, 0},
     };
     double gemm = stack_gemms(h, st, m, DC_BF16, CUBLAS_COMPUTE_32F, reps);
-    stack_run(h, st, m, DC_BF16, bf_cfgs, llama ? 2 : 5, gemm, gemm, CUBLAS_COMPUTE_32F, reps);
+    /* GPT-2's kept gradients (2 GB) fit the default budget: its 16 GiB line
+       is the same step, skipped */
+    std::vector<step_cfg> run;
+    for (int c = 0; c < (int)(sizeof bf_cfgs / sizeof bf_cfgs[0]); c++)
+        if (llama ? c < 4 : c != 3) run.push_back(bf_cfgs[c]);
+    stack_run(h, st, m, DC_BF16, run.data(), (int)run.size(), gemm, gemm, CUBLAS_COMPUTE_32F,
+              reps);
     if (!llama) stack_f32(h, st, m, reps);
     for (int l = 0; l < m.NL; l++) {
         CK(cudaFree(m.a[l]));

@@ -80,6 +80,14 @@ extern "C" int dc_cuda_backend_set_workspace(dc_backend *be, size_t initial, siz
     return 0;
 }
 
+extern "C" void dc_cuda_backend_set_sample_grads(dc_backend *be, size_t max) {
+    ((cuda_backend *)be)->sg_max = max;
+}
+
+extern "C" int dc_cuda_backend_kept_layers(const dc_backend *be) {
+    return ((const cuda_backend *)be)->sg_kept;
+}
+
 extern "C" size_t dc_cuda_backend_workspace_bytes(const dc_backend *be) {
     return ((const cuda_backend *)be)->ws_cap;
 }

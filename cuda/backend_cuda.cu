@@ -72,7 +72,30 @@ namespace {
 
 
 
-int plan_step(cuda_backend *cb, const dc_step *s, layout *Lo, dc_err *err) {
+/* Bytes of workspace that keep layer l's per-sample gradients (al()-ed),
+ * or 0 where they are not kept: a LINEAR layer of the grouped norm kernel
+ * whose clipped sum the grouped book-keeping kernel would make (so the
+ * output check's plan for it holds), not tied (its norm is a pair's), not
+ * rescued on the host, in a whole step (keep: the phases of a norm group
+ * run its norms in another call). */
+size_t keep_bytes(const cuda_backend *cb, const dc_step *s, size_t l, bool keep) {
+    const dc_layer *ly = &s->layers[l];
+    if (!keep || cb->opt.sgrad == DCC_SGRAD_OFF || !cb->opt.grouped || cb->sg_max == 0 ||
+        ly->kind != DC_LAYER_LINEAR || ly->tie || !want_out(ly, 0) ||
+        (cb->ovr_active && cb->ovr[l]))
+        return 0;
+    dcc_linear x = linear_of(cb, ly, (int)s->batch, dc_layer_norm_bias(ly), false);
+    /* a kept layer's norms run direct, even where the ghost form would be
+     * cheaper alone (grouped_norms), unless the client asked for ghost */
+    if (ly->algo == DC_ALGO_GHOST || !dcc_norms_grouped_ok(&x, DC_ALGO_DIRECT) ||
+        !dcc_bk_grouped_ok(&x) ||
+        (cb->opt.sgrad != DCC_SGRAD_ALL &&
+         !dcc_sgrad_worth(x.T, x.d, x.p, dcc_linear_pick_grouped(x.T, x.d, x.p, ly->algo))))
+        return 0;
+    return al(dcc_sgrad_bytes(&x));
+}
+
+int plan_step(cuda_backend *cb, const dc_step *s, bool keep, layout *Lo, dc_err *err) {
     const size_t L = s->n_layers, B = s->batch, LB = L * B;
     size_t o = 0, staged = 0, temp = 0;
     memset(Lo, 0, sizeof *Lo);
@@ -91,7 +114,13 @@ int plan_step(cuda_backend *cb, const dc_step *s, layout *Lo, dc_err *err) {
         if (y) cb->safe = y;
         uint64_t *z = y ? (uint64_t *)realloc(cb->woff, L * sizeof *z) : NULL;
         if (z) cb->woff = z;
-        if (!z) return dc_err_set(err, DC_ENOSPACE, "", "out of memory");
+        size_t *so = z ? (size_t *)realloc(cb->sg_off, L * sizeof *so) : NULL;
+        if (so) cb->sg_off = so;
+        int *bl = so ? (int *)realloc(cb->bk_layer, L * sizeof *bl) : NULL;
+        if (bl) cb->bk_layer = bl;
+        dcc_sg_layer *sl = bl ? (dcc_sg_layer *)realloc(cb->sgl, L * sizeof *sl) : NULL;
+        if (sl) cb->sgl = sl;
+        if (!sl) return dc_err_set(err, DC_ENOSPACE, "", "out of memory");
         cb->lay_cap = L;
     }
     for (size_t l = 0; l < L; l++) {
@@ -186,6 +215,19 @@ int plan_step(cuda_backend *cb, const dc_step *s, layout *Lo, dc_err *err) {
     Lo->temp = o;
     Lo->temp_bytes = temp;
     o += al(temp);
+    /* kept per-sample gradients last: what is left of their cap decides how
+     * many layers fit */
+    Lo->sgrad = o;
+    for (size_t l = 0; l < L; l++) {
+        cb->sg_off[l] = SIZE_MAX;
+        size_t need = keep_bytes(cb, s, l, keep);
+        if (need == 0 || Lo->sgrad_bytes + need > cb->sg_max ||
+            (cb->ws_max && o + need > cb->ws_max))
+            continue;
+        cb->sg_off[l] = o;
+        o += need;
+        Lo->sgrad_bytes += need;
+    }
     Lo->total = o;
     return 0;
 }
@@ -303,8 +345,13 @@ int run_impl(dc_backend *be, const dc_step *s, dc_step_result *res, dc_err *err,
         (void)cudaGetLastError();
         return dc_err_set(err, DC_EUNAVAIL, "", "cannot select cuda:%d", cb->device);
     }
-    if ((rc = plan_step(cb, s, &Lo, err))) return rc;
-    if ((rc = reserve(cb, &Lo, err))) return rc;
+    if ((rc = plan_step(cb, s, io.want == CP_ALL, &Lo, err))) return rc;
+    if ((rc = reserve(cb, &Lo, err))) {
+        /* kept gradients are an optimisation: without them the step may fit */
+        if (rc != DC_ENOSPACE || Lo.sgrad_bytes == 0) return rc;
+        dc_err_clear(err);
+        if ((rc = plan_step(cb, s, false, &Lo, err)) || (rc = reserve(cb, &Lo, err))) return rc;
+    }
 
     {
         /* per-step tables, uploaded in one copy */
@@ -356,6 +403,7 @@ int run_impl(dc_backend *be, const dc_step *s, dc_step_result *res, dc_err *err,
                                   : 1.0f;
         char *ws = cb->ws;
         cb->bk_n = 0;
+        cb->sg_kept = 0;
         cb->amax_found = 0;
         if (opt.grouped && io.want != CP_NORMS) /* marks every layer, grouped or not */
             cb->amax_found = grouped_clipped_plan(cb, s, &Lo, outs);
@@ -633,6 +681,7 @@ extern "C" int dc_cuda_backend_create(int device, dc_backend **out, dc_err *err)
     /* Phase timing feeds the daemon's per-phase histograms: on unless
      * DPCLIP_CUDA_PROFILE=0 (nine event records a step, a few microseconds
      * of host time that overlap the GPU's work). */
+    cb->sg_max = DC_CUDA_SAMPLE_GRADS_DEFAULT;
     dcc_options_from_env(&cb->opt);
     if (cb->opt.profile) (void)dc_cuda_backend_profile(&cb->base, 1);
     return 0;

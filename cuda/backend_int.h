@@ -28,6 +28,8 @@ struct cuda_backend {
     char *ws;
     size_t ws_cap;
     size_t ws_max;      /* gpu.workspace_max; 0 = no cap */
+    size_t sg_max;      /* gpu.sample_grads_max: most workspace for kept per-sample
+                           gradients (sgrad.cu); 0 = none kept */
     char *host; /* pinned: download block, then upload block */
     size_t host_cap;
     /* host-side per-step tables, grown like the workspace */
@@ -43,6 +45,13 @@ struct cuda_backend {
     /* [lay_cap] the staging offset of each layer's weight sum (UINT64_MAX:
      * none); a tied pair's later layer has its owner's (tied_offsets) */
     uint64_t *woff;
+    /* [lay_cap] where layer l's kept per-sample gradients go in the
+     * workspace (plan_step; SIZE_MAX: not kept), the layer of each entry of
+     * bk, and the kept layers' clipped sums (grouped_clipped) */
+    size_t *sg_off;
+    int *bk_layer;
+    dcc_sg_layer *sgl;
+    int sg_kept; /* layers the last step kept (dc_cuda_backend_kept_layers) */
     /* A step retried after an f32 overflow of some LINEAR layers' norms
      * (rescue_overflow): their n2 [lay_cap * B], computed on the host with
      * range scaling, replace the kernels'. NULL = none. */
@@ -79,7 +88,7 @@ inline size_t al(size_t x) { return (x + 255) & ~(size_t)255; }
 struct layout {
     size_t status, mode, bad, n2, flags, amax, norms, coefs, lcoef, dl_bytes;
     size_t cs, perm, fac, up, up_bytes, consts, layer_c, count, outs;
-    size_t staging, per_sample, tot, idx, temp, temp_bytes, total;
+    size_t staging, per_sample, tot, idx, temp, temp_bytes, sgrad, sgrad_bytes, total;
     int n_out;
     uint64_t max_n, staged, chunks;
 };

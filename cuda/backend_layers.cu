@@ -183,6 +183,7 @@ int grouped_clipped_plan(cuda_backend *cb, const dc_step *s, const layout *Lo, d
         if (ly->tie) idx[0] = -1; /* the pair's embedding adds onto it */
         dcc_linear x = linear_of(cb, ly, B, ly->has_bias, false);
         if (!dcc_bk_grouped_ok(&x)) continue;
+        cb->bk_layer[n] = (int)l;
         dcc_bk_layer *e = &cb->bk[n++];
         e->L = x;
         e->perm = (const int *)(cb->ws + Lo->perm) + l * (size_t)B;
@@ -228,20 +229,53 @@ fail:
  * encoder) every layer goes per layer instead. */
 int grouped_clipped(cuda_backend *cb, const dc_step *s, const layout *Lo, dc_err *err) {
     const int B = (int)s->batch;
-    int rc = 0;
+    int rc = 0, n = 0, k = 0;
     cudaError_t e;
     if (cb->bk_n == 0) return 0;
+    /* the layers whose norms kept their per-sample gradients: a pass over
+     * those (sgrad.cu), the others' entries moved up for the GEMM */
+    for (int i = 0; i < cb->bk_n; i++) {
+        const int l = cb->bk_layer[i];
+        const dcc_bk_layer *b = &cb->bk[i];
+        if (cb->sg_off[l] == SIZE_MAX) {
+            cb->bk_layer[n] = l;
+            cb->bk[n++] = *b;
+            continue;
+        }
+        dcc_sg_layer *g = &cb->sgl[k++];
+        dcc_linear x = b->L;
+        x.has_bias = b->bias != NULL;
+        g->sg = cb->ws + cb->sg_off[l];
+        g->sgb = b->bias ? (const float *)(cb->ws + cb->sg_off[l] + dcc_sgrad_bias_off(&x))
+                         : NULL;
+        g->cs = (const float *)(cb->ws + Lo->cs) + (size_t)l * B;
+        g->w = b->w;
+        g->bias = b->bias;
+        g->amax_w = b->amax_w;
+        g->amax_b = b->amax_b;
+        g->d = x.d;
+        g->p = x.p;
+    }
+    cb->bk_n = n;
+    cb->sg_kept = k;
+    if (k > 0) CK(dcc_sgrad_sum(cb->sgl, k, B, cb->stream), "the kept gradients' sum");
+    if (n == 0) return 0;
     CK(dcc_bk_order((const float *)(cb->ws + Lo->cs), (int)s->n_layers, B,
                     (int *)(cb->ws + Lo->perm), (float *)(cb->ws + Lo->fac), cb->stream),
        "the sample order");
     e = dcc_linear_clipped_grouped(cb->bk, cb->bk_n, cb->opt.grouped_layers, cb->stream);
     if (e == cudaErrorNotSupported) {
-        memset(cb->bk_grouped, 0, s->n_layers * sizeof *cb->bk_grouped);
+        for (int i = 0; i < n; i++) cb->bk_grouped[cb->bk_layer[i]] = false;
         return amax_undo(cb, Lo, err);
     }
     CK(e, "the grouped clipped-sum kernel");
 fail:
     return rc;
+}
+
+/* No per-sample gradients kept this step: the norms run without them. */
+static void keep_none(cuda_backend *cb, const dc_step *s) {
+    for (size_t l = 0; l < s->n_layers; l++) cb->sg_off[l] = SIZE_MAX;
 }
 
 /* The grouped norms launch for the direct-form LINEAR layers that qualify,
@@ -257,21 +291,28 @@ int grouped_norms(cuda_backend *cb, const dc_step *s, const layout *Lo, float s2
         cb->nm_grouped[l] = false;
         if (ly->kind != DC_LAYER_LINEAR || (cb->ovr_active && cb->ovr[l])) continue;
         dcc_linear x = linear_of(cb, ly, B, dc_layer_norm_bias(ly), false);
-        if (!dcc_norms_grouped_ok(&x, dcc_linear_pick_grouped(x.T, x.d, x.p, ly->algo)))
+        const bool kept = cb->sg_off[l] != SIZE_MAX; /* keep_bytes: the direct form */
+        if (!dcc_norms_grouped_ok(
+                &x, kept ? DC_ALGO_DIRECT : dcc_linear_pick_grouped(x.T, x.d, x.p, ly->algo)))
             continue;
         dcc_norm_layer *e = &cb->nm[n++];
         e->L = x;
         e->n2 = (float *)(cb->ws + Lo->n2) + l * (size_t)B;
+        e->sg = cb->sg_off[l] == SIZE_MAX ? NULL : cb->ws + cb->sg_off[l];
+        e->sgb = e->sg && x.has_bias ? (float *)(cb->ws + cb->sg_off[l] + dcc_sgrad_bias_off(&x))
+                                     : NULL;
         items += dcc_norms_grouped_items(&x);
         cb->nm_grouped[l] = true;
     }
     if (n == 0 || items < dcc_grouped_min_items(&cb->opt)) {
         memset(cb->nm_grouped, 0, s->n_layers * sizeof *cb->nm_grouped);
+        keep_none(cb, s);
         return 0;
     }
     cudaError_t e = dcc_linear_sqnorms_grouped(cb->nm, n, s2, cb->opt.grouped_layers, cb->stream);
     if (e == cudaErrorNotSupported) { /* nothing was launched: per layer instead */
         memset(cb->nm_grouped, 0, s->n_layers * sizeof *cb->nm_grouped);
+        keep_none(cb, s);
         return 0;
     }
     CK(e, "the grouped norm kernel");

@@ -70,6 +70,18 @@ const char *dc_cuda_phase_name(int phase);
  * DC_ENOSPACE if the preallocation fails. */
 int dc_cuda_backend_set_workspace(dc_backend *be, size_t initial, size_t max, dc_err *err);
 
+/* Caps the device workspace that keeps per-sample gradients between a
+ * step's norms and its clipped sum (gpu.sample_grads_max; 0 = none kept).
+ * Layers the grouped norm kernel takes are kept, in step order, while they
+ * fit within it and within gpu.workspace_max; their clipped sums are then a
+ * pass over memory instead of a GEMM (cuda/sgrad.cu). A step whose
+ * workspace cannot be allocated with them runs without. */
+#define DC_CUDA_SAMPLE_GRADS_DEFAULT ((size_t)8 << 30)
+void dc_cuda_backend_set_sample_grads(dc_backend *be, size_t max);
+/* How many layers of the last step had their per-sample gradients kept
+ * (tests and benchmarks). */
+int dc_cuda_backend_kept_layers(const dc_backend *be);
+
 /* The DPCLIP_CUDA_* switches the instance follows (cuda/dcc.h,
  * dcc_options): read from the environment when it was made; tests and
  * benchmarks replace them between steps. */

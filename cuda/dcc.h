@@ -37,6 +37,9 @@ extern "C" {
  * read from the environment once, where a backend is made
  * (dcc_options_from_env, options.cu, the one reader), and passed down to
  * the kernels' choosers (dcc_linear.opt; NULL means the defaults). */
+/* dcc_options.sgrad */
+enum { DCC_SGRAD_OFF = 0, DCC_SGRAD_AUTO = 1, DCC_SGRAD_ALL = 2 };
+
 typedef struct dcc_options {
     bool tf32;         /* TF32=0: f32 inputs on the exact f32 kernels */
     bool grouped;      /* GROUPED=0: per-layer launches only */
@@ -48,6 +51,8 @@ typedef struct dcc_options {
     bool profile;      /* PROFILE=0: the phases are not timed */
     bool wgmma;        /* WGMMA=0: the mma.sync kernels instead of wgmma */
     bool pdl;          /* PDL=0: a split tail's launch waits for all unsplit CTAs */
+    int sgrad;         /* SGRAD=0: no per-sample gradients kept (a GEMM clipped sum);
+                          =all: every layer that can (tests); else dcc_sgrad_worth's */
     int direct_tile;   /* DIRECT_TILE: 128 or 256 rows; 0: the cost model's */
     int direct_split;  /* DIRECT_SPLIT: every tile split 1-3 ways; 0: the model's */
     int tail_k;        /* DIRECT_TAIL=K[:N]: a K-way tail (2, 3, 4 or 6); 0: none */
@@ -187,6 +192,13 @@ cudaError_t dcc_bk_order(const float *cs, int L, int B, int *perm, float *fac, c
 typedef struct dcc_norm_layer {
     dcc_linear L;
     float *n2; /* device [B] of this layer */
+    /* Non-NULL: the per-sample gradients are kept (sgrad.cu): sg, the weight
+     * gradients as bf16 in tile order (dcc_sgrad_bytes), and sgb, the bias
+     * sums [B][p] as f32 when the layer's norm counts its bias. The norm is
+     * then that of the kept bf16 values, so that the clipped sum of exactly
+     * those values stays within C. */
+    void *sg;
+    float *sgb;
 } dcc_norm_layer;
 /* Whether a layer with this (resolved) algorithm qualifies: DIRECT, bf16/f16
  * with 16-byte rows, sm_90a, TMA available. */
@@ -199,6 +211,36 @@ int dcc_grouped_min_items(const dcc_options *o);
 /* max_layers as for dcc_linear_clipped_grouped. */
 cudaError_t dcc_linear_sqnorms_grouped(const dcc_norm_layer *layers, int n, float s2,
                                        int max_layers, cudaStream_t st);
+
+/* Per-sample gradients kept by the grouped norm pass, then summed with
+ * their coefficients (sgrad.cu): the clipped sum of a layer whose norms
+ * computed every g_b^T a_b anyway, as one pass over memory instead of a
+ * second GEMM over the samples. A layer's store: for each sample, its
+ * 256 x 128 tiles in the norm kernel's item order, DCC_SG_TILE bf16 values
+ * a tile (each consumer thread's 128 accumulators as 16 chunks of 8, chunk
+ * j of thread t at (j * 256 + t) * 8: every store and load a warp makes is
+ * 512 contiguous bytes); then, with a bias, [B][p] f32. */
+#define DCC_SG_TILE 32768
+size_t dcc_sgrad_bytes(const dcc_linear *L);
+/* Whether keeping a layer's per-sample gradients should pay: the GEMM its
+ * clipped sum would be (2 T d p flops a sample), plus, where the norms
+ * would otherwise take the ghost form (`norm_algo`), what that saves over
+ * the direct form a kept layer needs, against the store and the read of
+ * 2 d p bytes a sample each way. */
+bool dcc_sgrad_worth(int T, int d, int p, dc_algo norm_algo);
+size_t dcc_sgrad_bias_off(const dcc_linear *L); /* where sgb starts in the store */
+typedef struct dcc_sg_layer {
+    const void *sg;    /* the store (dcc_norm_layer.sg) */
+    const float *sgb;  /* its bias sums, or NULL: no bias output */
+    const float *cs;   /* device [B]: this layer's coefficients */
+    float *w;          /* device f32 [p][d] (overwritten) */
+    float *bias;       /* device f32 [p] or NULL */
+    unsigned *amax_w, *amax_b; /* as in dcc_bk_layer; NULL: none */
+    int d, p;
+} dcc_sg_layer;
+/* w = sum_b cs[b] * G_b and bias = sum_b cs[b] * bias_b over each layer's
+ * store (f32 sums in sample order). */
+cudaError_t dcc_sgrad_sum(const dcc_sg_layer *layers, int n, int B, cudaStream_t st);
 
 /* TF32 tensor-core kernels for f32 inputs (norms_tf32.cu): the forms of
  * dcc_linear_sqnorms, and the clipped weight sum w[p][d] = sum_b cs[b]

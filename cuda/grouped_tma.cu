@@ -58,6 +58,8 @@ struct g_entry {
     const int *perm;  /* clipped: samples in ascending coefficient order */
     const float *fac; /* clipped: Horner factors; fac[0] = the last coefficient */
     float *out;       /* clipped: w [p][d]; norms: n2 of this layer [B] */
+    uint4 *sg;        /* norms: the kept per-sample gradients (sgrad.cu), or NULL */
+    float *sgb;       /* norms: their bias sums [B][p], or NULL */
     float *bias;      /* clipped: bias [p] or NULL */
     unsigned *amax_w, *amax_b; /* clipped: their max |.| (dcc_bk_layer); NULL: none */
     int T, d, p, tiles_n, item0, has_bias;
@@ -175,13 +177,36 @@ __global__ void __launch_bounds__(CT, 1) norms_grouped(const __grid_constant__ g
                                           bs1);
         u += ktn;
         float sq = 0.0f; /* the tile transposed (the wide form): its squares the same */
+        if (E.sg) {
+            /* kept as bf16 in tile order (dcc.h): item r of the layer is
+             * sample r / tiles's tile r % tiles, so its block is the r-th;
+             * the norm is the kept values', which the clipped sum adds */
+            const float(&all)[128] = *reinterpret_cast<const float(*)[128]>(&acc[0][0]);
+            uint4 *dst = E.sg + (int64_t)(it - E.item0) * (DCC_SG_TILE / 8) + threadIdx.x;
 #pragma unroll
-        for (int j = 0; j < GMI; j++)
+            for (int j = 0; j < 16; j++) {
+                uint32_t w[4];
 #pragma unroll
-            for (int i = 0; i < 64; i++) sq += acc[j][i] * acc[j][i];
+                for (int h = 0; h < 4; h++) {
+                    const __nv_bfloat162 v2 = __floats2bfloat162_rn(all[8 * j + 2 * h],
+                                                                   all[8 * j + 2 * h + 1]);
+                    const float lo = __low2float(v2), hi = __high2float(v2);
+                    sq += lo * lo + hi * hi;
+                    w[h] = *reinterpret_cast<const uint32_t *>(&v2);
+                }
+                dst[j * 256] = make_uint4(w[0], w[1], w[2], w[3]);
+            }
+        } else {
+#pragma unroll
+            for (int j = 0; j < GMI; j++)
+#pragma unroll
+                for (int i = 0; i < 64; i++) sq += acc[j][i] * acc[j][i];
+        }
         if (do_bias) {
             float v = colsum_total(cs, bs0, bs1);
             sq += v * v;
+            if (E.sgb && x.m0 + (int)threadIdx.x < E.p)
+                E.sgb[(int64_t)x.b * E.p + x.m0 + (int)threadIdx.x] = v;
         }
         for (int o = 16; o > 0; o >>= 1) sq += __shfl_xor_sync(0xffffffffu, sq, o);
         if (lane == 0) atomicAdd(E.out + x.b, sq * P.s2);
@@ -420,7 +445,12 @@ extern "C" cudaError_t dcc_linear_sqnorms_grouped(const dcc_norm_layer *ls, int 
             Ls[i] = &x->L;
         }
         cudaError_t e = run_chunks(Ls, k, ls[0].L.B, s2, false, max_layers,
-                                   [&](int i, g_entry &E) { E.out = ls[i0 + i].n2; }, st);
+                                   [&](int i, g_entry &E) {
+                                       E.out = ls[i0 + i].n2;
+                                       E.sg = (uint4 *)ls[i0 + i].sg;
+                                       E.sgb = ls[i0 + i].sg ? ls[i0 + i].sgb : nullptr;
+                                   },
+                                   st);
         if (e != cudaSuccess) return e;
     }
     return cudaSuccess;

@@ -25,6 +25,7 @@ const char *set(const char *name) {
 extern "C" void dcc_options_default(dcc_options *o) {
     memset(o, 0, sizeof *o);
     o->tf32 = o->grouped = o->one_pass = o->profile = o->wgmma = o->pdl = true;
+    o->sgrad = DCC_SGRAD_AUTO;
     o->grouped_min = -1;
     o->grouped_layers = INT_MAX;
     o->noise = DCC_NOISE_FAST;
@@ -40,6 +41,9 @@ extern "C" void dcc_options_from_env(dcc_options *o) {
     o->profile = on("DPCLIP_CUDA_PROFILE");
     o->wgmma = on("DPCLIP_CUDA_WGMMA");
     o->pdl = on("DPCLIP_CUDA_PDL");
+    if ((v = set("DPCLIP_CUDA_SGRAD")))
+        o->sgrad = v[0] == '0' ? DCC_SGRAD_OFF : strcmp(v, "all") == 0 ? DCC_SGRAD_ALL
+                                                                      : DCC_SGRAD_AUTO;
     if ((v = set("DPCLIP_CUDA_NOISE")) && strcmp(v, "exact") == 0) o->noise = DCC_NOISE_EXACT;
     if ((v = set("DPCLIP_CUDA_GROUPED_MIN"))) o->grouped_min = atoi(v);
     if ((v = set("DPCLIP_CUDA_GROUPED_LAYERS"))) o->grouped_layers = atoi(v); /* clamped where used */

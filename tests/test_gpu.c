@@ -24,7 +24,7 @@ static void test_disabled(void **state) {
     dc_gpu_event_job ej;
     assert_int_equal(uv_loop_init(&loop), 0);
     memset(&g, 0xab, sizeof g); /* init must not read what it is given */
-    assert_int_equal(dc_gpu_init(&g, &loop, false, 0, 0, &err), 0);
+    assert_int_equal(dc_gpu_init(&g, &loop, false, 0, 0, 0, &err), 0);
     assert_int_equal(g.n, 0);
     assert_null(g.pools);
     assert_false(g.mps_active);
@@ -69,7 +69,7 @@ static void test_enabled(void **state) {
     dc_gpu g;
     dc_err err;
     assert_int_equal(uv_loop_init(&loop), 0);
-    assert_int_equal(dc_gpu_init(&g, &loop, true, 0, 0, &err), 0);
+    assert_int_equal(dc_gpu_init(&g, &loop, true, 0, 0, 0, &err), 0);
     assert_true(g.n >= 0 && g.n <= DC_MAX_GPUS);
     printf("%d GPU(s)\n", g.n);
     for (int i = 0; i < g.n; i++) {

@@ -67,6 +67,10 @@ static const key_def KEYS[] = {
      "device workspace preallocated per GPU (K/M/G suffixes); a larger step grows it once"},
     {"gpu", "workspace_max", "gpu-workspace-max", T_SIZE, F(gpu_workspace_max), 0, 0, false,
      "most device workspace per GPU; a step needing more fails (0 = no cap)"},
+    {"gpu", "sample_grads_max", "gpu-sample-grads-max", T_SIZE, F(gpu_sample_grads_max), 0, 0,
+     false,
+     "most device workspace per GPU that keeps per-sample gradients between a step's norms "
+     "and its clipped sum, which then costs a pass over memory instead of a GEMM (0 = none)"},
     {"limits", "max_batch", "max-batch", T_UINT, F(max_batch), 1, 1u << 24, true,
      "largest batch a step may declare"},
     {"limits", "max_layers", "max-layers", T_UINT, F(max_layers), 1, 1u << 20, true,
@@ -154,6 +158,7 @@ void dc_config_defaults(dc_config *c) {
     c->spin_us = 50;
     c->gpu = true;
     c->gpu_workspace = (uint64_t)256 << 20;
+    c->gpu_sample_grads_max = (uint64_t)8 << 30;
     c->log_level = DC_LOG_INFO;
     c->max_batch = DC_DEFAULT_MAX_BATCH;
     c->max_layers = DC_DEFAULT_MAX_LAYERS;
@@ -740,7 +745,8 @@ void dc_config_print(const dc_config *c, FILE *f) {
 /* Settings outside [limits] that bound what a client can make the daemon
  * hold: device workspace, how long a grouped step or a status connection is
  * held, status connections, ledger accounts. */
-static const char *const OTHER_LIMITS[] = {"gpu.workspace_max",      "groups.timeout_ms",
+static const char *const OTHER_LIMITS[] = {"gpu.workspace_max",      "gpu.sample_grads_max",
+                                           "groups.timeout_ms",
                                            "status.max_connections", "status.timeout_s",
                                            "ledger.max_jobs_per_uid", "ledger.job_idle_s"};
 

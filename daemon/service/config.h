@@ -38,6 +38,7 @@ typedef struct dc_config {
     bool gpu;
     uint64_t gpu_workspace;        /* bytes preallocated per GPU backend */
     uint64_t gpu_workspace_max;    /* a step needing more fails; 0 = no cap */
+    uint64_t gpu_sample_grads_max; /* workspace keeping per-sample gradients; 0 = none */
     dc_log_level log_level;
     /* [limits] */
     uint32_t max_batch, max_layers, max_frame, max_buffers;

@@ -53,7 +53,7 @@ static int cuda_fail(dc_err *err, const char *field, const char *what, cudaError
 
 typedef struct gpu_factory_arg {
     int device;
-    uint64_t workspace, workspace_max;
+    uint64_t workspace, workspace_max, sample_grads_max;
 } gpu_factory_arg;
 
 static int gpu_factory(void *arg, int index, dc_backend **out, dc_err *err) {
@@ -65,8 +65,10 @@ static int gpu_factory(void *arg, int index, dc_backend **out, dc_err *err) {
                                             err))) {
         dc_backend_destroy(*out);
         *out = NULL;
+        return rc;
     }
-    return rc;
+    dc_cuda_backend_set_sample_grads(*out, (size_t)a->sample_grads_max);
+    return 0;
 }
 
 /* MPS: clients find the control daemon through its pipe directory. */
@@ -187,7 +189,7 @@ static void event_done(dc_job *job) {
 }
 
 int dc_gpu_init(dc_gpu *g, uv_loop_t *loop, bool enable, uint64_t workspace,
-                uint64_t workspace_max, dc_err *err) {
+                uint64_t workspace_max, uint64_t sample_grads_max, dc_err *err) {
     int n, rc;
     memset(g, 0, sizeof *g);
     g_gpu = g;
@@ -211,7 +213,7 @@ int dc_gpu_init(dc_gpu *g, uv_loop_t *loop, bool enable, uint64_t workspace,
     if (!g->pools) return dc_err_set(err, DC_ENOSPACE, "", "out of memory");
     for (int i = 0; i < n; i++) {
         struct cudaDeviceProp prop;
-        gpu_factory_arg fa = {i, workspace, workspace_max};
+        gpu_factory_arg fa = {i, workspace, workspace_max, sample_grads_max};
         char name[16];
         snprintf(name, sizeof name, "cuda%d", i);
         if ((rc = dc_worker_pool_init(&g->pools[i], loop, name, 1, gpu_factory, &fa, err))) {
@@ -260,11 +262,12 @@ void dc_gpu_close_event(dc_gpu *g, int device, void *event) {
 #else /* no CUDA in this build */
 
 int dc_gpu_init(dc_gpu *g, uv_loop_t *loop, bool enable, uint64_t workspace,
-                uint64_t workspace_max, dc_err *err) {
+                uint64_t workspace_max, uint64_t sample_grads_max, dc_err *err) {
     (void)loop;
     (void)enable;
     (void)workspace;
     (void)workspace_max;
+    (void)sample_grads_max;
     (void)err;
     memset(g, 0, sizeof *g);
     g_gpu = g;

@@ -42,9 +42,10 @@ void dc_gpu_uuid_str(const uint8_t *uuid, char out[DC_GPU_UUID_STR]);
 
 /* Finds the GPUs and starts one worker per GPU. `enable` false: none.
  * Each GPU's backend preallocates `workspace` bytes of device workspace and
- * refuses steps that need more than `workspace_max` (0 = no cap). */
+ * refuses steps that need more than `workspace_max` (0 = no cap), of which
+ * at most `sample_grads_max` keeps per-sample gradients (dc_cuda.h). */
 int dc_gpu_init(dc_gpu *g, uv_loop_t *loop, bool enable, uint64_t workspace,
-                uint64_t workspace_max, dc_err *err);
+                uint64_t workspace_max, uint64_t sample_grads_max, dc_err *err);
 void dc_gpu_close(dc_gpu *g);
 /* Jobs (including steps) in flight on any GPU. */
 int dc_gpu_busy(const dc_gpu *g);

@@ -485,7 +485,7 @@ int dc_server_init(dc_server *srv, uv_loop_t *loop, const dc_config *cfg,
     srv->pool_ready = true;
     dc_worker_pool_set_spin(&srv->cpu_pool, srv->spin_ns);
     if ((rc = dc_gpu_init(&srv->gpu, loop, cfg->gpu, cfg->gpu_workspace,
-                           cfg->gpu_workspace_max, err))) goto fail_pool;
+                           cfg->gpu_workspace_max, cfg->gpu_sample_grads_max, err))) goto fail_pool;
     for (int i = 0; i < srv->gpu.n; i++) dc_worker_pool_set_spin(&srv->gpu.pools[i], srv->spin_ns);
 
     {

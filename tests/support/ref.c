@@ -248,7 +248,8 @@ static double ld(const dc_tensor *t, size_t i) { return (double)dc_load_f32(t->d
 
 /* Sample b's full per-sample gradient, output grads times scale: gw
  * [weight_numel], gb [bias_numel] (may be NULL when there is no bias). */
-static void sample_grad(const dc_layer *l, uint32_t b, double scale, double *gw, double *gb) {
+void dc_ref_layer_sample_grad(const dc_layer *l, uint32_t b, double scale, double *gw,
+                              double *gb) {
     size_t T = (size_t)l->T, d = (size_t)l->d, nb = bias_numel(l);
     memset(gw, 0, weight_numel(l) * sizeof *gw);
     if (gb) memset(gb, 0, (nb ? nb : 1) * sizeof *gb);
@@ -309,7 +310,7 @@ void dc_ref_layer_sqnorms(const dc_layer *l, uint32_t B, double scale, double *o
     size_t nw = weight_numel(l), nb = bias_numel(l);
     double *gw = xcalloc(nw, sizeof *gw), *gb = xcalloc(nb, sizeof *gb);
     for (uint32_t b = 0; b < B; b++) {
-        sample_grad(l, b, scale, gw, gb);
+        dc_ref_layer_sample_grad(l, b, scale, gw, gb);
         double s = 0.0;
         for (size_t i = 0; i < nw; i++) s += gw[i] * gw[i];
         for (size_t i = 0; i < nb; i++) s += gb[i] * gb[i];
@@ -326,7 +327,7 @@ void dc_ref_layer_clipped_sum(const dc_layer *l, uint32_t B, double scale, const
     if (w_out) memset(w_out, 0, nw * sizeof *w_out);
     if (b_out && nb) memset(b_out, 0, nb * sizeof *b_out);
     for (uint32_t b = 0; b < B; b++) {
-        sample_grad(l, b, scale, gw, gb);
+        dc_ref_layer_sample_grad(l, b, scale, gw, gb);
         if (w_out)
             for (size_t i = 0; i < nw; i++) w_out[i] += coef[b] * gw[i];
         if (b_out)
@@ -361,8 +362,8 @@ void dc_ref_step(const dc_step *s, double *norms, double *coefs, double *layer_s
         double *bo = xcalloc(nbo, sizeof *bo), *bt = xcalloc(nbt, sizeof *bt);
         for (uint32_t b = 0; b < B; b++) {
             double so = 0.0, st = 0.0;
-            sample_grad(o, b, scale, go, bo);
-            sample_grad(t, b, scale, gt, bt);
+            dc_ref_layer_sample_grad(o, b, scale, go, bo);
+            dc_ref_layer_sample_grad(t, b, scale, gt, bt);
             for (size_t i = 0; i < nw; i++) so += (go[i] + gt[i]) * (go[i] + gt[i]);
             for (size_t i = 0; i < nbo; i++) so += bo[i] * bo[i];
             for (size_t i = 0; i < nbt; i++) st += bt[i] * bt[i];

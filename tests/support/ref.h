@@ -75,6 +75,12 @@ void dc_test_tied_pair(dc_layer *ls, size_t at, uint32_t B, int64_t Te, int64_t 
  * by `scale`. out[B]. */
 void dc_ref_layer_sqnorms(const dc_layer *l, uint32_t B, double scale, double *out);
 
+/* Sample b's per-sample gradient of layer l, output grads times scale:
+ * gw [numel of weight_grad_out's shape], gb [bias numel] (NULL: not
+ * wanted; unused without a bias). */
+void dc_ref_layer_sample_grad(const dc_layer *l, uint32_t b, double scale, double *gw,
+                              double *gb);
+
 /* sum_b coef[b] * scale * G_b for the weight (w_out, numel of
  * weight_grad_out's shape: [p,d] linear, [vocab,d] embedding, [d] norms) and
  * the bias (b_out, may be NULL). No noise, no division. */

@@ -1,0 +1,192 @@
+/* The clipped sum of the layers whose per-sample gradients the grouped norm
+ * pass kept (dcc.h, "Per-sample gradients kept"): sum_b cs[b] * G_b as one
+ * pass over memory. The norm pass computes every g_b^T a_b in registers to
+ * square it; keeping it as bf16 costs one store of B * p * d * 2 bytes,
+ * and the sum here one read, instead of the book-keeping GEMM over all B*T
+ * rows that recomputes them (GPT-2-small's 72 layers, B = 8, T = 1024:
+ * 2 GB each way against 3.6 ms of tensor-core time on an H100).
+ *
+ * A CTA takes one 256 x 128 tile of one layer; thread t reads, for each
+ * sample, the 16 chunks of 8 values the norm kernel's consumer thread t
+ * stored, so its sums land where that thread's accumulators map: the wide
+ * form's register i is column n = 64 wg + 16 wq + lane/4 (+8 when i % 4 >=
+ * 2) of a's, row m = 8 (i / 4) + 2 (lane % 4) + i % 2 of g's (grouped_tma.cu);
+ * for one i a warp's stores fill four 32-byte sectors. The epilogue keeps the
+ * outputs' max |.| as the grouped clipped sum's does (dcc_out.amax_found). */
+#include <string.h>
+
+#include "dcc_device.cuh"
+#include "dcc_util.cuh"
+
+namespace {
+
+constexpr int SGMAXL = 96; /* layers a launch's parameters hold */
+constexpr int SG_CHUNKS = DCC_SG_TILE / 8 / 256; /* 16-byte chunks a thread */
+
+struct sg_entry {
+    const uint4 *sg;
+    const float *sgb, *cs;
+    float *w, *bias;
+    unsigned *amax_w, *amax_b;
+    int d, p, tiles_n, tiles, tile0;
+};
+struct sg_params {
+    sg_entry e[SGMAXL];
+    int n, tiles, B;
+};
+static_assert(sizeof(sg_params) <= 32764, "the kernel parameter limit (CUDA 12.1+)");
+
+__device__ __forceinline__ int sg_find(const sg_params &P, int tile) {
+    int lo = 0, hi = P.n - 1; /* the last entry with tile0 <= tile */
+    while (lo < hi) {
+        int mid = (lo + hi + 1) >> 1;
+        if (P.e[mid].tile0 <= tile) lo = mid;
+        else hi = mid - 1;
+    }
+    return lo;
+}
+
+__device__ __forceinline__ uint4 ld_stream(const uint4 *p) { /* read once: spare L1 */
+    uint4 v;
+    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                 : "l"(p));
+    return v;
+}
+
+__device__ __forceinline__ void warp_amax(unsigned *amax, unsigned am) {
+    am = dcc_warp_max(am);
+    if ((threadIdx.x & 31) == 0) atomicMax(amax, am);
+}
+
+constexpr int SG_MAXB = 64; /* coefficients staged in shared memory a pass */
+
+__global__ void __launch_bounds__(256) sgrad_sum(const __grid_constant__ sg_params P) {
+    __shared__ float c[SG_MAXB];
+    const sg_entry &E = P.e[sg_find(P, (int)blockIdx.x)];
+    const int t = (int)blockIdx.x - E.tile0, tn = t % E.tiles_n;
+    const int m0 = (t / E.tiles_n) * 256, n0 = tn * 128, B = P.B, d = E.d, p = E.p;
+    const int tid = (int)threadIdx.x, wg = tid >> 7, wq = (tid >> 5) & 3, lane = tid & 31;
+    const int64_t per_sample = (int64_t)E.tiles * (DCC_SG_TILE / 8); /* uint4 */
+    const uint4 *base = E.sg + (int64_t)t * (DCC_SG_TILE / 8) + tid;
+    float acc[SG_CHUNKS][8];
+#pragma unroll
+    for (int j = 0; j < SG_CHUNKS; j++)
+#pragma unroll
+        for (int k = 0; k < 8; k++) acc[j][k] = 0.0f;
+    for (int b0 = 0; b0 < B; b0 += SG_MAXB) {
+        const int nb = B - b0 < SG_MAXB ? B - b0 : SG_MAXB;
+        __syncthreads();
+        if (tid < nb) c[tid] = E.cs[b0 + tid];
+        __syncthreads();
+        for (int k = 0; k < nb; k++) {
+            const float ck = c[k];
+            const uint4 *src = base + (int64_t)(b0 + k) * per_sample;
+            uint4 v[SG_CHUNKS];
+#pragma unroll
+            for (int j = 0; j < SG_CHUNKS; j++) v[j] = ld_stream(src + j * 256);
+#pragma unroll
+            for (int j = 0; j < SG_CHUNKS; j++) {
+                const uint32_t w[4] = {v[j].x, v[j].y, v[j].z, v[j].w};
+#pragma unroll
+                for (int h = 0; h < 4; h++) {
+                    acc[j][2 * h] = fmaf(ck, __uint_as_float(w[h] << 16), acc[j][2 * h]);
+                    acc[j][2 * h + 1] =
+                        fmaf(ck, __uint_as_float(w[h] & 0xffff0000u), acc[j][2 * h + 1]);
+                }
+            }
+        }
+    }
+    unsigned am = 0;
+#pragma unroll
+    for (int j = 0; j < SG_CHUNKS; j++)
+#pragma unroll
+        for (int k = 0; k < 8; k++) {
+            const int i = 8 * j + k;
+            const int n = n0 + wg * 64 + wq * 16 + (lane >> 2) + ((i & 2) ? 8 : 0);
+            const int m = m0 + (i >> 2) * 8 + (lane & 3) * 2 + (i & 1);
+            if (m < p && n < d) {
+                E.w[(int64_t)m * d + n] = acc[j][k];
+                am = max(am, dcc_abs_bits(acc[j][k]));
+            }
+        }
+    if (E.amax_w) warp_amax(E.amax_w, am);
+    if (E.bias && tn == 0) {
+        const int m = m0 + tid;
+        float y = 0.0f;
+        if (m < p)
+            for (int b = 0; b < B; b++) y = fmaf(E.cs[b], E.sgb[(int64_t)b * p + m], y);
+        if (m < p) E.bias[m] = y;
+        if (E.amax_b) warp_amax(E.amax_b, m < p ? dcc_abs_bits(y) : 0u);
+    }
+}
+
+int64_t tiles_of(const dcc_linear *L) {
+    return (int64_t)((L->p + 255) / 256) * ((L->d + 127) / 128);
+}
+
+} // namespace
+
+/* An H100 SXM does ~660 dense bf16 TFLOP/s against 3.35 TB/s of HBM3:
+ * about 200 flops in the time of a byte, which the norms' store and the sum's
+ * read each move 2 d p of a sample. So a direct-form layer pays from T ~ 400
+ * on (GPT-2-small's T = 1024: 3.7 -> 1.05 ms for its 72 layers' clipped
+ * sums, B = 8); a ghost-form one when its ghost work exceeds the bytes'
+ * time (then its norms run direct, and the saved GEMM pays for that). */
+constexpr double FLOPS_PER_BYTE = 200.0;
+
+extern "C" bool dcc_sgrad_worth(int T, int d, int p, dc_algo norm_algo) {
+    const double dp = (double)d * (double)p, bytes = 4.0 * dp;
+    const double gemm = 2.0 * (double)T * dp;
+    const double extra = norm_algo == DC_ALGO_GHOST
+                             ? gemm - 2.0 * (double)T * (double)T * ((double)d + (double)p)
+                             : 0.0; /* the direct norms' work over the ghost's */
+    return gemm - (extra > 0.0 ? extra : 0.0) > FLOPS_PER_BYTE * bytes;
+}
+
+extern "C" size_t dcc_sgrad_bias_off(const dcc_linear *L) {
+    return (size_t)L->B * (size_t)tiles_of(L) * DCC_SG_TILE * 2;
+}
+
+extern "C" size_t dcc_sgrad_bytes(const dcc_linear *L) {
+    return dcc_sgrad_bias_off(L) + (L->has_bias ? (size_t)L->B * (size_t)L->p * 4 : 0);
+}
+
+extern "C" cudaError_t dcc_sgrad_sum(const dcc_sg_layer *ls, int n, int B, cudaStream_t st) {
+    int i = 0;
+    if (B <= 0) return cudaErrorInvalidValue;
+    while (i < n) {
+        sg_params P;
+        memset(&P, 0, sizeof P);
+        int64_t tiles = 0;
+        int j = 0;
+        for (; j < SGMAXL && i + j < n; j++) {
+            const dcc_sg_layer *x = &ls[i + j];
+            sg_entry &E = P.e[j];
+            const int64_t tl = (int64_t)((x->p + 255) / 256) * ((x->d + 127) / 128);
+            if (tiles + tl > INT32_MAX / 2) break;
+            E.sg = (const uint4 *)x->sg;
+            E.sgb = x->sgb;
+            E.cs = x->cs;
+            E.w = x->w;
+            E.bias = x->sgb ? x->bias : nullptr;
+            E.amax_w = x->amax_w;
+            E.amax_b = x->amax_b;
+            E.d = x->d;
+            E.p = x->p;
+            E.tiles_n = (x->d + 127) / 128;
+            E.tiles = (int)tl;
+            E.tile0 = (int)tiles;
+            tiles += tl;
+        }
+        if (j == 0) return cudaErrorInvalidConfiguration;
+        P.n = j;
+        P.tiles = (int)tiles;
+        P.B = B;
+        sgrad_sum<<<(unsigned)tiles, 256, 0, st>>>(P);
+        cudaError_t e = cudaGetLastError();
+        if (e != cudaSuccess) return e;
+        i += j;
+    }
+    return cudaSuccess;
+}

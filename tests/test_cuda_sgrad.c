@@ -1,0 +1,300 @@
+/* Kept per-sample gradients (cuda/sgrad.cu, the grouped norm kernel's
+ * store): the clipped sum of a layer whose norm pass kept every G_b as bf16
+ * is sum_b c_b * bf16(G_b), with c_b = min(1, C / (n_b + 1e-6)) and n_b the
+ * norm of the kept values (plus the exact bias sums), so that each sample's
+ * contribution stays within C. Checked against that semantics built from the
+ * double-precision per-sample reference (tests/support/ref.h), rounded to
+ * bf16 here:
+ *   norms: relative 1e-4 (f32 accumulation only; a bf16 rounding that the
+ *     kernel's f32 accumulator puts on the other side of a tie flips one
+ *     element by 2^-8 of itself, rare and small in a whole norm);
+ *   weights and biases: ||got - want|| / ||want|| <= 1e-4 per tensor, for
+ *     the same reasons.
+ * And against the exact CPU backend (no rounding): at most 2^-8 relative,
+ * the bf16 rounding's bound, but more than the GEMM path's 1e-4 on some
+ * tensor, so the test would see if the rounding were skipped.
+ * The budget (gpu.sample_grads_max) decides which layers are kept: greedily
+ * in step order; 0 keeps none. These run with DPCLIP_CUDA_SGRAD=all (every
+ * layer that can be kept, short ones included); the default keeps the
+ * layers the cost model picks (test_keep_worth). Without a CUDA device:
+ * skipped (77). */
+#include "cuda_test.h"
+
+enum { NL = 16 };
+
+static uint16_t bf16_bits(float f) { /* round to nearest even */
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+static double bf16_round(double x) {
+    uint32_t u = (uint32_t)bf16_bits((float)x) << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return (double)f;
+}
+
+static size_t al256(size_t x) { return (x + 255) & ~(size_t)255; }
+
+static dcc_linear lin(const dc_layer *l, uint32_t B) {
+    return (dcc_linear){l->input.data, l->grad.data, l->input.dtype, l->grad.dtype, (int)B,
+                        (int)l->T, (int)l->d, (int)l->p, l->has_bias, false, NULL};
+}
+
+/* The expected outputs of a flat SUM step in which the layers kept[l] != 0
+ * are kept: w[l], b[l] (numel of their outputs), norms[B]; *C, the
+ * threshold, is set between the smallest and the largest norm, so that the
+ * step clips some samples and not others. */
+static void expected(dc_layer *h, int n, uint32_t B, double *C, const int *kept, double **w,
+                     double **bo, double *norms) {
+    double *sq = calloc(B, sizeof *sq), *c = calloc(B, sizeof *c);
+    double **gw = calloc((size_t)n * B, sizeof *gw), **gb = calloc((size_t)n * B, sizeof *gb);
+    assert_non_null(sq);
+    assert_non_null(c);
+    for (int l = 0; l < n; l++) {
+        size_t nw = (size_t)h[l].p * (size_t)h[l].d, nb = h[l].has_bias ? (size_t)h[l].p : 1;
+        for (uint32_t b = 0; b < B; b++) {
+            double *x = gw[l * B + b] = calloc(nw, sizeof *x);
+            double *y = gb[l * B + b] = calloc(nb, sizeof *y);
+            assert_non_null(x);
+            assert_non_null(y);
+            dc_ref_layer_sample_grad(&h[l], b, 1.0, x, h[l].has_bias ? y : NULL);
+            for (size_t i = 0; i < nw; i++) {
+                if (kept[l]) x[i] = bf16_round(x[i]);
+                sq[b] += x[i] * x[i];
+            }
+            if (h[l].has_bias)
+                for (size_t i = 0; i < nb; i++) sq[b] += y[i] * y[i];
+        }
+    }
+    double lo = INFINITY, hi = 0.0;
+    for (uint32_t b = 0; b < B; b++) {
+        norms[b] = sqrt(sq[b]);
+        lo = fmin(lo, norms[b]);
+        hi = fmax(hi, norms[b]);
+    }
+    *C = (double)(float)sqrt(lo * hi); /* the f32 the step carries */
+    for (uint32_t b = 0; b < B; b++) c[b] = fmin(1.0, *C / (norms[b] + 1e-6));
+    for (int l = 0; l < n; l++) {
+        size_t nw = (size_t)h[l].p * (size_t)h[l].d;
+        memset(w[l], 0, nw * sizeof *w[l]);
+        if (h[l].has_bias) memset(bo[l], 0, (size_t)h[l].p * sizeof *bo[l]);
+        for (uint32_t b = 0; b < B; b++) {
+            for (size_t i = 0; i < nw; i++) w[l][i] += c[b] * gw[l * B + b][i];
+            if (h[l].has_bias)
+                for (int64_t i = 0; i < h[l].p; i++) bo[l][i] += c[b] * gb[l * B + b][i];
+            free(gw[l * B + b]);
+            free(gb[l * B + b]);
+        }
+    }
+    free(gw);
+    free(gb);
+    free(sq);
+    free(c);
+}
+
+static double rel_l2_d(const float *got, const double *want, int64_t n) {
+    double num = 0.0, den = 0.0;
+    for (int64_t i = 0; i < n; i++) {
+        double e = (double)got[i] - want[i];
+        num += e * e;
+        den += want[i] * want[i];
+    }
+    return sqrt(num / (den > 0.0 ? den : 1.0));
+}
+
+/* Runs the step of n device layers d (host twins h) with the budget; checks
+ * how many layers were kept, then norms and outputs against expected(). */
+static void check_step(dc_layer *h, dc_layer *d, int n, uint32_t B, size_t budget) {
+    double C;
+    int kept[NL] = {0}, want_kept = 0;
+    size_t used = 0;
+    for (int l = 0; l < n; l++) { /* the greedy rule of plan_step */
+        dcc_linear x = lin(&h[l], B);
+        size_t need = al256(dcc_sgrad_bytes(&x));
+        if (used + need > budget) continue;
+        used += need;
+        kept[l] = 1;
+        want_kept++;
+    }
+    double *w[NL], *bo[NL], *norms = calloc(B, sizeof *norms);
+    for (int l = 0; l < n; l++) {
+        w[l] = calloc((size_t)h[l].p * (size_t)h[l].d, sizeof *w[l]);
+        bo[l] = calloc((size_t)h[l].p, sizeof *bo[l]);
+    }
+    expected(h, n, B, &C, kept, w, bo, norms);
+
+    dc_step ds, hs;
+    dc_step_result rd, rh;
+    dc_err ed, eh;
+    dc_cuda_backend_set_sample_grads(g_cuda, budget);
+    step_init(&ds, d, (size_t)n, B, 0);
+    step_init(&hs, h, (size_t)n, B, -1);
+    ds.max_grad_norm = hs.max_grad_norm = (float)C;
+    int rc = run(g_cuda, &ds, &rd, &ed);
+    if (rc) fprintf(stderr, "cuda: %s: %s\n", ed.field, ed.msg);
+    assert_int_equal(rc, 0);
+    assert_int_equal(run(g_cpu, &hs, &rh, &eh), 0);
+    assert_int_equal(dc_cuda_backend_kept_layers(g_cuda), want_kept);
+    int clipped = 0;
+    for (uint32_t b = 0; b < B; b++) {
+        assert_true(fabs(rd.norms[b] - norms[b]) <= 1e-4 * norms[b]);
+        clipped += norms[b] > C;
+    }
+    double worst = 0.0, worst_exact = 0.0;
+    for (int l = 0; l < n; l++) {
+        dc_tensor *o[2] = {&d[l].weight_grad_out, &d[l].bias_grad_out};
+        dc_tensor *ho[2] = {&h[l].weight_grad_out, &h[l].bias_grad_out};
+        for (int k = 0; k < 2; k++) {
+            if (!o[k]->data) continue;
+            float *got = dev_to_f32(o[k]), *cpu = host_to_f32(ho[k]);
+            double e = rel_l2_d(got, k ? bo[l] : w[l], numel(o[k]));
+            double ex = rel_l2(got, cpu, numel(o[k]));
+            if (!(e <= 1e-4))
+                printf("  layer %d %s (T=%lld d=%lld p=%lld, %s): rel l2 err %.2e\n", l,
+                       k ? "bias" : "weight", (long long)h[l].T, (long long)h[l].d,
+                       (long long)h[l].p, kept[l] ? "kept" : "GEMM", e);
+            if (!(e <= worst)) worst = isnan(e) ? INFINITY : e;
+            if (k == 0 && kept[l] && ex > worst_exact) worst_exact = ex;
+            assert_true(ex <= (kept[l] && k == 0 ? 1.0 / 256 : 1e-4));
+            free(got);
+            free(cpu);
+        }
+    }
+    printf("B=%u budget %zu: %d of %d layers kept, %d samples clipped, worst rel l2 err %.2e "
+           "(kept weights against the exact sum: %.2e)\n",
+           B, budget, want_kept, n, clipped, worst, worst_exact);
+    assert_true(worst <= 1e-4);
+    if (want_kept) assert_true(worst_exact > 1e-4); /* the rounding is there */
+    assert_true(clipped > 0 && clipped < (int)B);
+    dc_step_result_free(&rd);
+    dc_step_result_free(&rh);
+    for (int l = 0; l < n; l++) {
+        free(w[l]);
+        free(bo[l]);
+    }
+    free(norms);
+}
+
+static void make(dc_layer *h, dc_layer *d, int n, uint32_t B, int64_t (*shape)[3], uint64_t seed) {
+    dc_test_rng r;
+    dc_test_rng_seed(&r, seed);
+    for (int l = 0; l < n; l++) {
+        dc_dtype dt = l % 5 == 2 ? DC_F16 : DC_BF16;
+        dc_test_layer_spec sp = {DC_LAYER_LINEAR, B, shape[l][0], shape[l][1], shape[l][2],
+                                 dt, l % 3 != 1, DC_ALGO_DIRECT, 1, 0};
+        dc_test_layer_make(&h[l], &sp, &r);
+        d[l] = dev_layer(&h[l]);
+    }
+}
+
+static void release(dc_layer *h, dc_layer *d, int n) {
+    for (int l = 0; l < n; l++) {
+        dev_layer_free(&d[l]);
+        dc_test_layer_free(&h[l]);
+    }
+}
+
+/* Odd shapes (d not a multiple of 128, p not of 256, T not of 64), both
+ * 16-bit dtypes, with and without biases; all kept, some, none. */
+static void test_kept_layers(void **state) {
+    (void)state;
+    const uint32_t B = 3;
+    int64_t shape[NL][3];
+    dc_layer h[NL], d[NL];
+    for (int l = 0; l < NL; l++) {
+        shape[l][0] = 64 + 61 * (l % 4);        /* T */
+        shape[l][1] = 64 + 72 * (l % 5);        /* d */
+        shape[l][2] = 72 + 96 * ((l * 7) % 6);  /* p */
+    }
+    make(h, d, NL, B, shape, 1212);
+    set_switches(1, 1);
+    g_opts.sgrad = DCC_SGRAD_ALL;
+    apply_switches();
+    size_t all = 0, some = 0;
+    for (int l = 0; l < NL; l++) {
+        dcc_linear x = lin(&h[l], B);
+        all += al256(dcc_sgrad_bytes(&x));
+        if (l < NL / 2) some = all;
+    }
+    check_step(h, d, NL, B, all);
+    check_step(h, d, NL, B, some + 1000); /* a few later small layers fit too */
+    check_step(h, d, NL, B, 0);
+    /* DPCLIP_CUDA_SGRAD=0: none kept whatever the budget */
+    g_opts.sgrad = DCC_SGRAD_OFF;
+    apply_switches();
+    {
+        dc_step ds;
+        dc_step_result rd;
+        dc_err ed;
+        dc_cuda_backend_set_sample_grads(g_cuda, all);
+        step_init(&ds, d, NL, B, 0);
+        assert_int_equal(run(g_cuda, &ds, &rd, &ed), 0);
+        assert_int_equal(dc_cuda_backend_kept_layers(g_cuda), 0);
+        dc_step_result_free(&rd);
+    }
+    release(h, d, NL);
+    set_switches(1, 1);
+    dc_cuda_backend_set_sample_grads(g_cuda, DC_CUDA_SAMPLE_GRADS_DEFAULT);
+}
+
+/* More samples than the sum stages coefficients for at once (64). */
+static void test_kept_many_samples(void **state) {
+    (void)state;
+    const uint32_t B = 70;
+    int64_t shape[3][3] = {{64, 64, 72}, {65, 136, 264}, {100, 200, 72}};
+    dc_layer h[3], d[3];
+    make(h, d, 3, B, shape, 1313);
+    set_switches(1, 1);
+    g_opts.sgrad = DCC_SGRAD_ALL;
+    apply_switches();
+    check_step(h, d, 3, B, DC_CUDA_SAMPLE_GRADS_DEFAULT);
+    release(h, d, 3);
+    set_switches(1, 1);
+}
+
+/* The cost model (dcc_sgrad_worth) on the shapes it was measured for, and
+ * the default mode keeping only the layers it picks. */
+static void test_keep_worth(void **state) {
+    (void)state;
+    /* GPT-2-small, T = 1024, direct norms: kept */
+    assert_true(dcc_sgrad_worth(1024, 768, 3072, DC_ALGO_DIRECT));
+    assert_true(dcc_sgrad_worth(1024, 3072, 768, DC_ALGO_DIRECT));
+    /* short samples: the GEMM is cheaper than the bytes */
+    assert_false(dcc_sgrad_worth(64, 768, 3072, DC_ALGO_DIRECT));
+    assert_false(dcc_sgrad_worth(256, 4096, 4096, DC_ALGO_DIRECT));
+    /* Llama-1B's MLP at T = 2048 (ghost norms alone): kept, its norms direct */
+    assert_true(dcc_sgrad_worth(2048, 2048, 8192, DC_ALGO_GHOST));
+    /* ghost norms far cheaper than the bytes: not kept */
+    assert_false(dcc_sgrad_worth(128, 4096, 4096, DC_ALGO_GHOST));
+
+    int64_t shape[2][3] = {{64, 64, 72}, {512, 128, 136}};
+    dc_layer h[2], d[2];
+    make(h, d, 2, 2, shape, 1414);
+    set_switches(1, 1);
+    g_opts.sgrad = DCC_SGRAD_AUTO;
+    apply_switches();
+    dc_step ds;
+    dc_step_result rd;
+    dc_err ed;
+    step_init(&ds, d, 2, 2, 0);
+    assert_int_equal(run(g_cuda, &ds, &rd, &ed), 0);
+    assert_int_equal(dc_cuda_backend_kept_layers(g_cuda), 1);
+    dc_step_result_free(&rd);
+    release(h, d, 2);
+    set_switches(1, 1);
+}
+
+int main(void) {
+    if (dc_cuda_device_count() == 0) {
+        printf("SKIP: no CUDA device\n");
+        return DC_TEST_SKIP;
+    }
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_kept_layers),
+        cmocka_unit_test(test_kept_many_samples),
+        cmocka_unit_test(test_keep_worth),
+    };
+    return cmocka_run_group_tests(tests, cuda_test_setup, cuda_test_teardown);
+}
