@@ -118,6 +118,9 @@ int plan_step(cuda_backend *cb, const dc_step *s, bool keep, layout *Lo, dc_err 
         if (so) cb->sg_off = so;
         int *bl = so ? (int *)realloc(cb->bk_layer, L * sizeof *bl) : NULL;
         if (bl) cb->bk_layer = bl;
+        int *sgo = bl ? (int *)realloc(cb->sg_out, 2 * L * sizeof *sgo) : NULL;
+        if (sgo) cb->sg_out = sgo;
+        if (!sgo) return dc_err_set(err, DC_ENOSPACE, "", "out of memory");
         dcc_sg_layer *sl = bl ? (dcc_sg_layer *)realloc(cb->sgl, L * sizeof *sl) : NULL;
         if (sl) cb->sgl = sl;
         if (!sl) return dc_err_set(err, DC_ENOSPACE, "", "out of memory");
@@ -240,7 +243,10 @@ int reserve(cuda_backend *cb, const layout *Lo, dc_err *err) {
                           "layers per step, or raise gpu.workspace_max",
                           Lo->total, cb->device, cb->ws_max);
     if (Lo->total > cb->ws_cap) {
-        size_t want = Lo->total + Lo->total / 4;
+        /* a quarter more for the next, slightly larger step, but not a
+         * quarter of gigabytes of kept gradients */
+        size_t margin = Lo->total / 4 < ((size_t)256 << 20) ? Lo->total / 4 : (size_t)256 << 20;
+        size_t want = Lo->total + margin;
         want = (want + ((size_t)2 << 20) - 1) & ~(((size_t)2 << 20) - 1);
         if (cb->ws_max && want > cb->ws_max) want = cb->ws_max;
         int rc = ws_alloc(cb, want, err);
@@ -387,7 +393,7 @@ int run_impl(dc_backend *be, const dc_step *s, dc_step_result *res, dc_err *err,
                 outs[oi].dtype = (int32_t)t->dtype;
                 outs[oi].chunk0 = chunks;
                 outs[oi].amax_found = 0; /* grouped_clipped_plan sets it */
-                outs[oi].pad_ = 0;
+                outs[oi].noised = 0; /* grouped_clipped_plan sets it */
                 oi++;
                 staged += al4(n);
                 chunks += dcc_out_chunks(n);
@@ -480,7 +486,7 @@ int run_impl(dc_backend *be, const dc_step *s, dc_step_result *res, dc_err *err,
                "the coefficients");
         /* 4. clipped sums */
         phase_mark(cb, 3);
-        if ((rc = grouped_clipped(cb, s, &Lo, err))) goto fail;
+        if ((rc = grouped_clipped(cb, s, &Lo, noise_std, err))) goto fail;
         oi = 0;
         for (size_t l = 0; l < L; l++) {
             for (int k = 0; k < 2; k++)
@@ -630,6 +636,10 @@ void cuda_destroy(dc_backend *be) {
     free(cb->nm_grouped);
     free(cb->safe);
     free(cb->woff);
+    free(cb->sg_off);
+    free(cb->sg_out);
+    free(cb->bk_layer);
+    free(cb->sgl);
     free(cb->ovr_n2);
     free(cb->ovr);
     free(cb);

@@ -49,6 +49,7 @@ struct cuda_backend {
      * workspace (plan_step; SIZE_MAX: not kept), the layer of each entry of
      * bk, and the kept layers' clipped sums (grouped_clipped) */
     size_t *sg_off;
+    int *sg_out; /* [2 * lay_cap] layer l's weight and bias output index, -1 none */
     int *bk_layer;
     dcc_sg_layer *sgl;
     int sg_kept; /* layers the last step kept (dc_cuda_backend_kept_layers) */
@@ -228,7 +229,8 @@ int layer_norms(cuda_backend *cb, const dc_step *s, size_t l, const layout *Lo, 
 int layer_clipped(cuda_backend *cb, const dc_step *s, size_t l, const layout *Lo,
                   const uint64_t off[2], const step_opts &opt, dc_err *err, bool add = false);
 int grouped_clipped_plan(cuda_backend *cb, const dc_step *s, const layout *Lo, dcc_out *outs);
-int grouped_clipped(cuda_backend *cb, const dc_step *s, const layout *Lo, dc_err *err);
+int grouped_clipped(cuda_backend *cb, const dc_step *s, const layout *Lo, float noise_std,
+                    dc_err *err);
 int grouped_norms(cuda_backend *cb, const dc_step *s, const layout *Lo, float s2, dc_err *err);
 int snapshot_indices(cuda_backend *cb, const dc_step *s, const layout *Lo, dc_step *out,
                      dc_err *err);

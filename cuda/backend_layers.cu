@@ -177,7 +177,7 @@ int grouped_clipped_plan(cuda_backend *cb, const dc_step *s, const layout *Lo, d
     for (size_t l = 0; l < s->n_layers; l++) {
         const dc_layer *ly = &s->layers[l];
         int idx[2];
-        for (int k = 0; k < 2; k++) idx[k] = want_out(ly, k) ? oi++ : -1;
+        for (int k = 0; k < 2; k++) cb->sg_out[2 * l + k] = idx[k] = want_out(ly, k) ? oi++ : -1;
         cb->bk_grouped[l] = false;
         if (ly->kind != DC_LAYER_LINEAR || cb->woff[l] == UINT64_MAX) continue;
         if (ly->tie) idx[0] = -1; /* the pair's embedding adds onto it */
@@ -198,6 +198,9 @@ int grouped_clipped_plan(cuda_backend *cb, const dc_step *s, const layout *Lo, d
             marked++;
         }
         cb->bk_grouped[l] = true;
+        if (cb->sg_off[l] != SIZE_MAX) /* the kept gradients' sum noises them */
+            for (int k = 0; k < 2; k++)
+                if (idx[k] >= 0) outs[idx[k]].noised = 1;
     }
     cb->bk_n = n;
     return marked;
@@ -227,7 +230,9 @@ fail:
 
 /* The planned grouped launch. Where it is not possible (e.g. no tensor-map
  * encoder) every layer goes per layer instead. */
-int grouped_clipped(cuda_backend *cb, const dc_step *s, const layout *Lo, dc_err *err) {
+int grouped_clipped(cuda_backend *cb, const dc_step *s, const layout *Lo, float noise_std,
+                    dc_err *err) {
+    const dcc_out *outs = (const dcc_out *)(cb->host + al(Lo->dl_bytes) + Lo->outs);
     const int B = (int)s->batch;
     int rc = 0, n = 0, k = 0;
     cudaError_t e;
@@ -253,12 +258,21 @@ int grouped_clipped(cuda_backend *cb, const dc_step *s, const layout *Lo, dc_err
         g->bias = b->bias;
         g->amax_w = b->amax_w;
         g->amax_b = b->amax_b;
+        const int ow = cb->sg_out[2 * l], ob = cb->sg_out[2 * l + 1];
+        g->key_w = ow >= 0 ? outs[ow].key : 0;
+        g->step_w = ow >= 0 ? outs[ow].step : 0;
+        g->stream_w = ow >= 0 ? outs[ow].stream : 0;
+        g->key_b = ob >= 0 ? outs[ob].key : 0;
+        g->step_b = ob >= 0 ? outs[ob].step : 0;
+        g->stream_b = ob >= 0 ? outs[ob].stream : 0;
         g->d = x.d;
         g->p = x.p;
     }
     cb->bk_n = n;
     cb->sg_kept = k;
-    if (k > 0) CK(dcc_sgrad_sum(cb->sgl, k, B, cb->stream), "the kept gradients' sum");
+    if (k > 0)
+        CK(dcc_sgrad_sum(cb->sgl, k, B, noise_std, cb->opt.noise, cb->stream),
+           "the kept gradients' sum");
     if (n == 0) return 0;
     CK(dcc_bk_order((const float *)(cb->ws + Lo->cs), (int)s->n_layers, B,
                     (int *)(cb->ws + Lo->perm), (float *)(cb->ws + Lo->fac), cb->stream),
@@ -273,9 +287,25 @@ fail:
     return rc;
 }
 
-/* No per-sample gradients kept this step: the norms run without them. */
-static void keep_none(cuda_backend *cb, const dc_step *s) {
-    for (size_t l = 0; l < s->n_layers; l++) cb->sg_off[l] = SIZE_MAX;
+/* No per-sample gradients kept this step after all: the norms run without
+ * them, and the outputs grouped_clipped_plan marked noised (in the table
+ * already uploaded) are not: the output pass draws their noise. */
+static int keep_none(cuda_backend *cb, const dc_step *s, const layout *Lo, dc_err *err) {
+    int rc = 0;
+    dcc_out *douts = (dcc_out *)(cb->ws + Lo->up + Lo->outs);
+    for (size_t l = 0; l < s->n_layers; l++) {
+        if (cb->sg_off[l] == SIZE_MAX) continue;
+        cb->sg_off[l] = SIZE_MAX;
+        if (!cb->bk_grouped[l]) continue; /* not planned as noised */
+        for (int k = 0; k < 2; k++) {
+            const int o = cb->sg_out[2 * l + k];
+            if (o >= 0)
+                CK(cudaMemsetAsync(&douts[o].noised, 0, sizeof(uint32_t), cb->stream),
+                   "a memset");
+        }
+    }
+fail:
+    return rc;
 }
 
 /* The grouped norms launch for the direct-form LINEAR layers that qualify,
@@ -306,14 +336,12 @@ int grouped_norms(cuda_backend *cb, const dc_step *s, const layout *Lo, float s2
     }
     if (n == 0 || items < dcc_grouped_min_items(&cb->opt)) {
         memset(cb->nm_grouped, 0, s->n_layers * sizeof *cb->nm_grouped);
-        keep_none(cb, s);
-        return 0;
+        return keep_none(cb, s, Lo, err);
     }
     cudaError_t e = dcc_linear_sqnorms_grouped(cb->nm, n, s2, cb->opt.grouped_layers, cb->stream);
     if (e == cudaErrorNotSupported) { /* nothing was launched: per layer instead */
         memset(cb->nm_grouped, 0, s->n_layers * sizeof *cb->nm_grouped);
-        keep_none(cb, s);
-        return 0;
+        return keep_none(cb, s, Lo, err);
     }
     CK(e, "the grouped norm kernel");
 fail:

@@ -236,11 +236,16 @@ typedef struct dcc_sg_layer {
     float *w;          /* device f32 [p][d] (overwritten) */
     float *bias;       /* device f32 [p] or NULL */
     unsigned *amax_w, *amax_b; /* as in dcc_bk_layer; NULL: none */
+    uint64_t key_w, step_w, key_b, step_b; /* the outputs' noise (dcc_out) */
+    uint32_t stream_w, stream_b;
     int d, p;
 } dcc_sg_layer;
-/* w = sum_b cs[b] * G_b and bias = sum_b cs[b] * bias_b over each layer's
- * store (f32 sums in sample order). */
-cudaError_t dcc_sgrad_sum(const dcc_sg_layer *layers, int n, int B, cudaStream_t st);
+/* w = sum_b cs[b] * G_b + std * z and bias likewise over each layer's store
+ * (f32 sums in sample order; z the outputs' own draws, by `noise`
+ * (DCC_NOISE_*), none when std is 0): the outputs are marked
+ * dcc_out.noised, and their max |.| is the noised values'. */
+cudaError_t dcc_sgrad_sum(const dcc_sg_layer *layers, int n, int B, float std, int noise,
+                          cudaStream_t st);
 
 /* TF32 tensor-core kernels for f32 inputs (norms_tf32.cu): the forms of
  * dcc_linear_sqnorms, and the clipped weight sum w[p][d] = sum_b cs[b]
@@ -370,7 +375,10 @@ typedef struct dcc_out {
     /* 1: the grouped clipped sum writes it whole and finds its max |.| in
      * its epilogue (dcc_bk_layer.amax_*): dcc_out_check does not scan it */
     uint32_t amax_found;
-    uint32_t pad_;
+    /* nonzero: staging holds the noised sums already (the sum of kept
+     * per-sample gradients drew this output's noise, sgrad.cu); the output
+     * passes add none, and amax is that of the noised values */
+    uint32_t noised;
 } dcc_out;
 
 #define DCC_OUT_CHUNK 8192

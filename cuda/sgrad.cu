@@ -11,16 +11,20 @@
  * stored, so its sums land where that thread's accumulators map: the wide
  * form's register i is column n = 64 wg + 16 wq + lane/4 (+8 when i % 4 >=
  * 2) of a's, row m = 8 (i / 4) + 2 (lane % 4) + i % 2 of g's (grouped_tma.cu);
- * for one i a warp's stores fill four 32-byte sectors. The epilogue keeps the
- * outputs' max |.| as the grouped clipped sum's does (dcc_out.amax_found). */
+ * for one i a warp's stores fill four 32-byte sectors. The epilogue adds the
+ * outputs' noise (the same draws the output pass would make: dcc_noise.cuh,
+ * pair q of an output is its elements 2q, 2q + 1) and keeps their max |.|
+ * as the grouped clipped sum's does (dcc_out.amax_found, .noised): the
+ * output pass then only divides and writes. The draws are issue-bound and
+ * this pass memory-bound, so here they mostly fill idle issue slots. */
 #include <string.h>
 
-#include "dcc_device.cuh"
+#include "dcc_noise.cuh"
 #include "dcc_util.cuh"
 
 namespace {
 
-constexpr int SGMAXL = 96; /* layers a launch's parameters hold */
+constexpr int SGMAXL = 80; /* layers a launch's parameters hold */
 constexpr int SG_CHUNKS = DCC_SG_TILE / 8 / 256; /* 16-byte chunks a thread */
 
 struct sg_entry {
@@ -28,11 +32,14 @@ struct sg_entry {
     const float *sgb, *cs;
     float *w, *bias;
     unsigned *amax_w, *amax_b;
+    uint64_t key_w, step_w, key_b, step_b; /* the outputs' noise (dcc_out) */
+    uint32_t stream_w, stream_b;
     int d, p, tiles_n, tiles, tile0;
 };
 struct sg_params {
     sg_entry e[SGMAXL];
     int n, tiles, B;
+    float std; /* 0: no noise */
 };
 static_assert(sizeof(sg_params) <= 32764, "the kernel parameter limit (CUDA 12.1+)");
 
@@ -61,61 +68,109 @@ __device__ __forceinline__ void warp_amax(unsigned *amax, unsigned am) {
 
 constexpr int SG_MAXB = 64; /* coefficients staged in shared memory a pass */
 
+/* Element k (0-7) of a thread's chunk j: register i = 8 j + k of the wide
+ * form (grouped_tma.cu): row m of g's, column n of a's, from the tile's
+ * corner (m0, n0) and the thread's lane, warp and warpgroup. */
+__device__ __forceinline__ void sg_elem(int j, int k, int m0, int n0, int &m, int &n) {
+    const int tid = (int)threadIdx.x, lane = tid & 31, i = 8 * j + k;
+    n = n0 + (tid >> 7) * 64 + ((tid >> 5) & 3) * 16 + (lane >> 2) + ((i & 2) ? 8 : 0);
+    m = m0 + (i >> 2) * 8 + (lane & 3) * 2 + (i & 1);
+}
+
+template <int NOISE>
 __global__ void __launch_bounds__(256) sgrad_sum(const __grid_constant__ sg_params P) {
     __shared__ float c[SG_MAXB];
     const sg_entry &E = P.e[sg_find(P, (int)blockIdx.x)];
     const int t = (int)blockIdx.x - E.tile0, tn = t % E.tiles_n;
     const int m0 = (t / E.tiles_n) * 256, n0 = tn * 128, B = P.B, d = E.d, p = E.p;
-    const int tid = (int)threadIdx.x, wg = tid >> 7, wq = (tid >> 5) & 3, lane = tid & 31;
+    const int tid = (int)threadIdx.x;
+    /* the output's pairs (2q, 2q + 1) share a draw; a pair's two elements
+     * are columns n, n + 1 of one row, held by lanes 4 apart: the lane with
+     * the even column draws the pairs of its elements 0-3, its partner
+     * those of its 4-7, and they swap the halves they do not keep */
+    const bool even = ((tid >> 2) & 1) == 0;
     const int64_t per_sample = (int64_t)E.tiles * (DCC_SG_TILE / 8); /* uint4 */
     const uint4 *base = E.sg + (int64_t)t * (DCC_SG_TILE / 8) + tid;
-    float acc[SG_CHUNKS][8];
+    unsigned am = 0;
+#pragma unroll 1
+    for (int j = 0; j < SG_CHUNKS; j++) {
+        float acc[8];
 #pragma unroll
-    for (int j = 0; j < SG_CHUNKS; j++)
+        for (int k = 0; k < 8; k++) acc[k] = 0.0f;
+        for (int b0 = 0; b0 < B; b0 += SG_MAXB) {
+            const int nb = B - b0 < SG_MAXB ? B - b0 : SG_MAXB;
+            __syncthreads();
+            if (tid < nb) c[tid] = E.cs[b0 + tid];
+            __syncthreads();
+            int k = 0;
+            for (; k + 4 <= nb; k += 4) { /* four samples' loads in flight */
+                uint4 v[4];
 #pragma unroll
-        for (int k = 0; k < 8; k++) acc[j][k] = 0.0f;
-    for (int b0 = 0; b0 < B; b0 += SG_MAXB) {
-        const int nb = B - b0 < SG_MAXB ? B - b0 : SG_MAXB;
-        __syncthreads();
-        if (tid < nb) c[tid] = E.cs[b0 + tid];
-        __syncthreads();
-        for (int k = 0; k < nb; k++) {
-            const float ck = c[k];
-            const uint4 *src = base + (int64_t)(b0 + k) * per_sample;
-            uint4 v[SG_CHUNKS];
+                for (int u = 0; u < 4; u++)
+                    v[u] = ld_stream(base + (int64_t)(b0 + k + u) * per_sample + j * 256);
 #pragma unroll
-            for (int j = 0; j < SG_CHUNKS; j++) v[j] = ld_stream(src + j * 256);
+                for (int u = 0; u < 4; u++) {
+                    const float ck = c[k + u];
+                    const uint32_t w[4] = {v[u].x, v[u].y, v[u].z, v[u].w};
 #pragma unroll
-            for (int j = 0; j < SG_CHUNKS; j++) {
-                const uint32_t w[4] = {v[j].x, v[j].y, v[j].z, v[j].w};
+                    for (int h = 0; h < 4; h++) {
+                        acc[2 * h] = fmaf(ck, __uint_as_float(w[h] << 16), acc[2 * h]);
+                        acc[2 * h + 1] =
+                            fmaf(ck, __uint_as_float(w[h] & 0xffff0000u), acc[2 * h + 1]);
+                    }
+                }
+            }
+            for (; k < nb; k++) {
+                const uint4 v = ld_stream(base + (int64_t)(b0 + k) * per_sample + j * 256);
+                const float ck = c[k];
+                const uint32_t w[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
                 for (int h = 0; h < 4; h++) {
-                    acc[j][2 * h] = fmaf(ck, __uint_as_float(w[h] << 16), acc[j][2 * h]);
-                    acc[j][2 * h + 1] =
-                        fmaf(ck, __uint_as_float(w[h] & 0xffff0000u), acc[j][2 * h + 1]);
+                    acc[2 * h] = fmaf(ck, __uint_as_float(w[h] << 16), acc[2 * h]);
+                    acc[2 * h + 1] = fmaf(ck, __uint_as_float(w[h] & 0xffff0000u), acc[2 * h + 1]);
                 }
             }
         }
-    }
-    unsigned am = 0;
+        if (P.std != 0.0f) {
+            float z[8];
 #pragma unroll
-    for (int j = 0; j < SG_CHUNKS; j++)
+            for (int s = 0; s < 4; s++) {
+                int ma, na, mb, nb;
+                sg_elem(j, s, m0, n0, ma, na);
+                sg_elem(j, 4 + s, m0, n0, mb, nb);
+                const int m = even ? ma : mb, n = even ? na : nb;
+                float z0, z1;
+                draw_pair(NOISE, E.key_w, E.step_w, E.stream_w,
+                          (uint64_t)(((int64_t)m * d + n) >> 1), z0, z1);
+                const float keep = even ? z0 : z1;
+                const float other = __shfl_xor_sync(0xffffffffu, even ? z1 : z0, 4);
+                z[s] = even ? keep : other;
+                z[4 + s] = even ? other : keep;
+            }
+#pragma unroll
+            for (int k = 0; k < 8; k++) acc[k] = dcc_noised(acc[k], P.std, z[k]);
+        }
 #pragma unroll
         for (int k = 0; k < 8; k++) {
-            const int i = 8 * j + k;
-            const int n = n0 + wg * 64 + wq * 16 + (lane >> 2) + ((i & 2) ? 8 : 0);
-            const int m = m0 + (i >> 2) * 8 + (lane & 3) * 2 + (i & 1);
+            int m, n;
+            sg_elem(j, k, m0, n0, m, n);
             if (m < p && n < d) {
-                E.w[(int64_t)m * d + n] = acc[j][k];
-                am = max(am, dcc_abs_bits(acc[j][k]));
+                E.w[(int64_t)m * d + n] = acc[k];
+                am = max(am, dcc_abs_bits(acc[k]));
             }
         }
+    }
     if (E.amax_w) warp_amax(E.amax_w, am);
     if (E.bias && tn == 0) {
         const int m = m0 + tid;
         float y = 0.0f;
         if (m < p)
             for (int b = 0; b < B; b++) y = fmaf(E.cs[b], E.sgb[(int64_t)b * p + m], y);
+        if (P.std != 0.0f) { /* pairs of adjacent rows: each thread draws its own */
+            float z0, z1;
+            draw_pair(NOISE, E.key_b, E.step_b, E.stream_b, (uint64_t)(m >> 1), z0, z1);
+            y = dcc_noised(y, P.std, (m & 1) ? z1 : z0);
+        }
         if (m < p) E.bias[m] = y;
         if (E.amax_b) warp_amax(E.amax_b, m < p ? dcc_abs_bits(y) : 0u);
     }
@@ -152,7 +207,8 @@ extern "C" size_t dcc_sgrad_bytes(const dcc_linear *L) {
     return dcc_sgrad_bias_off(L) + (L->has_bias ? (size_t)L->B * (size_t)L->p * 4 : 0);
 }
 
-extern "C" cudaError_t dcc_sgrad_sum(const dcc_sg_layer *ls, int n, int B, cudaStream_t st) {
+extern "C" cudaError_t dcc_sgrad_sum(const dcc_sg_layer *ls, int n, int B, float std, int noise,
+                                     cudaStream_t st) {
     int i = 0;
     if (B <= 0) return cudaErrorInvalidValue;
     while (i < n) {
@@ -172,6 +228,12 @@ extern "C" cudaError_t dcc_sgrad_sum(const dcc_sg_layer *ls, int n, int B, cudaS
             E.bias = x->sgb ? x->bias : nullptr;
             E.amax_w = x->amax_w;
             E.amax_b = x->amax_b;
+            E.key_w = x->key_w;
+            E.step_w = x->step_w;
+            E.stream_w = x->stream_w;
+            E.key_b = x->key_b;
+            E.step_b = x->step_b;
+            E.stream_b = x->stream_b;
             E.d = x->d;
             E.p = x->p;
             E.tiles_n = (x->d + 127) / 128;
@@ -183,7 +245,9 @@ extern "C" cudaError_t dcc_sgrad_sum(const dcc_sg_layer *ls, int n, int B, cudaS
         P.n = j;
         P.tiles = (int)tiles;
         P.B = B;
-        sgrad_sum<<<(unsigned)tiles, 256, 0, st>>>(P);
+        P.std = std;
+        if (noise == DCC_NOISE_EXACT) sgrad_sum<DCC_NOISE_EXACT><<<(unsigned)tiles, 256, 0, st>>>(P);
+        else sgrad_sum<DCC_NOISE_FAST><<<(unsigned)tiles, 256, 0, st>>>(P);
         cudaError_t e = cudaGetLastError();
         if (e != cudaSuccess) return e;
         i += j;

@@ -13,6 +13,7 @@
  * And against the exact CPU backend (no rounding): at most 2^-8 relative,
  * the bf16 rounding's bound, but more than the GEMM path's 1e-4 on some
  * tensor, so the test would see if the rounding were skipped.
+ * Their noise is the output pass's, draw for draw (test_kept_noise).
  * The budget (gpu.sample_grads_max) decides which layers are kept: greedily
  * in step order; 0 keeps none. These run with DPCLIP_CUDA_SGRAD=all (every
  * layer that can be kept, short ones included); the default keeps the
@@ -254,6 +255,86 @@ static void test_kept_many_samples(void **state) {
     set_switches(1, 1);
 }
 
+/* Outputs of a noised MEAN step over d (device layers) into host f32
+ * copies out[l][0..1] (weight, bias; NULL where none). */
+static void noised_step(dc_layer *d, int n, uint32_t B, int sgrad, bool one_pass, float sigma,
+                        float **out) {
+    dc_step ds;
+    dc_step_result rd;
+    dc_err ed;
+    set_switches(1, 1);
+    g_opts.sgrad = sgrad;
+    g_opts.one_pass = one_pass;
+    apply_switches();
+    step_init(&ds, d, (size_t)n, B, 0);
+    ds.max_grad_norm = 0.05f;
+    ds.noise_multiplier = sigma;
+    ds.reduction = DC_REDUCTION_MEAN;
+    ds.expected_batch = B; /* 3: a division that rounds */
+    int rc = run(g_cuda, &ds, &rd, &ed);
+    if (rc) fprintf(stderr, "cuda: %s: %s\n", ed.field, ed.msg);
+    assert_int_equal(rc, 0);
+    assert_int_equal(dc_cuda_backend_kept_layers(g_cuda), sgrad == DCC_SGRAD_ALL ? n : 0);
+    for (int l = 0; l < n; l++) {
+        out[2 * l] = dev_to_f32(&d[l].weight_grad_out);
+        out[2 * l + 1] = d[l].bias_grad_out.data ? dev_to_f32(&d[l].bias_grad_out) : NULL;
+    }
+    dc_step_result_free(&rd);
+}
+
+/* The noise the kept gradients' sum adds is the output pass's, draw for
+ * draw (dcc_noise.cuh's pairs of an output's elements, which its threads
+ * hold in lanes 4 apart): for every element, noised minus noiseless is the
+ * same with and without kept gradients, up to the roundings of the two
+ * sums (f32, relative 1e-6 of the values). A misplaced draw would differ
+ * by the noise itself. Staged outputs (one pass off) are bit-identical to
+ * one-pass ones. */
+static void test_kept_noise(void **state) {
+    (void)state;
+    enum { N = 6 };
+    const uint32_t B = 3;
+    int64_t shape[N][3] = {{64, 136, 264}, {70, 64, 72}, {64, 200, 520},
+                           {128, 392, 136}, {65, 72, 264}, {64, 256, 256}};
+    dc_layer h[N], d[N];
+    make(h, d, N, B, shape, 1515);
+    float *kn[2 * N], *kc[2 * N], *gn[2 * N], *gc[2 * N], *ks[2 * N];
+    const float sigma = 0.7f;
+    noised_step(d, N, B, DCC_SGRAD_ALL, true, sigma, kn);
+    noised_step(d, N, B, DCC_SGRAD_ALL, true, 0.0f, kc);
+    noised_step(d, N, B, DCC_SGRAD_OFF, true, sigma, gn);
+    noised_step(d, N, B, DCC_SGRAD_OFF, true, 0.0f, gc);
+    noised_step(d, N, B, DCC_SGRAD_ALL, false, sigma, ks);
+    const double std_over_div = sigma * 0.05 / B;
+    double worst = 0.0, biggest = 0.0;
+    long staged_differ = 0, n_checked = 0;
+    for (int o = 0; o < 2 * N; o++) {
+        if (!kn[o]) continue;
+        const int64_t n = numel(o & 1 ? &d[o / 2].bias_grad_out : &d[o / 2].weight_grad_out);
+        for (int64_t i = 0; i < n; i++) {
+            const double dk = (double)kn[o][i] - kc[o][i], dg = (double)gn[o][i] - gc[o][i];
+            const double tol = 1e-6 * (fabs(kn[o][i]) + fabs(kc[o][i]) + fabs(gn[o][i]) +
+                                       fabs(gc[o][i])) + 1e-12;
+            if (fabs(dk - dg) / tol > worst) worst = fabs(dk - dg) / tol;
+            if (fabs(dk) > biggest) biggest = fabs(dk);
+            staged_differ += memcmp(&kn[o][i], &ks[o][i], 4) != 0;
+            n_checked++;
+        }
+        free(kn[o]);
+        free(kc[o]);
+        free(gn[o]);
+        free(gc[o]);
+        free(ks[o]);
+    }
+    printf("noise: %ld values, worst |kept - GEMM| noise difference %.2f of its bound, largest "
+           "noise %.2f std, staged values differing from one-pass ones: %ld\n",
+           n_checked, worst, biggest / std_over_div, staged_differ);
+    assert_true(worst <= 1.0);
+    assert_true(biggest > 3.0 * std_over_div); /* the noise is there */
+    assert_int_equal(staged_differ, 0);
+    release(h, d, N);
+    set_switches(1, 1);
+}
+
 /* The cost model (dcc_sgrad_worth) on the shapes it was measured for, and
  * the default mode keeping only the layers it picks. */
 static void test_keep_worth(void **state) {
@@ -294,6 +375,7 @@ int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_kept_layers),
         cmocka_unit_test(test_kept_many_samples),
+        cmocka_unit_test(test_kept_noise),
         cmocka_unit_test(test_keep_worth),
     };
     return cmocka_run_group_tests(tests, cuda_test_setup, cuda_test_teardown);
