@@ -301,13 +301,7 @@ __global__ void fdiv_kernel(const float *__restrict__ x, float *__restrict__ out
  * chunk0 <= blockIdx.x (outputs are in chunk order). */
 __device__ __forceinline__ int chunk_output(const dcc_out *__restrict__ outs, int n_out,
                                             uint64_t c) {
-    int lo = 0, hi = n_out - 1;
-    while (lo < hi) {
-        int mid = (lo + hi + 1) >> 1;
-        if (outs[mid].chunk0 <= c) lo = mid;
-        else hi = mid - 1;
-    }
-    return lo;
+    return dcc_entry_of(n_out, c, [&](int i) { return outs[i].chunk0; });
 }
 
 

@@ -48,6 +48,27 @@ __device__ __forceinline__ unsigned dcc_warp_max(unsigned v) {
     return v;
 }
 
+/* A warp's max of am into *amax (one atomic a warp): an output's max |.|
+ * as bits, found by the kernel that writes it. */
+__device__ __forceinline__ void dcc_warp_amax(unsigned *amax, unsigned am) {
+    am = dcc_warp_max(am);
+    if ((threadIdx.x & 31) == 0) atomicMax(amax, am);
+}
+
+/* The last of n entries whose first work item first(i) (ascending, first(0)
+ * = 0) is at most `item`: which layer of a persistent launch's parameters
+ * an item belongs to, or which output a block of the output passes writes. */
+template <typename K, typename First>
+__device__ __forceinline__ int dcc_entry_of(int n, K item, First first) {
+    int lo = 0, hi = n - 1;
+    while (lo < hi) {
+        int mid = (lo + hi + 1) >> 1;
+        if (first(mid) <= item) lo = mid;
+        else hi = mid - 1;
+    }
+    return lo;
+}
+
 /* Sum over the block (blockDim.x a multiple of 32, at most 1024); the result
  * is valid in thread 0. Uses a 32-float shared array. */
 __device__ __forceinline__ float dcc_block_sum(float v) {

@@ -76,13 +76,7 @@ constexpr int GMI = 2, GST = tma_direct_stages<GMI>(), GSB = stage_bytes<GMI>();
 #ifndef DCC_WG_EMPTY
 
 __device__ __forceinline__ int g_find(const g_params &P, int item) {
-    int lo = 0, hi = P.n - 1; /* the last entry with item0 <= item */
-    while (lo < hi) {
-        int mid = (lo + hi + 1) >> 1;
-        if (P.e[mid].item0 <= item) lo = mid;
-        else hi = mid - 1;
-    }
-    return lo;
+    return dcc_entry_of(P.n, item, [&](int i) { return P.e[i].item0; });
 }
 
 __device__ __forceinline__ void consumer_bar() { /* the 256 consumer threads only */
@@ -214,12 +208,6 @@ __global__ void __launch_bounds__(CT, 1) norms_grouped(const __grid_constant__ g
 }
 
 
-/* A warp's max of am into *amax (one atomic a warp). */
-__device__ __forceinline__ void warp_amax(unsigned *amax, unsigned am) {
-    am = dcc_warp_max(am);
-    if ((threadIdx.x & 31) == 0) atomicMax(amax, am);
-}
-
 template <typename TI>
 __global__ void __launch_bounds__(CT, 1) clipped_grouped(const __grid_constant__ g_params P) {
     extern __shared__ unsigned char smem[];
@@ -292,13 +280,13 @@ __global__ void __launch_bounds__(CT, 1) clipped_grouped(const __grid_constant__
                 am = max(am, dcc_abs_bits(v));
             }
         }
-        if (E.amax_w) warp_amax(E.amax_w, am);
+        if (E.amax_w) dcc_warp_amax(E.amax_w, am);
         if (do_bias) {
             const float v = colsum_total(cs, bs0, bs1);
             const int m = m0 + (int)threadIdx.x;
             const float y = cl * v;
             if (m < p) E.bias[m] = y;
-            if (E.amax_b) warp_amax(E.amax_b, m < p ? dcc_abs_bits(y) : 0u);
+            if (E.amax_b) dcc_warp_amax(E.amax_b, m < p ? dcc_abs_bits(y) : 0u);
         }
     }
 }

@@ -44,13 +44,7 @@ struct sg_params {
 static_assert(sizeof(sg_params) <= 32764, "the kernel parameter limit (CUDA 12.1+)");
 
 __device__ __forceinline__ int sg_find(const sg_params &P, int tile) {
-    int lo = 0, hi = P.n - 1; /* the last entry with tile0 <= tile */
-    while (lo < hi) {
-        int mid = (lo + hi + 1) >> 1;
-        if (P.e[mid].tile0 <= tile) lo = mid;
-        else hi = mid - 1;
-    }
-    return lo;
+    return dcc_entry_of(P.n, tile, [&](int i) { return P.e[i].tile0; });
 }
 
 __device__ __forceinline__ uint4 ld_stream(const uint4 *p) { /* read once: spare L1 */
@@ -59,11 +53,6 @@ __device__ __forceinline__ uint4 ld_stream(const uint4 *p) { /* read once: spare
                  : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
                  : "l"(p));
     return v;
-}
-
-__device__ __forceinline__ void warp_amax(unsigned *amax, unsigned am) {
-    am = dcc_warp_max(am);
-    if ((threadIdx.x & 31) == 0) atomicMax(amax, am);
 }
 
 constexpr int SG_MAXB = 64; /* coefficients staged in shared memory a pass */
@@ -160,7 +149,7 @@ __global__ void __launch_bounds__(256) sgrad_sum(const __grid_constant__ sg_para
             }
         }
     }
-    if (E.amax_w) warp_amax(E.amax_w, am);
+    if (E.amax_w) dcc_warp_amax(E.amax_w, am);
     if (E.bias && tn == 0) {
         const int m = m0 + tid;
         float y = 0.0f;
@@ -172,7 +161,7 @@ __global__ void __launch_bounds__(256) sgrad_sum(const __grid_constant__ sg_para
             y = dcc_noised(y, P.std, (m & 1) ? z1 : z0);
         }
         if (m < p) E.bias[m] = y;
-        if (E.amax_b) warp_amax(E.amax_b, m < p ? dcc_abs_bits(y) : 0u);
+        if (E.amax_b) dcc_warp_amax(E.amax_b, m < p ? dcc_abs_bits(y) : 0u);
     }
 }
 
