@@ -75,6 +75,7 @@ static void test_full_file(void **state) {
         "[gpu]\n"
         "workspace = 512M\n"
         "workspace_max = 2g\n"
+        "sample_grads_max = 0\n"
         "[limits]\n"
         "max_batch = 512\n"
         "max_layers = 8\n"
@@ -105,6 +106,7 @@ static void test_full_file(void **state) {
     assert_int_equal(c.log_level, DC_LOG_DEBUG);
     assert_true(c.gpu_workspace == (uint64_t)512 << 20);
     assert_true(c.gpu_workspace_max == (uint64_t)2 << 30);
+    assert_true(c.gpu_sample_grads_max == 0); /* none kept */
     assert_int_equal(c.max_batch, 512);
     assert_int_equal(c.max_layers, 8);
     assert_int_equal(c.max_frame, 65536);
@@ -250,9 +252,11 @@ static void test_restart_needed(void **state) {
     b = a;
     b.gpu_workspace = a.gpu_workspace * 2;
     b.gpu_workspace_max = (uint64_t)8 << 30;
-    assert_int_equal(dc_config_restart_needed(&a, &b, note, names), 2);
+    b.gpu_sample_grads_max = 0;
+    assert_int_equal(dc_config_restart_needed(&a, &b, note, names), 3);
     assert_non_null(strstr(names, "gpu.workspace "));
     assert_non_null(strstr(names, "gpu.workspace_max "));
+    assert_non_null(strstr(names, "gpu.sample_grads_max "));
 }
 #endif /* DPCLIP_HAVE_INIH */
 

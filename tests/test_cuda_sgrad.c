@@ -288,7 +288,8 @@ static void noised_step(dc_layer *d, int n, uint32_t B, int sgrad, bool one_pass
  * same with and without kept gradients, up to the roundings of the two
  * sums (f32, relative 1e-6 of the values). A misplaced draw would differ
  * by the noise itself. Staged outputs (one pass off) are bit-identical to
- * one-pass ones. */
+ * one-pass ones. A step planned to keep its gradients that then does not
+ * (no grouped norm launch) gets its noise from the output pass. */
 static void test_kept_noise(void **state) {
     (void)state;
     enum { N = 6 };
@@ -331,6 +332,52 @@ static void test_kept_noise(void **state) {
     assert_true(worst <= 1.0);
     assert_true(biggest > 3.0 * std_over_div); /* the noise is there */
     assert_int_equal(staged_differ, 0);
+
+    /* Planned kept, then not: a step too small for the grouped norm launch
+     * (its threshold raised above it) keeps nothing after its outputs were
+     * planned as noised by the kept sum; the flags must be taken back, so
+     * that the output pass draws the noise: bit for bit the GEMM path's. */
+    float *un[2 * N], *ug[2 * N];
+    set_switches(1, 1);
+    g_opts.sgrad = DCC_SGRAD_ALL;
+    g_opts.grouped_min = 1 << 30;
+    apply_switches();
+    {
+        dc_step ds;
+        dc_step_result rd;
+        dc_err ed;
+        step_init(&ds, d, N, B, 0);
+        ds.max_grad_norm = 0.05f;
+        ds.noise_multiplier = sigma;
+        ds.reduction = DC_REDUCTION_MEAN;
+        ds.expected_batch = B;
+        assert_int_equal(run(g_cuda, &ds, &rd, &ed), 0);
+        assert_int_equal(dc_cuda_backend_kept_layers(g_cuda), 0);
+        for (int l = 0; l < N; l++) {
+            un[2 * l] = dev_to_f32(&d[l].weight_grad_out);
+            un[2 * l + 1] = d[l].bias_grad_out.data ? dev_to_f32(&d[l].bias_grad_out) : NULL;
+        }
+        dc_step_result_free(&rd);
+        g_opts.sgrad = DCC_SGRAD_OFF;
+        apply_switches();
+        assert_int_equal(run(g_cuda, &ds, &rd, &ed), 0);
+        for (int l = 0; l < N; l++) {
+            ug[2 * l] = dev_to_f32(&d[l].weight_grad_out);
+            ug[2 * l + 1] = d[l].bias_grad_out.data ? dev_to_f32(&d[l].bias_grad_out) : NULL;
+        }
+        dc_step_result_free(&rd);
+    }
+    long taken_back_differ = 0;
+    for (int o = 0; o < 2 * N; o++) {
+        if (!un[o]) continue;
+        const int64_t n = numel(o & 1 ? &d[o / 2].bias_grad_out : &d[o / 2].weight_grad_out);
+        taken_back_differ += memcmp(un[o], ug[o], (size_t)n * 4) != 0;
+        free(un[o]);
+        free(ug[o]);
+    }
+    printf("kept, then not (no grouped launch): outputs differing from the GEMM path's: %ld\n",
+           taken_back_differ);
+    assert_int_equal(taken_back_differ, 0);
     release(h, d, N);
     set_switches(1, 1);
 }
