@@ -286,10 +286,13 @@ static void noised_step(dc_layer *d, int n, uint32_t B, int sgrad, bool one_pass
  * draw (dcc_noise.cuh's pairs of an output's elements, which its threads
  * hold in lanes 4 apart): for every element, noised minus noiseless is the
  * same with and without kept gradients, up to the roundings of the two
- * sums (f32, relative 1e-6 of the values). A misplaced draw would differ
- * by the noise itself. Staged outputs (one pass off) are bit-identical to
- * one-pass ones. A step planned to keep its gradients that then does not
- * (no grouped norm launch) gets its noise from the output pass. */
+ * sums (f32, relative 1e-6 of the values and of the noise's scale). A
+ * misplaced draw would differ
+ * by the noise itself. Staged outputs (one pass off) equal one-pass ones
+ * (the same roundings; two runs' norms may differ in their last bits,
+ * added atomically). A step planned to keep its gradients that then does not
+ * (no grouped norm launch) gets its noise from the output pass, as the
+ * GEMM path's does. */
 static void test_kept_noise(void **state) {
     (void)state;
     enum { N = 6 };
@@ -314,10 +317,11 @@ static void test_kept_noise(void **state) {
         for (int64_t i = 0; i < n; i++) {
             const double dk = (double)kn[o][i] - kc[o][i], dg = (double)gn[o][i] - gc[o][i];
             const double tol = 1e-6 * (fabs(kn[o][i]) + fabs(kc[o][i]) + fabs(gn[o][i]) +
-                                       fabs(gc[o][i])) + 1e-12;
+                                       fabs(gc[o][i]) + std_over_div);
             if (fabs(dk - dg) / tol > worst) worst = fabs(dk - dg) / tol;
             if (fabs(dk) > biggest) biggest = fabs(dk);
-            staged_differ += memcmp(&kn[o][i], &ks[o][i], 4) != 0;
+            staged_differ +=
+                fabs((double)kn[o][i] - ks[o][i]) > 1e-6 * (fabs(kn[o][i]) + std_over_div);
             n_checked++;
         }
         free(kn[o]);
@@ -336,7 +340,7 @@ static void test_kept_noise(void **state) {
     /* Planned kept, then not: a step too small for the grouped norm launch
      * (its threshold raised above it) keeps nothing after its outputs were
      * planned as noised by the kept sum; the flags must be taken back, so
-     * that the output pass draws the noise: bit for bit the GEMM path's. */
+     * that the output pass draws the noise, as on the GEMM path. */
     float *un[2 * N], *ug[2 * N];
     set_switches(1, 1);
     g_opts.sgrad = DCC_SGRAD_ALL;
@@ -367,17 +371,25 @@ static void test_kept_noise(void **state) {
         }
         dc_step_result_free(&rd);
     }
-    long taken_back_differ = 0;
+    /* within the roundings that atomically added norms leave between two
+     * runs (relative 1e-5 of the values or of the noise's scale: an output
+     * near 0 rounds on a scale of its terms); without the noise the values
+     * would be off by the noise itself, 1e5 times that */
+    double worst_back = 0.0;
     for (int o = 0; o < 2 * N; o++) {
         if (!un[o]) continue;
         const int64_t n = numel(o & 1 ? &d[o / 2].bias_grad_out : &d[o / 2].weight_grad_out);
-        taken_back_differ += memcmp(un[o], ug[o], (size_t)n * 4) != 0;
+        for (int64_t i = 0; i < n; i++) {
+            const double tol = 1e-5 * (fabs(un[o][i]) + fabs(ug[o][i]) + std_over_div);
+            if (fabs((double)un[o][i] - ug[o][i]) / tol > worst_back)
+                worst_back = fabs((double)un[o][i] - ug[o][i]) / tol;
+        }
         free(un[o]);
         free(ug[o]);
     }
-    printf("kept, then not (no grouped launch): outputs differing from the GEMM path's: %ld\n",
-           taken_back_differ);
-    assert_int_equal(taken_back_differ, 0);
+    printf("kept, then not (no grouped launch): worst difference from the GEMM path's %.2f of "
+           "its bound\n", worst_back);
+    assert_true(worst_back <= 1.0);
     release(h, d, N);
     set_switches(1, 1);
 }
