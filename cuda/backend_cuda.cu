@@ -235,6 +235,23 @@ int plan_step(cuda_backend *cb, const dc_step *s, bool keep, layout *Lo, dc_err 
     return 0;
 }
 
+/* Whether a workspace that keeps per-sample gradients leaves the GPU a
+ * tenth of its memory free (KEEP_FREE): they are an optimisation, and the
+ * trainers on the GPU may still need to grow. Growing frees the old
+ * workspace first (ws_alloc), so that counts as free. */
+constexpr size_t KEEP_FREE_PARTS = 10;
+
+bool keep_fits(cuda_backend *cb, const layout *Lo) {
+    if (Lo->total <= cb->ws_cap) return true; /* held already */
+    size_t avail = 0, total = 0;
+    if (cudaMemGetInfo(&avail, &total) != cudaSuccess) {
+        (void)cudaGetLastError();
+        return false;
+    }
+    avail += cb->ws_cap;
+    return avail > Lo->total && avail - Lo->total >= total / KEEP_FREE_PARTS;
+}
+
 int reserve(cuda_backend *cb, const layout *Lo, dc_err *err) {
     if (cb->ws_max && Lo->total > cb->ws_max)
         return dc_err_set(err, DC_ENOSPACE, "clip_step",
@@ -352,6 +369,8 @@ int run_impl(dc_backend *be, const dc_step *s, dc_step_result *res, dc_err *err,
         return dc_err_set(err, DC_EUNAVAIL, "", "cannot select cuda:%d", cb->device);
     }
     if ((rc = plan_step(cb, s, io.want == CP_ALL, &Lo, err))) return rc;
+    if (Lo.sgrad_bytes && !keep_fits(cb, &Lo) && (rc = plan_step(cb, s, false, &Lo, err)))
+        return rc;
     if ((rc = reserve(cb, &Lo, err))) {
         /* kept gradients are an optimisation: without them the step may fit */
         if (rc != DC_ENOSPACE || Lo.sgrad_bytes == 0) return rc;

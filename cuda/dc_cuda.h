@@ -75,7 +75,8 @@ int dc_cuda_backend_set_workspace(dc_backend *be, size_t initial, size_t max, dc
  * Layers the grouped norm kernel takes are kept, in step order, while they
  * fit within it and within gpu.workspace_max; their clipped sums are then a
  * pass over memory instead of a GEMM (cuda/sgrad.cu). A step whose
- * workspace cannot be allocated with them runs without. */
+ * workspace would leave the GPU less than a tenth of its memory free with
+ * them, or cannot be allocated, runs without. */
 #define DC_CUDA_SAMPLE_GRADS_DEFAULT ((size_t)8 << 30)
 void dc_cuda_backend_set_sample_grads(dc_backend *be, size_t max);
 /* How many layers of the last step had their per-sample gradients kept

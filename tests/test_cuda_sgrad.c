@@ -394,6 +394,53 @@ static void test_kept_noise(void **state) {
     set_switches(1, 1);
 }
 
+/* Kept gradients never take the GPU's last tenth of memory: a backend whose
+ * workspace must grow to keep them, on a GPU with a little less than a
+ * tenth free, runs the step without them (and succeeds); with the memory
+ * back, a new backend keeps them. */
+static int kept_on_fresh_backend(dc_layer *d, int n, uint32_t B) {
+    dc_backend *be;
+    dc_err err;
+    dc_step ds;
+    dc_step_result rd;
+    assert_int_equal(dc_cuda_backend_create(0, &be, &err), 0);
+    dcc_options o = g_opts;
+    o.sgrad = DCC_SGRAD_ALL;
+    dc_cuda_backend_set_options(be, &o);
+    step_init(&ds, d, (size_t)n, B, 0);
+    int rc = run(be, &ds, &rd, &err);
+    if (rc) fprintf(stderr, "cuda: %s: %s\n", err.field, err.msg);
+    assert_int_equal(rc, 0);
+    int kept = dc_cuda_backend_kept_layers(be);
+    dc_step_result_free(&rd);
+    dc_backend_destroy(be);
+    return kept;
+}
+
+static void test_keep_leaves_memory_free(void **state) {
+    (void)state;
+    int64_t shape[2][3] = {{64, 1024, 1024}, {64, 512, 2048}};
+    dc_layer h[2], d[2];
+    make(h, d, 2, 16, shape, 1616);
+    set_switches(1, 1);
+    size_t avail, total;
+    assert_int_equal(cudaMemGetInfo(&avail, &total), cudaSuccess);
+    /* leave 256 MiB less than a tenth: the workspace would fit with the
+     * kept gradients (64 MiB, and 8 MiB of staging and tables), so only
+     * the rule, not a failed allocation, leaves them out */
+    size_t fill = avail - (total / 10 - ((size_t)256 << 20));
+    void *filler = NULL;
+    assert_int_equal(cudaMalloc(&filler, fill), cudaSuccess);
+    const int full = kept_on_fresh_backend(d, 2, 16);
+    assert_int_equal(cudaFree(filler), cudaSuccess);
+    const int free_again = kept_on_fresh_backend(d, 2, 16);
+    printf("GPU filled to 256 MiB under a tenth free: %d layers kept; memory back: %d\n", full,
+           free_again);
+    assert_int_equal(full, 0);
+    assert_int_equal(free_again, 2);
+    release(h, d, 2);
+}
+
 /* The cost model (dcc_sgrad_worth) on the shapes it was measured for, and
  * the default mode keeping only the layers it picks. */
 static void test_keep_worth(void **state) {
@@ -436,6 +483,7 @@ int main(void) {
         cmocka_unit_test(test_kept_many_samples),
         cmocka_unit_test(test_kept_noise),
         cmocka_unit_test(test_keep_worth),
+        cmocka_unit_test(test_keep_leaves_memory_free),
     };
     return cmocka_run_group_tests(tests, cuda_test_setup, cuda_test_teardown);
 }
