@@ -236,7 +236,7 @@ int plan_step(cuda_backend *cb, const dc_step *s, bool keep, layout *Lo, dc_err 
 }
 
 /* Whether a workspace that keeps per-sample gradients leaves the GPU a
- * tenth of its memory free (KEEP_FREE): they are an optimisation, and the
+ * tenth of its memory free (KEEP_FREE_PARTS): they are an optimisation, and the
  * trainers on the GPU may still need to grow. Growing frees the old
  * workspace first (ws_alloc), so that counts as free. */
 constexpr size_t KEEP_FREE_PARTS = 10;
