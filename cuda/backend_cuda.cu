@@ -505,7 +505,7 @@ int run_impl(dc_backend *be, const dc_step *s, dc_step_result *res, dc_err *err,
                "the coefficients");
         /* 4. clipped sums */
         phase_mark(cb, 3);
-        if ((rc = grouped_clipped(cb, s, &Lo, noise_std, err))) goto fail;
+        if ((rc = grouped_clipped(cb, s, &Lo, outs, noise_std, err))) goto fail;
         oi = 0;
         for (size_t l = 0; l < L; l++) {
             for (int k = 0; k < 2; k++)

@@ -229,8 +229,8 @@ int layer_norms(cuda_backend *cb, const dc_step *s, size_t l, const layout *Lo, 
 int layer_clipped(cuda_backend *cb, const dc_step *s, size_t l, const layout *Lo,
                   const uint64_t off[2], const step_opts &opt, dc_err *err, bool add = false);
 int grouped_clipped_plan(cuda_backend *cb, const dc_step *s, const layout *Lo, dcc_out *outs);
-int grouped_clipped(cuda_backend *cb, const dc_step *s, const layout *Lo, float noise_std,
-                    dc_err *err);
+int grouped_clipped(cuda_backend *cb, const dc_step *s, const layout *Lo, const dcc_out *outs,
+                    float noise_std, dc_err *err);
 int grouped_norms(cuda_backend *cb, const dc_step *s, const layout *Lo, float s2, dc_err *err);
 int snapshot_indices(cuda_backend *cb, const dc_step *s, const layout *Lo, dc_step *out,
                      dc_err *err);

@@ -228,11 +228,12 @@ fail:
     return rc;
 }
 
-/* The planned grouped launch. Where it is not possible (e.g. no tensor-map
- * encoder) every layer goes per layer instead. */
-int grouped_clipped(cuda_backend *cb, const dc_step *s, const layout *Lo, float noise_std,
-                    dc_err *err) {
-    const dcc_out *outs = (const dcc_out *)(cb->host + al(Lo->dl_bytes) + Lo->outs);
+/* The planned grouped launch, and the sums of the layers whose gradients
+ * were kept (their outputs' noise keys from the step's table, outs). Where
+ * the launch is not possible (e.g. no tensor-map encoder) every other layer
+ * goes per layer instead. */
+int grouped_clipped(cuda_backend *cb, const dc_step *s, const layout *Lo, const dcc_out *outs,
+                    float noise_std, dc_err *err) {
     const int B = (int)s->batch;
     int rc = 0, n = 0, k = 0;
     cudaError_t e;
@@ -248,10 +249,8 @@ int grouped_clipped(cuda_backend *cb, const dc_step *s, const layout *Lo, float 
             continue;
         }
         dcc_sg_layer *g = &cb->sgl[k++];
-        dcc_linear x = b->L;
-        x.has_bias = b->bias != NULL;
         g->sg = cb->ws + cb->sg_off[l];
-        g->sgb = b->bias ? (const float *)(cb->ws + cb->sg_off[l] + dcc_sgrad_bias_off(&x))
+        g->sgb = b->bias ? (const float *)(cb->ws + cb->sg_off[l] + dcc_sgrad_bias_off(&b->L))
                          : NULL;
         g->cs = (const float *)(cb->ws + Lo->cs) + (size_t)l * B;
         g->w = b->w;
@@ -265,8 +264,8 @@ int grouped_clipped(cuda_backend *cb, const dc_step *s, const layout *Lo, float 
         g->key_b = ob >= 0 ? outs[ob].key : 0;
         g->step_b = ob >= 0 ? outs[ob].step : 0;
         g->stream_b = ob >= 0 ? outs[ob].stream : 0;
-        g->d = x.d;
-        g->p = x.p;
+        g->d = b->L.d;
+        g->p = b->L.p;
     }
     cb->bk_n = n;
     cb->sg_kept = k;

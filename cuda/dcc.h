@@ -221,6 +221,8 @@ cudaError_t dcc_linear_sqnorms_grouped(const dcc_norm_layer *layers, int n, floa
  * j of thread t at (j * 256 + t) * 8: every store and load a warp makes is
  * 512 contiguous bytes); then, with a bias, [B][p] f32. */
 #define DCC_SG_TILE 32768
+#define DCC_SG_THREADS 256 /* the norm kernel's consumer threads */
+#define DCC_SG_CHUNKS (DCC_SG_TILE / 8 / DCC_SG_THREADS) /* 16-byte chunks a thread */
 size_t dcc_sgrad_bytes(const dcc_linear *L);
 /* Whether keeping a layer's per-sample gradients should pay: the GEMM its
  * clipped sum would be (2 T d p flops a sample), plus, where the norms

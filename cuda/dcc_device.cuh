@@ -55,6 +55,19 @@ __device__ __forceinline__ void dcc_warp_amax(unsigned *amax, unsigned am) {
     if ((threadIdx.x & 31) == 0) atomicMax(amax, am);
 }
 
+/* The wide form's accumulator (dcc_wgmma.cuh, stage_mma's WIDE: a 256 x 128
+ * direct tile computed transposed): consumer thread threadIdx.x's register
+ * i (0-127) of the tile at (m0, n0) is row m of g's features and column n
+ * of a's. For one i a warp's registers fill four 32-byte sectors of a
+ * [p][d] row-major output (eight n of four m). The grouped clipped sum's
+ * epilogue stores through it; the kept per-sample gradients are stored in
+ * register order and summed back through it (sgrad.cu). */
+__device__ __forceinline__ void dcc_wide_at(int i, int m0, int n0, int &m, int &n) {
+    const int tid = (int)threadIdx.x, lane = tid & 31;
+    n = n0 + (tid >> 7) * 64 + ((tid >> 5) & 3) * 16 + (lane >> 2) + ((i & 2) ? 8 : 0);
+    m = m0 + (i >> 2) * 8 + (lane & 3) * 2 + (i & 1);
+}
+
 /* The last of n entries whose first work item first(i) (ascending, first(0)
  * = 0) is at most `item`: which layer of a persistent launch's parameters
  * an item belongs to, or which output a block of the output passes writes. */

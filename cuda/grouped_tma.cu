@@ -178,7 +178,7 @@ __global__ void __launch_bounds__(CT, 1) norms_grouped(const __grid_constant__ g
             const float(&all)[128] = *reinterpret_cast<const float(*)[128]>(&acc[0][0]);
             uint4 *dst = E.sg + (int64_t)(it - E.item0) * (DCC_SG_TILE / 8) + threadIdx.x;
 #pragma unroll
-            for (int j = 0; j < 16; j++) {
+            for (int j = 0; j < DCC_SG_CHUNKS; j++) {
                 uint32_t w[4];
 #pragma unroll
                 for (int h = 0; h < 4; h++) {
@@ -188,7 +188,7 @@ __global__ void __launch_bounds__(CT, 1) norms_grouped(const __grid_constant__ g
                     sq += lo * lo + hi * hi;
                     w[h] = *reinterpret_cast<const uint32_t *>(&v2);
                 }
-                dst[j * 256] = make_uint4(w[0], w[1], w[2], w[3]);
+                dst[j * DCC_SG_THREADS] = make_uint4(w[0], w[1], w[2], w[3]);
             }
         } else {
 #pragma unroll
@@ -238,8 +238,6 @@ __global__ void __launch_bounds__(CT, 1) clipped_grouped(const __grid_constant__
         }
         return;
     }
-    const int wg = (int)threadIdx.x >> 7, wq = ((int)threadIdx.x >> 5) & 3;
-    const int lane = (int)threadIdx.x & 31;
     int u = 0;
     for (int it = (int)blockIdx.x; it < P.items; it += (int)gridDim.x) {
         const g_entry &E = P.e[g_find(P, it)];
@@ -263,17 +261,14 @@ __global__ void __launch_bounds__(CT, 1) clipped_grouped(const __grid_constant__
         }
         const float cl = E.fac[0];
         float *w = E.out;
-        /* accumulator (the wide form: the tile transposed): register i is
-         * column n = 64 wg + 16 wq + lane/4 (+8 when i % 4 >= 2) of a's,
-         * row m = 8 (i / 4) + 2 (lane % 4) + i % 2 of g's; for one i a
-         * warp's stores fill four 32-byte sectors (eight n of four m). The
-         * max |.| as bits (NaN above all) into *amax_w. */
+        /* accumulator: the wide form's (dcc_wide_at); the max |.| as bits
+         * (NaN above all) into *amax_w */
         const float(&all)[128] = *reinterpret_cast<const float(*)[128]>(&acc[0][0]);
         unsigned am = 0;
 #pragma unroll
         for (int i = 0; i < 128; i++) {
-            const int n = n0 + wg * 64 + wq * 16 + (lane >> 2) + ((i & 2) ? 8 : 0);
-            const int m = m0 + (i >> 2) * 8 + (lane & 3) * 2 + (i & 1);
+            int m, n;
+            dcc_wide_at(i, m0, n0, m, n);
             if (m < p && n < d) {
                 const float v = cl * all[i];
                 w[(int64_t)m * d + n] = v;

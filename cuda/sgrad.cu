@@ -25,7 +25,6 @@
 namespace {
 
 constexpr int SGMAXL = 80; /* layers a launch's parameters hold */
-constexpr int SG_CHUNKS = DCC_SG_TILE / 8 / 256; /* 16-byte chunks a thread */
 
 struct sg_entry {
     const uint4 *sg;
@@ -57,17 +56,9 @@ __device__ __forceinline__ uint4 ld_stream(const uint4 *p) { /* read once: spare
 
 constexpr int SG_MAXB = 64; /* coefficients staged in shared memory a pass */
 
-/* Element k (0-7) of a thread's chunk j: register i = 8 j + k of the wide
- * form (grouped_tma.cu): row m of g's, column n of a's, from the tile's
- * corner (m0, n0) and the thread's lane, warp and warpgroup. */
-__device__ __forceinline__ void sg_elem(int j, int k, int m0, int n0, int &m, int &n) {
-    const int tid = (int)threadIdx.x, lane = tid & 31, i = 8 * j + k;
-    n = n0 + (tid >> 7) * 64 + ((tid >> 5) & 3) * 16 + (lane >> 2) + ((i & 2) ? 8 : 0);
-    m = m0 + (i >> 2) * 8 + (lane & 3) * 2 + (i & 1);
-}
-
 template <int NOISE>
-__global__ void __launch_bounds__(256) sgrad_sum(const __grid_constant__ sg_params P) {
+__global__ void __launch_bounds__(DCC_SG_THREADS)
+    sgrad_sum(const __grid_constant__ sg_params P) {
     __shared__ float c[SG_MAXB];
     const sg_entry &E = P.e[sg_find(P, (int)blockIdx.x)];
     const int t = (int)blockIdx.x - E.tile0, tn = t % E.tiles_n;
@@ -82,7 +73,7 @@ __global__ void __launch_bounds__(256) sgrad_sum(const __grid_constant__ sg_para
     const uint4 *base = E.sg + (int64_t)t * (DCC_SG_TILE / 8) + tid;
     unsigned am = 0;
 #pragma unroll 1
-    for (int j = 0; j < SG_CHUNKS; j++) {
+    for (int j = 0; j < DCC_SG_CHUNKS; j++) {
         float acc[8];
 #pragma unroll
         for (int k = 0; k < 8; k++) acc[k] = 0.0f;
@@ -96,7 +87,8 @@ __global__ void __launch_bounds__(256) sgrad_sum(const __grid_constant__ sg_para
                 uint4 v[4];
 #pragma unroll
                 for (int u = 0; u < 4; u++)
-                    v[u] = ld_stream(base + (int64_t)(b0 + k + u) * per_sample + j * 256);
+                    v[u] = ld_stream(base + (int64_t)(b0 + k + u) * per_sample +
+                                     j * DCC_SG_THREADS);
 #pragma unroll
                 for (int u = 0; u < 4; u++) {
                     const float ck = c[k + u];
@@ -110,7 +102,8 @@ __global__ void __launch_bounds__(256) sgrad_sum(const __grid_constant__ sg_para
                 }
             }
             for (; k < nb; k++) {
-                const uint4 v = ld_stream(base + (int64_t)(b0 + k) * per_sample + j * 256);
+                const uint4 v =
+                    ld_stream(base + (int64_t)(b0 + k) * per_sample + j * DCC_SG_THREADS);
                 const float ck = c[k];
                 const uint32_t w[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
@@ -125,8 +118,8 @@ __global__ void __launch_bounds__(256) sgrad_sum(const __grid_constant__ sg_para
 #pragma unroll
             for (int s = 0; s < 4; s++) {
                 int ma, na, mb, nb;
-                sg_elem(j, s, m0, n0, ma, na);
-                sg_elem(j, 4 + s, m0, n0, mb, nb);
+                dcc_wide_at(8 * j + s, m0, n0, ma, na);
+                dcc_wide_at(8 * j + 4 + s, m0, n0, mb, nb);
                 const int m = even ? ma : mb, n = even ? na : nb;
                 float z0, z1;
                 draw_pair(NOISE, E.key_w, E.step_w, E.stream_w,
@@ -142,7 +135,7 @@ __global__ void __launch_bounds__(256) sgrad_sum(const __grid_constant__ sg_para
 #pragma unroll
         for (int k = 0; k < 8; k++) {
             int m, n;
-            sg_elem(j, k, m0, n0, m, n);
+            dcc_wide_at(8 * j + k, m0, n0, m, n);
             if (m < p && n < d) {
                 E.w[(int64_t)m * d + n] = acc[k];
                 am = max(am, dcc_abs_bits(acc[k]));
@@ -165,9 +158,8 @@ __global__ void __launch_bounds__(256) sgrad_sum(const __grid_constant__ sg_para
     }
 }
 
-int64_t tiles_of(const dcc_linear *L) {
-    return (int64_t)((L->p + 255) / 256) * ((L->d + 127) / 128);
-}
+/* 256 x 128 tiles of a [p][d] weight */
+int64_t tiles_of(int p, int d) { return (int64_t)((p + 255) / 256) * ((d + 127) / 128); }
 
 } // namespace
 
@@ -189,7 +181,7 @@ extern "C" bool dcc_sgrad_worth(int T, int d, int p, dc_algo norm_algo) {
 }
 
 extern "C" size_t dcc_sgrad_bias_off(const dcc_linear *L) {
-    return (size_t)L->B * (size_t)tiles_of(L) * DCC_SG_TILE * 2;
+    return (size_t)L->B * (size_t)tiles_of(L->p, L->d) * DCC_SG_TILE * 2;
 }
 
 extern "C" size_t dcc_sgrad_bytes(const dcc_linear *L) {
@@ -208,7 +200,7 @@ extern "C" cudaError_t dcc_sgrad_sum(const dcc_sg_layer *ls, int n, int B, float
         for (; j < SGMAXL && i + j < n; j++) {
             const dcc_sg_layer *x = &ls[i + j];
             sg_entry &E = P.e[j];
-            const int64_t tl = (int64_t)((x->p + 255) / 256) * ((x->d + 127) / 128);
+            const int64_t tl = tiles_of(x->p, x->d);
             if (tiles + tl > INT32_MAX / 2) break;
             E.sg = (const uint4 *)x->sg;
             E.sgb = x->sgb;
@@ -235,8 +227,9 @@ extern "C" cudaError_t dcc_sgrad_sum(const dcc_sg_layer *ls, int n, int B, float
         P.tiles = (int)tiles;
         P.B = B;
         P.std = std;
-        if (noise == DCC_NOISE_EXACT) sgrad_sum<DCC_NOISE_EXACT><<<(unsigned)tiles, 256, 0, st>>>(P);
-        else sgrad_sum<DCC_NOISE_FAST><<<(unsigned)tiles, 256, 0, st>>>(P);
+        auto kern = noise == DCC_NOISE_EXACT ? sgrad_sum<DCC_NOISE_EXACT>
+                                             : sgrad_sum<DCC_NOISE_FAST>;
+        kern<<<(unsigned)tiles, DCC_SG_THREADS, 0, st>>>(P);
         cudaError_t e = cudaGetLastError();
         if (e != cudaSuccess) return e;
         i += j;
