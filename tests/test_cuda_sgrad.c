@@ -23,18 +23,8 @@
 
 enum { NL = 16 };
 
-static uint16_t bf16_bits(float f) { /* round to nearest even */
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
-static double bf16_round(double x) {
-    uint32_t u = (uint32_t)bf16_bits((float)x) << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return (double)f;
-}
+/* x as the kernel keeps it: rounded to f32, then to bf16 (nearest even) */
+static double bf16_round(double x) { return (double)dc_bf16_to_f32(dc_f32_to_bf16((float)x)); }
 
 static size_t al256(size_t x) { return (x + 255) & ~(size_t)255; }
 
@@ -256,15 +246,18 @@ static void test_kept_many_samples(void **state) {
 }
 
 /* Outputs of a noised MEAN step over d (device layers) into host f32
- * copies out[l][0..1] (weight, bias; NULL where none). */
+ * copies out[l][0..1] (weight, bias; NULL where none); grouped_min as
+ * dcc_options has it (0: every step's layers grouped), and then that many
+ * layers kept with DPCLIP_CUDA_SGRAD=all, else none. */
 static void noised_step(dc_layer *d, int n, uint32_t B, int sgrad, bool one_pass, float sigma,
-                        float **out) {
+                        int grouped_min, float **out) {
     dc_step ds;
     dc_step_result rd;
     dc_err ed;
     set_switches(1, 1);
     g_opts.sgrad = sgrad;
     g_opts.one_pass = one_pass;
+    g_opts.grouped_min = grouped_min;
     apply_switches();
     step_init(&ds, d, (size_t)n, B, 0);
     ds.max_grad_norm = 0.05f;
@@ -274,7 +267,8 @@ static void noised_step(dc_layer *d, int n, uint32_t B, int sgrad, bool one_pass
     int rc = run(g_cuda, &ds, &rd, &ed);
     if (rc) fprintf(stderr, "cuda: %s: %s\n", ed.field, ed.msg);
     assert_int_equal(rc, 0);
-    assert_int_equal(dc_cuda_backend_kept_layers(g_cuda), sgrad == DCC_SGRAD_ALL ? n : 0);
+    assert_int_equal(dc_cuda_backend_kept_layers(g_cuda),
+                     sgrad == DCC_SGRAD_ALL && grouped_min == 0 ? n : 0);
     for (int l = 0; l < n; l++) {
         out[2 * l] = dev_to_f32(&d[l].weight_grad_out);
         out[2 * l + 1] = d[l].bias_grad_out.data ? dev_to_f32(&d[l].bias_grad_out) : NULL;
@@ -303,11 +297,11 @@ static void test_kept_noise(void **state) {
     make(h, d, N, B, shape, 1515);
     float *kn[2 * N], *kc[2 * N], *gn[2 * N], *gc[2 * N], *ks[2 * N];
     const float sigma = 0.7f;
-    noised_step(d, N, B, DCC_SGRAD_ALL, true, sigma, kn);
-    noised_step(d, N, B, DCC_SGRAD_ALL, true, 0.0f, kc);
-    noised_step(d, N, B, DCC_SGRAD_OFF, true, sigma, gn);
-    noised_step(d, N, B, DCC_SGRAD_OFF, true, 0.0f, gc);
-    noised_step(d, N, B, DCC_SGRAD_ALL, false, sigma, ks);
+    noised_step(d, N, B, DCC_SGRAD_ALL, true, sigma, 0, kn);
+    noised_step(d, N, B, DCC_SGRAD_ALL, true, 0.0f, 0, kc);
+    noised_step(d, N, B, DCC_SGRAD_OFF, true, sigma, 0, gn);
+    noised_step(d, N, B, DCC_SGRAD_OFF, true, 0.0f, 0, gc);
+    noised_step(d, N, B, DCC_SGRAD_ALL, false, sigma, 0, ks);
     const double std_over_div = sigma * 0.05 / B;
     double worst = 0.0, biggest = 0.0;
     long staged_differ = 0, n_checked = 0;
@@ -342,35 +336,8 @@ static void test_kept_noise(void **state) {
      * planned as noised by the kept sum; the flags must be taken back, so
      * that the output pass draws the noise, as on the GEMM path. */
     float *un[2 * N], *ug[2 * N];
-    set_switches(1, 1);
-    g_opts.sgrad = DCC_SGRAD_ALL;
-    g_opts.grouped_min = 1 << 30;
-    apply_switches();
-    {
-        dc_step ds;
-        dc_step_result rd;
-        dc_err ed;
-        step_init(&ds, d, N, B, 0);
-        ds.max_grad_norm = 0.05f;
-        ds.noise_multiplier = sigma;
-        ds.reduction = DC_REDUCTION_MEAN;
-        ds.expected_batch = B;
-        assert_int_equal(run(g_cuda, &ds, &rd, &ed), 0);
-        assert_int_equal(dc_cuda_backend_kept_layers(g_cuda), 0);
-        for (int l = 0; l < N; l++) {
-            un[2 * l] = dev_to_f32(&d[l].weight_grad_out);
-            un[2 * l + 1] = d[l].bias_grad_out.data ? dev_to_f32(&d[l].bias_grad_out) : NULL;
-        }
-        dc_step_result_free(&rd);
-        g_opts.sgrad = DCC_SGRAD_OFF;
-        apply_switches();
-        assert_int_equal(run(g_cuda, &ds, &rd, &ed), 0);
-        for (int l = 0; l < N; l++) {
-            ug[2 * l] = dev_to_f32(&d[l].weight_grad_out);
-            ug[2 * l + 1] = d[l].bias_grad_out.data ? dev_to_f32(&d[l].bias_grad_out) : NULL;
-        }
-        dc_step_result_free(&rd);
-    }
+    noised_step(d, N, B, DCC_SGRAD_ALL, true, sigma, 1 << 30, un);
+    noised_step(d, N, B, DCC_SGRAD_OFF, true, sigma, 1 << 30, ug);
     /* within the roundings that atomically added norms leave between two
      * runs (relative 1e-5 of the values or of the noise's scale: an output
      * near 0 rounds on a scale of its terms); without the noise the values
