@@ -52,7 +52,11 @@
  *   amax_found        outputs whose max |.| the grouped clipped sum's
  *                     epilogue found (the output check does not read them).
  *   kept_layers       layers whose per-sample gradients the norms kept
- *                     (cuda/sgrad.cu): their clipped sum is a pass over them.
+ *                     (cuda/sgrad.cu): their clipped sum is a pass over them,
+ *                     timed as the phase "kept" (after "check"), which
+ *                     clipped_over_gemm counts with "clipped"; kept_direct:
+ *                     that pass wrote the outputs itself (with their noise
+ *                     and division), so "noise" did not touch them.
  * "old" is the previous backend (per-layer norms and book-keeping, staged
  * outputs, double-precision noise, exact f32); "new" the defaults; the
  * "new_but_*" lines turn one switch back each (the GEMM clipped sum with no
@@ -383,6 +387,7 @@ static void stack_run(cublasHandle_t h, cudaStream_t st, stack &m, dc_dtype dt,
             if (ref[k].empty()) ref[k] = x; /* the first configuration run */
             else diff = std::max(diff, rel_diff(x.data(), ref[k].data(), n));
         }
+        const double clipped = ph[3] + ph[5]; /* the GEMM-path sums and the kept ones */
         char phases[512];
         int o = 0;
         for (int k = 0; k < DC_CUDA_PHASES; k++)
@@ -397,15 +402,15 @@ static void stack_run(cublasHandle_t h, cudaStream_t st, stack &m, dc_dtype dt,
                "\"gemm_after_step_ms\":%.3f,\"step_over_gemm_after\":%.3f,"
                "\"norms_over_gemm_after\":%.3f,\"clipped_over_gemm_after\":%.3f,"
                "\"rel_diff_vs_first\":%.2e,\"workspace_bytes\":%zu,\"amax_found\":%d,"
-               "\"kept_layers\":%d}\n",
+               "\"kept_layers\":%d,\"kept_direct\":%s}\n",
                m.name, m.NL, m.B, m.T, dc_dtype_name(dt), cfgs[c].name,
                cfgs[c].tf32 ? "true" : "false", cfgs[c].grouped ? "true" : "false",
                cfgs[c].one_pass ? "true" : "false", cfgs[c].exact_noise ? "exact" : "fast",
                host[host.size() / 2], gpu, phases, gemm_ms, gemm_exact_ms,
-               host[host.size() / 2] / gemm_ms, ph[1] / gemm_ms, ph[3] / gemm_ms, gemm_hot,
-               host[host.size() / 2] / gemm_hot, ph[1] / gemm_hot, ph[3] / gemm_hot, diff,
+               host[host.size() / 2] / gemm_ms, ph[1] / gemm_ms, clipped / gemm_ms, gemm_hot,
+               host[host.size() / 2] / gemm_hot, ph[1] / gemm_hot, clipped / gemm_hot, diff,
                dc_cuda_backend_workspace_bytes(be), dc_cuda_backend_amax_found(be),
-               dc_cuda_backend_kept_layers(be));
+               dc_cuda_backend_kept_layers(be), dc_cuda_backend_kept_direct(be) ? "true" : "false");
         fflush(stdout);
         dc_step_result_free(&r);
         dc_backend_destroy(be);

@@ -36,8 +36,8 @@ extern "C" int dc_cuda_backend_phase_ms(const dc_backend *be, float ms[DC_CUDA_P
 }
 
 extern "C" const char *dc_cuda_phase_name(int phase) {
-    static const char *const names[DC_CUDA_PHASES] = {"setup", "norms", "coefs", "clipped",
-                                                      "check", "noise", "commit", "download"};
+    static const char *const names[DC_CUDA_PHASES] = {
+        "setup", "norms", "coefs", "clipped", "check", "kept", "noise", "commit", "download"};
     return phase >= 0 && phase < DC_CUDA_PHASES ? names[phase] : "?";
 }
 
@@ -90,6 +90,10 @@ extern "C" int dc_cuda_backend_kept_layers(const dc_backend *be) {
 
 extern "C" size_t dc_cuda_backend_workspace_bytes(const dc_backend *be) {
     return ((const cuda_backend *)be)->ws_cap;
+}
+
+extern "C" int dc_cuda_backend_kept_direct(const dc_backend *be) {
+    return ((const cuda_backend *)be)->sg_direct;
 }
 
 extern "C" int dc_cuda_backend_amax_found(const dc_backend *be) {

@@ -14,8 +14,10 @@
  *      max |.| of the outputs it writes whole), f32 ones on TF32 tensor
  *      cores (or exact f32 cuBLAS), the rest through cuBLAS and small
  *      kernels;
- *   5. the one-pass output path (clip.cu): max |staging| per output proves
- *      on the device that no noised value can leave its dtype, then noise,
+ *   5. the one-pass output path (clip.cu): max |staging| per output (for
+ *      the layers whose per-sample gradients were kept, a bound known before
+ *      their sums) proves on the device that no noised value can leave its
+ *      dtype; then the kept layers' sums (sgrad.cu) and the others' noise,
  *      division and conversion write the outputs directly; a step that
  *      cannot be proved safe (or has a bad input) checks in staging and
  *      commits only if the status word stays 0;
@@ -429,6 +431,7 @@ int run_impl(dc_backend *be, const dc_step *s, dc_step_result *res, dc_err *err,
         char *ws = cb->ws;
         cb->bk_n = 0;
         cb->sg_kept = 0;
+        cb->sg_direct = false;
         cb->amax_found = 0;
         if (opt.grouped && io.want != CP_NORMS) /* marks every layer, grouped or not */
             cb->amax_found = grouped_clipped_plan(cb, s, &Lo, outs);
@@ -505,7 +508,7 @@ int run_impl(dc_backend *be, const dc_step *s, dc_step_result *res, dc_err *err,
                "the coefficients");
         /* 4. clipped sums */
         phase_mark(cb, 3);
-        if ((rc = grouped_clipped(cb, s, &Lo, outs, noise_std, err))) goto fail;
+        if ((rc = grouped_clipped(cb, s, &Lo, outs, err))) goto fail;
         oi = 0;
         for (size_t l = 0; l < L; l++) {
             for (int k = 0; k < 2; k++)
@@ -534,11 +537,15 @@ int run_impl(dc_backend *be, const dc_step *s, dc_step_result *res, dc_err *err,
             CK(dcc_out_check(douts, Lo.n_out, Lo.chunks, staging, noise_std, divisor,
                              (float *)(ws + Lo.amax), status, mode, cb->stream),
                "the output check");
+            /* the kept layers' sums after the check: with mode 1 they go
+             * straight into the outputs */
             phase_mark(cb, 5);
+            if ((rc = kept_sum(cb, s, noise_std, divisor, mode, err))) goto fail;
+            phase_mark(cb, 6);
             CK(dcc_out_write(douts, Lo.n_out, Lo.chunks, staging, noise_std, divisor, mode,
                              status, bad, opt.noise, cb->stream),
                "the noise");
-            phase_mark(cb, 6);
+            phase_mark(cb, 7);
             CK(dcc_out_commit(douts, Lo.n_out, Lo.chunks, staging, mode, status, zero,
                               cb->stream),
                "the commit");
@@ -548,10 +555,12 @@ int run_impl(dc_backend *be, const dc_step *s, dc_step_result *res, dc_err *err,
                "the commit");
         } else {
             phase_mark(cb, 5);
+            if ((rc = kept_sum(cb, s, noise_std, divisor, NULL, err))) goto fail;
+            phase_mark(cb, 6);
             CK(dcc_finalize(douts, Lo.n_out, Lo.max_n, staging, noise_std, divisor, status,
                             bad, opt.noise, cb->stream),
                "the noise");
-            phase_mark(cb, 6);
+            phase_mark(cb, 7);
             CK(dcc_commit(douts, Lo.n_out, Lo.max_n, staging, status,
                           (const float *)(ws + Lo.norms), (float *)s->norms_out.data,
                           (const float *)(ws + Lo.coefs), (float *)s->coefs_out.data, (int)B,
@@ -565,10 +574,10 @@ int run_impl(dc_backend *be, const dc_step *s, dc_step_result *res, dc_err *err,
                           (float *)s->more_coefs_out[i].data, (int)B, zero, cb->stream),
                "the commit");
         /* 6. results home, one synchronisation */
-        phase_mark(cb, 7);
+        phase_mark(cb, 8);
         CK(cudaMemcpyAsync(cb->host, ws, Lo.dl_bytes, cudaMemcpyDeviceToHost, cb->stream),
            "the result copy");
-        phase_mark(cb, 8);
+        phase_mark(cb, 9);
         /* Everything that writes the client's memory is queued: an early
          * notice may go now, while the device works. */
         if (s->enqueued) s->enqueued(s->enqueued_arg);
@@ -589,8 +598,10 @@ int run_impl(dc_backend *be, const dc_step *s, dc_step_result *res, dc_err *err,
             };
             res->phase_ns[DC_RUN_NORMS] = ns(ms[1]);
             res->phase_ns[DC_RUN_REDUCTION] = ns(ms[2]);
-            res->phase_ns[DC_RUN_CLIPPING] = ns(ms[3]);
-            res->phase_ns[DC_RUN_NOISE] = ns(ms[4]) + ns(ms[5]) + ns(ms[6]);
+            /* the kept sums are clipped sums, their noise and write
+             * included */
+            res->phase_ns[DC_RUN_CLIPPING] = ns(ms[3]) + ns(ms[5]);
+            res->phase_ns[DC_RUN_NOISE] = ns(ms[4]) + ns(ms[6]) + ns(ms[7]);
             float w = 0.0f;
             if (waited && cudaEventElapsedTime(&w, cb->ev_wait, cb->ev[0]) == cudaSuccess)
                 res->phase_ns[DC_RUN_WAIT_INPUT] = ns(w);
@@ -616,6 +627,9 @@ int run_impl(dc_backend *be, const dc_step *s, dc_step_result *res, dc_err *err,
             }
             return diagnose(cb, s, &Lo, res, err);
         }
+        uint32_t mode;
+        memcpy(&mode, h + Lo.mode, 4);
+        cb->sg_direct = cb->sg_kept > 0 && opt.one_pass && mode == 1;
         const float *n2 = (const float *)(h + Lo.n2);
         memcpy(res->norms, h + Lo.norms, B * sizeof(float));
         memcpy(res->coefs, h + Lo.coefs, B * sizeof(float));

@@ -53,6 +53,7 @@ struct cuda_backend {
     int *bk_layer;
     dcc_sg_layer *sgl;
     int sg_kept; /* layers the last step kept (dc_cuda_backend_kept_layers) */
+    bool sg_direct; /* their sums went straight into the outputs (mode 1) */
     /* A step retried after an f32 overflow of some LINEAR layers' norms
      * (rescue_overflow): their n2 [lay_cap * B], computed on the host with
      * range scaling, replace the kernels'. NULL = none. */
@@ -230,7 +231,12 @@ int layer_clipped(cuda_backend *cb, const dc_step *s, size_t l, const layout *Lo
                   const uint64_t off[2], const step_opts &opt, dc_err *err, bool add = false);
 int grouped_clipped_plan(cuda_backend *cb, const dc_step *s, const layout *Lo, dcc_out *outs);
 int grouped_clipped(cuda_backend *cb, const dc_step *s, const layout *Lo, const dcc_out *outs,
-                    float noise_std, dc_err *err);
+                    dc_err *err);
+/* The kept layers' sums that grouped_clipped lined up (cb->sgl, sg_kept),
+ * after the output check: into the outputs with mode 1 (mode: the check's,
+ * or NULL for staging). */
+int kept_sum(cuda_backend *cb, const dc_step *s, float noise_std, float divisor,
+             const uint32_t *mode, dc_err *err);
 int grouped_norms(cuda_backend *cb, const dc_step *s, const layout *Lo, float s2, dc_err *err);
 int snapshot_indices(cuda_backend *cb, const dc_step *s, const layout *Lo, dc_step *out,
                      dc_err *err);

@@ -163,6 +163,20 @@ fail:
     return rc;
 }
 
+/* A bound on |.| of any element of a kept layer's sums, known before they
+ * are made: each sample's clipped gradient has norm c_b n_b <= C (its
+ * layer's C when clipping per layer, else the flat one, over a total that
+ * counts this layer), so no element of the B samples' sum exceeds B C.
+ * Twice that covers the f32 roundings of the norms, the coefficients and
+ * the sum many times over. 0 (none known) for a layer that another member
+ * of a fused group step counts. */
+static float kept_bound(const dc_step *s, const dc_layer *ly) {
+    if (ly->norm_excluded) return 0.0f;
+    const double C = s->mode == DC_CLIP_PER_LAYER ? ly->max_grad_norm : s->max_grad_norm;
+    const double b = 2.0 * (double)s->batch * C;
+    return b > 0.0 && b < 3e38 ? (float)b : 0.0f;
+}
+
 /* The grouped book-keeping launch for every LINEAR layer that qualifies and
  * wants its weight sum: its entries in cb->bk (cb->bk_n) and its marks in
  * cb->bk_grouped, so that layer_clipped skips those layers. The outputs it
@@ -200,7 +214,10 @@ int grouped_clipped_plan(cuda_backend *cb, const dc_step *s, const layout *Lo, d
         cb->bk_grouped[l] = true;
         if (cb->sg_off[l] != SIZE_MAX) /* the kept gradients' sum noises them */
             for (int k = 0; k < 2; k++)
-                if (idx[k] >= 0) outs[idx[k]].noised = 1;
+                if (idx[k] >= 0) {
+                    outs[idx[k]].noised = 1;
+                    outs[idx[k]].bound = kept_bound(s, ly);
+                }
     }
     cb->bk_n = n;
     return marked;
@@ -228,12 +245,12 @@ fail:
     return rc;
 }
 
-/* The planned grouped launch, and the sums of the layers whose gradients
- * were kept (their outputs' noise keys from the step's table, outs). Where
- * the launch is not possible (e.g. no tensor-map encoder) every other layer
- * goes per layer instead. */
+/* The planned grouped launch, and the layers whose gradients were kept
+ * lined up for kept_sum (their outputs and noise keys from the step's
+ * table, outs). Where the launch is not possible (e.g. no tensor-map
+ * encoder) every other layer goes per layer instead. */
 int grouped_clipped(cuda_backend *cb, const dc_step *s, const layout *Lo, const dcc_out *outs,
-                    float noise_std, dc_err *err) {
+                    dc_err *err) {
     const int B = (int)s->batch;
     int rc = 0, n = 0, k = 0;
     cudaError_t e;
@@ -264,14 +281,15 @@ int grouped_clipped(cuda_backend *cb, const dc_step *s, const layout *Lo, const 
         g->key_b = ob >= 0 ? outs[ob].key : 0;
         g->step_b = ob >= 0 ? outs[ob].step : 0;
         g->stream_b = ob >= 0 ? outs[ob].stream : 0;
+        g->dst_w = ow >= 0 ? outs[ow].dst : NULL;
+        g->dtype_w = ow >= 0 ? outs[ow].dtype : 0;
+        g->dst_b = ob >= 0 ? outs[ob].dst : NULL;
+        g->dtype_b = ob >= 0 ? outs[ob].dtype : 0;
         g->d = b->L.d;
         g->p = b->L.p;
     }
     cb->bk_n = n;
     cb->sg_kept = k;
-    if (k > 0)
-        CK(dcc_sgrad_sum(cb->sgl, k, B, noise_std, cb->opt.noise, cb->stream),
-           "the kept gradients' sum");
     if (n == 0) return 0;
     CK(dcc_bk_order((const float *)(cb->ws + Lo->cs), (int)s->n_layers, B,
                     (int *)(cb->ws + Lo->perm), (float *)(cb->ws + Lo->fac), cb->stream),
@@ -282,6 +300,17 @@ int grouped_clipped(cuda_backend *cb, const dc_step *s, const layout *Lo, const 
         return amax_undo(cb, Lo, err);
     }
     CK(e, "the grouped clipped-sum kernel");
+fail:
+    return rc;
+}
+
+int kept_sum(cuda_backend *cb, const dc_step *s, float noise_std, float divisor,
+             const uint32_t *mode, dc_err *err) {
+    int rc = 0;
+    if (cb->sg_kept == 0) return 0;
+    CK(dcc_sgrad_sum(cb->sgl, cb->sg_kept, (int)s->batch, noise_std, divisor, mode,
+                     cb->opt.noise, cb->stream),
+       "the kept gradients' sum");
 fail:
     return rc;
 }

@@ -17,10 +17,12 @@
  *
  * Noise: dcc_noise.cuh (Philox4x32-10 and Box-Muller, bit for bit as
  * daemon/compute/noise.c). Outputs whose noise the sum of kept per-sample
- * gradients already added (dcc_out.noised, sgrad.cu) get none here.
+ * gradients adds (dcc_out.noised, sgrad.cu) get none here: that sum runs
+ * after the check, on a bound known before it (dcc_out.bound), and in the
+ * one-pass mode writes them itself.
  * Arithmetic that must round like the CPU's is written with __fmul_rn /
  * __fadd_rn / __fdiv_rn (no contraction to FMA). */
-#include "dcc_noise.cuh"
+#include "dcc_out.cuh"
 
 namespace {
 
@@ -133,39 +135,6 @@ __global__ void rows_f32(const TA *__restrict__ a, const TG *__restrict__ g, int
             gf[k] = cs[row / T] * dcc_ld(g, r0 * p + k);
         }
     }
-}
-
-/* x / d as __fdiv_rn rounds it, with d's reciprocal made once per thread
- * instead of once per element: the refined reciprocal and the two FMAs
- * are __fdiv_rn's own fast path, exact (correctly rounded) while x, d, the
- * quotient and the remainder stay normal, so x and d are kept within
- * 2^+-60 and everything else (zeros, tiny or huge values, non-finite)
- * takes __fdiv_rn itself. A power of two whose reciprocal is a normal
- * float (a MEAN step's expected batch often is) divides as one multiply:
- * x * 2^-k is the exact quotient, rounded once, whatever x is. */
-struct fdiv {
-    float d, y;
-    bool fast, pow2;
-};
-
-__device__ __forceinline__ fdiv fdiv_make(float d) {
-    fdiv f;
-    f.d = d;
-    f.fast = fabsf(d) >= 0x1p-60f && fabsf(d) <= 0x1p60f;
-    const uint32_t e = (__float_as_uint(d) >> 23) & 0xffu;
-    f.pow2 = (__float_as_uint(d) & 0x7fffffu) == 0 && e >= 1 && e <= 253;
-    const float y0 = rcp_approx(d);
-    f.y = f.pow2 ? __uint_as_float((__float_as_uint(d) & 0x80000000u) | (254u - e) << 23)
-                 : __fmaf_rn(y0, __fmaf_rn(y0, -d, 1.0f), y0);
-    return f;
-}
-
-__device__ __forceinline__ float fdiv_by(const fdiv &f, float x) {
-    if (f.pow2) return __fmul_rn(x, f.y);
-    const float ax = fabsf(x);
-    if (!(f.fast && ax >= 0x1p-60f && ax <= 0x1p60f)) return __fdiv_rn(x, f.d);
-    const float q = __fmul_rn(x, f.y);
-    return __fmaf_rn(__fmaf_rn(-q, f.d, x), f.y, q);
 }
 
 __device__ __forceinline__ bool bad_as(float v, int dtype) {
@@ -287,10 +256,10 @@ __global__ void box_muller_kernel(const uint32_t *__restrict__ words, float *__r
 
 __global__ void fdiv_kernel(const float *__restrict__ x, float *__restrict__ out, uint64_t n,
                             float d) {
-    const fdiv f = fdiv_make(d);
+    const dcc_div f = dcc_div_make(d);
     for (uint64_t i = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n;
          i += (uint64_t)gridDim.x * blockDim.x) {
-        out[2 * i] = fdiv_by(f, x[i]);
+        out[2 * i] = dcc_div_by(f, x[i]);
         out[2 * i + 1] = __fdiv_rn(x[i], d);
     }
 }
@@ -313,7 +282,9 @@ __global__ void out_amax_kernel(const dcc_out *__restrict__ outs, int n_out,
     const uint64_t c = blockIdx.x;
     const int oi = chunk_output(outs, n_out, c);
     const dcc_out o = outs[oi];
-    if (o.amax_found) return; /* the grouped clipped sum's epilogue found it */
+    /* the grouped clipped sum's epilogue found it, or (noised) its bound
+     * stands for it: the kept sum has not run yet */
+    if (o.amax_found || o.noised) return;
     const uint64_t i0 = (c - o.chunk0) * DCC_OUT_CHUNK;
     const uint64_t i1 = i0 + DCC_OUT_CHUNK < o.n ? i0 + DCC_OUT_CHUNK : o.n;
     const float *v = staging + o.off; /* 16-byte aligned, as are the chunks */
@@ -351,25 +322,20 @@ __global__ void out_decide_kernel(const dcc_out *__restrict__ outs, int n_out,
                                   const uint32_t *__restrict__ status, uint32_t *__restrict__ mode) {
     bool ok = true;
     for (int oi = (int)threadIdx.x; oi < n_out; oi += (int)blockDim.x) {
-        float m = __uint_as_float(amax[oi]);
+        /* a noised output's sum is made after this check (the kept
+         * gradients' pass, which writes it itself in mode 1): its bound
+         * stands for its max, and 0 (none known) fails the test */
+        const bool noised = outs[oi].noised != 0;
+        float m = noised ? (outs[oi].bound > 0.0f ? outs[oi].bound : __int_as_float(0x7fc00000))
+                         : __uint_as_float(amax[oi]);
         /* |z| <= sqrt(-2 ln 2^-53) = 8.5718 for every draw; a little slack
          * for the roundings of the sum and the division */
-        const double sd = outs[oi].noised ? 0.0 : (double)std; /* in m already */
-        double bound = ((double)m + 8.6 * sd) * 1.0001 / (double)divisor;
+        double bound = ((double)m + 8.6 * (double)std) * 1.0001 / (double)divisor;
         double lim = outs[oi].dtype == DC_F16 ? 65504.0 : outs[oi].dtype == DC_BF16 ? 3.38e38 : 3.4e38;
         if (!(dcc_isfinite(m) && bound < lim)) ok = false;
     }
     ok = __syncthreads_and(ok);
     if (threadIdx.x == 0) *mode = ok && *status == 0 ? 1u : 0u;
-}
-
-__device__ __forceinline__ void store_as(void *dst, int dtype, uint64_t i, float v) {
-    switch (dtype) {
-    case DC_F32: ((float *)dst)[i] = v; break;
-    case DC_BF16: ((__nv_bfloat16 *)dst)[i] = __float2bfloat16_rn(v); break;
-    case DC_F16: ((__half *)dst)[i] = __float2half_rn(v); break;
-    default: break;
-    }
 }
 
 /* One chunk of one output per block, four elements (two draws: pairs (2j,
@@ -388,12 +354,13 @@ __global__ void out_write_kernel(const dcc_out *__restrict__ outs, int n_out,
     const uint64_t c = blockIdx.x;
     const int oi = chunk_output(outs, n_out, c);
     const dcc_out o = outs[oi];
+    if (direct && o.noised) return; /* the kept sum wrote it (sgrad.cu) */
     const uint64_t i0 = (c - o.chunk0) * DCC_OUT_CHUNK;
     const uint64_t i1 = i0 + DCC_OUT_CHUNK < o.n ? i0 + DCC_OUT_CHUNK : o.n;
     float *v = staging + o.off;
     const bool vec_dst =
         ((uintptr_t)o.dst & (uintptr_t)(o.dtype == DC_F32 ? 15 : 7)) == 0;
-    const fdiv div = fdiv_make(divisor);
+    const dcc_div div = dcc_div_make(divisor);
     for (uint64_t i = i0 + 4 * threadIdx.x; i < i1; i += 4 * NT) {
         const int cnt = i + 4 <= i1 ? 4 : (int)(i1 - i);
         float x[4] = {0.0f, 0.0f, 0.0f, 0.0f};
@@ -418,7 +385,7 @@ __global__ void out_write_kernel(const dcc_out *__restrict__ outs, int n_out,
         }
         if (divisor != 1.0f)
 #pragma unroll
-            for (int j = 0; j < 4; j++) x[j] = fdiv_by(div, x[j]);
+            for (int j = 0; j < 4; j++) x[j] = dcc_div_by(div, x[j]);
         if (direct) {
             if (cnt == 4 && vec_dst) {
                 if (o.dtype == DC_F32) {
@@ -441,7 +408,7 @@ __global__ void out_write_kernel(const dcc_out *__restrict__ outs, int n_out,
             } else {
 #pragma unroll
                 for (int j = 0; j < 4; j++)
-                    if (j < cnt) store_as(o.dst, o.dtype, i + j, x[j]);
+                    if (j < cnt) dcc_store_as(o.dst, o.dtype, i + j, x[j]);
             }
             continue;
         }
@@ -472,7 +439,7 @@ __global__ void out_commit_kernel(const dcc_out *__restrict__ outs, int n_out,
     const uint64_t i0 = (c - o.chunk0) * DCC_OUT_CHUNK;
     const uint64_t i1 = i0 + DCC_OUT_CHUNK < o.n ? i0 + DCC_OUT_CHUNK : o.n;
     for (uint64_t i = i0 + threadIdx.x; i < i1; i += NT)
-        store_as(o.dst, o.dtype, i, ok ? staging[o.off + i] : 0.0f);
+        dcc_store_as(o.dst, o.dtype, i, ok ? staging[o.off + i] : 0.0f);
 }
 
 unsigned blocks_for(uint64_t n, unsigned cap) {

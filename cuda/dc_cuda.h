@@ -53,12 +53,14 @@ int dc_cuda_backend_record_event(dc_backend *be, void *cuda_event);
  * a few microseconds of host time a step). Phases, in order: setup
  * (counters, table upload), norms, coefs (norm reduction, coefficients),
  * clipped (book-keeping sums into staging), check (the one-pass path's
- * output bound), noise (noise, division, conversion: into the outputs, or
- * into staging with the dtype check), commit (staging to outputs, gated),
+ * output bound), kept (the clipped sums of kept per-sample gradients, with
+ * their noise: into their outputs when the check allows, else into
+ * staging), noise (noise, division, conversion: into the outputs, or into
+ * staging with the dtype check), commit (staging to outputs, gated),
  * download (results to the host). dc_cuda_backend_phase_ms fills ms with
  * the last successful step's times (-1 where unknown); DC_EPRECOND when
  * timing is off. */
-#define DC_CUDA_PHASES 8
+#define DC_CUDA_PHASES 9
 int dc_cuda_backend_profile(dc_backend *be, int on);
 int dc_cuda_backend_phase_ms(const dc_backend *be, float ms[DC_CUDA_PHASES]);
 const char *dc_cuda_phase_name(int phase);
@@ -82,6 +84,9 @@ void dc_cuda_backend_set_sample_grads(dc_backend *be, size_t max);
 /* How many layers of the last step had their per-sample gradients kept
  * (tests and benchmarks). */
 int dc_cuda_backend_kept_layers(const dc_backend *be);
+/* Whether the last step's kept layers' sums went straight into their
+ * outputs (the output check's mode 1) rather than through staging. */
+int dc_cuda_backend_kept_direct(const dc_backend *be);
 
 /* The DPCLIP_CUDA_* switches the instance follows (cuda/dcc.h,
  * dcc_options): read from the environment when it was made; tests and

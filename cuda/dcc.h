@@ -177,8 +177,9 @@ typedef struct dcc_bk_layer {
 int dcc_bk_grouped_ok(const dcc_linear *L);
 /* All layers must share B and qualify; one launch per max_layers layers of
  * one dtype (clamped to 1-80, the most the kernel parameters hold).
- * cudaErrorNotSupported (a tensor map the driver refuses) may come after
- * some chunks ran: redo every layer then. */
+ * cudaErrorNotSupported (a tensor map the driver refuses) comes before
+ * anything runs, as every chunk's maps are made first: the caller may then
+ * run every layer another way (the same for dcc_linear_sqnorms_grouped). */
 cudaError_t dcc_linear_clipped_grouped(const dcc_bk_layer *layers, int n, int max_layers,
                                        cudaStream_t st);
 /* For each of L layers of coefficients cs[l*B + b]: perm[l*B + k] = the
@@ -240,14 +241,21 @@ typedef struct dcc_sg_layer {
     unsigned *amax_w, *amax_b; /* as in dcc_bk_layer; NULL: none */
     uint64_t key_w, step_w, key_b, step_b; /* the outputs' noise (dcc_out) */
     uint32_t stream_w, stream_b;
+    /* the outputs themselves (dcc_out.dst, dtype), written with mode 1 */
+    void *dst_w, *dst_b;
+    int32_t dtype_w, dtype_b;
     int d, p;
 } dcc_sg_layer;
-/* w = sum_b cs[b] * G_b + std * z and bias likewise over each layer's store
- * (f32 sums in sample order; z the outputs' own draws, by `noise`
- * (DCC_NOISE_*), none when std is 0): the outputs are marked
- * dcc_out.noised, and their max |.| is the noised values'. */
-cudaError_t dcc_sgrad_sum(const dcc_sg_layer *layers, int n, int B, float std, int noise,
-                          cudaStream_t st);
+/* v = sum_b cs[b] * G_b + std * z for w, and likewise for bias, over each
+ * layer's store (f32 sums in sample order; z the outputs' own draws, by
+ * `noise` (DCC_NOISE_*), none when std is 0). With *mode == 1 (the output
+ * check found that no output can leave its dtype: dcc_out_check, run first)
+ * v / divisor goes straight into dst_w / dst_b, as dcc_out_write would
+ * write it, and w and bias are not touched; otherwise (or mode NULL) v goes
+ * into w and bias and its max |.| into amax_*. The outputs are marked
+ * dcc_out.noised. */
+cudaError_t dcc_sgrad_sum(const dcc_sg_layer *layers, int n, int B, float std, float divisor,
+                          const uint32_t *mode, int noise, cudaStream_t st);
 
 /* TF32 tensor-core kernels for f32 inputs (norms_tf32.cu): the forms of
  * dcc_linear_sqnorms, and the clipped weight sum w[p][d] = sum_b cs[b]
@@ -377,10 +385,17 @@ typedef struct dcc_out {
     /* 1: the grouped clipped sum writes it whole and finds its max |.| in
      * its epilogue (dcc_bk_layer.amax_*): dcc_out_check does not scan it */
     uint32_t amax_found;
-    /* nonzero: staging holds the noised sums already (the sum of kept
-     * per-sample gradients drew this output's noise, sgrad.cu); the output
-     * passes add none, and amax is that of the noised values */
+    /* nonzero: the sum of kept per-sample gradients (sgrad.cu) draws this
+     * output's noise, after the output check: with mode 1 it writes the
+     * output itself, and the output passes leave it alone; otherwise it
+     * writes the noised sums into staging, for the passes to divide and
+     * commit without adding noise */
     uint32_t noised;
+    /* for a noised output: a bound on its sums' |.| known before they are
+     * made, which dcc_out_check takes instead of their max (each sample
+     * adds at most C, its clipped norm, to any element; 0: none known, and
+     * the step is staged) */
+    float bound;
 } dcc_out;
 
 #define DCC_OUT_CHUNK 8192
@@ -413,14 +428,17 @@ cudaError_t dcc_commit(const dcc_out *outs, int n_out, uint64_t max_n, const flo
 
 /* The one-pass output path (chunk grid over all outputs, n_chunks chunks):
  * dcc_out_check finds max |staging| per output (amax[n_out], zeroed by the
- * caller; an output marked amax_found keeps what the grouped kernel found)
- * and sets *mode = 1 when the step's status is 0 and no output can leave
- * its dtype's finite range, whatever the noise: |z| <= 8.58 bounds
- * every draw, so |v| <= (amax + 8.6 std) / divisor. Then dcc_out_write
- * writes v = (staging + std z) / divisor straight into the outputs (mode 1),
- * or as dcc_finalize does into staging (mode 0, status 0) for
- * dcc_out_commit, which converts only in mode 0 with status 0. A non-finite
- * staging value makes amax NaN, so such steps always take mode 0. */
+ * caller; an output marked amax_found keeps what the grouped kernel found,
+ * a noised one takes its bound) and sets *mode = 1 when the step's status
+ * is 0 and no output can leave its dtype's finite range, whatever the
+ * noise: |z| <= 8.58 bounds every draw, so |v| <= (amax + 8.6 std) /
+ * divisor. Mode 1 is final: nothing after the check can fail the step, so
+ * the outputs may be written from here on. Then dcc_out_write writes v =
+ * (staging + std z) / divisor straight into the outputs (mode 1; the noised
+ * ones are the kept sum's to write), or as dcc_finalize does into staging
+ * (mode 0, status 0) for dcc_out_commit, which converts only in mode 0 with
+ * status 0. A non-finite staging value makes amax NaN, so such steps always
+ * take mode 0. */
 cudaError_t dcc_out_check(const dcc_out *outs, int n_out, uint64_t n_chunks,
                           const float *staging, float std, float divisor, float *amax,
                           const uint32_t *status, uint32_t *mode, cudaStream_t st);

@@ -306,25 +306,37 @@ cudaError_t launch(void (*kern)(g_params), const g_params &P, cudaStream_t st) {
 }
 
 /* Chunks of at most max_layers layers (1 to GMAXL: their tensor maps fill
- * the kernel parameters) of one dtype: fill(i, entry) sets layer i's
- * entry. */
-template <typename Fill>
-cudaError_t run_chunks(const dcc_linear *const *Ls, int n, int B, float s2, bool clipped,
-                       int max_layers, Fill fill, cudaStream_t st) {
+ * the kernel parameters) of one dtype; Ls(i) is layer i, and fill(i,
+ * entry) sets its entry. Every chunk's tensor maps are made before the
+ * first launch, so that a map the driver refuses (cudaErrorNotSupported)
+ * means nothing ran: the per-layer fallback then cannot add a second time
+ * into n2 rows an earlier chunk already added to. */
+template <typename Lin, typename Fill>
+cudaError_t run_chunks(Lin Ls, int n, int B, float s2, bool clipped, int max_layers, Fill fill,
+                       cudaStream_t st) {
     const int per = max_layers < 1 ? 1 : max_layers < GMAXL ? max_layers : GMAXL;
-    int i = 0;
-    while (i < n) {
+    int chunks = 0;
+    for (int i = 0; i < n; chunks++) {
         int j = 1;
-        while (j < per && i + j < n && Ls[i + j]->ta == Ls[i]->ta) j++;
-        g_params P;
-        memset(&P, 0, sizeof P);
+        while (j < per && i + j < n && Ls(i + j)->ta == Ls(i)->ta) j++;
+        i += j;
+    }
+    g_params *all = (g_params *)calloc((size_t)chunks, sizeof *all);
+    if (!all) return cudaErrorMemoryAllocation;
+    cudaError_t e = cudaSuccess;
+    for (int c = 0, i = 0; c < chunks && e == cudaSuccess; c++) {
+        g_params &P = all[c];
+        int j = 1;
+        while (j < per && i + j < n && Ls(i + j)->ta == Ls(i)->ta) j++;
         int64_t items = 0;
         for (int k = 0; k < j; k++) {
             g_entry &E = P.e[k];
-            const dcc_linear *L = Ls[i + k];
+            const dcc_linear *L = Ls(i + k);
             if (!make_map(&E.tg, L->g, L->tg, L->B, L->T, L->p, 64) ||
-                !make_map(&E.ta, L->a, L->ta, L->B, L->T, L->d, 64))
-                return cudaErrorNotSupported;
+                !make_map(&E.ta, L->a, L->ta, L->B, L->T, L->d, 64)) {
+                e = cudaErrorNotSupported;
+                break;
+            }
             E.T = L->T;
             E.d = L->d;
             E.p = L->p;
@@ -333,21 +345,27 @@ cudaError_t run_chunks(const dcc_linear *const *Ls, int n, int B, float s2, bool
             E.item0 = (int)items;
             int64_t tiles = (int64_t)((L->p + 255) / 256) * E.tiles_n;
             items += clipped ? tiles : tiles * L->B;
-            if (items > INT32_MAX / 2) return cudaErrorInvalidConfiguration;
+            if (items > INT32_MAX / 2) {
+                e = cudaErrorInvalidConfiguration;
+                break;
+            }
             fill(i + k, E);
         }
         P.n = j;
         P.items = (int)items;
         P.B = B;
         P.s2 = s2;
-        bool bf = Ls[i]->ta == DC_BF16;
-        cudaError_t e = launch(clipped ? (bf ? clipped_grouped<dcc_bf16> : clipped_grouped<dcc_f16>)
-                                       : (bf ? norms_grouped<dcc_bf16> : norms_grouped<dcc_f16>),
-                               P, st);
-        if (e != cudaSuccess) return e;
         i += j;
     }
-    return cudaSuccess;
+    for (int c = 0, i = 0; c < chunks && e == cudaSuccess; c++) {
+        const bool bf = Ls(i)->ta == DC_BF16;
+        e = launch(clipped ? (bf ? clipped_grouped<dcc_bf16> : clipped_grouped<dcc_f16>)
+                           : (bf ? norms_grouped<dcc_bf16> : norms_grouped<dcc_f16>),
+                   all[c], st);
+        i += all[c].n;
+    }
+    free(all);
+    return e;
 }
 
 bool qualifies(const dcc_linear *L) {
@@ -369,29 +387,19 @@ extern "C" cudaError_t dcc_linear_clipped_grouped(const dcc_bk_layer *ls, int n,
                                                   cudaStream_t st) {
 #ifdef DCC_WGMMA_BUILT
     if (n <= 0) return cudaSuccess;
-    const dcc_linear *Ls[GMAXL * 16];
-    for (int i0 = 0; i0 < n; i0 += GMAXL * 16) { /* bounded stack, any n */
-        int k = n - i0 < GMAXL * 16 ? n - i0 : GMAXL * 16;
-        for (int i = 0; i < k; i++) {
-            const dcc_bk_layer *x = &ls[i0 + i];
-            if (!dcc_bk_grouped_ok(&x->L) || x->L.B != ls[0].L.B || !x->w)
-                return cudaErrorNotSupported;
-            Ls[i] = &x->L;
-        }
-        cudaError_t e = run_chunks(Ls, k, ls[0].L.B, 1.0f, true, max_layers,
-                                   [&](int i, g_entry &E) {
-                                       E.perm = ls[i0 + i].perm;
-                                       E.fac = ls[i0 + i].fac;
-                                       E.out = ls[i0 + i].w;
-                                       E.bias = ls[i0 + i].bias;
-                                       E.amax_w = ls[i0 + i].amax_w;
-                                       E.amax_b = ls[i0 + i].bias ? ls[i0 + i].amax_b
-                                                                  : nullptr;
-                                   },
-                                   st);
-        if (e != cudaSuccess) return e;
-    }
-    return cudaSuccess;
+    for (int i = 0; i < n; i++)
+        if (!dcc_bk_grouped_ok(&ls[i].L) || ls[i].L.B != ls[0].L.B || !ls[i].w)
+            return cudaErrorNotSupported;
+    return run_chunks([&](int i) { return &ls[i].L; }, n, ls[0].L.B, 1.0f, true, max_layers,
+                      [&](int i, g_entry &E) {
+                          E.perm = ls[i].perm;
+                          E.fac = ls[i].fac;
+                          E.out = ls[i].w;
+                          E.bias = ls[i].bias;
+                          E.amax_w = ls[i].amax_w;
+                          E.amax_b = ls[i].bias ? ls[i].amax_b : nullptr;
+                      },
+                      st);
 #else
     (void)ls;
     (void)n;
@@ -419,24 +427,15 @@ extern "C" cudaError_t dcc_linear_sqnorms_grouped(const dcc_norm_layer *ls, int 
                                                   int max_layers, cudaStream_t st) {
 #ifdef DCC_WGMMA_BUILT
     if (n <= 0) return cudaSuccess;
-    const dcc_linear *Ls[GMAXL * 16];
-    for (int i0 = 0; i0 < n; i0 += GMAXL * 16) {
-        int k = n - i0 < GMAXL * 16 ? n - i0 : GMAXL * 16;
-        for (int i = 0; i < k; i++) {
-            const dcc_norm_layer *x = &ls[i0 + i];
-            if (!qualifies(&x->L) || x->L.B != ls[0].L.B) return cudaErrorNotSupported;
-            Ls[i] = &x->L;
-        }
-        cudaError_t e = run_chunks(Ls, k, ls[0].L.B, s2, false, max_layers,
-                                   [&](int i, g_entry &E) {
-                                       E.out = ls[i0 + i].n2;
-                                       E.sg = (uint4 *)ls[i0 + i].sg;
-                                       E.sgb = ls[i0 + i].sg ? ls[i0 + i].sgb : nullptr;
-                                   },
-                                   st);
-        if (e != cudaSuccess) return e;
-    }
-    return cudaSuccess;
+    for (int i = 0; i < n; i++)
+        if (!qualifies(&ls[i].L) || ls[i].L.B != ls[0].L.B) return cudaErrorNotSupported;
+    return run_chunks([&](int i) { return &ls[i].L; }, n, ls[0].L.B, s2, false, max_layers,
+                      [&](int i, g_entry &E) {
+                          E.out = ls[i].n2;
+                          E.sg = (uint4 *)ls[i].sg;
+                          E.sgb = ls[i].sg ? ls[i].sgb : nullptr;
+                      },
+                      st);
 #else
     (void)ls;
     (void)n;

@@ -13,13 +13,17 @@
  * 2) of a's, row m = 8 (i / 4) + 2 (lane % 4) + i % 2 of g's (grouped_tma.cu);
  * for one i a warp's stores fill four 32-byte sectors. The epilogue adds the
  * outputs' noise (the same draws the output pass would make: dcc_noise.cuh,
- * pair q of an output is its elements 2q, 2q + 1) and keeps their max |.|
- * as the grouped clipped sum's does (dcc_out.amax_found, .noised): the
- * output pass then only divides and writes. The draws are issue-bound and
- * this pass memory-bound, so here they mostly fill idle issue slots. */
+ * pair q of an output is its elements 2q, 2q + 1). It runs after the
+ * output check, which took a bound for these outputs instead of their max
+ * (dcc_out.bound): in mode 1 it divides and writes the outputs themselves
+ * (dcc_out.cuh, as the output pass would), so their sums never go through
+ * staging (GPT-2-small: 0.35 ms a step; a Llama-1B: 3 ms); otherwise it
+ * writes staging and its max |.|, which the staged passes divide and
+ * commit. The draws are issue-bound and this pass memory-bound, so here
+ * they mostly fill idle issue slots. */
 #include <string.h>
 
-#include "dcc_noise.cuh"
+#include "dcc_out.cuh"
 #include "dcc_util.cuh"
 
 namespace {
@@ -33,12 +37,16 @@ struct sg_entry {
     unsigned *amax_w, *amax_b;
     uint64_t key_w, step_w, key_b, step_b; /* the outputs' noise (dcc_out) */
     uint32_t stream_w, stream_b;
+    void *dst_w, *dst_b; /* written in mode 1 */
+    int32_t dtype_w, dtype_b;
     int d, p, tiles_n, tiles, tile0;
 };
 struct sg_params {
     sg_entry e[SGMAXL];
+    const uint32_t *mode; /* dcc_out_check's; NULL: staging */
     int n, tiles, B;
     float std; /* 0: no noise */
+    float divisor;
 };
 static_assert(sizeof(sg_params) <= 32764, "the kernel parameter limit (CUDA 12.1+)");
 
@@ -64,6 +72,8 @@ __global__ void __launch_bounds__(DCC_SG_THREADS)
     const int t = (int)blockIdx.x - E.tile0, tn = t % E.tiles_n;
     const int m0 = (t / E.tiles_n) * 256, n0 = tn * 128, B = P.B, d = E.d, p = E.p;
     const int tid = (int)threadIdx.x;
+    const bool direct = P.mode && *P.mode != 0;
+    const dcc_div div = dcc_div_make(P.divisor);
     /* the output's pairs (2q, 2q + 1) share a draw; a pair's two elements
      * are columns n, n + 1 of one row, held by lanes 4 apart: the lane with
      * the even column draws the pairs of its elements 0-3, its partner
@@ -137,12 +147,18 @@ __global__ void __launch_bounds__(DCC_SG_THREADS)
             int m, n;
             dcc_wide_at(8 * j + k, m0, n0, m, n);
             if (m < p && n < d) {
-                E.w[(int64_t)m * d + n] = acc[k];
-                am = max(am, dcc_abs_bits(acc[k]));
+                const int64_t i = (int64_t)m * d + n;
+                if (direct) {
+                    dcc_store_as(E.dst_w, E.dtype_w, (uint64_t)i,
+                             P.divisor != 1.0f ? dcc_div_by(div, acc[k]) : acc[k]);
+                } else {
+                    E.w[i] = acc[k];
+                    am = max(am, dcc_abs_bits(acc[k]));
+                }
             }
         }
     }
-    if (E.amax_w) dcc_warp_amax(E.amax_w, am);
+    if (E.amax_w && !direct) dcc_warp_amax(E.amax_w, am);
     if (E.bias && tn == 0) {
         const int m = m0 + tid;
         float y = 0.0f;
@@ -153,8 +169,13 @@ __global__ void __launch_bounds__(DCC_SG_THREADS)
             draw_pair(NOISE, E.key_b, E.step_b, E.stream_b, (uint64_t)(m >> 1), z0, z1);
             y = dcc_noised(y, P.std, (m & 1) ? z1 : z0);
         }
-        if (m < p) E.bias[m] = y;
-        if (E.amax_b) dcc_warp_amax(E.amax_b, m < p ? dcc_abs_bits(y) : 0u);
+        if (direct) {
+            if (m < p)
+                dcc_store_as(E.dst_b, E.dtype_b, (uint64_t)m, P.divisor != 1.0f ? dcc_div_by(div, y) : y);
+        } else {
+            if (m < p) E.bias[m] = y;
+            if (E.amax_b) dcc_warp_amax(E.amax_b, m < p ? dcc_abs_bits(y) : 0u);
+        }
     }
 }
 
@@ -188,7 +209,8 @@ extern "C" size_t dcc_sgrad_bytes(const dcc_linear *L) {
     return dcc_sgrad_bias_off(L) + (L->has_bias ? (size_t)L->B * (size_t)L->p * 4 : 0);
 }
 
-extern "C" cudaError_t dcc_sgrad_sum(const dcc_sg_layer *ls, int n, int B, float std, int noise,
+extern "C" cudaError_t dcc_sgrad_sum(const dcc_sg_layer *ls, int n, int B, float std,
+                                     float divisor, const uint32_t *mode, int noise,
                                      cudaStream_t st) {
     int i = 0;
     if (B <= 0) return cudaErrorInvalidValue;
@@ -215,6 +237,10 @@ extern "C" cudaError_t dcc_sgrad_sum(const dcc_sg_layer *ls, int n, int B, float
             E.key_b = x->key_b;
             E.step_b = x->step_b;
             E.stream_b = x->stream_b;
+            E.dst_w = x->dst_w;
+            E.dst_b = x->sgb ? x->dst_b : nullptr;
+            E.dtype_w = x->dtype_w;
+            E.dtype_b = x->dtype_b;
             E.d = x->d;
             E.p = x->p;
             E.tiles_n = (x->d + 127) / 128;
@@ -227,6 +253,8 @@ extern "C" cudaError_t dcc_sgrad_sum(const dcc_sg_layer *ls, int n, int B, float
         P.tiles = (int)tiles;
         P.B = B;
         P.std = std;
+        P.divisor = divisor;
+        P.mode = mode;
         auto kern = noise == DCC_NOISE_EXACT ? sgrad_sum<DCC_NOISE_EXACT>
                                              : sgrad_sum<DCC_NOISE_FAST>;
         kern<<<(unsigned)tiles, DCC_SG_THREADS, 0, st>>>(P);

@@ -267,8 +267,11 @@ static void noised_step(dc_layer *d, int n, uint32_t B, int sgrad, bool one_pass
     int rc = run(g_cuda, &ds, &rd, &ed);
     if (rc) fprintf(stderr, "cuda: %s: %s\n", ed.field, ed.msg);
     assert_int_equal(rc, 0);
-    assert_int_equal(dc_cuda_backend_kept_layers(g_cuda),
-                     sgrad == DCC_SGRAD_ALL && grouped_min == 0 ? n : 0);
+    const int kept = sgrad == DCC_SGRAD_ALL && grouped_min == 0 ? n : 0;
+    assert_int_equal(dc_cuda_backend_kept_layers(g_cuda), kept);
+    /* every output's bound fits its dtype here: one pass means the kept
+     * sums write the outputs themselves */
+    assert_int_equal(dc_cuda_backend_kept_direct(g_cuda), kept > 0 && one_pass);
     for (int l = 0; l < n; l++) {
         out[2 * l] = dev_to_f32(&d[l].weight_grad_out);
         out[2 * l + 1] = d[l].bias_grad_out.data ? dev_to_f32(&d[l].bias_grad_out) : NULL;
@@ -361,6 +364,141 @@ static void test_kept_noise(void **state) {
     set_switches(1, 1);
 }
 
+/* An output of another dtype, allocated on the device in place of t's. */
+static void retype(dc_tensor *t, dc_dtype dt) {
+    dev_free(t);
+    t->dtype = dt;
+    CUDA_OK(cudaMalloc(&t->data, tensor_bytes(t)));
+}
+
+/* a and b (host f32 copies of n-element outputs of dtype dt) agree to the
+ * roundings two runs may differ by: their norms, added atomically, can
+ * differ in the last bit, which moves a value by 1e-6 of itself, or of the
+ * noise's scale near 0, and may then flip its rounding to dt. Returns how
+ * many differ by more; *exact counts the bit-equal ones. */
+static long differ(const float *a, const float *b, int64_t n, dc_dtype dt, double scale,
+                   long *exact) {
+    const double ulp = dt == DC_BF16 ? 0x1p-8 : dt == DC_F16 ? 0x1p-11 : 0.0;
+    long bad = 0;
+    for (int64_t i = 0; i < n; i++) {
+        const double tol = (1e-6 + ulp) * (fabs(a[i]) + scale) + 1e-30;
+        bad += !(fabs((double)a[i] - b[i]) <= tol);
+        *exact += memcmp(&a[i], &b[i], sizeof a[i]) == 0;
+    }
+    return bad;
+}
+
+/* One MEAN step (expected batch B: a division that rounds) of the layers d
+ * with threshold C and noise sigma, kept as `budget` allows; its code. */
+static int kept_step(dc_layer *d, int n, uint32_t B, size_t budget, bool one_pass, float C,
+                     float sigma, bool zero_on_fail) {
+    dc_step ds;
+    dc_step_result rd;
+    dc_err ed;
+    set_switches(1, 1);
+    g_opts.sgrad = DCC_SGRAD_ALL;
+    g_opts.one_pass = one_pass;
+    apply_switches();
+    dc_cuda_backend_set_sample_grads(g_cuda, budget);
+    step_init(&ds, d, (size_t)n, B, 0);
+    ds.max_grad_norm = C;
+    ds.noise_multiplier = sigma;
+    ds.reduction = DC_REDUCTION_MEAN;
+    ds.zero_on_fail = zero_on_fail;
+    int rc = run(g_cuda, &ds, &rd, &ed);
+    if (rc) printf("  step: %s: %s\n", ed.field, ed.msg);
+    dc_step_result_free(&rd);
+    return rc;
+}
+
+/* Kept layers' sums written straight into their outputs (mode 1), in every
+ * output dtype: the values the staged path (one pass off: staging, then the
+ * division and the commit's conversion) writes. Where the check cannot
+ * prove the outputs safe beforehand, the kept sums go through staging: an
+ * f16 output whose bound 2 B C / divisor exceeds its range although its
+ * values do not is still written, right; and a step that fails in its output pass
+ * (another layer's f16 output overflowing with the noise) leaves the kept
+ * layer's outputs as they were, or zeros with zero_on_fail. */
+static void test_kept_direct(void **state) {
+    (void)state;
+    enum { N = 4 };
+    const uint32_t B = 3;
+    int64_t shape[N][3] = {{64, 136, 264}, {70, 64, 72}, {64, 200, 520}, {65, 72, 264}};
+    const dc_dtype odt[N] = {DC_F32, DC_BF16, DC_F16, DC_BF16};
+    dc_layer h[N], d[N];
+    make(h, d, N, B, shape, 1717);
+    for (int l = 0; l < N; l++) {
+        retype(&d[l].weight_grad_out, odt[l]);
+        if (d[l].bias_grad_out.data) retype(&d[l].bias_grad_out, odt[(l + 1) % N]);
+    }
+    const size_t all = DC_CUDA_SAMPLE_GRADS_DEFAULT;
+    /* 1. direct against staged, noised (std / B = 0.7 * 0.05 / 3) */
+    long bad = 0, exact = 0, total = 0;
+    float *got[2 * N];
+    for (int pass = 0; pass < 2; pass++) {
+        outputs_fill(d, N, 7.0f);
+        assert_int_equal(kept_step(d, N, B, all, pass == 0, 0.05f, 0.7f, false), 0);
+        assert_int_equal(dc_cuda_backend_kept_layers(g_cuda), N);
+        assert_int_equal(dc_cuda_backend_kept_direct(g_cuda), pass == 0);
+        for (int o = 0; o < 2 * N; o++) {
+            const dc_tensor *t = o & 1 ? &d[o / 2].bias_grad_out : &d[o / 2].weight_grad_out;
+            if (!t->data) continue;
+            float *v = dev_to_f32(t);
+            if (pass == 0) {
+                got[o] = v;
+                continue;
+            }
+            bad += differ(got[o], v, numel(t), t->dtype, 0.7 * 0.05 / B, &exact);
+            total += numel(t);
+            free(got[o]);
+            free(v);
+        }
+    }
+    printf("kept sums into the outputs: %ld values, %ld bit-equal to the staged path's, %ld "
+           "beyond its roundings\n", total, exact, bad);
+    assert_int_equal(bad, 0);
+
+    /* 2. a bound the f16 output cannot hold: 2 B C / B = 8e4 > 65504, while
+     * its values (no sample is clipped, no noise) stay small */
+    for (int pass = 0; pass < 2; pass++) {
+        outputs_fill(d, N, 7.0f);
+        assert_int_equal(kept_step(d, N, B, all, pass == 0, 40000.0f, 0.0f, false), 0);
+        assert_int_equal(dc_cuda_backend_kept_direct(g_cuda), 0);
+        for (int o = 0; o < 2 * N; o++) {
+            const dc_tensor *t = o & 1 ? &d[o / 2].bias_grad_out : &d[o / 2].weight_grad_out;
+            if (!t->data) continue;
+            float *v = dev_to_f32(t);
+            if (pass == 0) {
+                got[o] = v;
+                continue;
+            }
+            long ex = 0;
+            assert_int_equal(differ(got[o], v, numel(t), t->dtype, 0.0, &ex), 0);
+            for (int64_t i = 0; i < numel(t); i++) assert_true(v[i] != 7.0f); /* written */
+            free(got[o]);
+            free(v);
+        }
+    }
+
+    /* 3. layer 0 kept (f32 output), layer 2 not (the budget holds layer 0
+     * only) with an f16 output that the noise (std 1e5 / 3) overflows:
+     * the step fails in the output pass, after the kept sum ran */
+    dc_layer two[2] = {d[0], d[2]};
+    const dcc_linear x0 = lin(&h[0], B);
+    const size_t only0 = al256(dcc_sgrad_bytes(&x0));
+    for (int zero = 0; zero < 2; zero++) {
+        outputs_fill(two, 2, 7.0f);
+        assert_true(kept_step(two, 2, B, only0, true, 1e5f, 1.0f, zero) != 0);
+        assert_int_equal(dc_cuda_backend_kept_layers(g_cuda), 1);
+        assert_outputs_hold(two, 2, zero ? 0.0f : 7.0f);
+    }
+    printf("a failing step (f16 overflow in a GEMM-path layer) left the kept layer's outputs "
+           "untouched, or zeroed with zero_on_fail\n");
+    release(h, d, N);
+    set_switches(1, 1);
+    dc_cuda_backend_set_sample_grads(g_cuda, DC_CUDA_SAMPLE_GRADS_DEFAULT);
+}
+
 /* Kept gradients never take the GPU's last tenth of memory: a backend whose
  * workspace must grow to keep them, on a GPU with a little less than a
  * tenth free, runs the step without them (and succeeds); with the memory
@@ -449,6 +587,7 @@ int main(void) {
         cmocka_unit_test(test_kept_layers),
         cmocka_unit_test(test_kept_many_samples),
         cmocka_unit_test(test_kept_noise),
+        cmocka_unit_test(test_kept_direct),
         cmocka_unit_test(test_keep_worth),
         cmocka_unit_test(test_keep_leaves_memory_free),
     };

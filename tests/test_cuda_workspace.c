@@ -182,7 +182,7 @@ static void test_phase_timing(void **state) {
     assert_true(res.phase_ns[DC_RUN_WAIT_INPUT] == 0); /* no client event */
     dc_step_result_free(&res);
     assert_int_equal(dc_cuda_backend_phase_ms(g_cuda, ms), 0);
-    for (int i = 1; i <= 6; i++) assert_true(ms[i] >= 0.0f);
+    for (int i = 1; i < DC_CUDA_PHASES - 1; i++) assert_true(ms[i] >= 0.0f);
 
     /* after a wait on a client's event: the wait is measured on the GPU */
     {

@@ -1,0 +1,53 @@
+/* What every path does to an output value between its sum and the
+ * client's memory, written once so that the output passes (clip.cu) and the
+ * sum of kept per-sample gradients, which writes its outputs itself when it
+ * can (sgrad.cu), round alike: the noise (dcc_noise.cuh), the division by
+ * the step's divisor, and the store in the output's dtype. */
+#ifndef DC_DCC_OUT_CUH
+#define DC_DCC_OUT_CUH
+
+#include "dcc_noise.cuh"
+
+/* x / d as __fdiv_rn rounds it, with d's reciprocal made once per thread
+ * instead of once per element: the refined reciprocal and the two FMAs
+ * are __fdiv_rn's own fast path, exact (correctly rounded) while x, d, the
+ * quotient and the remainder stay normal, so x and d are kept within
+ * 2^+-60 and everything else (zeros, tiny or huge values, non-finite)
+ * takes __fdiv_rn itself. A power of two whose reciprocal is a normal
+ * float (a MEAN step's expected batch often is) divides as one multiply:
+ * x * 2^-k is the exact quotient, rounded once, whatever x is. */
+struct dcc_div {
+    float d, y;
+    bool fast, pow2;
+};
+
+__device__ __forceinline__ dcc_div dcc_div_make(float d) {
+    dcc_div f;
+    f.d = d;
+    f.fast = fabsf(d) >= 0x1p-60f && fabsf(d) <= 0x1p60f;
+    const uint32_t e = (__float_as_uint(d) >> 23) & 0xffu;
+    f.pow2 = (__float_as_uint(d) & 0x7fffffu) == 0 && e >= 1 && e <= 253;
+    const float y0 = rcp_approx(d);
+    f.y = f.pow2 ? __uint_as_float((__float_as_uint(d) & 0x80000000u) | (254u - e) << 23)
+                 : __fmaf_rn(y0, __fmaf_rn(y0, -d, 1.0f), y0);
+    return f;
+}
+
+__device__ __forceinline__ float dcc_div_by(const dcc_div &f, float x) {
+    if (f.pow2) return __fmul_rn(x, f.y);
+    const float ax = fabsf(x);
+    if (!(f.fast && ax >= 0x1p-60f && ax <= 0x1p60f)) return __fdiv_rn(x, f.d);
+    const float q = __fmul_rn(x, f.y);
+    return __fmaf_rn(__fmaf_rn(-q, f.d, x), f.y, q);
+}
+
+__device__ __forceinline__ void dcc_store_as(void *dst, int dtype, uint64_t i, float v) {
+    switch (dtype) {
+    case DC_F32: ((float *)dst)[i] = v; break;
+    case DC_BF16: ((__nv_bfloat16 *)dst)[i] = __float2bfloat16_rn(v); break;
+    case DC_F16: ((__half *)dst)[i] = __float2half_rn(v); break;
+    default: break;
+    }
+}
+
+#endif
