@@ -116,6 +116,26 @@ def test_registered_class_trains(daemon, cls, kw):
     engine.close()
 
 
+class NormFirst(nn.Module):
+    """The norm applied to the input features themselves, which need no
+    gradient: its output needs one only through its weight."""
+
+    def __init__(self, V, norm, d=12):
+        super().__init__()
+        self.norm = norm
+        self.head = nn.Linear(d, V)
+
+    def forward(self, x):
+        return self.head(self.norm(x))
+
+
+def test_rmsnorm_of_the_input_itself(daemon):
+    torch.manual_seed(0)
+    _, y, V = prose(B, T)
+    register(ScaleNorm, kind="rmsnorm", weight="scale", eps="epsilon")
+    _run(daemon, NormFirst(V, ScaleNorm(12)), (torch.randn(B, T, 12),), y).close()
+
+
 def test_hugging_face_names_registered(daemon):
     """T5LayerNorm, by its name alone (no class object registered)."""
     torch.manual_seed(1)
