@@ -411,6 +411,39 @@ static int kept_step(dc_layer *d, int n, uint32_t B, size_t budget, bool one_pas
     return rc;
 }
 
+/* The outputs of a kept step of d (every layer kept) in one pass, then
+ * staged (one pass off), each over outputs filled with 7 first: the one
+ * pass writes its outputs itself (kept_direct) or not, as `direct` says,
+ * and every value is written (none is 7) and agrees with the staged one
+ * (differ). Returns how many values differ; adds to *exact and *total. */
+static long against_staged(dc_layer *d, int n, uint32_t B, float C, float sigma, bool direct,
+                           long *exact, long *total) {
+    float *got[2 * NL];
+    long bad = 0;
+    for (int pass = 0; pass < 2; pass++) {
+        outputs_fill(d, (size_t)n, 7.0f);
+        assert_int_equal(kept_step(d, n, B, DC_CUDA_SAMPLE_GRADS_DEFAULT, pass == 0, C, sigma,
+                                   false), 0);
+        assert_int_equal(dc_cuda_backend_kept_layers(g_cuda), n);
+        assert_int_equal(dc_cuda_backend_kept_direct(g_cuda), pass == 0 && direct);
+        for (int o = 0; o < 2 * n; o++) {
+            const dc_tensor *t = o & 1 ? &d[o / 2].bias_grad_out : &d[o / 2].weight_grad_out;
+            if (!t->data) continue;
+            float *v = dev_to_f32(t);
+            for (int64_t i = 0; i < numel(t); i++) assert_true(v[i] != 7.0f);
+            if (pass == 0) {
+                got[o] = v;
+                continue;
+            }
+            bad += differ(got[o], v, numel(t), t->dtype, sigma * C / B, exact);
+            *total += numel(t);
+            free(got[o]);
+            free(v);
+        }
+    }
+    return bad;
+}
+
 /* Kept layers' sums written straight into their outputs (mode 1), in every
  * output dtype: the values the staged path (one pass off: staging, then the
  * division and the commit's conversion) writes. Where the check cannot
@@ -431,54 +464,15 @@ static void test_kept_direct(void **state) {
         retype(&d[l].weight_grad_out, odt[l]);
         if (d[l].bias_grad_out.data) retype(&d[l].bias_grad_out, odt[(l + 1) % N]);
     }
-    const size_t all = DC_CUDA_SAMPLE_GRADS_DEFAULT;
     /* 1. direct against staged, noised (std / B = 0.7 * 0.05 / 3) */
-    long bad = 0, exact = 0, total = 0;
-    float *got[2 * N];
-    for (int pass = 0; pass < 2; pass++) {
-        outputs_fill(d, N, 7.0f);
-        assert_int_equal(kept_step(d, N, B, all, pass == 0, 0.05f, 0.7f, false), 0);
-        assert_int_equal(dc_cuda_backend_kept_layers(g_cuda), N);
-        assert_int_equal(dc_cuda_backend_kept_direct(g_cuda), pass == 0);
-        for (int o = 0; o < 2 * N; o++) {
-            const dc_tensor *t = o & 1 ? &d[o / 2].bias_grad_out : &d[o / 2].weight_grad_out;
-            if (!t->data) continue;
-            float *v = dev_to_f32(t);
-            if (pass == 0) {
-                got[o] = v;
-                continue;
-            }
-            bad += differ(got[o], v, numel(t), t->dtype, 0.7 * 0.05 / B, &exact);
-            total += numel(t);
-            free(got[o]);
-            free(v);
-        }
-    }
+    long exact = 0, total = 0;
+    const long bad = against_staged(d, N, B, 0.05f, 0.7f, true, &exact, &total);
     printf("kept sums into the outputs: %ld values, %ld bit-equal to the staged path's, %ld "
            "beyond its roundings\n", total, exact, bad);
     assert_int_equal(bad, 0);
-
     /* 2. a bound the f16 output cannot hold: 2 B C / B = 8e4 > 65504, while
      * its values (no sample is clipped, no noise) stay small */
-    for (int pass = 0; pass < 2; pass++) {
-        outputs_fill(d, N, 7.0f);
-        assert_int_equal(kept_step(d, N, B, all, pass == 0, 40000.0f, 0.0f, false), 0);
-        assert_int_equal(dc_cuda_backend_kept_direct(g_cuda), 0);
-        for (int o = 0; o < 2 * N; o++) {
-            const dc_tensor *t = o & 1 ? &d[o / 2].bias_grad_out : &d[o / 2].weight_grad_out;
-            if (!t->data) continue;
-            float *v = dev_to_f32(t);
-            if (pass == 0) {
-                got[o] = v;
-                continue;
-            }
-            long ex = 0;
-            assert_int_equal(differ(got[o], v, numel(t), t->dtype, 0.0, &ex), 0);
-            for (int64_t i = 0; i < numel(t); i++) assert_true(v[i] != 7.0f); /* written */
-            free(got[o]);
-            free(v);
-        }
-    }
+    assert_int_equal(against_staged(d, N, B, 40000.0f, 0.0f, false, &exact, &total), 0);
 
     /* 3. layer 0 kept (f32 output), layer 2 not (the budget holds layer 0
      * only) with an f16 output that the noise (std 1e5 / 3) overflows:
