@@ -78,8 +78,8 @@ int dc_cuda_backend_set_workspace(dc_backend *be, size_t initial, size_t max, dc
  * fit within it and within gpu.workspace_max; their clipped sums are then a
  * pass over memory instead of a GEMM (cuda/sgrad.cu). A step whose
  * workspace would leave the GPU less than a tenth of its memory free with
- * them, or cannot be allocated, runs without. */
-#define DC_CUDA_SAMPLE_GRADS_DEFAULT ((size_t)8 << 30)
+ * them, or cannot be allocated, runs without. Default:
+ * DC_SAMPLE_GRADS_DEFAULT (backend.h). */
 void dc_cuda_backend_set_sample_grads(dc_backend *be, size_t max);
 /* How many layers of the last step had their per-sample gradients kept
  * (tests and benchmarks). */

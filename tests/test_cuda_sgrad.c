@@ -227,7 +227,7 @@ static void test_kept_layers(void **state) {
     }
     release(h, d, NL);
     set_switches(1, 1);
-    dc_cuda_backend_set_sample_grads(g_cuda, DC_CUDA_SAMPLE_GRADS_DEFAULT);
+    dc_cuda_backend_set_sample_grads(g_cuda, DC_SAMPLE_GRADS_DEFAULT);
 }
 
 /* More samples than the sum stages coefficients for at once (64). */
@@ -240,7 +240,7 @@ static void test_kept_many_samples(void **state) {
     set_switches(1, 1);
     g_opts.sgrad = DCC_SGRAD_ALL;
     apply_switches();
-    check_step(h, d, 3, B, DC_CUDA_SAMPLE_GRADS_DEFAULT);
+    check_step(h, d, 3, B, DC_SAMPLE_GRADS_DEFAULT);
     release(h, d, 3);
     set_switches(1, 1);
 }
@@ -422,7 +422,7 @@ static long against_staged(dc_layer *d, int n, uint32_t B, float C, float sigma,
     long bad = 0;
     for (int pass = 0; pass < 2; pass++) {
         outputs_fill(d, (size_t)n, 7.0f);
-        assert_int_equal(kept_step(d, n, B, DC_CUDA_SAMPLE_GRADS_DEFAULT, pass == 0, C, sigma,
+        assert_int_equal(kept_step(d, n, B, DC_SAMPLE_GRADS_DEFAULT, pass == 0, C, sigma,
                                    false), 0);
         assert_int_equal(dc_cuda_backend_kept_layers(g_cuda), n);
         assert_int_equal(dc_cuda_backend_kept_direct(g_cuda), pass == 0 && direct);
@@ -490,7 +490,7 @@ static void test_kept_direct(void **state) {
            "untouched, or zeroed with zero_on_fail\n");
     release(h, d, N);
     set_switches(1, 1);
-    dc_cuda_backend_set_sample_grads(g_cuda, DC_CUDA_SAMPLE_GRADS_DEFAULT);
+    dc_cuda_backend_set_sample_grads(g_cuda, DC_SAMPLE_GRADS_DEFAULT);
 }
 
 /* Kept gradients never take the GPU's last tenth of memory: a backend whose

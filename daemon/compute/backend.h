@@ -29,6 +29,12 @@
 
 #include "step.h"
 
+/* The default of gpu.sample_grads_max: how much device workspace a GPU
+ * backend may keep per-sample gradients in (cuda/dc_cuda.h). Here, where
+ * both the configuration (built without CUDA too) and the CUDA backend see
+ * it. */
+#define DC_SAMPLE_GRADS_DEFAULT ((uint64_t)8 << 30)
+
 typedef struct dc_backend dc_backend;
 
 typedef struct dc_backend_ops {

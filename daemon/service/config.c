@@ -11,6 +11,7 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "backend.h"
 #include "dc_frame.h"
 #include "dc_install.h"
 
@@ -158,7 +159,7 @@ void dc_config_defaults(dc_config *c) {
     c->spin_us = 50;
     c->gpu = true;
     c->gpu_workspace = (uint64_t)256 << 20;
-    c->gpu_sample_grads_max = (uint64_t)8 << 30;
+    c->gpu_sample_grads_max = DC_SAMPLE_GRADS_DEFAULT;
     c->log_level = DC_LOG_INFO;
     c->max_batch = DC_DEFAULT_MAX_BATCH;
     c->max_layers = DC_DEFAULT_MAX_LAYERS;
