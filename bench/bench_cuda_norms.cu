@@ -61,7 +61,7 @@
  * outputs, double-precision noise, exact f32); "new" the defaults; the
  * "new_but_*" lines turn one switch back each (the GEMM clipped sum with no
  * kept gradients, per-layer launches, staged outputs, double noise, exact
- * f32); "new_keep_16g" (Llama) keeps up to 16 GiB instead of the default 4.
+ * f32); "new_keep_16g" (Llama) keeps up to 16 GiB instead of the default 8.
  *
  * Usage: bench_cuda_norms [reps]      (default 20): everything
  *        bench_cuda_norms step [reps] (default 10): the GPT-2 step only
