@@ -534,8 +534,10 @@ int run_impl(dc_backend *be, const dc_step *s, dc_step_result *res, dc_err *err,
         const int zero = s->zero_on_fail ? 1 : 0;
         phase_mark(cb, 4);
         if (opt.one_pass) {
+            /* amax_found marks the outputs the kept sum writes too */
             CK(dcc_out_check(douts, Lo.n_out, Lo.chunks, staging, noise_std, divisor,
-                             (float *)(ws + Lo.amax), status, mode, cb->stream),
+                             (float *)(ws + Lo.amax), cb->amax_found < (int)Lo.n_out, status,
+                             mode, cb->stream),
                "the output check");
             /* the kept layers' sums after the check: with mode 1 they go
              * straight into the outputs */

@@ -517,14 +517,16 @@ extern "C" cudaError_t dcc_finalize(const dcc_out *outs, int n_out, uint64_t max
 
 extern "C" cudaError_t dcc_out_check(const dcc_out *outs, int n_out, uint64_t n_chunks,
                                      const float *staging, float std, float divisor,
-                                     float *amax, const uint32_t *status, uint32_t *mode,
-                                     cudaStream_t st) {
+                                     float *amax, bool scan, const uint32_t *status,
+                                     uint32_t *mode, cudaStream_t st) {
     if (n_out <= 0) return cudaSuccess;
     if (n_chunks > INT32_MAX) return cudaErrorInvalidValue;
-    out_amax_kernel<<<(unsigned)n_chunks, NT, 0, st>>>(outs, n_out, staging, (unsigned *)amax,
-                                                       status);
-    cudaError_t e = cudaGetLastError();
-    if (e != cudaSuccess) return e;
+    if (scan) {
+        out_amax_kernel<<<(unsigned)n_chunks, NT, 0, st>>>(outs, n_out, staging,
+                                                           (unsigned *)amax, status);
+        cudaError_t e = cudaGetLastError();
+        if (e != cudaSuccess) return e;
+    }
     out_decide_kernel<<<1, 1024, 0, st>>>(outs, n_out, (const unsigned *)amax, std, divisor,
                                           status, mode);
     return cudaGetLastError();

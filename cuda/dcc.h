@@ -438,10 +438,12 @@ cudaError_t dcc_commit(const dcc_out *outs, int n_out, uint64_t max_n, const flo
  * ones are the kept sum's to write), or as dcc_finalize does into staging
  * (mode 0, status 0) for dcc_out_commit, which converts only in mode 0 with
  * status 0. A non-finite staging value makes amax NaN, so such steps always
- * take mode 0. */
+ * take mode 0. scan false: every output is marked amax_found (the kept
+ * sum's too), so the pass over the chunks, which would skip each of them,
+ * is not launched (a Llama-1B-like step's 139K chunks: 0.2 ms). */
 cudaError_t dcc_out_check(const dcc_out *outs, int n_out, uint64_t n_chunks,
                           const float *staging, float std, float divisor, float *amax,
-                          const uint32_t *status, uint32_t *mode, cudaStream_t st);
+                          bool scan, const uint32_t *status, uint32_t *mode, cudaStream_t st);
 cudaError_t dcc_out_write(const dcc_out *outs, int n_out, uint64_t n_chunks, float *staging,
                           float std, float divisor, const uint32_t *mode, uint32_t *status,
                           unsigned long long *bad, int noise, cudaStream_t st);
