@@ -178,7 +178,7 @@ __global__ void __launch_bounds__(DCC_SG_THREADS, SG_MIN_CTAS)
                 const int64_t i = (int64_t)m * d + n;
                 if (direct) {
                     dcc_store_as(E.dst_w, E.dtype_w, (uint64_t)i,
-                             P.divisor != 1.0f ? dcc_div_by(div, acc[k]) : acc[k]);
+                                 P.divisor != 1.0f ? dcc_div_by(div, acc[k]) : acc[k]);
                 } else {
                     E.w[i] = acc[k];
                     am = max(am, dcc_abs_bits(acc[k]));
