@@ -24,7 +24,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ._layers import (_Layer, _autocast_dtype, _cast, _cat, _label, _low_precision, _part,
+from ._layers import (_Layer, _autocast_dtype, _cast, _cat, _label, _norm_input, _part,
                       _persample_part, UnsupportedModuleError)
 
 
@@ -147,8 +147,7 @@ class _AffineFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, layer):
         # Autocast runs these norms in f32: so does this.
-        xc = x.float() if (_low_precision(x) and _autocast_dtype(x.device.type) is not None) \
-            else x
+        xc = _norm_input(x)
         ctx.layer = layer
         ctx.pass_id = layer.engine._pass
         ctx.x_dtype = x.dtype
