@@ -724,7 +724,7 @@ extern "C" int dc_cuda_backend_create(int device, dc_backend **out, dc_err *err)
     }
     *out = &cb->base;
     /* Phase timing feeds the daemon's per-phase histograms: on unless
-     * DPCLIP_CUDA_PROFILE=0 (nine event records a step, a few microseconds
+     * DPCLIP_CUDA_PROFILE=0 (ten event records a step, a few microseconds
      * of host time that overlap the GPU's work). */
     cb->sg_max = DC_SAMPLE_GRADS_DEFAULT;
     dcc_options_from_env(&cb->opt);
