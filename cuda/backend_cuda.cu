@@ -537,7 +537,7 @@ int run_impl(dc_backend *be, const dc_step *s, dc_step_result *res, dc_err *err,
             /* amax_found marks the outputs the kept sum writes too */
             CK(dcc_out_check(douts, Lo.n_out, Lo.chunks, staging, noise_std, divisor,
                              (float *)(ws + Lo.amax), cb->amax_found < (int)Lo.n_out, status,
-                             mode, cb->stream),
+                             mode, opt.out_blocks, cb->stream),
                "the output check");
             /* the kept layers' sums after the check: with mode 1 they go
              * straight into the outputs */
@@ -545,11 +545,11 @@ int run_impl(dc_backend *be, const dc_step *s, dc_step_result *res, dc_err *err,
             if ((rc = kept_sum(cb, s, noise_std, divisor, mode, err))) goto fail;
             phase_mark(cb, 6);
             CK(dcc_out_write(douts, Lo.n_out, Lo.chunks, staging, noise_std, divisor, mode,
-                             status, bad, opt.noise, cb->stream),
+                             status, bad, opt.noise, opt.out_blocks, cb->stream),
                "the noise");
             phase_mark(cb, 7);
             CK(dcc_out_commit(douts, Lo.n_out, Lo.chunks, staging, mode, status, zero,
-                              cb->stream),
+                              opt.out_blocks, cb->stream),
                "the commit");
             CK(dcc_commit(douts, 0, 0, staging, status, (const float *)(ws + Lo.norms),
                           (float *)s->norms_out.data, (const float *)(ws + Lo.coefs),

@@ -245,6 +245,20 @@ fail:
     return rc;
 }
 
+/* Output oi of the step's table as the kept sum writes it (-1: none). */
+static dcc_out_sink sink_of(const dcc_out *outs, int oi) {
+    dcc_out_sink k;
+    memset(&k, 0, sizeof k);
+    if (oi >= 0) {
+        k.dst = outs[oi].dst;
+        k.key = outs[oi].key;
+        k.step = outs[oi].step;
+        k.stream = outs[oi].stream;
+        k.dtype = outs[oi].dtype;
+    }
+    return k;
+}
+
 /* The planned grouped launch, and the layers whose gradients were kept
  * lined up for kept_sum (their outputs and noise keys from the step's
  * table, outs). Where the launch is not possible (e.g. no tensor-map
@@ -274,17 +288,8 @@ int grouped_clipped(cuda_backend *cb, const dc_step *s, const layout *Lo, const 
         g->bias = b->bias;
         g->amax_w = b->amax_w;
         g->amax_b = b->amax_b;
-        const int ow = cb->sg_out[2 * l], ob = cb->sg_out[2 * l + 1];
-        g->key_w = ow >= 0 ? outs[ow].key : 0;
-        g->step_w = ow >= 0 ? outs[ow].step : 0;
-        g->stream_w = ow >= 0 ? outs[ow].stream : 0;
-        g->key_b = ob >= 0 ? outs[ob].key : 0;
-        g->step_b = ob >= 0 ? outs[ob].step : 0;
-        g->stream_b = ob >= 0 ? outs[ob].stream : 0;
-        g->dst_w = ow >= 0 ? outs[ow].dst : NULL;
-        g->dtype_w = ow >= 0 ? outs[ow].dtype : 0;
-        g->dst_b = ob >= 0 ? outs[ob].dst : NULL;
-        g->dtype_b = ob >= 0 ? outs[ob].dtype : 0;
+        g->out_w = sink_of(outs, cb->sg_out[2 * l]);
+        g->out_b = sink_of(outs, cb->sg_out[2 * l + 1]);
         g->d = b->L.d;
         g->p = b->L.p;
     }

@@ -266,55 +266,74 @@ __global__ void fdiv_kernel(const float *__restrict__ x, float *__restrict__ out
 
 /* --- the one-pass output path --------------------------------------------- */
 
-/* Block -> (output, first element) on the chunk grid: the last output whose
- * chunk0 <= blockIdx.x (outputs are in chunk order). */
-__device__ __forceinline__ int chunk_output(const dcc_out *__restrict__ outs, int n_out,
-                                            uint64_t c) {
-    return dcc_entry_of(n_out, c, [&](int i) { return outs[i].chunk0; });
+/* The one-pass kernels walk the chunk grid grid-stride: block b takes
+ * chunks b, b + G, ... in order, following the output table forward
+ * (outputs are in chunk order), and jumps an output that `skip` says this
+ * pass leaves alone whole, so that a pass costs its work, not a block for
+ * every chunk of every output (a Llama-1B-like step has 134K chunks, nearly
+ * all of them kept sums' outputs that the passes skip: 0.26 ms of empty
+ * blocks in the write pass, 0.09 ms in the commit). `body(oi, o, i0, i1)`
+ * gets output oi's elements [i0, i1); c and oi are the same for every
+ * thread of the block, so a body may synchronise the block. */
+template <typename Skip, typename Body>
+__device__ __forceinline__ void out_chunks(const dcc_out *__restrict__ outs, int n_out,
+                                           uint64_t n_chunks, Skip skip, Body body) {
+    const uint64_t G = gridDim.x;
+    int oi = 0;
+    for (uint64_t c = blockIdx.x; c < n_chunks;) {
+        while (oi + 1 < n_out && outs[oi + 1].chunk0 <= c) oi++;
+        const dcc_out o = outs[oi];
+        if (skip(o)) { /* to this block's first chunk at or past o's end */
+            const uint64_t end = o.chunk0 + (o.n + DCC_OUT_CHUNK - 1) / DCC_OUT_CHUNK;
+            c += (end - c + G - 1) / G * G;
+            continue;
+        }
+        const uint64_t i0 = (c - o.chunk0) * DCC_OUT_CHUNK;
+        body(oi, o, i0, i0 + DCC_OUT_CHUNK < o.n ? i0 + DCC_OUT_CHUNK : o.n);
+        c += G;
+    }
 }
 
-
-__global__ void out_amax_kernel(const dcc_out *__restrict__ outs, int n_out,
+__global__ void out_amax_kernel(const dcc_out *__restrict__ outs, int n_out, uint64_t n_chunks,
                                 const float *__restrict__ staging, unsigned *__restrict__ amax,
                                 const uint32_t *__restrict__ status) {
     __shared__ unsigned part[NT / 32];
     if (*status != 0) return; /* nothing will be written: skip the pass */
-    const uint64_t c = blockIdx.x;
-    const int oi = chunk_output(outs, n_out, c);
-    const dcc_out o = outs[oi];
     /* the grouped clipped sum's epilogue found it, or (noised) its bound
      * stands for it: the kept sum has not run yet */
-    if (o.amax_found || o.noised) return;
-    const uint64_t i0 = (c - o.chunk0) * DCC_OUT_CHUNK;
-    const uint64_t i1 = i0 + DCC_OUT_CHUNK < o.n ? i0 + DCC_OUT_CHUNK : o.n;
-    const float *v = staging + o.off; /* 16-byte aligned, as are the chunks */
-    unsigned m = 0;
-    static_assert(DCC_OUT_CHUNK == 8 * 4 * NT, "a chunk is 8 float4 per thread");
-    float4 q[8];
+    auto skip = [](const dcc_out &o) { return o.amax_found || o.noised; };
+    out_chunks(outs, n_out, n_chunks, skip, [&](int oi, const dcc_out &o, uint64_t i0,
+                                                 uint64_t i1) {
+        const float *v = staging + o.off; /* 16-byte aligned, as are the chunks */
+        unsigned m = 0;
+        static_assert(DCC_OUT_CHUNK == 8 * 4 * NT, "a chunk is 8 float4 per thread");
+        float4 q[8];
 #pragma unroll
-    for (int k = 0; k < 8; k++) { /* all loads in flight before the first use */
-        uint64_t i = i0 + 4 * (threadIdx.x + (uint64_t)k * NT);
-        if (i + 4 <= i1) {
-            q[k] = *(const float4 *)(v + i);
-        } else {
-            float t[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        for (int k = 0; k < 8; k++) { /* all loads in flight before the first use */
+            uint64_t i = i0 + 4 * (threadIdx.x + (uint64_t)k * NT);
+            if (i + 4 <= i1) {
+                q[k] = *(const float4 *)(v + i);
+            } else {
+                float t[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
-            for (int j = 0; j < 4; j++)
-                if (i + j < i1) t[j] = v[i + j];
-            q[k] = make_float4(t[0], t[1], t[2], t[3]);
+                for (int j = 0; j < 4; j++)
+                    if (i + j < i1) t[j] = v[i + j];
+                q[k] = make_float4(t[0], t[1], t[2], t[3]);
+            }
         }
-    }
 #pragma unroll
-    for (int k = 0; k < 8; k++)
-        m = max(max(m, max(dcc_abs_bits(q[k].x), dcc_abs_bits(q[k].y))),
-                max(dcc_abs_bits(q[k].z), dcc_abs_bits(q[k].w)));
-    m = dcc_warp_max(m);
-    if ((threadIdx.x & 31) == 0) part[threadIdx.x >> 5] = m;
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        for (int w = 1; w < NT / 32; w++) m = max(m, part[w]);
-        atomicMax(amax + oi, m);
-    }
+        for (int k = 0; k < 8; k++)
+            m = max(max(m, max(dcc_abs_bits(q[k].x), dcc_abs_bits(q[k].y))),
+                    max(dcc_abs_bits(q[k].z), dcc_abs_bits(q[k].w)));
+        m = dcc_warp_max(m);
+        if ((threadIdx.x & 31) == 0) part[threadIdx.x >> 5] = m;
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            for (int w = 1; w < NT / 32; w++) m = max(m, part[w]);
+            atomicMax(amax + oi, m);
+        }
+        __syncthreads(); /* part is read before the next chunk writes it */
+    });
 }
 
 __global__ void out_decide_kernel(const dcc_out *__restrict__ outs, int n_out,
@@ -338,25 +357,18 @@ __global__ void out_decide_kernel(const dcc_out *__restrict__ outs, int n_out,
     if (threadIdx.x == 0) *mode = ok && *status == 0 ? 1u : 0u;
 }
 
-/* One chunk of one output per block, four elements (two draws: pairs (2j,
- * 2j+1) of the output share one, as in finalize_kernel) per thread and
- * step, with 16-byte staging loads (offsets and chunks are multiples of 4).
- * Mode 1: straight into dst (vector stores where dst is aligned); mode 0:
- * back into staging with the dtype check (dcc_out_commit converts later). */
-template <int NOISE> /* a kernel per noise kind: one inlined Box-Muller each */
-__global__ void out_write_kernel(const dcc_out *__restrict__ outs, int n_out,
-                                 float *__restrict__ staging, float std, float divisor,
-                                 const uint32_t *__restrict__ mode,
-                                 uint32_t *__restrict__ status,
-                                 unsigned long long *__restrict__ bad) {
-    const bool direct = *mode != 0;
-    if (!direct && (*status & DCC_STATUS_INPUT)) return; /* the step fails anyway */
-    const uint64_t c = blockIdx.x;
-    const int oi = chunk_output(outs, n_out, c);
-    const dcc_out o = outs[oi];
-    if (direct && o.noised) return; /* the kept sum wrote it (sgrad.cu) */
-    const uint64_t i0 = (c - o.chunk0) * DCC_OUT_CHUNK;
-    const uint64_t i1 = i0 + DCC_OUT_CHUNK < o.n ? i0 + DCC_OUT_CHUNK : o.n;
+/* Output oi's elements [i0, i1) (one chunk), four elements (two draws:
+ * pairs (2j, 2j+1) of the output share one, as in finalize_kernel) per
+ * thread and step, with 16-byte staging loads (offsets and chunks are
+ * multiples of 4). Mode 1 (direct): straight into dst (vector stores where
+ * dst is aligned); mode 0: back into staging with the dtype check
+ * (dcc_out_commit converts later). */
+template <int NOISE>
+__device__ __forceinline__ void write_chunk(int oi, const dcc_out &o, uint64_t i0, uint64_t i1,
+                                            float *__restrict__ staging, float std,
+                                            float divisor, bool direct,
+                                            uint32_t *__restrict__ status,
+                                            unsigned long long *__restrict__ bad) {
     float *v = staging + o.off;
     const bool vec_dst =
         ((uintptr_t)o.dst & (uintptr_t)(o.dtype == DC_F32 ? 15 : 7)) == 0;
@@ -426,20 +438,50 @@ __global__ void out_write_kernel(const dcc_out *__restrict__ outs, int n_out,
     }
 }
 
+template <int NOISE> /* a kernel per noise kind: one inlined Box-Muller each */
+__global__ void out_write_kernel(const dcc_out *__restrict__ outs, int n_out, uint64_t n_chunks,
+                                 float *__restrict__ staging, float std, float divisor,
+                                 const uint32_t *__restrict__ mode,
+                                 uint32_t *__restrict__ status,
+                                 unsigned long long *__restrict__ bad) {
+    const bool direct = *mode != 0;
+    if (!direct && (*status & DCC_STATUS_INPUT)) return; /* the step fails anyway */
+    /* mode 1: the kept sum wrote the noised outputs (sgrad.cu) */
+    auto skip = [direct](const dcc_out &o) { return direct && o.noised; };
+    out_chunks(outs, n_out, n_chunks, skip,
+               [&](int oi, const dcc_out &o, uint64_t i0, uint64_t i1) {
+                   write_chunk<NOISE>(oi, o, i0, i1, staging, std, divisor, direct, status, bad);
+               });
+}
+
 __global__ void out_commit_kernel(const dcc_out *__restrict__ outs, int n_out,
-                                  const float *__restrict__ staging,
+                                  uint64_t n_chunks, const float *__restrict__ staging,
                                   const uint32_t *__restrict__ mode,
                                   const uint32_t *__restrict__ status, int zero) {
     /* mode 1 wrote the outputs already (it implies status 0) */
     if (*mode != 0 || (*status != 0 && !zero)) return;
     const bool ok = *status == 0;
-    const uint64_t c = blockIdx.x;
-    const int oi = chunk_output(outs, n_out, c);
-    const dcc_out o = outs[oi];
-    const uint64_t i0 = (c - o.chunk0) * DCC_OUT_CHUNK;
-    const uint64_t i1 = i0 + DCC_OUT_CHUNK < o.n ? i0 + DCC_OUT_CHUNK : o.n;
-    for (uint64_t i = i0 + threadIdx.x; i < i1; i += NT)
-        dcc_store_as(o.dst, o.dtype, i, ok ? staging[o.off + i] : 0.0f);
+    out_chunks(outs, n_out, n_chunks, [](const dcc_out &) { return false; },
+               [&](int, const dcc_out &o, uint64_t i0, uint64_t i1) {
+                   for (uint64_t i = i0 + threadIdx.x; i < i1; i += NT)
+                       dcc_store_as(o.dst, o.dtype, i, ok ? staging[o.off + i] : 0.0f);
+               });
+}
+
+/* A grid-stride pass's blocks (out_chunks): the device filled once, or
+ * max_blocks when positive; at most a block per chunk. */
+template <typename K>
+cudaError_t out_grid(K *kern, uint64_t n_chunks, int max_blocks, unsigned *grid) {
+    int dev = 0, sms = 0, per = 0;
+    cudaError_t e;
+    if ((e = cudaGetDevice(&dev)) != cudaSuccess ||
+        (e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev)) != cudaSuccess ||
+        (e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per, kern, NT, 0)) != cudaSuccess)
+        return e;
+    const uint64_t full = max_blocks > 0 ? (uint64_t)max_blocks
+                                         : (uint64_t)(sms > 0 ? sms : 1) * (uint64_t)(per > 0 ? per : 1);
+    *grid = (unsigned)(n_chunks < full ? (n_chunks > 0 ? n_chunks : 1) : full);
+    return cudaSuccess;
 }
 
 unsigned blocks_for(uint64_t n, unsigned cap) {
@@ -518,13 +560,16 @@ extern "C" cudaError_t dcc_finalize(const dcc_out *outs, int n_out, uint64_t max
 extern "C" cudaError_t dcc_out_check(const dcc_out *outs, int n_out, uint64_t n_chunks,
                                      const float *staging, float std, float divisor,
                                      float *amax, bool scan, const uint32_t *status,
-                                     uint32_t *mode, cudaStream_t st) {
+                                     uint32_t *mode, int max_blocks, cudaStream_t st) {
     if (n_out <= 0) return cudaSuccess;
     if (n_chunks > INT32_MAX) return cudaErrorInvalidValue;
     if (scan) {
-        out_amax_kernel<<<(unsigned)n_chunks, NT, 0, st>>>(outs, n_out, staging,
-                                                           (unsigned *)amax, status);
-        cudaError_t e = cudaGetLastError();
+        unsigned grid;
+        cudaError_t e = out_grid(out_amax_kernel, n_chunks, max_blocks, &grid);
+        if (e != cudaSuccess) return e;
+        out_amax_kernel<<<grid, NT, 0, st>>>(outs, n_out, n_chunks, staging, (unsigned *)amax,
+                                             status);
+        e = cudaGetLastError();
         if (e != cudaSuccess) return e;
     }
     out_decide_kernel<<<1, 1024, 0, st>>>(outs, n_out, (const unsigned *)amax, std, divisor,
@@ -535,26 +580,30 @@ extern "C" cudaError_t dcc_out_check(const dcc_out *outs, int n_out, uint64_t n_
 extern "C" cudaError_t dcc_out_write(const dcc_out *outs, int n_out, uint64_t n_chunks,
                                      float *staging, float std, float divisor,
                                      const uint32_t *mode, uint32_t *status,
-                                     unsigned long long *bad, int noise, cudaStream_t st) {
+                                     unsigned long long *bad, int noise, int max_blocks,
+                                     cudaStream_t st) {
     if (n_out <= 0) return cudaSuccess;
     if (n_chunks > INT32_MAX) return cudaErrorInvalidValue;
-    if (noise == DCC_NOISE_EXACT)
-        out_write_kernel<DCC_NOISE_EXACT><<<(unsigned)n_chunks, NT, 0, st>>>(
-            outs, n_out, staging, std, divisor, mode, status, bad);
-    else
-        out_write_kernel<DCC_NOISE_FAST><<<(unsigned)n_chunks, NT, 0, st>>>(
-            outs, n_out, staging, std, divisor, mode, status, bad);
+    auto kern = noise == DCC_NOISE_EXACT ? out_write_kernel<DCC_NOISE_EXACT>
+                                         : out_write_kernel<DCC_NOISE_FAST>;
+    unsigned grid;
+    cudaError_t e = out_grid(kern, n_chunks, max_blocks, &grid);
+    if (e != cudaSuccess) return e;
+    kern<<<grid, NT, 0, st>>>(outs, n_out, n_chunks, staging, std, divisor, mode, status, bad);
     return cudaGetLastError();
 }
 
 extern "C" cudaError_t dcc_out_commit(const dcc_out *outs, int n_out, uint64_t n_chunks,
                                       const float *staging, const uint32_t *mode,
                                       const uint32_t *status, int zero_on_fail,
-                                      cudaStream_t st) {
+                                      int max_blocks, cudaStream_t st) {
     if (n_out <= 0) return cudaSuccess;
     if (n_chunks > INT32_MAX) return cudaErrorInvalidValue;
-    out_commit_kernel<<<(unsigned)n_chunks, NT, 0, st>>>(outs, n_out, staging, mode, status,
-                                                        zero_on_fail);
+    unsigned grid;
+    cudaError_t e = out_grid(out_commit_kernel, n_chunks, max_blocks, &grid);
+    if (e != cudaSuccess) return e;
+    out_commit_kernel<<<grid, NT, 0, st>>>(outs, n_out, n_chunks, staging, mode, status,
+                                           zero_on_fail);
     return cudaGetLastError();
 }
 

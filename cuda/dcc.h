@@ -57,6 +57,8 @@ typedef struct dcc_options {
     int direct_split;  /* DIRECT_SPLIT: every tile split 1-3 ways; 0: the model's */
     int tail_k;        /* DIRECT_TAIL=K[:N]: a K-way tail (2, 3, 4 or 6); 0: none */
     long long tail_after; /* ... after N unsplit tiles; -1: the whole waves */
+    int out_blocks;    /* OUT_BLOCKS: most blocks an output pass launches (tests:
+                          many chunks a block); 0: enough to fill the device once */
 } dcc_options;
 
 void dcc_options_default(dcc_options *o);
@@ -232,6 +234,14 @@ size_t dcc_sgrad_bytes(const dcc_linear *L);
  * 2 d p bytes a sample each way. */
 bool dcc_sgrad_worth(int T, int d, int p, dc_algo norm_algo);
 size_t dcc_sgrad_bias_off(const dcc_linear *L); /* where sgb starts in the store */
+/* Where one output's values go and the noise they get: dcc_out's fields of
+ * the same names (dst NULL: no such output). */
+typedef struct dcc_out_sink {
+    void *dst;
+    uint64_t key, step;
+    uint32_t stream;
+    int32_t dtype;
+} dcc_out_sink;
 typedef struct dcc_sg_layer {
     const void *sg;    /* the store (dcc_norm_layer.sg) */
     const float *sgb;  /* its bias sums, or NULL: no bias output */
@@ -239,18 +249,14 @@ typedef struct dcc_sg_layer {
     float *w;          /* device f32 [p][d] (overwritten) */
     float *bias;       /* device f32 [p] or NULL */
     unsigned *amax_w, *amax_b; /* as in dcc_bk_layer; NULL: none */
-    uint64_t key_w, step_w, key_b, step_b; /* the outputs' noise (dcc_out) */
-    uint32_t stream_w, stream_b;
-    /* the outputs themselves (dcc_out.dst, dtype), written with mode 1 */
-    void *dst_w, *dst_b;
-    int32_t dtype_w, dtype_b;
+    dcc_out_sink out_w, out_b; /* the outputs, written with mode 1, and their noise */
     int d, p;
 } dcc_sg_layer;
 /* v = sum_b cs[b] * G_b + std * z for w, and likewise for bias, over each
  * layer's store (f32 sums in sample order; z the outputs' own draws, by
  * `noise` (DCC_NOISE_*), none when std is 0). With *mode == 1 (the output
  * check found that no output can leave its dtype: dcc_out_check, run first)
- * v / divisor goes straight into dst_w / dst_b, as dcc_out_write would
+ * v / divisor goes straight into out_w / out_b, as dcc_out_write would
  * write it, and w and bias are not touched; otherwise (or mode NULL) v goes
  * into w and bias and its max |.| into amax_*. The outputs are marked
  * dcc_out.noised. */
@@ -440,16 +446,19 @@ cudaError_t dcc_commit(const dcc_out *outs, int n_out, uint64_t max_n, const flo
  * status 0. A non-finite staging value makes amax NaN, so such steps always
  * take mode 0. scan false: every output is marked amax_found (the kept
  * sum's too), so the pass over the chunks, which would skip each of them,
- * is not launched (a Llama-1B-like step's 139K chunks: 0.2 ms). */
+ * is not launched (a Llama-1B-like step's 139K chunks: 0.2 ms). Each pass
+ * runs grid-stride on at most max_blocks blocks (0: the device filled
+ * once), jumping the outputs it leaves alone whole. */
 cudaError_t dcc_out_check(const dcc_out *outs, int n_out, uint64_t n_chunks,
                           const float *staging, float std, float divisor, float *amax,
-                          bool scan, const uint32_t *status, uint32_t *mode, cudaStream_t st);
+                          bool scan, const uint32_t *status, uint32_t *mode, int max_blocks,
+                          cudaStream_t st);
 cudaError_t dcc_out_write(const dcc_out *outs, int n_out, uint64_t n_chunks, float *staging,
                           float std, float divisor, const uint32_t *mode, uint32_t *status,
-                          unsigned long long *bad, int noise, cudaStream_t st);
+                          unsigned long long *bad, int noise, int max_blocks, cudaStream_t st);
 cudaError_t dcc_out_commit(const dcc_out *outs, int n_out, uint64_t n_chunks,
                            const float *staging, const uint32_t *mode, const uint32_t *status,
-                           int zero_on_fail, cudaStream_t st);
+                           int zero_on_fail, int max_blocks, cudaStream_t st);
 
 /* Index of the first non-finite element of a float array (or of the first
  * integer outside [0, vocab) for i32/i64), lowered into *first (set it to

@@ -70,7 +70,7 @@ __device__ __forceinline__ void dcc_wide_at(int i, int m0, int n0, int &m, int &
 
 /* The last of n entries whose first work item first(i) (ascending, first(0)
  * = 0) is at most `item`: which layer of a persistent launch's parameters
- * an item belongs to, or which output a block of the output passes writes. */
+ * an item belongs to. */
 template <typename K, typename First>
 __device__ __forceinline__ int dcc_entry_of(int n, K item, First first) {
     int lo = 0, hi = n - 1;

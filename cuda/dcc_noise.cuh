@@ -77,10 +77,10 @@ __device__ __forceinline__ void box_muller_fast(const uint32_t (&c)[4], float &z
     }
     /* sqrt.approx (one MUFU op, relative error about 2^-23) instead of the
      * correctly rounded sqrtf's refinement and slow-path test: r's error
-     * budget is 6e-7 r (and -2 ln u1 is 0 or at least 2^-52, never
-     * subnormal) */
+     * budget is 6e-7 r. .ftz drops the scaling of subnormal inputs, which
+     * cannot occur: -2 ln u1 is 0 or at least 2^-52 */
     float r;
-    asm("sqrt.approx.f32 %0, %1;" : "=f"(r) : "f"(-2.0f * ln));
+    asm("sqrt.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(-2.0f * ln));
     /* angle 2 pi b / 2^53 = octant o * pi/4 + pi/4 * f, f = the next 29 bits
      * / 2^29 (the lower ones move it < 2^-29 of an octant). On [0, pi/4]
      * Taylor polynomials in x = f / 4 (or (1 - f) / 4 in odd octants, whose

@@ -52,6 +52,7 @@ extern "C" void dcc_options_from_env(dcc_options *o) {
         int k = atoi(v);
         o->direct_split = k >= 3 ? 3 : k == 2 ? 2 : 1;
     }
+    if ((v = set("DPCLIP_CUDA_OUT_BLOCKS"))) o->out_blocks = atoi(v) > 0 ? atoi(v) : 0;
     if ((v = set("DPCLIP_CUDA_DIRECT_TAIL"))) {
         const char *c = strchr(v, ':');
         int k = atoi(v);

@@ -31,15 +31,8 @@ namespace {
 constexpr int SGMAXL = 80; /* layers a launch's parameters hold */
 
 struct sg_entry {
-    const uint4 *sg;
-    const float *sgb, *cs;
-    float *w, *bias;
-    unsigned *amax_w, *amax_b;
-    uint64_t key_w, step_w, key_b, step_b; /* the outputs' noise (dcc_out) */
-    uint32_t stream_w, stream_b;
-    void *dst_w, *dst_b; /* written in mode 1 */
-    int32_t dtype_w, dtype_b;
-    int d, p, tiles_n, tiles, tile0;
+    dcc_sg_layer L;
+    int tiles_n, tiles, tile0;
 };
 struct sg_params {
     sg_entry e[SGMAXL];
@@ -62,37 +55,57 @@ __device__ __forceinline__ uint4 ld_stream(const uint4 *p) { /* read once: spare
     return v;
 }
 
+/* acc[0..7] += c * the eight bf16 values of v */
+__device__ __forceinline__ void sg_fma8(float (&acc)[8], float c, const uint4 &v) {
+    const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+    for (int h = 0; h < 4; h++) {
+        acc[2 * h] = fmaf(c, __uint_as_float(w[h] << 16), acc[2 * h]);
+        acc[2 * h + 1] = fmaf(c, __uint_as_float(w[h] & 0xffff0000u), acc[2 * h + 1]);
+    }
+}
+
 constexpr int SG_MAXB = 64; /* coefficients staged in shared memory a pass */
+constexpr int SG_ANY = -1;  /* a launch whose weight outputs' dtypes differ */
 
 /* The pass is issue-bound on the draws as much as memory-bound: four CTAs an
  * SM (64 registers), with the next chunk's first four samples loading
  * while a chunk's draws are made, measured best on an H100 (the kept
  * phase of a Llama-1B-like step 7.4 -> 6.8 ms, GPT-2-small 1.00 -> 0.96;
  * no bound at 78 registers, 5 or 6 CTAs with or without the prefetch were
- * in between or worse). */
+ * in between or worse). For the same reason the weight's stores know
+ * their dtype at compile time (DT; SG_ANY: each layer's own) and the
+ * element offsets are made once a chunk: the store path was a quarter of
+ * the pass's instructions. */
 constexpr int SG_MIN_CTAS = 4;
-template <int NOISE>
+template <int NOISE, int DT>
 __global__ void __launch_bounds__(DCC_SG_THREADS, SG_MIN_CTAS)
     sgrad_sum(const __grid_constant__ sg_params P) {
     __shared__ float c[SG_MAXB];
     const sg_entry &E = P.e[sg_find(P, (int)blockIdx.x)];
+    const dcc_sg_layer &L = E.L;
     const int t = (int)blockIdx.x - E.tile0, tn = t % E.tiles_n;
-    const int m0 = (t / E.tiles_n) * 256, n0 = tn * 128, B = P.B, d = E.d, p = E.p;
-    const int tid = (int)threadIdx.x;
-    const bool direct = P.mode && *P.mode != 0;
+    const int m0 = (t / E.tiles_n) * 256, n0 = tn * 128, B = P.B, d = L.d, p = L.p;
+    const int tid = (int)threadIdx.x, lane = tid & 31;
+    const bool direct = P.mode && *P.mode != 0, divide = P.divisor != 1.0f;
     const dcc_div div = dcc_div_make(P.divisor);
+    /* where the accumulators land (dcc_wide_at): register k of chunk j is
+     * row mt + 16 j + 8 (k / 4) + k % 2, column nt (+ 8 when k % 4 >= 2) */
+    const int mt = m0 + 2 * (lane & 3);
+    const int nt = n0 + (tid >> 7) * 64 + ((tid >> 5) & 3) * 16 + (lane >> 2);
+    const bool col_ok[2] = {nt < d, nt + 8 < d};
     /* the output's pairs (2q, 2q + 1) share a draw; a pair's two elements
      * are columns n, n + 1 of one row, held by lanes 4 apart: the lane with
      * the even column draws the pairs of its elements 0-3, its partner
      * those of its 4-7, and they swap the halves they do not keep */
     const bool even = ((tid >> 2) & 1) == 0;
     const int64_t per_sample = (int64_t)E.tiles * (DCC_SG_TILE / 8); /* uint4 */
-    const uint4 *base = E.sg + (int64_t)t * (DCC_SG_TILE / 8) + tid;
+    const uint4 *base = (const uint4 *)L.sg + (int64_t)t * (DCC_SG_TILE / 8) + tid;
     unsigned am = 0;
     /* a batch's coefficients fit once (the usual case): staged once, not per chunk */
     const bool once = B <= SG_MAXB;
     if (once) {
-        if (tid < B) c[tid] = E.cs[tid];
+        if (tid < B) c[tid] = L.cs[tid];
         __syncthreads();
     }
     uint4 pre[4]; /* chunk j's first four samples, loaded early (B >= 4) */
@@ -108,7 +121,7 @@ __global__ void __launch_bounds__(DCC_SG_THREADS, SG_MIN_CTAS)
             const int nb = B - b0 < SG_MAXB ? B - b0 : SG_MAXB;
             if (!once) {
                 __syncthreads();
-                if (tid < nb) c[tid] = E.cs[b0 + tid];
+                if (tid < nb) c[tid] = L.cs[b0 + tid];
                 __syncthreads();
             }
             int k = 0;
@@ -123,45 +136,28 @@ __global__ void __launch_bounds__(DCC_SG_THREADS, SG_MIN_CTAS)
                     v[u] = ld_stream(base + (int64_t)(b0 + k + u) * per_sample +
                                      j * DCC_SG_THREADS);
 #pragma unroll
-                for (int u = 0; u < 4; u++) {
-                    const float ck = c[k + u];
-                    const uint32_t w[4] = {v[u].x, v[u].y, v[u].z, v[u].w};
-#pragma unroll
-                    for (int h = 0; h < 4; h++) {
-                        acc[2 * h] = fmaf(ck, __uint_as_float(w[h] << 16), acc[2 * h]);
-                        acc[2 * h + 1] =
-                            fmaf(ck, __uint_as_float(w[h] & 0xffff0000u), acc[2 * h + 1]);
-                    }
-                }
+                for (int u = 0; u < 4; u++) sg_fma8(acc, c[k + u], v[u]);
             }
-            for (; k < nb; k++) {
-                const uint4 v =
-                    ld_stream(base + (int64_t)(b0 + k) * per_sample + j * DCC_SG_THREADS);
-                const float ck = c[k];
-                const uint32_t w[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-                for (int h = 0; h < 4; h++) {
-                    acc[2 * h] = fmaf(ck, __uint_as_float(w[h] << 16), acc[2 * h]);
-                    acc[2 * h + 1] = fmaf(ck, __uint_as_float(w[h] & 0xffff0000u), acc[2 * h + 1]);
-                }
-            }
+            for (; k < nb; k++)
+                sg_fma8(acc, c[k],
+                        ld_stream(base + (int64_t)(b0 + k) * per_sample + j * DCC_SG_THREADS));
         }
         /* the next chunk's first loads in flight during the draws */
         if (B >= 4 && j + 1 < DCC_SG_CHUNKS)
 #pragma unroll
             for (int u = 0; u < 4; u++)
                 pre[u] = ld_stream(base + (int64_t)u * per_sample + (j + 1) * DCC_SG_THREADS);
+        const int mj = mt + 16 * j;
+        const int64_t ij = (int64_t)mj * d + nt; /* register 0's element */
         if (P.std != 0.0f) {
+            const int64_t ie = ij + (even ? 0 : 8 * (int64_t)d); /* the drawing half's */
             float z[8];
 #pragma unroll
             for (int s = 0; s < 4; s++) {
-                int ma, na, mb, nb;
-                dcc_wide_at(8 * j + s, m0, n0, ma, na);
-                dcc_wide_at(8 * j + 4 + s, m0, n0, mb, nb);
-                const int m = even ? ma : mb, n = even ? na : nb;
                 float z0, z1;
-                draw_pair(NOISE, E.key_w, E.step_w, E.stream_w,
-                          (uint64_t)(((int64_t)m * d + n) >> 1), z0, z1);
+                const int64_t i = ie + ((s & 1) ? d : 0) + ((s & 2) ? 8 : 0);
+                draw_pair(NOISE, L.out_w.key, L.out_w.step, L.out_w.stream,
+                          (uint64_t)(i >> 1), z0, z1);
                 const float keep = even ? z0 : z1;
                 const float other = __shfl_xor_sync(0xffffffffu, even ? z1 : z0, 4);
                 z[s] = even ? keep : other;
@@ -170,39 +166,53 @@ __global__ void __launch_bounds__(DCC_SG_THREADS, SG_MIN_CTAS)
 #pragma unroll
             for (int k = 0; k < 8; k++) acc[k] = dcc_noised(acc[k], P.std, z[k]);
         }
+        /* one branch a chunk, not one an element: direct or staged, divided or not */
+        if (direct) {
+            if (divide && div.pow2) /* dcc_div_by's own first case, tested once */
 #pragma unroll
-        for (int k = 0; k < 8; k++) {
-            int m, n;
-            dcc_wide_at(8 * j + k, m0, n0, m, n);
-            if (m < p && n < d) {
-                const int64_t i = (int64_t)m * d + n;
-                if (direct) {
-                    dcc_store_as(E.dst_w, E.dtype_w, (uint64_t)i,
-                                 P.divisor != 1.0f ? dcc_div_by(div, acc[k]) : acc[k]);
-                } else {
-                    E.w[i] = acc[k];
+                for (int k = 0; k < 8; k++) acc[k] = __fmul_rn(acc[k], div.y);
+            else if (divide)
+#pragma unroll
+                for (int k = 0; k < 8; k++) acc[k] = dcc_div_by(div, acc[k]);
+            void *dst = L.out_w.dst;
+            const int dt = DT != SG_ANY ? DT : L.out_w.dtype;
+#pragma unroll
+            for (int k = 0; k < 8; k++) {
+                const int dr = 8 * (k >> 2) + (k & 1);
+                if (mj + dr < p && col_ok[(k >> 1) & 1])
+                    dcc_store_as(dst, dt, (uint64_t)(ij + (int64_t)dr * d + ((k & 2) ? 8 : 0)),
+                                 acc[k]);
+            }
+        } else {
+#pragma unroll
+            for (int k = 0; k < 8; k++) {
+                const int dr = 8 * (k >> 2) + (k & 1);
+                if (mj + dr < p && col_ok[(k >> 1) & 1]) {
+                    L.w[ij + (int64_t)dr * d + ((k & 2) ? 8 : 0)] = acc[k];
                     am = max(am, dcc_abs_bits(acc[k]));
                 }
             }
         }
     }
-    if (E.amax_w && !direct) dcc_warp_amax(E.amax_w, am);
-    if (E.bias && tn == 0) {
+    if (L.amax_w && !direct) dcc_warp_amax(L.amax_w, am);
+    if (L.bias && tn == 0) {
         const int m = m0 + tid;
         float y = 0.0f;
         if (m < p)
-            for (int b = 0; b < B; b++) y = fmaf(E.cs[b], E.sgb[(int64_t)b * p + m], y);
+            for (int b = 0; b < B; b++) y = fmaf(L.cs[b], L.sgb[(int64_t)b * p + m], y);
         if (P.std != 0.0f) { /* pairs of adjacent rows: each thread draws its own */
             float z0, z1;
-            draw_pair(NOISE, E.key_b, E.step_b, E.stream_b, (uint64_t)(m >> 1), z0, z1);
+            draw_pair(NOISE, L.out_b.key, L.out_b.step, L.out_b.stream, (uint64_t)(m >> 1), z0,
+                      z1);
             y = dcc_noised(y, P.std, (m & 1) ? z1 : z0);
         }
         if (direct) {
             if (m < p)
-                dcc_store_as(E.dst_b, E.dtype_b, (uint64_t)m, P.divisor != 1.0f ? dcc_div_by(div, y) : y);
+                dcc_store_as(L.out_b.dst, L.out_b.dtype, (uint64_t)m,
+                             divide ? dcc_div_by(div, y) : y);
         } else {
-            if (m < p) E.bias[m] = y;
-            if (E.amax_b) dcc_warp_amax(E.amax_b, m < p ? dcc_abs_bits(y) : 0u);
+            if (m < p) L.bias[m] = y;
+            if (L.amax_b) dcc_warp_amax(L.amax_b, m < p ? dcc_abs_bits(y) : 0u);
         }
     }
 }
@@ -237,6 +247,19 @@ extern "C" size_t dcc_sgrad_bytes(const dcc_linear *L) {
     return dcc_sgrad_bias_off(L) + (L->has_bias ? (size_t)L->B * (size_t)L->p * 4 : 0);
 }
 
+/* The kernel for a launch: its weight outputs' dtype fixed when they share
+ * one (the FAST draws only: EXACT is for checking, not speed). */
+using sg_kernel = void (*)(sg_params);
+sg_kernel sg_pick(int noise, int dt) {
+    if (noise == DCC_NOISE_EXACT) return sgrad_sum<DCC_NOISE_EXACT, SG_ANY>;
+    switch (dt) {
+    case DC_F32: return sgrad_sum<DCC_NOISE_FAST, DC_F32>;
+    case DC_BF16: return sgrad_sum<DCC_NOISE_FAST, DC_BF16>;
+    case DC_F16: return sgrad_sum<DCC_NOISE_FAST, DC_F16>;
+    default: return sgrad_sum<DCC_NOISE_FAST, SG_ANY>;
+    }
+}
+
 extern "C" cudaError_t dcc_sgrad_sum(const dcc_sg_layer *ls, int n, int B, float std,
                                      float divisor, const uint32_t *mode, int noise,
                                      cudaStream_t st) {
@@ -246,35 +269,22 @@ extern "C" cudaError_t dcc_sgrad_sum(const dcc_sg_layer *ls, int n, int B, float
         sg_params P;
         memset(&P, 0, sizeof P);
         int64_t tiles = 0;
-        int j = 0;
+        int j = 0, dt = ls[i].out_w.dtype;
         for (; j < SGMAXL && i + j < n; j++) {
             const dcc_sg_layer *x = &ls[i + j];
             sg_entry &E = P.e[j];
             const int64_t tl = tiles_of(x->p, x->d);
             if (tiles + tl > INT32_MAX / 2) break;
-            E.sg = (const uint4 *)x->sg;
-            E.sgb = x->sgb;
-            E.cs = x->cs;
-            E.w = x->w;
-            E.bias = x->sgb ? x->bias : nullptr;
-            E.amax_w = x->amax_w;
-            E.amax_b = x->amax_b;
-            E.key_w = x->key_w;
-            E.step_w = x->step_w;
-            E.stream_w = x->stream_w;
-            E.key_b = x->key_b;
-            E.step_b = x->step_b;
-            E.stream_b = x->stream_b;
-            E.dst_w = x->dst_w;
-            E.dst_b = x->sgb ? x->dst_b : nullptr;
-            E.dtype_w = x->dtype_w;
-            E.dtype_b = x->dtype_b;
-            E.d = x->d;
-            E.p = x->p;
+            E.L = *x;
+            if (!x->sgb) { /* no bias output */
+                E.L.bias = nullptr;
+                E.L.out_b.dst = nullptr;
+            }
             E.tiles_n = (x->d + 127) / 128;
             E.tiles = (int)tl;
             E.tile0 = (int)tiles;
             tiles += tl;
+            if (x->out_w.dtype != dt) dt = SG_ANY;
         }
         if (j == 0) return cudaErrorInvalidConfiguration;
         P.n = j;
@@ -283,9 +293,7 @@ extern "C" cudaError_t dcc_sgrad_sum(const dcc_sg_layer *ls, int n, int B, float
         P.std = std;
         P.divisor = divisor;
         P.mode = mode;
-        auto kern = noise == DCC_NOISE_EXACT ? sgrad_sum<DCC_NOISE_EXACT>
-                                             : sgrad_sum<DCC_NOISE_FAST>;
-        kern<<<(unsigned)tiles, DCC_SG_THREADS, 0, st>>>(P);
+        sg_pick(noise, dt)<<<(unsigned)tiles, DCC_SG_THREADS, 0, st>>>(P);
         cudaError_t e = cudaGetLastError();
         if (e != cudaSuccess) return e;
         i += j;

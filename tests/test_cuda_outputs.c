@@ -74,7 +74,7 @@ static void test_found_maxima(void **state) {
     (void)state;
     dc_test_rng r;
     dc_test_rng_seed(&r, 4242);
-    for (int mode = 0; mode < 5; mode++) {
+    for (int mode = 0; mode < 6; mode++) {
         set m;
         set_make(&m, &r, DC_BF16);
         dc_step hs, ds;
@@ -85,12 +85,13 @@ static void test_found_maxima(void **state) {
             hs.reduction = ds.reduction = DC_REDUCTION_MEAN;
             hs.expected_batch = ds.expected_batch = 8;
         }
-        static const char *const names[5] = {"sum", "mean", "sum, staged", "sum, exact draws",
-                                             "sum, per layer"};
+        static const char *const names[6] = {"sum", "mean", "sum, staged", "sum, exact draws",
+                                             "sum, per layer", "sum, two blocks a pass"};
         printf("%s\n", names[mode]);
         set_switches(1, mode != 4);
         g_opts.one_pass = mode != 2;
         if (mode == 3) g_opts.noise = DCC_NOISE_EXACT;
+        if (mode == 5) g_opts.out_blocks = 2; /* many chunks a block, found outputs jumped */
         apply_switches();
         dc_step_result rh, rd;
         dc_err eh, ed;
@@ -130,9 +131,14 @@ static void test_failures_write_nothing(void **state) {
     (void)state;
     dc_test_rng r;
     dc_test_rng_seed(&r, 777);
-    for (int which = 0; which < 3; which++) {
+    for (int which = 0; which < 6; which++) {
+        /* 3-5: the same on two blocks a pass (many chunks each) */
+        set_switches(1, 1);
+        g_opts.out_blocks = which < 3 ? 0 : 2;
+        apply_switches();
+        const int w = which % 3;
         set m;
-        set_make(&m, &r, which == 0 ? DC_F16 : DC_BF16);
+        set_make(&m, &r, w == 0 ? DC_F16 : DC_BF16);
         dc_step ds;
         step_init(&ds, m.d, NL, NB, 0);
         const char *field = "weight_grad_out";
@@ -143,11 +149,11 @@ static void test_failures_write_nothing(void **state) {
         const size_t gi = (size_t)((3 * T + 41) * p + p - 1);
         const size_t ai = (size_t)((3 * T + 41) * d + d - 1);
         const size_t ni = (size_t)(3 * kSpecs[0].T * kSpecs[0].p + 17);
-        if (which == 0) {
+        if (w == 0) {
             ds.max_grad_norm = 1e30f; /* no clipping: 400 * 400 lands whole */
             plant(&m.h[1].grad, &m.d[1].grad, gi, 400.0f);
             plant(&m.h[1].input, &m.d[1].input, ai, 400.0f);
-        } else if (which == 1) {
+        } else if (w == 1) {
             plant(&m.h[0].grad, &m.d[0].grad, ni, NAN);
             field = "output_grad";
             bad_layer = 0;
@@ -159,7 +165,8 @@ static void test_failures_write_nothing(void **state) {
         dc_step_result res;
         dc_err err;
         int rc = run(g_cuda, &ds, &res, &err);
-        printf("failure %d: %s: %s\n", which, err.field, err.msg);
+        printf("failure %d%s: %s: %s\n", w, which < 3 ? "" : " (two blocks a pass)", err.field,
+               err.msg);
         assert_int_equal(rc, DC_ENONFINITE);
         assert_non_null(strstr(err.field, field));
         assert_non_null(strstr(err.field, m.h[bad_layer].name));
@@ -168,8 +175,8 @@ static void test_failures_write_nothing(void **state) {
         /* the backend serves the next step */
         ds.max_grad_norm = 1.0f;
         ds.noise_multiplier = 0.5f;
-        if (which == 0) plant(&m.h[1].grad, &m.d[1].grad, gi, 0.0f);
-        if (which == 1) plant(&m.h[0].grad, &m.d[0].grad, ni, 0.0f);
+        if (w == 0) plant(&m.h[1].grad, &m.d[1].grad, gi, 0.0f);
+        if (w == 1) plant(&m.h[0].grad, &m.d[0].grad, ni, 0.0f);
         rc = run(g_cuda, &ds, &res, &err);
         if (rc) fprintf(stderr, "cuda: %s: %s\n", err.field, err.msg);
         assert_int_equal(rc, 0);

@@ -388,6 +388,8 @@ static long differ(const float *a, const float *b, int64_t n, dc_dtype dt, doubl
     return bad;
 }
 
+static int g_out_blocks; /* kept_step's dcc_options.out_blocks */
+
 /* One MEAN step (expected batch B: a division that rounds) of the layers d
  * with threshold C and noise sigma, kept as `budget` allows; its code. */
 static int kept_step(dc_layer *d, int n, uint32_t B, size_t budget, bool one_pass, float C,
@@ -398,6 +400,7 @@ static int kept_step(dc_layer *d, int n, uint32_t B, size_t budget, bool one_pas
     set_switches(1, 1);
     g_opts.sgrad = DCC_SGRAD_ALL;
     g_opts.one_pass = one_pass;
+    g_opts.out_blocks = g_out_blocks;
     apply_switches();
     dc_cuda_backend_set_sample_grads(g_cuda, budget);
     step_init(&ds, d, (size_t)n, B, 0);
@@ -470,6 +473,24 @@ static void test_kept_direct(void **state) {
     printf("kept sums into the outputs: %ld values, %ld bit-equal to the staged path's, %ld "
            "beyond its roundings\n", total, exact, bad);
     assert_int_equal(bad, 0);
+    /* 1b. every output of one dtype (the kernels that know it at compile
+     * time), with a divisor that rounds (B = 3) and one that is a power of
+     * two (B = 4: one multiply) */
+    for (uint32_t b = 3; b <= 4; b++)
+        for (int k = 0; k < 3; k++) {
+            dc_layer h1[N], d1[N];
+            make(h1, d1, N, b, shape, 1718 + 10 * b + (uint64_t)k);
+            for (int l = 0; l < N; l++) {
+                retype(&d1[l].weight_grad_out, odt[k]);
+                if (d1[l].bias_grad_out.data) retype(&d1[l].bias_grad_out, odt[k]);
+            }
+            long ex1 = 0, tot1 = 0;
+            const long bad1 = against_staged(d1, N, b, 0.05f, 0.7f, true, &ex1, &tot1);
+            printf("  all %s, B = %u: %ld values, %ld bit-equal, %ld beyond the roundings\n",
+                   dc_dtype_name(odt[k]), b, tot1, ex1, bad1);
+            assert_int_equal(bad1, 0);
+            release(h1, d1, N);
+        }
     /* 2. a bound the f16 output cannot hold: 2 B C / B = 8e4 > 65504, while
      * its values (no sample is clipped, no noise) stay small */
     assert_int_equal(against_staged(d, N, B, 40000.0f, 0.0f, false, &exact, &total), 0);
@@ -488,6 +509,55 @@ static void test_kept_direct(void **state) {
     }
     printf("a failing step (f16 overflow in a GEMM-path layer) left the kept layer's outputs "
            "untouched, or zeroed with zero_on_fail\n");
+    release(h, d, N);
+    set_switches(1, 1);
+    dc_cuda_backend_set_sample_grads(g_cuda, DC_SAMPLE_GRADS_DEFAULT);
+}
+
+/* The output passes' grid changes no value. A step whose kept layers'
+ * outputs the passes skip (mode 1: the kept sum wrote them) among outputs
+ * they write, on the blocks that fill the GPU, then on 1 and 3 blocks,
+ * which walk many chunks each and jump the kept outputs whole: every value
+ * is written and agrees with the first run's (differ). */
+static void test_out_blocks(void **state) {
+    (void)state;
+    enum { N = 4 };
+    const uint32_t B = 3;
+    const float C = 0.05f, sigma = 0.7f;
+    int64_t shape[N][3] = {{64, 136, 264}, {70, 64, 72}, {64, 200, 520}, {65, 72, 264}};
+    dc_layer h[N], d[N];
+    make(h, d, N, B, shape, 1919);
+    const dcc_linear x0 = lin(&h[0], B);
+    const size_t only0 = al256(dcc_sgrad_bytes(&x0));
+    const int blocks[3] = {0, 1, 3};
+    float *ref[2 * N] = {NULL};
+    long bad = 0, exact = 0, total = 0;
+    for (int r = 0; r < 3; r++) {
+        g_out_blocks = blocks[r];
+        outputs_fill(d, N, 7.0f);
+        assert_int_equal(kept_step(d, N, B, only0, true, C, sigma, false), 0);
+        const int kept = dc_cuda_backend_kept_layers(g_cuda);
+        assert_true(kept >= 1 && kept < N);
+        assert_true(dc_cuda_backend_kept_direct(g_cuda));
+        for (int o = 0; o < 2 * N; o++) {
+            const dc_tensor *t = o & 1 ? &d[o / 2].bias_grad_out : &d[o / 2].weight_grad_out;
+            if (!t->data) continue;
+            float *v = dev_to_f32(t);
+            for (int64_t i = 0; i < numel(t); i++) assert_true(v[i] != 7.0f);
+            if (r == 0) {
+                ref[o] = v;
+                continue;
+            }
+            bad += differ(ref[o], v, numel(t), t->dtype, sigma * C / B, &exact);
+            total += numel(t);
+            free(v);
+        }
+    }
+    printf("output passes on 1 and 3 blocks: %ld values, %ld bit-equal to the full grid's, %ld "
+           "beyond the roundings\n", total, exact, bad);
+    assert_int_equal(bad, 0);
+    for (int o = 0; o < 2 * N; o++) free(ref[o]);
+    g_out_blocks = 0;
     release(h, d, N);
     set_switches(1, 1);
     dc_cuda_backend_set_sample_grads(g_cuda, DC_SAMPLE_GRADS_DEFAULT);
@@ -582,6 +652,7 @@ int main(void) {
         cmocka_unit_test(test_kept_many_samples),
         cmocka_unit_test(test_kept_noise),
         cmocka_unit_test(test_kept_direct),
+        cmocka_unit_test(test_out_blocks),
         cmocka_unit_test(test_keep_worth),
         cmocka_unit_test(test_keep_leaves_memory_free),
     };
