@@ -97,35 +97,26 @@ size_t keep_bytes(const cuda_backend *cb, const dc_step *s, size_t l, bool keep)
     return al(dcc_sgrad_bytes(&x));
 }
 
+/* p grown to n elements (what it held kept); false, and p as it was, when
+ * out of memory: the per-layer arrays grow together, and a step that
+ * fails here leaves lay_cap, so the next one grows them all again. */
+template <typename T> bool grow(T *&p, size_t n) {
+    T *q = (T *)realloc(p, n * sizeof *q);
+    if (!q) return false;
+    p = q;
+    return true;
+}
+
 int plan_step(cuda_backend *cb, const dc_step *s, bool keep, layout *Lo, dc_err *err) {
     const size_t L = s->n_layers, B = s->batch, LB = L * B;
     size_t o = 0, staged = 0, temp = 0;
     memset(Lo, 0, sizeof *Lo);
     if (L > cb->lay_cap) {
-        size_t *p = (size_t *)realloc(cb->lay_off, L * sizeof *p);
-        if (p) cb->lay_off = p;
-        dcc_bk_layer *q = p ? (dcc_bk_layer *)realloc(cb->bk, L * sizeof *q) : NULL;
-        if (q) cb->bk = q;
-        bool *r = q ? (bool *)realloc(cb->bk_grouped, L * sizeof *r) : NULL;
-        if (r) cb->bk_grouped = r;
-        dcc_norm_layer *v = r ? (dcc_norm_layer *)realloc(cb->nm, L * sizeof *v) : NULL;
-        if (v) cb->nm = v;
-        bool *x = v ? (bool *)realloc(cb->nm_grouped, L * sizeof *x) : NULL;
-        if (x) cb->nm_grouped = x;
-        dc_layer *y = x ? (dc_layer *)realloc(cb->safe, L * sizeof *y) : NULL;
-        if (y) cb->safe = y;
-        uint64_t *z = y ? (uint64_t *)realloc(cb->woff, L * sizeof *z) : NULL;
-        if (z) cb->woff = z;
-        size_t *so = z ? (size_t *)realloc(cb->sg_off, L * sizeof *so) : NULL;
-        if (so) cb->sg_off = so;
-        int *bl = so ? (int *)realloc(cb->bk_layer, L * sizeof *bl) : NULL;
-        if (bl) cb->bk_layer = bl;
-        int *sgo = bl ? (int *)realloc(cb->sg_out, 2 * L * sizeof *sgo) : NULL;
-        if (sgo) cb->sg_out = sgo;
-        if (!sgo) return dc_err_set(err, DC_ENOSPACE, "", "out of memory");
-        dcc_sg_layer *sl = bl ? (dcc_sg_layer *)realloc(cb->sgl, L * sizeof *sl) : NULL;
-        if (sl) cb->sgl = sl;
-        if (!sl) return dc_err_set(err, DC_ENOSPACE, "", "out of memory");
+        if (!grow(cb->lay_off, L) || !grow(cb->bk, L) || !grow(cb->bk_grouped, L) ||
+            !grow(cb->nm, L) || !grow(cb->nm_grouped, L) || !grow(cb->safe, L) ||
+            !grow(cb->woff, L) || !grow(cb->sg_off, L) || !grow(cb->bk_layer, L) ||
+            !grow(cb->sg_out, 2 * L) || !grow(cb->sgl, L))
+            return dc_err_set(err, DC_ENOSPACE, "", "out of memory");
         cb->lay_cap = L;
     }
     for (size_t l = 0; l < L; l++) {

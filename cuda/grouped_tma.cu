@@ -315,19 +315,20 @@ template <typename Lin, typename Fill>
 cudaError_t run_chunks(Lin Ls, int n, int B, float s2, bool clipped, int max_layers, Fill fill,
                        cudaStream_t st) {
     const int per = max_layers < 1 ? 1 : max_layers < GMAXL ? max_layers : GMAXL;
-    int chunks = 0;
-    for (int i = 0; i < n; chunks++) {
+    /* a launch takes up to `per` consecutive layers of one input dtype */
+    auto len = [&](int i) {
         int j = 1;
         while (j < per && i + j < n && Ls(i + j)->ta == Ls(i)->ta) j++;
-        i += j;
-    }
+        return j;
+    };
+    int chunks = 0;
+    for (int i = 0; i < n; chunks++) i += len(i);
     g_params *all = (g_params *)calloc((size_t)chunks, sizeof *all);
     if (!all) return cudaErrorMemoryAllocation;
     cudaError_t e = cudaSuccess;
     for (int c = 0, i = 0; c < chunks && e == cudaSuccess; c++) {
         g_params &P = all[c];
-        int j = 1;
-        while (j < per && i + j < n && Ls(i + j)->ta == Ls(i)->ta) j++;
+        const int j = len(i);
         int64_t items = 0;
         for (int k = 0; k < j; k++) {
             g_entry &E = P.e[k];

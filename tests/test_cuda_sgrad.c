@@ -245,28 +245,37 @@ static void test_kept_many_samples(void **state) {
     set_switches(1, 1);
 }
 
+/* One MEAN step (the expected batch B: 3 divides with a rounding, 4 as a
+ * power of two) of the layers d with threshold C and noise sigma, on the
+ * switches already applied; its code, with the error printed. */
+static int mean_step(dc_layer *d, int n, uint32_t B, float C, float sigma, bool zero_on_fail) {
+    dc_step ds;
+    dc_step_result rd;
+    dc_err ed;
+    step_init(&ds, d, (size_t)n, B, 0);
+    ds.max_grad_norm = C;
+    ds.noise_multiplier = sigma;
+    ds.reduction = DC_REDUCTION_MEAN;
+    ds.expected_batch = B;
+    ds.zero_on_fail = zero_on_fail;
+    int rc = run(g_cuda, &ds, &rd, &ed);
+    if (rc) printf("  step: %s: %s\n", ed.field, ed.msg);
+    dc_step_result_free(&rd);
+    return rc;
+}
+
 /* Outputs of a noised MEAN step over d (device layers) into host f32
  * copies out[l][0..1] (weight, bias; NULL where none); grouped_min as
  * dcc_options has it (0: every step's layers grouped), and then that many
  * layers kept with DPCLIP_CUDA_SGRAD=all, else none. */
 static void noised_step(dc_layer *d, int n, uint32_t B, int sgrad, bool one_pass, float sigma,
                         int grouped_min, float **out) {
-    dc_step ds;
-    dc_step_result rd;
-    dc_err ed;
     set_switches(1, 1);
     g_opts.sgrad = sgrad;
     g_opts.one_pass = one_pass;
     g_opts.grouped_min = grouped_min;
     apply_switches();
-    step_init(&ds, d, (size_t)n, B, 0);
-    ds.max_grad_norm = 0.05f;
-    ds.noise_multiplier = sigma;
-    ds.reduction = DC_REDUCTION_MEAN;
-    ds.expected_batch = B; /* 3: a division that rounds */
-    int rc = run(g_cuda, &ds, &rd, &ed);
-    if (rc) fprintf(stderr, "cuda: %s: %s\n", ed.field, ed.msg);
-    assert_int_equal(rc, 0);
+    assert_int_equal(mean_step(d, n, B, 0.05f, sigma, false), 0);
     const int kept = sgrad == DCC_SGRAD_ALL && grouped_min == 0 ? n : 0;
     assert_int_equal(dc_cuda_backend_kept_layers(g_cuda), kept);
     /* every output's bound fits its dtype here: one pass means the kept
@@ -276,7 +285,6 @@ static void noised_step(dc_layer *d, int n, uint32_t B, int sgrad, bool one_pass
         out[2 * l] = dev_to_f32(&d[l].weight_grad_out);
         out[2 * l + 1] = d[l].bias_grad_out.data ? dev_to_f32(&d[l].bias_grad_out) : NULL;
     }
-    dc_step_result_free(&rd);
 }
 
 /* The noise the kept gradients' sum adds is the output pass's, draw for
@@ -390,28 +398,16 @@ static long differ(const float *a, const float *b, int64_t n, dc_dtype dt, doubl
 
 static int g_out_blocks; /* kept_step's dcc_options.out_blocks */
 
-/* One MEAN step (expected batch B: a division that rounds) of the layers d
- * with threshold C and noise sigma, kept as `budget` allows; its code. */
+/* A MEAN step of the layers d, kept as `budget` allows (mean_step). */
 static int kept_step(dc_layer *d, int n, uint32_t B, size_t budget, bool one_pass, float C,
                      float sigma, bool zero_on_fail) {
-    dc_step ds;
-    dc_step_result rd;
-    dc_err ed;
     set_switches(1, 1);
     g_opts.sgrad = DCC_SGRAD_ALL;
     g_opts.one_pass = one_pass;
     g_opts.out_blocks = g_out_blocks;
     apply_switches();
     dc_cuda_backend_set_sample_grads(g_cuda, budget);
-    step_init(&ds, d, (size_t)n, B, 0);
-    ds.max_grad_norm = C;
-    ds.noise_multiplier = sigma;
-    ds.reduction = DC_REDUCTION_MEAN;
-    ds.zero_on_fail = zero_on_fail;
-    int rc = run(g_cuda, &ds, &rd, &ed);
-    if (rc) printf("  step: %s: %s\n", ed.field, ed.msg);
-    dc_step_result_free(&rd);
-    return rc;
+    return mean_step(d, n, B, C, sigma, zero_on_fail);
 }
 
 /* The outputs of a kept step of d (every layer kept) in one pass, then
