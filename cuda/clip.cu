@@ -23,6 +23,7 @@
  * Arithmetic that must round like the CPU's is written with __fmul_rn /
  * __fadd_rn / __fdiv_rn (no contraction to FMA). */
 #include "dcc_out.cuh"
+#include "dcc_util.cuh"
 
 namespace {
 
@@ -479,18 +480,16 @@ __global__ void out_commit_kernel(const dcc_out *__restrict__ outs, int n_out,
                });
 }
 
-/* A grid-stride pass's blocks (out_chunks): the device filled once, or
- * max_blocks when positive; at most a block per chunk. */
-template <typename K>
-cudaError_t out_grid(K *kern, uint64_t n_chunks, int max_blocks, unsigned *grid) {
-    int dev = 0, sms = 0, per = 0;
-    cudaError_t e;
-    if ((e = cudaGetDevice(&dev)) != cudaSuccess ||
-        (e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev)) != cudaSuccess ||
-        (e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per, kern, NT, 0)) != cudaSuccess)
-        return e;
+/* A grid-stride pass's blocks (out_chunks): as many as an SM holds (2048
+ * threads) on every SM, or max_blocks when positive; at most a block per
+ * chunk. (Not the kernel's occupancy query: one more driver call a pass and
+ * step, where a second partial wave costs nothing here.) */
+cudaError_t out_grid(uint64_t n_chunks, int max_blocks, unsigned *grid) {
+    int sms = 0;
+    cudaError_t e = max_blocks > 0 ? cudaSuccess : dcc_sm_count(&sms);
+    if (e != cudaSuccess) return e;
     const uint64_t full = max_blocks > 0 ? (uint64_t)max_blocks
-                                         : (uint64_t)(sms > 0 ? sms : 1) * (uint64_t)(per > 0 ? per : 1);
+                                         : (uint64_t)(sms > 0 ? sms : 1) * (2048 / NT);
     *grid = (unsigned)(n_chunks < full ? (n_chunks > 0 ? n_chunks : 1) : full);
     return cudaSuccess;
 }
@@ -576,7 +575,7 @@ extern "C" cudaError_t dcc_out_check(const dcc_out *outs, int n_out, uint64_t n_
     if (n_chunks > INT32_MAX) return cudaErrorInvalidValue;
     if (scan) {
         unsigned grid;
-        cudaError_t e = out_grid(out_amax_kernel, n_chunks, max_blocks, &grid);
+        cudaError_t e = out_grid(n_chunks, max_blocks, &grid);
         if (e != cudaSuccess) return e;
         out_amax_kernel<<<grid, NT, 0, st>>>(outs, n_out, staging, (unsigned *)amax,
                                              status);
@@ -598,7 +597,7 @@ extern "C" cudaError_t dcc_out_write(const dcc_out *outs, int n_out, uint64_t n_
     auto kern = noise == DCC_NOISE_EXACT ? out_write_kernel<DCC_NOISE_EXACT>
                                          : out_write_kernel<DCC_NOISE_FAST>;
     unsigned grid;
-    cudaError_t e = out_grid(kern, n_chunks, max_blocks, &grid);
+    cudaError_t e = out_grid(n_chunks, max_blocks, &grid);
     if (e != cudaSuccess) return e;
     kern<<<grid, NT, 0, st>>>(outs, n_out, staging, std, divisor, mode, status, bad);
     return cudaGetLastError();
@@ -611,7 +610,7 @@ extern "C" cudaError_t dcc_out_commit(const dcc_out *outs, int n_out, uint64_t n
     if (n_out <= 0) return cudaSuccess;
     if (n_chunks > INT32_MAX) return cudaErrorInvalidValue;
     unsigned grid;
-    cudaError_t e = out_grid(out_commit_kernel, n_chunks, max_blocks, &grid);
+    cudaError_t e = out_grid(n_chunks, max_blocks, &grid);
     if (e != cudaSuccess) return e;
     out_commit_kernel<<<grid, NT, 0, st>>>(outs, n_out, staging, mode, status,
                                            zero_on_fail);

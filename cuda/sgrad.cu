@@ -73,10 +73,11 @@ constexpr int SG_ANY = -1;  /* a launch whose weight outputs' dtypes differ */
  * while a chunk's draws are made, measured best on an H100 (the kept
  * phase of a Llama-1B-like step 7.4 -> 6.8 ms, GPT-2-small 1.00 -> 0.96;
  * no bound at 78 registers, 5 or 6 CTAs with or without the prefetch were
- * in between or worse). For the same reason the weight's stores know
- * their dtype at compile time (DT; SG_ANY: each layer's own) and the
- * element offsets are made once a chunk: the store path was a quarter of
- * the pass's instructions. */
+ * in between or worse; after the cut below, 3 and 5 again lost: the Llama's
+ * kept phase 5.22-5.27 ms at 4, 5.38-5.42 at 3, 5.39-5.51 at 5). For the
+ * same reason the weight's stores know their dtype at compile time (DT;
+ * SG_ANY: each layer's own) and the element offsets are made once a chunk:
+ * the store path was a quarter of the pass's instructions. */
 constexpr int SG_MIN_CTAS = 4;
 template <int NOISE, int DT>
 __global__ void __launch_bounds__(DCC_SG_THREADS, SG_MIN_CTAS)
