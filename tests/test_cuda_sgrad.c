@@ -410,14 +410,38 @@ static int kept_step(dc_layer *d, int n, uint32_t B, size_t budget, bool one_pas
     return mean_step(d, n, B, C, sigma, zero_on_fail);
 }
 
+/* Every output of d read back, each value written (none is 7, the fill):
+ * run 0 keeps them in ref[2 l + k]; a later run's are compared with those
+ * (differ, at the noise's scale), adding to *exact and *total. Returns how
+ * many values differ. */
+static long outputs_against(dc_layer *d, int n, int run, float **ref, double scale, long *exact,
+                            long *total) {
+    long bad = 0;
+    for (int o = 0; o < 2 * n; o++) {
+        const dc_tensor *t = o & 1 ? &d[o / 2].bias_grad_out : &d[o / 2].weight_grad_out;
+        if (!t->data) continue;
+        float *v = dev_to_f32(t);
+        for (int64_t i = 0; i < numel(t); i++) assert_true(v[i] != 7.0f);
+        if (run == 0) {
+            ref[o] = v;
+            continue;
+        }
+        bad += differ(ref[o], v, numel(t), t->dtype, scale, exact);
+        *total += numel(t);
+        free(v);
+    }
+    return bad;
+}
+
 /* The outputs of a kept step of d (every layer kept) in one pass, then
  * staged (one pass off), each over outputs filled with 7 first: the one
  * pass writes its outputs itself (kept_direct) or not, as `direct` says,
- * and every value is written (none is 7) and agrees with the staged one
- * (differ). Returns how many values differ; adds to *exact and *total. */
+ * and every value is written and agrees with the staged one
+ * (outputs_against). Returns how many values differ; adds to *exact and
+ * *total. */
 static long against_staged(dc_layer *d, int n, uint32_t B, float C, float sigma, bool direct,
                            long *exact, long *total) {
-    float *got[2 * NL];
+    float *got[2 * NL] = {NULL};
     long bad = 0;
     for (int pass = 0; pass < 2; pass++) {
         outputs_fill(d, (size_t)n, 7.0f);
@@ -425,21 +449,9 @@ static long against_staged(dc_layer *d, int n, uint32_t B, float C, float sigma,
                                    false), 0);
         assert_int_equal(dc_cuda_backend_kept_layers(g_cuda), n);
         assert_int_equal(dc_cuda_backend_kept_direct(g_cuda), pass == 0 && direct);
-        for (int o = 0; o < 2 * n; o++) {
-            const dc_tensor *t = o & 1 ? &d[o / 2].bias_grad_out : &d[o / 2].weight_grad_out;
-            if (!t->data) continue;
-            float *v = dev_to_f32(t);
-            for (int64_t i = 0; i < numel(t); i++) assert_true(v[i] != 7.0f);
-            if (pass == 0) {
-                got[o] = v;
-                continue;
-            }
-            bad += differ(got[o], v, numel(t), t->dtype, sigma * C / B, exact);
-            *total += numel(t);
-            free(got[o]);
-            free(v);
-        }
+        bad += outputs_against(d, n, pass, got, sigma * C / B, exact, total);
     }
+    for (int o = 0; o < 2 * n; o++) free(got[o]);
     return bad;
 }
 
@@ -535,19 +547,7 @@ static void test_out_blocks(void **state) {
         const int kept = dc_cuda_backend_kept_layers(g_cuda);
         assert_true(kept >= 1 && kept < N);
         assert_true(dc_cuda_backend_kept_direct(g_cuda));
-        for (int o = 0; o < 2 * N; o++) {
-            const dc_tensor *t = o & 1 ? &d[o / 2].bias_grad_out : &d[o / 2].weight_grad_out;
-            if (!t->data) continue;
-            float *v = dev_to_f32(t);
-            for (int64_t i = 0; i < numel(t); i++) assert_true(v[i] != 7.0f);
-            if (r == 0) {
-                ref[o] = v;
-                continue;
-            }
-            bad += differ(ref[o], v, numel(t), t->dtype, sigma * C / B, &exact);
-            total += numel(t);
-            free(v);
-        }
+        bad += outputs_against(d, N, r, ref, sigma * C / B, &exact, &total);
     }
     printf("output passes on 1 and 3 blocks: %ld values, %ld bit-equal to the full grid's, %ld "
            "beyond the roundings\n", total, exact, bad);
