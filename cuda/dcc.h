@@ -58,7 +58,7 @@ typedef struct dcc_options {
     int tail_k;        /* DIRECT_TAIL=K[:N]: a K-way tail (2, 3, 4 or 6); 0: none */
     long long tail_after; /* ... after N unsplit tiles; -1: the whole waves */
     int out_blocks;    /* OUT_BLOCKS: most blocks an output pass launches (tests:
-                          many chunks a block); 0: enough to fill the device once */
+                          many chunks a block); 0: as many as the SMs hold at once */
 } dcc_options;
 
 void dcc_options_default(dcc_options *o);
@@ -447,8 +447,8 @@ cudaError_t dcc_commit(const dcc_out *outs, int n_out, uint64_t max_n, const flo
  * take mode 0. scan false: every output is marked amax_found (the kept
  * sum's too), so the pass over the chunks, which would skip each of them,
  * is not launched (a Llama-1B-like step's 139K chunks: 0.2 ms). Each pass
- * runs grid-stride on at most max_blocks blocks (0: the device filled
- * once), jumping the outputs it leaves alone whole. */
+ * runs grid-stride on at most max_blocks blocks (0: as many as the SMs
+ * hold at once), skipping the outputs it leaves alone whole. */
 cudaError_t dcc_out_check(const dcc_out *outs, int n_out, uint64_t n_chunks,
                           const float *staging, float std, float divisor, float *amax,
                           bool scan, const uint32_t *status, uint32_t *mode, int max_blocks,
