@@ -525,22 +525,23 @@ int run_impl(dc_backend *be, const dc_step *s, dc_step_result *res, dc_err *err,
         const int zero = s->zero_on_fail ? 1 : 0;
         phase_mark(cb, 4);
         if (opt.one_pass) {
+            unsigned grid;
+            CK(dcc_out_grid(Lo.chunks, opt.out_blocks, &grid), "the output passes' grid");
             /* amax_found marks the outputs the kept sum writes too */
-            CK(dcc_out_check(douts, Lo.n_out, Lo.chunks, staging, noise_std, divisor,
+            CK(dcc_out_check(douts, Lo.n_out, grid, staging, noise_std, divisor,
                              (float *)(ws + Lo.amax), cb->amax_found < (int)Lo.n_out, status,
-                             mode, opt.out_blocks, cb->stream),
+                             mode, cb->stream),
                "the output check");
             /* the kept layers' sums after the check: with mode 1 they go
              * straight into the outputs */
             phase_mark(cb, 5);
             if ((rc = kept_sum(cb, s, noise_std, divisor, mode, err))) goto fail;
             phase_mark(cb, 6);
-            CK(dcc_out_write(douts, Lo.n_out, Lo.chunks, staging, noise_std, divisor, mode,
-                             status, bad, opt.noise, opt.out_blocks, cb->stream),
+            CK(dcc_out_write(douts, Lo.n_out, grid, staging, noise_std, divisor, mode, status,
+                             bad, opt.noise, cb->stream),
                "the noise");
             phase_mark(cb, 7);
-            CK(dcc_out_commit(douts, Lo.n_out, Lo.chunks, staging, mode, status, zero,
-                              opt.out_blocks, cb->stream),
+            CK(dcc_out_commit(douts, Lo.n_out, grid, staging, mode, status, zero, cb->stream),
                "the commit");
             CK(dcc_commit(douts, 0, 0, staging, status, (const float *)(ws + Lo.norms),
                           (float *)s->norms_out.data, (const float *)(ws + Lo.coefs),

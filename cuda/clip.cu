@@ -379,13 +379,12 @@ __global__ void out_decide_kernel(const dcc_out *__restrict__ outs, int n_out,
 template <int NOISE>
 __device__ __forceinline__ void write_chunk(int oi, const dcc_out &o, uint64_t i0, uint64_t i1,
                                             float *__restrict__ staging, float std,
-                                            float divisor, bool direct,
+                                            float divisor, const dcc_div &div, bool direct,
                                             uint32_t *__restrict__ status,
                                             unsigned long long *__restrict__ bad) {
     float *v = staging + o.off;
     const bool vec_dst =
         ((uintptr_t)o.dst & (uintptr_t)(o.dtype == DC_F32 ? 15 : 7)) == 0;
-    const dcc_div div = dcc_div_make(divisor);
     for (uint64_t i = i0 + 4 * threadIdx.x; i < i1; i += 4 * NT) {
         const int cnt = i + 4 <= i1 ? 4 : (int)(i1 - i);
         float x[4] = {0.0f, 0.0f, 0.0f, 0.0f};
@@ -461,10 +460,10 @@ __global__ void out_write_kernel(const dcc_out *__restrict__ outs, int n_out,
     if (!direct && (*status & DCC_STATUS_INPUT)) return; /* the step fails anyway */
     /* mode 1: the kept sum wrote the noised outputs (sgrad.cu) */
     auto skip = [direct](const dcc_out &o) { return direct && o.noised; };
-    out_chunks(outs, n_out, skip,
-               [&](int oi, const dcc_out &o, uint64_t i0, uint64_t i1) {
-                   write_chunk<NOISE>(oi, o, i0, i1, staging, std, divisor, direct, status, bad);
-               });
+    const dcc_div div = dcc_div_make(divisor); /* once a block: the step's one divisor */
+    out_chunks(outs, n_out, skip, [&](int oi, const dcc_out &o, uint64_t i0, uint64_t i1) {
+        write_chunk<NOISE>(oi, o, i0, i1, staging, std, divisor, div, direct, status, bad);
+    });
 }
 
 __global__ void out_commit_kernel(const dcc_out *__restrict__ outs, int n_out,
@@ -479,20 +478,6 @@ __global__ void out_commit_kernel(const dcc_out *__restrict__ outs, int n_out,
                    for (uint64_t i = i0 + threadIdx.x; i < i1; i += NT)
                        dcc_store_as(o.dst, o.dtype, i, ok ? staging[o.off + i] : 0.0f);
                });
-}
-
-/* A grid-stride pass's blocks (out_chunks): as many as an SM holds (2048
- * threads) on every SM, or max_blocks when positive; at most a block per
- * chunk. (Not the kernel's occupancy query: one more driver call a pass and
- * step, where a second partial wave costs nothing here.) */
-cudaError_t out_grid(uint64_t n_chunks, int max_blocks, unsigned *grid) {
-    int sms = 0;
-    cudaError_t e = max_blocks > 0 ? cudaSuccess : dcc_sm_count(&sms);
-    if (e != cudaSuccess) return e;
-    const uint64_t full = max_blocks > 0 ? (uint64_t)max_blocks
-                                         : (uint64_t)(sms > 0 ? sms : 1) * (2048 / NT);
-    *grid = (unsigned)(n_chunks < full ? (n_chunks > 0 ? n_chunks : 1) : full);
-    return cudaSuccess;
 }
 
 unsigned blocks_for(uint64_t n, unsigned cap) {
@@ -568,19 +553,29 @@ extern "C" cudaError_t dcc_finalize(const dcc_out *outs, int n_out, uint64_t max
     return cudaGetLastError();
 }
 
-extern "C" cudaError_t dcc_out_check(const dcc_out *outs, int n_out, uint64_t n_chunks,
+/* A grid-stride pass's blocks (out_chunks): as many as an SM holds (2048
+ * threads) on every SM, or max_blocks when positive; at most a block per
+ * chunk. (Not the kernel's occupancy query: one more driver call a pass and
+ * step, where a second partial wave costs nothing here.) */
+extern "C" cudaError_t dcc_out_grid(uint64_t n_chunks, int max_blocks, unsigned *grid) {
+    int sms = 0;
+    cudaError_t e = max_blocks > 0 ? cudaSuccess : dcc_sm_count(&sms);
+    if (e != cudaSuccess) return e;
+    const uint64_t full = max_blocks > 0 ? (uint64_t)max_blocks
+                                         : (uint64_t)(sms > 0 ? sms : 1) * (2048 / NT);
+    *grid = (unsigned)(n_chunks < full ? (n_chunks > 0 ? n_chunks : 1) : full);
+    return cudaSuccess;
+}
+
+extern "C" cudaError_t dcc_out_check(const dcc_out *outs, int n_out, unsigned grid,
                                      const float *staging, float std, float divisor,
                                      float *amax, bool scan, const uint32_t *status,
-                                     uint32_t *mode, int max_blocks, cudaStream_t st) {
+                                     uint32_t *mode, cudaStream_t st) {
     if (n_out <= 0) return cudaSuccess;
-    if (n_chunks > INT32_MAX) return cudaErrorInvalidValue;
     if (scan) {
-        unsigned grid;
-        cudaError_t e = out_grid(n_chunks, max_blocks, &grid);
-        if (e != cudaSuccess) return e;
         out_amax_kernel<<<grid, NT, 0, st>>>(outs, n_out, staging, (unsigned *)amax,
                                              status);
-        e = cudaGetLastError();
+        cudaError_t e = cudaGetLastError();
         if (e != cudaSuccess) return e;
     }
     out_decide_kernel<<<1, 1024, 0, st>>>(outs, n_out, (const unsigned *)amax, std, divisor,
@@ -588,31 +583,22 @@ extern "C" cudaError_t dcc_out_check(const dcc_out *outs, int n_out, uint64_t n_
     return cudaGetLastError();
 }
 
-extern "C" cudaError_t dcc_out_write(const dcc_out *outs, int n_out, uint64_t n_chunks,
+extern "C" cudaError_t dcc_out_write(const dcc_out *outs, int n_out, unsigned grid,
                                      float *staging, float std, float divisor,
                                      const uint32_t *mode, uint32_t *status,
-                                     unsigned long long *bad, int noise, int max_blocks,
-                                     cudaStream_t st) {
+                                     unsigned long long *bad, int noise, cudaStream_t st) {
     if (n_out <= 0) return cudaSuccess;
-    if (n_chunks > INT32_MAX) return cudaErrorInvalidValue;
     auto kern = noise == DCC_NOISE_EXACT ? out_write_kernel<DCC_NOISE_EXACT>
                                          : out_write_kernel<DCC_NOISE_FAST>;
-    unsigned grid;
-    cudaError_t e = out_grid(n_chunks, max_blocks, &grid);
-    if (e != cudaSuccess) return e;
     kern<<<grid, NT, 0, st>>>(outs, n_out, staging, std, divisor, mode, status, bad);
     return cudaGetLastError();
 }
 
-extern "C" cudaError_t dcc_out_commit(const dcc_out *outs, int n_out, uint64_t n_chunks,
+extern "C" cudaError_t dcc_out_commit(const dcc_out *outs, int n_out, unsigned grid,
                                       const float *staging, const uint32_t *mode,
                                       const uint32_t *status, int zero_on_fail,
-                                      int max_blocks, cudaStream_t st) {
+                                      cudaStream_t st) {
     if (n_out <= 0) return cudaSuccess;
-    if (n_chunks > INT32_MAX) return cudaErrorInvalidValue;
-    unsigned grid;
-    cudaError_t e = out_grid(n_chunks, max_blocks, &grid);
-    if (e != cudaSuccess) return e;
     out_commit_kernel<<<grid, NT, 0, st>>>(outs, n_out, staging, mode, status,
                                            zero_on_fail);
     return cudaGetLastError();

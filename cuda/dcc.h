@@ -432,7 +432,10 @@ cudaError_t dcc_commit(const dcc_out *outs, int n_out, uint64_t max_n, const flo
                        const float *coefs, float *coefs_out, int B, int zero_on_fail,
                        cudaStream_t st);
 
-/* The one-pass output path (chunk grid over all outputs, n_chunks chunks):
+/* The one-pass output path (chunk grid over all outputs). Each pass runs
+ * grid-stride on `grid` blocks, from dcc_out_grid: as many as the SMs hold
+ * at once, or max_blocks when positive, and never more than n_chunks.
+ * Then:
  * dcc_out_check finds max |staging| per output (amax[n_out], zeroed by the
  * caller; an output marked amax_found keeps what the grouped kernel found,
  * a noised one takes its bound) and sets *mode = 1 when the step's status
@@ -447,18 +450,17 @@ cudaError_t dcc_commit(const dcc_out *outs, int n_out, uint64_t max_n, const flo
  * take mode 0. scan false: every output is marked amax_found (the kept
  * sum's too), so the pass over the chunks, which would skip each of them,
  * is not launched (a Llama-1B-like step's 139K chunks: 0.2 ms). Each pass
- * runs grid-stride on at most max_blocks blocks (0: as many as the SMs
- * hold at once), skipping the outputs it leaves alone whole. */
-cudaError_t dcc_out_check(const dcc_out *outs, int n_out, uint64_t n_chunks,
-                          const float *staging, float std, float divisor, float *amax,
-                          bool scan, const uint32_t *status, uint32_t *mode, int max_blocks,
-                          cudaStream_t st);
-cudaError_t dcc_out_write(const dcc_out *outs, int n_out, uint64_t n_chunks, float *staging,
+ * skips the outputs it leaves alone whole. */
+cudaError_t dcc_out_grid(uint64_t n_chunks, int max_blocks, unsigned *grid);
+cudaError_t dcc_out_check(const dcc_out *outs, int n_out, unsigned grid, const float *staging,
+                          float std, float divisor, float *amax, bool scan,
+                          const uint32_t *status, uint32_t *mode, cudaStream_t st);
+cudaError_t dcc_out_write(const dcc_out *outs, int n_out, unsigned grid, float *staging,
                           float std, float divisor, const uint32_t *mode, uint32_t *status,
-                          unsigned long long *bad, int noise, int max_blocks, cudaStream_t st);
-cudaError_t dcc_out_commit(const dcc_out *outs, int n_out, uint64_t n_chunks,
+                          unsigned long long *bad, int noise, cudaStream_t st);
+cudaError_t dcc_out_commit(const dcc_out *outs, int n_out, unsigned grid,
                            const float *staging, const uint32_t *mode, const uint32_t *status,
-                           int zero_on_fail, int max_blocks, cudaStream_t st);
+                           int zero_on_fail, cudaStream_t st);
 
 /* Index of the first non-finite element of a float array (or of the first
  * integer outside [0, vocab) for i32/i64), lowered into *first (set it to
