@@ -80,8 +80,22 @@ extern "C" int dc_cuda_backend_set_workspace(dc_backend *be, size_t initial, siz
     return 0;
 }
 
-extern "C" void dc_cuda_backend_set_sample_grads(dc_backend *be, size_t max) {
-    ((cuda_backend *)be)->sg_max = max;
+extern "C" void dc_cuda_backend_set_sample_grads(dc_backend *be, uint64_t max) {
+    cuda_backend *cb = (cuda_backend *)be;
+    if (max == DC_SAMPLE_GRADS_AUTO) {
+        size_t avail = 0, total = 0;
+        /* the instance's device is current on its thread (create, the worker) */
+        if (cudaMemGetInfo(&avail, &total) != cudaSuccess) {
+            (void)cudaGetLastError();
+            total = 0; /* keep none rather than guess */
+        }
+        max = total / DC_SAMPLE_GRADS_PARTS;
+    }
+    cb->sg_max = max > SIZE_MAX ? SIZE_MAX : (size_t)max;
+}
+
+extern "C" uint64_t dc_cuda_backend_sample_grads(const dc_backend *be) {
+    return ((const cuda_backend *)be)->sg_max;
 }
 
 extern "C" int dc_cuda_backend_kept_layers(const dc_backend *be) {

@@ -718,7 +718,7 @@ extern "C" int dc_cuda_backend_create(int device, dc_backend **out, dc_err *err)
     /* Phase timing feeds the daemon's per-phase histograms: on unless
      * DPCLIP_CUDA_PROFILE=0 (ten event records a step, a few microseconds
      * of host time that overlap the GPU's work). */
-    cb->sg_max = DC_SAMPLE_GRADS_DEFAULT;
+    dc_cuda_backend_set_sample_grads(&cb->base, DC_SAMPLE_GRADS_AUTO);
     dcc_options_from_env(&cb->opt);
     if (cb->opt.profile) (void)dc_cuda_backend_profile(&cb->base, 1);
     return 0;

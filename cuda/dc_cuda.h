@@ -73,14 +73,17 @@ const char *dc_cuda_phase_name(int phase);
 int dc_cuda_backend_set_workspace(dc_backend *be, size_t initial, size_t max, dc_err *err);
 
 /* Caps the device workspace that keeps per-sample gradients between a
- * step's norms and its clipped sum (gpu.sample_grads_max; 0 = none kept).
+ * step's norms and its clipped sum (gpu.sample_grads_max; 0 = none kept;
+ * DC_SAMPLE_GRADS_AUTO, the default: 1/DC_SAMPLE_GRADS_PARTS of the
+ * device's memory, none if that cannot be read).
  * Layers the grouped norm kernel takes are kept, in step order, while they
  * fit within it and within gpu.workspace_max; their clipped sums are then a
  * pass over memory instead of a GEMM (cuda/sgrad.cu). A step whose
  * workspace would leave the GPU less than a tenth of its memory free with
- * them, or cannot be allocated, runs without. Default:
- * DC_SAMPLE_GRADS_DEFAULT (backend.h). */
-void dc_cuda_backend_set_sample_grads(dc_backend *be, size_t max);
+ * them, or cannot be allocated, runs without. dc_cuda_backend_sample_grads:
+ * the cap in bytes, auto resolved. */
+void dc_cuda_backend_set_sample_grads(dc_backend *be, uint64_t max);
+uint64_t dc_cuda_backend_sample_grads(const dc_backend *be);
 /* How many layers of the last step had their per-sample gradients kept
  * (tests and benchmarks). */
 int dc_cuda_backend_kept_layers(const dc_backend *be);

@@ -16,6 +16,7 @@
 
 #include "service.h"
 
+#include "backend.h"
 #include "config.h"
 
 #ifndef DPCLIPD_PATH
@@ -353,6 +354,48 @@ static void test_check_config_cli(void **state) {
     assert_non_null(strstr(out, "(limits.max_batch)"));
 }
 
+/* gpu.sample_grads_max takes auto (its default: each GPU resolves it), a
+ * size or 0; auto prints back as auto, in the listing and in /status's
+ * limits (a JSON string there); other sizes do not take auto. */
+static void test_size_auto(void **state) {
+    dc_config c;
+    dc_err e;
+    char num[32], *text = NULL;
+    size_t len = 0, i = 0;
+    const char *section, *key;
+    (void)state;
+    dc_config_defaults(&c);
+    assert_true(c.gpu_sample_grads_max == DC_SAMPLE_GRADS_AUTO);
+    while (dc_config_key(i, &section, &key) &&
+           !(strcmp(section, "gpu") == 0 && strcmp(key, "sample_grads_max") == 0))
+        i++;
+    assert_true(dc_config_number(&c, i, num, sizeof num));
+    assert_string_equal(num, "\"auto\"");
+    FILE *f = open_memstream(&text, &len);
+    assert_non_null(f);
+    dc_config_print(&c, f);
+    fclose(f);
+    assert_non_null(strstr(text, "\nsample_grads_max = auto\n"));
+    free(text);
+    assert_int_equal(dc_config_set(&c, "gpu", "sample_grads_max", "12G", "t", &e), 0);
+    assert_true(c.gpu_sample_grads_max == (uint64_t)12 << 30);
+    assert_true(dc_config_number(&c, i, num, sizeof num));
+    assert_string_equal(num, "12884901888");
+    assert_int_equal(dc_config_set(&c, "gpu", "sample_grads_max", "0", "t", &e), 0);
+    assert_true(c.gpu_sample_grads_max == 0);
+    assert_int_equal(dc_config_set(&c, "gpu", "sample_grads_max", "auto", "t", &e), 0);
+    assert_true(c.gpu_sample_grads_max == DC_SAMPLE_GRADS_AUTO);
+    /* 2^64 - 1 bytes would read as auto: refused, as are words other than auto */
+    assert_int_not_equal(
+        dc_config_set(&c, "gpu", "sample_grads_max", "18446744073709551615", "t", &e), 0);
+    assert_non_null(strstr(e.msg, "gpu.sample_grads_max: bad value"));
+    assert_non_null(strstr(e.msg, "expected auto or bytes"));
+    assert_int_not_equal(dc_config_set(&c, "gpu", "sample_grads_max", "automatic", "t", &e), 0);
+    assert_true(c.gpu_sample_grads_max == DC_SAMPLE_GRADS_AUTO);
+    assert_int_not_equal(dc_config_set(&c, "gpu", "workspace", "auto", "t", &e), 0);
+    assert_non_null(strstr(e.msg, "gpu.workspace: bad value 'auto'"));
+}
+
 /* An empty file ("--config /dev/null": no config file) sets nothing, with
  * or without inih; a missing one is an error naming it. */
 static void test_empty_file(void **state) {
@@ -380,6 +423,7 @@ int main(void) {
         cmocka_unit_test(test_bad_flags),
         cmocka_unit_test(test_check_config_cli),
         cmocka_unit_test(test_empty_file),
+        cmocka_unit_test(test_size_auto),
     };
 #ifndef DPCLIP_HAVE_INIH
     printf("test_config: SKIPPED the config-file cases: built without inih (libinih-dev)\n");

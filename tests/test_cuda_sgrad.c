@@ -227,7 +227,7 @@ static void test_kept_layers(void **state) {
     }
     release(h, d, NL);
     set_switches(1, 1);
-    dc_cuda_backend_set_sample_grads(g_cuda, DC_SAMPLE_GRADS_DEFAULT);
+    dc_cuda_backend_set_sample_grads(g_cuda, DC_SAMPLE_GRADS_AUTO);
 }
 
 /* More samples than the sum stages coefficients for at once (64). */
@@ -240,7 +240,7 @@ static void test_kept_many_samples(void **state) {
     set_switches(1, 1);
     g_opts.sgrad = DCC_SGRAD_ALL;
     apply_switches();
-    check_step(h, d, 3, B, DC_SAMPLE_GRADS_DEFAULT);
+    check_step(h, d, 3, B, DC_SAMPLE_GRADS_AUTO);
     release(h, d, 3);
     set_switches(1, 1);
 }
@@ -445,7 +445,7 @@ static long against_staged(dc_layer *d, int n, uint32_t B, float C, float sigma,
     long bad = 0;
     for (int pass = 0; pass < 2; pass++) {
         outputs_fill(d, (size_t)n, 7.0f);
-        assert_int_equal(kept_step(d, n, B, DC_SAMPLE_GRADS_DEFAULT, pass == 0, C, sigma,
+        assert_int_equal(kept_step(d, n, B, DC_SAMPLE_GRADS_AUTO, pass == 0, C, sigma,
                                    false), 0);
         assert_int_equal(dc_cuda_backend_kept_layers(g_cuda), n);
         assert_int_equal(dc_cuda_backend_kept_direct(g_cuda), pass == 0 && direct);
@@ -519,7 +519,7 @@ static void test_kept_direct(void **state) {
            "untouched, or zeroed with zero_on_fail\n");
     release(h, d, N);
     set_switches(1, 1);
-    dc_cuda_backend_set_sample_grads(g_cuda, DC_SAMPLE_GRADS_DEFAULT);
+    dc_cuda_backend_set_sample_grads(g_cuda, DC_SAMPLE_GRADS_AUTO);
 }
 
 /* The output passes' grid changes no value. A step whose kept layers'
@@ -556,7 +556,7 @@ static void test_out_blocks(void **state) {
     g_out_blocks = 0;
     release(h, d, N);
     set_switches(1, 1);
-    dc_cuda_backend_set_sample_grads(g_cuda, DC_SAMPLE_GRADS_DEFAULT);
+    dc_cuda_backend_set_sample_grads(g_cuda, DC_SAMPLE_GRADS_AUTO);
 }
 
 /* Kept gradients never take the GPU's last tenth of memory: a backend whose
@@ -606,6 +606,29 @@ static void test_keep_leaves_memory_free(void **state) {
     release(h, d, 2);
 }
 
+/* gpu.sample_grads_max = auto, a fresh backend's default: an eighth of the
+ * device's memory (DC_SAMPLE_GRADS_PARTS), read from the device; a size
+ * and 0 stay as given. */
+static void test_budget_auto(void **state) {
+    (void)state;
+    dc_backend *be;
+    dc_err err;
+    size_t avail, total;
+    assert_int_equal(dc_cuda_backend_create(0, &be, &err), 0);
+    assert_int_equal(cudaMemGetInfo(&avail, &total), cudaSuccess);
+    const uint64_t want = (uint64_t)total / DC_SAMPLE_GRADS_PARTS;
+    printf("auto: %llu of %zu bytes\n", (unsigned long long)dc_cuda_backend_sample_grads(be),
+           total);
+    assert_true(want > 0 && dc_cuda_backend_sample_grads(be) == want);
+    dc_cuda_backend_set_sample_grads(be, 0);
+    assert_true(dc_cuda_backend_sample_grads(be) == 0);
+    dc_cuda_backend_set_sample_grads(be, (uint64_t)3 << 30);
+    assert_true(dc_cuda_backend_sample_grads(be) == (uint64_t)3 << 30);
+    dc_cuda_backend_set_sample_grads(be, DC_SAMPLE_GRADS_AUTO);
+    assert_true(dc_cuda_backend_sample_grads(be) == want);
+    dc_backend_destroy(be);
+}
+
 /* The cost model (dcc_sgrad_worth) on the shapes it was measured for, and
  * the default mode keeping only the layers it picks. */
 static void test_keep_worth(void **state) {
@@ -650,6 +673,7 @@ int main(void) {
         cmocka_unit_test(test_kept_direct),
         cmocka_unit_test(test_out_blocks),
         cmocka_unit_test(test_keep_worth),
+        cmocka_unit_test(test_budget_auto),
         cmocka_unit_test(test_keep_leaves_memory_free),
     };
     return cmocka_run_group_tests(tests, cuda_test_setup, cuda_test_teardown);

@@ -26,14 +26,19 @@
 #define DC_BACKEND_H
 
 #include <stddef.h>
+#include <stdint.h>
 
 #include "step.h"
 
-/* The default of gpu.sample_grads_max: how much device workspace a GPU
- * backend may keep per-sample gradients in (cuda/dc_cuda.h). Here, where
- * both the configuration (built without CUDA too) and the CUDA backend see
- * it. */
-#define DC_SAMPLE_GRADS_DEFAULT ((uint64_t)8 << 30)
+/* gpu.sample_grads_max = auto, its default: each GPU backend may keep
+ * per-sample gradients (cuda/dc_cuda.h) in up to 1/DC_SAMPLE_GRADS_PARTS of
+ * its device's memory, so that the cap scales with the GPU (10 GiB of an
+ * 80 GB H100, 17 of an H200, 3 of a 24 GB card) where a fixed size would
+ * be too much on a small one or leave a large one's last layers unkept.
+ * Here, where both the configuration (built without CUDA too) and the CUDA
+ * backend see it. */
+#define DC_SAMPLE_GRADS_AUTO UINT64_MAX
+#define DC_SAMPLE_GRADS_PARTS 8
 
 typedef struct dc_backend dc_backend;
 

@@ -27,6 +27,7 @@ typedef enum key_type {
     T_MODE,    /* unsigned, octal permission bits */
     T_UINT,    /* uint32_t / int in [lo, hi] */
     T_SIZE,    /* uint64_t bytes: a whole number with an optional K, M, G or T (powers of 1024) */
+    T_SIZE_AUTO, /* T_SIZE, or "auto" (DC_SAMPLE_GRADS_AUTO: the daemon sizes it per GPU) */
     T_INT,
     T_BOOL,
     T_LEVEL,   /* dc_log_level */
@@ -68,10 +69,10 @@ static const key_def KEYS[] = {
      "device workspace preallocated per GPU (K/M/G suffixes); a larger step grows it once"},
     {"gpu", "workspace_max", "gpu-workspace-max", T_SIZE, F(gpu_workspace_max), 0, 0, false,
      "most device workspace per GPU; a step needing more fails (0 = no cap)"},
-    {"gpu", "sample_grads_max", "gpu-sample-grads-max", T_SIZE, F(gpu_sample_grads_max), 0, 0,
-     false,
-     "most device workspace per GPU that keeps per-sample gradients between a step's norms "
-     "and its clipped sum, which then costs a pass over memory instead of a GEMM (0 = none)"},
+    {"gpu", "sample_grads_max", "gpu-sample-grads-max", T_SIZE_AUTO, F(gpu_sample_grads_max),
+     0, 0, false,
+     "most device workspace per GPU keeping per-sample gradients, so that clipped sums "
+     "cost a pass over memory, not a GEMM (0 = none; auto = 1/8 of each GPU's memory)"},
     {"limits", "max_batch", "max-batch", T_UINT, F(max_batch), 1, 1u << 24, true,
      "largest batch a step may declare"},
     {"limits", "max_layers", "max-layers", T_UINT, F(max_layers), 1, 1u << 20, true,
@@ -159,7 +160,7 @@ void dc_config_defaults(dc_config *c) {
     c->spin_us = 50;
     c->gpu = true;
     c->gpu_workspace = (uint64_t)256 << 20;
-    c->gpu_sample_grads_max = DC_SAMPLE_GRADS_DEFAULT;
+    c->gpu_sample_grads_max = DC_SAMPLE_GRADS_AUTO;
     c->log_level = DC_LOG_INFO;
     c->max_batch = DC_DEFAULT_MAX_BATCH;
     c->max_layers = DC_DEFAULT_MAX_LAYERS;
@@ -275,6 +276,10 @@ static int set_value(dc_config *c, const key_def *k, const char *value, const ch
     unsigned long long u;
     const char *what = NULL;
 
+    if (k->type == T_SIZE_AUTO && strcmp(value, "auto") == 0) {
+        *(uint64_t *)p = DC_SAMPLE_GRADS_AUTO;
+        return 0;
+    }
     switch (k->type) {
     case T_PATH:
         if (strlen(value) >= k->size) {
@@ -316,6 +321,7 @@ static int set_value(dc_config *c, const key_def *k, const char *value, const ch
         if (k->type == T_UINT) *(uint32_t *)p = (uint32_t)u;
         else *(int *)p = (int)u;
         return 0;
+    case T_SIZE_AUTO:
     case T_SIZE: {
         static const char units[] = "KMGT";
         char num[32];
@@ -334,8 +340,12 @@ static int set_value(dc_config *c, const key_def *k, const char *value, const ch
             shift = 10 * (int)(unit - units + 1);
             num[--n] = '\0';
         }
-        if (parse_ull(num, 10, &u) != 0 || (shift && u > (UINT64_MAX >> shift))) {
-            what = "expected bytes, e.g. 268435456, 256M or 1G (whole number, no overflow)";
+        if (parse_ull(num, 10, &u) != 0 || (shift && u > (UINT64_MAX >> shift)) ||
+            (k->type == T_SIZE_AUTO && (uint64_t)u << shift == DC_SAMPLE_GRADS_AUTO)) {
+            what = k->type == T_SIZE_AUTO
+                       ? "expected auto or bytes, e.g. 268435456, 256M or 1G (whole number, "
+                         "below 2^64 - 1)"
+                       : "expected bytes, e.g. 268435456, 256M or 1G (whole number, no overflow)";
             break;
         }
         *(uint64_t *)p = (uint64_t)u << shift;
@@ -732,6 +742,10 @@ void dc_config_print(const dc_config *c, FILE *f) {
         case T_MODE: fprintf(f, "%04o", *(const unsigned *)p); break;
         case T_UINT: fprintf(f, "%u", *(const uint32_t *)p); break;
         case T_SIZE: print_size(f, *(const uint64_t *)p); break;
+        case T_SIZE_AUTO:
+            if (*(const uint64_t *)p == DC_SAMPLE_GRADS_AUTO) fputs("auto", f);
+            else print_size(f, *(const uint64_t *)p);
+            break;
         case T_INT: fprintf(f, "%d", *(const int *)p); break;
         case T_BOOL: fprintf(f, "%s", *(const bool *)p ? "true" : "false"); break;
         case T_LEVEL: fprintf(f, "%s", levels[*(const dc_log_level *)p]); break;
@@ -766,6 +780,10 @@ bool dc_config_number(const dc_config *c, size_t i, char *out, size_t n) {
     case T_UINT: snprintf(out, n, "%u", *(const uint32_t *)p); return true;
     case T_INT: snprintf(out, n, "%d", *(const int *)p); return true;
     case T_SIZE: snprintf(out, n, "%llu", (unsigned long long)*(const uint64_t *)p); return true;
+    case T_SIZE_AUTO: /* a JSON string for auto: each GPU resolves it (its log says to what) */
+        if (*(const uint64_t *)p == DC_SAMPLE_GRADS_AUTO) snprintf(out, n, "\"auto\"");
+        else snprintf(out, n, "%llu", (unsigned long long)*(const uint64_t *)p);
+        return true;
     case T_DOUBLE: snprintf(out, n, "%.17g", *(const double *)p); return true;
     default: return false;
     }

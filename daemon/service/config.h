@@ -38,7 +38,8 @@ typedef struct dc_config {
     bool gpu;
     uint64_t gpu_workspace;        /* bytes preallocated per GPU backend */
     uint64_t gpu_workspace_max;    /* a step needing more fails; 0 = no cap */
-    uint64_t gpu_sample_grads_max; /* workspace keeping per-sample gradients; 0 = none */
+    uint64_t gpu_sample_grads_max; /* workspace keeping per-sample gradients; 0 = none,
+                                      DC_SAMPLE_GRADS_AUTO = a share of each GPU's memory */
     dc_log_level log_level;
     /* [limits] */
     uint32_t max_batch, max_layers, max_frame, max_buffers;
@@ -132,7 +133,8 @@ int dc_config_restart_needed(const dc_config *old, const dc_config *cur,
 
 /* The settings table, for listings and tests. dc_config_key: section and
  * key of setting i, false past the end. dc_config_number: its value in c as
- * JSON number text, false when it is not a number. dc_config_is_limit:
+ * JSON number text (the string "auto" for a size the daemon picks per GPU),
+ * false when it is not a number. dc_config_is_limit:
  * whether it bounds what a client can make the daemon hold (every [limits]
  * key, and a few elsewhere such as ledger.max_jobs_per_uid): /status lists
  * these under "limits". */

@@ -67,7 +67,12 @@ static int gpu_factory(void *arg, int index, dc_backend **out, dc_err *err) {
         *out = NULL;
         return rc;
     }
-    dc_cuda_backend_set_sample_grads(*out, (size_t)a->sample_grads_max);
+    dc_cuda_backend_set_sample_grads(*out, a->sample_grads_max);
+    if (a->sample_grads_max == DC_SAMPLE_GRADS_AUTO) /* say what auto came to */
+        dc_log_info("cuda:%d keeps per-sample gradients in up to %.1f GiB of workspace "
+                    "(gpu.sample_grads_max = auto: 1/%d of its memory)",
+                    a->device, (double)dc_cuda_backend_sample_grads(*out) / (double)(1 << 30),
+                    DC_SAMPLE_GRADS_PARTS);
     return 0;
 }
 
