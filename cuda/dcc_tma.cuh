@@ -89,6 +89,26 @@ __device__ __forceinline__ uint32_t map_rank(uint32_t addr, uint32_t rank) {
  * each tile's stage is released once its MMAs are known complete. DIRECT
  * with colsum: the bias column sums (stage_issue). keep: accumulate onto
  * acc as it is. */
+/* The sum of squares of a consumer thread's accumulators, in four
+ * independent chains: a tile's epilogue holds up the tensor cores, and one
+ * chain of 64 MI dependent FMAs would cost it their latency each. */
+template <int MI> __device__ __forceinline__ float acc_sq(const float (&acc)[MI][64]) {
+    float s[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+    for (int j = 0; j < MI; j++)
+#pragma unroll
+        for (int i = 0; i < 64; i++) s[i & 3] = fmaf(acc[j][i], acc[j][i], s[i & 3]);
+    return (s[0] + s[1]) + (s[2] + s[3]);
+}
+
+/* lo and hi rounded to bf16 (nearest even) in one word, lo in its low half:
+ * one cvt, which bf16 pairs' loads and stores take as is. */
+__device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
+    uint32_t w;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(w) : "f"(hi), "f"(lo));
+    return w;
+}
+
 template <typename TI, bool DIRECT, int MI, int ST, bool WIDE = false>
 __device__ __forceinline__ void consume(float (&acc)[MI][64], uint32_t sbase, uint32_t bars,
                                         int u0, int u1, bool same_b, bool colsum, float &bs0,

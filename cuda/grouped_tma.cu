@@ -170,31 +170,34 @@ __global__ void __launch_bounds__(CT, 1) norms_grouped(const __grid_constant__ g
         consume<TI, true, GMI, GST, true>(acc, sbase, bars, u, u + ktn, false, do_bias, bs0,
                                           bs1);
         u += ktn;
-        float sq = 0.0f; /* the tile transposed (the wide form): its squares the same */
+        /* the tile transposed (the wide form): its squares the same. The
+         * epilogue holds up the tensor cores (both consumer warpgroups end a
+         * tile together), so it is kept short: independent sums (acc_sq),
+         * and each kept pair packed once and read back with a shift and a
+         * mask, 5 instructions a pair */
+        float sq;
         if (E.sg) {
+            const float(&all)[128] = *reinterpret_cast<const float(*)[128]>(&acc[0][0]);
+            float sq4[4] = {0.0f, 0.0f, 0.0f, 0.0f};
             /* kept as bf16 in tile order (dcc.h): item r of the layer is
              * sample r / tiles's tile r % tiles, so its block is the r-th;
              * the norm is the kept values', which the clipped sum adds */
-            const float(&all)[128] = *reinterpret_cast<const float(*)[128]>(&acc[0][0]);
             uint4 *dst = E.sg + (int64_t)(it - E.item0) * (DCC_SG_TILE / 8) + threadIdx.x;
 #pragma unroll
             for (int j = 0; j < DCC_SG_CHUNKS; j++) {
                 uint32_t w[4];
 #pragma unroll
                 for (int h = 0; h < 4; h++) {
-                    const __nv_bfloat162 v2 = __floats2bfloat162_rn(all[8 * j + 2 * h],
-                                                                   all[8 * j + 2 * h + 1]);
-                    const float lo = __low2float(v2), hi = __high2float(v2);
-                    sq += lo * lo + hi * hi;
-                    w[h] = *reinterpret_cast<const uint32_t *>(&v2);
+                    w[h] = pack_bf16x2(all[8 * j + 2 * h], all[8 * j + 2 * h + 1]);
+                    const float lo = __uint_as_float(w[h] << 16);
+                    const float hi = __uint_as_float(w[h] & 0xffff0000u);
+                    sq4[h] = fmaf(hi, hi, fmaf(lo, lo, sq4[h]));
                 }
                 dst[j * DCC_SG_THREADS] = make_uint4(w[0], w[1], w[2], w[3]);
             }
+            sq = (sq4[0] + sq4[1]) + (sq4[2] + sq4[3]);
         } else {
-#pragma unroll
-            for (int j = 0; j < GMI; j++)
-#pragma unroll
-                for (int i = 0; i < 64; i++) sq += acc[j][i] * acc[j][i];
+            sq = acc_sq(acc);
         }
         if (do_bias) {
             float v = colsum_total(cs, bs0, bs1);

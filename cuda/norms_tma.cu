@@ -171,12 +171,7 @@ tma_direct(const __grid_constant__ CUtensorMap tg, const __grid_constant__ CUten
             return;
         }
     }
-    float sq = 0.0f;
-    if (threadIdx.x < 256)
-#pragma unroll
-        for (int j = 0; j < MI; j++)
-#pragma unroll
-            for (int i = 0; i < 64; i++) sq += acc[j][i] * acc[j][i];
+    float sq = threadIdx.x < 256 ? acc_sq(acc) : 0.0f;
     if (do_bias) {
         __syncthreads();
         if ((int)threadIdx.x < 2 * CW) {
