@@ -110,19 +110,23 @@ __device__ __forceinline__ float colsum_total(float (&cs)[2][256], float bs0, fl
 }
 
 /* A persistent CTA's items: round k is items k G .. k G + G - 1 (a wave,
- * whose CTAs share operands in L2), of which the CTA takes the one rotated
- * by k, so that it does not take the same tile column round after round.
- * With G a multiple of a layer's tile columns (132 CTAs, 6 columns), the
- * plain blockIdx + k G gave a sixth of the CTAs every bias tile, whose
- * column sums cost more: GPT-2-small's grouped norms ran on one SM 20%
- * past the others (ncu: active cycles 4.8M-6.0M, 5.0M on average).
- * ITEM_END past the last round; ITEM_NONE where the last round, shorter
- * than G, has no item for the CTA. */
+ * whose CTAs share operands in L2), of which the CTA takes the k-th after
+ * its own when ROTATE, so that it does not take the same tile column round
+ * after round. The norms rotate: with G a multiple of a layer's tile
+ * columns (132 CTAs, 6 columns), blockIdx + k G gave a sixth of the CTAs
+ * every bias tile, whose column sums cost more, and GPT-2-small's grouped
+ * norms ran on one SM 20% past the others (ncu: active cycles 4.8M-6.0M,
+ * 5.0M on average; rotated 4.99M-5.03M, the norms 4.0 -> 3.3 ms). The
+ * clipped sums do not: their items are long (every sample of a tile) and
+ * share operands only while their CTAs keep step, which the rotation's
+ * mixed item lengths undo (GPT-2-small's 3.69-3.77 -> 4.10-4.21 ms
+ * rotated, same run). ITEM_END past the last round; ITEM_NONE where the
+ * last round, shorter than G, has no item for the CTA. */
 constexpr int ITEM_NONE = -1, ITEM_END = -2;
-__device__ __forceinline__ int round_item(int k, int items) {
+template <bool ROTATE> __device__ __forceinline__ int round_item(int k, int items) {
     const int G = (int)gridDim.x;
     if ((int64_t)k * G >= items) return ITEM_END;
-    const int it = k * G + ((int)blockIdx.x + k) % G;
+    const int it = k * G + (ROTATE ? ((int)blockIdx.x + k) % G : (int)blockIdx.x);
     return it < items ? it : ITEM_NONE;
 }
 
@@ -162,7 +166,7 @@ __global__ void __launch_bounds__(CT, 1) norms_grouped(const __grid_constant__ g
     if (threadIdx.x >= 256) { /* producer warp */
         if (threadIdx.x == 256) {
             int u = 0;
-            for (int r = 0, it; (it = round_item(r, P.items)) != ITEM_END; r++) {
+            for (int r = 0, it; (it = round_item<true>(r, P.items)) != ITEM_END; r++) {
                 if (it == ITEM_NONE) continue; /* the last round has fewer items than CTAs */
                 const g_entry &E = P.e[g_find(P, it)];
                 const item_at x = norms_item(E, it);
@@ -179,7 +183,7 @@ __global__ void __launch_bounds__(CT, 1) norms_grouped(const __grid_constant__ g
     }
     const int lane = (int)threadIdx.x & 31;
     int u = 0;
-    for (int r = 0, it; (it = round_item(r, P.items)) != ITEM_END; r++) {
+    for (int r = 0, it; (it = round_item<true>(r, P.items)) != ITEM_END; r++) {
         if (it == ITEM_NONE) continue; /* the last round has fewer items than CTAs */
         const g_entry &E = P.e[g_find(P, it)];
         const item_at x = norms_item(E, it);
@@ -242,7 +246,7 @@ __global__ void __launch_bounds__(CT, 1) clipped_grouped(const __grid_constant__
     if (threadIdx.x >= 256) { /* producer warp */
         if (threadIdx.x == 256) {
             int u = 0;
-            for (int r = 0, it; (it = round_item(r, P.items)) != ITEM_END; r++) {
+            for (int r = 0, it; (it = round_item<false>(r, P.items)) != ITEM_END; r++) {
                 if (it == ITEM_NONE) continue; /* the last round has fewer items than CTAs */
                 const g_entry &E = P.e[g_find(P, it)];
                 const item_at x = clipped_item(E, it);
@@ -262,7 +266,7 @@ __global__ void __launch_bounds__(CT, 1) clipped_grouped(const __grid_constant__
         return;
     }
     int u = 0;
-    for (int r = 0, it; (it = round_item(r, P.items)) != ITEM_END; r++) {
+    for (int r = 0, it; (it = round_item<false>(r, P.items)) != ITEM_END; r++) {
         if (it == ITEM_NONE) continue; /* the last round has fewer items than CTAs */
         const g_entry &E = P.e[g_find(P, it)];
         const item_at x = clipped_item(E, it);
