@@ -85,10 +85,7 @@ __device__ __forceinline__ uint32_t map_rank(uint32_t addr, uint32_t rank) {
     asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(r) : "r"(addr), "r"(rank));
     return r;
 }
-/* Consumer side: MMAs over k-tiles [u0, u1) of the CTA's stream into acc;
- * each tile's stage is released once its MMAs are known complete. DIRECT
- * with colsum: the bias column sums (stage_issue). keep: accumulate onto
- * acc as it is. */
+
 /* The sum of squares of a consumer thread's accumulators, in four
  * independent chains: a tile's epilogue holds up the tensor cores, and one
  * chain of 64 MI dependent FMAs would cost it their latency each. */
@@ -109,6 +106,10 @@ __device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
     return w;
 }
 
+/* Consumer side: MMAs over k-tiles [u0, u1) of the CTA's stream into acc;
+ * each tile's stage is released once its MMAs are known complete. DIRECT
+ * with colsum: the bias column sums (stage_issue). keep: accumulate onto
+ * acc as it is. */
 template <typename TI, bool DIRECT, int MI, int ST, bool WIDE = false>
 __device__ __forceinline__ void consume(float (&acc)[MI][64], uint32_t sbase, uint32_t bars,
                                         int u0, int u1, bool same_b, bool colsum, float &bs0,
