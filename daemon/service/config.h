@@ -139,6 +139,10 @@ int dc_config_restart_needed(const dc_config *old, const dc_config *cur,
  * key, and a few elsewhere such as ledger.max_jobs_per_uid): /status lists
  * these under "limits". */
 bool dc_config_key(size_t i, const char **section, const char **key);
+/* The index of setting section.key (as dc_config_key numbers them), -1 if
+ * there is none; how many settings there are (config_file.c counts each). */
+int dc_config_key_index(const char *section, const char *key);
+size_t dc_config_n_keys(void);
 bool dc_config_number(const dc_config *c, size_t i, char *out, size_t n);
 bool dc_config_is_limit(size_t i);
 
