@@ -245,13 +245,13 @@ fail:
     return rc;
 }
 
-/* Output oi of the step's table as the kept sum writes it (-1: none). */
 /* The biases' per-sample sums of kept layer l: after its weight's tiles in
  * the layer's share of the kept store (sgrad.cu's layout). */
 static float *kept_bias(const cuda_backend *cb, size_t l, const dcc_linear *L) {
     return (float *)(cb->ws + cb->sg_off[l] + dcc_sgrad_bias_off(L));
 }
 
+/* Output oi of the step's table as the kept sum writes it (-1: none). */
 static dcc_out_sink sink_of(const dcc_out *outs, int oi) {
     dcc_out_sink k;
     memset(&k, 0, sizeof k);

@@ -379,7 +379,7 @@ __global__ void out_decide_kernel(const dcc_out *__restrict__ outs, int n_out,
 template <int NOISE>
 __device__ __forceinline__ void write_chunk(int oi, const dcc_out &o, uint64_t i0, uint64_t i1,
                                             float *__restrict__ staging, float std,
-                                            float divisor, const dcc_div &div, bool direct,
+                                            const dcc_div &div, bool direct,
                                             uint32_t *__restrict__ status,
                                             unsigned long long *__restrict__ bad) {
     float *v = staging + o.off;
@@ -407,7 +407,7 @@ __device__ __forceinline__ void write_chunk(int oi, const dcc_out &o, uint64_t i
 #pragma unroll
             for (int j = 0; j < 4; j++) x[j] = dcc_noised(x[j], std, z[j]);
         }
-        if (divisor != 1.0f)
+        if (div.d != 1.0f)
 #pragma unroll
             for (int j = 0; j < 4; j++) x[j] = dcc_div_by(div, x[j]);
         if (direct) {
@@ -462,7 +462,7 @@ __global__ void out_write_kernel(const dcc_out *__restrict__ outs, int n_out,
     auto skip = [direct](const dcc_out &o) { return direct && o.noised; };
     const dcc_div div = dcc_div_make(divisor); /* once a block: the step's one divisor */
     out_chunks(outs, n_out, skip, [&](int oi, const dcc_out &o, uint64_t i0, uint64_t i1) {
-        write_chunk<NOISE>(oi, o, i0, i1, staging, std, divisor, div, direct, status, bad);
+        write_chunk<NOISE>(oi, o, i0, i1, staging, std, div, direct, status, bad);
     });
 }
 

@@ -87,13 +87,14 @@ __global__ void __launch_bounds__(DCC_SG_THREADS, SG_MIN_CTAS)
     const dcc_sg_layer &L = E.L;
     const int t = (int)blockIdx.x - E.tile0, tn = t % E.tiles_n;
     const int m0 = (t / E.tiles_n) * 256, n0 = tn * 128, B = P.B, d = L.d, p = L.p;
-    const int tid = (int)threadIdx.x, lane = tid & 31;
+    const int tid = (int)threadIdx.x;
     const bool direct = P.mode && *P.mode != 0, divide = P.divisor != 1.0f;
     const dcc_div div = dcc_div_make(P.divisor);
-    /* where the accumulators land (dcc_wide_at): register k of chunk j is
-     * row mt + 16 j + 8 (k / 4) + k % 2, column nt (+ 8 when k % 4 >= 2) */
-    const int mt = m0 + 2 * (lane & 3);
-    const int nt = n0 + (tid >> 7) * 64 + ((tid >> 5) & 3) * 16 + (lane >> 2);
+    /* where the accumulators land: register 0's element (mt, nt) by
+     * dcc_wide_at, and register k of chunk j (register 8 j + k) at row mt +
+     * 16 j + 8 (k / 4) + k % 2, column nt (+ 8 when k % 4 >= 2) */
+    int mt, nt;
+    dcc_wide_at(0, m0, n0, mt, nt);
     const bool col_ok[2] = {nt < d, nt + 8 < d};
     /* the output's pairs (2q, 2q + 1) share a draw; a pair's two elements
      * are columns n, n + 1 of one row, held by lanes 4 apart: the lane with
