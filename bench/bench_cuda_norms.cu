@@ -564,6 +564,8 @@ int main(int argc, char **argv) {
         const int auto_rows = dcc_direct_tile_rows(&L), auto_split = dcc_direct_split(&L);
         dcc_direct_plan auto_plan;
         dcc_direct_plan_get(&L, &auto_plan);
+        dcc_ghost_plan ghost_plan;
+        dcc_ghost_plan_get(&L, &ghost_plan);
         double th[4];
         dcc_options forced;
         dcc_options_default(&forced);
@@ -642,12 +644,14 @@ int main(int argc, char **argv) {
                "\"bk_extra_bytes\":%zu,\"direct128_ms\":%.4f,\"direct256_ms\":%.4f,"
                "\"direct128_split_ms\":%.4f,\"direct256_split_ms\":%.4f,\"direct_tile\":%d,"
                "\"direct_split\":%d,\"direct_tail_split\":%d,\"direct_unsplit_tiles\":%lld,"
+               "\"ghost_wide_items\":%lld,\"ghost_tail_split\":%d,\"ghost_unsplit_pairs\":%lld,"
                "\"path\":%d}\n",
                B, T, d, p, pick == DC_ALGO_DIRECT ? "direct" : "ghost", t[0], t[1], t[2], gemm,
                limit, r_auto, t[1] / gemm, t[2] / gemm, limit / gemm,
                fl_direct / (gemm * 1e-3) * 1e-12, std::min(fl_direct, fl_ghost) / (t[0] * 1e-3) * 1e-12,
                dvg, sms, extra, bms, bk_extra, th[0], th[1], th[2], th[3], auto_rows, auto_split,
-               auto_plan.tail_ks, auto_plan.tail_ks ? auto_plan.full : 0LL, dcc_linear_path(&L));
+               auto_plan.tail_ks, auto_plan.tail_ks ? auto_plan.full : 0LL, ghost_plan.wide,
+               ghost_plan.tail_ks, ghost_plan.tail_ks ? ghost_plan.full : 0LL, dcc_linear_path(&L));
         fflush(stdout);
         CK(cudaFree(a));
         CK(cudaFree(g));

@@ -57,6 +57,11 @@ typedef struct dcc_options {
     int direct_split;  /* DIRECT_SPLIT: every tile split 1-3 ways; 0: the model's */
     int tail_k;        /* DIRECT_TAIL=K[:N]: a K-way tail (2, 3, 4 or 6); 0: none */
     long long tail_after; /* ... after N unsplit tiles; -1: the whole waves */
+    int ghost_tail_k;  /* GHOST_TAIL=K[:N]: the ghost form's tail on K-CTA clusters
+                          (2, 3, 4 or 6); 1: never split; 0: the model's */
+    long long ghost_tail_after; /* ... after N unsplit items; -1: the whole waves */
+    long long ghost_wide; /* GHOST_WIDE=N: the first N wide ghost items wide (0: none,
+                             stored as -1); 0: the model's */
     int out_blocks;    /* OUT_BLOCKS: most blocks an output pass launches (tests:
                           many chunks a block); 0: as many as the SMs hold at once */
 } dcc_options;
@@ -143,6 +148,19 @@ typedef struct dcc_direct_plan {
     long long full;
 } dcc_direct_plan;
 void dcc_direct_plan_get(const dcc_linear *L, dcc_direct_plan *p);
+/* The plan of the TMA ghost form. Its first `wide` wide items (16-bit
+ * inputs: a row block against two column blocks, dcc_wide_pair) run one a
+ * CTA; the pairs (numbered over samples, dcc_tri_pair) from the first that
+ * no wide item took, `first`, up to `full` on persistent CTAs; and with
+ * tail_ks > 1 the rest on clusters of tail_ks CTAs that split both K
+ * ranges (tail_ks 0: full is every pair). */
+typedef struct dcc_ghost_plan {
+    long long wide;
+    long long first;
+    int tail_ks;
+    long long full;
+} dcc_ghost_plan;
+void dcc_ghost_plan_get(const dcc_linear *L, dcc_ghost_plan *p);
 /* The largest tail cluster size the kernels take that is <= k (at least 2). */
 int dcc_direct_ks_floor(int k);
 /* How many clusters of ks direct-form CTAs (rows-row tiles) fit the current

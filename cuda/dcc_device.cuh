@@ -82,6 +82,12 @@ __device__ __forceinline__ int dcc_entry_of(int n, K item, First first) {
     return lo;
 }
 
+/* Sum over the warp, valid in every lane. */
+__device__ __forceinline__ float dcc_warp_sum(float v) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
 /* Sum over the block (blockDim.x a multiple of 32, at most 1024); the result
  * is valid in thread 0. Uses a 32-float shared array. */
 __device__ __forceinline__ float dcc_block_sum(float v) {

@@ -22,6 +22,9 @@
 namespace {
 
 constexpr int CT = 288; /* 8 consumer warps + 1 producer warp */
+/* 8 consumer warps + a producer warpgroup, for kernels that move registers
+ * from the producer to the consumers (setmaxnreg works by warpgroup) */
+constexpr int CT_WIDE = 384;
 
 template <int MI> __host__ __device__ constexpr int tma_direct_stages() { return MI == 1 ? 6 : 4; }
 constexpr int TG_ST = 6;
@@ -109,12 +112,12 @@ __device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
 /* Consumer side: MMAs over k-tiles [u0, u1) of the CTA's stream into acc;
  * each tile's stage is released once its MMAs are known complete. DIRECT
  * with colsum: the bias column sums (stage_issue). keep: accumulate onto
- * acc as it is. */
-template <typename TI, bool DIRECT, int MI, int ST, bool WIDE = false>
+ * acc as it is. SB: the ring's stage size, when its stages are larger than
+ * these MMAs read (the ghost form's wide ring). */
+template <typename TI, bool DIRECT, int MI, int ST, bool WIDE = false, int SB = stage_bytes<MI>()>
 __device__ __forceinline__ void consume(float (&acc)[MI][64], uint32_t sbase, uint32_t bars,
                                         int u0, int u1, bool same_b, bool colsum, float &bs0,
                                         float &bs1, bool keep = false) {
-    constexpr int SB = stage_bytes<MI>();
     const int wg = (int)threadIdx.x >> 7, lane = (int)threadIdx.x & 31;
     if (!keep)
 #pragma unroll

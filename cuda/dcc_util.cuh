@@ -22,6 +22,33 @@ __host__ __device__ __forceinline__ void dcc_tri_pair(int idx, int *ti, int *si)
     *si = (int)(idx - t * (t + 1) / 2);
 }
 
+/* The ghost form's wide items of one sample: row block ti against the 256
+ * rows of blocks 2sj and 2sj + 1, sj <= ti / 2, numbered row-major as
+ * dcc_tri_pair's pairs, so that wide item idx begins at pair
+ * ti (ti + 1) / 2 + 2 sj. Row ti has ti / 2 + 1 of them: before row 2m
+ * lie m (m + 1), before row 2m + 1, (m + 1)^2. */
+__host__ __device__ __forceinline__ int64_t dcc_wide_count(int64_t nt) {
+    const int64_t m = nt / 2;
+    return nt % 2 ? (m + 1) * (m + 1) : m * (m + 1);
+}
+__host__ __device__ __forceinline__ void dcc_wide_pair(int idx, int *ti, int *sj) {
+    int64_t m = (int64_t)((sqrtf(4.0f * (float)idx + 1.0f) - 1.0f) * 0.5f);
+    while (m * (m + 1) > idx) m--;
+    while ((m + 1) * (m + 2) <= idx) m++;
+    const bool odd = idx >= (m + 1) * (m + 1);
+    *ti = (int)(2 * m + (odd ? 1 : 0));
+    *sj = (int)(idx - (odd ? (m + 1) * (m + 1) : m * (m + 1)));
+}
+
+/* The first pair (over all samples, dcc_tri_pair's numbering) of wide item
+ * w (over all samples); pairs * B past the last. */
+__host__ __device__ __forceinline__ int64_t dcc_wide_first_pair(int64_t w, int64_t per_b,
+                                                                int64_t pairs) {
+    int ti, sj;
+    dcc_wide_pair((int)(w % per_b), &ti, &sj);
+    return w / per_b * pairs + (int64_t)ti * (ti + 1) / 2 + 2 * sj;
+}
+
 /* The current device's SM count, for the grids of persistent and
  * wave-sized launches. A failed query is returned, never replaced by a
  * guess: launchers pass it on. */

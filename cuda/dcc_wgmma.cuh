@@ -130,20 +130,28 @@ template <int MI> __device__ __forceinline__ void acc_fence(float (&d)[MI][64]) 
 }
 
 /* The MMAs of one stage for warpgroup wg: rows [wg*64*MI, +64*MI) of A.
- * WIDE (DIRECT, MI = 2, 16-bit): the tile transposed instead, B's columns
- * [64 wg, +64) as M against A's 256 rows as N, in m64n256 instructions
- * (acc's registers then hold that transposed layout). */
+ * WIDE (MI = 2, 16-bit): B's rows [64 wg, +64) as M against A's 256 rows
+ * as N, in m64n256 instructions: for DIRECT the tile transposed (acc's
+ * registers then hold that layout); for the ghost form (K-major) the Gram
+ * block of B's 128 rows against A's 256, acc[h] its columns [128 h, +128)
+ * in the m64n128 accumulator's layout. */
 template <typename TI, bool DIRECT, int MI, bool WIDE = false>
 __device__ __forceinline__ void stage_mma(float (&acc)[MI][64], uint32_t sA, uint32_t sB,
                                           int wg) {
     if constexpr (WIDE) {
-        static_assert(DIRECT && MI == 2 && sizeof(TI) == 2, "the wide form: 16-bit direct");
+        static_assert(MI == 2 && sizeof(TI) == 2, "the wide form: 16-bit inputs");
         float(&all)[128] = *reinterpret_cast<float(*)[128]>(&acc[0][0]);
 #pragma unroll
         for (int kk = 0; kk < 4; kk++) {
-            uint64_t da = wg_desc(sB + (uint32_t)(wg * HALF + kk * 2048), HALF, 1024);
-            uint64_t db = wg_desc(sA + (uint32_t)(kk * 2048), HALF, 1024);
-            wgmma_m64n256<1, 1>((const TI *)nullptr, all, da, db);
+            if constexpr (DIRECT) {
+                uint64_t da = wg_desc(sB + (uint32_t)(wg * HALF + kk * 2048), HALF, 1024);
+                uint64_t db = wg_desc(sA + (uint32_t)(kk * 2048), HALF, 1024);
+                wgmma_m64n256<1, 1>((const TI *)nullptr, all, da, db);
+            } else {
+                uint64_t da = wg_desc(sB + (uint32_t)(wg * HALF + kk * 32), 16, 1024);
+                uint64_t db = wg_desc(sA + (uint32_t)(kk * 32), 16, 1024);
+                wgmma_m64n256<0, 0>((const TI *)nullptr, all, da, db);
+            }
         }
     } else {
 #pragma unroll

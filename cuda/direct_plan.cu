@@ -1,6 +1,7 @@
-/* The plan of the wgmma direct form (norms_tma.cu): tile height, a K split
- * over a cluster, or the hybrid with a split tail. Host code only, so it is
- * built for every architecture; the kernels it plans exist on sm_90a. */
+/* The plans of the wgmma norm forms (norms_tma.cu): the direct form's tile
+ * height, a K split over a cluster, or the hybrid with a split tail; the
+ * ghost form's split tail. Host code only, so it is built for every
+ * architecture; the kernels it plans exist on sm_90a. */
 #include "dcc.h"
 #include "dcc_util.cuh"
 
@@ -145,3 +146,84 @@ extern "C" void dcc_direct_plan_get(const dcc_linear *L, dcc_direct_plan *pl) {
     }
 }
 
+
+/* The split ghost item's exchange moves two partial Gram blocks where the
+ * direct form's moves one tile: priced above SPLIT_TILES. */
+static const double GHOST_SPLIT_TILES = 16.0;
+
+/* Pairs [first, items) of the ghost form: on persistent CTAs (fill paid
+ * once), or whole waves so and the partial last wave on clusters of KS
+ * (DIRECT_KS) CTAs, each with 1/KS of the pair's k-steps, priced as the
+ * direct form's tail. A launch after another costs `after` more. Sets
+ * tail_ks and full; returns the cost in k-steps. */
+static double ghost_pairs(const dcc_linear *L, int64_t first, int64_t items, int sms,
+                          double ks_pair, double after, dcc_ghost_plan *pl) {
+    const int64_t rest = items - first, waves = rest / sms, tail = rest % sms;
+    pl->tail_ks = 0;
+    pl->full = items;
+    if (rest == 0) return 0.0;
+    const double start = first > 0 ? after : 0.0;
+    double bc = start + (double)((rest + sms - 1) / sms) * ks_pair + FILL_TILES;
+    if (tail == 0) return bc;
+    for (int ks : DIRECT_KS) {
+        if (tail * ks > sms) break;
+        if (tail > dcc_direct_max_clusters(128, ks)) continue;
+        double c = start + (waves ? (double)waves * ks_pair + FILL_TILES + after : 0.0) +
+                   ks_pair / ks + GHOST_SPLIT_TILES;
+        if (c < bc * 0.999) {
+            bc = c;
+            pl->tail_ks = ks;
+            pl->full = first + waves * sms;
+        }
+    }
+    return bc;
+}
+
+/* The ghost form. Its wide items (16-bit inputs) do two pairs' work with a
+ * third fewer operand bytes a flop, their wide k-steps at TALL_GAIN over a
+ * pair's; whole waves of them run first, one a CTA (fill paid each), and
+ * the pairs left after them (ghost_pairs), whose finer grain fills the last
+ * wave. Where the K ranges are short the fills and the second launch cost
+ * more than the wide steps save: the plan of pairs alone is then cheaper.
+ * The ghost CTA's resources are the direct 128-row CTA's (TG_SMEM =
+ * tma_direct_smem<1>, CT threads), so the same clusters fit. */
+extern "C" void dcc_ghost_plan_get(const dcc_linear *L, dcc_ghost_plan *pl) {
+    const dcc_options *o = L->opt;
+    const int64_t nt = (L->T + 127) / 128, pairs = nt * (nt + 1) / 2, items = pairs * L->B;
+    const int64_t per_b = dcc_wide_count(nt), wides = per_b * L->B;
+    int sms;
+    *pl = (dcc_ghost_plan){0, 0, 0, items};
+    if (!dcc_wgmma_available(o) || dcc_sm_count(&sms) != cudaSuccess) return;
+    const int kb = L->ta == DC_F32 ? 32 : 64; /* k per stage: 128-byte rows */
+    const int64_t ka = (L->d + kb - 1) / kb, kg = (L->p + kb - 1) / kb;
+    const int64_t kw = ka > kg ? ka : kg, kn = ka + kg - kw;
+    const double after = dcc_pdl_on(o) ? HYBRID_PDL_TILES : HYBRID_TILES;
+    /* the wide items (m64n256 takes 16-bit operands K-major only, not
+     * TF32): forced, or the model's choice of whole waves or none */
+    const long long fw = o ? o->ghost_wide : 0;
+    int64_t wide = 0;
+    if (L->ta != DC_F32 && fw > 0) {
+        wide = fw < wides ? fw : wides;
+    } else if (L->ta != DC_F32 && fw == 0 && wides >= sms) {
+        dcc_ghost_plan a = {wides / sms * sms, 0, 0, 0}, b;
+        a.first = dcc_wide_first_pair(a.wide, per_b, pairs);
+        const double ca = (double)(wides / sms) *
+                              ((double)kw * 2.0 / TALL_GAIN + 2.0 * (double)kn + FILL_TILES) +
+                          ghost_pairs(L, a.first, items, sms, (double)(ka + kg), after, &a);
+        if (ca < ghost_pairs(L, 0, items, sms, (double)(ka + kg), after, &b)) wide = a.wide;
+    }
+    pl->wide = wide;
+    pl->first = dcc_wide_first_pair(wide, per_b, pairs);
+    /* the pairs after them: a forced tail (1: never split), or the model's */
+    if (o && o->ghost_tail_k) {
+        const int64_t rest = items - pl->first;
+        long long n = o->ghost_tail_after >= 0 ? o->ghost_tail_after
+                                               : (long long)(rest / sms * sms);
+        if (o->ghost_tail_k > 1) {
+            pl->tail_ks = o->ghost_tail_k;
+            pl->full = pl->first + (n > rest ? rest : n);
+        }
+        return;
+    }
+    ghost_pairs(L, pl->first, items, sms, (double)(ka + kg), after, pl);
+}

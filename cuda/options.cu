@@ -29,7 +29,7 @@ extern "C" void dcc_options_default(dcc_options *o) {
     o->grouped_min = -1;
     o->grouped_layers = INT_MAX;
     o->noise = DCC_NOISE_FAST;
-    o->tail_after = -1;
+    o->tail_after = o->ghost_tail_after = -1;
 }
 
 extern "C" void dcc_options_from_env(dcc_options *o) {
@@ -59,4 +59,11 @@ extern "C" void dcc_options_from_env(dcc_options *o) {
         o->tail_k = dcc_direct_ks_floor(k);
         o->tail_after = c ? atoll(c + 1) : -1;
     }
+    if ((v = set("DPCLIP_CUDA_GHOST_TAIL"))) {
+        const char *c = strchr(v, ':');
+        int k = atoi(v);
+        o->ghost_tail_k = k <= 1 ? 1 : dcc_direct_ks_floor(k);
+        o->ghost_tail_after = c ? atoll(c + 1) : -1;
+    }
+    if ((v = set("DPCLIP_CUDA_GHOST_WIDE"))) o->ghost_wide = atoll(v) > 0 ? atoll(v) : -1;
 }

@@ -99,74 +99,6 @@ static void test_linear_norms(void **state) {
     set_switches(1, 1);
 }
 
-/* The direct form's tile heights and K splits (clusters of 1-3 CTAs adding
- * partial tiles), and the hybrid (whole waves unsplit, a split tail),
- * forced, on a ragged K range with a bias. */
-static void test_direct_splits(void **state) {
-    (void)state;
-    dc_test_rng r;
-    dc_test_layer_spec sp = {DC_LAYER_LINEAR, 2, 2500, 136, 264, DC_BF16, 1, DC_ALGO_DIRECT, 0, 0};
-    dc_layer h;
-    double ref[2];
-    dc_test_rng_seed(&r, 107);
-    dc_test_layer_make(&h, &sp, &r);
-    dc_ref_layer_sqnorms(&h, 2, 1.0, ref);
-    /* what the backend will plan for this layer: the split kernels run on
-     * the wgmma path with TMA only (else these cases test nothing new) */
-    dc_layer d = dev_layer(&h);
-    dcc_linear L = {d.input.data, d.grad.data, DC_BF16, DC_BF16, 2, (int)h.T, (int)h.d,
-                    (int)h.p, true, true, &g_opts};
-    if (dcc_linear_path(&L) != DCC_PATH_WGMMA) {
-        dev_layer_free(&d);
-        dc_test_layer_free(&h);
-        skip();
-    }
-    /* per-layer launches: a grouped step would run the layer in the
-     * persistent kernel, whatever these switches say */
-    g_opts.grouped = false;
-    for (int k = 0; k < 6; k++) {
-        char split[2] = {(char)('1' + k % 3), 0};
-        g_opts.direct_tile = k < 3 ? 128 : 256;
-        g_opts.direct_split = 1 + k % 3;
-        apply_switches();
-        dcc_direct_plan pl;
-        dcc_direct_plan_get(&L, &pl); /* the forced tile and split are what runs */
-        assert_int_equal(pl.rows, g_opts.direct_tile);
-        assert_int_equal(pl.split, g_opts.direct_split);
-        double e = layer_err(&h, 2, ref);
-        printf("direct tile=%s split=%s: max rel err %.2e\n", k < 3 ? "128" : "256", split, e);
-        assert_true(e <= norm_rtol(DC_BF16));
-    }
-    g_opts.direct_split = 0;
-    /* The hybrid: the first N tiles (numbered over samples) unsplit, the
-     * rest on clusters of K; N = 0 and N = all included; the tail launch
-     * overlapping the unsplit one (PDL) and after it. */
-    assert_int_equal(dcc_direct_ks_floor(1), 2); /* DPCLIP_CUDA_DIRECT_TAIL's rounding */
-    assert_int_equal(dcc_direct_ks_floor(5), 4);
-    assert_int_equal(dcc_direct_ks_floor(8), 6);
-    enum { NTAIL = 8 };
-    static const int tails[NTAIL][2] = {{2, 5}, {3, 0}, {4, 11}, {4, 12},
-                                        {2, 7}, {3, 1}, {6, 3},  {6, 0}};
-    for (int k = 0; k < 2 * NTAIL; k++) {
-        g_opts.direct_tile = k < NTAIL ? 128 : 256;
-        g_opts.tail_k = tails[k % NTAIL][0];
-        g_opts.tail_after = tails[k % NTAIL][1];
-        g_opts.pdl = k % 3 != 2;
-        apply_switches();
-        dcc_direct_plan pl;
-        dcc_direct_plan_get(&L, &pl);
-        assert_int_equal(pl.tail_ks, tails[k % NTAIL][0]);
-        assert_true(pl.full <= tails[k % NTAIL][1] && pl.split == 1); /* N: at most all */
-        double e = layer_err(&h, 2, ref);
-        printf("direct tile=%d tail=%d:%d pdl=%d: max rel err %.2e\n", g_opts.direct_tile,
-               tails[k % NTAIL][0], tails[k % NTAIL][1], (int)g_opts.pdl, e);
-        assert_true(e <= norm_rtol(DC_BF16));
-    }
-    set_switches(1, 1); /* the model's tiles and splits again */
-    dev_layer_free(&d);
-    dc_test_layer_free(&h);
-}
-
 /* The same layer many times, each form and each tensor-core dtype, against
  * one reference: a norm that came out wrong once in a run of the whole
  * suite on one H100 (f16 with bias, several full tiles both ways, relative
@@ -724,7 +656,6 @@ int main(void) {
     }
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_linear_norms),
-        cmocka_unit_test(test_direct_splits),
         cmocka_unit_test(test_linear_repeat),
         cmocka_unit_test(test_linear_mixed),
         cmocka_unit_test(test_other_norms),

@@ -52,6 +52,29 @@ static void test_tri_pair_large(void **state) {
     }
 }
 
+/* The wide items of nt row blocks: row by row, sj <= ti / 2, counted by
+ * dcc_wide_count; each item's first pair is dcc_tri_pair's (ti, 2 sj), and
+ * over samples they follow one another, pairs * B past the last. */
+static void test_wide_pairs(void **state) {
+    (void)state;
+    for (int64_t nt = 1; nt <= 300; nt++) {
+        const int64_t pairs = nt * (nt + 1) / 2, per_b = dcc_wide_count(nt);
+        int idx = 0;
+        for (int t = 0; t < nt; t++)
+            for (int s = 0; 2 * s <= t; s++, idx++) {
+                int ti, sj;
+                dcc_wide_pair(idx, &ti, &sj);
+                assert_int_equal(ti, t);
+                assert_int_equal(sj, s);
+                for (int64_t b = 0; b < 3; b++)
+                    assert_int_equal(dcc_wide_first_pair(b * per_b + idx, per_b, pairs),
+                                     b * pairs + (int64_t)t * (t + 1) / 2 + 2 * s);
+            }
+        assert_int_equal(per_b, idx);
+        assert_int_equal(dcc_wide_first_pair(3 * per_b, per_b, pairs), 3 * pairs);
+    }
+}
+
 static void test_sm_count(void **state) {
     int n = 0, sms = -1, dev = 0, want = 0;
     cudaError_t e;
@@ -75,6 +98,7 @@ int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_tri_pair_small),
         cmocka_unit_test(test_tri_pair_large),
+        cmocka_unit_test(test_wide_pairs),
         cmocka_unit_test(test_sm_count),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
