@@ -68,7 +68,8 @@
  *        bench_cuda_norms llama [reps]: the Llama-1B-like step, bf16 ("old"
  *                                       and "new")
  * DPCLIP_BENCH_ONLY=<config> runs that configuration alone (for profilers;
- * rel_diff_vs_first is then 0). */
+ * rel_diff_vs_first is then 0); DPCLIP_BENCH_SHAPE=<0-6> the single-layer
+ * summary's one shape (its geomean is then not the summary's). */
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -532,7 +533,9 @@ int main(int argc, char **argv) {
 
     double lg_auto = 0.0, lg_limit = 0.0, lg_direct = 0.0, lg_ghost = 0.0, worst = 0.0;
     size_t worst_extra = 0;
+    const char *one = getenv("DPCLIP_BENCH_SHAPE"); /* one shape, for profilers */
     for (int si = 0; si < 7; si++) {
+        if (one && atoi(one) != si) continue;
         const int B = shapes[si][0], T = shapes[si][1], d = shapes[si][2], p = shapes[si][3];
         const size_t rows = (size_t)B * T;
         __nv_bfloat16 *a = rand_bf16(rows * d, 11 + si, 1.0f), *g = rand_bf16(rows * p, 23 + si, 0.1f);
