@@ -548,7 +548,11 @@ int main(int argc, char **argv) {
         /* the DPCLIP_CUDA_* switches apply here as in the daemon (A/B runs) */
         dcc_options env;
         dcc_options_from_env(&env);
-        dcc_linear L = {a, g, DC_BF16, DC_BF16, B, T, d, p, true, false, &env};
+        dcc_linear L = {a, g, DC_BF16, DC_BF16, B, T, d, p, true, false, &env, NULL};
+        /* the bias sums' scratch, as the backend's workspace gives it */
+        void *bws;
+        CK(cudaMalloc(&bws, dcc_linear_bias_ws_bytes(&L)));
+        L.bias_ws = bws;
         dc_algo pick = dcc_linear_pick(T, d, p, DC_ALGO_AUTO);
 
         double gemm = time_ms([&] { gemm_bf16(h, d, p, (int)rows, a, d, CUBLAS_OP_T, g, p, W, d); },
@@ -662,6 +666,7 @@ int main(int argc, char **argv) {
         CK(cudaFree(n2));
         CK(cudaFree(w32));
         CK(cudaFree(b32));
+        CK(cudaFree(bws));
     }
     double gm = exp(lg_auto / 7.0);
     printf("{\"bench\":\"cuda_norms_summary\",\"shapes\":7,\"geomean_auto_over_gemm\":%.3f,"

@@ -109,7 +109,7 @@ template <typename T> bool grow(T *&p, size_t n) {
 
 int plan_step(cuda_backend *cb, const dc_step *s, bool keep, layout *Lo, dc_err *err) {
     const size_t L = s->n_layers, B = s->batch, LB = L * B;
-    size_t o = 0, staged = 0, temp = 0;
+    size_t o = 0, staged = 0, temp = 0, bsum = 0;
     memset(Lo, 0, sizeof *Lo);
     if (L > cb->lay_cap) {
         if (!grow(cb->lay_off, L) || !grow(cb->bk, L) || !grow(cb->bk_grouped, L) ||
@@ -144,6 +144,12 @@ int plan_step(cuda_backend *cb, const dc_step *s, bool keep, layout *Lo, dc_err 
         size_t t = 0;
         switch (ly->kind) {
         case DC_LAYER_LINEAR: {
+            if (dc_layer_norm_bias(ly)) { /* the direct norms' bias sums (p as padded) */
+                dcc_linear xb = linear_of(cb, ly, (int)B, true, false);
+                xb.p = (xb.p + 7) & ~7;
+                const size_t n = dcc_linear_bias_ws_bytes(&xb);
+                if (n > bsum) bsum = n;
+            }
             if (want_out(ly, 0) && !bk_per_sample(ly))
                 t = (size_t)chunk_rows(ly, (uint32_t)B) * (size_t)(ly->d + ly->p) * 4 + 512;
             dcc_linear x = linear_of(cb, ly, (int)B, false, false);
@@ -211,6 +217,8 @@ int plan_step(cuda_backend *cb, const dc_step *s, bool keep, layout *Lo, dc_err 
     Lo->temp = o;
     Lo->temp_bytes = temp;
     o += al(temp);
+    Lo->bsum = bsum ? o : SIZE_MAX; /* shared by the layers' launches, in stream order */
+    o += al(bsum);
     /* kept per-sample gradients last: what is left of their cap decides how
      * many layers fit */
     Lo->sgrad = o;

@@ -90,7 +90,7 @@ inline size_t al(size_t x) { return (x + 255) & ~(size_t)255; }
 struct layout {
     size_t status, mode, bad, n2, flags, amax, norms, coefs, lcoef, dl_bytes;
     size_t cs, perm, fac, up, up_bytes, consts, layer_c, count, outs;
-    size_t staging, per_sample, tot, idx, temp, temp_bytes, sgrad, sgrad_bytes, total;
+    size_t staging, per_sample, tot, idx, temp, temp_bytes, bsum, sgrad, sgrad_bytes, total;
     int n_out;
     uint64_t max_n, staged, chunks;
 };
@@ -112,7 +112,7 @@ inline int numel_out(const dc_tensor *t, uint64_t *n) {
 inline dcc_linear linear_of(const cuda_backend *cb, const dc_layer *ly, int B, bool has_bias,
                             bool tf32) {
     return dcc_linear{ly->input.data, ly->grad.data, ly->input.dtype, ly->grad.dtype, B,
-                      (int)ly->T, (int)ly->d, (int)ly->p, has_bias, tf32, &cb->opt};
+                      (int)ly->T, (int)ly->d, (int)ly->p, has_bias, tf32, &cb->opt, nullptr};
 }
 inline dcc_embedding embedding_of(const dc_layer *ly, int B) {
     return dcc_embedding{ly->input.data, ly->input.dtype, ly->grad.data, ly->grad.dtype, B,

@@ -23,6 +23,7 @@ int layer_norms(cuda_backend *cb, const dc_step *s, size_t l, const layout *Lo, 
     switch (ly->kind) {
     case DC_LAYER_LINEAR: {
         dcc_linear x = linear_of(cb, ly, B, dc_layer_norm_bias(ly), opt.tf32);
+        if (x.has_bias && Lo->bsum != SIZE_MAX) x.bias_ws = cb->ws + Lo->bsum;
         const dc_algo algo = dcc_linear_pick_for(&x, ly->algo);
         if (!dcc_pad_wanted(&x)) {
             e = dcc_linear_sqnorms(&x, algo, s2, n2, cb->stream);

@@ -85,7 +85,12 @@ typedef struct dcc_linear {
     bool has_bias;
     bool tf32;
     const dcc_options *opt;
+    /* dcc_linear_bias_ws_bytes of device scratch for the wgmma direct form's
+     * bias sums, which it then spreads over all tiles; NULL: the tiles of
+     * column 0 sum them (a sixth longer than the others) */
+    void *bias_ws;
 } dcc_linear;
+size_t dcc_linear_bias_ws_bytes(const dcc_linear *L);
 
 /* Padded copies of a 16-bit LINEAR layer whose d or p is not a multiple of
  * 8 (pad.cu): whether the layer wants them, the workspace bytes of one
@@ -127,6 +132,9 @@ dcc_path dcc_linear_path(const dcc_linear *L);
 int dcc_wgmma_available(const dcc_options *o);
 cudaError_t dcc_linear_wgmma(const dcc_linear *L, dc_algo algo, float s2, float *n2,
                              cudaStream_t st);
+/* The ghost form on wgmma for bf16/f16 inputs, by dcc_ghost_plan_get's plan
+ * (ghost_tma.cu; cudaErrorNotSupported where no tensor map can be made). */
+cudaError_t dcc_ghost_wgmma(const dcc_linear *L, float s2, float *n2, cudaStream_t st);
 /* The ghost form of f32 inputs on TF32 wgmma (both Grams' operands are
  * K-major, which TF32 wgmma requires; the direct form's are not):
  * cudaErrorNotSupported where the wgmma kernels are not available or no

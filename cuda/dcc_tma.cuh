@@ -61,6 +61,27 @@ __device__ __forceinline__ void tma_load3(uint32_t dst, const CUtensorMap *map, 
                  : "memory");
 }
 
+__device__ __forceinline__ float4 ld_cluster4(uint32_t addr) {
+    float4 v;
+    asm volatile("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4];\n"
+                 : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
+                 : "r"(addr)
+                 : "memory");
+    return v;
+}
+__device__ __forceinline__ float ld_cluster(uint32_t addr) {
+    float v;
+    asm volatile("ld.shared::cluster.f32 %0, [%1];\n" : "=f"(v) : "r"(addr) : "memory");
+    return v;
+}
+
+/* The end of a tail launch made with programmatic stream serialization
+ * (launch_direct): it waits for the unsplit launch before it, so that work
+ * queued after it is ordered after both (a no-op in other launches). */
+__device__ __forceinline__ void grid_dep_wait() {
+    asm volatile("griddepcontrol.wait;\n" ::: "memory");
+}
+
 /* Stage barriers live in static shared memory: full[s] at bars + 8s,
  * empty[s] at bars + 8(ST + s). */
 template <int ST> __device__ __forceinline__ uint32_t init_bars(uint64_t *bars) {
@@ -111,25 +132,30 @@ __device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
 
 /* Consumer side: MMAs over k-tiles [u0, u1) of the CTA's stream into acc;
  * each tile's stage is released once its MMAs are known complete. DIRECT
- * with colsum: the bias column sums (stage_issue). keep: accumulate onto
+ * with colsum: the bias column sums (stage_issue), of the k-tiles whose
+ * index (kbase + u - u0) is crem modulo cmod only. keep: accumulate onto
  * acc as it is. SB: the ring's stage size, when its stages are larger than
  * these MMAs read (the ghost form's wide ring). */
 template <typename TI, bool DIRECT, int MI, int ST, bool WIDE = false, int SB = stage_bytes<MI>()>
 __device__ __forceinline__ void consume(float (&acc)[MI][64], uint32_t sbase, uint32_t bars,
                                         int u0, int u1, bool same_b, bool colsum, float &bs0,
-                                        float &bs1, bool keep = false) {
+                                        float &bs1, bool keep = false, int cmod = 1,
+                                        int crem = 0, int kbase = 0) {
     const int wg = (int)threadIdx.x >> 7, lane = (int)threadIdx.x & 31;
     if (!keep)
 #pragma unroll
         for (int j = 0; j < MI; j++)
 #pragma unroll
             for (int i = 0; i < 64; i++) acc[j][i] = 0.0f;
+    int c = cmod > 1 ? kbase % cmod : 0; /* the k-tile's index modulo cmod */
     for (int u = u0; u < u1; u++) {
         const int s = u % ST;
+        const bool cs = colsum && c == crem;
+        if (++c == cmod) c = 0;
         mbar_wait(bars + 8u * (uint32_t)s, (uint32_t)((u / ST) & 1));
         const uint32_t sA = sbase + (uint32_t)(s * SB);
         const uint32_t sB = same_b ? sA : sA + 2 * MI * HALF;
-        stage_issue<TI, DIRECT, MI, WIDE>(acc, sA, sB, wg, colsum, bs0, bs1);
+        stage_issue<TI, DIRECT, MI, WIDE>(acc, sA, sB, wg, cs, bs0, bs1);
         wg_wait<1>();
         acc_fence<MI>(acc);
         __syncwarp();
@@ -175,6 +201,52 @@ bool make_map(CUtensorMap *m, const void *base, dc_dtype t, int B, int T, int w,
     return fn(m, ty, 3, (void *)base, dims, strides, box, es, CU_TENSOR_MAP_INTERLEAVE_NONE,
               CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
               CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
+
+/* The launch of `ctas` CTAs of `kernel` with `smem` bytes of dynamic shared
+ * memory in clusters of ks (attr[0] holds the cluster shape; the caller may
+ * add attributes after cfg.numAttrs), that shared memory allowed first. */
+template <typename K>
+cudaError_t tma_config(K kernel, int smem, int ks, cudaLaunchConfig_t &cfg,
+                       cudaLaunchAttribute *attr, unsigned ctas, cudaStream_t st,
+                       int threads = CT) {
+    cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+    if (e != cudaSuccess) return e;
+    cfg = {};
+    cfg.gridDim = dim3(ctas);
+    cfg.blockDim = dim3((unsigned)threads);
+    cfg.dynamicSmemBytes = (size_t)smem;
+    cfg.stream = st;
+    attr[0].id = cudaLaunchAttributeClusterDimension;
+    attr[0].val.clusterDim.x = (unsigned)ks;
+    attr[0].val.clusterDim.y = 1;
+    attr[0].val.clusterDim.z = 1;
+    cfg.attrs = attr;
+    cfg.numAttrs = ks > 1 ? 1 : 0;
+    return cudaSuccess;
+}
+
+/* A split tail's launch may start as the unsplit launch before it frees
+ * SMs, not after its last CTA (its kernel's griddepcontrol.wait keeps the
+ * order for the work after it). */
+inline void allow_overlap(const dcc_linear *L, cudaLaunchConfig_t &cfg,
+                          cudaLaunchAttribute *attr) {
+    if (!dcc_pdl_on(L->opt)) return;
+    attr[cfg.numAttrs].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[cfg.numAttrs].val.programmaticStreamSerializationAllowed = 1;
+    cfg.numAttrs++;
+}
+
+/* f(std::integral_constant<int, KS>()) for KS = ks, one of the tail
+ * cluster sizes direct_plan.cu plans (DIRECT_KS), else for KS = 1. */
+template <typename F> auto with_ks(int ks, F f) {
+    switch (ks) {
+    case 6: return f(std::integral_constant<int, 6>());
+    case 4: return f(std::integral_constant<int, 4>());
+    case 3: return f(std::integral_constant<int, 3>());
+    case 2: return f(std::integral_constant<int, 2>());
+    default: return f(std::integral_constant<int, 1>());
+    }
 }
 
 } // namespace

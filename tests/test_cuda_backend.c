@@ -223,7 +223,7 @@ static void test_padded_layers(void **state) {
             m.d[l] = dev_layer(&m.h[l]);
             dcc_linear x = {m.d[l].input.data, m.d[l].grad.data, m.d[l].input.dtype,
                             m.d[l].grad.dtype, (int)m.B, (int)m.h[l].T, (int)m.h[l].d,
-                            (int)m.h[l].p, true, false, NULL};
+                            (int)m.h[l].p, true, false, NULL, NULL};
             assert_true(dcc_pad_wanted(&x));
             /* the norms from padded chunks of 4 samples (then 2) are the
              * unpadded kernels' (element loads) */

@@ -72,7 +72,7 @@ static void test_linear_norms(void **state) {
             dc_ref_layer_sqnorms(&h, cases[c].B, 1.0, ref);
             dcc_linear x = {h.input.data, h.grad.data, h.input.dtype, h.grad.dtype,
                             (int)cases[c].B, (int)h.T, (int)h.d, (int)h.p, h.has_bias,
-                            g_tf32 != 0, &g_opts};
+                            g_tf32 != 0, &g_opts, NULL};
             /* the path is decided on alignment; host pointers from malloc are
              * 16-byte aligned like cudaMalloc's */
             int path = dcc_linear_path(&x);
@@ -262,7 +262,7 @@ static void test_tf32_truncation(void **state) {
         d = dev_layer(&h);
         /* the ghost form on wgmma itself, where it runs */
         dcc_linear x = {d.input.data, d.grad.data, DC_F32, DC_F32, (int)B, (int)h.T, (int)h.d,
-                        (int)h.p, h.has_bias, true, &g_opts};
+                        (int)h.p, h.has_bias, true, &g_opts, NULL};
         if (dcc_wgmma_available(&g_opts) && h.d % 4 == 0 && h.p % 4 == 0) {
             float *n2;
             float got[4];

@@ -6,6 +6,7 @@
  * grouped step would run the layers in the persistent kernels, whatever
  * these switches say). Without a CUDA device the test prints "SKIP: no CUDA
  * device" and exits DC_TEST_SKIP (77). */
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 
@@ -28,7 +29,7 @@ static void test_direct_splits(void **state) {
      * the wgmma path with TMA only (else these cases test nothing new) */
     dc_layer d = dev_layer(&h);
     dcc_linear L = {d.input.data, d.grad.data, DC_BF16, DC_BF16, 2, (int)h.T, (int)h.d,
-                    (int)h.p, true, true, &g_opts};
+                    (int)h.p, true, true, &g_opts, NULL};
     if (dcc_linear_path(&L) != DCC_PATH_WGMMA) {
         dev_layer_free(&d);
         dc_test_layer_free(&h);
@@ -50,6 +51,39 @@ static void test_direct_splits(void **state) {
         printf("direct tile=%s split=%s: max rel err %.2e\n", k < 3 ? "128" : "256", split, e);
         assert_true(e <= norm_rtol(DC_BF16));
     }
+    /* The bias's sums by the tiles of column 0 (no scratch) and spread over
+     * every tile (one-wave plans given scratch), called directly, each
+     * tile height and split, three times over one scratch (zeroed by each
+     * launch) */
+    float *n2;
+    void *bws;
+    CUDA_OK(cudaMalloc((void **)&n2, 2 * sizeof(float)));
+    for (int k = 0; k < 12; k++) {
+        g_opts.direct_tile = k % 2 ? 256 : 128;
+        g_opts.direct_split = 1 + k / 2 % 3;
+        L.bias_ws = NULL;
+        if (k >= 6) {
+            CUDA_OK(cudaMalloc(&bws, dcc_linear_bias_ws_bytes(&L)));
+            L.bias_ws = bws;
+        }
+        for (int rep = 0; rep < (k >= 6 ? 3 : 1); rep++) {
+            float got[2];
+            CUDA_OK(cudaMemset(n2, 0, 2 * sizeof(float)));
+            CUDA_OK(dcc_linear_sqnorms(&L, DC_ALGO_DIRECT, 1.0f, n2, 0));
+            CUDA_OK(cudaMemcpy(got, n2, sizeof got, cudaMemcpyDeviceToHost));
+            for (int b = 0; b < 2; b++) {
+                double e = fabs((double)got[b] - ref[b]) / ref[b];
+                printf("direct tile=%d split=%d bias %s, run %d: rel err %.2e\n",
+                       g_opts.direct_tile, g_opts.direct_split, L.bias_ws ? "spread" : "column 0",
+                       rep, e);
+                assert_true(e <= norm_rtol(DC_BF16));
+            }
+        }
+        if (L.bias_ws) CUDA_OK(cudaFree(bws));
+    }
+    L.bias_ws = NULL;
+    CUDA_OK(cudaFree(n2));
+    g_opts.direct_tile = 0;
     g_opts.direct_split = 0;
     /* The hybrid: the first N tiles (numbered over samples) unsplit, the
      * rest on clusters of K; N = 0 and N = all included; the tail launch
@@ -113,7 +147,7 @@ static void test_ghost_plans(void **state) {
             dc_ref_layer_sqnorms(&h, 3, 1.0, ref);
             dc_layer d = dev_layer(&h);
             dcc_linear L = {d.input.data, d.grad.data, h.input.dtype, h.grad.dtype, 3, (int)h.T,
-                            (int)h.d, (int)h.p, true, true, &g_opts};
+                            (int)h.d, (int)h.p, true, true, &g_opts, NULL};
             const int wg = dcc_linear_path(&L) == DCC_PATH_WGMMA ||
                            (kDtypes[di] == DC_F32 && dcc_wgmma_available(&g_opts));
             dev_layer_free(&d);

@@ -30,7 +30,7 @@ static size_t al256(size_t x) { return (x + 255) & ~(size_t)255; }
 
 static dcc_linear lin(const dc_layer *l, uint32_t B) {
     return (dcc_linear){l->input.data, l->grad.data, l->input.dtype, l->grad.dtype, (int)B,
-                        (int)l->T, (int)l->d, (int)l->p, l->has_bias, false, NULL};
+                        (int)l->T, (int)l->d, (int)l->p, l->has_bias, false, NULL, NULL};
 }
 
 /* The expected outputs of a flat SUM step in which the layers kept[l] != 0
