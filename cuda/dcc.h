@@ -132,8 +132,9 @@ dcc_path dcc_linear_path(const dcc_linear *L);
 int dcc_wgmma_available(const dcc_options *o);
 cudaError_t dcc_linear_wgmma(const dcc_linear *L, dc_algo algo, float s2, float *n2,
                              cudaStream_t st);
-/* The ghost form on wgmma for bf16/f16 inputs, by dcc_ghost_plan_get's plan
- * (ghost_tma.cu; cudaErrorNotSupported where no tensor map can be made). */
+/* The ghost form on wgmma for bf16, f16 and (TF32) f32 inputs, by
+ * dcc_ghost_plan_get's plan (ghost_tma.cu; cudaErrorNotSupported where
+ * wgmma does not run or no tensor map can be made). */
 cudaError_t dcc_ghost_wgmma(const dcc_linear *L, float s2, float *n2, cudaStream_t st);
 /* The ghost form of f32 inputs on TF32 wgmma (both Grams' operands are
  * K-major, which TF32 wgmma requires; the direct form's are not):

@@ -323,9 +323,14 @@ template <typename TI> cudaError_t launch_ghost(const dcc_linear *L, float s2, f
 extern "C" cudaError_t dcc_ghost_wgmma(const dcc_linear *L, float s2, float *n2,
                                        cudaStream_t st) {
 #ifdef DCC_WGMMA_BUILT
-    if (L->ta == DC_BF16) return launch_ghost<dcc_bf16>(L, s2, n2, st);
-    if (L->ta == DC_F16) return launch_ghost<dcc_f16>(L, s2, n2, st);
-    return cudaErrorInvalidValue;
+    switch (L->ta) {
+    case DC_BF16: return launch_ghost<dcc_bf16>(L, s2, n2, st);
+    case DC_F16: return launch_ghost<dcc_f16>(L, s2, n2, st);
+    case DC_F32: /* the TF32 path asks without knowing whether wgmma runs */
+        if (L->tg != DC_F32 || !dcc_wgmma_available(L->opt)) return cudaErrorNotSupported;
+        return launch_ghost<float>(L, s2, n2, st);
+    default: return cudaErrorInvalidValue;
+    }
 #else
     (void)L;
     (void)s2;
@@ -337,16 +342,6 @@ extern "C" cudaError_t dcc_ghost_wgmma(const dcc_linear *L, float s2, float *n2,
 
 extern "C" cudaError_t dcc_linear_ghost_wgmma_tf32(const dcc_linear *L, float s2, float *n2,
                                                    cudaStream_t st) {
-#ifdef DCC_WGMMA_BUILT
-    if (L->ta != DC_F32 || L->tg != DC_F32 || !dcc_wgmma_available(L->opt))
-        return cudaErrorNotSupported;
-    return launch_ghost<float>(L, s2, n2, st);
-#else
-    (void)L;
-    (void)s2;
-    (void)n2;
-    (void)st;
-    return cudaErrorNotSupported;
-#endif
+    if (L->ta != DC_F32 || L->tg != DC_F32) return cudaErrorNotSupported;
+    return dcc_ghost_wgmma(L, s2, n2, st);
 }
-
