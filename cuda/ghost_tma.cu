@@ -53,6 +53,20 @@ __device__ __forceinline__ void ghost_gather(float (&ga)[1][64], float (&gg)[1][
     cluster_sync(); /* the peers' shared memory must outlive the reads */
 }
 
+/* Item it of the ghost form's pairs, numbered over samples: its sample b,
+ * its blocks (ti, si) (dcc_tri_pair), whether it is on the diagonal. */
+struct ghost_item {
+    int b, ti, si;
+    bool diag;
+};
+__device__ __forceinline__ ghost_item ghost_item_at(int it, int pairs) {
+    ghost_item x;
+    x.b = it / pairs;
+    dcc_tri_pair(it % pairs, &x.ti, &x.si);
+    x.diag = x.ti == x.si;
+    return x;
+}
+
 /* The ghost form. An item is (sample b, tile pair (ti, si)) of the lower
  * triangle, numbered sample-major: two short GEMMs, the Gram blocks of a
  * over K = d, then of g over K = p (24-160 k-steps at the benchmark's
@@ -89,19 +103,16 @@ tma_ghost(const __grid_constant__ CUtensorMap ta, const __grid_constant__ CUtens
         if (threadIdx.x == 256) {
             int u = 0;
             for (int it = first; it < end; it += step) {
-                const int b = it / pairs;
-                int ti, si;
-                dcc_tri_pair(it % pairs, &ti, &si);
-                const bool diag = ti == si;
+                const ghost_item x = ghost_item_at(it, pairs);
                 for (int v = 0; v < na + ng; v++, u++) {
                     const int s = u % ST;
                     const uint32_t full = bars + 8u * (uint32_t)s, st = sbase + (uint32_t)(s * SB);
                     const CUtensorMap *map = v < na ? &ta : &tg;
                     const int c0 = (v < na ? a0 + v : g0 + v - na) * KB;
                     mbar_wait(bars + 8u * (uint32_t)(ST + s), (uint32_t)(((u / ST) & 1) ^ 1));
-                    mbar_expect_tx(full, diag ? 2 * HALF : 4 * HALF);
-                    tma_load3(st, map, full, c0, ti * 128, b);
-                    if (!diag) tma_load3(st + 2 * HALF, map, full, c0, si * 128, b);
+                    mbar_expect_tx(full, x.diag ? 2 * HALF : 4 * HALF);
+                    tma_load3(st, map, full, c0, x.ti * 128, x.b);
+                    if (!x.diag) tma_load3(st + 2 * HALF, map, full, c0, x.si * 128, x.b);
                 }
             }
         }
@@ -109,14 +120,12 @@ tma_ghost(const __grid_constant__ CUtensorMap ta, const __grid_constant__ CUtens
     }
     int u = 0;
     for (int it = first; it < end; it += step) {
-        const int b = it / pairs;
-        int ti, si;
-        dcc_tri_pair(it % pairs, &ti, &si);
-        const bool diag = ti == si;
+        const ghost_item x = ghost_item_at(it, pairs);
         float ga[1][64], gg[1][64], x0 = 0.0f, x1 = 0.0f;
         if (threadIdx.x < 256) {
-            consume<TI, false, 1, ST>(ga, sbase, bars, u, u + na, diag, false, x0, x1);
-            consume<TI, false, 1, ST>(gg, sbase, bars, u + na, u + na + ng, diag, false, x0, x1);
+            consume<TI, false, 1, ST>(ga, sbase, bars, u, u + na, x.diag, false, x0, x1);
+            consume<TI, false, 1, ST>(gg, sbase, bars, u + na, u + na + ng, x.diag, false, x0,
+                                      x1);
             u += na + ng;
         }
         if constexpr (KS > 1) { /* one item a cluster */
@@ -135,7 +144,7 @@ tma_ghost(const __grid_constant__ CUtensorMap ta, const __grid_constant__ CUtens
         float v = (part[0] + part[1]) + (part[2] + part[3]);
         if (has_bias) v += (gsum[0] + gsum[1]) + (gsum[2] + gsum[3]);
         v = dcc_warp_sum(v); /* by warp: the producer warp may have left */
-        if ((threadIdx.x & 31) == 0) atomicAdd(n2 + b, v * s2 * (diag ? 1.0f : 2.0f));
+        if ((threadIdx.x & 31) == 0) atomicAdd(n2 + x.b, v * s2 * (x.diag ? 1.0f : 2.0f));
     }
     grid_dep_wait(); /* after an overlapped launch: the work after this one waits for both */
 }
@@ -252,12 +261,15 @@ cudaError_t launch_ghost_ks(const dcc_linear *L, const CUtensorMap &ta, const CU
                             int pairs, int64_t it0, int64_t n, bool after_unsplit, float s2,
                             float *n2, cudaStream_t st) {
     if (n <= 0) return cudaSuccess;
-    int sms;
-    cudaError_t e = dcc_sm_count(&sms);
-    if (e != cudaSuccess) return e;
+    int64_t ctas = n * KS;
+    cudaError_t e;
+    if (KS == 1) { /* persistent: at most one CTA an SM */
+        int sms;
+        if ((e = dcc_sm_count(&sms)) != cudaSuccess) return e;
+        if (ctas > sms) ctas = sms;
+    }
     cudaLaunchConfig_t cfg;
     cudaLaunchAttribute attr[2];
-    const int64_t ctas = KS == 1 ? (n < sms ? n : sms) : n * KS;
     e = tma_config(tma_ghost<TI, KS>, TG_SMEM, KS, cfg, attr, (unsigned)ctas, st);
     if (e != cudaSuccess) return e;
     if (after_unsplit) allow_overlap(L, cfg, attr);

@@ -306,6 +306,8 @@ __global__ void tma_clipped(const __grid_constant__ CUtensorMap, const __grid_co
 
 #endif
 
+/* The occupancy query's launch (max_clusters): the kernel without the
+ * spread, whose resources the spread one shares. */
 template <typename TI, int MI, int KS>
 cudaError_t direct_config(cudaLaunchConfig_t &cfg, cudaLaunchAttribute *attr, unsigned ctas,
                           cudaStream_t st) {
@@ -334,17 +336,14 @@ cudaError_t launch_direct(const dcc_linear *L, float s2, float *n2, cudaStream_t
         return cudaErrorInvalidConfiguration;
     cudaLaunchConfig_t cfg;
     cudaLaunchAttribute attr[2];
-    cudaError_t e = direct_config<TI, MI, KS>(cfg, attr, (unsigned)(n * KS), st);
-    if (e != cudaSuccess) return e;
-    if (after_unsplit) allow_overlap(L, cfg, attr);
     float *bw = L->has_bias ? (float *)L->bias_ws : nullptr;
     unsigned *done = bw ? (unsigned *)((char *)bw + bias_sums_bytes(L)) : nullptr;
-    if (bw && (e = cudaFuncSetAttribute(tma_direct<TI, MI, KS, true>,
-                                        cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                        tma_direct_smem<MI>())))
-        return e;
-    e = cudaLaunchKernelEx(&cfg, bw ? tma_direct<TI, MI, KS, true> : tma_direct<TI, MI, KS, false>,
-                           tg, ta, L->T, tiles_n, tiles_m * tiles_n, (int)lin0,
+    auto kern = bw ? tma_direct<TI, MI, KS, true> : tma_direct<TI, MI, KS, false>;
+    cudaError_t e =
+        tma_config(kern, tma_direct_smem<MI>(), KS, cfg, attr, (unsigned)(n * KS), st);
+    if (e != cudaSuccess) return e;
+    if (after_unsplit) allow_overlap(L, cfg, attr);
+    e = cudaLaunchKernelEx(&cfg, kern, tg, ta, L->T, tiles_n, tiles_m * tiles_n, (int)lin0,
                            (int)L->has_bias, s2, n2, bw, done, L->p);
     if (e != cudaSuccess) return e;
     return cudaGetLastError();
