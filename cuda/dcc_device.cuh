@@ -83,7 +83,7 @@ __device__ __forceinline__ int dcc_entry_of(int n, K item, First first) {
 }
 
 /* Sum over the warp, valid in every lane. */
-__device__ __forceinline__ float dcc_warp_sum(float v) {
+template <typename T> __device__ __forceinline__ T dcc_warp_sum(T v) {
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
     return v;
 }
@@ -92,7 +92,7 @@ __device__ __forceinline__ float dcc_warp_sum(float v) {
  * is valid in thread 0. Uses a 32-float shared array. */
 __device__ __forceinline__ float dcc_block_sum(float v) {
     __shared__ float part[32];
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    v = dcc_warp_sum(v);
     int w = threadIdx.x >> 5, lane = threadIdx.x & 31;
     __syncthreads(); /* part may still be read by a previous call */
     if (lane == 0) part[w] = v;
@@ -101,14 +101,14 @@ __device__ __forceinline__ float dcc_block_sum(float v) {
     if (w == 0) {
         int nw = (int)(blockDim.x >> 5);
         v = lane < nw ? part[lane] : 0.0f;
-        for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+        v = dcc_warp_sum(v);
     }
     return v;
 }
 
 __device__ __forceinline__ double dcc_block_sum_d(double v) {
     __shared__ double partd[32];
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    v = dcc_warp_sum(v);
     int w = threadIdx.x >> 5, lane = threadIdx.x & 31;
     __syncthreads();
     if (lane == 0) partd[w] = v;
@@ -117,7 +117,7 @@ __device__ __forceinline__ double dcc_block_sum_d(double v) {
     if (w == 0) {
         int nw = (int)(blockDim.x >> 5);
         v = lane < nw ? partd[lane] : 0.0;
-        for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+        v = dcc_warp_sum(v);
     }
     return v;
 }

@@ -228,7 +228,7 @@ __global__ void __launch_bounds__(CT, 1) norms_grouped(const __grid_constant__ g
             if (E.sgb && x.m0 + (int)threadIdx.x < E.p)
                 E.sgb[(int64_t)x.b * E.p + x.m0 + (int)threadIdx.x] = v;
         }
-        for (int o = 16; o > 0; o >>= 1) sq += __shfl_xor_sync(0xffffffffu, sq, o);
+        sq = dcc_warp_sum(sq);
         if (lane == 0) atomicAdd(E.out + x.b, sq * P.s2);
     }
 }

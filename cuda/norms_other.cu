@@ -72,7 +72,7 @@ __global__ void emb_runs(const unsigned long long *__restrict__ keys,
         bad |= !dcc_isfinite(s);
         sq += s * s;
     }
-    for (int o = 16; o > 0; o >>= 1) sq += __shfl_xor_sync(0xffffffffu, sq, o);
+    sq = dcc_warp_sum(sq);
     bool anybad = __any_sync(0xffffffffu, bad);
     if (lane == 0) {
         atomicAdd(n2 + b, sq * s2);
@@ -130,14 +130,14 @@ __global__ void norm_stats(const TX *__restrict__ x, int64_t rows, int d, int rm
     double mean = 0.0, var = 0.0;
     if (!rms) {
         for (int j = lane; j < d; j += 32) mean += (double)dcc_ld(xr, j);
-        for (int o = 16; o > 0; o >>= 1) mean += __shfl_xor_sync(0xffffffffu, mean, o);
+        mean = dcc_warp_sum(mean);
         mean /= (double)d;
     }
     for (int j = lane; j < d; j += 32) {
         double v = (double)dcc_ld(xr, j) - mean;
         var += v * v;
     }
-    for (int o = 16; o > 0; o >>= 1) var += __shfl_xor_sync(0xffffffffu, var, o);
+    var = dcc_warp_sum(var);
     var /= (double)d;
     if (lane == 0) stats[row] = make_float2((float)mean, (float)(1.0 / sqrt(var + (double)eps)));
 }
