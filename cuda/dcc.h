@@ -51,6 +51,7 @@ typedef struct dcc_options {
     bool profile;      /* PROFILE=0: the phases are not timed */
     bool wgmma;        /* WGMMA=0: the mma.sync kernels instead of wgmma */
     bool pdl;          /* PDL=0: a split tail's launch waits for all unsplit CTAs */
+    bool persist;      /* DIRECT_PERSIST=0: a split tail's whole waves one CTA a tile */
     int sgrad;         /* SGRAD=0: no per-sample gradients kept (a GEMM clipped sum);
                           =all: every layer that can (tests); else dcc_sgrad_worth's */
     int direct_tile;   /* DIRECT_TILE: 128 or 256 rows; 0: the cost model's */
@@ -149,12 +150,15 @@ int dcc_direct_split(const dcc_linear *L);
 /* The whole plan of the TMA direct form. Tiles are numbered over (sample,
  * tile); with tail_ks > 1 the first `full` of them (whole waves of SMs) run
  * unsplit and the rest, a partial wave, on clusters of tail_ks CTAs that
- * split their K ranges; otherwise every tile on a cluster of `split`. */
+ * split their K ranges; otherwise every tile on a cluster of `split`.
+ * persist: the `full` tiles on persistent CTAs (dcc_linear_sqnorms_waves)
+ * instead of one CTA a tile. */
 typedef struct dcc_direct_plan {
     int rows;
     int split;
     int tail_ks;
     long long full;
+    bool persist;
 } dcc_direct_plan;
 void dcc_direct_plan_get(const dcc_linear *L, dcc_direct_plan *p);
 /* The plan of the TMA ghost form. Its first `wide` wide items (16-bit
@@ -238,6 +242,11 @@ int dcc_norms_grouped_ok(const dcc_linear *L, dc_algo algo);
  * DPCLIP_CUDA_GROUPED_MIN overrides it, for tests). */
 int64_t dcc_norms_grouped_items(const dcc_linear *L);
 int dcc_grouped_min_items(const dcc_options *o);
+/* The first `items` tiles (whole waves) of one layer's direct form with
+ * 256-row tiles, on the grouped kernel's persistent CTAs (norms_tma.cu's
+ * plans; its tail launch may overlap this one). */
+cudaError_t dcc_linear_sqnorms_waves(const dcc_linear *L, int64_t items, float s2, float *n2,
+                                     cudaStream_t st);
 /* max_layers as for dcc_linear_clipped_grouped. */
 cudaError_t dcc_linear_sqnorms_grouped(const dcc_norm_layer *layers, int n, float s2,
                                        int max_layers, cudaStream_t st);

@@ -19,38 +19,54 @@ namespace {
 #ifndef DCC_WG_EMPTY
 
 /* The split ghost item's exchange (KS > 1; every thread of the CTA calls
- * it): ranks > 0 leave their partial Gram blocks in their pipeline memory,
+ * it): each rank leaves its partial Gram blocks in its pipeline memory,
  * free once every stage is consumed, thread-major so that the reads are
- * contiguous (2 x 64 KiB of the 192); rank 0 adds them to its own. */
+ * contiguous (2 x 64 KiB of the 192); rank r then sums the r-th KS-th of
+ * both blocks over the ranks and returns this thread's share of their
+ * product's sum (and of g's block's: the bias's norm). The sum over the
+ * block's entries splits by entries, so the exchange is spread over the
+ * cluster instead of rank 0 reading every peer's blocks. */
 template <int KS>
-__device__ __forceinline__ void ghost_gather(float (&ga)[1][64], float (&gg)[1][64],
-                                             unsigned char *smem, uint32_t sbase, int rank) {
+__device__ __forceinline__ float ghost_slice(const float (&ga)[1][64], const float (&gg)[1][64],
+                                             unsigned char *smem, uint32_t sbase, int rank,
+                                             int has_bias) {
+    constexpr int N4 = 16 * 256; /* float4s of one block */
     const int t = (int)threadIdx.x;
     __syncthreads();
     float4 *x = (float4 *)(smem + (sbase - dcc_smem(smem)));
-    if (rank > 0 && t < 256)
+    if (t < 256)
 #pragma unroll
         for (int i = 0; i < 16; i++) {
             x[i * 256 + t] = make_float4(ga[0][4 * i], ga[0][4 * i + 1], ga[0][4 * i + 2],
                                          ga[0][4 * i + 3]);
-            x[(16 + i) * 256 + t] = make_float4(gg[0][4 * i], gg[0][4 * i + 1],
-                                                gg[0][4 * i + 2], gg[0][4 * i + 3]);
+            x[N4 + i * 256 + t] = make_float4(gg[0][4 * i], gg[0][4 * i + 1], gg[0][4 * i + 2],
+                                              gg[0][4 * i + 3]);
         }
     cluster_sync();
-    if (rank == 0 && t < 256)
-        for (int q = 1; q < KS; q++) {
-            const uint32_t r = map_rank(sbase, (uint32_t)q);
+    uint32_t peer[KS];
 #pragma unroll
-            for (int i = 0; i < 32; i++) {
-                float4 v = ld_cluster4(r + (uint32_t)((i * 256 + t) * 16));
-                float *acc = i < 16 ? &ga[0][4 * i] : &gg[0][4 * (i - 16)];
-                acc[0] += v.x;
-                acc[1] += v.y;
-                acc[2] += v.z;
-                acc[3] += v.w;
-            }
+    for (int q = 0; q < KS; q++) peer[q] = map_rank(sbase, (uint32_t)q);
+    float part = 0.0f, gs = 0.0f;
+    for (int f = N4 * rank / KS + t; f < N4 * (rank + 1) / KS; f += CT) {
+        float4 a = make_float4(0.0f, 0.0f, 0.0f, 0.0f), g = a;
+#pragma unroll
+        for (int q = 0; q < KS; q++) {
+            const float4 u = ld_cluster4(peer[q] + (uint32_t)f * 16u);
+            const float4 w = ld_cluster4(peer[q] + (uint32_t)(N4 + f) * 16u);
+            a.x += u.x;
+            a.y += u.y;
+            a.z += u.z;
+            a.w += u.w;
+            g.x += w.x;
+            g.y += w.y;
+            g.z += w.z;
+            g.w += w.w;
         }
+        part = fmaf(a.x, g.x, fmaf(a.y, g.y, fmaf(a.z, g.z, fmaf(a.w, g.w, part))));
+        gs += (g.x + g.y) + (g.z + g.w);
+    }
     cluster_sync(); /* the peers' shared memory must outlive the reads */
+    return has_bias ? part + gs : part;
 }
 
 /* Item it of the ghost form's pairs, numbered over samples: its sample b,
@@ -76,10 +92,11 @@ __device__ __forceinline__ ghost_item ghost_item_at(int it, int pairs) {
  *     a pair's epilogue (a CTA a pair paid its setup, fill and epilogue with
  *     the tensor cores idle).
  *   KS > 1: the hybrid's tail (dcc_ghost_plan_get): a cluster of KS CTAs
- *     takes one item, each rank 1/KS of both K ranges; ranks > 0 hand their
- *     partial Gram blocks to rank 0 through distributed shared memory (the
- *     blocks are sums over K; their product is not), so that a partial last
- *     wave of items fills KS times the SMs for 1/KS of an item's time. */
+ *     takes one item, each rank 1/KS of both K ranges; the ranks exchange
+ *     their partial Gram blocks through distributed shared memory (the
+ *     blocks are sums over K; their product is not), each summing a KS-th
+ *     of them (ghost_slice), so that a partial last wave of items fills KS
+ *     times the SMs for 1/KS of an item's time. */
 template <typename TI, int KS>
 __global__ void __launch_bounds__(CT, 1)
 tma_ghost(const __grid_constant__ CUtensorMap ta, const __grid_constant__ CUtensorMap tg, int d,
@@ -129,8 +146,9 @@ tma_ghost(const __grid_constant__ CUtensorMap ta, const __grid_constant__ CUtens
             u += na + ng;
         }
         if constexpr (KS > 1) { /* one item a cluster */
-            ghost_gather<KS>(ga, gg, smem, sbase, rank);
-            if (rank > 0) break;
+            float v = dcc_warp_sum(ghost_slice<KS>(ga, gg, smem, sbase, rank, has_bias));
+            if ((threadIdx.x & 31) == 0) atomicAdd(n2 + x.b, v * s2 * (x.diag ? 1.0f : 2.0f));
+            break;
         }
         if (threadIdx.x >= 256) continue;
         /* the block's sum of ga .* gg (and of gg: the bias's norm); four

@@ -64,18 +64,22 @@ struct g_entry {
     unsigned *amax_w, *amax_b; /* clipped: their max |.| (dcc_bk_layer); NULL: none */
     int T, d, p, tiles_n, item0, has_bias;
 };
-struct g_params {
-    g_entry e[GMAXL];
+/* N: the most layers a launch takes; a lone layer's launch (1) passes
+ * 400 bytes of parameters instead of 32 KiB, which the driver copies at
+ * every launch (several microseconds on a 0.1 ms kernel). */
+template <int N> struct g_params_n {
+    g_entry e[N];
     int n, items, B;
     float s2;
 };
+using g_params = g_params_n<GMAXL>;
 static_assert(sizeof(g_params) <= 32764, "the kernel parameter limit (CUDA 12.1+)");
 
 constexpr int GMI = 2, GST = tma_direct_stages<GMI>(), GSB = stage_bytes<GMI>();
 
 #ifndef DCC_WG_EMPTY
 
-__device__ __forceinline__ int g_find(const g_params &P, int item) {
+template <typename PT> __device__ __forceinline__ int g_find(const PT &P, int item) {
     return dcc_entry_of(P.n, item, [&](int i) { return P.e[i].item0; });
 }
 
@@ -155,13 +159,16 @@ __device__ __forceinline__ item_at clipped_item(const g_entry &E, int it) {
     return x;
 }
 
-template <typename TI>
-__global__ void __launch_bounds__(CT, 1) norms_grouped(const __grid_constant__ g_params P) {
+template <typename TI, typename PT>
+__global__ void __launch_bounds__(CT, 1) norms_grouped(const __grid_constant__ PT P) {
     extern __shared__ unsigned char smem[];
     __shared__ __align__(8) uint64_t bar_mem[2 * GST];
     __shared__ __align__(16) float cs[2][256];
     const uint32_t sbase = (dcc_smem(smem) + 1023u) & ~1023u;
     const uint32_t bars = init_bars<GST>(bar_mem);
+    /* A lone layer's split tail (dcc_linear_sqnorms_waves) may take the SMs
+     * this launch frees; its griddepcontrol.wait orders what follows. */
+    asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
 
     if (threadIdx.x >= 256) { /* producer warp */
         if (threadIdx.x == 256) {
@@ -316,13 +323,13 @@ __global__ void __launch_bounds__(CT, 1) clipped_grouped(const __grid_constant__
 
 #else
 
-template <typename TI> __global__ void norms_grouped(const __grid_constant__ g_params) {}
+template <typename TI, typename PT> __global__ void norms_grouped(const __grid_constant__ PT) {}
 template <typename TI> __global__ void clipped_grouped(const __grid_constant__ g_params) {}
 
 #endif
 
 /* One persistent launch over P's layers: a CTA per SM at most. */
-cudaError_t launch(void (*kern)(g_params), const g_params &P, cudaStream_t st) {
+template <typename PT> cudaError_t launch(void (*kern)(PT), const PT &P, cudaStream_t st) {
     if (P.items == 0) return cudaSuccess;
     const int smem = tma_direct_smem<GMI>();
     cudaError_t e = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
@@ -331,6 +338,20 @@ cudaError_t launch(void (*kern)(g_params), const g_params &P, cudaStream_t st) {
     unsigned grid = (unsigned)(P.items < sms ? P.items : sms);
     kern<<<grid, CT, smem, st>>>(P);
     return cudaGetLastError();
+}
+
+/* An entry's geometry and tensor maps; false where the driver refuses a map. */
+bool entry_init(g_entry &E, const dcc_linear *L, int64_t item0) {
+    if (!make_map(&E.tg, L->g, L->tg, L->B, L->T, L->p, 64) ||
+        !make_map(&E.ta, L->a, L->ta, L->B, L->T, L->d, 64))
+        return false;
+    E.T = L->T;
+    E.d = L->d;
+    E.p = L->p;
+    E.tiles_n = (L->d + 127) / 128;
+    E.has_bias = L->has_bias;
+    E.item0 = (int)item0;
+    return true;
 }
 
 /* Chunks of at most max_layers layers (1 to GMAXL: their tensor maps fill
@@ -361,17 +382,10 @@ cudaError_t run_chunks(Lin Ls, int n, int B, float s2, bool clipped, int max_lay
         for (int k = 0; k < j; k++) {
             g_entry &E = P.e[k];
             const dcc_linear *L = Ls(i + k);
-            if (!make_map(&E.tg, L->g, L->tg, L->B, L->T, L->p, 64) ||
-                !make_map(&E.ta, L->a, L->ta, L->B, L->T, L->d, 64)) {
+            if (!entry_init(E, L, items)) {
                 e = cudaErrorNotSupported;
                 break;
             }
-            E.T = L->T;
-            E.d = L->d;
-            E.p = L->p;
-            E.tiles_n = (L->d + 127) / 128;
-            E.has_bias = L->has_bias;
-            E.item0 = (int)items;
             int64_t tiles = (int64_t)((L->p + 255) / 256) * E.tiles_n;
             items += clipped ? tiles : tiles * L->B;
             if (items > INT32_MAX / 2) {
@@ -389,7 +403,8 @@ cudaError_t run_chunks(Lin Ls, int n, int B, float s2, bool clipped, int max_lay
     for (int c = 0, i = 0; c < chunks && e == cudaSuccess; c++) {
         const bool bf = Ls(i)->ta == DC_BF16;
         e = launch(clipped ? (bf ? clipped_grouped<dcc_bf16> : clipped_grouped<dcc_f16>)
-                           : (bf ? norms_grouped<dcc_bf16> : norms_grouped<dcc_f16>),
+                           : (bf ? norms_grouped<dcc_bf16, g_params>
+                                 : norms_grouped<dcc_f16, g_params>),
                    all[c], st);
         i += all[c].n;
     }
@@ -481,4 +496,33 @@ extern "C" int dcc_grouped_min_items(const dcc_options *o) {
      * then report its error */
     int sms;
     return dcc_sm_count(&sms) == cudaSuccess ? 4 * sms : INT_MAX;
+}
+
+/* The first `items` 256-row tiles of a lone layer's direct form, in the
+ * per-layer kernel's numbering (sample-major), on persistent CTAs: one fill
+ * for all their waves instead of one a tile. */
+extern "C" cudaError_t dcc_linear_sqnorms_waves(const dcc_linear *L, int64_t items, float s2,
+                                                float *n2, cudaStream_t st) {
+#ifdef DCC_WGMMA_BUILT
+    if (items <= 0) return cudaSuccess;
+    if (!qualifies(L) || items > dcc_norms_grouped_items(L) || items > INT32_MAX / 2)
+        return cudaErrorNotSupported;
+    g_params_n<1> P = {};
+    if (!entry_init(P.e[0], L, 0)) return cudaErrorNotSupported;
+    P.e[0].out = n2;
+    P.n = 1;
+    P.items = (int)items;
+    P.B = L->B;
+    P.s2 = s2;
+    return launch(L->ta == DC_BF16 ? norms_grouped<dcc_bf16, g_params_n<1>>
+                                   : norms_grouped<dcc_f16, g_params_n<1>>,
+                  P, st);
+#else
+    (void)L;
+    (void)items;
+    (void)s2;
+    (void)n2;
+    (void)st;
+    return cudaErrorNotSupported;
+#endif
 }

@@ -104,9 +104,36 @@ __device__ void bias_spread(float *colsum, float bs0, float bs1, bool summed, fl
     if (t == 0) atomicAdd(n2 + b, sq * s2);
 }
 
-/* KS > 1: the KS CTAs of a cluster split the tile's K range; ranks > 0
- * hand their partial tiles (and bias column sums) to rank 0 through
- * distributed shared memory, and rank 0 squares the sum. SPREAD (with a
+/* The sum of squares of this rank's KS-th of a tile split over a cluster:
+ * each CTA's partial tile lies at x (shared memory, MI * 4096 float4s), and
+ * every thread of the CTA takes a share of the rank's float4s, summed over
+ * the KS ranks' copies. */
+template <int MI, int KS>
+__device__ __forceinline__ float slice_sq(uint32_t x, int rank) {
+    constexpr int N4 = MI * 16 * 256;
+    uint32_t peer[KS];
+#pragma unroll
+    for (int q = 0; q < KS; q++) peer[q] = map_rank(x, (uint32_t)q);
+    float s = 0.0f;
+    for (int f = N4 * rank / KS + (int)threadIdx.x; f < N4 * (rank + 1) / KS; f += CT) {
+        float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+#pragma unroll
+        for (int q = 0; q < KS; q++) {
+            const float4 w = ld_cluster4(peer[q] + (uint32_t)f * 16u);
+            v.x += w.x;
+            v.y += w.y;
+            v.z += w.z;
+            v.w += w.w;
+        }
+        s = fmaf(v.x, v.x, fmaf(v.y, v.y, fmaf(v.z, v.z, fmaf(v.w, v.w, s))));
+    }
+    return s;
+}
+
+/* KS > 1: the KS CTAs of a cluster split the tile's K range and exchange
+ * their partial tiles through distributed shared memory: rank r sums the
+ * r-th KS-th of the tile (slice_sq) and squares it; rank 0 also gathers the
+ * bias column sums. SPREAD (with a
  * bias and bw): the bias's sums spread over the tiles (bias_spread); a
  * template parameter, so that the kernels without it are as they were. */
 template <typename TI, int MI, int KS, bool SPREAD>
@@ -172,13 +199,16 @@ tma_direct(const __grid_constant__ CUtensorMap tg, const __grid_constant__ CUten
         colsum[rq * 2 * CW + m] = bs0;
         colsum[rq * 2 * CW + m + 1] = bs1;
     }
-    if (KS > 1) {
-        /* every stage has been consumed: the pipeline memory of ranks > 0
-         * holds their partial tiles, thread-major so the reads are
-         * contiguous; rank 0 adds them all */
+    float sq;
+    if constexpr (KS > 1) {
+        /* every stage has been consumed: the pipeline memory holds each
+         * rank's partial tile, thread-major; rank r then sums the r-th
+         * KS-th of the tile over the ranks and squares it (the norm is a
+         * sum over the tile's entries), so that the exchange is spread over
+         * the cluster instead of rank 0 reading every peer's tile */
         __syncthreads();
         float4 *x = (float4 *)(smem + (sbase - dcc_smem(smem)));
-        if (rank > 0 && threadIdx.x < 256)
+        if (threadIdx.x < 256)
 #pragma unroll
             for (int j = 0; j < MI; j++)
 #pragma unroll
@@ -186,37 +216,18 @@ tma_direct(const __grid_constant__ CUtensorMap tg, const __grid_constant__ CUten
                     x[(j * 16 + i) * 256 + threadIdx.x] = make_float4(
                         acc[j][4 * i], acc[j][4 * i + 1], acc[j][4 * i + 2], acc[j][4 * i + 3]);
         cluster_sync();
-        if (rank == 0) {
+        sq = slice_sq<MI, KS>(sbase, rank);
+        if (rank == 0 && do_bias)
             for (int q = 1; q < KS; q++) {
-                if (threadIdx.x < 256) {
-                    uint32_t r = map_rank(sbase, (uint32_t)q);
-#pragma unroll
-                    for (int j = 0; j < MI; j++)
-#pragma unroll
-                        for (int i = 0; i < 16; i++) {
-                            float4 v = ld_cluster4(
-                                r + (uint32_t)(((j * 16 + i) * 256 + threadIdx.x) * 16));
-                            acc[j][4 * i] += v.x;
-                            acc[j][4 * i + 1] += v.y;
-                            acc[j][4 * i + 2] += v.z;
-                            acc[j][4 * i + 3] += v.w;
-                        }
-                }
-                if (do_bias) {
-                    uint32_t r = map_rank(dcc_smem(colsum), (uint32_t)q);
-                    for (int i = (int)threadIdx.x; i < 512; i += CT)
-                        colsum[i] += ld_cluster(r + 4u * (uint32_t)i);
-                }
+                uint32_t r = map_rank(dcc_smem(colsum), (uint32_t)q);
+                for (int i = (int)threadIdx.x; i < 512; i += CT)
+                    colsum[i] += ld_cluster(r + 4u * (uint32_t)i);
             }
-        }
         cluster_sync(); /* the other ranks' shared memory must outlive the reads */
-        if (rank > 0) {
-            grid_dep_wait();
-            return;
-        }
+    } else {
+        sq = threadIdx.x < 256 ? acc_sq(acc) : 0.0f;
     }
-    float sq = threadIdx.x < 256 ? acc_sq(acc) : 0.0f;
-    if (do_bias) {
+    if (do_bias && rank == 0) {
         __syncthreads();
         if ((int)threadIdx.x < 2 * CW) {
             float x = 0.0f;
@@ -399,7 +410,9 @@ cudaError_t launch_direct_plan(const dcc_linear *L, const dcc_direct_plan *pl, f
     if (pl->tail_ks < 2)
         return launch_direct_ks<TI, MI>(L, s2, n2, st, pl->split, 0, total, false);
     int64_t full = pl->full < 0 ? 0 : pl->full > total ? total : pl->full;
-    e = launch_direct_ks<TI, MI>(L, s2, n2, st, 1, 0, full, false);
+    /* a persistent plan's whole waves: the grouped kernel's, 256-row tiles */
+    e = pl->persist && MI == 2 ? dcc_linear_sqnorms_waves(L, full, s2, n2, st)
+                               : launch_direct_ks<TI, MI>(L, s2, n2, st, 1, 0, full, false);
     if (e != cudaSuccess) return e;
     return launch_direct_ks<TI, MI>(L, s2, n2, st, pl->tail_ks, full, total - full, full > 0);
 }

@@ -24,7 +24,7 @@ const char *set(const char *name) {
 
 extern "C" void dcc_options_default(dcc_options *o) {
     memset(o, 0, sizeof *o);
-    o->tf32 = o->grouped = o->one_pass = o->profile = o->wgmma = o->pdl = true;
+    o->tf32 = o->grouped = o->one_pass = o->profile = o->wgmma = o->pdl = o->persist = true;
     o->sgrad = DCC_SGRAD_AUTO;
     o->grouped_min = -1;
     o->grouped_layers = INT_MAX;
@@ -41,6 +41,7 @@ extern "C" void dcc_options_from_env(dcc_options *o) {
     o->profile = on("DPCLIP_CUDA_PROFILE");
     o->wgmma = on("DPCLIP_CUDA_WGMMA");
     o->pdl = on("DPCLIP_CUDA_PDL");
+    o->persist = on("DPCLIP_CUDA_DIRECT_PERSIST");
     if ((v = set("DPCLIP_CUDA_SGRAD")))
         o->sgrad = v[0] == '0' ? DCC_SGRAD_OFF : strcmp(v, "all") == 0 ? DCC_SGRAD_ALL
                                                                       : DCC_SGRAD_AUTO;

@@ -114,6 +114,60 @@ static void test_direct_splits(void **state) {
     dc_test_layer_free(&h);
 }
 
+/* A split tail after two or more whole waves of 256-row tiles: the waves
+ * on persistent CTAs (the grouped kernel, dcc_linear_sqnorms_waves), on a
+ * layer of 2 waves and a part (9 tiles a sample), T ragged; the tail after
+ * the whole waves, after a run that is not a multiple of the SMs (the
+ * persistent CTAs' last round partial), after fewer than two waves (one
+ * CTA a tile), and with DIRECT_PERSIST off; bf16 and f16. */
+static void test_direct_persist(void **state) {
+    (void)state;
+    int sms;
+    CUDA_OK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+    const uint32_t B = (uint32_t)(2 * sms) / 9 + 2;
+    dc_test_rng r;
+    dc_test_rng_seed(&r, 137);
+    g_opts.grouped = false; /* per-layer launches, which the plan steers */
+    g_opts.direct_tile = 256;
+    for (int di = 0; di < 2; di++) {
+        dc_test_layer_spec sp = {DC_LAYER_LINEAR, B, 100, 264, 520, kDtypes[di], 1,
+                                 DC_ALGO_DIRECT, 0, 0};
+        dc_layer h;
+        double *ref = (double *)malloc(B * sizeof *ref);
+        assert_non_null(ref);
+        dc_test_layer_make(&h, &sp, &r);
+        dc_ref_layer_sqnorms(&h, B, 1.0, ref);
+        dc_layer d = dev_layer(&h);
+        dcc_linear L = {d.input.data, d.grad.data, kDtypes[di], kDtypes[di], (int)B, (int)h.T,
+                        (int)h.d, (int)h.p, true, true, &g_opts, NULL};
+        const int wg = dcc_linear_path(&L) == DCC_PATH_WGMMA;
+        dev_layer_free(&d);
+        if (!wg) {
+            dc_test_layer_free(&h);
+            free(ref);
+            skip();
+        }
+        const long long after[4] = {-1, 2LL * sms + 7, 2LL * sms - 1, -1};
+        for (int k = 0; k < 4; k++) {
+            g_opts.tail_k = 2;
+            g_opts.tail_after = after[k];
+            g_opts.persist = k < 3;
+            apply_switches();
+            dcc_direct_plan pl;
+            dcc_direct_plan_get(&L, &pl);
+            assert_int_equal(pl.tail_ks, 2);
+            assert_int_equal(pl.persist, k < 2);
+            double e = layer_err(&h, B, ref);
+            printf("direct %s B=%u tail=2:%lld persist=%d: max rel err %.2e\n",
+                   dc_dtype_name(kDtypes[di]), B, pl.full, (int)pl.persist, e);
+            assert_true(e <= norm_rtol(kDtypes[di]));
+        }
+        dc_test_layer_free(&h);
+        free(ref);
+    }
+    set_switches(1, 1); /* the model's plans again */
+}
+
 /* The ghost form's plan forced, in each dtype the wgmma ghost serves:
  *   wide items (16-bit; a row block against two column blocks in m64n256,
  *   the other operand's blocks in two halves): none, some, all; on layers
@@ -188,6 +242,7 @@ int main(void) {
     }
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_direct_splits),
+        cmocka_unit_test(test_direct_persist),
         cmocka_unit_test(test_ghost_plans),
     };
     return cmocka_run_group_tests(tests, cuda_test_setup, cuda_test_teardown);
