@@ -31,8 +31,8 @@
  * Direct tiles cannot be split along K through global memory (a tile must
  * be complete before it is squared), so when too few tiles would leave SMs
  * idle in the last wave, a cluster of two CTAs splits K instead and adds the
- * halves through distributed shared memory (slice_sq; KS = 2; the kernel takes any KS,
- * but clusters of 4 measured slower on an H100: 1.75-1.87x the GEMM against
+ * halves through distributed shared memory (slice_sq; KS = 2; the kernel
+ * takes any KS, but clusters of 4 measured slower on an H100: 1.75-1.87x the GEMM against
  * 1.46x for 2 on the (2,8192,768,3072) shape, when every tile is split).
  * The hybrid plan splits only the last, partial wave: whole waves of tiles
  * run unsplit, then the tail on clusters of 2-6, which then have the GPU to
@@ -133,9 +133,9 @@ __device__ __forceinline__ float slice_sq(uint32_t x, int rank) {
 /* KS > 1: the KS CTAs of a cluster split the tile's K range and exchange
  * their partial tiles through distributed shared memory: rank r sums the
  * r-th KS-th of the tile (slice_sq) and squares it; rank 0 also gathers the
- * bias column sums. SPREAD (with a
- * bias and bw): the bias's sums spread over the tiles (bias_spread); a
- * template parameter, so that the kernels without it are as they were. */
+ * bias column sums. SPREAD (with a bias and bw): the bias's sums spread
+ * over the tiles (bias_spread); a template parameter, so that the kernels
+ * without it are as they were. */
 template <typename TI, int MI, int KS, bool SPREAD>
 __global__ void __launch_bounds__(CT, 1)
 tma_direct(const __grid_constant__ CUtensorMap tg, const __grid_constant__ CUtensorMap ta, int T,
