@@ -32,8 +32,9 @@
  * be complete before it is squared), so when too few tiles would leave SMs
  * idle in the last wave, a cluster of two CTAs splits K instead and adds the
  * halves through distributed shared memory (slice_sq; KS = 2; the kernel
- * takes any KS, but clusters of 4 measured slower on an H100: 1.75-1.87x the GEMM against
- * 1.46x for 2 on the (2,8192,768,3072) shape, when every tile is split).
+ * takes any KS, but clusters of 4 measured slower on an H100: 1.75-1.87x
+ * the GEMM against 1.46x for 2 on the (2,8192,768,3072) shape, when every
+ * tile is split).
  * The hybrid plan splits only the last, partial wave: whole waves of tiles
  * run unsplit, then the tail on clusters of 2-6, which then have the GPU to
  * themselves (direct_plan.cu).
