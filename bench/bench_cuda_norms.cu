@@ -650,7 +650,8 @@ int main(int argc, char **argv) {
                "\"step_ms\":%.4f,\"extra_bytes\":%zu,\"bk_step_ms\":%.4f,"
                "\"bk_extra_bytes\":%zu,\"direct128_ms\":%.4f,\"direct256_ms\":%.4f,"
                "\"direct128_split_ms\":%.4f,\"direct256_split_ms\":%.4f,\"direct_tile\":%d,"
-               "\"direct_split\":%d,\"direct_tail_split\":%d,\"direct_persist\":%d,\"direct_unsplit_tiles\":%lld,"
+               "\"direct_split\":%d,\"direct_tail_split\":%d,\"direct_persist\":%d,"
+               "\"direct_unsplit_tiles\":%lld,"
                "\"ghost_wide_items\":%lld,\"ghost_tail_split\":%d,\"ghost_unsplit_pairs\":%lld,"
                "\"path\":%d}\n",
                B, T, d, p, pick == DC_ALGO_DIRECT ? "direct" : "ghost", t[0], t[1], t[2], gemm,
@@ -658,7 +659,8 @@ int main(int argc, char **argv) {
                fl_direct / (gemm * 1e-3) * 1e-12, std::min(fl_direct, fl_ghost) / (t[0] * 1e-3) * 1e-12,
                dvg, sms, extra, bms, bk_extra, th[0], th[1], th[2], th[3], auto_rows, auto_split,
                auto_plan.tail_ks, (int)auto_plan.persist,
-               auto_plan.tail_ks ? auto_plan.full : 0LL, ghost_plan.wide, ghost_plan.tail_ks, ghost_plan.tail_ks ? ghost_plan.full : 0LL, dcc_linear_path(&L));
+               auto_plan.tail_ks ? auto_plan.full : 0LL, ghost_plan.wide, ghost_plan.tail_ks,
+               ghost_plan.tail_ks ? ghost_plan.full : 0LL, dcc_linear_path(&L));
         fflush(stdout);
         CK(cudaFree(a));
         CK(cudaFree(g));

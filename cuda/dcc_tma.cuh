@@ -82,6 +82,22 @@ __device__ __forceinline__ void grid_dep_wait() {
     asm volatile("griddepcontrol.wait;\n" ::: "memory");
 }
 
+/* One stage of a direct tile (K = T), armed with its bytes: 128 MI features
+ * of g from m0 and 128 of a from n0, rows [kr, kr + 64) of sample b, in the
+ * layout stage_mma reads (g's 64-feature blocks, then a's). */
+template <int MI>
+__device__ __forceinline__ void load_direct_stage(uint32_t st, const CUtensorMap *tg,
+                                                  const CUtensorMap *ta, uint32_t full, int m0,
+                                                  int n0, int kr, int b) {
+    mbar_expect_tx(full, stage_bytes<MI>());
+#pragma unroll
+    for (int h = 0; h < 2 * MI; h++)
+        tma_load3(st + (uint32_t)(h * HALF), tg, full, m0 + 64 * h, kr, b);
+#pragma unroll
+    for (int h = 0; h < 2; h++)
+        tma_load3(st + (uint32_t)((2 * MI + h) * HALF), ta, full, n0 + 64 * h, kr, b);
+}
+
 /* Stage barriers live in static shared memory: full[s] at bars + 8s,
  * empty[s] at bars + 8(ST + s). */
 template <int ST> __device__ __forceinline__ uint32_t init_bars(uint64_t *bars) {
@@ -108,6 +124,57 @@ __device__ __forceinline__ uint32_t map_rank(uint32_t addr, uint32_t rank) {
     uint32_t r;
     asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(r) : "r"(addr), "r"(rank));
     return r;
+}
+
+/* A split tile's exchange (KS CTAs of a cluster, each with 1/KS of its K
+ * range): a consumer thread's 64 accumulators of block j, written
+ * thread-major (float4 i of thread t at j * 4096 + i * 256 + t) into x, the
+ * CTA's pipeline memory once every stage is consumed, so that the reads
+ * are contiguous. */
+__device__ __forceinline__ void split_stash(float4 *x, const float (&acc)[64], int j) {
+    const int t = (int)threadIdx.x;
+#pragma unroll
+    for (int i = 0; i < 16; i++)
+        x[j * 4096 + i * 256 + t] =
+            make_float4(acc[4 * i], acc[4 * i + 1], acc[4 * i + 2], acc[4 * i + 3]);
+}
+/* ... and, after the cluster's barrier, float4 f of the stash summed over
+ * the KS ranks (peer[q]: the stash's address in rank q, map_rank). */
+template <int KS>
+__device__ __forceinline__ float4 split_sum4(const uint32_t (&peer)[KS], int f) {
+    float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+#pragma unroll
+    for (int q = 0; q < KS; q++) {
+        const float4 w = ld_cluster4(peer[q] + (uint32_t)f * 16u);
+        v.x += w.x;
+        v.y += w.y;
+        v.z += w.z;
+        v.w += w.w;
+    }
+    return v;
+}
+template <int KS> __device__ __forceinline__ void split_peers(uint32_t x, uint32_t (&peer)[KS]) {
+#pragma unroll
+    for (int q = 0; q < KS; q++) peer[q] = map_rank(x, (uint32_t)q);
+}
+
+/* The bias's column sums of a direct tile (128 MI columns) in colsum
+ * [4 / MI][2 CW] (CW = 64 MI): a consumer thread's two columns 2 (t % CW),
+ * +1 over its row group t / CW (bs0, bs1 as stage_issue leaves them), and,
+ * once every consumer thread has put its own, column c's total. */
+template <int MI>
+__device__ __forceinline__ void colsum_put(float *colsum, float bs0, float bs1) {
+    constexpr int CW = 64 * MI;
+    const int m = ((int)threadIdx.x % CW) * 2, rq = (int)threadIdx.x / CW;
+    colsum[rq * 2 * CW + m] = bs0;
+    colsum[rq * 2 * CW + m + 1] = bs1;
+}
+template <int MI> __device__ __forceinline__ float colsum_col(const float *colsum, int c) {
+    constexpr int CW = 64 * MI;
+    float x = colsum[c];
+#pragma unroll
+    for (int q = 1; q < 4 / MI; q++) x += colsum[q * 2 * CW + c];
+    return x;
 }
 
 /* The sum of squares of a consumer thread's accumulators, in four

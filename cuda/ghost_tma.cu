@@ -34,34 +34,16 @@ __device__ __forceinline__ float ghost_slice(const float (&ga)[1][64], const flo
     const int t = (int)threadIdx.x;
     __syncthreads();
     float4 *x = (float4 *)(smem + (sbase - dcc_smem(smem)));
-    if (t < 256)
-#pragma unroll
-        for (int i = 0; i < 16; i++) {
-            x[i * 256 + t] = make_float4(ga[0][4 * i], ga[0][4 * i + 1], ga[0][4 * i + 2],
-                                         ga[0][4 * i + 3]);
-            x[N4 + i * 256 + t] = make_float4(gg[0][4 * i], gg[0][4 * i + 1], gg[0][4 * i + 2],
-                                              gg[0][4 * i + 3]);
-        }
+    if (t < 256) {
+        split_stash(x, ga[0], 0);
+        split_stash(x, gg[0], 1);
+    }
     cluster_sync();
     uint32_t peer[KS];
-#pragma unroll
-    for (int q = 0; q < KS; q++) peer[q] = map_rank(sbase, (uint32_t)q);
+    split_peers<KS>(sbase, peer);
     float part = 0.0f, gs = 0.0f;
     for (int f = N4 * rank / KS + t; f < N4 * (rank + 1) / KS; f += CT) {
-        float4 a = make_float4(0.0f, 0.0f, 0.0f, 0.0f), g = a;
-#pragma unroll
-        for (int q = 0; q < KS; q++) {
-            const float4 u = ld_cluster4(peer[q] + (uint32_t)f * 16u);
-            const float4 w = ld_cluster4(peer[q] + (uint32_t)(N4 + f) * 16u);
-            a.x += u.x;
-            a.y += u.y;
-            a.z += u.z;
-            a.w += u.w;
-            g.x += w.x;
-            g.y += w.y;
-            g.z += w.z;
-            g.w += w.w;
-        }
+        const float4 a = split_sum4<KS>(peer, f), g = split_sum4<KS>(peer, N4 + f);
         part = fmaf(a.x, g.x, fmaf(a.y, g.y, fmaf(a.z, g.z, fmaf(a.w, g.w, part))));
         gs += (g.x + g.y) + (g.z + g.w);
     }
@@ -81,6 +63,22 @@ __device__ __forceinline__ ghost_item ghost_item_at(int it, int pairs) {
     dcc_tri_pair(it % pairs, &x.ti, &x.si);
     x.diag = x.ti == x.si;
     return x;
+}
+
+/* The sum of n .* w over a consumer thread's share of two Gram blocks,
+ * plus (with_w: the bias's norm) that of w. Four independent sums, as
+ * acc_sq; w's sum is taken either way, so that no selector runs per
+ * element in the epilogue, which holds up the tensor cores. */
+__device__ __forceinline__ float ghost_dot(const float (&n)[64], const float (&w)[64],
+                                           bool with_w) {
+    float part[4] = {0.0f, 0.0f, 0.0f, 0.0f}, sum[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+    for (int i = 0; i < 64; i++) {
+        part[i & 3] = fmaf(n[i], w[i], part[i & 3]);
+        sum[i & 3] += w[i];
+    }
+    float x = (part[0] + part[1]) + (part[2] + part[3]);
+    return with_w ? x + ((sum[0] + sum[1]) + (sum[2] + sum[3])) : x;
 }
 
 /* The ghost form. An item is (sample b, tile pair (ti, si)) of the lower
@@ -151,34 +149,12 @@ tma_ghost(const __grid_constant__ CUtensorMap ta, const __grid_constant__ CUtens
             break;
         }
         if (threadIdx.x >= 256) continue;
-        /* the block's sum of ga .* gg (and of gg: the bias's norm); four
-         * independent sums, as acc_sq */
-        float part[4] = {0.0f, 0.0f, 0.0f, 0.0f}, gsum[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-#pragma unroll
-        for (int i = 0; i < 64; i++) {
-            part[i & 3] = fmaf(ga[0][i], gg[0][i], part[i & 3]);
-            gsum[i & 3] += gg[0][i];
-        }
-        float v = (part[0] + part[1]) + (part[2] + part[3]);
-        if (has_bias) v += (gsum[0] + gsum[1]) + (gsum[2] + gsum[3]);
-        v = dcc_warp_sum(v); /* by warp: the producer warp may have left */
+        /* the block's sum of ga .* gg (and of gg: the bias's norm), by warp:
+         * the producer warp may have left */
+        const float v = dcc_warp_sum(ghost_dot(ga[0], gg[0], has_bias));
         if ((threadIdx.x & 31) == 0) atomicAdd(n2 + x.b, v * s2 * (x.diag ? 1.0f : 2.0f));
     }
     grid_dep_wait(); /* after an overlapped launch: the work after this one waits for both */
-}
-
-/* The sum of n .* w over a consumer thread's share of two Gram blocks, plus
- * that of w (bias 1) or n (bias 2): the bias's norm. Four independent sums,
- * as acc_sq. */
-__device__ __forceinline__ float ghost_dot(const float (&n)[64], const float (&w)[64], int bias) {
-    float part[4] = {0.0f, 0.0f, 0.0f, 0.0f}, sum[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-#pragma unroll
-    for (int i = 0; i < 64; i++) {
-        part[i & 3] = fmaf(n[i], w[i], part[i & 3]);
-        sum[i & 3] += bias == 1 ? w[i] : n[i];
-    }
-    float x = (part[0] + part[1]) + (part[2] + part[3]);
-    return bias ? x + ((sum[0] + sum[1]) + (sum[2] + sum[3])) : x;
 }
 
 /* The ghost form's wide items (dcc_wide_pair): row block ti (128 rows)
@@ -192,7 +168,8 @@ __device__ __forceinline__ float ghost_dot(const float (&n)[64], const float (&w
  * (zero-filled) or above the diagonal: its half then counts 0 times, a
  * diagonal block once and one below it twice (the lower triangle). bias:
  * 1 the bias's norm is the sum of the wide Gram blocks (g is tw), 2 of the
- * narrow ones, 0 none. One item a CTA: items take 1 or 2 narrow passes,
+ * narrow ones, 0 none (ghost_dot sums its second block: the product is
+ * symmetric). One item a CTA: items take 1 or 2 narrow passes,
  * and the scheduler evens that out. The 192 live accumulators need more
  * registers than a CTA of 9 warps may hold (168: three warps share each
  * quarter of the register file), so the producer is a whole warpgroup that
@@ -250,11 +227,15 @@ tma_ghost_wide(const __grid_constant__ CUtensorMap tw, const __grid_constant__ C
     consume<TI, false, 2, ST, true>(gw, sbase, bars, 0, kw, false, false, x0, x1);
     const int u = kw;
     consume<TI, false, 1, ST, false, SB>(gn, sbase, bars, u, u + kn, s0 == ti, false, x0, x1);
-    v = (float)w0 * ghost_dot(gn[0], gw[0], bias);
+    /* the bias's block second (bias 2: the narrow one) */
+    auto dot = [bias](const float(&nb)[64], const float(&wb)[64]) {
+        return bias == 2 ? ghost_dot(wb, nb, true) : ghost_dot(nb, wb, bias == 1);
+    };
+    v = (float)w0 * dot(gn[0], gw[0]);
     if (w1) {
         consume<TI, false, 1, ST, false, SB>(gn, sbase, bars, u + kn, u + 2 * kn, s0 + 1 == ti,
                                              false, x0, x1);
-        v += (float)w1 * ghost_dot(gn[0], gw[1], bias);
+        v += (float)w1 * dot(gn[0], gw[1]);
     }
     v = dcc_warp_sum(v); /* by warp: the producer warp has left */
     if ((threadIdx.x & 31) == 0) atomicAdd(n2 + b, v * s2);

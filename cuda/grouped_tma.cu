@@ -87,28 +87,13 @@ __device__ __forceinline__ void consumer_bar() { /* the 256 consumer threads onl
     asm volatile("bar.sync 1, 256;\n" ::: "memory");
 }
 
-/* One stage of a direct item: 256 features of g from m0, 128 of a from n0,
- * rows [kr, kr + 64) of sample b. */
-__device__ __forceinline__ void load_stage(const g_entry &E, uint32_t st, uint32_t full, int m0,
-                                           int n0, int kr, int b) {
-    mbar_expect_tx(full, GSB);
-#pragma unroll
-    for (int h = 0; h < 2 * GMI; h++)
-        tma_load3(st + (uint32_t)(h * HALF), &E.tg, full, m0 + 64 * h, kr, b);
-#pragma unroll
-    for (int h = 0; h < 2; h++)
-        tma_load3(st + (uint32_t)((2 * GMI + h) * HALF), &E.ta, full, n0 + 64 * h, kr, b);
-}
 
-/* Bias column sums of a 256-row tile: thread t holds columns 2*(t%128), +1
- * of row half t/128; returns the complete sum of column t (t < 256) after
- * two consumer barriers. */
-__device__ __forceinline__ float colsum_total(float (&cs)[2][256], float bs0, float bs1) {
-    const int m = ((int)threadIdx.x & 127) * 2, rq = (int)threadIdx.x >> 7;
-    cs[rq][m] = bs0;
-    cs[rq][m + 1] = bs1;
+/* Bias column sums of a 256-row tile (colsum_put, colsum_col): the
+ * complete sum of column t (t < 256) after two consumer barriers. */
+__device__ __forceinline__ float colsum_total(float *cs, float bs0, float bs1) {
+    colsum_put<GMI>(cs, bs0, bs1);
     consumer_bar();
-    float v = cs[0][threadIdx.x] + cs[1][threadIdx.x];
+    const float v = colsum_col<GMI>(cs, (int)threadIdx.x);
     consumer_bar(); /* cs is free for the next item */
     return v;
 }
@@ -163,7 +148,7 @@ template <typename TI, typename PT>
 __global__ void __launch_bounds__(CT, 1) norms_grouped(const __grid_constant__ PT P) {
     extern __shared__ unsigned char smem[];
     __shared__ __align__(8) uint64_t bar_mem[2 * GST];
-    __shared__ __align__(16) float cs[2][256];
+    __shared__ __align__(16) float cs[512];
     const uint32_t sbase = (dcc_smem(smem) + 1023u) & ~1023u;
     const uint32_t bars = init_bars<GST>(bar_mem);
     /* A lone layer's split tail (dcc_linear_sqnorms_waves) may take the SMs
@@ -181,8 +166,8 @@ __global__ void __launch_bounds__(CT, 1) norms_grouped(const __grid_constant__ P
                 for (int kt = 0; kt < ktn; kt++, u++) {
                     const int s = u % GST;
                     mbar_wait(bars + 8u * (uint32_t)(GST + s), (uint32_t)(((u / GST) & 1) ^ 1));
-                    load_stage(E, sbase + (uint32_t)(s * GSB), bars + 8u * (uint32_t)s, x.m0,
-                               x.n0, kt * WBK, x.b);
+                    load_direct_stage<GMI>(sbase + (uint32_t)(s * GSB), &E.tg, &E.ta,
+                                           bars + 8u * (uint32_t)s, x.m0, x.n0, kt * WBK, x.b);
                 }
             }
         }
@@ -245,7 +230,7 @@ template <typename TI>
 __global__ void __launch_bounds__(CT, 1) clipped_grouped(const __grid_constant__ g_params P) {
     extern __shared__ unsigned char smem[];
     __shared__ __align__(8) uint64_t bar_mem[2 * GST];
-    __shared__ __align__(16) float cs[2][256];
+    __shared__ __align__(16) float cs[512];
     const uint32_t sbase = (dcc_smem(smem) + 1023u) & ~1023u;
     const uint32_t bars = init_bars<GST>(bar_mem);
     const int B = P.B;
@@ -264,8 +249,8 @@ __global__ void __launch_bounds__(CT, 1) clipped_grouped(const __grid_constant__
                         const int s = u % GST;
                         mbar_wait(bars + 8u * (uint32_t)(GST + s),
                                   (uint32_t)(((u / GST) & 1) ^ 1));
-                        load_stage(E, sbase + (uint32_t)(s * GSB), bars + 8u * (uint32_t)s, x.m0,
-                                   x.n0, kt * WBK, b);
+                        load_direct_stage<GMI>(sbase + (uint32_t)(s * GSB), &E.tg, &E.ta,
+                                               bars + 8u * (uint32_t)s, x.m0, x.n0, kt * WBK, b);
                     }
                 }
             }

@@ -70,22 +70,13 @@ template <int MI>
 __device__ void bias_spread(float *colsum, float bs0, float bs1, bool summed, float *bw,
                             unsigned *done, int b, int m0, int p, int kn, int total, float s2,
                             float *n2) {
-    constexpr int CW = 64 * MI, NC = 128 * MI;
+    constexpr int NC = 128 * MI;
     __shared__ int last;
     const int t = (int)threadIdx.x;
     if (summed) {
-        if (t < 256) {
-            const int m = (t % CW) * 2, rq = t / CW;
-            colsum[rq * 2 * CW + m] = bs0;
-            colsum[rq * 2 * CW + m + 1] = bs1;
-        }
+        if (t < 256) colsum_put<MI>(colsum, bs0, bs1);
         __syncthreads();
-        if (t < NC && m0 + t < p) {
-            float x = 0.0f;
-#pragma unroll
-            for (int q = 0; q < 4 / MI; q++) x += colsum[q * 2 * CW + t];
-            atomicAdd(bw + (int64_t)b * p + m0 + t, x);
-        }
+        if (t < NC && m0 + t < p) atomicAdd(bw + (int64_t)b * p + m0 + t, colsum_col<MI>(colsum, t));
     }
     __syncthreads();
     if (t == 0) {
@@ -113,19 +104,10 @@ template <int MI, int KS>
 __device__ __forceinline__ float slice_sq(uint32_t x, int rank) {
     constexpr int N4 = MI * 16 * 256;
     uint32_t peer[KS];
-#pragma unroll
-    for (int q = 0; q < KS; q++) peer[q] = map_rank(x, (uint32_t)q);
+    split_peers<KS>(x, peer);
     float s = 0.0f;
     for (int f = N4 * rank / KS + (int)threadIdx.x; f < N4 * (rank + 1) / KS; f += CT) {
-        float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-#pragma unroll
-        for (int q = 0; q < KS; q++) {
-            const float4 w = ld_cluster4(peer[q] + (uint32_t)f * 16u);
-            v.x += w.x;
-            v.y += w.y;
-            v.z += w.z;
-            v.w += w.w;
-        }
+        const float4 v = split_sum4<KS>(peer, f);
         s = fmaf(v.x, v.x, fmaf(v.y, v.y, fmaf(v.z, v.z, fmaf(v.w, v.w, s))));
     }
     return s;
@@ -176,13 +158,7 @@ tma_direct(const __grid_constant__ CUtensorMap tg, const __grid_constant__ CUten
                 const int s = u % ST, kr = (k0 + u) * WBK;
                 const uint32_t full = bars + 8u * (uint32_t)s, st = sbase + (uint32_t)(s * SB);
                 mbar_wait(bars + 8u * (uint32_t)(ST + s), (uint32_t)(((u / ST) & 1) ^ 1));
-                mbar_expect_tx(full, SB);
-#pragma unroll
-                for (int h = 0; h < 2 * MI; h++)
-                    tma_load3(st + (uint32_t)(h * HALF), &tg, full, m0 + 64 * h, kr, b);
-#pragma unroll
-                for (int h = 0; h < 2; h++)
-                    tma_load3(st + (uint32_t)((2 * MI + h) * HALF), &ta, full, n0 + 64 * h, kr, b);
+                load_direct_stage<MI>(st, &tg, &ta, full, m0, n0, kr, b);
             }
         }
     } else {
@@ -195,11 +171,7 @@ tma_direct(const __grid_constant__ CUtensorMap tg, const __grid_constant__ CUten
     if constexpr (spread)
         bias_spread<MI>(colsum, bs0, bs1, summed, bw, bdone + lin / tiles_n, b, m0, p, kn,
                         tiles_n * ktn, s2, n2);
-    if (do_bias && threadIdx.x < 256) {
-        int m = ((int)threadIdx.x % CW) * 2, rq = (int)threadIdx.x / CW;
-        colsum[rq * 2 * CW + m] = bs0;
-        colsum[rq * 2 * CW + m + 1] = bs1;
-    }
+    if (do_bias && threadIdx.x < 256) colsum_put<MI>(colsum, bs0, bs1);
     float sq;
     if constexpr (KS > 1) {
         /* every stage has been consumed: the pipeline memory holds each
@@ -211,11 +183,7 @@ tma_direct(const __grid_constant__ CUtensorMap tg, const __grid_constant__ CUten
         float4 *x = (float4 *)(smem + (sbase - dcc_smem(smem)));
         if (threadIdx.x < 256)
 #pragma unroll
-            for (int j = 0; j < MI; j++)
-#pragma unroll
-                for (int i = 0; i < 16; i++)
-                    x[(j * 16 + i) * 256 + threadIdx.x] = make_float4(
-                        acc[j][4 * i], acc[j][4 * i + 1], acc[j][4 * i + 2], acc[j][4 * i + 3]);
+            for (int j = 0; j < MI; j++) split_stash(x, acc[j], j);
         cluster_sync();
         sq = slice_sq<MI, KS>(sbase, rank);
         if (rank == 0 && do_bias)
@@ -231,9 +199,7 @@ tma_direct(const __grid_constant__ CUtensorMap tg, const __grid_constant__ CUten
     if (do_bias && rank == 0) {
         __syncthreads();
         if ((int)threadIdx.x < 2 * CW) {
-            float x = 0.0f;
-#pragma unroll
-            for (int q = 0; q < 4 / MI; q++) x += colsum[q * 2 * CW + (int)threadIdx.x];
+            const float x = colsum_col<MI>(colsum, (int)threadIdx.x);
             sq += x * x;
         }
     }
@@ -270,11 +236,7 @@ tma_clipped(const __grid_constant__ CUtensorMap tg, const __grid_constant__ CUte
                 const int s = u % ST, b = b0 + u / ktn, kr = (u % ktn) * WBK;
                 const uint32_t full = bars + 8u * (uint32_t)s, st = sbase + (uint32_t)(s * SB);
                 mbar_wait(bars + 8u * (uint32_t)(ST + s), (uint32_t)(((u / ST) & 1) ^ 1));
-                mbar_expect_tx(full, SB);
-                tma_load3(st, &tg, full, m0, kr, b);
-                tma_load3(st + HALF, &tg, full, m0 + 64, kr, b);
-                tma_load3(st + 2 * HALF, &ta, full, n0, kr, b);
-                tma_load3(st + 3 * HALF, &ta, full, n0 + 64, kr, b);
+                load_direct_stage<1>(st, &tg, &ta, full, m0, n0, kr, b);
             }
         }
         return;

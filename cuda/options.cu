@@ -20,6 +20,13 @@ const char *set(const char *name) {
     return v && v[0] ? v : NULL;
 }
 
+/* A tail switch's "K[:N]": K, and N in *after (-1 without one). */
+int tail_spec(const char *v, long long *after) {
+    const char *c = strchr(v, ':');
+    *after = c ? atoll(c + 1) : -1;
+    return atoi(v);
+}
+
 } // namespace
 
 extern "C" void dcc_options_default(dcc_options *o) {
@@ -54,17 +61,11 @@ extern "C" void dcc_options_from_env(dcc_options *o) {
         o->direct_split = k >= 3 ? 3 : k == 2 ? 2 : 1;
     }
     if ((v = set("DPCLIP_CUDA_OUT_BLOCKS"))) o->out_blocks = atoi(v) > 0 ? atoi(v) : 0;
-    if ((v = set("DPCLIP_CUDA_DIRECT_TAIL"))) {
-        const char *c = strchr(v, ':');
-        int k = atoi(v);
-        o->tail_k = dcc_direct_ks_floor(k);
-        o->tail_after = c ? atoll(c + 1) : -1;
-    }
+    if ((v = set("DPCLIP_CUDA_DIRECT_TAIL")))
+        o->tail_k = dcc_direct_ks_floor(tail_spec(v, &o->tail_after));
     if ((v = set("DPCLIP_CUDA_GHOST_TAIL"))) {
-        const char *c = strchr(v, ':');
-        int k = atoi(v);
+        const int k = tail_spec(v, &o->ghost_tail_after);
         o->ghost_tail_k = k <= 1 ? 1 : dcc_direct_ks_floor(k);
-        o->ghost_tail_after = c ? atoll(c + 1) : -1;
     }
     if ((v = set("DPCLIP_CUDA_GHOST_WIDE"))) o->ghost_wide = atoll(v) > 0 ? atoll(v) : -1;
 }
