@@ -687,10 +687,7 @@ static void test_phases(void **state) {
 
 
 int main(void) {
-    if (dc_cuda_device_count() == 0) {
-        printf("SKIP: no CUDA device\n");
-        return DC_TEST_SKIP;
-    }
+    if (cuda_test_skip()) return DC_TEST_SKIP;
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_events),
         cmocka_unit_test(test_host_step_refused),

@@ -97,10 +97,7 @@ static void test_refused_map_runs_nothing(void **state) {
 }
 
 int main(void) {
-    if (dc_cuda_device_count() == 0) {
-        printf("SKIP: no CUDA device\n");
-        return DC_TEST_SKIP;
-    }
+    if (cuda_test_skip()) return DC_TEST_SKIP;
     dcc_options o;
     dcc_options_default(&o);
     if (!dcc_wgmma_available(&o)) {

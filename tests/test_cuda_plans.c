@@ -236,10 +236,7 @@ static void test_ghost_plans(void **state) {
 }
 
 int main(void) {
-    if (dc_cuda_device_count() == 0) {
-        printf("SKIP: no CUDA device\n");
-        return DC_TEST_SKIP;
-    }
+    if (cuda_test_skip()) return DC_TEST_SKIP;
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_direct_splits),
         cmocka_unit_test(test_direct_persist),

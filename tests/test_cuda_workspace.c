@@ -221,10 +221,7 @@ static int setup(void **state) {
 }
 
 int main(void) {
-    if (dc_cuda_device_count() == 0) {
-        printf("SKIP: no CUDA device\n");
-        return DC_TEST_SKIP;
-    }
+    if (cuda_test_skip()) return DC_TEST_SKIP;
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_preallocated),
         cmocka_unit_test(test_grows_once),
