@@ -76,7 +76,7 @@ typedef struct rig {
 
 static void rig_open(rig *r) {
     assert_int_equal(uv_loop_init(&r->loop), 0);
-    dc_groups_init(&r->gs, &r->loop, 12345, 16, 60000);
+    dc_groups_init(&r->gs, &r->loop, 12345, 16, 60000, 600000);
     for (uint32_t k = 0; k < N; k++) {
         dc_group_spec sp = {.name = "g", .rank = k, .size = N, .daemons = 1, .device = -1};
         dc_err e;

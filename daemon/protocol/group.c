@@ -20,8 +20,11 @@ struct dc_group {
     bool *joined;              /* [size] */
     uint32_t n_joined;
     bool dissolved;
+    bool closing;              /* its timer's close is under way: freed in its callback */
     char why[256];
-    /* the group step being reduced: 0 = none */
+    /* the group step being reduced, while `active`: a flag, not a sentinel
+     * value of cur, so that no step number a client sends can mean "none" */
+    bool active;
     uint64_t cur;
     dc_group_waiter **waiting; /* [size] */
     dc_group_waiter **calling; /* [size]: the waiters being answered */
@@ -36,6 +39,7 @@ struct dc_group {
     uint32_t tot_cap;
     uint64_t t_first, last_wait_ns, reductions;
     /* the last group step that failed on a member, and why */
+    bool has_failed;
     uint64_t failed;
     dc_err failed_err;
     uv_timer_t timer;
@@ -80,12 +84,13 @@ static uint64_t mix(uint64_t x) {
 }
 
 void dc_groups_init(dc_groups *gs, uv_loop_t *loop, uint64_t key_seed, uint32_t max_size,
-                    uint32_t timeout_ms) {
+                    uint32_t timeout_ms, uint32_t max_timeout_ms) {
     memset(gs, 0, sizeof *gs);
     gs->loop = loop;
     gs->key_seed = key_seed;
     gs->max_size = max_size;
     gs->timeout_ms = timeout_ms;
+    gs->max_timeout_ms = max_timeout_ms;
     gs->next_id = 1;
 }
 
@@ -110,13 +115,15 @@ static void unlink_group(dc_group *g) {
         }
 }
 
+/* Idempotent: a dissolution's callbacks may leave the group (a member's
+ * session closing) and so free it before the caller's own maybe_free. */
 static void maybe_free(dc_group *g) {
-    if (!g->dissolved || g->refs > 0) return;
+    if (!g->dissolved || g->refs > 0 || g->closing) return;
+    g->closing = true;
     unlink_group(g);
     uv_close((uv_handle_t *)&g->timer, on_timer_closed);
 }
 
-/* Fails every step waiting now, with rc and err; the group step ends. */
 /* Ends the group step: the steps waiting move to g->calling (their done
  * may run anything, a new step included); returns how many. */
 static uint32_t take_waiting(dc_group *g) {
@@ -127,7 +134,7 @@ static uint32_t take_waiting(dc_group *g) {
             g->waiting[r] = NULL;
         }
     g->n_waiting = 0;
-    g->cur = 0;
+    g->active = false;
     uv_timer_stop(&g->timer);
     return n;
 }
@@ -267,7 +274,20 @@ static void answer(dc_group *g, uint64_t exchange_ns) {
     uint32_t n = take_reduced(g, exchange_ns);
     g->gs->reductions++;
     g->reductions++;
-    for (uint32_t i = 0; i < n; i++) all[i]->done(all[i], 0, g->tot, NULL);
+    for (uint32_t i = 0; i < n; i++) {
+        /* tot has the group step's batch: a waiter of another batch would
+         * read or write past its own tables (delivery checked the terms;
+         * this holds whatever the group's state says) */
+        if (all[i]->terms.batch != g->terms.batch) {
+            dc_err e;
+            dc_err_set(&e, DC_EINVAL, "clip_step.batch_size",
+                       "rank %u's batch of %u is not its group step's %u", all[i]->rank,
+                       all[i]->terms.batch, g->terms.batch);
+            all[i]->done(all[i], e.code, NULL, &e);
+            continue;
+        }
+        all[i]->done(all[i], 0, g->tot, NULL);
+    }
 }
 
 /* Whether the steps waiting now are on one device (or host memory). */
@@ -440,10 +460,14 @@ static void fail_exchange(dc_group *g, const char *fmt, ...) {
     maybe_free(g);
 }
 
-static int join_checks(const dc_groups *gs, const dc_group_spec *sp, dc_err *err) {
+int dc_group_join_check(const dc_groups *gs, const dc_group_spec *sp, dc_err *err) {
     if (!sp->name || !sp->name[0] || strlen(sp->name) >= GROUP_NAME_MAX)
         return dc_err_set(err, DC_EINVAL, "join_group.name",
                           "a group name of 1 to %d bytes is needed", GROUP_NAME_MAX - 1);
+    if (sp->timeout_ms > gs->max_timeout_ms)
+        return dc_err_set(err, DC_EINVAL, "join_group.timeout_ms",
+                          "%u ms is over the longest wait this daemon allows, %u ms "
+                          "(limits.max_group_timeout_ms)", sp->timeout_ms, gs->max_timeout_ms);
     if (sp->size == 0 || sp->size > gs->max_size)
         return dc_err_set(err, DC_EINVAL, "join_group.size",
                           "size %u outside [1, %u] (limits.max_group_size)", sp->size,
@@ -531,7 +555,7 @@ int dc_group_join(dc_groups *gs, uint32_t uid, const dc_group_spec *sp, dc_group
                   dc_err *err) {
     dc_group *g;
     int rc;
-    if ((rc = join_checks(gs, sp, err))) return rc;
+    if ((rc = dc_group_join_check(gs, sp, err))) return rc;
     for (g = gs->list; g; g = g->next)
         if (!g->dissolved && g->uid == uid && strcmp(g->name, sp->name) == 0) break;
     if (g) {
@@ -647,15 +671,15 @@ int dc_group_deliver(dc_group *g, dc_group_waiter *w, dc_err *err) {
     if (w->rank >= g->size || !g->joined[w->rank] || g->waiting[w->rank] ||
         (!w->partial && (g->daemons > 1 || !w->fuse || !w->unfuse)))
         return dc_err_set(err, DC_EINTERNAL, "clip_step", "rank %u cannot deliver", w->rank);
-    if (g->failed && w->step == g->failed) {
+    if (g->has_failed && w->step == g->failed) {
         *err = g->failed_err;
         return err->code;
     }
-    if (g->cur && w->step != g->cur)
+    if (g->active && w->step != g->cur)
         return dc_err_set(err, DC_EPRECOND, "clip_step.group_step",
                           "rank %u sent group step %llu while the group is at step %llu",
                           w->rank, (unsigned long long)w->step, (unsigned long long)g->cur);
-    if (!g->cur) {
+    if (!g->active) {
         if (w->terms.batch > g->tot_cap) {
             double *t = realloc(g->tot, w->terms.batch * sizeof *t);
             if (!t) return dc_err_set(err, DC_ENOSPACE, "clip_step", "out of memory");
@@ -663,6 +687,7 @@ int dc_group_deliver(dc_group *g, dc_group_waiter *w, dc_err *err) {
             g->tot_cap = w->terms.batch;
         }
         memset(g->tot, 0, w->terms.batch * sizeof *g->tot);
+        g->active = true;
         g->cur = w->step;
         g->terms = w->terms;
         g->first_rank = w->rank;
@@ -674,6 +699,7 @@ int dc_group_deliver(dc_group *g, dc_group_waiter *w, dc_err *err) {
                    "the members of norm group '%s' disagree on %s in group step %llu (rank %u "
                    "and rank %u)",
                    g->name, f, (unsigned long long)g->cur, g->first_rank, w->rank);
+        g->has_failed = true;
         g->failed = g->cur;
         g->failed_err = e;
         fail_waiting(g, DC_EINVAL, &e);
@@ -709,9 +735,10 @@ void dc_group_fail(dc_group *g, uint32_t rank, uint64_t step, const dc_err *err)
     if (!g || g->dissolved) return;
     dc_err_set(&e, err->code, err->field, "rank %u of norm group '%s' failed group step %llu: %s",
                rank, g->name, (unsigned long long)step, err->msg);
+    g->has_failed = true;
     g->failed = step;
     g->failed_err = e;
-    if (g->cur == step) fail_waiting(g, e.code, &e);
+    if (g->active && g->cur == step) fail_waiting(g, e.code, &e);
 }
 
 static uint32_t leader(const dc_group *g) {
@@ -735,6 +762,7 @@ void dc_group_charged(dc_group *g, uint32_t rank, uint64_t step, float sigma) {
 uint64_t dc_group_id(const dc_group *g) { return g->id; }
 const char *dc_group_name(const dc_group *g) { return g->name; }
 uint32_t dc_group_size(const dc_group *g) { return g->size; }
+uint32_t dc_group_joined(const dc_group *g) { return g->n_joined; }
 uint32_t dc_group_daemons(const dc_group *g) { return g->daemons > 1 ? g->daemons : 1; }
 dc_group_clipping dc_group_clipping_of(const dc_group *g) { return g->clipping; }
 uint64_t dc_group_noise_key(const dc_group *g) { return g->noise_key; }
@@ -769,7 +797,7 @@ size_t dc_groups_info(const dc_groups *gs, dc_group_info *out, size_t max) {
         o->waiting = g->n_waiting;
         o->clipping = g->clipping;
         o->dissolved = g->dissolved;
-        o->step = g->cur;
+        o->step = g->active ? g->cur : 0;
         o->reductions = g->reductions;
         o->last_wait_ns = g->last_wait_ns;
         o->daemons = g->daemons;

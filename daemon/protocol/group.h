@@ -43,6 +43,11 @@ typedef enum dc_group_clipping {
 
 typedef struct dc_group dc_group;
 
+/* The largest group step a member may take. Steps count up from 1 and a
+ * session's next implicit step is its last plus one: bounded far below
+ * UINT64_MAX, no step number can wrap. */
+#define DC_GROUP_STEP_MAX (UINT64_C(1) << 62)
+
 /* What every member's step of one group step must agree on; a mismatch
  * fails the step on every member, naming the field. */
 typedef struct dc_group_terms {
@@ -116,6 +121,7 @@ typedef struct dc_groups {
     uint32_t max_links;     /* limits.max_group_links */
     uint32_t links;         /* cross-daemon groups held now */
     uint32_t timeout_ms;    /* groups.timeout_ms, a join may ask for another */
+    uint32_t max_timeout_ms; /* limits.max_group_timeout_ms: the longest it may ask for */
     /* totals, for /status and /metrics */
     uint64_t formed, dissolved, reductions, timeouts;
     uint64_t fused;                    /* reductions run as one fused step */
@@ -123,7 +129,7 @@ typedef struct dc_groups {
 } dc_groups;
 
 void dc_groups_init(dc_groups *gs, uv_loop_t *loop, uint64_t key_seed, uint32_t max_size,
-                    uint32_t timeout_ms);
+                    uint32_t timeout_ms, uint32_t max_timeout_ms);
 /* Dissolves every group (at shutdown); members' references stay valid until
  * they leave. */
 void dc_groups_close(dc_groups *gs);
@@ -135,6 +141,11 @@ void dc_groups_close(dc_groups *gs);
  * link (no NCCL or GPU, another NCCL version, an id it did not make). */
 int dc_group_join(dc_groups *gs, uint32_t uid, const dc_group_spec *spec, dc_group **out,
                   dc_err *err);
+/* The checks of a join that need no group (name, size, rank, timeout,
+ * layout): a join they refuse leaves the session's current group alone. */
+int dc_group_join_check(const dc_groups *gs, const dc_group_spec *spec, dc_err *err);
+/* Members joined now (the join reply's `members`). */
+uint32_t dc_group_joined(const dc_group *g);
 /* A cross-daemon group's NCCL id and version (for the join reply); false
  * for a one-daemon group. */
 bool dc_group_nccl_id(const dc_group *g, uint8_t id[DC_NCCL_ID_BYTES], uint32_t *version);

@@ -88,6 +88,7 @@ int dc_registry_add(dc_registry *r, const dc_buffer *b, dc_err *err) {
     r->items[r->n++] = *b;
     r->gen++;
     r->bytes += b->size;
+    if (b->kind == DC_BUFFER_SHM) r->shm_bytes += b->size;
     totals_count(r, b, true);
     return 0;
 }
@@ -182,6 +183,7 @@ int dc_registry_release(dc_registry *r, uint64_t id, dc_err *err) {
     for (size_t i = 0; i < r->n; i++) {
         if (r->items[i].id != id) continue;
         r->bytes -= r->items[i].size;
+        if (r->items[i].kind == DC_BUFFER_SHM) r->shm_bytes -= r->items[i].size;
         totals_count(r, &r->items[i], false);
         registry_unmap(&r->items[i]);
         r->items[i] = r->items[--r->n];

@@ -250,12 +250,20 @@ static void handle_register(dc_session *s, uint64_t id, const Dpclip__RegisterBu
     Dpclip__Reply reply = DPCLIP__REPLY__INIT;
     Dpclip__RegisterBufferReply rr = DPCLIP__REGISTER_BUFFER_REPLY__INIT;
     const dc_buffer *b = NULL;
+    dc_uid_usage u;
     dc_err e;
 
     if (s->reg.n >= s->srv->cfg.max_buffers) {
         dc_err_set(&e, DC_ENOSPACE, "limits.max_buffers",
                    "this session already has %u buffers, the limit per session "
                    "(limits.max_buffers)", s->srv->cfg.max_buffers);
+        goto fail;
+    }
+    dc_server_uid_usage(s->srv, (uint32_t)s->peer_uid, &u, NULL);
+    if (u.buffers >= s->srv->cfg.max_buffers_per_uid) {
+        dc_err_set(&e, DC_ENOSPACE, "limits.max_buffers_per_uid",
+                   "uid %u's sessions hold %llu buffers, its limit (limits.max_buffers_per_uid)",
+                   (unsigned)s->peer_uid, (unsigned long long)u.buffers);
         goto fail;
     }
     /* Checked here too (the registry checks again when it adds) so that a
@@ -282,6 +290,19 @@ static void handle_register(dc_session *s, uint64_t id, const Dpclip__RegisterBu
     }
     if (dc_registry_add_shm(&s->reg, ++s->srv->next_buffer_id, fds[0], m->size, &b, &e))
         goto fail;
+    /* Its size is known once mapped (0 asks for the whole object). */
+    if (s->srv->cfg.max_mapped_bytes_per_uid &&
+        u.shm_bytes + b->size > s->srv->cfg.max_mapped_bytes_per_uid) {
+        uint64_t size = b->size, bid = b->id;
+        dc_registry_release(&s->reg, bid, &e);
+        dc_err_set(&e, DC_ENOSPACE, "limits.max_mapped_bytes_per_uid",
+                   "mapping %llu more bytes would take uid %u's sessions past %llu bytes of "
+                   "shared memory (limits.max_mapped_bytes_per_uid; %llu mapped now)",
+                   (unsigned long long)size, (unsigned)s->peer_uid,
+                   (unsigned long long)s->srv->cfg.max_mapped_bytes_per_uid,
+                   (unsigned long long)u.shm_bytes);
+        goto fail;
+    }
     rr.buffer_id = b->id;
     rr.size = b->size;
     reply.id = id;
@@ -419,6 +440,14 @@ void dc_session_process(dc_session *s) {
         dc_frame_release(&f);
     }
     if (s->gone) return;
+    /* A member whose client ended its stream sends no further group step:
+     * its step waiting for the others (for as long as the group's timeout)
+     * would only hold the connection. It leaves now, which fails that step
+     * on every member, and the session closes once the step is answered. */
+    if (s->in.eof && s->group && s->job && s->job->grouped) {
+        dc_session_group_leave(s, "its client closed the connection");
+        if (s->gone) return; /* the failed step's reply ended the session */
+    }
     dc_frame_compact(&s->in);
     /* (Held frames are whole: they are answered once the client reads.) */
     if (s->in.eof && !dc_session_busy(s) && !s->closing && !held) {
@@ -628,6 +657,8 @@ void dc_session_destroy(dc_session *s) {
     }
     dc_session_plan_drop(s);
     dc_pass_free(s->pass);
+    s->pass = NULL;
+    s->pass_bytes = 0;
     free(s->prewait);
     dc_registry_destroy(&s->reg);
     if (s->ljob) s->ljob->sessions--;

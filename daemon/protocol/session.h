@@ -82,6 +82,10 @@ typedef struct dc_session {
     /* The norm pass of a step in phases, for its STEP_SUMS steps
      * (step_pass.h). Owned; NULL when none. */
     struct dc_pass *pass;
+    /* Host bytes of that pass, from the moment its NORMS step is accepted
+     * (a reservation) until it is freed: what limits.max_pass_memory and
+     * limits.max_pass_memory_per_uid count (server.h, dc_uid_usage). */
+    uint64_t pass_bytes;
 } dc_session;
 
 /* Before Hello a frame may be at most this long (a Hello is a few hundred

@@ -47,7 +47,6 @@ void dc_session_join_group(dc_session *s, uint64_t id, const Dpclip__JoinGroup *
     dc_group *g;
     dc_err e;
 
-    dc_session_group_leave(s, "it joined again");
     if (m->nccl_id.len && m->nccl_id.len != DC_NCCL_ID_BYTES) {
         dc_err_set(&e, DC_EINVAL, "join_group.nccl_id", "%zu bytes; an NCCL id has %d",
                    m->nccl_id.len, DC_NCCL_ID_BYTES);
@@ -67,6 +66,14 @@ void dc_session_join_group(dc_session *s, uint64_t id, const Dpclip__JoinGroup *
     sp.nccl_version = m->nccl_version;
     /* the link's few bytes per step travel through the daemon's first GPU */
     sp.device = srv->gpu.n > 0 ? 0 : -1;
+    /* A join refused on its own terms leaves the current group alone; one
+     * that could go ahead leaves it first (the same group may be joined
+     * again: its rank must be free). */
+    if (dc_group_join_check(&srv->groups, &sp, &e)) {
+        dc_session_reject(s, id, &e);
+        return;
+    }
+    dc_session_group_leave(s, "it joined again");
     if (dc_group_join(&srv->groups, (uint32_t)s->peer_uid, &sp, &g, &e)) {
         dc_session_reject(s, id, &e);
         return;
@@ -78,6 +85,7 @@ void dc_session_join_group(dc_session *s, uint64_t id, const Dpclip__JoinGroup *
                 (unsigned long long)s->id, m->name, (unsigned long long)dc_group_id(g), m->rank,
                 m->size, m->daemons > 1 ? " (across daemons)" : "");
     jr.group_id = dc_group_id(g);
+    jr.members = dc_group_joined(g);
     if (dc_group_nccl_id(g, nccl_id, &nccl_version)) {
         jr.nccl_id.data = nccl_id;
         jr.nccl_id.len = DC_NCCL_ID_BYTES;
@@ -125,7 +133,15 @@ int dc_session_group_prepare(dc_session *s, dc_step_job *j, dc_err *e) {
                           "per-layer clipping needs no norm group: each member clips its own "
                           "layers (leave the group)");
     /* Group steps only go forward: a step number taken again could claim
-     * the leader's charge for a step already released. */
+     * the leader's charge for a step already released. And they stay far
+     * from wrapping (DC_GROUP_STEP_MAX). */
+    if (m->group_step > DC_GROUP_STEP_MAX ||
+        (!m->group_step && s->group_steps >= DC_GROUP_STEP_MAX))
+        return dc_err_set(e, DC_EINVAL, "clip_step.group_step",
+                          "group step %llu: group steps run from 1 to %llu",
+                          (unsigned long long)(m->group_step ? m->group_step
+                                                             : s->group_steps + 1),
+                          (unsigned long long)DC_GROUP_STEP_MAX);
     if (m->group_step && m->group_step <= s->group_steps)
         return dc_err_set(e, DC_EINVAL, "clip_step.group_step",
                           "group step %llu: this member is at group step %llu already (group "
@@ -150,6 +166,7 @@ int dc_session_group_prepare(dc_session *s, dc_step_job *j, dc_err *e) {
                           "a step of a NORM_REDUCE group has no early notice: its outputs are "
                           "queued only once every member's norms are in");
     j->grouped = true;
+    j->group_id = dc_group_id(g);
     st->group_noise_key = dc_group_noise_key(g);
     st->group_step = j->group_step;
     j->gw.terms.batch = st->batch;
@@ -297,6 +314,16 @@ void dc_session_group_submit(dc_step_job *j) {
     dc_session *s = j->s;
     dc_err e;
     size_t LB = j->step.n_layers * (size_t)j->step.batch;
+    /* The step may have waited (its curve, its spend on disk) while the
+     * session left the group it was prepared for: its client went, or the
+     * group was dissolved and freed. Nothing of it runs then. */
+    if (!s->group || s->gone || dc_group_id(s->group) != j->group_id) {
+        dc_err_set(&j->err, DC_EUNAVAIL, "join_group",
+                   "the session left its norm group while this step waited for the ledger");
+        j->rc = DC_EUNAVAIL;
+        dc_session_step_done(&j->job);
+        return;
+    }
     j->n2 = malloc(LB * sizeof *j->n2);
     j->partial = malloc(j->step.batch * sizeof *j->partial);
     j->tot = malloc(j->step.batch * sizeof *j->tot);

@@ -48,11 +48,22 @@ static void session_next(dc_session *s) {
 }
 
 /* A step of a grouped session refused before its norms reached the group:
- * the group step fails on every member, not only here. */
+ * the group step fails on every member, not only here. The member's step
+ * number is spent with it, as the others' are: its next step is the group's
+ * next, not the failed one again (which would fail with the old error). */
 static void group_fail(dc_session *s, const dc_step_job *j, const dc_err *e) {
-    if (s->group)
-        dc_group_fail(s->group, s->group_rank,
-                      j && j->group_step ? j->group_step : s->group_steps + 1, e);
+    uint64_t step;
+    if (!s->group) return;
+    step = j && j->group_step ? j->group_step : s->group_steps + 1;
+    dc_group_fail(s->group, s->group_rank, step, e);
+    if (step > s->group_steps && step <= DC_GROUP_STEP_MAX) s->group_steps = step;
+}
+
+/* The session's norm pass goes, with its bytes against the pass limits. */
+static void pass_drop(dc_session *s) {
+    dc_pass_free(s->pass);
+    s->pass = NULL;
+    s->pass_bytes = 0;
 }
 
 /* A step refused before it ran. `async`: from a stage that waited, so the
@@ -61,6 +72,7 @@ static void step_refuse(dc_step_job *j, const dc_err *e, bool async) {
     dc_session *s = j->s;
     uint64_t id = j->req_id;
     s->job = NULL;
+    if (j->params.phase == DC_PHASE_NORMS) pass_drop(s); /* its reservation */
     group_fail(s, j, e);
     job_free(j);
     dc_session_reject(s, id, e);
@@ -137,17 +149,40 @@ static void step_notice(dc_job *job) {
     dc_session_send(s, &reply);
 }
 
+/* A norm pass is held between steps, for as long as its sums take: its
+ * bytes are reserved when its NORMS step is accepted, against the user's
+ * and the daemon's pass limits, so that passes kept by many sessions
+ * cannot add up past them. */
+static int pass_reserve(dc_session *s, uint64_t bytes, dc_err *e) {
+    const dc_config *c = &s->srv->cfg;
+    dc_uid_usage mine, all;
+    dc_server_uid_usage(s->srv, (uint32_t)s->peer_uid, &mine, &all);
+    if (mine.pass_bytes + bytes > c->max_pass_memory_per_uid)
+        return dc_err_set(e, DC_ENOSPACE, "limits.max_pass_memory_per_uid",
+                          "a norm pass of %llu bytes would take uid %u's passes past %llu bytes "
+                          "(limits.max_pass_memory_per_uid; %llu held now)",
+                          (unsigned long long)bytes, (unsigned)s->peer_uid,
+                          (unsigned long long)c->max_pass_memory_per_uid,
+                          (unsigned long long)mine.pass_bytes);
+    if (all.pass_bytes + bytes > c->max_pass_memory)
+        return dc_err_set(e, DC_ENOSPACE, "limits.max_pass_memory",
+                          "a norm pass of %llu bytes would take the daemon's passes past %llu "
+                          "bytes (limits.max_pass_memory; %llu held now)",
+                          (unsigned long long)bytes, (unsigned long long)c->max_pass_memory,
+                          (unsigned long long)all.pass_bytes);
+    s->pass_bytes = bytes;
+    return 0;
+}
+
 /* A step in phases (step_pass.h): its rules, and a sums step's norm pass.
  * Any other step is a new logical step, which ends the session's pass. */
 static int step_phase(dc_session *s, dc_step_job *j, dc_err *e) {
     const dc_step_phase ph = j->params.phase;
-    if (ph != DC_PHASE_SUMS) {
-        dc_pass_free(s->pass);
-        s->pass = NULL;
-    }
+    if (ph != DC_PHASE_SUMS) pass_drop(s);
     if (ph == DC_PHASE_WHOLE) return 0;
     if (dc_pass_check(j, s->group != NULL, e)) return e->code;
     if (ph == DC_PHASE_SUMS) return dc_pass_take(s->pass, j, e);
+    if (pass_reserve(s, dc_pass_bytes(j->step.batch, j->step.n_layers), e)) return e->code;
     if (!(j->n2 = malloc((size_t)j->step.batch * j->step.n_layers * sizeof *j->n2)))
         return dc_err_set(e, DC_ENOSPACE, "clip_step", "out of memory");
     return 0;
@@ -260,6 +295,7 @@ static void pass_done(dc_job *job) {
     dc_step_job *j = (dc_step_job *)job;
     dc_session *s = j->s;
     if (j->rc == 0) j->rc = dc_pass_new(j, &s->pass, &j->err);
+    if (j->rc) pass_drop(s); /* nothing kept: the reservation goes */
     dc_session_step_done(job);
 }
 
@@ -408,10 +444,8 @@ void dc_session_step_finish(dc_step_job *j) {
     s->last_step_ns = now;
     dc_step_reply_count(j, now, &srv->metrics);
     note_workspace(srv, j);
-    if (j->params.phase == DC_PHASE_SUMS && dc_pass_done(s->pass)) {
-        dc_pass_free(s->pass); /* every layer summed: nothing more to hold */
-        s->pass = NULL;
-    }
+    if (j->params.phase == DC_PHASE_SUMS && dc_pass_done(s->pass))
+        pass_drop(s); /* every layer summed: nothing more to hold */
     expect_next(s, j, now);
     dc_step_reply_log(j, s->id, s->steps, j->t_done, now, s->last_send_ns);
     job_free(j);

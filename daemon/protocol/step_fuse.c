@@ -8,10 +8,31 @@
 #include "step_run.h"
 
 
+/* The field a member's step differs from the first's in, or NULL. The
+ * fused step runs with the first member's terms and copies its [B] tables
+ * into every member's: whatever the group believed when it matched them,
+ * each member's batch and terms are checked here, where they are used. */
+static const char *member_differs(const dc_step *a, const dc_step *b) {
+    if (a->batch != b->batch) return "clip_step.batch_size";
+    if (a->max_grad_norm != b->max_grad_norm) return "clip_step.clip.max_grad_norm";
+    if (a->noise_multiplier != b->noise_multiplier) return "clip_step.noise_multiplier";
+    if (a->reduction != b->reduction) return "clip_step.clip.loss_reduction";
+    if (a->expected_batch != b->expected_batch) return "clip_step.clip.expected_batch_size";
+    if (a->mode != b->mode) return "clip_step.clip.mode";
+    if (a->device != b->device) return "clip_step";
+    return NULL;
+}
+
 int dc_step_fuse_build(dc_step_fused *f, dc_step_job *chain, uint32_t n, dc_err *e) {
     const dc_step *first = &chain->step;
+    const char *field;
     size_t L = 0, at = 0;
     memset(f, 0, sizeof *f);
+    for (const dc_step_job *j = chain; j; j = j->fuse_next)
+        if ((field = member_differs(first, &j->step)))
+            return dc_err_set(e, DC_EINVAL, field,
+                              "the members of a fused group step disagree on %s (rank %u and "
+                              "rank %u)", field, chain->gw.rank, j->gw.rank);
     f->n = n;
     f->members = malloc(n * sizeof *f->members);
     if (!f->members) goto fail;

@@ -116,6 +116,7 @@ struct dc_step_job {
      * [L*B] from its norm phase, its partial sum [B] delivered to the group,
      * the group's totals [B] for its clip phase. */
     bool grouped;
+    uint64_t group_id;     /* the group it was prepared for (dc_group_id) */
     uint64_t group_step;
     double *n2, *partial, *tot;
     dc_group_waiter gw;

@@ -213,6 +213,11 @@ fail:
     return rc;
 }
 
+uint64_t dc_pass_bytes(uint32_t batch, size_t n_layers) {
+    return sizeof(dc_pass) + (uint64_t)n_layers * (batch * sizeof(double) + sizeof(pass_layer)) +
+           (uint64_t)batch * sizeof(double);
+}
+
 bool dc_pass_done(const dc_pass *p) { return p && p->n_summed == p->n_layers; }
 
 void dc_pass_free(dc_pass *p) {

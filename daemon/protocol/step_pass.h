@@ -38,6 +38,10 @@ int dc_pass_new(dc_step_job *j, dc_pass **out, dc_err *e);
  * (j->n2, j->tot, owned by the job). p may be NULL (no pass: refused). */
 int dc_pass_take(dc_pass *p, dc_step_job *j, dc_err *e);
 
+/* The host bytes a pass of n_layers layers and batch samples holds between
+ * its steps (what the pass-memory limits count). */
+uint64_t dc_pass_bytes(uint32_t batch, size_t n_layers);
+
 /* Whether every layer of the pass was summed (the session may drop it). */
 bool dc_pass_done(const dc_pass *p);
 

@@ -93,10 +93,23 @@ static const key_def KEYS[] = {
      "seconds a connection has to say Hello"},
     {"limits", "idle_timeout", NULL, T_DOUBLE, F(idle_timeout), 0, 1e7, true,
      "seconds a session may go without a request or a step in flight; 0 = no limit"},
+    {"limits", "max_connections_per_uid", NULL, T_UINT, F(max_connections_per_uid), 1,
+     1u << 20, true,
+     "connections one user (uid) may have open at once, so that one user cannot take every "
+     "connection from the others"},
     {"limits", "max_buffers_total", NULL, T_UINT, F(max_buffers_total), 1, 1u << 24, true,
      "buffers all sessions together may hold registered"},
+    {"limits", "max_buffers_per_uid", NULL, T_UINT, F(max_buffers_per_uid), 1, 1u << 24, true,
+     "buffers all sessions of one user (uid) together may hold registered"},
     {"limits", "max_mapped_bytes", NULL, T_SIZE, F(max_mapped_bytes), 0, 0, true,
      "shared memory all sessions together may have mapped (K/M/G/T; 0 = no cap)"},
+    {"limits", "max_mapped_bytes_per_uid", NULL, T_SIZE, F(max_mapped_bytes_per_uid), 0, 0,
+     true, "shared memory all sessions of one user (uid) may have mapped (K/M/G/T; 0 = no cap)"},
+    {"limits", "max_pass_memory", NULL, T_SIZE, F(max_pass_memory), 0, 0, true,
+     "host memory all sessions' norm passes (steps in phases) may hold between their steps "
+     "(K/M/G)"},
+    {"limits", "max_pass_memory_per_uid", NULL, T_SIZE, F(max_pass_memory_per_uid), 0, 0, true,
+     "host memory the norm passes of one user's (uid's) sessions may hold (K/M/G)"},
     {"limits", "max_reply_queue", NULL, T_SIZE, F(max_reply_queue), 0, 0, true,
      "unsent reply bytes a session may have before its next request waits"},
     {"limits", "max_group_size", NULL, T_UINT, F(max_group_size), 1, 1u << 16, true,
@@ -104,6 +117,8 @@ static const key_def KEYS[] = {
     {"limits", "max_group_links", NULL, T_UINT, F(max_group_links), 0, 4096, true,
      "norm groups across daemons (each an NCCL communicator and a thread) held at once; "
      "0 = none"},
+    {"limits", "max_group_timeout_ms", NULL, T_UINT, F(max_group_timeout_ms), 1, 86400000, true,
+     "longest wait for a group's members a join may ask for (JoinGroup.timeout_ms)"},
     {"groups", "timeout_ms", "group-timeout-ms", T_UINT, F(group_timeout_ms), 1, 86400000, true,
      "how long a grouped step waits for the group's other members (a join may ask for another)"},
     {"groups", "fuse", NULL, T_BOOL, F(group_fuse), 0, 0, true,
@@ -168,12 +183,18 @@ void dc_config_defaults(dc_config *c) {
     c->max_step_gflop = 500;
     c->max_gpu_step_gflop = 2000000;
     c->max_connections = 1024;
+    c->max_connections_per_uid = 256;
     c->handshake_timeout = 10;
     c->max_buffers_total = 16384;
+    c->max_buffers_per_uid = 8192;
     c->max_mapped_bytes = (uint64_t)1 << 40;
+    c->max_mapped_bytes_per_uid = (uint64_t)1 << 39;
+    c->max_pass_memory = (uint64_t)4 << 30;
+    c->max_pass_memory_per_uid = (uint64_t)1 << 30;
     c->max_reply_queue = 8u << 20;
     c->max_group_size = 256;
     c->max_group_links = 16;
+    c->max_group_timeout_ms = 600000;
     c->group_timeout_ms = 60000;
     c->group_fuse = true;
     c->status_mode = 0660;
@@ -564,6 +585,10 @@ int dc_config_validate(const dc_config *c, dc_err *err) {
                           "gpu.workspace (%llu bytes) is over gpu.workspace_max (%llu bytes)",
                           (unsigned long long)c->gpu_workspace,
                           (unsigned long long)c->gpu_workspace_max);
+    if (c->group_timeout_ms > c->max_group_timeout_ms)
+        return dc_err_set(err, DC_EINVAL, "timeout_ms",
+                          "groups.timeout_ms (%u) is over limits.max_group_timeout_ms (%u)",
+                          c->group_timeout_ms, c->max_group_timeout_ms);
     if (c->budget_epsilon > 0 && !c->ledger_dir[0])
         return dc_err_set(err, DC_EINVAL, "budget_epsilon",
                           "ledger.budget_epsilon needs ledger.dir: a budget kept only in memory "

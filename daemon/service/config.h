@@ -50,13 +50,19 @@ typedef struct dc_config {
     uint32_t max_gpu_step_gflop;   /* work of one GPU step */
     /* What clients can make the daemon hold (session.c, server.c). */
     uint32_t max_connections;
+    uint32_t max_connections_per_uid; /* one user's share of them */
     double handshake_timeout;      /* s from accept to Hello */
     double idle_timeout;           /* s without a request or a step; 0 = never */
     uint32_t max_buffers_total;    /* all sessions' buffers */
+    uint32_t max_buffers_per_uid;  /* one user's sessions' buffers */
     uint64_t max_mapped_bytes;     /* all sessions' shared memory mapped; 0 = no cap */
+    uint64_t max_mapped_bytes_per_uid; /* one user's; 0 = no cap */
+    uint64_t max_pass_memory;      /* all sessions' norm passes (step_pass.h) */
+    uint64_t max_pass_memory_per_uid;
     uint64_t max_reply_queue;      /* a session's unsent reply bytes before it waits */
     uint32_t max_group_size;       /* members of one norm group */
     uint32_t max_group_links;      /* cross-daemon groups (NCCL links) held at once */
+    uint32_t max_group_timeout_ms; /* the longest JoinGroup.timeout_ms */
     /* [groups] */
     uint32_t group_timeout_ms;     /* a grouped step waits this long for the others */
     bool group_fuse;               /* one-daemon groups' steps on one device run fused */

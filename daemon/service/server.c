@@ -38,6 +38,45 @@ static int cpu_factory(void *arg, int index, dc_backend **out, dc_err *err) {
 /* At most one line per this for a condition that recurs per connection. */
 #define DC_SERVER_LOG_PERIOD_NS (10ull * 1000000000u)
 
+void dc_server_uid_usage(const dc_server *srv, uint32_t uid, dc_uid_usage *mine,
+                         dc_uid_usage *all) {
+    memset(mine, 0, sizeof *mine);
+    if (all) memset(all, 0, sizeof *all);
+    for (const dc_session *s = srv->sessions; s; s = s->next) {
+        dc_uid_usage *u[2] = {(uint32_t)s->peer_uid == uid ? mine : NULL, all};
+        for (int k = 0; k < 2; k++) {
+            if (!u[k]) continue;
+            u[k]->connections++;
+            u[k]->buffers += s->reg.n;
+            u[k]->shm_bytes += s->reg.shm_bytes;
+            u[k]->pass_bytes += s->pass_bytes;
+        }
+    }
+}
+
+/* A connection of a user who holds limits.max_connections_per_uid already
+ * is answered and closed (true). */
+static bool uid_refused(dc_server *srv, int fd) {
+    struct ucred cred;
+    socklen_t len = sizeof cred;
+    dc_uid_usage u;
+    uint64_t skipped;
+    dc_err e;
+    if (getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cred, &len) != 0) return false;
+    dc_server_uid_usage(srv, (uint32_t)cred.uid, &u, NULL);
+    if (u.connections < srv->cfg.max_connections_per_uid) return false;
+    dc_err_set(&e, DC_ENOSPACE, "limits.max_connections_per_uid",
+               "uid %u has %u connections open, its limit (limits.max_connections_per_uid): "
+               "close some, or ask the operator to raise it", (unsigned)cred.uid, u.connections);
+    dc_session_refuse(fd, &e);
+    srv->metrics.sessions_refused++;
+    if (dc_log_limit_pass(&srv->refuse_log, uv_hrtime(), DC_SERVER_LOG_PERIOD_NS, &skipped))
+        dc_log_warn("refusing a connection of uid %u: %u open, limits.max_connections_per_uid "
+                    "(%llu more refused since the last such line)", (unsigned)cred.uid,
+                    u.connections, (unsigned long long)skipped);
+    return true;
+}
+
 static void on_accept(uv_poll_t *h, int status, int events);
 
 static void on_accept_resume(uv_timer_t *t) {
@@ -120,6 +159,7 @@ static void on_accept(uv_poll_t *h, int status, int events) {
                             srv->n_sessions, (unsigned long long)skipped);
             continue;
         }
+        if (uid_refused(srv, fd)) continue;
         if (dc_session_start(srv, fd, &s) != 0) {
             dc_log_error("cannot start a session (out of memory?)");
             continue;
@@ -367,13 +407,19 @@ void dc_server_apply_config(dc_server *srv, const dc_config *n) {
     c->max_gpu_step_gflop = n->max_gpu_step_gflop;
     set_step_limits(&srv->limits, n);
     c->max_connections = n->max_connections;
+    c->max_connections_per_uid = n->max_connections_per_uid;
     c->handshake_timeout = n->handshake_timeout;
     c->idle_timeout = n->idle_timeout;
     c->max_buffers_total = n->max_buffers_total;
+    c->max_buffers_per_uid = n->max_buffers_per_uid;
     c->max_mapped_bytes = n->max_mapped_bytes;
+    c->max_mapped_bytes_per_uid = n->max_mapped_bytes_per_uid;
+    c->max_pass_memory = n->max_pass_memory;
+    c->max_pass_memory_per_uid = n->max_pass_memory_per_uid;
     c->max_reply_queue = n->max_reply_queue;
     c->max_group_size = srv->groups.max_size = n->max_group_size;
     c->max_group_links = srv->groups.max_links = n->max_group_links;
+    c->max_group_timeout_ms = srv->groups.max_timeout_ms = n->max_group_timeout_ms;
     c->group_timeout_ms = srv->groups.timeout_ms = n->group_timeout_ms;
     srv->buf_totals.max_buffers = c->max_buffers_total;
     srv->buf_totals.max_shm_bytes = c->max_mapped_bytes;
@@ -471,7 +517,7 @@ int dc_server_init(dc_server *srv, uv_loop_t *loop, const dc_config *cfg,
     }
 
     dc_groups_init(&srv->groups, loop, srv->noise_key, cfg->max_group_size,
-                   cfg->group_timeout_ms);
+                   cfg->group_timeout_ms, cfg->max_group_timeout_ms);
     srv->groups.max_links = cfg->max_group_links;
 
     /* The ledger first: a daemon that cannot account must not serve steps. */

@@ -127,6 +127,19 @@ void dc_server_windows_init(dc_server *srv, uv_loop_t *loop, bool precise);
 void dc_server_windows_close(dc_server *srv);
 bool dc_server_window_pending(const dc_server *srv);
 
+/* What one user's (uid's) sessions hold, and all sessions: per-uid shares
+ * of the daemon-wide limits (limits.max_*_per_uid) are checked against it,
+ * so that one user cannot take every connection, buffer or pass byte from
+ * the others. Counted over the sessions when asked (connections, buffer
+ * registrations and norm passes are rare next to steps): no second tally
+ * to keep in step. Closed sessions still finishing a step count. */
+typedef struct dc_uid_usage {
+    uint32_t connections;
+    uint64_t buffers, shm_bytes, pass_bytes;
+} dc_uid_usage;
+void dc_server_uid_usage(const dc_server *srv, uint32_t uid, dc_uid_usage *mine,
+                         dc_uid_usage *all);
+
 /* Called by session.c when a session has fully closed. */
 void dc_server_session_gone(dc_server *srv, dc_session *s);
 
