@@ -1,13 +1,18 @@
 /* Seed inputs for the fuzz targets, written at test time (run.sh) so they
- * follow the protocol as built: fuzz_seeds frame|step DIR.
+ * follow the protocol as built: fuzz_seeds frame|step|group DIR.
  *
  * frame (fuzz_frame.c's input: a flags byte, then frames between
  * separators): steps
  * of every layer kind on the preamble's buffer 1, sent twice (the step
  * cache), the cache's regressions (an 11-byte varint id, an id after the
- * body), releases, handshakes, garbage.
+ * body), releases, handshakes, garbage, a norm group of one (JoinGroup
+ * sequences, group steps up to 2^64 - 1) and steps in phases.
  * step (fuzz_step.c's input: 4 u16 buffer sizes, then a ClipStep): steps
- * whose tensors end exactly at their buffer's end. */
+ * whose tensors end exactly at their buffer's end.
+ * group (fuzz_group.c's input: 4-byte operations of up to four clients):
+ * the interleavings issue 37 found (a close while a grouped step waits on
+ * the ledger or its group's timeout, group steps at 2^64 - 1 then other
+ * batches), phases, a member leaving mid-step. */
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -338,6 +343,55 @@ static int frame_seeds(const char *dir) {
     put_frame(&s, a, na / 2);
     put_ping(&s, 9);
     rc |= write_seed(dir, "garbage", &s);
+
+    /* a norm group of one: join, grouped steps (the next, one given, the
+     * largest there is and past it), a join refused on its terms, again */
+    full_step(&st);
+    seed_reset(&s);
+    put(&s, "\0", 1);
+    {
+        Dpclip__Request r = DPCLIP__REQUEST__INIT;
+        Dpclip__JoinGroup j = DPCLIP__JOIN_GROUP__INIT;
+        static const uint64_t steps[4] = {0, 5, (uint64_t)1 << 62, UINT64_MAX};
+        j.name = "seed";
+        j.rank = 0;
+        j.size = 1;
+        r.id = 3;
+        r.body_case = DPCLIP__REQUEST__BODY_JOIN_GROUP;
+        r.join_group = &j;
+        put_req(&s, &r);
+        for (int i = 0; i < 4; i++) {
+            st.cs.group_step = steps[i];
+            na = step_frame(&st, 4 + (uint64_t)i, a);
+            put_frame(&s, a, na);
+        }
+        st.cs.group_step = 0;
+        j.size = 0;
+        r.id = 8;
+        put_req(&s, &r);
+        j.size = 1;
+        j.timeout_ms = 0xffffffffu;
+        r.id = 9;
+        put_req(&s, &r);
+    }
+    rc |= write_seed(dir, "group-of-one", &s);
+
+    /* steps in phases: a norm pass (no outputs), its sums (with them), a
+     * sums step too many */
+    step_init(&st, 2);
+    add_linear(&st, 1, 0, 2, 3, 4, 5, 0);
+    seed_reset(&s);
+    put(&s, "\0", 1);
+    st.cs.phase = DPCLIP__STEP_PHASE__STEP_NORMS;
+    na = step_frame(&st, 3, a);
+    put_frame(&s, a, na);
+    step_init(&st, 2);
+    add_linear(&st, 1, 0, 2, 3, 4, 5, 1);
+    st.cs.phase = DPCLIP__STEP_PHASE__STEP_SUMS;
+    na = step_frame(&st, 4, a);
+    put_frame(&s, a, na);
+    put_frame(&s, a, na);
+    rc |= write_seed(dir, "phases", &s);
     return rc;
 }
 
@@ -387,10 +441,94 @@ static int step_seeds(const char *dir) {
     return rc;
 }
 
+/* --- fuzz_group's seeds ------------------------------------------------------ */
+
+/* fuzz_group.c's operations: [client | action << 2, a, b, c]. */
+enum { G_CONNECT, G_JOIN, G_STEP, G_CLOSE, G_SHUT, G_RUN, G_DRAIN, G_PING };
+
+static void gop(seed *s, unsigned client, unsigned action, uint8_t a, uint8_t b, uint8_t c) {
+    uint8_t op[4] = {(uint8_t)(client | action << 2), a, b, c};
+    put(s, op, 4);
+}
+
+/* A step's (a, b, c): batch, layers; sigma, group step choice; sample rate
+ * choice (0 none, 1 one, 2 new to the ledger), phase, replicated. */
+static void gstep(seed *s, unsigned client, unsigned B, unsigned sigma, unsigned step_choice,
+                  unsigned rate, unsigned phase) {
+    gop(s, client, G_STEP, (uint8_t)(B - 1), (uint8_t)(sigma | step_choice << 2),
+        (uint8_t)(rate << 2 | phase << 4));
+}
+
+/* A join's (a, b, c): group, timeout choice (0 the default, 1 2 ms, 2 8 ms,
+ * 3 over the maximum); rank, group-wise; size. */
+static void gjoin(seed *s, unsigned client, unsigned group, unsigned timeout, unsigned rank,
+                  unsigned size) {
+    gop(s, client, G_JOIN, (uint8_t)(group | timeout << 4), (uint8_t)rank, (uint8_t)size);
+}
+
+static int group_seeds(const char *dir) {
+    seed s;
+    int rc = 0;
+    /* join (reply unread), a step that waits on the ledger, close */
+    seed_reset(&s);
+    gop(&s, 0, G_CONNECT, 0, 0, 0);
+    gjoin(&s, 0, 0, 0, 0, 1);
+    gstep(&s, 0, 2, 2, 0, 2, 0);
+    gop(&s, 0, G_CLOSE, 0, 0, 0);
+    rc |= write_seed(dir, "ledger-wait-close", &s);
+    /* rank 0 of 2 with a short timeout: a step, half-close, the timeout */
+    seed_reset(&s);
+    gop(&s, 0, G_CONNECT, 0, 0, 0);
+    gjoin(&s, 0, 1, 2, 0, 2);
+    gop(&s, 0, G_DRAIN, 0, 0, 0);
+    gstep(&s, 0, 2, 0, 0, 0, 0);
+    gop(&s, 0, G_SHUT, 0, 0, 0);
+    gop(&s, 0, G_RUN, 12, 0, 0);
+    gop(&s, 0, G_CLOSE, 0, 0, 0);
+    rc |= write_seed(dir, "timeout-close", &s);
+    /* two members at group step 2^64 - 1, then batches 8 and 4 */
+    seed_reset(&s);
+    gop(&s, 0, G_CONNECT, 0, 0, 0);
+    gop(&s, 1, G_CONNECT, 0, 0, 0);
+    gjoin(&s, 0, 2, 0, 0, 2);
+    gjoin(&s, 1, 2, 0, 1, 2);
+    gstep(&s, 0, 4, 0, 5, 0, 0);
+    gstep(&s, 1, 4, 0, 5, 0, 0);
+    gop(&s, 0, G_RUN, 2, 0, 0);
+    gstep(&s, 0, 8, 0, 0, 0, 0);
+    gstep(&s, 1, 4, 0, 0, 0, 0);
+    gop(&s, 0, G_RUN, 4, 0, 0);
+    rc |= write_seed(dir, "wrap-batches", &s);
+    /* a norm pass, its sums, a whole step, a pass again and a close */
+    seed_reset(&s);
+    gop(&s, 2, G_CONNECT, 1, 0, 0);
+    gstep(&s, 2, 4, 0, 0, 1, 1);
+    gstep(&s, 2, 4, 0, 0, 0, 2);
+    gstep(&s, 2, 4, 1, 0, 1, 0);
+    gstep(&s, 2, 4, 0, 0, 1, 1);
+    gop(&s, 2, G_CLOSE, 0, 0, 0);
+    rc |= write_seed(dir, "phases", &s);
+    /* members that step and leave while the others wait: a group of 3 */
+    seed_reset(&s);
+    for (unsigned k = 0; k < 3; k++) gop(&s, k, G_CONNECT, 0, 0, 0);
+    for (unsigned k = 0; k < 3; k++) gjoin(&s, k, 0, 0, k, 3);
+    gstep(&s, 0, 3, 1, 0, 2, 0);
+    gstep(&s, 1, 3, 1, 0, 2, 0);
+    gop(&s, 1, G_CLOSE, 0, 0, 0);
+    gstep(&s, 2, 3, 1, 0, 2, 0);
+    gop(&s, 0, G_RUN, 3, 0, 0);
+    gjoin(&s, 0, 0, 0, 0, 0); /* size 0: refused */
+    gop(&s, 3, G_PING, 0, 0, 0);
+    rc |= write_seed(dir, "leave-mid-step", &s);
+    return rc;
+}
+
 int main(int argc, char **argv) {
-    if (argc != 3 || (strcmp(argv[1], "frame") != 0 && strcmp(argv[1], "step") != 0)) {
-        fprintf(stderr, "usage: fuzz_seeds frame|step DIR\n");
+    if (argc != 3 || (strcmp(argv[1], "frame") != 0 && strcmp(argv[1], "step") != 0 &&
+                      strcmp(argv[1], "group") != 0)) {
+        fprintf(stderr, "usage: fuzz_seeds frame|step|group DIR\n");
         return 2;
     }
+    if (strcmp(argv[1], "group") == 0) return group_seeds(argv[2]);
     return strcmp(argv[1], "frame") == 0 ? frame_seeds(argv[2]) : step_seeds(argv[2]);
 }
