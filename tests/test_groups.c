@@ -299,8 +299,9 @@ static void test_member_disconnect(void **state) {
     dpclip_disconnect(c);
 }
 
-/* The ledger charges rank 0's job once per group step; the other members'
- * jobs are not charged. */
+/* The ledger charges rank 0's job once per group step; the other members
+ * of that job are not charged again, and a member of another job is charged
+ * to its own (coverage is per job). */
 static void test_ledger_once(void **state) {
     (void)state;
     dc_test_rng r;
@@ -311,22 +312,29 @@ static void test_ledger_once(void **state) {
     dc_shm_step st[3];
     dpclip_result res[3];
     int rcs[3];
-    const char *jobs[3] = {"once-0", "once-1", "once-2"};
+    const char *jobs[3] = {"once", "once", "once-other"};
     for (int k = 0; k < 3; k++) {
         assert_int_equal(dc_shm_step_init(&st[k], member("once", (uint32_t)k, 3, 0, 0, jobs[k]),
                                           0, B, &cfg),
                          0);
         assert_true(dc_shm_step_add(&st[k], &sp, &r, 1.0f) >= 0);
     }
-    double rdp[DC_RDP_N_ORDERS];
+    double rdp[DC_RDP_N_ORDERS], want[4] = {0.0};
+    for (int it = 1; it <= 3; it++) {
+        dc_rdp_steps(0.1, 1.0, dc_rdp_default_orders(), DC_RDP_N_ORDERS, rdp);
+        for (int k = 0; k < DC_RDP_N_ORDERS; k++) rdp[k] *= it;
+        want[it] = dc_rdp_epsilon(dc_rdp_default_orders(), rdp, DC_RDP_N_ORDERS, 1e-5, NULL);
+    }
     for (int it = 1; it <= 3; it++) {
         dc_group_run(st, 3, res, rcs);
         for (int k = 0; k < 3; k++) assert_int_equal(rcs[k], 0);
-        dc_rdp_steps(0.1, 1.0, dc_rdp_default_orders(), DC_RDP_N_ORDERS, rdp);
-        for (int k = 0; k < DC_RDP_N_ORDERS; k++) rdp[k] *= it;
-        double want = dc_rdp_epsilon(dc_rdp_default_orders(), rdp, DC_RDP_N_ORDERS, 1e-5, NULL);
-        assert_true(fabs(res[0].epsilon - want) <= 1e-9 * want);
-        assert_true(res[1].epsilon == 0.0 && res[2].epsilon == 0.0);
+        assert_true(fabs(res[0].epsilon - want[it]) <= 1e-9 * want[it]);
+        /* rank 1 (rank 0's job) reports the job's epsilon as of its own
+         * accounting, before or after rank 0's charge of this group step */
+        assert_true(fabs(res[1].epsilon - want[it]) <= 1e-9 * want[it] ||
+                    fabs(res[1].epsilon - want[it - 1]) <= 1e-9 * want[it]);
+        /* rank 2's job is charged once per group step too: its own */
+        assert_true(fabs(res[2].epsilon - want[it]) <= 1e-9 * want[it]);
         for (int k = 0; k < 3; k++) dpclip_result_free(&res[k]);
     }
     for (int k = 0; k < 3; k++) {
@@ -349,7 +357,7 @@ static void test_group_wise_charges(void **state) {
     cfg.sample_rate = 0.1;
     dc_shm_step st[2];
     dpclip_result res;
-    const char *jobs[2] = {"gwc-0", "gwc-1"};
+    const char *jobs[2] = {"gwc", "gwc"};
     for (int k = 0; k < 2; k++) {
         assert_int_equal(dc_shm_step_init(&st[k], member("gwc", (uint32_t)k, 2, 0, 1, jobs[k]),
                                           0, B, &cfg),
@@ -361,18 +369,22 @@ static void test_group_wise_charges(void **state) {
     double eps1 = res.epsilon;
     assert_true(eps1 > 0.0 && isfinite(eps1));
     dpclip_result_free(&res);
-    /* rank 0 steps 1 and 2; rank 1's step 2 then is covered */
+    /* rank 0 steps 1 and 2 (the job's second and third charges); rank 1's
+     * step 2 then is covered: the job's epsilon does not move */
+    double eps3 = 0.0;
     for (int it = 0; it < 2; it++) {
         assert_int_equal(dpclip_run(st[0].c, st[0].step, &res), 0);
-        assert_true(res.epsilon > 0.0);
+        assert_true(res.epsilon > eps3);
+        eps3 = res.epsilon;
         dpclip_result_free(&res);
     }
+    assert_true(eps3 > eps1);
     assert_int_equal(dpclip_run(st[1].c, st[1].step, &res), 0);
-    assert_true(res.epsilon == eps1);
+    assert_true(res.epsilon == eps3);
     dpclip_result_free(&res);
     /* and its step 3, ahead of rank 0 again, is charged */
     assert_int_equal(dpclip_run(st[1].c, st[1].step, &res), 0);
-    assert_true(res.epsilon > eps1);
+    assert_true(res.epsilon > eps3);
     dpclip_result_free(&res);
     for (int k = 0; k < 2; k++) {
         dpclip_client *c = st[k].c;

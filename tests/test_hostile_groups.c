@@ -6,6 +6,7 @@
  * the daemon keeps serving. Raw wire, so every field is the test's to set. */
 #include <errno.h>
 #include <fcntl.h>
+#include <math.h>
 #include <poll.h>
 #include <setjmp.h>
 #include <stdarg.h>
@@ -157,6 +158,21 @@ static void expect_error(int fd, uint64_t id, const char *field) {
     assert_int_equal(reply_of(fd, id, f), DPCLIP__REPLY__BODY_ERROR);
     if (strstr(f, field) == NULL) print_message("error field '%s', expected '%s'\n", f, field);
     assert_non_null(strstr(f, field));
+}
+
+/* The next reply is a ClipStepReply: the job's epsilon it reports. */
+static double step_eps(int fd, uint64_t id) {
+    Dpclip__Reply *r = dc_raw_read_reply(fd, 20000);
+    double eps;
+    assert_non_null(r);
+    assert_int_equal(r->id, id);
+    if (r->body_case != DPCLIP__REPLY__BODY_CLIP_STEP)
+        print_message("request %llu: %s\n", (unsigned long long)id,
+                      dc_raw_error(r) ? dc_raw_error(r)->message : "?");
+    assert_int_equal(r->body_case, DPCLIP__REPLY__BODY_CLIP_STEP);
+    eps = r->clip_step->epsilon;
+    dpclip__reply__free_unpacked(r, NULL);
+    return eps;
 }
 
 /* The daemon is alive and serves a newcomer. */
@@ -476,6 +492,109 @@ static void test_refused_join_keeps_group(void **state) {
     daemon_serves();
 }
 
+/* --- coverage: a member's step is covered by exactly one leader charge ----- */
+
+static void send_join_wise(int fd, uint64_t id, const char *name, uint32_t rank, uint32_t size) {
+    Dpclip__Request req = DPCLIP__REQUEST__INIT;
+    Dpclip__JoinGroup j = DPCLIP__JOIN_GROUP__INIT;
+    j.name = (char *)name;
+    j.rank = rank;
+    j.size = size;
+    j.clipping = DPCLIP__GROUP_CLIPPING__GROUP_WISE;
+    req.id = id;
+    req.body_case = DPCLIP__REQUEST__BODY_JOIN_GROUP;
+    req.join_group = &j;
+    assert_int_equal(dc_raw_send_request(fd, &req), 0);
+}
+
+/* GROUP_WISE: a member that joins again (its step counter starts over) is
+ * not covered again by the leader's past charges: each of its replayed
+ * steps moves the job's epsilon (once: 60 uncharged member steps after 20
+ * charged). */
+static void test_group_wise_rejoin_not_recovered(void **state) {
+    uint64_t buf[2], id = 10;
+    int fd[2];
+    double eps = 0.0, e;
+    step_terms t = {.B = 2, .sigma = 1.0f, .q = 0.1};
+    (void)state;
+    for (int k = 0; k < 2; k++) {
+        fd[k] = open_member("rejoin", &buf[k]);
+        send_join_wise(fd[k], 3, "rejoin", (uint32_t)k, 2);
+        expect_ok(fd[k], 3, DPCLIP__REPLY__BODY_JOIN_GROUP);
+    }
+    for (int i = 0; i < 5; i++, id++) { /* the leader charges steps 1-5 */
+        send_step(fd[0], id, buf[0], &t);
+        eps = step_eps(fd[0], id);
+    }
+    for (int i = 0; i < 5; i++, id++) { /* the member's steps 1-5: covered */
+        send_step(fd[1], id, buf[1], &t);
+        assert_true(step_eps(fd[1], id) == eps);
+    }
+    for (int round = 0; round < 2; round++) { /* joins again, replays 1-5 */
+        send_join_wise(fd[1], id, "rejoin", 1, 2);
+        expect_ok(fd[1], id++, DPCLIP__REPLY__BODY_JOIN_GROUP);
+        for (int i = 0; i < 5; i++, id++) {
+            send_step(fd[1], id, buf[1], &t);
+            e = step_eps(fd[1], id);
+            assert_true(e > eps);
+            eps = e;
+        }
+    }
+    for (int k = 0; k < 2; k++) close(fd[k]);
+}
+
+/* GROUP_WISE: a leader's charge at a far group step covers that step only,
+ * not every step below it (once: one charge at 2^64 - 1 covered 50
+ * uncharged member releases). */
+static void test_group_wise_jump_covers_one_step(void **state) {
+    uint64_t buf[2], id = 10;
+    int fd[2];
+    double eps, e;
+    step_terms t = {.B = 2, .sigma = 1.0f, .q = 0.1};
+    (void)state;
+    for (int k = 0; k < 2; k++) {
+        fd[k] = open_member("jump", &buf[k]);
+        send_join_wise(fd[k], 3, "jump", (uint32_t)k, 2);
+        expect_ok(fd[k], 3, DPCLIP__REPLY__BODY_JOIN_GROUP);
+    }
+    t.group_step = (uint64_t)1 << 62;
+    send_step(fd[0], id, buf[0], &t);
+    eps = step_eps(fd[0], id++);
+    t.group_step = 0;
+    for (int i = 0; i < 20; i++, id++) {
+        send_step(fd[1], id, buf[1], &t);
+        e = step_eps(fd[1], id);
+        assert_true(e > eps);
+        eps = e;
+    }
+    for (int k = 0; k < 2; k++) close(fd[k]);
+}
+
+/* NORM_REDUCE: a member in another job than the leader's is charged to its
+ * own job, once per group step (once: never charged at all). */
+static void test_member_of_other_job_charged(void **state) {
+    uint64_t buf[2];
+    int fd[2];
+    double prev = 0.0;
+    step_terms t = {.B = 2, .sigma = 1.0f, .q = 0.1};
+    (void)state;
+    fd[0] = open_member("job-a", &buf[0]);
+    fd[1] = open_member("job-b", &buf[1]);
+    for (int k = 0; k < 2; k++) {
+        send_join(fd[k], 3, "other-job", (uint32_t)k, 2, 5000);
+        expect_ok(fd[k], 3, DPCLIP__REPLY__BODY_JOIN_GROUP);
+    }
+    for (uint64_t id = 4; id < 7; id++) {
+        double e[2];
+        for (int k = 0; k < 2; k++) send_step(fd[k], id, buf[k], &t);
+        for (int k = 0; k < 2; k++) e[k] = step_eps(fd[k], id);
+        assert_true(e[1] > prev && isfinite(e[1]));
+        assert_true(e[1] == e[0]); /* one charge each, same terms */
+        prev = e[1];
+    }
+    for (int k = 0; k < 2; k++) close(fd[k]);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         CASE(test_leave_while_step_waits_on_ledger),
@@ -488,6 +607,9 @@ int main(void) {
         CASE(test_join_reply_counts_members),
         CASE(test_refused_step_spends_its_number),
         CASE(test_refused_join_keeps_group),
+        CASE(test_group_wise_rejoin_not_recovered),
+        CASE(test_group_wise_jump_covers_one_step),
+        CASE(test_member_of_other_job_charged),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -7,6 +7,13 @@
 
 #define GROUP_NAME_MAX 64
 
+/* One charge of the leader's, for GROUP_WISE coverage. */
+typedef struct group_charge {
+    uint64_t step;
+    float sigma;
+    char job[DC_GROUP_JOB_MAX];
+} group_charge;
+
 struct dc_group {
     dc_group *next;
     dc_groups *gs;
@@ -56,9 +63,12 @@ struct dc_group {
     uint8_t *xsend, *xrecv;    /* the exchange's bytes, this daemon's and all */
     size_t xcap;
     uint64_t t_local, exchanges, last_exchange_ns;
-    /* the leader's last charged group step, at its noise multiplier */
-    uint64_t charged_step;
-    float charged_sigma;
+    /* Coverage (dc_group_covers): each member's job, the leader's last
+     * charges (a ring), and per rank the last group step covered. */
+    char (*jobs)[DC_GROUP_JOB_MAX];   /* [size] */
+    group_charge charges[DC_GROUP_CHARGED_WINDOW];
+    uint32_t n_charges, next_charge;
+    uint64_t *covered;             /* [size] */
 };
 
 /* One daemon's part of an exchange: its group step, its members' terms
@@ -103,6 +113,8 @@ static void on_timer_closed(uv_handle_t *h) {
     free(g->tot);
     free(g->xsend);
     free(g->xrecv);
+    free(g->jobs);
+    free(g->covered);
     if (g->daemons > 1) g->gs->links--;
     free(g);
 }
@@ -579,11 +591,15 @@ int dc_group_join(dc_groups *gs, uint32_t uid, const dc_group_spec *sp, dc_group
         if (!g || !(g->joined = calloc(sp->size, sizeof *g->joined)) ||
             !(g->waiting = calloc(sp->size, sizeof *g->waiting)) ||
             !(g->calling = calloc(sp->size, sizeof *g->calling)) ||
-            !(g->unfusing = calloc(sp->size, sizeof *g->unfusing))) {
+            !(g->unfusing = calloc(sp->size, sizeof *g->unfusing)) ||
+            !(g->jobs = calloc(sp->size, sizeof *g->jobs)) ||
+            !(g->covered = calloc(sp->size, sizeof *g->covered))) {
             if (g) {
                 free(g->joined);
                 free(g->waiting);
                 free(g->calling);
+                free(g->unfusing);
+                free(g->jobs);
             }
             free(g);
             return dc_err_set(err, DC_ENOSPACE, "join_group", "out of memory");
@@ -620,6 +636,7 @@ int dc_group_join(dc_groups *gs, uint32_t uid, const dc_group_spec *sp, dc_group
     g->joined[sp->rank] = true;
     g->n_joined++;
     g->refs++;
+    snprintf(g->jobs[sp->rank], DC_GROUP_JOB_MAX, "%s", sp->job ? sp->job : "");
     *out = g;
     if ((rc = link_open(g, err))) {
         /* the group cannot work: the others' steps fail, this join too */
@@ -747,16 +764,31 @@ static uint32_t leader(const dc_group *g) {
     return UINT32_MAX;
 }
 
-bool dc_group_covers(const dc_group *g, uint32_t rank, uint64_t step, float sigma) {
-    if (g->dissolved || rank == leader(g)) return false;
+bool dc_group_covers(dc_group *g, uint32_t rank, uint64_t step, float sigma, const char *job) {
+    uint32_t lead = leader(g);
+    if (g->dissolved || rank >= g->size || rank == lead || lead == UINT32_MAX) return false;
+    if (!job || strncmp(job, g->jobs[lead], DC_GROUP_JOB_MAX) != 0) return false;
     if (g->clipping == DC_GROUP_NORM_REDUCE) return true;
-    return g->charged_step >= step && sigma >= g->charged_sigma;
+    if (step <= g->covered[rank]) return false; /* covered once, in order */
+    for (uint32_t i = 0; i < g->n_charges; i++) {
+        const group_charge *c = &g->charges[i];
+        if (c->step == step && sigma >= c->sigma && strncmp(job, c->job, DC_GROUP_JOB_MAX) == 0) {
+            g->covered[rank] = step;
+            return true;
+        }
+    }
+    return false;
 }
 
-void dc_group_charged(dc_group *g, uint32_t rank, uint64_t step, float sigma) {
-    if (rank != leader(g) || step < g->charged_step) return;
-    g->charged_step = step;
-    g->charged_sigma = sigma;
+void dc_group_charged(dc_group *g, uint32_t rank, uint64_t step, float sigma, const char *job) {
+    group_charge *c;
+    if (rank != leader(g)) return;
+    c = &g->charges[g->next_charge];
+    g->next_charge = (g->next_charge + 1) % DC_GROUP_CHARGED_WINDOW;
+    if (g->n_charges < DC_GROUP_CHARGED_WINDOW) g->n_charges++;
+    c->step = step;
+    c->sigma = sigma;
+    snprintf(c->job, sizeof c->job, "%s", job ? job : "");
 }
 
 uint64_t dc_group_id(const dc_group *g) { return g->id; }

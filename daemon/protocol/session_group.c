@@ -28,6 +28,9 @@
 #include "validate.h"
 #include "step_run.h"
 
+_Static_assert(DC_LEDGER_JOB_MAX <= DC_GROUP_JOB_MAX,
+               "a group keeps each member's ledger job id whole");
+
 void dc_session_group_leave(dc_session *s, const char *why) {
     if (!s->group) return;
     dc_log_info("session %llu: leaves norm group '%s' (%s)", (unsigned long long)s->id,
@@ -64,6 +67,7 @@ void dc_session_join_group(dc_session *s, uint64_t id, const Dpclip__JoinGroup *
     sp.local_size = m->local_size;
     sp.nccl_id = m->nccl_id.len ? m->nccl_id.data : NULL;
     sp.nccl_version = m->nccl_version;
+    sp.job = s->ljob ? s->ljob->job : s->job_id; /* coverage is per ledger job */
     /* the link's few bytes per step travel through the daemon's first GPU */
     sp.device = srv->gpu.n > 0 ? 0 : -1;
     /* A join refused on its own terms leaves the current group alone; one

@@ -231,10 +231,12 @@ static void step_charge(dc_step_job *j, bool async) {
     bool wait;
     dc_err e;
     bool covered = s->group && dc_group_covers(s->group, s->group_rank, j->group_step,
-                                               (float)j->sigma);
+                                               (float)j->sigma, s->ljob->job);
     if (dc_step_account_charge(j, s->ljob, covered, &srv->cfg, &srv->metrics, &e)) goto fail;
-    if (s->group && !covered) dc_group_charged(s->group, s->group_rank, j->group_step,
-                                               (float)j->sigma);
+    /* j->ljob: the ledger really charged the step (a data-parallel share or
+     * a covered step is no charge, and covers no other member's step) */
+    if (s->group && j->ljob)
+        dc_group_charged(s->group, s->group_rank, j->group_step, (float)j->sigma, s->ljob->job);
     j->t_checked = uv_hrtime();
     s->job = j;
     if (dc_step_account_durable(j, step_durable, &wait, &e)) goto fail;
