@@ -482,6 +482,8 @@ static void test_peer_daemon_killed(void **state) {
 }
 
 int main(void) {
+    /* groups across daemons always run in phases */
+    dc_group_phased = 1;
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_pp_across_daemons),
         cmocka_unit_test(test_replicated_across_daemons),

@@ -1,5 +1,6 @@
 #include "group.h"
 
+#include <math.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -43,6 +44,9 @@ struct dc_group {
     dc_group_terms terms;      /* of the first member to deliver */
     uint32_t first_rank;
     double *tot;               /* [terms.batch] */
+    double *rep;               /* [terms.batch]: the first copy of the replicated layers */
+    bool has_rep;
+    uint32_t rep_from;         /* the rank it came from */
     uint32_t tot_cap;
     uint64_t t_first, last_wait_ns, reductions;
     /* the last group step that failed on a member, and why */
@@ -82,8 +86,11 @@ typedef struct link_head {
     uint32_t batch, daemon_rank, expected_batch;
     int32_t reduction;
     float max_grad_norm, noise_multiplier;
+    uint32_t has_rep, pad; /* the replicated layers' measure follows the totals */
 } link_head;
-#define LINK_MAGIC 0x6470636c69703032ull /* "dpclip02" */
+#define LINK_MAGIC 0x6470636c69703033ull /* "dpclip03" */
+/* One daemon's part: the head, its totals [B], its replicated copy [B]. */
+#define LINK_EACH(B) (sizeof(link_head) + 2 * (size_t)(B) * sizeof(double))
 
 /* splitmix64: group noise keys from the daemon's secret seed and the id */
 static uint64_t mix(uint64_t x) {
@@ -111,6 +118,7 @@ static void on_timer_closed(uv_handle_t *h) {
     free(g->calling);
     free(g->unfusing);
     free(g->tot);
+    free(g->rep);
     free(g->xsend);
     free(g->xrecv);
     free(g->jobs);
@@ -266,6 +274,33 @@ static const char *terms_differ(const dc_group_terms *a, const dc_group_terms *b
     return NULL;
 }
 
+bool dc_group_replicas_agree(double a, double b) {
+    double hi = a > b ? a : b;
+    return fabs(a - b) <= DC_GROUP_REPLICA_TOL * hi; /* false for NaN */
+}
+
+/* Whether rank's copy of the replicated layers measures as the first copy
+ * this group step saw (which it becomes if it is the first): NULL, or what
+ * differs (in a static buffer, the loop thread's). */
+static const char *replica_differs(dc_group *g, uint32_t rank, const double *rep) {
+    static char why[160];
+    const uint32_t B = g->terms.batch;
+    if (!g->has_rep) {
+        memcpy(g->rep, rep, B * sizeof *rep);
+        g->has_rep = true;
+        g->rep_from = rank;
+        return NULL;
+    }
+    for (uint32_t b = 0; b < B; b++)
+        if (!dc_group_replicas_agree(rep[b], g->rep[b])) {
+            snprintf(why, sizeof why,
+                     "rank %u's copy of the replicated layers measures %.6g for sample %u, rank "
+                     "%u's %.6g", rank, rep[b], b, g->rep_from, g->rep[b]);
+            return why;
+        }
+    return NULL;
+}
+
 /* Ends the group step as reduced: the waiters move to g->calling with
  * their wait times set; returns how many. */
 static uint32_t take_reduced(dc_group *g, uint64_t exchange_ns) {
@@ -363,7 +398,7 @@ static void fail_exchange(dc_group *g, const char *fmt, ...);
 
 static void on_exchanged(dc_nccl_op *op) {
     dc_group *g = op->arg;
-    const size_t B = g->terms.batch, each = sizeof(link_head) + B * sizeof(double);
+    const size_t B = g->terms.batch, each = LINK_EACH(B);
     link_head mine;
     if (op->rc) {
         fail_exchange(g, "the cross-daemon exchange of group step %llu failed: %s",
@@ -400,6 +435,33 @@ static void on_exchanged(dc_nccl_op *op) {
             return;
         }
     }
+    /* every daemon's copy of the replicated layers measures alike */
+    for (uint32_t d = 0; d < g->daemons; d++) {
+        link_head h;
+        const uint8_t *rep = g->xrecv + d * each + sizeof(link_head) + B * sizeof(double);
+        memcpy(&h, g->xrecv + d * each, sizeof h);
+        if (!h.has_rep || !mine.has_rep) {
+            if (h.has_rep != mine.has_rep) {
+                fail_exchange(g, "daemon %u and this daemon (%u) disagree on whether group step "
+                              "%llu has replicated layers", d, g->daemon_rank,
+                              (unsigned long long)g->cur);
+                return;
+            }
+            continue;
+        }
+        for (size_t b = 0; b < B; b++) {
+            double v, w;
+            memcpy(&v, rep + b * sizeof v, sizeof v);
+            memcpy(&w, g->xrecv + g->daemon_rank * each + sizeof(link_head) + (B + b) * sizeof w,
+                   sizeof w);
+            if (!dc_group_replicas_agree(v, w)) {
+                fail_exchange(g, "group step %llu: the copy of the replicated layers on daemon "
+                              "%u measures %.6g for sample %zu, this daemon's (%u) %.6g",
+                              (unsigned long long)g->cur, d, v, b, g->daemon_rank, w);
+                return;
+            }
+        }
+    }
     /* daemon 0's key for the replicated layers' noise (link_head) */
     {
         link_head h0;
@@ -424,7 +486,7 @@ static void on_exchanged(dc_nccl_op *op) {
 
 /* This daemon's members are all in: its totals go to the other daemons. */
 static void exchange_start(dc_group *g) {
-    const size_t B = g->terms.batch, each = sizeof(link_head) + B * sizeof(double);
+    const size_t B = g->terms.batch, each = LINK_EACH(B);
     link_head h;
     dc_err e;
     g->exchange_due = false;
@@ -449,8 +511,11 @@ static void exchange_start(dc_group *g) {
     h.reduction = g->terms.reduction;
     h.max_grad_norm = g->terms.max_grad_norm;
     h.noise_multiplier = g->terms.noise_multiplier;
+    h.has_rep = g->has_rep;
     memcpy(g->xsend, &h, sizeof h);
     memcpy(g->xsend + sizeof h, g->tot, B * sizeof(double));
+    if (g->has_rep) memcpy(g->xsend + sizeof h + B * sizeof(double), g->rep, B * sizeof(double));
+    else memset(g->xsend + sizeof h + B * sizeof(double), 0, B * sizeof(double));
     g->op.send = g->xsend;
     g->op.recv = g->xrecv;
     g->op.bytes = each;
@@ -698,12 +763,15 @@ int dc_group_deliver(dc_group *g, dc_group_waiter *w, dc_err *err) {
                           w->rank, (unsigned long long)w->step, (unsigned long long)g->cur);
     if (!g->active) {
         if (w->terms.batch > g->tot_cap) {
-            double *t = realloc(g->tot, w->terms.batch * sizeof *t);
-            if (!t) return dc_err_set(err, DC_ENOSPACE, "clip_step", "out of memory");
-            g->tot = t;
+            double *t = realloc(g->tot, w->terms.batch * sizeof *t), *r;
+            if (t) g->tot = t;
+            if (!t || !(r = realloc(g->rep, w->terms.batch * sizeof *r)))
+                return dc_err_set(err, DC_ENOSPACE, "clip_step", "out of memory");
+            g->rep = r;
             g->tot_cap = w->terms.batch;
         }
         memset(g->tot, 0, w->terms.batch * sizeof *g->tot);
+        g->has_rep = false;
         g->active = true;
         g->cur = w->step;
         g->terms = w->terms;
@@ -716,6 +784,19 @@ int dc_group_deliver(dc_group *g, dc_group_waiter *w, dc_err *err) {
                    "the members of norm group '%s' disagree on %s in group step %llu (rank %u "
                    "and rank %u)",
                    g->name, f, (unsigned long long)g->cur, g->first_rank, w->rank);
+        g->has_failed = true;
+        g->failed = g->cur;
+        g->failed_err = e;
+        fail_waiting(g, DC_EINVAL, &e);
+        *err = e;
+        return DC_EINVAL;
+    }
+    if (w->replicated && (f = replica_differs(g, w->rank, w->replicated))) {
+        dc_err e;
+        dc_err_set(&e, DC_EINVAL, "clip_step.layers.replicated",
+                   "norm group '%s', group step %llu: %s; replicated layers hold the same data "
+                   "on every member, whose copies are clipped by one copy's norms",
+                   g->name, (unsigned long long)g->cur, f);
         g->has_failed = true;
         g->failed = g->cur;
         g->failed_err = e;

@@ -36,6 +36,10 @@
 #include "dc_err.h"
 #include "nccl_link.h"
 
+/* How far two copies of the replicated layers may measure apart (relative,
+ * on squared norms): the rounding of one kernel plan against another. */
+#define DC_GROUP_REPLICA_TOL (1.0 / 1024.0)
+
 typedef enum dc_group_clipping {
     DC_GROUP_NORM_REDUCE = 0, /* norms summed over the group: exact flat clipping */
     DC_GROUP_WISE = 1         /* each member clips to C / sqrt(size) alone */
@@ -67,6 +71,11 @@ struct dc_group_waiter {
     dc_group_terms terms;
     const double *partial; /* [batch] this member's squared norms, summed over its layers;
                             * NULL: the step is delivered unrun (one-daemon groups), see fuse */
+    /* [batch] its replicated layers' squared norms, summed (their copies'
+     * norms count once, rank 0's, so every member's copy must measure the
+     * same: a copy that differs fails the group step on every member);
+     * NULL: no replicated layers. */
+    const double *replicated;
     /* Loop thread. rc 0: tot[batch] are the group's per-sample squared
      * norms (valid during the call). Else err says why the step fails. */
     void (*done)(dc_group_waiter *w, int rc, const double *tot, const dc_err *err);
@@ -186,6 +195,10 @@ void dc_group_fail(dc_group *g, uint32_t rank, uint64_t step, const dc_err *err)
 #define DC_GROUP_JOB_MAX 128 /* a ledger job id, whole (DC_LEDGER_JOB_MAX fits) */
 bool dc_group_covers(dc_group *g, uint32_t rank, uint64_t step, float sigma, const char *job);
 void dc_group_charged(dc_group *g, uint32_t rank, uint64_t step, float sigma, const char *job);
+
+/* Whether two copies of the replicated layers' per-sample squared norm
+ * agree within DC_GROUP_REPLICA_TOL (step_fuse.c checks the same). */
+bool dc_group_replicas_agree(double a, double b);
 
 /* The group's facts, for the session and /status. */
 uint64_t dc_group_id(const dc_group *g);

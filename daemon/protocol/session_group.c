@@ -226,13 +226,22 @@ static void norms_done(dc_job *job) {
     }
     /* This member's part of each sample's squared norm: a replicated
      * layer's is counted by rank 0 alone. */
+    bool replicated = false;
     for (uint32_t b = 0; b < B; b++) {
-        double p = 0.0;
-        for (size_t l = 0; l < j->step.n_layers; l++)
-            if (!j->step.layers[l].replicated || s->group_rank == 0) p += j->n2[l * B + b];
+        double p = 0.0, r = 0.0;
+        for (size_t l = 0; l < j->step.n_layers; l++) {
+            const bool rl = j->step.layers[l].replicated;
+            if (!rl || s->group_rank == 0) p += j->n2[l * B + b];
+            if (rl) r += j->n2[l * B + b];
+            replicated |= rl;
+        }
         j->partial[b] = p;
+        j->rep[b] = r;
     }
     j->gw.partial = j->partial; /* the rest was set at submission */
+    /* every member's copy of the replicated layers is measured against the
+     * others' (the one counted is rank 0's) */
+    j->gw.replicated = replicated ? j->rep : NULL;
     s->group_steps = j->group_step;
     if ((j->rc = dc_group_deliver(s->group, &j->gw, &e))) {
         j->err = e;
@@ -331,7 +340,8 @@ void dc_session_group_submit(dc_step_job *j) {
     j->n2 = malloc(LB * sizeof *j->n2);
     j->partial = malloc(j->step.batch * sizeof *j->partial);
     j->tot = malloc(j->step.batch * sizeof *j->tot);
-    if (!j->n2 || !j->partial || !j->tot) {
+    j->rep = malloc(j->step.batch * sizeof *j->rep);
+    if (!j->n2 || !j->partial || !j->tot || !j->rep) {
         dc_err_set(&j->err, DC_ENOSPACE, "clip_step", "out of memory");
         j->rc = DC_ENOSPACE;
         dc_group_fail(s->group, s->group_rank, j->group_step, &j->err);
@@ -346,6 +356,7 @@ void dc_session_group_submit(dc_step_job *j) {
     j->gw.device = j->step.device;
     j->gw.fuse = on_fuse;
     j->gw.unfuse = on_unfuse;
+    j->gw.replicated = NULL;
     if (s->srv->cfg.group_fuse && dc_group_daemons(s->group) <= 1) {
         j->gw.partial = NULL; /* unrun: the group decides (group.h) */
         j->t_submit = uv_hrtime();

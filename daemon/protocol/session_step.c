@@ -36,6 +36,7 @@ static void job_free(dc_step_job *j) {
     free(j->n2);
     free(j->partial);
     free(j->tot);
+    free(j->rep);
     if (j->cached) j->step.layers = NULL; /* the plan's */
     dc_validate_step_free(&j->step);
     free(j);

@@ -119,6 +119,7 @@ struct dc_step_job {
     uint64_t group_id;     /* the group it was prepared for (dc_group_id) */
     uint64_t group_step;
     double *n2, *partial, *tot;
+    double *rep;           /* [B] its replicated layers' squared norms (group.h) */
     dc_group_waiter gw;
     dc_step_job *fuse_next; /* the next member of a fused group step (rank order) */
     uint64_t group_wait_ns, group_exchange_ns; /* for the reply */

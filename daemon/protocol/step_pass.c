@@ -129,7 +129,10 @@ int dc_pass_new(dc_step_job *j, dc_pass **out, dc_err *e) {
         }
         p->tot[b] = t;
         r->norms[b] = (float)sqrt(t);
-        r->coefs[b] = dc_clip_coef(s->max_grad_norm, r->norms[b]);
+        /* the coefficients its sums will clip by: with the re-measurement's
+         * margin (step_pass.h), so that the reply says what is applied */
+        r->coefs[b] = dc_clip_coef(s->max_grad_norm,
+                                   (float)sqrt(t * (1.0 + DC_PHASE_RECHECK_TOL)));
     }
     for (size_t i = 0; i < L * B; i++) r->layer_norms[i] = (float)sqrt(j->n2[i]);
     p->n2 = j->n2;
@@ -211,6 +214,25 @@ fail:
     free(j->tot);
     j->n2 = j->tot = NULL;
     return rc;
+}
+
+int dc_phase_recheck(const dc_step *st, const double *then, const double *now, dc_err *e) {
+    const uint32_t B = st->batch;
+    for (size_t l = 0; l < st->n_layers; l++)
+        for (uint32_t b = 0; b < B; b++) {
+            double was = then[l * B + b], is = now[l * B + b];
+            if (is <= was * (1.0 + DC_PHASE_RECHECK_TOL)) continue; /* false for NaN */
+            return dc_err_set(e, DC_EINVAL, "clip_step.layers",
+                              "layer %zu ('%s'), sample %u: its data changed since its norms "
+                              "were measured (squared norm %.6g, then %.6g): a clipped sum is "
+                              "only released for the data its norms measured; nothing was "
+                              "written", l, st->layers[l].name, b, is, was);
+        }
+    return 0;
+}
+
+void dc_phase_margin(double *tot, uint32_t batch) {
+    for (uint32_t b = 0; b < batch; b++) tot[b] *= 1.0 + DC_PHASE_RECHECK_TOL;
 }
 
 uint64_t dc_pass_bytes(uint32_t batch, size_t n_layers) {

@@ -38,6 +38,19 @@ int dc_pass_new(dc_step_job *j, dc_pass **out, dc_err *e);
  * (j->n2, j->tot, owned by the job). p may be NULL (no pass: refused). */
 int dc_pass_take(dc_pass *p, dc_step_job *j, dc_err *e);
 
+/* A clip phase that runs in a later job than its norms (a sums step's
+ * pass; a grouped member's norm phase before the group's reduction) reads
+ * client memory the client may have rewritten since. So it measures again
+ * (step_run.c) and refuses any layer and sample whose squared norm grew by
+ * more than the bound below (the kernels' rounding between two plans of
+ * the same data), and clips by totals raised by the same bound: what it
+ * releases is clipped whatever the memory held at either time.
+ * dc_phase_recheck compares then[L*B] with now[L*B] (a non-finite value
+ * fails too), naming the layer and sample; dc_phase_margin raises tot[B]. */
+#define DC_PHASE_RECHECK_TOL (1.0 / 1024.0)
+int dc_phase_recheck(const dc_step *st, const double *then, const double *now, dc_err *e);
+void dc_phase_margin(double *tot, uint32_t batch);
+
 /* The host bytes a pass of n_layers layers and batch samples holds between
  * its steps (what the pass-memory limits count). */
 uint64_t dc_pass_bytes(uint32_t batch, size_t n_layers);

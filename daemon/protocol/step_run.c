@@ -1,9 +1,13 @@
 #include "step_run.h"
 
+#include <math.h>
 #include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
 #include <uv.h>
 
 #include "gpu.h"
+#include "step_pass.h"
 
 
 /* Worker thread, inside the backend's run_step: everything that writes the
@@ -40,6 +44,34 @@ int dc_step_run_prepare(dc_step_job *j, dc_err *e) {
     return 0;
 }
 
+/* The clip phase of a step whose norms an earlier job measured (j->n2,
+ * totals j->tot): measured again, checked and clipped with the margin
+ * (step_pass.h, dc_phase_recheck). The reply's norms stay the totals'. */
+static int clip_checked(dc_step_job *j, dc_backend *be) {
+    const uint32_t B = j->step.batch;
+    const size_t LB = j->step.n_layers * (size_t)B;
+    double *now = NULL, *tot = NULL;
+    int rc;
+    if (!be->ops->run_norms || !be->ops->run_clip)
+        return dc_err_set(&j->err, DC_EUNIMPL, "clip_step.phase",
+                          "the %s backend has no separate clip phase", be->ops->name);
+    if (!(now = malloc((LB ? LB : 1) * sizeof *now)) || !(tot = malloc((B ? B : 1) * sizeof *tot))) {
+        rc = dc_err_set(&j->err, DC_ENOSPACE, "clip_step", "out of memory");
+        goto out;
+    }
+    if ((rc = be->ops->run_norms(be, &j->step, now, &j->err)) ||
+        (rc = dc_phase_recheck(&j->step, j->n2, now, &j->err)))
+        goto out;
+    memcpy(tot, j->tot, B * sizeof *tot);
+    dc_phase_margin(tot, B);
+    if ((rc = be->ops->run_clip(be, &j->step, j->n2, tot, &j->res, &j->err))) goto out;
+    for (uint32_t b = 0; b < B; b++) j->res.norms[b] = (float)sqrt(j->tot[b]);
+out:
+    free(now);
+    free(tot);
+    return rc;
+}
+
 /* The whole step, or (sums) the clip phase of a step in phases with the
  * norm pass's totals (step_pass.c). */
 static void run_step(dc_step_job *j, dc_backend *be, bool sums) {
@@ -54,13 +86,8 @@ static void run_step(dc_step_job *j, dc_backend *be, bool sums) {
         return;
     }
     j->t_waited = uv_hrtime();
-    if (!sums)
-        j->rc = dc_backend_run_step(be, &j->step, &j->res, &j->err);
-    else if (be->ops->run_clip)
-        j->rc = be->ops->run_clip(be, &j->step, j->n2, j->tot, &j->res, &j->err);
-    else
-        j->rc = dc_err_set(&j->err, DC_EUNIMPL, "clip_step.phase",
-                           "the %s backend has no separate clip phase", be->ops->name);
+    if (!sums) j->rc = dc_backend_run_step(be, &j->step, &j->res, &j->err);
+    else j->rc = clip_checked(j, be);
     if (j->rc && j->res.released) dc_step_run_released_error(&j->err);
     if (j->rc == 0 && j->signal_event && !j->signaled) {
         j->res.released = true; /* the outputs are written, whatever happens next */
@@ -112,7 +139,7 @@ void dc_step_run_clip_work(dc_job *job, dc_backend *be) {
     j->t_start = j->t_waited = uv_hrtime();
     j->be = be;
     dc_err_clear(&j->err);
-    j->rc = be->ops->run_clip(be, &j->step, j->n2, j->tot, &j->res, &j->err);
+    j->rc = clip_checked(j, be);
     if (j->rc == 0 && j->signal_event) { /* the client's stream may go on */
         j->res.released = true;
         j->rc = dc_gpu_record_event(be, j->signal_event, &j->err);

@@ -24,6 +24,12 @@ void dc_group_sq(dc_shm_step *st, int n, double *tot);
 /* A threshold between the middle two of the model's norms: it clips half. */
 float dc_group_median(dc_shm_step *st, int n);
 void dc_group_set_c(dc_shm_step *st, int n, float C, float sigma);
+/* Whether the group steps checked next run in phases (groups.fuse off, a
+ * fused step over the limits, groups across daemons): their clip phase
+ * measures again and clips with the margin DC_PHASE_RECHECK_TOL on squared
+ * norms (step_pass.h), which the reference coefficients then include. */
+extern int dc_group_phased;
+
 /* Asserts norms, coefficients and every member's clipped sums against the
  * whole model's reference at threshold C. */
 void dc_group_check(dc_shm_step *st, int n, const dpclip_result *res, float C);
