@@ -97,6 +97,7 @@ static void test_charge_and_refund(void **state) {
     dc_config c;
     dc_metrics *m = calloc(1, sizeof *m);
     dc_step_job *j;
+    dc_step_charge kind;
     dc_err e;
     (void)state;
 
@@ -108,7 +109,8 @@ static void test_charge_and_refund(void **state) {
     j = job_of(0.01, 1.0f, 0, 0);
     assert_int_equal(dc_step_account_check(j, &c, &e), 0);
     assert_int_equal(dc_step_account_terms(j, acct, &e), 0);
-    assert_int_equal(dc_step_account_charge(j, acct, false, &c, m, &e), 0);
+    assert_int_equal(dc_step_account_charge(j, acct, false, &c, m, &kind, &e), 0);
+    assert_int_equal(kind, DC_STEP_CHARGED);
     assert_ptr_equal(j->ljob, acct);
     assert_int_equal(acct->steps, 1);
     assert_true(acct->eps > 0);
@@ -124,17 +126,22 @@ static void test_charge_and_refund(void **state) {
     assert_int_equal(acct->steps, 0);
 
     /* a norm group's member past rank 0: rank 0 pays for the group step */
-    assert_int_equal(dc_step_account_charge(j, acct, true, &c, m, &e), 0);
+    assert_int_equal(dc_step_account_charge(j, acct, true, &c, m, &kind, &e), 0);
+    assert_int_equal(kind, DC_STEP_COVERED);
     assert_null(j->ljob);
     assert_int_equal(acct->steps, 0);
 
-    /* a noiseless step of one of a job's two sessions: a share */
-    acct->sessions = 2;
+    /* a noiseless step of one of a job's several sessions that declares no
+     * data parallelism is no share: charged, as no privacy */
+    acct->sessions = 21;
     j->sigma = 0;
-    assert_int_equal(dc_step_account_charge(j, acct, false, &c, m, &e), 0);
-    assert_null(j->ljob);
-    assert_int_equal(acct->shares, 1);
-    assert_int_equal(acct->steps, 0);
+    assert_int_equal(dc_step_account_charge(j, acct, false, &c, m, &kind, &e), 0);
+    assert_int_equal(kind, DC_STEP_CHARGED);
+    assert_ptr_equal(j->ljob, acct);
+    assert_int_equal(acct->shares, 0);
+    assert_int_equal(acct->steps, 1);
+    assert_true(isinf(acct->eps));
+    assert_true(isinf(j->eps));
     assert_int_equal(m->budget_refusals, 0);
     free(j);
     free(m);
@@ -147,6 +154,7 @@ static void test_budgets(void **state) {
     dc_config c;
     dc_metrics *m = calloc(1, sizeof *m);
     dc_step_job *j;
+    dc_step_charge kind;
     dc_err e;
     (void)state;
 
@@ -159,7 +167,7 @@ static void test_budgets(void **state) {
     j = job_of(0.5, 0.5f, 0, 0.01);
     assert_int_equal(dc_step_account_check(j, &c, &e), 0);
     assert_int_equal(dc_step_account_terms(j, acct, &e), 0);
-    assert_int_equal(dc_step_account_charge(j, acct, false, &c, m, &e), DC_ENOSPACE);
+    assert_int_equal(dc_step_account_charge(j, acct, false, &c, m, &kind, &e), DC_ENOSPACE);
     assert_string_equal(e.field, "clip_step.target_epsilon");
     assert_null(j->ljob);
     assert_int_equal(acct->steps, 0);
@@ -174,7 +182,7 @@ static void test_budgets(void **state) {
     j = job_of(0.5, 0.5f, 0, 0);
     assert_int_equal(dc_step_account_check(j, &c, &e), 0);
     assert_int_equal(dc_step_account_terms(j, acct, &e), 0);
-    assert_int_equal(dc_step_account_charge(j, acct, false, &c, m, &e), DC_ENOSPACE);
+    assert_int_equal(dc_step_account_charge(j, acct, false, &c, m, &kind, &e), DC_ENOSPACE);
     assert_string_equal(e.field, "ledger.budget_epsilon");
     assert_int_equal(m->budget_refusals, 2);
     assert_int_equal(acct->steps, 0);
@@ -222,6 +230,7 @@ static void test_durable(void **state) {
     dc_config c;
     dc_metrics *m = calloc(1, sizeof *m);
     dc_step_job *j;
+    dc_step_charge kind;
     dc_err e;
     bool wait = true;
     char moved[300];
@@ -237,7 +246,7 @@ static void test_durable(void **state) {
     acct->sessions = 1;
     j = job_of(0.01, 1.0f, 0, 0);
     assert_int_equal(dc_step_account_check(j, &c, &e), 0);
-    assert_int_equal(dc_step_account_charge(j, acct, false, &c, m, &e), 0);
+    assert_int_equal(dc_step_account_charge(j, acct, false, &c, m, &kind, &e), 0);
     assert_int_equal(dc_step_account_durable(j, resume, &wait, &e), 0);
     assert_false(wait);
     free(j);
@@ -250,7 +259,7 @@ static void test_durable(void **state) {
     acct->sessions = 1;
     j = job_of(0.01, 1.0f, 0, 0);
     assert_int_equal(dc_step_account_check(j, &c, &e), 0);
-    assert_int_equal(dc_step_account_charge(j, acct, false, &c, m, &e), 0);
+    assert_int_equal(dc_step_account_charge(j, acct, false, &c, m, &kind, &e), 0);
     g_resumed = 0;
     assert_int_equal(dc_step_account_durable(j, resume, &wait, &e), 0);
     assert_true(wait);
@@ -266,7 +275,7 @@ static void test_durable(void **state) {
     snprintf(moved, sizeof moved, "%s.moved", g_dir);
     assert_int_equal(rename(g_dir, moved), 0);
     memset(&j->wait, 0, sizeof j->wait);
-    assert_int_equal(dc_step_account_charge(j, acct, false, &c, m, &e), 0);
+    assert_int_equal(dc_step_account_charge(j, acct, false, &c, m, &kind, &e), 0);
     assert_int_equal(acct->steps, 2);
     g_resumed = 0;
     assert_int_equal(dc_step_account_durable(j, resume, &wait, &e), 0);

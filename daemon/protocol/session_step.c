@@ -230,11 +230,15 @@ static void step_charge(dc_step_job *j, bool async) {
     dc_server *srv = s->srv;
     bool wait;
     dc_err e;
+    dc_step_charge kind;
     bool covered = s->group && dc_group_covers(s->group, s->group_rank, j->group_step,
                                                (float)j->sigma);
-    if (dc_step_account_charge(j, s->ljob, covered, &srv->cfg, &srv->metrics, &e)) goto fail;
-    if (s->group && !covered) dc_group_charged(s->group, s->group_rank, j->group_step,
-                                               (float)j->sigma);
+    if (dc_step_account_charge(j, s->ljob, covered, &srv->cfg, &srv->metrics, &kind, &e))
+        goto fail;
+    /* only a charge covers the group's members: a share or a covered step
+     * paid nothing */
+    if (s->group && kind == DC_STEP_CHARGED) dc_group_charged(s->group, s->group_rank,
+                                                              j->group_step, (float)j->sigma);
     j->t_checked = uv_hrtime();
     s->job = j;
     if (dc_step_account_durable(j, step_durable, &wait, &e)) goto fail;
