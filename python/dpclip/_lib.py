@@ -191,6 +191,7 @@ def _declare(L: ctypes.CDLL) -> None:
                                              ctypes.POINTER(GroupLink), u64p]),
         "dpclip_step_set_replicated": (c_int, [c_void_p, ctypes.c_size_t, c_int]),
         "dpclip_step_set_tied": (c_int, [c_void_p, ctypes.c_size_t, ctypes.c_size_t]),
+        "dpclip_insecure": (c_int, [c_void_p]),
     }
     for name, (res, args) in sig.items():
         fn = getattr(L, name)
@@ -271,6 +272,13 @@ class Client:
 
     def check(self, rc: int) -> None:
         check(self._h, rc)
+
+    @property
+    def insecure(self) -> bool:
+        """True when the daemon said (on every reply, the Hello's first) that
+        it runs with --insecure-fixed-seed: its noise is predictable, so
+        nothing it computes is private, whatever epsilon it reports."""
+        return bool(self._L.dpclip_insecure(self.handle))
 
     def ping(self) -> None:
         self.check(self._L.dpclip_ping(self.handle))

@@ -56,6 +56,7 @@ import math
 import secrets
 import sys
 import time
+import warnings
 from typing import Any, Iterable, List, Optional, Tuple, Union
 
 from . import _needs_torch  # noqa: F401  (says which python3 has torch when it is missing)
@@ -103,14 +104,21 @@ class PrivacyEngine:
     pass one to continue a run's account or share it (at most 63 bytes).
     Data parallel: every rank uses rank 0's (make_private broadcasts it; a
     rank given another is refused), since the daemon counts the sigma-0
-    steps of the other ranks as shares of rank 0's job."""
+    steps of the other ranks as shares of rank 0's job.
+    allow_insecure_seed: a daemon started with --insecure-fixed-seed (tests
+    only: its noise is predictable, so nothing it releases is private,
+    whatever epsilon it reports) is refused (DpclipError, code
+    DPCLIP_EPERM) unless this is True; then the engine warns once
+    (UserWarning) and trains."""
 
     def __init__(self, socket_path: Optional[str] = None, *, client_name: str = "dpclip-torch",
-                 job_id: Optional[str] = None) -> None:
+                 job_id: Optional[str] = None, allow_insecure_seed: bool = False) -> None:
         self._socket_path = socket_path
         self._client_name = client_name
         self._job_given = job_id is not None
         self.job_id: str = job_id if job_id is not None else fresh_job_id()
+        self.allow_insecure_seed = bool(allow_insecure_seed)
+        self._warned_insecure = False
         self._connect()
         self.active = False
         self._layers: List[_Layer] = []
@@ -148,8 +156,30 @@ class PrivacyEngine:
         """(Re)connects under self.job_id; the transports start empty."""
         self.client = _lib.Client(self._socket_path, client_name=self._client_name,
                                   job_id=self.job_id)
+        self.check_daemon(self.client)
         self._host = HostArena(self.client)     # CPU tensors: a shared-memory arena
         self._cuda = CudaIPC(self.client)       # GPU tensors: CUDA IPC and events
+
+    def check_daemon(self, client: _lib.Client) -> None:
+        """Refuses (closing client) a daemon whose noise is predictable
+        (--insecure-fixed-seed) unless allow_insecure_seed; warns once per
+        engine where it is allowed."""
+        if not client.insecure:
+            return
+        if not self.allow_insecure_seed:
+            path = client.socket_path
+            client.close()
+            raise DpclipError(
+                _lib.EPERM, "", "dpclipd at %s runs with --insecure-fixed-seed: its noise is "
+                "predictable, so nothing trained through it is private, whatever epsilon it "
+                "reports; restart it without that flag, or pass allow_insecure_seed=True to "
+                "PrivacyEngine (tests only)" % path)
+        if not self._warned_insecure:
+            self._warned_insecure = True
+            warnings.warn("dpclip: dpclipd at %s runs with --insecure-fixed-seed: its noise is "
+                          "predictable and nothing trained through it is private (allowed by "
+                          "allow_insecure_seed=True)" % client.socket_path, UserWarning,
+                          stacklevel=4)  # the caller of PrivacyEngine()
 
     def _agree_job_id(self, group: Any = None, src: int = 0) -> None:
         """Data parallel, or a norm group (every rank of `group` calls it;
@@ -695,12 +725,13 @@ def _loader_kind(loader: Optional[DataLoader], poisson_sampling: bool, secure_mo
 def make_private(model: nn.Module, optimizer: Optional[torch.optim.Optimizer],
                  data_loader: Optional[DataLoader] = None, *, noise_multiplier: float,
                  max_grad_norm: float, loss_reduction: str = "mean",
-                 socket_path: Optional[str] = None, job_id: Optional[str] = None, **kwargs: Any
+                 socket_path: Optional[str] = None, job_id: Optional[str] = None,
+                 allow_insecure_seed: bool = False, **kwargs: Any
                  ) -> Tuple[nn.Module, Optional[torch.optim.Optimizer], Optional[DataLoader]]:
-    """Opacus-shaped shorthand: a PrivacyEngine on socket_path (job_id: its
-    ledger account, as PrivacyEngine's) attached to model; returns (model,
-    optimizer, data_loader). The engine is optimizer.engine."""
-    engine = PrivacyEngine(socket_path, job_id=job_id)
+    """Opacus-shaped shorthand: a PrivacyEngine on socket_path (job_id,
+    allow_insecure_seed: as PrivacyEngine's) attached to model; returns
+    (model, optimizer, data_loader). The engine is optimizer.engine."""
+    engine = PrivacyEngine(socket_path, job_id=job_id, allow_insecure_seed=allow_insecure_seed)
     return engine.make_private(module=model, optimizer=optimizer, data_loader=data_loader,
                                noise_multiplier=noise_multiplier, max_grad_norm=max_grad_norm,
                                loss_reduction=loss_reduction, **kwargs)
