@@ -240,7 +240,9 @@ class PrivacyEngine:
         (see dpclip.data); a DPDataLoader given must then be in secure mode.
         sample_rate: the Poisson rate q the daemon's privacy ledger accounts
         each step at (default: the DPDataLoader's; else 0, which the ledger
-        counts as q = 1). target_delta / target_epsilon: the delta epsilon is
+        counts as q = 1); one given beside a DPDataLoader (given, or made
+        here) that samples at another rate is refused, naming both.
+        target_delta / target_epsilon: the delta epsilon is
         reported at (engine.last_epsilon, last_delta) and the job's budget,
         past which the daemon refuses steps (0 = the daemon's defaults).
         asynchronous (GPU models): optimizer.step() returns as soon as the
@@ -424,6 +426,14 @@ class PrivacyEngine:
             data_loader = DPDataLoader.from_data_loader(data_loader, distributed=self.distributed,
                                                         secure_mode=secure_mode, generator=gen,
                                                         **replica)
+        if sample_rate is not None and isinstance(data_loader, DPDataLoader) and not \
+                math.isclose(float(sample_rate), data_loader.sample_rate, rel_tol=1e-9):
+            # the ledger would account a q the batches are not drawn at
+            raise ValueError(
+                "sample_rate=%r disagrees with the data loader's: the DPDataLoader samples "
+                "each record with probability %r, and the ledger must account the rate the "
+                "batches are drawn at; leave sample_rate out (the loader's is taken) or make "
+                "them agree" % (sample_rate, data_loader.sample_rate))
         if expected_batch_size is None:
             if isinstance(data_loader, DPDataLoader):
                 expected_batch_size = data_loader.expected_batch_size
