@@ -572,9 +572,9 @@ def _collect_layers(engine: Any, module: nn.Module
             norms.append((name, m))
         own = [(pn, p) for pn, p in m.named_parameters(recurse=False) if p.requires_grad]
         made = _registry.layers_for(engine, name, m)
+        if own:  # each trained by some layer, checked once every layer is known
+            pending.append((name, m, own, made is not None))
         if made is None:
-            if own:
-                pending.append((name, m, own))
             continue
         for l in made:
             for p in (l.weight, l.bias):
@@ -592,10 +592,20 @@ def _collect_layers(engine: Any, module: nn.Module
                                "bias" if p is l.bias else "weight"))
                     _tie(other, l)
             layers.append(l)
-    for name, m, own in pending:
+    for name, m, own, supported in pending:
         left = [pn for pn, p in own if id(p) not in owner]
-        if left:
+        if left and not supported:
             raise _registry.unsupported(name, m, left)
+        if left:
+            # an extra parameter on a module dpclip trains (used by its
+            # parent or a hook): its gradient would be autograd's, unclipped
+            kept = [pn for pn, p in own if id(p) in owner]
+            raise UnsupportedModuleError(
+                "module %s has trainable parameters dpclip does not train (%s): it trains "
+                "%s, what the module computes as dpclip knows it; a parameter added to it is "
+                "used elsewhere (by its parent, by a hook), where no per-sample gradient is "
+                "formed. Freeze it, or hold it in a module dpclip trains"
+                % (_label(name, m), ", ".join(left), ", ".join(kept) or "none of them"))
     if not layers:
         raise UnsupportedModuleError("the module has no trainable parameters to train privately")
     bind_outputs(layers)

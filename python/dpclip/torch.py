@@ -69,6 +69,7 @@ from . import _fsdp, _group, _lib, _parallel, _planner
 from ._cuda import CudaIPC
 from ._host import HostArena
 from ._lib import DpclipError
+from ._guard import Guard, UnclippedGradientError
 from ._optimizer import DPOptimizer
 from .data import DPDataLoader
 from ._layers import (  # noqa: F401  (UnsupportedModuleError is public API)
@@ -80,6 +81,7 @@ from .losses import (  # noqa: F401  (public API)
     cross_entropy, per_sample_cross_entropy, reduce_loss, sequence_cross_entropy)
 
 __all__ = ["PrivacyEngine", "make_private", "DPOptimizer", "UnsupportedModuleError",
+           "UnclippedGradientError",
            "cross_entropy", "per_sample_cross_entropy", "sequence_cross_entropy", "reduce_loss",
            "DpclipError", "fresh_job_id", "register", "DPMultiheadAttention", "replace_mha"]
 
@@ -126,6 +128,7 @@ class PrivacyEngine:
         self._step: Optional[_lib.Step] = None
         self._hook = None
         self._norm_hooks: list = []  # normalizations' checks against mixing samples
+        self._guard: Optional[Guard] = None  # fail closed at step(): see dpclip._guard
         self.module: Optional[nn.Module] = None
         self.steps = 0
         self._last_norms: Optional[torch.Tensor] = None
@@ -472,6 +475,10 @@ class PrivacyEngine:
         """Swaps in the layers' forwards and hooks the module: a pass count,
         and each normalization's check against mixing samples."""
         self._layers = layers
+        # FSDP2's sharded parameters get their gradients through its own
+        # hooks: only the optimizer's parameters are checked there
+        self._guard = Guard(_planner.params(layers),
+                            hooks=self._shards is None or not self._shards.fsdp)
         for l in layers:
             l.attach()
         # A plain function, not a bound method: copy.deepcopy of the model
@@ -504,6 +511,8 @@ class PrivacyEngine:
         for h in self._norm_hooks:
             h.remove()
         self._norm_hooks = []
+        if self._guard is not None:
+            self._guard.remove()
         self.active = False
         self.module = None
 
@@ -595,12 +604,21 @@ class PrivacyEngine:
         """Forget what was captured since the last step."""
         for l in self._layers:
             l.records.clear()
+        if self._guard is not None:
+            self._guard.clear()
 
     # -- the step -------------------------------------------------------------------
-    def step(self) -> None:
+    def step(self, params: Optional[Iterable[torch.Tensor]] = None) -> None:
         """Send the captured activations and output gradients as one
         ClipStep and write the private gradient into each parameter's .grad
-        (replacing what was there). Called by DPOptimizer.step().
+        (replacing what was there). Called by DPOptimizer.step(), with the
+        optimizer's parameters as params.
+
+        Fail closed (dpclip._guard): first, where a parameter the engine
+        trains received a gradient from autograd since the last step (a use
+        outside its module), or one of params that it does not train holds
+        a gradient, it raises UnclippedGradientError naming the parameter,
+        before anything is sent or updated.
 
         Data parallel: every rank joins the all-reduce even when its own
         step failed (with zero gradients and a failure flag), so the ranks
@@ -612,6 +630,7 @@ class PrivacyEngine:
         if self.steps == 0:
             _fsdp.check_unwrapped(self._layers)
         if self._shards is not None:
+            self._guard.check(self.module, params)
             try:
                 self._shards.step()
             finally:
@@ -623,7 +642,7 @@ class PrivacyEngine:
         try:
             self._collect()
             try:
-                ok = self._step_local()
+                ok = self._step_local(params)
             except Exception as e:  # pylint: disable=broad-except
                 if not gated:
                     raise
@@ -639,10 +658,11 @@ class PrivacyEngine:
         else:
             self.steps += 1
 
-    def _step_local(self) -> Optional[torch.Tensor]:
+    def _step_local(self, params: Optional[Iterable[torch.Tensor]]) -> Optional[torch.Tensor]:
         """This process's step; returns (data parallel) a [1] f32 tensor on
         the gradients' device: 1 where the step's result is in param.grad,
         0 where it is not."""
+        self._guard.check(self.module, params)
         passes = {pid for l in self._layers for _, _, pid in l.records}
         if len(passes) > 1:
             raise RuntimeError(
