@@ -608,6 +608,13 @@ static void test_data_parallel_members(void **state) {
     assert_int_equal(m.role, DC_DP_CHARGED);
     assert_int_equal(j->steps, 3);
 
+    /* the last number: taken once, and then the rank has no next */
+    m = dp_member(3, 2, 1.0, (UINT64_C(1) << 63) - 1);
+    assert_int_equal(take(&l, j, &m, 0.0, 0.1, &e), 0);
+    m = dp_member(3, 2, 1.0, 0);
+    assert_int_equal(take(&l, j, &m, 0.0, 0.1, &e), DC_EPRECOND);
+    assert_string_equal(e.field, "clip_step.data_parallel.step");
+
     /* the window: a step pushed out is charged again by a late member */
     for (uint64_t k = 100; k < 100 + DC_LEDGER_DP_WINDOW + 1; k++) {
         m = dp_member(3, 0, 1.0, k);

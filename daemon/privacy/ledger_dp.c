@@ -111,6 +111,10 @@ int dc_ledger_dp_plan(dc_ledger_job *j, const dc_dp_member *m, double step_sigma
                           "rank's next", m->rank, j->job, j->uid, (unsigned long long)next,
                           (unsigned long long)dp->newest, (unsigned long long)m->step);
     plan->step = m->step ? m->step : next;
+    if (plan->step >= DP_STEP_MAX) /* a rank that named 2^63 - 1 has no next */
+        return dc_err_set(err, DC_EPRECOND, "clip_step.data_parallel.step",
+                          "rank %u of job '%s' (uid %u) has no logical step left below 2^63",
+                          m->rank, j->job, j->uid);
     plan->charge = !(o = find_open(dp, plan->step));
     if (plan->charge) return 0;
     if (t->q != o->terms.q)
