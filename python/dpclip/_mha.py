@@ -77,23 +77,34 @@ class DPMultiheadAttention(nn.Module):
         self.train(m.training)
         self._dp = _Slots()
 
-    def _proj(self, i: int, x: torch.Tensor) -> torch.Tensor:
+    def _wb(self, i: int) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """Projection i's weight and bias (views of in_proj_*)."""
         E = self.embed_dim
         if self._qkv_same_embed_dim:
             w = self.in_proj_weight[i * E:(i + 1) * E]
         else:
             w = (self.q_proj_weight, self.k_proj_weight, self.v_proj_weight)[i]
         b = self.in_proj_bias[i * E:(i + 1) * E] if self.in_proj_bias is not None else None
+        return w, b
+
+    def _proj(self, i: int, x: torch.Tensor) -> torch.Tensor:
+        w, b = self._wb(i)
         l = self._dp[i]
         if l is not None and l.active():
-            return _LinearFn.apply(x, w, b, l)
+            y = _LinearFn.apply(x, w, b, l)
+            if l.verify is not None:  # the first-step check (dpclip._verify)
+                l.verify(l, (x,), {}, y)
+            return y
         return F.linear(x, w, b)
 
     def _bias_kv(self, i: int, B: int) -> torch.Tensor:
         p = self.bias_k if i == 0 else self.bias_v
         l = self._dp[3 + i]
         if l is not None and l.active():
-            return _BiasKVFn.apply(p, B, l)
+            y = _BiasKVFn.apply(p, B, l)
+            if l.verify is not None:
+                l.verify(l, (B,), {}, y)
+            return y
         return p.reshape(1, 1, -1).expand(B, 1, p.shape[-1])
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -213,6 +224,9 @@ class _ProjLayer(_Layer):
     def detach(self):
         self.module._dp[self.i] = None
 
+    def reference(self, mod, x):
+        return F.linear(x, *mod._wb(self.i))
+
     def parts(self, B, nb):
         inp, g, T = self.captured(B)
         b = (self.b_out, self.i * self.p, (self.p,)) if self.bias is not None else None
@@ -236,6 +250,9 @@ class _BiasKVLayer(_Layer):
 
     def detach(self):
         self.module._dp[3 + self.i] = None
+
+    def reference(self, mod, B):
+        return mod._bias_kv(self.i, B)  # no layer active: the plain expand
 
     def parts(self, B, nb):
         v = None

@@ -18,7 +18,11 @@ autograd never runs the weight-gradient GEMMs. Instead each module's input
 sends the daemon one ClipStep naming all of them; the daemon computes the
 per-sample norms, clips, sums, adds N(0, (sigma*C)^2) and writes the private
 gradient, which lands in param.grad (divided by the expected batch size with
-a mean loss).
+a mean loss). A subclass of one of these with a forward of its own is
+trained only where registered as kind="subclass" (dpclip._registry), and
+every module dpclip trains is checked against autograd through its own
+code on the first step (dpclip._verify). Fail closed: step() refuses a
+gradient the daemon did not compute (dpclip._guard).
 
 The engine is this module; dpclip._planner lays out each step, and the
 transports move the tensors: dpclip._host (CPU tensors, through one
@@ -65,7 +69,7 @@ import torch
 import torch.nn as nn
 from torch.utils.data import DataLoader
 
-from . import _fsdp, _group, _lib, _parallel, _planner
+from . import _fsdp, _group, _lib, _parallel, _planner, _verify
 from ._cuda import CudaIPC
 from ._host import HostArena
 from ._lib import DpclipError
@@ -129,6 +133,7 @@ class PrivacyEngine:
         self._hook = None
         self._norm_hooks: list = []  # normalizations' checks against mixing samples
         self._guard: Optional[Guard] = None  # fail closed at step(): see dpclip._guard
+        self._reference = False  # the first-step check runs modules' own code (_verify)
         self.module: Optional[nn.Module] = None
         self.steps = 0
         self._last_norms: Optional[torch.Tensor] = None
@@ -214,7 +219,7 @@ class PrivacyEngine:
                      norm_group_clipping: str = "flat",
                      replicated_modules: Iterable[Union[nn.Module, str]] = (),
                      norm_group_timeout_ms: int = 0, sharded_noise: bool = False,
-                     replace_mha: bool = False
+                     replace_mha: bool = False, check_first_step: bool = True
                      ) -> Tuple[nn.Module, Optional[torch.optim.Optimizer], Optional[DataLoader]]:
         """Attach to `module`; returns (module, optimizer, data_loader), the
         optimizer wrapped so that step() first fills param.grad with the
@@ -239,6 +244,14 @@ class PrivacyEngine:
         replace_mha: swap every nn.MultiheadAttention in module for a
         DPMultiheadAttention first (the same function and parameters, from
         parts dpclip trains; see dpclip._mha).
+        check_first_step (default True): check every module dpclip trains
+        once, on the first K = 2 samples of its first training forward and
+        step, in float64 against autograd through the module's own code:
+        its output, and each trained parameter's per-sample gradient by
+        dpclip's rule; UnsupportedModuleError naming the module and the
+        parameter on a difference, before anything is sent or updated
+        (dpclip._verify). False turns the check off. (FSDP2 models, whose
+        parameters are DTensors, are not checked.)
         secure_mode: the loader made here draws its masks from os.urandom
         (see dpclip.data); a DPDataLoader given must then be in secure mode.
         sample_rate: the Poisson rate q the daemon's privacy ledger accounts
@@ -304,6 +317,9 @@ class PrivacyEngine:
         if replace_mha:
             _mha.replace_mha(module)
         layers, norms = _collect_layers(self, module)
+        if check_first_step and not fsdp:
+            for l in layers:
+                l.verify = _verify.Probe()
         device = layers[0].weight.device
         if distributed is None:
             distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
@@ -604,6 +620,8 @@ class PrivacyEngine:
         """Forget what was captured since the last step."""
         for l in self._layers:
             l.records.clear()
+            if l.verify is not None:
+                l.verify.uses = []  # the first-step check's record of the same calls
         if self._guard is not None:
             self._guard.clear()
 
@@ -631,6 +649,9 @@ class PrivacyEngine:
             _fsdp.check_unwrapped(self._layers)
         if self._shards is not None:
             self._guard.check(self.module, params)
+            if self._probing():
+                B = _planner.batch_size(self._layers)
+                _verify.check_step(self, _planner.plan(self._layers, B), B)
             try:
                 self._shards.step()
             finally:
@@ -677,6 +698,8 @@ class PrivacyEngine:
         device = self._device()
         t0 = time.perf_counter()
         plan = _planner.plan(self._layers, B)
+        if self._probing():
+            _verify.check_step(self, plan, B)
         nb = max(B, 1)
         if device.type == "cuda":
             run = self._cuda.run(self._step, plan, nb, device, self.algorithm,
@@ -692,6 +715,10 @@ class PrivacyEngine:
         self._finish(res, B)
         self._timing(t0, t1, t2, True)
         return torch.ones(1)
+
+    def _probing(self) -> bool:
+        """A layer's first-step check is still to run."""
+        return any(l.verify is not None for l in self._layers)
 
     @property
     def norm_group_name(self) -> Optional[str]:
