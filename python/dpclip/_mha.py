@@ -25,11 +25,12 @@ __all__ = ["DPMultiheadAttention", "replace_mha"]
 
 class _Slots(list):
     """The engine's layers of a DPMultiheadAttention (q, k, v projections;
-    bias_k, bias_v): a copy or pickle of the model gets empty ones, never
-    the engine."""
+    bias_k, bias_v), the nn.MultiheadAttention it replaced (from_module)
+    and the engine's check of it against that module (dpclip._verify): a
+    copy or pickle of the model gets empty ones, never the engine."""
 
     def __init__(self):
-        super().__init__([None] * 5)
+        super().__init__([None] * 7)
 
     def __deepcopy__(self, memo):
         return _Slots()
@@ -76,6 +77,7 @@ class DPMultiheadAttention(nn.Module):
         self.out_proj = m.out_proj
         self.train(m.training)
         self._dp = _Slots()
+        self._dp[5] = m  # what it replaced, for the first-step check
 
     def _wb(self, i: int) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
         """Projection i's weight and bias (views of in_proj_*)."""
@@ -108,6 +110,20 @@ class DPMultiheadAttention(nn.Module):
         return p.reshape(1, 1, -1).expand(B, 1, p.shape[-1])
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                key_padding_mask: Optional[torch.Tensor] = None, need_weights: bool = True,
+                attn_mask: Optional[torch.Tensor] = None, average_attn_weights: bool = True,
+                is_causal: bool = False) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        kw = dict(key_padding_mask=key_padding_mask, need_weights=need_weights,
+                  attn_mask=attn_mask, average_attn_weights=average_attn_weights)
+        if is_causal:  # (torch 1.13's nn.MultiheadAttention has no is_causal)
+            kw["is_causal"] = True
+        out = self._attend(query, key, value, **kw)
+        check = self._dp[6]
+        if check is not None:  # the first-step check against the module it replaced
+            check(self, (query, key, value), kw, out)
+        return out
+
+    def _attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 key_padding_mask: Optional[torch.Tensor] = None, need_weights: bool = True,
                 attn_mask: Optional[torch.Tensor] = None, average_attn_weights: bool = True,
                 is_causal: bool = False) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:

@@ -25,6 +25,9 @@ the torch class's own):
     each sample alone. UnsupportedModuleError naming module, parameter and
     sample on a difference beyond the tolerance: nothing is sent, no
     parameter updated.
+(c) replaced: a DPMultiheadAttention that replace_mha swapped in for an
+    nn.MultiheadAttention, at its first training forward, against that
+    module on the same inputs (both in eval mode and float64, 1e-6).
 
 Tolerances, relative: (a) 1e-4 of the output's largest magnitude where
 every tensor in play is f32 or f64 (1e-2 for f32 products on a GPU that
@@ -41,7 +44,7 @@ import torch.nn as nn
 
 from ._layers import UnsupportedModuleError, _label
 
-__all__ = ["Probe", "check_step", "K"]
+__all__ = ["install", "Probe", "check_step", "K"]
 
 K = 2  # samples checked
 
@@ -130,13 +133,13 @@ def _sample(obj: Any, b: int) -> Any:
 
 
 @contextlib.contextmanager
-def reference_mode(engine: Any, module: nn.Module) -> Iterator[Dict[int, torch.Tensor]]:
-    """module's parameters and floating buffers (its submodules' too)
-    replaced by float64 copies, the engine in reference mode (no layer of
-    dpclip active) and autocast off; yields id(original parameter) -> its
-    copy. Everything is put back on exit."""
+def reference_mode(engine: Any, *modules: nn.Module) -> Iterator[Dict[int, torch.Tensor]]:
+    """The modules' parameters and floating buffers (their submodules' too)
+    replaced by float64 copies (one per parameter object), the engine in
+    reference mode (no layer of dpclip active) and autocast off; yields
+    id(original parameter) -> its copy. Everything is put back on exit."""
     saved, copies = [], {}
-    for sm in module.modules():
+    for sm in (s for m in modules for s in m.modules()):
         for n, p in list(sm._parameters.items()):  # pylint: disable=protected-access
             if p is None:
                 continue
@@ -413,3 +416,60 @@ def check_step(engine: Any, plan: Any, B: int) -> None:
 def _param_name(engine: Any, p: torch.Tensor) -> str:
     from ._guard import param_names  # noqa: E402
     return param_names(engine.module).get(id(p), "of shape %s" % (tuple(p.shape),))
+
+
+# --- set up, and the attention drop-in against what it replaced -------------------------
+
+def install(engine: Any, module: nn.Module, layers: Sequence[Any]) -> None:
+    """A Probe on every layer, and on every DPMultiheadAttention that
+    replaced an nn.MultiheadAttention (replace_mha) the check of its
+    function against that module's."""
+    from ._mha import DPMultiheadAttention  # noqa: E402 (it imports _layers)
+    for l in layers:
+        l.verify = Probe()
+    for name, m in module.named_modules():
+        if isinstance(m, DPMultiheadAttention) and m._dp[5] is not None:  # pylint: disable=W0212
+            m._dp[6] = _mha_check(engine, name)  # pylint: disable=protected-access
+
+
+def _mha_check(engine: Any, name: str) -> Any:
+    """At the drop-in's first training forward: its outputs and those of
+    the nn.MultiheadAttention it replaced on the same inputs, both in eval
+    mode (no dropout) and float64; UnsupportedModuleError on a difference."""
+
+    def check(dp: nn.Module, args: tuple, kwargs: dict, out: Any) -> None:
+        if not (engine.active and torch.is_grad_enabled()) or \
+                engine._reference:  # pylint: disable=protected-access
+            return
+        slots = dp._dp  # pylint: disable=protected-access
+        slots[6] = None
+        orig = slots[5]
+        for n, p in dp._parameters.items():  # the same objects, whatever moved them since
+            orig._parameters[n] = p  # pylint: disable=protected-access
+        orig.out_proj = dp.out_proj
+        modes = [(m, m.training) for m in list(dp.modules()) + list(orig.modules())]
+        dp.eval()
+        orig.eval()
+        try:
+            # grad on: torch's fast path (no grad) takes no float64
+            with torch.enable_grad(), reference_mode(engine, dp, orig):
+                a, kw = _map(args, _f64), _map(kwargs, _f64)
+                want, got = orig(*a, **kw), dp(*a, **kw)
+        finally:
+            for m, t in modes:
+                m.training = t
+        for g, w in zip(got, want):
+            if g is None or w is None:
+                if (g is None) != (w is None):
+                    break
+                continue
+            scale = max(float(w.abs().max()) if w.numel() else 0.0, 1e-12)
+            if g.shape != w.shape or not float((g - w).abs().max()) <= 1e-6 * scale:
+                break
+        else:
+            return
+        raise UnsupportedModuleError(
+            "module %s (DPMultiheadAttention) replaced an nn.MultiheadAttention but computes "
+            "something else on its first forward (float64, eval mode): leave replace_mha off "
+            "and freeze the attention, or report this bug in dpclip" % (name or "<root>"))
+    return check

@@ -318,8 +318,7 @@ class PrivacyEngine:
             _mha.replace_mha(module)
         layers, norms = _collect_layers(self, module)
         if check_first_step and not fsdp:
-            for l in layers:
-                l.verify = _verify.Probe()
+            _verify.install(self, module, layers)
         device = layers[0].weight.device
         if distributed is None:
             distributed = torch.distributed.is_available() and torch.distributed.is_initialized()

@@ -193,3 +193,30 @@ def test_every_layer_of_the_suites_models_checked(daemon, monkeypatch, which):
     assert sorted(calls) == sorted(l.name for l in engine._layers), calls
     assert all(l.verify is None for l in engine._layers)
     engine.close()
+
+
+def test_attention_drop_in_checked_against_what_it_replaced(daemon, monkeypatch):
+    """replace_mha: each DPMultiheadAttention is compared, at its first
+    training forward, with the nn.MultiheadAttention it replaced; a drop-in
+    that computes something else is refused by name."""
+    from dpclip.torch import DPMultiheadAttention
+    from test_mha import Attn
+    torch.manual_seed(6)
+    (x,), y, V = prose(B, T, seed=6)
+    for faulty in (False, True):
+        if faulty:
+            real = DPMultiheadAttention._attend
+            monkeypatch.setattr(DPMultiheadAttention, "_attend",
+                                lambda self, *a, **k: (real(self, *a, **k)[0] * 1.01, None))
+        model = Attn(V, dropout=0.1)  # the comparison runs in eval mode: no dropout
+        engine, model, opt = _engine(daemon, model, replace_mha=True)
+        assert model.attn._dp[6] is not None
+        if faulty:
+            with pytest.raises(UnsupportedModuleError,
+                               match=r"attn \(DPMultiheadAttention\) replaced an nn.Multi"):
+                model(x)
+        else:
+            per_sample_losses("seq", model(x), y).sum().backward()
+            assert model.attn._dp[6] is None  # checked, once
+            opt.step()
+        engine.close()
