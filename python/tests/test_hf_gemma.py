@@ -66,9 +66,26 @@ def _reference(model, x, y, C, expected):
     return want, norms, coefs
 
 
-def test_gemma_for_causal_lm_exact(daemon):
+def _scaled_embedding(model):
+    """transformers 5's embedding where an older transformers has a plain
+    nn.Embedding (whose model multiplies by sqrt(hidden) itself: the scale
+    then counts twice, the same model for dpclip and the reference)."""
+    from models import GemmaTextScaledWordEmbedding
+    emb = model.model.embed_tokens
+    if type(emb).__name__ != "GemmaTextScaledWordEmbedding":
+        new = GemmaTextScaledWordEmbedding(V, 64, 0, embed_scale=64 ** 0.5)
+        new.weight = emb.weight
+        model.model.embed_tokens = new
+    return model
+
+
+@pytest.mark.parametrize("scaled", [False, True])
+def test_gemma_for_causal_lm_exact(daemon, scaled):
     torch.backends.cuda.matmul.allow_tf32 = False
-    model = gemma().to(DEVICE)
+    model = gemma()
+    if scaled:
+        model = _scaled_embedding(model)
+    model = model.to(DEVICE)
     assert model.lm_head.weight is model.model.embed_tokens.weight
     g = torch.Generator().manual_seed(1)
     x = torch.randint(1, V, (B, T), generator=g)
@@ -97,4 +114,6 @@ def test_gemma_for_causal_lm_exact(daemon):
         assert err < RTOL, (n, err)
     emb = [l for l in engine._layers if l.name == "model.embed_tokens"][0]
     assert [l.tie for l in engine._layers if l.name == "lm_head"] == [emb]
+    if type(model.model.embed_tokens).__name__ == "GemmaTextScaledWordEmbedding":
+        assert emb.via_super is torch.nn.Embedding  # through its super().forward
     engine.close()
