@@ -129,7 +129,7 @@ int dc_pass_new(dc_step_job *j, dc_pass **out, dc_err *e) {
         }
         p->tot[b] = t;
         r->norms[b] = (float)sqrt(t);
-        r->coefs[b] = dc_clip_coef(s->max_grad_norm, r->norms[b]);
+        r->coefs[b] = dc_clip_coef(s->max_grad_norm, sqrt(t), dc_clip_e_step(s, dc_clip_e_how(s)));
     }
     for (size_t i = 0; i < L * B; i++) r->layer_norms[i] = (float)sqrt(j->n2[i]);
     p->n2 = j->n2;
