@@ -15,13 +15,16 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <stdarg.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <sys/random.h>
 #include <sys/socket.h>
 #include <sys/time.h>
 #include <sys/un.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "dc_frame.h"
@@ -276,6 +279,22 @@ DPCLIP_API const char *dpclip_default_socket(void) {
     return s && s[0] ? s : "/run/dpclip/dpclipd.sock";
 }
 
+/* A job id of the handle's own: handles that name none never share a
+ * ledger account (whose steps would count as one job's), as the Python
+ * package's fresh ids never do. Unique, not secret: from getrandom, or
+ * where that fails the clock, pid and a counter. */
+static void fresh_job_id(char *out, size_t n) {
+    static atomic_uint_fast64_t counter;
+    uint64_t v;
+    if (getrandom(&v, sizeof v, 0) != (ssize_t)sizeof v) {
+        struct timespec ts;
+        clock_gettime(CLOCK_REALTIME, &ts);
+        v = ((uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec) ^
+            ((uint64_t)getpid() << 40) ^ (atomic_fetch_add(&counter, 1) * 0x9e3779b97f4a7c15u);
+    }
+    snprintf(out, n, "anon-%016llx", (unsigned long long)v);
+}
+
 static int do_connect(dpclip_client *c, const char *path, const dpclip_connect_opts *o) {
     struct sockaddr_un addr;
     int timeout_ms = o && o->timeout_ms > 0 ? o->timeout_ms : 10000;
@@ -314,7 +333,13 @@ static int do_connect(dpclip_client *c, const char *path, const dpclip_connect_o
 
     hello.protocol_version = DC_PROTOCOL_VERSION;
     if (o && o->client_name) hello.client_name = (char *)o->client_name;
-    if (o && o->job_id) hello.job_id = (char *)o->job_id;
+    if (o && o->job_id && o->job_id[0]) {
+        snprintf(c->job_id, sizeof c->job_id, "%s", o->job_id);
+        hello.job_id = (char *)o->job_id; /* whole: the daemon refuses one too long */
+    } else {
+        fresh_job_id(c->job_id, sizeof c->job_id);
+        hello.job_id = c->job_id;
+    }
     req.body_case = DPCLIP__REQUEST__BODY_HELLO;
     req.hello = &hello;
     if ((rc = cl_call(c, &req, -1, DPCLIP__REPLY__BODY_HELLO, deadline, &r))) return rc;
@@ -398,6 +423,8 @@ DPCLIP_API void dpclip_disconnect(dpclip_client *c) {
     pthread_mutex_destroy(&c->mu);
     free(c);
 }
+
+DPCLIP_API const char *dpclip_job_id(const dpclip_client *c) { return c ? c->job_id : ""; }
 
 DPCLIP_API const char *dpclip_errmsg(const dpclip_client *c) {
     return c ? c->errmsg : "no client handle (out of memory)";

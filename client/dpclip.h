@@ -75,7 +75,9 @@ typedef struct dpclip_tensor {
 
 typedef struct dpclip_connect_opts {
     const char *client_name;  /* shown in the daemon's logs/status; may be NULL */
-    const char *job_id;       /* groups sessions of one training job; may be NULL */
+    const char *job_id;       /* the privacy ledger's account (with the caller's uid);
+                                 NULL or "": a fresh one of this handle's own,
+                                 "anon-" and 16 random hex digits (dpclip_job_id) */
     int timeout_ms;           /* connect + handshake; 0 = 10000 */
 } dpclip_connect_opts;
 
@@ -87,6 +89,10 @@ const char *dpclip_default_socket(void);
 int dpclip_connect(const char *socket_path, const dpclip_connect_opts *opts,
                    dpclip_client **out);
 void dpclip_disconnect(dpclip_client *c);
+
+/* The job id the handle's Hello named: the one given, or the fresh one
+ * made for it. "" for NULL. */
+const char *dpclip_job_id(const dpclip_client *c);
 
 const char *dpclip_errmsg(const dpclip_client *c);
 const char *dpclip_errfield(const dpclip_client *c); /* "" if none */
@@ -237,6 +243,22 @@ typedef enum dpclip_phase {
     DPCLIP_STEP_SUMS = 2
 } dpclip_phase;
 int dpclip_step_set_phase(dpclip_step *s, dpclip_phase phase);
+
+/* Data parallelism (docs/protocol.md, "Data parallelism"): W ranks with
+ * their own samples each send one step per logical step, and the trainers
+ * sum the clipped sums (all-reduce). Each rank's step is its member of the
+ * job's logical step: `world` W (2..4096, fixed per job), `rank` in
+ * [0, W), `noise_multiplier` the job's sigma (> 0, fixed per job), at
+ * which the ledger charges each logical step once, to whichever member
+ * comes first; the others are covered. The members that add the noise
+ * (rank 0, usually) set the step's own noise multiplier
+ * (dpclip_clip_config) to at least that sigma, the others to 0; at most W - 1
+ * members of a logical step may be noiseless. `step`: the logical step, the
+ * same on every rank; 0 = this rank's next (the daemon counts each rank's,
+ * across sessions and restarts). world 0 turns it off. Kept by
+ * dpclip_step_reset. DPCLIP_EARG for a value out of those ranges. */
+int dpclip_step_set_data_parallel(dpclip_step *s, uint32_t world, uint32_t rank,
+                                  float noise_multiplier, uint64_t step);
 
 typedef struct dpclip_result {
     uint32_t batch;

@@ -80,6 +80,7 @@ struct dpclip_client {
     uint64_t next_req_id;
     uint64_t next_ticket;
     dpclip_daemon_info info;
+    char job_id[256];       /* as the Hello named it (dpclip_job_id) */
     int insecure;           /* a reply said the daemon's noise is predictable */
     char notice[256];       /* the daemon's words about the connection (an Error with
                              * id 0 and field "daemon": it is shutting down), the

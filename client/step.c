@@ -6,6 +6,7 @@
  * needs copying. The message is built in scratch memory owned by the client
  * handle (under its lock) and points into the step's arrays: shapes and
  * names are not copied again. */
+#include <math.h>
 #include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
@@ -34,6 +35,9 @@ struct dpclip_step {
     uint64_t wait_event, signal_event;
     int notify_enqueued;
     dpclip_phase phase;
+    uint32_t dp_world, dp_rank;  /* data parallelism; world 0: none */
+    uint64_t dp_step;
+    float dp_sigma;
     /* Changes with every mutation (from one process-wide counter, so a
      * step freed and another allocated at its address never share one):
      * the client reuses its packed request while it stays the same. */
@@ -210,6 +214,19 @@ DPCLIP_API int dpclip_step_set_phase(dpclip_step *s, dpclip_phase phase) {
     return 0;
 }
 
+DPCLIP_API int dpclip_step_set_data_parallel(dpclip_step *s, uint32_t world, uint32_t rank,
+                                             float noise_multiplier, uint64_t step) {
+    if (!s || (world && (world < 2 || rank >= world || !(noise_multiplier > 0.0f) ||
+                         !isfinite(noise_multiplier) || step >= (UINT64_C(1) << 63))))
+        return DPCLIP_EARG;
+    touch(s);
+    s->dp_world = world;
+    s->dp_rank = world ? rank : 0;
+    s->dp_sigma = world ? noise_multiplier : 0.0f;
+    s->dp_step = world ? step : 0;
+    return 0;
+}
+
 DPCLIP_API void dpclip_step_want_layer_norms(dpclip_step *s, int yes) {
     if (!s) return;
     touch(s);
@@ -233,6 +250,7 @@ typedef struct msg_scratch {
     Dpclip__ClipStep step;
     Dpclip__ClipConfig clip;
     Dpclip__TensorRef norms_out, coefs_out;
+    Dpclip__DataParallel dp;
     msg_layer *layers;
     Dpclip__Layer **ptrs;
     size_t cap;
@@ -308,6 +326,14 @@ int cl_step_message(dpclip_client *c, const dpclip_step *s, Dpclip__ClipStep **o
     m->step.signal_event = s->signal_event;
     m->step.notify_enqueued = s->notify_enqueued != 0;
     m->step.phase = (Dpclip__StepPhase)s->phase;
+    if (s->dp_world) {
+        dpclip__data_parallel__init(&m->dp);
+        m->dp.world = s->dp_world;
+        m->dp.rank = s->dp_rank;
+        m->dp.step = s->dp_step;
+        m->dp.noise_multiplier = s->dp_sigma;
+        m->step.data_parallel = &m->dp;
+    }
     m->step.n_layers = s->n;
     m->step.layers = m->ptrs;
 

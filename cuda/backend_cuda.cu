@@ -190,7 +190,8 @@ int plan_step(cuda_backend *cb, const dc_step *s, bool keep, layout *Lo, dc_err 
     Lo->consts = 0;
     Lo->layer_c = 16;
     Lo->count = al(16 + L * 4);
-    Lo->outs = al(Lo->count + L * 4);
+    Lo->layer_e = al(Lo->count + L * 4);
+    Lo->outs = al(Lo->layer_e + L * 8);
     Lo->up_bytes = Lo->outs + (size_t)Lo->n_out * sizeof(dcc_out);
     o += al(Lo->up_bytes);
     Lo->staging = o;
@@ -204,9 +205,9 @@ int plan_step(cuda_backend *cb, const dc_step *s, bool keep, layout *Lo, dc_err 
             o += al(2 * B * (size_t)ly->d * 4);
         }
     }
-    /* a norm group's per-sample totals, for the clip phase */
+    /* a norm group's per-sample totals (doubles), for the clip phase */
     Lo->tot = o;
-    o += al(B * 4);
+    o += al(B * 8);
     /* embedding indices, copied here once per step (snapshot_indices) */
     Lo->idx = o;
     for (size_t l = 0; l < L; l++) {
@@ -319,6 +320,13 @@ int cuda_run_clip(dc_backend *be, const dc_step *s, const double *n2, const doub
     return run_impl(be, s, res, err, phase_io{CP_CLIP, NULL, n2, tot});
 }
 
+/* Host doubles in device memory, as they are (a pageable copy: the source
+ * may go when it returns). */
+int upload_f64(cuda_backend *cb, void *dst, const double *src, size_t n, dc_err *err) {
+    cudaError_t e = cudaMemcpyAsync(dst, src, n * sizeof *src, cudaMemcpyHostToDevice, cb->stream);
+    return e == cudaSuccess ? 0 : cuda_fail(cb, err, e, "an upload");
+}
+
 /* Host doubles as f32 in device memory (a pageable copy: the source may go
  * when it returns). */
 int upload_f32(cuda_backend *cb, void *dst, const double *src, size_t n, dc_err *err) {
@@ -328,6 +336,32 @@ int upload_f32(cuda_backend *cb, void *dst, const double *src, size_t n, dc_err 
     cudaError_t e = cudaMemcpyAsync(dst, tmp, n * sizeof *tmp, cudaMemcpyHostToDevice, cb->stream);
     free(tmp);
     return e == cudaSuccess ? 0 : cuda_fail(cb, err, e, "an upload");
+}
+
+/* The coefficients' bounds once the norms are queued: a layer planned to
+ * keep its per-sample gradients may not have (grouped_norms: no grouped
+ * launch), and then its e is the GEMM path's. *e_flat: the largest over the
+ * layers the norm counts (a clip phase: the norm pass's rule, which sees no
+ * kept layers either). planned: the per-layer bounds uploaded with the
+ * step's tables (host copy), uploaded again to dev when one moved. */
+int step_bounds(cuda_backend *cb, const dc_step *s, cuda_phase want, unsigned how,
+                const double *planned, void *dev, double *e_flat, dc_err *err) {
+    const size_t L = s->n_layers;
+    double *now = NULL;
+    *e_flat = want == CP_CLIP ? dc_clip_e_step(s, how) : 0.0;
+    for (size_t l = 0; l < L; l++) {
+        const double e = dc_clip_e(s, l, how | (cb->sg_off[l] != SIZE_MAX ? DC_E_KEPT : 0u));
+        if (want != CP_CLIP && !s->layers[l].norm_excluded && e > *e_flat) *e_flat = e;
+        if (e != planned[l] && !now) {
+            if (!(now = (double *)malloc(L * sizeof *now)))
+                return dc_err_set(err, DC_ENOSPACE, "", "out of memory");
+            memcpy(now, planned, L * sizeof *now);
+        }
+        if (now) now[l] = e;
+    }
+    int rc = now && s->mode == DC_CLIP_PER_LAYER ? upload_f64(cb, dev, now, L, err) : 0;
+    free(now);
+    return rc;
 }
 
 int run_impl(dc_backend *be, const dc_step *s, dc_step_result *res, dc_err *err,
@@ -384,6 +418,7 @@ int run_impl(dc_backend *be, const dc_step *s, dc_step_result *res, dc_err *err,
         char *up = cb->host + al(Lo.dl_bytes);
         float *consts = (float *)(up + Lo.consts), *layer_c = (float *)(up + Lo.layer_c);
         float *count = (float *)(up + Lo.count);
+        double *layer_e = (double *)(up + Lo.layer_e);
         bool excluded = false;
         dcc_out *outs = (dcc_out *)(up + Lo.outs);
         double noise_c2 = 0.0;
@@ -392,9 +427,17 @@ int run_impl(dc_backend *be, const dc_step *s, dc_step_result *res, dc_err *err,
         uint64_t off[2];
         consts[0] = 0.0f;
         consts[1] = 1.0f;
+        /* The bounds on the norms' rounding (step.h), per layer as planned
+         * (step_bounds takes them again once the norms are queued): every
+         * GPU step's assume TF32 for f32 inputs, as a norm pass's reply
+         * must, which cannot see the switch; a whole step's kept layers add
+         * the bf16 rounding of what their sums add. */
+        const unsigned how = dc_clip_e_how(s);
+        if ((rc = dc_clip_e_check(s, how, err))) return rc;
         for (size_t l = 0; l < L; l++) {
             const dc_layer *ly = &s->layers[l];
             layer_c[l] = ly->max_grad_norm;
+            layer_e[l] = dc_clip_e(s, l, how | (cb->sg_off[l] != SIZE_MAX ? DC_E_KEPT : 0u));
             count[l] = ly->norm_excluded ? 0.0f : 1.0f;
             excluded |= ly->norm_excluded;
             noise_c2 += (double)ly->max_grad_norm * ly->max_grad_norm;
@@ -457,7 +500,7 @@ int run_impl(dc_backend *be, const dc_step *s, dc_step_result *res, dc_err *err,
                     (rc = layer_norms(cb, s, l, &Lo, scale * scale, opt, err)))
                     goto fail;
             if ((rc = upload_f32(cb, ws + Lo.n2, io.n2_in, L * B, err)) ||
-                (rc = upload_f32(cb, ws + Lo.tot, io.tot_in, B, err)))
+                (rc = upload_f64(cb, ws + Lo.tot, io.tot_in, B, err)))
                 goto fail;
         } else {
             if (opt.grouped) {
@@ -491,18 +534,24 @@ int run_impl(dc_backend *be, const dc_step *s, dc_step_result *res, dc_err *err,
         }
         /* 3. coefficients */
         phase_mark(cb, 2);
+        double e_flat;
+        if ((rc = step_bounds(cb, s, io.want, how, layer_e, ws + Lo.up + Lo.layer_e, &e_flat,
+                              err)))
+            goto fail;
         if (io.want == CP_CLIP)
             CK(dcc_coefs_tot((const float *)(ws + Lo.n2), (const uint32_t *)(ws + Lo.flags),
-                             (const float *)(ws + Lo.tot), (int)L, (int)B, s->max_grad_norm,
-                             scale, (float *)(ws + Lo.norms), (float *)(ws + Lo.coefs),
+                             (const double *)(ws + Lo.tot), (int)L, (int)B, s->max_grad_norm,
+                             e_flat, scale, (float *)(ws + Lo.norms), (float *)(ws + Lo.coefs),
                              (float *)(ws + Lo.cs), (uint32_t *)(ws + Lo.status), cb->stream),
                "the coefficients");
         else
             CK(dcc_coefs((const float *)(ws + Lo.n2), (const uint32_t *)(ws + Lo.flags),
                          excluded ? (const float *)(ws + Lo.up + Lo.count) : NULL, (int)L,
-                         (int)B, per_layer, s->max_grad_norm,
-                         (const float *)(ws + Lo.up + Lo.layer_c), scale, (float *)(ws + Lo.norms),
-                         (float *)(ws + Lo.coefs), (float *)(ws + Lo.lcoef), (float *)(ws + Lo.cs),
+                         (int)B, per_layer, s->max_grad_norm, e_flat,
+                         (const float *)(ws + Lo.up + Lo.layer_c),
+                         (const double *)(ws + Lo.up + Lo.layer_e), scale,
+                         (float *)(ws + Lo.norms), (float *)(ws + Lo.coefs),
+                         (float *)(ws + Lo.lcoef), (float *)(ws + Lo.cs),
                          (uint32_t *)(ws + Lo.status), cb->stream),
                "the coefficients");
         /* 4. clipped sums */

@@ -89,7 +89,7 @@ inline size_t al(size_t x) { return (x + 255) & ~(size_t)255; }
  * that one copy brings everything the host needs. */
 struct layout {
     size_t status, mode, bad, n2, flags, amax, norms, coefs, lcoef, dl_bytes;
-    size_t cs, perm, fac, up, up_bytes, consts, layer_c, count, outs;
+    size_t cs, perm, fac, up, up_bytes, consts, layer_c, count, layer_e, outs;
     size_t staging, per_sample, tot, idx, temp, temp_bytes, bsum, sgrad, sgrad_bytes, total;
     int n_out;
     uint64_t max_n, staged, chunks;

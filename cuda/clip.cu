@@ -22,6 +22,8 @@
  * one-pass mode writes them itself.
  * Arithmetic that must round like the CPU's is written with __fmul_rn /
  * __fadd_rn / __fdiv_rn (no contraction to FMA). */
+#include <float.h>
+
 #include "dcc_out.cuh"
 #include "dcc_util.cuh"
 
@@ -29,19 +31,24 @@ namespace {
 
 constexpr int NT = 256;
 
-/* As dc_clip_coef: a norm that is not finite gives 0, never 1 (the status
- * word already fails such a step; this keeps the coefficient safe too). */
-__device__ __forceinline__ float clip_coef(float C, float norm) {
-    if (!(norm >= 0.0f && norm <= 3.402823466e38f)) return 0.0f;
-    float c = __fdiv_rn(C, __fadd_rn(norm, 1e-6f));
-    return c < 1.0f ? c : 1.0f;
+/* As dc_clip_coef (step.c), the same double arithmetic (no contraction)
+ * rounded down to f32: min(1, C / (norm (1 + e) + 1e-6)), where norm (1 +
+ * e) bounds the exact norm of what the sums release. A norm or e that is
+ * not finite gives 0, never 1 (the status word already fails such a step;
+ * this keeps the coefficient safe too). */
+__device__ __forceinline__ float clip_coef(float C, double norm, double e) {
+    if (!(norm >= 0.0 && norm <= DBL_MAX) || !(e >= 0.0 && e <= DBL_MAX) || !(C >= 0.0f))
+        return 0.0f;
+    const double c = __ddiv_rn((double)C, __dadd_rn(__dmul_rn(norm, __dadd_rn(1.0, e)), 1e-6));
+    const float f = __double2float_rz(c);
+    return f < 1.0f ? f : 1.0f;
 }
 
 __global__ void coefs_kernel(const float *__restrict__ n2, const uint32_t *__restrict__ flags,
-                             const float *__restrict__ tot_in, const float *__restrict__ count,
-                             int L, int B, int per_layer,
-                             float C, const float *__restrict__ layer_C, float scale,
-                             float *__restrict__ norms, float *__restrict__ coefs,
+                             const double *__restrict__ tot_in, const float *__restrict__ count,
+                             int L, int B, int per_layer, float C, double e,
+                             const float *__restrict__ layer_C, const double *__restrict__ layer_e,
+                             float scale, float *__restrict__ norms, float *__restrict__ coefs,
                              float *__restrict__ lcoef, float *__restrict__ cs,
                              uint32_t *__restrict__ status) {
     for (int b = (int)(blockIdx.x * blockDim.x + threadIdx.x); b < B;
@@ -56,21 +63,23 @@ __global__ void coefs_kernel(const float *__restrict__ n2, const uint32_t *__res
             bad |= !dcc_isfinite(v) || flags[(int64_t)l * B + b] != 0;
         }
         if (tot_in) { /* a norm group's total over every member's layers */
-            tot = (double)tot_in[b];
-            bad |= !dcc_isfinite(tot_in[b]);
+            tot = tot_in[b];
+            bad |= !(fabs(tot) <= DBL_MAX);
         }
-        float nb = (float)sqrt(tot);
-        float cb = per_layer ? 1.0f : clip_coef(C, nb);
-        norms[b] = nb;
+        const double nd = __dsqrt_rn(tot);
+        float cb = per_layer ? 1.0f : clip_coef(C, nd, e);
+        norms[b] = (float)nd;
         coefs[b] = cb;
         for (int l = 0; l < L; l++) {
             int64_t i = (int64_t)l * B + b;
             float c = cb;
             if (per_layer) {
-                c = clip_coef(layer_C[l], (float)sqrt((double)n2[i]));
+                c = clip_coef(layer_C[l], __dsqrt_rn((double)n2[i]), layer_e[l]);
                 lcoef[i] = c;
             }
-            cs[i] = __fmul_rn(c, scale);
+            /* rounded down: a sum's multiplier never exceeds c times the
+             * scale (dc_clip_scaled) */
+            cs[i] = __fmul_rz(c, scale);
         }
         if (bad) atomicOr(status, DCC_STATUS_INPUT);
     }
@@ -489,21 +498,23 @@ unsigned blocks_for(uint64_t n, unsigned cap) {
 } // namespace
 
 extern "C" cudaError_t dcc_coefs(const float *n2, const uint32_t *flags, const float *count,
-                                 int L, int B, bool per_layer, float C, const float *layer_C,
-                                 float grad_scale, float *norms, float *coefs, float *lcoef,
-                                 float *cs, uint32_t *status, cudaStream_t st) {
+                                 int L, int B, bool per_layer, float C, double e,
+                                 const float *layer_C, const double *layer_e, float grad_scale,
+                                 float *norms, float *coefs, float *lcoef, float *cs,
+                                 uint32_t *status, cudaStream_t st) {
     coefs_kernel<<<blocks_for((uint64_t)B, 1024), NT, 0, st>>>(
-        n2, flags, NULL, count, L, B, per_layer, C, layer_C, grad_scale, norms, coefs, lcoef,
-        cs, status);
+        n2, flags, NULL, count, L, B, per_layer, C, e, layer_C, layer_e, grad_scale, norms, coefs,
+        lcoef, cs, status);
     return cudaGetLastError();
 }
 
-extern "C" cudaError_t dcc_coefs_tot(const float *n2, const uint32_t *flags, const float *tot,
-                                     int L, int B, float C, float grad_scale, float *norms,
-                                     float *coefs, float *cs, uint32_t *status,
+extern "C" cudaError_t dcc_coefs_tot(const float *n2, const uint32_t *flags, const double *tot,
+                                     int L, int B, float C, double e, float grad_scale,
+                                     float *norms, float *coefs, float *cs, uint32_t *status,
                                      cudaStream_t st) {
     coefs_kernel<<<blocks_for((uint64_t)B, 1024), NT, 0, st>>>(
-        n2, flags, tot, NULL, L, B, 0, C, NULL, grad_scale, norms, coefs, NULL, cs, status);
+        n2, flags, tot, NULL, L, B, 0, C, e, NULL, NULL, grad_scale, norms, coefs, NULL, cs,
+        status);
     return cudaGetLastError();
 }
 

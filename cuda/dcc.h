@@ -381,21 +381,24 @@ cudaError_t dcc_norm_clipped_sum(const dcc_norm *N, const float *per_sample, con
 /* --- coefficients, clipped sums, noise, commit (clip.cu) ----------------- */
 
 /* From n2[L*B] (layer-major) and flags: norms[b] = sqrt(sum_l n2), coefs[b]
- * (FLAT: dc_clip_coef(C, norm); PER_LAYER: 1), lcoef[l*B+b] (PER_LAYER:
- * dc_clip_coef(C_l, sqrt n2)), cs[l*B+b] = coefficient used for layer l times
- * grad_scale. Sets DCC_STATUS_INPUT in *status when any n2 is not finite or
- * any flag is set. layer_C: device [L] per-layer thresholds (PER_LAYER).
+ * (FLAT: dc_clip_coef(C, norm, e); PER_LAYER: 1), lcoef[l*B+b] (PER_LAYER:
+ * dc_clip_coef(C_l, sqrt n2, layer_e[l])), cs[l*B+b] = the coefficient used
+ * for layer l times grad_scale, rounded down (dc_clip_scaled). e, layer_e:
+ * the bounds on the norms' rounding (step.h dc_clip_e). Sets
+ * DCC_STATUS_INPUT in *status when any n2 is not finite or any flag is set.
+ * layer_C, layer_e: device [L] per-layer thresholds and bounds (PER_LAYER).
  * count: device [L], NULL = every layer in the norm; count[l] = 0 leaves
  * layer l out of the sum (step.h: norm_excluded). */
 cudaError_t dcc_coefs(const float *n2, const uint32_t *flags, const float *count, int L,
-                      int B, bool per_layer, float C, const float *layer_C, float grad_scale,
-                      float *norms, float *coefs, float *lcoef, float *cs, uint32_t *status,
-                      cudaStream_t st);
-/* The same with the per-sample total squared norms given (device [B], a norm
- * group's): the flat coefficients come from tot, not from n2's sum. */
-cudaError_t dcc_coefs_tot(const float *n2, const uint32_t *flags, const float *tot, int L,
-                          int B, float C, float grad_scale, float *norms, float *coefs,
-                          float *cs, uint32_t *status, cudaStream_t st);
+                      int B, bool per_layer, float C, double e, const float *layer_C,
+                      const double *layer_e, float grad_scale, float *norms, float *coefs,
+                      float *lcoef, float *cs, uint32_t *status, cudaStream_t st);
+/* The same with the per-sample total squared norms given (device [B]
+ * doubles, a norm group's or a norm pass's): the flat coefficients come
+ * from tot, not from n2's sum. */
+cudaError_t dcc_coefs_tot(const float *n2, const uint32_t *flags, const double *tot, int L,
+                          int B, float C, double e, float grad_scale, float *norms,
+                          float *coefs, float *cs, uint32_t *status, cudaStream_t st);
 
 /* out[j] += sum_b cs[b] * sum_t g[b,t,j] for a [B,T,p] grad (out zeroed);
  * tf32: f32 values truncated to TF32 first, as the layer's norms saw them

@@ -226,7 +226,9 @@ bool aligned16(const void *p) { return ((uintptr_t)p & 15u) == 0; }
 } // namespace
 
 /* direct_rate: how much faster the direct form runs than the ghost form
- * per unit of the work below. */
+ * per unit of the work below. The coefficients' rounding bounds (step.c,
+ * gpu_forms) count both forms wherever a rate between 0.25 and 4 could
+ * pick either: keep the rates inside that band, or widen it there. */
 static dc_algo pick(int T, int d, int p, dc_algo requested, double direct_rate) {
     if (requested != DC_ALGO_AUTO) return requested;
     if (T == 1) return DC_ALGO_GHOST; /* the rank-one formula */

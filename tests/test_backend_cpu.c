@@ -367,15 +367,34 @@ static void test_value_flip(void **state) {
     }
 }
 
-/* dc_clip_coef never turns an unknown norm into "no clipping". */
+/* dc_clip_coef never turns an unknown norm (or bound) into "no clipping",
+ * and rounds its coefficient down: c (n (1 + e) + 1e-6) <= C exactly. */
 static void test_clip_coef_nonfinite(void **state) {
     (void)state;
-    assert_true(dc_clip_coef(1.0f, NAN) == 0.0f);
-    assert_true(dc_clip_coef(1.0f, -NAN) == 0.0f);
-    assert_true(dc_clip_coef(1.0f, INFINITY) == 0.0f);
-    assert_true(dc_clip_coef(1.0f, -1.0f) == 0.0f);
-    assert_true(dc_clip_coef(1.0f, 0.0f) == 1.0f);
-    assert_true(fabsf(dc_clip_coef(1.0f, 4.0f) - 0.25f) < 1e-6f);
+    assert_true(dc_clip_coef(1.0f, NAN, 0.0) == 0.0f);
+    assert_true(dc_clip_coef(1.0f, -NAN, 0.0) == 0.0f);
+    assert_true(dc_clip_coef(1.0f, INFINITY, 0.0) == 0.0f);
+    assert_true(dc_clip_coef(1.0f, -1.0, 0.0) == 0.0f);
+    assert_true(dc_clip_coef(1.0f, 4.0, NAN) == 0.0f);
+    assert_true(dc_clip_coef(1.0f, 4.0, INFINITY) == 0.0f);
+    assert_true(dc_clip_coef(1.0f, 4.0, -1e-3) == 0.0f);
+    assert_true(dc_clip_coef(NAN, 4.0, 0.0) == 0.0f);
+    assert_true(dc_clip_coef(1.0f, 0.0, 0.0) == 1.0f);
+    assert_true(dc_clip_coef(1.0f, 0.0, 1e-3) == 1.0f);
+    assert_true(fabsf(dc_clip_coef(1.0f, 4.0, 0.0) - 0.25f) < 1e-6f);
+    assert_true(fabsf(dc_clip_coef(1.0f, 4.0, 1e-3) - 0.25f / 1.001f) < 1e-6f);
+    dc_test_rng r;
+    dc_test_rng_seed(&r, 5);
+    for (int i = 0; i < 100000; i++) {
+        const float C = (float)(0.01 + 10.0 * dc_test_uniform(&r));
+        const double n = C * (0.5 + dc_test_uniform(&r)), e = 1e-3 * dc_test_uniform(&r);
+        const float c = dc_clip_coef(C, n, e);
+        const double want = fmin(1.0, C / (n * (1.0 + e) + 1e-6));
+        assert_true((double)c <= want);                         /* rounded down */
+        assert_true((double)c >= want * (1.0 - 0x1p-23));       /* by at most an ulp */
+        const float s = (float)(1.0 + 63.0 * dc_test_uniform(&r)), cs = dc_clip_scaled(c, s);
+        assert_true((double)cs <= (double)c * s && (double)cs >= (double)c * s * (1.0 - 0x1p-23));
+    }
 }
 
 /* An outlier step's scratch is given back after it; steady steps keep
@@ -437,9 +456,13 @@ static void test_phases(void **state) {
     assert_memory_equal(part.coefs, whole.coefs, 5 * sizeof(float));
     for (int b = 0; b < 5; b++) tot[b] *= 4.0;
     assert_int_equal(be->ops->run_clip(be, &s, n2, tot, &part, &e), 0);
+    for (int b = 0; b < 5; b++) /* the bound's e is the step's (its own layers) */
+        assert_true(part.coefs[b] == dc_clip_coef(0.8f, sqrt(tot[b]), dc_clip_e_step(&s, 0)));
+    const double es = dc_clip_e_step(&s, 0);
+    assert_true(es >= DC_E_FLOOR_CPU && es < 1e-4);
     for (int b = 0; b < 5; b++) {
-        double want = fmin(1.0, 0.8 / (2.0 * whole.norms[b] + 1e-6));
-        assert_true(fabs(part.coefs[b] - want) <= 1e-5 * want);
+        double want = fmin(1.0, 0.8 / (2.0 * whole.norms[b] * (1.0 + es) + 1e-6));
+        assert_true(fabs(part.coefs[b] - want) <= 1e-6 * want);
     }
     dc_step_result_free(&part);
     dc_step_result_free(&whole);

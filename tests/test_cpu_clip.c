@@ -146,7 +146,37 @@ static void assert_outputs_are(const fixture *f, float v) {
     }
 }
 
-/* Runs the step and compares everything with dc_ref_step. */
+/* The reference's coefficients under the certified rule (step.h): from
+ * its exact norms, c = min(1, C / (n (1 + e) + 1e-6)) with the backend's e
+ * (FLAT: the step's; PER_LAYER: each layer's), and its clipped sums with
+ * them (divided as dc_ref_step divides). */
+static void ref_certified(const dc_step *s, const double *norms, const double *lsq,
+                          double *coefs, double *lc, double **w, double **bb) {
+    uint32_t B = s->batch;
+    bool pl = s->mode == DC_CLIP_PER_LAYER;
+    double scale = s->reduction == DC_REDUCTION_MEAN ? (double)B : 1.0;
+    double div = s->reduction == DC_REDUCTION_MEAN
+                     ? (double)(s->expected_batch ? s->expected_batch : B)
+                     : 1.0;
+    double e = dc_clip_e_step(s, 0);
+    for (uint32_t b = 0; b < B; b++)
+        coefs[b] = pl ? 1.0 : fmin(1.0, (double)s->max_grad_norm / (norms[b] * (1.0 + e) + 1e-6));
+    for (size_t l = 0; l < s->n_layers; l++) {
+        const dc_layer *ly = &s->layers[l];
+        double el = dc_clip_e(s, l, 0);
+        for (uint32_t b = 0; pl && b < B; b++)
+            lc[l * B + b] = fmin(1.0, (double)ly->max_grad_norm /
+                                          (sqrt(lsq[l * B + b]) * (1.0 + el) + 1e-6));
+        size_t nw = dc_cpu_numel(&ly->weight_grad_out);
+        size_t nb = bb[l] ? dc_cpu_numel(&ly->bias_grad_out) : 0;
+        dc_ref_layer_clipped_sum(ly, B, scale, pl ? lc + l * B : coefs, w[l], bb[l]);
+        for (size_t i = 0; i < nw; i++) w[l][i] /= div;
+        for (size_t i = 0; i < nb; i++) bb[l][i] /= div;
+    }
+}
+
+/* Runs the step and compares everything with dc_ref_step's norms and the
+ * certified coefficients and sums (ref_certified). */
 static void run_and_compare(fixture *f, dc_dtype dt, int *n_clipped, int *n_unclipped) {
     dc_backend *be;
     dc_err e;
@@ -169,7 +199,8 @@ static void run_and_compare(fixture *f, dc_dtype dt, int *n_clipped, int *n_uncl
     int rc = dc_backend_run_step(be, s, &res, &e);
     if (rc) print_message("run_step: %d %s: %s\n", rc, e.field, e.msg);
     assert_int_equal(rc, 0);
-    dc_ref_step(s, norms, coefs, lsq, pl ? lc : NULL, w, bb);
+    dc_ref_step(s, norms, coefs, lsq, pl ? lc : NULL, NULL, NULL);
+    ref_certified(s, norms, lsq, coefs, lc, w, bb);
     double rt = dc_test_rtol(dt);
     for (uint32_t b = 0; b < B; b++) {
         assert_true(fabs(res.norms[b] - norms[b]) <= rt * norms[b]);

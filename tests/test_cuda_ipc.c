@@ -550,7 +550,11 @@ static void test_client_killed_mid_step(void **state) {
     assert_int_equal(dc_shm_step_wire_buffer(&s, gid), 0);
     assert_int_equal(dpclip_run(c, s.step, &res), 0);
     CUDA_OK(cudaMemcpy(s.base, dev, s.used, cudaMemcpyDeviceToHost));
-    assert_true(dc_shm_step_check(&s, &res, GPU_RTOL, GPU_ATOL) <= 1.0);
+    /* f32 on TF32: the coefficients are the reference's (today's rule) over
+     * 1 + e, e = 2^-9 and a little for the truncation (step.h) */
+    const double e = dc_clip_e_step(&s.ref, DC_E_GPU | DC_E_TF32);
+    assert_true(e < 2.5e-3);
+    assert_true(dc_shm_step_check(&s, &res, GPU_RTOL + e, GPU_ATOL) <= 1.0);
     dpclip_result_free(&res);
     dc_shm_step_free(&s);
     dpclip_disconnect(c);

@@ -21,6 +21,7 @@
 #include <cmocka.h>
 #include <cuda_runtime_api.h>
 
+#include "cpu.h"
 #include "cuda_test.h"
 
 enum { NL = 4, NB = 5 };
@@ -185,11 +186,20 @@ static void test_failures_write_nothing(void **state) {
     }
 }
 
+/* The CPU backend the GPU's results are compared with clips by the GPU's
+ * rounding bounds (step.h dc_clip_e): both then compute the same
+ * coefficients from the same norms. */
+static int setup(void **state) {
+    int rc = cuda_test_setup(state);
+    if (rc == 0) dc_cpu_backend_set_clip_how(g_cpu, DC_E_GPU | DC_E_TF32);
+    return rc;
+}
+
 int main(void) {
     if (cuda_test_skip()) return DC_TEST_SKIP;
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_found_maxima),
         cmocka_unit_test(test_failures_write_nothing),
     };
-    return cmocka_run_group_tests(tests, cuda_test_setup, cuda_test_teardown);
+    return cmocka_run_group_tests(tests, setup, cuda_test_teardown);
 }

@@ -1,10 +1,12 @@
 /* Kept per-sample gradients (cuda/sgrad.cu, the grouped norm kernel's
  * store): the clipped sum of a layer whose norm pass kept every G_b as bf16
- * is sum_b c_b * bf16(G_b), with c_b = min(1, C / (n_b + 1e-6)) and n_b the
- * norm of the kept values (plus the exact bias sums), so that each sample's
- * contribution stays within C. Checked against that semantics built from the
- * double-precision per-sample reference (tests/support/ref.h), rounded to
- * bf16 here:
+ * is sum_b c_b * bf16(G_b), with c_b = min(1, C / (n_b (1 + e) + 1e-6)), n_b
+ * the norm of the kept values (plus the exact bias sums) and e the step's
+ * bound on its rounding (step.h; the kept layers' includes the bf16
+ * rounding), so that each sample's contribution stays within C, against
+ * the kept values and against the exact G_b. Checked against that
+ * semantics built from the double-precision per-sample reference
+ * (tests/support/ref.h), rounded to bf16 here:
  *   norms: relative 1e-4 (f32 accumulation only; a bf16 rounding that the
  *     kernel's f32 accumulator puts on the other side of a tie flips one
  *     element by 2^-8 of itself, rare and small in a whole norm);
@@ -19,6 +21,7 @@
  * layer that can be kept, short ones included); the default keeps the
  * layers the cost model picks (test_keep_worth). Without a CUDA device:
  * skipped (77). */
+#include "cpu.h"
 #include "cuda_test.h"
 
 enum { NL = 16 };
@@ -37,8 +40,8 @@ static dcc_linear lin(const dc_layer *l, uint32_t B) {
  * are kept: w[l], b[l] (numel of their outputs), norms[B]; *C, the
  * threshold, is set between the smallest and the largest norm, so that the
  * step clips some samples and not others. */
-static void expected(dc_layer *h, int n, uint32_t B, double *C, const int *kept, double **w,
-                     double **bo, double *norms) {
+static void expected(dc_layer *h, int n, uint32_t B, double *C, const int *kept, double e,
+                     double **w, double **bo, double *norms) {
     double *sq = calloc(B, sizeof *sq), *c = calloc(B, sizeof *c);
     double **gw = calloc((size_t)n * B, sizeof *gw), **gb = calloc((size_t)n * B, sizeof *gb);
     assert_non_null(sq);
@@ -66,7 +69,7 @@ static void expected(dc_layer *h, int n, uint32_t B, double *C, const int *kept,
         hi = fmax(hi, norms[b]);
     }
     *C = (double)(float)sqrt(lo * hi); /* the f32 the step carries */
-    for (uint32_t b = 0; b < B; b++) c[b] = fmin(1.0, *C / (norms[b] + 1e-6));
+    for (uint32_t b = 0; b < B; b++) c[b] = fmin(1.0, *C / (norms[b] * (1.0 + e) + 1e-6));
     for (int l = 0; l < n; l++) {
         size_t nw = (size_t)h[l].p * (size_t)h[l].d;
         memset(w[l], 0, nw * sizeof *w[l]);
@@ -114,7 +117,17 @@ static void check_step(dc_layer *h, dc_layer *d, int n, uint32_t B, size_t budge
         w[l] = calloc((size_t)h[l].p * (size_t)h[l].d, sizeof *w[l]);
         bo[l] = calloc((size_t)h[l].p, sizeof *bo[l]);
     }
-    expected(h, n, B, &C, kept, w, bo, norms);
+    /* the step's bound on its norms' rounding (step.h): its kept layers'
+     * include the bf16 rounding of the values kept; the CPU backend the
+     * outputs are also compared with clips by the same */
+    dc_step es;
+    double e_step = 0.0;
+    step_init(&es, h, (size_t)n, B, 0);
+    for (int l = 0; l < n; l++)
+        e_step = fmax(e_step, dc_clip_e(&es, (size_t)l,
+                                        DC_E_GPU | DC_E_TF32 | (kept[l] ? DC_E_KEPT : 0u)));
+    dc_cpu_backend_set_clip_how(g_cpu, DC_E_GPU | DC_E_TF32 | (want_kept ? DC_E_KEPT : 0u));
+    expected(h, n, B, &C, kept, e_step, w, bo, norms);
 
     dc_step ds, hs;
     dc_step_result rd, rh;
@@ -661,6 +674,15 @@ static void test_keep_worth(void **state) {
     set_switches(1, 1);
 }
 
+/* The CPU backend the GPU's results are compared with clips by the GPU's
+ * rounding bounds (step.h dc_clip_e): both then compute the same
+ * coefficients from the same norms. */
+static int setup(void **state) {
+    int rc = cuda_test_setup(state);
+    if (rc == 0) dc_cpu_backend_set_clip_how(g_cpu, DC_E_GPU | DC_E_TF32);
+    return rc;
+}
+
 int main(void) {
     if (cuda_test_skip()) return DC_TEST_SKIP;
     const struct CMUnitTest tests[] = {
@@ -673,5 +695,5 @@ int main(void) {
         cmocka_unit_test(test_budget_auto),
         cmocka_unit_test(test_keep_leaves_memory_free),
     };
-    return cmocka_run_group_tests(tests, cuda_test_setup, cuda_test_teardown);
+    return cmocka_run_group_tests(tests, setup, cuda_test_teardown);
 }

@@ -72,7 +72,12 @@ static void run_tied(tied *t, dc_reduction red) {
         if (t->h[l].bias_grad_out.data)
             bb[l] = calloc((size_t)numel(&t->h[l].bias_grad_out), sizeof(double));
     }
-    dc_ref_step(&hs, norms, coefs, lsq, NULL, w, bb);
+    /* the reference's coefficients min(1, C' / (n + 1e-6)) with C' = C /
+     * (1 + e) are the backend's, min(1, C / (n (1 + e) + 1e-6)), to 1e-6 e / n
+     * (step.h); its norms are C's */
+    dc_step hr = hs;
+    hr.max_grad_norm = (float)(hs.max_grad_norm / (1.0 + dc_clip_e_step(&ds, dc_clip_e_how(&ds))));
+    dc_ref_step(&hr, norms, coefs, lsq, NULL, w, bb);
     int rc = run(g_cuda, &ds, &res, &err);
     if (rc) fprintf(stderr, "cuda: %s: %s\n", err.field, err.msg);
     assert_int_equal(rc, 0);

@@ -4,8 +4,10 @@
  * understates), accounts are capped per uid and expire, curves are computed
  * off the calling thread, files round-trip (with the insecure mark), writes
  * are atomic, a corrupt or foreign file stops the start with a message
- * naming it, and two daemons cannot share a directory. Each test gets its
- * own directory. (The daemon-level kill -9 test is in test_service.c.) */
+ * naming it, and two daemons cannot share a directory; data-parallel
+ * logical steps take each rank once, at most world - 1 noiseless members
+ * each, and their world, sigma and highest step survive a restart. Each
+ * test gets its own directory. (The daemon-level kill -9 test is in test_service.c.) */
 #include <errno.h>
 #include <fcntl.h>
 #include <math.h>
@@ -482,6 +484,196 @@ static void test_persist_roundtrip(void **state) {
     dc_ledger_close(&l);
 }
 
+/* One member of a data-parallel logical step, as step_account.c takes it:
+ * the plan, the charge where planned, the commit. The error's code, or 0. */
+static int take(dc_ledger *l, dc_ledger_job *j, dc_dp_member *m, double own, double q,
+                dc_err *e) {
+    dc_dp_terms t = {q, 1.0, 8};
+    dc_dp_plan p;
+    int rc;
+    m->declared = true;
+    if ((rc = dc_ledger_dp_check(m, own, e)) || (rc = dc_ledger_dp_plan(j, m, own, &t, &p, e)))
+        return rc;
+    if (p.charge && (rc = dc_ledger_spend(l, j, q, m->sigma, e))) return rc;
+    dc_ledger_dp_commit(j, m, own, &t, &p);
+    return 0;
+}
+
+static dc_dp_member dp_member(uint32_t world, uint32_t rank, double sigma, uint64_t step) {
+    dc_dp_member m = {.declared = true, .world = world, .rank = rank, .sigma = sigma,
+                      .step = step};
+    return m;
+}
+
+static void test_data_parallel_members(void **state) {
+    dc_ledger l;
+    dc_ledger_job *j;
+    dc_dp_member m;
+    dc_dp_terms t = {0.1, 1.0, 8};
+    dc_dp_plan p;
+    dc_err e;
+    (void)state;
+    assert_int_equal(dc_ledger_open(&l, "", 1e-5, &e), 0);
+    j = dc_ledger_job_get(&l, 1, "dp");
+
+    /* the declaration alone */
+    m = dp_member(1, 0, 1.0, 0);
+    assert_int_equal(dc_ledger_dp_check(&m, 0, &e), DC_EINVAL);
+    assert_string_equal(e.field, "clip_step.data_parallel.world");
+    m = dp_member(DC_LEDGER_DP_WORLD_MAX + 1, 0, 1.0, 0);
+    assert_int_equal(dc_ledger_dp_check(&m, 0, &e), DC_EINVAL);
+    m = dp_member(3, 3, 1.0, 0);
+    assert_int_equal(dc_ledger_dp_check(&m, 0, &e), DC_EINVAL);
+    assert_string_equal(e.field, "clip_step.data_parallel.rank");
+    m = dp_member(3, 0, 0.0, 0);
+    assert_int_equal(dc_ledger_dp_check(&m, 0, &e), DC_EINVAL);
+    assert_string_equal(e.field, "clip_step.data_parallel.noise_multiplier");
+    m = dp_member(3, 0, NAN, 0);
+    assert_int_equal(dc_ledger_dp_check(&m, 0, &e), DC_EINVAL);
+    m = dp_member(3, 0, 1.0, UINT64_C(1) << 63);
+    assert_int_equal(dc_ledger_dp_check(&m, 0, &e), DC_EINVAL);
+    assert_string_equal(e.field, "clip_step.data_parallel.step");
+    m = dp_member(3, 0, 1.0, 0);
+    assert_int_equal(dc_ledger_dp_check(&m, 0.99, &e), DC_EINVAL);
+    assert_string_equal(e.field, "clip_step.noise_multiplier");
+    assert_int_equal(dc_ledger_dp_check(&m, 1.0, &e), 0);
+    assert_int_equal(dc_ledger_dp_check(&m, 0.0, &e), 0);
+
+    /* logical step 1 of 3 ranks: the first member charges, noiseless or not */
+    m = dp_member(3, 2, 1.0, 0);
+    assert_int_equal(take(&l, j, &m, 0.0, 0.1, &e), 0);
+    assert_int_equal(m.role, DC_DP_CHARGED);
+    assert_int_equal(m.step, 1);
+    assert_int_equal(j->steps, 1);
+    m = dp_member(3, 1, 1.0, 0);
+    assert_int_equal(take(&l, j, &m, 0.0, 0.1, &e), 0);
+    assert_int_equal(m.role, DC_DP_SHARE);
+    assert_int_equal(m.step, 1);
+    assert_int_equal(j->steps, 1);
+    assert_int_equal(j->shares, 2);
+    /* a third noiseless member would leave the step without noise */
+    m = dp_member(3, 0, 1.0, 0);
+    assert_int_equal(take(&l, j, &m, 0.0, 0.1, &e), DC_EPRECOND);
+    assert_string_equal(e.field, "clip_step.noise_multiplier");
+    /* a member with other terms */
+    t.q = 0.2;
+    assert_int_equal(dc_ledger_dp_plan(j, &m, 1.0, &t, &p, &e), DC_EPRECOND);
+    assert_string_equal(e.field, "clip_step.sample_rate");
+    t.q = 0.1;
+    t.c = 2.0;
+    assert_int_equal(dc_ledger_dp_plan(j, &m, 1.0, &t, &p, &e), DC_EPRECOND);
+    assert_string_equal(e.field, "clip_step.clip.max_grad_norm");
+    t.c = 1.0;
+    t.divisor = 16;
+    assert_int_equal(dc_ledger_dp_plan(j, &m, 1.0, &t, &p, &e), DC_EPRECOND);
+    assert_string_equal(e.field, "clip_step.clip.expected_batch_size");
+    /* the noise comes: covered, and every rank is in: the step closes */
+    assert_int_equal(take(&l, j, &m, 1.5, 0.1, &e), 0);
+    assert_int_equal(m.role, DC_DP_COVERED);
+    assert_int_equal(j->dp->n_open, 0);
+    assert_int_equal(j->steps, 1);
+    /* rank 1 again in step 1: a replay; world and sigma are the job's */
+    m = dp_member(3, 1, 1.0, 1);
+    assert_int_equal(take(&l, j, &m, 0.0, 0.1, &e), DC_EPRECOND);
+    assert_string_equal(e.field, "clip_step.data_parallel.step");
+    m = dp_member(4, 1, 1.0, 0);
+    assert_int_equal(take(&l, j, &m, 0.0, 0.1, &e), DC_EPRECOND);
+    assert_string_equal(e.field, "clip_step.data_parallel.world");
+    m = dp_member(3, 1, 2.0, 0);
+    assert_int_equal(take(&l, j, &m, 0.0, 0.1, &e), DC_EPRECOND);
+    assert_string_equal(e.field, "clip_step.data_parallel.noise_multiplier");
+
+    /* a step closed (every rank in) is charged anew by whoever names it:
+     * rank 0 skips to 9, then rank 1 comes to 9 as a share */
+    m = dp_member(3, 0, 1.0, 9);
+    assert_int_equal(take(&l, j, &m, 1.0, 0.1, &e), 0);
+    assert_int_equal(m.role, DC_DP_CHARGED);
+    assert_int_equal(j->steps, 2);
+    assert_int_equal(j->dp->newest, 9);
+    m = dp_member(3, 1, 1.0, 9);
+    assert_int_equal(take(&l, j, &m, 0.0, 0.1, &e), 0);
+    assert_int_equal(m.role, DC_DP_SHARE);
+    /* the charge of a step another member took stays */
+    m.step = 9;
+    assert_false(dc_ledger_dp_unwind(j, &m));
+    /* one no one else took goes: then its next member charges it again */
+    m = dp_member(3, 2, 1.0, 12);
+    assert_int_equal(take(&l, j, &m, 0.0, 0.1, &e), 0);
+    assert_int_equal(m.role, DC_DP_CHARGED);
+    assert_true(dc_ledger_dp_unwind(j, &m));
+    dc_ledger_refund(j, 0.1, 1.0);
+    assert_int_equal(j->steps, 2);
+    m = dp_member(3, 1, 1.0, 12);
+    assert_int_equal(take(&l, j, &m, 0.0, 0.1, &e), 0);
+    assert_int_equal(m.role, DC_DP_CHARGED);
+    assert_int_equal(j->steps, 3);
+
+    /* the last number: taken once, and then the rank has no next */
+    m = dp_member(3, 2, 1.0, (UINT64_C(1) << 63) - 1);
+    assert_int_equal(take(&l, j, &m, 0.0, 0.1, &e), 0);
+    m = dp_member(3, 2, 1.0, 0);
+    assert_int_equal(take(&l, j, &m, 0.0, 0.1, &e), DC_EPRECOND);
+    assert_string_equal(e.field, "clip_step.data_parallel.step");
+
+    /* the window: a step pushed out is charged again by a late member */
+    for (uint64_t k = 100; k < 100 + DC_LEDGER_DP_WINDOW + 1; k++) {
+        m = dp_member(3, 0, 1.0, k);
+        assert_int_equal(take(&l, j, &m, 1.0, 0.1, &e), 0);
+        assert_int_equal(m.role, DC_DP_CHARGED);
+    }
+    assert_int_equal(j->dp->n_open, DC_LEDGER_DP_WINDOW);
+    m = dp_member(3, 1, 1.0, 100);
+    assert_int_equal(take(&l, j, &m, 0.0, 0.1, &e), 0);
+    assert_int_equal(m.role, DC_DP_CHARGED);
+    dc_ledger_close(&l);
+}
+
+static void test_data_parallel_persist(void **state) {
+    dc_ledger l;
+    dc_ledger_job *j;
+    dc_dp_member m;
+    dc_err e;
+    double eps;
+    (void)state;
+    assert_int_equal(dc_ledger_open(&l, g_dir, 1e-5, &e), 0);
+    j = dc_ledger_job_get(&l, 7, "dp-disk");
+    for (int i = 0; i < 3; i++) {
+        m = dp_member(4, 0, 1.25, 0);
+        assert_int_equal(take(&l, j, &m, 1.25, 0.1, &e), 0);
+    }
+    m = dp_member(4, 2, 1.25, 0); /* rank 2 at step 1 of 3: shares open steps */
+    assert_int_equal(take(&l, j, &m, 0.0, 0.1, &e), 0);
+    assert_int_equal(m.role, DC_DP_SHARE);
+    assert_int_equal(dc_ledger_save(&l, j, &e), 0);
+    eps = j->eps;
+    dc_ledger_close(&l);
+
+    assert_int_equal(dc_ledger_open(&l, g_dir, 1e-5, &e), 0);
+    j = dc_ledger_job_find(&l, 7, "dp-disk");
+    assert_non_null(j);
+    assert_non_null(j->dp);
+    assert_int_equal(j->dp->world, 4);
+    assert_true(j->dp->sigma == 1.25);
+    assert_int_equal(j->dp->newest, 3);
+    assert_int_equal(j->dp->n_open, 0);
+    assert_true(j->eps == eps && j->steps == 3);
+    /* no step up to the highest can be taken again, by any rank */
+    m = dp_member(4, 2, 1.25, 2);
+    assert_int_equal(take(&l, j, &m, 0.0, 0.1, &e), DC_EPRECOND);
+    assert_string_equal(e.field, "clip_step.data_parallel.step");
+    m = dp_member(4, 3, 1.25, 3);
+    assert_int_equal(take(&l, j, &m, 0.0, 0.1, &e), DC_EPRECOND);
+    m = dp_member(2, 1, 1.25, 0);
+    assert_int_equal(take(&l, j, &m, 0.0, 0.1, &e), DC_EPRECOND);
+    assert_string_equal(e.field, "clip_step.data_parallel.world");
+    m = dp_member(4, 3, 1.25, 0);
+    assert_int_equal(take(&l, j, &m, 0.0, 0.1, &e), 0);
+    assert_int_equal(m.step, 4);
+    assert_int_equal(m.role, DC_DP_CHARGED);
+    assert_int_equal(j->steps, 4);
+    dc_ledger_close(&l);
+}
+
 static void write_file(const char *name, const char *text) {
     char path[600];
     FILE *f;
@@ -508,6 +700,14 @@ static void test_corrupt_files_refuse(void **state) {
         {"dpclip-ledger 1\nuid 5\njob 6a\ndelta 1e-5\nsteps 1\nentry 0.1 1 1\nbogus 1\nend\n",
          ":7:"},
         {"dpclip-ledger 1\nuid 5\njob 6a\ndelta 1e-5\nsteps 1\nentry 7 1 1\nend\n", "bad entry"},
+        {"dpclip-ledger 2\nuid 5\njob 6a\ndelta 1e-5\nsteps 1\nentry 0.1 1 1\n"
+         "data_parallel 1 1 1\nend\n", "bad data_parallel"},
+        {"dpclip-ledger 2\nuid 5\njob 6a\ndelta 1e-5\nsteps 1\nentry 0.1 1 1\n"
+         "data_parallel 4 0 1\nend\n", "bad data_parallel"},
+        {"dpclip-ledger 2\nuid 5\njob 6a\ndelta 1e-5\nsteps 1\nentry 0.1 1 1\n"
+         "data_parallel 4 1 1 9\nend\n", "bad data_parallel"},
+        {"dpclip-ledger 2\nuid 5\njob 6a\ndelta 1e-5\nsteps 1\nentry 0.1 1 1\n"
+         "data_parallel 4 1 1\ndata_parallel 4 1 2\nend\n", "bad data_parallel"},
     };
     dc_ledger l;
     dc_err e;
@@ -575,6 +775,8 @@ int main(void) {
         cmocka_unit_test_setup_teardown(test_insecure_mark, setup, teardown),
         cmocka_unit_test_setup_teardown(test_curve_async, setup, teardown),
         cmocka_unit_test_setup_teardown(test_persist_roundtrip, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_data_parallel_members, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_data_parallel_persist, setup, teardown),
         cmocka_unit_test_setup_teardown(test_corrupt_files_refuse, setup, teardown),
         cmocka_unit_test_setup_teardown(test_lock, setup, teardown),
         cmocka_unit_test_setup_teardown(test_write_file_errors, setup, teardown),

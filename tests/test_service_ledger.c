@@ -120,10 +120,11 @@ static void test_long_job_id(void **state) {
     dpclip_disconnect(c);
 }
 
-/* Data parallelism: rank 0 adds the noise, ranks 1..W-1 send sigma 0 in the
- * same job. Their steps are shares of rank 0's logical steps: not refused by
- * a budget (they were, at step 0), not charged; the job's epsilon is rank
- * 0's, once per logical step. A lone sigma-0 session still has no privacy. */
+/* Data parallelism: rank 0 adds the noise, rank 1 sends sigma 0, both
+ * declaring the job's world and sigma. Each logical step is charged once,
+ * at the job's sigma, by whichever member comes first (here rank 1); the
+ * other is covered, and a budget refuses the logical step that would pass
+ * it on both ranks. A lone sigma-0 session still has no privacy. */
 static void test_data_parallel_budget(void **state) {
     dpclip_client *r0 = connect_job(g_h.sock, "dp"), *r1 = connect_job(g_h.sock, "dp"),
                   *lone;
@@ -134,27 +135,29 @@ static void test_data_parallel_budget(void **state) {
     assert_int_equal(dc_service_step_init(&s1, r1, 8, 0.0f, 0.1, 10), 0);
     set_privacy(&s0, 1.0f, 0.1, 0, budget);
     set_privacy(&s1, 0.0f, 0.1, 0, budget);
+    assert_int_equal(dpclip_step_set_data_parallel(s0.step, 2, 0, 1.0f, 0), 0);
+    assert_int_equal(dpclip_step_set_data_parallel(s1.step, 2, 1, 1.0f, 0), 0);
     for (int i = 1; i <= 3; i++) {
-        /* rank 1 first, as it may well be */
+        /* rank 1 first, as it may well be: it charges the logical step */
         assert_int_equal(run(r1, &s1, &eps1, NULL), 0);
-        assert_true(eps1 == eps0); /* the job's, before rank 0's step */
+        assert_rel(eps1, accountant_eps(0.1, 1.0, i, 1e-5), 1e-9);
         assert_int_equal(run(r0, &s0, &eps0, NULL), 0);
-        assert_rel(eps0, accountant_eps(0.1, 1.0, i, 1e-5), 1e-9);
+        assert_true(eps0 == eps1); /* covered */
     }
     assert_int_equal(job_steps(g_status, "dp"), 3);
-    /* the budget stops rank 0, whose step would cost */
+    /* the budget stops the fourth logical step, whichever rank comes */
     assert_int_equal(run(r0, &s0, NULL, NULL), DPCLIP_ENOSPACE);
+    assert_int_equal(run(r1, &s1, NULL, NULL), DPCLIP_ENOSPACE);
+    assert_string_equal(dpclip_errfield(r1), "clip_step.target_epsilon");
     {
         json_t *root = get_status(g_status), *j = ledger_job(root, "dp");
         assert_non_null(j);
         assert_int_equal(json_integer_value(json_object_get(j, "shares")), 3);
+        assert_int_equal(json_integer_value(json_object_get(j, "steps")), 3);
         json_decref(root);
     }
-    /* shares are backed by charged steps (one ahead): two sessions of one
-     * job cannot take noiseless steps for free */
-    assert_int_equal(run(r1, &s1, NULL, NULL), 0);
-    assert_int_equal(run(r1, &s1, NULL, NULL), DPCLIP_ENOSPACE);
-    /* one session, no noise: no privacy, and a budget refuses it */
+    /* one session, no noise, no declaration: no privacy, and a budget
+     * refuses it */
     lone = connect_job(g_h.sock, "dp-lone");
     assert_int_equal(dc_service_step_init(&sl, lone, 8, 0.0f, 0.1, 11), 0);
     set_privacy(&sl, 0.0f, 0.1, 0, budget);

@@ -11,9 +11,14 @@
  *     the step with DC_ENONFINITE naming the layer, tensor and sample;
  *     embedding indices outside [0, vocab) fail with DC_EINVAL naming the
  *     field and sample.
- *  3. FLAT: n[b] = sqrt(sum_l n2[l][b]), c[b] = dc_clip_coef(C, n[b]).
- *     PER_LAYER: c[l][b] = dc_clip_coef(C_l, sqrt(n2[l][b])), n[b] as above,
- *     coefs[b] = 1, and the noise std uses C = sqrt(sum_l C_l^2) (as Opacus).
+ *  3. FLAT: n[b] = sqrt(sum_l n2[l][b]), c[b] = dc_clip_coef(C, n[b], e),
+ *     e = dc_clip_e_step(step, how) for the backend's kernel paths (step.h:
+ *     a bound on the norm's rounding, so that c[b] times the exact norm of
+ *     what the sum releases stays within C). PER_LAYER: c[l][b] =
+ *     dc_clip_coef(C_l, sqrt(n2[l][b]), dc_clip_e(step, l, how)), n[b] as
+ *     above, coefs[b] = 1, and the noise std uses C = sqrt(sum_l C_l^2) (as
+ *     Opacus). A clipped sum multiplies by dc_clip_scaled(c, grad scale).
+ *     The reply's norms are the computed ones.
  *  4. For each requested output: sum_b c[b] * scale * (per-sample grad of b),
  *     plus N(0, (sigma*C)^2) per element, divided by expected_batch for MEAN.
  *     Outputs are written only if the whole step succeeds and every value is
@@ -51,8 +56,9 @@ typedef struct dc_backend_ops {
      * checks (2.) and n2[L*B] (1.), the step's own squared layer norms.
      * run_clip: steps 3.-5. with the coefficients taken from the group's
      * per-sample totals tot[B] (n2 as run_norms gave it, for the per-layer
-     * results); it checks the data again. NULL: this backend cannot serve
-     * grouped steps. */
+     * results); it checks the data again. Its e is dc_clip_e_step(step,
+     * dc_clip_e_how(step)), as a norm pass's reply computes it
+     * (step_pass.c). NULL: this backend cannot serve grouped steps. */
     int (*run_norms)(dc_backend *be, const dc_step *step, double *n2, dc_err *err);
     int (*run_clip)(dc_backend *be, const dc_step *step, const double *n2, const double *tot,
                     dc_step_result *res, dc_err *err);

@@ -24,6 +24,7 @@
 typedef struct cpu_backend {
     dc_backend base;    /* first: the worker pool sees a dc_backend * */
     int threads;
+    unsigned clip_how; /* dc_cpu_backend_set_clip_how; 0: the CPU's paths */
     dc_cpu_scratch s;
 } cpu_backend;
 
@@ -289,6 +290,12 @@ static int run_phases(dc_backend *be, const dc_step *step, enum run_phases want,
     res->phase_ns[DC_RUN_NORMS] = tq - tp + 1; /* + 1: measured, even if under 1 ns */
     tp = tq;
     double noise_c2 = 0.0; /* PER_LAYER noise uses sqrt(sum_l C_l^2) */
+    /* Coefficients from an upper bound on each norm, n (1 + e) (step.h);
+     * the reply keeps the computed norms. The e of a FLAT step is the
+     * largest over its layers, also when a norm group's totals come in:
+     * each member bounds its own layers' part of the total (docs/design.md). */
+    if ((rc = dc_clip_e_check(step, cb->clip_how, err))) return rc;
+    const double e_flat = per_layer ? 0.0 : dc_clip_e_step(step, cb->clip_how);
     for (uint32_t b = 0; b < B; b++) {
         double tot = 0.0;
         if (tot_in) {
@@ -306,14 +313,15 @@ static int run_phases(dc_backend *be, const dc_step *step, enum run_phases want,
                               "the gradient norm of sample %u is not finite; nothing was written",
                               b);
         st.norms[b] = (float)sqrt(tot);
-        st.coefs[b] = per_layer ? 1.0f : dc_clip_coef(step->max_grad_norm, st.norms[b]);
+        st.coefs[b] = per_layer ? 1.0f : dc_clip_coef(step->max_grad_norm, sqrt(tot), e_flat);
     }
     if (per_layer)
         for (size_t l = 0; l < L; l++) {
             float Cl = lay[l].max_grad_norm;
+            const double el = dc_clip_e(step, l, cb->clip_how);
             noise_c2 += (double)Cl * Cl;
             for (uint32_t b = 0; b < B; b++)
-                st.lcoef[l * B + b] = dc_clip_coef(Cl, (float)sqrt(st.n2[l * B + b]));
+                st.lcoef[l * B + b] = dc_clip_coef(Cl, sqrt(st.n2[l * B + b]), el);
         }
     float noise_std =
         step->noise_multiplier *
@@ -356,7 +364,7 @@ static int run_phases(dc_backend *be, const dc_step *step, enum run_phases want,
         size_t ow = st.off[2 * l], ob = st.off[2 * l + 1];
         if (ow == SIZE_MAX && ob == SIZE_MAX) continue;
         for (uint32_t b = 0; b < B; b++)
-            st.cvec[b] = (per_layer ? st.lcoef[l * B + b] : st.coefs[b]) * scale;
+            st.cvec[b] = dc_clip_scaled(per_layer ? st.lcoef[l * B + b] : st.coefs[b], scale);
         rc = dc_cpu_layer_clipped_sum(s, ly, B, st.cvec, ow == SIZE_MAX ? NULL : outs + ow,
                                       ob == SIZE_MAX ? NULL : outs + ob, err);
         if (rc) return rc;
@@ -442,6 +450,10 @@ static int cpu_run_clip(dc_backend *be, const dc_step *step, const double *n2,
     int rc = run_phases(be, step, PHASE_CLIP, NULL, n2, tot, res, err);
     scratch_trim(&((cpu_backend *)be)->s);
     return rc;
+}
+
+void dc_cpu_backend_set_clip_how(dc_backend *be, unsigned how) {
+    ((cpu_backend *)be)->clip_how = how;
 }
 
 size_t dc_cpu_backend_scratch_bytes(dc_backend *be) {

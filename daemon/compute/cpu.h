@@ -47,6 +47,12 @@ typedef struct dc_cpu_scratch {
 } dc_cpu_scratch;
 
 void dc_cpu_scratch_free(dc_cpu_scratch *s);
+/* The kernel paths whose rounding the coefficients of a CPU backend
+ * instance cover (step.h DC_E_*): 0, its own, unless set. For the CUDA
+ * backend's tests, which compare its results with the CPU's: with the
+ * GPU's how both compute the same coefficients from the same norms. */
+void dc_cpu_backend_set_clip_how(dc_backend *be, unsigned how);
+
 /* Bytes of scratch held now (tests: an outlier's scratch is given back). */
 size_t dc_cpu_scratch_bytes(const dc_cpu_scratch *s);
 /* The same for a CPU backend instance made by dc_cpu_backend_create. */

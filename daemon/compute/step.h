@@ -188,16 +188,67 @@ static inline float dc_step_grad_scale(const dc_step *s) {
     return s->reduction == DC_REDUCTION_MEAN ? (float)s->batch : 1.0f;
 }
 
-/* Flat clipping coefficient c = min(1, C / (n + 1e-6)). A norm that is not
- * a finite number >= 0 gives 0, never 1: NaN compares false, and "no
- * clipping" for an unknown norm would release that sample unbounded.
- * Backends fail such a step before its coefficients are used; this is the
- * second line. */
-static inline float dc_clip_coef(float C, float norm) {
-    if (!(norm >= 0.0f && norm <= FLT_MAX)) return 0.0f;
-    float c = C / (norm + 1e-6f);
-    return c < 1.0f ? c : 1.0f;
+/* Certified sensitivity (docs/design.md, "Certified sensitivity"). A
+ * computed norm n can come out below the exact norm of the per-sample
+ * gradient the clipped sum releases, by the rounding of the kernels that
+ * computed it. So a coefficient comes from an upper bound on that norm,
+ * n (1 + e), where e covers the worst case of every rounding on the way
+ * (accumulation lengths, f32 sums of squares and atomics, TF32 truncation,
+ * the kept bf16 gradients, the coefficient's own arithmetic and its
+ * application in the sum), given that the signed sums forming each
+ * gradient entry do not cancel (what is certified, exactly: see the doc).
+ * e depends on the layer's kind, dimensions and dtypes, the batch, the
+ * backend and the kernel path, never on the data.
+ *
+ * how: DC_E_GPU for the CUDA backend's kernels (else the CPU backend's);
+ * DC_E_TF32: f32 LINEAR inputs may run on TF32 tensor cores (the CUDA
+ * backend's default, assumed by every GPU step so that a norm pass, its
+ * sums steps and a norm group's clip phase, which see only totals, agree
+ * with a whole step); DC_E_KEPT: the layer's per-sample gradients are kept
+ * as bf16 and summed from there (cuda/sgrad.cu; whole GPU steps only). */
+#define DC_E_GPU 1u
+#define DC_E_TF32 2u
+#define DC_E_KEPT 4u
+
+/* No layer's e is below its backend's floor: a step's e is then the same
+ * for every subset of its layers whose bounds are within the floor, so
+ * that a norm pass's reply, its sums steps (each of which sees its own
+ * layers only, and clips by their e: docs/design.md) and the whole step
+ * compute the same coefficients for such layers. The CPU's covers its
+ * direct form up to T = 14 and its ghost form up to d + p = 28, at 1e-6 of
+ * C; the GPU's its bf16 and f16 direct form up to T = 1900, at 5e-4 of C
+ * (TF32 layers, whose truncation alone is 2e-3, are above it). */
+#define DC_E_FLOOR_CPU 0x1p-20
+#define DC_E_FLOOR_GPU 0x1p-11
+
+/* e of layer l of step s (its tie partner's paths included for a tied
+ * pair's owner), at least the floor. INFINITY where an accumulation is too
+ * long for any bound (K u >= 1/2): its coefficients are then 0, and the
+ * backends refuse such a step (dc_clip_e_check). */
+double dc_clip_e(const dc_step *s, size_t l, unsigned how);
+/* The largest dc_clip_e over the layers the step's norm counts (not
+ * norm_excluded): the e of a FLAT coefficient. */
+double dc_clip_e_step(const dc_step *s, unsigned how);
+/* DC_EINVAL naming the first counted layer whose e is infinite. */
+int dc_clip_e_check(const dc_step *s, unsigned how, dc_err *err);
+/* The how of a step that only totals describe (step_pass.c, run_clip). */
+static inline unsigned dc_clip_e_how(const dc_step *s) {
+    return s->device >= 0 ? DC_E_GPU | DC_E_TF32 : 0u;
 }
+
+/* The clipping coefficient of a computed norm with relative error bound e:
+ * c = min(1, C / (norm (1 + e) + 1e-6)), in double and rounded down to
+ * f32, so that c n_exact <= C wherever n_exact <= norm (1 + e). A norm (or
+ * e) that is not a finite number >= 0 gives 0, never 1: NaN compares false,
+ * and "no clipping" for an unknown norm would release that sample
+ * unbounded. Backends fail such a step before its coefficients are used;
+ * this is the second line. One copy (step.c), so that every caller rounds
+ * alike: a norm pass's reply and its sums steps agree bit for bit. */
+float dc_clip_coef(float C, double norm, double e);
+/* c * scale rounded down to f32 (the product of two floats is exact in
+ * double): the multiplier a clipped sum applies never exceeds the
+ * coefficient times the gradient scale. */
+float dc_clip_scaled(float c, float scale);
 
 /* The later layer of a tied pair: its weight's norm and clipped sum go to
  * the owner's. */

@@ -293,6 +293,7 @@ static void job_drop(dc_ledger *l, dc_ledger_job **pp) {
     dc_ledger_job *j = *pp;
     *pp = j->next;
     l->n_jobs--;
+    dc_ledger_dp_free(j);
     free(j->hist);
     free(j);
 }

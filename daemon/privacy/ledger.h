@@ -12,9 +12,20 @@
  * adding and refunding steps of the history never drifts.
  *
  * A job's delta is fixed by its first step: eps is always reported, and
- * budgets checked, at one delta (a step naming another is refused). A
- * step with sigma 0 from a data-parallel rank is a share of a logical step
- * whose noise another rank adds; it is not charged (dc_ledger_share).
+ * budgets checked, at one delta (a step naming another is refused).
+ *
+ * Data parallelism (ledger_dp.c): a job's data-parallel ranks send one
+ * step each per logical step, and one of them adds the noise. Such steps
+ * declare the job's world size W and sigma (both fixed by its first such
+ * step, and on disk) and their rank. The first member of a logical step to
+ * come charges it, once, at (q, the job's sigma); every other member is
+ * covered by that charge. At most W - 1 members of a logical step may be
+ * noiseless (the others add noise with at least the job's sigma), each
+ * rank takes each logical step once (its steps are numbered, and a number
+ * it has used is refused), and members release only once the charge is on
+ * disk. Across a restart the job's numbers go on after the highest one
+ * charged, so no number can be taken twice. A sigma-0 step that declares
+ * nothing is charged as what it is: no privacy.
  *
  * Persistence: one small text file per job under the ledger directory,
  * "<uid>-<hex of job id>.ledger", replaced atomically (written to a temp
@@ -59,6 +70,12 @@
 #define DC_LEDGER_JOB_MAX 64  /* bytes of a job id, with its NUL: longer ids are refused */
 #define DC_LEDGER_HIST_MAX 16 /* (q, sigma) pairs a job keeps apart; older ones are folded */
 #define DC_LEDGER_CACHE 16    /* recently computed curves, shared by all jobs */
+/* Data parallelism: the most ranks a job may declare (each costs the job 8
+ * bytes), and the logical steps a job keeps open (charged, waiting for
+ * other members; a member of a step no longer open charges it again).
+ * Settings wanted: ledger.dp_world_max, ledger.dp_window. */
+#define DC_LEDGER_DP_WORLD_MAX 4096
+#define DC_LEDGER_DP_WINDOW 64
 
 typedef struct dc_ledger_entry {
     double q, sigma;
@@ -71,13 +88,68 @@ typedef struct dc_ledger_waiter dc_ledger_waiter;
 
 typedef struct dc_ledger dc_ledger;
 
+/* What a step of a data-parallel job is to its logical step. */
+typedef enum dc_dp_role {
+    DC_DP_NONE = 0,  /* not accounted (yet) */
+    DC_DP_CHARGED,   /* the first member: it charged the logical step */
+    DC_DP_COVERED,   /* a later member adding noise: covered by the charge */
+    DC_DP_SHARE      /* a later noiseless member: a share of the charge */
+} dc_dp_role;
+
+/* A step's membership of a data-parallel logical step: as the request
+ * states it (ClipStep.data_parallel; world 0: none), then as accounted. */
+typedef struct dc_dp_member {
+    bool declared;        /* the request has ClipStep.data_parallel */
+    uint32_t world, rank;
+    uint64_t step;        /* 0: the rank's next; once accounted, the logical step */
+    double sigma;         /* the job's data-parallel sigma, as the step states it */
+    dc_dp_role role;      /* set by dc_ledger_dp_commit */
+    uint64_t gen;         /* the job's generation holding the charge: durable first */
+} dc_dp_member;
+
+/* What every member of one logical step must agree on, so that the noise
+ * one of them adds covers each one's sum: the sample rate charged, the C
+ * of the noise's std (flat: C, or the group's; per layer: sqrt(sum C_l^2))
+ * and the divisor of the noised sum (MEAN: the expected batch; SUM: 1). */
+typedef struct dc_dp_terms {
+    double q, c;
+    uint32_t divisor;
+} dc_dp_terms;
+
+/* A logical step charged and still waiting for members. */
+typedef struct dc_ledger_dp_open {
+    uint64_t step, gen;
+    dc_dp_terms terms;
+    uint32_t members, noiseless;
+} dc_ledger_dp_open;
+
+/* A job's data parallelism (allocated at its first data-parallel step, or
+ * read back from its file). */
+typedef struct dc_ledger_dp {
+    uint32_t world;               /* fixed by the first member accepted; 0 = not yet */
+    double sigma;                 /* the job's sigma: every logical step is charged at it */
+    uint64_t newest;              /* the highest logical step charged (on disk) */
+    uint64_t *next;               /* [cap_next]: each rank's next logical step */
+    uint32_t cap_next;
+    dc_ledger_dp_open open[DC_LEDGER_DP_WINDOW];
+    size_t n_open;
+} dc_ledger_dp;
+
+/* Where a data-parallel step goes (dc_ledger_dp_plan), to be committed
+ * once its charge, if any, is spent. */
+typedef struct dc_dp_plan {
+    uint64_t step;
+    bool charge;                  /* no open logical step: this member charges it */
+} dc_dp_plan;
+
 typedef struct dc_ledger_job {
     struct dc_ledger_job *next;
     dc_ledger *ledger;            /* its owner (refunds may need the curve cache) */
     uint32_t uid;
     char job[DC_LEDGER_JOB_MAX];
     uint64_t steps;               /* every step charged, folded ones included */
-    uint64_t shares;              /* data-parallel shares seen (not charged; not on disk) */
+    uint64_t shares;              /* noiseless data-parallel members seen (not on disk) */
+    dc_ledger_dp *dp;             /* data parallelism; NULL until the job declares it */
     double delta;                 /* the job's delta: eps is reported at it */
     double budget_eps;            /* the job's own budget at `delta`; 0 = none */
     dc_ledger_entry *hist;        /* at most DC_LEDGER_HIST_MAX */
@@ -178,9 +250,35 @@ int dc_ledger_spend(dc_ledger *l, dc_ledger_job *j, double q, double sigma, dc_e
 /* Takes back one step of (q, sigma) that was spent and then not released
  * (the step failed before writing anything). Bumps gen. */
 void dc_ledger_refund(dc_ledger_job *j, double q, double sigma);
-/* A data-parallel rank's share of a logical step (sigma 0: rank 0 adds the
- * noise and is charged): counted, not charged, not written. */
-static inline void dc_ledger_share(dc_ledger_job *j) { j->shares++; }
+/* --- ledger_dp.c: data-parallel logical steps ------------------------------- */
+
+/* The member's declaration alone: world in [2, DC_LEDGER_DP_WORLD_MAX],
+ * rank in [0, world), a finite sigma > 0, a step number below 2^63, and
+ * the step's own noise multiplier 0 (noiseless) or at least that sigma.
+ * Refusals name clip_step.data_parallel.* or clip_step.noise_multiplier. */
+int dc_ledger_dp_check(const dc_dp_member *m, double step_sigma, dc_err *err);
+/* Where the member goes in job j, changing nothing that counts: the job's
+ * world and sigma (a different one is refused, FAILED_PRECONDITION naming
+ * clip_step.data_parallel.world / .noise_multiplier), the rank's next
+ * number (a smaller one is a replay: clip_step.data_parallel.step), and an
+ * open logical step's terms (clip_step.sample_rate, clip_step.clip) and
+ * noiseless members (a W-th: clip_step.noise_multiplier). Out of memory
+ * (field "ledger") is the only other error. */
+int dc_ledger_dp_plan(dc_ledger_job *j, const dc_dp_member *m, double step_sigma,
+                      const dc_dp_terms *t, dc_dp_plan *plan, dc_err *err);
+/* Takes the planned place (after the charge was spent, if planned): fixes
+ * the job's world and sigma, advances the rank, opens or fills the logical
+ * step; sets m->step, m->role and m->gen. */
+void dc_ledger_dp_commit(dc_ledger_job *j, dc_dp_member *m, double step_sigma,
+                         const dc_dp_terms *t, const dc_dp_plan *plan);
+/* The member that charged a logical step released nothing: true when no
+ * other member took it (the charge may be refunded; the step is closed),
+ * false when one did or it is no longer open (the charge stays). */
+bool dc_ledger_dp_unwind(dc_ledger_job *j, const dc_dp_member *m);
+/* The job's data parallelism as read back (world, sigma, highest step
+ * charged): every rank goes on after that step. 0, or out of memory. */
+int dc_ledger_dp_restore(dc_ledger_job *j, uint32_t world, double sigma, uint64_t newest);
+void dc_ledger_dp_free(dc_ledger_job *j);
 /* The job's terms from a step: delta (0 = the job's) may be set until the
  * job's first step, then a different one is refused (field
  * clip_step.target_delta); the budget (0 = keep) is lowered, never raised.

@@ -9,6 +9,8 @@
  *   insecure 1                 (only if spent under --insecure-fixed-seed)
  *   entry 0.01 1.1 1200        (q, sigma, steps: the history, at most 16)
  *   folded 34 r1 ... r151      (only if pairs were folded: steps and RDP)
+ *   data_parallel 4 1.1 1200   (only if declared: world, sigma, highest
+ *                               logical step charged)
  *   epsilon 3.02               (for people reading it; recomputed on load)
  *   end
  *
@@ -60,6 +62,9 @@ int dc_ledger_serialize(const dc_ledger_job *j, char **out, size_t *len) {
     for (size_t i = 0; i < j->n_hist; i++)
         fprintf(f, "entry %.17g %.17g %llu\n", j->hist[i].q, j->hist[i].sigma,
                 (unsigned long long)j->hist[i].steps);
+    if (j->dp && j->dp->world)
+        fprintf(f, "data_parallel %u %.17g %llu\n", j->dp->world, j->dp->sigma,
+                (unsigned long long)j->dp->newest);
     if (j->folded_steps) {
         fprintf(f, "folded %llu", (unsigned long long)j->folded_steps);
         for (size_t k = 0; k < DC_RDP_N_ORDERS; k++) fprintf(f, " %.17g", j->folded[k]);
@@ -176,7 +181,10 @@ static int load_file(dc_ledger *l, const char *path, FILE *f, dc_ledger_job **ou
     unsigned long long steps = 0, sum = 0, cnt, folded_steps = 0;
     unsigned uid = 0;
     double delta = l->default_delta, budget = 0, q, sigma, folded[DC_RDP_N_ORDERS];
-    bool have_uid = false, have_job = false, ended = false, insecure = false;
+    bool have_uid = false, have_job = false, ended = false, insecure = false, have_dp = false;
+    unsigned dp_world = 0;
+    double dp_sigma = 0;
+    unsigned long long dp_newest = 0;
     int lineno = 0;
     dc_ledger_job *j = NULL;
     const char *why = "unreadable";
@@ -210,6 +218,21 @@ static int load_file(dc_ledger *l, const char *path, FILE *f, dc_ledger_job **ou
             ent[n_ent].n = cnt;
             n_ent++;
             sum += cnt;
+            continue;
+        }
+        if (strncmp(line, "data_parallel ", 14) == 0) {
+            char tail;
+            /* A job's world and sigma bound what its shares release, and its
+             * highest step keeps numbers from being taken again: a file that
+             * garbles them is not read as a job without them. */
+            if (have_dp ||
+                sscanf(line + 14, "%u %lf %llu %c", &dp_world, &dp_sigma, &dp_newest, &tail) != 3 ||
+                dp_world < 2 || dp_world > DC_LEDGER_DP_WORLD_MAX ||
+                !(dp_sigma > 0 && isfinite(dp_sigma)) || dp_newest >= (1ull << 63)) {
+                why = "bad data_parallel line";
+                goto bad;
+            }
+            have_dp = true;
             continue;
         }
         if (strncmp(line, "folded ", 7) == 0) {
@@ -253,6 +276,7 @@ static int load_file(dc_ledger *l, const char *path, FILE *f, dc_ledger_job **ou
         j->folded_steps = folded_steps;
         memcpy(j->folded, folded, sizeof j->folded);
     }
+    if (have_dp && dc_ledger_dp_restore(j, dp_world, dp_sigma, dp_newest)) goto oom;
     for (size_t i = 0; i < n_ent; i++) {
         dc_ledger_entry *e = NULL;
         for (size_t k = 0; k < j->n_hist && !e; k++)
@@ -311,6 +335,7 @@ int dc_ledger_load_job(dc_ledger *l, uint32_t uid, const char *job, dc_ledger_jo
         dc_ledger_job *j = *out;
         l->jobs = j->next;
         l->n_jobs--;
+        dc_ledger_dp_free(j);
         free(j->hist);
         free(j);
         *out = NULL;

@@ -231,12 +231,14 @@ static void step_charge(dc_step_job *j, bool async) {
     dc_server *srv = s->srv;
     bool wait;
     dc_err e;
+    dc_step_charge kind;
     bool covered = s->group && dc_group_covers(s->group, s->group_rank, j->group_step,
                                                (float)j->sigma, s->ljob->job);
-    if (dc_step_account_charge(j, s->ljob, covered, &srv->cfg, &srv->metrics, &e)) goto fail;
-    /* j->ljob: the ledger really charged the step (a data-parallel share or
-     * a covered step is no charge, and covers no other member's step) */
-    if (s->group && j->ljob)
+    if (dc_step_account_charge(j, s->ljob, covered, &srv->cfg, &srv->metrics, &kind, &e))
+        goto fail;
+    /* only a charge covers the group's members: a share or a covered step
+     * paid nothing */
+    if (s->group && kind == DC_STEP_CHARGED)
         dc_group_charged(s->group, s->group_rank, j->group_step, (float)j->sigma, s->ljob->job);
     j->t_checked = uv_hrtime();
     s->job = j;

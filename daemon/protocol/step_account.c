@@ -25,6 +25,12 @@ int dc_step_account_check(dc_step_job *j, const dc_config *c, dc_err *e) {
     }
     j->q = q;
     j->sigma = (double)j->step.noise_multiplier;
+    if (j->params.dp.declared) {
+        /* a logical step's members are charged at the job's sigma, whoever
+         * of them adds the noise */
+        if (dc_ledger_dp_check(&j->params.dp, j->sigma, e)) return e->code;
+        j->sigma = j->params.dp.sigma;
+    }
     return 0;
 }
 
@@ -50,32 +56,11 @@ bool dc_step_account_curve(dc_step_job *j, dc_ledger_job *job, uv_loop_t *loop,
     return true;
 }
 
-int dc_step_account_charge(dc_step_job *j, dc_ledger_job *job, bool group_member,
-                           const dc_config *c, dc_metrics *m, dc_err *e) {
+/* One step of (j->q, j->sigma) spent in the job, unless a budget refuses it. */
+static int spend(dc_step_job *j, dc_ledger_job *job, const dc_config *c, dc_metrics *m,
+                 dc_err *e) {
     double q = j->q, sigma = j->sigma, eps;
 
-    if (group_member) {
-        /* A norm group's step is one logical step: rank 0 is charged for it,
-         * and every member's step waits for rank 0's (the group fails the
-         * step on all if rank 0's is refused). */
-        j->eps = job->eps;
-        j->delta = job->delta;
-        return 0;
-    }
-    if (sigma == 0.0 && job->sessions > 1 &&
-        job->shares < (uint64_t)(job->sessions - 1) * (job->steps + 1)) {
-        /* A data-parallel rank other than 0 (the job's other sessions): its
-         * noiseless sum is added to rank 0's, which carries the noise and is
-         * charged for the logical step. Nothing to charge or refuse here.
-         * Shares must be backed by charged steps (one per other session and
-         * charged step, and one ahead: rank 1 may come first), so a client
-         * that opens two sessions of one job cannot take noiseless steps
-         * for free: past that they are charged (sigma 0: epsilon infinite). */
-        dc_ledger_share(job);
-        j->eps = job->eps;
-        j->delta = job->delta;
-        return 0;
-    }
     if (job->budget_eps > 0 &&
         (eps = dc_ledger_eps_after(job->ledger, job, q, sigma, job->delta)) > job->budget_eps) {
         m->budget_refusals++;
@@ -98,8 +83,62 @@ int dc_step_account_charge(dc_step_job *j, dc_ledger_job *job, bool group_member
                           "refused before any work",
                           job->job, job->uid, c->budget_delta, eps, c->budget_epsilon);
     }
-    if (dc_ledger_spend(job->ledger, job, q, sigma, e)) return e->code;
+    return dc_ledger_spend(job->ledger, job, q, sigma, e) ? e->code : 0;
+}
+
+/* The terms a data-parallel logical step's members share (ledger.h). */
+static dc_dp_terms dp_terms(const dc_step_job *j) {
+    const dc_step *st = &j->step;
+    dc_dp_terms t = {j->q, st->noise_norm > 0.0f ? st->noise_norm : st->max_grad_norm, 1};
+    if (st->mode == DC_CLIP_PER_LAYER) {
+        double c2 = 0.0;
+        for (size_t l = 0; l < st->n_layers; l++)
+            c2 += (double)st->layers[l].max_grad_norm * st->layers[l].max_grad_norm;
+        t.c = sqrt(c2);
+    }
+    if (st->reduction == DC_REDUCTION_MEAN) t.divisor = st->expected_batch;
+    return t;
+}
+
+/* A data-parallel member: charges its logical step if it is the first,
+ * else is covered by the charge. */
+static int charge_member(dc_step_job *j, dc_ledger_job *job, const dc_config *c,
+                         dc_metrics *m, dc_step_charge *kind, dc_err *e) {
+    const double own = (double)j->step.noise_multiplier;
+    const dc_dp_terms t = dp_terms(j);
+    dc_dp_plan plan;
+
+    if (dc_ledger_dp_plan(job, &j->params.dp, own, &t, &plan, e)) return e->code;
+    if (plan.charge && spend(j, job, c, m, e)) return e->code;
+    dc_ledger_dp_commit(job, &j->params.dp, own, &t, &plan);
+    /* every member waits for its logical step's charge to be durable */
     j->ljob = job;
+    *kind = j->params.dp.role == DC_DP_CHARGED  ? DC_STEP_CHARGED
+            : j->params.dp.role == DC_DP_SHARE ? DC_STEP_SHARE
+                                               : DC_STEP_COVERED;
+    return 0;
+}
+
+int dc_step_account_charge(dc_step_job *j, dc_ledger_job *job, bool group_member,
+                           const dc_config *c, dc_metrics *m, dc_step_charge *kind,
+                           dc_err *e) {
+    int rc;
+
+    *kind = DC_STEP_CHARGED;
+    if (j->params.dp.declared) {
+        rc = charge_member(j, job, c, m, kind, e);
+    } else if (group_member) {
+        /* A norm group's step is one logical step: rank 0 is charged for it,
+         * and every member's step waits for rank 0's (the group fails the
+         * step on all if rank 0's is refused). */
+        *kind = DC_STEP_COVERED;
+        rc = 0;
+    } else if ((rc = spend(j, job, c, m, e)) == 0) {
+        /* sigma 0 included: a noiseless step that is no data-parallel
+         * member is charged as what it is (epsilon infinite) */
+        j->ljob = job;
+    }
+    if (rc) return rc;
     j->eps = job->eps;
     j->delta = job->delta;
     return 0;
@@ -107,6 +146,11 @@ int dc_step_account_charge(dc_step_job *j, dc_ledger_job *job, bool group_member
 
 void dc_step_account_refund(dc_step_job *j) {
     if (!j->ljob) return;
+    if (j->params.dp.declared &&
+        (j->params.dp.role != DC_DP_CHARGED || !dc_ledger_dp_unwind(j->ljob, &j->params.dp))) {
+        j->ljob = NULL; /* covered, or its charge covers another member too */
+        return;
+    }
     dc_ledger_refund(j->ljob, j->q, j->sigma);
     dc_ledger_persist(j->ljob, NULL);
     j->ljob = NULL;
@@ -140,10 +184,14 @@ static void on_spend_durable(dc_ledger_waiter *w, int rc, const dc_err *err) {
 }
 
 int dc_step_account_durable(dc_step_job *j, dc_step_cb resume, bool *wait, dc_err *e) {
+    uint64_t gen;
     *wait = false;
     if (!j->ljob || !dc_ledger_persistent(j->ljob->ledger)) return 0;
+    /* a data-parallel member: the charge of its logical step, whoever made it */
+    gen = j->params.dp.declared ? j->params.dp.gen : j->ljob->gen;
+    if (j->ljob->saved_gen >= gen) return 0;
     j->resume = resume;
-    j->wait.gen = j->ljob->gen;
+    j->wait.gen = gen;
     j->wait.done = on_spend_durable;
     j->waiting_sync = true;
     dc_ledger_persist(j->ljob, &j->wait); /* usually completes later */

@@ -8,13 +8,17 @@
  *      libuv's pool computes it;
  *   4. charge: refused (RESOURCE_EXHAUSTED, naming the budget) if it would
  *      take the job past its own budget or the node's; otherwise the spend
- *      is recorded (a sigma-0 step of one of a job's several sessions is a
- *      data-parallel share, and a norm group's member other than rank 0
- *      shares rank 0's step: neither is charged);
+ *      is recorded. A norm group's member other than rank 0 is covered by
+ *      rank 0's charge. A step that declares ClipStep.data_parallel is a
+ *      member of a logical step of its job (ledger.h, ledger_dp.c): the
+ *      first member charges it at the job's sigma, the others are covered
+ *      (a noiseless one: a share), whatever their group. A sigma-0 step
+ *      that declares nothing is charged as no privacy;
  *   5. durable: with a persistent ledger the step waits until its spend is
  *      on disk: its noised outputs reach the trainer's memory as soon as it
  *      runs, so its cost must already be recorded if the daemon dies right
- *      after.
+ *      after. A data-parallel member covered by another's charge waits for
+ *      that charge likewise.
  * A step that fails writes no output. If it failed before anything depended
  * on its noise (a non-finite input, ...) it released nothing and its spend
  * is refunded; one that failed once noised (an output beyond its dtype's
@@ -35,7 +39,19 @@
 #include "metrics.h"
 #include "step_job.h"
 
-/* 1. j->params against their ranges and c; sets j->q, j->sigma. */
+/* What the charge did with a step, for its caller (a norm group's leader
+ * covers its members only where it charged). */
+typedef enum dc_step_charge {
+    DC_STEP_CHARGED = 1, /* the job was charged for it */
+    DC_STEP_COVERED,     /* covered by another step's charge (a group's rank 0, or
+                          * a data-parallel member that adds noise) */
+    DC_STEP_SHARE        /* a noiseless data-parallel member, covered by its
+                          * logical step's charge */
+} dc_step_charge;
+
+/* 1. j->params against their ranges and c; sets j->q and j->sigma (what
+ * the ledger charges: the step's noise multiplier, or for a data-parallel
+ * member the job's, data_parallel.noise_multiplier). */
 int dc_step_account_check(dc_step_job *j, const dc_config *c, dc_err *e);
 /* 2. The step's delta and budget set on the job's account. */
 int dc_step_account_terms(dc_step_job *j, dc_ledger_job *job, dc_err *e);
@@ -43,18 +59,22 @@ int dc_step_account_terms(dc_step_job *j, dc_ledger_job *job, dc_err *e);
  * computed; resume(j, 0, NULL) follows on the loop. */
 bool dc_step_account_curve(dc_step_job *j, dc_ledger_job *job, uv_loop_t *loop,
                            dc_step_cb resume);
-/* 4. The charge (j->ljob, j->eps, j->delta once charged; the job's eps and
- * delta when not). group_member: a norm group's member other than rank 0.
- * Budget refusals are counted in m. */
+/* 4. The charge: *kind says what it was; j->eps and j->delta are the job's
+ * after it; j->ljob is set where the step charged the job, and for every
+ * data-parallel member (j->params.dp then holds its logical step and
+ * role). group_member: a norm group's member other than rank 0 (ignored
+ * for a data-parallel member). Budget refusals are counted in m. */
 int dc_step_account_charge(dc_step_job *j, dc_ledger_job *job, bool group_member,
-                           const dc_config *c, dc_metrics *m, dc_err *e);
+                           const dc_config *c, dc_metrics *m, dc_step_charge *kind,
+                           dc_err *e);
 /* 5. 0 and *wait false: nothing to wait for (in memory, or already on
  * disk); 0 and *wait true: resume(j, rc, err) follows on the loop, with an
  * error (UNAVAILABLE, field "ledger") if the write failed, the spend then
  * refunded. An error now: the write failed at once; refunded. */
 int dc_step_account_durable(dc_step_job *j, dc_step_cb resume, bool *wait, dc_err *e);
 /* The spend goes back (the step released nothing); a step not charged is
- * left as it is. */
+ * left as it is, and so is the charge of a data-parallel logical step
+ * another member has taken. */
 void dc_step_account_refund(dc_step_job *j);
 
 #endif

@@ -58,6 +58,7 @@ struct dc_step_params {
     bool notify_enqueued;
     dc_step_phase phase;
     double sample_rate, target_delta, target_epsilon;
+    dc_dp_member dp;       /* ClipStep.data_parallel; the charge fills in its place */
 };
 
 /* A wait on a step's input event issued ahead of its validation: the

@@ -131,8 +131,8 @@ int dc_pass_new(dc_step_job *j, dc_pass **out, dc_err *e) {
         r->norms[b] = (float)sqrt(t);
         /* the coefficients its sums will clip by: with the re-measurement's
          * margin (step_pass.h), so that the reply says what is applied */
-        r->coefs[b] = dc_clip_coef(s->max_grad_norm,
-                                   (float)sqrt(t * (1.0 + DC_PHASE_RECHECK_TOL)));
+        r->coefs[b] = dc_clip_coef(s->max_grad_norm, sqrt(t * (1.0 + DC_PHASE_RECHECK_TOL)),
+                                   dc_clip_e_step(s, dc_clip_e_how(s)));
     }
     for (size_t i = 0; i < L * B; i++) r->layer_norms[i] = (float)sqrt(j->n2[i]);
     p->n2 = j->n2;

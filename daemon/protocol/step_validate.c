@@ -15,7 +15,14 @@ int dc_step_validate(dc_step_job *j, const Dpclip__ClipStep *m, const dc_registr
                                         (dc_step_phase)m->phase,
                                         m->sample_rate,
                                         m->target_delta,
-                                        m->target_epsilon};
+                                        m->target_epsilon,
+                                        {0}};
+    if (m->data_parallel)
+        j->params.dp = (dc_dp_member){.declared = true,
+                                      .world = m->data_parallel->world,
+                                      .rank = m->data_parallel->rank,
+                                      .step = m->data_parallel->step,
+                                      .sigma = m->data_parallel->noise_multiplier};
     return dc_validate_step(m, reg, lim, &j->step, e);
 }
 

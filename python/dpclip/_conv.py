@@ -231,19 +231,28 @@ def _frozen_pair(name, m):
     return False
 
 
-def layers_for(engine, name: str, m: nn.Module) -> Optional[List[_Layer]]:
-    """The layers of a convolution or affine normalization (empty: frozen),
-    or None when m is neither."""
-    t = type(m)
-    if t.forward in (nn.Conv1d.forward, nn.Conv2d.forward) and isinstance(m, (nn.Conv1d,
-                                                                            nn.Conv2d)):
+# the torch classes whose forward this module's layers replace
+BASES = (nn.Conv1d, nn.Conv2d, nn.GroupNorm, nn.modules.instancenorm._InstanceNorm,
+         nn.modules.batchnorm._BatchNorm)
+
+
+def build(engine, name: str, m: nn.Module) -> Optional[List[_Layer]]:
+    """The layers of m as the convolution or affine normalization it is an
+    instance of (empty: frozen), whatever its forward; None for others."""
+    if isinstance(m, (nn.Conv1d, nn.Conv2d)):
         return [] if _frozen_pair(name, m) else [_ConvLayer(engine, name, m)]
-    own = (nn.GroupNorm.forward, nn.modules.instancenorm._InstanceNorm.forward,
-           nn.modules.batchnorm._BatchNorm.forward)
-    if t.forward in own:
+    if isinstance(m, BASES[2:]):
         if getattr(m, "weight", None) is None or not getattr(m, "affine", True):
             return []
         if _frozen_pair(name, m):
             return []
         return [_AffineLayer(engine, name, m)]
+    return None
+
+
+def layers_for(engine, name: str, m: nn.Module) -> Optional[List[_Layer]]:
+    """The layers of a convolution or affine normalization with its torch
+    class's own forward (empty: frozen), or None for any other module."""
+    if type(m).forward in [b.forward for b in BASES] and isinstance(m, BASES):
+        return build(engine, name, m)
     return None

@@ -506,6 +506,7 @@ class Sharded:
         box = ["dpclip-noise-" + secrets.token_hex(8)]
         dist.broadcast_object_list(box, src=self._global[0], group=self.group)
         self.client = _lib.Client(socket_path, client_name=client_name + "-noise", job_id=job_id)
+        self.engine.check_daemon(self.client)  # the same refusal as the engine's own session
         self.client.join_group(box[0], self.rank, self.world, 0, group_wise=True)
         self._host, self._cuda = HostArena(self.client), CudaIPC(self.client)
         terms = dict(sample_rate=cfg.sample_rate, target_delta=target_delta,

@@ -300,7 +300,14 @@ class _Layer:
         self.tied_by = None             # ... and the later one, on that layer
         self.w_out = self.b_out = None  # Outs of the weight and bias (bind_outputs)
         self.part0 = 0                  # index of its first part in a step
-        self.verify = None              # first-step check of the module's output
+        self.verify = None              # first-step check (dpclip._verify.Probe)
+        # how the check's errors name what the module is trained as, and the way out
+        self.what: Optional[str] = None   # None: dpclip's layer of its kind
+        self.hint = "this is a bug in dpclip: please report it"
+        # a subclass with its own forward, trained through its calls of
+        # this torch class's forward (super().forward; see _swap_class)
+        self.via_super: Optional[type] = None
+        self._class: Optional[type] = None  # the module's own class while swapped
         self._orig_forward = None
         self._setup()
 
@@ -316,7 +323,9 @@ class _Layer:
         self.records.append((inp.detach(), g.detach(), pass_id))
 
     def active(self):
-        return self.engine.active and torch.is_grad_enabled() and self.weight.requires_grad
+        # (_reference: the first-step check is running the modules' own code)
+        return self.engine.active and torch.is_grad_enabled() and \
+            self.weight.requires_grad and not getattr(self.engine, "_reference", False)
 
     def attach(self):
         layer = self
@@ -324,13 +333,47 @@ class _Layer:
         def forward(mod, *args, **kwargs):
             if not layer.active():
                 return layer._orig_forward(*args, **kwargs)
-            y = layer._forward(mod, *args, **kwargs)
+            if layer.via_super is not None:  # its own code, the base's forward swapped
+                y = layer._orig_forward(*args, **kwargs)
+            else:
+                y = layer._forward(mod, *args, **kwargs)
             if layer.verify is not None:
                 layer.verify(layer, args, kwargs, y)
             return y
 
+        if self.via_super is not None:
+            self._swap_class()
         self._orig_forward = self.module.forward
         self.module.forward = types.MethodType(forward, self.module)
+
+    def _swap_class(self):
+        """A subclass of a torch module with its own forward that reaches the
+        weight through super().forward(...): the module's class becomes a
+        subclass of its own whose MRO puts a shim between it and the torch
+        class, so that the subclass's code runs as written and its call of
+        the base forward is this layer's _forward. Whatever the subclass does
+        around that call (a scale, an offset, shifted indices) autograd
+        differentiates: the output gradient captured is the one w.r.t. the
+        base forward's output (a scale s on the output gives s times the
+        incoming gradient), exactly what the per-sample rule needs."""
+        layer, base, cls = self, self.via_super, type(self.module)
+
+        def base_forward(mod, *args, **kwargs):
+            if mod is layer.module and layer.active():
+                return layer._forward(mod, *args, **kwargs)
+            return base.forward(mod, *args, **kwargs)
+
+        shim = type("_DPClip" + base.__name__, (base,), {"forward": base_forward,
+                                                          "__module__": __name__})
+        swapped = type(cls.__name__, (cls, shim), {"__module__": cls.__module__,
+                                                   "__qualname__": cls.__qualname__})
+        self._class = cls
+        self.module.__class__ = swapped
+
+    def reference(self, mod, *args, **kwargs):
+        """The module's computation as it was before dpclip (the first-step
+        check calls it with the engine in reference mode: no layer active)."""
+        return self._orig_forward(*args, **kwargs)
 
     def _forward(self, mod, x):
         return _LinearFn.apply(x, mod.weight, mod.bias, self)
@@ -342,6 +385,9 @@ class _Layer:
             except AttributeError:
                 pass
             self._orig_forward = None
+        if self._class is not None:
+            self.module.__class__ = self._class
+            self._class = None
 
     # Shapes normalized for the daemon: inputs [B, T, d] (indices [B, T]),
     # output grads [B, T, p or d]; several calls of the module in one pass
@@ -572,9 +618,9 @@ def _collect_layers(engine: Any, module: nn.Module
             norms.append((name, m))
         own = [(pn, p) for pn, p in m.named_parameters(recurse=False) if p.requires_grad]
         made = _registry.layers_for(engine, name, m)
+        if own:  # each trained by some layer, checked once every layer is known
+            pending.append((name, m, own, made is not None))
         if made is None:
-            if own:
-                pending.append((name, m, own))
             continue
         for l in made:
             for p in (l.weight, l.bias):
@@ -592,10 +638,20 @@ def _collect_layers(engine: Any, module: nn.Module
                                "bias" if p is l.bias else "weight"))
                     _tie(other, l)
             layers.append(l)
-    for name, m, own in pending:
+    for name, m, own, supported in pending:
         left = [pn for pn, p in own if id(p) not in owner]
-        if left:
+        if left and not supported:
             raise _registry.unsupported(name, m, left)
+        if left:
+            # an extra parameter on a module dpclip trains (used by its
+            # parent or a hook): its gradient would be autograd's, unclipped
+            kept = [pn for pn, p in own if id(p) in owner]
+            raise UnsupportedModuleError(
+                "module %s has trainable parameters dpclip does not train (%s): it trains "
+                "%s, what the module computes as dpclip knows it; a parameter added to it is "
+                "used elsewhere (by its parent, by a hook), where no per-sample gradient is "
+                "formed. Freeze it, or hold it in a module dpclip trains"
+                % (_label(name, m), ", ".join(left), ", ".join(kept) or "none of them"))
     if not layers:
         raise UnsupportedModuleError("the module has no trainable parameters to train privately")
     bind_outputs(layers)

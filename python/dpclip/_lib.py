@@ -181,6 +181,8 @@ def _declare(L: ctypes.CDLL) -> None:
         "dpclip_last_timing": (c_int, [c_void_p, ctypes.POINTER(Timing)]),
         "dpclip_step_notify_enqueued": (None, [c_void_p, c_int]),
         "dpclip_step_set_phase": (c_int, [c_void_p, c_int]),
+        "dpclip_step_set_data_parallel": (c_int, [c_void_p, ctypes.c_uint32, ctypes.c_uint32,
+                                                  ctypes.c_float, ctypes.c_uint64]),
         "dpclip_submit": (c_int, [c_void_p, c_void_p, u64p]),
         "dpclip_wait": (c_int, [c_void_p, ctypes.c_uint64, c_int, ctypes.POINTER(Result)]),
         "dpclip_wait_enqueued": (c_int, [c_void_p, ctypes.c_uint64, c_int,
@@ -191,6 +193,7 @@ def _declare(L: ctypes.CDLL) -> None:
                                              ctypes.POINTER(GroupLink), u64p]),
         "dpclip_step_set_replicated": (c_int, [c_void_p, ctypes.c_size_t, c_int]),
         "dpclip_step_set_tied": (c_int, [c_void_p, ctypes.c_size_t, ctypes.c_size_t]),
+        "dpclip_insecure": (c_int, [c_void_p]),
     }
     for name, (res, args) in sig.items():
         fn = getattr(L, name)
@@ -271,6 +274,13 @@ class Client:
 
     def check(self, rc: int) -> None:
         check(self._h, rc)
+
+    @property
+    def insecure(self) -> bool:
+        """True when the daemon said (on every reply, the Hello's first) that
+        it runs with --insecure-fixed-seed: its noise is predictable, so
+        nothing it computes is private, whatever epsilon it reports."""
+        return bool(self._L.dpclip_insecure(self.handle))
 
     def ping(self) -> None:
         self.check(self._L.dpclip_ping(self.handle))
@@ -513,6 +523,23 @@ class Step:
         Kept across reset()."""
         if self._L.dpclip_step_set_phase(self._s, phase) != 0:
             raise ValueError("unknown step phase %r" % (phase,))
+
+    def set_data_parallel(self, world: int, rank: int, noise_multiplier: float,
+                          step: int = 0) -> None:
+        """Data parallelism: this step is rank `rank`'s member of each
+        logical step of a job of `world` ranks, which the daemon charges
+        once, at `noise_multiplier` (the job's sigma, > 0), to whichever
+        member comes first. The members that add the noise run at that sigma
+        or more, the others at 0 (docs/protocol.md, "Data parallelism").
+        step: the logical step, 0 = this rank's next. world 0 turns it off.
+        Kept across reset()."""
+        rc = self._L.dpclip_step_set_data_parallel(self._s, int(world), int(rank),
+                                                   float(noise_multiplier), int(step))
+        if rc:
+            raise DpclipError(rc, "clip_step.data_parallel",
+                              "data_parallel(world=%r, rank=%r, noise_multiplier=%r, step=%r): "
+                              "world is 2 to 4096, rank in [0, world), noise_multiplier finite "
+                              "and > 0" % (world, rank, noise_multiplier, step))
 
     def notify_enqueued(self, yes: bool = True) -> None:
         """GPU steps with a signal event: have submit()'s step send an

@@ -25,11 +25,12 @@ __all__ = ["DPMultiheadAttention", "replace_mha"]
 
 class _Slots(list):
     """The engine's layers of a DPMultiheadAttention (q, k, v projections;
-    bias_k, bias_v): a copy or pickle of the model gets empty ones, never
-    the engine."""
+    bias_k, bias_v), the nn.MultiheadAttention it replaced (from_module)
+    and the engine's check of it against that module (dpclip._verify): a
+    copy or pickle of the model gets empty ones, never the engine."""
 
     def __init__(self):
-        super().__init__([None] * 5)
+        super().__init__([None] * 7)
 
     def __deepcopy__(self, memo):
         return _Slots()
@@ -76,27 +77,53 @@ class DPMultiheadAttention(nn.Module):
         self.out_proj = m.out_proj
         self.train(m.training)
         self._dp = _Slots()
+        self._dp[5] = m  # what it replaced, for the first-step check
 
-    def _proj(self, i: int, x: torch.Tensor) -> torch.Tensor:
+    def _wb(self, i: int) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """Projection i's weight and bias (views of in_proj_*)."""
         E = self.embed_dim
         if self._qkv_same_embed_dim:
             w = self.in_proj_weight[i * E:(i + 1) * E]
         else:
             w = (self.q_proj_weight, self.k_proj_weight, self.v_proj_weight)[i]
         b = self.in_proj_bias[i * E:(i + 1) * E] if self.in_proj_bias is not None else None
+        return w, b
+
+    def _proj(self, i: int, x: torch.Tensor) -> torch.Tensor:
+        w, b = self._wb(i)
         l = self._dp[i]
         if l is not None and l.active():
-            return _LinearFn.apply(x, w, b, l)
+            y = _LinearFn.apply(x, w, b, l)
+            if l.verify is not None:  # the first-step check (dpclip._verify)
+                l.verify(l, (x,), {}, y)
+            return y
         return F.linear(x, w, b)
 
     def _bias_kv(self, i: int, B: int) -> torch.Tensor:
         p = self.bias_k if i == 0 else self.bias_v
         l = self._dp[3 + i]
         if l is not None and l.active():
-            return _BiasKVFn.apply(p, B, l)
+            y = _BiasKVFn.apply(p, B, l)
+            if l.verify is not None:
+                l.verify(l, (B,), {}, y)
+            return y
         return p.reshape(1, 1, -1).expand(B, 1, p.shape[-1])
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                key_padding_mask: Optional[torch.Tensor] = None, need_weights: bool = True,
+                attn_mask: Optional[torch.Tensor] = None, average_attn_weights: bool = True,
+                is_causal: bool = False) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        kw = dict(key_padding_mask=key_padding_mask, need_weights=need_weights,
+                  attn_mask=attn_mask, average_attn_weights=average_attn_weights)
+        if is_causal:  # (torch 1.13's nn.MultiheadAttention has no is_causal)
+            kw["is_causal"] = True
+        out = self._attend(query, key, value, **kw)
+        check = self._dp[6]
+        if check is not None:  # the first-step check against the module it replaced
+            check(self, (query, key, value), kw, out)
+        return out
+
+    def _attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 key_padding_mask: Optional[torch.Tensor] = None, need_weights: bool = True,
                 attn_mask: Optional[torch.Tensor] = None, average_attn_weights: bool = True,
                 is_causal: bool = False) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
@@ -213,6 +240,9 @@ class _ProjLayer(_Layer):
     def detach(self):
         self.module._dp[self.i] = None
 
+    def reference(self, mod, x):
+        return F.linear(x, *mod._wb(self.i))
+
     def parts(self, B, nb):
         inp, g, T = self.captured(B)
         b = (self.b_out, self.i * self.p, (self.p,)) if self.bias is not None else None
@@ -236,6 +266,9 @@ class _BiasKVLayer(_Layer):
 
     def detach(self):
         self.module._dp[3 + self.i] = None
+
+    def reference(self, mod, B):
+        return mod._bias_kv(self.i, B)  # no layer active: the plain expand
 
     def parts(self, B, nb):
         v = None

@@ -56,7 +56,9 @@ class DPOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 closure()
-        self.engine.step()
+        # the engine refuses (fail closed) where one of these holds a
+        # gradient it did not compute
+        self.engine.step(params=[p for g in self.param_groups for p in g["params"]])
         return self.original_optimizer.step()
 
     def add_param_group(self, param_group: Dict[str, Any]) -> None:

@@ -3,7 +3,12 @@ checks of a DPDataLoader against the engine's ranks, and the gate that keeps
 a step failing on any rank from being applied as the others' noiseless sum.
 
 Only rank 0 adds noise (the others send sigma 0), so the all-reduced sum is
-private only with rank 0's result in it. With asynchronous GPU steps a
+private only with rank 0's result in it. Each rank's step declares itself
+its member of the job's logical step (declare_member): the daemon charges
+each logical step once, at the engine's sigma, to whichever rank comes
+first, and takes the others' noiseless steps as shares of it, at most one
+per rank and logical step; a sigma-0 step that declares nothing is charged
+as no privacy. With asynchronous GPU steps a
 rank's failure shows on the device alone (the daemon writes zeros after its
 early notice), after optimizer.step() has queued the update on every rank;
 so the gate works on the device: each rank's success flag is all-reduced
@@ -17,6 +22,7 @@ which the parameters are broadcast, the loaders checked and the gradients
 gated; the engine's rank and world size are then the replica's index and
 the number of replicas."""
 import hashlib
+from typing import Any
 
 import torch
 
@@ -192,6 +198,23 @@ class Gate:
             "one of the %d ranks (that rank raises its error), and without every rank's result "
             "the update could lack rank 0's noise; the gradients were zeroed" % (
                 step, self.world_size))
+
+
+def declare_member(engine: Any, step: _lib.Step) -> None:
+    """Data parallel: makes `step`, the engine's, this rank's member of each
+    logical step of its job (_lib.Step.set_data_parallel), with the engine's
+    noise multiplier as the job's sigma. Over norm groups every member of
+    every replica is one: member replica * size + rank of replicas * size
+    (replica 0's members add the noise, the others' are shares). Nothing to
+    declare with one replica, or without noise (every step is then charged
+    as what it is: no privacy)."""
+    if not (engine.distributed and engine.world_size > 1 and engine.noise_multiplier > 0):
+        return
+    rank, world = engine.rank, engine.world_size
+    group = engine.norm_group
+    if group is not None:
+        rank, world = rank * group.size + group.rank, world * group.size
+    step.set_data_parallel(world, rank, engine.noise_multiplier)
 
 
 def broadcast_job_id(job_id: str, group=None, src: int = 0) -> str:

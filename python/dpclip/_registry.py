@@ -1,16 +1,28 @@
 """Which modules dpclip trains, and as what.
 
-torch's own layers are recognised by class (with their own forward, not a
-subclass's); Hugging Face's Conv1D by its structure, so transformers is
-never imported; normalization layers of other libraries by registration:
+torch's own layers are recognised by class (with their own forward);
+Hugging Face's Conv1D by its structure, so transformers is never imported;
+normalization layers of other libraries by registration:
 
     dpclip.torch.register(MyRMSNorm, kind="rmsnorm", weight="weight", eps="variance_epsilon")
 
-or by class name (the common Hugging Face classes are registered so). A
-registered module, and a Conv1D, is checked on its first training forward:
-its own forward runs beside the replacement, and an output that differs
-(the module does not compute what it was registered as) is refused there,
-naming the module, before any step uses it."""
+or by class name (the common Hugging Face classes are registered so).
+
+A subclass of a torch layer dpclip trains (Linear, Embedding, LayerNorm,
+RMSNorm, Conv1d/2d, GroupNorm, InstanceNorm, BatchNorm) that has a forward
+of its own is trained only where its transform is known: registered with
+kind="subclass" (by class or name; transformers' scaled word embeddings
+and OPT's learned positions are, by name), which says that its forward
+reaches the weight through super().forward(...) alone and transforms that
+call's inputs and output per sample (Gemma's sqrt(hidden) scale, OPT's
+index offset, an added constant). Its own code then runs with the base
+forward swapped for dpclip's (_layers._Layer._swap_class). Any other is
+refused at make_private, by name: trained as its base class it would be
+silently wrong (transformers 5's GemmaTextScaledWordEmbedding was, issue 38).
+
+Every module dpclip trains is then checked on the engine's first step
+(dpclip._verify): its forward against the module's own code, and its
+per-sample gradients against autograd's through that code."""
 from typing import Any, Dict, List, Optional, Union
 
 import torch
@@ -21,7 +33,7 @@ from ._layers import (_RMSNorm, UnsupportedModuleError, _EmbeddingLayer, _HFConv
 
 __all__ = ["register", "registered"]
 
-KINDS = ("rmsnorm", "layernorm")
+KINDS = ("rmsnorm", "layernorm", "subclass")
 
 
 class _Reg(dict):
@@ -48,10 +60,34 @@ def register(cls: Union[type, str], kind: str, weight: str = "weight",
     value. weight_offset: 1.0 for norms that scale by (1 + w), as Gemma's.
     The module's own forward replaced by the formula, and checked against it
     on the first training forward: a module that computes something else is
-    refused there (UnsupportedModuleError). Registering a class again
-    replaces its registration."""
+    refused there (UnsupportedModuleError).
+
+    kind="subclass": cls subclasses a torch layer dpclip trains (nn.Linear,
+    nn.Embedding, ...) with a forward of its own that uses the weight only
+    through super().forward(...), transforming that call's inputs and its
+    output per sample (a scale, an offset, shifted indices), as
+    transformers' GemmaTextScaledWordEmbedding (output times sqrt(hidden))
+    and OPTLearnedPositionalEmbedding (indices plus 2) do; it is trained
+    through those calls (the other arguments are not used). The first
+    step checks the claim against autograd.
+
+    Registering a class again replaces its registration."""
     if kind not in KINDS:
         raise ValueError("register: kind must be one of %s, got %r" % (", ".join(KINDS), kind))
+    if kind == "subclass":
+        if isinstance(cls, type) and supported_base(cls) is None:
+            raise ValueError("register: kind='subclass' needs a subclass of a torch layer "
+                             "dpclip trains (%s), got %s"
+                             % (", ".join(b.__name__ for b in _bases()), cls.__name__))
+        reg = _Reg(kind=kind)
+        if isinstance(cls, str):
+            _by_name[cls] = reg
+        elif isinstance(cls, type):
+            _by_class[cls] = reg
+        else:
+            raise ValueError("register: cls must be an nn.Module class or a class name, got %r"
+                             % (cls,))
+        return
     if bias is not None and kind != "layernorm":
         raise ValueError("register: a bias is a layernorm's only (kind %r)" % kind)
     if not isinstance(weight, str) or not weight:
@@ -85,46 +121,33 @@ for _n in ("LlamaRMSNorm", "MistralRMSNorm", "MixtralRMSNorm", "Qwen2RMSNorm",
     register(_n, "rmsnorm", eps="variance_epsilon")
 for _n in ("GemmaRMSNorm", "Gemma2RMSNorm", "Gemma3RMSNorm"):
     register(_n, "rmsnorm", eps="eps", weight_offset=1.0)
-
-
-# --- the first-step check -----------------------------------------------------------
-
-def _tolerance(dtype):
-    return 1e-4 if dtype in (torch.float32, torch.float64) else 2e-2
-
-
-def _verify(what):
-    """A check for _Layer.verify: the module's own forward on the same
-    input, once, against the replacement's output y."""
-
-    def check(layer, args, kwargs, y):
-        layer.verify = None
-        with torch.no_grad():
-            want = layer._orig_forward(*args, **kwargs)
-        if not isinstance(want, torch.Tensor) or want.shape != y.shape:
-            raise UnsupportedModuleError(
-                "module %s is trained as %s, but its own forward returns %s where %s gives "
-                "shape %s: register it as what it computes, or not at all"
-                % (_label(layer.name, layer.module), what,
-                   "shape %s" % (tuple(want.shape),) if isinstance(want, torch.Tensor)
-                   else type(want).__name__, what, tuple(y.shape)))
-        own_dtype = want.dtype
-        got, want = y.detach().double(), want.double()
-        scale = max(float(want.abs().max()) if want.numel() else 0.0, 1e-12)
-        err = float((got - want).abs().max()) / scale if want.numel() else 0.0
-        # the loosest precision in play: under autocast a norm runs in f32 here
-        # while the module's own forward may keep the input's bf16
-        dts = [y.dtype, own_dtype] + [a.dtype for a in args if isinstance(a, torch.Tensor)]
-        if not err <= max(_tolerance(dt) for dt in dts):
-            raise UnsupportedModuleError(
-                "module %s is trained as %s, but its own forward computes something else (the "
-                "outputs differ by %.3g of their largest magnitude on its first forward): "
-                "register it with the kind, weight and eps it computes (dpclip.torch.register), "
-                "or not at all" % (_label(layer.name, layer.module), what, err))
-    return check
+# transformers' nn.Embedding subclasses whose forward is
+# super().forward(input_ids) * embed_scale, or super().forward(positions +
+# offset) (OPT)
+for _n in ("GemmaTextScaledWordEmbedding", "Gemma3TextScaledWordEmbedding",
+           "Gemma3nTextScaledWordEmbedding", "BartScaledWordEmbedding",
+           "M2M100ScaledWordEmbedding", "NllbMoeScaledWordEmbedding",
+           "OPTLearnedPositionalEmbedding"):
+    register(_n, "subclass")
 
 
 # --- classification ---------------------------------------------------------------
+
+def _bases() -> List[type]:
+    """The torch classes whose forward a layer of dpclip replaces, the most
+    derived first where one subclasses another (none do today)."""
+    from . import _conv  # noqa: E402 (it imports this module's imports)
+    out = [nn.Linear, nn.Embedding, nn.LayerNorm] + ([_RMSNorm] if _RMSNorm else [])
+    return out + list(_conv.BASES)
+
+
+def supported_base(cls: type) -> Optional[type]:
+    """The torch layer dpclip trains that cls is or subclasses, or None."""
+    for b in _bases():
+        if issubclass(cls, b):
+            return b
+    return None
+
 
 def _own_forward(m, base):
     return isinstance(m, base) and type(m).forward is base.forward
@@ -153,16 +176,15 @@ def _frozen(name, m, w, b):
     return False
 
 
-def layers_for(engine: Any, name: str, m: nn.Module) -> Optional[List[_Layer]]:
-    """The _Layers for module m (empty when it trains nothing), or None when
-    dpclip does not support it. Raises for a supported module configured
-    in a way dpclip cannot train."""
-    from . import _conv, _mha  # noqa: E402 (they import this module's imports)
+def _as_base(engine: Any, name: str, m: nn.Module, base: type) -> List[_Layer]:
+    """The layers of m as an instance of the torch class base (empty:
+    frozen); raises for a configuration dpclip cannot train."""
+    from . import _conv  # noqa: E402
 
     w = getattr(m, "weight", None)
-    if _own_forward(m, nn.Linear):
+    if base is nn.Linear:
         return [] if _frozen(name, m, w, m.bias) else [_Layer(engine, name, m)]
-    if _own_forward(m, nn.Embedding):
+    if base is nn.Embedding:
         if _frozen(name, m, w, None):
             return []
         if m.max_norm is not None or m.scale_grad_by_freq or m.sparse:
@@ -170,23 +192,58 @@ def layers_for(engine: Any, name: str, m: nn.Module) -> Optional[List[_Layer]]:
                 "module %s: Embedding with max_norm, scale_grad_by_freq or sparse=True is not "
                 "supported" % _label(name, m))
         return [_EmbeddingLayer(engine, name, m)]
-    for base, kind in ((nn.LayerNorm, "layernorm"), (_RMSNorm, "rmsnorm")):
-        if base is not None and _own_forward(m, base):
-            if _frozen(name, m, w, getattr(m, "bias", None)):
-                return []
-            if len(m.normalized_shape) != 1:
-                raise UnsupportedModuleError(
-                    "module %s: only normalization over the last dimension is supported "
-                    "(normalized_shape %s)" % (_label(name, m), tuple(m.normalized_shape)))
-            return [_NormLayer(engine, name, m, kind)]
-    made = _conv.layers_for(engine, name, m)
-    if made is not None:
+    if base in (nn.LayerNorm, _RMSNorm):
+        if _frozen(name, m, w, getattr(m, "bias", None)):
+            return []
+        if len(m.normalized_shape) != 1:
+            raise UnsupportedModuleError(
+                "module %s: only normalization over the last dimension is supported "
+                "(normalized_shape %s)" % (_label(name, m), tuple(m.normalized_shape)))
+        return [_NormLayer(engine, name, m, "layernorm" if base is nn.LayerNorm else "rmsnorm")]
+    return _conv.build(engine, name, m) or []
+
+
+def _subclass(engine: Any, name: str, m: nn.Module, base: type) -> List[_Layer]:
+    """A subclass of base with a forward of its own: trained through its
+    calls of base's forward where registered as kind="subclass", else
+    refused (unless it trains nothing)."""
+    made = _as_base(engine, name, m, base)
+    if not made:
         return made
+    reg = registered(type(m))
+    if reg is None or reg["kind"] != "subclass":
+        raise UnsupportedModuleError(
+            "module %s subclasses nn.%s with a forward of its own, which dpclip does not "
+            "know: trained as an nn.%s it could be silently wrong (a scaled output would be "
+            "clipped unscaled). If its forward uses the weight only through "
+            "super().forward(...), transforming that call's inputs and output per sample (a "
+            "scale, an offset, shifted indices), register it: dpclip.torch.register(%s, "
+            "kind='subclass') (checked against autograd on the first step); else freeze it "
+            "or replace it with a module dpclip trains"
+            % (_label(name, m), base.__name__, base.__name__, type(m).__name__))
+    for l in made:
+        l.via_super = base
+        l.what = "a subclass of nn.%s, through its super().forward" % base.__name__
+        l.hint = ("its forward does not reach the weight through super().forward(...) "
+                  "alone, or mixes samples: unregister it, freeze it or replace it")
+    return made
+
+
+def layers_for(engine: Any, name: str, m: nn.Module) -> Optional[List[_Layer]]:
+    """The _Layers for module m (empty when it trains nothing), or None when
+    dpclip does not support it. Raises for a supported module configured
+    in a way dpclip cannot train, and for a subclass of one with a forward
+    of its own that is not registered as kind="subclass"."""
+    from . import _mha  # noqa: E402 (it imports this module's imports)
+
+    base = supported_base(type(m))
+    if base is not None and type(m).forward is base.forward:
+        return _as_base(engine, name, m, base)
     made = _mha.layers_for(engine, name, m)
     if made is not None:
         return made
     reg = registered(type(m))
-    if reg is not None:
+    if reg is not None and reg["kind"] != "subclass":
         w = getattr(m, reg["weight"], None)
         b = getattr(m, reg["bias"], None) if reg["bias"] else None
         if not isinstance(w, torch.Tensor):
@@ -208,13 +265,18 @@ def layers_for(engine: Any, name: str, m: nn.Module) -> Optional[List[_Layer]]:
         l = _NormLayer(engine, name, m, reg["kind"], weight=w,
                        bias=b if b is not None else False, eps=reg["eps"],
                        offset=reg["offset"], hf_style=True)
-        l.verify = _verify("a registered %s" % reg["kind"])
+        l.what = "a registered %s" % reg["kind"]
+        l.hint = ("register it with the kind, weight and eps it computes "
+                  "(dpclip.torch.register), or not at all")
         return [l]
+    if base is not None:
+        return _subclass(engine, name, m, base)
     if _is_hf_conv1d(m):
-        if _frozen(name, m, w, m.bias):
+        if _frozen(name, m, getattr(m, "weight", None), m.bias):
             return []
         l = _HFConv1DLayer(engine, name, m)
-        l.verify = _verify("a Conv1D (a Linear with its weight [in, out])")
+        l.what = "a Conv1D (a Linear with its weight [in, out])"
+        l.hint = "register it as what it computes, or not at all"
         return [l]
     return None
 

@@ -18,7 +18,11 @@ autograd never runs the weight-gradient GEMMs. Instead each module's input
 sends the daemon one ClipStep naming all of them; the daemon computes the
 per-sample norms, clips, sums, adds N(0, (sigma*C)^2) and writes the private
 gradient, which lands in param.grad (divided by the expected batch size with
-a mean loss).
+a mean loss). A subclass of one of these with a forward of its own is
+trained only where registered as kind="subclass" (dpclip._registry), and
+every module dpclip trains is checked against autograd through its own
+code on the first step (dpclip._verify). Fail closed: step() refuses a
+gradient the daemon did not compute (dpclip._guard).
 
 The engine is this module; dpclip._planner lays out each step, and the
 transports move the tensors: dpclip._host (CPU tensors, through one
@@ -56,6 +60,7 @@ import math
 import secrets
 import sys
 import time
+import warnings
 from typing import Any, Iterable, List, Optional, Tuple, Union
 
 from . import _needs_torch  # noqa: F401  (says which python3 has torch when it is missing)
@@ -64,10 +69,11 @@ import torch
 import torch.nn as nn
 from torch.utils.data import DataLoader
 
-from . import _fsdp, _group, _lib, _parallel, _planner
+from . import _fsdp, _group, _lib, _parallel, _planner, _verify
 from ._cuda import CudaIPC
 from ._host import HostArena
 from ._lib import DpclipError
+from ._guard import Guard, UnclippedGradientError
 from ._optimizer import DPOptimizer
 from .data import DPDataLoader
 from ._layers import (  # noqa: F401  (UnsupportedModuleError is public API)
@@ -79,6 +85,7 @@ from .losses import (  # noqa: F401  (public API)
     cross_entropy, per_sample_cross_entropy, reduce_loss, sequence_cross_entropy)
 
 __all__ = ["PrivacyEngine", "make_private", "DPOptimizer", "UnsupportedModuleError",
+           "UnclippedGradientError",
            "cross_entropy", "per_sample_cross_entropy", "sequence_cross_entropy", "reduce_loss",
            "DpclipError", "fresh_job_id", "register", "DPMultiheadAttention", "replace_mha"]
 
@@ -103,14 +110,21 @@ class PrivacyEngine:
     pass one to continue a run's account or share it (at most 63 bytes).
     Data parallel: every rank uses rank 0's (make_private broadcasts it; a
     rank given another is refused), since the daemon counts the sigma-0
-    steps of the other ranks as shares of rank 0's job."""
+    steps of the other ranks as shares of rank 0's job.
+    allow_insecure_seed: a daemon started with --insecure-fixed-seed (tests
+    only: its noise is predictable, so nothing it releases is private,
+    whatever epsilon it reports) is refused (DpclipError, code
+    DPCLIP_EPERM) unless this is True; then the engine warns once
+    (UserWarning) and trains."""
 
     def __init__(self, socket_path: Optional[str] = None, *, client_name: str = "dpclip-torch",
-                 job_id: Optional[str] = None) -> None:
+                 job_id: Optional[str] = None, allow_insecure_seed: bool = False) -> None:
         self._socket_path = socket_path
         self._client_name = client_name
         self._job_given = job_id is not None
         self.job_id: str = job_id if job_id is not None else fresh_job_id()
+        self.allow_insecure_seed = bool(allow_insecure_seed)
+        self._warned_insecure = False
         self._connect()
         self.active = False
         self._layers: List[_Layer] = []
@@ -118,6 +132,8 @@ class PrivacyEngine:
         self._step: Optional[_lib.Step] = None
         self._hook = None
         self._norm_hooks: list = []  # normalizations' checks against mixing samples
+        self._guard: Optional[Guard] = None  # fail closed at step(): see dpclip._guard
+        self._reference = False  # the first-step check runs modules' own code (_verify)
         self.module: Optional[nn.Module] = None
         self.steps = 0
         self._last_norms: Optional[torch.Tensor] = None
@@ -148,8 +164,30 @@ class PrivacyEngine:
         """(Re)connects under self.job_id; the transports start empty."""
         self.client = _lib.Client(self._socket_path, client_name=self._client_name,
                                   job_id=self.job_id)
+        self.check_daemon(self.client)
         self._host = HostArena(self.client)     # CPU tensors: a shared-memory arena
         self._cuda = CudaIPC(self.client)       # GPU tensors: CUDA IPC and events
+
+    def check_daemon(self, client: _lib.Client) -> None:
+        """Refuses (closing client) a daemon whose noise is predictable
+        (--insecure-fixed-seed) unless allow_insecure_seed; warns once per
+        engine where it is allowed."""
+        if not client.insecure:
+            return
+        if not self.allow_insecure_seed:
+            path = client.socket_path
+            client.close()
+            raise DpclipError(
+                _lib.EPERM, "", "dpclipd at %s runs with --insecure-fixed-seed: its noise is "
+                "predictable, so nothing trained through it is private, whatever epsilon it "
+                "reports; restart it without that flag, or pass allow_insecure_seed=True to "
+                "PrivacyEngine (tests only)" % path)
+        if not self._warned_insecure:
+            self._warned_insecure = True
+            warnings.warn("dpclip: dpclipd at %s runs with --insecure-fixed-seed: its noise is "
+                          "predictable and nothing trained through it is private (allowed by "
+                          "allow_insecure_seed=True)" % client.socket_path, UserWarning,
+                          stacklevel=4)  # the caller of PrivacyEngine()
 
     def _agree_job_id(self, group: Any = None, src: int = 0) -> None:
         """Data parallel, or a norm group (every rank of `group` calls it;
@@ -181,7 +219,7 @@ class PrivacyEngine:
                      norm_group_clipping: str = "flat",
                      replicated_modules: Iterable[Union[nn.Module, str]] = (),
                      norm_group_timeout_ms: int = 0, sharded_noise: bool = False,
-                     replace_mha: bool = False
+                     replace_mha: bool = False, check_first_step: bool = True
                      ) -> Tuple[nn.Module, Optional[torch.optim.Optimizer], Optional[DataLoader]]:
         """Attach to `module`; returns (module, optimizer, data_loader), the
         optimizer wrapped so that step() first fills param.grad with the
@@ -206,11 +244,21 @@ class PrivacyEngine:
         replace_mha: swap every nn.MultiheadAttention in module for a
         DPMultiheadAttention first (the same function and parameters, from
         parts dpclip trains; see dpclip._mha).
+        check_first_step (default True): check every module dpclip trains
+        once, on the first K = 2 samples of its first training forward and
+        step, in float64 against autograd through the module's own code:
+        its output, and each trained parameter's per-sample gradient by
+        dpclip's rule; UnsupportedModuleError naming the module and the
+        parameter on a difference, before anything is sent or updated
+        (dpclip._verify). False turns the check off. (FSDP2 models, whose
+        parameters are DTensors, are not checked.)
         secure_mode: the loader made here draws its masks from os.urandom
         (see dpclip.data); a DPDataLoader given must then be in secure mode.
         sample_rate: the Poisson rate q the daemon's privacy ledger accounts
         each step at (default: the DPDataLoader's; else 0, which the ledger
-        counts as q = 1). target_delta / target_epsilon: the delta epsilon is
+        counts as q = 1); one given beside a DPDataLoader (given, or made
+        here) that samples at another rate is refused, naming both.
+        target_delta / target_epsilon: the delta epsilon is
         reported at (engine.last_epsilon, last_delta) and the job's budget,
         past which the daemon refuses steps (0 = the daemon's defaults).
         asynchronous (GPU models): optimizer.step() returns as soon as the
@@ -269,6 +317,8 @@ class PrivacyEngine:
         if replace_mha:
             _mha.replace_mha(module)
         layers, norms = _collect_layers(self, module)
+        if check_first_step and not fsdp:
+            _verify.install(self, module, layers)
         device = layers[0].weight.device
         if distributed is None:
             distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
@@ -394,6 +444,14 @@ class PrivacyEngine:
             data_loader = DPDataLoader.from_data_loader(data_loader, distributed=self.distributed,
                                                         secure_mode=secure_mode, generator=gen,
                                                         **replica)
+        if sample_rate is not None and isinstance(data_loader, DPDataLoader) and not \
+                math.isclose(float(sample_rate), data_loader.sample_rate, rel_tol=1e-9):
+            # the ledger would account a q the batches are not drawn at
+            raise ValueError(
+                "sample_rate=%r disagrees with the data loader's: the DPDataLoader samples "
+                "each record with probability %r, and the ledger must account the rate the "
+                "batches are drawn at; leave sample_rate out (the loader's is taken) or make "
+                "them agree" % (sample_rate, data_loader.sample_rate))
         if expected_batch_size is None:
             if isinstance(data_loader, DPDataLoader):
                 expected_batch_size = data_loader.expected_batch_size
@@ -432,6 +490,10 @@ class PrivacyEngine:
         """Swaps in the layers' forwards and hooks the module: a pass count,
         and each normalization's check against mixing samples."""
         self._layers = layers
+        # FSDP2's sharded parameters get their gradients through its own
+        # hooks: only the optimizer's parameters are checked there
+        self._guard = Guard(_planner.params(layers),
+                            hooks=self._shards is None or not self._shards.fsdp)
         for l in layers:
             l.attach()
         # A plain function, not a bound method: copy.deepcopy of the model
@@ -464,6 +526,8 @@ class PrivacyEngine:
         for h in self._norm_hooks:
             h.remove()
         self._norm_hooks = []
+        if self._guard is not None:
+            self._guard.remove()
         self.active = False
         self.module = None
 
@@ -555,12 +619,23 @@ class PrivacyEngine:
         """Forget what was captured since the last step."""
         for l in self._layers:
             l.records.clear()
+            if l.verify is not None:
+                l.verify.uses = []  # the first-step check's record of the same calls
+        if self._guard is not None:
+            self._guard.clear()
 
     # -- the step -------------------------------------------------------------------
-    def step(self) -> None:
+    def step(self, params: Optional[Iterable[torch.Tensor]] = None) -> None:
         """Send the captured activations and output gradients as one
         ClipStep and write the private gradient into each parameter's .grad
-        (replacing what was there). Called by DPOptimizer.step().
+        (replacing what was there). Called by DPOptimizer.step(), with the
+        optimizer's parameters as params.
+
+        Fail closed (dpclip._guard): first, where a parameter the engine
+        trains received a gradient from autograd since the last step (a use
+        outside its module), or one of params that it does not train holds
+        a gradient, it raises UnclippedGradientError naming the parameter,
+        before anything is sent or updated.
 
         Data parallel: every rank joins the all-reduce even when its own
         step failed (with zero gradients and a failure flag), so the ranks
@@ -572,6 +647,10 @@ class PrivacyEngine:
         if self.steps == 0:
             _fsdp.check_unwrapped(self._layers)
         if self._shards is not None:
+            self._guard.check(self.module, params)
+            if self._probing():
+                B = _planner.batch_size(self._layers)
+                _verify.check_step(self, _planner.plan(self._layers, B), B)
             try:
                 self._shards.step()
             finally:
@@ -583,7 +662,7 @@ class PrivacyEngine:
         try:
             self._collect()
             try:
-                ok = self._step_local()
+                ok = self._step_local(params)
             except Exception as e:  # pylint: disable=broad-except
                 if not gated:
                     raise
@@ -599,10 +678,11 @@ class PrivacyEngine:
         else:
             self.steps += 1
 
-    def _step_local(self) -> Optional[torch.Tensor]:
+    def _step_local(self, params: Optional[Iterable[torch.Tensor]]) -> Optional[torch.Tensor]:
         """This process's step; returns (data parallel) a [1] f32 tensor on
         the gradients' device: 1 where the step's result is in param.grad,
         0 where it is not."""
+        self._guard.check(self.module, params)
         passes = {pid for l in self._layers for _, _, pid in l.records}
         if len(passes) > 1:
             raise RuntimeError(
@@ -617,6 +697,8 @@ class PrivacyEngine:
         device = self._device()
         t0 = time.perf_counter()
         plan = _planner.plan(self._layers, B)
+        if self._probing():
+            _verify.check_step(self, plan, B)
         nb = max(B, 1)
         if device.type == "cuda":
             run = self._cuda.run(self._step, plan, nb, device, self.algorithm,
@@ -632,6 +714,10 @@ class PrivacyEngine:
         self._finish(res, B)
         self._timing(t0, t1, t2, True)
         return torch.ones(1)
+
+    def _probing(self) -> bool:
+        """A layer's first-step check is still to run."""
+        return any(l.verify is not None for l in self._layers)
 
     @property
     def norm_group_name(self) -> Optional[str]:
@@ -695,12 +781,13 @@ def _loader_kind(loader: Optional[DataLoader], poisson_sampling: bool, secure_mo
 def make_private(model: nn.Module, optimizer: Optional[torch.optim.Optimizer],
                  data_loader: Optional[DataLoader] = None, *, noise_multiplier: float,
                  max_grad_norm: float, loss_reduction: str = "mean",
-                 socket_path: Optional[str] = None, job_id: Optional[str] = None, **kwargs: Any
+                 socket_path: Optional[str] = None, job_id: Optional[str] = None,
+                 allow_insecure_seed: bool = False, **kwargs: Any
                  ) -> Tuple[nn.Module, Optional[torch.optim.Optimizer], Optional[DataLoader]]:
-    """Opacus-shaped shorthand: a PrivacyEngine on socket_path (job_id: its
-    ledger account, as PrivacyEngine's) attached to model; returns (model,
-    optimizer, data_loader). The engine is optimizer.engine."""
-    engine = PrivacyEngine(socket_path, job_id=job_id)
+    """Opacus-shaped shorthand: a PrivacyEngine on socket_path (job_id,
+    allow_insecure_seed: as PrivacyEngine's) attached to model; returns
+    (model, optimizer, data_loader). The engine is optimizer.engine."""
+    engine = PrivacyEngine(socket_path, job_id=job_id, allow_insecure_seed=allow_insecure_seed)
     return engine.make_private(module=model, optimizer=optimizer, data_loader=data_loader,
                                noise_multiplier=noise_multiplier, max_grad_norm=max_grad_norm,
                                loss_reduction=loss_reduction, **kwargs)

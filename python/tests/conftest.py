@@ -8,7 +8,13 @@ installed library; never a sanitizer build). It runs with
 temporary directory, reports READY on a pipe, as the C harness
 (tests/support/harness.c) does, and is killed by the kernel if this process
 dies first (PR_SET_PDEATHSIG), so a crashed or killed pytest leaves no
-daemon behind."""
+daemon behind.
+
+dpclip.torch refuses such a daemon unless told otherwise: every engine the
+tests make against it passes allow_insecure_seed=True explicitly (and warns
+once). Code the tests run that is a user's (README.md's example, the
+examples, the bench scripts) trains against `secure_daemon`, one started
+without the fixed seed, which needs no such permission."""
 import ctypes
 import os
 import select
@@ -54,14 +60,16 @@ class Daemon:
     """A dpclipd child process; stop() asks it to exit (SIGTERM) and returns
     its exit status."""
 
-    def __init__(self, extra=(), env=None):
+    def __init__(self, extra=(), env=None, fixed_seed=True):
         self.dir = tempfile.mkdtemp(prefix="dpclip-pytest.")
         self.socket = os.path.join(self.dir, "d.sock")
+        self.insecure = fixed_seed
+        seed = ["--insecure-fixed-seed", "1234"] if fixed_seed else []
         r, w = os.pipe()
         try:
             self.proc = subprocess.Popen(
                 [DPCLIPD, "--socket", self.socket, "--ready-fd", str(w),
-                 "--insecure-fixed-seed", "1234", "--log-level", "warn", "--workers", "2",
+                 *seed, "--log-level", "warn", "--workers", "2",
                  "--ledger-dir", "",  # in-memory ledger: no state directory needed
                  "--config", "/dev/null",  # not a config file installed on this machine
                  # one daemon serves the whole session's tests, each a job
@@ -113,11 +121,26 @@ class Daemon:
             pass
 
 
+def pytest_configure(config):
+    # the warning every engine against `daemon` gives once (test_insecure
+    # records it with its own filter)
+    config.addinivalue_line("filterwarnings",
+                            "ignore:dpclip. dpclipd at .* runs with --insecure-fixed-seed")
+
+
 @pytest.fixture(scope="session")
 def daemon():
     d = Daemon()
     yield d
     # A clean shutdown is part of what the suite checks.
+    assert d.stop() == 0, "dpclipd did not exit cleanly"
+
+
+@pytest.fixture(scope="session")
+def secure_daemon():
+    """A daemon without --insecure-fixed-seed (noise from getrandom)."""
+    d = Daemon(fixed_seed=False)
+    yield d
     assert d.stop() == 0, "dpclipd did not exit cleanly"
 
 

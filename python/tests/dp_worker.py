@@ -25,7 +25,7 @@ def run_rank(rank, world, init_file, socket_path, data, C, expected, out_dir):
         # Different initial weights on purpose: make_private broadcasts rank 0's.
         torch.manual_seed(100 + rank)
         model = SeqModel()
-        engine = PrivacyEngine(socket_path, job_id="dp-test")
+        engine = PrivacyEngine(socket_path, job_id="dp-test", allow_insecure_seed=True)
         opt = torch.optim.SGD(model.parameters(), lr=0.0)
         model, opt, _ = engine.make_private(module=model, optimizer=opt, noise_multiplier=0.0,
                                             max_grad_norm=C, loss_reduction="mean",
@@ -43,7 +43,7 @@ def run_rank(rank, world, init_file, socket_path, data, C, expected, out_dir):
         # Noise on, zero gradients: the all-reduced result must carry one
         # rank's noise (std sigma*C/expected), not world of them.
         model2 = SeqModel()
-        engine2 = PrivacyEngine(socket_path, job_id="dp-test")
+        engine2 = PrivacyEngine(socket_path, job_id="dp-test", allow_insecure_seed=True)
         model2, opt2, _ = engine2.make_private(
             module=model2, optimizer=torch.optim.SGD(model2.parameters(), lr=0.0),
             noise_multiplier=2.0, max_grad_norm=C, loss_reduction="mean",
@@ -68,7 +68,7 @@ def run_rank_failure(rank, world, init_file, socket_path, data, C, sigma, expect
     try:
         torch.manual_seed(100 + rank)
         model = SeqModel()
-        engine = PrivacyEngine(socket_path, job_id="dp-fail-test")
+        engine = PrivacyEngine(socket_path, job_id="dp-fail-test", allow_insecure_seed=True)
         opt = torch.optim.SGD(model.parameters(), lr=0.5)
         model, opt, _ = engine.make_private(module=model, optimizer=opt,
                                             noise_multiplier=sigma, max_grad_norm=C,
@@ -115,7 +115,7 @@ def run_rank_cuda_failure(rank, world, init_file, socket_path, out_dir):
     try:
         torch.manual_seed(7)
         model = torch.nn.Linear(32, 16).cuda()
-        engine = PrivacyEngine(socket_path, job_id="dp-cuda-fail-test")
+        engine = PrivacyEngine(socket_path, job_id="dp-cuda-fail-test", allow_insecure_seed=True)
         model, opt, _ = engine.make_private(
             module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.5),
             noise_multiplier=1.0, max_grad_norm=1.0, expected_batch_size=8)
@@ -162,7 +162,7 @@ def run_rank_loader(rank, world, init_file, socket_path, out_dir):
         torch.manual_seed(0)
 
         def attempt(loader):
-            engine = PrivacyEngine(socket_path, job_id="dp-loader-test")
+            engine = PrivacyEngine(socket_path, job_id="dp-loader-test", allow_insecure_seed=True)
             model = torch.nn.Linear(2, 2)
             try:
                 engine.make_private(module=model, optimizer=torch.optim.SGD(
@@ -191,7 +191,7 @@ def run_rank_job_id(rank, world, init_file, socket_path, out_dir):
     rank generates its own), whose make_private adopts rank 0's; what each
     rank printed; rank 1's sigma-0 step as a share of rank 0's job (finite
     epsilon); and ranks given different job ids."""
-    engine = PrivacyEngine(socket_path)
+    engine = PrivacyEngine(socket_path, allow_insecure_seed=True)
     out = {"before": engine.job_id}
     dist.init_process_group("gloo", init_method="file://" + init_file, rank=rank,
                             world_size=world, timeout=datetime.timedelta(seconds=120))
@@ -211,7 +211,8 @@ def run_rank_job_id(rank, world, init_file, socket_path, out_dir):
         out["epsilon"] = engine.last_epsilon
         engine.close()
 
-        other = PrivacyEngine(socket_path, job_id="pytest-explicit-%d" % rank)
+        other = PrivacyEngine(socket_path, job_id="pytest-explicit-%d" % rank,
+                              allow_insecure_seed=True)
         try:
             m = torch.nn.Linear(4, 2)
             other.make_private(module=m, optimizer=torch.optim.SGD(m.parameters(), lr=0.1),

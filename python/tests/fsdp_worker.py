@@ -34,7 +34,7 @@ def _error(e):
 def _sharded(model, socket_path, job, C, expected, sigma=0.0, lr=0.0, **kw):
     """(engine, model, optimizer) of make_private(sharded_noise=True) over
     SGD at lr."""
-    engine = PrivacyEngine(socket_path, job_id=job)
+    engine = PrivacyEngine(socket_path, job_id=job, allow_insecure_seed=True)
     model, opt, _ = engine.make_private(
         module=model, optimizer=torch.optim.SGD(model.parameters(), lr=lr),
         noise_multiplier=sigma, max_grad_norm=C, expected_batch_size=expected,
@@ -162,7 +162,7 @@ def run_sharded_refusals(rank, world, init_file, socket_path, out_dir):
     _init("gloo", rank, world, init_file)
     try:
         out = {}
-        engine = PrivacyEngine(socket_path, job_id="fsdp-cpu-refusals")
+        engine = PrivacyEngine(socket_path, job_id="fsdp-cpu-refusals", allow_insecure_seed=True)
         m = nn.Linear(4, 2)
         try:
             engine.make_private(module=m, optimizer=torch.optim.SGD(m.parameters(), lr=0.1),
@@ -279,7 +279,7 @@ def run_fsdp2(rank, world, init_file, socket_path, data, C, expected, seed, out_
             return _shard(GPT().cuda(), mesh, mp)
 
         def private(model, job, sigma, lr=0.0, **kw):
-            engine = PrivacyEngine(socket_path, job_id=job)
+            engine = PrivacyEngine(socket_path, job_id=job, allow_insecure_seed=True)
             model, opt, _ = engine.make_private(
                 module=model, optimizer=torch.optim.SGD(model.parameters(), lr=lr),
                 noise_multiplier=sigma, max_grad_norm=C, expected_batch_size=expected, **kw)
@@ -352,7 +352,7 @@ def run_fsdp2(rank, world, init_file, socket_path, data, C, expected, seed, out_
         if FullyShardedDataParallel is not None:
             torch.manual_seed(seed)
             flat = FullyShardedDataParallel(GPT().cuda(), use_orig_params=False)
-            engine = PrivacyEngine(socket_path, job_id="fsdp2-fsdp1")
+            engine = PrivacyEngine(socket_path, job_id="fsdp2-fsdp1", allow_insecure_seed=True)
             try:
                 engine.make_private(module=flat, optimizer=torch.optim.SGD(
                     flat.parameters(), lr=0.1), noise_multiplier=1.0, max_grad_norm=C,

@@ -61,7 +61,7 @@ def run_pipeline(rank, world, init_file, socket_path, data, C, expected, clippin
     try:
         torch.manual_seed(3)
         stage = pipeline_model()[rank].to(device)
-        engine = PrivacyEngine(socket_path)
+        engine = PrivacyEngine(socket_path, allow_insecure_seed=True)
         kw = {"expected_batch_size": expected} if rank == 0 else {}
         stage, opt, _ = engine.make_private(
             module=stage, optimizer=torch.optim.SGD(stage.parameters(), lr=0.0),
@@ -78,7 +78,7 @@ def run_pipeline(rank, world, init_file, socket_path, data, C, expected, clippin
         if clipping == "flat":
             torch.manual_seed(3)
             stage = pipeline_model()[rank]
-            engine = PrivacyEngine(socket_path)
+            engine = PrivacyEngine(socket_path, allow_insecure_seed=True)
             kw = {"expected_batch_size": expected, "sample_rate": 0.05} if rank == 0 else {}
             stage, opt, _ = engine.make_private(
                 module=stage, optimizer=torch.optim.SGD(stage.parameters(), lr=0.1),
@@ -106,7 +106,7 @@ def run_tensor_parallel(rank, world, init_file, socket_path, data, C, expected, 
         torch.manual_seed(4)
         whole = TPModel()
         shard = TPShard(whole, tp)
-        engine = PrivacyEngine(socket_path)
+        engine = PrivacyEngine(socket_path, allow_insecure_seed=True)
         shard, opt, _ = engine.make_private(
             module=shard, optimizer=torch.optim.SGD(shard.parameters(), lr=0.0),
             noise_multiplier=0.0, max_grad_norm=C, loss_reduction="mean",
@@ -119,7 +119,7 @@ def run_tensor_parallel(rank, world, init_file, socket_path, data, C, expected, 
         engine.close()
 
         def attempt(**kw):
-            e = PrivacyEngine(socket_path)
+            e = PrivacyEngine(socket_path, allow_insecure_seed=True)
             m = TPShard(whole, tp)
             args = dict(module=m, optimizer=torch.optim.SGD(m.parameters(), lr=0.0),
                         noise_multiplier=0.0, max_grad_norm=C, loss_reduction="mean",
@@ -163,7 +163,7 @@ def run_replicated_pipeline(rank, world, init_file, socket_path, data, C, expect
         for sigma in (0.0, 2.0):
             torch.manual_seed(3 + 10 * replica)
             stage = pipeline_model()[part]
-            engine = PrivacyEngine(socket_path)
+            engine = PrivacyEngine(socket_path, allow_insecure_seed=True)
             kw = {"expected_batch_size": expected} if part == 0 else {}
             if part == 0:
                 kw["data_loader"] = DPDataLoader(TensorDataset(torch.arange(16)), 0.5,

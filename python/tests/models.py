@@ -5,7 +5,10 @@ stages, and a LayerNorm + Linear split by the Linear's output features
 over a tensor-parallel group (the LayerNorm held whole by every rank).
 Hugging Face's structures, reproduced without transformers: Conv1D,
 LlamaRMSNorm, and GPT-2-, Llama- and BERT-like models with tied embeddings,
-trained on the prose in examples/data."""
+trained on the prose in examples/data; Gemma's (transformers 5: an
+nn.Embedding subclass that scales its lookup, tied, with padding_idx;
+GemmaRMSNorm's (1 + w)) and OPT's learned positions (an nn.Embedding
+subclass that offsets its indices)."""
 import copy
 import math
 import os
@@ -439,3 +442,120 @@ def lorafy(model, names, **kw):
         holder = model.get_submodule(parent) if parent else model
         setattr(holder, child, LoraLinear(getattr(holder, child), **kw))
     return model
+
+
+# --- Gemma's structures (transformers 5), reproduced from plain modules ------------
+
+class GemmaTextScaledWordEmbedding(nn.Embedding):
+    """transformers 5's: an nn.Embedding subclass whose forward scales the
+    lookup by embed_scale (sqrt(hidden)), a non-persistent buffer; dpclip
+    knows it by name."""
+
+    def __init__(self, num_embeddings, embedding_dim, padding_idx, embed_scale=1.0):
+        super().__init__(num_embeddings, embedding_dim, padding_idx)
+        self.scalar_embed_scale = embed_scale
+        self.register_buffer("embed_scale", torch.tensor(embed_scale), persistent=False)
+
+    def forward(self, input_ids):
+        return super().forward(input_ids) * self.embed_scale.to(self.weight.dtype)
+
+
+class GemmaRMSNorm(nn.Module):
+    """transformers' GemmaRMSNorm: in f32, scaled by (1 + weight), weight
+    starting near 0 (registered by name in dpclip)."""
+
+    def __init__(self, dim, eps=1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(0.1 * torch.randn(dim))
+
+    def forward(self, x):
+        xf = x.float()
+        out = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (out * (1.0 + self.weight.float())).type_as(x)
+
+
+class OffsetLinear(nn.Linear):
+    """A Linear subclass whose forward adds a constant (a buffer) to the
+    base forward's output: exact once registered as kind="subclass"."""
+
+    def __init__(self, d_in, d_out):
+        super().__init__(d_in, d_out)
+        self.register_buffer("offset", 0.1 * torch.randn(d_out))
+
+    def forward(self, x):
+        return super().forward(x) + self.offset
+
+
+class GemmaLike(nn.Module):
+    """GemmaForCausalLM's structure (transformers 5): the scaled token
+    embedding with padding_idx 0, tied to lm_head; GemmaRMSNorms (1 + w);
+    one attention block with a single key/value head and a gated GELU
+    MLP whose down projection is an OffsetLinear."""
+
+    def __init__(self, V, d=16, heads=2, ffn=24):
+        super().__init__()
+        self.heads, self.hd = heads, d // heads
+        self.embed_tokens = GemmaTextScaledWordEmbedding(V, d, 0, embed_scale=d ** 0.5)
+        self.input_layernorm = GemmaRMSNorm(d)
+        self.q_proj = nn.Linear(d, d, bias=False)
+        self.k_proj = nn.Linear(d, self.hd, bias=False)  # one key/value head
+        self.v_proj = nn.Linear(d, self.hd, bias=False)
+        self.o_proj = nn.Linear(d, d, bias=False)
+        self.post_attention_layernorm = GemmaRMSNorm(d)
+        self.gate_proj = nn.Linear(d, ffn, bias=False)
+        self.up_proj = nn.Linear(d, ffn, bias=False)
+        self.down_proj = OffsetLinear(ffn, d)
+        self.norm = GemmaRMSNorm(d)
+        self.lm_head = nn.Linear(d, V, bias=False)
+        self.lm_head.weight = self.embed_tokens.weight
+
+    def forward(self, x):
+        B, T = x.shape
+        h = self.embed_tokens(x)
+        a = self.input_layernorm(h)
+        q = self.q_proj(a).reshape(B, T, self.heads, self.hd).transpose(1, 2)
+        k = self.k_proj(a).reshape(B, T, 1, self.hd).transpose(1, 2)
+        v = self.v_proj(a).reshape(B, T, 1, self.hd).transpose(1, 2)
+        s = q @ k.transpose(-1, -2) / math.sqrt(self.hd)
+        s = s.masked_fill(torch.ones(T, T, dtype=torch.bool, device=x.device).triu(1),
+                          float("-inf"))
+        o = (torch.softmax(s, -1) @ v).transpose(1, 2).reshape(B, T, -1)
+        h = h + self.o_proj(o)
+        a = self.post_attention_layernorm(h)
+        h = h + self.down_proj(F.gelu(self.gate_proj(a), approximate="tanh") * self.up_proj(a))
+        return self.lm_head(self.norm(h))
+
+
+class OPTLearnedPositionalEmbedding(nn.Embedding):
+    """transformers' OPT positions: indices from the attention mask, plus 2
+    (dpclip knows it by name)."""
+
+    def __init__(self, num_embeddings, embedding_dim):
+        self.offset = 2
+        super().__init__(num_embeddings + self.offset, embedding_dim)
+
+    def forward(self, attention_mask, past_key_values_length=0):
+        attention_mask = attention_mask.long()
+        positions = (torch.cumsum(attention_mask, dim=1).type_as(attention_mask) *
+                     attention_mask).long() - 1
+        positions = positions[:, past_key_values_length:]
+        return super().forward(positions + self.offset)
+
+
+class OPTLike(nn.Module):
+    """Token embedding plus OPT's learned positions (from a mask with left
+    padding), a LayerNorm and a head."""
+
+    def __init__(self, V, T, d=16):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(V, d, padding_idx=0)
+        self.embed_positions = OPTLearnedPositionalEmbedding(T, d)
+        self.ln = nn.LayerNorm(d)
+        self.fc = nn.Linear(d, d)
+        self.head = nn.Linear(d, V)
+
+    def forward(self, x):
+        mask = (x != 0).long()
+        h = self.embed_tokens(x) + self.embed_positions(mask)
+        return self.head(torch.tanh(self.fc(self.ln(h))))

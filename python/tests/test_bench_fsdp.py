@@ -25,8 +25,8 @@ def _bench(daemon, *extra):
     return proc, lines
 
 
-def test_check_against_one_process(daemon):
-    proc, lines = _bench(daemon, "--model", "llama1b", "--check")
+def test_check_against_one_process(secure_daemon):
+    proc, lines = _bench(secure_daemon, "--model", "llama1b", "--check")
     assert proc.returncode == 0, proc.stderr
     res = [line for line in lines if line.get("check")]
     assert len(res) == 1, proc.stdout
@@ -37,8 +37,9 @@ def test_check_against_one_process(daemon):
         assert abs(a - b) < 1e-4, res
 
 
-def test_timing_lines(daemon):
-    proc, lines = _bench(daemon, "--warmup", "1", "--steps", "1", "--repeat", "2", "--opacus")
+def test_timing_lines(secure_daemon):
+    proc, lines = _bench(secure_daemon, "--warmup", "1", "--steps", "1", "--repeat", "2",
+                         "--opacus")
     assert proc.returncode == 0, proc.stderr
     runs = [line for line in lines if "ms_per_step" in line]
     assert sorted((r["rank"], r["mode"]) for r in runs) == \

@@ -18,10 +18,10 @@ SMALL = ["--device", "cpu", "--blocks", "2", "--d", "32", "--heads", "2", "--voc
 
 
 @pytest.mark.parametrize("mode,ranks", [("pipeline", 2), ("ddp", 4), ("ddp_pipeline", 4)])
-def test_layout_checks_and_times(daemon, mode, ranks):
+def test_layout_checks_and_times(secure_daemon, mode, ranks):
     proc = subprocess.run(
         [sys.executable, os.path.join(REPO, "bench", "bench_parallel.py"), "--mode", mode,
-         "--socket", daemon.socket, "--check"] + SMALL,
+         "--socket", secure_daemon.socket, "--check"] + SMALL,
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, universal_newlines=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]

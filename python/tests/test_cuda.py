@@ -38,7 +38,7 @@ def test_cuda_step_matches_reference(cuda_daemon, amp, asynchronous):
     C, expected = 0.8, 11
     want, ref_norms, ref_coefs = reference(model, "seq", (x,), y, C, "mean", expected)
     model = model.cuda()
-    engine = PrivacyEngine(cuda_daemon.socket)
+    engine = PrivacyEngine(cuda_daemon.socket, allow_insecure_seed=True)
     model, opt, _ = engine.make_private(module=model, optimizer=torch.optim.SGD(
         model.parameters(), lr=0.0), noise_multiplier=0.0, max_grad_norm=C,
         expected_batch_size=expected, asynchronous=asynchronous)
@@ -62,7 +62,7 @@ def test_cuda_step_matches_reference(cuda_daemon, amp, asynchronous):
 def test_cuda_noise_std(cuda_daemon):
     sigma, C, expected = 1.5, 2.0, 8
     model = torch.nn.Linear(256, 256).cuda()
-    engine = PrivacyEngine(cuda_daemon.socket)
+    engine = PrivacyEngine(cuda_daemon.socket, allow_insecure_seed=True)
     model, opt, _ = engine.make_private(module=model, optimizer=torch.optim.SGD(
         model.parameters(), lr=0.0), noise_multiplier=sigma, max_grad_norm=C,
         expected_batch_size=expected)
@@ -80,7 +80,7 @@ def test_cuda_async_failure_surfaces(cuda_daemon):
     step with the daemon's message; the engine goes on working after."""
     torch.manual_seed(5)
     model = torch.nn.Linear(32, 16).cuda()
-    engine = PrivacyEngine(cuda_daemon.socket)
+    engine = PrivacyEngine(cuda_daemon.socket, allow_insecure_seed=True)
     model, opt, _ = engine.make_private(module=model, optimizer=torch.optim.SGD(
         model.parameters(), lr=0.0), noise_multiplier=0.0, max_grad_norm=1.0,
         expected_batch_size=4)

@@ -37,8 +37,8 @@ def _models():
 
 
 @pytest.mark.parametrize("doc", DOCS)
-def test_pytorch_example_runs_for_classifiers_and_sequence_models(daemon, monkeypatch, doc):
-    monkeypatch.setenv("DPCLIP_SOCKET", daemon.socket)
+def test_pytorch_example_runs_for_classifiers_and_sequence_models(secure_daemon, monkeypatch, doc):
+    monkeypatch.setenv("DPCLIP_SOCKET", secure_daemon.socket)
     code = _example(doc)
     for kind, model, x, y in _models():
         before = [p.detach().clone() for p in model.parameters()]

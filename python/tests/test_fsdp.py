@@ -106,7 +106,8 @@ def test_fully_shard_two_ranks_one_gpu(cuda_daemon, tmp_path):
 
     # Charged once per logical step: rank 0's job spent what one process's
     # 3 steps at the same (q, sigma, delta) spend.
-    single = PrivacyEngine(cuda_daemon.socket, job_id="fsdp2-ledger-single")
+    single = PrivacyEngine(cuda_daemon.socket, job_id="fsdp2-ledger-single",
+                           allow_insecure_seed=True)
     model = nn.Linear(3, 2)
     _, opt, _ = single.make_private(module=model, optimizer=torch.optim.SGD(
         model.parameters(), lr=0.0), noise_multiplier=1.0, max_grad_norm=C,

@@ -92,7 +92,7 @@ def test_three_ranks_hold_the_union_gradient_noise_once_ledger_once(daemon, tmp_
         (float(noise.std()), want_std)
     assert abs(float(noise.mean())) < 6 * want_std / math.sqrt(noise.numel())
 
-    single = PrivacyEngine(daemon.socket, job_id="fsdp-cpu-noise-single")
+    single = PrivacyEngine(daemon.socket, job_id="fsdp-cpu-noise-single", allow_insecure_seed=True)
     model = nn.Linear(3, 2)
     _, opt, _ = single.make_private(module=model, optimizer=torch.optim.SGD(
         model.parameters(), lr=0.0), noise_multiplier=sigma, max_grad_norm=C,
@@ -193,7 +193,7 @@ def test_refusals(daemon, tmp_path, monkeypatch):
     its class (its flat parameters hold many modules' weights in one
     tensor), before anything else: Debian's torch cannot import FSDP1, so a
     stand-in of its name and module stands for it."""
-    engine = PrivacyEngine(daemon.socket, job_id="fsdp-cpu-refusals")
+    engine = PrivacyEngine(daemon.socket, job_id="fsdp-cpu-refusals", allow_insecure_seed=True)
     m = nn.Linear(4, 2)
     with pytest.raises(ValueError, match="init_process_group"):
         engine.make_private(module=m, optimizer=None, noise_multiplier=1.0, max_grad_norm=1.0,
@@ -205,7 +205,7 @@ def test_refusals(daemon, tmp_path, monkeypatch):
     wrapped = fsdp1()
     wrapped.inner = nn.Linear(4, 2)
     wrapped._use_orig_params = False
-    engine = PrivacyEngine(daemon.socket, job_id="fsdp-cpu-refusals")
+    engine = PrivacyEngine(daemon.socket, job_id="fsdp-cpu-refusals", allow_insecure_seed=True)
     with pytest.raises(UnsupportedModuleError) as e:
         engine.make_private(module=nn.Sequential(wrapped), optimizer=None, noise_multiplier=1.0,
                             max_grad_norm=1.0, expected_batch_size=4)
@@ -227,7 +227,7 @@ def test_a_model_wrapped_after_make_private_is_refused_at_its_first_step(daemon)
     holds and FSDP no longer uses. The first step raises, naming the
     module and the order that works; nothing is sent."""
     model = nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2))
-    engine = PrivacyEngine(daemon.socket, job_id="fsdp-cpu-late")
+    engine = PrivacyEngine(daemon.socket, job_id="fsdp-cpu-late", allow_insecure_seed=True)
     model, opt, _ = engine.make_private(module=model, optimizer=torch.optim.SGD(
         model.parameters(), lr=0.1), noise_multiplier=1.0, max_grad_norm=1.0,
         expected_batch_size=2, distributed=False)

@@ -69,7 +69,7 @@ def test_pipeline_split_is_clipped_as_the_whole_model(daemon, tmp_path):
     # one process taking two steps at the same (q, sigma) is.
     assert got[0]["job"] == got[1]["job"]
     assert got[1]["sample_rate"] == 0.05
-    engine = PrivacyEngine(daemon.socket)
+    engine = PrivacyEngine(daemon.socket, allow_insecure_seed=True)
     m = torch.nn.Linear(2, 2)
     m, opt, _ = engine.make_private(module=m, optimizer=torch.optim.SGD(m.parameters(), lr=0.1),
                                     noise_multiplier=1.0, max_grad_norm=C, sample_rate=0.05,
@@ -168,7 +168,7 @@ def test_replicas_of_a_pipeline_are_data_parallel(daemon, tmp_path):
 
 def test_norm_group_needs_torch_distributed(daemon):
     """norm_group without an initialized process group: a clear error."""
-    engine = PrivacyEngine(daemon.socket)
+    engine = PrivacyEngine(daemon.socket, allow_insecure_seed=True)
     m = torch.nn.Linear(2, 2)
     with pytest.raises(ValueError) as ei:
         engine.make_private(module=m, optimizer=torch.optim.SGD(m.parameters(), lr=0.1),
@@ -178,12 +178,12 @@ def test_norm_group_needs_torch_distributed(daemon):
     engine.close()
 
 
-def test_pipeline_example_trains(daemon):
-    """examples/train_pipeline.py, 20 steps against the suite's daemon:
+def test_pipeline_example_trains(secure_daemon):
+    """examples/train_pipeline.py, 20 steps against the suite's (secure) daemon:
     both stages train, and stage 0 prints the epoch's loss, epsilon and
     tokens/s, and the steps the ledger charged."""
     p = subprocess.run([sys.executable, os.path.join(REPO, "examples", "train_pipeline.py"),
-                        "--socket", daemon.socket, "--steps", "20"], capture_output=True,
+                        "--socket", secure_daemon.socket, "--steps", "20"], capture_output=True,
                        text=True, timeout=300)
     assert p.returncode == 0, p.stdout + p.stderr
     m = re.search(r"^epoch 1: loss ([0-9.]+), epsilon ([0-9.]+), ([0-9]+) tokens/s$", p.stdout,

@@ -38,7 +38,7 @@ def _check_step(daemon, model, inputs, y, reduction="mean", lr=0.0, steps=1):
     _, norms0, _ = reference(model, "seq", inputs, y, 1e9, "sum", 1)
     C = _between(norms0)
     plain = copy.deepcopy(model)  # the reference's model (the engine replaces forwards)
-    engine = PrivacyEngine(daemon.socket)
+    engine = PrivacyEngine(daemon.socket, allow_insecure_seed=True)
     opt = torch.optim.SGD(model.parameters(), lr=lr)
     model, opt, _ = engine.make_private(module=model, optimizer=opt, noise_multiplier=0.0,
                                         max_grad_norm=C, loss_reduction=reduction,
@@ -95,7 +95,7 @@ def test_conv1d_lookalike_that_computes_something_else_is_refused(daemon):
             return torch.relu(x @ self.weight + self.bias)
 
     model = nn.Sequential(nn.Linear(3, 3), Conv1D())
-    engine = PrivacyEngine(daemon.socket)
+    engine = PrivacyEngine(daemon.socket, allow_insecure_seed=True)
     engine.make_private(module=model, noise_multiplier=0.0, max_grad_norm=1.0,
                         expected_batch_size=4)
     with pytest.raises(UnsupportedModuleError, match=r"1 \(Conv1D\).*computes something else"):
@@ -149,7 +149,7 @@ def test_tied_weights_under_data_parallel_counted_once(daemon):
     from dpclip import _planner
     inputs, y, V = prose(2, 4)
     model = GPT2Like(V, T=4)
-    engine = PrivacyEngine(daemon.socket)
+    engine = PrivacyEngine(daemon.socket, allow_insecure_seed=True)
     engine.make_private(module=model, noise_multiplier=0.0, max_grad_norm=1.0,
                         expected_batch_size=2)
     ps = _planner.params(engine._layers)

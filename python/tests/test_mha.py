@@ -86,7 +86,7 @@ def test_trains_against_reference(daemon, kw):
     params = list(model.parameters())
     want, norms, coefs = reference(copy.deepcopy(model), "seq", inputs, y, 0.03, "sum", 1)
     assert (coefs < 1).all()
-    engine = PrivacyEngine(daemon.socket)
+    engine = PrivacyEngine(daemon.socket, allow_insecure_seed=True)
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
     model, opt, _ = engine.make_private(module=model, optimizer=opt, noise_multiplier=0.0,
                                         max_grad_norm=0.03, loss_reduction="sum",
@@ -110,10 +110,10 @@ def test_refused_without_replace_and_copyable(daemon):
     _, _, V = prose(2, 4)
     model = Attn(V)
     with pytest.raises(UnsupportedModuleError, match="replace_mha=True"):
-        PrivacyEngine(daemon.socket).make_private(module=model, noise_multiplier=0.0,
-                                                  max_grad_norm=1.0)
+        PrivacyEngine(daemon.socket, allow_insecure_seed=True).make_private(
+            module=model, noise_multiplier=0.0, max_grad_norm=1.0)
     assert replace_mha(model) == 1 and replace_mha(model) == 0
-    engine = PrivacyEngine(daemon.socket)
+    engine = PrivacyEngine(daemon.socket, allow_insecure_seed=True)
     engine.make_private(module=model, noise_multiplier=0.0, max_grad_norm=1.0)
     clone = copy.deepcopy(model)  # never copies the engine
     assert all(s is None for s in clone.attn._dp)
@@ -132,7 +132,7 @@ def test_on_cuda(daemon):
     model = Attn(V, cross=True)
     want, _, _ = reference(copy.deepcopy(model), "seq", inputs, y, 0.03, "sum", 1)
     model = model.cuda()
-    engine = PrivacyEngine(daemon.socket)
+    engine = PrivacyEngine(daemon.socket, allow_insecure_seed=True)
     model, opt, _ = engine.make_private(module=model, optimizer=torch.optim.SGD(
         model.parameters(), lr=0.0), noise_multiplier=0.0, max_grad_norm=0.03,
         loss_reduction="sum", replace_mha=True)

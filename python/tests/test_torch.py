@@ -55,7 +55,7 @@ def test_step_matches_per_sample_reference(daemon, kind, reduction):
     assert (ref_coefs < 1).any() and (ref_coefs == 1).any(), "need clipped and unclipped samples"
 
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
-    engine = PrivacyEngine(daemon.socket)
+    engine = PrivacyEngine(daemon.socket, allow_insecure_seed=True)
     model, opt, _ = engine.make_private(module=model, optimizer=opt, noise_multiplier=0.0,
                                         max_grad_norm=C, loss_reduction=reduction,
                                         expected_batch_size=expected)
@@ -82,7 +82,7 @@ def test_second_step_and_updates(daemon):
     """Two optimizer steps with a real learning rate: each step's gradient
     matches the reference at the parameters of that step."""
     model, inputs, y = _setup("seq", seed=1)
-    engine = PrivacyEngine(daemon.socket)
+    engine = PrivacyEngine(daemon.socket, allow_insecure_seed=True)
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     model, opt, _ = engine.make_private(module=model, optimizer=opt, noise_multiplier=0.0,
                                         max_grad_norm=0.7, expected_batch_size=B)
@@ -110,7 +110,7 @@ def test_autocast_bf16_cpu(daemon):
     f64 reference to bf16 accuracy."""
     model, inputs, y = _setup("seq", seed=2)
     want, _, _ = reference(model, "seq", inputs, y, 0.5, "mean", B)
-    engine = PrivacyEngine(daemon.socket)
+    engine = PrivacyEngine(daemon.socket, allow_insecure_seed=True)
     model, opt, _ = engine.make_private(module=model, optimizer=torch.optim.SGD(
         model.parameters(), lr=0.0), noise_multiplier=0.0, max_grad_norm=0.5,
         expected_batch_size=B)
@@ -133,7 +133,7 @@ def test_noise_std(daemon, reduction):
     sigma, C, expected = 1.5, 2.0, 8
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 64), nn.LayerNorm(64))
-    engine = PrivacyEngine(daemon.socket)
+    engine = PrivacyEngine(daemon.socket, allow_insecure_seed=True)
     model, opt, _ = engine.make_private(module=model, optimizer=torch.optim.SGD(
         model.parameters(), lr=0.0), noise_multiplier=sigma, max_grad_norm=C,
         loss_reduction=reduction, expected_batch_size=expected)
@@ -163,7 +163,7 @@ def test_noise_std(daemon, reduction):
 def test_empty_batch_gets_noise_only(daemon):
     sigma, C, expected = 1.0, 3.0, 4
     model = nn.Sequential(nn.Embedding(50, 32), nn.Linear(32, 32))
-    engine = PrivacyEngine(daemon.socket)
+    engine = PrivacyEngine(daemon.socket, allow_insecure_seed=True)
     model, opt, _ = engine.make_private(module=model, optimizer=torch.optim.SGD(
         model.parameters(), lr=0.0), noise_multiplier=sigma, max_grad_norm=C,
         expected_batch_size=expected)
@@ -176,7 +176,7 @@ def test_empty_batch_gets_noise_only(daemon):
     assert abs(float(v.std()) - want) < 6 * want / math.sqrt(2 * v.numel())
     assert engine.last_norms.numel() == 0
     # Noise off: an empty batch gives exactly zero.
-    engine2 = PrivacyEngine(daemon.socket)
+    engine2 = PrivacyEngine(daemon.socket, allow_insecure_seed=True)
     m2 = nn.Linear(4, 3)
     m2, opt2, _ = engine2.make_private(module=m2, optimizer=torch.optim.SGD(
         m2.parameters(), lr=0.0), noise_multiplier=0.0, max_grad_norm=1.0,
@@ -193,14 +193,15 @@ def test_unsupported_layer_is_named(daemon):
     with pytest.raises(UnsupportedModuleError) as ei:
         make_private(model, torch.optim.SGD(model.parameters(), lr=0.1),
                      noise_multiplier=1.0, max_grad_norm=1.0, socket_path=daemon.socket,
-                     expected_batch_size=4)
+                     allow_insecure_seed=True, expected_batch_size=4)
     msg = str(ei.value)
     assert "conv" in msg and "ConvTranspose1d" in msg and "weight" in msg
     # Frozen, the same module is fine (it gets no gradient at all).
     model.conv.requires_grad_(False)
     model, opt, _ = make_private(model, torch.optim.SGD(model.parameters(), lr=0.1),
                                  noise_multiplier=1.0, max_grad_norm=1.0,
-                                 socket_path=daemon.socket, expected_batch_size=4)
+                                 socket_path=daemon.socket, allow_insecure_seed=True,
+                                 expected_batch_size=4)
     assert opt.engine.module is model
     opt.engine.close()
 
@@ -209,12 +210,12 @@ def test_shared_weights_other_than_tied_embeddings_and_subclassed_forward_refuse
     a, b = nn.Linear(4, 4), nn.Linear(4, 4)
     b.weight = a.weight
     with pytest.raises(UnsupportedModuleError, match="share a parameter"):
-        PrivacyEngine(daemon.socket).make_private(
+        PrivacyEngine(daemon.socket, allow_insecure_seed=True).make_private(
             module=nn.ModuleList([a, b]), noise_multiplier=0.0, max_grad_norm=1.0)
     emb, emb2 = nn.Embedding(10, 4), nn.Embedding(10, 4)
     emb2.weight = emb.weight
     with pytest.raises(UnsupportedModuleError, match="share a parameter"):
-        PrivacyEngine(daemon.socket).make_private(
+        PrivacyEngine(daemon.socket, allow_insecure_seed=True).make_private(
             module=nn.ModuleList([emb, emb2]), noise_multiplier=0.0, max_grad_norm=1.0)
 
     class MyLinear(nn.Linear):
@@ -222,7 +223,7 @@ def test_shared_weights_other_than_tied_embeddings_and_subclassed_forward_refuse
             return super().forward(x) * 2
 
     with pytest.raises(UnsupportedModuleError, match="MyLinear"):
-        PrivacyEngine(daemon.socket).make_private(
+        PrivacyEngine(daemon.socket, allow_insecure_seed=True).make_private(
             module=nn.Sequential(MyLinear(3, 3)), noise_multiplier=0.0, max_grad_norm=1.0)
 
 
@@ -233,7 +234,7 @@ def test_daemon_down_errors(tmp_path, fresh_daemon):
 
     # The daemon dies between steps: the next step says so.
     model = nn.Linear(5, 3)
-    engine = PrivacyEngine(fresh_daemon.socket)
+    engine = PrivacyEngine(fresh_daemon.socket, allow_insecure_seed=True)
     model, opt, _ = engine.make_private(module=model, optimizer=torch.optim.SGD(
         model.parameters(), lr=0.1), noise_multiplier=1.0, max_grad_norm=1.0,
         expected_batch_size=4)
@@ -251,7 +252,7 @@ def test_daemon_down_errors(tmp_path, fresh_daemon):
 
 def test_two_passes_per_step_refused(daemon):
     model = nn.Linear(5, 3)
-    engine = PrivacyEngine(daemon.socket)
+    engine = PrivacyEngine(daemon.socket, allow_insecure_seed=True)
     model, opt, _ = engine.make_private(module=model, optimizer=torch.optim.SGD(
         model.parameters(), lr=0.1), noise_multiplier=0.0, max_grad_norm=1.0,
         expected_batch_size=4)
@@ -277,7 +278,7 @@ def test_batch_dim_mismatch_named(daemon):
             return self.tok(x) + self.pos(torch.arange(x.shape[1]))  # [T], not [B, T]
 
     model = Bad()
-    engine = PrivacyEngine(daemon.socket)
+    engine = PrivacyEngine(daemon.socket, allow_insecure_seed=True)
     model, opt, _ = engine.make_private(module=model, optimizer=torch.optim.SGD(
         model.parameters(), lr=0.1), noise_multiplier=0.0, max_grad_norm=1.0,
         expected_batch_size=3)
@@ -290,7 +291,7 @@ def test_batch_dim_mismatch_named(daemon):
 
 def test_eval_and_no_grad_capture_nothing(daemon):
     model = nn.Sequential(nn.Linear(5, 3))
-    engine = PrivacyEngine(daemon.socket)
+    engine = PrivacyEngine(daemon.socket, allow_insecure_seed=True)
     model, opt, _ = engine.make_private(module=model, optimizer=torch.optim.SGD(
         model.parameters(), lr=0.1), noise_multiplier=0.0, max_grad_norm=1.0,
         expected_batch_size=4)
@@ -305,7 +306,7 @@ def test_eval_and_no_grad_capture_nothing(daemon):
 def test_secure_mode_loader(daemon):
     ds = TensorDataset(torch.randn(40, 5))
     model = nn.Linear(5, 3)
-    engine = PrivacyEngine(daemon.socket)
+    engine = PrivacyEngine(daemon.socket, allow_insecure_seed=True)
     _, _, loader = engine.make_private(
         module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
         data_loader=DataLoader(ds, batch_size=8), noise_multiplier=1.0, max_grad_norm=1.0,
@@ -316,7 +317,7 @@ def test_secure_mode_loader(daemon):
     # A DPDataLoader given must be secure already.
     model = nn.Linear(5, 3)
     with pytest.raises(ValueError, match="secure_mode"):
-        PrivacyEngine(daemon.socket).make_private(
+        PrivacyEngine(daemon.socket, allow_insecure_seed=True).make_private(
             module=model, data_loader=DPDataLoader(ds, 0.2), noise_multiplier=1.0,
             max_grad_norm=1.0, secure_mode=True)
 
@@ -334,7 +335,7 @@ def test_modules_that_mix_samples_refused(daemon, make):
     model: refused at make_private, trainable parameters or not."""
     model = nn.Sequential(nn.Linear(3, 4), make(), nn.Linear(4, 2))
     with pytest.raises(UnsupportedModuleError) as ei:
-        PrivacyEngine(daemon.socket).make_private(
+        PrivacyEngine(daemon.socket, allow_insecure_seed=True).make_private(
             module=model, noise_multiplier=1.0, max_grad_norm=1.0, expected_batch_size=4)
     msg = str(ei.value)
     assert "module 1 (%s)" % type(model[1]).__name__ in msg, msg
@@ -355,7 +356,7 @@ class _Normed(nn.Module):
 def test_norms_in_eval_mode_and_switched_back_to_train(daemon):
     model = _Normed()
     model.bn.eval()  # frozen running statistics: per sample
-    engine = PrivacyEngine(daemon.socket)
+    engine = PrivacyEngine(daemon.socket, allow_insecure_seed=True)
     model, opt, _ = engine.make_private(module=model, optimizer=torch.optim.SGD(
         model.parameters(), lr=0.1), noise_multiplier=0.0, max_grad_norm=1.0,
         expected_batch_size=4)
@@ -384,12 +385,12 @@ def test_mean_loss_needs_expected_batch_size(daemon):
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with pytest.raises(ValueError, match="expected_batch_size"):
         make_private(model, opt, noise_multiplier=1.0, max_grad_norm=1.0,
-                     socket_path=daemon.socket, sample_rate=0.01)
+                     socket_path=daemon.socket, allow_insecure_seed=True, sample_rate=0.01)
 
 
 def _ledger_engine(socket, job_id=None):
     model = nn.Linear(4, 2)
-    engine = PrivacyEngine(socket, job_id=job_id)
+    engine = PrivacyEngine(socket, job_id=job_id, allow_insecure_seed=True)
     model, opt, _ = engine.make_private(
         module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
         noise_multiplier=1.0, max_grad_norm=1.0, loss_reduction="sum", sample_rate=0.01,
@@ -442,7 +443,7 @@ def test_a_job_id_given_shares_its_account(daemon, capsys):
                                          ("noise_multiplier", -1.0), ("algorithm", "flash")])
 def test_make_private_terms_refused_by_name(daemon, field, value):
     model = nn.Sequential(nn.Linear(5, 3))
-    engine = PrivacyEngine(daemon.socket)
+    engine = PrivacyEngine(daemon.socket, allow_insecure_seed=True)
     terms = {"noise_multiplier": 1.0, "max_grad_norm": 1.0, "expected_batch_size": 4,
              field: value}
     with pytest.raises(ValueError, match=field):
