@@ -515,6 +515,12 @@ class Sharded:
                                0.0, **terms)
         self._noise = _lib.Step(1, cfg.max_grad_norm, cfg.reduction, cfg.expected_batch_size,
                                 self.engine.noise_multiplier, **terms)
+        if self.engine.noise_multiplier > 0:
+            # one logical step: every rank's norm pass (noiseless) and its
+            # noise step are its members (world 2W), charged once
+            sigma = self.engine.noise_multiplier
+            self._clip.set_data_parallel(2 * self.world, self.rank, sigma)
+            self._noise.set_data_parallel(2 * self.world, self.world + self.rank, sigma)
         probe = torch.zeros(self.world, dtype=self.dtype, device=device)
         try:
             dist.reduce_scatter_tensor(torch.zeros_like(probe[:1]), probe, group=self.group)

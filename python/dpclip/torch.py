@@ -358,6 +358,7 @@ class PrivacyEngine:
                                _lib.MEAN if loss_reduction == "mean" else _lib.SUM,
                                self.expected_batch_size, sigma, sample_rate=self.sample_rate,
                                target_delta=target_delta, target_epsilon=target_epsilon)
+        _parallel.declare_member(self, self._step)
         if group is not None:
             _group.join(group, self.client)
         if self._shards is not None:

@@ -205,10 +205,17 @@ def per_sample_losses(kind, out, y):
     return F.cross_entropy(out, y, reduction="none")
 
 
-def reference(model, kind, inputs, y, C, reduction, expected, only=None):
+# A step in phases (sharded models: a norm pass, then the sums layer group by
+# layer group) clips by norms raised by the daemon's re-measurement margin on
+# squared norms (daemon/protocol/step_pass.h, DC_PHASE_RECHECK_TOL).
+PHASED_MARGIN = 1.0 + 1.0 / 1024.0
+
+
+def reference(model, kind, inputs, y, C, reduction, expected, only=None, margin=1.0):
     """(grads by parameter name, norms [B], coefs [B]) of DP-SGD without
     noise: each sample's full gradient (all trainable parameters, or those
-    named in `only`) built explicitly in double precision, clipped to C,
+    named in `only`) built explicitly in double precision, clipped to C
+    (its squared norm times `margin`: PHASED_MARGIN for steps in phases),
     summed, divided by `expected` for a mean loss."""
     ref = copy.deepcopy(model).double()
     named = [(n, p) for n, p in ref.named_parameters()
@@ -225,7 +232,7 @@ def reference(model, kind, inputs, y, C, reduction, expected, only=None):
            for gs in per]
     norms = torch.tensor([math.sqrt(sum(float(g.pow(2).sum()) for g in gs)) for gs in per],
                          dtype=torch.float64)
-    coefs = torch.clamp(C / (norms + 1e-6), max=1.0)
+    coefs = torch.clamp(C / (norms * math.sqrt(margin) + 1e-6), max=1.0)
     out = {}
     for i, n in enumerate(names):
         s = sum(coefs[b] * per[b][i] for b in range(B))

@@ -22,7 +22,7 @@ import dpclip
 from dpclip import _fsdp
 from dpclip.torch import PrivacyEngine
 from fsdp_worker import GPT, run_fsdp2
-from models import reference
+from models import PHASED_MARGIN, reference
 
 pytestmark = [
     pytest.mark.skipif(_fsdp._classes()[2] is None,  # pylint: disable=protected-access
@@ -59,7 +59,7 @@ def _rows(n, rank):
 def test_fully_shard_two_ranks_one_gpu(cuda_daemon, tmp_path):
     x, y = _data()
     torch.manual_seed(SEED)
-    want, _, _ = reference(GPT(), "seq", (x,), y, C, "mean", B)
+    want, _, _ = reference(GPT(), "seq", (x,), y, C, "mean", B, margin=PHASED_MARGIN)
     ctx = mp.start_processes(run_fsdp2, nprocs=WORLD, join=False, start_method="spawn",
                              args=(WORLD, str(tmp_path / "init"), cuda_daemon.socket, (x, y), C,
                                    B, SEED, str(tmp_path)))

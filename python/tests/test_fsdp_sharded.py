@@ -17,7 +17,7 @@ from dpclip import _fsdp, _lib
 from dpclip._layers import Out
 from dpclip.torch import PrivacyEngine, UnsupportedModuleError
 from fsdp_worker import run_sharded, run_sharded_failures, run_sharded_hf, run_sharded_refusals
-from models import GPT2Like, SeqModel, prose, reference, seq_data
+from models import PHASED_MARGIN, GPT2Like, SeqModel, prose, reference, seq_data
 
 
 def _spawn(fn, world, args):
@@ -66,7 +66,8 @@ def test_three_ranks_hold_the_union_gradient_noise_once_ledger_once(daemon, tmp_
     (x,), y = seq_data(7, seed=5)
     C, expected, sigma, q, steps = 0.95, 7, 2.0, 0.05, 3
     torch.manual_seed(100)
-    want, ref_norms, _ = reference(SeqModel(), "seq", (x,), y, C, "mean", expected)
+    want, ref_norms, _ = reference(SeqModel(), "seq", (x,), y, C, "mean", expected,
+                                   margin=PHASED_MARGIN)
     _spawn(run_sharded, 3, (str(tmp_path / "init"), daemon.socket, (x, y), C, expected, sigma,
                             q, steps, str(tmp_path)))
     got = [torch.load(os.path.join(str(tmp_path), "sharded%d.pt" % r)) for r in range(3)]
@@ -141,7 +142,8 @@ def test_hugging_face_structures_sharded(daemon, tmp_path):
     x, y = x.clone(), y.clone()  # views of one window tensor do not pickle to spawned ranks
     C, expected = 0.7, 6
     torch.manual_seed(7)
-    want, _, _ = reference(GPT2Like(V, T=8), "seq", (x,), y, C, "mean", expected)
+    want, _, _ = reference(GPT2Like(V, T=8), "seq", (x,), y, C, "mean", expected,
+                           margin=PHASED_MARGIN)
     _spawn(run_sharded_hf, 2, (str(tmp_path / "init"), daemon.socket, (x, y), V, C, expected,
                                str(tmp_path)))
     for r in range(2):
