@@ -59,8 +59,11 @@ class Guard:
     def _marker(self, p: torch.Tensor) -> Any:
         stray = self.stray
 
-        def mark(grad: torch.Tensor) -> None:
-            stray[id(p)] = p
+        def mark(grad: Optional[torch.Tensor]) -> None:
+            # newer torches call a leaf's hooks with None where a backward
+            # gave it no gradient (book-keeping's layers give none): no use
+            if grad is not None:
+                stray[id(p)] = p
         return mark
 
     def clear(self) -> None:

@@ -148,3 +148,20 @@ def test_plain_step_still_taken(daemon):
     flat = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
     assert float(flat.std()) > 100.0  # the noise, not a plain gradient
     engine.close()
+
+
+def test_hook_called_without_a_gradient_marks_nothing():
+    """Newer torches (2.x) call a leaf's tensor hooks with None where a
+    backward gave it no gradient, which book-keeping's layers do for every
+    weight: that is no use outside the module (on the GPU machine's torch
+    2.11 every private step was refused before this). A real gradient still
+    marks it."""
+    from dpclip._guard import Guard
+    p = nn.Parameter(torch.ones(3))
+    guard = Guard([p], hooks=False)
+    mark = guard._marker(p)  # pylint: disable=protected-access
+    mark(None)
+    guard.check(None, [p])  # nothing marked, and p is the guard's own
+    mark(torch.ones(3))
+    with pytest.raises(UnclippedGradientError, match="received a gradient from autograd"):
+        guard.check(None, [p])
