@@ -265,7 +265,7 @@ def _check_forward(layer: Any, args: tuple, kwargs: dict, outs: List[Any]) -> bo
         if not (bool(torch.isfinite(ref).all()) and bool(torch.isfinite(g).all())):
             return False
         scale = max(float(ref.abs().max()) if ref.numel() else 0.0, 1e-12)
-        err = float((g.double() - ref).abs().max()) / scale if ref.numel() else 0.0
+        err = float((g.detach().double() - ref).abs().max()) / scale if ref.numel() else 0.0
         dts = [got.dtype] + [t.dtype for t in _flat(args) if t.is_floating_point()] + \
             [p.dtype for p in layer.module.parameters()]
         tol = _forward_tol(dts, got.device)
