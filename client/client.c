@@ -166,6 +166,8 @@ int cl_to_result(const Dpclip__ClipStepReply *r, uint32_t batch, uint32_t n_laye
     res->step_index = r->step_index;
     res->compute_ns = r->compute_ns;
     res->input_wait_ns = r->input_wait_ns;
+    res->logical_id = r->logical_id;
+    res->micro_batches = r->micro_batches;
     res->epsilon = r->epsilon;
     res->delta = r->delta;
     res->norms = malloc(batch * sizeof(float));

@@ -260,6 +260,18 @@ int dpclip_step_set_phase(dpclip_step *s, dpclip_phase phase);
 int dpclip_step_set_data_parallel(dpclip_step *s, uint32_t world, uint32_t rank,
                                   float noise_multiplier, uint64_t step);
 
+/* Gradient accumulation (docs/protocol.md, "Logical steps"): the step is
+ * micro-batch `micro_batch` (0, 1, ... in order) of logical step `id` (> 0,
+ * increasing per connection; micro-batch 0 opens it). Each micro-batch's
+ * clipped sum is added into the daemon's accumulators and nothing is
+ * written to the outputs; the micro-batch with `commit` adds the noise once,
+ * divides by the config's expected_batch_size (the expected LOGICAL batch
+ * for MEAN), writes every output and is charged once, at the config's
+ * sample_rate (the logical batch's). Every micro-batch carries the same
+ * config and outputs. id 0 turns it off. Kept by dpclip_step_reset.
+ * DPCLIP_EARG for a micro-batch or commit without an id. */
+int dpclip_step_set_logical(dpclip_step *s, uint64_t id, uint32_t micro_batch, int commit);
+
 typedef struct dpclip_result {
     uint32_t batch;
     uint32_t n_layers;
@@ -273,6 +285,10 @@ typedef struct dpclip_result {
     double delta;          /* ... at this delta */
     uint64_t input_wait_ns; /* of compute_ns: the GPU waiting for the step's wait_event
                                (the client's own work still running) */
+    /* A micro-batch of a logical step (dpclip_step_set_logical): its id and
+     * the micro-batches accumulated so far, this one included; 0 else. */
+    uint64_t logical_id;
+    uint32_t micro_batches;
 } dpclip_result;
 void dpclip_result_free(dpclip_result *r);
 

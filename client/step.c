@@ -38,6 +38,9 @@ struct dpclip_step {
     uint32_t dp_world, dp_rank;  /* data parallelism; world 0: none */
     uint64_t dp_step;
     float dp_sigma;
+    uint64_t logical_id;         /* gradient accumulation; 0: none */
+    uint32_t micro_batch;
+    int commit;
     /* Changes with every mutation (from one process-wide counter, so a
      * step freed and another allocated at its address never share one):
      * the client reuses its packed request while it stays the same. */
@@ -214,6 +217,16 @@ DPCLIP_API int dpclip_step_set_phase(dpclip_step *s, dpclip_phase phase) {
     return 0;
 }
 
+DPCLIP_API int dpclip_step_set_logical(dpclip_step *s, uint64_t id, uint32_t micro_batch,
+                                       int commit) {
+    if (!s || (!id && (micro_batch || commit))) return DPCLIP_EARG;
+    touch(s);
+    s->logical_id = id;
+    s->micro_batch = id ? micro_batch : 0;
+    s->commit = id ? commit != 0 : 0;
+    return 0;
+}
+
 DPCLIP_API int dpclip_step_set_data_parallel(dpclip_step *s, uint32_t world, uint32_t rank,
                                              float noise_multiplier, uint64_t step) {
     if (!s || (world && (world < 2 || rank >= world || !(noise_multiplier > 0.0f) ||
@@ -251,6 +264,7 @@ typedef struct msg_scratch {
     Dpclip__ClipConfig clip;
     Dpclip__TensorRef norms_out, coefs_out;
     Dpclip__DataParallel dp;
+    Dpclip__LogicalStep logical;
     msg_layer *layers;
     Dpclip__Layer **ptrs;
     size_t cap;
@@ -333,6 +347,13 @@ int cl_step_message(dpclip_client *c, const dpclip_step *s, Dpclip__ClipStep **o
         m->dp.step = s->dp_step;
         m->dp.noise_multiplier = s->dp_sigma;
         m->step.data_parallel = &m->dp;
+    }
+    if (s->logical_id) {
+        dpclip__logical_step__init(&m->logical);
+        m->logical.id = s->logical_id;
+        m->logical.micro_batch = s->micro_batch;
+        m->logical.commit = s->commit != 0;
+        m->step.logical = &m->logical;
     }
     m->step.n_layers = s->n;
     m->step.layers = m->ptrs;

@@ -106,7 +106,8 @@ class Result(ctypes.Structure):
                 ("layer_coefs", ctypes.POINTER(ctypes.c_float)),
                 ("step_index", ctypes.c_uint64), ("compute_ns", ctypes.c_uint64),
                 ("epsilon", ctypes.c_double), ("delta", ctypes.c_double),
-                ("input_wait_ns", ctypes.c_uint64)]
+                ("input_wait_ns", ctypes.c_uint64), ("logical_id", ctypes.c_uint64),
+                ("micro_batches", ctypes.c_uint32)]
 
 
 class Enqueued(ctypes.Structure):
