@@ -373,7 +373,12 @@ int run_impl(dc_backend *be, const dc_step *s, dc_step_result *res, dc_err *err,
     const size_t L = s->n_layers;
     const bool per_layer = s->mode == DC_CLIP_PER_LAYER;
     const float scale = dc_step_grad_scale(s);
-    const step_opts &opt = cb->opt;
+    /* a micro-batch of a logical step stages every output: its sums go to
+     * the accumulators (accum.cu), and its commit folds them in before the
+     * noise, which the one-pass path's direct writes would bypass */
+    step_opts opt = cb->opt;
+    if (s->acc != DC_ACC_NONE) opt.one_pass = false;
+    const bool accumulates = s->acc == DC_ACC_FIRST || s->acc == DC_ACC_ADD;
     layout Lo;
     dc_step safe;
     int rc = 0;
@@ -457,17 +462,21 @@ int run_impl(dc_backend *be, const dc_step *s, dc_step_result *res, dc_err *err,
                 outs[oi].chunk0 = chunks;
                 outs[oi].amax_found = 0; /* grouped_clipped_plan sets it */
                 outs[oi].noised = 0; /* grouped_clipped_plan sets it */
+                outs[oi].acc = s->acc == DC_ACC_NONE ? NULL : k ? ly->acc_b : ly->acc_w;
                 oi++;
                 staged += al4(n);
                 chunks += dcc_out_chunks(n);
             }
         }
         tied_offsets(cb, s, outs);
+        /* an accumulating micro-batch's sums go to its accumulators as they
+         * are: the commit noises and divides the logical batch's once */
         const float noise_std =
-            s->noise_multiplier *
-            (per_layer ? (float)sqrt(noise_c2)
-                       : s->noise_norm > 0.0f ? s->noise_norm : s->max_grad_norm);
-        const float divisor = s->reduction == DC_REDUCTION_MEAN
+            accumulates ? 0.0f
+                        : s->noise_multiplier *
+                              (per_layer ? (float)sqrt(noise_c2)
+                                         : s->noise_norm > 0.0f ? s->noise_norm : s->max_grad_norm);
+        const float divisor = accumulates ? 1.0f : s->reduction == DC_REDUCTION_MEAN
                                   ? (float)(s->expected_batch ? s->expected_batch : B)
                                   : 1.0f;
         char *ws = cb->ws;
@@ -604,9 +613,24 @@ int run_impl(dc_backend *be, const dc_step *s, dc_step_result *res, dc_err *err,
                           (float *)s->norms_out.data, (const float *)(ws + Lo.coefs),
                           (float *)s->coefs_out.data, (int)B, zero, cb->stream),
                "the commit");
+        } else if (accumulates) {
+            phase_mark(cb, 5);
+            if ((rc = kept_sum(cb, s, noise_std, divisor, NULL, err))) goto fail;
+            phase_mark(cb, 6);
+            CK(dcc_acc_store(douts, Lo.n_out, Lo.max_n, staging, s->acc == DC_ACC_ADD,
+                             cb->stream),
+               "the accumulation");
+            phase_mark(cb, 7);
+            CK(dcc_commit(douts, 0, 0, staging, status, (const float *)(ws + Lo.norms),
+                          (float *)s->norms_out.data, (const float *)(ws + Lo.coefs),
+                          (float *)s->coefs_out.data, (int)B, zero, cb->stream),
+               "the commit");
         } else {
             phase_mark(cb, 5);
             if ((rc = kept_sum(cb, s, noise_std, divisor, NULL, err))) goto fail;
+            if (s->acc == DC_ACC_COMMIT)
+                CK(dcc_acc_fold(douts, Lo.n_out, Lo.max_n, staging, cb->stream),
+                   "the accumulation");
             phase_mark(cb, 6);
             CK(dcc_finalize(douts, Lo.n_out, Lo.max_n, staging, noise_std, divisor, status,
                             bad, opt.noise, cb->stream),
@@ -729,6 +753,28 @@ void cuda_destroy(dc_backend *be) {
     free(cb);
 }
 
+/* A logical step's accumulators: device memory of this backend's GPU,
+ * allocated on its worker thread (cudaMalloc: no pool to hold them past
+ * the session that owns them). */
+float *cuda_acc_alloc(dc_backend *be, size_t n) {
+    cuda_backend *cb = (cuda_backend *)be;
+    void *p = NULL;
+    if (cudaSetDevice(cb->device) != cudaSuccess ||
+        cudaMalloc(&p, (n ? n : 1) * sizeof(float)) != cudaSuccess) {
+        (void)cudaGetLastError();
+        return NULL;
+    }
+    return (float *)p;
+}
+
+void cuda_acc_free(dc_backend *be, float *p) {
+    cuda_backend *cb = (cuda_backend *)be;
+    if (!p || cudaSetDevice(cb->device) != cudaSuccess) return;
+    /* the backend's stream may still read it: the stream's work first */
+    (void)cudaStreamSynchronize(cb->stream);
+    (void)cudaFree(p);
+}
+
 const dc_backend_ops cuda_ops = {"cuda",
                                   cuda_run_step,
                                   cuda_destroy,
@@ -736,7 +782,9 @@ const dc_backend_ops cuda_ops = {"cuda",
                                   cuda_run_clip,
                                   dc_cuda_backend_wait_event,
                                   dc_cuda_backend_record_event,
-                                  dc_cuda_backend_workspace_bytes};
+                                  dc_cuda_backend_workspace_bytes,
+                                  cuda_acc_alloc,
+                                  cuda_acc_free};
 
 } // namespace
 

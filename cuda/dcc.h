@@ -441,6 +441,9 @@ typedef struct dcc_out {
      * adds at most C, its clipped norm, to any element; 0: none known, and
      * the step is staged) */
     float bound;
+    /* a micro-batch of a logical step: the output's f32 accumulator
+     * (dc_layer.acc_w / acc_b, in device memory), else NULL (accum.cu) */
+    float *acc;
 } dcc_out;
 
 #define DCC_OUT_CHUNK 8192
@@ -466,6 +469,15 @@ cudaError_t dcc_finalize(const dcc_out *outs, int n_out, uint64_t max_n, float *
  * coefs (device [B]) copied into norms_out / coefs_out when non-NULL.
  * Otherwise nothing is written, or zeros everywhere with zero_on_fail (the
  * same for dcc_out_commit). */
+/* Gradient accumulation (accum.cu), over the staged sums of every output
+ * with an accumulator: dcc_acc_store sets it to (add 0) or adds to it
+ * (add 1) the staged sum; dcc_acc_fold adds it into the staged sum (a
+ * logical step's commit, before dcc_finalize noises it). */
+cudaError_t dcc_acc_store(const dcc_out *outs, int n_out, uint64_t max_n, const float *staging,
+                          int add, cudaStream_t st);
+cudaError_t dcc_acc_fold(const dcc_out *outs, int n_out, uint64_t max_n, float *staging,
+                         cudaStream_t st);
+
 cudaError_t dcc_commit(const dcc_out *outs, int n_out, uint64_t max_n, const float *staging,
                        const uint32_t *status, const float *norms, float *norms_out,
                        const float *coefs, float *coefs_out, int B, int zero_on_fail,

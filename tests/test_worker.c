@@ -25,8 +25,8 @@ static int fake_run(dc_backend *be, const dc_step *s, dc_step_result *r, dc_err 
     (void)be; (void)s; (void)r; (void)e;
     return 0;
 }
-static const dc_backend_ops fake_ops = {"fake", fake_run, fake_destroy, NULL,
-                                        NULL,   NULL,     NULL,         NULL};
+static const dc_backend_ops fake_ops = {.name = "fake", .run_step = fake_run,
+                                        .destroy = fake_destroy};
 
 static int factory(void *arg, int index, dc_backend **out, dc_err *err) {
     int *made = arg;

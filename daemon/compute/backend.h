@@ -26,6 +26,10 @@
  *     A failure found once noise was added sets res->released: it depends
  *     on the noise, so the step is charged (and its message is replaced).
  *  5. norms_out / coefs_out (when present) receive n[b] and coefs[b].
+ *  With step->acc (a micro-batch of a logical step, step.h dc_acc_mode):
+ *     FIRST / ADD store / add 4.'s clipped sums (no noise, no division)
+ *     into each output's accumulator and write no output; COMMIT adds the
+ *     accumulator to the clipped sum before the noise.
  */
 #ifndef DC_BACKEND_H
 #define DC_BACKEND_H
@@ -69,6 +73,12 @@ typedef struct dc_backend_ops {
     int (*wait_event)(dc_backend *be, void *event);
     int (*record_event)(dc_backend *be, void *event);
     size_t (*workspace_bytes)(const dc_backend *be);
+    /* Accumulators of logical steps (dc_layer.acc_w / acc_b): n floats in
+     * the memory the backend's steps use (host; the GPU's), uninitialised
+     * (a logical step's first micro-batch stores, DC_ACC_FIRST); NULL out of
+     * memory. Called on the backend's worker thread. */
+    float *(*acc_alloc)(dc_backend *be, size_t n);
+    void (*acc_free)(dc_backend *be, float *p);
 } dc_backend_ops;
 
 struct dc_backend {

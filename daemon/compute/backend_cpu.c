@@ -144,6 +144,23 @@ static void store_out(const dc_tensor *t, const float *v, size_t n) {
 }
 
 /* Shape limits that come from BLAS's int arguments, checked up front. */
+/* A logical step's accumulator and one output's clipped sum v[n] (before
+ * noise): stored or added, true (the output is not written); or, for the
+ * commit, added into v, false (noise and the write follow). */
+static bool accumulate(dc_acc_mode mode, float *acc, float *v, size_t n) {
+    switch (mode) {
+    case DC_ACC_FIRST: memcpy(acc, v, n * sizeof *v); return true;
+    case DC_ACC_ADD:
+        for (size_t i = 0; i < n; i++) acc[i] += v[i];
+        return true;
+    case DC_ACC_COMMIT:
+        for (size_t i = 0; i < n; i++) v[i] += acc[i];
+        return false;
+    case DC_ACC_NONE: break;
+    }
+    return false;
+}
+
 static int check_dims(const dc_layer *l, uint32_t B, dc_err *err) {
     if (l->kind != DC_LAYER_LINEAR) return 0;
     if (l->T > INT_MAX || l->d > INT_MAX || l->p > INT_MAX ||
@@ -380,6 +397,7 @@ static int run_phases(dc_backend *be, const dc_step *step, enum run_phases want,
             const dc_tensor *t = k ? &ly->bias_grad_out : &ly->weight_grad_out;
             size_t n = dc_cpu_numel(t);
             float *v = outs + off;
+            if (accumulate(step->acc, k ? ly->acc_b : ly->acc_w, v, n)) continue;
             const dc_noise_src src = dc_step_noise_src(step, ly, l, k);
             dc_noise_add_normal(src.key, src.step, src.stream, noise_std, v, n);
             if (divisor != 1.0f)
@@ -402,12 +420,13 @@ static int run_phases(dc_backend *be, const dc_step *step, enum run_phases want,
         tp = tq;
     }
 
-    /* 4. commit: nothing can fail from here on */
+    /* 4. commit: nothing can fail from here on (a micro-batch that
+     * accumulates writes no output) */
     for (size_t l = 0; l < L; l++)
         for (int k = 0; k < 2; k++) {
             size_t off = st.off[2 * l + k];
             const dc_layer *ly = &lay[l];
-            if (off != SIZE_MAX)
+            if (off != SIZE_MAX && (step->acc == DC_ACC_NONE || step->acc == DC_ACC_COMMIT))
                 store_out(k ? &ly->bias_grad_out : &ly->weight_grad_out, outs + off,
                           dc_cpu_numel(k ? &ly->bias_grad_out : &ly->weight_grad_out));
         }
@@ -460,6 +479,16 @@ size_t dc_cpu_backend_scratch_bytes(dc_backend *be) {
     return dc_cpu_scratch_bytes(&((cpu_backend *)be)->s);
 }
 
+static float *cpu_acc_alloc(dc_backend *be, size_t n) {
+    (void)be;
+    return malloc((n ? n : 1) * sizeof(float));
+}
+
+static void cpu_acc_free(dc_backend *be, float *p) {
+    (void)be;
+    free(p);
+}
+
 static void cpu_destroy(dc_backend *be) {
     cpu_backend *cb = (cpu_backend *)be;
     if (!cb) return;
@@ -468,8 +497,15 @@ static void cpu_destroy(dc_backend *be) {
 }
 
 /* No device queue: no events, no workspace. */
-static const dc_backend_ops cpu_ops = {"cpu",         cpu_run_step, cpu_destroy, cpu_run_norms,
-                                        cpu_run_clip, NULL,         NULL,        NULL};
+static const dc_backend_ops cpu_ops = {
+    .name = "cpu",
+    .run_step = cpu_run_step,
+    .destroy = cpu_destroy,
+    .run_norms = cpu_run_norms,
+    .run_clip = cpu_run_clip,
+    .acc_alloc = cpu_acc_alloc,
+    .acc_free = cpu_acc_free,
+};
 
 int dc_cpu_backend_create(int threads, dc_backend **out, dc_err *err) {
     cpu_backend *cb = calloc(1, sizeof *cb);

@@ -88,7 +88,26 @@ typedef struct dc_layer {
     uint32_t noise_index;
     dc_tensor weight_grad_out; /* optional */
     dc_tensor bias_grad_out;   /* optional, only with has_bias */
+    /* A micro-batch of a logical step (dc_step.acc): each output's f32
+     * accumulator, as many elements as the output, in the step's memory
+     * (host, or the step's device); NULL for an output the step lacks.
+     * Owned by the session's logical step (step_logical.h). */
+    float *acc_w, *acc_b;
 } dc_layer;
+
+/* What a step does with its clipped sums (gradient accumulation: the
+ * micro-batches of one logical step). NONE: noise, divide, write the
+ * outputs. FIRST, ADD: the clipped sum, without noise or division, is
+ * stored into (FIRST) or added to (ADD) each output's accumulator, and no
+ * output is written (norms_out and coefs_out are). COMMIT: the accumulator
+ * is added to the clipped sum, which is then noised, divided and written
+ * as with NONE. */
+typedef enum dc_acc_mode {
+    DC_ACC_NONE = 0,
+    DC_ACC_FIRST,
+    DC_ACC_ADD,
+    DC_ACC_COMMIT
+} dc_acc_mode;
 
 typedef struct dc_step {
     uint32_t batch;            /* B >= 1 */
@@ -116,6 +135,7 @@ typedef struct dc_step {
     size_t n_more_outs;
     const dc_tensor *more_norms_out, *more_coefs_out;
     bool want_layer_norms;
+    dc_acc_mode acc;           /* gradient accumulation; NONE outside a logical step */
     /* Where every tensor of the step lives: -1 = host memory (shared memory
      * mapped by the daemon), else the CUDA device index (validation refuses
      * steps that mix them). */

@@ -87,8 +87,10 @@ typedef struct link_head {
     int32_t reduction;
     float max_grad_norm, noise_multiplier;
     uint32_t has_rep, pad; /* the replicated layers' measure follows the totals */
+    uint64_t logical_id;   /* a micro-batch of a logical step, its index, whether it commits */
+    uint32_t micro_batch, commit;
 } link_head;
-#define LINK_MAGIC 0x6470636c69703033ull /* "dpclip03" */
+#define LINK_MAGIC 0x6470636c69703034ull /* "dpclip04" */
 /* One daemon's part: the head, its totals [B], its replicated copy [B]. */
 #define LINK_EACH(B) (sizeof(link_head) + 2 * (size_t)(B) * sizeof(double))
 
@@ -271,6 +273,9 @@ static const char *terms_differ(const dc_group_terms *a, const dc_group_terms *b
     if (a->reduction != b->reduction) return "clip_step.clip.loss_reduction";
     if (a->expected_batch != b->expected_batch) return "clip_step.clip.expected_batch_size";
     if (a->replicated_hash != b->replicated_hash) return "clip_step.layers.replicated";
+    if (a->logical_id != b->logical_id || a->micro_batch != b->micro_batch ||
+        a->commit != b->commit)
+        return "clip_step.logical";
     return NULL;
 }
 
@@ -429,6 +434,9 @@ static void on_exchanged(dc_nccl_op *op) {
         t.reduction = h.reduction;
         t.expected_batch = h.expected_batch;
         t.replicated_hash = h.replicated_hash;
+        t.logical_id = h.logical_id;
+        t.micro_batch = h.micro_batch;
+        t.commit = h.commit != 0;
         if ((f = terms_differ(&g->terms, &t))) {
             fail_exchange(g, "the members on daemon %u and on this daemon (%u) disagree on %s in "
                           "group step %llu", d, g->daemon_rank, f, (unsigned long long)g->cur);
@@ -512,6 +520,9 @@ static void exchange_start(dc_group *g) {
     h.max_grad_norm = g->terms.max_grad_norm;
     h.noise_multiplier = g->terms.noise_multiplier;
     h.has_rep = g->has_rep;
+    h.logical_id = g->terms.logical_id;
+    h.micro_batch = g->terms.micro_batch;
+    h.commit = g->terms.commit;
     memcpy(g->xsend, &h, sizeof h);
     memcpy(g->xsend + sizeof h, g->tot, B * sizeof(double));
     if (g->has_rep) memcpy(g->xsend + sizeof h + B * sizeof(double), g->rep, B * sizeof(double));

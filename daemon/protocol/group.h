@@ -60,6 +60,10 @@ typedef struct dc_group_terms {
     int reduction;
     uint32_t expected_batch;
     uint64_t replicated_hash; /* names of the replicated layers, in order */
+    /* a micro-batch of a logical step (ClipStep.logical); id 0: none */
+    uint64_t logical_id;
+    uint32_t micro_batch;
+    bool commit;
 } dc_group_terms;
 
 /* One member's step in the reduction stage. The caller fills rank, step,

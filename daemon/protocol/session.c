@@ -12,6 +12,7 @@
 #include "log.h"
 #include "server.h"
 #include "session_int.h"
+#include "step_logical.h"
 #include "step_pass.h"
 #include "wire.h"
 
@@ -659,6 +660,7 @@ void dc_session_destroy(dc_session *s) {
     dc_pass_free(s->pass);
     s->pass = NULL;
     s->pass_bytes = 0;
+    dc_logical_free(s);
     free(s->prewait);
     dc_registry_destroy(&s->reg);
     if (s->ljob) s->ljob->sessions--;

@@ -86,6 +86,9 @@ typedef struct dc_session {
      * (a reservation) until it is freed: what limits.max_pass_memory and
      * limits.max_pass_memory_per_uid count (server.h, dc_uid_usage). */
     uint64_t pass_bytes;
+    /* Gradient accumulation: the session's logical step and its
+     * accumulators (step_logical.h). Owned; NULL until the first. */
+    struct dc_logical *logical;
 } dc_session;
 
 /* Before Hello a frame may be at most this long (a Hello is a few hundred

@@ -179,6 +179,9 @@ int dc_session_group_prepare(dc_session *s, dc_step_job *j, dc_err *e) {
     j->gw.terms.reduction = (int)st->reduction;
     j->gw.terms.expected_batch = st->expected_batch;
     j->gw.terms.replicated_hash = replicated_hash(st);
+    j->gw.terms.logical_id = m->logical_id;
+    j->gw.terms.micro_batch = m->micro_batch;
+    j->gw.terms.commit = m->commit;
     return 0;
 }
 

@@ -22,6 +22,7 @@
 #include "server.h"
 #include "session_int.h"
 #include "step_account.h"
+#include "step_logical.h"
 #include "step_pass.h"
 #include "step_reply.h"
 #include "step_run.h"
@@ -74,6 +75,7 @@ static void step_refuse(dc_step_job *j, const dc_err *e, bool async) {
     uint64_t id = j->req_id;
     s->job = NULL;
     if (j->params.phase == DC_PHASE_NORMS) pass_drop(s); /* its reservation */
+    dc_logical_refused(s, j, e);                          /* its logical step aborts */
     group_fail(s, j, e);
     job_free(j);
     dc_session_reject(s, id, e);
@@ -207,7 +209,7 @@ static void step_accept(dc_session *s, uint64_t id, dc_step_job *j) {
                                m->wait_event ? dc_session_find_event(s, m->wait_event) : NULL,
                                m->signal_event ? dc_session_find_event(s, m->signal_event) : NULL,
                                &e) ||
-        dc_step_run_prepare(j, &e) || step_phase(s, j, &e)) {
+        dc_step_run_prepare(j, &e) || step_phase(s, j, &e) || dc_logical_prepare(s, j, &e)) {
         step_refuse(j, &e, false);
         return;
     }
@@ -264,10 +266,13 @@ static void step_account(dc_step_job *j) {
     dc_session *s = j->s;
     dc_server *srv = s->srv;
     dc_err e;
-    if (j->params.phase == DC_PHASE_SUMS && s->ljob) {
-        /* the rest of its norm pass's logical step, which was accounted */
-        j->eps = s->ljob->eps;
-        j->delta = s->ljob->delta;
+    const bool micro = j->params.logical_id && !j->params.commit;
+    if ((j->params.phase == DC_PHASE_SUMS && s->ljob) || micro) {
+        /* the rest of its norm pass's logical step, which was accounted; or
+         * a micro-batch of a logical step, accounted at its commit (it
+         * writes no output) */
+        j->eps = s->ljob ? s->ljob->eps : 0.0;
+        j->delta = s->ljob ? s->ljob->delta : 0.0;
         j->t_checked = uv_hrtime();
         s->job = j;
         step_submit(j);
@@ -425,11 +430,19 @@ void dc_session_step_reply(dc_step_job *j) {
         uint64_t run = j->t_end - j->t_start;
         dc_ewma_add(&s->ewma_gpu_run_ns, run);
     }
+    dc_logical_done(s, j); /* moves its logical step on, or aborts it */
     if (j->rc == 0) {
         Dpclip__Reply reply = DPCLIP__REPLY__INIT;
         Dpclip__ClipStepReply cr = DPCLIP__CLIP_STEP_REPLY__INIT;
-        /* a sums step is part of its norm pass's logical step */
-        dc_step_reply_fill(j, j->params.phase == DC_PHASE_SUMS ? s->steps : ++s->steps, &cr);
+        /* a sums step is part of its norm pass's logical step; a
+         * micro-batch, of its logical step (counted at the commit) */
+        const bool part = j->params.phase == DC_PHASE_SUMS ||
+                          (j->params.logical_id && !j->params.commit);
+        dc_step_reply_fill(j, part ? s->steps + (j->params.logical_id ? 1 : 0) : ++s->steps, &cr);
+        if (j->params.logical_id) {
+            cr.logical_id = j->params.logical_id;
+            cr.micro_batches = dc_logical_micro_batches(s);
+        }
         reply.id = j->req_id;
         reply.body_case = DPCLIP__REPLY__BODY_CLIP_STEP;
         reply.clip_step = &cr;

@@ -6,6 +6,7 @@
 
 #include "gpu.h"
 #include "group.h"
+#include "step_logical.h"
 #include "step_run.h"
 
 
@@ -21,6 +22,7 @@ static const char *member_differs(const dc_step *a, const dc_step *b) {
     if (a->expected_batch != b->expected_batch) return "clip_step.clip.expected_batch_size";
     if (a->mode != b->mode) return "clip_step.clip.mode";
     if (a->device != b->device) return "clip_step";
+    if (a->acc != b->acc) return "clip_step.logical";
     return NULL;
 }
 
@@ -60,6 +62,7 @@ int dc_step_fuse_build(dc_step_fused *f, dc_step_job *chain, uint32_t n, dc_err 
     f->step.group_noise_key = first->group_noise_key;
     f->step.group_step = first->group_step;
     f->step.device = first->device;
+    f->step.acc = first->acc; /* the members agree (group terms) */
     f->step.norms_out = first->norms_out;
     f->step.coefs_out = first->coefs_out;
     f->step.n_more_outs = n - 1;
@@ -179,6 +182,19 @@ void dc_step_fuse_work(dc_job *job, dc_backend *be) {
         }
     }
     f->t_waited = uv_hrtime();
+    /* a micro-batch of a logical step: every member's accumulators, into
+     * the fused step's copies of its layers */
+    for (uint32_t i = 0, at = 0; i < f->n; at += (uint32_t)f->members[i]->step.n_layers, i++) {
+        dc_step_job *j = f->members[i];
+        if ((f->rc = dc_logical_ensure(j, be, &f->err))) {
+            f->t_end = uv_hrtime();
+            return;
+        }
+        for (size_t l = 0; l < j->step.n_layers; l++) {
+            f->step.layers[at + l].acc_w = j->step.layers[l].acc_w;
+            f->step.layers[at + l].acc_b = j->step.layers[l].acc_b;
+        }
+    }
     if ((f->rc = replicas_check(f, be))) {
         f->t_end = uv_hrtime();
         return;

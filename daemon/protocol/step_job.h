@@ -59,6 +59,11 @@ struct dc_step_params {
     dc_step_phase phase;
     double sample_rate, target_delta, target_epsilon;
     dc_dp_member dp;       /* ClipStep.data_parallel; the charge fills in its place */
+    /* ClipStep.logical: a micro-batch of a logical step (step_logical.h);
+     * logical_id 0: none */
+    uint64_t logical_id;
+    uint32_t micro_batch;
+    bool commit;
 };
 
 /* A wait on a step's input event issued ahead of its validation: the

@@ -7,6 +7,7 @@
 #include <uv.h>
 
 #include "gpu.h"
+#include "step_logical.h"
 #include "step_pass.h"
 
 
@@ -86,6 +87,10 @@ static void run_step(dc_step_job *j, dc_backend *be, bool sums) {
         return;
     }
     j->t_waited = uv_hrtime();
+    if ((j->rc = dc_logical_ensure(j, be, &j->err))) {
+        j->t_end = uv_hrtime();
+        return;
+    }
     if (!sums) j->rc = dc_backend_run_step(be, &j->step, &j->res, &j->err);
     else j->rc = clip_checked(j, be);
     if (j->rc && j->res.released) dc_step_run_released_error(&j->err);
@@ -139,7 +144,7 @@ void dc_step_run_clip_work(dc_job *job, dc_backend *be) {
     j->t_start = j->t_waited = uv_hrtime();
     j->be = be;
     dc_err_clear(&j->err);
-    j->rc = clip_checked(j, be);
+    if (!(j->rc = dc_logical_ensure(j, be, &j->err))) j->rc = clip_checked(j, be);
     if (j->rc == 0 && j->signal_event) { /* the client's stream may go on */
         j->res.released = true;
         j->rc = dc_gpu_record_event(be, j->signal_event, &j->err);

@@ -8,21 +8,28 @@ int dc_step_validate(dc_step_job *j, const Dpclip__ClipStep *m, const dc_registr
     if (m->phase != DPCLIP__STEP_PHASE__STEP_WHOLE && m->phase != DPCLIP__STEP_PHASE__STEP_NORMS &&
         m->phase != DPCLIP__STEP_PHASE__STEP_SUMS)
         return dc_err_set(e, DC_EINVAL, "clip_step.phase", "unknown phase %d", (int)m->phase);
-    j->params = (struct dc_step_params){m->wait_event,
-                                        m->signal_event,
-                                        m->group_step,
-                                        m->notify_enqueued,
-                                        (dc_step_phase)m->phase,
-                                        m->sample_rate,
-                                        m->target_delta,
-                                        m->target_epsilon,
-                                        {0}};
+    j->params = (struct dc_step_params){.wait_event = m->wait_event,
+                                        .signal_event = m->signal_event,
+                                        .group_step = m->group_step,
+                                        .notify_enqueued = m->notify_enqueued,
+                                        .phase = (dc_step_phase)m->phase,
+                                        .sample_rate = m->sample_rate,
+                                        .target_delta = m->target_delta,
+                                        .target_epsilon = m->target_epsilon};
     if (m->data_parallel)
         j->params.dp = (dc_dp_member){.declared = true,
                                       .world = m->data_parallel->world,
                                       .rank = m->data_parallel->rank,
                                       .step = m->data_parallel->step,
                                       .sigma = m->data_parallel->noise_multiplier};
+    if (m->logical) {
+        if (m->logical->id == 0)
+            return dc_err_set(e, DC_EINVAL, "clip_step.logical.id",
+                              "a logical step's id is > 0 (leave logical unset for a whole step)");
+        j->params.logical_id = m->logical->id;
+        j->params.micro_batch = m->logical->micro_batch;
+        j->params.commit = m->logical->commit;
+    }
     return dc_validate_step(m, reg, lim, &j->step, e);
 }
 

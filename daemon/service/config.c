@@ -110,6 +110,15 @@ static const key_def KEYS[] = {
      "(K/M/G)"},
     {"limits", "max_pass_memory_per_uid", NULL, T_SIZE, F(max_pass_memory_per_uid), 0, 0, true,
      "host memory the norm passes of one user's (uid's) sessions may hold (K/M/G)"},
+    {"limits", "max_micro_batches", NULL, T_UINT, F(max_micro_batches), 1, 1u << 30, true,
+     "micro-batches in one logical step (gradient accumulation)"},
+    {"limits", "max_accumulator_memory", NULL, T_SIZE, F(max_accumulator_memory), 0, 0, true,
+     "memory all sessions' logical steps may hold in accumulators, host and device (K/M/G/T)"},
+    {"limits", "max_accumulator_memory_per_uid", NULL, T_SIZE,
+     F(max_accumulator_memory_per_uid), 0, 0, true,
+     "memory the logical steps of one user's (uid's) sessions may hold in accumulators"},
+    {"limits", "logical_step_timeout", NULL, T_DOUBLE, F(logical_step_timeout), 1, 1e7, true,
+     "seconds a logical step may stay open before its commit; then it is aborted"},
     {"limits", "max_reply_queue", NULL, T_SIZE, F(max_reply_queue), 0, 0, true,
      "unsent reply bytes a session may have before its next request waits"},
     {"limits", "max_group_size", NULL, T_UINT, F(max_group_size), 1, 1u << 16, true,
@@ -191,6 +200,10 @@ void dc_config_defaults(dc_config *c) {
     c->max_mapped_bytes_per_uid = (uint64_t)1 << 39;
     c->max_pass_memory = (uint64_t)4 << 30;
     c->max_pass_memory_per_uid = (uint64_t)1 << 30;
+    c->max_micro_batches = 65536;
+    c->max_accumulator_memory = (uint64_t)256 << 30;
+    c->max_accumulator_memory_per_uid = (uint64_t)128 << 30;
+    c->logical_step_timeout = 3600;
     c->max_reply_queue = 8u << 20;
     c->max_group_size = 256;
     c->max_group_links = 16;

@@ -59,6 +59,11 @@ typedef struct dc_config {
     uint64_t max_mapped_bytes_per_uid; /* one user's; 0 = no cap */
     uint64_t max_pass_memory;      /* all sessions' norm passes (step_pass.h) */
     uint64_t max_pass_memory_per_uid;
+    /* Logical steps (step_logical.h): micro-batches of one, its
+     * accumulators' bytes (all sessions', one user's), seconds open. */
+    uint32_t max_micro_batches;
+    uint64_t max_accumulator_memory, max_accumulator_memory_per_uid;
+    double logical_step_timeout;
     uint64_t max_reply_queue;      /* a session's unsent reply bytes before it waits */
     uint32_t max_group_size;       /* members of one norm group */
     uint32_t max_group_links;      /* cross-daemon groups (NCCL links) held at once */

@@ -18,6 +18,7 @@
 #include "report.h"
 #include "sdnotify.h"
 #include "session.h"
+#include "step_logical.h"
 
 static int cpu_factory(void *arg, int index, dc_backend **out, dc_err *err) {
     (void)arg;
@@ -50,6 +51,7 @@ void dc_server_uid_usage(const dc_server *srv, uint32_t uid, dc_uid_usage *mine,
             u[k]->buffers += s->reg.n;
             u[k]->shm_bytes += s->reg.shm_bytes;
             u[k]->pass_bytes += s->pass_bytes;
+            u[k]->acc_bytes += dc_logical_bytes(s);
         }
     }
 }
@@ -298,10 +300,13 @@ static void post_status(dc_server *srv) {
 
 static void on_tick(uv_timer_t *t) {
     dc_server *srv = t->data;
+    const uint64_t now = uv_hrtime();
     /* From the loop itself: if the loop stops turning, the keep-alives stop
      * and systemd restarts the daemon. */
     dc_sd_watchdog();
     post_status(srv);
+    /* logical steps left open past limits.logical_step_timeout */
+    for (dc_session *s = srv->sessions; s; s = s->next) dc_logical_expire(s, now);
 }
 
 static void maybe_finish(dc_server *srv) {
@@ -416,6 +421,10 @@ void dc_server_apply_config(dc_server *srv, const dc_config *n) {
     c->max_mapped_bytes_per_uid = n->max_mapped_bytes_per_uid;
     c->max_pass_memory = n->max_pass_memory;
     c->max_pass_memory_per_uid = n->max_pass_memory_per_uid;
+    c->max_micro_batches = n->max_micro_batches;
+    c->max_accumulator_memory = n->max_accumulator_memory;
+    c->max_accumulator_memory_per_uid = n->max_accumulator_memory_per_uid;
+    c->logical_step_timeout = n->logical_step_timeout;
     c->max_reply_queue = n->max_reply_queue;
     c->max_group_size = srv->groups.max_size = n->max_group_size;
     c->max_group_links = srv->groups.max_links = n->max_group_links;

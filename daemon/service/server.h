@@ -135,7 +135,7 @@ bool dc_server_window_pending(const dc_server *srv);
  * to keep in step. Closed sessions still finishing a step count. */
 typedef struct dc_uid_usage {
     uint32_t connections;
-    uint64_t buffers, shm_bytes, pass_bytes;
+    uint64_t buffers, shm_bytes, pass_bytes, acc_bytes;
 } dc_uid_usage;
 void dc_server_uid_usage(const dc_server *srv, uint32_t uid, dc_uid_usage *mine,
                          dc_uid_usage *all);

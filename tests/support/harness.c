@@ -384,8 +384,22 @@ static dpclip_tensor wire(const dc_shm_step *s, const dc_tensor *t) {
     return w;
 }
 
-/* Adds ref layer i to a wire step (with its outputs or without). */
-static int add_wire_to(dc_shm_step *s, dpclip_step *dst, size_t i, int outputs) {
+/* t's samples [b0, b0 + nb) (dimension 0 is the sample); nb 0: all of t. */
+static dpclip_tensor wire_slice(const dc_shm_step *s, const dc_tensor *t, uint32_t b0,
+                                uint32_t nb) {
+    dpclip_tensor w = wire(s, t);
+    uint64_t row = (uint64_t)dc_dtype_size(t->dtype);
+    if (!nb || !t->data) return w;
+    for (int i = 1; i < t->ndim; i++) row *= (uint64_t)t->shape[i];
+    w.offset += b0 * row;
+    w.shape[0] = nb;
+    return w;
+}
+
+/* Adds ref layer i to a wire step (with its outputs or without), its inputs
+ * cut to samples [b0, b0 + nb) (nb 0: all). */
+static int add_wire_cut(dc_shm_step *s, dpclip_step *dst, size_t i, int outputs, uint32_t b0,
+                        uint32_t nb) {
     const dc_layer *l = &s->ref.layers[i];
     const dc_tensor none = {0};
     const dc_tensor *wo = outputs ? &l->weight_grad_out : &none;
@@ -395,8 +409,8 @@ static int add_wire_to(dc_shm_step *s, dpclip_step *dst, size_t i, int outputs) 
         dpclip_linear x;
         memset(&x, 0, sizeof x);
         x.name = l->name;
-        x.activations = wire(s, &l->input);
-        x.output_grad = wire(s, &l->grad);
+        x.activations = wire_slice(s, &l->input, b0, nb);
+        x.output_grad = wire_slice(s, &l->grad, b0, nb);
         x.has_bias = l->has_bias;
         x.algo = (dpclip_algo)l->algo;
         x.weight_grad_out = wire(s, wo);
@@ -408,8 +422,8 @@ static int add_wire_to(dc_shm_step *s, dpclip_step *dst, size_t i, int outputs) 
         dpclip_embedding x;
         memset(&x, 0, sizeof x);
         x.name = l->name;
-        x.indices = wire(s, &l->input);
-        x.output_grad = wire(s, &l->grad);
+        x.indices = wire_slice(s, &l->input, b0, nb);
+        x.output_grad = wire_slice(s, &l->grad, b0, nb);
         x.num_embeddings = (uint64_t)l->vocab;
         x.has_padding_idx = l->has_padding_idx;
         x.padding_idx = l->padding_idx;
@@ -422,8 +436,8 @@ static int add_wire_to(dc_shm_step *s, dpclip_step *dst, size_t i, int outputs) 
         dpclip_norm_layer x;
         memset(&x, 0, sizeof x);
         x.name = l->name;
-        x.input = wire(s, &l->input);
-        x.output_grad = wire(s, &l->grad);
+        x.input = wire_slice(s, &l->input, b0, nb);
+        x.output_grad = wire_slice(s, &l->grad, b0, nb);
         x.eps = l->eps;
         x.has_bias = l->has_bias;
         x.weight_grad_out = wire(s, wo);
@@ -436,7 +450,21 @@ static int add_wire_to(dc_shm_step *s, dpclip_step *dst, size_t i, int outputs) 
     return DPCLIP_EARG;
 }
 
+static int add_wire_to(dc_shm_step *s, dpclip_step *dst, size_t i, int outputs) {
+    return add_wire_cut(s, dst, i, outputs, 0, 0);
+}
+
 static int add_wire_layer(dc_shm_step *s, size_t i) { return add_wire_to(s, s->step, i, 1); }
+
+int dc_shm_step_wire_slice(dc_shm_step *s, dpclip_step *dst, uint32_t b0, uint32_t nb) {
+    int rc;
+    if (nb == 0 || b0 + nb > s->ref.batch) return DPCLIP_EARG;
+    for (size_t i = 0; i < s->ref.n_layers; i++)
+        if ((rc = add_wire_cut(s, dst, i, 1, b0, nb))) return rc;
+    return 0;
+}
+
+
 
 int dc_shm_step_wire_layers(dc_shm_step *s, dpclip_step *dst, const size_t *layers, size_t n,
                             int outputs) {

@@ -1,0 +1,356 @@
+#include "step_logical.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <uv.h>
+
+#include "log.h"
+#include "server.h"
+#include "session.h"
+
+/* One output of one layer of the logical step: what every micro-batch must
+ * name there, and its accumulator. */
+typedef struct logical_out {
+    const void *dst;   /* the output tensor (daemon address); NULL: none */
+    dc_dtype dtype;
+    int ndim;
+    int64_t shape[3];
+    uint64_t n;
+    float *acc;        /* allocated by the backend, n floats; NULL: not yet */
+} logical_out;
+
+struct dc_logical {
+    uint64_t id;          /* the logical step open, or the last one */
+    bool open, aborted;
+    char why[200];        /* what aborted it */
+    uint32_t next;        /* its next micro-batch */
+    uint64_t opened_ns;
+    /* the terms every micro-batch repeats */
+    uint32_t expected_batch;
+    float max_grad_norm, noise_multiplier;
+    dc_reduction reduction;
+    dc_clip_mode mode;
+    double q, target_delta, target_epsilon;
+    dc_dp_member dp;
+    /* the outputs, [2 * n_layers] (weight, bias), on `device` */
+    size_t n_layers;
+    logical_out *outs;
+    int device;
+    uint64_t bytes;       /* accumulators allocated */
+};
+
+static uint64_t out_bytes(const dc_tensor *t) {
+    uint64_t n = 1;
+    if (!t->data) return 0;
+    for (int i = 0; i < t->ndim; i++) n *= (uint64_t)t->shape[i];
+    return n;
+}
+
+/* --- accumulators back to their backend -------------------------------------- */
+
+typedef struct free_job {
+    dc_job job;
+    size_t n;
+    float *p[];
+} free_job;
+
+static void free_work(dc_job *job, dc_backend *be) {
+    free_job *f = (free_job *)job;
+    for (size_t i = 0; i < f->n; i++) be->ops->acc_free(be, f->p[i]);
+}
+
+static void free_done(dc_job *job) { free(job); }
+
+/* The accumulators of lg go (lg keeps its layout, without them). Host
+ * memory is freed here; device memory by a job on its GPU's worker, which
+ * owns the context (and its stream may still read them). */
+static void drop_accumulators(dc_server *srv, dc_logical *lg) {
+    size_t n = 0;
+    free_job *f;
+    for (size_t i = 0; i < 2 * lg->n_layers; i++) n += lg->outs[i].acc != NULL;
+    if (n == 0) return;
+    if (lg->device < 0 || lg->device >= srv->gpu.n ||
+        !(f = malloc(sizeof *f + n * sizeof f->p[0]))) {
+        /* host memory; or (out of memory for the job) leaked rather than
+         * freed on the wrong thread */
+        for (size_t i = 0; i < 2 * lg->n_layers; i++)
+            if (lg->device < 0) free(lg->outs[i].acc);
+    } else {
+        f->n = 0;
+        for (size_t i = 0; i < 2 * lg->n_layers; i++)
+            if (lg->outs[i].acc) f->p[f->n++] = lg->outs[i].acc;
+        memset(&f->job, 0, sizeof f->job);
+        f->job.work = free_work;
+        f->job.done = free_done;
+        dc_worker_pool_submit(&srv->gpu.pools[lg->device], &f->job);
+    }
+    for (size_t i = 0; i < 2 * lg->n_layers; i++) lg->outs[i].acc = NULL;
+    lg->bytes = 0;
+}
+
+static void abort_logical(dc_session *s, const char *why) {
+    dc_logical *lg = s->logical;
+    if (!lg || !lg->open) return;
+    lg->open = false;
+    lg->aborted = true;
+    snprintf(lg->why, sizeof lg->why, "%s", why);
+    dc_log_info("session %llu: logical step %llu aborted after %u micro-batches: %s; nothing "
+                "was written or charged",
+                (unsigned long long)s->id, (unsigned long long)lg->id, lg->next, why);
+}
+
+/* --- the stage ----------------------------------------------------------------- */
+
+/* The field a micro-batch's terms differ from its logical step's in. */
+static const char *terms_differ(const dc_logical *lg, const dc_step_job *j) {
+    const dc_step *st = &j->step;
+    const struct dc_step_params *m = &j->params;
+    if (st->max_grad_norm != lg->max_grad_norm) return "clip_step.clip.max_grad_norm";
+    if (st->noise_multiplier != lg->noise_multiplier) return "clip_step.noise_multiplier";
+    if (st->reduction != lg->reduction) return "clip_step.clip.loss_reduction";
+    if (st->expected_batch != lg->expected_batch) return "clip_step.clip.expected_batch_size";
+    if (st->mode != lg->mode) return "clip_step.clip.mode";
+    if (m->sample_rate != lg->q) return "clip_step.sample_rate";
+    if (m->target_delta != lg->target_delta) return "clip_step.target_delta";
+    if (m->target_epsilon != lg->target_epsilon) return "clip_step.target_epsilon";
+    if (memcmp(&m->dp, &lg->dp, sizeof m->dp) != 0) return "clip_step.data_parallel";
+    if (st->device != lg->device) return "clip_step";
+    return NULL;
+}
+
+static bool out_same(const logical_out *o, const dc_tensor *t) {
+    if (o->dst != t->data) return false;
+    if (!t->data) return true;
+    if (o->dtype != t->dtype || o->ndim != t->ndim) return false;
+    for (int i = 0; i < t->ndim; i++)
+        if (o->shape[i] != t->shape[i]) return false;
+    return true;
+}
+
+static void out_keep(logical_out *o, const dc_tensor *t) {
+    float *acc = o->acc;
+    memset(o, 0, sizeof *o);
+    o->acc = acc;
+    o->dst = t->data;
+    o->dtype = t->dtype;
+    o->ndim = t->ndim;
+    memcpy(o->shape, t->shape, sizeof o->shape);
+    o->n = out_bytes(t);
+}
+
+/* Whether the step's outputs are the logical step's layout (layer by layer). */
+static bool layout_same(const dc_logical *lg, const dc_step *st) {
+    if (lg->n_layers != st->n_layers || lg->device != st->device) return false;
+    for (size_t l = 0; l < st->n_layers; l++)
+        if (!out_same(&lg->outs[2 * l], &st->layers[l].weight_grad_out) ||
+            !out_same(&lg->outs[2 * l + 1], &st->layers[l].bias_grad_out))
+            return false;
+    return true;
+}
+
+/* Micro-batch 0: a new logical step, on the accumulators of the last one
+ * where the outputs are the same, else on a new layout (the old
+ * accumulators go). */
+static int open_logical(dc_session *s, dc_step_job *j, dc_err *e) {
+    dc_server *srv = s->srv;
+    const dc_step *st = &j->step;
+    dc_logical *lg = s->logical;
+    uint64_t need = 0;
+    dc_uid_usage mine, all;
+    if (lg && j->params.logical_id <= lg->id)
+        return dc_err_set(e, DC_EINVAL, "clip_step.logical.id",
+                          "logical step %llu: this session's logical steps are numbered up, and "
+                          "it had %llu already", (unsigned long long)j->params.logical_id,
+                          (unsigned long long)lg->id);
+    if (lg && lg->open)
+        abort_logical(s, "the next logical step was opened before its commit");
+    if (lg && !layout_same(lg, st)) {
+        drop_accumulators(srv, lg);
+        free(lg->outs);
+        lg->outs = NULL;
+        lg->n_layers = 0;
+    }
+    if (!lg) {
+        if (!(lg = s->logical = calloc(1, sizeof *lg)))
+            return dc_err_set(e, DC_ENOSPACE, "clip_step", "out of memory");
+    }
+    if (!lg->outs) {
+        if (!(lg->outs = calloc(2 * (st->n_layers ? st->n_layers : 1), sizeof *lg->outs)))
+            return dc_err_set(e, DC_ENOSPACE, "clip_step", "out of memory");
+        lg->n_layers = st->n_layers;
+        lg->device = st->device;
+        for (size_t l = 0; l < st->n_layers; l++) {
+            out_keep(&lg->outs[2 * l], &st->layers[l].weight_grad_out);
+            out_keep(&lg->outs[2 * l + 1], &st->layers[l].bias_grad_out);
+        }
+    }
+    /* what its accumulators will hold, against the user's and the daemon's
+     * limits (those held already count in the usage) */
+    for (size_t i = 0; i < 2 * lg->n_layers; i++)
+        if (!lg->outs[i].acc) need += lg->outs[i].n * sizeof(float);
+    dc_server_uid_usage(srv, (uint32_t)s->peer_uid, &mine, &all);
+    if (mine.acc_bytes + need > srv->cfg.max_accumulator_memory_per_uid)
+        return dc_err_set(e, DC_ENOSPACE, "limits.max_accumulator_memory_per_uid",
+                          "a logical step's accumulators of %llu more bytes would take uid %u's "
+                          "past %llu bytes (limits.max_accumulator_memory_per_uid; %llu held)",
+                          (unsigned long long)need, (unsigned)s->peer_uid,
+                          (unsigned long long)srv->cfg.max_accumulator_memory_per_uid,
+                          (unsigned long long)mine.acc_bytes);
+    if (all.acc_bytes + need > srv->cfg.max_accumulator_memory)
+        return dc_err_set(e, DC_ENOSPACE, "limits.max_accumulator_memory",
+                          "a logical step's accumulators of %llu more bytes would take the "
+                          "daemon's past %llu bytes (limits.max_accumulator_memory; %llu held)",
+                          (unsigned long long)need,
+                          (unsigned long long)srv->cfg.max_accumulator_memory,
+                          (unsigned long long)all.acc_bytes);
+    lg->id = j->params.logical_id;
+    lg->open = true;
+    lg->aborted = false;
+    lg->why[0] = '\0';
+    lg->next = 0;
+    lg->opened_ns = uv_hrtime();
+    lg->expected_batch = st->expected_batch;
+    lg->max_grad_norm = st->max_grad_norm;
+    lg->noise_multiplier = st->noise_multiplier;
+    lg->reduction = st->reduction;
+    lg->mode = st->mode;
+    lg->q = j->params.sample_rate;
+    lg->target_delta = j->params.target_delta;
+    lg->target_epsilon = j->params.target_epsilon;
+    lg->dp = j->params.dp;
+    return 0;
+}
+
+/* Micro-batch k > 0: of the logical step open, next in order, its terms
+ * and outputs. */
+static int continue_logical(dc_session *s, dc_step_job *j, dc_err *e) {
+    const dc_config *c = &s->srv->cfg;
+    dc_logical *lg = s->logical;
+    const char *f;
+    if (!lg || lg->id != j->params.logical_id)
+        return dc_err_set(e, DC_EPRECOND, "clip_step.logical.id",
+                          "logical step %llu is not open on this session: micro-batch 0 opens it",
+                          (unsigned long long)j->params.logical_id);
+    if (lg->aborted)
+        return dc_err_set(e, DC_EPRECOND, "clip_step.logical",
+                          "logical step %llu was aborted (%s): nothing of it was written or "
+                          "charged; open a new one", (unsigned long long)lg->id, lg->why);
+    if (!lg->open)
+        return dc_err_set(e, DC_EPRECOND, "clip_step.logical",
+                          "logical step %llu was committed already", (unsigned long long)lg->id);
+    if (j->params.micro_batch != lg->next)
+        return dc_err_set(e, DC_EINVAL, "clip_step.logical.micro_batch",
+                          "logical step %llu expects micro-batch %u, got %u",
+                          (unsigned long long)lg->id, lg->next, j->params.micro_batch);
+    if ((f = terms_differ(lg, j)))
+        return dc_err_set(e, DC_EINVAL, f,
+                          "every micro-batch of logical step %llu carries its terms: %s differs "
+                          "from micro-batch 0's", (unsigned long long)lg->id, f);
+    if (!layout_same(lg, &j->step))
+        return dc_err_set(e, DC_EINVAL, "clip_step.layers",
+                          "every micro-batch of logical step %llu names the same outputs, layer "
+                          "by layer, as micro-batch 0", (unsigned long long)lg->id);
+    if (lg->next >= c->max_micro_batches)
+        return dc_err_set(e, DC_ENOSPACE, "limits.max_micro_batches",
+                          "logical step %llu has %u micro-batches, the limit "
+                          "(limits.max_micro_batches)", (unsigned long long)lg->id, lg->next);
+    if (uv_hrtime() - lg->opened_ns > (uint64_t)(c->logical_step_timeout * 1e9))
+        return dc_err_set(e, DC_EUNAVAIL, "limits.logical_step_timeout",
+                          "logical step %llu has been open longer than %g s "
+                          "(limits.logical_step_timeout)", (unsigned long long)lg->id,
+                          c->logical_step_timeout);
+    return 0;
+}
+
+int dc_logical_prepare(dc_session *s, dc_step_job *j, dc_err *e) {
+    const struct dc_step_params *m = &j->params;
+    dc_logical *lg = s->logical;
+    int rc;
+    if (!m->logical_id) {
+        if (lg && lg->open)
+            return dc_err_set(e, DC_EPRECOND, "clip_step.logical",
+                              "logical step %llu is open (micro-batch %u next): its samples "
+                              "would be charged apart from this step's; commit it first",
+                              (unsigned long long)lg->id, lg->next);
+        return 0;
+    }
+    if (m->phase != DC_PHASE_WHOLE)
+        return dc_err_set(e, DC_EINVAL, "clip_step.phase",
+                          "a logical step's micro-batches are whole steps (phase STEP_WHOLE)");
+    rc = m->micro_batch == 0 ? open_logical(s, j, e) : continue_logical(s, j, e);
+    if (rc) return rc;
+    /* a logical step of one micro-batch is a whole step */
+    j->step.acc = m->micro_batch == 0 ? (m->commit ? DC_ACC_NONE : DC_ACC_FIRST)
+                                      : (m->commit ? DC_ACC_COMMIT : DC_ACC_ADD);
+    return 0;
+}
+
+int dc_logical_ensure(dc_step_job *j, dc_backend *be, dc_err *e) {
+    dc_logical *lg = j->s->logical;
+    dc_step *st = &j->step;
+    if (st->acc == DC_ACC_NONE) return 0;
+    if (!lg || !be->ops->acc_alloc)
+        return dc_err_set(e, DC_EUNIMPL, "clip_step.logical",
+                          "the %s backend holds no accumulators", be->ops->name);
+    for (size_t l = 0; l < st->n_layers; l++) {
+        for (int k = 0; k < 2; k++) {
+            logical_out *o = &lg->outs[2 * l + k];
+            float **to = k ? &st->layers[l].acc_b : &st->layers[l].acc_w;
+            if (!o->dst) {
+                *to = NULL;
+                continue;
+            }
+            if (!o->acc) {
+                if (!(o->acc = be->ops->acc_alloc(be, o->n)))
+                    return dc_err_set(e, DC_ENOSPACE, "clip_step.logical",
+                                      "out of %s memory for a logical step's accumulator of "
+                                      "%llu floats ('%s')", st->device >= 0 ? "device" : "host",
+                                      (unsigned long long)o->n, st->layers[l].name);
+                lg->bytes += o->n * sizeof(float);
+            }
+            *to = o->acc;
+        }
+    }
+    return 0;
+}
+
+void dc_logical_done(dc_session *s, const dc_step_job *j) {
+    dc_logical *lg = s->logical;
+    if (!j->params.logical_id || !lg || lg->id != j->params.logical_id || !lg->open) return;
+    if (j->rc) {
+        abort_logical(s, j->err.msg[0] ? j->err.msg : "a micro-batch failed");
+        return;
+    }
+    lg->next++;
+    if (j->params.commit) lg->open = false;
+}
+
+void dc_logical_refused(dc_session *s, const dc_step_job *j, const dc_err *why) {
+    dc_logical *lg = s->logical;
+    if (!j->params.logical_id || !lg || lg->id != j->params.logical_id) return;
+    abort_logical(s, why->msg[0] ? why->msg : "a micro-batch was refused");
+}
+
+uint32_t dc_logical_micro_batches(const dc_session *s) {
+    return s->logical ? s->logical->next : 0;
+}
+
+uint64_t dc_logical_bytes(const dc_session *s) { return s->logical ? s->logical->bytes : 0; }
+
+void dc_logical_expire(dc_session *s, uint64_t now_ns) {
+    dc_logical *lg = s->logical;
+    const double limit = s->srv->cfg.logical_step_timeout;
+    if (!lg || !lg->open || s->job || now_ns - lg->opened_ns <= (uint64_t)(limit * 1e9)) return;
+    abort_logical(s, "it was open longer than limits.logical_step_timeout");
+    drop_accumulators(s->srv, lg);
+}
+
+void dc_logical_free(dc_session *s) {
+    dc_logical *lg = s->logical;
+    if (!lg) return;
+    drop_accumulators(s->srv, lg);
+    free(lg->outs);
+    free(lg);
+    s->logical = NULL;
+}
