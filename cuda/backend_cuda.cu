@@ -730,6 +730,7 @@ void cuda_destroy(dc_backend *be) {
     if (cb->blas) cublasDestroy(cb->blas);
     if (cb->stream) cudaStreamDestroy(cb->stream);
     if (cb->ws) cudaFree(cb->ws);
+    if (cb->hash_dev) cudaFree(cb->hash_dev);
     if (cb->host) cudaFreeHost(cb->host);
     (void)cudaGetLastError();
     for (int i = 0; i <= DC_CUDA_PHASES; i++)
@@ -753,28 +754,6 @@ void cuda_destroy(dc_backend *be) {
     free(cb);
 }
 
-/* A logical step's accumulators: device memory of this backend's GPU,
- * allocated on its worker thread (cudaMalloc: no pool to hold them past
- * the session that owns them). */
-float *cuda_acc_alloc(dc_backend *be, size_t n) {
-    cuda_backend *cb = (cuda_backend *)be;
-    void *p = NULL;
-    if (cudaSetDevice(cb->device) != cudaSuccess ||
-        cudaMalloc(&p, (n ? n : 1) * sizeof(float)) != cudaSuccess) {
-        (void)cudaGetLastError();
-        return NULL;
-    }
-    return (float *)p;
-}
-
-void cuda_acc_free(dc_backend *be, float *p) {
-    cuda_backend *cb = (cuda_backend *)be;
-    if (!p || cudaSetDevice(cb->device) != cudaSuccess) return;
-    /* the backend's stream may still read it: the stream's work first */
-    (void)cudaStreamSynchronize(cb->stream);
-    (void)cudaFree(p);
-}
-
 const dc_backend_ops cuda_ops = {"cuda",
                                   cuda_run_step,
                                   cuda_destroy,
@@ -784,7 +763,8 @@ const dc_backend_ops cuda_ops = {"cuda",
                                   dc_cuda_backend_record_event,
                                   dc_cuda_backend_workspace_bytes,
                                   cuda_acc_alloc,
-                                  cuda_acc_free};
+                                  cuda_acc_free,
+                                  cuda_tensor_hash};
 
 } // namespace
 

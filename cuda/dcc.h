@@ -478,6 +478,11 @@ cudaError_t dcc_acc_store(const dcc_out *outs, int n_out, uint64_t max_n, const 
 cudaError_t dcc_acc_fold(const dcc_out *outs, int n_out, uint64_t max_n, float *staging,
                          cudaStream_t st);
 
+/* The keyed checksum of n bytes at p (common/dc_hash.h) added into *out
+ * (device, zeroed by the caller). hash.cu. */
+cudaError_t dcc_tensor_hash(const void *p, uint64_t n, uint64_t key, unsigned long long *out,
+                            cudaStream_t st);
+
 cudaError_t dcc_commit(const dcc_out *outs, int n_out, uint64_t max_n, const float *staging,
                        const uint32_t *status, const float *norms, float *norms_out,
                        const float *coefs, float *coefs_out, int B, int zero_on_fail,

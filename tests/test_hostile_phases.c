@@ -242,10 +242,13 @@ static void free_group(dc_shm_step st[2]) {
     }
 }
 
-/* Member 1's replicated copy scaled: the step fails on both members,
+/* Member 1's replicated copy scaled, or negated (the same norms: the
+ * copies' identical noise would cancel between the members' outputs, whose
+ * difference is then the noiseless sum): the step fails on both members,
  * fused or in phases (once: only rank 0's copy counted, member 1's was
- * clipped by norms that never saw it). */
-static void replicated_copy_differs(const char *args) {
+ * clipped by norms that never saw it; a negated copy passed a check of
+ * norms). */
+static void replicated_copy_differs(const char *args, float factor) {
     dc_harness h;
     dc_shm_step st[2];
     dpclip_result res[2];
@@ -261,7 +264,7 @@ static void replicated_copy_differs(const char *args) {
         /* its output grad (the normalised input ignores an affine change) */
         dc_tensor *g = &st[1].ref.layers[0].grad;
         float *v = g->data;
-        for (int64_t i = 0; i < dc_test_tensor_numel(g); i++) v[i] *= 3.0f;
+        for (int64_t i = 0; i < dc_test_tensor_numel(g); i++) v[i] *= factor;
     }
     for (int k = 0; k < 2; k++) dc_shm_step_fill_outputs(&st[k], NAN);
     dc_group_run(st, 2, res, rcs);
@@ -284,32 +287,35 @@ static void replicated_copy_differs(const char *args) {
 
 static void test_replicated_copy_differs_fused(void **state) {
     (void)state;
-    replicated_copy_differs("--workers 2 --no-gpu");
+    replicated_copy_differs("--workers 2 --no-gpu", 3.0f);
+    replicated_copy_differs("--workers 2 --no-gpu", -1.0f);
 }
 
 static void test_replicated_copy_differs_phased(void **state) {
     (void)state;
-    replicated_copy_differs("--workers 2 --no-gpu --set groups.fuse=false");
+    replicated_copy_differs("--workers 2 --no-gpu --set groups.fuse=false", 3.0f);
+    replicated_copy_differs("--workers 2 --no-gpu --set groups.fuse=false", -1.0f);
 }
 
 /* In phases, a member rewrites its data after its norms reached the group
  * and before the group's totals come back: its clip phase measures again
- * and the step fails (once: clipped by the old norms). */
-static void test_group_member_rewrites_after_norms(void **state) {
+ * and the step fails (once: clipped by the old norms). `layer` 1: its own
+ * Linear's activations scaled; 0: its replicated copy negated (the same
+ * norms, other data). */
+static void member_rewrites_after_norms(int layer) {
     dc_harness h;
     dc_shm_step st[2];
     dpclip_result res[2];
     uint64_t t0;
-    (void)state;
     assert_int_equal(dc_harness_start(&h, "--workers 2 --no-gpu --set groups.fuse=false"), 0);
     group_of_two(h.sock, "late", st, 9);
     for (int k = 0; k < 2; k++) dc_shm_step_fill_outputs(&st[k], NAN);
     assert_int_equal(dpclip_submit(st[0].c, st[0].step, &t0), 0);
     sleep_ms(300); /* member 0's norms are in the group, waiting for member 1 */
     {
-        dc_tensor *a = &st[0].ref.layers[1].input;
+        dc_tensor *a = layer ? &st[0].ref.layers[1].input : &st[0].ref.layers[0].grad;
         float *x = a->data;
-        for (int64_t i = 0; i < dc_test_tensor_numel(a); i++) x[i] *= 1e4f;
+        for (int64_t i = 0; i < dc_test_tensor_numel(a); i++) x[i] *= layer ? 1e4f : -1.0f;
     }
     assert_int_equal(dpclip_run(st[1].c, st[1].step, &res[1]), 0); /* its data is as measured */
     dpclip_result_free(&res[1]);
@@ -325,6 +331,12 @@ static void test_group_member_rewrites_after_norms(void **state) {
     }
     free_group(st);
     assert_int_equal(dc_harness_stop(&h), 0);
+}
+
+static void test_group_member_rewrites_after_norms(void **state) {
+    (void)state;
+    member_rewrites_after_norms(1);
+    member_rewrites_after_norms(0);
 }
 
 int main(void) {

@@ -19,6 +19,7 @@
 
 #include "backend.h"
 #include "cpu.h"
+#include "dc_hash.h"
 #include "noise.h"
 
 typedef struct cpu_backend {
@@ -489,6 +490,14 @@ static void cpu_acc_free(dc_backend *be, float *p) {
     free(p);
 }
 
+static int cpu_tensor_hash(dc_backend *be, const dc_tensor *t, uint64_t key, uint64_t *out,
+                           dc_err *err) {
+    (void)be;
+    (void)err;
+    *out = dc_hash_bytes(t->data, dc_cpu_numel(t) * dc_dtype_size(t->dtype), key);
+    return 0;
+}
+
 static void cpu_destroy(dc_backend *be) {
     cpu_backend *cb = (cpu_backend *)be;
     if (!cb) return;
@@ -505,6 +514,7 @@ static const dc_backend_ops cpu_ops = {
     .run_clip = cpu_run_clip,
     .acc_alloc = cpu_acc_alloc,
     .acc_free = cpu_acc_free,
+    .tensor_hash = cpu_tensor_hash,
 };
 
 int dc_cpu_backend_create(int threads, dc_backend **out, dc_err *err) {

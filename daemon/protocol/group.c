@@ -46,6 +46,7 @@ struct dc_group {
     double *tot;               /* [terms.batch] */
     double *rep;               /* [terms.batch]: the first copy of the replicated layers */
     bool has_rep;
+    uint64_t rep_hash;         /* and its checksum */
     uint32_t rep_from;         /* the rank it came from */
     uint32_t tot_cap;
     uint64_t t_first, last_wait_ns, reductions;
@@ -287,14 +288,22 @@ bool dc_group_replicas_agree(double a, double b) {
 /* Whether rank's copy of the replicated layers measures as the first copy
  * this group step saw (which it becomes if it is the first): NULL, or what
  * differs (in a static buffer, the loop thread's). */
-static const char *replica_differs(dc_group *g, uint32_t rank, const double *rep) {
+static const char *replica_differs(dc_group *g, uint32_t rank, const double *rep,
+                                   uint64_t hash) {
     static char why[160];
     const uint32_t B = g->terms.batch;
     if (!g->has_rep) {
         memcpy(g->rep, rep, B * sizeof *rep);
         g->has_rep = true;
         g->rep_from = rank;
+        g->rep_hash = hash;
         return NULL;
+    }
+    if (hash != g->rep_hash) {
+        snprintf(why, sizeof why,
+                 "rank %u's copy of the replicated layers holds other data than rank %u's",
+                 rank, g->rep_from);
+        return why;
     }
     for (uint32_t b = 0; b < B; b++)
         if (!dc_group_replicas_agree(rep[b], g->rep[b])) {
@@ -802,7 +811,7 @@ int dc_group_deliver(dc_group *g, dc_group_waiter *w, dc_err *err) {
         *err = e;
         return DC_EINVAL;
     }
-    if (w->replicated && (f = replica_differs(g, w->rank, w->replicated))) {
+    if (w->replicated && (f = replica_differs(g, w->rank, w->replicated, w->rep_hash))) {
         dc_err e;
         dc_err_set(&e, DC_EINVAL, "clip_step.layers.replicated",
                    "norm group '%s', group step %llu: %s; replicated layers hold the same data "

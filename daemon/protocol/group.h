@@ -80,6 +80,12 @@ struct dc_group_waiter {
      * same: a copy that differs fails the group step on every member);
      * NULL: no replicated layers. */
     const double *replicated;
+    /* and the checksum of its replicated layers' data (dc_step_run_replicas_
+     * hash): equal norms are not equal data (a negated copy has the same
+     * norms, and the copies' identical noise would cancel between members'
+     * outputs), so one daemon's members' copies are compared by it */
+    uint64_t rep_hash;
+    bool has_rep_hash;
     /* Loop thread. rc 0: tot[batch] are the group's per-sample squared
      * norms (valid during the call). Else err says why the step fails. */
     void (*done)(dc_group_waiter *w, int rc, const double *tot, const dc_err *err);

@@ -105,67 +105,30 @@ static void fused_enqueued(void *arg) {
     }
 }
 
-/* The fused norms count rank 0's copy of the replicated layers alone, so
- * every member's copy must measure alike (group.h): measured first, on a
- * step of each member's replicated layers only (norm layers, cheap next to
- * the step), and a copy that differs fails the fused step on every member
+/* The fused norms count rank 0's copy of the replicated layers alone, and
+ * every copy is noised alike, so every member's copy must hold the same
+ * data (group.h): their checksums (dc_step_run_replicas_hash) are compared
+ * first, and a copy that differs fails the fused step on every member
  * before anything is written. */
 static int replicas_check(dc_step_fused *f, dc_backend *be) {
-    const uint32_t B = f->step.batch;
-    size_t most = 0;
-    double *n2 = NULL, *first = NULL;
-    dc_layer *ly = NULL;
-    int rc = 0;
+    uint64_t first = 0;
     for (uint32_t i = 0; i < f->n; i++) {
-        size_t k = 0;
-        for (size_t l = 0; l < f->members[i]->step.n_layers; l++)
-            k += f->members[i]->step.layers[l].replicated;
-        if (k > most) most = k;
-    }
-    if (most == 0 || !be->ops->run_norms) return 0;
-    if (!(ly = calloc(most, sizeof *ly)) || !(n2 = malloc(most * B * sizeof *n2)) ||
-        !(first = malloc(B * sizeof *first))) {
-        rc = dc_err_set(&f->err, DC_ENOSPACE, "clip_step", "out of memory");
-        goto out;
-    }
-    for (uint32_t i = 0; i < f->n; i++) {
-        const dc_step *st = &f->members[i]->step;
-        dc_step sub = *st;
-        size_t k = 0;
-        for (size_t l = 0; l < st->n_layers; l++) {
-            if (!st->layers[l].replicated) continue;
-            ly[k] = st->layers[l];
-            ly[k].tie = 0;
-            ly[k].tie_owner = false;
-            ly[k].norm_excluded = false;
-            k++;
-        }
-        sub.layers = ly;
-        sub.n_layers = k;
-        sub.enqueued = NULL;
-        sub.norms_out.data = sub.coefs_out.data = NULL;
-        sub.n_more_outs = 0;
-        if ((rc = be->ops->run_norms(be, &sub, n2, &f->err))) goto out;
-        for (uint32_t b = 0; b < B; b++) {
-            double r = 0.0;
-            for (size_t l = 0; l < k; l++) r += n2[l * B + b];
-            if (i == 0) {
-                first[b] = r;
-            } else if (!dc_group_replicas_agree(r, first[b])) {
-                rc = dc_err_set(&f->err, DC_EINVAL, "clip_step.layers.replicated",
-                                "rank %u's copy of the replicated layers measures %.6g for "
-                                "sample %u, rank %u's %.6g; replicated layers hold the same data "
-                                "on every member, whose copies are clipped by one copy's norms",
-                                f->members[i]->gw.rank, r, b, f->members[0]->gw.rank, first[b]);
-                goto out;
-            }
+        uint64_t h;
+        bool any;
+        int rc = dc_step_run_replicas_hash(be, &f->members[i]->step, &h, &any, &f->err);
+        if (rc) return rc;
+        if (!any) continue;
+        if (i == 0) {
+            first = h;
+        } else if (h != first) {
+            return dc_err_set(&f->err, DC_EINVAL, "clip_step.layers.replicated",
+                              "rank %u's copy of the replicated layers holds other data than "
+                              "rank %u's; replicated layers hold the same data on every member, "
+                              "whose copies are noised alike", f->members[i]->gw.rank,
+                              f->members[0]->gw.rank);
         }
     }
-out:
-    free(ly);
-    free(n2);
-    free(first);
-    return rc;
+    return 0;
 }
 
 void dc_step_fuse_work(dc_job *job, dc_backend *be) {

@@ -6,6 +6,7 @@
 #include <string.h>
 #include <uv.h>
 
+#include "dc_hash.h"
 #include "gpu.h"
 #include "step_logical.h"
 #include "step_pass.h"
@@ -63,6 +64,18 @@ static int clip_checked(dc_step_job *j, dc_backend *be) {
     if ((rc = be->ops->run_norms(be, &j->step, now, &j->err)) ||
         (rc = dc_phase_recheck(&j->step, j->n2, now, &j->err)))
         goto out;
+    if (j->grouped && j->gw.has_rep_hash) {
+        /* the replicated copy the group compared is the one released */
+        uint64_t h;
+        bool any;
+        if ((rc = dc_step_run_replicas_hash(be, &j->step, &h, &any, &j->err))) goto out;
+        if (h != j->gw.rep_hash) {
+            rc = dc_err_set(&j->err, DC_EINVAL, "clip_step.layers.replicated",
+                            "the replicated layers' data changed since the group compared "
+                            "them; nothing was written");
+            goto out;
+        }
+    }
     memcpy(tot, j->tot, B * sizeof *tot);
     dc_phase_margin(tot, B);
     if ((rc = be->ops->run_clip(be, &j->step, j->n2, tot, &j->res, &j->err))) goto out;
@@ -137,6 +150,32 @@ void dc_step_run_norms_work(dc_job *job, dc_backend *be) {
                 ? be->ops->run_norms(be, &j->step, j->n2, &j->err)
                 : dc_err_set(&j->err, DC_EUNIMPL, "clip_step",
                              "the %s backend has no separate norm phase", be->ops->name);
+    if (j->rc == 0 && j->grouped)
+        j->rc = dc_step_run_replicas_hash(be, &j->step, &j->gw.rep_hash, &j->gw.has_rep_hash,
+                                          &j->err);
+}
+
+int dc_step_run_replicas_hash(dc_backend *be, const dc_step *st, uint64_t *out, bool *any,
+                              dc_err *e) {
+    const uint64_t key = dc_hash_mix(st->group_noise_key ^ dc_hash_mix(st->group_step));
+    uint64_t h = 0;
+    int rc;
+    *any = false;
+    for (size_t l = 0; l < st->n_layers; l++) {
+        const dc_layer *ly = &st->layers[l];
+        uint64_t a, g;
+        if (!ly->replicated) continue;
+        if (!be->ops->tensor_hash)
+            return dc_err_set(e, DC_EUNIMPL, "clip_step.layers.replicated",
+                              "the %s backend cannot compare replicated layers", be->ops->name);
+        if ((rc = be->ops->tensor_hash(be, &ly->input, key, &a, e)) ||
+            (rc = be->ops->tensor_hash(be, &ly->grad, key, &g, e)))
+            return rc;
+        h = dc_hash_mix(dc_hash_mix(h ^ a) ^ g);
+        *any = true;
+    }
+    *out = h;
+    return 0;
 }
 
 void dc_step_run_clip_work(dc_job *job, dc_backend *be) {
