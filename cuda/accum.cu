@@ -6,6 +6,7 @@
  * stages every output of an accumulating step), one block row per output.
  * Plain f32 adds: each micro-batch's sum is rounded once into the
  * accumulator, as the trainer's own .grad accumulation would round it. */
+#include "dcc.h"
 #include "dcc_util.cuh"
 
 namespace {

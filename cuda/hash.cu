@@ -3,6 +3,7 @@
  * warp (modulo 2^64, so the order of the adds does not matter and the sum
  * equals the host's). */
 #include "dc_hash.h"
+#include "dcc.h"
 #include "dcc_util.cuh"
 
 namespace {
