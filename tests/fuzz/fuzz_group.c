@@ -17,7 +17,9 @@
  *   2 step: batch 1 + a % 8, sigma 0/0.5/1/2, a sample rate that is 0, 1
  *     or new to the ledger, group_step 0 (next), the client's next, its
  *     last, 2^62, 2^62 + 1 or 2^64 - 1, phase WHOLE/NORMS/SUMS, 1-3
- *     layers, replicated or not;
+ *     layers, replicated or not; with c's top bit, a micro-batch of a
+ *     logical step (b's bit 5: it commits; b's bit 6: a new logical step,
+ *     or the id out of turn with bit 7);
  *   3 close; 4 shut down the writing side; 5 run the loop a % 16 ms;
  *   6 read what replies there are; 7 a ping.
  *
@@ -58,6 +60,8 @@ typedef struct fg_client {
     uint64_t buf;      /* its buffer's id, 0 = none */
     uint64_t next_id;
     uint64_t group_step;
+    uint64_t logical_id;   /* its logical step (ClipStep.logical), and the next micro-batch */
+    uint32_t micro;
 } fg_client;
 
 static fg_client g_c[FG_CLIENTS];
@@ -173,6 +177,8 @@ static void fg_connect(fg_client *c, uint8_t a) {
     if (c->fd < 0 || connect(c->fd, (struct sockaddr *)&sa, sizeof sa)) abort();
     c->next_id = 0;
     c->group_step = 0;
+    c->logical_id = 0;
+    c->micro = 0;
     hello.protocol_version = DC_PROTOCOL_VERSION;
     hello.client_name = "fuzz";
     hello.job_id = a % 2 ? "fz1" : "fz0";
@@ -265,6 +271,17 @@ static void fg_step(fg_client *c, uint8_t a, uint8_t b, uint8_t cc) {
     if (cs.group_step) c->group_step = cs.group_step;
     else c->group_step++;
     cs.phase = (Dpclip__StepPhase)((cc >> 4) % 3);
+    Dpclip__LogicalStep lg = DPCLIP__LOGICAL_STEP__INIT;
+    if (cc & 0x80) {
+        if ((b >> 6) & 1 || !c->logical_id) {
+            c->logical_id += (b >> 7) ? 0 : 1; /* bit 7: the same id again */
+            c->micro = 0;
+        }
+        lg.id = c->logical_id;
+        lg.micro_batch = c->micro++;
+        lg.commit = (b >> 5) & 1;
+        cs.logical = &lg;
+    }
     req.body_case = DPCLIP__REQUEST__BODY_CLIP_STEP;
     req.clip_step = &cs;
     fg_send(c, &req, -1);

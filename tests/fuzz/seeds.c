@@ -520,6 +520,20 @@ static int group_seeds(const char *dir) {
     gjoin(&s, 0, 0, 0, 0, 0); /* size 0: refused */
     gop(&s, 3, G_PING, 0, 0, 0);
     rc |= write_seed(dir, "leave-mid-step", &s);
+    /* a logical step's micro-batches (the step's c top bit; b bit 6 a new
+     * logical step, bit 5 the commit), grouped, then one closed mid-way */
+    seed_reset(&s);
+    gop(&s, 0, G_CONNECT, 0, 0, 0);
+    gop(&s, 1, G_CONNECT, 0, 0, 0);
+    gjoin(&s, 0, 1, 0, 0, 2);
+    gjoin(&s, 1, 1, 0, 1, 2);
+    for (unsigned m = 0; m < 3; m++)
+        for (unsigned k = 0; k < 2; k++)
+            gop(&s, k, G_STEP, 2, (uint8_t)((m == 0) << 6 | (m == 2) << 5 | 1), 0x80 | 1 << 2);
+    gop(&s, 0, G_RUN, 4, 0, 0);
+    gop(&s, 1, G_STEP, 2, 1 << 6, 0x80);
+    gop(&s, 1, G_CLOSE, 0, 0, 0);
+    rc |= write_seed(dir, "logical-steps", &s);
     return rc;
 }
 
