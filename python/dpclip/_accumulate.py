@@ -184,10 +184,18 @@ class Accumulator:
             return e._step_whole()
         for p in pending[:-1]:
             self._send(p, commit=False)
-        self._drain()  # every micro-batch's reply before the commit: errors come first
+        self._poll()
         if self.failure is not None:
             raise self.failure
-        return self._send(pending[-1] if pending else None, commit=True, gated=gated)
+        try:
+            return self._send(pending[-1] if pending else None, commit=True, gated=gated)
+        except Exception as exc:
+            # refused: where a micro-batch failed first, that is the cause (the
+            # daemon ran them before the commit, so their replies are in)
+            self._drain()
+            if self.failure is not None and self.failure is not exc:
+                raise self.failure from None
+            raise
 
     def abort(self, why: str) -> None:
         """Drops the logical step under way (zero_grad() in its middle):
@@ -317,10 +325,15 @@ class Accumulator:
         e, nb = self.e, max(B, 1)
         device = e._device()
         t0 = time.perf_counter()
-        earlier, self.results = self.results, []
         if device.type == "cuda":
             run = e._cuda.run(e._step, plan, nb, device, e.algorithm, gated, e.asynchronous)
             self.open = False
+            # the micro-batches ran before the commit (a session's steps run in
+            # order): their replies are in, and their tensors may go
+            self._drain()
+            if self.failure is not None:
+                raise self.failure
+            earlier, self.results = self.results, []
             if run.res is None:  # collected at the next step() or synchronize()
                 e._inflight = (run.ticket, B, run.info.step_index, earlier)
                 e.last_epsilon, e.last_delta = run.info.epsilon, run.info.delta
@@ -336,7 +349,8 @@ class Accumulator:
         self.open = False  # committed, or dropped by the daemon on its failure
         if self.failure is not None:
             raise self.failure
-        (_, res), = self.results
+        *earlier, (_, res) = self.results  # the commit's is the last
+        self.results = []
         e._host.write_grads(plan)
         e._host.trim()
         e._finish(res, B, earlier)
