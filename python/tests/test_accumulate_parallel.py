@@ -113,3 +113,59 @@ def test_data_parallel_accumulation_equals_one_process(daemon, tmp_path):
     noise = got[0]["noise"].double()
     want_std = 2.0 * C / EXPECTED
     assert abs(float(noise.std()) - want_std) < 6 * want_std / math.sqrt(2 * noise.numel())
+
+
+def _cuda_daemon(daemon):
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    engine = PrivacyEngine(daemon.socket, allow_insecure_seed=True)
+    try:
+        if not engine.client.info.has_cuda:
+            pytest.skip("this dpclipd has no CUDA backend")
+    finally:
+        engine.close()
+    return daemon
+
+
+@pytest.mark.parametrize("kind", ["1f1b", "gpipe"])
+def test_pipeline_micro_batches_on_cuda(daemon, tmp_path, kind):
+    """The same two stages on one GPU (gloo between them through host
+    memory): a flat norm group's GPU micro-batches have no early notice and
+    are sent detached, their tensors held until collected."""
+    _cuda_daemon(daemon)
+    torch.manual_seed(3)
+    whole = pipeline_model()
+    (x,), y = seq_data(12, seed=8)
+    _, norms, _ = reference(whole, "seq", (x,), y, 1e9, "sum", 1)
+    C = _between(norms)
+    want, norms, _ = reference(whole, "seq", (x,), y, C, "mean", EXPECTED)
+    _spawn(run_schedule, (2, str(tmp_path / "init"), daemon.socket, (x, y), [3, 4, 2, 3], C,
+                          EXPECTED, kind, str(tmp_path), "cuda"))
+    for r in range(2):
+        got = torch.load(str(tmp_path / ("%s%d.pt" % (kind, r))))
+        assert got["steps"] == 1
+        for n, g in got["grads"].items():
+            assert _max_rel(g, want[n]) < 3e-3, (kind, r, n)  # TF32
+        assert _max_rel(got["norms"], norms) < 3e-3, (kind, r)
+
+
+def test_data_parallel_accumulation_on_cuda(daemon, tmp_path):
+    """Two ranks on one GPU, each accumulating asynchronous GPU
+    micro-batches (early notices), all-reduced once after the commits."""
+    _cuda_daemon(daemon)
+    (x,), y = seq_data(12, seed=5)
+    torch.manual_seed(100)
+    model = SeqModel()
+    _, norms, _ = reference(model, "seq", (x,), y, 1e9, "sum", 1)
+    C = _between(norms)
+    want, _, _ = reference(model, "seq", (x,), y, C, "mean", EXPECTED)
+    pieces = [[[0, 2, 4], [6], [8, 10]], [[1, 3, 5, 7], [9, 11]]]
+    _spawn(run_data_parallel, (2, str(tmp_path / "init"), daemon.socket, (x, y), pieces, C,
+                               EXPECTED, str(tmp_path), "cuda"))
+    got = [torch.load(str(tmp_path / ("dp%d.pt" % r))) for r in range(2)]
+    for r in range(2):
+        for n, w in want.items():
+            assert _max_rel(got[r]["grads"][n], w) < 3e-3, (r, n)
+    noise = got[0]["noise"].double()
+    want_std = 2.0 * C / EXPECTED
+    assert abs(float(noise.std()) - want_std) < 6 * want_std / math.sqrt(2 * noise.numel())
