@@ -83,3 +83,18 @@ def test_gpt2_example_with_a_logical_batch_in_physical_ones(secure_daemon, tmp_p
     assert 0 < float(m.group(1)) < 50 and int(m.group(3)) > 0, m.group(0)  # (a random init)
     assert 150 < int(m.group(4)) < 400, m.group(0)  # Poisson around 256
     assert "after 3 steps" in p.stdout, p.stdout
+
+
+def test_transformer_example_with_physical_batches(secure_daemon):
+    """examples/train_transformer.py --physical-batch 16: one epoch, one
+    optimizer step per Poisson batch of expected size 64 (36 steps)."""
+    p = subprocess.run([sys.executable, os.path.join(REPO, "examples", "train_transformer.py"),
+                        "--socket", secure_daemon.socket, "--epochs", "1", "--physical-batch",
+                        "16", "--d", "32", "--layers", "1"], capture_output=True, text=True,
+                       timeout=600)
+    assert p.returncode == 0, p.stdout + p.stderr
+    m = re.search(r"^epoch 1: train loss ([0-9.]+), held-out loss ([0-9.]+), clipped "
+                  r"([0-9]+)% of samples, [0-9.]+ s, epsilon ([0-9.]+)$", p.stdout, re.M)
+    assert m, p.stdout
+    assert 0 < float(m.group(1)) < 10 and 0 < float(m.group(4)) < math.inf, m.group(0)
+    assert re.search(r"after 36 steps", p.stdout), p.stdout
