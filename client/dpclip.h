@@ -235,14 +235,27 @@ void dpclip_step_notify_enqueued(dpclip_step *s, int yes);
  * DPCLIP_STEP_NORMS step names every layer and writes nothing (its norms and
  * coefficients come in the result, and the session keeps them), then
  * DPCLIP_STEP_SUMS steps each name some of those layers again, with the same
- * tensors and their outputs, and get their clipped sums. Noise multiplier 0
- * and flat clipping only. Kept by dpclip_step_reset. */
+ * tensors and their outputs, and get their clipped sums, noised at the
+ * pass's noise multiplier on the ranges dpclip_step_set_noise_range names.
+ * Flat clipping only. Kept by dpclip_step_reset. */
 typedef enum dpclip_phase {
     DPCLIP_STEP_WHOLE = 0,
     DPCLIP_STEP_NORMS = 1,
     DPCLIP_STEP_SUMS = 2
 } dpclip_phase;
 int dpclip_step_set_phase(dpclip_step *s, dpclip_phase phase);
+/* A DPCLIP_STEP_SUMS step with noise (its config's noise_multiplier, which
+ * must be its norm pass's): the part of layer `layer`'s output (`output` 0:
+ * weight_grad_out, 1: bias_grad_out) that gets the noise, the rows this
+ * rank owns: [begin, end) along `dim` (0: rows; 1: columns of a 2-D output,
+ * for a weight kept transposed). Every output of a sums step with noise
+ * needs one; outside data parallelism it is the whole output. Each element
+ * in it gets the draw a whole step would add to it, the others none. The
+ * daemon checks it against the output (docs/protocol.md, "Steps in
+ * phases"). Dropped with the layers by dpclip_step_reset. DPCLIP_EARG for a
+ * layer not added, an output other than 0 or 1, dim > 1 or begin > end. */
+int dpclip_step_set_noise_range(dpclip_step *s, size_t layer, int output, uint32_t dim,
+                                uint64_t begin, uint64_t end);
 
 /* Data parallelism (docs/protocol.md, "Data parallelism"): W ranks with
  * their own samples each send one step per logical step, and the trainers

@@ -18,6 +18,13 @@ typedef struct cl_layer {
     char *name;               /* owned copy, or NULL */
     int replicated;           /* norm groups: held whole by every member */
     uint32_t tied_to;         /* 1 + the layer whose weight this one's is; 0 = none */
+    /* a sums step's noise ranges (dpclip_step_set_noise_range): [0] weight,
+     * [1] bias; set 0: none */
+    struct {
+        int set;
+        uint32_t dim;
+        uint64_t begin, end;
+    } noise[2];
     union {
         dpclip_linear lin;
         dpclip_embedding emb;
@@ -202,6 +209,18 @@ DPCLIP_API int dpclip_step_set_tied(dpclip_step *s, size_t layer, size_t owner) 
     return 0;
 }
 
+DPCLIP_API int dpclip_step_set_noise_range(dpclip_step *s, size_t layer, int output,
+                                           uint32_t dim, uint64_t begin, uint64_t end) {
+    if (!s || layer >= s->n || (output != 0 && output != 1) || dim > 1 || begin > end)
+        return DPCLIP_EARG;
+    s->layers[layer].noise[output].set = 1;
+    s->layers[layer].noise[output].dim = dim;
+    s->layers[layer].noise[output].begin = begin;
+    s->layers[layer].noise[output].end = end;
+    touch(s);
+    return 0;
+}
+
 DPCLIP_API void dpclip_step_notify_enqueued(dpclip_step *s, int yes) {
     if (!s) return;
     touch(s);
@@ -257,6 +276,7 @@ typedef struct msg_layer {
         Dpclip__RMSNormLayer rms;
     } k;
     Dpclip__TensorRef refs[4];
+    Dpclip__NoiseRange noise[2];
 } msg_layer;
 
 typedef struct msg_scratch {
@@ -368,6 +388,16 @@ int cl_step_message(dpclip_client *c, const dpclip_step *s, Dpclip__ClipStep **o
         if (x->name) L->name = x->name;
         L->replicated = x->replicated != 0;
         L->tied_to = x->tied_to;
+        for (int k = 0; k < 2; k++) {
+            Dpclip__NoiseRange *nr = &ml->noise[k];
+            if (!x->noise[k].set) continue;
+            dpclip__noise_range__init(nr);
+            nr->dim = x->noise[k].dim;
+            nr->begin = x->noise[k].begin;
+            nr->end = x->noise[k].end;
+            if (k) L->bias_noise = nr;
+            else L->weight_noise = nr;
+        }
         L->kind_case = x->kind;
         switch (x->kind) {
         case DPCLIP__LAYER__KIND_LINEAR: {

@@ -1,11 +1,26 @@
-/* The CUDA backend's small C API around run_step (dc_cuda.h): phase timing,
- * interprocess events on the backend's stream, and the workspace setting.
+/* The CUDA backend's small C API around run_step (dc_cuda.h): the device
+ * count, the cost model's choice, phase timing, interprocess events on the
+ * backend's stream, and the workspace setting.
  * Each call runs on the worker thread that owns the instance. */
 #include <string.h>
 
 #include "backend_int.h"
 
 using namespace dcb;
+
+extern "C" int dc_cuda_device_count(void) {
+    int n = 0;
+    if (cudaGetDeviceCount(&n) != cudaSuccess) {
+        (void)cudaGetLastError();
+        return 0;
+    }
+    return n;
+}
+
+extern "C" dc_algo dc_cuda_linear_pick(const dc_layer *l) {
+    if (l->T > INT32_MAX || l->d > INT32_MAX || l->p > INT32_MAX) return dc_linear_pick(l);
+    return dcc_linear_pick((int)l->T, (int)l->d, (int)l->p, l->algo);
+}
 
 extern "C" int dc_cuda_backend_profile(dc_backend *be, int on) {
     cuda_backend *cb = (cuda_backend *)be;

@@ -79,12 +79,13 @@ namespace {
  * whose clipped sum the grouped book-keeping kernel would make (so the
  * output check's plan for it holds), not tied (its norm is a pair's), not
  * rescued on the host, in a whole step (keep: the phases of a norm group
- * run its norms in another call). */
+ * run its norms in another call), with no noise range (a sums step's: only
+ * the output passes draw ranged noise; sums steps never keep anyway). */
 size_t keep_bytes(const cuda_backend *cb, const dc_step *s, size_t l, bool keep) {
     const dc_layer *ly = &s->layers[l];
     if (!keep || cb->opt.sgrad == DCC_SGRAD_OFF || !cb->opt.grouped || cb->sg_max == 0 ||
-        ly->kind != DC_LAYER_LINEAR || ly->tie || !want_out(ly, 0) ||
-        (cb->ovr_active && cb->ovr[l]))
+        ly->kind != DC_LAYER_LINEAR || ly->tie || !want_out(ly, 0) || ly->noise_w.set ||
+        ly->noise_b.set || (cb->ovr_active && cb->ovr[l]))
         return 0;
     dcc_linear x = linear_of(cb, ly, (int)s->batch, dc_layer_norm_bias(ly), false);
     /* a kept layer's norms run direct, even where the ghost form would be
@@ -463,6 +464,10 @@ int run_impl(dc_backend *be, const dc_step *s, dc_step_result *res, dc_err *err,
                 outs[oi].amax_found = 0; /* grouped_clipped_plan sets it */
                 outs[oi].noised = 0; /* grouped_clipped_plan sets it */
                 outs[oi].acc = s->acc == DC_ACC_NONE ? NULL : k ? ly->acc_b : ly->acc_w;
+                const dc_noise_span sp = dc_noise_span_of(ly, k); /* a sums step's range */
+                outs[oi].nz_mod = sp.mod;
+                outs[oi].nz_lo = sp.lo;
+                outs[oi].nz_hi = sp.hi;
                 oi++;
                 staged += al4(n);
                 chunks += dcc_out_chunks(n);
@@ -768,15 +773,6 @@ const dc_backend_ops cuda_ops = {"cuda",
 
 } // namespace
 
-extern "C" int dc_cuda_device_count(void) {
-    int n = 0;
-    if (cudaGetDeviceCount(&n) != cudaSuccess) {
-        (void)cudaGetLastError();
-        return 0;
-    }
-    return n;
-}
-
 extern "C" int dc_cuda_backend_create(int device, dc_backend **out, dc_err *err) {
     cuda_backend *cb = (cuda_backend *)calloc(1, sizeof *cb);
     cudaError_t e;
@@ -809,8 +805,3 @@ extern "C" int dc_cuda_backend_create(int device, dc_backend **out, dc_err *err)
     return 0;
 }
 
-
-extern "C" dc_algo dc_cuda_linear_pick(const dc_layer *l) {
-    if (l->T > INT32_MAX || l->d > INT32_MAX || l->p > INT32_MAX) return dc_linear_pick(l);
-    return dcc_linear_pick((int)l->T, (int)l->d, (int)l->p, l->algo);
-}

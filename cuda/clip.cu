@@ -167,11 +167,12 @@ __global__ void finalize_kernel(const dcc_out *__restrict__ outs, float *__restr
         uint64_t i = 2 * pr;
         bool two = i + 1 < o.n;
         float v0 = v[i], v1 = two ? v[i + 1] : 0.0f;
-        if (std != 0.0f && !o.noised) {
+        const bool n0 = dcc_noise_in(o, i), n1 = two && dcc_noise_in(o, i + 1);
+        if (std != 0.0f && !o.noised && (n0 || n1)) {
             float z0, z1;
             draw_pair(noise, o.key, o.step, o.stream, pr, z0, z1);
-            v0 = dcc_noised(v0, std, z0);
-            v1 = dcc_noised(v1, std, z1);
+            if (n0) v0 = dcc_noised(v0, std, z0);
+            if (n1) v1 = dcc_noised(v1, std, z1);
         }
         if (divisor != 1.0f) {
             v0 = __fdiv_rn(v0, divisor);
@@ -409,12 +410,18 @@ __device__ __forceinline__ void write_chunk(int oi, const dcc_out &o, uint64_t i
                 if (j < cnt) x[j] = v[i + j];
         }
         if (std != 0.0f && !o.noised) {
-            float z[4];
-            draw_pair(NOISE, o.key, o.step, o.stream, i / 2, z[0], z[1]);
-            if (cnt > 2) draw_pair(NOISE, o.key, o.step, o.stream, i / 2 + 1, z[2], z[3]);
-            else z[2] = z[3] = 0.0f;
+            /* a sums step's range: the elements outside it get no noise
+             * (the common case, every element in, costs two compares) */
+            bool in[4];
 #pragma unroll
-            for (int j = 0; j < 4; j++) x[j] = dcc_noised(x[j], std, z[j]);
+            for (int j = 0; j < 4; j++) in[j] = j < cnt && dcc_noise_in(o, i + (uint64_t)j);
+            float z[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+            if (in[0] || in[1]) draw_pair(NOISE, o.key, o.step, o.stream, i / 2, z[0], z[1]);
+            if (in[2] || in[3])
+                draw_pair(NOISE, o.key, o.step, o.stream, i / 2 + 1, z[2], z[3]);
+#pragma unroll
+            for (int j = 0; j < 4; j++)
+                if (in[j]) x[j] = dcc_noised(x[j], std, z[j]);
         }
         if (div.d != 1.0f)
 #pragma unroll

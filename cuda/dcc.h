@@ -444,6 +444,11 @@ typedef struct dcc_out {
     /* a micro-batch of a logical step: the output's f32 accumulator
      * (dc_layer.acc_w / acc_b, in device memory), else NULL (accum.cu) */
     float *acc;
+    /* the elements that get noise (dc_noise_span: a sums step's range, the
+     * rows its rank owns): i with nz_lo <= (nz_mod ? i % nz_mod : i) <
+     * nz_hi; 0, 0, UINT64_MAX: every element. Each gets the draw of
+     * element i, as without a range. */
+    uint64_t nz_mod, nz_lo, nz_hi;
 } dcc_out;
 
 #define DCC_OUT_CHUNK 8192

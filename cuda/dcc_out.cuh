@@ -41,6 +41,13 @@ __device__ __forceinline__ float dcc_div_by(const dcc_div &f, float x) {
     return __fmaf_rn(__fmaf_rn(-q, f.d, x), f.y, q);
 }
 
+/* Whether element i of output o gets noise (dcc_out.nz_*: a sums step
+ * noises the part of its outputs its rank owns). */
+__device__ __forceinline__ bool dcc_noise_in(const dcc_out &o, uint64_t i) {
+    const uint64_t k = o.nz_mod ? i % o.nz_mod : i;
+    return k >= o.nz_lo && k < o.nz_hi;
+}
+
 __device__ __forceinline__ void dcc_store_as(void *dst, int dtype, uint64_t i, float v) {
     switch (dtype) {
     case DC_F32: ((float *)dst)[i] = v; break;

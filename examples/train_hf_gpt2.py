@@ -5,14 +5,20 @@ projections, its position embeddings broadcast over the batch and its
 lm_head tied to the token embedding are all trained exactly.
 
     /usr/bin/python3 examples/train_hf_gpt2.py                 # starts build/dpclipd itself
+    /usr/bin/python3 examples/train_hf_gpt2.py --logical-batch 1024 --physical-batch 16
     /usr/bin/python3 examples/train_hf_gpt2.py --socket /run/dpclip/dpclipd.sock --layers 4
 
 Needs transformers (it exits with status 2 saying so where it is missing).
 The corpus is the prose under examples/data/, as bytes (a vocabulary of
 256: no tokenizer to download). Each training sample (the unit of privacy)
-is one window of --seq bytes; batches are Poisson samples of expected size
---batch. Prints the loss, epsilon (the daemon's ledger) and tokens/s, with
-a progress bar where tqdm is installed. Runs on the GPU when there is one
+is one window of --seq bytes; the logical batches are Poisson samples of
+expected size --logical-batch (DP-SGD needs large ones: the noise on the
+mean gradient is sigma * C / B), each split into micro-batches of at most
+--physical-batch windows that go through the model one at a time
+(engine.logical_batches, dpclip's BatchMemoryManager): one optimizer step,
+one draw of noise and one charge per logical batch. Prints the loss,
+epsilon (the daemon's ledger) and tokens/s, with a progress bar of the
+logical steps where tqdm is installed. Runs on the GPU when there is one
 (bf16 autocast), else on the CPU (--device to choose).
 
 Without --socket a daemon is started from this checkout's build/dpclipd (or
@@ -117,7 +123,10 @@ def main():
     ap.add_argument("--steps", type=int, default=0, help="stop after this many steps (0: none)")
     ap.add_argument("--sigma", type=float, default=0.8, help="noise multiplier")
     ap.add_argument("--clip", type=float, default=1.0, help="max per-sample gradient norm C")
-    ap.add_argument("--batch", type=int, default=32, help="expected (Poisson) batch size")
+    ap.add_argument("--logical-batch", "--batch", dest="logical_batch", type=int, default=64,
+                    help="expected (Poisson) logical batch size: one optimizer step each")
+    ap.add_argument("--physical-batch", type=int, default=16,
+                    help="most windows per micro-batch (forward and backward) of a logical batch")
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--stride", type=int, default=16)
     ap.add_argument("--d", type=int, default=128, help="n_embd")
@@ -125,7 +134,8 @@ def main():
     ap.add_argument("--heads", type=int, default=4, help="n_head")
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--device", default="auto", help="auto, cpu or cuda")
-    ap.add_argument("--log", type=int, default=20, help="without tqdm: a line every N steps")
+    ap.add_argument("--log", type=int, default=5,
+                    help="without tqdm: a line every N logical steps")
     ap.add_argument("--delta", type=float, default=1e-5, help="delta epsilon is reported at")
     ap.add_argument("--seed", type=int, default=0, help="model initialisation")
     args = ap.parse_args()
@@ -135,7 +145,7 @@ def main():
     torch.manual_seed(args.seed)
     ids = load_corpus(args.corpus)
     ds = Windows(ids, args.seq, args.stride)
-    loader = DPDataLoader(ds, sample_rate=args.batch / len(ds))
+    loader = DPDataLoader(ds, sample_rate=min(1.0, args.logical_batch / len(ds)))
     config = transformers.GPT2Config(vocab_size=256, n_positions=args.seq, n_embd=args.d,
                                      n_layer=args.layers, n_head=args.heads)
     model = transformers.GPT2LMHeadModel(config).to(device).train()
@@ -155,40 +165,52 @@ def main():
                                                  target_delta=args.delta)
         tied = [l.name for l in engine._layers if l.tie is not None]
         print("GPT-2 from a config: %.2fM parameters, %d layers sent to the daemon (%s tied to "
-              "%s), device %s; %d windows of %d bytes, sigma %.2f, C %.2f, expected batch %d"
+              "%s), device %s; %d windows of %d bytes, sigma %.2f, C %.2f, expected logical "
+              "batch %d in micro-batches of at most %d"
               % (sum(p.numel() for p in model.parameters()) / 1e6, len(engine._layers),
                  ", ".join(tied) or "none", engine._layers[0].name, device, len(ds), args.seq,
-                 args.sigma, args.clip, engine.expected_batch_size), flush=True)
+                 args.sigma, args.clip, engine.expected_batch_size, args.physical_batch),
+              flush=True)
         use_amp = device.type == "cuda"
         steps = 0
-        for epoch in range(1, args.epochs + 1):
-            t0, tot, n, tokens = time.time(), 0.0, 0, 0
-            bar = Progress(len(loader), args.log)
-            for x, y in loader:
-                x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-                opt.zero_grad()
-                with torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_amp):
-                    logits = model(input_ids=x).logits
-                loss = sequence_cross_entropy(logits.float(), y, reduction="mean")
-                loss.backward()
-                opt.step()
-                steps += 1
-                tokens += x.numel()
-                if x.shape[0]:
-                    tot += float(loss) * x.shape[0]
-                    n += x.shape[0]
-                bar.update("loss %.3f" % (tot / max(n, 1)))
+        with engine.logical_batches(loader, max_physical_batch_size=args.physical_batch) \
+                as batches:
+            for epoch in range(1, args.epochs + 1):
+                t0, tot, n, tokens = time.time(), 0.0, 0, 0
+                bar = Progress(len(loader), args.log)
+                for x, y in batches:  # micro-batches; optimizer.step() commits each logical batch
+                    x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+                    opt.zero_grad()  # (a no-op inside a logical batch)
+                    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_amp):
+                        logits = model(input_ids=x).logits
+                    # the micro-batch's own mean: the daemon divides by the logical batch
+                    loss = sequence_cross_entropy(logits.float(), y, reduction="mean")
+                    loss.backward()
+                    committed = engine.steps
+                    opt.step()
+                    tokens += x.numel()
+                    if x.shape[0]:
+                        tot += float(loss) * x.shape[0]
+                        n += x.shape[0]
+                    if engine.steps == committed:
+                        continue  # the logical batch goes on
+                    steps += 1
+                    eps = engine.last_epsilon
+                    bar.update("loss %.3f, epsilon %s, %.0f tokens/s" % (
+                        tot / max(n, 1), "%.2f" % eps if math.isfinite(eps) else "inf",
+                        tokens / max(time.time() - t0, 1e-9)))
+                    if args.steps and steps >= args.steps:
+                        break
+                bar.close()
+                engine.synchronize()
+                dt = time.time() - t0
+                eps = engine.last_epsilon
+                print("epoch %d: loss %.3f, epsilon %s, %.0f tokens/s (%d logical steps of "
+                      "%.0f windows on average, %.1f s)"
+                      % (epoch, tot / max(n, 1), "%.2f" % eps if math.isfinite(eps) else "inf",
+                         tokens / max(dt, 1e-9), bar.n, n / max(bar.n, 1), dt), flush=True)
                 if args.steps and steps >= args.steps:
                     break
-            bar.close()
-            engine.synchronize()
-            dt = time.time() - t0
-            eps = engine.last_epsilon
-            print("epoch %d: loss %.3f, epsilon %s, %.0f tokens/s (%d steps, %.1f s)"
-                  % (epoch, tot / max(n, 1), "%.2f" % eps if math.isfinite(eps) else "inf",
-                     tokens / max(dt, 1e-9), bar.n, dt), flush=True)
-            if args.steps and steps >= args.steps:
-                break
         print("privacy: epsilon %.2f at delta %.1e after %d steps (the daemon's ledger for job "
               "%s)" % (engine.last_epsilon, engine.last_delta, engine.steps, engine.job_id))
         engine.close()

@@ -5,6 +5,7 @@ stages, exactly as if the model were whole.
 
     /usr/bin/python3 examples/train_pipeline.py                 # starts build/dpclipd itself
     /usr/bin/python3 examples/train_pipeline.py --socket /tmp/d.sock --epochs 3
+    /usr/bin/python3 examples/train_pipeline.py --microbatches 8 --schedule gpipe
     /usr/bin/python3 examples/train_pipeline.py --daemons 2     # a GPU machine: one daemon per stage
 
 Stage 0 (rank 0) holds the token and position embeddings and the first
@@ -19,6 +20,21 @@ over both stages' layers before clipping to --clip, so the split model is
 clipped exactly as the whole one; each stage's parameters get their noise
 (--sigma) and the ledger charges the job once per step. Stage 0 prints the
 loss, epsilon and tokens per second of each epoch.
+
+Micro-batches: each Poisson batch (the logical batch, of expected size
+--batch) is cut into --microbatches pieces that flow through the stages
+under --schedule: "1f1b" (stage 0 runs one forward ahead, then each stage
+alternates a forward and a backward: a stage holds at most two
+micro-batches' activations) or "gpipe" (every forward, then every backward).
+Each stage's forward pass of a micro-batch, once run backward, is one
+micro-batch of the logical step its engine sends the daemon (dpclip's
+gradient accumulation); the daemon sums each micro-batch's per-sample norms
+over the two stages before clipping, and optimizer.step() after the
+schedule commits the logical step: noised and charged once. Each
+micro-batch's loss is its own mean. Activations and gradients go with
+isend, which nothing waits on inside the schedule (a blocking send would
+deadlock 1F1B), and a stage's engine never waits for a micro-batch's reply
+before step() either, for the same reason.
 
 Without --socket a daemon is started from this checkout's build/dpclipd
 ($DPCLIPD names another) on a temporary socket and stopped at the end.
@@ -117,11 +133,13 @@ def train(rank, args, socket_path):
         loss_reduction="mean", target_delta=args.delta, norm_group=dist.group.WORLD)
     if rank == 0:
         print("corpus %d chars, %d windows; stages of %d and %d params; daemon %s; norm group "
-              "%s; DP-SGD sigma %.2f, C %.2f, expected batch %d, %d steps/epoch"
+              "%s; DP-SGD sigma %.2f, C %.2f, expected batch %d in %d micro-batches (%s), "
+              "%d steps/epoch"
               % (len(text), len(ds), sum(p.numel() for p in first.parameters()),
                  sum(p.numel() for p in last.parameters()),
                  engine.client.info.daemon_version.decode(), engine.norm_group_name, args.sigma,
-                 args.clip, engine.expected_batch_size, len(loader)), flush=True)
+                 args.clip, engine.expected_batch_size, args.microbatches, args.schedule,
+                 len(loader)), flush=True)
     steps = 0
     for epoch in range(1, args.epochs + 1):
         t0, loss_sum, samples, tokens = time.time(), 0.0, 0, 0
@@ -130,34 +148,32 @@ def train(rank, args, socket_path):
         box = [min(n_steps, args.steps - steps) if args.steps else n_steps]
         dist.broadcast_object_list(box, src=0)  # stage 1 steps as often
         for _ in range(box[0]):
-            B = torch.zeros(1, dtype=torch.long)
-            opt.zero_grad()
+            # the logical batch's micro-batch sizes, from stage 0
+            sizes = torch.zeros(args.microbatches + 1, dtype=torch.long)
             if rank == 0:
                 x, y = next(batches)
-                B[0] = x.shape[0]
-                dist.send(B, 1)
-                if B[0] > 0:  # an empty Poisson batch still steps (noise alone)
+                B = x.shape[0]
+                parts = min(args.microbatches, B)
+                sizes[0] = parts
+                for i in range(parts):  # as equal as they come
+                    sizes[1 + i] = B // parts + (1 if i < B % parts else 0)
+                dist.send(sizes, 1)
+                if parts:
                     dist.send(y.contiguous(), 1)
-                    h = stage(x)
-                    dist.send(h.detach().contiguous(), 1)
-                    g = torch.empty_like(h)
-                    dist.recv(g, 1)
-                    h.backward(g)
-                    tokens += x.numel()
+                tokens += x.numel()
             else:
-                dist.recv(B, 0)
-                if B[0] > 0:
-                    y = torch.empty(int(B[0]), args.seq, dtype=torch.long)
+                dist.recv(sizes, 0)
+                parts = int(sizes[0])
+                y = torch.empty(int(sizes[1:].sum()), args.seq, dtype=torch.long)
+                if parts:
                     dist.recv(y, 0)
-                    h = torch.empty(int(B[0]), args.seq, args.d)
-                    dist.recv(h, 0)
-                    h.requires_grad_(True)
-                    loss = sequence_cross_entropy(stage(h), y, reduction="mean")
-                    loss.backward()
-                    dist.send(h.grad.contiguous(), 0)
-                    loss_sum += float(loss) * int(B[0])
-                    samples += int(B[0])
-            opt.step()  # waits in the daemon for the other stage's step
+                x = None
+            opt.zero_grad()
+            # an empty Poisson batch runs nothing and still steps (noise alone)
+            total, n = run_schedule(stage, rank, args, x, y, sizes[1:parts + 1].tolist())
+            loss_sum += total
+            samples += n
+            opt.step()  # commits the logical step: waits in the daemon for the other stage's
             steps += 1
         box = [loss_sum, samples]
         dist.broadcast_object_list(box, src=1)
@@ -174,6 +190,57 @@ def train(rank, args, socket_path):
               "%s, charged once per step of the two stages)"
               % (engine.last_epsilon, engine.last_delta, steps, engine.job_id), flush=True)
     engine.close()
+
+
+def schedule(kind, stage, m):
+    """This stage's order of forwards ("F", i) and backwards ("B", i) of m
+    micro-batches over 2 stages: 1F1B (stage 0 one forward ahead, then a
+    forward and a backward in turn) or GPipe (every forward, then every
+    backward, the last micro-batch's first)."""
+    if kind == "gpipe":
+        return [("F", i) for i in range(m)] + [("B", i) for i in reversed(range(m))]
+    warm = min(m, 1 - stage)
+    ops, f = [("F", i) for i in range(warm)], warm
+    for b in range(m):
+        if f < m:
+            ops.append(("F", f))
+            f += 1
+        ops.append(("B", b))
+    return ops
+
+
+def run_schedule(stage, rank, args, x, y, sizes):
+    """One logical batch's micro-batches through this stage in the
+    schedule's order; (stage 1: the sum of the micro-batches' mean losses
+    times their sizes, and the samples)."""
+    at = [sum(sizes[:i]) for i in range(len(sizes) + 1)]
+    sends, outs, ins, losses = [], {}, {}, {}
+    total = 0.0
+    for op, i in schedule(args.schedule, rank, len(sizes)):
+        part = slice(at[i], at[i + 1])
+        if rank == 0 and op == "F":
+            outs[i] = stage(x[part])
+            h = outs[i].detach().contiguous()
+            sends.append((dist.isend(h, 1), h))  # waited for after the schedule
+        elif rank == 0:
+            g = torch.empty(outs[i].shape)
+            dist.recv(g, 1)
+            outs.pop(i).backward(g)
+        elif op == "F":
+            h = torch.empty(sizes[i], args.seq, args.d)
+            dist.recv(h, 0)
+            ins[i] = h.requires_grad_(True)
+            # each micro-batch's loss: the mean over its own samples
+            losses[i] = sequence_cross_entropy(stage(ins[i]), y[part], reduction="mean")
+        else:
+            loss = losses.pop(i)
+            loss.backward()
+            total += float(loss) * sizes[i]
+            g = ins.pop(i).grad.contiguous()
+            sends.append((dist.isend(g, 0), g))
+    for work, _ in sends:
+        work.wait()
+    return total, sum(sizes) if rank == 1 else 0
 
 
 def start_daemon(rundir, k=0):
@@ -206,7 +273,12 @@ def main():
     ap.add_argument("--steps", type=int, default=0, help="stop after this many steps (0: none)")
     ap.add_argument("--sigma", type=float, default=0.8, help="noise multiplier")
     ap.add_argument("--clip", type=float, default=1.0, help="max per-sample gradient norm C")
-    ap.add_argument("--batch", type=int, default=32, help="expected (Poisson) batch size")
+    ap.add_argument("--batch", type=int, default=32, help="expected (Poisson) batch size: the "
+                    "logical batch")
+    ap.add_argument("--microbatches", type=int, default=4,
+                    help="micro-batches each logical batch is cut into (at most its size)")
+    ap.add_argument("--schedule", choices=("1f1b", "gpipe"), default="1f1b",
+                    help="pipeline schedule of the micro-batches")
     ap.add_argument("--seq", type=int, default=32)
     ap.add_argument("--stride", type=int, default=16)
     ap.add_argument("--d", type=int, default=64)
@@ -219,6 +291,8 @@ def main():
     ap.add_argument("--job", default=None, help="job id for the daemon's privacy ledger "
                     "(default: a fresh one, printed)")
     args = ap.parse_args()
+    if args.microbatches < 1:
+        ap.error("--microbatches must be at least 1")
     with tempfile.TemporaryDirectory(prefix="dpclip-pipeline.") as rundir:
         daemons, sockets = [], args.socket.split(",") if args.socket else []
         try:

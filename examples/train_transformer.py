@@ -16,6 +16,7 @@ The daemon computes per-sample norms, clips to --clip, adds Gaussian noise
 only. Uses CUDA when available (--device cpu to force the CPU).
 """
 import argparse
+import contextlib
 import glob
 import math
 import os
@@ -134,6 +135,13 @@ def sample(model, itos, stoi, prompt, n, seq, device, temperature=0.8):
     return "".join(itos[i] for i in ids)
 
 
+def report(engine, epoch, train_loss, held_loss, clipped, seconds):
+    eps = engine.last_epsilon
+    print("epoch %d: train loss %.3f, held-out loss %.3f, clipped %.0f%% of samples, %.1f s%s"
+          % (epoch, train_loss, held_loss, 100.0 * clipped, seconds,
+             ", epsilon %.2f" % eps if eps and math.isfinite(eps) else ""))
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--socket", default=None, help="dpclipd socket (default $DPCLIP_SOCKET)")
@@ -142,6 +150,9 @@ def main():
     ap.add_argument("--sigma", type=float, default=0.8, help="noise multiplier")
     ap.add_argument("--clip", type=float, default=1.0, help="max per-sample gradient norm C")
     ap.add_argument("--batch", type=int, default=64, help="expected (Poisson) batch size")
+    ap.add_argument("--physical-batch", type=int, default=0, help="run each batch as "
+                    "micro-batches of at most this many windows, one optimizer step per batch "
+                    "(gradient accumulation; 0: the whole batch at once)")
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--stride", type=int, default=16)
     ap.add_argument("--d", type=int, default=128)
@@ -188,26 +199,31 @@ def main():
           % (args.sigma, args.clip, engine.expected_batch_size, loader.sample_rate, len(loader)))
     print("epoch 0: held-out loss %.3f" % evaluate(model, held, device, args.seq))
     use_amp = device.type == "cuda"
-    for epoch in range(1, args.epochs + 1):
-        t0, tot, n, clipped, seen = time.time(), 0.0, 0, 0, 0
-        for x, y in loader:
-            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-            opt.zero_grad()
-            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_amp):
-                logits = model(x)
-            loss = sequence_cross_entropy(logits, y, reduction="mean")
-            loss.backward()
-            opt.step()
-            if x.shape[0]:
-                tot += float(loss) * x.shape[0]
-                n += x.shape[0]
-                clipped += int((engine.last_coefs < 1).sum())
-                seen += x.shape[0]
-        eps = engine.last_epsilon
-        print("epoch %d: train loss %.3f, held-out loss %.3f, clipped %.0f%% of samples, "
-              "%.1f s%s" % (epoch, tot / max(n, 1), evaluate(model, held, device, args.seq),
-                            100.0 * clipped / max(seen, 1), time.time() - t0,
-                            ", epsilon %.2f" % eps if eps and math.isfinite(eps) else ""))
+    # --physical-batch: each Poisson batch as micro-batches, the optimizer
+    # stepping (noise and charge once) at each batch's end
+    batches = engine.logical_batches(loader, max_physical_batch_size=args.physical_batch) \
+        if args.physical_batch else contextlib.nullcontext(loader)
+    with batches as micro_batches:
+        for epoch in range(1, args.epochs + 1):
+            t0, tot, n, clipped, seen = time.time(), 0.0, 0, 0, 0
+            for x, y in micro_batches:
+                x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+                opt.zero_grad()
+                with torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_amp):
+                    logits = model(x)
+                loss = sequence_cross_entropy(logits, y, reduction="mean")
+                loss.backward()
+                committed = engine.steps
+                opt.step()
+                if x.shape[0]:
+                    tot += float(loss) * x.shape[0]
+                    n += x.shape[0]
+                if engine.steps > committed:  # a step taken: its samples' coefficients
+                    clipped += int((engine.last_coefs < 1).sum())
+                    seen += engine.last_coefs.numel()
+            report(engine, epoch, tot / max(n, 1), evaluate(model, held, device, args.seq),
+                   clipped / max(seen, 1), time.time() - t0)
+    eps = engine.last_epsilon
     eps = engine.last_epsilon
     if eps and math.isfinite(eps):
         print("privacy: epsilon %.2f at delta %.1e after %d steps (the daemon's ledger for this "

@@ -194,10 +194,19 @@ static void test_pass_rules(void **state) {
     dpclip_step *p = phase_step(&s, DPCLIP_STEP_SUMS, first, 1, NULL);
     refused(c, p, DPCLIP_EPRECOND, "clip_step.phase");
     dpclip_step_free(p);
-    /* a pass with noise, per-layer clipping, outputs */
+    /* a pass with noise is accounted at its sigma, and its sums add that
+     * noise themselves (test_step_pass_noise.c): a sums step without it is
+     * refused */
     p = phase_step(&s, DPCLIP_STEP_NORMS, all, L, &noisy);
+    memset(&res, 0, sizeof res);
+    run_ok(c, p, &res);
+    assert_true(isfinite(res.epsilon) && res.epsilon > 0.0);
+    dpclip_result_free(&res);
+    dpclip_step_free(p);
+    p = phase_step(&s, DPCLIP_STEP_SUMS, first, 1, NULL);
     refused(c, p, DPCLIP_EINVAL, "clip_step.noise_multiplier");
     dpclip_step_free(p);
+    /* per-layer clipping, outputs */
     p = phase_step(&s, DPCLIP_STEP_NORMS, all, L, &per_layer);
     refused(c, p, DPCLIP_EINVAL, "clip_step.clip.mode");
     dpclip_step_free(p);

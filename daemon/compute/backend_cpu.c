@@ -162,6 +162,23 @@ static bool accumulate(dc_acc_mode mode, float *acc, float *v, size_t n) {
     return false;
 }
 
+/* v[n] += std * z_i for the elements i the span takes (all of them where
+ * no range is set), each with the draw a whole step makes for element i:
+ * a sums step noises the rows (or columns) its rank owns, and no others. */
+static void add_noise(dc_noise_src src, dc_noise_span sp, float std, float *v, size_t n) {
+    if (sp.mod == 0) {
+        uint64_t lo = sp.lo < n ? sp.lo : n, hi = sp.hi < n ? sp.hi : n;
+        if (hi > lo)
+            dc_noise_add_normal_at(src.key, src.step, src.stream, std, v + lo, lo, hi - lo);
+        return;
+    }
+    for (uint64_t r = 0; r + sp.lo < n && sp.hi > sp.lo; r += sp.mod) {
+        uint64_t hi = r + sp.hi < n ? r + sp.hi : n;
+        dc_noise_add_normal_at(src.key, src.step, src.stream, std, v + r + sp.lo, r + sp.lo,
+                               hi - (r + sp.lo));
+    }
+}
+
 static int check_dims(const dc_layer *l, uint32_t B, dc_err *err) {
     if (l->kind != DC_LAYER_LINEAR) return 0;
     if (l->T > INT_MAX || l->d > INT_MAX || l->p > INT_MAX ||
@@ -399,8 +416,8 @@ static int run_phases(dc_backend *be, const dc_step *step, enum run_phases want,
             size_t n = dc_cpu_numel(t);
             float *v = outs + off;
             if (accumulate(step->acc, k ? ly->acc_b : ly->acc_w, v, n)) continue;
-            const dc_noise_src src = dc_step_noise_src(step, ly, l, k);
-            dc_noise_add_normal(src.key, src.step, src.stream, noise_std, v, n);
+            add_noise(dc_step_noise_src(step, ly, l, k), dc_noise_span_of(ly, k), noise_std, v,
+                      n);
             if (divisor != 1.0f)
                 for (size_t i = 0; i < n; i++) v[i] /= divisor;
             int64_t bad = find_bad_out(v, n, t->dtype);

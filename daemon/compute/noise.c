@@ -73,32 +73,43 @@ static void normal_block(const uint32_t key[2], const uint32_t hi[3], uint64_t p
     }
 }
 
-/* Shared body: out[i] = std * z_i (add == 0) or out[i] += std * z_i. */
+/* Shared body, over draws [first, first + n) of the stream: out[i] =
+ * z_{first+i} (add == 0) or out[i] += std * z_{first+i}. An odd first
+ * starts inside its pair: that pair's first normal is made and skipped. */
 static void fill(uint64_t key, uint64_t step, uint32_t stream, float std, int add, float *out,
-                 size_t n) {
+                 uint64_t first, size_t n) {
     uint32_t k[2] = {(uint32_t)key, (uint32_t)(key >> 32)};
     uint32_t hi[3] = {stream, (uint32_t)step, (uint32_t)(step >> 32)};
     float z[2 * NOISE_BLOCK];
-    uint64_t pair = 0;
+    uint64_t pair = first / 2;
+    size_t skip = (size_t)(first & 1);
     for (size_t i = 0; i < n; pair += NOISE_BLOCK) {
-        size_t m = n - i < 2 * NOISE_BLOCK ? n - i : 2 * NOISE_BLOCK;
+        size_t m = n - i + skip < 2 * NOISE_BLOCK ? n - i + skip : 2 * NOISE_BLOCK;
         normal_block(k, hi, pair, (m + 1) / 2, z);
+        m -= skip;
         if (add)
-            for (size_t e = 0; e < m; e++) out[i + e] += std * z[e];
+            for (size_t e = 0; e < m; e++) out[i + e] += std * z[skip + e];
         else
-            for (size_t e = 0; e < m; e++) out[i + e] = z[e];
+            for (size_t e = 0; e < m; e++) out[i + e] = z[skip + e];
         i += m;
+        skip = 0;
     }
 }
 
 void dc_noise_normal(uint64_t key, uint64_t step, uint32_t stream, float *out, size_t n) {
-    fill(key, step, stream, 1.0f, 0, out, n);
+    fill(key, step, stream, 1.0f, 0, out, 0, n);
 }
 
 void dc_noise_add_normal(uint64_t key, uint64_t step, uint32_t stream, float std, float *out,
                          size_t n) {
     if (std == 0.0f) return;
-    fill(key, step, stream, std, 1, out, n);
+    fill(key, step, stream, std, 1, out, 0, n);
+}
+
+void dc_noise_add_normal_at(uint64_t key, uint64_t step, uint32_t stream, float std, float *out,
+                            uint64_t first, size_t n) {
+    if (std == 0.0f) return;
+    fill(key, step, stream, std, 1, out, first, n);
 }
 
 int dc_noise_seed(uint64_t *key) {

@@ -35,6 +35,13 @@ void dc_noise_normal(uint64_t key, uint64_t step, uint32_t stream, float *out, s
 void dc_noise_add_normal(uint64_t key, uint64_t step, uint32_t stream, float std, float *out,
                          size_t n);
 
+/* out[i] += std * (draw first + i of the stream), for i in [0, n): the
+ * draws of elements [first, first + n) exactly as a whole stream gives them
+ * (a sums step noising only the rows its rank owns). std == 0 draws
+ * nothing. first + n must be <= DC_NOISE_MAX_N. */
+void dc_noise_add_normal_at(uint64_t key, uint64_t step, uint32_t stream, float std, float *out,
+                            uint64_t first, size_t n);
+
 /* A fresh secret key from getrandom(); returns 0 or DC_EINTERNAL. */
 int dc_noise_seed(uint64_t *key);
 

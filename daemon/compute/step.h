@@ -38,6 +38,23 @@ typedef enum dc_layer_kind {
 } dc_layer_kind;
 
 typedef enum dc_reduction { DC_REDUCTION_SUM = 1, DC_REDUCTION_MEAN = 2 } dc_reduction;
+
+/* Which elements of an output get the step's noise (Layer.weight_noise /
+ * bias_noise: a sharded model's sums step noises the rows its rank owns,
+ * step_pass.c). set false: every element. dim 0: rows [begin, end), the
+ * dim-0 slices; dim 1: columns [begin, end) of a 2-D output (a weight the
+ * trainer keeps transposed). validate.c checks it against the output. */
+typedef struct dc_noise_range {
+    bool set;
+    uint32_t dim;
+    uint64_t begin, end;
+} dc_noise_range;
+
+/* A range as the backends test it: element i of the output is noised when
+ * lo <= (mod ? i % mod : i) < hi. */
+typedef struct dc_noise_span {
+    uint64_t mod, lo, hi;
+} dc_noise_span;
 typedef enum dc_clip_mode { DC_CLIP_FLAT = 0, DC_CLIP_PER_LAYER = 1 } dc_clip_mode;
 
 /* One layer, shapes normalized to [B, T, .]: a 2D input [B, d] has T = 1.
@@ -88,6 +105,7 @@ typedef struct dc_layer {
     uint32_t noise_index;
     dc_tensor weight_grad_out; /* optional */
     dc_tensor bias_grad_out;   /* optional, only with has_bias */
+    dc_noise_range noise_w, noise_b; /* of weight_grad_out and bias_grad_out */
     /* A micro-batch of a logical step (dc_step.acc): each output's f32
      * accumulator, as many elements as the output, in the step's memory
      * (host, or the step's device); NULL for an output the step lacks.
@@ -295,6 +313,26 @@ static inline dc_noise_src dc_step_noise_src(const dc_step *s, const dc_layer *l
         n.stream = (uint32_t)(2 * (ly->noise_step ? (size_t)ly->noise_index : l) + (size_t)k);
     }
     return n;
+}
+
+/* The elements of output t (k: 0 weight, 1 bias of layer ly) that get
+ * noise; every element where no range is set. */
+static inline dc_noise_span dc_noise_span_of(const dc_layer *ly, int k) {
+    const dc_noise_range *r = k ? &ly->noise_b : &ly->noise_w;
+    const dc_tensor *t = k ? &ly->bias_grad_out : &ly->weight_grad_out;
+    dc_noise_span sp = {0, 0, UINT64_MAX};
+    uint64_t inner = 1;
+    if (!r->set) return sp;
+    for (int i = 1; i < t->ndim; i++) inner *= (uint64_t)t->shape[i];
+    if (r->dim == 1) {
+        sp.mod = inner;
+        sp.lo = r->begin;
+        sp.hi = r->end;
+    } else {
+        sp.lo = r->begin * inner;
+        sp.hi = r->end * inner;
+    }
+    return sp;
 }
 
 static inline bool dc_layer_tied_later(const dc_layer *l) { return l->tie && !l->tie_owner; }

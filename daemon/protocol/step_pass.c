@@ -1,6 +1,7 @@
 #include "step_pass.h"
 
 #include <math.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -22,6 +23,8 @@ struct dc_pass {
     uint32_t batch;
     int device;
     float max_grad_norm;
+    float noise_multiplier; /* what the pass was accounted at; its sums add it */
+    bool data_parallel;     /* a data-parallel member: other ranks noise other rows */
     dc_reduction reduction;
     uint32_t expected_batch;
     size_t n_layers, n_summed;
@@ -39,10 +42,6 @@ int dc_pass_check(const dc_step_job *j, bool grouped, dc_err *e) {
         return dc_err_set(e, DC_EINVAL, "clip_step.phase",
                           "%s is not taken in a norm group: a group's members already sum "
                           "their norms", what);
-    if (s->noise_multiplier != 0.0f)
-        return dc_err_set(e, DC_EINVAL, "clip_step.noise_multiplier",
-                          "%s draws no noise (give 0): its sums are data-parallel shares, "
-                          "noised by the owners of the shards in steps of their own", what);
     if (s->mode != DC_CLIP_FLAT)
         return dc_err_set(e, DC_EINVAL, "clip_step.clip.mode", "%s clips flat", what);
     if (j->params.phase != DC_PHASE_NORMS) return 0;
@@ -113,6 +112,8 @@ int dc_pass_new(dc_step_job *j, dc_pass **out, dc_err *e) {
     p->batch = B;
     p->device = s->device;
     p->max_grad_norm = s->max_grad_norm;
+    p->noise_multiplier = s->noise_multiplier;
+    p->data_parallel = j->params.dp.declared;
     p->reduction = s->reduction;
     p->expected_batch = s->expected_batch;
     p->n_layers = L;
@@ -142,6 +143,34 @@ int dc_pass_new(dc_step_job *j, dc_pass **out, dc_err *e) {
 nomem:
     dc_pass_free(p);
     return dc_err_set(e, DC_ENOSPACE, "clip_step", "out of memory");
+}
+
+/* A sums step adds its pass's noise, the noise the pass was accounted at
+ * (validate.c has checked that each output names its range): not less, and
+ * none where the pass was a noiseless share. A pass outside data
+ * parallelism is a logical step of its own, whose every element no other
+ * member noises: its sums' ranges are their whole outputs. */
+static int noise_check(const dc_pass *p, const dc_step *s, dc_err *e) {
+    if (s->noise_multiplier != p->noise_multiplier)
+        return dc_err_set(e, DC_EINVAL, "clip_step.noise_multiplier",
+                          "a sums step adds its norm pass's noise: noise_multiplier %g, the one "
+                          "the pass was accounted at (%g given)", (double)p->noise_multiplier,
+                          (double)s->noise_multiplier);
+    if (p->data_parallel) return 0;
+    for (size_t l = 0; l < s->n_layers; l++)
+        for (int k = 0; k < 2; k++) {
+            const dc_layer *ly = &s->layers[l];
+            const dc_noise_range *r = k ? &ly->noise_b : &ly->noise_w;
+            const dc_tensor *t = k ? &ly->bias_grad_out : &ly->weight_grad_out;
+            char f[96];
+            if (!r->set || (r->begin == 0 && r->end == (uint64_t)t->shape[r->dim])) continue;
+            snprintf(f, sizeof f, "clip_step.layers[%zu].%s", l, k ? "bias_noise" : "weight_noise");
+            return dc_err_set(e, DC_EINVAL, f,
+                              "layer %zu ('%s'): the norm pass declared no data parallelism, "
+                              "so no other rank noises the rest of this output: its noise "
+                              "range is the whole output", l, ly->name);
+        }
+    return 0;
 }
 
 /* The pass's layer that a sums layer names, not summed yet: SIZE_MAX if
@@ -174,6 +203,7 @@ int dc_pass_take(dc_pass *p, dc_step_job *j, dc_err *e) {
         return dc_err_set(e, DC_EINVAL, "clip_step.clip",
                           "a sums step takes its norm pass's max_grad_norm, reduction and "
                           "expected batch size");
+    if ((rc = noise_check(p, s, e))) return rc;
     if (!(at = malloc(L * sizeof *at)) || !(j->n2 = malloc(L * B * sizeof *j->n2)) ||
         !(j->tot = malloc(B * sizeof *j->tot))) {
         rc = dc_err_set(e, DC_ENOSPACE, "clip_step", "out of memory");

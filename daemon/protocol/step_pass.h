@@ -9,8 +9,13 @@
  *
  * What this guards: a SUMS layer is one the pass measured (the same kind,
  * shapes and tensors), each summed at most once, with the pass's batch and
- * clip terms. Both phases draw no noise (the shards' owners noise them in
- * steps of their own), so a sum released here is a data-parallel share.
+ * clip terms, and its pass's noise: the pass is accounted at its sigma (a
+ * data-parallel member where it declares one), and each sums step adds
+ * that sigma's noise itself, before anything is written, to the part of
+ * each output its rank owns (dc_layer.noise_w / noise_b: validate.c checks
+ * them against the outputs, dc_pass_take against the pass; outside data
+ * parallelism a range is the whole output). The rest of a data-parallel
+ * rank's output is a share, noised by the rank that owns it.
  *
  * Ownership: the session owns its pass (dc_session.pass, one at a time); a
  * SUMS job owns the n2 and tot copies dc_pass_take gives it. */
@@ -24,8 +29,8 @@
 
 typedef struct dc_pass dc_pass;
 
-/* The rules of a NORMS or SUMS request that need no pass: no noise, flat
- * clipping, no norm group; a NORMS step names no outputs and no signal. */
+/* The rules of a NORMS or SUMS request that need no pass: flat clipping,
+ * no norm group; a NORMS step names no outputs and no signal. */
 int dc_pass_check(const dc_step_job *j, bool grouped, dc_err *e);
 
 /* A NORMS job that ran (j->n2 filled by the backend's run_norms): fills its
@@ -33,9 +38,11 @@ int dc_pass_check(const dc_step_job *j, bool grouped, dc_err *e);
  * j->n2. */
 int dc_pass_new(dc_step_job *j, dc_pass **out, dc_err *e);
 
-/* A SUMS job: matches each of its layers to a layer of the pass not summed
- * yet and marks it summed; gives the job its n2 rows and the pass's totals
- * (j->n2, j->tot, owned by the job). p may be NULL (no pass: refused). */
+/* A SUMS job: its noise is the pass's (noise_multiplier, and outside data
+ * parallelism whole ranges); matches each of its layers to a layer of the
+ * pass not summed yet and marks it summed; gives the job its n2 rows and
+ * the pass's totals (j->n2, j->tot, owned by the job). p may be NULL (no
+ * pass: refused). */
 int dc_pass_take(dc_pass *p, dc_step_job *j, dc_err *e);
 
 /* A clip phase that runs in a later job than its norms (a sums step's

@@ -267,6 +267,65 @@ static int validate_layer(vctx *v, const Dpclip__ClipStep *msg, size_t i, dc_lay
     }
 }
 
+/* Layer.weight_noise / bias_noise of layer i (step_pass.h: a sums step
+ * noises the part of each output its rank owns): a range of an output the
+ * layer names, along dim 0 (rows) or dim 1 of a 2-D output, within it; on
+ * a STEP_SUMS step with noise only, and there on every output. The rules
+ * that need the norm pass (its sigma, data parallelism) are step_pass.c's. */
+static int validate_noise(const Dpclip__ClipStep *msg, size_t i, int k, dc_layer *l,
+                          dc_err *err) {
+    const Dpclip__Layer *m = msg->layers[i];
+    const Dpclip__NoiseRange *x = k ? m->bias_noise : m->weight_noise;
+    const dc_tensor *t = k ? &l->bias_grad_out : &l->weight_grad_out;
+    const char *name = k ? "bias_noise" : "weight_noise";
+    const bool sums = msg->phase == DPCLIP__STEP_PHASE__STEP_SUMS;
+    const bool noisy = msg->noise_multiplier > 0.0f;
+    dc_noise_range *r = k ? &l->noise_b : &l->noise_w;
+    char f[128];
+
+    snprintf(f, sizeof f, "clip_step.layers[%zu].%s", i, name);
+    if (!x) {
+        if (sums && noisy && t->data)
+            return dc_err_set(err, DC_EINVAL, f,
+                              "layer %zu ('%s'): a sums step with noise (noise_multiplier %g) "
+                              "names the part of each output it noises, the rows this rank "
+                              "owns (the whole output outside data parallelism)",
+                              i, l->name, (double)msg->noise_multiplier);
+        return 0;
+    }
+    if (!t->data)
+        return dc_err_set(err, DC_EINVAL, f, "layer %zu ('%s') names no %s to noise", i, l->name,
+                          k ? "bias_grad_out" : "weight_grad_out");
+    if (!sums)
+        return dc_err_set(err, DC_EINVAL, f,
+                          "only a sums step (phase STEP_SUMS) takes a noise range: any other "
+                          "step noises every element of its outputs");
+    if (!noisy)
+        return dc_err_set(err, DC_EINVAL, f,
+                          "a noise range on a step with noise_multiplier 0 adds no noise: give "
+                          "the pass's noise multiplier, or no range");
+    if (x->dim > 1 || (x->dim == 1 && t->ndim != 2)) {
+        snprintf(f, sizeof f, "clip_step.layers[%zu].%s.dim", i, name);
+        return dc_err_set(err, DC_EINVAL, f,
+                          "dim %u: 0 (rows) or, for a 2-D output, 1 (columns)", x->dim);
+    }
+    const uint64_t size = (uint64_t)t->shape[x->dim];
+    if (x->begin > x->end || x->end > size) {
+        snprintf(f, sizeof f, "clip_step.layers[%zu].%s.%s", i, name,
+                 x->begin > x->end ? "begin" : "end");
+        return dc_err_set(err, DC_EINVAL, f,
+                          "[%llu, %llu) is outside the output's %llu %s (begin <= end <= %llu)",
+                          (unsigned long long)x->begin, (unsigned long long)x->end,
+                          (unsigned long long)size, x->dim ? "columns" : "rows",
+                          (unsigned long long)size);
+    }
+    r->set = true;
+    r->dim = x->dim;
+    r->begin = x->begin;
+    r->end = x->end;
+    return 0;
+}
+
 /* Tied parameters: each Layer.tied_to names an earlier layer whose weight is
  * this one's. A pair is one EMBEDDING and one LINEAR of one weight shape
  * ([vocab, d] = [p, d]), each in at most one pair; only the earlier layer
@@ -400,7 +459,10 @@ int dc_validate_step(const Dpclip__ClipStep *msg, const dc_registry *reg,
     out->n_layers = msg->n_layers;
 
     for (size_t i = 0; i < msg->n_layers; i++)
-        if ((rc = validate_layer(&v, msg, i, &out->layers[i]))) goto fail;
+        if ((rc = validate_layer(&v, msg, i, &out->layers[i])) ||
+            (rc = validate_noise(msg, i, 0, &out->layers[i], err)) ||
+            (rc = validate_noise(msg, i, 1, &out->layers[i], err)))
+            goto fail;
     {
         int64_t bshape[1] = {(int64_t)msg->batch_size};
         if ((rc = vopt(&v, msg->norms_out, "clip_step.norms_out", NULL, DC_MASK_F32, 1, bshape,

@@ -201,6 +201,7 @@ class _AffineLayer(_Layer):
         # records are (first, second, pass) with both batch-first
         first = vw if vw is not None else vb
         self.records.append((first, vb if vb is not None else first, pass_id))
+        self.engine._acc.captured(pass_id)
 
     def _forward(self, mod, x):
         return _AffineFn.apply(x, mod.weight, mod.bias, self)

@@ -27,6 +27,7 @@ class CudaRun(NamedTuple):
     ok: Optional[torch.Tensor]
     t1: float
     t2: float
+    keep: Optional[list] = None  # detached: the tensors the daemon reads, kept until settle()
 
 
 class CudaIPC:
@@ -69,11 +70,19 @@ class CudaIPC:
         return self._coefs[:nb]
 
     def run(self, step: _lib.Step, plan: Plan, nb: int, device: torch.device,
-            algorithm: int, gated: bool, asynchronous: bool) -> CudaRun:
+            algorithm: int, gated: bool, asynchronous: bool, detached: bool = False,
+            write: bool = True) -> CudaRun:
         """Sends the planned step of nb samples on `device`; param.grad
         aliases (or, in another dtype or layout, holds) the daemon's outputs,
         valid on the current stream. gated: data parallel, have the daemon
-        write the coefficients and return the success flag."""
+        write the coefficients and return the success flag.
+
+        Micro-batches of a logical step (dpclip._accumulate) write no
+        outputs (write=False: param.grad is left alone). detached: sent
+        without waiting for anything (a norm group's micro-batch waits in
+        the daemon for the other members' and has no early notice): the
+        tensors it names are returned in `keep`, to be held until its reply
+        is collected and settle() has ordered this stream after the daemon."""
         keep: List[Tuple[torch.Tensor, torch.Tensor]] = []
         tensors: List[Tuple[torch.Tensor, torch.Tensor]] = []
         for pt in plan.parts:
@@ -128,8 +137,11 @@ class CudaIPC:
                                                  torch.float32, (nb,)))
             ready.record(stream)
             step.set_events(rid, did)
-            step.notify_enqueued(asynchronous)
+            step.notify_enqueued(asynchronous and not detached)
             t1 = time.perf_counter()
+            if detached:
+                ticket = step.submit(self.client)
+                return CudaRun(None, ticket, None, None, t1, time.perf_counter(), keep)
             if asynchronous:
                 ticket = step.submit(self.client)
                 info = self.client.wait_enqueued(ticket)  # raises an early error
@@ -147,10 +159,21 @@ class CudaIPC:
             # wrote nothing, or died first.
             ok = (coefs > 0).all().to(torch.float32).reshape(1) if gated else None
         keep.clear()
-        for o in plan.outs:
+        for o in plan.outs if write else ():
             p, out = o.param, o.grad(o.buf)
             if out.dtype == p.dtype and out.is_contiguous():
                 p.grad = out  # aliases the output buffer: no copy
             else:
                 set_grad(p, out)
         return CudaRun(res, ticket, info, ok, t1, t2)
+
+    def settle(self, device: torch.device) -> None:
+        """After the reply of a detached micro-batch (or a later step of the
+        session) is in: the daemon has recorded `done` after its reads, so
+        ordering the current stream after `done` lets the allocator reuse
+        the tensors it named once they are dropped. (A later record of
+        `done` is a later point of the daemon's work, which waited only on
+        this stream's earlier `ready` records: no cycle.)"""
+        _, done, _, _ = self.events(device)
+        with torch.cuda.device(device):
+            torch.cuda.current_stream(device).wait_event(done)

@@ -186,7 +186,7 @@ def terms(group: NormGroup, layers: Sequence[_Layer], values: Dict[str, Any],
           loader: str) -> Dict[str, Any]:
     """This member's facts for the first agreement: its terms, replicated
     layers and loader (loader: "" without one, else how it draws: see
-    dpclip.torch._loader_kind), and a candidate group name and loader seed
+    dpclip._terms.loader_kind), and a candidate group name and loader seed
     (rank 0's are taken)."""
     return dict(values, clipping=group.clipping, name="dpclip-" + secrets.token_hex(8),
                 seed=secrets.randbits(63), replicated=[l.name for l in layers if l.replicated],

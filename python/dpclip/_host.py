@@ -2,11 +2,19 @@
 per engine. The daemon maps the arena once; each step lays it out afresh
 (activations, output gradients and the outputs it writes, each aligned),
 copies the captured tensors in, and copies the outputs into param.grad. The
-arena grows (doubling, at least 1 MiB) when a step needs more."""
+arena grows (doubling, at least 1 MiB) when a step needs more.
+
+Logical steps (gradient accumulation, dpclip._accumulate) send their
+micro-batches without waiting (a pipeline stage must not block on a
+micro-batch that the other stages have not sent yet), so each micro-batch
+in flight holds a staging arena of its own, taken from a pool and given
+back once its reply is collected; and every micro-batch must name the same
+outputs, so they live in a buffer of their own that no staging growth
+moves."""
 import ctypes
 import math
 import time
-from typing import List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -22,6 +30,11 @@ class HostArena:
     def __init__(self, client: _lib.Client) -> None:
         self.client = client
         self._arena: Optional[Tuple[int, int, torch.Tensor]] = None
+        # logical steps: the outputs' buffer (id, size, bytes) and each
+        # output's byte offset in it; staging arenas not in use
+        self._outs: Optional[Tuple[int, int, torch.Tensor]] = None
+        self._out_off: Dict[int, int] = {}
+        self._free: List[Tuple[int, int, torch.Tensor]] = []
 
     def view(self, need: int) -> Tuple[int, int, torch.Tensor]:
         """(buffer id, size, uint8 view) of an arena of at least `need`
@@ -43,27 +56,9 @@ class HostArena:
         """Copies each part's input and output gradient into the arena from
         byte off on (zeros for a part not used this pass): (the arena's
         buffer id, its bytes, each part's (input, grad) byte offsets)."""
-        slots: List[Tuple[int, int]] = []
-        for pt in parts:
-            a_off = _align(off)
-            g_off = _align(a_off + math.prod(pt.in_shape) * _ESIZE[pt.in_dtype])
-            off = g_off + math.prod(pt.grad_shape) * _ESIZE[pt.grad_dtype]
-            slots.append((a_off, g_off))
-        bid, _, mem = self.view(off)
-
-        def view(o: int, dtype: torch.dtype, shape: Tuple[int, ...]) -> torch.Tensor:
-            n = math.prod(shape) * _ESIZE[dtype]
-            return mem[o:o + n].view(dtype).view(shape)
-
-        for pt, (a_off, g_off) in zip(parts, slots):
-            av, gv = view(a_off, pt.in_dtype, pt.in_shape), view(g_off, pt.grad_dtype,
-                                                                  pt.grad_shape)
-            if pt.inp is None:
-                av.zero_()
-                gv.zero_()
-            else:
-                av.copy_(pt.inp.reshape(pt.in_shape))
-                gv.copy_(pt.grad.reshape(pt.grad_shape))
+        slots, end = _layout(parts, off)
+        bid, _, mem = self.view(end)
+        _fill(mem, parts, slots)
         return bid, mem, slots
 
     def run(self, step: _lib.Step, plan: Plan, nb: int,
@@ -103,3 +98,116 @@ class HostArena:
             at = out_off[id(o)]
             set_grad(o.param, o.grad(mem[at:at + o.numel * _ESIZE[o.dtype]].view(o.dtype)))
         return res, t1, t2
+
+    # -- logical steps (dpclip._accumulate) ------------------------------------------
+    def submit(self, step: _lib.Step, plan: Plan, nb: int, algorithm: int
+               ) -> Tuple[int, Tuple[int, int, torch.Tensor]]:
+        """Sends one micro-batch of a logical step (nb samples) without
+        waiting: (its ticket, the staging arena it holds until its reply is
+        collected: give() it back then). Its outputs name the outputs'
+        buffer, the same for every micro-batch."""
+        outs = self._outputs(plan)
+        slots, end = _layout(plan.parts, 0)
+        arena = self._take(end)
+        bid, _, mem = arena
+        _fill(mem, plan.parts, slots)
+        step.reset(nb)
+        add_layers(step, plan.parts, algorithm, self._refs(plan, bid, slots, outs))
+        try:
+            return step.submit(self.client), arena
+        except BaseException:
+            self.give(arena)
+            raise
+
+    def give(self, arena: Tuple[int, int, torch.Tensor]) -> None:
+        """A staging arena back to the pool (its micro-batch's reply is in)."""
+        self._free.append(arena)
+
+    def write_grads(self, plan: Plan) -> None:
+        """param.grad = each output as the commit wrote it."""
+        _, _, mem = self._outs
+        for o in plan.outs:
+            at = self._out_off[id(o)]
+            set_grad(o.param, o.grad(mem[at:at + o.numel * _ESIZE[o.dtype]].view(o.dtype)))
+
+    def trim(self, keep: int = 2) -> None:
+        """Releases staging arenas past `keep` (called with nothing in flight:
+        a release waits for the session's earlier requests)."""
+        self._free.sort(key=lambda a: -a[1])
+        while len(self._free) > keep:
+            self.client.buffer_release(self._free.pop()[0])
+
+    def _outputs(self, plan: Plan) -> Tuple[int, int, torch.Tensor]:
+        """The outputs' buffer, laid out once for the engine's outputs."""
+        if self._outs is None:
+            off, where = 0, {}
+            for o in plan.outs:
+                where[id(o)] = _align(off)
+                off = where[id(o)] + o.numel * _ESIZE[o.dtype]
+            size = (max(off, 1) + 4095) // 4096 * 4096
+            bid, addr = self.client.buffer_alloc(size)
+            raw = (ctypes.c_uint8 * size).from_address(addr)
+            self._outs = (bid, size, torch.frombuffer(raw, dtype=torch.uint8))
+            self._out_off = where
+        return self._outs
+
+    def _take(self, need: int) -> Tuple[int, int, torch.Tensor]:
+        """A staging arena of at least `need` bytes: the smallest free one
+        that fits, else a new one (doubling from the largest, at least 1 MiB)."""
+        fits = [a for a in self._free if a[1] >= need]
+        if fits:
+            best = min(fits, key=lambda a: a[1])
+            self._free.remove(best)
+            return best
+        size = max(need, 1 << 20)
+        size = (size + 4095) // 4096 * 4096
+        bid, addr = self.client.buffer_alloc(size)
+        raw = (ctypes.c_uint8 * size).from_address(addr)
+        return bid, size, torch.frombuffer(raw, dtype=torch.uint8)
+
+    def _refs(self, plan: Plan, bid: int, slots: List[Tuple[int, int]],
+              outs: Tuple[int, int, torch.Tensor]):
+        out_bid = outs[0]
+
+        def out_ref(sl: Optional[Slice]) -> _lib.Tensor:
+            if sl is None:
+                return _lib.Tensor()
+            o, elem, shape = sl
+            return _tref(out_bid, self._out_off[id(o)] + elem * _ESIZE[o.dtype], o.dtype, shape)
+
+        def refs(i: int) -> Tuple[_lib.Tensor, _lib.Tensor, _lib.Tensor, _lib.Tensor]:
+            pt = plan.parts[i]
+            a_off, g_off = slots[i]
+            return (_tref(bid, a_off, pt.in_dtype, pt.in_shape),
+                    _tref(bid, g_off, pt.grad_dtype, pt.grad_shape), out_ref(pt.w),
+                    out_ref(pt.b))
+        return refs
+
+
+def _layout(parts: Sequence[Part], off: int) -> Tuple[List[Tuple[int, int]], int]:
+    """Each part's (input, grad) byte offsets from off on, and the end."""
+    slots: List[Tuple[int, int]] = []
+    for pt in parts:
+        a_off = _align(off)
+        g_off = _align(a_off + math.prod(pt.in_shape) * _ESIZE[pt.in_dtype])
+        off = g_off + math.prod(pt.grad_shape) * _ESIZE[pt.grad_dtype]
+        slots.append((a_off, g_off))
+    return slots, off
+
+
+def _fill(mem: torch.Tensor, parts: Sequence[Part], slots: List[Tuple[int, int]]) -> None:
+    """Copies each part's input and output gradient to its slots in mem
+    (zeros for a part not used this pass)."""
+    def view(o: int, dtype: torch.dtype, shape: Tuple[int, ...]) -> torch.Tensor:
+        n = math.prod(shape) * _ESIZE[dtype]
+        return mem[o:o + n].view(dtype).view(shape)
+
+    for pt, (a_off, g_off) in zip(parts, slots):
+        av, gv = view(a_off, pt.in_dtype, pt.in_shape), view(g_off, pt.grad_dtype,
+                                                              pt.grad_shape)
+        if pt.inp is None:
+            av.zero_()
+            gv.zero_()
+        else:
+            av.copy_(pt.inp.reshape(pt.in_shape))
+            gv.copy_(pt.grad.reshape(pt.grad_shape))

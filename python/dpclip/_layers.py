@@ -321,6 +321,7 @@ class _Layer:
 
     def capture(self, inp, g, pass_id):
         self.records.append((inp.detach(), g.detach(), pass_id))
+        self.engine._acc.captured(pass_id)  # which passes one backward reaches
 
     def active(self):
         # (_reference: the first-step check is running the modules' own code)

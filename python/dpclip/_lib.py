@@ -184,6 +184,7 @@ def _declare(L: ctypes.CDLL) -> None:
         "dpclip_step_set_phase": (c_int, [c_void_p, c_int]),
         "dpclip_step_set_data_parallel": (c_int, [c_void_p, ctypes.c_uint32, ctypes.c_uint32,
                                                   ctypes.c_float, ctypes.c_uint64]),
+        "dpclip_step_set_logical": (c_int, [c_void_p, ctypes.c_uint64, ctypes.c_uint32, c_int]),
         "dpclip_submit": (c_int, [c_void_p, c_void_p, u64p]),
         "dpclip_wait": (c_int, [c_void_p, ctypes.c_uint64, c_int, ctypes.POINTER(Result)]),
         "dpclip_wait_enqueued": (c_int, [c_void_p, ctypes.c_uint64, c_int,
@@ -375,9 +376,21 @@ class Client:
     def wait(self, ticket: int) -> "StepResult":
         """The StepResult of a submitted step (blocks until it finished);
         raises its error."""
+        res = self.poll(ticket, -1)
+        assert res is not None
+        return res
+
+    def poll(self, ticket: int, timeout_ms: int = 0) -> Optional["StepResult"]:
+        """The StepResult of a submitted step if it finished within
+        timeout_ms (0: without waiting; -1: forever), else None (the ticket
+        is still to be collected); raises its error (the ticket is then
+        collected)."""
         res = Result()
-        rc = self._L.dpclip_wait(self.handle, ctypes.c_uint64(ticket), -1, ctypes.byref(res))
+        rc = self._L.dpclip_wait(self.handle, ctypes.c_uint64(ticket), int(timeout_ms),
+                                 ctypes.byref(res))
         try:
+            if rc == EAGAIN:
+                return None
             self.check(rc)
             return _step_result(res)
         finally:
@@ -414,6 +427,8 @@ class StepResult(NamedTuple):
     epsilon: float
     delta: float
     input_wait_ns: int = 0
+    logical_id: int = 0      # a micro-batch's logical step (0: a whole step)
+    micro_batches: int = 0   # ... and the micro-batches accumulated so far, this one included
 
 
 def _step_result(res: Result) -> StepResult:
@@ -421,7 +436,7 @@ def _step_result(res: Result) -> StepResult:
     norms = res.norms[:n] if res.norms else []
     coefs = res.coefs[:n] if res.coefs else []
     return StepResult(norms, coefs, res.step_index, res.compute_ns, res.epsilon, res.delta,
-                      res.input_wait_ns)
+                      res.input_wait_ns, res.logical_id, res.micro_batches)
 
 
 class Step:
@@ -541,6 +556,23 @@ class Step:
                               "data_parallel(world=%r, rank=%r, noise_multiplier=%r, step=%r): "
                               "world is 2 to 4096, rank in [0, world), noise_multiplier finite "
                               "and > 0" % (world, rank, noise_multiplier, step))
+
+    def set_logical(self, id: int, micro_batch: int = 0,  # pylint: disable=redefined-builtin
+                    commit: bool = False) -> None:
+        """Gradient accumulation (docs/protocol.md, "Logical steps"): this
+        step is micro-batch `micro_batch` (0, 1, ... in order) of logical
+        step `id` (> 0, increasing per session; micro-batch 0 opens it).
+        Its clipped sum is accumulated in the daemon and nothing is written
+        to the outputs, except by the micro-batch with `commit`, which adds
+        the noise once, divides by expected_batch_size (the logical batch's)
+        under MEAN, writes every output and is charged once. id 0 turns it
+        off. Kept across reset()."""
+        rc = self._L.dpclip_step_set_logical(self._s, int(id), int(micro_batch),
+                                             1 if commit else 0)
+        if rc:
+            raise DpclipError(rc, "clip_step.logical",
+                              "logical(id=%r, micro_batch=%r, commit=%r): a micro-batch or a "
+                              "commit needs an id > 0" % (id, micro_batch, commit))
 
     def notify_enqueued(self, yes: bool = True) -> None:
         """GPU steps with a signal event: have submit()'s step send an

@@ -210,6 +210,7 @@ class _BiasKVFn(torch.autograd.Function):
     def backward(ctx, g):
         g = g.detach().reshape(g.shape[0], -1)
         ctx.layer.records.append((g, g, ctx.pass_id))
+        ctx.layer.engine._acc.captured(ctx.pass_id)
         return None, None, None
 
 

@@ -6,6 +6,8 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional
 
 import torch
 
+from . import _batches
+
 if TYPE_CHECKING:
     from .torch import PrivacyEngine
 
@@ -49,13 +51,25 @@ class DPOptimizer(torch.optim.Optimizer):
         self.original_optimizer.defaults = v
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clears param.grad and what the engine captured; in the middle
+        of a logical step (several backwards before one step()) that drops
+        the logical step, with a warning. Inside engine.logical_batches(),
+        a no-op after a skipped step (the logical batch goes on)."""
+        if _batches.skip_zero_grad(self.engine._batches):  # pylint: disable=protected-access
+            return
         self.engine.clear()
         self.original_optimizer.zero_grad(set_to_none=set_to_none)
 
     def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
+        """Fills param.grad with the private gradient (committing the
+        logical step of every backward since the last step) and steps the
+        wrapped optimizer. Inside engine.logical_batches(), a no-op except
+        after a logical batch's last micro-batch."""
         if closure is not None:
             with torch.enable_grad():
                 closure()
+        if _batches.skip_step(self.engine._batches):  # pylint: disable=protected-access
+            return None
         # the engine refuses (fail closed) where one of these holds a
         # gradient it did not compute
         self.engine.step(params=[p for g in self.param_groups for p in g["params"]])

@@ -204,7 +204,11 @@ class Probe:
         if not self.forward_done:
             self.forward_done = _check_forward(layer, args, kwargs, outs)
         pass_id = layer.engine._pass  # pylint: disable=protected-access
-        self.uses = [u for u in self.uses if u.pass_id == pass_id]  # an earlier pass: dropped
+        # a pass sent already (or before the step) is done with; one whose
+        # backward is still to come (gradient accumulation: GPipe's, 1F1B's)
+        # is checked when its micro-batch is sent
+        done = layer.engine._acc.done()  # pylint: disable=protected-access
+        self.uses = [u for u in self.uses if u.pass_id == pass_id or u.pass_id > done]
         n0 = next((o.shape[0] for o in outs if o is not None and o.dim() > 0), 0)
         use = _Use(pass_id, _keep(args, n0), _keep(kwargs, n0), n0, len(outs))
         for i, o in enumerate(outs):
@@ -415,7 +419,7 @@ def check_step(engine: Any, plan: Any, B: int) -> None:
                            float(w.norm()), layer.hint))
         if layer.records:  # checked: once
             layer.verify = None
-        probe.uses = []
+        probe.uses = [u for u in probe.uses if u.pass_id not in pass_ids]
 
 
 def _param_name(engine: Any, p: torch.Tensor) -> str:

@@ -35,9 +35,17 @@ Ledger account: a PrivacyEngine without job_id gets a fresh job id (printed
 once at make_private), so runs do not share one account by accident; pass
 job_id= to continue or share one. Data-parallel ranks all use rank 0's.
 
+Gradient accumulation (dpclip._accumulate): several forward/backward
+passes before one optimizer.step() are one logical step, each pass a
+micro-batch whose loss is the mean over its own samples (MEAN: the daemon
+divides the committed sum by the expected LOGICAL batch size), noised and
+charged once; engine.logical_batches() splits a loader's logical batches
+(dpclip._batches). zero_grad() in the middle of one drops it, warning.
+
 Conventions the caller must follow: batch-first inputs (dimension 0 is the
-sample); one forward/backward per optimizer step (no gradient accumulation
-across backward calls); a weight shared between modules only by an
+sample); each forward pass run backward before the next forward's backward,
+and one backward call per forward pass's samples (a backward reaching two
+passes is refused); a weight shared between modules only by an
 nn.Embedding and an nn.Linear (tied embeddings: exact); no module that mixes
 samples (batch statistics: refused at make_private and at each forward); do
 not wrap the model in DistributedDataParallel (the engine all-reduces the
@@ -61,7 +69,7 @@ import secrets
 import sys
 import time
 import warnings
-from typing import Any, Iterable, List, Optional, Tuple, Union
+from typing import Any, Iterable, List, Optional, Sequence, Tuple, Union
 
 from . import _needs_torch  # noqa: F401  (says which python3 has torch when it is missing)
 
@@ -69,7 +77,7 @@ import torch
 import torch.nn as nn
 from torch.utils.data import DataLoader
 
-from . import _fsdp, _group, _lib, _parallel, _planner, _verify
+from . import _accumulate, _batches, _fsdp, _group, _lib, _parallel, _planner, _terms, _verify
 from ._cuda import CudaIPC
 from ._host import HostArena
 from ._lib import DpclipError
@@ -129,6 +137,10 @@ class PrivacyEngine:
         self.active = False
         self._layers: List[_Layer] = []
         self._pass = 0
+        # gradient accumulation: the logical step under way (dpclip._accumulate),
+        # and engine.logical_batches()'s state while one is in use (dpclip._batches)
+        self._acc = _accumulate.Accumulator(self)
+        self._batches: Optional[_batches.State] = None
         self._step: Optional[_lib.Step] = None
         self._hook = None
         self._norm_hooks: list = []  # normalizations' checks against mixing samples
@@ -311,7 +323,7 @@ class PrivacyEngine:
         shards into param.grad on every rank: no rank is special."""
         if self.module is not None:
             raise RuntimeError("this PrivacyEngine is already attached to a module")
-        algo = _check_terms(loss_reduction, max_grad_norm, noise_multiplier, algorithm)
+        algo = _terms.check_terms(loss_reduction, max_grad_norm, noise_multiplier, algorithm)
         _fsdp.refuse_fsdp1(module)
         fsdp = _fsdp.is_fsdp2(module)
         if replace_mha:
@@ -328,7 +340,7 @@ class PrivacyEngine:
             replicated_modules, {"max_grad_norm": float(max_grad_norm),
                                  "noise_multiplier": float(noise_multiplier),
                                  "loss_reduction": loss_reduction},
-            _loader_kind(data_loader, poisson_sampling, secure_mode))
+            _terms.loader_kind(data_loader, poisson_sampling, secure_mode))
         if fsdp or sharded_noise:
             self._shards = _fsdp.Sharded(self, layers, module, fsdp, self.distributed, norm_group)
             self.rank, self.world_size = self._shards.rank, self._shards.world
@@ -503,6 +515,7 @@ class PrivacyEngine:
 
         def on_forward(mod, inputs):
             engine._pass += 1
+            engine._acc.forward(engine._pass)  # sends the micro-batches complete by now
 
         self._hook = module.register_forward_pre_hook(on_forward)
 
@@ -542,6 +555,7 @@ class PrivacyEngine:
         try:
             self._collect()
         finally:
+            self._acc.close()
             self.detach()
             if self._step is not None:
                 self._step.close()
@@ -563,7 +577,7 @@ class PrivacyEngine:
         close(), on every rank."""
         if self._inflight is None:
             return
-        ticket, B, index = self._inflight
+        ticket, B, index, earlier = self._inflight
         self._inflight = None
         try:
             res = self.client.wait(ticket)
@@ -572,7 +586,7 @@ class PrivacyEngine:
                 e.code, e.field, "step %d failed on the device after it was queued, so its "
                 "gradients were zeros (the optimizer step that used them moved the parameters "
                 "only through momentum or weight decay): %s" % (index, e.message)) from None
-        self._finish(res, B)
+        self._finish(res, B, earlier)
 
     def _collect(self) -> None:
         """step()'s and close()'s collection of the last step: its error, or
@@ -617,20 +631,42 @@ class PrivacyEngine:
         return reduce_loss(per_sample, self.loss_reduction)
 
     def clear(self) -> None:
-        """Forget what was captured since the last step."""
+        """Forget what was captured since the last step (zero_grad() calls
+        it). In the middle of a logical step (micro-batches captured, or
+        sent) it drops the logical step, with a warning saying what it
+        dropped; the daemon releases and charges nothing of it."""
+        self._acc.abort("zero_grad()")
+        self._drop()
+
+    def logical_batches(self, data_loader: DataLoader, max_physical_batch_size: int
+                        ) -> "_batches.LogicalBatches":
+        """Opacus's BatchMemoryManager: `with engine.logical_batches(loader,
+        max_physical_batch_size=16) as batches: for x, y in batches: ...`
+        splits each logical batch the loader draws into micro-batches of at
+        most that many samples, and makes optimizer.step() and zero_grad()
+        no-ops except at each logical batch's end: one logical step per
+        logical batch, at the loader's sample rate (dpclip._batches)."""
+        return _batches.LogicalBatches(self, data_loader, max_physical_batch_size)
+
+    def _drop(self) -> None:
+        """Forgets the captures, the guard's marks and the logical step."""
         for l in self._layers:
             l.records.clear()
             if l.verify is not None:
                 l.verify.uses = []  # the first-step check's record of the same calls
         if self._guard is not None:
             self._guard.clear()
+        self._acc.reset()
 
     # -- the step -------------------------------------------------------------------
     def step(self, params: Optional[Iterable[torch.Tensor]] = None) -> None:
         """Send the captured activations and output gradients as one
         ClipStep and write the private gradient into each parameter's .grad
         (replacing what was there). Called by DPOptimizer.step(), with the
-        optimizer's parameters as params.
+        optimizer's parameters as params. After several backward passes it
+        commits their logical step (dpclip._accumulate): the micro-batches
+        not sent yet, then the commit; a failure of any micro-batch raises
+        here, no parameter updated.
 
         Fail closed (dpclip._guard): first, where a parameter the engine
         trains received a gradient from autograd since the last step (a use
@@ -655,7 +691,7 @@ class PrivacyEngine:
             try:
                 self._shards.step()
             finally:
-                self.clear()
+                self._drop()
                 self.steps += 1
             return
         gated = self.distributed and self.world_size > 1
@@ -663,13 +699,14 @@ class PrivacyEngine:
         try:
             self._collect()
             try:
-                ok = self._step_local(params)
+                self._guard.check(self.module, params)
+                ok = self._acc.commit(gated)
             except Exception as e:  # pylint: disable=broad-except
                 if not gated:
                     raise
                 failed = e
         finally:
-            self.clear()
+            self._drop()
         if gated:
             # counted on every rank alike: each joins the step's collectives
             self.steps += 1
@@ -679,22 +716,16 @@ class PrivacyEngine:
         else:
             self.steps += 1
 
-    def _step_local(self, params: Optional[Iterable[torch.Tensor]]) -> Optional[torch.Tensor]:
-        """This process's step; returns (data parallel) a [1] f32 tensor on
-        the gradients' device: 1 where the step's result is in param.grad,
-        0 where it is not."""
-        self._guard.check(self.module, params)
-        passes = {pid for l in self._layers for _, _, pid in l.records}
-        if len(passes) > 1:
-            raise RuntimeError(
-                "activations from %d forward/backward passes were captured for one "
-                "optimizer step; dpclip takes one pass per step (no gradient "
-                "accumulation): call optimizer.step() after each backward" % len(passes))
+    def _step_whole(self) -> Optional[torch.Tensor]:
+        """This process's step of one pass, as a whole step (the logical
+        step's only micro-batch); returns (data parallel) a [1] f32 tensor
+        on the gradients' device: 1 where the step's result is in
+        param.grad, 0 where it is not."""
         B = _planner.batch_size(self._layers)
         if B == 0:
             if self.loss_reduction == "mean" and self.expected_batch_size <= 0:
                 raise ValueError("an empty batch with a mean loss needs expected_batch_size")
-            self.clear()
+            self._drop()
         device = self._device()
         t0 = time.perf_counter()
         plan = _planner.plan(self._layers, B)
@@ -705,7 +736,7 @@ class PrivacyEngine:
             run = self._cuda.run(self._step, plan, nb, device, self.algorithm,
                                  self.distributed and self.world_size > 1, self.asynchronous)
             if run.res is None:
-                self._inflight = (run.ticket, B, run.info.step_index)
+                self._inflight = (run.ticket, B, run.info.step_index, ())
                 self.last_epsilon, self.last_delta = run.info.epsilon, run.info.delta
             else:
                 self._finish(run.res, B)
@@ -732,7 +763,11 @@ class PrivacyEngine:
                              "serves one device" % ", ".join(str(d) for d in devs))
         return devs.pop()
 
-    def _finish(self, res: _lib.StepResult, B: int) -> None:
+    def _finish(self, res: _lib.StepResult, B: int,
+                earlier: Sequence[Tuple[int, _lib.StepResult]] = ()) -> None:
+        """Takes a step's result (earlier: a logical step's micro-batches
+        before its commit, as (samples, result))."""
+        res, B = _accumulate.merged(res, B, earlier)
         # An empty batch was sent as one sample of zeros: no real norms.
         self._last_norms = torch.tensor(res.norms if B > 0 else [], dtype=torch.float32)
         self._last_coefs = torch.tensor(res.coefs if B > 0 else [], dtype=torch.float32)
@@ -749,34 +784,6 @@ class PrivacyEngine:
                             "finish_ms": (t3 - t2) * 1e3}
         if blocked:  # the daemon's own times come with a blocking step's reply
             self.last_timing.update(self.client.last_timing() or {})
-
-def _check_terms(loss_reduction: str, max_grad_norm: float, noise_multiplier: float,
-                 algorithm: str) -> int:
-    """make_private's clipping terms, each refused by its name; returns the
-    algorithm's wire value."""
-    if loss_reduction not in ("mean", "sum"):
-        raise ValueError("loss_reduction must be 'mean' or 'sum', got %r" % (loss_reduction,))
-    if not (max_grad_norm > 0 and math.isfinite(max_grad_norm)):
-        raise ValueError("max_grad_norm must be a positive number")
-    if not (noise_multiplier >= 0 and math.isfinite(noise_multiplier)):
-        raise ValueError("noise_multiplier must be >= 0")
-    algos = {"auto": _lib.ALGO_AUTO, "direct": _lib.ALGO_DIRECT, "ghost": _lib.ALGO_GHOST}
-    if algorithm not in algos:
-        raise ValueError("algorithm must be one of %s, got %r" % (", ".join(algos), algorithm))
-    return algos[algorithm]
-
-
-def _loader_kind(loader: Optional[DataLoader], poisson_sampling: bool, secure_mode: bool) -> str:
-    """How a norm group member's loader draws its batches, for the members
-    to compare (dpclip._group.agree_terms): "" without one."""
-    if loader is None:
-        return ""
-    if isinstance(loader, DPDataLoader):
-        return "secure" if loader.secure_mode else \
-            "generator %016x" % (_parallel.generator_digest(loader) & (2 ** 64 - 1))
-    if not poisson_sampling:
-        return "a loader of its own"
-    return "secure" if secure_mode else "converted by make_private"
 
 
 def make_private(model: nn.Module, optimizer: Optional[torch.optim.Optimizer],

@@ -165,3 +165,41 @@ def test_hook_called_without_a_gradient_marks_nothing():
     mark(torch.ones(3))
     with pytest.raises(UnclippedGradientError, match="received a gradient from autograd"):
         guard.check(None, [p])
+
+
+class _Tied(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(10, 6)
+        self.fc = nn.Linear(6, 6)
+
+    def forward(self, x, stray=False):
+        h = torch.tanh(self.fc(self.emb(x)))
+        return F.linear(h, self.emb.weight) if stray else h
+
+
+@pytest.mark.parametrize("where", [0, 2])
+def test_a_plain_gradient_in_any_micro_batch_refuses_the_logical_step(daemon, where):
+    """Gradient accumulation: an autograd gradient into a trained weight in
+    one micro-batch of three (the first, already sent, or the last) refuses
+    the logical step at step(), naming the parameter; nothing moves."""
+    model = _Tied()
+    engine, model, opt = _private(daemon, model)
+    for k in range(3):
+        model(_x(), stray=k == where).sum().backward()
+    _refused(opt, list(model.parameters()), r"emb\.weight.*received a gradient from autograd")
+    assert engine.steps == 0
+    engine.close()
+
+
+def test_a_foreign_gradient_refuses_the_logical_step(daemon):
+    """A parameter the engine does not train holding a gradient at the
+    commit of a logical step of two micro-batches: refused by name."""
+    model = Net()
+    extra = nn.Parameter(torch.zeros(3))
+    opt = torch.optim.SGD(list(model.parameters()) + [extra], lr=1.0)
+    engine, model, opt = _private(daemon, model, opt)
+    for _ in range(2):
+        (model(_x()).sum() + extra.sum()).backward()
+    _refused(opt, list(model.parameters()) + [extra], r"hold.*a gradient that dpclip did not")
+    engine.close()

@@ -250,16 +250,22 @@ def test_daemon_down_errors(tmp_path, fresh_daemon):
     engine.close()
 
 
-def test_two_passes_per_step_refused(daemon):
+def test_one_backward_over_two_forwards_refused(daemon):
+    """Two forwards of the model reached by one backward call: each
+    forward pass is a micro-batch (gradient accumulation), and a sample in
+    both would be clipped twice, so step() refuses, sending nothing; the
+    captures are dropped and the next step is normal."""
     model = nn.Linear(5, 3)
     engine = PrivacyEngine(daemon.socket, allow_insecure_seed=True)
     model, opt, _ = engine.make_private(module=model, optimizer=torch.optim.SGD(
         model.parameters(), lr=0.1), noise_multiplier=0.0, max_grad_norm=1.0,
         expected_batch_size=4)
-    model(torch.randn(4, 5)).sum().backward()
-    model(torch.randn(4, 5)).sum().backward()
-    with pytest.raises(RuntimeError, match="one pass per step"):
+    x = torch.randn(4, 5)
+    (model(x).sum() + model(x).sum()).backward()
+    with pytest.raises(RuntimeError, match="one backward call reached the activations of 2 "
+                       "forward passes"):
         opt.step()
+    assert model.weight.grad is None  # nothing was sent or written
     # The captures were dropped: the next pass steps normally.
     opt.zero_grad()
     model(torch.randn(4, 5)).sum().backward()

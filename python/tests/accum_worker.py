@@ -1,0 +1,156 @@
+"""The per-rank halves of the gradient-accumulation tests over several
+processes (spawned processes import this module by name; it must not be a
+test module): a 2-stage pipeline run under GPipe or 1F1B with M
+micro-batches per logical step, and data parallelism with each rank
+accumulating its own micro-batches."""
+import datetime
+import os
+
+import torch
+import torch.distributed as dist
+
+from dpclip.torch import PrivacyEngine, reduce_loss
+from models import SeqModel, per_sample_losses, pipeline_model
+
+
+def _init(rank, world, init_file):
+    # a timeout well past any step: ranks that fall out of step (or a
+    # pipeline that deadlocks) fail the test instead of hanging it
+    dist.init_process_group("gloo", init_method="file://" + init_file, rank=rank,
+                            world_size=world, timeout=datetime.timedelta(seconds=60))
+
+
+def schedule(kind, stages, stage, m):
+    """This stage's order of forwards ("F", i) and backwards ("B", i) of m
+    micro-batches: GPipe (every forward, then the backwards in reverse) or
+    1F1B (stages - stage - 1 forwards to warm up, then one forward and one
+    backward in turn, then the backwards left)."""
+    if kind == "gpipe":
+        return [("F", i) for i in range(m)] + [("B", i) for i in reversed(range(m))]
+    warm = min(m, stages - stage - 1)
+    ops, f = [("F", i) for i in range(warm)], warm
+    for b in range(m):
+        if f < m:
+            ops.append(("F", f))
+            f += 1
+        ops.append(("B", b))
+    return ops
+
+
+def pipeline_step(stage_mod, opt, rank, x, y, sizes, kind, d=16):
+    """One logical step of a 2-stage pipeline (global ranks 0 and 1) over
+    micro-batches of `sizes` samples, run in `kind`'s order. Activations and
+    gradients go with isend (never waited on inside the schedule: a
+    blocking send would deadlock 1F1B) and blocking recv, through host
+    memory (gloo sends no CUDA tensors)."""
+    dev = next(stage_mod.parameters()).device
+    x, y = x.to(dev), y.to(dev)
+    bounds = [sum(sizes[:i]) for i in range(len(sizes) + 1)]
+    sends, outs, ins, losses = [], {}, {}, {}
+    opt.zero_grad()
+    for op, i in schedule(kind, 2, rank, len(sizes)):
+        sl = slice(bounds[i], bounds[i + 1])
+        if rank == 0 and op == "F":
+            outs[i] = stage_mod(x[sl])
+            h = outs[i].detach().cpu().contiguous()
+            sends.append((dist.isend(h, 1), h))
+        elif rank == 0:
+            g = torch.empty(outs[i].shape)
+            dist.recv(g, 1)
+            outs.pop(i).backward(g.to(dev))
+        elif op == "F":
+            h = torch.empty(sizes[i], x.shape[1], d)
+            dist.recv(h, 0)
+            ins[i] = h.to(dev).requires_grad_(True)
+            losses[i] = reduce_loss(per_sample_losses("seq", stage_mod(ins[i]), y[sl]), "mean")
+        else:
+            losses.pop(i).backward()
+            g = ins.pop(i).grad.cpu().contiguous()
+            sends.append((dist.isend(g, 0), g))
+    for work, _ in sends:
+        work.wait()
+    early = opt.engine._acc.sent  # micro-batches sent during the schedule
+    opt.step()  # the commit: waits in the daemon for the other stage's
+    return early
+
+
+def run_schedule(rank, world, init_file, socket_path, data, sizes, C, expected, kind, out_dir,
+                 device="cpu"):
+    """SeqModel's 2 stages in one norm group (flat clipping), noise off,
+    one logical step of len(sizes) micro-batches under `kind`; then, noise
+    on, two logical steps whose epsilon is saved."""
+    _init(rank, world, init_file)
+    try:
+        torch.manual_seed(3)
+        stage = pipeline_model()[rank].to(device)
+        engine = PrivacyEngine(socket_path, allow_insecure_seed=True)
+        kw = {"expected_batch_size": expected} if rank == 0 else {}
+        stage, opt, _ = engine.make_private(
+            module=stage, optimizer=torch.optim.SGD(stage.parameters(), lr=0.0),
+            noise_multiplier=0.0, max_grad_norm=C, loss_reduction="mean",
+            norm_group=dist.group.WORLD, **kw)
+        x, y = data
+        early = pipeline_step(stage, opt, rank, x, y, sizes, kind)
+        out = {"early": early, "grads": {"%d.%s" % (rank, n): p.grad.cpu()
+                                         for n, p in stage.named_parameters()},
+               "norms": engine.last_norms, "steps": engine.steps}
+        engine.close()
+
+        torch.manual_seed(3)
+        stage = pipeline_model()[rank].to(device)
+        engine = PrivacyEngine(socket_path, allow_insecure_seed=True)
+        kw = {"expected_batch_size": expected, "sample_rate": 0.05} if rank == 0 else {}
+        stage, opt, _ = engine.make_private(
+            module=stage, optimizer=torch.optim.SGD(stage.parameters(), lr=0.1),
+            noise_multiplier=1.0, max_grad_norm=C, loss_reduction="mean",
+            norm_group=dist.group.WORLD, target_delta=1e-5, **kw)
+        for _ in range(2):
+            pipeline_step(stage, opt, rank, x, y, sizes, kind)
+        out["epsilon"] = engine.last_epsilon
+        engine.close()
+        torch.save(out, os.path.join(out_dir, "%s%d.pt" % (kind, rank)))
+    finally:
+        dist.destroy_process_group()
+
+
+def run_data_parallel(rank, world, init_file, socket_path, data, pieces, C, expected, out_dir,
+                      device="cpu"):
+    """Each rank accumulates its shard of the logical batch in its own
+    micro-batches (pieces[rank]: lists of sample indices; the ranks take
+    different numbers) and steps once: noise off, then noise on with zero
+    gradients (one rank's noise, once)."""
+    _init(rank, world, init_file)
+    try:
+        torch.manual_seed(100 + rank)  # make_private broadcasts rank 0's
+        model = SeqModel().to(device)
+        engine = PrivacyEngine(socket_path, job_id="dp-accumulate-test", allow_insecure_seed=True)
+        model, opt, _ = engine.make_private(
+            module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.0),
+            noise_multiplier=0.0, max_grad_norm=C, loss_reduction="mean",
+            expected_batch_size=expected)
+        assert engine.distributed and engine.world_size == world
+        x, y = data[0].to(device), data[1].to(device)
+        opt.zero_grad()
+        for idx in pieces[rank]:
+            reduce_loss(per_sample_losses("seq", model(x[idx]), y[idx]), "mean").backward()
+        opt.step()
+        out = {"grads": {n: p.grad.cpu() for n, p in model.named_parameters()},
+               "norms": engine.last_norms, "steps": engine.steps}
+        engine.close()
+
+        model = SeqModel().to(device)
+        engine = PrivacyEngine(socket_path, job_id="dp-accumulate-test", allow_insecure_seed=True)
+        model, opt, _ = engine.make_private(
+            module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.0),
+            noise_multiplier=2.0, max_grad_norm=C, loss_reduction="mean",
+            expected_batch_size=expected)
+        opt.zero_grad()
+        for idx in pieces[rank]:
+            (model(x[idx]) * 0.0).sum().backward()
+        opt.step()
+        engine.synchronize()
+        out["noise"] = torch.cat([p.grad.reshape(-1) for p in model.parameters()]).cpu()
+        engine.close()
+        torch.save(out, os.path.join(out_dir, "dp%d.pt" % rank))
+    finally:
+        dist.destroy_process_group()

@@ -1,0 +1,171 @@
+"""Gradient accumulation over several processes (issue 39), gloo on the
+CPU: a 2-stage pipeline under GPipe and 1F1B with 4 micro-batches per
+logical step (flat clipping: each micro-batch's per-sample norms summed
+over the stages), and data parallelism with each rank accumulating its own
+micro-batches, each against the per-sample f64 reference of the unsplit
+model on the whole logical batch (noise off); with noise, one draw and one
+charge per logical step."""
+import math
+import os
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from dpclip.torch import PrivacyEngine
+from accum_worker import run_data_parallel, run_schedule, schedule
+from models import pipeline_model, reference, seq_data, SeqModel
+
+EXPECTED = 14  # the logical batch's expected size (the batch is 12)
+
+
+def _spawn(fn, args, nprocs=2):
+    ctx = mp.start_processes(fn, nprocs=nprocs, join=False, start_method="spawn", args=args)
+    while not ctx.join(timeout=120):
+        pass
+
+
+def _between(norms):
+    s = sorted(float(n) for n in norms)
+    return 0.5 * (s[len(s) // 2 - 1] + s[len(s) // 2])
+
+
+def _max_rel(got, want):
+    return float((got.double() - want).abs().max()) / max(float(want.abs().max()), 1e-30)
+
+
+def test_schedules():
+    assert schedule("1f1b", 2, 0, 4) == [("F", 0), ("F", 1), ("B", 0), ("F", 2), ("B", 1),
+                                         ("F", 3), ("B", 2), ("B", 3)]
+    assert schedule("1f1b", 2, 1, 4) == [("F", 0), ("B", 0), ("F", 1), ("B", 1), ("F", 2),
+                                         ("B", 2), ("F", 3), ("B", 3)]
+    assert schedule("gpipe", 2, 0, 3) == [("F", 0), ("F", 1), ("F", 2), ("B", 2), ("B", 1),
+                                          ("B", 0)]
+
+
+@pytest.mark.parametrize("kind", ["1f1b", "gpipe"])
+def test_pipeline_micro_batches_equal_the_unsplit_model(daemon, tmp_path, kind):
+    """2 stages, 4 micro-batches (3 + 4 + 2 + 3) of a logical batch of 12:
+    both stages' gradients and norms are the whole model's on the 12 (the
+    daemon sums each micro-batch's per-sample norms over the stages), in
+    one logical step; with noise, two logical steps cost what two steps of
+    one process do."""
+    torch.manual_seed(3)
+    whole = pipeline_model()
+    (x,), y = seq_data(12, seed=8)
+    _, norms, _ = reference(whole, "seq", (x,), y, 1e9, "sum", 1)
+    C = _between(norms)
+    want, norms, coefs = reference(whole, "seq", (x,), y, C, "mean", EXPECTED)
+    assert (coefs < 1).any() and (coefs == 1).any()
+    _spawn(run_schedule, (2, str(tmp_path / "init"), daemon.socket, (x, y), [3, 4, 2, 3], C,
+                          EXPECTED, kind, str(tmp_path)))
+    names = set()
+    for r in range(2):
+        got = torch.load(str(tmp_path / ("%s%d.pt" % (kind, r))))
+        assert got["steps"] == 1
+        # each micro-batch went once complete (before step(): 1F1B's first
+        # two on stage 0, three on stage 1; GPipe's backwards run in
+        # reverse, so all four at step())
+        assert got["early"] == {"1f1b": [2, 3], "gpipe": [0, 0]}[kind][r], got["early"]
+        for n, g in got["grads"].items():
+            assert _max_rel(g, want[n]) < 2e-4, (kind, r, n)
+            names.add(n)
+        assert _max_rel(got["norms"], norms) < 1e-4, (kind, r)
+    assert names == set(want)
+    engine = PrivacyEngine(daemon.socket, allow_insecure_seed=True)
+    m = torch.nn.Linear(2, 2)
+    m, opt, _ = engine.make_private(module=m, optimizer=torch.optim.SGD(m.parameters(), lr=0.1),
+                                    noise_multiplier=1.0, max_grad_norm=C, sample_rate=0.05,
+                                    expected_batch_size=EXPECTED, target_delta=1e-5)
+    for _ in range(2):
+        opt.zero_grad()
+        m(torch.randn(3, 2)).sum().backward()
+        opt.step()
+    single = engine.last_epsilon
+    engine.close()
+    got = torch.load(str(tmp_path / ("%s0.pt" % kind)))
+    assert 0 < single < math.inf and got["epsilon"] == pytest.approx(single, rel=1e-9)
+
+
+def test_data_parallel_accumulation_equals_one_process(daemon, tmp_path):
+    """Two ranks, each accumulating its shard of a logical batch of 12 in
+    micro-batches of its own (rank 0: 3 + 1 + 2, rank 1: 4 + 2): every rank
+    holds the union's gradient of one process, all-reduced once after the
+    commits; with noise and zero gradients, one rank's noise (std
+    sigma * C / E), not one per rank or micro-batch."""
+    (x,), y = seq_data(12, seed=5)
+    torch.manual_seed(100)
+    model = SeqModel()
+    _, norms, _ = reference(model, "seq", (x,), y, 1e9, "sum", 1)
+    C = _between(norms)
+    want, _, coefs = reference(model, "seq", (x,), y, C, "mean", EXPECTED)
+    assert (coefs < 1).any() and (coefs == 1).any()
+    pieces = [[[0, 2, 4], [6], [8, 10]], [[1, 3, 5, 7], [9, 11]]]
+    _spawn(run_data_parallel, (2, str(tmp_path / "init"), daemon.socket, (x, y), pieces, C,
+                               EXPECTED, str(tmp_path)))
+    got = [torch.load(str(tmp_path / ("dp%d.pt" % r))) for r in range(2)]
+    for r in range(2):
+        assert got[r]["steps"] == 1
+        for n, w in want.items():
+            assert _max_rel(got[r]["grads"][n], w) < 2e-4, (r, n)
+        assert got[r]["norms"].shape == (6,)
+    assert torch.equal(got[0]["noise"], got[1]["noise"])
+    noise = got[0]["noise"].double()
+    want_std = 2.0 * C / EXPECTED
+    assert abs(float(noise.std()) - want_std) < 6 * want_std / math.sqrt(2 * noise.numel())
+
+
+def _cuda_daemon(daemon):
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    engine = PrivacyEngine(daemon.socket, allow_insecure_seed=True)
+    try:
+        if not engine.client.info.has_cuda:
+            pytest.skip("this dpclipd has no CUDA backend")
+    finally:
+        engine.close()
+    return daemon
+
+
+@pytest.mark.parametrize("kind", ["1f1b", "gpipe"])
+def test_pipeline_micro_batches_on_cuda(daemon, tmp_path, kind):
+    """The same two stages on one GPU (gloo between them through host
+    memory): a flat norm group's GPU micro-batches have no early notice and
+    are sent detached, their tensors held until collected."""
+    _cuda_daemon(daemon)
+    torch.manual_seed(3)
+    whole = pipeline_model()
+    (x,), y = seq_data(12, seed=8)
+    _, norms, _ = reference(whole, "seq", (x,), y, 1e9, "sum", 1)
+    C = _between(norms)
+    want, norms, _ = reference(whole, "seq", (x,), y, C, "mean", EXPECTED)
+    _spawn(run_schedule, (2, str(tmp_path / "init"), daemon.socket, (x, y), [3, 4, 2, 3], C,
+                          EXPECTED, kind, str(tmp_path), "cuda"))
+    for r in range(2):
+        got = torch.load(str(tmp_path / ("%s%d.pt" % (kind, r))))
+        assert got["steps"] == 1
+        for n, g in got["grads"].items():
+            assert _max_rel(g, want[n]) < 3e-3, (kind, r, n)  # TF32
+        assert _max_rel(got["norms"], norms) < 3e-3, (kind, r)
+
+
+def test_data_parallel_accumulation_on_cuda(daemon, tmp_path):
+    """Two ranks on one GPU, each accumulating asynchronous GPU
+    micro-batches (early notices), all-reduced once after the commits."""
+    _cuda_daemon(daemon)
+    (x,), y = seq_data(12, seed=5)
+    torch.manual_seed(100)
+    model = SeqModel()
+    _, norms, _ = reference(model, "seq", (x,), y, 1e9, "sum", 1)
+    C = _between(norms)
+    want, _, _ = reference(model, "seq", (x,), y, C, "mean", EXPECTED)
+    pieces = [[[0, 2, 4], [6], [8, 10]], [[1, 3, 5, 7], [9, 11]]]
+    _spawn(run_data_parallel, (2, str(tmp_path / "init"), daemon.socket, (x, y), pieces, C,
+                               EXPECTED, str(tmp_path), "cuda"))
+    got = [torch.load(str(tmp_path / ("dp%d.pt" % r))) for r in range(2)]
+    for r in range(2):
+        for n, w in want.items():
+            assert _max_rel(got[r]["grads"][n], w) < 3e-3, (r, n)
+    noise = got[0]["noise"].double()
+    want_std = 2.0 * C / EXPECTED
+    assert abs(float(noise.std()) - want_std) < 6 * want_std / math.sqrt(2 * noise.numel())
