@@ -87,15 +87,21 @@ class Accumulator:
 
     def __init__(self, engine: Any) -> None:
         self.e = engine
-        self.last_id = 0            # logical step ids this session used (increasing)
+        # logical step ids: this engine's count of logical steps (each step()
+        # ends one, and so does dropping one that held micro-batches), the
+        # same on every member of a norm group, which step alike; increasing,
+        # as the daemon wants
+        self.serial = 1
         self.open = False           # one may be open in the daemon (sent, not committed)
         self.inflight: List[_InFlight] = []   # in submission order, earlier steps' too
         self._window: set = set()   # passes captured by the backward call under way
         self._queued = False
         self.reset()
 
-    def reset(self) -> None:
-        """A new logical step (after a step(), or one dropped)."""
+    def reset(self, ended: bool = False) -> None:
+        """A new logical step (ended: after a step(), or one dropped that
+        held micro-batches)."""
+        self.serial += 1 if ended else 0
         self.id = 0                 # this step's logical id once a micro-batch was sent
         self.sent = 0               # micro-batches sent
         self.floor = self.e._pass   # the last pass before this step (submodules called
@@ -180,7 +186,10 @@ class Accumulator:
         if self.failure is not None:
             raise self.failure
         pending = self._passes()
-        if self.sent == 0 and len(pending) <= 1 and not self.open:
+        # One micro-batch is a whole step, as before; not in a norm group,
+        # whose members must all send a logical step or none (a member that
+        # dropped a logical step after sending some of it must send one).
+        if self.sent == 0 and len(pending) <= 1 and not self.open and e.norm_group is None:
             return e._step_whole()
         for p in pending[:-1]:
             self._send(p, commit=False)
@@ -197,22 +206,42 @@ class Accumulator:
                 raise self.failure from None
             raise
 
-    def abort(self, why: str) -> None:
+    def abort(self, why: str) -> bool:
         """Drops the logical step under way (zero_grad() in its middle):
-        warns where it held micro-batches; the daemon drops those it was
-        sent (nothing released, nothing charged) when the next one opens."""
+        warns where it held micro-batches (and says so); the daemon drops
+        those it was sent (nothing released, nothing charged) when the next
+        one opens."""
         n, samples = self.pending()
-        if n or self.failure is not None:
-            warnings.warn(
-                "dpclip: %s in the middle of a logical step dropped it: %d micro-batch%s "
-                "(%d sample%s, %d sent to the daemon, which drops them: nothing released, "
-                "nothing charged)%s; optimizer.step() takes only what is captured from here "
-                "on. Call zero_grad() before a logical step's first micro-batch only, or use "
-                "engine.logical_batches(), whose zero_grad() waits for the logical batch's end"
-                % (why, n, "es" if n != 1 else "", samples, "s" if samples != 1 else "",
-                   self.sent, "" if self.failure is None else
-                   ", and its error, which step() would have raised: %s" % (self.failure,)),
-                UserWarning, stacklevel=4)
+        held = bool(n or self.sent or self.failure is not None)
+        if not held:
+            return False
+        group = ""
+        if self.e.norm_group is not None and self.failure is None:
+            # The daemon pairs the members' group steps in order: a member
+            # that sent fewer of this logical step's micro-batches than
+            # another would pair its next step with the other's leftover.
+            # Each member sends what it captured (never the commit), so that
+            # members dropping at the same point stay paired.
+            try:
+                for p in self._passes():
+                    if p > self.last_sent:
+                        self._send(p, commit=False)
+            except Exception:  # pylint: disable=broad-except
+                pass  # dropped anyway
+            group = "; as a member of a norm group it sent the rest of its micro-batches " \
+                "first (never the commit), so that the members' group steps stay paired: " \
+                "drop a logical step at the same point on every member"
+        warnings.warn(
+            "dpclip: %s in the middle of a logical step dropped it: %d micro-batch%s "
+            "(%d sample%s, %d sent to the daemon, which drops them: nothing released, "
+            "nothing charged)%s%s; optimizer.step() takes only what is captured from here "
+            "on. Call zero_grad() before a logical step's first micro-batch only, or use "
+            "engine.logical_batches(), whose zero_grad() waits for the logical batch's end"
+            % (why, n, "es" if n != 1 else "", samples, "s" if samples != 1 else "",
+               self.sent, "" if self.failure is None else
+               ", and its error, which step() would have raised: %s" % (self.failure,), group),
+            UserWarning, stacklevel=4)
+        return True
 
     def close(self) -> None:
         """The engine closes: what is still in flight is dropped with the
@@ -282,8 +311,7 @@ class Accumulator:
             if e._probing():
                 _verify.check_step(e, plan, B)
             if self.id == 0:
-                self.last_id += 1
-                self.id, self.open = self.last_id, True
+                self.id, self.open = self.serial, True
             index = self.sent
             e._step.set_logical(self.id, index, commit)
             try:

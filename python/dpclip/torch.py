@@ -635,8 +635,7 @@ class PrivacyEngine:
         it). In the middle of a logical step (micro-batches captured, or
         sent) it drops the logical step, with a warning saying what it
         dropped; the daemon releases and charges nothing of it."""
-        self._acc.abort("zero_grad()")
-        self._drop()
+        self._drop(ended=self._acc.abort("zero_grad()"))
 
     def logical_batches(self, data_loader: DataLoader, max_physical_batch_size: int
                         ) -> "_batches.LogicalBatches":
@@ -648,15 +647,15 @@ class PrivacyEngine:
         logical batch, at the loader's sample rate (dpclip._batches)."""
         return _batches.LogicalBatches(self, data_loader, max_physical_batch_size)
 
-    def _drop(self) -> None:
-        """Forgets the captures, the guard's marks and the logical step."""
+    def _drop(self, ended: bool = True) -> None:
+        """Forgets captures, guard marks and the logical step (ended: counted as one)."""
         for l in self._layers:
             l.records.clear()
             if l.verify is not None:
                 l.verify.uses = []  # the first-step check's record of the same calls
         if self._guard is not None:
             self._guard.clear()
-        self._acc.reset()
+        self._acc.reset(ended)
 
     # -- the step -------------------------------------------------------------------
     def step(self, params: Optional[Iterable[torch.Tensor]] = None) -> None:
@@ -725,7 +724,7 @@ class PrivacyEngine:
         if B == 0:
             if self.loss_reduction == "mean" and self.expected_batch_size <= 0:
                 raise ValueError("an empty batch with a mean loss needs expected_batch_size")
-            self._drop()
+            self._drop(ended=False)  # (step() ends the step)
         device = self._device()
         t0 = time.perf_counter()
         plan = _planner.plan(self._layers, B)

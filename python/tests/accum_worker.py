@@ -5,6 +5,7 @@ micro-batches per logical step, and data parallelism with each rank
 accumulating its own micro-batches."""
 import datetime
 import os
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -37,7 +38,7 @@ def schedule(kind, stages, stage, m):
     return ops
 
 
-def pipeline_step(stage_mod, opt, rank, x, y, sizes, kind, d=16):
+def pipeline_step(stage_mod, opt, rank, x, y, sizes, kind, d=16, commit=True):
     """One logical step of a 2-stage pipeline (global ranks 0 and 1) over
     micro-batches of `sizes` samples, run in `kind`'s order. Activations and
     gradients go with isend (never waited on inside the schedule: a
@@ -70,7 +71,13 @@ def pipeline_step(stage_mod, opt, rank, x, y, sizes, kind, d=16):
     for work, _ in sends:
         work.wait()
     early = opt.engine._acc.sent  # micro-batches sent during the schedule
-    opt.step()  # the commit: waits in the daemon for the other stage's
+    if commit:
+        opt.step()  # the commit: waits in the daemon for the other stage's
+    else:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            opt.zero_grad()  # drops the logical step
+        assert any("dropped it" in str(w.message) for w in caught), caught
     return early
 
 
@@ -152,5 +159,32 @@ def run_data_parallel(rank, world, init_file, socket_path, data, pieces, C, expe
         out["noise"] = torch.cat([p.grad.reshape(-1) for p in model.parameters()]).cpu()
         engine.close()
         torch.save(out, os.path.join(out_dir, "dp%d.pt" % rank))
+    finally:
+        dist.destroy_process_group()
+
+
+def run_dropped(rank, world, init_file, socket_path, data, C, expected, out_dir):
+    """1F1B with 2 micro-batches, dropped by zero_grad() instead of a step:
+    stage 1 sent its first micro-batch during the schedule, stage 0 none.
+    Then a logical step of one micro-batch (the first 5 samples), which
+    both stages must send alike (a logical step, the same id)."""
+    _init(rank, world, init_file)
+    try:
+        torch.manual_seed(3)
+        stage = pipeline_model()[rank]
+        engine = PrivacyEngine(socket_path, allow_insecure_seed=True)
+        kw = {"expected_batch_size": expected} if rank == 0 else {}
+        stage, opt, _ = engine.make_private(
+            module=stage, optimizer=torch.optim.SGD(stage.parameters(), lr=0.0),
+            noise_multiplier=0.0, max_grad_norm=C, loss_reduction="mean",
+            norm_group=dist.group.WORLD, **kw)
+        x, y = data
+        early = pipeline_step(stage, opt, rank, x, y, [4, 3], "1f1b", commit=False)
+        pipeline_step(stage, opt, rank, x[:5], y[:5], [5], "1f1b")
+        out = {"early": early, "grads": {"%d.%s" % (rank, n): p.grad.cpu()
+                                         for n, p in stage.named_parameters()},
+               "norms": engine.last_norms, "steps": engine.steps}
+        engine.close()
+        torch.save(out, os.path.join(out_dir, "dropped%d.pt" % rank))
     finally:
         dist.destroy_process_group()

@@ -6,14 +6,13 @@ micro-batches, each against the per-sample f64 reference of the unsplit
 model on the whole logical batch (noise off); with noise, one draw and one
 charge per logical step."""
 import math
-import os
 
 import pytest
 import torch
 import torch.multiprocessing as mp
 
 from dpclip.torch import PrivacyEngine
-from accum_worker import run_data_parallel, run_schedule, schedule
+from accum_worker import run_data_parallel, run_dropped, run_schedule, schedule
 from models import pipeline_model, reference, seq_data, SeqModel
 
 EXPECTED = 14  # the logical batch's expected size (the batch is 12)
@@ -85,6 +84,26 @@ def test_pipeline_micro_batches_equal_the_unsplit_model(daemon, tmp_path, kind):
     engine.close()
     got = torch.load(str(tmp_path / ("%s0.pt" % kind)))
     assert 0 < single < math.inf and got["epsilon"] == pytest.approx(single, rel=1e-9)
+
+
+def test_pipeline_after_a_dropped_logical_step(daemon, tmp_path):
+    """A logical step dropped by zero_grad() after its schedule, when stage
+    1 had sent a micro-batch and stage 0 none: the next step, of one
+    micro-batch, is sent alike by both (a logical step of the same id) and
+    equals the reference on its samples alone."""
+    torch.manual_seed(3)
+    whole = pipeline_model()
+    (x,), y = seq_data(7, seed=8)
+    C = 1.0
+    want, norms, _ = reference(whole, "seq", (x[:5],), y[:5], C, "mean", EXPECTED)
+    _spawn(run_dropped, (2, str(tmp_path / "init"), daemon.socket, (x, y), C, EXPECTED,
+                         str(tmp_path)))
+    for r in range(2):
+        got = torch.load(str(tmp_path / ("dropped%d.pt" % r)))
+        assert got["early"] == [0, 1][r] and got["steps"] == 1
+        for n, g in got["grads"].items():
+            assert _max_rel(g, want[n]) < 2e-4, (r, n)
+        assert _max_rel(got["norms"], norms) < 1e-4, r
 
 
 def test_data_parallel_accumulation_equals_one_process(daemon, tmp_path):
