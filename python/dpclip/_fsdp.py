@@ -5,38 +5,42 @@ make_private(sharded_noise=True), which run the same steps.
 Each optimizer step, on every rank:
   1. the norm pass: one ClipStep of the engine's session in phase
      STEP_NORMS names every layer (flat clipping needs each sample's whole
-     norm), sigma 0; the daemon keeps the per-sample norms for the sums;
-  2. the noise step: a second session of the engine (same job) draws
-     N(0, (sigma*C)^2) (divided by the expected batch size for a mean loss)
-     for exactly the rows this rank owns: a one-sample step of zeros whose
-     output is as long as this rank's shards. Each coordinate is noised
-     once, by its owner, at the full sigma*C; no rank is special. It comes
-     before the collectives, which it does not need: on a GPU the daemon's
-     work must never wait for a collective that waits for another rank's
-     daemon work queued behind it;
-  3. the sums and the reduce-scatter, bucket by bucket (about 16M
+     norm), at the engine's sigma; the daemon keeps the per-sample norms for
+     the sums. It is this rank's member of the job's logical step
+     (data_parallel: world W, this rank, the job's sigma), so the ledger
+     charges the logical step once, whichever rank's pass comes first, and
+     covers the others;
+  2. the sums and the reduce-scatter, bucket by bucket (about 16M
      elements per rank, each a run of whole layers): a STEP_SUMS step names
      the layers writing the bucket's parameters and gets their clipped sum
      of this rank's samples, in the reduce dtype, each parameter in a padded
      region of world * chunk rows (chunk = ceil(rows / world): fully_shard's
-     dim-0 chunks); the trainer's process group (the FSDP mesh's)
-     reduce-scatters it, staged rank-major, so that each rank holds the sum
-     over every rank's samples of the rows it owns, and no more;
-  4. the gate: a flag (1: this rank's clipping and noise steps both
+     dim-0 chunks). The daemon adds the noise to the rows this rank owns in
+     that same step, before it writes them: each output names its rows
+     (Step.set_noise_range: rows [rank * chunk, rank * chunk + mine) of the
+     parameter, or the columns of the daemon's [out, in] output for a weight
+     kept [in, out]), which get N(0, (sigma C)^2) / E, drawn as a whole step
+     draws them; the other rows get none. The trainer's process group (the
+     FSDP mesh's) reduce-scatters the bucket, staged rank-major, so that
+     each rank holds the sum over every rank's samples of the rows it owns,
+     noised once, by its owner's daemon, at the full sigma C, and no more;
+  3. the gate: a flag (1: this rank's norm pass and sums steps all
      succeeded) is all-reduced (MIN). Unless every rank's is 1, every rank
      writes zero gradients and raises: a shard missing its owner's noise,
      or a sum missing a rank's samples, is never applied;
-  5. param.grad, the shards plus their noise: under FSDP2 the sharded
-     DTensor fully_shard expects (this rank's rows, in the parameter's
-     dtype); with sharded_noise the noised shards are all-gathered, so that
-     every rank holds the whole gradient.
+  4. param.grad, the shards as they came: under FSDP2 the sharded DTensor
+     fully_shard expects (this rank's rows, in the parameter's dtype); with
+     sharded_noise the shards are all-gathered, so that every rank holds the
+     whole gradient. Python adds no noise: everything it applies the daemon
+     wrote clipped and noised, and charged (docs/design.md, "Guarantees").
 
-Accounting: the ranks' noise sessions form a GROUP_WISE dpclip norm group,
-whose rank 0 the ledger charges once per group step (its members' steps are
-the same logical step; they clip zeros, so the group's C / sqrt(size) never
-matters and the noise stays sigma*C). The norm passes carry sigma 0 in the
-same job: data-parallel shares, charged nothing; their sums steps are part
-of them and are not accounted at all.
+Accounting: each rank's norm pass carries sigma and declares itself rank r
+of W in the job's logical step; the daemon's ledger (ledger_dp.c) charges
+the logical step once, at (q, sigma), and covers the other ranks' passes.
+The sums steps are part of their pass's logical step and are not accounted
+again; each adds its pass's sigma, which the daemon checks. Outside data
+parallelism (one rank) the pass is a logical step of its own, and its sums
+noise their whole outputs.
 
 Who reduce-scatters: the trainer's process group, after the daemon wrote the
 local sum. It is the group FSDP itself reduce-scatters over (NCCL on GPUs,
@@ -55,7 +59,6 @@ backward's end) the daemon waits for nothing of the trainer's: a sums step
 replies once written, and the host reuses a slot only after the stream
 copied it out, so no daemon work ever waits behind a collective."""
 import math
-import secrets
 import time
 from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
@@ -63,8 +66,6 @@ import torch
 import torch.nn as nn
 
 from . import _lib, _planner
-from ._cuda import CudaIPC
-from ._host import HostArena
 from ._layers import _ESIZE, Out, Part, Slice, UnsupportedModuleError, _align, _Layer, _tref
 
 __all__ = ["Sharded", "refuse_fsdp1", "is_fsdp2", "check_unwrapped"]
@@ -215,6 +216,24 @@ def layout(layers: Sequence[_Layer], world: int, rank: int
     return pieces, full, shard
 
 
+def _transposed(pc: Piece) -> bool:
+    """Whether the daemon writes piece pc's parameter transposed (a weight
+    kept [in, out], such as transformers' Conv1D, written [out, in]): its
+    dim-0 rows, which fully_shard shards, are then the output's columns.
+    Read from the layout Out.grad gives the flat output (on the meta
+    device: no memory); any layout other than the parameter's own or that
+    transpose is refused, as no range of the output would hold its rows."""
+    g = pc.out.grad(torch.empty(math.prod(pc.shape), device="meta"))
+    if tuple(g.shape) == pc.shape and g.is_contiguous():
+        return False
+    if g.dim() == 2 and tuple(g.shape) == pc.shape and tuple(g.stride()) == (1, pc.shape[0]):
+        return True
+    raise NotImplementedError(
+        "a parameter of shape %s is written by the daemon in a layout (strides %s) whose "
+        "dim-0 rows are neither its rows nor its columns: sharded noise cannot name this "
+        "rank's rows of it" % (pc.shape, tuple(g.stride())))
+
+
 def buckets(pieces: Sequence[Piece], per_rank: int,
             spans: Sequence[Tuple[int, int]] = ()) -> List[Tuple[int, int]]:
     """[first, last) ranges of consecutive pieces whose shards span about
@@ -237,13 +256,6 @@ def buckets(pieces: Sequence[Piece], per_rank: int,
     if first < len(pieces):
         out.append((first, len(pieces)))
     return out
-
-
-def _noise_shape(n: int) -> Tuple[int, int]:
-    """(p, d) of the Linear whose [p, d] weight gradient holds n noise
-    values: near square, so its zero inputs are small."""
-    d = max(1, math.isqrt(max(n - 1, 0)) + 1)
-    return -(-n // d), d
 
 
 # --- the clipping step in phases: the transports ----------------------------------------
@@ -284,6 +296,7 @@ class _HostIO:
         st.set_phase(_lib.STEP_SUMS)
         _planner.add_layers(st, self.plan.parts, sh.engine.algorithm,
                             lambda i: self._ins(i) + outs(self.plan.parts[i]), which)
+        sh._set_ranges(st, self.plan, which)  # pylint: disable=protected-access
         st.run(sh.engine.client)
         return self.mem[:n * esz].view(sh.dtype)
 
@@ -302,7 +315,7 @@ class _CudaIO:
     once its writes are done, and the host reuses a slot only once the
     trainer's stream has copied it out. So the daemon never waits for work
     queued behind a collective, which waits for another rank's daemon
-    work (the deadlock the noise step's ordering avoids too).
+    work (a deadlock on a GPU).
 
     The slots are taken from the caching allocator together, at the first
     sums step, and the trainer's stream is drained before the daemon
@@ -360,8 +373,8 @@ class _CudaIO:
             self.copied_ev[slot].synchronize()  # the host: bucket k - 2 is out of it
         if self.slots[slot] is None:
             # both slots now, none later (see the class's docstring), then
-            # the stream drained: nearly free, the host waited on it just
-            # before (the noise step's turn)
+            # the stream drained: nearly free, the daemon's norm pass waited
+            # for the backward it holds
             for i in range(min(2, len(sh._buckets))):  # pylint: disable=protected-access
                 if self.slots[i] is None:
                     self.slots[i] = torch.empty(self.widest, dtype=sh.dtype, device=self.device)
@@ -377,6 +390,7 @@ class _CudaIO:
             st.set_phase(_lib.STEP_SUMS)
             _planner.add_layers(st, self.plan.parts, e.algorithm,
                                 lambda i: self._ins(i) + outs(self.plan.parts[i]), which)
+            sh._set_ranges(st, self.plan, which)  # pylint: disable=protected-access
             st.run(e.client)  # replies once the daemon's writes are done
         return buf[:n]
 
@@ -393,8 +407,9 @@ class _CudaIO:
 # --- the engine's sharded steps ---------------------------------------------------------
 
 class Sharded:
-    """One engine's sharded data parallelism: the layout, the noise session
-    and its norm group, the two steps, the collectives and the gate."""
+    """One engine's sharded data parallelism: the layout, the norm pass and
+    its sums (each noising the rows this rank owns), the collectives and
+    the gate."""
 
     def __init__(self, engine: Any, layers: Sequence[_Layer], module: nn.Module, fsdp: bool,
                  distributed: bool, norm_group: Any) -> None:
@@ -422,11 +437,11 @@ class Sharded:
                 "fully_shard over %d of the %d ranks (HSDP, or FSDP beside tensor "
                 "parallelism): dpclip shards over every rank only, for now"
                 % (self.world, dist.get_world_size()))
-        get = getattr(dist, "get_global_rank", None) or \
-            dist.distributed_c10d._get_global_rank  # pylint: disable=protected-access
-        self._global = [k if self.group is None else int(get(self.group, k))
-                        for k in range(self.world)]
         self.pieces, self.full_n, self.shard_n = layout(self.layers, self.world, self.rank)
+        self._by_out = {id(pc.out): pc for pc in self.pieces}
+        # outputs the daemon writes transposed ([out, in] of a weight kept
+        # [in, out]): this rank's rows of the parameter are columns there
+        self._cols: set = set()
         self._buckets = buckets(self.pieces, _BUCKET, self._spans())
         # the largest bucket's sums, in elements: what a slot holds
         self.widest = max((self.pieces[l - 1].full_off - self.pieces[f].full_off +
@@ -435,11 +450,7 @@ class Sharded:
         self.sums_steps = 0  # the last step's sums steps run (one per bucket)
         if fsdp:
             self._check_rows()
-        self.client: Optional[_lib.Client] = None  # the noise session
-        self._host: Optional[HostArena] = None
-        self._cuda: Optional[CudaIPC] = None
         self._clip: Optional[_lib.Step] = None  # the norm pass, then each bucket's sums
-        self._noise: Optional[_lib.Step] = None
         self._rs_native = True  # reduce_scatter_tensor works on this backend (probed at open)
         self._events: List[Tuple[Any, Any]] = []  # CUDA: each reduce-scatter's start/end
         self.timing: Dict[str, float] = {}
@@ -494,33 +505,27 @@ class Sharded:
     # -- setup --------------------------------------------------------------------------
     def open(self, socket_path: Optional[str], client_name: str, job_id: str, cfg: Any,
              target_delta: float, target_epsilon: float, device: torch.device) -> None:
-        """The noise session under job_id (every rank's, already agreed), its
-        norm group (named by rank 0), the steps (cfg: the engine's; every
-        rank's noise step has the full sigma), and the backend's
-        reduce-scatter (probed: every rank sees the same answer)."""
+        """The step of the engine's session that runs each norm pass and
+        its sums (cfg: the engine's terms, at its sigma; with more than one
+        rank, this rank's member of the job's logical steps), each output's
+        layout for its noise ranges, and the backend's reduce-scatter
+        (probed: every rank sees the same answer). socket_path, client_name
+        and job_id: the engine's session has them."""
         dist = torch.distributed
+        sigma = self.engine.noise_multiplier
         if cfg.reduction == _lib.MEAN and cfg.expected_batch_size <= 0:
             raise ValueError("sharded data parallelism with a mean loss needs "
-                             "expected_batch_size: each rank's noise step divides its shard's "
-                             "noise by it")
-        box = ["dpclip-noise-" + secrets.token_hex(8)]
-        dist.broadcast_object_list(box, src=self._global[0], group=self.group)
-        self.client = _lib.Client(socket_path, client_name=client_name + "-noise", job_id=job_id)
-        self.engine.check_daemon(self.client)  # the same refusal as the engine's own session
-        self.client.join_group(box[0], self.rank, self.world, 0, group_wise=True)
-        self._host, self._cuda = HostArena(self.client), CudaIPC(self.client)
-        terms = dict(sample_rate=cfg.sample_rate, target_delta=target_delta,
-                     target_epsilon=target_epsilon)
+                             "expected_batch_size: each rank's sums divide the noise of the "
+                             "rows it owns by it")
+        if sigma > 0:
+            self._cols = {id(pc.out) for pc in self.pieces if _transposed(pc)}
         self._clip = _lib.Step(1, cfg.max_grad_norm, cfg.reduction, cfg.expected_batch_size,
-                               0.0, **terms)
-        self._noise = _lib.Step(1, cfg.max_grad_norm, cfg.reduction, cfg.expected_batch_size,
-                                self.engine.noise_multiplier, **terms)
-        if self.engine.noise_multiplier > 0:
-            # one logical step: every rank's norm pass (noiseless) and its
-            # noise step are its members (world 2W), charged once
-            sigma = self.engine.noise_multiplier
-            self._clip.set_data_parallel(2 * self.world, self.rank, sigma)
-            self._noise.set_data_parallel(2 * self.world, self.world + self.rank, sigma)
+                               sigma, sample_rate=cfg.sample_rate, target_delta=target_delta,
+                               target_epsilon=target_epsilon)
+        if sigma > 0 and self.world > 1:
+            # one logical step of W members, one per rank's norm pass,
+            # charged once; each pass's sums noise its rows
+            self._clip.set_data_parallel(self.world, self.rank, sigma)
         probe = torch.zeros(self.world, dtype=self.dtype, device=device)
         try:
             dist.reduce_scatter_tensor(torch.zeros_like(probe[:1]), probe, group=self.group)
@@ -528,13 +533,9 @@ class Sharded:
             self._rs_native = False  # raised before any traffic, alike on every rank
 
     def close(self) -> None:
-        for s in (self._clip, self._noise):
-            if s is not None:
-                s.close()
-        self._clip = self._noise = None
-        if self.client is not None:
-            self.client.close()
-            self.client = None
+        if self._clip is not None:
+            self._clip.close()
+        self._clip = None
 
     def _spans(self) -> List[Tuple[int, int]]:
         """[lo, hi] piece ranges each layer writes (its weight and bias,
@@ -572,43 +573,19 @@ class Sharded:
         except Exception as exc:  # pylint: disable=broad-except
             failed = exc  # this rank still joins every collective, with zeros
         t1 = time.perf_counter()
-        # the noise before the collectives (see the module's docstring);
-        # rank 0's first: the daemon charges the noise group's step to rank
-        # 0's and covers the others' only once that one is charged (a rank
-        # ahead of it would be charged again), so the others wait for it.
-        # The wait is the host's: an NCCL all_reduce returns at once, and
-        # a rank's noise step sent ahead of rank 0's would queue in the
-        # daemon in front of it, waiting on this rank's stream, which waits
-        # in the all_reduce for rank 0's stream, which waits for the daemon
-        # (a deadlock on a GPU; the first version had it)
-        noise = nres = None
-        ok = torch.ones(1, device=device)
-        for turn in (0, 1):
-            if turn == 1:
-                after_rank0 = torch.zeros(1, device=device)
-                dist.all_reduce(after_rank0, group=self.group)
-                float(after_rank0)  # the host waits for rank 0's noise step to be sent
-            if failed is None and (self.rank == 0) == (turn == 0):
-                try:
-                    noise, nres, ok_noise = (self._noise_cuda if cuda else self._noise_host)(
-                        device)
-                    ok = ok * ok_noise
-                except Exception as exc:  # pylint: disable=broad-except
-                    failed = exc
-        t2 = time.perf_counter()
         shards, failed = self._sums_and_scatter(plan, io if failed is None else None, device,
                                                 cuda, failed)
         if io is not None:
             io.close()
-        if failed is not None:
-            ok = torch.zeros(1, device=device)
+        ok = torch.ones(1, device=device) if failed is None else torch.zeros(1, device=device)
         dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=self.group)
         applied = bool(ok[0] > 0)  # CUDA: waits for the steps and the collectives
         t3 = time.perf_counter()
-        self._write(shards, noise if applied else None)
-        self.timing = {"clip_ms": (t1 - t0) * 1e3, "noise_ms": (t2 - t1) * 1e3,
-                       "sums_and_reduce_scatter_ms": (t3 - t2) * 1e3,
-                       "reduce_scatter_ms": (t3 - t2) * 1e3,
+        self._write(shards if applied else None, device)
+        # noise_ms: none apart (the sums steps add it); kept for the bench
+        self.timing = {"clip_ms": (t1 - t0) * 1e3, "noise_ms": 0.0,
+                       "sums_and_reduce_scatter_ms": (t3 - t1) * 1e3,
+                       "reduce_scatter_ms": (t3 - t1) * 1e3,
                        "write_ms": (time.perf_counter() - t3) * 1e3}
         if failed is not None:
             raise failed
@@ -618,9 +595,8 @@ class Sharded:
                 "least one of the %d ranks (that rank raises its error), and without every "
                 "rank's result a shard could lack its owner's noise or a rank's samples; the "
                 "gradients were zeroed" % (e.steps + 1, self.world))
+        # the job's spend with this step: the norm pass's (charged or covered)
         e._finish(res, B)  # pylint: disable=protected-access
-        # the job's spend with this step: the noise step's (rank 0's is charged)
-        e.last_epsilon, e.last_delta = nres.epsilon, nres.delta
 
     def reduce_scatter_ms(self) -> float:
         """The last step's reduce-scatters on the device (CUDA; synchronizes),
@@ -705,6 +681,43 @@ class Sharded:
                 which |= {i, pt.tied_to - 1}
         return sorted(which)
 
+    def _set_ranges(self, st: _lib.Step, plan: _planner.Plan, which: Sequence[int]) -> None:
+        """With noise, each output of a sums step (of the parts `which`,
+        added in that order) names the part of it this rank owns: the
+        daemon noises that part alone, once, at the pass's sigma."""
+        if self.engine.noise_multiplier <= 0:
+            return
+        for k, i in enumerate(which):
+            pt = plan.parts[i]
+            for o, sl in ((0, pt.w), (1, pt.b)):
+                if sl is not None:
+                    st.set_noise_range(k, o, *self._noise_range(sl))
+
+    def _noise_range(self, sl: Slice) -> Tuple[int, int, int]:
+        """(dim, begin, end) of the daemon's output for slice sl that
+        holds this rank's rows [rank * chunk, rank * chunk + mine) of its
+        parameter: where the parameter's layout is the output's, the rows
+        of the slice that lie in them (a slice is a run of whole rows: an
+        attention's q, k or v part, a per-sample part's [n, 1]); for a
+        weight kept [in, out] and written [out, in], those columns."""
+        o, off, shape = sl
+        pc = self._by_out[id(o)]
+        r0 = min(self.rank * pc.chunk, pc.shape[0])
+        r1 = r0 + pc.mine
+        if id(o) in self._cols:
+            return 1, r0, r1
+        n, inner = math.prod(shape), math.prod(shape[1:])
+        lo = min(max(r0 * pc.inner - off, 0), n)
+        hi = min(max(r1 * pc.inner - off, 0), n)
+        if hi <= lo:
+            return 0, 0, 0
+        if lo % inner or hi % inner:
+            raise NotImplementedError(
+                "a parameter of shape %s is written in parts of shape %s at element %d, which "
+                "do not split along its rows: the daemon cannot noise only this rank's rows "
+                "[%d, %d)" % (pc.shape, shape, off, r0, r1))
+        return 0, lo // inner, hi // inner
+
     def _out_refs(self, ref: Any, base: int) -> Any:
         """outs(part) -> (weight out ref, bias out ref) of a part, where
         ref(element offset, shape) names a place in a bucket's sums starting
@@ -735,70 +748,28 @@ class Sharded:
             if g.data_ptr() != flat.data_ptr() or not g.is_contiguous():
                 flat.copy_(g.contiguous().reshape(-1))
 
-    # -- the noise step -------------------------------------------------------------------------
-    def _noise_host(self, device: torch.device
-                    ) -> Tuple[torch.Tensor, _lib.StepResult, torch.Tensor]:
-        """The noise of this rank's shards, [shard_n] f32, from the noise
-        session's arena (one Linear of zeros whose [p, d] output holds it),
-        the step's result and its flag."""
-        p, d = _noise_shape(self.shard_n)
-        a_off = _align(p * d * 4)
-        g_off = _align(a_off + d * 4)
-        bid, _, mem = self._host.view(g_off + p * 4)
-        mem[a_off:g_off + p * 4].zero_()
-        self._noise.reset(1)
-        self._noise.add_linear(_lib.Linear(
-            b"noise of rank %d's shards" % self.rank, _tref(bid, a_off, torch.float32, (1, 1, d)),
-            _tref(bid, g_off, torch.float32, (1, 1, p)), 0, _lib.ALGO_AUTO,
-            _tref(bid, 0, torch.float32, (p, d)), _lib.Tensor(), 0.0))
-        res = self._noise.run(self.client)
-        return mem[:self.shard_n * 4].view(torch.float32), res, torch.ones(1)
-
-    def _noise_cuda(self, device: torch.device
-                    ) -> Tuple[torch.Tensor, _lib.StepResult, torch.Tensor]:
-        p, d = _noise_shape(self.shard_n)
-        io = self._cuda
-        out = torch.empty(p * d, dtype=torch.float32, device=device)
-        a = torch.zeros(1, 1, d, dtype=torch.float32, device=device)
-        g = torch.zeros(1, 1, p, dtype=torch.float32, device=device)
-        ready, done, rid, did = io.events(device)
-        with torch.cuda.device(device):
-            self._noise.reset(1)
-            self._noise.add_linear(_lib.Linear(
-                b"noise of rank %d's shards" % self.rank, io.ref(a, (1, 1, d)),
-                io.ref(g, (1, 1, p)), 0, _lib.ALGO_AUTO, io.ref(out, (p, d)), _lib.Tensor(), 0.0))
-            coefs = io.coefs_out(1, device)
-            coefs.zero_()
-            self._noise.set_outputs(coefs_out=io.ref(coefs, (1,)))
-            stream = torch.cuda.current_stream(device)
-            ready.record(stream)
-            self._noise.set_events(rid, did)
-            self._noise.notify_enqueued(False)
-            res = self._noise.run(self.client)
-            stream.wait_event(done)
-            ok = (coefs > 0).all().to(torch.float32).reshape(1)
-        return out[:self.shard_n], res, ok
-
     # -- param.grad -------------------------------------------------------------------------------
-    def _write(self, shards: torch.Tensor, noise: Optional[torch.Tensor]) -> None:
-        """param.grad from the noised shards, or zeros where noise is None
-        (the step was applied on no rank)."""
+    def _write(self, shards: Optional[torch.Tensor], device: torch.device) -> None:
+        """param.grad from this rank's shards of the noised sums, as the
+        daemon wrote them and the reduce-scatter summed them (nothing is
+        added here), or zeros where shards is None (the step was applied on
+        no rank)."""
         dist = torch.distributed
-        if noise is not None:
-            noised = shards.to(torch.float32) + noise
+        if shards is not None:
+            got = shards.to(torch.float32)
         else:
-            noised = torch.zeros(self.shard_n, dtype=torch.float32, device=shards.device)
+            got = torch.zeros(self.shard_n, dtype=torch.float32, device=device)
         if self.fsdp:
             dtensor = _classes()[0]
             for pc in self.pieces:
                 p = pc.param
-                local = noised[pc.shard_off:pc.shard_off + pc.mine * pc.inner]
+                local = got[pc.shard_off:pc.shard_off + pc.mine * pc.inner]
                 local = local.view((pc.mine,) + pc.shape[1:]).to(p.dtype)
                 p.grad = dtensor.from_local(local, p.device_mesh, p.placements, run_check=False,
                                             shape=p.shape, stride=p.stride())
             return
-        every = [torch.empty_like(noised) for _ in range(self.world)]
-        dist.all_gather(every, noised, group=self.group)
+        every = [torch.empty_like(got) for _ in range(self.world)]
+        dist.all_gather(every, got, group=self.group)
         for pc in self.pieces:
             n = pc.chunk * pc.inner
             whole = torch.cat([t[pc.shard_off:pc.shard_off + n] for t in every])

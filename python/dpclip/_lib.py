@@ -195,6 +195,9 @@ def _declare(L: ctypes.CDLL) -> None:
                                              ctypes.POINTER(GroupLink), u64p]),
         "dpclip_step_set_replicated": (c_int, [c_void_p, ctypes.c_size_t, c_int]),
         "dpclip_step_set_tied": (c_int, [c_void_p, ctypes.c_size_t, ctypes.c_size_t]),
+        "dpclip_step_set_noise_range": (c_int, [c_void_p, ctypes.c_size_t, c_int,
+                                                ctypes.c_uint32, ctypes.c_uint64,
+                                                ctypes.c_uint64]),
         "dpclip_insecure": (c_int, [c_void_p]),
     }
     for name, (res, args) in sig.items():
@@ -516,6 +519,22 @@ class Step:
         if rc:
             raise DpclipError(rc, "", "tying layer %d to layer %d of a step of %d layers"
                               % (layer, owner, self.n_layers))
+
+    def set_noise_range(self, layer: int, output: int, dim: int, begin: int, end: int) -> None:
+        """A STEP_SUMS step with noise: the part of layer `layer`'s output
+        (`output` 0: weight, 1: bias) that gets the step's noise, the rows
+        this rank owns: [begin, end) along `dim` (0: rows; 1: columns of a
+        2-D output, a weight kept transposed). Every output of a sums step
+        with noise needs one; the daemon adds exactly the draws a whole step
+        would add there, and nothing elsewhere (docs/protocol.md, "Steps in
+        phases"). Dropped by reset()."""
+        rc = self._L.dpclip_step_set_noise_range(self._s, ctypes.c_size_t(int(layer)),
+                                                 int(output), int(dim), int(begin), int(end))
+        if rc:
+            raise DpclipError(rc, "clip_step.layers.%s_noise" % ("bias" if output else "weight"),
+                              "noise range (layer %r of %d, dim %r, [%r, %r)): a layer of the "
+                              "step, output 0 or 1, dim 0 or 1, begin <= end"
+                              % (layer, self.n_layers, dim, begin, end))
 
     def set_events(self, wait_event: int, signal_event: int) -> None:
         self._L.dpclip_step_set_events(self._s, int(wait_event), int(signal_event))

@@ -108,10 +108,52 @@ def run_sharded_hf(rank, world, init_file, socket_path, data, V, C, expected, ou
         dist.destroy_process_group()
 
 
+def run_sharded_owned_noise(rank, world, init_file, socket_path, model_name, data, V, C,
+                            expected, sigma, out_dir):
+    """sharded_noise=True at sigma > 0 on a zero loss (every clipped sum is
+    exactly 0): records each sums step's output as the daemon wrote it
+    (before anything else touches it), this rank's layout of the pieces and
+    the gradients it applies. model_name: "seq" (SeqModel) or "gpt2"
+    (GPT2Like: Conv1D weights written transposed, a tied head)."""
+    _init("gloo", rank, world, init_file)
+    try:
+        _fsdp._BUCKET = 256  # several sums steps
+        recorded = []
+        orig = _fsdp._HostIO.sums
+
+        def sums(io, k, which, base, n):
+            full = orig(io, k, which, base, n)
+            recorded.append((base, full.detach().clone()))
+            return full
+
+        _fsdp._HostIO.sums = sums
+        torch.manual_seed(9)
+        model = SeqModel() if model_name == "seq" else GPT2Like(V, T=data[0].shape[1])
+        engine, model, opt = _sharded(model, socket_path, "fsdp-cpu-owned-" + model_name, C,
+                                      expected, sigma, sample_rate=0.1, target_delta=1e-5)
+        x = data[0]
+        mine = torch.arange(rank, x.shape[0], world)
+        opt.zero_grad()
+        (model(x[mine]) * 0.0).sum().backward()
+        opt.step()
+        sh = engine._shards  # pylint: disable=protected-access
+        names = {id(p): n for n, p in model.named_parameters()}
+        pieces = [{"name": names[id(pc.param)], "full_off": pc.full_off, "chunk": pc.chunk,
+                   "inner": pc.inner, "mine": pc.mine, "shape": pc.shape,
+                   "cols": id(pc.out) in sh._cols}  # pylint: disable=protected-access
+                  for pc in sh.pieces]
+        torch.save({"recorded": recorded, "pieces": pieces, "epsilon": engine.last_epsilon,
+                    "grads": {n: p.grad.clone() for n, p in model.named_parameters()}},
+                   os.path.join(out_dir, "owned_%s%d.pt" % (model_name, rank)))
+        engine.close()
+    finally:
+        dist.destroy_process_group()
+
+
 def run_sharded_failures(rank, world, init_file, socket_path, data, C, expected, out_dir):
     """Step 1's clipping fails on the last rank only (a non-finite
     gradient); step 2 is clean; then, in a job whose budget its first step
-    exceeds, rank 0's noise step is refused. Saves each step's error, the
+    exceeds, the norm passes are refused. Saves each step's error, the
     gradients and the parameters before and after."""
     _init("gloo", rank, world, init_file)
     try:
@@ -175,6 +217,26 @@ def run_sharded_refusals(rank, world, init_file, socket_path, out_dir):
         torch.save(out, os.path.join(out_dir, "refusals%d.pt" % rank))
     finally:
         dist.destroy_process_group()
+
+
+def _owned_noise(sh, recorded, model, rank):
+    """FSDP2 on a zero loss: for each parameter, whether the daemon's sums
+    output (recorded: (base, sums) per sums step) holds noise on exactly
+    the rows this rank owns (nonzero there, zero elsewhere), and whether
+    this rank's gradient shard is exactly those rows: nothing added."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    res = {}
+    for pc in sh.pieces:
+        n = math.prod(pc.shape)
+        base, full = next((b, f) for b, f in recorded if b <= pc.full_off < b + f.numel())
+        wire = full[pc.full_off - base:pc.full_off - base + n].view(pc.shape[0], -1).float().cpu()
+        r0 = min(rank * pc.chunk, pc.shape[0])
+        owned = wire[r0:r0 + pc.mine]
+        other = torch.cat([wire[:r0], wire[r0 + pc.mine:]])
+        local = pc.param.grad.to_local().float().cpu().reshape(owned.shape)
+        res[names[id(pc.param)]] = (bool((other == 0).all()), bool((owned != 0).all()),
+                                    torch.equal(local, owned))
+    return res
 
 
 def _params(model):
@@ -303,11 +365,23 @@ def run_fsdp2(rank, world, init_file, socket_path, data, C, expected, seed, out_
                 "sharded_dtype": engine._shards.dtype}  # pylint: disable=protected-access
             engine.close()
 
+        recorded = []  # each sums step's output as the daemon wrote it
+        sums = _fsdp._CudaIO.sums
+
+        def record(io, k, which, base, n):
+            full = sums(io, k, which, base, n)
+            recorded.append((base, full.detach().clone()))
+            return full
+
+        _fsdp._CudaIO.sums = record
         engine, model, opt = private(fresh(bf16), "fsdp2-noise", 1.0)
         opt.zero_grad()
         (model(x[mine]).float() * 0.0).sum().backward()
         opt.step()
+        _fsdp._CudaIO.sums = sums
         out["noise"] = {n: p.grad.to_local().cpu() for n, p in model.named_parameters()}
+        out["owned"] = _owned_noise(engine._shards, recorded, model,  # pylint: disable=protected-access
+                                    rank)
         engine.close()
 
         engine, model, opt = private(fresh(bf16), "fsdp2-train", 0.0, lr=0.5)

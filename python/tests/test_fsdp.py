@@ -3,7 +3,9 @@ GPU (a distinct NCCL_HOSTID each, NVLink multicast off) train a GPT-2-like
 model sharded per block and at the root; each rank's gradient is its
 shard, a DTensor, equal to its rows of the single-process per-sample
 reference (f32, and bf16 MixedPrecisionPolicy with f32 master weights); the
-noise is once per coordinate; the ledger charges once per step; the loss
+noise is once per coordinate, added by the daemon in the owner's sums
+steps on its rows alone (Python adds none); the ledger charges once per
+step; the loss
 falls; make_private before fully_shard and FSDP1 are refused. Skipped, with
 the reason, without fully_shard (torch < 2.4: Debian's 1.13 tests the same
 steps in test_fsdp_sharded.py), a GPU, NCCL or a CUDA-built dpclipd.
@@ -99,6 +101,12 @@ def test_fully_shard_two_ranks_one_gpu(cuda_daemon, tmp_path):
         (float(noise.std()), want_std)
     tok0, tok1 = got[0]["noise"]["tok.weight"], got[1]["noise"]["tok.weight"]
     assert not torch.equal(tok0[:tok1.shape[0]], tok1)
+    # ... added by the daemon in each rank's sums steps, on exactly the rows
+    # the rank owns, and applied as the reduce-scatter left it: each rank's
+    # shard is its own daemon output's rows (the other rank's are zeros)
+    for r in range(WORLD):
+        for n, (zero_elsewhere, noised, applied) in got[r]["owned"].items():
+            assert zero_elsewhere and noised and applied, (r, n, zero_elsewhere, noised, applied)
 
     for r in range(WORLD):
         losses = got[r]["losses"]

@@ -1,10 +1,11 @@
 """Sharded data parallelism on the CPU (dpclip._fsdp through
 make_private(sharded_noise=True): the steps fully_shard models take,
-reduce-scatter by fully_shard's dim-0 chunks, noise by each shard's owner,
-for plain models on gloo, which Debian's torch 1.13 runs): gradients
-against the single-process per-sample reference, the noise once per
-coordinate, the ledger once per step, failures applied nowhere, FSDP1
-refused. FSDP2 itself: test_fsdp.py."""
+reduce-scatter by fully_shard's dim-0 chunks, noise added by the daemon in
+each shard's owner's sums steps, for plain models on gloo, which Debian's
+torch 1.13 runs): gradients against the single-process per-sample
+reference, the noise once per coordinate and only in the daemon's output,
+the ledger once per step, failures applied nowhere, FSDP1 refused. FSDP2
+itself: test_fsdp.py."""
 import math
 import os
 
@@ -16,7 +17,8 @@ import torch.nn as nn
 from dpclip import _fsdp, _lib
 from dpclip._layers import Out
 from dpclip.torch import PrivacyEngine, UnsupportedModuleError
-from fsdp_worker import run_sharded, run_sharded_failures, run_sharded_hf, run_sharded_refusals
+from fsdp_worker import (run_sharded, run_sharded_failures, run_sharded_hf, run_sharded_owned_noise,
+                         run_sharded_refusals)
 from models import PHASED_MARGIN, GPT2Like, SeqModel, prose, reference, seq_data
 
 
@@ -62,7 +64,8 @@ def test_three_ranks_hold_the_union_gradient_noise_once_ledger_once(daemon, tmp_
     (measured: a coordinate noised on two ranks would show sqrt(2) times
     that), the same on every rank, and each shard drawn apart (two owners
     drawing one stream would repeat it). The ledger charges each logical
-    step once: the job's epsilon after 3 steps is one process's."""
+    step once (the ranks' norm passes are its members): the job's epsilon
+    after 3 steps is one process's."""
     (x,), y = seq_data(7, seed=5)
     C, expected, sigma, q, steps = 0.95, 7, 2.0, 0.05, 3
     torch.manual_seed(100)
@@ -105,6 +108,59 @@ def test_three_ranks_hold_the_union_gradient_noise_once_ledger_once(daemon, tmp_
     assert 0 < single.last_epsilon < math.inf
     assert got[0]["epsilon"] == pytest.approx(single.last_epsilon, rel=1e-9)
     single.close()
+
+
+@pytest.mark.parametrize("model_name", ["seq", "gpt2"])
+def test_noise_is_the_owners_daemon_sums_and_python_adds_none(daemon, tmp_path, model_name):
+    """The noise of a sharded step is added by the daemon, in the owner's
+    sums steps, and nowhere else (issue 38). Two ranks at sigma > 0 on a
+    zero loss, so every clipped sum is exactly 0: each sums step's output,
+    as the daemon wrote it, holds nonzero values (the noise) exactly on the
+    rows of each parameter its rank owns (fully_shard's dim-0 chunks; for
+    GPT-2's Conv1D weights, kept [in, out] and written [out, in], the
+    columns) and exact zeros on every other row. The gradient each rank
+    applies is, bit for bit, the owners' daemon outputs on their rows: the
+    reduce-scatter adds the other rank's zeros, and Python adds nothing.
+    The ledger charged one step."""
+    if model_name == "seq":
+        (x,), y = seq_data(6, seed=8)
+        V = 11
+    else:
+        (x,), y, V = prose(6, 8, seed=4)
+        x, y = x.clone(), y.clone()
+    C, expected, sigma, world = 0.8, 6, 1.3, 2
+    _spawn(run_sharded_owned_noise, world, (str(tmp_path / "init"), daemon.socket, model_name,
+                                            (x, y), V, C, expected, sigma, str(tmp_path)))
+    got = [torch.load(os.path.join(str(tmp_path), "owned_%s%d.pt" % (model_name, r)))
+           for r in range(world)]
+    noised = 0
+    for r in range(world):
+        assert len(got[r]["recorded"]) > 1, len(got[r]["recorded"])  # several sums steps
+        for pc in got[r]["pieces"]:
+            shape, n = pc["shape"], math.prod(pc["shape"])
+            base, full = next((b, f) for b, f in got[r]["recorded"]
+                              if b <= pc["full_off"] < b + f.numel())
+            out = full[pc["full_off"] - base:pc["full_off"] - base + n]
+            r0 = min(r * pc["chunk"], shape[0])
+            r1 = r0 + pc["mine"]
+            rows = torch.zeros(shape[0], dtype=torch.bool)
+            rows[r0:r1] = True
+            if pc["cols"]:  # [out, in] on the wire: this rank's rows are its columns
+                wire = out.view(shape[1], shape[0])
+                owned, other = wire[:, rows], wire[:, ~rows]
+                mine_then = owned.t()
+            else:
+                wire = out.view(shape[0], -1)
+                owned, other = wire[rows], wire[~rows]
+                mine_then = owned
+            assert bool((other == 0).all()), (r, pc["name"], "noise outside this rank's rows")
+            assert bool((owned != 0).all()), (r, pc["name"], "rows this rank owns unnoised")
+            noised += owned.numel()
+            for q in range(world):  # every rank applies exactly the owner's daemon output
+                g = got[q]["grads"][pc["name"]].reshape(shape[0], -1)[r0:r1]
+                assert torch.equal(g, mine_then.reshape(g.shape)), (q, r, pc["name"])
+    assert noised == sum(g.numel() for g in got[0]["grads"].values())  # each element once
+    assert math.isfinite(got[0]["epsilon"]) and got[0]["epsilon"] == got[1]["epsilon"]
 
 
 def test_buckets_cover_the_pieces_in_order():
@@ -163,10 +219,11 @@ def test_a_failure_on_any_rank_is_applied_on_none(daemon, tmp_path):
     """Step 1: the last rank's clipping step fails (non-finite): no rank
     moves, every rank holds zero gradients and raises (that rank its own
     error, the others DPCLIP_EUNAVAIL), not a sum lacking its samples.
-    Step 2 is applied on both. Then rank 0's noise step is refused by its
-    job's budget: its shard would go un-noised, so no rank applies its own
-    shard either (rank 1's own noise step, no longer covered by rank 0's
-    charge, is refused by the budget too, or rank 1 raises EUNAVAIL)."""
+    Step 2 is applied on both. Then rank 0's norm pass is refused by its
+    job's budget: its sums, which would noise its rows, never run, so no
+    rank applies its own shard either (rank 1's pass, not covered by a
+    charge, is charged itself and refused by the same budget, or rank 1
+    raises EUNAVAIL)."""
     (x,), y = seq_data(8, seed=2)
     _spawn(run_sharded_failures, 2, (str(tmp_path / "init"), daemon.socket, (x, y), 0.9, 8,
                                      str(tmp_path)))
@@ -182,8 +239,8 @@ def test_a_failure_on_any_rank_is_applied_on_none(daemon, tmp_path):
             assert torch.equal(got[0]["grads"][1][n], got[1]["grads"][1][n]), n
         assert got[r]["errors"][1] is None
     assert got[0]["budget"][0] == _lib.ENOSPACE, got[0]["budget"]
-    # rank 1's noise step comes after rank 0's refused one: not covered by a
-    # charge, it is charged itself and refused by the same budget
+    # rank 1's norm pass finds no charged logical step to be covered by: it
+    # is charged itself and refused by the same budget
     assert got[1]["budget"][0] in (_lib.EUNAVAIL, _lib.ENOSPACE), got[1]["budget"]
     for r in range(2):
         assert got[r]["budget_moved"] == [] and got[r]["budget_grads"] == [], r
@@ -350,7 +407,8 @@ def test_cuda_sums_slots_never_take_memory_a_queued_collective_still_reads(monke
             ctypes.memmove(client.ptr, src.data_ptr(), src.numel() * 4)
 
     sh = _fsdp.Sharded.__new__(_fsdp.Sharded)
-    sh.engine = type("E", (), {"client": Client(), "algorithm": 0, "_cuda": None})()
+    sh.engine = type("E", (), {"client": Client(), "algorithm": 0, "_cuda": None,
+                               "noise_multiplier": 0.0})()
     sh.pieces, sh.full_n, sh.shard_n, sh._buckets = pieces, full_n, shard_n, bks
     sh.widest = max(pieces[l - 1].full_off - pieces[f].full_off +
                     _fsdp._al(pieces[l - 1].chunk * pieces[l - 1].inner) for f, l in bks)
