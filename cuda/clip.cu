@@ -395,6 +395,12 @@ __device__ __forceinline__ void write_chunk(int oi, const dcc_out &o, uint64_t i
     float *v = staging + o.off;
     const bool vec_dst =
         ((uintptr_t)o.dst & (uintptr_t)(o.dtype == DC_F32 ? 15 : 7)) == 0;
+    /* a sums step's noise range (dcc_out.nz_*), per chunk: every element
+     * in (always without a range: the draws as they were), none in, or
+     * decided per element */
+    const bool rows = o.nz_mod == 0;
+    const bool all_in = rows && i0 >= o.nz_lo && i1 <= o.nz_hi;
+    const bool none_in = rows && (i1 <= o.nz_lo || i0 >= o.nz_hi);
     for (uint64_t i = i0 + 4 * threadIdx.x; i < i1; i += 4 * NT) {
         const int cnt = i + 4 <= i1 ? 4 : (int)(i1 - i);
         float x[4] = {0.0f, 0.0f, 0.0f, 0.0f};
@@ -409,9 +415,14 @@ __device__ __forceinline__ void write_chunk(int oi, const dcc_out &o, uint64_t i
             for (int j = 0; j < 4; j++)
                 if (j < cnt) x[j] = v[i + j];
         }
-        if (std != 0.0f && !o.noised) {
-            /* a sums step's range: the elements outside it get no noise
-             * (the common case, every element in, costs two compares) */
+        if (std != 0.0f && !o.noised && all_in) {
+            float z[4];
+            draw_pair(NOISE, o.key, o.step, o.stream, i / 2, z[0], z[1]);
+            if (cnt > 2) draw_pair(NOISE, o.key, o.step, o.stream, i / 2 + 1, z[2], z[3]);
+            else z[2] = z[3] = 0.0f;
+#pragma unroll
+            for (int j = 0; j < 4; j++) x[j] = dcc_noised(x[j], std, z[j]);
+        } else if (std != 0.0f && !o.noised && !none_in) {
             bool in[4];
 #pragma unroll
             for (int j = 0; j < 4; j++) in[j] = j < cnt && dcc_noise_in(o, i + (uint64_t)j);
