@@ -380,8 +380,8 @@ def run_fsdp2(rank, world, init_file, socket_path, data, C, expected, seed, out_
         opt.step()
         _fsdp._CudaIO.sums = sums
         out["noise"] = {n: p.grad.to_local().cpu() for n, p in model.named_parameters()}
-        out["owned"] = _owned_noise(engine._shards, recorded, model,  # pylint: disable=protected-access
-                                    rank)
+        sh = engine._shards  # pylint: disable=protected-access
+        out["owned"] = _owned_noise(sh, recorded, model, rank)
         engine.close()
 
         engine, model, opt = private(fresh(bf16), "fsdp2-train", 0.0, lr=0.5)
