@@ -84,7 +84,7 @@ struct dc_group_waiter {
      * hash): equal norms are not equal data (a negated copy has the same
      * norms, and the copies' identical noise would cancel between members'
      * outputs), so one daemon's members' copies are compared by it */
-    uint64_t rep_hash;
+    uint64_t rep_hash, rep_key;
     bool has_rep_hash;
     /* Loop thread. rc 0: tot[batch] are the group's per-sample squared
      * norms (valid during the call). Else err says why the step fails. */

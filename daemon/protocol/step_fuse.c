@@ -115,7 +115,9 @@ static int replicas_check(dc_step_fused *f, dc_backend *be) {
     for (uint32_t i = 0; i < f->n; i++) {
         uint64_t h;
         bool any;
-        int rc = dc_step_run_replicas_hash(be, &f->members[i]->step, &h, &any, &f->err);
+        const dc_step *st = &f->members[i]->step;
+        int rc = dc_step_run_replicas_hash(be, st, dc_step_run_replicas_key(st), &h, &any,
+                                           &f->err);
         if (rc) return rc;
         if (!any) continue;
         if (i == 0) {

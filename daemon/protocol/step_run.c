@@ -68,7 +68,8 @@ static int clip_checked(dc_step_job *j, dc_backend *be) {
         /* the replicated copy the group compared is the one released */
         uint64_t h;
         bool any;
-        if ((rc = dc_step_run_replicas_hash(be, &j->step, &h, &any, &j->err))) goto out;
+        if ((rc = dc_step_run_replicas_hash(be, &j->step, j->gw.rep_key, &h, &any, &j->err)))
+            goto out;
         if (h != j->gw.rep_hash) {
             rc = dc_err_set(&j->err, DC_EINVAL, "clip_step.layers.replicated",
                             "the replicated layers' data changed since the group compared "
@@ -150,14 +151,19 @@ void dc_step_run_norms_work(dc_job *job, dc_backend *be) {
                 ? be->ops->run_norms(be, &j->step, j->n2, &j->err)
                 : dc_err_set(&j->err, DC_EUNIMPL, "clip_step",
                              "the %s backend has no separate norm phase", be->ops->name);
-    if (j->rc == 0 && j->grouped)
-        j->rc = dc_step_run_replicas_hash(be, &j->step, &j->gw.rep_hash, &j->gw.has_rep_hash,
-                                          &j->err);
+    if (j->rc == 0 && j->grouped) {
+        j->gw.rep_key = dc_step_run_replicas_key(&j->step);
+        j->rc = dc_step_run_replicas_hash(be, &j->step, j->gw.rep_key, &j->gw.rep_hash,
+                                          &j->gw.has_rep_hash, &j->err);
+    }
 }
 
-int dc_step_run_replicas_hash(dc_backend *be, const dc_step *st, uint64_t *out, bool *any,
-                              dc_err *e) {
-    const uint64_t key = dc_hash_mix(st->group_noise_key ^ dc_hash_mix(st->group_step));
+uint64_t dc_step_run_replicas_key(const dc_step *st) {
+    return dc_hash_mix(st->group_noise_key ^ dc_hash_mix(st->group_step));
+}
+
+int dc_step_run_replicas_hash(dc_backend *be, const dc_step *st, uint64_t key, uint64_t *out,
+                              bool *any, dc_err *e) {
     uint64_t h = 0;
     int rc;
     *any = false;

@@ -34,12 +34,15 @@ void dc_step_run_prewait(dc_job *job, dc_backend *be);
 void dc_step_run_norms_work(dc_job *job, dc_backend *be);
 void dc_step_run_clip_work(dc_job *job, dc_backend *be);
 /* The keyed checksum (common/dc_hash.h) of a grouped step's replicated
- * layers' inputs and output grads, in order, under a key the daemon derives
- * from the group's noise key and step (no client knows it): a member's copy
+ * layers' inputs and output grads, in order, under `key`: a member's copy
  * is the same as another's if and only if (but for chance) the checksums
- * are. *any false: the step has no replicated layer. Worker thread. */
-int dc_step_run_replicas_hash(dc_backend *be, const dc_step *st, uint64_t *out, bool *any,
-                              dc_err *e);
+ * are. *any false: the step has no replicated layer. Worker thread.
+ * dc_step_run_replicas_key: the key, from the group's noise key and step
+ * as the step has them (no client knows it); a phased step keeps it for its
+ * clip phase (across daemons its noise key becomes daemon 0's meanwhile). */
+int dc_step_run_replicas_hash(dc_backend *be, const dc_step *st, uint64_t key, uint64_t *out,
+                              bool *any, dc_err *e);
+uint64_t dc_step_run_replicas_key(const dc_step *st);
 /* A step in phases (step_pass.h): the norm pass (as a group's norm phase,
  * into j->n2), and a sums step (as dc_step_run_work, with run_clip on the
  * pass's n2 rows and totals in j->n2 and j->tot). */

@@ -113,10 +113,13 @@ def test_micro_batches_equal_the_whole_logical_batch_cuda(daemon, sizes, dtype):
     _accumulate(model, opt, x.cuda(), y.cuda(), sizes,
                 autocast=torch.bfloat16 if bf16 else None)
     engine.synchronize()
-    tol = 0.05 if bf16 else 2e-4
+    # f32: the daemon's GPU kernels multiply f32 on TF32 tensor cores and
+    # clip by the certified bound of that path (e about 2.2e-3,
+    # docs/design.md "Certified sensitivity"), whatever the trainer's TF32
+    tol = 0.05 if bf16 else 5e-3
     for n, p in model.named_parameters():
         assert _max_rel(p.grad.cpu(), want[n]) < tol, n
-    assert _max_rel(engine.last_norms, ref_norms) < (0.02 if bf16 else 1e-4)
+    assert _max_rel(engine.last_norms, ref_norms) < (0.02 if bf16 else 5e-3)
     engine.close()
 
 
