@@ -393,6 +393,100 @@ static void test_limits(void **state) {
     assert_int_equal(dc_harness_stop(&h), 0);
 }
 
+/* A logical step in phases (a sharded model's): each micro-batch a norm
+ * pass over every layer and two sums steps of some layers each; the
+ * commit's sums write the whole batch's clipped sums (with the phased
+ * margin) against the f64 reference; the pass of a micro-batch is summed
+ * whole before the next micro-batch; one charge, at the commit's pass. */
+static void test_in_phases(void **state) {
+    static const size_t all[5] = {0, 1, 2, 3, 4}, g0[2] = {0, 2}, g1[3] = {1, 3, 4};
+    static const uint32_t sizes[3] = {16, 16, 32};
+    dpclip_client *c = connect_ok(g_h.sock, "phases");
+    dc_shm_step s;
+    dpclip_result res;
+    (void)state;
+    make(&s, c, DPCLIP_SUM, 0, 0.0f, 41);
+    s.cfg.sample_rate = 0.02;
+    int64_t n = dc_shm_step_outputs(&s, NULL);
+    double *want = malloc((size_t)n * sizeof *want), norms[B], coef[B];
+    float *got = malloc((size_t)n * sizeof *got);
+    assert_non_null(want);
+    assert_non_null(got);
+    /* the whole batch's sums at the coefficients of the phased margin */
+    dc_shm_step_ref_norms(&s, norms);
+    for (int b = 0; b < B; b++)
+        coef[b] = fmin(1.0, s.cfg.max_grad_norm / (norms[b] * sqrt(1.0 + 1.0 / 1024.0) + 1e-6));
+    {
+        int64_t off = 0;
+        for (size_t l = 0; l < s.ref.n_layers; l++) {
+            const dc_layer *ly = &s.ref.layers[l];
+            int64_t nw = dc_test_tensor_numel(&ly->weight_grad_out);
+            int64_t nb = ly->bias_grad_out.data ? dc_test_tensor_numel(&ly->bias_grad_out) : 0;
+            dc_ref_layer_clipped_sum(ly, B, 1.0, coef, want + off, nb ? want + off + nw : NULL);
+            off += nw + nb;
+        }
+    }
+    dc_shm_step_fill_outputs(&s, NAN);
+    uint32_t b0 = 0;
+    for (int k = 0; k < 3; b0 += sizes[k], k++) {
+        const int commit = k == 2;
+        dpclip_step *pn = dpclip_step_new(sizes[k], &s.cfg);
+        dpclip_step *ps[2] = {dpclip_step_new(sizes[k], &s.cfg), dpclip_step_new(sizes[k], &s.cfg)};
+        assert_int_equal(dpclip_step_set_phase(pn, DPCLIP_STEP_NORMS), 0);
+        assert_int_equal(dc_shm_step_wire_layers_cut(&s, pn, all, 5, 0, b0, sizes[k]), 0);
+        assert_int_equal(dpclip_step_set_logical(pn, 3, (uint32_t)k, commit), 0);
+        for (int g = 0; g < 2; g++) {
+            assert_int_equal(dpclip_step_set_phase(ps[g], DPCLIP_STEP_SUMS), 0);
+            assert_int_equal(dc_shm_step_wire_layers_cut(&s, ps[g], g ? g1 : g0, g ? 3 : 2, 1, b0,
+                                                         sizes[k]),
+                             0);
+            assert_int_equal(dpclip_step_set_logical(ps[g], 3, (uint32_t)k, commit), 0);
+        }
+        assert_int_equal(run(c, pn, &res), 0);
+        assert_int_equal(res.micro_batches, (uint32_t)k + 1);
+        assert_true(commit ? res.epsilon > 0.0 : res.epsilon == 0.0);
+        dpclip_result_free(&res);
+        assert_int_equal(run(c, ps[0], &res), 0);
+        dpclip_result_free(&res);
+        assert_int_equal(run(c, ps[1], &res), 0);
+        dpclip_result_free(&res);
+        if (!commit) all_nan(&s);
+        dpclip_step_free(pn);
+        dpclip_step_free(ps[0]);
+        dpclip_step_free(ps[1]);
+    }
+    dc_shm_step_outputs(&s, got);
+    double e = dc_test_max_relerr_f(got, want, n, dc_test_rtol(DC_BF16), 1e-6);
+    if (e > 1.0) print_message("outputs off by %.3g of the tolerance\n", e);
+    assert_true(e <= 1.0);
+    /* the next micro-batch before a pass is summed whole is refused (and
+     * aborts its logical step: its sums are refused after it) */
+    {
+        dpclip_step *pn = dpclip_step_new(16, &s.cfg), *early = dpclip_step_new(16, &s.cfg);
+        dpclip_step *ps = dpclip_step_new(16, &s.cfg);
+        assert_int_equal(dpclip_step_set_phase(pn, DPCLIP_STEP_NORMS), 0);
+        assert_int_equal(dc_shm_step_wire_layers_cut(&s, pn, all, 5, 0, 0, 16), 0);
+        assert_int_equal(dpclip_step_set_logical(pn, 4, 0, 0), 0);
+        assert_int_equal(dpclip_step_set_phase(early, DPCLIP_STEP_NORMS), 0);
+        assert_int_equal(dc_shm_step_wire_layers_cut(&s, early, all, 5, 0, 16, 16), 0);
+        assert_int_equal(dpclip_step_set_logical(early, 4, 1, 0), 0);
+        assert_int_equal(dpclip_step_set_phase(ps, DPCLIP_STEP_SUMS), 0);
+        assert_int_equal(dc_shm_step_wire_layers_cut(&s, ps, g0, 2, 1, 0, 16), 0);
+        assert_int_equal(dpclip_step_set_logical(ps, 4, 0, 0), 0);
+        assert_int_equal(run(c, pn, &res), 0);
+        dpclip_result_free(&res);
+        refused(c, early, DPCLIP_EPRECOND, "clip_step.phase");
+        refused(c, ps, DPCLIP_EPRECOND, "clip_step.logical");
+        dpclip_step_free(pn);
+        dpclip_step_free(early);
+        dpclip_step_free(ps);
+    }
+    free(want);
+    free(got);
+    dc_shm_step_free(&s);
+    dpclip_disconnect(c);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_micro_batches_of_8_sum),
@@ -401,6 +495,7 @@ int main(void) {
         cmocka_unit_test(test_noise_once_and_one_charge),
         cmocka_unit_test(test_rules_and_aborts),
         cmocka_unit_test(test_limits),
+        cmocka_unit_test(test_in_phases),
     };
     return cmocka_run_group_tests(tests, setup, teardown);
 }

@@ -38,6 +38,7 @@ static void job_free(dc_step_job *j) {
     free(j->partial);
     free(j->tot);
     free(j->rep);
+    free(j->pass_at);
     if (j->cached) j->step.layers = NULL; /* the plan's */
     dc_validate_step_free(&j->step);
     free(j);
@@ -74,7 +75,7 @@ static void step_refuse(dc_step_job *j, const dc_err *e, bool async) {
     dc_session *s = j->s;
     uint64_t id = j->req_id;
     s->job = NULL;
-    if (j->params.phase == DC_PHASE_NORMS) pass_drop(s); /* its reservation */
+    if (j->pass_reserved) pass_drop(s); /* its reservation */
     dc_logical_refused(s, j, e);                          /* its logical step aborts */
     group_fail(s, j, e);
     job_free(j);
@@ -181,11 +182,19 @@ static int pass_reserve(dc_session *s, uint64_t bytes, dc_err *e) {
  * Any other step is a new logical step, which ends the session's pass. */
 static int step_phase(dc_session *s, dc_step_job *j, dc_err *e) {
     const dc_step_phase ph = j->params.phase;
+    /* a micro-batch's pass is summed whole before the next step: else its
+     * logical step's sums would miss some of its samples */
+    if (ph != DC_PHASE_SUMS && dc_pass_pending(s->pass))
+        return dc_err_set(e, DC_EPRECOND, "clip_step.phase",
+                          "the norm pass of a logical step's micro-batch has layers still to "
+                          "sum: every layer of a micro-batch's pass is summed before its next "
+                          "step");
     if (ph != DC_PHASE_SUMS) pass_drop(s);
     if (ph == DC_PHASE_WHOLE) return 0;
     if (dc_pass_check(j, s->group != NULL, e)) return e->code;
     if (ph == DC_PHASE_SUMS) return dc_pass_take(s->pass, j, e);
     if (pass_reserve(s, dc_pass_bytes(j->step.batch, j->step.n_layers), e)) return e->code;
+    j->pass_reserved = true;
     if (!(j->n2 = malloc((size_t)j->step.batch * j->step.n_layers * sizeof *j->n2)))
         return dc_err_set(e, DC_ENOSPACE, "clip_step", "out of memory");
     return 0;
@@ -434,11 +443,11 @@ void dc_session_step_reply(dc_step_job *j) {
     if (j->rc == 0) {
         Dpclip__Reply reply = DPCLIP__REPLY__INIT;
         Dpclip__ClipStepReply cr = DPCLIP__CLIP_STEP_REPLY__INIT;
-        /* a sums step is part of its norm pass's logical step; a
-         * micro-batch, of its logical step (counted at the commit) */
-        const bool part = j->params.phase == DC_PHASE_SUMS ||
-                          (j->params.logical_id && !j->params.commit);
-        dc_step_reply_fill(j, part ? s->steps + (j->params.logical_id ? 1 : 0) : ++s->steps, &cr);
+        /* a micro-batch is part of its logical step (counted at the
+         * commit), a sums step of its norm pass's */
+        const bool micro = j->params.logical_id && !j->params.commit;
+        dc_step_reply_fill(j, micro ? s->steps + 1
+                              : j->params.phase == DC_PHASE_SUMS ? s->steps : ++s->steps, &cr);
         if (j->params.logical_id) {
             cr.logical_id = j->params.logical_id;
             cr.micro_batches = dc_logical_micro_batches(s);

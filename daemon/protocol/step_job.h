@@ -126,6 +126,8 @@ struct dc_step_job {
     uint64_t group_step;
     double *n2, *partial, *tot;
     double *rep;           /* [B] its replicated layers' squared norms (group.h) */
+    size_t *pass_at;       /* a sums step: each layer's index in its pass (step_pass.h) */
+    bool pass_reserved;    /* a norm pass: the session's pass bytes are its reservation */
     dc_group_waiter gw;
     dc_step_job *fuse_next; /* the next member of a fused group step (rank order) */
     uint64_t group_wait_ns, group_exchange_ns; /* for the reply */

@@ -8,6 +8,7 @@
 #include "log.h"
 #include "server.h"
 #include "session.h"
+#include "step_pass.h"
 
 /* One output of one layer of the logical step: what every micro-batch must
  * name there, and its accumulator. */
@@ -23,6 +24,11 @@ typedef struct logical_out {
 struct dc_logical {
     uint64_t id;          /* the logical step open, or the last one */
     bool open, aborted;
+    /* in phases (a sharded model's): each micro-batch a STEP_NORMS pass and
+     * its STEP_SUMS steps; the outputs are then per layer of the pass (its
+     * index), their shapes taken from the first sums step that names them
+     * (the trainer's staging may sit at one address for several layers) */
+    bool phased;
     char why[200];        /* what aborted it */
     uint32_t next;        /* its next micro-batch */
     uint64_t opened_ns;
@@ -109,7 +115,9 @@ static const char *terms_differ(const dc_logical *lg, const dc_step_job *j) {
     if (st->max_grad_norm != lg->max_grad_norm) return "clip_step.clip.max_grad_norm";
     if (st->noise_multiplier != lg->noise_multiplier) return "clip_step.noise_multiplier";
     if (st->reduction != lg->reduction) return "clip_step.clip.loss_reduction";
-    if (st->expected_batch != lg->expected_batch) return "clip_step.clip.expected_batch_size";
+    /* the divisor of a MEAN step (a SUM step divides by nothing) */
+    if (st->reduction == DC_REDUCTION_MEAN && st->expected_batch != lg->expected_batch)
+        return "clip_step.clip.expected_batch_size";
     if (st->mode != lg->mode) return "clip_step.clip.mode";
     if (m->sample_rate != lg->q) return "clip_step.sample_rate";
     if (m->target_delta != lg->target_delta) return "clip_step.target_delta";
@@ -139,9 +147,12 @@ static void out_keep(logical_out *o, const dc_tensor *t) {
     o->n = out_bytes(t);
 }
 
-/* Whether the step's outputs are the logical step's layout (layer by layer). */
-static bool layout_same(const dc_logical *lg, const dc_step *st) {
-    if (lg->n_layers != st->n_layers || lg->device != st->device) return false;
+/* Whether the step's outputs are the logical step's layout (layer by layer;
+ * in phases, the pass's layer count: the sums steps check each output). */
+static bool layout_same(const dc_logical *lg, const dc_step *st, bool phased) {
+    if (lg->n_layers != st->n_layers || lg->device != st->device || lg->phased != phased)
+        return false;
+    if (phased) return true;
     for (size_t l = 0; l < st->n_layers; l++)
         if (!out_same(&lg->outs[2 * l], &st->layers[l].weight_grad_out) ||
             !out_same(&lg->outs[2 * l + 1], &st->layers[l].bias_grad_out))
@@ -149,46 +160,12 @@ static bool layout_same(const dc_logical *lg, const dc_step *st) {
     return true;
 }
 
-/* Micro-batch 0: a new logical step, on the accumulators of the last one
- * where the outputs are the same, else on a new layout (the old
- * accumulators go). */
-static int open_logical(dc_session *s, dc_step_job *j, dc_err *e) {
+/* `need` more bytes of accumulators for the session, against the user's
+ * and the daemon's limits (those held already count in the usage). */
+static int acc_limits(dc_session *s, uint64_t need, dc_err *e) {
     dc_server *srv = s->srv;
-    const dc_step *st = &j->step;
-    dc_logical *lg = s->logical;
-    uint64_t need = 0;
     dc_uid_usage mine, all;
-    if (lg && j->params.logical_id <= lg->id)
-        return dc_err_set(e, DC_EINVAL, "clip_step.logical.id",
-                          "logical step %llu: this session's logical steps are numbered up, and "
-                          "it had %llu already", (unsigned long long)j->params.logical_id,
-                          (unsigned long long)lg->id);
-    if (lg && lg->open)
-        abort_logical(s, "the next logical step was opened before its commit");
-    if (lg && !layout_same(lg, st)) {
-        drop_accumulators(srv, lg);
-        free(lg->outs);
-        lg->outs = NULL;
-        lg->n_layers = 0;
-    }
-    if (!lg) {
-        if (!(lg = s->logical = calloc(1, sizeof *lg)))
-            return dc_err_set(e, DC_ENOSPACE, "clip_step", "out of memory");
-    }
-    if (!lg->outs) {
-        if (!(lg->outs = calloc(2 * (st->n_layers ? st->n_layers : 1), sizeof *lg->outs)))
-            return dc_err_set(e, DC_ENOSPACE, "clip_step", "out of memory");
-        lg->n_layers = st->n_layers;
-        lg->device = st->device;
-        for (size_t l = 0; l < st->n_layers; l++) {
-            out_keep(&lg->outs[2 * l], &st->layers[l].weight_grad_out);
-            out_keep(&lg->outs[2 * l + 1], &st->layers[l].bias_grad_out);
-        }
-    }
-    /* what its accumulators will hold, against the user's and the daemon's
-     * limits (those held already count in the usage) */
-    for (size_t i = 0; i < 2 * lg->n_layers; i++)
-        if (!lg->outs[i].acc) need += lg->outs[i].n * sizeof(float);
+    if (!need) return 0;
     dc_server_uid_usage(srv, (uint32_t)s->peer_uid, &mine, &all);
     if (mine.acc_bytes + need > srv->cfg.max_accumulator_memory_per_uid)
         return dc_err_set(e, DC_ENOSPACE, "limits.max_accumulator_memory_per_uid",
@@ -204,6 +181,51 @@ static int open_logical(dc_session *s, dc_step_job *j, dc_err *e) {
                           (unsigned long long)need,
                           (unsigned long long)srv->cfg.max_accumulator_memory,
                           (unsigned long long)all.acc_bytes);
+    return 0;
+}
+
+/* Micro-batch 0: a new logical step, on the accumulators of the last one
+ * where the outputs are the same, else on a new layout (the old
+ * accumulators go). */
+static int open_logical(dc_session *s, dc_step_job *j, dc_err *e) {
+    dc_server *srv = s->srv;
+    const dc_step *st = &j->step;
+    dc_logical *lg = s->logical;
+    uint64_t need = 0;
+    if (lg && j->params.logical_id <= lg->id)
+        return dc_err_set(e, DC_EINVAL, "clip_step.logical.id",
+                          "logical step %llu: this session's logical steps are numbered up, and "
+                          "it had %llu already", (unsigned long long)j->params.logical_id,
+                          (unsigned long long)lg->id);
+    if (lg && lg->open)
+        abort_logical(s, "the next logical step was opened before its commit");
+    const bool phased = j->params.phase == DC_PHASE_NORMS;
+    if (lg && !layout_same(lg, st, phased)) {
+        drop_accumulators(srv, lg);
+        free(lg->outs);
+        lg->outs = NULL;
+        lg->n_layers = 0;
+    }
+    if (!lg) {
+        if (!(lg = s->logical = calloc(1, sizeof *lg)))
+            return dc_err_set(e, DC_ENOSPACE, "clip_step", "out of memory");
+    }
+    if (!lg->outs) {
+        if (!(lg->outs = calloc(2 * (st->n_layers ? st->n_layers : 1), sizeof *lg->outs)))
+            return dc_err_set(e, DC_ENOSPACE, "clip_step", "out of memory");
+        lg->n_layers = st->n_layers;
+        lg->device = st->device;
+        lg->phased = phased;
+        for (size_t l = 0; l < st->n_layers && !phased; l++) {
+            out_keep(&lg->outs[2 * l], &st->layers[l].weight_grad_out);
+            out_keep(&lg->outs[2 * l + 1], &st->layers[l].bias_grad_out);
+        }
+    }
+    /* what its accumulators will hold, against the user's and the daemon's
+     * limits (those held already count in the usage) */
+    for (size_t i = 0; i < 2 * lg->n_layers; i++)
+        if (!lg->outs[i].acc) need += lg->outs[i].n * sizeof(float);
+    if (acc_limits(s, need, e)) return e->code;
     lg->id = j->params.logical_id;
     lg->open = true;
     lg->aborted = false;
@@ -247,7 +269,7 @@ static int continue_logical(dc_session *s, dc_step_job *j, dc_err *e) {
         return dc_err_set(e, DC_EINVAL, f,
                           "every micro-batch of logical step %llu carries its terms: %s differs "
                           "from micro-batch 0's", (unsigned long long)lg->id, f);
-    if (!layout_same(lg, &j->step))
+    if (!layout_same(lg, &j->step, j->params.phase == DC_PHASE_NORMS))
         return dc_err_set(e, DC_EINVAL, "clip_step.layers",
                           "every micro-batch of logical step %llu names the same outputs, layer "
                           "by layer, as micro-batch 0", (unsigned long long)lg->id);
@@ -263,6 +285,39 @@ static int continue_logical(dc_session *s, dc_step_job *j, dc_err *e) {
     return 0;
 }
 
+/* A sums step of a micro-batch's pass (the pass matched its layers and
+ * its ClipStep.logical: j->pass_at): of the logical step open, its outputs
+ * of the shapes the logical step has for those layers of the pass (taken
+ * from the first sums step that names them, within the limits). */
+static int sums_logical(dc_session *s, dc_step_job *j, dc_err *e) {
+    dc_logical *lg = s->logical;
+    const dc_step *st = &j->step;
+    uint64_t need = 0;
+    if (!lg || !lg->open || !lg->phased || lg->id != j->params.logical_id ||
+        lg->next != j->params.micro_batch + 1)
+        return dc_err_set(e, DC_EPRECOND, "clip_step.logical",
+                          "this sums step's logical step %llu, micro-batch %u, is not the "
+                          "session's open one", (unsigned long long)j->params.logical_id,
+                          j->params.micro_batch);
+    for (size_t l = 0; l < st->n_layers; l++)
+        for (int k = 0; k < 2; k++) {
+            const dc_tensor *t = k ? &st->layers[l].bias_grad_out : &st->layers[l].weight_grad_out;
+            logical_out *o = &lg->outs[2 * j->pass_at[l] + (size_t)k];
+            if (!t->data) continue;
+            if (o->n && (o->dtype != t->dtype || o->ndim != t->ndim ||
+                         memcmp(o->shape, t->shape, sizeof o->shape) != 0))
+                return dc_err_set(e, DC_EINVAL, "clip_step.layers",
+                                  "layer %zu ('%s'): every micro-batch of logical step %llu "
+                                  "names its outputs with the same dtype and shape",
+                                  l, st->layers[l].name, (unsigned long long)lg->id);
+            if (!o->n) {
+                out_keep(o, t);
+                if (!o->acc) need += o->n * sizeof(float);
+            }
+        }
+    return acc_limits(s, need, e);
+}
+
 int dc_logical_prepare(dc_session *s, dc_step_job *j, dc_err *e) {
     const struct dc_step_params *m = &j->params;
     dc_logical *lg = s->logical;
@@ -275,12 +330,12 @@ int dc_logical_prepare(dc_session *s, dc_step_job *j, dc_err *e) {
                               (unsigned long long)lg->id, lg->next);
         return 0;
     }
-    if (m->phase != DC_PHASE_WHOLE)
-        return dc_err_set(e, DC_EINVAL, "clip_step.phase",
-                          "a logical step's micro-batches are whole steps (phase STEP_WHOLE)");
-    rc = m->micro_batch == 0 ? open_logical(s, j, e) : continue_logical(s, j, e);
+    if (m->phase == DC_PHASE_SUMS) rc = sums_logical(s, j, e);
+    else rc = m->micro_batch == 0 ? open_logical(s, j, e) : continue_logical(s, j, e);
     if (rc) return rc;
-    /* a logical step of one micro-batch is a whole step */
+    /* a logical step of one micro-batch is a whole step; a norm pass writes
+     * nothing (its sums accumulate) */
+    if (m->phase == DC_PHASE_NORMS) return 0;
     j->step.acc = m->micro_batch == 0 ? (m->commit ? DC_ACC_NONE : DC_ACC_FIRST)
                                       : (m->commit ? DC_ACC_COMMIT : DC_ACC_ADD);
     return 0;
@@ -294,8 +349,10 @@ int dc_logical_ensure(dc_step_job *j, dc_backend *be, dc_err *e) {
         return dc_err_set(e, DC_EUNIMPL, "clip_step.logical",
                           "the %s backend holds no accumulators", be->ops->name);
     for (size_t l = 0; l < st->n_layers; l++) {
+        /* a sums step's layers are the pass's (its index), else the step's */
+        const size_t slot = j->params.phase == DC_PHASE_SUMS ? j->pass_at[l] : l;
         for (int k = 0; k < 2; k++) {
-            logical_out *o = &lg->outs[2 * l + k];
+            logical_out *o = &lg->outs[2 * slot + (size_t)k];
             float **to = k ? &st->layers[l].acc_b : &st->layers[l].acc_w;
             if (!o->dst) {
                 *to = NULL;
@@ -322,8 +379,13 @@ void dc_logical_done(dc_session *s, const dc_step_job *j) {
         abort_logical(s, j->err.msg[0] ? j->err.msg : "a micro-batch failed");
         return;
     }
-    lg->next++;
-    if (j->params.commit) lg->open = false;
+    /* a micro-batch counts once: its whole step, or its norm pass; the
+     * commit closes the logical step with its step, or its pass's last sums */
+    if (j->params.phase != DC_PHASE_SUMS) lg->next++;
+    if (j->params.commit &&
+        (j->params.phase == DC_PHASE_WHOLE ||
+         (j->params.phase == DC_PHASE_SUMS && dc_pass_done(s->pass))))
+        lg->open = false;
 }
 
 void dc_logical_refused(dc_session *s, const dc_step_job *j, const dc_err *why) {

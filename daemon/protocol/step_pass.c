@@ -29,6 +29,11 @@ struct dc_pass {
     uint32_t expected_batch;
     size_t n_layers, n_summed;
     size_t next;       /* where the next match is looked for first: sums come in order */
+    /* a micro-batch of a logical step (ClipStep.logical): its sums carry the
+     * same; logical_id 0: none */
+    uint64_t logical_id;
+    uint32_t micro_batch;
+    bool commit;
     double *n2;        /* [L*B] */
     double *tot;       /* [B] */
     pass_layer *layers;
@@ -112,6 +117,9 @@ int dc_pass_new(dc_step_job *j, dc_pass **out, dc_err *e) {
     p->batch = B;
     p->device = s->device;
     p->max_grad_norm = s->max_grad_norm;
+    p->logical_id = j->params.logical_id;
+    p->micro_batch = j->params.micro_batch;
+    p->commit = j->params.commit;
     p->noise_multiplier = s->noise_multiplier;
     p->data_parallel = j->params.dp.declared;
     p->reduction = s->reduction;
@@ -198,6 +206,11 @@ int dc_pass_take(dc_pass *p, dc_step_job *j, dc_err *e) {
         return dc_err_set(e, DC_EINVAL, s->device != p->device ? "clip_step" : "clip_step.batch_size",
                           "the norm pass was of %u samples on %s: a sums step takes its batch "
                           "and device", p->batch, p->device < 0 ? "host memory" : "a GPU");
+    if (j->params.logical_id != p->logical_id || j->params.micro_batch != p->micro_batch ||
+        j->params.commit != p->commit)
+        return dc_err_set(e, DC_EINVAL, "clip_step.logical",
+                          "a sums step carries its norm pass's logical step, micro-batch and "
+                          "commit");
     if (s->max_grad_norm != p->max_grad_norm || s->reduction != p->reduction ||
         s->expected_batch != p->expected_batch)
         return dc_err_set(e, DC_EINVAL, "clip_step.clip",
@@ -235,7 +248,7 @@ int dc_pass_take(dc_pass *p, dc_step_job *j, dc_err *e) {
     for (size_t l = 0; l < L; l++) memcpy(&j->n2[l * B], &p->n2[at[l] * B], B * sizeof *j->n2);
     memcpy(j->tot, p->tot, B * sizeof *j->tot);
     p->n_summed += L;
-    free(at);
+    j->pass_at = at; /* the pass's index of each layer: its accumulators (step_logical.c) */
     return 0;
 fail:
     for (size_t l = 0; l < matched; l++) p->layers[at[l]].summed = false;
@@ -268,6 +281,10 @@ void dc_phase_margin(double *tot, uint32_t batch) {
 uint64_t dc_pass_bytes(uint32_t batch, size_t n_layers) {
     return sizeof(dc_pass) + (uint64_t)n_layers * (batch * sizeof(double) + sizeof(pass_layer)) +
            (uint64_t)batch * sizeof(double);
+}
+
+bool dc_pass_pending(const dc_pass *p) {
+    return p && p->logical_id && p->n_summed < p->n_layers;
 }
 
 bool dc_pass_done(const dc_pass *p) { return p && p->n_summed == p->n_layers; }

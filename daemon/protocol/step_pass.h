@@ -40,9 +40,10 @@ int dc_pass_new(dc_step_job *j, dc_pass **out, dc_err *e);
 
 /* A SUMS job: its noise is the pass's (noise_multiplier, and outside data
  * parallelism whole ranges); matches each of its layers to a layer of the
- * pass not summed yet and marks it summed; gives the job its n2 rows and
- * the pass's totals (j->n2, j->tot, owned by the job). p may be NULL (no
- * pass: refused). */
+ * pass not summed yet and marks it summed; gives the job its n2 rows, the
+ * pass's totals and each layer's index in the pass (j->n2, j->tot,
+ * j->pass_at, owned by the job). p may be NULL (no pass: refused). A sums
+ * step carries its pass's ClipStep.logical. */
 int dc_pass_take(dc_pass *p, dc_step_job *j, dc_err *e);
 
 /* A clip phase that runs in a later job than its norms (a sums step's
@@ -61,6 +62,10 @@ void dc_phase_margin(double *tot, uint32_t batch);
 /* The host bytes a pass of n_layers layers and batch samples holds between
  * its steps (what the pass-memory limits count). */
 uint64_t dc_pass_bytes(uint32_t batch, size_t n_layers);
+
+/* A micro-batch's pass (ClipStep.logical) that is not summed whole yet:
+ * its logical step's accumulators would miss some of its samples. */
+bool dc_pass_pending(const dc_pass *p);
 
 /* Whether every layer of the pass was summed (the session may drop it). */
 bool dc_pass_done(const dc_pass *p);

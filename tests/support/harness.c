@@ -456,6 +456,16 @@ static int add_wire_to(dc_shm_step *s, dpclip_step *dst, size_t i, int outputs) 
 
 static int add_wire_layer(dc_shm_step *s, size_t i) { return add_wire_to(s, s->step, i, 1); }
 
+int dc_shm_step_wire_layers_cut(dc_shm_step *s, dpclip_step *dst, const size_t *layers, size_t n,
+                                int outputs, uint32_t b0, uint32_t nb) {
+    int rc;
+    if (nb == 0 || b0 + nb > s->ref.batch) return DPCLIP_EARG;
+    for (size_t k = 0; k < n; k++)
+        if (layers[k] >= s->ref.n_layers) return DPCLIP_EARG;
+        else if ((rc = add_wire_cut(s, dst, layers[k], outputs, b0, nb))) return rc;
+    return 0;
+}
+
 int dc_shm_step_wire_slice(dc_shm_step *s, dpclip_step *dst, uint32_t b0, uint32_t nb) {
     int rc;
     if (nb == 0 || b0 + nb > s->ref.batch) return DPCLIP_EARG;

@@ -103,6 +103,10 @@ int dc_shm_step_wire_layers(dc_shm_step *s, dpclip_step *dst, const size_t *laye
  * inputs cut to samples [b0, b0 + nb): a micro-batch of the step's batch
  * (tied pairs are not marked). */
 int dc_shm_step_wire_slice(dc_shm_step *s, dpclip_step *dst, uint32_t b0, uint32_t nb);
+/* The same for ref layers layers[0..n), with their outputs or without (a
+ * micro-batch's norm pass or sums step). */
+int dc_shm_step_wire_layers_cut(dc_shm_step *s, dpclip_step *dst, const size_t *layers, size_t n,
+                                int outputs, uint32_t b0, uint32_t nb);
 /* Adds [B] f32 norms_out / coefs_out tensors in the buffer. */
 int dc_shm_step_add_outputs(dc_shm_step *s, int norms, int coefs);
 /* Replaces the clipping config (rebuilding the wire step), e.g. to pick C
