@@ -83,13 +83,22 @@ static void check_outputs(dc_shm_step st[2], int phased) {
 }
 
 /* Micro-batches of sizes[0..n) (summing to B), submitted stage by stage,
- * the last stage first; each stage waits for its replies at the end. */
+ * the last stage first (first_stage 1), or the first; each stage waits for
+ * these replies at the end. */
+static void run_logical_from(dc_shm_step st[2], const uint32_t *sizes, int n, uint64_t id,
+                             int first_stage);
 static void run_logical(dc_shm_step st[2], const uint32_t *sizes, int n, uint64_t id) {
+    run_logical_from(st, sizes, n, id, 1);
+}
+
+static void run_logical_from(dc_shm_step st[2], const uint32_t *sizes, int n, uint64_t id,
+                             int first_stage) {
     dpclip_step *p[2][8];
     uint64_t t[2][8];
     uint32_t b0 = 0;
     for (int m = 0; m < n; b0 += sizes[m], m++)
-        for (int k = 1; k >= 0; k--) {
+        for (int i = 0; i < 2; i++) {
+            const int k = first_stage ? 1 - i : i;
             p[k][m] = dpclip_step_new(sizes[m], &st[k].cfg);
             assert_non_null(p[k][m]);
             assert_int_equal(dc_shm_step_wire_slice(&st[k], p[k][m], b0, sizes[m]), 0);
@@ -161,11 +170,53 @@ static void test_members_disagree(void **state) {
     assert_int_equal(dc_harness_stop(&h), 0);
 }
 
+/* A stage that gave up a logical step part-way (sent micro-batch 0 of 2,
+ * the other stage both): the next logical step's micro-batches still pair
+ * (a logical step's micro-batch k is the same group step on every member),
+ * the step the first stage waits in is given up, and the next logical step
+ * is exact. */
+static void test_stage_drops_a_logical_step(void **state) {
+    static const uint32_t sizes[3] = {1, 2, 3};
+    dc_harness h;
+    dc_shm_step st[2];
+    dpclip_step *p[2][2];
+    uint64_t t[2][2];
+    dpclip_result res;
+    (void)state;
+    assert_int_equal(dc_harness_start(&h, "--workers 2 --no-gpu"), 0);
+    stages(h.sock, "pp-drop", st, 73);
+    for (int k = 0; k < 2; k++)
+        for (int m = 0; m < 2; m++) {
+            p[k][m] = dpclip_step_new(3, &st[k].cfg);
+            assert_non_null(p[k][m]);
+            assert_int_equal(dc_shm_step_wire_slice(&st[k], p[k][m], 3 * (uint32_t)m, 3), 0);
+            assert_int_equal(dpclip_step_set_logical(p[k][m], 1, (uint32_t)m, m == 1), 0);
+        }
+    /* both send micro-batch 0; stage 0 also micro-batch 1; stage 1 gives up */
+    for (int k = 0; k < 2; k++) assert_int_equal(dpclip_submit(st[k].c, p[k][0], &t[k][0]), 0);
+    assert_int_equal(dpclip_submit(st[0].c, p[0][1], &t[0][1]), 0);
+    for (int k = 0; k < 2; k++) {
+        assert_int_equal(dpclip_wait(st[k].c, t[k][0], 30000, &res), 0);
+        dpclip_result_free(&res);
+    }
+    /* the next logical step, on both: stage 0's micro-batch 1 is given up */
+    for (int k = 0; k < 2; k++) dc_shm_step_fill_outputs(&st[k], NAN);
+    run_logical_from(st, sizes, 3, 2, 1);
+    assert_true(dpclip_wait(st[0].c, t[0][1], 30000, &res) != 0);
+    assert_non_null(strstr(dpclip_errmsg(st[0].c), "given up"));
+    check_outputs(st, 0);
+    for (int k = 0; k < 2; k++)
+        for (int m = 0; m < 2; m++) dpclip_step_free(p[k][m]);
+    free_stages(st);
+    assert_int_equal(dc_harness_stop(&h), 0);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_pipeline_fused),
         cmocka_unit_test(test_pipeline_phased),
         cmocka_unit_test(test_members_disagree),
+        cmocka_unit_test(test_stage_drops_a_logical_step),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

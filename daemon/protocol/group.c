@@ -777,6 +777,21 @@ int dc_group_deliver(dc_group *g, dc_group_waiter *w, dc_err *err) {
         *err = g->failed_err;
         return err->code;
     }
+    if (g->active && w->step > g->cur) {
+        /* A member moved past the group step in progress: its numbers only
+         * increase, so that step cannot complete. It fails on the members
+         * waiting in it (their logical step, if any, aborts), and this one
+         * opens the next. */
+        dc_err e;
+        dc_err_set(&e, DC_EUNAVAIL, "clip_step.group_step",
+                   "norm group '%s': rank %u moved on to group step %llu, so group step %llu "
+                   "was given up", g->name, w->rank, (unsigned long long)w->step,
+                   (unsigned long long)g->cur);
+        g->has_failed = true;
+        g->failed = g->cur;
+        g->failed_err = e;
+        fail_waiting(g, e.code, &e);
+    }
     if (g->active && w->step != g->cur)
         return dc_err_set(err, DC_EPRECOND, "clip_step.group_step",
                           "rank %u sent group step %llu while the group is at step %llu",

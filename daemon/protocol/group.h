@@ -51,6 +51,9 @@ typedef struct dc_group dc_group;
  * session's next implicit step is its last plus one: bounded far below
  * UINT64_MAX, no step number can wrap. */
 #define DC_GROUP_STEP_MAX (UINT64_C(1) << 62)
+/* A logical step's micro-batch k, numbered implicitly, is group step
+ * (logical id << DC_GROUP_MICRO_BITS) + k (session_group.c). */
+#define DC_GROUP_MICRO_BITS 24
 
 /* What every member's step of one group step must agree on; a mismatch
  * fails the step on every member, naming the field. */

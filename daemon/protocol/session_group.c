@@ -136,15 +136,34 @@ int dc_session_group_prepare(dc_session *s, dc_step_job *j, dc_err *e) {
         return dc_err_set(e, DC_EINVAL, "clip_step.clip.mode",
                           "per-layer clipping needs no norm group: each member clips its own "
                           "layers (leave the group)");
+    /* A micro-batch of a logical step, numbered implicitly, takes the group
+     * step its (logical step, micro-batch) names: every member numbers it
+     * alike, whatever micro-batches a member dropped before (a pipeline
+     * stage that gave up a logical step part-way). */
+    uint64_t implicit = s->group_steps + 1;
+    if (!m->group_step && m->logical_id) {
+        if (m->logical_id >= DC_GROUP_STEP_MAX >> DC_GROUP_MICRO_BITS ||
+            m->micro_batch >= (1u << DC_GROUP_MICRO_BITS))
+            return dc_err_set(e, DC_EINVAL, "clip_step.logical",
+                              "logical step %llu, micro-batch %u: a norm group numbers its "
+                              "micro-batches below 2^%d and its logical steps below 2^%d",
+                              (unsigned long long)m->logical_id, m->micro_batch,
+                              DC_GROUP_MICRO_BITS, 62 - DC_GROUP_MICRO_BITS);
+        implicit = (m->logical_id << DC_GROUP_MICRO_BITS) + m->micro_batch;
+        if (implicit <= s->group_steps)
+            return dc_err_set(e, DC_EINVAL, "clip_step.logical",
+                              "logical step %llu, micro-batch %u: this member is at group step "
+                              "%llu already (logical steps only increase)",
+                              (unsigned long long)m->logical_id, m->micro_batch,
+                              (unsigned long long)s->group_steps);
+    }
     /* Group steps only go forward: a step number taken again could claim
      * the leader's charge for a step already released. And they stay far
      * from wrapping (DC_GROUP_STEP_MAX). */
-    if (m->group_step > DC_GROUP_STEP_MAX ||
-        (!m->group_step && s->group_steps >= DC_GROUP_STEP_MAX))
+    if (m->group_step > DC_GROUP_STEP_MAX || (!m->group_step && implicit > DC_GROUP_STEP_MAX))
         return dc_err_set(e, DC_EINVAL, "clip_step.group_step",
                           "group step %llu: group steps run from 1 to %llu",
-                          (unsigned long long)(m->group_step ? m->group_step
-                                                             : s->group_steps + 1),
+                          (unsigned long long)(m->group_step ? m->group_step : implicit),
                           (unsigned long long)DC_GROUP_STEP_MAX);
     if (m->group_step && m->group_step <= s->group_steps)
         return dc_err_set(e, DC_EINVAL, "clip_step.group_step",
@@ -152,7 +171,7 @@ int dc_session_group_prepare(dc_session *s, dc_step_job *j, dc_err *e) {
                           "steps only increase)",
                           (unsigned long long)m->group_step,
                           (unsigned long long)s->group_steps);
-    j->group_step = m->group_step ? m->group_step : s->group_steps + 1;
+    j->group_step = m->group_step ? m->group_step : implicit;
     if (dc_group_clipping_of(g) == DC_GROUP_WISE) {
         /* He et al.: C_k = C / sqrt(K), so that sum_k C_k^2 = C^2; the
          * noise stays sigma * C on every coordinate */
