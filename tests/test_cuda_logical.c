@@ -257,11 +257,6 @@ static void test_hash_matches_host(void **state) {
     CUDA_OK(cudaFree(dev));
 }
 
-static int setup(void **state) {
-    int rc = cuda_test_setup(state);
-    if (rc == 0) dc_cpu_backend_set_clip_how(g_cpu, DC_E_GPU | DC_E_TF32);
-    return rc;
-}
 
 int main(void) {
     if (cuda_test_skip()) return DC_TEST_SKIP;
@@ -270,5 +265,5 @@ int main(void) {
         cmocka_unit_test(test_gpu_matches_cpu),
         cmocka_unit_test(test_reference_without_noise),
     };
-    return cmocka_run_group_tests(tests, setup, cuda_test_teardown);
+    return cmocka_run_group_tests(tests, cuda_test_setup_gpu_bounds, cuda_test_teardown);
 }

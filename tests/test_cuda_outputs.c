@@ -186,14 +186,6 @@ static void test_failures_write_nothing(void **state) {
     }
 }
 
-/* The CPU backend the GPU's results are compared with clips by the GPU's
- * rounding bounds (step.h dc_clip_e): both then compute the same
- * coefficients from the same norms. */
-static int setup(void **state) {
-    int rc = cuda_test_setup(state);
-    if (rc == 0) dc_cpu_backend_set_clip_how(g_cpu, DC_E_GPU | DC_E_TF32);
-    return rc;
-}
 
 int main(void) {
     if (cuda_test_skip()) return DC_TEST_SKIP;
@@ -201,5 +193,5 @@ int main(void) {
         cmocka_unit_test(test_found_maxima),
         cmocka_unit_test(test_failures_write_nothing),
     };
-    return cmocka_run_group_tests(tests, setup, cuda_test_teardown);
+    return cmocka_run_group_tests(tests, cuda_test_setup_gpu_bounds, cuda_test_teardown);
 }

@@ -287,11 +287,6 @@ static void test_real_data_clip_phase(void **state) {
     set_switches(1, 1);
 }
 
-static int setup(void **state) {
-    int rc = cuda_test_setup(state);
-    if (rc == 0) dc_cpu_backend_set_clip_how(g_cpu, DC_E_GPU | DC_E_TF32);
-    return rc;
-}
 
 int main(void) {
     if (cuda_test_skip()) return DC_TEST_SKIP;
@@ -299,5 +294,5 @@ int main(void) {
         cmocka_unit_test(test_ranges_on_every_path),
         cmocka_unit_test(test_real_data_clip_phase),
     };
-    return cmocka_run_group_tests(tests, setup, cuda_test_teardown);
+    return cmocka_run_group_tests(tests, cuda_test_setup_gpu_bounds, cuda_test_teardown);
 }

@@ -17,6 +17,7 @@
 #include <cmocka.h>
 #include <cuda_runtime_api.h>
 
+#include "cpu.h"
 #include "dc_cuda.h"
 #include "dcc.h"
 #include "ref.h"
@@ -254,6 +255,15 @@ static inline int cuda_test_setup(void **state) {
     set_switches(1, 1); /* whatever the environment says */
     if (dc_cpu_backend_create(1, &g_cpu, &err)) return -1;
     return 0;
+}
+
+/* The same, the CPU backend the GPU's results are compared with clipping
+ * by the GPU's rounding bounds (step.h dc_clip_e): both then compute the
+ * same coefficients from the same norms. */
+static inline int cuda_test_setup_gpu_bounds(void **state) {
+    int rc = cuda_test_setup(state);
+    if (rc == 0) dc_cpu_backend_set_clip_how(g_cpu, DC_E_GPU | DC_E_TF32);
+    return rc;
 }
 
 static inline int cuda_test_teardown(void **state) {
