@@ -53,8 +53,13 @@ accumulated (nothing released, nothing charged), and step() raises the
 first error, no parameter updated. zero_grad() in the middle of a logical
 step drops it likewise, with a warning naming what it dropped (as plain
 PyTorch's zero_grad() drops the accumulated .grad); engine.logical_batches
-makes zero_grad() wait for the logical batch's end. Sharded engines (FSDP2,
-dpclip._fsdp) take one pass per step and refuse a second.
+makes zero_grad() wait for the logical batch's end.
+
+Sharded engines (FSDP2, sharded_noise; dpclip._fsdp) accumulate alike: a
+micro-batch goes at the next training forward, as its norm pass and every
+bucket's sums step (Sharded.micro), which the daemon accumulates, writing
+nothing; no collective runs before step(), whose commit is the sharded
+step itself (Sharded.step, with sharded_commit() here).
 """
 import contextlib
 import time
@@ -116,7 +121,7 @@ class Accumulator:
         """The root module's forward pre-hook, pass_id the new pass: a
         training forward sends the passes before it that are complete."""
         e = self.e
-        if not (e.active and torch.is_grad_enabled()) or e._shards is not None:
+        if not (e.active and torch.is_grad_enabled()):
             return
         # no backward is under way: a window whose end never came (its
         # backward raised) is over
@@ -205,6 +210,26 @@ class Accumulator:
             if self.failure is not None and self.failure is not exc:
                 raise self.failure from None
             raise
+
+    def sharded_commit(self) -> Optional[Tuple[int, int]]:
+        """A sharded engine's step() (dpclip._fsdp): sends this logical
+        step's micro-batches but the last, whose captures stay for the
+        commit; returns the commit's (logical id, micro-batch), or None
+        where the step is one micro-batch: a whole step, as before. Raises
+        the logical step's first error."""
+        if self.failure is None:
+            try:
+                self._check_late()
+            except RuntimeError as exc:
+                self.failure = exc
+        if self.failure is not None:
+            raise self.failure
+        pending = self._passes()
+        if self.sent == 0 and len(pending) <= 1 and not self.open:
+            return None
+        for p in pending[:-1]:
+            self._send(p, commit=False)
+        return self._next()
 
     def abort(self, why: str) -> bool:
         """Drops the logical step under way (zero_grad() in its middle):
@@ -297,6 +322,14 @@ class Accumulator:
             for l, s in zip(layers, saved):
                 l.records = [r for r in s if r[2] != p]
 
+    def _next(self) -> Tuple[int, int]:
+        """(logical id, index) of the next micro-batch sent; the first
+        opens the logical step."""
+        if self.id == 0:
+            self.id, self.open = self.serial, True
+        self.sent += 1
+        return self.id, self.sent - 1
+
     def _send(self, p: Optional[int], commit: bool, gated: bool = False
               ) -> Optional[torch.Tensor]:
         """Sends pass p (None: no samples, a zero commit) as the next
@@ -310,15 +343,15 @@ class Accumulator:
             plan = _planner.plan(e._layers, B)
             if e._probing():
                 _verify.check_step(e, plan, B)
-            if self.id == 0:
-                self.id, self.open = self.serial, True
-            index = self.sent
-            e._step.set_logical(self.id, index, commit)
+            lid, index = self._next()
+            if p is not None:
+                self.last_sent = max(self.last_sent, p)
+                self.sent_passes.add(p)
+            if e._shards is not None:  # never the commit: that is Sharded.step's
+                self._result(B, e._shards.micro(plan, B, lid, index), lid)
+                return None
+            e._step.set_logical(lid, index, commit)
             try:
-                self.sent += 1
-                if p is not None:
-                    self.last_sent = max(self.last_sent, p)
-                    self.sent_passes.add(p)
                 if commit:
                     return self._send_commit(plan, B, gated)
                 self._send_micro(plan, B, index)

@@ -35,21 +35,31 @@ Each optimizer step, on every rank:
      wrote clipped and noised, and charged (docs/design.md, "Guarantees").
 
 Accounting: each rank's norm pass carries sigma and declares itself rank r
-of W in the job's logical step; the daemon's ledger (ledger_dp.c) charges
-the logical step once, at (q, sigma), and covers the other ranks' passes.
-The sums steps are part of their pass's logical step and are not accounted
-again; each adds its pass's sigma, which the daemon checks. Outside data
-parallelism (one rank) the pass is a logical step of its own, and its sums
-noise their whole outputs.
+of W in the job's logical step; the ledger (ledger_dp.c) charges it once,
+at (q, sigma), and covers the other ranks' passes. The sums steps belong to
+their pass and are not accounted again; each adds its pass's sigma, which
+the daemon checks. With one rank the pass is a logical step of its own, and
+its sums noise their whole outputs.
 
-Who reduce-scatters: the trainer's process group, after the daemon wrote the
-local sum. It is the group FSDP itself reduce-scatters over (NCCL on GPUs,
-with its topology, streams and timeouts), it exists wherever fully_shard
-runs, and it needs no second communicator: the daemons' NCCL (ClipStep
-writing straight into each rank's shard) would need one per data-parallel
-job, bootstrapped through the trainers anyway, and the daemon has none for
-data parallelism yet. Backends without reduce-scatter (gloo in older
-torches) all-reduce the sums and keep their rows: the same result.
+Gradient accumulation (several backwards, one optimizer.step(); issue 39):
+each micro-batch but the last goes when the next training forward begins
+(dpclip._accumulate; one micro-batch's captures held) as a norm pass and
+every bucket's sums step, carrying its ClipStep.logical (Sharded.micro):
+the daemon adds the sums into its accumulators (unsharded f32) and writes
+nothing; no collective runs. step() sends the last as the commit, the steps
+above with logical.commit: its sums write the accumulated and its own sums
+plus the owner's noise, so the collectives, the gate, the noise and the
+charge (the commit's pass; every pass carries the same terms) are once per
+logical step. A failed micro-batch aborts the logical step in the daemon,
+and step() raises on every rank. A pass's sums are all sent even after one
+failed (then refused): the daemon takes no other step of the session while
+a micro-batch's pass has layers to sum.
+
+Who reduce-scatters: the trainer's process group (FSDP's own, NCCL on GPUs),
+once the daemon wrote the local sum: it exists wherever fully_shard runs and
+needs no second communicator (the daemon has none for data parallelism).
+Backends without reduce-scatter (gloo in older torches) all-reduce the sums
+and keep their rows: the same result.
 
 Memory: as FSDP holds one layer group's unsharded gradient at a time, the
 clipped sums exist one bucket at a time: two slots of the largest bucket's
@@ -65,7 +75,7 @@ from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
 import torch
 import torch.nn as nn
 
-from . import _lib, _planner
+from . import _lib, _planner, _verify
 from ._layers import _ESIZE, Out, Part, Slice, UnsupportedModuleError, _align, _Layer, _tref
 
 __all__ = ["Sharded", "refuse_fsdp1", "is_fsdp2", "check_unwrapped"]
@@ -266,9 +276,10 @@ class _HostIO:
     the slot is copied out before the next), then each part's activations
     and output gradients, which the norm pass and the sums name alike."""
 
-    def __init__(self, sh: "Sharded", plan: _planner.Plan, nb: int, device: torch.device):
+    def __init__(self, sh: "Sharded", plan: _planner.Plan, nb: int, device: torch.device,
+                 scratch: bool = False):
         e = sh.engine
-        self.sh, self.plan, self.nb = sh, plan, nb
+        self.sh, self.plan, self.nb, self.scratch = sh, plan, nb, scratch  # one slot either way
         esz = _ESIZE[sh.dtype]
         # the slot first, then the parts' tensors
         self.bid, self.mem, self.slots = e._host.stage(  # pylint: disable=protected-access
@@ -317,19 +328,16 @@ class _CudaIO:
     queued behind a collective, which waits for another rank's daemon
     work (a deadlock on a GPU).
 
-    The slots are taken from the caching allocator together, at the first
-    sums step, and the trainer's stream is drained before the daemon
-    writes either: the daemon's writes are in no order with that stream,
-    and memory the allocator hands out may still be read by work queued
-    on it. A slot taken at the second bucket got the memory of the first
-    bucket's staging, free for the stream once its reduce-scatter was
-    queued (torch's NCCL group releases a synchronous collective's tensors
-    when the stream is made to wait for it) but still being read: the
-    daemon wrote the second bucket's sums over it, and the first bucket's
-    parameters (a Llama's token embedding and block 0's norms) summed them."""
+    The slots are taken together at the first sums step, then the
+    trainer's stream is drained: the daemon's writes are in no order with
+    it, and memory the allocator hands out may still be read by work queued
+    there (a slot taken at bucket 1 once got bucket 0's staging, still read
+    by its queued reduce-scatter, and the daemon wrote over it)."""
 
-    def __init__(self, sh: "Sharded", plan: _planner.Plan, nb: int, device: torch.device):
+    def __init__(self, sh: "Sharded", plan: _planner.Plan, nb: int, device: torch.device,
+                 scratch: bool = False):
         self.sh, self.plan, self.nb, self.device = sh, plan, nb, device
+        self.scratch = scratch  # a micro-batch that does not commit: nothing is written
         self.keep = []
         for lp in plan.parts:
             if lp.inp is None:
@@ -368,8 +376,10 @@ class _CudaIO:
 
     def sums(self, k: int, which: List[int], base: int, n: int) -> torch.Tensor:
         sh, e = self.sh, self.sh.engine
-        slot = k % 2
-        if self.copied_ev[slot] is not None:
+        slot = 0 if self.scratch else k % 2
+        if self.scratch and self.slots[0] is None:  # nothing written: one slot, every bucket
+            self.slots[0] = torch.empty(self.widest, dtype=sh.dtype, device=self.device)
+        elif not self.scratch and self.copied_ev[slot] is not None:
             self.copied_ev[slot].synchronize()  # the host: bucket k - 2 is out of it
         if self.slots[slot] is None:
             # both slots now, none later (see the class's docstring), then
@@ -444,9 +454,8 @@ class Sharded:
         self._cols: set = set()
         self._buckets = buckets(self.pieces, _BUCKET, self._spans())
         # the largest bucket's sums, in elements: what a slot holds
-        self.widest = max((self.pieces[l - 1].full_off - self.pieces[f].full_off +
-                           _al(self.world * self.pieces[l - 1].chunk * self.pieces[l - 1].inner)
-                           for f, l in self._buckets), default=0)
+        spans = [self._span(f, l) for f, l in self._buckets]
+        self.widest = max((sp[1] - sp[0] for sp in spans), default=0)
         self.sums_steps = 0  # the last step's sums steps run (one per bucket)
         if fsdp:
             self._check_rows()
@@ -549,34 +558,80 @@ class Sharded:
         return spans
 
     # -- the step -------------------------------------------------------------------------
-    def step(self) -> None:
-        """One optimizer step (see the module's docstring); raises on every
-        rank where any rank's step failed, after zeroing the gradients."""
+    def micro(self, plan: _planner.Plan, B: int, logical_id: int, index: int
+              ) -> _lib.StepResult:
+        """Micro-batch `index` of logical step `logical_id`, not its commit:
+        its norm pass and every bucket's sums step, accumulated by the
+        daemon, nothing written, no collective. Raises its error (the daemon
+        aborted the logical step: nothing released, nothing charged)."""
+        device = self.layers[0].weight.device
+        io = (_CudaIO if device.type == "cuda" else _HostIO)(self, plan, max(B, 1), device,
+                                                             True)
+        by_out = {id(pc.out): i for i, pc in enumerate(self.pieces)}
+        self._clip.set_logical(logical_id, index, False)
+        err: Optional[BaseException] = None
+        try:
+            res = io.norms()
+            for k, (first, last) in enumerate(self._buckets):
+                base, end = self._span(first, last)[:2]
+                try:
+                    io.sums(k, self._bucket_parts(plan, by_out, first, last), base, end - base)
+                except Exception as exc:  # pylint: disable=broad-except
+                    err = err or exc  # the rest still sent (the module's docstring)
+            if err is not None:
+                raise err
+            return res
+        except _lib.DpclipError as x:
+            raise _lib.DpclipError(x.code, x.field, "micro-batch %d of logical step %d (%d "
+                                   "samples) failed, so the logical step was dropped: nothing "
+                                   "released, nothing charged: %s" % (index, logical_id, B,
+                                                                     x.message)) from None
+        finally:
+            self._clip.set_logical(0)
+            io.close()
+
+    def _span(self, first: int, last: int) -> Tuple[int, int, int, int]:
+        """(base, end) of pieces [first, last) in the sums, and (s0, s1) in
+        this rank's shards, in elements."""
+        lp = self.pieces[last - 1]
+        return (self.pieces[first].full_off, lp.full_off + _al(self.world * lp.chunk * lp.inner),
+                self.pieces[first].shard_off, lp.shard_off + _al(lp.chunk * lp.inner))
+
+    def step(self, acc: Any) -> None:
+        """One optimizer step (see the module's docstring): the commit of
+        acc's logical step (dpclip._accumulate.Accumulator) after its other
+        micro-batches; raises on every rank where any rank's step failed,
+        after zeroing the gradients."""
         e = self.engine
         dist = torch.distributed
         device = self.layers[0].weight.device
         cuda = device.type == "cuda"
         failed: Optional[BaseException] = None
-        res, B, plan, io = None, 0, None, None
+        res, B, plan, io, commit = None, 0, None, None, None
         t0 = time.perf_counter()
         try:
-            passes = {pid for l in self.layers for _, _, pid in l.records}
-            if len(passes) > 1:
-                raise RuntimeError(
-                    "activations from %d forward/backward passes were captured for one "
-                    "optimizer step; dpclip takes one pass per step (no gradient "
-                    "accumulation): call optimizer.step() after each backward" % len(passes))
+            # the logical step's micro-batches not sent yet but the last,
+            # accumulated in the daemon; the last is the commit (None: a
+            # step of one micro-batch, a whole step)
+            commit = acc.sharded_commit()
             B = _planner.batch_size(self.layers)
             plan = _planner.plan(self.layers, B)
+            if e._probing():  # pylint: disable=protected-access
+                _verify.check_step(e, plan, B)
             io = (_CudaIO if cuda else _HostIO)(self, plan, max(B, 1), device)
+            if commit is not None:
+                self._clip.set_logical(*commit, True)
             res = io.norms()
         except Exception as exc:  # pylint: disable=broad-except
             failed = exc  # this rank still joins every collective, with zeros
         t1 = time.perf_counter()
-        shards, failed = self._sums_and_scatter(plan, io if failed is None else None, device,
-                                                cuda, failed)
-        if io is not None:
-            io.close()
+        try:
+            shards, failed = self._sums_and_scatter(plan, io if failed is None else None, device,
+                                                    cuda, failed, commit is not None)
+        finally:
+            self._clip.set_logical(0)
+            if io is not None:
+                io.close()
         ok = torch.ones(1, device=device) if failed is None else torch.zeros(1, device=device)
         dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=self.group)
         applied = bool(ok[0] > 0)  # CUDA: waits for the steps and the collectives
@@ -589,14 +644,16 @@ class Sharded:
                        "write_ms": (time.perf_counter() - t3) * 1e3}
         if failed is not None:
             raise failed
+        acc.open = False  # committed (else it may be open: the next step opens another)
         if not applied:
             raise _lib.DpclipError(
                 _lib.EUNAVAIL, "", "optimizer step %d was applied on no rank: it failed on at "
                 "least one of the %d ranks (that rank raises its error), and without every "
                 "rank's result a shard could lack its owner's noise or a rank's samples; the "
                 "gradients were zeroed" % (e.steps + 1, self.world))
-        # the job's spend with this step: the norm pass's (charged or covered)
-        e._finish(res, B)  # pylint: disable=protected-access
+        # the job's spend with this step: the norm pass's (charged or covered),
+        # with the logical step's other micro-batches' norms
+        e._finish(res, B, acc.results)  # pylint: disable=protected-access
 
     def reduce_scatter_ms(self) -> float:
         """The last step's reduce-scatters on the device (CUDA; synchronizes),
@@ -607,7 +664,7 @@ class Sharded:
         return sum(a.elapsed_time(b) for a, b in self._events)
 
     def _sums_and_scatter(self, plan: Optional[_planner.Plan], io: Any, device: torch.device,
-                          cuda: bool, failed: Optional[BaseException]
+                          cuda: bool, failed: Optional[BaseException], logical: bool = False
                           ) -> Tuple[torch.Tensor, Optional[BaseException]]:
         """This rank's shards of the sums over every rank: [shard_n], each
         piece's padded [chunk, ...] at its shard offset. Bucket by bucket
@@ -618,29 +675,27 @@ class Sharded:
         exist at once, as FSDP holds one layer group's gradient. Without io
         (this rank failed) and after a failure, zeros: every rank runs every
         collective. Backends without reduce-scatter all-reduce the bucket
-        and keep this rank's row: the same result."""
+        and keep this rank's row: the same result. The commit of a logical
+        step (logical) sends every sums step after a failure too (its pass
+        summed whole: see the module's docstring), staging zeros."""
         dist = torch.distributed
         shards = torch.empty(self.shard_n, dtype=self.dtype, device=device)
         self._events = []
         self.sums_steps = 0
         by_out = {id(pc.out): i for i, pc in enumerate(self.pieces)}
         for k, (first, last) in enumerate(self._buckets):
-            base = self.pieces[first].full_off
-            end = self.pieces[last - 1].full_off + _al(
-                self.world * self.pieces[last - 1].chunk * self.pieces[last - 1].inner)
-            s0 = self.pieces[first].shard_off
-            s1 = self.pieces[last - 1].shard_off + _al(self.pieces[last - 1].chunk *
-                                                        self.pieces[last - 1].inner)
+            base, end, s0, s1 = self._span(first, last)
             full = None
-            if io is not None and failed is None:
+            if io is not None and (failed is None or logical):
                 try:
                     which = self._bucket_parts(plan, by_out, first, last)
-                    full = io.sums(k, which, base, end - base)
+                    got = io.sums(k, which, base, end - base)
                     self.sums_steps += 1
-                    self._to_param_layout(full, first, last, base)
+                    if failed is None:  # else sent for the pass alone; zeros staged
+                        self._to_param_layout(got, first, last, base)
+                        full = got
                 except Exception as exc:  # pylint: disable=broad-except
-                    failed = exc
-                    full = None
+                    failed = failed or exc
             if full is None:
                 full = torch.zeros(end - base, dtype=self.dtype, device=device)
             stage = torch.empty((self.world, s1 - s0), dtype=self.dtype, device=device)

@@ -684,11 +684,8 @@ class PrivacyEngine:
             _fsdp.check_unwrapped(self._layers)
         if self._shards is not None:
             self._guard.check(self.module, params)
-            if self._probing():
-                B = _planner.batch_size(self._layers)
-                _verify.check_step(self, _planner.plan(self._layers, B), B)
             try:
-                self._shards.step()
+                self._shards.step(self._acc)  # the commit of the logical step
             finally:
                 self._drop()
                 self.steps += 1

@@ -1,0 +1,254 @@
+"""Gradient accumulation with sharded data parallelism (issue 39):
+make_private(sharded_noise=True) on gloo, which Debian's torch 1.13 runs,
+and FSDP2 (fully_shard) on a GPU. Several backwards, one optimizer.step():
+each micro-batch's norm pass and sums steps accumulate in the rank's
+daemon (nothing written, no collective); step() commits, reduce-scatters
+once and gates once. Against the single-process per-sample f64 reference
+of the union logical batch (sigma 0; the sums clip with the phased
+margin); the noise once per logical step on the rows each rank owns; one
+ledger charge per logical step; the collectives of one whole step per
+logical step; failures applied on no rank. The FSDP2 test skips, with the
+reason, without fully_shard (torch < 2.4), a GPU, NCCL or a CUDA dpclipd:
+
+    python3 -m pytest -q python/tests/test_fsdp_accumulate.py -k fsdp2
+"""
+import math
+import os
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+import torch.nn as nn
+
+import dpclip
+from dpclip import _fsdp, _lib
+from dpclip.torch import PrivacyEngine
+from fsdp_accum_worker import (run_accumulate, run_accumulate_failures, run_accumulate_noise,
+                               run_fsdp2_accumulate)
+from fsdp_worker import GPT
+from models import PHASED_MARGIN, SeqModel, reference, seq_data
+
+# each rank's micro-batches of its samples x[rank::world] (24 in all):
+# equal, and ragged (a rank of one micro-batch: a whole step beside the
+# others' logical ones)
+SPLITS = {
+    (2, "equal"): [[3, 3, 3, 3], [3, 3, 3, 3]],
+    (2, "ragged"): [[2, 7, 3], [5, 7]],
+    (3, "equal"): [[2, 2, 2, 2]] * 3,
+    (3, "ragged"): [[1, 4, 3], [5, 3], [8]],
+}
+
+
+def _spawn(fn, world, args, timeout=120):
+    ctx = mp.start_processes(fn, nprocs=world, join=False, start_method="spawn",
+                             args=(world,) + args)
+    while not ctx.join(timeout=timeout):
+        pass
+
+
+def _rel(got, want):
+    return float((got.double() - want).abs().max()) / max(float(want.abs().max()), 1e-30)
+
+
+@pytest.mark.parametrize("world,kind", list(SPLITS), ids=["%d-%s" % k for k in SPLITS])
+def test_micro_batches_equal_the_union_reference(daemon, tmp_path, world, kind):
+    """sigma 0, 24 samples over `world` ranks, each rank's in micro-batches
+    (several reduce-scatter buckets): every rank's gradient equals the f64
+    reference of the 24 together (phased margin), as one whole step's does;
+    so does the next logical step (the sizes reversed) and one after a
+    logical step dropped by zero_grad(), whose micro-batches count nowhere;
+    the norms are each rank's samples', micro-batch by micro-batch. No
+    collective runs before step(), and a logical step runs exactly the
+    collectives of one whole step (one reduce-scatter per bucket, one gate,
+    the gather): none per micro-batch."""
+    (x,), y = seq_data(24, seed=31)
+    torch.manual_seed(100)  # rank 0's weights: the ones make_private broadcasts
+    _, norms, _ = reference(SeqModel(), "seq", (x,), y, 1e9, "sum", 1)
+    C, E = float(norms.median()), 26
+    torch.manual_seed(100)
+    want, ref_norms, coefs = reference(SeqModel(), "seq", (x,), y, C, "mean", E,
+                                       margin=PHASED_MARGIN)
+    assert (coefs < 1).any() and (coefs == 1).any()
+    splits = SPLITS[(world, kind)]
+    _spawn(run_accumulate, world, (str(tmp_path / "init"), daemon.socket, (x, y), C, E, splits,
+                                   str(tmp_path)))
+    for r in range(world):
+        got = torch.load(os.path.join(str(tmp_path), "acc%d.pt" % r))
+        assert got["buckets"] > 2, got["buckets"]
+        assert got["steps"] == [1, 2, 3, 4], got["steps"]  # the dropped one is no step
+        for s, grads in enumerate(got["grads"]):
+            for n, g in want.items():
+                assert _rel(grads[n], g) < 1e-4, (r, s, n, _rel(grads[n], g))
+        mine = ref_norms[r::world].float()
+        for s in range(4):  # the micro-batches' samples, in order
+            assert torch.allclose(got["norms"][s], mine, rtol=1e-4), (r, s, got["norms"][s])
+        whole = got["total"][0]
+        assert whole == got["buckets"] + 2, (r, whole)  # reduce-scatters, the gate, the gather
+        assert got["before"] == [0, 0, 0, 0], (r, got["before"])
+        assert got["total"] == [whole] * 4, (r, got["total"])
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_noise_once_per_logical_step_on_the_owned_rows_and_one_charge(daemon, tmp_path,
+                                                                       world):
+    """sigma > 0 on a zero loss, 3 logical steps of 3 micro-batches each:
+    the commit's sums outputs hold the noise on exactly the rows of each
+    parameter the rank owns and zeros elsewhere, the micro-batches before
+    it wrote nothing there; every rank's gradient is, bit for bit, the
+    owners' outputs; the noise's std is sigma*C/E (noise drawn per
+    micro-batch would show sqrt(3) times that), fresh each logical step;
+    the job's epsilon after 3 logical steps is one process's after 3
+    steps: charged once per logical step, not per micro-batch."""
+    (x,), y = seq_data(9 * world, seed=6)
+    C, E, sigma, q, steps, sizes = 0.9, 9 * world, 1.7, 0.05, 3, [2, 4, 3]
+    _spawn(run_accumulate_noise, world, (str(tmp_path / "init"), daemon.socket, (x, y), C, E,
+                                         sigma, q, steps, sizes, str(tmp_path)))
+    got = [torch.load(os.path.join(str(tmp_path), "accnoise%d.pt" % r)) for r in range(world)]
+    values = []
+    for s in range(steps):
+        for r in range(world):
+            assert len(got[r]["recorded"][s]) == got[r]["buckets"]  # the commit's sums steps
+            for pc in got[r]["pieces"]:
+                shape, n = pc["shape"], math.prod(pc["shape"])
+                base, full = next((b, f) for b, f in got[r]["recorded"][s]
+                                  if b <= pc["full_off"] < b + f.numel())
+                wire = full[pc["full_off"] - base:pc["full_off"] - base + n].view(shape[0], -1)
+                r0 = min(r * pc["chunk"], shape[0])
+                owned = wire[r0:r0 + pc["mine"]]
+                other = torch.cat([wire[:r0], wire[r0 + pc["mine"]:]])
+                assert bool((other == 0).all()), (s, r, pc["name"], "noise outside its rows")
+                assert bool((owned != 0).all()), (s, r, pc["name"], "owned rows unnoised")
+                for q_ in range(world):  # applied as the owner's daemon wrote it
+                    g = got[q_]["grads"][s][pc["name"]].reshape(shape[0], -1)[r0:r0 + pc["mine"]]
+                    assert torch.equal(g, owned), (s, q_, r, pc["name"])
+        values.append(torch.cat([g.double().reshape(-1) for g in got[0]["grads"][s].values()]))
+    for r in range(world):  # the two micro-batches before each commit: every bucket's sums
+        assert got[r]["scratch"] == [steps * 2 * got[r]["buckets"]] * 2, got[r]["scratch"]
+        assert got[r]["last_norms"].shape == (9,)
+    assert not torch.equal(values[0], values[1])
+    noise = torch.cat(values)
+    want = sigma * C / E
+    assert abs(float(noise.std()) - want) < 6 * want / math.sqrt(2 * noise.numel()), \
+        (float(noise.std()), want)
+    assert abs(float(noise.mean())) < 6 * want / math.sqrt(noise.numel())
+
+    single = PrivacyEngine(daemon.socket, job_id="fsdp-acc-noise-single-%d" % world,
+                           allow_insecure_seed=True)
+    model = nn.Linear(3, 2)
+    _, opt, _ = single.make_private(module=model, optimizer=torch.optim.SGD(
+        model.parameters(), lr=0.0), noise_multiplier=sigma, max_grad_norm=C,
+        expected_batch_size=E, sample_rate=q, target_delta=1e-5, distributed=False)
+    for _ in range(steps):
+        opt.zero_grad()
+        model(torch.ones(2, 3)).sum().backward()
+        opt.step()
+    assert 0 < single.last_epsilon < math.inf
+    for r in range(world):
+        assert got[r]["epsilon"] == pytest.approx(single.last_epsilon, rel=1e-9), r
+    single.close()
+
+
+def test_a_failed_micro_batch_is_applied_on_no_rank(daemon, tmp_path):
+    """Logical step 0: the last rank's micro-batch 1 is not finite (its
+    norm pass fails): no rank moves, every rank holds zero gradients and
+    raises (that rank its error, the others DPCLIP_EUNAVAIL). Steps 2 and
+    4: that rank's micro-batch 1, then its commit, changes between its
+    norm pass and its sums (the daemon refuses the first sums step, in the
+    middle of the pass): the same. Steps 1, 3 and 5, clean, are applied on
+    both ranks: the daemon dropped what the failed logical steps held, and
+    the rest of a failed pass's sums were sent, since the daemon takes no
+    other step of the session while a micro-batch's pass has layers to
+    sum."""
+    (x,), y = seq_data(12, seed=2)
+    _spawn(run_accumulate_failures, 2, (str(tmp_path / "init"), daemon.socket, (x, y), 0.9, 12,
+                                        [2, 2, 2], str(tmp_path)))
+    got = [torch.load(os.path.join(str(tmp_path), "accfail%d.pt" % r)) for r in range(2)]
+    assert got[1]["tampered"] == ["micro", "commit"] and got[0]["tampered"] == []
+    assert got[1]["errors"][0][0] == _lib.ENONFINITE, got[1]["errors"][0]
+    for s in (2, 4):
+        assert got[1]["errors"][s][0] == _lib.EINVAL and "[clip_step.layers]" in \
+            got[1]["errors"][s][2] and "changed" in got[1]["errors"][s][2], got[1]["errors"][s]
+    failed = (0, 2, 4)
+    for s in failed:
+        assert got[0]["errors"][s][0] == _lib.EUNAVAIL and \
+            "applied on no rank" in got[0]["errors"][s][2], (s, got[0]["errors"][s])
+    for r in range(2):
+        assert [got[r]["errors"][s] for s in (1, 3, 5)] == [None] * 3, got[r]["errors"]
+        prev = got[r]["before"]
+        for s in range(6):
+            for n, p in prev.items():
+                now = got[r]["after"][s][n]
+                if s in failed:
+                    assert torch.equal(now, p), (r, s, n)
+                    assert float(got[r]["grads"][s][n].abs().max()) == 0.0, (r, s, n)
+                else:
+                    assert not torch.equal(now, p), (r, s, n)
+                    assert torch.equal(got[0]["grads"][s][n], got[1]["grads"][s][n]), (s, n)
+            prev = got[r]["after"][s]
+
+
+# --- FSDP2 on a GPU ----------------------------------------------------------------------
+
+@pytest.mark.skipif(_fsdp._classes()[2] is None,  # pylint: disable=protected-access
+                    reason="torch %s has no fully_shard (FSDP2: torch >= 2.4)"
+                    % torch.__version__)
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+@pytest.mark.skipif(not (torch.distributed.is_available() and
+                         torch.distributed.is_nccl_available()), reason="no NCCL")
+def test_fsdp2_micro_batches_equal_the_union_reference(daemon, tmp_path):
+    """Two NCCL ranks on one GPU, GPT sharded per block and at the root,
+    16 samples, each rank's 8 in micro-batches (equal 4 + 4, ragged
+    1 + 5 + 2 and 3 + 3 + 2; bf16 MixedPrecisionPolicy 2 + 6 and 5 + 3):
+    each rank's DTensor shard, and the gathered whole, equal the f64
+    reference of the 16 together; the reduce-scatters and all-reduces of a
+    logical step are one whole step's, none before step(); the noise alone
+    (sigma 1, zero loss) has std sigma*C/E, and 3 logical steps cost one
+    process's 3 steps of epsilon."""
+    with dpclip.Client(daemon.socket) as c:
+        if not c.info.has_cuda:
+            pytest.skip("this dpclipd has no CUDA backend")
+    world, B, seed, C = 2, 16, 11, 1.86
+    g = torch.Generator().manual_seed(3)
+    x = torch.randint(0, 67, (B, 12), generator=g)
+    y = torch.randint(0, 67, (B, 12), generator=g)
+    torch.manual_seed(seed)
+    want, _, _ = reference(GPT(), "seq", (x,), y, C, "mean", B, margin=PHASED_MARGIN)
+    splits = [("f32-equal", [[4, 4], [4, 4]]), ("f32-ragged", [[1, 5, 2], [3, 3, 2]]),
+              ("bf16-ragged", [[2, 6], [5, 3]])]
+    _spawn(run_fsdp2_accumulate, world, (str(tmp_path / "init"), daemon.socket, (x, y), C, B,
+                                         seed, splits, str(tmp_path)), timeout=300)
+    got = [torch.load(os.path.join(str(tmp_path), "fsdp2acc_%d.pt" % r)) for r in range(world)]
+    for case, _ in splits:
+        tol = 0.1 if case.startswith("bf16") else 3e-3  # TF32 GEMMs; a bf16 forward
+        for r in range(world):
+            res = got[r][case]
+            whole, acc = res["collectives"]
+            assert acc == (0, whole[1]), (case, r, whole, acc)
+            for n, w in want.items():
+                chunk = -(-w.shape[0] // world)
+                start, stop = min(r * chunk, w.shape[0]), min((r + 1) * chunk, w.shape[0])
+                scale = float(w.abs().max())
+                assert res["dtypes"][n] == torch.float32, (case, n)
+                assert float((res["local"][n].double() - w[start:stop]).abs().max()) < \
+                    tol * scale, (case, r, n)
+                assert float((res["whole"][n].double() - w).abs().max()) < tol * scale, \
+                    (case, r, n)
+            assert res["norms"].shape == (B // world,), (case, r)
+    noise = torch.cat([torch.cat([got[r]["noise"][n] for r in range(world)]).double().reshape(-1)
+                       for n in want])
+    want_std = 1.0 * C / B
+    assert abs(float(noise.std()) - want_std) < 6 * want_std / math.sqrt(2 * noise.numel()), \
+        (float(noise.std()), want_std)
+
+    single = PrivacyEngine(daemon.socket, job_id="fsdp2-acc-ledger-single",
+                           allow_insecure_seed=True)
+    model = nn.Linear(3, 2)
+    _, opt, _ = single.make_private(module=model, optimizer=torch.optim.SGD(
+        model.parameters(), lr=0.0), noise_multiplier=1.0, max_grad_norm=C,
+        expected_batch_size=B, sample_rate=0.01, target_delta=1e-5, distributed=False)
+    for _ in range(3):
+        opt.zero_grad()
+        model(torch.ones(2, 3)).sum().backward()
+        opt.step()
+    assert got[0]["epsilon"] == pytest.approx(single.last_epsilon, rel=1e-9)
+    single.close()
