@@ -557,6 +557,18 @@ class Sharded:
                 spans.append((min(idx), max(idx)))
         return spans
 
+    def refuse_logical_batches(self) -> None:
+        """engine.logical_batches under fully_shard: each rank splits its
+        own Poisson batch, so the ranks' counts of forwards may differ,
+        which fully_shard's all-gathers cannot pair (a hang)."""
+        if self.fsdp:
+            raise NotImplementedError(
+                "engine.logical_batches with fully_shard: each rank splits its own Poisson "
+                "batch by its size, so ranks could run different numbers of forward passes, "
+                "which fully_shard's all-gathers pair; split each rank's logical batch into "
+                "the same number of micro-batches on every rank (any sizes), backward on each, "
+                "then optimizer.step() once")
+
     # -- the step -------------------------------------------------------------------------
     def micro(self, plan: _planner.Plan, B: int, logical_id: int, index: int
               ) -> _lib.StepResult:

@@ -645,6 +645,8 @@ class PrivacyEngine:
         most that many samples, and makes optimizer.step() and zero_grad()
         no-ops except at each logical batch's end: one logical step per
         logical batch, at the loader's sample rate (dpclip._batches)."""
+        if self._shards is not None:
+            self._shards.refuse_logical_batches()
         return _batches.LogicalBatches(self, data_loader, max_physical_batch_size)
 
     def _drop(self, ended: bool = True) -> None:

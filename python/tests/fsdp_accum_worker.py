@@ -224,6 +224,47 @@ def run_accumulate_failures(rank, world, init_file, socket_path, data, C, expect
         dist.destroy_process_group()
 
 
+def run_accumulate_logical_batches(rank, world, init_file, socket_path, data, C, q, steps,
+                                   n, out_dir):
+    """sharded_noise=True at sigma 0 with engine.logical_batches(loader,
+    n) over this rank's DPDataLoader (its own shard and generator): saves,
+    per logical step, this rank's sample indices, its micro-batch count
+    and the gradient, and the expected batch size."""
+    _init("gloo", rank, world, init_file)
+    try:
+        from torch.utils.data import TensorDataset  # pylint: disable=import-outside-toplevel
+        from dpclip.data import DPDataLoader  # pylint: disable=import-outside-toplevel
+        x, y = data
+        ds = TensorDataset(torch.arange(x.shape[0]), x, y)
+        loader = DPDataLoader(ds, q, steps=steps, generator=torch.Generator().manual_seed(
+            40 + rank))
+        torch.manual_seed(100)
+        model = SeqModel()
+        engine = PrivacyEngine(socket_path, job_id="fsdp-acc-batches", allow_insecure_seed=True)
+        model, opt, loader = engine.make_private(
+            module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.0),
+            data_loader=loader, noise_multiplier=0.0, max_grad_norm=C, sharded_noise=True)
+        out = {"idx": [], "micro": [], "grads": [], "E": engine.expected_batch_size}
+        idx, micro = [], 0
+        with engine.logical_batches(loader, max_physical_batch_size=n) as batches:
+            for ib, xb, yb in batches:
+                opt.zero_grad()
+                idx += ib.tolist()
+                micro += 1
+                reduce_loss(per_sample_losses("seq", model(xb), yb), "mean").backward()
+                before = engine.steps
+                opt.step()
+                if engine.steps > before:
+                    out["idx"].append(idx)
+                    out["micro"].append(micro)
+                    out["grads"].append(_grads(model))
+                    idx, micro = [], 0
+        engine.close()
+        torch.save(out, os.path.join(out_dir, "accbatches%d.pt" % rank))
+    finally:
+        dist.destroy_process_group()
+
+
 # --- FSDP2 on a GPU ----------------------------------------------------------------------
 
 def run_fsdp2_accumulate(rank, world, init_file, socket_path, data, C, expected, seed, splits,
@@ -235,7 +276,7 @@ def run_fsdp2_accumulate(rank, world, init_file, socket_path, data, C, expected,
     the reduce-scatters and all-reduces run before step() and in all
     (against one whole step's); then the noise alone (sigma 1, zero loss,
     micro-batches of the first split) and the epsilon after 3 such logical
-    steps at q 0.01."""
+    steps at q 0.01; engine.logical_batches' refusal."""
     os.environ["NCCL_HOSTID"] = "dpclip-fsdp-acc-test-%d" % rank
     os.environ["NCCL_NVLS_ENABLE"] = "0"
     torch.cuda.set_device(0)
@@ -274,6 +315,11 @@ def run_fsdp2_accumulate(rank, world, init_file, socket_path, data, C, expected,
 
         engine, model, opt = private(bf16, "fsdp2-acc-noise", 1.0, sample_rate=0.01,
                                      target_delta=1e-5)
+        try:  # each rank's split of its own batch: forwards fully_shard could not pair
+            engine.logical_batches([], max_physical_batch_size=2)
+            out["logical_batches"] = None
+        except NotImplementedError as e:
+            out["logical_batches"] = str(e)
         for _ in range(3):
             logical_step(model, opt, x, y, mine, splits[0][1][rank], loss_scale=lambda i: 0.0)
         out["noise"] = {n: p.grad.to_local().float().cpu() for n, p in model.named_parameters()}

@@ -23,7 +23,8 @@ import torch.nn as nn
 import dpclip
 from dpclip import _fsdp, _lib
 from dpclip.torch import PrivacyEngine
-from fsdp_accum_worker import (run_accumulate, run_accumulate_failures, run_accumulate_noise,
+from fsdp_accum_worker import (run_accumulate, run_accumulate_failures,
+                               run_accumulate_logical_batches, run_accumulate_noise,
                                run_fsdp2_accumulate)
 from fsdp_worker import GPT
 from models import PHASED_MARGIN, SeqModel, reference, seq_data
@@ -187,6 +188,33 @@ def test_a_failed_micro_batch_is_applied_on_no_rank(daemon, tmp_path):
             prev = got[r]["after"][s]
 
 
+def test_logical_batches_per_rank_equal_the_union_reference(daemon, tmp_path):
+    """engine.logical_batches over each rank's DPDataLoader (its shard,
+    its own draws) under sharded_noise: each rank splits its logical batch
+    into micro-batches of at most 3, so the ranks' counts differ; each
+    logical step's gradient, on both ranks, is the f64 reference's of the
+    union of the ranks' samples (phased margin), divided by the global
+    expected batch size."""
+    (x,), y = seq_data(40, seed=13)
+    C, q, steps = 0.8, 0.3, 4
+    _spawn(run_accumulate_logical_batches, 2, (str(tmp_path / "init"), daemon.socket, (x, y),
+                                               C, q, steps, 3, str(tmp_path)))
+    got = [torch.load(os.path.join(str(tmp_path), "accbatches%d.pt" % r)) for r in range(2)]
+    assert got[0]["E"] == got[1]["E"] == 12
+    assert any(a != b for a, b in zip(got[0]["micro"], got[1]["micro"])), \
+        (got[0]["micro"], got[1]["micro"])
+    assert max(got[0]["micro"] + got[1]["micro"]) > 1
+    for s in range(steps):
+        union = sorted(got[0]["idx"][s] + got[1]["idx"][s])
+        assert all(i % 2 == r for r in range(2) for i in got[r]["idx"][s])  # its shard
+        torch.manual_seed(100)
+        want, _, _ = reference(SeqModel(), "seq", (x[union],), y[union], C, "mean", 12,
+                               margin=PHASED_MARGIN)
+        for r in range(2):
+            for n, g in want.items():
+                assert _rel(got[r]["grads"][s][n], g) < 1e-4, (s, r, n)
+
+
 # --- FSDP2 on a GPU ----------------------------------------------------------------------
 
 @pytest.mark.skipif(_fsdp._classes()[2] is None,  # pylint: disable=protected-access
@@ -203,7 +231,9 @@ def test_fsdp2_micro_batches_equal_the_union_reference(daemon, tmp_path):
     reference of the 16 together; the reduce-scatters and all-reduces of a
     logical step are one whole step's, none before step(); the noise alone
     (sigma 1, zero loss) has std sigma*C/E, and 3 logical steps cost one
-    process's 3 steps of epsilon."""
+    process's 3 steps of epsilon. engine.logical_batches is refused (each
+    rank would split its own batch: counts of forwards fully_shard could
+    not pair)."""
     with dpclip.Client(daemon.socket) as c:
         if not c.info.has_cuda:
             pytest.skip("this dpclipd has no CUDA backend")
@@ -252,3 +282,6 @@ def test_fsdp2_micro_batches_equal_the_union_reference(daemon, tmp_path):
         opt.step()
     assert got[0]["epsilon"] == pytest.approx(single.last_epsilon, rel=1e-9)
     single.close()
+    for r in range(world):
+        msg = got[r]["logical_batches"]
+        assert msg is not None and "fully_shard" in msg and "same number" in msg, msg
