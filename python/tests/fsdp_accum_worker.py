@@ -304,6 +304,7 @@ def run_fsdp2_accumulate(rank, world, init_file, socket_path, data, C, expected,
         for case, sizes in splits:
             engine, model, opt = private(bf16 if case.startswith("bf16") else None,
                                          "fsdp2-acc-" + case, 0.0)
+            logical_step(model, opt, x, y, mine, [len(mine)])  # FSDP's lazy init: not counted
             whole = logical_step(model, opt, x, y, mine, [len(mine)], counts)
             acc = logical_step(model, opt, x, y, mine, sizes[rank], counts)
             out[case] = {

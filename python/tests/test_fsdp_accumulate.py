@@ -22,6 +22,7 @@ import torch.nn as nn
 
 import dpclip
 from dpclip import _fsdp, _lib
+from dpclip._layers import Out
 from dpclip.torch import PrivacyEngine
 from fsdp_accum_worker import (run_accumulate, run_accumulate_failures,
                                run_accumulate_logical_batches, run_accumulate_noise,
@@ -213,6 +214,68 @@ def test_logical_batches_per_rank_equal_the_union_reference(daemon, tmp_path):
         for r in range(2):
             for n, g in want.items():
                 assert _rel(got[r]["grads"][s][n], g) < 1e-4, (s, r, n)
+
+
+def test_cuda_micro_batch_sums_name_one_slot_and_drain_nothing(monkeypatch):
+    """The GPU transport (_CudaIO) of a micro-batch that does not commit,
+    on the CPU with the CUDA calls stubbed: every bucket's sums step names
+    its outputs in one slot of the widest bucket's size (the daemon writes
+    none of them), taken once, and the trainer's stream is never drained
+    for it (a commit drains it once, before the daemon writes a slot)."""
+    import contextlib
+
+    class L:
+        def __init__(self, w):
+            self.w_out, self.b_out = Out(w), None
+
+    layers = [L(torch.empty(r, 32)) for r in (64, 32, 16, 8)]
+    pieces, full_n, shard_n = _fsdp.layout(layers, 1, 0)
+    bks = _fsdp.buckets(pieces, 48 * 32)
+    assert len(bks) == 3
+    drained, ptrs = [], []
+
+    class Stream:
+        def synchronize(self):
+            drained.append(1)
+
+    class Client:
+        def register_cuda(self, ptr):
+            ptrs.append(ptr)
+            return 7, 0
+
+    class Step:
+        def reset(self, nb):
+            pass
+
+        def set_phase(self, phase):
+            pass
+
+        def run(self, client):
+            pass
+
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda *a, **k: Stream())
+    monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
+    sh = _fsdp.Sharded.__new__(_fsdp.Sharded)
+    sh.engine = type("E", (), {"client": Client(), "algorithm": 0, "_cuda": None,
+                               "noise_multiplier": 0.0})()
+    sh.pieces, sh.full_n, sh.shard_n, sh._buckets = pieces, full_n, shard_n, bks
+    sh.world, sh.rank, sh.group, sh.dtype, sh._clip = 1, 0, None, torch.float32, Step()
+    sh.widest = max(sh._span(f, l)[1] - sh._span(f, l)[0] for f, l in bks)
+    plan = _fsdp._planner.Plan([], [])
+    for scratch, slots, drains in ((True, 1, 0), (False, 2, 1)):
+        drained.clear()
+        ptrs.clear()
+        io = _fsdp._CudaIO(sh, plan, 1, torch.device("cpu"), scratch)
+        for k, (first, last) in enumerate(bks):
+            base, end = sh._span(first, last)[:2]
+            got = io.sums(k, [], base, end - base)
+            assert got.numel() == end - base
+            if not scratch:
+                io.copied_ev[k % 2] = None  # (copied() records a CUDA event)
+        assert len(set(ptrs)) == slots and len(ptrs) == len(bks), (scratch, ptrs)
+        assert sum(t is not None for t in io.slots) == slots
+        assert all(t.numel() == sh.widest for t in io.slots if t is not None)
+        assert len(drained) == drains, (scratch, drained)
 
 
 # --- FSDP2 on a GPU ----------------------------------------------------------------------
