@@ -477,6 +477,27 @@ static void test_in_phases(void **state) {
         dpclip_result_free(&res);
         refused(c, early, DPCLIP_EPRECOND, "clip_step.phase");
         refused(c, ps, DPCLIP_EPRECOND, "clip_step.logical");
+        /* the aborted logical step's pass holds nothing back: the next
+         * logical step (here of one micro-batch, a whole step) runs */
+        dpclip_step *nn = dpclip_step_new(16, &s.cfg), *ns[2];
+        assert_int_equal(dpclip_step_set_phase(nn, DPCLIP_STEP_NORMS), 0);
+        assert_int_equal(dc_shm_step_wire_layers_cut(&s, nn, all, 5, 0, 0, 16), 0);
+        assert_int_equal(dpclip_step_set_logical(nn, 5, 0, 1), 0);
+        assert_int_equal(run(c, nn, &res), 0);
+        assert_int_equal(res.micro_batches, 1);
+        assert_true(res.epsilon > 0.0);
+        dpclip_result_free(&res);
+        for (int g = 0; g < 2; g++) {
+            ns[g] = dpclip_step_new(16, &s.cfg);
+            assert_int_equal(dpclip_step_set_phase(ns[g], DPCLIP_STEP_SUMS), 0);
+            assert_int_equal(
+                dc_shm_step_wire_layers_cut(&s, ns[g], g ? g1 : g0, g ? 3 : 2, 1, 0, 16), 0);
+            assert_int_equal(dpclip_step_set_logical(ns[g], 5, 0, 1), 0);
+            assert_int_equal(run(c, ns[g], &res), 0);
+            dpclip_result_free(&res);
+            dpclip_step_free(ns[g]);
+        }
+        dpclip_step_free(nn);
         dpclip_step_free(pn);
         dpclip_step_free(early);
         dpclip_step_free(ps);

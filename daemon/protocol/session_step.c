@@ -183,8 +183,10 @@ static int pass_reserve(dc_session *s, uint64_t bytes, dc_err *e) {
 static int step_phase(dc_session *s, dc_step_job *j, dc_err *e) {
     const dc_step_phase ph = j->params.phase;
     /* a micro-batch's pass is summed whole before the next step: else its
-     * logical step's sums would miss some of its samples */
-    if (ph != DC_PHASE_SUMS && dc_pass_pending(s->pass))
+     * logical step's sums would miss some of its samples (once its logical
+     * step aborted, nothing of it is released: the pass goes) */
+    if (ph != DC_PHASE_SUMS && dc_pass_pending(s->pass) &&
+        dc_logical_is_open(s, dc_pass_logical_id(s->pass)))
         return dc_err_set(e, DC_EPRECOND, "clip_step.phase",
                           "the norm pass of a logical step's micro-batch has layers still to "
                           "sum: every layer of a micro-batch's pass is summed before its next "

@@ -299,6 +299,7 @@ static int sums_logical(dc_session *s, dc_step_job *j, dc_err *e) {
                           "this sums step's logical step %llu, micro-batch %u, is not the "
                           "session's open one", (unsigned long long)j->params.logical_id,
                           j->params.micro_batch);
+    if (j->params.micro_batch == 0 && j->params.commit) return 0; /* a whole step: no accumulator */
     for (size_t l = 0; l < st->n_layers; l++)
         for (int k = 0; k < 2; k++) {
             const dc_tensor *t = k ? &st->layers[l].bias_grad_out : &st->layers[l].weight_grad_out;
@@ -392,6 +393,10 @@ void dc_logical_refused(dc_session *s, const dc_step_job *j, const dc_err *why) 
     dc_logical *lg = s->logical;
     if (!j->params.logical_id || !lg || lg->id != j->params.logical_id) return;
     abort_logical(s, why->msg[0] ? why->msg : "a micro-batch was refused");
+}
+
+bool dc_logical_is_open(const dc_session *s, uint64_t id) {
+    return s->logical && s->logical->open && s->logical->id == id;
 }
 
 uint32_t dc_logical_micro_batches(const dc_session *s) {

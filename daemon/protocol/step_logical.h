@@ -61,6 +61,10 @@ void dc_logical_done(dc_session *s, const dc_step_job *j);
  * error it got). */
 void dc_logical_refused(dc_session *s, const dc_step_job *j, const dc_err *why);
 
+/* Whether the session's logical step `id` is open (not committed, not
+ * aborted). */
+bool dc_logical_is_open(const dc_session *s, uint64_t id);
+
 /* The micro-batches the session's logical step has run (after
  * dc_logical_done: the reply's count, this one included), and the bytes of
  * accumulators the session holds. */

@@ -283,6 +283,8 @@ uint64_t dc_pass_bytes(uint32_t batch, size_t n_layers) {
            (uint64_t)batch * sizeof(double);
 }
 
+uint64_t dc_pass_logical_id(const dc_pass *p) { return p ? p->logical_id : 0; }
+
 bool dc_pass_pending(const dc_pass *p) {
     return p && p->logical_id && p->n_summed < p->n_layers;
 }

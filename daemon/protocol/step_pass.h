@@ -66,6 +66,8 @@ uint64_t dc_pass_bytes(uint32_t batch, size_t n_layers);
 /* A micro-batch's pass (ClipStep.logical) that is not summed whole yet:
  * its logical step's accumulators would miss some of its samples. */
 bool dc_pass_pending(const dc_pass *p);
+/* The logical step a micro-batch's pass belongs to (0: none). */
+uint64_t dc_pass_logical_id(const dc_pass *p);
 
 /* Whether every layer of the pass was summed (the session may drop it). */
 bool dc_pass_done(const dc_pass *p);
