@@ -37,9 +37,11 @@ static void on_done(dc_group_waiter *w, int rc, const double *tot, const dc_err 
     if (rc == 0) memcpy(m->tot, tot, sizeof m->tot);
 }
 
-static void on_fuse(dc_group_waiter **all, uint32_t n) {
-    for (uint32_t i = 0; i < n; i++) ((member *)all[i]->arg)->fused++;
-    dc_group_fused(((member *)all[0]->arg)->g);
+static void on_fuse(dc_group_waiter *all, uint32_t n) {
+    uint32_t seen = 0;
+    for (dc_group_waiter *w = all; w; w = w->next_call, seen++) ((member *)w->arg)->fused++;
+    assert_int_equal(seen, n);
+    dc_group_fused(((member *)all->arg)->g);
 }
 
 /* The session would queue the norm pass; the test delivers its result

@@ -285,6 +285,33 @@ static void test_group_step_wrap_and_batch_mismatch(void **state) {
     daemon_serves();
 }
 
+/* Rank 1 waits in group step 1 with a JoinGroup queued behind its step;
+ * rank 0 jumps to group step 2, which gives step 1 up. Rank 1's failure
+ * reply lets its join run at once, inside rank 0's delivery: it leaves,
+ * and the group dissolves under that delivery. Rank 0's step must fail
+ * too (it once waited in the dissolved group forever, holding its session
+ * past its client's end: found by fuzz_group). */
+static void test_group_dissolved_during_delivery(void **state) {
+    uint64_t buf[2];
+    int fd[2];
+    (void)state;
+    for (int k = 0; k < 2; k++) {
+        fd[k] = open_member("abandon", &buf[k]);
+        send_join(fd[k], 3, "abandon", (uint32_t)k, 2, 5000);
+        expect_ok(fd[k], 3, DPCLIP__REPLY__BODY_JOIN_GROUP);
+    }
+    step_terms t1 = {.B = 2, .group_step = 1}, t2 = {.B = 2, .group_step = 2};
+    send_step(fd[1], 4, buf[1], &t1);
+    send_join(fd[1], 5, "abandon", 1, 2, 5000);
+    sleep_ms(100); /* rank 1's step waits in the group */
+    send_step(fd[0], 4, buf[0], &t2);
+    expect_error(fd[1], 4, "clip_step.group_step");
+    expect_ok(fd[1], 5, DPCLIP__REPLY__BODY_JOIN_GROUP);
+    expect_error(fd[0], 4, "join_group"); /* dissolved */
+    for (int k = 0; k < 2; k++) close(fd[k]);
+    daemon_serves();
+}
+
 /* --- high ------------------------------------------------------------------- */
 
 /* JoinGroup.timeout_ms has a maximum (limits.max_group_timeout_ms). */
@@ -600,6 +627,7 @@ int main(void) {
         CASE(test_leave_while_step_waits_on_ledger),
         CASE(test_close_while_group_times_out),
         CASE(test_group_step_wrap_and_batch_mismatch),
+        CASE(test_group_dissolved_during_delivery),
         CASE(test_join_timeout_bounded),
         CASE(test_zombie_members_release_slots),
         CASE(test_pass_memory_capped),

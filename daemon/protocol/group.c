@@ -35,7 +35,6 @@ struct dc_group {
     bool active;
     uint64_t cur;
     dc_group_waiter **waiting; /* [size] */
-    dc_group_waiter **calling; /* [size]: the waiters being answered */
     dc_group_waiter **unfusing; /* [size]: unrun steps sent to compute their norms */
     uint32_t n_waiting;
     /* The last group step's members were on different devices: later steps
@@ -118,7 +117,6 @@ static void on_timer_closed(uv_handle_t *h) {
     dc_group *g = h->data;
     free(g->joined);
     free(g->waiting);
-    free(g->calling);
     free(g->unfusing);
     free(g->tot);
     free(g->rep);
@@ -147,25 +145,40 @@ static void maybe_free(dc_group *g) {
     uv_close((uv_handle_t *)&g->timer, on_timer_closed);
 }
 
-/* Ends the group step: the steps waiting move to g->calling (their done
- * may run anything, a new step included); returns how many. */
-static uint32_t take_waiting(dc_group *g) {
-    uint32_t n = 0;
+/* Ends the group step: the steps waiting leave the group, chained in rank
+ * order through next_call; returns the first. Their done may run anything
+ * (a member's reply starts its session's next request, which may deliver,
+ * fail or end a group step of this group), so the chain is the caller's
+ * alone: nothing of the group is shared with what the callbacks start. */
+static dc_group_waiter *take_waiting(dc_group *g, uint32_t *n) {
+    dc_group_waiter *first = NULL, **tail = &first;
+    *n = 0;
     for (uint32_t r = 0; r < g->size; r++)
         if (g->waiting[r]) {
-            g->calling[n++] = g->waiting[r];
+            *tail = g->waiting[r];
+            tail = &g->waiting[r]->next_call;
             g->waiting[r] = NULL;
+            ++*n;
         }
+    *tail = NULL;
     g->n_waiting = 0;
     g->active = false;
     uv_timer_stop(&g->timer);
-    return n;
+    return first;
+}
+
+/* Each waiter's done, its successor read first: a done ends its job. */
+static void fail_chain(dc_group_waiter *w, int rc, const dc_err *err) {
+    while (w) {
+        dc_group_waiter *next = w->next_call;
+        w->done(w, rc, NULL, err);
+        w = next;
+    }
 }
 
 static void fail_waiting(dc_group *g, int rc, const dc_err *err) {
-    dc_group_waiter **w = g->calling;
-    uint32_t n = take_waiting(g);
-    for (uint32_t i = 0; i < n; i++) w[i]->done(w[i], rc, NULL, err);
+    uint32_t n;
+    fail_chain(take_waiting(g, &n), rc, err);
 }
 
 static void dissolve(dc_group *g, const char *why) {
@@ -315,39 +328,52 @@ static const char *replica_differs(dc_group *g, uint32_t rank, const double *rep
     return NULL;
 }
 
-/* Ends the group step as reduced: the waiters move to g->calling with
- * their wait times set; returns how many. */
-static uint32_t take_reduced(dc_group *g, uint64_t exchange_ns) {
-    dc_group_waiter **all = g->calling;
-    uint32_t n = take_waiting(g);
+/* Ends the group step as reduced: the waiters' chain (take_waiting) with
+ * their wait times set. */
+static dc_group_waiter *take_reduced(dc_group *g, uint64_t exchange_ns, uint32_t *n) {
+    dc_group_waiter *first = take_waiting(g, n);
     uint64_t now = uv_hrtime();
     g->last_wait_ns = now - g->t_first;
-    for (uint32_t i = 0; i < n; i++) {
-        all[i]->exchange_ns = exchange_ns;
-        all[i]->wait_ns = now - all[i]->wait_ns; /* wait_ns held the delivery time */
+    for (dc_group_waiter *w = first; w; w = w->next_call) {
+        w->exchange_ns = exchange_ns;
+        w->wait_ns = now - w->wait_ns; /* wait_ns held the delivery time */
     }
-    return n;
+    return first;
 }
 
-/* Every member waiting gets the totals; the group step ends. */
+/* Every member waiting gets the totals; the group step ends. The totals
+ * go to every member first: a done given them copies them and starts no
+ * request, while a failure's done may (its reply starts the session's
+ * next request, whose delivery could open the next group step and so
+ * reset g->tot under the members not answered yet). */
 static void answer(dc_group *g, uint64_t exchange_ns) {
-    dc_group_waiter **all = g->calling;
-    uint32_t n = take_reduced(g, exchange_ns);
+    uint32_t n;
+    dc_group_waiter *w = take_reduced(g, exchange_ns, &n), *bad = NULL, **bad_tail = &bad;
+    const uint32_t batch = g->terms.batch;
     g->gs->reductions++;
     g->reductions++;
-    for (uint32_t i = 0; i < n; i++) {
+    while (w) {
+        dc_group_waiter *next = w->next_call;
         /* tot has the group step's batch: a waiter of another batch would
          * read or write past its own tables (delivery checked the terms;
          * this holds whatever the group's state says) */
-        if (all[i]->terms.batch != g->terms.batch) {
-            dc_err e;
-            dc_err_set(&e, DC_EINVAL, "clip_step.batch_size",
-                       "rank %u's batch of %u is not its group step's %u", all[i]->rank,
-                       all[i]->terms.batch, g->terms.batch);
-            all[i]->done(all[i], e.code, NULL, &e);
-            continue;
+        if (w->terms.batch != batch) {
+            *bad_tail = w;
+            bad_tail = &w->next_call;
+        } else {
+            w->done(w, 0, g->tot, NULL);
         }
-        all[i]->done(all[i], 0, g->tot, NULL);
+        w = next;
+    }
+    *bad_tail = NULL;
+    while (bad) {
+        dc_group_waiter *next = bad->next_call;
+        dc_err e;
+        dc_err_set(&e, DC_EINVAL, "clip_step.batch_size",
+                   "rank %u's batch of %u is not its group step's %u", bad->rank,
+                   bad->terms.batch, batch);
+        bad->done(bad, e.code, NULL, &e);
+        bad = next;
     }
 }
 
@@ -399,9 +425,9 @@ static bool fuse_or_split(dc_group *g) {
         unrun += g->waiting[r] && !g->waiting[r]->partial;
     if (unrun == 0) return false;
     if (unrun == g->n_waiting && !g->split_devices) {
-        dc_group_waiter **all = g->calling;
-        uint32_t n = take_reduced(g, 0);
-        all[0]->fuse(all, n);
+        uint32_t n;
+        dc_group_waiter *first = take_reduced(g, 0, &n);
+        first->fuse(first, n);
         return true;
     }
     split_unrun(g);
@@ -675,14 +701,12 @@ int dc_group_join(dc_groups *gs, uint32_t uid, const dc_group_spec *sp, dc_group
         g = calloc(1, sizeof *g);
         if (!g || !(g->joined = calloc(sp->size, sizeof *g->joined)) ||
             !(g->waiting = calloc(sp->size, sizeof *g->waiting)) ||
-            !(g->calling = calloc(sp->size, sizeof *g->calling)) ||
             !(g->unfusing = calloc(sp->size, sizeof *g->unfusing)) ||
             !(g->jobs = calloc(sp->size, sizeof *g->jobs)) ||
             !(g->covered = calloc(sp->size, sizeof *g->covered))) {
             if (g) {
                 free(g->joined);
                 free(g->waiting);
-                free(g->calling);
                 free(g->unfusing);
                 free(g->jobs);
             }
@@ -764,8 +788,8 @@ void dc_group_leave(dc_group *g, uint32_t rank, const char *why) {
     maybe_free(g);
 }
 
-int dc_group_deliver(dc_group *g, dc_group_waiter *w, dc_err *err) {
-    const char *f;
+/* Whether the group takes a delivery from w now. */
+static int deliver_check(const dc_group *g, const dc_group_waiter *w, dc_err *err) {
     if (g->dissolved)
         return dc_err_set(err, DC_EUNAVAIL, "join_group",
                           "norm group '%s' was dissolved: %s; every member must join again",
@@ -773,6 +797,13 @@ int dc_group_deliver(dc_group *g, dc_group_waiter *w, dc_err *err) {
     if (w->rank >= g->size || !g->joined[w->rank] || g->waiting[w->rank] ||
         (!w->partial && (g->daemons > 1 || !w->fuse || !w->unfuse)))
         return dc_err_set(err, DC_EINTERNAL, "clip_step", "rank %u cannot deliver", w->rank);
+    return 0;
+}
+
+int dc_group_deliver(dc_group *g, dc_group_waiter *w, dc_err *err) {
+    const char *f;
+    int rc;
+    if ((rc = deliver_check(g, w, err))) return rc;
     if (g->has_failed && w->step == g->failed) {
         *err = g->failed_err;
         return err->code;
@@ -791,6 +822,9 @@ int dc_group_deliver(dc_group *g, dc_group_waiter *w, dc_err *err) {
         g->failed = g->cur;
         g->failed_err = e;
         fail_waiting(g, e.code, &e);
+        /* what the failed members' sessions did next ran meanwhile: a
+         * member leaving dissolved the group, another opened a step */
+        if ((rc = deliver_check(g, w, err))) return rc;
     }
     if (g->active && w->step != g->cur)
         return dc_err_set(err, DC_EPRECOND, "clip_step.group_step",

@@ -99,14 +99,18 @@ struct dc_group_waiter {
     uint64_t wait_ns, exchange_ns;
     /* An unrun step (partial NULL) and where its tensors are (device, -1
      * = host). When every member's step arrives unrun, on one device,
-     * fuse(all, n) gets them all and the group step ends there: the caller
+     * fuse(first, n) gets them all (chained through next_call) and the group
+     * step ends there: the caller
      * runs them as one step (one norm pass over every member's layers, no
      * round trip between phases). Otherwise unfuse(w) takes a step back,
      * to compute its norms and deliver them to the same group step. Loop
      * thread; done still reports a failure of the group step. */
     int device;
-    void (*fuse)(dc_group_waiter **all, uint32_t n);
+    void (*fuse)(dc_group_waiter *first, uint32_t n);
     void (*unfuse)(dc_group_waiter *w);
+    /* group.c's: a group step's waiters taken out of the group to be
+     * answered, chained in rank order (fuse gets them so) */
+    dc_group_waiter *next_call;
 };
 
 /* How a member joins (the JoinGroup request). */

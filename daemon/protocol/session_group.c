@@ -286,21 +286,22 @@ static void fused_done(dc_job *job) {
 
 static void submit_norms(dc_step_job *j);
 
-/* The group's every member is here, unrun, on one device (loop thread).
- * `all` is the group's array, which a reply may reuse (a session's next
- * step): the members are chained through their jobs before any reply. */
-static void on_fuse(dc_group_waiter **all, uint32_t n) {
-    dc_step_job *first = all[0]->arg, *chain = NULL;
+/* The group's every member is here, unrun, on one device (loop thread),
+ * chained in rank order through next_call; the members are chained through
+ * their jobs (fuse_next) before any reply. */
+static void on_fuse(dc_group_waiter *all, uint32_t n) {
+    dc_step_job *first = all->arg, *chain = NULL, **tail = &chain;
     dc_step_fused *f = malloc(sizeof *f);
     dc_err e;
-    for (uint32_t i = n; i-- > 0;) {
-        dc_step_job *j = all[i]->arg;
-        j->fuse_next = chain;
-        chain = j;
+    for (dc_group_waiter *w = all; w; w = w->next_call) {
+        dc_step_job *j = w->arg;
+        *tail = j;
+        tail = &j->fuse_next;
         /* rank 0's charge for this group step stands from here, whatever
          * happens to the step (as on_totals) */
         if (j->s->group_rank == 0) j->res.released = true;
     }
+    *tail = NULL;
     if (!f || dc_step_fuse_build(f, chain, n, &e)) {
         if (!f) dc_err_set(&e, DC_ENOSPACE, "clip_step", "out of memory");
         free(f);

@@ -26,7 +26,8 @@
  * Oracles, besides the sanitizers: once every client has closed, every
  * session and every group is gone within a bound (a session outliving its
  * client, or a group never freed, aborts), and the daemon still serves a
- * newcomer's ping. */
+ * newcomer's ping. FG_DEBUG=1 in the environment logs the daemon at
+ * debug level (reproducing a finding). */
 #include <errno.h>
 #include <fcntl.h>
 #include <stdio.h>
@@ -42,6 +43,7 @@
 #include "dpclip.pb-c.h"
 #include "group.h"
 #include "server.h"
+#include "session.h"
 
 #define FG_CLIENTS 4
 #define FG_MAX_OPS 64
@@ -98,7 +100,7 @@ int LLVMFuzzerInitialize(int *argc, char ***argv) {
     g_cfg.fixed_seed = true;
     g_cfg.seed = 1;
     g_cfg.log_level = DC_LOG_ERROR;
-    dc_log_set_level(DC_LOG_ERROR);
+    dc_log_set_level(getenv("FG_DEBUG") ? DC_LOG_DEBUG : DC_LOG_ERROR);
     atexit(fg_cleanup);
     if (uv_loop_init(&g_loop) || dc_server_init(&g_srv, &g_loop, &g_cfg, NULL, NULL, &err)) {
         fprintf(stderr, "fuzz_group: cannot start the server: %s\n", err.msg);
@@ -311,6 +313,16 @@ static void fg_settle(void) {
         if (now_ms() > end) {
             fprintf(stderr, "fuzz_group: %zu sessions and %zu groups outlived their clients\n",
                     g_srv.n_sessions, dc_groups_count(&g_srv.groups));
+            /* what holds each: a step in flight names its group step */
+            for (dc_session *s = g_srv.sessions; s; s = s->next)
+                fprintf(stderr,
+                        "  session %llu: gone %d closing %d step in flight %s (group step %llu "
+                        "of group %llu, logical step %llu) group %s\n",
+                        (unsigned long long)s->id, s->gone, s->closing, s->job ? "yes" : "no",
+                        s->job ? (unsigned long long)s->job->group_step : 0ull,
+                        s->job ? (unsigned long long)s->job->group_id : 0ull,
+                        s->job ? (unsigned long long)s->job->params.logical_id : 0ull,
+                        s->group ? "joined" : "none");
             abort();
         }
         fg_run(1);
