@@ -1,98 +1,9 @@
-#include "group.h"
+#include "group_int.h"
 
 #include <math.h>
-#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-
-#define GROUP_NAME_MAX 64
-
-/* One charge of the leader's, for GROUP_WISE coverage. */
-typedef struct group_charge {
-    uint64_t step;
-    float sigma;
-    char job[DC_GROUP_JOB_MAX];
-} group_charge;
-
-struct dc_group {
-    dc_group *next;
-    dc_groups *gs;
-    uint64_t id;
-    uint32_t uid;
-    char name[GROUP_NAME_MAX];
-    uint32_t size, timeout_ms;
-    dc_group_clipping clipping;
-    uint64_t noise_key;
-    int refs;                  /* members holding it */
-    bool *joined;              /* [size] */
-    uint32_t n_joined;
-    bool dissolved;
-    bool closing;              /* its timer's close is under way: freed in its callback */
-    char why[256];
-    /* the group step being reduced, while `active`: a flag, not a sentinel
-     * value of cur, so that no step number a client sends can mean "none" */
-    bool active;
-    uint64_t cur;
-    dc_group_waiter **waiting; /* [size] */
-    dc_group_waiter **unfusing; /* [size]: unrun steps sent to compute their norms */
-    uint32_t n_waiting;
-    /* The last group step's members were on different devices: later steps
-     * compute their norms on arrival instead of waiting to be fused. */
-    bool split_devices;
-    dc_group_terms terms;      /* of the first member to deliver */
-    uint32_t first_rank;
-    double *tot;               /* [terms.batch] */
-    double *rep;               /* [terms.batch]: the first copy of the replicated layers */
-    bool has_rep;
-    uint64_t rep_hash;         /* and its checksum */
-    uint32_t rep_from;         /* the rank it came from */
-    uint32_t tot_cap;
-    uint64_t t_first, last_wait_ns, reductions;
-    /* the last group step that failed on a member, and why */
-    bool has_failed;
-    uint64_t failed;
-    dc_err failed_err;
-    uv_timer_t timer;
-    /* across daemons */
-    uint32_t daemons, daemon_rank, local_size;
-    int device;
-    uint8_t nccl_id[DC_NCCL_ID_BYTES];
-    uint32_t nccl_version;
-    bool made_id;              /* this daemon made the id (rank 0's join) */
-    dc_group_link link_state;
-    dc_nccl *link;
-    bool exchange_due;         /* the local totals wait for the link to form */
-    dc_nccl_op op;
-    uint8_t *xsend, *xrecv;    /* the exchange's bytes, this daemon's and all */
-    size_t xcap;
-    uint64_t t_local, exchanges, last_exchange_ns;
-    /* Coverage (dc_group_covers): each member's job, the leader's last
-     * charges (a ring), and per rank the last group step covered. */
-    char (*jobs)[DC_GROUP_JOB_MAX];   /* [size] */
-    group_charge charges[DC_GROUP_CHARGED_WINDOW];
-    uint32_t n_charges, next_charge;
-    uint64_t *covered;             /* [size] */
-};
-
-/* One daemon's part of an exchange: its group step, its members' terms
- * (each daemon checks the others'), its group noise key (every daemon
- * takes daemon 0's: replicated layers are noised alike on every member,
- * and the key travels between daemons only, never through a trainer) and
- * then its totals [batch]. Fixed widths: daemons of one group may be
- * different builds. */
-typedef struct link_head {
-    uint64_t magic, step, replicated_hash, noise_key;
-    uint32_t batch, daemon_rank, expected_batch;
-    int32_t reduction;
-    float max_grad_norm, noise_multiplier;
-    uint32_t has_rep, pad; /* the replicated layers' measure follows the totals */
-    uint64_t logical_id;   /* a micro-batch of a logical step, its index, whether it commits */
-    uint32_t micro_batch, commit;
-} link_head;
-#define LINK_MAGIC 0x6470636c69703034ull /* "dpclip04" */
-/* One daemon's part: the head, its totals [B], its replicated copy [B]. */
-#define LINK_EACH(B) (sizeof(link_head) + 2 * (size_t)(B) * sizeof(double))
 
 /* splitmix64: group noise keys from the daemon's secret seed and the id */
 static uint64_t mix(uint64_t x) {
@@ -138,7 +49,7 @@ static void unlink_group(dc_group *g) {
 
 /* Idempotent: a dissolution's callbacks may leave the group (a member's
  * session closing) and so free it before the caller's own maybe_free. */
-static void maybe_free(dc_group *g) {
+void dc_group_maybe_free(dc_group *g) {
     if (!g->dissolved || g->refs > 0 || g->closing) return;
     g->closing = true;
     unlink_group(g);
@@ -181,7 +92,7 @@ static void fail_waiting(dc_group *g, int rc, const dc_err *err) {
     fail_chain(take_waiting(g, &n), rc, err);
 }
 
-static void dissolve(dc_group *g, const char *why) {
+void dc_group_dissolve(dc_group *g, const char *why) {
     dc_err e;
     if (g->dissolved) return;
     g->dissolved = true;
@@ -203,8 +114,8 @@ static void dissolve(dc_group *g, const char *why) {
 void dc_groups_close(dc_groups *gs) {
     for (dc_group *g = gs->list, *next; g; g = next) {
         next = g->next;
-        dissolve(g, "the daemon is shutting down");
-        maybe_free(g);
+        dc_group_dissolve(g, "the daemon is shutting down");
+        dc_group_maybe_free(g);
     }
 }
 
@@ -234,53 +145,12 @@ static void on_timeout(uv_timer_t *t) {
     else
         snprintf(why, sizeof why, "step %llu: rank%s %s did not arrive within %u ms",
                  (unsigned long long)g->cur, n > 1 ? "s" : "", missing, g->timeout_ms);
-    dissolve(g, why);
-    maybe_free(g);
-}
-
-const char *dc_group_link_name(dc_group_link l) {
-    switch (l) {
-    case DC_GROUP_LINK_NONE: return "none";
-    case DC_GROUP_LINK_WAITING: return "waiting";
-    case DC_GROUP_LINK_FORMING: return "forming";
-    case DC_GROUP_LINK_READY: return "ready";
-    case DC_GROUP_LINK_BROKEN: return "broken";
-    }
-    return "?";
-}
-
-static void exchange_start(dc_group *g);
-
-static void on_link_state(dc_nccl *link, dc_nccl_state st, const dc_err *err, void *arg) {
-    dc_group *g = arg;
-    char why[256];
-    (void)link;
-    if (st == DC_NCCL_READY) {
-        g->link_state = DC_GROUP_LINK_READY;
-        if (g->exchange_due) exchange_start(g);
-        return;
-    }
-    if (st != DC_NCCL_BROKEN || g->dissolved) return;
-    g->gs->link_failures++;
-    snprintf(why, sizeof why, "its cross-daemon link (daemon %u of %u) failed: %.180s",
-             g->daemon_rank, g->daemons, err->msg);
-    dissolve(g, why);
-    maybe_free(g);
-}
-
-/* Opens the link once every member on this daemon has joined. */
-static int link_open(dc_group *g, dc_err *err) {
-    int rc;
-    if (g->daemons <= 1 || g->link || g->n_joined < g->local_size) return 0;
-    if ((rc = dc_nccl_open(g->gs->loop, g->device, g->nccl_id, (int)g->daemons,
-                           (int)g->daemon_rank, g->timeout_ms, on_link_state, g, &g->link, err)))
-        return rc;
-    g->link_state = DC_GROUP_LINK_FORMING;
-    return 0;
+    dc_group_dissolve(g, why);
+    dc_group_maybe_free(g);
 }
 
 /* The field two members' terms differ in, or NULL. */
-static const char *terms_differ(const dc_group_terms *a, const dc_group_terms *b) {
+const char *dc_group_terms_differ(const dc_group_terms *a, const dc_group_terms *b) {
     if (a->batch != b->batch) return "clip_step.batch_size";
     if (a->max_grad_norm != b->max_grad_norm) return "clip_step.clip.max_grad_norm";
     if (a->noise_multiplier != b->noise_multiplier) return "clip_step.noise_multiplier";
@@ -346,7 +216,7 @@ static dc_group_waiter *take_reduced(dc_group *g, uint64_t exchange_ns, uint32_t
  * request, while a failure's done may (its reply starts the session's
  * next request, whose delivery could open the next group step and so
  * reset g->tot under the members not answered yet). */
-static void answer(dc_group *g, uint64_t exchange_ns) {
+void dc_group_answer(dc_group *g, uint64_t exchange_ns) {
     uint32_t n;
     dc_group_waiter *w = take_reduced(g, exchange_ns, &n), *bad = NULL, **bad_tail = &bad;
     const uint32_t batch = g->terms.batch;
@@ -432,155 +302,6 @@ static bool fuse_or_split(dc_group *g) {
     }
     split_unrun(g);
     return true;
-}
-
-static void fail_exchange(dc_group *g, const char *fmt, ...);
-
-static void on_exchanged(dc_nccl_op *op) {
-    dc_group *g = op->arg;
-    const size_t B = g->terms.batch, each = LINK_EACH(B);
-    link_head mine;
-    if (op->rc) {
-        fail_exchange(g, "the cross-daemon exchange of group step %llu failed: %s",
-                      (unsigned long long)g->cur, op->err.msg);
-        return;
-    }
-    memcpy(&mine, g->xsend, sizeof mine);
-    /* each daemon's step and terms first: a mismatch names the daemon */
-    for (uint32_t d = 0; d < g->daemons; d++) {
-        link_head h;
-        dc_group_terms t;
-        const char *f;
-        memcpy(&h, g->xrecv + d * each, sizeof h);
-        if (h.magic != LINK_MAGIC || h.daemon_rank != d) {
-            fail_exchange(g, "daemon %u sent a malformed exchange in group step %llu", d,
-                          (unsigned long long)g->cur);
-            return;
-        }
-        if (h.step != mine.step) {
-            fail_exchange(g, "daemon %u is at group step %llu, this daemon (%u) at %llu", d,
-                          (unsigned long long)h.step, g->daemon_rank,
-                          (unsigned long long)mine.step);
-            return;
-        }
-        t.batch = h.batch;
-        t.max_grad_norm = h.max_grad_norm;
-        t.noise_multiplier = h.noise_multiplier;
-        t.reduction = h.reduction;
-        t.expected_batch = h.expected_batch;
-        t.replicated_hash = h.replicated_hash;
-        t.logical_id = h.logical_id;
-        t.micro_batch = h.micro_batch;
-        t.commit = h.commit != 0;
-        if ((f = terms_differ(&g->terms, &t))) {
-            fail_exchange(g, "the members on daemon %u and on this daemon (%u) disagree on %s in "
-                          "group step %llu", d, g->daemon_rank, f, (unsigned long long)g->cur);
-            return;
-        }
-    }
-    /* every daemon's copy of the replicated layers measures alike */
-    for (uint32_t d = 0; d < g->daemons; d++) {
-        link_head h;
-        const uint8_t *rep = g->xrecv + d * each + sizeof(link_head) + B * sizeof(double);
-        memcpy(&h, g->xrecv + d * each, sizeof h);
-        if (!h.has_rep || !mine.has_rep) {
-            if (h.has_rep != mine.has_rep) {
-                fail_exchange(g, "daemon %u and this daemon (%u) disagree on whether group step "
-                              "%llu has replicated layers", d, g->daemon_rank,
-                              (unsigned long long)g->cur);
-                return;
-            }
-            continue;
-        }
-        for (size_t b = 0; b < B; b++) {
-            double v, w;
-            memcpy(&v, rep + b * sizeof v, sizeof v);
-            memcpy(&w, g->xrecv + g->daemon_rank * each + sizeof(link_head) + (B + b) * sizeof w,
-                   sizeof w);
-            if (!dc_group_replicas_agree(v, w)) {
-                fail_exchange(g, "group step %llu: the copy of the replicated layers on daemon "
-                              "%u measures %.6g for sample %zu, this daemon's (%u) %.6g",
-                              (unsigned long long)g->cur, d, v, b, g->daemon_rank, w);
-                return;
-            }
-        }
-    }
-    /* daemon 0's key for the replicated layers' noise (link_head) */
-    {
-        link_head h0;
-        memcpy(&h0, g->xrecv, sizeof h0);
-        g->noise_key = h0.noise_key;
-    }
-    /* the same order on every daemon: bit-identical totals everywhere */
-    for (size_t b = 0; b < B; b++) {
-        double sum = 0.0;
-        for (uint32_t d = 0; d < g->daemons; d++) {
-            double v;
-            memcpy(&v, g->xrecv + d * each + sizeof(link_head) + b * sizeof v, sizeof v);
-            sum += v;
-        }
-        g->tot[b] = sum;
-    }
-    g->exchanges++;
-    g->gs->exchanges++;
-    g->last_exchange_ns = op->ns;
-    answer(g, uv_hrtime() - g->t_local);
-}
-
-/* This daemon's members are all in: its totals go to the other daemons. */
-static void exchange_start(dc_group *g) {
-    const size_t B = g->terms.batch, each = LINK_EACH(B);
-    link_head h;
-    dc_err e;
-    g->exchange_due = false;
-    if (each * g->daemons > g->xcap) {
-        uint8_t *s = realloc(g->xsend, each), *r = s ? realloc(g->xrecv, each * g->daemons) : NULL;
-        if (s) g->xsend = s;
-        if (!s || !r) {
-            fail_exchange(g, "out of memory for the cross-daemon exchange");
-            return;
-        }
-        g->xrecv = r;
-        g->xcap = each * g->daemons;
-    }
-    memset(&h, 0, sizeof h);
-    h.magic = LINK_MAGIC;
-    h.step = g->cur;
-    h.replicated_hash = g->terms.replicated_hash;
-    h.noise_key = g->noise_key;
-    h.batch = g->terms.batch;
-    h.daemon_rank = g->daemon_rank;
-    h.expected_batch = g->terms.expected_batch;
-    h.reduction = g->terms.reduction;
-    h.max_grad_norm = g->terms.max_grad_norm;
-    h.noise_multiplier = g->terms.noise_multiplier;
-    h.has_rep = g->has_rep;
-    h.logical_id = g->terms.logical_id;
-    h.micro_batch = g->terms.micro_batch;
-    h.commit = g->terms.commit;
-    memcpy(g->xsend, &h, sizeof h);
-    memcpy(g->xsend + sizeof h, g->tot, B * sizeof(double));
-    if (g->has_rep) memcpy(g->xsend + sizeof h + B * sizeof(double), g->rep, B * sizeof(double));
-    else memset(g->xsend + sizeof h + B * sizeof(double), 0, B * sizeof(double));
-    g->op.send = g->xsend;
-    g->op.recv = g->xrecv;
-    g->op.bytes = each;
-    g->op.done = on_exchanged;
-    g->op.arg = g;
-    if (dc_nccl_submit(g->link, &g->op, &e))
-        fail_exchange(g, "the cross-daemon exchange of group step %llu: %s",
-                      (unsigned long long)g->cur, e.msg);
-}
-
-static void fail_exchange(dc_group *g, const char *fmt, ...) {
-    char why[256];
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(why, sizeof why, fmt, ap);
-    va_end(ap);
-    g->gs->link_failures++;
-    dissolve(g, why);
-    maybe_free(g);
 }
 
 int dc_group_join_check(const dc_groups *gs, const dc_group_spec *sp, dc_err *err) {
@@ -747,15 +468,15 @@ int dc_group_join(dc_groups *gs, uint32_t uid, const dc_group_spec *sp, dc_group
     g->refs++;
     snprintf(g->jobs[sp->rank], DC_GROUP_JOB_MAX, "%s", sp->job ? sp->job : "");
     *out = g;
-    if ((rc = link_open(g, err))) {
+    if ((rc = dc_group_link_open(g, err))) {
         /* the group cannot work: the others' steps fail, this join too */
         char why[256];
         snprintf(why, sizeof why, "its cross-daemon link cannot open: %.200s", err->msg);
-        dissolve(g, why);
+        dc_group_dissolve(g, why);
         g->joined[sp->rank] = false;
         g->n_joined--;
         g->refs--;
-        maybe_free(g);
+        dc_group_maybe_free(g);
         *out = NULL;
         return rc;
     }
@@ -779,13 +500,13 @@ void dc_group_leave(dc_group *g, uint32_t rank, const char *why) {
          * leaving (a fast one done first) takes nothing from the others. */
         if (g->clipping != DC_GROUP_WISE) {
             snprintf(msg, sizeof msg, "rank %u left (%s)", rank, why);
-            dissolve(g, msg);
+            dc_group_dissolve(g, msg);
         } else if (g->n_joined == 0) {
-            dissolve(g, "every member left");
+            dc_group_dissolve(g, "every member left");
         }
     }
     g->refs--;
-    maybe_free(g);
+    dc_group_maybe_free(g);
 }
 
 /* Whether the group takes a delivery from w now. */
@@ -847,7 +568,7 @@ int dc_group_deliver(dc_group *g, dc_group_waiter *w, dc_err *err) {
         g->first_rank = w->rank;
         g->t_first = uv_hrtime();
         uv_timer_start(&g->timer, on_timeout, g->timeout_ms, 0);
-    } else if ((f = terms_differ(&g->terms, &w->terms))) {
+    } else if ((f = dc_group_terms_differ(&g->terms, &w->terms))) {
         dc_err e;
         dc_err_set(&e, DC_EINVAL, f,
                    "the members of norm group '%s' disagree on %s in group step %llu (rank %u "
@@ -885,7 +606,7 @@ int dc_group_deliver(dc_group *g, dc_group_waiter *w, dc_err *err) {
     }
     if (g->daemons <= 1) {
         /* every member is here: the totals go to each */
-        if (!fuse_or_split(g)) answer(g, 0);
+        if (!fuse_or_split(g)) dc_group_answer(g, 0);
         return 0;
     }
     /* this daemon's members are here: the link's own deadline bounds the
@@ -893,7 +614,7 @@ int dc_group_deliver(dc_group *g, dc_group_waiter *w, dc_err *err) {
     uv_timer_stop(&g->timer);
     g->t_local = uv_hrtime();
     g->exchange_due = true;
-    if (g->link_state == DC_GROUP_LINK_READY) exchange_start(g);
+    if (g->link_state == DC_GROUP_LINK_READY) dc_group_exchange_start(g);
     return 0;
 }
 
