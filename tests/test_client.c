@@ -38,15 +38,7 @@ static int group_teardown(void **state) {
     return 0;
 }
 
-static dpclip_client *connect_ok(void) {
-    dpclip_client *c = NULL;
-    dpclip_connect_opts o = {.client_name = "test_client", .job_id = "job-1", .timeout_ms = 5000};
-    int rc = dpclip_connect(g_h.sock, &o, &c);
-    if (rc) fprintf(stderr, "connect: %s\n", dpclip_errmsg(c));
-    assert_int_equal(rc, 0);
-    assert_non_null(c);
-    return c;
-}
+static dpclip_client *connect_ok(void) { return dc_harness_connect(&g_h, "test_client", "job-1"); }
 
 static const dpclip_clip_config k_cfg = {.max_grad_norm = 1.0f,
                                          .reduction = DPCLIP_SUM,

@@ -35,10 +35,7 @@ static int teardown(void **state) {
 }
 
 static dpclip_client *connect_ok(const char *job) {
-    dpclip_client *c = NULL;
-    dpclip_connect_opts o = {.client_name = "hostile-phases", .job_id = job, .timeout_ms = 5000};
-    assert_int_equal(dpclip_connect(g_h.sock, &o, &c), 0);
-    return c;
+    return dc_harness_connect(&g_h, "hostile-phases", job);
 }
 
 static void sleep_ms(int ms) {

@@ -35,12 +35,7 @@ static int group_teardown(void **state) {
 }
 
 static dpclip_client *connect_ok(const char *name) {
-    dpclip_client *c = NULL;
-    dpclip_connect_opts o = {.client_name = name, .job_id = "integration"};
-    int rc = dpclip_connect(g_h.sock, &o, &c);
-    if (rc) fprintf(stderr, "connect: %s\n", dpclip_errmsg(c));
-    assert_int_equal(rc, 0);
-    return c;
+    return dc_harness_connect(&g_h, name, "integration");
 }
 
 static dpclip_clip_config cfg_of(dpclip_reduction red, uint32_t expected, float sigma,

@@ -36,12 +36,8 @@ static int teardown(void **state) {
     return dc_harness_stop(&g_h) == 0 ? 0 : -1;
 }
 
-static dpclip_client *connect_ok(const char *sock, const char *job) {
-    dpclip_client *c = NULL;
-    dpclip_connect_opts o = {.client_name = "test_step_logical", .job_id = job,
-                             .timeout_ms = 10000};
-    assert_int_equal(dpclip_connect(sock, &o, &c), 0);
-    return c;
+static dpclip_client *connect_ok(const char *job) {
+    return dc_harness_connect(&g_h, "test_step_logical", job);
 }
 
 /* Every layer kind; C the median norm (about half the samples clipped). */
@@ -95,7 +91,7 @@ static void all_nan(dc_shm_step *s) {
  * divides by the logical batch's expected size. */
 static void accumulate_matches_whole(const uint32_t *sizes, int m, dpclip_reduction red,
                                      uint64_t seed) {
-    dpclip_client *c = connect_ok(g_h.sock, "accumulate");
+    dpclip_client *c = connect_ok("accumulate");
     dc_shm_step s;
     dpclip_result res;
     const uint32_t E = 80;
@@ -178,7 +174,7 @@ static void test_ragged_mean(void **state) {
  * noise alone, std sigma*C/E over 1.3e5 values (not sqrt(M) times that);
  * and the ledger charges once, at the logical batch's rate. */
 static void test_noise_once_and_one_charge(void **state) {
-    dpclip_client *c = connect_ok(g_h.sock, "noise-once");
+    dpclip_client *c = connect_ok("noise-once");
     dc_shm_step s;
     dpclip_result res;
     dc_test_layer_spec big = {DC_LAYER_LINEAR, 8, 1, 512, 256, DC_F32, 0, DC_ALGO_AUTO, 1, 0};
@@ -248,7 +244,7 @@ static void refused(dpclip_client *c, dpclip_step *p, int code, const char *fiel
  * phases refused; any refusal or failure aborts (nothing written or
  * charged: the job's epsilon stays 0), and a new id opens again. */
 static void test_rules_and_aborts(void **state) {
-    dpclip_client *c = connect_ok(g_h.sock, "rules");
+    dpclip_client *c = connect_ok("rules");
     dc_shm_step s;
     dpclip_result res;
     dpclip_clip_config other;
@@ -342,7 +338,7 @@ static void test_limits(void **state) {
                                           "--set limits.logical_step_timeout=1 "
                                           "--set limits.max_accumulator_memory_per_uid=2000"),
                      0);
-    dpclip_client *c = connect_ok(h.sock, "limits");
+    dpclip_client *c = dc_harness_connect(&h, "test_step_logical", "limits");
     make(&s, c, DPCLIP_SUM, 0, 0.0f, 31);
     for (uint32_t k = 0; k < 3; k++) {
         dpclip_step *p = micro(&s, &s.cfg, 1, k, 8 * k, 8, 0);
@@ -367,7 +363,7 @@ static void test_limits(void **state) {
     /* this session holds its accumulators: another of the same uid cannot
      * open a logical step past the uid's limit */
     {
-        dpclip_client *c2 = connect_ok(h.sock, "limits-2");
+        dpclip_client *c2 = dc_harness_connect(&h, "test_step_logical", "limits-2");
         dc_shm_step s2;
         make(&s2, c2, DPCLIP_SUM, 0, 0.0f, 32);
         dpclip_step *q = micro(&s2, &s2.cfg, 1, 0, 0, 8, 0);
@@ -401,7 +397,7 @@ static void test_limits(void **state) {
 static void test_in_phases(void **state) {
     static const size_t all[5] = {0, 1, 2, 3, 4}, g0[2] = {0, 2}, g1[3] = {1, 3, 4};
     static const uint32_t sizes[3] = {16, 16, 32};
-    dpclip_client *c = connect_ok(g_h.sock, "phases");
+    dpclip_client *c = connect_ok("phases");
     dc_shm_step s;
     dpclip_result res;
     (void)state;

@@ -33,12 +33,7 @@ static int teardown(void **state) {
 }
 
 static dpclip_client *connect_ok(const char *job) {
-    dpclip_client *c = NULL;
-    dpclip_connect_opts o = {.client_name = "test_step_pass", .job_id = job, .timeout_ms = 5000};
-    int rc = dpclip_connect(g_h.sock, &o, &c);
-    if (rc) fprintf(stderr, "connect: %s\n", dpclip_errmsg(c));
-    assert_int_equal(rc, 0);
-    return c;
+    return dc_harness_connect(&g_h, "test_step_pass", job);
 }
 
 /* Every kind of layer, with outputs; C the median norm, sigma 0, a mean
