@@ -27,12 +27,18 @@ done
 [ -z "$missing" ] && exit 0
 
 echo "dpclip: installing Debian packages:$missing"
+echo "dpclip: (a few hundred MB; 1-5 minutes on a fresh machine, mostly python3-torch and clang)"
 SUDO=""
 if [ "$(id -u)" != 0 ]; then
     command -v sudo >/dev/null 2>&1 || { echo "dpclip: need root to install:$missing" >&2; exit 1; }
     SUDO=sudo
 fi
 export DEBIAN_FRONTEND=noninteractive
-$SUDO apt-get update -qq
+# A fresh machine's unattended-upgrades often holds the dpkg lock for its
+# first minutes: wait for it (up to 10 minutes) rather than fail.
+lock="-o DPkg::Lock::Timeout=600"
 # shellcheck disable=SC2086
-$SUDO apt-get install -y -qq --no-install-recommends $missing >/dev/null
+$SUDO apt-get $lock update -qq
+# shellcheck disable=SC2086
+$SUDO apt-get $lock install -y -qq --no-install-recommends $missing >/dev/null
+echo "dpclip: installed:$missing"

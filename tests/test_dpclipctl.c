@@ -85,6 +85,26 @@ static void test_socket_from_environment(void **state) {
     assert_reached(out);
 }
 
+/* get PATH: the path is joined to the base with one slash, with or without
+ * its own; a path the daemon does not serve is named in the error with the
+ * socket, not glued onto the socket's file name. */
+static void test_get_joins_the_path(void **state) {
+    char args[600], out[16384], bad[700];
+    (void)state;
+    snprintf(args, sizeof args, "--socket '%s' get /status", g_status);
+    assert_int_equal(ctl("", args, out, sizeof out), 0);
+    assert_non_null(strstr(out, "\"sessions\""));
+    snprintf(args, sizeof args, "--socket '%s' get status", g_status);
+    assert_int_equal(ctl("", args, out, sizeof out), 0);
+    assert_non_null(strstr(out, "\"sessions\""));
+    snprintf(args, sizeof args, "--socket '%s' get /nope", g_status);
+    assert_int_not_equal(ctl("", args, out, sizeof out), 0);
+    assert_non_null(strstr(out, "GET /nope from "));
+    assert_non_null(strstr(out, "HTTP 404"));
+    snprintf(bad, sizeof bad, "%s/nope", g_status);
+    assert_null(strstr(out, bad));
+}
+
 /* Writes text to <harness dir>/name; its path in path. */
 static void write_conf(const char *name, const char *text, char *path, size_t n) {
     FILE *f;
@@ -238,6 +258,7 @@ int main(void) {
         cmocka_unit_test(test_socket_from_environment),
         cmocka_unit_test(test_socket_from_config),
         cmocka_unit_test(test_wrong_socket),
+        cmocka_unit_test(test_get_joins_the_path),
         cmocka_unit_test(test_tables),
     };
 #ifndef DPCLIP_HAVE_MHD

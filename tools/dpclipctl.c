@@ -227,7 +227,13 @@ static int fetch(const target *t, const char *path, char **out) {
     CURL *c = curl_easy_init();
     CURLcode rc;
     if (!c) return -1;
-    snprintf(full, sizeof full, "%s%s", t->url[0] ? t->url : "http://localhost", path);
+    {   /* one slash between the base and the path, whichever of them has it */
+        const char *base = t->url[0] ? t->url : "http://localhost";
+        int blen = (int)strlen(base);
+        while (blen > 0 && base[blen - 1] == '/') blen--;
+        while (path[0] == '/') path++;
+        snprintf(full, sizeof full, "%.*s/%s", blen, base, path);
+    }
     curl_easy_setopt(c, CURLOPT_URL, full);
     if (!t->url[0]) curl_easy_setopt(c, CURLOPT_UNIX_SOCKET_PATH, t->sock);
     curl_easy_setopt(c, CURLOPT_WRITEFUNCTION, on_data);
@@ -255,8 +261,8 @@ static int fetch(const target *t, const char *path, char **out) {
         fprintf(stderr, "dpclipctl: %s (%s): %s\n", where, t->from,
                 err[0] ? err : curl_easy_strerror(rc));
     } else if (code != 200) {
-        fprintf(stderr, "dpclipctl: %s%s: HTTP %ld: %s", where, path, code,
-                b.p && b.p[0] ? b.p : "(no body)\n");
+        fprintf(stderr, "dpclipctl: GET /%s from %s (%s): HTTP %ld: %s", path, where, t->from,
+                code, b.p && b.p[0] ? b.p : "(no body)\n");
     } else {
         *out = b.p ? b.p : strdup("");
         return *out ? 0 : -1;
