@@ -152,6 +152,13 @@ static void test_batch_and_layers(void **state) {
     expect_err(f, DC_EINVAL, "clip_step.batch_size");
     f->step.batch_size = 65;
     expect_err(f, DC_EINVAL, "clip_step.batch_size");
+    {   /* the refusal names the setting that would let it through */
+        dc_step s;
+        dc_err e;
+        dc_err_clear(&e);
+        assert_int_equal(dc_validate_step(&f->step, &f->reg, &f->lim, &s, &e), DC_EINVAL);
+        assert_non_null(strstr(e.msg, "limits.max_batch"));
+    }
     f->step.batch_size = 4;
     f->step.n_layers = 0;
     expect_err(f, DC_EINVAL, "clip_step.layers");

@@ -417,7 +417,8 @@ int dc_validate_step(const Dpclip__ClipStep *msg, const dc_registry *reg,
     memset(out, 0, sizeof *out);
     if (msg->batch_size == 0 || msg->batch_size > lim->max_batch)
         return dc_err_set(err, DC_EINVAL, "clip_step.batch_size",
-                          "batch_size %u outside [1, %u]", msg->batch_size, lim->max_batch);
+                          "batch_size %u outside [1, %u] (the daemon's limits.max_batch, "
+                          "--max-batch)", msg->batch_size, lim->max_batch);
     if (msg->n_layers == 0 || msg->n_layers > lim->max_layers)
         return dc_err_set(err, DC_EINVAL, "clip_step.layers",
                           "%zu layers; a step needs 1 to %u", msg->n_layers, lim->max_layers);

@@ -2,12 +2,14 @@
 import math
 from typing import Optional
 
+import torch
+import torch.nn as nn
 from torch.utils.data import DataLoader
 
 from . import _lib, _parallel
 from .data import DPDataLoader
 
-__all__ = ["check_terms", "loader_kind"]
+__all__ = ["check_module", "check_terms", "loader_kind"]
 
 
 def check_terms(loss_reduction: str, max_grad_norm: float, noise_multiplier: float,
@@ -24,6 +26,24 @@ def check_terms(loss_reduction: str, max_grad_norm: float, noise_multiplier: flo
     if algorithm not in algos:
         raise ValueError("algorithm must be one of %s, got %r" % (", ".join(algos), algorithm))
     return algos[algorithm]
+
+
+def check_module(module: nn.Module) -> None:
+    """Refuses, naming the first such parameter, a module whose trainable
+    parameters the daemon cannot train: on the meta device (no data yet:
+    the daemon would read nothing) or in float64 (its kernels take f32,
+    bf16 and f16, and a silent cast would change what the model computes)."""
+    for name, p in module.named_parameters():
+        if not p.requires_grad:
+            continue
+        if p.device.type == "meta":
+            raise ValueError("parameter %r is on the meta device: materialize the model "
+                             "(module.to_empty(device=...) and initialize it, or load its "
+                             "weights) before make_private" % name)
+        if p.dtype == torch.float64:
+            raise ValueError("parameter %r is float64: dpclip trains float32, bfloat16 and "
+                             "float16 parameters (the daemon has no float64 kernels); "
+                             "module.float() before make_private" % name)
 
 
 def loader_kind(loader: Optional[DataLoader], poisson_sampling: bool, secure_mode: bool) -> str:

@@ -324,6 +324,7 @@ class PrivacyEngine:
         if self.module is not None:
             raise RuntimeError("this PrivacyEngine is already attached to a module")
         algo = _terms.check_terms(loss_reduction, max_grad_norm, noise_multiplier, algorithm)
+        _terms.check_module(module)
         _fsdp.refuse_fsdp1(module)
         fsdp = _fsdp.is_fsdp2(module)
         if replace_mha:

@@ -444,6 +444,27 @@ def test_a_job_id_given_shares_its_account(daemon, capsys):
     assert "dpclip: job id" not in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("make,words", [
+    (lambda: nn.Sequential(nn.Linear(5, 3), nn.Linear(3, 2, device="meta")), "meta device"),
+    (lambda: nn.Sequential(nn.Linear(5, 3), nn.Linear(3, 2).double()), "float64")],
+    ids=["meta", "float64"])
+def test_parameters_the_daemon_cannot_train_refused_by_name(daemon, make, words):
+    """A model on the meta device (no data yet) or in float64 (no kernels
+    for it) is refused at make_private, naming the parameter; once it is
+    materialized (or cast to float32) it is taken."""
+    engine = PrivacyEngine(daemon.socket, allow_insecure_seed=True)
+    model = make()
+    with pytest.raises(ValueError, match=r"'1\.weight'.*" + words):
+        engine.make_private(module=model, noise_multiplier=1.0, max_grad_norm=1.0,
+                            expected_batch_size=4)
+    assert engine.module is None
+    model = model.to_empty(device="cpu") if words == "meta device" else model.float()
+    engine.make_private(module=model, noise_multiplier=1.0, max_grad_norm=1.0,
+                        expected_batch_size=4)
+    assert engine.module is model
+    engine.close()
+
+
 @pytest.mark.parametrize("field,value", [("loss_reduction", "avg"), ("max_grad_norm", 0.0),
                                          ("max_grad_norm", float("nan")),
                                          ("noise_multiplier", -1.0), ("algorithm", "flash")])
