@@ -79,3 +79,19 @@ def test_a_python_without_torch_says_which_python_has_it():
         last = p.stderr.strip().splitlines()[-1]
         assert last.startswith("ModuleNotFoundError") and "/usr/bin/python3" in last and \
             "python3-torch" in last and sys.executable in last, (mod, last)
+
+
+def test_scripts_with_a_shebang_are_executable():
+    """What the docs run as ./examples/x.py or ./bench/x.py runs as written:
+    every tracked script with a #! line has its executable bit."""
+    listed = subprocess.run(["git", "-C", REPO, "ls-files", "-s", "examples", "bench", "scripts"],
+                            capture_output=True, text=True)
+    if listed.returncode != 0:
+        pytest.skip("not a git checkout: %s" % listed.stderr.strip())
+    wrong = []
+    for line in listed.stdout.splitlines():
+        mode, _, _, path = line.split(None, 3)
+        with open(os.path.join(REPO, path), "rb") as f:
+            if f.read(2) == b"#!" and mode != "100755":
+                wrong.append(path)
+    assert not wrong, "scripts with #! but no executable bit: %s" % ", ".join(wrong)
