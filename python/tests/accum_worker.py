@@ -2,7 +2,11 @@
 processes (spawned processes import this module by name; it must not be a
 test module): a 2-stage pipeline run under GPipe or 1F1B with M
 micro-batches per logical step, and data parallelism with each rank
-accumulating its own micro-batches."""
+accumulating its own micro-batches.
+
+The device layout (`layout`): "cpu" and "one_gpu" (both ranks on cuda:0)
+join over gloo; "two_gpus" puts rank r on cuda:r and joins over NCCL (the
+pipeline's activations and gradients then go GPU to GPU)."""
 import datetime
 import os
 import warnings
@@ -14,11 +18,39 @@ from dpclip.torch import PrivacyEngine, reduce_loss
 from models import SeqModel, per_sample_losses, pipeline_model
 
 
-def _init(rank, world, init_file):
+def _init(rank, world, init_file, layout="cpu"):
+    """Joins the ranks in `layout`; returns this rank's device."""
+    backend, device = "gloo", torch.device("cpu")
+    if layout == "one_gpu":
+        # gloo: NCCL refuses two ranks on one GPU unless told apart as hosts
+        device = torch.device("cuda", 0)
+    elif layout == "two_gpus":
+        os.environ["NCCL_NVLS_ENABLE"] = "0"
+        # before init: NCCL's communicators and the object collectives
+        # make_private runs take the current device as the rank's
+        torch.cuda.set_device(rank)
+        backend, device = "nccl", torch.device("cuda", rank)
+    else:
+        assert layout == "cpu", layout
     # a timeout well past any step: ranks that fall out of step (or a
     # pipeline that deadlocks) fail the test instead of hanging it
-    dist.init_process_group("gloo", init_method="file://" + init_file, rank=rank,
+    dist.init_process_group(backend, init_method="file://" + init_file, rank=rank,
                             world_size=world, timeout=datetime.timedelta(seconds=60))
+    return device
+
+
+def _links(layout):
+    """The pipeline's links: None (gloo, through host memory), or under
+    NCCL a process group per direction, activations 0 -> 1 and gradients
+    1 -> 0. NCCL runs a pair's sends and receives on one stream per
+    communicator, in the order issued, and a send may wait on the device
+    for its receive; 1F1B's crossing sends (stage 0's next activation,
+    stage 1's gradient) would then wait for each other. One communicator
+    per direction keeps each in the same order on both stages. Every rank
+    calls it alike (new_group is collective)."""
+    if layout != "two_gpus":
+        return None
+    return dist.new_group([0, 1]), dist.new_group([0, 1])
 
 
 def schedule(kind, stages, stage, m):
@@ -38,14 +70,18 @@ def schedule(kind, stages, stage, m):
     return ops
 
 
-def pipeline_step(stage_mod, opt, rank, x, y, sizes, kind, d=16, commit=True):
+def pipeline_step(stage_mod, opt, rank, x, y, sizes, kind, d=16, commit=True, links=None):
     """One logical step of a 2-stage pipeline (global ranks 0 and 1) over
     micro-batches of `sizes` samples, run in `kind`'s order. Activations and
     gradients go with isend (never waited on inside the schedule: a
-    blocking send would deadlock 1F1B) and blocking recv, through host
-    memory (gloo sends no CUDA tensors)."""
+    blocking send would deadlock 1F1B) and recv: through host memory
+    (links None: gloo sends no CUDA tensors), or from the stage's GPU over
+    links' NCCL groups (_links: activations on the first, gradients on the
+    second)."""
     dev = next(stage_mod.parameters()).device
     x, y = x.to(dev), y.to(dev)
+    wire = torch.device("cpu") if links is None else dev  # where sent tensors live
+    fwd, bwd = links if links is not None else (None, None)
     bounds = [sum(sizes[:i]) for i in range(len(sizes) + 1)]
     sends, outs, ins, losses = [], {}, {}, {}
     opt.zero_grad()
@@ -53,21 +89,21 @@ def pipeline_step(stage_mod, opt, rank, x, y, sizes, kind, d=16, commit=True):
         sl = slice(bounds[i], bounds[i + 1])
         if rank == 0 and op == "F":
             outs[i] = stage_mod(x[sl])
-            h = outs[i].detach().cpu().contiguous()
-            sends.append((dist.isend(h, 1), h))
+            h = outs[i].detach().to(wire).contiguous()
+            sends.append((dist.isend(h, 1, group=fwd), h))
         elif rank == 0:
-            g = torch.empty(outs[i].shape)
-            dist.recv(g, 1)
+            g = torch.empty(outs[i].shape, device=wire)
+            dist.recv(g, 1, group=bwd)
             outs.pop(i).backward(g.to(dev))
         elif op == "F":
-            h = torch.empty(sizes[i], x.shape[1], d)
-            dist.recv(h, 0)
+            h = torch.empty(sizes[i], x.shape[1], d, device=wire)
+            dist.recv(h, 0, group=fwd)
             ins[i] = h.to(dev).requires_grad_(True)
             losses[i] = reduce_loss(per_sample_losses("seq", stage_mod(ins[i]), y[sl]), "mean")
         else:
             losses.pop(i).backward()
-            g = ins.pop(i).grad.cpu().contiguous()
-            sends.append((dist.isend(g, 0), g))
+            g = ins.pop(i).grad.to(wire).contiguous()
+            sends.append((dist.isend(g, 0, group=bwd), g))
     for work, _ in sends:
         work.wait()
     early = opt.engine._acc.sent  # micro-batches sent during the schedule
@@ -82,12 +118,13 @@ def pipeline_step(stage_mod, opt, rank, x, y, sizes, kind, d=16, commit=True):
 
 
 def run_schedule(rank, world, init_file, socket_path, data, sizes, C, expected, kind, out_dir,
-                 device="cpu"):
+                 layout="cpu"):
     """SeqModel's 2 stages in one norm group (flat clipping), noise off,
     one logical step of len(sizes) micro-batches under `kind`; then, noise
     on, two logical steps whose epsilon is saved."""
-    _init(rank, world, init_file)
+    device = _init(rank, world, init_file, layout)
     try:
+        links = _links(layout)
         torch.manual_seed(3)
         stage = pipeline_model()[rank].to(device)
         engine = PrivacyEngine(socket_path, allow_insecure_seed=True)
@@ -97,7 +134,7 @@ def run_schedule(rank, world, init_file, socket_path, data, sizes, C, expected, 
             noise_multiplier=0.0, max_grad_norm=C, loss_reduction="mean",
             norm_group=dist.group.WORLD, **kw)
         x, y = data
-        early = pipeline_step(stage, opt, rank, x, y, sizes, kind)
+        early = pipeline_step(stage, opt, rank, x, y, sizes, kind, links=links)
         out = {"early": early, "grads": {"%d.%s" % (rank, n): p.grad.cpu()
                                          for n, p in stage.named_parameters()},
                "norms": engine.last_norms, "steps": engine.steps}
@@ -112,7 +149,7 @@ def run_schedule(rank, world, init_file, socket_path, data, sizes, C, expected, 
             noise_multiplier=1.0, max_grad_norm=C, loss_reduction="mean",
             norm_group=dist.group.WORLD, target_delta=1e-5, **kw)
         for _ in range(2):
-            pipeline_step(stage, opt, rank, x, y, sizes, kind)
+            pipeline_step(stage, opt, rank, x, y, sizes, kind, links=links)
         out["epsilon"] = engine.last_epsilon
         engine.close()
         torch.save(out, os.path.join(out_dir, "%s%d.pt" % (kind, rank)))
@@ -121,16 +158,18 @@ def run_schedule(rank, world, init_file, socket_path, data, sizes, C, expected, 
 
 
 def run_data_parallel(rank, world, init_file, socket_path, data, pieces, C, expected, out_dir,
-                      device="cpu"):
+                      layout="cpu"):
     """Each rank accumulates its shard of the logical batch in its own
     micro-batches (pieces[rank]: lists of sample indices; the ranks take
     different numbers) and steps once: noise off, then noise on with zero
-    gradients (one rank's noise, once)."""
-    _init(rank, world, init_file)
+    gradients (one rank's noise, once). The gate's all-reduces run over the
+    layout's backend (NCCL on two GPUs)."""
+    device = _init(rank, world, init_file, layout)
+    job = "dp-accumulate-test-" + layout  # an account per layout: a session runs them all
     try:
         torch.manual_seed(100 + rank)  # make_private broadcasts rank 0's
         model = SeqModel().to(device)
-        engine = PrivacyEngine(socket_path, job_id="dp-accumulate-test", allow_insecure_seed=True)
+        engine = PrivacyEngine(socket_path, job_id=job, allow_insecure_seed=True)
         model, opt, _ = engine.make_private(
             module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.0),
             noise_multiplier=0.0, max_grad_norm=C, loss_reduction="mean",
@@ -146,7 +185,7 @@ def run_data_parallel(rank, world, init_file, socket_path, data, pieces, C, expe
         engine.close()
 
         model = SeqModel().to(device)
-        engine = PrivacyEngine(socket_path, job_id="dp-accumulate-test", allow_insecure_seed=True)
+        engine = PrivacyEngine(socket_path, job_id=job, allow_insecure_seed=True)
         model, opt, _ = engine.make_private(
             module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.0),
             noise_multiplier=2.0, max_grad_norm=C, loss_reduction="mean",

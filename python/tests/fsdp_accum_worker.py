@@ -1,8 +1,8 @@
 """The per-rank halves of the sharded gradient-accumulation tests
 (test_fsdp_accumulate.py; spawned processes import this module by name, so
 it must not be a test module): make_private(sharded_noise=True) on gloo,
-and FSDP2 (fully_shard) models on one GPU, a logical step in micro-batches
-(several backwards, one optimizer.step())."""
+and FSDP2 (fully_shard) models on one GPU or on two (rank r on cuda:r), a
+logical step in micro-batches (several backwards, one optimizer.step())."""
 import math
 import os
 import warnings
@@ -268,18 +268,23 @@ def run_accumulate_logical_batches(rank, world, init_file, socket_path, data, C,
 # --- FSDP2 on a GPU ----------------------------------------------------------------------
 
 def run_fsdp2_accumulate(rank, world, init_file, socket_path, data, C, expected, seed, splits,
-                         out_dir):
-    """Two ranks on one GPU (NCCL, a host id each), GPT sharded by
-    fully_shard: for each (case, sizes) of splits, a logical step of this
-    rank's samples in micro-batches of sizes (f32, or bf16
-    MixedPrecisionPolicy), its gradient shards and the gathered whole, and
+                         out_dir, layout="one_gpu"):
+    """Two NCCL ranks, on one GPU (layout "one_gpu": a host id each) or
+    rank r on cuda:r ("two_gpus"), GPT sharded by fully_shard: for each
+    (case, sizes) of splits, a logical step of this rank's samples in
+    micro-batches of sizes (f32, or bf16 MixedPrecisionPolicy), its
+    gradient shards and the gathered whole, and
     the reduce-scatters and all-reduces run before step() and in all
     (against one whole step's); then the noise alone (sigma 1, zero loss,
     micro-batches of the first split) and the epsilon after 3 such logical
     steps at q 0.01; engine.logical_batches' refusal."""
-    os.environ["NCCL_HOSTID"] = "dpclip-fsdp-acc-test-%d" % rank
+    assert layout in ("one_gpu", "two_gpus"), layout
+    if layout == "one_gpu":
+        # NCCL refuses two ranks on one GPU unless they look like two hosts
+        os.environ["NCCL_HOSTID"] = "dpclip-fsdp-acc-test-%d" % rank
     os.environ["NCCL_NVLS_ENABLE"] = "0"
-    torch.cuda.set_device(0)
+    # before init: the mesh, NCCL and every .cuda() below take the current device
+    torch.cuda.set_device(rank if layout == "two_gpus" else 0)
     _init("nccl", rank, world, init_file)
     try:
         # pylint: disable=import-outside-toplevel
@@ -303,7 +308,7 @@ def run_fsdp2_accumulate(rank, world, init_file, socket_path, data, C, expected,
         bf16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
         for case, sizes in splits:
             engine, model, opt = private(bf16 if case.startswith("bf16") else None,
-                                         "fsdp2-acc-" + case, 0.0)
+                                         "fsdp2-acc-%s-%s" % (case, layout), 0.0)
             logical_step(model, opt, x, y, mine, [len(mine)])  # FSDP's lazy init: not counted
             whole = logical_step(model, opt, x, y, mine, [len(mine)], counts)
             acc = logical_step(model, opt, x, y, mine, sizes[rank], counts)
@@ -314,7 +319,9 @@ def run_fsdp2_accumulate(rank, world, init_file, socket_path, data, C, expected,
                 "collectives": (whole, acc), "norms": engine.last_norms.clone()}
             engine.close()
 
-        engine, model, opt = private(bf16, "fsdp2-acc-noise", 1.0, sample_rate=0.01,
+        # an account per layout: both run in one daemon's session, each
+        # compared with 3 steps' epsilon
+        engine, model, opt = private(bf16, "fsdp2-acc-noise-" + layout, 1.0, sample_rate=0.01,
                                      target_delta=1e-5)
         try:  # each rank's split of its own batch: forwards fully_shard could not pair
             engine.logical_batches([], max_physical_batch_size=2)

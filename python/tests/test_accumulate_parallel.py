@@ -4,7 +4,12 @@ logical step (flat clipping: each micro-batch's per-sample norms summed
 over the stages), and data parallelism with each rank accumulating its own
 micro-batches, each against the per-sample f64 reference of the unsplit
 model on the whole logical batch (noise off); with noise, one draw and one
-charge per logical step."""
+charge per logical step. The GPU variants run in two layouts: "one_gpu"
+(both ranks on cuda:0, gloo) and "two_gpus" (rank r on cuda:r, NCCL; skips
+with fewer than 2 GPUs), one dpclipd serving both:
+
+    python3 -m pytest -q python/tests/test_accumulate_parallel.py -k cuda
+"""
 import math
 
 import pytest
@@ -134,9 +139,18 @@ def test_data_parallel_accumulation_equals_one_process(daemon, tmp_path):
     assert abs(float(noise.std()) - want_std) < 6 * want_std / math.sqrt(2 * noise.numel())
 
 
-def _cuda_daemon(daemon):
+LAYOUTS = ["one_gpu", "two_gpus"]
+
+
+def _cuda_daemon(daemon, layout):
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")
+    if layout == "two_gpus":
+        if torch.cuda.device_count() < 2:
+            pytest.skip("two_gpus needs 2 CUDA devices, this machine has %d"
+                        % torch.cuda.device_count())
+        if not torch.distributed.is_nccl_available():
+            pytest.skip("two_gpus runs NCCL: this torch has none")
     engine = PrivacyEngine(daemon.socket, allow_insecure_seed=True)
     try:
         if not engine.client.info.has_cuda:
@@ -147,11 +161,13 @@ def _cuda_daemon(daemon):
 
 
 @pytest.mark.parametrize("kind", ["1f1b", "gpipe"])
-def test_pipeline_micro_batches_on_cuda(daemon, tmp_path, kind):
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_pipeline_micro_batches_on_cuda(daemon, tmp_path, kind, layout):
     """The same two stages on one GPU (gloo between them through host
-    memory): a flat norm group's GPU micro-batches have no early notice and
-    are sent detached, their tensors held until collected."""
-    _cuda_daemon(daemon)
+    memory), or stage r on cuda:r (NCCL sends and receives GPU to GPU): a
+    flat norm group's GPU micro-batches have no early notice and are sent
+    detached, their tensors held until collected."""
+    _cuda_daemon(daemon, layout)
     torch.manual_seed(3)
     whole = pipeline_model()
     (x,), y = seq_data(12, seed=8)
@@ -159,7 +175,7 @@ def test_pipeline_micro_batches_on_cuda(daemon, tmp_path, kind):
     C = _between(norms)
     want, norms, _ = reference(whole, "seq", (x,), y, C, "mean", EXPECTED)
     _spawn(run_schedule, (2, str(tmp_path / "init"), daemon.socket, (x, y), [3, 4, 2, 3], C,
-                          EXPECTED, kind, str(tmp_path), "cuda"))
+                          EXPECTED, kind, str(tmp_path), layout))
     for r in range(2):
         got = torch.load(str(tmp_path / ("%s%d.pt" % (kind, r))))
         assert got["steps"] == 1
@@ -168,10 +184,12 @@ def test_pipeline_micro_batches_on_cuda(daemon, tmp_path, kind):
         assert _max_rel(got["norms"], norms) < 3e-3, (kind, r)
 
 
-def test_data_parallel_accumulation_on_cuda(daemon, tmp_path):
-    """Two ranks on one GPU, each accumulating asynchronous GPU
-    micro-batches (early notices), all-reduced once after the commits."""
-    _cuda_daemon(daemon)
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_data_parallel_accumulation_on_cuda(daemon, tmp_path, layout):
+    """Two ranks on one GPU (gloo), or rank r on cuda:r (NCCL), each
+    accumulating asynchronous GPU micro-batches (early notices), all-reduced
+    once after the commits."""
+    _cuda_daemon(daemon, layout)
     (x,), y = seq_data(12, seed=5)
     torch.manual_seed(100)
     model = SeqModel()
@@ -180,7 +198,7 @@ def test_data_parallel_accumulation_on_cuda(daemon, tmp_path):
     want, _, _ = reference(model, "seq", (x,), y, C, "mean", EXPECTED)
     pieces = [[[0, 2, 4], [6], [8, 10]], [[1, 3, 5, 7], [9, 11]]]
     _spawn(run_data_parallel, (2, str(tmp_path / "init"), daemon.socket, (x, y), pieces, C,
-                               EXPECTED, str(tmp_path), "cuda"))
+                               EXPECTED, str(tmp_path), layout))
     got = [torch.load(str(tmp_path / ("dp%d.pt" % r))) for r in range(2)]
     for r in range(2):
         for n, w in want.items():

@@ -7,8 +7,10 @@ once and gates once. Against the single-process per-sample f64 reference
 of the union logical batch (sigma 0; the sums clip with the phased
 margin); the noise once per logical step on the rows each rank owns; one
 ledger charge per logical step; the collectives of one whole step per
-logical step; failures applied on no rank. The FSDP2 test skips, with the
-reason, without fully_shard (torch < 2.4), a GPU, NCCL or a CUDA dpclipd:
+logical step; failures applied on no rank. The FSDP2 test runs with both
+ranks on one GPU ("one_gpu") and with rank r on cuda:r ("two_gpus"), one
+dpclipd serving both; it skips, with the reason, without fully_shard
+(torch < 2.4), a GPU (two for "two_gpus"), NCCL or a CUDA dpclipd:
 
     python3 -m pytest -q python/tests/test_fsdp_accumulate.py -k fsdp2
 """
@@ -286,17 +288,22 @@ def test_cuda_micro_batch_sums_name_one_slot_and_drain_nothing(monkeypatch):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 @pytest.mark.skipif(not (torch.distributed.is_available() and
                          torch.distributed.is_nccl_available()), reason="no NCCL")
-def test_fsdp2_micro_batches_equal_the_union_reference(daemon, tmp_path):
-    """Two NCCL ranks on one GPU, GPT sharded per block and at the root,
-    16 samples, each rank's 8 in micro-batches (equal 4 + 4, ragged
-    1 + 5 + 2 and 3 + 3 + 2; bf16 MixedPrecisionPolicy 2 + 6 and 5 + 3):
-    each rank's DTensor shard, and the gathered whole, equal the f64
+@pytest.mark.parametrize("layout", ["one_gpu", "two_gpus"])
+def test_fsdp2_micro_batches_equal_the_union_reference(daemon, tmp_path, layout):
+    """Two NCCL ranks on one GPU, or rank r on cuda:r, GPT sharded per
+    block and at the root, 16 samples, each rank's 8 in micro-batches
+    (equal 4 + 4, ragged 1 + 5 + 2 and 3 + 3 + 2; bf16
+    MixedPrecisionPolicy 2 + 6 and 5 + 3): each rank's DTensor shard,
+    and the gathered whole, equal the f64
     reference of the 16 together; the reduce-scatters and all-reduces of a
     logical step are one whole step's, none before step(); the noise alone
     (sigma 1, zero loss) has std sigma*C/E, and 3 logical steps cost one
     process's 3 steps of epsilon. engine.logical_batches is refused (each
     rank would split its own batch: counts of forwards fully_shard could
     not pair)."""
+    if layout == "two_gpus" and torch.cuda.device_count() < 2:
+        pytest.skip("two_gpus needs 2 CUDA devices, this machine has %d"
+                    % torch.cuda.device_count())
     with dpclip.Client(daemon.socket) as c:
         if not c.info.has_cuda:
             pytest.skip("this dpclipd has no CUDA backend")
@@ -309,7 +316,7 @@ def test_fsdp2_micro_batches_equal_the_union_reference(daemon, tmp_path):
     splits = [("f32-equal", [[4, 4], [4, 4]]), ("f32-ragged", [[1, 5, 2], [3, 3, 2]]),
               ("bf16-ragged", [[2, 6], [5, 3]])]
     _spawn(run_fsdp2_accumulate, world, (str(tmp_path / "init"), daemon.socket, (x, y), C, B,
-                                         seed, splits, str(tmp_path)), timeout=300)
+                                         seed, splits, str(tmp_path), layout), timeout=300)
     got = [torch.load(os.path.join(str(tmp_path), "fsdp2acc_%d.pt" % r)) for r in range(world)]
     for case, _ in splits:
         tol = 0.1 if case.startswith("bf16") else 3e-3  # TF32 GEMMs; a bf16 forward
@@ -333,7 +340,7 @@ def test_fsdp2_micro_batches_equal_the_union_reference(daemon, tmp_path):
     assert abs(float(noise.std()) - want_std) < 6 * want_std / math.sqrt(2 * noise.numel()), \
         (float(noise.std()), want_std)
 
-    single = PrivacyEngine(daemon.socket, job_id="fsdp2-acc-ledger-single",
+    single = PrivacyEngine(daemon.socket, job_id="fsdp2-acc-ledger-single-" + layout,
                            allow_insecure_seed=True)
     model = nn.Linear(3, 2)
     _, opt, _ = single.make_private(module=model, optimizer=torch.optim.SGD(
