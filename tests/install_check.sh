@@ -54,6 +54,12 @@ case $pc in *"-I$pfx/include"*"-L$pfx/$libdir"*" -ldpclip"*) ;;
 # shellcheck disable=SC2086
 "$cc" $cflags -o "$tmp/train_pc" "$src/examples/train_mlp.c" $pc -lm ||
     fail "$cc examples/train_mlp.c \$(pkg-config --cflags --libs dpclip)"
+# outside /usr the program finds the library by itself (its RUNPATH: the
+# prefix's libdir as installed, without the DESTDIR)
+libs=$(PKG_CONFIG_PATH=$pfx/$libdir/pkgconfig pkg-config --libs dpclip) ||
+    fail "pkg-config --libs dpclip"
+case $libs in *"-Wl,-rpath,$prefix/$libdir"*) ;;
+    *) fail "pkg-config --libs names no RUNPATH for $prefix/$libdir: '$libs'" ;; esac
 
 # --- a trainer built against it: CMake ---------------------------------------
 mkdir -p "$tmp/proj"
