@@ -4,7 +4,11 @@ Where the library comes from (first hit wins):
   1. $DPCLIP_LIBRARY (a path to libdpclip.so), as given;
   2. <repo>/build/libdpclip.so, the default build tree of the checkout this
      package lives in, unless it is a sanitizer build;
-  3. ctypes.util.find_library("dpclip") (an installed library).
+  3. an installed library under the prefix this package is installed in
+     (PREFIX/lib/python3.X/site-packages/dpclip: PREFIX/lib, its multiarch
+     directory, lib64), then under the user's base (~/.local), which the
+     loader's search (4) misses: ldconfig never lists them;
+  4. ctypes.util.find_library("dpclip") (a library the system lists).
 Never another build tree, and never by modification time: after
 scripts/test.sh the newest tree is build-asan, whose library kills a Python
 that did not preload the ASan runtime ("ASan runtime does not come first").
@@ -19,7 +23,9 @@ naming what differs, not memory corrupted by a struct of the wrong size.
 import ctypes
 import ctypes.util
 import os
+import site
 import struct
+import sysconfig
 from typing import Callable, Dict, FrozenSet, List, Optional, Tuple, Type
 
 from ._version import __version__
@@ -81,6 +87,28 @@ def _preloaded(runtime: str) -> bool:
     return any(os.path.basename(p).split(".so")[0] == stem for p in pre)
 
 
+def installed(here: Optional[str] = None) -> List[str]:
+    """libdpclip.so.0 files installed under this package's prefix and the
+    user's base, in that order. here: the package's directory (default:
+    this one's)."""
+    here = here or os.path.dirname(os.path.abspath(__file__))
+    bases = []
+    parts = here.split(os.sep)
+    for i in range(len(parts) - 1, 0, -1):  # PREFIX/lib*/pythonX.Y/*-packages/dpclip
+        if parts[i].endswith("-packages") and i >= 3 and parts[i - 1].startswith("python"):
+            bases.append(os.sep.join(parts[:i - 2]) or os.sep)
+            break
+    bases.append(site.getuserbase())
+    arch = sysconfig.get_config_var("MULTIARCH") or ""
+    out = []
+    for base in bases:
+        for libdir in ("lib", os.path.join("lib", arch) if arch else None, "lib64"):
+            path = os.path.join(base, libdir, "libdpclip.so.0") if libdir else None
+            if path and os.path.exists(path) and path not in out:
+                out.append(path)
+    return out
+
+
 def candidates(repo: Optional[str] = None) -> Tuple[List[str], List[str], bool]:
     """(paths to try in order, paths passed over with the reason, whether
     the first path came from $DPCLIP_LIBRARY). repo: the checkout to look in
@@ -101,6 +129,7 @@ def candidates(repo: Optional[str] = None) -> Tuple[List[str], List[str], bool]:
                                "plain python" % (built, rt))
             else:
                 out.append(built)
+    out.extend(p for p in installed() if p not in out)
     sys_lib = ctypes.util.find_library("dpclip")
     if sys_lib:
         out.append(sys_lib)

@@ -171,6 +171,22 @@ def test_library_search_prefers_build_and_never_a_sanitizer_build(tmp_path, monk
     assert len(skipped) == 1 and plain in skipped[0] and "sanitizer build" in skipped[0]
 
 
+def test_an_installed_package_finds_the_library_installed_beside_it(tmp_path, monkeypatch):
+    """`pip install --prefix P ./python` and `cmake --install --prefix P`
+    (say P = ~/.local): the package finds P's libdpclip.so.0, which
+    ldconfig (find_library) never lists; then the user's base."""
+    prefix, user = tmp_path / "prefix", tmp_path / "user"
+    here = prefix / "lib" / "python3.11" / "site-packages" / "dpclip"
+    here.mkdir(parents=True)
+    monkeypatch.setattr(_loader.site, "getuserbase", lambda: str(user))
+    assert _loader.installed(str(here)) == []
+    lib = prefix / "lib" / "libdpclip.so.0"
+    lib.write_bytes(b"")
+    (user / "lib64").mkdir(parents=True)
+    (user / "lib64" / "libdpclip.so.0").write_bytes(b"")
+    assert _loader.installed(str(here)) == [str(lib), str(user / "lib64" / "libdpclip.so.0")]
+
+
 def _plain_build_library():
     for path in (dpclip.lib().path, os.path.join(REPO, "build", "libdpclip.so")):
         if os.path.exists(path) and _loader.sanitizer_runtime(path) is None:
