@@ -16,6 +16,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "dc_clock.h"
 #include "dpclip.h"
 #include "dpclip.pb-c.h"
 
@@ -178,9 +179,7 @@ int cl_to_result(const Dpclip__ClipStepReply *r, uint32_t batch, uint32_t n_laye
 void cl_cuda_forget(dpclip_client *c, uint64_t id);
 
 /* --- wire (wire.c) -------------------------------------------------------- */
-/* Monotonic milliseconds; deadlines are absolute values of it, -1 = none. */
-int64_t cl_now_ms(void);
-uint64_t cl_now_ns(void);
+/* Deadlines are absolute dc_clock_ms() values (common/dc_clock.h), -1 = none. */
 int64_t cl_deadline(int timeout_ms);
 /* Packs req into c->sbuf as one frame and writes it all (with `pass_fd`
  * attached as SCM_RIGHTS when >= 0). While the socket is full it keeps

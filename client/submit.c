@@ -66,9 +66,9 @@ DPCLIP_API int dpclip_run(dpclip_client *c, const dpclip_step *s, dpclip_result 
     if (res) memset(res, 0, sizeof *res);
     if (!c || !s || !res) return DPCLIP_EARG;
     cl_lock(c);
-    uint64_t t0 = cl_now_ns();
+    uint64_t t0 = dc_clock_ns();
     if ((rc = send_step(c, s, CL_REQ_SYNC, NULL))) goto out;
-    uint64_t t_sent = cl_now_ns();
+    uint64_t t_sent = dc_clock_ns();
     /* Steps of a trainer have the same shape step after step: poll around
      * the time the last reply took instead of sleeping through it. Short
      * steps (< 1 ms) need no window: the daemon answers within the wait's
@@ -83,7 +83,7 @@ DPCLIP_API int dpclip_run(dpclip_client *c, const dpclip_step *s, dpclip_result 
         if ((rc = cl_read_one(c, -1, &r))) break;
     c->spin_to_ns = 0;
     if (rc) goto out;
-    uint64_t t_got = cl_now_ns(), rt = t_got - t0;
+    uint64_t t_got = dc_clock_ns(), rt = t_got - t0;
     dc_ewma_add(&c->ewma_rt_ns, rt);
     if (r->body_case == DPCLIP__REPLY__BODY_ERROR) {
         rc = cl_fail(c, cl_daemon_code(r->error->code), r->error->field, "%s", r->error->message);
@@ -138,7 +138,7 @@ static int submit(dpclip_client *c, const dpclip_step *s, cl_req_kind kind, dpcl
         free(d);
         goto out;
     }
-    d->t_sent = cl_now_ns();
+    d->t_sent = dc_clock_ns();
     if (ticket) *ticket = d->ticket;
 out:
     cl_unlock(c);
@@ -246,7 +246,7 @@ DPCLIP_API int dpclip_wait_enqueued(dpclip_client *c, uint64_t ticket, int timeo
         if (d && d->enqueued) {
             *info = d->enq;
             if (d == pd && d->t_sent) {
-                uint64_t took = cl_now_ns() - d->t_sent;
+                uint64_t took = dc_clock_ns() - d->t_sent;
                 dc_ewma_add(&c->ewma_notice_ns, took);
             }
             rc = 0;
@@ -300,7 +300,7 @@ DPCLIP_API int dpclip_poll(dpclip_client *c, int timeout_ms) {
         /* Wait up to the timeout for the first completion, then take only
          * what has already arrived. */
         size_t before = c->p_len;
-        rc = cl_read_one(c, n ? cl_now_ms() : deadline, &sync);
+        rc = cl_read_one(c, n ? dc_clock_ms() : deadline, &sync);
         if (sync) {
             dpclip__reply__free_unpacked(sync, NULL);
             rc = cl_die(c, "internal error: stray synchronous reply");

@@ -12,28 +12,16 @@
 #include "dc_frame.h"
 #include "internal.h"
 
-uint64_t cl_now_ns(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
-}
-
-int64_t cl_now_ms(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
-}
-
 int64_t cl_deadline(int timeout_ms) {
     if (timeout_ms < 0) return -1;
-    return cl_now_ms() + timeout_ms;
+    return dc_clock_ms() + timeout_ms;
 }
 
 /* Milliseconds left for poll(): -1 forever, 0 when past. */
 static int time_left(int64_t deadline) {
     int64_t left;
     if (deadline < 0) return -1;
-    left = deadline - cl_now_ms();
+    left = deadline - dc_clock_ms();
     if (left <= 0) return 0;
     return left > 1000000 ? 1000000 : (int)left;
 }
@@ -219,7 +207,7 @@ int cl_send_body(dpclip_client *c, const uint8_t *body, size_t len, int64_t dead
  * opens (ppoll has sub-millisecond resolution), bounded by the deadline. */
 static int wait_readable(dpclip_client *c, int64_t deadline) {
     struct pollfd p = {c->fd, POLLIN, 0};
-    uint64_t now = c->spin_to_ns ? cl_now_ns() : 0;
+    uint64_t now = c->spin_to_ns ? dc_clock_ns() : 0;
     if (now && now < c->spin_to_ns) {
         if (now >= c->spin_from_ns) return poll(&p, 1, 0) == 0 ? 1 : 0;
         uint64_t wait = c->spin_from_ns - now;

@@ -42,9 +42,9 @@
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
-#include <time.h>
 
 #include "backend_int.h"
+#include "dc_clock.h"
 
 using namespace dcb;
 
@@ -369,7 +369,7 @@ int run_impl(dc_backend *be, const dc_step *s, dc_step_result *res, dc_err *err,
              const phase_io &io) {
     cuda_backend *cb = (cuda_backend *)be;
     const dc_step *const orig = s; /* s becomes the step with its index snapshot */
-    struct timespec t0, t1;
+    uint64_t t0;
     const uint32_t B = s->batch;
     const size_t L = s->n_layers;
     const bool per_layer = s->mode == DC_CLIP_PER_LAYER;
@@ -386,7 +386,7 @@ int run_impl(dc_backend *be, const dc_step *s, dc_step_result *res, dc_err *err,
     const bool waited = cb->waited; /* ev_wait is this step's (wait_event just ran) */
     cb->waited = false;
 
-    clock_gettime(CLOCK_MONOTONIC, &t0);
+    t0 = dc_clock_ns();
     if (s->device < 0) /* the daemon runs host-memory steps on its CPU workers */
         return dc_err_set(err, DC_EINVAL, "clip_step",
                           "a step on host memory was given to the CUDA backend of cuda:%d",
@@ -717,9 +717,7 @@ int run_impl(dc_backend *be, const dc_step *s, dc_step_result *res, dc_err *err,
         if (per_layer && res->layer_coefs)
             memcpy(res->layer_coefs, h + Lo.lcoef, L * B * sizeof(float));
     }
-    clock_gettime(CLOCK_MONOTONIC, &t1);
-    res->compute_ns =
-        (uint64_t)(t1.tv_sec - t0.tv_sec) * 1000000000u + (uint64_t)(t1.tv_nsec - t0.tv_nsec);
+    res->compute_ns = dc_clock_ns() - t0;
     return 0;
 
 fail:

@@ -11,6 +11,7 @@
 #include <time.h>
 
 #include "backend_int.h"
+#include "dc_clock.h"
 
 namespace dcb {
 
@@ -18,12 +19,6 @@ namespace {
 
 constexpr uint64_t NAP_NS = 200000;       /* a misprediction costs at most this */
 constexpr uint64_t MIN_MARGIN_NS = 150000; /* the window's half-width, at least */
-
-uint64_t now_ns() {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
-}
 
 void nap(uint64_t ns) {
     struct timespec ts = {(time_t)(ns / 1000000000u), (long)(ns % 1000000000u)};
@@ -42,24 +37,24 @@ cudaError_t wait_stream(cuda_backend *cb, double cost) {
         return cudaStreamSynchronize(cb->stream);
     }
     if ((e = cudaEventRecord(cb->ev_done, cb->stream)) != cudaSuccess) return e;
-    const uint64_t t0 = now_ns();
+    const uint64_t t0 = dc_clock_ns();
     const double units = cost + 0.01; /* launches and copies cost something too */
     const uint64_t pred = (uint64_t)(cb->ns_per_cost * units);
     const uint64_t margin = pred / 8 > MIN_MARGIN_NS ? pred / 8 : MIN_MARGIN_NS;
     const uint64_t open = t0 + (pred > margin ? pred - margin : 0), close = t0 + pred + margin;
     uint64_t t;
-    while ((t = now_ns()) < open) {
+    while ((t = dc_clock_ns()) < open) {
         if ((e = cudaEventQuery(cb->ev_done)) != cudaErrorNotReady) goto done;
         nap(open - t < NAP_NS ? open - t : NAP_NS);
     }
     while ((e = cudaEventQuery(cb->ev_done)) == cudaErrorNotReady)
-        if (now_ns() > close) {
+        if (dc_clock_ns() > close) {
             e = cudaEventSynchronize(cb->ev_done);
             break;
         }
 done:
     if (e == cudaSuccess) {
-        double r = (double)(now_ns() - t0) / units;
+        double r = (double)(dc_clock_ns() - t0) / units;
         cb->ns_per_cost = cb->ns_per_cost > 0.0 ? 0.75 * cb->ns_per_cost + 0.25 * r : r;
     }
     return e;

@@ -18,6 +18,7 @@
 #include <cmocka.h>
 
 #include "accountant.h"
+#include "dc_clock.h"
 #include "harness.h"
 #include "group_test.h"
 #include "service.h"
@@ -238,9 +239,9 @@ static void test_member_timeout(void **state) {
                          0);
         assert_true(dc_shm_step_add(&st[k], &sp, &r, 1.0f) >= 0);
     }
-    uint64_t t0 = dc_ms_now();
+    uint64_t t0 = dc_clock_ms();
     int rc = dpclip_run(st[0].c, st[0].step, &res);
-    uint64_t took = dc_ms_now() - t0;
+    uint64_t took = dc_clock_ms() - t0;
     print_message("timeout: %d after %llu ms: %s\n", rc, (unsigned long long)took,
                   dpclip_errmsg(st[0].c));
     assert_int_equal(rc, DPCLIP_EUNAVAIL);
@@ -282,13 +283,13 @@ static void test_member_disconnect(void **state) {
     uint64_t ticket;
     assert_int_equal(dc_shm_step_init(&st, member("gone", 0, 2, 60000, 0, "gone-job"), 0, B, &cfg), 0);
     assert_true(dc_shm_step_add(&st, &sp, &r, 1.0f) >= 0);
-    uint64_t t0 = dc_ms_now();
+    uint64_t t0 = dc_clock_ms();
     assert_int_equal(dpclip_submit(st.c, st.step, &ticket), 0);
     struct timespec ts = {0, 100 * 1000000L};
     nanosleep(&ts, NULL); /* the step is waiting in the group */
     dpclip_disconnect(gone);
     int rc = dpclip_wait(st.c, ticket, 30000, &res);
-    uint64_t took = dc_ms_now() - t0;
+    uint64_t took = dc_clock_ms() - t0;
     print_message("disconnect: %d after %llu ms: %s\n", rc, (unsigned long long)took,
                   dpclip_errmsg(st.c));
     assert_int_equal(rc, DPCLIP_EUNAVAIL);

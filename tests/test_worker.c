@@ -12,6 +12,7 @@
 
 #include <cmocka.h>
 
+#include "dc_clock.h"
 #include "worker.h"
 
 typedef struct fake_backend {
@@ -104,12 +105,6 @@ static void test_jobs_run_and_complete(void **state) {
     free(jobs);
 }
 
-static uint64_t mono_ns(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
-}
-
 /* Expectation windows (a GPU worker awake when a trainer's step is due):
  * they merge, a past one is ignored, a job inside one spends it, jobs run
  * whatever the window, and a worker sleeping until a far window still
@@ -126,7 +121,7 @@ static void test_expect_windows(void **state) {
     assert_int_equal(uv_loop_init(&loop), 0);
     assert_int_equal(dc_worker_pool_init(&pool, &loop, "t", 1, factory, &made, &err), 0);
     dc_worker_pool_set_spin(&pool, 20000);
-    uint64_t now = mono_ns();
+    uint64_t now = dc_clock_ns();
 
     dc_worker_pool_expect(&pool, now - 2000000, now - 1000000); /* past: ignored */
     assert_int_equal(pool.win_to, 0);
@@ -151,7 +146,7 @@ static void test_expect_windows(void **state) {
     assert_int_equal(pool.win_to, now + 70000000000ull); /* not yet open: kept */
 
     /* An open window is spent by the job it waited for. */
-    now = mono_ns();
+    now = dc_clock_ns();
     dc_worker_pool_expect(&pool, now, now + 30000000000ull);
     jobs[1] = jobs[0];
     dc_worker_pool_submit(&pool, &jobs[1].job);
@@ -161,10 +156,10 @@ static void test_expect_windows(void **state) {
     pthread_mutex_unlock(&pool.mu);
 
     /* Asleep until a window 60 s away: close wakes and stops it now. */
-    dc_worker_pool_expect(&pool, mono_ns() + 60000000000ull, mono_ns() + 61000000000ull);
-    uint64_t t0 = mono_ns();
+    dc_worker_pool_expect(&pool, dc_clock_ns() + 60000000000ull, dc_clock_ns() + 61000000000ull);
+    uint64_t t0 = dc_clock_ns();
     dc_worker_pool_close(&pool);
-    assert_true(mono_ns() - t0 < 30000000000ull);
+    assert_true(dc_clock_ns() - t0 < 30000000000ull);
     uv_run(&loop, UV_RUN_DEFAULT);
     assert_int_equal(uv_loop_close(&loop), 0);
 }

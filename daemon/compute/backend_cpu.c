@@ -15,10 +15,10 @@
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
-#include <time.h>
 
 #include "backend.h"
 #include "cpu.h"
+#include "dc_clock.h"
 #include "dc_hash.h"
 #include "noise.h"
 
@@ -258,12 +258,6 @@ static int check_norms(const dc_layer *lay, size_t L, uint32_t B, const double *
     return 0;
 }
 
-static uint64_t mono_ns(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
-}
-
 /* The step's phases. want: PHASE_NORMS stops after the norms (copied to
  * n2_out); PHASE_CLIP takes this step's norms from n2_in and the group's
  * per-sample totals from tot instead of computing them (the data are
@@ -276,7 +270,7 @@ static int run_phases(dc_backend *be, const dc_step *step, enum run_phases want,
                       dc_err *err) {
     cpu_backend *cb = (cpu_backend *)be;
     dc_cpu_scratch *s = &cb->s;
-    struct timespec t0, t1;
+    uint64_t t0, t1;
     uint32_t B = step->batch;
     size_t L = step->n_layers;
     bool per_layer = step->mode == DC_CLIP_PER_LAYER;
@@ -284,7 +278,7 @@ static int run_phases(dc_backend *be, const dc_step *step, enum run_phases want,
     step_stats st;
     int rc;
 
-    clock_gettime(CLOCK_MONOTONIC, &t0);
+    t0 = dc_clock_ns();
     if (step->device >= 0)
         return dc_err_set(err, DC_EPRECOND, "clip_step",
                           "the CPU backend cannot read tensors in GPU memory (cuda:%d)",
@@ -303,7 +297,7 @@ static int run_phases(dc_backend *be, const dc_step *step, enum run_phases want,
 
     /* 2. norms and coefficients. Clipping and noise are summed over layers
      * below: start them at 0 even if the caller reuses a result. */
-    uint64_t tp = mono_ns(), tq;
+    uint64_t tp = dc_clock_ns(), tq;
     if (want == PHASE_CLIP) {
         memcpy(st.n2, n2_in, L * B * sizeof *st.n2);
     } else {
@@ -321,7 +315,7 @@ static int run_phases(dc_backend *be, const dc_step *step, enum run_phases want,
         return 0;
     }
     res->phase_ns[DC_RUN_CLIPPING] = res->phase_ns[DC_RUN_NOISE] = 0;
-    tq = mono_ns();
+    tq = dc_clock_ns();
     res->phase_ns[DC_RUN_NORMS] = tq - tp + 1; /* + 1: measured, even if under 1 ns */
     tp = tq;
     double noise_c2 = 0.0; /* PER_LAYER noise uses sqrt(sum_l C_l^2) */
@@ -362,7 +356,7 @@ static int run_phases(dc_backend *be, const dc_step *step, enum run_phases want,
         step->noise_multiplier *
         (per_layer ? (float)sqrt(noise_c2)
                    : step->noise_norm > 0.0f ? step->noise_norm : step->max_grad_norm);
-    tq = mono_ns();
+    tq = dc_clock_ns();
     res->phase_ns[DC_RUN_REDUCTION] = tq - tp + 1;
     tp = tq;
 
@@ -406,7 +400,7 @@ static int run_phases(dc_backend *be, const dc_step *step, enum run_phases want,
         if (ly->tie_owner && ow != SIZE_MAX && /* the other use of the shared weight */
             (rc = dc_cpu_layer_clipped_add(s, &lay[ly->tie - 1], B, st.cvec, outs + ow, err)))
             return rc;
-        tq = mono_ns(); /* clipping and noise alternate per layer: summed apart */
+        tq = dc_clock_ns(); /* clipping and noise alternate per layer: summed apart */
         res->phase_ns[DC_RUN_CLIPPING] += tq - tp;
         tp = tq;
         for (int k = 0; k < 2; k++) {
@@ -433,7 +427,7 @@ static int run_phases(dc_backend *be, const dc_step *step, enum run_phases want,
                                   (long long)bad, dc_dtype_name(t->dtype));
             }
         }
-        tq = mono_ns();
+        tq = dc_clock_ns();
         res->phase_ns[DC_RUN_NOISE] += tq - tp;
         tp = tq;
     }
@@ -460,12 +454,11 @@ static int run_phases(dc_backend *be, const dc_step *step, enum run_phases want,
     memcpy(res->coefs, st.coefs, B * sizeof(float));
     for (size_t i = 0; i < L * B; i++) res->layer_norms[i] = (float)sqrt(st.n2[i]);
     if (per_layer && res->layer_coefs) memcpy(res->layer_coefs, st.lcoef, L * B * sizeof(float));
-    clock_gettime(CLOCK_MONOTONIC, &t1);
-    res->phase_ns[DC_RUN_NOISE] += (uint64_t)t1.tv_sec * 1000000000u + (uint64_t)t1.tv_nsec - tp;
+    t1 = dc_clock_ns();
+    res->phase_ns[DC_RUN_NOISE] += t1 - tp;
     res->phase_ns[DC_RUN_CLIPPING] += 1;
     res->phase_ns[DC_RUN_NOISE] += 1;
-    res->compute_ns = (uint64_t)(t1.tv_sec - t0.tv_sec) * 1000000000u +
-                      (uint64_t)(t1.tv_nsec - t0.tv_nsec);
+    res->compute_ns = t1 - t0;
     return 0;
 }
 

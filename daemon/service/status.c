@@ -9,18 +9,13 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "dc_clock.h"
 #include "listen.h"
 #include "log.h"
 #include "sdnotify.h"
 
 #ifdef DPCLIP_HAVE_MHD
 #include <microhttpd.h>
-
-static uint64_t mono_ns(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts); /* the clock uv_hrtime reads on Linux */
-    return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
-}
 
 /* A snapshot shared by the requests that render from it. */
 struct dc_status_snap {
@@ -84,7 +79,7 @@ static char *fetch(dc_status *st, const dc_status_viewer *v, bool metrics, size_
     pthread_mutex_lock(&st->mu);
     if (!st->closing) {
         uint64_t my = ++st->want;
-        uint64_t deadline = mono_ns() + (uint64_t)DC_STATUS_WAIT_MS * 1000000u;
+        uint64_t deadline = dc_clock_ns() + (uint64_t)DC_STATUS_WAIT_MS * 1000000u;
         struct timespec ts = {(time_t)(deadline / 1000000000u), (long)(deadline % 1000000000u)};
         uv_async_send(&st->async);
         while (st->have < my && !st->closing)
@@ -92,7 +87,7 @@ static char *fetch(dc_status *st, const dc_status_viewer *v, bool metrics, size_
         fresh = st->have >= my;
     }
     if ((sn = st->snap)) sn->refs++;
-    *stale_ms = fresh ? 0 : st->rendered_ns ? (mono_ns() - st->rendered_ns) / 1000000u : 0;
+    *stale_ms = fresh ? 0 : st->rendered_ns ? (dc_clock_ns() - st->rendered_ns) / 1000000u : 0;
     st->served++;
     pthread_mutex_unlock(&st->mu);
     if (!sn) return NULL;

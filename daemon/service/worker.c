@@ -6,6 +6,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "dc_clock.h"
 #include "log.h"
 
 typedef struct worker_arg {
@@ -13,26 +14,20 @@ typedef struct worker_arg {
     int index;
 } worker_arg;
 
-static uint64_t now_ns(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
-}
-
 /* Polls the lock-free counter until a job shows up or `end` passes. */
 static void worker_spin_until(dc_worker_pool *p, uint64_t end) {
     do {
         for (int i = 0; i < 64; i++)
             if (atomic_load_explicit(&p->queued, memory_order_acquire)) return;
         sched_yield();
-    } while (now_ns() < end);
+    } while (dc_clock_ns() < end);
 }
 
 /* With mu held and nothing queued: waits (polling or sleeping, releasing mu
  * meanwhile) until a job is queued, the pool stops, or the expectation
  * window changes. Returns with mu held. */
 static void worker_idle(dc_worker_pool *p, bool just_ran) {
-    uint64_t now = now_ns();
+    uint64_t now = dc_clock_ns();
     if (p->win_to && p->win_to <= now) p->win_from = p->win_to = 0;
     if (p->win_to && p->win_from <= now) {
         uint64_t end = p->win_to;
@@ -131,7 +126,7 @@ static void *worker_main(void *arg) {
         p->has_job[wa.index] = true;
         atomic_fetch_sub_explicit(&p->queued, 1, memory_order_relaxed);
         /* The job a window waited for came: the window is spent. */
-        if (p->win_to && p->win_from <= now_ns()) p->win_from = p->win_to = 0;
+        if (p->win_to && p->win_from <= dc_clock_ns()) p->win_from = p->win_to = 0;
         pthread_mutex_unlock(&p->mu);
 
         job->work(job, p->backends[wa.index]);
@@ -283,7 +278,7 @@ void dc_worker_pool_set_spin(dc_worker_pool *p, uint64_t spin_ns) { p->spin_ns =
 
 void dc_worker_pool_expect(dc_worker_pool *p, uint64_t from_ns, uint64_t to_ns) {
     bool wake;
-    if (!p->threads || to_ns <= from_ns || to_ns <= now_ns()) return;
+    if (!p->threads || to_ns <= from_ns || to_ns <= dc_clock_ns()) return;
     pthread_mutex_lock(&p->mu);
     if (p->win_to && p->win_to > from_ns) { /* overlaps the window set: merge */
         if (from_ns < p->win_from) p->win_from = from_ns;

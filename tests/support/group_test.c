@@ -8,7 +8,6 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <time.h>
 
 #include <cmocka.h>
 
@@ -126,13 +125,6 @@ void dc_group_check_tol(dc_shm_step *st, int n, const dpclip_result *res, float 
         free(want);
     }
 }
-
-uint64_t dc_ms_now(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (uint64_t)ts.tv_sec * 1000u + (uint64_t)ts.tv_nsec / 1000000u;
-}
-
 
 const dc_test_layer_spec dc_group_pp_model[6] = {
     {DC_LAYER_EMBEDDING, B, 7, 8, 30, DC_F32, 0, DC_ALGO_AUTO, 1, 0},

@@ -37,7 +37,6 @@ void dc_group_check(dc_shm_step *st, int n, const dpclip_result *res, float C);
  * clipped sums within out_rtol/out_atol (the GPU's, for instance). */
 void dc_group_check_tol(dc_shm_step *st, int n, const dpclip_result *res, float C,
                         double norm_rtol, double out_rtol, double out_atol);
-uint64_t dc_ms_now(void);
 
 /* A small transformer (embedding, LayerNorm, MLP, RMSNorm, head) and its
  * pipeline split over 2 members ([0]) and over 4 ([1]): layer l's stage. */

@@ -24,13 +24,8 @@
 
 #include <cmocka.h>
 
+#include "dc_clock.h"
 #include "dc_frame.h"
-
-static int64_t now_ms(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
-}
 
 /* --- the daemon ------------------------------------------------------------ */
 
@@ -101,10 +96,10 @@ int dc_harness_start(dc_harness *h, const char *extra_args) {
     close(p[1]);
     h->pid = pid;
 
-    deadline = now_ms() + 20000;
+    deadline = dc_clock_ms() + 20000;
     while (got < sizeof buf - 1) {
         struct pollfd pf = {p[0], POLLIN, 0};
-        int64_t left = deadline - now_ms();
+        int64_t left = deadline - dc_clock_ms();
         ssize_t n;
         if (left <= 0 || poll(&pf, 1, (int)left) <= 0) break;
         n = read(p[0], buf + got, sizeof buf - 1 - got);
@@ -138,9 +133,9 @@ int dc_harness_join(dc_harness *h) {
     struct stat st;
 
     if (h->pid > 0) {
-        int64_t deadline = now_ms() + 30000;
+        int64_t deadline = dc_clock_ms() + 30000;
         pid_t w;
-        while ((w = waitpid(h->pid, &status, WNOHANG)) == 0 && now_ms() < deadline) {
+        while ((w = waitpid(h->pid, &status, WNOHANG)) == 0 && dc_clock_ms() < deadline) {
             struct timespec ts = {0, 10 * 1000 * 1000};
             nanosleep(&ts, NULL);
         }
@@ -288,7 +283,7 @@ out:
 static int read_full(int fd, uint8_t *p, size_t n, int64_t deadline) {
     while (n) {
         struct pollfd pf = {fd, POLLIN, 0};
-        int64_t left = deadline - now_ms();
+        int64_t left = deadline - dc_clock_ms();
         ssize_t r;
         if (left <= 0) return -1;
         int pr = poll(&pf, 1, (int)left);
@@ -304,7 +299,7 @@ static int read_full(int fd, uint8_t *p, size_t n, int64_t deadline) {
 }
 
 Dpclip__Reply *dc_raw_read_reply(int fd, int timeout_ms) {
-    int64_t deadline = now_ms() + timeout_ms;
+    int64_t deadline = dc_clock_ms() + timeout_ms;
     uint8_t hdr[DC_FRAME_HEADER], *body;
     Dpclip__Reply *r;
     uint32_t n;
@@ -324,11 +319,11 @@ Dpclip__Reply *dc_raw_read_reply(int fd, int timeout_ms) {
 }
 
 int dc_raw_wait_eof(int fd, int timeout_ms) {
-    int64_t deadline = now_ms() + timeout_ms;
+    int64_t deadline = dc_clock_ms() + timeout_ms;
     uint8_t buf[4096];
     for (;;) {
         struct pollfd pf = {fd, POLLIN, 0};
-        int64_t left = deadline - now_ms();
+        int64_t left = deadline - dc_clock_ms();
         ssize_t r;
         if (left <= 0) return 0;
         int pr = poll(&pf, 1, (int)left);

@@ -16,11 +16,7 @@
 #include <time.h>
 #include <unistd.h>
 
-static double now_ms(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return ts.tv_sec * 1e3 + ts.tv_nsec / 1e6;
-}
+#include "dc_clock.h"
 
 /* --- HTTP ------------------------------------------------------------------- */
 
@@ -29,7 +25,7 @@ int dc_http(const char *sock, const char *method, const char *path, int timeout_
     struct sockaddr_un a;
     char req[512], *buf = NULL, *sep;
     size_t len = 0, cap = 0;
-    double t0 = now_ms(), deadline = t0 + timeout_ms;
+    double t0 = dc_clock_ns() / 1e6, deadline = t0 + timeout_ms;
     int fd, code = -1;
 
     if (head) *head = NULL;
@@ -47,7 +43,7 @@ int dc_http(const char *sock, const char *method, const char *path, int timeout_
     if (send(fd, req, strlen(req), MSG_NOSIGNAL) != (ssize_t)strlen(req)) goto out;
     for (;;) {
         struct pollfd p = {fd, POLLIN, 0};
-        double left = deadline - now_ms();
+        double left = deadline - dc_clock_ns() / 1e6;
         ssize_t n;
         if (left <= 0 || poll(&p, 1, (int)left + 1) <= 0) goto out; /* timed out */
         if (cap - len < 4096) {
@@ -61,7 +57,7 @@ int dc_http(const char *sock, const char *method, const char *path, int timeout_
         if (n == 0) break;
         len += (size_t)n;
     }
-    if (ms) *ms = now_ms() - t0;
+    if (ms) *ms = dc_clock_ns() / 1e6 - t0;
     if (!buf) goto out;
     buf[len] = '\0';
     if (sscanf(buf, "HTTP/1.%*d %d", &code) != 1 || !(sep = strstr(buf, "\r\n\r\n"))) {
@@ -261,10 +257,10 @@ pid_t dc_spawn_daemon(char *const args[], char *const env[], const int *keep, in
         _exit(127);
     }
     close(p[1]);
-    deadline = now_ms() + 20000;
+    deadline = dc_clock_ns() / 1e6 + 20000;
     while (got < sizeof line - 1) {
         struct pollfd pf = {p[0], POLLIN, 0};
-        double left = deadline - now_ms();
+        double left = deadline - dc_clock_ns() / 1e6;
         ssize_t n;
         if (left <= 0 || poll(&pf, 1, (int)left) <= 0) break;
         n = read(p[0], line + got, sizeof line - 1 - got);
@@ -286,10 +282,10 @@ pid_t dc_spawn_daemon(char *const args[], char *const env[], const int *keep, in
 
 int dc_spawn_stop(pid_t pid) {
     int st = 0;
-    double deadline = now_ms() + 30000;
+    double deadline = dc_clock_ns() / 1e6 + 30000;
     pid_t w;
     kill(pid, SIGTERM);
-    while ((w = waitpid(pid, &st, WNOHANG)) == 0 && now_ms() < deadline) {
+    while ((w = waitpid(pid, &st, WNOHANG)) == 0 && dc_clock_ns() / 1e6 < deadline) {
         struct timespec ts = {0, 10 * 1000 * 1000};
         nanosleep(&ts, NULL);
     }
