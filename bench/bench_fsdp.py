@@ -7,6 +7,7 @@ sharded step against one GPU.
     python3 bench/bench_fsdp.py --socket S                       # GPT-2-small-like
     python3 bench/bench_fsdp.py --socket S --model llama1b --world 4 --opacus
     python3 bench/bench_fsdp.py --socket S --model llama1b --world 4 --seq 512 --check
+    python3 bench/bench_fsdp.py --socket S --world 2 --logical 512 --micro 8 --repeat 5
     python3 bench/bench_fsdp.py --socket S --device cpu --blocks 2 --d 128 --heads 4 \
         --vocab 1000 --seq 64 --batch 2 --steps 3                  # CPU smoke test
 
@@ -42,20 +43,27 @@ the clipping and noise steps' wall time), then one of ratios: the slowest
 rank's time and the largest peak of each mode against the plain step's,
 with dpclip's targets (1.15x in time and in memory).
 
---check: 3 steps at sigma 0 with fixed batches (step s: a global batch of
-world x B samples from seed 1000 + s; rank r takes rows r*B..(r+1)*B), SGD at
-lr 1; then the parameters, gathered whole, against one process on one GPU
-(cuda:0) training the unsharded model with dpclip on the whole global batch.
-Under bf16 that process keeps f32 master weights and steps a bf16 copy,
-as FSDP's MixedPrecisionPolicy does. Printed: the largest absolute
-difference of a parameter; per tensor, against its update (the reference's
-change over the steps), the largest element's difference over the largest
-update, and the L2 norm of the difference over the update's (the check:
-every tensor within 5e-2 in bf16, 5e-3 in fp32; --check-tol); all updates'
-L2 difference; the losses. The exit status is 1 outside the tolerance, or
-where nothing moved. The one-GPU process holds the global batch's
-activations: T=2048 with 16 Llama samples does not fit an 80 GB GPU;
---seq 512 does.
+--check: 3 steps at sigma 0 with fixed batches, SGD at lr 1, the
+parameters, gathered whole, against one process on one GPU training the
+unsharded model with dpclip on the whole global batch (fsdp_check.py).
+
+Gradient accumulation (--logical L, --micro N): a logical step is L samples
+in all, L/world a rank, in micro-batches of N (fixed batches, a rank's own).
+"fsdp": a backward on each micro-batch's loss times its share (1/k of k),
+set_requires_gradient_sync(False) on all but the last (FSDP2 keeps the
+unsharded gradients, no reduce-scatter), one optimizer step; "ddp" alike,
+one all-reduce. "dpclip": a backward on each micro-batch's own mean loss,
+expected batch L, then one step() (dpclip._accumulate: each micro-batch
+accumulates in the daemon, no collective; the commit reduce-scatters once).
+Steps are logical steps (--warmup 1, --steps 3 unless given); each line adds
+tokens/s (L x T over the rank's median time) and the whole-device memory:
+the GPU's used memory (cudaMemGetInfo: trainer, daemon, every process on
+it) sampled every 5 ms during the timed steps, its peak and its peak over
+the run's start. The ratio line adds each round's slowest-rank time ratio
+(median, best, worst) and that memory summed over the GPUs (each GPU's
+largest peak over its ranks and rounds; one GPU shared by every rank counts
+once), private / plain. The grad_phase figures are the last micro-batch's
+backward and the step. Opacus is not run with --logical (a skipped line).
 
 Where torch has no fully_shard (< 2.4), and with --device cpu (gloo), the
 same private steps run on plain models (make_private(sharded_noise=True))
@@ -67,7 +75,6 @@ import argparse
 import datetime
 import importlib
 import json
-import math
 import os
 import shutil
 import sys
@@ -85,15 +92,18 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "python"))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+# fsdp_check's `import bench_fsdp` finds this module, run as a script (or as
+# a spawned rank's __mp_main__), rather than loading a second copy
+sys.modules.setdefault("bench_fsdp", sys.modules[__name__])
+
+from bench_accumulate import DeviceMemory  # noqa: E402
 from bench_torch_step import MODELS, RMSNorm, peak_mb, reset_peak, sync, token_batch  # noqa: E402
 from bench_torch_step import build as make_model  # noqa: E402
 from dpclip.torch import PrivacyEngine, register  # noqa: E402
+import fsdp_check  # noqa: E402
 
 TARGET = {"time": 1.15, "peak": 1.15}  # dpclip over the plain FSDP2 step
 LR = 1e-4
-CHECK_STEPS = 3
-CHECK_LR = 1.0  # updates well above the f32 master weights' rounding
-CHECK_TOL = {"bf16": 5e-2, "fp32": 5e-3}
 # the run's start, for the progress lines (spawned ranks inherit it)
 T0 = float(os.environ.setdefault("BENCH_FSDP_T0", repr(time.time())))
 
@@ -194,13 +204,18 @@ def torch_rmsnorms(model):
                 setattr(m, name, n)
 
 
+def global_size(args, world):
+    """Samples a (logical) step over every rank: --logical, else world x B."""
+    return args.logical or world * args.batch
+
+
 def private(args, model, world, sharded_noise, sigma, lr):
     """(engine, model, optimizer): dpclip's make_private over SGD at lr."""
     engine = PrivacyEngine(args.socket, client_name="bench_fsdp", job_id=args.job_id)
     model, opt, _ = engine.make_private(
         module=model, optimizer=torch.optim.SGD(model.parameters(), lr=lr),
         noise_multiplier=sigma, max_grad_norm=1.0, loss_reduction="mean",
-        expected_batch_size=args.batch * world, sharded_noise=sharded_noise)
+        expected_batch_size=global_size(args, world), sharded_noise=sharded_noise)
     return engine, model, opt
 
 
@@ -232,11 +247,6 @@ def make_opacus(args, model, rank, world, own_norms):
     return model, opt, criterion
 
 
-def global_batch(args, world, step):
-    """The check's global batch of a step: world * B samples."""
-    return token_batch(args, torch.device("cpu"), seed=1000 + step, batch=world * args.batch)
-
-
 def seq_loss(logits, y):
     # every sample has T tokens: the token mean is the mean of per-sample means
     return F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
@@ -247,6 +257,7 @@ def seq_loss(logits, y):
 def timed_run(args, rank, world, device, mesh, init, mode, own_norms=True):
     """Times `steps` steps after `warmup`; a dict for the JSON line."""
     reset_peak(device)
+    start = DeviceMemory(device).used()  # the GPU's used memory before the run's model
     model = fresh_model(args, device, init)
     engine = criterion = None
     if mode == "opacus":
@@ -256,26 +267,40 @@ def timed_run(args, rank, world, device, mesh, init, mode, own_norms=True):
         opt = torch.optim.SGD(model.parameters(), lr=LR)
         if mode == "dpclip":
             engine, model, opt = private(args, model, world, mesh is None, 1.0, LR)
-    x, y = token_batch(args, device, seed=1 + rank)  # the timing's fixed batch of this rank
+    if args.logical:  # this rank's fixed micro-batches: L / world samples in all
+        k = args.logical // (world * args.micro)
+        batches = [token_batch(args, device, seed=1 + rank + world * m, batch=args.micro)
+                   for m in range(k)]
+    else:
+        batches = [token_batch(args, device, seed=1 + rank)]  # the timing's fixed batch
+    no_sync = mode == "fsdp" and len(batches) > 1
     parts = {"reduce_scatter_ms": 0.0, "clip_ms": 0.0, "noise_ms": 0.0}
     extra = {}
 
     def step(timed, measure=False):
         opt.zero_grad(set_to_none=True)
-        logits = model(x)
-        if criterion is not None:
-            # shape: Opacus turns the B*T token losses into B per-sample means
-            loss = criterion(logits.float().flatten(0, 1), y.flatten(), shape=logits.shape)
-        else:
-            loss = seq_loss(logits, y)
-        if measure and device.type == "cuda":
-            # what the gradient's phase (backward and step) holds above the
-            # forward's memory: FSDP's unsharded gradients one layer group at
-            # a time, dpclip's sums one bucket at a time
-            sync(device)
-            base = torch.cuda.memory_allocated(device)
-            torch.cuda.reset_peak_memory_stats(device)
-        loss.backward()
+        for i, (x, y) in enumerate(batches):
+            last = i == len(batches) - 1
+            if no_sync:  # FSDP2 reduce-scatters only after the last micro-batch
+                model.set_requires_gradient_sync(last)
+            logits = model(x)
+            if criterion is not None:
+                # shape: Opacus turns the B*T token losses into B per-sample means
+                loss = criterion(logits.float().flatten(0, 1), y.flatten(), shape=logits.shape)
+            else:
+                loss = seq_loss(logits, y)
+            if engine is None and len(batches) > 1:
+                # plain accumulation: each micro-batch's share of the rank's
+                # mean; dpclip takes each one's own mean (its size rescales it)
+                loss = loss / len(batches)
+            if measure and last and device.type == "cuda":
+                # what the gradient's phase (backward and step) holds above the
+                # forward's memory: FSDP's unsharded gradients one layer group at
+                # a time, dpclip's sums one bucket at a time
+                sync(device)
+                base = torch.cuda.memory_allocated(device)
+                torch.cuda.reset_peak_memory_stats(device)
+            loss.backward()
         if mode == "ddp":  # the plain data-parallel step, without fully_shard
             for p in model.parameters():
                 dist.all_reduce(p.grad)
@@ -291,21 +316,32 @@ def timed_run(args, rank, world, device, mesh, init, mode, own_norms=True):
             parts["clip_ms"] += sh.timing["clip_ms"]
             parts["noise_ms"] += sh.timing["noise_ms"]
 
-    for _ in range(args.warmup):
-        step(False)
+    # with --logical the last warm-up step is measured (a logical step is
+    # long: no extra one); its grad_phase figures come before the timed steps
+    early = bool(args.logical) and args.warmup > 0
+    for w in range(args.warmup):
+        step(False, measure=early and w == args.warmup - 1)
     sync(device)
     dist.barrier(**({"device_ids": [device.index]} if device.type == "cuda" else {}))
-    t0 = time.perf_counter()
-    for _ in range(args.steps):
-        step(True)
-    sync(device)
-    ms = (time.perf_counter() - t0) * 1e3 / args.steps
+    with DeviceMemory(device if args.logical else torch.device("cpu")) as mem:
+        t0 = time.perf_counter()
+        for _ in range(args.steps):
+            step(True)
+        sync(device)
+        ms = (time.perf_counter() - t0) * 1e3 / args.steps
     peak = peak_mb(device)
-    step(False, measure=True)
+    if not early:
+        step(False, measure=True)
     out = {"bench": "fsdp", "model": args.model, "rank": rank, "world": world, "mode": mode,
            "fully_shard": mesh is not None, "precision": args.precision,
            "device": str(device), "ms_per_step": round(ms, 3), "peak_mib": round(peak, 1),
            **extra}
+    if args.logical:
+        out.update(logical=args.logical, micro=args.micro, micro_batches=len(batches),
+                   tokens_per_s=round(args.logical * args.seq / (ms / 1e3), 1))
+        if device.type == "cuda":
+            out.update(device_used_peak_mib=round(mem.peak / 2 ** 20, 1),
+                       device_over_start_mib=round((mem.peak - start) / 2 ** 20, 1))
     if device.type == "cuda":
         out["gpu"] = torch.cuda.get_device_name(device)
     if mode == "opacus" and not own_norms:
@@ -328,12 +364,15 @@ def timed_run(args, rank, world, device, mesh, init, mode, own_norms=True):
 
 
 def merged(rounds):
-    """A rank's line for a mode: its median round, every round's time, the
-    largest peak."""
+    """A rank's line for a mode: its median round, every round's time
+    (sorted, and in round order), the largest peaks."""
     ordered = sorted(rounds, key=lambda r: r["ms_per_step"])
     out = dict(ordered[len(ordered) // 2])
     out["ms_runs"] = [r["ms_per_step"] for r in ordered]
-    out["peak_mib"] = max(r["peak_mib"] for r in rounds)
+    out["ms_rounds"] = [r["ms_per_step"] for r in rounds]
+    for k in ("peak_mib", "device_used_peak_mib", "device_over_start_mib"):
+        if k in out:
+            out[k] = max(r[k] for r in rounds)
     return out
 
 
@@ -365,123 +404,14 @@ def timing_rank(rank, world, init_file, args, out_dir, opacus, own_norms):
                     raise
                 runs[mode].append(res)
                 if rank == 0:
-                    log("round %d/%d %s: %.1f ms/step, peak %.0f MiB (rank 0)"
-                        % (rnd + 1, args.repeat, mode, res["ms_per_step"], res["peak_mib"]))
+                    log("round %d/%d %s: %.1f ms/step, peak %.0f MiB (rank 0)%s"
+                        % (rnd + 1, args.repeat, mode, res["ms_per_step"], res["peak_mib"],
+                           ", %.0f tokens/s, GPU used %.0f MiB" % (
+                               res["tokens_per_s"], res.get("device_used_peak_mib", 0))
+                           if args.logical else ""))
                 write_lines(path, [merged(runs[m]) for m in modes if runs[m]])
     finally:
         dist.destroy_process_group()
-
-
-# --- the check -----------------------------------------------------------------------
-
-def check_rank(rank, world, init_file, args, out_dir):
-    """CHECK_STEPS dpclip steps at sigma 0 on this rank's rows of each
-    global batch; rank 0 saves the parameters, gathered whole, and the
-    global mean loss of each step."""
-    init = prepare(args)
-    device, mesh = init_rank(rank, world, init_file, args, 600)
-    if rank == 0:
-        log("check: rank 0's initial model built, process group up on %s" % device)
-    try:
-        model = shard(fresh_model(args, device, init), mesh, args)
-        engine, model, opt = private(args, model, world, mesh is None, 0.0, CHECK_LR)
-        losses = []
-        for s in range(CHECK_STEPS):
-            xs, ys = global_batch(args, world, s)
-            rows = slice(rank * args.batch, (rank + 1) * args.batch)
-            opt.zero_grad(set_to_none=True)
-            loss = seq_loss(model(xs[rows].to(device)), ys[rows].to(device))
-            loss.backward()
-            opt.step()
-            mean = loss.detach().reshape(1).clone()
-            dist.all_reduce(mean)
-            losses.append(float(mean) / world)
-            if rank == 0:
-                log("check: step %d/%d, loss %.5f" % (s + 1, CHECK_STEPS, losses[-1]))
-        engine.close()
-        # What the module holds after the steps: a parameter that is not the
-        # sharded one FSDP steps (an unsharded copy left registered) is
-        # reported, and read as the optimizer's after reshard().
-        held = {n: "%s/%s" % (type(p).__name__, str(p.dtype).replace("torch.", ""))
-                for n, p in model.named_parameters()}
-        if hasattr(model, "reshard"):
-            model.reshard()
-        final = {}
-        with torch.no_grad():
-            for n, p in model.named_parameters():
-                whole = p.full_tensor() if hasattr(p, "full_tensor") else p.detach()
-                if rank == 0:
-                    final[n] = whole.float().cpu()
-        if rank == 0:
-            torch.save({"final": final, "losses": losses, "held": held},
-                       os.path.join(out_dir, "check.pt"))
-    finally:
-        dist.destroy_process_group()
-
-
-def check_reference(_, world, args, out_dir, mixed):
-    """One process, one device: the unsharded model, dpclip on each whole
-    global batch. mixed (bf16 under FSDP): f32 master weights stepped with
-    the gradient of a bf16 copy, as MixedPrecisionPolicy does."""
-    init = prepare(args)
-    device = torch.device("cuda", 0) if args.device == "cuda" else torch.device("cpu")
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    master = fresh_model(args, device, init)
-    work = fresh_model(args, device, init).to(torch.bfloat16) if mixed else master
-    engine, work, opt = private(args, work, world, False, 0.0, 0.0 if mixed else CHECK_LR)
-    losses = []
-    for s in range(CHECK_STEPS):
-        xs, ys = global_batch(args, world, s)
-        opt.zero_grad(set_to_none=True)
-        loss = seq_loss(work(xs.to(device)), ys.to(device))
-        loss.backward()
-        opt.step()
-        if mixed:
-            with torch.no_grad():
-                for pm, pw in zip(master.parameters(), work.parameters()):
-                    pm.add_(pw.grad.float(), alpha=-CHECK_LR)
-                    pw.copy_(pm)
-        losses.append(float(loss))
-        log("check reference: step %d/%d, loss %.5f" % (s + 1, CHECK_STEPS, losses[-1]))
-    engine.close()
-    final = {n: p.detach().float().cpu() for n, p in master.named_parameters()}
-    torch.save({"init": init, "final": final, "losses": losses},
-               os.path.join(out_dir, "reference.pt"))
-
-
-def compare(ref, got):
-    """The parameters' differences: the largest absolute one; per tensor,
-    relative to the tensor's update (its reference's change over the
-    steps), the largest element's against the largest update and, the
-    check, the difference's L2 norm against the update's (robust to an
-    element whose update is rounding alone); and all updates' L2."""
-    out = {"max_abs_diff": 0.0, "max_rel_diff": 0.0, "max_rel_param": None,
-           "max_tensor_l2_rel_diff": 0.0, "l2_worst_param": None, "max_abs_update": 0.0}
-    num = den = 0.0
-    per = {}
-    for n, p0 in ref["init"].items():
-        pr, pf = ref["final"][n].double(), got["final"][n].double()
-        upd = pr - p0.double()
-        diff = (pf - pr).abs()
-        d, scale = float(diff.max()), float(upd.abs().max())
-        dd, uu = float((diff ** 2).sum()), float((upd ** 2).sum())
-        rels = (("max_rel_diff", "max_rel_param", d / scale if scale > 0 else
-                 (0.0 if d == 0 else math.inf)),
-                ("max_tensor_l2_rel_diff", "l2_worst_param", math.sqrt(dd / uu) if uu > 0 else
-                 (0.0 if dd == 0 else math.inf)))
-        for key, worst, rel in rels:
-            if out[worst] is None or rel > out[key]:
-                out[key], out[worst] = rel, n
-        per[n] = math.sqrt(dd / uu) if uu > 0 else (0.0 if dd == 0 else math.inf)
-        out["max_abs_diff"] = max(out["max_abs_diff"], d)
-        out["max_abs_update"] = max(out["max_abs_update"], scale)
-        num += dd
-        den += uu
-    out["update_l2_rel_diff"] = math.sqrt(num / den) if den > 0 else math.inf
-    out["l2_rel_diff_top"] = {n: round(v, 6) for n, v in sorted(
-        per.items(), key=lambda kv: -kv[1])[:5]}
-    return out
 
 
 # --- the main process ---------------------------------------------------------------
@@ -550,6 +480,36 @@ def run_opacus(args, out_dir, why_not):
     return [{"bench": "fsdp", "mode": "opacus", "skipped": "; then ".join(failed)}]
 
 
+def round_ratios(lines, baseline):
+    """dpclip over the plain step, round by round (modes take turns, so a
+    round's two runs are neighbours in time), each the slowest rank's: the
+    median, best and worst."""
+    def per_round(mode):
+        got = [line["ms_rounds"] for line in lines
+               if line.get("mode") == mode and "ms_rounds" in line]
+        return [max(r) for r in zip(*got)]
+    rs = sorted(d / p for p, d in zip(per_round(baseline), per_round("dpclip")))
+    if not rs:
+        return {}
+    return {"time_ratio_median_round": round(rs[len(rs) // 2] if len(rs) % 2 else
+                                             (rs[len(rs) // 2 - 1] + rs[len(rs) // 2]) / 2, 3),
+            "time_ratio_best_round": round(rs[0], 3), "time_ratio_worst_round": round(rs[-1], 3)}
+
+
+def device_memory(lines, mode):
+    """A mode's used memory summed over the GPUs (each GPU's largest over
+    its ranks: ranks sharing one GPU see the same memory), MiB: at peak,
+    and at peak over the run's start. Per-GPU peaks of different moments:
+    at most the sum's peak."""
+    peak, over = {}, {}
+    for line in lines:
+        if line.get("mode") == mode and "device_used_peak_mib" in line:
+            d = line["device"]
+            peak[d] = max(peak.get(d, 0.0), line["device_used_peak_mib"])
+            over[d] = max(over.get(d, 0.0), line["device_over_start_mib"])
+    return round(sum(peak.values()), 1), round(sum(over.values()), 1)
+
+
 def ratios(args, lines, baseline):
     """The ratio line: each mode's slowest rank's median time and largest
     peak against the plain step's (None without the plain step's)."""
@@ -574,6 +534,22 @@ def ratios(args, lines, baseline):
         if plain[2].get("grad_phase_extra_mib"):
             out["grad_phase_extra_over_plain"] = round(
                 private_[2]["grad_phase_extra_mib"] / plain[2]["grad_phase_extra_mib"], 3)
+        out.update(round_ratios(lines, baseline))
+    if args.logical:
+        out.update(logical=args.logical, micro=args.micro)
+        for mode, got in (("plain", plain), ("private", private_)):
+            if got is not None:  # the slowest rank's median logical step
+                out[mode + "_tokens_per_s"] = round(args.logical * args.seq / (got[0] / 1e3), 1)
+        mem = {m: device_memory(lines, m) for m in (baseline, "dpclip")}
+        if mem[baseline][0] > 0:  # measured (CUDA)
+            out["device_used_peak_mib"] = {m: v[0] for m, v in mem.items()}
+            out["device_over_start_mib"] = {m: v[1] for m, v in mem.items()}
+            if private_ is not None:
+                out["device_used_private_over_plain"] = round(
+                    mem["dpclip"][0] / mem[baseline][0], 3)
+                if mem[baseline][1] > 0:
+                    out["device_over_start_private_over_plain"] = round(
+                        mem["dpclip"][1] / mem[baseline][1], 3)
     if opacus is not None:
         out["opacus_over_plain_time"] = round(opacus[0] / plain[0], 3)
         out["opacus_over_plain_peak"] = round(opacus[1] / plain[1], 3)
@@ -581,8 +557,10 @@ def ratios(args, lines, baseline):
 
 
 def timing(args, out_dir, sharded):
-    log("timing: %d ranks, %s, rounds of %s" % (
-        args.world, placement(args), "fsdp and dpclip" if sharded else "ddp and dpclip"))
+    log("timing: %d ranks, %s, rounds of %s%s" % (
+        args.world, placement(args), "fsdp and dpclip" if sharded else "ddp and dpclip",
+        ", logical steps of %d in micro-batches of %d a rank" % (args.logical, args.micro)
+        if args.logical else ""))
     why = spawn(timing_rank, args.world, (
         args.world, os.path.join(out_dir, "init_timing"), args, out_dir, False, True))
     lines = read_lines(out_dir, "timing", args.world)
@@ -593,7 +571,10 @@ def timing(args, out_dir, sharded):
         print(json.dumps({"bench": "fsdp", "error": why}), flush=True)
     if args.opacus:
         why_not = None
-        if not sharded:
+        if args.logical:
+            why_not = ("gradient accumulation (--logical) is not wired for Opacus in this bench "
+                       "(its ghost_fsdp step over several backwards is not run here)")
+        elif not sharded:
             why_not = "Opacus's ghost_fsdp needs FSDP2 (fully_shard, torch >= 2.4) on CUDA"
         else:
             try:
@@ -607,45 +588,6 @@ def timing(args, out_dir, sharded):
     if res is not None:
         print(json.dumps(res), flush=True)
     return 0 if why is None else 1
-
-
-def check(args, out_dir, sharded):
-    precision = args.precision if sharded else "fp32"  # no policy without fully_shard
-    tol = args.check_tol if args.check_tol is not None else CHECK_TOL[precision]
-    log("check: the reference, one process on %s, %d samples a step"
-        % ("cuda:0" if args.device == "cuda" else "the CPU", args.world * args.batch))
-    why = spawn(check_reference, 1, (args.world, args, out_dir, precision == "bf16"))
-    if why is None:
-        log("check: %d ranks, %s" % (args.world, placement(args)))
-        why = spawn(check_rank, args.world, (
-            args.world, os.path.join(out_dir, "init_check"), args, out_dir))
-        if why is not None:
-            why = "the ranks: " + why
-    else:
-        why = "the reference: " + why
-    if why is not None:
-        log("check failed: %s" % why)
-        print(json.dumps({"bench": "fsdp", "check": True, "passed": False, "error": why}),
-              flush=True)
-        return 1
-    log("check: comparing")
-    ref = torch.load(os.path.join(out_dir, "reference.pt"))
-    got = torch.load(os.path.join(out_dir, "check.pt"))
-    res = compare(ref, got)
-    kinds = set(got.get("held", {}).values())
-    if sharded and len(kinds) > 1:  # every parameter should be a sharded f32 DTensor
-        res["held_after_steps"] = {k: sorted(n for n, v in got["held"].items() if v == k)[:4]
-                                   for k in sorted(kinds)}
-    ok = res["max_tensor_l2_rel_diff"] <= tol and res["max_abs_update"] > 0
-    print(json.dumps({
-        "bench": "fsdp", "check": True, "model": args.model, "world": args.world,
-        "batch_per_rank": args.batch, "seq": args.seq, "steps": CHECK_STEPS, "lr": CHECK_LR,
-        "sigma": 0.0, "fully_shard": sharded, "precision": precision,
-        **{k: (round(v, 9) if isinstance(v, float) else v) for k, v in res.items()},
-        "losses": [round(v, 6) for v in got["losses"]],
-        "reference_losses": [round(v, 6) for v in ref["losses"]],
-        "tolerance": tol, "passed": ok}), flush=True)
-    return 0 if ok else 1
 
 
 def placement(args):
@@ -671,8 +613,12 @@ def main():
     for k in ("blocks", "d", "heads", "vocab", "seq", "ffn"):
         ap.add_argument("--" + k, type=int, default=None, help="default: the model's")
     ap.add_argument("--batch", type=int, default=4, help="samples per rank")
-    ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--logical", type=int, default=None,
+                    help="samples a logical step over every rank (default: one batch a rank)")
+    ap.add_argument("--micro", type=int, default=None,
+                    help="with --logical: samples a rank's micro-batch (default: --batch)")
+    ap.add_argument("--warmup", type=int, default=None, help="default 2; logical steps: 1")
+    ap.add_argument("--steps", type=int, default=None, help="default 5; logical steps: 3")
     ap.add_argument("--repeat", type=int, default=3,
                     help="rounds of the modes, taken in turns; each rank's median is reported")
     ap.add_argument("--opacus", action="store_true",
@@ -680,26 +626,39 @@ def main():
     ap.add_argument("--opacus-timeout", type=int, default=900,
                     help="seconds Opacus's ranks may take before they are ended")
     ap.add_argument("--check", action="store_true",
-                    help="instead of timing: %d steps at sigma 0 against one GPU" % CHECK_STEPS)
+                    help="instead of timing: %d steps at sigma 0 against one GPU"
+                    % fsdp_check.CHECK_STEPS)
     ap.add_argument("--check-tol", type=float, default=None,
                     help="largest relative difference accepted (default: %s)"
-                    % ", ".join("%g in %s" % (v, k) for k, v in CHECK_TOL.items()))
+                    % ", ".join("%g in %s" % (v, k) for k, v in fsdp_check.CHECK_TOL.items()))
     args = ap.parse_args()
     for k, v in MODELS[args.model].items():
         if k != "batch" and getattr(args, k) is None:
             setattr(args, k, v)
     if args.world is None:
         args.world = max(2, torch.cuda.device_count() if args.device == "cuda" else 0)
+    if args.micro is not None and not args.logical:
+        ap.error("--micro needs --logical (without it a step is one batch of --batch)")
+    if args.micro is None:
+        args.micro = args.batch
+    if args.logical and args.logical % (args.world * args.micro):
+        ap.error("--logical %d is not a multiple of --world x --micro (%d x %d): every rank "
+                 "runs the same number of whole micro-batches" % (
+                     args.logical, args.world, args.micro))
+    # a logical step is many micro-batches: fewer of them
+    args.warmup = args.warmup if args.warmup is not None else (1 if args.logical else 2)
+    args.steps = args.steps if args.steps is not None else (3 if args.logical else 5)
     sharded = args.device == "cuda" and fsdp2_api() is not None
-    keys = ("model", "blocks", "d", "heads", "ffn", "vocab", "seq", "batch", "world",
-            "precision", "warmup", "steps", "repeat")
+    keys = ("model", "blocks", "d", "heads", "ffn", "vocab", "seq", "batch", "logical", "micro",
+            "world", "precision", "warmup", "steps", "repeat")
     config = {k: getattr(args, k) for k in keys}
+    config["micro"] = args.micro if args.logical else None
     config.update(device=args.device, gpus=torch.cuda.device_count(),
                   placement=placement(args), fully_shard=sharded, torch=torch.__version__)
     print(json.dumps({"bench": "fsdp", "config": config}), flush=True)
     out_dir = tempfile.mkdtemp(prefix="bench_fsdp.")
     try:
-        rc = check(args, out_dir, sharded) if args.check else timing(args, out_dir, sharded)
+        rc = (fsdp_check.check if args.check else timing)(args, out_dir, sharded)
     finally:
         shutil.rmtree(out_dir, ignore_errors=True)
     log("done")
