@@ -34,7 +34,7 @@ static double log_sub(double x, double y) {
     return x + log1p(-exp(y - x));
 }
 
-double dc_log_erfc(double x) {
+double dc_rdp_log_erfc(double x) {
     /* erfc is accurate to the last bits until it turns subnormal (x ~ 26.5);
      * past that, the asymptotic series of erfc(x) x sqrt(pi) e^(x^2), whose
      * terms fall by (2k-1)/(2x^2) < 1/20 each: 12 terms reach 1e-17. */
@@ -79,8 +79,8 @@ static int log_a_frac(double q, double sigma, double alpha, size_t max_terms, do
         }
         double log_t0 = log_coef + i * lq + j * l1q;
         double log_t1 = log_coef + j * lq + i * l1q;
-        double log_e0 = log(0.5) + dc_log_erfc((i - z0) * rs);
-        double log_e1 = log(0.5) + dc_log_erfc((z0 - j) * rs);
+        double log_e0 = log(0.5) + dc_rdp_log_erfc((i - z0) * rs);
+        double log_e1 = log(0.5) + dc_rdp_log_erfc((z0 - j) * rs);
         double log_s0 = log_t0 + (i * i - i) / s2 + log_e0;
         double log_s1 = log_t1 + (j * j - j) / s2 + log_e1;
         if (sign > 0) {

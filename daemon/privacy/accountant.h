@@ -47,7 +47,7 @@ double dc_rdp_step(double q, double sigma, double alpha);
 void dc_rdp_steps(double q, double sigma, const double *orders, size_t n, double *out);
 
 /* log(erfc(x)), accurate where erfc(x) itself underflows (x > ~26). */
-double dc_log_erfc(double x);
+double dc_rdp_log_erfc(double x);
 
 /* log(A_alpha) of one step (exposed for the tests, which compare it with a
  * numerical integration). 0 < q < 1, sigma > 0, alpha > 1. */
