@@ -3,6 +3,7 @@
 accumulation (issue 39), throughput in tokens/s.
 
     python3 bench/bench_accumulate.py --socket S                       # GPT-2-small-like, 512 in 8s
+    python3 bench/bench_accumulate.py --socket S --opacus              # and Opacus 1.6's way, for the record
     python3 bench/bench_accumulate.py --socket S --model llama1b --logical 256 --micro 4
     python3 bench/bench_accumulate.py --socket S --blocks 2 --d 128 --heads 4 --vocab 1000 \\
         --seq 64 --logical 16 --micro 4 --rounds 2 --steps 1 --device cpu   # CPU smoke test
@@ -21,6 +22,21 @@ medians (private / plain), its best and worst rounds, and whole-device
 memory: the GPU's used memory (cudaMemGetInfo: the trainer and the daemon,
 every process on the device) sampled every 5 ms during the timed steps, its
 peak over the run's start, private / plain.
+
+--opacus adds a third mode to the turns, Opacus 1.6's way: make_private
+with grad_sample_mode="ghost" (ghost clipping: two backward passes a
+micro-batch) and Poisson sampling over a TensorDataset of token samples
+(the same ones first, --logical * 4 in all: sample rate 1/4, so a logical
+batch is --logical samples only on average), BatchMemoryManager splitting
+each logical batch into micro-batches of at most --micro, one optimizer
+step a logical batch. Same model, seed and autocast where Opacus takes
+bf16 (else fp32, and the line's "precision" says so). Its tokens/s count
+the samples each timed logical step actually took. Opacus is slower, so it
+runs in the first --opacus-rounds rounds (3) only, and no further round
+starts once its rounds have taken --opacus-budget-s (150 s); its line
+says how many ran. Then a second ratio line, opacus/plain. Where Opacus is
+missing or fails, a line {"mode": "opacus", "skipped": why} and the other
+modes go on.
 """
 import argparse
 import json
@@ -31,6 +47,7 @@ import threading
 import time
 
 import torch
+import torch.nn as nn
 import torch.nn.functional as F
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -38,6 +55,11 @@ sys.path.insert(0, os.path.join(ROOT, "python"))
 sys.path.insert(0, os.path.join(ROOT, "bench"))
 
 from bench_torch_step import MODELS, RMSNorm, build, reset_peak, sync, token_batch  # noqa: E402
+
+# Opacus's dataset holds this many logical batches' worth of samples, so its
+# Poisson sampling has a rate of 1/OPACUS_POOL (at rate 1 every batch would
+# be the whole dataset, the same size every step)
+OPACUS_POOL = 4
 
 
 class DeviceMemory:
@@ -125,6 +147,96 @@ def run(args, device, mode, socket_path):
     return tokens / secs, (mem.peak - base) / 2**20, extra
 
 
+def run_opacus(args, device, amp):
+    """Opacus 1.6's ghost clipping with BatchMemoryManager: tokens/s of
+    `steps` logical steps after `warmup` (the tokens the Poisson batches
+    held), device memory at peak (MiB, as run()'s), the timed logical
+    batches' sizes."""
+    from opacus import PrivacyEngine as OpacusEngine  # optional: for the record only
+    from opacus.utils.batch_memory_manager import BatchMemoryManager
+    from torch.utils.data import DataLoader, TensorDataset
+    torch.manual_seed(0)  # the model's weights as run()'s, then the sampler's draws
+    reset_peak(device)
+    base = DeviceMemory(device).used()
+    model = build(args).to(device)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-4)
+    # the other modes' samples first (the same seeds), on the device as theirs
+    xs, ys = zip(*(token_batch(args, device, seed=1 + m, batch=args.micro)
+                   for m in range(OPACUS_POOL * args.logical // args.micro)))
+    loader = DataLoader(TensorDataset(torch.cat(xs), torch.cat(ys)), batch_size=args.logical)
+    model, opt, criterion, loader = OpacusEngine().make_private(
+        module=model, optimizer=opt, data_loader=loader, criterion=nn.CrossEntropyLoss(),
+        noise_multiplier=1.0, max_grad_norm=1.0, grad_sample_mode="ghost",
+        poisson_sampling=True)
+    # The wrapped optimizer steps the SGD only at a logical batch's last
+    # micro-batch: counting those steps marks the logical steps' ends.
+    stepped = [0]
+    opt.original_optimizer.register_step_post_hook(
+        lambda *_: stepped.__setitem__(0, stepped[0] + 1))
+    with BatchMemoryManager(data_loader=loader, max_physical_batch_size=args.micro,
+                            optimizer=opt) as micro_loader:
+        def micro_batches():  # epoch after epoch (OPACUS_POOL logical batches each)
+            while True:
+                for batch in micro_loader:
+                    yield batch
+        feed = micro_batches()
+
+        def logical_step():
+            """One logical batch, micro-batch by micro-batch: its samples."""
+            start, samples = stepped[0], 0
+            while stepped[0] == start:
+                x, y = next(feed)
+                with torch.autocast(device.type, dtype=torch.bfloat16, enabled=amp):
+                    logits = model(x)
+                # shape: the B*T token losses become B per-sample means
+                loss = criterion(logits.float().flatten(0, 1), y.flatten(), shape=logits.shape)
+                loss.backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                samples += x.shape[0]
+            return samples
+
+        for _ in range(args.warmup):
+            logical_step()
+        sync(device)
+        with DeviceMemory(device) as mem:
+            t0 = time.perf_counter()
+            sizes = [logical_step() for _ in range(args.steps)]
+            sync(device)
+            secs = time.perf_counter() - t0
+        feed.close()
+    del model, opt, criterion, loader, micro_loader, feed, xs, ys
+    reset_peak(device)
+    return sum(sizes) * args.seq / secs, (mem.peak - base) / 2**20, sizes
+
+
+def why(e):
+    return ("%s: %s" % (type(e).__name__, e)).strip()[:500]
+
+
+def opacus_round(args, device, op):
+    """One Opacus round into op (its rounds, or why it stopped). It never
+    stops the other modes; a first round failing in bf16 is tried in fp32
+    (Opacus may not take autocast), and the line says so."""
+    tries = [True, False] if op["amp"] and not op["rounds"] else [op["amp"]]
+    for amp in tries:
+        err = None
+        try:
+            result = run_opacus(args, device, amp)
+        except Exception as e:
+            err = why(e)
+        if err is None:
+            op["rounds"].append(result)
+            op["amp"] = amp
+            return
+        # out of the except block: its traceback's frames held the failed
+        # round's tensors (an OOM would carry into the next modes' rounds)
+        reset_peak(device)
+        if amp and len(tries) > 1:
+            op["notes"]["bf16_error"] = err
+    op["stopped"] = ("fp32 too: " if len(tries) > 1 else "") + err
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--socket", default=None, help="dpclipd socket (default $DPCLIP_SOCKET)")
@@ -139,6 +251,12 @@ def main():
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--device", default="auto")
+    ap.add_argument("--opacus", action="store_true",
+                    help="also time Opacus 1.6 (ghost clipping, BatchMemoryManager)")
+    ap.add_argument("--opacus-rounds", type=int, default=3,
+                    help="Opacus takes its turn in this many of the first rounds (3)")
+    ap.add_argument("--opacus-budget-s", type=float, default=150.0,
+                    help="no Opacus round starts once its rounds took this long (150 s)")
     args = ap.parse_args()
     for k, v in MODELS[args.model].items():
         if getattr(args, k, None) is None:
@@ -159,10 +277,27 @@ def main():
                 seq=args.seq, device=str(device),
                 gpu=torch.cuda.get_device_name(device) if device.type == "cuda" else "")
     rounds = {"plain": [], "dpclip": []}
+    # Opacus's state: its rounds, why it stopped (or never ran), its precision
+    op = dict(rounds=[], stopped=None, secs=0.0, amp=device.type == "cuda", notes={})
+    if args.opacus:
+        try:
+            import opacus.utils.batch_memory_manager  # noqa: F401
+        except Exception as e:  # missing, or not for this torch (1.6 needs 2.6)
+            op["stopped"] = "opacus does not import: " + why(e)
     for r in range(args.rounds):
         for mode in ("plain", "dpclip"):
             tps, mem, extra = run(args, device, mode, socket_path)
             rounds[mode].append((tps, mem, extra))
+        if args.opacus and op["stopped"] is None and r < args.opacus_rounds:
+            if op["rounds"] and op["secs"] + op["secs"] / len(op["rounds"]) > args.opacus_budget_s:
+                op["stopped"] = "budget: %d rounds took %.0f s of --opacus-budget-s %g" % (
+                    len(op["rounds"]), op["secs"], args.opacus_budget_s)
+                continue
+            t0 = time.perf_counter()
+            opacus_round(args, device, op)
+            op["secs"] += time.perf_counter() - t0
+            print("round %d/%d opacus: %s" % (r + 1, args.rounds, op["stopped"] or "%.1f tokens/s"
+                                              % op["rounds"][-1][0]), file=sys.stderr, flush=True)
     med = {}
     for mode, rs in rounds.items():
         tps = [t for t, _, _ in rs]
@@ -179,6 +314,31 @@ def main():
                           time_ratio_worst=round(max(ratios), 3),
                           mem_ratio=round(mem_d / mem_p, 3) if mem_p > 0 else None,
                           target={"time_ratio": 1.05})))
+    if not args.opacus:
+        return
+    if not op["rounds"]:
+        print(json.dumps(dict(head, run="opacus", mode="opacus",
+                              skipped=op["stopped"] or "no round ran (--opacus-rounds 0)")))
+        return
+    import opacus
+    tps = [t for t, _, _ in op["rounds"]]
+    mem_o = max(m for _, m, _ in op["rounds"])
+    precision = "bf16" if op["amp"] else "fp32"
+    print(json.dumps(dict(head, run="opacus", mode="opacus", opacus=opacus.__version__,
+                          grad_sample_mode="ghost", precision=precision,
+                          tokens_per_s=round(statistics.median(tps), 1),
+                          rounds=[round(t, 1) for t in tps],
+                          rounds_run=len(tps), rounds_asked=min(args.opacus_rounds, args.rounds),
+                          device_mem_mib=round(mem_o, 1), sample_rate=1 / OPACUS_POOL,
+                          logical_sizes=[s for _, _, sizes in op["rounds"] for s in sizes],
+                          stopped=op["stopped"], **op["notes"])))
+    # each Opacus round against the plain round of the same turn
+    ratios = [p / o for (p, _, _), (o, _, _) in zip(rounds["plain"], op["rounds"])]
+    print(json.dumps(dict(head, ratio="opacus/plain", precision=precision,
+                          time_ratio=round(med["plain"] / statistics.median(tps), 3),
+                          time_ratio_best=round(min(ratios), 3),
+                          time_ratio_worst=round(max(ratios), 3),
+                          mem_ratio=round(mem_o / mem_p, 3) if mem_p > 0 else None)))
 
 
 if __name__ == "__main__":
