@@ -4,6 +4,8 @@ process per device.
 
     python3 bench/bench_parallel.py --mode pipeline --socket S              # 2 GPUs, 1 daemon
     python3 bench/bench_parallel.py --mode pipeline --daemons 2 --socket A,B  # a daemon per GPU
+    python3 bench/bench_parallel.py --mode pipeline --socket S --microbatches 8 \
+        --schedule 1f1b --repeat 5                                          # 1F1B, M = 8
     python3 bench/bench_parallel.py --mode ddp --socket S                   # 4 GPUs
     python3 bench/bench_parallel.py --mode ddp_pipeline --socket S          # 2 replicas x 2 stages
     python3 bench/bench_parallel.py --mode pipeline --socket S --check      # exactness first
@@ -11,21 +13,35 @@ process per device.
         --heads 4 --vocab 1000 --seq 64 --batch 4 --steps 3                 # CPU smoke test
 
 Model: bench_torch_step.py's GPT-2-small-like GPT (12 blocks, d=768, 12
-heads, vocab 32000, T=1024, untied head), B=8 samples per replica, SGD, bf16
-autocast (--precision fp32: none). Rank r runs on cuda:r (NCCL; gloo on the
-CPU); NCCL_NVLS_ENABLE=0 is set here for every rank.
+heads, vocab 32000, T=1024, untied head), B=8 samples per replica and
+micro-batch, SGD, bf16 autocast (--precision fp32: none). Rank r runs on
+cuda:r (NCCL; gloo on the CPU); NCCL_NVLS_ENABLE=0 is set here for every
+rank.
 
 Modes (replicas x stages):
   pipeline      1 x 2: stage 0 holds the embeddings and the first half of
                 the blocks, stage 1 the rest, the final LayerNorm and the
                 head; the activations (f32 residual stream) and their
-                gradients go by torch.distributed send/recv. One batch per
-                step (no micro-batches: dpclip takes one forward/backward
-                per optimizer step), so the stages run one after the other.
+                gradients go by torch.distributed point-to-point ops.
                 dpclip: make_private(norm_group=WORLD), flat clipping across
                 the stages (the group's norms reduced in the daemon with
                 --daemons 1, exchanged between the daemons through NCCL with
                 --daemons 2). Plain: the same pipeline, autograd's gradients.
+                Micro-batches (--microbatches M, pipeline only; default 1:
+                one batch a step, the stages one after the other): a logical
+                step is M micro-batches of B samples run under --schedule,
+                1f1b (stage 0 one forward ahead, then each stage a forward
+                and a backward in turn) or gpipe (every forward, then every
+                backward, the last first), then one optimizer step. Plain:
+                PyTorch gradient accumulation, each micro-batch's mean loss
+                divided by M. dpclip: each micro-batch's own mean loss, each
+                forward/backward one micro-batch of the logical step (the
+                daemon sums its per-sample norms over the stages, then clips
+                and accumulates), step() the commit: noise added and charged
+                once, divided by the expected logical batch M x B. On NCCL
+                the activations and the gradients go through a process
+                group each (on one, 1F1B's crossing sends would wait for
+                each other).
   ddp           N x 1 (--world, 4): plain is torch DistributedDataParallel;
                 dpclip is make_private's data parallelism (no DDP wrapper:
                 each rank's own session, rank 0 alone noises, the clipped
@@ -38,36 +54,49 @@ Modes (replicas x stages):
 Sockets: --socket S (every rank's daemon) or one per rank, comma-separated
 (--daemons = their count; rank r uses the r-th: its GPU's daemon).
 
-Each of --repeat rounds times plain, then dpclip: --warmup steps, then
---steps steps, each step's time taken between CUDA events recorded on the
-stream at each step's start (no host synchronisation between steps; wall
-clock on the CPU). Each rank's median step; a round's time is its slowest
-rank's; a mode's time is its median round. JSON lines on stdout (rank 0),
-progress on stderr: one per mode (every rank's figures of the median
-round), then the ratio. For dpclip with a norm group, each rank's figures
+Each of --repeat rounds (3; 5 with micro-batches) times plain, then dpclip:
+--warmup logical steps, then --steps, each step's time taken between CUDA
+events recorded on the stream at each step's start (no host
+synchronisation between steps; wall clock on the CPU). Each rank's median
+step; a round's time is its slowest rank's; a mode's time is its median
+round. During the timed steps each rank samples its GPU's used memory
+(torch.cuda.mem_get_info: every process on it, the trainer and the daemon;
+bench_accumulate.DeviceMemory) every 5 ms: device_peak_mib, with
+device_base_mib before the model was built. JSON lines on stdout (rank 0),
+progress on stderr: one per mode (every rank's figures of the median round,
+tokens_per_s of the logical batch), then the ratio: time_ratio (the
+medians'), time_ratio_median, _best and _worst (of the rounds' dpclip /
+plain, paired by round) and mem_ratio (the largest over the GPUs of each
+GPU's whole-device peak, dpclip / plain, over every round; device_peak_mib
+lists each GPU's). Every line has microbatches, schedule and logical_batch
+(the samples of one logical step over the replicas: the expected batch
+dpclip divides by). For dpclip with a norm group, each rank's figures
 include, per step (medians): daemon_call_ms (optimizer.step()'s round trip
-to the daemon: engine.last_timing["run_ms"]), and from the daemon's reply
-(engine.last_timing's daemon figures) group_wait_ms (from this member's norms being in to the group's
+to the daemon: engine.last_timing["run_ms"], with micro-batches the
+commit's), and from the daemon's reply to it (engine.last_timing's daemon
+figures) group_wait_ms (from this member's norms being in to the group's
 totals: a later stage's includes waiting for the earlier stage's backward),
 group_exchange_ms (of it, the daemons' NCCL exchange) and
-daemon_compute_ms. The ratio line's reduction_ms is the group's smallest
-group_wait_ms (across daemons the member that arrives last, stage 0 of a
-pipeline, waits only for the reduction itself; on one daemon over several
-GPUs its wait also holds its own norm pass, which waits on the GPU for its
-backward: there the step ratio is the measure), reduction_share its share
-of the step, and
+daemon_compute_ms; daemon_compute_step_ms is the daemon's compute of every
+micro-batch of the step (engine.compute_ns_total). The ratio line's
+reduction_ms is the group's smallest group_wait_ms (across daemons the
+member that arrives last, stage 0 of a pipeline, waits only for the
+reduction itself; on one daemon over several GPUs its wait also holds its
+own norm pass, which waits on the GPU for its backward: there the step
+ratio is the measure), reduction_share its share of the step, and
 last_member_daemon_call_ms that member's whole daemon call (the private
 step's part of the critical path: reduction, clipped sums, noise).
 
 --check (any mode), before the timing: noise off, fp32, TF32 off in the
-trainers, one step on the fixed batch with C between the middle per-sample
-norms; rank 0 first computes the reference, the unsplit model on one
-device, each sample's gradient by its own backward, clipped and summed in
-f64 (divided by the expected batch, the replicas' union). Every rank
-compares its parameters' .grad after the engine's step (max over
-parameters of max|got - want| / max|want|) and its per-sample norms; one
-JSON line; exit 1 where an error exceeds --tol (default 5e-3 on CUDA, the
-daemon's f32 clipped sums run in TF32; 1e-3 on the CPU).
+trainers, one logical step on the fixed batch with C between the middle
+per-sample norms; rank 0 first computes the reference, the unsplit model on
+one device over the whole logical batch (the replicas' union, M x B samples
+each), each sample's gradient by its own backward, clipped and summed in
+f64, divided by the expected logical batch (MEAN). Every rank compares its
+parameters' .grad after the engine's step (max over parameters of
+max|got - want| / max|want|) and its per-sample norms; one JSON line; exit
+1 where an error exceeds --tol (default 5e-3 on CUDA, the daemon's f32
+clipped sums run in TF32; 1e-3 on the CPU).
 """
 import argparse
 import datetime
@@ -91,6 +120,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
+from bench_accumulate import DeviceMemory  # noqa: E402
 from bench_torch_step import GPT, peak_mb, reset_peak, sync, token_batch  # noqa: E402
 from dpclip.torch import PrivacyEngine  # noqa: E402
 
@@ -136,9 +166,10 @@ def build_part(args, stages, stage, device):
 
 
 def union_batch(args, replicas, device):
-    """token_batch's fixed tokens for every replica: replica i takes rows
-    [i*B, (i+1)*B) (with one replica, token_batch's batch itself)."""
-    return token_batch(args, device, batch=args.batch * replicas)
+    """token_batch's fixed tokens for every replica's logical batch:
+    replica i takes rows [i*M*B, (i+1)*M*B), its micro-batch j the B rows
+    from i*M*B + j*B (one replica, one micro-batch: token_batch's batch)."""
+    return token_batch(args, device, batch=args.batch * args.microbatches * replicas)
 
 
 class Rank:
@@ -158,40 +189,111 @@ class Rank:
             if self.S > 1 and self.R > 1 else None
         self.pipe = None if self.S == 1 else (pipes[self.replica] if pipes else dist.group.WORLD)
         self.dp = dps[self.stage] if dps else None  # plain DDP's group (None: every rank)
+        # NCCL: a group per direction of each pipeline (activations, gradients; see Link)
+        links = [(dist.new_group([i * self.S + s for s in range(self.S)]),
+                  dist.new_group([i * self.S + s for s in range(self.S)])) for i in range(self.R)] \
+            if self.S > 1 and args.device == "cuda" else None
+        self.links = links[self.replica] if links else (None, None)
         x, y = union_batch(args, self.R, self.device)
-        rows = slice(self.replica * args.batch, (self.replica + 1) * args.batch)
-        self.x, self.y = x[rows], y[rows]
+        n = args.batch * args.microbatches
+        self.x, self.y = x[self.replica * n:(self.replica + 1) * n], \
+            y[self.replica * n:(self.replica + 1) * n]
 
 
-def make_step(c, model, opt, amp):
-    """One training step: forward, loss, backward (across the stages by
-    send/recv), opt.step()."""
-    a = c.args
+def schedule(kind, stage, m):
+    """This stage's order of forwards ("F", i) and backwards ("B", i) of m
+    micro-batches over 2 stages (examples/train_pipeline.py's): 1F1B
+    (stage 0 one forward ahead, then a forward and a backward in turn) or
+    GPipe (every forward, then every backward, the last micro-batch's
+    first)."""
+    if kind == "gpipe":
+        return [("F", i) for i in range(m)] + [("B", i) for i in reversed(range(m))]
+    warm = min(m, 1 - stage)
+    ops, f = [("F", i) for i in range(warm)], warm
+    for b in range(m):
+        if f < m:
+            ops.append(("F", f))
+            f += 1
+        ops.append(("B", b))
+    return ops
+
+
+class Link:
+    """One logical step's transfers with the other stage of the pipeline:
+    isend (waited for at finish) and recv. NCCL runs a communicator's sends
+    and receives in order on one stream, and a send may wait on the device
+    for its receive: under 1F1B stage 0 sends h1, then receives g0, while
+    stage 1 sends g0, then receives h1, and on one communicator each send
+    would wait for the other. So NCCL pipelines take a process group per
+    direction (Rank.links: activations, gradients), as
+    python/tests/accum_worker.py's do, each in the same order on both
+    stages. Waiting on an NCCL op makes the compute stream wait, not the
+    host. gloo: the default group (through host memory, no such stream)."""
+
+    def __init__(self, peer, send_group, recv_group):
+        self.peer, self.send_group, self.recv_group = peer, send_group, recv_group
+        self.sent = []  # (work, tensor): kept until finish
+
+    def send(self, t):
+        self.sent.append((dist.isend(t, self.peer, group=self.send_group), t))
+
+    def recv(self, t):
+        dist.recv(t, self.peer, group=self.recv_group)
+        return t
+
+    def finish(self):
+        for work, _ in self.sent:
+            work.wait()
+        self.sent = []
+
+
+def make_step(c, model, opt, amp, divide):
+    """One logical step: --microbatches micro-batches of --batch samples
+    each, forward and backward (across the stages by point-to-point ops, in
+    --schedule's order), then opt.step(). divide: each micro-batch's loss
+    over M (plain accumulation; dpclip's daemon divides the logical step's
+    clipped sum by the expected logical batch instead)."""
+    a, B, M = c.args, c.args.batch, c.args.microbatches
+    ops = schedule(a.schedule, c.stage, M)
+
+    def rows(i):
+        return slice(i * B, (i + 1) * B)
 
     def fwd(inp):
         with torch.autocast(c.device.type, dtype=torch.bfloat16, enabled=amp):
             return model(inp)
 
-    def loss_of(logits):  # the token mean: the mean over samples of their token means
-        return F.cross_entropy(logits.float().flatten(0, 1), c.y.flatten())
+    def loss_of(logits, i):  # the token mean: the mean over samples of their token means
+        loss = F.cross_entropy(logits.float().flatten(0, 1), c.y[rows(i)].flatten())
+        return loss / M if divide else loss
 
     def step():
         opt.zero_grad(set_to_none=True)
         if c.S == 1:
-            loss_of(fwd(c.x)).backward()
-        elif c.stage == 0:
-            h = fwd(c.x)
-            dist.send(h.detach().float().contiguous(), c.peer)
-            g = torch.empty(h.shape, dtype=torch.float32, device=c.device)
-            dist.recv(g, c.peer)
-            h.backward(g.to(h.dtype))
-        else:
-            h = torch.empty(a.batch, a.seq, a.d, dtype=torch.float32, device=c.device)
-            dist.recv(h, c.peer)
-            h.requires_grad_(True)
-            loss_of(fwd(h)).backward()
-            dist.send(h.grad.contiguous(), c.peer)
-        opt.step()
+            for i in range(M):
+                loss_of(fwd(c.x[rows(i)]), i).backward()
+            opt.step()
+            return
+        acts, grads = c.links
+        link = Link(c.peer, *((acts, grads) if c.stage == 0 else (grads, acts)))
+        outs, ins, losses = {}, {}, {}
+        for op, i in ops:
+            if c.stage == 0 and op == "F":
+                outs[i] = fwd(c.x[rows(i)])
+                link.send(outs[i].detach().float().contiguous())
+            elif c.stage == 0:
+                g = link.recv(torch.empty(outs[i].shape, dtype=torch.float32, device=c.device))
+                h = outs.pop(i)
+                h.backward(g.to(h.dtype))
+            elif op == "F":
+                h = link.recv(torch.empty(B, a.seq, a.d, dtype=torch.float32, device=c.device))
+                ins[i] = h.requires_grad_(True)
+                losses[i] = loss_of(fwd(ins[i]), i)
+            else:
+                losses.pop(i).backward()
+                link.send(ins.pop(i).grad.contiguous())
+        link.finish()
+        opt.step()  # dpclip: the commit, which waits in the daemon for the other stage's
     return step
 
 
@@ -200,8 +302,12 @@ def private(c, model, sigma, C, lr):
     model, opt, _ = engine.make_private(
         module=model, optimizer=torch.optim.SGD(model.parameters(), lr=lr),
         noise_multiplier=sigma, max_grad_norm=C, loss_reduction="mean",
-        expected_batch_size=c.R * c.args.batch, norm_group=c.pipe)
+        expected_batch_size=logical_batch(c.args, c.R), norm_group=c.pipe)
     return engine, model, opt
+
+
+def logical_batch(args, replicas):
+    return replicas * args.microbatches * args.batch
 
 
 def mark(device):
@@ -217,9 +323,11 @@ def between(a, b):
 
 
 def run(c, mode):
-    """Times --steps steps of `mode` (plain or dpclip) after --warmup; a dict."""
+    """Times --steps logical steps of `mode` (plain or dpclip) after
+    --warmup; a dict."""
     a, dev = c.args, c.device
     reset_peak(dev)
+    base = DeviceMemory(dev).used()
     model, _ = build_part(a, c.S, c.stage, dev)
     engine = None
     if mode == "plain":
@@ -229,7 +337,7 @@ def run(c, mode):
         opt = torch.optim.SGD(model.parameters(), lr=1e-4)
     else:
         engine, model, opt = private(c, model, 1.0, 1.0, 1e-4)
-    step = make_step(c, model, opt, a.precision == "bf16")
+    step = make_step(c, model, opt, a.precision == "bf16", divide=mode == "plain")
     for _ in range(a.warmup):
         step()
     sync(dev)
@@ -241,31 +349,40 @@ def run(c, mode):
 
     def add(k, v):
         stats.setdefault(k, []).append(v)
-    marks, t0 = [], time.perf_counter()
-    for _ in range(a.steps):
+    marks = []
+    with DeviceMemory(dev) as mem:
+        t0 = time.perf_counter()
+        for _ in range(a.steps):
+            marks.append(mark(dev))
+            step()
+            if engine is not None:
+                for k, v in engine.last_timing.items():
+                    if grouped or not k.startswith("group_"):
+                        add({"run_ms": "daemon_call_ms",
+                             "compute_ms": "daemon_compute_ms"}.get(k, k), v)
         marks.append(mark(dev))
-        step()
-        if engine is not None:
-            for k, v in engine.last_timing.items():
-                if grouped or not k.startswith("group_"):
-                    add({"run_ms": "daemon_call_ms",
-                         "compute_ms": "daemon_compute_ms"}.get(k, k), v)
-    marks.append(mark(dev))
-    sync(dev)
-    wall = (time.perf_counter() - t0) * 1e3 / a.steps
+        sync(dev)
+        wall = (time.perf_counter() - t0) * 1e3 / a.steps
     times = [between(marks[i], marks[i + 1]) for i in range(a.steps)]
     out = {"rank": c.rank, "replica": c.replica, "stage": c.stage,
            "step_ms": round(statistics.median(times), 3), "mean_ms": round(wall, 3)}
     if engine is not None:
         engine.synchronize()
         out.update({k: round(statistics.median(v), 3) for k, v in stats.items()})
-        if not grouped:  # asynchronous steps: the daemon's totals
-            out["daemon_compute_ms"] = round((engine.compute_ns_total - c0) / 1e6 / a.steps, 3)
+        # every micro-batch's compute (last_timing's is the commit's alone)
+        per_step = round((engine.compute_ns_total - c0) / 1e6 / a.steps, 3)
+        if grouped:
+            out["daemon_compute_step_ms"] = per_step
+        else:  # asynchronous steps: the daemon's totals
+            out["daemon_compute_ms"] = per_step
             out["daemon_input_wait_ms"] = round(
                 (engine.input_wait_ns_total - w0) / 1e6 / a.steps, 3)
         out["daemons_in_group"] = engine.norm_group.daemons if engine.norm_group else 0
         engine.close()
     out["peak_mem_mib"] = round(peak_mb(dev), 1)
+    if dev.type == "cuda":  # the whole GPU: this trainer, the daemon, anything else on it
+        out["device_peak_mib"] = round(mem.peak / 2**20, 1)
+        out["device_base_mib"] = round(base / 2**20, 1)
     del model, opt, engine, step
     reset_peak(dev)
     return out
@@ -273,7 +390,8 @@ def run(c, mode):
 
 def reference(args, replicas, device, path):
     """The check's reference (rank 0): the unsplit model's per-sample
-    clipped sum over the replicas' union batch, in f64; saved to path."""
+    clipped sum over the replicas' union of logical batches, in f64, over
+    the expected logical batch; saved to path."""
     torch.manual_seed(0)
     m = GPT(args.vocab, args.seq, args.d, args.blocks, args.heads).to(device)
     params = list(m.named_parameters())
@@ -299,14 +417,16 @@ def reference(args, replicas, device, path):
 
 
 def check(c, out_dir, tol):
-    """One private step (noise off, fp32) against the reference; a dict."""
+    """One private logical step (noise off, fp32) against the reference; a
+    dict."""
     a = c.args
     if c.device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = False
         torch.backends.cudnn.allow_tf32 = False
     path = os.path.join(out_dir, "reference.pt")
     if c.rank == 0:
-        log("check: the reference (%d samples, one backward each, twice)" % (c.R * a.batch))
+        log("check: the reference (%d samples, one backward each, twice)"
+            % logical_batch(a, c.R))
         reference(a, c.R, c.device, path)
         reset_peak(c.device)  # frees its model and sums
     dist.barrier()
@@ -314,8 +434,8 @@ def check(c, out_dir, tol):
     model, names = build_part(a, c.S, c.stage, c.device)
     params = list(model.parameters())
     engine, model, opt = private(c, model, 0.0, ref["C"], 0.0)
-    make_step(c, model, opt, amp=False)()
-    got_norms = engine.last_norms  # collects an asynchronous step
+    make_step(c, model, opt, amp=False, divide=False)()
+    got_norms = engine.last_norms  # collects an asynchronous step; every micro-batch's, in order
     err, worst = 0.0, ""
     for name, p in zip(names, params):
         want = ref["grads"][name].to(c.device)
@@ -323,8 +443,10 @@ def check(c, out_dir, tol):
             float((p.grad.float() - want).abs().max()) / max(float(want.abs().max()), 1e-30)
         if e >= err:
             err, worst = e, name
-    want_n = ref["norms"][c.replica * a.batch:(c.replica + 1) * a.batch]
-    n_err = float((got_norms.float() - want_n).abs().max()) / float(want_n.abs().max())
+    n = a.microbatches * a.batch
+    want_n = ref["norms"][c.replica * n:(c.replica + 1) * n]
+    n_err = math.inf if got_norms.shape != want_n.shape else \
+        float((got_norms.float() - want_n).abs().max()) / float(want_n.abs().max())
     engine.close()
     if c.device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
@@ -338,6 +460,10 @@ def gather(obj):
     every = [None] * dist.get_world_size()
     dist.all_gather_object(every, obj)
     return every
+
+
+def slowest(every):
+    return max(r["step_ms"] for r in every)
 
 
 def rank_main(rank, world, init_file, args, sockets, out_dir, config):
@@ -354,14 +480,17 @@ def rank_main(rank, world, init_file, args, sockets, out_dir, config):
                             rank=rank, world_size=world, timeout=datetime.timedelta(seconds=600))
     try:
         c = Rank(rank, world, args, sockets)
-        head = {"bench": "parallel", "mode": args.mode, "daemons": len(sockets)}
+        head = {"bench": "parallel", "mode": args.mode, "daemons": len(sockets),
+                "microbatches": args.microbatches, "schedule": args.schedule,
+                "logical_batch": logical_batch(args, c.R)}
         if args.check:
             tol = args.tol if args.tol is not None else (5e-3 if cuda else 1e-3)
             every = gather(check(c, out_dir, tol))
             ok = all(r["ok"] for r in every)
             if rank == 0:
                 print(json.dumps(dict(head, check=True, ok=ok, tol=tol, C=every[0]["C"],
-                                      clipped=every[0]["clipped"], samples=c.R * args.batch,
+                                      clipped=every[0]["clipped"],
+                                      samples=logical_batch(args, c.R),
                                       max_rel_err=max(r["max_rel_err"] for r in every),
                                       norms_max_rel_err=max(r["norms_max_rel_err"]
                                                             for r in every),
@@ -377,36 +506,53 @@ def rank_main(rank, world, init_file, args, sockets, out_dir, config):
                 rounds[mode].append(every)
                 if rank == 0:
                     log("round %d/%d %s %s: %s ms (ranks %s)" % (
-                        rnd + 1, args.repeat, args.mode, mode,
-                        max(r["step_ms"] for r in every), [r["step_ms"] for r in every]))
-        if rank != 0:
-            return
-        res = {}
-        for mode, rs in rounds.items():
-            ordered = sorted(rs, key=lambda every: max(r["step_ms"] for r in every))
-            med = ordered[len(ordered) // 2]
-            res[mode] = med
-            print(json.dumps(dict(head, run=mode, baseline=baseline(args.mode) if mode == "plain"
-                                  else None, precision=args.precision,
-                                  step_ms=max(r["step_ms"] for r in med),
-                                  step_ms_rounds=[max(r["step_ms"] for r in e) for e in ordered],
-                                  ranks=med, config=config)), flush=True)
-        t_plain = max(r["step_ms"] for r in res["plain"])
-        t_priv = max(r["step_ms"] for r in res["dpclip"])
-        ratio = dict(head, ratio="dpclip/plain", precision=args.precision,
-                     time_ratio=round(t_priv / t_plain, 3), plain_ms=t_plain, dpclip_ms=t_priv)
-        grouped = [r for r in res["dpclip"] if "group_wait_ms" in r]
-        if grouped:  # the member that arrives last waits for the reduction alone
-            last = min(grouped, key=lambda r: r["group_wait_ms"])
-            ratio.update(reduction_ms=last["group_wait_ms"],
-                         reduction_share=round(last["group_wait_ms"] / t_priv, 4),
-                         exchange_ms=max(r["group_exchange_ms"] for r in grouped),
-                         last_member_daemon_call_ms=last["daemon_call_ms"],
-                         last_member_daemon_call_share=round(last["daemon_call_ms"] / t_priv, 4))
-        ratio["daemon_call_ms_max"] = max(r.get("daemon_call_ms", 0.0) for r in res["dpclip"])
-        print(json.dumps(ratio), flush=True)
+                        rnd + 1, args.repeat, args.mode, mode, slowest(every),
+                        [r["step_ms"] for r in every]))
+        if rank == 0:
+            report(args, head, rounds, config)
     finally:
         dist.destroy_process_group()
+
+
+def report(args, head, rounds, config):
+    """Rank 0's JSON lines: each mode's median round, then the ratio."""
+    tokens = head["logical_batch"] * args.seq  # a logical step's, over the replicas
+    res, gpu_peaks = {}, {}
+    for mode, rs in rounds.items():
+        ordered = sorted(rs, key=slowest)
+        med = ordered[len(ordered) // 2]
+        res[mode] = med
+        if "device_peak_mib" in rs[0][0]:  # each GPU's peak over the rounds (rank r: cuda:r)
+            gpu_peaks[mode] = [max(e[r]["device_peak_mib"] for e in rs)
+                               for r in range(len(rs[0]))]
+        print(json.dumps(dict(head, run=mode, baseline=baseline(args.mode) if mode == "plain"
+                              else None, precision=args.precision, step_ms=slowest(med),
+                              tokens_per_s=round(tokens / slowest(med) * 1e3, 1),
+                              step_ms_rounds=[slowest(e) for e in ordered],
+                              device_peak_mib=gpu_peaks.get(mode), ranks=med,
+                              config=config)), flush=True)
+    t_plain, t_priv = slowest(res["plain"]), slowest(res["dpclip"])
+    by_round = sorted(slowest(d) / slowest(p) for p, d in zip(rounds["plain"], rounds["dpclip"]))
+    ratio = dict(head, ratio="dpclip/plain", precision=args.precision,
+                 time_ratio=round(t_priv / t_plain, 3),
+                 time_ratio_median=round(statistics.median(by_round), 3),
+                 time_ratio_best=round(by_round[0], 3), time_ratio_worst=round(by_round[-1], 3),
+                 plain_ms=t_plain, dpclip_ms=t_priv,
+                 plain_tokens_per_s=round(tokens / t_plain * 1e3, 1),
+                 dpclip_tokens_per_s=round(tokens / t_priv * 1e3, 1))
+    if gpu_peaks:
+        ratio.update(device_peak_mib=gpu_peaks, mem_ratio=round(max(
+            d / p for p, d in zip(gpu_peaks["plain"], gpu_peaks["dpclip"])), 3))
+    grouped = [r for r in res["dpclip"] if "group_wait_ms" in r]
+    if grouped:  # the member that arrives last waits for the reduction alone
+        last = min(grouped, key=lambda r: r["group_wait_ms"])
+        ratio.update(reduction_ms=last["group_wait_ms"],
+                     reduction_share=round(last["group_wait_ms"] / t_priv, 4),
+                     exchange_ms=max(r["group_exchange_ms"] for r in grouped),
+                     last_member_daemon_call_ms=last["daemon_call_ms"],
+                     last_member_daemon_call_share=round(last["daemon_call_ms"] / t_priv, 4))
+    ratio["daemon_call_ms_max"] = max(r.get("daemon_call_ms", 0.0) for r in res["dpclip"])
+    print(json.dumps(ratio), flush=True)
 
 
 def baseline(mode):
@@ -438,10 +584,17 @@ def main():
     ap.add_argument("--heads", type=int, default=12)
     ap.add_argument("--vocab", type=int, default=32000)
     ap.add_argument("--seq", type=int, default=1024)
-    ap.add_argument("--batch", type=int, default=8, help="samples per replica")
-    ap.add_argument("--warmup", type=int, default=5)
-    ap.add_argument("--steps", type=int, default=20)
-    ap.add_argument("--repeat", type=int, default=3, help="rounds of plain then dpclip")
+    ap.add_argument("--batch", type=int, default=8, help="samples per replica and micro-batch")
+    ap.add_argument("--microbatches", type=int, default=1,
+                    help="micro-batches a logical step (pipeline only; 1: one batch a step)")
+    ap.add_argument("--schedule", choices=("1f1b", "gpipe"), default="1f1b",
+                    help="pipeline schedule of the micro-batches")
+    ap.add_argument("--warmup", type=int, default=None, help="logical steps (5; 3 with "
+                    "micro-batches)")
+    ap.add_argument("--steps", type=int, default=None, help="timed logical steps a round "
+                    "(20; 10 with micro-batches)")
+    ap.add_argument("--repeat", type=int, default=None, help="rounds of plain then dpclip "
+                    "(3; 5 with micro-batches)")
     ap.add_argument("--check", action="store_true", help="check exactness first (exit 1 if not)")
     ap.add_argument("--tol", type=float, default=None)
     ap.add_argument("--threads", type=int, default=0,
@@ -457,15 +610,29 @@ def main():
                  % (world, len(sockets)))
     if S > 1 and args.blocks < 2:
         ap.error("--blocks: a pipeline needs at least 2")
+    if args.microbatches < 1:
+        ap.error("--microbatches must be at least 1")
+    # plain DDP has no place in these schedules (several forwards before a
+    # backward; an all-reduce for each micro-batch without no_sync)
+    if args.microbatches > 1 and args.mode != "pipeline":
+        ap.error("--microbatches: --mode pipeline only")
+    many = args.microbatches > 1
+    for k, one, several in (("warmup", 5, 3), ("steps", 20, 10), ("repeat", 3, 5)):
+        if getattr(args, k) is None:
+            setattr(args, k, several if many else one)
+    if args.steps < 1 or args.repeat < 1:
+        ap.error("--steps and --repeat must be at least 1")
     if args.device == "cuda" and torch.cuda.device_count() < world:
         ap.error("%s needs %d GPUs, this machine has %d" % (args.mode, world,
                                                            torch.cuda.device_count()))
     config = {k: getattr(args, k) for k in ("blocks", "d", "heads", "vocab", "seq", "batch",
-                                            "warmup", "steps", "repeat")}
+                                            "microbatches", "schedule", "warmup", "steps",
+                                            "repeat")}
     config.update(world=world, replicas=world // S, stages=S, sockets=sockets,
                   precision=args.precision, torch=torch.__version__, optimizer="sgd")
-    log("%s: %d ranks (%d replica(s) x %d stage(s)), %d daemon(s), %s" % (
-        args.mode, world, world // S, S, len(sockets), args.device))
+    log("%s: %d ranks (%d replica(s) x %d stage(s)), %d daemon(s), %d micro-batch(es) "
+        "(%s), %s" % (args.mode, world, world // S, S, len(sockets), args.microbatches,
+                      args.schedule, args.device))
     out_dir = tempfile.mkdtemp(prefix="bench_parallel.")
     try:
         ctx = mp.start_processes(rank_main, nprocs=world, join=False, start_method="spawn",

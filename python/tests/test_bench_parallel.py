@@ -33,3 +33,50 @@ def test_layout_checks_and_times(secure_daemon, mode, ranks):
     assert set(runs) == {"plain", "dpclip"} and all(r["step_ms"] > 0 for r in runs.values())
     ratio = [line for line in lines if line.get("ratio") == "dpclip/plain"]
     assert len(ratio) == 1 and ratio[0]["time_ratio"] > 0, proc.stdout
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+def test_pipeline_microbatches_check_and_time(secure_daemon, schedule):
+    """A logical step of 4 micro-batches under each schedule: the check
+    compares every rank's .grad (and the 8 samples' norms, in the
+    micro-batches' order) with the unsplit model's reference over the whole
+    logical batch; every line says the micro-batching."""
+    proc = subprocess.run(
+        [sys.executable, os.path.join(REPO, "bench", "bench_parallel.py"), "--mode", "pipeline",
+         "--socket", secure_daemon.socket, "--check", "--microbatches", "4",
+         "--schedule", schedule] + SMALL,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, universal_newlines=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert len(lines) == 4, proc.stdout  # check, plain, dpclip, ratio
+    for line in lines:
+        assert (line["microbatches"], line["schedule"], line["logical_batch"]) == \
+            (4, schedule, 8), line
+    check = lines[0]
+    assert check["check"] and check["ok"] and check["samples"] == 8, check
+    assert check["max_rel_err"] <= check["tol"] and check["norms_max_rel_err"] <= check["tol"]
+    assert len(check["ranks"]) == 2 and all(r["ok"] for r in check["ranks"])
+    assert 0 < check["clipped"] < 8, check
+    runs = {line["run"]: line for line in lines if "run" in line}
+    assert set(runs) == {"plain", "dpclip"}
+    assert all(r["step_ms"] > 0 and r["tokens_per_s"] > 0 for r in runs.values())
+    # the commit's round trip (the daemon's own figures come with GPU steps' replies)
+    assert all(r["daemon_call_ms"] > 0 for r in runs["dpclip"]["ranks"])
+    ratio = lines[3]
+    assert ratio["ratio"] == "dpclip/plain", ratio
+    assert 0 < ratio["time_ratio_best"] <= ratio["time_ratio_median"] <= \
+        ratio["time_ratio_worst"], ratio
+
+
+def test_pipeline_microbatches_check_can_fail(secure_daemon):
+    """The check is a comparison: a tolerance below f32's rounding fails it
+    (exit 1, ok false), and nothing is timed."""
+    proc = subprocess.run(
+        [sys.executable, os.path.join(REPO, "bench", "bench_parallel.py"), "--mode", "pipeline",
+         "--socket", secure_daemon.socket, "--check", "--tol", "1e-12", "--microbatches", "4"]
+        + SMALL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, universal_newlines=True,
+        timeout=300)
+    assert proc.returncode == 1, proc.stderr
+    lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert len(lines) == 1 and lines[0]["check"] and not lines[0]["ok"], proc.stdout
+    assert lines[0]["max_rel_err"] > 1e-12
