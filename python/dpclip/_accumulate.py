@@ -84,6 +84,7 @@ class _InFlight(NamedTuple):
     arena: Any
     keep: Optional[list]
     device: Optional[torch.device]
+    ready: Any = None  # a detached step's own `ready` event (dpclip._cuda.readied)
 
 
 class Accumulator:
@@ -372,7 +373,7 @@ class Accumulator:
                 self._result(B, run.res, self.id)
             else:
                 self.inflight.append(_InFlight(run.ticket, self.id, index, B, None, run.keep,
-                                               device))
+                                               device, run.ready))
             self._poll()
             return
         ticket, arena = e._host.submit(e._step, plan, nb, e.algorithm)
@@ -453,7 +454,7 @@ class Accumulator:
         if f.arena is not None:
             self.e._host.give(f.arena)
         if f.keep is not None:
-            self.e._cuda.settle(f.device)
+            self.e._cuda.settle(f.device, f.ready)
             f.keep.clear()
 
     def _result(self, B: int, res: _lib.StepResult, logical_id: int) -> None:

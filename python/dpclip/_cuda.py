@@ -28,6 +28,7 @@ class CudaRun(NamedTuple):
     t1: float
     t2: float
     keep: Optional[list] = None  # detached: the tensors the daemon reads, kept until settle()
+    ready: Optional[Tuple[torch.cuda.Event, int]] = None  # detached: its own `ready`, ditto
 
 
 class CudaIPC:
@@ -38,6 +39,8 @@ class CudaIPC:
         self.client = client
         # cuda device index -> (ready, done, ready_id, done_id)
         self._events: Dict[int, Tuple[torch.cuda.Event, torch.cuda.Event, int, int]] = {}
+        # Detached steps' `ready` events, free ones per device (see readied()).
+        self._ready_free: Dict[int, List[Tuple[torch.cuda.Event, int]]] = {}
         # Data parallel: the [B] coefficients output the daemon writes
         # (zeroed before each step: zero after it unless it succeeded).
         self._coefs: Optional[torch.Tensor] = None
@@ -54,6 +57,24 @@ class CudaIPC:
                 did = self.client.register_event(done.ipc_handle(), idx)
             ev = self._events[idx] = (ready, done, rid, did)
         return ev
+
+    def readied(self, device: torch.device) -> Tuple[torch.cuda.Event, int]:
+        """An interprocess event of the device's for one detached step's
+        `ready` alone, until settle() gives it back. The daemon's stream
+        waits on the record an event has when it queues the step's GPU
+        work, and a norm group's micro-batch is queued only once every
+        member's is in: with one shared `ready`, re-recorded by this
+        trainer's later micro-batches meanwhile, it would wait for a later
+        point of this stream, which under 1F1B waits (NCCL receive) for
+        the other stage, whose own host may wait on this session's replies:
+        a deadlock."""
+        idx = device.index if device.index is not None else torch.cuda.current_device()
+        free = self._ready_free.setdefault(idx, [])
+        if free:
+            return free.pop()
+        with torch.cuda.device(idx):
+            ev = torch.cuda.Event(enable_timing=False, blocking=False, interprocess=True)
+            return ev, self.client.register_event(ev.ipc_handle(), idx)
 
     def ref(self, t: torch.Tensor, shape: Tuple[int, ...]) -> _lib.Tensor:
         bid, off = self.client.register_cuda(t.data_ptr())
@@ -124,6 +145,9 @@ class CudaIPC:
                     out_ref(pt.b))
 
         ready, done, rid, did = self.events(device)
+        own = self.readied(device) if detached else None
+        if own is not None:
+            ready, rid = own
 
         step.reset(nb)
         ticket, info, res = 0, None, None
@@ -141,7 +165,7 @@ class CudaIPC:
             t1 = time.perf_counter()
             if detached:
                 ticket = step.submit(self.client)
-                return CudaRun(None, ticket, None, None, t1, time.perf_counter(), keep)
+                return CudaRun(None, ticket, None, None, t1, time.perf_counter(), keep, own)
             if asynchronous:
                 ticket = step.submit(self.client)
                 info = self.client.wait_enqueued(ticket)  # raises an early error
@@ -167,7 +191,8 @@ class CudaIPC:
                 set_grad(p, out)
         return CudaRun(res, ticket, info, ok, t1, t2)
 
-    def settle(self, device: torch.device) -> None:
+    def settle(self, device: torch.device,
+               ready: Optional[Tuple[torch.cuda.Event, int]] = None) -> None:
         """After the reply of a detached micro-batch (or a later step of the
         session) is in: the daemon has recorded `done` after its reads, so
         ordering the current stream after `done` lets the allocator reuse
@@ -177,3 +202,6 @@ class CudaIPC:
         _, done, _, _ = self.events(device)
         with torch.cuda.device(device):
             torch.cuda.current_stream(device).wait_event(done)
+        if ready is not None:  # its step was queued long since: its record may change
+            idx = device.index if device.index is not None else torch.cuda.current_device()
+            self._ready_free.setdefault(idx, []).append(ready)

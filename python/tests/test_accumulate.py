@@ -417,3 +417,71 @@ def test_a_session_killed_mid_step_leaves_nothing_behind(tmp_path):
         p.kill()
         p.wait()
         d.kill()
+
+
+def test_detached_micro_batches_each_wait_on_their_own_ready_event(monkeypatch):
+    """A flat norm group's GPU micro-batches are sent detached and queued in
+    the daemon only once every member's is in. Each must name a `ready`
+    event of its own, kept until its reply is collected: the daemon waits
+    on an event's record as of when it queues the step, and a shared one,
+    re-recorded by later micro-batches, made it wait for a later point of
+    the trainer's stream, which under 1F1B on two GPUs waits for the other
+    stage (a deadlock seen on 2 H200s). On the CPU with CUDA stubbed."""
+    import contextlib
+
+    from dpclip import _cuda, _planner
+
+    registered, recorded = [], []
+
+    class Event:
+        def __init__(self, **kw):
+            self.n = len(registered)
+
+        def ipc_handle(self):
+            return bytes(64)
+
+        def record(self, stream):
+            recorded.append(self.n)
+
+    class Client:
+        def register_event(self, handle, idx):
+            registered.append(idx)
+            return 100 + len(registered) - 1
+
+    class Stream:
+        def wait_event(self, ev):
+            pass
+
+    class Step:
+        def reset(self, nb):
+            pass
+
+        def set_events(self, rid, did):
+            self.ready_id = rid
+
+        def notify_enqueued(self, on):
+            assert not on  # a detached step has no early notice
+
+        def submit(self, client):
+            return 1
+
+        def run(self, client):
+            return None
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda *a, **k: Stream())
+    monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
+    io, step, dev = _cuda.CudaIPC(Client()), Step(), torch.device("cuda", 0)
+    plan = _planner.Plan([], [])
+    runs, ids = [], []
+    for _ in range(3):  # three in flight at once: three events
+        runs.append(io.run(step, plan, 1, dev, 0, False, False, detached=True, write=False))
+        ids.append(step.ready_id)
+    shared = io.events(dev)[2]
+    assert len(set(ids)) == 3 and shared not in ids, (ids, shared)
+    io.settle(dev, runs[0].ready)  # its reply is in: its event may serve again
+    io.run(step, plan, 1, dev, 0, False, False, detached=True, write=False)
+    assert step.ready_id == ids[0]
+    before = len(registered)
+    io.run(step, plan, 1, dev, 0, False, False, detached=False, write=False)
+    assert step.ready_id == shared and len(registered) == before  # waited on: the shared one
