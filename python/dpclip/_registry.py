@@ -23,7 +23,7 @@ silently wrong (transformers 5's GemmaTextScaledWordEmbedding was, issue 38).
 Every module dpclip trains is then checked on the engine's first step
 (dpclip._verify): its forward against the module's own code, and its
 per-sample gradients against autograd's through that code."""
-from typing import Any, Dict, List, Optional, Union
+from typing import Any, Dict, List, Optional, Tuple, Union
 
 import torch
 import torch.nn as nn
@@ -31,7 +31,7 @@ import torch.nn as nn
 from ._layers import (_RMSNorm, UnsupportedModuleError, _EmbeddingLayer, _HFConv1DLayer, _Layer,
                       _label, _NormLayer)
 
-__all__ = ["register", "registered"]
+__all__ = ["register", "registered", "supported_layers"]
 
 KINDS = ("rmsnorm", "layernorm", "subclass")
 
@@ -139,6 +139,48 @@ def _bases() -> List[type]:
     from . import _conv  # noqa: E402 (it imports this module's imports)
     out = [nn.Linear, nn.Embedding, nn.LayerNorm] + ([_RMSNorm] if _RMSNorm else [])
     return out + list(_conv.BASES)
+
+
+# What each torch layer dpclip trains takes: the one source of the lists the
+# READMEs, the docstrings and the refusals give (supported_layers()).
+_TERMS = {"Linear": "any input rank, with or without bias",
+          "Embedding": "padding_idx honoured; max_norm, scale_grad_by_freq and sparse refused",
+          "LayerNorm": "over the last dimension",
+          "RMSNorm": "over the last dimension (torch >= 2.4)",
+          "Conv1d": "any stride, padding, padding mode, dilation, groups",
+          "Conv2d": "any stride, padding, padding mode, dilation, groups",
+          "GroupNorm": "affine",
+          "_InstanceNorm": "InstanceNorm1d/2d/3d, affine",
+          "_BatchNorm": "BatchNorm1d/2d/3d, affine, in eval mode (training mode mixes samples)"}
+
+
+def supported_layers() -> List[Tuple[str, str]]:
+    """(what, on which terms) for every kind of module dpclip trains, from
+    the classes it recognises and the registrations in force: torch's
+    layers, transformers' Conv1D, DPMultiheadAttention, registered norms and
+    registered subclasses (by class or by name)."""
+    names = [b.__name__ for b in _bases()]
+    if "RMSNorm" not in names:  # listed whatever this torch is: the docs are one text
+        names.insert(names.index("LayerNorm") + 1, "RMSNorm")
+    out = [("nn." + n.lstrip("_"), _TERMS.get(n, "")) for n in names]
+    out.append(("transformers' Conv1D", "a Linear with its weight [in, out], by structure"))
+    out.append(("dpclip.torch.DPMultiheadAttention",
+                "make_private(replace_mha=True) swaps it in for nn.MultiheadAttention"))
+    for kind in KINDS:
+        names = sorted([c.__name__ for c, r in _by_class.items() if r["kind"] == kind] +
+                       [n for n, r in _by_name.items() if r["kind"] == kind])
+        if names:
+            what = ("subclasses with a forward of their own, registered kind='subclass'"
+                    if kind == "subclass" else "norms registered kind=%r" % kind)
+            out.append((what, ", ".join(names)))
+    return out
+
+
+def supported_markdown() -> str:
+    """supported_layers() as the Markdown list the READMEs carry between
+    their `<!-- supported-layers -->` markers (scripts/layers_doc.py)."""
+    return "".join("- %s%s\n" % (what, ": " + terms if terms else "")
+                   for what, terms in supported_layers())
 
 
 def supported_base(cls: type) -> Optional[type]:

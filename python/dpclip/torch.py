@@ -10,9 +10,8 @@
         loss.backward()          # input gradients only; activations/output grads captured
         optimizer.step()         # one ClipStep to the daemon fills param.grad, then the update
 
-Book-keeping: the forward of every supported module (nn.Linear,
-nn.Embedding, nn.LayerNorm, nn.RMSNorm where torch has it) is replaced by a
-custom autograd.Function whose backward computes the input gradient only:
+Book-keeping: the forward of every supported module (supported_layers()
+lists them) is replaced by a custom autograd.Function whose backward computes the input gradient only:
 autograd never runs the weight-gradient GEMMs. Instead each module's input
 (activation) and output gradient are kept, and at optimizer.step() the engine
 sends the daemon one ClipStep naming all of them; the daemon computes the
@@ -88,14 +87,15 @@ from ._layers import (  # noqa: F401  (UnsupportedModuleError is public API)
     UnsupportedModuleError, _Layer, _collect_layers, _mixing, _mixing_error)
 from . import _mha
 from ._mha import DPMultiheadAttention, replace_mha  # noqa: F401  (public API)
-from ._registry import register  # noqa: F401  (public API)
+from ._registry import register, supported_layers  # noqa: F401  (public API)
 from .losses import (  # noqa: F401  (public API)
     cross_entropy, per_sample_cross_entropy, reduce_loss, sequence_cross_entropy)
 
 __all__ = ["PrivacyEngine", "make_private", "DPOptimizer", "UnsupportedModuleError",
            "UnclippedGradientError",
            "cross_entropy", "per_sample_cross_entropy", "sequence_cross_entropy", "reduce_loss",
-           "DpclipError", "fresh_job_id", "register", "DPMultiheadAttention", "replace_mha"]
+           "DpclipError", "fresh_job_id", "register", "supported_layers",
+           "DPMultiheadAttention", "replace_mha"]
 
 
 def fresh_job_id() -> str:

@@ -95,3 +95,24 @@ def test_scripts_with_a_shebang_are_executable():
             if f.read(2) == b"#!" and mode != "100755":
                 wrong.append(path)
     assert not wrong, "scripts with #! but no executable bit: %s" % ", ".join(wrong)
+
+
+def test_supported_layer_lists_are_the_registry():
+    """README.md and python/README.md list the layers the registry trains
+    (scripts/layers_doc.py writes them): a kind added to the code, or a
+    registration, fails here until the docs say so; and the list names what
+    make_private takes."""
+    sys.path.insert(0, os.path.join(REPO, "scripts"))
+    import layers_doc
+    from dpclip import _registry
+    from dpclip.torch import supported_layers
+    listing = _registry.supported_markdown()
+    for rel in layers_doc.DOCS:
+        text = _read(rel)
+        assert layers_doc.render(text, listing) == text, \
+            "%s: stale supported-layer list; run scripts/layers_doc.py" % rel
+    names = [what for what, _ in supported_layers()]
+    for cls in (nn.Linear, nn.Embedding, nn.LayerNorm, nn.Conv2d, nn.GroupNorm):
+        assert "nn." + cls.__name__ in names
+        assert _registry.supported_base(cls) is cls
+    assert any("LlamaRMSNorm" in terms for _, terms in supported_layers())
