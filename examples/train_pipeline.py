@@ -293,6 +293,11 @@ def main():
     args = ap.parse_args()
     if args.microbatches < 1:
         ap.error("--microbatches must be at least 1")
+    if len(args.socket.split(",")) == 2 if args.socket else args.daemons == 2:
+        # two daemons exchange their stages' norms through NCCL, between GPUs
+        if not torch.cuda.is_available() or torch.cuda.device_count() < 1:
+            ap.error("two daemons (--daemons 2, or --socket A,B) exchange norms through NCCL "
+                     "and need a GPU for each stage; this machine has none: use --daemons 1")
     with tempfile.TemporaryDirectory(prefix="dpclip-pipeline.") as rundir:
         daemons, sockets = [], args.socket.split(",") if args.socket else []
         try:
