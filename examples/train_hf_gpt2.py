@@ -47,7 +47,7 @@ except ImportError:
     sys.stderr.write(
         "train_hf_gpt2.py needs transformers. With Debian's python3-torch (1.13), which pip\n"
         "may not install into, use a venv that sees it and a transformers that supports it:\n"
-        "  python3 -m venv --system-site-packages ~/.venv/dpclip-hf\n"
+        "  /usr/bin/python3 -m venv --system-site-packages ~/.venv/dpclip-hf\n"
         "  ~/.venv/dpclip-hf/bin/pip install 'transformers<4.46'\n"
         "  ~/.venv/dpclip-hf/bin/python examples/train_hf_gpt2.py ...\n"
         "(transformers 5 needs torch >= 2.6). examples/train_transformer.py trains a\n"
