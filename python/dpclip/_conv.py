@@ -18,21 +18,22 @@ per sample (or by frozen statistics), so the per-sample gradients of w and
 b, sum over positions of g * x_hat and of g, are [B, C] each: formed in the
 backward and sent as they are."""
 import math
-from typing import List, Optional
+from typing import Any, List, Optional, Tuple
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ._layers import (_Layer, _autocast_dtype, _cast, _cat, _label, _norm_input, _part,
-                      _persample_part, UnsupportedModuleError)
+from ._layers import (InputGrad, Part, _Layer, _autocast_dtype, _cast, _cat, _label,
+                      _norm_input, _part, _persample_part, UnsupportedModuleError)
 
 
 # --- convolutions ---------------------------------------------------------------------
 
 class _ConvFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, layer):
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                layer: "_ConvLayer") -> torch.Tensor:
         dt = _autocast_dtype(x.device.type)
         xc, wc, bc = _cast(x, dt), _cast(weight, dt), _cast(bias, dt)
         ctx.layer = layer
@@ -43,7 +44,7 @@ class _ConvFn(torch.autograd.Function):
         return conv(xc, wc, bc, layer.stride, layer.pad, layer.dilation, layer.groups)
 
     @staticmethod
-    def backward(ctx, g):
+    def backward(ctx: Any, g: torch.Tensor) -> InputGrad:
         xc, wc = ctx.saved_tensors
         l = ctx.layer
         l.capture(xc, g, ctx.pass_id)
@@ -63,13 +64,16 @@ class _ConvLayer(_Layer):
     with zeros, or asymmetrically for 'same')."""
     kind = "conv"
 
-    def _setup(self):
+    def _setup(self) -> None:
         m = self.module
-        self.nd = 1 if isinstance(m, nn.Conv1d) else 2
-        self.k = tuple(m.kernel_size)
-        self.stride, self.dilation, self.groups = tuple(m.stride), tuple(m.dilation), m.groups
-        self.pre_pad = None  # (F.pad's pads, mode) applied before the convolution
-        self.pad = (0,) * self.nd
+        self.nd = 1 if isinstance(m, nn.Conv1d) else 2  # spatial dimensions
+        self.k: Tuple[int, ...] = tuple(m.kernel_size)
+        self.stride: Tuple[int, ...] = tuple(m.stride)
+        self.dilation: Tuple[int, ...] = tuple(m.dilation)
+        self.groups: int = m.groups
+        # (F.pad's pads, mode) applied before the convolution
+        self.pre_pad: Optional[Tuple[List[int], str]] = None
+        self.pad: Tuple[int, ...] = (0,) * self.nd
         if m.padding_mode != "zeros" or m.padding == "same":
             # as the module pads: 'same' may be asymmetric (torch keeps the
             # pads in _reversed_padding_repeated_twice for both)
@@ -81,15 +85,15 @@ class _ConvLayer(_Layer):
         G = self.groups
         self.d = cin // G * math.prod(self.k)
         self.p = cout // G
-        self.cout = cout
+        self.cout: int = cout
 
-    def _forward(self, mod, x):
+    def _forward(self, mod: nn.Module, x: torch.Tensor) -> torch.Tensor:
         if self.pre_pad is not None:
             pads, mode = self.pre_pad
             x = F.pad(x, pads, mode=mode)
         return _ConvFn.apply(x, mod.weight, mod.bias, self)
 
-    def patches(self, x):
+    def patches(self, x: torch.Tensor) -> torch.Tensor:
         """[B, positions, C_in * kernel] of input x (as the convolution read
         it), ordered as the weight's (channel, kernel) dims flatten."""
         B, C = x.shape[:2]
@@ -106,7 +110,7 @@ class _ConvLayer(_Layer):
             return x.permute(0, 2, 4, 1, 3, 5).reshape(B, Ho * Wo, C * k[0] * k[1])
         return F.unfold(x, k, dilation=dl, padding=p, stride=s).transpose(1, 2)
 
-    def parts(self, B, nb):
+    def parts(self, B: int, nb: int) -> List[Part]:
         G = self.groups
         if G > 1:
             return self._grouped_parts(B, nb)
@@ -123,7 +127,7 @@ class _ConvLayer(_Layer):
         return [_part(self, "linear", self.name, inp, g, (nb, T, self.d), (nb, T, self.p),
                       (self.w_out, 0, (self.p, self.d)), b, self.bias is not None)]
 
-    def _grouped_parts(self, B, nb):
+    def _grouped_parts(self, B: int, nb: int) -> List[Part]:
         G = self.groups
         vw = vb = None
         if B:
@@ -145,7 +149,8 @@ class _ConvLayer(_Layer):
 
 class _AffineFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, layer):
+    def forward(ctx: Any, x: torch.Tensor, weight: Optional[torch.Tensor],
+                bias: Optional[torch.Tensor], layer: "_AffineLayer") -> torch.Tensor:
         # Autocast runs these norms in f32: so does this.
         xc = _norm_input(x)
         ctx.layer = layer
@@ -155,7 +160,7 @@ class _AffineFn(torch.autograd.Function):
         return layer.normalize(xc, weight, bias)
 
     @staticmethod
-    def backward(ctx, g):
+    def backward(ctx: Any, g: torch.Tensor) -> InputGrad:
         xc, weight, bias = ctx.saved_tensors
         l = ctx.layer
         with torch.enable_grad(), torch.autocast(device_type=xc.device.type, enabled=False):
@@ -165,7 +170,8 @@ class _AffineFn(torch.autograd.Function):
             dims = list(range(2, g.dim()))
             B, C = g.shape[:2]
 
-            def per_sample(t):  # sum over positions ([B, C] input: none; sum([]) is all)
+            # sum over positions ([B, C] input: none; sum([]) is all)
+            def per_sample(t: torch.Tensor) -> torch.Tensor:
                 return (t.sum(dims) if dims else t).reshape(B, C)
 
             vw = per_sample((gf * xh).detach()) if l.weight is not None else None
@@ -184,10 +190,11 @@ class _AffineLayer(_Layer):
     """GroupNorm, InstanceNorm (affine) and eval-mode BatchNorm (affine)."""
     kind = "affine"
 
-    def _setup(self):
+    def _setup(self) -> None:
         self.d, self.p = self.weight.shape[0], 0
 
-    def normalize(self, x, weight, bias):
+    def normalize(self, x: torch.Tensor, weight: Optional[torch.Tensor],
+                  bias: Optional[torch.Tensor]) -> torch.Tensor:
         m = self.module
         if isinstance(m, nn.GroupNorm):
             return F.group_norm(x, m.num_groups, weight, bias, m.eps)
@@ -197,16 +204,17 @@ class _AffineLayer(_Layer):
                                    0.0, m.eps)
         return F.batch_norm(x, m.running_mean, m.running_var, weight, bias, False, 0.0, m.eps)
 
-    def capture_affine(self, vw, vb, pass_id):
+    def capture_affine(self, vw: Optional[torch.Tensor], vb: Optional[torch.Tensor],
+                       pass_id: int) -> None:
         # records are (first, second, pass) with both batch-first
         first = vw if vw is not None else vb
         self.records.append((first, vb if vb is not None else first, pass_id))
         self.engine._acc.captured(pass_id)
 
-    def _forward(self, mod, x):
+    def _forward(self, mod: nn.Module, x: torch.Tensor) -> torch.Tensor:
         return _AffineFn.apply(x, mod.weight, mod.bias, self)
 
-    def parts(self, B, nb):
+    def parts(self, B: int, nb: int) -> List[Part]:
         vw = vb = None
         if B:
             # several calls in a pass: the per-sample gradient is their sum
@@ -221,7 +229,7 @@ class _AffineLayer(_Layer):
         return out
 
 
-def _frozen_pair(name, m):
+def _frozen_pair(name: str, m: nn.Module) -> bool:
     w, b = getattr(m, "weight", None), getattr(m, "bias", None)
     if w is None or not w.requires_grad:
         if isinstance(b, torch.Tensor) and b.requires_grad:
@@ -237,7 +245,7 @@ BASES = (nn.Conv1d, nn.Conv2d, nn.GroupNorm, nn.modules.instancenorm._InstanceNo
          nn.modules.batchnorm._BatchNorm)
 
 
-def build(engine, name: str, m: nn.Module) -> Optional[List[_Layer]]:
+def build(engine: Any, name: str, m: nn.Module) -> Optional[List[_Layer]]:
     """The layers of m as the convolution or affine normalization it is an
     instance of (empty: frozen), whatever its forward; None for others."""
     if isinstance(m, (nn.Conv1d, nn.Conv2d)):
@@ -251,7 +259,7 @@ def build(engine, name: str, m: nn.Module) -> Optional[List[_Layer]]:
     return None
 
 
-def layers_for(engine, name: str, m: nn.Module) -> Optional[List[_Layer]]:
+def layers_for(engine: Any, name: str, m: nn.Module) -> Optional[List[_Layer]]:
     """The layers of a convolution or affine normalization with its torch
     class's own forward (empty: frozen), or None for any other module."""
     if type(m).forward in [b.forward for b in BASES] and isinstance(m, BASES):

@@ -8,7 +8,7 @@ convolutions and GroupNorm are dpclip._conv's, the attention drop-in
 dpclip._mha's."""
 import ctypes
 import types
-from typing import Any, Callable, List, NamedTuple, Optional, Tuple
+from typing import Any, Callable, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.nn as nn
@@ -34,7 +34,7 @@ class UnsupportedModuleError(ValueError):
 
 # --- autocast helpers (torch 1.13 and 2.x spell these differently) ---------------
 
-def _autocast_dtype(device_type):
+def _autocast_dtype(device_type: str) -> Optional[torch.dtype]:
     """The autocast dtype in force for device_type, or None."""
     try:
         if torch.is_autocast_enabled(device_type):
@@ -48,16 +48,16 @@ def _autocast_dtype(device_type):
         return None
 
 
-def _low_precision(t):
+def _low_precision(t: torch.Tensor) -> bool:
     return t.dtype in (torch.bfloat16, torch.float16)
 
 
-def _norm_input(x):
+def _norm_input(x: torch.Tensor) -> torch.Tensor:
     """x as autocast normalizes it: in f32 where x is 16-bit under autocast."""
     return x.float() if (_low_precision(x) and _autocast_dtype(x.device.type) is not None) else x
 
 
-def _cast(t, dt):
+def _cast(t: Optional[torch.Tensor], dt: Optional[torch.dtype]) -> Optional[torch.Tensor]:
     """t in dtype dt (None: as it is); a no-op costs no host time."""
     return t if t is None or dt is None or t.dtype == dt else t.to(dt)
 
@@ -69,9 +69,15 @@ def _cast(t, dt):
 # returns the input gradient only. None for the parameters: autograd then
 # neither computes nor accumulates their gradients.
 
+# What a backward returns: the input gradient (None where none is needed),
+# then None for the weight, the bias and the layer.
+InputGrad = Tuple[Optional[torch.Tensor], None, None, None]
+
+
 class _LinearFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, layer):
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                layer: "_Layer") -> torch.Tensor:
         # Casts only where the dtype differs: each .to() is a few
         # microseconds of host time even when it returns its input, and a
         # trainer's step is often bound by the host.
@@ -86,7 +92,7 @@ class _LinearFn(torch.autograd.Function):
         return F.linear(xc, wc, bc)
 
     @staticmethod
-    def backward(ctx, g):
+    def backward(ctx: Any, g: torch.Tensor) -> InputGrad:
         xc, wc = ctx.saved_tensors
         ctx.layer.capture(xc, g, ctx.pass_id)
         gx = None
@@ -99,7 +105,8 @@ class _LinearFn(torch.autograd.Function):
 
 class _EmbeddingFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, idx, weight, layer, batch):
+    def forward(ctx: Any, idx: torch.Tensor, weight: torch.Tensor, layer: "_EmbeddingLayer",
+                batch: int) -> torch.Tensor:
         ctx.layer = layer
         ctx.pass_id = layer.engine._pass
         ctx.batch = batch
@@ -112,7 +119,7 @@ class _EmbeddingFn(torch.autograd.Function):
         return y.expand((batch,) + tuple(y.shape[1:])).contiguous() if batch else y
 
     @staticmethod
-    def backward(ctx, g):
+    def backward(ctx: Any, g: torch.Tensor) -> Tuple[None, None, None, None]:
         (idx,) = ctx.saved_tensors
         if ctx.batch:
             idx = idx.expand((ctx.batch,) + tuple(idx.shape[1:]))
@@ -120,7 +127,7 @@ class _EmbeddingFn(torch.autograd.Function):
         return None, None, None, None
 
 
-def _rms(x, d, weight, eps):
+def _rms(x: torch.Tensor, d: int, weight: Optional[torch.Tensor], eps: float) -> torch.Tensor:
     """RMSNorm over the last dim as Hugging Face's RMSNorms compute it: in f32,
     normalized in the input dtype, then times the weight."""
     xf = x.float()
@@ -128,7 +135,8 @@ def _rms(x, d, weight, eps):
     return y * weight if weight is not None else y
 
 
-def _norm_apply(layer, x, weight, bias, eps):
+def _norm_apply(layer: "_NormLayer", x: torch.Tensor, weight: Optional[torch.Tensor],
+                bias: Optional[torch.Tensor], eps: float) -> torch.Tensor:
     if layer.kind == "layernorm":
         return F.layer_norm(x, (layer.d,), weight, bias, eps)
     if layer.offset:  # Gemma's (1 + weight)
@@ -140,7 +148,8 @@ def _norm_apply(layer, x, weight, bias, eps):
 
 class _NormFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, layer):
+    def forward(ctx: Any, x: torch.Tensor, weight: Optional[torch.Tensor],
+                bias: Optional[torch.Tensor], layer: "_NormLayer") -> torch.Tensor:
         # Autocast runs norms in f32; do the same cast here so that the input
         # the daemon normalizes is the one the forward normalized.
         xc = _norm_input(x)
@@ -158,7 +167,7 @@ class _NormFn(torch.autograd.Function):
         return _norm_apply(layer, xc, weight, bias, eps)
 
     @staticmethod
-    def backward(ctx, g):
+    def backward(ctx: Any, g: torch.Tensor) -> InputGrad:
         xc, weight, bias = ctx.saved_tensors[:3]
         ctx.layer.capture(xc, g, ctx.pass_id)
         gx = None
@@ -186,6 +195,12 @@ class Out:
     kept as [in, out]). The CUDA transport keeps its buffer in `buf` and its
     (buffer id, offset) in `ref`."""
     __slots__ = ("param", "numel", "dtype", "grad", "buf", "ref")
+    param: torch.Tensor
+    numel: int
+    dtype: torch.dtype                            # the gradient's, as the daemon writes it
+    grad: Callable[[torch.Tensor], torch.Tensor]  # flat -> parameter-shaped
+    buf: Optional[torch.Tensor]                   # the CUDA transport's buffer
+    ref: Optional[Tuple[int, int]]                # ... and its (buffer id, offset)
 
     def __init__(self, param: torch.Tensor, grad: Optional[Callable] = None) -> None:
         self.param = param
@@ -225,7 +240,7 @@ class Part(NamedTuple):
     tied_to: int = 0
 
 
-def _wire_dtype(t):
+def _wire_dtype(t: torch.Tensor) -> torch.dtype:
     """The dtype a tensor travels as: its own when the daemon reads it, else
     f32 (floats) or i64 (indices)."""
     if t.dtype in _DTYPES:
@@ -233,7 +248,9 @@ def _wire_dtype(t):
     return torch.float32 if t.is_floating_point() else torch.int64
 
 
-def _part(layer, kind, name, inp, g, in_shape, grad_shape, w, b, has_bias, tied_to=0):
+def _part(layer: "_Layer", kind: str, name: str, inp: Optional[torch.Tensor],
+          g: Optional[torch.Tensor], in_shape: Tuple[int, ...], grad_shape: Tuple[int, ...],
+          w: Optional[Slice], b: Optional[Slice], has_bias: bool, tied_to: int = 0) -> Part:
     idx = kind == "embedding"
     in_dt = _wire_dtype(inp) if inp is not None else (torch.int64 if idx else torch.float32)
     g_dt = _wire_dtype(g) if g is not None else torch.float32
@@ -241,11 +258,12 @@ def _part(layer, kind, name, inp, g, in_shape, grad_shape, w, b, has_bias, tied_
                 tied_to)
 
 
-def _cat(ts):
+def _cat(ts: Sequence[torch.Tensor]) -> torch.Tensor:
     return ts[0] if len(ts) == 1 else torch.cat(ts, 1)
 
 
-def _persample_part(layer, name, v, n, nb, out, offset=0):
+def _persample_part(layer: "_Layer", name: str, v: Optional[torch.Tensor], n: int, nb: int,
+                    out: Out, offset: int = 0) -> Part:
     """A part that carries per-sample gradients v [B, n] the trainer computed
     itself (cheap ones: a norm's affine parameters): a Linear with one
     position and one input feature equal to 1, whose per-sample weight
@@ -260,6 +278,13 @@ def _persample_part(layer, name, v, n, nb, out, offset=0):
 
 
 # --- one supported module -------------------------------------------------------------
+
+# A _Layer's bias argument: None = the module's own "bias", False = none,
+# else the tensor itself.
+BiasArg = Union[None, bool, torch.Tensor]
+# A capture: (input, output grad, pass), both batch-first.
+Record = Tuple[torch.Tensor, torch.Tensor, int]
+
 
 def _attr_name(module: nn.Module, t: Optional[torch.Tensor]) -> Optional[str]:
     """The name under which module holds t directly (a parameter or a
@@ -284,23 +309,31 @@ class _Layer:
     parameters have (outputs) and what it sends the daemon (parts). This
     class is a Linear: y = x W^T + b, W [p, d]."""
     kind = "linear"
+    d: int      # input features (an embedding's and a norm's: its width), set by _setup
+    p: int      # output features (0: none, an embedding or a norm)
 
-    def __init__(self, engine, name, module, weight=None, bias=None):
+    def __init__(self, engine: Any, name: str, module: nn.Module,
+                 weight: Optional[torch.Tensor] = None, bias: BiasArg = None) -> None:
         self.engine = engine
-        self.name = name or type(module).__name__
+        self.name: str = name or type(module).__name__
         self.module = module
-        self.weight = module.weight if weight is None else weight
+        self.weight: torch.Tensor = module.weight if weight is None else weight
         # bias: None = the module's own "bias", False = none
         b = getattr(module, "bias", None) if bias is None else (None if bias is False else bias)
-        self.bias_any = b if isinstance(b, torch.Tensor) else None  # what the forward adds
-        self.bias = b if (isinstance(b, torch.Tensor) and b.requires_grad) else None
-        self.records = []
+        # what the forward adds
+        self.bias_any: Optional[torch.Tensor] = b if isinstance(b, torch.Tensor) else None
+        self.bias: Optional[torch.Tensor] = \
+            b if (isinstance(b, torch.Tensor) and b.requires_grad) else None
+        self.records: List[Record] = []
         self.replicated = False         # norm groups: held whole by every member
-        self.tie = None                 # the earlier layer whose weight this one's is
-        self.tied_by = None             # ... and the later one, on that layer
-        self.w_out = self.b_out = None  # Outs of the weight and bias (bind_outputs)
+        self.tie: Optional[_Layer] = None      # the earlier layer whose weight this one's is
+        self.tied_by: Optional[_Layer] = None  # ... and the later one, on that layer
+        # Outs of the weight and bias (bind_outputs)
+        self.w_out: Optional[Out] = None
+        self.b_out: Optional[Out] = None
         self.part0 = 0                  # index of its first part in a step
-        self.verify = None              # first-step check (dpclip._verify.Probe)
+        # first-step check (dpclip._verify.Probe)
+        self.verify: Optional[Callable[[Any, tuple, dict, Any], None]] = None
         # how the check's errors name what the module is trained as, and the way out
         self.what: Optional[str] = None   # None: dpclip's layer of its kind
         self.hint = "this is a bug in dpclip: please report it"
@@ -308,10 +341,10 @@ class _Layer:
         # this torch class's forward (super().forward; see _swap_class)
         self.via_super: Optional[type] = None
         self._class: Optional[type] = None  # the module's own class while swapped
-        self._orig_forward = None
+        self._orig_forward: Optional[Callable[..., Any]] = None
         self._setup()
 
-    def _setup(self):
+    def _setup(self) -> None:
         self.d, self.p = self.module.in_features, self.module.out_features
 
     def outputs(self) -> List[Tuple[torch.Tensor, Optional[Callable]]]:
@@ -319,19 +352,19 @@ class _Layer:
         trainable parameter this layer's parts write."""
         return [(p, None) for p in (self.weight, self.bias) if p is not None]
 
-    def capture(self, inp, g, pass_id):
+    def capture(self, inp: torch.Tensor, g: torch.Tensor, pass_id: int) -> None:
         self.records.append((inp.detach(), g.detach(), pass_id))
         self.engine._acc.captured(pass_id)  # which passes one backward reaches
 
-    def active(self):
+    def active(self) -> bool:
         # (_reference: the first-step check is running the modules' own code)
         return self.engine.active and torch.is_grad_enabled() and \
             self.weight.requires_grad and not getattr(self.engine, "_reference", False)
 
-    def attach(self):
+    def attach(self) -> None:
         layer = self
 
-        def forward(mod, *args, **kwargs):
+        def forward(mod: nn.Module, *args: Any, **kwargs: Any) -> Any:
             if not layer.active():
                 return layer._orig_forward(*args, **kwargs)
             if layer.via_super is not None:  # its own code, the base's forward swapped
@@ -347,7 +380,7 @@ class _Layer:
         self._orig_forward = self.module.forward
         self.module.forward = types.MethodType(forward, self.module)
 
-    def _swap_class(self):
+    def _swap_class(self) -> None:
         """A subclass of a torch module with its own forward that reaches the
         weight through super().forward(...): the module's class becomes a
         subclass of its own whose MRO puts a shim between it and the torch
@@ -359,27 +392,27 @@ class _Layer:
         incoming gradient), exactly what the per-sample rule needs."""
         layer, base, cls = self, self.via_super, type(self.module)
 
-        def base_forward(mod, *args, **kwargs):
+        def base_forward(mod: nn.Module, *args: Any, **kwargs: Any) -> Any:
             if mod is layer.module and layer.active():
                 return layer._forward(mod, *args, **kwargs)
             return base.forward(mod, *args, **kwargs)
 
         shim = type("_DPClip" + base.__name__, (base,), {"forward": base_forward,
-                                                          "__module__": __name__})
+                                                         "__module__": __name__})
         swapped = type(cls.__name__, (cls, shim), {"__module__": cls.__module__,
                                                    "__qualname__": cls.__qualname__})
         self._class = cls
         self.module.__class__ = swapped
 
-    def reference(self, mod, *args, **kwargs):
+    def reference(self, mod: nn.Module, *args: Any, **kwargs: Any) -> Any:
         """The module's computation as it was before dpclip (the first-step
         check calls it with the engine in reference mode: no layer active)."""
         return self._orig_forward(*args, **kwargs)
 
-    def _forward(self, mod, x):
+    def _forward(self, mod: nn.Module, x: torch.Tensor) -> torch.Tensor:
         return _LinearFn.apply(x, mod.weight, mod.bias, self)
 
-    def detach(self):
+    def detach(self) -> None:
         if self._orig_forward is not None:
             try:
                 del self.module.forward  # the instance attribute; the class method shows again
@@ -394,7 +427,7 @@ class _Layer:
     # output grads [B, T, p or d]; several calls of the module in one pass
     # are concatenated along T, which is exact: the per-sample gradient of a
     # module applied k times is the sum over all k*T positions.
-    def flat_parts(self, B):
+    def flat_parts(self, B: int) -> Tuple[List[torch.Tensor], List[torch.Tensor]]:
         ins, gs = [], []
         for inp, g, _ in self.records:
             if self.kind == "embedding":
@@ -404,7 +437,7 @@ class _Layer:
             gs.append(g.reshape(B, -1, g.shape[-1]))
         return ins, gs
 
-    def captured(self, B):
+    def captured(self, B: int) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor], int]:
         """(input, output grad, positions T) of what the layer captured, each
         concatenated over its uses, or (None, None, 1) for B = 0 (the
         transport sends zeros of one position)."""
@@ -414,12 +447,12 @@ class _Layer:
         inp = _cat(ins)
         return inp, _cat(gs), inp.shape[1]
 
-    def _wslice(self, shape):
+    def _wslice(self, shape: Tuple[int, ...]) -> Optional[Slice]:
         """The weight's output slice, or None where a tie makes the earlier
         layer write it."""
         return None if self.tie is not None else (self.w_out, 0, shape)
 
-    def _tied_to(self):
+    def _tied_to(self) -> int:
         return self.tie.part0 + 1 if self.tie is not None else 0
 
     def parts(self, B: int, nb: int) -> List[Part]:
@@ -438,27 +471,28 @@ class _HFConv1DLayer(_Layer):
     d = nx, p = nf; the daemon writes [nf, nx], which param.grad sees
     transposed."""
 
-    def _setup(self):
+    def _setup(self) -> None:
         self.d, self.p = self.weight.shape
 
-    def outputs(self):
+    def outputs(self) -> List[Tuple[torch.Tensor, Optional[Callable]]]:
         nx, nf = self.d, self.p
         return [(self.weight, lambda flat: flat.view(nf, nx).t())] + \
             ([(self.bias, None)] if self.bias is not None else [])
 
-    def _forward(self, mod, x):
+    def _forward(self, mod: nn.Module, x: torch.Tensor) -> torch.Tensor:
         return _LinearFn.apply(x, mod.weight.t(), mod.bias, self)
 
 
 class _EmbeddingLayer(_Layer):
     kind = "embedding"
 
-    def _setup(self):
+    def _setup(self) -> None:
         m = self.module
-        self.d, self.p, self.vocab = m.embedding_dim, 0, m.num_embeddings
-        self.padding_idx = m.padding_idx
+        self.d, self.p = m.embedding_dim, 0
+        self.vocab: int = m.num_embeddings
+        self.padding_idx: Optional[int] = m.padding_idx
 
-    def _forward(self, mod, idx):
+    def _forward(self, mod: nn.Module, idx: torch.Tensor) -> torch.Tensor:
         # positions [1, T] shared by the batch: expand to the pass's batch
         # (seen by the layers before this one in the pass: the token
         # embedding, usually)
@@ -472,7 +506,7 @@ class _EmbeddingLayer(_Layer):
             batch = hint[1]
         return _EmbeddingFn.apply(idx, mod.weight, self, batch)
 
-    def parts(self, B, nb):
+    def parts(self, B: int, nb: int) -> List[Part]:
         inp, g, T = self.captured(B)
         return [_part(self, "embedding", self.name, inp, g, (nb, T), (nb, T, self.d),
                       self._wslice((self.vocab, self.d)), None, False, self._tied_to())]
@@ -483,33 +517,36 @@ class _NormLayer(_Layer):
     class (dpclip._registry.register) whose eps and weight attributes it
     names."""
 
-    def __init__(self, engine, name, module, kind, weight=None, bias=None, eps="eps",
-                 offset=0.0, hf_style=False):
-        self.kind = kind
-        self.eps_attr = eps
-        self.offset = float(offset)
-        self.hf_style = hf_style
-        self.eps_used = None            # the eps the last forward used
+    def __init__(self, engine: Any, name: str, module: nn.Module, kind: str,
+                 weight: Optional[torch.Tensor] = None, bias: BiasArg = None,
+                 eps: Union[str, float] = "eps", offset: float = 0.0,
+                 hf_style: bool = False) -> None:
+        self.kind = kind                # "layernorm" or "rmsnorm"
+        self.eps_attr = eps             # the module's attribute that holds eps, or eps itself
+        self.offset = float(offset)     # added to the weight (Gemma's 1 + weight)
+        self.hf_style = hf_style        # Hugging Face's RMSNorm arithmetic (_rms)
+        self.eps_used: Optional[float] = None  # the eps the last forward used
         super().__init__(engine, name, module, weight, bias)
 
-    def _setup(self):
+    def _setup(self) -> None:
         self.d, self.p = self.weight.shape[0], 0
         # the attributes the forward reads: a wrapper may swap the module's
         # tensors between forwards (FSDP2 puts the unsharded parameter in
         # the sharded one's place), so they are looked up by name each time
-        self._attrs = [_attr_name(self.module, t) for t in (self.weight, self.bias_any)]
+        self._attrs: List[Optional[str]] = [_attr_name(self.module, t)
+                                            for t in (self.weight, self.bias_any)]
 
-    def _live(self, mod, i, t):
+    def _live(self, mod: nn.Module, i: int, t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
         return getattr(mod, self._attrs[i]) if self._attrs[i] is not None else t
 
-    def eps_for(self, x):
+    def eps_for(self, x: torch.Tensor) -> float:
         eps = self.eps_attr if not isinstance(self.eps_attr, str) else \
             getattr(self.module, self.eps_attr, None)
         if eps is None:  # nn.RMSNorm(eps=None): torch uses the dtype's epsilon
             eps = torch.finfo(x.dtype).eps
         return float(eps)
 
-    def _forward(self, mod, x):
+    def _forward(self, mod: nn.Module, x: torch.Tensor) -> torch.Tensor:
         weight = self._live(mod, 0, self.weight)
         if self.kind == "layernorm" or not x.requires_grad:
             return _NormFn.apply(x, weight,
@@ -531,7 +568,7 @@ class _NormLayer(_Layer):
         y.register_hook(lambda g: self.capture(saved, g, pass_id))
         return y
 
-    def parts(self, B, nb):
+    def parts(self, B: int, nb: int) -> List[Part]:
         inp, g, T = self.captured(B)
         b = (self.b_out, 0, (self.d,)) if self.bias is not None else None
         return [_part(self, self.kind, self.name, inp, g, (nb, T, self.d), (nb, T, self.d),
@@ -544,7 +581,7 @@ class _NormLayer(_Layer):
 _NORMS = (nn.modules.batchnorm._BatchNorm, nn.modules.instancenorm._InstanceNorm)
 
 
-def _mixing(m):
+def _mixing(m: nn.Module) -> Optional[str]:
     """Why module m, in its present mode, couples the samples of a batch
     (through its output, or through running statistics the saved model
     keeps), or None. Checked at make_private and before each forward of
@@ -564,7 +601,7 @@ def _mixing(m):
     return None
 
 
-def _mixing_error(name, m, why):
+def _mixing_error(name: str, m: nn.Module, why: str) -> UnsupportedModuleError:
     return UnsupportedModuleError(
         "module %s (%s) mixes samples: %s; use a per-sample normalization instead (nn.LayerNorm, "
         "or nn.GroupNorm without trainable affine parameters), or keep the module in eval mode "
@@ -572,20 +609,20 @@ def _mixing_error(name, m, why):
         % (name or "<root>", type(m).__name__, why))
 
 
-def _align(n):
+def _align(n: int) -> int:
     return (n + _ALIGN - 1) // _ALIGN * _ALIGN
 
 
-def _tref(buf, off, dtype, shape):
+def _tref(buf: int, off: int, dtype: torch.dtype, shape: Sequence[int]) -> _lib.Tensor:
     s = list(shape) + [0] * (3 - len(shape))
     return _lib.Tensor(buf, off, _DTYPES[dtype], len(shape), (ctypes.c_int64 * 3)(*s))
 
 
-def _label(name, m):
+def _label(name: str, m: nn.Module) -> str:
     return "%s (%s)" % (name or "<root>", type(m).__name__)
 
 
-def _tie(a, b):
+def _tie(a: "_Layer", b: "_Layer") -> None:
     """Marks b's weight as a's (a met first): an Embedding and a Linear (a
     language model's input embedding and output projection). Anything else
     that shares a parameter is refused."""

@@ -22,22 +22,24 @@ which the parameters are broadcast, the loaders checked and the gradients
 gated; the engine's rank and world size are then the replica's index and
 the number of replicas."""
 import hashlib
-from typing import Any
+from typing import Any, Iterable, List, Optional, Sequence, Tuple
 
 import torch
+from torch.utils.data import DataLoader
 
 from . import _lib
 from .data import DPDataLoader
 
 
-def generator_digest(loader):
+def generator_digest(loader: DPDataLoader) -> int:
     """A digest of a DPDataLoader's generator state (0: secure mode, none)."""
     gen = loader.batch_sampler.generator
     return 0 if gen is None else int.from_bytes(hashlib.blake2b(
         bytes(gen.get_state().tolist()), digest_size=8).digest(), "little", signed=True)
 
 
-def check_loader(engine, loader, device, secure_mode):
+def check_loader(engine: Any, loader: Optional[DataLoader], device: torch.device,
+                 secure_mode: bool) -> None:
     """Refuses a DPDataLoader made for another world size or rank than the
     engine's, and (data parallel) ranks whose generators are in one state.
     Every rank calls it (an all-gather)."""
@@ -58,7 +60,7 @@ def check_loader(engine, loader, device, secure_mode):
         raise fault
 
 
-def same_generators(digests):
+def same_generators(digests: Iterable[Tuple[int, Optional[int]]]) -> Optional[ValueError]:
     """The fault of (rank, generator digest) pairs of the data-parallel
     ranks where two are in one state (they would draw the same masks over
     their shards), or None; a digest of 0 or None (secure mode, no loader)
@@ -74,14 +76,15 @@ def same_generators(digests):
     return None
 
 
-def loader_fault(engine, loader, secure_mode):
+def loader_fault(engine: Any, loader: Optional[DataLoader], secure_mode: bool
+                 ) -> Optional[ValueError]:
     """What is wrong with a DPDataLoader for this engine (made for another
     world size or rank, or not in the secure mode asked for), or None."""
     if not isinstance(loader, DPDataLoader):
         return None
     if secure_mode and not loader.secure_mode:
         return ValueError("secure_mode=True, but the DPDataLoader given draws its masks from a "
-                         "torch generator: make it with secure_mode=True")
+                          "torch generator: make it with secure_mode=True")
     if (loader.world_size, loader.rank) != (engine.world_size, engine.rank) and \
             engine.norm_group is not None:
         return ValueError(
@@ -112,12 +115,15 @@ def loader_fault(engine, loader, secure_mode):
 BUCKET_ELEMS = 1 << 23
 
 
-def buckets(params, limit=None):
+def buckets(params: Iterable[torch.Tensor], limit: Optional[int] = None
+            ) -> List[List[torch.Tensor]]:
     """params' consecutive runs of one gradient dtype and device, each at most
     `limit` (BUCKET_ELEMS) elements, a larger parameter alone: the
     all-reduces."""
     limit = BUCKET_ELEMS if limit is None else limit
-    out, cur, n = [], [], 0
+    out: List[List[torch.Tensor]] = []
+    cur: List[torch.Tensor] = []
+    n = 0
     for p in params:
         g = p.grad
         if cur and (g.dtype != cur[0].grad.dtype or g.device != cur[0].grad.device
@@ -138,13 +144,16 @@ class Gate:
     check() at the next collection, where every rank's step() raises before
     its next collectives, so the ranks stay in step."""
 
-    def __init__(self, world_size, group=None):
+    def __init__(self, world_size: int, group: Any = None) -> None:
         self.world_size = world_size
-        self.group = group               # the data-parallel ranks (None: all)
-        self._host = self._event = None  # the flag's pinned copy and its event
-        self._pending = None             # the optimizer step it belongs to
+        self.group = group                 # the data-parallel ranks (None: all)
+        # the flag's pinned copy and its event
+        self._host: Optional[torch.Tensor] = None
+        self._event: Optional[torch.cuda.Event] = None
+        self._pending: Optional[int] = None  # the optimizer step it belongs to
 
-    def reduce(self, params, ok, failed, step, deferred):
+    def reduce(self, params: Sequence[torch.Tensor], ok: Optional[torch.Tensor],
+               failed: Optional[Exception], step: int, deferred: bool) -> None:
         """ok: this rank's flag ([1] f32 on the gradients' device: 1 where
         its result is in param.grad), or failed: its exception. deferred:
         asynchronous GPU steps (the flag is read at check())."""
@@ -179,7 +188,7 @@ class Gate:
         if failed is not None:
             raise failed
 
-    def check(self):
+    def check(self) -> None:
         """Raises if the last deferred step was applied on no rank."""
         step, self._pending = self._pending, None
         if step is None:
@@ -188,11 +197,11 @@ class Gate:
         if not bool(self._host[0]):
             raise self._not_applied(step)
 
-    def drop(self):
+    def drop(self) -> None:
         """Forgets the deferred flag (its step raised its own error)."""
         self._pending = None
 
-    def _not_applied(self, step):
+    def _not_applied(self, step: int) -> _lib.DpclipError:
         return _lib.DpclipError(
             _lib.EUNAVAIL, "", "optimizer step %d was applied on no rank: it failed on at least "
             "one of the %d ranks (that rank raises its error), and without every rank's result "
@@ -217,7 +226,7 @@ def declare_member(engine: Any, step: _lib.Step) -> None:
     step.set_data_parallel(world, rank, engine.noise_multiplier)
 
 
-def broadcast_job_id(job_id: str, group=None, src: int = 0) -> str:
+def broadcast_job_id(job_id: str, group: Any = None, src: int = 0) -> str:
     """The ledger job id of global rank src, on every rank of group (None:
     all; every one calls it)."""
     box = [job_id]
@@ -225,7 +234,8 @@ def broadcast_job_id(job_id: str, group=None, src: int = 0) -> str:
     return box[0]
 
 
-def replica_groups(parts, mine, rank):
+def replica_groups(parts: Sequence[Tuple[int, ...]], mine: Sequence[int], rank: int
+                   ) -> Tuple[Any, int, int, int]:
     """Data parallelism over norm groups (every rank calls it alike):
     `parts` are the norm groups' global ranks (each in rank order, sorted,
     the same list on every rank), `mine` this rank's and `rank` its rank in
