@@ -2,8 +2,8 @@
 """Large logical batches: private vs non-private training with gradient
 accumulation (issue 39), throughput in tokens/s.
 
-    python3 bench/bench_accumulate.py --socket S                       # GPT-2-small-like, 512 in 8s
-    python3 bench/bench_accumulate.py --socket S --opacus              # and Opacus 1.6's way, for the record
+    python3 bench/bench_accumulate.py --socket S            # GPT-2-small-like, 512 in 8s
+    python3 bench/bench_accumulate.py --socket S --opacus   # and Opacus 1.6's way, for the record
     python3 bench/bench_accumulate.py --socket S --model llama1b --logical 256 --micro 4
     python3 bench/bench_accumulate.py --socket S --blocks 2 --d 128 --heads 4 --vocab 1000 \\
         --seq 64 --logical 16 --micro 4 --rounds 2 --steps 1 --device cpu   # CPU smoke test
@@ -141,7 +141,7 @@ def run(args, device, mode, socket_path):
         extra["epsilon"] = engine.last_epsilon
         extra["mps_active"] = bool(engine.client.info.mps_active)
         engine.close()
-    del model, opt, engine, batches
+    model = opt = engine = batches = None  # freed (not del: see docs/lint.md, F821)
     reset_peak(device)
     tokens = args.steps * args.logical * args.seq
     return tokens / secs, (mem.peak - base) / 2**20, extra
@@ -205,7 +205,8 @@ def run_opacus(args, device, amp):
             sync(device)
             secs = time.perf_counter() - t0
         feed.close()
-    del model, opt, criterion, loader, micro_loader, feed, xs, ys
+    # freed (not del: see docs/lint.md, F821)
+    model = opt = criterion = loader = micro_loader = feed = xs = ys = None
     reset_peak(device)
     return sum(sizes) * args.seq / secs, (mem.peak - base) / 2**20, sizes
 
@@ -309,7 +310,8 @@ def main():
     ratios = [p / d for (p, _, _), (d, _, _) in zip(rounds["plain"], rounds["dpclip"])]
     mem_p = max(m for _, m, _ in rounds["plain"])
     mem_d = max(m for _, m, _ in rounds["dpclip"])
-    print(json.dumps(dict(head, ratio="dpclip/plain", time_ratio=round(med["plain"] / med["dpclip"], 3),
+    print(json.dumps(dict(head, ratio="dpclip/plain",
+                          time_ratio=round(med["plain"] / med["dpclip"], 3),
                           time_ratio_best=round(min(ratios), 3),
                           time_ratio_worst=round(max(ratios), 3),
                           mem_ratio=round(mem_d / mem_p, 3) if mem_p > 0 else None,

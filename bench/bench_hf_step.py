@@ -137,7 +137,7 @@ def run(args, device, mode):
     mem = peak_mb(device)
     if engine is not None:
         engine.close()
-    del model, opt, engine
+    model = opt = engine = None  # freed (not del: see docs/lint.md, F821)
     reset_peak(device)
     return ms, mem, extra
 

@@ -624,7 +624,7 @@ def main():
         ap.error("--steps and --repeat must be at least 1")
     if args.device == "cuda" and torch.cuda.device_count() < world:
         ap.error("%s needs %d GPUs, this machine has %d" % (args.mode, world,
-                                                           torch.cuda.device_count()))
+                                                            torch.cuda.device_count()))
     config = {k: getattr(args, k) for k in ("blocks", "d", "heads", "vocab", "seq", "batch",
                                             "microbatches", "schedule", "warmup", "steps",
                                             "repeat")}

@@ -134,7 +134,7 @@ def run(args, mode, precision):
     box.clear()
     for m in linears:  # the lambdas make cycles: break them, free the model now
         m.__dict__.pop("forward", None)
-    del model, opt, linears
+    model = opt = linears = None  # freed (not del: see docs/lint.md, F821)
     gc.collect()
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()

@@ -73,7 +73,8 @@ class GPT(nn.Module):
         self.pos = nn.Embedding(seq, d)
         self.blocks = nn.ModuleList(Block(d, heads) for _ in range(blocks))
         self.ln = nn.LayerNorm(d)
-        self.head = nn.Linear(d, vocab, bias=False)  # untied: the figures of issue 8 (bench_hf_step.py measures a tied model)
+        # untied: the figures of issue 8 (bench_hf_step.py measures a tied model)
+        self.head = nn.Linear(d, vocab, bias=False)
 
     def forward(self, x):
         B, T = x.shape
@@ -257,7 +258,7 @@ def run(args, device, precision, mode, socket_path):
     if engine is not None:
         extra["mps_active"] = bool(engine.client.info.mps_active)
         engine.close()
-    del model, opt, engine
+    model = opt = engine = None  # freed (not del: see docs/lint.md, F821)
     reset_peak(device)
     return ms, mem, extra
 
@@ -301,7 +302,8 @@ def main():
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
-    config = {"model": args.model, "blocks": args.blocks, "d": args.d, "ffn": args.ffn, "heads": args.heads, "vocab": args.vocab,
+    config = {"model": args.model, "blocks": args.blocks, "d": args.d, "ffn": args.ffn,
+              "heads": args.heads, "vocab": args.vocab,
               "seq": args.seq, "batch": args.batch, "steps": args.steps, "repeat": args.repeat,
               "optimizer": "sgd",
               "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",

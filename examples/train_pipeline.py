@@ -3,10 +3,10 @@
 one process each, with DP-SGD through dpclipd: flat clipping across the
 stages, exactly as if the model were whole.
 
-    /usr/bin/python3 examples/train_pipeline.py                 # starts build/dpclipd itself
+    /usr/bin/python3 examples/train_pipeline.py                # starts build/dpclipd itself
     /usr/bin/python3 examples/train_pipeline.py --socket /tmp/d.sock --epochs 3
     /usr/bin/python3 examples/train_pipeline.py --microbatches 8 --schedule gpipe
-    /usr/bin/python3 examples/train_pipeline.py --daemons 2     # a GPU machine: one daemon per stage
+    /usr/bin/python3 examples/train_pipeline.py --daemons 2    # a GPU machine: one daemon per stage
 
 Stage 0 (rank 0) holds the token and position embeddings and the first
 blocks, stage 1 (rank 1) the last blocks, the final LayerNorm and the head.

@@ -74,7 +74,8 @@ class CharLM(nn.Module):
         self.pos = nn.Embedding(seq, d)
         self.blocks = nn.ModuleList(Block(d, heads) for _ in range(layers))
         self.ln = nn.LayerNorm(d)
-        self.head = nn.Linear(d, vocab)  # untied, with a bias (tied ones work too: see train_hf_gpt2.py)
+        # untied, with a bias (tied ones work too: see train_hf_gpt2.py)
+        self.head = nn.Linear(d, vocab)
 
     def forward(self, x):
         B, T = x.shape

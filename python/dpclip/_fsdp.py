@@ -452,7 +452,7 @@ class Sharded:
             raise _lib.DpclipError(x.code, x.field, "micro-batch %d of logical step %d (%d "
                                    "samples) failed, so the logical step was dropped: nothing "
                                    "released, nothing charged: %s" % (index, logical_id, B,
-                                                                     x.message)) from None
+                                                                      x.message)) from None
         finally:
             self._clip.set_logical(0)
             io.close()

@@ -9,6 +9,7 @@ import torch
 from . import _lib, _planner
 from ._layers import _ESIZE, _align, _tref
 
+
 class _HostIO:
     """A step's norm pass and sums through the engine's arena: one slot of
     the largest bucket's size at its start (the sums steps are synchronous:

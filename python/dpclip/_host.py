@@ -204,7 +204,7 @@ def _fill(mem: torch.Tensor, parts: Sequence[Part], slots: List[Tuple[int, int]]
 
     for pt, (a_off, g_off) in zip(parts, slots):
         av, gv = view(a_off, pt.in_dtype, pt.in_shape), view(g_off, pt.grad_dtype,
-                                                              pt.grad_shape)
+                                                             pt.grad_shape)
         if pt.inp is None:
             av.zero_()
             gv.zero_()

@@ -47,7 +47,7 @@ class DpclipError(RuntimeError):
         self.message = message or ""
         where = " [%s]" % self.field if self.field else ""
         super().__init__("dpclip error %d (%s)%s: %s" % (self.code, _strerror(self.code), where,
-                                                          self.message))
+                                                         self.message))
 
 
 # --- structures -------------------------------------------------------------------
@@ -157,7 +157,8 @@ def _declare(L: ctypes.CDLL) -> None:
     u64p = ctypes.POINTER(ctypes.c_uint64)
     sig = {
         "dpclip_default_socket": (c_char_p, []),
-        "dpclip_connect": (c_int, [c_char_p, ctypes.POINTER(ConnectOpts), ctypes.POINTER(c_void_p)]),
+        "dpclip_connect": (c_int, [c_char_p, ctypes.POINTER(ConnectOpts),
+                                   ctypes.POINTER(c_void_p)]),
         "dpclip_disconnect": (None, [c_void_p]),
         "dpclip_errmsg": (c_char_p, [c_void_p]),
         "dpclip_errfield": (c_char_p, [c_void_p]),
@@ -174,7 +175,8 @@ def _declare(L: ctypes.CDLL) -> None:
         "dpclip_step_add_embedding": (c_int, [c_void_p, ctypes.POINTER(Embedding)]),
         "dpclip_step_add_layernorm": (c_int, [c_void_p, ctypes.POINTER(NormLayer)]),
         "dpclip_step_add_rmsnorm": (c_int, [c_void_p, ctypes.POINTER(NormLayer)]),
-        "dpclip_step_set_outputs": (c_int, [c_void_p, ctypes.POINTER(Tensor), ctypes.POINTER(Tensor)]),
+        "dpclip_step_set_outputs": (c_int, [c_void_p, ctypes.POINTER(Tensor),
+                                            ctypes.POINTER(Tensor)]),
         "dpclip_step_want_layer_norms": (None, [c_void_p, c_int]),
         "dpclip_step_set_events": (None, [c_void_p, ctypes.c_uint64, ctypes.c_uint64]),
         "dpclip_result_free": (None, [ctypes.POINTER(Result)]),

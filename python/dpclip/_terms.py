@@ -13,7 +13,7 @@ __all__ = ["check_module", "check_terms", "loader_kind"]
 
 
 def check_terms(loss_reduction: str, max_grad_norm: float, noise_multiplier: float,
-                 algorithm: str) -> int:
+                algorithm: str) -> int:
     """make_private's clipping terms, each refused by its name; returns the
     algorithm's wire value."""
     if loss_reduction not in ("mean", "sum"):

@@ -76,7 +76,7 @@ class UniformWithReplacementSampler:
         self.steps = int(steps) if steps is not None else max(1, int(round(1.0 / sample_rate)))
         self.secure_mode = bool(secure_mode)
         self.generator = None if secure_mode else (generator if generator is not None
-                                                    else _urandom_generator())
+                                                   else _urandom_generator())
 
     def __len__(self) -> int:
         return self.steps

@@ -453,7 +453,7 @@ class PrivacyEngine:
             # the members' loaders made here draw the same masks
             gen = torch.Generator().manual_seed(group.seed)
         if data_loader is not None and poisson_sampling and not isinstance(data_loader,
-                                                                          DPDataLoader):
+                                                                           DPDataLoader):
             replica = {"rank": self.rank, "world_size": self.world_size} if group else {}
             data_loader = DPDataLoader.from_data_loader(data_loader, distributed=self.distributed,
                                                         secure_mode=secure_mode, generator=gen,

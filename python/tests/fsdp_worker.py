@@ -100,8 +100,8 @@ def run_sharded_hf(rank, world, init_file, socket_path, data, V, C, expected, ou
         torch.save({n: p.grad.clone() for n, p in model.named_parameters()},
                    os.path.join(out_dir, "hf%d.pt" % rank))
         sh = engine._shards  # pylint: disable=protected-access
-        torch.save({"buckets": len(sh._buckets), "sums_steps": sh.sums_steps,  # pylint: disable=protected-access
-                    "widest": sh.widest, "full": sh.full_n},
+        torch.save({"buckets": len(sh._buckets),  # pylint: disable=protected-access
+                    "sums_steps": sh.sums_steps, "widest": sh.widest, "full": sh.full_n},
                    os.path.join(out_dir, "hfmeta%d.pt" % rank))
         engine.close()
     finally:

@@ -94,7 +94,7 @@ def test_micro_batches_equal_the_union_reference(daemon, tmp_path, world, kind):
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_noise_once_per_logical_step_on_the_owned_rows_and_one_charge(daemon, tmp_path,
-                                                                       world):
+                                                                      world):
     """sigma > 0 on a zero loss, 3 logical steps of 3 micro-batches each:
     the commit's sums outputs hold the noise on exactly the rows of each
     parameter the rank owns and zeros elsewhere, the micro-batches before

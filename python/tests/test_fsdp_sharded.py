@@ -382,7 +382,7 @@ def test_cuda_sums_slots_never_take_memory_a_queued_collective_still_reads(monke
     def want(first, last):  # bucket's sums as the daemon writes them: element i is i + 1
         base = pieces[first].full_off
         end = pieces[last - 1].full_off + _fsdp._al(pieces[last - 1].chunk *
-                                                     pieces[last - 1].inner)
+                                                    pieces[last - 1].inner)
         return torch.arange(base, end, dtype=torch.float32) + 1
 
     class Client:

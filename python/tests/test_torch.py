@@ -13,8 +13,7 @@ from dpclip import _lib
 from dpclip.data import DPDataLoader
 from dpclip.torch import (PrivacyEngine, UnsupportedModuleError, fresh_job_id, make_private,
                           reduce_loss)
-from models import (FlatModel, SeqModel, flat_data, per_sample_losses, reference, seq_data,
-                    HAS_RMSNORM)
+from models import FlatModel, SeqModel, flat_data, per_sample_losses, reference, seq_data
 
 B = 9
 
