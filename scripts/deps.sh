@@ -8,9 +8,11 @@ libcmocka-dev libopenblas-dev"
 # The node service: config file (inih), status endpoint (libmicrohttpd),
 # systemd notify/socket activation (libsystemd), dpclipctl (libcurl, jansson);
 # the status test parses /metrics with prometheus_client's own parser; the
-# man page test renders the pages with groff.
+# man page test renders the pages with groff; scripts/test.sh lints the
+# Python code with flake8 (docs/lint.md; the package has no /usr/bin/flake8:
+# it runs as python3 -m flake8).
 PKGS="$PKGS libinih-dev libmicrohttpd-dev libsystemd-dev libcurl4-openssl-dev libjansson-dev \
-python3 python3-prometheus-client groff-base"
+python3 python3-prometheus-client groff-base python3-flake8"
 # The fuzz targets (tests/fuzz) need clang's libFuzzer and sanitizer runtimes.
 PKGS="$PKGS clang libclang-rt-14-dev"
 # The Python package's tests need PyTorch from Debian; opt out with DPCLIP_NO_TORCH=1.
