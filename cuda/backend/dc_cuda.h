@@ -78,7 +78,7 @@ int dc_cuda_backend_set_workspace(dc_backend *be, size_t initial, size_t max, dc
  * device's memory, none if that cannot be read).
  * Layers the grouped norm kernel takes are kept, in step order, while they
  * fit within it and within gpu.workspace_max; their clipped sums are then a
- * pass over memory instead of a GEMM (cuda/sgrad.cu). A step whose
+ * pass over memory instead of a GEMM (cuda/kernels/sgrad.cu). A step whose
  * workspace would leave the GPU less than a tenth of its memory free with
  * them, or cannot be allocated, runs without. dc_cuda_backend_sample_grads:
  * the cap in bytes, auto resolved. */
@@ -91,7 +91,7 @@ int dc_cuda_backend_kept_layers(const dc_backend *be);
  * outputs (the output check's mode 1) rather than through staging. */
 int dc_cuda_backend_kept_direct(const dc_backend *be);
 
-/* The DPCLIP_CUDA_* switches the instance follows (cuda/dcc.h,
+/* The DPCLIP_CUDA_* switches the instance follows (cuda/prims/dcc_types.h,
  * dcc_options): read from the environment when it was made; tests and
  * benchmarks replace them between steps. */
 struct dcc_options;

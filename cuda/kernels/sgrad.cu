@@ -23,6 +23,7 @@
  * they mostly fill idle issue slots. */
 #include <string.h>
 
+#include "dcc.h"
 #include "dcc_out.cuh"
 #include "dcc_util.cuh"
 

@@ -12,6 +12,7 @@
  * the embedding's index, summed in double. Indices outside the vocabulary
  * (flagged by the embedding's own kernels, which fail the step) are skipped
  * here, never read through. */
+#include "dcc.h"
 #include "dcc_device.cuh"
 
 namespace {

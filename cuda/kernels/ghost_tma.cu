@@ -11,6 +11,7 @@
  * the kernels compile empty and dcc_wgmma_available says 0. */
 #include <type_traits>
 
+#include "dcc.h"
 #include "dcc_tma.cuh"
 #include "dcc_util.cuh"
 

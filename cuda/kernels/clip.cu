@@ -24,6 +24,7 @@
  * __fadd_rn / __fdiv_rn (no contraction to FMA). */
 #include <float.h>
 
+#include "dcc.h"
 #include "dcc_out.cuh"
 #include "dcc_util.cuh"
 

@@ -6,6 +6,7 @@
  * 64x64 tiles and 4x4 outputs per thread: direct tiles of g_b^T a_b squared
  * in registers (bias from the first d-tile's column sums), ghost pairs of
  * Gram tiles on the lower triangle (bias = sum of the g Gram tile). */
+#include "dcc.h"
 #include "dcc_device.cuh"
 #include "dcc_util.cuh"
 

@@ -46,6 +46,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "dcc.h"
 #include "dcc_path.h"
 #include "dcc_tma.cuh"
 #include "dcc_util.cuh"

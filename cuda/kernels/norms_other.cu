@@ -16,6 +16,7 @@
  * [B,d] buffers are kept for the clipped sum. */
 #include <cub/device/device_radix_sort.cuh>
 
+#include "dcc.h"
 #include "dcc_device.cuh"
 
 namespace {

@@ -19,6 +19,7 @@
  * so that the ldmatrix reads of 8 rows hit 8 different bank groups. Operands
  * arrive through a multi-stage cp.async pipeline when rows are 16-byte
  * aligned, else through guarded element loads (odd feature sizes). */
+#include "dcc.h"
 #include "dcc_device.cuh"
 #include "dcc_path.h"
 #include "dcc_util.cuh"

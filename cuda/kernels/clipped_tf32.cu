@@ -42,6 +42,7 @@
  * 21.6; every element its own 4-byte cp.async straight into place, no
  * transpose 23.2; mma.sync (norms_tf32.cu) 23.5. Layers whose rows are not
  * on 16 bytes go to the mma.sync kernel, which calls this one. */
+#include "dcc.h"
 #include "dcc_tma.cuh"
 #include "dcc_util.cuh"
 

@@ -49,6 +49,7 @@
 #include <atomic>
 #include <type_traits>
 
+#include "dcc.h"
 #include "dcc_path.h"
 #include "dcc_tma.cuh"
 #include "dcc_util.cuh"

@@ -26,6 +26,7 @@
  * Ghost form: pairs (t, s <= t) of 128-row blocks, Gram tiles over K = d
  * then p in steps of 32 features, rows padded to 36 floats (conflict-free
  * for the same reason). */
+#include "dcc.h"
 #include "dcc_device.cuh"
 #include "dcc_util.cuh"
 

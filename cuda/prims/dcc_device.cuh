@@ -10,7 +10,9 @@
 
 #include <type_traits>
 
-#include "dcc.h"
+#include <cuda_runtime_api.h>
+
+#include "dcc_types.h"
 
 /* Storage types: bf16 and f16 are carried as raw 16-bit words, tagged so that
  * templates can pick the conversion and the mma variant. */
