@@ -59,7 +59,7 @@ done
 [ "$flags" -gt 20 ] || { echo "FAIL: only $flags flags read from --help"; fail=1; }
 # every DPCLIP_* variable the daemon's code reads (daemon/, cuda/)
 envs=0
-for var in $(cat "$mandir"/../daemon/*/*.c "$mandir"/../cuda/*.cu "$mandir"/../cuda/*.h |
+for var in $(cat "$mandir"/../daemon/*/*.c "$mandir"/../cuda/*/*.cu "$mandir"/../cuda/*/*.h |
              grep -o 'getenv("DPCLIP_[A-Z0-9_]*")\|"DPCLIP_CUDA_[A-Z0-9_]*"' |
              grep -o 'DPCLIP_[A-Z0-9_]*' | sort -u); do
     envs=$((envs + 1))
