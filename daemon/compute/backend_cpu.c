@@ -1,12 +1,17 @@
 /* The CPU backend: the reference implementation of backend.h's run_step,
  * and the default where no GPU is found.
  *
- * A step runs in phases so that a failure writes nothing:
- *   1. check every layer's data (cpu_check.c);
- *   2. squared norms per layer and sample (cpu_norms.c), then coefficients;
- *   3. every requested output into scratch (cpu_clip.c), plus noise, divided
- *      for MEAN, and checked finite in its output dtype;
- *   4. only then copy into the output tensors, norms_out and coefs_out.
+ * A step runs in phases so that a failure writes nothing, one function
+ * each (run_phases calls them; in brackets backend.h's numbers and the
+ * part of dc_step_result.phase_ns each is timed as):
+ *   1. phase_checks: every layer's data (cpu_check.c) [2.];
+ *   2. phase_norms: squared norms per layer and sample (cpu_norms.c)
+ *      [1., NORMS]; phase_reduction: then coefficients [3., REDUCTION];
+ *   3. per layer, phase_clipping: every requested output into scratch
+ *      (cpu_clip.c) [4., CLIPPING], and phase_noise: plus noise, divided for
+ *      MEAN, and checked finite in its output dtype [4., NOISE];
+ *   4. phase_commit: only then copy into the output tensors, norms_out and
+ *      coefs_out [4., 5.; NOISE].
  * Because inputs are only read before phase 4, outputs may even alias inputs.
  *
  * Threads: BLAS threading in OpenBLAS is global to the process; it is taken
@@ -215,12 +220,30 @@ static int stats_carve(dc_cpu_scratch *s, size_t L, uint32_t B, step_stats *st) 
     return 0;
 }
 
-/* Phase 1 over the whole step: dimensions, finite floats, and every
- * embedding's indices copied into daemon memory and checked there. *lay
- * receives the layers the later phases read (scratch, valid until the next
- * step). */
-static int check_step(dc_cpu_scratch *s, const dc_step *step, const dc_layer **lay,
-                      dc_err *err) {
+/* What the phases of one step share (run_phases): the step, the layers
+ * as phase_checks gave them, the per-step arrays, and what one phase
+ * leaves for the next. */
+typedef struct phase_ctx {
+    cpu_backend *cb;
+    const dc_step *step;
+    const dc_layer *lay; /* the layers the phases read: embedding indices in daemon memory */
+    uint32_t B;
+    size_t L;
+    bool per_layer;
+    float scale;         /* dc_step_grad_scale */
+    step_stats st;
+    float noise_std;     /* phase_reduction's */
+    float *outs;         /* plan_outputs': the outputs' scratch, st.off into it */
+    float divisor;       /* plan_outputs': MEAN's expected batch, else 1 */
+} phase_ctx;
+
+/* backend.h 2., before any arithmetic, over the whole step: dimensions,
+ * finite floats, and every embedding's indices copied into daemon memory
+ * and checked there. c->lay receives the layers the later phases read
+ * (scratch, valid until the next step). */
+static int phase_checks(phase_ctx *c, dc_err *err) {
+    dc_cpu_scratch *s = &c->cb->s;
+    const dc_step *step = c->step;
     size_t L = step->n_layers, n_idx = 0;
     uint32_t B = step->batch;
     int rc;
@@ -237,7 +260,7 @@ static int check_step(dc_cpu_scratch *s, const dc_step *step, const dc_layer **l
         if ((rc = dc_cpu_check_layer(ly, B, &safe[l], idx, err))) return rc;
         if (ly->kind == DC_LAYER_EMBEDDING) idx += (size_t)B * (size_t)ly->T;
     }
-    *lay = safe;
+    c->lay = safe;
     return 0;
 }
 
@@ -265,73 +288,54 @@ static int check_norms(const dc_layer *lay, size_t L, uint32_t B, const double *
  * steps used its scratch); PHASE_ALL is a whole step. */
 enum run_phases { PHASE_ALL, PHASE_NORMS, PHASE_CLIP };
 
-static int run_phases(dc_backend *be, const dc_step *step, enum run_phases want, double *n2_out,
-                      const double *n2_in, const double *tot_in, dc_step_result *res,
-                      dc_err *err) {
-    cpu_backend *cb = (cpu_backend *)be;
-    dc_cpu_scratch *s = &cb->s;
-    uint64_t t0, t1;
-    uint32_t B = step->batch;
-    size_t L = step->n_layers;
-    bool per_layer = step->mode == DC_CLIP_PER_LAYER;
-    float scale = dc_step_grad_scale(step);
-    step_stats st;
+/* backend.h 1. (DC_RUN_NORMS): n2[l][b] into c->st.n2, tied pairs' shared
+ * weight included, each checked finite; PHASE_CLIP's are n2_in. */
+static int phase_norms(phase_ctx *c, enum run_phases want, const double *n2_in, dc_err *err) {
+    dc_cpu_scratch *s = &c->cb->s;
+    const dc_layer *lay = c->lay;
+    uint32_t B = c->B;
+    size_t L = c->L;
     int rc;
-
-    t0 = dc_clock_ns();
-    if (step->device >= 0)
-        return dc_err_set(err, DC_EPRECOND, "clip_step",
-                          "the CPU backend cannot read tensors in GPU memory (cuda:%d)",
-                          step->device);
-    if (want != PHASE_NORMS &&
-        (B == 0 || !res->norms || !res->coefs || !res->layer_norms ||
-         (per_layer && !res->layer_coefs) || res->batch != B || res->n_layers != L))
-        return dc_err_set(err, DC_EINTERNAL, "", "step result not initialised for this step");
-
-    /* 1. data checks, before any arithmetic; from here on the layers are
-     * read through `lay`, whose embedding indices are daemon-memory copies */
-    const dc_layer *lay = NULL;
-    if ((rc = check_step(s, step, &lay, err))) return rc;
-    if (stats_carve(s, L, B, &st))
-        return dc_err_set(err, DC_ENOSPACE, "", "out of memory for the CPU backend's scratch");
-
-    /* 2. norms and coefficients. Clipping and noise are summed over layers
-     * below: start them at 0 even if the caller reuses a result. */
-    uint64_t tp = dc_clock_ns(), tq;
     if (want == PHASE_CLIP) {
-        memcpy(st.n2, n2_in, L * B * sizeof *st.n2);
+        memcpy(c->st.n2, n2_in, L * B * sizeof *c->st.n2);
     } else {
         for (size_t l = 0; l < L; l++)
-            if ((rc = dc_cpu_layer_sqnorms(s, &lay[l], B, scale, st.n2 + l * B, err)))
+            if ((rc = dc_cpu_layer_sqnorms(s, &lay[l], B, c->scale, c->st.n2 + l * B, err)))
                 return rc;
         for (size_t l = 0; l < L; l++) /* tied pairs: the shared weight's norm */
             if (dc_layer_tied_later(&lay[l]) &&
-                (rc = dc_cpu_tie_sqnorms(s, lay, l, B, scale, st.n2, err)))
+                (rc = dc_cpu_tie_sqnorms(s, lay, l, B, c->scale, c->st.n2, err)))
                 return rc;
-        if ((rc = check_norms(lay, L, B, st.n2, err))) return rc;
+        if ((rc = check_norms(lay, L, B, c->st.n2, err))) return rc;
     }
-    if (want == PHASE_NORMS) {
-        memcpy(n2_out, st.n2, L * B * sizeof *n2_out);
-        return 0;
-    }
-    res->phase_ns[DC_RUN_CLIPPING] = res->phase_ns[DC_RUN_NOISE] = 0;
-    tq = dc_clock_ns();
-    res->phase_ns[DC_RUN_NORMS] = tq - tp + 1; /* + 1: measured, even if under 1 ns */
-    tp = tq;
+    return 0;
+}
+
+/* backend.h 3. (DC_RUN_REDUCTION): the norms n[b] and the coefficients
+ * (FLAT: coefs[b]; PER_LAYER: lcoef[l][b]) from the squared norms, or from
+ * the group's per-sample totals tot_in; c->noise_std. */
+static int phase_reduction(phase_ctx *c, const double *tot_in, dc_err *err) {
+    const dc_step *step = c->step;
+    const dc_layer *lay = c->lay;
+    uint32_t B = c->B;
+    size_t L = c->L;
+    bool per_layer = c->per_layer;
+    step_stats *st = &c->st;
+    int rc;
     double noise_c2 = 0.0; /* PER_LAYER noise uses sqrt(sum_l C_l^2) */
     /* Coefficients from an upper bound on each norm, n (1 + e) (step.h);
      * the reply keeps the computed norms. The e of a FLAT step is the
      * largest over its layers, also when a norm group's totals come in:
      * each member bounds its own layers' part of the total (docs/design.md). */
-    if ((rc = dc_clip_e_check(step, cb->clip_how, err))) return rc;
-    const double e_flat = per_layer ? 0.0 : dc_clip_e_step(step, cb->clip_how);
+    if ((rc = dc_clip_e_check(step, c->cb->clip_how, err))) return rc;
+    const double e_flat = per_layer ? 0.0 : dc_clip_e_step(step, c->cb->clip_how);
     for (uint32_t b = 0; b < B; b++) {
         double tot = 0.0;
         if (tot_in) {
             tot = tot_in[b]; /* the group's: every member's layers */
         } else {
             for (size_t l = 0; l < L; l++) {
-                double v = st.n2[l * B + b];
+                double v = st->n2[l * B + b];
                 /* a layer left out (step.h: fused group steps) still fails
                  * the step when its norm is not finite */
                 tot += !lay[l].norm_excluded ? v : isfinite(v) ? 0.0 : v;
@@ -341,32 +345,37 @@ static int run_phases(dc_backend *be, const dc_step *step, enum run_phases want,
             return dc_err_set(err, DC_ENONFINITE, "clip_step",
                               "the gradient norm of sample %u is not finite; nothing was written",
                               b);
-        st.norms[b] = (float)sqrt(tot);
-        st.coefs[b] = per_layer ? 1.0f : dc_clip_coef(step->max_grad_norm, sqrt(tot), e_flat);
+        st->norms[b] = (float)sqrt(tot);
+        st->coefs[b] = per_layer ? 1.0f : dc_clip_coef(step->max_grad_norm, sqrt(tot), e_flat);
     }
     if (per_layer)
         for (size_t l = 0; l < L; l++) {
             float Cl = lay[l].max_grad_norm;
-            const double el = dc_clip_e(step, l, cb->clip_how);
+            const double el = dc_clip_e(step, l, c->cb->clip_how);
             noise_c2 += (double)Cl * Cl;
             for (uint32_t b = 0; b < B; b++)
-                st.lcoef[l * B + b] = dc_clip_coef(Cl, sqrt(st.n2[l * B + b]), el);
+                st->lcoef[l * B + b] = dc_clip_coef(Cl, sqrt(st->n2[l * B + b]), el);
         }
-    float noise_std =
+    c->noise_std =
         step->noise_multiplier *
         (per_layer ? (float)sqrt(noise_c2)
                    : step->noise_norm > 0.0f ? step->noise_norm : step->max_grad_norm);
-    tq = dc_clock_ns();
-    res->phase_ns[DC_RUN_REDUCTION] = tq - tp + 1;
-    tp = tq;
+    return 0;
+}
 
-    /* 3. outputs into scratch */
+/* backend.h 4., before the layers' sums: each requested output's offset in
+ * the scratch (st.off), the scratch (c->outs) and MEAN's divisor. */
+static int plan_outputs(phase_ctx *c, dc_err *err) {
+    dc_cpu_scratch *s = &c->cb->s;
+    const dc_step *step = c->step;
+    const dc_layer *lay = c->lay;
+    step_stats *st = &c->st;
     size_t total = 0;
-    for (size_t l = 0; l < L; l++) {
+    for (size_t l = 0; l < c->L; l++) {
         const dc_layer *ly = &lay[l];
         const dc_tensor *o[2] = {&ly->weight_grad_out, &ly->bias_grad_out};
         for (int k = 0; k < 2; k++) {
-            st.off[2 * l + k] = SIZE_MAX;
+            st->off[2 * l + k] = SIZE_MAX;
             if (!o[k]->data || (k == 1 && !ly->has_bias)) continue;
             size_t n = dc_cpu_numel(o[k]);
             if ((uint64_t)n > DC_NOISE_MAX_N) {
@@ -375,85 +384,173 @@ static int run_phases(dc_backend *be, const dc_step *step, enum run_phases want,
                 return dc_err_set(err, DC_EINVAL, f, "more than %llu elements",
                                   (unsigned long long)DC_NOISE_MAX_N);
             }
-            st.off[2 * l + k] = total;
+            st->off[2 * l + k] = total;
             total += n;
         }
     }
-    float *outs = NULL;
+    c->outs = NULL;
     if (total) {
-        outs = dc_cpu_buf_reserve(&s->out, total * sizeof(float));
-        if (!outs)
+        c->outs = dc_cpu_buf_reserve(&s->out, total * sizeof(float));
+        if (!c->outs)
             return dc_err_set(err, DC_ENOSPACE, "", "out of memory for %zu output values", total);
     }
-    float divisor = step->reduction == DC_REDUCTION_MEAN
-                        ? (float)(step->expected_batch ? step->expected_batch : B)
-                        : 1.0f;
+    c->divisor = step->reduction == DC_REDUCTION_MEAN
+                     ? (float)(step->expected_batch ? step->expected_batch : c->B)
+                     : 1.0f;
+    return 0;
+}
+
+/* backend.h 4. (DC_RUN_CLIPPING) for layer l: its clipped sums into the
+ * scratch, a tied pair's other use of the shared weight added. */
+static int phase_clipping(phase_ctx *c, size_t l, dc_err *err) {
+    dc_cpu_scratch *s = &c->cb->s;
+    const dc_layer *lay = c->lay;
+    const dc_layer *ly = &lay[l];
+    step_stats *st = &c->st;
+    uint32_t B = c->B;
+    size_t ow = st->off[2 * l], ob = st->off[2 * l + 1];
+    int rc;
+    for (uint32_t b = 0; b < B; b++)
+        st->cvec[b] =
+            dc_clip_scaled(c->per_layer ? st->lcoef[l * B + b] : st->coefs[b], c->scale);
+    rc = dc_cpu_layer_clipped_sum(s, ly, B, st->cvec, ow == SIZE_MAX ? NULL : c->outs + ow,
+                                  ob == SIZE_MAX ? NULL : c->outs + ob, err);
+    if (rc) return rc;
+    if (ly->tie_owner && ow != SIZE_MAX && /* the other use of the shared weight */
+        (rc = dc_cpu_layer_clipped_add(s, &lay[ly->tie - 1], B, st->cvec, c->outs + ow, err)))
+        return rc;
+    return 0;
+}
+
+/* backend.h 4. (DC_RUN_NOISE) for layer l's outputs in the scratch: a
+ * micro-batch's accumulation, else the noise, the division and the check
+ * that each value is finite in its output's dtype. */
+static int phase_noise(phase_ctx *c, size_t l, dc_step_result *res, dc_err *err) {
+    const dc_step *step = c->step;
+    const dc_layer *ly = &c->lay[l];
+    for (int k = 0; k < 2; k++) {
+        size_t off = c->st.off[2 * l + k];
+        if (off == SIZE_MAX) continue;
+        const dc_tensor *t = k ? &ly->bias_grad_out : &ly->weight_grad_out;
+        size_t n = dc_cpu_numel(t);
+        float *v = c->outs + off;
+        if (accumulate(step->acc, k ? ly->acc_b : ly->acc_w, v, n)) continue;
+        add_noise(dc_step_noise_src(step, ly, l, k), dc_noise_span_of(ly, k), c->noise_std, v,
+                  n);
+        if (c->divisor != 1.0f)
+            for (size_t i = 0; i < n; i++) v[i] /= c->divisor;
+        int64_t bad = find_bad_out(v, n, t->dtype);
+        if (bad >= 0) {
+            char f[128];
+            res->released = true; /* where it failed depends on the noise */
+            snprintf(f, sizeof f, "%s.%s", ly->name, k ? "bias_grad_out" : "weight_grad_out");
+            /* no value in the message: it is noised, and a failed
+             * step releases nothing */
+            return dc_err_set(err, DC_ENONFINITE, f,
+                              "clipped sum element %lld is not finite as %s (overflow); "
+                              "nothing was written",
+                              (long long)bad, dc_dtype_name(t->dtype));
+        }
+    }
+    return 0;
+}
+
+/* backend.h 4.'s write and 5.: the outputs, norms_out and coefs_out (a
+ * fused group step's other members' too) and the result. Nothing can fail
+ * from here on (a micro-batch that accumulates writes no output). */
+static void phase_commit(phase_ctx *c, dc_step_result *res) {
+    const dc_step *step = c->step;
+    const dc_layer *lay = c->lay;
+    const step_stats *st = &c->st;
+    uint32_t B = c->B;
+    size_t L = c->L;
+    for (size_t l = 0; l < L; l++)
+        for (int k = 0; k < 2; k++) {
+            size_t off = st->off[2 * l + k];
+            const dc_layer *ly = &lay[l];
+            if (off != SIZE_MAX && (step->acc == DC_ACC_NONE || step->acc == DC_ACC_COMMIT))
+                store_out(k ? &ly->bias_grad_out : &ly->weight_grad_out, c->outs + off,
+                          dc_cpu_numel(k ? &ly->bias_grad_out : &ly->weight_grad_out));
+        }
+    if (step->norms_out.data) memcpy(step->norms_out.data, st->norms, B * sizeof(float));
+    if (step->coefs_out.data) memcpy(step->coefs_out.data, st->coefs, B * sizeof(float));
+    for (size_t i = 0; i < step->n_more_outs; i++) {
+        if (step->more_norms_out[i].data)
+            memcpy(step->more_norms_out[i].data, st->norms, B * sizeof(float));
+        if (step->more_coefs_out[i].data)
+            memcpy(step->more_coefs_out[i].data, st->coefs, B * sizeof(float));
+    }
+    memcpy(res->norms, st->norms, B * sizeof(float));
+    memcpy(res->coefs, st->coefs, B * sizeof(float));
+    for (size_t i = 0; i < L * B; i++) res->layer_norms[i] = (float)sqrt(st->n2[i]);
+    if (c->per_layer && res->layer_coefs)
+        memcpy(res->layer_coefs, st->lcoef, L * B * sizeof(float));
+}
+
+/* The phases in order, each timed as its part of res->phase_ns. */
+static int run_phases(dc_backend *be, const dc_step *step, enum run_phases want, double *n2_out,
+                      const double *n2_in, const double *tot_in, dc_step_result *res,
+                      dc_err *err) {
+    phase_ctx c = {.cb = (cpu_backend *)be,
+                   .step = step,
+                   .B = step->batch,
+                   .L = step->n_layers,
+                   .per_layer = step->mode == DC_CLIP_PER_LAYER,
+                   .scale = dc_step_grad_scale(step)};
+    uint64_t t0, t1;
+    const uint32_t B = c.B;
+    const size_t L = c.L;
+    int rc;
+
+    t0 = dc_clock_ns();
+    if (step->device >= 0)
+        return dc_err_set(err, DC_EPRECOND, "clip_step",
+                          "the CPU backend cannot read tensors in GPU memory (cuda:%d)",
+                          step->device);
+    if (want != PHASE_NORMS &&
+        (B == 0 || !res->norms || !res->coefs || !res->layer_norms ||
+         (c.per_layer && !res->layer_coefs) || res->batch != B || res->n_layers != L))
+        return dc_err_set(err, DC_EINTERNAL, "", "step result not initialised for this step");
+
+    /* data checks, before any arithmetic; from here on the layers are read
+     * through c.lay, whose embedding indices are daemon-memory copies */
+    if ((rc = phase_checks(&c, err))) return rc;
+    if (stats_carve(&c.cb->s, L, B, &c.st))
+        return dc_err_set(err, DC_ENOSPACE, "", "out of memory for the CPU backend's scratch");
+
+    uint64_t tp = dc_clock_ns(), tq;
+    if ((rc = phase_norms(&c, want, n2_in, err))) return rc;
+    if (want == PHASE_NORMS) {
+        memcpy(n2_out, c.st.n2, L * B * sizeof *n2_out);
+        return 0;
+    }
+    /* Clipping and noise are summed over layers below: start them at 0
+     * even if the caller reuses a result. */
+    res->phase_ns[DC_RUN_CLIPPING] = res->phase_ns[DC_RUN_NOISE] = 0;
+    tq = dc_clock_ns();
+    res->phase_ns[DC_RUN_NORMS] = tq - tp + 1; /* + 1: measured, even if under 1 ns */
+    tp = tq;
+    if ((rc = phase_reduction(&c, tot_in, err))) return rc;
+    tq = dc_clock_ns();
+    res->phase_ns[DC_RUN_REDUCTION] = tq - tp + 1;
+    tp = tq;
+
+    /* outputs into scratch: clipping and noise alternate per layer, timed
+     * apart */
+    if ((rc = plan_outputs(&c, err))) return rc;
     for (size_t l = 0; l < L; l++) {
-        const dc_layer *ly = &lay[l];
-        size_t ow = st.off[2 * l], ob = st.off[2 * l + 1];
-        if (ow == SIZE_MAX && ob == SIZE_MAX) continue;
-        for (uint32_t b = 0; b < B; b++)
-            st.cvec[b] = dc_clip_scaled(per_layer ? st.lcoef[l * B + b] : st.coefs[b], scale);
-        rc = dc_cpu_layer_clipped_sum(s, ly, B, st.cvec, ow == SIZE_MAX ? NULL : outs + ow,
-                                      ob == SIZE_MAX ? NULL : outs + ob, err);
-        if (rc) return rc;
-        if (ly->tie_owner && ow != SIZE_MAX && /* the other use of the shared weight */
-            (rc = dc_cpu_layer_clipped_add(s, &lay[ly->tie - 1], B, st.cvec, outs + ow, err)))
-            return rc;
-        tq = dc_clock_ns(); /* clipping and noise alternate per layer: summed apart */
+        if (c.st.off[2 * l] == SIZE_MAX && c.st.off[2 * l + 1] == SIZE_MAX) continue;
+        if ((rc = phase_clipping(&c, l, err))) return rc;
+        tq = dc_clock_ns();
         res->phase_ns[DC_RUN_CLIPPING] += tq - tp;
         tp = tq;
-        for (int k = 0; k < 2; k++) {
-            size_t off = st.off[2 * l + k];
-            if (off == SIZE_MAX) continue;
-            const dc_tensor *t = k ? &ly->bias_grad_out : &ly->weight_grad_out;
-            size_t n = dc_cpu_numel(t);
-            float *v = outs + off;
-            if (accumulate(step->acc, k ? ly->acc_b : ly->acc_w, v, n)) continue;
-            add_noise(dc_step_noise_src(step, ly, l, k), dc_noise_span_of(ly, k), noise_std, v,
-                      n);
-            if (divisor != 1.0f)
-                for (size_t i = 0; i < n; i++) v[i] /= divisor;
-            int64_t bad = find_bad_out(v, n, t->dtype);
-            if (bad >= 0) {
-                char f[128];
-                res->released = true; /* where it failed depends on the noise */
-                snprintf(f, sizeof f, "%s.%s", ly->name, k ? "bias_grad_out" : "weight_grad_out");
-                /* no value in the message: it is noised, and a failed
-                 * step releases nothing */
-                return dc_err_set(err, DC_ENONFINITE, f,
-                                  "clipped sum element %lld is not finite as %s (overflow); "
-                                  "nothing was written",
-                                  (long long)bad, dc_dtype_name(t->dtype));
-            }
-        }
+        if ((rc = phase_noise(&c, l, res, err))) return rc;
         tq = dc_clock_ns();
         res->phase_ns[DC_RUN_NOISE] += tq - tp;
         tp = tq;
     }
 
-    /* 4. commit: nothing can fail from here on (a micro-batch that
-     * accumulates writes no output) */
-    for (size_t l = 0; l < L; l++)
-        for (int k = 0; k < 2; k++) {
-            size_t off = st.off[2 * l + k];
-            const dc_layer *ly = &lay[l];
-            if (off != SIZE_MAX && (step->acc == DC_ACC_NONE || step->acc == DC_ACC_COMMIT))
-                store_out(k ? &ly->bias_grad_out : &ly->weight_grad_out, outs + off,
-                          dc_cpu_numel(k ? &ly->bias_grad_out : &ly->weight_grad_out));
-        }
-    if (step->norms_out.data) memcpy(step->norms_out.data, st.norms, B * sizeof(float));
-    if (step->coefs_out.data) memcpy(step->coefs_out.data, st.coefs, B * sizeof(float));
-    for (size_t i = 0; i < step->n_more_outs; i++) {
-        if (step->more_norms_out[i].data)
-            memcpy(step->more_norms_out[i].data, st.norms, B * sizeof(float));
-        if (step->more_coefs_out[i].data)
-            memcpy(step->more_coefs_out[i].data, st.coefs, B * sizeof(float));
-    }
-    memcpy(res->norms, st.norms, B * sizeof(float));
-    memcpy(res->coefs, st.coefs, B * sizeof(float));
-    for (size_t i = 0; i < L * B; i++) res->layer_norms[i] = (float)sqrt(st.n2[i]);
-    if (per_layer && res->layer_coefs) memcpy(res->layer_coefs, st.lcoef, L * B * sizeof(float));
+    phase_commit(&c, res);
     t1 = dc_clock_ns();
     res->phase_ns[DC_RUN_NOISE] += t1 - tp;
     res->phase_ns[DC_RUN_CLIPPING] += 1;
