@@ -1,5 +1,5 @@
-/* Internal to the CUDA backend (backend_cuda.cu, backend_diag.cu): the
- * instance, the per-step workspace layout and the helpers both files use.
+/* Internal to the CUDA backend (backend_*.cu, wait.cu): the instance, the
+ * per-step workspace layout and the helpers its files share.
  * Not for the daemon (dc_cuda.h is its interface). C++ only. */
 #ifndef DC_CUDA_BACKEND_INT_H
 #define DC_CUDA_BACKEND_INT_H
@@ -129,9 +129,18 @@ inline bool want_out(const dc_layer *l, int k) {
     return k == 0 ? l->weight_grad_out.data != NULL : (l->has_bias && l->bias_grad_out.data);
 }
 
-/* Holds `want` bytes of device workspace in cb->ws (contents not kept);
- * DC_ENOSPACE if the allocation fails. */
+/* A step's workspace (backend_plan.cu). ws_alloc: holds `want` bytes of
+ * device workspace in cb->ws (contents not kept); DC_ENOSPACE if the
+ * allocation fails. plan_step: step s's layout in *Lo (the host-side
+ * per-layer tables grown to its layers), per-sample gradients kept where
+ * keep and the cap allow; keep_fits: whether a layout that keeps them
+ * leaves the GPU a tenth of its memory free; reserve: the workspace and the
+ * pinned host block grown to hold the layout (DC_ENOSPACE past
+ * gpu.workspace_max or when an allocation fails). */
 int ws_alloc(cuda_backend *cb, size_t want, dc_err *err);
+int plan_step(cuda_backend *cb, const dc_step *s, bool keep, layout *Lo, dc_err *err);
+bool keep_fits(cuda_backend *cb, const layout *Lo);
+int reserve(cuda_backend *cb, const layout *Lo, dc_err *err);
 
 /* Fails the step with a CUDA error; marks the instance broken when the
  * context is left unusable (a sticky error). */

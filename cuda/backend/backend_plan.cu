@@ -1,0 +1,244 @@
+/* The CUDA backend's workspace: where a step's parts go in it (plan_step,
+ * the layout of backend_int.h), whether keeping per-sample gradients
+ * leaves the GPU enough memory (keep_fits), and the device workspace and
+ * pinned host block grown for the step (reserve, ws_alloc). */
+#include <stdlib.h>
+#include <string.h>
+
+#include "backend_int.h"
+
+using namespace dcb;
+
+int dcb::ws_alloc(cuda_backend *cb, size_t want, dc_err *err) {
+    (void)cudaStreamSynchronize(cb->stream);
+    if (cb->ws) cudaFree(cb->ws);
+    cb->ws = NULL;
+    cb->ws_cap = 0;
+    if (cudaMalloc((void **)&cb->ws, want) != cudaSuccess) {
+        (void)cudaGetLastError();
+        cb->ws = NULL;
+        return dc_err_set(err, DC_ENOSPACE, "", "cannot allocate %zu bytes of workspace on cuda:%d",
+                          want, cb->device);
+    }
+    cb->ws_cap = want;
+    return 0;
+}
+
+namespace {
+
+/* Bytes of workspace that keep layer l's per-sample gradients (al()-ed),
+ * or 0 where they are not kept: a LINEAR layer of the grouped norm kernel
+ * whose clipped sum the grouped book-keeping kernel would make (so the
+ * output check's plan for it holds), not tied (its norm is a pair's), not
+ * rescued on the host, in a whole step (keep: the phases of a norm group
+ * run its norms in another call), with no noise range (a sums step's: only
+ * the output passes draw ranged noise; sums steps never keep anyway). */
+size_t keep_bytes(const cuda_backend *cb, const dc_step *s, size_t l, bool keep) {
+    const dc_layer *ly = &s->layers[l];
+    if (!keep || cb->opt.sgrad == DCC_SGRAD_OFF || !cb->opt.grouped || cb->sg_max == 0 ||
+        ly->kind != DC_LAYER_LINEAR || ly->tie || !want_out(ly, 0) || ly->noise_w.set ||
+        ly->noise_b.set || (cb->ovr_active && cb->ovr[l]))
+        return 0;
+    dcc_linear x = linear_of(cb, ly, (int)s->batch, dc_layer_norm_bias(ly), false);
+    /* a kept layer's norms run direct, even where the ghost form would be
+     * cheaper alone (grouped_norms), unless the client asked for ghost */
+    if (ly->algo == DC_ALGO_GHOST || !dcc_norms_grouped_ok(&x, DC_ALGO_DIRECT) ||
+        !dcc_bk_grouped_ok(&x) ||
+        (cb->opt.sgrad != DCC_SGRAD_ALL &&
+         !dcc_sgrad_worth(x.T, x.d, x.p, dcc_linear_pick_grouped(x.T, x.d, x.p, ly->algo))))
+        return 0;
+    return al(dcc_sgrad_bytes(&x));
+}
+
+/* p grown to n elements (what it held kept); false, and p as it was, when
+ * out of memory: the per-layer arrays grow together, and a step that
+ * fails here leaves lay_cap, so the next one grows them all again. */
+template <typename T> bool grow(T *&p, size_t n) {
+    T *q = (T *)realloc(p, n * sizeof *q);
+    if (!q) return false;
+    p = q;
+    return true;
+}
+
+} // namespace
+
+int dcb::plan_step(cuda_backend *cb, const dc_step *s, bool keep, layout *Lo, dc_err *err) {
+    const size_t L = s->n_layers, B = s->batch, LB = L * B;
+    size_t o = 0, staged = 0, temp = 0, bsum = 0;
+    memset(Lo, 0, sizeof *Lo);
+    if (L > cb->lay_cap) {
+        if (!grow(cb->lay_off, L) || !grow(cb->bk, L) || !grow(cb->bk_grouped, L) ||
+            !grow(cb->nm, L) || !grow(cb->nm_grouped, L) || !grow(cb->safe, L) ||
+            !grow(cb->woff, L) || !grow(cb->sg_off, L) || !grow(cb->bk_layer, L) ||
+            !grow(cb->sg_out, 2 * L) || !grow(cb->sgl, L))
+            return dc_err_set(err, DC_ENOSPACE, "", "out of memory");
+        cb->lay_cap = L;
+    }
+    for (size_t l = 0; l < L; l++) {
+        const dc_layer *ly = &s->layers[l];
+        int64_t rows = (int64_t)B * ly->T;
+        if (ly->T > INT32_MAX || ly->d > INT32_MAX || ly->p > INT32_MAX || rows > INT32_MAX)
+            return dc_err_set(err, DC_EINVAL, ly->name,
+                              "dimensions beyond %d are not supported by the CUDA backend",
+                              INT32_MAX);
+        for (int k = 0; k < 2; k++) {
+            if (!want_out(ly, k)) continue;
+            uint64_t n;
+            numel_out(k ? &ly->bias_grad_out : &ly->weight_grad_out, &n);
+            if (n > ((uint64_t)1 << 33)) {
+                char f[128];
+                snprintf(f, sizeof f, "%s.%s", ly->name, k ? "bias_grad_out" : "weight_grad_out");
+                return dc_err_set(err, DC_EINVAL, f, "more than %llu elements",
+                                  (unsigned long long)((uint64_t)1 << 33));
+            }
+            Lo->n_out++;
+            if (n > Lo->max_n) Lo->max_n = n;
+            staged += al4(n);
+            Lo->chunks += dcc_out_chunks(n);
+        }
+        size_t t = 0;
+        switch (ly->kind) {
+        case DC_LAYER_LINEAR: {
+            if (dc_layer_norm_bias(ly)) { /* the direct norms' bias sums (p as padded) */
+                dcc_linear xb = linear_of(cb, ly, (int)B, true, false);
+                xb.p = (xb.p + 7) & ~7;
+                const size_t n = dcc_linear_bias_ws_bytes(&xb);
+                if (n > bsum) bsum = n;
+            }
+            if (want_out(ly, 0) && !bk_per_sample(ly))
+                t = (size_t)chunk_rows(ly, (uint32_t)B) * (size_t)(ly->d + ly->p) * 4 + 512;
+            dcc_linear x = linear_of(cb, ly, (int)B, false, false);
+            if (dcc_pad_wanted(&x)) {
+                size_t pt = (size_t)dcc_pad_samples(&x, PAD_CAP) * dcc_pad_sample_bytes(&x);
+                if (pt > t) t = pt;
+            }
+            break;
+        }
+        case DC_LAYER_EMBEDDING: t = dcc_embedding_ws_bytes((int)B, (int)ly->T); break;
+        case DC_LAYER_LAYERNORM:
+        case DC_LAYER_RMSNORM: /* row statistics; the bias-only sum's dummy weight */
+            t = (size_t)rows * 8 > (size_t)ly->d * 4 ? (size_t)rows * 8 : (size_t)ly->d * 4;
+            break;
+        }
+        if (ly->tie && t < B * sizeof(double)) t = B * sizeof(double); /* the cross terms */
+        if (t > temp) temp = t;
+    }
+    Lo->staged = staged;
+    Lo->status = 0;
+    Lo->mode = 4;
+    Lo->bad = 8;
+    Lo->n2 = 16;
+    Lo->flags = Lo->n2 + LB * 4;
+    Lo->amax = Lo->flags + LB * 4;
+    Lo->norms = Lo->amax + (size_t)Lo->n_out * 4; /* [0, norms) is zeroed per step */
+    Lo->coefs = Lo->norms + B * 4;
+    Lo->lcoef = Lo->coefs + B * 4;
+    Lo->dl_bytes = Lo->lcoef + LB * 4;
+    o = al(Lo->dl_bytes);
+    Lo->cs = o;
+    o += al(LB * 4);
+    Lo->perm = o; /* the grouped book-keeping's sample order and factors */
+    o += al(LB * 4);
+    Lo->fac = o;
+    o += al(LB * 4);
+    Lo->up = o;
+    Lo->consts = 0;
+    Lo->layer_c = 16;
+    Lo->count = al(16 + L * 4);
+    Lo->layer_e = al(Lo->count + L * 4);
+    Lo->outs = al(Lo->layer_e + L * 8);
+    Lo->up_bytes = Lo->outs + (size_t)Lo->n_out * sizeof(dcc_out);
+    o += al(Lo->up_bytes);
+    Lo->staging = o;
+    o += al(staged * 4);
+    Lo->per_sample = o;
+    for (size_t l = 0; l < L; l++) {
+        const dc_layer *ly = &s->layers[l];
+        cb->lay_off[l] = SIZE_MAX;
+        if (ly->kind == DC_LAYER_LAYERNORM || ly->kind == DC_LAYER_RMSNORM) {
+            cb->lay_off[l] = o;
+            o += al(2 * B * (size_t)ly->d * 4);
+        }
+    }
+    /* a norm group's per-sample totals (doubles), for the clip phase */
+    Lo->tot = o;
+    o += al(B * 8);
+    /* embedding indices, copied here once per step (snapshot_indices) */
+    Lo->idx = o;
+    for (size_t l = 0; l < L; l++) {
+        const dc_layer *ly = &s->layers[l];
+        if (ly->kind == DC_LAYER_EMBEDDING)
+            o += al((size_t)B * (size_t)ly->T * dc_dtype_size(ly->input.dtype));
+    }
+    Lo->temp = o;
+    Lo->temp_bytes = temp;
+    o += al(temp);
+    Lo->bsum = bsum ? o : SIZE_MAX; /* shared by the layers' launches, in stream order */
+    o += al(bsum);
+    /* kept per-sample gradients last: what is left of their cap decides how
+     * many layers fit */
+    Lo->sgrad = o;
+    for (size_t l = 0; l < L; l++) {
+        cb->sg_off[l] = SIZE_MAX;
+        size_t need = keep_bytes(cb, s, l, keep);
+        if (need == 0 || Lo->sgrad_bytes + need > cb->sg_max ||
+            (cb->ws_max && o + need > cb->ws_max))
+            continue;
+        cb->sg_off[l] = o;
+        o += need;
+        Lo->sgrad_bytes += need;
+    }
+    Lo->total = o;
+    return 0;
+}
+
+/* Whether a workspace that keeps per-sample gradients leaves the GPU a
+ * tenth of its memory free (KEEP_FREE_PARTS): they are an optimisation, and the
+ * trainers on the GPU may still need to grow. Growing frees the old
+ * workspace first (ws_alloc), so that counts as free. */
+constexpr size_t KEEP_FREE_PARTS = 10;
+
+bool dcb::keep_fits(cuda_backend *cb, const layout *Lo) {
+    if (Lo->total <= cb->ws_cap) return true; /* held already */
+    size_t avail = 0, total = 0;
+    if (cudaMemGetInfo(&avail, &total) != cudaSuccess) {
+        (void)cudaGetLastError();
+        return false;
+    }
+    avail += cb->ws_cap;
+    return avail > Lo->total && avail - Lo->total >= total / KEEP_FREE_PARTS;
+}
+
+int dcb::reserve(cuda_backend *cb, const layout *Lo, dc_err *err) {
+    if (cb->ws_max && Lo->total > cb->ws_max)
+        return dc_err_set(err, DC_ENOSPACE, "clip_step",
+                          "this step needs %zu bytes of GPU workspace on cuda:%d, over the "
+                          "daemon's gpu.workspace_max of %zu bytes: send fewer or smaller "
+                          "layers per step, or raise gpu.workspace_max",
+                          Lo->total, cb->device, cb->ws_max);
+    if (Lo->total > cb->ws_cap) {
+        /* a quarter more for the next, slightly larger step, but not a
+         * quarter of gigabytes of kept gradients */
+        size_t margin = Lo->total / 4 < ((size_t)256 << 20) ? Lo->total / 4 : (size_t)256 << 20;
+        size_t want = Lo->total + margin;
+        want = (want + ((size_t)2 << 20) - 1) & ~(((size_t)2 << 20) - 1);
+        if (cb->ws_max && want > cb->ws_max) want = cb->ws_max;
+        int rc = ws_alloc(cb, want, err);
+        if (rc) return rc;
+    }
+    size_t hneed = al(Lo->dl_bytes) + Lo->up_bytes;
+    if (hneed > cb->host_cap) {
+        size_t want = hneed + hneed / 4 + 4096;
+        if (cb->host) cudaFreeHost(cb->host);
+        cb->host = NULL;
+        cb->host_cap = 0;
+        if (cudaMallocHost((void **)&cb->host, want) != cudaSuccess) {
+            (void)cudaGetLastError();
+            cb->host = NULL;
+            return dc_err_set(err, DC_ENOSPACE, "", "cannot allocate %zu bytes of pinned memory",
+                              want);
+        }
+        cb->host_cap = want;
+    }
+    return 0;
+}
