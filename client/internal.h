@@ -1,11 +1,11 @@
 /* libdpclip internals shared by client.c (handles, requests, completions),
- * step.c (step objects and the ClipStep message) and wire.c (framing over the
- * Unix socket). Nothing here is exported: the library is built with
+ * step_build.c (step objects and the ClipStep message) and framing.c (frames
+ * over the Unix socket). Nothing here is exported: the library is built with
  * -fvisibility=hidden and only DPCLIP_API functions are visible.
  *
  * Locking: every public call on a dpclip_client takes c->mu for its whole
- * duration (a blocking dpclip_run holds it for the round trip). The wire and
- * step-building functions below assume the caller holds it. User callbacks
+ * duration (a blocking dpclip_run holds it for the round trip). The framing
+ * and step-building functions below assume the caller holds it. User callbacks
  * (dpclip_submit_cb) are never run with the lock held: completions are
  * collected during the call and their callbacks run just before it returns,
  * so a callback may call back into the library. */
@@ -105,7 +105,8 @@ struct dpclip_client {
     cl_cuda_buf *cuda_bufs; /* CUDA allocations registered (cuda.c) */
     size_t cb_n, cb_capn;
 
-    /* Scratch for building ClipStep messages (step.c), reused across steps. */
+    /* Scratch for building ClipStep messages (step_build.c), reused across
+     * steps. */
     void *msg_scratch;
     size_t msg_scratch_cap;
 
@@ -178,7 +179,7 @@ int cl_to_result(const Dpclip__ClipStepReply *r, uint32_t batch, uint32_t n_laye
 /* Forgets a released buffer id (no-op for non-CUDA buffers). */
 void cl_cuda_forget(dpclip_client *c, uint64_t id);
 
-/* --- wire (wire.c) -------------------------------------------------------- */
+/* --- framing (framing.c) -------------------------------------------------- */
 /* Deadlines are absolute dc_clock_ms() values (common/dc_clock.h), -1 = none. */
 int64_t cl_deadline(int timeout_ms);
 /* Packs req into c->sbuf as one frame and writes it all (with `pass_fd`
@@ -196,7 +197,7 @@ int cl_send_body(dpclip_client *c, const uint8_t *body, size_t len, int64_t dead
  * passes first, DPCLIP_EIO (handle dead) on socket errors or EOF. */
 int cl_read_reply(dpclip_client *c, int64_t deadline, Dpclip__Reply **out);
 
-/* --- steps (step.c) ------------------------------------------------------- */
+/* --- steps (step_build.c) ------------------------------------------------- */
 /* Builds the ClipStep message for s into scratch owned by c (valid until the
  * next call); local argument checks fail with DPCLIP_EARG. */
 int cl_step_message(dpclip_client *c, const dpclip_step *s, Dpclip__ClipStep **out);

@@ -20,8 +20,8 @@ static void test_disabled(void **state) {
     uv_loop_t loop;
     dc_gpu g;
     dc_err err;
-    dc_gpu_open_job oj;
-    dc_gpu_event_job ej;
+    dc_gpu_open_task ot;
+    dc_gpu_event_task et;
     assert_int_equal(uv_loop_init(&loop), 0);
     memset(&g, 0xab, sizeof g); /* init must not read what it is given */
     assert_int_equal(dc_gpu_init(&g, &loop, false, 0, 0, 0, &err), 0);
@@ -30,13 +30,13 @@ static void test_disabled(void **state) {
     assert_false(g.mps_active);
     assert_int_equal(dc_gpu_busy(&g), 0);
     /* every request for a device it does not serve */
-    memset(&oj, 0, sizeof oj);
-    memset(&ej, 0, sizeof ej);
-    assert_int_not_equal(dc_gpu_open_buffer(&g, &oj), 0);
-    assert_int_not_equal(dc_gpu_open_event(&g, &ej), 0);
-    oj.device = ej.device = -1;
-    assert_int_not_equal(dc_gpu_open_buffer(&g, &oj), 0);
-    assert_int_not_equal(dc_gpu_open_event(&g, &ej), 0);
+    memset(&ot, 0, sizeof ot);
+    memset(&et, 0, sizeof et);
+    assert_int_not_equal(dc_gpu_open_buffer(&g, &ot), 0);
+    assert_int_not_equal(dc_gpu_open_event(&g, &et), 0);
+    ot.device = et.device = -1;
+    assert_int_not_equal(dc_gpu_open_buffer(&g, &ot), 0);
+    assert_int_not_equal(dc_gpu_open_event(&g, &et), 0);
     dc_gpu_close(&g);
     dc_gpu_close(&g); /* twice: nothing left to close */
     assert_int_equal(uv_run(&loop, UV_RUN_DEFAULT), 0);

@@ -1,5 +1,5 @@
 /* Hostile clients against steps whose norms and clipped sums are computed
- * in different jobs (daemon/protocol/step_pass.c, step_run.c, group.c,
+ * in different worker tasks (daemon/protocol/step_pass.c, step_run.c, group.c,
  * step_fuse.c): a sums step's norm pass, a grouped member's norm phase
  * before the group's reduction, replicated layers counted once. The client
  * owns the memory and may rewrite it between the two; what the daemon

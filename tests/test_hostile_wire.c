@@ -1,9 +1,9 @@
 /* Hostile input, the wire under the step cache: the daemon keeps the last
  * step that validated and runs the same bytes again without decoding them
- * (daemon/protocol/wire.h, session_step.c). Frames the decoder refuses, or decodes to
- * another id (fields out of order, a second id), must be answered exactly as
- * without a cached step, while a well-behaved client keeps running exact
- * steps (the fixture: support/hostile.c). tests/fuzz/fuzz_frame.c checks
+ * (daemon/protocol/peek.h, session_step.c). Frames the decoder refuses, or
+ * decodes to another id (fields out of order, a second id), must be answered
+ * exactly as without a cached step, while a well-behaved client keeps running
+ * exact steps (the fixture: support/hostile.c). tests/fuzz/fuzz_frame.c checks
  * the same on generated frames. */
 #include <setjmp.h>
 #include <stdarg.h>

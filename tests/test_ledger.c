@@ -1,5 +1,5 @@
 /* The privacy ledger (daemon/privacy/ledger.c, ledger_file.c): composition matches
- * the accountant, refunds are exact, a job's delta is fixed by its first
+ * the accountant, refunds are exact, an account's delta is fixed by its first
  * step, job ids are never truncated, the history is bounded (and never
  * understates), accounts are capped per uid and expire, curves are computed
  * off the calling thread, files round-trip (with the insecure mark), writes
@@ -52,32 +52,32 @@ static double accountant_eps(double q, double sigma, double steps, double delta)
 
 static void test_compose_and_refund(void **state) {
     dc_ledger l;
-    dc_ledger_job *j;
+    dc_ledger_account *acct;
     dc_err e;
     double before, predicted;
     (void)state;
 
     assert_int_equal(dc_ledger_open(&l, "", 1e-5, &e), 0);
     assert_false(dc_ledger_persistent(&l));
-    j = dc_ledger_job_get(&l, 1000, "run-1");
-    assert_non_null(j);
-    assert_ptr_equal(dc_ledger_job_get(&l, 1000, "run-1"), j);
-    assert_true(dc_ledger_job_get(&l, 1001, "run-1") != j);   /* the uid is part of the key */
-    assert_true(j->eps == 0.0 && j->steps == 0);
+    acct = dc_ledger_account_get(&l, 1000, "run-1");
+    assert_non_null(acct);
+    assert_ptr_equal(dc_ledger_account_get(&l, 1000, "run-1"), acct);
+    assert_true(dc_ledger_account_get(&l, 1001, "run-1") != acct); /* the uid is part of the key */
+    assert_true(acct->eps == 0.0 && acct->steps == 0);
 
     for (int i = 0; i < 100; i++) {
-        predicted = dc_ledger_eps_after(&l, j, 0.01, 1.1, 1e-5);
-        assert_int_equal(dc_ledger_spend(&l, j, 0.01, 1.1, &e), 0);
+        predicted = dc_ledger_eps_after(&l, acct, 0.01, 1.1, 1e-5);
+        assert_int_equal(dc_ledger_spend(&l, acct, 0.01, 1.1, &e), 0);
         /* what the budget check predicted is what the spend costs */
-        assert_true(fabs(j->eps - predicted) <= 1e-12 * predicted);
+        assert_true(fabs(acct->eps - predicted) <= 1e-12 * predicted);
     }
-    assert_int_equal(j->steps, 100);
-    assert_true(fabs(j->eps - accountant_eps(0.01, 1.1, 100, 1e-5)) <= 1e-12 * j->eps);
+    assert_int_equal(acct->steps, 100);
+    assert_true(fabs(acct->eps - accountant_eps(0.01, 1.1, 100, 1e-5)) <= 1e-12 * acct->eps);
 
     /* A second kind of step composes by adding RDP curves. */
-    before = j->eps;
-    for (int i = 0; i < 10; i++) assert_int_equal(dc_ledger_spend(&l, j, 0.05, 2.0, &e), 0);
-    assert_int_equal(j->n_hist, 2);
+    before = acct->eps;
+    for (int i = 0; i < 10; i++) assert_int_equal(dc_ledger_spend(&l, acct, 0.05, 2.0, &e), 0);
+    assert_int_equal(acct->n_hist, 2);
     {
         double r1[DC_RDP_N_ORDERS], r2[DC_RDP_N_ORDERS], sum[DC_RDP_N_ORDERS];
         const double *o = dc_rdp_default_orders();
@@ -85,78 +85,79 @@ static void test_compose_and_refund(void **state) {
         dc_rdp_steps(0.05, 2.0, o, DC_RDP_N_ORDERS, r2);
         for (int k = 0; k < DC_RDP_N_ORDERS; k++) sum[k] = 100 * r1[k] + 10 * r2[k];
         double want = dc_rdp_epsilon(o, sum, DC_RDP_N_ORDERS, 1e-5, NULL);
-        assert_true(fabs(j->eps - want) <= 1e-12 * want);
-        assert_true(j->eps > before);
+        assert_true(fabs(acct->eps - want) <= 1e-12 * want);
+        assert_true(acct->eps > before);
         /* eps at another delta */
-        assert_true(dc_ledger_eps_at(j, 1e-8, NULL) > j->eps);
+        assert_true(dc_ledger_eps_at(acct, 1e-8, NULL) > acct->eps);
     }
 
     /* Refunds take back exactly what was spent. */
-    for (int i = 0; i < 10; i++) dc_ledger_refund(j, 0.05, 2.0);
-    assert_int_equal(j->n_hist, 1);
-    assert_true(fabs(j->eps - before) <= 1e-12 * before);
-    dc_ledger_refund(j, 0.05, 2.0);  /* nothing left of that kind: no-op */
-    assert_int_equal(j->steps, 100);
+    for (int i = 0; i < 10; i++) dc_ledger_refund(acct, 0.05, 2.0);
+    assert_int_equal(acct->n_hist, 1);
+    assert_true(fabs(acct->eps - before) <= 1e-12 * before);
+    dc_ledger_refund(acct, 0.05, 2.0); /* nothing left of that kind: no-op */
+    assert_int_equal(acct->steps, 100);
 
     /* No noise: infinite. */
-    assert_int_equal(dc_ledger_spend(&l, j, 0.01, 0.0, &e), 0);
-    assert_true(isinf(j->eps));
-    dc_ledger_refund(j, 0.01, 0.0);
-    assert_true(isfinite(j->eps));
+    assert_int_equal(dc_ledger_spend(&l, acct, 0.01, 0.0, &e), 0);
+    assert_true(isinf(acct->eps));
+    dc_ledger_refund(acct, 0.01, 0.0);
+    assert_true(isfinite(acct->eps));
     dc_ledger_close(&l);
 }
 
 static void test_terms(void **state) {
     dc_ledger l;
-    dc_ledger_job *j;
+    dc_ledger_account *acct;
     dc_err e;
     uint64_t gen;
     double eps5;
     (void)state;
     assert_int_equal(dc_ledger_open(&l, "", 1e-5, &e), 0);
-    j = dc_ledger_job_get(&l, 7, "terms");
-    /* before its first step a job may say at which delta it reports */
-    assert_int_equal(dc_ledger_job_terms(j, 1e-7, 0, &e), 0);
-    assert_true(j->delta == 1e-7);
-    assert_int_equal(dc_ledger_spend(&l, j, 0.02, 1.0, &e), 0);
-    eps5 = dc_ledger_eps_at(j, 1e-5, NULL);
-    assert_true(j->eps > eps5);
+    acct = dc_ledger_account_get(&l, 7, "terms");
+    /* before its first step an account may say at which delta it reports */
+    assert_int_equal(dc_ledger_account_terms(acct, 1e-7, 0, &e), 0);
+    assert_true(acct->delta == 1e-7);
+    assert_int_equal(dc_ledger_spend(&l, acct, 0.02, 1.0, &e), 0);
+    eps5 = dc_ledger_eps_at(acct, 1e-5, NULL);
+    assert_true(acct->eps > eps5);
     /* the budget only goes down */
-    assert_int_equal(dc_ledger_job_terms(j, 0, 8.0, &e), 0);
-    assert_true(j->budget_eps == 8.0);
-    assert_int_equal(dc_ledger_job_terms(j, 0, 9.0, &e), 0);
-    assert_true(j->budget_eps == 8.0);
-    gen = j->gen;
-    assert_int_equal(dc_ledger_job_terms(j, 1e-7, 8.0, &e), 0); /* its own delta: fine */
-    assert_true(j->gen == gen);  /* no change, no new generation to write */
-    assert_int_equal(dc_ledger_job_terms(j, 0, 3.0, &e), 0);
-    assert_true(j->budget_eps == 3.0 && j->gen == gen + 1);
+    assert_int_equal(dc_ledger_account_terms(acct, 0, 8.0, &e), 0);
+    assert_true(acct->budget_eps == 8.0);
+    assert_int_equal(dc_ledger_account_terms(acct, 0, 9.0, &e), 0);
+    assert_true(acct->budget_eps == 8.0);
+    gen = acct->gen;
+    assert_int_equal(dc_ledger_account_terms(acct, 1e-7, 8.0, &e), 0); /* its own delta: fine */
+    assert_true(acct->gen == gen); /* no change, no new generation to write */
+    assert_int_equal(dc_ledger_account_terms(acct, 0, 3.0, &e), 0);
+    assert_true(acct->budget_eps == 3.0 && acct->gen == gen + 1);
     dc_ledger_close(&l);
 }
 
 /* Raising delta after spending made the same spend look smaller: 2000 more
- * steps ran past a budget. A job's delta is fixed by its first step. */
+ * steps ran past a budget. An account's delta is fixed by its first step. */
 static void test_delta_fixed_by_first_step(void **state) {
     dc_ledger l;
-    dc_ledger_job *j;
+    dc_ledger_account *acct;
     dc_err e;
     double eps;
     uint64_t gen;
     (void)state;
     assert_int_equal(dc_ledger_open(&l, "", 1e-5, &e), 0);
-    j = dc_ledger_job_get(&l, 7, "fixed");
-    assert_int_equal(dc_ledger_job_terms(j, 0, 2.0, &e), 0); /* a budget at the default delta */
-    for (int i = 0; i < 50; i++) assert_int_equal(dc_ledger_spend(&l, j, 0.05, 1.0, &e), 0);
-    eps = j->eps;
-    gen = j->gen;
+    acct = dc_ledger_account_get(&l, 7, "fixed");
+    /* a budget at the default delta */
+    assert_int_equal(dc_ledger_account_terms(acct, 0, 2.0, &e), 0);
+    for (int i = 0; i < 50; i++) assert_int_equal(dc_ledger_spend(&l, acct, 0.05, 1.0, &e), 0);
+    eps = acct->eps;
+    gen = acct->gen;
     dc_err_clear(&e);
-    assert_int_equal(dc_ledger_job_terms(j, 0.1, 0, &e), DC_EPRECOND);
+    assert_int_equal(dc_ledger_account_terms(acct, 0.1, 0, &e), DC_EPRECOND);
     assert_string_equal(e.field, "clip_step.target_delta");
     assert_non_null(strstr(e.msg, "fixed by its first step"));
-    assert_true(j->delta == 1e-5 && j->eps == eps && j->gen == gen);
-    /* a smaller delta is refused as well: one delta per job */
-    assert_int_equal(dc_ledger_job_terms(j, 1e-9, 0, &e), DC_EPRECOND);
-    assert_true(j->delta == 1e-5);
+    assert_true(acct->delta == 1e-5 && acct->eps == eps && acct->gen == gen);
+    /* a smaller delta is refused as well: one delta per account */
+    assert_int_equal(dc_ledger_account_terms(acct, 1e-9, 0, &e), DC_EPRECOND);
+    assert_true(acct->delta == 1e-5);
     dc_ledger_close(&l);
 }
 
@@ -164,7 +165,7 @@ static void test_delta_fixed_by_first_step(void **state) {
  * shared one account. */
 static void test_job_id_length(void **state) {
     dc_ledger l;
-    dc_ledger_job *a = NULL, *b = NULL;
+    dc_ledger_account *a = NULL, *b = NULL;
     dc_err e;
     char id1[100], id2[100];
     (void)state;
@@ -173,19 +174,19 @@ static void test_job_id_length(void **state) {
     id1[80] = '\0';
     memcpy(id2, id1, sizeof id1);
     id2[70] = 'y';
-    assert_int_equal(dc_ledger_job_open(&l, 1, id1, &a, &e), DC_EINVAL);
+    assert_int_equal(dc_ledger_account_open(&l, 1, id1, &a, &e), DC_EINVAL);
     assert_string_equal(e.field, "hello.job_id");
     assert_non_null(strstr(e.msg, "at most 63 bytes"));
     assert_null(a);
-    assert_null(dc_ledger_job_get(&l, 1, id2));
-    assert_int_equal(l.n_jobs, 0);
+    assert_null(dc_ledger_account_get(&l, 1, id2));
+    assert_int_equal(l.n_accounts, 0);
     /* the longest id kept whole */
-    id1[DC_LEDGER_JOB_MAX - 1] = '\0';
-    assert_int_equal(dc_ledger_job_open(&l, 1, id1, &a, &e), 0);
-    assert_int_equal(strlen(a->job), DC_LEDGER_JOB_MAX - 1);
-    id2[DC_LEDGER_JOB_MAX - 1] = '\0';
-    id2[DC_LEDGER_JOB_MAX - 2] = 'y';
-    assert_int_equal(dc_ledger_job_open(&l, 1, id2, &b, &e), 0);
+    id1[DC_LEDGER_JOB_ID_MAX - 1] = '\0';
+    assert_int_equal(dc_ledger_account_open(&l, 1, id1, &a, &e), 0);
+    assert_int_equal(strlen(a->job_id), DC_LEDGER_JOB_ID_MAX - 1);
+    id2[DC_LEDGER_JOB_ID_MAX - 1] = '\0';
+    id2[DC_LEDGER_JOB_ID_MAX - 2] = 'y';
+    assert_int_equal(dc_ledger_account_open(&l, 1, id2, &b, &e), 0);
     assert_true(a != b);
     dc_ledger_close(&l);
 }
@@ -208,46 +209,46 @@ static void test_history_bounded(void **state) {
     enum { N = 400 };
     static double q[N], sigma[N], steps[N];
     dc_ledger l;
-    dc_ledger_job *j;
+    dc_ledger_account *acct;
     dc_err e;
     double want, before;
     (void)state;
     assert_int_equal(dc_ledger_open(&l, g_dir, 1e-5, &e), 0);
-    j = dc_ledger_job_get(&l, 3, "many-rates");
+    acct = dc_ledger_account_get(&l, 3, "many-rates");
     for (int i = 0; i < N; i++) {
         q[i] = 0.001 + 0.0001 * i;
         sigma[i] = 1.0;
         steps[i] = 1 + i % 3;
         for (int k = 0; k < (int)steps[i]; k++)
-            assert_int_equal(dc_ledger_spend(&l, j, q[i], sigma[i], &e), 0);
-        assert_true(j->n_hist <= DC_LEDGER_HIST_MAX);
+            assert_int_equal(dc_ledger_spend(&l, acct, q[i], sigma[i], &e), 0);
+        assert_true(acct->n_hist <= DC_LEDGER_HIST_MAX);
     }
-    assert_int_equal(j->n_hist, DC_LEDGER_HIST_MAX);
+    assert_int_equal(acct->n_hist, DC_LEDGER_HIST_MAX);
     want = exact_eps(q, sigma, steps, N, 1e-5);
-    assert_true(j->folded_steps > 0);
-    assert_true(j->eps >= want);                   /* never understated */
-    assert_true(j->eps <= want * (1 + 1e-9));      /* and as good as exact */
+    assert_true(acct->folded_steps > 0);
+    assert_true(acct->eps >= want);                /* never understated */
+    assert_true(acct->eps <= want * (1 + 1e-9));   /* and as good as exact */
     /* the most recent pairs are the ones kept apart */
     for (int i = N - DC_LEDGER_HIST_MAX; i < N; i++) {
         bool found = false;
-        for (size_t k = 0; k < j->n_hist; k++) found |= j->hist[k].q == q[i];
+        for (size_t k = 0; k < acct->n_hist; k++) found |= acct->hist[k].q == q[i];
         assert_true(found);
     }
     /* a refund of an early (folded) pair takes its step back */
-    before = j->eps;
-    dc_ledger_refund(j, q[0], sigma[0]);
+    before = acct->eps;
+    dc_ledger_refund(acct, q[0], sigma[0]);
     steps[0] -= 1;
-    assert_true(j->eps < before);
-    assert_true(j->eps >= exact_eps(q, sigma, steps, N, 1e-5));
+    assert_true(acct->eps < before);
+    assert_true(acct->eps >= exact_eps(q, sigma, steps, N, 1e-5));
     /* the bounded history round-trips through the file */
-    assert_int_equal(dc_ledger_save(&l, j, &e), 0);
-    before = j->eps;
+    assert_int_equal(dc_ledger_save(&l, acct, &e), 0);
+    before = acct->eps;
     dc_ledger_close(&l);
     assert_int_equal(dc_ledger_open(&l, g_dir, 1e-5, &e), 0);
-    j = dc_ledger_job_find(&l, 3, "many-rates");
-    assert_non_null(j);
-    assert_true(j->eps == before);
-    assert_true(j->n_hist == DC_LEDGER_HIST_MAX && j->folded_steps > 0);
+    acct = dc_ledger_account_find(&l, 3, "many-rates");
+    assert_non_null(acct);
+    assert_true(acct->eps == before);
+    assert_true(acct->n_hist == DC_LEDGER_HIST_MAX && acct->folded_steps > 0);
     dc_ledger_close(&l);
 }
 
@@ -255,7 +256,7 @@ static void test_history_bounded(void **state) {
  * max_jobs_per_uid per uid, and accounts nothing uses go. */
 static void test_jobs_per_uid(void **state) {
     dc_ledger l;
-    dc_ledger_job *j;
+    dc_ledger_account *acct;
     dc_err e;
     char name[32];
     (void)state;
@@ -263,39 +264,39 @@ static void test_jobs_per_uid(void **state) {
     dc_ledger_set_limits(&l, 3, 3600);
     for (int i = 0; i < 3; i++) {
         snprintf(name, sizeof name, "job-%d", i);
-        assert_int_equal(dc_ledger_job_open(&l, 42, name, &j, &e), 0);
-        j->sessions++; /* attached to a session */
+        assert_int_equal(dc_ledger_account_open(&l, 42, name, &acct, &e), 0);
+        acct->sessions++; /* attached to a session */
     }
-    assert_int_equal(dc_ledger_job_open(&l, 42, "one-more", &j, &e), DC_ENOSPACE);
+    assert_int_equal(dc_ledger_account_open(&l, 42, "one-more", &acct, &e), DC_ENOSPACE);
     assert_string_equal(e.field, "ledger.max_jobs_per_uid");
     assert_non_null(strstr(e.msg, "ledger.max_jobs_per_uid"));
-    assert_null(j);
-    /* its existing jobs and other uids are not affected */
-    assert_int_equal(dc_ledger_job_open(&l, 42, "job-1", &j, &e), 0);
-    assert_int_equal(dc_ledger_job_open(&l, 43, "one-more", &j, &e), 0);
-    /* a session ends; its job never spent anything: its place is free */
-    dc_ledger_job_find(&l, 42, "job-0")->sessions--;
+    assert_null(acct);
+    /* its existing accounts and other uids are not affected */
+    assert_int_equal(dc_ledger_account_open(&l, 42, "job-1", &acct, &e), 0);
+    assert_int_equal(dc_ledger_account_open(&l, 43, "one-more", &acct, &e), 0);
+    /* a session ends; its account never spent anything: its place is free */
+    dc_ledger_account_find(&l, 42, "job-0")->sessions--;
     assert_int_equal(dc_ledger_expire(&l, uv_hrtime()), 2); /* and uid 43's unused one */
-    assert_null(dc_ledger_job_find(&l, 42, "job-0"));
-    assert_int_equal(dc_ledger_job_open(&l, 42, "one-more", &j, &e), 0);
+    assert_null(dc_ledger_account_find(&l, 42, "job-0"));
+    assert_int_equal(dc_ledger_account_open(&l, 42, "one-more", &acct, &e), 0);
     /* at the cap, accounts that never spent and have no session make room
      * at once (a burst of Hellos between two sweeps) */
     for (int i = 0; i < 2; i++) {
         snprintf(name, sizeof name, "burst-%d", i);
-        assert_int_equal(dc_ledger_job_open(&l, 42, name, &j, &e), 0);
+        assert_int_equal(dc_ledger_account_open(&l, 42, name, &acct, &e), 0);
     }
-    assert_null(dc_ledger_job_find(&l, 42, "one-more")); /* made room for burst-0 */
-    assert_null(dc_ledger_job_find(&l, 42, "burst-0"));  /* and it for burst-1 */
-    assert_non_null(dc_ledger_job_find(&l, 42, "burst-1"));
-    assert_non_null(dc_ledger_job_find(&l, 42, "job-1")); /* in use: stays */
+    assert_null(dc_ledger_account_find(&l, 42, "one-more")); /* made room for burst-0 */
+    assert_null(dc_ledger_account_find(&l, 42, "burst-0")); /* and it for burst-1 */
+    assert_non_null(dc_ledger_account_find(&l, 42, "burst-1"));
+    assert_non_null(dc_ledger_account_find(&l, 42, "job-1")); /* in use: stays */
     /* many Hellos with fresh ids, each closed at once, hold nothing */
     dc_ledger_set_limits(&l, 0, 3600);
     for (int i = 0; i < 2000; i++) {
         snprintf(name, sizeof name, "hello-%d", i);
-        assert_non_null(dc_ledger_job_get(&l, 44, name));
+        assert_non_null(dc_ledger_account_get(&l, 44, name));
     }
     dc_ledger_expire(&l, uv_hrtime());
-    for (dc_ledger_job *k = l.jobs; k; k = k->next) assert_int_not_equal(k->uid, 44);
+    for (dc_ledger_account *k = l.accounts; k; k = k->next) assert_int_not_equal(k->uid, 44);
     dc_ledger_close(&l);
 }
 
@@ -303,7 +304,7 @@ static void test_jobs_per_uid(void **state) {
  * a session attached; then it goes, from memory only when it is on disk. */
 static void test_idle_expiry(void **state) {
     dc_ledger l;
-    dc_ledger_job *j;
+    dc_ledger_account *acct;
     dc_err e;
     uint64_t now, idle = 60 * 1000000000ull;
     double eps;
@@ -311,32 +312,33 @@ static void test_idle_expiry(void **state) {
     /* in memory: forgotten after the idle time */
     assert_int_equal(dc_ledger_open(&l, "", 1e-5, &e), 0);
     dc_ledger_set_limits(&l, 0, 60);
-    j = dc_ledger_job_get(&l, 5, "idle");
-    assert_int_equal(dc_ledger_spend(&l, j, 0.01, 1.0, &e), 0);
-    now = j->used_ns;
+    acct = dc_ledger_account_get(&l, 5, "idle");
+    assert_int_equal(dc_ledger_spend(&l, acct, 0.01, 1.0, &e), 0);
+    now = acct->used_ns;
     assert_int_equal(dc_ledger_expire(&l, now + idle - 1), 0);
-    j->sessions++;
+    acct->sessions++;
     assert_int_equal(dc_ledger_expire(&l, now + 10 * idle), 0); /* in use */
-    j->sessions--;
+    acct->sessions--;
     assert_int_equal(dc_ledger_expire(&l, now + idle), 1);
-    assert_null(dc_ledger_job_find(&l, 5, "idle"));
+    assert_null(dc_ledger_account_find(&l, 5, "idle"));
     dc_ledger_close(&l);
 
     /* persistent: dropped once on disk, and read back whole when named */
     assert_int_equal(dc_ledger_open(&l, g_dir, 1e-5, &e), 0);
     dc_ledger_set_limits(&l, 0, 60);
-    j = dc_ledger_job_get(&l, 5, "idle-disk");
-    assert_int_equal(dc_ledger_job_terms(j, 1e-6, 9.0, &e), 0);
-    for (int i = 0; i < 7; i++) assert_int_equal(dc_ledger_spend(&l, j, 0.02, 1.1, &e), 0);
-    eps = j->eps;
-    now = j->used_ns;
+    acct = dc_ledger_account_get(&l, 5, "idle-disk");
+    assert_int_equal(dc_ledger_account_terms(acct, 1e-6, 9.0, &e), 0);
+    for (int i = 0; i < 7; i++) assert_int_equal(dc_ledger_spend(&l, acct, 0.02, 1.1, &e), 0);
+    eps = acct->eps;
+    now = acct->used_ns;
     assert_int_equal(dc_ledger_expire(&l, now + idle), 0); /* not on disk yet */
-    assert_int_equal(dc_ledger_save(&l, j, &e), 0);
+    assert_int_equal(dc_ledger_save(&l, acct, &e), 0);
     assert_int_equal(dc_ledger_expire(&l, now + idle), 1);
-    assert_null(dc_ledger_job_find(&l, 5, "idle-disk"));
-    assert_int_equal(dc_ledger_job_open(&l, 5, "idle-disk", &j, &e), 0);
-    assert_true(j->eps == eps && j->steps == 7 && j->delta == 1e-6 && j->budget_eps == 9.0);
-    assert_true(j->saved_gen == j->gen);
+    assert_null(dc_ledger_account_find(&l, 5, "idle-disk"));
+    assert_int_equal(dc_ledger_account_open(&l, 5, "idle-disk", &acct, &e), 0);
+    assert_true(acct->eps == eps && acct->steps == 7 && acct->delta == 1e-6 &&
+                acct->budget_eps == 9.0);
+    assert_true(acct->saved_gen == acct->gen);
     dc_ledger_close(&l);
 }
 
@@ -344,7 +346,7 @@ static void test_idle_expiry(void **state) {
  * disk and unused, instead of refusing. */
 static void test_cap_drops_saved_accounts(void **state) {
     dc_ledger l;
-    dc_ledger_job *j;
+    dc_ledger_account *acct;
     dc_err e;
     char name[32];
     (void)state;
@@ -352,41 +354,41 @@ static void test_cap_drops_saved_accounts(void **state) {
     dc_ledger_set_limits(&l, 2, 3600);
     for (int i = 0; i < 2; i++) {
         snprintf(name, sizeof name, "saved-%d", i);
-        assert_int_equal(dc_ledger_job_open(&l, 9, name, &j, &e), 0);
-        assert_int_equal(dc_ledger_spend(&l, j, 0.1, 2.0, &e), 0);
+        assert_int_equal(dc_ledger_account_open(&l, 9, name, &acct, &e), 0);
+        assert_int_equal(dc_ledger_spend(&l, acct, 0.1, 2.0, &e), 0);
     }
     /* one is not on disk yet: only the other may go */
-    assert_int_equal(dc_ledger_save(&l, dc_ledger_job_find(&l, 9, "saved-0"), &e), 0);
-    assert_int_equal(dc_ledger_job_open(&l, 9, "new", &j, &e), 0);
-    assert_null(dc_ledger_job_find(&l, 9, "saved-0"));
-    assert_non_null(dc_ledger_job_find(&l, 9, "saved-1"));
-    j->sessions++;
-    assert_int_equal(dc_ledger_job_open(&l, 9, "saved-0", &j, &e), DC_ENOSPACE);
+    assert_int_equal(dc_ledger_save(&l, dc_ledger_account_find(&l, 9, "saved-0"), &e), 0);
+    assert_int_equal(dc_ledger_account_open(&l, 9, "new", &acct, &e), 0);
+    assert_null(dc_ledger_account_find(&l, 9, "saved-0"));
+    assert_non_null(dc_ledger_account_find(&l, 9, "saved-1"));
+    acct->sessions++;
+    assert_int_equal(dc_ledger_account_open(&l, 9, "saved-0", &acct, &e), DC_ENOSPACE);
     dc_ledger_close(&l);
 }
 
 /* A spend under --insecure-fixed-seed marks the account, on disk too. */
 static void test_insecure_mark(void **state) {
     dc_ledger l;
-    dc_ledger_job *j;
+    dc_ledger_account *acct;
     dc_err e;
     char *buf;
     size_t len;
     (void)state;
     assert_int_equal(dc_ledger_open(&l, g_dir, 1e-5, &e), 0);
     l.insecure = true;
-    j = dc_ledger_job_get(&l, 11, "insecure");
-    assert_false(j->insecure);
-    assert_int_equal(dc_ledger_spend(&l, j, 0.1, 2.0, &e), 0);
-    assert_true(j->insecure);
-    assert_int_equal(dc_ledger_serialize(j, &buf, &len), 0);
+    acct = dc_ledger_account_get(&l, 11, "insecure");
+    assert_false(acct->insecure);
+    assert_int_equal(dc_ledger_spend(&l, acct, 0.1, 2.0, &e), 0);
+    assert_true(acct->insecure);
+    assert_int_equal(dc_ledger_serialize(acct, &buf, &len), 0);
     assert_non_null(strstr(buf, "\ninsecure 1\n"));
     free(buf);
-    assert_int_equal(dc_ledger_save(&l, j, &e), 0);
+    assert_int_equal(dc_ledger_save(&l, acct, &e), 0);
     dc_ledger_close(&l);
     assert_int_equal(dc_ledger_open(&l, g_dir, 1e-5, &e), 0); /* a secure daemon now */
-    j = dc_ledger_job_find(&l, 11, "insecure");
-    assert_true(j->insecure);
+    acct = dc_ledger_account_find(&l, 11, "insecure");
+    assert_true(acct->insecure);
     dc_ledger_close(&l);
 }
 
@@ -401,7 +403,7 @@ static void on_curve(dc_ledger_waiter *w, int rc, const dc_err *err) {
 
 static void test_curve_async(void **state) {
     dc_ledger l;
-    dc_ledger_job *j;
+    dc_ledger_account *acct;
     dc_ledger_waiter w[3] = {{.gen = 0}, {.gen = 1}, {.gen = 2}};
     uv_loop_t loop;
     dc_err e;
@@ -409,8 +411,8 @@ static void test_curve_async(void **state) {
     (void)state;
     assert_int_equal(uv_loop_init(&loop), 0);
     assert_int_equal(dc_ledger_open(&l, "", 1e-5, &e), 0);
-    j = dc_ledger_job_get(&l, 1, "async");
-    assert_false(dc_ledger_has_curve(&l, j, 0.5, 1e6));
+    acct = dc_ledger_account_get(&l, 1, "async");
+    assert_false(dc_ledger_has_curve(&l, acct, 0.5, 1e6));
     for (int i = 0; i < 3; i++) w[i].done = on_curve;
     g_called = 0;
     dc_ledger_curve_async(&l, &loop, 0.5, 1e6, &w[0]);
@@ -423,18 +425,19 @@ static void test_curve_async(void **state) {
     assert_int_equal(g_order[0], 0);
     assert_int_equal(g_order[1], 2);
     assert_int_equal(g_order[2], 1);
-    assert_true(dc_ledger_has_curve(&l, j, 0.5, 1e6) && dc_ledger_has_curve(&l, j, 0.25, 3.0));
+    assert_true(dc_ledger_has_curve(&l, acct, 0.5, 1e6) &&
+                dc_ledger_has_curve(&l, acct, 0.25, 3.0));
     /* and the cached curve is the accountant's */
     dc_rdp_steps(0.25, 3.0, dc_rdp_default_orders(), DC_RDP_N_ORDERS, expect);
-    assert_int_equal(dc_ledger_spend(&l, j, 0.25, 3.0, &e), 0);
-    assert_memory_equal(j->hist[0].rdp, expect, sizeof expect);
+    assert_int_equal(dc_ledger_spend(&l, acct, 0.25, 3.0, &e), 0);
+    assert_memory_equal(acct->hist[0].rdp, expect, sizeof expect);
     dc_ledger_close(&l);
     assert_int_equal(uv_loop_close(&loop), 0);
 }
 
 static void test_persist_roundtrip(void **state) {
     dc_ledger l;
-    dc_ledger_job *a, *b;
+    dc_ledger_account *a, *b;
     dc_err e;
     char path[600];
     double eps_a, eps_b;
@@ -443,16 +446,17 @@ static void test_persist_roundtrip(void **state) {
 
     assert_int_equal(dc_ledger_open(&l, g_dir, 1e-5, &e), 0);
     assert_true(dc_ledger_persistent(&l));
-    a = dc_ledger_job_get(&l, 1000, "run/../weird name\n");  /* any bytes: hex in the file name */
-    b = dc_ledger_job_get(&l, 0, "");
+    /* any bytes: hex in the file name */
+    a = dc_ledger_account_get(&l, 1000, "run/../weird name\n");
+    b = dc_ledger_account_get(&l, 0, "");
     for (int i = 0; i < 37; i++) assert_int_equal(dc_ledger_spend(&l, a, 0.004, 0.9, &e), 0);
     for (int i = 0; i < 3; i++) assert_int_equal(dc_ledger_spend(&l, a, 1.0, 5.0, &e), 0);
     assert_int_equal(dc_ledger_spend(&l, b, 0.5, 3.0, &e), 0);
-    assert_int_equal(dc_ledger_job_terms(a, 0, 12.5, &e), 0);
+    assert_int_equal(dc_ledger_account_terms(a, 0, 12.5, &e), 0);
     assert_int_equal(dc_ledger_save(&l, a, &e), 0);
     assert_int_equal(dc_ledger_save(&l, b, &e), 0);
     assert_true(a->saved_gen == a->gen);
-    dc_ledger_job_path(&l, a, path, sizeof path);
+    dc_ledger_account_path(&l, a, path, sizeof path);
     assert_non_null(strstr(path, "/1000-72756e2f2e2e2f7765697264206e616d650a.ledger"));
     assert_int_equal(stat(path, &st), 0);
     eps_a = a->eps;
@@ -471,9 +475,9 @@ static void test_persist_roundtrip(void **state) {
         assert_int_equal(dc_ledger_open(&l, g_dir, 1e-5, &e), 0);
         assert_int_equal(stat(tmp, &st), -1);
     }
-    assert_int_equal(l.n_jobs, 2);
-    a = dc_ledger_job_find(&l, 1000, "run/../weird name\n");
-    b = dc_ledger_job_find(&l, 0, "");
+    assert_int_equal(l.n_accounts, 2);
+    a = dc_ledger_account_find(&l, 1000, "run/../weird name\n");
+    b = dc_ledger_account_find(&l, 0, "");
     assert_non_null(a);
     assert_non_null(b);
     assert_int_equal(a->steps, 40);
@@ -486,16 +490,16 @@ static void test_persist_roundtrip(void **state) {
 
 /* One member of a data-parallel logical step, as step_account.c takes it:
  * the plan, the charge where planned, the commit. The error's code, or 0. */
-static int take(dc_ledger *l, dc_ledger_job *j, dc_dp_member *m, double own, double q,
+static int take(dc_ledger *l, dc_ledger_account *acct, dc_dp_member *m, double own, double q,
                 dc_err *e) {
     dc_dp_terms t = {q, 1.0, 8};
     dc_dp_plan p;
     int rc;
     m->declared = true;
-    if ((rc = dc_ledger_dp_check(m, own, e)) || (rc = dc_ledger_dp_plan(j, m, own, &t, &p, e)))
+    if ((rc = dc_ledger_dp_check(m, own, e)) || (rc = dc_ledger_dp_plan(acct, m, own, &t, &p, e)))
         return rc;
-    if (p.charge && (rc = dc_ledger_spend(l, j, q, m->sigma, e))) return rc;
-    dc_ledger_dp_commit(j, m, own, &t, &p);
+    if (p.charge && (rc = dc_ledger_spend(l, acct, q, m->sigma, e))) return rc;
+    dc_ledger_dp_commit(acct, m, own, &t, &p);
     return 0;
 }
 
@@ -507,14 +511,14 @@ static dc_dp_member dp_member(uint32_t world, uint32_t rank, double sigma, uint6
 
 static void test_data_parallel_members(void **state) {
     dc_ledger l;
-    dc_ledger_job *j;
+    dc_ledger_account *acct;
     dc_dp_member m;
     dc_dp_terms t = {0.1, 1.0, 8};
     dc_dp_plan p;
     dc_err e;
     (void)state;
     assert_int_equal(dc_ledger_open(&l, "", 1e-5, &e), 0);
-    j = dc_ledger_job_get(&l, 1, "dp");
+    acct = dc_ledger_account_get(&l, 1, "dp");
 
     /* the declaration alone */
     m = dp_member(1, 0, 1.0, 0);
@@ -541,136 +545,136 @@ static void test_data_parallel_members(void **state) {
 
     /* logical step 1 of 3 ranks: the first member charges, noiseless or not */
     m = dp_member(3, 2, 1.0, 0);
-    assert_int_equal(take(&l, j, &m, 0.0, 0.1, &e), 0);
+    assert_int_equal(take(&l, acct, &m, 0.0, 0.1, &e), 0);
     assert_int_equal(m.role, DC_DP_CHARGED);
     assert_int_equal(m.step, 1);
-    assert_int_equal(j->steps, 1);
+    assert_int_equal(acct->steps, 1);
     m = dp_member(3, 1, 1.0, 0);
-    assert_int_equal(take(&l, j, &m, 0.0, 0.1, &e), 0);
+    assert_int_equal(take(&l, acct, &m, 0.0, 0.1, &e), 0);
     assert_int_equal(m.role, DC_DP_SHARE);
     assert_int_equal(m.step, 1);
-    assert_int_equal(j->steps, 1);
-    assert_int_equal(j->shares, 2);
+    assert_int_equal(acct->steps, 1);
+    assert_int_equal(acct->shares, 2);
     /* a third noiseless member would leave the step without noise */
     m = dp_member(3, 0, 1.0, 0);
-    assert_int_equal(take(&l, j, &m, 0.0, 0.1, &e), DC_EPRECOND);
+    assert_int_equal(take(&l, acct, &m, 0.0, 0.1, &e), DC_EPRECOND);
     assert_string_equal(e.field, "clip_step.noise_multiplier");
     /* a member with other terms */
     t.q = 0.2;
-    assert_int_equal(dc_ledger_dp_plan(j, &m, 1.0, &t, &p, &e), DC_EPRECOND);
+    assert_int_equal(dc_ledger_dp_plan(acct, &m, 1.0, &t, &p, &e), DC_EPRECOND);
     assert_string_equal(e.field, "clip_step.sample_rate");
     t.q = 0.1;
     t.c = 2.0;
-    assert_int_equal(dc_ledger_dp_plan(j, &m, 1.0, &t, &p, &e), DC_EPRECOND);
+    assert_int_equal(dc_ledger_dp_plan(acct, &m, 1.0, &t, &p, &e), DC_EPRECOND);
     assert_string_equal(e.field, "clip_step.clip.max_grad_norm");
     t.c = 1.0;
     t.divisor = 16;
-    assert_int_equal(dc_ledger_dp_plan(j, &m, 1.0, &t, &p, &e), DC_EPRECOND);
+    assert_int_equal(dc_ledger_dp_plan(acct, &m, 1.0, &t, &p, &e), DC_EPRECOND);
     assert_string_equal(e.field, "clip_step.clip.expected_batch_size");
     /* the noise comes: covered, and every rank is in: the step closes */
-    assert_int_equal(take(&l, j, &m, 1.5, 0.1, &e), 0);
+    assert_int_equal(take(&l, acct, &m, 1.5, 0.1, &e), 0);
     assert_int_equal(m.role, DC_DP_COVERED);
-    assert_int_equal(j->dp->n_open, 0);
-    assert_int_equal(j->steps, 1);
-    /* rank 1 again in step 1: a replay; world and sigma are the job's */
+    assert_int_equal(acct->dp->n_open, 0);
+    assert_int_equal(acct->steps, 1);
+    /* rank 1 again in step 1: a replay; world and sigma are the account's */
     m = dp_member(3, 1, 1.0, 1);
-    assert_int_equal(take(&l, j, &m, 0.0, 0.1, &e), DC_EPRECOND);
+    assert_int_equal(take(&l, acct, &m, 0.0, 0.1, &e), DC_EPRECOND);
     assert_string_equal(e.field, "clip_step.data_parallel.step");
     m = dp_member(4, 1, 1.0, 0);
-    assert_int_equal(take(&l, j, &m, 0.0, 0.1, &e), DC_EPRECOND);
+    assert_int_equal(take(&l, acct, &m, 0.0, 0.1, &e), DC_EPRECOND);
     assert_string_equal(e.field, "clip_step.data_parallel.world");
     m = dp_member(3, 1, 2.0, 0);
-    assert_int_equal(take(&l, j, &m, 0.0, 0.1, &e), DC_EPRECOND);
+    assert_int_equal(take(&l, acct, &m, 0.0, 0.1, &e), DC_EPRECOND);
     assert_string_equal(e.field, "clip_step.data_parallel.noise_multiplier");
 
     /* a step closed (every rank in) is charged anew by whoever names it:
      * rank 0 skips to 9, then rank 1 comes to 9 as a share */
     m = dp_member(3, 0, 1.0, 9);
-    assert_int_equal(take(&l, j, &m, 1.0, 0.1, &e), 0);
+    assert_int_equal(take(&l, acct, &m, 1.0, 0.1, &e), 0);
     assert_int_equal(m.role, DC_DP_CHARGED);
-    assert_int_equal(j->steps, 2);
-    assert_int_equal(j->dp->newest, 9);
+    assert_int_equal(acct->steps, 2);
+    assert_int_equal(acct->dp->newest, 9);
     m = dp_member(3, 1, 1.0, 9);
-    assert_int_equal(take(&l, j, &m, 0.0, 0.1, &e), 0);
+    assert_int_equal(take(&l, acct, &m, 0.0, 0.1, &e), 0);
     assert_int_equal(m.role, DC_DP_SHARE);
     /* the charge of a step another member took stays */
     m.step = 9;
-    assert_false(dc_ledger_dp_unwind(j, &m));
+    assert_false(dc_ledger_dp_unwind(acct, &m));
     /* one no one else took goes: then its next member charges it again */
     m = dp_member(3, 2, 1.0, 12);
-    assert_int_equal(take(&l, j, &m, 0.0, 0.1, &e), 0);
+    assert_int_equal(take(&l, acct, &m, 0.0, 0.1, &e), 0);
     assert_int_equal(m.role, DC_DP_CHARGED);
-    assert_true(dc_ledger_dp_unwind(j, &m));
-    dc_ledger_refund(j, 0.1, 1.0);
-    assert_int_equal(j->steps, 2);
+    assert_true(dc_ledger_dp_unwind(acct, &m));
+    dc_ledger_refund(acct, 0.1, 1.0);
+    assert_int_equal(acct->steps, 2);
     m = dp_member(3, 1, 1.0, 12);
-    assert_int_equal(take(&l, j, &m, 0.0, 0.1, &e), 0);
+    assert_int_equal(take(&l, acct, &m, 0.0, 0.1, &e), 0);
     assert_int_equal(m.role, DC_DP_CHARGED);
-    assert_int_equal(j->steps, 3);
+    assert_int_equal(acct->steps, 3);
 
     /* the last number: taken once, and then the rank has no next */
     m = dp_member(3, 2, 1.0, (UINT64_C(1) << 63) - 1);
-    assert_int_equal(take(&l, j, &m, 0.0, 0.1, &e), 0);
+    assert_int_equal(take(&l, acct, &m, 0.0, 0.1, &e), 0);
     m = dp_member(3, 2, 1.0, 0);
-    assert_int_equal(take(&l, j, &m, 0.0, 0.1, &e), DC_EPRECOND);
+    assert_int_equal(take(&l, acct, &m, 0.0, 0.1, &e), DC_EPRECOND);
     assert_string_equal(e.field, "clip_step.data_parallel.step");
 
     /* the window: a step pushed out is charged again by a late member */
     for (uint64_t k = 100; k < 100 + DC_LEDGER_DP_WINDOW + 1; k++) {
         m = dp_member(3, 0, 1.0, k);
-        assert_int_equal(take(&l, j, &m, 1.0, 0.1, &e), 0);
+        assert_int_equal(take(&l, acct, &m, 1.0, 0.1, &e), 0);
         assert_int_equal(m.role, DC_DP_CHARGED);
     }
-    assert_int_equal(j->dp->n_open, DC_LEDGER_DP_WINDOW);
+    assert_int_equal(acct->dp->n_open, DC_LEDGER_DP_WINDOW);
     m = dp_member(3, 1, 1.0, 100);
-    assert_int_equal(take(&l, j, &m, 0.0, 0.1, &e), 0);
+    assert_int_equal(take(&l, acct, &m, 0.0, 0.1, &e), 0);
     assert_int_equal(m.role, DC_DP_CHARGED);
     dc_ledger_close(&l);
 }
 
 static void test_data_parallel_persist(void **state) {
     dc_ledger l;
-    dc_ledger_job *j;
+    dc_ledger_account *acct;
     dc_dp_member m;
     dc_err e;
     double eps;
     (void)state;
     assert_int_equal(dc_ledger_open(&l, g_dir, 1e-5, &e), 0);
-    j = dc_ledger_job_get(&l, 7, "dp-disk");
+    acct = dc_ledger_account_get(&l, 7, "dp-disk");
     for (int i = 0; i < 3; i++) {
         m = dp_member(4, 0, 1.25, 0);
-        assert_int_equal(take(&l, j, &m, 1.25, 0.1, &e), 0);
+        assert_int_equal(take(&l, acct, &m, 1.25, 0.1, &e), 0);
     }
     m = dp_member(4, 2, 1.25, 0); /* rank 2 at step 1 of 3: shares open steps */
-    assert_int_equal(take(&l, j, &m, 0.0, 0.1, &e), 0);
+    assert_int_equal(take(&l, acct, &m, 0.0, 0.1, &e), 0);
     assert_int_equal(m.role, DC_DP_SHARE);
-    assert_int_equal(dc_ledger_save(&l, j, &e), 0);
-    eps = j->eps;
+    assert_int_equal(dc_ledger_save(&l, acct, &e), 0);
+    eps = acct->eps;
     dc_ledger_close(&l);
 
     assert_int_equal(dc_ledger_open(&l, g_dir, 1e-5, &e), 0);
-    j = dc_ledger_job_find(&l, 7, "dp-disk");
-    assert_non_null(j);
-    assert_non_null(j->dp);
-    assert_int_equal(j->dp->world, 4);
-    assert_true(j->dp->sigma == 1.25);
-    assert_int_equal(j->dp->newest, 3);
-    assert_int_equal(j->dp->n_open, 0);
-    assert_true(j->eps == eps && j->steps == 3);
+    acct = dc_ledger_account_find(&l, 7, "dp-disk");
+    assert_non_null(acct);
+    assert_non_null(acct->dp);
+    assert_int_equal(acct->dp->world, 4);
+    assert_true(acct->dp->sigma == 1.25);
+    assert_int_equal(acct->dp->newest, 3);
+    assert_int_equal(acct->dp->n_open, 0);
+    assert_true(acct->eps == eps && acct->steps == 3);
     /* no step up to the highest can be taken again, by any rank */
     m = dp_member(4, 2, 1.25, 2);
-    assert_int_equal(take(&l, j, &m, 0.0, 0.1, &e), DC_EPRECOND);
+    assert_int_equal(take(&l, acct, &m, 0.0, 0.1, &e), DC_EPRECOND);
     assert_string_equal(e.field, "clip_step.data_parallel.step");
     m = dp_member(4, 3, 1.25, 3);
-    assert_int_equal(take(&l, j, &m, 0.0, 0.1, &e), DC_EPRECOND);
+    assert_int_equal(take(&l, acct, &m, 0.0, 0.1, &e), DC_EPRECOND);
     m = dp_member(2, 1, 1.25, 0);
-    assert_int_equal(take(&l, j, &m, 0.0, 0.1, &e), DC_EPRECOND);
+    assert_int_equal(take(&l, acct, &m, 0.0, 0.1, &e), DC_EPRECOND);
     assert_string_equal(e.field, "clip_step.data_parallel.world");
     m = dp_member(4, 3, 1.25, 0);
-    assert_int_equal(take(&l, j, &m, 0.0, 0.1, &e), 0);
+    assert_int_equal(take(&l, acct, &m, 0.0, 0.1, &e), 0);
     assert_int_equal(m.step, 4);
     assert_int_equal(m.role, DC_DP_CHARGED);
-    assert_int_equal(j->steps, 4);
+    assert_int_equal(acct->steps, 4);
     dc_ledger_close(&l);
 }
 

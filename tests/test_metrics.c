@@ -212,10 +212,10 @@ static int check_families(const char *text) {
 }
 
 /* A snapshot with a distinct value in every counter. */
-static void fake_report(dc_report *r, dc_report_job *jobs) {
+static void fake_report(dc_report *r, dc_report_account *accounts) {
     dc_metrics *m = &r->metrics;
     memset(r, 0, sizeof *r);
-    memset(jobs, 0, 2 * sizeof *jobs);
+    memset(accounts, 0, 2 * sizeof *accounts);
     r->pid = 1;
     r->daemon_uid = 999;
     r->ops_gid = -1;
@@ -255,25 +255,25 @@ static void fake_report(dc_report *r, dc_report_job *jobs) {
     r->group_exchanges = 35;
     r->group_link_failures = 36;
     r->group_fused = 37;
-    r->jobs = jobs;
-    r->n_jobs = 2;
+    r->accounts = accounts;
+    r->n_accounts = 2;
     for (int i = 0; i < 2; i++) {
-        jobs[i].uid = 1000 + (uint32_t)i;
-        snprintf(jobs[i].job, sizeof jobs[i].job, "job-%d", i);
-        jobs[i].steps = 40 + (uint64_t)i;
-        jobs[i].eps = 1.25 + i;
-        jobs[i].delta = 1e-5;
+        accounts[i].uid = 1000 + (uint32_t)i;
+        snprintf(accounts[i].job_id, sizeof accounts[i].job_id, "job-%d", i);
+        accounts[i].steps = 40 + (uint64_t)i;
+        accounts[i].eps = 1.25 + i;
+        accounts[i].delta = 1e-5;
     }
-    jobs[1].budget_eps = 8;
+    accounts[1].budget_eps = 8;
 }
 
 static void test_metrics_text(void **state) {
     dc_report r;
-    dc_report_job jobs[2];
+    dc_report_account accounts[2];
     dc_sbuf b = {0};
     char key[160];
     (void)state;
-    fake_report(&r, jobs);
+    fake_report(&r, accounts);
     dc_report_metrics(&r, DC_VIEW_ALL, 0, &b);
     assert_non_null(b.p);
     assert_int_equal(dc_prom_grammar(b.p), 0);

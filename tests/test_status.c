@@ -410,7 +410,7 @@ static void test_idle_connection_closed(void **state) {
 /* --- who sees what ------------------------------------------------------------------ */
 
 /* A snapshot by hand: two users' sessions and jobs. */
-static void fake_report(dc_report *r, dc_report_session *ss, dc_report_job *jj) {
+static void fake_report(dc_report *r, dc_report_session *ss, dc_report_account *jj) {
     memset(r, 0, sizeof *r);
     memset(ss, 0, 2 * sizeof *ss);
     memset(jj, 0, 2 * sizeof *jj);
@@ -419,16 +419,16 @@ static void fake_report(dc_report *r, dc_report_session *ss, dc_report_job *jj) 
     r->ops_gid = 4242;
     r->log_level = "info";
     r->sessions = ss;
-    r->jobs = jj;
-    r->n_sessions = r->n_jobs = 2;
+    r->accounts = jj;
+    r->n_sessions = r->n_accounts = 2;
     for (int i = 0; i < 2; i++) {
         ss[i].id = (uint64_t)i + 1;
         ss[i].pid = 100 + i;
         ss[i].uid = jj[i].uid = 1000 + (uint32_t)i;
         ss[i].hello = true;
         snprintf(ss[i].client, sizeof ss[i].client, "client-of-%d", 1000 + i);
-        snprintf(ss[i].job, sizeof ss[i].job, "job-of-%d", 1000 + i);
-        snprintf(jj[i].job, sizeof jj[i].job, "job-of-%d", 1000 + i);
+        snprintf(ss[i].job_id, sizeof ss[i].job_id, "job-of-%d", 1000 + i);
+        snprintf(jj[i].job_id, sizeof jj[i].job_id, "job-of-%d", 1000 + i);
         jj[i].steps = 10;
         jj[i].eps = 1.5 + i;
         jj[i].delta = 1e-5;
@@ -441,7 +441,7 @@ static void fake_report(dc_report *r, dc_report_session *ss, dc_report_job *jj) 
 static void test_views(void **state) {
     dc_report r;
     dc_report_session ss[2];
-    dc_report_job jj[2];
+    dc_report_account jj[2];
     dc_status_viewer v = {.known = true, .uid = 1000, .gid = 1000};
     dc_sbuf b = {0};
     (void)state;
@@ -512,7 +512,7 @@ static void test_views(void **state) {
 static void test_status_limits(void **state) {
     dc_report r;
     dc_report_session ss[2];
-    dc_report_job jj[2];
+    dc_report_account jj[2];
     dc_sbuf b = {0};
     dc_err e;
     const char *section, *key, *lim, *end;

@@ -14,27 +14,27 @@
 
 #include "step_fuse.h"
 
-/* A member job of one layer-less step of batch B, rank `rank`. */
-static dc_step_job *member(uint32_t B, uint32_t rank) {
-    dc_step_job *j = calloc(1, sizeof *j);
-    assert_non_null(j);
-    j->step.batch = B;
-    j->step.max_grad_norm = 1.0f;
-    j->step.reduction = DC_REDUCTION_SUM;
-    j->step.mode = DC_CLIP_FLAT;
-    j->step.device = -1;
-    j->gw.rank = rank;
-    assert_int_equal(dc_step_result_init(&j->res, B, 0, false), 0);
-    return j;
+/* A member's step call of one layer-less step of batch B, rank `rank`. */
+static dc_step_call *member(uint32_t B, uint32_t rank) {
+    dc_step_call *sc = calloc(1, sizeof *sc);
+    assert_non_null(sc);
+    sc->step.batch = B;
+    sc->step.max_grad_norm = 1.0f;
+    sc->step.reduction = DC_REDUCTION_SUM;
+    sc->step.mode = DC_CLIP_FLAT;
+    sc->step.device = -1;
+    sc->gw.rank = rank;
+    assert_int_equal(dc_step_result_init(&sc->res, B, 0, false), 0);
+    return sc;
 }
 
-static void free_member(dc_step_job *j) {
-    dc_step_result_free(&j->res);
-    free(j);
+static void free_member(dc_step_call *sc) {
+    dc_step_result_free(&sc->res);
+    free(sc);
 }
 
 static void test_members_of_other_batches_refused(void **state) {
-    dc_step_job *a = member(8, 0), *b = member(4, 1);
+    dc_step_call *a = member(8, 0), *b = member(4, 1);
     dc_step_fused f;
     dc_err e;
     (void)state;
@@ -56,7 +56,7 @@ static void test_members_of_other_batches_refused(void **state) {
 
 /* Members that agree fuse, and the split hands each its [B] tables. */
 static void test_agreeing_members_split(void **state) {
-    dc_step_job *a = member(4, 0), *b = member(4, 1);
+    dc_step_call *a = member(4, 0), *b = member(4, 1);
     dc_step_fused f;
     dc_err e;
     (void)state;

@@ -1,7 +1,7 @@
 /* daemon/protocol/step_reply.c: the last stage of a step. Its ClipStepReply carries
  * the backend's per-sample norms and coefficients, layer norms only when
  * asked for or clipping per layer, layer coefficients only per layer, the
- * job's epsilon and delta and the daemon's stamps, and packs into a Reply
+ * account's epsilon and delta and the daemon's stamps, and packs into a Reply
  * that decodes to the same; the early notice names the step's index and
  * spend; the metrics count a step that ran and one that failed. */
 #include <setjmp.h>
@@ -19,7 +19,7 @@
 enum { B = 3, L = 2 };
 
 typedef struct fixture {
-    dc_step_job j;
+    dc_step_call sc;
     dc_layer layers[L];
     float act[L][B * 4], grad[L][B * 5];
 } fixture;
@@ -28,9 +28,9 @@ typedef struct fixture {
  * holds distinct values, so a field copied from the wrong array shows. */
 static fixture *make(dc_clip_mode mode, bool want_layer_norms) {
     fixture *f = calloc(1, sizeof *f);
-    dc_step_job *j;
+    dc_step_call *sc;
     assert_non_null(f);
-    j = &f->j;
+    sc = &f->sc;
     for (int l = 0; l < L; l++) {
         dc_layer *ly = &f->layers[l];
         ly->kind = DC_LAYER_LINEAR;
@@ -40,38 +40,38 @@ static fixture *make(dc_clip_mode mode, bool want_layer_norms) {
         ly->input = (dc_tensor){f->act[l], DC_F32, 2, {B, 4, 0}};
         ly->grad = (dc_tensor){f->grad[l], DC_F32, 2, {B, 5, 0}};
     }
-    j->step.batch = B;
-    j->step.n_layers = L;
-    j->step.layers = f->layers;
-    j->step.mode = mode;
-    j->step.want_layer_norms = want_layer_norms;
-    j->step.device = -1;
-    assert_int_equal(dc_step_result_init(&j->res, B, L, mode == DC_CLIP_PER_LAYER), 0);
+    sc->step.batch = B;
+    sc->step.n_layers = L;
+    sc->step.layers = f->layers;
+    sc->step.mode = mode;
+    sc->step.want_layer_norms = want_layer_norms;
+    sc->step.device = -1;
+    assert_int_equal(dc_step_result_init(&sc->res, B, L, mode == DC_CLIP_PER_LAYER), 0);
     for (int b = 0; b < B; b++) {
-        j->res.norms[b] = 1.0f + (float)b;
-        j->res.coefs[b] = 0.5f / (float)(b + 1);
+        sc->res.norms[b] = 1.0f + (float)b;
+        sc->res.coefs[b] = 0.5f / (float)(b + 1);
     }
     for (int i = 0; i < L * B; i++) {
-        j->res.layer_norms[i] = 10.0f + (float)i;
-        if (j->res.layer_coefs) j->res.layer_coefs[i] = 0.01f * (float)(i + 1);
+        sc->res.layer_norms[i] = 10.0f + (float)i;
+        if (sc->res.layer_coefs) sc->res.layer_coefs[i] = 0.01f * (float)(i + 1);
     }
-    j->res.compute_ns = 12345;
-    j->res.phase_ns[DC_RUN_WAIT_INPUT] = 2345;
-    j->eps = 1.25;
-    j->delta = 1e-5;
-    j->req_id = 77;
-    j->t_frame = 1000;
-    j->t_recv = 1100;
-    j->t_checked = 1200;
-    j->t_submit = 1300;
-    j->t_start = 1400;
-    j->t_waited = 1500;
-    j->t_end = 1600;
+    sc->res.compute_ns = 12345;
+    sc->res.phase_ns[DC_RUN_WAIT_INPUT] = 2345;
+    sc->eps = 1.25;
+    sc->delta = 1e-5;
+    sc->req_id = 77;
+    sc->t_frame = 1000;
+    sc->t_recv = 1100;
+    sc->t_checked = 1200;
+    sc->t_submit = 1300;
+    sc->t_start = 1400;
+    sc->t_waited = 1500;
+    sc->t_end = 1600;
     return f;
 }
 
 static void destroy(fixture *f) {
-    dc_step_result_free(&f->j.res);
+    dc_step_result_free(&f->sc.res);
     free(f);
 }
 
@@ -101,12 +101,12 @@ static void test_flat(void **state) {
     Dpclip__ClipStepReply cr = DPCLIP__CLIP_STEP_REPLY__INIT;
     Dpclip__Reply *back;
 
-    dc_step_reply_fill(&f->j, 9, &cr);
+    dc_step_reply_fill(&f->sc, 9, &cr);
     assert_int_equal(cr.n_norms, B);
     assert_int_equal(cr.n_coefficients, B);
     for (int b = 0; b < B; b++) {
-        assert_true(cr.norms[b] == f->j.res.norms[b]);
-        assert_true(cr.coefficients[b] == f->j.res.coefs[b]);
+        assert_true(cr.norms[b] == f->sc.res.norms[b]);
+        assert_true(cr.coefficients[b] == f->sc.res.coefs[b]);
     }
     /* not asked for, not per layer: no layer arrays */
     assert_int_equal(cr.n_layer_norms, 0);
@@ -122,7 +122,7 @@ static void test_flat(void **state) {
     back = roundtrip(&cr);
     assert_int_equal(back->clip_step->n_norms, B);
     for (int b = 0; b < B; b++)
-        assert_true(back->clip_step->coefficients[b] == f->j.res.coefs[b]);
+        assert_true(back->clip_step->coefficients[b] == f->sc.res.coefs[b]);
     assert_int_equal(back->clip_step->n_layer_norms, 0);
     assert_int_equal(back->clip_step->step_index, 9);
     assert_true(back->clip_step->epsilon == 1.25);
@@ -135,9 +135,9 @@ static void test_layer_norms_asked(void **state) {
     fixture *f = make(DC_CLIP_FLAT, true);
     Dpclip__ClipStepReply cr = DPCLIP__CLIP_STEP_REPLY__INIT;
 
-    dc_step_reply_fill(&f->j, 1, &cr);
+    dc_step_reply_fill(&f->sc, 1, &cr);
     assert_int_equal(cr.n_layer_norms, L * B);
-    for (int i = 0; i < L * B; i++) assert_true(cr.layer_norms[i] == f->j.res.layer_norms[i]);
+    for (int i = 0; i < L * B; i++) assert_true(cr.layer_norms[i] == f->sc.res.layer_norms[i]);
     assert_int_equal(cr.n_layer_coefficients, 0);
     destroy(f);
 }
@@ -148,14 +148,14 @@ static void test_per_layer(void **state) {
     Dpclip__ClipStepReply cr = DPCLIP__CLIP_STEP_REPLY__INIT;
     Dpclip__Reply *back;
 
-    dc_step_reply_fill(&f->j, 2, &cr);
+    dc_step_reply_fill(&f->sc, 2, &cr);
     /* per layer: both layer arrays, whether asked for or not */
     assert_int_equal(cr.n_layer_norms, L * B);
     assert_int_equal(cr.n_layer_coefficients, L * B);
     back = roundtrip(&cr);
     assert_int_equal(back->clip_step->n_layer_coefficients, L * B);
     for (int i = 0; i < L * B; i++)
-        assert_true(back->clip_step->layer_coefficients[i] == f->j.res.layer_coefs[i]);
+        assert_true(back->clip_step->layer_coefficients[i] == f->sc.res.layer_coefs[i]);
     dpclip__reply__free_unpacked(back, NULL);
     destroy(f);
 }
@@ -165,7 +165,7 @@ static void test_notice(void **state) {
     fixture *f = make(DC_CLIP_FLAT, false);
     Dpclip__ClipStepEnqueued n = DPCLIP__CLIP_STEP_ENQUEUED__INIT;
 
-    dc_step_reply_notice(&f->j, 4, &n);
+    dc_step_reply_notice(&f->sc, 4, &n);
     assert_int_equal(n.step_index, 4);
     assert_true(n.epsilon == 1.25);
     assert_true(n.delta == 1e-5);
@@ -178,7 +178,7 @@ static void test_count(void **state) {
     dc_metrics *m = calloc(1, sizeof *m);
     assert_non_null(m);
 
-    dc_step_reply_count(&f->j, 1700, m);
+    dc_step_reply_count(&f->sc, 1700, m);
     assert_int_equal(m->steps_ok, 1);
     assert_int_equal(m->steps_failed, 0);
     assert_int_equal(m->samples, B);
@@ -194,9 +194,9 @@ static void test_count(void **state) {
     assert_int_equal(m->phase[DC_PH_WAIT_INPUT].count, 0); /* a host step */
 
     /* a failed step: counted by its code, not as samples */
-    f->j.rc = DC_ENONFINITE;
-    f->j.err.code = DC_ENONFINITE;
-    dc_step_reply_count(&f->j, 1700, m);
+    f->sc.rc = DC_ENONFINITE;
+    f->sc.err.code = DC_ENONFINITE;
+    dc_step_reply_count(&f->sc, 1700, m);
     assert_int_equal(m->steps_ok, 1);
     assert_int_equal(m->steps_failed, 1);
     assert_int_equal(m->errors[DC_ENONFINITE], 1);

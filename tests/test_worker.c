@@ -1,5 +1,5 @@
-/* daemon/service/worker.c: jobs run on worker threads, each with its own backend,
- * and complete on the loop thread; closing runs what was queued. */
+/* daemon/service/worker.c: tasks run on worker threads, each with its own
+ * backend, and complete on the loop thread; closing runs what was queued. */
 #include <pthread.h>
 #include <sched.h>
 #include <setjmp.h>
@@ -40,17 +40,17 @@ static int factory(void *arg, int index, dc_backend **out, dc_err *err) {
     return 0;
 }
 
-typedef struct tjob {
-    dc_job job;
+typedef struct probe_task {
+    dc_task task;
     pthread_t loop_thread;
     pthread_t ran_on;
     fake_backend *be;
     int done_on_loop;
     int *ndone;
-} tjob;
+} probe_task;
 
-static void tjob_work(dc_job *j, dc_backend *be) {
-    tjob *t = (tjob *)j;
+static void probe_task_work(dc_task *task, dc_backend *be) {
+    probe_task *t = (probe_task *)task;
     struct timespec ts = {0, 200000};
     t->ran_on = pthread_self();
     t->be = (fake_backend *)be;
@@ -58,55 +58,55 @@ static void tjob_work(dc_job *j, dc_backend *be) {
     nanosleep(&ts, NULL);
 }
 
-static void tjob_done(dc_job *j) {
-    tjob *t = (tjob *)j;
+static void probe_task_done(dc_task *task) {
+    probe_task *t = (probe_task *)task;
     t->done_on_loop = pthread_equal(pthread_self(), t->loop_thread);
     (*t->ndone)++;
 }
 
-static void test_jobs_run_and_complete(void **state) {
+static void test_tasks_run_and_complete(void **state) {
     (void)state;
     uv_loop_t loop;
     dc_worker_pool pool;
     dc_err err;
     int made = 0, ndone = 0;
     enum { N = 200 };
-    tjob *jobs = calloc(N, sizeof *jobs);
+    probe_task *tasks = calloc(N, sizeof *tasks);
 
     assert_int_equal(uv_loop_init(&loop), 0);
     assert_int_equal(dc_worker_pool_init(&pool, &loop, "t", 3, factory, &made, &err), 0);
     assert_int_equal(made, 3);
     for (int i = 0; i < N; i++) {
-        jobs[i].job.work = tjob_work;
-        jobs[i].job.done = tjob_done;
-        jobs[i].loop_thread = pthread_self();
-        jobs[i].ndone = &ndone;
-        dc_worker_pool_submit(&pool, &jobs[i].job);
+        tasks[i].task.work = probe_task_work;
+        tasks[i].task.done = probe_task_done;
+        tasks[i].loop_thread = pthread_self();
+        tasks[i].ndone = &ndone;
+        dc_worker_pool_submit(&pool, &tasks[i].task);
     }
     assert_int_equal(dc_worker_pool_busy(&pool), N);
     while (ndone < N) uv_run(&loop, UV_RUN_ONCE);
     assert_int_equal(dc_worker_pool_busy(&pool), 0);
     int total = 0;
     for (int i = 0; i < N; i++) {
-        assert_true(jobs[i].done_on_loop);
-        assert_false(pthread_equal(jobs[i].ran_on, pthread_self()));
-        assert_non_null(jobs[i].be);
+        assert_true(tasks[i].done_on_loop);
+        assert_false(pthread_equal(tasks[i].ran_on, pthread_self()));
+        assert_non_null(tasks[i].be);
     }
     for (int k = 0; k < 3; k++) total += ((fake_backend *)pool.backends[k])->ran;
     assert_int_equal(total, N);
 
-    /* Jobs still queued at close run and complete before it returns. */
+    /* Tasks still queued at close run and complete before it returns. */
     ndone = 0;
-    for (int i = 0; i < 10; i++) dc_worker_pool_submit(&pool, &jobs[i].job);
+    for (int i = 0; i < 10; i++) dc_worker_pool_submit(&pool, &tasks[i].task);
     dc_worker_pool_close(&pool);
     assert_int_equal(ndone, 10);
     uv_run(&loop, UV_RUN_DEFAULT); /* processes the async close */
     assert_int_equal(uv_loop_close(&loop), 0);
-    free(jobs);
+    free(tasks);
 }
 
 /* Expectation windows (a GPU worker awake when a trainer's step is due):
- * they merge, a past one is ignored, a job inside one spends it, jobs run
+ * they merge, a past one is ignored, a task inside one spends it, tasks run
  * whatever the window, and a worker sleeping until a far window still
  * stops at close. */
 static void test_expect_windows(void **state) {
@@ -115,8 +115,8 @@ static void test_expect_windows(void **state) {
     dc_worker_pool pool;
     dc_err err;
     int made = 0, ndone = 0;
-    tjob jobs[4];
-    memset(jobs, 0, sizeof jobs);
+    probe_task tasks[4];
+    memset(tasks, 0, sizeof tasks);
 
     assert_int_equal(uv_loop_init(&loop), 0);
     assert_int_equal(dc_worker_pool_init(&pool, &loop, "t", 1, factory, &made, &err), 0);
@@ -135,21 +135,21 @@ static void test_expect_windows(void **state) {
     dc_worker_pool_expect(&pool, now + 45000000000ull, now + 70000000000ull);
     assert_true(pool.win_from == now + 40000000000ull && pool.win_to == now + 70000000000ull);
 
-    /* A job before the window runs (the sleeping worker is woken). */
-    jobs[0].job.work = tjob_work;
-    jobs[0].job.done = tjob_done;
-    jobs[0].loop_thread = pthread_self();
-    jobs[0].ndone = &ndone;
-    dc_worker_pool_submit(&pool, &jobs[0].job);
+    /* A task before the window runs (the sleeping worker is woken). */
+    tasks[0].task.work = probe_task_work;
+    tasks[0].task.done = probe_task_done;
+    tasks[0].loop_thread = pthread_self();
+    tasks[0].ndone = &ndone;
+    dc_worker_pool_submit(&pool, &tasks[0].task);
     while (ndone < 1) uv_run(&loop, UV_RUN_ONCE);
-    assert_true(jobs[0].done_on_loop);
+    assert_true(tasks[0].done_on_loop);
     assert_int_equal(pool.win_to, now + 70000000000ull); /* not yet open: kept */
 
-    /* An open window is spent by the job it waited for. */
+    /* An open window is spent by the task it waited for. */
     now = dc_clock_ns();
     dc_worker_pool_expect(&pool, now, now + 30000000000ull);
-    jobs[1] = jobs[0];
-    dc_worker_pool_submit(&pool, &jobs[1].job);
+    tasks[1] = tasks[0];
+    dc_worker_pool_submit(&pool, &tasks[1].task);
     while (ndone < 2) uv_run(&loop, UV_RUN_ONCE);
     pthread_mutex_lock(&pool.mu);
     assert_int_equal(pool.win_to, 0);
@@ -164,18 +164,18 @@ static void test_expect_windows(void **state) {
     assert_int_equal(uv_loop_close(&loop), 0);
 }
 
-/* Fair sharing: with one worker held by owner 1, jobs queued by owners 1, 2
+/* Fair sharing: with one worker held by owner 1, tasks queued by owners 1, 2
  * and 3 start in turn (least recently served owner first), not in arrival
  * order: one owner's backlog does not hold back the others. */
-typedef struct fjob {
-    dc_job job;
+typedef struct fair_task {
+    dc_task task;
     int id;
     int *order, *n;           /* start order, written on the worker */
     pthread_mutex_t *gate;    /* held by the test until everything is queued */
-} fjob;
+} fair_task;
 
-static void fjob_work(dc_job *j, dc_backend *be) {
-    fjob *f = (fjob *)j;
+static void fair_task_work(dc_task *task, dc_backend *be) {
+    fair_task *f = (fair_task *)task;
     (void)be;
     if (f->gate) {
         pthread_mutex_lock(f->gate);
@@ -184,7 +184,7 @@ static void fjob_work(dc_job *j, dc_backend *be) {
     f->order[(*f->n)++] = f->id; /* one worker: no race */
 }
 
-static void fjob_done(dc_job *j) { (void)j; }
+static void fair_task_done(dc_task *task) { (void)task; }
 
 static void test_fair_sharing(void **state) {
     (void)state;
@@ -193,31 +193,31 @@ static void test_fair_sharing(void **state) {
     dc_err err;
     int made = 0, order[8], n = 0;
     pthread_mutex_t gate = PTHREAD_MUTEX_INITIALIZER;
-    /* id: owner * 10 + its own count; 10 is the job that holds the worker */
+    /* id: owner * 10 + its own count; 10 is the task that holds the worker */
     static const int ids[8] = {10, 11, 12, 13, 14, 21, 22, 31};
     static const int want[8] = {10, 21, 31, 11, 22, 12, 13, 14};
-    fjob jobs[8];
+    fair_task tasks[8];
     assert_int_equal(uv_loop_init(&loop), 0);
     assert_int_equal(dc_worker_pool_init(&pool, &loop, "f", 1, factory, &made, &err), 0);
     pthread_mutex_lock(&gate);
     for (int i = 0; i < 8; i++) {
-        memset(&jobs[i], 0, sizeof jobs[i]);
-        jobs[i].job.work = fjob_work;
-        jobs[i].job.done = fjob_done;
-        jobs[i].job.owner = (uint32_t)(ids[i] / 10);
-        jobs[i].id = ids[i];
-        jobs[i].order = order;
-        jobs[i].n = &n;
-        jobs[i].gate = i == 0 ? &gate : NULL;
-        dc_worker_pool_submit(&pool, &jobs[i].job);
-        if (i == 0) /* the worker has taken job 10 before the rest come */
+        memset(&tasks[i], 0, sizeof tasks[i]);
+        tasks[i].task.work = fair_task_work;
+        tasks[i].task.done = fair_task_done;
+        tasks[i].task.owner = (uint32_t)(ids[i] / 10);
+        tasks[i].id = ids[i];
+        tasks[i].order = order;
+        tasks[i].n = &n;
+        tasks[i].gate = i == 0 ? &gate : NULL;
+        dc_worker_pool_submit(&pool, &tasks[i].task);
+        if (i == 0) /* the worker has taken task 10 before the rest come */
             while (atomic_load(&pool.queued) != 0) sched_yield();
     }
     pthread_mutex_unlock(&gate);
     dc_worker_pool_close(&pool); /* runs everything queued */
     assert_int_equal(n, 8);
     for (int i = 0; i < 8; i++) {
-        if (order[i] != want[i]) print_message("position %d: job %d, want %d\n", i, order[i], want[i]);
+        if (order[i] != want[i]) print_message("position %d: task %d, want %d\n", i, order[i], want[i]);
         assert_int_equal(order[i], want[i]);
     }
     uv_run(&loop, UV_RUN_DEFAULT);
@@ -226,7 +226,7 @@ static void test_fair_sharing(void **state) {
 
 int main(void) {
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(test_jobs_run_and_complete),
+        cmocka_unit_test(test_tasks_run_and_complete),
         cmocka_unit_test(test_expect_windows),
         cmocka_unit_test(test_fair_sharing),
     };

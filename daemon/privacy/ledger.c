@@ -18,9 +18,9 @@ static const double *cache_find(const dc_ledger *l, double q, double sigma) {
     return NULL;
 }
 
-static dc_ledger_entry *find_entry(const dc_ledger_job *j, double q, double sigma) {
-    for (size_t i = 0; i < j->n_hist; i++)
-        if (j->hist[i].q == q && j->hist[i].sigma == sigma) return &j->hist[i];
+static dc_ledger_entry *find_entry(const dc_ledger_account *acct, double q, double sigma) {
+    for (size_t i = 0; i < acct->n_hist; i++)
+        if (acct->hist[i].q == q && acct->hist[i].sigma == sigma) return &acct->hist[i];
     return NULL;
 }
 
@@ -44,10 +44,11 @@ static void compute_curve(double q, double sigma, double *out) {
         if (isnan(out[k])) out[k] = INFINITY;
 }
 
-/* The per-step curve of (q, sigma): from the job's history, the cache, or
+/* The per-step curve of (q, sigma): from the account's history, the cache, or
  * computed here (and cached). */
-const double *dc_ledger_curve(dc_ledger *l, const dc_ledger_job *j, double q, double sigma) {
-    const dc_ledger_entry *e = j ? find_entry(j, q, sigma) : NULL;
+const double *dc_ledger_curve(dc_ledger *l, const dc_ledger_account *acct, double q,
+                              double sigma) {
+    const dc_ledger_entry *e = acct ? find_entry(acct, q, sigma) : NULL;
     const double *c;
     double tmp[DC_RDP_N_ORDERS];
     if (e) return e->rdp;
@@ -56,8 +57,9 @@ const double *dc_ledger_curve(dc_ledger *l, const dc_ledger_job *j, double q, do
     return cache_put(l, q, sigma, tmp);
 }
 
-bool dc_ledger_has_curve(const dc_ledger *l, const dc_ledger_job *j, double q, double sigma) {
-    return (j && find_entry(j, q, sigma)) || cache_find(l, q, sigma);
+bool dc_ledger_has_curve(const dc_ledger *l, const dc_ledger_account *acct, double q,
+                         double sigma) {
+    return (acct && find_entry(acct, q, sigma)) || cache_find(l, q, sigma);
 }
 
 static void calc_start(dc_ledger *l, uv_loop_t *loop);
@@ -126,130 +128,134 @@ void dc_ledger_curve_async(dc_ledger *l, uv_loop_t *loop, double q, double sigma
  * understate what it holds, whatever rounding its additions met. */
 static double up(double x) { return isfinite(x) && x != 0.0 ? nextafter(x, INFINITY) : x; }
 
-void dc_ledger_recompute(dc_ledger_job *j) {
+void dc_ledger_recompute(dc_ledger_account *acct) {
     const double *orders = dc_rdp_default_orders();
-    j->steps = j->folded_steps;
-    memcpy(j->rdp, j->folded, sizeof j->rdp);
-    for (size_t i = 0; i < j->n_hist; i++) {
-        const dc_ledger_entry *e = &j->hist[i];
-        j->steps += e->steps;
-        for (size_t k = 0; k < DC_RDP_N_ORDERS; k++) j->rdp[k] += (double)e->steps * e->rdp[k];
+    acct->steps = acct->folded_steps;
+    memcpy(acct->rdp, acct->folded, sizeof acct->rdp);
+    for (size_t i = 0; i < acct->n_hist; i++) {
+        const dc_ledger_entry *e = &acct->hist[i];
+        acct->steps += e->steps;
+        for (size_t k = 0; k < DC_RDP_N_ORDERS; k++) acct->rdp[k] += (double)e->steps * e->rdp[k];
     }
-    if (j->steps == 0) {
+    if (acct->steps == 0) {
         /* As Opacus: an empty history has spent nothing. */
-        j->eps = 0.0;
-        j->best_order = NAN;
+        acct->eps = 0.0;
+        acct->best_order = NAN;
     } else {
-        j->eps = dc_rdp_epsilon(orders, j->rdp, DC_RDP_N_ORDERS, j->delta, &j->best_order);
+        acct->eps =
+            dc_rdp_epsilon(orders, acct->rdp, DC_RDP_N_ORDERS, acct->delta, &acct->best_order);
     }
 }
 
-double dc_ledger_eps_at(const dc_ledger_job *j, double delta, double *best_order) {
-    if (j->steps == 0) {
+double dc_ledger_eps_at(const dc_ledger_account *acct, double delta, double *best_order) {
+    if (acct->steps == 0) {
         if (best_order) *best_order = NAN;
         return 0.0;
     }
-    return dc_rdp_epsilon(dc_rdp_default_orders(), j->rdp, DC_RDP_N_ORDERS, delta, best_order);
+    return dc_rdp_epsilon(dc_rdp_default_orders(), acct->rdp, DC_RDP_N_ORDERS, delta, best_order);
 }
 
-double dc_ledger_eps_after(dc_ledger *l, const dc_ledger_job *j, double q, double sigma,
+double dc_ledger_eps_after(dc_ledger *l, const dc_ledger_account *acct, double q, double sigma,
                            double delta) {
-    const double *c = dc_ledger_curve(l, j, q, sigma);
+    const double *c = dc_ledger_curve(l, acct, q, sigma);
     double tmp[DC_RDP_N_ORDERS];
-    for (size_t k = 0; k < DC_RDP_N_ORDERS; k++) tmp[k] = j->rdp[k] + c[k];
+    for (size_t k = 0; k < DC_RDP_N_ORDERS; k++) tmp[k] = acct->rdp[k] + c[k];
     return dc_rdp_epsilon(dc_rdp_default_orders(), tmp, DC_RDP_N_ORDERS, delta, NULL);
 }
 
 /* The least recently used pair leaves the history: its steps stay in the
  * folded sum, so the history stays bounded whatever a client sends. */
-static void fold_oldest(dc_ledger_job *j) {
+static void fold_oldest(dc_ledger_account *acct) {
     size_t o = 0;
-    for (size_t i = 1; i < j->n_hist; i++)
-        if (j->hist[i].used < j->hist[o].used) o = i;
+    for (size_t i = 1; i < acct->n_hist; i++)
+        if (acct->hist[i].used < acct->hist[o].used) o = i;
     for (size_t k = 0; k < DC_RDP_N_ORDERS; k++)
-        j->folded[k] = up(j->folded[k] + up((double)j->hist[o].steps * j->hist[o].rdp[k]));
-    j->folded_steps += j->hist[o].steps;
-    j->hist[o] = j->hist[j->n_hist - 1];
-    j->n_hist--;
+        acct->folded[k] =
+            up(acct->folded[k] + up((double)acct->hist[o].steps * acct->hist[o].rdp[k]));
+    acct->folded_steps += acct->hist[o].steps;
+    acct->hist[o] = acct->hist[acct->n_hist - 1];
+    acct->n_hist--;
 }
 
 /* Appends an entry with a computed curve and zero steps. */
-dc_ledger_entry *dc_ledger_add_entry(dc_ledger *l, dc_ledger_job *j, double q, double sigma) {
+dc_ledger_entry *dc_ledger_add_entry(dc_ledger *l, dc_ledger_account *acct, double q,
+                                     double sigma) {
     dc_ledger_entry *e;
-    const double *c = dc_ledger_curve(l, j, q, sigma);
-    if (j->n_hist == DC_LEDGER_HIST_MAX) fold_oldest(j);
-    if (j->n_hist == j->cap_hist) {
-        size_t cap = j->cap_hist ? 2 * j->cap_hist : 2;
+    const double *c = dc_ledger_curve(l, acct, q, sigma);
+    if (acct->n_hist == DC_LEDGER_HIST_MAX) fold_oldest(acct);
+    if (acct->n_hist == acct->cap_hist) {
+        size_t cap = acct->cap_hist ? 2 * acct->cap_hist : 2;
         dc_ledger_entry *h;
         if (cap > DC_LEDGER_HIST_MAX) cap = DC_LEDGER_HIST_MAX;
-        if (!(h = realloc(j->hist, cap * sizeof *h))) return NULL;
-        j->hist = h;
-        j->cap_hist = cap;
+        if (!(h = realloc(acct->hist, cap * sizeof *h))) return NULL;
+        acct->hist = h;
+        acct->cap_hist = cap;
     }
-    e = &j->hist[j->n_hist];
+    e = &acct->hist[acct->n_hist];
     memcpy(e->rdp, c, sizeof e->rdp);
     e->q = q;
     e->sigma = sigma;
     e->steps = 0;
-    e->used = j->gen;
-    j->n_hist++;
+    e->used = acct->gen;
+    acct->n_hist++;
     return e;
 }
 
-int dc_ledger_spend(dc_ledger *l, dc_ledger_job *j, double q, double sigma, dc_err *err) {
-    dc_ledger_entry *e = find_entry(j, q, sigma);
-    if (!e && !(e = dc_ledger_add_entry(l, j, q, sigma)))
+int dc_ledger_spend(dc_ledger *l, dc_ledger_account *acct, double q, double sigma, dc_err *err) {
+    dc_ledger_entry *e = find_entry(acct, q, sigma);
+    if (!e && !(e = dc_ledger_add_entry(l, acct, q, sigma)))
         return dc_err_set(err, DC_ENOSPACE, "ledger", "out of memory for the ledger");
     e->steps++;
-    e->used = ++j->gen;
-    if (l->insecure) j->insecure = true;
-    j->used_ns = uv_hrtime();
-    dc_ledger_recompute(j);
+    e->used = ++acct->gen;
+    if (l->insecure) acct->insecure = true;
+    acct->used_ns = uv_hrtime();
+    dc_ledger_recompute(acct);
     return 0;
 }
 
-void dc_ledger_refund(dc_ledger_job *j, double q, double sigma) {
-    dc_ledger_entry *e = find_entry(j, q, sigma);
+void dc_ledger_refund(dc_ledger_account *acct, double q, double sigma) {
+    dc_ledger_entry *e = find_entry(acct, q, sigma);
     if (e && e->steps > 0) {
-        if (--e->steps == 0) *e = j->hist[--j->n_hist];
-    } else if (j->folded_steps > 0) {
+        if (--e->steps == 0) *e = acct->hist[--acct->n_hist];
+    } else if (acct->folded_steps > 0) {
         /* Its pair was folded while the step ran. Rounded up again: the
          * sum keeps covering what stays in it. */
-        const double *c = dc_ledger_curve(j->ledger, NULL, q, sigma);
-        if (--j->folded_steps == 0) {
-            memset(j->folded, 0, sizeof j->folded);
+        const double *c = dc_ledger_curve(acct->ledger, NULL, q, sigma);
+        if (--acct->folded_steps == 0) {
+            memset(acct->folded, 0, sizeof acct->folded);
         } else {
             for (size_t k = 0; k < DC_RDP_N_ORDERS; k++)
-                if (isfinite(j->folded[k]))
-                    j->folded[k] = j->folded[k] > c[k] ? up(j->folded[k] - c[k]) : 0.0;
+                if (isfinite(acct->folded[k]))
+                    acct->folded[k] = acct->folded[k] > c[k] ? up(acct->folded[k] - c[k]) : 0.0;
         }
     } else {
         return;
     }
-    dc_ledger_recompute(j);
-    j->gen++;
+    dc_ledger_recompute(acct);
+    acct->gen++;
 }
 
-int dc_ledger_job_terms(dc_ledger_job *j, double delta, double budget_eps, dc_err *err) {
+int dc_ledger_account_terms(dc_ledger_account *acct, double delta, double budget_eps,
+                            dc_err *err) {
     bool changed = false;
-    if (delta > 0 && delta != j->delta) {
+    if (delta > 0 && delta != acct->delta) {
         /* A delta fixed by the first step: a later, larger delta would make
          * the same spend look smaller and let a budget be overrun. */
-        if (j->steps > 0)
+        if (acct->steps > 0)
             return dc_err_set(err, DC_EPRECOND, "clip_step.target_delta",
                               "job '%s' (uid %u) reports epsilon at delta %g, fixed by its first "
                               "step; a step cannot change it to %g (use a new job id)",
-                              j->job, j->uid, j->delta, delta);
-        j->delta = delta;
+                              acct->job_id, acct->uid, acct->delta, delta);
+        acct->delta = delta;
         changed = true;
     }
-    if (budget_eps > 0 && (j->budget_eps == 0 || budget_eps < j->budget_eps)) {
-        j->budget_eps = budget_eps;
+    if (budget_eps > 0 && (acct->budget_eps == 0 || budget_eps < acct->budget_eps)) {
+        acct->budget_eps = budget_eps;
         changed = true;
     }
     if (changed) {
-        dc_ledger_recompute(j);
-        j->gen++;
+        dc_ledger_recompute(acct);
+        acct->gen++;
     }
     return 0;
 }
@@ -261,56 +267,57 @@ void dc_ledger_set_limits(dc_ledger *l, uint32_t max_jobs_per_uid, uint32_t job_
     l->job_idle_ns = (uint64_t)job_idle_s * 1000000000u;
 }
 
-dc_ledger_job *dc_ledger_job_find(dc_ledger *l, uint32_t uid, const char *job) {
-    for (dc_ledger_job *j = l->jobs; j; j = j->next)
-        if (j->uid == uid && strcmp(j->job, job) == 0) return j;
+dc_ledger_account *dc_ledger_account_find(dc_ledger *l, uint32_t uid, const char *job_id) {
+    for (dc_ledger_account *acct = l->accounts; acct; acct = acct->next)
+        if (acct->uid == uid && strcmp(acct->job_id, job_id) == 0) return acct;
     return NULL;
 }
 
-dc_ledger_job *dc_ledger_job_new(dc_ledger *l, uint32_t uid, const char *job) {
-    dc_ledger_job *j = calloc(1, sizeof *j);
-    if (!j) return NULL;
-    j->ledger = l;
-    j->uid = uid;
-    snprintf(j->job, sizeof j->job, "%s", job);
-    j->delta = l->default_delta;
-    j->best_order = NAN;
-    j->used_ns = uv_hrtime();
-    j->next = l->jobs;
-    l->jobs = j;
-    l->n_jobs++;
-    return j;
+dc_ledger_account *dc_ledger_account_new(dc_ledger *l, uint32_t uid, const char *job_id) {
+    dc_ledger_account *acct = calloc(1, sizeof *acct);
+    if (!acct) return NULL;
+    acct->ledger = l;
+    acct->uid = uid;
+    snprintf(acct->job_id, sizeof acct->job_id, "%s", job_id);
+    acct->delta = l->default_delta;
+    acct->best_order = NAN;
+    acct->used_ns = uv_hrtime();
+    acct->next = l->accounts;
+    l->accounts = acct;
+    l->n_accounts++;
+    return acct;
 }
 
 /* Nothing refers to it and nothing of it is only in memory, or what is
  * only in memory may be forgotten after the idle time. */
-static bool job_idle(const dc_ledger *l, const dc_ledger_job *j) {
-    return j->sessions == 0 && !j->writing && !j->dirty && !j->waiters &&
-           (!dc_ledger_persistent(l) || j->saved_gen >= j->gen);
+static bool account_idle(const dc_ledger *l, const dc_ledger_account *acct) {
+    return acct->sessions == 0 && !acct->writing && !acct->dirty && !acct->waiters &&
+           (!dc_ledger_persistent(l) || acct->saved_gen >= acct->gen);
 }
 
-static void job_drop(dc_ledger *l, dc_ledger_job **pp) {
-    dc_ledger_job *j = *pp;
-    *pp = j->next;
-    l->n_jobs--;
-    dc_ledger_dp_free(j);
-    free(j->hist);
-    free(j);
+static void account_drop(dc_ledger *l, dc_ledger_account **pp) {
+    dc_ledger_account *acct = *pp;
+    *pp = acct->next;
+    l->n_accounts--;
+    dc_ledger_dp_free(acct);
+    free(acct->hist);
+    free(acct);
 }
 
 size_t dc_ledger_expire(dc_ledger *l, uint64_t now_ns) {
     size_t n = 0;
     l->swept_ns = now_ns;
-    for (dc_ledger_job **pp = &l->jobs; *pp;) {
-        dc_ledger_job *j = *pp;
-        bool go = job_idle(l, j) &&
-                  (j->steps == 0 ||
-                   (l->job_idle_ns && now_ns >= j->used_ns && now_ns - j->used_ns >= l->job_idle_ns));
+    for (dc_ledger_account **pp = &l->accounts; *pp;) {
+        dc_ledger_account *acct = *pp;
+        bool go = account_idle(l, acct) &&
+                  (acct->steps == 0 ||
+                   (l->job_idle_ns && now_ns >= acct->used_ns &&
+                    now_ns - acct->used_ns >= l->job_idle_ns));
         if (go) {
-            job_drop(l, pp);
+            account_drop(l, pp);
             n++;
         } else {
-            pp = &j->next;
+            pp = &acct->next;
         }
     }
     return n;
@@ -321,12 +328,12 @@ size_t dc_ledger_expire(dc_ledger *l, uint64_t now_ns) {
  * named) go first, whatever their idle time. */
 static size_t make_room(dc_ledger *l, uint32_t uid) {
     size_t n = 0;
-    for (dc_ledger_job *j = l->jobs; j; j = j->next) n += j->uid == uid;
+    for (dc_ledger_account *acct = l->accounts; acct; acct = acct->next) n += acct->uid == uid;
     if (!l->max_jobs_per_uid || n < l->max_jobs_per_uid) return n;
-    for (dc_ledger_job **pp = &l->jobs; *pp && n >= l->max_jobs_per_uid;) {
-        if ((*pp)->uid == uid && job_idle(l, *pp) &&
+    for (dc_ledger_account **pp = &l->accounts; *pp && n >= l->max_jobs_per_uid;) {
+        if ((*pp)->uid == uid && account_idle(l, *pp) &&
             ((*pp)->steps == 0 || dc_ledger_persistent(l))) {
-            job_drop(l, pp);
+            account_drop(l, pp);
             n--;
         } else {
             pp = &(*pp)->next;
@@ -335,20 +342,20 @@ static size_t make_room(dc_ledger *l, uint32_t uid) {
     return n;
 }
 
-int dc_ledger_job_open(dc_ledger *l, uint32_t uid, const char *job, dc_ledger_job **out,
-                       dc_err *err) {
-    dc_ledger_job *j;
+int dc_ledger_account_open(dc_ledger *l, uint32_t uid, const char *job_id,
+                           dc_ledger_account **out, dc_err *err) {
+    dc_ledger_account *acct;
     uint64_t now = uv_hrtime();
-    size_t len = strlen(job), n;
+    size_t len = strlen(job_id), n;
     int rc;
 
     *out = NULL;
-    if (len >= DC_LEDGER_JOB_MAX)
+    if (len >= DC_LEDGER_JOB_ID_MAX)
         return dc_err_set(err, DC_EINVAL, "hello.job_id", "job id of %zu bytes: at most %d bytes "
                           "are allowed (a longer id would share an account with another job)",
-                          len, DC_LEDGER_JOB_MAX - 1);
-    if ((j = dc_ledger_job_find(l, uid, job))) {
-        *out = j;
+                          len, DC_LEDGER_JOB_ID_MAX - 1);
+    if ((acct = dc_ledger_account_find(l, uid, job_id))) {
+        *out = acct;
         return 0;
     }
     if (now - l->swept_ns >= 1000000000u) dc_ledger_expire(l, now);
@@ -357,19 +364,19 @@ int dc_ledger_job_open(dc_ledger *l, uint32_t uid, const char *job, dc_ledger_jo
                           "uid %u already has %zu jobs in the privacy ledger, the most "
                           "ledger.max_jobs_per_uid allows; a job's account goes once its "
                           "sessions have ended (ledger.job_idle_s after its last step)", uid, n);
-    if (dc_ledger_persistent(l) && (rc = dc_ledger_load_job(l, uid, job, &j, err)) != 0)
+    if (dc_ledger_persistent(l) && (rc = dc_ledger_load_account(l, uid, job_id, &acct, err)) != 0)
         return rc;
-    if (!j && !(j = dc_ledger_job_new(l, uid, job)))
+    if (!acct && !(acct = dc_ledger_account_new(l, uid, job_id)))
         return dc_err_set(err, DC_ENOSPACE, "ledger", "out of memory for the ledger");
-    *out = j;
+    *out = acct;
     return 0;
 }
 
-dc_ledger_job *dc_ledger_job_get(dc_ledger *l, uint32_t uid, const char *job) {
-    dc_ledger_job *j;
-    return dc_ledger_job_open(l, uid, job, &j, NULL) == 0 ? j : NULL;
+dc_ledger_account *dc_ledger_account_get(dc_ledger *l, uint32_t uid, const char *job_id) {
+    dc_ledger_account *acct;
+    return dc_ledger_account_open(l, uid, job_id, &acct, NULL) == 0 ? acct : NULL;
 }
 
-void dc_ledger_drop_jobs(dc_ledger *l) {
-    while (l->jobs) job_drop(l, &l->jobs);
+void dc_ledger_drop_accounts(dc_ledger *l) {
+    while (l->accounts) account_drop(l, &l->accounts);
 }

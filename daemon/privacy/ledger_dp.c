@@ -6,12 +6,12 @@
  * so it cannot check that a noiseless sum is ever added to a noised one.
  * What it can bound is how many noiseless sums each charge pays for: at
  * most W - 1 per logical step, one per rank, every logical step charged
- * once at the job's sigma. A rank's steps take increasing numbers (its
+ * once at the account's sigma. A rank's steps take increasing numbers (its
  * next one unless it names a later one), so no rank is in one logical step
  * twice, whatever sessions it opens; a number no open step has is a new
  * logical step, charged by whoever comes first, so being first, coming
  * late (past the window) or after a restart never releases anything
- * uncharged. The numbers a job has charged are on disk (their highest),
+ * uncharged. The numbers an account has charged are on disk (their highest),
  * and after a restart every rank goes on above it. */
 #include <math.h>
 #include <stdlib.h>
@@ -66,7 +66,7 @@ static dc_ledger_dp_open *new_open(dc_ledger_dp *dp) {
     return &dp->open[o];
 }
 
-/* next[0, n) for ranks that have taken nothing since the job's highest
+/* next[0, n) for ranks that have taken nothing since the account's highest
  * step on record. */
 static int size_next(dc_ledger_dp *dp, uint32_t n) {
     uint64_t *p;
@@ -78,14 +78,14 @@ static int size_next(dc_ledger_dp *dp, uint32_t n) {
     return 0;
 }
 
-static dc_ledger_dp *dp_of(dc_ledger_job *j) {
-    if (!j->dp) j->dp = calloc(1, sizeof *j->dp);
-    return j->dp;
+static dc_ledger_dp *dp_of(dc_ledger_account *acct) {
+    if (!acct->dp) acct->dp = calloc(1, sizeof *acct->dp);
+    return acct->dp;
 }
 
-int dc_ledger_dp_plan(dc_ledger_job *j, const dc_dp_member *m, double step_sigma,
+int dc_ledger_dp_plan(dc_ledger_account *acct, const dc_dp_member *m, double step_sigma,
                       const dc_dp_terms *t, dc_dp_plan *plan, dc_err *err) {
-    dc_ledger_dp *dp = dp_of(j);
+    dc_ledger_dp *dp = dp_of(acct);
     const dc_ledger_dp_open *o;
     uint64_t next;
 
@@ -94,12 +94,12 @@ int dc_ledger_dp_plan(dc_ledger_job *j, const dc_dp_member *m, double step_sigma
         return dc_err_set(err, DC_EPRECOND, "clip_step.data_parallel.world",
                           "job '%s' (uid %u) has %u data-parallel ranks, fixed by its first "
                           "data-parallel step; a step cannot declare %u (use a new job id)",
-                          j->job, j->uid, dp->world, m->world);
+                          acct->job_id, acct->uid, dp->world, m->world);
     if (dp->world && m->sigma != dp->sigma)
         return dc_err_set(err, DC_EPRECOND, "clip_step.data_parallel.noise_multiplier",
                           "job '%s' (uid %u) charges each logical step at noise multiplier %g, "
                           "fixed by its first data-parallel step; a step cannot declare %g (use "
-                          "a new job id)", j->job, j->uid, dp->sigma, m->sigma);
+                          "a new job id)", acct->job_id, acct->uid, dp->sigma, m->sigma);
     if (size_next(dp, m->world))
         return dc_err_set(err, DC_ENOSPACE, "ledger", "out of memory for the ledger");
     next = dp->next[m->rank];
@@ -108,42 +108,42 @@ int dc_ledger_dp_plan(dc_ledger_job *j, const dc_dp_member *m, double step_sigma
                           "rank %u of job '%s' (uid %u) has taken logical steps below %llu (the "
                           "job's numbers go on above %llu, its highest charged, after a restart): "
                           "each rank takes a logical step once, so %llu is refused; 0 takes the "
-                          "rank's next", m->rank, j->job, j->uid, (unsigned long long)next,
+                          "rank's next", m->rank, acct->job_id, acct->uid, (unsigned long long)next,
                           (unsigned long long)dp->newest, (unsigned long long)m->step);
     plan->step = m->step ? m->step : next;
     if (plan->step >= DP_STEP_MAX) /* a rank that named 2^63 - 1 has no next */
         return dc_err_set(err, DC_EPRECOND, "clip_step.data_parallel.step",
                           "rank %u of job '%s' (uid %u) has no logical step left below 2^63",
-                          m->rank, j->job, j->uid);
+                          m->rank, acct->job_id, acct->uid);
     plan->charge = !(o = find_open(dp, plan->step));
     if (plan->charge) return 0;
     if (t->q != o->terms.q)
         return dc_err_set(err, DC_EPRECOND, "clip_step.sample_rate",
                           "logical step %llu of job '%s' was charged at sample rate %g; its every "
                           "member states that rate (this one: %g)",
-                          (unsigned long long)o->step, j->job, o->terms.q, t->q);
+                          (unsigned long long)o->step, acct->job_id, o->terms.q, t->q);
     if (t->c != o->terms.c)
         return dc_err_set(err, DC_EPRECOND, "clip_step.clip.max_grad_norm",
                           "logical step %llu of job '%s' is noised for a clipping norm of %g; a "
                           "member clipping to %g would not be covered by that noise",
-                          (unsigned long long)o->step, j->job, o->terms.c, t->c);
+                          (unsigned long long)o->step, acct->job_id, o->terms.c, t->c);
     if (t->divisor != o->terms.divisor)
         return dc_err_set(err, DC_EPRECOND, "clip_step.clip.expected_batch_size",
                           "logical step %llu of job '%s' divides its noised sum by %u; every "
                           "member divides by the same (this one: %u)",
-                          (unsigned long long)o->step, j->job, o->terms.divisor, t->divisor);
+                          (unsigned long long)o->step, acct->job_id, o->terms.divisor, t->divisor);
     if (step_sigma == 0.0 && o->noiseless + 1 >= dp->world)
         return dc_err_set(err, DC_EPRECOND, "clip_step.noise_multiplier",
                           "logical step %llu of job '%s' has %u noiseless members already: the "
                           "last of its %u ranks must add the noise (noise_multiplier at least "
-                          "%g)", (unsigned long long)o->step, j->job, o->noiseless, dp->world,
+                          "%g)", (unsigned long long)o->step, acct->job_id, o->noiseless, dp->world,
                           dp->sigma);
     return 0;
 }
 
-void dc_ledger_dp_commit(dc_ledger_job *j, dc_dp_member *m, double step_sigma,
+void dc_ledger_dp_commit(dc_ledger_account *acct, dc_dp_member *m, double step_sigma,
                          const dc_dp_terms *t, const dc_dp_plan *plan) {
-    dc_ledger_dp *dp = j->dp;
+    dc_ledger_dp *dp = acct->dp;
     dc_ledger_dp_open *o;
 
     if (!dp->world) {
@@ -154,7 +154,7 @@ void dc_ledger_dp_commit(dc_ledger_job *j, dc_dp_member *m, double step_sigma,
     if (plan->charge) {
         o = new_open(dp);
         o->step = plan->step;
-        o->gen = j->gen; /* the spend's */
+        o->gen = acct->gen; /* the spend's */
         o->terms = *t;
         o->members = o->noiseless = 0;
         if (plan->step > dp->newest) dp->newest = plan->step;
@@ -168,20 +168,20 @@ void dc_ledger_dp_commit(dc_ledger_job *j, dc_dp_member *m, double step_sigma,
     o->members++;
     if (step_sigma == 0.0) {
         o->noiseless++;
-        j->shares++;
+        acct->shares++;
     }
     if (o->members >= dp->world) close_open(dp, o); /* every rank is in */
 }
 
-bool dc_ledger_dp_unwind(dc_ledger_job *j, const dc_dp_member *m) {
-    dc_ledger_dp_open *o = j->dp ? find_open(j->dp, m->step) : NULL;
+bool dc_ledger_dp_unwind(dc_ledger_account *acct, const dc_dp_member *m) {
+    dc_ledger_dp_open *o = acct->dp ? find_open(acct->dp, m->step) : NULL;
     if (!o || o->members != 1) return false;
-    close_open(j->dp, o);
+    close_open(acct->dp, o);
     return true;
 }
 
-int dc_ledger_dp_restore(dc_ledger_job *j, uint32_t world, double sigma, uint64_t newest) {
-    dc_ledger_dp *dp = dp_of(j);
+int dc_ledger_dp_restore(dc_ledger_account *acct, uint32_t world, double sigma, uint64_t newest) {
+    dc_ledger_dp *dp = dp_of(acct);
     if (!dp) return -1;
     dp->world = world;
     dp->sigma = sigma;
@@ -189,9 +189,9 @@ int dc_ledger_dp_restore(dc_ledger_job *j, uint32_t world, double sigma, uint64_
     return size_next(dp, world);
 }
 
-void dc_ledger_dp_free(dc_ledger_job *j) {
-    if (!j->dp) return;
-    free(j->dp->next);
-    free(j->dp);
-    j->dp = NULL;
+void dc_ledger_dp_free(dc_ledger_account *acct) {
+    if (!acct->dp) return;
+    free(acct->dp->next);
+    free(acct->dp);
+    acct->dp = NULL;
 }

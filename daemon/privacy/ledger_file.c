@@ -1,4 +1,4 @@
-/* The ledger's files: one per job, "<uid>-<hex of job id>.ledger", text:
+/* The ledger's files: one per account, "<uid>-<hex of job id>.ledger", text:
  *
  *   dpclip-ledger 2
  *   uid 1000
@@ -35,43 +35,45 @@
 
 /* --- writing ------------------------------------------------------------------- */
 
-static void path_of(const dc_ledger *l, uint32_t uid, const char *job, char *out, size_t n) {
-    char hex[2 * DC_LEDGER_JOB_MAX + 1];
+static void path_of(const dc_ledger *l, uint32_t uid, const char *job_id, char *out, size_t n) {
+    char hex[2 * DC_LEDGER_JOB_ID_MAX + 1];
     size_t k = 0;
-    for (const unsigned char *p = (const unsigned char *)job; *p && k + 2 < sizeof hex;
+    for (const unsigned char *p = (const unsigned char *)job_id; *p && k + 2 < sizeof hex;
          p++, k += 2)
         snprintf(hex + k, 3, "%02x", *p);
     hex[k] = '\0';
     snprintf(out, n, "%s/%u-%s.ledger", l->dir, uid, hex);
 }
 
-void dc_ledger_job_path(const dc_ledger *l, const dc_ledger_job *j, char *out, size_t n) {
-    path_of(l, j->uid, j->job, out, n);
+void dc_ledger_account_path(const dc_ledger *l, const dc_ledger_account *acct, char *out,
+                            size_t n) {
+    path_of(l, acct->uid, acct->job_id, out, n);
 }
 
-int dc_ledger_serialize(const dc_ledger_job *j, char **out, size_t *len) {
+int dc_ledger_serialize(const dc_ledger_account *acct, char **out, size_t *len) {
     char *buf = NULL;
     size_t n = 0;
     FILE *f = open_memstream(&buf, &n);
     if (!f) return DC_ENOSPACE;
-    fprintf(f, LEDGER_MAGIC "\nuid %u\njob ", j->uid);
-    for (const unsigned char *p = (const unsigned char *)j->job; *p; p++) fprintf(f, "%02x", *p);
-    fprintf(f, "\ndelta %.17g\nbudget_epsilon %.17g\nsteps %llu\n", j->delta, j->budget_eps,
-            (unsigned long long)j->steps);
-    if (j->insecure) fputs("insecure 1\n", f);
-    for (size_t i = 0; i < j->n_hist; i++)
-        fprintf(f, "entry %.17g %.17g %llu\n", j->hist[i].q, j->hist[i].sigma,
-                (unsigned long long)j->hist[i].steps);
-    if (j->dp && j->dp->world)
-        fprintf(f, "data_parallel %u %.17g %llu\n", j->dp->world, j->dp->sigma,
-                (unsigned long long)j->dp->newest);
-    if (j->folded_steps) {
-        fprintf(f, "folded %llu", (unsigned long long)j->folded_steps);
-        for (size_t k = 0; k < DC_RDP_N_ORDERS; k++) fprintf(f, " %.17g", j->folded[k]);
+    fprintf(f, LEDGER_MAGIC "\nuid %u\njob ", acct->uid);
+    for (const unsigned char *p = (const unsigned char *)acct->job_id; *p; p++)
+        fprintf(f, "%02x", *p);
+    fprintf(f, "\ndelta %.17g\nbudget_epsilon %.17g\nsteps %llu\n", acct->delta, acct->budget_eps,
+            (unsigned long long)acct->steps);
+    if (acct->insecure) fputs("insecure 1\n", f);
+    for (size_t i = 0; i < acct->n_hist; i++)
+        fprintf(f, "entry %.17g %.17g %llu\n", acct->hist[i].q, acct->hist[i].sigma,
+                (unsigned long long)acct->hist[i].steps);
+    if (acct->dp && acct->dp->world)
+        fprintf(f, "data_parallel %u %.17g %llu\n", acct->dp->world, acct->dp->sigma,
+                (unsigned long long)acct->dp->newest);
+    if (acct->folded_steps) {
+        fprintf(f, "folded %llu", (unsigned long long)acct->folded_steps);
+        for (size_t k = 0; k < DC_RDP_N_ORDERS; k++) fprintf(f, " %.17g", acct->folded[k]);
         fputs("\n", f);
     }
     /* For people reading the file; recomputed from the entries on load. */
-    fprintf(f, "epsilon %.17g\nend\n", j->eps);
+    fprintf(f, "epsilon %.17g\nend\n", acct->eps);
     if (fclose(f) != 0) {
         free(buf);
         return DC_ENOSPACE;
@@ -129,21 +131,21 @@ fail:
     return DC_EUNAVAIL;
 }
 
-int dc_ledger_save(dc_ledger *l, dc_ledger_job *j, dc_err *err) {
+int dc_ledger_save(dc_ledger *l, dc_ledger_account *acct, dc_err *err) {
     char path[512], *buf;
     size_t len;
-    uint64_t gen = j->gen;
+    uint64_t gen = acct->gen;
     int rc;
     if (!dc_ledger_persistent(l)) {
-        j->saved_gen = gen;
+        acct->saved_gen = gen;
         return 0;
     }
-    if (dc_ledger_serialize(j, &buf, &len))
+    if (dc_ledger_serialize(acct, &buf, &len))
         return dc_err_set(err, DC_ENOSPACE, "ledger", "out of memory");
-    dc_ledger_job_path(l, j, path, sizeof path);
+    dc_ledger_account_path(l, acct, path, sizeof path);
     rc = dc_ledger_write_file(path, buf, len, err);
     free(buf);
-    if (rc == 0) j->saved_gen = gen;
+    if (rc == 0) acct->saved_gen = gen;
     return rc;
 }
 
@@ -175,9 +177,10 @@ static int parse_folded(const char *s, unsigned long long *steps, double *rdp) {
     return *end == '\0' ? 0 : -1;
 }
 
-/* Reads one job file into a new account (*out). */
-static int load_file(dc_ledger *l, const char *path, FILE *f, dc_ledger_job **out, dc_err *err) {
-    char line[8192], job[DC_LEDGER_JOB_MAX] = "";
+/* Reads one account file into a new account (*out). */
+static int load_file(dc_ledger *l, const char *path, FILE *f, dc_ledger_account **out,
+                     dc_err *err) {
+    char line[8192], job_id[DC_LEDGER_JOB_ID_MAX] = "";
     unsigned long long steps = 0, sum = 0, cnt, folded_steps = 0;
     unsigned uid = 0;
     double delta = l->default_delta, budget = 0, q, sigma, folded[DC_RDP_N_ORDERS];
@@ -186,7 +189,7 @@ static int load_file(dc_ledger *l, const char *path, FILE *f, dc_ledger_job **ou
     double dp_sigma = 0;
     unsigned long long dp_newest = 0;
     int lineno = 0;
-    dc_ledger_job *j = NULL;
+    dc_ledger_account *acct = NULL;
     const char *why = "unreadable";
     struct { double q, sigma; unsigned long long n; } *ent = NULL;
     size_t n_ent = 0;
@@ -222,9 +225,9 @@ static int load_file(dc_ledger *l, const char *path, FILE *f, dc_ledger_job **ou
         }
         if (strncmp(line, "data_parallel ", 14) == 0) {
             char tail;
-            /* A job's world and sigma bound what its shares release, and its
-             * highest step keeps numbers from being taken again: a file that
-             * garbles them is not read as a job without them. */
+            /* An account's world and sigma bound what its shares release, and
+             * its highest step keeps numbers from being taken again: a file
+             * that garbles them is not read as an account without them. */
             if (have_dp ||
                 sscanf(line + 14, "%u %lf %llu %c", &dp_world, &dp_sigma, &dp_newest, &tail) != 3 ||
                 dp_world < 2 || dp_world > DC_LEDGER_DP_WORLD_MAX ||
@@ -246,7 +249,8 @@ static int load_file(dc_ledger *l, const char *path, FILE *f, dc_ledger_job **ou
         val[0] = '\0';
         if (sscanf(line, "%31s %255s", key, val) < 1) continue;
         if (strcmp(key, "uid") == 0 && sscanf(val, "%u", &uid) == 1) have_uid = true;
-        else if (strcmp(key, "job") == 0 && unhex(val, job, sizeof job) == 0) have_job = true;
+        else if (strcmp(key, "job") == 0 && unhex(val, job_id, sizeof job_id) == 0)
+            have_job = true;
         else if (strcmp(key, "delta") == 0 && sscanf(val, "%lf", &delta) == 1) continue;
         else if (strcmp(key, "budget_epsilon") == 0 && sscanf(val, "%lf", &budget) == 1) continue;
         else if (strcmp(key, "steps") == 0 && sscanf(val, "%llu", &steps) == 1) continue;
@@ -263,34 +267,35 @@ static int load_file(dc_ledger *l, const char *path, FILE *f, dc_ledger_job **ou
         lineno = 0;
         goto bad;
     }
-    if (dc_ledger_job_find(l, uid, job)) {
+    if (dc_ledger_account_find(l, uid, job_id)) {
         free(ent);
         return dc_err_set(err, DC_EINTERNAL, "ledger", "%s: a second file for uid %u job '%s'",
-                          path, uid, job);
+                          path, uid, job_id);
     }
-    if (!(j = dc_ledger_job_new(l, uid, job))) goto oom;
-    j->delta = delta;
-    j->budget_eps = budget;
-    j->insecure = insecure;
+    if (!(acct = dc_ledger_account_new(l, uid, job_id))) goto oom;
+    acct->delta = delta;
+    acct->budget_eps = budget;
+    acct->insecure = insecure;
     if (folded_steps) {
-        j->folded_steps = folded_steps;
-        memcpy(j->folded, folded, sizeof j->folded);
+        acct->folded_steps = folded_steps;
+        memcpy(acct->folded, folded, sizeof acct->folded);
     }
-    if (have_dp && dc_ledger_dp_restore(j, dp_world, dp_sigma, dp_newest)) goto oom;
+    if (have_dp && dc_ledger_dp_restore(acct, dp_world, dp_sigma, dp_newest)) goto oom;
     for (size_t i = 0; i < n_ent; i++) {
         dc_ledger_entry *e = NULL;
-        for (size_t k = 0; k < j->n_hist && !e; k++)
-            if (j->hist[k].q == ent[i].q && j->hist[k].sigma == ent[i].sigma) e = &j->hist[k];
+        for (size_t k = 0; k < acct->n_hist && !e; k++)
+            if (acct->hist[k].q == ent[i].q && acct->hist[k].sigma == ent[i].sigma)
+                e = &acct->hist[k];
         /* A version 1 file may list more pairs than a history keeps: the
          * oldest are folded as they come. */
-        if (!e && !(e = dc_ledger_add_entry(l, j, ent[i].q, ent[i].sigma))) goto oom;
+        if (!e && !(e = dc_ledger_add_entry(l, acct, ent[i].q, ent[i].sigma))) goto oom;
         e->steps += ent[i].n;
         e->used = i;
     }
-    dc_ledger_recompute(j);
-    j->gen = j->saved_gen = n_ent; /* what the file holds is on disk */
+    dc_ledger_recompute(acct);
+    acct->gen = acct->saved_gen = n_ent; /* what the file holds is on disk */
     free(ent);
-    *out = j;
+    *out = acct;
     return 0;
 oom:
     free(ent);
@@ -305,7 +310,7 @@ bad:
                       "that cannot be read (move the file away to reset that job)", path, why);
 }
 
-static int load_path(dc_ledger *l, const char *path, dc_ledger_job **out, dc_err *err) {
+static int load_path(dc_ledger *l, const char *path, dc_ledger_account **out, dc_err *err) {
     FILE *f = fopen(path, "re");
     int rc;
     if (!f) return dc_err_set(err, DC_EINTERNAL, "ledger", "%s: %s", path, strerror(errno));
@@ -314,15 +319,15 @@ static int load_path(dc_ledger *l, const char *path, dc_ledger_job **out, dc_err
     return rc;
 }
 
-int dc_ledger_load_job(dc_ledger *l, uint32_t uid, const char *job, dc_ledger_job **out,
-                       dc_err *err) {
+int dc_ledger_load_account(dc_ledger *l, uint32_t uid, const char *job_id,
+                           dc_ledger_account **out, dc_err *err) {
     char path[600];
     FILE *f;
     int rc;
     *out = NULL;
-    path_of(l, uid, job, path, sizeof path);
+    path_of(l, uid, job_id, path, sizeof path);
     /* A small local file, read on the loop as at start: only when a session
-     * names a job that was dropped from memory. */
+     * names an account that was dropped from memory. */
     if (!(f = fopen(path, "re"))) {
         if (errno == ENOENT) return 0;
         return dc_err_set(err, DC_EUNAVAIL, "ledger", "cannot read %s: %s", path,
@@ -330,14 +335,14 @@ int dc_ledger_load_job(dc_ledger *l, uint32_t uid, const char *job, dc_ledger_jo
     }
     rc = load_file(l, path, f, out, err);
     fclose(f);
-    if (rc == 0 && ((*out)->uid != uid || strcmp((*out)->job, job) != 0)) {
-        /* Named for one job, holding another's: not this job's account. */
-        dc_ledger_job *j = *out;
-        l->jobs = j->next;
-        l->n_jobs--;
-        dc_ledger_dp_free(j);
-        free(j->hist);
-        free(j);
+    if (rc == 0 && ((*out)->uid != uid || strcmp((*out)->job_id, job_id) != 0)) {
+        /* Named for one job id, holding another's: not this account. */
+        dc_ledger_account *acct = *out;
+        l->accounts = acct->next;
+        l->n_accounts--;
+        dc_ledger_dp_free(acct);
+        free(acct->hist);
+        free(acct);
         *out = NULL;
         return dc_err_set(err, DC_EUNAVAIL, "ledger", "%s holds another job's account", path);
     }
@@ -380,12 +385,12 @@ int dc_ledger_open(dc_ledger *l, const char *dir, double default_delta, dc_err *
         goto fail;
     }
     while ((e = readdir(d))) {
-        dc_ledger_job *j;
+        dc_ledger_account *acct;
         snprintf(path, sizeof path, "%s/%s", dir, e->d_name);
         /* A temp file is a write that never got renamed: the spend it held
          * was not acknowledged to anyone, and the previous file stands. */
         if (ends_with(e->d_name, ".ledger.tmp")) unlink(path);
-        else if (ends_with(e->d_name, ".ledger") && (rc = load_path(l, path, &j, err))) break;
+        else if (ends_with(e->d_name, ".ledger") && (rc = load_path(l, path, &acct, err))) break;
     }
     closedir(d);
     if (rc) goto fail;
@@ -396,8 +401,8 @@ fail:
 }
 
 void dc_ledger_close(dc_ledger *l) {
-    dc_ledger_drop_jobs(l);
-    l->n_jobs = 0;
+    dc_ledger_drop_accounts(l);
+    l->n_accounts = 0;
     if (l->lock_fd >= 0) close(l->lock_fd);
     l->lock_fd = -1;
 }

@@ -1,8 +1,8 @@
-/* Making a job's ledger state durable without blocking the loop: the job is
- * serialized on the loop, written (temp file, fsync, rename, directory
- * fsync: dc_ledger_write_file) on libuv's thread pool, and the generation
- * it holds is recorded back on the loop, where the waiters for it are
- * answered. */
+/* Making an account's ledger state durable without blocking the loop: the
+ * account is serialized on the loop, written (temp file, fsync, rename,
+ * directory fsync: dc_ledger_write_file) on libuv's thread pool, and the
+ * generation it holds is recorded back on the loop, where the waiters for it
+ * are answered. */
 #include "ledger.h"
 
 #include <stdlib.h>
@@ -13,7 +13,7 @@
 typedef struct ledger_write {
     uv_work_t req;
     dc_ledger *ledger;
-    dc_ledger_job *job;
+    dc_ledger_account *acct;
     uint64_t gen;
     char path[600];
     char *buf;
@@ -29,7 +29,7 @@ void dc_ledger_store_init(dc_ledger *l, uv_loop_t *loop, dc_metrics *m) {
     l->writes_in_flight = 0;
 }
 
-static void start_write(dc_ledger *l, dc_ledger_job *job);
+static void start_write(dc_ledger *l, dc_ledger_account *acct);
 
 static void ledger_write_work(uv_work_t *req) {
     ledger_write *w = req->data;
@@ -37,8 +37,8 @@ static void ledger_write_work(uv_work_t *req) {
 }
 
 /* Tells every waiter whose generation this write covered. */
-static void notify_waiters(dc_ledger_job *job, uint64_t gen, int rc, const dc_err *err) {
-    dc_ledger_waiter **pp = &job->waiters, *ready = NULL;
+static void notify_waiters(dc_ledger_account *acct, uint64_t gen, int rc, const dc_err *err) {
+    dc_ledger_waiter **pp = &acct->waiters, *ready = NULL;
     while (*pp) {
         dc_ledger_waiter *w = *pp;
         if (w->gen <= gen) {
@@ -49,7 +49,7 @@ static void notify_waiters(dc_ledger_job *job, uint64_t gen, int rc, const dc_er
             pp = &w->next;
         }
     }
-    /* Callbacks may change the job (a failed spend refunds itself) and
+    /* Callbacks may change the account (a failed spend refunds itself) and
      * queue new waiters: they run after the list is settled. */
     while (ready) {
         dc_ledger_waiter *w = ready;
@@ -61,68 +61,68 @@ static void notify_waiters(dc_ledger_job *job, uint64_t gen, int rc, const dc_er
 static void ledger_write_done(uv_work_t *req, int status) {
     ledger_write *w = req->data;
     dc_ledger *l = w->ledger;
-    dc_ledger_job *job = w->job;
+    dc_ledger_account *acct = w->acct;
 
     l->writes_in_flight--;
-    job->writing = false;
+    acct->writing = false;
     if (status != 0 && w->rc == 0)
         w->rc = dc_err_set(&w->err, DC_EINTERNAL, "ledger", "ledger write cancelled");
     if (l->metrics) dc_hist_add(&l->metrics->ledger_write, (uv_hrtime() - w->t0) / 1e9);
     if (w->rc == 0) {
         if (l->metrics) l->metrics->ledger_writes++;
-        if (w->gen > job->saved_gen) job->saved_gen = w->gen;
+        if (w->gen > acct->saved_gen) acct->saved_gen = w->gen;
     } else {
         if (l->metrics) l->metrics->ledger_write_errors++;
-        dc_log_error("ledger: uid %u job '%s': %s", job->uid, job->job, w->err.msg);
+        dc_log_error("ledger: uid %u job '%s': %s", acct->uid, acct->job_id, w->err.msg);
     }
-    notify_waiters(job, w->gen, w->rc, &w->err);
+    notify_waiters(acct, w->gen, w->rc, &w->err);
     free(w->buf);
     free(w);
     /* What changed meanwhile (or was refunded by the waiters) goes next. */
-    if (!job->writing && job->saved_gen < job->gen && (job->dirty || job->waiters))
-        start_write(l, job);
+    if (!acct->writing && acct->saved_gen < acct->gen && (acct->dirty || acct->waiters))
+        start_write(l, acct);
 }
 
-static void start_write(dc_ledger *l, dc_ledger_job *job) {
+static void start_write(dc_ledger *l, dc_ledger_account *acct) {
     ledger_write *w = calloc(1, sizeof *w);
     dc_err e;
-    if (!w || dc_ledger_serialize(job, &w->buf, &w->len) != 0) {
+    if (!w || dc_ledger_serialize(acct, &w->buf, &w->len) != 0) {
         free(w);
         dc_err_set(&e, DC_ENOSPACE, "ledger", "out of memory writing the ledger");
         if (l->metrics) l->metrics->ledger_write_errors++;
-        notify_waiters(job, job->gen, DC_ENOSPACE, &e);
+        notify_waiters(acct, acct->gen, DC_ENOSPACE, &e);
         return;
     }
     w->req.data = w;
     w->ledger = l;
-    w->job = job;
-    w->gen = job->gen;
+    w->acct = acct;
+    w->gen = acct->gen;
     w->t0 = uv_hrtime();
-    dc_ledger_job_path(l, job, w->path, sizeof w->path);
-    job->writing = true;
-    job->dirty = false;
+    dc_ledger_account_path(l, acct, w->path, sizeof w->path);
+    acct->writing = true;
+    acct->dirty = false;
     l->writes_in_flight++;
     uv_queue_work(l->loop, &w->req, ledger_write_work, ledger_write_done);
 }
 
-void dc_ledger_persist(dc_ledger_job *job, dc_ledger_waiter *w) {
-    dc_ledger *l = job->ledger;
+void dc_ledger_persist(dc_ledger_account *acct, dc_ledger_waiter *w) {
+    dc_ledger *l = acct->ledger;
     if (w) {
-        w->next = job->waiters;
-        job->waiters = w;
+        w->next = acct->waiters;
+        acct->waiters = w;
     }
     if (!dc_ledger_persistent(l)) {
-        job->saved_gen = job->gen;
-        notify_waiters(job, job->gen, 0, NULL);
+        acct->saved_gen = acct->gen;
+        notify_waiters(acct, acct->gen, 0, NULL);
         return;
     }
-    if (job->saved_gen >= job->gen) {
-        notify_waiters(job, job->saved_gen, 0, NULL);
+    if (acct->saved_gen >= acct->gen) {
+        notify_waiters(acct, acct->saved_gen, 0, NULL);
         return;
     }
-    if (job->writing) {
-        job->dirty = true;
+    if (acct->writing) {
+        acct->dirty = true;
         return;
     }
-    start_write(l, job);
+    start_write(l, acct);
 }

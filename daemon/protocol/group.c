@@ -33,7 +33,7 @@ static void on_timer_closed(uv_handle_t *h) {
     free(g->rep);
     free(g->xsend);
     free(g->xrecv);
-    free(g->jobs);
+    free(g->job_ids);
     free(g->covered);
     if (g->daemons > 1) g->gs->links--;
     free(g);
@@ -78,7 +78,7 @@ static dc_group_waiter *take_waiting(dc_group *g, uint32_t *n) {
     return first;
 }
 
-/* Each waiter's done, its successor read first: a done ends its job. */
+/* Each waiter's done, its successor read first: a done ends its step call. */
 static void fail_chain(dc_group_waiter *w, int rc, const dc_err *err) {
     while (w) {
         dc_group_waiter *next = w->next_call;
@@ -423,13 +423,13 @@ int dc_group_join(dc_groups *gs, uint32_t uid, const dc_group_spec *sp, dc_group
         if (!g || !(g->joined = calloc(sp->size, sizeof *g->joined)) ||
             !(g->waiting = calloc(sp->size, sizeof *g->waiting)) ||
             !(g->unfusing = calloc(sp->size, sizeof *g->unfusing)) ||
-            !(g->jobs = calloc(sp->size, sizeof *g->jobs)) ||
+            !(g->job_ids = calloc(sp->size, sizeof *g->job_ids)) ||
             !(g->covered = calloc(sp->size, sizeof *g->covered))) {
             if (g) {
                 free(g->joined);
                 free(g->waiting);
                 free(g->unfusing);
-                free(g->jobs);
+                free(g->job_ids);
             }
             free(g);
             return dc_err_set(err, DC_ENOSPACE, "join_group", "out of memory");
@@ -466,7 +466,7 @@ int dc_group_join(dc_groups *gs, uint32_t uid, const dc_group_spec *sp, dc_group
     g->joined[sp->rank] = true;
     g->n_joined++;
     g->refs++;
-    snprintf(g->jobs[sp->rank], DC_GROUP_JOB_MAX, "%s", sp->job ? sp->job : "");
+    snprintf(g->job_ids[sp->rank], DC_GROUP_JOB_ID_MAX, "%s", sp->job_id ? sp->job_id : "");
     *out = g;
     if ((rc = dc_group_link_open(g, err))) {
         /* the group cannot work: the others' steps fail, this join too */
@@ -635,15 +635,16 @@ static uint32_t leader(const dc_group *g) {
     return UINT32_MAX;
 }
 
-bool dc_group_covers(dc_group *g, uint32_t rank, uint64_t step, float sigma, const char *job) {
+bool dc_group_covers(dc_group *g, uint32_t rank, uint64_t step, float sigma, const char *job_id) {
     uint32_t lead = leader(g);
     if (g->dissolved || rank >= g->size || rank == lead || lead == UINT32_MAX) return false;
-    if (!job || strncmp(job, g->jobs[lead], DC_GROUP_JOB_MAX) != 0) return false;
+    if (!job_id || strncmp(job_id, g->job_ids[lead], DC_GROUP_JOB_ID_MAX) != 0) return false;
     if (g->clipping == DC_GROUP_NORM_REDUCE) return true;
     if (step <= g->covered[rank]) return false; /* covered once, in order */
     for (uint32_t i = 0; i < g->n_charges; i++) {
         const group_charge *c = &g->charges[i];
-        if (c->step == step && sigma >= c->sigma && strncmp(job, c->job, DC_GROUP_JOB_MAX) == 0) {
+        if (c->step == step && sigma >= c->sigma &&
+            strncmp(job_id, c->job_id, DC_GROUP_JOB_ID_MAX) == 0) {
             g->covered[rank] = step;
             return true;
         }
@@ -651,7 +652,7 @@ bool dc_group_covers(dc_group *g, uint32_t rank, uint64_t step, float sigma, con
     return false;
 }
 
-void dc_group_charged(dc_group *g, uint32_t rank, uint64_t step, float sigma, const char *job) {
+void dc_group_charged(dc_group *g, uint32_t rank, uint64_t step, float sigma, const char *job_id) {
     group_charge *c;
     if (rank != leader(g)) return;
     c = &g->charges[g->next_charge];
@@ -659,7 +660,7 @@ void dc_group_charged(dc_group *g, uint32_t rank, uint64_t step, float sigma, co
     if (g->n_charges < DC_GROUP_CHARGED_WINDOW) g->n_charges++;
     c->step = step;
     c->sigma = sigma;
-    snprintf(c->job, sizeof c->job, "%s", job ? job : "");
+    snprintf(c->job_id, sizeof c->job_id, "%s", job_id ? job_id : "");
 }
 
 uint64_t dc_group_id(const dc_group *g) { return g->id; }

@@ -119,7 +119,7 @@ typedef struct dc_group_spec {
     uint32_t rank, size;
     uint32_t timeout_ms;            /* 0 = groups.timeout_ms */
     dc_group_clipping clipping;
-    const char *job;                /* the member's ledger job (coverage is per job) */
+    const char *job_id;             /* the member's ledger job (coverage is per job) */
     /* Across daemons (daemons > 1): this daemon's place and how many of the
      * members use it; the NCCL id made by daemon 0 (NULL on rank 0's join,
      * which makes it) and that daemon's NCCL version. */
@@ -193,14 +193,14 @@ void dc_group_fail(dc_group *g, uint32_t rank, uint64_t step, const dc_err *err)
 /* Accounting: a group step is one logical step, charged on each daemon
  * once, to the step of the group's leader there (its lowest rank joined on
  * this daemon: rank 0 on daemon 0). dc_group_covers says whether rank's
- * step of group step `step`, in ledger job `job`, is covered by the
- * leader's charge, and if so records it as covered:
- *   - never for the leader, nor for a member of another job than the
- *     leader's (membership is by uid and name, the charge is the job's);
+ * step of group step `step`, in the ledger account of job id `job_id`, is
+ * covered by the leader's charge, and if so records it as covered:
+ *   - never for the leader, nor for a member of another account than the
+ *     leader's (membership is by uid and name, the charge is the account's);
  *   - NORM_REDUCE: every other member's step waits for the leader's (and
  *     fails with it, terms checked equal): covered;
  *   - GROUP_WISE, whose steps never wait: only if the leader's step of
- *     exactly that group step was charged to that job, at a noise
+ *     exactly that group step was charged to that account, at a noise
  *     multiplier <= sigma, among its last DC_GROUP_CHARGED_WINDOW charges;
  *     and each rank is covered once per group step, in increasing order, for
  *     the group's life: a member joining again (its step counter starts
@@ -209,9 +209,9 @@ void dc_group_fail(dc_group *g, uint32_t rank, uint64_t step, const dc_err *err)
  * under-counting). dc_group_charged records a step the ledger really
  * charged (not a data-parallel share). */
 #define DC_GROUP_CHARGED_WINDOW 64
-#define DC_GROUP_JOB_MAX 128 /* a ledger job id, whole (DC_LEDGER_JOB_MAX fits) */
-bool dc_group_covers(dc_group *g, uint32_t rank, uint64_t step, float sigma, const char *job);
-void dc_group_charged(dc_group *g, uint32_t rank, uint64_t step, float sigma, const char *job);
+#define DC_GROUP_JOB_ID_MAX 128 /* a ledger job id, whole (DC_LEDGER_JOB_ID_MAX fits) */
+bool dc_group_covers(dc_group *g, uint32_t rank, uint64_t step, float sigma, const char *job_id);
+void dc_group_charged(dc_group *g, uint32_t rank, uint64_t step, float sigma, const char *job_id);
 
 /* Whether two copies of the replicated layers' per-sample squared norm
  * agree within DC_GROUP_REPLICA_TOL (step_fuse.c checks the same). */

@@ -12,7 +12,7 @@
 typedef struct group_charge {
     uint64_t step;
     float sigma;
-    char job[DC_GROUP_JOB_MAX];
+    char job_id[DC_GROUP_JOB_ID_MAX];
 } group_charge;
 
 struct dc_group {
@@ -67,9 +67,9 @@ struct dc_group {
     uint8_t *xsend, *xrecv;    /* the exchange's bytes, this daemon's and all */
     size_t xcap;
     uint64_t t_local, exchanges, last_exchange_ns;
-    /* Coverage (dc_group_covers): each member's job, the leader's last
+    /* Coverage (dc_group_covers): each member's job id, the leader's last
      * charges (a ring), and per rank the last group step covered. */
-    char (*jobs)[DC_GROUP_JOB_MAX];   /* [size] */
+    char (*job_ids)[DC_GROUP_JOB_ID_MAX]; /* [size] */
     group_charge charges[DC_GROUP_CHARGED_WINDOW];
     uint32_t n_charges, next_charge;
     uint64_t *covered;             /* [size] */

@@ -10,11 +10,11 @@
 #include "dc_frame.h"
 #include "dpclip.pb-c.h"
 #include "log.h"
+#include "peek.h"
 #include "server.h"
 #include "session_int.h"
 #include "step_logical.h"
 #include "step_pass.h"
-#include "wire.h"
 
 /* Failed steps: at most one log line per session per period. */
 #define DC_SESSION_LOG_PERIOD_NS 1000000000ull
@@ -26,7 +26,7 @@ struct dc_wbuf {
     uint8_t data[];
 };
 
-int dc_session_busy(const dc_session *s) { return s->job != NULL || s->async_ops > 0; }
+int dc_session_busy(const dc_session *s) { return s->call != NULL || s->async_ops > 0; }
 static void session_update_poll(dc_session *s);
 static void on_timer(uv_timer_t *t);
 static uint64_t seconds_ms(double sec);
@@ -197,15 +197,15 @@ static void handle_hello(dc_session *s, uint64_t id, const Dpclip__Hello *h) {
         s->closing = true;
         return;
     }
-    /* The privacy ledger's account: this uid's job of that name, whole (an
-     * id too long to keep is refused, never truncated into another job's),
+    /* The privacy ledger's account: this uid's of that job id, whole (an id
+     * too long to keep is refused, never truncated into another account's),
      * within ledger.max_jobs_per_uid. */
-    if (dc_ledger_job_open(&srv->ledger, (uint32_t)s->peer_uid, h->job_id ? h->job_id : "",
-                           &s->ljob, &e)) {
+    if (dc_ledger_account_open(&srv->ledger, (uint32_t)s->peer_uid, h->job_id ? h->job_id : "",
+                               &s->account, &e)) {
         dc_session_reject(s, id, &e);
         return;
     }
-    s->ljob->sessions++;
+    s->account->sessions++;
     snprintf(s->client_name, sizeof s->client_name, "%s", h->client_name ? h->client_name : "");
     snprintf(s->job_id, sizeof s->job_id, "%s", h->job_id ? h->job_id : "");
     s->hello_done = true;
@@ -344,8 +344,8 @@ static void dispatch(dc_session *s, const dc_frame *f) {
 
     s->t_frame = uv_hrtime();
     /* A ClipStep with the bytes of the last step that validated needs no
-     * decoding (session_step.c); wire.h says which frames may be taken so. */
-    if (s->hello_done && f->nfds == 0 && dc_wire_step_key(f->payload, f->len, &id, &k)) {
+     * decoding (session_step.c); peek.h says which frames may be taken so. */
+    if (s->hello_done && f->nfds == 0 && dc_peek_step_key(f->payload, f->len, &id, &k)) {
         key = f->payload + k;
         key_len = f->len - k;
         s->step_req_id = id;
@@ -445,7 +445,7 @@ void dc_session_process(dc_session *s) {
      * its step waiting for the others (for as long as the group's timeout)
      * would only hold the connection. It leaves now, which fails that step
      * on every member, and the session closes once the step is answered. */
-    if (s->in.eof && s->group && s->job && s->job->grouped) {
+    if (s->in.eof && s->group && s->call && s->call->grouped) {
         dc_session_group_leave(s, "its client closed the connection");
         if (s->gone) return; /* the failed step's reply ended the session */
     }
@@ -663,7 +663,7 @@ void dc_session_destroy(dc_session *s) {
     dc_logical_free(s);
     free(s->prewait);
     dc_registry_destroy(&s->reg);
-    if (s->ljob) s->ljob->sessions--;
+    if (s->account) s->account->sessions--;
     dc_frame_in_free(&s->in);
     dc_server_session_gone(s->srv, s);
     free(s);

@@ -19,7 +19,7 @@
 #include "ledger.h"
 #include "log.h"
 #include "registry.h"
-#include "step_job.h"
+#include "step_call.h"
 #include "validate.h"
 
 typedef struct dc_server dc_server;
@@ -50,9 +50,9 @@ typedef struct dc_session {
     bool gone;                       /* socket closed; waiting for the step */
     bool poll_closed;                /* both handles closed, the socket too */
     bool drain_armed;                /* closing: the timer ends the wait for the client */
-    dc_step_job *job;                /* the step in flight, if any */
+    dc_step_call *call;              /* the step in flight, if any */
     int async_ops;                   /* GPU handle opens in flight (0 or 1) */
-    struct dc_session_event *events; /* registered (step_job.h) */
+    struct dc_session_event *events; /* registered (step_call.h) */
     size_t n_events, cap_events;
     dc_registry reg;
     uint64_t steps;
@@ -65,7 +65,7 @@ typedef struct dc_session {
     uint64_t t_frame;                /* uv_hrtime when the current request began decoding */
     uint64_t last_step_ns;           /* uv_hrtime of the last reply to a step, 0 = none */
     uint64_t last_send_ns;           /* how long the last send() took (debug log) */
-    dc_ledger_job *ljob;             /* the ledger's (uid, job) since Hello; not owned */
+    dc_ledger_account *account;      /* the ledger's (uid, job id) since Hello; not owned */
     struct dc_group *group;          /* the norm group joined (a reference), or NULL */
     uint32_t group_rank;
     uint64_t group_steps;            /* the last group step this member delivered */

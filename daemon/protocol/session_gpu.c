@@ -92,94 +92,94 @@ static int ipc_request_ok(const dc_session *s, int32_t device, const ProtobufCBi
     return 0;
 }
 
-static void register_cuda_done(dc_gpu_open_job *j) {
-    dc_session *s = j->user;
+static void register_cuda_done(dc_gpu_open_task *t) {
+    dc_session *s = t->user;
     dc_err e;
     s->async_ops--;
-    if (j->rc == 0) {
-        j->buf.id = ++s->srv->next_buffer_id;
-        if (s->gone || dc_registry_add(&s->reg, &j->buf, &e) != 0) {
+    if (t->rc == 0) {
+        t->buf.id = ++s->srv->next_buffer_id;
+        if (s->gone || dc_registry_add(&s->reg, &t->buf, &e) != 0) {
             /* No registry holds it: hand the handle back. */
-            dc_gpu_close_buffer(&s->srv->gpu, &j->buf);
-            if (!s->gone) dc_session_reject(s, j->req_id, &e);
+            dc_gpu_close_buffer(&s->srv->gpu, &t->buf);
+            if (!s->gone) dc_session_reject(s, t->req_id, &e);
         } else {
             Dpclip__Reply reply = DPCLIP__REPLY__INIT;
             Dpclip__RegisterBufferReply rr = DPCLIP__REGISTER_BUFFER_REPLY__INIT;
-            rr.buffer_id = j->buf.id;
-            rr.size = j->buf.size;
-            reply.id = j->req_id;
+            rr.buffer_id = t->buf.id;
+            rr.size = t->buf.size;
+            reply.id = t->req_id;
             reply.body_case = DPCLIP__REPLY__BODY_REGISTER_BUFFER;
             reply.register_buffer = &rr;
             dc_session_send(s, &reply);
         }
     } else if (!s->gone) {
-        dc_session_reject(s, j->req_id, &j->err);
+        dc_session_reject(s, t->req_id, &t->err);
     }
-    free(j);
+    free(t);
     if (s->gone) dc_session_destroy(s);
     else dc_session_process(s);
 }
 
 void dc_session_register_cuda(dc_session *s, uint64_t id, const Dpclip__RegisterBuffer *m) {
-    dc_gpu_open_job *j;
+    dc_gpu_open_task *t;
     dc_err e;
     int dev;
     if (ipc_request_ok(s, m->device, &m->device_uuid, m->cuda_ipc_handle.len, &k_buffer_names,
                        &dev, &e))
         goto fail;
-    j = calloc(1, sizeof *j);
-    if (!j) {
+    t = calloc(1, sizeof *t);
+    if (!t) {
         dc_err_set(&e, DC_ENOSPACE, "register_buffer", "out of memory");
         goto fail;
     }
-    j->device = dev;
-    memcpy(j->handle, m->cuda_ipc_handle.data, 64);
-    j->size = m->size;
-    j->user = s;
-    j->req_id = id;
-    j->done = register_cuda_done;
+    t->device = dev;
+    memcpy(t->handle, m->cuda_ipc_handle.data, 64);
+    t->size = m->size;
+    t->user = s;
+    t->req_id = id;
+    t->done = register_cuda_done;
     s->async_ops++;
-    dc_gpu_open_buffer(&s->srv->gpu, j);
+    dc_gpu_open_buffer(&s->srv->gpu, t);
     return;
 fail:
     dc_session_reject(s, id, &e);
 }
 
-static void register_event_done(dc_gpu_event_job *j) {
-    dc_session *s = j->user;
+static void register_event_done(dc_gpu_event_task *t) {
+    dc_session *s = t->user;
     dc_err e;
     s->async_ops--;
-    if (j->rc != 0) {
-        if (!s->gone) dc_session_reject(s, j->req_id, &j->err);
+    if (t->rc != 0) {
+        if (!s->gone) dc_session_reject(s, t->req_id, &t->err);
     } else if (s->gone) {
-        dc_gpu_close_event(&s->srv->gpu, j->device, j->event);
+        dc_gpu_close_event(&s->srv->gpu, t->device, t->event);
     } else if (events_room(s, &e) != 0) { /* the setting may have shrunk meanwhile */
-        dc_gpu_close_event(&s->srv->gpu, j->device, j->event);
-        dc_session_reject(s, j->req_id, &e);
+        dc_gpu_close_event(&s->srv->gpu, t->device, t->event);
+        dc_session_reject(s, t->req_id, &e);
     } else if (grow_events(s) != 0) {
-        dc_gpu_close_event(&s->srv->gpu, j->device, j->event);
+        dc_gpu_close_event(&s->srv->gpu, t->device, t->event);
         dc_err_set(&e, DC_ENOSPACE, "register_event", "out of memory");
-        dc_session_reject(s, j->req_id, &e);
+        dc_session_reject(s, t->req_id, &e);
     } else {
         Dpclip__Reply reply = DPCLIP__REPLY__INIT;
         Dpclip__RegisterEventReply rr = DPCLIP__REGISTER_EVENT_REPLY__INIT;
         struct dc_session_event *ev = &s->events[s->n_events++];
         ev->id = ++s->srv->next_buffer_id;
-        ev->device = j->device;
-        ev->event = j->event;
+        ev->device = t->device;
+        ev->event = t->event;
         rr.event_id = ev->id;
-        reply.id = j->req_id;
+        reply.id = t->req_id;
         reply.body_case = DPCLIP__REPLY__BODY_REGISTER_EVENT;
         reply.register_event = &rr;
         dc_session_send(s, &reply);
     }
-    free(j);
+    free(t);
     if (s->gone) dc_session_destroy(s);
     else dc_session_process(s);
 }
 
 void dc_session_register_event(dc_session *s, uint64_t id, const Dpclip__RegisterEvent *m) {
-    dc_gpu_event_job *j;
+    dc_gpu_event_task *t;
     dc_err e;
     int dev;
     if (ipc_request_ok(s, m->device, &m->device_uuid, m->cuda_ipc_event_handle.len,
@@ -188,18 +188,18 @@ void dc_session_register_event(dc_session *s, uint64_t id, const Dpclip__Registe
     /* before the open: a session at its limit costs the GPU thread nothing
      * (registrations are serialized, so none is in flight here) */
     if (events_room(s, &e)) goto fail;
-    j = calloc(1, sizeof *j);
-    if (!j) {
+    t = calloc(1, sizeof *t);
+    if (!t) {
         dc_err_set(&e, DC_ENOSPACE, "register_event", "out of memory");
         goto fail;
     }
-    j->device = dev;
-    memcpy(j->handle, m->cuda_ipc_event_handle.data, 64);
-    j->user = s;
-    j->req_id = id;
-    j->done = register_event_done;
+    t->device = dev;
+    memcpy(t->handle, m->cuda_ipc_event_handle.data, 64);
+    t->user = s;
+    t->req_id = id;
+    t->done = register_event_done;
     s->async_ops++;
-    dc_gpu_open_event(&s->srv->gpu, j);
+    dc_gpu_open_event(&s->srv->gpu, t);
     return;
 fail:
     dc_session_reject(s, id, &e);

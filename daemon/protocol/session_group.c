@@ -5,7 +5,7 @@
  * fused step (step_fuse.c: one norm pass over every member's layers, no
  * round trip between phases), unless groups.fuse is off. Otherwise (a
  * group across daemons, members on different devices) it runs as two
- * worker jobs with the group's reduction between them (group.c):
+ * worker tasks with the group's reduction between them (group.c):
  *   1. norm phase (the backend's run_norms): the step's own squared layer
  *      norms; their per-sample sum over the member's layers (replicated
  *      layers counted by rank 0 only) goes to the group;
@@ -28,7 +28,7 @@
 #include "validate.h"
 #include "step_run.h"
 
-_Static_assert(DC_LEDGER_JOB_MAX <= DC_GROUP_JOB_MAX,
+_Static_assert(DC_LEDGER_JOB_ID_MAX <= DC_GROUP_JOB_ID_MAX,
                "a group keeps each member's ledger job id whole");
 
 void dc_session_group_leave(dc_session *s, const char *why) {
@@ -67,7 +67,7 @@ void dc_session_join_group(dc_session *s, uint64_t id, const Dpclip__JoinGroup *
     sp.local_size = m->local_size;
     sp.nccl_id = m->nccl_id.len ? m->nccl_id.data : NULL;
     sp.nccl_version = m->nccl_version;
-    sp.job = s->ljob ? s->ljob->job : s->job_id; /* coverage is per ledger job */
+    sp.job_id = s->account ? s->account->job_id : s->job_id; /* coverage is per account */
     /* the link's few bytes per step travel through the daemon's first GPU */
     sp.device = srv->gpu.n > 0 ? 0 : -1;
     /* A join refused on its own terms leaves the current group alone; one
@@ -112,9 +112,9 @@ static uint64_t replicated_hash(const dc_step *st) {
     return h;
 }
 
-int dc_session_group_prepare(dc_session *s, dc_step_job *j, dc_err *e) {
-    const struct dc_step_params *m = &j->params;
-    dc_step *st = &j->step;
+int dc_session_group_prepare(dc_session *s, dc_step_call *sc, dc_err *e) {
+    const struct dc_step_params *m = &sc->params;
+    dc_step *st = &sc->step;
     bool replicated = false;
     const char *why;
     for (size_t l = 0; l < st->n_layers; l++) replicated |= st->layers[l].replicated;
@@ -171,7 +171,7 @@ int dc_session_group_prepare(dc_session *s, dc_step_job *j, dc_err *e) {
                           "steps only increase)",
                           (unsigned long long)m->group_step,
                           (unsigned long long)s->group_steps);
-    j->group_step = m->group_step ? m->group_step : implicit;
+    sc->group_step = m->group_step ? m->group_step : implicit;
     if (dc_group_clipping_of(g) == DC_GROUP_WISE) {
         /* He et al.: C_k = C / sqrt(K), so that sum_k C_k^2 = C^2; the
          * noise stays sigma * C on every coordinate */
@@ -181,26 +181,26 @@ int dc_session_group_prepare(dc_session *s, dc_step_job *j, dc_err *e) {
                               "clips to its own threshold): give each to one member");
         st->noise_norm = st->max_grad_norm;
         st->max_grad_norm = (float)(st->max_grad_norm / sqrt((double)dc_group_size(g)));
-        s->group_steps = j->group_step;
+        s->group_steps = sc->group_step;
         return 0;
     }
     if (m->notify_enqueued)
         return dc_err_set(e, DC_EINVAL, "clip_step.notify_enqueued",
                           "a step of a NORM_REDUCE group has no early notice: its outputs are "
                           "queued only once every member's norms are in");
-    j->grouped = true;
-    j->group_id = dc_group_id(g);
+    sc->grouped = true;
+    sc->group_id = dc_group_id(g);
     st->group_noise_key = dc_group_noise_key(g);
-    st->group_step = j->group_step;
-    j->gw.terms.batch = st->batch;
-    j->gw.terms.max_grad_norm = st->max_grad_norm;
-    j->gw.terms.noise_multiplier = st->noise_multiplier;
-    j->gw.terms.reduction = (int)st->reduction;
-    j->gw.terms.expected_batch = st->expected_batch;
-    j->gw.terms.replicated_hash = replicated_hash(st);
-    j->gw.terms.logical_id = m->logical_id;
-    j->gw.terms.micro_batch = m->micro_batch;
-    j->gw.terms.commit = m->commit;
+    st->group_step = sc->group_step;
+    sc->gw.terms.batch = st->batch;
+    sc->gw.terms.max_grad_norm = st->max_grad_norm;
+    sc->gw.terms.noise_multiplier = st->noise_multiplier;
+    sc->gw.terms.reduction = (int)st->reduction;
+    sc->gw.terms.expected_batch = st->expected_batch;
+    sc->gw.terms.replicated_hash = replicated_hash(st);
+    sc->gw.terms.logical_id = m->logical_id;
+    sc->gw.terms.micro_batch = m->micro_batch;
+    sc->gw.terms.commit = m->commit;
     return 0;
 }
 
@@ -208,42 +208,42 @@ int dc_session_group_prepare(dc_session *s, dc_step_job *j, dc_err *e) {
 
 /* The group's totals (or why the group step failed). */
 static void on_totals(dc_group_waiter *w, int rc, const double *tot, const dc_err *err) {
-    dc_step_job *j = w->arg;
-    dc_session *s = j->s;
+    dc_step_call *sc = w->arg;
+    dc_session *s = sc->s;
     if (rc) {
-        j->rc = rc;
-        j->err = *err;
-        dc_session_step_done(&j->job);
+        sc->rc = rc;
+        sc->err = *err;
+        dc_session_step_done(&sc->task);
         return;
     }
-    memcpy(j->tot, tot, j->step.batch * sizeof *j->tot);
+    memcpy(sc->tot, tot, sc->step.batch * sizeof *sc->tot);
     /* across daemons the group's noise key is daemon 0's, known once the
      * totals came through the link (group.c) */
-    if (s->group) j->step.group_noise_key = dc_group_noise_key(s->group);
-    j->group_wait_ns = w->wait_ns;
-    j->group_exchange_ns = w->exchange_ns;
+    if (s->group) sc->step.group_noise_key = dc_group_noise_key(s->group);
+    sc->group_wait_ns = w->wait_ns;
+    sc->group_exchange_ns = w->exchange_ns;
     /* From here the other members may release their parts of this step:
      * rank 0's charge for it stands whatever happens to its own part. */
-    if (s->group_rank == 0) j->res.released = true;
-    j->job.work = dc_step_run_clip_work;
-    j->job.done = dc_session_step_done;
-    dc_worker_pool_submit(dc_session_step_pool(j), &j->job);
+    if (s->group_rank == 0) sc->res.released = true;
+    sc->task.work = dc_step_run_clip_work;
+    sc->task.done = dc_session_step_done;
+    dc_worker_pool_submit(dc_session_step_pool(sc), &sc->task);
 }
 
-static void norms_done(dc_job *job) {
-    dc_step_job *j = (dc_step_job *)job;
-    dc_session *s = j->s;
-    const uint32_t B = j->step.batch;
+static void norms_done(dc_task *task) {
+    dc_step_call *sc = (dc_step_call *)task;
+    dc_session *s = sc->s;
+    const uint32_t B = sc->step.batch;
     dc_err e;
     if (!s->group) { /* it left meanwhile */
-        dc_err_set(&j->err, DC_EUNAVAIL, "join_group", "the session left its norm group");
-        j->rc = DC_EUNAVAIL;
-        dc_session_step_done(job);
+        dc_err_set(&sc->err, DC_EUNAVAIL, "join_group", "the session left its norm group");
+        sc->rc = DC_EUNAVAIL;
+        dc_session_step_done(task);
         return;
     }
-    if (j->rc) {
-        dc_group_fail(s->group, s->group_rank, j->group_step, &j->err);
-        dc_session_step_done(job);
+    if (sc->rc) {
+        dc_group_fail(s->group, s->group_rank, sc->group_step, &sc->err);
+        dc_session_step_done(task);
         return;
     }
     /* This member's part of each sample's squared norm: a replicated
@@ -251,30 +251,30 @@ static void norms_done(dc_job *job) {
     bool replicated = false;
     for (uint32_t b = 0; b < B; b++) {
         double p = 0.0, r = 0.0;
-        for (size_t l = 0; l < j->step.n_layers; l++) {
-            const bool rl = j->step.layers[l].replicated;
-            if (!rl || s->group_rank == 0) p += j->n2[l * B + b];
-            if (rl) r += j->n2[l * B + b];
+        for (size_t l = 0; l < sc->step.n_layers; l++) {
+            const bool rl = sc->step.layers[l].replicated;
+            if (!rl || s->group_rank == 0) p += sc->n2[l * B + b];
+            if (rl) r += sc->n2[l * B + b];
             replicated |= rl;
         }
-        j->partial[b] = p;
-        j->rep[b] = r;
+        sc->partial[b] = p;
+        sc->rep[b] = r;
     }
-    j->gw.partial = j->partial; /* the rest was set at submission */
+    sc->gw.partial = sc->partial; /* the rest was set at submission */
     /* every member's copy of the replicated layers is measured against the
      * others' (the one counted is rank 0's) */
-    j->gw.replicated = replicated ? j->rep : NULL;
-    s->group_steps = j->group_step;
-    if ((j->rc = dc_group_deliver(s->group, &j->gw, &e))) {
-        j->err = e;
-        dc_session_step_done(job);
+    sc->gw.replicated = replicated ? sc->rep : NULL;
+    s->group_steps = sc->group_step;
+    if ((sc->rc = dc_group_deliver(s->group, &sc->gw, &e))) {
+        sc->err = e;
+        dc_session_step_done(task);
     }
 }
 
 /* --- fused: every member's step as one (step_fuse.c) ------------------------ */
 
-static void fused_done(dc_job *job) {
-    dc_step_fused *f = (dc_step_fused *)job;
+static void fused_done(dc_task *task) {
+    dc_step_fused *f = (dc_step_fused *)task;
     dc_step_fuse_split(f);
     /* every member's reply first (they wait for it), then each session's
      * bookkeeping, which may start its next request */
@@ -284,33 +284,33 @@ static void fused_done(dc_job *job) {
     free(f);
 }
 
-static void submit_norms(dc_step_job *j);
+static void submit_norms(dc_step_call *sc);
 
 /* The group's every member is here, unrun, on one device (loop thread),
  * chained in rank order through next_call; the members are chained through
- * their jobs (fuse_next) before any reply. */
+ * their step calls (fuse_next) before any reply. */
 static void on_fuse(dc_group_waiter *all, uint32_t n) {
-    dc_step_job *first = all->arg, *chain = NULL, **tail = &chain;
+    dc_step_call *first = all->arg, *chain = NULL, **tail = &chain;
     dc_step_fused *f = malloc(sizeof *f);
     dc_err e;
     for (dc_group_waiter *w = all; w; w = w->next_call) {
-        dc_step_job *j = w->arg;
-        *tail = j;
-        tail = &j->fuse_next;
+        dc_step_call *sc = w->arg;
+        *tail = sc;
+        tail = &sc->fuse_next;
         /* rank 0's charge for this group step stands from here, whatever
          * happens to the step (as on_totals) */
-        if (j->s->group_rank == 0) j->res.released = true;
+        if (sc->s->group_rank == 0) sc->res.released = true;
     }
     *tail = NULL;
     if (!f || dc_step_fuse_build(f, chain, n, &e)) {
         if (!f) dc_err_set(&e, DC_ENOSPACE, "clip_step", "out of memory");
         free(f);
         while (chain) {
-            dc_step_job *j = chain;
-            chain = j->fuse_next;
-            j->rc = e.code;
-            j->err = e;
-            dc_session_step_done(&j->job);
+            dc_step_call *sc = chain;
+            chain = sc->fuse_next;
+            sc->rc = e.code;
+            sc->err = e;
+            dc_session_step_done(&sc->task);
         }
         return;
     }
@@ -320,75 +320,75 @@ static void on_fuse(dc_group_waiter *all, uint32_t n) {
         dc_step_fuse_free(f);
         free(f);
         while (chain) {
-            dc_step_job *j = chain;
-            chain = j->fuse_next;
-            j->gw.wait_ns = 0;
-            submit_norms(j);
+            dc_step_call *sc = chain;
+            chain = sc->fuse_next;
+            sc->gw.wait_ns = 0;
+            submit_norms(sc);
         }
         return;
     }
     if (first->s->group) dc_group_fused(first->s->group);
-    f->job.work = dc_step_fuse_work;
-    f->job.done = fused_done;
-    f->job.owner = first->job.owner;
-    dc_worker_pool_submit(dc_session_step_pool(first), &f->job);
+    f->task.work = dc_step_fuse_work;
+    f->task.done = fused_done;
+    f->task.owner = first->task.owner;
+    dc_worker_pool_submit(dc_session_step_pool(first), &f->task);
     dc_session_step_expect(first, uv_hrtime());
 }
 
-static void submit_norms(dc_step_job *j) {
-    j->job.work = dc_step_run_norms_work;
-    j->job.done = norms_done;
-    j->t_submit = uv_hrtime();
-    dc_worker_pool_submit(dc_session_step_pool(j), &j->job);
+static void submit_norms(dc_step_call *sc) {
+    sc->task.work = dc_step_run_norms_work;
+    sc->task.done = norms_done;
+    sc->t_submit = uv_hrtime();
+    dc_worker_pool_submit(dc_session_step_pool(sc), &sc->task);
 }
 
 /* Not every member's step can join a fused one: this one computes its
  * norms and delivers them to the same group step. */
 static void on_unfuse(dc_group_waiter *w) { submit_norms(w->arg); }
 
-void dc_session_group_submit(dc_step_job *j) {
-    dc_session *s = j->s;
+void dc_session_group_submit(dc_step_call *sc) {
+    dc_session *s = sc->s;
     dc_err e;
-    size_t LB = j->step.n_layers * (size_t)j->step.batch;
+    size_t LB = sc->step.n_layers * (size_t)sc->step.batch;
     /* The step may have waited (its curve, its spend on disk) while the
      * session left the group it was prepared for: its client went, or the
      * group was dissolved and freed. Nothing of it runs then. */
-    if (!s->group || s->gone || dc_group_id(s->group) != j->group_id) {
-        dc_err_set(&j->err, DC_EUNAVAIL, "join_group",
+    if (!s->group || s->gone || dc_group_id(s->group) != sc->group_id) {
+        dc_err_set(&sc->err, DC_EUNAVAIL, "join_group",
                    "the session left its norm group while this step waited for the ledger");
-        j->rc = DC_EUNAVAIL;
-        dc_session_step_done(&j->job);
+        sc->rc = DC_EUNAVAIL;
+        dc_session_step_done(&sc->task);
         return;
     }
-    j->n2 = malloc(LB * sizeof *j->n2);
-    j->partial = malloc(j->step.batch * sizeof *j->partial);
-    j->tot = malloc(j->step.batch * sizeof *j->tot);
-    j->rep = malloc(j->step.batch * sizeof *j->rep);
-    if (!j->n2 || !j->partial || !j->tot || !j->rep) {
-        dc_err_set(&j->err, DC_ENOSPACE, "clip_step", "out of memory");
-        j->rc = DC_ENOSPACE;
-        dc_group_fail(s->group, s->group_rank, j->group_step, &j->err);
-        dc_session_step_done(&j->job);
+    sc->n2 = malloc(LB * sizeof *sc->n2);
+    sc->partial = malloc(sc->step.batch * sizeof *sc->partial);
+    sc->tot = malloc(sc->step.batch * sizeof *sc->tot);
+    sc->rep = malloc(sc->step.batch * sizeof *sc->rep);
+    if (!sc->n2 || !sc->partial || !sc->tot || !sc->rep) {
+        dc_err_set(&sc->err, DC_ENOSPACE, "clip_step", "out of memory");
+        sc->rc = DC_ENOSPACE;
+        dc_group_fail(s->group, s->group_rank, sc->group_step, &sc->err);
+        dc_session_step_done(&sc->task);
         return;
     }
-    j->gw.rank = s->group_rank;
-    j->gw.step = j->group_step;
-    j->gw.done = on_totals;
-    j->gw.arg = j;
-    j->gw.wait_ns = 0;
-    j->gw.device = j->step.device;
-    j->gw.fuse = on_fuse;
-    j->gw.unfuse = on_unfuse;
-    j->gw.replicated = NULL;
+    sc->gw.rank = s->group_rank;
+    sc->gw.step = sc->group_step;
+    sc->gw.done = on_totals;
+    sc->gw.arg = sc;
+    sc->gw.wait_ns = 0;
+    sc->gw.device = sc->step.device;
+    sc->gw.fuse = on_fuse;
+    sc->gw.unfuse = on_unfuse;
+    sc->gw.replicated = NULL;
     if (s->srv->cfg.group_fuse && dc_group_daemons(s->group) <= 1) {
-        j->gw.partial = NULL; /* unrun: the group decides (group.h) */
-        j->t_submit = uv_hrtime();
-        s->group_steps = j->group_step;
-        if ((j->rc = dc_group_deliver(s->group, &j->gw, &e))) {
-            j->err = e;
-            dc_session_step_done(&j->job);
+        sc->gw.partial = NULL; /* unrun: the group decides (group.h) */
+        sc->t_submit = uv_hrtime();
+        s->group_steps = sc->group_step;
+        if ((sc->rc = dc_group_deliver(s->group, &sc->gw, &e))) {
+            sc->err = e;
+            dc_session_step_done(&sc->task);
         }
         return;
     }
-    submit_norms(j);
+    submit_norms(sc);
 }

@@ -1,5 +1,5 @@
 /* Internals shared by session.c (requests, lifecycle), session_step.c
- * (ClipStep: drives its stages, step_job.h), session_group.c (norm groups)
+ * (ClipStep: drives its stages, step_call.h), session_group.c (norm groups)
  * and session_gpu.c (CUDA buffers and events). Loop thread only. */
 #ifndef DC_SESSION_INT_H
 #define DC_SESSION_INT_H
@@ -9,7 +9,7 @@
 #include "ledger.h"
 #include "session.h"
 #include "step.h"
-#include "step_job.h"
+#include "step_call.h"
 #include "worker.h"
 
 /* A request is being worked on off the loop: later ones wait for it. */
@@ -41,20 +41,20 @@ int dc_session_step_cached(dc_session *s, uint64_t id, const uint8_t *key, size_
 void dc_session_prewait(dc_session *s);
 void dc_session_plan_drop(dc_session *s);
 
-/* The last stage of a step's worker job, on the loop thread: the reply
+/* The last stage of a step's worker task, on the loop thread: the reply
  * (session_step.c). A grouped step's clip phase ends here too. */
-void dc_session_step_done(dc_job *job);
+void dc_session_step_done(dc_task *task);
 /* dc_session_step_done in two halves, for a fused group step that answers
  * every member before the bookkeeping of any (session_group.c): the reply
- * (or error) sent, then the metrics, the next request and the job freed. */
-void dc_session_step_reply(dc_step_job *j);
-void dc_session_step_finish(dc_step_job *j);
+ * (or error) sent, then the metrics, the next request and the call freed. */
+void dc_session_step_reply(dc_step_call *sc);
+void dc_session_step_finish(dc_step_call *sc);
 /* Where a step's work runs: its GPU's worker, or the CPU pool. */
-dc_worker_pool *dc_session_step_pool(const dc_step_job *j);
-/* After submitting j's work at `now`: the loop polls around when it should
+dc_worker_pool *dc_session_step_pool(const dc_step_call *sc);
+/* After submitting sc's work at `now`: the loop polls around when it should
  * come back (its early notice, a GPU step's usual run time) instead of
  * sleeping through the wake-up. */
-void dc_session_step_expect(const dc_step_job *j, uint64_t now);
+void dc_session_step_expect(const dc_step_call *sc, uint64_t now);
 
 /* Norm groups (session_group.c). */
 void dc_session_join_group(dc_session *s, uint64_t id, const Dpclip__JoinGroup *m);
@@ -63,9 +63,9 @@ void dc_session_join_group(dc_session *s, uint64_t id, const Dpclip__JoinGroup *
 void dc_session_group_leave(dc_session *s, const char *why);
 /* After validation: fits the step to the session's group (the group step,
  * replicated layers, group-wise thresholds); an error refuses it. */
-int dc_session_group_prepare(dc_session *s, dc_step_job *j, dc_err *e);
+int dc_session_group_prepare(dc_session *s, dc_step_call *sc, dc_err *e);
 /* Runs an accepted grouped step (norm phase, reduction, clip phase); the
  * reply comes from dc_session_step_done. */
-void dc_session_group_submit(dc_step_job *j);
+void dc_session_group_submit(dc_step_call *sc);
 
 #endif

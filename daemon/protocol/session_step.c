@@ -1,6 +1,6 @@
 /* ClipStep requests: the session's side of a step, which drives its stages
- * in order (step_job.h lists them). Each stage fills its part of the job
- * and returns; what comes next is decided here, top to bottom:
+ * in order (step_call.h lists them). Each stage fills its part of the step
+ * call and returns; what comes next is decided here, top to bottom:
  *   1. validate (step_validate.c): the request's fields, or the plan cache's
  *      copy of the same step; then a norm group's terms (session_group.c)
  *      and what the step names of the session (device, events);
@@ -13,7 +13,7 @@
  *   4. reply (step_reply.c), or the error, with the spend of a step that
  *      released nothing refunded.
  * All on the loop thread except the work itself. While a step is accepted
- * and not replied to (s->job), the session takes no other request. */
+ * and not replied to (s->call), the session takes no other request. */
 #include <stddef.h>
 #include <stdlib.h>
 
@@ -28,20 +28,20 @@
 #include "step_run.h"
 #include "step_validate.h"
 
-static void step_accept(dc_session *s, uint64_t id, dc_step_job *j);
-static void step_account(dc_step_job *j);
-static void step_submit(dc_step_job *j);
+static void step_accept(dc_session *s, uint64_t id, dc_step_call *sc);
+static void step_account(dc_step_call *sc);
+static void step_submit(dc_step_call *sc);
 
-static void job_free(dc_step_job *j) {
-    dc_step_result_free(&j->res);
-    free(j->n2);
-    free(j->partial);
-    free(j->tot);
-    free(j->rep);
-    free(j->pass_at);
-    if (j->cached) j->step.layers = NULL; /* the plan's */
-    dc_validate_step_free(&j->step);
-    free(j);
+static void call_free(dc_step_call *sc) {
+    dc_step_result_free(&sc->res);
+    free(sc->n2);
+    free(sc->partial);
+    free(sc->tot);
+    free(sc->rep);
+    free(sc->pass_at);
+    if (sc->cached) sc->step.layers = NULL; /* the plan's */
+    dc_validate_step_free(&sc->step);
+    free(sc);
 }
 
 /* The session may take its next request, or go if its client went. */
@@ -54,10 +54,10 @@ static void session_next(dc_session *s) {
  * the group step fails on every member, not only here. The member's step
  * number is spent with it, as the others' are: its next step is the group's
  * next, not the failed one again (which would fail with the old error). */
-static void group_fail(dc_session *s, const dc_step_job *j, const dc_err *e) {
+static void group_fail(dc_session *s, const dc_step_call *sc, const dc_err *e) {
     uint64_t step;
     if (!s->group) return;
-    step = j && j->group_step ? j->group_step : s->group_steps + 1;
+    step = sc && sc->group_step ? sc->group_step : s->group_steps + 1;
     dc_group_fail(s->group, s->group_rank, step, e);
     if (step > s->group_steps && step <= DC_GROUP_STEP_MAX) s->group_steps = step;
 }
@@ -71,14 +71,14 @@ static void pass_drop(dc_session *s) {
 
 /* A step refused before it ran. `async`: from a stage that waited, so the
  * session then moves on to its next request. */
-static void step_refuse(dc_step_job *j, const dc_err *e, bool async) {
-    dc_session *s = j->s;
-    uint64_t id = j->req_id;
-    s->job = NULL;
-    if (j->pass_reserved) pass_drop(s); /* its reservation */
-    dc_logical_refused(s, j, e);                          /* its logical step aborts */
-    group_fail(s, j, e);
-    job_free(j);
+static void step_refuse(dc_step_call *sc, const dc_err *e, bool async) {
+    dc_session *s = sc->s;
+    uint64_t id = sc->req_id;
+    s->call = NULL;
+    if (sc->pass_reserved) pass_drop(s); /* its reservation */
+    dc_logical_refused(s, sc, e);                         /* its logical step aborts */
+    group_fail(s, sc, e);
+    call_free(sc);
     dc_session_reject(s, id, e);
     if (async) session_next(s);
 }
@@ -92,62 +92,62 @@ void dc_session_plan_drop(dc_session *s) {
 
 int dc_session_step_cached(dc_session *s, uint64_t id, const uint8_t *key, size_t key_len) {
     const dc_step_plan *p = s->plan;
-    dc_step_job *j;
+    dc_step_call *sc;
     dc_err e;
     if (!p || !dc_step_plan_matches(p, key, key_len, s->reg.gen, &s->srv->limits)) return 0;
-    if (!(j = calloc(1, sizeof *j))) return 0;
-    j->s = s;
-    j->req_id = id;
-    j->t_recv = uv_hrtime();
-    j->t_frame = s->t_frame;
-    /* The layers are borrowed from the plan, which outlives the job: it is
+    if (!(sc = calloc(1, sizeof *sc))) return 0;
+    sc->s = s;
+    sc->req_id = id;
+    sc->t_recv = uv_hrtime();
+    sc->t_frame = s->t_frame;
+    /* The layers are borrowed from the plan, which outlives the call: it is
      * replaced or dropped only while no step of the session is in flight
      * (a new step validating, the session's end). The group's terms are
      * the step's own each time (its state and counter move on). */
-    dc_step_plan_use(p, j);
-    if (dc_session_group_prepare(s, j, &e)) step_refuse(j, &e, false);
-    else step_accept(s, id, j);
+    dc_step_plan_use(p, sc);
+    if (dc_session_group_prepare(s, sc, &e)) step_refuse(sc, &e, false);
+    else step_accept(s, id, sc);
     return 1;
 }
 
 void dc_session_step(dc_session *s, uint64_t id, const Dpclip__ClipStep *m, const uint8_t *key,
                      size_t key_len) {
-    dc_step_job *j = calloc(1, sizeof *j);
+    dc_step_call *sc = calloc(1, sizeof *sc);
     dc_err e;
 
-    if (!j) {
+    if (!sc) {
         dc_err_set(&e, DC_ENOSPACE, "clip_step", "out of memory");
         dc_session_reject(s, id, &e);
         return;
     }
-    j->s = s;
-    j->req_id = id;
-    j->t_recv = uv_hrtime();
-    j->t_frame = s->t_frame;
-    if (dc_step_validate(j, m, &s->reg, &s->srv->limits, &e)) {
-        step_refuse(j, &e, false);
+    sc->s = s;
+    sc->req_id = id;
+    sc->t_recv = uv_hrtime();
+    sc->t_frame = s->t_frame;
+    if (dc_step_validate(sc, m, &s->reg, &s->srv->limits, &e)) {
+        step_refuse(sc, &e, false);
         return;
     }
     /* the validated step, before a norm group's terms change it */
     dc_session_plan_drop(s);
-    if (key) s->plan = dc_step_plan_new(j, key, key_len, s->reg.gen, &s->srv->limits);
-    if (dc_session_group_prepare(s, j, &e)) {
-        step_refuse(j, &e, false);
+    if (key) s->plan = dc_step_plan_new(sc, key, key_len, s->reg.gen, &s->srv->limits);
+    if (dc_session_group_prepare(s, sc, &e)) {
+        step_refuse(sc, &e, false);
         return;
     }
-    step_accept(s, id, j);
+    step_accept(s, id, sc);
 }
 
 /* Loop thread: the step's GPU work is queued and signal_event recorded. */
-static void step_notice(dc_job *job) {
-    dc_step_job *j = (dc_step_job *)job;
-    dc_session *s = j->s;
-    uint64_t took = uv_hrtime() - j->t_submit;
+static void step_notice(dc_task *task) {
+    dc_step_call *sc = (dc_step_call *)task;
+    dc_session *s = sc->s;
+    uint64_t took = uv_hrtime() - sc->t_submit;
     dc_ewma_add(&s->ewma_notice_ns, took);
     Dpclip__Reply reply = DPCLIP__REPLY__INIT;
     Dpclip__ClipStepEnqueued n = DPCLIP__CLIP_STEP_ENQUEUED__INIT;
-    dc_step_reply_notice(j, s->steps + 1, &n);
-    reply.id = j->req_id;
+    dc_step_reply_notice(sc, s->steps + 1, &n);
+    reply.id = sc->req_id;
     reply.body_case = DPCLIP__REPLY__BODY_CLIP_STEP_ENQUEUED;
     reply.clip_step_enqueued = &n;
     dc_session_send(s, &reply);
@@ -180,8 +180,8 @@ static int pass_reserve(dc_session *s, uint64_t bytes, dc_err *e) {
 
 /* A step in phases (step_pass.h): its rules, and a sums step's norm pass.
  * Any other step is a new logical step, which ends the session's pass. */
-static int step_phase(dc_session *s, dc_step_job *j, dc_err *e) {
-    const dc_step_phase ph = j->params.phase;
+static int step_phase(dc_session *s, dc_step_call *sc, dc_err *e) {
+    const dc_step_phase ph = sc->params.phase;
     /* a micro-batch's pass is summed whole before the next step: else its
      * logical step's sums would miss some of its samples (once its logical
      * step aborted, nothing of it is released: the pass goes) */
@@ -193,167 +193,168 @@ static int step_phase(dc_session *s, dc_step_job *j, dc_err *e) {
                           "step");
     if (ph != DC_PHASE_SUMS) pass_drop(s);
     if (ph == DC_PHASE_WHOLE) return 0;
-    if (dc_pass_check(j, s->group != NULL, e)) return e->code;
-    if (ph == DC_PHASE_SUMS) return dc_pass_take(s->pass, j, e);
-    if (pass_reserve(s, dc_pass_bytes(j->step.batch, j->step.n_layers), e)) return e->code;
-    j->pass_reserved = true;
-    if (!(j->n2 = malloc((size_t)j->step.batch * j->step.n_layers * sizeof *j->n2)))
+    if (dc_pass_check(sc, s->group != NULL, e)) return e->code;
+    if (ph == DC_PHASE_SUMS) return dc_pass_take(s->pass, sc, e);
+    if (pass_reserve(s, dc_pass_bytes(sc->step.batch, sc->step.n_layers), e)) return e->code;
+    sc->pass_reserved = true;
+    if (!(sc->n2 = malloc((size_t)sc->step.batch * sc->step.n_layers * sizeof *sc->n2)))
         return dc_err_set(e, DC_ENOSPACE, "clip_step", "out of memory");
     return 0;
 }
 
-/* A validated step (owned by j): check what it names of the session's
+/* A validated step (owned by sc): check what it names of the session's
  * current state, then account for it. */
-static void step_accept(dc_session *s, uint64_t id, dc_step_job *j) {
-    const struct dc_step_params *m = &j->params;
+static void step_accept(dc_session *s, uint64_t id, dc_step_call *sc) {
+    const struct dc_step_params *m = &sc->params;
     dc_err e;
-    j->s = s;
-    j->req_id = id;
+    sc->s = s;
+    sc->req_id = id;
     if (s->prev_step_frame) {
         /* A pause (over a second: evaluation, checkpointing) is no period. */
-        uint64_t period = j->t_frame - s->prev_step_frame;
+        uint64_t period = sc->t_frame - s->prev_step_frame;
         if (period < 1000000000u)
             dc_ewma_add(&s->ewma_period_ns, period);
     }
-    s->prev_step_frame = j->t_frame;
-    if (dc_step_validate_names(j, s->srv->gpu.n,
+    s->prev_step_frame = sc->t_frame;
+    if (dc_step_validate_names(sc, s->srv->gpu.n,
                                m->wait_event ? dc_session_find_event(s, m->wait_event) : NULL,
                                m->signal_event ? dc_session_find_event(s, m->signal_event) : NULL,
                                &e) ||
-        dc_step_run_prepare(j, &e) || step_phase(s, j, &e) || dc_logical_prepare(s, j, &e)) {
-        step_refuse(j, &e, false);
+        dc_step_run_prepare(sc, &e) || step_phase(s, sc, &e) || dc_logical_prepare(s, sc, &e)) {
+        step_refuse(sc, &e, false);
         return;
     }
-    if (j->notify) j->job.notice = step_notice;
-    step_account(j);
+    if (sc->notify) sc->task.notice = step_notice;
+    step_account(sc);
 }
 
 /* --- 2. account ---------------------------------------------------------- */
 
 /* The spend is on disk, or could not be written (rc: the step is refused). */
-static void step_durable(dc_step_job *j, int rc, const dc_err *e) {
-    if (rc) step_refuse(j, e, true);
-    else step_submit(j);
+static void step_durable(dc_step_call *sc, int rc, const dc_err *e) {
+    if (rc) step_refuse(sc, e, true);
+    else step_submit(sc);
 }
 
 /* Accounting, once the curve of the step's (q, sigma) is at hand: the
  * charge, then the wait for it to be durable. `async`: resumed by the
  * ledger. */
-static void step_charge(dc_step_job *j, bool async) {
-    dc_session *s = j->s;
+static void step_charge(dc_step_call *sc, bool async) {
+    dc_session *s = sc->s;
     dc_server *srv = s->srv;
     bool wait;
     dc_err e;
     dc_step_charge kind;
-    bool covered = s->group && dc_group_covers(s->group, s->group_rank, j->group_step,
-                                               (float)j->sigma, s->ljob->job);
-    if (dc_step_account_charge(j, s->ljob, covered, &srv->cfg, &srv->metrics, &kind, &e))
+    bool covered = s->group && dc_group_covers(s->group, s->group_rank, sc->group_step,
+                                               (float)sc->sigma, s->account->job_id);
+    if (dc_step_account_charge(sc, s->account, covered, &srv->cfg, &srv->metrics, &kind, &e))
         goto fail;
     /* only a charge covers the group's members: a share or a covered step
      * paid nothing */
     if (s->group && kind == DC_STEP_CHARGED)
-        dc_group_charged(s->group, s->group_rank, j->group_step, (float)j->sigma, s->ljob->job);
-    j->t_checked = uv_hrtime();
-    s->job = j;
-    if (dc_step_account_durable(j, step_durable, &wait, &e)) goto fail;
-    if (!wait) step_submit(j);
+        dc_group_charged(s->group, s->group_rank, sc->group_step, (float)sc->sigma,
+                         s->account->job_id);
+    sc->t_checked = uv_hrtime();
+    s->call = sc;
+    if (dc_step_account_durable(sc, step_durable, &wait, &e)) goto fail;
+    if (!wait) step_submit(sc);
     return;
 fail:
-    step_refuse(j, &e, async);
+    step_refuse(sc, &e, async);
 }
 
-static void step_curve_ready(dc_step_job *j, int rc, const dc_err *e) {
+static void step_curve_ready(dc_step_call *sc, int rc, const dc_err *e) {
     (void)rc;
     (void)e;
-    step_charge(j, true);
+    step_charge(sc, true);
 }
 
-_Static_assert(sizeof(((dc_session *)0)->job_id) >= DC_LEDGER_JOB_MAX,
+_Static_assert(sizeof(((dc_session *)0)->job_id) >= DC_LEDGER_JOB_ID_MAX,
                "a session keeps every job id the ledger accepts whole");
 
-/* Accounting, up to the charge: the step's terms on the session's job
+/* Accounting, up to the charge: the step's terms on the session's account
  * (opened now if the Hello's was refused). */
-static void step_account(dc_step_job *j) {
-    dc_session *s = j->s;
+static void step_account(dc_step_call *sc) {
+    dc_session *s = sc->s;
     dc_server *srv = s->srv;
     dc_err e;
-    const bool micro = j->params.logical_id && !j->params.commit;
-    if ((j->params.phase == DC_PHASE_SUMS && s->ljob) || micro) {
+    const bool micro = sc->params.logical_id && !sc->params.commit;
+    if ((sc->params.phase == DC_PHASE_SUMS && s->account) || micro) {
         /* the rest of its norm pass's logical step, which was accounted; or
          * a micro-batch of a logical step, accounted at its commit (it
          * writes no output) */
-        j->eps = s->ljob ? s->ljob->eps : 0.0;
-        j->delta = s->ljob ? s->ljob->delta : 0.0;
-        j->t_checked = uv_hrtime();
-        s->job = j;
-        step_submit(j);
+        sc->eps = s->account ? s->account->eps : 0.0;
+        sc->delta = s->account ? s->account->delta : 0.0;
+        sc->t_checked = uv_hrtime();
+        s->call = sc;
+        step_submit(sc);
         return;
     }
-    if (dc_step_account_check(j, &srv->cfg, &e)) goto fail;
-    if (!s->ljob) {
-        if (dc_ledger_job_open(&srv->ledger, (uint32_t)s->peer_uid, s->job_id, &s->ljob, &e))
+    if (dc_step_account_check(sc, &srv->cfg, &e)) goto fail;
+    if (!s->account) {
+        if (dc_ledger_account_open(&srv->ledger, (uint32_t)s->peer_uid, s->job_id, &s->account, &e))
             goto fail;
-        s->ljob->sessions++; /* as the Hello does; the session's end takes it back */
+        s->account->sessions++; /* as the Hello does; the session's end takes it back */
     }
-    if (dc_step_account_terms(j, s->ljob, &e)) goto fail;
-    s->job = j; /* from here the session's next request waits for this step */
-    if (dc_step_account_curve(j, s->ljob, srv->loop, step_curve_ready)) return;
-    step_charge(j, false);
+    if (dc_step_account_terms(sc, s->account, &e)) goto fail;
+    s->call = sc; /* from here the session's next request waits for this step */
+    if (dc_step_account_curve(sc, s->account, srv->loop, step_curve_ready)) return;
+    step_charge(sc, false);
     return;
 fail:
-    step_refuse(j, &e, false);
+    step_refuse(sc, &e, false);
 }
 
 /* --- 3. run ---------------------------------------------------------------- */
 
-dc_worker_pool *dc_session_step_pool(const dc_step_job *j) {
-    dc_server *srv = j->s->srv;
-    return j->step.device >= 0 ? &srv->gpu.pools[j->step.device] : &srv->cpu_pool;
+dc_worker_pool *dc_session_step_pool(const dc_step_call *sc) {
+    dc_server *srv = sc->s->srv;
+    return sc->step.device >= 0 ? &srv->gpu.pools[sc->step.device] : &srv->cpu_pool;
 }
 
 /* Loop thread: a norm pass ran; the session keeps it for its sums. */
-static void pass_done(dc_job *job) {
-    dc_step_job *j = (dc_step_job *)job;
-    dc_session *s = j->s;
-    if (j->rc == 0) j->rc = dc_pass_new(j, &s->pass, &j->err);
-    if (j->rc) pass_drop(s); /* nothing kept: the reservation goes */
-    dc_session_step_done(job);
+static void pass_done(dc_task *task) {
+    dc_step_call *sc = (dc_step_call *)task;
+    dc_session *s = sc->s;
+    if (sc->rc == 0) sc->rc = dc_pass_new(sc, &s->pass, &sc->err);
+    if (sc->rc) pass_drop(s); /* nothing kept: the reservation goes */
+    dc_session_step_done(task);
 }
 
-static void step_submit(dc_step_job *j) {
-    dc_session *s = j->s;
+static void step_submit(dc_step_call *sc) {
+    dc_session *s = sc->s;
     dc_server *srv = s->srv;
     struct dc_prewait *pw = s->prewait;
     /* The pre-wait counts if it was for this frame and this event, and is
      * still to run (dc_step_run_work reads its result) or ran fine. */
-    if (pw && j->wait_event && pw->t_frame == j->t_frame && pw->event == j->wait_event &&
+    if (pw && sc->wait_event && pw->t_frame == sc->t_frame && pw->event == sc->wait_event &&
         (pw->busy || pw->rc == 0))
-        j->prewait = pw;
-    j->step.noise_key = srv->noise_key;
-    j->step.noise_step = ++srv->noise_steps;
-    j->job.owner = (uint32_t)s->peer_uid; /* workers are shared fairly between users */
-    if (j->grouped) { /* norm phase, the group's reduction, clip phase */
-        dc_session_group_submit(j);
+        sc->prewait = pw;
+    sc->step.noise_key = srv->noise_key;
+    sc->step.noise_step = ++srv->noise_steps;
+    sc->task.owner = (uint32_t)s->peer_uid; /* workers are shared fairly between users */
+    if (sc->grouped) { /* norm phase, the group's reduction, clip phase */
+        dc_session_group_submit(sc);
         return;
     }
-    j->job.work = j->params.phase == DC_PHASE_NORMS  ? dc_step_run_pass_work
-                  : j->params.phase == DC_PHASE_SUMS ? dc_step_run_sums_work
+    sc->task.work = sc->params.phase == DC_PHASE_NORMS  ? dc_step_run_pass_work
+                  : sc->params.phase == DC_PHASE_SUMS ? dc_step_run_sums_work
                                                      : dc_step_run_work;
-    j->job.done = j->params.phase == DC_PHASE_NORMS ? pass_done : dc_session_step_done;
-    j->t_submit = uv_hrtime();
-    dc_worker_pool_submit(dc_session_step_pool(j), &j->job);
-    dc_session_step_expect(j, j->t_submit);
+    sc->task.done = sc->params.phase == DC_PHASE_NORMS ? pass_done : dc_session_step_done;
+    sc->t_submit = uv_hrtime();
+    dc_worker_pool_submit(dc_session_step_pool(sc), &sc->task);
+    dc_session_step_expect(sc, sc->t_submit);
 }
 
 /* Poll for what comes back: an early notice within about the time the
  * last ones took, the completion around the recent steps' run time. */
-void dc_session_step_expect(const dc_step_job *j, uint64_t now) {
-    dc_session *s = j->s;
+void dc_session_step_expect(const dc_step_call *sc, uint64_t now) {
+    dc_session *s = sc->s;
     dc_server *srv = s->srv;
-    if (j->notify)
+    if (sc->notify)
         dc_server_poll(srv, now, now + (s->ewma_notice_ns ? 2 * s->ewma_notice_ns + 100000u
                                                            : 2000000u), false);
-    if (j->step.device >= 0 && s->ewma_gpu_run_ns) {
+    if (sc->step.device >= 0 && s->ewma_gpu_run_ns) {
         uint64_t run = s->ewma_gpu_run_ns, m = dc_server_poll_margin(run);
         dc_server_poll(srv, now + run > m ? now + run - m : now, now + run + 2 * m, false);
     } else {
@@ -361,8 +362,8 @@ void dc_session_step_expect(const dc_step_job *j, uint64_t now) {
     }
 }
 
-static void prewait_done(dc_job *job) {
-    struct dc_prewait *pw = (struct dc_prewait *)job;
+static void prewait_done(dc_task *task) {
+    struct dc_prewait *pw = (struct dc_prewait *)task;
     dc_session *s = pw->s;
     pw->busy = false;
     s->async_ops--;
@@ -383,26 +384,26 @@ void dc_session_prewait(dc_session *s) {
     pw->t_frame = s->t_frame;
     pw->rc = -1;
     pw->busy = true;
-    pw->job.work = dc_step_run_prewait;
-    pw->job.done = prewait_done;
+    pw->task.work = dc_step_run_prewait;
+    pw->task.done = prewait_done;
     s->async_ops++; /* the session waits for it like for a handle open */
-    dc_worker_pool_submit(&s->srv->gpu.pools[p->step.device], &pw->job);
+    dc_worker_pool_submit(&s->srv->gpu.pools[p->step.device], &pw->task);
 }
 
 /* --- 4. reply ---------------------------------------------------------------- */
 
 /* A GPU step's workspace as its backend holds it now: a step that made it
  * grow past gpu.workspace allocated inside the step path. */
-static void note_workspace(dc_server *srv, const dc_step_job *j) {
-    if (j->step.device >= 0 && j->step.device < DC_MAX_GPUS) {
-        uint64_t *held = &srv->gpu_workspace[j->step.device];
+static void note_workspace(dc_server *srv, const dc_step_call *sc) {
+    if (sc->step.device >= 0 && sc->step.device < DC_MAX_GPUS) {
+        uint64_t *held = &srv->gpu_workspace[sc->step.device];
         uint64_t had = *held > srv->cfg.gpu_workspace ? *held : srv->cfg.gpu_workspace;
-        if (j->workspace > had)
+        if (sc->workspace > had)
             dc_log_warn("cuda:%d: a step needed more device workspace than gpu.workspace; it "
                         "grew to %llu bytes inside the step: set gpu.workspace to at least "
                         "that to keep allocations out of the step path",
-                        j->step.device, (unsigned long long)j->workspace);
-        *held = j->workspace;
+                        sc->step.device, (unsigned long long)sc->workspace);
+        *held = sc->workspace;
     }
 }
 
@@ -411,72 +412,72 @@ static void note_workspace(dc_server *srv, const dc_step_job *j) {
  * a little (daemon.spin_us). And a trainer's steps come at a steady period:
  * have the loop, and the GPU's worker, awake around when the next one is
  * due, rather than pay two wake-ups on its critical path. */
-static void expect_next(dc_session *s, const dc_step_job *j, uint64_t now) {
+static void expect_next(dc_session *s, const dc_step_call *sc, uint64_t now) {
     dc_server *srv = s->srv;
     dc_server_spin(srv, true);
     if (!s->ewma_period_ns || !srv->spin_ns) return;
-    uint64_t due = j->t_frame + s->ewma_period_ns;
+    uint64_t due = sc->t_frame + s->ewma_period_ns;
     if (due + s->ewma_period_ns / 4 <= now) return; /* late already: no cadence to follow */
     uint64_t m = dc_server_poll_margin(s->ewma_period_ns);
     dc_server_poll(srv, due > m ? due - m : 0, due + m, true);
-    if (j->step.device >= 0) {
+    if (sc->step.device >= 0) {
         /* Its timed wait is precise to microseconds: a narrower window. */
         uint64_t mw = s->ewma_period_ns / 40 > 300000u ? s->ewma_period_ns / 40 : 300000u;
-        dc_worker_pool_expect(&srv->gpu.pools[j->step.device], due > mw ? due - mw : 0,
+        dc_worker_pool_expect(&srv->gpu.pools[sc->step.device], due > mw ? due - mw : 0,
                               due + 2 * mw);
     }
 }
 
-void dc_session_step_done(dc_job *job) {
-    dc_step_job *j = (dc_step_job *)job;
-    dc_session_step_reply(j);
-    dc_session_step_finish(j);
+void dc_session_step_done(dc_task *task) {
+    dc_step_call *sc = (dc_step_call *)task;
+    dc_session_step_reply(sc);
+    dc_session_step_finish(sc);
 }
 
-void dc_session_step_reply(dc_step_job *j) {
-    dc_session *s = j->s;
-    j->t_done = uv_hrtime();
-    s->job = NULL;
-    if (j->step.device >= 0) {
-        uint64_t run = j->t_end - j->t_start;
+void dc_session_step_reply(dc_step_call *sc) {
+    dc_session *s = sc->s;
+    sc->t_done = uv_hrtime();
+    s->call = NULL;
+    if (sc->step.device >= 0) {
+        uint64_t run = sc->t_end - sc->t_start;
         dc_ewma_add(&s->ewma_gpu_run_ns, run);
     }
-    dc_logical_done(s, j); /* moves its logical step on, or aborts it */
-    if (j->rc == 0) {
+    dc_logical_done(s, sc); /* moves its logical step on, or aborts it */
+    if (sc->rc == 0) {
         Dpclip__Reply reply = DPCLIP__REPLY__INIT;
         Dpclip__ClipStepReply cr = DPCLIP__CLIP_STEP_REPLY__INIT;
         /* a micro-batch is part of its logical step (counted at the
          * commit), a sums step of its norm pass's */
-        const bool micro = j->params.logical_id && !j->params.commit;
-        dc_step_reply_fill(j, micro ? s->steps + 1
-                              : j->params.phase == DC_PHASE_SUMS ? s->steps : ++s->steps, &cr);
-        if (j->params.logical_id) {
-            cr.logical_id = j->params.logical_id;
+        const bool micro = sc->params.logical_id && !sc->params.commit;
+        dc_step_reply_fill(sc, micro ? s->steps + 1
+                              : sc->params.phase == DC_PHASE_SUMS ? s->steps : ++s->steps, &cr);
+        if (sc->params.logical_id) {
+            cr.logical_id = sc->params.logical_id;
             cr.micro_batches = dc_logical_micro_batches(s);
         }
-        reply.id = j->req_id;
+        reply.id = sc->req_id;
         reply.body_case = DPCLIP__REPLY__BODY_CLIP_STEP;
         reply.clip_step = &cr;
         dc_session_send(s, &reply);
     } else {
         s->steps_failed++;
-        if (j->err.code == DC_OK) dc_err_set(&j->err, DC_EINTERNAL, "clip_step", "step failed");
-        if (!j->res.released) dc_step_account_refund(j);
-        dc_session_send_error(s, j->req_id, &j->err);
+        if (sc->err.code == DC_OK) dc_err_set(&sc->err, DC_EINTERNAL, "clip_step", "step failed");
+        if (!sc->res.released) dc_step_account_refund(sc);
+        dc_session_send_error(s, sc->req_id, &sc->err);
     }
 }
 
-void dc_session_step_finish(dc_step_job *j) {
-    dc_session *s = j->s;
+void dc_session_step_finish(dc_step_call *sc) {
+    dc_session *s = sc->s;
     dc_server *srv = s->srv;
     uint64_t now = uv_hrtime();
     s->last_step_ns = now;
-    dc_step_reply_count(j, now, &srv->metrics);
-    note_workspace(srv, j);
-    if (j->params.phase == DC_PHASE_SUMS && dc_pass_done(s->pass))
+    dc_step_reply_count(sc, now, &srv->metrics);
+    note_workspace(srv, sc);
+    if (sc->params.phase == DC_PHASE_SUMS && dc_pass_done(s->pass))
         pass_drop(s); /* every layer summed: nothing more to hold */
-    expect_next(s, j, now);
-    dc_step_reply_log(j, s->id, s->steps, j->t_done, now, s->last_send_ns);
-    job_free(j);
+    expect_next(s, sc, now);
+    dc_step_reply_log(sc, s->id, s->steps, sc->t_done, now, s->last_send_ns);
+    call_free(sc);
     session_next(s);
 }

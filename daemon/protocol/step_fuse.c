@@ -26,16 +26,16 @@ static const char *member_differs(const dc_step *a, const dc_step *b) {
     return NULL;
 }
 
-int dc_step_fuse_build(dc_step_fused *f, dc_step_job *chain, uint32_t n, dc_err *e) {
+int dc_step_fuse_build(dc_step_fused *f, dc_step_call *chain, uint32_t n, dc_err *e) {
     const dc_step *first = &chain->step;
     const char *field;
     size_t L = 0, at = 0;
     memset(f, 0, sizeof *f);
-    for (const dc_step_job *j = chain; j; j = j->fuse_next)
-        if ((field = member_differs(first, &j->step)))
+    for (const dc_step_call *sc = chain; sc; sc = sc->fuse_next)
+        if ((field = member_differs(first, &sc->step)))
             return dc_err_set(e, DC_EINVAL, field,
                               "the members of a fused group step disagree on %s (rank %u and "
-                              "rank %u)", field, chain->gw.rank, j->gw.rank);
+                              "rank %u)", field, chain->gw.rank, sc->gw.rank);
     f->n = n;
     f->members = malloc(n * sizeof *f->members);
     if (!f->members) goto fail;
@@ -69,8 +69,8 @@ int dc_step_fuse_build(dc_step_fused *f, dc_step_job *chain, uint32_t n, dc_err 
     f->step.more_norms_out = f->more_norms;
     f->step.more_coefs_out = f->more_coefs;
     for (uint32_t i = 0; i < n; i++) {
-        const dc_step_job *j = f->members[i];
-        const dc_step *st = &j->step;
+        const dc_step_call *sc = f->members[i];
+        const dc_step *st = &sc->step;
         f->step.want_layer_norms |= st->want_layer_norms;
         if (i) {
             f->more_norms[i - 1] = st->norms_out;
@@ -80,7 +80,7 @@ int dc_step_fuse_build(dc_step_fused *f, dc_step_job *chain, uint32_t n, dc_err 
             dc_layer *ly = &f->step.layers[at + l];
             *ly = st->layers[l];
             /* counted by rank 0 alone, as in the phased path */
-            ly->norm_excluded = ly->replicated && j->gw.rank != 0;
+            ly->norm_excluded = ly->replicated && sc->gw.rank != 0;
             ly->noise_step = st->noise_step;
             ly->noise_index = (uint32_t)l;
             if (ly->tie) ly->tie += (uint32_t)at;
@@ -98,10 +98,10 @@ fail:
 static void fused_enqueued(void *arg) {
     dc_step_fused *f = arg;
     for (uint32_t i = 0; i < f->n; i++) {
-        dc_step_job *j = f->members[i];
+        dc_step_call *sc = f->members[i];
         dc_err e;
-        if (j->signal_event && dc_gpu_record_event(j->be, j->signal_event, &e) == 0)
-            j->signaled = true;
+        if (sc->signal_event && dc_gpu_record_event(sc->be, sc->signal_event, &e) == 0)
+            sc->signaled = true;
     }
 }
 
@@ -133,15 +133,15 @@ static int replicas_check(dc_step_fused *f, dc_backend *be) {
     return 0;
 }
 
-void dc_step_fuse_work(dc_job *job, dc_backend *be) {
-    dc_step_fused *f = (dc_step_fused *)job;
+void dc_step_fuse_work(dc_task *task, dc_backend *be) {
+    dc_step_fused *f = (dc_step_fused *)task;
     f->t_start = uv_hrtime();
     dc_err_clear(&f->err);
     for (uint32_t i = 0; i < f->n; i++) {
-        dc_step_job *j = f->members[i];
-        bool waited = j->prewait && j->prewait->rc == 0; /* on this thread, before */
-        j->be = be;
-        if (j->wait_event && !waited && (f->rc = dc_gpu_wait_event(be, j->wait_event, &f->err))) {
+        dc_step_call *sc = f->members[i];
+        bool waited = sc->prewait && sc->prewait->rc == 0; /* on this thread, before */
+        sc->be = be;
+        if (sc->wait_event && !waited && (f->rc = dc_gpu_wait_event(be, sc->wait_event, &f->err))) {
             f->t_waited = f->t_end = uv_hrtime();
             return;
         }
@@ -150,14 +150,14 @@ void dc_step_fuse_work(dc_job *job, dc_backend *be) {
     /* a micro-batch of a logical step: every member's accumulators, into
      * the fused step's copies of its layers */
     for (uint32_t i = 0, at = 0; i < f->n; at += (uint32_t)f->members[i]->step.n_layers, i++) {
-        dc_step_job *j = f->members[i];
-        if ((f->rc = dc_logical_ensure(j, be, &f->err))) {
+        dc_step_call *sc = f->members[i];
+        if ((f->rc = dc_logical_ensure(sc, be, &f->err))) {
             f->t_end = uv_hrtime();
             return;
         }
-        for (size_t l = 0; l < j->step.n_layers; l++) {
-            f->step.layers[at + l].acc_w = j->step.layers[l].acc_w;
-            f->step.layers[at + l].acc_b = j->step.layers[l].acc_b;
+        for (size_t l = 0; l < sc->step.n_layers; l++) {
+            f->step.layers[at + l].acc_w = sc->step.layers[l].acc_w;
+            f->step.layers[at + l].acc_b = sc->step.layers[l].acc_b;
         }
     }
     if ((f->rc = replicas_check(f, be))) {
@@ -169,10 +169,10 @@ void dc_step_fuse_work(dc_job *job, dc_backend *be) {
     f->rc = dc_backend_run_step(be, &f->step, &f->res, &f->err);
     if (f->rc && f->res.released) dc_step_run_released_error(&f->err);
     for (uint32_t i = 0; f->rc == 0 && i < f->n; i++) {
-        dc_step_job *j = f->members[i];
-        if (j->signal_event && !j->signaled) {
+        dc_step_call *sc = f->members[i];
+        if (sc->signal_event && !sc->signaled) {
             f->res.released = true; /* the outputs are written, whatever happens next */
-            f->rc = dc_gpu_record_event(be, j->signal_event, &f->err);
+            f->rc = dc_gpu_record_event(be, sc->signal_event, &f->err);
         }
     }
     f->workspace = dc_backend_workspace_bytes(be);
@@ -183,24 +183,24 @@ void dc_step_fuse_split(dc_step_fused *f) {
     const uint32_t B = f->step.batch;
     size_t at = 0;
     for (uint32_t i = 0; i < f->n; i++) {
-        dc_step_job *j = f->members[i];
-        const size_t L = j->step.n_layers;
-        j->rc = f->rc;
-        j->err = f->err;
-        j->t_start = f->t_start;
-        j->t_waited = f->t_waited;
-        j->t_end = f->t_end;
-        j->workspace = f->workspace;
-        j->group_wait_ns = j->gw.wait_ns;
-        j->group_exchange_ns = 0;
-        j->res.released |= f->res.released;
-        j->res.compute_ns = f->res.compute_ns;
-        memcpy(j->res.phase_ns, f->res.phase_ns, sizeof j->res.phase_ns);
+        dc_step_call *sc = f->members[i];
+        const size_t L = sc->step.n_layers;
+        sc->rc = f->rc;
+        sc->err = f->err;
+        sc->t_start = f->t_start;
+        sc->t_waited = f->t_waited;
+        sc->t_end = f->t_end;
+        sc->workspace = f->workspace;
+        sc->group_wait_ns = sc->gw.wait_ns;
+        sc->group_exchange_ns = 0;
+        sc->res.released |= f->res.released;
+        sc->res.compute_ns = f->res.compute_ns;
+        memcpy(sc->res.phase_ns, f->res.phase_ns, sizeof sc->res.phase_ns);
         if (f->rc == 0) {
-            memcpy(j->res.norms, f->res.norms, B * sizeof *j->res.norms);
-            memcpy(j->res.coefs, f->res.coefs, B * sizeof *j->res.coefs);
-            memcpy(j->res.layer_norms, f->res.layer_norms + at * B,
-                   L * B * sizeof *j->res.layer_norms);
+            memcpy(sc->res.norms, f->res.norms, B * sizeof *sc->res.norms);
+            memcpy(sc->res.coefs, f->res.coefs, B * sizeof *sc->res.coefs);
+            memcpy(sc->res.layer_norms, f->res.layer_norms + at * B,
+                   L * B * sizeof *sc->res.layer_norms);
         }
         at += L;
     }

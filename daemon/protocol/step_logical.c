@@ -55,30 +55,30 @@ static uint64_t out_bytes(const dc_tensor *t) {
 
 /* --- accumulators back to their backend -------------------------------------- */
 
-typedef struct free_job {
-    dc_job job;
+typedef struct free_task {
+    dc_task task;
     size_t n;
     float *p[];
-} free_job;
+} free_task;
 
-static void free_work(dc_job *job, dc_backend *be) {
-    free_job *f = (free_job *)job;
+static void free_work(dc_task *task, dc_backend *be) {
+    free_task *f = (free_task *)task;
     for (size_t i = 0; i < f->n; i++) be->ops->acc_free(be, f->p[i]);
 }
 
-static void free_done(dc_job *job) { free(job); }
+static void free_done(dc_task *task) { free(task); }
 
 /* The accumulators of lg go (lg keeps its layout, without them). Host
- * memory is freed here; device memory by a job on its GPU's worker, which
+ * memory is freed here; device memory by a task on its GPU's worker, which
  * owns the context (and its stream may still read them). */
 static void drop_accumulators(dc_server *srv, dc_logical *lg) {
     size_t n = 0;
-    free_job *f;
+    free_task *f;
     for (size_t i = 0; i < 2 * lg->n_layers; i++) n += lg->outs[i].acc != NULL;
     if (n == 0) return;
     if (lg->device < 0 || lg->device >= srv->gpu.n ||
         !(f = malloc(sizeof *f + n * sizeof f->p[0]))) {
-        /* host memory; or (out of memory for the job) leaked rather than
+        /* host memory; or (out of memory for the task) leaked rather than
          * freed on the wrong thread */
         for (size_t i = 0; i < 2 * lg->n_layers; i++)
             if (lg->device < 0) free(lg->outs[i].acc);
@@ -86,10 +86,10 @@ static void drop_accumulators(dc_server *srv, dc_logical *lg) {
         f->n = 0;
         for (size_t i = 0; i < 2 * lg->n_layers; i++)
             if (lg->outs[i].acc) f->p[f->n++] = lg->outs[i].acc;
-        memset(&f->job, 0, sizeof f->job);
-        f->job.work = free_work;
-        f->job.done = free_done;
-        dc_worker_pool_submit(&srv->gpu.pools[lg->device], &f->job);
+        memset(&f->task, 0, sizeof f->task);
+        f->task.work = free_work;
+        f->task.done = free_done;
+        dc_worker_pool_submit(&srv->gpu.pools[lg->device], &f->task);
     }
     for (size_t i = 0; i < 2 * lg->n_layers; i++) lg->outs[i].acc = NULL;
     lg->bytes = 0;
@@ -109,9 +109,9 @@ static void abort_logical(dc_session *s, const char *why) {
 /* --- the stage ----------------------------------------------------------------- */
 
 /* The field a micro-batch's terms differ from its logical step's in. */
-static const char *terms_differ(const dc_logical *lg, const dc_step_job *j) {
-    const dc_step *st = &j->step;
-    const struct dc_step_params *m = &j->params;
+static const char *terms_differ(const dc_logical *lg, const dc_step_call *sc) {
+    const dc_step *st = &sc->step;
+    const struct dc_step_params *m = &sc->params;
     if (st->max_grad_norm != lg->max_grad_norm) return "clip_step.clip.max_grad_norm";
     if (st->noise_multiplier != lg->noise_multiplier) return "clip_step.noise_multiplier";
     if (st->reduction != lg->reduction) return "clip_step.clip.loss_reduction";
@@ -187,19 +187,19 @@ static int acc_limits(dc_session *s, uint64_t need, dc_err *e) {
 /* Micro-batch 0: a new logical step, on the accumulators of the last one
  * where the outputs are the same, else on a new layout (the old
  * accumulators go). */
-static int open_logical(dc_session *s, dc_step_job *j, dc_err *e) {
+static int open_logical(dc_session *s, dc_step_call *sc, dc_err *e) {
     dc_server *srv = s->srv;
-    const dc_step *st = &j->step;
+    const dc_step *st = &sc->step;
     dc_logical *lg = s->logical;
     uint64_t need = 0;
-    if (lg && j->params.logical_id <= lg->id)
+    if (lg && sc->params.logical_id <= lg->id)
         return dc_err_set(e, DC_EINVAL, "clip_step.logical.id",
                           "logical step %llu: this session's logical steps are numbered up, and "
-                          "it had %llu already", (unsigned long long)j->params.logical_id,
+                          "it had %llu already", (unsigned long long)sc->params.logical_id,
                           (unsigned long long)lg->id);
     if (lg && lg->open)
         abort_logical(s, "the next logical step was opened before its commit");
-    const bool phased = j->params.phase == DC_PHASE_NORMS;
+    const bool phased = sc->params.phase == DC_PHASE_NORMS;
     if (lg && !layout_same(lg, st, phased)) {
         drop_accumulators(srv, lg);
         free(lg->outs);
@@ -226,7 +226,7 @@ static int open_logical(dc_session *s, dc_step_job *j, dc_err *e) {
     for (size_t i = 0; i < 2 * lg->n_layers; i++)
         if (!lg->outs[i].acc) need += lg->outs[i].n * sizeof(float);
     if (acc_limits(s, need, e)) return e->code;
-    lg->id = j->params.logical_id;
+    lg->id = sc->params.logical_id;
     lg->open = true;
     lg->aborted = false;
     lg->why[0] = '\0';
@@ -237,23 +237,23 @@ static int open_logical(dc_session *s, dc_step_job *j, dc_err *e) {
     lg->noise_multiplier = st->noise_multiplier;
     lg->reduction = st->reduction;
     lg->mode = st->mode;
-    lg->q = j->params.sample_rate;
-    lg->target_delta = j->params.target_delta;
-    lg->target_epsilon = j->params.target_epsilon;
-    lg->dp = j->params.dp;
+    lg->q = sc->params.sample_rate;
+    lg->target_delta = sc->params.target_delta;
+    lg->target_epsilon = sc->params.target_epsilon;
+    lg->dp = sc->params.dp;
     return 0;
 }
 
 /* Micro-batch k > 0: of the logical step open, next in order, its terms
  * and outputs. */
-static int continue_logical(dc_session *s, dc_step_job *j, dc_err *e) {
+static int continue_logical(dc_session *s, dc_step_call *sc, dc_err *e) {
     const dc_config *c = &s->srv->cfg;
     dc_logical *lg = s->logical;
     const char *f;
-    if (!lg || lg->id != j->params.logical_id)
+    if (!lg || lg->id != sc->params.logical_id)
         return dc_err_set(e, DC_EPRECOND, "clip_step.logical.id",
                           "logical step %llu is not open on this session: micro-batch 0 opens it",
-                          (unsigned long long)j->params.logical_id);
+                          (unsigned long long)sc->params.logical_id);
     if (lg->aborted)
         return dc_err_set(e, DC_EPRECOND, "clip_step.logical",
                           "logical step %llu was aborted (%s): nothing of it was written or "
@@ -261,15 +261,15 @@ static int continue_logical(dc_session *s, dc_step_job *j, dc_err *e) {
     if (!lg->open)
         return dc_err_set(e, DC_EPRECOND, "clip_step.logical",
                           "logical step %llu was committed already", (unsigned long long)lg->id);
-    if (j->params.micro_batch != lg->next)
+    if (sc->params.micro_batch != lg->next)
         return dc_err_set(e, DC_EINVAL, "clip_step.logical.micro_batch",
                           "logical step %llu expects micro-batch %u, got %u",
-                          (unsigned long long)lg->id, lg->next, j->params.micro_batch);
-    if ((f = terms_differ(lg, j)))
+                          (unsigned long long)lg->id, lg->next, sc->params.micro_batch);
+    if ((f = terms_differ(lg, sc)))
         return dc_err_set(e, DC_EINVAL, f,
                           "every micro-batch of logical step %llu carries its terms: %s differs "
                           "from micro-batch 0's", (unsigned long long)lg->id, f);
-    if (!layout_same(lg, &j->step, j->params.phase == DC_PHASE_NORMS))
+    if (!layout_same(lg, &sc->step, sc->params.phase == DC_PHASE_NORMS))
         return dc_err_set(e, DC_EINVAL, "clip_step.layers",
                           "every micro-batch of logical step %llu names the same outputs, layer "
                           "by layer, as micro-batch 0", (unsigned long long)lg->id);
@@ -286,24 +286,25 @@ static int continue_logical(dc_session *s, dc_step_job *j, dc_err *e) {
 }
 
 /* A sums step of a micro-batch's pass (the pass matched its layers and
- * its ClipStep.logical: j->pass_at): of the logical step open, its outputs
+ * its ClipStep.logical: sc->pass_at): of the logical step open, its outputs
  * of the shapes the logical step has for those layers of the pass (taken
  * from the first sums step that names them, within the limits). */
-static int sums_logical(dc_session *s, dc_step_job *j, dc_err *e) {
+static int sums_logical(dc_session *s, dc_step_call *sc, dc_err *e) {
     dc_logical *lg = s->logical;
-    const dc_step *st = &j->step;
+    const dc_step *st = &sc->step;
     uint64_t need = 0;
-    if (!lg || !lg->open || !lg->phased || lg->id != j->params.logical_id ||
-        lg->next != j->params.micro_batch + 1)
+    if (!lg || !lg->open || !lg->phased || lg->id != sc->params.logical_id ||
+        lg->next != sc->params.micro_batch + 1)
         return dc_err_set(e, DC_EPRECOND, "clip_step.logical",
                           "this sums step's logical step %llu, micro-batch %u, is not the "
-                          "session's open one", (unsigned long long)j->params.logical_id,
-                          j->params.micro_batch);
-    if (j->params.micro_batch == 0 && j->params.commit) return 0; /* a whole step: no accumulator */
+                          "session's open one", (unsigned long long)sc->params.logical_id,
+                          sc->params.micro_batch);
+    /* a whole step: no accumulator */
+    if (sc->params.micro_batch == 0 && sc->params.commit) return 0;
     for (size_t l = 0; l < st->n_layers; l++)
         for (int k = 0; k < 2; k++) {
             const dc_tensor *t = k ? &st->layers[l].bias_grad_out : &st->layers[l].weight_grad_out;
-            logical_out *o = &lg->outs[2 * j->pass_at[l] + (size_t)k];
+            logical_out *o = &lg->outs[2 * sc->pass_at[l] + (size_t)k];
             if (!t->data) continue;
             if (o->n && (o->dtype != t->dtype || o->ndim != t->ndim ||
                          memcmp(o->shape, t->shape, sizeof o->shape) != 0))
@@ -319,8 +320,8 @@ static int sums_logical(dc_session *s, dc_step_job *j, dc_err *e) {
     return acc_limits(s, need, e);
 }
 
-int dc_logical_prepare(dc_session *s, dc_step_job *j, dc_err *e) {
-    const struct dc_step_params *m = &j->params;
+int dc_logical_prepare(dc_session *s, dc_step_call *sc, dc_err *e) {
+    const struct dc_step_params *m = &sc->params;
     dc_logical *lg = s->logical;
     int rc;
     if (!m->logical_id) {
@@ -331,27 +332,27 @@ int dc_logical_prepare(dc_session *s, dc_step_job *j, dc_err *e) {
                               (unsigned long long)lg->id, lg->next);
         return 0;
     }
-    if (m->phase == DC_PHASE_SUMS) rc = sums_logical(s, j, e);
-    else rc = m->micro_batch == 0 ? open_logical(s, j, e) : continue_logical(s, j, e);
+    if (m->phase == DC_PHASE_SUMS) rc = sums_logical(s, sc, e);
+    else rc = m->micro_batch == 0 ? open_logical(s, sc, e) : continue_logical(s, sc, e);
     if (rc) return rc;
     /* a logical step of one micro-batch is a whole step; a norm pass writes
      * nothing (its sums accumulate) */
     if (m->phase == DC_PHASE_NORMS) return 0;
-    j->step.acc = m->micro_batch == 0 ? (m->commit ? DC_ACC_NONE : DC_ACC_FIRST)
+    sc->step.acc = m->micro_batch == 0 ? (m->commit ? DC_ACC_NONE : DC_ACC_FIRST)
                                       : (m->commit ? DC_ACC_COMMIT : DC_ACC_ADD);
     return 0;
 }
 
-int dc_logical_ensure(dc_step_job *j, dc_backend *be, dc_err *e) {
-    dc_logical *lg = j->s->logical;
-    dc_step *st = &j->step;
+int dc_logical_ensure(dc_step_call *sc, dc_backend *be, dc_err *e) {
+    dc_logical *lg = sc->s->logical;
+    dc_step *st = &sc->step;
     if (st->acc == DC_ACC_NONE) return 0;
     if (!lg || !be->ops->acc_alloc)
         return dc_err_set(e, DC_EUNIMPL, "clip_step.logical",
                           "the %s backend holds no accumulators", be->ops->name);
     for (size_t l = 0; l < st->n_layers; l++) {
         /* a sums step's layers are the pass's (its index), else the step's */
-        const size_t slot = j->params.phase == DC_PHASE_SUMS ? j->pass_at[l] : l;
+        const size_t slot = sc->params.phase == DC_PHASE_SUMS ? sc->pass_at[l] : l;
         for (int k = 0; k < 2; k++) {
             logical_out *o = &lg->outs[2 * slot + (size_t)k];
             float **to = k ? &st->layers[l].acc_b : &st->layers[l].acc_w;
@@ -373,25 +374,25 @@ int dc_logical_ensure(dc_step_job *j, dc_backend *be, dc_err *e) {
     return 0;
 }
 
-void dc_logical_done(dc_session *s, const dc_step_job *j) {
+void dc_logical_done(dc_session *s, const dc_step_call *sc) {
     dc_logical *lg = s->logical;
-    if (!j->params.logical_id || !lg || lg->id != j->params.logical_id || !lg->open) return;
-    if (j->rc) {
-        abort_logical(s, j->err.msg[0] ? j->err.msg : "a micro-batch failed");
+    if (!sc->params.logical_id || !lg || lg->id != sc->params.logical_id || !lg->open) return;
+    if (sc->rc) {
+        abort_logical(s, sc->err.msg[0] ? sc->err.msg : "a micro-batch failed");
         return;
     }
     /* a micro-batch counts once: its whole step, or its norm pass; the
      * commit closes the logical step with its step, or its pass's last sums */
-    if (j->params.phase != DC_PHASE_SUMS) lg->next++;
-    if (j->params.commit &&
-        (j->params.phase == DC_PHASE_WHOLE ||
-         (j->params.phase == DC_PHASE_SUMS && dc_pass_done(s->pass))))
+    if (sc->params.phase != DC_PHASE_SUMS) lg->next++;
+    if (sc->params.commit &&
+        (sc->params.phase == DC_PHASE_WHOLE ||
+         (sc->params.phase == DC_PHASE_SUMS && dc_pass_done(s->pass))))
         lg->open = false;
 }
 
-void dc_logical_refused(dc_session *s, const dc_step_job *j, const dc_err *why) {
+void dc_logical_refused(dc_session *s, const dc_step_call *sc, const dc_err *why) {
     dc_logical *lg = s->logical;
-    if (!j->params.logical_id || !lg || lg->id != j->params.logical_id) return;
+    if (!sc->params.logical_id || !lg || lg->id != sc->params.logical_id) return;
     abort_logical(s, why->msg[0] ? why->msg : "a micro-batch was refused");
 }
 
@@ -408,7 +409,7 @@ uint64_t dc_logical_bytes(const dc_session *s) { return s->logical ? s->logical-
 void dc_logical_expire(dc_session *s, uint64_t now_ns) {
     dc_logical *lg = s->logical;
     const double limit = s->srv->cfg.logical_step_timeout;
-    if (!lg || !lg->open || s->job || now_ns - lg->opened_ns <= (uint64_t)(limit * 1e9)) return;
+    if (!lg || !lg->open || s->call || now_ns - lg->opened_ns <= (uint64_t)(limit * 1e9)) return;
     abort_logical(s, "it was open longer than limits.logical_step_timeout");
     drop_accumulators(s->srv, lg);
 }

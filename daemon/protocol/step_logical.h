@@ -28,9 +28,10 @@
  * backend's worker (dc_logical_free) when the session ends or the outputs
  * change.
  *
- * Ownership: the session owns its dc_logical (dc_session.logical); a job
- * points at it (j->step.layers[].acc_*) only while the session is busy with
- * that job. Loop thread, except dc_logical_ensure (the job's worker). */
+ * Ownership: the session owns its dc_logical (dc_session.logical); a step
+ * call points at it (sc->step.layers[].acc_*) only while the session is
+ * busy with that call. Loop thread, except dc_logical_ensure (the call's
+ * worker). */
 #ifndef DC_STEP_LOGICAL_H
 #define DC_STEP_LOGICAL_H
 
@@ -38,28 +39,28 @@
 #include <stdint.h>
 
 #include "dc_err.h"
-#include "step_job.h"
+#include "step_call.h"
 
 typedef struct dc_logical dc_logical;
 typedef struct dc_session dc_session;
 
 /* The stage, after validation (loop thread): a step with ClipStep.logical
  * is checked against (micro-batch 0: opens) the session's logical step and
- * gets its accumulation mode (j->step.acc); a step without is refused
+ * gets its accumulation mode (sc->step.acc); a step without is refused
  * while a logical step is open. */
-int dc_logical_prepare(dc_session *s, dc_step_job *j, dc_err *e);
+int dc_logical_prepare(dc_session *s, dc_step_call *sc, dc_err *e);
 
-/* On the job's worker, before the backend runs an accumulating step:
+/* On the call's worker, before the backend runs an accumulating step:
  * allocates what accumulators are missing and points the step's layers at
- * them (j->step.layers[].acc_w / acc_b). */
-int dc_logical_ensure(dc_step_job *j, dc_backend *be, dc_err *e);
+ * them (sc->step.layers[].acc_w / acc_b). */
+int dc_logical_ensure(dc_step_call *sc, dc_backend *be, dc_err *e);
 
 /* The step's outcome (loop thread): a micro-batch that ran moves the
  * logical step on (the commit closes it); a failure aborts it. */
-void dc_logical_done(dc_session *s, const dc_step_job *j);
+void dc_logical_done(dc_session *s, const dc_step_call *sc);
 /* A micro-batch refused before it ran aborts its logical step (why: the
  * error it got). */
-void dc_logical_refused(dc_session *s, const dc_step_job *j, const dc_err *why);
+void dc_logical_refused(dc_session *s, const dc_step_call *sc, const dc_err *why);
 
 /* Whether the session's logical step `id` is open (not committed, not
  * aborted). */
@@ -75,7 +76,7 @@ uint64_t dc_logical_bytes(const dc_session *s);
  * server's tick; not while a step of the session runs). */
 void dc_logical_expire(dc_session *s, uint64_t now_ns);
 
-/* The session's end: the accumulators go back to their backend (a job on
+/* The session's end: the accumulators go back to their backend (a task on
  * the worker pool of their device); the logical step is gone. */
 void dc_logical_free(dc_session *s);
 

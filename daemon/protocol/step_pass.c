@@ -39,9 +39,9 @@ struct dc_pass {
     pass_layer *layers;
 };
 
-int dc_pass_check(const dc_step_job *j, bool grouped, dc_err *e) {
-    const dc_step *s = &j->step;
-    const char *what = j->params.phase == DC_PHASE_NORMS ? "a norm pass (phase STEP_NORMS)"
+int dc_pass_check(const dc_step_call *sc, bool grouped, dc_err *e) {
+    const dc_step *s = &sc->step;
+    const char *what = sc->params.phase == DC_PHASE_NORMS ? "a norm pass (phase STEP_NORMS)"
                                                          : "a sums step (phase STEP_SUMS)";
     if (grouped)
         return dc_err_set(e, DC_EINVAL, "clip_step.phase",
@@ -49,7 +49,7 @@ int dc_pass_check(const dc_step_job *j, bool grouped, dc_err *e) {
                           "their norms", what);
     if (s->mode != DC_CLIP_FLAT)
         return dc_err_set(e, DC_EINVAL, "clip_step.clip.mode", "%s clips flat", what);
-    if (j->params.phase != DC_PHASE_NORMS) return 0;
+    if (sc->params.phase != DC_PHASE_NORMS) return 0;
     for (size_t l = 0; l < s->n_layers; l++)
         if (s->layers[l].weight_grad_out.data || s->layers[l].bias_grad_out.data)
             return dc_err_set(e, DC_EINVAL,
@@ -62,9 +62,9 @@ int dc_pass_check(const dc_step_job *j, bool grouped, dc_err *e) {
                           s->norms_out.data ? "clip_step.norms_out" : "clip_step.coefficients_out",
                           "a norm pass writes nothing to client memory: its norms and "
                           "coefficients are in the reply");
-    if (j->params.signal_event || j->params.notify_enqueued)
+    if (sc->params.signal_event || sc->params.notify_enqueued)
         return dc_err_set(e, DC_EINVAL,
-                          j->params.signal_event ? "clip_step.signal_event"
+                          sc->params.signal_event ? "clip_step.signal_event"
                                                  : "clip_step.notify_enqueued",
                           "a norm pass writes nothing for an event to signal");
     return 0;
@@ -104,11 +104,11 @@ static bool layer_same(const pass_layer *k, const dc_layer *ly) {
            memcmp(&k->eps, &ly->eps, sizeof k->eps) == 0;
 }
 
-int dc_pass_new(dc_step_job *j, dc_pass **out, dc_err *e) {
-    const dc_step *s = &j->step;
+int dc_pass_new(dc_step_call *sc, dc_pass **out, dc_err *e) {
+    const dc_step *s = &sc->step;
     const uint32_t B = s->batch;
     const size_t L = s->n_layers;
-    dc_step_result *r = &j->res;
+    dc_step_result *r = &sc->res;
     dc_pass *p = calloc(1, sizeof *p);
     *out = NULL;
     if (!p || !(p->tot = malloc(B * sizeof *p->tot)) ||
@@ -117,18 +117,18 @@ int dc_pass_new(dc_step_job *j, dc_pass **out, dc_err *e) {
     p->batch = B;
     p->device = s->device;
     p->max_grad_norm = s->max_grad_norm;
-    p->logical_id = j->params.logical_id;
-    p->micro_batch = j->params.micro_batch;
-    p->commit = j->params.commit;
+    p->logical_id = sc->params.logical_id;
+    p->micro_batch = sc->params.micro_batch;
+    p->commit = sc->params.commit;
     p->noise_multiplier = s->noise_multiplier;
-    p->data_parallel = j->params.dp.declared;
+    p->data_parallel = sc->params.dp.declared;
     p->reduction = s->reduction;
     p->expected_batch = s->expected_batch;
     p->n_layers = L;
     for (size_t l = 0; l < L; l++) layer_keep(&p->layers[l], &s->layers[l]);
     for (uint32_t b = 0; b < B; b++) {
         double t = 0.0;
-        for (size_t l = 0; l < L; l++) t += j->n2[l * B + b];
+        for (size_t l = 0; l < L; l++) t += sc->n2[l * B + b];
         /* run_norms failed the step on a non-finite input; a total that
          * overflowed still must not clip as "no clipping" */
         if (!isfinite(t)) {
@@ -143,9 +143,9 @@ int dc_pass_new(dc_step_job *j, dc_pass **out, dc_err *e) {
         r->coefs[b] = dc_clip_coef(s->max_grad_norm, sqrt(t * (1.0 + DC_PHASE_RECHECK_TOL)),
                                    dc_clip_e_step(s, dc_clip_e_how(s)));
     }
-    for (size_t i = 0; i < L * B; i++) r->layer_norms[i] = (float)sqrt(j->n2[i]);
-    p->n2 = j->n2;
-    j->n2 = NULL;
+    for (size_t i = 0; i < L * B; i++) r->layer_norms[i] = (float)sqrt(sc->n2[i]);
+    p->n2 = sc->n2;
+    sc->n2 = NULL;
     *out = p;
     return 0;
 nomem:
@@ -191,8 +191,8 @@ static size_t find(const dc_pass *p, const dc_layer *ly) {
     return SIZE_MAX;
 }
 
-int dc_pass_take(dc_pass *p, dc_step_job *j, dc_err *e) {
-    const dc_step *s = &j->step;
+int dc_pass_take(dc_pass *p, dc_step_call *sc, dc_err *e) {
+    const dc_step *s = &sc->step;
     const uint32_t B = s->batch;
     const size_t L = s->n_layers;
     size_t *at = NULL, matched = 0;
@@ -206,8 +206,8 @@ int dc_pass_take(dc_pass *p, dc_step_job *j, dc_err *e) {
         return dc_err_set(e, DC_EINVAL, s->device != p->device ? "clip_step" : "clip_step.batch_size",
                           "the norm pass was of %u samples on %s: a sums step takes its batch "
                           "and device", p->batch, p->device < 0 ? "host memory" : "a GPU");
-    if (j->params.logical_id != p->logical_id || j->params.micro_batch != p->micro_batch ||
-        j->params.commit != p->commit)
+    if (sc->params.logical_id != p->logical_id || sc->params.micro_batch != p->micro_batch ||
+        sc->params.commit != p->commit)
         return dc_err_set(e, DC_EINVAL, "clip_step.logical",
                           "a sums step carries its norm pass's logical step, micro-batch and "
                           "commit");
@@ -217,8 +217,8 @@ int dc_pass_take(dc_pass *p, dc_step_job *j, dc_err *e) {
                           "a sums step takes its norm pass's max_grad_norm, reduction and "
                           "expected batch size");
     if ((rc = noise_check(p, s, e))) return rc;
-    if (!(at = malloc(L * sizeof *at)) || !(j->n2 = malloc(L * B * sizeof *j->n2)) ||
-        !(j->tot = malloc(B * sizeof *j->tot))) {
+    if (!(at = malloc(L * sizeof *at)) || !(sc->n2 = malloc(L * B * sizeof *sc->n2)) ||
+        !(sc->tot = malloc(B * sizeof *sc->tot))) {
         rc = dc_err_set(e, DC_ENOSPACE, "clip_step", "out of memory");
         goto fail;
     }
@@ -245,17 +245,17 @@ int dc_pass_take(dc_pass *p, dc_step_job *j, dc_err *e) {
             goto fail;
         }
     }
-    for (size_t l = 0; l < L; l++) memcpy(&j->n2[l * B], &p->n2[at[l] * B], B * sizeof *j->n2);
-    memcpy(j->tot, p->tot, B * sizeof *j->tot);
+    for (size_t l = 0; l < L; l++) memcpy(&sc->n2[l * B], &p->n2[at[l] * B], B * sizeof *sc->n2);
+    memcpy(sc->tot, p->tot, B * sizeof *sc->tot);
     p->n_summed += L;
-    j->pass_at = at; /* the pass's index of each layer: its accumulators (step_logical.c) */
+    sc->pass_at = at; /* the pass's index of each layer: its accumulators (step_logical.c) */
     return 0;
 fail:
     for (size_t l = 0; l < matched; l++) p->layers[at[l]].summed = false;
     free(at);
-    free(j->n2);
-    free(j->tot);
-    j->n2 = j->tot = NULL;
+    free(sc->n2);
+    free(sc->tot);
+    sc->n2 = sc->tot = NULL;
     return rc;
 }
 

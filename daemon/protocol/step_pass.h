@@ -18,35 +18,35 @@
  * rank's output is a share, noised by the rank that owns it.
  *
  * Ownership: the session owns its pass (dc_session.pass, one at a time); a
- * SUMS job owns the n2 and tot copies dc_pass_take gives it. */
+ * SUMS step call owns the n2 and tot copies dc_pass_take gives it. */
 #ifndef DC_STEP_PASS_H
 #define DC_STEP_PASS_H
 
 #include <stdbool.h>
 
 #include "dc_err.h"
-#include "step_job.h"
+#include "step_call.h"
 
 typedef struct dc_pass dc_pass;
 
 /* The rules of a NORMS or SUMS request that need no pass: flat clipping,
  * no norm group; a NORMS step names no outputs and no signal. */
-int dc_pass_check(const dc_step_job *j, bool grouped, dc_err *e);
+int dc_pass_check(const dc_step_call *sc, bool grouped, dc_err *e);
 
-/* A NORMS job that ran (j->n2 filled by the backend's run_norms): fills its
+/* A NORMS step that ran (sc->n2 filled by the backend's run_norms): fills its
  * result (norms, coefficients, layer norms) and keeps the pass, taking
- * j->n2. */
-int dc_pass_new(dc_step_job *j, dc_pass **out, dc_err *e);
+ * sc->n2. */
+int dc_pass_new(dc_step_call *sc, dc_pass **out, dc_err *e);
 
-/* A SUMS job: its noise is the pass's (noise_multiplier, and outside data
+/* A SUMS step: its noise is the pass's (noise_multiplier, and outside data
  * parallelism whole ranges); matches each of its layers to a layer of the
- * pass not summed yet and marks it summed; gives the job its n2 rows, the
- * pass's totals and each layer's index in the pass (j->n2, j->tot,
- * j->pass_at, owned by the job). p may be NULL (no pass: refused). A sums
+ * pass not summed yet and marks it summed; gives the call its n2 rows, the
+ * pass's totals and each layer's index in the pass (sc->n2, sc->tot,
+ * sc->pass_at, owned by the call). p may be NULL (no pass: refused). A sums
  * step carries its pass's ClipStep.logical. */
-int dc_pass_take(dc_pass *p, dc_step_job *j, dc_err *e);
+int dc_pass_take(dc_pass *p, dc_step_call *sc, dc_err *e);
 
-/* A clip phase that runs in a later job than its norms (a sums step's
+/* A clip phase that runs in a later task than its norms (a sums step's
  * pass; a grouped member's norm phase before the group's reduction) reads
  * client memory the client may have rewritten since. So it measures again
  * (step_run.c) and refuses any layer and sample whose squared norm grew by

@@ -19,11 +19,11 @@
  * let the loop send it while the device works. If the record fails the
  * notice is not sent and dc_step_run_work fails the step or records again. */
 static void step_enqueued(void *arg) {
-    dc_step_job *j = arg;
+    dc_step_call *sc = arg;
     dc_err e;
-    if (dc_gpu_record_event(j->be, j->signal_event, &e)) return;
-    j->signaled = true;
-    if (j->notify) dc_worker_notify(&j->job);
+    if (dc_gpu_record_event(sc->be, sc->signal_event, &e)) return;
+    sc->signaled = true;
+    if (sc->notify) dc_task_notify(&sc->task);
 }
 
 /* A step that failed once noised: no noised value may leave in its message,
@@ -34,53 +34,53 @@ void dc_step_run_released_error(dc_err *e) {
              "written. The failure depends on the noise, so the step's privacy spend stands");
 }
 
-int dc_step_run_prepare(dc_step_job *j, dc_err *e) {
-    if (j->notify) j->step.zero_on_fail = true;
-    if (j->signal_event) {
-        j->step.enqueued = step_enqueued;
-        j->step.enqueued_arg = j;
+int dc_step_run_prepare(dc_step_call *sc, dc_err *e) {
+    if (sc->notify) sc->step.zero_on_fail = true;
+    if (sc->signal_event) {
+        sc->step.enqueued = step_enqueued;
+        sc->step.enqueued_arg = sc;
     }
-    if (dc_step_result_init(&j->res, j->step.batch, j->step.n_layers,
-                            j->step.mode == DC_CLIP_PER_LAYER))
+    if (dc_step_result_init(&sc->res, sc->step.batch, sc->step.n_layers,
+                            sc->step.mode == DC_CLIP_PER_LAYER))
         return dc_err_set(e, DC_ENOSPACE, "clip_step", "out of memory");
     return 0;
 }
 
-/* The clip phase of a step whose norms an earlier job measured (j->n2,
- * totals j->tot): measured again, checked and clipped with the margin
+/* The clip phase of a step whose norms an earlier task measured (sc->n2,
+ * totals sc->tot): measured again, checked and clipped with the margin
  * (step_pass.h, dc_phase_recheck). The reply's norms stay the totals'. */
-static int clip_checked(dc_step_job *j, dc_backend *be) {
-    const uint32_t B = j->step.batch;
-    const size_t LB = j->step.n_layers * (size_t)B;
+static int clip_checked(dc_step_call *sc, dc_backend *be) {
+    const uint32_t B = sc->step.batch;
+    const size_t LB = sc->step.n_layers * (size_t)B;
     double *now = NULL, *tot = NULL;
     int rc;
     if (!be->ops->run_norms || !be->ops->run_clip)
-        return dc_err_set(&j->err, DC_EUNIMPL, "clip_step.phase",
+        return dc_err_set(&sc->err, DC_EUNIMPL, "clip_step.phase",
                           "the %s backend has no separate clip phase", be->ops->name);
     if (!(now = malloc((LB ? LB : 1) * sizeof *now)) || !(tot = malloc((B ? B : 1) * sizeof *tot))) {
-        rc = dc_err_set(&j->err, DC_ENOSPACE, "clip_step", "out of memory");
+        rc = dc_err_set(&sc->err, DC_ENOSPACE, "clip_step", "out of memory");
         goto out;
     }
-    if ((rc = be->ops->run_norms(be, &j->step, now, &j->err)) ||
-        (rc = dc_phase_recheck(&j->step, j->n2, now, &j->err)))
+    if ((rc = be->ops->run_norms(be, &sc->step, now, &sc->err)) ||
+        (rc = dc_phase_recheck(&sc->step, sc->n2, now, &sc->err)))
         goto out;
-    if (j->grouped && j->gw.has_rep_hash) {
+    if (sc->grouped && sc->gw.has_rep_hash) {
         /* the replicated copy the group compared is the one released */
         uint64_t h;
         bool any;
-        if ((rc = dc_step_run_replicas_hash(be, &j->step, j->gw.rep_key, &h, &any, &j->err)))
+        if ((rc = dc_step_run_replicas_hash(be, &sc->step, sc->gw.rep_key, &h, &any, &sc->err)))
             goto out;
-        if (h != j->gw.rep_hash) {
-            rc = dc_err_set(&j->err, DC_EINVAL, "clip_step.layers.replicated",
+        if (h != sc->gw.rep_hash) {
+            rc = dc_err_set(&sc->err, DC_EINVAL, "clip_step.layers.replicated",
                             "the replicated layers' data changed since the group compared "
                             "them; nothing was written");
             goto out;
         }
     }
-    memcpy(tot, j->tot, B * sizeof *tot);
+    memcpy(tot, sc->tot, B * sizeof *tot);
     dc_phase_margin(tot, B);
-    if ((rc = be->ops->run_clip(be, &j->step, j->n2, tot, &j->res, &j->err))) goto out;
-    for (uint32_t b = 0; b < B; b++) j->res.norms[b] = (float)sqrt(j->tot[b]);
+    if ((rc = be->ops->run_clip(be, &sc->step, sc->n2, tot, &sc->res, &sc->err))) goto out;
+    for (uint32_t b = 0; b < B; b++) sc->res.norms[b] = (float)sqrt(sc->tot[b]);
 out:
     free(now);
     free(tot);
@@ -89,72 +89,76 @@ out:
 
 /* The whole step, or (sums) the clip phase of a step in phases with the
  * norm pass's totals (step_pass.c). */
-static void run_step(dc_step_job *j, dc_backend *be, bool sums) {
-    j->t_start = uv_hrtime();
-    j->be = be;
-    dc_err_clear(&j->err);
-    /* A pre-wait ran before this job on this same thread (one worker per
+static void run_step(dc_step_call *sc, dc_backend *be, bool sums) {
+    sc->t_start = uv_hrtime();
+    sc->be = be;
+    dc_err_clear(&sc->err);
+    /* A pre-wait ran before this task on this same thread (one worker per
      * GPU, in order): if it succeeded the stream already waits. */
-    bool waited = j->prewait && j->prewait->rc == 0;
-    if (j->wait_event && !waited && (j->rc = dc_gpu_wait_event(be, j->wait_event, &j->err))) {
-        j->t_waited = j->t_end = uv_hrtime();
+    bool waited = sc->prewait && sc->prewait->rc == 0;
+    if (sc->wait_event && !waited && (sc->rc = dc_gpu_wait_event(be, sc->wait_event, &sc->err))) {
+        sc->t_waited = sc->t_end = uv_hrtime();
         return;
     }
-    j->t_waited = uv_hrtime();
-    if ((j->rc = dc_logical_ensure(j, be, &j->err))) {
-        j->t_end = uv_hrtime();
+    sc->t_waited = uv_hrtime();
+    if ((sc->rc = dc_logical_ensure(sc, be, &sc->err))) {
+        sc->t_end = uv_hrtime();
         return;
     }
-    if (!sums) j->rc = dc_backend_run_step(be, &j->step, &j->res, &j->err);
-    else j->rc = clip_checked(j, be);
-    if (j->rc && j->res.released) dc_step_run_released_error(&j->err);
-    if (j->rc == 0 && j->signal_event && !j->signaled) {
-        j->res.released = true; /* the outputs are written, whatever happens next */
-        if (j->notify)
-            j->rc = dc_err_set(&j->err, DC_EINTERNAL, "clip_step.signal_event",
-                               "could not record the step's signal event");
+    if (!sums) sc->rc = dc_backend_run_step(be, &sc->step, &sc->res, &sc->err);
+    else sc->rc = clip_checked(sc, be);
+    if (sc->rc && sc->res.released) dc_step_run_released_error(&sc->err);
+    if (sc->rc == 0 && sc->signal_event && !sc->signaled) {
+        sc->res.released = true; /* the outputs are written, whatever happens next */
+        if (sc->notify)
+            sc->rc = dc_err_set(&sc->err, DC_EINTERNAL, "clip_step.signal_event",
+                                "could not record the step's signal event");
         else
-            j->rc = dc_gpu_record_event(be, j->signal_event, &j->err);
+            sc->rc = dc_gpu_record_event(be, sc->signal_event, &sc->err);
     }
     /* Read here, on the thread that owns the backend. */
-    j->workspace = dc_backend_workspace_bytes(be);
-    j->t_end = uv_hrtime();
+    sc->workspace = dc_backend_workspace_bytes(be);
+    sc->t_end = uv_hrtime();
 }
 
-void dc_step_run_work(dc_job *job, dc_backend *be) { run_step((dc_step_job *)job, be, false); }
-
-void dc_step_run_sums_work(dc_job *job, dc_backend *be) { run_step((dc_step_job *)job, be, true); }
-
-void dc_step_run_pass_work(dc_job *job, dc_backend *be) {
-    dc_step_job *j = (dc_step_job *)job;
-    dc_step_run_norms_work(job, be);
-    j->t_end = uv_hrtime();
+void dc_step_run_work(dc_task *task, dc_backend *be) {
+    run_step((dc_step_call *)task, be, false);
 }
 
-void dc_step_run_prewait(dc_job *job, dc_backend *be) {
-    struct dc_prewait *pw = (struct dc_prewait *)job;
+void dc_step_run_sums_work(dc_task *task, dc_backend *be) {
+    run_step((dc_step_call *)task, be, true);
+}
+
+void dc_step_run_pass_work(dc_task *task, dc_backend *be) {
+    dc_step_call *sc = (dc_step_call *)task;
+    dc_step_run_norms_work(task, be);
+    sc->t_end = uv_hrtime();
+}
+
+void dc_step_run_prewait(dc_task *task, dc_backend *be) {
+    struct dc_prewait *pw = (struct dc_prewait *)task;
     pw->rc = dc_gpu_wait_event(be, pw->event, &pw->err);
 }
 
-/* --- a NORM_REDUCE group's step, in two jobs ------------------------------- */
+/* --- a NORM_REDUCE group's step, in two tasks ----------------------------- */
 
-void dc_step_run_norms_work(dc_job *job, dc_backend *be) {
-    dc_step_job *j = (dc_step_job *)job;
-    j->t_start = j->t_waited = uv_hrtime();
-    dc_err_clear(&j->err);
+void dc_step_run_norms_work(dc_task *task, dc_backend *be) {
+    dc_step_call *sc = (dc_step_call *)task;
+    sc->t_start = sc->t_waited = uv_hrtime();
+    dc_err_clear(&sc->err);
     /* GPU steps: the stream waits for the client's inputs first (unless a
      * pre-wait for this step's event already did, on this thread) */
-    bool waited = j->prewait && j->prewait->rc == 0;
-    if (j->wait_event && !waited && (j->rc = dc_gpu_wait_event(be, j->wait_event, &j->err)))
+    bool waited = sc->prewait && sc->prewait->rc == 0;
+    if (sc->wait_event && !waited && (sc->rc = dc_gpu_wait_event(be, sc->wait_event, &sc->err)))
         return;
-    j->rc = be->ops->run_norms
-                ? be->ops->run_norms(be, &j->step, j->n2, &j->err)
-                : dc_err_set(&j->err, DC_EUNIMPL, "clip_step",
+    sc->rc = be->ops->run_norms
+                ? be->ops->run_norms(be, &sc->step, sc->n2, &sc->err)
+                : dc_err_set(&sc->err, DC_EUNIMPL, "clip_step",
                              "the %s backend has no separate norm phase", be->ops->name);
-    if (j->rc == 0 && j->grouped) {
-        j->gw.rep_key = dc_step_run_replicas_key(&j->step);
-        j->rc = dc_step_run_replicas_hash(be, &j->step, j->gw.rep_key, &j->gw.rep_hash,
-                                          &j->gw.has_rep_hash, &j->err);
+    if (sc->rc == 0 && sc->grouped) {
+        sc->gw.rep_key = dc_step_run_replicas_key(&sc->step);
+        sc->rc = dc_step_run_replicas_hash(be, &sc->step, sc->gw.rep_key, &sc->gw.rep_hash,
+                                           &sc->gw.has_rep_hash, &sc->err);
     }
 }
 
@@ -184,15 +188,15 @@ int dc_step_run_replicas_hash(dc_backend *be, const dc_step *st, uint64_t key, u
     return 0;
 }
 
-void dc_step_run_clip_work(dc_job *job, dc_backend *be) {
-    dc_step_job *j = (dc_step_job *)job;
-    j->t_start = j->t_waited = uv_hrtime();
-    j->be = be;
-    dc_err_clear(&j->err);
-    if (!(j->rc = dc_logical_ensure(j, be, &j->err))) j->rc = clip_checked(j, be);
-    if (j->rc == 0 && j->signal_event) { /* the client's stream may go on */
-        j->res.released = true;
-        j->rc = dc_gpu_record_event(be, j->signal_event, &j->err);
+void dc_step_run_clip_work(dc_task *task, dc_backend *be) {
+    dc_step_call *sc = (dc_step_call *)task;
+    sc->t_start = sc->t_waited = uv_hrtime();
+    sc->be = be;
+    dc_err_clear(&sc->err);
+    if (!(sc->rc = dc_logical_ensure(sc, be, &sc->err))) sc->rc = clip_checked(sc, be);
+    if (sc->rc == 0 && sc->signal_event) { /* the client's stream may go on */
+        sc->res.released = true;
+        sc->rc = dc_gpu_record_event(be, sc->signal_event, &sc->err);
     }
-    j->t_end = uv_hrtime();
+    sc->t_end = uv_hrtime();
 }

@@ -13,7 +13,7 @@
  * validated with the bytes of its clip_step field: the same bytes under the
  * same registry generation (no buffer added or released since) and the same
  * limits validate to the same step, and are taken from the plan. Only frames
- * whose id and step those bytes alone decide are keyed (wire.h): any other
+ * whose id and step those bytes alone decide are keyed (peek.h): any other
  * frame is decoded, so the cache never answers what the decoder would
  * refuse, nor with another id. Everything that depends on other state
  * (events, device, budget) is checked again on every step. */
@@ -26,7 +26,7 @@
 
 #include "dpclip.pb-c.h"
 #include "registry.h"
-#include "step_job.h"
+#include "step_call.h"
 #include "validate.h"
 
 /* The last ClipStep that validated: the request's bytes after its id, the
@@ -41,28 +41,28 @@ typedef struct dc_step_plan {
     struct dc_step_params params;
 } dc_step_plan;
 
-/* The request's fields: j->step (owned) and j->params. Nothing is held on
+/* The request's fields: sc->step (owned) and sc->params. Nothing is held on
  * refusal. */
-int dc_step_validate(dc_step_job *j, const Dpclip__ClipStep *m, const dc_registry *reg,
+int dc_step_validate(dc_step_call *sc, const Dpclip__ClipStep *m, const dc_registry *reg,
                      const dc_limits *lim, dc_err *e);
 /* What the step names of the session: its device (n_gpus: the daemon's),
- * its events as the session found them under j->params' ids (NULL: not
- * registered, or not asked for), and an early notice. Sets j->wait_event,
- * j->signal_event and j->notify. */
-int dc_step_validate_names(dc_step_job *j, int n_gpus, const struct dc_session_event *wait,
+ * its events as the session found them under sc->params' ids (NULL: not
+ * registered, or not asked for), and an early notice. Sets sc->wait_event,
+ * sc->signal_event and sc->notify. */
+int dc_step_validate_names(dc_step_call *sc, int n_gpus, const struct dc_session_event *wait,
                            const struct dc_session_event *signal, dc_err *e);
 
 /* A copy of the step that just validated from key[0, key_len) (NULL when
  * out of memory: that only costs the next step its cache hit). */
-dc_step_plan *dc_step_plan_new(const dc_step_job *j, const uint8_t *key, size_t key_len,
+dc_step_plan *dc_step_plan_new(const dc_step_call *sc, const uint8_t *key, size_t key_len,
                                uint64_t reg_gen, const dc_limits *lim);
 void dc_step_plan_free(dc_step_plan *p);
 /* Whether p validated these bytes under this registry generation and these
  * limits, so that they validate to p's step again. */
 bool dc_step_plan_matches(const dc_step_plan *p, const uint8_t *key, size_t key_len,
                           uint64_t reg_gen, const dc_limits *lim);
-/* j's step and params from p: the layers are borrowed (j->cached), so p
- * must outlive the job. */
-void dc_step_plan_use(const dc_step_plan *p, dc_step_job *j);
+/* sc's step and params from p: the layers are borrowed (sc->cached), so p
+ * must outlive the call. */
+void dc_step_plan_use(const dc_step_plan *p, dc_step_call *sc);
 
 #endif

@@ -84,8 +84,8 @@ static bool detect_mps(void) {
     return access(path, F_OK) == 0;
 }
 
-static void open_work(dc_job *job, dc_backend *be) {
-    dc_gpu_open_job *j = (dc_gpu_open_job *)job;
+static void open_work(dc_task *task, dc_backend *be) {
+    dc_gpu_open_task *t = (dc_gpu_open_task *)task;
     cudaIpcMemHandle_t h;
     void *ptr = NULL;
     unsigned long long base = 0;
@@ -93,11 +93,11 @@ static void open_work(dc_job *job, dc_backend *be) {
     cudaError_t e;
     (void)be;
 
-    memcpy(&h, j->handle, sizeof h);
-    cudaSetDevice(j->device);
+    memcpy(&h, t->handle, sizeof h);
+    cudaSetDevice(t->device);
     e = cudaIpcOpenMemHandle(&ptr, h, cudaIpcMemLazyEnablePeerAccess);
     if (e != cudaSuccess) {
-        j->rc = cuda_fail(&j->err, "register_buffer.cuda_ipc_handle", "cudaIpcOpenMemHandle", e);
+        t->rc = cuda_fail(&t->err, "register_buffer.cuda_ipc_handle", "cudaIpcOpenMemHandle", e);
         cudaGetLastError();
         return;
     }
@@ -106,91 +106,91 @@ static void open_work(dc_job *job, dc_backend *be) {
     if (g_mem_get_address_range(&base, &extent, (unsigned long long)(uintptr_t)ptr) != 0 ||
         base != (unsigned long long)(uintptr_t)ptr) {
         cudaIpcCloseMemHandle(ptr);
-        j->rc = dc_err_set(&j->err, DC_EINVAL, "register_buffer.cuda_ipc_handle",
+        t->rc = dc_err_set(&t->err, DC_EINVAL, "register_buffer.cuda_ipc_handle",
                            "cannot determine the allocation's extent");
         return;
     }
-    if (j->size == 0) j->size = extent;
-    if (j->size > extent) {
+    if (t->size == 0) t->size = extent;
+    if (t->size > extent) {
         cudaIpcCloseMemHandle(ptr);
-        j->rc = dc_err_set(&j->err, DC_EINVAL, "register_buffer.size",
+        t->rc = dc_err_set(&t->err, DC_EINVAL, "register_buffer.size",
                            "size %llu exceeds the allocation's %zu bytes",
-                           (unsigned long long)j->size, extent);
+                           (unsigned long long)t->size, extent);
         return;
     }
-    memset(&j->buf, 0, sizeof j->buf);
-    j->buf.kind = DC_BUFFER_CUDA;
-    j->buf.base = ptr;
-    j->buf.size = j->size;
-    j->buf.device = j->device;
-    j->rc = 0;
+    memset(&t->buf, 0, sizeof t->buf);
+    t->buf.kind = DC_BUFFER_CUDA;
+    t->buf.base = ptr;
+    t->buf.size = t->size;
+    t->buf.device = t->device;
+    t->rc = 0;
 }
 
-static void open_done(dc_job *job) {
-    dc_gpu_open_job *j = (dc_gpu_open_job *)job;
-    j->done(j);
+static void open_done(dc_task *task) {
+    dc_gpu_open_task *t = (dc_gpu_open_task *)task;
+    t->done(t);
 }
 
-typedef struct close_job {
-    dc_job job;
+typedef struct close_task {
+    dc_task task;
     int device;
     void *ptr;
     void *event;
-} close_job;
+} close_task;
 
-static void close_work(dc_job *job, dc_backend *be) {
-    close_job *j = (close_job *)job;
+static void close_work(dc_task *task, dc_backend *be) {
+    close_task *t = (close_task *)task;
     (void)be;
-    cudaSetDevice(j->device);
-    if (j->ptr) cudaIpcCloseMemHandle(j->ptr);
-    if (j->event) cudaEventDestroy((cudaEvent_t)j->event);
+    cudaSetDevice(t->device);
+    if (t->ptr) cudaIpcCloseMemHandle(t->ptr);
+    if (t->event) cudaEventDestroy((cudaEvent_t)t->event);
     cudaGetLastError();
 }
 
-static void close_done(dc_job *job) { free(job); }
+static void close_done(dc_task *task) { free(task); }
 
 static void post_close(dc_gpu *g, int device, void *ptr, void *event) {
-    close_job *j;
+    close_task *t;
     if (!g || device < 0 || device >= g->n) return;
-    j = calloc(1, sizeof *j);
-    if (!j) {
+    t = calloc(1, sizeof *t);
+    if (!t) {
         dc_log_error("out of memory closing a CUDA handle; leaking it");
         return;
     }
-    j->job.work = close_work;
-    j->job.done = close_done;
-    j->device = device;
-    j->ptr = ptr;
-    j->event = event;
-    dc_worker_pool_submit(&g->pools[device], &j->job);
+    t->task.work = close_work;
+    t->task.done = close_done;
+    t->device = device;
+    t->ptr = ptr;
+    t->event = event;
+    dc_worker_pool_submit(&g->pools[device], &t->task);
 }
 
 void dc_gpu_close_buffer(dc_gpu *g, dc_buffer *b) { post_close(g, b->device, b->base, NULL); }
 
 static void registry_unmap(dc_buffer *b) { dc_gpu_close_buffer(g_gpu, b); }
 
-static void event_work(dc_job *job, dc_backend *be) {
-    dc_gpu_event_job *j = (dc_gpu_event_job *)job;
+static void event_work(dc_task *task, dc_backend *be) {
+    dc_gpu_event_task *t = (dc_gpu_event_task *)task;
     cudaIpcEventHandle_t h;
     cudaEvent_t ev;
     cudaError_t e;
     (void)be;
-    memcpy(&h, j->handle, sizeof h);
-    cudaSetDevice(j->device);
+    memcpy(&h, t->handle, sizeof h);
+    cudaSetDevice(t->device);
     e = cudaIpcOpenEventHandle(&ev, h);
     if (e != cudaSuccess) {
-        j->rc = cuda_fail(&j->err, "register_event.cuda_ipc_event_handle",
+        t->rc = cuda_fail(&t->err, "register_event.cuda_ipc_event_handle",
                           "cudaIpcOpenEventHandle", e);
         cudaGetLastError();
         return;
     }
-    j->event = ev;
-    j->rc = 0;
+    t->event = ev;
+    t->rc = 0;
 }
 
-static void event_done(dc_job *job) {
-    dc_gpu_event_job *j = (dc_gpu_event_job *)job;
-    j->done(j);
+static void event_done(dc_task *task) {
+    dc_gpu_event_task *t = (dc_gpu_event_task *)task;
+    t->done(t);
 }
 
 int dc_gpu_init(dc_gpu *g, uv_loop_t *loop, bool enable, uint64_t workspace,
@@ -244,19 +244,19 @@ int dc_gpu_init(dc_gpu *g, uv_loop_t *loop, bool enable, uint64_t workspace,
     return 0;
 }
 
-int dc_gpu_open_buffer(dc_gpu *g, dc_gpu_open_job *j) {
-    if (j->device < 0 || j->device >= g->n) return DC_EINVAL;
-    j->job.work = open_work;
-    j->job.done = open_done;
-    dc_worker_pool_submit(&g->pools[j->device], &j->job);
+int dc_gpu_open_buffer(dc_gpu *g, dc_gpu_open_task *t) {
+    if (t->device < 0 || t->device >= g->n) return DC_EINVAL;
+    t->task.work = open_work;
+    t->task.done = open_done;
+    dc_worker_pool_submit(&g->pools[t->device], &t->task);
     return 0;
 }
 
-int dc_gpu_open_event(dc_gpu *g, dc_gpu_event_job *j) {
-    if (j->device < 0 || j->device >= g->n) return DC_EINVAL;
-    j->job.work = event_work;
-    j->job.done = event_done;
-    dc_worker_pool_submit(&g->pools[j->device], &j->job);
+int dc_gpu_open_event(dc_gpu *g, dc_gpu_event_task *t) {
+    if (t->device < 0 || t->device >= g->n) return DC_EINVAL;
+    t->task.work = event_work;
+    t->task.done = event_done;
+    dc_worker_pool_submit(&g->pools[t->device], &t->task);
     return 0;
 }
 
@@ -279,15 +279,15 @@ int dc_gpu_init(dc_gpu *g, uv_loop_t *loop, bool enable, uint64_t workspace,
     return 0;
 }
 
-int dc_gpu_open_buffer(dc_gpu *g, dc_gpu_open_job *j) {
+int dc_gpu_open_buffer(dc_gpu *g, dc_gpu_open_task *t) {
     (void)g;
-    (void)j;
+    (void)t;
     return DC_EUNAVAIL;
 }
 
-int dc_gpu_open_event(dc_gpu *g, dc_gpu_event_job *j) {
+int dc_gpu_open_event(dc_gpu *g, dc_gpu_event_task *t) {
     (void)g;
-    (void)j;
+    (void)t;
     return DC_EUNAVAIL;
 }
 

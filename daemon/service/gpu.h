@@ -47,15 +47,15 @@ void dc_gpu_uuid_str(const uint8_t *uuid, char out[DC_GPU_UUID_STR]);
 int dc_gpu_init(dc_gpu *g, uv_loop_t *loop, bool enable, uint64_t workspace,
                 uint64_t workspace_max, uint64_t sample_grads_max, dc_err *err);
 void dc_gpu_close(dc_gpu *g);
-/* Jobs (including steps) in flight on any GPU. */
+/* Tasks (including steps) in flight on any GPU. */
 int dc_gpu_busy(const dc_gpu *g);
 
-/* Opening a CUDA IPC memory handle, as a job on the device's worker.
+/* Opening a CUDA IPC memory handle, as a task on the device's worker.
  * On completion `done` runs on the loop thread with rc/err filled and, on
  * success, buf (kind DC_BUFFER_CUDA, base = device pointer, size checked
  * against the allocation's real extent). */
-typedef struct dc_gpu_open_job {
-    dc_job job;
+typedef struct dc_gpu_open_task {
+    dc_task task;
     int device;
     uint8_t handle[64];
     uint64_t size;
@@ -64,16 +64,16 @@ typedef struct dc_gpu_open_job {
     int rc;
     dc_err err;
     void *user;
-    void (*done)(struct dc_gpu_open_job *j);
-} dc_gpu_open_job;
-int dc_gpu_open_buffer(dc_gpu *g, dc_gpu_open_job *j);
+    void (*done)(struct dc_gpu_open_task *t);
+} dc_gpu_open_task;
+int dc_gpu_open_buffer(dc_gpu *g, dc_gpu_open_task *t);
 
 /* Closes an opened buffer that no registry holds (fire and forget). */
 void dc_gpu_close_buffer(dc_gpu *g, dc_buffer *b);
 
 /* Interprocess events. */
-typedef struct dc_gpu_event_job {
-    dc_job job;
+typedef struct dc_gpu_event_task {
+    dc_task task;
     int device;
     uint8_t handle[64];
     void *event;            /* cudaEvent_t once opened */
@@ -81,9 +81,9 @@ typedef struct dc_gpu_event_job {
     int rc;
     dc_err err;
     void *user;
-    void (*done)(struct dc_gpu_event_job *j);
-} dc_gpu_event_job;
-int dc_gpu_open_event(dc_gpu *g, dc_gpu_event_job *j);
+    void (*done)(struct dc_gpu_event_task *t);
+} dc_gpu_event_task;
+int dc_gpu_open_event(dc_gpu *g, dc_gpu_event_task *t);
 /* Destroys an opened event on its device's worker (fire and forget). */
 void dc_gpu_close_event(dc_gpu *g, int device, void *event);
 

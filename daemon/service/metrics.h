@@ -96,7 +96,7 @@ typedef struct dc_metrics {
     uint64_t compute_ns;          /* backends' own time, successful steps */
     dc_hist phase[DC_PH_N];
     dc_hist step;                 /* request decoded to reply queued */
-    dc_hist ledger_write;         /* one crash-safe job file write */
+    dc_hist ledger_write;         /* one crash-safe account file write */
 } dc_metrics;
 
 /* Counts an error reply; a code outside dc_code counts as internal. */

@@ -65,10 +65,11 @@ static void *snapshot(void *arg) {
     size_t i;
 
     if (!r) return NULL;
-    /* Accounts nothing uses go here too, not only when jobs are opened. */
+    /* Accounts nothing uses go here too, not only when accounts are opened. */
     dc_ledger_expire(&srv->ledger, now);
     if ((srv->n_sessions && !(r->sessions = calloc(srv->n_sessions, sizeof *r->sessions))) ||
-        (srv->ledger.n_jobs && !(r->jobs = calloc(srv->ledger.n_jobs, sizeof *r->jobs)))) {
+        (srv->ledger.n_accounts &&
+         !(r->accounts = calloc(srv->ledger.n_accounts, sizeof *r->accounts)))) {
         dc_report_free(r);
         return NULL;
     }
@@ -129,10 +130,10 @@ static void *snapshot(void *arg) {
         o->uid = (uint32_t)s->peer_uid;
         o->gid = (uint32_t)s->peer_gid;
         memcpy(o->client, s->client_name, sizeof o->client);
-        memcpy(o->job, s->job_id, sizeof o->job);
-        o->client[sizeof o->client - 1] = o->job[sizeof o->job - 1] = '\0';
+        memcpy(o->job_id, s->job_id, sizeof o->job_id);
+        o->client[sizeof o->client - 1] = o->job_id[sizeof o->job_id - 1] = '\0';
         o->hello = s->hello_done;
-        o->busy = s->job != NULL;
+        o->busy = s->call != NULL;
         o->steps = s->steps;
         o->steps_failed = s->steps_failed;
         o->buffers = s->reg.n;
@@ -145,28 +146,29 @@ static void *snapshot(void *arg) {
     }
     r->n_sessions = i;
     i = 0;
-    for (dc_ledger_job *j = srv->ledger.jobs; j && i < srv->ledger.n_jobs; j = j->next, i++) {
-        dc_report_job *o = &r->jobs[i];
-        o->uid = j->uid;
-        memcpy(o->job, j->job, sizeof o->job);
-        o->sessions = j->sessions;
-        o->steps = j->steps;
-        o->shares = j->shares;
-        o->folded_steps = j->folded_steps;
-        o->eps = j->eps;
-        o->delta = j->delta;
-        o->best_order = j->best_order;
-        o->budget_eps = j->budget_eps;
-        o->on_disk = r->persistent && j->saved_gen >= j->gen;
-        o->insecure = j->insecure;
-        o->n_hist = j->n_hist;
-        for (size_t k = 0; k < j->n_hist; k++) {
-            o->hist[k].q = j->hist[k].q;
-            o->hist[k].sigma = j->hist[k].sigma;
-            o->hist[k].steps = j->hist[k].steps;
+    for (dc_ledger_account *acct = srv->ledger.accounts; acct && i < srv->ledger.n_accounts;
+         acct = acct->next, i++) {
+        dc_report_account *o = &r->accounts[i];
+        o->uid = acct->uid;
+        memcpy(o->job_id, acct->job_id, sizeof o->job_id);
+        o->sessions = acct->sessions;
+        o->steps = acct->steps;
+        o->shares = acct->shares;
+        o->folded_steps = acct->folded_steps;
+        o->eps = acct->eps;
+        o->delta = acct->delta;
+        o->best_order = acct->best_order;
+        o->budget_eps = acct->budget_eps;
+        o->on_disk = r->persistent && acct->saved_gen >= acct->gen;
+        o->insecure = acct->insecure;
+        o->n_hist = acct->n_hist;
+        for (size_t k = 0; k < acct->n_hist; k++) {
+            o->hist[k].q = acct->hist[k].q;
+            o->hist[k].sigma = acct->hist[k].sigma;
+            o->hist[k].steps = acct->hist[k].steps;
         }
     }
-    r->n_jobs = i;
+    r->n_accounts = i;
     r->metrics = srv->metrics;
     return r;
 }
@@ -174,7 +176,7 @@ static void *snapshot(void *arg) {
 void dc_report_free(dc_report *r) {
     if (!r) return;
     free(r->sessions);
-    free(r->jobs);
+    free(r->accounts);
     free(r->norm_groups);
     free(r);
 }
@@ -244,7 +246,7 @@ static void render_status(const dc_report *r, dc_view view, uint32_t uid, dc_sbu
                        first ? "" : ",", (unsigned long long)s->id, s->pid, s->uid, s->gid);
         dc_sbuf_json_str(b, s->client);
         dc_sbuf_puts(b, ",\"job\":");
-        dc_sbuf_json_str(b, s->job);
+        dc_sbuf_json_str(b, s->job_id);
         dc_sbuf_printf(b, ",\"hello\":%s,\"steps\":%llu,\"steps_failed\":%llu,\"buffers\":%zu,"
                           "\"buffer_bytes\":%llu,\"busy\":%s,\"connected_s\":%.3f,\"idle_s\":",
                        s->hello ? "true" : "false", (unsigned long long)s->steps,
@@ -268,14 +270,14 @@ static void render_status(const dc_report *r, dc_view view, uint32_t uid, dc_sbu
         if (!s->hello || !shown(view, uid, s->uid)) continue;
         for (size_t k = 0; k < i && !seen; k++)
             seen = r->sessions[k].hello && r->sessions[k].uid == s->uid &&
-                   strcmp(r->sessions[k].job, s->job) == 0;
+                   strcmp(r->sessions[k].job_id, s->job_id) == 0;
         if (seen) continue; /* listed with its first session */
         dc_sbuf_printf(b, "%s{\"kind\":\"job\",\"uid\":%u,\"job\":", first ? "" : ",", s->uid);
-        dc_sbuf_json_str(b, s->job);
+        dc_sbuf_json_str(b, s->job_id);
         dc_sbuf_puts(b, ",\"sessions\":[");
         for (size_t k = i; k < r->n_sessions; k++) {
             const dc_report_session *t = &r->sessions[k];
-            if (!t->hello || t->uid != s->uid || strcmp(t->job, s->job) != 0) continue;
+            if (!t->hello || t->uid != s->uid || strcmp(t->job_id, s->job_id) != 0) continue;
             dc_sbuf_printf(b, "%s%llu", first_id ? "" : ",", (unsigned long long)t->id);
             steps += t->steps;
             busy += t->busy;
@@ -317,27 +319,27 @@ static void render_status(const dc_report *r, dc_view view, uint32_t uid, dc_sbu
                       "\"n_jobs\":%zu,\"jobs\":[",
                    r->persistent ? "true" : "false", r->delta, r->budget_epsilon, r->budget_delta,
                    r->require_sample_rate ? "true" : "false", r->max_jobs_per_uid, r->job_idle_s,
-                   r->writes_in_flight, r->n_jobs);
+                   r->writes_in_flight, r->n_accounts);
     first = true;
-    for (size_t i = 0; i < r->n_jobs; i++) {
-        const dc_report_job *j = &r->jobs[i];
-        if (!shown(view, uid, j->uid)) continue;
-        dc_sbuf_printf(b, "%s{\"uid\":%u,\"job\":", first ? "" : ",", j->uid);
-        dc_sbuf_json_str(b, j->job);
+    for (size_t i = 0; i < r->n_accounts; i++) {
+        const dc_report_account *a = &r->accounts[i];
+        if (!shown(view, uid, a->uid)) continue;
+        dc_sbuf_printf(b, "%s{\"uid\":%u,\"job\":", first ? "" : ",", a->uid);
+        dc_sbuf_json_str(b, a->job_id);
         dc_sbuf_printf(b, ",\"sessions\":%d,\"steps\":%llu,\"shares\":%llu,\"epsilon\":",
-                       j->sessions, (unsigned long long)j->steps, (unsigned long long)j->shares);
-        dc_sbuf_json_num(b, j->eps);
+                       a->sessions, (unsigned long long)a->steps, (unsigned long long)a->shares);
+        dc_sbuf_json_num(b, a->eps);
         dc_sbuf_printf(b, ",\"epsilon_infinite\":%s,\"delta\":%.17g,\"best_order\":",
-                       isinf(j->eps) ? "true" : "false", j->delta);
-        dc_sbuf_json_num(b, j->best_order);
+                       isinf(a->eps) ? "true" : "false", a->delta);
+        dc_sbuf_json_num(b, a->best_order);
         dc_sbuf_printf(b, ",\"budget_epsilon\":%.17g,\"on_disk\":%s,\"insecure\":%s,"
                           "\"folded_steps\":%llu,\"history\":[",
-                       j->budget_eps, j->on_disk ? "true" : "false",
-                       j->insecure ? "true" : "false", (unsigned long long)j->folded_steps);
-        for (size_t k = 0; k < j->n_hist; k++)
+                       a->budget_eps, a->on_disk ? "true" : "false",
+                       a->insecure ? "true" : "false", (unsigned long long)a->folded_steps);
+        for (size_t k = 0; k < a->n_hist; k++)
             dc_sbuf_printf(b, "%s{\"sample_rate\":%.17g,\"noise_multiplier\":%.17g,\"steps\":%llu}",
-                           k ? "," : "", j->hist[k].q, j->hist[k].sigma,
-                           (unsigned long long)j->hist[k].steps);
+                           k ? "," : "", a->hist[k].q, a->hist[k].sigma,
+                           (unsigned long long)a->hist[k].steps);
         dc_sbuf_puts(b, "]}");
         first = false;
     }
@@ -369,17 +371,18 @@ static void gauge(dc_sbuf *b, const char *name, const char *help, double v) {
     dc_sbuf_puts(b, "\n");
 }
 
-/* One gauge sample per ledger job the caller may see, labelled uid and job. */
-static void job_gauge(dc_sbuf *b, const dc_report *r, dc_view view, uint32_t uid,
-                      const char *name, const char *help, int which) {
+/* One gauge sample per ledger account the caller may see, labelled uid and
+ * job (its job id). */
+static void account_gauge(dc_sbuf *b, const dc_report *r, dc_view view, uint32_t uid,
+                          const char *name, const char *help, int which) {
     dc_prom_head(b, name, "gauge", help);
-    for (size_t i = 0; i < r->n_jobs; i++) {
-        const dc_report_job *j = &r->jobs[i];
-        double v = which == 0 ? j->eps : which == 1 ? (double)j->steps : which == 2 ? j->delta
-                                                                                    : j->budget_eps;
-        if (!shown(view, uid, j->uid) || (which == 3 && j->budget_eps <= 0)) continue;
-        dc_sbuf_printf(b, "%s{uid=\"%u\",job=", name, j->uid);
-        dc_sbuf_prom_str(b, j->job);
+    for (size_t i = 0; i < r->n_accounts; i++) {
+        const dc_report_account *a = &r->accounts[i];
+        double v = which == 0 ? a->eps : which == 1 ? (double)a->steps : which == 2 ? a->delta
+                                                                                    : a->budget_eps;
+        if (!shown(view, uid, a->uid) || (which == 3 && a->budget_eps <= 0)) continue;
+        dc_sbuf_printf(b, "%s{uid=\"%u\",job=", name, a->uid);
+        dc_sbuf_prom_str(b, a->job_id);
         dc_sbuf_puts(b, "} ");
         dc_sbuf_prom_num(b, v);
         dc_sbuf_puts(b, "\n");
@@ -472,7 +475,7 @@ static void render_metrics(const dc_report *r, dc_view view, uint32_t uid, dc_sb
           (double)r->busy_sessions);
     gauge(b, "dpclip_buffers", "Registered buffers", (double)r->buffers);
     gauge(b, "dpclip_buffer_bytes", "Bytes of registered buffers", (double)r->buffer_bytes);
-    dc_prom_head(b, "dpclip_queue_depth", "gauge", "Jobs submitted to a worker pool, not done");
+    dc_prom_head(b, "dpclip_queue_depth", "gauge", "Tasks submitted to a worker pool, not done");
     dc_sbuf_printf(b, "dpclip_queue_depth{pool=\"cpu\"} %d\n", r->cpu_busy);
     for (int i = 0; i < r->n_gpus; i++)
         dc_sbuf_printf(b, "dpclip_queue_depth{pool=\"cuda:%d\"} %d\n", i, r->gpu_busy[i]);
@@ -482,12 +485,16 @@ static void render_metrics(const dc_report *r, dc_view view, uint32_t uid, dc_sb
                        (unsigned long long)r->gpu_workspace[i]);
     gauge(b, "dpclip_mps_active", "1 when the CUDA MPS control daemon serves this node",
           r->mps_active ? 1 : 0);
-    gauge(b, "dpclip_ledger_jobs", "Jobs in the privacy ledger (in memory)", (double)r->n_jobs);
+    gauge(b, "dpclip_ledger_jobs", "Job accounts in the privacy ledger (in memory)",
+          (double)r->n_accounts);
     if (view == DC_VIEW_AGGREGATE) return;
-    job_gauge(b, r, view, uid, "dpclip_job_epsilon", "Epsilon a job has spent, at dpclip_job_delta", 0);
-    job_gauge(b, r, view, uid, "dpclip_job_steps", "Steps a job has spent", 1);
-    job_gauge(b, r, view, uid, "dpclip_job_delta", "Delta at which a job's epsilon is reported", 2);
-    job_gauge(b, r, view, uid, "dpclip_job_budget_epsilon", "A job's own budget, where it set one", 3);
+    account_gauge(b, r, view, uid, "dpclip_job_epsilon",
+                  "Epsilon a job has spent, at dpclip_job_delta", 0);
+    account_gauge(b, r, view, uid, "dpclip_job_steps", "Steps a job has spent", 1);
+    account_gauge(b, r, view, uid, "dpclip_job_delta",
+                  "Delta at which a job's epsilon is reported", 2);
+    account_gauge(b, r, view, uid, "dpclip_job_budget_epsilon",
+                  "A job's own budget, where it set one", 3);
 }
 
 void dc_report_status(const dc_report *r, dc_view view, uint32_t uid, dc_sbuf *b) {

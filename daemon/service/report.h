@@ -8,7 +8,7 @@
  *     status.ops_group on the Unix socket: everything.
  *   - DC_VIEW_OWN: any other caller on the Unix socket: the daemon's own
  *     state and node-wide counters, and only its own uid's sessions, groups
- *     and ledger jobs (client names, pids, job ids and epsilons of other
+ *     and ledger accounts (client names, pids, job ids and epsilons of other
  *     users stay hidden).
  *   - DC_VIEW_AGGREGATE: TCP callers (127.0.0.1 cannot tell users apart):
  *     node-wide counts only, no session, job or per-job series.
@@ -35,7 +35,7 @@ typedef struct dc_report_session {
     uint64_t id;
     int pid;
     uint32_t uid, gid;
-    char client[64], job[64];
+    char client[64], job_id[64];
     bool hello, busy;
     uint64_t steps, steps_failed;
     size_t buffers;
@@ -43,16 +43,16 @@ typedef struct dc_report_session {
     double connected_s, idle_s;   /* idle_s NaN: no step yet */
 } dc_report_session;
 
-typedef struct dc_report_job {
+typedef struct dc_report_account {
     uint32_t uid;
-    char job[DC_LEDGER_JOB_MAX];
+    char job_id[DC_LEDGER_JOB_ID_MAX];
     int sessions;
     uint64_t steps, shares, folded_steps;
     double eps, delta, best_order, budget_eps;
     bool on_disk, insecure;
     size_t n_hist;
     struct { double q, sigma; uint64_t steps; } hist[DC_LEDGER_HIST_MAX];
-} dc_report_job;
+} dc_report_account;
 
 typedef struct dc_report {
     /* the daemon */
@@ -80,11 +80,11 @@ typedef struct dc_report {
     double delta, budget_epsilon, budget_delta;
     uint32_t max_jobs_per_uid, job_idle_s;
     int writes_in_flight;
-    /* sessions, ledger jobs, counters */
+    /* sessions, ledger accounts, counters */
     dc_report_session *sessions;
     size_t n_sessions;
-    dc_report_job *jobs;
-    size_t n_jobs;
+    dc_report_account *accounts;
+    size_t n_accounts;
     uint64_t buffers, buffer_bytes, busy_sessions;
     dc_metrics metrics;
     /* norm groups */

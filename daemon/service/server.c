@@ -294,7 +294,7 @@ uint64_t dc_server_poll_margin(uint64_t ahead_ns) {
 static void post_status(dc_server *srv) {
     dc_sd_status("%zu sessions, %llu steps (%llu failed), %zu jobs in the ledger%s",
                  srv->n_sessions, (unsigned long long)srv->metrics.steps_ok,
-                 (unsigned long long)srv->metrics.steps_failed, srv->ledger.n_jobs,
+                 (unsigned long long)srv->metrics.steps_failed, srv->ledger.n_accounts,
                  srv->stopping ? ", stopping" : "");
 }
 

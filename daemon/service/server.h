@@ -61,7 +61,7 @@ typedef struct dc_server {
     uv_timer_t stop_timer;        /* forces sessions closed if they never drain */
     uv_timer_t tick;              /* watchdog keep-alive and STATUS= */
     /* Polling windows (dc_server_poll): while `spin` is active the loop
-     * polls until spin_any_to, or while jobs are in flight until spin_busy_to.
+     * polls until spin_any_to, or while tasks are in flight until spin_busy_to.
      * One later window waits on spin_tfd, a timerfd precise to
      * microseconds (or, where none could be made, on spin_timer: libuv
      * timers have millisecond resolution). uv_hrtime ns. */
@@ -113,7 +113,7 @@ void dc_server_apply_config(dc_server *srv, const dc_config *cfg);
  * (it waits for a request). Overlapping windows merge. No-op when
  * daemon.spin_us is 0. */
 void dc_server_poll(dc_server *srv, uint64_t from_ns, uint64_t to_ns, bool idle);
-/* The next spin_ns (daemon.spin_us): after submitting a job (idle false)
+/* The next spin_ns (daemon.spin_us): after submitting a task (idle false)
  * or replying (idle true: a trainer's next request often follows within
  * microseconds). */
 void dc_server_spin(dc_server *srv, bool idle);

@@ -14,7 +14,7 @@ typedef struct worker_arg {
     int index;
 } worker_arg;
 
-/* Polls the lock-free counter until a job shows up or `end` passes. */
+/* Polls the lock-free counter until a task shows up or `end` passes. */
 static void worker_spin_until(dc_worker_pool *p, uint64_t end) {
     do {
         for (int i = 0; i < 64; i++)
@@ -24,7 +24,7 @@ static void worker_spin_until(dc_worker_pool *p, uint64_t end) {
 }
 
 /* With mu held and nothing queued: waits (polling or sleeping, releasing mu
- * meanwhile) until a job is queued, the pool stops, or the expectation
+ * meanwhile) until a task is queued, the pool stops, or the expectation
  * window changes. Returns with mu held. */
 static void worker_idle(dc_worker_pool *p, bool just_ran) {
     uint64_t now = dc_clock_ns();
@@ -53,7 +53,7 @@ static void worker_idle(dc_worker_pool *p, bool just_ran) {
     pthread_cond_wait(&p->cv, &p->mu);
 }
 
-/* When owner's last job started (0 = not remembered). */
+/* When owner's last task started (0 = not remembered). */
 static uint64_t owner_last(const dc_worker_pool *p, uint32_t owner) {
     for (int i = 0; i < DC_WORKER_OWNERS; i++)
         if (p->served[i].last && p->served[i].owner == owner) return p->served[i].last;
@@ -80,21 +80,21 @@ static void owner_served(dc_worker_pool *p, uint32_t owner) {
 
 static int owner_running(const dc_worker_pool *p, uint32_t owner) {
     int n = 0;
-    for (int i = 0; i < p->n; i++) n += p->has_job[i] && p->running[i] == owner;
+    for (int i = 0; i < p->n; i++) n += p->has_task[i] && p->running[i] == owner;
     return n;
 }
 
-/* Unlinks and returns the queued job to run next (the fair-sharing rule in
+/* Unlinks and returns the queued task to run next (the fair-sharing rule in
  * worker.h), with mu held and the queue not empty. */
-static dc_job *pick_job(dc_worker_pool *p) {
-    dc_job *best = NULL, *best_prev = NULL, *prev = NULL;
+static dc_task *pick_task(dc_worker_pool *p) {
+    dc_task *best = NULL, *best_prev = NULL, *prev = NULL;
     int best_run = 0;
     uint64_t best_last = 0;
-    for (dc_job *j = p->q_head; j; prev = j, j = j->next) {
-        int run = owner_running(p, j->owner);
-        uint64_t last = owner_last(p, j->owner);
+    for (dc_task *t = p->q_head; t; prev = t, t = t->next) {
+        int run = owner_running(p, t->owner);
+        uint64_t last = owner_last(p, t->owner);
         if (!best || run < best_run || (run == best_run && last < best_last)) {
-            best = j;
+            best = t;
             best_prev = prev;
             best_run = run;
             best_last = last;
@@ -121,22 +121,22 @@ static void *worker_main(void *arg) {
             just_ran = false;
         }
         if (!p->q_head) break; /* stopping and nothing queued */
-        dc_job *job = pick_job(p);
-        p->running[wa.index] = job->owner;
-        p->has_job[wa.index] = true;
+        dc_task *task = pick_task(p);
+        p->running[wa.index] = task->owner;
+        p->has_task[wa.index] = true;
         atomic_fetch_sub_explicit(&p->queued, 1, memory_order_relaxed);
-        /* The job a window waited for came: the window is spent. */
+        /* The task a window waited for came: the window is spent. */
         if (p->win_to && p->win_from <= dc_clock_ns()) p->win_from = p->win_to = 0;
         pthread_mutex_unlock(&p->mu);
 
-        job->work(job, p->backends[wa.index]);
+        task->work(task, p->backends[wa.index]);
 
         pthread_mutex_lock(&p->mu);
-        p->has_job[wa.index] = false;
-        job->next = NULL;
-        if (p->d_tail) p->d_tail->next = job;
-        else p->d_head = job;
-        p->d_tail = job;
+        p->has_task[wa.index] = false;
+        task->next = NULL;
+        if (p->d_tail) p->d_tail->next = task;
+        else p->d_head = task;
+        p->d_tail = task;
         just_ran = true;
         /* uv_async_send is the one libuv call that is safe from any thread. */
         uv_async_send(&p->async);
@@ -146,22 +146,22 @@ static void *worker_main(void *arg) {
 }
 
 static void pool_drain(dc_worker_pool *p) {
-    dc_job *list, *notices;
+    dc_task *list, *notices;
     pthread_mutex_lock(&p->mu);
     list = p->d_head;
     p->d_head = p->d_tail = NULL;
     notices = p->n_head;
     p->n_head = p->n_tail = NULL;
     pthread_mutex_unlock(&p->mu);
-    /* A job notifies before it finishes, so when both are here its notice
+    /* A task notifies before it finishes, so when both are here its notice
      * goes first. */
     while (notices) {
-        dc_job *next = notices->n_next;
+        dc_task *next = notices->n_next;
         notices->notice(notices);
         notices = next;
     }
     while (list) {
-        dc_job *next = list->next;
+        dc_task *next = list->next;
         p->busy--;
         list->done(list);
         list = next;
@@ -178,11 +178,11 @@ static void pool_release(dc_worker_pool *p, int n) {
     free(p->backends);
     free(p->threads);
     free(p->running);
-    free(p->has_job);
+    free(p->has_task);
     p->backends = NULL;
     p->threads = NULL;
     p->running = NULL;
-    p->has_job = NULL;
+    p->has_task = NULL;
 }
 
 int dc_worker_pool_init(dc_worker_pool *p, uv_loop_t *loop, const char *name, int n,
@@ -196,8 +196,8 @@ int dc_worker_pool_init(dc_worker_pool *p, uv_loop_t *loop, const char *name, in
     p->threads = calloc((size_t)n, sizeof *p->threads);
     p->backends = calloc((size_t)n, sizeof *p->backends);
     p->running = calloc((size_t)n, sizeof *p->running);
-    p->has_job = calloc((size_t)n, sizeof *p->has_job);
-    if (!p->threads || !p->backends || !p->running || !p->has_job) {
+    p->has_task = calloc((size_t)n, sizeof *p->has_task);
+    if (!p->threads || !p->backends || !p->running || !p->has_task) {
         rc = dc_err_set(err, DC_ENOSPACE, "", "out of memory");
         goto fail;
     }
@@ -248,25 +248,25 @@ fail:
     return rc;
 }
 
-void dc_worker_notify(dc_job *job) {
-    dc_worker_pool *p = job->pool;
+void dc_task_notify(dc_task *task) {
+    dc_worker_pool *p = task->pool;
     pthread_mutex_lock(&p->mu);
-    job->n_next = NULL;
-    if (p->n_tail) p->n_tail->n_next = job;
-    else p->n_head = job;
-    p->n_tail = job;
+    task->n_next = NULL;
+    if (p->n_tail) p->n_tail->n_next = task;
+    else p->n_head = task;
+    p->n_tail = task;
     uv_async_send(&p->async);
     pthread_mutex_unlock(&p->mu);
 }
 
-void dc_worker_pool_submit(dc_worker_pool *p, dc_job *job) {
-    job->next = NULL;
-    job->pool = p;
+void dc_worker_pool_submit(dc_worker_pool *p, dc_task *task) {
+    task->next = NULL;
+    task->pool = p;
     p->busy++;
     pthread_mutex_lock(&p->mu);
-    if (p->q_tail) p->q_tail->next = job;
-    else p->q_head = job;
-    p->q_tail = job;
+    if (p->q_tail) p->q_tail->next = task;
+    else p->q_head = task;
+    p->q_tail = task;
     atomic_fetch_add_explicit(&p->queued, 1, memory_order_release);
     pthread_cond_signal(&p->cv);
     pthread_mutex_unlock(&p->mu);

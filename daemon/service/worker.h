@@ -2,11 +2,11 @@
  *
  * A pool owns N threads, each with its own backend instance (scratch memory
  * is per backend, so workers never share it; for CUDA one pool of one worker
- * per GPU owns that GPU's context and streams). The loop thread submits jobs;
- * a worker runs job->work(job, backend); completed jobs are handed back to
- * the loop thread through a uv_async_t, which calls job->done(job) there.
+ * per GPU owns that GPU's context and streams). The loop thread submits tasks;
+ * a worker runs task->work(task, backend); completed tasks are handed back to
+ * the loop thread through a uv_async_t, which calls task->done(task) there.
  *
- * Ownership: the pool never owns jobs; the submitter keeps each job alive
+ * Ownership: the pool never owns tasks; the submitter keeps each task alive
  * until its done callback has run. */
 #ifndef DC_WORKER_H
 #define DC_WORKER_H
@@ -20,52 +20,55 @@
 #include "backend.h"
 
 typedef struct dc_worker_pool dc_worker_pool;
-typedef struct dc_job dc_job;
-struct dc_job {
-    dc_job *next;                              /* pool-internal queue link */
-    dc_job *n_next;                            /* pool-internal notice link */
-    dc_worker_pool *pool;                      /* set by dc_worker_pool_submit */
-    uint32_t owner;                            /* who the work is for (a uid); see below */
-    void (*work)(dc_job *job, dc_backend *be); /* on a worker thread */
-    /* Optional: on the loop thread, after work() called dc_worker_notify
+typedef struct dc_task dc_task;
+/* A task: one piece of work for a pool (a step or one of its phases, a
+ * GPU's handle to open or close, ...), embedded first in the submitter's own
+ * struct. Not a "job": that word is the user's privacy account (job id). */
+struct dc_task {
+    dc_task *next;                               /* pool-internal queue link */
+    dc_task *n_next;                             /* pool-internal notice link */
+    dc_worker_pool *pool;                        /* set by dc_worker_pool_submit */
+    uint32_t owner;                              /* who the work is for (a uid); see below */
+    void (*work)(dc_task *task, dc_backend *be); /* on a worker thread */
+    /* Optional: on the loop thread, after work() called dc_task_notify
      * and before done() (a step's "enqueued" notice). */
-    void (*notice)(dc_job *job);
-    void (*done)(dc_job *job);                 /* on the loop thread */
+    void (*notice)(dc_task *task);
+    void (*done)(dc_task *task);               /* on the loop thread */
 };
 
 /* Makes backend instance `index` for a worker; called on the creating thread. */
 typedef int (*dc_backend_factory)(void *arg, int index, dc_backend **out, dc_err *err);
 
-/* Fair sharing: a free worker takes, among the queued jobs, one whose owner
- * has the fewest jobs running now, and among those the owner served least
- * recently (then the oldest job). So owners are served in turn whatever
+/* Fair sharing: a free worker takes, among the queued tasks, one whose owner
+ * has the fewest tasks running now, and among those the owner served least
+ * recently (then the oldest task). So owners are served in turn whatever
  * they queue, and one owner's backlog does not hold back another's next
- * job; with limits.max_step_gflop bounding each job, a newcomer waits at
- * most about one job per worker. Owners are remembered in a small table
+ * task; with limits.max_step_gflop bounding each task, a newcomer waits at
+ * most about one task per worker. Owners are remembered in a small table
  * (DC_WORKER_OWNERS); one forgotten counts as never served. */
 #define DC_WORKER_OWNERS 64
 
 struct dc_worker_pool {
-    uv_async_t async;        /* wakes the loop when jobs complete */
+    uv_async_t async;        /* wakes the loop when tasks complete */
     pthread_mutex_t mu;
     pthread_cond_t cv;
-    dc_job *q_head, *q_tail; /* waiting to run */
-    dc_job *d_head, *d_tail; /* finished, waiting for done() */
-    dc_job *n_head, *n_tail; /* notified, waiting for notice() */
+    dc_task *q_head, *q_tail; /* waiting to run */
+    dc_task *d_head, *d_tail; /* finished, waiting for done() */
+    dc_task *n_head, *n_tail; /* notified, waiting for notice() */
     bool stopping;
-    atomic_uint queued;      /* jobs waiting: workers spin on it lock-free */
+    atomic_uint queued;      /* tasks waiting: workers spin on it lock-free */
     uint64_t spin_ns;        /* how long an idle worker polls before sleeping */
-    /* A window (CLOCK_MONOTONIC ns, under mu) in which a job is expected: an
+    /* A window (CLOCK_MONOTONIC ns, under mu) in which a task is expected: an
      * idle worker sleeps until win_from, then polls until win_to. */
     uint64_t win_from, win_to;
     int n;
-    int busy;                /* jobs submitted and not yet done() */
-    uint32_t *running;       /* [n] owner of each worker's job (under mu) */
-    bool *has_job;           /* [n] */
-    uint64_t served_seq;     /* jobs started, the clock of `served` */
+    int busy;                /* tasks submitted and not yet done() */
+    uint32_t *running;       /* [n] owner of each worker's task (under mu) */
+    bool *has_task;          /* [n] */
+    uint64_t served_seq;     /* tasks started, the clock of `served` */
     struct {
         uint32_t owner;
-        uint64_t last;       /* served_seq when its last job started; 0 = free slot */
+        uint64_t last;       /* served_seq when its last task started; 0 = free slot */
     } served[DC_WORKER_OWNERS];
     pthread_t *threads;
     dc_backend **backends;
@@ -79,24 +82,24 @@ struct dc_worker_pool {
 
 int dc_worker_pool_init(dc_worker_pool *p, uv_loop_t *loop, const char *name, int n,
                         dc_backend_factory factory, void *factory_arg, dc_err *err);
-void dc_worker_pool_submit(dc_worker_pool *p, dc_job *job);
-/* From job->work on the worker thread: have job->notice run on the loop
- * thread soon (before job->done). At most once per job. */
-void dc_worker_notify(dc_job *job);
-/* An idle worker polls for new jobs this long before sleeping on the
+void dc_worker_pool_submit(dc_worker_pool *p, dc_task *task);
+/* From task->work on the worker thread: have task->notice run on the loop
+ * thread soon (before task->done). At most once per task. */
+void dc_task_notify(dc_task *task);
+/* An idle worker polls for new tasks this long before sleeping on the
  * condition variable: waking a sleeping thread on an idle core costs tens of
  * microseconds on many machines (VMs especially), more than a small step.
  * Set before submitting; 0 disables. */
 void dc_worker_pool_set_spin(dc_worker_pool *p, uint64_t spin_ns);
-/* A job is expected between from_ns and to_ns (CLOCK_MONOTONIC, the clock
- * of uv_hrtime): an idle worker is awake and polling then, so the job does
+/* A task is expected between from_ns and to_ns (CLOCK_MONOTONIC, the clock
+ * of uv_hrtime): an idle worker is awake and polling then, so the task does
  * not pay a sleeping thread's wake-up (the same cost as above) when it
  * comes. Windows merge (earliest start, latest end); a window already past
  * is ignored. Any thread. */
 void dc_worker_pool_expect(dc_worker_pool *p, uint64_t from_ns, uint64_t to_ns);
-/* Jobs submitted and not completed yet (loop thread only). */
+/* Tasks submitted and not completed yet (loop thread only). */
 int dc_worker_pool_busy(const dc_worker_pool *p);
-/* Stops the threads after the queued jobs ran, runs the remaining done()
+/* Stops the threads after the queued tasks ran, runs the remaining done()
  * callbacks, destroys the backends and closes the async handle (the pool
  * memory must stay valid until the loop has processed the close: p->closed
  * says when). */

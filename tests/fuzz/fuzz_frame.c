@@ -1,6 +1,6 @@
 /* libFuzzer target: request frames into a real session, in process: frame
  * reading and decoding (daemon/protocol/frame.c), dispatch (session.c), the step
- * cache's fast path (wire.c, session_step.c), validation, the ledger and the
+ * cache's fast path (peek.c, session_step.c), validation, the ledger and the
  * CPU backend.
  *
  * One server for the whole run (dc_server_init on a socket in a temporary
@@ -18,7 +18,7 @@
  *     indices, ...), else zeros.
  *
  * Oracles, besides the sanitizers (a failure aborts: a crash for libFuzzer):
- *   - every frame the cache's fast path would take (dc_wire_step_key)
+ *   - every frame the cache's fast path would take (dc_peek_step_key)
  *     decodes, with protobuf-c, to the id it read and to the same ClipStep
  *     as its clip_step field alone, or fails to decode in both forms;
  *   - one reply per frame, in order, with the id protobuf-c decodes from the
@@ -36,8 +36,8 @@
 
 #include "dc_frame.h"
 #include "dpclip.pb-c.h"
+#include "peek.h"
 #include "server.h"
-#include "wire.h"
 
 #define FZ_NO_PREAMBLE 0x01u
 #define FZ_FILL 0x02u
@@ -246,7 +246,7 @@ static void fz_check_wire(const uint8_t *p, size_t n, const Dpclip__Request *req
     Dpclip__Request *alone;
     uint8_t *a, *b;
 
-    if (!dc_wire_step_key(p, n, &id, &k)) return;
+    if (!dc_peek_step_key(p, n, &id, &k)) return;
     if (k >= n || p[k] != DC_WIRE_TAG_CLIP_STEP) fz_fail("the key is not a clip_step field", frame);
     alone = dpclip__request__unpack(NULL, n - k, p + k);
     if (!req != !alone) fz_fail("the key decodes alone but not in its frame, or back", frame);

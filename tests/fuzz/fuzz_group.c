@@ -318,10 +318,10 @@ static void fg_settle(void) {
                 fprintf(stderr,
                         "  session %llu: gone %d closing %d step in flight %s (group step %llu "
                         "of group %llu, logical step %llu) group %s\n",
-                        (unsigned long long)s->id, s->gone, s->closing, s->job ? "yes" : "no",
-                        s->job ? (unsigned long long)s->job->group_step : 0ull,
-                        s->job ? (unsigned long long)s->job->group_id : 0ull,
-                        s->job ? (unsigned long long)s->job->params.logical_id : 0ull,
+                        (unsigned long long)s->id, s->gone, s->closing, s->call ? "yes" : "no",
+                        s->call ? (unsigned long long)s->call->group_step : 0ull,
+                        s->call ? (unsigned long long)s->call->group_id : 0ull,
+                        s->call ? (unsigned long long)s->call->params.logical_id : 0ull,
                         s->group ? "joined" : "none");
             abort();
         }

@@ -9,8 +9,8 @@
  * decodes, with that id, exactly when the same field decoded before (under
  * any id), to the same ClipStep. Every other frame (fields in another order,
  * a second id, trailing fields, a varint protobuf-c refuses) is decoded. */
-#ifndef DC_WIRE_H
-#define DC_WIRE_H
+#ifndef DC_PEEK_H
+#define DC_PEEK_H
 
 #include <stddef.h>
 #include <stdint.h>
@@ -31,6 +31,6 @@ typedef enum dc_wire_tag {
  * it decodes to (0 when absent, as proto3 has it) and *key_off where the
  * clip_step field starts (the cache's key runs from there to the end).
  * 0 otherwise. */
-int dc_wire_step_key(const uint8_t *payload, size_t n, uint64_t *id, size_t *key_off);
+int dc_peek_step_key(const uint8_t *payload, size_t n, uint64_t *id, size_t *key_off);
 
 #endif

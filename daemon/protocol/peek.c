@@ -1,11 +1,11 @@
-/* See wire.h. The fuzz target tests/fuzz/fuzz_frame.c checks every frame
+/* See peek.h. The fuzz target tests/fuzz/fuzz_frame.c checks every frame
  * this accepts against protobuf-c's own decoding. */
-#include "wire.h"
+#include "peek.h"
 
 /* A varint of at most max bytes at p[0, n): its length, with its value in
  * *v (bits past 64 dropped, as protobuf-c's parse_uint64 does), or 0 when it
  * does not end within them. */
-static size_t wire_varint(const uint8_t *p, size_t n, size_t max, uint64_t *v) {
+static size_t peek_varint(const uint8_t *p, size_t n, size_t max, uint64_t *v) {
     uint64_t x = 0;
     for (size_t i = 0; i < n && i < max; i++) {
         x |= (uint64_t)(p[i] & 0x7f) << (7 * i);
@@ -17,17 +17,17 @@ static size_t wire_varint(const uint8_t *p, size_t n, size_t max, uint64_t *v) {
     return 0;
 }
 
-int dc_wire_step_key(const uint8_t *payload, size_t n, uint64_t *id, size_t *key_off) {
+int dc_peek_step_key(const uint8_t *payload, size_t n, uint64_t *id, size_t *key_off) {
     size_t k = 0, m;
     uint64_t len;
 
     *id = 0;
     if (n && payload[0] == DC_WIRE_TAG_ID) {
-        if (!(m = wire_varint(payload + 1, n - 1, DC_WIRE_VARINT_MAX, id))) return 0;
+        if (!(m = peek_varint(payload + 1, n - 1, DC_WIRE_VARINT_MAX, id))) return 0;
         k = 1 + m;
     }
     if (k >= n || payload[k] != DC_WIRE_TAG_CLIP_STEP) return 0;
-    m = wire_varint(payload + k + 1, n - k - 1, DC_WIRE_LENGTH_MAX, &len);
+    m = peek_varint(payload + k + 1, n - k - 1, DC_WIRE_LENGTH_MAX, &len);
     /* the body is the frame's last byte range: no field may follow it */
     if (!m || len != n - k - 1 - m) return 0;
     *key_off = k;

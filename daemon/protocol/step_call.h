@@ -1,9 +1,10 @@
-/* A ClipStep from request to reply: what its stages read and fill. The
+/* A step call: one ClipStep from request to reply, what its stages read and
+ * fill (dc_step_call; its work on a worker is the dc_task it embeds). The
  * session (session_step.c) drives the chain; each stage fills its part of
- * the job and returns, and the session decides what comes next. In data-path
+ * the call and returns, and the session decides what comes next. In data-path
  * order (docs/daemon.md, "A step, top to bottom"):
  *   frame.c          the frame decoded (session.c hands a ClipStep on);
- *   step_validate.c  the request's fields, device and events: j->step;
+ *   step_validate.c  the request's fields, device and events: sc->step;
  *   session_group.c  a norm group's terms for the step;
  *   step_account.c   the privacy ledger: the terms, the charge, durability;
  *   step_run.c       on a worker: norms, coefficients, clipped sum and
@@ -14,8 +15,8 @@
  *   step_reply.c     the reply and the step's metrics.
  *
  * Loop thread, except where a field says a worker writes it. */
-#ifndef DC_STEP_JOB_H
-#define DC_STEP_JOB_H
+#ifndef DC_STEP_CALL_H
+#define DC_STEP_CALL_H
 
 #include <stdbool.h>
 #include <stdint.h>
@@ -28,11 +29,11 @@
 #include "worker.h"
 
 typedef struct dc_session dc_session;
-typedef struct dc_step_job dc_step_job;
+typedef struct dc_step_call dc_step_call;
 
 /* The session's continuation after a stage that waited (on the loop): rc 0
  * to go on, else err says why the step is refused. */
-typedef void (*dc_step_cb)(dc_step_job *j, int rc, const dc_err *err);
+typedef void (*dc_step_cb)(dc_step_call *sc, int rc, const dc_err *err);
 
 /* An interprocess CUDA event a session registered (session_gpu.c), which its
  * steps may wait on (their inputs) or signal (their outputs). */
@@ -71,7 +72,7 @@ struct dc_step_params {
  * the loop's work instead of following it. Harmless if the step is then
  * refused: the daemon's stream only waits for the client's own work. */
 struct dc_prewait {
-    dc_job job;
+    dc_task task;
     dc_session *s;
     void *event;           /* cudaEvent_t of the session's plan */
     uint64_t t_frame;      /* the frame it was issued for */
@@ -80,10 +81,10 @@ struct dc_prewait {
     dc_err err;
 };
 
-/* A step from request to reply. Owned by the session (s->job) from the
+/* A step from request to reply. Owned by the session (s->call) from the
  * moment it is accepted until dc_session_step_done has replied. */
-struct dc_step_job {
-    dc_job job;
+struct dc_step_call {
+    dc_task task;
     dc_session *s;
     uint64_t req_id;
     struct dc_step_params params; /* as the request gave them */
@@ -101,11 +102,12 @@ struct dc_step_job {
     dc_step_result res;
     dc_err err;
     int rc;
-    /* Privacy accounting: the step's spend in the session's job, reserved
-     * (and, with a persistent ledger, on disk) before the step may run. */
-    dc_ledger_job *ljob;
+    /* Privacy accounting: the step's spend in the session's account,
+     * reserved (and, with a persistent ledger, on disk) before the step may
+     * run. */
+    dc_ledger_account *account;
     double q, sigma;       /* as recorded in the ledger */
-    double eps, delta;     /* the job's eps with this step, at its delta */
+    double eps, delta;     /* the account's eps with this step, at its delta */
     dc_ledger_waiter wait; /* for the curve, then for the spend to be durable */
     bool waiting_sync;     /* inside the persist call: its outcome is handled there */
     bool sync_done;        /* ... and came within it */
@@ -129,7 +131,7 @@ struct dc_step_job {
     size_t *pass_at;       /* a sums step: each layer's index in its pass (step_pass.h) */
     bool pass_reserved;    /* a norm pass: the session's pass bytes are its reservation */
     dc_group_waiter gw;
-    dc_step_job *fuse_next; /* the next member of a fused group step (rank order) */
+    dc_step_call *fuse_next; /* the next member of a fused group step (rank order) */
     uint64_t group_wait_ns, group_exchange_ns; /* for the reply */
 };
 
