@@ -40,7 +40,7 @@
 #include "step.h"
 
 /* gpu.sample_grads_max = auto, its default: each GPU backend may keep
- * per-sample gradients (cuda/dc_cuda.h) in up to 1/DC_SAMPLE_GRADS_PARTS of
+ * per-sample gradients (cuda/backend/dc_cuda.h) in up to 1/DC_SAMPLE_GRADS_PARTS of
  * its device's memory, so that the cap scales with the GPU (10 GiB of an
  * 80 GB H100, 17 of an H200, 3 of a 24 GB card) where a fixed size would
  * be too much on a small one or leave a large one's last layers unkept.
