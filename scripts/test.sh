@@ -23,7 +23,7 @@ if [ -z "$lint" ] && command -v flake8 >/dev/null 2>&1; then
     lint=flake8
 fi
 if [ -n "$lint" ]; then
-    $lint python bench examples || { echo "lint: FAILED (flake8's findings above)" >&2; exit 1; }
+    $lint python bench examples scripts tests/*.py || { echo "lint: FAILED (flake8's findings above)" >&2; exit 1; }
     echo "lint: OK (flake8 $($lint --version | head -n 1 | cut -d" " -f1))"
 else
     echo "lint: SKIPPED (flake8 not installed)"

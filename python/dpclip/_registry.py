@@ -297,8 +297,8 @@ def layers_for(engine: Any, name: str, m: nn.Module) -> Optional[List[_Layer]]:
         if w.dim() != 1:
             raise UnsupportedModuleError(
                 "module %s is registered as a %s with weight=%r of shape %s: a norm over the "
-                "last dimension has a 1-D weight" % (_label(name, m), reg["kind"], reg["weight"],
-                                                    tuple(w.shape)))
+                "last dimension has a 1-D weight"
+                % (_label(name, m), reg["kind"], reg["weight"], tuple(w.shape)))
         if isinstance(reg["eps"], str) and not isinstance(getattr(m, reg["eps"], None),
                                                           (float, int)):
             raise UnsupportedModuleError(
@@ -334,8 +334,9 @@ def unsupported(name: str, m: nn.Module, params: List[str]) -> UnsupportedModule
         hint = ("if it is a norm over the last dimension, register it: dpclip.torch.register(%s, "
                 "kind='rmsnorm' or 'layernorm', weight=..., eps=...); else freeze them"
                 % type(m).__name__)
+    kinds = ", ".join(what for what, _ in supported_layers()
+                      if not what.startswith(("norms registered", "subclasses")))
     return UnsupportedModuleError(
         "module %s has trainable parameters (%s) but is not supported by dpclip (supported: "
-        "Linear, Embedding, LayerNorm%s, Conv1d, Conv2d, GroupNorm, transformers' Conv1D, "
-        "registered norms); %s" % (_label(name, m), ", ".join(params),
-                                   ", RMSNorm" if _RMSNorm else "", hint))
+        "%s, and registered norms and subclasses: dpclip.torch.supported_layers()); %s"
+        % (_label(name, m), ", ".join(params), kinds, hint))

@@ -11,17 +11,18 @@
         optimizer.step()         # one ClipStep to the daemon fills param.grad, then the update
 
 Book-keeping: the forward of every supported module (supported_layers()
-lists them) is replaced by a custom autograd.Function whose backward computes the input gradient only:
-autograd never runs the weight-gradient GEMMs. Instead each module's input
-(activation) and output gradient are kept, and at optimizer.step() the engine
-sends the daemon one ClipStep naming all of them; the daemon computes the
-per-sample norms, clips, sums, adds N(0, (sigma*C)^2) and writes the private
-gradient, which lands in param.grad (divided by the expected batch size with
-a mean loss). A subclass of one of these with a forward of its own is
-trained only where registered as kind="subclass" (dpclip._registry), and
-every module dpclip trains is checked against autograd through its own
-code on the first step (dpclip._verify). Fail closed: step() refuses a
-gradient the daemon did not compute (dpclip._guard).
+lists them) is replaced by a custom autograd.Function whose backward
+computes the input gradient only: autograd never runs the weight-gradient
+GEMMs. Instead each module's input (activation) and output gradient are
+kept, and at optimizer.step() the engine sends the daemon one ClipStep
+naming all of them; the daemon computes the per-sample norms, clips, sums,
+adds N(0, (sigma*C)^2) and writes the private gradient, which lands in
+param.grad (divided by the expected batch size with a mean loss). A subclass
+of one of these with a forward of its own is trained only where registered
+as kind="subclass" (dpclip._registry), and every module dpclip trains is
+checked against autograd through its own code on the first step
+(dpclip._verify). Fail closed: step() refuses a gradient the daemon did not
+compute (dpclip._guard).
 
 The engine is this module; dpclip._planner lays out each step, and the
 transports move the tensors: dpclip._host (CPU tensors, through one
