@@ -122,6 +122,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 from bench_accumulate import DeviceMemory  # noqa: E402
 from bench_torch_step import GPT, peak_mb, reset_peak, sync, token_batch  # noqa: E402
+from dpclip.pipeline import schedule  # noqa: E402
 from dpclip.torch import PrivacyEngine  # noqa: E402
 
 LAYOUTS = {"pipeline": (1, 2), "ddp": (None, 1), "ddp_pipeline": (2, 2)}  # (replicas, stages)
@@ -200,24 +201,6 @@ class Rank:
             y[self.replica * n:(self.replica + 1) * n]
 
 
-def schedule(kind, stage, m):
-    """This stage's order of forwards ("F", i) and backwards ("B", i) of m
-    micro-batches over 2 stages (examples/train_pipeline.py's): 1F1B
-    (stage 0 one forward ahead, then a forward and a backward in turn) or
-    GPipe (every forward, then every backward, the last micro-batch's
-    first)."""
-    if kind == "gpipe":
-        return [("F", i) for i in range(m)] + [("B", i) for i in reversed(range(m))]
-    warm = min(m, 1 - stage)
-    ops, f = [("F", i) for i in range(warm)], warm
-    for b in range(m):
-        if f < m:
-            ops.append(("F", f))
-            f += 1
-        ops.append(("B", b))
-    return ops
-
-
 class Link:
     """One logical step's transfers with the other stage of the pipeline:
     isend (waited for at finish) and recv. NCCL runs a communicator's sends
@@ -254,7 +237,7 @@ def make_step(c, model, opt, amp, divide):
     over M (plain accumulation; dpclip's daemon divides the logical step's
     clipped sum by the expected logical batch instead)."""
     a, B, M = c.args, c.args.batch, c.args.microbatches
-    ops = schedule(a.schedule, c.stage, M)
+    ops = schedule(a.schedule, 2, c.stage, M)
 
     def rows(i):
         return slice(i * B, (i + 1) * B)

@@ -58,6 +58,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(HERE), "python"))  # run from a 
 sys.path.insert(0, HERE)
 
 # dpclip first: without torch it says which python3 has it
+from dpclip.pipeline import schedule  # noqa: E402
 from dpclip.torch import PrivacyEngine, sequence_cross_entropy  # noqa: E402
 from dpclip.data import DPDataLoader  # noqa: E402
 from train_transformer import Block, Windows, load_corpus  # noqa: E402
@@ -192,23 +193,6 @@ def train(rank, args, socket_path):
     engine.close()
 
 
-def schedule(kind, stage, m):
-    """This stage's order of forwards ("F", i) and backwards ("B", i) of m
-    micro-batches over 2 stages: 1F1B (stage 0 one forward ahead, then a
-    forward and a backward in turn) or GPipe (every forward, then every
-    backward, the last micro-batch's first)."""
-    if kind == "gpipe":
-        return [("F", i) for i in range(m)] + [("B", i) for i in reversed(range(m))]
-    warm = min(m, 1 - stage)
-    ops, f = [("F", i) for i in range(warm)], warm
-    for b in range(m):
-        if f < m:
-            ops.append(("F", f))
-            f += 1
-        ops.append(("B", b))
-    return ops
-
-
 def run_schedule(stage, rank, args, x, y, sizes):
     """One logical batch's micro-batches through this stage in the
     schedule's order; (stage 1: the sum of the micro-batches' mean losses
@@ -216,7 +200,7 @@ def run_schedule(stage, rank, args, x, y, sizes):
     at = [sum(sizes[:i]) for i in range(len(sizes) + 1)]
     sends, outs, ins, losses = [], {}, {}, {}
     total = 0.0
-    for op, i in schedule(args.schedule, rank, len(sizes)):
+    for op, i in schedule(args.schedule, 2, rank, len(sizes)):
         part = slice(at[i], at[i + 1])
         if rank == 0 and op == "F":
             outs[i] = stage(x[part])

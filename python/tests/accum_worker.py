@@ -14,6 +14,7 @@ import warnings
 import torch
 import torch.distributed as dist
 
+from dpclip.pipeline import schedule
 from dpclip.torch import PrivacyEngine, reduce_loss
 from models import SeqModel, per_sample_losses, pipeline_model
 
@@ -51,23 +52,6 @@ def _links(layout):
     if layout != "two_gpus":
         return None
     return dist.new_group([0, 1]), dist.new_group([0, 1])
-
-
-def schedule(kind, stages, stage, m):
-    """This stage's order of forwards ("F", i) and backwards ("B", i) of m
-    micro-batches: GPipe (every forward, then the backwards in reverse) or
-    1F1B (stages - stage - 1 forwards to warm up, then one forward and one
-    backward in turn, then the backwards left)."""
-    if kind == "gpipe":
-        return [("F", i) for i in range(m)] + [("B", i) for i in reversed(range(m))]
-    warm = min(m, stages - stage - 1)
-    ops, f = [("F", i) for i in range(warm)], warm
-    for b in range(m):
-        if f < m:
-            ops.append(("F", f))
-            f += 1
-        ops.append(("B", b))
-    return ops
 
 
 def pipeline_step(stage_mod, opt, rank, x, y, sizes, kind, d=16, commit=True, links=None):

@@ -17,7 +17,8 @@ import torch
 import torch.multiprocessing as mp
 
 from dpclip.torch import PrivacyEngine
-from accum_worker import run_data_parallel, run_dropped, run_schedule, schedule
+from accum_worker import run_data_parallel, run_dropped, run_schedule
+from dpclip.pipeline import schedule
 from models import pipeline_model, reference, seq_data, SeqModel
 
 EXPECTED = 14  # the logical batch's expected size (the batch is 12)
@@ -45,6 +46,11 @@ def test_schedules():
                                          ("B", 2), ("F", 3), ("B", 3)]
     assert schedule("gpipe", 2, 0, 3) == [("F", 0), ("F", 1), ("F", 2), ("B", 2), ("B", 1),
                                           ("B", 0)]
+    assert schedule("1f1b", 3, 0, 3) == [("F", 0), ("F", 1), ("F", 2), ("B", 0), ("B", 1),
+                                         ("B", 2)]  # stages - stage - 1 = 2 to warm up
+    for bad in (("zb", 2, 0, 4), ("1f1b", 2, 2, 4), ("gpipe", 2, 0, -1)):
+        with pytest.raises(ValueError):
+            schedule(*bad)
 
 
 @pytest.mark.parametrize("kind", ["1f1b", "gpipe"])
