@@ -52,7 +52,7 @@
  *   amax_found        outputs whose max |.| the grouped clipped sum's
  *                     epilogue found (the output check does not read them).
  *   kept_layers       layers whose per-sample gradients the norms kept
- *                     (cuda/sgrad.cu): their clipped sum is a pass over them,
+ *                     (cuda/kernels/sgrad.cu): their clipped sum is a pass over them,
  *                     timed as the phase "kept" (after "check"), which
  *                     clipped_over_gemm counts with "clipped"; kept_direct:
  *                     that pass wrote the outputs itself (with their noise

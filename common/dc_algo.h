@@ -1,6 +1,6 @@
 /* How a LINEAR layer's per-sample norms are computed: chosen by cost (AUTO),
  * or forced. Shared by the daemon's step (step.h) and the GPU kernels
- * (cuda/dcc.h), which must not depend on the daemon's headers. */
+ * (cuda/kernels/dcc.h), which must not depend on the daemon's headers. */
 #ifndef DC_ALGO_H
 #define DC_ALGO_H
 

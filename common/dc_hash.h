@@ -4,7 +4,7 @@
  * words (the tail zero-padded). A sum of independent keyed mixes: whoever
  * does not know the key cannot pick other bytes with the same sum (norms,
  * which a negated copy keeps, are no such check), and it is computed in any
- * order, so the GPU's parallel sum (cuda/hash.cu) equals the CPU's. The
+ * order, so the GPU's parallel sum (cuda/kernels/hash.cu) equals the CPU's. The
  * key is the daemon's, per group step, never a client's. */
 #ifndef DC_HASH_H
 #define DC_HASH_H

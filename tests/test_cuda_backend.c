@@ -1,4 +1,4 @@
-/* The CUDA backend (cuda/backend_cuda.cu) as the daemon uses it: whole
+/* The CUDA backend (cuda/backend/backend_cuda.cu) as the daemon uses it: whole
  * steps of every layer kind against the CPU backend and the reference, the
  * staged fallback, failures (non-finite inputs and outputs, bad indices:
  * nothing written, the same errors as the CPU backend), host-memory steps
@@ -202,7 +202,7 @@ static void test_whole_steps(void **state) {
 }
 
 /* 16-bit Linear layers whose widths are not multiples of 8 (a vocabulary of
- * 50257): their norms and clipped sums run on padded copies (cuda/pad.cu), a
+ * 50257): their norms and clipped sums run on padded copies (cuda/kernels/pad.cu), a
  * few samples at a time, and match the CPU backend; an unaligned p, then an
  * unaligned d, with noise, flat and per-layer. */
 static void test_padded_layers(void **state) {

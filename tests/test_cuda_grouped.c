@@ -1,4 +1,4 @@
-/* The grouped launches over many LINEAR layers (cuda/grouped_tma.cu) run
+/* The grouped launches over many LINEAR layers (cuda/kernels/grouped_tma.cu) run
  * all or nothing: a tensor map the driver refuses for a later chunk must
  * not leave earlier chunks launched, since the backend then runs every
  * layer per layer, and the norms, added into n2, would count twice.

@@ -1,5 +1,5 @@
-/* The CUDA backend's logical steps (cuda/accum.cu, backend_accum.cu) and its
- * keyed checksum (cuda/hash.cu): a logical step of M micro-batches run with
+/* The CUDA backend's logical steps (cuda/kernels/accum.cu, backend_accum.cu) and its
+ * keyed checksum (cuda/kernels/hash.cu): a logical step of M micro-batches run with
  * DC_ACC_FIRST / ADD / COMMIT into device accumulators gives what the CPU
  * backend gives with host accumulators (the same noise, bit for bit from the
  * same key), with both the modern and the staged switches, and with noise

@@ -1,5 +1,5 @@
 /* The one-pass output path with the max |.| that the grouped clipped sum's
- * epilogue finds (cuda/grouped_tma.cu, dcc_out.amax_found): the output
+ * epilogue finds (cuda/kernels/grouped_tma.cu, dcc_out.amax_found): the output
  * check then reads only the other outputs, and its proof that no noised
  * value can leave its dtype rests on those maxima. Checked: whole steps
  * against the CPU backend (grouped layers with and without bias, bf16 and

@@ -1,4 +1,4 @@
-/* The plans of the wgmma norm forms (cuda/direct_plan.cu) forced through
+/* The plans of the wgmma norm forms (cuda/kernels/direct_plan.cu) forced through
  * dcc_options, each against the double-precision reference of
  * tests/support/ref.h within the bounds test_cuda_kernels.c states: the
  * direct form's tile heights, K splits and split tails; the ghost form's

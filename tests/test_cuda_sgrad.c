@@ -1,4 +1,4 @@
-/* Kept per-sample gradients (cuda/sgrad.cu, the grouped norm kernel's
+/* Kept per-sample gradients (cuda/kernels/sgrad.cu, the grouped norm kernel's
  * store): the clipped sum of a layer whose norm pass kept every G_b as bf16
  * is sum_b c_b * bf16(G_b), with c_b = min(1, C / (n_b (1 + e) + 1e-6)), n_b
  * the norm of the kept values (plus the exact bias sums) and e the step's

@@ -1,4 +1,4 @@
-/* Tied parameters on the CUDA backend (cuda/tied.cu, backend_tied.cu): an
+/* Tied parameters on the CUDA backend (cuda/kernels/tied.cu, backend_tied.cu): an
  * embedding and a linear layer sharing one weight, in both orders, behind
  * other layers, with the backend's switches in both positions, against the
  * reference that sums both uses' per-sample gradients explicitly: every

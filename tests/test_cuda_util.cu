@@ -1,4 +1,4 @@
-/* cuda/dcc_util.cuh on the host (no GPU needed): the ghost form's tile-pair
+/* cuda/prims/dcc_util.cuh on the host (no GPU needed): the ghost form's tile-pair
  * decode over every index of small triangles and at the top of the range
  * the launchers allow (2^30 pairs), and the SM count, which is the
  * device's own or an error, never a guess. */

@@ -1,5 +1,5 @@
 /* The CUDA backend's settings that the daemon applies when it creates a GPU's
- * backend (cuda/dc_cuda.h), and the phase timing behind the daemon's
+ * backend (cuda/backend/dc_cuda.h), and the phase timing behind the daemon's
  * dpclip_step_phase_seconds:
  * - gpu.workspace: dc_cuda_backend_set_workspace preallocates it; steps that
  *   fit never grow it; a larger step grows it once; it never shrinks; a

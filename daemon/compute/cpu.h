@@ -1,6 +1,6 @@
 /* Internal interface of the CPU backend (backend_cpu.c drives cpu_check.c,
  * cpu_norms.c and cpu_clip.c). Outside daemon/compute it serves the CUDA
- * backend (cuda/backend_int.h: its host-side rescue reuses these norms), the tests and
+ * backend (cuda/backend/backend_int.h: its host-side rescue reuses these norms), the tests and
  * the benchmarks.
  *
  * Arithmetic: inputs are converted to f32 (bf16/f16 -> f32 is exact),

@@ -146,7 +146,7 @@ static double cdiv(double a, double b) { return ceil(a / b); }
 static double gpu_cta_depth(double d, double p) { return 512.0 + (d + p) / 32.0; }
 
 /* The LINEAR forms the CUDA backend may run for this layer. Its pick
- * (cuda/norms_linear.cu, dcc_linear_pick*) compares the two forms' work on
+ * (cuda/kernels/norms_linear.cu, dcc_linear_pick*) compares the two forms' work on
  * their tiles (direct 128x128 tiles over K = T in steps of 32, ghost pairs
  * of 128-row blocks over K = d and p in steps of 64) at a rate of 0.5 to
  * 1.25; a band of 0.25 to 4 keeps this bound valid should the rates move.
@@ -278,7 +278,7 @@ double dc_clip_e(const dc_step *s, size_t l, unsigned how) {
         }
     /* Applying the coefficient: the CPU rounds c g once; the GPU's sums
      * rescale one accumulator from sample to sample (a rounded quotient
-     * and a rounded product each, cuda/grouped_tma.cu, clipped_tf32.cu),
+     * and a rounded product each, cuda/kernels/grouped_tma.cu, clipped_tf32.cu),
      * so a sample's effective multiplier is within gamma_{2B} of its
      * coefficient. Then the norm's way to the coefficient: the GPU stores
      * layer norms in f32 and adds them up (16 roundings of f32 are ample),

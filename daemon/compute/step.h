@@ -243,7 +243,7 @@ static inline float dc_step_grad_scale(const dc_step *s) {
  * backend's default, assumed by every GPU step so that a norm pass, its
  * sums steps and a norm group's clip phase, which see only totals, agree
  * with a whole step); DC_E_KEPT: the layer's per-sample gradients are kept
- * as bf16 and summed from there (cuda/sgrad.cu; whole GPU steps only). */
+ * as bf16 and summed from there (cuda/kernels/sgrad.cu; whole GPU steps only). */
 #define DC_E_GPU 1u
 #define DC_E_TF32 2u
 #define DC_E_KEPT 4u
