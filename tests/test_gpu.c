@@ -1,4 +1,4 @@
-/* daemon/service/gpu.c without a device to serve: a daemon told to use no
+/* daemon/infra/gpu.c without a device to serve: a daemon told to use no
  * GPU (or built without CUDA, or on a node without one) finds none, refuses
  * every GPU request with a clear error, and its step hooks refuse a backend
  * without a device queue (the CPU backend) naming the request's field. On a

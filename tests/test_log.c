@@ -1,4 +1,4 @@
-/* daemon/service/log.c: one event is one line. Client-chosen strings inside a
+/* daemon/infra/log.c: one event is one line. Client-chosen strings inside a
  * message (a Hello's client name or job id) cannot forge lines or terminal
  * escapes: control bytes and backslashes come out as C escapes. A condition
  * that recurs gets at most one line per period. */

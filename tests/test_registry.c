@@ -1,4 +1,4 @@
-/* daemon/protocol/registry.c: what a shared-memory fd must be to be mapped, lookups
+/* daemon/infra/registry.c: what a shared-memory fd must be to be mapped, lookups
  * confined to one session's registry, release. */
 #include <fcntl.h>
 #include <setjmp.h>

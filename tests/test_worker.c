@@ -1,4 +1,4 @@
-/* daemon/service/worker.c: tasks run on worker threads, each with its own
+/* daemon/infra/worker.c: tasks run on worker threads, each with its own
  * backend, and complete on the loop thread; closing runs what was queued. */
 #include <pthread.h>
 #include <sched.h>
