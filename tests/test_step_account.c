@@ -62,7 +62,7 @@ static void resume(dc_step_call *sc, int rc, const dc_err *err) {
 }
 
 static void test_check(void **state) {
-    dc_config c;
+    dc_host_cfg c;
     dc_step_call *sc;
     dc_err e;
     (void)state;
@@ -98,7 +98,7 @@ static void test_check(void **state) {
 static void test_charge_and_refund(void **state) {
     dc_ledger l;
     dc_ledger_account *acct;
-    dc_config c;
+    dc_host_cfg c;
     dc_metrics *m = calloc(1, sizeof *m);
     dc_step_call *sc;
     dc_step_charge kind;
@@ -155,7 +155,7 @@ static void test_charge_and_refund(void **state) {
 static void test_budgets(void **state) {
     dc_ledger l;
     dc_ledger_account *acct;
-    dc_config c;
+    dc_host_cfg c;
     dc_metrics *m = calloc(1, sizeof *m);
     dc_step_call *sc;
     dc_step_charge kind;
@@ -199,7 +199,7 @@ static void test_curve_waits(void **state) {
     uv_loop_t loop;
     dc_ledger l;
     dc_ledger_account *acct;
-    dc_config c;
+    dc_host_cfg c;
     dc_step_call *sc;
     dc_err e;
     (void)state;
@@ -231,7 +231,7 @@ static void test_durable(void **state) {
     uv_loop_t loop;
     dc_ledger l, mem;
     dc_ledger_account *acct;
-    dc_config c;
+    dc_host_cfg c;
     dc_metrics *m = calloc(1, sizeof *m);
     dc_step_call *sc;
     dc_step_charge kind;
@@ -310,7 +310,7 @@ static void test_data_parallel(void **state) {
     uv_loop_t loop;
     dc_ledger l;
     dc_ledger_account *acct;
-    dc_config c;
+    dc_host_cfg c;
     dc_metrics *m = calloc(1, sizeof *m);
     dc_step_call *sc0, *sc1, *sc2;
     dc_step_charge kind;

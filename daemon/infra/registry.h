@@ -43,7 +43,7 @@ typedef struct dc_registry {
     dc_buffer *items;  /* unordered; small (tens of buffers per client) */
     size_t n, cap;
     uint64_t bytes;    /* total registered bytes, for the session's quota */
-    uint64_t shm_bytes; /* of which shared memory mapped (its user's share, server.h) */
+    uint64_t shm_bytes; /* of which shared memory mapped (its user's share, host.h) */
     /* Bumped by every add and release: a step validated at one generation
      * names only live mappings while the generation is unchanged. */
     uint64_t gen;

@@ -9,9 +9,9 @@
 
 #include "dc_frame.h"
 #include "dpclip.pb-c.h"
+#include "host.h"
 #include "log.h"
 #include "peek.h"
-#include "server.h"
 #include "session_int.h"
 #include "step_logical.h"
 #include "step_pass.h"
@@ -36,12 +36,12 @@ static uint64_t seconds_ms(double sec);
  * back on a client that pipelines requests without reading the replies,
  * instead of our memory growing by a reply per request. */
 static bool replies_pile_up(const dc_session *s) {
-    return s->w_head && s->w_bytes >= s->srv->cfg.max_reply_queue;
+    return s->w_head && s->w_bytes >= s->host->cfg.max_reply_queue;
 }
 
 /* The longest frame the session may send now. */
 static uint32_t frame_max(const dc_session *s) {
-    uint32_t max = s->srv->limits.max_frame;
+    uint32_t max = s->host->limits->max_frame;
     return s->hello_done || max < DC_SESSION_HELLO_MAX_FRAME ? max : DC_SESSION_HELLO_MAX_FRAME;
 }
 
@@ -76,7 +76,7 @@ void dc_session_send(dc_session *s, Dpclip__Reply *reply) {
     dc_wbuf *w;
 
     if (s->gone) return;
-    reply->insecure = s->srv->cfg.fixed_seed; /* every reply says it */
+    reply->insecure = s->host->cfg.fixed_seed; /* every reply says it */
     n = dpclip__reply__get_packed_size(reply);
     w = malloc(sizeof *w + DC_FRAME_HEADER + n);
     if (!w) {
@@ -129,7 +129,7 @@ void dc_session_send_error(dc_session *s, uint64_t id, const dc_err *e) {
 }
 
 void dc_session_reject(dc_session *s, uint64_t id, const dc_err *e) {
-    dc_metrics_error(&s->srv->metrics, e->code);
+    dc_metrics_error(s->host->metrics, e->code);
     dc_session_send_error(s, id, e);
 }
 
@@ -145,7 +145,7 @@ static bool id_listed(const uint32_t *ids, size_t n, uint32_t id) {
  * decide); else the peer's uid, primary group or a supplementary group
  * (SO_PEERGROUPS) must be listed. */
 static bool peer_allowed(const dc_session *s) {
-    const dc_config *c = &s->srv->cfg;
+    const dc_host_cfg *c = &s->host->cfg;
     if (!c->n_allowed_uids && !c->n_allowed_gids) return true;
     if (id_listed(c->allowed_uids, c->n_allowed_uids, (uint32_t)s->peer_uid)) return true;
     if (id_listed(c->allowed_gids, c->n_allowed_gids, (uint32_t)s->peer_gid)) return true;
@@ -163,7 +163,7 @@ static bool peer_allowed(const dc_session *s) {
 }
 
 static void handle_hello(dc_session *s, uint64_t id, const Dpclip__Hello *h) {
-    dc_server *srv = s->srv;
+    dc_host *host = s->host;
     Dpclip__Reply reply = DPCLIP__REPLY__INIT;
     Dpclip__HelloReply hr = DPCLIP__HELLO_REPLY__INIT;
     Dpclip__Device devs[9];
@@ -188,7 +188,7 @@ static void handle_hello(dc_session *s, uint64_t id, const Dpclip__Hello *h) {
         return;
     }
     if (!peer_allowed(s)) {
-        srv->metrics.sessions_refused++;
+        host->metrics->sessions_refused++;
         dc_err_set(&e, DC_EPERM, "hello", "uid %u (gid %u) may not use this daemon: see "
                    "[access] in its configuration", (unsigned)s->peer_uid, (unsigned)s->peer_gid);
         dc_log_warn("session %llu: pid %d uid %u refused by [access]", (unsigned long long)s->id,
@@ -200,7 +200,7 @@ static void handle_hello(dc_session *s, uint64_t id, const Dpclip__Hello *h) {
     /* The privacy ledger's account: this uid's of that job id, whole (an id
      * too long to keep is refused, never truncated into another account's),
      * within ledger.max_jobs_per_uid. */
-    if (dc_ledger_account_open(&srv->ledger, (uint32_t)s->peer_uid, h->job_id ? h->job_id : "",
+    if (dc_ledger_account_open(host->ledger, (uint32_t)s->peer_uid, h->job_id ? h->job_id : "",
                                &s->account, &e)) {
         dc_session_reject(s, id, &e);
         return;
@@ -214,32 +214,32 @@ static void handle_hello(dc_session *s, uint64_t id, const Dpclip__Hello *h) {
                 (unsigned long long)s->id, (int)s->peer_pid, (unsigned)s->peer_uid,
                 s->client_name, s->job_id);
 
-    snprintf(cpu_name, sizeof cpu_name, "cpu (%d workers)", srv->workers);
+    snprintf(cpu_name, sizeof cpu_name, "cpu (%d workers)", host->workers);
     dpclip__device__init(&devs[nd]);
     devs[nd].backend = "cpu";
     devs[nd].name = cpu_name;
     devp[nd] = &devs[nd];
     nd++;
-    for (int i = 0; i < srv->gpu.n && nd < 9; i++, nd++) {
+    for (int i = 0; i < host->gpu->n && nd < 9; i++, nd++) {
         dpclip__device__init(&devs[nd]);
         devs[nd].backend = "cuda";
         devs[nd].index = i;
-        devs[nd].name = srv->gpu.names[i];
+        devs[nd].name = host->gpu->names[i];
         devp[nd] = &devs[nd];
     }
     hr.protocol_version = DC_PROTOCOL_VERSION;
     hr.daemon_version = DPCLIP_VERSION;
-    hr.n_backends = srv->gpu.n ? 2 : 1;
+    hr.n_backends = host->gpu->n ? 2 : 1;
     hr.backends = backends;
     hr.n_devices = nd;
     hr.devices = devp;
     hr.n_layer_kinds = 4;
     hr.layer_kinds = kinds;
-    hr.max_batch = srv->limits.max_batch;
-    hr.max_frame = srv->limits.max_frame;
-    hr.max_layers = srv->limits.max_layers;
+    hr.max_batch = host->limits->max_batch;
+    hr.max_frame = host->limits->max_frame;
+    hr.max_layers = host->limits->max_layers;
     hr.session_id = s->id;
-    hr.mps_active = srv->gpu.mps_active;
+    hr.mps_active = host->gpu->mps_active;
     reply.id = id;
     reply.body_case = DPCLIP__REPLY__BODY_HELLO;
     reply.hello = &hr;
@@ -254,14 +254,14 @@ static void handle_register(dc_session *s, uint64_t id, const Dpclip__RegisterBu
     dc_uid_usage u;
     dc_err e;
 
-    if (s->reg.n >= s->srv->cfg.max_buffers) {
+    if (s->reg.n >= s->host->cfg.max_buffers) {
         dc_err_set(&e, DC_ENOSPACE, "limits.max_buffers",
                    "this session already has %u buffers, the limit per session "
-                   "(limits.max_buffers)", s->srv->cfg.max_buffers);
+                   "(limits.max_buffers)", s->host->cfg.max_buffers);
         goto fail;
     }
-    dc_server_uid_usage(s->srv, (uint32_t)s->peer_uid, &u, NULL);
-    if (u.buffers >= s->srv->cfg.max_buffers_per_uid) {
+    dc_host_uid_usage(s->host, (uint32_t)s->peer_uid, &u, NULL);
+    if (u.buffers >= s->host->cfg.max_buffers_per_uid) {
         dc_err_set(&e, DC_ENOSPACE, "limits.max_buffers_per_uid",
                    "uid %u's sessions hold %llu buffers, its limit (limits.max_buffers_per_uid)",
                    (unsigned)s->peer_uid, (unsigned long long)u.buffers);
@@ -269,10 +269,10 @@ static void handle_register(dc_session *s, uint64_t id, const Dpclip__RegisterBu
     }
     /* Checked here too (the registry checks again when it adds) so that a
      * CUDA handle is not opened only to be refused. */
-    if (s->srv->buf_totals.buffers >= s->srv->buf_totals.max_buffers) {
+    if (s->host->buf_totals->buffers >= s->host->buf_totals->max_buffers) {
         dc_err_set(&e, DC_ENOSPACE, "limits.max_buffers_total",
                    "the daemon holds %llu buffers for all its sessions, its limit "
-                   "(limits.max_buffers_total)", (unsigned long long)s->srv->buf_totals.buffers);
+                   "(limits.max_buffers_total)", (unsigned long long)s->host->buf_totals->buffers);
         goto fail;
     }
     if (m->kind == DPCLIP__BUFFER_KIND__CUDA_IPC) {
@@ -289,18 +289,18 @@ static void handle_register(dc_session *s, uint64_t id, const Dpclip__RegisterBu
                    nfds);
         goto fail;
     }
-    if (dc_registry_add_shm(&s->reg, ++s->srv->next_buffer_id, fds[0], m->size, &b, &e))
+    if (dc_registry_add_shm(&s->reg, ++*s->host->next_buffer_id, fds[0], m->size, &b, &e))
         goto fail;
     /* Its size is known once mapped (0 asks for the whole object). */
-    if (s->srv->cfg.max_mapped_bytes_per_uid &&
-        u.shm_bytes + b->size > s->srv->cfg.max_mapped_bytes_per_uid) {
+    if (s->host->cfg.max_mapped_bytes_per_uid &&
+        u.shm_bytes + b->size > s->host->cfg.max_mapped_bytes_per_uid) {
         uint64_t size = b->size, bid = b->id;
         dc_registry_release(&s->reg, bid, &e);
         dc_err_set(&e, DC_ENOSPACE, "limits.max_mapped_bytes_per_uid",
                    "mapping %llu more bytes would take uid %u's sessions past %llu bytes of "
                    "shared memory (limits.max_mapped_bytes_per_uid; %llu mapped now)",
                    (unsigned long long)size, (unsigned)s->peer_uid,
-                   (unsigned long long)s->srv->cfg.max_mapped_bytes_per_uid,
+                   (unsigned long long)s->host->cfg.max_mapped_bytes_per_uid,
                    (unsigned long long)u.shm_bytes);
         goto fail;
     }
@@ -351,12 +351,12 @@ static void dispatch(dc_session *s, const dc_frame *f) {
         s->step_req_id = id;
         dc_session_prewait(s);
         if (dc_session_step_cached(s, id, key, key_len)) {
-            s->srv->metrics.requests[DC_REQ_STEP]++;
+            s->host->metrics->requests[DC_REQ_STEP]++;
             return;
         }
     }
     req = dc_frame_decode(f, &e);
-    s->srv->metrics.requests[dc_frame_kind(req)]++;
+    s->host->metrics->requests[dc_frame_kind(req)]++;
     if (!req) {
         dc_session_reject(s, 0, &e);
         return;
@@ -495,7 +495,7 @@ static void session_update_poll(dc_session *s) {
         /* Its last replies wait for a client that may never read them: it
          * has as long as a handshake, then the connection goes. */
         s->drain_armed = true;
-        uv_timer_start(&s->timer, on_timer, seconds_ms(s->srv->cfg.handshake_timeout), 0);
+        uv_timer_start(&s->timer, on_timer, seconds_ms(s->host->cfg.handshake_timeout), 0);
     }
     if (!s->in.eof && !s->closing && s->in.len < limit && !replies_pile_up(s)) ev |= UV_READABLE;
     if (s->w_head) ev |= UV_WRITABLE;
@@ -526,7 +526,7 @@ static void session_expire(dc_session *s, dc_code code, const char *setting, con
 
 static void on_timer(uv_timer_t *t) {
     dc_session *s = t->data;
-    const dc_config *c = &s->srv->cfg;
+    const dc_host_cfg *c = &s->host->cfg;
     uint64_t now = uv_hrtime(), last, idle_ns;
 
     if (s->gone) return;
@@ -556,7 +556,7 @@ static void on_timer(uv_timer_t *t) {
 }
 
 void dc_session_limits_changed(dc_session *s) {
-    const dc_config *c = &s->srv->cfg;
+    const dc_host_cfg *c = &s->host->cfg;
     if (s->gone || s->drain_armed) return;
     if (!s->hello_done) {
         uint64_t ms = seconds_ms(c->handshake_timeout);
@@ -592,7 +592,7 @@ void dc_session_refuse(int fd, const dc_err *e) {
     close(fd);
 }
 
-int dc_session_start(dc_server *srv, int fd, dc_session **out) {
+int dc_session_start(dc_host *host, int fd, dc_session **out) {
     dc_session *s = calloc(1, sizeof *s);
     struct ucred cred;
     socklen_t len = sizeof cred;
@@ -601,9 +601,9 @@ int dc_session_start(dc_server *srv, int fd, dc_session **out) {
         close(fd);
         return DC_ENOSPACE;
     }
-    s->srv = srv;
+    s->host = host;
     s->fd = fd;
-    s->id = ++srv->next_session_id;
+    s->id = ++*host->next_session_id;
     s->connected_ns = uv_hrtime();
     dc_frame_in_init(&s->in);
     dc_registry_init(&s->reg);
@@ -612,7 +612,7 @@ int dc_session_start(dc_server *srv, int fd, dc_session **out) {
         s->peer_uid = cred.uid;
         s->peer_gid = cred.gid;
     }
-    if (uv_poll_init(srv->loop, &s->poll, fd) != 0) {
+    if (uv_poll_init(host->loop, &s->poll, fd) != 0) {
         close(fd);
         free(s);
         return DC_EINTERNAL;
@@ -620,10 +620,10 @@ int dc_session_start(dc_server *srv, int fd, dc_session **out) {
     s->poll.data = s;
     s->poll_events = UV_READABLE;
     uv_poll_start(&s->poll, UV_READABLE, on_poll);
-    uv_timer_init(srv->loop, &s->timer);
+    uv_timer_init(host->loop, &s->timer);
     s->timer.data = s;
     s->handles_open = 2;
-    s->reg.totals = &srv->buf_totals;
+    s->reg.totals = host->buf_totals;
     dc_session_limits_changed(s); /* the handshake's deadline */
     *out = s;
     return 0;
@@ -642,7 +642,7 @@ static void on_handle_closed(uv_handle_t *h) {
 void dc_session_destroy(dc_session *s) {
     if (!s->poll_closed || dc_session_busy(s)) return;
     for (size_t i = 0; i < s->n_events; i++)
-        dc_gpu_close_event(&s->srv->gpu, s->events[i].device, s->events[i].event);
+        dc_gpu_close_event(s->host->gpu, s->events[i].device, s->events[i].event);
     free(s->events);
     /* A session that said Hello was logged at info: so is its end. */
     dc_log(s->hello_done ? DC_LOG_INFO : DC_LOG_DEBUG,
@@ -665,7 +665,7 @@ void dc_session_destroy(dc_session *s) {
     dc_registry_destroy(&s->reg);
     if (s->account) s->account->sessions--;
     dc_frame_in_free(&s->in);
-    dc_server_session_gone(s->srv, s);
+    dc_host_session_gone(s->host, s);
     free(s);
 }
 

@@ -6,7 +6,9 @@
  *
  * Ownership: the server's session list owns each session. A session whose
  * client went away while a step is in flight stays allocated (detached from
- * its socket) until the step completes, then frees itself. */
+ * its socket) until the step completes, then frees itself. A session
+ * reaches the server only through the dc_host it was started with (host.h):
+ * the protocol layer cannot include the server's headers. */
 #ifndef DC_SESSION_H
 #define DC_SESSION_H
 
@@ -22,12 +24,12 @@
 #include "step_call.h"
 #include "validate.h"
 
-typedef struct dc_server dc_server;
+typedef struct dc_host dc_host;
 typedef struct dc_wbuf dc_wbuf;
 
 typedef struct dc_session {
     struct dc_session *prev, *next;  /* server list */
-    dc_server *srv;
+    dc_host *host;                   /* the daemon it runs in (host.h) */
     uint64_t id;
     int fd;
     uv_poll_t poll;
@@ -84,7 +86,7 @@ typedef struct dc_session {
     struct dc_pass *pass;
     /* Host bytes of that pass, from the moment its NORMS step is accepted
      * (a reservation) until it is freed: what limits.max_pass_memory and
-     * limits.max_pass_memory_per_uid count (server.h, dc_uid_usage). */
+     * limits.max_pass_memory_per_uid count (host.h, dc_uid_usage). */
     uint64_t pass_bytes;
     /* Gradient accumulation: the session's logical step and its
      * accumulators (step_logical.h). Owned; NULL until the first. */
@@ -96,7 +98,7 @@ typedef struct dc_session {
 #define DC_SESSION_HELLO_MAX_FRAME 65536u
 
 /* Takes ownership of a connected, non-blocking socket. */
-int dc_session_start(dc_server *srv, int fd, dc_session **out);
+int dc_session_start(dc_host *host, int fd, dc_session **out);
 /* Answers a connection the server will not serve with one Error frame (what
  * a non-blocking send takes) and closes it. */
 void dc_session_refuse(int fd, const dc_err *e);

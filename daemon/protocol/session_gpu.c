@@ -5,14 +5,14 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "host.h"
 #include "log.h"
-#include "server.h"
 #include "session_int.h"
 
 /* Whether the session may hold one more event (limits.max_events, read
  * where it is used: the setting is reloadable); fills e if not. */
 static int events_room(const dc_session *s, dc_err *e) {
-    const uint32_t max = s->srv->cfg.max_events;
+    const uint32_t max = s->host->cfg.max_events;
     if (s->n_events < max) return 0;
     return dc_err_set(e, DC_ENOSPACE, "limits.max_events",
                       "this session holds %zu events, the most it may (limits.max_events)",
@@ -48,7 +48,7 @@ static const ipc_names k_event_names = {"register_event", "events", "register_ev
  * on another GPU, which would run every step across NVLink. */
 static int ipc_device(const dc_session *s, int32_t device, const ProtobufCBinaryData *uuid,
                       const ipc_names *nm, int *out, dc_err *e) {
-    const dc_gpu *g = &s->srv->gpu;
+    const dc_gpu *g = s->host->gpu;
     char want[DC_GPU_UUID_STR], have[DC_MAX_GPUS * DC_GPU_UUID_STR + 2 * DC_MAX_GPUS];
     size_t used = 0;
     if (uuid->len == 0) {
@@ -81,7 +81,7 @@ static int ipc_device(const dc_session *s, int32_t device, const ProtobufCBinary
 static int ipc_request_ok(const dc_session *s, int32_t device, const ProtobufCBinaryData *uuid,
                           size_t handle_len, const ipc_names *nm, int *dev, dc_err *e) {
     int rc;
-    if (s->srv->gpu.n == 0)
+    if (s->host->gpu->n == 0)
         return dc_err_set(e, DC_EPRECOND, nm->gpu_field,
                           "this daemon has no GPU backend; CUDA %s cannot be registered",
                           nm->kind);
@@ -97,10 +97,10 @@ static void register_cuda_done(dc_gpu_open_task *t) {
     dc_err e;
     s->async_ops--;
     if (t->rc == 0) {
-        t->buf.id = ++s->srv->next_buffer_id;
+        t->buf.id = ++*s->host->next_buffer_id;
         if (s->gone || dc_registry_add(&s->reg, &t->buf, &e) != 0) {
             /* No registry holds it: hand the handle back. */
-            dc_gpu_close_buffer(&s->srv->gpu, &t->buf);
+            dc_gpu_close_buffer(s->host->gpu, &t->buf);
             if (!s->gone) dc_session_reject(s, t->req_id, &e);
         } else {
             Dpclip__Reply reply = DPCLIP__REPLY__INIT;
@@ -139,7 +139,7 @@ void dc_session_register_cuda(dc_session *s, uint64_t id, const Dpclip__Register
     t->req_id = id;
     t->done = register_cuda_done;
     s->async_ops++;
-    dc_gpu_open_buffer(&s->srv->gpu, t);
+    dc_gpu_open_buffer(s->host->gpu, t);
     return;
 fail:
     dc_session_reject(s, id, &e);
@@ -152,19 +152,19 @@ static void register_event_done(dc_gpu_event_task *t) {
     if (t->rc != 0) {
         if (!s->gone) dc_session_reject(s, t->req_id, &t->err);
     } else if (s->gone) {
-        dc_gpu_close_event(&s->srv->gpu, t->device, t->event);
+        dc_gpu_close_event(s->host->gpu, t->device, t->event);
     } else if (events_room(s, &e) != 0) { /* the setting may have shrunk meanwhile */
-        dc_gpu_close_event(&s->srv->gpu, t->device, t->event);
+        dc_gpu_close_event(s->host->gpu, t->device, t->event);
         dc_session_reject(s, t->req_id, &e);
     } else if (grow_events(s) != 0) {
-        dc_gpu_close_event(&s->srv->gpu, t->device, t->event);
+        dc_gpu_close_event(s->host->gpu, t->device, t->event);
         dc_err_set(&e, DC_ENOSPACE, "register_event", "out of memory");
         dc_session_reject(s, t->req_id, &e);
     } else {
         Dpclip__Reply reply = DPCLIP__REPLY__INIT;
         Dpclip__RegisterEventReply rr = DPCLIP__REGISTER_EVENT_REPLY__INIT;
         struct dc_session_event *ev = &s->events[s->n_events++];
-        ev->id = ++s->srv->next_buffer_id;
+        ev->id = ++*s->host->next_buffer_id;
         ev->device = t->device;
         ev->event = t->event;
         rr.event_id = ev->id;
@@ -199,7 +199,7 @@ void dc_session_register_event(dc_session *s, uint64_t id, const Dpclip__Registe
     t->req_id = id;
     t->done = register_event_done;
     s->async_ops++;
-    dc_gpu_open_event(&s->srv->gpu, t);
+    dc_gpu_open_event(s->host->gpu, t);
     return;
 fail:
     dc_session_reject(s, id, &e);

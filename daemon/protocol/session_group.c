@@ -21,8 +21,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "host.h"
 #include "log.h"
-#include "server.h"
 #include "session_int.h"
 #include "step_fuse.h"
 #include "validate.h"
@@ -41,7 +41,7 @@ void dc_session_group_leave(dc_session *s, const char *why) {
 }
 
 void dc_session_join_group(dc_session *s, uint64_t id, const Dpclip__JoinGroup *m) {
-    dc_server *srv = s->srv;
+    dc_host *host = s->host;
     Dpclip__Reply reply = DPCLIP__REPLY__INIT;
     Dpclip__JoinGroupReply jr = DPCLIP__JOIN_GROUP_REPLY__INIT;
     dc_group_spec sp;
@@ -69,16 +69,16 @@ void dc_session_join_group(dc_session *s, uint64_t id, const Dpclip__JoinGroup *
     sp.nccl_version = m->nccl_version;
     sp.job_id = s->account ? s->account->job_id : s->job_id; /* coverage is per account */
     /* the link's few bytes per step travel through the daemon's first GPU */
-    sp.device = srv->gpu.n > 0 ? 0 : -1;
+    sp.device = host->gpu->n > 0 ? 0 : -1;
     /* A join refused on its own terms leaves the current group alone; one
      * that could go ahead leaves it first (the same group may be joined
      * again: its rank must be free). */
-    if (dc_group_join_check(&srv->groups, &sp, &e)) {
+    if (dc_group_join_check(host->groups, &sp, &e)) {
         dc_session_reject(s, id, &e);
         return;
     }
     dc_session_group_leave(s, "it joined again");
-    if (dc_group_join(&srv->groups, (uint32_t)s->peer_uid, &sp, &g, &e)) {
+    if (dc_group_join(host->groups, (uint32_t)s->peer_uid, &sp, &g, &e)) {
         dc_session_reject(s, id, &e);
         return;
     }
@@ -314,7 +314,7 @@ static void on_fuse(dc_group_waiter *all, uint32_t n) {
         }
         return;
     }
-    if (dc_validate_step_cost(&f->step, &first->s->srv->limits, &e)) {
+    if (dc_validate_step_cost(&f->step, first->s->host->limits, &e)) {
         /* every member's step fits the per-step limits, their sum may not:
          * each runs its own phases instead (a new reduction of this step) */
         dc_step_fuse_free(f);
@@ -380,7 +380,7 @@ void dc_session_group_submit(dc_step_call *sc) {
     sc->gw.fuse = on_fuse;
     sc->gw.unfuse = on_unfuse;
     sc->gw.replicated = NULL;
-    if (s->srv->cfg.group_fuse && dc_group_daemons(s->group) <= 1) {
+    if (s->host->cfg.group_fuse && dc_group_daemons(s->group) <= 1) {
         sc->gw.partial = NULL; /* unrun: the group decides (group.h) */
         sc->t_submit = uv_hrtime();
         s->group_steps = sc->group_step;

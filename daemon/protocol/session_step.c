@@ -18,8 +18,8 @@
 #include <stdlib.h>
 
 #include "dc_ewma.h"
+#include "host.h"
 #include "log.h"
-#include "server.h"
 #include "session_int.h"
 #include "step_account.h"
 #include "step_logical.h"
@@ -94,7 +94,7 @@ int dc_session_step_cached(dc_session *s, uint64_t id, const uint8_t *key, size_
     const dc_step_plan *p = s->plan;
     dc_step_call *sc;
     dc_err e;
-    if (!p || !dc_step_plan_matches(p, key, key_len, s->reg.gen, &s->srv->limits)) return 0;
+    if (!p || !dc_step_plan_matches(p, key, key_len, s->reg.gen, s->host->limits)) return 0;
     if (!(sc = calloc(1, sizeof *sc))) return 0;
     sc->s = s;
     sc->req_id = id;
@@ -124,13 +124,13 @@ void dc_session_step(dc_session *s, uint64_t id, const Dpclip__ClipStep *m, cons
     sc->req_id = id;
     sc->t_recv = uv_hrtime();
     sc->t_frame = s->t_frame;
-    if (dc_step_validate(sc, m, &s->reg, &s->srv->limits, &e)) {
+    if (dc_step_validate(sc, m, &s->reg, s->host->limits, &e)) {
         step_refuse(sc, &e, false);
         return;
     }
     /* the validated step, before a norm group's terms change it */
     dc_session_plan_drop(s);
-    if (key) s->plan = dc_step_plan_new(sc, key, key_len, s->reg.gen, &s->srv->limits);
+    if (key) s->plan = dc_step_plan_new(sc, key, key_len, s->reg.gen, s->host->limits);
     if (dc_session_group_prepare(s, sc, &e)) {
         step_refuse(sc, &e, false);
         return;
@@ -158,9 +158,9 @@ static void step_notice(dc_task *task) {
  * and the daemon's pass limits, so that passes kept by many sessions
  * cannot add up past them. */
 static int pass_reserve(dc_session *s, uint64_t bytes, dc_err *e) {
-    const dc_config *c = &s->srv->cfg;
+    const dc_host_cfg *c = &s->host->cfg;
     dc_uid_usage mine, all;
-    dc_server_uid_usage(s->srv, (uint32_t)s->peer_uid, &mine, &all);
+    dc_host_uid_usage(s->host, (uint32_t)s->peer_uid, &mine, &all);
     if (mine.pass_bytes + bytes > c->max_pass_memory_per_uid)
         return dc_err_set(e, DC_ENOSPACE, "limits.max_pass_memory_per_uid",
                           "a norm pass of %llu bytes would take uid %u's passes past %llu bytes "
@@ -216,7 +216,7 @@ static void step_accept(dc_session *s, uint64_t id, dc_step_call *sc) {
             dc_ewma_add(&s->ewma_period_ns, period);
     }
     s->prev_step_frame = sc->t_frame;
-    if (dc_step_validate_names(sc, s->srv->gpu.n,
+    if (dc_step_validate_names(sc, s->host->gpu->n,
                                m->wait_event ? dc_session_find_event(s, m->wait_event) : NULL,
                                m->signal_event ? dc_session_find_event(s, m->signal_event) : NULL,
                                &e) ||
@@ -241,13 +241,13 @@ static void step_durable(dc_step_call *sc, int rc, const dc_err *e) {
  * ledger. */
 static void step_charge(dc_step_call *sc, bool async) {
     dc_session *s = sc->s;
-    dc_server *srv = s->srv;
+    dc_host *host = s->host;
     bool wait;
     dc_err e;
     dc_step_charge kind;
     bool covered = s->group && dc_group_covers(s->group, s->group_rank, sc->group_step,
                                                (float)sc->sigma, s->account->job_id);
-    if (dc_step_account_charge(sc, s->account, covered, &srv->cfg, &srv->metrics, &kind, &e))
+    if (dc_step_account_charge(sc, s->account, covered, &host->cfg, host->metrics, &kind, &e))
         goto fail;
     /* only a charge covers the group's members: a share or a covered step
      * paid nothing */
@@ -276,7 +276,7 @@ _Static_assert(sizeof(((dc_session *)0)->job_id) >= DC_LEDGER_JOB_ID_MAX,
  * (opened now if the Hello's was refused). */
 static void step_account(dc_step_call *sc) {
     dc_session *s = sc->s;
-    dc_server *srv = s->srv;
+    dc_host *host = s->host;
     dc_err e;
     const bool micro = sc->params.logical_id && !sc->params.commit;
     if ((sc->params.phase == DC_PHASE_SUMS && s->account) || micro) {
@@ -290,15 +290,15 @@ static void step_account(dc_step_call *sc) {
         step_submit(sc);
         return;
     }
-    if (dc_step_account_check(sc, &srv->cfg, &e)) goto fail;
+    if (dc_step_account_check(sc, &host->cfg, &e)) goto fail;
     if (!s->account) {
-        if (dc_ledger_account_open(&srv->ledger, (uint32_t)s->peer_uid, s->job_id, &s->account, &e))
+        if (dc_ledger_account_open(host->ledger, (uint32_t)s->peer_uid, s->job_id, &s->account, &e))
             goto fail;
         s->account->sessions++; /* as the Hello does; the session's end takes it back */
     }
     if (dc_step_account_terms(sc, s->account, &e)) goto fail;
     s->call = sc; /* from here the session's next request waits for this step */
-    if (dc_step_account_curve(sc, s->account, srv->loop, step_curve_ready)) return;
+    if (dc_step_account_curve(sc, s->account, host->loop, step_curve_ready)) return;
     step_charge(sc, false);
     return;
 fail:
@@ -308,8 +308,8 @@ fail:
 /* --- 3. run ---------------------------------------------------------------- */
 
 dc_worker_pool *dc_session_step_pool(const dc_step_call *sc) {
-    dc_server *srv = sc->s->srv;
-    return sc->step.device >= 0 ? &srv->gpu.pools[sc->step.device] : &srv->cpu_pool;
+    dc_host *host = sc->s->host;
+    return sc->step.device >= 0 ? &host->gpu->pools[sc->step.device] : host->cpu_pool;
 }
 
 /* Loop thread: a norm pass ran; the session keeps it for its sums. */
@@ -323,15 +323,15 @@ static void pass_done(dc_task *task) {
 
 static void step_submit(dc_step_call *sc) {
     dc_session *s = sc->s;
-    dc_server *srv = s->srv;
+    dc_host *host = s->host;
     struct dc_prewait *pw = s->prewait;
     /* The pre-wait counts if it was for this frame and this event, and is
      * still to run (dc_step_run_work reads its result) or ran fine. */
     if (pw && sc->wait_event && pw->t_frame == sc->t_frame && pw->event == sc->wait_event &&
         (pw->busy || pw->rc == 0))
         sc->prewait = pw;
-    sc->step.noise_key = srv->noise_key;
-    sc->step.noise_step = ++srv->noise_steps;
+    sc->step.noise_key = host->noise_key;
+    sc->step.noise_step = ++*host->noise_steps;
     sc->task.owner = (uint32_t)s->peer_uid; /* workers are shared fairly between users */
     if (sc->grouped) { /* norm phase, the group's reduction, clip phase */
         dc_session_group_submit(sc);
@@ -350,15 +350,15 @@ static void step_submit(dc_step_call *sc) {
  * last ones took, the completion around the recent steps' run time. */
 void dc_session_step_expect(const dc_step_call *sc, uint64_t now) {
     dc_session *s = sc->s;
-    dc_server *srv = s->srv;
+    dc_host *host = s->host;
     if (sc->notify)
-        dc_server_poll(srv, now, now + (s->ewma_notice_ns ? 2 * s->ewma_notice_ns + 100000u
+        dc_host_poll(host, now, now + (s->ewma_notice_ns ? 2 * s->ewma_notice_ns + 100000u
                                                            : 2000000u), false);
     if (sc->step.device >= 0 && s->ewma_gpu_run_ns) {
-        uint64_t run = s->ewma_gpu_run_ns, m = dc_server_poll_margin(run);
-        dc_server_poll(srv, now + run > m ? now + run - m : now, now + run + 2 * m, false);
+        uint64_t run = s->ewma_gpu_run_ns, m = dc_host_poll_margin(run);
+        dc_host_poll(host, now + run > m ? now + run - m : now, now + run + 2 * m, false);
     } else {
-        dc_server_spin(srv, false);
+        dc_host_spin(host, false);
     }
 }
 
@@ -374,7 +374,7 @@ void dc_session_prewait(dc_session *s) {
     const dc_step_plan *p = s->plan;
     const struct dc_session_event *ev;
     struct dc_prewait *pw = s->prewait;
-    if (!p || p->step.device < 0 || p->step.device >= s->srv->gpu.n || !p->params.wait_event ||
+    if (!p || p->step.device < 0 || p->step.device >= s->host->gpu->n || !p->params.wait_event ||
         (pw && pw->busy) || !(ev = dc_session_find_event(s, p->params.wait_event)) ||
         ev->device != p->step.device)
         return;
@@ -387,17 +387,17 @@ void dc_session_prewait(dc_session *s) {
     pw->task.work = dc_step_run_prewait;
     pw->task.done = prewait_done;
     s->async_ops++; /* the session waits for it like for a handle open */
-    dc_worker_pool_submit(&s->srv->gpu.pools[p->step.device], &pw->task);
+    dc_worker_pool_submit(&s->host->gpu->pools[p->step.device], &pw->task);
 }
 
 /* --- 4. reply ---------------------------------------------------------------- */
 
 /* A GPU step's workspace as its backend holds it now: a step that made it
  * grow past gpu.workspace allocated inside the step path. */
-static void note_workspace(dc_server *srv, const dc_step_call *sc) {
+static void note_workspace(dc_host *host, const dc_step_call *sc) {
     if (sc->step.device >= 0 && sc->step.device < DC_MAX_GPUS) {
-        uint64_t *held = &srv->gpu_workspace[sc->step.device];
-        uint64_t had = *held > srv->cfg.gpu_workspace ? *held : srv->cfg.gpu_workspace;
+        uint64_t *held = &host->gpu_workspace[sc->step.device];
+        uint64_t had = *held > host->cfg.gpu_workspace ? *held : host->cfg.gpu_workspace;
         if (sc->workspace > had)
             dc_log_warn("cuda:%d: a step needed more device workspace than gpu.workspace; it "
                         "grew to %llu bytes inside the step: set gpu.workspace to at least "
@@ -413,17 +413,17 @@ static void note_workspace(dc_server *srv, const dc_step_call *sc) {
  * have the loop, and the GPU's worker, awake around when the next one is
  * due, rather than pay two wake-ups on its critical path. */
 static void expect_next(dc_session *s, const dc_step_call *sc, uint64_t now) {
-    dc_server *srv = s->srv;
-    dc_server_spin(srv, true);
-    if (!s->ewma_period_ns || !srv->spin_ns) return;
+    dc_host *host = s->host;
+    dc_host_spin(host, true);
+    if (!s->ewma_period_ns || !host->spin_ns) return;
     uint64_t due = sc->t_frame + s->ewma_period_ns;
     if (due + s->ewma_period_ns / 4 <= now) return; /* late already: no cadence to follow */
-    uint64_t m = dc_server_poll_margin(s->ewma_period_ns);
-    dc_server_poll(srv, due > m ? due - m : 0, due + m, true);
+    uint64_t m = dc_host_poll_margin(s->ewma_period_ns);
+    dc_host_poll(host, due > m ? due - m : 0, due + m, true);
     if (sc->step.device >= 0) {
         /* Its timed wait is precise to microseconds: a narrower window. */
         uint64_t mw = s->ewma_period_ns / 40 > 300000u ? s->ewma_period_ns / 40 : 300000u;
-        dc_worker_pool_expect(&srv->gpu.pools[sc->step.device], due > mw ? due - mw : 0,
+        dc_worker_pool_expect(&host->gpu->pools[sc->step.device], due > mw ? due - mw : 0,
                               due + 2 * mw);
     }
 }
@@ -469,11 +469,11 @@ void dc_session_step_reply(dc_step_call *sc) {
 
 void dc_session_step_finish(dc_step_call *sc) {
     dc_session *s = sc->s;
-    dc_server *srv = s->srv;
+    dc_host *host = s->host;
     uint64_t now = uv_hrtime();
     s->last_step_ns = now;
-    dc_step_reply_count(sc, now, &srv->metrics);
-    note_workspace(srv, sc);
+    dc_step_reply_count(sc, now, host->metrics);
+    note_workspace(host, sc);
     if (sc->params.phase == DC_PHASE_SUMS && dc_pass_done(s->pass))
         pass_drop(s); /* every layer summed: nothing more to hold */
     expect_next(s, sc, now);

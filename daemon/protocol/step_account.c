@@ -3,7 +3,7 @@
 #include <math.h>
 #include <stddef.h>
 
-int dc_step_account_check(dc_step_call *sc, const dc_config *c, dc_err *e) {
+int dc_step_account_check(dc_step_call *sc, const dc_host_cfg *c, dc_err *e) {
     const struct dc_step_params *m = &sc->params;
     double q = m->sample_rate;
 
@@ -58,7 +58,7 @@ bool dc_step_account_curve(dc_step_call *sc, dc_ledger_account *acct, uv_loop_t 
 
 /* One step of (sc->q, sc->sigma) spent in the account, unless a budget
  * refuses it. */
-static int spend(dc_step_call *sc, dc_ledger_account *acct, const dc_config *c, dc_metrics *m,
+static int spend(dc_step_call *sc, dc_ledger_account *acct, const dc_host_cfg *c, dc_metrics *m,
                  dc_err *e) {
     double q = sc->q, sigma = sc->sigma, eps;
 
@@ -103,7 +103,7 @@ static dc_dp_terms dp_terms(const dc_step_call *sc) {
 
 /* A data-parallel member: charges its logical step if it is the first,
  * else is covered by the charge. */
-static int charge_member(dc_step_call *sc, dc_ledger_account *acct, const dc_config *c,
+static int charge_member(dc_step_call *sc, dc_ledger_account *acct, const dc_host_cfg *c,
                          dc_metrics *m, dc_step_charge *kind, dc_err *e) {
     const double own = (double)sc->step.noise_multiplier;
     const dc_dp_terms t = dp_terms(sc);
@@ -121,7 +121,7 @@ static int charge_member(dc_step_call *sc, dc_ledger_account *acct, const dc_con
 }
 
 int dc_step_account_charge(dc_step_call *sc, dc_ledger_account *acct, bool group_member,
-                           const dc_config *c, dc_metrics *m, dc_step_charge *kind,
+                           const dc_host_cfg *c, dc_metrics *m, dc_step_charge *kind,
                            dc_err *e) {
     int rc;
 

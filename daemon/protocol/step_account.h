@@ -36,7 +36,7 @@
 #include <stdbool.h>
 #include <uv.h>
 
-#include "config.h"
+#include "host.h"
 #include "ledger.h"
 #include "metrics.h"
 #include "step_call.h"
@@ -54,7 +54,7 @@ typedef enum dc_step_charge {
 /* 1. sc->params against their ranges and c; sets sc->q and sc->sigma (what
  * the ledger charges: the step's noise multiplier, or for a data-parallel
  * member the account's, data_parallel.noise_multiplier). */
-int dc_step_account_check(dc_step_call *sc, const dc_config *c, dc_err *e);
+int dc_step_account_check(dc_step_call *sc, const dc_host_cfg *c, dc_err *e);
 /* 2. The step's delta and budget set on the account. */
 int dc_step_account_terms(dc_step_call *sc, dc_ledger_account *acct, dc_err *e);
 /* 3. false: the curve of (sc->q, sc->sigma) is at hand. true: it is being
@@ -68,7 +68,7 @@ bool dc_step_account_curve(dc_step_call *sc, dc_ledger_account *acct, uv_loop_t 
  * than rank 0 (ignored for a data-parallel member). Budget refusals are
  * counted in m. */
 int dc_step_account_charge(dc_step_call *sc, dc_ledger_account *acct, bool group_member,
-                           const dc_config *c, dc_metrics *m, dc_step_charge *kind,
+                           const dc_host_cfg *c, dc_metrics *m, dc_step_charge *kind,
                            dc_err *e);
 /* 5. 0 and *wait false: nothing to wait for (in memory, or already on
  * disk); 0 and *wait true: resume(sc, rc, err) follows on the loop, with an

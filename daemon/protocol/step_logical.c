@@ -5,8 +5,8 @@
 #include <string.h>
 #include <uv.h>
 
+#include "host.h"
 #include "log.h"
-#include "server.h"
 #include "session.h"
 #include "step_pass.h"
 
@@ -71,12 +71,12 @@ static void free_done(dc_task *task) { free(task); }
 /* The accumulators of lg go (lg keeps its layout, without them). Host
  * memory is freed here; device memory by a task on its GPU's worker, which
  * owns the context (and its stream may still read them). */
-static void drop_accumulators(dc_server *srv, dc_logical *lg) {
+static void drop_accumulators(const dc_host *host, dc_logical *lg) {
     size_t n = 0;
     free_task *f;
     for (size_t i = 0; i < 2 * lg->n_layers; i++) n += lg->outs[i].acc != NULL;
     if (n == 0) return;
-    if (lg->device < 0 || lg->device >= srv->gpu.n ||
+    if (lg->device < 0 || lg->device >= host->gpu->n ||
         !(f = malloc(sizeof *f + n * sizeof f->p[0]))) {
         /* host memory; or (out of memory for the task) leaked rather than
          * freed on the wrong thread */
@@ -89,7 +89,7 @@ static void drop_accumulators(dc_server *srv, dc_logical *lg) {
         memset(&f->task, 0, sizeof f->task);
         f->task.work = free_work;
         f->task.done = free_done;
-        dc_worker_pool_submit(&srv->gpu.pools[lg->device], &f->task);
+        dc_worker_pool_submit(&host->gpu->pools[lg->device], &f->task);
     }
     for (size_t i = 0; i < 2 * lg->n_layers; i++) lg->outs[i].acc = NULL;
     lg->bytes = 0;
@@ -163,23 +163,23 @@ static bool layout_same(const dc_logical *lg, const dc_step *st, bool phased) {
 /* `need` more bytes of accumulators for the session, against the user's
  * and the daemon's limits (those held already count in the usage). */
 static int acc_limits(dc_session *s, uint64_t need, dc_err *e) {
-    dc_server *srv = s->srv;
+    dc_host *host = s->host;
     dc_uid_usage mine, all;
     if (!need) return 0;
-    dc_server_uid_usage(srv, (uint32_t)s->peer_uid, &mine, &all);
-    if (mine.acc_bytes + need > srv->cfg.max_accumulator_memory_per_uid)
+    dc_host_uid_usage(host, (uint32_t)s->peer_uid, &mine, &all);
+    if (mine.acc_bytes + need > host->cfg.max_accumulator_memory_per_uid)
         return dc_err_set(e, DC_ENOSPACE, "limits.max_accumulator_memory_per_uid",
                           "a logical step's accumulators of %llu more bytes would take uid %u's "
                           "past %llu bytes (limits.max_accumulator_memory_per_uid; %llu held)",
                           (unsigned long long)need, (unsigned)s->peer_uid,
-                          (unsigned long long)srv->cfg.max_accumulator_memory_per_uid,
+                          (unsigned long long)host->cfg.max_accumulator_memory_per_uid,
                           (unsigned long long)mine.acc_bytes);
-    if (all.acc_bytes + need > srv->cfg.max_accumulator_memory)
+    if (all.acc_bytes + need > host->cfg.max_accumulator_memory)
         return dc_err_set(e, DC_ENOSPACE, "limits.max_accumulator_memory",
                           "a logical step's accumulators of %llu more bytes would take the "
                           "daemon's past %llu bytes (limits.max_accumulator_memory; %llu held)",
                           (unsigned long long)need,
-                          (unsigned long long)srv->cfg.max_accumulator_memory,
+                          (unsigned long long)host->cfg.max_accumulator_memory,
                           (unsigned long long)all.acc_bytes);
     return 0;
 }
@@ -188,7 +188,7 @@ static int acc_limits(dc_session *s, uint64_t need, dc_err *e) {
  * where the outputs are the same, else on a new layout (the old
  * accumulators go). */
 static int open_logical(dc_session *s, dc_step_call *sc, dc_err *e) {
-    dc_server *srv = s->srv;
+    dc_host *host = s->host;
     const dc_step *st = &sc->step;
     dc_logical *lg = s->logical;
     uint64_t need = 0;
@@ -201,7 +201,7 @@ static int open_logical(dc_session *s, dc_step_call *sc, dc_err *e) {
         abort_logical(s, "the next logical step was opened before its commit");
     const bool phased = sc->params.phase == DC_PHASE_NORMS;
     if (lg && !layout_same(lg, st, phased)) {
-        drop_accumulators(srv, lg);
+        drop_accumulators(host, lg);
         free(lg->outs);
         lg->outs = NULL;
         lg->n_layers = 0;
@@ -247,7 +247,7 @@ static int open_logical(dc_session *s, dc_step_call *sc, dc_err *e) {
 /* Micro-batch k > 0: of the logical step open, next in order, its terms
  * and outputs. */
 static int continue_logical(dc_session *s, dc_step_call *sc, dc_err *e) {
-    const dc_config *c = &s->srv->cfg;
+    const dc_host_cfg *c = &s->host->cfg;
     dc_logical *lg = s->logical;
     const char *f;
     if (!lg || lg->id != sc->params.logical_id)
@@ -408,16 +408,16 @@ uint64_t dc_logical_bytes(const dc_session *s) { return s->logical ? s->logical-
 
 void dc_logical_expire(dc_session *s, uint64_t now_ns) {
     dc_logical *lg = s->logical;
-    const double limit = s->srv->cfg.logical_step_timeout;
+    const double limit = s->host->cfg.logical_step_timeout;
     if (!lg || !lg->open || s->call || now_ns - lg->opened_ns <= (uint64_t)(limit * 1e9)) return;
     abort_logical(s, "it was open longer than limits.logical_step_timeout");
-    drop_accumulators(s->srv, lg);
+    drop_accumulators(s->host, lg);
 }
 
 void dc_logical_free(dc_session *s) {
     dc_logical *lg = s->logical;
     if (!lg) return;
-    drop_accumulators(s->srv, lg);
+    drop_accumulators(s->host, lg);
     free(lg->outs);
     free(lg);
     s->logical = NULL;

@@ -162,7 +162,7 @@ static void on_accept(uv_poll_t *h, int status, int events) {
             continue;
         }
         if (uid_refused(srv, fd)) continue;
-        if (dc_session_start(srv, fd, &s) != 0) {
+        if (dc_session_start(&srv->host, fd, &s) != 0) {
             dc_log_error("cannot start a session (out of memory?)");
             continue;
         }
@@ -285,9 +285,7 @@ void dc_server_spin(dc_server *srv, bool idle) {
     dc_server_poll(srv, now, now + srv->spin_ns, idle);
 }
 
-uint64_t dc_server_poll_margin(uint64_t ahead_ns) {
-    return ahead_ns / 40 > 300000u ? ahead_ns / 40 : 300000u;
-}
+uint64_t dc_server_poll_margin(uint64_t ahead_ns) { return dc_host_poll_margin(ahead_ns); }
 
 /* --- lifecycle ------------------------------------------------------------------ */
 
@@ -339,12 +337,87 @@ static void maybe_finish(dc_server *srv) {
                 (unsigned long long)srv->metrics.steps_failed);
 }
 
-void dc_server_session_gone(dc_server *srv, dc_session *s) {
+/* A session has fully closed (the host's session_gone). */
+static void session_gone(dc_server *srv, dc_session *s) {
     if (s->prev) s->prev->next = s->next;
     else srv->sessions = s->next;
     if (s->next) s->next->prev = s->prev;
     srv->n_sessions--;
     maybe_finish(srv);
+}
+
+/* --- the sessions' host (protocol/host.h) ----------------------------------- */
+
+/* The protocol layer calls the server only through these: it sits below
+ * the server and cannot name it. */
+static void host_uid_usage(void *ctx, uint32_t uid, dc_uid_usage *mine, dc_uid_usage *all) {
+    dc_server_uid_usage(ctx, uid, mine, all);
+}
+static void host_session_gone(void *ctx, dc_session *s) { session_gone(ctx, s); }
+static void host_poll(void *ctx, uint64_t from_ns, uint64_t to_ns, bool idle) {
+    dc_server_poll(ctx, from_ns, to_ns, idle);
+}
+static void host_spin(void *ctx, bool idle) { dc_server_spin(ctx, idle); }
+
+static const dc_host_ops host_ops = {
+    .uid_usage = host_uid_usage,
+    .session_gone = host_session_gone,
+    .poll = host_poll,
+    .spin = host_spin,
+};
+
+_Static_assert(DC_CONFIG_MAX_IDS <= DC_HOST_MAX_IDS, "every [access] list fits the host's");
+
+/* The settings the sessions read, from the effective configuration: at
+ * start, and after a reload has changed it. */
+static void host_cfg_copy(dc_host_cfg *h, const dc_config *c) {
+    h->fixed_seed = c->fixed_seed;
+    h->max_buffers = c->max_buffers;
+    h->max_buffers_per_uid = c->max_buffers_per_uid;
+    h->max_mapped_bytes_per_uid = c->max_mapped_bytes_per_uid;
+    h->max_events = c->max_events;
+    h->max_pass_memory = c->max_pass_memory;
+    h->max_pass_memory_per_uid = c->max_pass_memory_per_uid;
+    h->max_micro_batches = c->max_micro_batches;
+    h->max_accumulator_memory = c->max_accumulator_memory;
+    h->max_accumulator_memory_per_uid = c->max_accumulator_memory_per_uid;
+    h->logical_step_timeout = c->logical_step_timeout;
+    h->handshake_timeout = c->handshake_timeout;
+    h->idle_timeout = c->idle_timeout;
+    h->max_reply_queue = c->max_reply_queue;
+    h->group_fuse = c->group_fuse;
+    h->gpu_workspace = c->gpu_workspace;
+    memcpy(h->allowed_uids, c->allowed_uids, sizeof c->allowed_uids);
+    h->n_allowed_uids = c->n_allowed_uids;
+    memcpy(h->allowed_gids, c->allowed_gids, sizeof c->allowed_gids);
+    h->n_allowed_gids = c->n_allowed_gids;
+    h->budget_epsilon = c->budget_epsilon;
+    h->budget_delta = c->budget_delta;
+    h->require_sample_rate = c->require_sample_rate;
+}
+
+/* The host every session gets: the server's own state by pointer (its
+ * address is fixed from dc_server_init on), its settings by value. */
+static void host_init(dc_server *srv) {
+    dc_host *h = &srv->host;
+    h->ops = &host_ops;
+    h->ctx = srv;
+    h->loop = srv->loop;
+    host_cfg_copy(&h->cfg, &srv->cfg);
+    h->limits = &srv->limits;
+    h->workers = srv->workers;
+    h->spin_ns = srv->spin_ns;
+    h->noise_key = srv->noise_key;
+    h->metrics = &srv->metrics;
+    h->ledger = &srv->ledger;
+    h->groups = &srv->groups;
+    h->gpu = &srv->gpu;
+    h->cpu_pool = &srv->cpu_pool;
+    h->buf_totals = &srv->buf_totals;
+    h->gpu_workspace = srv->gpu_workspace;
+    h->next_session_id = &srv->next_session_id;
+    h->next_buffer_id = &srv->next_buffer_id;
+    h->noise_steps = &srv->noise_steps;
 }
 
 static void on_stop_timer(uv_timer_t *t) {
@@ -432,7 +505,6 @@ void dc_server_apply_config(dc_server *srv, const dc_config *n) {
     c->group_timeout_ms = srv->groups.timeout_ms = n->group_timeout_ms;
     srv->buf_totals.max_buffers = c->max_buffers_total;
     srv->buf_totals.max_shm_bytes = c->max_mapped_bytes;
-    for (dc_session *s = srv->sessions; s; s = s->next) dc_session_limits_changed(s);
     memcpy(c->allowed_uids, n->allowed_uids, sizeof c->allowed_uids);
     c->n_allowed_uids = n->n_allowed_uids;
     memcpy(c->allowed_gids, n->allowed_gids, sizeof c->allowed_gids);
@@ -446,6 +518,9 @@ void dc_server_apply_config(dc_server *srv, const dc_config *n) {
     dc_ledger_set_limits(&srv->ledger, n->ledger_max_jobs_per_uid, n->ledger_job_idle_s);
     memcpy(c->status_ops_group, n->status_ops_group, sizeof c->status_ops_group);
     snprintf(c->config_path, sizeof c->config_path, "%s", n->config_path);
+    /* the sessions' copy, then their deadlines re-armed from it */
+    host_cfg_copy(&srv->host.cfg, c);
+    for (dc_session *s = srv->sessions; s; s = s->next) dc_session_limits_changed(s);
 }
 
 static void on_hup(uv_signal_t *h, int signum) {
@@ -524,6 +599,7 @@ int dc_server_init(dc_server *srv, uv_loop_t *loop, const dc_config *cfg,
     } else if (getrandom(&srv->noise_key, sizeof srv->noise_key, 0) != sizeof srv->noise_key) {
         return dc_err_set(err, DC_EINTERNAL, "", "getrandom: %s", strerror(errno));
     }
+    host_init(srv);
 
     dc_groups_init(&srv->groups, loop, srv->noise_key, cfg->max_group_size,
                    cfg->group_timeout_ms, cfg->max_group_timeout_ms);

@@ -24,6 +24,7 @@
 #include "config.h"
 #include "gpu.h"
 #include "group.h"
+#include "host.h"
 #include "ledger.h"
 #include "log.h"
 #include "metrics.h"
@@ -89,6 +90,9 @@ typedef struct dc_server {
     int64_t start_time;           /* wall clock at start (s since epoch) */
     bool stopping;
     bool closed;
+    /* What the sessions see of all this (protocol/host.h): filled by
+     * dc_server_init, its settings again on reload. */
+    dc_host host;
 } dc_server;
 
 /* Opens the ledger, binds (or takes from systemd) and listens, starts the
@@ -117,9 +121,8 @@ void dc_server_poll(dc_server *srv, uint64_t from_ns, uint64_t to_ns, bool idle)
  * or replying (idle true: a trainer's next request often follows within
  * microseconds). */
 void dc_server_spin(dc_server *srv, bool idle);
-/* Margin of a window around something expected in `ahead_ns`: 2.5% of the
- * wait (the jitter of a trainer's period), and at least 0.3 ms, with the
- * window opened by a timerfd (1.5 ms on the millisecond uv timer). */
+/* Margin of a window around something expected in `ahead_ns`
+ * (dc_host_poll_margin, host.h: the sessions compute it there). */
 uint64_t dc_server_poll_margin(uint64_t ahead_ns);
 /* The windows' handles on loop (precise: with the timerfd, else the uv
  * timer alone), their close, and whether a later window is armed. */
@@ -127,20 +130,9 @@ void dc_server_windows_init(dc_server *srv, uv_loop_t *loop, bool precise);
 void dc_server_windows_close(dc_server *srv);
 bool dc_server_window_pending(const dc_server *srv);
 
-/* What one user's (uid's) sessions hold, and all sessions: per-uid shares
- * of the daemon-wide limits (limits.max_*_per_uid) are checked against it,
- * so that one user cannot take every connection, buffer or pass byte from
- * the others. Counted over the sessions when asked (connections, buffer
- * registrations and norm passes are rare next to steps): no second tally
- * to keep in step. Closed sessions still finishing a step count. */
-typedef struct dc_uid_usage {
-    uint32_t connections;
-    uint64_t buffers, shm_bytes, pass_bytes, acc_bytes;
-} dc_uid_usage;
+/* What one user's (uid's) sessions hold, and all sessions (dc_uid_usage,
+ * host.h): counted over the server's list of sessions. */
 void dc_server_uid_usage(const dc_server *srv, uint32_t uid, dc_uid_usage *mine,
                          dc_uid_usage *all);
-
-/* Called by session.c when a session has fully closed. */
-void dc_server_session_gone(dc_server *srv, dc_session *s);
 
 #endif
