@@ -22,8 +22,8 @@ BENCH_FSDP_CHECK_FAULT=zero_grad makes the ranks call zero_grad() before
 every micro-batch (a loop that does not accumulate: only the last
 micro-batch counts), so that a test can see the check fail.
 
-The functions run in bench_fsdp.py's spawned processes and use its helpers
-(bench_fsdp makes `import bench_fsdp` find itself when run as a script).
+The functions run in bench_fsdp.py's spawned processes and use the helpers
+it shares with them (fsdp_common.py).
 """
 import json
 import math
@@ -33,8 +33,8 @@ import warnings
 import torch
 import torch.distributed as dist
 
-import bench_fsdp as bf
 from bench_torch_step import token_batch
+import fsdp_common as fc
 
 CHECK_STEPS = 3
 CHECK_LR = 1.0  # updates well above the f32 master weights' rounding
@@ -44,22 +44,22 @@ CHECK_TOL = {"bf16": 5e-2, "fp32": 5e-3}
 def global_batch(args, world, step):
     """The check's global batch of a step: G samples."""
     return token_batch(args, torch.device("cpu"), seed=1000 + step,
-                       batch=bf.global_size(args, world))
+                       batch=fc.global_size(args, world))
 
 
 def check_rank(rank, world, init_file, args, out_dir):
     """CHECK_STEPS dpclip steps at sigma 0 on this rank's rows of each
     global batch (in micro-batches with --logical); rank 0 saves the
     parameters, gathered whole, and the global mean loss of each step."""
-    init = bf.prepare(args)
-    device, mesh = bf.init_rank(rank, world, init_file, args, 600)
+    init = fc.prepare(args)
+    device, mesh = fc.init_rank(rank, world, init_file, args, 600)
     if rank == 0:
-        bf.log("check: rank 0's initial model built, process group up on %s" % device)
+        fc.log("check: rank 0's initial model built, process group up on %s" % device)
     fault = os.environ.get("BENCH_FSDP_CHECK_FAULT", "")
     try:
-        model = bf.shard(bf.fresh_model(args, device, init), mesh, args)
-        engine, model, opt = bf.private(args, model, world, mesh is None, 0.0, CHECK_LR)
-        per_rank = bf.global_size(args, world) // world
+        model = fc.shard(fc.fresh_model(args, device, init), mesh, args)
+        engine, model, opt = fc.private(args, model, world, mesh is None, 0.0, CHECK_LR)
+        per_rank = fc.global_size(args, world) // world
         micro = args.micro if args.logical else per_rank
         losses = []
         for s in range(CHECK_STEPS):
@@ -73,7 +73,7 @@ def check_rank(rank, world, init_file, args, out_dir):
                         warnings.simplefilter("ignore")
                         opt.zero_grad(set_to_none=True)
                 # each micro-batch's own mean: dpclip rescales by its size
-                loss = bf.seq_loss(model(xs[at:at + micro].to(device)),
+                loss = fc.seq_loss(model(xs[at:at + micro].to(device)),
                                    ys[at:at + micro].to(device))
                 loss.backward()
                 total += loss.detach() * (min(micro, per_rank - at) / per_rank)
@@ -81,7 +81,7 @@ def check_rank(rank, world, init_file, args, out_dir):
             dist.all_reduce(total)
             losses.append(float(total) / world)
             if rank == 0:
-                bf.log("check: step %d/%d, loss %.5f" % (s + 1, CHECK_STEPS, losses[-1]))
+                fc.log("check: step %d/%d, loss %.5f" % (s + 1, CHECK_STEPS, losses[-1]))
         engine.close()
         # What the module holds after the steps: a parameter that is not the
         # sharded one FSDP steps (an unsharded copy left registered) is
@@ -107,18 +107,18 @@ def check_reference(_, world, args, out_dir, mixed):
     """One process, one device: the unsharded model, dpclip on each whole
     global batch. mixed (bf16 under FSDP): f32 master weights stepped with
     the gradient of a bf16 copy, as MixedPrecisionPolicy does."""
-    init = bf.prepare(args)
+    init = fc.prepare(args)
     device = torch.device("cuda", 0) if args.device == "cuda" else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    master = bf.fresh_model(args, device, init)
-    work = bf.fresh_model(args, device, init).to(torch.bfloat16) if mixed else master
-    engine, work, opt = bf.private(args, work, world, False, 0.0, 0.0 if mixed else CHECK_LR)
+    master = fc.fresh_model(args, device, init)
+    work = fc.fresh_model(args, device, init).to(torch.bfloat16) if mixed else master
+    engine, work, opt = fc.private(args, work, world, False, 0.0, 0.0 if mixed else CHECK_LR)
     losses = []
     for s in range(CHECK_STEPS):
         xs, ys = global_batch(args, world, s)
         opt.zero_grad(set_to_none=True)
-        loss = bf.seq_loss(work(xs.to(device)), ys.to(device))
+        loss = fc.seq_loss(work(xs.to(device)), ys.to(device))
         loss.backward()
         opt.step()
         if mixed:
@@ -127,7 +127,7 @@ def check_reference(_, world, args, out_dir, mixed):
                     pm.add_(pw.grad.float(), alpha=-CHECK_LR)
                     pw.copy_(pm)
         losses.append(float(loss))
-        bf.log("check reference: step %d/%d, loss %.5f" % (s + 1, CHECK_STEPS, losses[-1]))
+        fc.log("check reference: step %d/%d, loss %.5f" % (s + 1, CHECK_STEPS, losses[-1]))
     engine.close()
     final = {n: p.detach().float().cpu() for n, p in master.named_parameters()}
     torch.save({"init": init, "final": final, "losses": losses},
@@ -173,25 +173,25 @@ def check(args, out_dir, sharded):
     status."""
     precision = args.precision if sharded else "fp32"  # no policy without fully_shard
     tol = args.check_tol if args.check_tol is not None else CHECK_TOL[precision]
-    size = bf.global_size(args, args.world)
-    bf.log("check: the reference, one process on %s, %d samples a step"
+    size = fc.global_size(args, args.world)
+    fc.log("check: the reference, one process on %s, %d samples a step"
            % ("cuda:0" if args.device == "cuda" else "the CPU", size))
-    why = bf.spawn(check_reference, 1, (args.world, args, out_dir, precision == "bf16"))
+    why = fc.spawn(check_reference, 1, (args.world, args, out_dir, precision == "bf16"))
     if why is None:
-        bf.log("check: %d ranks, %s%s" % (args.world, bf.placement(args), (
+        fc.log("check: %d ranks, %s%s" % (args.world, fc.placement(args), (
             ", micro-batches of %d" % args.micro) if args.logical else ""))
-        why = bf.spawn(check_rank, args.world, (
+        why = fc.spawn(check_rank, args.world, (
             args.world, os.path.join(out_dir, "init_check"), args, out_dir))
         if why is not None:
             why = "the ranks: " + why
     else:
         why = "the reference: " + why
     if why is not None:
-        bf.log("check failed: %s" % why)
+        fc.log("check failed: %s" % why)
         print(json.dumps({"bench": "fsdp", "check": True, "passed": False, "error": why}),
               flush=True)
         return 1
-    bf.log("check: comparing")
+    fc.log("check: comparing")
     ref = torch.load(os.path.join(out_dir, "reference.pt"))
     got = torch.load(os.path.join(out_dir, "check.pt"))
     res = compare(ref, got)
