@@ -63,10 +63,10 @@ typedef struct member {
     int rank, n, first, count, iters;
     int device; /* the CUDA device of this member's buffer, as this process numbers them */
     pthread_barrier_t *bar;
-    double *ms;  /* [iters], rank 0 writes */
+    double *ms;          /* [iters], rank 0 writes */
     double *wait, *exch; /* [iters], this member's group wait and exchange */
     double *sub, *rep;   /* [iters], this member's submission and reply (ms) */
-    int daemons; /* the group spans 2 daemons: rank 0 on daemon 0, the rest on daemon 1 */
+    int daemons;         /* the group spans 2 daemons: rank 0 on daemon 0, the rest on daemon 1 */
     dpclip_group_link *link; /* shared: rank 0's join fills the NCCL id */
     int rc;
 } member;
@@ -107,14 +107,14 @@ static void *member_main(void *arg) {
         (ce = cudaMalloc((void **)&dev, off)) != cudaSuccess ||
         (ce = cudaMemset(dev, 0x3c, off)) != cudaSuccess ||
         (ce = cudaDeviceSynchronize()) != cudaSuccess) {
-        fprintf(stderr, "member %d: CUDA allocation on device %d failed: %s\n", m->rank,
-                m->device, cudaGetErrorString(ce));
+        fprintf(stderr, "member %d: CUDA allocation on device %d failed: %s\n", m->rank, m->device,
+                cudaGetErrorString(ce));
         if (m->n > 1) exit(1); /* the others would wait at the barrier for ever */
         goto out;
     }
     if (dpclip_connect(m->sock, &o, &cl) || dpclip_buffer_register_cuda(cl, dev, &buf, &boff)) {
-        fprintf(stderr, "member %d (device %d): %s (%s)\n", m->rank, m->device,
-                dpclip_errmsg(cl), dpclip_errfield(cl));
+        fprintf(stderr, "member %d (device %d): %s (%s)\n", m->rank, m->device, dpclip_errmsg(cl),
+                dpclip_errfield(cl));
         if (m->n > 1) exit(1); /* the others would wait at the barrier for ever */
         goto out;
     }
@@ -146,8 +146,10 @@ static void *member_main(void *arg) {
             exit(1); /* the others would wait for this member for ever */
         }
     }
-    dpclip_clip_config cfg = {.max_grad_norm = 1.0f, .reduction = DPCLIP_MEAN,
-                              .expected_batch_size = B, .noise_multiplier = 1.0f};
+    dpclip_clip_config cfg = {.max_grad_norm = 1.0f,
+                              .reduction = DPCLIP_MEAN,
+                              .expected_batch_size = B,
+                              .noise_multiplier = 1.0f};
     dpclip_step *s = dpclip_step_new(B, &cfg);
     for (int i = 0; i < m->count; i++) {
         int l = m->first + i, d = shapes[l % 4][0], p = shapes[l % 4][1];
@@ -225,8 +227,7 @@ static int member_device(int k, int n, int two_daemons, int gpus) {
 /* Median times with the layers split over n members; with sock2, rank 0 on
  * sock and the others on sock2; buffers placed by member_device. 0, or -1
  * (said why). */
-static int run_split(const char *sock, const char *sock2, int n, int iters, int gpus,
-                     split_ms *r) {
+static int run_split(const char *sock, const char *sock2, int n, int iters, int gpus, split_ms *r) {
     pthread_t th[4];
     member m[4];
     pthread_barrier_t bar;
@@ -249,13 +250,23 @@ static int run_split(const char *sock, const char *sock2, int n, int iters, int 
         goto out_free;
     }
     for (int k = 0; k < n; k++) {
-        m[k] = (member){.sock = k && sock2 ? sock2 : sock, .group = group, .rank = k, .n = n,
-                        .first = k * (L_ALL / n), .count = L_ALL / n, .iters = iters,
-                        .device = member_device(k, n, sock2 != NULL, gpus), .bar = &bar,
-                        .ms = ms, .wait = ms + (1 + 4 * k) * iters,
-                        .exch = ms + (2 + 4 * k) * iters, .sub = ms + (3 + 4 * k) * iters,
-                        .rep = ms + (4 + 4 * k) * iters, .daemons = sock2 ? 2 : 1,
-                        .link = &link, .rc = 1};
+        m[k] = (member){.sock = k && sock2 ? sock2 : sock,
+                        .group = group,
+                        .rank = k,
+                        .n = n,
+                        .first = k * (L_ALL / n),
+                        .count = L_ALL / n,
+                        .iters = iters,
+                        .device = member_device(k, n, sock2 != NULL, gpus),
+                        .bar = &bar,
+                        .ms = ms,
+                        .wait = ms + (1 + 4 * k) * iters,
+                        .exch = ms + (2 + 4 * k) * iters,
+                        .sub = ms + (3 + 4 * k) * iters,
+                        .rep = ms + (4 + 4 * k) * iters,
+                        .daemons = sock2 ? 2 : 1,
+                        .link = &link,
+                        .rc = 1};
         if (pthread_create(&th[k], NULL, member_main, &m[k])) {
             fprintf(stderr, "pthread_create failed\n");
             exit(1); /* the members started would wait at the barrier for ever */
@@ -292,8 +303,7 @@ out_free:
 static const char *layout(char *buf, size_t n, int gpus, int used, int daemons,
                           const char *transport) {
     if (gpus <= 1) return "";
-    snprintf(buf, n, "\"gpus\":%d,\"daemons\":%d,\"transport\":\"%s\",", used, daemons,
-             transport);
+    snprintf(buf, n, "\"gpus\":%d,\"daemons\":%d,\"transport\":\"%s\",", used, daemons, transport);
     return buf;
 }
 
@@ -319,8 +329,7 @@ int main(int argc, char **argv) {
     if (gpus > 1) {
         int have = 0, need = sock2 ? 2 : gpus_used(4, 0, gpus); /* 4 members at most */
         if (cudaGetDeviceCount(&have) != cudaSuccess || have < need) {
-            fprintf(stderr, "--gpus %d needs %d CUDA devices here; %d visible\n", gpus, need,
-                    have);
+            fprintf(stderr, "--gpus %d needs %d CUDA devices here; %d visible\n", gpus, need, have);
             return 2;
         }
     }
@@ -356,9 +365,9 @@ int main(int argc, char **argv) {
                "\"added_ms\":%.3f,\"one_gpu_ms\":%.3f,\"added_vs_one_gpu_ms\":%.3f,"
                "\"wait_ms\":%.3f,\"after_last_ms\":%.3f,\"after_last_added_ms\":%.3f,"
                "\"mps\":%s}\n",
-               n, layout(lay, sizeof lay, gpus, gpus_used(n, 0, gpus), 1, "in-daemon"),
-               L_ALL, B, T, iters, r.step, unsplit, r.step - unsplit, one_gpu,
-               r.step - one_gpu, r.wait, r.after_last, r.after_last - one.after_last, mps);
+               n, layout(lay, sizeof lay, gpus, gpus_used(n, 0, gpus), 1, "in-daemon"), L_ALL, B, T,
+               iters, r.step, unsplit, r.step - unsplit, one_gpu, r.step - one_gpu, r.wait,
+               r.after_last, r.after_last - one.after_last, mps);
         fflush(stdout);
     }
     if (sock2) {

@@ -86,21 +86,21 @@
 #include "dc_cuda.h"
 #include "dcc.h"
 
-#define CK(x)                                                                                \
-    do {                                                                                     \
-        cudaError_t e_ = (x);                                                                \
-        if (e_ != cudaSuccess) {                                                             \
-            fprintf(stderr, "%s:%d: %s\n", __FILE__, __LINE__, cudaGetErrorString(e_));      \
-            exit(1);                                                                         \
-        }                                                                                    \
+#define CK(x)                                                                                      \
+    do {                                                                                           \
+        cudaError_t e_ = (x);                                                                      \
+        if (e_ != cudaSuccess) {                                                                   \
+            fprintf(stderr, "%s:%d: %s\n", __FILE__, __LINE__, cudaGetErrorString(e_));            \
+            exit(1);                                                                               \
+        }                                                                                          \
     } while (0)
-#define CKB(x)                                                                               \
-    do {                                                                                     \
-        cublasStatus_t s_ = (x);                                                             \
-        if (s_ != CUBLAS_STATUS_SUCCESS) {                                                   \
-            fprintf(stderr, "%s:%d: %s\n", __FILE__, __LINE__, cublasGetStatusString(s_));   \
-            exit(1);                                                                         \
-        }                                                                                    \
+#define CKB(x)                                                                                     \
+    do {                                                                                           \
+        cublasStatus_t s_ = (x);                                                                   \
+        if (s_ != CUBLAS_STATUS_SUCCESS) {                                                         \
+            fprintf(stderr, "%s:%d: %s\n", __FILE__, __LINE__, cublasGetStatusString(s_));         \
+            exit(1);                                                                               \
+        }                                                                                          \
     } while (0)
 
 /* Approximately N(0, scale^2) bf16 values from a hash of (seed, i). */
@@ -160,8 +160,8 @@ static __nv_bfloat16 *rand_bf16(size_t n, uint32_t seed, float scale) {
 static void gemm_bf16(cublasHandle_t h, int m, int n, int k, const void *A, int lda,
                       cublasOperation_t opb, const void *Bm, int ldb, void *C, int ldc) {
     const float one = 1.0f, zero = 0.0f;
-    CKB(cublasGemmEx(h, CUBLAS_OP_N, opb, m, n, k, &one, A, CUDA_R_16BF, lda, Bm, CUDA_R_16BF,
-                     ldb, &zero, C, CUDA_R_16BF, ldc, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+    CKB(cublasGemmEx(h, CUBLAS_OP_N, opb, m, n, k, &one, A, CUDA_R_16BF, lda, Bm, CUDA_R_16BF, ldb,
+                     &zero, C, CUDA_R_16BF, ldc, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
 }
 
 /* Median host time of a whole one-layer step through the backend. */
@@ -223,10 +223,10 @@ static void stack_shapes(stack &m, bool llama) {
         const char *kind;
         int d, p;
     };
-    static const shape gpt[4] = {{"qkv", 768, 2304}, {"proj", 768, 768}, {"up", 768, 3072},
-                                 {"down", 3072, 768}};
-    static const shape lla[7] = {{"q", 2048, 2048},    {"k", 2048, 2048},   {"v", 2048, 2048},
-                                 {"o", 2048, 2048},    {"gate", 2048, 8192}, {"up", 2048, 8192},
+    static const shape gpt[4] = {
+        {"qkv", 768, 2304}, {"proj", 768, 768}, {"up", 768, 3072}, {"down", 3072, 768}};
+    static const shape lla[7] = {{"q", 2048, 2048},   {"k", 2048, 2048},    {"v", 2048, 2048},
+                                 {"o", 2048, 2048},   {"gate", 2048, 8192}, {"up", 2048, 8192},
                                  {"down", 8192, 2048}};
     const shape *sh = llama ? lla : gpt;
     const int per = llama ? 7 : 4, blocks = llama ? 16 : 18;
@@ -277,14 +277,14 @@ static void stack_gemm_pass(cublasHandle_t h, stack &m, dc_dtype dt, cublasCompu
     cudaDataType_t ty = dt == DC_BF16 ? CUDA_R_16BF : CUDA_R_32F;
     CKB(cublasSetPointerMode(h, CUBLAS_POINTER_MODE_HOST));
     for (int l = 0; l < m.NL; l++)
-        CKB(cublasGemmEx(h, CUBLAS_OP_N, CUBLAS_OP_T, m.d[l], m.p[l], m.B * m.T, &one, m.a[l],
-                         ty, m.d[l], m.g[l], ty, m.p[l], &zero, m.w[l], CUDA_R_32F, m.d[l], ct,
+        CKB(cublasGemmEx(h, CUBLAS_OP_N, CUBLAS_OP_T, m.d[l], m.p[l], m.B * m.T, &one, m.a[l], ty,
+                         m.d[l], m.g[l], ty, m.p[l], &zero, m.w[l], CUDA_R_32F, m.d[l], ct,
                          CUBLAS_GEMM_DEFAULT));
 }
 
 /* The same, ms: median of reps. */
 static double stack_gemms(cublasHandle_t h, cudaStream_t st, stack &m, dc_dtype dt,
-                         cublasComputeType_t ct, int reps) {
+                          cublasComputeType_t ct, int reps) {
     return time_ms([&] { stack_gemm_pass(h, m, dt, ct); }, st, reps);
 }
 
@@ -307,8 +307,8 @@ static double rel_diff(const float *x, const float *x0, size_t n) {
 }
 
 static void stack_run(cublasHandle_t h, cudaStream_t st, stack &m, dc_dtype dt,
-                     const step_cfg *cfgs, int ncfg, double gemm_ms, double gemm_exact_ms,
-                     cublasComputeType_t ct, int reps) {
+                      const step_cfg *cfgs, int ncfg, double gemm_ms, double gemm_exact_ms,
+                      cublasComputeType_t ct, int reps) {
     stack_layers(m, dt);
     dc_step s;
     memset(&s, 0, sizeof s);
@@ -442,7 +442,7 @@ static void stack_f32(cublasHandle_t h, cudaStream_t st, stack &m, int reps) {
     double g_tf32 = stack_gemms(h, st, m, DC_F32, CUBLAS_COMPUTE_32F_FAST_TF32, reps);
     double g_f32 = stack_gemms(h, st, m, DC_F32, CUBLAS_COMPUTE_32F, std::max(1, reps / 4));
     stack_run(h, st, m, DC_F32, f_cfgs, 3, g_tf32, g_f32, CUBLAS_COMPUTE_32F_FAST_TF32,
-             std::max(2, reps / 3));
+              std::max(2, reps / 3));
 }
 
 /* The step of a model's layers in bf16, then (GPT-2 only: Llama's f32 copies
@@ -473,8 +473,7 @@ static void stack_bench(cublasHandle_t h, cudaStream_t st, int reps, bool llama)
     std::vector<step_cfg> run;
     for (int c = 0; c < (int)(sizeof bf_cfgs / sizeof bf_cfgs[0]); c++)
         if (llama ? c < 4 : c != 3) run.push_back(bf_cfgs[c]);
-    stack_run(h, st, m, DC_BF16, run.data(), (int)run.size(), gemm, gemm, CUBLAS_COMPUTE_32F,
-              reps);
+    stack_run(h, st, m, DC_BF16, run.data(), (int)run.size(), gemm, gemm, CUBLAS_COMPUTE_32F, reps);
     if (!llama) stack_f32(h, st, m, reps);
     for (int l = 0; l < m.NL; l++) {
         CK(cudaFree(m.a[l]));
@@ -486,9 +485,8 @@ static void stack_bench(cublasHandle_t h, cudaStream_t st, int reps, bool llama)
 
 int main(int argc, char **argv) {
     static const int shapes[7][4] = {
-        {32, 512, 768, 768},   {32, 512, 768, 3072},  {8, 2048, 768, 3072},
-        {2, 8192, 768, 3072},  {8, 1024, 2048, 8192}, {2, 4096, 2048, 8192},
-        {1, 16384, 2048, 2048},
+        {32, 512, 768, 768},   {32, 512, 768, 3072},  {8, 2048, 768, 3072},   {2, 8192, 768, 3072},
+        {8, 1024, 2048, 8192}, {2, 4096, 2048, 8192}, {1, 16384, 2048, 2048},
     };
     const bool llama = argc > 1 && strcmp(argv[1], "llama") == 0;
     const bool step_only = argc > 1 && (strcmp(argv[1], "step") == 0 || llama);
@@ -517,10 +515,10 @@ int main(int argc, char **argv) {
     double peak;
     {
         const int n = 8192;
-        __nv_bfloat16 *A = rand_bf16((size_t)n * n, 1, 1.0f), *Bm = rand_bf16((size_t)n * n, 2, 1.0f),
+        __nv_bfloat16 *A = rand_bf16((size_t)n * n, 1, 1.0f),
+                      *Bm = rand_bf16((size_t)n * n, 2, 1.0f),
                       *C = rand_bf16((size_t)n * n, 3, 1.0f);
-        double ms = time_ms([&] { gemm_bf16(h, n, n, n, A, n, CUBLAS_OP_N, Bm, n, C, n); }, st,
-                            10);
+        double ms = time_ms([&] { gemm_bf16(h, n, n, n, A, n, CUBLAS_OP_N, Bm, n, C, n); }, st, 10);
         peak = 2.0 * n * (double)n * n / (ms * 1e-3);
         CK(cudaFree(A));
         CK(cudaFree(Bm));
@@ -538,7 +536,8 @@ int main(int argc, char **argv) {
         if (one && atoi(one) != si) continue;
         const int B = shapes[si][0], T = shapes[si][1], d = shapes[si][2], p = shapes[si][3];
         const size_t rows = (size_t)B * T;
-        __nv_bfloat16 *a = rand_bf16(rows * d, 11 + si, 1.0f), *g = rand_bf16(rows * p, 23 + si, 0.1f);
+        __nv_bfloat16 *a = rand_bf16(rows * d, 11 + si, 1.0f),
+                      *g = rand_bf16(rows * p, 23 + si, 0.1f);
         __nv_bfloat16 *W;
         float *n2, *w32, *b32;
         CK(cudaMalloc(&W, (size_t)p * d * sizeof *W));
@@ -656,11 +655,11 @@ int main(int argc, char **argv) {
                "\"path\":%d}\n",
                B, T, d, p, pick == DC_ALGO_DIRECT ? "direct" : "ghost", t[0], t[1], t[2], gemm,
                limit, r_auto, t[1] / gemm, t[2] / gemm, limit / gemm,
-               fl_direct / (gemm * 1e-3) * 1e-12, std::min(fl_direct, fl_ghost) / (t[0] * 1e-3) * 1e-12,
-               dvg, sms, extra, bms, bk_extra, th[0], th[1], th[2], th[3], auto_rows, auto_split,
-               auto_plan.tail_ks, (int)auto_plan.persist,
-               auto_plan.tail_ks ? auto_plan.full : 0LL, ghost_plan.wide, ghost_plan.tail_ks,
-               ghost_plan.tail_ks ? ghost_plan.full : 0LL, dcc_linear_path(&L));
+               fl_direct / (gemm * 1e-3) * 1e-12,
+               std::min(fl_direct, fl_ghost) / (t[0] * 1e-3) * 1e-12, dvg, sms, extra, bms,
+               bk_extra, th[0], th[1], th[2], th[3], auto_rows, auto_split, auto_plan.tail_ks,
+               (int)auto_plan.persist, auto_plan.tail_ks ? auto_plan.full : 0LL, ghost_plan.wide,
+               ghost_plan.tail_ks, ghost_plan.tail_ks ? ghost_plan.full : 0LL, dcc_linear_path(&L));
         fflush(stdout);
         CK(cudaFree(a));
         CK(cudaFree(g));
@@ -677,8 +676,8 @@ int main(int argc, char **argv) {
            "\"max_extra_bytes\":%zu,\"target_geomean_le_1\":%s,\"target_max_le_1_5\":%s,"
            "\"target_extra_le_64MiB\":%s,\"target_geomean_le_0_85\":%s,"
            "\"target_max_le_1_25\":%s}\n",
-           gm, exp(lg_direct / 7.0), exp(lg_ghost / 7.0), exp(lg_limit / 7.0), worst,
-           worst_extra, gm <= 1.0 ? "true" : "false", worst <= 1.5 ? "true" : "false",
+           gm, exp(lg_direct / 7.0), exp(lg_ghost / 7.0), exp(lg_limit / 7.0), worst, worst_extra,
+           gm <= 1.0 ? "true" : "false", worst <= 1.5 ? "true" : "false",
            worst_extra <= ((size_t)64 << 20) ? "true" : "false", gm <= 0.85 ? "true" : "false",
            worst <= 1.25 ? "true" : "false");
     stack_bench(h, st, std::max(2, reps / 2), false);

@@ -31,13 +31,13 @@
 
 #include "dpclip.h"
 
-#define CK(x)                                                                        \
-    do {                                                                             \
-        cudaError_t e_ = (x);                                                        \
-        if (e_ != cudaSuccess) {                                                     \
-            fprintf(stderr, "%s: %s\n", #x, cudaGetErrorString(e_));                 \
-            exit(1);                                                                 \
-        }                                                                            \
+#define CK(x)                                                                                      \
+    do {                                                                                           \
+        cudaError_t e_ = (x);                                                                      \
+        if (e_ != cudaSuccess) {                                                                   \
+            fprintf(stderr, "%s: %s\n", #x, cudaGetErrorString(e_));                               \
+            exit(1);                                                                               \
+        }                                                                                          \
     } while (0)
 
 static double now_ms(void) {
@@ -120,7 +120,8 @@ int main(int argc, char **argv) {
     CK(cudaEventCreate(&t1));
     CK(cudaIpcGetEventHandle(&hr, ready));
     CK(cudaIpcGetEventHandle(&hd, done));
-    if (dpclip_event_register_cuda(cl, &hr, 0, &er) || dpclip_event_register_cuda(cl, &hd, 0, &ed)) {
+    if (dpclip_event_register_cuda(cl, &hr, 0, &er) ||
+        dpclip_event_register_cuda(cl, &hd, 0, &ed)) {
         fprintf(stderr, "events: %s\n", dpclip_errmsg(cl));
         return 1;
     }
@@ -139,8 +140,10 @@ int main(int argc, char **argv) {
         if (gap_sets < 1) gap_sets = 1;
     }
 
-    dpclip_clip_config cfg = {.max_grad_norm = 1.0f, .reduction = DPCLIP_MEAN,
-                              .expected_batch_size = (uint32_t)B, .noise_multiplier = 1.0f};
+    dpclip_clip_config cfg = {.max_grad_norm = 1.0f,
+                              .reduction = DPCLIP_MEAN,
+                              .expected_batch_size = (uint32_t)B,
+                              .noise_multiplier = 1.0f};
     dpclip_step *s = dpclip_step_new((uint32_t)B, &cfg);
     for (int l = 0; l < L; l++) {
         int d = shapes[l % 4][0], p = shapes[l % 4][1];
@@ -209,7 +212,8 @@ int main(int argc, char **argv) {
                 v[P_SEND][i] = (tm.sent_ns - tm.start_ns) / 1e3;
                 v[P_TOD][i] = ((double)tm.daemon_received_ns - (double)tm.sent_ns) / 1e3;
                 v[P_IND][i] = ((double)tm.daemon_replied_ns - (double)tm.daemon_received_ns -
-                               (double)tm.compute_ns) / 1e3;
+                               (double)tm.compute_ns) /
+                              1e3;
                 v[P_TOC][i] = ((double)tm.received_ns - (double)tm.daemon_replied_ns) / 1e3;
                 v[P_RET][i] = (b - tm.received_ns / 1e6) * 1e3;
             } else if (i >= 0) {
@@ -233,23 +237,33 @@ int main(int argc, char **argv) {
         ov[i] = v[P_RT][i] - v[P_GPU][i];
         ov2[i] = v[P_TL2][i] - v[P_GPU2][i];
     }
-    printf("{\"bench\":\"cuda_step\",\"model\":\"gpt2-small-linears\",\"layers\":%d,\"B\":%d,"
-           "\"T\":%d,\"dtype\":\"bf16\",\"iters\":%d,\"gap_us\":%ld,\"gap\":\"%s\",\"mps\":%s,\"daemon_gpu_ms\":%.3f,"
-           "\"daemon_gpu_p90_ms\":%.3f,\"rt_ms\":%.3f,\"rt_p90_ms\":%.3f,\"overhead_ms\":%.3f,"
-           "\"overhead_p90_ms\":%.3f,\"timeline_ms\":%.3f,\"buffer_mib\":%.0f,"
-           "\"us\":{\"send\":%.1f,\"to_daemon\":%.1f,\"in_daemon\":%.1f,\"to_client\":%.1f,"
-           "\"ret\":%.1f}}\n",
-           L, B, T, iters, gap_us, !gap_us ? "none" : gap_gpu ? "gpu" : "sleep", info.mps_active ? "true" : "false", pct(v[P_GPU], iters, 0.5),
-           pct(v[P_GPU], iters, 0.9), pct(v[P_RT], iters, 0.5), pct(v[P_RT], iters, 0.9),
-           pct(ov, n, 0.5), pct(ov, n, 0.9), pct(v[P_TL], iters, 0.5), total / 1048576.0,
-           pct(v[P_SEND], iters, 0.5), pct(v[P_TOD], iters, 0.5), pct(v[P_IND], iters, 0.5),
-           pct(v[P_TOC], iters, 0.5), pct(v[P_RET], iters, 0.5));
-    printf("{\"bench\":\"cuda_step_notify\",\"layers\":%d,\"gap_us\":%ld,\"gap\":\"%s\",\"mps\":%s,\"notice_ms\":%.3f,"
-           "\"notice_p90_ms\":%.3f,\"daemon_gpu_ms\":%.3f,\"timeline_ms\":%.3f,"
-           "\"timeline_over_gpu_ms\":%.3f,\"timeline_over_gpu_p90_ms\":%.3f}\n",
-           L, gap_us, !gap_us ? "none" : gap_gpu ? "gpu" : "sleep", info.mps_active ? "true" : "false", pct(v[P_NOTICE], iters, 0.5),
-           pct(v[P_NOTICE], iters, 0.9), pct(v[P_GPU2], iters, 0.5), pct(v[P_TL2], iters, 0.5),
-           pct(ov2, n, 0.5), pct(ov2, n, 0.9));
+    printf(
+        "{\"bench\":\"cuda_step\",\"model\":\"gpt2-small-linears\",\"layers\":%d,\"B\":%d,"
+        "\"T\":%d,\"dtype\":\"bf16\",\"iters\":%d,\"gap_us\":%ld,\"gap\":\"%s\",\"mps\":%s,\"daemon_gpu_ms\":%.3f,"
+        "\"daemon_gpu_p90_ms\":%.3f,\"rt_ms\":%.3f,\"rt_p90_ms\":%.3f,\"overhead_ms\":%.3f,"
+        "\"overhead_p90_ms\":%.3f,\"timeline_ms\":%.3f,\"buffer_mib\":%.0f,"
+        "\"us\":{\"send\":%.1f,\"to_daemon\":%.1f,\"in_daemon\":%.1f,\"to_client\":%.1f,"
+        "\"ret\":%.1f}}\n",
+        L, B, T, iters, gap_us,
+        !gap_us   ? "none"
+        : gap_gpu ? "gpu"
+                  : "sleep",
+        info.mps_active ? "true" : "false", pct(v[P_GPU], iters, 0.5), pct(v[P_GPU], iters, 0.9),
+        pct(v[P_RT], iters, 0.5), pct(v[P_RT], iters, 0.9), pct(ov, n, 0.5), pct(ov, n, 0.9),
+        pct(v[P_TL], iters, 0.5), total / 1048576.0, pct(v[P_SEND], iters, 0.5),
+        pct(v[P_TOD], iters, 0.5), pct(v[P_IND], iters, 0.5), pct(v[P_TOC], iters, 0.5),
+        pct(v[P_RET], iters, 0.5));
+    printf(
+        "{\"bench\":\"cuda_step_notify\",\"layers\":%d,\"gap_us\":%ld,\"gap\":\"%s\",\"mps\":%s,\"notice_ms\":%.3f,"
+        "\"notice_p90_ms\":%.3f,\"daemon_gpu_ms\":%.3f,\"timeline_ms\":%.3f,"
+        "\"timeline_over_gpu_ms\":%.3f,\"timeline_over_gpu_p90_ms\":%.3f}\n",
+        L, gap_us,
+        !gap_us   ? "none"
+        : gap_gpu ? "gpu"
+                  : "sleep",
+        info.mps_active ? "true" : "false", pct(v[P_NOTICE], iters, 0.5),
+        pct(v[P_NOTICE], iters, 0.9), pct(v[P_GPU2], iters, 0.5), pct(v[P_TL2], iters, 0.5),
+        pct(ov2, n, 0.5), pct(ov2, n, 0.9));
     dpclip_step_free(s);
     dpclip_disconnect(cl);
     cudaFree(dev);

@@ -59,8 +59,8 @@ static int run(ctx *c, int which) {
         return 0;
     }
     static const dc_algo algo[3] = {DC_ALGO_DIRECT, DC_ALGO_GHOST, DC_ALGO_AUTO};
-    return dc_cpu_linear_sqnorms(&c->s, c->a, c->g, sh->B, sh->T, sh->d, sh->p, false,
-                                 algo[which], c->n2);
+    return dc_cpu_linear_sqnorms(&c->s, c->a, c->g, sh->B, sh->T, sh->d, sh->p, false, algo[which],
+                                 c->n2);
 }
 
 static double median_ms(ctx *c, int which, int reps) {
@@ -78,7 +78,7 @@ static double median_ms(ctx *c, int which, int reps) {
 
 int main(int argc, char **argv) {
     static const shape shapes[] = {
-        {8, 128, 256, 256}, {4, 512, 512, 512}, {16, 64, 1024, 1024},
+        {8, 128, 256, 256},   {4, 512, 512, 512},   {16, 64, 1024, 1024},
         {2, 1024, 256, 1024}, {256, 1, 1024, 1024},
     };
     int reps = argc > 1 ? atoi(argv[1]) : 7;

@@ -38,12 +38,10 @@ static int cmp_double(const void *a, const void *b) {
 }
 
 int main(int argc, char **argv) {
-    static const struct option opts[] = {{"socket", required_argument, NULL, 's'},
-                                         {"iters", required_argument, NULL, 'i'},
-                                         {"warmup", required_argument, NULL, 'w'},
-                                         {"layers", required_argument, NULL, 'l'},
-                                         {"sigma", required_argument, NULL, 'n'},
-                                         {NULL, 0, NULL, 0}};
+    static const struct option opts[] = {
+        {"socket", required_argument, NULL, 's'}, {"iters", required_argument, NULL, 'i'},
+        {"warmup", required_argument, NULL, 'w'}, {"layers", required_argument, NULL, 'l'},
+        {"sigma", required_argument, NULL, 'n'},  {NULL, 0, NULL, 0}};
     const char *sock = dpclip_default_socket();
     int iters = 5000, warmup = 200, layers = 16, o, rc = 1;
     double sigma = 1.0, compute_ns = 0.0, ping_p50, part[4] = {0, 0, 0, 0};
@@ -91,8 +89,10 @@ int main(int argc, char **argv) {
         }
     }
     {
-        dpclip_clip_config cfg = {.max_grad_norm = 1.0f, .reduction = DPCLIP_MEAN,
-                                  .noise_multiplier = (float)sigma, .mode = DPCLIP_FLAT};
+        dpclip_clip_config cfg = {.max_grad_norm = 1.0f,
+                                  .reduction = DPCLIP_MEAN,
+                                  .noise_multiplier = (float)sigma,
+                                  .mode = DPCLIP_FLAT};
         s = dpclip_step_new(BATCH, &cfg);
         if (!s) goto out;
         for (int l = 0; l < layers; l++) {

@@ -10,21 +10,22 @@
 
 #define CL_STR_(x) #x
 #define CL_STR(x) CL_STR_(x)
-#define CL_STRUCT(t) { #t, sizeof(t) }
+#define CL_STRUCT(t)                                                                               \
+    { #t, sizeof(t) }
 
 static const struct {
     const char *name;
     size_t size;
 } cl_abi_structs[] = {
-    CL_STRUCT(dpclip_tensor),     CL_STRUCT(dpclip_connect_opts), CL_STRUCT(dpclip_daemon_info),
-    CL_STRUCT(dpclip_clip_config), CL_STRUCT(dpclip_linear),      CL_STRUCT(dpclip_embedding),
-    CL_STRUCT(dpclip_norm_layer), CL_STRUCT(dpclip_result),       CL_STRUCT(dpclip_timing),
-    CL_STRUCT(dpclip_enqueued),   CL_STRUCT(dpclip_group_opts),   CL_STRUCT(dpclip_group_link),
+    CL_STRUCT(dpclip_tensor),      CL_STRUCT(dpclip_connect_opts), CL_STRUCT(dpclip_daemon_info),
+    CL_STRUCT(dpclip_clip_config), CL_STRUCT(dpclip_linear),       CL_STRUCT(dpclip_embedding),
+    CL_STRUCT(dpclip_norm_layer),  CL_STRUCT(dpclip_result),       CL_STRUCT(dpclip_timing),
+    CL_STRUCT(dpclip_enqueued),    CL_STRUCT(dpclip_group_opts),   CL_STRUCT(dpclip_group_link),
 };
 
 DPCLIP_API const char *dpclip_version(void) {
-    return CL_STR(DPCLIP_VERSION_MAJOR) "." CL_STR(DPCLIP_VERSION_MINOR) "."
-        CL_STR(DPCLIP_VERSION_PATCH);
+    return CL_STR(DPCLIP_VERSION_MAJOR) "." CL_STR(DPCLIP_VERSION_MINOR) "." CL_STR(
+        DPCLIP_VERSION_PATCH);
 }
 
 DPCLIP_API size_t dpclip_sizeof(const char *name) {

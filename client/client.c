@@ -68,8 +68,8 @@ static void fail_all_pending(dpclip_client *c, const char *msg) {
 }
 
 int cl_keep_notice(dpclip_client *c, const Dpclip__Reply *r) {
-    if (r->id != 0 || r->body_case != DPCLIP__REPLY__BODY_ERROR || !r->error ||
-        !r->error->field || strcmp(r->error->field, "daemon") != 0)
+    if (r->id != 0 || r->body_case != DPCLIP__REPLY__BODY_ERROR || !r->error || !r->error->field ||
+        strcmp(r->error->field, "daemon") != 0)
         return 0;
     snprintf(c->notice, sizeof c->notice, "%s",
              r->error->message && r->error->message[0] ? r->error->message
@@ -151,13 +151,14 @@ void cl_push_pending(dpclip_client *c, const cl_pending *p) {
 
 /* Copies a ClipStepReply into a result with malloc'd arrays. */
 int cl_to_result(const Dpclip__ClipStepReply *r, uint32_t batch, uint32_t n_layers,
-                     dpclip_result *res, char *msg, size_t msgn) {
+                 dpclip_result *res, char *msg, size_t msgn) {
     size_t lb = (size_t)n_layers * batch;
     memset(res, 0, sizeof *res);
     if (r->n_norms != batch || r->n_coefficients != batch ||
         (r->n_layer_norms && r->n_layer_norms != lb) ||
         (r->n_layer_coefficients && r->n_layer_coefficients != lb)) {
-        snprintf(msg, msgn, "the daemon's reply has %zu norms and %zu coefficients for a batch of %u",
+        snprintf(msg, msgn,
+                 "the daemon's reply has %zu norms and %zu coefficients for a batch of %u",
                  r->n_norms, r->n_coefficients, batch);
         return DPCLIP_EPROTO;
     }
@@ -240,8 +241,8 @@ int cl_read_one(dpclip_client *c, int64_t deadline, Dpclip__Reply **sync) {
 /* Sends req and waits for its reply, completing earlier submits on the way.
  * On success *out is the reply with body `expect`; an Error reply becomes
  * the handle's error and its code. */
-int cl_call(dpclip_client *c, Dpclip__Request *req, int pass_fd,
-            Dpclip__Reply__BodyCase expect, int64_t deadline, Dpclip__Reply **out) {
+int cl_call(dpclip_client *c, Dpclip__Request *req, int pass_fd, Dpclip__Reply__BodyCase expect,
+            int64_t deadline, Dpclip__Reply **out) {
     cl_pending p;
     Dpclip__Reply *r = NULL;
     int rc;
@@ -495,7 +496,8 @@ DPCLIP_API int dpclip_ping(dpclip_client *c) {
     req.body_case = DPCLIP__REQUEST__BODY_PING;
     req.ping = &ping;
     if ((rc = cl_call(c, &req, -1, DPCLIP__REPLY__BODY_PONG, -1, &r)) == 0) {
-        if (r->pong->nonce != ping.nonce) rc = cl_die(c, "dpclipd answered a ping with the wrong nonce");
+        if (r->pong->nonce != ping.nonce)
+            rc = cl_die(c, "dpclipd answered a ping with the wrong nonce");
         dpclip__reply__free_unpacked(r, NULL);
     }
     cl_unlock(c);
@@ -548,8 +550,7 @@ static int join_group(dpclip_client *c, const dpclip_group_opts *o, dpclip_group
     return rc;
 }
 
-DPCLIP_API int dpclip_join_group(dpclip_client *c, const dpclip_group_opts *o,
-                                 uint64_t *group_id) {
+DPCLIP_API int dpclip_join_group(dpclip_client *c, const dpclip_group_opts *o, uint64_t *group_id) {
     return join_group(c, o, NULL, group_id);
 }
 

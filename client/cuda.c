@@ -121,12 +121,15 @@ DPCLIP_API int dpclip_buffer_register_cuda(dpclip_client *c, const void *dev_ptr
         goto out;
     }
     if ((e = g_cu.ipc_get_mem_handle(handle, base))) {
-        rc = cl_fail(c, DPCLIP_EARG, "", "cuIpcGetMemHandle: %s (memory from cudaMalloc-style "
-                     "allocators can be shared; VMM/async-pool memory cannot)", cu_err(e));
+        rc = cl_fail(c, DPCLIP_EARG, "",
+                     "cuIpcGetMemHandle: %s (memory from cudaMalloc-style "
+                     "allocators can be shared; VMM/async-pool memory cannot)",
+                     cu_err(e));
         goto out;
     }
     for (size_t i = 0; i < c->cb_n; i++)
-        if (c->cuda_bufs[i].device == device && c->cuda_bufs[i].base == base) hit = &c->cuda_bufs[i];
+        if (c->cuda_bufs[i].device == device && c->cuda_bufs[i].base == base)
+            hit = &c->cuda_bufs[i];
     if (hit && hit->size == size && memcmp(hit->handle, handle, 64) == 0) {
         *buffer_id = hit->id;
         *offset = p - base;
@@ -164,8 +167,7 @@ out:
 }
 
 DPCLIP_API int dpclip_buffer_register_cuda_handle(dpclip_client *c, const void *ipc_handle,
-                                                  uint64_t size, int device,
-                                                  uint64_t *buffer_id) {
+                                                  uint64_t size, int device, uint64_t *buffer_id) {
     int rc;
     if (!c || !ipc_handle || !buffer_id || device < 0) return DPCLIP_EARG;
     cl_lock(c);

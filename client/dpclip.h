@@ -34,20 +34,20 @@ extern "C" {
 /* Error codes: 1..10 are the daemon's (proto ErrorCode); 100+ are local. */
 enum {
     DPCLIP_OK = 0,
-    DPCLIP_EINVAL = 1,      /* a field of the request is invalid (see dpclip_errfield) */
-    DPCLIP_ENOTFOUND = 2,   /* unknown buffer id */
+    DPCLIP_EINVAL = 1,    /* a field of the request is invalid (see dpclip_errfield) */
+    DPCLIP_ENOTFOUND = 2, /* unknown buffer id */
     DPCLIP_EPERM = 3,
-    DPCLIP_EPRECOND = 4,    /* e.g. step before handshake */
+    DPCLIP_EPRECOND = 4, /* e.g. step before handshake */
     DPCLIP_ENOSPACE = 5,
-    DPCLIP_ENONFINITE = 6,  /* NaN/inf in an input; nothing was written */
+    DPCLIP_ENONFINITE = 6, /* NaN/inf in an input; nothing was written */
     DPCLIP_EPROTO = 7,
     DPCLIP_EINTERNAL = 8,
     DPCLIP_EUNAVAIL = 9,
     DPCLIP_EUNIMPL = 10,
-    DPCLIP_EIO = 100,       /* socket error or daemon gone: the handle is dead */
+    DPCLIP_EIO = 100, /* socket error or daemon gone: the handle is dead */
     DPCLIP_ENOMEM = 101,
-    DPCLIP_EAGAIN = 102,    /* dpclip_wait/poll: not finished yet */
-    DPCLIP_EARG = 103       /* bad argument to a library call (local check) */
+    DPCLIP_EAGAIN = 102, /* dpclip_wait/poll: not finished yet */
+    DPCLIP_EARG = 103    /* bad argument to a library call (local check) */
 };
 
 typedef enum dpclip_dtype {
@@ -65,20 +65,20 @@ typedef struct dpclip_step dpclip_step;
  * ndim 0 (or buffer 0) means "absent" for optional tensors. */
 typedef struct dpclip_tensor {
     uint64_t buffer;
-    uint64_t offset;      /* bytes */
+    uint64_t offset; /* bytes */
     dpclip_dtype dtype;
-    int ndim;             /* 1..3 */
+    int ndim; /* 1..3 */
     int64_t shape[3];
 } dpclip_tensor;
 
 /* --- connection ---------------------------------------------------------- */
 
 typedef struct dpclip_connect_opts {
-    const char *client_name;  /* shown in the daemon's logs/status; may be NULL */
-    const char *job_id;       /* the privacy ledger's account (with the caller's uid);
+    const char *client_name; /* shown in the daemon's logs/status; may be NULL */
+    const char *job_id;      /* the privacy ledger's account (with the caller's uid);
                                  NULL or "": a fresh one of this handle's own,
                                  "anon-" and 16 random hex digits (dpclip_job_id) */
-    int timeout_ms;           /* connect + handshake; 0 = 10000 */
+    int timeout_ms;          /* connect + handshake; 0 = 10000 */
 } dpclip_connect_opts;
 
 /* Default socket path: $DPCLIP_SOCKET, else /run/dpclip/dpclipd.sock. */
@@ -86,8 +86,7 @@ const char *dpclip_default_socket(void);
 
 /* On failure *out is still set (unless DPCLIP_ENOMEM) so dpclip_errmsg works;
  * dpclip_disconnect it either way. */
-int dpclip_connect(const char *socket_path, const dpclip_connect_opts *opts,
-                   dpclip_client **out);
+int dpclip_connect(const char *socket_path, const dpclip_connect_opts *opts, dpclip_client **out);
 void dpclip_disconnect(dpclip_client *c);
 
 /* The job id the handle's Hello named: the one given, or the fresh one
@@ -106,8 +105,8 @@ typedef struct dpclip_daemon_info {
     uint32_t max_layers;
     uint32_t max_frame;
     uint64_t session_id;
-    int has_cuda;         /* the daemon serves CUDA buffers */
-    int mps_active;       /* the CUDA MPS control daemon serves the node */
+    int has_cuda;   /* the daemon serves CUDA buffers */
+    int mps_active; /* the CUDA MPS control daemon serves the node */
 } dpclip_daemon_info;
 int dpclip_daemon_info_get(dpclip_client *c, dpclip_daemon_info *info);
 /* 1 once a reply said the daemon runs with --insecure-fixed-seed (every
@@ -153,11 +152,15 @@ int dpclip_event_register_cuda(dpclip_client *c, const void *ipc_event_handle, i
 /* --- steps --------------------------------------------------------------- */
 
 typedef enum dpclip_reduction { DPCLIP_SUM = 1, DPCLIP_MEAN = 2 } dpclip_reduction;
-typedef enum dpclip_algo { DPCLIP_ALGO_AUTO = 0, DPCLIP_ALGO_DIRECT = 1, DPCLIP_ALGO_GHOST = 2 } dpclip_algo;
+typedef enum dpclip_algo {
+    DPCLIP_ALGO_AUTO = 0,
+    DPCLIP_ALGO_DIRECT = 1,
+    DPCLIP_ALGO_GHOST = 2
+} dpclip_algo;
 typedef enum dpclip_clip_mode { DPCLIP_FLAT = 0, DPCLIP_PER_LAYER = 1 } dpclip_clip_mode;
 
 typedef struct dpclip_clip_config {
-    float max_grad_norm;          /* C > 0 */
+    float max_grad_norm; /* C > 0 */
     dpclip_reduction reduction;
     uint32_t expected_batch_size; /* MEAN: divisor of the noised sum; 0 = batch size, refused
                                      with a sample_rate in (0, 1) (it would be released) */
@@ -165,9 +168,9 @@ typedef struct dpclip_clip_config {
     dpclip_clip_mode mode;
     /* Privacy accounting (the daemon's ledger for this job: connect's job_id
      * and the caller's uid). Appended fields: zero keeps the old meaning. */
-    double sample_rate;           /* Poisson rate q of the batch; 0 = not given (counted as 1) */
-    double target_delta;          /* delta to report epsilon at; 0 = the job's current one */
-    double target_epsilon;        /* job budget at that delta: steps past it are refused
+    double sample_rate;    /* Poisson rate q of the batch; 0 = not given (counted as 1) */
+    double target_delta;   /* delta to report epsilon at; 0 = the job's current one */
+    double target_epsilon; /* job budget at that delta: steps past it are refused
                                      (DPCLIP_ENOSPACE); 0 = keep; it can only be lowered */
 } dpclip_clip_config;
 
@@ -177,20 +180,20 @@ void dpclip_step_free(dpclip_step *s);
 void dpclip_step_reset(dpclip_step *s, uint32_t batch_size);
 
 typedef struct dpclip_linear {
-    const char *name;           /* may be NULL */
-    dpclip_tensor activations;  /* [B,d] or [B,T,d] */
-    dpclip_tensor output_grad;  /* [B,p] or [B,T,p] */
+    const char *name;          /* may be NULL */
+    dpclip_tensor activations; /* [B,d] or [B,T,d] */
+    dpclip_tensor output_grad; /* [B,p] or [B,T,p] */
     int has_bias;
     dpclip_algo algo;
     dpclip_tensor weight_grad_out; /* optional [p,d] */
     dpclip_tensor bias_grad_out;   /* optional [p] */
-    float max_grad_norm;        /* PER_LAYER only */
+    float max_grad_norm;           /* PER_LAYER only */
 } dpclip_linear;
 
 typedef struct dpclip_embedding {
     const char *name;
-    dpclip_tensor indices;      /* [B] or [B,T], I32/I64 */
-    dpclip_tensor output_grad;  /* [B,d] or [B,T,d] */
+    dpclip_tensor indices;     /* [B] or [B,T], I32/I64 */
+    dpclip_tensor output_grad; /* [B,d] or [B,T,d] */
     uint64_t num_embeddings;
     int has_padding_idx;
     int64_t padding_idx;
@@ -198,12 +201,12 @@ typedef struct dpclip_embedding {
     float max_grad_norm;
 } dpclip_embedding;
 
-typedef struct dpclip_norm_layer {  /* LayerNorm and RMSNorm */
+typedef struct dpclip_norm_layer { /* LayerNorm and RMSNorm */
     const char *name;
-    dpclip_tensor input;        /* the layer's input x */
+    dpclip_tensor input; /* the layer's input x */
     dpclip_tensor output_grad;
     float eps;
-    int has_bias;               /* LayerNorm only */
+    int has_bias; /* LayerNorm only */
     dpclip_tensor weight_grad_out;
     dpclip_tensor bias_grad_out;
     float max_grad_norm;
@@ -288,14 +291,14 @@ int dpclip_step_set_logical(dpclip_step *s, uint64_t id, uint32_t micro_batch, i
 typedef struct dpclip_result {
     uint32_t batch;
     uint32_t n_layers;
-    float *norms;          /* [batch] */
-    float *coefs;          /* [batch] */
-    float *layer_norms;    /* [n_layers*batch] or NULL */
-    float *layer_coefs;    /* [n_layers*batch] (PER_LAYER) or NULL */
+    float *norms;       /* [batch] */
+    float *coefs;       /* [batch] */
+    float *layer_norms; /* [n_layers*batch] or NULL */
+    float *layer_coefs; /* [n_layers*batch] (PER_LAYER) or NULL */
     uint64_t step_index;
     uint64_t compute_ns;
-    double epsilon;        /* the job's epsilon after this step (inf without noise) */
-    double delta;          /* ... at this delta */
+    double epsilon;         /* the job's epsilon after this step (inf without noise) */
+    double delta;           /* ... at this delta */
     uint64_t input_wait_ns; /* of compute_ns: the GPU waiting for the step's wait_event
                                (the client's own work still running) */
     /* A micro-batch of a logical step (dpclip_step_set_logical): its id and
@@ -340,12 +343,11 @@ int dpclip_wait(dpclip_client *c, uint64_t ticket, int timeout_ms, dpclip_result
  * after its notice writes zeros to its outputs (the trainer may already
  * consume them) and its dpclip_wait returns the error. */
 typedef struct dpclip_enqueued {
-    uint64_t step_index;   /* the index the step gets if it succeeds */
-    double epsilon;        /* the job's epsilon with this step counted */
+    uint64_t step_index; /* the index the step gets if it succeeds */
+    double epsilon;      /* the job's epsilon with this step counted */
     double delta;
 } dpclip_enqueued;
-int dpclip_wait_enqueued(dpclip_client *c, uint64_t ticket, int timeout_ms,
-                         dpclip_enqueued *info);
+int dpclip_wait_enqueued(dpclip_client *c, uint64_t ticket, int timeout_ms, dpclip_enqueued *info);
 /* Process replies that have arrived (run callbacks) for up to timeout_ms;
  * returns the number of completions handled, or -code on error. */
 int dpclip_poll(dpclip_client *c, int timeout_ms);
@@ -368,11 +370,11 @@ int dpclip_ping(dpclip_client *c);
  * disconnects or times out dissolves the group: the steps waiting fail on
  * every member, naming it, and each member must join again. */
 typedef struct dpclip_group_opts {
-    const char *name;   /* the same on every member */
-    uint32_t rank;      /* this member, in [0, size) */
+    const char *name; /* the same on every member */
+    uint32_t rank;    /* this member, in [0, size) */
     uint32_t size;
     uint32_t timeout_ms; /* 0 = the daemon's groups.timeout_ms */
-    int group_wise;     /* 1: each member clips to C / sqrt(size) alone, no reduction */
+    int group_wise;      /* 1: each member clips to C / sqrt(size) alone, no reduction */
 } dpclip_group_opts;
 int dpclip_join_group(dpclip_client *c, const dpclip_group_opts *opts, uint64_t *group_id);
 
@@ -387,10 +389,10 @@ int dpclip_join_group(dpclip_client *c, const dpclip_group_opts *opts, uint64_t 
  * versions differ are refused. */
 #define DPCLIP_NCCL_ID_BYTES 128
 typedef struct dpclip_group_link {
-    uint32_t daemons;       /* daemons the group spans, >= 2 */
-    uint32_t daemon_rank;   /* this member's daemon: 0 = rank 0's, then in any agreed order */
-    uint32_t local_size;    /* members that use this member's daemon */
-    uint32_t nccl_version;  /* in: daemon 0's (0 on rank 0); out: the group's */
+    uint32_t daemons;      /* daemons the group spans, >= 2 */
+    uint32_t daemon_rank;  /* this member's daemon: 0 = rank 0's, then in any agreed order */
+    uint32_t local_size;   /* members that use this member's daemon */
+    uint32_t nccl_version; /* in: daemon 0's (0 on rank 0); out: the group's */
     uint8_t nccl_id[DPCLIP_NCCL_ID_BYTES]; /* in: daemon 0's; out on rank 0 */
 } dpclip_group_link;
 int dpclip_join_group_linked(dpclip_client *c, const dpclip_group_opts *opts,

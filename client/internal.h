@@ -27,9 +27,9 @@
 #define CL_MAX_REPLY (1u << 30)
 
 typedef enum cl_req_kind {
-    CL_REQ_SYNC = 1,  /* a blocking call waits for it (run, ping, register, ...) */
-    CL_REQ_TICKET,    /* dpclip_submit: result kept until dpclip_wait */
-    CL_REQ_CB         /* dpclip_submit_cb: callback when it completes */
+    CL_REQ_SYNC = 1, /* a blocking call waits for it (run, ping, register, ...) */
+    CL_REQ_TICKET,   /* dpclip_submit: result kept until dpclip_wait */
+    CL_REQ_CB        /* dpclip_submit_cb: callback when it completes */
 } cl_req_kind;
 
 /* A finished (or, while pending, future) ticket or callback completion:
@@ -37,7 +37,7 @@ typedef enum cl_req_kind {
  * until they are handed to the caller. Allocated when the request is
  * submitted, so that completing it never needs memory. */
 typedef struct cl_done {
-    struct cl_done *next;   /* in c->done_* or c->cb_* once finished */
+    struct cl_done *next; /* in c->done_* or c->cb_* once finished */
     cl_req_kind kind;
     uint64_t ticket;
     dpclip_step_cb cb;
@@ -46,9 +46,9 @@ typedef struct cl_done {
     char errmsg[256];
     char errfield[128];
     dpclip_result res;
-    int enqueued;           /* the step's early notice arrived (enq filled) */
+    int enqueued; /* the step's early notice arrived (enq filled) */
     dpclip_enqueued enq;
-    uint64_t t_sent;        /* CLOCK_MONOTONIC ns when the request went out */
+    uint64_t t_sent; /* CLOCK_MONOTONIC ns when the request went out */
 } cl_done;
 
 /* A request sent and not answered yet. Replies come in request order, so
@@ -56,9 +56,9 @@ typedef struct cl_done {
 typedef struct cl_pending {
     uint64_t req_id;
     cl_req_kind kind;
-    uint32_t batch;         /* ClipStep: to check the reply's arrays */
+    uint32_t batch; /* ClipStep: to check the reply's arrays */
     uint32_t n_layers;
-    cl_done *d;             /* CL_REQ_TICKET, CL_REQ_CB; owned until completion */
+    cl_done *d; /* CL_REQ_TICKET, CL_REQ_CB; owned until completion */
 } cl_pending;
 
 typedef struct cl_mapping {
@@ -72,34 +72,34 @@ typedef struct cl_cuda_buf {
     uint64_t id;
     int device;
     uint64_t base, size;
-    uint8_t handle[64];     /* the IPC handle it was registered with */
+    uint8_t handle[64]; /* the IPC handle it was registered with */
 } cl_cuda_buf;
 
 struct dpclip_client {
     pthread_mutex_t mu;
-    int fd;                 /* -1 once the connection is dead */
+    int fd; /* -1 once the connection is dead */
     uint64_t next_req_id;
     uint64_t next_ticket;
     dpclip_daemon_info info;
-    char job_id[256];       /* as the Hello named it (dpclip_job_id) */
-    int insecure;           /* a reply said the daemon's noise is predictable */
-    char notice[256];       /* the daemon's words about the connection (an Error with
+    char job_id[256]; /* as the Hello named it (dpclip_job_id) */
+    int insecure;     /* a reply said the daemon's noise is predictable */
+    char notice[256]; /* the daemon's words about the connection (an Error with
                              * id 0 and field "daemon": it is shutting down), the
                              * reason for every failure once the connection ends */
     char errmsg[512];
     char errfield[128];
 
-    uint8_t *sbuf;          /* send buffer, reused: frame header + packed request */
+    uint8_t *sbuf; /* send buffer, reused: frame header + packed request */
     size_t scap;
-    uint8_t *rbuf;          /* bytes received and not yet parsed */
+    uint8_t *rbuf; /* bytes received and not yet parsed */
     size_t rlen, rcap;
 
-    cl_pending *pend;       /* ring buffer FIFO */
+    cl_pending *pend; /* ring buffer FIFO */
     size_t p_head, p_len, p_cap;
-    cl_done *done_head;     /* finished tickets awaiting dpclip_wait (any order) */
+    cl_done *done_head;         /* finished tickets awaiting dpclip_wait (any order) */
     cl_done *cb_head, *cb_tail; /* finished callbacks, run once the lock is dropped */
 
-    cl_mapping *maps;       /* dpclip_buffer_alloc mappings, unmapped on release */
+    cl_mapping *maps; /* dpclip_buffer_alloc mappings, unmapped on release */
     size_t m_len, m_cap;
 
     cl_cuda_buf *cuda_bufs; /* CUDA allocations registered (cuda.c) */
@@ -117,10 +117,10 @@ struct dpclip_client {
      * microseconds on an idle core). DPCLIP_SPIN=0 turns it off. */
     int spin_enabled;
     uint64_t ewma_rt_ns;
-    uint64_t ewma_notice_ns;    /* the same for early notices (dpclip_wait_enqueued) */
+    uint64_t ewma_notice_ns; /* the same for early notices (dpclip_wait_enqueued) */
     uint64_t spin_from_ns, spin_to_ns;
 
-    dpclip_timing last_timing;  /* of the last successful dpclip_run */
+    dpclip_timing last_timing; /* of the last successful dpclip_run */
 
     /* The last ClipStep sent, packed as a Request without its id (proto3
      * leaves a zero id out): sent again with a new id while the step object
@@ -152,8 +152,8 @@ void cl_unlock(dpclip_client *c);
  * way). On success *out is the reply with body `expect` (free with
  * dpclip__reply__free_unpacked); an Error reply becomes the handle's error
  * and its code. Caller holds the lock. */
-int cl_call(dpclip_client *c, Dpclip__Request *req, int pass_fd,
-            Dpclip__Reply__BodyCase expect, int64_t deadline, Dpclip__Reply **out);
+int cl_call(dpclip_client *c, Dpclip__Request *req, int pass_fd, Dpclip__Reply__BodyCase expect,
+            int64_t deadline, Dpclip__Reply **out);
 
 /* RegisterBuffer (rb filled but for the request envelope; pass_fd >= 0 is
  * attached) and ReleaseBuffer (also drops our mapping / CUDA cache entry).
@@ -190,8 +190,7 @@ int64_t cl_deadline(int timeout_ms);
 int cl_send_request(dpclip_client *c, Dpclip__Request *req, int pass_fd, int64_t deadline);
 /* Sends a Request packed without its id (body: the fields after it) with a
  * new id (*id), as cl_send_request does. */
-int cl_send_body(dpclip_client *c, const uint8_t *body, size_t len, int64_t deadline,
-                 uint64_t *id);
+int cl_send_body(dpclip_client *c, const uint8_t *body, size_t len, int64_t deadline, uint64_t *id);
 /* Reads until one whole reply frame is buffered, then unpacks it into *out
  * (free with dpclip__reply__free_unpacked). DPCLIP_EAGAIN when the deadline
  * passes first, DPCLIP_EIO (handle dead) on socket errors or EOF. */

@@ -15,9 +15,9 @@
 
 typedef struct cl_layer {
     Dpclip__Layer__KindCase kind;
-    char *name;               /* owned copy, or NULL */
-    int replicated;           /* norm groups: held whole by every member */
-    uint32_t tied_to;         /* 1 + the layer whose weight this one's is; 0 = none */
+    char *name;       /* owned copy, or NULL */
+    int replicated;   /* norm groups: held whole by every member */
+    uint32_t tied_to; /* 1 + the layer whose weight this one's is; 0 = none */
     /* a sums step's noise ranges (dpclip_step_set_noise_range): [0] weight,
      * [1] bias; set 0: none */
     struct {
@@ -42,10 +42,10 @@ struct dpclip_step {
     uint64_t wait_event, signal_event;
     int notify_enqueued;
     dpclip_phase phase;
-    uint32_t dp_world, dp_rank;  /* data parallelism; world 0: none */
+    uint32_t dp_world, dp_rank; /* data parallelism; world 0: none */
     uint64_t dp_step;
     float dp_sigma;
-    uint64_t logical_id;         /* gradient accumulation; 0: none */
+    uint64_t logical_id; /* gradient accumulation; 0: none */
     uint32_t micro_batch;
     int commit;
     /* Changes with every mutation (from one process-wide counter, so a
@@ -187,8 +187,7 @@ DPCLIP_API int dpclip_step_set_outputs(dpclip_step *s, const dpclip_tensor *norm
     return DPCLIP_OK;
 }
 
-DPCLIP_API void dpclip_step_set_events(dpclip_step *s, uint64_t wait_event,
-                                       uint64_t signal_event) {
+DPCLIP_API void dpclip_step_set_events(dpclip_step *s, uint64_t wait_event, uint64_t signal_event) {
     if (!s) return;
     touch(s);
     s->wait_event = wait_event;
@@ -209,8 +208,8 @@ DPCLIP_API int dpclip_step_set_tied(dpclip_step *s, size_t layer, size_t owner) 
     return 0;
 }
 
-DPCLIP_API int dpclip_step_set_noise_range(dpclip_step *s, size_t layer, int output,
-                                           uint32_t dim, uint64_t begin, uint64_t end) {
+DPCLIP_API int dpclip_step_set_noise_range(dpclip_step *s, size_t layer, int output, uint32_t dim,
+                                           uint64_t begin, uint64_t end) {
     if (!s || layer >= s->n || (output != 0 && output != 1) || dim > 1 || begin > end)
         return DPCLIP_EARG;
     s->layers[layer].noise[output].set = 1;
@@ -228,8 +227,8 @@ DPCLIP_API void dpclip_step_notify_enqueued(dpclip_step *s, int yes) {
 }
 
 DPCLIP_API int dpclip_step_set_phase(dpclip_step *s, dpclip_phase phase) {
-    if (!s || (phase != DPCLIP_STEP_WHOLE && phase != DPCLIP_STEP_NORMS &&
-               phase != DPCLIP_STEP_SUMS))
+    if (!s ||
+        (phase != DPCLIP_STEP_WHOLE && phase != DPCLIP_STEP_NORMS && phase != DPCLIP_STEP_SUMS))
         return DPCLIP_EARG;
     touch(s);
     s->phase = phase;
@@ -454,8 +453,7 @@ int cl_step_message(dpclip_client *c, const dpclip_step *s, Dpclip__ClipStep **o
             L->rms_norm = k;
             break;
         }
-        default:
-            return cl_fail(c, DPCLIP_EINTERNAL, "clip_step.layers", "corrupt step object");
+        default: return cl_fail(c, DPCLIP_EINTERNAL, "clip_step.layers", "corrupt step object");
         }
     }
     *out = &m->step;

@@ -40,7 +40,8 @@ static int send_step(dpclip_client *c, const dpclip_step *s, cl_req_kind kind, c
         n = dpclip__request__get_packed_size(&req);
         if (n > c->packed_cap) {
             uint8_t *nb = realloc(c->packed, n);
-            if (!nb) return cl_fail(c, DPCLIP_ENOMEM, "", "out of memory for a %zu-byte request", n);
+            if (!nb)
+                return cl_fail(c, DPCLIP_ENOMEM, "", "out of memory for a %zu-byte request", n);
             c->packed = nb;
             c->packed_cap = n;
         }
@@ -90,11 +91,14 @@ DPCLIP_API int dpclip_run(dpclip_client *c, const dpclip_step *s, dpclip_result 
     } else if (r->body_case == DPCLIP__REPLY__BODY_CLIP_STEP) {
         char msg[160];
         if ((rc = cl_to_result(r->clip_step, cl_step_batch(s), cl_step_layers(s), res, msg,
-                            sizeof msg)))
+                               sizeof msg)))
             cl_fail(c, rc, "", "%s", msg);
         else
-            c->last_timing = (dpclip_timing){t0, t_sent, r->clip_step->t_received_ns,
-                                             r->clip_step->t_replied_ns, t_got,
+            c->last_timing = (dpclip_timing){t0,
+                                             t_sent,
+                                             r->clip_step->t_received_ns,
+                                             r->clip_step->t_replied_ns,
+                                             t_got,
                                              r->clip_step->compute_ns,
                                              r->clip_step->group_wait_ns,
                                              r->clip_step->group_exchange_ns,
@@ -114,8 +118,7 @@ DPCLIP_API int dpclip_last_timing(dpclip_client *c, dpclip_timing *t) {
     cl_lock(c);
     if (c->last_timing.start_ns == 0)
         rc = cl_fail(c, DPCLIP_EPRECOND, "", "no step has completed through dpclip_run yet");
-    else
-        *t = c->last_timing;
+    else *t = c->last_timing;
     cl_unlock(c);
     return rc;
 }
@@ -255,7 +258,8 @@ DPCLIP_API int dpclip_wait_enqueued(dpclip_client *c, uint64_t ticket, int timeo
         if (!d) {
             /* finished: a success counts as enqueued (still to collect); a
              * failure is reported and collected here */
-            for (d = c->done_head; d && d->ticket != ticket; d = d->next) {}
+            for (d = c->done_head; d && d->ticket != ticket; d = d->next) {
+            }
             if (!d) {
                 rc = cl_fail(c, DPCLIP_EARG, "", "ticket %llu is unknown or already collected",
                              (unsigned long long)ticket);

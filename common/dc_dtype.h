@@ -18,8 +18,10 @@ typedef enum dc_dtype {
 
 static inline size_t dc_dtype_size(dc_dtype t) {
     switch (t) {
-    case DC_F32: case DC_I32: return 4;
-    case DC_BF16: case DC_F16: return 2;
+    case DC_F32:
+    case DC_I32: return 4;
+    case DC_BF16:
+    case DC_F16: return 2;
     case DC_I64: return 8;
     default: return 0;
     }
@@ -66,7 +68,10 @@ static inline float dc_f16_to_f32(uint16_t h) {
             u = sign;
         } else { /* subnormal: normalize */
             int e = -1;
-            do { man <<= 1; e++; } while (!(man & 0x400u));
+            do {
+                man <<= 1;
+                e++;
+            } while (!(man & 0x400u));
             man &= 0x3ffu;
             u = sign | ((uint32_t)(127 - 15 - e) << 23) | (man << 13);
         }
@@ -88,8 +93,8 @@ static inline uint16_t dc_f32_to_f16(float f) {
     uint32_t a = u & 0x7fffffffu;
     if (a > 0x7f800000u) return (uint16_t)(sign | 0x7e00u);
     if (a >= 0x477ff000u) return (uint16_t)(sign | 0x7c00u); /* >= 65520 rounds to inf */
-    if (a < 0x38800000u) { /* below f16 normal range: subnormal or zero */
-        if (a < 0x33000000u) return (uint16_t)sign;        /* < 2^-25 rounds to 0 */
+    if (a < 0x38800000u) {                          /* below f16 normal range: subnormal or zero */
+        if (a < 0x33000000u) return (uint16_t)sign; /* < 2^-25 rounds to 0 */
         uint32_t e = a >> 23;
         uint32_t m = (a & 0x7fffffu) | 0x800000u;
         uint32_t shift = 126 - e; /* 14..24 */

@@ -8,16 +8,16 @@
 
 typedef enum dc_code {
     DC_OK = 0,
-    DC_EINVAL = 1,        /* INVALID_ARGUMENT */
-    DC_ENOTFOUND = 2,     /* NOT_FOUND */
-    DC_EPERM = 3,         /* PERMISSION_DENIED */
-    DC_EPRECOND = 4,      /* FAILED_PRECONDITION */
-    DC_ENOSPACE = 5,      /* RESOURCE_EXHAUSTED */
-    DC_ENONFINITE = 6,    /* NON_FINITE */
-    DC_EPROTO = 7,        /* PROTOCOL */
-    DC_EINTERNAL = 8,     /* INTERNAL */
-    DC_EUNAVAIL = 9,      /* UNAVAILABLE */
-    DC_EUNIMPL = 10       /* UNIMPLEMENTED */
+    DC_EINVAL = 1,     /* INVALID_ARGUMENT */
+    DC_ENOTFOUND = 2,  /* NOT_FOUND */
+    DC_EPERM = 3,      /* PERMISSION_DENIED */
+    DC_EPRECOND = 4,   /* FAILED_PRECONDITION */
+    DC_ENOSPACE = 5,   /* RESOURCE_EXHAUSTED */
+    DC_ENONFINITE = 6, /* NON_FINITE */
+    DC_EPROTO = 7,     /* PROTOCOL */
+    DC_EINTERNAL = 8,  /* INTERNAL */
+    DC_EUNAVAIL = 9,   /* UNAVAILABLE */
+    DC_EUNIMPL = 10    /* UNIMPLEMENTED */
 } dc_code;
 /* How many codes there are, DC_OK included: the size of a table by code. */
 #define DC_CODE_N (DC_EUNIMPL + 1)

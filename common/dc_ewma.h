@@ -7,8 +7,6 @@
 #include <stdint.h>
 
 /* The first sample sets the average. */
-static inline void dc_ewma_add(uint64_t *avg, uint64_t v) {
-    *avg = *avg ? (3 * *avg + v) / 4 : v;
-}
+static inline void dc_ewma_add(uint64_t *avg, uint64_t v) { *avg = *avg ? (3 * *avg + v) / 4 : v; }
 
 #endif

@@ -7,7 +7,7 @@
 
 #define DC_PROTOCOL_VERSION 1u
 #define DC_FRAME_HEADER 4u
-#define DC_DEFAULT_MAX_FRAME (1u << 20)   /* 1 MiB: requests are references, not data */
+#define DC_DEFAULT_MAX_FRAME (1u << 20) /* 1 MiB: requests are references, not data */
 #define DC_DEFAULT_MAX_BATCH 16384u
 #define DC_DEFAULT_MAX_LAYERS 4096u
 
@@ -19,8 +19,7 @@ static inline void dc_frame_put_len(uint8_t out[4], uint32_t n) {
 }
 
 static inline uint32_t dc_frame_get_len(const uint8_t in[4]) {
-    return (uint32_t)in[0] | (uint32_t)in[1] << 8 | (uint32_t)in[2] << 16 |
-           (uint32_t)in[3] << 24;
+    return (uint32_t)in[0] | (uint32_t)in[1] << 8 | (uint32_t)in[2] << 16 | (uint32_t)in[3] << 24;
 }
 
 #endif

@@ -48,8 +48,7 @@ static inline void dc_install_config_path(const char *dir, char *out, size_t n) 
         snprintf(out, n, "/%s/dpclip/dpclipd.conf", DPCLIP_SYSCONFDIR);
     else if (strncmp(exe, "/opt/", 5) == 0)
         snprintf(out, n, "/%s%s/dpclip/dpclipd.conf", DPCLIP_SYSCONFDIR, exe);
-    else
-        snprintf(out, n, "%s/%s/dpclip/dpclipd.conf", exe, DPCLIP_SYSCONFDIR);
+    else snprintf(out, n, "%s/%s/dpclip/dpclipd.conf", exe, DPCLIP_SYSCONFDIR);
 }
 
 #endif

@@ -20,9 +20,9 @@
 
 #include "dpclip.h"
 
-#define D 16      /* input features */
-#define H 32      /* hidden units */
-#define K 4       /* classes */
+#define D 16 /* input features */
+#define H 32 /* hidden units */
+#define K 4  /* classes */
 #define N_TRAIN 2048
 #define N_TEST 1024
 
@@ -37,7 +37,9 @@ static uint64_t rng_next(rng *r) { /* splitmix64 */
     return z ^ (z >> 31);
 }
 
-static double rng_uniform(rng *r) { return (double)(rng_next(r) >> 11) * (1.0 / 9007199254740992.0); }
+static double rng_uniform(rng *r) {
+    return (double)(rng_next(r) >> 11) * (1.0 / 9007199254740992.0);
+}
 
 static double rng_normal(rng *r) {
     double u1 = 1.0 - rng_uniform(r), u2 = rng_uniform(r);
@@ -185,15 +187,19 @@ int main(int argc, char **argv) {
     /* One step description, reused for every batch: the tensors stay where
      * they are, only their contents change. MEAN: our loss is a batch mean. */
     {
-        dpclip_clip_config cfg = {.max_grad_norm = (float)clip, .reduction = DPCLIP_MEAN,
+        dpclip_clip_config cfg = {.max_grad_norm = (float)clip,
+                                  .reduction = DPCLIP_MEAN,
                                   .expected_batch_size = (uint32_t)B,
-                                  .noise_multiplier = (float)sigma, .mode = DPCLIP_FLAT};
-        dpclip_linear fc1 = {.name = "fc1", .has_bias = 1,
+                                  .noise_multiplier = (float)sigma,
+                                  .mode = DPCLIP_FLAT};
+        dpclip_linear fc1 = {.name = "fc1",
+                             .has_bias = 1,
                              .activations = ten(buf, L.x, 2, B, D),
                              .output_grad = ten(buf, L.g1, 2, B, H),
                              .weight_grad_out = ten(buf, L.gw1, 2, H, D),
                              .bias_grad_out = ten(buf, L.gb1, 1, H, 0)};
-        dpclip_linear fc2 = {.name = "fc2", .has_bias = 1,
+        dpclip_linear fc2 = {.name = "fc2",
+                             .has_bias = 1,
                              .activations = ten(buf, L.h, 2, B, H),
                              .output_grad = ten(buf, L.g2, 2, B, K),
                              .weight_grad_out = ten(buf, L.gw2, 2, K, H),
@@ -207,7 +213,7 @@ int main(int argc, char **argv) {
 
     for (int ep = 1; ep <= epochs; ep++) {
         double loss = 0.0, coef_sum = 0.0;
-        int batches = N_TRAIN / B; /* the remainder is dropped: fixed-size steps */
+        int batches = N_TRAIN / B;              /* the remainder is dropped: fixed-size steps */
         for (int i = N_TRAIN - 1; i > 0; i--) { /* shuffle */
             int j = (int)(rng_next(&r) % (uint64_t)(i + 1)), t = perm[i];
             perm[i] = perm[j];

@@ -53,8 +53,8 @@ static void test_tf_privacy_values(void **state) {
     /* [TFP] test_compute_rdp_scalar: compute_rdp(0.1, 2, 10 steps, order 5) */
     assert_close(10 * dc_rdp_step(0.1, 2, 5), 0.07737, 0, 0.5e-5, "scalar");
     /* [TFP] test_compute_rdp_sequence: q 0.01, sigma 2.5, 50 steps, delta 1e-5 abs */
-    for (int k = 0; k < 5; k++) assert_close(50 * dc_rdp_step(0.01, 2.5, orders[k]), want[k], 0,
-                                             1e-5, "sequence");
+    for (int k = 0; k < 5; k++)
+        assert_close(50 * dc_rdp_step(0.01, 2.5, orders[k]), want[k], 0, 1e-5, "sequence");
     assert_true(isinf(dc_rdp_step(0.01, 2.5, INFINITY)));
     /* no noise: no privacy */
     assert_true(isinf(dc_rdp_step(0.01, 0.0, 2.0)));
@@ -69,20 +69,13 @@ static void test_log_a_against_integration(void **state) {
      * case loses ~1e-14 absolute to cancellation near log(1), as TFP's
      * series does). */
     static const double cases[][4] = {
-        {1e-07, 0.1, 1.01, 4.0034123225263986e-8},
-        {1e-05, 0.1, 256.1, 3263607.0397884213},
-        {0.0001, 1, 1.5, 6.4426869538366497e-9},
-        {0.1, 100, 20.5, 0.00019991818458068296},
-        {0.999, 100, 256.1, 3.2601080379731127},
-        {0.01, 1.1, 3.7, 0.00066227685135477125},
-        {0.04, 1.5, 7.3, 0.023960807433380018},
-        {0.3, 0.8, 2.5, 0.72165454849659227},
-        {0.01, 2.5, 1.5, 6.5007089718803974e-6},
-        {1e-06, 0.1, 256, 3260463.2292971608},
-        {1e-06, 1, 27, 8.7695113048484979e-10},
-        {0.001, 1, 2, 1.7182803522145154e-6},
-        {0.01, 10, 20, 0.00019129699912842963},
-        {0.99, 0.1, 256, 3263997.4271140211},
+        {1e-07, 0.1, 1.01, 4.0034123225263986e-8}, {1e-05, 0.1, 256.1, 3263607.0397884213},
+        {0.0001, 1, 1.5, 6.4426869538366497e-9},   {0.1, 100, 20.5, 0.00019991818458068296},
+        {0.999, 100, 256.1, 3.2601080379731127},   {0.01, 1.1, 3.7, 0.00066227685135477125},
+        {0.04, 1.5, 7.3, 0.023960807433380018},    {0.3, 0.8, 2.5, 0.72165454849659227},
+        {0.01, 2.5, 1.5, 6.5007089718803974e-6},   {1e-06, 0.1, 256, 3260463.2292971608},
+        {1e-06, 1, 27, 8.7695113048484979e-10},    {0.001, 1, 2, 1.7182803522145154e-6},
+        {0.01, 10, 20, 0.00019129699912842963},    {0.99, 0.1, 256, 3263997.4271140211},
         {0.02, 0.9, 63, 2164.6536617691378},
     };
     (void)state;
@@ -90,8 +83,8 @@ static void test_log_a_against_integration(void **state) {
         char what[96];
         snprintf(what, sizeof what, "log A(q=%g, sigma=%g, alpha=%g)", cases[i][0], cases[i][1],
                  cases[i][2]);
-        assert_close(dc_rdp_log_a(cases[i][0], cases[i][1], cases[i][2]), cases[i][3], 1e-6,
-                     1e-13, what);
+        assert_close(dc_rdp_log_a(cases[i][0], cases[i][1], cases[i][2]), cases[i][3], 1e-6, 1e-13,
+                     what);
     }
 }
 
@@ -204,12 +197,9 @@ static void test_epsilon_never_negative(void **state) {
  * sigma = 1e6 (1.1e-13 for a true 1.4e-14: cancellation over 10^5 terms). */
 static void test_series_bound(void **state) {
     static const double cases[][4] = {
-        {0.5, 1e+06, 1.1, 1.3750000000002076e-14},
-        {0.5, 1e+06, 2.5, 4.6875000000023437e-13},
-        {0.5, 1000, 2.2, 3.3000014025003115e-7},
-        {0.5, 1, 1.3, 0.058135710707566645},
-        {0.5, 10, 1.6, 0.0012033016976809444},
-        {0.3, 0.5, 1.1, 0.037294843305469452},
+        {0.5, 1e+06, 1.1, 1.3750000000002076e-14}, {0.5, 1e+06, 2.5, 4.6875000000023437e-13},
+        {0.5, 1000, 2.2, 3.3000014025003115e-7},   {0.5, 1, 1.3, 0.058135710707566645},
+        {0.5, 10, 1.6, 0.0012033016976809444},     {0.3, 0.5, 1.1, 0.037294843305469452},
         {0.5, 1, 1.5, 0.11757901724126551},
     };
     double full;
@@ -231,16 +221,15 @@ static void test_series_bound(void **state) {
             fprintf(stderr, "%s: %.17g is below the true %.17g\n", what, got, want);
             fail();
         }
-        assert_true(got / (alpha - 1.0) <=
-                    dc_rdp_log_a(q, sigma, up) / (up - 1.0) * (1.0 + 1e-12));
+        assert_true(got / (alpha - 1.0) <= dc_rdp_log_a(q, sigma, up) / (up - 1.0) * (1.0 + 1e-12));
     }
     assert_true(bounded >= 6); /* all but the last need more terms than the cap */
     /* Opacus' settings converge well within the cap: the series as before. */
     for (double q = 1e-4; q <= 0.1; q *= 3)
         for (double sigma = 0.5; sigma <= 20; sigma *= 1.7)
             for (int x = 1; x <= 99; x += 7)
-                assert_int_equal(dc_rdp_log_a_series(q, sigma, 1 + x / 10.0, DC_RDP_SERIES_MAX,
-                                                     &full), 0);
+                assert_int_equal(
+                    dc_rdp_log_a_series(q, sigma, 1 + x / 10.0, DC_RDP_SERIES_MAX, &full), 0);
 }
 
 int main(void) {

@@ -49,8 +49,8 @@ static size_t make_model(dc_layer *ls, uint32_t B, int64_t T, dc_test_rng *r, ui
     return NL;
 }
 
-static void run_model(dc_backend *be, uint32_t B, int64_t T, dc_clip_mode mode,
-                      dc_reduction red, uint64_t seed) {
+static void run_model(dc_backend *be, uint32_t B, int64_t T, dc_clip_mode mode, dc_reduction red,
+                      uint64_t seed) {
     dc_layer ls[NL];
     dc_test_rng r;
     dc_err e;
@@ -63,9 +63,17 @@ static void run_model(dc_backend *be, uint32_t B, int64_t T, dc_clip_mode mode,
 
     dc_test_rng_seed(&r, seed);
     size_t L = make_model(ls, B, T, &r, seed);
-    dc_step s = {.batch = B, .n_layers = L, .layers = ls, .mode = mode,
-                 .max_grad_norm = 0.8f, .reduction = red, .expected_batch = B + 3,
-                 .noise_multiplier = 0.0f, .noise_key = 1, .noise_step = seed, .device = -1};
+    dc_step s = {.batch = B,
+                 .n_layers = L,
+                 .layers = ls,
+                 .mode = mode,
+                 .max_grad_norm = 0.8f,
+                 .reduction = red,
+                 .expected_batch = B + 3,
+                 .noise_multiplier = 0.0f,
+                 .noise_key = 1,
+                 .noise_step = seed,
+                 .device = -1};
     s.norms_out = (dc_tensor){norms_out, DC_F32, 1, {B, 0, 0}};
     s.coefs_out = (dc_tensor){coefs_out, DC_F32, 1, {B, 0, 0}};
     for (size_t l = 0; l < L; l++) {
@@ -177,8 +185,13 @@ static void test_output_aliases_input(void **state) {
     double *wp[1] = {want};
     dc_test_rng_seed(&r, 5);
     dc_test_layer_make(&l, &sp, &r);
-    dc_step s = {.batch = 3, .n_layers = 1, .layers = &l, .mode = DC_CLIP_FLAT,
-                 .max_grad_norm = 0.1f, .reduction = DC_REDUCTION_SUM, .expected_batch = 3,
+    dc_step s = {.batch = 3,
+                 .n_layers = 1,
+                 .layers = &l,
+                 .mode = DC_CLIP_FLAT,
+                 .max_grad_norm = 0.1f,
+                 .reduction = DC_REDUCTION_SUM,
+                 .expected_batch = 3,
                  .device = -1};
     dc_ref_step(&s, NULL, NULL, NULL, NULL, wp, NULL);
     dc_test_tensor_free(&l.weight_grad_out);
@@ -203,8 +216,13 @@ static void test_refuses_gpu_steps(void **state) {
     dc_step_result res;
     dc_test_rng_seed(&r, 1);
     dc_test_layer_make(&l, &sp, &r);
-    dc_step s = {.batch = 2, .n_layers = 1, .layers = &l, .max_grad_norm = 1.0f,
-                 .reduction = DC_REDUCTION_SUM, .expected_batch = 2, .device = 0};
+    dc_step s = {.batch = 2,
+                 .n_layers = 1,
+                 .layers = &l,
+                 .max_grad_norm = 1.0f,
+                 .reduction = DC_REDUCTION_SUM,
+                 .expected_batch = 2,
+                 .device = 0};
     assert_int_equal(dc_cpu_backend_create(1, &be, &e), 0);
     assert_int_equal(dc_step_result_init(&res, 2, 1, false), 0);
     assert_int_equal(dc_backend_run_step(be, &s, &res, &e), DC_EPRECOND);
@@ -291,8 +309,7 @@ static void test_index_flip(void **state) {
     (void)state;
     for (int k = 0; k < 2; k++) {
         dc_dtype it = k ? DC_I64 : DC_I32;
-        dc_test_layer_spec sp = {DC_LAYER_EMBEDDING, 4, 512, 8, 16, DC_F32, 0, DC_ALGO_AUTO,
-                                 1, 0};
+        dc_test_layer_spec sp = {DC_LAYER_EMBEDDING, 4, 512, 8, 16, DC_F32, 0, DC_ALGO_AUTO, 1, 0};
         dc_test_rng r;
         dc_layer l;
         dc_test_rng_seed(&r, 40 + (uint64_t)k);
@@ -311,9 +328,14 @@ static void test_index_flip(void **state) {
         size_t last = 4 * 512 - 1;
         if (it == DC_I32) ((int32_t *)l.input.data)[last] = 3;
         else ((int64_t *)l.input.data)[last] = 3;
-        dc_step s = {.batch = 4, .n_layers = 1, .layers = &l, .mode = DC_CLIP_FLAT,
-                     .max_grad_norm = 1e6f, .reduction = DC_REDUCTION_SUM,
-                     .expected_batch = 4, .device = -1};
+        dc_step s = {.batch = 4,
+                     .n_layers = 1,
+                     .layers = &l,
+                     .mode = DC_CLIP_FLAT,
+                     .max_grad_norm = 1e6f,
+                     .reduction = DC_REDUCTION_SUM,
+                     .expected_batch = 4,
+                     .device = -1};
         int64_t n = dc_test_tensor_numel(&l.weight_grad_out);
         double *want = calloc((size_t)n, sizeof *want);
         double *wp[1] = {want};
@@ -345,9 +367,14 @@ static void test_value_flip(void **state) {
         dc_test_layer_make(&l, &sp, &r);
         float *gv = (float *)l.grad.data + 5;
         *gv = 1.0f;
-        dc_step s = {.batch = 3, .n_layers = 1, .layers = &l, .mode = DC_CLIP_FLAT,
-                     .max_grad_norm = 0.01f, .reduction = DC_REDUCTION_SUM,
-                     .expected_batch = 3, .device = -1};
+        dc_step s = {.batch = 3,
+                     .n_layers = 1,
+                     .layers = &l,
+                     .mode = DC_CLIP_FLAT,
+                     .max_grad_norm = 0.01f,
+                     .reduction = DC_REDUCTION_SUM,
+                     .expected_batch = 3,
+                     .device = -1};
         int64_t n = dc_test_tensor_numel(&l.weight_grad_out);
         double *want = calloc((size_t)n, sizeof *want), *coefs = calloc(3, sizeof *coefs);
         double *wp[1] = {want};
@@ -359,8 +386,7 @@ static void test_value_flip(void **state) {
         memcpy(&bad, &nan, 4);
         flipper f = {.p = gv, .size = 4, .good = good, .bad = bad};
         int ok = run_flipping(&s, &f, 400, DC_ENONFINITE, want, n);
-        print_message("value flip (%s): %d of 400 steps succeeded\n",
-                      k ? "ghost" : "direct", ok);
+        print_message("value flip (%s): %d of 400 steps succeeded\n", k ? "ghost" : "direct", ok);
         free(want);
         free(coefs);
         dc_test_layer_free(&l);
@@ -390,8 +416,8 @@ static void test_clip_coef_nonfinite(void **state) {
         const double n = C * (0.5 + dc_test_uniform(&r)), e = 1e-3 * dc_test_uniform(&r);
         const float c = dc_clip_coef(C, n, e);
         const double want = fmin(1.0, C / (n * (1.0 + e) + 1e-6));
-        assert_true((double)c <= want);                         /* rounded down */
-        assert_true((double)c >= want * (1.0 - 0x1p-23));       /* by at most an ulp */
+        assert_true((double)c <= want);                   /* rounded down */
+        assert_true((double)c >= want * (1.0 - 0x1p-23)); /* by at most an ulp */
         const float s = (float)(1.0 + 63.0 * dc_test_uniform(&r)), cs = dc_clip_scaled(c, s);
         assert_true((double)cs <= (double)c * s && (double)cs >= (double)c * s * (1.0 - 0x1p-23));
     }
@@ -432,9 +458,17 @@ static void test_phases(void **state) {
     dc_step_result whole, part;
     dc_test_rng_seed(&r, 77);
     size_t L = make_model(ls, 5, 6, &r, 77);
-    dc_step s = {.batch = 5, .n_layers = L, .layers = ls, .mode = DC_CLIP_FLAT,
-                 .max_grad_norm = 0.8f, .reduction = DC_REDUCTION_SUM, .expected_batch = 5,
-                 .noise_multiplier = 0.5f, .noise_key = 3, .noise_step = 4, .device = -1};
+    dc_step s = {.batch = 5,
+                 .n_layers = L,
+                 .layers = ls,
+                 .mode = DC_CLIP_FLAT,
+                 .max_grad_norm = 0.8f,
+                 .reduction = DC_REDUCTION_SUM,
+                 .expected_batch = 5,
+                 .noise_multiplier = 0.5f,
+                 .noise_key = 3,
+                 .noise_step = 4,
+                 .device = -1};
     double n2[NL * 5], tot[5];
     float *w1 = malloc((size_t)dc_test_tensor_numel(&ls[2].weight_grad_out) * sizeof *w1);
     assert_int_equal(dc_cpu_backend_create(1, &be, &e), 0);
@@ -495,9 +529,15 @@ static void run_tied(uint32_t B, int64_t Te, int64_t Tl, dc_dtype dt, int has_bi
     dc_test_layer_make(&ls[0], &pre[0], &r);
     dc_test_layer_make(&ls[1], &pre[1], &r);
     dc_test_tied_pair(ls + 2, 2, B, Te, Tl, 12, 23, dt, has_bias, embedding_first, &r);
-    dc_step s = {.batch = B, .n_layers = L, .layers = ls, .mode = DC_CLIP_FLAT,
-                 .reduction = red, .expected_batch = B + 1, .noise_key = 1,
-                 .noise_step = seed, .device = -1};
+    dc_step s = {.batch = B,
+                 .n_layers = L,
+                 .layers = ls,
+                 .mode = DC_CLIP_FLAT,
+                 .reduction = red,
+                 .expected_batch = B + 1,
+                 .noise_key = 1,
+                 .noise_step = seed,
+                 .device = -1};
     /* C between the middle per-sample norms: some samples clipped, some not */
     s.max_grad_norm = 1e30f;
     dc_ref_step(&s, norms, NULL, NULL, NULL, NULL, NULL);

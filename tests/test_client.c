@@ -50,10 +50,21 @@ static const dpclip_clip_config k_cfg = {.max_grad_norm = 1.0f,
  * with C set to the median norm so that some samples are clipped. */
 static void make_step(dc_shm_step *s, dpclip_client *c, uint32_t B, uint64_t seed) {
     dc_test_rng r;
-    dc_test_layer_spec lin = {.kind = DC_LAYER_LINEAR, .B = B, .T = 3, .d = 8, .p = 6,
-                              .dtype = DC_F32, .has_bias = 1, .with_outputs = 1};
-    dc_test_layer_spec ln = {.kind = DC_LAYER_LAYERNORM, .B = B, .T = 3, .d = 8,
-                             .dtype = DC_F32, .has_bias = 1, .with_outputs = 1};
+    dc_test_layer_spec lin = {.kind = DC_LAYER_LINEAR,
+                              .B = B,
+                              .T = 3,
+                              .d = 8,
+                              .p = 6,
+                              .dtype = DC_F32,
+                              .has_bias = 1,
+                              .with_outputs = 1};
+    dc_test_layer_spec ln = {.kind = DC_LAYER_LAYERNORM,
+                             .B = B,
+                             .T = 3,
+                             .d = 8,
+                             .dtype = DC_F32,
+                             .has_bias = 1,
+                             .with_outputs = 1};
     dpclip_clip_config cfg = k_cfg;
     dc_test_rng_seed(&r, seed);
     assert_int_equal(dc_shm_step_init(s, c, 1u << 20, B, &cfg), 0);
@@ -133,10 +144,10 @@ static void test_local_args(void **state) {
 
 static void test_strerror(void **state) {
     (void)state;
-    const int codes[] = {DPCLIP_OK, DPCLIP_EINVAL, DPCLIP_ENOTFOUND, DPCLIP_EPERM,
-                         DPCLIP_EPRECOND, DPCLIP_ENOSPACE, DPCLIP_ENONFINITE, DPCLIP_EPROTO,
-                         DPCLIP_EINTERNAL, DPCLIP_EUNAVAIL, DPCLIP_EUNIMPL, DPCLIP_EIO,
-                         DPCLIP_ENOMEM, DPCLIP_EAGAIN, DPCLIP_EARG};
+    const int codes[] = {DPCLIP_OK,        DPCLIP_EINVAL,   DPCLIP_ENOTFOUND,  DPCLIP_EPERM,
+                         DPCLIP_EPRECOND,  DPCLIP_ENOSPACE, DPCLIP_ENONFINITE, DPCLIP_EPROTO,
+                         DPCLIP_EINTERNAL, DPCLIP_EUNAVAIL, DPCLIP_EUNIMPL,    DPCLIP_EIO,
+                         DPCLIP_ENOMEM,    DPCLIP_EAGAIN,   DPCLIP_EARG};
     const size_t n = sizeof codes / sizeof codes[0];
     const char *unknown = dpclip_strerror(12345);
     assert_non_null(unknown);
@@ -489,9 +500,9 @@ static void *shared_thread(void *arg) {
         dpclip_result res;
         uint64_t t;
         /* alternate blocking and ticketed calls */
-        int rc = i % 2 ? dpclip_run(a->c, a->s->step, &res)
-                       : (dpclip_submit(a->c, a->s->step, &t) ? -1
-                                                               : dpclip_wait(a->c, t, -1, &res));
+        int rc = i % 2
+                     ? dpclip_run(a->c, a->s->step, &res)
+                     : (dpclip_submit(a->c, a->s->step, &t) ? -1 : dpclip_wait(a->c, t, -1, &res));
         if (rc) {
             a->failed++;
             continue;
@@ -569,7 +580,8 @@ static void test_shared_handle(void **state) {
         make_step(&s[i], c, (uint32_t)(5 + i), 60 + (uint64_t)i);
         a[i] = (shared_arg){c, &s[i], 0, 0, 0};
     }
-    for (int i = 0; i < N; i++) assert_int_equal(pthread_create(&th[i], NULL, shared_thread, &a[i]), 0);
+    for (int i = 0; i < N; i++)
+        assert_int_equal(pthread_create(&th[i], NULL, shared_thread, &a[i]), 0);
     for (int i = 0; i < N; i++) pthread_join(th[i], NULL);
     for (int i = 0; i < N; i++) {
         assert_int_equal(a[i].failed, 0);

@@ -62,39 +62,40 @@ static void test_full_file(void **state) {
     (void)state;
     dc_config_defaults(&c);
     int rc = dc_config_load_string(&c,
-        "; comment\n"
-        "# another\n"
-        "[daemon]\n"
-        "socket = /run/x/d.sock\n"
-        "socket_mode = 0600\n"
-        "socket_group = root\n"
-        "workers = 3   ; inline comment\n"
-        "blas_threads = 2\n"
-        "spin_us = 0\n"
-        "gpu = no\n"
-        "log_level = debug\n"
-        "[gpu]\n"
-        "workspace = 512M\n"
-        "workspace_max = 2g\n"
-        "sample_grads_max = 0\n"
-        "[limits]\n"
-        "max_batch = 512\n"
-        "max_layers = 8\n"
-        "max_frame = 65536\n"
-        "max_buffers = 9\n"
-        "max_events = 5\n"
-        "[access]\n"
-        "allowed_uids = root, 1234\n"
-        "allowed_groups = 0 root\n"
-        "[status]\n"
-        "socket = none\n"
-        "tcp_port = 9105\n"
-        "[ledger]\n"
-        "dir = /var/lib/dpclip/ledger\n"
-        "delta = 1e-6\n"
-        "budget_epsilon = 8\n"
-        "budget_delta = 1e-7\n"
-        "require_sample_rate = true\n", "t.conf", &e);
+                                   "; comment\n"
+                                   "# another\n"
+                                   "[daemon]\n"
+                                   "socket = /run/x/d.sock\n"
+                                   "socket_mode = 0600\n"
+                                   "socket_group = root\n"
+                                   "workers = 3   ; inline comment\n"
+                                   "blas_threads = 2\n"
+                                   "spin_us = 0\n"
+                                   "gpu = no\n"
+                                   "log_level = debug\n"
+                                   "[gpu]\n"
+                                   "workspace = 512M\n"
+                                   "workspace_max = 2g\n"
+                                   "sample_grads_max = 0\n"
+                                   "[limits]\n"
+                                   "max_batch = 512\n"
+                                   "max_layers = 8\n"
+                                   "max_frame = 65536\n"
+                                   "max_buffers = 9\n"
+                                   "max_events = 5\n"
+                                   "[access]\n"
+                                   "allowed_uids = root, 1234\n"
+                                   "allowed_groups = 0 root\n"
+                                   "[status]\n"
+                                   "socket = none\n"
+                                   "tcp_port = 9105\n"
+                                   "[ledger]\n"
+                                   "dir = /var/lib/dpclip/ledger\n"
+                                   "delta = 1e-6\n"
+                                   "budget_epsilon = 8\n"
+                                   "budget_delta = 1e-7\n"
+                                   "require_sample_rate = true\n",
+                                   "t.conf", &e);
     if (rc) fprintf(stderr, "%s\n", e.msg);
     assert_int_equal(rc, 0);
     assert_string_equal(c.socket, "/run/x/d.sock");
@@ -125,13 +126,15 @@ static void test_full_file(void **state) {
     {
         char st[128];
         dc_config_status_path(&c, st, sizeof st);
-        assert_string_equal(st, "");  /* "none": off */
+        assert_string_equal(st, ""); /* "none": off */
     }
 }
 
 /* Each bad file gives an error naming the file, the line and what is wrong. */
 static void test_bad_files(void **state) {
-    static const struct { const char *text, *expect; } bad[] = {
+    static const struct {
+        const char *text, *expect;
+    } bad[] = {
         {"[daemon]\nworkers = 2\nbogus = 1\n", "bad.conf:3: unknown key 'bogus' in [daemon]"},
         {"[deamon]\nworkers = 2\n", "bad.conf:2: unknown section [deamon]"},
         {"[daemon]\nworkers = lots\n", "bad.conf:2: daemon.workers: 'lots' is not a whole number"},
@@ -142,7 +145,8 @@ static void test_bad_files(void **state) {
         {"[daemon]\nlog_level = loud\n", "expected error, warn, info or debug"},
         {"[daemon]\nsocket = relative/path.sock\n", "must be an absolute path"},
         {"[daemon]\nsocket_group = no-such-group-dpclip\n", "no such group 'no-such-group-dpclip'"},
-        {"[access]\nallowed_uids = root, no-such-user-dpclip\n", "no such user 'no-such-user-dpclip'"},
+        {"[access]\nallowed_uids = root, no-such-user-dpclip\n",
+         "no such user 'no-such-user-dpclip'"},
         {"[ledger]\ndelta = 0\n", "ledger.delta: '0' is not a number"},
         {"[ledger]\ndelta = 1e-5x\n", "ledger.delta: '1e-5x'"},
         {"[ledger]\nbudget_epsilon = nan\n", "budget_epsilon: 'nan'"},
@@ -203,20 +207,21 @@ static void test_flags_override_file(void **state) {
     const char *path = write_conf("over.conf", "[daemon]\nworkers = 3\nlog_level = debug\n"
                                                "[gpu]\nworkspace = 1G\nworkspace_max = 4G\n"
                                                "[limits]\nmax_batch = 100\n");
-    char *argv[] = {"dpclipd", "--max-batch", "7", "--config", (char *)path,
-                    "--set", "ledger.delta=1e-9", "--no-gpu", "--gpu-workspace", "64m", NULL};
+    char *argv[] = {"dpclipd", "--max-batch",       "7",        "--config",        (char *)path,
+                    "--set",   "ledger.delta=1e-9", "--no-gpu", "--gpu-workspace", "64m",
+                    NULL};
     dc_config c;
     dc_config_action act;
     dc_err e;
     (void)state;
     assert_int_equal(dc_config_from_args(&c, 10, argv, &act, &e), 0);
     assert_int_equal(act, DC_CONFIG_RUN);
-    assert_int_equal(c.workers, 3);      /* from the file */
-    assert_int_equal(c.max_batch, 7);    /* the flag wins, though it came first */
+    assert_int_equal(c.workers, 3);   /* from the file */
+    assert_int_equal(c.max_batch, 7); /* the flag wins, though it came first */
     assert_true(c.delta == 1e-9);
     assert_false(c.gpu);
-    assert_true(c.gpu_workspace == (uint64_t)64 << 20);     /* the flag */
-    assert_true(c.gpu_workspace_max == (uint64_t)4 << 30);  /* the file */
+    assert_true(c.gpu_workspace == (uint64_t)64 << 20);    /* the flag */
+    assert_true(c.gpu_workspace_max == (uint64_t)4 << 30); /* the file */
     assert_string_equal(c.config_path, path);
     /* again, as a reload does: same result */
     {
@@ -239,7 +244,7 @@ static void test_restart_needed(void **state) {
     (void)state;
     dc_config_defaults(&a);
     b = a;
-    b.max_batch = 3;          /* reloadable */
+    b.max_batch = 3; /* reloadable */
     b.log_level = DC_LOG_WARN;
     b.budget_epsilon = 2;
     assert_int_equal(dc_config_restart_needed(&a, &b, note, names), 0);
@@ -273,8 +278,12 @@ static void test_bad_flags(void **state) {
         {"dpclipd", "--gpu-workspace-max", "-1", NULL},
         {"dpclipd", "--set", "gpu.workspace=17179869184T", NULL},
     };
-    static const char *expect[] = {"--workers: daemon.workers: 'x'", "unknown option", "SECTION.KEY=VALUE",
-                                   "unknown key 'nokey'", "unexpected argument", "cannot open",
+    static const char *expect[] = {"--workers: daemon.workers: 'x'",
+                                   "unknown option",
+                                   "SECTION.KEY=VALUE",
+                                   "unknown key 'nokey'",
+                                   "unexpected argument",
+                                   "cannot open",
                                    "gpu.workspace: bad value '12Q'",
                                    "gpu.workspace_max: bad value '-1'",
                                    "gpu.workspace: bad value '17179869184T'"};
@@ -311,12 +320,16 @@ static void test_check_config_cli(void **state) {
     (void)state;
 #ifdef DPCLIP_HAVE_INIH
     char good[400], bad[400];
-    snprintf(good, sizeof good, "%s", write_conf("good.conf", "[daemon]\nsocket = /tmp/"
-             "dpclip-check.sock\nworkers = 2\n[ledger]\ndelta = 1e-6\n"));
-    snprintf(bad, sizeof bad, "%s", write_conf("bad.conf", "[daemon]\nworkers = 2\n"
-             "workerz = 3\n"));
-    snprintf(args, sizeof args, "--config %s --check-config --max-batch 33 --gpu-workspace 1000 "
-             "--gpu-workspace-max 1536M", good);
+    snprintf(good, sizeof good, "%s",
+             write_conf("good.conf", "[daemon]\nsocket = /tmp/"
+                                     "dpclip-check.sock\nworkers = 2\n[ledger]\ndelta = 1e-6\n"));
+    snprintf(bad, sizeof bad, "%s",
+             write_conf("bad.conf", "[daemon]\nworkers = 2\n"
+                                    "workerz = 3\n"));
+    snprintf(args, sizeof args,
+             "--config %s --check-config --max-batch 33 --gpu-workspace 1000 "
+             "--gpu-workspace-max 1536M",
+             good);
     assert_int_equal(run_daemon(args, out, sizeof out), 0);
     /* prints the effective configuration, itself a valid config file */
     assert_non_null(strstr(out, "socket = /tmp/dpclip-check.sock"));
@@ -414,16 +427,12 @@ static void test_empty_file(void **state) {
 int main(void) {
     const struct CMUnitTest tests[] = {
 #ifdef DPCLIP_HAVE_INIH
-        cmocka_unit_test(test_full_file),
-        cmocka_unit_test(test_bad_files),
-        cmocka_unit_test(test_cross_checks),
-        cmocka_unit_test(test_flags_override_file),
+        cmocka_unit_test(test_full_file),      cmocka_unit_test(test_bad_files),
+        cmocka_unit_test(test_cross_checks),   cmocka_unit_test(test_flags_override_file),
         cmocka_unit_test(test_restart_needed),
 #endif
-        cmocka_unit_test(test_bad_flags),
-        cmocka_unit_test(test_check_config_cli),
-        cmocka_unit_test(test_empty_file),
-        cmocka_unit_test(test_size_auto),
+        cmocka_unit_test(test_bad_flags),      cmocka_unit_test(test_check_config_cli),
+        cmocka_unit_test(test_empty_file),     cmocka_unit_test(test_size_auto),
     };
 #ifndef DPCLIP_HAVE_INIH
     printf("test_config: SKIPPED the config-file cases: built without inih (libinih-dev)\n");

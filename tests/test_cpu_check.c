@@ -238,12 +238,9 @@ static void test_unknown_kind(void **state) {
 
 int main(void) {
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(test_find_each_dtype),
-        cmocka_unit_test(test_finite_extremes_pass),
-        cmocka_unit_test(test_linear_refusals),
-        cmocka_unit_test(test_norm_layer_refusals),
-        cmocka_unit_test(test_embedding_indices),
-        cmocka_unit_test(test_wide_index_not_truncated),
+        cmocka_unit_test(test_find_each_dtype),   cmocka_unit_test(test_finite_extremes_pass),
+        cmocka_unit_test(test_linear_refusals),   cmocka_unit_test(test_norm_layer_refusals),
+        cmocka_unit_test(test_embedding_indices), cmocka_unit_test(test_wide_index_not_truncated),
         cmocka_unit_test(test_unknown_kind),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);

@@ -69,14 +69,13 @@ static void test_clipped_sum_kinds(void **state) {
                         float *w = calloc(nw, sizeof *w), *bo = calloc(nb + 1, sizeof *bo);
                         double *ww = calloc(nw, sizeof *ww), *bw = calloc(nb + 1, sizeof *bw);
                         assert_true(w && bo && ww && bw);
-                        assert_int_equal(dc_cpu_layer_clipped_sum(&s, &l, 5, c, w, nb ? bo : NULL,
-                                                                  &e),
-                                         0);
+                        assert_int_equal(
+                            dc_cpu_layer_clipped_sum(&s, &l, 5, c, w, nb ? bo : NULL, &e), 0);
                         dc_ref_layer_clipped_sum(&l, 5, 1.0, cd, ww, nb ? bw : NULL);
                         assert_close(w, ww, (int64_t)nw, dc_test_rtol(dtypes[t]), "weight sum");
                         if (nb) assert_close(bo, bw, (int64_t)nb, dc_test_rtol(dtypes[t]), "bias");
-                        assert_int_equal(nb != 0, bias && (k == DC_LAYER_LINEAR ||
-                                                           k == DC_LAYER_LAYERNORM));
+                        assert_int_equal(nb != 0,
+                                         bias && (k == DC_LAYER_LINEAR || k == DC_LAYER_LAYERNORM));
                         free(w);
                         free(bo);
                         free(ww);
@@ -150,8 +149,8 @@ static void assert_outputs_are(const fixture *f, float v) {
  * its exact norms, c = min(1, C / (n (1 + e) + 1e-6)) with the backend's e
  * (FLAT: the step's; PER_LAYER: each layer's), and its clipped sums with
  * them (divided as dc_ref_step divides). */
-static void ref_certified(const dc_step *s, const double *norms, const double *lsq,
-                          double *coefs, double *lc, double **w, double **bb) {
+static void ref_certified(const dc_step *s, const double *norms, const double *lsq, double *coefs,
+                          double *lc, double **w, double **bb) {
     uint32_t B = s->batch;
     bool pl = s->mode == DC_CLIP_PER_LAYER;
     double scale = s->reduction == DC_REDUCTION_MEAN ? (double)B : 1.0;
@@ -326,8 +325,8 @@ static void test_per_layer(void **state) {
                 dc_ref_step(&f.step, NULL, NULL, lsq, NULL, NULL, NULL);
                 /* each layer's threshold between its samples' norms */
                 for (size_t l = 0; l < 4; l++)
-                    f.layers[l].max_grad_norm =
-                        (float)(0.5 * (sqrt(lsq[l * 8]) + sqrt(lsq[l * 8 + 1])));
+                    f.layers[l].max_grad_norm = (float)(0.5 *
+                                                        (sqrt(lsq[l * 8]) + sqrt(lsq[l * 8 + 1])));
                 run_and_compare(&f, dtypes[t], &clipped, &unclipped);
                 fixture_free(&f);
             }
@@ -351,8 +350,13 @@ static void test_output_dtypes(void **state) {
         dc_test_layer_make(&l, &sp, &r);
         l.weight_grad_out = dc_test_tensor_new(dtypes[od], 2, 6, 5, 0);
         l.bias_grad_out = dc_test_tensor_new(dtypes[od], 1, 6, 0, 0);
-        dc_step s = {.batch = 3, .n_layers = 1, .layers = &l, .mode = DC_CLIP_FLAT,
-                     .max_grad_norm = 0.5f, .reduction = DC_REDUCTION_SUM, .expected_batch = 3,
+        dc_step s = {.batch = 3,
+                     .n_layers = 1,
+                     .layers = &l,
+                     .mode = DC_CLIP_FLAT,
+                     .max_grad_norm = 0.5f,
+                     .reduction = DC_REDUCTION_SUM,
+                     .expected_batch = 3,
                      .device = -1};
         assert_int_equal(dc_cpu_backend_create(1, &be, &e), 0);
         assert_int_equal(dc_step_result_init(&res, 3, 1, false), 0);

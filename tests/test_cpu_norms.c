@@ -67,13 +67,11 @@ typedef struct lin_shape {
 static void test_linear(void **state) {
     (void)state;
     static const lin_shape shapes[] = {
-        {4, 0, 16, 8},    /* 2D input, T = 1 */
-        {4, 1, 16, 8},    /* 3D input with T = 1 */
-        {7, 13, 5, 6},    /* odd sizes */
-        {3, 7, 13, 5},
-        {2, 33, 17, 9},   /* T > d*p/(d+p): AUTO picks direct */
-        {5, 16, 64, 3},
-        {2, 3, 2048, 70}, /* direct path spans several tiles with a remainder */
+        {4, 0, 16, 8},                    /* 2D input, T = 1 */
+        {4, 1, 16, 8},                    /* 3D input with T = 1 */
+        {7, 13, 5, 6},                    /* odd sizes */
+        {3, 7, 13, 5},  {2, 33, 17, 9},   /* T > d*p/(d+p): AUTO picks direct */
+        {5, 16, 64, 3}, {2, 3, 2048, 70}, /* direct path spans several tiles with a remainder */
         {1, 40, 1, 1},
     };
     int n = 0;
@@ -83,8 +81,8 @@ static void test_linear(void **state) {
                 for (size_t t = 0; t < 3; t++)
                     for (uint64_t seed = 1; seed <= 3; seed++) {
                         const lin_shape *sh = &shapes[i];
-                        dc_test_layer_spec sp = {DC_LAYER_LINEAR, sh->B, sh->T, sh->d, sh->p,
-                                                 dtypes[t], bias, algos[a], 0, 0};
+                        dc_test_layer_spec sp = {DC_LAYER_LINEAR, sh->B, sh->T,    sh->d, sh->p,
+                                                 dtypes[t],       bias,  algos[a], 0,     0};
                         dc_test_rng r;
                         dc_layer l;
                         char what[96];
@@ -92,8 +90,8 @@ static void test_linear(void **state) {
                         dc_test_layer_make(&l, &sp, &r);
                         assert_int_equal(l.T, sh->T ? sh->T : 1);
                         snprintf(what, sizeof what, "linear B%u T%lld d%lld p%lld bias%d algo%d",
-                                 sh->B, (long long)sh->T, (long long)sh->d, (long long)sh->p,
-                                 bias, (int)algos[a]);
+                                 sh->B, (long long)sh->T, (long long)sh->d, (long long)sh->p, bias,
+                                 (int)algos[a]);
                         compare_layer(&l, sh->B, dtypes[t], what);
                         dc_test_layer_free(&l);
                         n++;
@@ -113,8 +111,7 @@ static void test_linear_extreme_range(void **state) {
     for (size_t k = 0; k < sizeof sa / sizeof sa[0]; k++)
         for (size_t ti = 0; ti < 2; ti++) {
             int64_t T = Ts[ti];
-            dc_test_layer_spec sp = {DC_LAYER_LINEAR, 3, T, 40, 30, DC_F32, 1, DC_ALGO_AUTO, 0,
-                                     0};
+            dc_test_layer_spec sp = {DC_LAYER_LINEAR, 3, T, 40, 30, DC_F32, 1, DC_ALGO_AUTO, 0, 0};
             dc_test_rng r;
             dc_layer l;
             dc_cpu_scratch s;
@@ -127,9 +124,8 @@ static void test_linear_extreme_range(void **state) {
             for (int64_t i = 0; i < 2 * T * 30; i++) g[i] *= (float)(1.0 / sa[k]);
             dc_ref_layer_sqnorms(&l, 3, 1.0, want);
             for (size_t al = 0; al < 3; al++) {
-                assert_int_equal(dc_cpu_linear_sqnorms(&s, a, g, 3, T, 40, 30, true, algos[al],
-                                                       got),
-                                 0);
+                assert_int_equal(
+                    dc_cpu_linear_sqnorms(&s, a, g, 3, T, 40, 30, true, algos[al], got), 0);
                 for (int b = 0; b < 3; b++) {
                     assert_true(isfinite(want[b]) && want[b] > 0.0);
                     if (!(fabs(got[b] - want[b]) <= 1e-4 * want[b]))
@@ -163,27 +159,31 @@ static void test_tied_pair(void **state) {
             dc_test_rng_seed(&r, 300 + 2 * k + (uint64_t)first);
             dc_test_tied_pair(ls, 0, B, 9, 7, 16, 11, DC_F32, 1, first, &r);
             dc_layer *emb = ls[first ? 0 : 1].kind == DC_LAYER_EMBEDDING ? &ls[first ? 0 : 1]
-                                                                          : &ls[first ? 1 : 0];
+                                                                         : &ls[first ? 1 : 0];
             dc_layer *lin = emb == &ls[0] ? &ls[1] : &ls[0];
             float *eg = emb->grad.data, *a = lin->input.data, *g = lin->grad.data;
             for (int64_t i = 0; i < 2 * 9 * 16; i++) eg[i] *= (float)sa[k];
             for (int64_t i = 0; i < 2 * 7 * 16; i++) a[i] *= (float)sa[k];
             for (int64_t i = 0; i < 2 * 7 * 11; i++) g[i] *= (float)(1.0 / sa[k]);
-            dc_step st = {.batch = B, .n_layers = 2, .layers = ls, .mode = DC_CLIP_FLAT,
-                          .max_grad_norm = 1.0f, .reduction = DC_REDUCTION_SUM,
-                          .expected_batch = B, .device = -1};
+            dc_step st = {.batch = B,
+                          .n_layers = 2,
+                          .layers = ls,
+                          .mode = DC_CLIP_FLAT,
+                          .max_grad_norm = 1.0f,
+                          .reduction = DC_REDUCTION_SUM,
+                          .expected_batch = B,
+                          .device = -1};
             dc_ref_step(&st, NULL, NULL, want, NULL, NULL, NULL);
             for (int l = 0; l < 2; l++) {
                 assert_int_equal(dc_cpu_check_layer(&ls[l], B, &safe[l], idx, &e), 0);
-                assert_int_equal(dc_cpu_layer_sqnorms(&s, &safe[l], B, 1.0f, got + l * B, &e),
-                                 0);
+                assert_int_equal(dc_cpu_layer_sqnorms(&s, &safe[l], B, 1.0f, got + l * B, &e), 0);
             }
             assert_int_equal(dc_cpu_tie_sqnorms(&s, safe, 1, B, 1.0f, got, &e), 0);
             for (int i = 0; i < 6; i++) {
                 double tol = 1e-4 * fmax(want[i], want[i % 3]) + 1e-300;
                 if (!(fabs(got[i] - want[i]) <= tol))
-                    print_message("scale %g first %d value %d: %g vs %g\n", sa[k], first, i,
-                                  got[i], want[i]);
+                    print_message("scale %g first %d value %d: %g vs %g\n", sa[k], first, i, got[i],
+                                  want[i]);
                 assert_true(isfinite(got[i]) && fabs(got[i] - want[i]) <= tol);
             }
             assert_true(want[0] > 0.0 && (want[3] > 0.0) == (first == 1)); /* a bias or none */
@@ -207,8 +207,8 @@ static void test_linear_entry_point(void **state) {
     dc_test_layer_make(&l, &sp, &r);
     dc_ref_layer_sqnorms(&l, 6, 1.0, want);
     for (size_t a = 0; a < 3; a++) {
-        assert_int_equal(dc_cpu_linear_sqnorms(&s, l.input.data, l.grad.data, 6, 24, 40, 30,
-                                               true, algos[a], got),
+        assert_int_equal(dc_cpu_linear_sqnorms(&s, l.input.data, l.grad.data, 6, 24, 40, 30, true,
+                                               algos[a], got),
                          0);
         for (int b = 0; b < 6; b++) assert_true(fabs(got[b] - want[b]) <= 1e-4 * want[b]);
     }
@@ -249,8 +249,9 @@ static void test_embedding(void **state) {
                         for (uint64_t seed = 1; seed <= 3; seed++) {
                             uint32_t B = 5;
                             int64_t T = twod ? 20 : 0;
-                            dc_test_layer_spec sp = {DC_LAYER_EMBEDDING, B, T, 12, 50, dtypes[t],
-                                                     0, DC_ALGO_AUTO, 0, distinct};
+                            dc_test_layer_spec sp = {
+                                DC_LAYER_EMBEDDING, B, T,       12, 50, dtypes[t], 0,
+                                DC_ALGO_AUTO,       0, distinct};
                             dc_test_rng r;
                             dc_layer l;
                             dc_test_rng_seed(&r, seed * 7919 + (uint64_t)(distinct * 4 + pad));
@@ -263,8 +264,8 @@ static void test_embedding(void **state) {
                                     l.padding_idx = (l.padding_idx + 1) % l.vocab;
                             }
                             if (twod) assert_int_equal(has_collision(&l, B), !distinct);
-                            compare_layer(&l, B, dtypes[t], distinct ? "embedding distinct"
-                                                                     : "embedding repeats");
+                            compare_layer(&l, B, dtypes[t],
+                                          distinct ? "embedding distinct" : "embedding repeats");
                             dc_test_layer_free(&l);
                         }
 }
@@ -306,8 +307,9 @@ static void test_norm_layers(void **state) {
                 for (size_t t = 0; t < 3; t++)
                     for (uint64_t seed = 1; seed <= 3; seed++) {
                         const lin_shape *sh = &shapes[i];
-                        dc_test_layer_spec sp = {(dc_layer_kind)kind, sh->B, sh->T, sh->d, 0,
-                                                 dtypes[t], bias, DC_ALGO_AUTO, 0, 0};
+                        dc_test_layer_spec sp = {
+                            (dc_layer_kind)kind, sh->B, sh->T,        sh->d, 0,
+                            dtypes[t],           bias,  DC_ALGO_AUTO, 0,     0};
                         dc_test_rng r;
                         dc_layer l;
                         dc_test_rng_seed(&r, seed * 31 + i);

@@ -153,50 +153,50 @@ static void test_whole_steps(void **state) {
     dc_test_rng r;
     dc_test_rng_seed(&r, 404);
     for (int cfg = 0; cfg < 2; cfg++) { /* the default switches, then the old paths */
-    set_switches(cfg == 0, cfg == 0);
-    for (int di = 0; di < 3; di++) {
-        for (int mode = 0; mode < 3; mode++) { /* FLAT+SUM, FLAT+MEAN, PER_LAYER+SUM */
-            multi m;
-            dc_step hs, ds;
-            multi_make(&m, kDtypes[di], &r);
-            step_init(&hs, m.h, m.L, m.B, -1);
-            step_init(&ds, m.d, m.L, m.B, 0);
-            ds.norms_out = m.norms_out;
-            ds.coefs_out = m.coefs_out;
-            if (mode == 1) {
-                hs.reduction = ds.reduction = DC_REDUCTION_MEAN;
-                hs.expected_batch = ds.expected_batch = 8;
+        set_switches(cfg == 0, cfg == 0);
+        for (int di = 0; di < 3; di++) {
+            for (int mode = 0; mode < 3; mode++) { /* FLAT+SUM, FLAT+MEAN, PER_LAYER+SUM */
+                multi m;
+                dc_step hs, ds;
+                multi_make(&m, kDtypes[di], &r);
+                step_init(&hs, m.h, m.L, m.B, -1);
+                step_init(&ds, m.d, m.L, m.B, 0);
+                ds.norms_out = m.norms_out;
+                ds.coefs_out = m.coefs_out;
+                if (mode == 1) {
+                    hs.reduction = ds.reduction = DC_REDUCTION_MEAN;
+                    hs.expected_batch = ds.expected_batch = 8;
+                }
+                if (mode == 2) hs.mode = ds.mode = DC_CLIP_PER_LAYER;
+                /* C at the median norm, so that some samples are clipped */
+                dc_step_result r0;
+                dc_err e0;
+                assert_int_equal(run(g_cpu, &hs, &r0, &e0), 0);
+                float sorted[6];
+                memcpy(sorted, r0.norms, sizeof sorted);
+                for (int i = 0; i < 6; i++)
+                    for (int j = i + 1; j < 6; j++)
+                        if (sorted[j] < sorted[i]) {
+                            float t = sorted[i];
+                            sorted[i] = sorted[j];
+                            sorted[j] = t;
+                        }
+                hs.max_grad_norm = ds.max_grad_norm = 0.5f * (sorted[2] + sorted[3]);
+                dc_step_result_free(&r0);
+                hs.noise_multiplier = ds.noise_multiplier = 0.5f;
+                printf("whole step: %s inputs, mode %d, %s switches\n", dc_dtype_name(kDtypes[di]),
+                       mode, cfg == 0 ? "default" : "old");
+                compare_steps(&m, &hs, &ds);
+                /* the same shapes again: the workspace does not grow */
+                size_t ws = dc_cuda_backend_workspace_bytes(g_cuda);
+                dc_step_result rr;
+                dc_err ee;
+                assert_int_equal(run(g_cuda, &ds, &rr, &ee), 0);
+                dc_step_result_free(&rr);
+                assert_true(dc_cuda_backend_workspace_bytes(g_cuda) == ws);
+                multi_free(&m);
             }
-            if (mode == 2) hs.mode = ds.mode = DC_CLIP_PER_LAYER;
-            /* C at the median norm, so that some samples are clipped */
-            dc_step_result r0;
-            dc_err e0;
-            assert_int_equal(run(g_cpu, &hs, &r0, &e0), 0);
-            float sorted[6];
-            memcpy(sorted, r0.norms, sizeof sorted);
-            for (int i = 0; i < 6; i++)
-                for (int j = i + 1; j < 6; j++)
-                    if (sorted[j] < sorted[i]) {
-                        float t = sorted[i];
-                        sorted[i] = sorted[j];
-                        sorted[j] = t;
-                    }
-            hs.max_grad_norm = ds.max_grad_norm = 0.5f * (sorted[2] + sorted[3]);
-            dc_step_result_free(&r0);
-            hs.noise_multiplier = ds.noise_multiplier = 0.5f;
-            printf("whole step: %s inputs, mode %d, %s switches\n", dc_dtype_name(kDtypes[di]),
-                   mode, cfg == 0 ? "default" : "old");
-            compare_steps(&m, &hs, &ds);
-            /* the same shapes again: the workspace does not grow */
-            size_t ws = dc_cuda_backend_workspace_bytes(g_cuda);
-            dc_step_result rr;
-            dc_err ee;
-            assert_int_equal(run(g_cuda, &ds, &rr, &ee), 0);
-            dc_step_result_free(&rr);
-            assert_true(dc_cuda_backend_workspace_bytes(g_cuda) == ws);
-            multi_free(&m);
         }
-    }
     }
     set_switches(1, 1);
 }
@@ -222,9 +222,18 @@ static void test_padded_layers(void **state) {
             dc_test_layer_make(&m.h[l], &specs[l], &r);
             m.h[l].max_grad_norm = 0.05f;
             m.d[l] = dev_layer(&m.h[l]);
-            dcc_linear x = {m.d[l].input.data, m.d[l].grad.data, m.d[l].input.dtype,
-                            m.d[l].grad.dtype, (int)m.B, (int)m.h[l].T, (int)m.h[l].d,
-                            (int)m.h[l].p, true, false, NULL, NULL};
+            dcc_linear x = {m.d[l].input.data,
+                            m.d[l].grad.data,
+                            m.d[l].input.dtype,
+                            m.d[l].grad.dtype,
+                            (int)m.B,
+                            (int)m.h[l].T,
+                            (int)m.h[l].d,
+                            (int)m.h[l].p,
+                            true,
+                            false,
+                            NULL,
+                            NULL};
             assert_true(dcc_pad_wanted(&x));
             /* the norms from padded chunks of 4 samples (then 2) are the
              * unpadded kernels' (element loads) */
@@ -480,8 +489,7 @@ static void test_index_flip(void **state) {
         dc_dtype it = k ? DC_I64 : DC_I32;
         dc_test_rng r;
         dc_test_rng_seed(&r, 707 + (uint64_t)k);
-        dc_test_layer_spec sp = {DC_LAYER_EMBEDDING, 4, 512, 8, 16, DC_F32, 0, DC_ALGO_AUTO,
-                                 1, 0};
+        dc_test_layer_spec sp = {DC_LAYER_EMBEDDING, 4, 512, 8, 16, DC_F32, 0, DC_ALGO_AUTO, 1, 0};
         dc_layer h;
         dc_test_layer_make(&h, &sp, &r);
         if (h.input.dtype != it) { /* both index dtypes */
@@ -658,8 +666,7 @@ static void test_phases(void **state) {
         assert_int_equal(g_cuda->ops->run_clip(g_cuda, &ds, n2, tot, &part, &e), 0);
         const double es = dc_clip_e_step(&ds, dc_clip_e_how(&ds)); /* the clip phase's */
         for (uint32_t b = 0; b < m.B; b++) {
-            double want =
-                fmin(1.0, ds.max_grad_norm / (2.0 * whole.norms[b] * (1.0 + es) + 1e-6));
+            double want = fmin(1.0, ds.max_grad_norm / (2.0 * whole.norms[b] * (1.0 + es) + 1e-6));
             assert_true(fabs(part.norms[b] - 2.0 * whole.norms[b]) <= 1e-4 * whole.norms[b]);
             assert_true(fabs(part.coefs[b] - want) <= 1e-4 * want);
         }
@@ -688,19 +695,13 @@ static void test_phases(void **state) {
     }
 }
 
-
-
 int main(void) {
     if (cuda_test_skip()) return DC_TEST_SKIP;
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(test_events),
-        cmocka_unit_test(test_host_step_refused),
-        cmocka_unit_test(test_staged_fallback),
-        cmocka_unit_test(test_whole_steps),
-        cmocka_unit_test(test_failures),
-        cmocka_unit_test(test_index_flip),
-        cmocka_unit_test(test_extreme_range),
-        cmocka_unit_test(test_phases),
+        cmocka_unit_test(test_events),          cmocka_unit_test(test_host_step_refused),
+        cmocka_unit_test(test_staged_fallback), cmocka_unit_test(test_whole_steps),
+        cmocka_unit_test(test_failures),        cmocka_unit_test(test_index_flip),
+        cmocka_unit_test(test_extreme_range),   cmocka_unit_test(test_phases),
         cmocka_unit_test(test_padded_layers),
     };
     return cmocka_run_group_tests(tests, cuda_test_setup_gpu_bounds, cuda_test_teardown);

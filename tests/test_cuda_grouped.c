@@ -24,8 +24,8 @@ static void test_refused_map_runs_nothing(void **state) {
     dc_test_layer_spec sp = {DC_LAYER_LINEAR, B, 64, 128, 256, DC_BF16, 0, DC_ALGO_DIRECT, 1, 0};
     dc_test_layer_make(&h, &sp, &r);
     dc_layer d = dev_layer(&h);
-    const dcc_linear ok = {d.input.data, d.grad.data, DC_BF16, DC_BF16, B, 64, 128, 256,
-                           false, false, &g_opts, NULL};
+    const dcc_linear ok = {d.input.data, d.grad.data, DC_BF16, DC_BF16, B,       64,
+                           128,          256,         false,   false,   &g_opts, NULL};
     assert_true(dcc_norms_grouped_ok(&ok, DC_ALGO_DIRECT)); /* main checked the GPU */
     assert_true(dcc_bk_grouped_ok(&ok));
     dcc_linear refused = ok;

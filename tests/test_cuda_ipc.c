@@ -111,7 +111,7 @@ static void steps_exact(const dc_harness *h, int device) {
         /* The GPU buffer holds the shared buffer's bytes at the same offsets;
          * the wire step names the GPU buffer. */
         CUDA_OK(cudaMemcpy(dev, s.base, s.used, cudaMemcpyHostToDevice));
-    CUDA_OK(cudaDeviceSynchronize()); /* landed before the daemon reads it */
+        CUDA_OK(cudaDeviceSynchronize()); /* landed before the daemon reads it */
         /* landed before the daemon's stream reads it (a pageable copy may
          * return early, and no event orders this step) */
         CUDA_OK(cudaDeviceSynchronize());
@@ -119,12 +119,14 @@ static void steps_exact(const dc_harness *h, int device) {
 
         for (int rep = 0; rep < 3; rep++) {
             int rc = dpclip_run(c, s.step, &res);
-            if (rc) fail_msg("dtype %s: %s (%s)", dc_dtype_name(dts[k]), dpclip_errmsg(c),
-                             dpclip_errfield(c));
+            if (rc)
+                fail_msg("dtype %s: %s (%s)", dc_dtype_name(dts[k]), dpclip_errmsg(c),
+                         dpclip_errfield(c));
             CUDA_OK(cudaMemcpy(s.base, dev, s.used, cudaMemcpyDeviceToHost));
             double worst = dc_shm_step_check(&s, &res, GPU_RTOL, GPU_ATOL);
-            if (worst > 1.0) fail_msg("dtype %s: GPU result off by %.3g tolerances",
-                                      dc_dtype_name(dts[k]), worst);
+            if (worst > 1.0)
+                fail_msg("dtype %s: GPU result off by %.3g tolerances", dc_dtype_name(dts[k]),
+                         worst);
             dpclip_result_free(&res);
         }
         assert_int_equal(dpclip_buffer_release(c, gid), 0);
@@ -360,7 +362,8 @@ static size_t tensor_bytes(const dc_tensor *t) {
 static int outputs_zero(const dc_shm_step *s) {
     const dc_tensor *v[2] = {&s->ref.norms_out, &s->ref.coefs_out};
     for (size_t l = 0; l < s->ref.n_layers; l++) {
-        const dc_tensor *o[2] = {&s->ref.layers[l].weight_grad_out, &s->ref.layers[l].bias_grad_out};
+        const dc_tensor *o[2] = {&s->ref.layers[l].weight_grad_out,
+                                 &s->ref.layers[l].bias_grad_out};
         for (int k = 0; k < 2; k++)
             for (size_t i = 0, n = tensor_bytes(o[k]); i < n; i++)
                 if (((const uint8_t *)o[k]->data)[i]) return 0;
@@ -431,7 +434,8 @@ static void test_workspace_cap(void **state) {
         return;
     }
     dc_harness h;
-    assert_int_equal(dc_harness_start(&h, "--workers 1 --gpu-workspace 0 --gpu-workspace-max 64K"), 0);
+    assert_int_equal(dc_harness_start(&h, "--workers 1 --gpu-workspace 0 --gpu-workspace-max 64K"),
+                     0);
     dpclip_client *c = connect_to(&h);
     dc_shm_step s;
     dpclip_result res;
@@ -494,10 +498,11 @@ static int child_main(const char *sock) {
     if (dpclip_connect(sock, &o, &c)) return 2;
     {
         dc_test_rng r;
-        dpclip_clip_config cfg = {.max_grad_norm = 1.0f, .reduction = DPCLIP_SUM,
+        dpclip_clip_config cfg = {.max_grad_norm = 1.0f,
+                                  .reduction = DPCLIP_SUM,
                                   .noise_multiplier = 1.0f};
-        dc_test_layer_spec sp = {DC_LAYER_LINEAR, 16, 512, 768, 3072, DC_BF16, 1,
-                                 DC_ALGO_AUTO, 1, 0};
+        dc_test_layer_spec sp = {DC_LAYER_LINEAR, 16, 512,          768, 3072,
+                                 DC_BF16,         1,  DC_ALGO_AUTO, 1,   0};
         dc_test_rng_seed(&r, 5);
         if (dc_shm_step_init(&s, c, 192u << 20, 16, &cfg)) return 3;
         for (int i = 0; i < 2; i++)
@@ -586,14 +591,10 @@ int main(int argc, char **argv) {
         return cmocka_run_group_tests(two, group_setup, group_teardown);
     }
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(test_gpu_steps_exact),
-        cmocka_unit_test(test_gpu_events),
-        cmocka_unit_test(test_gpu_event_changed),
-        cmocka_unit_test(test_event_cap),
-        cmocka_unit_test(test_gpu_early_notice),
-        cmocka_unit_test(test_workspace_cap),
-        cmocka_unit_test(test_client_killed_mid_step),
-        cmocka_unit_test(test_clean_shutdown),
+        cmocka_unit_test(test_gpu_steps_exact),        cmocka_unit_test(test_gpu_events),
+        cmocka_unit_test(test_gpu_event_changed),      cmocka_unit_test(test_event_cap),
+        cmocka_unit_test(test_gpu_early_notice),       cmocka_unit_test(test_workspace_cap),
+        cmocka_unit_test(test_client_killed_mid_step), cmocka_unit_test(test_clean_shutdown),
     };
     return cmocka_run_group_tests(tests, group_setup, group_teardown);
 }

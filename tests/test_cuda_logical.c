@@ -142,8 +142,7 @@ static void compare(const char *what, micro *mb, double rtol, int reference, flo
                     }
                     for (int b = 0; b < MB; b++)
                         coef[b] = fmin(1.0, C / (sqrt(tot[b]) * (1.0 + 1e-2) + 1e-6));
-                    dc_ref_layer_clipped_sum(&mb[k].h[l], MB, (double)MB, coef, ws,
-                                             nb ? bs : NULL);
+                    dc_ref_layer_clipped_sum(&mb[k].h[l], MB, (double)MB, coef, ws, nb ? bs : NULL);
                     for (int64_t i = 0; i < n; i++) ref[i] += (w ? bs[i] : ws[i]) / 12.0;
                 }
                 for (int64_t i = 0; i < n; i++) want[i] = (float)ref[i];
@@ -256,7 +255,6 @@ static void test_hash_matches_host(void **state) {
     }
     CUDA_OK(cudaFree(dev));
 }
-
 
 int main(void) {
     if (cuda_test_skip()) return DC_TEST_SKIP;

@@ -86,8 +86,12 @@ static void test_found_maxima(void **state) {
             hs.reduction = ds.reduction = DC_REDUCTION_MEAN;
             hs.expected_batch = ds.expected_batch = 8;
         }
-        static const char *const names[6] = {"sum", "mean", "sum, staged", "sum, exact draws",
-                                             "sum, per layer", "sum, two blocks a pass"};
+        static const char *const names[6] = {"sum",
+                                             "mean",
+                                             "sum, staged",
+                                             "sum, exact draws",
+                                             "sum, per layer",
+                                             "sum, two blocks a pass"};
         printf("%s\n", names[mode]);
         set_switches(1, mode != 4);
         g_opts.one_pass = mode != 2;
@@ -185,7 +189,6 @@ static void test_failures_write_nothing(void **state) {
         set_free(&m);
     }
 }
-
 
 int main(void) {
     if (cuda_test_skip()) return DC_TEST_SKIP;

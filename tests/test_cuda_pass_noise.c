@@ -46,11 +46,8 @@ static const dc_test_layer_spec kSpecs[NL] = {
     {DC_LAYER_LAYERNORM, B, 4, 40, 0, DC_F32, 1, DC_ALGO_AUTO, 1, 0},
 };
 static const range kRanges[NL][2] = {
-    {{0, 100, 200}, {0, 100, 200}},
-    {{0, 3, 20}, {0, 3, 20}},
-    {{1, 16, 40}, {0, 8, 24}},
-    {{0, 10, 30}, {0, 0, 0}},
-    {{0, 0, 0}, {0, 0, 40}},
+    {{0, 100, 200}, {0, 100, 200}}, {{0, 3, 20}, {0, 3, 20}}, {{1, 16, 40}, {0, 8, 24}},
+    {{0, 10, 30}, {0, 0, 0}},       {{0, 0, 0}, {0, 0, 40}},
 };
 
 /* Host layers h and their device copies d; zero: every float input and
@@ -149,22 +146,22 @@ static float *run_on(dc_backend *be, dc_layer *ls, int dev, float sigma, int ran
 /* Runs the statements given for every output element, with l, o (0
  * weight, 1 bias), i (its index in the output), inside (in its range) and
  * at (its index in outputs()'s array) in scope. */
-#define FOR_ELEMENTS(ls, ...)                                                               \
-    do {                                                                                    \
-        int64_t at_ = 0;                                                                    \
-        for (int l = 0; l < NL; l++)                                                        \
-            for (int o = 0; o < 2; o++) {                                                   \
-                const dc_tensor *t_ = o ? &(ls)[l].bias_grad_out : &(ls)[l].weight_grad_out; \
-                if (!t_->data) continue;                                                    \
-                const range rg_ = kRanges[l][o];                                            \
-                const int64_t inner_ = t_->ndim == 2 ? t_->shape[1] : 1;                    \
-                for (int64_t i = 0; i < numel(t_); i++, at_++) {                            \
-                    const int64_t k_ = rg_.dim ? i % inner_ : i / inner_;                   \
-                    const int inside = k_ >= (int64_t)rg_.begin && k_ < (int64_t)rg_.end;   \
-                    const int64_t at = at_;                                                 \
-                    __VA_ARGS__                                                             \
-                }                                                                           \
-            }                                                                               \
+#define FOR_ELEMENTS(ls, ...)                                                                      \
+    do {                                                                                           \
+        int64_t at_ = 0;                                                                           \
+        for (int l = 0; l < NL; l++)                                                               \
+            for (int o = 0; o < 2; o++) {                                                          \
+                const dc_tensor *t_ = o ? &(ls)[l].bias_grad_out : &(ls)[l].weight_grad_out;       \
+                if (!t_->data) continue;                                                           \
+                const range rg_ = kRanges[l][o];                                                   \
+                const int64_t inner_ = t_->ndim == 2 ? t_->shape[1] : 1;                           \
+                for (int64_t i = 0; i < numel(t_); i++, at_++) {                                   \
+                    const int64_t k_ = rg_.dim ? i % inner_ : i / inner_;                          \
+                    const int inside = k_ >= (int64_t)rg_.begin && k_ < (int64_t)rg_.end;          \
+                    const int64_t at = at_;                                                        \
+                    __VA_ARGS__                                                                    \
+                }                                                                                  \
+            }                                                                                      \
     } while (0)
 
 /* Zero sums, so each output is its noise alone: on each path, an element
@@ -202,8 +199,10 @@ static void test_ranges_on_every_path(void **state) {
         FOR_ELEMENTS(d, {
             if (!inside) {
                 if (ranged[at] != 0.0f || cpu[at] != 0.0f) {
-                    fprintf(stderr, "path %d, layer %d output %d element %lld outside its range: "
-                            "%g (CPU %g)\n", path, l, o, (long long)i, ranged[at], cpu[at]);
+                    fprintf(stderr,
+                            "path %d, layer %d output %d element %lld outside its range: "
+                            "%g (CPU %g)\n",
+                            path, l, o, (long long)i, ranged[at], cpu[at]);
                     fail();
                 }
                 continue;
@@ -286,7 +285,6 @@ static void test_real_data_clip_phase(void **state) {
     release(h, d);
     set_switches(1, 1);
 }
-
 
 int main(void) {
     if (cuda_test_skip()) return DC_TEST_SKIP;

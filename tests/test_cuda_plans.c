@@ -28,8 +28,8 @@ static void test_direct_splits(void **state) {
     /* what the backend will plan for this layer: the split kernels run on
      * the wgmma path with TMA only (else these cases test nothing new) */
     dc_layer d = dev_layer(&h);
-    dcc_linear L = {d.input.data, d.grad.data, DC_BF16, DC_BF16, 2, (int)h.T, (int)h.d,
-                    (int)h.p, true, true, &g_opts, NULL};
+    dcc_linear L = {d.input.data, d.grad.data, DC_BF16, DC_BF16, 2,       (int)h.T,
+                    (int)h.d,     (int)h.p,    true,    true,    &g_opts, NULL};
     if (dcc_linear_path(&L) != DCC_PATH_WGMMA) {
         dev_layer_free(&d);
         dc_test_layer_free(&h);
@@ -131,15 +131,15 @@ static void test_direct_persist(void **state) {
     g_opts.direct_tile = 256;
     for (int di = 0; di < 2; di++) {
         dc_test_layer_spec sp = {DC_LAYER_LINEAR, B, 100, 264, 520, kDtypes[di], 1,
-                                 DC_ALGO_DIRECT, 0, 0};
+                                 DC_ALGO_DIRECT,  0, 0};
         dc_layer h;
         double *ref = (double *)malloc(B * sizeof *ref);
         assert_non_null(ref);
         dc_test_layer_make(&h, &sp, &r);
         dc_ref_layer_sqnorms(&h, B, 1.0, ref);
         dc_layer d = dev_layer(&h);
-        dcc_linear L = {d.input.data, d.grad.data, kDtypes[di], kDtypes[di], (int)B, (int)h.T,
-                        (int)h.d, (int)h.p, true, true, &g_opts, NULL};
+        dcc_linear L = {d.input.data, d.grad.data, kDtypes[di], kDtypes[di], (int)B,  (int)h.T,
+                        (int)h.d,     (int)h.p,    true,        true,        &g_opts, NULL};
         const int wg = dcc_linear_path(&L) == DCC_PATH_WGMMA;
         dev_layer_free(&d);
         if (!wg) {
@@ -185,23 +185,33 @@ static void test_ghost_plans(void **state) {
     dc_test_rng_seed(&r, 113);
     g_opts.grouped = false; /* per-layer launches, which these switches steer */
     enum { NCASE = 14 };
-    static const long long cases[NCASE][3] = { /* wide items, K, N */
-        {-1, 2, 0},  {-1, 3, 20}, {-1, 4, 44}, {-1, 6, 1}, {-1, 2, 200}, {-1, 6, 0}, {-1, 1, 0},
-        {1000, 1, 0}, {7, 1, 0},  {11, 2, 0},  {13, 3, 5}, {26, 1, 0},   {1, 6, 0},  {5, 4, 3}};
+    static const long long cases[NCASE][3] = {/* wide items, K, N */
+                                              {-1, 2, 0},   {-1, 3, 20}, {-1, 4, 44}, {-1, 6, 1},
+                                              {-1, 2, 200}, {-1, 6, 0},  {-1, 1, 0},  {1000, 1, 0},
+                                              {7, 1, 0},    {11, 2, 0},  {13, 3, 5},  {26, 1, 0},
+                                              {1, 6, 0},    {5, 4, 3}};
     static const int layers[2][4] = {{3, 1000, 520, 264}, {3, 600, 72, 136}}; /* B, T, d, p */
     for (int di = 0; di < 3; di++) {
         for (int w = 0; w < 2; w++) {
-            dc_test_layer_spec sp = {DC_LAYER_LINEAR, (uint32_t)layers[w][0], layers[w][1],
-                                     layers[w][2], layers[w][3], kDtypes[di], 1, DC_ALGO_GHOST,
-                                     0, 0};
+            dc_test_layer_spec sp = {DC_LAYER_LINEAR,
+                                     (uint32_t)layers[w][0],
+                                     layers[w][1],
+                                     layers[w][2],
+                                     layers[w][3],
+                                     kDtypes[di],
+                                     1,
+                                     DC_ALGO_GHOST,
+                                     0,
+                                     0};
             const long long nt = (layers[w][1] + 127) / 128, items = nt * (nt + 1) / 2 * 3;
             dc_layer h;
             double ref[3];
             dc_test_layer_make(&h, &sp, &r);
             dc_ref_layer_sqnorms(&h, 3, 1.0, ref);
             dc_layer d = dev_layer(&h);
-            dcc_linear L = {d.input.data, d.grad.data, h.input.dtype, h.grad.dtype, 3, (int)h.T,
-                            (int)h.d, (int)h.p, true, true, &g_opts, NULL};
+            dcc_linear L = {d.input.data, d.grad.data, h.input.dtype, h.grad.dtype, 3,
+                            (int)h.T,     (int)h.d,    (int)h.p,      true,         true,
+                            &g_opts,      NULL};
             const int wg = dcc_linear_path(&L) == DCC_PATH_WGMMA ||
                            (kDtypes[di] == DC_F32 && dcc_wgmma_available(&g_opts));
             dev_layer_free(&d);

@@ -102,7 +102,9 @@ static verdict check_gpu(const dc_step *hs, const dc_step *ds, const dc_step *ht
 
 /* --- data ---------------------------------------------------------------- */
 
-static void store(dc_tensor *t, size_t i, double v) { dc_store_f32(t->data, t->dtype, i, (float)v); }
+static void store(dc_tensor *t, size_t i, double v) {
+    dc_store_f32(t->data, t->dtype, i, (float)v);
+}
 
 /* Every f32 value of t with its 13 low bits set (the TF32 tensor cores drop
  * them), or cleared (what they keep). */
@@ -163,8 +165,8 @@ static void test_tf32(void **state) {
                 set_switches(1, modern);
                 dc_test_rng r;
                 dc_test_rng_seed(&r, 10 + (uint64_t)(4 * modern + 2 * k + mean));
-                dc_test_layer_spec sp = {DC_LAYER_LINEAR, NS, 200, 136, 72, DC_F32, 1,
-                                         algos[k], 1, 0};
+                dc_test_layer_spec sp = {DC_LAYER_LINEAR, NS, 200,      136, 72,
+                                         DC_F32,          1,  algos[k], 1,   0};
                 dc_layer h, t, d;
                 dc_test_layer_make(&h, &sp, &r);
                 dc_test_layer_make(&t, &sp, &r);
@@ -203,8 +205,8 @@ static void test_tf32(void **state) {
     dc_test_rng_seed(&r, 20);
     dc_layer h[2], d[2];
     for (int k = 0; k < 2; k++) {
-        dc_test_layer_spec sp = {DC_LAYER_LINEAR, NS, 100 + 40 * k, 64, 128, DC_F32, k,
-                                 algos[k], 1, 0};
+        dc_test_layer_spec sp = {DC_LAYER_LINEAR, NS, 100 + 40 * k, 64, 128,
+                                 DC_F32,          k,  algos[k],     1,  0};
         dc_test_layer_make(&h[k], &sp, &r);
         fill_positive(&h[k].input, &r);
         fill_positive(&h[k].grad, &r);
@@ -273,15 +275,17 @@ static void test_16bit_absorption(void **state) {
             dc_layer h, d;
             char what[96];
             if (cfg < 3) {
-                dc_test_layer_spec sp = {DC_LAYER_LINEAR, NS, 16384, 128, 16, dts[di], 0,
-                                         DC_ALGO_DIRECT, 1, 0};
+                dc_test_layer_spec sp = {DC_LAYER_LINEAR, NS, 16384,          128, 16,
+                                         dts[di],         0,  DC_ALGO_DIRECT, 1,   0};
                 dc_test_layer_make(&h, &sp, &r);
                 absorb_rows(&h, 64.0, 0x1p-23, 512);
                 snprintf(what, sizeof what, "%s direct, %s, absorption", dc_dtype_name(dts[di]),
-                         cfg == 0 ? "grouped" : cfg == 1 ? "per layer" : "mma.sync");
+                         cfg == 0   ? "grouped"
+                         : cfg == 1 ? "per layer"
+                                    : "mma.sync");
             } else {
                 dc_test_layer_spec sp = {DC_LAYER_LINEAR, NS, 16, 16384, 16, dts[di], 0,
-                                         DC_ALGO_GHOST, 1, 0};
+                                         DC_ALGO_GHOST,   1,  0};
                 dc_test_layer_make(&h, &sp, &r);
                 for (int64_t i = 0; i < numel(&h.grad); i++) store(&h.grad, (size_t)i, 1.0);
                 for (int64_t i = 0; i < numel(&h.input); i++)
@@ -353,10 +357,8 @@ static void test_embedding_absorption(void **state) {
     dc_test_layer_make(&h, &sp, &r);
     h.has_padding_idx = false;
     for (int64_t i = 0; i < numel(&h.input); i++) {
-        if (h.input.dtype == DC_I32)
-            ((int32_t *)h.input.data)[i] = 3;
-        else
-            ((int64_t *)h.input.data)[i] = 3;
+        if (h.input.dtype == DC_I32) ((int32_t *)h.input.data)[i] = 3;
+        else ((int64_t *)h.input.data)[i] = 3;
     }
     for (int64_t i = 0; i < numel(&h.grad); i++)
         store(&h.grad, (size_t)i, ((i / h.d) % h.T) % 512 == 0 ? 64.0 : 0x1p-23);
@@ -417,7 +419,9 @@ static void test_kinds(void **state) {
             ds.device = 0;
             char what[96];
             snprintf(what, sizeof what, "%s, %s",
-                     k == N + 1 ? "tied pair" : k == N ? "every kind" : h[0].name,
+                     k == N + 1 ? "tied pair"
+                     : k == N   ? "every kind"
+                                : h[0].name,
                      dc_dtype_name(kDtypes[di]));
             verdict v = check_gpu(&hs, &ds, NULL, DC_E_GPU | DC_E_TF32, what);
             assert_true(v.clipped > 0 && v.unclipped > 0);

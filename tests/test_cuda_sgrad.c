@@ -32,8 +32,9 @@ static double bf16_round(double x) { return (double)dc_bf16_to_f32(dc_f32_to_bf1
 static size_t al256(size_t x) { return (x + 255) & ~(size_t)255; }
 
 static dcc_linear lin(const dc_layer *l, uint32_t B) {
-    return (dcc_linear){l->input.data, l->grad.data, l->input.dtype, l->grad.dtype, (int)B,
-                        (int)l->T, (int)l->d, (int)l->p, l->has_bias, false, NULL, NULL};
+    return (dcc_linear){l->input.data, l->grad.data, l->input.dtype, l->grad.dtype,
+                        (int)B,        (int)l->T,    (int)l->d,      (int)l->p,
+                        l->has_bias,   false,        NULL,           NULL};
 }
 
 /* The expected outputs of a flat SUM step in which the layers kept[l] != 0
@@ -124,8 +125,8 @@ static void check_step(dc_layer *h, dc_layer *d, int n, uint32_t B, size_t budge
     double e_step = 0.0;
     step_init(&es, h, (size_t)n, B, 0);
     for (int l = 0; l < n; l++)
-        e_step = fmax(e_step, dc_clip_e(&es, (size_t)l,
-                                        DC_E_GPU | DC_E_TF32 | (kept[l] ? DC_E_KEPT : 0u)));
+        e_step = fmax(e_step,
+                      dc_clip_e(&es, (size_t)l, DC_E_GPU | DC_E_TF32 | (kept[l] ? DC_E_KEPT : 0u)));
     dc_cpu_backend_set_clip_how(g_cpu, DC_E_GPU | DC_E_TF32 | (want_kept ? DC_E_KEPT : 0u));
     expected(h, n, B, &C, kept, e_step, w, bo, norms);
 
@@ -186,8 +187,16 @@ static void make(dc_layer *h, dc_layer *d, int n, uint32_t B, int64_t (*shape)[3
     dc_test_rng_seed(&r, seed);
     for (int l = 0; l < n; l++) {
         dc_dtype dt = l % 5 == 2 ? DC_F16 : DC_BF16;
-        dc_test_layer_spec sp = {DC_LAYER_LINEAR, B, shape[l][0], shape[l][1], shape[l][2],
-                                 dt, l % 3 != 1, DC_ALGO_DIRECT, 1, 0};
+        dc_test_layer_spec sp = {DC_LAYER_LINEAR,
+                                 B,
+                                 shape[l][0],
+                                 shape[l][1],
+                                 shape[l][2],
+                                 dt,
+                                 l % 3 != 1,
+                                 DC_ALGO_DIRECT,
+                                 1,
+                                 0};
         dc_test_layer_make(&h[l], &sp, &r);
         d[l] = dev_layer(&h[l]);
     }
@@ -208,9 +217,9 @@ static void test_kept_layers(void **state) {
     int64_t shape[NL][3];
     dc_layer h[NL], d[NL];
     for (int l = 0; l < NL; l++) {
-        shape[l][0] = 64 + 61 * (l % 4);        /* T */
-        shape[l][1] = 64 + 72 * (l % 5);        /* d */
-        shape[l][2] = 72 + 96 * ((l * 7) % 6);  /* p */
+        shape[l][0] = 64 + 61 * (l % 4);       /* T */
+        shape[l][1] = 64 + 72 * (l % 5);       /* d */
+        shape[l][2] = 72 + 96 * ((l * 7) % 6); /* p */
     }
     make(h, d, NL, B, shape, 1212);
     set_switches(1, 1);
@@ -315,7 +324,7 @@ static void test_kept_noise(void **state) {
     (void)state;
     enum { N = 6 };
     const uint32_t B = 3;
-    int64_t shape[N][3] = {{64, 136, 264}, {70, 64, 72}, {64, 200, 520},
+    int64_t shape[N][3] = {{64, 136, 264},  {70, 64, 72},  {64, 200, 520},
                            {128, 392, 136}, {65, 72, 264}, {64, 256, 256}};
     dc_layer h[N], d[N];
     make(h, d, N, B, shape, 1515);
@@ -338,8 +347,8 @@ static void test_kept_noise(void **state) {
                                        fabs(gc[o][i]) + std_over_div);
             if (fabs(dk - dg) / tol > worst) worst = fabs(dk - dg) / tol;
             if (fabs(dk) > biggest) biggest = fabs(dk);
-            staged_differ +=
-                fabs((double)kn[o][i] - ks[o][i]) > 1e-6 * (fabs(kn[o][i]) + std_over_div);
+            staged_differ += fabs((double)kn[o][i] - ks[o][i]) >
+                             1e-6 * (fabs(kn[o][i]) + std_over_div);
             n_checked++;
         }
         free(kn[o]);
@@ -379,7 +388,8 @@ static void test_kept_noise(void **state) {
         free(ug[o]);
     }
     printf("kept, then not (no grouped launch): worst difference from the GEMM path's %.2f of "
-           "its bound\n", worst_back);
+           "its bound\n",
+           worst_back);
     assert_true(worst_back <= 1.0);
     release(h, d, N);
     set_switches(1, 1);
@@ -458,8 +468,7 @@ static long against_staged(dc_layer *d, int n, uint32_t B, float C, float sigma,
     long bad = 0;
     for (int pass = 0; pass < 2; pass++) {
         outputs_fill(d, (size_t)n, 7.0f);
-        assert_int_equal(kept_step(d, n, B, DC_SAMPLE_GRADS_AUTO, pass == 0, C, sigma,
-                                   false), 0);
+        assert_int_equal(kept_step(d, n, B, DC_SAMPLE_GRADS_AUTO, pass == 0, C, sigma, false), 0);
         assert_int_equal(dc_cuda_backend_kept_layers(g_cuda), n);
         assert_int_equal(dc_cuda_backend_kept_direct(g_cuda), pass == 0 && direct);
         bad += outputs_against(d, n, pass, got, sigma * C / B, exact, total);
@@ -492,7 +501,8 @@ static void test_kept_direct(void **state) {
     long exact = 0, total = 0;
     const long bad = against_staged(d, N, B, 0.05f, 0.7f, true, &exact, &total);
     printf("kept sums into the outputs: %ld values, %ld bit-equal to the staged path's, %ld "
-           "beyond its roundings\n", total, exact, bad);
+           "beyond its roundings\n",
+           total, exact, bad);
     assert_int_equal(bad, 0);
     /* 1b. every output of one dtype (the kernels that know it at compile
      * time), with a divisor that rounds (B = 3) and one that is a power of
@@ -563,7 +573,8 @@ static void test_out_blocks(void **state) {
         bad += outputs_against(d, N, r, ref, sigma * C / B, &exact, &total);
     }
     printf("output passes on 1 and 3 blocks: %ld values, %ld bit-equal to the full grid's, %ld "
-           "beyond the roundings\n", total, exact, bad);
+           "beyond the roundings\n",
+           total, exact, bad);
     assert_int_equal(bad, 0);
     for (int o = 0; o < 2 * N; o++) free(ref[o]);
     g_out_blocks = 0;
@@ -674,18 +685,13 @@ static void test_keep_worth(void **state) {
     set_switches(1, 1);
 }
 
-
 int main(void) {
     if (cuda_test_skip()) return DC_TEST_SKIP;
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(test_kept_layers),
-        cmocka_unit_test(test_kept_many_samples),
-        cmocka_unit_test(test_kept_noise),
-        cmocka_unit_test(test_kept_direct),
-        cmocka_unit_test(test_out_blocks),
-        cmocka_unit_test(test_keep_worth),
-        cmocka_unit_test(test_budget_auto),
-        cmocka_unit_test(test_keep_leaves_memory_free),
+        cmocka_unit_test(test_kept_layers), cmocka_unit_test(test_kept_many_samples),
+        cmocka_unit_test(test_kept_noise),  cmocka_unit_test(test_kept_direct),
+        cmocka_unit_test(test_out_blocks),  cmocka_unit_test(test_keep_worth),
+        cmocka_unit_test(test_budget_auto), cmocka_unit_test(test_keep_leaves_memory_free),
     };
     return cmocka_run_group_tests(tests, cuda_test_setup_gpu_bounds, cuda_test_teardown);
 }

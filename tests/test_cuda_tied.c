@@ -92,8 +92,7 @@ static void run_tied(tied *t, dc_reduction red) {
     }
     assert_true(clipped > 0 && clipped < (int)B);
     for (size_t i = 0; i < NL * B; i++)
-        assert_true(fabs((double)res.layer_norms[i] - sqrt(lsq[i])) <=
-                    tol * sqrt(lsq[i]) + 1e-30);
+        assert_true(fabs((double)res.layer_norms[i] - sqrt(lsq[i])) <= tol * sqrt(lsq[i]) + 1e-30);
     for (int l = 0; l < NL; l++) {
         dc_tensor *o[2] = {&t->d[l].weight_grad_out, &t->d[l].bias_grad_out};
         double *want[2] = {w[l], bb[l]};

@@ -178,7 +178,7 @@ static void test_phase_timing(void **state) {
         assert_true(res.phase_ns[k] > 0);
         sum += res.phase_ns[k];
     }
-    assert_true(sum <= res.compute_ns); /* GPU time inside the step's host time */
+    assert_true(sum <= res.compute_ns);                /* GPU time inside the step's host time */
     assert_true(res.phase_ns[DC_RUN_WAIT_INPUT] == 0); /* no client event */
     dc_step_result_free(&res);
     assert_int_equal(dc_cuda_backend_phase_ms(g_cuda, ms), 0);

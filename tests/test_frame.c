@@ -321,8 +321,8 @@ static void test_decode(void **state) {
     Dpclip__Request req = DPCLIP__REQUEST__INIT, *got;
     Dpclip__Ping ping = DPCLIP__PING__INIT;
     uint8_t buf[64];
-    static const uint8_t junk[] = {0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff,
-                                   0xff, 0xff, 0x01};
+    static const uint8_t junk[] = {0xff, 0xff, 0xff, 0xff, 0xff, 0xff,
+                                   0xff, 0xff, 0xff, 0xff, 0xff, 0x01};
     dc_frame f;
     dc_err e;
 

@@ -27,7 +27,9 @@ typedef struct member {
     double tot[BATCH];
 } member;
 
-static const dc_group_terms k_terms = {.batch = BATCH, .max_grad_norm = 1.0f, .expected_batch = BATCH};
+static const dc_group_terms k_terms = {.batch = BATCH,
+                                       .max_grad_norm = 1.0f,
+                                       .expected_batch = BATCH};
 
 static void on_done(dc_group_waiter *w, int rc, const double *tot, const dc_err *err) {
     member *m = w->arg;

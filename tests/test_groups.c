@@ -55,7 +55,8 @@ static dc_layer tp_slice(const dc_layer *full, int64_t p0, int64_t pn, const cha
     l.grad = dc_test_tensor_new(DC_F32, 3, B, full->T, pn);
     for (int64_t r = 0; r < rows; r++)
         for (int64_t j = 0; j < pn; j++)
-            ((float *)l.grad.data)[r * pn + j] = ((const float *)full->grad.data)[r * full->p + p0 + j];
+            ((float *)l.grad.data)[r * pn + j] =
+                ((const float *)full->grad.data)[r * full->p + p0 + j];
     l.weight_grad_out = dc_test_tensor_new(DC_F32, 2, pn, full->d, 0);
     l.bias_grad_out = full->has_bias ? dc_test_tensor_new(DC_F32, 1, pn, 0, 0) : (dc_tensor){0};
     return l;
@@ -91,10 +92,10 @@ static void test_tp_split(void **state) {
         snprintf(name, sizeof name, "tp%d", n);
         for (int k = 0; k < n; k++) {
             dc_layer sl = tp_slice(&full, cuts[v][k], cuts[v][k + 1] - cuts[v][k], "fc");
-            assert_int_equal(dc_shm_step_init(&st[k], member(name, (uint32_t)k, (uint32_t)n, 0, 0,
-                                                             "tp-job"),
-                                              0, B, &cfg),
-                             0);
+            assert_int_equal(
+                dc_shm_step_init(&st[k], member(name, (uint32_t)k, (uint32_t)n, 0, 0, "tp-job"), 0,
+                                 B, &cfg),
+                0);
             assert_true(dc_shm_step_add_layer(&st[k], &sl) >= 0);
             free_slice(&sl);
         }
@@ -134,16 +135,19 @@ static void test_pp_split(void **state) {
         snprintf(name, sizeof name, "pp%d", n);
         dc_test_rng_seed(&r, 400 + (uint64_t)v);
         for (int k = 0; k < n; k++)
-            assert_int_equal(dc_shm_step_init(&st[k], member(name, (uint32_t)k, (uint32_t)n, 0, 0,
-                                                             "pp-job"),
-                                              0, B, &cfg),
-                             0);
-        for (int l = 0; l < 6; l++) assert_true(dc_shm_step_add(&st[dc_group_pp_stage_of[v][l]], &dc_group_pp_model[l], &r, 1.0f) >= 0);
+            assert_int_equal(
+                dc_shm_step_init(&st[k], member(name, (uint32_t)k, (uint32_t)n, 0, 0, "pp-job"), 0,
+                                 B, &cfg),
+                0);
+        for (int l = 0; l < 6; l++)
+            assert_true(dc_shm_step_add(&st[dc_group_pp_stage_of[v][l]], &dc_group_pp_model[l], &r,
+                                        1.0f) >= 0);
         cfg = dc_group_config(dc_group_median(st, n), 0.0f); /* clips half of the whole model's */
         dc_group_set_c(st, n, cfg.max_grad_norm, 0.0f);
         /* the last stage first: members may come in any order */
         uint64_t t[MAXM];
-        for (int k = n - 1; k >= 0; k--) assert_int_equal(dpclip_submit(st[k].c, st[k].step, &t[k]), 0);
+        for (int k = n - 1; k >= 0; k--)
+            assert_int_equal(dpclip_submit(st[k].c, st[k].step, &t[k]), 0);
         for (int k = 0; k < n; k++) rcs[k] = dpclip_wait(st[k].c, t[k], 30000, &res[k]);
         for (int k = 0; k < n; k++) {
             if (rcs[k]) print_message("stage %d: %s\n", k, dpclip_errmsg(st[k].c));
@@ -181,8 +185,9 @@ static void test_replicated(void **state) {
         const char *gname = noisy ? "rep-noisy" : "rep";
         for (int k = 0; k < 2; k++) {
             dc_layer sl = tp_slice(&full, k ? 4 : 0, k ? 6 : 4, "fc");
-            assert_int_equal(dc_shm_step_init(&st[k], member(gname, (uint32_t)k, 2, 0, 0, "rep-job"),
-                                              0, B, &cfg),
+            assert_int_equal(dc_shm_step_init(&st[k],
+                                              member(gname, (uint32_t)k, 2, 0, 0, "rep-job"), 0, B,
+                                              &cfg),
                              0);
             assert_true(dc_shm_step_add_layer(&st[k], &ln) >= 0);
             assert_true(dc_shm_step_add_layer(&st[k], &sl) >= 0);
@@ -204,7 +209,8 @@ static void test_replicated(void **state) {
              * noise is independent (compare a noised output to its
              * reference: it must differ) */
             const dc_layer *a = &st[0].ref.layers[0], *b = &st[1].ref.layers[0];
-            assert_memory_equal(a->weight_grad_out.data, b->weight_grad_out.data, 12 * sizeof(float));
+            assert_memory_equal(a->weight_grad_out.data, b->weight_grad_out.data,
+                                12 * sizeof(float));
             assert_memory_equal(a->bias_grad_out.data, b->bias_grad_out.data, 12 * sizeof(float));
             const float *w0 = st[0].ref.layers[1].weight_grad_out.data,
                         *w1 = st[1].ref.layers[1].weight_grad_out.data;
@@ -234,8 +240,9 @@ static void test_member_timeout(void **state) {
     dc_shm_step st[2];
     dpclip_result res;
     for (int k = 0; k < 2; k++) {
-        assert_int_equal(dc_shm_step_init(&st[k], member("late", (uint32_t)k, 2, 300, 0, "late-job"),
-                                          0, B, &cfg),
+        assert_int_equal(dc_shm_step_init(&st[k],
+                                          member("late", (uint32_t)k, 2, 300, 0, "late-job"), 0, B,
+                                          &cfg),
                          0);
         assert_true(dc_shm_step_add(&st[k], &sp, &r, 1.0f) >= 0);
     }
@@ -281,7 +288,8 @@ static void test_member_disconnect(void **state) {
     dpclip_client *gone = member("gone", 1, 2, 60000, 0, "gone-job");
     dpclip_result res;
     uint64_t ticket;
-    assert_int_equal(dc_shm_step_init(&st, member("gone", 0, 2, 60000, 0, "gone-job"), 0, B, &cfg), 0);
+    assert_int_equal(dc_shm_step_init(&st, member("gone", 0, 2, 60000, 0, "gone-job"), 0, B, &cfg),
+                     0);
     assert_true(dc_shm_step_add(&st, &sp, &r, 1.0f) >= 0);
     uint64_t t0 = dc_clock_ms();
     assert_int_equal(dpclip_submit(st.c, st.step, &ticket), 0);
@@ -315,9 +323,8 @@ static void test_ledger_once(void **state) {
     int rcs[3];
     const char *jobs[3] = {"once", "once", "once-other"};
     for (int k = 0; k < 3; k++) {
-        assert_int_equal(dc_shm_step_init(&st[k], member("once", (uint32_t)k, 3, 0, 0, jobs[k]),
-                                          0, B, &cfg),
-                         0);
+        assert_int_equal(
+            dc_shm_step_init(&st[k], member("once", (uint32_t)k, 3, 0, 0, jobs[k]), 0, B, &cfg), 0);
         assert_true(dc_shm_step_add(&st[k], &sp, &r, 1.0f) >= 0);
     }
     double rdp[DC_RDP_N_ORDERS], want[4] = {0.0};
@@ -360,9 +367,8 @@ static void test_group_wise_charges(void **state) {
     dpclip_result res;
     const char *jobs[2] = {"gwc", "gwc"};
     for (int k = 0; k < 2; k++) {
-        assert_int_equal(dc_shm_step_init(&st[k], member("gwc", (uint32_t)k, 2, 0, 1, jobs[k]),
-                                          0, B, &cfg),
-                         0);
+        assert_int_equal(
+            dc_shm_step_init(&st[k], member("gwc", (uint32_t)k, 2, 0, 1, jobs[k]), 0, B, &cfg), 0);
         assert_true(dc_shm_step_add(&st[k], &sp, &r, 1.0f) >= 0);
     }
     /* rank 1 ahead of rank 0 (group step 1): charged to its own job */
@@ -471,8 +477,8 @@ static void test_status_shows_groups(void **state) {
     int rcs[2];
     char sock[400], *body = NULL;
     for (int k = 0; k < 2; k++) {
-        assert_int_equal(dc_shm_step_init(&st[k], member("shown", (uint32_t)k, 2, 0, 0, "shown"),
-                                          0, B, &cfg),
+        assert_int_equal(dc_shm_step_init(&st[k], member("shown", (uint32_t)k, 2, 0, 0, "shown"), 0,
+                                          B, &cfg),
                          0);
         assert_true(dc_shm_step_add(&st[k], &sp, &r, 1.0f) >= 0);
     }
@@ -607,7 +613,7 @@ static int64_t split_noise(const char *sock, const dc_layer *full, const dc_laye
         free_slice(&sl);
     }
     float C = dc_group_median(st, 2);
-    for (int pass = 0; pass < 2; pass++) { /* noisy, then clean */
+    for (int pass = 0; pass < 2; pass++) {             /* noisy, then clean */
         dc_group_set_c(st, 2, C, pass ? 0.0f : sigma); /* a new wire step: marked again */
         for (int k = 0; k < 2; k++)
             assert_int_equal(dpclip_step_set_replicated(st[k].step, 0, 1), 0);
@@ -704,13 +710,14 @@ static void test_fused_over_limits(void **state) {
     assert_int_equal(dc_harness_start(&h, "--workers 2 --set limits.max_step_samples=20"), 0);
     dc_test_rng_seed(&r, 990);
     for (int k = 0; k < 2; k++)
-        assert_int_equal(dc_shm_step_init(&st[k], dc_group_member(h.sock, "big", (uint32_t)k, 2,
-                                                                   0, 0, "big-job", NULL),
+        assert_int_equal(dc_shm_step_init(&st[k],
+                                          dc_group_member(h.sock, "big", (uint32_t)k, 2, 0, 0,
+                                                          "big-job", NULL),
                                           0, B, &cfg),
                          0);
     for (int l = 0; l < 6; l++)
-        assert_true(dc_shm_step_add(&st[dc_group_pp_stage_of[0][l]], &dc_group_pp_model[l], &r,
-                                    1.0f) >= 0);
+        assert_true(
+            dc_shm_step_add(&st[dc_group_pp_stage_of[0][l]], &dc_group_pp_model[l], &r, 1.0f) >= 0);
     dc_group_set_c(st, 2, dc_group_median(st, 2), 0.0f);
     /* every member within the limits, the sum not: the phases, with their
      * margin */
@@ -747,12 +754,18 @@ int main(int argc, char **argv) {
         dc_group_phased = 1;
     }
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(test_fused_matches_phased), cmocka_unit_test(test_fused_over_limits),
-        cmocka_unit_test(test_cross_daemon_join), cmocka_unit_test(test_group_wise_charges),
-        cmocka_unit_test(test_tp_split),         cmocka_unit_test(test_pp_split),
-        cmocka_unit_test(test_replicated),       cmocka_unit_test(test_member_timeout),
-        cmocka_unit_test(test_member_disconnect), cmocka_unit_test(test_ledger_once),
-        cmocka_unit_test(test_group_wise),       cmocka_unit_test(test_members_disagree),
+        cmocka_unit_test(test_fused_matches_phased),
+        cmocka_unit_test(test_fused_over_limits),
+        cmocka_unit_test(test_cross_daemon_join),
+        cmocka_unit_test(test_group_wise_charges),
+        cmocka_unit_test(test_tp_split),
+        cmocka_unit_test(test_pp_split),
+        cmocka_unit_test(test_replicated),
+        cmocka_unit_test(test_member_timeout),
+        cmocka_unit_test(test_member_disconnect),
+        cmocka_unit_test(test_ledger_once),
+        cmocka_unit_test(test_group_wise),
+        cmocka_unit_test(test_members_disagree),
         cmocka_unit_test(test_status_shows_groups),
     };
     return cmocka_run_group_tests(tests, group_setup, group_teardown);

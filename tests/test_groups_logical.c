@@ -30,13 +30,14 @@ static void stages(const char *sock, const char *name, dc_shm_step st[2], uint64
     dc_test_rng r;
     dc_test_rng_seed(&r, seed);
     for (int k = 0; k < 2; k++)
-        assert_int_equal(dc_shm_step_init(&st[k], dc_group_member(sock, name, (uint32_t)k, 2,
-                                                                   20000, 0, "logical-job", NULL),
+        assert_int_equal(dc_shm_step_init(&st[k],
+                                          dc_group_member(sock, name, (uint32_t)k, 2, 20000, 0,
+                                                          "logical-job", NULL),
                                           0, B, &cfg),
                          0);
     for (int l = 0; l < 6; l++)
-        assert_true(dc_shm_step_add(&st[dc_group_pp_stage_of[0][l]], &dc_group_pp_model[l], &r,
-                                    1.0f) >= 0);
+        assert_true(
+            dc_shm_step_add(&st[dc_group_pp_stage_of[0][l]], &dc_group_pp_model[l], &r, 1.0f) >= 0);
     dc_group_set_c(st, 2, dc_group_median(st, 2), 0.0f);
 }
 

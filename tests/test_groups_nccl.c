@@ -50,8 +50,8 @@
 #define GPU_OUT_RTOL 2e-3
 #define GPU_OUT_ATOL 1e-5
 
-static dc_harness g_d[2]; /* daemon 0 and daemon 1 */
-static int g_gpus;        /* 1: the layout with a GPU per daemon */
+static dc_harness g_d[2];                 /* daemon 0 and daemon 1 */
+static int g_gpus;                        /* 1: the layout with a GPU per daemon */
 static char g_gpu_id[2][DC_GPU_UUID_STR]; /* there, daemon k's CUDA_VISIBLE_DEVICES: GPU k's UUID */
 
 /* A member's tensors on its daemon's GPU (the GPU layout; p is NULL in the
@@ -270,7 +270,8 @@ static void test_pp_across_daemons(void **state) {
         join_all(name, n, 30000, c);
         for (int k = 0; k < n; k++) assert_int_equal(dc_shm_step_init(&st[k], c[k], 0, B, &cfg), 0);
         for (int l = 0; l < 6; l++)
-            assert_true(dc_shm_step_add(&st[dc_group_pp_stage_of[v][l]], &dc_group_pp_model[l], &r, 1.0f) >= 0);
+            assert_true(dc_shm_step_add(&st[dc_group_pp_stage_of[v][l]], &dc_group_pp_model[l], &r,
+                                        1.0f) >= 0);
         dc_group_set_c(st, n, dc_group_median(st, n), 0.0f); /* clips half */
         for (int k = 0; k < n; k++) assert_int_equal(to_gpu(&st[k], daemon_of(k, n), &gc[k]), 0);
         for (int it = 0; it < 3; it++) { /* the first step waits for the link to form */

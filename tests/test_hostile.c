@@ -73,9 +73,9 @@ static void test_frame_too_long(void **state) {
 
 static void test_undecodable(void **state) {
     (void)state;
-    static const uint8_t bad_varint[] = {0x08, 0xff, 0xff};          /* truncated varint */
-    static const uint8_t bad_wiretype[] = {0x0f, 0x01, 0x02, 0x03};  /* wire type 7 */
-    static const uint8_t bad_len[] = {0x6a, 0x7f, 0x08};             /* clip_step longer than the frame */
+    static const uint8_t bad_varint[] = {0x08, 0xff, 0xff};         /* truncated varint */
+    static const uint8_t bad_wiretype[] = {0x0f, 0x01, 0x02, 0x03}; /* wire type 7 */
+    static const uint8_t bad_len[] = {0x6a, 0x7f, 0x08}; /* clip_step longer than the frame */
     int fd = dc_hostile_raw_hello();
     dc_hostile_send_frame(fd, sizeof bad_varint, bad_varint, sizeof bad_varint);
     dc_hostile_expect_error(fd, DPCLIP__ERROR_CODE__PROTOCOL, "request");
@@ -168,14 +168,10 @@ static void test_garbage_stream(void **state) {
 
 int main(void) {
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(test_truncated_frame),
-        cmocka_unit_test(test_frame_too_long),
-        cmocka_unit_test(test_undecodable),
-        cmocka_unit_test(test_empty_body),
-        cmocka_unit_test(test_before_handshake),
-        cmocka_unit_test(test_garbage_stream),
-        cmocka_unit_test(dc_hostile_survivors),
-        cmocka_unit_test(dc_hostile_clean_shutdown),
+        cmocka_unit_test(test_truncated_frame),  cmocka_unit_test(test_frame_too_long),
+        cmocka_unit_test(test_undecodable),      cmocka_unit_test(test_empty_body),
+        cmocka_unit_test(test_before_handshake), cmocka_unit_test(test_garbage_stream),
+        cmocka_unit_test(dc_hostile_survivors),  cmocka_unit_test(dc_hostile_clean_shutdown),
     };
     return cmocka_run_group_tests_name("hostile", tests, dc_hostile_setup, dc_hostile_teardown);
 }

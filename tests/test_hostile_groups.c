@@ -371,8 +371,8 @@ static void test_pass_memory_capped(void **state) {
     }
     /* a whole step ends session 0's pass: session 2's is taken now */
     {
-        step_terms w = {.B = 2}, t = {.B = 16, .phase = DPCLIP__STEP_PHASE__STEP_NORMS,
-                                      .layers = 32};
+        step_terms w = {.B = 2},
+                   t = {.B = 16, .phase = DPCLIP__STEP_PHASE__STEP_NORMS, .layers = 32};
         send_step(fd[0], 5, buf[0], &w);
         expect_ok(fd[0], 5, DPCLIP__REPLY__BODY_CLIP_STEP);
         send_step(fd[2], 5, buf[2], &t);
@@ -451,8 +451,8 @@ static void test_one_uid_cannot_lock_out_another(void **state) {
     }
     assert_int_equal(as_nobody(nobody_is_served), 0);
     /* buffers: uid 0's sessions hold 6, the seventh is refused */
-    for (int i = 0; i < 6; i++) assert_true(dc_raw_register_memfd(fds[i % 4], 10 + (uint64_t)i,
-                                                                  BUF, NULL) != 0);
+    for (int i = 0; i < 6; i++)
+        assert_true(dc_raw_register_memfd(fds[i % 4], 10 + (uint64_t)i, BUF, NULL) != 0);
     {
         Dpclip__Request req = DPCLIP__REQUEST__INIT;
         (void)req;

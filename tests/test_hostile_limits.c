@@ -376,8 +376,8 @@ static void test_max_connections(void **state) {
     (void)state;
     dc_harness *h = &g_own;
     int fds[3], extra;
-    assert_int_equal(dc_hostile_harness_logged(h, "--workers 1 --set limits.max_connections=3",
-                                               g_own_log), 0);
+    assert_int_equal(
+        dc_hostile_harness_logged(h, "--workers 1 --set limits.max_connections=3", g_own_log), 0);
     for (int i = 0; i < 3; i++) {
         assert_true((fds[i] = dc_raw_connect(h->sock)) >= 0);
         assert_int_equal(dc_raw_hello(fds[i], 1), 0);
@@ -416,8 +416,8 @@ static void test_idle_timeout(void **state) {
     (void)state;
     dc_harness *h = &g_own;
     int idle, busy;
-    assert_int_equal(dc_hostile_harness_logged(h, "--workers 1 --set limits.idle_timeout=1.5",
-                                               g_own_log), 0);
+    assert_int_equal(
+        dc_hostile_harness_logged(h, "--workers 1 --set limits.idle_timeout=1.5", g_own_log), 0);
     idle = dc_raw_connect(h->sock);
     busy = dc_raw_connect(h->sock);
     assert_true(idle >= 0 && busy >= 0);

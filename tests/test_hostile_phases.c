@@ -207,10 +207,10 @@ static void test_buffer_swapped_after_pass(void **state) {
  * LayerNorm and a Linear of their own; member 1's copy of the LayerNorm
  * holds other data than member 0's. */
 static void group_of_two(const char *sock, const char *name, dc_shm_step st[2], uint64_t seed) {
-    dc_test_layer_spec ln = {DC_LAYER_LAYERNORM, DC_GROUP_TEST_B, 5, 8, 0, DC_F32, 1,
-                             DC_ALGO_AUTO, 1, 0};
-    dc_test_layer_spec lin = {DC_LAYER_LINEAR, DC_GROUP_TEST_B, 5, 8, 6, DC_F32, 1,
-                              DC_ALGO_AUTO, 1, 0};
+    dc_test_layer_spec ln = {
+        DC_LAYER_LAYERNORM, DC_GROUP_TEST_B, 5, 8, 0, DC_F32, 1, DC_ALGO_AUTO, 1, 0};
+    dc_test_layer_spec lin = {
+        DC_LAYER_LINEAR, DC_GROUP_TEST_B, 5, 8, 6, DC_F32, 1, DC_ALGO_AUTO, 1, 0};
     dpclip_clip_config cfg = dc_group_config(1.0f, 0.0f);
     dc_test_rng r;
     dc_layer l;
@@ -220,8 +220,9 @@ static void group_of_two(const char *sock, const char *name, dc_shm_step st[2], 
     l.replicated = true;
     for (int k = 0; k < 2; k++) {
         int at;
-        assert_int_equal(dc_shm_step_init(&st[k], dc_group_member(sock, name, (uint32_t)k, 2,
-                                                                   5000, 0, "rep-job", NULL),
+        assert_int_equal(dc_shm_step_init(&st[k],
+                                          dc_group_member(sock, name, (uint32_t)k, 2, 5000, 0,
+                                                          "rep-job", NULL),
                                           0, DC_GROUP_TEST_B, &cfg),
                          0);
         assert_true((at = dc_shm_step_add_layer(&st[k], &l)) >= 0);

@@ -258,8 +258,8 @@ static void test_group_leader_share_covers_no_member(void **state) {
 static void refused(dpclip_client *c, dc_shm_step *s, int code, const char *field) {
     int rc = run(c, s, NULL);
     if (rc != code || strcmp(dpclip_errfield(c), field) != 0)
-        fprintf(stderr, "want %d on %s, got %d on '%s': %s\n", code, field, rc,
-                dpclip_errfield(c), dpclip_errmsg(c));
+        fprintf(stderr, "want %d on %s, got %d on '%s': %s\n", code, field, rc, dpclip_errfield(c),
+                dpclip_errmsg(c));
     assert_int_equal(rc, code);
     assert_string_equal(dpclip_errfield(c), field);
 }
@@ -545,8 +545,7 @@ static void test_fresh_job_ids(void **state) {
     assert_int_equal(dpclip_step_set_data_parallel(st, 2, 0, 0.0f, 0), DPCLIP_EARG);
     assert_int_equal(dpclip_step_set_data_parallel(st, 2, 0, NAN, 0), DPCLIP_EARG);
     assert_int_equal(dpclip_step_set_data_parallel(st, 2, 0, INFINITY, 0), DPCLIP_EARG);
-    assert_int_equal(dpclip_step_set_data_parallel(st, 2, 0, 1.0f, UINT64_C(1) << 63),
-                     DPCLIP_EARG);
+    assert_int_equal(dpclip_step_set_data_parallel(st, 2, 0, 1.0f, UINT64_C(1) << 63), DPCLIP_EARG);
     assert_int_equal(dpclip_step_set_data_parallel(st, 2, 1, 1.0f, 7), 0);
     assert_int_equal(dpclip_step_set_data_parallel(st, 0, 0, 0.0f, 0), 0); /* off */
     assert_int_equal(dpclip_step_set_data_parallel(NULL, 2, 1, 1.0f, 0), DPCLIP_EARG);

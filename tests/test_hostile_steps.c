@@ -226,7 +226,8 @@ static void test_inconsistent_shapes(void **state) {
     {
         dpclip_clip_config cfg = dc_hostile_sum;
         dpclip_step *s = dpclip_step_new(4, &cfg);
-        dpclip_norm_layer n = {.name = "ln", .eps = 1e-5f,
+        dpclip_norm_layer n = {.name = "ln",
+                               .eps = 1e-5f,
                                .input = {buf, 0, DPCLIP_F32, 2, {4, 8, 0}},
                                .output_grad = {buf, 4096, DPCLIP_F32, 2, {4, 7, 0}}};
         dpclip_result res;
@@ -336,7 +337,8 @@ static void test_embedding_out_of_range(void **state) {
     for (int i = 0; i < (int)B * T * d; i++) g[i] = 0.01f * (float)(i % 7);
     for (int i = 0; i < V * d; i++) w[i] = 123.0f;
     {
-        dpclip_embedding e = {.name = "emb", .num_embeddings = (uint64_t)V,
+        dpclip_embedding e = {.name = "emb",
+                              .num_embeddings = (uint64_t)V,
                               .indices = {buf, 0, DPCLIP_I32, 2, {B, T, 0}},
                               .output_grad = {buf, 1024, DPCLIP_F32, 3, {B, T, d}},
                               .weight_grad_out = {buf, 4096, DPCLIP_F32, 2, {V, d, 0}}};
@@ -385,11 +387,13 @@ static void test_tied_abuse(void **state) {
     for (int i = 0; i < (int)B * T * d; i++) a[i] = 0.03f * (float)(i % 5) - 0.05f;
     for (int i = 0; i < (int)B * T * V; i++) g[i] = 0.02f * (float)(i % 9) - 0.07f;
     for (int i = 0; i < V * d; i++) w[i] = 123.0f;
-    dpclip_embedding e = {.name = "wte", .num_embeddings = (uint64_t)V,
+    dpclip_embedding e = {.name = "wte",
+                          .num_embeddings = (uint64_t)V,
                           .indices = {buf, 0, DPCLIP_I32, 2, {B, T, 0}},
                           .output_grad = {buf, 1024, DPCLIP_F32, 3, {B, T, d}},
                           .weight_grad_out = {buf, 8192, DPCLIP_F32, 2, {V, d, 0}}};
-    dpclip_linear l = {.name = "lm_head", .activations = {buf, 2048, DPCLIP_F32, 3, {B, T, d}},
+    dpclip_linear l = {.name = "lm_head",
+                       .activations = {buf, 2048, DPCLIP_F32, 3, {B, T, d}},
                        .output_grad = {buf, 4096, DPCLIP_F32, 3, {B, T, V}}};
     dpclip_step *s = dpclip_step_new(B, &cfg);
     assert_int_equal(dpclip_step_add_embedding(s, &e), 0);
@@ -532,7 +536,7 @@ static void test_client_frame_limit(void **state) {
 
 typedef struct refund_rig {
     dpclip_client *c;
-    float *mem;        /* activations [4,2,8] at 0, grads [4,2,4] at 1 KiB */
+    float *mem; /* activations [4,2,8] at 0, grads [4,2,4] at 1 KiB */
     uint64_t buf;
 } refund_rig;
 
@@ -549,8 +553,10 @@ static void refund_open(refund_rig *r, const char *job) {
 /* One noised step, its weight output (at 4 KiB) in f32 or f16; *eps gets
  * the job's epsilon on success. */
 static int refund_step(refund_rig *r, dpclip_dtype out, double *eps) {
-    dpclip_clip_config cfg = {.max_grad_norm = REFUND_C, .reduction = DPCLIP_SUM,
-                              .noise_multiplier = 1.0f, .sample_rate = 0.1};
+    dpclip_clip_config cfg = {.max_grad_norm = REFUND_C,
+                              .reduction = DPCLIP_SUM,
+                              .noise_multiplier = 1.0f,
+                              .sample_rate = 0.1};
     dpclip_linear l = {.name = "victim",
                        .activations = {r->buf, 0, DPCLIP_F32, 3, {4, 2, 8}},
                        .output_grad = {r->buf, 1024, DPCLIP_F32, 3, {4, 2, 4}},
@@ -578,7 +584,8 @@ static void assert_same_eps(double got, double want) {
  * noised is not quoted. */
 static void assert_quotes_no_overflow(const char *msg) {
     for (const char *p = msg; *p; p++) {
-        if (!isdigit((unsigned char)*p) || (p > msg && (isalnum((unsigned char)p[-1]) || p[-1] == '.')))
+        if (!isdigit((unsigned char)*p) ||
+            (p > msg && (isalnum((unsigned char)p[-1]) || p[-1] == '.')))
             continue;
         double v = strtod(p, NULL);
         if (!(v <= 65504.0)) fprintf(stderr, "message quotes %g: %s\n", v, msg);
@@ -637,7 +644,8 @@ static void test_disconnect_mid_step(void **state) {
     const int64_t T = 64, d = 256, p = 256;
     for (int round = 0; round < 3; round++) {
         dpclip_client *c = dc_hostile_connect();
-        dpclip_clip_config cfg = {.max_grad_norm = 1.0f, .reduction = DPCLIP_MEAN,
+        dpclip_clip_config cfg = {.max_grad_norm = 1.0f,
+                                  .reduction = DPCLIP_MEAN,
                                   .noise_multiplier = 1.0f};
         dpclip_step *s = dpclip_step_new(B, &cfg);
         size_t act = (size_t)(B * T * d) * 4, grd = (size_t)(B * T * p) * 4;
@@ -645,8 +653,10 @@ static void test_disconnect_mid_step(void **state) {
         void *mem;
         assert_int_equal(dpclip_buffer_alloc(c, act + grd + (size_t)(p * d) * 4, &buf, &mem), 0);
         float *f = mem;
-        for (size_t i = 0; i < (act + grd) / 4; i++) f[i] = (float)((i * 2654435761u) % 1000) * 1e-3f;
-        dpclip_linear l = {.name = "big", .algo = round == 1 ? DPCLIP_ALGO_GHOST : DPCLIP_ALGO_DIRECT,
+        for (size_t i = 0; i < (act + grd) / 4; i++)
+            f[i] = (float)((i * 2654435761u) % 1000) * 1e-3f;
+        dpclip_linear l = {.name = "big",
+                           .algo = round == 1 ? DPCLIP_ALGO_GHOST : DPCLIP_ALGO_DIRECT,
                            .activations = {buf, 0, DPCLIP_F32, 3, {B, T, d}},
                            .output_grad = {buf, act, DPCLIP_F32, 3, {B, T, p}},
                            .weight_grad_out = {buf, act + grd, DPCLIP_F32, 2, {p, d, 0}}};
@@ -687,5 +697,6 @@ int main(void) {
         cmocka_unit_test(dc_hostile_survivors),
         cmocka_unit_test(dc_hostile_clean_shutdown),
     };
-    return cmocka_run_group_tests_name("hostile_steps", tests, dc_hostile_setup, dc_hostile_teardown);
+    return cmocka_run_group_tests_name("hostile_steps", tests, dc_hostile_setup,
+                                       dc_hostile_teardown);
 }

@@ -217,5 +217,6 @@ int main(void) {
         cmocka_unit_test(dc_hostile_survivors),
         cmocka_unit_test(dc_hostile_clean_shutdown),
     };
-    return cmocka_run_group_tests_name("hostile_wire", tests, dc_hostile_setup, dc_hostile_teardown);
+    return cmocka_run_group_tests_name("hostile_wire", tests, dc_hostile_setup,
+                                       dc_hostile_teardown);
 }

@@ -39,9 +39,11 @@ static dpclip_client *connect_ok(const char *name) {
 }
 
 static dpclip_clip_config cfg_of(dpclip_reduction red, uint32_t expected, float sigma,
-                                  dpclip_clip_mode mode) {
-    dpclip_clip_config c = {.max_grad_norm = 1.0f, .reduction = red,
-                            .expected_batch_size = expected, .noise_multiplier = sigma,
+                                 dpclip_clip_mode mode) {
+    dpclip_clip_config c = {.max_grad_norm = 1.0f,
+                            .reduction = red,
+                            .expected_batch_size = expected,
+                            .noise_multiplier = sigma,
                             .mode = mode};
     return c;
 }
@@ -351,8 +353,8 @@ static void test_noise(void **state) {
 typedef struct worker {
     int id;
     int steps_ok;
-    int bad;       /* wrong results */
-    int failed;    /* calls that failed */
+    int bad;    /* wrong results */
+    int failed; /* calls that failed */
     char why[256];
 } worker;
 
@@ -476,16 +478,11 @@ static void test_clean_shutdown(void **state) {
 
 int main(void) {
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(test_kinds_f32),
-        cmocka_unit_test(test_kinds_bf16),
-        cmocka_unit_test(test_kinds_f16),
-        cmocka_unit_test(test_mean_vs_sum),
-        cmocka_unit_test(test_per_layer),
-        cmocka_unit_test(test_outputs),
-        cmocka_unit_test(test_noise),
-        cmocka_unit_test(test_concurrent_clients),
-        cmocka_unit_test(test_example_trainer),
-        cmocka_unit_test(test_clean_shutdown),
+        cmocka_unit_test(test_kinds_f32),       cmocka_unit_test(test_kinds_bf16),
+        cmocka_unit_test(test_kinds_f16),       cmocka_unit_test(test_mean_vs_sum),
+        cmocka_unit_test(test_per_layer),       cmocka_unit_test(test_outputs),
+        cmocka_unit_test(test_noise),           cmocka_unit_test(test_concurrent_clients),
+        cmocka_unit_test(test_example_trainer), cmocka_unit_test(test_clean_shutdown),
     };
     return cmocka_run_group_tests_name("integration", tests, group_setup, group_teardown);
 }

@@ -226,8 +226,8 @@ static void test_history_bounded(void **state) {
     assert_int_equal(acct->n_hist, DC_LEDGER_HIST_MAX);
     want = exact_eps(q, sigma, steps, N, 1e-5);
     assert_true(acct->folded_steps > 0);
-    assert_true(acct->eps >= want);                /* never understated */
-    assert_true(acct->eps <= want * (1 + 1e-9));   /* and as good as exact */
+    assert_true(acct->eps >= want);              /* never understated */
+    assert_true(acct->eps <= want * (1 + 1e-9)); /* and as good as exact */
     /* the most recent pairs are the ones kept apart */
     for (int i = N - DC_LEDGER_HIST_MAX; i < N; i++) {
         bool found = false;
@@ -286,7 +286,7 @@ static void test_jobs_per_uid(void **state) {
         assert_int_equal(dc_ledger_account_open(&l, 42, name, &acct, &e), 0);
     }
     assert_null(dc_ledger_account_find(&l, 42, "one-more")); /* made room for burst-0 */
-    assert_null(dc_ledger_account_find(&l, 42, "burst-0")); /* and it for burst-1 */
+    assert_null(dc_ledger_account_find(&l, 42, "burst-0"));  /* and it for burst-1 */
     assert_non_null(dc_ledger_account_find(&l, 42, "burst-1"));
     assert_non_null(dc_ledger_account_find(&l, 42, "job-1")); /* in use: stays */
     /* many Hellos with fresh ids, each closed at once, hold nothing */
@@ -418,7 +418,7 @@ static void test_curve_async(void **state) {
     dc_ledger_curve_async(&l, &loop, 0.5, 1e6, &w[0]);
     dc_ledger_curve_async(&l, &loop, 0.25, 3.0, &w[1]);
     dc_ledger_curve_async(&l, &loop, 0.5, 1e6, &w[2]);
-    assert_int_equal(g_called, 0);            /* nothing computed on this thread */
+    assert_int_equal(g_called, 0); /* nothing computed on this thread */
     assert_int_equal(uv_run(&loop, UV_RUN_DEFAULT), 0);
     assert_int_equal(g_called, 3);
     /* the same pair's waiters together, then the next pair */
@@ -483,7 +483,7 @@ static void test_persist_roundtrip(void **state) {
     assert_int_equal(a->steps, 40);
     assert_int_equal(a->n_hist, 2);
     assert_true(a->delta == 1e-5 && a->budget_eps == 12.5);
-    assert_true(a->eps == eps_a);  /* %.17g round-trips doubles exactly */
+    assert_true(a->eps == eps_a); /* %.17g round-trips doubles exactly */
     assert_true(b->eps == eps_b && b->steps == 1);
     dc_ledger_close(&l);
 }
@@ -504,8 +504,7 @@ static int take(dc_ledger *l, dc_ledger_account *acct, dc_dp_member *m, double o
 }
 
 static dc_dp_member dp_member(uint32_t world, uint32_t rank, double sigma, uint64_t step) {
-    dc_dp_member m = {.declared = true, .world = world, .rank = rank, .sigma = sigma,
-                      .step = step};
+    dc_dp_member m = {.declared = true, .world = world, .rank = rank, .sigma = sigma, .step = step};
     return m;
 }
 
@@ -695,23 +694,31 @@ static void remove_file(const char *name) {
 }
 
 static void test_corrupt_files_refuse(void **state) {
-    static const struct { const char *text, *expect; } bad[] = {
+    static const struct {
+        const char *text, *expect;
+    } bad[] = {
         {"not a ledger\n", "bad first line"},
         {"dpclip-ledger 1\nuid 5\njob 6a\ndelta 1e-5\nbudget_epsilon 0\nsteps 2\n"
-         "entry 0.1 1 2\n", "truncated"},
+         "entry 0.1 1 2\n",
+         "truncated"},
         {"dpclip-ledger 1\nuid 5\njob 6a\ndelta 1e-5\nbudget_epsilon 0\nsteps 3\n"
-         "entry 0.1 1 2\nend\n", "add up"},
+         "entry 0.1 1 2\nend\n",
+         "add up"},
         {"dpclip-ledger 1\nuid 5\njob 6a\ndelta 1e-5\nsteps 1\nentry 0.1 1 1\nbogus 1\nend\n",
          ":7:"},
         {"dpclip-ledger 1\nuid 5\njob 6a\ndelta 1e-5\nsteps 1\nentry 7 1 1\nend\n", "bad entry"},
         {"dpclip-ledger 2\nuid 5\njob 6a\ndelta 1e-5\nsteps 1\nentry 0.1 1 1\n"
-         "data_parallel 1 1 1\nend\n", "bad data_parallel"},
+         "data_parallel 1 1 1\nend\n",
+         "bad data_parallel"},
         {"dpclip-ledger 2\nuid 5\njob 6a\ndelta 1e-5\nsteps 1\nentry 0.1 1 1\n"
-         "data_parallel 4 0 1\nend\n", "bad data_parallel"},
+         "data_parallel 4 0 1\nend\n",
+         "bad data_parallel"},
         {"dpclip-ledger 2\nuid 5\njob 6a\ndelta 1e-5\nsteps 1\nentry 0.1 1 1\n"
-         "data_parallel 4 1 1 9\nend\n", "bad data_parallel"},
+         "data_parallel 4 1 1 9\nend\n",
+         "bad data_parallel"},
         {"dpclip-ledger 2\nuid 5\njob 6a\ndelta 1e-5\nsteps 1\nentry 0.1 1 1\n"
-         "data_parallel 4 1 1\ndata_parallel 4 1 2\nend\n", "bad data_parallel"},
+         "data_parallel 4 1 1\ndata_parallel 4 1 2\nend\n",
+         "bad data_parallel"},
     };
     dc_ledger l;
     dc_err e;

@@ -80,7 +80,10 @@ static void test_long_message(void **state) {
 static void test_escape_bounds(void **state) {
     (void)state;
     char out[8];
-    assert_int_equal(dc_log_escape(out, 6, "ab\x01" "cd"), 2); /* "ab\x01" needs 7 bytes */
+    assert_int_equal(dc_log_escape(out, 6,
+                                   "ab\x01"
+                                   "cd"),
+                     2); /* "ab\x01" needs 7 bytes */
     assert_string_equal(out, "ab");
     assert_int_equal(dc_log_escape(out, sizeof out, "a\x02"), 5);
     assert_string_equal(out, "a\\x02");
@@ -109,10 +112,8 @@ static void test_rate_limit(void **state) {
 
 int main(void) {
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(test_forged_line),
-        cmocka_unit_test(test_plain_text_unchanged),
-        cmocka_unit_test(test_long_message),
-        cmocka_unit_test(test_escape_bounds),
+        cmocka_unit_test(test_forged_line),  cmocka_unit_test(test_plain_text_unchanged),
+        cmocka_unit_test(test_long_message), cmocka_unit_test(test_escape_bounds),
         cmocka_unit_test(test_rate_limit),
     };
     dc_log_set_level(DC_LOG_INFO);

@@ -39,8 +39,10 @@ static int teardown(void **state) {
  * its exit status, and what it printed in out. */
 static int run_daemon(const char *env, const char *args, char *out, size_t n) {
     char cmd[1200];
-    snprintf(cmd, sizeof cmd, "%s '%s' --config /dev/null --no-gpu --ledger-dir '' --workers 1 "
-             "%s 2>&1 </dev/null", env, DPCLIPD_PATH, args);
+    snprintf(cmd, sizeof cmd,
+             "%s '%s' --config /dev/null --no-gpu --ledger-dir '' --workers 1 "
+             "%s 2>&1 </dev/null",
+             env, DPCLIPD_PATH, args);
     int rc = dc_sh(cmd, out, n);
     assert_int_not_equal(rc, DC_SH_NOSTART);
     return rc;

@@ -280,7 +280,10 @@ static void test_metrics_text(void **state) {
     assert_true(check_families(b.p) >= 30);
 
     /* every counter carries its own value */
-    static const struct { const char *key; double v; } want[] = {
+    static const struct {
+        const char *key;
+        double v;
+    } want[] = {
         {"dpclip_steps_total{result=\"ok\"}", 11},
         {"dpclip_steps_total{result=\"failed\"}", 12},
         {"dpclip_layers_total", 13},
@@ -366,14 +369,10 @@ static void test_metrics_text(void **state) {
 
 int main(void) {
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(test_sbuf),
-        cmocka_unit_test(test_json_escaping),
-        cmocka_unit_test(test_prom_escaping),
-        cmocka_unit_test(test_prom_head),
-        cmocka_unit_test(test_histogram),
-        cmocka_unit_test(test_code_names),
-        cmocka_unit_test(test_error_counts),
-        cmocka_unit_test(test_metrics_text),
+        cmocka_unit_test(test_sbuf),          cmocka_unit_test(test_json_escaping),
+        cmocka_unit_test(test_prom_escaping), cmocka_unit_test(test_prom_head),
+        cmocka_unit_test(test_histogram),     cmocka_unit_test(test_code_names),
+        cmocka_unit_test(test_error_counts),  cmocka_unit_test(test_metrics_text),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

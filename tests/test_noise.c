@@ -56,8 +56,8 @@ static void test_normal_statistics(void **state) {
     within /= (double)n;
     double sn = sqrt((double)n);
     assert_true(fabs(m1) < 5.0 / sn);
-    assert_true(fabs(m2 - 1.0) < 5.0 * sqrt(2.0) / sn);          /* Var(z^2) = 2 */
-    assert_true(fabs(m4 - 3.0) < 5.0 * sqrt(96.0) / sn);         /* Var(z^4) = 105 - 9 */
+    assert_true(fabs(m2 - 1.0) < 5.0 * sqrt(2.0) / sn);  /* Var(z^2) = 2 */
+    assert_true(fabs(m4 - 3.0) < 5.0 * sqrt(96.0) / sn); /* Var(z^4) = 105 - 9 */
     assert_true(fabs(lag) < 5.0 / sn);
     double p1 = 0.682689492137086;
     assert_true(fabs(within - p1) < 5.0 * sqrt(p1 * (1 - p1)) / sn);
@@ -76,8 +76,10 @@ static void test_reproducible_and_distinct(void **state) {
     /* a prefix is the same whatever n is: values depend on (key, step, stream, i) only */
     dc_noise_normal(7, 100, 0, c, 7);
     assert_memory_equal(a, c, 7 * sizeof *a);
-    const struct { uint64_t key, step; uint32_t stream; } other[] = {
-        {7, 101, 0}, {7, 100, 1}, {8, 100, 0}, {7, 100ull | (1ull << 40), 0}};
+    const struct {
+        uint64_t key, step;
+        uint32_t stream;
+    } other[] = {{7, 101, 0}, {7, 100, 1}, {8, 100, 0}, {7, 100ull | (1ull << 40), 0}};
     for (size_t k = 0; k < sizeof other / sizeof *other; k++) {
         dc_noise_normal(other[k].key, other[k].step, other[k].stream, c, N);
         size_t same = 0;
@@ -125,10 +127,17 @@ static noise_run run_zero_grad(dc_clip_mode mode, float sigma, uint64_t key, uin
     memset(l[0].grad.data, 0, (size_t)dc_test_tensor_numel(&l[0].grad) * sizeof(float));
     l[0].max_grad_norm = 3.0f;
     l[1].max_grad_norm = 4.0f;
-    dc_step s = {.batch = 4, .n_layers = 2, .layers = l, .mode = mode, .max_grad_norm = 2.0f,
+    dc_step s = {.batch = 4,
+                 .n_layers = 2,
+                 .layers = l,
+                 .mode = mode,
+                 .max_grad_norm = 2.0f,
                  .reduction = expected ? DC_REDUCTION_MEAN : DC_REDUCTION_SUM,
-                 .expected_batch = expected ? expected : 4, .noise_multiplier = sigma,
-                 .noise_key = key, .noise_step = nstep, .device = -1};
+                 .expected_batch = expected ? expected : 4,
+                 .noise_multiplier = sigma,
+                 .noise_key = key,
+                 .noise_step = nstep,
+                 .device = -1};
     assert_int_equal(dc_cpu_backend_create(1, &be, &e), 0);
     assert_int_equal(dc_step_result_init(&res, 4, 2, mode == DC_CLIP_PER_LAYER), 0);
     assert_int_equal(dc_backend_run_step(be, &s, &res, &e), 0);

@@ -107,8 +107,10 @@ static void test_bad_fds_rejected(void **state) {
  * memory (RESOURCE_EXHAUSTED). */
 static void test_unmappable_fds_are_invalid(void **state) {
     (void)state;
-    static const struct { int seal; const char *name; } seals[] = {
-        {F_SEAL_WRITE, "F_SEAL_WRITE"}, {F_SEAL_FUTURE_WRITE, "F_SEAL_FUTURE_WRITE"}};
+    static const struct {
+        int seal;
+        const char *name;
+    } seals[] = {{F_SEAL_WRITE, "F_SEAL_WRITE"}, {F_SEAL_FUTURE_WRITE, "F_SEAL_FUTURE_WRITE"}};
     dc_registry r;
     dc_err e;
     int fd;
@@ -162,7 +164,7 @@ static void test_isolation_and_release(void **state) {
     assert_int_equal(dc_registry_add_shm(&b, 13, fd, 0, NULL, &e), 0);
     close(fd);
     assert_non_null(dc_registry_find(&a, 11));
-    assert_null(dc_registry_find(&b, 11));  /* another session's id */
+    assert_null(dc_registry_find(&b, 11)); /* another session's id */
     assert_null(dc_registry_find(&a, 13));
     assert_int_equal(dc_registry_release(&b, 11, &e), DC_ENOTFOUND);
     assert_string_equal(e.field, "release_buffer.buffer_id");

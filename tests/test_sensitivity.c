@@ -35,7 +35,7 @@
 #include "cpu.h"
 #include "ref.h"
 
-#define NB 24 /* samples a step */
+#define NB 24      /* samples a step */
 #define PERIOD 128 /* rows (features) between large terms */
 
 /* delta_b: exact norm / C - 1 */
@@ -75,12 +75,12 @@ static float old_coef(float C, float norm) {
 }
 
 /* c ||G|| <= C exactly, and >= C (1 - 2 e) when c < 1. */
-static void check_one(verdict *v, double c, double n_exact, double C, float norm_reported,
-                      double e, const char *what, uint32_t b) {
+static void check_one(verdict *v, double c, double n_exact, double C, float norm_reported, double e,
+                      const char *what, uint32_t b) {
     const double r = c * n_exact;
     if (!(r <= C))
-        print_message("%s sample %u: c %.9g * ||G|| %.12g = %.12g > C %.9g\n", what, b, c,
-                      n_exact, r, C);
+        print_message("%s sample %u: c %.9g * ||G|| %.12g = %.12g > C %.9g\n", what, b, c, n_exact,
+                      r, C);
     assert_true(r <= C);
     if (c < 1.0) {
         if (!(r >= C * (1.0 - 2.0 * e) - 1e-6))
@@ -197,8 +197,7 @@ static void absorb_ghost(dc_layer *l, uint32_t B, int64_t T, int64_t d, int64_t 
         for (int64_t t = 0; t < T; t++)
             for (int64_t k = 0; k < d; k++) {
                 const double v = k % PERIOD == 0 ? big : k == 1 ? sqrt(knob2) : tiny;
-                dc_store_f32(l->input.data, dt, (size_t)(((int64_t)b * T + t) * d + k),
-                             (float)v);
+                dc_store_f32(l->input.data, dt, (size_t)(((int64_t)b * T + t) * d + k), (float)v);
             }
     }
 }
@@ -225,13 +224,11 @@ static void test_absorption(void **state) {
             const double S = (dt == DC_F16 ? 4.0 : 1.0) * (k == 0 ? 130.0 : 131.0);
             const float C = k == 0 ? (float)(4.0 * S) : (float)sqrt(12.0 * S);
             targets(C, t);
-            if (k == 0)
-                absorb_direct(&l, NB, 16384, 4, 4, dt, t);
-            else
-                absorb_ghost(&l, NB, 2, 16384, 3, dt, t);
+            if (k == 0) absorb_direct(&l, NB, 16384, 4, 4, dt, t);
+            else absorb_ghost(&l, NB, 2, 16384, 3, dt, t);
             step_of(&s, &l, 1, NB, C);
-            snprintf(what, sizeof what, "%s absorption, %s", k ? "ghost (d = 16384)" :
-                     "direct (T = 16384)", dc_dtype_name(dt));
+            snprintf(what, sizeof what, "%s absorption, %s",
+                     k ? "ghost (d = 16384)" : "direct (T = 16384)", dc_dtype_name(dt));
             verdict v = run_check(&s, what);
             assert_true(v.clipped > 0 && v.unclipped > 0);
             assert_true(v.old_over > 0); /* the inputs are adversarial */

@@ -69,7 +69,6 @@ static void sleep_ms(int ms) {
     nanosleep(&ts, NULL);
 }
 
-
 /* --- the ledger through the daemon (one daemon for these) ------------------------- */
 
 static char g_status[400], g_ledger[400];
@@ -127,13 +126,13 @@ static void test_epsilon_in_replies(void **state) {
 static void test_bad_privacy_fields(void **state) {
     dpclip_client *c = connect_job(g_h.sock, "bad-fields");
     dc_shm_step s;
-    static const struct { double q, delta, budget; const char *field; } bad[] = {
-        {1.5, 0, 0, "clip_step.sample_rate"},
-        {-0.1, 0, 0, "clip_step.sample_rate"},
-        {NAN, 0, 0, "clip_step.sample_rate"},
-        {0.1, 1.0, 0, "clip_step.target_delta"},
-        {0.1, -1e-5, 0, "clip_step.target_delta"},
-        {0.1, 0, -1, "clip_step.target_epsilon"},
+    static const struct {
+        double q, delta, budget;
+        const char *field;
+    } bad[] = {
+        {1.5, 0, 0, "clip_step.sample_rate"},           {-0.1, 0, 0, "clip_step.sample_rate"},
+        {NAN, 0, 0, "clip_step.sample_rate"},           {0.1, 1.0, 0, "clip_step.target_delta"},
+        {0.1, -1e-5, 0, "clip_step.target_delta"},      {0.1, 0, -1, "clip_step.target_epsilon"},
         {0.1, 0, INFINITY, "clip_step.target_epsilon"},
     };
     (void)state;
@@ -215,7 +214,6 @@ static void test_failed_step_refunded(void **state) {
     dpclip_disconnect(c);
 }
 
-
 /* --- kill -9 ----------------------------------------------------------------------- */
 
 #define K9_CLIENTS 4
@@ -290,7 +288,8 @@ static void test_ledger_survives_kill9(void **state) {
         }
         /* and the earlier tests' jobs are still there */
         assert_non_null(ledger_job(root, "budget"));
-        assert_int_equal(json_integer_value(json_object_get(ledger_job(root, "budget"), "steps")), 4);
+        assert_int_equal(json_integer_value(json_object_get(ledger_job(root, "budget"), "steps")),
+                         4);
         json_decref(root);
     }
     assert_int_equal(dc_harness_stop(&g_h), 0);
@@ -399,8 +398,8 @@ static void test_config_budget_access_reload(void **state) {
         }
         free(body);
         root = get_status(st);
-        assert_int_equal(json_integer_value(json_object_get(json_object_get(root, "limits"),
-                                                            "max_batch")), 4);
+        assert_int_equal(
+            json_integer_value(json_object_get(json_object_get(root, "limits"), "max_batch")), 4);
         json_decref(root);
     }
     dc_shm_step_free(&s);
@@ -536,8 +535,8 @@ static void test_socket_activation(void **state) {
     assert_int_equal(run(c, &s, NULL, NULL), 0);
     {
         json_t *root = get_status(st);
-        assert_true(json_is_true(json_object_get(json_object_get(root, "daemon"),
-                                                 "socket_activated")));
+        assert_true(
+            json_is_true(json_object_get(json_object_get(root, "daemon"), "socket_activated")));
         json_decref(root);
     }
     dc_shm_step_free(&s);

@@ -55,7 +55,6 @@ static int group_teardown(void **state) {
     return system(cmd) == 0 && rc == 0 ? 0 : -1;
 }
 
-
 /* Raising target_delta once a budget was spent made the same spend look
  * smaller and let 2000 more steps run: a job's delta is fixed by its first
  * step. */
@@ -81,7 +80,7 @@ static void test_delta_fixed(void **state) {
     assert_int_equal(dc_service_step_init(&s, c, 8, 1.0f, 0.1, 7), 0);
     set_privacy(&s, 1.0f, 0.1, 0.1, 0);
     assert_int_equal(run(c, &s, NULL, NULL), DPCLIP_EPRECOND);
-    set_privacy(&s, 1.0f, 0.1, 0, 0); /* the job's own delta */
+    set_privacy(&s, 1.0f, 0.1, 0, 0);                          /* the job's own delta */
     assert_int_equal(run(c, &s, NULL, NULL), DPCLIP_ENOSPACE); /* still over budget */
     assert_true(delta == 1e-5);
     dc_shm_step_free(&s);
@@ -126,8 +125,7 @@ static void test_long_job_id(void **state) {
  * other is covered, and a budget refuses the logical step that would pass
  * it on both ranks. A lone sigma-0 session still has no privacy. */
 static void test_data_parallel_budget(void **state) {
-    dpclip_client *r0 = connect_job(g_h.sock, "dp"), *r1 = connect_job(g_h.sock, "dp"),
-                  *lone;
+    dpclip_client *r0 = connect_job(g_h.sock, "dp"), *r1 = connect_job(g_h.sock, "dp"), *lone;
     dc_shm_step s0, s1, sl;
     double budget = accountant_eps(0.1, 1.0, 3, 1e-5) * (1 + 1e-9), eps0 = 0, eps1 = -1;
     (void)state;
@@ -213,7 +211,8 @@ static void test_jobs_per_uid(void **state) {
     char job[16];
     (void)state;
     assert_int_equal(dc_harness_start(&h, NO_SYSTEM_CONFIG "--workers 1 "
-                                      "--set ledger.max_jobs_per_uid=3"), 0);
+                                                           "--set ledger.max_jobs_per_uid=3"),
+                     0);
     for (int i = 0; i < 3; i++) {
         snprintf(job, sizeof job, "cap-%d", i);
         c = connect_job(h.sock, job);
@@ -236,10 +235,8 @@ static void test_jobs_per_uid(void **state) {
 
 int main(void) {
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(test_delta_fixed),
-        cmocka_unit_test(test_long_job_id),
-        cmocka_unit_test(test_data_parallel_budget),
-        cmocka_unit_test(test_many_rates),
+        cmocka_unit_test(test_delta_fixed),          cmocka_unit_test(test_long_job_id),
+        cmocka_unit_test(test_data_parallel_budget), cmocka_unit_test(test_many_rates),
         cmocka_unit_test(test_jobs_per_uid),
     };
 #if !defined(DPCLIP_HAVE_MHD)

@@ -123,8 +123,7 @@ static void test_logs_at_info(void **state) {
 
     text = wait_log_line(log, sess[0], "hello from", "log-job-a", (char *)NULL);
     free(text);
-    text = wait_log_line(log, sess[0], "step failed", "non_finite", "activations",
-                         (char *)NULL);
+    text = wait_log_line(log, sess[0], "step failed", "non_finite", "activations", (char *)NULL);
     free(text);
     text = wait_log_line(log, sess[1], "step failed", "not_found", "buffer_id", (char *)NULL);
     free(text);

@@ -53,8 +53,10 @@ static int group_setup(void **state) {
     if (!mkdtemp(g_ledger)) return -1;
     /* status.timeout_s: short, for test_idle_connection_closed; a status
      * socket any user can open, for test_own_view. */
-    snprintf(args, sizeof args, NO_SYSTEM_CONFIG "--workers 2 --ledger-dir %s "
-             "--set status.timeout_s=1 --set status.socket_mode=0666", g_ledger);
+    snprintf(args, sizeof args,
+             NO_SYSTEM_CONFIG "--workers 2 --ledger-dir %s "
+                              "--set status.timeout_s=1 --set status.socket_mode=0666",
+             g_ledger);
     if (dc_harness_start(&g_h, args)) return -1;
     dc_harness_status_path(&g_h, g_status, sizeof g_status);
     return 0;
@@ -124,18 +126,21 @@ static void test_status_json(void **state) {
         size_t i;
         if (!root) fprintf(stderr, "/status: %s at line %d\n", je.text, je.line);
         assert_non_null(root);
-        assert_string_equal(json_string_value(json_object_get(json_object_get(root, "daemon"),
-                                                              "version")), DPCLIP_VERSION);
-        json_array_foreach(json_object_get(root, "sessions"), i, s)
-            if (strcmp(json_string_value(json_object_get(s, "job")), "status-json") == 0) found_s = s;
+        assert_string_equal(json_string_value(
+                                json_object_get(json_object_get(root, "daemon"), "version")),
+                            DPCLIP_VERSION);
+        json_array_foreach(json_object_get(root, "sessions"), i,
+                           s) if (strcmp(json_string_value(json_object_get(s, "job")),
+                                         "status-json") == 0) found_s = s;
         assert_non_null(found_s);
         assert_int_equal(json_integer_value(json_object_get(found_s, "pid")), getpid());
         assert_int_equal(json_integer_value(json_object_get(found_s, "uid")), getuid());
         assert_int_equal(json_integer_value(json_object_get(found_s, "steps")), k_steps);
         /* run_steps released its buffer again */
         assert_int_equal(json_integer_value(json_object_get(found_s, "buffers")), 0);
-        json_array_foreach(json_object_get(json_object_get(root, "ledger"), "jobs"), i, j)
-            if (strcmp(json_string_value(json_object_get(j, "job")), "status-json") == 0) found_j = j;
+        json_array_foreach(json_object_get(json_object_get(root, "ledger"), "jobs"), i,
+                           j) if (strcmp(json_string_value(json_object_get(j, "job")),
+                                         "status-json") == 0) found_j = j;
         assert_non_null(found_j);
         assert_int_equal(json_integer_value(json_object_get(found_j, "steps")), k_steps);
         assert_int_equal(json_integer_value(json_object_get(found_j, "uid")), getuid());
@@ -185,9 +190,10 @@ static void test_status_json(void **state) {
                 if (!grp) continue;
                 n_job += grp == found;
                 n_other += grp == other;
-                json_array_foreach(json_object_get(grp, "sessions"), k, id)
-                    if (json_integer_value(id) == json_integer_value(json_object_get(s, "id")))
-                        member = true;
+                json_array_foreach(json_object_get(grp, "sessions"), k,
+                                   id) if (json_integer_value(id) ==
+                                           json_integer_value(json_object_get(s, "id")))
+                    member = true;
                 assert_true(member);
             }
             assert_int_equal(n_job, 2);
@@ -241,13 +247,12 @@ static void test_metrics_prometheus(void **state) {
                 snprintf(key, sizeof key, "dpclip_step_phase_seconds_count{phase=\"%s\"}",
                          parts[i]);
                 assert_true(dc_prom_value(samples, key) >= k_steps + 3);
-                snprintf(key, sizeof key, "dpclip_step_phase_seconds_sum{phase=\"%s\"}",
-                         parts[i]);
+                snprintf(key, sizeof key, "dpclip_step_phase_seconds_sum{phase=\"%s\"}", parts[i]);
                 assert_true(dc_prom_value(samples, key) > 0.0);
                 sum += dc_prom_value(samples, key);
             }
-            assert_true(sum <= dc_prom_value(samples,
-                                             "dpclip_step_phase_seconds_sum{phase=\"run\"}"));
+            assert_true(sum <=
+                        dc_prom_value(samples, "dpclip_step_phase_seconds_sum{phase=\"run\"}"));
         }
         assert_true(dc_prom_value(samples, "dpclip_sessions{}") >= 1);
         assert_true(dc_prom_value(samples, "dpclip_ledger_writes_total{result=\"ok\"}") >=
@@ -255,8 +260,10 @@ static void test_metrics_prometheus(void **state) {
         /* the per-job gauge, with a label value that needed escaping */
         {
             char key[256];
-            snprintf(key, sizeof key, "dpclip_job_epsilon{job=\"status-metrics \"quoted\"\n\","
-                     "uid=\"%u\"}", (unsigned)getuid());
+            snprintf(key, sizeof key,
+                     "dpclip_job_epsilon{job=\"status-metrics \"quoted\"\n\","
+                     "uid=\"%u\"}",
+                     (unsigned)getuid());
             double v = dc_prom_value(samples, key);
             if (!(v == eps)) fprintf(stderr, "job epsilon %g, reply said %g\n", v, eps);
             assert_true(v == eps);
@@ -289,8 +296,10 @@ static void *load_thread(void *arg) {
     dpclip_client *c = NULL;
     dpclip_connect_opts o = {.client_name = "load", .job_id = "status-load"};
     dc_shm_step s;
-    dpclip_clip_config cfg = {.max_grad_norm = 1.0f, .reduction = DPCLIP_MEAN,
-                              .expected_batch_size = 32, .noise_multiplier = 1.0f,
+    dpclip_clip_config cfg = {.max_grad_norm = 1.0f,
+                              .reduction = DPCLIP_MEAN,
+                              .expected_batch_size = 32,
+                              .noise_multiplier = 1.0f,
                               .sample_rate = 0.01};
     dc_test_layer_spec big = {DC_LAYER_LINEAR, 32, 16, 64, 64, DC_F32, 1, DC_ALGO_AUTO, 1, 0};
     dc_test_rng r;
@@ -363,7 +372,6 @@ static void test_status_under_load(void **state) {
     assert_true(ms[N_REQ / 2] < 50.0);
     assert_true(ms[N_REQ * 9 / 10] < 50.0);
 }
-
 
 /* --- slow connections ------------------------------------------------------------ */
 
@@ -472,7 +480,7 @@ static void test_views(void **state) {
     dc_report_status(&r, DC_VIEW_OWN, 1000, &b);
     assert_non_null(strstr(b.p, "client-of-1000"));
     assert_non_null(strstr(b.p, "\"job\":\"job-of-1000\""));
-    assert_null(strstr(b.p, "1001"));    /* no session, pid, job or group of the other */
+    assert_null(strstr(b.p, "1001")); /* no session, pid, job or group of the other */
     assert_null(strstr(b.p, "\"samples\""));
     assert_non_null(strstr(b.p, "\"view\":\"own\""));
     dc_sbuf_free(&b);
@@ -633,9 +641,9 @@ static void test_insecure_marked(void **state) {
         size_t i;
         assert_non_null(root);
         assert_true(json_is_true(json_object_get(json_object_get(root, "daemon"), "insecure")));
-        json_array_foreach(json_object_get(json_object_get(root, "ledger"), "jobs"), i, j)
-            if (strcmp(json_string_value(json_object_get(j, "job")), "insecure-mark") == 0)
-                found = j;
+        json_array_foreach(json_object_get(json_object_get(root, "ledger"), "jobs"), i,
+                           j) if (strcmp(json_string_value(json_object_get(j, "job")),
+                                         "insecure-mark") == 0) found = j;
         assert_non_null(found);
         assert_true(json_is_true(json_object_get(found, "insecure")));
         json_decref(root);
@@ -686,8 +694,8 @@ static void check_ctl_group(const char *out, const char *job, unsigned steps) {
     unsigned uid, got_steps, busy;
     assert_non_null(t);
     for (row = strchr(t + 1, '\n'); row; row = strchr(row + 1, '\n'))
-        if (sscanf(row + 1, "%15s %u %63s %u %u %255s", kind, &uid, name, &got_steps, &busy,
-                   ids) == 6 &&
+        if (sscanf(row + 1, "%15s %u %63s %u %u %255s", kind, &uid, name, &got_steps, &busy, ids) ==
+                6 &&
             strcmp(name, job) == 0)
             break;
     assert_non_null(row);

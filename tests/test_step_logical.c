@@ -50,8 +50,10 @@ static void make(dc_shm_step *s, dpclip_client *c, dpclip_reduction red, uint32_
         {DC_LAYER_LINEAR, B, 3, 12, 7, DC_BF16, 0, DC_ALGO_GHOST, 1, 0},
         {DC_LAYER_RMSNORM, B, 3, 7, 0, DC_F32, 0, DC_ALGO_AUTO, 1, 0},
     };
-    dpclip_clip_config cfg = {.max_grad_norm = 1.0f, .reduction = red,
-                              .expected_batch_size = expected, .noise_multiplier = sigma};
+    dpclip_clip_config cfg = {.max_grad_norm = 1.0f,
+                              .reduction = red,
+                              .expected_batch_size = expected,
+                              .noise_multiplier = sigma};
     dc_test_rng r;
     dc_test_rng_seed(&r, seed);
     assert_int_equal(dc_shm_step_init(s, c, 1u << 20, B, &cfg), 0);
@@ -180,8 +182,10 @@ static void test_noise_once_and_one_charge(void **state) {
     dc_test_layer_spec big = {DC_LAYER_LINEAR, 8, 1, 512, 256, DC_F32, 0, DC_ALGO_AUTO, 1, 0};
     const float C = 2.0f, sigma = 1.5f;
     const uint32_t E = 32;
-    dpclip_clip_config cfg = {.max_grad_norm = C, .reduction = DPCLIP_MEAN,
-                              .expected_batch_size = E, .noise_multiplier = sigma,
+    dpclip_clip_config cfg = {.max_grad_norm = C,
+                              .reduction = DPCLIP_MEAN,
+                              .expected_batch_size = E,
+                              .noise_multiplier = sigma,
                               .sample_rate = 0.01};
     dc_test_rng r;
     double rdp[DC_RDP_N_ORDERS], want_eps;
@@ -257,7 +261,7 @@ static void test_rules_and_aborts(void **state) {
     dpclip_result_free(&res);
     refused(c, m2, DPCLIP_EINVAL, "clip_step.logical.micro_batch"); /* 1 is next; aborts */
     dpclip_step *m1 = micro(&s, &s.cfg, 5, 1, 8, 8, 1);
-    refused(c, m1, DPCLIP_EPRECOND, "clip_step.logical");       /* aborted */
+    refused(c, m1, DPCLIP_EPRECOND, "clip_step.logical"); /* aborted */
     all_nan(&s);
     /* ids go up: 5 again is refused, 4 too */
     refused(c, m0, DPCLIP_EINVAL, "clip_step.logical.id");
@@ -433,9 +437,8 @@ static void test_in_phases(void **state) {
         assert_int_equal(dpclip_step_set_logical(pn, 3, (uint32_t)k, commit), 0);
         for (int g = 0; g < 2; g++) {
             assert_int_equal(dpclip_step_set_phase(ps[g], DPCLIP_STEP_SUMS), 0);
-            assert_int_equal(dc_shm_step_wire_layers_cut(&s, ps[g], g ? g1 : g0, g ? 3 : 2, 1, b0,
-                                                         sizes[k]),
-                             0);
+            assert_int_equal(
+                dc_shm_step_wire_layers_cut(&s, ps[g], g ? g1 : g0, g ? 3 : 2, 1, b0, sizes[k]), 0);
             assert_int_equal(dpclip_step_set_logical(ps[g], 3, (uint32_t)k, commit), 0);
         }
         assert_int_equal(run(c, pn, &res), 0);

@@ -46,8 +46,10 @@ static void make(dc_shm_step *s, dpclip_client *c, uint64_t seed) {
         {DC_LAYER_LINEAR, B, 6, 12, 7, DC_BF16, 0, DC_ALGO_GHOST, 1, 0},
         {DC_LAYER_RMSNORM, B, 6, 7, 0, DC_F32, 0, DC_ALGO_AUTO, 1, 0},
     };
-    dpclip_clip_config cfg = {.max_grad_norm = 1.0f, .reduction = DPCLIP_MEAN,
-                              .expected_batch_size = 5, .noise_multiplier = 0.0f};
+    dpclip_clip_config cfg = {.max_grad_norm = 1.0f,
+                              .reduction = DPCLIP_MEAN,
+                              .expected_batch_size = 5,
+                              .noise_multiplier = 0.0f};
     dc_test_rng r;
     dc_test_rng_seed(&r, seed);
     assert_int_equal(dc_shm_step_init(s, c, 1u << 20, B, &cfg), 0);
@@ -72,8 +74,8 @@ static void refused(dpclip_client *c, dpclip_step *p, int code, const char *fiel
     memset(&res, 0, sizeof res);
     int rc = dpclip_run(c, p, &res);
     if (rc != code || strcmp(dpclip_errfield(c), field) != 0)
-        fprintf(stderr, "expected %d '%s', got %d '%s': %s\n", code, field, rc,
-                dpclip_errfield(c), dpclip_errmsg(c));
+        fprintf(stderr, "expected %d '%s', got %d '%s': %s\n", code, field, rc, dpclip_errfield(c),
+                dpclip_errmsg(c));
     assert_int_equal(rc, code);
     assert_string_equal(dpclip_errfield(c), field);
     dpclip_result_free(&res);

@@ -73,9 +73,12 @@ static void make(dc_shm_step *s, dpclip_client *c, uint64_t seed, float C) {
         {DC_LAYER_EMBEDDING, B, 5, 64, 300, DC_F32, 0, DC_ALGO_AUTO, 1, 0},
         {DC_LAYER_LAYERNORM, B, 4, 48, 0, DC_F32, 1, DC_ALGO_AUTO, 1, 0},
     };
-    dpclip_clip_config cfg = {.max_grad_norm = 1.0f, .reduction = DPCLIP_MEAN,
-                              .expected_batch_size = 7, .noise_multiplier = 0.0f,
-                              .sample_rate = Q, .target_delta = 1e-5};
+    dpclip_clip_config cfg = {.max_grad_norm = 1.0f,
+                              .reduction = DPCLIP_MEAN,
+                              .expected_batch_size = 7,
+                              .noise_multiplier = 0.0f,
+                              .sample_rate = Q,
+                              .target_delta = 1e-5};
     dc_test_rng r;
     dc_test_rng_seed(&r, seed);
     assert_int_equal(dc_shm_step_init(s, c, 8u << 20, B, &cfg), 0);
@@ -123,8 +126,8 @@ static void refused(dpclip_client *c, dpclip_step *p, int code, const char *fiel
     memset(&res, 0, sizeof res);
     int rc = dpclip_run(c, p, &res);
     if (rc != code || strcmp(dpclip_errfield(c), field) != 0)
-        fprintf(stderr, "expected %d '%s', got %d '%s': %s\n", code, field, rc,
-                dpclip_errfield(c), dpclip_errmsg(c));
+        fprintf(stderr, "expected %d '%s', got %d '%s': %s\n", code, field, rc, dpclip_errfield(c),
+                dpclip_errmsg(c));
     assert_int_equal(rc, code);
     assert_string_equal(dpclip_errfield(c), field);
     dpclip_result_free(&res);
@@ -190,8 +193,10 @@ static void test_owned_rows_noised(void **state) {
                 assert_true(isfinite(q) && isfinite(v));
                 if (!in_range(t, kRanges[l][o], i)) {
                     if (memcmp(&q, &v, sizeof q) != 0) {
-                        fprintf(stderr, "layer %d output %d element %lld: %.9g noised outside "
-                                "the range (%.9g without noise)\n", l, o, (long long)i, v, q);
+                        fprintf(stderr,
+                                "layer %d output %d element %lld: %.9g noised outside "
+                                "the range (%.9g without noise)\n",
+                                l, o, (long long)i, v, q);
                         fail();
                     }
                     outside++;
@@ -208,7 +213,8 @@ static void test_owned_rows_noised(void **state) {
     assert_int_equal(inside, 512 * 256 + 512 + 40 * 48 + 20 + 100 * 64 + 24);
     const double mean = sum / (double)inside, sd = sqrt(sum2 / (double)inside - mean * mean);
     printf("noise: %lld values in range, mean %.4f, std %.4f (want 0, 1); %lld outside, "
-           "unnoised\n", (long long)inside, mean, sd, (long long)outside);
+           "unnoised\n",
+           (long long)inside, mean, sd, (long long)outside);
     assert_true(fabs(sd - 1.0) < 6.0 / sqrt(2.0 * (double)inside));
     assert_true(fabs(mean) < 6.0 / sqrt((double)inside));
     dpclip_result_free(&pass0);
@@ -334,8 +340,8 @@ static void test_charged_once(void **state) {
             pass_and_sums(&s[r], c[r], SIGMA, 2, (uint32_t)r, out[r], &pass);
             const double want = acct_eps(Q, SIGMA, step);
             if (!(fabs(pass.epsilon - want) <= 1e-9 * want)) {
-                fprintf(stderr, "logical step %d, rank %d: epsilon %.17g, want %.17g\n", step,
-                        r, pass.epsilon, want);
+                fprintf(stderr, "logical step %d, rank %d: epsilon %.17g, want %.17g\n", step, r,
+                        pass.epsilon, want);
                 fail();
             }
             dpclip_result_free(&pass);
@@ -568,11 +574,9 @@ static float *run_host(dc_backend *be, dc_layer *ls, float sigma, int ranged, in
     dc_err err;
     host_step(&s, ls, sigma);
     for (int l = 0; l < NL; l++) {
-        ls[l].noise_w = ranged ? (dc_noise_range){true, rs[l][0].dim, rs[l][0].begin,
-                                                  rs[l][0].end}
+        ls[l].noise_w = ranged ? (dc_noise_range){true, rs[l][0].dim, rs[l][0].begin, rs[l][0].end}
                                : (dc_noise_range){0};
-        ls[l].noise_b = ranged ? (dc_noise_range){true, rs[l][1].dim, rs[l][1].begin,
-                                                  rs[l][1].end}
+        ls[l].noise_b = ranged ? (dc_noise_range){true, rs[l][1].dim, rs[l][1].begin, rs[l][1].end}
                                : (dc_noise_range){0};
     }
     assert_int_equal(dc_step_result_init(&res, s.batch, NL, false), 0);

@@ -121,8 +121,7 @@ static void test_flat(void **state) {
 
     back = roundtrip(&cr);
     assert_int_equal(back->clip_step->n_norms, B);
-    for (int b = 0; b < B; b++)
-        assert_true(back->clip_step->coefficients[b] == f->sc.res.coefs[b]);
+    for (int b = 0; b < B; b++) assert_true(back->clip_step->coefficients[b] == f->sc.res.coefs[b]);
     assert_int_equal(back->clip_step->n_layer_norms, 0);
     assert_int_equal(back->clip_step->step_index, 9);
     assert_true(back->clip_step->epsilon == 1.25);
@@ -208,10 +207,8 @@ static void test_count(void **state) {
 
 int main(void) {
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(test_flat),
-        cmocka_unit_test(test_layer_norms_asked),
-        cmocka_unit_test(test_per_layer),
-        cmocka_unit_test(test_notice),
+        cmocka_unit_test(test_flat),      cmocka_unit_test(test_layer_norms_asked),
+        cmocka_unit_test(test_per_layer), cmocka_unit_test(test_notice),
         cmocka_unit_test(test_count),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);

@@ -48,9 +48,7 @@ static int sh(const char *cmd, char *out, size_t n) {
     return rc;
 }
 
-static int have_analyze(void) {
-    return system("command -v systemd-analyze >/dev/null 2>&1") == 0;
-}
+static int have_analyze(void) { return system("command -v systemd-analyze >/dev/null 2>&1") == 0; }
 
 /* The configured units, with the binaries they name pointed at this build
  * (the installed paths do not exist on a build machine; verify checks that
@@ -60,8 +58,7 @@ static void stage_units(const char *dir) {
     snprintf(cmd, sizeof cmd, "mkdir -p '%s'", dir);
     assert_int_equal(system(cmd), 0);
     for (size_t i = 0; i < sizeof k_units / sizeof k_units[0]; i++) {
-        snprintf(cmd, sizeof cmd,
-                 "sed -e 's|%s/dpclipd|%s|g' -e 's|%s|%s|g' '%s/%s' > '%s/%s'",
+        snprintf(cmd, sizeof cmd, "sed -e 's|%s/dpclipd|%s|g' -e 's|%s|%s|g' '%s/%s' > '%s/%s'",
                  DPCLIP_INSTALL_SBINDIR, DPCLIPD_PATH, DPCLIP_MPS_CONTROL,
                  access(DPCLIP_MPS_CONTROL, X_OK) == 0 ? DPCLIP_MPS_CONTROL : "/bin/true",
                  DPCLIP_UNIT_DIR, k_units[i], dir, k_units[i]);
@@ -119,11 +116,11 @@ static void test_service_hardening(void **state) {
     assert_true(level < 5.0);
     /* the settings the issue asks for are there */
     {
-        static const char *want[] = {"NoNewPrivileges=yes", "ProtectSystem=strict",
-                                     "ProtectHome=yes", "CapabilityBoundingSet=\n",
-                                     "Type=notify", "WatchdogSec=", "Restart=on-failure",
-                                     "RuntimeDirectory=dpclip", "StateDirectory=dpclip",
-                                     "User=dpclip"};
+        static const char *want[] = {"NoNewPrivileges=yes",   "ProtectSystem=strict",
+                                     "ProtectHome=yes",       "CapabilityBoundingSet=\n",
+                                     "Type=notify",           "WatchdogSec=",
+                                     "Restart=on-failure",    "RuntimeDirectory=dpclip",
+                                     "StateDirectory=dpclip", "User=dpclip"};
         char path[500];
         FILE *f;
         size_t n;
@@ -146,8 +143,8 @@ static void test_install_layout(void **state) {
     (void)state;
     /* DESTDIR: every path as configured, under a scratch root. */
     snprintf(root, sizeof root, "%s/destdir", g_tmp);
-    snprintf(cmd, sizeof cmd, "DESTDIR='%s' '%s' --install '%s' 2>&1", root,
-             DPCLIP_CMAKE_COMMAND, DPCLIP_BINARY_DIR);
+    snprintf(cmd, sizeof cmd, "DESTDIR='%s' '%s' --install '%s' 2>&1", root, DPCLIP_CMAKE_COMMAND,
+             DPCLIP_BINARY_DIR);
     if (sh(cmd, out, sizeof out) != 0) {
         fprintf(stderr, "cmake --install failed:\n%s", out);
         fail();
@@ -200,16 +197,20 @@ static void test_install_layout(void **state) {
     /* ... and names the same sockets as the socket units */
     assert_non_null(strstr(out, "socket = /run/dpclip/dpclipd.sock"));
     assert_non_null(strstr(out, "socket = /run/dpclip/dpclipd-status.sock"));
-    snprintf(cmd, sizeof cmd, "grep -h '^ListenStream=' '%s/dpclipd.socket' "
-             "'%s/dpclipd-status.socket'", units, units);
+    snprintf(cmd, sizeof cmd,
+             "grep -h '^ListenStream=' '%s/dpclipd.socket' "
+             "'%s/dpclipd-status.socket'",
+             units, units);
     assert_int_equal(sh(cmd, out, sizeof out), 0);
     assert_string_equal(out, "ListenStream=/run/dpclip/dpclipd.sock\n"
                              "ListenStream=/run/dpclip/dpclipd-status.sock\n");
 #endif
     /* sysusers.d snippet, as systemd-sysusers reads it (where it exists) */
     if (system("command -v systemd-sysusers >/dev/null 2>&1") == 0) {
-        snprintf(cmd, sizeof cmd, "systemd-sysusers --dry-run --root='%s/root' "
-                 "'%s%s/lib/sysusers.d/dpclip.conf' 2>&1", g_tmp, root, DPCLIP_INSTALL_PREFIX);
+        snprintf(cmd, sizeof cmd,
+                 "systemd-sysusers --dry-run --root='%s/root' "
+                 "'%s%s/lib/sysusers.d/dpclip.conf' 2>&1",
+                 g_tmp, root, DPCLIP_INSTALL_PREFIX);
         snprintf(path, sizeof path, "mkdir -p '%s/root/etc'", g_tmp);
         assert_int_equal(system(path), 0);
         if (sh(cmd, out, sizeof out) != 0) fprintf(stderr, "systemd-sysusers: %s", out);

@@ -19,7 +19,7 @@
 
 typedef struct fx {
     dc_registry reg;
-    uint64_t buf;     /* the registered buffer's id */
+    uint64_t buf; /* the registered buffer's id */
     dc_limits lim;
     /* message storage */
     Dpclip__TensorRef act, grad, wout, bout, nout;
@@ -152,7 +152,7 @@ static void test_batch_and_layers(void **state) {
     expect_err(f, DC_EINVAL, "clip_step.batch_size");
     f->step.batch_size = 65;
     expect_err(f, DC_EINVAL, "clip_step.batch_size");
-    {   /* the refusal names the setting that would let it through */
+    { /* the refusal names the setting that would let it through */
         dc_step s;
         dc_err e;
         dc_err_clear(&e);

@@ -23,10 +23,14 @@ typedef struct fake_backend {
 
 static void fake_destroy(dc_backend *be) { free(be); }
 static int fake_run(dc_backend *be, const dc_step *s, dc_step_result *r, dc_err *e) {
-    (void)be; (void)s; (void)r; (void)e;
+    (void)be;
+    (void)s;
+    (void)r;
+    (void)e;
     return 0;
 }
-static const dc_backend_ops fake_ops = {.name = "fake", .run_step = fake_run,
+static const dc_backend_ops fake_ops = {.name = "fake",
+                                        .run_step = fake_run,
                                         .destroy = fake_destroy};
 
 static int factory(void *arg, int index, dc_backend **out, dc_err *err) {
@@ -170,8 +174,8 @@ static void test_expect_windows(void **state) {
 typedef struct fair_task {
     dc_task task;
     int id;
-    int *order, *n;           /* start order, written on the worker */
-    pthread_mutex_t *gate;    /* held by the test until everything is queued */
+    int *order, *n;        /* start order, written on the worker */
+    pthread_mutex_t *gate; /* held by the test until everything is queued */
 } fair_task;
 
 static void fair_task_work(dc_task *task, dc_backend *be) {
@@ -217,7 +221,8 @@ static void test_fair_sharing(void **state) {
     dc_worker_pool_close(&pool); /* runs everything queued */
     assert_int_equal(n, 8);
     for (int i = 0; i < 8; i++) {
-        if (order[i] != want[i]) print_message("position %d: task %d, want %d\n", i, order[i], want[i]);
+        if (order[i] != want[i])
+            print_message("position %d: task %d, want %d\n", i, order[i], want[i]);
         assert_int_equal(order[i], want[i]);
     }
     uv_run(&loop, UV_RUN_DEFAULT);

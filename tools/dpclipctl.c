@@ -40,8 +40,8 @@ typedef struct buf {
 
 /* The status endpoint and where it came from (for messages). */
 typedef struct target {
-    char sock[108];    /* the status socket; "" with url */
-    char url[256];     /* http://127.0.0.1:PORT; "" with sock */
+    char sock[108]; /* the status socket; "" with url */
+    char url[256];  /* http://127.0.0.1:PORT; "" with sock */
     char from[512];
 } target;
 
@@ -70,7 +70,7 @@ static void status_beside(const char *sock, char *out, size_t n) {
 typedef struct conf {
     char daemon_socket[108], status_socket[108];
     unsigned long tcp_port;
-    char problem[160];     /* why the default file was not used ("" = it was, or is absent) */
+    char problem[160]; /* why the default file was not used ("" = it was, or is absent) */
 } conf;
 
 #ifdef DPCLIP_HAVE_INIH
@@ -96,11 +96,12 @@ static int read_conf(const char *path, bool named, conf *c) {
 #ifdef DPCLIP_HAVE_INIH
     errno = 0;
     rc = ini_parse(path, on_conf, c);
-    if (rc < 0)
-        snprintf(c->problem, sizeof c->problem, "cannot be read: %s", strerror(errno));
+    if (rc < 0) snprintf(c->problem, sizeof c->problem, "cannot be read: %s", strerror(errno));
     else if (rc > 0)
-        snprintf(c->problem, sizeof c->problem, "has a bad line %d (dpclipd --check-config "
-                 "--config FILE says more)", rc);
+        snprintf(c->problem, sizeof c->problem,
+                 "has a bad line %d (dpclipd --check-config "
+                 "--config FILE says more)",
+                 rc);
 #else
     snprintf(c->problem, sizeof c->problem, "cannot be read: dpclipctl was built without inih");
 #endif
@@ -138,8 +139,10 @@ static int find_target(const char *config, target *t) {
     same = !ds || !ds[0] || !c.daemon_socket[0] || strcmp(ds, c.daemon_socket) == 0;
     if (c.status_socket[0] && same && strcmp(c.status_socket, "none") == 0) {
         if (!c.tcp_port) {
-            fprintf(stderr, "dpclipctl: the daemon has no status socket (status.socket = none "
-                    "in %s) and no status.tcp_port\n", path);
+            fprintf(stderr,
+                    "dpclipctl: the daemon has no status socket (status.socket = none "
+                    "in %s) and no status.tcp_port\n",
+                    path);
             return 1;
         }
         snprintf(t->url, sizeof t->url, "http://127.0.0.1:%lu", c.tcp_port);
@@ -156,8 +159,9 @@ static int find_target(const char *config, target *t) {
     } else {
         snprintf(t->sock, sizeof t->sock, "%s", DEFAULT_SOCKET);
         snprintf(t->from, sizeof t->from, "the default; no $DPCLIP_SOCKET, and %s %s", path,
-                 c.problem[0] ? c.problem
-                 : access(path, F_OK) == 0 ? "names no socket" : "does not exist");
+                 c.problem[0]              ? c.problem
+                 : access(path, F_OK) == 0 ? "names no socket"
+                                           : "does not exist");
     }
     return 0;
 }
@@ -171,9 +175,11 @@ static void say_unreachable(const target *t) {
     int fd, e = 0;
 
     if (stat(t->sock, &st) != 0) {
-        fprintf(stderr, "dpclipctl: no such socket: %s (%s). Is dpclipd running? Name its "
+        fprintf(stderr,
+                "dpclipctl: no such socket: %s (%s). Is dpclipd running? Name its "
                 "status socket with --socket PATH, or the daemon with $DPCLIP_SOCKET or "
-                "--config FILE\n", t->sock, t->from);
+                "--config FILE\n",
+                t->sock, t->from);
         return;
     }
     if (!S_ISSOCK(st.st_mode)) {
@@ -187,10 +193,13 @@ static void say_unreachable(const target *t) {
     if (fd >= 0 && connect(fd, (struct sockaddr *)&a, sizeof a) != 0) e = errno;
     if (fd >= 0) close(fd);
     if (e == ECONNREFUSED)
-        fprintf(stderr, "dpclipctl: nothing is listening on %s (%s): dpclipd is not running (a "
-                "daemon that did not stop cleanly left the socket behind)\n", t->sock, t->from);
+        fprintf(stderr,
+                "dpclipctl: nothing is listening on %s (%s): dpclipd is not running (a "
+                "daemon that did not stop cleanly left the socket behind)\n",
+                t->sock, t->from);
     else if (e == EACCES || e == EPERM)
-        fprintf(stderr, "dpclipctl: %s (%s): permission denied: the status socket's group "
+        fprintf(stderr,
+                "dpclipctl: %s (%s): permission denied: the status socket's group "
                 "and mode (status.socket_group, status.socket_mode) say who may connect\n",
                 t->sock, t->from);
     else
@@ -207,7 +216,8 @@ static void say_not_http(const target *t, const buf *b) {
             b->len - 4) {
         char st[128];
         status_beside(t->sock, st, sizeof st);
-        fprintf(stderr, "dpclipctl: %s (%s) is dpclipd's trainers' socket, not its status "
+        fprintf(stderr,
+                "dpclipctl: %s (%s) is dpclipd's trainers' socket, not its status "
                 "socket; that daemon's status socket is %s unless its status.socket says "
                 "otherwise (dpclipctl --socket %s, or DPCLIP_SOCKET=%s dpclipctl)\n",
                 t->sock, t->from, st, st, t->sock);
@@ -227,7 +237,7 @@ static int fetch(const target *t, const char *path, char **out) {
     CURL *c = curl_easy_init();
     CURLcode rc;
     if (!c) return -1;
-    {   /* one slash between the base and the path, whichever of them has it */
+    { /* one slash between the base and the path, whichever of them has it */
         const char *base = t->url[0] ? t->url : "http://localhost";
         int blen = (int)strlen(base);
         while (blen > 0 && base[blen - 1] == '/') blen--;
@@ -248,8 +258,10 @@ static int fetch(const target *t, const char *path, char **out) {
     if (rc == CURLE_COULDNT_CONNECT && !t->url[0]) {
         say_unreachable(t);
     } else if (rc == CURLE_COULDNT_CONNECT) {
-        fprintf(stderr, "dpclipctl: nothing answers at %s (%s): is dpclipd running with "
-                "status.tcp_port set?\n", t->url, t->from);
+        fprintf(stderr,
+                "dpclipctl: nothing answers at %s (%s): is dpclipd running with "
+                "status.tcp_port set?\n",
+                t->url, t->from);
     } else if (rc == CURLE_OPERATION_TIMEDOUT) {
         fprintf(stderr, "dpclipctl: %s (%s) did not answer within %ld s\n", where, t->from,
                 TIMEOUT_S);
@@ -261,8 +273,8 @@ static int fetch(const target *t, const char *path, char **out) {
         fprintf(stderr, "dpclipctl: %s (%s): %s\n", where, t->from,
                 err[0] ? err : curl_easy_strerror(rc));
     } else if (code != 200) {
-        fprintf(stderr, "dpclipctl: GET /%s from %s (%s): HTTP %ld: %s", path, where, t->from,
-                code, b.p && b.p[0] ? b.p : "(no body)\n");
+        fprintf(stderr, "dpclipctl: GET /%s from %s (%s): HTTP %ld: %s", path, where, t->from, code,
+                b.p && b.p[0] ? b.p : "(no body)\n");
     } else {
         *out = b.p ? b.p : strdup("");
         return *out ? 0 : -1;
@@ -376,9 +388,9 @@ static void print_norm_groups(json_t *root) {
                  num(g, "local_members"), num(g, "size"));
         snprintf(daemon, sizeof daemon, "%.0f of %.0f", num(g, "daemon_rank"), num(g, "daemons"));
         printf("%-6.0f %-16s %6.0f %-11s %-9s %-10s %9s %10.0f %9.3f %11.3f\n", num(g, "id"),
-               fit(str(g, "name"), 16, name, sizeof name), num(g, "uid"), members,
-               str(g, "state"), daemon, str(g, "link"), num(g, "reductions"),
-               num(g, "last_wait_ms"), num(g, "last_exchange_ms"));
+               fit(str(g, "name"), 16, name, sizeof name), num(g, "uid"), members, str(g, "state"),
+               daemon, str(g, "link"), num(g, "reductions"), num(g, "last_wait_ms"),
+               num(g, "last_exchange_ms"));
         if (str(g, "why")[0]) printf("       dissolved: %s\n", str(g, "why"));
     }
 }
@@ -405,10 +417,11 @@ static void print_status(json_t *root) {
            json_is_true(json_object_get(d, "socket_activated")) ? "  (from systemd)" : "");
     printf("config      %s\n", cell(str(d, "config_file")));
     printf("log level   %s\n", str(d, "log_level"));
-    printf("MPS         %s\n", json_is_true(json_object_get(root, "mps_active")) ? "active" : "not active");
+    printf("MPS         %s\n",
+           json_is_true(json_object_get(root, "mps_active")) ? "active" : "not active");
     printf("limits      batch %.0f, layers %.0f, frame %s, buffers/session %.0f\n",
-           num(lim, "max_batch"), num(lim, "max_layers"), human_bytes(num(lim, "max_frame"), a, sizeof a),
-           num(lim, "max_buffers"));
+           num(lim, "max_batch"), num(lim, "max_layers"),
+           human_bytes(num(lim, "max_frame"), a, sizeof a), num(lim, "max_buffers"));
     printf("ledger      %s, %.0f jobs in memory, delta %g, node budget %s\n",
            json_is_true(json_object_get(led, "persistent")) ? cell(str(led, "dir"))
                                                             : "in memory only",
@@ -441,17 +454,15 @@ static void print_status(json_t *root) {
 static void print_sessions(json_t *root) {
     size_t i;
     json_t *s;
-    printf("%6s %8s %6s %-16s %-20s %8s %6s %7s %10s %7s %9s %13s\n", "ID", "PID", "UID",
-           "CLIENT", "JOB", "STEPS", "FAILED", "BUFFERS", "BYTES", "RUNNING", "CONNECTED",
-           "LAST STEP");
+    printf("%6s %8s %6s %-16s %-20s %8s %6s %7s %10s %7s %9s %13s\n", "ID", "PID", "UID", "CLIENT",
+           "JOB", "STEPS", "FAILED", "BUFFERS", "BYTES", "RUNNING", "CONNECTED", "LAST STEP");
     json_array_foreach(json_object_get(root, "sessions"), i, s) {
         char b1[32], b2[32], b3[32], last[40], client[64], job[64];
         double idle = num(s, "idle_s");
         if (isnan(idle)) snprintf(last, sizeof last, "-");
         else snprintf(last, sizeof last, "%s ago", human_secs(idle, b3, sizeof b3));
-        printf("%6.0f %8.0f %6.0f %-16s %-20s %8.0f %6.0f %7.0f %10s %7s %9s %13s\n",
-               num(s, "id"), num(s, "pid"), num(s, "uid"),
-               fit(str(s, "client"), 16, client, sizeof client),
+        printf("%6.0f %8.0f %6.0f %-16s %-20s %8.0f %6.0f %7.0f %10s %7s %9s %13s\n", num(s, "id"),
+               num(s, "pid"), num(s, "uid"), fit(str(s, "client"), 16, client, sizeof client),
                fit(str(s, "job"), 20, job, sizeof job), num(s, "steps"), num(s, "steps_failed"),
                num(s, "buffers"), human_bytes(num(s, "buffer_bytes"), b1, sizeof b1),
                json_is_true(json_object_get(s, "busy")) ? "yes" : "no",
@@ -465,10 +476,10 @@ static void print_sessions(json_t *root) {
 static void print_ledger(json_t *root) {
     json_t *led = json_object_get(root, "ledger"), *j;
     size_t i;
-    printf("ledger: %s\n", json_is_true(json_object_get(led, "persistent")) ? str(led, "dir")
-                                                                            : "in memory only");
-    printf("%6s %-24s %13s %9s %10s %8s %10s %9s %7s  %s\n", "UID", "JOB", "OPEN SESSIONS",
-           "STEPS", "EPSILON", "DELTA", "EPS BUDGET", "RDP ORDER", "ON DISK",
+    printf("ledger: %s\n",
+           json_is_true(json_object_get(led, "persistent")) ? str(led, "dir") : "in memory only");
+    printf("%6s %-24s %13s %9s %10s %8s %10s %9s %7s  %s\n", "UID", "JOB", "OPEN SESSIONS", "STEPS",
+           "EPSILON", "DELTA", "EPS BUDGET", "RDP ORDER", "ON DISK",
            "STEPS BY (SAMPLE RATE q, NOISE MULTIPLIER s)");
     json_array_foreach(json_object_get(led, "jobs"), i, j) {
         char e[32], b[32], o[16], hist[256] = "", job[64];
@@ -496,8 +507,7 @@ static void print_ledger(json_t *root) {
         else snprintf(o, sizeof o, "%g", num(j, "best_order"));
         printf("%6.0f %-24s %13.0f %9.0f %10s %8.2g %10s %9s %7s  %s\n", num(j, "uid"),
                fit(str(j, "job"), 24, job, sizeof job), num(j, "sessions"), num(j, "steps"),
-               eps_str(j, e, sizeof e),
-               num(j, "delta"), b, o,
+               eps_str(j, e, sizeof e), num(j, "delta"), b, o,
                !json_is_true(json_object_get(led, "persistent")) ? "-"
                : json_is_true(json_object_get(j, "on_disk"))     ? "yes"
                                                                  : "pend",
@@ -528,7 +538,8 @@ static void print_metrics(char *text) {
         if (nl > 7 && strcmp(name + nl - 7, "_bucket") == 0) {
             /* strip le="..." from the labels to find the series */
             char *le = strstr(labels, "le=\"");
-            double bound = le ? (strncmp(le + 4, "+Inf", 4) == 0 ? INFINITY : strtod(le + 4, NULL)) : 0;
+            double bound = le ? (strncmp(le + 4, "+Inf", 4) == 0 ? INFINITY : strtod(le + 4, NULL))
+                              : 0;
             if (le) {
                 char *end = strchr(le + 4, '"');
                 if (le > labels + 1 && le[-1] == ',') le--;
@@ -578,19 +589,20 @@ static void print_metrics(char *text) {
 
 static void usage(FILE *f) {
     char usage_conf[256];
-    fprintf(f, "usage: dpclipctl [--socket PATH | --url URL | --config FILE] COMMAND\n"
-               "  status     the daemon, its backends and totals\n"
-               "  sessions   open sessions: pid, uid, client, job, steps, buffers\n"
-               "  ledger     privacy ledger: epsilon spent per job (uid + job id)\n"
-               "  metrics    the Prometheus metrics as a table\n"
-               "  get PATH   the raw body of PATH (/status, /metrics)\n"
-               "  --socket PATH  the status socket; default: $DPCLIP_STATUS_SOCKET, else the\n"
-               "                 one beside $DPCLIP_SOCKET, else the config file's, else\n"
-               "                 " DEFAULT_SOCKET "\n"
-               "  --url URL      http://127.0.0.1:PORT instead of the socket\n"
-               "  --config FILE  the daemon's config file, to find its status socket\n"
-               "                 (default %s)\n"
-               "Names cut to fit a column end in '~'.\n",
+    fprintf(f,
+            "usage: dpclipctl [--socket PATH | --url URL | --config FILE] COMMAND\n"
+            "  status     the daemon, its backends and totals\n"
+            "  sessions   open sessions: pid, uid, client, job, steps, buffers\n"
+            "  ledger     privacy ledger: epsilon spent per job (uid + job id)\n"
+            "  metrics    the Prometheus metrics as a table\n"
+            "  get PATH   the raw body of PATH (/status, /metrics)\n"
+            "  --socket PATH  the status socket; default: $DPCLIP_STATUS_SOCKET, else the\n"
+            "                 one beside $DPCLIP_SOCKET, else the config file's, else\n"
+            "                 " DEFAULT_SOCKET "\n"
+            "  --url URL      http://127.0.0.1:PORT instead of the socket\n"
+            "  --config FILE  the daemon's config file, to find its status socket\n"
+            "                 (default %s)\n"
+            "Names cut to fit a column end in '~'.\n",
             (dc_install_config_path(DPCLIP_BINDIR, usage_conf, sizeof usage_conf), usage_conf));
 }
 
@@ -602,12 +614,10 @@ static bool known_command(const char *cmd) {
 }
 
 int main(int argc, char **argv) {
-    static const struct option opts[] = {{"socket", required_argument, NULL, 's'},
-                                         {"url", required_argument, NULL, 'u'},
-                                         {"config", required_argument, NULL, 'c'},
-                                         {"help", no_argument, NULL, 'h'},
-                                         {"version", no_argument, NULL, 'V'},
-                                         {NULL, 0, NULL, 0}};
+    static const struct option opts[] = {
+        {"socket", required_argument, NULL, 's'}, {"url", required_argument, NULL, 'u'},
+        {"config", required_argument, NULL, 'c'}, {"help", no_argument, NULL, 'h'},
+        {"version", no_argument, NULL, 'V'},      {NULL, 0, NULL, 0}};
     const char *sock = NULL, *url = NULL, *config = NULL, *cmd;
     char *body = NULL;
     target t;
@@ -664,7 +674,8 @@ int main(int argc, char **argv) {
         json_error_t je;
         json_t *root = json_loads(body, 0, &je);
         if (!root) {
-            fprintf(stderr, "dpclipctl: %s (%s) answered /status, but not with dpclipd's JSON "
+            fprintf(stderr,
+                    "dpclipctl: %s (%s) answered /status, but not with dpclipd's JSON "
                     "(%s, line %d): is it dpclipd's status endpoint?\n",
                     t.url[0] ? t.url : t.sock, t.from, je.text, je.line);
         } else {

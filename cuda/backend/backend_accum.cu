@@ -26,15 +26,14 @@ void cuda_acc_free(dc_backend *be, float *p) {
     (void)cudaFree(p);
 }
 
-int cuda_tensor_hash(dc_backend *be, const dc_tensor *t, uint64_t key, uint64_t *out,
-                     dc_err *err) {
+int cuda_tensor_hash(dc_backend *be, const dc_tensor *t, uint64_t key, uint64_t *out, dc_err *err) {
     cuda_backend *cb = (cuda_backend *)be;
     uint64_t n = dc_dtype_size(t->dtype);
     cudaError_t e;
     for (int i = 0; i < t->ndim; i++) n *= (uint64_t)t->shape[i];
     if ((e = cudaSetDevice(cb->device)) != cudaSuccess) return cuda_fail(cb, err, e, "a device");
-    if (!cb->hash_dev && (e = cudaMalloc((void **)&cb->hash_dev, sizeof *cb->hash_dev)) !=
-                             cudaSuccess)
+    if (!cb->hash_dev &&
+        (e = cudaMalloc((void **)&cb->hash_dev, sizeof *cb->hash_dev)) != cudaSuccess)
         return cuda_fail(cb, err, e, "the checksum's scratch");
     unsigned long long h = 0;
     if ((e = cudaMemsetAsync(cb->hash_dev, 0, sizeof *cb->hash_dev, cb->stream)) != cudaSuccess ||

@@ -51,8 +51,9 @@ extern "C" int dc_cuda_backend_phase_ms(const dc_backend *be, float ms[DC_CUDA_P
 }
 
 extern "C" const char *dc_cuda_phase_name(int phase) {
-    static const char *const names[DC_CUDA_PHASES] = {
-        "setup", "norms", "coefs", "clipped", "check", "kept", "noise", "commit", "download"};
+    static const char *const names[DC_CUDA_PHASES] = {"setup",   "norms",  "coefs",
+                                                      "clipped", "check",  "kept",
+                                                      "noise",   "commit", "download"};
     return phase >= 0 && phase < DC_CUDA_PHASES ? names[phase] : "?";
 }
 

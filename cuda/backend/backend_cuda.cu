@@ -56,8 +56,8 @@ using namespace dcb;
 
 int dcb::blas_fail(cuda_backend *cb, dc_err *err, cublasStatus_t s, const char *what) {
     (void)cudaStreamSynchronize(cb->stream);
-    return dc_err_set(err, DC_EINTERNAL, "", "cuBLAS error in %s on cuda:%d: %s", what,
-                      cb->device, cublasGetStatusString(s));
+    return dc_err_set(err, DC_EINTERNAL, "", "cuBLAS error in %s on cuda:%d: %s", what, cb->device,
+                      cublasGetStatusString(s));
 }
 
 namespace {
@@ -221,7 +221,7 @@ int fill_tables(step_run *r, dc_err *err) {
             outs[oi].dtype = (int32_t)t->dtype;
             outs[oi].chunk0 = chunks;
             outs[oi].amax_found = 0; /* grouped_clipped_plan sets it */
-            outs[oi].noised = 0; /* grouped_clipped_plan sets it */
+            outs[oi].noised = 0;     /* grouped_clipped_plan sets it */
             outs[oi].acc = s->acc == DC_ACC_NONE ? NULL : k ? ly->acc_b : ly->acc_w;
             const dc_noise_span sp = dc_noise_span_of(ly, k); /* a sums step's range */
             outs[oi].nz_mod = sp.mod;
@@ -235,12 +235,13 @@ int fill_tables(step_run *r, dc_err *err) {
     tied_offsets(cb, s, outs);
     /* an accumulating micro-batch's sums go to its accumulators as they
      * are: the commit noises and divides the logical batch's once */
-    const float noise_std =
-        accumulates ? 0.0f
-                    : s->noise_multiplier *
-                          (per_layer ? (float)sqrt(noise_c2)
-                                     : s->noise_norm > 0.0f ? s->noise_norm : s->max_grad_norm);
-    const float divisor = accumulates ? 1.0f : s->reduction == DC_REDUCTION_MEAN
+    const float noise_std = accumulates
+                                ? 0.0f
+                                : s->noise_multiplier * (per_layer ? (float)sqrt(noise_c2)
+                                                         : s->noise_norm > 0.0f ? s->noise_norm
+                                                                                : s->max_grad_norm);
+    const float divisor = accumulates ? 1.0f
+                          : s->reduction == DC_REDUCTION_MEAN
                               ? (float)(s->expected_batch ? s->expected_batch : B)
                               : 1.0f;
     char *ws = cb->ws;
@@ -250,8 +251,7 @@ int fill_tables(step_run *r, dc_err *err) {
     cb->amax_found = 0;
     if (r->opt.grouped && r->io.want != CP_NORMS) /* marks every layer, grouped or not */
         cb->amax_found = grouped_clipped_plan(cb, s, &Lo, outs);
-    else
-        memset(cb->bk_grouped, 0, L * sizeof *cb->bk_grouped);
+    else memset(cb->bk_grouped, 0, L * sizeof *cb->bk_grouped);
     r->up = up;
     r->layer_e = layer_e;
     r->outs = outs;
@@ -312,8 +312,7 @@ int phase_norms(step_run *r, dc_err *err) {
             memset(cb->nm_grouped, 0, L * sizeof *cb->nm_grouped);
         }
         for (size_t l = 0; l < L; l++)
-            if (!cb->nm_grouped[l] &&
-                (rc = layer_norms(cb, s, l, &Lo, scale * scale, opt, err)))
+            if (!cb->nm_grouped[l] && (rc = layer_norms(cb, s, l, &Lo, scale * scale, opt, err)))
                 goto fail;
         if ((rc = tied_norms(cb, s, &Lo, scale * scale, err))) goto fail;
     }
@@ -367,23 +366,22 @@ int phase_reduction(step_run *r, dc_err *err) {
     int rc = 0;
     phase_mark(cb, 2);
     double e_flat;
-    if ((rc = step_bounds(cb, s, r->io.want, r->how, r->layer_e, ws + Lo.up + Lo.layer_e,
-                          &e_flat, err)))
+    if ((rc = step_bounds(cb, s, r->io.want, r->how, r->layer_e, ws + Lo.up + Lo.layer_e, &e_flat,
+                          err)))
         goto fail;
     if (r->io.want == CP_CLIP)
         CK(dcc_coefs_tot((const float *)(ws + Lo.n2), (const uint32_t *)(ws + Lo.flags),
-                         (const double *)(ws + Lo.tot), (int)L, (int)B, s->max_grad_norm,
-                         e_flat, scale, (float *)(ws + Lo.norms), (float *)(ws + Lo.coefs),
+                         (const double *)(ws + Lo.tot), (int)L, (int)B, s->max_grad_norm, e_flat,
+                         scale, (float *)(ws + Lo.norms), (float *)(ws + Lo.coefs),
                          (float *)(ws + Lo.cs), (uint32_t *)(ws + Lo.status), cb->stream),
            "the coefficients");
     else
         CK(dcc_coefs((const float *)(ws + Lo.n2), (const uint32_t *)(ws + Lo.flags),
-                     r->excluded ? (const float *)(ws + Lo.up + Lo.count) : NULL, (int)L,
-                     (int)B, r->per_layer, s->max_grad_norm, e_flat,
+                     r->excluded ? (const float *)(ws + Lo.up + Lo.count) : NULL, (int)L, (int)B,
+                     r->per_layer, s->max_grad_norm, e_flat,
                      (const float *)(ws + Lo.up + Lo.layer_c),
-                     (const double *)(ws + Lo.up + Lo.layer_e), scale,
-                     (float *)(ws + Lo.norms), (float *)(ws + Lo.coefs),
-                     (float *)(ws + Lo.lcoef), (float *)(ws + Lo.cs),
+                     (const double *)(ws + Lo.up + Lo.layer_e), scale, (float *)(ws + Lo.norms),
+                     (float *)(ws + Lo.coefs), (float *)(ws + Lo.lcoef), (float *)(ws + Lo.cs),
                      (uint32_t *)(ws + Lo.status), cb->stream),
            "the coefficients");
     return 0;
@@ -447,16 +445,16 @@ int phase_noise(step_run *r, dc_err *err) {
         CK(dcc_out_grid(Lo.chunks, opt.out_blocks, &grid), "the output passes' grid");
         /* amax_found marks the outputs the kept sum writes too */
         CK(dcc_out_check(douts, Lo.n_out, grid, staging, noise_std, divisor,
-                         (float *)(ws + Lo.amax), cb->amax_found < (int)Lo.n_out, status,
-                         mode, cb->stream),
+                         (float *)(ws + Lo.amax), cb->amax_found < (int)Lo.n_out, status, mode,
+                         cb->stream),
            "the output check");
         /* the kept layers' sums after the check: with mode 1 they go
          * straight into the outputs */
         phase_mark(cb, 5);
         if ((rc = kept_sum(cb, s, noise_std, divisor, mode, err))) goto fail;
         phase_mark(cb, 6);
-        CK(dcc_out_write(douts, Lo.n_out, grid, staging, noise_std, divisor, mode, status,
-                         bad, opt.noise, cb->stream),
+        CK(dcc_out_write(douts, Lo.n_out, grid, staging, noise_std, divisor, mode, status, bad,
+                         opt.noise, cb->stream),
            "the noise");
         phase_mark(cb, 7);
         CK(dcc_out_commit(douts, Lo.n_out, grid, staging, mode, status, zero, cb->stream),
@@ -469,8 +467,7 @@ int phase_noise(step_run *r, dc_err *err) {
         phase_mark(cb, 5);
         if ((rc = kept_sum(cb, s, noise_std, divisor, NULL, err))) goto fail;
         phase_mark(cb, 6);
-        CK(dcc_acc_store(douts, Lo.n_out, Lo.max_n, staging, s->acc == DC_ACC_ADD,
-                         cb->stream),
+        CK(dcc_acc_store(douts, Lo.n_out, Lo.max_n, staging, s->acc == DC_ACC_ADD, cb->stream),
            "the accumulation");
         phase_mark(cb, 7);
         CK(dcc_commit(douts, 0, 0, staging, status, (const float *)(ws + Lo.norms),
@@ -481,17 +478,15 @@ int phase_noise(step_run *r, dc_err *err) {
         phase_mark(cb, 5);
         if ((rc = kept_sum(cb, s, noise_std, divisor, NULL, err))) goto fail;
         if (s->acc == DC_ACC_COMMIT)
-            CK(dcc_acc_fold(douts, Lo.n_out, Lo.max_n, staging, cb->stream),
-               "the accumulation");
+            CK(dcc_acc_fold(douts, Lo.n_out, Lo.max_n, staging, cb->stream), "the accumulation");
         phase_mark(cb, 6);
-        CK(dcc_finalize(douts, Lo.n_out, Lo.max_n, staging, noise_std, divisor, status,
-                        bad, opt.noise, cb->stream),
+        CK(dcc_finalize(douts, Lo.n_out, Lo.max_n, staging, noise_std, divisor, status, bad,
+                        opt.noise, cb->stream),
            "the noise");
         phase_mark(cb, 7);
-        CK(dcc_commit(douts, Lo.n_out, Lo.max_n, staging, status,
-                      (const float *)(ws + Lo.norms), (float *)s->norms_out.data,
-                      (const float *)(ws + Lo.coefs), (float *)s->coefs_out.data, (int)B,
-                      zero, cb->stream),
+        CK(dcc_commit(douts, Lo.n_out, Lo.max_n, staging, status, (const float *)(ws + Lo.norms),
+                      (float *)s->norms_out.data, (const float *)(ws + Lo.coefs),
+                      (float *)s->coefs_out.data, (int)B, zero, cb->stream),
            "the commit");
     }
     /* a fused group step's other members: the same norms and coefficients */
@@ -530,9 +525,7 @@ int phase_home(step_run *r, dc_err *err) {
         const float *ms = cb->phase_ms;
         /* + 1: measured (0 means not measured), even under the events'
          * resolution of about half a microsecond */
-        auto ns = [](float m) {
-            return m >= 0.0f ? (uint64_t)((double)m * 1e6) + 1 : (uint64_t)0;
-        };
+        auto ns = [](float m) { return m >= 0.0f ? (uint64_t)((double)m * 1e6) + 1 : (uint64_t)0; };
         res->phase_ns[DC_RUN_NORMS] = ns(ms[1]);
         res->phase_ns[DC_RUN_REDUCTION] = ns(ms[2]);
         /* the kept sums are clipped sums, their noise and write
@@ -701,16 +694,16 @@ void cuda_destroy(dc_backend *be) {
 }
 
 const dc_backend_ops cuda_ops = {"cuda",
-                                  cuda_run_step,
-                                  cuda_destroy,
-                                  cuda_run_norms,
-                                  cuda_run_clip,
-                                  dc_cuda_backend_wait_event,
-                                  dc_cuda_backend_record_event,
-                                  dc_cuda_backend_workspace_bytes,
-                                  cuda_acc_alloc,
-                                  cuda_acc_free,
-                                  cuda_tensor_hash};
+                                 cuda_run_step,
+                                 cuda_destroy,
+                                 cuda_run_norms,
+                                 cuda_run_clip,
+                                 dc_cuda_backend_wait_event,
+                                 dc_cuda_backend_record_event,
+                                 dc_cuda_backend_workspace_bytes,
+                                 cuda_acc_alloc,
+                                 cuda_acc_free,
+                                 cuda_tensor_hash};
 
 } // namespace
 
@@ -733,8 +726,7 @@ extern "C" int dc_cuda_backend_create(int device, dc_backend **out, dc_err *err)
         if (cb->blas) cublasDestroy(cb->blas);
         cudaStreamDestroy(cb->stream);
         free(cb);
-        return dc_err_set(err, DC_EUNAVAIL, "", "cannot create a cuBLAS handle on cuda:%d",
-                          device);
+        return dc_err_set(err, DC_EUNAVAIL, "", "cannot create a cuBLAS handle on cuda:%d", device);
     }
     *out = &cb->base;
     /* Phase timing feeds the daemon's per-phase histograms: on unless
@@ -745,4 +737,3 @@ extern "C" int dc_cuda_backend_create(int device, dc_backend **out, dc_err *err)
     if (cb->opt.profile) (void)dc_cuda_backend_profile(&cb->base, 1);
     return 0;
 }
-

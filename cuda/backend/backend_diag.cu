@@ -120,7 +120,7 @@ int diagnose(cuda_backend *cb, const dc_step *s, const layout *Lo, dc_step_resul
             if (want_out(&s->layers[l], k) && seen++ == oi) goto found;
     }
     return dc_err_set(err, DC_EINTERNAL, "", "step failed on the GPU (status %u)", status);
-found: {
+found : {
     char f[128];
     const dc_layer *ly = &s->layers[l];
     /* Whether and where it failed depends on the noise: the step released
@@ -200,7 +200,7 @@ bool rescue_overflow(cuda_backend *cb, const dc_step *s, const layout *Lo, float
         dc_cpu_scratch sc;
         memset(&sc, 0, sizeof sc);
         int rc = a && g && d2 ? dc_cpu_linear_sqnorms(&sc, a, g, B, ly->T, ly->d, ly->p,
-                                                       ly->has_bias, dc_linear_pick(ly), d2)
+                                                      ly->has_bias, dc_linear_pick(ly), d2)
                               : DC_ENOSPACE;
         for (uint32_t b = 0; rc == 0 && b < B; b++) {
             double v = d2[b] * (double)grad_scale * (double)grad_scale;

@@ -27,10 +27,10 @@ struct cuda_backend {
     cublasHandle_t blas;
     char *ws;
     size_t ws_cap;
-    size_t ws_max;      /* gpu.workspace_max; 0 = no cap */
-    size_t sg_max;      /* gpu.sample_grads_max: most workspace for kept per-sample
+    size_t ws_max; /* gpu.workspace_max; 0 = no cap */
+    size_t sg_max; /* gpu.sample_grads_max: most workspace for kept per-sample
                            gradients (sgrad.cu); 0 = none kept */
-    char *host; /* pinned: download block, then upload block */
+    char *host;    /* pinned: download block, then upload block */
     size_t host_cap;
     /* host-side per-step tables, grown like the workspace */
     size_t *lay_off; /* [L] per-sample buffers of norm layers, SIZE_MAX = none */
@@ -52,7 +52,7 @@ struct cuda_backend {
     int *sg_out; /* [2 * lay_cap] layer l's weight and bias output index, -1 none */
     int *bk_layer;
     dcc_sg_layer *sgl;
-    int sg_kept; /* layers the last step kept (dc_cuda_backend_kept_layers) */
+    int sg_kept;    /* layers the last step kept (dc_cuda_backend_kept_layers) */
     bool sg_direct; /* their sums went straight into the outputs (mode 1) */
     /* A step retried after an f32 overflow of some LINEAR layers' norms
      * (rescue_overflow): their n2 [lay_cap * B], computed on the host with
@@ -74,8 +74,8 @@ struct cuda_backend {
     cudaEvent_t ev_done;
     double ns_per_cost;
     unsigned long long *hash_dev; /* device scratch of cuda_tensor_hash (backend_accum.cu) */
-    int bk_n;       /* entries of bk the step's grouped clipped sum takes */
-    int amax_found; /* outputs of the last step whose max |.| the grouped
+    int bk_n;                     /* entries of bk the step's grouped clipped sum takes */
+    int amax_found;               /* outputs of the last step whose max |.| the grouped
                        clipped sum found (dcc_out.amax_found) */
     /* the DPCLIP_CUDA_* switches, read when the instance was made
      * (dc_cuda_backend_set_options replaces them) */
@@ -113,16 +113,31 @@ inline int numel_out(const dc_tensor *t, uint64_t *n) {
 inline dcc_linear linear_of(const cuda_backend *cb, const dc_layer *ly, int B, bool has_bias,
                             bool tf32) {
     return dcc_linear{ly->input.data, ly->grad.data, ly->input.dtype, ly->grad.dtype, B,
-                      (int)ly->T, (int)ly->d, (int)ly->p, has_bias, tf32, &cb->opt, nullptr};
+                      (int)ly->T,     (int)ly->d,    (int)ly->p,      has_bias,       tf32,
+                      &cb->opt,       nullptr};
 }
 inline dcc_embedding embedding_of(const dc_layer *ly, int B) {
-    return dcc_embedding{ly->input.data, ly->input.dtype, ly->grad.data, ly->grad.dtype, B,
-                         (int)ly->T, (int)ly->d, ly->vocab,
+    return dcc_embedding{ly->input.data,
+                         ly->input.dtype,
+                         ly->grad.data,
+                         ly->grad.dtype,
+                         B,
+                         (int)ly->T,
+                         (int)ly->d,
+                         ly->vocab,
                          ly->has_padding_idx ? ly->padding_idx : -1};
 }
 inline dcc_norm norm_of(const dc_layer *ly, int B) {
-    return dcc_norm{ly->input.data, ly->grad.data, ly->input.dtype, ly->grad.dtype, B,
-                    (int)ly->T, (int)ly->d, ly->kind == DC_LAYER_RMSNORM, ly->has_bias, ly->eps};
+    return dcc_norm{ly->input.data,
+                    ly->grad.data,
+                    ly->input.dtype,
+                    ly->grad.dtype,
+                    B,
+                    (int)ly->T,
+                    (int)ly->d,
+                    ly->kind == DC_LAYER_RMSNORM,
+                    ly->has_bias,
+                    ly->eps};
 }
 
 inline bool want_out(const dc_layer *l, int k) {
@@ -208,22 +223,22 @@ inline bool bk_per_sample(const dc_layer *l) {
 int blas_fail(cuda_backend *cb, dc_err *err, cublasStatus_t s, const char *what);
 
 /* In a function with `int rc`, `cb`, `err` and a `fail:` label. */
-#define CK(call, what)                                                                      \
-    do {                                                                                    \
-        cudaError_t e_ = (call);                                                            \
-        if (e_ != cudaSuccess) {                                                            \
-            rc = cuda_fail(cb, err, e_, what);                                              \
-            goto fail;                                                                      \
-        }                                                                                   \
+#define CK(call, what)                                                                             \
+    do {                                                                                           \
+        cudaError_t e_ = (call);                                                                   \
+        if (e_ != cudaSuccess) {                                                                   \
+            rc = cuda_fail(cb, err, e_, what);                                                     \
+            goto fail;                                                                             \
+        }                                                                                          \
     } while (0)
 
-#define CKB(call, what)                                                                     \
-    do {                                                                                    \
-        cublasStatus_t s_ = (call);                                                         \
-        if (s_ != CUBLAS_STATUS_SUCCESS) {                                                  \
-            rc = blas_fail(cb, err, s_, what);                                              \
-            goto fail;                                                                      \
-        }                                                                                   \
+#define CKB(call, what)                                                                            \
+    do {                                                                                           \
+        cublasStatus_t s_ = (call);                                                                \
+        if (s_ != CUBLAS_STATUS_SUCCESS) {                                                         \
+            rc = blas_fail(cb, err, s_, what);                                                     \
+            goto fail;                                                                             \
+        }                                                                                          \
     } while (0)
 
 /* A step's layers, one at a time or grouped (backend_layers.cu): the
@@ -260,8 +275,7 @@ cudaError_t wait_stream(cuda_backend *cb, double cost);
  * acc_free) and the keyed checksum of a tensor (tensor_hash). */
 float *cuda_acc_alloc(dc_backend *be, size_t n);
 void cuda_acc_free(dc_backend *be, float *p);
-int cuda_tensor_hash(dc_backend *be, const dc_tensor *t, uint64_t key, uint64_t *out,
-                     dc_err *err);
+int cuda_tensor_hash(dc_backend *be, const dc_tensor *t, uint64_t key, uint64_t *out, dc_err *err);
 
 } // namespace dcb
 

@@ -19,41 +19,41 @@ int layer_norms(cuda_backend *cb, const dc_step *s, size_t l, const layout *Lo, 
     if (cb->ovr_active && cb->ovr[l]) /* a rescued layer: its host-computed norms */
         e = cudaMemcpyAsync(n2, cb->ovr_n2 + l * B, (size_t)B * sizeof(float),
                             cudaMemcpyHostToDevice, cb->stream);
-    else
-    switch (ly->kind) {
-    case DC_LAYER_LINEAR: {
-        dcc_linear x = linear_of(cb, ly, B, dc_layer_norm_bias(ly), opt.tf32);
-        if (x.has_bias && Lo->bsum != SIZE_MAX) x.bias_ws = cb->ws + Lo->bsum;
-        const dc_algo algo = dcc_linear_pick_for(&x, ly->algo);
-        if (!dcc_pad_wanted(&x)) {
-            e = dcc_linear_sqnorms(&x, algo, s2, n2, cb->stream);
+    else switch (ly->kind) {
+        case DC_LAYER_LINEAR: {
+            dcc_linear x = linear_of(cb, ly, B, dc_layer_norm_bias(ly), opt.tf32);
+            if (x.has_bias && Lo->bsum != SIZE_MAX) x.bias_ws = cb->ws + Lo->bsum;
+            const dc_algo algo = dcc_linear_pick_for(&x, ly->algo);
+            if (!dcc_pad_wanted(&x)) {
+                e = dcc_linear_sqnorms(&x, algo, s2, n2, cb->stream);
+                break;
+            }
+            /* rows not on 16 bytes: padded copies, a few samples at a time */
+            const int n = dcc_pad_samples(&x, PAD_CAP);
+            for (int b0 = 0; b0 < B && e == cudaSuccess; b0 += n) {
+                dcc_linear c;
+                e = dcc_pad_chunk(&x, b0, B - b0 < n ? B - b0 : n, cb->ws + Lo->temp, &c,
+                                  cb->stream);
+                if (e == cudaSuccess) e = dcc_linear_sqnorms(&c, algo, s2, n2 + b0, cb->stream);
+            }
             break;
         }
-        /* rows not on 16 bytes: padded copies, a few samples at a time */
-        const int n = dcc_pad_samples(&x, PAD_CAP);
-        for (int b0 = 0; b0 < B && e == cudaSuccess; b0 += n) {
-            dcc_linear c;
-            e = dcc_pad_chunk(&x, b0, B - b0 < n ? B - b0 : n, cb->ws + Lo->temp, &c,
-                              cb->stream);
-            if (e == cudaSuccess) e = dcc_linear_sqnorms(&c, algo, s2, n2 + b0, cb->stream);
+        case DC_LAYER_EMBEDDING: {
+            dcc_embedding x = embedding_of(ly, B);
+            e = dcc_embedding_sqnorms(&x, s2, n2, flags, cb->ws + Lo->temp, Lo->temp_bytes,
+                                      cb->stream);
+            break;
         }
-        break;
-    }
-    case DC_LAYER_EMBEDDING: {
-        dcc_embedding x = embedding_of(ly, B);
-        e = dcc_embedding_sqnorms(&x, s2, n2, flags, cb->ws + Lo->temp, Lo->temp_bytes,
-                                  cb->stream);
-        break;
-    }
-    case DC_LAYER_LAYERNORM:
-    case DC_LAYER_RMSNORM: {
-        dcc_norm x = norm_of(ly, B);
-        e = dcc_norm_sqnorms(&x, s2, n2, flags, (float *)(cb->ws + Lo->temp),
-                             (float *)(cb->ws + cb->lay_off[l]), cb->stream);
-        break;
-    }
-    default: return dc_err_set(err, DC_EINVAL, ly->name, "unknown layer kind %d", (int)ly->kind);
-    }
+        case DC_LAYER_LAYERNORM:
+        case DC_LAYER_RMSNORM: {
+            dcc_norm x = norm_of(ly, B);
+            e = dcc_norm_sqnorms(&x, s2, n2, flags, (float *)(cb->ws + Lo->temp),
+                                 (float *)(cb->ws + cb->lay_off[l]), cb->stream);
+            break;
+        }
+        default:
+            return dc_err_set(err, DC_EINVAL, ly->name, "unknown layer kind %d", (int)ly->kind);
+        }
     if (e != cudaSuccess) rc = cuda_fail(cb, err, e, ly->name);
     return rc;
 }
@@ -96,9 +96,9 @@ int layer_clipped(cuda_backend *cb, const dc_step *s, size_t l, const layout *Lo
                 for (int b = 0; b < c.B; b++) {
                     const char *ab = (const char *)c.a + (size_t)b * T * c.d * 2;
                     const char *gb = (const char *)c.g + (size_t)b * T * c.p * 2;
-                    CKB(cublasGemmEx(cb->blas, CUBLAS_OP_N, CUBLAS_OP_T, d, p, T, cs + b0 + b,
-                                     ab, ty, c.d, gb, ty, c.p, b0 + b ? one : zero, w,
-                                     CUDA_R_32F, d, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
+                    CKB(cublasGemmEx(cb->blas, CUBLAS_OP_N, CUBLAS_OP_T, d, p, T, cs + b0 + b, ab,
+                                     ty, c.d, gb, ty, c.p, b0 + b ? one : zero, w, CUDA_R_32F, d,
+                                     CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
                         "the clipped-sum GEMM");
                 }
             }
@@ -110,9 +110,9 @@ int layer_clipped(cuda_backend *cb, const dc_step *s, size_t l, const layout *Lo
             for (int b = 0; b < B; b++) {
                 const char *ab = (const char *)ly->input.data + (size_t)b * T * d * esz;
                 const char *gb = (const char *)ly->grad.data + (size_t)b * T * p * esz;
-                CKB(cublasGemmEx(cb->blas, CUBLAS_OP_N, CUBLAS_OP_T, d, p, T, cs + b, ab, ty, d,
-                                 gb, ty, p, b ? one : zero, w, CUDA_R_32F, d,
-                                 CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
+                CKB(cublasGemmEx(cb->blas, CUBLAS_OP_N, CUBLAS_OP_T, d, p, T, cs + b, ab, ty, d, gb,
+                                 ty, p, b ? one : zero, w, CUDA_R_32F, d, CUBLAS_COMPUTE_32F,
+                                 CUBLAS_GEMM_DEFAULT),
                     "the clipped-sum GEMM");
             }
         } else if (w) {
@@ -122,12 +122,12 @@ int layer_clipped(cuda_backend *cb, const dc_step *s, size_t l, const layout *Lo
             int64_t rows = (int64_t)B * T;
             for (int64_t r0 = 0; r0 < rows; r0 += R) {
                 int n = (int)(rows - r0 < R ? rows - r0 : R);
-                CK(dcc_rows_to_f32(ly->input.data, ly->input.dtype, ly->grad.data,
-                                   ly->grad.dtype, T, d, p, r0, n, cs, af, gf, cb->stream),
+                CK(dcc_rows_to_f32(ly->input.data, ly->input.dtype, ly->grad.data, ly->grad.dtype,
+                                   T, d, p, r0, n, cs, af, gf, cb->stream),
                    "the clipped-sum staging");
-                CKB(cublasGemmEx(cb->blas, CUBLAS_OP_N, CUBLAS_OP_T, d, p, n, one, af,
-                                 CUDA_R_32F, d, gf, CUDA_R_32F, p, r0 ? one : zero, w,
-                                 CUDA_R_32F, d, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
+                CKB(cublasGemmEx(cb->blas, CUBLAS_OP_N, CUBLAS_OP_T, d, p, n, one, af, CUDA_R_32F,
+                                 d, gf, CUDA_R_32F, p, r0 ? one : zero, w, CUDA_R_32F, d,
+                                 CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
                     "the clipped-sum GEMM");
             }
         }
@@ -319,8 +319,8 @@ int kept_sum(cuda_backend *cb, const dc_step *s, float noise_std, float divisor,
              const uint32_t *mode, dc_err *err) {
     int rc = 0;
     if (cb->sg_kept == 0) return 0;
-    CK(dcc_sgrad_sum(cb->sgl, cb->sg_kept, (int)s->batch, noise_std, divisor, mode,
-                     cb->opt.noise, cb->stream),
+    CK(dcc_sgrad_sum(cb->sgl, cb->sg_kept, (int)s->batch, noise_std, divisor, mode, cb->opt.noise,
+                     cb->stream),
        "the kept gradients' sum");
 fail:
     return rc;
@@ -339,8 +339,7 @@ static int keep_none(cuda_backend *cb, const dc_step *s, const layout *Lo, dc_er
         for (int k = 0; k < 2; k++) {
             const int o = cb->sg_out[2 * l + k];
             if (o >= 0)
-                CK(cudaMemsetAsync(&douts[o].noised, 0, sizeof(uint32_t), cb->stream),
-                   "a memset");
+                CK(cudaMemsetAsync(&douts[o].noised, 0, sizeof(uint32_t), cb->stream), "a memset");
         }
     }
 fail:
@@ -350,8 +349,7 @@ fail:
 /* The grouped norms launch for the direct-form LINEAR layers that qualify,
  * when there are enough of them to fill the GPU a few times over; marks
  * them in cb->nm_grouped so that layer_norms skips them. */
-int grouped_norms(cuda_backend *cb, const dc_step *s, const layout *Lo, float s2,
-                  dc_err *err) {
+int grouped_norms(cuda_backend *cb, const dc_step *s, const layout *Lo, float s2, dc_err *err) {
     const int B = (int)s->batch;
     int n = 0, rc = 0;
     int64_t items = 0;
@@ -361,8 +359,8 @@ int grouped_norms(cuda_backend *cb, const dc_step *s, const layout *Lo, float s2
         if (ly->kind != DC_LAYER_LINEAR || (cb->ovr_active && cb->ovr[l])) continue;
         dcc_linear x = linear_of(cb, ly, B, dc_layer_norm_bias(ly), false);
         const bool kept = cb->sg_off[l] != SIZE_MAX; /* keep_bytes: the direct form */
-        if (!dcc_norms_grouped_ok(
-                &x, kept ? DC_ALGO_DIRECT : dcc_linear_pick_grouped(x.T, x.d, x.p, ly->algo)))
+        if (!dcc_norms_grouped_ok(&x, kept ? DC_ALGO_DIRECT
+                                           : dcc_linear_pick_grouped(x.T, x.d, x.p, ly->algo)))
             continue;
         dcc_norm_layer *e = &cb->nm[n++];
         e->L = x;
@@ -403,8 +401,7 @@ int snapshot_indices(cuda_backend *cb, const dc_step *s, const layout *Lo, dc_st
         cb->safe[l] = *ly;
         if (ly->kind != DC_LAYER_EMBEDDING) continue;
         size_t bytes = (size_t)s->batch * (size_t)ly->T * dc_dtype_size(ly->input.dtype);
-        CK(cudaMemcpyAsync(cb->ws + o, ly->input.data, bytes, cudaMemcpyDeviceToDevice,
-                           cb->stream),
+        CK(cudaMemcpyAsync(cb->ws + o, ly->input.data, bytes, cudaMemcpyDeviceToDevice, cb->stream),
            "the index copy");
         cb->safe[l].input.data = cb->ws + o;
         o += al(bytes);

@@ -17,8 +17,7 @@ void tied_offsets(cuda_backend *cb, const dc_step *s, const dcc_out *outs) {
         oi += (int)want_out(ly, 0) + (int)want_out(ly, 1);
     }
     for (size_t l = 0; l < s->n_layers; l++)
-        if (dc_layer_tied_later(&s->layers[l]))
-            cb->woff[l] = cb->woff[s->layers[l].tie - 1];
+        if (dc_layer_tied_later(&s->layers[l])) cb->woff[l] = cb->woff[s->layers[l].tie - 1];
 }
 
 int tied_norms(cuda_backend *cb, const dc_step *s, const layout *Lo, float s2, dc_err *err) {
@@ -33,8 +32,7 @@ int tied_norms(cuda_backend *cb, const dc_step *s, const layout *Lo, float s2, d
         dcc_embedding E = embedding_of(e, B);
         dcc_linear N = linear_of(cb, n, B, false, false);
         cudaError_t e_ = dcc_tied_sqnorms(&E, &N, ly == n && ly->has_bias, s2, n2 + o * B,
-                                          n2 + l * B, (double *)(cb->ws + Lo->temp),
-                                          cb->stream);
+                                          n2 + l * B, (double *)(cb->ws + Lo->temp), cb->stream);
         if (e_ != cudaSuccess) return cuda_fail(cb, err, e_, ly->name);
     }
     return 0;

@@ -50,11 +50,13 @@ extern "C" void dcc_options_from_env(dcc_options *o) {
     o->pdl = on("DPCLIP_CUDA_PDL");
     o->persist = on("DPCLIP_CUDA_DIRECT_PERSIST");
     if ((v = set("DPCLIP_CUDA_SGRAD")))
-        o->sgrad = v[0] == '0' ? DCC_SGRAD_OFF : strcmp(v, "all") == 0 ? DCC_SGRAD_ALL
-                                                                      : DCC_SGRAD_AUTO;
+        o->sgrad = v[0] == '0'             ? DCC_SGRAD_OFF
+                   : strcmp(v, "all") == 0 ? DCC_SGRAD_ALL
+                                           : DCC_SGRAD_AUTO;
     if ((v = set("DPCLIP_CUDA_NOISE")) && strcmp(v, "exact") == 0) o->noise = DCC_NOISE_EXACT;
     if ((v = set("DPCLIP_CUDA_GROUPED_MIN"))) o->grouped_min = atoi(v);
-    if ((v = set("DPCLIP_CUDA_GROUPED_LAYERS"))) o->grouped_layers = atoi(v); /* clamped where used */
+    if ((v = set("DPCLIP_CUDA_GROUPED_LAYERS")))
+        o->grouped_layers = atoi(v); /* clamped where used */
     if ((v = set("DPCLIP_CUDA_DIRECT_TILE"))) o->direct_tile = atoi(v) >= 256 ? 256 : 128;
     if ((v = set("DPCLIP_CUDA_DIRECT_SPLIT"))) {
         int k = atoi(v);

@@ -17,7 +17,7 @@ namespace dcb {
 
 namespace {
 
-constexpr uint64_t NAP_NS = 200000;       /* a misprediction costs at most this */
+constexpr uint64_t NAP_NS = 200000;        /* a misprediction costs at most this */
 constexpr uint64_t MIN_MARGIN_NS = 150000; /* the window's half-width, at least */
 
 void nap(uint64_t ns) {
@@ -30,9 +30,8 @@ void nap(uint64_t ns) {
 cudaError_t wait_stream(cuda_backend *cb, double cost) {
     cudaError_t e;
     if (!cb->ev_done &&
-        (e = cudaEventCreateWithFlags(&cb->ev_done,
-                                      cudaEventBlockingSync | cudaEventDisableTiming)) !=
-            cudaSuccess) {
+        (e = cudaEventCreateWithFlags(&cb->ev_done, cudaEventBlockingSync |
+                                                        cudaEventDisableTiming)) != cudaSuccess) {
         cb->ev_done = NULL;
         return cudaStreamSynchronize(cb->stream);
     }

@@ -14,8 +14,8 @@ namespace {
 constexpr int ACC_NT = 256;
 
 /* acc = staging (first micro-batch) or acc += staging, per output. */
-__global__ void acc_store_kernel(const dcc_out *__restrict__ outs, const float *__restrict__ staging,
-                                 int add) {
+__global__ void acc_store_kernel(const dcc_out *__restrict__ outs,
+                                 const float *__restrict__ staging, int add) {
     const dcc_out o = outs[blockIdx.y];
     if (!o.acc) return;
     const float *v = staging + o.off;
@@ -51,8 +51,8 @@ extern "C" cudaError_t dcc_acc_store(const dcc_out *outs, int n_out, uint64_t ma
     return cudaGetLastError();
 }
 
-extern "C" cudaError_t dcc_acc_fold(const dcc_out *outs, int n_out, uint64_t max_n,
-                                    float *staging, cudaStream_t st) {
+extern "C" cudaError_t dcc_acc_fold(const dcc_out *outs, int n_out, uint64_t max_n, float *staging,
+                                    cudaStream_t st) {
     if (n_out <= 0) return cudaSuccess;
     if (n_out > 65535) return cudaErrorInvalidValue;
     acc_fold_kernel<<<acc_grid(max_n, n_out), ACC_NT, 0, st>>>(outs, staging);

@@ -191,8 +191,7 @@ __global__ void finalize_kernel(const dcc_out *__restrict__ outs, float *__restr
 
 /* zero != 0: a failed step writes zeros (a step with an early notice, whose
  * outputs the client may already consume). */
-__global__ void commit_kernel(const dcc_out *__restrict__ outs,
-                              const float *__restrict__ staging,
+__global__ void commit_kernel(const dcc_out *__restrict__ outs, const float *__restrict__ staging,
                               const uint32_t *__restrict__ status, int zero) {
     const bool ok = *status == 0;
     if (!ok && !zero) return;
@@ -241,8 +240,8 @@ __global__ void find_bad_index(const TI *__restrict__ x, uint64_t n, int64_t voc
     }
 }
 
-__global__ void noise_kernel(uint64_t key, uint64_t step, uint32_t stream, float *out,
-                             uint64_t n, int noise) {
+__global__ void noise_kernel(uint64_t key, uint64_t step, uint32_t stream, float *out, uint64_t n,
+                             int noise) {
     uint64_t npairs = (n + 1) / 2;
     for (uint64_t pr = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x; pr < npairs;
          pr += (uint64_t)gridDim.x * blockDim.x) {
@@ -290,8 +289,8 @@ __global__ void fdiv_kernel(const float *__restrict__ x, float *__restrict__ out
  * ms; the list to 0.006). `body(oi, o, i0, i1)` gets output oi's elements
  * [i0, i1); it runs for the whole block, so it may synchronise it. */
 template <typename Skip, typename Body>
-__device__ __forceinline__ void out_chunks(const dcc_out *__restrict__ outs, int n_out,
-                                           Skip skip, Body body) {
+__device__ __forceinline__ void out_chunks(const dcc_out *__restrict__ outs, int n_out, Skip skip,
+                                           Body body) {
     __shared__ int work[NT];
     __shared__ int n_work;
     const uint64_t G = gridDim.x, b = blockIdx.x;
@@ -362,7 +361,8 @@ __global__ void out_amax_kernel(const dcc_out *__restrict__ outs, int n_out,
 
 __global__ void out_decide_kernel(const dcc_out *__restrict__ outs, int n_out,
                                   const unsigned *__restrict__ amax, float std, float divisor,
-                                  const uint32_t *__restrict__ status, uint32_t *__restrict__ mode) {
+                                  const uint32_t *__restrict__ status,
+                                  uint32_t *__restrict__ mode) {
     bool ok = true;
     for (int oi = (int)threadIdx.x; oi < n_out; oi += (int)blockDim.x) {
         /* a noised output's sum is made after this check (the kept
@@ -374,7 +374,9 @@ __global__ void out_decide_kernel(const dcc_out *__restrict__ outs, int n_out,
         /* |z| <= sqrt(-2 ln 2^-53) = 8.5718 for every draw; a little slack
          * for the roundings of the sum and the division */
         double bound = ((double)m + 8.6 * (double)std) * 1.0001 / (double)divisor;
-        double lim = outs[oi].dtype == DC_F16 ? 65504.0 : outs[oi].dtype == DC_BF16 ? 3.38e38 : 3.4e38;
+        double lim = outs[oi].dtype == DC_F16    ? 65504.0
+                     : outs[oi].dtype == DC_BF16 ? 3.38e38
+                                                 : 3.4e38;
         if (!(dcc_isfinite(m) && bound < lim)) ok = false;
     }
     ok = __syncthreads_and(ok);
@@ -394,8 +396,7 @@ __device__ __forceinline__ void write_chunk(int oi, const dcc_out &o, uint64_t i
                                             uint32_t *__restrict__ status,
                                             unsigned long long *__restrict__ bad) {
     float *v = staging + o.off;
-    const bool vec_dst =
-        ((uintptr_t)o.dst & (uintptr_t)(o.dtype == DC_F32 ? 15 : 7)) == 0;
+    const bool vec_dst = ((uintptr_t)o.dst & (uintptr_t)(o.dtype == DC_F32 ? 15 : 7)) == 0;
     /* a sums step's noise range (dcc_out.nz_*), per chunk: every element
      * in (always without a range: the draws as they were), none in, or
      * decided per element */
@@ -429,8 +430,7 @@ __device__ __forceinline__ void write_chunk(int oi, const dcc_out &o, uint64_t i
             for (int j = 0; j < 4; j++) in[j] = j < cnt && dcc_noise_in(o, i + (uint64_t)j);
             float z[4] = {0.0f, 0.0f, 0.0f, 0.0f};
             if (in[0] || in[1]) draw_pair(NOISE, o.key, o.step, o.stream, i / 2, z[0], z[1]);
-            if (in[2] || in[3])
-                draw_pair(NOISE, o.key, o.step, o.stream, i / 2 + 1, z[2], z[3]);
+            if (in[2] || in[3]) draw_pair(NOISE, o.key, o.step, o.stream, i / 2 + 1, z[2], z[3]);
 #pragma unroll
             for (int j = 0; j < 4; j++)
                 if (in[j]) x[j] = dcc_noised(x[j], std, z[j]);
@@ -481,8 +481,7 @@ __device__ __forceinline__ void write_chunk(int oi, const dcc_out &o, uint64_t i
 template <int NOISE> /* a kernel per noise kind: one inlined Box-Muller each */
 __global__ void out_write_kernel(const dcc_out *__restrict__ outs, int n_out,
                                  float *__restrict__ staging, float std, float divisor,
-                                 const uint32_t *__restrict__ mode,
-                                 uint32_t *__restrict__ status,
+                                 const uint32_t *__restrict__ mode, uint32_t *__restrict__ status,
                                  unsigned long long *__restrict__ bad) {
     const bool direct = *mode != 0;
     if (!direct && (*status & DCC_STATUS_INPUT)) return; /* the step fails anyway */
@@ -501,11 +500,12 @@ __global__ void out_commit_kernel(const dcc_out *__restrict__ outs, int n_out,
     /* mode 1 wrote the outputs already (it implies status 0) */
     if (*mode != 0 || (*status != 0 && !zero)) return;
     const bool ok = *status == 0;
-    out_chunks(outs, n_out, [](const dcc_out &) { return false; },
-               [&](int, const dcc_out &o, uint64_t i0, uint64_t i1) {
-                   for (uint64_t i = i0 + threadIdx.x; i < i1; i += NT)
-                       dcc_store_as(o.dst, o.dtype, i, ok ? staging[o.off + i] : 0.0f);
-               });
+    out_chunks(
+        outs, n_out, [](const dcc_out &) { return false; },
+        [&](int, const dcc_out &o, uint64_t i0, uint64_t i1) {
+            for (uint64_t i = i0 + threadIdx.x; i < i1; i += NT)
+                dcc_store_as(o.dst, o.dtype, i, ok ? staging[o.off + i] : 0.0f);
+        });
 }
 
 unsigned blocks_for(uint64_t n, unsigned cap) {
@@ -516,14 +516,15 @@ unsigned blocks_for(uint64_t n, unsigned cap) {
 
 } // namespace
 
-extern "C" cudaError_t dcc_coefs(const float *n2, const uint32_t *flags, const float *count,
-                                 int L, int B, bool per_layer, float C, double e,
-                                 const float *layer_C, const double *layer_e, float grad_scale,
-                                 float *norms, float *coefs, float *lcoef, float *cs,
-                                 uint32_t *status, cudaStream_t st) {
-    coefs_kernel<<<blocks_for((uint64_t)B, 1024), NT, 0, st>>>(
-        n2, flags, NULL, count, L, B, per_layer, C, e, layer_C, layer_e, grad_scale, norms, coefs,
-        lcoef, cs, status);
+extern "C" cudaError_t dcc_coefs(const float *n2, const uint32_t *flags, const float *count, int L,
+                                 int B, bool per_layer, float C, double e, const float *layer_C,
+                                 const double *layer_e, float grad_scale, float *norms,
+                                 float *coefs, float *lcoef, float *cs, uint32_t *status,
+                                 cudaStream_t st) {
+    coefs_kernel<<<blocks_for((uint64_t)B, 1024), NT, 0, st>>>(n2, flags, NULL, count, L, B,
+                                                               per_layer, C, e, layer_C, layer_e,
+                                                               grad_scale, norms, coefs, lcoef, cs,
+                                                               status);
     return cudaGetLastError();
 }
 
@@ -531,17 +532,20 @@ extern "C" cudaError_t dcc_coefs_tot(const float *n2, const uint32_t *flags, con
                                      int L, int B, float C, double e, float grad_scale,
                                      float *norms, float *coefs, float *cs, uint32_t *status,
                                      cudaStream_t st) {
-    coefs_kernel<<<blocks_for((uint64_t)B, 1024), NT, 0, st>>>(
-        n2, flags, tot, NULL, L, B, 0, C, e, NULL, NULL, grad_scale, norms, coefs, NULL, cs,
-        status);
+    coefs_kernel<<<blocks_for((uint64_t)B, 1024), NT, 0, st>>>(n2, flags, tot, NULL, L, B, 0, C, e,
+                                                               NULL, NULL, grad_scale, norms, coefs,
+                                                               NULL, cs, status);
     return cudaGetLastError();
 }
 
 extern "C" cudaError_t dcc_bk_order(const float *cs, int L, int B, int *perm, float *fac,
                                     cudaStream_t st) {
     if (L <= 0 || B <= 0) return cudaSuccess;
+    /* clang-format 14 takes `B < 1024` inside <<<...>>> for a template */
+    /* clang-format off */
     bk_order_kernel<<<(unsigned)L, B < 1024 ? (unsigned)((B + 31) / 32 * 32) : 1024u, 0, st>>>(
         cs, B, perm, fac);
+    /* clang-format on */
     return cudaGetLastError();
 }
 
@@ -572,10 +576,9 @@ extern "C" cudaError_t dcc_rows_to_f32(const void *a, dc_dtype ta, const void *g
     });
 }
 
-extern "C" cudaError_t dcc_finalize(const dcc_out *outs, int n_out, uint64_t max_n,
-                                    float *staging, float std, float divisor,
-                                    uint32_t *status, unsigned long long *bad, int noise,
-                                    cudaStream_t st) {
+extern "C" cudaError_t dcc_finalize(const dcc_out *outs, int n_out, uint64_t max_n, float *staging,
+                                    float std, float divisor, uint32_t *status,
+                                    unsigned long long *bad, int noise, cudaStream_t st) {
     if (n_out <= 0) return cudaSuccess;
     if (n_out > 65535) return cudaErrorInvalidValue;
     dim3 grid(blocks_for((max_n + 1) / 2, 2048), (unsigned)n_out);
@@ -598,25 +601,24 @@ extern "C" cudaError_t dcc_out_grid(uint64_t n_chunks, int max_blocks, unsigned 
 }
 
 extern "C" cudaError_t dcc_out_check(const dcc_out *outs, int n_out, unsigned grid,
-                                     const float *staging, float std, float divisor,
-                                     float *amax, bool scan, const uint32_t *status,
-                                     uint32_t *mode, cudaStream_t st) {
+                                     const float *staging, float std, float divisor, float *amax,
+                                     bool scan, const uint32_t *status, uint32_t *mode,
+                                     cudaStream_t st) {
     if (n_out <= 0) return cudaSuccess;
     if (scan) {
-        out_amax_kernel<<<grid, NT, 0, st>>>(outs, n_out, staging, (unsigned *)amax,
-                                             status);
+        out_amax_kernel<<<grid, NT, 0, st>>>(outs, n_out, staging, (unsigned *)amax, status);
         cudaError_t e = cudaGetLastError();
         if (e != cudaSuccess) return e;
     }
-    out_decide_kernel<<<1, 1024, 0, st>>>(outs, n_out, (const unsigned *)amax, std, divisor,
-                                          status, mode);
+    out_decide_kernel<<<1, 1024, 0, st>>>(outs, n_out, (const unsigned *)amax, std, divisor, status,
+                                          mode);
     return cudaGetLastError();
 }
 
-extern "C" cudaError_t dcc_out_write(const dcc_out *outs, int n_out, unsigned grid,
-                                     float *staging, float std, float divisor,
-                                     const uint32_t *mode, uint32_t *status,
-                                     unsigned long long *bad, int noise, cudaStream_t st) {
+extern "C" cudaError_t dcc_out_write(const dcc_out *outs, int n_out, unsigned grid, float *staging,
+                                     float std, float divisor, const uint32_t *mode,
+                                     uint32_t *status, unsigned long long *bad, int noise,
+                                     cudaStream_t st) {
     if (n_out <= 0) return cudaSuccess;
     auto kern = noise == DCC_NOISE_EXACT ? out_write_kernel<DCC_NOISE_EXACT>
                                          : out_write_kernel<DCC_NOISE_FAST>;
@@ -626,18 +628,16 @@ extern "C" cudaError_t dcc_out_write(const dcc_out *outs, int n_out, unsigned gr
 
 extern "C" cudaError_t dcc_out_commit(const dcc_out *outs, int n_out, unsigned grid,
                                       const float *staging, const uint32_t *mode,
-                                      const uint32_t *status, int zero_on_fail,
-                                      cudaStream_t st) {
+                                      const uint32_t *status, int zero_on_fail, cudaStream_t st) {
     if (n_out <= 0) return cudaSuccess;
-    out_commit_kernel<<<grid, NT, 0, st>>>(outs, n_out, staging, mode, status,
-                                           zero_on_fail);
+    out_commit_kernel<<<grid, NT, 0, st>>>(outs, n_out, staging, mode, status, zero_on_fail);
     return cudaGetLastError();
 }
 
 extern "C" cudaError_t dcc_commit(const dcc_out *outs, int n_out, uint64_t max_n,
-                                  const float *staging, const uint32_t *status,
-                                  const float *norms, float *norms_out, const float *coefs,
-                                  float *coefs_out, int B, int zero_on_fail, cudaStream_t st) {
+                                  const float *staging, const uint32_t *status, const float *norms,
+                                  float *norms_out, const float *coefs, float *coefs_out, int B,
+                                  int zero_on_fail, cudaStream_t st) {
     if (n_out > 65535) return cudaErrorInvalidValue;
     if (n_out > 0) {
         dim3 grid(blocks_for(max_n, 2048), (unsigned)n_out);
@@ -646,8 +646,9 @@ extern "C" cudaError_t dcc_commit(const dcc_out *outs, int n_out, uint64_t max_n
         if (e != cudaSuccess) return e;
     }
     if (norms_out || coefs_out) {
-        commit_vec_kernel<<<blocks_for((uint64_t)B, 64), NT, 0, st>>>(
-            status, norms, norms_out, coefs, coefs_out, B, zero_on_fail);
+        commit_vec_kernel<<<blocks_for((uint64_t)B, 64), NT, 0, st>>>(status, norms, norms_out,
+                                                                      coefs, coefs_out, B,
+                                                                      zero_on_fail);
         return cudaGetLastError();
     }
     return cudaSuccess;

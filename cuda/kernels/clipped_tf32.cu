@@ -62,7 +62,8 @@ constexpr int X_SMEM = NST * NAT * 4 + KST * KMJ + 1024;
  * 64 Ki, the CTA's 384 x 168) */
 constexpr int PRODUCER_REGS = 40, CONSUMER_REGS = 232;
 static_assert(XN == XC, "each consumer thread transposes one of a's rows");
-static_assert(XP == 128 && XM == 128, "the producer's copy pattern: 128 threads, 128 of g's columns");
+static_assert(XP == 128 && XM == 128,
+              "the producer's copy pattern: 128 threads, 128 of g's columns");
 
 #ifndef DCC_WG_EMPTY
 
@@ -90,17 +91,17 @@ __device__ __forceinline__ void A_frag(uint32_t (&a)[4][4], const float *sg, int
 }
 
 __global__ void __launch_bounds__(XT, 1)
-tf32_wg_clipped(const float *__restrict__ a, const float *__restrict__ g, int B, int T, int d,
-                int p, int tiles_n, int chunks, const int *__restrict__ perm,
-                const float *__restrict__ fac, const float *__restrict__ cs,
-                float *__restrict__ w) {
+    tf32_wg_clipped(const float *__restrict__ a, const float *__restrict__ g, int B, int T, int d,
+                    int p, int tiles_n, int chunks, const int *__restrict__ perm,
+                    const float *__restrict__ fac, const float *__restrict__ cs,
+                    float *__restrict__ w) {
     extern __shared__ __align__(16) unsigned char smem[];
     /* landed[NST] (the producer's copies of a stage are in nat), taken[NST]
      * (the consumers have read that stage: its slot is free), ready[KST]
      * (the consumers have transposed a's rows of a stage into kmj), empty[KST]
      * (the MMAs on a kmj slot are done: the 8 consumer warps) */
     __shared__ __align__(8) uint64_t bar_mem[2 * NST + 2 * KST];
-    const uint32_t kmj = (dcc_smem(smem) + 1023u) & ~1023u; /* KST transposed stages */
+    const uint32_t kmj = (dcc_smem(smem) + 1023u) & ~1023u;            /* KST transposed stages */
     float *nat = (float *)(smem + (kmj - dcc_smem(smem)) + KST * KMJ); /* NST as stored */
     const int tm = (int)blockIdx.x / tiles_n, tn = (int)blockIdx.x % tiles_n;
     const int m0 = tm * XM, n0 = tn * XN;
@@ -305,9 +306,8 @@ static int tf32_chunks(int tiles, int64_t stages, int sms) {
     return best;
 }
 
-extern "C" cudaError_t dcc_tf32_clipped_wgmma(const dcc_linear *L, const float *cs,
-                                              const int *perm, const float *fac, float *w,
-                                              cudaStream_t st) {
+extern "C" cudaError_t dcc_tf32_clipped_wgmma(const dcc_linear *L, const float *cs, const int *perm,
+                                              const float *fac, float *w, cudaStream_t st) {
 #ifdef DCC_WGMMA_BUILT
     if (L->ta != DC_F32 || L->tg != DC_F32 || !dcc_wgmma_available(L->opt) || L->d % 4 ||
         L->p % 4 || ((uintptr_t)L->a & 15u) || ((uintptr_t)L->g & 15u))
@@ -317,16 +317,14 @@ extern "C" cudaError_t dcc_tf32_clipped_wgmma(const dcc_linear *L, const float *
     int sms;
     cudaError_t e = dcc_sm_count(&sms);
     if (e != cudaSuccess) return e;
-    const int chunks =
-        tf32_chunks(tiles_m * tiles_n, (int64_t)L->B * ((L->T + XK - 1) / XK), sms);
+    const int chunks = tf32_chunks(tiles_m * tiles_n, (int64_t)L->B * ((L->T + XK - 1) / XK), sms);
     if (chunks > 1 && (e = cudaMemsetAsync(w, 0, (size_t)L->p * L->d * sizeof(float), st)))
         return e;
     e = cudaFuncSetAttribute(tf32_wg_clipped, cudaFuncAttributeMaxDynamicSharedMemorySize, X_SMEM);
     if (e != cudaSuccess) return e;
     dim3 grid((unsigned)(tiles_m * tiles_n), (unsigned)chunks);
-    tf32_wg_clipped<<<grid, XT, X_SMEM, st>>>((const float *)L->a, (const float *)L->g, L->B,
-                                              L->T, L->d, L->p, tiles_n, chunks, perm, fac,
-                                              cs, w);
+    tf32_wg_clipped<<<grid, XT, X_SMEM, st>>>((const float *)L->a, (const float *)L->g, L->B, L->T,
+                                              L->d, L->p, tiles_n, chunks, perm, fac, cs, w);
     return cudaGetLastError();
 #else
     (void)L;

@@ -31,8 +31,8 @@ extern "C" {
 #define DCC_FLAG_INDEX 2u
 
 /* status word bits (one per step) */
-#define DCC_STATUS_INPUT 1u   /* a non-finite squared norm or a flagged sample */
-#define DCC_STATUS_OUTPUT 4u  /* an output value not finite in its dtype */
+#define DCC_STATUS_INPUT 1u  /* a non-finite squared norm or a flagged sample */
+#define DCC_STATUS_OUTPUT 4u /* an output value not finite in its dtype */
 
 /* The DPCLIP_CUDA_* switches (dcc_types.h, dcc_options): the defaults, and
  * those of the environment (options.cu, the backend's: the one reader). */
@@ -89,8 +89,7 @@ cudaError_t dcc_ghost_wgmma(const dcc_linear *L, float s2, float *n2, cudaStream
  * K-major, which TF32 wgmma requires; the direct form's are not):
  * cudaErrorNotSupported where the wgmma kernels are not available or no
  * tensor map can be made (rows not on 16 bytes). */
-cudaError_t dcc_linear_ghost_wgmma_tf32(const dcc_linear *L, float s2, float *n2,
-                                        cudaStream_t st);
+cudaError_t dcc_linear_ghost_wgmma_tf32(const dcc_linear *L, float s2, float *n2, cudaStream_t st);
 /* The wgmma direct form's tile for this layer (direct_plan.cu): 128 or 256
  * rows of p, and how many CTAs of a cluster split each tile's K range. */
 int dcc_direct_tile_rows(const dcc_linear *L);
@@ -131,8 +130,7 @@ int dcc_direct_max_clusters(int rows, int ks);
  * g_b^T a_b (f32, overwritten), exact per-sample scaling in one launch.
  * cudaErrorNotSupported when the layer does not qualify (T < 64, not bf16/f16
  * with 16-byte rows, no sm_90a): use cuBLAS then. */
-cudaError_t dcc_linear_clipped_tc(const dcc_linear *L, const float *cs, float *w,
-                                  cudaStream_t st);
+cudaError_t dcc_linear_clipped_tc(const dcc_linear *L, const float *cs, float *w, cudaStream_t st);
 
 /* Persistent kernels over many LINEAR layers (grouped_tma.cu): a few
  * launches for the whole step, 256x128 tiles dealt to one CTA per SM.
@@ -208,7 +206,7 @@ cudaError_t dcc_linear_sqnorms_grouped(const dcc_norm_layer *layers, int n, floa
  * j of thread t at (j * 256 + t) * 8: every store and load a warp makes is
  * 512 contiguous bytes); then, with a bias, [B][p] f32. */
 #define DCC_SG_TILE 32768
-#define DCC_SG_THREADS 256 /* the norm kernel's consumer threads */
+#define DCC_SG_THREADS 256                               /* the norm kernel's consumer threads */
 #define DCC_SG_CHUNKS (DCC_SG_TILE / 8 / DCC_SG_THREADS) /* 16-byte chunks a thread */
 size_t dcc_sgrad_bytes(const dcc_linear *L);
 /* Whether keeping a layer's per-sample gradients should pay: the GEMM its
@@ -227,11 +225,11 @@ typedef struct dcc_out_sink {
     int32_t dtype;
 } dcc_out_sink;
 typedef struct dcc_sg_layer {
-    const void *sg;    /* the store (dcc_norm_layer.sg) */
-    const float *sgb;  /* its bias sums, or NULL: no bias output */
-    const float *cs;   /* device [B]: this layer's coefficients */
-    float *w;          /* device f32 [p][d] (overwritten) */
-    float *bias;       /* device f32 [p] or NULL */
+    const void *sg;            /* the store (dcc_norm_layer.sg) */
+    const float *sgb;          /* its bias sums, or NULL: no bias output */
+    const float *cs;           /* device [B]: this layer's coefficients */
+    float *w;                  /* device f32 [p][d] (overwritten) */
+    float *bias;               /* device f32 [p] or NULL */
     unsigned *amax_w, *amax_b; /* as in dcc_bk_layer; NULL: none */
     dcc_out_sink out_w, out_b; /* the outputs, written with mode 1, and their noise */
     int d, p;
@@ -278,9 +276,9 @@ cudaError_t dcc_linear_rank1(const dcc_linear *L, float s2, float *n2, cudaStrea
 /* --- embedding, LayerNorm, RMSNorm (norms_other.cu) ---------------------- */
 
 typedef struct dcc_embedding {
-    const void *idx;     /* [B,T] i32 or i64 */
+    const void *idx; /* [B,T] i32 or i64 */
     dc_dtype tidx;
-    const void *g;       /* [B,T,d] */
+    const void *g; /* [B,T,d] */
     dc_dtype tg;
     int B;
     int T, d;
@@ -303,17 +301,17 @@ cudaError_t dcc_embedding_clipped_sum(const dcc_embedding *E, const float *cs, f
  * n2l[b] + s2 * 2 <G_emb,b, G_lin,b>, then n2l[b] = s2 * ||sum_t g_b,t||^2
  * when later_bias (the later layer is N, with a bias), else 0. cross:
  * device workspace of B doubles. */
-cudaError_t dcc_tied_sqnorms(const dcc_embedding *E, const dcc_linear *N, bool later_bias,
-                             float s2, float *n2o, float *n2l, double *cross, cudaStream_t st);
+cudaError_t dcc_tied_sqnorms(const dcc_embedding *E, const dcc_linear *N, bool later_bias, float s2,
+                             float *n2o, float *n2l, double *cross, cudaStream_t st);
 
 typedef struct dcc_norm {
-    const void *x;       /* [B,T,d] */
-    const void *g;       /* [B,T,d] */
+    const void *x; /* [B,T,d] */
+    const void *g; /* [B,T,d] */
     dc_dtype tx, tg;
     int B;
     int T, d;
-    bool rms;            /* RMSNorm (no bias) */
-    bool has_bias;       /* LayerNorm bias is trainable */
+    bool rms;      /* RMSNorm (no bias) */
+    bool has_bias; /* LayerNorm bias is trainable */
     float eps;
 } dcc_norm;
 
@@ -337,16 +335,16 @@ cudaError_t dcc_norm_clipped_sum(const dcc_norm *N, const float *per_sample, con
  * layer_C, layer_e: device [L] per-layer thresholds and bounds (PER_LAYER).
  * count: device [L], NULL = every layer in the norm; count[l] = 0 leaves
  * layer l out of the sum (step.h: norm_excluded). */
-cudaError_t dcc_coefs(const float *n2, const uint32_t *flags, const float *count, int L,
-                      int B, bool per_layer, float C, double e, const float *layer_C,
+cudaError_t dcc_coefs(const float *n2, const uint32_t *flags, const float *count, int L, int B,
+                      bool per_layer, float C, double e, const float *layer_C,
                       const double *layer_e, float grad_scale, float *norms, float *coefs,
                       float *lcoef, float *cs, uint32_t *status, cudaStream_t st);
 /* The same with the per-sample total squared norms given (device [B]
  * doubles, a norm group's or a norm pass's): the flat coefficients come
  * from tot, not from n2's sum. */
-cudaError_t dcc_coefs_tot(const float *n2, const uint32_t *flags, const double *tot, int L,
-                          int B, float C, double e, float grad_scale, float *norms,
-                          float *coefs, float *cs, uint32_t *status, cudaStream_t st);
+cudaError_t dcc_coefs_tot(const float *n2, const uint32_t *flags, const double *tot, int L, int B,
+                          float C, double e, float grad_scale, float *norms, float *coefs,
+                          float *cs, uint32_t *status, cudaStream_t st);
 
 /* out[j] += sum_b cs[b] * sum_t g[b,t,j] for a [B,T,p] grad (out zeroed);
  * tf32: f32 values truncated to TF32 first, as the layer's norms saw them
@@ -356,17 +354,17 @@ cudaError_t dcc_bias_clipped_sum(const void *g, dc_dtype tg, int B, int T, int p
 
 /* Rows [r0, r0+R) of a [*, d] and g [*, p] (T rows per sample) as f32, g rows
  * scaled by cs[row / T]: the operands of the small-T clipped-sum GEMM. */
-cudaError_t dcc_rows_to_f32(const void *a, dc_dtype ta, const void *g, dc_dtype tg, int T,
-                            int d, int p, int64_t r0, int R, const float *cs, float *af,
-                            float *gf, cudaStream_t st);
+cudaError_t dcc_rows_to_f32(const void *a, dc_dtype ta, const void *g, dc_dtype tg, int T, int d,
+                            int p, int64_t r0, int R, const float *cs, float *af, float *gf,
+                            cudaStream_t st);
 
 /* For every output o and element i: v = staging[off+i] + std * z(o.key, o.step,
  * o.stream, i) (no draw when std == 0), v /= divisor, stored back; a value not
  * finite in the output dtype sets DCC_STATUS_OUTPUT and lowers *bad to
  * (o << 40 | i). outs: device array [n_out]. */
-cudaError_t dcc_finalize(const dcc_out *outs, int n_out, uint64_t max_n, float *staging,
-                         float std, float divisor, uint32_t *status,
-                         unsigned long long *bad, int noise, cudaStream_t st);
+cudaError_t dcc_finalize(const dcc_out *outs, int n_out, uint64_t max_n, float *staging, float std,
+                         float divisor, uint32_t *status, unsigned long long *bad, int noise,
+                         cudaStream_t st);
 
 /* If *status == 0: every output converted from staging into dst; norms and
  * coefs (device [B]) copied into norms_out / coefs_out when non-NULL.
@@ -412,14 +410,14 @@ cudaError_t dcc_commit(const dcc_out *outs, int n_out, uint64_t max_n, const flo
  * skips the outputs it leaves alone whole. */
 cudaError_t dcc_out_grid(uint64_t n_chunks, int max_blocks, unsigned *grid);
 cudaError_t dcc_out_check(const dcc_out *outs, int n_out, unsigned grid, const float *staging,
-                          float std, float divisor, float *amax, bool scan,
-                          const uint32_t *status, uint32_t *mode, cudaStream_t st);
-cudaError_t dcc_out_write(const dcc_out *outs, int n_out, unsigned grid, float *staging,
-                          float std, float divisor, const uint32_t *mode, uint32_t *status,
+                          float std, float divisor, float *amax, bool scan, const uint32_t *status,
+                          uint32_t *mode, cudaStream_t st);
+cudaError_t dcc_out_write(const dcc_out *outs, int n_out, unsigned grid, float *staging, float std,
+                          float divisor, const uint32_t *mode, uint32_t *status,
                           unsigned long long *bad, int noise, cudaStream_t st);
-cudaError_t dcc_out_commit(const dcc_out *outs, int n_out, unsigned grid,
-                           const float *staging, const uint32_t *mode, const uint32_t *status,
-                           int zero_on_fail, cudaStream_t st);
+cudaError_t dcc_out_commit(const dcc_out *outs, int n_out, unsigned grid, const float *staging,
+                           const uint32_t *mode, const uint32_t *status, int zero_on_fail,
+                           cudaStream_t st);
 
 /* Index of the first non-finite element of a float array (or of the first
  * integer outside [0, vocab) for i32/i64), lowered into *first (set it to
@@ -430,8 +428,8 @@ cudaError_t dcc_find_bad(const void *p, dc_dtype t, uint64_t n, int64_t vocab,
 /* N(0,1) draws i in [0, n) of (key, step, stream) as dc_noise_normal
  * (daemon/compute/noise.h) defines them, computed as `noise` says (DCC_NOISE_*).
  * For tests. */
-cudaError_t dcc_noise_normal(uint64_t key, uint64_t step, uint32_t stream, float *out,
-                             uint64_t n, int noise, cudaStream_t st);
+cudaError_t dcc_noise_normal(uint64_t key, uint64_t step, uint32_t stream, float *out, uint64_t n,
+                             int noise, cudaStream_t st);
 
 /* out[2i] = x[i] / d as the output pass divides (a reciprocal made once),
  * out[2i+1] = __fdiv_rn(x[i], d), for n elements of device memory. For

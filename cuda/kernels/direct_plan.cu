@@ -158,7 +158,6 @@ extern "C" void dcc_direct_plan_get(const dcc_linear *L, dcc_direct_plan *pl) {
                   dcc_norms_grouped_ok(L, DC_ALGO_DIRECT);
 }
 
-
 /* The split ghost item's exchange moves two partial Gram blocks where the
  * direct form's moves one tile: priced above SPLIT_TILES. */
 static const double GHOST_SPLIT_TILES = 16.0;

@@ -98,8 +98,9 @@ __device__ __forceinline__ float ghost_dot(const float (&n)[64], const float (&w
  *     times the SMs for 1/KS of an item's time. */
 template <typename TI, int KS>
 __global__ void __launch_bounds__(CT, 1)
-tma_ghost(const __grid_constant__ CUtensorMap ta, const __grid_constant__ CUtensorMap tg, int d,
-          int p, int pairs, int it0, int n_items, int has_bias, float s2, float *__restrict__ n2) {
+    tma_ghost(const __grid_constant__ CUtensorMap ta, const __grid_constant__ CUtensorMap tg, int d,
+              int p, int pairs, int it0, int n_items, int has_bias, float s2,
+              float *__restrict__ n2) {
     constexpr int ST = TG_ST, SB = stage_bytes<1>();
     extern __shared__ unsigned char smem[];
     __shared__ __align__(8) uint64_t bar_mem[2 * ST];
@@ -140,8 +141,7 @@ tma_ghost(const __grid_constant__ CUtensorMap ta, const __grid_constant__ CUtens
         float ga[1][64], gg[1][64], x0 = 0.0f, x1 = 0.0f;
         if (threadIdx.x < 256) {
             consume<TI, false, 1, ST>(ga, sbase, bars, u, u + na, x.diag, false, x0, x1);
-            consume<TI, false, 1, ST>(gg, sbase, bars, u + na, u + na + ng, x.diag, false, x0,
-                                      x1);
+            consume<TI, false, 1, ST>(gg, sbase, bars, u + na, u + na + ng, x.diag, false, x0, x1);
             u += na + ng;
         }
         if constexpr (KS > 1) { /* one item a cluster */
@@ -177,8 +177,8 @@ tma_ghost(const __grid_constant__ CUtensorMap ta, const __grid_constant__ CUtens
  * gives its registers to the consumers (setmaxnreg). */
 template <typename TI>
 __global__ void __launch_bounds__(CT_WIDE, 1)
-tma_ghost_wide(const __grid_constant__ CUtensorMap tw, const __grid_constant__ CUtensorMap tn,
-               int kw, int kn, int per_b, int bias, float s2, float *__restrict__ n2) {
+    tma_ghost_wide(const __grid_constant__ CUtensorMap tw, const __grid_constant__ CUtensorMap tn,
+                   int kw, int kn, int per_b, int bias, float s2, float *__restrict__ n2) {
     constexpr int ST = tma_direct_stages<2>(), SB = stage_bytes<2>();
     extern __shared__ unsigned char smem[];
     __shared__ __align__(8) uint64_t bar_mem[2 * ST];
@@ -197,11 +197,12 @@ tma_ghost_wide(const __grid_constant__ CUtensorMap tw, const __grid_constant__ C
         if (threadIdx.x == 256) {
             int u = 0;
             auto next = [&](uint32_t bytes) { /* the next stage, armed */
-                const int s = u % ST;
-                mbar_wait(bars + 8u * (uint32_t)(ST + s), (uint32_t)(((u / ST) & 1) ^ 1));
-                mbar_expect_tx(bars + 8u * (uint32_t)s, bytes);
-                u++;
-                return s;
+                                              const int s = u % ST;
+                                              mbar_wait(bars + 8u * (uint32_t)(ST + s),
+                                                        (uint32_t)(((u / ST) & 1) ^ 1));
+                                              mbar_expect_tx(bars + 8u * (uint32_t)s, bytes);
+                                              u++;
+                                              return s;
             };
             for (int v = 0; v < kw; v++) { /* [256 rows of s0, s0 + 1][128 rows of ti] */
                 const int s = next(6 * HALF);
@@ -296,8 +297,8 @@ cudaError_t launch_ghost_wide(const dcc_linear *L, int64_t n, float s2, float *n
         return cudaErrorNotSupported;
     cudaLaunchConfig_t cfg;
     cudaLaunchAttribute attr[1];
-    cudaError_t e = tma_config(tma_ghost_wide<TI>, tma_direct_smem<2>(), 1, cfg, attr,
-                               (unsigned)n, st, CT_WIDE);
+    cudaError_t e = tma_config(tma_ghost_wide<TI>, tma_direct_smem<2>(), 1, cfg, attr, (unsigned)n,
+                               st, CT_WIDE);
     if (e != cudaSuccess) return e;
     e = cudaLaunchKernelEx(&cfg, tma_ghost_wide<TI>, tw, tn, g_wide ? kg : ka, g_wide ? ka : kg,
                            (int)dcc_wide_count((L->T + 127) / 128),
@@ -309,7 +310,8 @@ cudaError_t launch_ghost_wide(const dcc_linear *L, int64_t n, float s2, float *n
 /* The ghost form by its plan (dcc_ghost_plan_get): wide items, then pairs
  * on persistent CTAs, then a split tail, each launch free to start on the
  * SMs the one before it frees. */
-template <typename TI> cudaError_t launch_ghost(const dcc_linear *L, float s2, float *n2, cudaStream_t st) {
+template <typename TI>
+cudaError_t launch_ghost(const dcc_linear *L, float s2, float *n2, cudaStream_t st) {
     CUtensorMap ta, tg;
     if (!make_map(&ta, L->a, L->ta, L->B, L->T, L->d, 128) ||
         !make_map(&tg, L->g, L->tg, L->B, L->T, L->p, 128))
@@ -325,15 +327,14 @@ template <typename TI> cudaError_t launch_ghost(const dcc_linear *L, float s2, f
     e = launch_ghost_ks<TI, 1>(L, ta, tg, (int)pairs, first, full - first, first > 0, s2, n2, st);
     if (e != cudaSuccess || full >= items) return e;
     return with_ks(pl.tail_ks, [&](auto K) {
-        return launch_ghost_ks<TI, K.value>(L, ta, tg, (int)pairs, full, items - full, full > 0,
-                                            s2, n2, st);
+        return launch_ghost_ks<TI, K.value>(L, ta, tg, (int)pairs, full, items - full, full > 0, s2,
+                                            n2, st);
     });
 }
 
 } // namespace
 
-extern "C" cudaError_t dcc_ghost_wgmma(const dcc_linear *L, float s2, float *n2,
-                                       cudaStream_t st) {
+extern "C" cudaError_t dcc_ghost_wgmma(const dcc_linear *L, float s2, float *n2, cudaStream_t st) {
 #ifdef DCC_WGMMA_BUILT
     switch (L->ta) {
     case DC_BF16: return launch_ghost<dcc_bf16>(L, s2, n2, st);

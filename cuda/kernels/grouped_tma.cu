@@ -56,12 +56,12 @@ namespace {
 constexpr int GMAXL = 80;
 struct g_entry {
     CUtensorMap tg, ta;
-    const int *perm;  /* clipped: samples in ascending coefficient order */
-    const float *fac; /* clipped: Horner factors; fac[0] = the last coefficient */
-    float *out;       /* clipped: w [p][d]; norms: n2 of this layer [B] */
-    uint4 *sg;        /* norms: the kept per-sample gradients (sgrad.cu), or NULL */
-    float *sgb;       /* norms: their bias sums [B][p], or NULL */
-    float *bias;      /* clipped: bias [p] or NULL */
+    const int *perm;           /* clipped: samples in ascending coefficient order */
+    const float *fac;          /* clipped: Horner factors; fac[0] = the last coefficient */
+    float *out;                /* clipped: w [p][d]; norms: n2 of this layer [B] */
+    uint4 *sg;                 /* norms: the kept per-sample gradients (sgrad.cu), or NULL */
+    float *sgb;                /* norms: their bias sums [B][p], or NULL */
+    float *bias;               /* clipped: bias [p] or NULL */
     unsigned *amax_w, *amax_b; /* clipped: their max |.| (dcc_bk_layer); NULL: none */
     int T, d, p, tiles_n, item0, has_bias;
 };
@@ -87,7 +87,6 @@ template <typename PT> __device__ __forceinline__ int g_find(const PT &P, int it
 __device__ __forceinline__ void consumer_bar() { /* the 256 consumer threads only */
     asm volatile("bar.sync 1, 256;\n" ::: "memory");
 }
-
 
 /* Bias column sums of a 256-row tile (colsum_put, colsum_col): the
  * complete sum of column t (t < 256) after two consumer barriers. */
@@ -183,8 +182,7 @@ __global__ void __launch_bounds__(CT, 1) norms_grouped(const __grid_constant__ P
         const int ktn = (E.T + WBK - 1) / WBK;
         const bool do_bias = E.has_bias && x.tn == 0;
         float acc[GMI][64], bs0 = 0.0f, bs1 = 0.0f;
-        consume<TI, true, GMI, GST, true>(acc, sbase, bars, u, u + ktn, false, do_bias, bs0,
-                                          bs1);
+        consume<TI, true, GMI, GST, true>(acc, sbase, bars, u, u + ktn, false, do_bias, bs0, bs1);
         u += ktn;
         /* the tile transposed (the wide form): its squares the same. The
          * epilogue holds up the tensor cores (both consumer warpgroups end a
@@ -226,7 +224,6 @@ __global__ void __launch_bounds__(CT, 1) norms_grouped(const __grid_constant__ P
     }
 }
 
-
 template <typename TI>
 __global__ void __launch_bounds__(CT, 1) clipped_grouped(const __grid_constant__ g_params P) {
     extern __shared__ unsigned char smem[];
@@ -248,8 +245,7 @@ __global__ void __launch_bounds__(CT, 1) clipped_grouped(const __grid_constant__
                     const int b = E.perm[k];
                     for (int kt = 0; kt < ktn; kt++, u++) {
                         const int s = u % GST;
-                        mbar_wait(bars + 8u * (uint32_t)(GST + s),
-                                  (uint32_t)(((u / GST) & 1) ^ 1));
+                        mbar_wait(bars + 8u * (uint32_t)(GST + s), (uint32_t)(((u / GST) & 1) ^ 1));
                         load_direct_stage<GMI>(sbase + (uint32_t)(s * GSB), &E.tg, &E.ta,
                                                bars + 8u * (uint32_t)s, x.m0, x.n0, kt * WBK, b);
                     }

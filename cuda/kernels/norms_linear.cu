@@ -39,8 +39,8 @@ constexpr int G_SMEM = G_ST * 2 * G_TILE; /* 96 KiB */
 
 template <typename TI, bool VEC>
 __global__ void __launch_bounds__(NT, 2)
-direct_kernel(const uint16_t *__restrict__ a, const uint16_t *__restrict__ g, int T, int d,
-              int p, int tiles_n, int has_bias, float s2, float *__restrict__ n2) {
+    direct_kernel(const uint16_t *__restrict__ a, const uint16_t *__restrict__ g, int T, int d,
+                  int p, int tiles_n, int has_bias, float s2, float *__restrict__ n2) {
     extern __shared__ __align__(128) unsigned char smem[];
     __shared__ float colsum[4][D_BM];
     const int b = blockIdx.y;
@@ -122,8 +122,8 @@ direct_kernel(const uint16_t *__restrict__ a, const uint16_t *__restrict__ g, in
 
 /* One Gram tile X[t0:t0+128] X[s0:s0+128]^T (K = ncols of X) into acc. */
 template <typename TI, bool VEC>
-__device__ __forceinline__ void gram_tile(float (&acc)[4][4][4], uint32_t sbase,
-                                          const uint16_t *x, int K, int T, int t0, int s0) {
+__device__ __forceinline__ void gram_tile(float (&acc)[4][4][4], uint32_t sbase, const uint16_t *x,
+                                          int K, int T, int t0, int s0) {
     const int warp = (int)threadIdx.x >> 5, lane = (int)threadIdx.x & 31;
     const int wm = (warp >> 2) * 64, wn = (warp & 3) * 32;
     const int q = lane >> 3, r8 = lane & 7;
@@ -170,8 +170,8 @@ __device__ __forceinline__ void gram_tile(float (&acc)[4][4][4], uint32_t sbase,
 
 template <typename TI, bool VEC>
 __global__ void __launch_bounds__(NT, 1)
-ghost_kernel(const uint16_t *__restrict__ a, const uint16_t *__restrict__ g, int T, int d,
-             int p, int has_bias, float s2, float *__restrict__ n2) {
+    ghost_kernel(const uint16_t *__restrict__ a, const uint16_t *__restrict__ g, int T, int d,
+                 int p, int has_bias, float s2, float *__restrict__ n2) {
     extern __shared__ __align__(128) unsigned char smem[];
     const int b = blockIdx.y;
     int ti, si;
@@ -206,18 +206,18 @@ cudaError_t launch_tc(const dcc_linear *L, dc_algo algo, float s2, float *n2, cu
                                  cudaFuncAttributeMaxDynamicSharedMemorySize, D_SMEM);
         if (e != cudaSuccess) return e;
         dim3 grid((unsigned)(tiles_m * tiles_n), (unsigned)L->B);
-        direct_kernel<TI, VEC><<<grid, NT, D_SMEM, st>>>(a, g, L->T, L->d, L->p, tiles_n,
-                                                         L->has_bias, s2, n2);
+        direct_kernel<TI, VEC>
+            <<<grid, NT, D_SMEM, st>>>(a, g, L->T, L->d, L->p, tiles_n, L->has_bias, s2, n2);
     } else {
         int64_t nt = (L->T + G_BT - 1) / G_BT;
         int64_t pairs = nt * (nt + 1) / 2;
         if (pairs > INT32_MAX / 2) return cudaErrorInvalidConfiguration;
-        e = cudaFuncSetAttribute(ghost_kernel<TI, VEC>,
-                                 cudaFuncAttributeMaxDynamicSharedMemorySize, G_SMEM);
+        e = cudaFuncSetAttribute(ghost_kernel<TI, VEC>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                 G_SMEM);
         if (e != cudaSuccess) return e;
         dim3 grid((unsigned)pairs, (unsigned)L->B);
-        ghost_kernel<TI, VEC><<<grid, NT, G_SMEM, st>>>(a, g, L->T, L->d, L->p, L->has_bias,
-                                                        s2, n2);
+        ghost_kernel<TI, VEC>
+            <<<grid, NT, G_SMEM, st>>>(a, g, L->T, L->d, L->p, L->has_bias, s2, n2);
     }
     return cudaGetLastError();
 }
@@ -278,8 +278,8 @@ extern "C" dcc_path dcc_linear_path(const dcc_linear *L) {
     return dcc_wgmma_available(L->opt) ? DCC_PATH_WGMMA : DCC_PATH_MMA_VEC;
 }
 
-extern "C" cudaError_t dcc_linear_sqnorms(const dcc_linear *L, dc_algo algo, float s2,
-                                          float *n2, cudaStream_t st) {
+extern "C" cudaError_t dcc_linear_sqnorms(const dcc_linear *L, dc_algo algo, float s2, float *n2,
+                                          cudaStream_t st) {
     if (L->B <= 0 || L->T <= 0 || L->d <= 0 || L->p <= 0) return cudaErrorInvalidValue;
     algo = dcc_linear_pick_for(L, algo);
     if (L->T == 1 && algo == DC_ALGO_GHOST) return dcc_linear_rank1(L, s2, n2, st);

@@ -26,10 +26,9 @@ constexpr int NT = 256;
 /* --- embedding ------------------------------------------------------------ */
 
 template <typename TI, typename TG>
-__global__ void emb_keys(const TI *__restrict__ idx, const TG *__restrict__ g, int64_t rows,
-                         int T, int d, int64_t vocab, int64_t pad,
-                         unsigned long long *__restrict__ keys, uint32_t *__restrict__ vals,
-                         uint32_t *__restrict__ flags) {
+__global__ void emb_keys(const TI *__restrict__ idx, const TG *__restrict__ g, int64_t rows, int T,
+                         int d, int64_t vocab, int64_t pad, unsigned long long *__restrict__ keys,
+                         uint32_t *__restrict__ vals, uint32_t *__restrict__ flags) {
     int64_t row = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
     int lane = (int)threadIdx.x & 31;
     if (row >= rows) return;
@@ -52,9 +51,9 @@ __global__ void emb_keys(const TI *__restrict__ idx, const TG *__restrict__ g, i
 
 template <typename TG>
 __global__ void emb_runs(const unsigned long long *__restrict__ keys,
-                         const uint32_t *__restrict__ vals, int64_t n,
-                         const TG *__restrict__ g, int T, int d, int64_t vocab, float s2,
-                         float *__restrict__ n2, uint32_t *__restrict__ flags) {
+                         const uint32_t *__restrict__ vals, int64_t n, const TG *__restrict__ g,
+                         int T, int d, int64_t vocab, float s2, float *__restrict__ n2,
+                         uint32_t *__restrict__ flags) {
     int64_t pos = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
     int lane = (int)threadIdx.x & 31;
     if (pos >= n) return;
@@ -83,8 +82,8 @@ __global__ void emb_runs(const unsigned long long *__restrict__ keys,
 
 template <typename TI, typename TG>
 __global__ void emb_clipped(const TI *__restrict__ idx, const TG *__restrict__ g, int64_t rows,
-                            int T, int d, int64_t vocab, int64_t pad,
-                            const float *__restrict__ cs, float *__restrict__ w) {
+                            int T, int d, int64_t vocab, int64_t pad, const float *__restrict__ cs,
+                            float *__restrict__ w) {
     int64_t row = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
     int lane = (int)threadIdx.x & 31;
     if (row >= rows) return;
@@ -207,8 +206,7 @@ unsigned warp_blocks(int64_t warps) { return (unsigned)((warps * 32 + NT - 1) / 
 
 extern "C" size_t dcc_embedding_ws_bytes(int B, int T) {
     int64_t n = (int64_t)B * T;
-    return 2 * align256((size_t)n * 8) + 2 * align256((size_t)n * 4) +
-           align256(sort_temp_bytes(n));
+    return 2 * align256((size_t)n * 8) + 2 * align256((size_t)n * 4) + align256(sort_temp_bytes(n));
 }
 
 extern "C" cudaError_t dcc_embedding_sqnorms(const dcc_embedding *E, float s2, float *n2,
@@ -230,16 +228,16 @@ extern "C" cudaError_t dcc_embedding_sqnorms(const dcc_embedding *E, float s2, f
     int64_t pad = E->padding_idx;
     return with_index(E->tidx, [&](auto ti) {
         return dcc_with_float(E->tg, [&](auto tg) {
-            using TI = typename std::remove_const<
-                typename std::remove_pointer<decltype(ti)>::type>::type;
+            using TI =
+                typename std::remove_const<typename std::remove_pointer<decltype(ti)>::type>::type;
             using TG = DCC_TYPE_OF(tg);
-            emb_keys<TI, TG><<<warp_blocks(n), NT, 0, st>>>(
-                (const TI *)E->idx, (const TG *)E->g, n, E->T, E->d, E->vocab, pad, k0, v0,
-                flags);
+            emb_keys<TI, TG><<<warp_blocks(n), NT, 0, st>>>((const TI *)E->idx, (const TG *)E->g, n,
+                                                            E->T, E->d, E->vocab, pad, k0, v0,
+                                                            flags);
             cudaError_t e = cudaGetLastError();
             if (e != cudaSuccess) return e;
-            unsigned long long maxkey =
-                (unsigned long long)E->B * (unsigned long long)(E->vocab + 1);
+            unsigned long long maxkey = (unsigned long long)E->B *
+                                        (unsigned long long)(E->vocab + 1);
             e = cub::DeviceRadixSort::SortPairs(p, tb, k0, k1, v0, v1, n, 0, key_bits(maxkey), st);
             if (e != cudaSuccess) return e;
             emb_runs<TG><<<warp_blocks(n), NT, 0, st>>>(k1, v1, n, (const TG *)E->g, E->T, E->d,
@@ -249,17 +247,17 @@ extern "C" cudaError_t dcc_embedding_sqnorms(const dcc_embedding *E, float s2, f
     });
 }
 
-extern "C" cudaError_t dcc_embedding_clipped_sum(const dcc_embedding *E, const float *cs,
-                                                 float *w, cudaStream_t st) {
+extern "C" cudaError_t dcc_embedding_clipped_sum(const dcc_embedding *E, const float *cs, float *w,
+                                                 cudaStream_t st) {
     int64_t n = (int64_t)E->B * E->T;
     return with_index(E->tidx, [&](auto ti) {
         return dcc_with_float(E->tg, [&](auto tg) {
-            using TI = typename std::remove_const<
-                typename std::remove_pointer<decltype(ti)>::type>::type;
+            using TI =
+                typename std::remove_const<typename std::remove_pointer<decltype(ti)>::type>::type;
             using TG = DCC_TYPE_OF(tg);
-            emb_clipped<TI, TG><<<warp_blocks(n), NT, 0, st>>>(
-                (const TI *)E->idx, (const TG *)E->g, n, E->T, E->d, E->vocab, E->padding_idx,
-                cs, w);
+            emb_clipped<TI, TG><<<warp_blocks(n), NT, 0, st>>>((const TI *)E->idx, (const TG *)E->g,
+                                                               n, E->T, E->d, E->vocab,
+                                                               E->padding_idx, cs, w);
             return cudaGetLastError();
         });
     });
@@ -283,8 +281,8 @@ extern "C" cudaError_t dcc_norm_sqnorms(const dcc_norm *N, float s2, float *n2, 
             dim3 grid((unsigned)((N->d + NT - 1) / NT), (unsigned)N->B,
                       (unsigned)((N->T + NORM_ROWS - 1) / NORM_ROWS));
             norm_accum<TX, TG><<<grid, NT, 0, st>>>((const TX *)N->x, (const TG *)N->g,
-                                                    (const float2 *)row_stats, N->T, N->d, bias,
-                                                    wg, bg, flags);
+                                                    (const float2 *)row_stats, N->T, N->d, bias, wg,
+                                                    bg, flags);
             return cudaGetLastError();
         });
     });
@@ -297,7 +295,6 @@ extern "C" cudaError_t dcc_norm_clipped_sum(const dcc_norm *N, const float *per_
                                             const float *cs, float *w, float *bias,
                                             cudaStream_t st) {
     const float *wg = per_sample, *bg = per_sample + (int64_t)N->B * N->d;
-    norm_clipped<<<(unsigned)((N->d + NT - 1) / NT), NT, 0, st>>>(wg, bg, N->B, N->d, cs, w,
-                                                                  bias);
+    norm_clipped<<<(unsigned)((N->d + NT - 1) / NT), NT, 0, st>>>(wg, bg, N->B, N->d, cs, w, bias);
     return cudaGetLastError();
 }

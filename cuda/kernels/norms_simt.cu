@@ -16,8 +16,8 @@ constexpr int S_T = 64, S_K = 16, S_NT = 256;
 
 template <typename TA, typename TG>
 __global__ void __launch_bounds__(S_NT)
-simt_direct(const TA *__restrict__ a, const TG *__restrict__ g, int T, int d, int p,
-            int tiles_n, int has_bias, float s2, float *__restrict__ n2) {
+    simt_direct(const TA *__restrict__ a, const TG *__restrict__ g, int T, int d, int p,
+                int tiles_n, int has_bias, float s2, float *__restrict__ n2) {
     __shared__ float As[S_K][S_T + 4]; /* g tile [t][m] */
     __shared__ float Bs[S_K][S_T + 4]; /* a tile [t][n] */
     const int b = blockIdx.y;
@@ -67,8 +67,8 @@ simt_direct(const TA *__restrict__ a, const TG *__restrict__ g, int T, int d, in
 /* acc = X[t0:t0+64] X[s0:s0+64]^T over K columns. */
 template <typename TX>
 __device__ __forceinline__ void simt_gram(float (&acc)[4][4], float (*Xs)[S_T + 4],
-                                          float (*Ys)[S_T + 4], const TX *x, int K, int T,
-                                          int t0, int s0) {
+                                          float (*Ys)[S_T + 4], const TX *x, int K, int T, int t0,
+                                          int s0) {
     const int tid = (int)threadIdx.x, ty = tid >> 4, tx = tid & 15;
 #pragma unroll
     for (int i = 0; i < 4; i++)
@@ -100,8 +100,8 @@ __device__ __forceinline__ void simt_gram(float (&acc)[4][4], float (*Xs)[S_T + 
 
 template <typename TA, typename TG>
 __global__ void __launch_bounds__(S_NT)
-simt_ghost(const TA *__restrict__ a, const TG *__restrict__ g, int T, int d, int p,
-           int has_bias, float s2, float *__restrict__ n2) {
+    simt_ghost(const TA *__restrict__ a, const TG *__restrict__ g, int T, int d, int p,
+               int has_bias, float s2, float *__restrict__ n2) {
     __shared__ float Xs[S_K][S_T + 4];
     __shared__ float Ys[S_K][S_T + 4];
     const int b = blockIdx.y, idx = (int)blockIdx.x;
@@ -126,8 +126,8 @@ simt_ghost(const TA *__restrict__ a, const TG *__restrict__ g, int T, int d, int
 /* T == 1: G_b = g_b a_b^T has ||G_b||^2 = ||a_b||^2 ||g_b||^2; bias ||g_b||^2. */
 template <typename TA, typename TG>
 __global__ void __launch_bounds__(S_NT)
-rank1_kernel(const TA *__restrict__ a, const TG *__restrict__ g, int d, int p, int has_bias,
-             float s2, float *__restrict__ n2) {
+    rank1_kernel(const TA *__restrict__ a, const TG *__restrict__ g, int d, int p, int has_bias,
+                 float s2, float *__restrict__ n2) {
     const int b = blockIdx.x;
     float sa = 0.0f, sg = 0.0f;
     for (int j = (int)threadIdx.x; j < d; j += S_NT) {
@@ -157,28 +157,28 @@ extern "C" cudaError_t dcc_linear_simt(const dcc_linear *L, dc_algo algo, float 
                 int tiles_m = (L->p + S_T - 1) / S_T, tiles_n = (L->d + S_T - 1) / S_T;
                 if ((int64_t)tiles_m * tiles_n > INT32_MAX) return cudaErrorInvalidConfiguration;
                 dim3 grid((unsigned)(tiles_m * tiles_n), (unsigned)L->B);
-                simt_direct<TA, TG><<<grid, S_NT, 0, st>>>(a, g, L->T, L->d, L->p, tiles_n,
-                                                           L->has_bias, s2, n2);
+                simt_direct<TA, TG>
+                    <<<grid, S_NT, 0, st>>>(a, g, L->T, L->d, L->p, tiles_n, L->has_bias, s2, n2);
             } else {
                 int64_t nt = (L->T + S_T - 1) / S_T, pairs = nt * (nt + 1) / 2;
                 if (pairs > INT32_MAX / 2) return cudaErrorInvalidConfiguration;
                 dim3 grid((unsigned)pairs, (unsigned)L->B);
-                simt_ghost<TA, TG><<<grid, S_NT, 0, st>>>(a, g, L->T, L->d, L->p, L->has_bias,
-                                                          s2, n2);
+                simt_ghost<TA, TG>
+                    <<<grid, S_NT, 0, st>>>(a, g, L->T, L->d, L->p, L->has_bias, s2, n2);
             }
             return cudaGetLastError();
         });
     });
 }
 
-extern "C" cudaError_t dcc_linear_rank1(const dcc_linear *L, float s2, float *n2,
-                                        cudaStream_t st) {
+extern "C" cudaError_t dcc_linear_rank1(const dcc_linear *L, float s2, float *n2, cudaStream_t st) {
     return dcc_with_float(L->ta, [&](auto ta) {
         return dcc_with_float(L->tg, [&](auto tg) {
             using TA = DCC_TYPE_OF(ta);
             using TG = DCC_TYPE_OF(tg);
-            rank1_kernel<TA, TG><<<(unsigned)L->B, S_NT, 0, st>>>(
-                (const TA *)L->a, (const TG *)L->g, L->d, L->p, L->has_bias, s2, n2);
+            rank1_kernel<TA, TG><<<(unsigned)L->B, S_NT, 0, st>>>((const TA *)L->a,
+                                                                  (const TG *)L->g, L->d, L->p,
+                                                                  L->has_bias, s2, n2);
             return cudaGetLastError();
         });
     });

@@ -34,14 +34,14 @@ namespace {
 
 constexpr int NT = 256; /* 8 warps: 2 (M) x 4 (N), 64x32 each (64x64: the clipped sum) */
 constexpr int F_BM = 128, F_BN = 128, F_BK = 32, F_ST = 3, F_LD = F_BM + 8;
-constexpr int F_TILE = F_BK * F_LD;              /* floats */
-constexpr int F_SMEM = F_ST * 2 * F_TILE * 4;    /* 102 KiB: two CTAs per SM */
-constexpr int C_BN = 256, C_LD = C_BN + 8;       /* the clipped sum's B tile */
-constexpr int C_STAGE = F_TILE + F_BK * C_LD;    /* floats */
-constexpr int C_SMEM = F_ST * C_STAGE * 4;       /* 150 KiB */
+constexpr int F_TILE = F_BK * F_LD;           /* floats */
+constexpr int F_SMEM = F_ST * 2 * F_TILE * 4; /* 102 KiB: two CTAs per SM */
+constexpr int C_BN = 256, C_LD = C_BN + 8;    /* the clipped sum's B tile */
+constexpr int C_STAGE = F_TILE + F_BK * C_LD; /* floats */
+constexpr int C_SMEM = F_ST * C_STAGE * 4;    /* 150 KiB */
 constexpr int Q_BT = 128, Q_BK = 32, Q_ST = 3, Q_LD = Q_BK + 4;
 constexpr int Q_TILE = Q_BT * Q_LD;
-constexpr int Q_SMEM = Q_ST * 2 * Q_TILE * 4;    /* 108 KiB */
+constexpr int Q_SMEM = Q_ST * 2 * Q_TILE * 4; /* 108 KiB */
 
 /* The operand as the tensor cores take it: its bits (see the top). */
 __device__ __forceinline__ uint32_t to_tf32(float x) { return __float_as_uint(x); }
@@ -50,11 +50,10 @@ __device__ __forceinline__ uint32_t to_tf32(float x) { return __float_as_uint(x)
 struct tf32_mma {
     __device__ __forceinline__ void operator()(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
                                                uint32_t b1) const {
-        asm volatile(
-            "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0, %1, %2, %3}, "
-            "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
-            : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+        asm volatile("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0, %1, %2, %3}, "
+                     "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+                     : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
     }
 };
 
@@ -122,8 +121,8 @@ __device__ __forceinline__ void f_load(float *s, const float *x, int64_t ld, int
 /* n2[blockIdx.y] += s2 * (||tile||^2 + bias part). */
 template <bool VEC>
 __global__ void __launch_bounds__(NT, 2)
-tf32_direct(const float *__restrict__ a, const float *__restrict__ g, int T, int d, int p,
-            int tiles_n, int has_bias, float s2, float *__restrict__ n2) {
+    tf32_direct(const float *__restrict__ a, const float *__restrict__ g, int T, int d, int p,
+                int tiles_n, int has_bias, float s2, float *__restrict__ n2) {
     extern __shared__ __align__(16) float fsm[];
     __shared__ float colsum[2][F_BM];
     const int tm = (int)blockIdx.x / tiles_n, tn = (int)blockIdx.x % tiles_n;
@@ -174,9 +173,10 @@ tf32_direct(const float *__restrict__ a, const float *__restrict__ g, int T, int
  * several: atomicAdd into a zeroed w. */
 template <bool VEC>
 __global__ void __launch_bounds__(NT, 1)
-tf32_clipped(const float *__restrict__ a, const float *__restrict__ g, int B, int T, int d, int p,
-             int tiles_n, int per_group, const int *__restrict__ perm,
-             const float *__restrict__ fac, const float *__restrict__ cs, float *__restrict__ w) {
+    tf32_clipped(const float *__restrict__ a, const float *__restrict__ g, int B, int T, int d,
+                 int p, int tiles_n, int per_group, const int *__restrict__ perm,
+                 const float *__restrict__ fac, const float *__restrict__ cs,
+                 float *__restrict__ w) {
     extern __shared__ __align__(16) float fsm[];
     const int tm = (int)blockIdx.x / tiles_n, tn = (int)blockIdx.x % tiles_n;
     const int m0 = tm * F_BM, n0 = tn * C_BN;
@@ -229,8 +229,8 @@ tf32_clipped(const float *__restrict__ a, const float *__restrict__ g, int B, in
 
 template <bool VEC>
 __global__ void __launch_bounds__(NT, 1)
-tf32_ghost(const float *__restrict__ a, const float *__restrict__ g, int T, int d, int p,
-           int has_bias, float s2, float *__restrict__ n2) {
+    tf32_ghost(const float *__restrict__ a, const float *__restrict__ g, int T, int d, int p,
+               int has_bias, float s2, float *__restrict__ n2) {
     extern __shared__ __align__(16) float fsm[];
     const int b = blockIdx.y, idx = (int)blockIdx.x;
     int ti, si;
@@ -306,8 +306,7 @@ bool vec_ok(const dcc_linear *L) {
 }
 
 template <bool VEC>
-cudaError_t launch_norms(const dcc_linear *L, dc_algo algo, float s2, float *n2,
-                         cudaStream_t st) {
+cudaError_t launch_norms(const dcc_linear *L, dc_algo algo, float s2, float *n2, cudaStream_t st) {
     cudaError_t e;
     if (algo == DC_ALGO_DIRECT) {
         int tiles_m = (L->p + F_BM - 1) / F_BM, tiles_n = (L->d + F_BN - 1) / F_BN;
@@ -316,8 +315,8 @@ cudaError_t launch_norms(const dcc_linear *L, dc_algo algo, float s2, float *n2,
         if ((e = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, F_SMEM)))
             return e;
         dim3 grid((unsigned)(tiles_m * tiles_n), (unsigned)L->B);
-        kern<<<grid, NT, F_SMEM, st>>>((const float *)L->a, (const float *)L->g, L->T, L->d,
-                                       L->p, tiles_n, L->has_bias, s2, n2);
+        kern<<<grid, NT, F_SMEM, st>>>((const float *)L->a, (const float *)L->g, L->T, L->d, L->p,
+                                       tiles_n, L->has_bias, s2, n2);
     } else {
         if (VEC) {
             if ((e = dcc_linear_ghost_wgmma_tf32(L, s2, n2, st)) != cudaErrorNotSupported) return e;
@@ -325,12 +324,12 @@ cudaError_t launch_norms(const dcc_linear *L, dc_algo algo, float s2, float *n2,
         }
         int64_t nt = (L->T + Q_BT - 1) / Q_BT, pairs = nt * (nt + 1) / 2;
         if (pairs > INT32_MAX / 2) return cudaErrorInvalidConfiguration;
-        if ((e = cudaFuncSetAttribute(tf32_ghost<VEC>,
-                                      cudaFuncAttributeMaxDynamicSharedMemorySize, Q_SMEM)))
+        if ((e = cudaFuncSetAttribute(tf32_ghost<VEC>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                      Q_SMEM)))
             return e;
         dim3 grid((unsigned)pairs, (unsigned)L->B);
-        tf32_ghost<VEC><<<grid, NT, Q_SMEM, st>>>((const float *)L->a, (const float *)L->g,
-                                                  L->T, L->d, L->p, L->has_bias, s2, n2);
+        tf32_ghost<VEC><<<grid, NT, Q_SMEM, st>>>((const float *)L->a, (const float *)L->g, L->T,
+                                                  L->d, L->p, L->has_bias, s2, n2);
     }
     return cudaGetLastError();
 }
@@ -354,8 +353,8 @@ cudaError_t launch_clip(const dcc_linear *L, const float *cs, int *perm, float *
     if ((e = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, C_SMEM)))
         return e;
     dim3 grid((unsigned)(tiles_m * tiles_n), (unsigned)groups);
-    kern<<<grid, NT, C_SMEM, st>>>((const float *)L->a, (const float *)L->g, L->B, L->T, L->d,
-                                   L->p, tiles_n, per, perm, fac, cs, w);
+    kern<<<grid, NT, C_SMEM, st>>>((const float *)L->a, (const float *)L->g, L->B, L->T, L->d, L->p,
+                                   tiles_n, per, perm, fac, cs, w);
     return cudaGetLastError();
 }
 

@@ -77,7 +77,8 @@ __device__ void bias_spread(float *colsum, float bs0, float bs1, bool summed, fl
     if (summed) {
         if (t < 256) colsum_put<MI>(colsum, bs0, bs1);
         __syncthreads();
-        if (t < NC && m0 + t < p) atomicAdd(bw + (int64_t)b * p + m0 + t, colsum_col<MI>(colsum, t));
+        if (t < NC && m0 + t < p)
+            atomicAdd(bw + (int64_t)b * p + m0 + t, colsum_col<MI>(colsum, t));
     }
     __syncthreads();
     if (t == 0) {
@@ -101,8 +102,7 @@ __device__ void bias_spread(float *colsum, float bs0, float bs1, bool summed, fl
  * each CTA's partial tile lies at x (shared memory, MI * 4096 float4s), and
  * every thread of the CTA takes a share of the rank's float4s, summed over
  * the KS ranks' copies. */
-template <int MI, int KS>
-__device__ __forceinline__ float slice_sq(uint32_t x, int rank) {
+template <int MI, int KS> __device__ __forceinline__ float slice_sq(uint32_t x, int rank) {
     constexpr int N4 = MI * 16 * 256;
     uint32_t peer[KS];
     split_peers<KS>(x, peer);
@@ -122,9 +122,9 @@ __device__ __forceinline__ float slice_sq(uint32_t x, int rank) {
  * without it are as they were. */
 template <typename TI, int MI, int KS, bool SPREAD>
 __global__ void __launch_bounds__(CT, 1)
-tma_direct(const __grid_constant__ CUtensorMap tg, const __grid_constant__ CUtensorMap ta, int T,
-           int tiles_n, int tiles_b, int lin0, int has_bias, float s2, float *__restrict__ n2,
-           float *bw, unsigned *bdone, int p) {
+    tma_direct(const __grid_constant__ CUtensorMap tg, const __grid_constant__ CUtensorMap ta,
+               int T, int tiles_n, int tiles_b, int lin0, int has_bias, float s2,
+               float *__restrict__ n2, float *bw, unsigned *bdone, int p) {
     constexpr int ST = tma_direct_stages<MI>(), SB = stage_bytes<MI>(), CW = 64 * MI;
     extern __shared__ unsigned char smem[];
     __shared__ __align__(8) uint64_t bar_mem[2 * ST];
@@ -165,9 +165,8 @@ tma_direct(const __grid_constant__ CUtensorMap tg, const __grid_constant__ CUten
     } else {
         /* MI = 2: the wide form (dcc_wgmma.cuh), the tile transposed: squared and
          * summed, or added to a cluster peer's alike, its layout does not matter */
-        consume<TI, true, MI, ST, MI == 2>(acc, sbase, bars, 0, kn, false, do_bias || summed,
-                                           bs0, bs1, false, spread ? tiles_n : 1,
-                                           spread ? tn : 0, k0);
+        consume<TI, true, MI, ST, MI == 2>(acc, sbase, bars, 0, kn, false, do_bias || summed, bs0,
+                                           bs1, false, spread ? tiles_n : 1, spread ? tn : 0, k0);
     }
     if constexpr (spread)
         bias_spread<MI>(colsum, bs0, bs1, summed, bw, bdone + lin / tiles_n, b, m0, p, kn,
@@ -217,9 +216,9 @@ tma_direct(const __grid_constant__ CUtensorMap tg, const __grid_constant__ CUten
  * One group: plain stores; several: atomicAdd into a zeroed w. */
 template <typename TI>
 __global__ void __launch_bounds__(CT, 1)
-tma_clipped(const __grid_constant__ CUtensorMap tg, const __grid_constant__ CUtensorMap ta, int B,
-            int T, int d, int p, int tiles_n, int per_group, const float *__restrict__ cs,
-            float *__restrict__ w) {
+    tma_clipped(const __grid_constant__ CUtensorMap tg, const __grid_constant__ CUtensorMap ta,
+                int B, int T, int d, int p, int tiles_n, int per_group,
+                const float *__restrict__ cs, float *__restrict__ w) {
     constexpr int ST = tma_direct_stages<1>(), SB = stage_bytes<1>();
     extern __shared__ unsigned char smem[];
     __shared__ __align__(8) uint64_t bar_mem[2 * ST];
@@ -269,15 +268,15 @@ tma_clipped(const __grid_constant__ CUtensorMap tg, const __grid_constant__ CUte
     }
 }
 
-
 #else
 
 template <typename TI, int MI, int KS, bool SPREAD>
 __global__ void tma_direct(const __grid_constant__ CUtensorMap, const __grid_constant__ CUtensorMap,
                            int, int, int, int, int, float, float *, float *, unsigned *, int) {}
 template <typename TI>
-__global__ void tma_clipped(const __grid_constant__ CUtensorMap, const __grid_constant__ CUtensorMap,
-                            int, int, int, int, int, int, const float *, float *) {}
+__global__ void tma_clipped(const __grid_constant__ CUtensorMap,
+                            const __grid_constant__ CUtensorMap, int, int, int, int, int, int,
+                            const float *, float *) {}
 
 #endif
 
@@ -299,8 +298,8 @@ size_t bias_sums_bytes(const dcc_linear *L) {
 
 /* Tiles [lin0, lin0 + n) of the (sample, tile) numbering, KS CTAs each. */
 template <typename TI, int MI, int KS>
-cudaError_t launch_direct(const dcc_linear *L, float s2, float *n2, cudaStream_t st,
-                          int64_t lin0, int64_t n, bool after_unsplit) {
+cudaError_t launch_direct(const dcc_linear *L, float s2, float *n2, cudaStream_t st, int64_t lin0,
+                          int64_t n, bool after_unsplit) {
     CUtensorMap tg, ta;
     if (n <= 0) return cudaSuccess;
     if (!make_map(&tg, L->g, L->tg, L->B, L->T, L->p, 64) ||
@@ -314,8 +313,7 @@ cudaError_t launch_direct(const dcc_linear *L, float s2, float *n2, cudaStream_t
     float *bw = L->has_bias ? (float *)L->bias_ws : nullptr;
     unsigned *done = bw ? (unsigned *)((char *)bw + bias_sums_bytes(L)) : nullptr;
     auto kern = bw ? tma_direct<TI, MI, KS, true> : tma_direct<TI, MI, KS, false>;
-    cudaError_t e =
-        tma_config(kern, tma_direct_smem<MI>(), KS, cfg, attr, (unsigned)(n * KS), st);
+    cudaError_t e = tma_config(kern, tma_direct_smem<MI>(), KS, cfg, attr, (unsigned)(n * KS), st);
     if (e != cudaSuccess) return e;
     if (after_unsplit) allow_overlap(L, cfg, attr);
     e = cudaLaunchKernelEx(&cfg, kern, tg, ta, L->T, tiles_n, tiles_m * tiles_n, (int)lin0,
@@ -353,8 +351,8 @@ template <int MI, int KS> int max_clusters() {
  * tiles (whole waves) unsplit and the rest, a partial wave, split tail_ks
  * ways so that it takes a fraction of a wave's time. */
 template <typename TI, int MI>
-cudaError_t launch_direct_plan(const dcc_linear *L, const dcc_direct_plan *pl, float s2,
-                               float *n2, cudaStream_t st) {
+cudaError_t launch_direct_plan(const dcc_linear *L, const dcc_direct_plan *pl, float s2, float *n2,
+                               cudaStream_t st) {
     int64_t total = (int64_t)((L->p + 128 * MI - 1) / (128 * MI)) * ((L->d + 127) / 128) * L->B;
     int sms;
     cudaError_t e = dcc_sm_count(&sms);
@@ -371,8 +369,7 @@ cudaError_t launch_direct_plan(const dcc_linear *L, const dcc_direct_plan *pl, f
     else if ((e = cudaMemsetAsync(L->bias_ws, 0, dcc_linear_bias_ws_bytes(L), st)))
         return e; /* its sums and counts start at 0 */
     L = &Ls;
-    if (pl->tail_ks < 2)
-        return launch_direct_ks<TI, MI>(L, s2, n2, st, pl->split, 0, total, false);
+    if (pl->tail_ks < 2) return launch_direct_ks<TI, MI>(L, s2, n2, st, pl->split, 0, total, false);
     int64_t full = pl->full < 0 ? 0 : pl->full > total ? total : pl->full;
     /* a persistent plan's whole waves: the grouped kernel's, 256-row tiles */
     e = pl->persist && MI == 2 ? dcc_linear_sqnorms_waves(L, full, s2, n2, st)
@@ -408,11 +405,10 @@ cudaError_t launch_clipped(const dcc_linear *L, const float *cs, float *w, cudaS
                              tma_direct_smem<1>());
     if (e != cudaSuccess) return e;
     dim3 grid((unsigned)tiles, (unsigned)groups);
-    tma_clipped<TI><<<grid, CT, tma_direct_smem<1>(), st>>>(tg, ta, L->B, L->T, L->d, L->p,
-                                                           tiles_n, per, cs, w);
+    tma_clipped<TI><<<grid, CT, tma_direct_smem<1>(), st>>>(tg, ta, L->B, L->T, L->d, L->p, tiles_n,
+                                                            per, cs, w);
     return cudaGetLastError();
 }
-
 
 } // namespace
 
@@ -444,8 +440,7 @@ extern "C" size_t dcc_linear_bias_ws_bytes(const dcc_linear *L) {
 extern "C" cudaError_t dcc_linear_clipped_tc(const dcc_linear *L, const float *cs, float *w,
                                              cudaStream_t st) {
 #ifdef DCC_WGMMA_BUILT
-    if (L->T < WBK || dcc_linear_path(L) != DCC_PATH_WGMMA)
-        return cudaErrorNotSupported;
+    if (L->T < WBK || dcc_linear_path(L) != DCC_PATH_WGMMA) return cudaErrorNotSupported;
     if (L->ta == DC_BF16) return launch_clipped<dcc_bf16>(L, cs, w, st);
     return launch_clipped<dcc_f16>(L, cs, w, st);
 #else

@@ -19,8 +19,8 @@ namespace {
 constexpr int PAD_THREADS = 256;
 
 /* dst[r][c] = c < w ? src[r][c] : 0, 16-bit elements, dst rows w8 wide. */
-__global__ void pad_rows_kernel(const unsigned short *__restrict__ src, int64_t rows, int w,
-                                int w8, unsigned short *__restrict__ dst) {
+__global__ void pad_rows_kernel(const unsigned short *__restrict__ src, int64_t rows, int w, int w8,
+                                unsigned short *__restrict__ dst) {
     int64_t n = rows * (int64_t)w8;
     for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n;
          i += (int64_t)gridDim.x * blockDim.x) {
@@ -53,8 +53,8 @@ extern "C" int dcc_pad_samples(const dcc_linear *L, size_t cap) {
     return n < (size_t)L->B ? (int)n : L->B;
 }
 
-extern "C" cudaError_t dcc_pad_chunk(const dcc_linear *L, int b0, int n, void *ws,
-                                     dcc_linear *out, cudaStream_t st) {
+extern "C" cudaError_t dcc_pad_chunk(const dcc_linear *L, int b0, int n, void *ws, dcc_linear *out,
+                                     cudaStream_t st) {
     const int d8 = L->d % 8 ? round8(L->d) : L->d, p8 = round8(L->p);
     const int64_t rows = (int64_t)n * L->T;
     char *base = (char *)(((uintptr_t)ws + 255) & ~(uintptr_t)255);

@@ -135,9 +135,9 @@ __global__ void __launch_bounds__(DCC_SG_THREADS, SG_MIN_CTAS)
                     for (int u = 0; u < 4; u++) v[u] = pre[u];
                 } else
 #pragma unroll
-                for (int u = 0; u < 4; u++)
-                    v[u] = ld_stream(base + (int64_t)(b0 + k + u) * per_sample +
-                                     j * DCC_SG_THREADS);
+                    for (int u = 0; u < 4; u++)
+                        v[u] = ld_stream(base + (int64_t)(b0 + k + u) * per_sample +
+                                         j * DCC_SG_THREADS);
 #pragma unroll
                 for (int u = 0; u < 4; u++) sg_fma8(acc, c[k + u], v[u]);
             }
@@ -159,8 +159,8 @@ __global__ void __launch_bounds__(DCC_SG_THREADS, SG_MIN_CTAS)
             for (int s = 0; s < 4; s++) {
                 float z0, z1;
                 const int64_t i = ie + ((s & 1) ? d : 0) + ((s & 2) ? 8 : 0);
-                draw_pair(NOISE, L.out_w.key, L.out_w.step, L.out_w.stream,
-                          (uint64_t)(i >> 1), z0, z1);
+                draw_pair(NOISE, L.out_w.key, L.out_w.step, L.out_w.stream, (uint64_t)(i >> 1), z0,
+                          z1);
                 const float keep = even ? z0 : z1;
                 const float other = __shfl_xor_sync(0xffffffffu, even ? z1 : z0, 4);
                 z[s] = even ? keep : other;
@@ -205,8 +205,7 @@ __global__ void __launch_bounds__(DCC_SG_THREADS, SG_MIN_CTAS)
             for (int b = 0; b < B; b++) y = fmaf(L.cs[b], L.sgb[(int64_t)b * p + m], y);
         if (P.std != 0.0f) { /* pairs of adjacent rows: each thread draws its own */
             float z0, z1;
-            draw_pair(NOISE, L.out_b.key, L.out_b.step, L.out_b.stream, (uint64_t)(m >> 1), z0,
-                      z1);
+            draw_pair(NOISE, L.out_b.key, L.out_b.step, L.out_b.stream, (uint64_t)(m >> 1), z0, z1);
             y = dcc_noised(y, P.std, (m & 1) ? z1 : z0);
         }
         if (direct) {
@@ -263,9 +262,8 @@ sg_kernel sg_pick(int noise, int dt) {
     }
 }
 
-extern "C" cudaError_t dcc_sgrad_sum(const dcc_sg_layer *ls, int n, int B, float std,
-                                     float divisor, const uint32_t *mode, int noise,
-                                     cudaStream_t st) {
+extern "C" cudaError_t dcc_sgrad_sum(const dcc_sg_layer *ls, int n, int B, float std, float divisor,
+                                     const uint32_t *mode, int noise, cudaStream_t st) {
     int i = 0;
     if (B <= 0) return cudaErrorInvalidValue;
     while (i < n) {

@@ -24,9 +24,9 @@ constexpr int NT = 256;  /* 16 x 16 threads, 4 x 4 entries each */
 /* grid (Te / TILE, Tl / TILE, B) */
 template <typename TE, typename TA, typename TG, typename TI>
 __global__ void __launch_bounds__(NT)
-tied_cross(const TE *__restrict__ e, const TA *__restrict__ a, const TG *__restrict__ g,
-           const TI *__restrict__ idx, int Te, int Tl, int d, int64_t V, int64_t pad,
-           double *__restrict__ cross) {
+    tied_cross(const TE *__restrict__ e, const TA *__restrict__ a, const TG *__restrict__ g,
+               const TI *__restrict__ idx, int Te, int Tl, int d, int64_t V, int64_t pad,
+               double *__restrict__ cross) {
     __shared__ float Es[KC][TILE + 4];
     __shared__ float As[KC][TILE + 4];
     __shared__ int64_t tok[TILE];
@@ -116,8 +116,7 @@ template <typename Fn> cudaError_t with_index(dc_dtype t, Fn &&fn) {
 extern "C" cudaError_t dcc_tied_sqnorms(const dcc_embedding *E, const dcc_linear *N,
                                         bool later_bias, float s2, float *n2o, float *n2l,
                                         double *cross, cudaStream_t st) {
-    if (E->B != N->B || E->d != N->d || E->vocab != (int64_t)N->p)
-        return cudaErrorInvalidValue;
+    if (E->B != N->B || E->d != N->d || E->vocab != (int64_t)N->p) return cudaErrorInvalidValue;
     const int B = N->B;
     cudaError_t err = cudaMemsetAsync(cross, 0, (size_t)B * sizeof *cross, st);
     if (err != cudaSuccess) return err;
@@ -127,10 +126,11 @@ extern "C" cudaError_t dcc_tied_sqnorms(const dcc_embedding *E, const dcc_linear
         return dcc_with_float(N->ta, [&](auto ta) {
             return dcc_with_float(N->tg, [&](auto tg) {
                 return with_index(E->tidx, [&](auto ti) {
-                    tied_cross<<<grid, NT, 0, st>>>(
-                        (const DCC_TYPE_OF(te) *)E->g, (const DCC_TYPE_OF(ta) *)N->a,
-                        (const DCC_TYPE_OF(tg) *)N->g, (const DCC_TYPE_OF(ti) *)E->idx, E->T,
-                        N->T, N->d, E->vocab, E->padding_idx, cross);
+                    tied_cross<<<grid, NT, 0, st>>>((const DCC_TYPE_OF(te) *)E->g,
+                                                    (const DCC_TYPE_OF(ta) *)N->a,
+                                                    (const DCC_TYPE_OF(tg) *)N->g,
+                                                    (const DCC_TYPE_OF(ti) *)E->idx, E->T, N->T,
+                                                    N->d, E->vocab, E->padding_idx, cross);
                     return cudaGetLastError();
                 });
             });

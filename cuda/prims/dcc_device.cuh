@@ -16,8 +16,12 @@
 
 /* Storage types: bf16 and f16 are carried as raw 16-bit words, tagged so that
  * templates can pick the conversion and the mma variant. */
-struct dcc_bf16 { uint16_t v; };
-struct dcc_f16 { uint16_t v; };
+struct dcc_bf16 {
+    uint16_t v;
+};
+struct dcc_f16 {
+    uint16_t v;
+};
 
 __device__ __forceinline__ float dcc_ld(const float *p, int64_t i) { return p[i]; }
 __device__ __forceinline__ float dcc_ld(const dcc_bf16 *p, int64_t i) {
@@ -136,7 +140,9 @@ __device__ __forceinline__ void dcc_cp_async16(uint32_t dst, const void *src, in
                  "r"(src_bytes)
                  : "memory");
 }
-__device__ __forceinline__ void dcc_cp_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+__device__ __forceinline__ void dcc_cp_commit() {
+    asm volatile("cp.async.commit_group;\n" ::: "memory");
+}
 template <int N> __device__ __forceinline__ void dcc_cp_wait() {
     asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
 }
@@ -198,8 +204,8 @@ __device__ __forceinline__ void dcc_warp_mma(float (&acc)[4][NI][4], const uint3
 
 __device__ __forceinline__ void dcc_sts128(uint32_t dst, uint32_t a, uint32_t b, uint32_t c,
                                            uint32_t d) {
-    asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(dst), "r"(a), "r"(b),
-                 "r"(c), "r"(d)
+    asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(dst), "r"(a), "r"(b), "r"(c),
+                 "r"(d)
                  : "memory");
 }
 __device__ __forceinline__ uint32_t dcc_lds32(uint32_t src) {
@@ -222,19 +228,17 @@ __device__ __forceinline__ void dcc_ldsm4_t(uint32_t addr, uint32_t (&r)[4]) {
 /* D += A * B for one m16n8k16 tile, f32 accumulators. */
 __device__ __forceinline__ void dcc_mma(const dcc_bf16 *, float (&c)[4], const uint32_t (&a)[4],
                                         uint32_t b0, uint32_t b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, "
-        "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, "
+                 "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 __device__ __forceinline__ void dcc_mma(const dcc_f16 *, float (&c)[4], const uint32_t (&a)[4],
                                         uint32_t b0, uint32_t b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, "
-        "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, "
+                 "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 /* dcc_mma for elements TI, as a dcc_warp_mma step. */
 template <typename TI> struct dcc_mma16 {
@@ -303,6 +307,7 @@ template <typename Fn> static inline cudaError_t dcc_with_float(dc_dtype t, Fn &
     default: return cudaErrorInvalidValue;
     }
 }
-#define DCC_TYPE_OF(tag) typename std::remove_const<typename std::remove_pointer<decltype(tag)>::type>::type
+#define DCC_TYPE_OF(tag)                                                                           \
+    typename std::remove_const<typename std::remove_pointer<decltype(tag)>::type>::type
 
 #endif

@@ -88,11 +88,14 @@ __device__ __forceinline__ void box_muller_fast(const uint32_t (&c)[4], float &z
     const uint32_t o = c[2] >> 29, m = c[2] & 0x1fffffffu;
     const float x = (float)((o & 1) ? 0x20000000u - m : m) * 0x1p-31f, x2 = x * x;
     const float s = x * fmaf(fmaf(fmaf(fmaf(8.214588661e-02f, x2, -5.992645293e-01f), x2,
-                                       2.550164040e+00f), x2, -5.167712780e+00f), x2,
-                             3.141592654e+00f);
-    const float k = fmaf(fmaf(fmaf(fmaf(fmaf(-2.580689139e-02f, x2, 2.353306304e-01f), x2,
-                                        -1.335262769e+00f), x2, 4.058712126e+00f), x2,
-                              -4.934802201e+00f), x2, 1.0f);
+                                       2.550164040e+00f),
+                                  x2, -5.167712780e+00f),
+                             x2, 3.141592654e+00f);
+    const float k = fmaf(
+        fmaf(fmaf(fmaf(fmaf(-2.580689139e-02f, x2, 2.353306304e-01f), x2, -1.335262769e+00f), x2,
+                  4.058712126e+00f),
+             x2, -4.934802201e+00f),
+        x2, 1.0f);
     const float sn = (o & 1) ? k : s, cn = (o & 1) ? s : k;
     const uint32_t q = o >> 1;
     const float cq = q == 0 ? cn : q == 1 ? -sn : q == 2 ? -cn : sn;
@@ -108,8 +111,8 @@ __device__ __forceinline__ void box_muller(int noise, const uint32_t (&c)[4], fl
     else box_muller_fast(c, z0, z1);
 }
 
-__device__ __forceinline__ void draw_pair(int noise, uint64_t key, uint64_t step,
-                                          uint32_t stream, uint64_t pair, float &z0, float &z1) {
+__device__ __forceinline__ void draw_pair(int noise, uint64_t key, uint64_t step, uint32_t stream,
+                                          uint64_t pair, float &z0, float &z1) {
     uint32_t c[4] = {(uint32_t)pair, stream, (uint32_t)step, (uint32_t)(step >> 32)};
     philox10(c, (uint32_t)key, (uint32_t)(key >> 32));
     box_muller(noise, c, z0, z1);

@@ -39,8 +39,7 @@ __device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
     asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
 }
 __device__ __forceinline__ void mbar_expect_tx(uint32_t bar, uint32_t bytes) {
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar),
-                 "r"(bytes)
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes)
                  : "memory");
 }
 __device__ __forceinline__ void mbar_arrive(uint32_t bar) {
@@ -104,8 +103,8 @@ template <int ST> __device__ __forceinline__ uint32_t init_bars(uint64_t *bars) 
     uint32_t b0 = dcc_smem(bars);
     if (threadIdx.x == 0) {
         for (int s = 0; s < ST; s++) {
-            mbar_init(b0 + 8u * (uint32_t)s, 1);             /* the producer's arrive */
-            mbar_init(b0 + 8u * (uint32_t)(ST + s), 8);      /* one per consumer warp */
+            mbar_init(b0 + 8u * (uint32_t)s, 1);        /* the producer's arrive */
+            mbar_init(b0 + 8u * (uint32_t)(ST + s), 8); /* one per consumer warp */
         }
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }
@@ -116,8 +115,9 @@ template <int ST> __device__ __forceinline__ uint32_t init_bars(uint64_t *bars) 
 /* --- clusters ------------------------------------------------------------ */
 
 __device__ __forceinline__ void cluster_sync() {
-    asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::
-                     : "memory");
+    asm volatile(
+        "barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::
+            : "memory");
 }
 /* The address of the same shared-memory location in CTA `rank` of the cluster. */
 __device__ __forceinline__ uint32_t map_rank(uint32_t addr, uint32_t rank) {
@@ -135,13 +135,12 @@ __device__ __forceinline__ void split_stash(float4 *x, const float (&acc)[64], i
     const int t = (int)threadIdx.x;
 #pragma unroll
     for (int i = 0; i < 16; i++)
-        x[j * 4096 + i * 256 + t] =
-            make_float4(acc[4 * i], acc[4 * i + 1], acc[4 * i + 2], acc[4 * i + 3]);
+        x[j * 4096 + i * 256 + t] = make_float4(acc[4 * i], acc[4 * i + 1], acc[4 * i + 2],
+                                                acc[4 * i + 3]);
 }
 /* ... and, after the cluster's barrier, float4 f of the stash summed over
  * the KS ranks (peer[q]: the stash's address in rank q, map_rank). */
-template <int KS>
-__device__ __forceinline__ float4 split_sum4(const uint32_t (&peer)[KS], int f) {
+template <int KS> __device__ __forceinline__ float4 split_sum4(const uint32_t (&peer)[KS], int f) {
     float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
 #pragma unroll
     for (int q = 0; q < KS; q++) {
@@ -162,8 +161,7 @@ template <int KS> __device__ __forceinline__ void split_peers(uint32_t x, uint32
  * [4 / MI][2 CW] (CW = 64 MI): a consumer thread's two columns 2 (t % CW),
  * +1 over its row group t / CW (bs0, bs1 as stage_issue leaves them), and,
  * once every consumer thread has put its own, column c's total. */
-template <int MI>
-__device__ __forceinline__ void colsum_put(float *colsum, float bs0, float bs1) {
+template <int MI> __device__ __forceinline__ void colsum_put(float *colsum, float bs0, float bs1) {
     constexpr int CW = 64 * MI;
     const int m = ((int)threadIdx.x % CW) * 2, rq = (int)threadIdx.x / CW;
     colsum[rq * 2 * CW + m] = bs0;
@@ -204,10 +202,10 @@ __device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
  * acc as it is. SB: the ring's stage size, when its stages are larger than
  * these MMAs read (the ghost form's wide ring). */
 template <typename TI, bool DIRECT, int MI, int ST, bool WIDE = false, int SB = stage_bytes<MI>()>
-__device__ __forceinline__ void consume(float (&acc)[MI][64], uint32_t sbase, uint32_t bars,
-                                        int u0, int u1, bool same_b, bool colsum, float &bs0,
-                                        float &bs1, bool keep = false, int cmod = 1,
-                                        int crem = 0, int kbase = 0) {
+__device__ __forceinline__ void consume(float (&acc)[MI][64], uint32_t sbase, uint32_t bars, int u0,
+                                        int u1, bool same_b, bool colsum, float &bs0, float &bs1,
+                                        bool keep = false, int cmod = 1, int crem = 0,
+                                        int kbase = 0) {
     const int wg = (int)threadIdx.x >> 7, lane = (int)threadIdx.x & 31;
     if (!keep)
 #pragma unroll
@@ -241,8 +239,8 @@ PFN_cuTensorMapEncodeTiled_v12000 encode_fn() {
     static PFN_cuTensorMapEncodeTiled_v12000 fn = [] {
         void *p = nullptr;
         cudaDriverEntryPointQueryResult q;
-        if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &p, 12000,
-                                             cudaEnableDefault, &q) != cudaSuccess ||
+        if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &p, 12000, cudaEnableDefault,
+                                             &q) != cudaSuccess ||
             q != cudaDriverEntryPointSuccess) {
             (void)cudaGetLastError();
             p = nullptr;
@@ -296,8 +294,7 @@ cudaError_t tma_config(K kernel, int smem, int ks, cudaLaunchConfig_t &cfg,
 /* A split tail's launch may start as the unsplit launch before it frees
  * SMs, not after its last CTA (its kernel's griddepcontrol.wait keeps the
  * order for the work after it). */
-inline void allow_overlap(const dcc_linear *L, cudaLaunchConfig_t &cfg,
-                          cudaLaunchAttribute *attr) {
+inline void allow_overlap(const dcc_linear *L, cudaLaunchConfig_t &cfg, cudaLaunchAttribute *attr) {
     if (!dcc_pdl_on(L->opt)) return;
     attr[cfg.numAttrs].id = cudaLaunchAttributeProgrammaticStreamSerialization;
     attr[cfg.numAttrs].val.programmaticStreamSerializationAllowed = 1;

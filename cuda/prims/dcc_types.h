@@ -18,29 +18,29 @@
 enum { DCC_SGRAD_OFF = 0, DCC_SGRAD_AUTO = 1, DCC_SGRAD_ALL = 2 };
 
 typedef struct dcc_options {
-    bool tf32;         /* TF32=0: f32 inputs on the exact f32 kernels */
-    bool grouped;      /* GROUPED=0: per-layer launches only */
-    int grouped_min;   /* GROUPED_MIN: work items a step needs to group; -1: 4 per SM */
-    int grouped_layers; /* GROUPED_LAYERS: most layers a grouped launch takes (1-80;
+    bool tf32;                  /* TF32=0: f32 inputs on the exact f32 kernels */
+    bool grouped;               /* GROUPED=0: per-layer launches only */
+    int grouped_min;            /* GROUPED_MIN: work items a step needs to group; -1: 4 per SM */
+    int grouped_layers;         /* GROUPED_LAYERS: most layers a grouped launch takes (1-80;
                            more means 80) */
-    bool one_pass;     /* ONE_PASS=0: outputs always staged and committed */
-    int noise;         /* NOISE=exact: DCC_NOISE_EXACT, else DCC_NOISE_FAST */
-    bool profile;      /* PROFILE=0: the phases are not timed */
-    bool wgmma;        /* WGMMA=0: the mma.sync kernels instead of wgmma */
-    bool pdl;          /* PDL=0: a split tail's launch waits for all unsplit CTAs */
-    bool persist;      /* DIRECT_PERSIST=0: a split tail's whole waves one CTA a tile */
-    int sgrad;         /* SGRAD=0: no per-sample gradients kept (a GEMM clipped sum);
+    bool one_pass;              /* ONE_PASS=0: outputs always staged and committed */
+    int noise;                  /* NOISE=exact: DCC_NOISE_EXACT, else DCC_NOISE_FAST */
+    bool profile;               /* PROFILE=0: the phases are not timed */
+    bool wgmma;                 /* WGMMA=0: the mma.sync kernels instead of wgmma */
+    bool pdl;                   /* PDL=0: a split tail's launch waits for all unsplit CTAs */
+    bool persist;               /* DIRECT_PERSIST=0: a split tail's whole waves one CTA a tile */
+    int sgrad;                  /* SGRAD=0: no per-sample gradients kept (a GEMM clipped sum);
                           =all: every layer that can (tests); else dcc_sgrad_worth's */
-    int direct_tile;   /* DIRECT_TILE: 128 or 256 rows; 0: the cost model's */
-    int direct_split;  /* DIRECT_SPLIT: every tile split 1-3 ways; 0: the model's */
-    int tail_k;        /* DIRECT_TAIL=K[:N]: a K-way tail (2, 3, 4 or 6); 0: none */
-    long long tail_after; /* ... after N unsplit tiles; -1: the whole waves */
-    int ghost_tail_k;  /* GHOST_TAIL=K[:N]: the ghost form's tail on K-CTA clusters
+    int direct_tile;            /* DIRECT_TILE: 128 or 256 rows; 0: the cost model's */
+    int direct_split;           /* DIRECT_SPLIT: every tile split 1-3 ways; 0: the model's */
+    int tail_k;                 /* DIRECT_TAIL=K[:N]: a K-way tail (2, 3, 4 or 6); 0: none */
+    long long tail_after;       /* ... after N unsplit tiles; -1: the whole waves */
+    int ghost_tail_k;           /* GHOST_TAIL=K[:N]: the ghost form's tail on K-CTA clusters
                           (2, 3, 4 or 6); 1: never split; 0: the model's */
     long long ghost_tail_after; /* ... after N unsplit items; -1: the whole waves */
-    long long ghost_wide; /* GHOST_WIDE=N: the first N wide ghost items wide (0: none,
+    long long ghost_wide;       /* GHOST_WIDE=N: the first N wide ghost items wide (0: none,
                              stored as -1); 0: the model's */
-    int out_blocks;    /* OUT_BLOCKS: most blocks an output pass launches (tests:
+    int out_blocks;             /* OUT_BLOCKS: most blocks an output pass launches (tests:
                           many chunks a block); 0: as many as the SMs hold at once */
 } dcc_options;
 

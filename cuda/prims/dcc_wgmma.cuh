@@ -37,11 +37,11 @@ template <int MI> __host__ __device__ constexpr int stage_bytes() { return (2 * 
     "%98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, "     \
     "%113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127"
 #define DCC_WG_D8(b)                                                                               \
-    "+f"(d[(b)]), "+f"(d[(b) + 1]), "+f"(d[(b) + 2]), "+f"(d[(b) + 3]),                            \
-    "+f"(d[(b) + 4]), "+f"(d[(b) + 5]), "+f"(d[(b) + 6]), "+f"(d[(b) + 7])
+    "+f"(d[(b)]), "+f"(d[(b) + 1]), "+f"(d[(b) + 2]), "+f"(d[(b) + 3]), "+f"(d[(b) + 4]),          \
+        "+f"(d[(b) + 5]), "+f"(d[(b) + 6]), "+f"(d[(b) + 7])
 #define DCC_WG_D64(b)                                                                              \
     DCC_WG_D8(b), DCC_WG_D8((b) + 8), DCC_WG_D8((b) + 16), DCC_WG_D8((b) + 24),                    \
-    DCC_WG_D8((b) + 32), DCC_WG_D8((b) + 40), DCC_WG_D8((b) + 48), DCC_WG_D8((b) + 56)
+        DCC_WG_D8((b) + 32), DCC_WG_D8((b) + 40), DCC_WG_D8((b) + 48), DCC_WG_D8((b) + 56)
 
 /* One m64n128 wgmma over one 32-byte k step (k16 for 16-bit inputs, k8 for
  * TF32) into d (f32), A and B of element type T (PTX name PTX) described by
@@ -51,16 +51,16 @@ template <int MI> __host__ __device__ constexpr int stage_bytes() { return (2 * 
  * bits of each (TF32, truncated). The overloads come from this one
  * definition so that their operand lists cannot drift apart. */
 #define DCC_WGMMA_M64N128(T, PTX, K, TRANS)                                                        \
-template <int TA, int TB>                                                                          \
-__device__ __forceinline__ void wgmma_m64n128(const T *, float (&d)[64], uint64_t da,              \
-                                              uint64_t db) {                                       \
-    static_assert(K == 16 || (TA == 0 && TB == 0), "TF32 operands are K-major");                   \
-    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %68, 0;\n"                                      \
-                 "wgmma.mma_async.sync.aligned.m64n128k" #K ".f32." PTX "." PTX " {" DCC_WG_R64A   \
-                 "}, %64, %65, p, 1, 1" TRANS ";\n}\n"                                             \
-                 : DCC_WG_D64(0)                                                                   \
-                 : "l"(da), "l"(db), "n"(TA), "n"(TB), "r"(1));                                    \
-}
+    template <int TA, int TB>                                                                      \
+    __device__ __forceinline__ void wgmma_m64n128(const T *, float(&d)[64], uint64_t da,           \
+                                                  uint64_t db) {                                   \
+        static_assert(K == 16 || (TA == 0 && TB == 0), "TF32 operands are K-major");               \
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %68, 0;\n"                                  \
+                     "wgmma.mma_async.sync.aligned.m64n128k" #K ".f32." PTX "." PTX                \
+                     " {" DCC_WG_R64A "}, %64, %65, p, 1, 1" TRANS ";\n}\n"                        \
+                     : DCC_WG_D64(0)                                                               \
+                     : "l"(da), "l"(db), "n"(TA), "n"(TB), "r"(1));                                \
+    }
 DCC_WGMMA_M64N128(dcc_bf16, "bf16", 16, ", %66, %67")
 DCC_WGMMA_M64N128(dcc_f16, "f16", 16, ", %66, %67")
 DCC_WGMMA_M64N128(float, "tf32", 8, "")
@@ -72,16 +72,16 @@ DCC_WGMMA_M64N128(float, "tf32", 8, "")
  * each instruction reads 320 operand rows where two m64n128 read 384, less
  * shared-memory traffic per MMA; clipped_tf32.cu's 128 x 256 tiles. */
 #define DCC_WGMMA_M64N256(T, PTX, K, TRANS)                                                        \
-template <int TA, int TB>                                                                          \
-__device__ __forceinline__ void wgmma_m64n256(const T *, float (&d)[128], uint64_t da,             \
-                                              uint64_t db) {                                       \
-    static_assert(K == 16 || (TA == 0 && TB == 0), "TF32 operands are K-major");                   \
-    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %132, 0;\n"                                     \
-                 "wgmma.mma_async.sync.aligned.m64n256k" #K ".f32." PTX "." PTX " {"               \
-                 DCC_WG_R64A ", " DCC_WG_R64B "}, %128, %129, p, 1, 1" TRANS ";\n}\n"              \
-                 : DCC_WG_D64(0), DCC_WG_D64(64)                                                   \
-                 : "l"(da), "l"(db), "n"(TA), "n"(TB), "r"(1));                                    \
-}
+    template <int TA, int TB>                                                                      \
+    __device__ __forceinline__ void wgmma_m64n256(const T *, float(&d)[128], uint64_t da,          \
+                                                  uint64_t db) {                                   \
+        static_assert(K == 16 || (TA == 0 && TB == 0), "TF32 operands are K-major");               \
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %132, 0;\n"                                 \
+                     "wgmma.mma_async.sync.aligned.m64n256k" #K ".f32." PTX "." PTX                \
+                     " {" DCC_WG_R64A ", " DCC_WG_R64B "}, %128, %129, p, 1, 1" TRANS ";\n}\n"     \
+                     : DCC_WG_D64(0), DCC_WG_D64(64)                                               \
+                     : "l"(da), "l"(db), "n"(TA), "n"(TB), "r"(1));                                \
+    }
 DCC_WGMMA_M64N256(dcc_bf16, "bf16", 16, ", %130, %131")
 DCC_WGMMA_M64N256(dcc_f16, "f16", 16, ", %130, %131")
 DCC_WGMMA_M64N256(float, "tf32", 8, "")
@@ -136,8 +136,7 @@ template <int MI> __device__ __forceinline__ void acc_fence(float (&d)[MI][64]) 
  * block of B's 128 rows against A's 256, acc[h] its columns [128 h, +128)
  * in the m64n128 accumulator's layout. */
 template <typename TI, bool DIRECT, int MI, bool WIDE = false>
-__device__ __forceinline__ void stage_mma(float (&acc)[MI][64], uint32_t sA, uint32_t sB,
-                                          int wg) {
+__device__ __forceinline__ void stage_mma(float (&acc)[MI][64], uint32_t sA, uint32_t sB, int wg) {
     if constexpr (WIDE) {
         static_assert(MI == 2 && sizeof(TI) == 2, "the wide form: 16-bit inputs");
         float(&all)[128] = *reinterpret_cast<float(*)[128]>(&acc[0][0]);
@@ -159,13 +158,13 @@ __device__ __forceinline__ void stage_mma(float (&acc)[MI][64], uint32_t sA, uin
 #pragma unroll
             for (int i = 0; i < MI; i++) {
                 if constexpr (DIRECT) {
-                    uint64_t da =
-                        wg_desc(sA + (uint32_t)((wg * MI + i) * HALF + kk * 2048), HALF, 1024);
+                    uint64_t da = wg_desc(sA + (uint32_t)((wg * MI + i) * HALF + kk * 2048), HALF,
+                                          1024);
                     uint64_t db = wg_desc(sB + (uint32_t)(kk * 2048), HALF, 1024);
                     wgmma_m64n128<1, 1>((const TI *)nullptr, acc[i], da, db);
                 } else {
-                    uint64_t da =
-                        wg_desc(sA + (uint32_t)((wg * MI + i) * HALF + kk * 32), 16, 1024);
+                    uint64_t da = wg_desc(sA + (uint32_t)((wg * MI + i) * HALF + kk * 32), 16,
+                                          1024);
                     uint64_t db = wg_desc(sB + (uint32_t)(kk * 32), 16, 1024);
                     wgmma_m64n128<0, 0>((const TI *)nullptr, acc[i], da, db);
                 }
@@ -179,8 +178,8 @@ __device__ __forceinline__ void stage_mma(float (&acc)[MI][64], uint32_t sA, uin
  * bias column sums (columns 2*(tid % (64*MI)), +1 over a 1/(4/MI) share of
  * the stage's rows) added to bs0/bs1. The caller waits for the group. */
 template <typename TI, bool DIRECT, int MI, bool WIDE = false>
-__device__ __forceinline__ void stage_issue(float (&acc)[MI][64], uint32_t sA, uint32_t sB,
-                                            int wg, bool colsum, float &bs0, float &bs1) {
+__device__ __forceinline__ void stage_issue(float (&acc)[MI][64], uint32_t sA, uint32_t sB, int wg,
+                                            bool colsum, float &bs0, float &bs1) {
     constexpr int CW = 64 * MI, RG = WBK / (4 / MI);
     acc_fence<MI>(acc);
     wg_fence();

@@ -52,7 +52,7 @@
 typedef struct dc_backend dc_backend;
 
 typedef struct dc_backend_ops {
-    const char *name;                     /* "cpu", "cuda" */
+    const char *name; /* "cpu", "cuda" */
     int (*run_step)(dc_backend *be, const dc_step *step, dc_step_result *res, dc_err *err);
     void (*destroy)(dc_backend *be);
     /* The two halves of run_step, for norm groups (group.c sums the
@@ -90,8 +90,8 @@ struct dc_backend {
     const dc_backend_ops *ops;
 };
 
-static inline int dc_backend_run_step(dc_backend *be, const dc_step *step,
-                                      dc_step_result *res, dc_err *err) {
+static inline int dc_backend_run_step(dc_backend *be, const dc_step *step, dc_step_result *res,
+                                      dc_err *err) {
     return be->ops->run_step(be, step, res, err);
 }
 

@@ -28,7 +28,7 @@
 #include "noise.h"
 
 typedef struct cpu_backend {
-    dc_backend base;    /* first: the worker pool sees a dc_backend * */
+    dc_backend base; /* first: the worker pool sees a dc_backend * */
     int threads;
     unsigned clip_how; /* dc_cpu_backend_set_clip_how; 0: the CPU's paths */
     dc_cpu_scratch s;
@@ -81,8 +81,8 @@ void dc_cpu_scratch_free(dc_cpu_scratch *s) {
  * half of goes back to the system, so one outlier step does not leave an
  * idle worker holding its peak; steady large steps keep theirs. */
 static void scratch_trim(dc_cpu_scratch *s) {
-    dc_cpu_buf *all[] = {&s->in,  &s->grad,  &s->work,   &s->work2, &s->order,
-                         &s->out, &s->stats, &s->layers, &s->idx,   &s->scaled, &s->tie};
+    dc_cpu_buf *all[] = {&s->in,    &s->grad,   &s->work, &s->work2,  &s->order, &s->out,
+                         &s->stats, &s->layers, &s->idx,  &s->scaled, &s->tie};
     for (size_t i = 0; i < sizeof all / sizeof all[0]; i++) {
         dc_cpu_buf *b = all[i];
         if (b->cap > SCRATCH_KEEP && b->used < b->cap / 2) dc_cpu_buf_free(b);
@@ -91,8 +91,8 @@ static void scratch_trim(dc_cpu_scratch *s) {
 }
 
 size_t dc_cpu_scratch_bytes(const dc_cpu_scratch *s) {
-    const dc_cpu_buf *all[] = {&s->in,  &s->grad,  &s->work,   &s->work2, &s->order,
-                               &s->out, &s->stats, &s->layers, &s->idx,   &s->scaled, &s->tie};
+    const dc_cpu_buf *all[] = {&s->in,    &s->grad,   &s->work, &s->work2,  &s->order, &s->out,
+                               &s->stats, &s->layers, &s->idx,  &s->scaled, &s->tie};
     size_t n = 0;
     for (size_t i = 0; i < sizeof all / sizeof all[0]; i++) n += all[i]->cap;
     return n;
@@ -195,12 +195,12 @@ static int check_dims(const dc_layer *l, uint32_t B, dc_err *err) {
 
 /* Per-step arrays, carved out of one scratch block. */
 typedef struct step_stats {
-    double *n2;     /* [L*B] squared layer norms */
-    size_t *off;    /* [2L] offsets into the output scratch; SIZE_MAX = none */
-    float *norms;   /* [B] */
-    float *coefs;   /* [B] */
-    float *lcoef;   /* [L*B] PER_LAYER */
-    float *cvec;    /* [B] coefficient * grad scale for the layer at hand */
+    double *n2;   /* [L*B] squared layer norms */
+    size_t *off;  /* [2L] offsets into the output scratch; SIZE_MAX = none */
+    float *norms; /* [B] */
+    float *coefs; /* [B] */
+    float *lcoef; /* [L*B] PER_LAYER */
+    float *cvec;  /* [B] coefficient * grad scale for the layer at hand */
 } step_stats;
 
 static int stats_carve(dc_cpu_scratch *s, size_t L, uint32_t B, step_stats *st) {
@@ -230,11 +230,11 @@ typedef struct phase_ctx {
     uint32_t B;
     size_t L;
     bool per_layer;
-    float scale;         /* dc_step_grad_scale */
+    float scale; /* dc_step_grad_scale */
     step_stats st;
-    float noise_std;     /* phase_reduction's */
-    float *outs;         /* plan_outputs': the outputs' scratch, st.off into it */
-    float divisor;       /* plan_outputs': MEAN's expected batch, else 1 */
+    float noise_std; /* phase_reduction's */
+    float *outs;     /* plan_outputs': the outputs' scratch, st.off into it */
+    float divisor;   /* plan_outputs': MEAN's expected batch, else 1 */
 } phase_ctx;
 
 /* backend.h 2., before any arithmetic, over the whole step: dimensions,
@@ -268,8 +268,7 @@ static int phase_checks(phase_ctx *c, dc_err *err) {
  * layer and sample, before any coefficient exists. Inputs were checked
  * finite and the products are range-scaled (cpu_norms.c), so this means the
  * client changed its data during the step, or a sum left double's range. */
-static int check_norms(const dc_layer *lay, size_t L, uint32_t B, const double *n2,
-                       dc_err *err) {
+static int check_norms(const dc_layer *lay, size_t L, uint32_t B, const double *n2, dc_err *err) {
     for (size_t l = 0; l < L; l++)
         for (uint32_t b = 0; b < B; b++)
             if (!isfinite(n2[l * B + b]))
@@ -356,10 +355,9 @@ static int phase_reduction(phase_ctx *c, const double *tot_in, dc_err *err) {
             for (uint32_t b = 0; b < B; b++)
                 st->lcoef[l * B + b] = dc_clip_coef(Cl, sqrt(st->n2[l * B + b]), el);
         }
-    c->noise_std =
-        step->noise_multiplier *
-        (per_layer ? (float)sqrt(noise_c2)
-                   : step->noise_norm > 0.0f ? step->noise_norm : step->max_grad_norm);
+    c->noise_std = step->noise_multiplier * (per_layer                 ? (float)sqrt(noise_c2)
+                                             : step->noise_norm > 0.0f ? step->noise_norm
+                                                                       : step->max_grad_norm);
     return 0;
 }
 
@@ -411,8 +409,7 @@ static int phase_clipping(phase_ctx *c, size_t l, dc_err *err) {
     size_t ow = st->off[2 * l], ob = st->off[2 * l + 1];
     int rc;
     for (uint32_t b = 0; b < B; b++)
-        st->cvec[b] =
-            dc_clip_scaled(c->per_layer ? st->lcoef[l * B + b] : st->coefs[b], c->scale);
+        st->cvec[b] = dc_clip_scaled(c->per_layer ? st->lcoef[l * B + b] : st->coefs[b], c->scale);
     rc = dc_cpu_layer_clipped_sum(s, ly, B, st->cvec, ow == SIZE_MAX ? NULL : c->outs + ow,
                                   ob == SIZE_MAX ? NULL : c->outs + ob, err);
     if (rc) return rc;
@@ -435,8 +432,7 @@ static int phase_noise(phase_ctx *c, size_t l, dc_step_result *res, dc_err *err)
         size_t n = dc_cpu_numel(t);
         float *v = c->outs + off;
         if (accumulate(step->acc, k ? ly->acc_b : ly->acc_w, v, n)) continue;
-        add_noise(dc_step_noise_src(step, ly, l, k), dc_noise_span_of(ly, k), c->noise_std, v,
-                  n);
+        add_noise(dc_step_noise_src(step, ly, l, k), dc_noise_span_of(ly, k), c->noise_std, v, n);
         if (c->divisor != 1.0f)
             for (size_t i = 0; i < n; i++) v[i] /= c->divisor;
         int64_t bad = find_bad_out(v, n, t->dtype);
@@ -489,8 +485,7 @@ static void phase_commit(phase_ctx *c, dc_step_result *res) {
 
 /* The phases in order, each timed as its part of res->phase_ns. */
 static int run_phases(dc_backend *be, const dc_step *step, enum run_phases want, double *n2_out,
-                      const double *n2_in, const double *tot_in, dc_step_result *res,
-                      dc_err *err) {
+                      const double *n2_in, const double *tot_in, dc_step_result *res, dc_err *err) {
     phase_ctx c = {.cb = (cpu_backend *)be,
                    .step = step,
                    .B = step->batch,
@@ -559,8 +554,7 @@ static int run_phases(dc_backend *be, const dc_step *step, enum run_phases want,
     return 0;
 }
 
-static int cpu_run_step(dc_backend *be, const dc_step *step, dc_step_result *res,
-                        dc_err *err) {
+static int cpu_run_step(dc_backend *be, const dc_step *step, dc_step_result *res, dc_err *err) {
     int rc = run_phases(be, step, PHASE_ALL, NULL, NULL, NULL, res, err);
     scratch_trim(&((cpu_backend *)be)->s);
     return rc;
@@ -572,8 +566,8 @@ static int cpu_run_norms(dc_backend *be, const dc_step *step, double *n2, dc_err
     return rc;
 }
 
-static int cpu_run_clip(dc_backend *be, const dc_step *step, const double *n2,
-                        const double *tot, dc_step_result *res, dc_err *err) {
+static int cpu_run_clip(dc_backend *be, const dc_step *step, const double *n2, const double *tot,
+                        dc_step_result *res, dc_err *err) {
     int rc = run_phases(be, step, PHASE_CLIP, NULL, n2, tot, res, err);
     scratch_trim(&((cpu_backend *)be)->s);
     return rc;

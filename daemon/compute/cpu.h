@@ -26,7 +26,7 @@
 typedef struct dc_cpu_buf {
     void *p;
     size_t cap;
-    size_t used;        /* the most reserved since the last trim */
+    size_t used; /* the most reserved since the last trim */
 } dc_cpu_buf;
 
 /* NULL on allocation failure (b is then unchanged). */
@@ -34,17 +34,17 @@ void *dc_cpu_buf_reserve(dc_cpu_buf *b, size_t bytes);
 void dc_cpu_buf_free(dc_cpu_buf *b);
 
 typedef struct dc_cpu_scratch {
-    dc_cpu_buf in;      /* f32 copy of the current layer's float input */
-    dc_cpu_buf grad;    /* f32 copy of the current layer's output grad */
-    dc_cpu_buf work;    /* per-sample products: G tiles, Gram matrices, scaled g */
-    dc_cpu_buf work2;   /* second Gram matrix, per-sample vectors */
-    dc_cpu_buf order;   /* embedding: (index, position) sort keys */
-    dc_cpu_buf out;     /* every output of a step (f32) until all are checked */
-    dc_cpu_buf stats;   /* per-step [L*B] squared norms and coefficients */
-    dc_cpu_buf layers;  /* the step's layers with indices in daemon memory */
-    dc_cpu_buf idx;     /* every embedding layer's indices, copied once */
-    dc_cpu_buf scaled;  /* linear: one sample's a and g scaled by powers of 2 */
-    dc_cpu_buf tie;     /* tied pair: the embedding's output grad as f32 */
+    dc_cpu_buf in;     /* f32 copy of the current layer's float input */
+    dc_cpu_buf grad;   /* f32 copy of the current layer's output grad */
+    dc_cpu_buf work;   /* per-sample products: G tiles, Gram matrices, scaled g */
+    dc_cpu_buf work2;  /* second Gram matrix, per-sample vectors */
+    dc_cpu_buf order;  /* embedding: (index, position) sort keys */
+    dc_cpu_buf out;    /* every output of a step (f32) until all are checked */
+    dc_cpu_buf stats;  /* per-step [L*B] squared norms and coefficients */
+    dc_cpu_buf layers; /* the step's layers with indices in daemon memory */
+    dc_cpu_buf idx;    /* every embedding layer's indices, copied once */
+    dc_cpu_buf scaled; /* linear: one sample's a and g scaled by powers of 2 */
+    dc_cpu_buf tie;    /* tied pair: the embedding's output grad as f32 */
 } dc_cpu_scratch;
 
 void dc_cpu_scratch_free(dc_cpu_scratch *s);
@@ -81,8 +81,7 @@ size_t dc_cpu_numel(const dc_tensor *t);
  * EMBEDDING its indices are copied into idx (B*T elements, daemon memory)
  * and safe->input points there (i64), so no index is read twice from client
  * memory. idx may be NULL for other kinds. */
-int dc_cpu_check_layer(const dc_layer *l, uint32_t B, dc_layer *safe, int64_t *idx,
-                       dc_err *err);
+int dc_cpu_check_layer(const dc_layer *l, uint32_t B, dc_layer *safe, int64_t *idx, dc_err *err);
 
 /* Index of the first non-finite value among n floats of dtype t, or -1. */
 int64_t dc_cpu_find_nonfinite(const void *p, dc_dtype t, size_t n);
@@ -91,21 +90,20 @@ int64_t dc_cpu_find_nonfinite(const void *p, dc_dtype t, size_t n);
 
 /* Squared per-sample gradient norms of one layer, output grads multiplied by
  * `scale`: n2[B]. Inputs must have passed dc_cpu_check_layer. */
-int dc_cpu_layer_sqnorms(dc_cpu_scratch *s, const dc_layer *l, uint32_t B, float scale,
-                         double *n2, dc_err *err);
+int dc_cpu_layer_sqnorms(dc_cpu_scratch *s, const dc_layer *l, uint32_t B, float scale, double *n2,
+                         dc_err *err);
 
 /* Linear weight (+ bias) squared norms of unscaled per-sample gradients, on
  * f32 data: a [B*T, d], g [B*T, p] row-major. algo is DIRECT or GHOST (AUTO
  * resolves through the same rule as dc_linear_pick). Exposed for the
  * benchmark. */
-int dc_cpu_linear_sqnorms(dc_cpu_scratch *s, const float *a, const float *g, uint32_t B,
-                          int64_t T, int64_t d, int64_t p, bool has_bias, dc_algo algo,
-                          double *n2);
+int dc_cpu_linear_sqnorms(dc_cpu_scratch *s, const float *a, const float *g, uint32_t B, int64_t T,
+                          int64_t d, int64_t p, bool has_bias, dc_algo algo, double *n2);
 
 /* LayerNorm / RMSNorm, sample b (f32 data, x and g [B*T, d]): wg[d] = sum_t
  * g_t * x_hat_t and, when bg != NULL, bg[d] = sum_t g_t, both unscaled. */
-void dc_cpu_norm_sample(const dc_layer *l, const float *x, const float *g, uint32_t b,
-                        double *wg, double *bg);
+void dc_cpu_norm_sample(const dc_layer *l, const float *x, const float *g, uint32_t b, double *wg,
+                        double *bg);
 
 /* Tied parameters (dc_layer.tie): given n2 [L*B] with every layer's
  * squared norms (the later layer of the pair, `later`, without its bias),

@@ -94,8 +94,7 @@ static int check_indices(const dc_layer *l, uint32_t B, int64_t *copy, dc_err *e
     return 0;
 }
 
-int dc_cpu_check_layer(const dc_layer *l, uint32_t B, dc_layer *safe, int64_t *idx,
-                       dc_err *err) {
+int dc_cpu_check_layer(const dc_layer *l, uint32_t B, dc_layer *safe, int64_t *idx, dc_err *err) {
     int rc;
     *safe = *l;
     switch (l->kind) {

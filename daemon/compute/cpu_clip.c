@@ -22,8 +22,8 @@ static int linear_sum(dc_cpu_scratch *s, const dc_layer *l, uint32_t B, const fl
             float *dst = gs + r * p;
             for (size_t j = 0; j < p; j++) dst[j] = cb * src[j];
         }
-        cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, (int)p, (int)d, (int)rows, 1.0f,
-                    gs, (int)p, a, (int)d, beta, w, (int)d);
+        cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, (int)p, (int)d, (int)rows, 1.0f, gs,
+                    (int)p, a, (int)d, beta, w, (int)d);
     }
     if (bias) {
         double *acc = dc_cpu_buf_reserve(&s->work2, p * sizeof(double));
@@ -41,8 +41,8 @@ static int linear_sum(dc_cpu_scratch *s, const dc_layer *l, uint32_t B, const fl
 
 /* Embedding: scatter-add c_b g_t into row i_t (into w as it is with add:
  * a tied weight's second use); padding rows get nothing. */
-static void embedding_sum(const dc_layer *l, uint32_t B, const float *c, const float *g,
-                          float *w, bool add) {
+static void embedding_sum(const dc_layer *l, uint32_t B, const float *c, const float *g, float *w,
+                          bool add) {
     size_t T = (size_t)l->T, d = (size_t)l->d;
     if (!add) memset(w, 0, (size_t)l->vocab * d * sizeof(float));
     for (size_t r = 0; r < (size_t)B * T; r++) {
@@ -91,8 +91,7 @@ static int clipped(dc_cpu_scratch *s, const dc_layer *l, uint32_t B, const float
     case DC_LAYER_LINEAR:
         if (rows > INT_MAX)
             return dc_err_set(err, DC_EINVAL, l->name,
-                              "batch * sequence length %zu is too large for the CPU backend",
-                              rows);
+                              "batch * sequence length %zu is too large for the CPU backend", rows);
         rc = linear_sum(s, l, B, c, x, g, w, bias, add ? 1.0f : 0.0f);
         break;
     case DC_LAYER_EMBEDDING:

@@ -119,8 +119,8 @@ static int scale_sample(dc_cpu_scratch *s, const float *a, const float *g, size_
 
 /* Direct: G_b = g_b^T a_b (p x d) formed tile by tile (rows p0..p0+pt) with
  * one sgemm each and squared while the tile is hot in cache. */
-static int linear_direct(dc_cpu_scratch *s, const float *a, const float *g, uint32_t B,
-                         int64_t T, int64_t d, int64_t p, double *n2) {
+static int linear_direct(dc_cpu_scratch *s, const float *a, const float *g, uint32_t B, int64_t T,
+                         int64_t d, int64_t p, double *n2) {
     size_t pt = direct_tile_bytes() / (sizeof(float) * (size_t)d);
     if (pt >= 16) pt &= ~(size_t)15; /* whole register blocks for the GEMM kernel */
     if (pt < 1) pt = 1;
@@ -137,8 +137,8 @@ static int linear_direct(dc_cpu_scratch *s, const float *a, const float *g, uint
         for (size_t p0 = 0; p0 < (size_t)p; p0 += pt) {
             size_t rows = (size_t)p - p0 < pt ? (size_t)p - p0 : pt;
             /* tile[rows x d] = (g_b[:, p0:p0+rows])^T a_b, K = T */
-            cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, (int)rows, (int)d, (int)T,
-                        1.0f, gb + p0, (int)p, ab, (int)d, 0.0f, tile, (int)d);
+            cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, (int)rows, (int)d, (int)T, 1.0f,
+                        gb + p0, (int)p, ab, (int)d, 0.0f, tile, (int)d);
             acc += sumsq(tile, rows * (size_t)d);
         }
         n2[b] = ldexp(acc, 2 * x.e);
@@ -149,8 +149,8 @@ static int linear_direct(dc_cpu_scratch *s, const float *a, const float *g, uint
 /* Ghost: ||g_b^T a_b||^2 = <a_b a_b^T, g_b g_b^T>. Both T x T Grams come
  * from ssyrk (upper triangle only, half the flops of a GEMM); the inner
  * product counts off-diagonal entries twice. */
-static int linear_ghost(dc_cpu_scratch *s, const float *a, const float *g, uint32_t B,
-                        int64_t T, int64_t d, int64_t p, double *n2) {
+static int linear_ghost(dc_cpu_scratch *s, const float *a, const float *g, uint32_t B, int64_t T,
+                        int64_t d, int64_t p, double *n2) {
     size_t tt = (size_t)T * (size_t)T;
     float *ga = dc_cpu_buf_reserve(&s->work, tt * sizeof(float));
     float *gg = dc_cpu_buf_reserve(&s->work2, tt * sizeof(float));
@@ -182,9 +182,8 @@ static int linear_ghost(dc_cpu_scratch *s, const float *a, const float *g, uint3
     return 0;
 }
 
-int dc_cpu_linear_sqnorms(dc_cpu_scratch *s, const float *a, const float *g, uint32_t B,
-                          int64_t T, int64_t d, int64_t p, bool has_bias, dc_algo algo,
-                          double *n2) {
+int dc_cpu_linear_sqnorms(dc_cpu_scratch *s, const float *a, const float *g, uint32_t B, int64_t T,
+                          int64_t d, int64_t p, bool has_bias, dc_algo algo, double *n2) {
     int rc;
     if (algo == DC_ALGO_AUTO) {
         dc_layer tmp = {.T = T, .d = d, .p = p, .algo = DC_ALGO_AUTO};
@@ -259,8 +258,8 @@ static int embedding_sqnorms(dc_cpu_scratch *s, const dc_layer *l, const float *
 
 /* --- LayerNorm / RMSNorm ---------------------------------------------------- */
 
-void dc_cpu_norm_sample(const dc_layer *l, const float *x, const float *g, uint32_t b,
-                        double *wg, double *bg) {
+void dc_cpu_norm_sample(const dc_layer *l, const float *x, const float *g, uint32_t b, double *wg,
+                        double *bg) {
     int64_t T = l->T, d = l->d;
     memset(wg, 0, (size_t)d * sizeof(double));
     if (bg) memset(bg, 0, (size_t)d * sizeof(double));
@@ -294,8 +293,8 @@ static int norm_sqnorms(dc_cpu_scratch *s, const dc_layer *l, const float *x, co
     return 0;
 }
 
-int dc_cpu_layer_sqnorms(dc_cpu_scratch *s, const dc_layer *l, uint32_t B, float scale,
-                         double *n2, dc_err *err) {
+int dc_cpu_layer_sqnorms(dc_cpu_scratch *s, const dc_layer *l, uint32_t B, float scale, double *n2,
+                         dc_err *err) {
     const float *x, *g;
     int rc;
 
@@ -329,9 +328,9 @@ oom:
  * sum_t sum_s g_b[s, i_t] (e_t . a_s): the Gram M = E_b A_b^T [Te x Tl] in one
  * sgemm, then its entries weighted by the linear layer's output grads at the
  * embedding's indices. e and a are range-scaled like the linear norms. */
-static int tie_combine(dc_cpu_scratch *s, const dc_layer *emb, const dc_layer *lin,
-                       const float *e, const float *a, const float *g, uint32_t B, double s2,
-                       double *no, const double *nl) {
+static int tie_combine(dc_cpu_scratch *s, const dc_layer *emb, const dc_layer *lin, const float *e,
+                       const float *a, const float *g, uint32_t B, double s2, double *no,
+                       const double *nl) {
     size_t Te = (size_t)emb->T, Tl = (size_t)lin->T, d = (size_t)lin->d, V = (size_t)lin->p;
     float *M = dc_cpu_buf_reserve(&s->work, Te * Tl * sizeof(float));
     if (!M) return DC_ENOSPACE;
@@ -339,8 +338,8 @@ static int tie_combine(dc_cpu_scratch *s, const dc_layer *emb, const dc_layer *l
         scaled_sample x;
         if (scale_sample(s, e + (size_t)b * Te * d, a + (size_t)b * Tl * d, Te * d, Tl * d, &x))
             return DC_ENOSPACE;
-        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (int)Te, (int)Tl, (int)d, 1.0f,
-                    x.a, (int)d, x.g, (int)d, 0.0f, M, (int)Tl);
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (int)Te, (int)Tl, (int)d, 1.0f, x.a,
+                    (int)d, x.g, (int)d, 0.0f, M, (int)Tl);
         const float *gb = g + (size_t)b * Tl * V;
         double acc = 0.0;
         for (size_t t = 0; t < Te; t++) {

@@ -50,8 +50,8 @@ void dc_philox4x32_10(const uint32_t ctr[4], const uint32_t key[2], uint32_t out
  * accurate far beyond f32. */
 #define NOISE_BLOCK 64
 
-static void normal_block(const uint32_t key[2], const uint32_t hi[3], uint64_t pair0,
-                         size_t npairs, float *z) {
+static void normal_block(const uint32_t key[2], const uint32_t hi[3], uint64_t pair0, size_t npairs,
+                         float *z) {
     double u1[NOISE_BLOCK], u2[NOISE_BLOCK], r[NOISE_BLOCK], t[NOISE_BLOCK];
     const double inv53 = 1.0 / 9007199254740992.0; /* 2^-53 */
     for (size_t j = 0; j < npairs; j++) {

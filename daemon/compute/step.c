@@ -55,7 +55,7 @@ void dc_step_cost_estimate(const dc_step *s, dc_step_cost *c) {
             /* norms: direct 2Tdp or ghost 2T^2(d+p) per sample; clipped sum:
              * one GEMM of 2 B T d p */
             f = (dc_linear_pick(ly) == DC_ALGO_DIRECT || ly->T == 1 ? 2.0 * T * d * p
-                                                                      : 2.0 * T * T * (d + p)) *
+                                                                    : 2.0 * T * T * (d + p)) *
                     B +
                 2.0 * rows * d * p;
             mem = 4.0 * rows * (d + p) + (dc_linear_pick(ly) == DC_ALGO_GHOST ? 8.0 * T * T : 0.0) +
@@ -177,7 +177,7 @@ static double f_linear(const dc_layer *l, unsigned how) {
     const double T = (double)l->T, d = (double)l->d, p = (double)l->p;
     double f;
     if (!(how & DC_E_GPU)) { /* cpu_norms.c */
-        if (l->T == 1) /* ||a||^2 ||g||^2 and the bias's ||g||^2, in double */
+        if (l->T == 1)       /* ||a||^2 ||g||^2 and the bias's ||g||^2, in double */
             return low(d + p + 16.0, E_U64);
         if (dc_linear_pick(l) == DC_ALGO_DIRECT) /* sgemm tiles over K = T; squares in double */
             return low(T, E_UCPU) * sqrt(low(d * p + T * p + 16.0, E_U64));
@@ -264,12 +264,9 @@ double dc_clip_e(const dc_step *s, size_t l, unsigned how) {
     const dc_layer *ly = &s->layers[l];
     const bool gpu = (how & DC_E_GPU) != 0;
     double f;
-    if (dc_layer_tied_later(ly))
-        f = f_bias(ly, gpu);
-    else if (ly->tie)
-        f = f_tied_owner(s, ly, how);
-    else
-        switch (ly->kind) {
+    if (dc_layer_tied_later(ly)) f = f_bias(ly, gpu);
+    else if (ly->tie) f = f_tied_owner(s, ly, how);
+    else switch (ly->kind) {
         case DC_LAYER_LINEAR: f = f_linear(ly, how); break;
         case DC_LAYER_EMBEDDING: f = f_embedding(ly, gpu); break;
         case DC_LAYER_LAYERNORM:

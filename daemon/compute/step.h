@@ -24,7 +24,7 @@
 #include "noise.h"
 
 typedef struct dc_tensor {
-    void *data;        /* NULL: absent (optional outputs) */
+    void *data; /* NULL: absent (optional outputs) */
     dc_dtype dtype;
     int ndim;
     int64_t shape[3];
@@ -70,17 +70,17 @@ typedef enum dc_clip_mode { DC_CLIP_FLAT = 0, DC_CLIP_PER_LAYER = 1 } dc_clip_mo
  * x / sqrt(mean(x^2) + eps) (RMSNorm) per row, in f32. */
 typedef struct dc_layer {
     dc_layer_kind kind;
-    char name[64];          /* client's name, or "layers[i]" */
-    int64_t T, d, p;        /* p: linear out_features, else 0 */
-    int64_t vocab;          /* embedding num_embeddings, else 0 */
+    char name[64];   /* client's name, or "layers[i]" */
+    int64_t T, d, p; /* p: linear out_features, else 0 */
+    int64_t vocab;   /* embedding num_embeddings, else 0 */
     dc_tensor input;
     dc_tensor grad;
-    bool has_bias;          /* LINEAR, LAYERNORM: bias is a trainable param */
-    dc_algo algo;           /* LINEAR: as requested (AUTO = by cost) */
-    bool has_padding_idx;   /* EMBEDDING */
+    bool has_bias;        /* LINEAR, LAYERNORM: bias is a trainable param */
+    dc_algo algo;         /* LINEAR: as requested (AUTO = by cost) */
+    bool has_padding_idx; /* EMBEDDING */
     int64_t padding_idx;
-    float eps;              /* LAYERNORM, RMSNORM */
-    float max_grad_norm;    /* threshold in PER_LAYER mode */
+    float eps;           /* LAYERNORM, RMSNORM */
+    float max_grad_norm; /* threshold in PER_LAYER mode */
     /* Norm groups: held whole by every member (counted in the norm once,
      * by the lowest rank; noise from the group's key, stream by rep_ordinal,
      * the layer's place among the step's replicated layers) */
@@ -103,8 +103,8 @@ typedef struct dc_layer {
     bool norm_excluded;
     uint64_t noise_step;
     uint32_t noise_index;
-    dc_tensor weight_grad_out; /* optional */
-    dc_tensor bias_grad_out;   /* optional, only with has_bias */
+    dc_tensor weight_grad_out;       /* optional */
+    dc_tensor bias_grad_out;         /* optional, only with has_bias */
     dc_noise_range noise_w, noise_b; /* of weight_grad_out and bias_grad_out */
     /* A micro-batch of a logical step (dc_step.acc): each output's f32
      * accumulator, as many elements as the output, in the step's memory
@@ -120,24 +120,19 @@ typedef struct dc_layer {
  * output is written (norms_out and coefs_out are). COMMIT: the accumulator
  * is added to the clipped sum, which is then noised, divided and written
  * as with NONE. */
-typedef enum dc_acc_mode {
-    DC_ACC_NONE = 0,
-    DC_ACC_FIRST,
-    DC_ACC_ADD,
-    DC_ACC_COMMIT
-} dc_acc_mode;
+typedef enum dc_acc_mode { DC_ACC_NONE = 0, DC_ACC_FIRST, DC_ACC_ADD, DC_ACC_COMMIT } dc_acc_mode;
 
 typedef struct dc_step {
-    uint32_t batch;            /* B >= 1 */
+    uint32_t batch; /* B >= 1 */
     size_t n_layers;
     dc_layer *layers;
     dc_clip_mode mode;
-    float max_grad_norm;       /* C (FLAT) */
-    float noise_norm;          /* the C of the noise std when it is not max_grad_norm
+    float max_grad_norm; /* C (FLAT) */
+    float noise_norm;    /* the C of the noise std when it is not max_grad_norm
                                 * (group-wise clipping: C, with C / sqrt(size) clipping); 0 = C */
     dc_reduction reduction;
-    uint32_t expected_batch;   /* MEAN divisor; set to batch when the request said 0 */
-    float noise_multiplier;    /* sigma >= 0 */
+    uint32_t expected_batch; /* MEAN divisor; set to batch when the request said 0 */
+    float noise_multiplier;  /* sigma >= 0 */
     /* Noise stream: Philox key and a counter base unique to this step within
      * the daemon's lifetime. Set by the daemon, never by the client. */
     uint64_t noise_key;
@@ -146,14 +141,14 @@ typedef struct dc_step {
      * (the same on every member); 0 outside a group. */
     uint64_t group_noise_key;
     uint64_t group_step;
-    dc_tensor norms_out;       /* optional [B] f32 */
-    dc_tensor coefs_out;       /* optional [B] f32 */
+    dc_tensor norms_out; /* optional [B] f32 */
+    dc_tensor coefs_out; /* optional [B] f32 */
     /* A fused group step: the other members' norms_out and coefs_out
      * [n_more_outs] each (absent ones data NULL), written as these are. */
     size_t n_more_outs;
     const dc_tensor *more_norms_out, *more_coefs_out;
     bool want_layer_norms;
-    dc_acc_mode acc;           /* gradient accumulation; NONE outside a logical step */
+    dc_acc_mode acc; /* gradient accumulation; NONE outside a logical step */
     /* Where every tensor of the step lives: -1 = host memory (shared memory
      * mapped by the daemon), else the CUDA device index (validation refuses
      * steps that mix them). */
@@ -190,10 +185,10 @@ typedef enum dc_run_phase {
 typedef struct dc_step_result {
     uint32_t batch;
     size_t n_layers;
-    float *norms;        /* [B] total per-sample norm sqrt(sum over layers) */
-    float *coefs;        /* [B] flat coefficients (PER_LAYER: all 1) */
-    float *layer_norms;  /* [L*B] layer-major, always filled */
-    float *layer_coefs;  /* [L*B] PER_LAYER only, else NULL */
+    float *norms;       /* [B] total per-sample norm sqrt(sum over layers) */
+    float *coefs;       /* [B] flat coefficients (PER_LAYER: all 1) */
+    float *layer_norms; /* [L*B] layer-major, always filled */
+    float *layer_coefs; /* [L*B] PER_LAYER only, else NULL */
     uint64_t compute_ns;
     uint64_t phase_ns[DC_RUN_N]; /* 0 = not measured */
     /* A failed step that released something all the same: an output found

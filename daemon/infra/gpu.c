@@ -19,9 +19,9 @@ int dc_gpu_find_uuid(const dc_gpu *g, const uint8_t *uuid) {
 
 void dc_gpu_uuid_str(const uint8_t *u, char out[DC_GPU_UUID_STR]) {
     snprintf(out, DC_GPU_UUID_STR,
-             "GPU-%02x%02x%02x%02x-%02x%02x-%02x%02x-%02x%02x-%02x%02x%02x%02x%02x%02x", u[0],
-             u[1], u[2], u[3], u[4], u[5], u[6], u[7], u[8], u[9], u[10], u[11], u[12], u[13],
-             u[14], u[15]);
+             "GPU-%02x%02x%02x%02x-%02x%02x-%02x%02x-%02x%02x-%02x%02x%02x%02x%02x%02x", u[0], u[1],
+             u[2], u[3], u[4], u[5], u[6], u[7], u[8], u[9], u[10], u[11], u[12], u[13], u[14],
+             u[15]);
 }
 
 #ifdef DPCLIP_HAVE_CUDA
@@ -179,8 +179,8 @@ static void event_work(dc_task *task, dc_backend *be) {
     cudaSetDevice(t->device);
     e = cudaIpcOpenEventHandle(&ev, h);
     if (e != cudaSuccess) {
-        t->rc = cuda_fail(&t->err, "register_event.cuda_ipc_event_handle",
-                          "cudaIpcOpenEventHandle", e);
+        t->rc = cuda_fail(&t->err, "register_event.cuda_ipc_event_handle", "cudaIpcOpenEventHandle",
+                          e);
         cudaGetLastError();
         return;
     }
@@ -193,8 +193,8 @@ static void event_done(dc_task *task) {
     t->done(t);
 }
 
-int dc_gpu_init(dc_gpu *g, uv_loop_t *loop, bool enable, uint64_t workspace,
-                uint64_t workspace_max, uint64_t sample_grads_max, dc_err *err) {
+int dc_gpu_init(dc_gpu *g, uv_loop_t *loop, bool enable, uint64_t workspace, uint64_t workspace_max,
+                uint64_t sample_grads_max, dc_err *err) {
     int n, rc;
     memset(g, 0, sizeof *g);
     g_gpu = g;
@@ -206,7 +206,8 @@ int dc_gpu_init(dc_gpu *g, uv_loop_t *loop, bool enable, uint64_t workspace,
     }
     if (n > DC_MAX_GPUS) {
         dc_log_warn("%d CUDA devices found; serving the first %d (DC_MAX_GPUS), the others "
-                    "stay unused", n, DC_MAX_GPUS);
+                    "stay unused",
+                    n, DC_MAX_GPUS);
         n = DC_MAX_GPUS;
     }
     if (load_driver_api() != 0) {
@@ -236,11 +237,11 @@ int dc_gpu_init(dc_gpu *g, uv_loop_t *loop, bool enable, uint64_t workspace,
     }
     dc_registry_set_cuda_unmap(registry_unmap);
     g->mps_active = detect_mps();
-    if (g->mps_active)
-        dc_log_info("%d GPU(s); CUDA MPS is active", g->n);
+    if (g->mps_active) dc_log_info("%d GPU(s); CUDA MPS is active", g->n);
     else
         dc_log_warn("%d GPU(s); CUDA MPS is NOT active: each trainer<->daemon hand-off costs "
-                    "two GPU context switches (~0.3 ms per step); see docs/gpu.md", g->n);
+                    "two GPU context switches (~0.3 ms per step); see docs/gpu.md",
+                    g->n);
     return 0;
 }
 
@@ -260,14 +261,12 @@ int dc_gpu_open_event(dc_gpu *g, dc_gpu_event_task *t) {
     return 0;
 }
 
-void dc_gpu_close_event(dc_gpu *g, int device, void *event) {
-    post_close(g, device, NULL, event);
-}
+void dc_gpu_close_event(dc_gpu *g, int device, void *event) { post_close(g, device, NULL, event); }
 
 #else /* no CUDA in this build */
 
-int dc_gpu_init(dc_gpu *g, uv_loop_t *loop, bool enable, uint64_t workspace,
-                uint64_t workspace_max, uint64_t sample_grads_max, dc_err *err) {
+int dc_gpu_init(dc_gpu *g, uv_loop_t *loop, bool enable, uint64_t workspace, uint64_t workspace_max,
+                uint64_t sample_grads_max, dc_err *err) {
     (void)loop;
     (void)enable;
     (void)workspace;

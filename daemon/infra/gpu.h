@@ -22,9 +22,9 @@
 #define DC_GPU_UUID_STR 41 /* "GPU-" and 36 characters, NUL */
 
 typedef struct dc_gpu {
-    int n;                    /* usable devices, at most DC_MAX_GPUS */
-    dc_worker_pool *pools;    /* [n] */
-    dc_worker_pool *closing;  /* pools closed, freed once their handles are */
+    int n;                   /* usable devices, at most DC_MAX_GPUS */
+    dc_worker_pool *pools;   /* [n] */
+    dc_worker_pool *closing; /* pools closed, freed once their handles are */
     int n_closing;
     bool mps_active;
     char names[DC_MAX_GPUS][64];
@@ -44,8 +44,8 @@ void dc_gpu_uuid_str(const uint8_t *uuid, char out[DC_GPU_UUID_STR]);
  * Each GPU's backend preallocates `workspace` bytes of device workspace and
  * refuses steps that need more than `workspace_max` (0 = no cap), of which
  * at most `sample_grads_max` keeps per-sample gradients (dc_cuda.h). */
-int dc_gpu_init(dc_gpu *g, uv_loop_t *loop, bool enable, uint64_t workspace,
-                uint64_t workspace_max, uint64_t sample_grads_max, dc_err *err);
+int dc_gpu_init(dc_gpu *g, uv_loop_t *loop, bool enable, uint64_t workspace, uint64_t workspace_max,
+                uint64_t sample_grads_max, dc_err *err);
 void dc_gpu_close(dc_gpu *g);
 /* Tasks (including steps) in flight on any GPU. */
 int dc_gpu_busy(const dc_gpu *g);
@@ -76,7 +76,7 @@ typedef struct dc_gpu_event_task {
     dc_task task;
     int device;
     uint8_t handle[64];
-    void *event;            /* cudaEvent_t once opened */
+    void *event; /* cudaEvent_t once opened */
     uint64_t req_id;
     int rc;
     dc_err err;

@@ -31,8 +31,8 @@ size_t dc_log_escape(char *out, size_t cap, const char *in);
 /* For conditions that can recur thousands of times a second (accept out of
  * fds, a flood of refused connections): at most one line per period. */
 typedef struct dc_log_limit {
-    uint64_t next_ns;      /* uv_hrtime-style clock: when the next line may go */
-    uint64_t skipped;      /* occurrences not logged since the last line */
+    uint64_t next_ns; /* uv_hrtime-style clock: when the next line may go */
+    uint64_t skipped; /* occurrences not logged since the last line */
 } dc_log_limit;
 /* 1 if a line may be logged at now_ns (then *skipped gets the occurrences
  * held back before it and the count restarts), else 0 (counted). */

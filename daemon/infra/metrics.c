@@ -6,21 +6,30 @@
 #include <stdlib.h>
 #include <string.h>
 
-const double dc_hist_bounds[DC_HIST_NB] = {
-    5e-6, 1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3,
-    5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1.0, 10.0};
+const double dc_hist_bounds[DC_HIST_NB] = {5e-6, 1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4,
+                                           5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2,
+                                           5e-2, 0.1,  0.25,   0.5,  1.0,  10.0};
 
 const char *const dc_phase_names[DC_PH_N] = {"validate", "ledger", "queue", "wait_input",
-                                             "run", "reply", "norms", "reduction",
+                                             "run",      "reply",  "norms", "reduction",
                                              "clipping", "noise"};
 
-const char *const dc_req_names[DC_REQ_N] = {"hello", "register_buffer", "release_buffer",
-                                            "clip_step", "register_event", "ping", "other"};
+const char *const dc_req_names[DC_REQ_N] = {"hello",     "register_buffer", "release_buffer",
+                                            "clip_step", "register_event",  "ping",
+                                            "other"};
 
 const char *dc_code_name(int code) {
-    static const char *names[] = {"ok", "invalid_argument", "not_found", "permission_denied",
-                                  "failed_precondition", "resource_exhausted", "non_finite",
-                                  "protocol", "internal", "unavailable", "unimplemented"};
+    static const char *names[] = {"ok",
+                                  "invalid_argument",
+                                  "not_found",
+                                  "permission_denied",
+                                  "failed_precondition",
+                                  "resource_exhausted",
+                                  "non_finite",
+                                  "protocol",
+                                  "internal",
+                                  "unavailable",
+                                  "unimplemented"};
     _Static_assert(sizeof names / sizeof names[0] == DC_CODE_N, "a name for every dc_code");
     return code >= 0 && code < DC_CODE_N ? names[code] : "unknown";
 }
@@ -126,8 +135,8 @@ void dc_prom_hist(dc_sbuf *b, const char *name, const char *labels, const dc_his
     const char *sep = labels[0] ? "," : "";
     for (int i = 0; i < DC_HIST_NB; i++) {
         cum += h->bucket[i];
-        dc_sbuf_printf(b, "%s_bucket{%s%sle=\"%g\"} %llu\n", name, labels, sep,
-                       dc_hist_bounds[i], (unsigned long long)cum);
+        dc_sbuf_printf(b, "%s_bucket{%s%sle=\"%g\"} %llu\n", name, labels, sep, dc_hist_bounds[i],
+                       (unsigned long long)cum);
     }
     cum += h->bucket[DC_HIST_NB];
     dc_sbuf_printf(b, "%s_bucket{%s%sle=\"+Inf\"} %llu\n", name, labels, sep,

@@ -16,9 +16,9 @@
 /* --- a growable string --------------------------------------------------- */
 
 typedef struct dc_sbuf {
-    char *p;        /* NUL-terminated; owned; NULL until the first append */
+    char *p; /* NUL-terminated; owned; NULL until the first append */
     size_t len, cap;
-    bool oom;       /* an append failed: the contents are incomplete */
+    bool oom; /* an append failed: the contents are incomplete */
 } dc_sbuf;
 
 void dc_sbuf_printf(dc_sbuf *b, const char *fmt, ...) DC_PRINTF(2, 3);
@@ -65,18 +65,24 @@ typedef enum dc_phase {
     DC_PH_RUN,          /* the backend's step: norms, clipping, sums, noise */
     DC_PH_REPLY,        /* worker done to reply queued */
     /* parts of run, timed by the backend (dc_run_phase; GPU: CUDA events) */
-    DC_PH_NORMS,        /* per-sample norms */
-    DC_PH_REDUCTION,    /* norms reduced over layers, coefficients */
-    DC_PH_CLIPPING,     /* clipped sums */
-    DC_PH_NOISE,        /* noise, division, checks, outputs written */
+    DC_PH_NORMS,     /* per-sample norms */
+    DC_PH_REDUCTION, /* norms reduced over layers, coefficients */
+    DC_PH_CLIPPING,  /* clipped sums */
+    DC_PH_NOISE,     /* noise, division, checks, outputs written */
     DC_PH_N
 } dc_phase;
 
 extern const char *const dc_phase_names[DC_PH_N];
 
 typedef enum dc_req_kind {
-    DC_REQ_HELLO = 0, DC_REQ_REGISTER, DC_REQ_RELEASE, DC_REQ_STEP, DC_REQ_EVENT, DC_REQ_PING,
-    DC_REQ_OTHER, DC_REQ_N
+    DC_REQ_HELLO = 0,
+    DC_REQ_REGISTER,
+    DC_REQ_RELEASE,
+    DC_REQ_STEP,
+    DC_REQ_EVENT,
+    DC_REQ_PING,
+    DC_REQ_OTHER,
+    DC_REQ_N
 } dc_req_kind;
 
 extern const char *const dc_req_names[DC_REQ_N];
@@ -85,18 +91,18 @@ const char *dc_code_name(int code);
 
 typedef struct dc_metrics {
     uint64_t requests[DC_REQ_N];
-    uint64_t errors[DC_CODE_N];   /* error replies by dc_code */
+    uint64_t errors[DC_CODE_N]; /* error replies by dc_code */
     uint64_t steps_ok, steps_failed;
-    uint64_t layers, samples;     /* in successful steps */
-    uint64_t bytes_referenced;    /* input tensor bytes named by successful steps */
+    uint64_t layers, samples;  /* in successful steps */
+    uint64_t bytes_referenced; /* input tensor bytes named by successful steps */
     uint64_t sessions_total, sessions_refused;
     uint64_t budget_refusals;
     uint64_t ledger_writes, ledger_write_errors;
     uint64_t reloads, reload_errors;
-    uint64_t compute_ns;          /* backends' own time, successful steps */
+    uint64_t compute_ns; /* backends' own time, successful steps */
     dc_hist phase[DC_PH_N];
-    dc_hist step;                 /* request decoded to reply queued */
-    dc_hist ledger_write;         /* one crash-safe account file write */
+    dc_hist step;         /* request decoded to reply queued */
+    dc_hist ledger_write; /* one crash-safe account file write */
 } dc_metrics;
 
 /* Counts an error reply; a code outside dc_code counts as internal. */

@@ -55,8 +55,8 @@ static int totals_check(const dc_registry *r, uint64_t shm_size, dc_err *err) {
                           "(limits.max_buffers_total): release buffers, or raise it",
                           (unsigned long long)t->buffers);
     /* (A reload may have lowered the cap below what is mapped.) */
-    if (t->max_shm_bytes && shm_size && (t->shm_bytes >= t->max_shm_bytes ||
-                                         shm_size > t->max_shm_bytes - t->shm_bytes))
+    if (t->max_shm_bytes && shm_size &&
+        (t->shm_bytes >= t->max_shm_bytes || shm_size > t->max_shm_bytes - t->shm_bytes))
         return dc_err_set(err, DC_ENOSPACE, "limits.max_mapped_bytes",
                           "mapping %llu more bytes would take the daemon past %llu bytes of "
                           "shared memory for all its sessions (limits.max_mapped_bytes; %llu "
@@ -119,8 +119,8 @@ static int map_error(int errnum, int fd, uint64_t size, dc_err *err) {
     }
 }
 
-int dc_registry_add_shm(dc_registry *r, uint64_t id, int fd, uint64_t size,
-                        const dc_buffer **out, dc_err *err) {
+int dc_registry_add_shm(dc_registry *r, uint64_t id, int fd, uint64_t size, const dc_buffer **out,
+                        dc_err *err) {
     struct stat st;
     int seals, flags, rc;
     void *base;
@@ -146,12 +146,13 @@ int dc_registry_add_shm(dc_registry *r, uint64_t id, int fd, uint64_t size,
         return dc_err_set(err, DC_EINVAL, "register_buffer",
                           "the shared-memory fd must be open read-write");
     if (st.st_size <= 0)
-        return dc_err_set(err, DC_EINVAL, "register_buffer.size", "the shared-memory object is empty");
+        return dc_err_set(err, DC_EINVAL, "register_buffer.size",
+                          "the shared-memory object is empty");
     if (size == 0) size = (uint64_t)st.st_size;
     if (size > (uint64_t)st.st_size)
         return dc_err_set(err, DC_EINVAL, "register_buffer.size",
-                          "size %llu exceeds the object's %llu bytes",
-                          (unsigned long long)size, (unsigned long long)st.st_size);
+                          "size %llu exceeds the object's %llu bytes", (unsigned long long)size,
+                          (unsigned long long)st.st_size);
     if (size > (uint64_t)SIZE_MAX / 2)
         return dc_err_set(err, DC_EINVAL, "register_buffer.size", "size too large");
     /* Before mapping: a mapping is what the caps protect. */

@@ -22,9 +22,9 @@ typedef enum dc_buffer_kind { DC_BUFFER_SHM = 1, DC_BUFFER_CUDA = 2 } dc_buffer_
 typedef struct dc_buffer {
     uint64_t id;
     dc_buffer_kind kind;
-    void *base;       /* host mapping (SHM) or device pointer (CUDA) */
-    uint64_t size;    /* bytes addressable through references */
-    int device;       /* CUDA device, -1 for SHM */
+    void *base;    /* host mapping (SHM) or device pointer (CUDA) */
+    uint64_t size; /* bytes addressable through references */
+    int device;    /* CUDA device, -1 for SHM */
 } dc_buffer;
 
 /* What all sessions' registries hold together, against the daemon-wide caps
@@ -33,16 +33,16 @@ typedef struct dc_buffer {
  * every other client's registrations, and the ledger's writes, failed. The
  * server owns it and sets the caps (also on reload). */
 typedef struct dc_registry_totals {
-    uint64_t buffers;       /* every kind */
-    uint64_t shm_bytes;     /* shared memory mapped */
+    uint64_t buffers;   /* every kind */
+    uint64_t shm_bytes; /* shared memory mapped */
     uint64_t max_buffers;
     uint64_t max_shm_bytes; /* 0 = no cap */
 } dc_registry_totals;
 
 typedef struct dc_registry {
-    dc_buffer *items;  /* unordered; small (tens of buffers per client) */
+    dc_buffer *items; /* unordered; small (tens of buffers per client) */
     size_t n, cap;
-    uint64_t bytes;    /* total registered bytes, for the session's quota */
+    uint64_t bytes;     /* total registered bytes, for the session's quota */
     uint64_t shm_bytes; /* of which shared memory mapped (its user's share, host.h) */
     /* Bumped by every add and release: a step validated at one generation
      * names only live mappings while the generation is unchanged. */
@@ -60,8 +60,8 @@ void dc_registry_destroy(dc_registry *r);
  * why; DC_ENOSPACE is the daemon out of memory or mappings. The fd
  * is not consumed (the caller closes it). On success *out is the new entry
  * (valid until the next add/release). */
-int dc_registry_add_shm(dc_registry *r, uint64_t id, int fd, uint64_t size,
-                        const dc_buffer **out, dc_err *err);
+int dc_registry_add_shm(dc_registry *r, uint64_t id, int fd, uint64_t size, const dc_buffer **out,
+                        dc_err *err);
 
 /* Adds an already opened region (CUDA IPC); the registry will call `unmap`
  * on it at release/destroy. Both adds refuse with DC_ENOSPACE naming the

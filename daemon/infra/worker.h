@@ -33,7 +33,7 @@ struct dc_task {
     /* Optional: on the loop thread, after work() called dc_task_notify
      * and before done() (a step's "enqueued" notice). */
     void (*notice)(dc_task *task);
-    void (*done)(dc_task *task);               /* on the loop thread */
+    void (*done)(dc_task *task); /* on the loop thread */
 };
 
 /* Makes backend instance `index` for a worker; called on the creating thread. */
@@ -49,26 +49,26 @@ typedef int (*dc_backend_factory)(void *arg, int index, dc_backend **out, dc_err
 #define DC_WORKER_OWNERS 64
 
 struct dc_worker_pool {
-    uv_async_t async;        /* wakes the loop when tasks complete */
+    uv_async_t async; /* wakes the loop when tasks complete */
     pthread_mutex_t mu;
     pthread_cond_t cv;
     dc_task *q_head, *q_tail; /* waiting to run */
     dc_task *d_head, *d_tail; /* finished, waiting for done() */
     dc_task *n_head, *n_tail; /* notified, waiting for notice() */
     bool stopping;
-    atomic_uint queued;      /* tasks waiting: workers spin on it lock-free */
-    uint64_t spin_ns;        /* how long an idle worker polls before sleeping */
+    atomic_uint queued; /* tasks waiting: workers spin on it lock-free */
+    uint64_t spin_ns;   /* how long an idle worker polls before sleeping */
     /* A window (CLOCK_MONOTONIC ns, under mu) in which a task is expected: an
      * idle worker sleeps until win_from, then polls until win_to. */
     uint64_t win_from, win_to;
     int n;
-    int busy;                /* tasks submitted and not yet done() */
-    uint32_t *running;       /* [n] owner of each worker's task (under mu) */
-    bool *has_task;          /* [n] */
-    uint64_t served_seq;     /* tasks started, the clock of `served` */
+    int busy;            /* tasks submitted and not yet done() */
+    uint32_t *running;   /* [n] owner of each worker's task (under mu) */
+    bool *has_task;      /* [n] */
+    uint64_t served_seq; /* tasks started, the clock of `served` */
     struct {
         uint32_t owner;
-        uint64_t last;       /* served_seq when its last task started; 0 = free slot */
+        uint64_t last; /* served_seq when its last task started; 0 = free slot */
     } served[DC_WORKER_OWNERS];
     pthread_t *threads;
     dc_backend **backends;

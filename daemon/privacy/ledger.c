@@ -46,8 +46,7 @@ static void compute_curve(double q, double sigma, double *out) {
 
 /* The per-step curve of (q, sigma): from the account's history, the cache, or
  * computed here (and cached). */
-const double *dc_ledger_curve(dc_ledger *l, const dc_ledger_account *acct, double q,
-                              double sigma) {
+const double *dc_ledger_curve(dc_ledger *l, const dc_ledger_account *acct, double q, double sigma) {
     const dc_ledger_entry *e = acct ? find_entry(acct, q, sigma) : NULL;
     const double *c;
     double tmp[DC_RDP_N_ORDERS];
@@ -142,8 +141,8 @@ void dc_ledger_recompute(dc_ledger_account *acct) {
         acct->eps = 0.0;
         acct->best_order = NAN;
     } else {
-        acct->eps =
-            dc_rdp_epsilon(orders, acct->rdp, DC_RDP_N_ORDERS, acct->delta, &acct->best_order);
+        acct->eps = dc_rdp_epsilon(orders, acct->rdp, DC_RDP_N_ORDERS, acct->delta,
+                                   &acct->best_order);
     }
 }
 
@@ -170,8 +169,8 @@ static void fold_oldest(dc_ledger_account *acct) {
     for (size_t i = 1; i < acct->n_hist; i++)
         if (acct->hist[i].used < acct->hist[o].used) o = i;
     for (size_t k = 0; k < DC_RDP_N_ORDERS; k++)
-        acct->folded[k] =
-            up(acct->folded[k] + up((double)acct->hist[o].steps * acct->hist[o].rdp[k]));
+        acct->folded[k] = up(acct->folded[k] +
+                             up((double)acct->hist[o].steps * acct->hist[o].rdp[k]));
     acct->folded_steps += acct->hist[o].steps;
     acct->hist[o] = acct->hist[acct->n_hist - 1];
     acct->n_hist--;
@@ -235,8 +234,7 @@ void dc_ledger_refund(dc_ledger_account *acct, double q, double sigma) {
     acct->gen++;
 }
 
-int dc_ledger_account_terms(dc_ledger_account *acct, double delta, double budget_eps,
-                            dc_err *err) {
+int dc_ledger_account_terms(dc_ledger_account *acct, double delta, double budget_eps, dc_err *err) {
     bool changed = false;
     if (delta > 0 && delta != acct->delta) {
         /* A delta fixed by the first step: a later, larger delta would make
@@ -310,9 +308,8 @@ size_t dc_ledger_expire(dc_ledger *l, uint64_t now_ns) {
     for (dc_ledger_account **pp = &l->accounts; *pp;) {
         dc_ledger_account *acct = *pp;
         bool go = account_idle(l, acct) &&
-                  (acct->steps == 0 ||
-                   (l->job_idle_ns && now_ns >= acct->used_ns &&
-                    now_ns - acct->used_ns >= l->job_idle_ns));
+                  (acct->steps == 0 || (l->job_idle_ns && now_ns >= acct->used_ns &&
+                                        now_ns - acct->used_ns >= l->job_idle_ns));
         if (go) {
             account_drop(l, pp);
             n++;
@@ -342,8 +339,8 @@ static size_t make_room(dc_ledger *l, uint32_t uid) {
     return n;
 }
 
-int dc_ledger_account_open(dc_ledger *l, uint32_t uid, const char *job_id,
-                           dc_ledger_account **out, dc_err *err) {
+int dc_ledger_account_open(dc_ledger *l, uint32_t uid, const char *job_id, dc_ledger_account **out,
+                           dc_err *err) {
     dc_ledger_account *acct;
     uint64_t now = uv_hrtime();
     size_t len = strlen(job_id), n;
@@ -351,7 +348,8 @@ int dc_ledger_account_open(dc_ledger *l, uint32_t uid, const char *job_id,
 
     *out = NULL;
     if (len >= DC_LEDGER_JOB_ID_MAX)
-        return dc_err_set(err, DC_EINVAL, "hello.job_id", "job id of %zu bytes: at most %d bytes "
+        return dc_err_set(err, DC_EINVAL, "hello.job_id",
+                          "job id of %zu bytes: at most %d bytes "
                           "are allowed (a longer id would share an account with another job)",
                           len, DC_LEDGER_JOB_ID_MAX - 1);
     if ((acct = dc_ledger_account_find(l, uid, job_id))) {
@@ -363,7 +361,8 @@ int dc_ledger_account_open(dc_ledger *l, uint32_t uid, const char *job_id,
         return dc_err_set(err, DC_ENOSPACE, "ledger.max_jobs_per_uid",
                           "uid %u already has %zu jobs in the privacy ledger, the most "
                           "ledger.max_jobs_per_uid allows; a job's account goes once its "
-                          "sessions have ended (ledger.job_idle_s after its last step)", uid, n);
+                          "sessions have ended (ledger.job_idle_s after its last step)",
+                          uid, n);
     if (dc_ledger_persistent(l) && (rc = dc_ledger_load_account(l, uid, job_id, &acct, err)) != 0)
         return rc;
     if (!acct && !(acct = dc_ledger_account_new(l, uid, job_id)))

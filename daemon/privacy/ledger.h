@@ -81,8 +81,8 @@
 typedef struct dc_ledger_entry {
     double q, sigma;
     uint64_t steps;
-    uint64_t used;                /* the account's gen at its last spend: the oldest is folded */
-    double rdp[DC_RDP_N_ORDERS];  /* of one step */
+    uint64_t used;               /* the account's gen at its last spend: the oldest is folded */
+    double rdp[DC_RDP_N_ORDERS]; /* of one step */
 } dc_ledger_entry;
 
 typedef struct dc_ledger_waiter dc_ledger_waiter;
@@ -91,21 +91,21 @@ typedef struct dc_ledger dc_ledger;
 
 /* What a step of a data-parallel account is to its logical step. */
 typedef enum dc_dp_role {
-    DC_DP_NONE = 0,  /* not accounted (yet) */
-    DC_DP_CHARGED,   /* the first member: it charged the logical step */
-    DC_DP_COVERED,   /* a later member adding noise: covered by the charge */
-    DC_DP_SHARE      /* a later noiseless member: a share of the charge */
+    DC_DP_NONE = 0, /* not accounted (yet) */
+    DC_DP_CHARGED,  /* the first member: it charged the logical step */
+    DC_DP_COVERED,  /* a later member adding noise: covered by the charge */
+    DC_DP_SHARE     /* a later noiseless member: a share of the charge */
 } dc_dp_role;
 
 /* A step's membership of a data-parallel logical step: as the request
  * states it (ClipStep.data_parallel; world 0: none), then as accounted. */
 typedef struct dc_dp_member {
-    bool declared;        /* the request has ClipStep.data_parallel */
+    bool declared; /* the request has ClipStep.data_parallel */
     uint32_t world, rank;
-    uint64_t step;        /* 0: the rank's next; once accounted, the logical step */
-    double sigma;         /* the account's data-parallel sigma, as the step states it */
-    dc_dp_role role;      /* set by dc_ledger_dp_commit */
-    uint64_t gen;         /* the account's generation holding the charge: durable first */
+    uint64_t step;   /* 0: the rank's next; once accounted, the logical step */
+    double sigma;    /* the account's data-parallel sigma, as the step states it */
+    dc_dp_role role; /* set by dc_ledger_dp_commit */
+    uint64_t gen;    /* the account's generation holding the charge: durable first */
 } dc_dp_member;
 
 /* What every member of one logical step must agree on, so that the noise
@@ -127,10 +127,10 @@ typedef struct dc_ledger_dp_open {
 /* An account's data parallelism (allocated at its first data-parallel step, or
  * read back from its file). */
 typedef struct dc_ledger_dp {
-    uint32_t world;               /* fixed by the first member accepted; 0 = not yet */
-    double sigma;                 /* the account's sigma: every logical step is charged at it */
-    uint64_t newest;              /* the highest logical step charged (on disk) */
-    uint64_t *next;               /* [cap_next]: each rank's next logical step */
+    uint32_t world;  /* fixed by the first member accepted; 0 = not yet */
+    double sigma;    /* the account's sigma: every logical step is charged at it */
+    uint64_t newest; /* the highest logical step charged (on disk) */
+    uint64_t *next;  /* [cap_next]: each rank's next logical step */
     uint32_t cap_next;
     dc_ledger_dp_open open[DC_LEDGER_DP_WINDOW];
     size_t n_open;
@@ -140,7 +140,7 @@ typedef struct dc_ledger_dp {
  * once its charge, if any, is spent. */
 typedef struct dc_dp_plan {
     uint64_t step;
-    bool charge;                  /* no open logical step: this member charges it */
+    bool charge; /* no open logical step: this member charges it */
 } dc_dp_plan;
 
 /* An account: what one uid's job id has spent, and its terms. The job id is
@@ -148,23 +148,23 @@ typedef struct dc_dp_plan {
  * /status and /metrics show as "job". */
 typedef struct dc_ledger_account {
     struct dc_ledger_account *next;
-    dc_ledger *ledger;            /* its owner (refunds may need the curve cache) */
+    dc_ledger *ledger; /* its owner (refunds may need the curve cache) */
     uint32_t uid;
     char job_id[DC_LEDGER_JOB_ID_MAX];
-    uint64_t steps;               /* every step charged, folded ones included */
-    uint64_t shares;              /* noiseless data-parallel members seen (not on disk) */
-    dc_ledger_dp *dp;             /* data parallelism; NULL until the account declares it */
-    double delta;                 /* the account's delta: eps is reported at it */
-    double budget_eps;            /* the account's own budget at `delta`; 0 = none */
-    dc_ledger_entry *hist;        /* at most DC_LEDGER_HIST_MAX */
+    uint64_t steps;        /* every step charged, folded ones included */
+    uint64_t shares;       /* noiseless data-parallel members seen (not on disk) */
+    dc_ledger_dp *dp;      /* data parallelism; NULL until the account declares it */
+    double delta;          /* the account's delta: eps is reported at it */
+    double budget_eps;     /* the account's own budget at `delta`; 0 = none */
+    dc_ledger_entry *hist; /* at most DC_LEDGER_HIST_MAX */
     size_t n_hist, cap_hist;
-    uint64_t folded_steps;        /* steps of pairs folded out of hist */
+    uint64_t folded_steps;          /* steps of pairs folded out of hist */
     double folded[DC_RDP_N_ORDERS]; /* their RDP, summed (rounded up) */
-    double rdp[DC_RDP_N_ORDERS];  /* composed over folded + history */
-    double eps, best_order;       /* at delta, kept current */
-    int sessions;                 /* live sessions naming this account */
-    bool insecure;                /* spent under --insecure-fixed-seed: not private */
-    uint64_t used_ns;             /* uv_hrtime of its last step (or creation) */
+    double rdp[DC_RDP_N_ORDERS];    /* composed over folded + history */
+    double eps, best_order;         /* at delta, kept current */
+    int sessions;                   /* live sessions naming this account */
+    bool insecure;                  /* spent under --insecure-fixed-seed: not private */
+    uint64_t used_ns;               /* uv_hrtime of its last step (or creation) */
 
     /* Durability, driven by the server (loop thread). gen counts changes;
      * saved_gen is the last one on disk. */
@@ -184,15 +184,15 @@ struct dc_ledger_waiter {
 };
 
 struct dc_ledger {
-    char dir[256];                /* "" = in memory only */
+    char dir[256]; /* "" = in memory only */
     int lock_fd;
     double default_delta;
-    uint32_t max_jobs_per_uid;    /* ledger.max_jobs_per_uid; 0 = no cap */
-    uint64_t job_idle_ns;         /* ledger.job_idle_s; 0 = keep spent accounts */
-    bool insecure;                /* --insecure-fixed-seed: mark what is spent */
+    uint32_t max_jobs_per_uid; /* ledger.max_jobs_per_uid; 0 = no cap */
+    uint64_t job_idle_ns;      /* ledger.job_idle_s; 0 = keep spent accounts */
+    bool insecure;             /* --insecure-fixed-seed: mark what is spent */
     dc_ledger_account *accounts;
     size_t n_accounts;
-    uint64_t swept_ns;            /* last expiry sweep */
+    uint64_t swept_ns; /* last expiry sweep */
     /* Recently computed per-step RDP curves, so a new account (or a session
      * that changes q or sigma back and forth) rarely recomputes one. */
     dc_ledger_entry cache[DC_LEDGER_CACHE];
@@ -224,8 +224,8 @@ void dc_ledger_set_limits(dc_ledger *l, uint32_t max_jobs_per_uid, uint32_t job_
  * and *err) when the id is too long (field hello.job_id), the uid already
  * has max_jobs_per_uid accounts in memory (field ledger.max_jobs_per_uid),
  * its file cannot be read, or out of memory. */
-int dc_ledger_account_open(dc_ledger *l, uint32_t uid, const char *job_id,
-                           dc_ledger_account **out, dc_err *err);
+int dc_ledger_account_open(dc_ledger *l, uint32_t uid, const char *job_id, dc_ledger_account **out,
+                           dc_err *err);
 /* dc_ledger_account_open without the reason. */
 dc_ledger_account *dc_ledger_account_get(dc_ledger *l, uint32_t uid, const char *job_id);
 dc_ledger_account *dc_ledger_account_find(dc_ledger *l, uint32_t uid, const char *job_id);
@@ -237,8 +237,7 @@ size_t dc_ledger_expire(dc_ledger *l, uint64_t now_ns);
 /* Whether the curve of one step of (q, sigma) is at hand (the account's history
  * or the cache). When it is not, dc_ledger_eps_after and dc_ledger_spend
  * compute it on the calling thread: the loop asks dc_ledger_curve_async. */
-bool dc_ledger_has_curve(const dc_ledger *l, const dc_ledger_account *acct, double q,
-                         double sigma);
+bool dc_ledger_has_curve(const dc_ledger *l, const dc_ledger_account *acct, double q, double sigma);
 /* Computes that curve on libuv's thread pool and calls w->done(w, 0, NULL)
  * on the loop with it in the cache (w->q, w->sigma are set here). */
 void dc_ledger_curve_async(dc_ledger *l, uv_loop_t *loop, double q, double sigma,
@@ -288,13 +287,11 @@ void dc_ledger_dp_free(dc_ledger_account *acct);
  * the account's first step, then a different one is refused (field
  * clip_step.target_delta); the budget (0 = keep) is lowered, never raised.
  * Bumps gen when something changed. */
-int dc_ledger_account_terms(dc_ledger_account *acct, double delta, double budget_eps,
-                            dc_err *err);
+int dc_ledger_account_terms(dc_ledger_account *acct, double delta, double budget_eps, dc_err *err);
 
 /* The account's file contents (malloc'd, NUL-terminated) and its path. */
 int dc_ledger_serialize(const dc_ledger_account *acct, char **out, size_t *len);
-void dc_ledger_account_path(const dc_ledger *l, const dc_ledger_account *acct, char *out,
-                            size_t n);
+void dc_ledger_account_path(const dc_ledger *l, const dc_ledger_account *acct, char *out, size_t n);
 /* Replaces `path` with buf crash-safely (temp, fsync, rename, fsync dir).
  * Thread-safe: no ledger state involved. */
 int dc_ledger_write_file(const char *path, const char *buf, size_t len, dc_err *err);

@@ -32,16 +32,18 @@ int dc_ledger_dp_check(const dc_dp_member *m, double step_sigma, dc_err *err) {
     if (!(m->sigma > 0 && isfinite(m->sigma)))
         return dc_err_set(err, DC_EINVAL, "clip_step.data_parallel.noise_multiplier",
                           "the job's noise multiplier, added once per logical step by one of its "
-                          "members, must be finite and > 0 (%g given)", m->sigma);
+                          "members, must be finite and > 0 (%g given)",
+                          m->sigma);
     if (m->step >= DP_STEP_MAX)
         return dc_err_set(err, DC_EINVAL, "clip_step.data_parallel.step",
                           "logical step numbers are below 2^63");
     if (step_sigma != 0.0 && step_sigma < m->sigma)
-        return dc_err_set(err, DC_EINVAL, "clip_step.noise_multiplier",
-                          "a member of a data-parallel logical step adds its noise, at least the "
-                          "job's noise multiplier (data_parallel.noise_multiplier %g), or none (0); "
-                          "%g would be charged as %g while adding less",
-                          m->sigma, step_sigma, m->sigma);
+        return dc_err_set(
+            err, DC_EINVAL, "clip_step.noise_multiplier",
+            "a member of a data-parallel logical step adds its noise, at least the "
+            "job's noise multiplier (data_parallel.noise_multiplier %g), or none (0); "
+            "%g would be charged as %g while adding less",
+            m->sigma, step_sigma, m->sigma);
     return 0;
 }
 
@@ -51,9 +53,7 @@ static dc_ledger_dp_open *find_open(dc_ledger_dp *dp, uint64_t step) {
     return NULL;
 }
 
-static void close_open(dc_ledger_dp *dp, dc_ledger_dp_open *o) {
-    *o = dp->open[--dp->n_open];
-}
+static void close_open(dc_ledger_dp *dp, dc_ledger_dp_open *o) { *o = dp->open[--dp->n_open]; }
 
 /* A slot for a newly charged logical step: with the window full, the
  * oldest open step's place (a member of it that comes later charges it
@@ -99,7 +99,8 @@ int dc_ledger_dp_plan(dc_ledger_account *acct, const dc_dp_member *m, double ste
         return dc_err_set(err, DC_EPRECOND, "clip_step.data_parallel.noise_multiplier",
                           "job '%s' (uid %u) charges each logical step at noise multiplier %g, "
                           "fixed by its first data-parallel step; a step cannot declare %g (use "
-                          "a new job id)", acct->job_id, acct->uid, dp->sigma, m->sigma);
+                          "a new job id)",
+                          acct->job_id, acct->uid, dp->sigma, m->sigma);
     if (size_next(dp, m->world))
         return dc_err_set(err, DC_ENOSPACE, "ledger", "out of memory for the ledger");
     next = dp->next[m->rank];
@@ -108,7 +109,8 @@ int dc_ledger_dp_plan(dc_ledger_account *acct, const dc_dp_member *m, double ste
                           "rank %u of job '%s' (uid %u) has taken logical steps below %llu (the "
                           "job's numbers go on above %llu, its highest charged, after a restart): "
                           "each rank takes a logical step once, so %llu is refused; 0 takes the "
-                          "rank's next", m->rank, acct->job_id, acct->uid, (unsigned long long)next,
+                          "rank's next",
+                          m->rank, acct->job_id, acct->uid, (unsigned long long)next,
                           (unsigned long long)dp->newest, (unsigned long long)m->step);
     plan->step = m->step ? m->step : next;
     if (plan->step >= DP_STEP_MAX) /* a rank that named 2^63 - 1 has no next */
@@ -136,7 +138,8 @@ int dc_ledger_dp_plan(dc_ledger_account *acct, const dc_dp_member *m, double ste
         return dc_err_set(err, DC_EPRECOND, "clip_step.noise_multiplier",
                           "logical step %llu of job '%s' has %u noiseless members already: the "
                           "last of its %u ranks must add the noise (noise_multiplier at least "
-                          "%g)", (unsigned long long)o->step, acct->job_id, o->noiseless, dp->world,
+                          "%g)",
+                          (unsigned long long)o->step, acct->job_id, o->noiseless, dp->world,
                           dp->sigma);
     return 0;
 }

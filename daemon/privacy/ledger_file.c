@@ -103,8 +103,7 @@ int dc_ledger_write_file(const char *path, const char *buf, size_t len, dc_err *
     snprintf(tmp, sizeof tmp, "%s.tmp", path);
     fd = open(tmp, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0640);
     if (fd < 0)
-        return dc_err_set(err, DC_EUNAVAIL, "ledger", "cannot create %s: %s", tmp,
-                          strerror(errno));
+        return dc_err_set(err, DC_EUNAVAIL, "ledger", "cannot create %s: %s", tmp, strerror(errno));
     while (off < len) {
         ssize_t w = write(fd, buf + off, len - off);
         if (w < 0 && errno == EINTR) continue;
@@ -191,7 +190,10 @@ static int load_file(dc_ledger *l, const char *path, FILE *f, dc_ledger_account 
     int lineno = 0;
     dc_ledger_account *acct = NULL;
     const char *why = "unreadable";
-    struct { double q, sigma; unsigned long long n; } *ent = NULL;
+    struct {
+        double q, sigma;
+        unsigned long long n;
+    } *ent = NULL;
     size_t n_ent = 0;
 
     if (!fgets(line, sizeof line, f) ||
@@ -249,8 +251,7 @@ static int load_file(dc_ledger *l, const char *path, FILE *f, dc_ledger_account 
         val[0] = '\0';
         if (sscanf(line, "%31s %255s", key, val) < 1) continue;
         if (strcmp(key, "uid") == 0 && sscanf(val, "%u", &uid) == 1) have_uid = true;
-        else if (strcmp(key, "job") == 0 && unhex(val, job_id, sizeof job_id) == 0)
-            have_job = true;
+        else if (strcmp(key, "job") == 0 && unhex(val, job_id, sizeof job_id) == 0) have_job = true;
         else if (strcmp(key, "delta") == 0 && sscanf(val, "%lf", &delta) == 1) continue;
         else if (strcmp(key, "budget_epsilon") == 0 && sscanf(val, "%lf", &budget) == 1) continue;
         else if (strcmp(key, "steps") == 0 && sscanf(val, "%llu", &steps) == 1) continue;
@@ -262,8 +263,10 @@ static int load_file(dc_ledger *l, const char *path, FILE *f, dc_ledger_account 
         }
     }
     if (!ended || !have_uid || !have_job || sum != steps || !(delta > 0 && delta < 1)) {
-        why = !ended ? "truncated (no 'end' line)" : sum != steps ? "entries do not add up to "
-              "'steps'" : "missing uid, job or delta";
+        why = !ended         ? "truncated (no 'end' line)"
+              : sum != steps ? "entries do not add up to "
+                               "'steps'"
+                             : "missing uid, job or delta";
         lineno = 0;
         goto bad;
     }
@@ -303,11 +306,14 @@ oom:
 bad:
     free(ent);
     if (lineno)
-        return dc_err_set(err, DC_EINTERNAL, "ledger", "%s:%d: %s; refusing to start with a "
+        return dc_err_set(err, DC_EINTERNAL, "ledger",
+                          "%s:%d: %s; refusing to start with a "
                           "ledger that cannot be read (move the file away to reset that job)",
                           path, lineno, why);
-    return dc_err_set(err, DC_EINTERNAL, "ledger", "%s: %s; refusing to start with a ledger "
-                      "that cannot be read (move the file away to reset that job)", path, why);
+    return dc_err_set(err, DC_EINTERNAL, "ledger",
+                      "%s: %s; refusing to start with a ledger "
+                      "that cannot be read (move the file away to reset that job)",
+                      path, why);
 }
 
 static int load_path(dc_ledger *l, const char *path, dc_ledger_account **out, dc_err *err) {
@@ -319,8 +325,8 @@ static int load_path(dc_ledger *l, const char *path, dc_ledger_account **out, dc
     return rc;
 }
 
-int dc_ledger_load_account(dc_ledger *l, uint32_t uid, const char *job_id,
-                           dc_ledger_account **out, dc_err *err) {
+int dc_ledger_load_account(dc_ledger *l, uint32_t uid, const char *job_id, dc_ledger_account **out,
+                           dc_err *err) {
     char path[600];
     FILE *f;
     int rc;
@@ -330,8 +336,7 @@ int dc_ledger_load_account(dc_ledger *l, uint32_t uid, const char *job_id,
      * names an account that was dropped from memory. */
     if (!(f = fopen(path, "re"))) {
         if (errno == ENOENT) return 0;
-        return dc_err_set(err, DC_EUNAVAIL, "ledger", "cannot read %s: %s", path,
-                          strerror(errno));
+        return dc_err_set(err, DC_EUNAVAIL, "ledger", "cannot read %s: %s", path, strerror(errno));
     }
     rc = load_file(l, path, f, out, err);
     fclose(f);
@@ -368,13 +373,11 @@ int dc_ledger_open(dc_ledger *l, const char *dir, double default_delta, dc_err *
         return dc_err_set(err, DC_EINVAL, "ledger", "ledger directory path too long");
     snprintf(l->dir, sizeof l->dir, "%s", dir);
     if (mkdir(dir, 0750) != 0 && errno != EEXIST)
-        return dc_err_set(err, DC_EUNAVAIL, "ledger", "cannot create %s: %s", dir,
-                          strerror(errno));
+        return dc_err_set(err, DC_EUNAVAIL, "ledger", "cannot create %s: %s", dir, strerror(errno));
     snprintf(path, sizeof path, "%s/.lock", dir);
     l->lock_fd = open(path, O_RDWR | O_CREAT | O_CLOEXEC, 0640);
     if (l->lock_fd < 0)
-        return dc_err_set(err, DC_EUNAVAIL, "ledger", "cannot open %s: %s", path,
-                          strerror(errno));
+        return dc_err_set(err, DC_EUNAVAIL, "ledger", "cannot open %s: %s", path, strerror(errno));
     if (flock(l->lock_fd, LOCK_EX | LOCK_NB) != 0) {
         close(l->lock_fd);
         l->lock_fd = -1;

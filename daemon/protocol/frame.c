@@ -142,14 +142,13 @@ Dpclip__Request *dc_frame_decode(const dc_frame *f, dc_err *e) {
 }
 
 dc_req_kind dc_frame_kind(const Dpclip__Request *req) {
-    static const dc_req_kind kinds[] = {
-        [DPCLIP__REQUEST__BODY_HELLO] = DC_REQ_HELLO,
-        [DPCLIP__REQUEST__BODY_REGISTER_BUFFER] = DC_REQ_REGISTER,
-        [DPCLIP__REQUEST__BODY_RELEASE_BUFFER] = DC_REQ_RELEASE,
-        [DPCLIP__REQUEST__BODY_CLIP_STEP] = DC_REQ_STEP,
-        [DPCLIP__REQUEST__BODY_PING] = DC_REQ_PING,
-        [DPCLIP__REQUEST__BODY_REGISTER_EVENT] = DC_REQ_EVENT,
-        [DPCLIP__REQUEST__BODY_JOIN_GROUP] = DC_REQ_OTHER};
+    static const dc_req_kind kinds[] = {[DPCLIP__REQUEST__BODY_HELLO] = DC_REQ_HELLO,
+                                        [DPCLIP__REQUEST__BODY_REGISTER_BUFFER] = DC_REQ_REGISTER,
+                                        [DPCLIP__REQUEST__BODY_RELEASE_BUFFER] = DC_REQ_RELEASE,
+                                        [DPCLIP__REQUEST__BODY_CLIP_STEP] = DC_REQ_STEP,
+                                        [DPCLIP__REQUEST__BODY_PING] = DC_REQ_PING,
+                                        [DPCLIP__REQUEST__BODY_REGISTER_EVENT] = DC_REQ_EVENT,
+                                        [DPCLIP__REQUEST__BODY_JOIN_GROUP] = DC_REQ_OTHER};
     unsigned bc = req ? (unsigned)req->body_case : 0;
     return bc < sizeof kinds / sizeof kinds[0] && bc ? kinds[bc] : DC_REQ_OTHER;
 }

@@ -36,9 +36,12 @@ typedef struct dc_frame_in {
     uint8_t *buf;
     size_t len, cap, off;
     uint64_t base;
-    struct { int fd; uint64_t pos; } fds[DC_FRAME_MAX_FDS];
+    struct {
+        int fd;
+        uint64_t pos;
+    } fds[DC_FRAME_MAX_FDS];
     int nfds;
-    bool eof;                  /* the peer finished sending */
+    bool eof; /* the peer finished sending */
 } dc_frame_in;
 
 typedef struct dc_frame {
@@ -49,9 +52,9 @@ typedef struct dc_frame {
 } dc_frame;
 
 typedef enum dc_frame_status {
-    DC_FRAME_NONE = 0,         /* no whole frame buffered */
-    DC_FRAME_OK,               /* *f is the next frame */
-    DC_FRAME_TOO_LONG          /* the next frame's length is over the maximum */
+    DC_FRAME_NONE = 0, /* no whole frame buffered */
+    DC_FRAME_OK,       /* *f is the next frame */
+    DC_FRAME_TOO_LONG  /* the next frame's length is over the maximum */
 } dc_frame_status;
 
 void dc_frame_in_init(dc_frame_in *in);

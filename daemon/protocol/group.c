@@ -171,8 +171,7 @@ bool dc_group_replicas_agree(double a, double b) {
 /* Whether rank's copy of the replicated layers measures as the first copy
  * this group step saw (which it becomes if it is the first): NULL, or what
  * differs (in a static buffer, the loop thread's). */
-static const char *replica_differs(dc_group *g, uint32_t rank, const double *rep,
-                                   uint64_t hash) {
+static const char *replica_differs(dc_group *g, uint32_t rank, const double *rep, uint64_t hash) {
     static char why[160];
     const uint32_t B = g->terms.batch;
     if (!g->has_rep) {
@@ -184,15 +183,16 @@ static const char *replica_differs(dc_group *g, uint32_t rank, const double *rep
     }
     if (hash != g->rep_hash) {
         snprintf(why, sizeof why,
-                 "rank %u's copy of the replicated layers holds other data than rank %u's",
-                 rank, g->rep_from);
+                 "rank %u's copy of the replicated layers holds other data than rank %u's", rank,
+                 g->rep_from);
         return why;
     }
     for (uint32_t b = 0; b < B; b++)
         if (!dc_group_replicas_agree(rep[b], g->rep[b])) {
             snprintf(why, sizeof why,
                      "rank %u's copy of the replicated layers measures %.6g for sample %u, rank "
-                     "%u's %.6g", rank, rep[b], b, g->rep_from, g->rep[b]);
+                     "%u's %.6g",
+                     rank, rep[b], b, g->rep_from, g->rep[b]);
             return why;
         }
     return NULL;
@@ -240,8 +240,8 @@ void dc_group_answer(dc_group *g, uint64_t exchange_ns) {
         dc_group_waiter *next = bad->next_call;
         dc_err e;
         dc_err_set(&e, DC_EINVAL, "clip_step.batch_size",
-                   "rank %u's batch of %u is not its group step's %u", bad->rank,
-                   bad->terms.batch, batch);
+                   "rank %u's batch of %u is not its group step's %u", bad->rank, bad->terms.batch,
+                   batch);
         bad->done(bad, e.code, NULL, &e);
         bad = next;
     }
@@ -291,8 +291,7 @@ static void split_unrun(dc_group *g) {
 static bool fuse_or_split(dc_group *g) {
     uint32_t unrun = 0;
     g->split_devices = !one_device(g);
-    for (uint32_t r = 0; r < g->size; r++)
-        unrun += g->waiting[r] && !g->waiting[r]->partial;
+    for (uint32_t r = 0; r < g->size; r++) unrun += g->waiting[r] && !g->waiting[r]->partial;
     if (unrun == 0) return false;
     if (unrun == g->n_waiting && !g->split_devices) {
         uint32_t n;
@@ -311,7 +310,8 @@ int dc_group_join_check(const dc_groups *gs, const dc_group_spec *sp, dc_err *er
     if (sp->timeout_ms > gs->max_timeout_ms)
         return dc_err_set(err, DC_EINVAL, "join_group.timeout_ms",
                           "%u ms is over the longest wait this daemon allows, %u ms "
-                          "(limits.max_group_timeout_ms)", sp->timeout_ms, gs->max_timeout_ms);
+                          "(limits.max_group_timeout_ms)",
+                          sp->timeout_ms, gs->max_timeout_ms);
     if (sp->size == 0 || sp->size > gs->max_size)
         return dc_err_set(err, DC_EINVAL, "join_group.size",
                           "size %u outside [1, %u] (limits.max_group_size)", sp->size,
@@ -333,8 +333,8 @@ int dc_group_join_check(const dc_groups *gs, const dc_group_spec *sp, dc_err *er
     if (sp->local_size == 0 || sp->local_size > sp->size - (sp->daemons - 1))
         return dc_err_set(err, DC_EINVAL, "join_group.local_size",
                           "%u members on this daemon: outside [1, %u] for %u members on %u "
-                          "daemons", sp->local_size, sp->size - (sp->daemons - 1), sp->size,
-                          sp->daemons);
+                          "daemons",
+                          sp->local_size, sp->size - (sp->daemons - 1), sp->size, sp->daemons);
     if (sp->rank == 0 && sp->daemon_rank != 0)
         return dc_err_set(err, DC_EINVAL, "join_group.daemon_rank",
                           "rank 0's daemon is daemon 0 (it makes the group's NCCL id)");
@@ -354,7 +354,8 @@ int dc_group_join_check(const dc_groups *gs, const dc_group_spec *sp, dc_err *er
         dc_nccl_version_str(dc_nccl_version(), b, sizeof b);
         return dc_err_set(err, DC_EINVAL, "join_group.nccl_version",
                           "daemon 0 of the group runs NCCL %s, this daemon NCCL %s: the daemons "
-                          "of a group need the same NCCL", a, b);
+                          "of a group need the same NCCL",
+                          a, b);
     }
     if (!sp->nccl_id && sp->rank != 0)
         return dc_err_set(err, DC_EINVAL, "join_group.nccl_id",
@@ -417,7 +418,8 @@ int dc_group_join(dc_groups *gs, uint32_t uid, const dc_group_spec *sp, dc_group
         if (multi && gs->links >= gs->max_links)
             return dc_err_set(err, DC_ENOSPACE, "join_group.daemons",
                               "this daemon holds %u groups across daemons already "
-                              "(limits.max_group_links)", gs->links);
+                              "(limits.max_group_links)",
+                              gs->links);
         if (multi && !sp->nccl_id && (rc = dc_nccl_unique_id(id, err))) return rc;
         g = calloc(1, sizeof *g);
         if (!g || !(g->joined = calloc(sp->size, sizeof *g->joined)) ||
@@ -537,8 +539,8 @@ int dc_group_deliver(dc_group *g, dc_group_waiter *w, dc_err *err) {
         dc_err e;
         dc_err_set(&e, DC_EUNAVAIL, "clip_step.group_step",
                    "norm group '%s': rank %u moved on to group step %llu, so group step %llu "
-                   "was given up", g->name, w->rank, (unsigned long long)w->step,
-                   (unsigned long long)g->cur);
+                   "was given up",
+                   g->name, w->rank, (unsigned long long)w->step, (unsigned long long)g->cur);
         g->has_failed = true;
         g->failed = g->cur;
         g->failed_err = e;
@@ -549,8 +551,8 @@ int dc_group_deliver(dc_group *g, dc_group_waiter *w, dc_err *err) {
     }
     if (g->active && w->step != g->cur)
         return dc_err_set(err, DC_EPRECOND, "clip_step.group_step",
-                          "rank %u sent group step %llu while the group is at step %llu",
-                          w->rank, (unsigned long long)w->step, (unsigned long long)g->cur);
+                          "rank %u sent group step %llu while the group is at step %llu", w->rank,
+                          (unsigned long long)w->step, (unsigned long long)g->cur);
     if (!g->active) {
         if (w->terms.batch > g->tot_cap) {
             double *t = realloc(g->tot, w->terms.batch * sizeof *t), *r;

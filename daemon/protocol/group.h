@@ -117,23 +117,23 @@ struct dc_group_waiter {
 typedef struct dc_group_spec {
     const char *name;
     uint32_t rank, size;
-    uint32_t timeout_ms;            /* 0 = groups.timeout_ms */
+    uint32_t timeout_ms; /* 0 = groups.timeout_ms */
     dc_group_clipping clipping;
-    const char *job_id;             /* the member's ledger job (coverage is per job) */
+    const char *job_id; /* the member's ledger job (coverage is per job) */
     /* Across daemons (daemons > 1): this daemon's place and how many of the
      * members use it; the NCCL id made by daemon 0 (NULL on rank 0's join,
      * which makes it) and that daemon's NCCL version. */
     uint32_t daemons, daemon_rank, local_size;
     const uint8_t *nccl_id;
     uint32_t nccl_version;
-    int device;                     /* the GPU the link uses; -1 = none */
+    int device; /* the GPU the link uses; -1 = none */
 } dc_group_spec;
 
 /* The cross-daemon link's state, for /status. */
 typedef enum dc_group_link {
-    DC_GROUP_LINK_NONE = 0,    /* one daemon: no link */
-    DC_GROUP_LINK_WAITING,     /* for this daemon's members to join */
-    DC_GROUP_LINK_FORMING,     /* the NCCL communicator is being formed */
+    DC_GROUP_LINK_NONE = 0, /* one daemon: no link */
+    DC_GROUP_LINK_WAITING,  /* for this daemon's members to join */
+    DC_GROUP_LINK_FORMING,  /* the NCCL communicator is being formed */
     DC_GROUP_LINK_READY,
     DC_GROUP_LINK_BROKEN
 } dc_group_link;
@@ -143,11 +143,11 @@ typedef struct dc_groups {
     uv_loop_t *loop;
     dc_group *list;
     uint64_t next_id;
-    uint64_t key_seed;      /* secret: group noise keys derive from it */
-    uint32_t max_size;      /* limits.max_group_size */
-    uint32_t max_links;     /* limits.max_group_links */
-    uint32_t links;         /* cross-daemon groups held now */
-    uint32_t timeout_ms;    /* groups.timeout_ms, a join may ask for another */
+    uint64_t key_seed;       /* secret: group noise keys derive from it */
+    uint32_t max_size;       /* limits.max_group_size */
+    uint32_t max_links;      /* limits.max_group_links */
+    uint32_t links;          /* cross-daemon groups held now */
+    uint32_t timeout_ms;     /* groups.timeout_ms, a join may ask for another */
     uint32_t max_timeout_ms; /* limits.max_group_timeout_ms: the longest it may ask for */
     /* totals, for /status and /metrics */
     uint64_t formed, dissolved, reductions, timeouts;
@@ -239,9 +239,9 @@ typedef struct dc_group_info {
     uint32_t size, joined, waiting;
     dc_group_clipping clipping;
     bool dissolved;
-    uint64_t step;          /* the group step being reduced, 0 = none */
-    uint64_t reductions;    /* group steps completed */
-    uint64_t last_wait_ns;  /* the last one's first delivery to its totals */
+    uint64_t step;         /* the group step being reduced, 0 = none */
+    uint64_t reductions;   /* group steps completed */
+    uint64_t last_wait_ns; /* the last one's first delivery to its totals */
     uint32_t daemons, daemon_rank, local_size;
     dc_group_link link;
     uint64_t exchanges;        /* cross-daemon exchanges completed */

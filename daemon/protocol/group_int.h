@@ -24,29 +24,29 @@ struct dc_group {
     uint32_t size, timeout_ms;
     dc_group_clipping clipping;
     uint64_t noise_key;
-    int refs;                  /* members holding it */
-    bool *joined;              /* [size] */
+    int refs;     /* members holding it */
+    bool *joined; /* [size] */
     uint32_t n_joined;
     bool dissolved;
-    bool closing;              /* its timer's close is under way: freed in its callback */
+    bool closing; /* its timer's close is under way: freed in its callback */
     char why[256];
     /* the group step being reduced, while `active`: a flag, not a sentinel
      * value of cur, so that no step number a client sends can mean "none" */
     bool active;
     uint64_t cur;
-    dc_group_waiter **waiting; /* [size] */
+    dc_group_waiter **waiting;  /* [size] */
     dc_group_waiter **unfusing; /* [size]: unrun steps sent to compute their norms */
     uint32_t n_waiting;
     /* The last group step's members were on different devices: later steps
      * compute their norms on arrival instead of waiting to be fused. */
     bool split_devices;
-    dc_group_terms terms;      /* of the first member to deliver */
+    dc_group_terms terms; /* of the first member to deliver */
     uint32_t first_rank;
-    double *tot;               /* [terms.batch] */
-    double *rep;               /* [terms.batch]: the first copy of the replicated layers */
+    double *tot; /* [terms.batch] */
+    double *rep; /* [terms.batch]: the first copy of the replicated layers */
     bool has_rep;
-    uint64_t rep_hash;         /* and its checksum */
-    uint32_t rep_from;         /* the rank it came from */
+    uint64_t rep_hash; /* and its checksum */
+    uint32_t rep_from; /* the rank it came from */
     uint32_t tot_cap;
     uint64_t t_first, last_wait_ns, reductions;
     /* the last group step that failed on a member, and why */
@@ -59,12 +59,12 @@ struct dc_group {
     int device;
     uint8_t nccl_id[DC_NCCL_ID_BYTES];
     uint32_t nccl_version;
-    bool made_id;              /* this daemon made the id (rank 0's join) */
+    bool made_id; /* this daemon made the id (rank 0's join) */
     dc_group_link link_state;
     dc_nccl *link;
-    bool exchange_due;         /* the local totals wait for the link to form */
+    bool exchange_due; /* the local totals wait for the link to form */
     dc_nccl_op op;
-    uint8_t *xsend, *xrecv;    /* the exchange's bytes, this daemon's and all */
+    uint8_t *xsend, *xrecv; /* the exchange's bytes, this daemon's and all */
     size_t xcap;
     uint64_t t_local, exchanges, last_exchange_ns;
     /* Coverage (dc_group_covers): each member's job id, the leader's last
@@ -72,7 +72,7 @@ struct dc_group {
     char (*job_ids)[DC_GROUP_JOB_ID_MAX]; /* [size] */
     group_charge charges[DC_GROUP_CHARGED_WINDOW];
     uint32_t n_charges, next_charge;
-    uint64_t *covered;             /* [size] */
+    uint64_t *covered; /* [size] */
 };
 
 /* group.c */

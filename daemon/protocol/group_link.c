@@ -59,8 +59,8 @@ static void on_link_state(dc_nccl *link, dc_nccl_state st, const dc_err *err, vo
 int dc_group_link_open(dc_group *g, dc_err *err) {
     int rc;
     if (g->daemons <= 1 || g->link || g->n_joined < g->local_size) return 0;
-    if ((rc = dc_nccl_open(g->gs->loop, g->device, g->nccl_id, (int)g->daemons,
-                           (int)g->daemon_rank, g->timeout_ms, on_link_state, g, &g->link, err)))
+    if ((rc = dc_nccl_open(g->gs->loop, g->device, g->nccl_id, (int)g->daemons, (int)g->daemon_rank,
+                           g->timeout_ms, on_link_state, g, &g->link, err)))
         return rc;
     g->link_state = DC_GROUP_LINK_FORMING;
     return 0;
@@ -105,8 +105,10 @@ static void on_exchanged(dc_nccl_op *op) {
         t.micro_batch = h.micro_batch;
         t.commit = h.commit != 0;
         if ((f = dc_group_terms_differ(&g->terms, &t))) {
-            fail_exchange(g, "the members on daemon %u and on this daemon (%u) disagree on %s in "
-                          "group step %llu", d, g->daemon_rank, f, (unsigned long long)g->cur);
+            fail_exchange(g,
+                          "the members on daemon %u and on this daemon (%u) disagree on %s in "
+                          "group step %llu",
+                          d, g->daemon_rank, f, (unsigned long long)g->cur);
             return;
         }
     }
@@ -117,9 +119,10 @@ static void on_exchanged(dc_nccl_op *op) {
         memcpy(&h, g->xrecv + d * each, sizeof h);
         if (!h.has_rep || !mine.has_rep) {
             if (h.has_rep != mine.has_rep) {
-                fail_exchange(g, "daemon %u and this daemon (%u) disagree on whether group step "
-                              "%llu has replicated layers", d, g->daemon_rank,
-                              (unsigned long long)g->cur);
+                fail_exchange(g,
+                              "daemon %u and this daemon (%u) disagree on whether group step "
+                              "%llu has replicated layers",
+                              d, g->daemon_rank, (unsigned long long)g->cur);
                 return;
             }
             continue;
@@ -130,7 +133,8 @@ static void on_exchanged(dc_nccl_op *op) {
             memcpy(&w, g->xrecv + g->daemon_rank * each + sizeof(link_head) + (B + b) * sizeof w,
                    sizeof w);
             if (!dc_group_replicas_agree(v, w)) {
-                fail_exchange(g, "group step %llu: the copy of the replicated layers on daemon "
+                fail_exchange(g,
+                              "group step %llu: the copy of the replicated layers on daemon "
                               "%u measures %.6g for sample %zu, this daemon's (%u) %.6g",
                               (unsigned long long)g->cur, d, v, b, g->daemon_rank, w);
                 return;
@@ -213,4 +217,3 @@ static void fail_exchange(dc_group *g, const char *fmt, ...) {
     dc_group_dissolve(g, why);
     dc_group_maybe_free(g);
 }
-

@@ -42,7 +42,7 @@ typedef struct dc_session dc_session;
  * after a reload has changed its own, so a session sees a reload exactly
  * when it saw it in the configuration itself. */
 typedef struct dc_host_cfg {
-    bool fixed_seed;               /* --insecure-fixed-seed: every reply says so */
+    bool fixed_seed; /* --insecure-fixed-seed: every reply says so */
     /* [limits] a session checks */
     uint32_t max_buffers, max_buffers_per_uid;
     uint64_t max_mapped_bytes_per_uid; /* 0 = no cap */
@@ -56,14 +56,14 @@ typedef struct dc_host_cfg {
     /* [groups] */
     bool group_fuse;
     /* [daemon] */
-    uint64_t gpu_workspace;        /* bytes preallocated per GPU backend */
+    uint64_t gpu_workspace; /* bytes preallocated per GPU backend */
     /* [access]: empty lists = whoever can open the socket */
     uint32_t allowed_uids[DC_HOST_MAX_IDS];
     size_t n_allowed_uids;
     uint32_t allowed_gids[DC_HOST_MAX_IDS];
     size_t n_allowed_gids;
     /* [ledger] */
-    double budget_epsilon;         /* 0 = no node-wide budget per job */
+    double budget_epsilon; /* 0 = no node-wide budget per job */
     double budget_delta;
     bool require_sample_rate;
 } dc_host_cfg;
@@ -99,25 +99,25 @@ typedef struct dc_host_ops {
 
 typedef struct dc_host {
     const dc_host_ops *ops;
-    void *ctx;                     /* the server, passed to every op */
+    void *ctx; /* the server, passed to every op */
     uv_loop_t *loop;
     dc_host_cfg cfg;
-    const dc_limits *limits;       /* what validation reads (reloadable) */
+    const dc_limits *limits; /* what validation reads (reloadable) */
     /* Fixed once the daemon runs. */
-    int workers;                   /* CPU workers */
-    uint64_t spin_ns;              /* daemon.spin_us: 0 = no polling windows */
-    uint64_t noise_key;            /* from getrandom, or the fixed test seed */
+    int workers;        /* CPU workers */
+    uint64_t spin_ns;   /* daemon.spin_us: 0 = no polling windows */
+    uint64_t noise_key; /* from getrandom, or the fixed test seed */
     /* The daemon's state, which sessions read and update. */
     dc_metrics *metrics;
     dc_ledger *ledger;
     dc_groups *groups;
-    dc_gpu *gpu;                   /* zero GPUs without CUDA */
+    dc_gpu *gpu; /* zero GPUs without CUDA */
     dc_worker_pool *cpu_pool;
     dc_registry_totals *buf_totals; /* every session's buffers, against the daemon's caps */
-    uint64_t *gpu_workspace;       /* [DC_MAX_GPUS]: bytes each GPU's backend holds */
+    uint64_t *gpu_workspace;        /* [DC_MAX_GPUS]: bytes each GPU's backend holds */
     /* Counters, so that an id is never reused within the daemon's life. */
     uint64_t *next_session_id, *next_buffer_id;
-    uint64_t *noise_steps;         /* steps drawn so far: the noise counter */
+    uint64_t *noise_steps; /* steps drawn so far: the noise counter */
 } dc_host;
 
 static inline void dc_host_uid_usage(const dc_host *h, uint32_t uid, dc_uid_usage *mine,

@@ -28,10 +28,10 @@ struct dc_nccl {
     ncclUniqueId id;
     dc_nccl_state_cb on_state;
     void *arg;
-    atomic_bool closing;          /* loop -> thread: abort and end */
+    atomic_bool closing; /* loop -> thread: abort and end */
     /* loop thread only */
     dc_nccl_state state;
-    dc_nccl_op *op;               /* the exchange in flight */
+    dc_nccl_op *op;                 /* the exchange in flight */
     uint8_t *send_copy, *recv_copy; /* op's bytes; the thread reads/writes them in flight */
     size_t copy_cap;
     size_t op_bytes;
@@ -46,7 +46,7 @@ struct dc_nccl {
     ncclComm_t comm;
     cudaStream_t stream;
     void *d_send, *d_recv, *h_send, *h_recv;
-    size_t dev_cap;               /* bytes per rank the buffers hold */
+    size_t dev_cap; /* bytes per rank the buffers hold */
 };
 
 uint32_t dc_nccl_version(void) {
@@ -90,8 +90,7 @@ static int cuda_fail(dc_err *err, const char *what, cudaError_t e) {
 /* Waits until NCCL has no call in progress on the link and, when `stream`,
  * until its stream is idle; within deadline (ns, uv_hrtime) and until the
  * link is closed. */
-static int wait_done(dc_nccl *l, uint64_t deadline, bool stream, const char *what,
-                     dc_err *err) {
+static int wait_done(dc_nccl *l, uint64_t deadline, bool stream, const char *what, dc_err *err) {
     for (unsigned spins = 0;; spins++) {
         ncclResult_t ar;
         ncclResult_t r = ncclCommGetAsyncError(l->comm, &ar);
@@ -278,8 +277,8 @@ static void on_async(uv_async_t *a) {
 }
 
 int dc_nccl_open(uv_loop_t *loop, int device, const uint8_t id[DC_NCCL_ID_BYTES], int ranks,
-                 int rank, uint32_t timeout_ms, dc_nccl_state_cb on_state, void *arg,
-                 dc_nccl **out, dc_err *err) {
+                 int rank, uint32_t timeout_ms, dc_nccl_state_cb on_state, void *arg, dc_nccl **out,
+                 dc_err *err) {
     dc_nccl *l = calloc(1, sizeof *l);
     if (!l) return dc_err_set(err, DC_ENOSPACE, "join_group", "out of memory");
     l->loop = loop;
@@ -361,8 +360,8 @@ int dc_nccl_unique_id(uint8_t id[DC_NCCL_ID_BYTES], dc_err *err) {
 }
 
 int dc_nccl_open(uv_loop_t *loop, int device, const uint8_t id[DC_NCCL_ID_BYTES], int ranks,
-                 int rank, uint32_t timeout_ms, dc_nccl_state_cb on_state, void *arg,
-                 dc_nccl **out, dc_err *err) {
+                 int rank, uint32_t timeout_ms, dc_nccl_state_cb on_state, void *arg, dc_nccl **out,
+                 dc_err *err) {
     (void)loop, (void)device, (void)id, (void)ranks, (void)rank, (void)timeout_ms;
     (void)on_state, (void)arg, (void)out;
     return no_nccl(err);

@@ -37,7 +37,7 @@
 typedef enum dc_nccl_state {
     DC_NCCL_FORMING = 0, /* ncclCommInitRankConfig in progress */
     DC_NCCL_READY = 1,
-    DC_NCCL_BROKEN = 2   /* aborted: timed out, a peer failed, or closed */
+    DC_NCCL_BROKEN = 2 /* aborted: timed out, a peer failed, or closed */
 } dc_nccl_state;
 
 typedef struct dc_nccl dc_nccl;
@@ -60,8 +60,7 @@ struct dc_nccl_op {
 };
 
 /* Called on the loop thread when the link formed or broke. */
-typedef void (*dc_nccl_state_cb)(dc_nccl *link, dc_nccl_state state, const dc_err *err,
-                                 void *arg);
+typedef void (*dc_nccl_state_cb)(dc_nccl *link, dc_nccl_state state, const dc_err *err, void *arg);
 
 /* The NCCL version code of this build's library (e.g. 22809), 0 without. */
 uint32_t dc_nccl_version(void);
@@ -74,8 +73,8 @@ int dc_nccl_unique_id(uint8_t id[DC_NCCL_ID_BYTES], dc_err *err);
 /* Starts forming the link of rank `rank` of `ranks` on CUDA device `device`;
  * on_state reports READY or BROKEN (within timeout_ms). */
 int dc_nccl_open(uv_loop_t *loop, int device, const uint8_t id[DC_NCCL_ID_BYTES], int ranks,
-                 int rank, uint32_t timeout_ms, dc_nccl_state_cb on_state, void *arg,
-                 dc_nccl **out, dc_err *err);
+                 int rank, uint32_t timeout_ms, dc_nccl_state_cb on_state, void *arg, dc_nccl **out,
+                 dc_err *err);
 /* Queues an exchange; one at a time (a group reduces one step at a time).
  * On a link not READY it fails (returns the error, done is not called). */
 int dc_nccl_submit(dc_nccl *link, dc_nccl_op *op, dc_err *err);

@@ -17,10 +17,7 @@
 
 /* The tags, one byte each: Request.id (field 1, varint) and
  * Request.clip_step (field 13, length-delimited). */
-typedef enum dc_wire_tag {
-    DC_WIRE_TAG_ID = 0x08,
-    DC_WIRE_TAG_CLIP_STEP = 0x6a
-} dc_wire_tag;
+typedef enum dc_wire_tag { DC_WIRE_TAG_ID = 0x08, DC_WIRE_TAG_CLIP_STEP = 0x6a } dc_wire_tag;
 
 /* protobuf-c's bounds (protobuf-c.c: scan_varint, scan_length_prefix): a
  * varint ends within 10 bytes, a length prefix within 5. */

@@ -80,8 +80,7 @@ void dc_session_send(dc_session *s, Dpclip__Reply *reply) {
     n = dpclip__reply__get_packed_size(reply);
     w = malloc(sizeof *w + DC_FRAME_HEADER + n);
     if (!w) {
-        dc_log_error("session %llu: out of memory for a reply; closing",
-                     (unsigned long long)s->id);
+        dc_log_error("session %llu: out of memory for a reply; closing", (unsigned long long)s->id);
         dc_session_close(s);
         return;
     }
@@ -123,8 +122,9 @@ void dc_session_send_error(dc_session *s, uint64_t id, const dc_err *e) {
     /* Replies go in request order and a step holds back the requests after
      * it: an error for the last ClipStep's id is that step's. */
     if (id && id == s->step_req_id) log_failed_step(s, e);
-    else dc_log_debug("session %llu: request %llu: error %d %s: %s", (unsigned long long)s->id,
-                      (unsigned long long)id, (int)e->code, e->field, e->msg);
+    else
+        dc_log_debug("session %llu: request %llu: error %d %s: %s", (unsigned long long)s->id,
+                     (unsigned long long)id, (int)e->code, e->field, e->msg);
     dc_session_send(s, &reply);
 }
 
@@ -155,8 +155,7 @@ static bool peer_allowed(const dc_session *s) {
         socklen_t len = sizeof groups;
         if (getsockopt(s->fd, SOL_SOCKET, SO_PEERGROUPS, groups, &len) == 0)
             for (size_t i = 0; i < len / sizeof groups[0]; i++)
-                if (id_listed(c->allowed_gids, c->n_allowed_gids, (uint32_t)groups[i]))
-                    return true;
+                if (id_listed(c->allowed_gids, c->n_allowed_gids, (uint32_t)groups[i])) return true;
     }
 #endif
     return false;
@@ -189,8 +188,10 @@ static void handle_hello(dc_session *s, uint64_t id, const Dpclip__Hello *h) {
     }
     if (!peer_allowed(s)) {
         host->metrics->sessions_refused++;
-        dc_err_set(&e, DC_EPERM, "hello", "uid %u (gid %u) may not use this daemon: see "
-                   "[access] in its configuration", (unsigned)s->peer_uid, (unsigned)s->peer_gid);
+        dc_err_set(&e, DC_EPERM, "hello",
+                   "uid %u (gid %u) may not use this daemon: see "
+                   "[access] in its configuration",
+                   (unsigned)s->peer_uid, (unsigned)s->peer_gid);
         dc_log_warn("session %llu: pid %d uid %u refused by [access]", (unsigned long long)s->id,
                     (int)s->peer_pid, (unsigned)s->peer_uid);
         dc_session_reject(s, id, &e);
@@ -211,8 +212,8 @@ static void handle_hello(dc_session *s, uint64_t id, const Dpclip__Hello *h) {
     s->hello_done = true;
     dc_session_limits_changed(s); /* from the handshake's deadline to the idle one */
     dc_log_info("session %llu: hello from pid %d uid %u client '%s' job '%s'",
-                (unsigned long long)s->id, (int)s->peer_pid, (unsigned)s->peer_uid,
-                s->client_name, s->job_id);
+                (unsigned long long)s->id, (int)s->peer_pid, (unsigned)s->peer_uid, s->client_name,
+                s->job_id);
 
     snprintf(cpu_name, sizeof cpu_name, "cpu (%d workers)", host->workers);
     dpclip__device__init(&devs[nd]);
@@ -257,7 +258,8 @@ static void handle_register(dc_session *s, uint64_t id, const Dpclip__RegisterBu
     if (s->reg.n >= s->host->cfg.max_buffers) {
         dc_err_set(&e, DC_ENOSPACE, "limits.max_buffers",
                    "this session already has %u buffers, the limit per session "
-                   "(limits.max_buffers)", s->host->cfg.max_buffers);
+                   "(limits.max_buffers)",
+                   s->host->cfg.max_buffers);
         goto fail;
     }
     dc_host_uid_usage(s->host, (uint32_t)s->peer_uid, &u, NULL);
@@ -272,7 +274,8 @@ static void handle_register(dc_session *s, uint64_t id, const Dpclip__RegisterBu
     if (s->host->buf_totals->buffers >= s->host->buf_totals->max_buffers) {
         dc_err_set(&e, DC_ENOSPACE, "limits.max_buffers_total",
                    "the daemon holds %llu buffers for all its sessions, its limit "
-                   "(limits.max_buffers_total)", (unsigned long long)s->host->buf_totals->buffers);
+                   "(limits.max_buffers_total)",
+                   (unsigned long long)s->host->buf_totals->buffers);
         goto fail;
     }
     if (m->kind == DPCLIP__BUFFER_KIND__CUDA_IPC) {
@@ -372,9 +375,7 @@ static void dispatch(dc_session *s, const dc_frame *f) {
         goto out;
     }
     switch (req->body_case) {
-    case DPCLIP__REQUEST__BODY_HELLO:
-        handle_hello(s, req->id, req->hello);
-        break;
+    case DPCLIP__REQUEST__BODY_HELLO: handle_hello(s, req->id, req->hello); break;
     case DPCLIP__REQUEST__BODY_REGISTER_BUFFER:
         handle_register(s, req->id, req->register_buffer, f->fds, f->nfds);
         break;
@@ -427,7 +428,8 @@ void dc_session_process(dc_session *s) {
                 dc_err_set(&e, DC_EPROTO, "frame.length",
                            "frame of %u bytes exceeds the maximum of %u; closing", f.len, max);
             else
-                dc_err_set(&e, DC_EPROTO, "frame.length", "frame of %u bytes before Hello "
+                dc_err_set(&e, DC_EPROTO, "frame.length",
+                           "frame of %u bytes before Hello "
                            "exceeds the %u a connection may send before its Hello; closing",
                            f.len, max);
             dc_session_reject(s, 0, &e);
@@ -454,7 +456,8 @@ void dc_session_process(dc_session *s) {
     if (s->in.eof && !dc_session_busy(s) && !s->closing && !held) {
         if (dc_frame_buffered(&s->in)) {
             dc_err e;
-            dc_err_set(&e, DC_EPROTO, "frame", "truncated frame: connection ended after %zu of a frame's bytes",
+            dc_err_set(&e, DC_EPROTO, "frame",
+                       "truncated frame: connection ended after %zu of a frame's bytes",
                        dc_frame_buffered(&s->in));
             dc_session_reject(s, 0, &e);
         }
@@ -649,8 +652,7 @@ void dc_session_destroy(dc_session *s) {
            "session %llu: closed after %llu steps done, %llu failed running; pid %d uid %u "
            "job '%s'",
            (unsigned long long)s->id, (unsigned long long)s->steps,
-           (unsigned long long)s->steps_failed, (int)s->peer_pid, (unsigned)s->peer_uid,
-           s->job_id);
+           (unsigned long long)s->steps_failed, (int)s->peer_pid, (unsigned)s->peer_uid, s->job_id);
     while (s->w_head) {
         dc_wbuf *w = s->w_head;
         s->w_head = w->next;

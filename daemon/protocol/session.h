@@ -28,23 +28,23 @@ typedef struct dc_host dc_host;
 typedef struct dc_wbuf dc_wbuf;
 
 typedef struct dc_session {
-    struct dc_session *prev, *next;  /* server list */
-    dc_host *host;                   /* the daemon it runs in (host.h) */
+    struct dc_session *prev, *next; /* server list */
+    dc_host *host;                  /* the daemon it runs in (host.h) */
     uint64_t id;
     int fd;
     uv_poll_t poll;
-    int poll_events;                 /* current uv_poll interest */
-    uv_timer_t timer;                /* the handshake's deadline, then the idle one */
-    int handles_open;                /* poll and timer, until both are closed */
+    int poll_events;  /* current uv_poll interest */
+    uv_timer_t timer; /* the handshake's deadline, then the idle one */
+    int handles_open; /* poll and timer, until both are closed */
     pid_t peer_pid;
     uid_t peer_uid;
     gid_t peer_gid;
     char client_name[64];
     char job_id[64];
 
-    dc_frame_in in;                  /* bytes and fds received, not yet answered */
+    dc_frame_in in; /* bytes and fds received, not yet answered */
 
-    dc_wbuf *w_head, *w_tail;        /* replies not yet written */
+    dc_wbuf *w_head, *w_tail; /* replies not yet written */
     size_t w_bytes;
 
     bool hello_done;
@@ -59,24 +59,24 @@ typedef struct dc_session {
     dc_registry reg;
     uint64_t steps;
     uint64_t steps_failed;
-    uint64_t ewma_gpu_run_ns;        /* recent GPU steps' worker time */
-    uint64_t ewma_notice_ns;         /* recent steps' submit-to-early-notice time */
-    uint64_t ewma_period_ns;         /* recent time between this session's steps */
-    uint64_t prev_step_frame;        /* t_frame of the last step request, 0 = none */
-    uint64_t connected_ns;           /* uv_hrtime at accept */
-    uint64_t t_frame;                /* uv_hrtime when the current request began decoding */
-    uint64_t last_step_ns;           /* uv_hrtime of the last reply to a step, 0 = none */
-    uint64_t last_send_ns;           /* how long the last send() took (debug log) */
-    dc_ledger_account *account;      /* the ledger's (uid, job id) since Hello; not owned */
-    struct dc_group *group;          /* the norm group joined (a reference), or NULL */
+    uint64_t ewma_gpu_run_ns;   /* recent GPU steps' worker time */
+    uint64_t ewma_notice_ns;    /* recent steps' submit-to-early-notice time */
+    uint64_t ewma_period_ns;    /* recent time between this session's steps */
+    uint64_t prev_step_frame;   /* t_frame of the last step request, 0 = none */
+    uint64_t connected_ns;      /* uv_hrtime at accept */
+    uint64_t t_frame;           /* uv_hrtime when the current request began decoding */
+    uint64_t last_step_ns;      /* uv_hrtime of the last reply to a step, 0 = none */
+    uint64_t last_send_ns;      /* how long the last send() took (debug log) */
+    dc_ledger_account *account; /* the ledger's (uid, job id) since Hello; not owned */
+    struct dc_group *group;     /* the norm group joined (a reference), or NULL */
     uint32_t group_rank;
-    uint64_t group_steps;            /* the last group step this member delivered */
-    uint64_t step_req_id;            /* the last ClipStep taken up: its error is logged */
-    dc_log_limit fail_log;           /* failed steps logged at most once a second */
+    uint64_t group_steps;  /* the last group step this member delivered */
+    uint64_t step_req_id;  /* the last ClipStep taken up: its error is logged */
+    dc_log_limit fail_log; /* failed steps logged at most once a second */
     /* The last ClipStep that validated (session_step.c), so that the same
      * step sent again (a trainer's every iteration) skips decoding and
      * validation. Owned. */
-    struct dc_step_plan *plan;       /* step_validate.h */
+    struct dc_step_plan *plan; /* step_validate.h */
     /* The stream wait on the plan's input event, issued on the GPU's worker
      * as soon as a ClipStep frame arrives, while the loop validates it
      * (session_step.c). Owned; NULL until the first one. */

@@ -35,12 +35,18 @@ static int grow_events(dc_session *s) {
 typedef struct ipc_names {
     const char *gpu_field, *kind, *device_field, *uuid_field, *handle_field, *handle;
 } ipc_names;
-static const ipc_names k_buffer_names = {"register_buffer.kind", "buffers",
-                                         "register_buffer.device", "register_buffer.device_uuid",
-                                         "register_buffer.cuda_ipc_handle", "handle"};
-static const ipc_names k_event_names = {"register_event", "events", "register_event.device",
+static const ipc_names k_buffer_names = {"register_buffer.kind",
+                                         "buffers",
+                                         "register_buffer.device",
+                                         "register_buffer.device_uuid",
+                                         "register_buffer.cuda_ipc_handle",
+                                         "handle"};
+static const ipc_names k_event_names = {"register_event",
+                                        "events",
+                                        "register_event.device",
                                         "register_event.device_uuid",
-                                        "register_event.cuda_ipc_event_handle", "event handle"};
+                                        "register_event.cuda_ipc_event_handle",
+                                        "event handle"};
 
 /* The daemon's device for a registration: the one of the client's UUID, or
  * (a client that sent none) its ordinal taken as the daemon's. A UUID this
@@ -83,8 +89,7 @@ static int ipc_request_ok(const dc_session *s, int32_t device, const ProtobufCBi
     int rc;
     if (s->host->gpu->n == 0)
         return dc_err_set(e, DC_EPRECOND, nm->gpu_field,
-                          "this daemon has no GPU backend; CUDA %s cannot be registered",
-                          nm->kind);
+                          "this daemon has no GPU backend; CUDA %s cannot be registered", nm->kind);
     if ((rc = ipc_device(s, device, uuid, nm, dev, e))) return rc;
     if (handle_len != 64)
         return dc_err_set(e, DC_EINVAL, nm->handle_field, "a CUDA IPC %s is 64 bytes, got %zu",
@@ -124,8 +129,8 @@ void dc_session_register_cuda(dc_session *s, uint64_t id, const Dpclip__Register
     dc_gpu_open_task *t;
     dc_err e;
     int dev;
-    if (ipc_request_ok(s, m->device, &m->device_uuid, m->cuda_ipc_handle.len, &k_buffer_names,
-                       &dev, &e))
+    if (ipc_request_ok(s, m->device, &m->device_uuid, m->cuda_ipc_handle.len, &k_buffer_names, &dev,
+                       &e))
         goto fail;
     t = calloc(1, sizeof *t);
     if (!t) {
@@ -182,8 +187,8 @@ void dc_session_register_event(dc_session *s, uint64_t id, const Dpclip__Registe
     dc_gpu_event_task *t;
     dc_err e;
     int dev;
-    if (ipc_request_ok(s, m->device, &m->device_uuid, m->cuda_ipc_event_handle.len,
-                       &k_event_names, &dev, &e))
+    if (ipc_request_ok(s, m->device, &m->device_uuid, m->cuda_ipc_event_handle.len, &k_event_names,
+                       &dev, &e))
         goto fail;
     /* before the open: a session at its limit costs the GPU thread nothing
      * (registrations are serialized, so none is in flight here) */
@@ -210,4 +215,3 @@ const struct dc_session_event *dc_session_find_event(const dc_session *s, uint64
         if (s->events[i].id == id) return &s->events[i];
     return NULL;
 }
-

@@ -169,8 +169,7 @@ int dc_session_group_prepare(dc_session *s, dc_step_call *sc, dc_err *e) {
         return dc_err_set(e, DC_EINVAL, "clip_step.group_step",
                           "group step %llu: this member is at group step %llu already (group "
                           "steps only increase)",
-                          (unsigned long long)m->group_step,
-                          (unsigned long long)s->group_steps);
+                          (unsigned long long)m->group_step, (unsigned long long)s->group_steps);
     sc->group_step = m->group_step ? m->group_step : implicit;
     if (dc_group_clipping_of(g) == DC_GROUP_WISE) {
         /* He et al.: C_k = C / sqrt(K), so that sum_k C_k^2 = C^2; the

@@ -76,7 +76,7 @@ static void step_refuse(dc_step_call *sc, const dc_err *e, bool async) {
     uint64_t id = sc->req_id;
     s->call = NULL;
     if (sc->pass_reserved) pass_drop(s); /* its reservation */
-    dc_logical_refused(s, sc, e);                         /* its logical step aborts */
+    dc_logical_refused(s, sc, e);        /* its logical step aborts */
     group_fail(s, sc, e);
     call_free(sc);
     dc_session_reject(s, id, e);
@@ -212,8 +212,7 @@ static void step_accept(dc_session *s, uint64_t id, dc_step_call *sc) {
     if (s->prev_step_frame) {
         /* A pause (over a second: evaluation, checkpointing) is no period. */
         uint64_t period = sc->t_frame - s->prev_step_frame;
-        if (period < 1000000000u)
-            dc_ewma_add(&s->ewma_period_ns, period);
+        if (period < 1000000000u) dc_ewma_add(&s->ewma_period_ns, period);
     }
     s->prev_step_frame = sc->t_frame;
     if (dc_step_validate_names(sc, s->host->gpu->n,
@@ -333,13 +332,13 @@ static void step_submit(dc_step_call *sc) {
     sc->step.noise_key = host->noise_key;
     sc->step.noise_step = ++*host->noise_steps;
     sc->task.owner = (uint32_t)s->peer_uid; /* workers are shared fairly between users */
-    if (sc->grouped) { /* norm phase, the group's reduction, clip phase */
+    if (sc->grouped) {                      /* norm phase, the group's reduction, clip phase */
         dc_session_group_submit(sc);
         return;
     }
     sc->task.work = sc->params.phase == DC_PHASE_NORMS  ? dc_step_run_pass_work
-                  : sc->params.phase == DC_PHASE_SUMS ? dc_step_run_sums_work
-                                                     : dc_step_run_work;
+                    : sc->params.phase == DC_PHASE_SUMS ? dc_step_run_sums_work
+                                                        : dc_step_run_work;
     sc->task.done = sc->params.phase == DC_PHASE_NORMS ? pass_done : dc_session_step_done;
     sc->t_submit = uv_hrtime();
     dc_worker_pool_submit(dc_session_step_pool(sc), &sc->task);
@@ -352,8 +351,8 @@ void dc_session_step_expect(const dc_step_call *sc, uint64_t now) {
     dc_session *s = sc->s;
     dc_host *host = s->host;
     if (sc->notify)
-        dc_host_poll(host, now, now + (s->ewma_notice_ns ? 2 * s->ewma_notice_ns + 100000u
-                                                           : 2000000u), false);
+        dc_host_poll(host, now,
+                     now + (s->ewma_notice_ns ? 2 * s->ewma_notice_ns + 100000u : 2000000u), false);
     if (sc->step.device >= 0 && s->ewma_gpu_run_ns) {
         uint64_t run = s->ewma_gpu_run_ns, m = dc_host_poll_margin(run);
         dc_host_poll(host, now + run > m ? now + run - m : now, now + run + 2 * m, false);
@@ -449,8 +448,11 @@ void dc_session_step_reply(dc_step_call *sc) {
         /* a micro-batch is part of its logical step (counted at the
          * commit), a sums step of its norm pass's */
         const bool micro = sc->params.logical_id && !sc->params.commit;
-        dc_step_reply_fill(sc, micro ? s->steps + 1
-                              : sc->params.phase == DC_PHASE_SUMS ? s->steps : ++s->steps, &cr);
+        dc_step_reply_fill(sc,
+                           micro                               ? s->steps + 1
+                           : sc->params.phase == DC_PHASE_SUMS ? s->steps
+                                                               : ++s->steps,
+                           &cr);
         if (sc->params.logical_id) {
             cr.logical_id = sc->params.logical_id;
             cr.micro_batches = dc_logical_micro_batches(s);

@@ -8,8 +8,8 @@ int dc_step_account_check(dc_step_call *sc, const dc_host_cfg *c, dc_err *e) {
     double q = m->sample_rate;
 
     if (!(q >= 0.0 && q <= 1.0))
-        return dc_err_set(e, DC_EINVAL, "clip_step.sample_rate",
-                          "sample rate %g is not in [0, 1]", q);
+        return dc_err_set(e, DC_EINVAL, "clip_step.sample_rate", "sample rate %g is not in [0, 1]",
+                          q);
     if (!(m->target_delta >= 0.0 && m->target_delta < 1.0))
         return dc_err_set(e, DC_EINVAL, "clip_step.target_delta", "delta %g is not in [0, 1)",
                           m->target_delta);
@@ -73,9 +73,8 @@ static int spend(dc_step_call *sc, dc_ledger_account *acct, const dc_host_cfg *c
                           acct->job_id, acct->uid, acct->eps, acct->delta,
                           (unsigned long long)acct->steps, eps, acct->budget_eps);
     }
-    if (c->budget_epsilon > 0 &&
-        (eps = dc_ledger_eps_after(acct->ledger, acct, q, sigma, c->budget_delta)) >
-            c->budget_epsilon) {
+    if (c->budget_epsilon > 0 && (eps = dc_ledger_eps_after(acct->ledger, acct, q, sigma,
+                                                            c->budget_delta)) > c->budget_epsilon) {
         m->budget_refusals++;
         dc_ledger_persist(acct, NULL);
         return dc_err_set(e, DC_ENOSPACE, "ledger.budget_epsilon",
@@ -114,15 +113,14 @@ static int charge_member(dc_step_call *sc, dc_ledger_account *acct, const dc_hos
     dc_ledger_dp_commit(acct, &sc->params.dp, own, &t, &plan);
     /* every member waits for its logical step's charge to be durable */
     sc->account = acct;
-    *kind = sc->params.dp.role == DC_DP_CHARGED  ? DC_STEP_CHARGED
+    *kind = sc->params.dp.role == DC_DP_CHARGED ? DC_STEP_CHARGED
             : sc->params.dp.role == DC_DP_SHARE ? DC_STEP_SHARE
-                                               : DC_STEP_COVERED;
+                                                : DC_STEP_COVERED;
     return 0;
 }
 
 int dc_step_account_charge(dc_step_call *sc, dc_ledger_account *acct, bool group_member,
-                           const dc_host_cfg *c, dc_metrics *m, dc_step_charge *kind,
-                           dc_err *e) {
+                           const dc_host_cfg *c, dc_metrics *m, dc_step_charge *kind, dc_err *e) {
     int rc;
 
     *kind = DC_STEP_CHARGED;
@@ -147,9 +145,8 @@ int dc_step_account_charge(dc_step_call *sc, dc_ledger_account *acct, bool group
 
 void dc_step_account_refund(dc_step_call *sc) {
     if (!sc->account) return;
-    if (sc->params.dp.declared &&
-        (sc->params.dp.role != DC_DP_CHARGED ||
-         !dc_ledger_dp_unwind(sc->account, &sc->params.dp))) {
+    if (sc->params.dp.declared && (sc->params.dp.role != DC_DP_CHARGED ||
+                                   !dc_ledger_dp_unwind(sc->account, &sc->params.dp))) {
         sc->account = NULL; /* covered, or its charge covers another member too */
         return;
     }
@@ -159,8 +156,10 @@ void dc_step_account_refund(dc_step_call *sc) {
 }
 
 static int not_recorded(dc_err *e, const char *why) {
-    return dc_err_set(e, DC_EUNAVAIL, "ledger", "the privacy ledger could not record this "
-                      "step's spend, so the step was not run: %s", why);
+    return dc_err_set(e, DC_EUNAVAIL, "ledger",
+                      "the privacy ledger could not record this "
+                      "step's spend, so the step was not run: %s",
+                      why);
 }
 
 /* The spend is on disk (or could not be written). */

@@ -68,8 +68,7 @@ bool dc_step_account_curve(dc_step_call *sc, dc_ledger_account *acct, uv_loop_t 
  * than rank 0 (ignored for a data-parallel member). Budget refusals are
  * counted in m. */
 int dc_step_account_charge(dc_step_call *sc, dc_ledger_account *acct, bool group_member,
-                           const dc_host_cfg *c, dc_metrics *m, dc_step_charge *kind,
-                           dc_err *e);
+                           const dc_host_cfg *c, dc_metrics *m, dc_step_charge *kind, dc_err *e);
 /* 5. 0 and *wait false: nothing to wait for (in memory, or already on
  * disk); 0 and *wait true: resume(sc, rc, err) follows on the loop, with an
  * error (UNAVAILABLE, field "ledger") if the write failed, the spend then

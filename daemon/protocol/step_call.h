@@ -40,7 +40,7 @@ typedef void (*dc_step_cb)(dc_step_call *sc, int rc, const dc_err *err);
 struct dc_session_event {
     uint64_t id;
     int device;
-    void *event;                 /* cudaEvent_t opened in the daemon */
+    void *event; /* cudaEvent_t opened in the daemon */
 };
 
 /* ClipStep.phase: a logical step whole, or its norm pass and the clipped
@@ -55,11 +55,11 @@ typedef enum dc_step_phase {
  * accounting terms (kept with the plan cache, step_validate.c). */
 struct dc_step_params {
     uint64_t wait_event, signal_event;
-    uint64_t group_step;   /* 0: the session's next */
+    uint64_t group_step; /* 0: the session's next */
     bool notify_enqueued;
     dc_step_phase phase;
     double sample_rate, target_delta, target_epsilon;
-    dc_dp_member dp;       /* ClipStep.data_parallel; the charge fills in its place */
+    dc_dp_member dp; /* ClipStep.data_parallel; the charge fills in its place */
     /* ClipStep.logical: a micro-batch of a logical step (step_logical.h);
      * logical_id 0: none */
     uint64_t logical_id;
@@ -74,10 +74,10 @@ struct dc_step_params {
 struct dc_prewait {
     dc_task task;
     dc_session *s;
-    void *event;           /* cudaEvent_t of the session's plan */
-    uint64_t t_frame;      /* the frame it was issued for */
-    bool busy;             /* submitted, done() not run yet */
-    int rc;                /* worker thread: the wait's result */
+    void *event;      /* cudaEvent_t of the session's plan */
+    uint64_t t_frame; /* the frame it was issued for */
+    bool busy;        /* submitted, done() not run yet */
+    int rc;           /* worker thread: the wait's result */
     dc_err err;
 };
 
@@ -88,16 +88,16 @@ struct dc_step_call {
     dc_session *s;
     uint64_t req_id;
     struct dc_step_params params; /* as the request gave them */
-    dc_step_cb resume;     /* after a stage that waited (step_account.c) */
-    void *wait_event;      /* GPU steps: cudaEvent_t or NULL */
+    dc_step_cb resume;            /* after a stage that waited (step_account.c) */
+    void *wait_event;             /* GPU steps: cudaEvent_t or NULL */
     void *signal_event;
     struct dc_prewait *prewait; /* issued for this step's frame and event, if any */
     /* notify_enqueued: the backend (worker thread) calls step_run.c's hook,
      * which records signal_event and has the session send the notice. */
     bool notify;
-    bool signaled;         /* signal_event recorded (worker thread) */
-    bool cached;           /* from the session's plan cache: step.layers is the plan's */
-    dc_backend *be;        /* the worker's backend, while work() runs */
+    bool signaled;  /* signal_event recorded (worker thread) */
+    bool cached;    /* from the session's plan cache: step.layers is the plan's */
+    dc_backend *be; /* the worker's backend, while work() runs */
     dc_step step;
     dc_step_result res;
     dc_err err;
@@ -113,23 +113,23 @@ struct dc_step_call {
     bool sync_done;        /* ... and came within it */
     int sync_rc;
     dc_err sync_err;
-    uint64_t workspace;    /* GPU steps: the backend's workspace after it */
+    uint64_t workspace; /* GPU steps: the backend's workspace after it */
     /* Phases (uv_hrtime ns): request decoded, validated and accounted,
      * submitted to a worker, worker started, input event waited, worker
      * finished. */
     uint64_t t_recv, t_checked, t_submit, t_start, t_waited, t_end;
-    uint64_t t_done;       /* back on the loop */
-    uint64_t t_frame;      /* the request's frame taken up for decoding */
+    uint64_t t_done;  /* back on the loop */
+    uint64_t t_frame; /* the request's frame taken up for decoding */
     /* Norm groups (session_group.c): the step's own squared layer norms
      * [L*B] from its norm phase, its partial sum [B] delivered to the group,
      * the group's totals [B] for its clip phase. */
     bool grouped;
-    uint64_t group_id;     /* the group it was prepared for (dc_group_id) */
+    uint64_t group_id; /* the group it was prepared for (dc_group_id) */
     uint64_t group_step;
     double *n2, *partial, *tot;
-    double *rep;           /* [B] its replicated layers' squared norms (group.h) */
-    size_t *pass_at;       /* a sums step: each layer's index in its pass (step_pass.h) */
-    bool pass_reserved;    /* a norm pass: the session's pass bytes are its reservation */
+    double *rep;        /* [B] its replicated layers' squared norms (group.h) */
+    size_t *pass_at;    /* a sums step: each layer's index in its pass (step_pass.h) */
+    bool pass_reserved; /* a norm pass: the session's pass bytes are its reservation */
     dc_group_waiter gw;
     dc_step_call *fuse_next; /* the next member of a fused group step (rank order) */
     uint64_t group_wait_ns, group_exchange_ns; /* for the reply */

@@ -9,7 +9,6 @@
 #include "step_logical.h"
 #include "step_run.h"
 
-
 /* The field a member's step differs from the first's in, or NULL. The
  * fused step runs with the first member's terms and copies its [B] tables
  * into every member's: whatever the group believed when it matched them,
@@ -35,7 +34,8 @@ int dc_step_fuse_build(dc_step_fused *f, dc_step_call *chain, uint32_t n, dc_err
         if ((field = member_differs(first, &sc->step)))
             return dc_err_set(e, DC_EINVAL, field,
                               "the members of a fused group step disagree on %s (rank %u and "
-                              "rank %u)", field, chain->gw.rank, sc->gw.rank);
+                              "rank %u)",
+                              field, chain->gw.rank, sc->gw.rank);
     f->n = n;
     f->members = malloc(n * sizeof *f->members);
     if (!f->members) goto fail;
@@ -116,8 +116,7 @@ static int replicas_check(dc_step_fused *f, dc_backend *be) {
         uint64_t h;
         bool any;
         const dc_step *st = &f->members[i]->step;
-        int rc = dc_step_run_replicas_hash(be, st, dc_step_run_replicas_key(st), &h, &any,
-                                           &f->err);
+        int rc = dc_step_run_replicas_hash(be, st, dc_step_run_replicas_key(st), &h, &any, &f->err);
         if (rc) return rc;
         if (!any) continue;
         if (i == 0) {
@@ -126,8 +125,8 @@ static int replicas_check(dc_step_fused *f, dc_backend *be) {
             return dc_err_set(&f->err, DC_EINVAL, "clip_step.layers.replicated",
                               "rank %u's copy of the replicated layers holds other data than "
                               "rank %u's; replicated layers hold the same data on every member, "
-                              "whose copies are noised alike", f->members[i]->gw.rank,
-                              f->members[0]->gw.rank);
+                              "whose copies are noised alike",
+                              f->members[i]->gw.rank, f->members[0]->gw.rank);
         }
     }
     return 0;

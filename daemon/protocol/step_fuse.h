@@ -32,13 +32,13 @@
 typedef struct dc_step_fused {
     dc_task task;
     uint32_t n;
-    dc_step_call **members;      /* [n], rank order */
-    dc_step step;                /* every member's layers */
+    dc_step_call **members;             /* [n], rank order */
+    dc_step step;                       /* every member's layers */
     dc_tensor *more_norms, *more_coefs; /* [n - 1]: the other members' outputs */
     dc_step_result res;
     int rc;
     dc_err err;
-    uint64_t workspace;          /* GPU: the backend's workspace after the step */
+    uint64_t workspace; /* GPU: the backend's workspace after the step */
     uint64_t t_start, t_waited, t_end;
 } dc_step_fused;
 

@@ -13,24 +13,24 @@
 /* One output of one layer of the logical step: what every micro-batch must
  * name there, and its accumulator. */
 typedef struct logical_out {
-    const void *dst;   /* the output tensor (daemon address); NULL: none */
+    const void *dst; /* the output tensor (daemon address); NULL: none */
     dc_dtype dtype;
     int ndim;
     int64_t shape[3];
     uint64_t n;
-    float *acc;        /* allocated by the backend, n floats; NULL: not yet */
+    float *acc; /* allocated by the backend, n floats; NULL: not yet */
 } logical_out;
 
 struct dc_logical {
-    uint64_t id;          /* the logical step open, or the last one */
+    uint64_t id; /* the logical step open, or the last one */
     bool open, aborted;
     /* in phases (a sharded model's): each micro-batch a STEP_NORMS pass and
      * its STEP_SUMS steps; the outputs are then per layer of the pass (its
      * index), their shapes taken from the first sums step that names them
      * (the trainer's staging may sit at one address for several layers) */
     bool phased;
-    char why[200];        /* what aborted it */
-    uint32_t next;        /* its next micro-batch */
+    char why[200]; /* what aborted it */
+    uint32_t next; /* its next micro-batch */
     uint64_t opened_ns;
     /* the terms every micro-batch repeats */
     uint32_t expected_batch;
@@ -43,7 +43,7 @@ struct dc_logical {
     size_t n_layers;
     logical_out *outs;
     int device;
-    uint64_t bytes;       /* accumulators allocated */
+    uint64_t bytes; /* accumulators allocated */
 };
 
 static uint64_t out_bytes(const dc_tensor *t) {
@@ -195,10 +195,9 @@ static int open_logical(dc_session *s, dc_step_call *sc, dc_err *e) {
     if (lg && sc->params.logical_id <= lg->id)
         return dc_err_set(e, DC_EINVAL, "clip_step.logical.id",
                           "logical step %llu: this session's logical steps are numbered up, and "
-                          "it had %llu already", (unsigned long long)sc->params.logical_id,
-                          (unsigned long long)lg->id);
-    if (lg && lg->open)
-        abort_logical(s, "the next logical step was opened before its commit");
+                          "it had %llu already",
+                          (unsigned long long)sc->params.logical_id, (unsigned long long)lg->id);
+    if (lg && lg->open) abort_logical(s, "the next logical step was opened before its commit");
     const bool phased = sc->params.phase == DC_PHASE_NORMS;
     if (lg && !layout_same(lg, st, phased)) {
         drop_accumulators(host, lg);
@@ -257,7 +256,8 @@ static int continue_logical(dc_session *s, dc_step_call *sc, dc_err *e) {
     if (lg->aborted)
         return dc_err_set(e, DC_EPRECOND, "clip_step.logical",
                           "logical step %llu was aborted (%s): nothing of it was written or "
-                          "charged; open a new one", (unsigned long long)lg->id, lg->why);
+                          "charged; open a new one",
+                          (unsigned long long)lg->id, lg->why);
     if (!lg->open)
         return dc_err_set(e, DC_EPRECOND, "clip_step.logical",
                           "logical step %llu was committed already", (unsigned long long)lg->id);
@@ -268,20 +268,23 @@ static int continue_logical(dc_session *s, dc_step_call *sc, dc_err *e) {
     if ((f = terms_differ(lg, sc)))
         return dc_err_set(e, DC_EINVAL, f,
                           "every micro-batch of logical step %llu carries its terms: %s differs "
-                          "from micro-batch 0's", (unsigned long long)lg->id, f);
+                          "from micro-batch 0's",
+                          (unsigned long long)lg->id, f);
     if (!layout_same(lg, &sc->step, sc->params.phase == DC_PHASE_NORMS))
         return dc_err_set(e, DC_EINVAL, "clip_step.layers",
                           "every micro-batch of logical step %llu names the same outputs, layer "
-                          "by layer, as micro-batch 0", (unsigned long long)lg->id);
+                          "by layer, as micro-batch 0",
+                          (unsigned long long)lg->id);
     if (lg->next >= c->max_micro_batches)
         return dc_err_set(e, DC_ENOSPACE, "limits.max_micro_batches",
                           "logical step %llu has %u micro-batches, the limit "
-                          "(limits.max_micro_batches)", (unsigned long long)lg->id, lg->next);
+                          "(limits.max_micro_batches)",
+                          (unsigned long long)lg->id, lg->next);
     if (uv_hrtime() - lg->opened_ns > (uint64_t)(c->logical_step_timeout * 1e9))
         return dc_err_set(e, DC_EUNAVAIL, "limits.logical_step_timeout",
                           "logical step %llu has been open longer than %g s "
-                          "(limits.logical_step_timeout)", (unsigned long long)lg->id,
-                          c->logical_step_timeout);
+                          "(limits.logical_step_timeout)",
+                          (unsigned long long)lg->id, c->logical_step_timeout);
     return 0;
 }
 
@@ -297,8 +300,8 @@ static int sums_logical(dc_session *s, dc_step_call *sc, dc_err *e) {
         lg->next != sc->params.micro_batch + 1)
         return dc_err_set(e, DC_EPRECOND, "clip_step.logical",
                           "this sums step's logical step %llu, micro-batch %u, is not the "
-                          "session's open one", (unsigned long long)sc->params.logical_id,
-                          sc->params.micro_batch);
+                          "session's open one",
+                          (unsigned long long)sc->params.logical_id, sc->params.micro_batch);
     /* a whole step: no accumulator */
     if (sc->params.micro_batch == 0 && sc->params.commit) return 0;
     for (size_t l = 0; l < st->n_layers; l++)
@@ -339,7 +342,7 @@ int dc_logical_prepare(dc_session *s, dc_step_call *sc, dc_err *e) {
      * nothing (its sums accumulate) */
     if (m->phase == DC_PHASE_NORMS) return 0;
     sc->step.acc = m->micro_batch == 0 ? (m->commit ? DC_ACC_NONE : DC_ACC_FIRST)
-                                      : (m->commit ? DC_ACC_COMMIT : DC_ACC_ADD);
+                                       : (m->commit ? DC_ACC_COMMIT : DC_ACC_ADD);
     return 0;
 }
 
@@ -364,8 +367,9 @@ int dc_logical_ensure(dc_step_call *sc, dc_backend *be, dc_err *e) {
                 if (!(o->acc = be->ops->acc_alloc(be, o->n)))
                     return dc_err_set(e, DC_ENOSPACE, "clip_step.logical",
                                       "out of %s memory for a logical step's accumulator of "
-                                      "%llu floats ('%s')", st->device >= 0 ? "device" : "host",
-                                      (unsigned long long)o->n, st->layers[l].name);
+                                      "%llu floats ('%s')",
+                                      st->device >= 0 ? "device" : "host", (unsigned long long)o->n,
+                                      st->layers[l].name);
                 lg->bytes += o->n * sizeof(float);
             }
             *to = o->acc;
@@ -384,9 +388,8 @@ void dc_logical_done(dc_session *s, const dc_step_call *sc) {
     /* a micro-batch counts once: its whole step, or its norm pass; the
      * commit closes the logical step with its step, or its pass's last sums */
     if (sc->params.phase != DC_PHASE_SUMS) lg->next++;
-    if (sc->params.commit &&
-        (sc->params.phase == DC_PHASE_WHOLE ||
-         (sc->params.phase == DC_PHASE_SUMS && dc_pass_done(s->pass))))
+    if (sc->params.commit && (sc->params.phase == DC_PHASE_WHOLE ||
+                              (sc->params.phase == DC_PHASE_SUMS && dc_pass_done(s->pass))))
         lg->open = false;
 }
 
@@ -400,9 +403,7 @@ bool dc_logical_is_open(const dc_session *s, uint64_t id) {
     return s->logical && s->logical->open && s->logical->id == id;
 }
 
-uint32_t dc_logical_micro_batches(const dc_session *s) {
-    return s->logical ? s->logical->next : 0;
-}
+uint32_t dc_logical_micro_batches(const dc_session *s) { return s->logical ? s->logical->next : 0; }
 
 uint64_t dc_logical_bytes(const dc_session *s) { return s->logical ? s->logical->bytes : 0; }
 

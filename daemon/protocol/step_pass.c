@@ -28,25 +28,26 @@ struct dc_pass {
     dc_reduction reduction;
     uint32_t expected_batch;
     size_t n_layers, n_summed;
-    size_t next;       /* where the next match is looked for first: sums come in order */
+    size_t next; /* where the next match is looked for first: sums come in order */
     /* a micro-batch of a logical step (ClipStep.logical): its sums carry the
      * same; logical_id 0: none */
     uint64_t logical_id;
     uint32_t micro_batch;
     bool commit;
-    double *n2;        /* [L*B] */
-    double *tot;       /* [B] */
+    double *n2;  /* [L*B] */
+    double *tot; /* [B] */
     pass_layer *layers;
 };
 
 int dc_pass_check(const dc_step_call *sc, bool grouped, dc_err *e) {
     const dc_step *s = &sc->step;
     const char *what = sc->params.phase == DC_PHASE_NORMS ? "a norm pass (phase STEP_NORMS)"
-                                                         : "a sums step (phase STEP_SUMS)";
+                                                          : "a sums step (phase STEP_SUMS)";
     if (grouped)
         return dc_err_set(e, DC_EINVAL, "clip_step.phase",
                           "%s is not taken in a norm group: a group's members already sum "
-                          "their norms", what);
+                          "their norms",
+                          what);
     if (s->mode != DC_CLIP_FLAT)
         return dc_err_set(e, DC_EINVAL, "clip_step.clip.mode", "%s clips flat", what);
     if (sc->params.phase != DC_PHASE_NORMS) return 0;
@@ -56,7 +57,8 @@ int dc_pass_check(const dc_step_call *sc, bool grouped, dc_err *e) {
                               s->layers[l].weight_grad_out.data ? "clip_step.layers.weight_grad_out"
                                                                 : "clip_step.layers.bias_grad_out",
                               "layer %zu ('%s'): a norm pass writes no sums; name the outputs "
-                              "in the STEP_SUMS steps that follow", l, s->layers[l].name);
+                              "in the STEP_SUMS steps that follow",
+                              l, s->layers[l].name);
     if (s->norms_out.data || s->coefs_out.data)
         return dc_err_set(e, DC_EINVAL,
                           s->norms_out.data ? "clip_step.norms_out" : "clip_step.coefficients_out",
@@ -65,7 +67,7 @@ int dc_pass_check(const dc_step_call *sc, bool grouped, dc_err *e) {
     if (sc->params.signal_event || sc->params.notify_enqueued)
         return dc_err_set(e, DC_EINVAL,
                           sc->params.signal_event ? "clip_step.signal_event"
-                                                 : "clip_step.notify_enqueued",
+                                                  : "clip_step.notify_enqueued",
                           "a norm pass writes nothing for an event to signal");
     return 0;
 }
@@ -162,8 +164,8 @@ static int noise_check(const dc_pass *p, const dc_step *s, dc_err *e) {
     if (s->noise_multiplier != p->noise_multiplier)
         return dc_err_set(e, DC_EINVAL, "clip_step.noise_multiplier",
                           "a sums step adds its norm pass's noise: noise_multiplier %g, the one "
-                          "the pass was accounted at (%g given)", (double)p->noise_multiplier,
-                          (double)s->noise_multiplier);
+                          "the pass was accounted at (%g given)",
+                          (double)p->noise_multiplier, (double)s->noise_multiplier);
     if (p->data_parallel) return 0;
     for (size_t l = 0; l < s->n_layers; l++)
         for (int k = 0; k < 2; k++) {
@@ -176,7 +178,8 @@ static int noise_check(const dc_pass *p, const dc_step *s, dc_err *e) {
             return dc_err_set(e, DC_EINVAL, f,
                               "layer %zu ('%s'): the norm pass declared no data parallelism, "
                               "so no other rank noises the rest of this output: its noise "
-                              "range is the whole output", l, ly->name);
+                              "range is the whole output",
+                              l, ly->name);
         }
     return 0;
 }
@@ -203,9 +206,11 @@ int dc_pass_take(dc_pass *p, dc_step_call *sc, dc_err *e) {
                           "no norm pass to sum: send a STEP_NORMS step naming every layer "
                           "first (any other step ends the pass)");
     if (s->device != p->device || B != p->batch)
-        return dc_err_set(e, DC_EINVAL, s->device != p->device ? "clip_step" : "clip_step.batch_size",
+        return dc_err_set(e, DC_EINVAL,
+                          s->device != p->device ? "clip_step" : "clip_step.batch_size",
                           "the norm pass was of %u samples on %s: a sums step takes its batch "
-                          "and device", p->batch, p->device < 0 ? "host memory" : "a GPU");
+                          "and device",
+                          p->batch, p->device < 0 ? "host memory" : "a GPU");
     if (sc->params.logical_id != p->logical_id || sc->params.micro_batch != p->micro_batch ||
         sc->params.commit != p->commit)
         return dc_err_set(e, DC_EINVAL, "clip_step.logical",
@@ -228,7 +233,8 @@ int dc_pass_take(dc_pass *p, dc_step_call *sc, dc_err *e) {
             rc = dc_err_set(e, DC_EINVAL, "clip_step.layers",
                             "layer %zu ('%s') is no layer of the norm pass that is still to "
                             "sum: name each of the pass's layers once, with the same kind, "
-                            "shapes and tensors", l, ly->name);
+                            "shapes and tensors",
+                            l, ly->name);
             goto fail;
         }
         p->layers[at[l]].summed = true; /* for the search of the next ones */
@@ -240,8 +246,7 @@ int dc_pass_take(dc_pass *p, dc_step_call *sc, dc_err *e) {
         const dc_layer *ly = &s->layers[l];
         if (ly->tie && p->layers[at[l]].tie != at[ly->tie - 1] + 1) {
             rc = dc_err_set(e, DC_EINVAL, "clip_step.layers.tied_to",
-                            "layer %zu ('%s'): its tied pair is not the norm pass's", l,
-                            ly->name);
+                            "layer %zu ('%s'): its tied pair is not the norm pass's", l, ly->name);
             goto fail;
         }
     }
@@ -269,7 +274,8 @@ int dc_phase_recheck(const dc_step *st, const double *then, const double *now, d
                               "layer %zu ('%s'), sample %u: its data changed since its norms "
                               "were measured (squared norm %.6g, then %.6g): a clipped sum is "
                               "only released for the data its norms measured; nothing was "
-                              "written", l, st->layers[l].name, b, is, was);
+                              "written",
+                              l, st->layers[l].name, b, is, was);
         }
     return 0;
 }
@@ -285,9 +291,7 @@ uint64_t dc_pass_bytes(uint32_t batch, size_t n_layers) {
 
 uint64_t dc_pass_logical_id(const dc_pass *p) { return p ? p->logical_id : 0; }
 
-bool dc_pass_pending(const dc_pass *p) {
-    return p && p->logical_id && p->n_summed < p->n_layers;
-}
+bool dc_pass_pending(const dc_pass *p) { return p && p->logical_id && p->n_summed < p->n_layers; }
 
 bool dc_pass_done(const dc_pass *p) { return p && p->n_summed == p->n_layers; }
 

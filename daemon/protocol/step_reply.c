@@ -56,7 +56,8 @@ void dc_step_reply_count(const dc_step_call *sc, uint64_t now, dc_metrics *m) {
     if (sc->step.device >= 0)
         dc_hist_add(&m->phase[DC_PH_WAIT_INPUT],
                     (sc->res.phase_ns[DC_RUN_WAIT_INPUT] ? sc->res.phase_ns[DC_RUN_WAIT_INPUT]
-                                                        : sc->t_waited - sc->t_start) / 1e9);
+                                                         : sc->t_waited - sc->t_start) /
+                        1e9);
     if (sc->rc == 0)
         for (int k = DC_RUN_NORMS; k < DC_RUN_N; k++)
             if (sc->res.phase_ns[k])
@@ -85,14 +86,13 @@ void dc_step_reply_log(const dc_step_call *sc, uint64_t session_id, uint64_t ste
                  "validate %.1f us, ledger %.1f us, queue %.1f us, wait %.1f us (device "
                  "%.1f us), run %.1f us (backend %.1f us: norms %.1f, reduction %.1f, "
                  "clipping %.1f, noise %.1f), reply %.1f us (hand-off %.1f, send %.1f), eps %.4g",
-                 (unsigned long long)session_id, (unsigned long long)step_index,
-                 sc->step.n_layers, sc->step.batch, sc->step.device < 0 ? "cpu" : "gpu",
-                 sc->cached ? ", cached" : "", (sc->t_recv - sc->t_frame) / 1e3,
-                 (sc->t_checked - sc->t_recv) / 1e3, (sc->t_submit - sc->t_checked) / 1e3,
-                 (sc->t_start - sc->t_submit) / 1e3, (sc->t_waited - sc->t_start) / 1e3,
-                 sc->res.phase_ns[DC_RUN_WAIT_INPUT] / 1e3, (sc->t_end - sc->t_waited) / 1e3,
-                 sc->res.compute_ns / 1e3, sc->res.phase_ns[DC_RUN_NORMS] / 1e3,
-                 sc->res.phase_ns[DC_RUN_REDUCTION] / 1e3,
+                 (unsigned long long)session_id, (unsigned long long)step_index, sc->step.n_layers,
+                 sc->step.batch, sc->step.device < 0 ? "cpu" : "gpu", sc->cached ? ", cached" : "",
+                 (sc->t_recv - sc->t_frame) / 1e3, (sc->t_checked - sc->t_recv) / 1e3,
+                 (sc->t_submit - sc->t_checked) / 1e3, (sc->t_start - sc->t_submit) / 1e3,
+                 (sc->t_waited - sc->t_start) / 1e3, sc->res.phase_ns[DC_RUN_WAIT_INPUT] / 1e3,
+                 (sc->t_end - sc->t_waited) / 1e3, sc->res.compute_ns / 1e3,
+                 sc->res.phase_ns[DC_RUN_NORMS] / 1e3, sc->res.phase_ns[DC_RUN_REDUCTION] / 1e3,
                  sc->res.phase_ns[DC_RUN_CLIPPING] / 1e3, sc->res.phase_ns[DC_RUN_NOISE] / 1e3,
                  (now - sc->t_end) / 1e3, (t_done - sc->t_end) / 1e3, send_ns / 1e3, sc->eps);
 }

@@ -11,7 +11,6 @@
 #include "step_logical.h"
 #include "step_pass.h"
 
-
 /* Worker thread, inside the backend's run_step: everything that writes the
  * client's memory is queued. Record the client's event behind it now, off
  * the step's critical path (the driver call costs microseconds; after the
@@ -57,7 +56,8 @@ static int clip_checked(dc_step_call *sc, dc_backend *be) {
     if (!be->ops->run_norms || !be->ops->run_clip)
         return dc_err_set(&sc->err, DC_EUNIMPL, "clip_step.phase",
                           "the %s backend has no separate clip phase", be->ops->name);
-    if (!(now = malloc((LB ? LB : 1) * sizeof *now)) || !(tot = malloc((B ? B : 1) * sizeof *tot))) {
+    if (!(now = malloc((LB ? LB : 1) * sizeof *now)) ||
+        !(tot = malloc((B ? B : 1) * sizeof *tot))) {
         rc = dc_err_set(&sc->err, DC_ENOSPACE, "clip_step", "out of memory");
         goto out;
     }
@@ -113,17 +113,14 @@ static void run_step(dc_step_call *sc, dc_backend *be, bool sums) {
         if (sc->notify)
             sc->rc = dc_err_set(&sc->err, DC_EINTERNAL, "clip_step.signal_event",
                                 "could not record the step's signal event");
-        else
-            sc->rc = dc_gpu_record_event(be, sc->signal_event, &sc->err);
+        else sc->rc = dc_gpu_record_event(be, sc->signal_event, &sc->err);
     }
     /* Read here, on the thread that owns the backend. */
     sc->workspace = dc_backend_workspace_bytes(be);
     sc->t_end = uv_hrtime();
 }
 
-void dc_step_run_work(dc_task *task, dc_backend *be) {
-    run_step((dc_step_call *)task, be, false);
-}
+void dc_step_run_work(dc_task *task, dc_backend *be) { run_step((dc_step_call *)task, be, false); }
 
 void dc_step_run_sums_work(dc_task *task, dc_backend *be) {
     run_step((dc_step_call *)task, be, true);
@@ -152,9 +149,9 @@ void dc_step_run_norms_work(dc_task *task, dc_backend *be) {
     if (sc->wait_event && !waited && (sc->rc = dc_gpu_wait_event(be, sc->wait_event, &sc->err)))
         return;
     sc->rc = be->ops->run_norms
-                ? be->ops->run_norms(be, &sc->step, sc->n2, &sc->err)
-                : dc_err_set(&sc->err, DC_EUNIMPL, "clip_step",
-                             "the %s backend has no separate norm phase", be->ops->name);
+                 ? be->ops->run_norms(be, &sc->step, sc->n2, &sc->err)
+                 : dc_err_set(&sc->err, DC_EUNIMPL, "clip_step",
+                              "the %s backend has no separate norm phase", be->ops->name);
     if (sc->rc == 0 && sc->grouped) {
         sc->gw.rep_key = dc_step_run_replicas_key(&sc->step);
         sc->rc = dc_step_run_replicas_hash(be, &sc->step, sc->gw.rep_key, &sc->gw.rep_hash,

@@ -9,19 +9,19 @@ int dc_step_validate(dc_step_call *sc, const Dpclip__ClipStep *m, const dc_regis
         m->phase != DPCLIP__STEP_PHASE__STEP_SUMS)
         return dc_err_set(e, DC_EINVAL, "clip_step.phase", "unknown phase %d", (int)m->phase);
     sc->params = (struct dc_step_params){.wait_event = m->wait_event,
-                                        .signal_event = m->signal_event,
-                                        .group_step = m->group_step,
-                                        .notify_enqueued = m->notify_enqueued,
-                                        .phase = (dc_step_phase)m->phase,
-                                        .sample_rate = m->sample_rate,
-                                        .target_delta = m->target_delta,
-                                        .target_epsilon = m->target_epsilon};
+                                         .signal_event = m->signal_event,
+                                         .group_step = m->group_step,
+                                         .notify_enqueued = m->notify_enqueued,
+                                         .phase = (dc_step_phase)m->phase,
+                                         .sample_rate = m->sample_rate,
+                                         .target_delta = m->target_delta,
+                                         .target_epsilon = m->target_epsilon};
     if (m->data_parallel)
         sc->params.dp = (dc_dp_member){.declared = true,
-                                      .world = m->data_parallel->world,
-                                      .rank = m->data_parallel->rank,
-                                      .step = m->data_parallel->step,
-                                      .sigma = m->data_parallel->noise_multiplier};
+                                       .world = m->data_parallel->world,
+                                       .rank = m->data_parallel->rank,
+                                       .step = m->data_parallel->step,
+                                       .sigma = m->data_parallel->noise_multiplier};
     if (m->logical) {
         if (m->logical->id == 0)
             return dc_err_set(e, DC_EINVAL, "clip_step.logical.id",
@@ -50,7 +50,7 @@ int dc_step_validate_names(dc_step_call *sc, int n_gpus, const struct dc_session
     if ((w && w->device != sc->step.device) || (g && g->device != sc->step.device))
         return dc_err_set(e, DC_EINVAL,
                           w && w->device != sc->step.device ? "clip_step.wait_event"
-                                                           : "clip_step.signal_event",
+                                                            : "clip_step.signal_event",
                           "events must be on the step's device (%s)",
                           sc->step.device < 0 ? "host memory" : "the tensors' GPU");
     sc->wait_event = w ? w->event : NULL;

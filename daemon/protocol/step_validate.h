@@ -37,7 +37,7 @@ typedef struct dc_step_plan {
     size_t len;
     uint64_t reg_gen;
     dc_limits limits;
-    dc_step step;                /* owns step.layers */
+    dc_step step; /* owns step.layers */
     struct dc_step_params params;
 } dc_step_plan;
 

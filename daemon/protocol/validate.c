@@ -33,15 +33,14 @@ static int check_tensor(const Dpclip__TensorRef *ref, const char *prefix, const 
     if ((int)ref->dtype <= 0 || (int)ref->dtype > DC_I64)
         return dc_err_set(err, DC_EINVAL, FP("dtype"), "unknown dtype %d", (int)ref->dtype);
     if (!(dtype_mask & (1u << ref->dtype)))
-        return dc_err_set(err, DC_EINVAL, FP("dtype"),
-                          "dtype %s not allowed here", dc_dtype_name((dc_dtype)ref->dtype));
+        return dc_err_set(err, DC_EINVAL, FP("dtype"), "dtype %s not allowed here",
+                          dc_dtype_name((dc_dtype)ref->dtype));
     if ((int)ref->n_shape < min_ndim || (int)ref->n_shape > max_ndim) {
         if (min_ndim == max_ndim)
-            return dc_err_set(err, DC_EINVAL, FP("shape"),
-                              "expected %d dimensions, got %zu", min_ndim, ref->n_shape);
-        return dc_err_set(err, DC_EINVAL, FP("shape"),
-                          "expected %d to %d dimensions, got %zu", min_ndim, max_ndim,
-                          ref->n_shape);
+            return dc_err_set(err, DC_EINVAL, FP("shape"), "expected %d dimensions, got %zu",
+                              min_ndim, ref->n_shape);
+        return dc_err_set(err, DC_EINVAL, FP("shape"), "expected %d to %d dimensions, got %zu",
+                          min_ndim, max_ndim, ref->n_shape);
     }
     for (size_t i = 0; i < ref->n_shape; i++) {
         if (ref->shape[i] <= 0)
@@ -54,8 +53,7 @@ static int check_tensor(const Dpclip__TensorRef *ref, const char *prefix, const 
     }
     esz = dc_dtype_size((dc_dtype)ref->dtype);
     if (__builtin_mul_overflow(numel, (uint64_t)esz, &bytes))
-        return dc_err_set(err, DC_EINVAL, FP("shape"),
-                          "the tensor's byte size overflows 64 bits");
+        return dc_err_set(err, DC_EINVAL, FP("shape"), "the tensor's byte size overflows 64 bits");
     /* Misaligned element access is undefined behaviour in C and slow or
      * faulting on GPUs: require natural alignment. */
     if (ref->offset % esz != 0)
@@ -75,9 +73,9 @@ static int check_tensor(const Dpclip__TensorRef *ref, const char *prefix, const 
     return 0;
 }
 
-int dc_validate_tensor(const Dpclip__TensorRef *ref, const char *field,
-                       const dc_registry *reg, unsigned dtype_mask, int min_ndim,
-                       int max_ndim, dc_tensor *out, int *device, dc_err *err) {
+int dc_validate_tensor(const Dpclip__TensorRef *ref, const char *field, const dc_registry *reg,
+                       unsigned dtype_mask, int min_ndim, int max_ndim, dc_tensor *out, int *device,
+                       dc_err *err) {
     return check_tensor(ref, field, NULL, reg, dtype_mask, min_ndim, max_ndim, out, device, err);
 }
 
@@ -85,7 +83,7 @@ int dc_validate_tensor(const Dpclip__TensorRef *ref, const char *field,
  * the first one does (a step runs on one device). */
 typedef struct vctx {
     const dc_registry *reg;
-    int device;       /* -2: not yet known */
+    int device; /* -2: not yet known */
     dc_err *err;
 } vctx;
 
@@ -116,9 +114,8 @@ static int vopt(vctx *v, const Dpclip__TensorRef *ref, const char *prefix, const
     for (int i = 0; i < ndim; i++)
         if (out->shape[i] != want[i]) {
             char f[192];
-            return dc_err_set(v->err, DC_EINVAL, FP("shape"),
-                              "dimension %d is %lld, expected %lld", i, (long long)out->shape[i],
-                              (long long)want[i]);
+            return dc_err_set(v->err, DC_EINVAL, FP("shape"), "dimension %d is %lld, expected %lld",
+                              i, (long long)out->shape[i], (long long)want[i]);
         }
     return 0;
 }
@@ -134,8 +131,8 @@ static int vpair(vctx *v, uint32_t B, const char *lp, const char *in_name,
     if ((rc = vtensor(v, in_ref, lp, in_name, in_mask, in_min, in_max, in))) return rc;
     if (in->shape[0] != (int64_t)B)
         return dc_err_set(v->err, DC_EINVAL, fpath(f, sizeof f, lp, in_name, "shape"),
-                          "first dimension %lld must equal batch_size %u",
-                          (long long)in->shape[0], B);
+                          "first dimension %lld must equal batch_size %u", (long long)in->shape[0],
+                          B);
     /* Float inputs carry a feature dimension; integer indices do not. */
     int extra = dc_dtype_is_float(in->dtype) ? 0 : 1;
     int gnd = in->ndim + extra;
@@ -191,14 +188,14 @@ static int validate_layer(vctx *v, const Dpclip__ClipStep *msg, size_t i, dc_lay
                               "unknown algorithm %d", (int)x->algorithm);
         l->algo = (dc_algo)x->algorithm;
         int64_t wshape[2] = {l->p, l->d}, bshape[1] = {l->p};
-        if ((rc = vopt(v, x->weight_grad_out, lp, "weight_grad_out",
-                       DC_MASK_FLOAT, 2, wshape, &l->weight_grad_out)))
+        if ((rc = vopt(v, x->weight_grad_out, lp, "weight_grad_out", DC_MASK_FLOAT, 2, wshape,
+                       &l->weight_grad_out)))
             return rc;
         if (x->bias_grad_out && !x->has_bias)
             return dc_err_set(v->err, DC_EINVAL, fpath(f, sizeof f, lp, "bias_grad_out", NULL),
                               "bias_grad_out given but has_bias is false");
-        if ((rc = vopt(v, x->bias_grad_out, lp, "bias_grad_out",
-                       DC_MASK_FLOAT, 1, bshape, &l->bias_grad_out)))
+        if ((rc = vopt(v, x->bias_grad_out, lp, "bias_grad_out", DC_MASK_FLOAT, 1, bshape,
+                       &l->bias_grad_out)))
             return rc;
         return 0;
     }
@@ -222,8 +219,8 @@ static int validate_layer(vctx *v, const Dpclip__ClipStep *msg, size_t i, dc_lay
                               "padding_idx %lld outside [0, %lld)", (long long)x->padding_idx,
                               (long long)l->vocab);
         int64_t wshape[2] = {l->vocab, l->d};
-        return vopt(v, x->weight_grad_out, lp, "weight_grad_out",
-                    DC_MASK_FLOAT, 2, wshape, &l->weight_grad_out);
+        return vopt(v, x->weight_grad_out, lp, "weight_grad_out", DC_MASK_FLOAT, 2, wshape,
+                    &l->weight_grad_out);
     }
     case DPCLIP__LAYER__KIND_LAYER_NORM:
     case DPCLIP__LAYER__KIND_RMS_NORM: {
@@ -256,8 +253,8 @@ static int validate_layer(vctx *v, const Dpclip__ClipStep *msg, size_t i, dc_lay
             if (m->layer_norm->bias_grad_out && !l->has_bias)
                 return dc_err_set(v->err, DC_EINVAL, fpath(f, sizeof f, lp, "bias_grad_out", NULL),
                                   "bias_grad_out given but has_bias is false");
-            return vopt(v, m->layer_norm->bias_grad_out, lp, "bias_grad_out",
-                        DC_MASK_FLOAT, 1, wshape, &l->bias_grad_out);
+            return vopt(v, m->layer_norm->bias_grad_out, lp, "bias_grad_out", DC_MASK_FLOAT, 1,
+                        wshape, &l->bias_grad_out);
         }
         return 0;
     }
@@ -272,8 +269,7 @@ static int validate_layer(vctx *v, const Dpclip__ClipStep *msg, size_t i, dc_lay
  * layer names, along dim 0 (rows) or dim 1 of a 2-D output, within it; on
  * a STEP_SUMS step with noise only, and there on every output. The rules
  * that need the norm pass (its sigma, data parallelism) are step_pass.c's. */
-static int validate_noise(const Dpclip__ClipStep *msg, size_t i, int k, dc_layer *l,
-                          dc_err *err) {
+static int validate_noise(const Dpclip__ClipStep *msg, size_t i, int k, dc_layer *l, dc_err *err) {
     const Dpclip__Layer *m = msg->layers[i];
     const Dpclip__NoiseRange *x = k ? m->bias_noise : m->weight_noise;
     const dc_tensor *t = k ? &l->bias_grad_out : &l->weight_grad_out;
@@ -306,8 +302,8 @@ static int validate_noise(const Dpclip__ClipStep *msg, size_t i, int k, dc_layer
                           "the pass's noise multiplier, or no range");
     if (x->dim > 1 || (x->dim == 1 && t->ndim != 2)) {
         snprintf(f, sizeof f, "clip_step.layers[%zu].%s.dim", i, name);
-        return dc_err_set(err, DC_EINVAL, f,
-                          "dim %u: 0 (rows) or, for a 2-D output, 1 (columns)", x->dim);
+        return dc_err_set(err, DC_EINVAL, f, "dim %u: 0 (rows) or, for a 2-D output, 1 (columns)",
+                          x->dim);
     }
     const uint64_t size = (uint64_t)t->shape[x->dim];
     if (x->begin > x->end || x->end > size) {
@@ -341,17 +337,20 @@ static int validate_ties(const Dpclip__ClipStep *msg, dc_step *out, dc_err *err)
         if ((size_t)to > i)
             return dc_err_set(err, DC_EINVAL, f,
                               "tied_to %u names no earlier layer (1 + the index of one before "
-                              "this, layer %zu)", to, i);
+                              "this, layer %zu)",
+                              to, i);
         o = &out->layers[to - 1];
         if (o->tie)
             return dc_err_set(err, DC_EINVAL, f,
                               "layer %u is tied to another layer already: a weight is shared "
-                              "by two layers at most", to - 1);
+                              "by two layers at most",
+                              to - 1);
         if (!((o->kind == DC_LAYER_EMBEDDING && l->kind == DC_LAYER_LINEAR) ||
               (o->kind == DC_LAYER_LINEAR && l->kind == DC_LAYER_EMBEDDING)))
             return dc_err_set(err, DC_EINVAL, f,
                               "tied layers are one embedding and one linear layer; layer %u "
-                              "and this one are not", to - 1);
+                              "and this one are not",
+                              to - 1);
         const dc_layer *e = o->kind == DC_LAYER_EMBEDDING ? o : l;
         const dc_layer *n = o->kind == DC_LAYER_LINEAR ? o : l;
         if (e->vocab != n->p || e->d != n->d)
@@ -402,14 +401,13 @@ int dc_validate_step_cost(const dc_step *s, const dc_limits *lim, dc_err *err) {
     double max = s->device < 0 ? lim->max_step_gflop : lim->max_gpu_step_gflop;
     if (max > 0.0 && c.gflop > max)
         return dc_err_set(err, DC_ENOSPACE, "clip_step",
-                          "this step is about %.0f GFLOP of work, over limits.%s (%.0f)",
-                          c.gflop, s->device < 0 ? "max_step_gflop" : "max_gpu_step_gflop",
-                          max);
+                          "this step is about %.0f GFLOP of work, over limits.%s (%.0f)", c.gflop,
+                          s->device < 0 ? "max_step_gflop" : "max_gpu_step_gflop", max);
     return 0;
 }
 
-int dc_validate_step(const Dpclip__ClipStep *msg, const dc_registry *reg,
-                     const dc_limits *lim, dc_step *out, dc_err *err) {
+int dc_validate_step(const Dpclip__ClipStep *msg, const dc_registry *reg, const dc_limits *lim,
+                     dc_step *out, dc_err *err) {
     vctx v = {reg, -2, err};
     const Dpclip__ClipConfig *c = msg->clip;
     int rc;
@@ -418,10 +416,11 @@ int dc_validate_step(const Dpclip__ClipStep *msg, const dc_registry *reg,
     if (msg->batch_size == 0 || msg->batch_size > lim->max_batch)
         return dc_err_set(err, DC_EINVAL, "clip_step.batch_size",
                           "batch_size %u outside [1, %u] (the daemon's limits.max_batch, "
-                          "--max-batch)", msg->batch_size, lim->max_batch);
+                          "--max-batch)",
+                          msg->batch_size, lim->max_batch);
     if (msg->n_layers == 0 || msg->n_layers > lim->max_layers)
-        return dc_err_set(err, DC_EINVAL, "clip_step.layers",
-                          "%zu layers; a step needs 1 to %u", msg->n_layers, lim->max_layers);
+        return dc_err_set(err, DC_EINVAL, "clip_step.layers", "%zu layers; a step needs 1 to %u",
+                          msg->n_layers, lim->max_layers);
     if (!c) return dc_err_set(err, DC_EINVAL, "clip_step.clip", "clipping config is missing");
     if (c->mode != DPCLIP__CLIPPING_MODE__FLAT && c->mode != DPCLIP__CLIPPING_MODE__PER_LAYER)
         return dc_err_set(err, DC_EINVAL, "clip_step.clip.mode", "unknown clipping mode %d",
@@ -442,7 +441,8 @@ int dc_validate_step(const Dpclip__ClipStep *msg, const dc_registry *reg,
         return dc_err_set(err, DC_EINVAL, "clip_step.clip.expected_batch_size",
                           "a MEAN step with sample_rate %g needs expected_batch_size (the "
                           "sample rate times the dataset size): dividing by the actual batch "
-                          "size would release it without noise", msg->sample_rate);
+                          "size would release it without noise",
+                          msg->sample_rate);
     if (!isfinite(msg->noise_multiplier) || msg->noise_multiplier < 0.0f)
         return dc_err_set(err, DC_EINVAL, "clip_step.noise_multiplier",
                           "noise_multiplier must be finite and >= 0");
@@ -451,7 +451,7 @@ int dc_validate_step(const Dpclip__ClipStep *msg, const dc_registry *reg,
     out->mode = c->mode == DPCLIP__CLIPPING_MODE__PER_LAYER ? DC_CLIP_PER_LAYER : DC_CLIP_FLAT;
     out->max_grad_norm = c->max_grad_norm;
     out->reduction = c->loss_reduction == DPCLIP__LOSS_REDUCTION__MEAN ? DC_REDUCTION_MEAN
-                                                                      : DC_REDUCTION_SUM;
+                                                                       : DC_REDUCTION_SUM;
     out->expected_batch = c->expected_batch_size ? c->expected_batch_size : msg->batch_size;
     out->noise_multiplier = msg->noise_multiplier;
     out->want_layer_norms = msg->want_layer_norms;
@@ -469,8 +469,8 @@ int dc_validate_step(const Dpclip__ClipStep *msg, const dc_registry *reg,
         if ((rc = vopt(&v, msg->norms_out, "clip_step.norms_out", NULL, DC_MASK_F32, 1, bshape,
                        &out->norms_out)))
             goto fail;
-        if ((rc = vopt(&v, msg->coefficients_out, "clip_step.coefficients_out", NULL, DC_MASK_F32, 1,
-                       bshape, &out->coefs_out)))
+        if ((rc = vopt(&v, msg->coefficients_out, "clip_step.coefficients_out", NULL, DC_MASK_F32,
+                       1, bshape, &out->coefs_out)))
             goto fail;
     }
     if ((rc = validate_ties(msg, out, err))) goto fail;

@@ -27,17 +27,17 @@ typedef struct dc_limits {
 /* What a step will cost the daemon (dc_step_cost_estimate) against the
  * limits.max_step_* settings; the error names the setting. */
 int dc_validate_step_cost(const dc_step *s, const dc_limits *lim, dc_err *err);
-int dc_validate_step(const Dpclip__ClipStep *msg, const dc_registry *reg,
-                     const dc_limits *lim, dc_step *out, dc_err *err);
+int dc_validate_step(const Dpclip__ClipStep *msg, const dc_registry *reg, const dc_limits *lim,
+                     dc_step *out, dc_err *err);
 void dc_validate_step_free(dc_step *s);
 
 /* Resolves one TensorRef (exposed for the unit tests). `field` is the path of
  * the reference; ndim must be in [min_ndim, max_ndim]; dtype_mask has bit
  * (1 << dtype) set for each allowed dtype. *device receives the buffer's
  * device (-1 for host memory). */
-int dc_validate_tensor(const Dpclip__TensorRef *ref, const char *field,
-                       const dc_registry *reg, unsigned dtype_mask, int min_ndim,
-                       int max_ndim, dc_tensor *out, int *device, dc_err *err);
+int dc_validate_tensor(const Dpclip__TensorRef *ref, const char *field, const dc_registry *reg,
+                       unsigned dtype_mask, int min_ndim, int max_ndim, dc_tensor *out, int *device,
+                       dc_err *err);
 
 #define DC_MASK_FLOAT ((1u << DC_F32) | (1u << DC_BF16) | (1u << DC_F16))
 #define DC_MASK_INDEX ((1u << DC_I32) | (1u << DC_I64))

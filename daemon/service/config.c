@@ -18,27 +18,27 @@
 /* --- the settings table ------------------------------------------------------ */
 
 typedef enum key_type {
-    T_PATH,    /* char[], absolute path (or "" where allowed) */
-    T_GROUP,   /* char[], group name or number, "" = unset */
-    T_MODE,    /* unsigned, octal permission bits */
-    T_UINT,    /* uint32_t / int in [lo, hi] */
-    T_SIZE,    /* uint64_t bytes: a whole number with an optional K, M, G or T (powers of 1024) */
+    T_PATH,      /* char[], absolute path (or "" where allowed) */
+    T_GROUP,     /* char[], group name or number, "" = unset */
+    T_MODE,      /* unsigned, octal permission bits */
+    T_UINT,      /* uint32_t / int in [lo, hi] */
+    T_SIZE,      /* uint64_t bytes: a whole number with an optional K, M, G or T (powers of 1024) */
     T_SIZE_AUTO, /* T_SIZE, or "auto" (DC_SAMPLE_GRADS_AUTO: the daemon sizes it per GPU) */
     T_INT,
     T_BOOL,
-    T_LEVEL,   /* dc_log_level */
-    T_DOUBLE,  /* in [lo, hi] */
-    T_UIDS,    /* list of users (names or numbers) */
-    T_GIDS     /* list of groups */
+    T_LEVEL,  /* dc_log_level */
+    T_DOUBLE, /* in [lo, hi] */
+    T_UIDS,   /* list of users (names or numbers) */
+    T_GIDS    /* list of groups */
 } key_type;
 
 typedef struct key_def {
     const char *section, *key;
-    const char *flag;     /* long option, or NULL */
+    const char *flag; /* long option, or NULL */
     key_type type;
     size_t off, size;
     double lo, hi;
-    bool reload;          /* SIGHUP may change it in a running daemon */
+    bool reload; /* SIGHUP may change it in a running daemon */
     const char *help;
 } key_def;
 
@@ -65,8 +65,8 @@ static const key_def KEYS[] = {
      "device workspace preallocated per GPU (K/M/G suffixes); a larger step grows it once"},
     {"gpu", "workspace_max", "gpu-workspace-max", T_SIZE, F(gpu_workspace_max), 0, 0, false,
      "most device workspace per GPU; a step needing more fails (0 = no cap)"},
-    {"gpu", "sample_grads_max", "gpu-sample-grads-max", T_SIZE_AUTO, F(gpu_sample_grads_max),
-     0, 0, false,
+    {"gpu", "sample_grads_max", "gpu-sample-grads-max", T_SIZE_AUTO, F(gpu_sample_grads_max), 0, 0,
+     false,
      "most device workspace per GPU keeping per-sample gradients, so that clipped sums "
      "cost a pass over memory, not a GEMM (0 = none; auto = 1/8 of each GPU's memory)"},
     {"limits", "max_batch", "max-batch", T_UINT, F(max_batch), 1, 1u << 24, true,
@@ -93,8 +93,8 @@ static const key_def KEYS[] = {
      "seconds a connection has to say Hello"},
     {"limits", "idle_timeout", NULL, T_DOUBLE, F(idle_timeout), 0, 1e7, true,
      "seconds a session may go without a request or a step in flight; 0 = no limit"},
-    {"limits", "max_connections_per_uid", NULL, T_UINT, F(max_connections_per_uid), 1,
-     1u << 20, true,
+    {"limits", "max_connections_per_uid", NULL, T_UINT, F(max_connections_per_uid), 1, 1u << 20,
+     true,
      "connections one user (uid) may have open at once, so that one user cannot take every "
      "connection from the others"},
     {"limits", "max_buffers_total", NULL, T_UINT, F(max_buffers_total), 1, 1u << 24, true,
@@ -103,8 +103,8 @@ static const key_def KEYS[] = {
      "buffers all sessions of one user (uid) together may hold registered"},
     {"limits", "max_mapped_bytes", NULL, T_SIZE, F(max_mapped_bytes), 0, 0, true,
      "shared memory all sessions together may have mapped (K/M/G/T; 0 = no cap)"},
-    {"limits", "max_mapped_bytes_per_uid", NULL, T_SIZE, F(max_mapped_bytes_per_uid), 0, 0,
-     true, "shared memory all sessions of one user (uid) may have mapped (K/M/G/T; 0 = no cap)"},
+    {"limits", "max_mapped_bytes_per_uid", NULL, T_SIZE, F(max_mapped_bytes_per_uid), 0, 0, true,
+     "shared memory all sessions of one user (uid) may have mapped (K/M/G/T; 0 = no cap)"},
     {"limits", "max_pass_memory", NULL, T_SIZE, F(max_pass_memory), 0, 0, true,
      "host memory all sessions' norm passes (steps in phases) may hold between their steps "
      "(K/M/G)"},
@@ -114,9 +114,8 @@ static const key_def KEYS[] = {
      "micro-batches in one logical step (gradient accumulation)"},
     {"limits", "max_accumulator_memory", NULL, T_SIZE, F(max_accumulator_memory), 0, 0, true,
      "memory all sessions' logical steps may hold in accumulators, host and device (K/M/G/T)"},
-    {"limits", "max_accumulator_memory_per_uid", NULL, T_SIZE,
-     F(max_accumulator_memory_per_uid), 0, 0, true,
-     "memory the logical steps of one user's (uid's) sessions may hold in accumulators"},
+    {"limits", "max_accumulator_memory_per_uid", NULL, T_SIZE, F(max_accumulator_memory_per_uid), 0,
+     0, true, "memory the logical steps of one user's (uid's) sessions may hold in accumulators"},
     {"limits", "logical_step_timeout", NULL, T_DOUBLE, F(logical_step_timeout), 1, 1e7, true,
      "seconds a logical step may stay open before its commit; then it is aborted"},
     {"limits", "max_reply_queue", NULL, T_SIZE, F(max_reply_queue), 0, 0, true,
@@ -401,18 +400,17 @@ static int set_value(dc_config *c, const key_def *k, const char *value, const ch
         double d;
         errno = 0;
         d = strtod(value, &end);
-        if (errno || end == value || *end || !isfinite(d) || (d < k->lo && d != 0.0) ||
-            d > k->hi || (d == 0.0 && k->lo > 0))
-            return dc_err_set(err, DC_EINVAL, k->key, "%s: %s.%s: '%s' is not a number in %s[%g, %g]",
-                              where, k->section, k->key, value, k->lo > 0 ? "" : "{0} or ",
-                              k->lo > 0 ? k->lo : 0.0, k->hi);
+        if (errno || end == value || *end || !isfinite(d) || (d < k->lo && d != 0.0) || d > k->hi ||
+            (d == 0.0 && k->lo > 0))
+            return dc_err_set(err, DC_EINVAL, k->key,
+                              "%s: %s.%s: '%s' is not a number in %s[%g, %g]", where, k->section,
+                              k->key, value, k->lo > 0 ? "" : "{0} or ", k->lo > 0 ? k->lo : 0.0,
+                              k->hi);
         *(double *)p = d;
         return 0;
     }
-    case T_UIDS:
-        return parse_ids(value, true, c->allowed_uids, &c->n_allowed_uids, where, k, err);
-    case T_GIDS:
-        return parse_ids(value, false, c->allowed_gids, &c->n_allowed_gids, where, k, err);
+    case T_UIDS: return parse_ids(value, true, c->allowed_uids, &c->n_allowed_uids, where, k, err);
+    case T_GIDS: return parse_ids(value, false, c->allowed_gids, &c->n_allowed_gids, where, k, err);
     }
     return dc_err_set(err, DC_EINVAL, k->key, "%s: %s.%s: bad value '%s': %s", where, k->section,
                       k->key, value, what ? what : "invalid");
@@ -424,10 +422,8 @@ int dc_config_set(dc_config *c, const char *section, const char *key, const char
     const key_def *k = find_key(section, key, &known);
     if (!k) {
         if (!known)
-            return dc_err_set(err, DC_EINVAL, section, "%s: unknown section [%s]", where,
-                              section);
-        return dc_err_set(err, DC_EINVAL, key, "%s: unknown key '%s' in [%s]", where, key,
-                          section);
+            return dc_err_set(err, DC_EINVAL, section, "%s: unknown section [%s]", where, section);
+        return dc_err_set(err, DC_EINVAL, key, "%s: unknown key '%s' in [%s]", where, key, section);
     }
     return set_value(c, k, value, where, err);
 }
@@ -443,16 +439,19 @@ const char *dc_config_default_path(void) {
 }
 
 void dc_config_usage(FILE *f) {
-    fprintf(f, "usage: dpclipd [options]\n"
-               "  --config PATH          config file (default %s if it exists)\n"
-               "  --check-config         validate the configuration, print it and exit\n"
-               "  --set SECTION.KEY=VALUE  any setting of the config file\n",
+    fprintf(f,
+            "usage: dpclipd [options]\n"
+            "  --config PATH          config file (default %s if it exists)\n"
+            "  --check-config         validate the configuration, print it and exit\n"
+            "  --set SECTION.KEY=VALUE  any setting of the config file\n",
             dc_config_default_path());
     for (size_t i = 0; i < N_KEYS; i++) {
         char opt[64];
         if (!KEYS[i].flag) continue;
         snprintf(opt, sizeof opt, "--%s %s", KEYS[i].flag,
-                 KEYS[i].type == T_PATH ? "PATH" : KEYS[i].type == T_MODE ? "OCTAL" : "N");
+                 KEYS[i].type == T_PATH   ? "PATH"
+                 : KEYS[i].type == T_MODE ? "OCTAL"
+                                          : "N");
         if (KEYS[i].type == T_LEVEL) snprintf(opt, sizeof opt, "--%s LEVEL", KEYS[i].flag);
         if (KEYS[i].type == T_GROUP) snprintf(opt, sizeof opt, "--%s GROUP", KEYS[i].flag);
         if (KEYS[i].type == T_DOUBLE) snprintf(opt, sizeof opt, "--%s X", KEYS[i].flag);
@@ -496,8 +495,7 @@ int dc_config_from_args(dc_config *c, int argc, char **argv, dc_config_action *a
     unsigned long long v;
 
     for (size_t i = 0; i < N_KEYS; i++)
-        if (KEYS[i].flag)
-            opts[n++] = (struct option){KEYS[i].flag, required_argument, NULL, 0};
+        if (KEYS[i].flag) opts[n++] = (struct option){KEYS[i].flag, required_argument, NULL, 0};
     opts[n++] = (struct option){"config", required_argument, NULL, O_CONFIG};
     opts[n++] = (struct option){"check-config", no_argument, NULL, O_CHECK};
     opts[n++] = (struct option){"set", required_argument, NULL, O_SET};
@@ -545,8 +543,10 @@ int dc_config_from_args(dc_config *c, int argc, char **argv, dc_config_action *a
         case O_NOGPU: c->gpu = false; break;
         case O_READY:
             if (parse_ull(optarg, 10, &v) || v > INT_MAX)
-                return dc_err_set(err, DC_EINVAL, "ready-fd", "--ready-fd: '%s' is not a file "
-                                  "descriptor", optarg);
+                return dc_err_set(err, DC_EINVAL, "ready-fd",
+                                  "--ready-fd: '%s' is not a file "
+                                  "descriptor",
+                                  optarg);
             c->ready_fd = (int)v;
             break;
         case O_SEED:
@@ -585,13 +585,18 @@ int dc_config_validate(const dc_config *c, dc_err *err) {
         return dc_err_set(err, DC_EINVAL, "socket", "daemon.socket: a socket path is required");
     dc_config_status_path(c, st, sizeof st);
     if (strlen(st) >= sizeof c->status_socket)
-        return dc_err_set(err, DC_EINVAL, "socket", "status.socket: '%s' is too long for a Unix "
-                          "socket path", st);
+        return dc_err_set(err, DC_EINVAL, "socket",
+                          "status.socket: '%s' is too long for a Unix "
+                          "socket path",
+                          st);
     if (st[0] && strcmp(st, c->socket) == 0)
-        return dc_err_set(err, DC_EINVAL, "socket", "status.socket must differ from "
-                          "daemon.socket (%s)", st);
+        return dc_err_set(err, DC_EINVAL, "socket",
+                          "status.socket must differ from "
+                          "daemon.socket (%s)",
+                          st);
     if (strcmp(c->ledger_dir, "none") == 0)
-        return dc_err_set(err, DC_EINVAL, "dir", "ledger.dir: use an empty value for an "
+        return dc_err_set(err, DC_EINVAL, "dir",
+                          "ledger.dir: use an empty value for an "
                           "in-memory ledger");
     if (c->gpu_workspace_max && c->gpu_workspace > c->gpu_workspace_max)
         return dc_err_set(err, DC_EINVAL, "workspace",
@@ -677,10 +682,10 @@ void dc_config_print(const dc_config *c, FILE *f) {
 /* Settings outside [limits] that bound what a client can make the daemon
  * hold: device workspace, how long a grouped step or a status connection is
  * held, status connections, ledger accounts. */
-static const char *const OTHER_LIMITS[] = {"gpu.workspace_max",      "gpu.sample_grads_max",
-                                           "groups.timeout_ms",
-                                           "status.max_connections", "status.timeout_s",
-                                           "ledger.max_jobs_per_uid", "ledger.job_idle_s"};
+static const char *const OTHER_LIMITS[] = {"gpu.workspace_max", "gpu.sample_grads_max",
+                                           "groups.timeout_ms", "status.max_connections",
+                                           "status.timeout_s",  "ledger.max_jobs_per_uid",
+                                           "ledger.job_idle_s"};
 
 bool dc_config_key(size_t i, const char **section, const char **key) {
     if (i >= N_KEYS) return false;

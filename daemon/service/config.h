@@ -29,10 +29,10 @@ const char *dc_config_default_path(void);
 
 typedef struct dc_config {
     /* [daemon] */
-    char socket[108];              /* sun_path size */
+    char socket[108]; /* sun_path size */
     unsigned socket_mode;
-    char socket_group[64];         /* "" = the daemon's own group */
-    int workers;                   /* 0 = number of CPUs */
+    char socket_group[64]; /* "" = the daemon's own group */
+    int workers;           /* 0 = number of CPUs */
     int blas_threads;
     uint32_t spin_us;
     bool gpu;
@@ -43,21 +43,21 @@ typedef struct dc_config {
     dc_log_level log_level;
     /* [limits] */
     uint32_t max_batch, max_layers, max_frame, max_buffers;
-    uint32_t max_events;           /* CUDA IPC events one session may hold registered */
-    uint32_t max_step_samples;     /* layers x batch of one step (per-sample tables) */
-    uint64_t max_step_memory;      /* host bytes one step may make the daemon hold */
-    uint32_t max_step_gflop;       /* work of one host-memory (CPU) step */
-    uint32_t max_gpu_step_gflop;   /* work of one GPU step */
+    uint32_t max_events;         /* CUDA IPC events one session may hold registered */
+    uint32_t max_step_samples;   /* layers x batch of one step (per-sample tables) */
+    uint64_t max_step_memory;    /* host bytes one step may make the daemon hold */
+    uint32_t max_step_gflop;     /* work of one host-memory (CPU) step */
+    uint32_t max_gpu_step_gflop; /* work of one GPU step */
     /* What clients can make the daemon hold (session.c, server.c). */
     uint32_t max_connections;
-    uint32_t max_connections_per_uid; /* one user's share of them */
-    double handshake_timeout;      /* s from accept to Hello */
-    double idle_timeout;           /* s without a request or a step; 0 = never */
-    uint32_t max_buffers_total;    /* all sessions' buffers */
-    uint32_t max_buffers_per_uid;  /* one user's sessions' buffers */
-    uint64_t max_mapped_bytes;     /* all sessions' shared memory mapped; 0 = no cap */
+    uint32_t max_connections_per_uid;  /* one user's share of them */
+    double handshake_timeout;          /* s from accept to Hello */
+    double idle_timeout;               /* s without a request or a step; 0 = never */
+    uint32_t max_buffers_total;        /* all sessions' buffers */
+    uint32_t max_buffers_per_uid;      /* one user's sessions' buffers */
+    uint64_t max_mapped_bytes;         /* all sessions' shared memory mapped; 0 = no cap */
     uint64_t max_mapped_bytes_per_uid; /* one user's; 0 = no cap */
-    uint64_t max_pass_memory;      /* all sessions' norm passes (step_pass.h) */
+    uint64_t max_pass_memory;          /* all sessions' norm passes (step_pass.h) */
     uint64_t max_pass_memory_per_uid;
     /* Logical steps (step_logical.h): micro-batches of one, its
      * accumulators' bytes (all sessions', one user's), seconds open. */
@@ -69,32 +69,32 @@ typedef struct dc_config {
     uint32_t max_group_links;      /* cross-daemon groups (NCCL links) held at once */
     uint32_t max_group_timeout_ms; /* the longest JoinGroup.timeout_ms */
     /* [groups] */
-    uint32_t group_timeout_ms;     /* a grouped step waits this long for the others */
-    bool group_fuse;               /* one-daemon groups' steps on one device run fused */
+    uint32_t group_timeout_ms; /* a grouped step waits this long for the others */
+    bool group_fuse;           /* one-daemon groups' steps on one device run fused */
     /* [access]: empty lists = whoever can open the socket */
     uint32_t allowed_uids[DC_CONFIG_MAX_IDS];
     size_t n_allowed_uids;
     uint32_t allowed_gids[DC_CONFIG_MAX_IDS];
     size_t n_allowed_gids;
     /* [status] */
-    char status_socket[108];       /* "" = derived from socket; "none" = off */
+    char status_socket[108]; /* "" = derived from socket; "none" = off */
     unsigned status_mode;
     char status_group[64];
-    uint32_t status_port;          /* TCP on 127.0.0.1; 0 = off */
+    uint32_t status_port; /* TCP on 127.0.0.1; 0 = off */
     uint32_t status_max_connections, status_timeout_s;
-    char status_ops_group[64];     /* sees every job in /status; "" = root and the daemon only */
+    char status_ops_group[64]; /* sees every job in /status; "" = root and the daemon only */
     /* [ledger] */
     char ledger_dir[DC_CONFIG_PATH_MAX]; /* "" = in memory only (lost at exit) */
-    double delta;                  /* delta at which a job's eps is reported */
-    double budget_epsilon;         /* 0 = no node-wide budget per job */
+    double delta;                        /* delta at which a job's eps is reported */
+    double budget_epsilon;               /* 0 = no node-wide budget per job */
     double budget_delta;
-    bool require_sample_rate;      /* refuse steps that do not give one */
+    bool require_sample_rate;         /* refuse steps that do not give one */
     uint32_t ledger_max_jobs_per_uid; /* accounts one uid may hold in memory; 0 = no cap */
-    uint32_t ledger_job_idle_s;    /* unused accounts leave memory after this; 0 = never */
+    uint32_t ledger_job_idle_s;       /* unused accounts leave memory after this; 0 = never */
 
     /* Flags only (not in the file). */
     char config_path[DC_CONFIG_PATH_MAX]; /* the file read, "" = none */
-    int ready_fd;                  /* -1 = none */
+    int ready_fd;                         /* -1 = none */
     bool fixed_seed;
     uint64_t seed;
 } dc_config;
@@ -102,7 +102,7 @@ typedef struct dc_config {
 /* What the command line asked for besides settings. */
 typedef enum dc_config_action {
     DC_CONFIG_RUN = 0,
-    DC_CONFIG_CHECK,               /* --check-config: validate, print, exit */
+    DC_CONFIG_CHECK, /* --check-config: validate, print, exit */
     DC_CONFIG_HELP,
     DC_CONFIG_VERSION
 } dc_config_action;
@@ -123,8 +123,7 @@ int dc_config_load_string(dc_config *c, const char *text, const char *name, dc_e
 /* The whole sequence: defaults, the file (--config PATH, else the default
  * path if it exists), then every flag. Usable again at reload time with the
  * same argv (getopt state is reset). */
-int dc_config_from_args(dc_config *c, int argc, char **argv, dc_config_action *action,
-                        dc_err *err);
+int dc_config_from_args(dc_config *c, int argc, char **argv, dc_config_action *action, dc_err *err);
 
 /* Cross-field checks (paths, groups that must exist, ...). */
 int dc_config_validate(const dc_config *c, dc_err *err);

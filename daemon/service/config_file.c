@@ -17,11 +17,11 @@ typedef struct ini_ctx {
     dc_config *c;
     const char *name;
     dc_err *err;
-    int err_line;          /* first error our handler found; 0 = none */
-    int line;              /* lines handed to inih so far */
-    const char *text;      /* string mode: what is left to read */
-    FILE *f;               /* file mode */
-    bool *seen;            /* per setting (dc_config_key_index): set once already */
+    int err_line;     /* first error our handler found; 0 = none */
+    int line;         /* lines handed to inih so far */
+    const char *text; /* string mode: what is left to read */
+    FILE *f;          /* file mode */
+    bool *seen;       /* per setting (dc_config_key_index): set once already */
 } ini_ctx;
 
 static int on_ini(void *user, const char *section, const char *name, const char *value) {
@@ -29,7 +29,7 @@ static int on_ini(void *user, const char *section, const char *name, const char 
     char where[DC_CONFIG_PATH_MAX + 16];
     int k;
 
-    if (x->err_line) return 0;       /* report the first problem only */
+    if (x->err_line) return 0; /* report the first problem only */
     snprintf(where, sizeof where, "%s:%d", x->name, x->line);
     k = dc_config_key_index(section, name);
     if (k >= 0 && x->seen[k]) {
@@ -76,8 +76,10 @@ static int parse_ini(ini_ctx *x, ini_reader reader) {
     x->seen = NULL;
     if (rc == 0 && !x->err_line) return 0;
     if (rc > 0 && (!x->err_line || rc < x->err_line))
-        return dc_err_set(x->err, DC_EINVAL, "", "%s:%d: syntax error: expected '[section]' or "
-                          "'key = value'", x->name, rc);
+        return dc_err_set(x->err, DC_EINVAL, "",
+                          "%s:%d: syntax error: expected '[section]' or "
+                          "'key = value'",
+                          x->name, rc);
     if (rc < 0 && !x->err_line)
         return dc_err_set(x->err, DC_ENOSPACE, "", "%s: out of memory reading it", x->name);
     return x->err ? (int)x->err->code : DC_EINVAL;
@@ -120,8 +122,10 @@ int dc_config_load_file(dc_config *c, const char *path, dc_err *err) {
                           strerror(errno));
     fclose(f);
     if (ch == EOF) return 0;
-    return dc_err_set(err, DC_EUNIMPL, "", "%s: this dpclipd was built without inih "
-                      "(libinih-dev) and cannot read config files; use flags", path);
+    return dc_err_set(err, DC_EUNIMPL, "",
+                      "%s: this dpclipd was built without inih "
+                      "(libinih-dev) and cannot read config files; use flags",
+                      path);
 }
 
 int dc_config_load_string(dc_config *c, const char *text, const char *name, dc_err *err) {

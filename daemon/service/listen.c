@@ -62,8 +62,7 @@ int dc_listen_unix(const char *path, unsigned mode, int gid, dc_err *err) {
         goto fail_unlink;
     }
     if (gid >= 0 && chown(path, (uid_t)-1, (gid_t)gid) != 0) {
-        dc_err_set(err, DC_EPERM, "socket", "chown %s to group %d: %s", path, gid,
-                   strerror(errno));
+        dc_err_set(err, DC_EPERM, "socket", "chown %s to group %d: %s", path, gid, strerror(errno));
         goto fail_unlink;
     }
     if (listen(fd, 128) != 0) {

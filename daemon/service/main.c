@@ -56,13 +56,15 @@ static int explain_socket_dir(const dc_config *cfg, const dc_err *err) {
         else
             dc_log_error("daemon.socket: cannot create %s: %s does not exist. Create it, or "
                          "run dpclipd with --socket PATH in a directory you can write (and "
-                         "trainers with DPCLIP_SOCKET=PATH)", cfg->socket, dir);
+                         "trainers with DPCLIP_SOCKET=PATH)",
+                         cfg->socket, dir);
         return 1;
     }
     if (access(dir, W_OK | X_OK) != 0 && errno == EACCES) {
         dc_log_error("daemon.socket: cannot create %s: this user may not create files in %s%s. "
                      "Run dpclipd with --socket PATH in a directory you can write (and "
-                     "trainers with DPCLIP_SOCKET=PATH)%s", cfg->socket, dir,
+                     "trainers with DPCLIP_SOCKET=PATH)%s",
+                     cfg->socket, dir,
                      strcmp(dir, DC_SOCKET_DIR) == 0 ? " (it is the service's)" : "",
                      strcmp(dir, DC_SOCKET_DIR) == 0
                          ? ", or run the installed service: `sudo systemctl start dpclipd.socket`"
@@ -91,9 +93,7 @@ int main(int argc, char **argv) {
     switch (act) {
     case DC_CONFIG_HELP: dc_config_usage(stdout); return 0;
     case DC_CONFIG_VERSION: printf("dpclipd %s\n", DPCLIP_VERSION); return 0;
-    case DC_CONFIG_CHECK:
-        dc_config_print(&cfg, stdout);
-        return fflush(stdout) == 0 ? 0 : 1;
+    case DC_CONFIG_CHECK: dc_config_print(&cfg, stdout); return fflush(stdout) == 0 ? 0 : 1;
     case DC_CONFIG_RUN: break;
     }
     dc_log_set_level(cfg.log_level);

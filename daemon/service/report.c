@@ -202,8 +202,9 @@ static void render_status(const dc_report *r, dc_view view, uint32_t uid, dc_sbu
     bool first;
     size_t n;
 
-    dc_sbuf_printf(b, "{\"daemon\":{\"version\":\"%s\",\"pid\":%d,\"uptime_s\":%.3f,"
-                      "\"started\":%lld,",
+    dc_sbuf_printf(b,
+                   "{\"daemon\":{\"version\":\"%s\",\"pid\":%d,\"uptime_s\":%.3f,"
+                   "\"started\":%lld,",
                    DPCLIP_VERSION, r->pid, r->uptime_s, (long long)r->started);
     dc_sbuf_puts(b, "\"config_file\":");
     dc_sbuf_json_str(b, r->config_file);
@@ -211,8 +212,9 @@ static void render_status(const dc_report *r, dc_view view, uint32_t uid, dc_sbu
     dc_sbuf_json_str(b, r->socket);
     /* insecure: --insecure-fixed-seed, predictable noise: nothing it
      * computes is private. */
-    dc_sbuf_printf(b, ",\"socket_activated\":%s,\"log_level\":\"%s\",\"stopping\":%s,"
-                      "\"insecure\":%s},",
+    dc_sbuf_printf(b,
+                   ",\"socket_activated\":%s,\"log_level\":\"%s\",\"stopping\":%s,"
+                   "\"insecure\":%s},",
                    r->socket_activated ? "true" : "false", r->log_level,
                    r->stopping ? "true" : "false", r->insecure ? "true" : "false");
     /* What this caller is shown (docs/operations.md, "Who sees what"). */
@@ -247,8 +249,9 @@ static void render_status(const dc_report *r, dc_view view, uint32_t uid, dc_sbu
         dc_sbuf_json_str(b, s->client);
         dc_sbuf_puts(b, ",\"job\":");
         dc_sbuf_json_str(b, s->job_id);
-        dc_sbuf_printf(b, ",\"hello\":%s,\"steps\":%llu,\"steps_failed\":%llu,\"buffers\":%zu,"
-                          "\"buffer_bytes\":%llu,\"busy\":%s,\"connected_s\":%.3f,\"idle_s\":",
+        dc_sbuf_printf(b,
+                       ",\"hello\":%s,\"steps\":%llu,\"steps_failed\":%llu,\"buffers\":%zu,"
+                       "\"buffer_bytes\":%llu,\"busy\":%s,\"connected_s\":%.3f,\"idle_s\":",
                        s->hello ? "true" : "false", (unsigned long long)s->steps,
                        (unsigned long long)s->steps_failed, s->buffers,
                        (unsigned long long)s->buffer_bytes, s->busy ? "true" : "false",
@@ -295,14 +298,17 @@ static void render_status(const dc_report *r, dc_view view, uint32_t uid, dc_sbu
         dc_sbuf_printf(b, "%s{\"id\":%llu,\"uid\":%u,\"name\":", first ? "" : ",",
                        (unsigned long long)g->id, g->uid);
         dc_sbuf_json_str(b, g->name);
-        dc_sbuf_printf(b, ",\"size\":%u,\"joined\":%u,\"waiting\":%u,\"clipping\":\"%s\","
-                          "\"state\":\"%s\",\"step\":%llu,\"reductions\":%llu,"
-                          "\"last_wait_ms\":%.3f,\"daemons\":%u,\"daemon_rank\":%u,"
-                          "\"local_members\":%u,\"link\":\"%s\",\"exchanges\":%llu,"
-                          "\"last_exchange_ms\":%.3f,\"why\":",
+        dc_sbuf_printf(b,
+                       ",\"size\":%u,\"joined\":%u,\"waiting\":%u,\"clipping\":\"%s\","
+                       "\"state\":\"%s\",\"step\":%llu,\"reductions\":%llu,"
+                       "\"last_wait_ms\":%.3f,\"daemons\":%u,\"daemon_rank\":%u,"
+                       "\"local_members\":%u,\"link\":\"%s\",\"exchanges\":%llu,"
+                       "\"last_exchange_ms\":%.3f,\"why\":",
                        g->size, g->joined, g->waiting,
                        g->clipping == DC_GROUP_WISE ? "GROUP_WISE" : "NORM_REDUCE",
-                       g->dissolved ? "dissolved" : g->joined < g->local_size ? "forming" : "ready",
+                       g->dissolved                ? "dissolved"
+                       : g->joined < g->local_size ? "forming"
+                                                   : "ready",
                        (unsigned long long)g->step, (unsigned long long)g->reductions,
                        g->last_wait_ns / 1e6, g->daemons, g->daemon_rank, g->local_size,
                        dc_group_link_name(g->link), (unsigned long long)g->exchanges,
@@ -313,10 +319,11 @@ static void render_status(const dc_report *r, dc_view view, uint32_t uid, dc_sbu
     }
     dc_sbuf_puts(b, "],\"ledger\":{\"dir\":");
     dc_sbuf_json_str(b, view == DC_VIEW_ALL ? r->ledger_dir : "");
-    dc_sbuf_printf(b, ",\"persistent\":%s,\"delta\":%.17g,\"budget_epsilon\":%.17g,"
-                      "\"budget_delta\":%.17g,\"require_sample_rate\":%s,"
-                      "\"max_jobs_per_uid\":%u,\"job_idle_s\":%u,\"writes_in_flight\":%d,"
-                      "\"n_jobs\":%zu,\"jobs\":[",
+    dc_sbuf_printf(b,
+                   ",\"persistent\":%s,\"delta\":%.17g,\"budget_epsilon\":%.17g,"
+                   "\"budget_delta\":%.17g,\"require_sample_rate\":%s,"
+                   "\"max_jobs_per_uid\":%u,\"job_idle_s\":%u,\"writes_in_flight\":%d,"
+                   "\"n_jobs\":%zu,\"jobs\":[",
                    r->persistent ? "true" : "false", r->delta, r->budget_epsilon, r->budget_delta,
                    r->require_sample_rate ? "true" : "false", r->max_jobs_per_uid, r->job_idle_s,
                    r->writes_in_flight, r->n_accounts);
@@ -326,16 +333,18 @@ static void render_status(const dc_report *r, dc_view view, uint32_t uid, dc_sbu
         if (!shown(view, uid, a->uid)) continue;
         dc_sbuf_printf(b, "%s{\"uid\":%u,\"job\":", first ? "" : ",", a->uid);
         dc_sbuf_json_str(b, a->job_id);
-        dc_sbuf_printf(b, ",\"sessions\":%d,\"steps\":%llu,\"shares\":%llu,\"epsilon\":",
-                       a->sessions, (unsigned long long)a->steps, (unsigned long long)a->shares);
+        dc_sbuf_printf(b,
+                       ",\"sessions\":%d,\"steps\":%llu,\"shares\":%llu,\"epsilon\":", a->sessions,
+                       (unsigned long long)a->steps, (unsigned long long)a->shares);
         dc_sbuf_json_num(b, a->eps);
         dc_sbuf_printf(b, ",\"epsilon_infinite\":%s,\"delta\":%.17g,\"best_order\":",
                        isinf(a->eps) ? "true" : "false", a->delta);
         dc_sbuf_json_num(b, a->best_order);
-        dc_sbuf_printf(b, ",\"budget_epsilon\":%.17g,\"on_disk\":%s,\"insecure\":%s,"
-                          "\"folded_steps\":%llu,\"history\":[",
-                       a->budget_eps, a->on_disk ? "true" : "false",
-                       a->insecure ? "true" : "false", (unsigned long long)a->folded_steps);
+        dc_sbuf_printf(b,
+                       ",\"budget_epsilon\":%.17g,\"on_disk\":%s,\"insecure\":%s,"
+                       "\"folded_steps\":%llu,\"history\":[",
+                       a->budget_eps, a->on_disk ? "true" : "false", a->insecure ? "true" : "false",
+                       (unsigned long long)a->folded_steps);
         for (size_t k = 0; k < a->n_hist; k++)
             dc_sbuf_printf(b, "%s{\"sample_rate\":%.17g,\"noise_multiplier\":%.17g,\"steps\":%llu}",
                            k ? "," : "", a->hist[k].q, a->hist[k].sigma,
@@ -346,8 +355,9 @@ static void render_status(const dc_report *r, dc_view view, uint32_t uid, dc_sbu
     n = 0;
     for (size_t i = 0; i < r->n_sessions; i++) n += shown(view, uid, r->sessions[i].uid);
     /* samples and layers: only for the full view (batch sizes, see report.h) */
-    dc_sbuf_printf(b, "]},\"totals\":{\"sessions_open\":%zu,\"sessions\":%llu,\"steps_ok\":%llu,"
-                      "\"steps_failed\":%llu",
+    dc_sbuf_printf(b,
+                   "]},\"totals\":{\"sessions_open\":%zu,\"sessions\":%llu,\"steps_ok\":%llu,"
+                   "\"steps_failed\":%llu",
                    view == DC_VIEW_AGGREGATE ? r->n_sessions : n,
                    (unsigned long long)r->metrics.sessions_total,
                    (unsigned long long)r->metrics.steps_ok,
@@ -378,8 +388,10 @@ static void account_gauge(dc_sbuf *b, const dc_report *r, dc_view view, uint32_t
     dc_prom_head(b, name, "gauge", help);
     for (size_t i = 0; i < r->n_accounts; i++) {
         const dc_report_account *a = &r->accounts[i];
-        double v = which == 0 ? a->eps : which == 1 ? (double)a->steps : which == 2 ? a->delta
-                                                                                    : a->budget_eps;
+        double v = which == 0   ? a->eps
+                   : which == 1 ? (double)a->steps
+                   : which == 2 ? a->delta
+                                : a->budget_eps;
         if (!shown(view, uid, a->uid) || (which == 3 && a->budget_eps <= 0)) continue;
         dc_sbuf_printf(b, "%s{uid=\"%u\",job=", name, a->uid);
         dc_sbuf_prom_str(b, a->job_id);
@@ -396,8 +408,10 @@ static void render_metrics(const dc_report *r, dc_view view, uint32_t uid, dc_sb
     dc_prom_head(b, "dpclip_build_info", "gauge", "dpclipd version");
     dc_sbuf_printf(b, "dpclip_build_info{version=\"%s\"} 1\n", DPCLIP_VERSION);
     gauge(b, "dpclip_uptime_seconds", "Seconds since the daemon started", r->uptime_s);
-    gauge(b, "dpclip_insecure", "1 when the daemon runs with --insecure-fixed-seed: its noise is "
-          "predictable and nothing it computes is private", r->insecure ? 1 : 0);
+    gauge(b, "dpclip_insecure",
+          "1 when the daemon runs with --insecure-fixed-seed: its noise is "
+          "predictable and nothing it computes is private",
+          r->insecure ? 1 : 0);
 
     dc_prom_head(b, "dpclip_requests_total", "counter", "Requests received, by type");
     for (int i = 0; i < DC_REQ_N; i++)
@@ -409,8 +423,9 @@ static void render_metrics(const dc_report *r, dc_view view, uint32_t uid, dc_sb
         dc_sbuf_printf(b, "dpclip_errors_total{code=\"%s\"} %llu\n", dc_code_name(i),
                        (unsigned long long)m->errors[i]);
     dc_prom_head(b, "dpclip_steps_total", "counter", "ClipSteps that ran, by result");
-    dc_sbuf_printf(b, "dpclip_steps_total{result=\"ok\"} %llu\ndpclip_steps_total{result=\"failed\"}"
-                      " %llu\n",
+    dc_sbuf_printf(b,
+                   "dpclip_steps_total{result=\"ok\"} %llu\ndpclip_steps_total{result=\"failed\"}"
+                   " %llu\n",
                    (unsigned long long)m->steps_ok, (unsigned long long)m->steps_failed);
     counter(b, "dpclip_layers_total", "Layers in successful steps", m->layers);
     if (view == DC_VIEW_ALL) {
@@ -437,20 +452,22 @@ static void render_metrics(const dc_report *r, dc_view view, uint32_t uid, dc_sb
     counter(b, "dpclip_norm_group_timeouts_total", "Group steps a member did not arrive for",
             r->group_timeouts);
     counter(b, "dpclip_norm_group_fused_total",
-            "Group steps whose members' steps ran as one fused step (groups.fuse)",
-            r->group_fused);
+            "Group steps whose members' steps ran as one fused step (groups.fuse)", r->group_fused);
     counter(b, "dpclip_norm_group_exchanges_total",
             "Cross-daemon exchanges of group norm totals (NCCL)", r->group_exchanges);
     counter(b, "dpclip_norm_group_link_failures_total",
             "Cross-daemon group links that failed (timeout, peer gone, mismatch)",
             r->group_link_failures);
     dc_prom_head(b, "dpclip_ledger_writes_total", "counter", "Crash-safe ledger file writes");
-    dc_sbuf_printf(b, "dpclip_ledger_writes_total{result=\"ok\"} %llu\n"
-                      "dpclip_ledger_writes_total{result=\"error\"} %llu\n",
-                   (unsigned long long)m->ledger_writes, (unsigned long long)m->ledger_write_errors);
+    dc_sbuf_printf(b,
+                   "dpclip_ledger_writes_total{result=\"ok\"} %llu\n"
+                   "dpclip_ledger_writes_total{result=\"error\"} %llu\n",
+                   (unsigned long long)m->ledger_writes,
+                   (unsigned long long)m->ledger_write_errors);
     dc_prom_head(b, "dpclip_reloads_total", "counter", "Configuration reloads (SIGHUP)");
-    dc_sbuf_printf(b, "dpclip_reloads_total{result=\"ok\"} %llu\n"
-                      "dpclip_reloads_total{result=\"error\"} %llu\n",
+    dc_sbuf_printf(b,
+                   "dpclip_reloads_total{result=\"ok\"} %llu\n"
+                   "dpclip_reloads_total{result=\"error\"} %llu\n",
                    (unsigned long long)m->reloads, (unsigned long long)m->reload_errors);
 
     dc_prom_head(b, "dpclip_step_phase_seconds", "histogram",
@@ -479,7 +496,8 @@ static void render_metrics(const dc_report *r, dc_view view, uint32_t uid, dc_sb
     dc_sbuf_printf(b, "dpclip_queue_depth{pool=\"cpu\"} %d\n", r->cpu_busy);
     for (int i = 0; i < r->n_gpus; i++)
         dc_sbuf_printf(b, "dpclip_queue_depth{pool=\"cuda:%d\"} %d\n", i, r->gpu_busy[i]);
-    dc_prom_head(b, "dpclip_gpu_workspace_bytes", "gauge", "Device workspace of each GPU's backend");
+    dc_prom_head(b, "dpclip_gpu_workspace_bytes", "gauge",
+                 "Device workspace of each GPU's backend");
     for (int i = 0; i < r->n_gpus; i++)
         dc_sbuf_printf(b, "dpclip_gpu_workspace_bytes{device=\"%d\"} %llu\n", i,
                        (unsigned long long)r->gpu_workspace[i]);
@@ -491,8 +509,8 @@ static void render_metrics(const dc_report *r, dc_view view, uint32_t uid, dc_sb
     account_gauge(b, r, view, uid, "dpclip_job_epsilon",
                   "Epsilon a job has spent, at dpclip_job_delta", 0);
     account_gauge(b, r, view, uid, "dpclip_job_steps", "Steps a job has spent", 1);
-    account_gauge(b, r, view, uid, "dpclip_job_delta",
-                  "Delta at which a job's epsilon is reported", 2);
+    account_gauge(b, r, view, uid, "dpclip_job_delta", "Delta at which a job's epsilon is reported",
+                  2);
     account_gauge(b, r, view, uid, "dpclip_job_budget_epsilon",
                   "A job's own budget, where it set one", 3);
 }

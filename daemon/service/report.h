@@ -40,7 +40,7 @@ typedef struct dc_report_session {
     uint64_t steps, steps_failed;
     size_t buffers;
     uint64_t buffer_bytes;
-    double connected_s, idle_s;   /* idle_s NaN: no step yet */
+    double connected_s, idle_s; /* idle_s NaN: no step yet */
 } dc_report_session;
 
 typedef struct dc_report_account {
@@ -51,19 +51,22 @@ typedef struct dc_report_account {
     double eps, delta, best_order, budget_eps;
     bool on_disk, insecure;
     size_t n_hist;
-    struct { double q, sigma; uint64_t steps; } hist[DC_LEDGER_HIST_MAX];
+    struct {
+        double q, sigma;
+        uint64_t steps;
+    } hist[DC_LEDGER_HIST_MAX];
 } dc_report_account;
 
 typedef struct dc_report {
     /* the daemon */
     int pid;
     uint32_t daemon_uid;
-    int64_t ops_gid;              /* status.ops_group; -1 = none */
+    int64_t ops_gid; /* status.ops_group; -1 = none */
     double uptime_s;
     int64_t started;
     char config_file[DC_CONFIG_PATH_MAX], socket[108];
     bool socket_activated, stopping, insecure;
-    const char *log_level;        /* static string */
+    const char *log_level; /* static string */
     int cpu_workers, cpu_busy;
     int n_gpus;
     char gpu_names[DC_MAX_GPUS][64];
@@ -71,7 +74,7 @@ typedef struct dc_report {
     int gpu_busy[DC_MAX_GPUS];
     uint64_t gpu_workspace[DC_MAX_GPUS];
     bool mps_active;
-    dc_config cfg;                /* the settings in effect (limits: every dc_config_is_limit) */
+    dc_config cfg; /* the settings in effect (limits: every dc_config_is_limit) */
     uint32_t allowed_uids[DC_CONFIG_MAX_IDS], allowed_gids[DC_CONFIG_MAX_IDS];
     size_t n_allowed_uids, n_allowed_gids;
     /* the ledger */

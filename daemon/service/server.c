@@ -69,13 +69,14 @@ static bool uid_refused(dc_server *srv, int fd) {
     if (u.connections < srv->cfg.max_connections_per_uid) return false;
     dc_err_set(&e, DC_ENOSPACE, "limits.max_connections_per_uid",
                "uid %u has %u connections open, its limit (limits.max_connections_per_uid): "
-               "close some, or ask the operator to raise it", (unsigned)cred.uid, u.connections);
+               "close some, or ask the operator to raise it",
+               (unsigned)cred.uid, u.connections);
     dc_session_refuse(fd, &e);
     srv->metrics.sessions_refused++;
     if (dc_log_limit_pass(&srv->refuse_log, uv_hrtime(), DC_SERVER_LOG_PERIOD_NS, &skipped))
         dc_log_warn("refusing a connection of uid %u: %u open, limits.max_connections_per_uid "
-                    "(%llu more refused since the last such line)", (unsigned)cred.uid,
-                    u.connections, (unsigned long long)skipped);
+                    "(%llu more refused since the last such line)",
+                    (unsigned)cred.uid, u.connections, (unsigned long long)skipped);
     return true;
 }
 
@@ -151,11 +152,11 @@ static void on_accept(uv_poll_t *h, int status, int events) {
         if (srv->n_sessions >= srv->cfg.max_connections) {
             dc_err_set(&e, DC_ENOSPACE, "limits.max_connections",
                        "the daemon serves %zu connections, its limit (limits.max_connections): "
-                       "try again later", srv->n_sessions);
+                       "try again later",
+                       srv->n_sessions);
             dc_session_refuse(fd, &e);
             srv->metrics.sessions_refused++;
-            if (dc_log_limit_pass(&srv->refuse_log, uv_hrtime(), DC_SERVER_LOG_PERIOD_NS,
-                                  &skipped))
+            if (dc_log_limit_pass(&srv->refuse_log, uv_hrtime(), DC_SERVER_LOG_PERIOD_NS, &skipped))
                 dc_log_warn("refusing a connection: %zu open, limits.max_connections (%llu more "
                             "refused since the last such line)",
                             srv->n_sessions, (unsigned long long)skipped);
@@ -422,8 +423,7 @@ static void host_init(dc_server *srv) {
 
 static void on_stop_timer(uv_timer_t *t) {
     dc_server *srv = t->data;
-    dc_log_warn("shutdown: %zu sessions did not drain in time; closing them",
-                srv->n_sessions);
+    dc_log_warn("shutdown: %zu sessions did not drain in time; closing them", srv->n_sessions);
     for (dc_session *s = srv->sessions; s; s = s->next) dc_session_close(s);
 }
 
@@ -538,8 +538,7 @@ static void on_hup(uv_signal_t *h, int signum) {
     } else {
         dc_server_apply_config(srv, &n);
         srv->metrics.reloads++;
-        dc_log_info("configuration reloaded%s%s", n.config_path[0] ? " from " : "",
-                    n.config_path);
+        dc_log_info("configuration reloaded%s%s", n.config_path[0] ? " from " : "", n.config_path);
     }
     dc_sd_ready();
     post_status(srv);
@@ -601,8 +600,8 @@ int dc_server_init(dc_server *srv, uv_loop_t *loop, const dc_config *cfg,
     }
     host_init(srv);
 
-    dc_groups_init(&srv->groups, loop, srv->noise_key, cfg->max_group_size,
-                   cfg->group_timeout_ms, cfg->max_group_timeout_ms);
+    dc_groups_init(&srv->groups, loop, srv->noise_key, cfg->max_group_size, cfg->group_timeout_ms,
+                   cfg->max_group_timeout_ms);
     srv->groups.max_links = cfg->max_group_links;
 
     /* The ledger first: a daemon that cannot account must not serve steps. */
@@ -615,8 +614,9 @@ int dc_server_init(dc_server *srv, uv_loop_t *loop, const dc_config *cfg,
         goto fail_ledger;
     srv->pool_ready = true;
     dc_worker_pool_set_spin(&srv->cpu_pool, srv->spin_ns);
-    if ((rc = dc_gpu_init(&srv->gpu, loop, cfg->gpu, cfg->gpu_workspace,
-                           cfg->gpu_workspace_max, cfg->gpu_sample_grads_max, err))) goto fail_pool;
+    if ((rc = dc_gpu_init(&srv->gpu, loop, cfg->gpu, cfg->gpu_workspace, cfg->gpu_workspace_max,
+                          cfg->gpu_sample_grads_max, err)))
+        goto fail_pool;
     for (int i = 0; i < srv->gpu.n; i++) dc_worker_pool_set_spin(&srv->gpu.pools[i], srv->spin_ns);
 
     {
@@ -676,8 +676,8 @@ int dc_server_init(dc_server *srv, uv_loop_t *loop, const dc_config *cfg,
     dc_log_info("dpclipd %s listening on %s%s (cpu: %d workers; gpus: %d%s; max batch %u; "
                 "ledger: %s)",
                 DPCLIP_VERSION, srv->socket_path, srv->listen_activated ? " (from systemd)" : "",
-                srv->workers, srv->gpu.n, srv->gpu.mps_active ? ", MPS" : "",
-                srv->limits.max_batch, cfg->ledger_dir[0] ? cfg->ledger_dir : "in memory only");
+                srv->workers, srv->gpu.n, srv->gpu.mps_active ? ", MPS" : "", srv->limits.max_batch,
+                cfg->ledger_dir[0] ? cfg->ledger_dir : "in memory only");
     if (cfg->ready_fd >= 0) {
         static const char ready[] = "READY\n";
         ssize_t n = write(cfg->ready_fd, ready, sizeof ready - 1);

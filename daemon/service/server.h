@@ -41,15 +41,15 @@ typedef int (*dc_server_reload_fn)(void *arg, dc_config *out, dc_err *err);
 
 typedef struct dc_server {
     uv_loop_t *loop;
-    dc_config cfg;                /* effective; reloadable fields change on SIGHUP */
-    dc_limits limits;             /* from cfg, what validation reads */
-    int workers;                  /* CPU workers (cfg.workers resolved) */
+    dc_config cfg;    /* effective; reloadable fields change on SIGHUP */
+    dc_limits limits; /* from cfg, what validation reads */
+    int workers;      /* CPU workers (cfg.workers resolved) */
     uint64_t spin_ns;
     dc_server_reload_fn reload;
     void *reload_arg;
     char socket_path[108];
     int listen_fd;
-    bool listen_activated;        /* systemd owns the socket file */
+    bool listen_activated; /* systemd owns the socket file */
     uv_poll_t listen_poll;
     /* Out of file descriptors: accept rests on a timer (not a loop at full
      * CPU), and reserve_fd (/dev/null) is closed for a moment to accept and
@@ -59,8 +59,8 @@ typedef struct dc_server {
     dc_log_limit fd_log, refuse_log;
     dc_registry_totals buf_totals; /* every session's buffers, against the daemon's caps */
     uv_signal_t sig_term, sig_int, sig_hup;
-    uv_timer_t stop_timer;        /* forces sessions closed if they never drain */
-    uv_timer_t tick;              /* watchdog keep-alive and STATUS= */
+    uv_timer_t stop_timer; /* forces sessions closed if they never drain */
+    uv_timer_t tick;       /* watchdog keep-alive and STATUS= */
     /* Polling windows (dc_server_poll): while `spin` is active the loop
      * polls until spin_any_to, or while tasks are in flight until spin_busy_to.
      * One later window waits on spin_tfd, a timerfd precise to
@@ -69,25 +69,25 @@ typedef struct dc_server {
     uv_idle_t spin;
     uint64_t spin_any_to, spin_busy_to;
     uv_timer_t spin_timer;
-    int spin_tfd;                 /* -1: none */
+    int spin_tfd; /* -1: none */
     uv_poll_t spin_tpoll;
     uint64_t pend_from, pend_any_to, pend_busy_to; /* pend_from 0: none */
     dc_worker_pool cpu_pool;
     bool pool_ready;
-    dc_gpu gpu;                   /* zero GPUs without CUDA */
+    dc_gpu gpu;                          /* zero GPUs without CUDA */
     uint64_t gpu_workspace[DC_MAX_GPUS]; /* bytes each GPU's backend holds (last step's view) */
-    dc_session *sessions;         /* doubly linked, owned */
+    dc_session *sessions;                /* doubly linked, owned */
     size_t n_sessions;
     uint64_t next_session_id;
     uint64_t next_buffer_id;
-    uint64_t noise_key;           /* from getrandom, or the fixed test seed */
-    uint64_t noise_steps;         /* steps drawn so far: the noise counter */
-    dc_groups groups;             /* norm groups (group.c) */
+    uint64_t noise_key;   /* from getrandom, or the fixed test seed */
+    uint64_t noise_steps; /* steps drawn so far: the noise counter */
+    dc_groups groups;     /* norm groups (group.c) */
     dc_ledger ledger;
     dc_status status;
     dc_metrics metrics;
-    uint64_t start_ns;            /* uv_hrtime at start */
-    int64_t start_time;           /* wall clock at start (s since epoch) */
+    uint64_t start_ns;  /* uv_hrtime at start */
+    int64_t start_time; /* wall clock at start (s since epoch) */
     bool stopping;
     bool closed;
     /* What the sessions see of all this (protocol/host.h): filled by
@@ -132,7 +132,6 @@ bool dc_server_window_pending(const dc_server *srv);
 
 /* What one user's (uid's) sessions hold, and all sessions (dc_uid_usage,
  * host.h): counted over the server's list of sessions. */
-void dc_server_uid_usage(const dc_server *srv, uint32_t uid, dc_uid_usage *mine,
-                         dc_uid_usage *all);
+void dc_server_uid_usage(const dc_server *srv, uint32_t uid, dc_uid_usage *mine, dc_uid_usage *all);
 
 #endif

@@ -20,7 +20,7 @@
 /* A snapshot shared by the requests that render from it. */
 struct dc_status_snap {
     void *data;
-    int refs;                  /* under dc_status.mu */
+    int refs; /* under dc_status.mu */
 };
 
 static void snap_unref(dc_status *st, dc_status_snap *sn) {
@@ -104,8 +104,8 @@ static char *fetch(dc_status *st, const dc_status_viewer *v, bool metrics, size_
 /* Who is on the other end: SO_PEERCRED on the Unix socket; nobody known on
  * TCP (127.0.0.1 says nothing about the user). */
 static void viewer_of(struct MHD_Connection *c, dc_status_viewer *v) {
-    const union MHD_ConnectionInfo *ci =
-        MHD_get_connection_info(c, MHD_CONNECTION_INFO_CONNECTION_FD);
+    const union MHD_ConnectionInfo *ci = MHD_get_connection_info(c,
+                                                                 MHD_CONNECTION_INFO_CONNECTION_FD);
     struct sockaddr_storage sa;
     socklen_t sl = sizeof sa;
     struct ucred cred;
@@ -131,9 +131,8 @@ static void viewer_of(struct MHD_Connection *c, dc_status_viewer *v) {
 
 static enum MHD_Result respond(struct MHD_Connection *c, unsigned code, const char *type,
                                char *body, size_t len, uint64_t stale_ms) {
-    struct MHD_Response *r =
-        MHD_create_response_from_buffer(len, body, body ? MHD_RESPMEM_MUST_FREE
-                                                        : MHD_RESPMEM_PERSISTENT);
+    struct MHD_Response *r = MHD_create_response_from_buffer(
+        len, body, body ? MHD_RESPMEM_MUST_FREE : MHD_RESPMEM_PERSISTENT);
     enum MHD_Result ret;
     if (!r) {
         free(body);
@@ -157,8 +156,8 @@ static enum MHD_Result text(struct MHD_Connection *c, unsigned code, const char 
 }
 
 static enum MHD_Result on_request(void *cls, struct MHD_Connection *c, const char *url,
-                                  const char *method, const char *version,
-                                  const char *upload_data, size_t *upload_size, void **ctx) {
+                                  const char *method, const char *version, const char *upload_data,
+                                  size_t *upload_size, void **ctx) {
     dc_status *st = cls;
     static int first_call;
     dc_status_viewer viewer;
@@ -182,17 +181,17 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *c, const cha
     if (strcmp(url, "/metrics") == 0) metrics = true;
     else if (strcmp(url, "/status") == 0) metrics = false;
     else if (strcmp(url, "/") == 0)
-        return text(c, MHD_HTTP_OK, "dpclipd status: GET /status (JSON), GET /metrics "
-                                    "(Prometheus)\n");
-    else
-        return text(c, MHD_HTTP_NOT_FOUND, "not found: GET /status or /metrics\n");
+        return text(c, MHD_HTTP_OK,
+                    "dpclipd status: GET /status (JSON), GET /metrics "
+                    "(Prometheus)\n");
+    else return text(c, MHD_HTTP_NOT_FOUND, "not found: GET /status or /metrics\n");
 
     viewer_of(c, &viewer);
     body = fetch(st, &viewer, metrics, &len, &stale);
     if (!body) return text(c, MHD_HTTP_SERVICE_UNAVAILABLE, "no status rendered yet\n");
     return respond(c, MHD_HTTP_OK,
-                   metrics ? "text/plain; version=0.0.4; charset=utf-8" : "application/json",
-                   body, len, stale);
+                   metrics ? "text/plain; version=0.0.4; charset=utf-8" : "application/json", body,
+                   len, stale);
 }
 
 /* libmicrohttpd's own messages (a client that hung up mid-request, say):
@@ -209,8 +208,8 @@ static void *start_http(dc_status *st, int fd, const dc_status_opts *o) {
     /* epoll, not select: the daemon may hold more than FD_SETSIZE sockets.
      * Slow clients hold a connection for timeout_s of silence at most, and
      * max_connections of them at once. */
-    return MHD_start_daemon(MHD_USE_INTERNAL_POLLING_THREAD | MHD_USE_EPOLL | MHD_USE_ERROR_LOG,
-                            0, NULL, NULL, on_request, st, MHD_OPTION_LISTEN_SOCKET, (MHD_socket)fd,
+    return MHD_start_daemon(MHD_USE_INTERNAL_POLLING_THREAD | MHD_USE_EPOLL | MHD_USE_ERROR_LOG, 0,
+                            NULL, NULL, on_request, st, MHD_OPTION_LISTEN_SOCKET, (MHD_socket)fd,
                             MHD_OPTION_THREAD_POOL_SIZE, 2u, MHD_OPTION_CONNECTION_LIMIT,
                             o->max_connections ? o->max_connections : DC_STATUS_MAX_CONNECTIONS,
                             MHD_OPTION_CONNECTION_TIMEOUT,

@@ -37,7 +37,7 @@
 
 /* Who asks. */
 typedef struct dc_status_viewer {
-    bool known;                /* Unix socket: from SO_PEERCRED; TCP: false */
+    bool known; /* Unix socket: from SO_PEERCRED; TCP: false */
     uint32_t uid, gid;
     uint32_t groups[DC_STATUS_MAX_GROUPS]; /* supplementary (SO_PEERGROUPS) */
     size_t n_groups;
@@ -54,13 +54,13 @@ typedef struct dc_status_provider {
 } dc_status_provider;
 
 typedef struct dc_status_opts {
-    const char *unix_path;     /* "" or NULL: no Unix socket */
+    const char *unix_path; /* "" or NULL: no Unix socket */
     unsigned unix_mode;
-    int unix_gid;              /* chown the socket to this group; -1: leave */
-    unsigned tcp_port;         /* 0: no TCP */
-    bool asked;                /* configured explicitly (not a derived default) */
-    unsigned max_connections;  /* status.max_connections; 0 = the default */
-    unsigned timeout_s;        /* status.timeout_s; 0 = the default */
+    int unix_gid;             /* chown the socket to this group; -1: leave */
+    unsigned tcp_port;        /* 0: no TCP */
+    bool asked;               /* configured explicitly (not a derived default) */
+    unsigned max_connections; /* status.max_connections; 0 = the default */
+    unsigned timeout_s;       /* status.timeout_s; 0 = the default */
 } dc_status_opts;
 
 #define DC_STATUS_MAX_CONNECTIONS 256
@@ -69,22 +69,22 @@ typedef struct dc_status_opts {
 typedef struct dc_status_snap dc_status_snap;
 
 typedef struct dc_status {
-    void *http[2];             /* struct MHD_Daemon *: Unix, TCP */
+    void *http[2]; /* struct MHD_Daemon *: Unix, TCP */
     int fds[2];
     char unix_path[108];
-    bool unix_owned;           /* we created the file: unlink it at stop */
+    bool unix_owned; /* we created the file: unlink it at stop */
     uv_async_t async;
     bool running;
     const dc_status_provider *provider;
     void *arg;
 
-    pthread_mutex_t mu;        /* guards everything below */
+    pthread_mutex_t mu; /* guards everything below */
     pthread_cond_t cv;
-    uint64_t want, have;       /* snapshots asked for / taken */
-    dc_status_snap *snap;      /* the last one (reference counted) */
-    uint64_t rendered_ns;      /* uv_hrtime of the last snapshot */
+    uint64_t want, have;  /* snapshots asked for / taken */
+    dc_status_snap *snap; /* the last one (reference counted) */
+    uint64_t rendered_ns; /* uv_hrtime of the last snapshot */
     bool closing;
-    uint64_t served;           /* HTTP requests answered */
+    uint64_t served; /* HTTP requests answered */
 } dc_status;
 
 /* Binds (or takes from systemd) the sockets and starts serving. With nothing

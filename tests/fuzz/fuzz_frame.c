@@ -148,8 +148,8 @@ static void fz_send_with_fd(int fd, const uint8_t *p, size_t n, int pass) {
         char b[CMSG_SPACE(sizeof(int))];
     } cm;
     struct iovec iov = {(void *)p, n};
-    struct msghdr msg = {.msg_iov = &iov, .msg_iovlen = 1, .msg_control = cm.b,
-                         .msg_controllen = sizeof cm.b};
+    struct msghdr msg = {
+        .msg_iov = &iov, .msg_iovlen = 1, .msg_control = cm.b, .msg_controllen = sizeof cm.b};
     struct cmsghdr *h = CMSG_FIRSTHDR(&msg);
     ssize_t w;
     memset(&cm, 0, sizeof cm);
@@ -300,8 +300,9 @@ static void fz_check_replies(const fz_bytes *in, int preamble, const uint8_t *co
         k++;
         if (!r) fz_fail("a reply that does not decode", i);
         if (preamble && i < 2) {
-            if (r->id != i + 1 || r->body_case != (i ? DPCLIP__REPLY__BODY_REGISTER_BUFFER
-                                                     : DPCLIP__REPLY__BODY_HELLO) ||
+            if (r->id != i + 1 ||
+                r->body_case !=
+                    (i ? DPCLIP__REPLY__BODY_REGISTER_BUFFER : DPCLIP__REPLY__BODY_HELLO) ||
                 (i && r->register_buffer->buffer_id != 1))
                 fz_fail("the preamble failed", i);
             dpclip__reply__free_unpacked(r, NULL);

@@ -58,11 +58,11 @@ static dc_config g_cfg;
 static char g_dir[64];
 
 typedef struct fg_client {
-    int fd;            /* -1: none */
-    uint64_t buf;      /* its buffer's id, 0 = none */
+    int fd;       /* -1: none */
+    uint64_t buf; /* its buffer's id, 0 = none */
     uint64_t next_id;
     uint64_t group_step;
-    uint64_t logical_id;   /* its logical step (ClipStep.logical), and the next micro-batch */
+    uint64_t logical_id; /* its logical step (ClipStep.logical), and the next micro-batch */
     uint32_t micro;
 } fg_client;
 

@@ -34,8 +34,7 @@ static void fz_check_range(const dc_registry *reg, const void *p, uint64_t bytes
     uintptr_t c = (uintptr_t)p; /* addresses: the blocks are unrelated objects */
     for (size_t i = 0; i < reg->n; i++) {
         uintptr_t b = (uintptr_t)reg->items[i].base;
-        if (c >= b && c - b <= reg->items[i].size && bytes <= reg->items[i].size - (c - b))
-            return;
+        if (c >= b && c - b <= reg->items[i].size && bytes <= reg->items[i].size - (c - b)) return;
     }
     fz_fail("a validated tensor is not inside one buffer", layer);
 }
@@ -91,8 +90,7 @@ static void fz_use_step(const dc_registry *reg, const dc_step *s) {
             fz_touch(reg, &l->weight_grad_out, (uint64_t)l->d, 1, i);
             fz_touch(reg, &l->bias_grad_out, (uint64_t)l->d, 1, i);
             break;
-        default:
-            fz_fail("a validated layer of no known kind", i);
+        default: fz_fail("a validated layer of no known kind", i);
         }
         if (!l->input.data || !l->grad.data) fz_fail("a layer without its inputs", i);
     }

@@ -167,7 +167,8 @@ static void add_norms(step *s, uint64_t buf, uint64_t off, int64_t B, int64_t d)
     s->ln.output_grad = ref(s, buf, off + (uint64_t)(B * d) * 2, DPCLIP__DTYPE__F16, 2, B, d, 0);
     s->ln.eps = 1e-5f;
     s->ln.has_bias = 1;
-    s->ln.weight_grad_out = ref(s, buf, off + (uint64_t)(B * d) * 4, DPCLIP__DTYPE__F32, 1, d, 0, 0);
+    s->ln.weight_grad_out = ref(s, buf, off + (uint64_t)(B * d) * 4, DPCLIP__DTYPE__F32, 1, d, 0,
+                                0);
     s->ln.bias_grad_out = ref(s, buf, off + (uint64_t)(B * d) * 4 + (uint64_t)d * 4,
                               DPCLIP__DTYPE__F32, 1, d, 0, 0);
     l->kind_case = DPCLIP__LAYER__KIND_LAYER_NORM;

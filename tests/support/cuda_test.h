@@ -235,7 +235,6 @@ static inline double layer_err(const dc_layer *h, uint32_t B, const double *ref)
 
 static const dc_dtype kDtypes[3] = {DC_BF16, DC_F16, DC_F32};
 
-
 /* A CUDA test's first check: without a device it prints "SKIP: no CUDA
  * device", and main returns DC_TEST_SKIP (77), which ctest reports as
  * skipped, never passed. */

@@ -32,8 +32,10 @@ dpclip_client *dc_group_member(const char *sock, const char *group, uint32_t ran
 }
 
 dpclip_clip_config dc_group_config(float C, float sigma) {
-    dpclip_clip_config cfg = {.max_grad_norm = C, .reduction = DPCLIP_SUM,
-                              .expected_batch_size = B, .noise_multiplier = sigma};
+    dpclip_clip_config cfg = {.max_grad_norm = C,
+                              .reduction = DPCLIP_SUM,
+                              .expected_batch_size = B,
+                              .noise_multiplier = sigma};
     return cfg;
 }
 
@@ -89,8 +91,8 @@ void dc_group_check(dc_shm_step *st, int n, const dpclip_result *res, float C) {
     dc_group_check_tol(st, n, res, C, 1e-4, 1e-4, 1e-6);
 }
 
-void dc_group_check_tol(dc_shm_step *st, int n, const dpclip_result *res, float C,
-                        double norm_rtol, double out_rtol, double out_atol) {
+void dc_group_check_tol(dc_shm_step *st, int n, const dpclip_result *res, float C, double norm_rtol,
+                        double out_rtol, double out_atol) {
     double tot[B], coef[B];
     dc_group_sq(st, n, tot);
     int clipped = 0;

@@ -35,8 +35,8 @@ extern int dc_group_phased;
 void dc_group_check(dc_shm_step *st, int n, const dpclip_result *res, float C);
 /* The same at other bounds: norms and coefficients within norm_rtol, the
  * clipped sums within out_rtol/out_atol (the GPU's, for instance). */
-void dc_group_check_tol(dc_shm_step *st, int n, const dpclip_result *res, float C,
-                        double norm_rtol, double out_rtol, double out_atol);
+void dc_group_check_tol(dc_shm_step *st, int n, const dpclip_result *res, float C, double norm_rtol,
+                        double out_rtol, double out_atol);
 
 /* A small transformer (embedding, LayerNorm, MLP, RMSNorm, head) and its
  * pipeline split over 2 members ([0]) and over 4 ([1]): layer l's stage. */

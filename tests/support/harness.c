@@ -111,8 +111,8 @@ int dc_harness_start(dc_harness *h, const char *extra_args) {
     buf[got] = '\0';
     close(p[0]);
     if (strcmp(buf, "READY\n") != 0) {
-        fprintf(stderr, "harness: %s did not report READY within 20 s (got '%s')\n",
-                DPCLIPD_PATH, buf);
+        fprintf(stderr, "harness: %s did not report READY within 20 s (got '%s')\n", DPCLIPD_PATH,
+                buf);
         dc_harness_stop(h);
         return -1;
     }
@@ -166,8 +166,9 @@ dpclip_client *dc_harness_connect(const dc_harness *h, const char *client_name,
     dpclip_client *c = NULL;
     dpclip_connect_opts o = {.client_name = client_name, .job_id = job_id, .timeout_ms = 10000};
     int rc = dpclip_connect(h->sock, &o, &c);
-    if (rc) print_error("connect as '%s', job '%s': %s\n", client_name, job_id ? job_id : "",
-                        dpclip_errmsg(c));
+    if (rc)
+        print_error("connect as '%s', job '%s': %s\n", client_name, job_id ? job_id : "",
+                    dpclip_errmsg(c));
     assert_int_equal(rc, 0);
     assert_non_null(c);
     return c;
@@ -259,8 +260,7 @@ uint64_t dc_raw_register_memfd(int fd, uint64_t req_id, size_t size, void **map)
 
     if (map) *map = NULL;
     if (mfd < 0) return 0;
-    if (ftruncate(mfd, (off_t)size) != 0 || fcntl(mfd, F_ADD_SEALS, F_SEAL_SHRINK) != 0)
-        goto out;
+    if (ftruncate(mfd, (off_t)size) != 0 || fcntl(mfd, F_ADD_SEALS, F_SEAL_SHRINK) != 0) goto out;
     rb.kind = DPCLIP__BUFFER_KIND__SHM_FD;
     rb.size = size;
     req.id = req_id;
@@ -355,4 +355,3 @@ int dc_raw_hello(int fd, uint64_t req_id) {
 const Dpclip__Error *dc_raw_error(const Dpclip__Reply *r) {
     return r && r->body_case == DPCLIP__REPLY__BODY_ERROR ? r->error : NULL;
 }
-

@@ -18,9 +18,9 @@
 /* --- the daemon ------------------------------------------------------------ */
 
 typedef struct dc_harness {
-    pid_t pid;          /* dpclipd, or 0 */
-    char dir[256];      /* temp dir holding the socket */
-    char sock[300];     /* <dir>/d.sock */
+    pid_t pid;      /* dpclipd, or 0 */
+    char dir[256];  /* temp dir holding the socket */
+    char sock[300]; /* <dir>/d.sock */
 } dc_harness;
 
 /* Starts DPCLIPD_PATH on <tmpdir>/d.sock with a fixed noise seed (tests
@@ -64,8 +64,7 @@ const Dpclip__Error *dc_raw_error(const Dpclip__Reply *r);
 
 /* A client connected with `client_name` and `job_id` (a 10 s timeout);
  * fails the calling cmocka test, printing why, if the connect fails. */
-dpclip_client *dc_harness_connect(const dc_harness *h, const char *client_name,
-                                  const char *job_id);
+dpclip_client *dc_harness_connect(const dc_harness *h, const char *client_name, const char *job_id);
 
 #include "shm_step.h"
 

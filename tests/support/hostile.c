@@ -30,7 +30,7 @@ const dpclip_clip_config dc_hostile_sum = {.max_grad_norm = 1.0f, .reduction = D
 static pthread_t g_good;
 static atomic_int g_stop;
 static atomic_int g_good_ok, g_good_bad, g_good_failed;
-static atomic_ullong g_good_buf;   /* its buffer id, for the foreign-id test */
+static atomic_ullong g_good_buf; /* its buffer id, for the foreign-id test */
 static char g_good_why[256];
 
 static void *good_client(void *arg) {
@@ -180,7 +180,8 @@ void dc_hostile_send_frame(int fd, uint32_t len, const void *body, size_t n) {
 void dc_hostile_expect_error(int fd, Dpclip__ErrorCode code, const char *field) {
     Dpclip__Reply *r = dc_raw_read_reply(fd, 10000);
     const Dpclip__Error *e = dc_raw_error(r);
-    if (!e) fprintf(stderr, "expected an error %d, got %s\n", (int)code, r ? "another reply" : "EOF");
+    if (!e)
+        fprintf(stderr, "expected an error %d, got %s\n", (int)code, r ? "another reply" : "EOF");
     assert_non_null(e);
     if (e->code != code || (field && !strstr(e->field, field)))
         fprintf(stderr, "got error %d field '%s': %s\n", (int)e->code, e->field, e->message);
@@ -218,7 +219,6 @@ dpclip_client *dc_hostile_connect(void) {
     assert_int_equal(dpclip_connect(dc_hostile_h.sock, &o, &c), 0);
     return c;
 }
-
 
 dc_lin_desc dc_hostile_lin_on(uint64_t buf, uint32_t B, int64_t T, int64_t d, int64_t p) {
     dc_lin_desc x;
@@ -260,9 +260,8 @@ void dc_hostile_survivors(void **state) {
     dc_test_layer_spec lin = {DC_LAYER_LINEAR, 5, 4, 6, 7, DC_F32, 1, DC_ALGO_AUTO, 1, 0};
 
     /* the good client keeps making progress (bounded wait, not a timing check) */
-    for (int i = 0; i < 12000 && atomic_load(&g_good_ok) < before + 20 &&
-                    !atomic_load(&g_good_failed);
-         i++)
+    for (int i = 0;
+         i < 12000 && atomic_load(&g_good_ok) < before + 20 && !atomic_load(&g_good_failed); i++)
         nanosleep(&ts, NULL);
     atomic_store(&g_stop, 1);
     pthread_join(g_good, NULL);
@@ -293,4 +292,3 @@ void dc_hostile_clean_shutdown(void **state) {
     (void)state;
     assert_int_equal(dc_harness_stop(&dc_hostile_h), 0);
 }
-

@@ -16,7 +16,7 @@
 #define DC_HOSTILE_MAX_BATCH 64
 #define DC_HOSTILE_MAX_FRAME 65536
 
-extern dc_harness dc_hostile_h;              /* the daemon under attack */
+extern dc_harness dc_hostile_h;                 /* the daemon under attack */
 extern const dpclip_clip_config dc_hostile_sum; /* the attacks' config: sum, no noise */
 
 /* cmocka group setup/teardown: start the daemon and the good client; stop

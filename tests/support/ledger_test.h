@@ -48,10 +48,10 @@ static inline json_t *get_status(const char *status_sock) {
 static inline json_t *ledger_job(json_t *root, const char *job) {
     size_t i;
     json_t *j;
-    json_array_foreach(json_object_get(json_object_get(root, "ledger"), "jobs"), i, j)
-        if (strcmp(json_string_value(json_object_get(j, "job")), job) == 0 &&
-            json_integer_value(json_object_get(j, "uid")) == (json_int_t)getuid())
-            return j;
+    json_array_foreach(json_object_get(json_object_get(root, "ledger"), "jobs"), i,
+                       j) if (strcmp(json_string_value(json_object_get(j, "job")), job) == 0 &&
+                              json_integer_value(json_object_get(j, "uid")) ==
+                                  (json_int_t)getuid()) return j;
     return NULL;
 }
 

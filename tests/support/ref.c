@@ -212,8 +212,7 @@ void dc_test_layer_free(dc_layer *l) {
 }
 
 void dc_test_tied_pair(dc_layer *ls, size_t at, uint32_t B, int64_t Te, int64_t Tl, int64_t d,
-                       int64_t V, dc_dtype dt, int has_bias, int embedding_first,
-                       dc_test_rng *r) {
+                       int64_t V, dc_dtype dt, int has_bias, int embedding_first, dc_test_rng *r) {
     dc_test_layer_spec e = {DC_LAYER_EMBEDDING, B, Te, d, V, dt, 0, DC_ALGO_AUTO, 1, 0};
     dc_test_layer_spec n = {DC_LAYER_LINEAR, B, Tl, d, V, dt, has_bias, DC_ALGO_AUTO, 1, 0};
     dc_layer *le = &ls[embedding_first ? 0 : 1], *ln = &ls[embedding_first ? 1 : 0];
@@ -248,8 +247,7 @@ static double ld(const dc_tensor *t, size_t i) { return (double)dc_load_f32(t->d
 
 /* Sample b's full per-sample gradient, output grads times scale: gw
  * [weight_numel], gb [bias_numel] (may be NULL when there is no bias). */
-void dc_ref_layer_sample_grad(const dc_layer *l, uint32_t b, double scale, double *gw,
-                              double *gb) {
+void dc_ref_layer_sample_grad(const dc_layer *l, uint32_t b, double scale, double *gw, double *gb) {
     size_t T = (size_t)l->T, d = (size_t)l->d, nb = bias_numel(l);
     memset(gw, 0, weight_numel(l) * sizeof *gw);
     if (gb) memset(gb, 0, (nb ? nb : 1) * sizeof *gb);

@@ -26,8 +26,8 @@ typedef struct dc_test_rng {
 
 void dc_test_rng_seed(dc_test_rng *r, uint64_t seed);
 uint64_t dc_test_next(dc_test_rng *r);
-double dc_test_uniform(dc_test_rng *r);            /* [0, 1) */
-double dc_test_normal(dc_test_rng *r);             /* N(0, 1) */
+double dc_test_uniform(dc_test_rng *r);                        /* [0, 1) */
+double dc_test_normal(dc_test_rng *r);                         /* N(0, 1) */
 int64_t dc_test_range(dc_test_rng *r, int64_t lo, int64_t hi); /* [lo, hi] */
 
 /* A heap tensor of `dtype` and shape (ndim 1..3; unused dims ignored). */
@@ -45,13 +45,13 @@ void dc_test_tensor_fill(dc_tensor *t, dc_test_rng *r, double scale);
 typedef struct dc_test_layer_spec {
     dc_layer_kind kind;
     uint32_t B;
-    int64_t T;        /* 0 = 2D input */
-    int64_t d, p;     /* p: linear out features or embedding vocab */
+    int64_t T;    /* 0 = 2D input */
+    int64_t d, p; /* p: linear out features or embedding vocab */
     dc_dtype dtype;
     int has_bias;
     dc_algo algo;
     int with_outputs;
-    int distinct_indices;   /* embedding: 1 = all indices in a sample distinct */
+    int distinct_indices; /* embedding: 1 = all indices in a sample distinct */
 } dc_test_layer_spec;
 void dc_test_layer_make(dc_layer *l, const dc_test_layer_spec *spec, dc_test_rng *r);
 void dc_test_layer_free(dc_layer *l);
@@ -65,8 +65,7 @@ void dc_test_layer_free(dc_layer *l);
  * validation sets them, the owner (ls[0]) has an f32 weight_grad_out and
  * the later one none (its bias one, if any). Free with dc_test_layer_free. */
 void dc_test_tied_pair(dc_layer *ls, size_t at, uint32_t B, int64_t Te, int64_t Tl, int64_t d,
-                       int64_t V, dc_dtype dt, int has_bias, int embedding_first,
-                       dc_test_rng *r);
+                       int64_t V, dc_dtype dt, int has_bias, int embedding_first, dc_test_rng *r);
 
 /* --- the reference -------------------------------------------------------- */
 
@@ -78,14 +77,13 @@ void dc_ref_layer_sqnorms(const dc_layer *l, uint32_t B, double scale, double *o
 /* Sample b's per-sample gradient of layer l, output grads times scale:
  * gw [numel of weight_grad_out's shape], gb [bias numel] (NULL: not
  * wanted; unused without a bias). */
-void dc_ref_layer_sample_grad(const dc_layer *l, uint32_t b, double scale, double *gw,
-                              double *gb);
+void dc_ref_layer_sample_grad(const dc_layer *l, uint32_t b, double scale, double *gw, double *gb);
 
 /* sum_b coef[b] * scale * G_b for the weight (w_out, numel of
  * weight_grad_out's shape: [p,d] linear, [vocab,d] embedding, [d] norms) and
  * the bias (b_out, may be NULL). No noise, no division. */
-void dc_ref_layer_clipped_sum(const dc_layer *l, uint32_t B, double scale,
-                              const double *coef, double *w_out, double *b_out);
+void dc_ref_layer_clipped_sum(const dc_layer *l, uint32_t B, double scale, const double *coef,
+                              double *w_out, double *b_out);
 
 /* The whole step with noise_multiplier treated as 0 (tied pairs: the
  * owner's layer norm is that of both uses' per-sample gradients summed, the
@@ -101,8 +99,8 @@ void dc_ref_step(const dc_step *s, double *norms, double *coefs, double *layer_s
                  double *layer_coefs, double **w_exp, double **b_exp);
 
 /* max |got - want| / (atol + rtol*|want|) over n values: <= 1 means within. */
-double dc_test_max_relerr_f(const float *got, const double *want, int64_t n,
-                            double rtol, double atol);
+double dc_test_max_relerr_f(const float *got, const double *want, int64_t n, double rtol,
+                            double atol);
 
 /* Tolerances for comparing a backend's f32 results with the reference for
  * inputs of dtype t (inputs are already rounded to t, so only accumulation

@@ -20,8 +20,8 @@
 
 /* --- HTTP ------------------------------------------------------------------- */
 
-int dc_http(const char *sock, const char *method, const char *path, int timeout_ms,
-            char **head, char **body, double *ms) {
+int dc_http(const char *sock, const char *method, const char *path, int timeout_ms, char **head,
+            char **body, double *ms) {
     struct sockaddr_un a;
     char req[512], *buf = NULL, *sep;
     size_t len = 0, cap = 0;
@@ -204,8 +204,10 @@ double dc_prom_value(const char *samples, const char *key) {
 
 int dc_service_step_init(dc_shm_step *s, dpclip_client *c, uint32_t B, float sigma, double q,
                          uint64_t seed) {
-    dpclip_clip_config cfg = {.max_grad_norm = 1.0f, .reduction = DPCLIP_SUM,
-                              .noise_multiplier = sigma, .mode = DPCLIP_FLAT,
+    dpclip_clip_config cfg = {.max_grad_norm = 1.0f,
+                              .reduction = DPCLIP_SUM,
+                              .noise_multiplier = sigma,
+                              .mode = DPCLIP_FLAT,
                               .sample_rate = q};
     dc_test_layer_spec a = {DC_LAYER_LINEAR, B, 4, 16, 8, DC_F32, 1, DC_ALGO_AUTO, 1, 0};
     dc_test_layer_spec b = {DC_LAYER_LINEAR, B, 0, 8, 4, DC_F32, 0, DC_ALGO_AUTO, 1, 0};

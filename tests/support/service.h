@@ -22,8 +22,8 @@
 #define DC_SH_NOSTART (-2)
 int dc_sh(const char *cmd, char *out, size_t n);
 
-int dc_http(const char *sock, const char *method, const char *path, int timeout_ms,
-            char **head, char **body, double *ms);
+int dc_http(const char *sock, const char *method, const char *path, int timeout_ms, char **head,
+            char **body, double *ms);
 
 /* The status socket of a harness daemon (derived from its socket path). */
 void dc_harness_status_path(const dc_harness *h, char *out, size_t n);

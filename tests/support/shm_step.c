@@ -137,8 +137,6 @@ int dc_shm_step_wire_slice(dc_shm_step *s, dpclip_step *dst, uint32_t b0, uint32
     return 0;
 }
 
-
-
 int dc_shm_step_wire_layers(dc_shm_step *s, dpclip_step *dst, const size_t *layers, size_t n,
                             int outputs) {
     int rc;
@@ -456,8 +454,8 @@ double dc_shm_step_check(dc_shm_step *s, const dpclip_result *res, double rtol, 
     if (!tmp) abort();
     if (res->layer_norms) {
         for (size_t i = 0; i < L * B; i++) tmp[i] = sqrt(s->layer_sq[i]);
-        worst = max2(worst, cmp("layer_norms", 0, res->layer_norms, tmp, (int64_t)(L * B), rtol,
-                                atol, 0));
+        worst = max2(worst,
+                     cmp("layer_norms", 0, res->layer_norms, tmp, (int64_t)(L * B), rtol, atol, 0));
     } else if (s->ref.mode == DC_CLIP_PER_LAYER || s->ref.want_layer_norms) {
         fprintf(stderr, "harness: layer norms missing from the result\n");
         worst = INFINITY;
@@ -482,11 +480,11 @@ double dc_shm_step_check(dc_shm_step *s, const dpclip_result *res, double rtol, 
                                     dc_test_tensor_numel(&l->bias_grad_out), rtol, atol, 1));
     }
     if (s->ref.norms_out.data)
-        worst = max2(worst, cmp("norms_out", 0, s->ref.norms_out.data, s->norms, (int64_t)B,
-                                rtol, atol, 0));
+        worst = max2(worst, cmp("norms_out", 0, s->ref.norms_out.data, s->norms, (int64_t)B, rtol,
+                                atol, 0));
     if (s->ref.coefs_out.data)
-        worst = max2(worst, cmp("coefs_out", 0, s->ref.coefs_out.data, s->coefs, (int64_t)B,
-                                rtol, atol, 0));
+        worst = max2(worst, cmp("coefs_out", 0, s->ref.coefs_out.data, s->coefs, (int64_t)B, rtol,
+                                atol, 0));
     free_exp(L, w, b);
     return worst;
 }

@@ -15,14 +15,14 @@
 #include "ref.h"
 
 typedef struct dc_shm_step {
-    dpclip_client *c;        /* not owned */
+    dpclip_client *c; /* not owned */
     uint64_t buf_id;
-    uint64_t wire_id;        /* the buffer the wire step names (0 = buf_id) */
-    uint8_t *base;           /* our mapping of the buffer */
+    uint64_t wire_id; /* the buffer the wire step names (0 = buf_id) */
+    uint8_t *base;    /* our mapping of the buffer */
     size_t size, used;
-    dpclip_step *step;       /* what goes on the wire */
-    dc_step ref;             /* the same step for dc_ref_step; tensors point into base */
-    size_t cap;              /* of ref.layers */
+    dpclip_step *step; /* what goes on the wire */
+    dc_step ref;       /* the same step for dc_ref_step; tensors point into base */
+    size_t cap;        /* of ref.layers */
     dpclip_clip_config cfg;
     /* Reference results, filled by dc_shm_step_check. */
     double *norms, *coefs, *layer_sq, *layer_coefs;
