@@ -13,8 +13,9 @@ libcmocka-dev libopenblas-dev"
 # it runs as python3 -m flake8).
 PKGS="$PKGS libinih-dev libmicrohttpd-dev libsystemd-dev libcurl4-openssl-dev libjansson-dev \
 python3 python3-prometheus-client groff-base python3-flake8"
-# The fuzz targets (tests/fuzz) need clang's libFuzzer and sanitizer runtimes.
-PKGS="$PKGS clang libclang-rt-14-dev"
+# The fuzz targets (tests/fuzz) need clang's libFuzzer and sanitizer runtimes;
+# scripts/test.sh checks the C/CUDA format with clang-format (14, .clang-format).
+PKGS="$PKGS clang libclang-rt-14-dev clang-format"
 # The Python package's tests need PyTorch from Debian; opt out with DPCLIP_NO_TORCH=1.
 if [ "${DPCLIP_NO_TORCH:-0}" != 1 ] && [ -d "$(dirname "$0")/../python" ] && \
    [ -n "$(ls "$(dirname "$0")/../python" 2>/dev/null)" ]; then
