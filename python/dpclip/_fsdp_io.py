@@ -17,7 +17,7 @@ class _HostIO:
     and output gradients, which the norm pass and the sums name alike."""
 
     def __init__(self, sh: Any, plan: _planner.Plan, nb: int, device: torch.device,
-                 scratch: bool = False):
+                 scratch: bool = False) -> None:
         e = sh.engine
         self.sh, self.plan, self.nb, self.scratch = sh, plan, nb, scratch  # one slot either way
         esz = _ESIZE[sh.dtype]
@@ -75,7 +75,7 @@ class _CudaIO:
     by its queued reduce-scatter, and the daemon wrote over it)."""
 
     def __init__(self, sh: Any, plan: _planner.Plan, nb: int, device: torch.device,
-                 scratch: bool = False):
+                 scratch: bool = False) -> None:
         self.sh, self.plan, self.nb, self.device = sh, plan, nb, device
         self.scratch = scratch  # a micro-batch that does not commit: nothing is written
         self.keep = []

@@ -14,7 +14,7 @@ moves."""
 import ctypes
 import math
 import time
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -166,7 +166,8 @@ class HostArena:
         return bid, size, torch.frombuffer(raw, dtype=torch.uint8)
 
     def _refs(self, plan: Plan, bid: int, slots: List[Tuple[int, int]],
-              outs: Tuple[int, int, torch.Tensor]):
+              outs: Tuple[int, int, torch.Tensor]
+              ) -> Callable[[int], Tuple[_lib.Tensor, _lib.Tensor, _lib.Tensor, _lib.Tensor]]:
         out_bid = outs[0]
 
         def out_ref(sl: Optional[Slice]) -> _lib.Tensor:

@@ -12,13 +12,13 @@ replace_mha(model) swaps it in for every nn.MultiheadAttention in place,
 keeping the parameter objects (an optimizer made before still holds them);
 make_private(..., replace_mha=True) does so first."""
 import math
-from typing import List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ._layers import _Layer, _LinearFn, _part, _persample_part
+from ._layers import Part, _Layer, _LinearFn, _part, _persample_part
 
 __all__ = ["DPMultiheadAttention", "replace_mha"]
 
@@ -29,13 +29,13 @@ class _Slots(list):
     and the engine's check of it against that module (dpclip._verify): a
     copy or pickle of the model gets empty ones, never the engine."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         super().__init__([None] * 7)
 
-    def __deepcopy__(self, memo):
+    def __deepcopy__(self, memo: Dict[int, Any]) -> "_Slots":
         return _Slots()
 
-    def __reduce__(self):
+    def __reduce__(self) -> Tuple[type, Tuple[()]]:
         return (_Slots, ())
 
 
@@ -47,7 +47,8 @@ class DPMultiheadAttention(nn.Module):
     def __init__(self, embed_dim: int, num_heads: int, dropout: float = 0.0, bias: bool = True,
                  add_bias_kv: bool = False, add_zero_attn: bool = False,
                  kdim: Optional[int] = None, vdim: Optional[int] = None,
-                 batch_first: bool = False, device=None, dtype=None) -> None:
+                 batch_first: bool = False, device: Optional[torch.device] = None,
+                 dtype: Optional[torch.dtype] = None) -> None:
         super().__init__()
         ref = nn.MultiheadAttention(embed_dim, num_heads, dropout, bias, add_bias_kv,
                                     add_zero_attn, kdim, vdim, batch_first, device=device,
@@ -172,7 +173,9 @@ class DPMultiheadAttention(nn.Module):
         return out, (w.squeeze(0) if not batched else w)
 
 
-def _float_mask(attn_mask, key_padding_mask, B, H, L, S, dtype, is_causal, device):
+def _float_mask(attn_mask: Optional[torch.Tensor], key_padding_mask: Optional[torch.Tensor],
+                B: int, H: int, L: int, S: int, dtype: torch.dtype, is_causal: bool,
+                device: torch.device) -> Optional[torch.Tensor]:
     """The masks as one additive float mask [B or 1, H or 1, L, S] (bool
     True and -inf: not attended), or None."""
     if attn_mask is None and is_causal:
@@ -201,13 +204,13 @@ class _BiasKVFn(torch.autograd.Function):
     per-sample gradient is that row's output gradient."""
 
     @staticmethod
-    def forward(ctx, p, B, layer):
+    def forward(ctx: Any, p: torch.Tensor, B: int, layer: "_BiasKVLayer") -> torch.Tensor:
         ctx.layer = layer
         ctx.pass_id = layer.engine._pass
         return p.detach().reshape(1, 1, -1).expand(B, 1, p.shape[-1]).contiguous()
 
     @staticmethod
-    def backward(ctx, g):
+    def backward(ctx: Any, g: torch.Tensor) -> Tuple[None, None, None]:
         g = g.detach().reshape(g.shape[0], -1)
         ctx.layer.records.append((g, g, ctx.pass_id))
         ctx.layer.engine._acc.captured(ctx.pass_id)
@@ -219,7 +222,7 @@ class _ProjLayer(_Layer):
     rows [i E, (i + 1) E) of in_proj_weight's gradient (or all of
     q/k/v_proj_weight's) and the same block of in_proj_bias's."""
 
-    def __init__(self, engine, name, module, i):
+    def __init__(self, engine: Any, name: str, module: nn.Module, i: int) -> None:
         self.i = i
         same = module._qkv_same_embed_dim
         w = module.in_proj_weight if same else \
@@ -228,23 +231,23 @@ class _ProjLayer(_Layer):
         super().__init__(engine, "%s.%s_proj" % (name, "qkv"[i]), module, weight=w,
                          bias=b if b is not None else False)
 
-    def _setup(self):
+    def _setup(self) -> None:
         m = self.module
         self.p = m.embed_dim
         self.d = (m.embed_dim, m.kdim, m.vdim)[self.i] if not m._qkv_same_embed_dim else \
             m.embed_dim
         self.w_off = self.i * self.p * self.d if self.module._qkv_same_embed_dim else 0
 
-    def attach(self):
+    def attach(self) -> None:
         self.module._dp[self.i] = self
 
-    def detach(self):
+    def detach(self) -> None:
         self.module._dp[self.i] = None
 
-    def reference(self, mod, x):
+    def reference(self, mod: nn.Module, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, *mod._wb(self.i))
 
-    def parts(self, B, nb):
+    def parts(self, B: int, nb: int) -> List[Part]:
         inp, g, T = self.captured(B)
         b = (self.b_out, self.i * self.p, (self.p,)) if self.bias is not None else None
         return [_part(self, "linear", self.name, inp, g, (nb, T, self.d), (nb, T, self.p),
@@ -254,24 +257,24 @@ class _ProjLayer(_Layer):
 class _BiasKVLayer(_Layer):
     """bias_k (i = 0) or bias_v (1): per-sample gradients [B, E]."""
 
-    def __init__(self, engine, name, module, i):
+    def __init__(self, engine: Any, name: str, module: nn.Module, i: int) -> None:
         self.i = i
         super().__init__(engine, "%s.%s" % (name, ("bias_k", "bias_v")[i]), module,
                          weight=module.bias_k if i == 0 else module.bias_v, bias=False)
 
-    def _setup(self):
+    def _setup(self) -> None:
         self.d, self.p = self.weight.numel(), 0
 
-    def attach(self):
+    def attach(self) -> None:
         self.module._dp[3 + self.i] = self
 
-    def detach(self):
+    def detach(self) -> None:
         self.module._dp[3 + self.i] = None
 
-    def reference(self, mod, B):
+    def reference(self, mod: nn.Module, B: int) -> torch.Tensor:
         return mod._bias_kv(self.i, B)  # no layer active: the plain expand
 
-    def parts(self, B, nb):
+    def parts(self, B: int, nb: int) -> List[Part]:
         v = None
         if B:
             for g, _, _ in self.records:
@@ -279,7 +282,7 @@ class _BiasKVLayer(_Layer):
         return [_persample_part(self, self.name, v, self.d, nb, self.w_out)]
 
 
-def layers_for(engine, name: str, m: nn.Module) -> Optional[List[_Layer]]:
+def layers_for(engine: Any, name: str, m: nn.Module) -> Optional[List[_Layer]]:
     """A DPMultiheadAttention's parts (its out_proj is a Linear of its own),
     or None for any other module (nn.MultiheadAttention itself is refused,
     with the hint to swap it)."""

@@ -191,11 +191,11 @@ def supported_base(cls: type) -> Optional[type]:
     return None
 
 
-def _own_forward(m, base):
+def _own_forward(m: nn.Module, base: type) -> bool:
     return isinstance(m, base) and type(m).forward is base.forward
 
 
-def _is_hf_conv1d(m):
+def _is_hf_conv1d(m: nn.Module) -> bool:
     """transformers' Conv1D, by structure: named Conv1D, an int nf, weight
     [nx, nf], bias [nf] or none."""
     w = getattr(m, "weight", None)
@@ -206,7 +206,7 @@ def _is_hf_conv1d(m):
             (b is None or (isinstance(b, torch.Tensor) and tuple(b.shape) == (nf,))))
 
 
-def _frozen(name, m, w, b):
+def _frozen(name: str, m: nn.Module, w: Optional[torch.Tensor], b: Any) -> bool:
     """True when the module trains nothing; a trainable bias beside a frozen
     weight is refused."""
     if w is None or not w.requires_grad:

@@ -37,14 +37,14 @@ from torch.utils.data.dataloader import default_collate
 __all__ = ["UniformWithReplacementSampler", "DPDataLoader", "poisson_loader"]
 
 
-def _urandom_generator():
+def _urandom_generator() -> torch.Generator:
     """A CPU generator of its own, seeded from os.urandom."""
     g = torch.Generator()
     g.manual_seed(int.from_bytes(os.urandom(8), "little"))
     return g
 
 
-def _secure_mask(n, rate):
+def _secure_mask(n: int, rate: float) -> torch.Tensor:
     """n independent Bernoulli(rate) draws from os.urandom: 63 random bits
     each against floor(rate * 2^63), computed exactly (off by < 2^-63)."""
     if rate >= 1.0:
@@ -93,12 +93,13 @@ class UniformWithReplacementSampler:
             yield self.indices[mask].tolist()
 
 
-def _empty_collate(dataset, collate_fn):
+def _empty_collate(dataset: Any, collate_fn: Callable[[List[Any]], Any]
+                   ) -> Callable[[List[Any]], Any]:
     """collate_fn that turns an empty batch into correctly shaped tensors
     with a leading dimension of 0 (default_collate cannot collate nothing),
     so that the training loop runs unchanged on an empty batch."""
 
-    def collate(batch):
+    def collate(batch: List[Any]) -> Any:
         if len(batch) > 0:
             return collate_fn(batch)
         proto = collate_fn([dataset[0]])
@@ -107,7 +108,7 @@ def _empty_collate(dataset, collate_fn):
     return collate
 
 
-def _slice0(x):
+def _slice0(x: Any) -> Any:
     if isinstance(x, torch.Tensor):
         return x[:0]
     if isinstance(x, (list, tuple)):

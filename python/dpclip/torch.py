@@ -69,7 +69,7 @@ import secrets
 import sys
 import time
 import warnings
-from typing import Any, Iterable, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Iterable, List, Optional, Sequence, Tuple, Union
 
 from . import _needs_torch  # noqa: F401  (says which python3 has torch when it is missing)
 
@@ -515,14 +515,14 @@ class PrivacyEngine:
         # then leaves the engine (and its ctypes handles) alone.
         engine = self
 
-        def on_forward(mod, inputs):
+        def on_forward(mod: nn.Module, inputs: Tuple[Any, ...]) -> None:
             engine._pass += 1
             engine._acc.forward(engine._pass)  # sends the micro-batches complete by now
 
         self._hook = module.register_forward_pre_hook(on_forward)
 
-        def mixing_hook(name):
-            def check(mod, inputs):
+        def mixing_hook(name: str) -> Callable[[nn.Module, Tuple[Any, ...]], None]:
+            def check(mod: nn.Module, inputs: Tuple[Any, ...]) -> None:
                 why = _mixing(mod) if engine.active else None
                 if why is not None:
                     raise _mixing_error(name, mod, why)

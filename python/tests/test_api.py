@@ -51,10 +51,12 @@ def test_public_api_is_annotated():
 
 
 # The internal modules annotated throughout (issue 42: _layers, _conv and
-# _parallel joined the others). A module leaves this list only with a reason.
-TYPED_MODULES = ["__init__", "_accumulate", "_batches", "_conv", "_cuda", "_fsdp", "_group",
-                 "_guard", "_layers", "_lib", "_loader", "_needs_torch", "_optimizer",
-                 "_parallel", "_planner", "_terms", "_verify", "_version", "losses"]
+# _parallel joined the others; then _fsdp_io, _host, _mha, _registry, data,
+# pipeline and torch, so every module). A module leaves this list only with a reason.
+TYPED_MODULES = ["__init__", "_accumulate", "_batches", "_conv", "_cuda", "_fsdp", "_fsdp_io",
+                 "_group", "_guard", "_host", "_layers", "_lib", "_loader", "_mha",
+                 "_needs_torch", "_optimizer", "_parallel", "_planner", "_registry", "_terms",
+                 "_verify", "_version", "data", "losses", "pipeline", "torch"]
 
 
 def unannotated(source):
@@ -88,6 +90,12 @@ def test_unannotated_finds_what_it_should():
            "    def c(cls) -> None:\n"
            "        pass\n")
     assert unannotated(src) == ["1 f(k)", "1 f(args)", "1 f(kw)", "2 g -> ?"]
+
+
+def test_typed_modules_are_every_module():
+    here = os.path.dirname(dpclip.__file__)
+    names = sorted(f[:-3] for f in os.listdir(here) if f.endswith(".py"))
+    assert sorted(TYPED_MODULES) == names
 
 
 @pytest.mark.parametrize("name", TYPED_MODULES)
