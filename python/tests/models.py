@@ -8,16 +8,43 @@ LlamaRMSNorm, and GPT-2-, Llama- and BERT-like models with tied embeddings,
 trained on the prose in examples/data; Gemma's (transformers 5: an
 nn.Embedding subclass that scales its lookup, tied, with padding_idx;
 GemmaRMSNorm's (1 + w)) and OPT's learned positions (an nn.Embedding
-subclass that offsets its indices)."""
+subclass that offsets its indices). And the tests' shared comparisons:
+a clipping threshold between the middle norms (between), the relative
+error against the reference (max_rel), ranks in spawned processes (spawn)."""
 import copy
 import math
 import os
 
 import torch
+import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.nn.functional as F
 
 HAS_RMSNORM = hasattr(nn, "RMSNorm")
+
+
+def between(norms):
+    """A clipping threshold strictly between the middle per-sample norms, so
+    that about half the samples are clipped and none sits on the edge."""
+    s = sorted(float(n) for n in norms)
+    k = len(s) // 2
+    return 0.5 * (s[k - 1] + s[k])
+
+
+def max_rel(got, want, floor=1e-30):
+    """The largest error of got relative to want's largest value (or to
+    floor: a gradient that is 0 in exact arithmetic, as a key bias's under
+    softmax, is compared at the scale of the others), in double precision."""
+    want = want.double()
+    return float((got.double() - want).abs().max()) / max(float(want.abs().max()), floor)
+
+
+def spawn(fn, args, nprocs=2, timeout=120):
+    """nprocs processes running fn(rank, *args) (spawned), waited for; a
+    failing one raises here."""
+    ctx = mp.start_processes(fn, nprocs=nprocs, join=False, start_method="spawn", args=args)
+    while not ctx.join(timeout=timeout):
+        pass
 
 
 def _norm(d):

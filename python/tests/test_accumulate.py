@@ -21,18 +21,9 @@ from dpclip.data import DPDataLoader
 from dpclip.torch import PrivacyEngine, reduce_loss
 from conftest import REPO
 from models import SeqModel, per_sample_losses, reference, seq_data
+from models import between as _between, max_rel as _max_rel
 
 SPLITS = {"8x8": [8] * 8, "5+27+32": [5, 27, 32]}
-
-
-def _between(norms):
-    s = sorted(float(n) for n in norms)
-    return 0.5 * (s[len(s) // 2 - 1] + s[len(s) // 2])
-
-
-def _max_rel(got, want):
-    return float((got.double() - want.double()).abs().max()) / \
-        max(float(want.double().abs().max()), 1e-30)
 
 
 def _pieces(sizes):

@@ -14,29 +14,14 @@ import math
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from dpclip.torch import PrivacyEngine
 from accum_worker import run_data_parallel, run_dropped, run_schedule
 from dpclip.pipeline import schedule
 from models import pipeline_model, reference, seq_data, SeqModel
+from models import between as _between, max_rel as _max_rel, spawn as _spawn
 
 EXPECTED = 14  # the logical batch's expected size (the batch is 12)
-
-
-def _spawn(fn, args, nprocs=2):
-    ctx = mp.start_processes(fn, nprocs=nprocs, join=False, start_method="spawn", args=args)
-    while not ctx.join(timeout=120):
-        pass
-
-
-def _between(norms):
-    s = sorted(float(n) for n in norms)
-    return 0.5 * (s[len(s) // 2 - 1] + s[len(s) // 2])
-
-
-def _max_rel(got, want):
-    return float((got.double() - want).abs().max()) / max(float(want.abs().max()), 1e-30)
 
 
 def test_schedules():

@@ -6,12 +6,12 @@ import math
 import os
 
 import torch
-import torch.multiprocessing as mp
 
 from dpclip import _lib
 from dpclip.torch import PrivacyEngine, reduce_loss
 from dp_worker import run_rank, run_rank_failure, run_rank_job_id, run_rank_loader
 from models import SeqModel, per_sample_losses, seq_data
+from models import spawn as _spawn
 
 
 def _union_reference(socket, x, y, C, expected):
@@ -29,12 +29,6 @@ def _union_reference(socket, x, y, C, expected):
     want = {n: p.grad.clone() for n, p in model.named_parameters()}
     engine.close()
     return want
-
-
-def _spawn(fn, args):
-    ctx = mp.start_processes(fn, nprocs=2, join=False, start_method="spawn", args=args)
-    while not ctx.join(timeout=120):
-        pass
 
 
 def test_two_ranks_equal_one_process_on_the_union(daemon, tmp_path):

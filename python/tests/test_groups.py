@@ -13,30 +13,14 @@ import sys
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from dpclip.torch import PrivacyEngine
 from conftest import REPO
 from group_worker import run_pipeline, run_replicated_pipeline, run_tensor_parallel
 from models import TPModel, pipeline_model, reference, seq_data, tp_data
+from models import between as _between, max_rel as _max_rel, spawn as _spawn
 
 B, EXPECTED = 7, 9  # the divisor is the expected batch size, not the batch
-
-
-def _spawn(fn, args, nprocs=2):
-    ctx = mp.start_processes(fn, nprocs=nprocs, join=False, start_method="spawn", args=args)
-    while not ctx.join(timeout=120):
-        pass
-
-
-def _between(norms):
-    """A threshold between the middle norms: about half the samples clip."""
-    s = sorted(float(n) for n in norms)
-    return 0.5 * (s[len(s) // 2 - 1] + s[len(s) // 2])
-
-
-def _max_rel(got, want):
-    return float((got.double() - want).abs().max()) / max(float(want.abs().max()), 1e-30)
 
 
 def _pipeline_reference():

@@ -13,21 +13,9 @@ import torch.nn as nn
 from dpclip.torch import PrivacyEngine, UnsupportedModuleError, reduce_loss
 from models import (BertLike, Conv1D, GPT2Like, LlamaLike, per_sample_losses, prose,
                     reference)
+from models import between as _between, max_rel as _max_rel
 
 B, T = 6, 12
-
-
-def _max_rel(got, want, floor=1e-30):
-    """The largest error relative to want's largest value (or to floor: a
-    gradient that is 0 in exact arithmetic, as a key bias's under softmax,
-    is compared at the scale of the others)."""
-    scale = float(want.abs().max())
-    return float((got.double() - want).abs().max()) / max(scale, floor)
-
-
-def _between(norms):
-    s = sorted(float(n) for n in norms)
-    return 0.5 * (s[len(s) // 2 - 1] + s[len(s) // 2])
 
 
 def _check_step(daemon, model, inputs, y, reduction="mean", lr=0.0, steps=1):

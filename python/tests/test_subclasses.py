@@ -21,17 +21,9 @@ import torch.nn.functional as F
 from dpclip.torch import PrivacyEngine, UnsupportedModuleError, reduce_loss, register
 from models import (GemmaLike, GemmaTextScaledWordEmbedding, OffsetLinear, OPTLike,
                     per_sample_losses, prose, reference)
+from models import between as _between, max_rel as _max_rel
 
 B, T = 6, 10
-
-
-def _between(norms):
-    s = sorted(float(n) for n in norms)
-    return 0.5 * (s[len(s) // 2 - 1] + s[len(s) // 2])
-
-
-def _max_rel(got, want):
-    return float((got.double() - want).abs().max()) / max(float(want.abs().max()), 1e-30)
 
 
 def _exact(daemon, model, inputs, y, reduction="mean", **kw):

@@ -14,16 +14,9 @@ from dpclip.data import DPDataLoader
 from dpclip.torch import (PrivacyEngine, UnsupportedModuleError, fresh_job_id, make_private,
                           reduce_loss)
 from models import FlatModel, SeqModel, flat_data, per_sample_losses, reference, seq_data
+from models import between as _between_norms, max_rel as _max_rel
 
 B = 9
-
-
-def _between_norms(norms):
-    """A clipping threshold strictly between the middle per-sample norms, so
-    that about half the samples are clipped and none sits on the edge."""
-    s = sorted(float(n) for n in norms)
-    k = len(s) // 2
-    return 0.5 * (s[k - 1] + s[k])
 
 
 def _setup(kind, seed=0):
@@ -35,12 +28,6 @@ def _setup(kind, seed=0):
         model = FlatModel()
         inputs, y = flat_data(B, seed=seed)
     return model, inputs, y
-
-
-def _max_rel(got, want):
-    got = got.double()
-    scale = float(want.abs().max())
-    return float((got - want).abs().max()) / max(scale, 1e-30)
 
 
 @pytest.mark.parametrize("kind", ["seq", "flat"])
