@@ -184,14 +184,7 @@ class Accumulator:
         not sent yet and the commit. Returns the engine's success flag (data
         parallel); raises the logical step's first error."""
         e = self.e
-        if self.failure is None:
-            try:
-                self._check_late()
-            except RuntimeError as exc:
-                self.failure = exc
-        if self.failure is not None:
-            raise self.failure
-        pending = self._passes()
+        pending = self._to_commit()
         # One micro-batch is a whole step, as before; not in a norm group,
         # whose members must all send a logical step or none (a member that
         # dropped a logical step after sending some of it must send one).
@@ -218,14 +211,7 @@ class Accumulator:
         commit; returns the commit's (logical id, micro-batch), or None
         where the step is one micro-batch: a whole step, as before. Raises
         the logical step's first error."""
-        if self.failure is None:
-            try:
-                self._check_late()
-            except RuntimeError as exc:
-                self.failure = exc
-        if self.failure is not None:
-            raise self.failure
-        pending = self._passes()
+        pending = self._to_commit()
         if self.sent == 0 and len(pending) <= 1 and not self.open:
             return None
         for p in pending[:-1]:
@@ -276,6 +262,18 @@ class Accumulator:
         self.inflight = []
 
     # -- sending -------------------------------------------------------------------------
+    def _to_commit(self) -> List[int]:
+        """step()'s start, whole or sharded: the passes not sent yet, once
+        the late check passed; raises the logical step's first error."""
+        if self.failure is None:
+            try:
+                self._check_late()
+            except RuntimeError as exc:
+                self.failure = exc
+        if self.failure is not None:
+            raise self.failure
+        return self._passes()
+
     def _passes(self) -> List[int]:
         return sorted({r[2] for l in self.e._layers for r in l.records})
 

@@ -16,6 +16,11 @@ from ._layers import Slice, _tref
 from ._planner import Plan, add_layers, set_grad
 
 
+def _index(device: torch.device) -> int:
+    """The device's ordinal ("cuda" alone: the current one)."""
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
 class CudaRun(NamedTuple):
     """What CudaIPC.run did: res, the step's result (None when it was
     submitted asynchronously: collect `ticket` later; `info` is its early
@@ -47,7 +52,7 @@ class CudaIPC:
         self._coefs_ref: Optional[Tuple[int, int]] = None
 
     def events(self, device: torch.device) -> Tuple[torch.cuda.Event, torch.cuda.Event, int, int]:
-        idx = device.index if device.index is not None else torch.cuda.current_device()
+        idx = _index(device)
         ev = self._events.get(idx)
         if ev is None:
             with torch.cuda.device(idx):
@@ -68,7 +73,7 @@ class CudaIPC:
         point of this stream, which under 1F1B waits (NCCL receive) for
         the other stage, whose own host may wait on this session's replies:
         a deadlock."""
-        idx = device.index if device.index is not None else torch.cuda.current_device()
+        idx = _index(device)
         free = self._ready_free.setdefault(idx, [])
         if free:
             return free.pop()
@@ -203,5 +208,5 @@ class CudaIPC:
         with torch.cuda.device(device):
             torch.cuda.current_stream(device).wait_event(done)
         if ready is not None:  # its step was queued long since: its record may change
-            idx = device.index if device.index is not None else torch.cuda.current_device()
+            idx = _index(device)
             self._ready_free.setdefault(idx, []).append(ready)
