@@ -29,6 +29,10 @@ void dc_group_set_c(dc_shm_step *st, int n, float C, float sigma);
  * measures again and clips with the margin DC_PHASE_RECHECK_TOL on squared
  * norms (step_pass.h), which the reference coefficients then include. */
 extern int dc_group_phased;
+/* The bound rule (step.h DC_E_*) of the members' kernels: each member clips
+ * by its own layers' certified error e (dc_clip_e_step), which the
+ * reference coefficients then include. 0: the CPU backend's. */
+extern unsigned dc_group_e_how;
 
 /* Asserts norms, coefficients and every member's clipped sums against the
  * whole model's reference at threshold C. */
