@@ -242,16 +242,30 @@ static void test_hash_matches_host(void **state) {
             t.dtype = n % 2 ? DC_BF16 : DC_I32;
             t.shape[0] = n / (int)dc_dtype_size(t.dtype);
             size_t bytes = (size_t)t.shape[0] * dc_dtype_size(t.dtype);
-            assert_int_equal(g_cuda->ops->tensor_hash(g_cuda, &t, key, &got, &err), 0);
+            const dc_tensor *one = &t;
+            assert_int_equal(g_cuda->ops->tensors_hash(g_cuda, &one, 1, key, &got, &err), 0);
             assert_true(got == dc_hash_bytes(host + off, bytes, key));
         }
     {
         dc_tensor t = {dev, DC_F32, 1, {(int64_t)sizeof host / 4}};
         uint64_t got = 0;
-        assert_int_equal(g_cuda->ops->tensor_hash(g_cuda, &t, 77, &got, &err), 0);
+        const dc_tensor *one = &t;
+        assert_int_equal(g_cuda->ops->tensors_hash(g_cuda, &one, 1, 77, &got, &err), 0);
         assert_true(got == dc_hash_bytes(host, sizeof host, 77));
         host[12345] ^= 1; /* one bit: another checksum */
         assert_true(got != dc_hash_bytes(host, sizeof host, 77));
+        host[12345] ^= 1;
+    }
+    { /* several at once, with one wait: each its own, as alone */
+        dc_tensor t[3] = {{dev, DC_F32, 1, {1000}},
+                          {(char *)dev + 4001, DC_BF16, 1, {777}},
+                          {(char *)dev + 9000, DC_I32, 1, {3}}};
+        const dc_tensor *ts[3] = {&t[0], &t[1], &t[2]};
+        uint64_t got[3] = {0};
+        assert_int_equal(g_cuda->ops->tensors_hash(g_cuda, ts, 3, 91, got, &err), 0);
+        assert_true(got[0] == dc_hash_bytes(host, 4000, 91));
+        assert_true(got[1] == dc_hash_bytes(host + 4001, 1554, 91));
+        assert_true(got[2] == dc_hash_bytes(host + 9000, 12, 91));
     }
     CUDA_OK(cudaFree(dev));
 }

@@ -1,6 +1,6 @@
 /* The CUDA backend's memory for what outlives a step: a logical step's
  * accumulators (backend.h acc_alloc / acc_free; accum.cu folds sums into
- * them), and the keyed checksum of a tensor (tensor_hash; hash.cu), by which
+ * them), and the keyed checksum of a tensor (tensors_hash; hash.cu), by which
  * a norm group checks that its members' replicated layers hold one copy. */
 #include "backend_int.h"
 
@@ -26,23 +26,39 @@ void cuda_acc_free(dc_backend *be, float *p) {
     (void)cudaFree(p);
 }
 
-int cuda_tensor_hash(dc_backend *be, const dc_tensor *t, uint64_t key, uint64_t *out, dc_err *err) {
+/* Every tensor's kernel queued into one scratch array, then one copy home
+ * and one wait: a step's seal costs a wait, not one per tensor. */
+int cuda_tensors_hash(dc_backend *be, const dc_tensor *const *ts, size_t n, uint64_t key,
+                      uint64_t *out, dc_err *err) {
     cuda_backend *cb = (cuda_backend *)be;
-    uint64_t n = dc_dtype_size(t->dtype);
     cudaError_t e;
-    for (int i = 0; i < t->ndim; i++) n *= (uint64_t)t->shape[i];
+    if (n == 0) return 0;
     if ((e = cudaSetDevice(cb->device)) != cudaSuccess) return cuda_fail(cb, err, e, "a device");
-    if (!cb->hash_dev &&
-        (e = cudaMalloc((void **)&cb->hash_dev, sizeof *cb->hash_dev)) != cudaSuccess)
-        return cuda_fail(cb, err, e, "the checksum's scratch");
-    unsigned long long h = 0;
-    if ((e = cudaMemsetAsync(cb->hash_dev, 0, sizeof *cb->hash_dev, cb->stream)) != cudaSuccess ||
-        (e = dcc_tensor_hash(t->data, n, key, cb->hash_dev, cb->stream)) != cudaSuccess ||
-        (e = cudaMemcpyAsync(&h, cb->hash_dev, sizeof h, cudaMemcpyDeviceToHost, cb->stream)) !=
-            cudaSuccess ||
+    if (n > cb->hash_cap) {
+        if (cb->hash_dev) {
+            (void)cudaStreamSynchronize(cb->stream);
+            (void)cudaFree(cb->hash_dev);
+            cb->hash_dev = NULL;
+            cb->hash_cap = 0;
+        }
+        if ((e = cudaMalloc((void **)&cb->hash_dev, n * sizeof *cb->hash_dev)) != cudaSuccess)
+            return cuda_fail(cb, err, e, "the checksums' scratch");
+        cb->hash_cap = n;
+    }
+    if ((e = cudaMemsetAsync(cb->hash_dev, 0, n * sizeof *cb->hash_dev, cb->stream)) != cudaSuccess)
+        return cuda_fail(cb, err, e, "the checksums' scratch");
+    for (size_t i = 0; i < n; i++) {
+        uint64_t bytes = dc_dtype_size(ts[i]->dtype);
+        for (int d = 0; d < ts[i]->ndim; d++) bytes *= (uint64_t)ts[i]->shape[d];
+        if ((e = dcc_tensor_hash(ts[i]->data, bytes, key, cb->hash_dev + i, cb->stream)) !=
+            cudaSuccess)
+            return cuda_fail(cb, err, e, "a tensor's checksum");
+    }
+    static_assert(sizeof(unsigned long long) == sizeof(uint64_t), "a checksum is 64 bits");
+    if ((e = cudaMemcpyAsync(out, cb->hash_dev, n * sizeof *out, cudaMemcpyDeviceToHost,
+                             cb->stream)) != cudaSuccess ||
         (e = cudaStreamSynchronize(cb->stream)) != cudaSuccess)
-        return cuda_fail(cb, err, e, "a tensor's checksum");
-    *out = (uint64_t)h;
+        return cuda_fail(cb, err, e, "the tensors' checksums");
     return 0;
 }
 

@@ -703,7 +703,7 @@ const dc_backend_ops cuda_ops = {"cuda",
                                  dc_cuda_backend_workspace_bytes,
                                  cuda_acc_alloc,
                                  cuda_acc_free,
-                                 cuda_tensor_hash};
+                                 cuda_tensors_hash};
 
 } // namespace
 

@@ -73,7 +73,8 @@ struct cuda_backend {
      * the recent steps' wait per unit of estimated cost (ns; 0 = none yet) */
     cudaEvent_t ev_done;
     double ns_per_cost;
-    unsigned long long *hash_dev; /* device scratch of cuda_tensor_hash (backend_accum.cu) */
+    unsigned long long *hash_dev; /* device scratch of cuda_tensors_hash (backend_accum.cu) */
+    size_t hash_cap;              /* its checksums */
     int bk_n;                     /* entries of bk the step's grouped clipped sum takes */
     int amax_found;               /* outputs of the last step whose max |.| the grouped
                        clipped sum found (dcc_out.amax_found) */
@@ -272,10 +273,11 @@ int snapshot_indices(cuda_backend *cb, const dc_step *s, const layout *Lo, dc_st
 cudaError_t wait_stream(cuda_backend *cb, double cost);
 
 /* backend_accum.cu: logical steps' accumulators (backend.h acc_alloc,
- * acc_free) and the keyed checksum of a tensor (tensor_hash). */
+ * acc_free) and the keyed checksums of tensors (tensors_hash). */
 float *cuda_acc_alloc(dc_backend *be, size_t n);
 void cuda_acc_free(dc_backend *be, float *p);
-int cuda_tensor_hash(dc_backend *be, const dc_tensor *t, uint64_t key, uint64_t *out, dc_err *err);
+int cuda_tensors_hash(dc_backend *be, const dc_tensor *const *ts, size_t n, uint64_t key,
+                      uint64_t *out, dc_err *err);
 
 } // namespace dcb
 

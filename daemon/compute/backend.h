@@ -79,11 +79,13 @@ typedef struct dc_backend_ops {
      * memory. Called on the backend's worker thread. */
     float *(*acc_alloc)(dc_backend *be, size_t n);
     void (*acc_free)(dc_backend *be, float *p);
-    /* The keyed checksum (common/dc_hash.h) of a tensor's bytes in the
-     * memory the backend's steps use: whether two copies hold the same data
-     * (a norm group's replicated layers). Worker thread. */
-    int (*tensor_hash)(dc_backend *be, const dc_tensor *t, uint64_t key, uint64_t *out,
-                       dc_err *err);
+    /* The keyed checksums (common/dc_hash.h) of n tensors' bytes in the
+     * memory the backend's steps use, out[i] of ts[i], with one wait for
+     * the device: whether two copies hold the same data (a norm group's
+     * replicated layers), or data is what an earlier task measured (a step
+     * in phases: step_run.h's seal). Worker thread. */
+    int (*tensors_hash)(dc_backend *be, const dc_tensor *const *ts, size_t n, uint64_t key,
+                        uint64_t *out, dc_err *err);
 } dc_backend_ops;
 
 struct dc_backend {

@@ -591,11 +591,12 @@ static void cpu_acc_free(dc_backend *be, float *p) {
     free(p);
 }
 
-static int cpu_tensor_hash(dc_backend *be, const dc_tensor *t, uint64_t key, uint64_t *out,
-                           dc_err *err) {
+static int cpu_tensors_hash(dc_backend *be, const dc_tensor *const *ts, size_t n, uint64_t key,
+                            uint64_t *out, dc_err *err) {
     (void)be;
     (void)err;
-    *out = dc_hash_bytes(t->data, dc_cpu_numel(t) * dc_dtype_size(t->dtype), key);
+    for (size_t i = 0; i < n; i++)
+        out[i] = dc_hash_bytes(ts[i]->data, dc_cpu_numel(ts[i]) * dc_dtype_size(ts[i]->dtype), key);
     return 0;
 }
 
@@ -615,7 +616,7 @@ static const dc_backend_ops cpu_ops = {
     .run_clip = cpu_run_clip,
     .acc_alloc = cpu_acc_alloc,
     .acc_free = cpu_acc_free,
-    .tensor_hash = cpu_tensor_hash,
+    .tensors_hash = cpu_tensors_hash,
 };
 
 int dc_cpu_backend_create(int threads, dc_backend **out, dc_err *err) {

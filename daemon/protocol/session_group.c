@@ -363,7 +363,8 @@ void dc_session_group_submit(dc_step_call *sc) {
     sc->partial = malloc(sc->step.batch * sizeof *sc->partial);
     sc->tot = malloc(sc->step.batch * sizeof *sc->tot);
     sc->rep = malloc(sc->step.batch * sizeof *sc->rep);
-    if (!sc->n2 || !sc->partial || !sc->tot || !sc->rep) {
+    sc->seal = malloc((sc->step.n_layers ? sc->step.n_layers : 1) * sizeof *sc->seal);
+    if (!sc->n2 || !sc->partial || !sc->tot || !sc->rep || !sc->seal) {
         dc_err_set(&sc->err, DC_ENOSPACE, "clip_step", "out of memory");
         sc->rc = DC_ENOSPACE;
         dc_group_fail(s->group, s->group_rank, sc->group_step, &sc->err);

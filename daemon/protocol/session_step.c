@@ -35,6 +35,7 @@ static void step_submit(dc_step_call *sc);
 static void call_free(dc_step_call *sc) {
     dc_step_result_free(&sc->res);
     free(sc->n2);
+    free(sc->seal);
     free(sc->partial);
     free(sc->tot);
     free(sc->rep);
@@ -197,7 +198,8 @@ static int step_phase(dc_session *s, dc_step_call *sc, dc_err *e) {
     if (ph == DC_PHASE_SUMS) return dc_pass_take(s->pass, sc, e);
     if (pass_reserve(s, dc_pass_bytes(sc->step.batch, sc->step.n_layers), e)) return e->code;
     sc->pass_reserved = true;
-    if (!(sc->n2 = malloc((size_t)sc->step.batch * sc->step.n_layers * sizeof *sc->n2)))
+    if (!(sc->n2 = malloc((size_t)sc->step.batch * sc->step.n_layers * sizeof *sc->n2)) ||
+        !(sc->seal = malloc((sc->step.n_layers ? sc->step.n_layers : 1) * sizeof *sc->seal)))
         return dc_err_set(e, DC_ENOSPACE, "clip_step", "out of memory");
     return 0;
 }

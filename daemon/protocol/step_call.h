@@ -127,7 +127,11 @@ struct dc_step_call {
     uint64_t group_id; /* the group it was prepared for (dc_group_id) */
     uint64_t group_step;
     double *n2, *partial, *tot;
-    double *rep;        /* [B] its replicated layers' squared norms (group.h) */
+    double *rep; /* [B] its replicated layers' squared norms (group.h) */
+    /* A step in phases (a group member's, a norm pass's sums): each layer's
+     * seal [L] taken right after its norms, under seal_key (step_run.h) */
+    uint64_t *seal;
+    uint64_t seal_key;
     size_t *pass_at;    /* a sums step: each layer's index in its pass (step_pass.h) */
     bool pass_reserved; /* a norm pass: the session's pass bytes are its reservation */
     dc_group_waiter gw;

@@ -34,8 +34,10 @@ struct dc_pass {
     uint64_t logical_id;
     uint32_t micro_batch;
     bool commit;
-    double *n2;  /* [L*B] */
-    double *tot; /* [B] */
+    double *n2;     /* [L*B] */
+    double *tot;    /* [B] */
+    uint64_t *seal; /* [L] each layer's seal, under seal_key (step_run.h) */
+    uint64_t seal_key;
     pass_layer *layers;
 };
 
@@ -148,6 +150,9 @@ int dc_pass_new(dc_step_call *sc, dc_pass **out, dc_err *e) {
     for (size_t i = 0; i < L * B; i++) r->layer_norms[i] = (float)sqrt(sc->n2[i]);
     p->n2 = sc->n2;
     sc->n2 = NULL;
+    p->seal = sc->seal;
+    sc->seal = NULL;
+    p->seal_key = sc->seal_key;
     *out = p;
     return 0;
 nomem:
@@ -223,7 +228,8 @@ int dc_pass_take(dc_pass *p, dc_step_call *sc, dc_err *e) {
                           "expected batch size");
     if ((rc = noise_check(p, s, e))) return rc;
     if (!(at = malloc(L * sizeof *at)) || !(sc->n2 = malloc(L * B * sizeof *sc->n2)) ||
-        !(sc->tot = malloc(B * sizeof *sc->tot))) {
+        !(sc->tot = malloc(B * sizeof *sc->tot)) ||
+        !(sc->seal = malloc((L ? L : 1) * sizeof *sc->seal))) {
         rc = dc_err_set(e, DC_ENOSPACE, "clip_step", "out of memory");
         goto fail;
     }
@@ -250,7 +256,11 @@ int dc_pass_take(dc_pass *p, dc_step_call *sc, dc_err *e) {
             goto fail;
         }
     }
-    for (size_t l = 0; l < L; l++) memcpy(&sc->n2[l * B], &p->n2[at[l] * B], B * sizeof *sc->n2);
+    for (size_t l = 0; l < L; l++) {
+        memcpy(&sc->n2[l * B], &p->n2[at[l] * B], B * sizeof *sc->n2);
+        sc->seal[l] = p->seal[at[l]];
+    }
+    sc->seal_key = p->seal_key;
     memcpy(sc->tot, p->tot, B * sizeof *sc->tot);
     p->n_summed += L;
     sc->pass_at = at; /* the pass's index of each layer: its accumulators (step_logical.c) */
@@ -260,24 +270,10 @@ fail:
     free(at);
     free(sc->n2);
     free(sc->tot);
+    free(sc->seal);
     sc->n2 = sc->tot = NULL;
+    sc->seal = NULL;
     return rc;
-}
-
-int dc_phase_recheck(const dc_step *st, const double *then, const double *now, dc_err *e) {
-    const uint32_t B = st->batch;
-    for (size_t l = 0; l < st->n_layers; l++)
-        for (uint32_t b = 0; b < B; b++) {
-            double was = then[l * B + b], is = now[l * B + b];
-            if (is <= was * (1.0 + DC_PHASE_RECHECK_TOL)) continue; /* false for NaN */
-            return dc_err_set(e, DC_EINVAL, "clip_step.layers",
-                              "layer %zu ('%s'), sample %u: its data changed since its norms "
-                              "were measured (squared norm %.6g, then %.6g): a clipped sum is "
-                              "only released for the data its norms measured; nothing was "
-                              "written",
-                              l, st->layers[l].name, b, is, was);
-        }
-    return 0;
 }
 
 void dc_phase_margin(double *tot, uint32_t batch) {
@@ -285,7 +281,8 @@ void dc_phase_margin(double *tot, uint32_t batch) {
 }
 
 uint64_t dc_pass_bytes(uint32_t batch, size_t n_layers) {
-    return sizeof(dc_pass) + (uint64_t)n_layers * (batch * sizeof(double) + sizeof(pass_layer)) +
+    return sizeof(dc_pass) +
+           (uint64_t)n_layers * (batch * sizeof(double) + sizeof(uint64_t) + sizeof(pass_layer)) +
            (uint64_t)batch * sizeof(double);
 }
 
@@ -299,6 +296,7 @@ void dc_pass_free(dc_pass *p) {
     if (!p) return;
     free(p->n2);
     free(p->tot);
+    free(p->seal);
     free(p->layers);
     free(p);
 }

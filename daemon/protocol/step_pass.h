@@ -48,15 +48,14 @@ int dc_pass_take(dc_pass *p, dc_step_call *sc, dc_err *e);
 
 /* A clip phase that runs in a later task than its norms (a sums step's
  * pass; a grouped member's norm phase before the group's reduction) reads
- * client memory the client may have rewritten since. So it measures again
- * (step_run.c) and refuses any layer and sample whose squared norm grew by
- * more than the bound below (the kernels' rounding between two plans of
- * the same data), and clips by totals raised by the same bound: what it
- * releases is clipped whatever the memory held at either time.
- * dc_phase_recheck compares then[L*B] with now[L*B] (a non-finite value
- * fails too), naming the layer and sample; dc_phase_margin raises tot[B]. */
+ * client memory the client may have rewritten since. So it checks each
+ * layer's seal (step_run.h: a keyed checksum of the data, taken right
+ * after the norms) and refuses a layer whose data changed. It clips by
+ * totals raised by the bound below, which the pass's reply coefficients
+ * include: the margin of the re-measurement this check replaced, kept so
+ * that replies and references did not change. dc_phase_margin raises
+ * tot[B]. */
 #define DC_PHASE_RECHECK_TOL (1.0 / 1024.0)
-int dc_phase_recheck(const dc_step *st, const double *then, const double *now, dc_err *e);
 void dc_phase_margin(double *tot, uint32_t batch);
 
 /* The host bytes a pass of n_layers layers and batch samples holds between

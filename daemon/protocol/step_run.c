@@ -1,9 +1,11 @@
 #include "step_run.h"
 
+#include <errno.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/random.h>
 #include <uv.h>
 
 #include "dc_hash.h"
@@ -46,24 +48,35 @@ int dc_step_run_prepare(dc_step_call *sc, dc_err *e) {
 }
 
 /* The clip phase of a step whose norms an earlier task measured (sc->n2,
- * totals sc->tot): measured again, checked and clipped with the margin
- * (step_pass.h, dc_phase_recheck). The reply's norms stay the totals'. */
+ * totals sc->tot, seals sc->seal): its data checked against the seals and
+ * clipped with the margin (step_pass.h). The reply's norms stay the
+ * totals'. */
 static int clip_checked(dc_step_call *sc, dc_backend *be) {
     const uint32_t B = sc->step.batch;
-    const size_t LB = sc->step.n_layers * (size_t)B;
-    double *now = NULL, *tot = NULL;
+    const size_t L = sc->step.n_layers;
+    uint64_t *now = NULL;
+    double *tot = NULL;
     int rc;
-    if (!be->ops->run_norms || !be->ops->run_clip)
+    if (!be->ops->run_clip)
         return dc_err_set(&sc->err, DC_EUNIMPL, "clip_step.phase",
                           "the %s backend has no separate clip phase", be->ops->name);
-    if (!(now = malloc((LB ? LB : 1) * sizeof *now)) ||
-        !(tot = malloc((B ? B : 1) * sizeof *tot))) {
+    if (!sc->seal)
+        return dc_err_set(&sc->err, DC_EINTERNAL, "clip_step.phase",
+                          "a clip phase without its norms' seals");
+    if (!(now = malloc((L ? L : 1) * sizeof *now)) || !(tot = malloc((B ? B : 1) * sizeof *tot))) {
         rc = dc_err_set(&sc->err, DC_ENOSPACE, "clip_step", "out of memory");
         goto out;
     }
-    if ((rc = be->ops->run_norms(be, &sc->step, now, &sc->err)) ||
-        (rc = dc_phase_recheck(&sc->step, sc->n2, now, &sc->err)))
-        goto out;
+    if ((rc = dc_step_run_seal(be, &sc->step, sc->seal_key, now, &sc->err))) goto out;
+    for (size_t l = 0; l < L; l++)
+        if (now[l] != sc->seal[l]) {
+            rc = dc_err_set(&sc->err, DC_EINVAL, "clip_step.layers",
+                            "layer %zu ('%s'): its data changed since its norms were measured: "
+                            "a clipped sum is only released for the data its norms measured; "
+                            "nothing was written",
+                            l, sc->step.layers[l].name);
+            goto out;
+        }
     if (sc->grouped && sc->gw.has_rep_hash) {
         /* the replicated copy the group compared is the one released */
         uint64_t h;
@@ -152,6 +165,9 @@ void dc_step_run_norms_work(dc_task *task, dc_backend *be) {
                  ? be->ops->run_norms(be, &sc->step, sc->n2, &sc->err)
                  : dc_err_set(&sc->err, DC_EUNIMPL, "clip_step",
                               "the %s backend has no separate norm phase", be->ops->name);
+    /* the seal right after the norms: what the clip phase may sum */
+    if (sc->rc == 0 && !(sc->rc = dc_step_run_seal_key(&sc->seal_key, &sc->err)))
+        sc->rc = dc_step_run_seal(be, &sc->step, sc->seal_key, sc->seal, &sc->err);
     if (sc->rc == 0 && sc->grouped) {
         sc->gw.rep_key = dc_step_run_replicas_key(&sc->step);
         sc->rc = dc_step_run_replicas_hash(be, &sc->step, sc->gw.rep_key, &sc->gw.rep_hash,
@@ -163,25 +179,67 @@ uint64_t dc_step_run_replicas_key(const dc_step *st) {
     return dc_hash_mix(st->group_noise_key ^ dc_hash_mix(st->group_step));
 }
 
+/* The checksums of the layers' inputs and output grads (those `pick`
+ * keeps; every layer without it), in one backend call: h[2i], h[2i + 1] of
+ * the i-th picked layer. *n: the layers picked. The caller frees *h. */
+static int layers_hash(dc_backend *be, const dc_step *st, bool replicated_only, uint64_t key,
+                       uint64_t **h, size_t *n, const char *field, dc_err *e) {
+    const dc_tensor **ts = NULL;
+    size_t k = 0;
+    int rc = 0;
+    *h = NULL;
+    *n = 0;
+    if (!be->ops->tensors_hash)
+        return dc_err_set(e, DC_EUNIMPL, field, "the %s backend cannot checksum tensors",
+                          be->ops->name);
+    if (!(ts = malloc((2 * st->n_layers + 1) * sizeof *ts)) ||
+        !(*h = malloc((2 * st->n_layers + 1) * sizeof **h))) {
+        rc = dc_err_set(e, DC_ENOSPACE, "clip_step", "out of memory");
+        goto fail;
+    }
+    for (size_t l = 0; l < st->n_layers; l++) {
+        if (replicated_only && !st->layers[l].replicated) continue;
+        ts[k++] = &st->layers[l].input;
+        ts[k++] = &st->layers[l].grad;
+    }
+    if (k && (rc = be->ops->tensors_hash(be, ts, k, key, *h, e))) goto fail;
+    *n = k / 2;
+    free(ts);
+    return 0;
+fail:
+    free(ts);
+    free(*h);
+    *h = NULL;
+    return rc;
+}
+
 int dc_step_run_replicas_hash(dc_backend *be, const dc_step *st, uint64_t key, uint64_t *out,
                               bool *any, dc_err *e) {
-    uint64_t h = 0;
-    int rc;
-    *any = false;
-    for (size_t l = 0; l < st->n_layers; l++) {
-        const dc_layer *ly = &st->layers[l];
-        uint64_t a, g;
-        if (!ly->replicated) continue;
-        if (!be->ops->tensor_hash)
-            return dc_err_set(e, DC_EUNIMPL, "clip_step.layers.replicated",
-                              "the %s backend cannot compare replicated layers", be->ops->name);
-        if ((rc = be->ops->tensor_hash(be, &ly->input, key, &a, e)) ||
-            (rc = be->ops->tensor_hash(be, &ly->grad, key, &g, e)))
-            return rc;
-        h = dc_hash_mix(dc_hash_mix(h ^ a) ^ g);
-        *any = true;
-    }
-    *out = h;
+    uint64_t *h, sum = 0;
+    size_t n;
+    int rc = layers_hash(be, st, true, key, &h, &n, "clip_step.layers.replicated", e);
+    if (rc) return rc;
+    for (size_t i = 0; i < n; i++) sum = dc_hash_mix(dc_hash_mix(sum ^ h[2 * i]) ^ h[2 * i + 1]);
+    free(h);
+    *any = n > 0;
+    *out = sum;
+    return 0;
+}
+
+int dc_step_run_seal_key(uint64_t *key, dc_err *e) {
+    if (getrandom(key, sizeof *key, 0) != (ssize_t)sizeof *key)
+        return dc_err_set(e, DC_EINTERNAL, "clip_step", "no key for the step's seal: %s",
+                          strerror(errno));
+    return 0;
+}
+
+int dc_step_run_seal(dc_backend *be, const dc_step *st, uint64_t key, uint64_t *out, dc_err *e) {
+    uint64_t *h;
+    size_t n;
+    int rc = layers_hash(be, st, false, key, &h, &n, "clip_step.phase", e);
+    if (rc) return rc;
+    for (size_t l = 0; l < n; l++) out[l] = dc_hash_mix(dc_hash_mix(h[2 * l]) ^ h[2 * l + 1]);
+    free(h);
     return 0;
 }
 

@@ -43,6 +43,16 @@ void dc_step_run_clip_work(dc_task *task, dc_backend *be);
 int dc_step_run_replicas_hash(dc_backend *be, const dc_step *st, uint64_t key, uint64_t *out,
                               bool *any, dc_err *e);
 uint64_t dc_step_run_replicas_key(const dc_step *st);
+/* A step in phases reads client memory in two tasks, which the client may
+ * rewrite between them. Its norm task seals each layer right after its
+ * norms: out[l], the keyed checksum of layer l's input and output grad
+ * under a fresh random key (dc_step_run_seal_key: the daemon's, never
+ * told), and its clip task sums a layer only if the seal is the same
+ * again. Without the key a client cannot choose other data with the same
+ * seal; a checksum costs one read of the data, where measuring the norms
+ * again cost the norm pass. */
+int dc_step_run_seal_key(uint64_t *key, dc_err *e);
+int dc_step_run_seal(dc_backend *be, const dc_step *st, uint64_t key, uint64_t *out, dc_err *e);
 /* A step in phases (step_pass.h): the norm pass (as a group's norm phase,
  * into sc->n2), and a sums step (as dc_step_run_work, with run_clip on the
  * pass's n2 rows and totals in sc->n2 and sc->tot). */
