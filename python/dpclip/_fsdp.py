@@ -407,7 +407,7 @@ class Sharded:
         at = {id(pc.out): i for i, pc in enumerate(self.pieces)}
         spans = []
         for l in self.layers:
-            idx = [at[id(o)] for o in (l.w_out, l.b_out) if o is not None and id(o) in at]
+            idx = [at[id(o)] for o in l.outs if id(o) in at]
             if len(idx) > 1:
                 spans.append((min(idx), max(idx)))
         return spans

@@ -331,6 +331,7 @@ class _Layer:
         # Outs of the weight and bias (bind_outputs)
         self.w_out: Optional[Out] = None
         self.b_out: Optional[Out] = None
+        self.outs: List[Out] = []       # every Out its parts write, outputs()' order
         self.part0 = 0                  # index of its first part in a step
         # first-step check (dpclip._verify.Probe)
         self.verify: Optional[Callable[[Any, tuple, dict, Any], None]] = None
@@ -644,7 +645,7 @@ def _collect_layers(engine: Any, module: nn.Module
     cannot train. A parameter owned by an unsupported module is fine where
     a supported one uses it too (BERT's prediction head holds the bias its
     decoder Linear uses)."""
-    from . import _registry  # noqa: E402 (it imports this module)
+    from . import _params, _registry  # noqa: E402 (they import this module)
 
     layers, norms, pending = [], [], []
     owner = {}  # id(param) -> the _Layer that trains it
@@ -656,12 +657,15 @@ def _collect_layers(engine: Any, module: nn.Module
             norms.append((name, m))
         own = [(pn, p) for pn, p in m.named_parameters(recurse=False) if p.requires_grad]
         made = _registry.layers_for(engine, name, m)
+        if made is None:  # raw parameters broadcast over the batch (ViT's tokens)
+            made = _params.broadcast_layers(engine, name, m, own)
         if own:  # each trained by some layer, checked once every layer is known
             pending.append((name, m, own, made is not None))
         if made is None:
             continue
         for l in made:
-            for p in (l.weight, l.bias):
+            more = [q for q, _ in l.outputs() if q is not l.weight and q is not l.bias]
+            for p in [l.weight, l.bias] + more:
                 if p is None:
                     continue
                 other = owner.get(id(p))
@@ -701,11 +705,13 @@ def bind_outputs(layers: List[_Layer]) -> List[Out]:
     has one, its first layer's); sets each layer's w_out and b_out."""
     outs, by_id = [], {}
     for l in layers:
+        l.outs = []
         for p, grad in l.outputs():
             o = by_id.get(id(p))
             if o is None:
                 o = by_id[id(p)] = Out(p, grad)
                 outs.append(o)
+            l.outs.append(o)
             if p is l.weight:
                 l.w_out = o
             elif p is l.bias:

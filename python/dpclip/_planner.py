@@ -52,8 +52,8 @@ def outputs(layers: Sequence[_Layer]) -> List[Out]:
     """Every layer's outputs, each once, in the layers' order."""
     outs, seen = [], set()
     for l in layers:
-        for o in (l.w_out, l.b_out):
-            if o is not None and id(o) not in seen:
+        for o in l.outs:
+            if id(o) not in seen:
                 seen.add(id(o))
                 outs.append(o)
     return outs

@@ -166,6 +166,9 @@ def supported_layers() -> List[Tuple[str, str]]:
     out.append(("transformers' Conv1D", "a Linear with its weight [in, out], by structure"))
     out.append(("dpclip.torch.DPMultiheadAttention",
                 "make_private(replace_mha=True) swaps it in for nn.MultiheadAttention"))
+    out.append(("raw nn.Parameters of leading size 1 that a module's forward broadcasts over "
+                "the batch", "class tokens, position embeddings (ViT's); checked on the first "
+                "step"))
     for kind in KINDS:
         names = sorted([c.__name__ for c, r in _by_class.items() if r["kind"] == kind] +
                        [n for n, r in _by_name.items() if r["kind"] == kind])

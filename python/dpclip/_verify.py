@@ -389,7 +389,7 @@ def check_step(engine: Any, plan: Any, B: int) -> None:
         uses = [u for u in probe.uses if u.pass_id in pass_ids]
         if not layer.records and not any(g is not None for u in uses for g in u.grads):
             continue
-        outs = [o for o in (layer.w_out, layer.b_out) if o is not None]
+        outs = layer.outs
         params = [o.param for o in outs]
         got = _dpclip_grads(layer, plan.parts, k)
         want = _reference_grads(layer, uses, k, B, params)

@@ -229,6 +229,7 @@ def test_cuda_micro_batch_sums_name_one_slot_and_drain_nothing(monkeypatch):
     class L:
         def __init__(self, w):
             self.w_out, self.b_out = Out(w), None
+            self.outs = [self.w_out]
 
     layers = [L(torch.empty(r, 32)) for r in (64, 32, 16, 8)]
     pieces, full_n, shard_n = _fsdp.layout(layers, 1, 0)

@@ -38,6 +38,7 @@ def test_layout_gives_each_rank_fully_shards_dim0_chunks():
             self.weight, self.bias = w, b
             self.w_out = Out(w)
             self.b_out = Out(b) if b is not None else None
+            self.outs = [o for o in (self.w_out, self.b_out) if o is not None]
 
     layers = [L(torch.empty(5, 3), torch.empty(5)), L(torch.empty(2, 4), None)]
     for world in (1, 2, 3, 4):
@@ -169,6 +170,7 @@ def test_buckets_cover_the_pieces_in_order():
     class L:
         def __init__(self, w):
             self.w_out, self.b_out = Out(w), None
+            self.outs = [self.w_out]
 
     layers = [L(torch.empty(r, c)) for r, c in ((5, 3), (40, 40), (2, 4), (7, 1), (300, 2))]
     for world in (1, 2, 3):
@@ -320,6 +322,7 @@ def test_cuda_sums_slots_never_take_memory_a_queued_collective_still_reads(monke
     class L:
         def __init__(self, w):
             self.w_out, self.b_out = Out(w), None
+            self.outs = [self.w_out]
 
     layers = [L(torch.empty(r, 32)) for r in (64, 32, 16)]  # buckets [0], [1, 2] below
     pieces, full_n, shard_n = _fsdp.layout(layers, 1, 0)

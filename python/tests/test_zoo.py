@@ -89,9 +89,9 @@ EXPECTED = {
     "BartForConditionalGeneration": refused(
         UnsupportedModuleError, "make_private", "model.shared",
         "two BartScaledWordEmbedding modules share one weight"),
-    "ViTForImageClassification": refused(
-        UnsupportedModuleError, "make_private", "vit.embeddings",
-        "bare nn.Parameters (cls_token, position_embeddings) in ViTEmbeddings"),
+    "ViTForImageClassification": exact(
+        "cls_token and position_embeddings, raw parameters broadcast over the batch; "
+        "Conv2d patches"),
     "CLIPModel": refused(
         UnsupportedModuleError, "make_private", "logit_scale",
         "logit_scale, a bare nn.Parameter of the root module"),

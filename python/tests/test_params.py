@@ -1,0 +1,126 @@
+"""Raw parameters used directly in a forward, broadcast over the batch
+(issue 41; dpclip._params): a ViT-like image model whose embedding module
+holds a class token [1, 1, d] and position embeddings [1, N + 1, d] as bare
+nn.Parameters, exact against the per-sample f64 reference (sigma 0, flat
+clipping, C between the middle norms), and the ways such a parameter can be
+used that are not a per-sample broadcast, each refused by the first-step
+check (naming the module) before anything is sent; a 1-D or scalar raw
+parameter is refused at make_private, naming it."""
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from dpclip.torch import PrivacyEngine, UnsupportedModuleError
+from models import between, max_rel, reference
+
+B, D, P = 6, 16, 4  # samples, width, patches
+
+
+class Tokens(nn.Module):
+    """Patches to tokens, a class token prepended, positions added; `how`
+    says how the class token enters ("expand": ViT's)."""
+
+    def __init__(self, how="expand"):
+        super().__init__()
+        self.proj = nn.Linear(12, D)
+        self.cls_token = nn.Parameter(torch.randn(1, 1, D) * 0.5)
+        self.position_embeddings = nn.Parameter(torch.randn(1, P + 1, D) * 0.5)
+        self.how = how
+
+    def forward(self, patches):
+        x = self.proj(patches)
+        n = x.shape[0]
+        if self.how == "first_row":  # every sample gets row 0: not per sample
+            cls = self.cls_token[:1].expand(n, -1, -1)
+        elif self.how == "mean":  # rows averaged: samples mixed
+            cls = self.cls_token.mean(0, keepdim=True).expand(n, -1, -1)
+        else:
+            cls = self.cls_token.expand(n, -1, -1)
+        return torch.cat([cls, x], 1) + self.position_embeddings
+
+
+class TinyViT(nn.Module):
+    def __init__(self, how="expand"):
+        super().__init__()
+        self.embeddings = Tokens(how)
+        self.norm = nn.LayerNorm(D)
+        self.mlp = nn.Linear(D, D)
+        self.head = nn.Linear(D, 3)
+
+    def forward(self, patches):
+        h = self.embeddings(patches)
+        h = h + torch.tanh(self.mlp(self.norm(h)))
+        return self.head(h[:, 0])
+
+
+def _data(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(B, P, 12, generator=g), torch.randint(0, 3, (B,), generator=g)
+
+
+def _engine(daemon, model, C):
+    engine = PrivacyEngine(daemon.socket, allow_insecure_seed=True)
+    model, opt, _ = engine.make_private(
+        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.0),
+        noise_multiplier=0.0, max_grad_norm=C, loss_reduction="mean", expected_batch_size=B)
+    return engine, model, opt
+
+
+def test_class_token_and_positions_exact(daemon):
+    torch.manual_seed(0)
+    model = TinyViT()
+    x, y = _data()
+    _, norms0, _ = reference(model, "cls", (x,), y, 1e9, "sum", 1)
+    C = between(norms0)
+    want, ref_norms, coefs = reference(model, "cls", (x,), y, C, "mean", B)
+    assert (coefs < 1).any() and (coefs == 1).any()
+    engine, model, opt = _engine(daemon, model, C)
+    F.cross_entropy(model(x), y).backward()
+    assert model.embeddings.cls_token.grad is None, "autograd wrote a raw parameter's grad"
+    opt.step()
+    for n, p in model.named_parameters():
+        assert p.grad is not None and max_rel(p.grad, want[n]) < 2e-4, n
+    assert max_rel(engine.last_norms, ref_norms) < 1e-4
+    assert all(l.verify is None for l in engine._layers), "a layer left unchecked"
+    # the module holds its own parameters again after each forward, and at close
+    assert isinstance(model.embeddings._parameters["cls_token"], nn.Parameter)
+    engine.close()
+    assert "forward" not in vars(model.embeddings)
+
+
+@pytest.mark.parametrize("how", ["first_row", "mean"])
+def test_not_per_sample_refused_at_first_step(daemon, how):
+    """Row 0 for every sample, or the rows averaged: the same values forward
+    (every row is the parameter), but a sample's gradient would land in
+    another's row. The first-step check refuses the module by name."""
+    torch.manual_seed(0)
+    model = TinyViT(how)
+    x, y = _data()
+    engine, model, opt = _engine(daemon, model, 1.0)
+    F.cross_entropy(model(x), y).backward()
+    with pytest.raises(UnsupportedModuleError, match=r"embeddings \(Tokens\)"):
+        opt.step()
+    assert model.embeddings.cls_token.grad is None
+    engine.close()
+
+
+class Scaled(nn.Module):
+    def __init__(self, shape):
+        super().__init__()
+        self.lin = nn.Linear(D, 3)
+        self.gamma = nn.Parameter(torch.ones(shape))
+
+    def forward(self, x):
+        return self.lin(x) * self.gamma
+
+
+@pytest.mark.parametrize("shape", [(3,), ()])
+def test_other_shapes_refused_by_name(daemon, shape):
+    """A 1-D layer-scale or a learned scalar has no batch dimension to give a
+    row per sample: refused at make_private, naming the parameter."""
+    engine = PrivacyEngine(daemon.socket, allow_insecure_seed=True)
+    with pytest.raises(UnsupportedModuleError, match="gamma"):
+        engine.make_private(module=Scaled(shape), optimizer=None, noise_multiplier=0.0,
+                            max_grad_norm=1.0, expected_batch_size=B)
+    engine.close()
