@@ -62,6 +62,7 @@ class _ConvLayer(_Layer):
     """nn.Conv1d / nn.Conv2d. The input the daemon reads is what the
     convolution itself reads (padded first where the module pads other than
     with zeros, or asymmetrically for 'same')."""
+    rowwise = False
     kind = "conv"
 
     def _setup(self) -> None:
@@ -188,6 +189,7 @@ class _AffineFn(torch.autograd.Function):
 
 class _AffineLayer(_Layer):
     """GroupNorm, InstanceNorm (affine) and eval-mode BatchNorm (affine)."""
+    rowwise = False
     kind = "affine"
 
     def _setup(self) -> None:

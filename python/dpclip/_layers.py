@@ -14,7 +14,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from . import _lib
+from . import _lib, _rows
 
 
 __all__ = ["UnsupportedModuleError"]
@@ -279,6 +279,15 @@ def _persample_part(layer: "_Layer", name: str, v: Optional[torch.Tensor], n: in
 
 # --- one supported module -------------------------------------------------------------
 
+def _note_batch(engine: Any, n: int) -> None:
+    """The pass's batch, as its first batch-first module saw it (a token
+    embedding's [B, T], a Linear's [B, T, d]): what flattened tokens must be
+    a reshape of (dpclip._rows), and what positions [1, T] expand to."""
+    hint = getattr(engine, "_batch_hint", None)
+    if n > 1 and (hint is None or hint[0] != engine._pass):
+        engine._batch_hint = (engine._pass, n)
+
+
 # A _Layer's bias argument: None = the module's own "bias", False = none,
 # else the tensor itself.
 BiasArg = Union[None, bool, torch.Tensor]
@@ -311,6 +320,9 @@ class _Layer:
     kind = "linear"
     d: int      # input features (an embedding's and a norm's: its width), set by _setup
     p: int      # output features (0: none, an embedding or a norm)
+    # its forward is row by row over its input's last dimension, so that
+    # flattened tokens [B*T, d] can be trained as [B, T, d] (dpclip._rows)
+    rowwise = True
 
     def __init__(self, engine: Any, name: str, module: nn.Module,
                  weight: Optional[torch.Tensor] = None, bias: BiasArg = None) -> None:
@@ -343,6 +355,7 @@ class _Layer:
         self.via_super: Optional[type] = None
         self._class: Optional[type] = None  # the module's own class while swapped
         self._orig_forward: Optional[Callable[..., Any]] = None
+        self.per = 1  # rows per sample of the last forward's input (flattened tokens: T)
         self._setup()
 
     def _setup(self) -> None:
@@ -368,10 +381,25 @@ class _Layer:
         def forward(mod: nn.Module, *args: Any, **kwargs: Any) -> Any:
             if not layer.active():
                 return layer._orig_forward(*args, **kwargs)
+            layer.per = 1
+            x0 = args[0] if args and isinstance(args[0], torch.Tensor) else None
+            if x0 is not None and x0.dim() >= (2 if layer.kind == "embedding" else 3):
+                _note_batch(layer.engine, x0.shape[0])
             if layer.via_super is not None:  # its own code, the base's forward swapped
                 y = layer._orig_forward(*args, **kwargs)
             else:
-                y = layer._forward(mod, *args, **kwargs)
+                B = _rows.sample_rows(x0) if layer.rowwise and len(args) == 1 and \
+                    not kwargs and x0 is not None and x0.dim() == 2 else None
+                hint = getattr(layer.engine, "_batch_hint", None)
+                if B and hint is not None and hint[0] == layer.engine._pass and hint[1] != B:
+                    B = None  # not the batch the pass's batch-first modules saw
+                if B:  # flattened tokens: trained as [B, T, d], given back as rows
+                    x = args[0]
+                    layer.per = x.shape[0] // B
+                    y = layer._forward(mod, x.reshape(B, layer.per, x.shape[1]))
+                    y = y.reshape(x.shape[0], y.shape[-1])
+                else:
+                    y = layer._forward(mod, *args, **kwargs)
             if layer.verify is not None:
                 layer.verify(layer, args, kwargs, y)
             return y
@@ -485,6 +513,7 @@ class _HFConv1DLayer(_Layer):
 
 
 class _EmbeddingLayer(_Layer):
+    rowwise = False
     kind = "embedding"
 
     def _setup(self) -> None:

@@ -221,6 +221,7 @@ class _ProjLayer(_Layer):
     """Projection i (q, k, v) of a DPMultiheadAttention: a Linear writing
     rows [i E, (i + 1) E) of in_proj_weight's gradient (or all of
     q/k/v_proj_weight's) and the same block of in_proj_bias's."""
+    rowwise = False
 
     def __init__(self, engine: Any, name: str, module: nn.Module, i: int) -> None:
         self.i = i
@@ -256,6 +257,7 @@ class _ProjLayer(_Layer):
 
 class _BiasKVLayer(_Layer):
     """bias_k (i = 0) or bias_v (1): per-sample gradients [B, E]."""
+    rowwise = False
 
     def __init__(self, engine: Any, name: str, module: nn.Module, i: int) -> None:
         self.i = i

@@ -42,6 +42,7 @@ class _BroadcastParamsLayer(_Layer):
     A record holds every parameter's per-sample gradient side by side,
     [B, their numels' sum], zeros where a record's parameter is another's:
     the records of a pass sum to all of them."""
+    rowwise = False
     kind = "linear"
 
     def __init__(self, engine: Any, name: str, module: nn.Module, pnames: List[str]) -> None:

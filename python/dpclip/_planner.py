@@ -31,20 +31,30 @@ def batch_size(layers: Sequence[_Layer]) -> int:
     """The batch size of what the layers captured (0: nothing captured);
     ValueError naming a module that saw another."""
     counts: collections.Counter = collections.Counter()
+    seqs: collections.Counter = collections.Counter()  # inputs with positions: [B, T, ...]
     for l in layers:
         for inp, _, _ in l.records:
             counts[inp.shape[0] if inp.dim() > 0 else -1] += 1
+            if inp.dim() >= (2 if l.kind == "embedding" else 3):
+                seqs[inp.shape[0]] += 1
     if not counts:
         return 0
-    B = counts.most_common(1)[0][0]
+    B = (seqs or counts).most_common(1)[0][0]
     for l in layers:
         for inp, g, _ in l.records:
             if inp.dim() == 0 or inp.shape[0] != B or g.shape[0] != B:
+                rows = ""
+                if inp.dim() == 2 and l.kind != "embedding" and l.rowwise:
+                    rows = (" (its input is rows [%d, %d]: flattened tokens are trained where "
+                            "dpclip can prove each row's sample, a reshape of a batch-first "
+                            "tensor or an elementwise function of one, but not rows gathered "
+                            "or reordered, as a mixture-of-experts' routing does)"
+                            % tuple(inp.shape))
                 raise ValueError(
-                    "module %s saw a batch of %s samples where the other modules saw %d: "
+                    "module %s saw a batch of %s samples where the other modules saw %d%s: "
                     "inputs must be batch-first, with the sample in dimension 0 (e.g. "
                     "positional indices expanded to [B, T])"
-                    % (l.name, tuple(inp.shape[:1]) or "a scalar", B))
+                    % (l.name, tuple(inp.shape[:1]) or "a scalar", B, rows))
     return B
 
 

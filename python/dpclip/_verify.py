@@ -108,27 +108,30 @@ def _rows(t: torch.Tensor, lo: int, hi: int, B: int) -> torch.Tensor:
 
 
 class _Rows:
-    """The first K samples of a batch-first input, kept (copied) for the
-    step's check; the rest of the batch is not held."""
-    __slots__ = ("t",)
+    """The first K samples of a batch-first input (per rows each: flattened
+    tokens, dpclip._rows), kept (copied) for the step's check; the rest of
+    the batch is not held."""
+    __slots__ = ("t", "per")
 
-    def __init__(self, t: torch.Tensor) -> None:
+    def __init__(self, t: torch.Tensor, per: int) -> None:
         self.t = t
+        self.per = per
 
 
-def _keep(obj: Any, n0: int) -> Any:
-    """obj's tensors detached, those with n0 samples cut to the first K."""
+def _keep(obj: Any, n0: int, per: int = 1) -> Any:
+    """obj's tensors detached, those with n0 rows cut to the first K
+    samples' (per rows a sample)."""
     def one(t: torch.Tensor) -> Any:
         t = t.detach()
-        return _Rows(t[:K].clone() if t.shape[0] > K else t) if n0 and t.dim() > 0 and \
-            t.shape[0] == n0 else t
+        return _Rows(t[:K * per].clone() if t.shape[0] > K * per else t, per) \
+            if n0 and t.dim() > 0 and t.shape[0] == n0 else t
     return _map(obj, one)
 
 
 def _sample(obj: Any, b: int) -> Any:
     """What _keep kept, with sample b alone of the cut tensors."""
     if isinstance(obj, _Rows):
-        return obj.t[b:b + 1]
+        return obj.t[b * obj.per:(b + 1) * obj.per]
     if isinstance(obj, (tuple, list)):
         return type(obj)(_sample(o, b) for o in obj)
     if isinstance(obj, dict):
@@ -175,12 +178,13 @@ class _Use:
     """One call of a layer's module in a pass: its inputs and the output
     gradients it received (hooks), of its first K samples where they are
     batch-first (n0: the output's leading size, the batch's)."""
-    __slots__ = ("pass_id", "args", "kwargs", "n0", "grads")
+    __slots__ = ("pass_id", "args", "kwargs", "n0", "per", "grads")
 
-    def __init__(self, pass_id: int, args: Any, kwargs: Any, n0: int, n: int) -> None:
+    def __init__(self, pass_id: int, args: Any, kwargs: Any, n0: int, per: int, n: int) -> None:
         self.pass_id = pass_id
         self.args, self.kwargs = args, kwargs
         self.n0 = n0
+        self.per = per  # rows a sample (flattened tokens; else 1)
         self.grads: List[Optional[torch.Tensor]] = [None] * n
 
 
@@ -210,7 +214,8 @@ class Probe:
         done = layer.engine._acc.done()  # pylint: disable=protected-access
         self.uses = [u for u in self.uses if u.pass_id == pass_id or u.pass_id > done]
         n0 = next((o.shape[0] for o in outs if o is not None and o.dim() > 0), 0)
-        use = _Use(pass_id, _keep(args, n0), _keep(kwargs, n0), n0, len(outs))
+        per = layer.per
+        use = _Use(pass_id, _keep(args, n0, per), _keep(kwargs, n0, per), n0, per, len(outs))
         for i, o in enumerate(outs):
             if o is not None and o.requires_grad:
                 o.register_hook(_grad_keeper(use, i))
@@ -220,7 +225,8 @@ class Probe:
 def _grad_keeper(use: _Use, i: int) -> Any:
     def keep(g: torch.Tensor) -> None:
         g = g.detach()
-        use.grads[i] = g[:K].clone() if g.dim() > 0 and g.shape[0] == use.n0 > K else g
+        n = K * use.per
+        use.grads[i] = g[:n].clone() if g.dim() > 0 and g.shape[0] == use.n0 > n else g
     return keep
 
 
@@ -359,10 +365,13 @@ def _reference_grads(layer: Any, uses: Sequence[_Use], k: int, B: int,
                 for y, g in zip(outs, u.grads):
                     if y is None or g is None or not y.requires_grad:
                         continue
-                    if y.dim() > 0 and y.shape[0] == B and B > 1:
-                        y = y[b:b + 1]  # nothing was sliced on the way in
+                    if u.per > 1:  # flattened tokens: sample b's rows
+                        g = g[b * u.per:(b + 1) * u.per]
+                    else:
+                        if y.dim() > 0 and y.shape[0] == B and B > 1:
+                            y = y[b:b + 1]  # nothing was sliced on the way in
+                        g = g[b:b + 1] if u.n0 == B and g.dim() > 0 else g
                     ys.append(y)
-                    g = g[b:b + 1] if u.n0 == B and g.dim() > 0 else g
                     gs.append(g.double().reshape(y.shape))
                 if not ys:
                     continue

@@ -67,16 +67,17 @@ EXPECTED = {
     "Phi3ForCausalLM": exact("fused qkv_proj and gate_up_proj"),
     "GPT2LMHeadModel": exact("Conv1D, learned positions, tied head"),
     "GPTNeoXForCausalLM": exact("fused query_key_value, partial rotary"),
-    "OPTForCausalLM": refused(
-        ValueError, "step", "model.decoder.layers.0.fc1",
-        "the decoder flattens tokens to [B*T, d] before fc1: inputs not batch-first"),
+    "OPTForCausalLM": exact(
+        "learned positions (an index offset), tokens flattened to [B*T, d] before the "
+        "final LayerNorm and MLP"),
     "FalconForCausalLM": refused(
         UnsupportedModuleError, "make_private", "transformer.h.0.self_attention.query_key_value",
         "FalconLinear subclasses nn.Linear with a forward of its own"),
     "BloomForCausalLM": exact("ALiBi, embedding LayerNorm, tied head"),
     "MixtralForCausalLM": refused(
-        ValueError, "step", "model.layers.0.block_sparse_moe.gate",
-        "the router and experts see flattened tokens [B*T, d]: inputs not batch-first"),
+        ValueError, "step", "model.layers.0.block_sparse_moe.experts.0.w1",
+        "each expert sees the tokens its router picked (rows gathered, not a reshape of the "
+        "batch); the router itself, on flattened tokens, is trained"),
     "BertForMaskedLM": exact("token types, decoder tied to the word embeddings"),
     "RobertaForMaskedLM": exact("as BERT, padding-offset positions"),
     "DebertaV2ForMaskedLM": refused(
