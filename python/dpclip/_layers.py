@@ -678,6 +678,7 @@ def _collect_layers(engine: Any, module: nn.Module
 
     layers, norms, pending = [], [], []
     owner = {}  # id(param) -> the _Layer that trains it
+    claimed = set()  # modules a layer of another module trains (T5's relative bias)
     for name, m in module.named_modules():
         why = _mixing(m)
         if why is not None:
@@ -685,7 +686,7 @@ def _collect_layers(engine: Any, module: nn.Module
         if isinstance(m, _NORMS):
             norms.append((name, m))
         own = [(pn, p) for pn, p in m.named_parameters(recurse=False) if p.requires_grad]
-        made = _registry.layers_for(engine, name, m)
+        made = [] if id(m) in claimed else _registry.layers_for(engine, name, m)
         if made is None:  # raw parameters broadcast over the batch (ViT's tokens)
             made = _params.broadcast_layers(engine, name, m, own)
         if own:  # each trained by some layer, checked once every layer is known
@@ -693,6 +694,7 @@ def _collect_layers(engine: Any, module: nn.Module
         if made is None:
             continue
         for l in made:
+            claimed.update(id(c) for c in getattr(l, "claims", ()))
             more = [q for q, _ in l.outputs() if q is not l.weight and q is not l.bias]
             for p in [l.weight, l.bias] + more:
                 if p is None:

@@ -166,6 +166,8 @@ def supported_layers() -> List[Tuple[str, str]]:
     out.append(("transformers' Conv1D", "a Linear with its weight [in, out], by structure"))
     out.append(("dpclip.torch.DPMultiheadAttention",
                 "make_private(replace_mha=True) swaps it in for nn.MultiheadAttention"))
+    out.append(("the relative position bias of %s" % " and ".join(_relbias_names()),
+                "by class name, through its compute_bias; checked on the first step"))
     out.append(("raw nn.Parameters of leading size 1 that a module's forward broadcasts over "
                 "the batch", "class tokens, position embeddings (ViT's); checked on the first "
                 "step"))
@@ -177,6 +179,11 @@ def supported_layers() -> List[Tuple[str, str]]:
                     if kind == "subclass" else "norms registered kind=%r" % kind)
             out.append((what, ", ".join(names)))
     return out
+
+
+def _relbias_names() -> Tuple[str, ...]:
+    from ._relbias import NAMES  # noqa: E402 (it imports _layers)
+    return NAMES
 
 
 def supported_markdown() -> str:
@@ -279,12 +286,15 @@ def layers_for(engine: Any, name: str, m: nn.Module) -> Optional[List[_Layer]]:
     dpclip does not support it. Raises for a supported module configured
     in a way dpclip cannot train, and for a subclass of one with a forward
     of its own that is not registered as kind="subclass"."""
-    from . import _mha  # noqa: E402 (it imports this module's imports)
+    from . import _mha, _relbias  # noqa: E402 (they import this module's imports)
 
     base = supported_base(type(m))
     if base is not None and type(m).forward is base.forward:
         return _as_base(engine, name, m, base)
     made = _mha.layers_for(engine, name, m)
+    if made is not None:
+        return made
+    made = _relbias.layers_for(engine, name, m)
     if made is not None:
         return made
     reg = registered(type(m))

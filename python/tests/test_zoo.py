@@ -84,9 +84,9 @@ EXPECTED = {
         UnclippedGradientError, "step", "deberta.encoder.rel_embeddings.weight",
         "rel_embeddings.weight is read outside its nn.Embedding (its gradient would be "
         "unclipped)"),
-    "T5ForConditionalGeneration": refused(
-        ValueError, "step", "encoder.block.0.layer.0.SelfAttention.relative_attention_bias",
-        "relative_attention_bias looks up [q, k] bucket indices, not batch-first"),
+    "T5ForConditionalGeneration": exact(
+        "relative position bias shared by the batch (through T5Attention.compute_bias), one "
+        "embedding for encoder, decoder and the tied head"),
     "BartForConditionalGeneration": refused(
         UnsupportedModuleError, "make_private", "model.shared",
         "two BartScaledWordEmbedding modules share one weight"),
