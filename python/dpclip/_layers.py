@@ -340,6 +340,10 @@ class _Layer:
         self.replicated = False         # norm groups: held whole by every member
         self.tie: Optional[_Layer] = None      # the earlier layer whose weight this one's is
         self.tied_by: Optional[_Layer] = None  # ... and the later one, on that layer
+        # embeddings of one weight in several modules (BART's shared tokens):
+        # the later ones' captures are the first one's (_merge)
+        self.merged_into: Optional[_Layer] = None
+        self.merged: List[_Layer] = []
         # Outs of the weight and bias (bind_outputs)
         self.w_out: Optional[Out] = None
         self.b_out: Optional[Out] = None
@@ -364,9 +368,14 @@ class _Layer:
     def outputs(self) -> List[Tuple[torch.Tensor, Optional[Callable]]]:
         """(parameter, grad(flat) or None for a plain view) of every
         trainable parameter this layer's parts write."""
+        if self.merged_into is not None:
+            return []
         return [(p, None) for p in (self.weight, self.bias) if p is not None]
 
     def capture(self, inp: torch.Tensor, g: torch.Tensor, pass_id: int) -> None:
+        if self.merged_into is not None:
+            self.merged_into.capture(inp, g, pass_id)
+            return
         self.records.append((inp.detach(), g.detach(), pass_id))
         self.engine._acc.captured(pass_id)  # which passes one backward reaches
 
@@ -537,6 +546,8 @@ class _EmbeddingLayer(_Layer):
         return _EmbeddingFn.apply(idx, mod.weight, self, batch)
 
     def parts(self, B: int, nb: int) -> List[Part]:
+        if self.merged_into is not None:  # sent with the layer it is merged into
+            return []
         inp, g, T = self.captured(B)
         return [_part(self, "embedding", self.name, inp, g, (nb, T), (nb, T, self.d),
                       self._wslice((self.vocab, self.d)), None, False, self._tied_to())]
@@ -654,8 +665,15 @@ def _label(name: str, m: nn.Module) -> str:
 
 def _tie(a: "_Layer", b: "_Layer") -> None:
     """Marks b's weight as a's (a met first): an Embedding and a Linear (a
-    language model's input embedding and output projection). Anything else
-    that shares a parameter is refused."""
+    language model's input embedding and output projection), or b merged
+    into a where both are embeddings (_merge). Anything else that shares a
+    parameter is refused."""
+    if type(a) is _Layer and isinstance(a.tied_by, _EmbeddingLayer):
+        a = a.tied_by  # a Linear tied to an embedding met first: merge into that one
+    if type(a) is _EmbeddingLayer and type(b) is _EmbeddingLayer and a.weight is b.weight and \
+            a.padding_idx == b.padding_idx and a.merged_into is None:
+        _merge(a, b)
+        return
     kinds = {type(a), type(b)}
     if kinds != {_Layer, _EmbeddingLayer} or a.weight.shape != b.weight.shape or \
             a.tie is not None or a.tied_by is not None:
@@ -664,6 +682,18 @@ def _tie(a: "_Layer", b: "_Layer") -> None:
             "nn.Embedding and one nn.Linear of the same shape (tied input and output "
             "embeddings); untie the others" % (_label(a.name, a.module), _label(b.name, b.module)))
     b.tie, a.tied_by = a, b
+
+
+def _merge(a: "_Layer", b: "_Layer") -> None:
+    """b, an embedding of a's weight in another module (BART's encoder and
+    decoder token embeddings and its `shared`), merged into a: b's lookups
+    are a's, each sample's concatenated along its positions, which is
+    exact (a table's per-sample gradient is the scatter of every lookup of
+    it, whichever module made it), so that the per-sample norm covers
+    every use, cross terms included, and a Linear tied to the weight ties
+    to a. The first-step check checks a's rule against all their uses."""
+    b.merged_into = a
+    a.merged.append(b)
 
 
 def _collect_layers(engine: Any, module: nn.Module

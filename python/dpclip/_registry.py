@@ -123,11 +123,12 @@ for _n in ("GemmaRMSNorm", "Gemma2RMSNorm", "Gemma3RMSNorm"):
     register(_n, "rmsnorm", eps="eps", weight_offset=1.0)
 # transformers' nn.Embedding subclasses whose forward is
 # super().forward(input_ids) * embed_scale, or super().forward(positions +
-# offset) (OPT)
+# offset) (OPT's, BART's and mBART's learned positions)
 for _n in ("GemmaTextScaledWordEmbedding", "Gemma3TextScaledWordEmbedding",
            "Gemma3nTextScaledWordEmbedding", "BartScaledWordEmbedding",
            "M2M100ScaledWordEmbedding", "NllbMoeScaledWordEmbedding",
-           "OPTLearnedPositionalEmbedding"):
+           "OPTLearnedPositionalEmbedding", "BartLearnedPositionalEmbedding",
+           "MBartLearnedPositionalEmbedding"):
     register(_n, "subclass")
 
 

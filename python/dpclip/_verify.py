@@ -178,9 +178,11 @@ class _Use:
     """One call of a layer's module in a pass: its inputs and the output
     gradients it received (hooks), of its first K samples where they are
     batch-first (n0: the output's leading size, the batch's)."""
-    __slots__ = ("pass_id", "args", "kwargs", "n0", "per", "grads")
+    __slots__ = ("layer", "pass_id", "args", "kwargs", "n0", "per", "grads")
 
-    def __init__(self, pass_id: int, args: Any, kwargs: Any, n0: int, per: int, n: int) -> None:
+    def __init__(self, layer: Any, pass_id: int, args: Any, kwargs: Any, n0: int, per: int,
+                 n: int) -> None:
+        self.layer = layer  # whose module was called
         self.pass_id = pass_id
         self.args, self.kwargs = args, kwargs
         self.n0 = n0
@@ -215,7 +217,8 @@ class Probe:
         self.uses = [u for u in self.uses if u.pass_id == pass_id or u.pass_id > done]
         n0 = next((o.shape[0] for o in outs if o is not None and o.dim() > 0), 0)
         per = layer.per
-        use = _Use(pass_id, _keep(args, n0, per), _keep(kwargs, n0, per), n0, per, len(outs))
+        use = _Use(layer, pass_id, _keep(args, n0, per), _keep(kwargs, n0, per), n0, per,
+                   len(outs))
         for i, o in enumerate(outs):
             if o is not None and o.requires_grad:
                 o.register_hook(_grad_keeper(use, i))
@@ -356,11 +359,12 @@ def _reference_grads(layer: Any, uses: Sequence[_Use], k: int, B: int,
     summed over the module's uses in the pass."""
     out = [[torch.zeros(p.shape, dtype=torch.float64, device=p.device) for p in params]
            for _ in range(k)]
-    with torch.enable_grad(), reference_mode(layer.engine, layer.module) as copies:
+    mods = [layer.module] + [l.module for l in layer.merged]
+    with torch.enable_grad(), reference_mode(layer.engine, *mods) as copies:
         ps = [copies[id(p)] for p in params]
         for u in uses:
             for b in range(k):
-                outs = _own(layer, _sample(u.args, b), _sample(u.kwargs, b))
+                outs = _own(u.layer, _sample(u.args, b), _sample(u.kwargs, b))
                 ys, gs = [], []
                 for y, g in zip(outs, u.grads):
                     if y is None or g is None or not y.requires_grad:
@@ -397,8 +401,11 @@ def check_step(engine: Any, plan: Any, B: int) -> None:
         if hasattr(layer, "self_check"):  # a layer that checks its own rule (dpclip._relbias)
             layer.self_check(1e-6)
             continue
+        if layer.merged_into is not None:  # checked with the layer it is merged into
+            continue
         # (a module called whose layer captured nothing: its rule gives zero)
-        uses = [u for u in probe.uses if u.pass_id in pass_ids]
+        uses = [u for l in [layer] + layer.merged if isinstance(l.verify, Probe)
+                for u in l.verify.uses if u.pass_id in pass_ids]
         if not layer.records and not any(g is not None for u in uses for g in u.grads):
             continue
         outs = layer.outs
@@ -429,9 +436,11 @@ def check_step(engine: Any, plan: Any, B: int) -> None:
                            layer.what or "dpclip's %s layer" % layer.kind,
                            _param_name(engine, p), err / scale, tol, b, float(g.norm()),
                            float(w.norm()), layer.hint))
-        if layer.records:  # checked: once
-            layer.verify = None
-        probe.uses = [u for u in probe.uses if u.pass_id not in pass_ids]
+        for l in [layer] + layer.merged:
+            if layer.records:  # checked: once
+                l.verify = None
+            elif isinstance(l.verify, Probe):
+                l.verify.uses = [u for u in l.verify.uses if u.pass_id not in pass_ids]
 
 
 def _param_name(engine: Any, p: torch.Tensor) -> str:

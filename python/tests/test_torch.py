@@ -198,11 +198,13 @@ def test_shared_weights_other_than_tied_embeddings_and_subclassed_forward_refuse
     with pytest.raises(UnsupportedModuleError, match="share a parameter"):
         PrivacyEngine(daemon.socket, allow_insecure_seed=True).make_private(
             module=nn.ModuleList([a, b]), noise_multiplier=0.0, max_grad_norm=1.0)
-    emb, emb2 = nn.Embedding(10, 4), nn.Embedding(10, 4)
-    emb2.weight = emb.weight
+    # one embedding weight tied to two Linears (embeddings of one weight in
+    # several modules are trained: test_shared.py)
+    emb, lin, lin2 = nn.Embedding(10, 4), nn.Linear(4, 10, bias=False), nn.Linear(4, 10)
+    lin.weight = lin2.weight = emb.weight
     with pytest.raises(UnsupportedModuleError, match="share a parameter"):
         PrivacyEngine(daemon.socket, allow_insecure_seed=True).make_private(
-            module=nn.ModuleList([emb, emb2]), noise_multiplier=0.0, max_grad_norm=1.0)
+            module=nn.ModuleList([emb, lin, lin2]), noise_multiplier=0.0, max_grad_norm=1.0)
 
     class MyLinear(nn.Linear):
         def forward(self, x):

@@ -87,9 +87,9 @@ EXPECTED = {
     "T5ForConditionalGeneration": exact(
         "relative position bias shared by the batch (through T5Attention.compute_bias), one "
         "embedding for encoder, decoder and the tied head"),
-    "BartForConditionalGeneration": refused(
-        UnsupportedModuleError, "make_private", "model.shared",
-        "two BartScaledWordEmbedding modules share one weight"),
+    "BartForConditionalGeneration": exact(
+        "one weight in three BartScaledWordEmbedding modules and the tied head; learned "
+        "positions with an offset"),
     "ViTForImageClassification": exact(
         "cls_token and position_embeddings, raw parameters broadcast over the batch; "
         "Conv2d patches"),
