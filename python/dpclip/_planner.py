@@ -46,10 +46,9 @@ def batch_size(layers: Sequence[_Layer]) -> int:
                 rows = ""
                 if inp.dim() == 2 and l.kind != "embedding" and l.rowwise:
                     rows = (" (its input is rows [%d, %d]: flattened tokens are trained where "
-                            "dpclip can prove each row's sample, a reshape of a batch-first "
-                            "tensor or an elementwise function of one, but not rows gathered "
-                            "or reordered, as a mixture-of-experts' routing does)"
-                            % tuple(inp.shape))
+                            "dpclip can prove each row's sample: a reshape of a batch-first "
+                            "tensor, rows of one picked by an index, elementwise functions of "
+                            "such; not rows transposed or reordered)" % tuple(inp.shape))
                 raise ValueError(
                     "module %s saw a batch of %s samples where the other modules saw %d%s: "
                     "inputs must be batch-first, with the sample in dimension 0 (e.g. "

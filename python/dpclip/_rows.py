@@ -1,29 +1,38 @@
-"""Flattened tokens: a module that gets its sequence as rows [B*T, d]
-instead of [B, T, d] (OPT's decoder reshapes the hidden states before its
-final LayerNorm and MLP; many models flatten before a head).
+"""Flattened tokens: a module that gets its sequence as rows [N, d] instead
+of [B, T, d]. OPT's decoder reshapes the hidden states to [B*T, d] before
+its final LayerNorm and MLP; a mixture of experts (Mixtral's) gives each
+expert the rows of the tokens its router picked, in token order.
 
-A per-sample rule needs the sample of each row. Rows are sample-major,
-sample b's being rows [b T, (b + 1) T), when the tensor is a reshape of a
-batch-first tensor [B, ...] (a reshape keeps the elements' logical order),
-or is made from such tensors row by row: by elementwise functions (an
-activation, dropout's mask, a residual sum, a product of two such, a
-broadcast parameter). sample_rows proves it from the autograd graph that
-made the tensor, or answers None: a transpose, an index, a gather (a
-mixture-of-experts' token routing) or anything it does not know stops the
-proof, and the module is then treated as before (its input's leading size
-taken for the batch, which the step's batch check refuses by name).
+A per-sample rule needs the sample of each row. row_samples proves it from
+the autograd graph that made the tensor, as a map sid [N] (row r is sample
+sid[r]'s), through:
+- reshapes that keep the last dimension (they keep the rows' logical
+  order); the one whose source is batch-first, [B, ...] with B the pass's
+  batch (what its batch-first modules saw), gives each of its rows its
+  sample: the anchor;
+- indexing the rows with one index tensor (x[idx], x[None, idx],
+  index_select): row r of the result is source row idx[r];
+- elementwise functions, each operand's rows proved to the same map (an
+  activation, dropout's mask, a residual sum, a product of two), or a
+  constant or parameter broadcast over them;
+- dpclip's own output on such rows (RowsFn), which carries its map.
+A transpose, a sort, a scatter, a matmul with data, or anything else stops
+the proof (None), and the module is treated as before: its input's leading
+size taken for the batch, which the step's batch check refuses by name.
 
-The batch found is the leading size of the tensor that was reshaped. The
-planner then checks it against every other module's batch
-(_planner.batch_size), as it does for inputs that are batch-first."""
-from typing import Dict, Optional
+The wrapper (_layers._Layer.attach) then runs the module on [B, T, d]:
+sample-major rows of one length are a reshape; others are placed in a
+zero-padded [B, Tmax, d] (a zero row adds nothing to a per-sample gradient,
+its output unused) and their outputs gathered back (RowsFn)."""
+from typing import Any, Dict, Optional, Tuple
 
 import torch
 
-__all__ = ["sample_rows"]
+__all__ = ["row_samples", "to_batch", "RowsFn"]
 
 # reshapes: the source's sizes are saved on the node (torch 1.13 and 2.x)
-_VIEWS = {"ViewBackward0", "ReshapeAliasBackward0", "UnsafeViewBackward0", "ViewBackward1"}
+_VIEWS = {"ViewBackward0", "ReshapeAliasBackward0", "UnsafeViewBackward0", "ViewBackward1",
+          "UnsqueezeBackward0", "SqueezeBackward0", "SqueezeBackward1"}
 # elementwise, row by row, whatever their other operands (constants, or
 # parameters broadcast over the rows)
 _ELEMENTWISE = {
@@ -35,62 +44,146 @@ _ELEMENTWISE = {
     "MulBackward0", "MulBackward1", "DivBackward0", "DivBackward1",
 }
 _MAX_NODES = 64
+Memo = Dict[int, Optional[torch.Tensor]]
 
 
-def sample_rows(x: torch.Tensor) -> Optional[int]:
-    """B where x [N, ...] holds B samples' rows, each sample's N / B
-    consecutive rows in sample order (proved as the module docstring
-    says), else None."""
-    if x.dim() < 2:
+def row_samples(x: torch.Tensor, batch: Optional[int]) -> Optional[torch.Tensor]:
+    """sid [N]: the sample of each row of x [N, d] (proved as the module
+    docstring says; batch: the pass's batch), or None, also where the
+    pass's batch is not known yet (no batch-first module ran before)."""
+    if x.dim() != 2 or batch is None:
         return None
     if x.grad_fn is None:  # no graph (data, or no grad): a plain reshape of it
         base = x._base
         if base is not None and base.dim() >= 2 and base.is_contiguous() and \
                 x.is_contiguous() and x.data_ptr() == base.data_ptr() and \
-                x.numel() == base.numel():
-            return _fits(x, base.shape[0])
+                x.numel() == base.numel() and base.shape[-1] == x.shape[-1]:
+            return _anchor(base.shape[0], x.shape[0], batch)
         return None
-    B = _walk(x.grad_fn, x.numel(), {})
-    return _fits(x, B) if B else None
+    return _rows(x.grad_fn, x.shape[0], x.shape[1], batch, {})
 
 
-def _fits(x: torch.Tensor, B: int) -> Optional[int]:
-    N = x.shape[0]
-    return B if 0 < B < N and N % B == 0 else None
+def _anchor(lead: int, n: int, batch: Optional[int]) -> Optional[torch.Tensor]:
+    """The map of n rows reshaped from a tensor of leading size lead, if that
+    is the batch."""
+    if lead != batch or n % lead:
+        return None
+    return torch.arange(lead).repeat_interleave(n // lead)
 
 
-def _walk(node: object, numel: int, seen: Dict[int, Optional[int]]) -> Optional[int]:
-    """The batch of the reshaped batch-first tensor every row-carrying
-    branch leads to through elementwise nodes (the same on all), or None.
-    seen: what each node visited gave (a node two branches share)."""
+def _rows(node: Any, n: int, d: int, batch: Optional[int], memo: Memo) -> Optional[torch.Tensor]:
+    """The map of the n rows (of width d) of the tensor node made, or None."""
     if node is None:
         return None
-    if id(node) in seen:
-        return seen[id(node)]
-    if len(seen) >= _MAX_NODES:
+    key = (id(node), n)
+    if key in memo:
+        return memo[key]  # type: ignore[index]
+    if len(memo) >= _MAX_NODES:
         return None
-    seen[id(node)] = None  # (a graph has no cycle; this only bounds the walk)
-    seen[id(node)] = found = _visit(node, numel, seen)
+    memo[key] = None  # type: ignore[index]
+    memo[key] = found = _visit(node, n, d, batch, memo)  # type: ignore[index]
     return found
 
 
-def _visit(node: object, numel: int, seen: Dict[int, Optional[int]]) -> Optional[int]:
-    name = node.name()  # type: ignore[attr-defined]
+def _sizes(node: Any, *names: str) -> Tuple[int, ...]:
+    for name in names:
+        v = getattr(node, name, None)
+        if v is not None:
+            return tuple(int(s) for s in v)
+    return ()
+
+
+def _visit(node: Any, n: int, d: int, batch: Optional[int], memo: Memo) -> Optional[torch.Tensor]:
+    sid = getattr(node, "dpclip_sid", None)  # dpclip's own output (RowsFn)
+    if isinstance(sid, torch.Tensor):
+        return sid if sid.numel() == n else None
+    name = node.name()
+    nexts = [f for f, _ in node.next_functions]
     if name in _VIEWS:
-        sizes = tuple(getattr(node, "_saved_self_sym_sizes", None) or
-                      getattr(node, "_saved_self_sizes", None) or ())
-        n = 1
-        for s in sizes:
-            n *= int(s)
-        return int(sizes[0]) if len(sizes) >= 2 and n == numel else None
+        src = _sizes(node, "_saved_self_sym_sizes", "_saved_self_sizes")
+        if name.startswith(("Unsqueeze", "Squeeze")):
+            # a unit dimension added or removed ahead of the last: same rows
+            return _rows(nexts[0], n, d, batch, memo)
+        if len(src) < 2 or src[-1] != d:
+            return None
+        found = _anchor(src[0], n, batch)
+        return found if found is not None else _rows(nexts[0], n, d, batch, memo)
+    if name in ("IndexBackward0", "IndexSelectBackward0"):
+        return _indexed(node, name, nexts[0], n, d, batch, memo)
     if name not in _ELEMENTWISE:
         return None
     found = None
-    for nxt, _ in node.next_functions:  # type: ignore[attr-defined]
+    for nxt in nexts:
         if nxt is None or nxt.name() == "torch::autograd::AccumulateGrad":
             continue  # a constant, or a parameter broadcast over the rows
-        B = _walk(nxt, numel, seen)
-        if B is None or (found is not None and B != found):
+        sid = _rows(nxt, n, d, batch, memo)
+        if sid is None or (found is not None and not torch.equal(sid, found)):
             return None
-        found = B
+        found = sid
     return found
+
+
+def _indexed(node: Any, name: str, nxt: Any, n: int, d: int, batch: Optional[int],
+             memo: Memo) -> Optional[torch.Tensor]:
+    """Rows picked by one index tensor along one dimension ahead of the last."""
+    src = _sizes(node, "_saved_self_sizes", "_saved_self_sym_sizes")
+    if len(src) < 2 or src[-1] != d:
+        return None
+    if name == "IndexSelectBackward0":
+        dim, idx = int(node._saved_dim), node._saved_index
+    else:
+        idxs = list(node._saved_indices)
+        at = [i for i, t in enumerate(idxs) if t is not None]
+        if len(at) != 1:
+            return None
+        dim, idx = at[0], idxs[at[0]]
+    if idx is None or idx.dim() != 1 or idx.dtype == torch.bool or dim >= len(src) - 1:
+        return None
+    rows_src = 1
+    for s in src[:-1]:
+        rows_src *= s
+    grid = torch.arange(rows_src).view(src[:-1])
+    picked = grid.index_select(dim, idx.detach().cpu().long() % src[dim]).reshape(-1)
+    if picked.numel() != n:
+        return None
+    sid = _rows(nxt, rows_src, d, batch, memo)
+    return None if sid is None else sid[picked]
+
+
+class RowsFn(torch.autograd.Function):
+    """Rows [N, p] gathered from [B, Tmax, p] at (sid, pos), marked with
+    their map for the modules that read them (row_samples)."""
+
+    @staticmethod
+    def forward(ctx: Any, y: torch.Tensor, sid: torch.Tensor, pos: torch.Tensor
+                ) -> torch.Tensor:
+        ctx.shape = y.shape
+        ctx.save_for_backward(sid, pos)
+        ctx.dpclip_sid = sid.cpu()
+        return y[sid, pos]
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> Tuple[torch.Tensor, None, None]:
+        sid, pos = ctx.saved_tensors
+        out = g.new_zeros(ctx.shape)
+        out[sid, pos] = g
+        return out, None, None
+
+
+def to_batch(x: torch.Tensor, sid: torch.Tensor, B: int
+             ) -> Tuple[torch.Tensor, Optional[Tuple[torch.Tensor, torch.Tensor]]]:
+    """x [N, d] as [B, T, d]: a reshape where sid is sample-major with T rows
+    each (at None), else zero-padded to the most rows a sample has, with
+    the (sid, pos) its rows went to (on x's device)."""
+    N = x.shape[0]
+    if N and N % B == 0 and torch.equal(sid, torch.arange(B).repeat_interleave(N // B)):
+        return x.reshape(B, N // B, x.shape[1]), None
+    counts = torch.bincount(sid, minlength=B)
+    order = torch.sort(sid, stable=True)[1]
+    starts = torch.cumsum(counts, 0) - counts
+    pos = torch.empty_like(sid)
+    pos[order] = torch.arange(N) - starts[sid[order]]
+    sid_d, pos_d = sid.to(x.device), pos.to(x.device)
+    most = int(counts.max()) if N else 1  # (no rows: one zero row a sample)
+    xb = x.new_zeros((B, most, x.shape[1])).index_put((sid_d, pos_d), x)
+    return xb, (sid_d, pos_d)

@@ -108,30 +108,38 @@ def _rows(t: torch.Tensor, lo: int, hi: int, B: int) -> torch.Tensor:
 
 
 class _Rows:
-    """The first K samples of a batch-first input (per rows each: flattened
-    tokens, dpclip._rows), kept (copied) for the step's check; the rest of
-    the batch is not held."""
-    __slots__ = ("t", "per")
+    """The first K samples of a batch-first input, kept (copied) for the
+    step's check; the rest of the batch is not held. sid: flattened tokens'
+    (dpclip._rows), the sample of each row kept; None: row b is sample b."""
+    __slots__ = ("t", "sid")
 
-    def __init__(self, t: torch.Tensor, per: int) -> None:
+    def __init__(self, t: torch.Tensor, sid: Optional[torch.Tensor]) -> None:
         self.t = t
-        self.per = per
+        self.sid = sid
 
 
-def _keep(obj: Any, n0: int, per: int = 1) -> Any:
+def _first(t: torch.Tensor, sid: Optional[torch.Tensor]) -> torch.Tensor:
+    """The rows of the first K samples of t (row b sample b, or sid's)."""
+    if sid is None:
+        return t[:K].clone() if t.shape[0] > K else t
+    return t[(sid < K).to(t.device)].clone()
+
+
+def _keep(obj: Any, n0: int, sid: Optional[torch.Tensor] = None) -> Any:
     """obj's tensors detached, those with n0 rows cut to the first K
-    samples' (per rows a sample)."""
+    samples'."""
+    kept = sid[sid < K] if sid is not None else None
+
     def one(t: torch.Tensor) -> Any:
         t = t.detach()
-        return _Rows(t[:K * per].clone() if t.shape[0] > K * per else t, per) \
-            if n0 and t.dim() > 0 and t.shape[0] == n0 else t
+        return _Rows(_first(t, sid), kept) if n0 and t.dim() > 0 and t.shape[0] == n0 else t
     return _map(obj, one)
 
 
 def _sample(obj: Any, b: int) -> Any:
     """What _keep kept, with sample b alone of the cut tensors."""
     if isinstance(obj, _Rows):
-        return obj.t[b * obj.per:(b + 1) * obj.per]
+        return obj.t[b:b + 1] if obj.sid is None else obj.t[(obj.sid == b).to(obj.t.device)]
     if isinstance(obj, (tuple, list)):
         return type(obj)(_sample(o, b) for o in obj)
     if isinstance(obj, dict):
@@ -178,15 +186,15 @@ class _Use:
     """One call of a layer's module in a pass: its inputs and the output
     gradients it received (hooks), of its first K samples where they are
     batch-first (n0: the output's leading size, the batch's)."""
-    __slots__ = ("layer", "pass_id", "args", "kwargs", "n0", "per", "grads")
+    __slots__ = ("layer", "pass_id", "args", "kwargs", "n0", "sid", "grads")
 
-    def __init__(self, layer: Any, pass_id: int, args: Any, kwargs: Any, n0: int, per: int,
-                 n: int) -> None:
+    def __init__(self, layer: Any, pass_id: int, args: Any, kwargs: Any, n0: int,
+                 sid: Optional[torch.Tensor], n: int) -> None:
         self.layer = layer  # whose module was called
         self.pass_id = pass_id
         self.args, self.kwargs = args, kwargs
         self.n0 = n0
-        self.per = per  # rows a sample (flattened tokens; else 1)
+        self.sid = sid  # flattened tokens: the sample of each row (dpclip._rows); else None
         self.grads: List[Optional[torch.Tensor]] = [None] * n
 
 
@@ -216,8 +224,8 @@ class Probe:
         done = layer.engine._acc.done()  # pylint: disable=protected-access
         self.uses = [u for u in self.uses if u.pass_id == pass_id or u.pass_id > done]
         n0 = next((o.shape[0] for o in outs if o is not None and o.dim() > 0), 0)
-        per = layer.per
-        use = _Use(layer, pass_id, _keep(args, n0, per), _keep(kwargs, n0, per), n0, per,
+        sid = layer.sid
+        use = _Use(layer, pass_id, _keep(args, n0, sid), _keep(kwargs, n0, sid), n0, sid,
                    len(outs))
         for i, o in enumerate(outs):
             if o is not None and o.requires_grad:
@@ -228,8 +236,7 @@ class Probe:
 def _grad_keeper(use: _Use, i: int) -> Any:
     def keep(g: torch.Tensor) -> None:
         g = g.detach()
-        n = K * use.per
-        use.grads[i] = g[:n].clone() if g.dim() > 0 and g.shape[0] == use.n0 > n else g
+        use.grads[i] = _first(g, use.sid) if g.dim() > 0 and g.shape[0] == use.n0 else g
     return keep
 
 
@@ -369,8 +376,9 @@ def _reference_grads(layer: Any, uses: Sequence[_Use], k: int, B: int,
                 for y, g in zip(outs, u.grads):
                     if y is None or g is None or not y.requires_grad:
                         continue
-                    if u.per > 1:  # flattened tokens: sample b's rows
-                        g = g[b * u.per:(b + 1) * u.per]
+                    if u.sid is not None:  # flattened tokens: sample b's rows
+                        kept = u.sid[u.sid < K]
+                        g = g[(kept == b).to(g.device)]
                     else:
                         if y.dim() > 0 and y.shape[0] == B and B > 1:
                             y = y[b:b + 1]  # nothing was sliced on the way in

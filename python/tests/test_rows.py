@@ -1,16 +1,17 @@
 """Flattened tokens (dpclip._rows, issue 41): modules that get a sequence as
 rows [B*T, d] (OPT's decoder reshapes before its final LayerNorm and MLP)
 are trained exactly where each row's sample is proved from the autograd
-graph, against the per-sample f64 reference (sigma 0, flat clipping, C
-between the middle norms); rows in another order (token-major, gathered)
-are refused by name, never trained as if sample-major. sample_rows itself:
+graph (reshaped, or picked by an index as a mixture of experts' router
+does), against the per-sample f64 reference (sigma 0, flat clipping, C
+between the middle norms); rows whose samples are not provable
+(token-major) are refused by name, never trained as if sample-major. row_samples itself:
 what it proves and what stops it."""
 import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from dpclip._rows import sample_rows
+from dpclip._rows import row_samples
 from dpclip.torch import PrivacyEngine
 from models import between, max_rel, per_sample_losses, prose, reference
 
@@ -20,7 +21,8 @@ B, T, D = 6, 7, 16
 class FlatMLP(nn.Module):
     """A token embedding, then OPT's layer shape: the hidden states
     reshaped to rows, LayerNorm, fc1, ReLU, fc2, the residual, and back;
-    `order` flattens them otherwise (to be refused)."""
+    `order` flattens them otherwise: "gather" shuffles the rows by an index
+    (exact), "token" transposes first (refused)."""
 
     def __init__(self, V, order="sample"):
         super().__init__()
@@ -58,10 +60,13 @@ def _engine(daemon, model, C):
     return engine, model, opt
 
 
-def test_flattened_tokens_exact(daemon):
+@pytest.mark.parametrize("order", ["sample", "gather"])
+def test_flattened_tokens_exact(daemon, order):
+    """Sample-major rows (reshaped), and rows picked by an index (shuffled,
+    as a router's): each row's sample is known, so both are exact."""
     torch.manual_seed(0)
     (x,), y, V = prose(B, T, seed=3)
-    model = FlatMLP(V)
+    model = FlatMLP(V, order)
     _, norms0, _ = reference(model, "seq", (x,), y, 1e9, "sum", 1)
     C = between(norms0)
     want, ref_norms, coefs = reference(model, "seq", (x,), y, C, "mean", B)
@@ -73,18 +78,19 @@ def test_flattened_tokens_exact(daemon):
         assert p.grad is not None and max_rel(p.grad, want[n]) < 2e-4, n
     assert max_rel(engine.last_norms, ref_norms) < 1e-4
     assert all(l.verify is None for l in engine._layers), "a layer left unchecked"
-    assert {l.name: l.per for l in engine._layers}["fc2"] == T
+    sid = {l.name: l.sid for l in engine._layers}["fc2"]
+    want_sid = torch.arange(B).repeat_interleave(T)
+    assert torch.equal(sid, want_sid if order == "sample" else want_sid.flip(0))
     engine.close()
 
 
-@pytest.mark.parametrize("order", ["token", "gather"])
-def test_other_row_orders_refused(daemon, order):
-    """Token-major rows or shuffled ones: their samples are not provable, so
-    the modules on them are taken as batch-first, whose batch the step
-    refuses, naming the module; nothing is sent or written."""
+def test_token_major_rows_refused(daemon):
+    """Token-major rows (a transpose, then a reshape): their samples are not
+    provable, so the modules on them are taken as batch-first, whose batch
+    the step refuses, naming the module; nothing is sent or written."""
     torch.manual_seed(0)
     (x,), y, V = prose(B, T, seed=3)
-    engine, model, opt = _engine(daemon, FlatMLP(V, order), 1.0)
+    engine, model, opt = _engine(daemon, FlatMLP(V, "token"), 1.0)
     per_sample_losses("seq", model(x), y).mean().backward()
     with pytest.raises(ValueError, match=r"module norm saw a batch of \(%d,\)" % (B * T)):
         opt.step()
@@ -92,18 +98,75 @@ def test_other_row_orders_refused(daemon, order):
     engine.close()
 
 
-def test_sample_rows_proves_and_stops():
+def _major(n, T):
+    return torch.arange(n).repeat_interleave(T)
+
+
+def test_row_samples_proves_and_stops():
     h = torch.randn(B, T, D, requires_grad=True) * 1.0
     rows = h.reshape(-1, D)
     w = nn.Parameter(torch.randn(D))
-    assert sample_rows(rows) == B
-    assert sample_rows(torch.relu(rows) * 2.0 + w) == B               # elementwise, a parameter
-    assert sample_rows(torch.tanh(rows) * torch.sigmoid(rows)) == B   # two proved branches
-    assert sample_rows(h.flatten(0, 1)) == B
-    assert sample_rows(h.detach().reshape(-1, D)) == B                # no graph: the view
-    assert sample_rows(h.transpose(0, 1).reshape(-1, D)) == T         # the source's leading size
-    assert sample_rows(rows[torch.randperm(B * T)]) is None           # gathered
-    assert sample_rows(rows - rows.mean(0, keepdim=True)) is None     # mixed over the batch
-    assert sample_rows(rows @ torch.randn(D, D)) is None              # an unknown op
-    assert sample_rows(h.reshape(B * T, D)[: B * T - 1]) is None      # a slice
-    assert sample_rows(h) is None                                     # batch-first already
+    same = _major(B, T)
+    assert row_samples(rows, None) is None  # the pass's batch not known yet
+    for got in (row_samples(rows, B),
+                row_samples(torch.relu(rows) * 2.0 + w, B),              # elementwise, a parameter
+                row_samples(torch.tanh(rows) * torch.sigmoid(rows), B),  # two proved branches
+                row_samples(h.flatten(0, 1), B),
+                row_samples(h.detach().reshape(-1, D), B)):              # no graph: the view
+        assert got is not None and torch.equal(got, same)
+    # rows picked by an index (a mixture of experts' routing): each keeps its sample
+    pick = torch.tensor([3, 0, 40, 41, 17])
+    for picked in (rows[pick], rows[None, pick].reshape(-1, D),
+                   torch.index_select(rows, 0, pick), torch.relu(rows[pick]) * 3):
+        assert torch.equal(row_samples(picked, B), same[pick])
+    assert row_samples(h.transpose(0, 1).reshape(-1, D), B) is None     # the leading size is T
+    assert row_samples(rows - rows.mean(0, keepdim=True), B) is None    # mixed over the batch
+    assert row_samples(rows @ torch.randn(D, D), B) is None             # an unknown op
+    assert row_samples(torch.sort(rows, 0)[0], B) is None               # reordered by value
+    assert row_samples(rows[pick] + rows[pick.flip(0)], B) is None      # two maps disagree
+    assert row_samples(h.reshape(B * T // 2, 2 * D), B) is None         # rows of two tokens
+
+
+class Experts(nn.Module):
+    """A top-1 mixture of two experts over flattened tokens, as Mixtral
+    routes (its router a Linear on the rows, each expert a Linear on the rows
+    routed to it, scaled by the router's weight, added back by index);
+    `empty` routes every token to expert 0, so that expert 1 gets no row."""
+
+    def __init__(self, V, empty=False):
+        super().__init__()
+        self.emb = nn.Embedding(V, D)
+        self.gate = nn.Linear(D, 2, bias=False)
+        self.experts = nn.ModuleList(nn.Linear(D, D) for _ in range(2))
+        self.head = nn.Linear(D, V)
+        self.empty = empty
+
+    def forward(self, idx):
+        h = self.emb(idx)
+        rows = h.view(-1, D)
+        w = torch.softmax(self.gate(rows), -1)
+        top = torch.zeros_like(w[:, 0], dtype=torch.long) if self.empty else w.argmax(-1)
+        out = torch.zeros_like(rows)
+        for e, expert in enumerate(self.experts):
+            (sel,) = torch.where(top == e)
+            y = torch.tanh(expert(rows[None, sel].reshape(-1, D))) * w[sel, e, None]
+            out = out.index_add(0, sel, y)
+        return self.head((rows + out).view(h.shape))
+
+
+@pytest.mark.parametrize("empty", [False, True])
+def test_mixture_of_experts_exact(daemon, empty):
+    torch.manual_seed(1)
+    (x,), y, V = prose(B, T, seed=4)
+    model = Experts(V, empty)
+    _, norms0, _ = reference(model, "seq", (x,), y, 1e9, "sum", 1)
+    C = between(norms0)
+    want, ref_norms, coefs = reference(model, "seq", (x,), y, C, "mean", B)
+    engine, model, opt = _engine(daemon, model, C)
+    per_sample_losses("seq", model(x), y).mean().backward()
+    opt.step()
+    for n, p in model.named_parameters():
+        assert p.grad is not None and max_rel(p.grad, want[n]) < 2e-4, n
+    assert max_rel(engine.last_norms, ref_norms) < 1e-4
+    assert all(l.verify is None for l in engine._layers), "a layer left unchecked"
+    engine.close()

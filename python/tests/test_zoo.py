@@ -74,10 +74,9 @@ EXPECTED = {
         UnsupportedModuleError, "make_private", "transformer.h.0.self_attention.query_key_value",
         "FalconLinear subclasses nn.Linear with a forward of its own"),
     "BloomForCausalLM": exact("ALiBi, embedding LayerNorm, tied head"),
-    "MixtralForCausalLM": refused(
-        ValueError, "step", "model.layers.0.block_sparse_moe.experts.0.w1",
-        "each expert sees the tokens its router picked (rows gathered, not a reshape of the "
-        "batch); the router itself, on flattened tokens, is trained"),
+    "MixtralForCausalLM": exact(
+        "mixture of experts: the router on flattened tokens, each expert on the rows routed "
+        "to it (each row's sample proved, the rows zero-padded per sample)"),
     "BertForMaskedLM": exact("token types, decoder tied to the word embeddings"),
     "RobertaForMaskedLM": exact("as BERT, padding-offset positions"),
     "DebertaV2ForMaskedLM": refused(
