@@ -15,12 +15,27 @@ import copy
 import math
 import os
 
+import pytest
 import torch
 import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.nn.functional as F
 
 HAS_RMSNORM = hasattr(nn, "RMSNorm")
+
+
+# The devices a test of a model runs its private step on: the CPU (host
+# memory), and the GPU where there is one (CUDA IPC); the reference stays
+# float64 on the CPU. TOL: what a gradient may differ by relative to its
+# largest entry (the GPU's f32 clipped sums run in TF32).
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="no CUDA device"))]
+TOL = {"cpu": 2e-4, "cuda": 3e-3}
+
+
+def on(device, model, *tensors):
+    """model and tensors moved to device (the model in place)."""
+    return (model.to(device),) + tuple(t.to(device) for t in tensors)
 
 
 def between(norms):

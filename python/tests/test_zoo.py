@@ -40,7 +40,13 @@ from dpclip.torch import (PrivacyEngine, UnclippedGradientError,  # noqa: E402
                           UnsupportedModuleError)
 from zoo_models import ARCHS, B, gelu_contiguous_grad, reference  # noqa: E402
 
-TOL = 1e-3
+# DPCLIP_ZOO_DEVICE=cuda: the private step on the GPU under bf16 autocast
+# (the reference stays float64 on the CPU), held to TOL_BF16: bf16's 8-bit
+# mantissa through a few layers; a wrong rule is off by far more (issue 38's
+# Gemma by 30%).
+DEVICE = os.environ.get("DPCLIP_ZOO_DEVICE", "cpu")
+TOL = 1e-3 if DEVICE == "cpu" else 5e-2
+TF_MAJOR = int(transformers.__version__.split(".")[0])
 
 # outcome: "exact" or "refused"; for a refusal, the error, the stage that
 # raises it ("make_private" or "step") and the module or parameter its
@@ -119,13 +125,17 @@ def test_every_architecture_has_an_expectation():
 
 
 def prepare(name):
-    """(model, batch, loss, C, reference grads, reference norms)."""
+    """(model, batch, loss, C, reference grads, reference norms); the
+    model and batch on DEVICE, the reference's on the CPU."""
     model, batch, loss = ARCHS[name]()
     model.train()
     _, n0 = reference(model, batch, loss)
     s = sorted(n0.tolist())
     C = 0.5 * (s[B // 2 - 1] + s[B // 2])
     want, norms = reference(model, batch, loss, C)
+    if DEVICE != "cpu":
+        model = model.to(DEVICE)
+        batch = {k: v.to(DEVICE) for k, v in batch.items()}
     return model, batch, loss, C, want, norms
 
 
@@ -138,20 +148,21 @@ def private_step(engine, model, batch, loss, C, stage):
         loss_reduction="mean", expected_batch_size=B)
     stage[0] = "step"
     opt.zero_grad()
-    loss(model, batch).mean().backward()
+    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=DEVICE != "cpu"):
+        loss(model, batch).mean().backward()
     opt.step()
     return model
 
 
 def errors(engine, model, want, norms):
     """(worst relative norm error, worst gradient error, its parameter)."""
-    norm_err = float(((engine.last_norms.double() - norms).abs() / norms).max())
+    norm_err = float(((engine.last_norms.double().cpu() - norms).abs() / norms).max())
     floor = 1e-3 * max(float(w.abs().max()) for w in want.values())
     params = dict(model.named_parameters())
     worst, worst_err = None, -1.0
     for n, w in want.items():
         g = params[n].grad
-        g = torch.zeros_like(w) if g is None else g.double()
+        g = torch.zeros_like(w) if g is None else g.double().cpu()
         err = float((g - w).abs().max()) / max(float(w.abs().max()), floor)
         if err > worst_err:
             worst, worst_err = n, err
@@ -198,6 +209,8 @@ def outcome(name, socket):
         except (UnsupportedModuleError, ValueError, UnclippedGradientError) as e:
             exp = EXPECTED[name]
             named = exp.names is not None and exp.names in str(e)
+            if os.environ.get("DPCLIP_ZOO_VERBOSE"):
+                print("%s: %s" % (name, e), file=sys.stderr)
             return "refused", "%s at %s%s" % (type(e).__name__, stage[0],
                                               "" if named else " (names another module)")
         norm_err, grad_err, worst = errors(engine, model, want, norms)
@@ -218,7 +231,10 @@ def table():
     t0 = time.time()
     try:
         for name, exp in EXPECTED.items():
-            got, detail = outcome(name, d.socket)
+            try:
+                got, detail = outcome(name, d.socket)
+            except Exception as e:  # noqa: B902 (the table goes on; the run fails)
+                got, detail = "ERROR", "%s: %s" % (type(e).__name__, str(e)[:200])
             mark = "" if got == exp.outcome else " **(expected %s)**" % exp.outcome
             bad += got != exp.outcome
             why = exp.why
@@ -230,8 +246,9 @@ def table():
     finally:
         d.stop()
     print("\n".join(lines))
-    print("\ntransformers %s, torch %s, CPU; %d architectures in %.0f s" % (
-        transformers.__version__, torch.__version__, len(EXPECTED), time.time() - t0))
+    where = "CPU" if DEVICE == "cpu" else "%s, bf16 autocast" % torch.cuda.get_device_name()
+    print("\ntransformers %s, torch %s, %s; %d architectures in %.0f s" % (
+        transformers.__version__, torch.__version__, where, len(EXPECTED), time.time() - t0))
     return 1 if bad else 0
 
 
