@@ -27,10 +27,11 @@ HAS_RMSNORM = hasattr(nn, "RMSNorm")
 # The devices a test of a model runs its private step on: the CPU (host
 # memory), and the GPU where there is one (CUDA IPC); the reference stays
 # float64 on the CPU. TOL: what a gradient may differ by relative to its
-# largest entry (the GPU's f32 clipped sums run in TF32).
+# largest entry (the GPU runs f32 in TF32, and its coefficients carry the
+# certified bound on that rounding, step.h dc_clip_e: about 5e-3).
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
     not torch.cuda.is_available(), reason="no CUDA device"))]
-TOL = {"cpu": 2e-4, "cuda": 3e-3}
+TOL = {"cpu": 2e-4, "cuda": 1e-2}
 
 
 def on(device, model, *tensors):
