@@ -124,7 +124,8 @@ for _n in ("GemmaRMSNorm", "Gemma2RMSNorm", "Gemma3RMSNorm"):
 # transformers' nn.Embedding subclasses whose forward is
 # super().forward(input_ids) * embed_scale, or super().forward(positions +
 # offset) (OPT's, BART's and mBART's learned positions)
-for _n in ("GemmaTextScaledWordEmbedding", "Gemma3TextScaledWordEmbedding",
+for _n in ("GemmaTextScaledWordEmbedding", "Gemma2TextScaledWordEmbedding",
+           "Gemma3TextScaledWordEmbedding",
            "Gemma3nTextScaledWordEmbedding", "BartScaledWordEmbedding",
            "M2M100ScaledWordEmbedding", "NllbMoeScaledWordEmbedding",
            "OPTLearnedPositionalEmbedding", "BartLearnedPositionalEmbedding",

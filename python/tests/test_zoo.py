@@ -43,15 +43,17 @@ from zoo_models import ARCHS, B, gelu_contiguous_grad, reference  # noqa: E402
 
 # DPCLIP_ZOO_DEVICE=cuda: the private step on the GPU (the reference stays
 # float64 on the CPU). DPCLIP_ZOO_PRECISION: "f32" (TF32 off in the trainer
-# and, through DPCLIP_CUDA_TF32=0, in the daemon it starts), held to 2e-3
-# (the GPU's certified error bound on the coefficients), or "bf16" (autocast,
+# and, through DPCLIP_CUDA_TF32=0, in the daemon it starts), held to 1e-2
+# (the GPU's coefficients carry a certified bound on TF32 rounding, which
+# every GPU step assumes: about 2e-3 of a clipped sample; dc_clip_e), or
+# "bf16" (autocast,
 # the default on the GPU), held to twice the error of plain bf16 autograd on
 # the same model and batch against the same reference (unclipped), at least
 # 5e-2: bf16's 8-bit mantissa through a few layers; a wrong rule is off by
 # far more (issue 38's Gemma by 30%).
 DEVICE = os.environ.get("DPCLIP_ZOO_DEVICE", "cpu")
 PRECISION = os.environ.get("DPCLIP_ZOO_PRECISION", "f32" if DEVICE == "cpu" else "bf16")
-TOL = 1e-3 if DEVICE == "cpu" else 2e-3 if PRECISION == "f32" else 5e-2
+TOL = 1e-3 if DEVICE == "cpu" else 1e-2 if PRECISION == "f32" else 5e-2
 if DEVICE != "cpu" and PRECISION == "f32":
     os.environ["DPCLIP_CUDA_TF32"] = "0"  # the daemons this process starts
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -121,6 +123,18 @@ EXPECTED = {
     "WhisperForAudioClassification": exact(
         "the audio encoder: Conv1d, GELU, sinusoidal positions (frozen), a classifier"),
 }
+
+# transformers 5 reshaped some architectures: where the outcome differs,
+# this says what it is there.
+EXPECTED_TF5 = {
+    "MixtralForCausalLM": refused(
+        UnsupportedModuleError, "make_private", "experts",
+        "transformers 5 keeps the experts' weights as 3-D parameters [experts, ...] of one "
+        "module (grouped products), which dpclip does not train; transformers 4's "
+        "per-expert Linears are exact"),
+}
+if int(transformers.__version__.split(".")[0]) >= 5:
+    EXPECTED.update(EXPECTED_TF5)
 
 # See zoo_models.gelu_contiguous_grad: torch 1.13's f32 CPU gelu backward is
 # wrong for a non-contiguous incoming gradient (WhisperEncoder makes one),

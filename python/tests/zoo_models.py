@@ -354,27 +354,43 @@ ARCHS = {
 }
 
 
-def reference(model, batch, loss, C=None):
-    """DP-SGD without noise, explicitly: each sample's gradient of every
-    trainable parameter by float64 autograd on a copy of the model, one
-    sample at a time, clipped to C (not clipped for None), summed and divided
-    by B (a mean loss). (grads by parameter name, per-sample norms [B])."""
-    ref = copy.deepcopy(model).double()
+def _per_sample(model, batch, loss, dt):
+    """Each sample's gradient of every trainable parameter, by autograd in
+    dtype dt on a CPU copy of the model: (per sample, (name, param))."""
+    ref = copy.deepcopy(model).to(dt)
     named = [(n, p) for n, p in ref.named_parameters() if p.requires_grad]
     params = [p for _, p in named]
     # transformers fills causal masks made with torch.full's default dtype
     # (f32) with finfo(f64).min, which overflows: a double default here
     old = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
+    torch.set_default_dtype(dt)
     try:
         per = []
         for b in range(B):
-            sb = {k: (v[b:b + 1].double() if v.is_floating_point() else v[b:b + 1])
+            sb = {k: (v[b:b + 1].to(dt) if v.is_floating_point() else v[b:b + 1])
                   for k, v in batch.items()}
             gs = torch.autograd.grad(loss(ref, sb).sum(), params, allow_unused=True)
-            per.append([torch.zeros_like(p) if g is None else g for g, p in zip(gs, params)])
+            per.append([(torch.zeros_like(p) if g is None else g).double()
+                        for g, p in zip(gs, params)])
     finally:
         torch.set_default_dtype(old)
+    return per, named
+
+
+def reference(model, batch, loss, C=None):
+    """DP-SGD without noise, explicitly: each sample's gradient of every
+    trainable parameter by float64 autograd on a copy of the model, one
+    sample at a time, clipped to C (not clipped for None), summed and divided
+    by B (a mean loss). (grads by parameter name, per-sample norms [B])."""
+    try:
+        per, named = _per_sample(model, batch, loss, torch.float64)
+    except RuntimeError as e:
+        # transformers 5's grouped expert products (torch._grouped_mm) take
+        # no float64: float32 there (its rounding is far inside the GPU's
+        # tolerances, and the CPU zoo's models all run in float64)
+        if "Double" not in str(e):
+            raise
+        per, named = _per_sample(model, batch, loss, torch.float32)
     norms = torch.tensor([math.sqrt(sum(float(g.pow(2).sum()) for g in gs)) for gs in per],
                          dtype=torch.float64)
     coefs = torch.ones(B, dtype=torch.float64) if C is None else torch.clamp(C / norms, max=1.0)
