@@ -128,10 +128,10 @@ EXPECTED = {
 # this says what it is there.
 EXPECTED_TF5 = {
     "MixtralForCausalLM": refused(
-        UnsupportedModuleError, "make_private", "experts",
-        "transformers 5 keeps the experts' weights as 3-D parameters [experts, ...] of one "
-        "module (grouped products), which dpclip does not train; transformers 4's "
-        "per-expert Linears are exact"),
+        UnsupportedModuleError, "make_private", "model.layers.0.mlp.gate",
+        "transformers 5's router (MixtralTopKRouter) holds a bare weight, and its experts are "
+        "3-D parameters [experts, ...] of one module (grouped products): neither is a module "
+        "dpclip trains; transformers 4's Linear router and per-expert Linears are exact"),
 }
 if int(transformers.__version__.split(".")[0]) >= 5:
     EXPECTED.update(EXPECTED_TF5)
