@@ -279,48 +279,6 @@ def _persample_part(layer: "_Layer", name: str, v: Optional[torch.Tensor], n: in
 
 # --- one supported module -------------------------------------------------------------
 
-def _note_batch(engine: Any, n: int) -> None:
-    """The pass's batch, as its first batch-first module saw it (a token
-    embedding's [B, T], a Linear's [B, T, d]): what flattened tokens must be
-    a reshape of (dpclip._rows), and what positions [1, T] expand to."""
-    hint = getattr(engine, "_batch_hint", None)
-    if n > 1 and (hint is None or hint[0] != engine._pass):
-        engine._batch_hint = (engine._pass, n)
-
-
-def _pass_batch(engine: Any) -> Optional[int]:
-    hint = getattr(engine, "_batch_hint", None)
-    return hint[1] if hint is not None and hint[0] == engine._pass else None
-
-
-def _flat_rows(layer: "_Layer", x: torch.Tensor) -> bool:
-    """Whether x [N, d] holds flattened tokens whose samples are proved
-    (dpclip._rows); sets layer.sid. Rows that are the pass's batch already
-    are not (a classifier's [B, d])."""
-    B = _pass_batch(layer.engine)
-    if B is not None and x.shape[0] == B:
-        return False
-    if B is not None and x.shape[0] == 0:  # an expert no token was routed to
-        layer.sid = torch.zeros(0, dtype=torch.long)
-        return True
-    sid = _rows.row_samples(x, B)
-    if sid is None or sid.numel() == 0:
-        return False
-    layer.sid = sid
-    return True
-
-
-def _flat_forward(layer: "_Layer", mod: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """The layer on flattened tokens x [N, d]: run on [B, T, d] (rows
-    reshaped, or placed zero-padded), its output given back as x's rows."""
-    sid, B = layer.sid, _pass_batch(layer.engine)
-    xb, at = _rows.to_batch(x, sid, B)
-    yb = layer._forward(mod, xb)
-    if at is None:
-        return yb.reshape(x.shape[0], yb.shape[-1])
-    return _rows.RowsFn.apply(yb, *at)
-
-
 # A _Layer's bias argument: None = the module's own "bias", False = none,
 # else the tensor itself.
 BiasArg = Union[None, bool, torch.Tensor]
@@ -428,12 +386,12 @@ class _Layer:
             layer.sid = None
             x0 = args[0] if args and isinstance(args[0], torch.Tensor) else None
             if x0 is not None and x0.dim() >= (2 if layer.kind == "embedding" else 3):
-                _note_batch(layer.engine, x0.shape[0])
+                _rows.note_batch(layer.engine, x0.shape[0])
             if layer.via_super is not None:  # its own code, the base's forward swapped
                 y = layer._orig_forward(*args, **kwargs)
             elif layer.rowwise and len(args) == 1 and not kwargs and x0 is not None and \
-                    x0.dim() == 2 and _flat_rows(layer, x0):
-                y = _flat_forward(layer, mod, x0)
+                    x0.dim() == 2 and _rows.flat_rows(layer, x0):
+                y = _rows.flat_forward(layer, mod, x0)
             else:
                 y = layer._forward(mod, *args, **kwargs)
             if layer.verify is not None:

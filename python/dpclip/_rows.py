@@ -28,7 +28,8 @@ from typing import Any, Dict, Optional, Tuple
 
 import torch
 
-__all__ = ["row_samples", "to_batch", "RowsFn"]
+__all__ = ["row_samples", "to_batch", "RowsFn", "note_batch", "pass_batch", "flat_rows",
+           "flat_forward"]
 
 # reshapes: the source's sizes are saved on the node (torch 1.13 and 2.x)
 _VIEWS = {"ViewBackward0", "ReshapeAliasBackward0", "UnsafeViewBackward0", "ViewBackward1",
@@ -187,3 +188,47 @@ def to_batch(x: torch.Tensor, sid: torch.Tensor, B: int
     most = int(counts.max()) if N else 1  # (no rows: one zero row a sample)
     xb = x.new_zeros((B, most, x.shape[1])).index_put((sid_d, pos_d), x)
     return xb, (sid_d, pos_d)
+
+
+# --- the layers' side (_layers._Layer.attach) ---------------------------------------
+
+def note_batch(engine: Any, n: int) -> None:
+    """The pass's batch, as its first batch-first module saw it (a token
+    embedding's [B, T], a Linear's [B, T, d]): what flattened tokens must be
+    a reshape of (dpclip._rows), and what positions [1, T] expand to."""
+    hint = getattr(engine, "_batch_hint", None)
+    if n > 1 and (hint is None or hint[0] != engine._pass):
+        engine._batch_hint = (engine._pass, n)
+
+
+def pass_batch(engine: Any) -> Optional[int]:
+    hint = getattr(engine, "_batch_hint", None)
+    return hint[1] if hint is not None and hint[0] == engine._pass else None
+
+
+def flat_rows(layer: Any, x: torch.Tensor) -> bool:
+    """Whether x [N, d] holds flattened tokens whose samples are proved
+    (dpclip._rows); sets layer.sid. Rows that are the pass's batch already
+    are not (a classifier's [B, d])."""
+    B = pass_batch(layer.engine)
+    if B is not None and x.shape[0] == B:
+        return False
+    if B is not None and x.shape[0] == 0:  # an expert no token was routed to
+        layer.sid = torch.zeros(0, dtype=torch.long)
+        return True
+    sid = row_samples(x, B)
+    if sid is None or sid.numel() == 0:
+        return False
+    layer.sid = sid
+    return True
+
+
+def flat_forward(layer: Any, mod: Any, x: torch.Tensor) -> torch.Tensor:
+    """The layer on flattened tokens x [N, d]: run on [B, T, d] (rows
+    reshaped, or placed zero-padded), its output given back as x's rows."""
+    sid, B = layer.sid, pass_batch(layer.engine)
+    xb, at = to_batch(x, sid, B)
+    yb = layer._forward(mod, xb)
+    if at is None:
+        return yb.reshape(x.shape[0], yb.shape[-1])
+    return RowsFn.apply(yb, *at)
