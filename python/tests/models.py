@@ -39,6 +39,44 @@ def on(device, model, *tensors):
     return (model.to(device),) + tuple(t.to(device) for t in tensors)
 
 
+def private(daemon, model, C, B):
+    """(engine, model, optimizer): make_private with no noise, flat clipping
+    at C, a mean loss over B, SGD at learning rate 0."""
+    from dpclip.torch import PrivacyEngine  # noqa: E402 (the package after conftest's path)
+    engine = PrivacyEngine(daemon.socket, allow_insecure_seed=True)
+    model, opt, _ = engine.make_private(
+        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.0),
+        noise_multiplier=0.0, max_grad_norm=C, loss_reduction="mean", expected_batch_size=B)
+    return engine, model, opt
+
+
+def exact_step(daemon, model, kind, inputs, y, device, after_backward=None):
+    """One private step of the model on device (inputs, y: its batch; kind:
+    per_sample_losses'), at C between the middle per-sample norms of the
+    float64 reference (so that some samples clip and some do not), every
+    parameter's .grad and the per-sample norms asserted against it and
+    every layer checked on the first step. after_backward(model) runs
+    between the backward and the step. Returns (engine, model), the
+    engine open."""
+    B = y.shape[0]
+    _, norms0, _ = reference(model, kind, inputs, y, 1e9, "sum", 1)
+    C = between(norms0)
+    want, ref_norms, coefs = reference(model, kind, inputs, y, C, "mean", B)
+    assert (coefs < 1).any() and (coefs == 1).any()
+    model, *moved = on(device, model, *inputs, y)
+    inputs, y = tuple(moved[:-1]), moved[-1]
+    engine, model, opt = private(daemon, model, C, B)
+    per_sample_losses(kind, model(*inputs), y).mean().backward()
+    if after_backward is not None:
+        after_backward(model)
+    opt.step()
+    for n, p in model.named_parameters():
+        assert p.grad is not None and max_rel(p.grad.cpu(), want[n]) < TOL[device], n
+    assert max_rel(engine.last_norms.cpu(), ref_norms) < TOL[device] / 2
+    assert all(l.verify is None for l in engine._layers), "a layer left unchecked"
+    return engine, model
+
+
 def between(norms):
     """A clipping threshold strictly between the middle per-sample norms, so
     that about half the samples are clipped and none sits on the edge."""

@@ -12,7 +12,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from dpclip.torch import PrivacyEngine, UnsupportedModuleError
-from models import DEVICES, TOL, between, max_rel, on, reference
+from models import DEVICES, exact_step, private
 
 B, D, P = 6, 16, 4  # samples, width, patches
 
@@ -59,32 +59,15 @@ def _data(seed=0):
     return torch.randn(B, P, 12, generator=g), torch.randint(0, 3, (B,), generator=g)
 
 
-def _engine(daemon, model, C):
-    engine = PrivacyEngine(daemon.socket, allow_insecure_seed=True)
-    model, opt, _ = engine.make_private(
-        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.0),
-        noise_multiplier=0.0, max_grad_norm=C, loss_reduction="mean", expected_batch_size=B)
-    return engine, model, opt
+def _no_raw_grad(model):
+    assert model.embeddings.cls_token.grad is None, "autograd wrote a raw parameter's grad"
 
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_class_token_and_positions_exact(daemon, device):
     torch.manual_seed(0)
-    model = TinyViT()
     x, y = _data()
-    _, norms0, _ = reference(model, "cls", (x,), y, 1e9, "sum", 1)
-    C = between(norms0)
-    want, ref_norms, coefs = reference(model, "cls", (x,), y, C, "mean", B)
-    assert (coefs < 1).any() and (coefs == 1).any()
-    model, x, y = on(device, model, x, y)
-    engine, model, opt = _engine(daemon, model, C)
-    F.cross_entropy(model(x), y).backward()
-    assert model.embeddings.cls_token.grad is None, "autograd wrote a raw parameter's grad"
-    opt.step()
-    for n, p in model.named_parameters():
-        assert p.grad is not None and max_rel(p.grad.cpu(), want[n]) < TOL[device], n
-    assert max_rel(engine.last_norms.cpu(), ref_norms) < TOL[device] / 2
-    assert all(l.verify is None for l in engine._layers), "a layer left unchecked"
+    engine, model = exact_step(daemon, TinyViT(), "cls", (x,), y, device, _no_raw_grad)
     # the module holds its own parameters again after each forward, and at close
     assert isinstance(model.embeddings._parameters["cls_token"], nn.Parameter)
     engine.close()
@@ -99,7 +82,7 @@ def test_not_per_sample_refused_at_first_step(daemon, how):
     torch.manual_seed(0)
     model = TinyViT(how)
     x, y = _data()
-    engine, model, opt = _engine(daemon, model, 1.0)
+    engine, model, opt = private(daemon, model, 1.0, B)
     F.cross_entropy(model(x), y).backward()
     with pytest.raises(UnsupportedModuleError, match=r"embeddings \(Tokens\)"):
         opt.step()

@@ -12,8 +12,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from dpclip._rows import row_samples
-from dpclip.torch import PrivacyEngine
-from models import DEVICES, TOL, between, max_rel, on, per_sample_losses, prose, reference
+from models import DEVICES, exact_step, per_sample_losses, private, prose
 
 B, T, D = 6, 7, 16
 
@@ -52,14 +51,6 @@ class FlatMLP(nn.Module):
         return self.head(out.reshape(shape))
 
 
-def _engine(daemon, model, C):
-    engine = PrivacyEngine(daemon.socket, allow_insecure_seed=True)
-    model, opt, _ = engine.make_private(
-        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.0),
-        noise_multiplier=0.0, max_grad_norm=C, loss_reduction="mean", expected_batch_size=B)
-    return engine, model, opt
-
-
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("order", ["sample", "gather"])
 def test_flattened_tokens_exact(daemon, order, device):
@@ -67,19 +58,7 @@ def test_flattened_tokens_exact(daemon, order, device):
     as a router's): each row's sample is known, so both are exact."""
     torch.manual_seed(0)
     (x,), y, V = prose(B, T, seed=3)
-    model = FlatMLP(V, order)
-    _, norms0, _ = reference(model, "seq", (x,), y, 1e9, "sum", 1)
-    C = between(norms0)
-    want, ref_norms, coefs = reference(model, "seq", (x,), y, C, "mean", B)
-    assert (coefs < 1).any() and (coefs == 1).any()
-    model, x, y = on(device, model, x, y)
-    engine, model, opt = _engine(daemon, model, C)
-    per_sample_losses("seq", model(x), y).mean().backward()
-    opt.step()
-    for n, p in model.named_parameters():
-        assert p.grad is not None and max_rel(p.grad.cpu(), want[n]) < TOL[device], n
-    assert max_rel(engine.last_norms.cpu(), ref_norms) < TOL[device] / 2
-    assert all(l.verify is None for l in engine._layers), "a layer left unchecked"
+    engine, _ = exact_step(daemon, FlatMLP(V, order), "seq", (x,), y, device)
     sid = {l.name: l.sid for l in engine._layers}["fc2"]
     want_sid = torch.arange(B).repeat_interleave(T)
     assert torch.equal(sid.cpu(), want_sid if order == "sample" else want_sid.flip(0))
@@ -92,7 +71,7 @@ def test_token_major_rows_refused(daemon):
     the step refuses, naming the module; nothing is sent or written."""
     torch.manual_seed(0)
     (x,), y, V = prose(B, T, seed=3)
-    engine, model, opt = _engine(daemon, FlatMLP(V, "token"), 1.0)
+    engine, model, opt = private(daemon, FlatMLP(V, "token"), 1.0, B)
     per_sample_losses("seq", model(x), y).mean().backward()
     with pytest.raises(ValueError, match=r"module norm saw a batch of \(%d,\)" % (B * T)):
         opt.step()
@@ -161,16 +140,5 @@ class Experts(nn.Module):
 def test_mixture_of_experts_exact(daemon, empty, device):
     torch.manual_seed(1)
     (x,), y, V = prose(B, T, seed=4)
-    model = Experts(V, empty)
-    _, norms0, _ = reference(model, "seq", (x,), y, 1e9, "sum", 1)
-    C = between(norms0)
-    want, ref_norms, coefs = reference(model, "seq", (x,), y, C, "mean", B)
-    model, x, y = on(device, model, x, y)
-    engine, model, opt = _engine(daemon, model, C)
-    per_sample_losses("seq", model(x), y).mean().backward()
-    opt.step()
-    for n, p in model.named_parameters():
-        assert p.grad is not None and max_rel(p.grad.cpu(), want[n]) < TOL[device], n
-    assert max_rel(engine.last_norms.cpu(), ref_norms) < TOL[device] / 2
-    assert all(l.verify is None for l in engine._layers), "a layer left unchecked"
+    engine, _ = exact_step(daemon, Experts(V, empty), "seq", (x,), y, device)
     engine.close()

@@ -11,7 +11,7 @@ import torch
 import torch.nn as nn
 
 from dpclip.torch import PrivacyEngine, UnsupportedModuleError
-from models import DEVICES, TOL, between, max_rel, on, per_sample_losses, prose, reference
+from models import DEVICES, exact_step, prose
 
 B, T, D = 6, 8, 16
 
@@ -47,22 +47,7 @@ class EncDec(nn.Module):
 def test_one_weight_in_three_modules_exact(daemon, head_first, device):
     torch.manual_seed(0)
     (x,), y, V = prose(B, T, seed=7)
-    model = EncDec(V, head_first)
-    _, norms0, _ = reference(model, "seq", (x,), y, 1e9, "sum", 1)
-    C = between(norms0)
-    want, ref_norms, coefs = reference(model, "seq", (x,), y, C, "mean", B)
-    assert (coefs < 1).any() and (coefs == 1).any()
-    model, x, y = on(device, model, x, y)
-    engine = PrivacyEngine(daemon.socket, allow_insecure_seed=True)
-    model, opt, _ = engine.make_private(
-        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.0),
-        noise_multiplier=0.0, max_grad_norm=C, loss_reduction="mean", expected_batch_size=B)
-    per_sample_losses("seq", model(x), y).mean().backward()
-    opt.step()
-    for n, p in model.named_parameters():
-        assert p.grad is not None and max_rel(p.grad.cpu(), want[n]) < TOL[device], n
-    assert max_rel(engine.last_norms.cpu(), ref_norms) < TOL[device] / 2
-    assert all(l.verify is None for l in engine._layers), "a layer left unchecked"
+    engine, _ = exact_step(daemon, EncDec(V, head_first), "seq", (x,), y, device)
     layers = {l.name: l for l in engine._layers}
     first = layers["head"].tie or layers["head"].tied_by
     assert {l.name for l in first.merged} | {first.name} == {"shared", "enc_tokens", "dec_tokens"}
