@@ -19,7 +19,7 @@ PKGS="$PKGS clang libclang-rt-14-dev clang-format"
 # The Python package's tests need PyTorch from Debian; opt out with DPCLIP_NO_TORCH=1.
 if [ "${DPCLIP_NO_TORCH:-0}" != 1 ] && [ -d "$(dirname "$0")/../python" ] && \
    [ -n "$(ls "$(dirname "$0")/../python" 2>/dev/null)" ]; then
-    PKGS="$PKGS python3 python3-torch python3-pytest python3-venv"
+    PKGS="$PKGS python3 python3-torch python3-pytest python3-venv python3-psutil"
     ZOO=1
 fi
 
@@ -27,12 +27,15 @@ fi
 # transformers, which Debian does not package: pip installs it into .venv-zoo
 # in the repository (--system-site-packages: it sees Debian's torch 1.13,
 # hence the pin, 4.45.x being a release that supports it), never into the
-# system Python. Where PyPI is unreachable it says so and the zoo ctest
-# reports skipped; this script never fails for it.
+# system Python. PEFT (the zoo's adapters) goes beside it without its
+# dependencies (it would upgrade Debian's torch, a pre-release to pip; its
+# others are transformers' and python3-psutil). Where PyPI is unreachable it
+# says so and the zoo ctest reports skipped; this script never fails for it.
 zoo_venv() {
     repo=$(cd "$(dirname "$0")/.." && pwd)
     venv="$repo/.venv-zoo"
     if [ -x "$venv/bin/python" ] && "$venv/bin/python" -c "import transformers" 2>/dev/null; then
+        "$venv/bin/python" -c "import peft" 2>/dev/null || zoo_peft "$venv"
         return 0
     fi
     why=""
@@ -44,8 +47,18 @@ zoo_venv() {
     echo "dpclip: installing transformers 4.45.x into .venv-zoo (the model zoo tests)"
     why=$("$venv/bin/pip" install -q --disable-pip-version-check --timeout 20 --retries 1 \
             'transformers>=4.45,<4.46' 2>&1) ||
-        echo "zoo: transformers not installed ($(echo "$why" | tail -n 1));" \
-             "the zoo tests will be skipped"
+        { echo "zoo: transformers not installed ($(echo "$why" | tail -n 1));" \
+               "the zoo tests will be skipped"; return 0; }
+    zoo_peft "$venv"
+    return 0
+}
+
+zoo_peft() {
+    echo "dpclip: installing peft 0.13.2 into .venv-zoo (the zoo's adapters)"
+    why=$("$1/bin/pip" install -q --disable-pip-version-check --timeout 20 --retries 1 \
+            --no-deps 'peft==0.13.2' 'accelerate==0.34.2' 2>&1) ||
+        echo "zoo: peft not installed ($(echo "$why" | tail -n 1)); the zoo runs without" \
+             "its adapter rows"
     return 0
 }
 

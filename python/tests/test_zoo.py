@@ -124,6 +124,18 @@ EXPECTED = {
         "the audio encoder: Conv1d, GELU, sinusoidal positions (frozen), a classifier"),
 }
 
+if "LlamaForCausalLM + LoRA (peft)" in ARCHS:  # peft installed
+    EXPECTED.update({
+        "LlamaForCausalLM + LoRA (peft)": exact(
+            "LoRA on q, v and down projections (lora_A, lora_B: nn.Linear), the base frozen"),
+        "GPT2LMHeadModel + LoRA (peft)": exact(
+            "LoRA on Conv1D (fan_in_fan_out), the base frozen"),
+        "LlamaForCausalLM + IA3 (peft)": refused(
+            UnsupportedModuleError, "make_private", "ia3_l",
+            "IA3's scaling vectors are bare parameters [features, 1] of a ParameterDict, "
+            "multiplied into the activations"),
+    })
+
 # transformers 5 reshaped some architectures: where the outcome differs,
 # this says what it is there.
 EXPECTED_TF5 = {

@@ -16,6 +16,11 @@ import torch
 import torch.nn.functional as F
 import transformers as tf
 
+try:  # PEFT's adapters (scripts/deps.sh installs peft into .venv-zoo beside transformers)
+    import peft
+except ImportError:
+    peft = None
+
 B, T, V, D = 4, 8, 128, 32
 
 
@@ -324,6 +329,20 @@ def gelu_contiguous_grad():
         F.gelu = orig
 
 
+def adapted(make, **lora):
+    """make's model with a PEFT adapter (peft.get_peft_model): the base
+    frozen, the adapter's parameters trained. lora: LoraConfig's arguments,
+    or ia3=... for IA3Config's."""
+    def build():
+        ia3 = lora.pop("ia3", None)
+        # init_lora_weights=False: lora_B random too (PEFT's default zeros
+        # it, and lora_A's gradient with it)
+        cfg = peft.IA3Config(**ia3) if ia3 is not None else peft.LoraConfig(
+            r=4, lora_alpha=8, lora_dropout=0.0, bias="none", init_lora_weights=False, **lora)
+        return peft.get_peft_model(make(), cfg)
+    return build
+
+
 # name -> builder. test_zoo.py's EXPECTED says what each must give.
 ARCHS = {
     "LlamaForCausalLM (untied)": lm(llama),
@@ -352,6 +371,16 @@ ARCHS = {
     "WhisperForConditionalGeneration": whisper,
     "WhisperForAudioClassification": whisper_cls,
 }
+if peft is not None:
+    ARCHS.update({
+        "LlamaForCausalLM + LoRA (peft)": lm(adapted(
+            llama, target_modules=["q_proj", "v_proj", "down_proj"])),
+        "GPT2LMHeadModel + LoRA (peft)": lm(adapted(
+            gpt2, target_modules=["c_attn", "c_fc"], fan_in_fan_out=True)),
+        "LlamaForCausalLM + IA3 (peft)": lm(adapted(llama, ia3=dict(
+            target_modules=["k_proj", "v_proj", "down_proj"],
+            feedforward_modules=["down_proj"]))),
+    })
 
 
 def _per_sample(model, batch, loss, dt):
