@@ -33,7 +33,7 @@ from ._layers import (_RMSNorm, UnsupportedModuleError, _EmbeddingLayer, _HFConv
 
 __all__ = ["register", "registered", "supported_layers"]
 
-KINDS = ("rmsnorm", "layernorm", "subclass")
+KINDS = ("rmsnorm", "layernorm", "subclass", "same")
 
 
 class _Reg(dict):
@@ -71,14 +71,20 @@ def register(cls: Union[type, str], kind: str, weight: str = "weight",
     through those calls (the other arguments are not used). The first
     step checks the claim against autograd.
 
+    kind="same": cls subclasses a torch layer dpclip trains with a forward
+    of its own that computes exactly the base's function (transformers'
+    FalconLinear: x @ W.T + b); it is trained as the base, its forward
+    replaced by dpclip's, and its own checked against that on its first
+    training forward (UnsupportedModuleError where they differ).
+
     Registering a class again replaces its registration."""
     if kind not in KINDS:
         raise ValueError("register: kind must be one of %s, got %r" % (", ".join(KINDS), kind))
-    if kind == "subclass":
+    if kind in ("subclass", "same"):
         if isinstance(cls, type) and supported_base(cls) is None:
-            raise ValueError("register: kind='subclass' needs a subclass of a torch layer "
+            raise ValueError("register: kind=%r needs a subclass of a torch layer "
                              "dpclip trains (%s), got %s"
-                             % (", ".join(b.__name__ for b in _bases()), cls.__name__))
+                             % (kind, ", ".join(b.__name__ for b in _bases()), cls.__name__))
         reg = _Reg(kind=kind)
         if isinstance(cls, str):
             _by_name[cls] = reg
@@ -131,6 +137,8 @@ for _n in ("GemmaTextScaledWordEmbedding", "Gemma2TextScaledWordEmbedding",
            "OPTLearnedPositionalEmbedding", "BartLearnedPositionalEmbedding",
            "MBartLearnedPositionalEmbedding"):
     register(_n, "subclass")
+# transformers' layers that compute their base's function in code of their own
+register("FalconLinear", "same")
 
 
 # --- classification ---------------------------------------------------------------
@@ -178,7 +186,9 @@ def supported_layers() -> List[Tuple[str, str]]:
                        [n for n, r in _by_name.items() if r["kind"] == kind])
         if names:
             what = ("subclasses with a forward of their own, registered kind='subclass'"
-                    if kind == "subclass" else "norms registered kind=%r" % kind)
+                    if kind == "subclass" else
+                    "subclasses computing their base's function, registered kind='same'"
+                    if kind == "same" else "norms registered kind=%r" % kind)
             out.append((what, ", ".join(names)))
     return out
 
@@ -265,6 +275,12 @@ def _subclass(engine: Any, name: str, m: nn.Module, base: type) -> List[_Layer]:
     if not made:
         return made
     reg = registered(type(m))
+    if reg is not None and reg["kind"] == "same":
+        for l in made:
+            l.what = "an nn.%s (registered kind='same')" % base.__name__
+            l.hint = ("its forward computes something else than nn.%s's: register it as what "
+                      "it computes, or not at all" % base.__name__)
+        return made
     if reg is None or reg["kind"] != "subclass":
         raise UnsupportedModuleError(
             "module %s subclasses nn.%s with a forward of its own, which dpclip does not "
@@ -300,7 +316,7 @@ def layers_for(engine: Any, name: str, m: nn.Module) -> Optional[List[_Layer]]:
     if made is not None:
         return made
     reg = registered(type(m))
-    if reg is not None and reg["kind"] != "subclass":
+    if reg is not None and reg["kind"] not in ("subclass", "same"):
         w = getattr(m, reg["weight"], None)
         b = getattr(m, reg["bias"], None) if reg["bias"] else None
         if not isinstance(w, torch.Tensor):

@@ -172,3 +172,40 @@ def test_register_subclass_needs_a_supported_base():
 
     with pytest.raises(ValueError, match="kind='subclass'"):
         register(NotALayer, kind="subclass")
+    with pytest.raises(ValueError, match="kind='same'"):
+        register(NotALayer, kind="same")
+
+
+class MatmulLinear(nn.Linear):
+    """transformers' FalconLinear: nn.Linear's function in code of its own."""
+
+    def forward(self, x):
+        return x @ self.weight.T + self.bias
+
+
+class DoubledLinear(nn.Linear):
+    def forward(self, x):
+        return 2 * (x @ self.weight.T) + self.bias
+
+
+def test_same_function_subclass_exact(daemon):
+    """Registered kind="same", a subclass whose forward computes its base's
+    function is trained as the base, exact against the f64 reference; one
+    whose forward computes something else is refused at its first
+    forward, naming it, before anything is sent."""
+    register(MatmulLinear, kind="same")
+    torch.manual_seed(5)
+    inputs, y, V = prose(B, T, seed=2)
+    model = nn.Sequential(nn.Embedding(V, 8), MatmulLinear(8, 8), nn.Tanh(), nn.Linear(8, V))
+    engine = _exact(daemon, model, inputs, y)
+    assert {l.name: l for l in engine._layers}["1"].what.startswith("an nn.Linear")
+    engine.close()
+    register(DoubledLinear, kind="same")
+    model = nn.Sequential(nn.Embedding(V, 8), DoubledLinear(8, 8), nn.Tanh(), nn.Linear(8, V))
+    engine = PrivacyEngine(daemon.socket, allow_insecure_seed=True)
+    model, opt, _ = engine.make_private(
+        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.0),
+        noise_multiplier=0.0, max_grad_norm=1.0, expected_batch_size=B)
+    with pytest.raises(UnsupportedModuleError, match=r"module 1 \(DoubledLinear\)"):
+        model(*inputs)
+    engine.close()

@@ -88,9 +88,9 @@ EXPECTED = {
     "OPTForCausalLM": exact(
         "learned positions (an index offset), tokens flattened to [B*T, d] before the "
         "final LayerNorm and MLP"),
-    "FalconForCausalLM": refused(
-        UnsupportedModuleError, "make_private", "transformer.h.0.self_attention.query_key_value",
-        "FalconLinear subclasses nn.Linear with a forward of its own"),
+    "FalconForCausalLM": exact(
+        "FalconLinear (nn.Linear's function in code of its own, registered kind='same'), "
+        "multi-query attention, parallel attention and MLP"),
     "BloomForCausalLM": exact("ALiBi, embedding LayerNorm, tied head"),
     "MixtralForCausalLM": exact(
         "mixture of experts: the router on flattened tokens, each expert on the rows routed "
