@@ -178,6 +178,8 @@ def supported_layers() -> List[Tuple[str, str]]:
                 "make_private(replace_mha=True) swaps it in for nn.MultiheadAttention"))
     out.append(("the relative position bias of %s" % " and ".join(_relbias_names()),
                 "by class name, through its compute_bias; checked on the first step"))
+    out.append(("embeddings that read rows of their table themselves: %s"
+                % ", ".join(_tablerows_names()), "by class name; checked on the first step"))
     out.append(("raw nn.Parameters of leading size 1 that a module's forward broadcasts over "
                 "the batch", "class tokens, position embeddings (ViT's); checked on the first "
                 "step"))
@@ -195,6 +197,11 @@ def supported_layers() -> List[Tuple[str, str]]:
 
 def _relbias_names() -> Tuple[str, ...]:
     from ._relbias import NAMES  # noqa: E402 (it imports _layers)
+    return NAMES
+
+
+def _tablerows_names() -> Tuple[str, ...]:
+    from ._tablerows import NAMES  # noqa: E402 (it imports _layers)
     return NAMES
 
 
@@ -304,7 +311,7 @@ def layers_for(engine: Any, name: str, m: nn.Module) -> Optional[List[_Layer]]:
     dpclip does not support it. Raises for a supported module configured
     in a way dpclip cannot train, and for a subclass of one with a forward
     of its own that is not registered as kind="subclass"."""
-    from . import _mha, _relbias  # noqa: E402 (they import this module's imports)
+    from . import _mha, _relbias, _tablerows  # noqa: E402 (they import this module's imports)
 
     base = supported_base(type(m))
     if base is not None and type(m).forward is base.forward:
@@ -313,6 +320,9 @@ def layers_for(engine: Any, name: str, m: nn.Module) -> Optional[List[_Layer]]:
     if made is not None:
         return made
     made = _relbias.layers_for(engine, name, m)
+    if made is not None:
+        return made
+    made = _tablerows.layers_for(engine, name, m)
     if made is not None:
         return made
     reg = registered(type(m))
