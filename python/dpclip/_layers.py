@@ -702,8 +702,6 @@ def _collect_layers(engine: Any, module: nn.Module
             norms.append((name, m))
         own = [(pn, p) for pn, p in m.named_parameters(recurse=False) if p.requires_grad]
         made = [] if id(m) in claimed else _registry.layers_for(engine, name, m)
-        if made is None:  # raw parameters broadcast over the batch (ViT's tokens)
-            made = _params.broadcast_layers(engine, name, m, own)
         if own:  # each trained by some layer, checked once every layer is known
             pending.append((name, m, own, made is not None))
         if made is None:
@@ -726,6 +724,18 @@ def _collect_layers(engine: Any, module: nn.Module
                                "bias" if p is l.bias else "weight"))
                     _tie(other, l)
             layers.append(l)
+    # raw parameters broadcast over the batch (ViT's tokens), of modules no
+    # layer trains, once every other layer owns what it trains (BERT's head
+    # holds the bias its decoder Linear trains)
+    for i, (name, m, own, supported) in enumerate(pending):
+        made = None if supported else _params.broadcast_layers(
+            engine, name, m, [(pn, p) for pn, p in own if id(p) not in owner])
+        for l in made or ():
+            for p, _ in l.outputs():
+                owner[id(p)] = l
+            layers.append(l)
+        if made:
+            pending[i] = (name, m, own, True)
     for name, m, own, supported in pending:
         left = [pn for pn, p in own if id(p) not in owner]
         if left and not supported:

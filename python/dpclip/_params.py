@@ -3,7 +3,9 @@ batch: a class token [1, 1, d] expanded to every sample, position
 embeddings [1, T, d] added to every sample's tokens (ViT's, DeiT's).
 
 A parameter of leading size 1 that the forward broadcasts over the batch
-enters each sample's computation alone, so its per-sample gradient is what
+(or a vector, whose copy is [B, 1, d]: broadcast against [B, T, d] as the
+vector is, or expanded to [B, 1, d] as CLIP's class embedding is) enters
+each sample's computation alone, so its per-sample gradient is what
 autograd gives a per-sample copy of it: for the forward, the module holds,
 in the parameter's place, a leaf of B rows equal to the parameter (the
 same values, so the same output), and the gradient autograd gives that
@@ -18,9 +20,10 @@ Whether the module does broadcast the parameter over the batch (rather
 than mix the rows, index one, or reshape it) is not assumed: the
 first-step check (dpclip._verify) compares the forward with the module's
 own and each per-sample gradient with autograd's through the module's own
-code for each sample alone, and refuses the module otherwise. Parameters
-of other shapes (a scalar, a 1-D layer-scale) are refused at make_private
-by name, as before."""
+code for each sample alone, and refuses the module otherwise (a vector
+used against [B, d], for one, gives the forward another shape). Parameters
+of other shapes (a scalar, [C, 1, 1]) are refused at make_private by name,
+as before."""
 from typing import Any, Callable, List, Optional, Tuple
 
 import torch
@@ -32,8 +35,16 @@ __all__ = ["broadcast_layers"]
 
 
 def _broadcast(p: torch.Tensor) -> bool:
-    """A parameter of leading size 1 over at least one more dimension."""
-    return p.dim() >= 2 and p.shape[0] == 1
+    """A parameter of leading size 1 over at least one more dimension, or a
+    vector (CLIP's class embedding [d], expanded to [B, 1, d]; a layer-scale
+    [d] multiplying [B, T, d])."""
+    return (p.dim() >= 2 and p.shape[0] == 1) or p.dim() == 1
+
+
+def _rows_shape(p: torch.Tensor, B: int) -> Tuple[int, ...]:
+    """The per-sample copy's shape: B rows in the leading 1's place, or a
+    vector's [B, 1, d] (broadcast against [B, T, d] as the vector is)."""
+    return (B,) + tuple(p.shape[1:]) if p.dim() >= 2 else (B, 1, p.shape[0])
 
 
 class _BroadcastParamsLayer(_Layer):
@@ -80,7 +91,7 @@ class _BroadcastParamsLayer(_Layer):
         slots = mod._parameters  # pylint: disable=protected-access
         pass_id = self.engine._pass  # pylint: disable=protected-access
         for i, (pn, p) in enumerate(zip(self.pnames, self.params)):
-            rows = p.detach().expand((x.shape[0],) + tuple(p.shape[1:])).clone()
+            rows = p.detach().expand(_rows_shape(p, x.shape[0])).clone()
             rows.requires_grad_(True)
             rows.register_hook(self._taker(i, pass_id))
             slots[pn] = rows
@@ -115,7 +126,12 @@ class _BroadcastParamsLayer(_Layer):
 def broadcast_layers(engine: Any, name: str, m: nn.Module,
                      own: List[Tuple[str, torch.Tensor]]) -> Optional[List[_Layer]]:
     """A layer for an otherwise unsupported module whose own trainable
-    parameters are all broadcast over the batch (leading size 1), or None."""
-    if not own or not all(_broadcast(p) for _, p in own):
+    parameters are all broadcast over the batch (leading size 1, or
+    vectors), or None. Not for torch's own layers (a ConvTranspose's weight
+    is no broadcast) nor for norms (registered, the daemon computes their
+    per-sample gradients itself: the refusal says how)."""
+    cls = type(m)
+    if not own or cls.__module__.startswith("torch.") or cls.__name__.endswith("Norm") or \
+            not all(_broadcast(p) for _, p in own):
         return None
     return [_BroadcastParamsLayer(engine, name, m, [pn for pn, _ in own])]

@@ -180,9 +180,9 @@ def supported_layers() -> List[Tuple[str, str]]:
                 "by class name, through its compute_bias; checked on the first step"))
     out.append(("embeddings that read rows of their table themselves: %s"
                 % ", ".join(_tablerows_names()), "by class name; checked on the first step"))
-    out.append(("raw nn.Parameters of leading size 1 that a module's forward broadcasts over "
-                "the batch", "class tokens, position embeddings (ViT's); checked on the first "
-                "step"))
+    out.append(("raw nn.Parameters of leading size 1, or vectors, that a module's forward "
+                "broadcasts over the batch", "class tokens, position embeddings (ViT's, CLIP's), "
+                "layer-scales; checked on the first step"))
     for kind in KINDS:
         names = sorted([c.__name__ for c, r in _by_class.items() if r["kind"] == kind] +
                        [n for n, r in _by_name.items() if r["kind"] == kind])

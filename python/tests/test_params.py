@@ -2,10 +2,11 @@
 (issue 41; dpclip._params): a ViT-like image model whose embedding module
 holds a class token [1, 1, d] and position embeddings [1, N + 1, d] as bare
 nn.Parameters, exact against the per-sample f64 reference (sigma 0, flat
-clipping, C between the middle norms), and the ways such a parameter can be
-used that are not a per-sample broadcast, each refused by the first-step
-check (naming the module) before anything is sent; a 1-D or scalar raw
-parameter is refused at make_private, naming it."""
+clipping, C between the middle norms), as is a layer-scale vector [d] on
+tokens [B, T, d]; the ways such a parameter can be used that are not a
+per-sample broadcast (a row for all, rows averaged, a vector against
+pooled [B, d]) are each refused by the first-step check, naming the module,
+before anything is sent; a scalar is refused at make_private, naming it."""
 import pytest
 import torch
 import torch.nn as nn
@@ -90,22 +91,59 @@ def test_not_per_sample_refused_at_first_step(daemon, how):
     engine.close()
 
 
-class Scaled(nn.Module):
+class Scale(nn.Module):
+    """A layer-scale: activations times a learned vector (or scalar)."""
+
     def __init__(self, shape):
         super().__init__()
-        self.lin = nn.Linear(D, 3)
-        self.gamma = nn.Parameter(torch.ones(shape))
+        self.gamma = nn.Parameter(torch.linspace(0.5, 1.5, shape[0]) if shape else
+                                  torch.tensor(1.3))
 
     def forward(self, x):
-        return self.lin(x) * self.gamma
+        return x * self.gamma
 
 
-@pytest.mark.parametrize("shape", [(3,), ()])
-def test_other_shapes_refused_by_name(daemon, shape):
-    """A 1-D layer-scale or a learned scalar has no batch dimension to give a
-    row per sample: refused at make_private, naming the parameter."""
+class Scaled(nn.Module):
+    """Patches to tokens [B, P, D] (or pooled [B, D]), scaled, a head."""
+
+    def __init__(self, shape=(D,), pooled=False):
+        super().__init__()
+        self.proj = nn.Linear(12, D)
+        self.scale = Scale(shape)
+        self.head = nn.Linear(D, 3)
+        self.pooled = pooled
+
+    def forward(self, patches):
+        h = torch.tanh(self.proj(patches))
+        h = self.scale(h.mean(1) if self.pooled else h)
+        return self.head(h if self.pooled else h.mean(1))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_layer_scale_vector_exact(daemon, device):
+    """A vector [d] times tokens [B, T, d]: its per-sample copy is [B, 1, d]."""
+    torch.manual_seed(0)
+    x, y = _data()
+    engine, _ = exact_step(daemon, Scaled(), "cls", (x,), y, device)
+    engine.close()
+
+
+def test_vector_against_pooled_rows_refused(daemon):
+    """A vector times pooled features [B, d]: its copy [B, 1, d] would make
+    the product [B, B, d], so the module's first training forward refuses,
+    naming it."""
+    x, y = _data()
+    engine, model, opt = private(daemon, Scaled(pooled=True), 1.0, B)
+    with pytest.raises(UnsupportedModuleError, match=r"module scale \(Scale\)"):
+        model(x)
+    engine.close()
+
+
+def test_scalar_refused_by_name(daemon):
+    """A learned scalar has no dimension to give a row per sample: refused at
+    make_private, naming the parameter."""
     engine = PrivacyEngine(daemon.socket, allow_insecure_seed=True)
     with pytest.raises(UnsupportedModuleError, match="gamma"):
-        engine.make_private(module=Scaled(shape), optimizer=None, noise_multiplier=0.0,
+        engine.make_private(module=Scaled(()), optimizer=None, noise_multiplier=0.0,
                             max_grad_norm=1.0, expected_batch_size=B)
     engine.close()

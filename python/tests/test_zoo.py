@@ -113,9 +113,9 @@ EXPECTED = {
     "CLIPModel": refused(
         UnsupportedModuleError, "make_private", "logit_scale",
         "logit_scale, a bare nn.Parameter of the root module"),
-    "CLIPModel (logit_scale frozen)": refused(
-        UnsupportedModuleError, "make_private", "vision_model.embeddings",
-        "class_embedding, a bare nn.Parameter of CLIPVisionEmbeddings"),
+    "CLIPModel (logit_scale frozen)": exact(
+        "both towers; class_embedding, a raw vector expanded to [B, 1, d]; positions [1, N] "
+        "shared by the batch"),
     "CLIPTextModelWithProjection": exact("CLIP's text tower alone, quick-GELU, projection"),
     "WhisperForConditionalGeneration": exact(
         "the decoder's positions read from the table (WhisperPositionalEmbedding) and shared "
