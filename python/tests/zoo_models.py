@@ -197,6 +197,14 @@ def mixtral():
         output_router_logits=False, sliding_window=None)))
 
 
+def qwen2_moe():
+    """Qwen2-MoE: routed experts, a shared expert and its sigmoid gate."""
+    return tf.Qwen2MoeForCausalLM(_eager(tf.Qwen2MoeConfig(
+        **_GQA, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24,
+        shared_expert_intermediate_size=48, decoder_sparse_step=1, norm_topk_prob=True,
+        output_router_logits=False, use_sliding_window=False, tie_word_embeddings=False)))
+
+
 def vit():
     """ViTForImageClassification on 8x8 images; loss the class CE."""
     torch.manual_seed(0)
@@ -359,6 +367,7 @@ ARCHS = {
     "FalconForCausalLM": lm(falcon),
     "BloomForCausalLM": lm(bloom),
     "MixtralForCausalLM": lm(mixtral),
+    "Qwen2MoeForCausalLM": lm(qwen2_moe),
     "BertForMaskedLM": lm(bert, cache=False),
     "RobertaForMaskedLM": lm(roberta, cache=False),
     "DebertaV2ForMaskedLM": lm(deberta_v2, cache=False),
