@@ -179,9 +179,10 @@ uint64_t dc_step_run_replicas_key(const dc_step *st) {
     return dc_hash_mix(st->group_noise_key ^ dc_hash_mix(st->group_step));
 }
 
-/* The checksums of the layers' inputs and output grads (those `pick`
- * keeps; every layer without it), in one backend call: h[2i], h[2i + 1] of
- * the i-th picked layer. *n: the layers picked. The caller frees *h. */
+/* The checksums of the layers' inputs and output grads (the replicated
+ * layers' alone with replicated_only), in one backend call: h[2i] and
+ * h[2i + 1] of the i-th layer taken. *n: the layers taken. The caller frees
+ * *h. */
 static int layers_hash(dc_backend *be, const dc_step *st, bool replicated_only, uint64_t key,
                        uint64_t **h, size_t *n, const char *field, dc_err *e) {
     const dc_tensor **ts = NULL;
