@@ -132,7 +132,7 @@ for _n in ("GemmaRMSNorm", "Gemma2RMSNorm", "Gemma3RMSNorm"):
 # offset) (OPT's, BART's and mBART's learned positions)
 for _n in ("GemmaTextScaledWordEmbedding", "Gemma2TextScaledWordEmbedding",
            "Gemma3TextScaledWordEmbedding",
-           "Gemma3nTextScaledWordEmbedding", "BartScaledWordEmbedding",
+           "Gemma3nTextScaledWordEmbedding", "BartScaledWordEmbedding", "MBartScaledWordEmbedding",
            "M2M100ScaledWordEmbedding", "NllbMoeScaledWordEmbedding",
            "OPTLearnedPositionalEmbedding", "BartLearnedPositionalEmbedding",
            "MBartLearnedPositionalEmbedding"):

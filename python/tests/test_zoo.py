@@ -110,6 +110,11 @@ EXPECTED = {
     "BartForConditionalGeneration": exact(
         "one weight in three BartScaledWordEmbedding modules and the tied head; learned "
         "positions with an offset"),
+    "MBartForConditionalGeneration": exact(
+        "as BART, with MBartScaledWordEmbedding and pre-norm layers"),
+    "PegasusForConditionalGeneration": exact(
+        "one weight in the shared and both stacks' embeddings, tied head; sinusoidal "
+        "positions (frozen)"),
     "ViTForImageClassification": exact(
         "cls_token and position_embeddings, raw parameters broadcast over the batch; "
         "Conv2d patches"),

@@ -191,6 +191,22 @@ def bart():
         forced_eos_token_id=None)))
 
 
+_BART_LIKE = dict(
+    vocab_size=V, d_model=D, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+    decoder_attention_heads=4, encoder_ffn_dim=48, decoder_ffn_dim=48,
+    max_position_embeddings=32, dropout=0.0, attention_dropout=0.0, activation_dropout=0.0,
+    encoder_layerdrop=0.0, decoder_layerdrop=0.0, pad_token_id=1, bos_token_id=0,
+    eos_token_id=2, decoder_start_token_id=2, forced_eos_token_id=None)
+
+
+def mbart():
+    return tf.MBartForConditionalGeneration(_eager(tf.MBartConfig(**_BART_LIKE)))
+
+
+def pegasus():
+    return tf.PegasusForConditionalGeneration(_eager(tf.PegasusConfig(**_BART_LIKE)))
+
+
 def mixtral():
     return tf.MixtralForCausalLM(_eager(tf.MixtralConfig(
         **_GQA, num_local_experts=4, num_experts_per_tok=2, router_jitter_noise=0.0,
@@ -373,6 +389,8 @@ ARCHS = {
     "DebertaV2ForMaskedLM": lm(deberta_v2, cache=False),
     "T5ForConditionalGeneration": seq2seq(t5),
     "BartForConditionalGeneration": seq2seq(bart),
+    "MBartForConditionalGeneration": seq2seq(mbart),
+    "PegasusForConditionalGeneration": seq2seq(pegasus),
     "ViTForImageClassification": vit,
     "CLIPModel": clip,
     "CLIPModel (logit_scale frozen)": clip_frozen_scale,
