@@ -7,7 +7,8 @@
  * NH under a key table K of DC_HASH_BLOCK words drawn from the key,
  *     y_j = sum_t (w[2t] + K[2t] mod 2^32) (w[2t+1] + K[2t+1] mod 2^32) mod 2^64,
  * which two different blocks of the same length share with probability at
- * most 2^-32 over the key (NH, as in UMAC), and the checksum is the sum
+ * most 2^-32 over the key (NH, as in UMAC: so a change chosen without the
+ * key passes with about that probability), and the checksum is the sum
  * modulo 2^64 of the blocks' keyed mixes dc_hash_mix(y_j ^ dc_hash_mix(key
  * + j)), so that a block's place counts. Whoever does not know the key
  * cannot pick other bytes with the same checksum (norms, which a negated
