@@ -520,14 +520,10 @@ class _EmbeddingLayer(_Layer):
         # positions [1, T] shared by the batch: expand to the pass's batch
         # (seen by the layers before this one in the pass: the token
         # embedding, usually)
-        batch = 0
-        hint = getattr(self.engine, "_batch_hint", None)
-        if hint is None or hint[0] != self.engine._pass:
-            hint = None
-            if idx.dim() >= 1 and idx.shape[0] > 1:
-                self.engine._batch_hint = (self.engine._pass, idx.shape[0])
-        elif idx.dim() >= 1 and idx.shape[0] == 1:
-            batch = hint[1]
+        B = _rows.pass_batch(self.engine)
+        if B is None and idx.dim() >= 1:
+            _rows.note_batch(self.engine, idx.shape[0])
+        batch = B if B is not None and idx.dim() >= 1 and idx.shape[0] == 1 else 0
         return _EmbeddingFn.apply(idx, mod.weight, self, batch)
 
     def parts(self, B: int, nb: int) -> List[Part]:

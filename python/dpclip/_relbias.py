@@ -24,7 +24,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from . import _rows
 from ._layers import UnsupportedModuleError, _EmbeddingLayer, _label
+from ._verify import K, check_table_rule
 
 __all__ = ["NAMES", "layers_for"]
 
@@ -83,16 +85,14 @@ class _RelBiasLayer(_EmbeddingLayer):
         finally:
             del emb.forward
         idx = seen.get("idx")
-        hint = getattr(self.engine, "_batch_hint", None)
+        B = _rows.pass_batch(self.engine)
         if idx is None or not isinstance(values, torch.Tensor) or values.dim() != 4 or \
-                values.shape[0] != 1 or tuple(values.shape[2:]) != tuple(idx.shape) or \
-                hint is None or hint[0] != self.engine._pass:
+                values.shape[0] != 1 or tuple(values.shape[2:]) != tuple(idx.shape) or B is None:
             raise UnsupportedModuleError(
                 "module %s: its compute_bias did not look up [q, k] buckets and return a bias "
                 "[1, heads, q, k] after a batch-first module of the pass (seen: %s): %s"
                 % (_label(self.name, self.attn), None if idx is None else tuple(idx.shape),
                    self.hint))
-        B = hint[1]
         rows = values.detach().expand((B,) + tuple(values.shape[1:])).clone()
         rows.requires_grad_(True)
         pass_id = self.engine._pass
@@ -105,7 +105,6 @@ class _RelBiasLayer(_EmbeddingLayer):
         gi = g.detach().permute(0, 2, 3, 1).reshape(B, -1, h)
         ii = idx.reshape(1, -1).expand(B, -1)
         if self.verify is not None and self._probe is None:
-            from ._verify import K  # noqa: E402 (it imports _layers)
             self._probe = (args, kwargs, idx, g.detach()[:K].double())
         self.capture(ii, gi, pass_id)
 
@@ -116,27 +115,15 @@ class _RelBiasLayer(_EmbeddingLayer):
         compute_bias, for the first samples."""
         if self._probe is None:
             return
-        from ._verify import reference_mode  # noqa: E402
         args, kwargs, idx, gs = self._probe
         self._probe = None
-        w = self.module.weight
-        with torch.enable_grad(), reference_mode(self.engine, self.attn) as copies:
-            w64 = copies[id(w)]
-            values = self._orig_bias(*args, **kwargs)  # type: ignore[misc]
-            for b in range(gs.shape[0]):
-                (want,) = torch.autograd.grad(values, w64, gs[b:b + 1], retain_graph=True)
-                got = torch.zeros_like(want).index_add_(
-                    0, idx.reshape(-1), gs[b].permute(1, 2, 0).reshape(-1, want.shape[1]))
-                err = float((got - want).norm())
-                if not err <= tol * max(float(want.norm()), 1e-30):
-                    raise UnsupportedModuleError(
-                        "first-step check: module %s (trained as %s): the per-sample gradient "
-                        "of relative_attention_bias differs from autograd's through the "
-                        "module's own compute_bias by %.3g of its norm for sample %d: %s. "
-                        "Nothing was sent or updated"
-                        % (_label(self.name, self.attn), self.what,
-                           err / max(float(want.norm()), 1e-30), b, self.hint))
-        self.verify = None
+
+        def per_sample(b: int, values: torch.Tensor
+                       ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+            # the bias [1, h, q, k] is the lookup [q, k, h] permuted
+            return gs[b:b + 1], idx.reshape(-1), gs[b].permute(1, 2, 0)
+        check_table_rule(self, self.attn, self._orig_bias, args, kwargs,  # type: ignore
+                         gs.shape[0], per_sample, "the module's own compute_bias", tol)
 
 
 def layers_for(engine: Any, name: str, m: nn.Module) -> Optional[List[_EmbeddingLayer]]:

@@ -22,7 +22,9 @@ from typing import Any, List, Optional, Tuple
 import torch
 import torch.nn as nn
 
+from . import _rows
 from ._layers import UnsupportedModuleError, _EmbeddingLayer, _label
+from ._verify import K, check_table_rule
 
 __all__ = ["NAMES", "layers_for"]
 
@@ -69,8 +71,7 @@ class _TableRowsLayer(_EmbeddingLayer):
         finally:
             mod._parameters["weight"] = w  # pylint: disable=protected-access
         idx = _rows_read(out) if isinstance(out, torch.Tensor) else None
-        B = getattr(self.engine, "_batch_hint", None)
-        B = B[1] if B is not None and B[0] == self.engine._pass else None  # type: ignore
+        B = _rows.pass_batch(self.engine)
         if idx is None or B is None or tuple(idx.shape) != tuple(out.shape[:-1]):
             raise UnsupportedModuleError(
                 "module %s: its forward did not return rows of its table (a slice or an "
@@ -97,7 +98,6 @@ class _TableRowsLayer(_EmbeddingLayer):
               kwargs: dict, shared: bool) -> None:
         gi = g.detach().reshape(g.shape[0], -1, g.shape[-1])
         if self.verify is not None and self._probe is None:
-            from ._verify import K  # noqa: E402 (it imports _layers)
             self._probe = (args, kwargs, g.detach()[:K].double(), shared)  # type: ignore
         self.capture(ii, gi, pass_id)
 
@@ -107,32 +107,19 @@ class _TableRowsLayer(_EmbeddingLayer):
         through the module's own forward, for the first samples."""
         if self._probe is None:
             return
-        from ._verify import reference_mode  # noqa: E402
         args, kwargs, gs, shared = self._probe  # type: ignore[misc]
         self._probe = None
-        w = self.module.weight
-        with torch.enable_grad(), reference_mode(self.engine, self.module) as copies:
-            w64 = copies[id(w)]
-            out = self._orig_forward(*args, **kwargs)  # type: ignore[misc]
+
+        def per_sample(b: int, out: torch.Tensor
+                       ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
             idx = _rows_read(out)
-            for b in range(gs.shape[0]):
-                if shared:  # [T, d] or [1, T, d]: sample b's gradient of it
-                    cot = gs[b].reshape(out.shape)
-                else:
-                    cot = torch.zeros_like(out)
-                    cot[b] = gs[b]
-                (want,) = torch.autograd.grad(out, w64, cot, retain_graph=True)
-                rows = idx.reshape(-1) if shared else idx[b].reshape(-1)  # type: ignore
-                got = torch.zeros_like(want).index_add_(0, rows, gs[b].reshape(-1, want.shape[1]))
-                err = float((got - want).norm())
-                if not err <= tol * max(float(want.norm()), 1e-30):
-                    raise UnsupportedModuleError(
-                        "first-step check: module %s (trained as %s): its per-sample gradient "
-                        "differs from autograd's through its own forward by %.3g of its norm "
-                        "for sample %d: %s. Nothing was sent or updated"
-                        % (_label(self.name, self.module), self.what,
-                           err / max(float(want.norm()), 1e-30), b, self.hint))
-        self.verify = None
+            if shared:  # [T, d] or [1, T, d]: sample b's gradient of it
+                return gs[b].reshape(out.shape), idx.reshape(-1), gs[b]  # type: ignore
+            cot = torch.zeros_like(out)
+            cot[b] = gs[b]
+            return cot, idx[b].reshape(-1), gs[b]  # type: ignore
+        check_table_rule(self, self.module, self._orig_forward, args, kwargs,  # type: ignore
+                         gs.shape[0], per_sample, "its own forward", tol)
 
 
 def layers_for(engine: Any, name: str, m: nn.Module) -> Optional[List[_EmbeddingLayer]]:

@@ -38,7 +38,7 @@ gradient that is zero in exact arithmetic compares at the layer's
 scale). PrivacyEngine.make_private(...,
 check_first_step=False) turns the check off."""
 import contextlib
-from typing import Any, Dict, Iterator, List, Optional, Sequence
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn as nn
@@ -451,6 +451,41 @@ def check_step(engine: Any, plan: Any, B: int) -> None:
                 l.verify = None
             elif isinstance(l.verify, Probe):
                 l.verify.uses = [u for u in l.verify.uses if u.pass_id not in pass_ids]
+
+
+# (sample b's cotangent of the output, the table rows read, their gradients [n, d])
+RowsRule = Callable[[int, torch.Tensor], Tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+
+
+def check_table_rule(layer: Any, module: nn.Module, forward: Callable[..., Any], args: tuple,
+                     kwargs: dict, k: int, per_sample: RowsRule, through: str,
+                     tol: float) -> None:
+    """The first-step check of a layer that sends a table's per-sample
+    gradient as the scatter of output gradients to the rows read
+    (dpclip._relbias, _tablerows: they check their own rule, check_step
+    calls their self_check): the rule against autograd's through `forward`
+    (the module's own code, in reference mode with float64 copies of
+    module's parameters) for samples 0..k-1, per_sample(b, out) giving each
+    sample's cotangent, rows and gradients. UnsupportedModuleError naming
+    the layer; its probe cleared when the rule holds."""
+    w = layer.module.weight
+    with torch.enable_grad(), reference_mode(layer.engine, module) as copies:
+        w64 = copies[id(w)]
+        out = forward(*args, **kwargs)
+        for b in range(k):
+            cot, rows, g = per_sample(b, out)
+            (want,) = torch.autograd.grad(out, w64, cot, retain_graph=True)
+            got = torch.zeros_like(want).index_add_(0, rows, g.reshape(-1, want.shape[1]))
+            scale = max(float(want.norm()), 1e-30)
+            err = float((got - want).norm())
+            if not err <= tol * scale:
+                raise UnsupportedModuleError(
+                    "first-step check: module %s (trained as %s): its per-sample gradient "
+                    "differs from autograd's through %s by %.3g of its norm for sample %d: %s. "
+                    "Nothing was sent or updated"
+                    % (_label(layer.name, module), layer.what, through, err / scale, b,
+                       layer.hint))
+    layer.verify = None
 
 
 def _param_name(engine: Any, p: torch.Tensor) -> str:
