@@ -39,36 +39,39 @@ def on(device, model, *tensors):
     return (model.to(device),) + tuple(t.to(device) for t in tensors)
 
 
-def private(daemon, model, C, B):
+def private(daemon, model, C, B, reduction="mean", **kw):
     """(engine, model, optimizer): make_private with no noise, flat clipping
-    at C, a mean loss over B, SGD at learning rate 0."""
+    at C, a loss reduced by `reduction` over an expected batch B, SGD at
+    learning rate 0 (kw: make_private's other arguments)."""
     from dpclip.torch import PrivacyEngine  # noqa: E402 (the package after conftest's path)
     engine = PrivacyEngine(daemon.socket, allow_insecure_seed=True)
     model, opt, _ = engine.make_private(
         module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.0),
-        noise_multiplier=0.0, max_grad_norm=C, loss_reduction="mean", expected_batch_size=B)
+        noise_multiplier=0.0, max_grad_norm=C, loss_reduction=reduction,
+        expected_batch_size=B, **kw)
     return engine, model, opt
 
 
-def exact_step(daemon, model, kind, inputs, y, device, after_backward=None):
+def exact_step(daemon, model, kind, inputs, y, device, reduction="mean", expected=None, **kw):
     """One private step of the model on device (inputs, y: its batch; kind:
     per_sample_losses'), at C between the middle per-sample norms of the
-    float64 reference (so that some samples clip and some do not), every
-    parameter's .grad and the per-sample norms asserted against it and
-    every layer checked on the first step. after_backward(model) runs
-    between the backward and the step. Returns (engine, model), the
-    engine open."""
-    B = y.shape[0]
+    float64 reference (so that some samples clip and some do not), the loss
+    reduced by `reduction` over `expected` samples (None: the batch's);
+    no parameter given a gradient by autograd, every parameter's .grad and
+    the per-sample norms asserted against the reference and every layer
+    checked on the first step; kw goes to make_private. Returns (engine,
+    model), the engine open."""
+    from dpclip.torch import reduce_loss  # noqa: E402 (the package after conftest's path)
+    expected = y.shape[0] if expected is None else expected
     _, norms0, _ = reference(model, kind, inputs, y, 1e9, "sum", 1)
     C = between(norms0)
-    want, ref_norms, coefs = reference(model, kind, inputs, y, C, "mean", B)
+    want, ref_norms, coefs = reference(model, kind, inputs, y, C, reduction, expected)
     assert (coefs < 1).any() and (coefs == 1).any()
     model, *moved = on(device, model, *inputs, y)
     inputs, y = tuple(moved[:-1]), moved[-1]
-    engine, model, opt = private(daemon, model, C, B)
-    per_sample_losses(kind, model(*inputs), y).mean().backward()
-    if after_backward is not None:
-        after_backward(model)
+    engine, model, opt = private(daemon, model, C, expected, reduction, **kw)
+    reduce_loss(per_sample_losses(kind, model(*inputs), y), reduction).backward()
+    assert all(p.grad is None for p in model.parameters()), "autograd made a weight grad"
     opt.step()
     for n, p in model.named_parameters():
         assert p.grad is not None and max_rel(p.grad.cpu(), want[n]) < TOL[device], n

@@ -18,35 +18,18 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from dpclip.torch import PrivacyEngine, UnsupportedModuleError, reduce_loss, register
+from dpclip.torch import PrivacyEngine, UnsupportedModuleError, register
 from models import (GemmaLike, GemmaTextScaledWordEmbedding, OffsetLinear, OPTLike,
-                    per_sample_losses, prose, reference)
-from models import between as _between, max_rel as _max_rel
+                    exact_step, prose)
 
 B, T = 6, 10
 
 
 def _exact(daemon, model, inputs, y, reduction="mean", **kw):
-    """make_private and one step; every parameter's gradient and the norms
-    against the per-sample f64 reference, with about half the samples
-    clipped. Returns the engine."""
-    _, norms0, _ = reference(model, "seq", inputs, y, 1e9, "sum", 1)
-    C = _between(norms0)
-    want, ref_norms, coefs = reference(model, "seq", inputs, y, C, reduction, B + 1)
-    assert (coefs < 1).any() and (coefs == 1).any()
-    engine = PrivacyEngine(daemon.socket, allow_insecure_seed=True)
-    model, opt, _ = engine.make_private(
-        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.0),
-        noise_multiplier=0.0, max_grad_norm=C, loss_reduction=reduction,
-        expected_batch_size=B + 1, **kw)
-    reduce_loss(per_sample_losses("seq", model(*inputs), y), reduction).backward()
-    assert all(p.grad is None for p in model.parameters()), "autograd made a weight grad"
-    opt.step()
-    for n, p in model.named_parameters():
-        assert p.grad is not None and _max_rel(p.grad, want[n]) < 2e-4, n
-    assert _max_rel(engine.last_norms, ref_norms) < 1e-4
-    assert all(l.verify is None for l in engine._layers), "a layer left unchecked"
-    return engine
+    """make_private and one step (models.exact_step over an expected batch
+    of B + 1, on the CPU). Returns the engine."""
+    return exact_step(daemon, model, "seq", inputs, y, "cpu", reduction=reduction,
+                      expected=B + 1, **kw)[0]
 
 
 def _prose_with_padding(seed):
