@@ -685,7 +685,7 @@ def _collect_layers(engine: Any, module: nn.Module
     cannot train. A parameter owned by an unsupported module is fine where
     a supported one uses it too (BERT's prediction head holds the bias its
     decoder Linear uses)."""
-    from . import _params, _registry  # noqa: E402 (they import this module)
+    from . import _linfn, _params, _registry  # noqa: E402 (they import this module)
 
     layers, norms, pending = [], [], []
     owner = {}  # id(param) -> the _Layer that trains it
@@ -720,12 +720,14 @@ def _collect_layers(engine: Any, module: nn.Module
                                "bias" if p is l.bias else "weight"))
                     _tie(other, l)
             layers.append(l)
-    # raw parameters broadcast over the batch (ViT's tokens), of modules no
-    # layer trains, once every other layer owns what it trains (BERT's head
-    # holds the bias its decoder Linear trains)
+    # raw parameters broadcast over the batch (ViT's tokens) or passed to
+    # F.linear (a router's, experts'), of modules no layer trains, once
+    # every other layer owns what it trains (BERT's head holds the bias its
+    # decoder Linear trains)
     for i, (name, m, own, supported) in enumerate(pending):
-        made = None if supported else _params.broadcast_layers(
-            engine, name, m, [(pn, p) for pn, p in own if id(p) not in owner])
+        left = [(pn, p) for pn, p in own if id(p) not in owner]
+        made = None if supported else (_params.broadcast_layers(engine, name, m, left) or
+                                       _linfn.layers_for(engine, name, m, left))
         for l in made or ():
             for p, _ in l.outputs():
                 owner[id(p)] = l

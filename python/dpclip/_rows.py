@@ -15,6 +15,8 @@ sid[r]'s), through:
 - elementwise functions, each operand's rows proved to the same map (an
   activation, dropout's mask, a residual sum, a product of two), or a
   constant or parameter broadcast over them;
+- columns of each row, split or sliced along the last dimension (a gated
+  MLP's gate and up halves);
 - dpclip's own output on such rows (RowsFn), which carries its map.
 A transpose, a sort, a scatter, a matmul with data, or anything else stops
 the proof (None), and the module is treated as before: its input's leading
@@ -44,6 +46,8 @@ _ELEMENTWISE = {
     "AddBackward0", "AddBackward1", "SubBackward0", "SubBackward1", "RsubBackward1",
     "MulBackward0", "MulBackward1", "DivBackward0", "DivBackward1",
 }
+# a part of each row: columns along the last dimension (_columns)
+_LAST_DIM = {"SplitBackward0", "SplitWithSizesBackward0", "SliceBackward0"}
 _MAX_NODES = 64
 Memo = Dict[int, Optional[torch.Tensor]]
 
@@ -111,6 +115,8 @@ def _visit(node: Any, n: int, d: int, batch: Optional[int], memo: Memo) -> Optio
         return found if found is not None else _rows(nexts[0], n, d, batch, memo)
     if name in ("IndexBackward0", "IndexSelectBackward0"):
         return _indexed(node, name, nexts[0], n, d, batch, memo)
+    if name in _LAST_DIM:
+        return _columns(node, nexts[0], n, batch, memo)
     if name not in _ELEMENTWISE:
         return None
     found = None
@@ -122,6 +128,19 @@ def _visit(node: Any, n: int, d: int, batch: Optional[int], memo: Memo) -> Optio
             return None
         found = sid
     return found
+
+
+def _columns(node: Any, nxt: Any, n: int, batch: Optional[int], memo: Memo
+             ) -> Optional[torch.Tensor]:
+    """Columns of rows taken along the last dimension (a gated MLP's chunk
+    into gate and up): the same rows as the source's."""
+    src = _sizes(node, "_saved_self_sym_sizes", "_saved_self_sizes")
+    dim = int(node._saved_dim)
+    if dim >= 2**63:  # saved as unsigned: -1 reads 2^64 - 1
+        dim -= 2**64
+    if len(src) != 2 or dim % 2 != 1:
+        return None
+    return _rows(nxt, n, src[-1], batch, memo)
 
 
 def _indexed(node: Any, name: str, nxt: Any, n: int, d: int, batch: Optional[int],

@@ -43,7 +43,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 import torch
 import torch.nn as nn
 
-from ._layers import UnsupportedModuleError, _label
+from ._layers import UnsupportedModuleError, _autocast_dtype, _label
 
 __all__ = ["install", "Probe", "check_step", "K"]
 
@@ -290,6 +290,9 @@ def _check_forward(layer: Any, args: tuple, kwargs: dict, outs: List[Any]) -> bo
         err = float((g.detach().double() - ref).abs().max()) / scale if ref.numel() else 0.0
         dts = [got.dtype] + [t.dtype for t in _flat(args) if t.is_floating_point()] + \
             [p.dtype for p in layer.module.parameters()]
+        # products inside the module ran in autocast's dtype (a bf16 patch
+        # convolution whose output a float parameter promotes back)
+        dts += [dt for dt in [_autocast_dtype(got.device.type)] if dt is not None]
         tol = _forward_tol(dts, got.device)
         if not err <= tol:
             raise UnsupportedModuleError(

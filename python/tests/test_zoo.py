@@ -144,22 +144,9 @@ if "LlamaForCausalLM + LoRA (peft)" in ARCHS:  # peft installed
             "multiplied into the activations"),
     })
 
-# transformers 5 reshaped some architectures: where the outcome differs,
-# this says what it is there.
-EXPECTED_TF5 = {
-    "MixtralForCausalLM": refused(
-        UnsupportedModuleError, "make_private", "model.layers.0.mlp.gate",
-        "transformers 5's router (MixtralTopKRouter) holds a bare weight, and its experts are "
-        "3-D parameters [experts, ...] of one module (grouped products): neither is a module "
-        "dpclip trains; transformers 4's Linear router and per-expert Linears are exact"),
-    # (not run yet under transformers 5: assumed built as Mixtral's there)
-    "Qwen2MoeForCausalLM": refused(
-        UnsupportedModuleError, "make_private", "model.layers.0.mlp",
-        "transformers 5 builds its experts as Mixtral's (a router with a bare weight, 3-D "
-        "expert parameters)"),
-}
-if int(transformers.__version__.split(".")[0]) >= 5:
-    EXPECTED.update(EXPECTED_TF5)
+# transformers 5 reshaped some architectures, with the same outcome: it keeps a mixture of experts' router as a bare weight and its
+# experts as 3-D parameters (Mixtral's, Qwen2-MoE's): exact through
+# dpclip._linfn, as transformers 4's per-expert Linears are.
 
 # See zoo_models.gelu_contiguous_grad: torch 1.13's f32 CPU gelu backward is
 # wrong for a non-contiguous incoming gradient (WhisperEncoder makes one),

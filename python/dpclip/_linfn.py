@@ -1,0 +1,257 @@
+"""Raw weights a module passes to F.linear itself: a mixture-of-experts
+router's weight [E, d] (transformers 5's MixtralTopKRouter), and experts
+kept as one 3-D parameter [E, p, d] whose forward calls
+F.linear(rows, W[e]) for the rows routed to expert e (MixtralExperts,
+Qwen2MoeExperts).
+
+Each (parameter, expert) pair is a Linear over the rows it was called on,
+so its per-sample gradient is the Linear's rule over those rows: the sum,
+over the sample's rows, of g_r x_r^T. The module's own forward runs as
+written (transformers' eager experts code where its config asks for
+another kernel) under a TorchFunctionMode that sees each call:
+- F.linear whose weight is a trained parameter, or W[e], the view of one
+  expert of a 3-D one (and no bias), runs through LinFn: the same product
+  with autocast's casts, whose backward captures the rows and their output
+  gradient and gives autograd no weight gradient;
+- any other use of a trained parameter, or of a view of one, refuses the
+  module, naming the function: dpclip would not know the per-sample rule.
+The rows' samples are proved from the autograd graph (dpclip._rows: a
+reshape of the batch-first hidden states, then the rows an index picked),
+and each pair's rows are placed zero-padded in [B, Tmax, d] (a zero row
+adds nothing). A pair no row reached sends zeros. The squared norms of the
+pairs sum to the parameter's (the experts' slices are disjoint), which the
+daemon adds with every other layer's before the clip.
+
+Which modules are tried is chosen at make_private: a module that is not
+torch's, with trainable parameters of two or three dimensions only, whose
+forward's source calls linear(. Whether it uses them only that way is
+checked at each forward, as above."""
+import inspect
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+from . import _rows
+from ._layers import (Part, UnsupportedModuleError, _autocast_dtype, _cast, _label, _Layer,
+                      _part)
+
+__all__ = ["layers_for", "LinFnLayer"]
+
+# Tensor attribute reads and shape queries: harmless on a trained parameter
+_READS = {"__get__", "size", "dim", "numel", "stride", "__getitem__", "__len__",
+          "is_contiguous", "storage_offset", "data_ptr", "is_floating_point"}
+
+
+class LinFn(torch.autograd.Function):
+    """F.linear(x, w) for one (parameter, expert) pair; backward captures
+    (rows, output gradient) for the layer and returns x's gradient only."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor, layer: "LinFnLayer",
+                key: Tuple[int, int], sid: Optional[torch.Tensor]) -> torch.Tensor:
+        dt = _autocast_dtype(x.device.type) if x.is_floating_point() else None
+        xc, wc = _cast(x, dt), _cast(w, dt)
+        ctx.layer, ctx.key, ctx.sid = layer, key, sid
+        if sid is not None:  # the output's rows are x's (dpclip._rows reads this)
+            ctx.dpclip_sid = sid.cpu()
+        ctx.pass_id = layer.engine._pass  # pylint: disable=protected-access
+        ctx.x_dtype = x.dtype
+        ctx.save_for_backward(xc, wc)
+        return F.linear(xc, wc)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> Tuple[Optional[torch.Tensor], None, None, None,
+                                                     None]:
+        xc, wc = ctx.saved_tensors
+        ctx.layer.take(xc, g, ctx.key, ctx.sid, ctx.pass_id)
+        gx = None
+        if ctx.needs_input_grad[0]:
+            gx = torch.matmul(g, wc if wc.dtype == g.dtype else wc.to(g.dtype))
+            if gx.dtype != ctx.x_dtype:
+                gx = gx.to(ctx.x_dtype)
+        return gx, None, None, None, None
+
+
+def _tensors(obj: Any) -> List[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, (list, tuple)):
+        return [t for o in obj for t in _tensors(o)]
+    if isinstance(obj, dict):
+        return [t for o in obj.values() for t in _tensors(o)]
+    return []
+
+
+class _Uses(TorchFunctionMode):
+    """The mode the module's forward runs under (see the module docstring)."""
+
+    def __init__(self, layer: "LinFnLayer") -> None:
+        super().__init__()
+        self.layer = layer
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (),
+                           kwargs: Optional[Dict[str, Any]] = None) -> Any:
+        kwargs = kwargs or {}
+        layer = self.layer
+        if func is F.linear:
+            w = args[1] if len(args) > 1 else kwargs.get("weight")
+            key = layer.key_of(w)
+            if key is not None:
+                bias = args[2] if len(args) > 2 else kwargs.get("bias")
+                if bias is not None:
+                    raise layer.refusal("F.linear with a bias")
+                x = args[0] if args else kwargs["input"]
+                return LinFn.apply(x, w, layer, key, layer.samples(x))
+        if getattr(func, "__name__", "") not in _READS and \
+                any(layer.owns(t) for t in _tensors((args, kwargs))):
+            raise layer.refusal(getattr(func, "__name__", str(func)))
+        return func(*args, **kwargs)
+
+
+class LinFnLayer(_Layer):
+    """A module's raw weights used through F.linear (the module docstring).
+    Records are batch-first ([B, Tmax, d], [B, Tmax, p]), each input tagged
+    with its (parameter, expert) pair as dpclip_key."""
+    rowwise = False
+    kind = "linear"
+
+    def __init__(self, engine: Any, name: str, module: nn.Module,
+                 own: List[Tuple[str, torch.Tensor]]) -> None:
+        self.pnames = [pn for pn, _ in own]
+        self.params = [p for _, p in own]
+        super().__init__(engine, name, module, weight=self.params[0], bias=False)
+        self.what = "raw weights used through F.linear (%s)" % ", ".join(self.pnames)
+        self.hint = ("its forward uses them otherwise: freeze them, or hold them in "
+                     "nn.Linear modules")
+        fwd = type(module).forward
+        impl = getattr(getattr(module, "config", None), "_experts_implementation", None)
+        # transformers 5's experts: a config may pick a fused kernel
+        # (grouped_mm), which calls no F.linear; the eager code it wraps does
+        self._eager = getattr(fwd, "__wrapped__", fwd) if impl not in (None, "eager") else None
+
+    def _setup(self) -> None:
+        self.d, self.p = self.params[0].shape[-1], self.params[0].shape[-2]
+
+    def outputs(self) -> List[Tuple[torch.Tensor, Optional[Any]]]:
+        return [(p, None) for p in self.params]
+
+    def active(self) -> bool:
+        return self.engine.active and torch.is_grad_enabled() and \
+            any(p.requires_grad for p in self.params) and \
+            not getattr(self.engine, "_reference", False)
+
+    def _forward(self, mod: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        x = args[0] if args and isinstance(args[0], torch.Tensor) else None
+        B = _rows.pass_batch(self.engine)
+        if x is not None and x.dim() == 2 and x.shape[0] != B:
+            # flattened tokens: the first-step check takes each sample's rows
+            self.sid = _rows.row_samples(x, B)
+        with _Uses(self):
+            return self.reference(mod, *args, **kwargs)
+
+    def reference(self, mod: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        if self._eager is not None:
+            return self._eager(mod, *args, **kwargs)
+        return self._orig_forward(*args, **kwargs)
+
+    # --- what the mode asks ---
+
+    def key_of(self, w: Any) -> Optional[Tuple[int, int]]:
+        """(parameter index, expert) of a weight that is a trained parameter
+        (expert 0) or one expert's view W[e] of a 3-D one, else None."""
+        if not isinstance(w, torch.Tensor):
+            return None
+        for i, p in enumerate(self.params):
+            if w is p and p.dim() == 2:
+                return i, 0
+            if p.dim() == 3 and w._base is p and tuple(w.shape) == tuple(p.shape[1:]) and \
+                    tuple(w.stride()) == tuple(p.stride()[1:]):
+                off = w.storage_offset() - p.storage_offset()
+                if off % p.stride(0) == 0 and 0 <= off // p.stride(0) < p.shape[0]:
+                    return i, off // p.stride(0)
+        return None
+
+    def owns(self, t: torch.Tensor) -> bool:
+        return any(t is p or t._base is p for p in self.params)
+
+    def refusal(self, how: str) -> UnsupportedModuleError:
+        return UnsupportedModuleError(
+            "module %s uses its parameters (%s) through %s: dpclip trains raw weights a "
+            "module passes to F.linear (whole, or one expert W[e] of a 3-D one) without a "
+            "bias; %s" % (_label(self.name, self.module), ", ".join(self.pnames), how,
+                          self.hint))
+
+    def samples(self, x: torch.Tensor) -> Optional[torch.Tensor]:
+        """The sample of each row of x [N, d] (None: x is batch-first
+        [B, T, d], or rows that are the batch), or refuses."""
+        B = _rows.pass_batch(self.engine)
+        if x.dim() >= 3 or (x.dim() == 2 and B is not None and x.shape[0] == B):
+            return None
+        if x.dim() == 2 and x.shape[0] == 0:
+            return torch.zeros(0, dtype=torch.long)
+        sid = _rows.row_samples(x, B) if x.dim() == 2 else None
+        if sid is None:
+            raise self.refusal("F.linear on rows %s whose samples dpclip cannot prove (a "
+                               "reshape of batch-first hidden states, rows picked by one "
+                               "index, elementwise functions of such)" % (tuple(x.shape),))
+        return sid
+
+    # --- what backward captures, and what a step sends ---
+
+    def take(self, x: torch.Tensor, g: torch.Tensor, key: Tuple[int, int],
+             sid: Optional[torch.Tensor], pass_id: int) -> None:
+        x, g = x.detach(), g.detach()
+        if sid is None:
+            xb = x.reshape(x.shape[0], -1, x.shape[-1])
+            gb = g.reshape(g.shape[0], -1, g.shape[-1])
+        else:
+            B = _rows.pass_batch(self.engine) or 1
+            xb, at = _rows.to_batch(x, sid, B)
+            if at is None:
+                gb = g.reshape(B, -1, g.shape[-1])
+            else:
+                gb = g.new_zeros((B, xb.shape[1], g.shape[-1])).index_put(at, g)
+        xb.dpclip_key = key  # type: ignore[attr-defined]
+        self.records.append((xb, gb, pass_id))
+        self.engine._acc.captured(pass_id)  # pylint: disable=protected-access
+
+    def parts(self, B: int, nb: int) -> List[Part]:
+        out = []
+        for i, (p, o) in enumerate(zip(self.params, self.outs)):
+            rows, d = p.shape[-2], p.shape[-1]
+            experts = p.shape[0] if p.dim() == 3 else 1
+            for e in range(experts):
+                recs = [(x, g) for x, g, _ in self.records
+                        if getattr(x, "dpclip_key", None) == (i, e)] if B else []
+                inp = torch.cat([x for x, _ in recs], 1) if recs else None
+                g = torch.cat([g for _, g in recs], 1) if recs else None
+                T = inp.shape[1] if inp is not None else 1
+                name = "%s.%s" % (self.name, self.pnames[i]) + ("[%d]" % e if experts > 1
+                                                                 else "")
+                out.append(_part(self, "linear", name, inp, g, (nb, T, d), (nb, T, rows),
+                                 (o, e * rows * d, (rows, d)), None, False))
+        return out
+
+
+def _calls_linear(m: nn.Module) -> bool:
+    fwd = type(m).forward
+    try:
+        src = inspect.getsource(getattr(fwd, "__wrapped__", fwd))
+    except (OSError, TypeError):
+        return False
+    return "linear(" in src
+
+
+def layers_for(engine: Any, name: str, m: nn.Module,
+               own: List[Tuple[str, torch.Tensor]]) -> Optional[List[_Layer]]:
+    """A layer for an otherwise unsupported module whose trainable
+    parameters (own) are all 2-D or 3-D and whose forward calls linear(,
+    else None."""
+    cls = type(m)
+    if not own or cls.__module__.startswith("torch.") or \
+            not all(p.dim() in (2, 3) for _, p in own) or not _calls_linear(m):
+        return None
+    return [LinFnLayer(engine, name, m, own)]

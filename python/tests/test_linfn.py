@@ -1,0 +1,119 @@
+"""Raw weights passed to F.linear by the module itself (dpclip._linfn,
+issue 41): transformers 5 keeps a mixture of experts' router as a bare
+weight [E, d] and its experts as 3-D parameters [E, p, d], each expert a
+call F.linear(rows routed to it, W[e]). Trained exactly against the
+per-sample f64 reference (sigma 0, flat clipping, C between the middle
+norms): each (parameter, expert) pair is a Linear over its rows. The
+structure is written out here (no transformers needed); any other use of
+such a weight is refused by name, and nothing is written."""
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from models import DEVICES, exact_step, per_sample_losses, private, prose
+
+B, T, D, E, I_, K = 6, 7, 16, 4, 24, 2
+
+
+class TopKRouter(nn.Module):
+    """A router with a bare weight: softmax over experts, the top k kept."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(E, D) * 0.3)
+
+    def forward(self, h):
+        logits = F.linear(h.reshape(-1, D), self.weight)
+        probs = torch.softmax(logits.float(), dim=-1)
+        top, idx = torch.topk(probs, K, dim=-1)
+        return top / top.sum(dim=-1, keepdim=True), idx
+
+
+class Experts(nn.Module):
+    """E experts as two 3-D parameters: expert e is a gated MLP on the rows
+    routed to it, F.linear(rows, W[e]) each."""
+
+    def __init__(self, misuse=False):
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(torch.randn(E, 2 * I_, D) * 0.2)
+        self.down_proj = nn.Parameter(torch.randn(E, D, I_) * 0.2)
+        self.misuse = misuse
+
+    def forward(self, h, idx, weights):
+        out = torch.zeros_like(h)
+        with torch.no_grad():
+            mask = F.one_hot(idx, num_classes=E).permute(2, 1, 0)
+            hit = (mask.sum(dim=(-1, -2)) > 0).nonzero()
+        for e in hit:
+            e = e[0]
+            pos, tok = torch.where(mask[e])
+            rows = h[tok]
+            if self.misuse:  # a matmul with the transposed view: no F.linear
+                gate, up = (rows @ self.gate_up_proj[e].t()).chunk(2, dim=-1)
+            else:
+                gate, up = F.linear(rows, self.gate_up_proj[e]).chunk(2, dim=-1)
+            y = F.linear(F.silu(gate) * up, self.down_proj[e])
+            out.index_add_(0, tok, y * weights[tok, pos, None])
+        return out
+
+
+class MoELM(nn.Module):
+    def __init__(self, V, misuse=False):
+        super().__init__()
+        self.emb = nn.Embedding(V, D)
+        self.gate = TopKRouter()
+        self.experts = Experts(misuse)
+        self.head = nn.Linear(D, V)
+
+    def forward(self, x):
+        h = self.emb(x)
+        rows = h.view(-1, D)
+        weights, idx = self.gate(rows)
+        moe = self.experts(rows, idx, weights.to(rows.dtype)).view(h.shape)
+        return self.head(h + moe)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_router_and_3d_experts_exact(daemon, device):
+    """Every parameter (the bare router weight, each expert's slice of the
+    3-D parameters) matches the per-sample reference; the per-sample rows
+    of each expert are padded, the experts no token reached send zeros."""
+    torch.manual_seed(0)
+    (x,), y, V = prose(B, T, seed=5)
+    engine, model = exact_step(daemon, MoELM(V), "seq", (x,), y, device)
+    kinds = {l.name: type(l).__name__ for l in engine._layers}
+    assert kinds["gate"] == kinds["experts"] == "LinFnLayer"
+    engine.close()
+
+
+def test_other_use_refused(daemon):
+    """An expert weight used through a matmul (not F.linear): refused at the
+    first forward, naming the module and the function; no gradient."""
+    torch.manual_seed(0)
+    (x,), y, V = prose(B, T, seed=5)
+    engine, model, opt = private(daemon, MoELM(V, misuse=True), 1.0, B)
+    with pytest.raises(Exception, match=r"module experts .* uses its parameters "
+                                        r"\(gate_up_proj, down_proj\) through"):
+        per_sample_losses("seq", model(x), y).mean().backward()
+    assert all(p.grad is None for p in model.parameters())
+    engine.close()
+
+
+def test_token_major_rows_refused(daemon):
+    """Rows whose samples are not provable (token-major: a transpose before
+    the reshape) are refused naming the module, never taken as sample-major."""
+
+    class TokenMajor(MoELM):
+        def forward(self, x):
+            h = self.emb(x)
+            rows = h.transpose(0, 1).reshape(-1, D)
+            weights, idx = self.gate(rows)
+            return self.head(h + self.experts(rows, idx, weights).view(T, B, D).transpose(0, 1))
+
+    torch.manual_seed(0)
+    (x,), y, V = prose(B, T, seed=5)
+    engine, model, opt = private(daemon, TokenMajor(V), 1.0, B)
+    with pytest.raises(Exception, match=r"module gate .* whose samples dpclip cannot prove"):
+        model(x)
+    engine.close()
