@@ -229,8 +229,9 @@ class LinFnLayer(_Layer):
                 inp = torch.cat([x for x, _ in recs], 1) if recs else None
                 g = torch.cat([g for _, g in recs], 1) if recs else None
                 T = inp.shape[1] if inp is not None else 1
-                name = "%s.%s" % (self.name, self.pnames[i]) + ("[%d]" % e if experts > 1
-                                                                 else "")
+                name = "%s.%s" % (self.name, self.pnames[i])
+                if experts > 1:
+                    name += "[%d]" % e
                 out.append(_part(self, "linear", name, inp, g, (nb, T, d), (nb, T, rows),
                                  (o, e * rows * d, (rows, d)), None, False))
         return out

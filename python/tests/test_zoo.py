@@ -144,9 +144,10 @@ if "LlamaForCausalLM + LoRA (peft)" in ARCHS:  # peft installed
             "multiplied into the activations"),
     })
 
-# transformers 5 reshaped some architectures, with the same outcome: it keeps a mixture of experts' router as a bare weight and its
-# experts as 3-D parameters (Mixtral's, Qwen2-MoE's): exact through
-# dpclip._linfn, as transformers 4's per-expert Linears are.
+# transformers 5 reshaped some architectures, with the same outcome: it
+# keeps a mixture of experts' router as a bare weight and its experts as
+# 3-D parameters (Mixtral's, Qwen2-MoE's), exact through dpclip._linfn as
+# transformers 4's per-expert Linears are.
 
 # See zoo_models.gelu_contiguous_grad: torch 1.13's f32 CPU gelu backward is
 # wrong for a non-contiguous incoming gradient (WhisperEncoder makes one),
