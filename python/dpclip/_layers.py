@@ -341,7 +341,7 @@ class _Layer:
         self.outs: List[Out] = []       # every Out its parts write, outputs()' order
         self.part0 = 0                  # index of its first part in a step
         # first-step check (dpclip._verify.Probe)
-        self.verify: Optional[Callable[[Any, tuple, dict, Any], None]] = None
+        self.verify: Optional[Callable[[Any, tuple, dict, Any], Any]] = None
         # how the check's errors name what the module is trained as, and the way out
         self.what: Optional[str] = None   # None: dpclip's layer of its kind
         self.hint = "this is a bug in dpclip: please report it"
@@ -395,7 +395,7 @@ class _Layer:
             else:
                 y = layer._forward(mod, *args, **kwargs)
             if layer.verify is not None:
-                layer.verify(layer, args, kwargs, y)
+                y = layer.verify(layer, args, kwargs, y)
             return y
 
         if self.via_super is not None:

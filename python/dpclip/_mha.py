@@ -96,7 +96,7 @@ class DPMultiheadAttention(nn.Module):
         if l is not None and l.active():
             y = _LinearFn.apply(x, w, b, l)
             if l.verify is not None:  # the first-step check (dpclip._verify)
-                l.verify(l, (x,), {}, y)
+                y = l.verify(l, (x,), {}, y)
             return y
         return F.linear(x, w, b)
 
@@ -106,7 +106,7 @@ class DPMultiheadAttention(nn.Module):
         if l is not None and l.active():
             y = _BiasKVFn.apply(p, B, l)
             if l.verify is not None:
-                l.verify(l, (B,), {}, y)
+                y = l.verify(l, (B,), {}, y)
             return y
         return p.reshape(1, 1, -1).expand(B, 1, p.shape[-1])
 

@@ -207,9 +207,16 @@ class Probe:
         self.forward_done = False
         self.uses: List[_Use] = []
 
-    def __call__(self, layer: Any, args: tuple, kwargs: dict, y: Any) -> None:
+    def __call__(self, layer: Any, args: tuple, kwargs: dict, y: Any) -> Any:
+        """Returns the output for the caller: y, or where the module returns
+        several tensors (a tuple or list), one made of views of them, so
+        that the hooks see only the gradient reaching each from outside
+        the module. A hook on the tensor itself would also see what flows
+        into it from another output made of it (a router returns its
+        logits and the top-k softmax of them): the reference would count
+        that twice."""
         if hasattr(layer, "self_check"):  # checks its own rule at the step (_tablerows)
-            return
+            return y
         try:
             outs = _tensors(y)
         except TypeError as e:
@@ -225,6 +232,9 @@ class Probe:
         # is checked when its micro-batch is sent
         done = layer.engine._acc.done()  # pylint: disable=protected-access
         self.uses = [u for u in self.uses if u.pass_id == pass_id or u.pass_id > done]
+        if len(outs) > 1 and type(y) in (tuple, list):
+            outs = [o.view_as(o) if o is not None and o.requires_grad else o for o in outs]
+            y = type(y)(outs)
         n0 = next((o.shape[0] for o in outs if o is not None and o.dim() > 0), 0)
         sid = layer.sid
         use = _Use(layer, pass_id, _keep(args, n0, sid), _keep(kwargs, n0, sid), n0, sid,
@@ -233,6 +243,7 @@ class Probe:
             if o is not None and o.requires_grad:
                 o.register_hook(_grad_keeper(use, i))
         self.uses.append(use)
+        return y
 
 
 def _grad_keeper(use: _Use, i: int) -> Any:

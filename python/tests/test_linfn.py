@@ -17,7 +17,9 @@ B, T, D, E, I_, K = 6, 7, 16, 4, 24, 2
 
 
 class TopKRouter(nn.Module):
-    """A router with a bare weight: softmax over experts, the top k kept."""
+    """A router with a bare weight: softmax over experts, the top k kept,
+    renormalized in place; it returns its logits too (the first-step
+    check must not count the gradient they pass to the weights twice)."""
 
     def __init__(self):
         super().__init__()
@@ -27,7 +29,8 @@ class TopKRouter(nn.Module):
         logits = F.linear(h.reshape(-1, D), self.weight)
         probs = torch.softmax(logits.float(), dim=-1)
         top, idx = torch.topk(probs, K, dim=-1)
-        return top / top.sum(dim=-1, keepdim=True), idx
+        top /= top.sum(dim=-1, keepdim=True)
+        return logits, top, idx
 
 
 class Experts(nn.Module):
@@ -69,7 +72,7 @@ class MoELM(nn.Module):
     def forward(self, x):
         h = self.emb(x)
         rows = h.view(-1, D)
-        weights, idx = self.gate(rows)
+        _, weights, idx = self.gate(rows)
         moe = self.experts(rows, idx, weights.to(rows.dtype)).view(h.shape)
         return self.head(h + moe)
 
@@ -108,7 +111,7 @@ def test_token_major_rows_refused(daemon):
         def forward(self, x):
             h = self.emb(x)
             rows = h.transpose(0, 1).reshape(-1, D)
-            weights, idx = self.gate(rows)
+            _, weights, idx = self.gate(rows)
             return self.head(h + self.experts(rows, idx, weights).view(T, B, D).transpose(0, 1))
 
     torch.manual_seed(0)
