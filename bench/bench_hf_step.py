@@ -100,14 +100,13 @@ def vit(tf, tiny):
 MODELS = {"gpt2": gpt2, "llama": llama, "mixtral": mixtral, "vit": vit}
 
 
-def batch_for(model, task, B, T, tiny, device):
+def batch_for(c, task, B, T, tiny, device):
     g = torch.Generator(device="cpu").manual_seed(1)
     if task == "lm":
-        V = model.config.vocab_size
+        V = c.vocab_size
         T = 32 if tiny else T
         x = torch.randint(0, V, (B, T), generator=g)
         return {"input_ids": x.to(device)}, torch.randint(0, V, (B, T), generator=g).to(device)
-    c = model.config
     x = torch.randn((B, c.num_channels, c.image_size, c.image_size), generator=g)
     return {"pixel_values": x.to(device)}, \
         torch.randint(0, c.num_labels, (B,), generator=g).to(device)
@@ -181,6 +180,7 @@ class Mode:
             model, task, (B, T) = MODELS[spec](tf, args.tiny)
         B = args.batch or (2 if args.tiny else B)
         model = model.to(device).train()
+        config = model.config  # (Opacus's wrapper hides it)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
         criterion = None
         if name == "dpclip":
@@ -191,7 +191,8 @@ class Mode:
         elif name == "opacus":
             model, opt, criterion = make_opacus(model, opt, B)
         self.model, self.opt, self.criterion = model, opt, criterion
-        self.inputs, self.y = batch_for(model, task, B, T, args.tiny, device)
+        self.inputs, self.y = batch_for(config, task, B, T, args.tiny, device)
+        self.experts = getattr(config, "_experts_implementation", None)
         self.bf16, self.task = args.bf16, task
         self.shape = (B, self.y.shape[1] if task == "lm" else 0)
         self.phases, self.steps_timed = {}, 0
@@ -274,6 +275,8 @@ def bench_model(args, device, spec, emit):
             for _ in range(args.warmup):
                 modes[name].step()
         head["batch"], head["seq"] = modes["plain"].shape
+        if modes["plain"].experts is not None:  # transformers 5's MoE kernel, as plain ran it
+            head["experts_implementation"] = modes["plain"].experts
         head["params_m"] = round(sum(p.numel() for p in modes["plain"].model.parameters())
                                  / 1e6, 1)
         for r in range(args.repeat):  # the modes take turns; which goes first alternates

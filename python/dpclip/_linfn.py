@@ -18,7 +18,9 @@ another kernel) under a TorchFunctionMode that sees each call:
 The rows' samples are proved from the autograd graph (dpclip._rows: a
 reshape of the batch-first hidden states, then the rows an index picked),
 and each pair's rows are placed zero-padded in [B, Tmax, d] (a zero row
-adds nothing). A pair no row reached sends zeros. The squared norms of the
+adds nothing). A pair no row reached sends zeros. The first step checks
+that placement against autograd through F.linear on each sample's own
+rows (LinFnLayer.self_check says why not through the whole module). The squared norms of the
 pairs sum to the parameter's (the experts' slices are disjoint), which the
 daemon adds with every other layer's before the clip.
 
@@ -39,6 +41,10 @@ from ._layers import (Part, UnsupportedModuleError, _autocast_dtype, _cast, _lab
                       _part)
 
 __all__ = ["layers_for", "LinFnLayer"]
+
+# the first-step check: how many captures, and samples of each, it compares
+_PROBE_RECORDS = 256
+_PROBE_SAMPLES = 4
 
 # Tensor attribute reads and shape queries: harmless on a trained parameter
 _READS = {"__get__", "size", "dim", "numel", "stride", "__getitem__", "__len__",
@@ -131,6 +137,9 @@ class LinFnLayer(_Layer):
         # transformers 5's experts: a config may pick a fused kernel
         # (grouped_mm), which calls no F.linear; the eager code it wraps does
         self._eager = getattr(fwd, "__wrapped__", fwd) if impl not in (None, "eager") else None
+        # the first step's captures, for self_check
+        self._probe: List[Tuple[Tuple[int, int], torch.Tensor, torch.Tensor,
+                                Optional[torch.Tensor], torch.Tensor, torch.Tensor]] = []
 
     def _setup(self) -> None:
         self.d, self.p = self.params[0].shape[-1], self.params[0].shape[-2]
@@ -215,8 +224,44 @@ class LinFnLayer(_Layer):
             else:
                 gb = g.new_zeros((B, xb.shape[1], g.shape[-1])).index_put(at, g)
         xb.dpclip_key = key  # type: ignore[attr-defined]
+        if self.verify is not None and len(self._probe) < _PROBE_RECORDS:
+            self._probe.append((key, x, g, sid, xb, gb))
         self.records.append((xb, gb, pass_id))
         self.engine._acc.captured(pass_id)  # pylint: disable=protected-access
+
+    def self_check(self, tol: float) -> None:
+        """The first step's check (dpclip._verify.check_step calls it): for
+        the first samples, the per-sample gradient each pair's step tensors
+        give (rows placed per sample, zero-padded) against autograd's
+        through F.linear on that sample's own rows, in f64. Rather than
+        against the module's whole forward, as other layers are checked:
+        that forward is the module's own code with only F.linear replaced
+        by the same product, every other autograd path to the parameters
+        leaves them a gradient the step refuses, and under bf16 a
+        router's top-k can pick other experts in f64 than it did (near
+        ties), which would refuse an exact layer."""
+        if not self._probe:  # not called yet: checked at a later step
+            return
+        for key, x, g, sid, xb, gb in self._probe:
+            for b in range(min(xb.shape[0], _PROBE_SAMPLES)):
+                rows = slice(b, b + 1) if sid is None else (sid == b).to(x.device)
+                xr = x[rows].double().reshape(-1, x.shape[-1])
+                gr = g[rows].double().reshape(-1, g.shape[-1])
+                w = torch.zeros((g.shape[-1], x.shape[-1]), dtype=torch.float64,
+                                device=x.device, requires_grad=True)
+                (want,) = torch.autograd.grad(F.linear(xr, w), w, gr, allow_unused=True)
+                want = want if want is not None else torch.zeros_like(w)
+                got = torch.einsum("tp,td->pd", gb[b].double(), xb[b].double())
+                err = float((got - want).norm())
+                if not err <= tol * max(float(want.norm()), 1e-30):
+                    raise UnsupportedModuleError(
+                        "first-step check: module %s (trained as %s), %s expert %d: its "
+                        "per-sample gradient differs from autograd's through F.linear on "
+                        "sample %d's rows by %.3g: %s. Nothing was sent or updated"
+                        % (_label(self.name, self.module), self.what, self.pnames[key[0]],
+                           key[1], b, err, self.hint))
+        self._probe = []
+        self.verify = None
 
     def parts(self, B: int, nb: int) -> List[Part]:
         out = []

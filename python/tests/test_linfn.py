@@ -120,3 +120,26 @@ def test_token_major_rows_refused(daemon):
     with pytest.raises(Exception, match=r"module gate .* whose samples dpclip cannot prove"):
         model(x)
     engine.close()
+
+
+def test_first_step_check_catches_misplaced_rows(daemon, monkeypatch):
+    """The first-step check compares the rows as placed for the daemon with
+    each sample's own rows: rows given to the wrong sample (a broken
+    placement, simulated) are refused before anything is sent."""
+    from dpclip import _linfn, _rows
+
+    place = _rows.to_batch
+
+    def shifted(x, sid, B):
+        return place(x, (sid + 1) % B, B)
+
+    monkeypatch.setattr(_linfn._rows, "to_batch", shifted)
+    torch.manual_seed(0)
+    (x,), y, V = prose(B, T, seed=5)
+    engine, model, opt = private(daemon, MoELM(V), 1.0, B)
+    per_sample_losses("seq", model(x), y).mean().backward()
+    with pytest.raises(Exception, match=r"first-step check: module (gate|experts) .* "
+                                        r"differs from autograd's through F.linear"):
+        opt.step()
+    assert all(p.grad is None for p in model.parameters())
+    engine.close()
