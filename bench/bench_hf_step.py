@@ -16,7 +16,11 @@ Models, built from configs (nothing downloaded), dropout off:
   experts of 2048, 16 heads over 4 key/value heads, vocabulary 32000),
   B8 T512: under transformers 5 a bare router weight and 3-D expert
   parameters (dpclip._linfn), under 4 per-expert Linears;
-- vit: ViT-Base/16 (ViTForImageClassification, 224x224, 1000 classes), B32.
+- vit: ViT-Base/16 (ViTForImageClassification, 224x224, 1000 classes),
+  B128 (DeiT-B's batch per GPU: 1024 over 8).
+--batch overrides a model's batch; --experts names transformers 5's
+experts kernel for every mode (default: the model's own choice, grouped_mm
+where torch has it; dpclip runs the eager code it wraps).
 --tiny shrinks each to a few layers for a CPU smoke test.
 
 For each model, in one process: plain autograd and dpclip (the model
@@ -94,7 +98,7 @@ def vit(tf, tiny):
         kw.update(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=2, image_size=32, patch_size=8, num_labels=10)
     return tf.ViTForImageClassification(_eager(tf.ViTConfig(
-        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, **kw))), "image", (32, 0)
+        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, **kw))), "image", (128, 0)
 
 
 MODELS = {"gpt2": gpt2, "llama": llama, "mixtral": mixtral, "vit": vit}
@@ -178,6 +182,8 @@ class Mode:
         where = device if hasattr(device, "__enter__") else contextlib.nullcontext()
         with where:
             model, task, (B, T) = MODELS[spec](tf, args.tiny)
+        if args.experts:
+            model.config._experts_implementation = args.experts
         B = args.batch or (2 if args.tiny else B)
         model = model.to(device).train()
         config = model.config  # (Opacus's wrapper hides it)
@@ -360,6 +366,8 @@ def main():
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--repeat", type=int, default=5, help="rounds per mode")
     ap.add_argument("--opacus-repeat", type=int, default=3)
+    ap.add_argument("--experts", default=None, help="transformers 5's experts kernel (eager, "
+                    "grouped_mm, ...) for every mode; default: the model's")
     ap.add_argument("--fp32", dest="bf16", action="store_false", help="no bf16 autocast")
     ap.add_argument("--device", default="auto")
     args = ap.parse_args()
