@@ -4,6 +4,11 @@ kept as one 3-D parameter [E, p, d] whose forward calls
 F.linear(rows, W[e]) for the rows routed to expert e (MixtralExperts,
 Qwen2MoeExperts).
 
+transformers 5's default kernel for them, grouped_mm, instead sorts the
+(token, choice) rows by expert and calls one grouped product per
+projection, fn(rows, W.transpose(-2, -1), offs=ends of each expert's
+rows): GroupedLinFn runs that call as it is and captures its rows.
+
 Each (parameter, expert) pair is a Linear over the rows it was called on,
 so its per-sample gradient is the Linear's rule over those rows: the sum,
 over the sample's rows, of g_r x_r^T. The module's own forward runs as
@@ -81,6 +86,47 @@ class LinFn(torch.autograd.Function):
         return gx, None, None, None, None
 
 
+class GroupedLinFn(torch.autograd.Function):
+    """A grouped product fn(x, w, offs=offs) (transformers 5's grouped_mm
+    experts: rows sorted by expert, w the 3-D parameter transposed,
+    [E, d, p]); backward captures the rows and their output gradients for
+    the layer's experts and returns x's gradient only."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, fn: Any,
+                layer: "LinFnLayer", i: int, sid: torch.Tensor) -> torch.Tensor:
+        ctx.fn, ctx.layer, ctx.i, ctx.sid = fn, layer, i, sid
+        ctx.pass_id = layer.engine._pass  # pylint: disable=protected-access
+        ctx.dpclip_sid = sid  # the output's rows are x's (dpclip._rows reads this)
+        ctx.save_for_backward(x, w, offs)
+        return fn(x, w, offs=offs)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> Tuple[Optional[torch.Tensor], None, None, None,
+                                                     None, None, None]:
+        x, w, offs = ctx.saved_tensors
+        ctx.layer.take_grouped(x, g, offs, ctx.i, ctx.sid, ctx.pass_id)
+        gx = None
+        if ctx.needs_input_grad[0]:
+            # the same grouped product against the parameter's own layout [E, p, d]
+            gx = ctx.fn(g.to(w.dtype), w.transpose(-2, -1), offs=offs)
+            if gx.dtype != x.dtype:
+                gx = gx.to(x.dtype)
+        return gx, None, None, None, None, None, None
+
+
+def _grouped_fns() -> Tuple[Any, ...]:
+    """torch's grouped products where it has them (2.8 and later), and
+    transformers 5's fallback op: called as fn(x, w, offs=offs)."""
+    fns = [f for f in (getattr(F, "grouped_mm", None), getattr(torch, "_grouped_mm", None))
+           if f is not None]
+    try:
+        fns.append(torch.ops.transformers.grouped_mm_fallback)
+    except (AttributeError, RuntimeError):
+        pass
+    return tuple(fns)
+
+
 def _tensors(obj: Any) -> List[torch.Tensor]:
     if isinstance(obj, torch.Tensor):
         return [obj]
@@ -97,6 +143,7 @@ class _Uses(TorchFunctionMode):
     def __init__(self, layer: "LinFnLayer") -> None:
         super().__init__()
         self.layer = layer
+        self.grouped = _grouped_fns()
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (),
                            kwargs: Optional[Dict[str, Any]] = None) -> Any:
@@ -111,6 +158,13 @@ class _Uses(TorchFunctionMode):
                     raise layer.refusal("F.linear with a bias")
                 x = args[0] if args else kwargs["input"]
                 return LinFn.apply(x, w, layer, key, layer.samples(x))
+        if func in self.grouped:
+            w = args[1] if len(args) > 1 else kwargs.get("mat2", kwargs.get("weight"))
+            i = layer.grouped_of(w)
+            offs = args[2] if len(args) > 2 else kwargs.get("offs")
+            if i is not None and offs is not None and len(args) + len(kwargs) == 3:
+                x = args[0] if args else kwargs.get("input", kwargs.get("mat1"))
+                return GroupedLinFn.apply(x, w, offs, func, layer, i, layer.rows_of(x))
         if getattr(func, "__name__", "") not in _READS and \
                 any(layer.owns(t) for t in _tensors((args, kwargs))):
             raise layer.refusal(getattr(func, "__name__", str(func)))
@@ -136,7 +190,9 @@ class LinFnLayer(_Layer):
         impl = getattr(getattr(module, "config", None), "_experts_implementation", None)
         # transformers 5's experts: a config may pick a fused kernel
         # (grouped_mm), which calls no F.linear; the eager code it wraps does
-        self._eager = getattr(fwd, "__wrapped__", fwd) if impl not in (None, "eager") else None
+        # (grouped_mm's products are captured as they are: GroupedLinFn)
+        self._eager = getattr(fwd, "__wrapped__", fwd) \
+            if impl not in (None, "eager", "grouped_mm") else None
         # the first step's captures, for self_check
         self._probe: List[Tuple[Tuple[int, int], torch.Tensor, torch.Tensor,
                                 Optional[torch.Tensor], torch.Tensor, torch.Tensor]] = []
@@ -183,6 +239,28 @@ class LinFnLayer(_Layer):
                     return i, off // p.stride(0)
         return None
 
+    def grouped_of(self, w: Any) -> Optional[int]:
+        """The index of the 3-D parameter w is the transpose of ([E, d, p]
+        from [E, p, d]: a grouped product's weight), else None."""
+        if not isinstance(w, torch.Tensor) or w.dim() != 3:
+            return None
+        for i, p in enumerate(self.params):
+            if p.dim() == 3 and w._base is p and \
+                    tuple(w.shape) == (p.shape[0], p.shape[2], p.shape[1]) and \
+                    tuple(w.stride()) == (p.stride(0), p.stride(2), p.stride(1)) and \
+                    w.storage_offset() == p.storage_offset():
+                return i
+        return None
+
+    def rows_of(self, x: torch.Tensor) -> torch.Tensor:
+        """The sample of each row of x [S, d], rows a grouped product takes
+        (sorted by expert), or refuses."""
+        sid = _rows.row_samples(x, _rows.pass_batch(self.engine)) if x.dim() == 2 else None
+        if sid is None:
+            raise self.refusal("a grouped product on rows %s whose samples dpclip cannot prove"
+                               % (tuple(x.shape),))
+        return sid
+
     def owns(self, t: torch.Tensor) -> bool:
         return any(t is p or t._base is p for p in self.params)
 
@@ -228,6 +306,44 @@ class LinFnLayer(_Layer):
             self._probe.append((key, x, g, sid, xb, gb))
         self.records.append((xb, gb, pass_id))
         self.engine._acc.captured(pass_id)  # pylint: disable=protected-access
+
+    def take_grouped(self, x: torch.Tensor, g: torch.Tensor, offs: torch.Tensor, i: int,
+                     sid: torch.Tensor, pass_id: int) -> None:
+        """A grouped product's capture: rows [S, d] sorted by expert (expert
+        e's are offs[e-1]..offs[e]; rows past offs[-1] are none's), placed
+        per expert and sample in [E, B, Tmax, d], zeros elsewhere: one
+        read of the counts from the device, the rest there."""
+        x, g = x.detach(), g.detach()
+        E = self.params[i].shape[0]
+        B = _rows.pass_batch(self.engine) or 1
+        S, dev = x.shape[0], x.device
+        r = torch.arange(S, device=dev)
+        e = torch.searchsorted(offs.long(), r, right=True)  # E past the last group
+        s = sid.to(dev)
+        key = torch.where(e < E, e * B + s, torch.full_like(s, E * B))
+        counts = torch.bincount(key, minlength=E * B + 1)
+        order = torch.sort(key, stable=True)[1]
+        starts = torch.cumsum(counts, 0) - counts
+        pos = torch.empty_like(key)
+        pos[order] = r - starts[key[order]]
+        c = counts[:E * B].view(E, B).cpu()  # the one read back
+        most = max(int(c.max()), 1)
+        ok = e < E
+        at = (e[ok], s[ok], pos[ok])
+        bx = x.new_zeros((E, B, most, x.shape[1])).index_put_(at, x[ok])
+        bg = g.new_zeros((E, B, most, g.shape[1])).index_put_(at, g[ok])
+        per_expert = c.sum(1)
+        ends = offs.long().cpu() if self.verify is not None else None
+        for k in range(E):
+            if not int(per_expert[k]):
+                continue  # no row: the step sends this expert zeros
+            xb, gb = bx[k], bg[k]
+            xb.dpclip_key = (i, k)  # type: ignore[attr-defined]
+            if ends is not None and len(self._probe) < _PROBE_RECORDS:
+                lo, hi = int(ends[k - 1]) if k else 0, int(ends[k])
+                self._probe.append(((i, k), x[lo:hi], g[lo:hi], sid[lo:hi], xb, gb))
+            self.records.append((xb, gb, pass_id))
+            self.engine._acc.captured(pass_id)  # pylint: disable=protected-access
 
     def self_check(self, tol: float) -> None:
         """The first step's check (dpclip._verify.check_step calls it): for

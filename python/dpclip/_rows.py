@@ -45,6 +45,7 @@ _ELEMENTWISE = {
     "HardswishBackward0", "MishBackward0", "PowBackward0", "ExpBackward0",
     "AddBackward0", "AddBackward1", "SubBackward0", "SubBackward1", "RsubBackward1",
     "MulBackward0", "MulBackward1", "DivBackward0", "DivBackward1",
+    "MaskedFillBackward0",
 }
 # a part of each row: columns along the last dimension (_columns)
 _LAST_DIM = {"SplitBackward0", "SplitWithSizesBackward0", "SliceBackward0"}

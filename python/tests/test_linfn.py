@@ -61,12 +61,46 @@ class Experts(nn.Module):
         return out
 
 
+GMM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+
+
+def grouped(x, w, offs):
+    """x [S, d] @ w [E, d, p] by groups of rows (offs: their ends): torch's
+    grouped product where it takes the dtype, else group by group (the
+    float64 reference)."""
+    if GMM is not None and x.dtype != torch.float64:
+        return GMM(x, w, offs=offs)
+    ends = offs.tolist()
+    return torch.cat([x[a:b] @ w[e] for e, (a, b) in enumerate(zip([0] + ends[:-1], ends))])
+
+
+class GroupedExperts(Experts):
+    """The same experts computed as transformers 5's grouped_mm kernel does:
+    the (token, choice) rows sorted by expert, one grouped product per
+    projection against the transposed 3-D parameter, masked_fill on the
+    rows, the routing weights, the rows put back in order and summed."""
+
+    def forward(self, h, idx, weights):
+        k = idx.shape[-1]
+        ids, perm = torch.sort(idx.reshape(-1))
+        rows = h[perm // k]
+        rows.masked_fill_(torch.zeros_like(rows[:, :1], dtype=torch.bool), 0.0)
+        offs = torch.cumsum(torch.bincount(ids, minlength=E), 0, dtype=torch.int32)
+        up = grouped(rows.to(self.gate_up_proj.dtype), self.gate_up_proj.transpose(-2, -1), offs)
+        gate, up = up.chunk(2, dim=-1)
+        y = grouped(F.silu(gate) * up, self.down_proj.transpose(-2, -1), offs)
+        y = y * weights.reshape(-1)[perm].unsqueeze(-1)
+        back = torch.empty_like(perm)
+        back[perm] = torch.arange(perm.numel(), device=perm.device)
+        return y[back].view(-1, k, D).sum(1)
+
+
 class MoELM(nn.Module):
-    def __init__(self, V, misuse=False):
+    def __init__(self, V, misuse=False, experts=Experts):
         super().__init__()
         self.emb = nn.Embedding(V, D)
         self.gate = TopKRouter()
-        self.experts = Experts(misuse)
+        self.experts = experts(misuse)
         self.head = nn.Linear(D, V)
 
     def forward(self, x):
@@ -87,6 +121,18 @@ def test_router_and_3d_experts_exact(daemon, device):
     engine, model = exact_step(daemon, MoELM(V), "seq", (x,), y, device)
     kinds = {l.name: type(l).__name__ for l in engine._layers}
     assert kinds["gate"] == kinds["experts"] == "LinFnLayer"
+    engine.close()
+
+
+@pytest.mark.skipif(GMM is None, reason="torch has no grouped product (2.8 and later)")
+@pytest.mark.parametrize("device", DEVICES)
+def test_grouped_product_experts_exact(daemon, device):
+    """transformers 5's grouped_mm experts: the grouped products captured as
+    they run (GroupedLinFn), each expert's rows placed per sample; every
+    parameter matches the per-sample reference."""
+    torch.manual_seed(0)
+    (x,), y, V = prose(B, T, seed=5)
+    engine, model = exact_step(daemon, MoELM(V, experts=GroupedExperts), "seq", (x,), y, device)
     engine.close()
 
 
