@@ -51,9 +51,12 @@ __all__ = ["layers_for", "LinFnLayer"]
 _PROBE_RECORDS = 256
 _PROBE_SAMPLES = 4
 
-# Tensor attribute reads and shape queries: harmless on a trained parameter
-_READS = {"__get__", "size", "dim", "numel", "stride", "__getitem__", "__len__",
-          "is_contiguous", "storage_offset", "data_ptr", "is_floating_point"}
+# Tensor attribute reads and shape queries, harmless on a trained parameter,
+# and views of it (one expert's W[e], the transpose a grouped product
+# takes), each of whose uses is checked in turn (_Uses)
+_READS = {"__get__", "size", "dim", "numel", "stride", "__len__", "is_contiguous",
+          "storage_offset", "data_ptr", "is_floating_point", "__getitem__", "select",
+          "transpose", "t", "permute", "view", "unsqueeze", "squeeze"}
 
 
 class LinFn(torch.autograd.Function):
