@@ -31,7 +31,7 @@ daemon adds with every other layer's before the clip.
 
 Which modules are tried is chosen at make_private: a module that is not
 torch's, with trainable parameters of two or three dimensions only, whose
-forward's source calls linear(. Whether it uses them only that way is
+forward's source calls linear( or a grouped product. Whether it uses them only that way is
 checked at each forward, as above."""
 import inspect
 from typing import Any, Dict, List, Optional, Tuple
@@ -96,13 +96,13 @@ class GroupedLinFn(torch.autograd.Function):
     the layer's experts and returns x's gradient only."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, fn: Any,
+    def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, call: Any,
                 layer: "LinFnLayer", i: int, sid: torch.Tensor) -> torch.Tensor:
-        ctx.fn, ctx.layer, ctx.i, ctx.sid = fn, layer, i, sid
+        ctx.call, ctx.layer, ctx.i, ctx.sid = call, layer, i, sid
         ctx.pass_id = layer.engine._pass  # pylint: disable=protected-access
         ctx.dpclip_sid = sid  # the output's rows are x's (dpclip._rows reads this)
         ctx.save_for_backward(x, w, offs)
-        return fn(x, w, offs=offs)
+        return call(x, w)
 
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor) -> Tuple[Optional[torch.Tensor], None, None, None,
@@ -112,7 +112,7 @@ class GroupedLinFn(torch.autograd.Function):
         gx = None
         if ctx.needs_input_grad[0]:
             # the same grouped product against the parameter's own layout [E, p, d]
-            gx = ctx.fn(g.to(w.dtype), w.transpose(-2, -1), offs=offs)
+            gx = ctx.call(g.to(w.dtype), w.transpose(-2, -1))
             if gx.dtype != x.dtype:
                 gx = gx.to(x.dtype)
         return gx, None, None, None, None, None, None
@@ -161,13 +161,17 @@ class _Uses(TorchFunctionMode):
                     raise layer.refusal("F.linear with a bias")
                 x = args[0] if args else kwargs["input"]
                 return LinFn.apply(x, w, layer, key, layer.samples(x))
-        if func in self.grouped:
-            w = args[1] if len(args) > 1 else kwargs.get("mat2", kwargs.get("weight"))
+        if func in self.grouped and len(args) >= 2:
+            # fn(rows, weight, offs, [bias, out_dtype]), offs maybe by keyword
+            x, w, rest = args[0], args[1], args[2:]
             i = layer.grouped_of(w)
-            offs = args[2] if len(args) > 2 else kwargs.get("offs")
-            if i is not None and offs is not None and len(args) + len(kwargs) == 3:
-                x = args[0] if args else kwargs.get("input", kwargs.get("mat1"))
-                return GroupedLinFn.apply(x, w, offs, func, layer, i, layer.rows_of(x))
+            offs = rest[0] if rest else kwargs.get("offs")
+            extra = list(rest[1:]) + [v for k, v in kwargs.items() if k != "offs"]
+            if i is not None and isinstance(offs, torch.Tensor) and \
+                    all(v is None for v in extra):
+                def call(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+                    return func(a, b, *rest, **kwargs)
+                return GroupedLinFn.apply(x, w, offs, call, layer, i, layer.rows_of(x))
         if getattr(func, "__name__", "") not in _READS and \
                 any(layer.owns(t) for t in _tensors((args, kwargs))):
             raise layer.refusal(getattr(func, "__name__", str(func)))
@@ -407,7 +411,7 @@ def _calls_linear(m: nn.Module) -> bool:
         src = inspect.getsource(getattr(fwd, "__wrapped__", fwd))
     except (OSError, TypeError):
         return False
-    return "linear(" in src
+    return "linear(" in src or "grouped" in src
 
 
 def layers_for(engine: Any, name: str, m: nn.Module,
