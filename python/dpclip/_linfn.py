@@ -34,7 +34,7 @@ torch's, with trainable parameters of two or three dimensions only, whose
 forward's source calls linear( or a grouped product. Whether it uses them only that way is
 checked at each forward, as above."""
 import inspect
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, NamedTuple, Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -89,6 +89,17 @@ class LinFn(torch.autograd.Function):
         return gx, None, None, None, None
 
 
+class Placement(NamedTuple):
+    """Where a grouped product's first n rows go: [E, B, most] at idx
+    (expert, sample, position: device tensors), rows per expert, and each
+    expert's end row (host lists)."""
+    n: int
+    most: int
+    per_expert: List[int]
+    ends: List[int]
+    idx: Tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+
+
 class GroupedLinFn(torch.autograd.Function):
     """A grouped product fn(x, w, offs=offs) (transformers 5's grouped_mm
     experts: rows sorted by expert, w the 3-D parameter transposed,
@@ -99,6 +110,7 @@ class GroupedLinFn(torch.autograd.Function):
     def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, call: Any,
                 layer: "LinFnLayer", i: int, sid: torch.Tensor) -> torch.Tensor:
         ctx.call, ctx.layer, ctx.i, ctx.sid = call, layer, i, sid
+        ctx.placed = layer.placement(offs, sid, i)
         ctx.pass_id = layer.engine._pass  # pylint: disable=protected-access
         ctx.dpclip_sid = sid  # the output's rows are x's (dpclip._rows reads this)
         ctx.save_for_backward(x, w, offs)
@@ -108,7 +120,7 @@ class GroupedLinFn(torch.autograd.Function):
     def backward(ctx: Any, g: torch.Tensor) -> Tuple[Optional[torch.Tensor], None, None, None,
                                                      None, None, None]:
         x, w, offs = ctx.saved_tensors
-        ctx.layer.take_grouped(x, g, offs, ctx.i, ctx.sid, ctx.pass_id)
+        ctx.layer.take_grouped(x, g, ctx.placed, ctx.i, ctx.sid, ctx.pass_id)
         gx = None
         if ctx.needs_input_grad[0]:
             # the same grouped product against the parameter's own layout [E, p, d]
@@ -200,6 +212,8 @@ class LinFnLayer(_Layer):
         # (grouped_mm's products are captured as they are: GroupedLinFn)
         self._eager = getattr(fwd, "__wrapped__", fwd) \
             if impl not in (None, "eager", "grouped_mm") else None
+        # the last grouped product's placement: (offs, sid, Placement)
+        self._placed: Optional[Tuple[torch.Tensor, torch.Tensor, Placement]] = None
         # the first step's captures, for self_check
         self._probe: List[Tuple[Tuple[int, int], torch.Tensor, torch.Tensor,
                                 Optional[torch.Tensor], torch.Tensor, torch.Tensor]] = []
@@ -314,40 +328,51 @@ class LinFnLayer(_Layer):
         self.records.append((xb, gb, pass_id))
         self.engine._acc.captured(pass_id)  # pylint: disable=protected-access
 
-    def take_grouped(self, x: torch.Tensor, g: torch.Tensor, offs: torch.Tensor, i: int,
-                     sid: torch.Tensor, pass_id: int) -> None:
-        """A grouped product's capture: rows [S, d] sorted by expert (expert
-        e's are offs[e-1]..offs[e]; rows past offs[-1] are none's), placed
-        per expert and sample in [E, B, Tmax, d], zeros elsewhere: one
-        read of the counts from the device, the rest there."""
-        x, g = x.detach(), g.detach()
-        E = self.params[i].shape[0]
-        B = _rows.pass_batch(self.engine) or 1
-        S, dev = x.shape[0], x.device
-        r = torch.arange(S, device=dev)
-        e = torch.searchsorted(offs.long(), r, right=True)  # E past the last group
-        s = sid.to(dev)
-        key = torch.where(e < E, e * B + s, torch.full_like(s, E * B))
-        counts = torch.bincount(key, minlength=E * B + 1)
+    def placement(self, offs: torch.Tensor, sid: torch.Tensor, i: int) -> Placement:
+        """Where a grouped product's rows go for the step, computed at the
+        forward, on the host, from its sample map and the groups' ends
+        (one read from the device, which the forward's proof of the rows
+        has just waited for anyway); the backward then only scatters. The
+        next product on the same rows and groups (the down projection)
+        reuses it."""
+        if self._placed is not None and self._placed[0] is offs and self._placed[1] is sid:
+            return self._placed[2]
+        E, B = self.params[i].shape[0], _rows.pass_batch(self.engine) or 1
+        ends = offs.long().cpu()
+        n = int(ends[-1]) if ends.numel() else 0  # rows past the last group: none's
+        r = torch.arange(n)
+        e = torch.searchsorted(ends, r, right=True)
+        s = sid[:n]
+        key = e * B + s
+        counts = torch.bincount(key, minlength=E * B)
         order = torch.sort(key, stable=True)[1]
         starts = torch.cumsum(counts, 0) - counts
         pos = torch.empty_like(key)
         pos[order] = r - starts[key[order]]
-        c = counts[:E * B].view(E, B).cpu()  # the one read back
-        most = max(int(c.max()), 1)
-        ok = e < E
-        at = (e[ok], s[ok], pos[ok])
-        bx = x.new_zeros((E, B, most, x.shape[1])).index_put_(at, x[ok])
-        bg = g.new_zeros((E, B, most, g.shape[1])).index_put_(at, g[ok])
-        per_expert = c.sum(1)
-        ends = offs.long().cpu() if self.verify is not None else None
+        c = counts.view(E, B)
+        dev = offs.device
+        placed = Placement(n, max(int(c.max()) if n else 1, 1), c.sum(1).tolist(),
+                           ends.tolist(), (e.to(dev), s.to(dev), pos.to(dev)))
+        self._placed = (offs, sid, placed)
+        return placed
+
+    def take_grouped(self, x: torch.Tensor, g: torch.Tensor, at: Placement, i: int,
+                     sid: torch.Tensor, pass_id: int) -> None:
+        """A grouped product's capture: rows [S, d] sorted by expert, placed
+        per expert and sample in [E, B, Tmax, d] (zeros elsewhere) as the
+        forward planned."""
+        x, g = x.detach(), g.detach()
+        E = self.params[i].shape[0]
+        B = _rows.pass_batch(self.engine) or 1
+        bx = x.new_zeros((E, B, at.most, x.shape[1])).index_put_(at.idx, x[:at.n])
+        bg = g.new_zeros((E, B, at.most, g.shape[1])).index_put_(at.idx, g[:at.n])
         for k in range(E):
-            if not int(per_expert[k]):
+            if not at.per_expert[k]:
                 continue  # no row: the step sends this expert zeros
             xb, gb = bx[k], bg[k]
             xb.dpclip_key = (i, k)  # type: ignore[attr-defined]
-            if ends is not None and len(self._probe) < _PROBE_RECORDS:
-                lo, hi = int(ends[k - 1]) if k else 0, int(ends[k])
+            if self.verify is not None and len(self._probe) < _PROBE_RECORDS:
+                lo, hi = at.ends[k - 1] if k else 0, at.ends[k]
                 self._probe.append(((i, k), x[lo:hi], g[lo:hi], sid[lo:hi], xb, gb))
             self.records.append((xb, gb, pass_id))
             self.engine._acc.captured(pass_id)  # pylint: disable=protected-access
