@@ -69,22 +69,23 @@ from typing import Any, Iterator, List, NamedTuple, Optional, Sequence, Tuple
 import torch
 
 from . import _lib, _planner, _verify
+from ._transport import Run, Transport
 
 __all__ = ["Accumulator"]
 
 
 class _InFlight(NamedTuple):
     """A micro-batch sent and not collected: its ticket, logical step id
-    and index, its samples, and what it holds until its reply is in (a
-    host staging arena, or the GPU tensors a detached step names)."""
+    and index, its samples, and its transport's Run, which holds until its
+    reply is in what the transport gives back then (a host staging arena,
+    or the GPU tensors a detached step names and its own `ready` event)."""
     ticket: int
     logical_id: int
     index: int
     B: int
-    arena: Any
-    keep: Optional[list]
-    device: Optional[torch.device]
-    ready: Any = None  # a detached step's own `ready` event (dpclip._cuda.readied)
+    run: Run
+    io: Transport
+    device: torch.device
 
 
 class Accumulator:
@@ -361,22 +362,17 @@ class Accumulator:
     def _send_micro(self, plan: _planner.Plan, B: int, index: int) -> None:
         e, nb = self.e, max(B, 1)
         device = e._device()
-        if device.type == "cuda":
-            # a flat norm group's micro-batch has no early notice: sent
-            # detached, its tensors held until collected
-            detached = e.norm_group is not None and not e.asynchronous
-            run = e._cuda.run(e._step, plan, nb, device, e.algorithm, False,
-                              e.asynchronous and not detached, detached=detached, write=False)
-            if run.res is not None:
-                self._result(B, run.res, self.id)
-            else:
-                self.inflight.append(_InFlight(run.ticket, self.id, index, B, None, run.keep,
-                                               device, run.ready))
-            self._poll()
-            return
-        ticket, arena = e._host.submit(e._step, plan, nb, e.algorithm)
-        self.inflight.append(_InFlight(ticket, self.id, index, B, arena, None, None))
-        if e.norm_group is None:
+        io = e._io(device)
+        # a flat norm group's GPU micro-batch has no early notice: sent
+        # detached, its tensors held until collected (the host's are all
+        # sent without waiting, each holding a staging arena)
+        detached = e.norm_group is not None and not e.asynchronous
+        run = io.micro(e._step, plan, nb, device, e.algorithm, e.asynchronous, detached)
+        if run.res is not None:
+            self._result(B, run.res, self.id)
+        else:
+            self.inflight.append(_InFlight(run.ticket, self.id, index, B, run, io, device))
+        if run.arena is not None and e.norm_group is None:
             self._drain(but=1)  # blocking is safe outside a group: two arenas at most
         else:
             self._poll()
@@ -401,8 +397,10 @@ class Accumulator:
                 e._finish(run.res, B, earlier)
             e._timing(t0, run.t1, run.t2, run.res is not None)
             return run.ok
-        ticket, arena = e._host.submit(e._step, plan, nb, e.algorithm)
-        self.inflight.append(_InFlight(ticket, self.id, self.sent - 1, B, arena, None, None))
+        # the host's commit goes as its micro-batches do, queued behind them
+        run = e._host.micro(e._step, plan, nb, device, e.algorithm)
+        self.inflight.append(_InFlight(run.ticket, self.id, self.sent - 1, B, run, e._host,
+                                       device))
         t1 = time.perf_counter()
         self._drain()
         t2 = time.perf_counter()
@@ -449,11 +447,7 @@ class Accumulator:
 
     def _release(self, f: _InFlight) -> None:
         self.inflight.pop(0)
-        if f.arena is not None:
-            self.e._host.give(f.arena)
-        if f.keep is not None:
-            self.e._cuda.settle(f.device, f.ready)
-            f.keep.clear()
+        f.io.release(f.run, f.device)
 
     def _result(self, B: int, res: _lib.StepResult, logical_id: int) -> None:
         if logical_id != self.id or not self.id:

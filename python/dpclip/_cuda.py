@@ -5,15 +5,19 @@ aliases (a view; a copy where the layout or dtype differs), and
 ordering uses two interprocess events per device: the trainer records
 `ready` on its stream before the step, the daemon waits on it and records
 `done`, the trainer's stream waits on `done`. No host synchronisation beyond
-the step's reply (or, asynchronous, its early notice)."""
+the step's reply (or, asynchronous, its early notice).
+
+A sharded step (dpclip._fsdp) names its tensors in place too, its sums in
+two slots of the widest bucket's size (CudaPhases)."""
 import time
-from typing import Dict, List, NamedTuple, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-from . import _lib
-from ._layers import Slice, _tref
+from . import _lib, _planner
+from ._layers import _ESIZE, Slice, _tref
 from ._planner import Plan, add_layers, set_grad
+from ._transport import Phases, Run, Transport
 
 
 def _index(device: torch.device) -> int:
@@ -21,27 +25,16 @@ def _index(device: torch.device) -> int:
     return device.index if device.index is not None else torch.cuda.current_device()
 
 
-class CudaRun(NamedTuple):
-    """What CudaIPC.run did: res, the step's result (None when it was
-    submitted asynchronously: collect `ticket` later; `info` is its early
-    notice); ok, data parallel, a [1] f32 flag on the device (1 where the
-    daemon committed the step); t1/t2 when it was sent and answered."""
-    res: Optional[_lib.StepResult]
-    ticket: int
-    info: Optional[_lib.Enqueued]
-    ok: Optional[torch.Tensor]
-    t1: float
-    t2: float
-    keep: Optional[list] = None  # detached: the tensors the daemon reads, kept until settle()
-    ready: Optional[Tuple[torch.cuda.Event, int]] = None  # detached: its own `ready`, ditto
+# What CudaIPC.run did (dpclip._transport.Run; kept under its old name)
+CudaRun = Run
 
 
-class CudaIPC:
+class CudaIPC(Transport):
     """One engine's CUDA plumbing: its interprocess events per device and
     (data parallel) the coefficients output the daemon writes."""
 
     def __init__(self, client: _lib.Client) -> None:
-        self.client = client
+        super().__init__(client)
         # cuda device index -> (ready, done, ready_id, done_id)
         self._events: Dict[int, Tuple[torch.cuda.Event, torch.cuda.Event, int, int]] = {}
         # Detached steps' `ready` events, free ones per device (see readied()).
@@ -97,7 +90,7 @@ class CudaIPC:
 
     def run(self, step: _lib.Step, plan: Plan, nb: int, device: torch.device,
             algorithm: int, gated: bool, asynchronous: bool, detached: bool = False,
-            write: bool = True) -> CudaRun:
+            write: bool = True) -> Run:
         """Sends the planned step of nb samples on `device`; param.grad
         aliases (or, in another dtype or layout, holds) the daemon's outputs,
         valid on the current stream. gated: data parallel, have the daemon
@@ -170,7 +163,7 @@ class CudaIPC:
             t1 = time.perf_counter()
             if detached:
                 ticket = step.submit(self.client)
-                return CudaRun(None, ticket, None, None, t1, time.perf_counter(), keep, own)
+                return Run(None, ticket, None, None, t1, time.perf_counter(), keep, own)
             if asynchronous:
                 ticket = step.submit(self.client)
                 info = self.client.wait_enqueued(ticket)  # raises an early error
@@ -194,7 +187,23 @@ class CudaIPC:
                 p.grad = out  # aliases the output buffer: no copy
             else:
                 set_grad(p, out)
-        return CudaRun(res, ticket, info, ok, t1, t2)
+        return Run(res, ticket, info, ok, t1, t2)
+
+    def micro(self, step: _lib.Step, plan: Plan, nb: int, device: torch.device,
+              algorithm: int, asynchronous: bool, detached: bool) -> Run:
+        """One micro-batch that does not commit: run() writing no outputs,
+        not gated; asynchronous unless detached."""
+        return self.run(step, plan, nb, device, algorithm, False, asynchronous and not detached,
+                        detached=detached, write=False)
+
+    def release(self, run: Run, device: torch.device) -> None:
+        if run.keep is not None:
+            self.settle(device, run.ready)
+            run.keep.clear()
+
+    def phases(self, sh: Any, plan: Plan, nb: int, device: torch.device,
+               scratch: bool = False) -> "CudaPhases":
+        return CudaPhases(self, sh, plan, nb, device, scratch)
 
     def settle(self, device: torch.device,
                ready: Optional[Tuple[torch.cuda.Event, int]] = None) -> None:
@@ -210,3 +219,100 @@ class CudaIPC:
         if ready is not None:  # its step was queued long since: its record may change
             idx = _index(device)
             self._ready_free.setdefault(idx, []).append(ready)
+
+
+class CudaPhases(Phases):
+    """A sharded step's norm pass and sums on the GPU: the parts' tensors named in
+    place (kept until the sums are done); two slots of the largest bucket's
+    size, written in turn. The daemon's steps wait on no event of ours but
+    the norm pass's (its input: the backward's end): a sums step replies
+    once its writes are done, and the host reuses a slot only once the
+    trainer's stream has copied it out. So the daemon never waits for work
+    queued behind a collective, which waits for another rank's daemon
+    work (a deadlock on a GPU).
+
+    The slots are taken together at the first sums step, then the
+    trainer's stream is drained: the daemon's writes are in no order with
+    it, and memory the allocator hands out may still be read by work queued
+    there (a slot taken at bucket 1 once got bucket 0's staging, still read
+    by its queued reduce-scatter, and the daemon wrote over it)."""
+
+    def __init__(self, io: CudaIPC, sh: Any, plan: _planner.Plan, nb: int,
+                 device: torch.device, scratch: bool = False) -> None:
+        self.io = io
+        self.sh, self.plan, self.nb, self.device = sh, plan, nb, device
+        self.scratch = scratch  # a micro-batch that does not commit: nothing is written
+        self.keep = []
+        for lp in plan.parts:
+            if lp.inp is None:
+                inp = torch.zeros(lp.in_shape, dtype=lp.in_dtype, device=device)
+                g = torch.zeros(lp.grad_shape, dtype=lp.grad_dtype, device=device)
+            else:
+                inp = lp.inp.to(lp.in_dtype).contiguous()
+                g = lp.grad.to(lp.grad_dtype).contiguous()
+            self.keep.append((inp, g))
+        self.widest = sh.widest
+        self.slots: List[Optional[torch.Tensor]] = [None, None]
+        self.copied_ev: List[Optional[Any]] = [None, None]
+
+    def _ins(self, i: int) -> Tuple[_lib.Tensor, _lib.Tensor]:
+        io = self.io
+        lp, (inp, g) = self.plan.parts[i], self.keep[i]
+        return io.ref(inp, lp.in_shape), io.ref(g, lp.grad_shape)
+
+    def norms(self) -> _lib.StepResult:
+        e = self.sh.engine
+        io = self.io
+        ready, _, rid, _ = io.events(self.device)
+        st = self.sh._clip  # pylint: disable=protected-access
+        with torch.cuda.device(self.device):
+            st.reset(self.nb)
+            st.set_phase(_lib.STEP_NORMS)
+            _planner.add_layers(st, self.plan.parts, e.algorithm,
+                                lambda i: self._ins(i) + (_lib.Tensor(), _lib.Tensor()))
+            ready.record(torch.cuda.current_stream(self.device))
+            st.set_events(rid, 0)
+            st.notify_enqueued(False)
+            try:
+                return st.run(io.client)
+            finally:
+                st.set_events(0, 0)
+
+    def sums(self, k: int, which: List[int], base: int, n: int) -> torch.Tensor:
+        sh, e = self.sh, self.sh.engine
+        slot = 0 if self.scratch else k % 2
+        if self.scratch and self.slots[0] is None:  # nothing written: one slot, every bucket
+            self.slots[0] = torch.empty(self.widest, dtype=sh.dtype, device=self.device)
+        elif not self.scratch and self.copied_ev[slot] is not None:
+            self.copied_ev[slot].synchronize()  # the host: bucket k - 2 is out of it
+        if self.slots[slot] is None:
+            # both slots now, none later (see the class's docstring), then
+            # the stream drained: nearly free, the daemon's norm pass waited
+            # for the backward it holds
+            for i in range(min(2, len(sh._buckets))):  # pylint: disable=protected-access
+                if self.slots[i] is None:
+                    self.slots[i] = torch.empty(self.widest, dtype=sh.dtype, device=self.device)
+            torch.cuda.current_stream(self.device).synchronize()
+        buf = self.slots[slot]
+        esz = _ESIZE[sh.dtype]
+        st = sh._clip  # pylint: disable=protected-access
+        with torch.cuda.device(self.device):
+            fbid, foff = self.io.client.register_cuda(buf.data_ptr())
+            outs = sh._out_refs(lambda o, shape: _tref(fbid, foff + o * esz, sh.dtype, shape),
+                                base)
+            st.reset(self.nb)
+            st.set_phase(_lib.STEP_SUMS)
+            _planner.add_layers(st, self.plan.parts, e.algorithm,
+                                lambda i: self._ins(i) + outs(self.plan.parts[i]), which)
+            sh._set_ranges(st, self.plan, which)  # pylint: disable=protected-access
+            st.run(self.io.client)  # replies once the daemon's writes are done
+        return buf[:n]
+
+    def copied(self, k: int) -> None:
+        ev = torch.cuda.Event()
+        ev.record(torch.cuda.current_stream(self.device))
+        self.copied_ev[k % 2] = ev
+
+    def close(self) -> None:
+        self.sh._clip.set_phase(_lib.STEP_WHOLE)  # pylint: disable=protected-access
+        self.keep.clear()

@@ -75,8 +75,7 @@ from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
 import torch
 import torch.nn as nn
 
-from . import _lib, _planner, _verify
-from ._fsdp_io import _CudaIO, _HostIO
+from . import _gate, _lib, _planner, _verify
 from ._layers import _ESIZE, Out, Part, Slice, UnsupportedModuleError, _Layer
 
 __all__ = ["Sharded", "refuse_fsdp1", "is_fsdp2", "check_unwrapped"]
@@ -249,24 +248,16 @@ def buckets(pieces: Sequence[Piece], per_rank: int,
             spans: Sequence[Tuple[int, int]] = ()) -> List[Tuple[int, int]]:
     """[first, last) ranges of consecutive pieces whose shards span about
     per_rank elements (a larger piece alone): one collective each, and one
-    sums step of the layer group writing them. spans: [lo, hi] piece
-    ranges never cut (the pieces one part writes: a layer's weight and
-    bias, a tied weight's uses), so that each part is summed in one
-    bucket."""
-    joined = [False] * len(pieces)  # joined[i]: pieces i and i + 1 go together
+    sums step of the layer group writing them (dpclip._gate.buckets' rule).
+    spans: [lo, hi] piece ranges never cut (the pieces one part writes: a
+    layer's weight and bias, a tied weight's uses), so that each part is
+    summed in one bucket."""
+    joined = [False] * len(pieces)  # joined[i]: pieces i - 1 and i go together
     for lo, hi in spans:
-        for i in range(lo, hi):
+        for i in range(lo + 1, hi + 1):
             joined[i] = True
-    out, first, width = [], 0, 0
-    for i, pc in enumerate(pieces):
-        w = _al(pc.chunk * pc.inner)
-        if i > first and width + w > per_rank and not joined[i - 1]:
-            out.append((first, i))
-            first, width = i, 0
-        width += w
-    if first < len(pieces):
-        out.append((first, len(pieces)))
-    return out
+    return _gate.buckets([_al(pc.chunk * pc.inner) for pc in pieces], per_rank,
+                         joined=joined.__getitem__)
 
 
 # --- the engine's sharded steps ---------------------------------------------------------
@@ -316,6 +307,8 @@ class Sharded:
             self._check_rows()
         self._clip: Optional[_lib.Step] = None  # the norm pass, then each bucket's sums
         self._rs_native = True  # reduce_scatter_tensor works on this backend (probed at open)
+        self.gate = _gate.Gate(self.world, self.group,
+                               lacks="a shard could lack its owner's noise or a rank's samples")
         self._events: List[Tuple[Any, Any]] = []  # CUDA: each reduce-scatter's start/end
         self.timing: Dict[str, float] = {}
 
@@ -432,8 +425,8 @@ class Sharded:
         daemon, nothing written, no collective. Raises its error (the daemon
         aborted the logical step: nothing released, nothing charged)."""
         device = self.layers[0].weight.device
-        io = (_CudaIO if device.type == "cuda" else _HostIO)(self, plan, max(B, 1), device,
-                                                             True)
+        io = self.engine._io(device).phases(  # pylint: disable=W0212
+            self, plan, max(B, 1), device, True)
         by_out = {id(pc.out): i for i, pc in enumerate(self.pieces)}
         self._clip.set_logical(logical_id, index, False)
         err: Optional[BaseException] = None
@@ -470,7 +463,6 @@ class Sharded:
         micro-batches; raises on every rank where any rank's step failed,
         after zeroing the gradients."""
         e = self.engine
-        dist = torch.distributed
         device = self.layers[0].weight.device
         cuda = device.type == "cuda"
         failed: Optional[BaseException] = None
@@ -485,7 +477,7 @@ class Sharded:
             plan = _planner.plan(self.layers, B)
             if e._probing():  # pylint: disable=protected-access
                 _verify.check_step(e, plan, B)
-            io = (_CudaIO if cuda else _HostIO)(self, plan, max(B, 1), device)
+            io = e._io(device).phases(self, plan, max(B, 1), device)  # pylint: disable=W0212
             if commit is not None:
                 self._clip.set_logical(*commit, True)
             res = io.norms()
@@ -499,9 +491,7 @@ class Sharded:
             self._clip.set_logical(0)
             if io is not None:
                 io.close()
-        ok = torch.ones(1, device=device) if failed is None else torch.zeros(1, device=device)
-        dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=self.group)
-        applied = bool(ok[0] > 0)  # CUDA: waits for the steps and the collectives
+        applied = self.gate.agree(failed is None, device)  # CUDA: waits for the collectives
         t3 = time.perf_counter()
         self._write(shards if applied else None, device)
         # noise_ms: none apart (the sums steps add it); kept for the bench
@@ -513,11 +503,7 @@ class Sharded:
             raise failed
         acc.open = False  # committed (else it may be open: the next step opens another)
         if not applied:
-            raise _lib.DpclipError(
-                _lib.EUNAVAIL, "", "optimizer step %d was applied on no rank: it failed on at "
-                "least one of the %d ranks (that rank raises its error), and without every "
-                "rank's result a shard could lack its owner's noise or a rank's samples; the "
-                "gradients were zeroed" % (e.steps + 1, self.world))
+            raise self.gate.not_applied(e.steps + 1)
         # the job's spend with this step: the norm pass's (charged or covered),
         # with the logical step's other micro-batches' norms
         e._finish(res, B, acc.results)  # pylint: disable=protected-access

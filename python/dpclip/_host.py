@@ -10,25 +10,29 @@ micro-batch that the other stages have not sent yet), so each micro-batch
 in flight holds a staging arena of its own, taken from a pool and given
 back once its reply is collected; and every micro-batch must name the same
 outputs, so they live in a buffer of their own that no staging growth
-moves."""
+moves.
+
+A sharded step (dpclip._fsdp) lays out the arena once for its norm pass
+and sums (HostPhases)."""
 import ctypes
 import math
 import time
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from . import _lib
+from . import _lib, _planner
 from ._layers import _ESIZE, Part, Slice, _align, _tref
 from ._planner import Plan, add_layers, set_grad
+from ._transport import Phases, Run, Transport
 
 
-class HostArena:
+class HostArena(Transport):
     """The arena of one engine's session: (buffer id, size, uint8 view) once
     a step has needed it."""
 
     def __init__(self, client: _lib.Client) -> None:
-        self.client = client
+        super().__init__(client)
         self._arena: Optional[Tuple[int, int, torch.Tensor]] = None
         # logical steps: the outputs' buffer (id, size, bytes) and each
         # output's byte offset in it; staging arenas not in use
@@ -61,10 +65,11 @@ class HostArena:
         _fill(mem, parts, slots)
         return bid, mem, slots
 
-    def run(self, step: _lib.Step, plan: Plan, nb: int,
-            algorithm: int) -> Tuple[_lib.StepResult, float, float]:
-        """Sends the planned step of nb samples and waits for it; param.grad
-        holds the private gradient after. (result, time sent, time answered)."""
+    def run(self, step: _lib.Step, plan: Plan, nb: int, device: torch.device,
+            algorithm: int, gated: bool = False, asynchronous: bool = False) -> Run:
+        """Sends the planned step of nb samples and waits for it (host steps
+        block: asynchronous is the GPU's); param.grad holds the private
+        gradient after, and ok is 1 (gated or not: the reply says it)."""
         off = 0
 
         def take(nbytes: int) -> int:
@@ -97,9 +102,22 @@ class HostArena:
         for o in plan.outs:
             at = out_off[id(o)]
             set_grad(o.param, o.grad(mem[at:at + o.numel * _ESIZE[o.dtype]].view(o.dtype)))
-        return res, t1, t2
+        return Run(res, 0, None, torch.ones(1), t1, t2)
 
     # -- logical steps (dpclip._accumulate) ------------------------------------------
+    def micro(self, step: _lib.Step, plan: Plan, nb: int, device: torch.device,
+              algorithm: int, asynchronous: bool = False, detached: bool = True) -> Run:
+        """One micro-batch of a logical step, or its commit (which names
+        the same outputs: write_grads() copies them out), sent without
+        waiting (submit()): the Run's arena is held until release()."""
+        t1 = time.perf_counter()
+        ticket, arena = self.submit(step, plan, nb, algorithm)
+        return Run(None, ticket, None, None, t1, time.perf_counter(), arena=arena)
+
+    def release(self, run: Run, device: torch.device) -> None:
+        if run.arena is not None:
+            self.give(run.arena)
+
     def submit(self, step: _lib.Step, plan: Plan, nb: int, algorithm: int
                ) -> Tuple[int, Tuple[int, int, torch.Tensor]]:
         """Sends one micro-batch of a logical step (nb samples) without
@@ -183,6 +201,57 @@ class HostArena:
                     _tref(bid, g_off, pt.grad_dtype, pt.grad_shape), out_ref(pt.w),
                     out_ref(pt.b))
         return refs
+
+    def phases(self, sh: Any, plan: Plan, nb: int, device: torch.device,
+               scratch: bool = False) -> "HostPhases":
+        return HostPhases(self, sh, plan, nb, device, scratch)
+
+
+class HostPhases(Phases):
+    """A sharded step's norm pass and sums through the engine's arena: one slot of
+    the largest bucket's size at its start (the sums steps are synchronous:
+    the slot is copied out before the next), then each part's activations
+    and output gradients, which the norm pass and the sums name alike."""
+
+    def __init__(self, io: HostArena, sh: Any, plan: _planner.Plan, nb: int,
+                 device: torch.device, scratch: bool = False) -> None:
+        self.io = io
+        self.sh, self.plan, self.nb, self.scratch = sh, plan, nb, scratch  # one slot either way
+        esz = _ESIZE[sh.dtype]
+        # the slot first, then the parts' tensors
+        self.bid, self.mem, self.slots = io.stage(plan.parts, _align(sh.widest * esz))
+
+    def _ins(self, i: int) -> Tuple[_lib.Tensor, _lib.Tensor]:
+        lp, (a_off, g_off) = self.plan.parts[i], self.slots[i]
+        return (_tref(self.bid, a_off, lp.in_dtype, lp.in_shape),
+                _tref(self.bid, g_off, lp.grad_dtype, lp.grad_shape))
+
+    def norms(self) -> _lib.StepResult:
+        st = self.sh._clip  # pylint: disable=protected-access
+        st.reset(self.nb)
+        st.set_phase(_lib.STEP_NORMS)
+        _planner.add_layers(st, self.plan.parts, self.sh.engine.algorithm,
+                            lambda i: self._ins(i) + (_lib.Tensor(), _lib.Tensor()))
+        return st.run(self.io.client)
+
+    def sums(self, k: int, which: List[int], base: int, n: int) -> torch.Tensor:
+        sh = self.sh
+        esz = _ESIZE[sh.dtype]
+        outs = sh._out_refs(lambda o, shape: _tref(self.bid, o * esz, sh.dtype, shape), base)
+        st = sh._clip  # pylint: disable=protected-access
+        st.reset(self.nb)
+        st.set_phase(_lib.STEP_SUMS)
+        _planner.add_layers(st, self.plan.parts, sh.engine.algorithm,
+                            lambda i: self._ins(i) + outs(self.plan.parts[i]), which)
+        sh._set_ranges(st, self.plan, which)  # pylint: disable=protected-access
+        st.run(self.io.client)
+        return self.mem[:n * esz].view(sh.dtype)
+
+    def copied(self, k: int) -> None:
+        pass  # synchronous: the slot was copied out already
+
+    def close(self) -> None:
+        self.sh._clip.set_phase(_lib.STEP_WHOLE)  # pylint: disable=protected-access
 
 
 def _layout(parts: Sequence[Part], off: int) -> Tuple[List[Tuple[int, int]], int]:

@@ -1,6 +1,8 @@
 """Data parallel (torch.distributed) halves of the PyTorch integration: the
-checks of a DPDataLoader against the engine's ranks, and the gate that keeps
-a step failing on any rank from being applied as the others' noiseless sum.
+checks of a DPDataLoader against the engine's ranks, the ledger membership
+of each rank's step, and the replicas of norm groups. The gate that keeps a
+step failing on any rank from being applied as the others' noiseless sum is
+dpclip._gate's.
 
 Only rank 0 adds noise (the others send sigma 0), so the all-reduced sum is
 private only with rank 0's result in it. Each rank's step declares itself
@@ -8,12 +10,7 @@ its member of the job's logical step (declare_member): the daemon charges
 each logical step once, at the engine's sigma, to whichever rank comes
 first, and takes the others' noiseless steps as shares of it, at most one
 per rank and logical step; a sigma-0 step that declares nothing is charged
-as no privacy. With asynchronous GPU steps a
-rank's failure shows on the device alone (the daemon writes zeros after its
-early notice), after optimizer.step() has queued the update on every rank;
-so the gate works on the device: each rank's success flag is all-reduced
-(MIN) with the clipped sums (SUM), and the sums are zeroed unless every flag
-is 1, with no host synchronisation.
+as no privacy.
 
 With norm groups (model parallelism, dpclip._group) the data-parallel
 ranks are the replicas: the members holding the same part of the model in
@@ -22,7 +19,7 @@ which the parameters are broadcast, the loaders checked and the gradients
 gated; the engine's rank and world size are then the replica's index and
 the number of replicas."""
 import hashlib
-from typing import Any, Iterable, List, Optional, Sequence, Tuple
+from typing import Any, Iterable, Optional, Sequence, Tuple
 
 import torch
 from torch.utils.data import DataLoader
@@ -106,107 +103,6 @@ def loader_fault(engine: Any, loader: Optional[DataLoader], secure_mode: bool
                 "the whole dataset" if loader.world_size == 1 else "a shard",
                 engine.distributed))
     return None
-
-
-# Gradient elements per all-reduce: one collective per parameter costs a launch
-# and a latency-bound exchange each (~150 for GPT-2), one for everything a
-# copy of the whole model; a bucket of this size (32 MiB of f32) takes NCCL
-# near its bandwidth.
-BUCKET_ELEMS = 1 << 23
-
-
-def buckets(params: Iterable[torch.Tensor], limit: Optional[int] = None
-            ) -> List[List[torch.Tensor]]:
-    """params' consecutive runs of one gradient dtype and device, each at most
-    `limit` (BUCKET_ELEMS) elements, a larger parameter alone: the
-    all-reduces."""
-    limit = BUCKET_ELEMS if limit is None else limit
-    out: List[List[torch.Tensor]] = []
-    cur: List[torch.Tensor] = []
-    n = 0
-    for p in params:
-        g = p.grad
-        if cur and (g.dtype != cur[0].grad.dtype or g.device != cur[0].grad.device
-                    or n + g.numel() > limit):
-            out.append(cur)
-            cur, n = [], 0
-        cur.append(p)
-        n += g.numel()
-    if cur:
-        out.append(cur)
-    return out
-
-
-class Gate:
-    """One engine's gate: after each step, reduce() sums the ranks' clipped
-    sums and zeroes them unless every rank succeeded. A step applied on no
-    rank is raised on every rank: at once where steps block, else by
-    check() at the next collection, where every rank's step() raises before
-    its next collectives, so the ranks stay in step."""
-
-    def __init__(self, world_size: int, group: Any = None) -> None:
-        self.world_size = world_size
-        self.group = group                 # the data-parallel ranks (None: all)
-        # the flag's pinned copy and its event
-        self._host: Optional[torch.Tensor] = None
-        self._event: Optional[torch.cuda.Event] = None
-        self._pending: Optional[int] = None  # the optimizer step it belongs to
-
-    def reduce(self, params: Sequence[torch.Tensor], ok: Optional[torch.Tensor],
-               failed: Optional[Exception], step: int, deferred: bool) -> None:
-        """ok: this rank's flag ([1] f32 on the gradients' device: 1 where
-        its result is in param.grad), or failed: its exception. deferred:
-        asynchronous GPU steps (the flag is read at check())."""
-        dist = torch.distributed
-        if failed is not None:
-            ok = torch.zeros(1, device=params[0].device)
-            for p in params:
-                if p.grad is None or p.grad.shape != p.shape:
-                    p.grad = torch.zeros_like(p)
-                else:
-                    p.grad.zero_()
-        dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=self.group)
-        bad = ok[0] == 0
-        for bucket in buckets(params):
-            grads = [p.grad for p in bucket]
-            flat = grads[0] if len(grads) == 1 else torch.cat([g.reshape(-1) for g in grads])
-            dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.group)
-            flat.masked_fill_(bad, 0)  # masked, not multiplied: a stale grad may be NaN
-            if len(grads) > 1:
-                for g, part in zip(grads, flat.split([g.numel() for g in grads])):
-                    g.copy_(part.view_as(g))
-        if deferred:
-            if self._host is None:
-                self._host = torch.zeros(1, pin_memory=True)
-                self._event = torch.cuda.Event()
-            with torch.cuda.device(params[0].device):
-                self._host.copy_(ok, non_blocking=True)
-                self._event.record()
-            self._pending = step
-        elif failed is None and not bool(ok[0]):
-            raise self._not_applied(step)
-        if failed is not None:
-            raise failed
-
-    def check(self) -> None:
-        """Raises if the last deferred step was applied on no rank."""
-        step, self._pending = self._pending, None
-        if step is None:
-            return
-        self._event.synchronize()  # the flag's copy, queued after the all-reduce
-        if not bool(self._host[0]):
-            raise self._not_applied(step)
-
-    def drop(self) -> None:
-        """Forgets the deferred flag (its step raised its own error)."""
-        self._pending = None
-
-    def _not_applied(self, step: int) -> _lib.DpclipError:
-        return _lib.DpclipError(
-            _lib.EUNAVAIL, "", "optimizer step %d was applied on no rank: it failed on at least "
-            "one of the %d ranks (that rank raises its error), and without every rank's result "
-            "the update could lack rank 0's noise; the gradients were zeroed" % (
-                step, self.world_size))
 
 
 def declare_member(engine: Any, step: _lib.Step) -> None:

@@ -25,11 +25,11 @@ checked against autograd through its own code on the first step
 compute (dpclip._guard).
 
 The engine is this module; dpclip._planner lays out each step, and the
-transports move the tensors: dpclip._host (CPU tensors, through one
-shared-memory arena) and dpclip._cuda (GPU tensors in place, CUDA IPC and
-interprocess events). dpclip._layers holds the per-module autograd
-Functions, dpclip._parallel the data-parallel gate, dpclip._optimizer the
-optimizer wrapper.
+transports (one interface, dpclip._transport) move the tensors:
+dpclip._host (CPU tensors, through one shared-memory arena) and
+dpclip._cuda (GPU tensors in place, CUDA IPC and interprocess events).
+dpclip._layers holds the per-module autograd Functions, dpclip._gate the
+data-parallel gate, dpclip._optimizer the optimizer wrapper.
 
 Ledger account: a PrivacyEngine without job_id gets a fresh job id (printed
 once at make_private), so runs do not share one account by accident; pass
@@ -77,9 +77,11 @@ import torch
 import torch.nn as nn
 from torch.utils.data import DataLoader
 
-from . import _accumulate, _batches, _fsdp, _group, _lib, _parallel, _planner, _terms, _verify
+from . import (_accumulate, _batches, _fsdp, _gate, _group, _lib, _parallel, _planner, _terms,
+               _verify)
 from ._cuda import CudaIPC
 from ._host import HostArena
+from ._transport import Transport
 from ._lib import DpclipError
 from ._guard import Guard, UnclippedGradientError
 from ._optimizer import DPOptimizer
@@ -162,7 +164,7 @@ class PrivacyEngine:
         # index) of the step whose result has not been collected yet.
         self.asynchronous = True
         self._inflight = None
-        self._gate = None           # data parallel: see _parallel.Gate
+        self._gate = None           # data parallel: see _gate.Gate
         self._shards: Optional[_fsdp.Sharded] = None  # sharded data parallel: see _fsdp
         self.norm_group: Optional[_group.NormGroup] = None  # model parallel: see make_private
         # Wall time of the last step's phases in the trainer (ms): building
@@ -354,7 +356,7 @@ class PrivacyEngine:
             # checked with the second agreement, where every rank raises alike
             loader_fault = _parallel.loader_fault(self, data_loader, secure_mode)
             digest = _parallel.generator_digest(data_loader)
-        self._gate = _parallel.Gate(self.world_size, dp_group)
+        self._gate = _gate.Gate(self.world_size, dp_group)
         self._agree_account(module, fsdp, group, dp_group, dp_src)
         data_loader = self._settle_sampling(data_loader, poisson_sampling, secure_mode,
                                             expected_batch_size, sample_rate, loss_reduction,
@@ -731,21 +733,15 @@ class PrivacyEngine:
         plan = _planner.plan(self._layers, B)
         if self._probing():
             _verify.check_step(self, plan, B)
-        nb = max(B, 1)
-        if device.type == "cuda":
-            run = self._cuda.run(self._step, plan, nb, device, self.algorithm,
-                                 self.distributed and self.world_size > 1, self.asynchronous)
-            if run.res is None:
-                self._inflight = (run.ticket, B, run.info.step_index, ())
-                self.last_epsilon, self.last_delta = run.info.epsilon, run.info.delta
-            else:
-                self._finish(run.res, B)
-            self._timing(t0, run.t1, run.t2, run.res is not None)
-            return run.ok
-        res, t1, t2 = self._host.run(self._step, plan, nb, self.algorithm)
-        self._finish(res, B)
-        self._timing(t0, t1, t2, True)
-        return torch.ones(1)
+        run = self._io(device).run(self._step, plan, max(B, 1), device, self.algorithm,
+                                   self.distributed and self.world_size > 1, self.asynchronous)
+        if run.res is None:  # asynchronous (GPU): collected later
+            self._inflight = (run.ticket, B, run.info.step_index, ())
+            self.last_epsilon, self.last_delta = run.info.epsilon, run.info.delta
+        else:
+            self._finish(run.res, B)
+        self._timing(t0, run.t1, run.t2, run.res is not None)
+        return run.ok
 
     def _probing(self) -> bool:
         """A layer's first-step check is still to run."""
@@ -755,6 +751,10 @@ class PrivacyEngine:
     def norm_group_name(self) -> Optional[str]:
         """The dpclip norm group's name (the same on every member), or None."""
         return self.norm_group.name if self.norm_group is not None else None
+
+    def _io(self, device: torch.device) -> Transport:
+        """The transport of tensors on `device` (dpclip._transport)."""
+        return self._cuda if device.type == "cuda" else self._host
 
     def _device(self) -> torch.device:
         devs = {l.weight.device for l in self._layers}

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import TensorDataset
 
-from dpclip import DpclipError, _parallel
+from dpclip import DpclipError, _gate
 from dpclip.data import DPDataLoader
 from dpclip.torch import PrivacyEngine, reduce_loss
 from models import SeqModel, per_sample_losses
@@ -20,7 +20,7 @@ def run_rank(rank, world, init_file, socket_path, data, C, expected, out_dir):
                             world_size=world)
     # Buckets of a few parameters (and parameters alone past the size): the
     # all-reduce's staging through flat buffers is compared with the union.
-    _parallel.BUCKET_ELEMS = 64
+    _gate.BUCKET_ELEMS = 64
     try:
         # Different initial weights on purpose: make_private broadcasts rank 0's.
         torch.manual_seed(100 + rank)

@@ -10,7 +10,7 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from dpclip import DpclipError, _fsdp
+from dpclip import DpclipError, _fsdp, _host
 from dpclip._layers import _ESIZE
 from dpclip.torch import PrivacyEngine, reduce_loss
 from fsdp_worker import GPT, _error, _init, _params, _shard, _sharded, fsdp2_api
@@ -125,7 +125,7 @@ def run_accumulate_noise(rank, world, init_file, socket_path, data, C, expected,
     try:
         _fsdp._BUCKET = 256
         recorded, scratch = [], [0, 0]  # non-commit sums steps; those that wrote nothing
-        orig = _fsdp._HostIO.sums
+        orig = _host.HostPhases.sums
 
         def sums(io, k, which, base, n):
             if io.scratch:  # its outputs' slot filled with NaN first
@@ -138,7 +138,7 @@ def run_accumulate_noise(rank, world, init_file, socket_path, data, C, expected,
                 recorded.append((base, full.detach().clone()))
             return full
 
-        _fsdp._HostIO.sums = sums
+        _host.HostPhases.sums = sums
         torch.manual_seed(9)
         engine, model, opt = _sharded(SeqModel(), socket_path, "fsdp-acc-noise-%d" % world, C,
                                       expected, sigma, sample_rate=q, target_delta=1e-5)
@@ -184,7 +184,7 @@ def run_accumulate_failures(rank, world, init_file, socket_path, data, C, expect
         mine = torch.arange(rank, x.shape[0], world)
         out = {"before": _params(model), "errors": [], "grads": [], "after": []}
         tamper, tampered = [None], []
-        orig = _fsdp._HostIO.norms
+        orig = _host.HostPhases.norms
 
         def norms(io):
             res = orig(io)
@@ -197,7 +197,7 @@ def run_accumulate_failures(rank, world, init_file, socket_path, data, C, expect
                 io.mem[g_off:g_off + n].view(lp.grad_dtype).mul_(2.0)
             return res
 
-        _fsdp._HostIO.norms = norms
+        _host.HostPhases.norms = norms
         last = rank == world - 1
         for i in range(6):
             def before(k, i=i):

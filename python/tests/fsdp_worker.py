@@ -13,7 +13,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from dpclip import DpclipError, _fsdp
+from dpclip import DpclipError, _cuda, _fsdp, _host
 from dpclip.torch import PrivacyEngine, UnsupportedModuleError, reduce_loss
 from models import GPT2Like, SeqModel, per_sample_losses
 
@@ -119,14 +119,14 @@ def run_sharded_owned_noise(rank, world, init_file, socket_path, model_name, dat
     try:
         _fsdp._BUCKET = 256  # several sums steps
         recorded = []
-        orig = _fsdp._HostIO.sums
+        orig = _host.HostPhases.sums
 
         def sums(io, k, which, base, n):
             full = orig(io, k, which, base, n)
             recorded.append((base, full.detach().clone()))
             return full
 
-        _fsdp._HostIO.sums = sums
+        _host.HostPhases.sums = sums
         torch.manual_seed(9)
         model = SeqModel() if model_name == "seq" else GPT2Like(V, T=data[0].shape[1])
         engine, model, opt = _sharded(model, socket_path, "fsdp-cpu-owned-" + model_name, C,
@@ -366,19 +366,19 @@ def run_fsdp2(rank, world, init_file, socket_path, data, C, expected, seed, out_
             engine.close()
 
         recorded = []  # each sums step's output as the daemon wrote it
-        sums = _fsdp._CudaIO.sums
+        sums = _cuda.CudaPhases.sums
 
         def record(io, k, which, base, n):
             full = sums(io, k, which, base, n)
             recorded.append((base, full.detach().clone()))
             return full
 
-        _fsdp._CudaIO.sums = record
+        _cuda.CudaPhases.sums = record
         engine, model, opt = private(fresh(bf16), "fsdp2-noise", 1.0)
         opt.zero_grad()
         (model(x[mine]).float() * 0.0).sum().backward()
         opt.step()
-        _fsdp._CudaIO.sums = sums
+        _cuda.CudaPhases.sums = sums
         out["noise"] = {n: p.grad.to_local().cpu() for n, p in model.named_parameters()}
         sh = engine._shards  # pylint: disable=protected-access
         out["owned"] = _owned_noise(sh, recorded, model, rank)

@@ -50,7 +50,7 @@ def test_two_ranks_equal_one_process_on_the_union(daemon, tmp_path):
 
 
 def test_gradient_buckets_keep_order_dtype_and_size():
-    from dpclip._parallel import buckets
+    from dpclip._gate import grad_buckets as buckets
     sizes = [(3, torch.float32), (60, torch.float32), (10, torch.float32), (100, torch.float32),
              (5, torch.bfloat16), (7, torch.bfloat16), (2, torch.float32)]
     params = []

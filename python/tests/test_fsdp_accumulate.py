@@ -23,7 +23,7 @@ import torch.multiprocessing as mp
 import torch.nn as nn
 
 import dpclip
-from dpclip import _fsdp, _lib
+from dpclip import _cuda, _fsdp, _lib
 from dpclip._layers import Out
 from dpclip.torch import PrivacyEngine
 from fsdp_accum_worker import (run_accumulate, run_accumulate_failures,
@@ -219,7 +219,7 @@ def test_logical_batches_per_rank_equal_the_union_reference(daemon, tmp_path):
 
 
 def test_cuda_micro_batch_sums_name_one_slot_and_drain_nothing(monkeypatch):
-    """The GPU transport (_CudaIO) of a micro-batch that does not commit,
+    """The GPU transport's sharded steps (_cuda.CudaPhases) of a micro-batch that does not commit,
     on the CPU with the CUDA calls stubbed: every bucket's sums step names
     its outputs in one slot of the widest bucket's size (the daemon writes
     none of them), taken once, and the trainer's stream is never drained
@@ -259,7 +259,7 @@ def test_cuda_micro_batch_sums_name_one_slot_and_drain_nothing(monkeypatch):
     monkeypatch.setattr(torch.cuda, "current_stream", lambda *a, **k: Stream())
     monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
     sh = _fsdp.Sharded.__new__(_fsdp.Sharded)
-    sh.engine = type("E", (), {"client": Client(), "algorithm": 0, "_cuda": None,
+    sh.engine = type("E", (), {"client": Client(), "algorithm": 0,
                                "noise_multiplier": 0.0})()
     sh.pieces, sh.full_n, sh.shard_n, sh._buckets = pieces, full_n, shard_n, bks
     sh.world, sh.rank, sh.group, sh.dtype, sh._clip = 1, 0, None, torch.float32, Step()
@@ -268,7 +268,7 @@ def test_cuda_micro_batch_sums_name_one_slot_and_drain_nothing(monkeypatch):
     for scratch, slots, drains in ((True, 1, 0), (False, 2, 1)):
         drained.clear()
         ptrs.clear()
-        io = _fsdp._CudaIO(sh, plan, 1, torch.device("cpu"), scratch)
+        io = _cuda.CudaIPC(sh.engine.client).phases(sh, plan, 1, torch.device("cpu"), scratch)
         for k, (first, last) in enumerate(bks):
             base, end = sh._span(first, last)[:2]
             got = io.sums(k, [], base, end - base)

@@ -14,7 +14,7 @@ import torch
 import torch.multiprocessing as mp
 import torch.nn as nn
 
-from dpclip import _fsdp, _lib
+from dpclip import _cuda, _fsdp, _lib
 from dpclip._layers import Out
 from dpclip.torch import PrivacyEngine, UnsupportedModuleError
 from fsdp_worker import (run_sharded, run_sharded_failures, run_sharded_hf, run_sharded_owned_noise,
@@ -304,7 +304,7 @@ def test_a_model_wrapped_after_make_private_is_refused_at_its_first_step(daemon)
 
 
 def test_cuda_sums_slots_never_take_memory_a_queued_collective_still_reads(monkeypatch):
-    """The GPU transport (_CudaIO) on the CPU, with a caching allocator's
+    """The GPU transport's sharded steps (_cuda.CudaPhases) on the CPU, with a caching allocator's
     and an NCCL group's semantics emulated: a synchronous reduce-scatter
     only reads its input once the stream runs it (here: at the next
     collective or synchronization), while its input, freed by the caller,
@@ -410,7 +410,7 @@ def test_cuda_sums_slots_never_take_memory_a_queued_collective_still_reads(monke
             ctypes.memmove(client.ptr, src.data_ptr(), src.numel() * 4)
 
     sh = _fsdp.Sharded.__new__(_fsdp.Sharded)
-    sh.engine = type("E", (), {"client": Client(), "algorithm": 0, "_cuda": None,
+    sh.engine = type("E", (), {"client": Client(), "algorithm": 0,
                                "noise_multiplier": 0.0})()
     sh.pieces, sh.full_n, sh.shard_n, sh._buckets = pieces, full_n, shard_n, bks
     sh.widest = max(pieces[l - 1].full_off - pieces[f].full_off +
@@ -418,7 +418,7 @@ def test_cuda_sums_slots_never_take_memory_a_queued_collective_still_reads(monke
     sh.world, sh.rank, sh.group, sh.dtype = 1, 0, None, torch.float32
     sh._rs_native, sh._events, sh.sums_steps, sh._clip = True, [], 0, Daemon()
     plan = _fsdp._planner.Plan([], [])
-    io = _fsdp._CudaIO(sh, plan, 1, torch.device("cpu"))
+    io = _cuda.CudaIPC(sh.engine.client).phases(sh, plan, 1, torch.device("cpu"))
     shards, failed = sh._sums_and_scatter(plan, io, torch.device("cpu"), True, None)
     flush()
     assert failed is None and sh.sums_steps == 2
