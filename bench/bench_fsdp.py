@@ -202,7 +202,7 @@ def timed_run(args, rank, world, device, mesh, init, mode, own_norms=True):
             extra["grad_phase_extra_mib"] = round(
                 (torch.cuda.max_memory_allocated(device) - base) / 2 ** 20, 1)
         if timed and engine is not None:
-            sh = engine._shards  # pylint: disable=protected-access
+            sh = engine.mode.shards
             parts["reduce_scatter_ms"] += sh.reduce_scatter_ms()
             parts["clip_ms"] += sh.timing["clip_ms"]
             parts["noise_ms"] += sh.timing["noise_ms"]
@@ -238,7 +238,7 @@ def timed_run(args, rank, world, device, mesh, init, mode, own_norms=True):
     if mode == "opacus" and not own_norms:
         out["rmsnorm"] = "torch.nn.RMSNorm"
     if engine is not None:
-        sh = engine._shards  # pylint: disable=protected-access
+        sh = engine.mode.shards
         esz = torch.empty(0, dtype=sh.dtype).element_size()
         # the sums' memory: up to two slots of the largest bucket, against the
         # whole local sum a single sums step would hold

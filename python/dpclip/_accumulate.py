@@ -347,17 +347,9 @@ class Accumulator:
             if p is not None:
                 self.last_sent = max(self.last_sent, p)
                 self.sent_passes.add(p)
-            if e._shards is not None:  # never the commit: that is Sharded.step's
-                self._result(B, e._shards.micro(plan, B, lid, index), lid)
-                return None
-            e._step.set_logical(lid, index, commit)
-            try:
-                if commit:
-                    return self._send_commit(plan, B, gated)
-                self._send_micro(plan, B, index)
-                return None
-            finally:
-                e._step.set_logical(0)
+            # the engine's mode sends it (dpclip._modes: a ClipStep of the
+            # engine's Step; sharded, a pass in phases, never the commit)
+            return e.mode.send(self, plan, B, lid, index, commit, gated)
 
     def _send_micro(self, plan: _planner.Plan, B: int, index: int) -> None:
         e, nb = self.e, max(B, 1)

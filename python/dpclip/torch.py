@@ -77,8 +77,8 @@ import torch
 import torch.nn as nn
 from torch.utils.data import DataLoader
 
-from . import (_accumulate, _batches, _fsdp, _gate, _group, _lib, _parallel, _planner, _terms,
-               _verify)
+from . import (_accumulate, _batches, _fsdp, _group, _lib, _modes, _parallel, _planner,
+               _terms, _verify)
 from ._cuda import CudaIPC
 from ._host import HostArena
 from ._transport import Transport
@@ -164,8 +164,9 @@ class PrivacyEngine:
         # index) of the step whose result has not been collected yet.
         self.asynchronous = True
         self._inflight = None
-        self._gate = None           # data parallel: see _gate.Gate
-        self._shards: Optional[_fsdp.Sharded] = None  # sharded data parallel: see _fsdp
+        # how the engine trains (one process, data parallel, sharded, a norm
+        # group's member): make_private chooses it (dpclip._modes)
+        self.mode: _modes.Mode = _modes.Local(self)
         self.norm_group: Optional[_group.NormGroup] = None  # model parallel: see make_private
         # Wall time of the last step's phases in the trainer (ms): building
         # the request (copies, registrations), the daemon round trip, and
@@ -345,9 +346,10 @@ class PrivacyEngine:
                                  "noise_multiplier": float(noise_multiplier),
                                  "loss_reduction": loss_reduction},
             _terms.loader_kind(data_loader, poisson_sampling, secure_mode))
+        shards = None
         if fsdp or sharded_noise:
-            self._shards = _fsdp.Sharded(self, layers, module, fsdp, self.distributed, norm_group)
-            self.rank, self.world_size = self._shards.rank, self._shards.world
+            shards = _fsdp.Sharded(self, layers, module, fsdp, self.distributed, norm_group)
+            self.rank, self.world_size = shards.rank, shards.world
         self.norm_group = group
         loader_fault = digest = None
         if group is None:
@@ -356,7 +358,7 @@ class PrivacyEngine:
             # checked with the second agreement, where every rank raises alike
             loader_fault = _parallel.loader_fault(self, data_loader, secure_mode)
             digest = _parallel.generator_digest(data_loader)
-        self._gate = _gate.Gate(self.world_size, dp_group)
+        self.mode = _modes.choose(self, shards, group, dp_group)
         self._agree_account(module, fsdp, group, dp_group, dp_src)
         data_loader = self._settle_sampling(data_loader, poisson_sampling, secure_mode,
                                             expected_batch_size, sample_rate, loss_reduction,
@@ -375,12 +377,7 @@ class PrivacyEngine:
                                self.expected_batch_size, sigma, sample_rate=self.sample_rate,
                                target_delta=target_delta, target_epsilon=target_epsilon)
         _parallel.declare_member(self, self._step)
-        if group is not None:
-            _group.join(group, self.client)
-        if self._shards is not None:
-            self._shards.open(self._socket_path, self._client_name, self.job_id, self._step.cfg,
-                              target_delta, target_epsilon, device)
-            self.asynchronous = False
+        self.mode.open(target_delta, target_epsilon, device)  # (sharded: steps block)
         self._attach(module, layers, norms)
         if optimizer is not None:
             optimizer = DPOptimizer(optimizer, self)
@@ -509,8 +506,7 @@ class PrivacyEngine:
         self._layers = layers
         # FSDP2's sharded parameters get their gradients through its own
         # hooks: only the optimizer's parameters are checked there
-        self._guard = Guard(_planner.params(layers),
-                            hooks=self._shards is None or not self._shards.fsdp)
+        self._guard = Guard(_planner.params(layers), hooks=self.mode.guard_hooks)
         for l in layers:
             l.attach()
         # A plain function, not a bound method: copy.deepcopy of the model
@@ -564,12 +560,10 @@ class PrivacyEngine:
             if self._step is not None:
                 self._step.close()
                 self._step = None
-            if self._shards is not None:
-                self._shards.close()
-            group, self.norm_group = self.norm_group, None
+            # closed once (a norm group's member: the barrier)
+            mode, self.mode, self.norm_group = self.mode, _modes.Local(self), None
             try:
-                if group is not None and group.id and torch.distributed.is_initialized():
-                    torch.distributed.barrier(group=group.pg)
+                mode.close()
             finally:
                 self.client.close()
 
@@ -594,18 +588,8 @@ class PrivacyEngine:
 
     def _collect(self) -> None:
         """step()'s and close()'s collection of the last step: its error, or
-        (data parallel) any rank's failure of it. Raised by every rank at
-        the same call, before the next step's collectives (a rank that read
-        last_norms may have met its own error earlier: the gate's flag is
-        what every rank checks here)."""
-        try:
-            self.synchronize()
-        except _lib.DpclipError:
-            if self._gate is not None:
-                self._gate.drop()  # its flag is 0: every rank raises here
-            raise
-        if self._gate is not None:
-            self._gate.check()
+        (data parallel) any rank's failure of it (the mode's collect())."""
+        self.mode.collect()
 
     # Results of the last step; reading them collects an asynchronous one.
     @property
@@ -649,8 +633,7 @@ class PrivacyEngine:
         most that many samples, and makes optimizer.step() and zero_grad()
         no-ops except at each logical batch's end: one logical step per
         logical batch, at the loader's sample rate (dpclip._batches)."""
-        if self._shards is not None:
-            self._shards.refuse_logical_batches()
+        self.mode.check_logical_batches()
         return _batches.LogicalBatches(self, data_loader, max_physical_batch_size)
 
     def _drop(self, ended: bool = True) -> None:
@@ -683,40 +666,13 @@ class PrivacyEngine:
         step failed (with zero gradients and a failure flag), so the ranks
         stay in step, and the summed gradients are zeroed on every rank
         unless every rank's step succeeded: rank 0 alone adds the noise, so
-        a sum without its result would be a noiseless update (_parallel)."""
+        a sum without its result would be a noiseless update
+        (dpclip._modes.DataParallel, dpclip._gate)."""
         if not self.active:
             raise RuntimeError("the PrivacyEngine is not attached to a module")
         if self.steps == 0:
             _fsdp.check_unwrapped(self._layers)
-        if self._shards is not None:
-            self._guard.check(self.module, params)
-            try:
-                self._shards.step(self._acc)  # the commit of the logical step
-            finally:
-                self._drop()
-                self.steps += 1
-            return
-        gated = self.distributed and self.world_size > 1
-        ok = failed = None
-        try:
-            self._collect()
-            try:
-                self._guard.check(self.module, params)
-                ok = self._acc.commit(gated)
-            except Exception as e:  # pylint: disable=broad-except
-                if not gated:
-                    raise
-                failed = e
-        finally:
-            self._drop()
-        if gated:
-            # counted on every rank alike: each joins the step's collectives
-            self.steps += 1
-            params = _planner.params(self._layers)  # a tied weight once
-            self._gate.reduce(params, ok, failed, self.steps,
-                              self.asynchronous and params[0].device.type == "cuda")
-        else:
-            self.steps += 1
+        self.mode.step(params)  # dpclip._modes: one process, data parallel, sharded, grouped
 
     def _step_whole(self) -> Optional[torch.Tensor]:
         """This process's step of one pass, as a whole step (the logical
@@ -734,7 +690,7 @@ class PrivacyEngine:
         if self._probing():
             _verify.check_step(self, plan, B)
         run = self._io(device).run(self._step, plan, max(B, 1), device, self.algorithm,
-                                   self.distributed and self.world_size > 1, self.asynchronous)
+                                   self.mode.gated, self.asynchronous)
         if run.res is None:  # asynchronous (GPU): collected later
             self._inflight = (run.ticket, B, run.info.step_index, ())
             self.last_epsilon, self.last_delta = run.info.epsilon, run.info.delta

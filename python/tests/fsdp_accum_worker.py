@@ -106,7 +106,7 @@ def run_accumulate(rank, world, init_file, socket_path, data, C, expected, split
             out["before"].append(before)
             out["total"].append(total)
             out["steps"].append(engine.steps)
-        out["buckets"] = len(engine._shards._buckets)  # pylint: disable=protected-access
+        out["buckets"] = len(engine.mode.shards._buckets)  # pylint: disable=protected-access
         engine.close()
         torch.save(out, os.path.join(out_dir, "acc%d.pt" % rank))
     finally:
@@ -150,7 +150,7 @@ def run_accumulate_noise(rank, world, init_file, socket_path, data, C, expected,
             logical_step(model, opt, x, y, mine, sizes, loss_scale=lambda i: 0.0)
             out["grads"].append(_grads(model))
             out["recorded"].append(list(recorded))
-        sh = engine._shards  # pylint: disable=protected-access
+        sh = engine.mode.shards
         names = {id(p): n for n, p in model.named_parameters()}
         out["pieces"] = [{"name": names[id(pc.param)], "full_off": pc.full_off,
                           "chunk": pc.chunk, "mine": pc.mine, "shape": pc.shape}

@@ -99,7 +99,7 @@ def run_sharded_hf(rank, world, init_file, socket_path, data, V, C, expected, ou
         opt.step()
         torch.save({n: p.grad.clone() for n, p in model.named_parameters()},
                    os.path.join(out_dir, "hf%d.pt" % rank))
-        sh = engine._shards  # pylint: disable=protected-access
+        sh = engine.mode.shards
         torch.save({"buckets": len(sh._buckets),  # pylint: disable=protected-access
                     "sums_steps": sh.sums_steps, "widest": sh.widest, "full": sh.full_n},
                    os.path.join(out_dir, "hfmeta%d.pt" % rank))
@@ -136,7 +136,7 @@ def run_sharded_owned_noise(rank, world, init_file, socket_path, model_name, dat
         opt.zero_grad()
         (model(x[mine]) * 0.0).sum().backward()
         opt.step()
-        sh = engine._shards  # pylint: disable=protected-access
+        sh = engine.mode.shards
         names = {id(p): n for n, p in model.named_parameters()}
         pieces = [{"name": names[id(pc.param)], "full_off": pc.full_off, "chunk": pc.chunk,
                    "inner": pc.inner, "mine": pc.mine, "shape": pc.shape,
@@ -362,7 +362,7 @@ def run_fsdp2(rank, world, init_file, socket_path, data, C, expected, seed, out_
                 "sharded": {n: tuple(p.grad.placements) == (Shard(0),)
                             for n, p in model.named_parameters()},
                 "dtypes": {n: p.grad.dtype for n, p in model.named_parameters()},
-                "sharded_dtype": engine._shards.dtype}  # pylint: disable=protected-access
+                "sharded_dtype": engine.mode.shards.dtype}
             engine.close()
 
         recorded = []  # each sums step's output as the daemon wrote it
@@ -380,7 +380,7 @@ def run_fsdp2(rank, world, init_file, socket_path, data, C, expected, seed, out_
         opt.step()
         _cuda.CudaPhases.sums = sums
         out["noise"] = {n: p.grad.to_local().cpu() for n, p in model.named_parameters()}
-        sh = engine._shards  # pylint: disable=protected-access
+        sh = engine.mode.shards
         out["owned"] = _owned_noise(sh, recorded, model, rank)
         engine.close()
 
