@@ -68,7 +68,7 @@ from typing import Any, Iterator, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
-from . import _lib, _planner, _verify
+from . import _lib, _planner
 from ._transport import Run, Transport
 
 __all__ = ["Accumulator"]
@@ -340,9 +340,7 @@ class Accumulator:
             if B == 0 and e.loss_reduction == "mean" and e.expected_batch_size <= 0:
                 raise ValueError("an empty micro-batch with a mean loss needs "
                                  "expected_batch_size")
-            plan = _planner.plan(e._layers, B)
-            if e._probing():
-                _verify.check_step(e, plan, B)
+            plan = e._plan(B)
             lid, index = self._next()
             if p is not None:
                 self.last_sent = max(self.last_sent, p)

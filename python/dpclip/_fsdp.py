@@ -75,7 +75,7 @@ from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
 import torch
 import torch.nn as nn
 
-from . import _gate, _lib, _planner, _verify
+from . import _gate, _lib, _planner
 from ._layers import _ESIZE, Out, Part, Slice, UnsupportedModuleError, _Layer
 
 __all__ = ["Sharded", "refuse_fsdp1", "is_fsdp2", "check_unwrapped"]
@@ -474,9 +474,7 @@ class Sharded:
             # step of one micro-batch, a whole step)
             commit = acc.sharded_commit()
             B = _planner.batch_size(self.layers)
-            plan = _planner.plan(self.layers, B)
-            if e._probing():  # pylint: disable=protected-access
-                _verify.check_step(e, plan, B)
+            plan = e._plan(B)  # pylint: disable=protected-access
             io = e._io(device).phases(self, plan, max(B, 1), device)  # pylint: disable=W0212
             if commit is not None:
                 self._clip.set_logical(*commit, True)

@@ -23,7 +23,7 @@ step(params), optimizer.step()'s body; collect(), the last step's result
 send(), one micro-batch of a logical step (dpclip._accumulate); close();
 check_logical_batches(); and gated (each step's sums gated over ranks) and
 guard_hooks (the fail-closed guard watches autograd's gradients)."""
-from typing import Any, Iterable, Optional
+from typing import Any, Iterable, Optional, Union
 
 import torch
 
@@ -207,7 +207,7 @@ class Grouped:
         """(A member's refusal is dpclip._batches', after its arguments' checks.)"""
 
 
-Mode = Any  # Local, DataParallel, Sharded or Grouped
+Mode = Union[Local, Grouped]  # (DataParallel and Sharded are Locals)
 
 
 def choose(engine: Any, shards: Optional[_fsdp.Sharded], group: Optional[NormGroup],

@@ -686,9 +686,7 @@ class PrivacyEngine:
             self._drop(ended=False)  # (step() ends the step)
         device = self._device()
         t0 = time.perf_counter()
-        plan = _planner.plan(self._layers, B)
-        if self._probing():
-            _verify.check_step(self, plan, B)
+        plan = self._plan(B)
         run = self._io(device).run(self._step, plan, max(B, 1), device, self.algorithm,
                                    self.mode.gated, self.asynchronous)
         if run.res is None:  # asynchronous (GPU): collected later
@@ -698,6 +696,15 @@ class PrivacyEngine:
             self._finish(run.res, B)
         self._timing(t0, run.t1, run.t2, run.res is not None)
         return run.ok
+
+    def _plan(self, B: int) -> _planner.Plan:
+        """The plan of the pass the layers hold (B samples), after the
+        first-step check where a layer's is still to run (dpclip._verify):
+        every mode's steps and micro-batches are planned here."""
+        plan = _planner.plan(self._layers, B)
+        if self._probing():
+            _verify.check_step(self, plan, B)
+        return plan
 
     def _probing(self) -> bool:
         """A layer's first-step check is still to run."""
