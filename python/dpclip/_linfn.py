@@ -224,10 +224,8 @@ class LinFnLayer(_Layer):
     def outputs(self) -> List[Tuple[torch.Tensor, Optional[Any]]]:
         return [(p, None) for p in self.params]
 
-    def active(self) -> bool:
-        return self.engine.active and torch.is_grad_enabled() and \
-            any(p.requires_grad for p in self.params) and \
-            not getattr(self.engine, "_reference", False)
+    def trains(self) -> bool:
+        return any(p.requires_grad for p in self.params)
 
     def _forward(self, mod: nn.Module, *args: Any, **kwargs: Any) -> Any:
         x = args[0] if args and isinstance(args[0], torch.Tensor) else None
