@@ -34,6 +34,7 @@ torch's, with trainable parameters of two or three dimensions only, whose
 forward's source calls linear( or a grouped product. Whether it uses them only that way is
 checked at each forward, as above."""
 import inspect
+import re
 from typing import Any, Dict, List, NamedTuple, Optional, Tuple
 
 import torch
@@ -434,7 +435,7 @@ def _calls_linear(m: nn.Module) -> bool:
         src = inspect.getsource(getattr(fwd, "__wrapped__", fwd))
     except (OSError, TypeError):
         return False
-    return "linear(" in src or "grouped" in src
+    return re.search(r"linear\(|grouped\w*\(|grouped_mm", src) is not None
 
 
 def layers_for(engine: Any, name: str, m: nn.Module,
