@@ -231,9 +231,10 @@ class LinFnLayer(_Layer):
     def _forward(self, mod: nn.Module, *args: Any, **kwargs: Any) -> Any:
         x = args[0] if args and isinstance(args[0], torch.Tensor) else None
         B = _rows.pass_batch(self.engine)
-        if x is not None and x.dim() == 2 and x.shape[0] != B:
+        if x is not None and x.dim() == 2:
             # flattened tokens: the first-step check takes each sample's rows
-            self.sid = _rows.row_samples(x, B)
+            sid = _rows.row_samples(x, B)
+            self.sid = None if sid is None or _rows.is_batch(sid, B) else sid
         with _Uses(self):
             return self.reference(mod, *args, **kwargs)
 
@@ -295,11 +296,15 @@ class LinFnLayer(_Layer):
         """The sample of each row of x [N, d] (None: x is batch-first
         [B, T, d], or rows that are the batch), or refuses."""
         B = _rows.pass_batch(self.engine)
-        if x.dim() >= 3 or (x.dim() == 2 and B is not None and x.shape[0] == B):
+        if x.dim() >= 3:
             return None
         if x.dim() == 2 and x.shape[0] == 0:
             return torch.zeros(0, dtype=torch.long)
         sid = _rows.row_samples(x, B) if x.dim() == 2 else None
+        if sid is not None and _rows.is_batch(sid, B):
+            return None
+        if sid is None and x.dim() == 2 and B is not None and x.shape[0] == B:
+            return None  # unproved [B, d]: batch-first, as for every module
         if sid is None:
             raise self.refusal("F.linear on rows %s whose samples dpclip cannot prove (a "
                                "reshape of batch-first hidden states, rows picked by one "

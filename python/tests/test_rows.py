@@ -142,3 +142,52 @@ def test_mixture_of_experts_exact(daemon, empty, device):
     (x,), y, V = prose(B, T, seed=4)
     engine, _ = exact_step(daemon, Experts(V, empty), "seq", (x,), y, device)
     engine.close()
+
+
+class FirstRows(nn.Module):
+    """An 'expert' Linear that gets the rows of one token id (picked by an
+    index, as a router picks), its output added back at those rows; the
+    batch holds that id B times, all in sample 0. raw=True holds its weight
+    bare and calls F.linear itself (dpclip._linfn) instead of an nn.Linear."""
+
+    def __init__(self, V, raw=False):
+        super().__init__()
+        self.emb = nn.Embedding(V, D)
+        self.raw = raw
+        if raw:
+            self.expert = RawExpert()
+        else:
+            self.expert = nn.Linear(D, D)
+        self.head = nn.Linear(D, V)
+
+    def forward(self, idx):
+        h = self.emb(idx)
+        rows = h.reshape(-1, D)
+        pick = (idx.reshape(-1) == self.emb.num_embeddings - 1).nonzero().squeeze(1)
+        out = rows.index_add(0, pick, torch.tanh(self.expert(rows[pick])))
+        return self.head(out.view(h.shape))
+
+
+class RawExpert(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(D, D) * 0.3)
+
+    def forward(self, x):
+        return F.linear(x, self.weight)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("raw", [False, True])
+def test_batch_many_rows_of_one_sample_exact(daemon, device, raw):
+    """B rows are not the batch unless their map says so: B rows an index
+    picked from one sample are that sample's (taking them as one a sample
+    gave every sample a share of sample 0's gradient)."""
+    torch.manual_seed(0)
+    (x,), y, V = prose(B, T, seed=3)
+    assert T > B
+    x = x.clone()
+    x[x == V - 1] = 1
+    x[0, :B] = V - 1  # the routed id: B rows, all sample 0's
+    engine, _ = exact_step(daemon, FirstRows(V, raw), "seq", (x,), y, device)
+    engine.close()
