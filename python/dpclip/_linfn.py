@@ -185,10 +185,17 @@ class _Uses(TorchFunctionMode):
                 def call(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
                     return func(a, b, *rest, **kwargs)
                 return GroupedLinFn.apply(x, w, offs, call, layer, i, layer.rows_of(x))
-        if getattr(func, "__name__", "") not in _READS and \
-                any(layer.owns(t) for t in _tensors((args, kwargs))):
-            raise layer.refusal(getattr(func, "__name__", str(func)))
-        return func(*args, **kwargs)
+        name = getattr(func, "__name__", str(func))
+        owned = any(layer.owns(t) for t in _tensors((args, kwargs)))
+        if owned and name not in _READS:
+            raise layer.refusal(name)
+        out = func(*args, **kwargs)
+        if owned and isinstance(out, torch.Tensor) and out.requires_grad and \
+                not layer.owns(out):
+            # a copy made of it (W[idx] with a tensor of indices: a bias
+            # gathered per row), whose gradient no rule here forms
+            raise layer.refusal("%s (a copy of them)" % name)
+        return out
 
 
 class LinFnLayer(_Layer):

@@ -6,6 +6,8 @@ per-sample f64 reference (sigma 0, flat clipping, C between the middle
 norms): each (parameter, expert) pair is a Linear over its rows. The
 structure is written out here (no transformers needed); any other use of
 such a weight is refused by name, and nothing is written."""
+import re
+
 import pytest
 import torch
 import torch.nn as nn
@@ -146,6 +148,34 @@ def test_other_use_refused(daemon):
                                         r"\(gate_up_proj, down_proj\) through"):
         per_sample_losses("seq", model(x), y).mean().backward()
     assert all(p.grad is None for p in model.parameters())
+    engine.close()
+
+
+def test_gathered_copy_refused(daemon):
+    """A parameter gathered row by row (a bias per routed row, W[idx] with
+    a tensor of indices: a copy, as GPT-OSS's experts take their biases) is
+    refused at the first forward, naming the module; no gradient."""
+
+    class GatheredBias(Experts):
+        def __init__(self, misuse=False):
+            super().__init__()
+            self.bias = nn.Parameter(torch.zeros(E, D))
+
+        def forward(self, h, idx, weights):
+            first = F.linear(h, self.gate_up_proj[0])[:, :D]  # (a use dpclip trains)
+            return first + self.bias[idx[:, 0]]
+
+    torch.manual_seed(0)
+    (x,), y, V = prose(B, T, seed=5)
+    engine, model, opt = private(daemon, MoELM(V, experts=GatheredBias), 1.0, B)
+    try:  # torch 2 shows the mode the indexing: refused at the forward
+        per_sample_losses("seq", model(x), y).mean().backward()
+    except Exception as e:  # pylint: disable=broad-except
+        assert re.search(r"module experts .* through __getitem__ \(a copy", str(e)), e
+    else:  # torch 1.13 indexes a Parameter unseen: autograd's gradient, refused
+        with pytest.raises(Exception, match=r"experts\.bias"):
+            opt.step()
+    assert all(p.grad is None for n, p in model.named_parameters() if n != "experts.bias")
     engine.close()
 
 
