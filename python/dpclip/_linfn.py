@@ -416,9 +416,10 @@ class LinFnLayer(_Layer):
                     raise UnsupportedModuleError(
                         "first-step check: module %s (trained as %s), %s expert %d: its "
                         "per-sample gradient differs from autograd's through F.linear on "
-                        "sample %d's rows by %.3g: %s. Nothing was sent or updated"
+                        "sample %d's rows by %.3g: the rows were placed for the wrong samples, "
+                        "a bug in dpclip (please report it). Nothing was sent or updated"
                         % (_label(self.name, self.module), self.what, self.pnames[key[0]],
-                           key[1], b, err, self.hint))
+                           key[1], b, err))
         self._probe = []
         self.verify = None
 
