@@ -91,14 +91,16 @@ class LinFn(torch.autograd.Function):
 
 
 class Placement(NamedTuple):
-    """Where a grouped product's first n rows go: [E, B, most] at idx
-    (expert, sample, position: device tensors), rows per expert, and each
-    expert's end row (host lists)."""
+    """Where a grouped product's first n rows go: row rows[r] (a device
+    tensor) of one buffer of `total` rows that holds each expert k's
+    [B, most[k]] block from row base[k], sample-major; and each expert's
+    end row in the product (host lists)."""
     n: int
-    most: int
-    per_expert: List[int]
+    total: int
+    most: List[int]
+    base: List[int]
     ends: List[int]
-    idx: Tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+    rows: torch.Tensor
 
 
 class GroupedLinFn(torch.autograd.Function):
@@ -360,31 +362,37 @@ class LinFnLayer(_Layer):
         starts = torch.cumsum(counts, 0) - counts
         pos = torch.empty_like(key)
         pos[order] = r - starts[key[order]]
-        c = counts.view(E, B)
-        dev = offs.device
-        placed = Placement(n, max(int(c.max()) if n else 1, 1), c.sum(1).tolist(),
-                           ends.tolist(), (e.to(dev), s.to(dev), pos.to(dev)))
+        # each expert padded to its own most rows a sample (an expert
+        # with none: no block), its block [B, most_k] from row base_k
+        most = counts.view(E, B).max(1).values
+        base = torch.cumsum(B * most, 0) - B * most
+        rows = base[e] + s * most[e] + pos
+        placed = Placement(n, int((B * most).sum()), most.tolist(), base.tolist(),
+                           ends.tolist(), rows.to(offs.device))
         self._placed = (offs, sid, placed)
         return placed
 
     def take_grouped(self, x: torch.Tensor, g: torch.Tensor, at: Placement, i: int,
                      sid: torch.Tensor, pass_id: int) -> None:
         """A grouped product's capture: rows [S, d] sorted by expert, placed
-        per expert and sample in [E, B, Tmax, d] (zeros elsewhere) as the
-        forward planned."""
+        per expert and sample in [B, Tmax_k, d] blocks of one buffer (zeros
+        elsewhere) as the forward planned: one scatter each for the rows
+        and their gradients."""
         x, g = x.detach(), g.detach()
         E = self.params[i].shape[0]
         B = _rows.pass_batch(self.engine) or 1
-        bx = x.new_zeros((E, B, at.most, x.shape[1])).index_put_(at.idx, x[:at.n])
-        bg = g.new_zeros((E, B, at.most, g.shape[1])).index_put_(at.idx, g[:at.n])
+        bx = x.new_zeros((at.total, x.shape[1])).index_copy_(0, at.rows, x[:at.n])
+        bg = g.new_zeros((at.total, g.shape[1])).index_copy_(0, at.rows, g[:at.n])
         for k in range(E):
-            if not at.per_expert[k]:
+            if not at.most[k]:
                 continue  # no row: the step sends this expert zeros
-            xb, gb = bx[k], bg[k]
+            lo, hi = at.base[k], at.base[k] + B * at.most[k]
+            xb = bx[lo:hi].view(B, at.most[k], x.shape[1])
+            gb = bg[lo:hi].view(B, at.most[k], g.shape[1])
             xb.dpclip_key = (i, k)  # type: ignore[attr-defined]
             if self.verify is not None and len(self._probe) < _PROBE_RECORDS:
-                lo, hi = at.ends[k - 1] if k else 0, at.ends[k]
-                self._probe.append(((i, k), x[lo:hi], g[lo:hi], sid[lo:hi], xb, gb))
+                a, z = at.ends[k - 1] if k else 0, at.ends[k]
+                self._probe.append(((i, k), x[a:z], g[a:z], sid[a:z], xb, gb))
             self.records.append((xb, gb, pass_id))
             self.engine._acc.captured(pass_id)  # pylint: disable=protected-access
 
