@@ -143,8 +143,12 @@ def _columns(node: Any, nxt: Any, n: int, batch: Optional[int], memo: Memo
     dim = int(node._saved_dim)
     if dim >= 2**63:  # saved as unsigned: -1 reads 2^64 - 1
         dim -= 2**64
-    if len(src) != 2 or dim % 2 != 1:
+    if len(src) != 2:
         return None
+    if dim % 2 == 0:  # along the rows: only the whole of them (x[:, a:b] slices both)
+        whole = node.name() == "SliceBackward0" and int(node._saved_start) == 0 and \
+            int(node._saved_step) == 1 and int(node._saved_end) >= src[0]
+        return _rows(nxt, n, src[-1], batch, memo) if whole else None
     return _rows(nxt, n, src[-1], batch, memo)
 
 

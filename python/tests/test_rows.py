@@ -106,6 +106,13 @@ def test_row_samples_proves_and_stops():
     assert row_samples(torch.sort(rows, 0)[0], B) is None               # reordered by value
     assert row_samples(rows[pick] + rows[pick.flip(0)], B) is None      # two maps disagree
     assert row_samples(h.reshape(B * T // 2, 2 * D), B) is None         # rows of two tokens
+    # columns of each row (a gated MLP's halves); one token of each sample
+    gate, up = torch.relu(rows[pick]).chunk(2, dim=-1)
+    assert torch.equal(row_samples(gate * up, B), same[pick])
+    assert torch.equal(row_samples(rows[pick][:, : D // 2], B), same[pick])
+    assert torch.equal(row_samples(h[:, 0], B), torch.arange(B))         # a pooled [B, d]
+    assert row_samples(rows[:B], B) is None                              # rows sliced: T's first
+    assert row_samples(h[0], B) is None                                  # one sample's tokens
 
 
 class Experts(nn.Module):
