@@ -40,7 +40,6 @@ import json
 import os
 import statistics
 import sys
-import threading
 import time
 
 import torch
@@ -49,7 +48,9 @@ import torch.nn.functional as F
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "python"))
+sys.path.insert(0, os.path.join(ROOT, "bench"))
 
+from bench_accumulate import DeviceMemory  # noqa: E402 (the device's used memory, sampled)
 from dpclip.torch import PrivacyEngine  # noqa: E402
 
 TARGET = 1.10
@@ -117,37 +118,6 @@ def batch_for(c, task, B, T, tiny, device):
 
 
 # --- one mode -----------------------------------------------------------------------------
-
-class DeviceMemory:
-    """The device's used memory (all processes), sampled on a thread."""
-
-    def __init__(self, device):
-        self.device, self.peak, self.base = device, 0, 0
-        self._stop, self._thread = threading.Event(), None
-
-    def used(self):
-        if self.device.type != "cuda":
-            return 0
-        free, total = torch.cuda.mem_get_info(self.device)
-        return total - free
-
-    def __enter__(self):
-        self.base = self.peak = self.used()
-        if self.device.type == "cuda":
-            self._thread = threading.Thread(target=self._loop, daemon=True)
-            self._thread.start()
-        return self
-
-    def _loop(self):
-        while not self._stop.wait(0.005):
-            self.peak = max(self.peak, self.used())
-
-    def __exit__(self, *exc):
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join()
-        self.peak = max(self.peak, self.used())
-
 
 def sync(device):
     if device.type == "cuda":

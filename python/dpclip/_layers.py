@@ -372,10 +372,14 @@ class _Layer:
         self.records.append((inp.detach(), g.detach(), pass_id))
         self.engine._acc.captured(pass_id)  # which passes one backward reaches
 
+    def trains(self) -> bool:
+        """Whether a parameter it trains is trainable now (not frozen)."""
+        return self.weight.requires_grad
+
     def active(self) -> bool:
         # (_reference: the first-step check is running the modules' own code)
-        return self.engine.active and torch.is_grad_enabled() and \
-            self.weight.requires_grad and not getattr(self.engine, "_reference", False)
+        return self.engine.active and torch.is_grad_enabled() and self.trains() and \
+            not getattr(self.engine, "_reference", False)
 
     def attach(self) -> None:
         layer = self

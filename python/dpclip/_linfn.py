@@ -34,6 +34,7 @@ torch's, with trainable parameters of two or three dimensions only, whose
 forward's source calls linear( or a grouped product. Whether it uses them only that way is
 checked at each forward, as above."""
 import inspect
+import re
 from typing import Any, Dict, List, NamedTuple, Optional, Tuple
 
 import torch
@@ -90,14 +91,16 @@ class LinFn(torch.autograd.Function):
 
 
 class Placement(NamedTuple):
-    """Where a grouped product's first n rows go: [E, B, most] at idx
-    (expert, sample, position: device tensors), rows per expert, and each
-    expert's end row (host lists)."""
+    """Where a grouped product's first n rows go: row rows[r] (a device
+    tensor) of one buffer of `total` rows that holds each expert k's
+    [B, most[k]] block from row base[k], sample-major; and each expert's
+    end row in the product (host lists)."""
     n: int
-    most: int
-    per_expert: List[int]
+    total: int
+    most: List[int]
+    base: List[int]
     ends: List[int]
-    idx: Tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+    rows: torch.Tensor
 
 
 class GroupedLinFn(torch.autograd.Function):
@@ -184,10 +187,17 @@ class _Uses(TorchFunctionMode):
                 def call(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
                     return func(a, b, *rest, **kwargs)
                 return GroupedLinFn.apply(x, w, offs, call, layer, i, layer.rows_of(x))
-        if getattr(func, "__name__", "") not in _READS and \
-                any(layer.owns(t) for t in _tensors((args, kwargs))):
-            raise layer.refusal(getattr(func, "__name__", str(func)))
-        return func(*args, **kwargs)
+        name = getattr(func, "__name__", str(func))
+        owned = any(layer.owns(t) for t in _tensors((args, kwargs)))
+        if owned and name not in _READS:
+            raise layer.refusal(name)
+        out = func(*args, **kwargs)
+        if owned and isinstance(out, torch.Tensor) and out.requires_grad and \
+                not layer.owns(out):
+            # a copy made of it (W[idx] with a tensor of indices: a bias
+            # gathered per row), whose gradient no rule here forms
+            raise layer.refusal("%s (a copy of them)" % name)
+        return out
 
 
 class LinFnLayer(_Layer):
@@ -224,17 +234,16 @@ class LinFnLayer(_Layer):
     def outputs(self) -> List[Tuple[torch.Tensor, Optional[Any]]]:
         return [(p, None) for p in self.params]
 
-    def active(self) -> bool:
-        return self.engine.active and torch.is_grad_enabled() and \
-            any(p.requires_grad for p in self.params) and \
-            not getattr(self.engine, "_reference", False)
+    def trains(self) -> bool:
+        return any(p.requires_grad for p in self.params)
 
     def _forward(self, mod: nn.Module, *args: Any, **kwargs: Any) -> Any:
         x = args[0] if args and isinstance(args[0], torch.Tensor) else None
         B = _rows.pass_batch(self.engine)
-        if x is not None and x.dim() == 2 and x.shape[0] != B:
+        if x is not None and x.dim() == 2:
             # flattened tokens: the first-step check takes each sample's rows
-            self.sid = _rows.row_samples(x, B)
+            sid = _rows.row_samples(x, B)
+            self.sid = None if sid is None or _rows.is_batch(sid, B) else sid
         with _Uses(self):
             return self.reference(mod, *args, **kwargs)
 
@@ -296,11 +305,15 @@ class LinFnLayer(_Layer):
         """The sample of each row of x [N, d] (None: x is batch-first
         [B, T, d], or rows that are the batch), or refuses."""
         B = _rows.pass_batch(self.engine)
-        if x.dim() >= 3 or (x.dim() == 2 and B is not None and x.shape[0] == B):
+        if x.dim() >= 3:
             return None
         if x.dim() == 2 and x.shape[0] == 0:
             return torch.zeros(0, dtype=torch.long)
         sid = _rows.row_samples(x, B) if x.dim() == 2 else None
+        if sid is not None and _rows.is_batch(sid, B):
+            return None
+        if sid is None and x.dim() == 2 and B is not None and x.shape[0] == B:
+            return None  # unproved [B, d]: batch-first, as for every module
         if sid is None:
             raise self.refusal("F.linear on rows %s whose samples dpclip cannot prove (a "
                                "reshape of batch-first hidden states, rows picked by one "
@@ -349,31 +362,37 @@ class LinFnLayer(_Layer):
         starts = torch.cumsum(counts, 0) - counts
         pos = torch.empty_like(key)
         pos[order] = r - starts[key[order]]
-        c = counts.view(E, B)
-        dev = offs.device
-        placed = Placement(n, max(int(c.max()) if n else 1, 1), c.sum(1).tolist(),
-                           ends.tolist(), (e.to(dev), s.to(dev), pos.to(dev)))
+        # each expert padded to its own most rows a sample (an expert
+        # with none: no block), its block [B, most_k] from row base_k
+        most = counts.view(E, B).max(1).values
+        base = torch.cumsum(B * most, 0) - B * most
+        rows = base[e] + s * most[e] + pos
+        placed = Placement(n, int((B * most).sum()), most.tolist(), base.tolist(),
+                           ends.tolist(), rows.to(offs.device))
         self._placed = (offs, sid, placed)
         return placed
 
     def take_grouped(self, x: torch.Tensor, g: torch.Tensor, at: Placement, i: int,
                      sid: torch.Tensor, pass_id: int) -> None:
         """A grouped product's capture: rows [S, d] sorted by expert, placed
-        per expert and sample in [E, B, Tmax, d] (zeros elsewhere) as the
-        forward planned."""
+        per expert and sample in [B, Tmax_k, d] blocks of one buffer (zeros
+        elsewhere) as the forward planned: one scatter each for the rows
+        and their gradients."""
         x, g = x.detach(), g.detach()
         E = self.params[i].shape[0]
         B = _rows.pass_batch(self.engine) or 1
-        bx = x.new_zeros((E, B, at.most, x.shape[1])).index_put_(at.idx, x[:at.n])
-        bg = g.new_zeros((E, B, at.most, g.shape[1])).index_put_(at.idx, g[:at.n])
+        bx = x.new_zeros((at.total, x.shape[1])).index_copy_(0, at.rows, x[:at.n])
+        bg = g.new_zeros((at.total, g.shape[1])).index_copy_(0, at.rows, g[:at.n])
         for k in range(E):
-            if not at.per_expert[k]:
+            if not at.most[k]:
                 continue  # no row: the step sends this expert zeros
-            xb, gb = bx[k], bg[k]
+            lo, hi = at.base[k], at.base[k] + B * at.most[k]
+            xb = bx[lo:hi].view(B, at.most[k], x.shape[1])
+            gb = bg[lo:hi].view(B, at.most[k], g.shape[1])
             xb.dpclip_key = (i, k)  # type: ignore[attr-defined]
             if self.verify is not None and len(self._probe) < _PROBE_RECORDS:
-                lo, hi = at.ends[k - 1] if k else 0, at.ends[k]
-                self._probe.append(((i, k), x[lo:hi], g[lo:hi], sid[lo:hi], xb, gb))
+                a, z = at.ends[k - 1] if k else 0, at.ends[k]
+                self._probe.append(((i, k), x[a:z], g[a:z], sid[a:z], xb, gb))
             self.records.append((xb, gb, pass_id))
             self.engine._acc.captured(pass_id)  # pylint: disable=protected-access
 
@@ -405,9 +424,10 @@ class LinFnLayer(_Layer):
                     raise UnsupportedModuleError(
                         "first-step check: module %s (trained as %s), %s expert %d: its "
                         "per-sample gradient differs from autograd's through F.linear on "
-                        "sample %d's rows by %.3g: %s. Nothing was sent or updated"
+                        "sample %d's rows by %.3g: the rows were placed for the wrong samples, "
+                        "a bug in dpclip (please report it). Nothing was sent or updated"
                         % (_label(self.name, self.module), self.what, self.pnames[key[0]],
-                           key[1], b, err, self.hint))
+                           key[1], b, err))
         self._probe = []
         self.verify = None
 
@@ -436,7 +456,7 @@ def _calls_linear(m: nn.Module) -> bool:
         src = inspect.getsource(getattr(fwd, "__wrapped__", fwd))
     except (OSError, TypeError):
         return False
-    return "linear(" in src or "grouped" in src
+    return re.search(r"linear\(|grouped\w*\(|grouped_mm", src) is not None
 
 
 def layers_for(engine: Any, name: str, m: nn.Module,

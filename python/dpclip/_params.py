@@ -75,10 +75,8 @@ class _BroadcastParamsLayer(_Layer):
     def outputs(self) -> List[Tuple[torch.Tensor, Optional[Callable]]]:
         return [(p, None) for p in self.params]
 
-    def active(self) -> bool:
-        return self.engine.active and torch.is_grad_enabled() and \
-            any(p.requires_grad for p in self.params) and \
-            not getattr(self.engine, "_reference", False)
+    def trains(self) -> bool:
+        return any(p.requires_grad for p in self.params)
 
     def _forward(self, mod: nn.Module, *args: Any, **kwargs: Any) -> Any:
         x = next((t for t in list(args) + list(kwargs.values())

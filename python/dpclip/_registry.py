@@ -183,6 +183,10 @@ def supported_layers() -> List[Tuple[str, str]]:
     out.append(("raw nn.Parameters of leading size 1, or vectors, that a module's forward "
                 "broadcasts over the batch", "class tokens, position embeddings (ViT's, CLIP's), "
                 "layer-scales; checked on the first step"))
+    out.append(("raw 2-D or 3-D weights a module passes to F.linear or to a grouped product "
+                "itself", "a mixture of experts' router weight and experts [E, out, in] "
+                "(transformers 5's Mixtral, Qwen2-MoE: eager or grouped_mm), without a bias; "
+                "any other use refused; checked on the first step"))
     for kind in KINDS:
         names = sorted([c.__name__ for c, r in _by_class.items() if r["kind"] == kind] +
                        [n for n, r in _by_name.items() if r["kind"] == kind])

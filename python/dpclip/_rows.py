@@ -17,6 +17,8 @@ sid[r]'s), through:
   constant or parameter broadcast over them;
 - columns of each row, split or sliced along the last dimension (a gated
   MLP's gate and up halves);
+- one index taken along a middle dimension of a batch-first tensor (a
+  pooled h[:, 0]);
 - dpclip's own output on such rows (RowsFn), which carries its map.
 A transpose, a sort, a scatter, a matmul with data, or anything else stops
 the proof (None), and the module is treated as before: its input's leading
@@ -31,7 +33,7 @@ from typing import Any, Dict, Optional, Tuple
 import torch
 
 __all__ = ["row_samples", "to_batch", "RowsFn", "note_batch", "pass_batch", "flat_rows",
-           "flat_forward"]
+           "flat_forward", "is_batch"]
 
 # reshapes: the source's sizes are saved on the node (torch 1.13 and 2.x)
 _VIEWS = {"ViewBackward0", "ReshapeAliasBackward0", "UnsafeViewBackward0", "ViewBackward1",
@@ -118,6 +120,8 @@ def _visit(node: Any, n: int, d: int, batch: Optional[int], memo: Memo) -> Optio
         return _indexed(node, name, nexts[0], n, d, batch, memo)
     if name in _LAST_DIM:
         return _columns(node, nexts[0], n, batch, memo)
+    if name == "SelectBackward0":
+        return _selected(node, n, batch)
     if name not in _ELEMENTWISE:
         return None
     found = None
@@ -139,9 +143,26 @@ def _columns(node: Any, nxt: Any, n: int, batch: Optional[int], memo: Memo
     dim = int(node._saved_dim)
     if dim >= 2**63:  # saved as unsigned: -1 reads 2^64 - 1
         dim -= 2**64
-    if len(src) != 2 or dim % 2 != 1:
+    if len(src) != 2:
         return None
+    if dim % 2 == 0:  # along the rows: only the whole of them (x[:, a:b] slices both)
+        whole = node.name() == "SliceBackward0" and int(node._saved_start) == 0 and \
+            int(node._saved_step) == 1 and int(node._saved_end) >= src[0]
+        return _rows(nxt, n, src[-1], batch, memo) if whole else None
     return _rows(nxt, n, src[-1], batch, memo)
+
+
+def _selected(node: Any, n: int, batch: Optional[int]) -> Optional[torch.Tensor]:
+    """One index taken along a dimension between the first and the last
+    of a batch-first tensor (a pooled [B, d] = h[:, 0]): each row is still
+    its sample's."""
+    src = _sizes(node, "_saved_self_sym_sizes", "_saved_self_sizes")
+    dim = int(node._saved_dim)
+    if dim >= 2**63:
+        dim -= 2**64
+    if len(src) < 3 or not 0 < dim % len(src) < len(src) - 1:
+        return None
+    return _anchor(src[0], n, batch)
 
 
 def _indexed(node: Any, name: str, nxt: Any, n: int, d: int, batch: Optional[int],
@@ -231,16 +252,23 @@ def flat_rows(layer: Any, x: torch.Tensor) -> bool:
     (dpclip._rows); sets layer.sid. Rows that are the pass's batch already
     are not (a classifier's [B, d])."""
     B = pass_batch(layer.engine)
-    if B is not None and x.shape[0] == B:
-        return False
     if B is not None and x.shape[0] == 0:  # an expert no token was routed to
         layer.sid = torch.zeros(0, dtype=torch.long)
         return True
     sid = row_samples(x, B)
-    if sid is None or sid.numel() == 0:
+    if sid is None or sid.numel() == 0 or is_batch(sid, B):
+        # (unproved rows are taken as batch-first, and B of them as the
+        # batch: the step's batch check refuses any other count)
         return False
     layer.sid = sid
     return True
+
+
+def is_batch(sid: torch.Tensor, B: Optional[int]) -> bool:
+    """Whether a proved map is row b = sample b, all B of them (a
+    classifier's [B, d]): batch-first as it is. Only the map says so: B
+    rows an index picked (an expert's) may all be one sample's."""
+    return B is not None and sid.numel() == B and bool(torch.equal(sid, torch.arange(B)))
 
 
 def flat_forward(layer: Any, mod: Any, x: torch.Tensor) -> torch.Tensor:

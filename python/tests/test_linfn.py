@@ -6,10 +6,13 @@ per-sample f64 reference (sigma 0, flat clipping, C between the middle
 norms): each (parameter, expert) pair is a Linear over its rows. The
 structure is written out here (no transformers needed); any other use of
 such a weight is refused by name, and nothing is written."""
+import re
+
 import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.overrides import handle_torch_function, has_torch_function
 
 from models import DEVICES, exact_step, per_sample_losses, private, prose
 
@@ -61,17 +64,32 @@ class Experts(nn.Module):
         return out
 
 
-GMM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+HAS_GMM = (getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)) is not None
+
+
+def by_groups(x, w, offs):
+    ends = offs.tolist()
+    return torch.cat([x[a:b] @ w[e] for e, (a, b) in enumerate(zip([0] + ends[:-1], ends))])
+
+
+def py_grouped_mm(a, b, offs=None, bias=None, out_dtype=None):
+    """A grouped product in Python, dispatched like torch's own (through
+    __torch_function__, all five arguments positional as F.grouped_mm passes
+    them to torch._grouped_mm): where torch has none (before 2.8), the test
+    installs it as torch._grouped_mm so that the capture runs there too."""
+    if has_torch_function((a, b)):
+        return handle_torch_function(py_grouped_mm, (a, b), a, b, offs, bias, out_dtype)
+    return by_groups(a, b, offs)
 
 
 def grouped(x, w, offs):
-    """x [S, d] @ w [E, d, p] by groups of rows (offs: their ends): torch's
-    grouped product where it takes the dtype, else group by group (the
-    float64 reference)."""
-    if GMM is not None and x.dtype != torch.float64:
-        return GMM(x, w, offs=offs)
-    ends = offs.tolist()
-    return torch.cat([x[a:b] @ w[e] for e, (a, b) in enumerate(zip([0] + ends[:-1], ends))])
+    """x [S, d] @ w [E, d, p] by groups of rows (offs: their ends): the
+    grouped product torch has (or the test installed), else group by group
+    (the float64 reference)."""
+    gmm = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+    if gmm is not None and x.dtype != torch.float64:
+        return gmm(x, w, offs=offs)
+    return by_groups(x, w, offs)
 
 
 class GroupedExperts(Experts):
@@ -124,12 +142,18 @@ def test_router_and_3d_experts_exact(daemon, device):
     engine.close()
 
 
-@pytest.mark.skipif(GMM is None, reason="torch has no grouped product (2.8 and later)")
 @pytest.mark.parametrize("device", DEVICES)
-def test_grouped_product_experts_exact(daemon, device):
+@pytest.mark.parametrize("impl", ["torch", "python"])
+def test_grouped_product_experts_exact(daemon, device, impl, monkeypatch):
     """transformers 5's grouped_mm experts: the grouped products captured as
     they run (GroupedLinFn), each expert's rows placed per sample; every
-    parameter matches the per-sample reference."""
+    parameter matches the per-sample reference. impl: torch's grouped
+    product (2.8 and later), or one in Python installed in its place."""
+    if impl == "torch" and not HAS_GMM:
+        pytest.skip("torch has no grouped product (2.8 and later)")
+    if impl == "python":
+        monkeypatch.delattr(F, "grouped_mm", raising=False)
+        monkeypatch.setattr(torch, "_grouped_mm", py_grouped_mm, raising=False)
     torch.manual_seed(0)
     (x,), y, V = prose(B, T, seed=5)
     engine, model = exact_step(daemon, MoELM(V, experts=GroupedExperts), "seq", (x,), y, device)
@@ -146,6 +170,34 @@ def test_other_use_refused(daemon):
                                         r"\(gate_up_proj, down_proj\) through"):
         per_sample_losses("seq", model(x), y).mean().backward()
     assert all(p.grad is None for p in model.parameters())
+    engine.close()
+
+
+def test_gathered_copy_refused(daemon):
+    """A parameter gathered row by row (a bias per routed row, W[idx] with
+    a tensor of indices: a copy, as GPT-OSS's experts take their biases) is
+    refused at the first forward, naming the module; no gradient."""
+
+    class GatheredBias(Experts):
+        def __init__(self, misuse=False):
+            super().__init__()
+            self.bias = nn.Parameter(torch.zeros(E, D))
+
+        def forward(self, h, idx, weights):
+            first = F.linear(h, self.gate_up_proj[0])[:, :D]  # (a use dpclip trains)
+            return first + self.bias[idx[:, 0]]
+
+    torch.manual_seed(0)
+    (x,), y, V = prose(B, T, seed=5)
+    engine, model, opt = private(daemon, MoELM(V, experts=GatheredBias), 1.0, B)
+    try:  # torch 2 shows the mode the indexing: refused at the forward
+        per_sample_losses("seq", model(x), y).mean().backward()
+    except Exception as e:  # pylint: disable=broad-except
+        assert re.search(r"module experts .* through __getitem__ \(a copy", str(e)), e
+    else:  # torch 1.13 indexes a Parameter unseen: autograd's gradient, refused
+        with pytest.raises(Exception, match=r"experts\.bias"):
+            opt.step()
+    assert all(p.grad is None for n, p in model.named_parameters() if n != "experts.bias")
     engine.close()
 
 

@@ -106,6 +106,13 @@ def test_row_samples_proves_and_stops():
     assert row_samples(torch.sort(rows, 0)[0], B) is None               # reordered by value
     assert row_samples(rows[pick] + rows[pick.flip(0)], B) is None      # two maps disagree
     assert row_samples(h.reshape(B * T // 2, 2 * D), B) is None         # rows of two tokens
+    # columns of each row (a gated MLP's halves); one token of each sample
+    gate, up = torch.relu(rows[pick]).chunk(2, dim=-1)
+    assert torch.equal(row_samples(gate * up, B), same[pick])
+    assert torch.equal(row_samples(rows[pick][:, : D // 2], B), same[pick])
+    assert torch.equal(row_samples(h[:, 0], B), torch.arange(B))         # a pooled [B, d]
+    assert row_samples(rows[:B], B) is None                              # rows sliced: T's first
+    assert row_samples(h[0], B) is None                                  # one sample's tokens
 
 
 class Experts(nn.Module):
@@ -141,4 +148,53 @@ def test_mixture_of_experts_exact(daemon, empty, device):
     torch.manual_seed(1)
     (x,), y, V = prose(B, T, seed=4)
     engine, _ = exact_step(daemon, Experts(V, empty), "seq", (x,), y, device)
+    engine.close()
+
+
+class FirstRows(nn.Module):
+    """An 'expert' Linear that gets the rows of one token id (picked by an
+    index, as a router picks), its output added back at those rows; the
+    batch holds that id B times, all in sample 0. raw=True holds its weight
+    bare and calls F.linear itself (dpclip._linfn) instead of an nn.Linear."""
+
+    def __init__(self, V, raw=False):
+        super().__init__()
+        self.emb = nn.Embedding(V, D)
+        self.raw = raw
+        if raw:
+            self.expert = RawExpert()
+        else:
+            self.expert = nn.Linear(D, D)
+        self.head = nn.Linear(D, V)
+
+    def forward(self, idx):
+        h = self.emb(idx)
+        rows = h.reshape(-1, D)
+        pick = (idx.reshape(-1) == self.emb.num_embeddings - 1).nonzero().squeeze(1)
+        out = rows.index_add(0, pick, torch.tanh(self.expert(rows[pick])))
+        return self.head(out.view(h.shape))
+
+
+class RawExpert(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(D, D) * 0.3)
+
+    def forward(self, x):
+        return F.linear(x, self.weight)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("raw", [False, True])
+def test_batch_many_rows_of_one_sample_exact(daemon, device, raw):
+    """B rows are not the batch unless their map says so: B rows an index
+    picked from one sample are that sample's (taking them as one a sample
+    gave every sample a share of sample 0's gradient)."""
+    torch.manual_seed(0)
+    (x,), y, V = prose(B, T, seed=3)
+    assert T > B
+    x = x.clone()
+    x[x == V - 1] = 1
+    x[0, :B] = V - 1  # the routed id: B rows, all sample 0's
+    engine, _ = exact_step(daemon, FirstRows(V, raw), "seq", (x,), y, device)
     engine.close()
