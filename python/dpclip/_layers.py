@@ -458,10 +458,11 @@ class _Layer:
         ins, gs = [], []
         for inp, g, _ in self.records:
             if self.kind == "embedding":
-                ins.append(inp.reshape(B, -1))
+                ins.append(inp if inp.dim() == 2 else inp.reshape(B, -1))
             else:
-                ins.append(inp.reshape(B, -1, self.d))
-            gs.append(g.reshape(B, -1, g.shape[-1]))
+                ins.append(inp if inp.dim() == 3 and inp.shape[2] == self.d
+                           else inp.reshape(B, -1, self.d))
+            gs.append(g if g.dim() == 3 else g.reshape(B, -1, g.shape[-1]))
         return ins, gs
 
     def captured(self, B: int) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor], int]:
