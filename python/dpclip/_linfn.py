@@ -2,37 +2,38 @@
 router's weight [E, d] (transformers 5's MixtralTopKRouter), and experts
 kept as one 3-D parameter [E, p, d] whose forward calls
 F.linear(rows, W[e]) for the rows routed to expert e (MixtralExperts,
-Qwen2MoeExperts).
-
-transformers 5's default kernel for them, grouped_mm, instead sorts the
-(token, choice) rows by expert and calls one grouped product per
-projection, fn(rows, W.transpose(-2, -1), offs=ends of each expert's
-rows): GroupedLinFn runs that call as it is and captures its rows.
+Qwen2MoeExperts). transformers 5's default kernel for them, grouped_mm,
+instead sorts the (token, choice) rows by expert and calls one grouped
+product per projection, fn(rows, W.transpose(-2, -1), offs=ends of each
+expert's rows).
 
 Each (parameter, expert) pair is a Linear over the rows it was called on,
 so its per-sample gradient is the Linear's rule over those rows: the sum,
 over the sample's rows, of g_r x_r^T. The module's own forward runs as
-written (transformers' eager experts code where its config asks for
-another kernel) under a TorchFunctionMode that sees each call:
+written (transformers' eager experts code where its config asks for a
+kernel other than these) under a TorchFunctionMode that sees each call:
 - F.linear whose weight is a trained parameter, or W[e], the view of one
   expert of a 3-D one (and no bias), runs through LinFn: the same product
   with autocast's casts, whose backward captures the rows and their output
   gradient and gives autograd no weight gradient;
-- any other use of a trained parameter, or of a view of one, refuses the
-  module, naming the function: dpclip would not know the per-sample rule.
+- a grouped product against a 3-D parameter's transpose runs as it is
+  through GroupedLinFn, which captures its rows likewise;
+- any other use of a trained parameter, of a view of one or of a copy
+  made of one refuses the module, naming the function: dpclip would not
+  know the per-sample rule.
 The rows' samples are proved from the autograd graph (dpclip._rows: a
 reshape of the batch-first hidden states, then the rows an index picked),
 and each pair's rows are placed zero-padded in [B, Tmax, d] (a zero row
-adds nothing). A pair no row reached sends zeros. The first step checks
-that placement against autograd through F.linear on each sample's own
-rows (LinFnLayer.self_check says why not through the whole module). The squared norms of the
+adds nothing). A pair no row reached sends zeros. The squared norms of the
 pairs sum to the parameter's (the experts' slices are disjoint), which the
-daemon adds with every other layer's before the clip.
+daemon adds with every other layer's before the clip. The first step
+checks the placement against autograd through F.linear on each sample's
+own rows (LinFnLayer.self_check says why not through the whole module).
 
 Which modules are tried is chosen at make_private: a module that is not
 torch's, with trainable parameters of two or three dimensions only, whose
-forward's source calls linear( or a grouped product. Whether it uses them only that way is
-checked at each forward, as above."""
+forward's source calls linear( or a grouped product. Whether it uses them
+only that way is checked at each forward, as above."""
 import inspect
 import re
 from typing import Any, Dict, List, NamedTuple, Optional, Tuple
