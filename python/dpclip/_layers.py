@@ -6,7 +6,6 @@ layers: its parts), and the walk of the module tree done at attach time.
 Which modules are supported, and as what, is dpclip._registry's; the
 convolutions and GroupNorm are dpclip._conv's, the attention drop-in
 dpclip._mha's."""
-import ctypes
 import types
 from typing import Any, Callable, List, NamedTuple, Optional, Sequence, Tuple, Union
 
@@ -641,8 +640,9 @@ def _align(n: int) -> int:
 
 
 def _tref(buf: int, off: int, dtype: torch.dtype, shape: Sequence[int]) -> _lib.Tensor:
-    s = list(shape) + [0] * (3 - len(shape))
-    return _lib.Tensor(buf, off, _DTYPES[dtype], len(shape), (ctypes.c_int64 * 3)(*s))
+    # (a tuple fills the struct's array field directly: no array object of
+    # its own, host time on every part of every step)
+    return _lib.Tensor(buf, off, _DTYPES[dtype], len(shape), tuple(shape))
 
 
 def _label(name: str, m: nn.Module) -> str:
