@@ -1,0 +1,161 @@
+#!/usr/bin/env python3
+"""Where the trainer's host time goes in a private step (issue 40: at most
+0.3 ms on the critical path for 72 layers).
+
+    python3 bench/bench_host_overhead.py --socket S                   # GPT-2-small-like, GPU
+    python3 bench/bench_host_overhead.py --socket S --model llama1b
+    python3 bench/bench_host_overhead.py --socket S --blocks 2 --d 64 --heads 2 --vocab 500 \
+        --seq 32 --batch 2 --steps 3                                    # CPU smoke test
+
+The model is bench_torch_step.py's (same flags), bf16 autocast on CUDA,
+SGD, asynchronous steps. Around each of the package's stages of a step the
+bench puts a host timer (wrapping the functions by name from outside, so
+that the package itself carries no timing code), and prints one JSON line:
+per step, in ms of host time, the whole optimizer.step() and its stages:
+- collect: waiting for the previous asynchronous step's result;
+- guard: the fail-closed check of autograd's gradients;
+- plan: the step's parts from the layers' captures (dpclip._planner.plan);
+- check: the first-step check (first steps only: dpclip._verify);
+- refs: naming each tensor for the daemon (CUDA IPC registrations, or the
+  host arena's copies);
+- add_layers: the step's descriptors (ctypes) handed to libdpclip;
+- send: submitting the step and its early notice (or, blocking, the whole
+  round trip);
+- other: the rest of step() (outputs bound to param.grad, bookkeeping),
+with the number of daemon layers (parts) and the per-part cost of plan,
+refs and add_layers. A stage a transport does not have reads 0."""
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "python"))
+sys.path.insert(0, os.path.join(ROOT, "bench"))
+
+from bench_torch_step import MODELS, build, sync, token_batch  # noqa: E402
+from dpclip import _cuda, _host, _lib, _planner, _verify  # noqa: E402
+from dpclip.torch import PrivacyEngine  # noqa: E402
+
+STAGES = ("collect", "guard", "plan", "check", "refs", "add_layers", "send")
+
+
+class Timers:
+    """Host time per stage, summed over the steps timed (nested stages are
+    subtracted from their caller's: refs run inside add_layers)."""
+
+    def __init__(self):
+        self.ms = {s: 0.0 for s in STAGES}
+        self.calls = {s: 0 for s in STAGES}
+        self.on = False
+        self._stack = []
+
+    def wrap(self, owner, name, stage):
+        fn = getattr(owner, name, None)
+        if fn is None:
+            return
+        timers = self
+
+        def timed(*args, **kwargs):
+            if not timers.on:
+                return fn(*args, **kwargs)
+            timers._stack.append(0.0)
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                dt = (time.perf_counter() - t0) * 1e3
+                inner = timers._stack.pop()
+                timers.ms[stage] += dt - inner
+                timers.calls[stage] += 1
+                if timers._stack:
+                    timers._stack[-1] += dt
+
+        setattr(owner, name, timed)
+
+
+def install(t):
+    """Each stage's function wrapped where the package calls it from."""
+    t.wrap(PrivacyEngine, "synchronize", "collect")
+    from dpclip import _guard
+    t.wrap(_guard.Guard, "check", "guard")
+    t.wrap(_planner, "plan", "plan")
+    t.wrap(_verify, "check_step", "check")
+    for mod in (_cuda, _host, _planner):  # the transports import add_layers by name
+        t.wrap(mod, "add_layers", "add_layers")
+    t.wrap(_cuda.CudaIPC, "ref", "refs")
+    t.wrap(_lib.Client, "register_cuda", "refs")
+    t.wrap(_host.HostArena, "stage", "refs")
+    t.wrap(_lib.Step, "submit", "send")
+    t.wrap(_lib.Step, "run", "send")
+    t.wrap(_lib.Client, "wait_enqueued", "send")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--socket", default=None, help="dpclipd socket (default $DPCLIP_SOCKET)")
+    ap.add_argument("--model", choices=sorted(MODELS), default="gpt")
+    for k in ("blocks", "d", "heads", "vocab", "seq", "batch", "ffn"):
+        ap.add_argument("--" + k, type=int, default=None)
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--device", default="auto")
+    args = ap.parse_args()
+    for k, v in MODELS[args.model].items():
+        if getattr(args, k, None) is None:
+            setattr(args, k, v)
+    device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available()
+                          else ("cpu" if args.device == "auto" else args.device))
+    t = Timers()
+    install(t)
+    torch.manual_seed(0)
+    model = build(args).to(device)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-4)
+    engine = PrivacyEngine(args.socket, client_name="bench_host_overhead")
+    model, opt, _ = engine.make_private(module=model, optimizer=opt, noise_multiplier=1.0,
+                                        max_grad_norm=1.0, expected_batch_size=args.batch)
+    x, y = token_batch(args, device)
+    bf16 = device.type == "cuda"
+    step_ms = 0.0
+
+    def step(timed):
+        nonlocal step_ms
+        opt.zero_grad(set_to_none=True)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
+            logits = model(x)
+        F.cross_entropy(logits.float().flatten(0, 1), y.flatten()).backward()
+        t.on = timed
+        t0 = time.perf_counter()
+        opt.step()
+        if timed:
+            step_ms += (time.perf_counter() - t0) * 1e3
+        t.on = False
+
+    for _ in range(args.warmup):
+        step(False)
+    sync(device)
+    for _ in range(args.steps):
+        step(True)
+    sync(device)
+    engine.synchronize()
+    n = args.steps
+    parts = len(_planner.plan(engine._layers, 0).parts)  # (t is off: not timed)
+    per = {s: round(v / n, 4) for s, v in t.ms.items()}
+    out = {"bench": "host_overhead", "model": args.model, "device": str(device),
+           "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+           "batch": args.batch, "seq": args.seq, "layers": len(engine._layers),
+           "parts": parts, "steps": n, "step_ms": round(step_ms / n, 4), **per,
+           "other": round(step_ms / n - sum(per.values()), 4),
+           "per_part_us": {s: round(per[s] * 1e3 / max(parts, 1), 2)
+                           for s in ("plan", "refs", "add_layers")},
+           "target_ms": 0.3, "mps_active": bool(engine.client.info.mps_active)}
+    print(json.dumps(out), flush=True)
+    engine.close()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,33 @@
+"""bench/bench_host_overhead.py's CPU path (a tiny GPT): it runs, names every
+stage of a private step's host time, counts the step's parts, and its
+stages add up to no more than the step. No test reads a timing beyond its
+being positive (issue 40 takes the figures on the GPU machine).
+
+    python3 -m pytest -q python/tests/test_bench_host.py
+"""
+import json
+import os
+import subprocess
+import sys
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+STAGES = ("collect", "guard", "plan", "check", "refs", "add_layers", "send", "other")
+
+
+def test_stages_of_a_step(secure_daemon):
+    proc = subprocess.run(
+        [sys.executable, os.path.join(REPO, "bench", "bench_host_overhead.py"),
+         "--socket", secure_daemon.socket, "--device", "cpu", "--blocks", "2", "--d", "32",
+         "--heads", "2", "--vocab", "67", "--seq", "12", "--batch", "3", "--warmup", "1",
+         "--steps", "2"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, universal_newlines=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    (line,) = [json.loads(l) for l in proc.stdout.splitlines() if l.startswith("{")]
+    assert line["bench"] == "host_overhead" and line["steps"] == 2
+    # 2 blocks of LayerNorm, qkv, proj, LayerNorm, fc, out; the token and
+    # position embeddings, the final norm and the head
+    assert line["layers"] == 16 and line["parts"] >= line["layers"], line
+    for s in ("plan", "refs", "add_layers", "send"):  # each stage the host path has, timed
+        assert line[s] > 0, (s, line)
+    assert sum(line[s] for s in STAGES) <= line["step_ms"] * 1.001, line
+    assert line["other"] >= 0, line
