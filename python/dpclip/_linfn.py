@@ -357,12 +357,7 @@ class LinFnLayer(_Layer):
         r = torch.arange(n)
         e = torch.searchsorted(ends, r, right=True)
         s = sid[:n]
-        key = e * B + s
-        counts = torch.bincount(key, minlength=E * B)
-        order = torch.sort(key, stable=True)[1]
-        starts = torch.cumsum(counts, 0) - counts
-        pos = torch.empty_like(key)
-        pos[order] = r - starts[key[order]]
+        counts, pos = _rows.ranks(e * B + s, E * B)
         # each expert padded to its own most rows a sample (an expert
         # with none: no block), its block [B, most_k] from row base_k
         most = counts.view(E, B).max(1).values
