@@ -13,9 +13,10 @@ over the sample's rows, of g_r x_r^T. The module's own forward runs as
 written (transformers' eager experts code where its config asks for a
 kernel other than these) under a TorchFunctionMode that sees each call:
 - F.linear whose weight is a trained parameter, or W[e], the view of one
-  expert of a 3-D one (and no bias), runs through LinFn: the same product
-  with autocast's casts, whose backward captures the rows and their output
-  gradient and gives autograd no weight gradient;
+  expert of a 3-D one (and no bias), runs through the Linear's own
+  autograd Function (_layers._LinearFn): the same product with autocast's
+  casts, whose backward captures the rows and their output gradient for
+  the pair and gives autograd no weight gradient;
 - a grouped product against a 3-D parameter's transpose runs as it is
   through GroupedLinFn, which captures its rows likewise;
 - any other use of a trained parameter, of a view of one or of a copy
@@ -44,8 +45,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from . import _rows
-from ._layers import (Part, UnsupportedModuleError, _autocast_dtype, _cast, _label, _Layer,
-                      _part)
+from ._layers import Part, UnsupportedModuleError, _label, _Layer, _LinearFn, _part
 
 __all__ = ["layers_for", "LinFnLayer"]
 
@@ -61,34 +61,28 @@ _READS = {"__get__", "size", "dim", "numel", "stride", "__len__", "is_contiguous
           "transpose", "t", "permute", "view", "unsqueeze", "squeeze"}
 
 
-class LinFn(torch.autograd.Function):
-    """F.linear(x, w) for one (parameter, expert) pair; backward captures
-    (rows, output gradient) for the layer and returns x's gradient only."""
+class _Pair:
+    """One (parameter, expert) pair as the layer _LinearFn captures for:
+    the same product with autocast's casts, the input gradient alone, and
+    the rows with their output gradient handed to LinFnLayer.take."""
+    __slots__ = ("engine", "layer", "key", "sid")
 
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor, layer: "LinFnLayer",
-                key: Tuple[int, int], sid: Optional[torch.Tensor]) -> torch.Tensor:
-        dt = _autocast_dtype(x.device.type) if x.is_floating_point() else None
-        xc, wc = _cast(x, dt), _cast(w, dt)
-        ctx.layer, ctx.key, ctx.sid = layer, key, sid
-        if sid is not None:  # the output's rows are x's (dpclip._rows reads this)
-            ctx.dpclip_sid = sid.cpu()
-        ctx.pass_id = layer.engine._pass  # pylint: disable=protected-access
-        ctx.x_dtype = x.dtype
-        ctx.save_for_backward(xc, wc)
-        return F.linear(xc, wc)
+    def __init__(self, layer: "LinFnLayer", key: Tuple[int, int],
+                 sid: Optional[torch.Tensor]) -> None:
+        self.engine, self.layer, self.key, self.sid = layer.engine, layer, key, sid
 
-    @staticmethod
-    def backward(ctx: Any, g: torch.Tensor) -> Tuple[Optional[torch.Tensor], None, None, None,
-                                                     None]:
-        xc, wc = ctx.saved_tensors
-        ctx.layer.take(xc, g, ctx.key, ctx.sid, ctx.pass_id)
-        gx = None
-        if ctx.needs_input_grad[0]:
-            gx = torch.matmul(g, wc if wc.dtype == g.dtype else wc.to(g.dtype))
-            if gx.dtype != ctx.x_dtype:
-                gx = gx.to(ctx.x_dtype)
-        return gx, None, None, None, None
+    def capture(self, inp: torch.Tensor, g: torch.Tensor, pass_id: int) -> None:
+        self.layer.take(inp, g, self.key, self.sid, pass_id)
+
+
+def _linear(x: torch.Tensor, w: torch.Tensor, layer: "LinFnLayer", key: Tuple[int, int],
+            sid: Optional[torch.Tensor]) -> torch.Tensor:
+    """F.linear(x, w) for one pair through _LinearFn; its output marked
+    with its rows' samples (x's) for dpclip._rows."""
+    y = _LinearFn.apply(x, w, None, _Pair(layer, key, sid))
+    if sid is not None and y.grad_fn is not None:
+        y.grad_fn.dpclip_sid = sid.cpu()
+    return y
 
 
 class Placement(NamedTuple):
@@ -176,7 +170,7 @@ class _Uses(TorchFunctionMode):
                 if bias is not None:
                     raise layer.refusal("F.linear with a bias")
                 x = args[0] if args else kwargs["input"]
-                return LinFn.apply(x, w, layer, key, layer.samples(x))
+                return _linear(x, w, layer, key, layer.samples(x))
         if func in self.grouped and len(args) >= 2:
             # fn(rows, weight, offs, [bias, out_dtype]), offs maybe by keyword
             x, w, rest = args[0], args[1], args[2:]
@@ -357,12 +351,7 @@ class LinFnLayer(_Layer):
         r = torch.arange(n)
         e = torch.searchsorted(ends, r, right=True)
         s = sid[:n]
-        key = e * B + s
-        counts = torch.bincount(key, minlength=E * B)
-        order = torch.sort(key, stable=True)[1]
-        starts = torch.cumsum(counts, 0) - counts
-        pos = torch.empty_like(key)
-        pos[order] = r - starts[key[order]]
+        counts, pos = _rows.ranks(e * B + s, E * B)
         # each expert padded to its own most rows a sample (an expert
         # with none: no block), its block [B, most_k] from row base_k
         most = counts.view(E, B).max(1).values

@@ -32,7 +32,7 @@ from typing import Any, Dict, Optional, Tuple
 
 import torch
 
-__all__ = ["row_samples", "to_batch", "RowsFn", "note_batch", "pass_batch", "flat_rows",
+__all__ = ["row_samples", "to_batch", "ranks", "RowsFn", "note_batch", "pass_batch", "flat_rows",
            "flat_forward", "is_batch"]
 
 # reshapes: the source's sizes are saved on the node (torch 1.13 and 2.x)
@@ -135,14 +135,19 @@ def _visit(node: Any, n: int, d: int, batch: Optional[int], memo: Memo) -> Optio
     return found
 
 
+def _dim(node: Any) -> int:
+    """A node's saved dimension, signed (some are saved unsigned: -1 reads
+    2^64 - 1)."""
+    dim = int(node._saved_dim)
+    return dim - 2**64 if dim >= 2**63 else dim
+
+
 def _columns(node: Any, nxt: Any, n: int, batch: Optional[int], memo: Memo
              ) -> Optional[torch.Tensor]:
     """Columns of rows taken along the last dimension (a gated MLP's chunk
     into gate and up): the same rows as the source's."""
     src = _sizes(node, "_saved_self_sym_sizes", "_saved_self_sizes")
-    dim = int(node._saved_dim)
-    if dim >= 2**63:  # saved as unsigned: -1 reads 2^64 - 1
-        dim -= 2**64
+    dim = _dim(node)
     if len(src) != 2:
         return None
     if dim % 2 == 0:  # along the rows: only the whole of them (x[:, a:b] slices both)
@@ -157,9 +162,7 @@ def _selected(node: Any, n: int, batch: Optional[int]) -> Optional[torch.Tensor]
     of a batch-first tensor (a pooled [B, d] = h[:, 0]): each row is still
     its sample's."""
     src = _sizes(node, "_saved_self_sym_sizes", "_saved_self_sizes")
-    dim = int(node._saved_dim)
-    if dim >= 2**63:
-        dim -= 2**64
+    dim = _dim(node)
     if len(src) < 3 or not 0 < dim % len(src) < len(src) - 1:
         return None
     return _anchor(src[0], n, batch)
@@ -212,6 +215,18 @@ class RowsFn(torch.autograd.Function):
         return out, None, None
 
 
+def ranks(key: torch.Tensor, bins: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(rows per bin [bins], each row's rank among its bin's rows, in row
+    order) for the bin of each row, key [N] (on the host): where a row goes
+    in a zero-padded [bins, most] layout."""
+    counts = torch.bincount(key, minlength=bins)
+    order = torch.sort(key, stable=True)[1]
+    starts = torch.cumsum(counts, 0) - counts
+    pos = torch.empty_like(key)
+    pos[order] = torch.arange(key.numel()) - starts[key[order]]
+    return counts, pos
+
+
 def to_batch(x: torch.Tensor, sid: torch.Tensor, B: int
              ) -> Tuple[torch.Tensor, Optional[Tuple[torch.Tensor, torch.Tensor]]]:
     """x [N, d] as [B, T, d]: a reshape where sid is sample-major with T rows
@@ -220,11 +235,7 @@ def to_batch(x: torch.Tensor, sid: torch.Tensor, B: int
     N = x.shape[0]
     if N and N % B == 0 and torch.equal(sid, torch.arange(B).repeat_interleave(N // B)):
         return x.reshape(B, N // B, x.shape[1]), None
-    counts = torch.bincount(sid, minlength=B)
-    order = torch.sort(sid, stable=True)[1]
-    starts = torch.cumsum(counts, 0) - counts
-    pos = torch.empty_like(sid)
-    pos[order] = torch.arange(N) - starts[sid[order]]
+    counts, pos = ranks(sid, B)
     sid_d, pos_d = sid.to(x.device), pos.to(x.device)
     most = int(counts.max()) if N else 1  # (no rows: one zero row a sample)
     xb = x.new_zeros((B, most, x.shape[1])).index_put((sid_d, pos_d), x)
