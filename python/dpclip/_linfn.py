@@ -233,12 +233,6 @@ class LinFnLayer(_Layer):
         return any(p.requires_grad for p in self.params)
 
     def _forward(self, mod: nn.Module, *args: Any, **kwargs: Any) -> Any:
-        x = args[0] if args and isinstance(args[0], torch.Tensor) else None
-        B = _rows.pass_batch(self.engine)
-        if x is not None and x.dim() == 2:
-            # flattened tokens: the first-step check takes each sample's rows
-            sid = _rows.row_samples(x, B)
-            self.sid = None if sid is None or _rows.is_batch(sid, B) else sid
         with _Uses(self):
             return self.reference(mod, *args, **kwargs)
 
