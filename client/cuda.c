@@ -7,11 +7,15 @@
  * the CUDA runtime, and PyTorch, make current).
  *
  * Registered allocations are cached per handle by (device, base): a tensor
- * inside an allocation already registered costs one cuMemGetAddressRange and
- * one cuIpcGetMemHandle (to notice an allocation freed and replaced at the
- * same address, whose handle differs), no round trip. */
+ * inside an allocation already registered costs one cuPointerGetAttributes
+ * (device, range and the driver's allocation id, unique in the process, so
+ * an allocation freed and replaced at the same address is noticed), no
+ * round trip. Where the driver gives no allocation id, one
+ * cuMemGetAddressRange and one cuIpcGetMemHandle (whose handle differs for
+ * a replaced allocation) do the same. */
 #include <dlfcn.h>
 #include <pthread.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -19,13 +23,17 @@
 
 typedef int cl_curesult;
 typedef unsigned long long cl_cudeviceptr;
+#define CL_CU_POINTER_ATTRIBUTE_BUFFER_ID 7
 #define CL_CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL 9
+#define CL_CU_POINTER_ATTRIBUTE_RANGE_START_ADDR 11
+#define CL_CU_POINTER_ATTRIBUTE_RANGE_SIZE 12
 
 typedef struct cl_cuda_api {
     void *lib;
     cl_curesult (*mem_get_address_range)(cl_cudeviceptr *base, size_t *size, cl_cudeviceptr p);
     cl_curesult (*ipc_get_mem_handle)(void *handle64, cl_cudeviceptr p);
     cl_curesult (*pointer_get_attribute)(void *data, int attr, cl_cudeviceptr p);
+    cl_curesult (*pointer_get_attributes)(unsigned n, int *attrs, void **data, cl_cudeviceptr p);
     cl_curesult (*get_error_string)(cl_curesult e, const char **s);
     cl_curesult (*device_get)(int *dev, int ordinal);
     cl_curesult (*device_get_uuid)(unsigned char uuid[16], int dev);
@@ -42,6 +50,7 @@ static void cu_load(void) {
     *(void **)&g_cu.mem_get_address_range = dlsym(lib, "cuMemGetAddressRange_v2");
     *(void **)&g_cu.ipc_get_mem_handle = dlsym(lib, "cuIpcGetMemHandle");
     *(void **)&g_cu.pointer_get_attribute = dlsym(lib, "cuPointerGetAttribute");
+    *(void **)&g_cu.pointer_get_attributes = dlsym(lib, "cuPointerGetAttributes");
     *(void **)&g_cu.get_error_string = dlsym(lib, "cuGetErrorString");
     *(void **)&g_cu.device_get = dlsym(lib, "cuDeviceGet");
     *(void **)&g_cu.device_get_uuid = dlsym(lib, "cuDeviceGetUuid_v2");
@@ -99,70 +108,121 @@ void cl_cuda_forget(dpclip_client *c, uint64_t id) {
         }
 }
 
-DPCLIP_API int dpclip_buffer_register_cuda(dpclip_client *c, const void *dev_ptr,
-                                           uint64_t *buffer_id, uint64_t *offset) {
-    cl_cudeviceptr p = (cl_cudeviceptr)(uintptr_t)dev_ptr, base = 0;
+/* The cached registration of an allocation the driver names by its id
+ * (*cu_id: that id, 0 where the driver gives none); NULL if none. */
+static cl_cuda_buf *cached(dpclip_client *c, cl_cudeviceptr p, uint64_t *cu_id) {
+    int attrs[4] = {CL_CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL, CL_CU_POINTER_ATTRIBUTE_BUFFER_ID,
+                    CL_CU_POINTER_ATTRIBUTE_RANGE_START_ADDR, CL_CU_POINTER_ATTRIBUTE_RANGE_SIZE};
+    int device = -1;
+    unsigned long long id = 0;
+    cl_cudeviceptr start = 0;
+    size_t size = 0;
+    void *data[4] = {&device, &id, &start, &size};
+
+    *cu_id = 0;
+    /* (no error for a pointer the driver does not know: zeros instead) */
+    if (!g_cu.pointer_get_attributes || g_cu.pointer_get_attributes(4, attrs, data, p) || !id ||
+        !size)
+        return NULL;
+    *cu_id = id;
+    for (size_t i = 0; i < c->cb_n; i++) {
+        cl_cuda_buf *b = &c->cuda_bufs[i];
+        if (b->cu_id == id && b->device == device && b->base == start && b->size == size)
+            return b;
+    }
+    return NULL;
+}
+
+int cl_cuda_ref_locked(dpclip_client *c, uint64_t dev_ptr, uint64_t *buffer_id,
+                       uint64_t *offset) {
+    cl_cudeviceptr p = (cl_cudeviceptr)dev_ptr, base = 0;
     size_t size = 0;
     uint8_t handle[64];
     int device = -1, rc;
+    uint64_t cu_id = 0;
     cl_curesult e;
     cl_cuda_buf *hit = NULL;
 
-    if (!c || !dev_ptr || !buffer_id || !offset) return DPCLIP_EARG;
     pthread_once(&g_cu_once, cu_load);
-    cl_lock(c);
-    if (!g_cu_ok) {
-        rc = cl_fail(c, DPCLIP_EUNAVAIL, "", "no CUDA driver (libcuda.so.1) in this process");
-        goto out;
+    if (!g_cu_ok)
+        return cl_fail(c, DPCLIP_EUNAVAIL, "", "no CUDA driver (libcuda.so.1) in this process");
+    if ((hit = cached(c, p, &cu_id))) {
+        *buffer_id = hit->id;
+        *offset = p - hit->base;
+        return 0;
     }
     if ((e = g_cu.pointer_get_attribute(&device, CL_CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL, p)) ||
-        (e = g_cu.mem_get_address_range(&base, &size, p))) {
-        rc = cl_fail(c, DPCLIP_EARG, "", "not a CUDA device pointer: %s", cu_err(e));
-        goto out;
-    }
-    if ((e = g_cu.ipc_get_mem_handle(handle, base))) {
-        rc = cl_fail(c, DPCLIP_EARG, "",
-                     "cuIpcGetMemHandle: %s (memory from cudaMalloc-style "
-                     "allocators can be shared; VMM/async-pool memory cannot)",
-                     cu_err(e));
-        goto out;
-    }
+        (e = g_cu.mem_get_address_range(&base, &size, p)))
+        return cl_fail(c, DPCLIP_EARG, "", "not a CUDA device pointer: %s", cu_err(e));
+    if ((e = g_cu.ipc_get_mem_handle(handle, base)))
+        return cl_fail(c, DPCLIP_EARG, "",
+                       "cuIpcGetMemHandle: %s (memory from cudaMalloc-style "
+                       "allocators can be shared; VMM/async-pool memory cannot)",
+                       cu_err(e));
     for (size_t i = 0; i < c->cb_n; i++)
         if (c->cuda_bufs[i].device == device && c->cuda_bufs[i].base == base)
             hit = &c->cuda_bufs[i];
     if (hit && hit->size == size && memcmp(hit->handle, handle, 64) == 0) {
         *buffer_id = hit->id;
         *offset = p - base;
-        rc = 0;
-        goto out;
+        hit->cu_id = cu_id;
+        return 0;
     }
     if (hit) {
         /* Freed and replaced at the same address: the old registration maps
          * memory that is no longer this tensor's. */
         uint64_t old = hit->id;
         cl_cuda_forget(c, old);
-        if ((rc = cl_release_buffer(c, old)) && rc != DPCLIP_ENOTFOUND) goto out;
+        if ((rc = cl_release_buffer(c, old)) && rc != DPCLIP_ENOTFOUND) return rc;
     }
     if (c->cb_n == c->cb_capn) {
         size_t n = c->cb_capn ? 2 * c->cb_capn : 8;
         cl_cuda_buf *nb = realloc(c->cuda_bufs, n * sizeof *nb);
-        if (!nb) {
-            rc = cl_fail(c, DPCLIP_ENOMEM, "", "out of memory");
-            goto out;
-        }
+        if (!nb) return cl_fail(c, DPCLIP_ENOMEM, "", "out of memory");
         c->cuda_bufs = nb;
         c->cb_capn = n;
     }
-    if ((rc = register_handle(c, handle, size, device, buffer_id))) goto out;
+    if ((rc = register_handle(c, handle, size, device, buffer_id))) return rc;
     hit = &c->cuda_bufs[c->cb_n++];
     hit->id = *buffer_id;
     hit->device = device;
     hit->base = base;
     hit->size = size;
+    hit->cu_id = cu_id;
     memcpy(hit->handle, handle, 64);
     *offset = p - base;
-out:
+    return 0;
+}
+
+DPCLIP_API int dpclip_buffer_register_cuda(dpclip_client *c, const void *dev_ptr,
+                                           uint64_t *buffer_id, uint64_t *offset) {
+    int rc;
+    if (!c || !dev_ptr || !buffer_id || !offset) return DPCLIP_EARG;
+    cl_lock(c);
+    rc = cl_cuda_ref_locked(c, (uint64_t)(uintptr_t)dev_ptr, buffer_id, offset);
     cl_unlock(c);
+    return rc;
+}
+
+DPCLIP_API int dpclip_step_rebind_cuda(dpclip_client *c, dpclip_step *s, size_t n,
+                                       const uint64_t *ptrs) {
+    uint64_t *refs = NULL;
+    int rc = 0;
+    if (!c || !s || !ptrs || n != cl_step_layers(s)) return DPCLIP_EARG;
+    if (n && !(refs = malloc(4 * n * sizeof *refs))) return DPCLIP_ENOMEM;
+    cl_lock(c);
+    for (size_t i = 0; i < 2 * n && !rc; i++)
+        if (!ptrs[i])
+            rc = cl_fail(c, DPCLIP_EARG, "", "layer %zu: a null %s pointer", i / 2,
+                         i % 2 ? "output_grad" : "input");
+        else if ((rc = cl_cuda_ref_locked(c, ptrs[i], &refs[2 * i], &refs[2 * i + 1]))) {
+            char why[sizeof c->errmsg];
+            snprintf(why, sizeof why, "%s", c->errmsg); /* (cl_fail writes c->errmsg) */
+            cl_fail(c, rc, "", "layer %zu's %s: %s", i / 2, i % 2 ? "output_grad" : "input", why);
+        }
+    cl_unlock(c);
+    if (!rc) rc = dpclip_step_rebind(s, n, refs);
+    free(refs);
     return rc;
 }
 

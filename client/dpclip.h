@@ -410,6 +410,25 @@ int dpclip_step_set_replicated(dpclip_step *s, size_t layer, int yes);
  * clipping only. DPCLIP_EARG unless owner < layer < the layers added. */
 int dpclip_step_set_tied(dpclip_step *s, size_t layer, size_t owner);
 
+/* --- the same step again -------------------------------------------------
+ * A trainer's steps usually repeat one layout: the same layers, shapes and
+ * outputs, with only the activations and output gradients in new memory.
+ * Instead of dpclip_step_reset and adding every layer again, a step can keep
+ * its layers and have their two inputs (activations, indices or input; and
+ * output_grad) pointed at new memory: one call for the whole step.
+ *
+ * dpclip_step_rebind: refs holds 4 * n values, layer i's new
+ * (buffer, offset) of its first input, then of its output_grad; n must be
+ * the step's number of layers. Shapes, dtypes, outputs and every setting
+ * are kept. DPCLIP_EARG (the step unchanged) for a wrong n or a buffer 0.
+ *
+ * dpclip_step_rebind_cuda: the same from 2 * n device pointers, each
+ * registered as dpclip_buffer_register_cuda does (cached per allocation:
+ * a tensor in an allocation already registered costs no round trip). On an
+ * error the step is unchanged and the handle's message names the layer. */
+int dpclip_step_rebind(dpclip_step *s, size_t n, const uint64_t *refs);
+int dpclip_step_rebind_cuda(dpclip_client *c, dpclip_step *s, size_t n, const uint64_t *ptrs);
+
 /* --- ABI ----------------------------------------------------------------- */
 
 /* "MAJOR.MINOR.PATCH" of this library (DPCLIP_VERSION_* as it was built). */

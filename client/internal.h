@@ -73,6 +73,7 @@ typedef struct cl_cuda_buf {
     int device;
     uint64_t base, size;
     uint8_t handle[64]; /* the IPC handle it was registered with */
+    uint64_t cu_id;     /* the driver's id of the allocation (unique in this process), 0: unknown */
 } cl_cuda_buf;
 
 struct dpclip_client {
@@ -178,6 +179,8 @@ int cl_to_result(const Dpclip__ClipStepReply *r, uint32_t batch, uint32_t n_laye
 /* --- CUDA (cuda.c) -------------------------------------------------------- */
 /* Forgets a released buffer id (no-op for non-CUDA buffers). */
 void cl_cuda_forget(dpclip_client *c, uint64_t id);
+/* dpclip_buffer_register_cuda with the handle's lock held. */
+int cl_cuda_ref_locked(dpclip_client *c, uint64_t dev_ptr, uint64_t *buffer_id, uint64_t *offset);
 
 /* --- framing (framing.c) -------------------------------------------------- */
 /* Deadlines are absolute dc_clock_ms() values (common/dc_clock.h), -1 = none. */

@@ -173,6 +173,40 @@ DPCLIP_API int dpclip_step_add_rmsnorm(dpclip_step *s, const dpclip_norm_layer *
     return add_norm(s, n, DPCLIP__LAYER__KIND_RMS_NORM);
 }
 
+/* The two inputs of layer x that a rebind re-points. */
+static void inputs_of(cl_layer *x, dpclip_tensor **a, dpclip_tensor **g) {
+    switch (x->kind) {
+    case DPCLIP__LAYER__KIND_LINEAR:
+        *a = &x->u.lin.activations;
+        *g = &x->u.lin.output_grad;
+        break;
+    case DPCLIP__LAYER__KIND_EMBEDDING:
+        *a = &x->u.emb.indices;
+        *g = &x->u.emb.output_grad;
+        break;
+    default: /* the norms */
+        *a = &x->u.norm.input;
+        *g = &x->u.norm.output_grad;
+        break;
+    }
+}
+
+DPCLIP_API int dpclip_step_rebind(dpclip_step *s, size_t n, const uint64_t *refs) {
+    if (!s || !refs || n != s->n) return DPCLIP_EARG;
+    for (size_t i = 0; i < 2 * n; i++) /* all checked first: refused, the step is unchanged */
+        if (refs[2 * i] == 0) return DPCLIP_EARG;
+    for (size_t i = 0; i < n; i++) {
+        dpclip_tensor *a, *g;
+        inputs_of(&s->layers[i], &a, &g);
+        a->buffer = refs[4 * i];
+        a->offset = refs[4 * i + 1];
+        g->buffer = refs[4 * i + 2];
+        g->offset = refs[4 * i + 3];
+    }
+    touch(s);
+    return DPCLIP_OK;
+}
+
 /* Either pointer may be NULL (no such output). */
 DPCLIP_API int dpclip_step_set_outputs(dpclip_step *s, const dpclip_tensor *norms_out,
                                        const dpclip_tensor *coefs_out) {

@@ -320,6 +320,72 @@ static void test_run(void **state) {
     dpclip_disconnect(c);
 }
 
+/* A copy of tensor t at the end of the step's buffer: t now points at the
+ * copy (so the reference reads it), the old bytes are set to NaN, and
+ * (buffer, offset) of the copy go to ref[0..1]. */
+static void move_tensor(dc_shm_step *s, dc_tensor *t, uint64_t *ref) {
+    size_t n = (size_t)dc_test_tensor_numel(t) * dc_dtype_size(t->dtype);
+    size_t off = (s->used + 63) & ~(size_t)63;
+    assert_true(off + n <= s->size);
+    memcpy(s->base + off, t->data, n);
+    if (dc_dtype_is_float(t->dtype)) memset(t->data, 0xff, n); /* NaN in any float dtype */
+    t->data = s->base + off;
+    s->used = off + n;
+    ref[0] = s->buf_id;
+    ref[1] = off;
+}
+
+/* dpclip_step_rebind: the same layers read their inputs from new memory,
+ * as a trainer's next step does; refused calls change nothing. */
+static void test_step_rebind(void **state) {
+    (void)state;
+    dpclip_client *c = connect_ok();
+    dc_shm_step s;
+    dpclip_result res;
+    uint64_t refs[8], bad[8];
+    int x = 0;
+
+    make_step(&s, c, 8, 41);
+    assert_int_equal(dpclip_run(c, s.step, &res), 0);
+    check(&s, &res);
+    dpclip_result_free(&res);
+    for (size_t i = 0; i < 2; i++) {
+        move_tensor(&s, &s.ref.layers[i].input, &refs[4 * i]);
+        move_tensor(&s, &s.ref.layers[i].grad, &refs[4 * i + 2]);
+    }
+    /* the old tensors hold NaN now: a step that read them is refused */
+    assert_int_equal(dpclip_run(c, s.step, &res), DPCLIP_ENONFINITE);
+
+    assert_int_equal(dpclip_step_rebind(s.step, 1, refs), DPCLIP_EARG); /* 2 layers */
+    assert_int_equal(dpclip_step_rebind(s.step, 3, refs), DPCLIP_EARG);
+    assert_int_equal(dpclip_step_rebind(NULL, 2, refs), DPCLIP_EARG);
+    assert_int_equal(dpclip_step_rebind(s.step, 2, NULL), DPCLIP_EARG);
+    memcpy(bad, refs, sizeof bad);
+    bad[6] = 0; /* layer 1's output_grad: buffer 0 */
+    assert_int_equal(dpclip_step_rebind(s.step, 2, bad), DPCLIP_EARG);
+    /* without a GPU a host pointer is refused, naming the layer's tensor */
+    uint64_t ptrs[4] = {(uint64_t)(uintptr_t)&x, (uint64_t)(uintptr_t)&x, 0, 0};
+    int rc = dpclip_step_rebind_cuda(c, s.step, 2, ptrs);
+    assert_true(rc == DPCLIP_EARG || rc == DPCLIP_EUNAVAIL);
+    if (rc == DPCLIP_EARG) assert_non_null(strstr(dpclip_errmsg(c), "layer 0's input"));
+    assert_int_equal(dpclip_step_rebind_cuda(c, s.step, 1, ptrs), DPCLIP_EARG);
+    assert_int_equal(dpclip_run(c, s.step, &res), DPCLIP_ENONFINITE); /* unchanged */
+
+    assert_int_equal(dpclip_step_rebind(s.step, 2, refs), 0);
+    assert_int_equal(dpclip_run(c, s.step, &res), 0);
+    check(&s, &res);
+    dpclip_result_free(&res);
+    /* and again, with new data in the new tensors */
+    dc_test_rng r;
+    dc_test_rng_seed(&r, 42);
+    dc_shm_step_refill(&s, &r);
+    assert_int_equal(dpclip_run(c, s.step, &res), 0);
+    check(&s, &res);
+    dpclip_result_free(&res);
+    dc_shm_step_free(&s);
+    dpclip_disconnect(c);
+}
+
 static void test_submit_wait(void **state) {
     (void)state;
     dpclip_client *c = connect_ok();
@@ -768,6 +834,7 @@ int main(void) {
         cmocka_unit_test(test_ping),
         cmocka_unit_test(test_buffers),
         cmocka_unit_test(test_run),
+        cmocka_unit_test(test_step_rebind),
         cmocka_unit_test(test_submit_wait),
         cmocka_unit_test(test_submit_cb_poll),
         cmocka_unit_test(test_step_errors),

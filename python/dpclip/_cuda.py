@@ -43,6 +43,10 @@ class CudaIPC(Transport):
         # (zeroed before each step: zero after it unless it succeeded).
         self._coefs: Optional[torch.Tensor] = None
         self._coefs_ref: Optional[Tuple[int, int]] = None
+        # The step whose layers run() last built, with what they were built
+        # from (its layout count, batch, algorithm and the parts' signature):
+        # the next step of the same layout rebinds its inputs (_layers()).
+        self._bound: Optional[Tuple[Any, ...]] = None
 
     def events(self, device: torch.device) -> Tuple[torch.cuda.Event, torch.cuda.Event, int, int]:
         idx = _index(device)
@@ -103,7 +107,7 @@ class CudaIPC(Transport):
         tensors it names are returned in `keep`, to be held until its reply
         is collected and settle() has ordered this stream after the daemon."""
         keep: List[Tuple[torch.Tensor, torch.Tensor]] = []
-        tensors: List[Tuple[torch.Tensor, torch.Tensor]] = []
+        ptrs: List[int] = []
         for pt in plan.parts:
             inp, g = pt.inp, pt.grad
             if inp is None:
@@ -120,7 +124,9 @@ class CudaIPC(Transport):
                 if not g.is_contiguous():
                     g = g.contiguous()
             keep.append((inp, g))
-            tensors.append((inp, g))
+            ptrs.append(inp.data_ptr())
+            ptrs.append(g.data_ptr())
+        fresh = False
         for o in plan.outs:
             if o.buf is None or o.buf.device != device:
                 # The engine holds the output tensors for its lifetime, so
@@ -129,6 +135,9 @@ class CudaIPC(Transport):
                 # are new tensors every step and go through libdpclip's check).
                 o.buf = torch.empty(o.numel, dtype=o.dtype, device=device)
                 o.ref = self.client.register_cuda(o.buf.data_ptr())
+                view = o.grad(o.buf)
+                o.alias = view if view.dtype == o.param.dtype and view.is_contiguous() else None
+                fresh = True
 
         def out_ref(sl: Optional[Slice]) -> _lib.Tensor:
             if sl is None:
@@ -138,25 +147,27 @@ class CudaIPC(Transport):
 
         def refs(i: int) -> Tuple[_lib.Tensor, _lib.Tensor, _lib.Tensor, _lib.Tensor]:
             pt = plan.parts[i]
-            inp, g = tensors[i]
-            return (self.ref(inp, pt.in_shape), self.ref(g, pt.grad_shape), out_ref(pt.w),
-                    out_ref(pt.b))
+            return (_tref(*self.client.register_cuda(ptrs[2 * i]), pt.in_dtype, pt.in_shape),
+                    _tref(*self.client.register_cuda(ptrs[2 * i + 1]), pt.grad_dtype,
+                          pt.grad_shape),
+                    out_ref(pt.w), out_ref(pt.b))
 
         ready, done, rid, did = self.events(device)
         own = self.readied(device) if detached else None
         if own is not None:
             ready, rid = own
 
-        step.reset(nb)
         ticket, info, res = 0, None, None
         with torch.cuda.device(device):
-            add_layers(step, plan.parts, algorithm, refs)
+            self._layers(step, plan, nb, algorithm, refs, ptrs, fresh)
             stream = torch.cuda.current_stream(device)
             if gated:
                 coefs = self.coefs_out(nb, device)
                 coefs.zero_()  # stays zero unless the daemon's step succeeds
                 step.set_outputs(coefs_out=_tref(self._coefs_ref[0], self._coefs_ref[1],
                                                  torch.float32, (nb,)))
+            elif self._bound is not None:
+                step.set_outputs()  # (a rebound step keeps a commit's coefficients output)
             ready.record(stream)
             step.set_events(rid, did)
             step.notify_enqueued(asynchronous and not detached)
@@ -164,11 +175,26 @@ class CudaIPC(Transport):
             if detached:
                 ticket = step.submit(self.client)
                 return Run(None, ticket, None, None, t1, time.perf_counter(), keep, own)
-            if asynchronous:
-                ticket = step.submit(self.client)
-                info = self.client.wait_enqueued(ticket)  # raises an early error
-            else:
-                res = step.run(self.client)
+            # param.grad aliases the outputs (a view of each, made once),
+            # here, while the daemon queues the step's work: the host's
+            # wait for the notice or the reply is not idle time. Put back
+            # where the step is refused. (A copy waits for `done`, below.)
+            aliased = []
+            if write:
+                for o in plan.outs:
+                    if o.alias is not None:
+                        aliased.append((o.param, o.param.grad))
+                        o.param.grad = o.alias
+            try:
+                if asynchronous:
+                    ticket = step.submit(self.client)
+                    info = self.client.wait_enqueued(ticket)  # raises an early error
+                else:
+                    res = step.run(self.client)
+            except BaseException:
+                for p, was in aliased:
+                    p.grad = was
+                raise
             t2 = time.perf_counter()
             # The daemon recorded `done` before replying: from here on the
             # trainer's stream is ordered after the daemon's writes (and after
@@ -182,12 +208,27 @@ class CudaIPC(Transport):
             ok = (coefs > 0).all().to(torch.float32).reshape(1) if gated else None
         keep.clear()
         for o in plan.outs if write else ():
-            p, out = o.param, o.grad(o.buf)
-            if out.dtype == p.dtype and out.is_contiguous():
-                p.grad = out  # aliases the output buffer: no copy
-            else:
-                set_grad(p, out)
+            if o.alias is None:
+                set_grad(o.param, o.grad(o.buf))
         return Run(res, ticket, info, ok, t1, t2)
+
+    def _layers(self, step: _lib.Step, plan: Plan, nb: int, algorithm: int,
+                refs: Any, ptrs: List[int], fresh: bool) -> None:
+        """The plan's layers in the step: where the step holds the layers
+        this transport last built in it, the same parts (names, kinds,
+        shapes, dtypes, outputs) for the same batch, only their inputs are
+        pointed at this step's tensors (one call into libdpclip, which
+        finds each tensor's registration); else the step is built again."""
+        sig = [(pt[0], pt[1], pt[2]) + pt[5:] for pt in plan.parts]
+        b = self._bound
+        if (b is not None and not fresh and b[0] is step and b[1] == step.layout and b[2] == nb
+                and b[3] == algorithm and b[4] == sig):
+            step.rebind_cuda(self.client, ptrs)
+            return
+        self._bound = None
+        step.reset(nb)
+        add_layers(step, plan.parts, algorithm, refs)
+        self._bound = (step, step.layout, nb, algorithm, sig)
 
     def micro(self, step: _lib.Step, plan: Plan, nb: int, device: torch.device,
               algorithm: int, asynchronous: bool, detached: bool) -> Run:

@@ -191,15 +191,18 @@ class Out:
     `numel` values of `dtype`, flat; each part that writes it names a slice
     (its element offset and wire shape). grad(flat) is the parameter-shaped
     tensor (a view where the layouts agree: a transposed one for a weight
-    kept as [in, out]). The CUDA transport keeps its buffer in `buf` and its
-    (buffer id, offset) in `ref`."""
-    __slots__ = ("param", "numel", "dtype", "grad", "buf", "ref")
+    kept as [in, out]). The CUDA transport keeps its buffer in `buf`, its
+    (buffer id, offset) in `ref`, and in `alias` the parameter-shaped view
+    of it that param.grad can be (None: the layout or dtype differs, so
+    param.grad is a copy)."""
+    __slots__ = ("param", "numel", "dtype", "grad", "buf", "ref", "alias")
     param: torch.Tensor
     numel: int
     dtype: torch.dtype                            # the gradient's, as the daemon writes it
     grad: Callable[[torch.Tensor], torch.Tensor]  # flat -> parameter-shaped
     buf: Optional[torch.Tensor]                   # the CUDA transport's buffer
     ref: Optional[Tuple[int, int]]                # ... and its (buffer id, offset)
+    alias: Optional[torch.Tensor]                 # ... and grad(buf) where param.grad can be it
 
     def __init__(self, param: torch.Tensor, grad: Optional[Callable] = None) -> None:
         self.param = param
@@ -209,6 +212,7 @@ class Out:
         self.grad = grad if grad is not None else (lambda flat: flat.view(shape))
         self.buf = None
         self.ref = None
+        self.alias = None
 
 
 # (Out, element offset, shape on the wire)

@@ -10,7 +10,7 @@ Which library is loaded, and the checks it must pass first: dpclip._loader.
 import ctypes
 import os
 import threading
-from typing import Any, List, NamedTuple, Optional, Tuple
+from typing import Any, List, NamedTuple, Optional, Sequence, Tuple
 
 from . import _loader
 
@@ -171,6 +171,7 @@ def _declare(L: ctypes.CDLL) -> None:
         "dpclip_step_new": (c_void_p, [ctypes.c_uint32, ctypes.POINTER(ClipConfig)]),
         "dpclip_step_free": (None, [c_void_p]),
         "dpclip_step_reset": (None, [c_void_p, ctypes.c_uint32]),
+        "dpclip_step_rebind_cuda": (c_int, [c_void_p, c_void_p, ctypes.c_size_t, u64p]),
         "dpclip_step_add_linear": (c_int, [c_void_p, ctypes.POINTER(Linear)]),
         "dpclip_step_add_embedding": (c_int, [c_void_p, ctypes.POINTER(Embedding)]),
         "dpclip_step_add_layernorm": (c_int, [c_void_p, ctypes.POINTER(NormLayer)]),
@@ -464,6 +465,10 @@ class Step:
                               "dpclip_step_new(batch=%d) failed" % batch)
         self.batch = int(batch)
         self.n_layers = 0
+        # Counts the changes to the step's layers (reset, add_*, their marks,
+        # the phase): a transport that rebinds the same layers' inputs
+        # (rebind_cuda) checks that nobody changed them since it built them.
+        self.layout = 0
 
     def reset(self, batch: int) -> None:
         if batch <= 0:
@@ -471,8 +476,19 @@ class Step:
         self._L.dpclip_step_reset(self._s, int(batch))
         self.batch = int(batch)
         self.n_layers = 0
+        self.layout += 1
+
+    def rebind_cuda(self, client: "Client", ptrs: Sequence[int]) -> None:
+        """The step's layers again, each reading its input and output
+        gradient at new device pointers: ptrs[2i], ptrs[2i + 1] for layer
+        i (registered as Client.register_cuda does); shapes, dtypes,
+        outputs and settings kept. On an error the step is unchanged."""
+        n = len(ptrs) // 2
+        arr = (ctypes.c_uint64 * len(ptrs))(*ptrs)
+        client.check(self._L.dpclip_step_rebind_cuda(client.handle, self._s, n, arr))
 
     def _add(self, fn: Any, layer: ctypes.Structure) -> None:
+        self.layout += 1
         rc = fn(self._s, ctypes.byref(layer))
         if rc:
             raise DpclipError(rc, "", "adding layer %r to the step" % (layer.name,))
@@ -516,6 +532,7 @@ class Step:
         weight of its earlier layer `owner` (an embedding and a linear layer:
         see dpclip.h, dpclip_step_set_tied). The owner's weight output gets
         the clipped, noised sum of both uses."""
+        self.layout += 1
         rc = self._L.dpclip_step_set_tied(self._s, ctypes.c_size_t(int(layer)),
                                           ctypes.c_size_t(int(owner)))
         if rc:
@@ -530,6 +547,7 @@ class Step:
         with noise needs one; the daemon adds exactly the draws a whole step
         would add there, and nothing elsewhere (docs/protocol.md, "Steps in
         phases"). Dropped by reset()."""
+        self.layout += 1
         rc = self._L.dpclip_step_set_noise_range(self._s, ctypes.c_size_t(int(layer)),
                                                  int(output), int(dim), int(begin), int(end))
         if rc:
@@ -558,6 +576,7 @@ class Step:
         every layer (no outputs), then STEP_SUMS steps naming some of them
         again with their outputs (docs/protocol.md, "Steps in phases").
         Kept across reset()."""
+        self.layout += 1
         if self._L.dpclip_step_set_phase(self._s, phase) != 0:
             raise ValueError("unknown step phase %r" % (phase,))
 

@@ -444,7 +444,15 @@ def test_detached_micro_batches_each_wait_on_their_own_ready_event(monkeypatch):
             pass
 
     class Step:
+        layout = 0
+
         def reset(self, nb):
+            pass
+
+        def rebind_cuda(self, client, ptrs):
+            pass
+
+        def set_outputs(self, **kw):
             pass
 
         def set_events(self, rid, did):

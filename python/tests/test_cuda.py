@@ -59,6 +59,39 @@ def test_cuda_step_matches_reference(cuda_daemon, amp, asynchronous):
     engine.close()
 
 
+def test_cuda_steps_rebind_their_inputs(cuda_daemon, monkeypatch):
+    """A step of the last step's layout (the same parts and batch) is not
+    built again: its layers' inputs are pointed at the new tensors
+    (Step.rebind_cuda). Each step's own data must be what the daemon reads:
+    every step (new data each time, a batch of another size between) is
+    checked against its own reference; the steps of a new layout build."""
+    torch.manual_seed(4)
+    model = SeqModel()
+    C = 0.8
+    batches = [seq_data(B, seed=10 + i) for i, B in enumerate((9, 9, 9, 5, 9))]
+    wants = [reference(model, "seq", (x,), y, C, "sum", 0) for (x,), y in batches]
+    model = model.cuda()
+    built, rebound = [], []
+    reset, rebind = _lib.Step.reset, _lib.Step.rebind_cuda
+    monkeypatch.setattr(_lib.Step, "reset", lambda st, b: (built.append(b), reset(st, b))[1])
+    monkeypatch.setattr(_lib.Step, "rebind_cuda",
+                        lambda st, c, ptrs: (rebound.append(len(ptrs)), rebind(st, c, ptrs))[1])
+    engine = PrivacyEngine(cuda_daemon.socket, allow_insecure_seed=True)
+    model, opt, _ = engine.make_private(module=model, optimizer=torch.optim.SGD(
+        model.parameters(), lr=0.0), noise_multiplier=0.0, max_grad_norm=C,
+        loss_reduction="sum")
+    for ((x,), y), (want, _, ref_coefs) in zip(batches, wants):
+        opt.zero_grad()
+        reduce_loss(per_sample_losses("seq", model(x.cuda()), y.cuda()), "sum").backward()
+        opt.step()
+        for n, p in model.named_parameters():
+            assert _rel(p.grad, want[n]) < 3e-3, n
+        assert torch.allclose(engine.last_coefs.double(), ref_coefs, rtol=3e-3, atol=1e-6)
+    engine.close()
+    # built at the first step, at the batch of 5 and back at 9; rebound twice
+    assert built[-3:] == [9, 5, 9] and len(rebound) == 2, (built, rebound)
+
+
 def test_cuda_noise_std(cuda_daemon):
     sigma, C, expected = 1.5, 2.0, 8
     model = torch.nn.Linear(256, 256).cuda()
