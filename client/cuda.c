@@ -127,14 +127,12 @@ static cl_cuda_buf *cached(dpclip_client *c, cl_cudeviceptr p, uint64_t *cu_id) 
     *cu_id = id;
     for (size_t i = 0; i < c->cb_n; i++) {
         cl_cuda_buf *b = &c->cuda_bufs[i];
-        if (b->cu_id == id && b->device == device && b->base == start && b->size == size)
-            return b;
+        if (b->cu_id == id && b->device == device && b->base == start && b->size == size) return b;
     }
     return NULL;
 }
 
-int cl_cuda_ref_locked(dpclip_client *c, uint64_t dev_ptr, uint64_t *buffer_id,
-                       uint64_t *offset) {
+int cl_cuda_ref_locked(dpclip_client *c, uint64_t dev_ptr, uint64_t *buffer_id, uint64_t *offset) {
     cl_cudeviceptr p = (cl_cudeviceptr)dev_ptr, base = 0;
     size_t size = 0;
     uint8_t handle[64];
