@@ -111,6 +111,9 @@ def main():
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--device", default="auto")
+    ap.add_argument("--no-rebind", action="store_true",
+                    help="build every step's layers again (the CUDA transport's old path), "
+                         "to compare")
     args = ap.parse_args()
     for k, v in MODELS[args.model].items():
         if getattr(args, k, None) is None:
@@ -119,6 +122,13 @@ def main():
                           else ("cpu" if args.device == "auto" else args.device))
     if args.model == "llama1b":  # its own RMSNorm class, as bench_torch_step registers it
         register(RMSNorm, kind="rmsnorm", weight="weight", eps="eps")
+    if args.no_rebind:
+        build_layers = _cuda.CudaIPC._layers
+
+        def rebuild(self, *a):
+            self._bound = None
+            return build_layers(self, *a)
+        _cuda.CudaIPC._layers = rebuild
     t = Timers()
     install(t)
     torch.manual_seed(0)
@@ -156,6 +166,7 @@ def main():
     parts = len(_planner.plan(engine._layers, 0).parts)  # (t is off: not timed)
     per = {s: round(v / n, 4) for s, v in t.ms.items()}
     out = {"bench": "host_overhead", "model": args.model, "device": str(device),
+           "rebind": not args.no_rebind,
            "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
            "batch": args.batch, "seq": args.seq, "layers": len(engine._layers),
            "parts": parts, "steps": n, "step_ms": round(step_ms / n, 4), **per,
