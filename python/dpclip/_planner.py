@@ -30,6 +30,21 @@ class Plan(NamedTuple):
 def batch_size(layers: Sequence[_Layer]) -> int:
     """The batch size of what the layers captured (0: nothing captured);
     ValueError naming a module that saw another."""
+    # Every step of a well-formed model: one batch size everywhere (the
+    # count below, a step's largest host cost after the plan, only decides
+    # between sizes, and names the odd module out).
+    b0 = -1
+    for l in layers:
+        for inp, g, _ in l.records:
+            s = inp.shape
+            if not s or s[0] != b0 or g.shape[0] != b0:
+                if b0 != -1 or not s or g.shape[0] != s[0]:
+                    return _batch_size_counted(layers)
+                b0 = s[0]
+    return max(b0, 0)
+
+
+def _batch_size_counted(layers: Sequence[_Layer]) -> int:
     counts: collections.Counter = collections.Counter()
     seqs: collections.Counter = collections.Counter()  # inputs with positions: [B, T, ...]
     for l in layers:
