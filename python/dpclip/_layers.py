@@ -342,6 +342,7 @@ class _Layer:
         self.w_out: Optional[Out] = None
         self.b_out: Optional[Out] = None
         self.outs: List[Out] = []       # every Out its parts write, outputs()' order
+        self.outputs_memo: Optional[tuple] = None  # _planner.outputs()' last answer (first layer)
         self.part0 = 0                  # index of its first part in a step
         # first-step check (dpclip._verify.Probe)
         self.verify: Optional[Callable[[Any, tuple, dict, Any], Any]] = None

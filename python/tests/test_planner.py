@@ -39,3 +39,21 @@ def test_an_output_grad_of_another_batch_is_refused():
     bad.records[0] = (bad.records[0][0], torch.zeros(5, 3), 0)
     with pytest.raises(ValueError, match="module g saw"):
         _planner.batch_size([_layer("a", (4, 5, 2)), bad])
+
+
+def test_outputs_follow_the_layers():
+    """outputs() keeps its last answer on the first layer: the same layers
+    get it again, and any change to a layer's outs, or other layers, a new
+    one (each output once, in the layers' order)."""
+    o1, o2, o3 = object(), object(), object()
+    a, b = _layer("a"), _layer("b")
+    a.outs, b.outs = [o1], [o2, o1]  # a tied output: once
+    assert _planner.outputs([a, b]) == [o1, o2]
+    assert _planner.outputs([a, b]) == [o1, o2]
+    b.outs.append(o3)
+    assert _planner.outputs([a, b]) == [o1, o2, o3]
+    b.outs = [o3]
+    assert _planner.outputs([a, b]) == [o1, o3]
+    assert _planner.outputs([a]) == [o1]
+    assert _planner.outputs([b, a]) == [o3, o1]
+    assert _planner.outputs([]) == []
