@@ -34,6 +34,7 @@
 #ifndef DC_BACKEND_H
 #define DC_BACKEND_H
 
+#include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -96,6 +97,47 @@ static inline int dc_backend_run_step(dc_backend *be, const dc_step *step, dc_st
                                       dc_err *err) {
     return be->ops->run_step(be, step, res, err);
 }
+
+static inline const char *dc_backend_name(const dc_backend *be) { return be->ops->name; }
+
+/* The optional operations (see dc_backend_ops): whether this backend has
+ * each (a caller refuses by name where it has not), then the calls. */
+static inline bool dc_backend_has_norm_phase(const dc_backend *be) {
+    return be->ops->run_norms != NULL;
+}
+
+static inline bool dc_backend_has_clip_phase(const dc_backend *be) {
+    return be->ops->run_clip != NULL;
+}
+
+static inline bool dc_backend_has_hash(const dc_backend *be) {
+    return be->ops->tensors_hash != NULL;
+}
+
+static inline bool dc_backend_has_accumulators(const dc_backend *be) {
+    return be->ops->acc_alloc != NULL && be->ops->acc_free != NULL;
+}
+
+static inline int dc_backend_run_norms(dc_backend *be, const dc_step *step, double *n2,
+                                       dc_err *err) {
+    return be->ops->run_norms(be, step, n2, err);
+}
+
+static inline int dc_backend_run_clip(dc_backend *be, const dc_step *step, const double *n2,
+                                      const double *tot, dc_step_result *res, dc_err *err) {
+    return be->ops->run_clip(be, step, n2, tot, res, err);
+}
+
+static inline int dc_backend_tensors_hash(dc_backend *be, const dc_tensor *const *ts, size_t n,
+                                          uint64_t key, uint64_t *out, dc_err *err) {
+    return be->ops->tensors_hash(be, ts, n, key, out, err);
+}
+
+static inline float *dc_backend_acc_alloc(dc_backend *be, size_t n) {
+    return be->ops->acc_alloc(be, n);
+}
+
+static inline void dc_backend_acc_free(dc_backend *be, float *p) { be->ops->acc_free(be, p); }
 
 /* The device queue's events (DC_EUNIMPL without one) and workspace (0). */
 static inline int dc_backend_wait_event(dc_backend *be, void *event) {

@@ -308,14 +308,15 @@ void dc_gpu_close_event(dc_gpu *g, int device, void *event) {
 int dc_gpu_wait_event(dc_backend *be, void *event, dc_err *err) {
     if (dc_backend_wait_event(be, event) != 0)
         return dc_err_set(err, DC_EUNAVAIL, "clip_step.wait_event",
-                          "cannot make the daemon's %s stream wait on the event", be->ops->name);
+                          "cannot make the daemon's %s stream wait on the event",
+                          dc_backend_name(be));
     return 0;
 }
 
 int dc_gpu_record_event(dc_backend *be, void *event, dc_err *err) {
     if (dc_backend_record_event(be, event) != 0)
         return dc_err_set(err, DC_EUNAVAIL, "clip_step.signal_event",
-                          "cannot record the event on the daemon's %s stream", be->ops->name);
+                          "cannot record the event on the daemon's %s stream", dc_backend_name(be));
     return 0;
 }
 

@@ -63,7 +63,7 @@ typedef struct free_task {
 
 static void free_work(dc_task *task, dc_backend *be) {
     free_task *f = (free_task *)task;
-    for (size_t i = 0; i < f->n; i++) be->ops->acc_free(be, f->p[i]);
+    for (size_t i = 0; i < f->n; i++) dc_backend_acc_free(be, f->p[i]);
 }
 
 static void free_done(dc_task *task) { free(task); }
@@ -350,9 +350,9 @@ int dc_logical_ensure(dc_step_call *sc, dc_backend *be, dc_err *e) {
     dc_logical *lg = sc->s->logical;
     dc_step *st = &sc->step;
     if (st->acc == DC_ACC_NONE) return 0;
-    if (!lg || !be->ops->acc_alloc)
+    if (!lg || !dc_backend_has_accumulators(be))
         return dc_err_set(e, DC_EUNIMPL, "clip_step.logical",
-                          "the %s backend holds no accumulators", be->ops->name);
+                          "the %s backend holds no accumulators", dc_backend_name(be));
     for (size_t l = 0; l < st->n_layers; l++) {
         /* a sums step's layers are the pass's (its index), else the step's */
         const size_t slot = sc->params.phase == DC_PHASE_SUMS ? sc->pass_at[l] : l;
@@ -364,7 +364,7 @@ int dc_logical_ensure(dc_step_call *sc, dc_backend *be, dc_err *e) {
                 continue;
             }
             if (!o->acc) {
-                if (!(o->acc = be->ops->acc_alloc(be, o->n)))
+                if (!(o->acc = dc_backend_acc_alloc(be, o->n)))
                     return dc_err_set(e, DC_ENOSPACE, "clip_step.logical",
                                       "out of %s memory for a logical step's accumulator of "
                                       "%llu floats ('%s')",

@@ -57,9 +57,9 @@ static int clip_checked(dc_step_call *sc, dc_backend *be) {
     uint64_t *now = NULL;
     double *tot = NULL;
     int rc;
-    if (!be->ops->run_clip)
+    if (!dc_backend_has_clip_phase(be))
         return dc_err_set(&sc->err, DC_EUNIMPL, "clip_step.phase",
-                          "the %s backend has no separate clip phase", be->ops->name);
+                          "the %s backend has no separate clip phase", dc_backend_name(be));
     if (!sc->seal)
         return dc_err_set(&sc->err, DC_EINTERNAL, "clip_step.phase",
                           "a clip phase without its norms' seals");
@@ -92,7 +92,7 @@ static int clip_checked(dc_step_call *sc, dc_backend *be) {
     }
     memcpy(tot, sc->tot, B * sizeof *tot);
     dc_phase_margin(tot, B);
-    if ((rc = be->ops->run_clip(be, &sc->step, sc->n2, tot, &sc->res, &sc->err))) goto out;
+    if ((rc = dc_backend_run_clip(be, &sc->step, sc->n2, tot, &sc->res, &sc->err))) goto out;
     for (uint32_t b = 0; b < B; b++) sc->res.norms[b] = (float)sqrt(sc->tot[b]);
 out:
     free(now);
@@ -161,10 +161,10 @@ void dc_step_run_norms_work(dc_task *task, dc_backend *be) {
     bool waited = sc->prewait && sc->prewait->rc == 0;
     if (sc->wait_event && !waited && (sc->rc = dc_gpu_wait_event(be, sc->wait_event, &sc->err)))
         return;
-    sc->rc = be->ops->run_norms
-                 ? be->ops->run_norms(be, &sc->step, sc->n2, &sc->err)
+    sc->rc = dc_backend_has_norm_phase(be)
+                 ? dc_backend_run_norms(be, &sc->step, sc->n2, &sc->err)
                  : dc_err_set(&sc->err, DC_EUNIMPL, "clip_step",
-                              "the %s backend has no separate norm phase", be->ops->name);
+                              "the %s backend has no separate norm phase", dc_backend_name(be));
     /* the seal right after the norms: what the clip phase may sum */
     if (sc->rc == 0 && !(sc->rc = dc_step_run_seal_key(&sc->seal_key, &sc->err)))
         sc->rc = dc_step_run_seal(be, &sc->step, sc->seal_key, sc->seal, &sc->err);
@@ -190,9 +190,9 @@ static int layers_hash(dc_backend *be, const dc_step *st, bool replicated_only, 
     int rc = 0;
     *h = NULL;
     *n = 0;
-    if (!be->ops->tensors_hash)
+    if (!dc_backend_has_hash(be))
         return dc_err_set(e, DC_EUNIMPL, field, "the %s backend cannot checksum tensors",
-                          be->ops->name);
+                          dc_backend_name(be));
     if (!(ts = malloc((2 * st->n_layers + 1) * sizeof *ts)) ||
         !(*h = malloc((2 * st->n_layers + 1) * sizeof **h))) {
         rc = dc_err_set(e, DC_ENOSPACE, "clip_step", "out of memory");
@@ -203,7 +203,7 @@ static int layers_hash(dc_backend *be, const dc_step *st, bool replicated_only, 
         ts[k++] = &st->layers[l].input;
         ts[k++] = &st->layers[l].grad;
     }
-    if (k && (rc = be->ops->tensors_hash(be, ts, k, key, *h, e))) goto fail;
+    if (k && (rc = dc_backend_tensors_hash(be, ts, k, key, *h, e))) goto fail;
     *n = k / 2;
     free(ts);
     return 0;
