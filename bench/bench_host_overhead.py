@@ -166,7 +166,7 @@ def main():
     parts = len(_planner.plan(engine._layers, 0).parts)  # (t is off: not timed)
     per = {s: round(v / n, 4) for s, v in t.ms.items()}
     out = {"bench": "host_overhead", "model": args.model, "device": str(device),
-           "rebind": not args.no_rebind,
+           "path": "build" if args.no_rebind else "rebind",
            "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
            "batch": args.batch, "seq": args.seq, "layers": len(engine._layers),
            "parts": parts, "steps": n, "step_ms": round(step_ms / n, 4), **per,

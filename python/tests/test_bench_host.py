@@ -11,7 +11,8 @@ import subprocess
 import sys
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-STAGES = ("collect", "guard", "plan", "check", "refs", "add_layers", "send", "other")
+STAGES = ("collect", "guard", "plan", "check", "refs", "add_layers", "rebind", "send",
+          "optimizer", "other")
 
 
 def test_stages_of_a_step(secure_daemon):
@@ -31,3 +32,5 @@ def test_stages_of_a_step(secure_daemon):
         assert line[s] > 0, (s, line)
     assert sum(line[s] for s in STAGES) <= line["step_ms"] * 1.001, line
     assert line["other"] >= 0, line
+    assert line["optimizer"] > 0 and line["path"] == "rebind", line
+    assert abs(line["overhead_ms"] - (line["step_ms"] - line["optimizer"])) < 1e-3, line
