@@ -15,9 +15,29 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 
 from . import _lib, _planner
-from ._layers import _ESIZE, Slice, _tref
+from ._layers import _ESIZE, Part, Slice, _tref
 from ._planner import Plan, add_layers, set_grad
 from ._transport import Phases, Run, Transport
+
+
+def _wire(pt: Part, device: torch.device) -> Tuple[torch.Tensor, torch.Tensor]:
+    """A part's input and output grad as the daemon reads them: in their
+    wire dtypes, contiguous (zeros of the planned shapes where the module
+    was not used this step)."""
+    inp, g = pt.inp, pt.grad
+    if inp is None:
+        return (torch.zeros(pt.in_shape, dtype=pt.in_dtype, device=device),
+                torch.zeros(pt.grad_shape, dtype=pt.grad_dtype, device=device))
+    # (guarded: each call costs host time even when it is a no-op)
+    if inp.dtype != pt.in_dtype:
+        inp = inp.to(pt.in_dtype)
+    if not inp.is_contiguous():
+        inp = inp.contiguous()
+    if g.dtype != pt.grad_dtype:
+        g = g.to(pt.grad_dtype)
+    if not g.is_contiguous():
+        g = g.contiguous()
+    return inp, g
 
 
 def _index(device: torch.device) -> int:
@@ -106,26 +126,8 @@ class CudaIPC(Transport):
         the daemon for the other members' and has no early notice): the
         tensors it names are returned in `keep`, to be held until its reply
         is collected and settle() has ordered this stream after the daemon."""
-        keep: List[Tuple[torch.Tensor, torch.Tensor]] = []
-        ptrs: List[int] = []
-        for pt in plan.parts:
-            inp, g = pt.inp, pt.grad
-            if inp is None:
-                inp = torch.zeros(pt.in_shape, dtype=pt.in_dtype, device=device)
-                g = torch.zeros(pt.grad_shape, dtype=pt.grad_dtype, device=device)
-            else:
-                # (guarded: each call costs host time even when it is a no-op)
-                if inp.dtype != pt.in_dtype:
-                    inp = inp.to(pt.in_dtype)
-                if not inp.is_contiguous():
-                    inp = inp.contiguous()
-                if g.dtype != pt.grad_dtype:
-                    g = g.to(pt.grad_dtype)
-                if not g.is_contiguous():
-                    g = g.contiguous()
-            keep.append((inp, g))
-            ptrs.append(inp.data_ptr())
-            ptrs.append(g.data_ptr())
+        keep = [_wire(pt, device) for pt in plan.parts]
+        ptrs = [t.data_ptr() for pair in keep for t in pair]
         fresh = False
         for o in plan.outs:
             if o.buf is None or o.buf.device != device:
@@ -146,11 +148,9 @@ class CudaIPC(Transport):
             return _tref(o.ref[0], o.ref[1] + elem * o.buf.element_size(), o.dtype, shape)
 
         def refs(i: int) -> Tuple[_lib.Tensor, _lib.Tensor, _lib.Tensor, _lib.Tensor]:
-            pt = plan.parts[i]
-            return (_tref(*self.client.register_cuda(ptrs[2 * i]), pt.in_dtype, pt.in_shape),
-                    _tref(*self.client.register_cuda(ptrs[2 * i + 1]), pt.grad_dtype,
-                          pt.grad_shape),
-                    out_ref(pt.w), out_ref(pt.b))
+            pt, (inp, g) = plan.parts[i], keep[i]
+            return (self.ref(inp, pt.in_shape), self.ref(g, pt.grad_shape), out_ref(pt.w),
+                    out_ref(pt.b))
 
         ready, done, rid, did = self.events(device)
         own = self.readied(device) if detached else None
@@ -159,14 +159,14 @@ class CudaIPC(Transport):
 
         ticket, info, res = 0, None, None
         with torch.cuda.device(device):
-            self._layers(step, plan, nb, algorithm, refs, ptrs, fresh)
+            rebound = self._layers(step, plan, nb, algorithm, refs, ptrs, fresh)
             stream = torch.cuda.current_stream(device)
             if gated:
                 coefs = self.coefs_out(nb, device)
                 coefs.zero_()  # stays zero unless the daemon's step succeeds
                 step.set_outputs(coefs_out=_tref(self._coefs_ref[0], self._coefs_ref[1],
                                                  torch.float32, (nb,)))
-            elif self._bound is not None:
+            elif rebound:
                 step.set_outputs()  # (a rebound step keeps a commit's coefficients output)
             ready.record(stream)
             step.set_events(rid, did)
@@ -213,22 +213,24 @@ class CudaIPC(Transport):
         return Run(res, ticket, info, ok, t1, t2)
 
     def _layers(self, step: _lib.Step, plan: Plan, nb: int, algorithm: int,
-                refs: Any, ptrs: List[int], fresh: bool) -> None:
+                refs: Any, ptrs: List[int], fresh: bool) -> bool:
         """The plan's layers in the step: where the step holds the layers
         this transport last built in it, the same parts (names, kinds,
         shapes, dtypes, outputs) for the same batch, only their inputs are
         pointed at this step's tensors (one call into libdpclip, which
-        finds each tensor's registration); else the step is built again."""
+        finds each tensor's registration: True); else the step is built
+        again (False)."""
         sig = [(pt[0], pt[1], pt[2]) + pt[5:] for pt in plan.parts]
         b = self._bound
         if (b is not None and not fresh and b[0] is step and b[1] == step.layout and b[2] == nb
                 and b[3] == algorithm and b[4] == sig):
             step.rebind_cuda(self.client, ptrs)
-            return
+            return True
         self._bound = None
         step.reset(nb)
         add_layers(step, plan.parts, algorithm, refs)
         self._bound = (step, step.layout, nb, algorithm, sig)
+        return False
 
     def micro(self, step: _lib.Step, plan: Plan, nb: int, device: torch.device,
               algorithm: int, asynchronous: bool, detached: bool) -> Run:
@@ -283,15 +285,7 @@ class CudaPhases(Phases):
         self.io = io
         self.sh, self.plan, self.nb, self.device = sh, plan, nb, device
         self.scratch = scratch  # a micro-batch that does not commit: nothing is written
-        self.keep = []
-        for lp in plan.parts:
-            if lp.inp is None:
-                inp = torch.zeros(lp.in_shape, dtype=lp.in_dtype, device=device)
-                g = torch.zeros(lp.grad_shape, dtype=lp.grad_dtype, device=device)
-            else:
-                inp = lp.inp.to(lp.in_dtype).contiguous()
-                g = lp.grad.to(lp.grad_dtype).contiguous()
-            self.keep.append((inp, g))
+        self.keep = [_wire(lp, device) for lp in plan.parts]
         self.widest = sh.widest
         self.slots: List[Optional[torch.Tensor]] = [None, None]
         self.copied_ev: List[Optional[Any]] = [None, None]

@@ -33,15 +33,14 @@ def batch_size(layers: Sequence[_Layer]) -> int:
     # Every step of a well-formed model: one batch size everywhere (the
     # count below, a step's largest host cost after the plan, only decides
     # between sizes, and names the odd module out).
-    b0 = -1
+    b0 = None
     for l in layers:
         for inp, g, _ in l.records:
             s = inp.shape
-            if not s or s[0] != b0 or g.shape[0] != b0:
-                if b0 != -1 or not s or g.shape[0] != s[0]:
-                    return _batch_size_counted(layers)
-                b0 = s[0]
-    return max(b0, 0)
+            if not s or g.shape[0] != s[0] or (b0 is not None and s[0] != b0):
+                return _batch_size_counted(layers)
+            b0 = s[0]
+    return b0 or 0
 
 
 def _batch_size_counted(layers: Sequence[_Layer]) -> int:
