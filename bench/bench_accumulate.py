@@ -43,7 +43,6 @@ import json
 import os
 import statistics
 import sys
-import threading
 import time
 
 import torch
@@ -55,45 +54,12 @@ sys.path.insert(0, os.path.join(ROOT, "python"))
 sys.path.insert(0, os.path.join(ROOT, "bench"))
 
 from bench_torch_step import MODELS, RMSNorm, build, reset_peak, sync, token_batch  # noqa: E402
+from device_memory import DeviceMemory  # noqa: E402
 
 # Opacus's dataset holds this many logical batches' worth of samples, so its
 # Poisson sampling has a rate of 1/OPACUS_POOL (at rate 1 every batch would
 # be the whole dataset, the same size every step)
 OPACUS_POOL = 4
-
-
-class DeviceMemory:
-    """The device's used memory (all processes), sampled on a thread."""
-
-    def __init__(self, device):
-        self.device = device
-        self.peak = 0
-        self._stop = threading.Event()
-        self._thread = None
-
-    def used(self):
-        if self.device.type != "cuda":
-            return 0
-        free, total = torch.cuda.mem_get_info(self.device)
-        return total - free
-
-    def __enter__(self):
-        self.base = self.used()
-        self.peak = self.base
-        if self.device.type == "cuda":
-            self._thread = threading.Thread(target=self._loop, daemon=True)
-            self._thread.start()
-        return self
-
-    def _loop(self):
-        while not self._stop.wait(0.005):
-            self.peak = max(self.peak, self.used())
-
-    def __exit__(self, *exc):
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join()
-        self.peak = max(self.peak, self.used())
 
 
 def run(args, device, mode, socket_path):

@@ -89,7 +89,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "python"))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from bench_accumulate import DeviceMemory  # noqa: E402
+from device_memory import DeviceMemory  # noqa: E402 (the device's used memory, sampled)
 from bench_torch_step import MODELS, RMSNorm, peak_mb, reset_peak, sync, token_batch  # noqa: E402
 from fsdp_common import (  # noqa: E402
     fresh_model, fsdp2_api, init_rank, log, placement, policy, prepare, private,

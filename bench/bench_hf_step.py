@@ -50,7 +50,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "python"))
 sys.path.insert(0, os.path.join(ROOT, "bench"))
 
-from bench_accumulate import DeviceMemory  # noqa: E402 (the device's used memory, sampled)
+from device_memory import DeviceMemory  # noqa: E402 (the device's used memory, sampled)
 from dpclip.torch import PrivacyEngine  # noqa: E402
 
 TARGET = 1.10

@@ -120,7 +120,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from bench_accumulate import DeviceMemory  # noqa: E402
+from device_memory import DeviceMemory  # noqa: E402
 from bench_torch_step import GPT, peak_mb, reset_peak, sync, token_batch  # noqa: E402
 from dpclip.pipeline import schedule  # noqa: E402
 from dpclip.torch import PrivacyEngine  # noqa: E402

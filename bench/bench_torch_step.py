@@ -16,8 +16,10 @@ modes taking turns for --repeat rounds (3), and one JSON line per mode (its
 median round, every round's time listed) is printed, then one per ratio
 (of the medians; time_ratio_best of the fastest rounds, plain_spread how far
 the plain rounds ranged: slowest / fastest - 1). Peak
-memory is torch.cuda.max_memory_allocated on CUDA, the process's peak RSS
-(VmHWM, reset between runs through /proc/self/clear_refs) on the CPU.
+memory (mem_ratio) is torch.cuda.max_memory_allocated on CUDA, the
+process's peak RSS (VmHWM, reset between runs through /proc/self/clear_refs)
+on the CPU; on CUDA, device_mem_ratio is the whole device's (trainer plus
+daemon, sampled over the warm-up steps: see run()).
 --opacus adds Opacus's ghost-clipping step where Opacus is installed (it is
 never a dependency of dpclip).
 """
@@ -38,6 +40,7 @@ sys.path.insert(0, os.path.join(ROOT, "python"))
 sys.path.insert(0, os.path.join(ROOT, "bench"))
 
 import daemon_phases  # noqa: E402
+from device_memory import DeviceMemory  # noqa: E402 (the device's used memory, sampled)
 
 
 def causal_attention(q, k, v):
@@ -196,9 +199,17 @@ def peak_mb(device):
 
 
 def run(args, device, precision, mode, socket_path):
-    """Times `steps` training steps after `warmup`; returns (ms/step, peak MiB)."""
+    """Times `steps` training steps after `warmup`; returns (ms/step, peak
+    MiB, extras: the engine's phases and the device's used memory)."""
     torch.manual_seed(0)
     reset_peak(device)
+    # Whole-device memory: the non-private modes' is what they add to the
+    # device (the trainer), a private mode's what the device holds above
+    # the bench's start (args.device_base: the daemon idle), so that it
+    # counts the daemon's workspace, which outlives a session and so is
+    # already held when a later round starts. The daemon's CUDA context,
+    # in device_base, is counted in neither.
+    base = DeviceMemory(device).used() if mode in ("plain", "opacus") else args.device_base
     model = build(args).to(device)
     opt = torch.optim.SGD(model.parameters(), lr=1e-4)
     engine = None
@@ -230,9 +241,33 @@ def run(args, device, precision, mode, socket_path):
         loss.backward()
         opt.step()
 
-    for _ in range(args.warmup):
-        step()
-    sync(device)
+    # sampled over the warm-up steps only (the timed steps are the same
+    # steps): the sampling thread takes the GIL every 5 ms
+    with DeviceMemory(device) as dmem:
+        for _ in range(args.warmup):
+            step()
+        sync(device)
+    ms, phases = timed(args, device, engine, step)
+    mem = peak_mb(device)
+    # Per-step means of the engine's phases: building the request in the
+    # trainer, the daemon round trip (which includes waiting for the GPU to
+    # finish the backward) and writing param.grad; the daemon's own compute.
+    extra = {k: round(v / args.steps, 3) for k, v in phases.items()}
+    if device.type == "cuda":
+        # every process on the GPU (trainer and daemon, the kept per-sample
+        # gradients included), sampled every 5 ms
+        extra["device_peak_mib"] = round(dmem.peak / 2**20, 1)
+        extra["device_mib"] = round((dmem.peak - base) / 2**20, 1)
+    if engine is not None:
+        extra["mps_active"] = bool(engine.client.info.mps_active)
+        engine.close()
+    model = opt = engine = None  # freed (not del: see docs/lint.md, F821)
+    reset_peak(device)
+    return ms, mem, extra
+
+
+def timed(args, device, engine, step):
+    """ms per step of `steps` steps, and the engine's summed phases."""
     phases = {}
     if engine is not None:
         engine.synchronize()
@@ -252,18 +287,7 @@ def run(args, device, precision, mode, socket_path):
         phases["daemon_compute_ms"] = (engine.compute_ns_total - compute0) / 1e6
         # of it, the daemon's GPU waiting for the trainer's backward to finish
         phases["daemon_input_wait_ms"] = (engine.input_wait_ns_total - wait0) / 1e6
-    ms = (time.perf_counter() - t0) * 1e3 / args.steps
-    mem = peak_mb(device)
-    # Per-step means of the engine's phases: building the request in the
-    # trainer, the daemon round trip (which includes waiting for the GPU to
-    # finish the backward) and writing param.grad; the daemon's own compute.
-    extra = {k: round(v / args.steps, 3) for k, v in phases.items()}
-    if engine is not None:
-        extra["mps_active"] = bool(engine.client.info.mps_active)
-        engine.close()
-    model = opt = engine = None  # freed (not del: see docs/lint.md, F821)
-    reset_peak(device)
-    return ms, mem, extra
+    return (time.perf_counter() - t0) * 1e3 / args.steps, phases
 
 
 def make_opacus(model, opt, args):
@@ -311,6 +335,7 @@ def main():
               "optimizer": "sgd",
               "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
               "torch": torch.__version__}
+    args.device_base = DeviceMemory(device).used()
     for precision in args.precision.split(","):
         modes = ["plain", "dpclip"] + (["dpclip_sync"] if device.type == "cuda" else []) + \
             (["opacus"] if args.opacus else [])
@@ -350,13 +375,14 @@ def main():
             ms, _, extra = ordered[len(ordered) // 2]
             times = [r[0] for r in ordered]
             mem = max(r[1] for r in ordered)
-            res[mode] = (ms, mem, times[0], times[-1])
+            dev_mib = max(r[2].get("device_mib", 0.0) for r in ordered)
+            res[mode] = (ms, mem, times[0], times[-1], dev_mib)
             print(json.dumps({"bench": "torch_step", "precision": precision, "mode": mode,
                               "step_ms": round(ms, 3), "step_ms_runs": [round(t, 3) for t in times],
                               "peak_mem_mib": round(mem, 1), **extra, "config": config}),
                   flush=True)
         if "plain" in res:
-            base_ms, base_mem, base_best, base_worst = res["plain"]
+            base_ms, base_mem, base_best, base_worst, base_dev = res["plain"]
             for mode in modes[1:]:
                 if mode in res:
                     t, m = res[mode][0] / base_ms, res[mode][1] / base_mem
@@ -380,7 +406,10 @@ def main():
                         "round_ratios": [round(r, 3) for r in per],
                         "round_ratio_median": round(per[len(per) // 2], 3) if per else None,
                         "plain_spread": round(base_worst / base_best - 1.0, 3),
-                        "mem_ratio": round(m, 3), "target": target,
+                        "mem_ratio": round(m, 3),
+                        **({"device_mem_ratio": round(res[mode][4] / base_dev, 3),
+                            "device_mib": [base_dev, res[mode][4]]} if base_dev else {}),
+                        "target": target,
                         "target_met": t <= target["time_ratio"] and
                         m <= target.get("mem_ratio", math.inf)}), flush=True)
 
