@@ -18,8 +18,9 @@ median round, every round's time listed) is printed, then one per ratio
 the plain rounds ranged: slowest / fastest - 1). Peak
 memory (mem_ratio) is torch.cuda.max_memory_allocated on CUDA, the
 process's peak RSS (VmHWM, reset between runs through /proc/self/clear_refs)
-on the CPU; on CUDA, device_mem_ratio is the whole device's (trainer plus
-daemon, sampled over the warm-up steps: see run()).
+on the CPU; on CUDA, device_mem_ratio is the whole device's (what the
+trainer adds, sampled over the warm-up steps, plus the daemon's workspace,
+read from its status socket: see run()).
 --opacus adds Opacus's ghost-clipping step where Opacus is installed (it is
 never a dependency of dpclip).
 """
@@ -203,13 +204,12 @@ def run(args, device, precision, mode, socket_path):
     MiB, extras: the engine's phases and the device's used memory)."""
     torch.manual_seed(0)
     reset_peak(device)
-    # Whole-device memory: the non-private modes' is what they add to the
-    # device (the trainer), a private mode's what the device holds above
-    # the bench's start (args.device_base: the daemon idle), so that it
-    # counts the daemon's workspace, which outlives a session and so is
-    # already held when a later round starts. The daemon's CUDA context,
-    # in device_base, is counted in neither.
-    base = DeviceMemory(device).used() if mode in ("plain", "opacus") else args.device_base
+    # Whole-device memory: what the run adds to the device (the trainer),
+    # and for a private mode the daemon's workspace too (which outlives a
+    # session, so an earlier round may already have grown it: read from
+    # the daemon, not from the device). The daemon's CUDA context is not
+    # counted.
+    base = DeviceMemory(device).used()
     model = build(args).to(device)
     opt = torch.optim.SGD(model.parameters(), lr=1e-4)
     engine = None
@@ -257,7 +257,10 @@ def run(args, device, precision, mode, socket_path):
         # every process on the GPU (trainer and daemon, the kept per-sample
         # gradients included), sampled every 5 ms
         extra["device_peak_mib"] = round(dmem.peak / 2**20, 1)
-        extra["device_mib"] = round((dmem.peak - base) / 2**20, 1)
+        ws = daemon_phases.workspace_bytes(socket_path) if engine is not None else 0
+        extra["device_mib"] = round((dmem.peak - base + (ws or 0)) / 2**20, 1)
+        if engine is not None:
+            extra["daemon_workspace_mib"] = None if ws is None else round(ws / 2**20, 1)
     if engine is not None:
         extra["mps_active"] = bool(engine.client.info.mps_active)
         engine.close()
@@ -335,7 +338,6 @@ def main():
               "optimizer": "sgd",
               "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
               "torch": torch.__version__}
-    args.device_base = DeviceMemory(device).used()
     for precision in args.precision.split(","):
         modes = ["plain", "dpclip"] + (["dpclip_sync"] if device.type == "cuda" else []) + \
             (["opacus"] if args.opacus else [])

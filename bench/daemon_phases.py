@@ -12,9 +12,11 @@ import http.client
 import os
 import re
 import socket
+import sys
 from typing import Dict, Optional, Tuple
 
 _LINE = re.compile(r'^dpclip_step_phase_seconds_(sum|count)\{phase="([a-z_]+)"\} (\S+)$')
+_WORKSPACE = re.compile(r'^dpclip_gpu_workspace_bytes\{device="\d+"\} (\S+)$', re.M)
 
 
 def status_path(sock: Optional[str]) -> str:
@@ -36,15 +38,33 @@ class _UnixHTTP(http.client.HTTPConnection):
         self.sock.connect(self.path)
 
 
-def read(sock: Optional[str]) -> Optional[Dict[str, Tuple[float, float]]]:
-    """{phase: (seconds summed, steps counted)} from the daemon serving
-    `sock`, or None where its status socket does not answer."""
+def _metrics(sock: Optional[str]) -> Optional[str]:
     try:
         c = _UnixHTTP(status_path(sock))
         c.request("GET", "/metrics")
         text = c.getresponse().read().decode()
         c.close()
-    except OSError:
+    except OSError as e:
+        print("daemon_phases: no metrics from %s: %s" % (status_path(sock), e), file=sys.stderr)
+        return None
+    return text
+
+
+def workspace_bytes(sock: Optional[str]) -> Optional[int]:
+    """Bytes of device workspace the daemon serving `sock` holds, over its
+    GPUs (dpclip_gpu_workspace_bytes: the kept per-sample gradients are in
+    it), or None where its status socket does not answer."""
+    text = _metrics(sock)
+    if text is None:
+        return None
+    return sum(int(float(m.group(1))) for m in _WORKSPACE.finditer(text))
+
+
+def read(sock: Optional[str]) -> Optional[Dict[str, Tuple[float, float]]]:
+    """{phase: (seconds summed, steps counted)} from the daemon serving
+    `sock`, or None where its status socket does not answer."""
+    text = _metrics(sock)
+    if text is None:
         return None
     out: Dict[str, list] = {}
     for line in text.splitlines():
