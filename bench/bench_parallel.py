@@ -87,7 +87,8 @@ ratio is the measure), reduction_share its share of the step, and
 last_member_daemon_call_ms that member's whole daemon call (the private
 step's part of the critical path: reduction, clipped sums, noise).
 
---check (any mode), before the timing: noise off, fp32, TF32 off in the
+--check (any mode), before the timing: noise off, fp32 (bf16 autocast with
+--check-bf16, against the same f64 reference: default --tol 5e-2), TF32 off in the
 trainers, one logical step on the fixed batch with C between the middle
 per-sample norms; rank 0 first computes the reference, the unsplit model on
 one device over the whole logical batch (the replicas' union, M x B samples
@@ -417,7 +418,7 @@ def check(c, out_dir, tol):
     model, names = build_part(a, c.S, c.stage, c.device)
     params = list(model.parameters())
     engine, model, opt = private(c, model, 0.0, ref["C"], 0.0)
-    make_step(c, model, opt, amp=False, divide=False)()
+    make_step(c, model, opt, amp=a.check_bf16, divide=False)()
     got_norms = engine.last_norms  # collects an asynchronous step; every micro-batch's, in order
     err, worst = 0.0, ""
     for name, p in zip(names, params):
@@ -467,7 +468,8 @@ def rank_main(rank, world, init_file, args, sockets, out_dir, config):
                 "microbatches": args.microbatches, "schedule": args.schedule,
                 "logical_batch": logical_batch(args, c.R)}
         if args.check:
-            tol = args.tol if args.tol is not None else (5e-3 if cuda else 1e-3)
+            tol = args.tol if args.tol is not None else \
+                (5e-2 if args.check_bf16 else 5e-3 if cuda else 1e-3)
             every = gather(check(c, out_dir, tol))
             ok = all(r["ok"] for r in every)
             if rank == 0:
@@ -579,6 +581,9 @@ def main():
     ap.add_argument("--repeat", type=int, default=None, help="rounds of plain then dpclip "
                     "(3; 5 with micro-batches)")
     ap.add_argument("--check", action="store_true", help="check exactness first (exit 1 if not)")
+    ap.add_argument("--check-bf16", action="store_true",
+                    help="the check's trainers under bf16 autocast, as the timed steps: the "
+                    "daemon's bf16 paths (kept per-sample gradients), default --tol 5e-2")
     ap.add_argument("--tol", type=float, default=None)
     ap.add_argument("--threads", type=int, default=0,
                     help="torch CPU threads per rank (0: the cores / the ranks)")

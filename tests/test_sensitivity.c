@@ -387,13 +387,13 @@ static void test_group_members(void **state) {
     scale_sample_grads(&lb, 1, NB, f);
     dc_ref_step(&s1, NULL, NULL, sq1, NULL, NULL, NULL);
     assert_int_equal(dc_cpu_backend_create(1, &be, &err), 0);
-    assert_int_equal(be->ops->run_norms(be, &s0, n2a, &err), 0);
-    assert_int_equal(be->ops->run_norms(be, &s1, n2b, &err), 0);
+    assert_int_equal(be->ops->run_norms(be, &s0, n2a, NULL, &err), 0);
+    assert_int_equal(be->ops->run_norms(be, &s1, n2b, NULL, &err), 0);
     for (int b = 0; b < NB; b++) tot[b] = n2a[b] + n2b[b];
     assert_int_equal(dc_step_result_init(&r0, NB, 1, false), 0);
     assert_int_equal(dc_step_result_init(&r1, NB, 1, false), 0);
-    assert_int_equal(be->ops->run_clip(be, &s0, n2a, tot, &r0, &err), 0);
-    assert_int_equal(be->ops->run_clip(be, &s1, n2b, tot, &r1, &err), 0);
+    assert_int_equal(be->ops->run_clip(be, &s0, n2a, tot, NULL, &r0, &err), 0);
+    assert_int_equal(be->ops->run_clip(be, &s1, n2b, tot, NULL, &r1, &err), 0);
     for (int b = 0; b < NB; b++) {
         const double rel = (double)r0.coefs[b] * r0.coefs[b] * sq0[b] +
                            (double)r1.coefs[b] * r1.coefs[b] * sq1[b];

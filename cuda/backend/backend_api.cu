@@ -118,8 +118,10 @@ extern "C" int dc_cuda_backend_kept_layers(const dc_backend *be) {
     return ((const cuda_backend *)be)->sg_kept;
 }
 
+/* the workspace and the norm phases' kept stores (backend_kept.cu) */
 extern "C" size_t dc_cuda_backend_workspace_bytes(const dc_backend *be) {
-    return ((const cuda_backend *)be)->ws_cap;
+    const cuda_backend *cb = (const cuda_backend *)be;
+    return cb->ws_cap + cb->kept_bytes;
 }
 
 extern "C" int dc_cuda_backend_kept_direct(const dc_backend *be) {

@@ -73,25 +73,27 @@ void phase_mark(cuda_backend *cb, int i) {
 enum cuda_phase { CP_ALL, CP_NORMS, CP_CLIP };
 struct phase_io {
     cuda_phase want;
-    double *n2_out;       /* CP_NORMS: [L*B] */
-    const double *n2_in;  /* CP_CLIP: [L*B] */
-    const double *tot_in; /* CP_CLIP: [B] */
+    double *n2_out;         /* CP_NORMS: [L*B] */
+    const double *n2_in;    /* CP_CLIP: [L*B] */
+    const double *tot_in;   /* CP_CLIP: [B] */
+    dc_kept **kept_out;     /* CP_NORMS: where to leave a kept store (NULL: keep none) */
+    const dc_kept *kept_in; /* CP_CLIP: the norm phase's (NULL: none) */
 };
 
 int run_impl(dc_backend *be, const dc_step *s, dc_step_result *res, dc_err *err,
              const phase_io &io);
 
 int cuda_run_step(dc_backend *be, const dc_step *s, dc_step_result *res, dc_err *err) {
-    return run_impl(be, s, res, err, phase_io{CP_ALL, NULL, NULL, NULL});
+    return run_impl(be, s, res, err, phase_io{CP_ALL, NULL, NULL, NULL, NULL, NULL});
 }
 
-int cuda_run_norms(dc_backend *be, const dc_step *s, double *n2, dc_err *err) {
-    return run_impl(be, s, NULL, err, phase_io{CP_NORMS, n2, NULL, NULL});
+int cuda_run_norms(dc_backend *be, const dc_step *s, double *n2, dc_kept **kept, dc_err *err) {
+    return run_impl(be, s, NULL, err, phase_io{CP_NORMS, n2, NULL, NULL, kept, NULL});
 }
 
 int cuda_run_clip(dc_backend *be, const dc_step *s, const double *n2, const double *tot,
-                  dc_step_result *res, dc_err *err) {
-    return run_impl(be, s, res, err, phase_io{CP_CLIP, NULL, n2, tot});
+                  const dc_kept *kept, dc_step_result *res, dc_err *err) {
+    return run_impl(be, s, res, err, phase_io{CP_CLIP, NULL, n2, tot, NULL, kept});
 }
 
 /* Host doubles in device memory, as they are (a pageable copy: the source
@@ -125,7 +127,11 @@ int step_bounds(cuda_backend *cb, const dc_step *s, cuda_phase want, unsigned ho
     *e_flat = want == CP_CLIP ? dc_clip_e_step(s, how) : 0.0;
     for (size_t l = 0; l < L; l++) {
         const double e = dc_clip_e(s, l, how | (cb->sg_off[l] != SIZE_MAX ? DC_E_KEPT : 0u));
-        if (want != CP_CLIP && !s->layers[l].norm_excluded && e > *e_flat) *e_flat = e;
+        /* a clip phase's layers summed from a kept store add their rounding
+         * (the norm pass's rule saw none kept) */
+        if ((want != CP_CLIP || cb->sg_off[l] != SIZE_MAX) && !s->layers[l].norm_excluded &&
+            e > *e_flat)
+            *e_flat = e;
         if (e != planned[l] && !now) {
             if (!(now = (double *)malloc(L * sizeof *now)))
                 return dc_err_set(err, DC_ENOSPACE, "", "out of memory");
@@ -587,6 +593,38 @@ int take_results(step_run *r, dc_err *err) {
 /* A call of run_step, run_norms or run_clip: the checks and the plan, then
  * the phases in order (a norm phase stops after the norms). A failure once
  * work is queued waits for the stream before it returns. */
+/* The layers a norm phase kept, in its store. */
+size_t kept_count(const dc_kept *k) {
+    size_t n = 0;
+    for (size_t l = 0; l < k->n_layers; l++) n += k->layer[l] != 0;
+    return n;
+}
+
+/* A clip phase: its kept layers where its norm phase left them (the plan
+ * made without keeping: nothing of them in the workspace). */
+int kept_apply(cuda_backend *cb, const dc_step *s, const dc_kept *pub, dc_err *err) {
+    const cuda_kept *k = (const cuda_kept *)pub;
+    if (pub->n_layers != s->n_layers)
+        return dc_err_set(err, DC_EINTERNAL, "clip_step",
+                          "a kept store of %zu layers for a step of %zu", pub->n_layers,
+                          s->n_layers);
+    for (size_t l = 0; l < s->n_layers; l++) cb->sg_off[l] = pub->layer[l] ? k->off[l] : SIZE_MAX;
+    return 0;
+}
+
+/* A norm phase's end: the layers it kept in its store (grouped_norms may
+ * have kept none after all) into *out, or the store back. */
+void kept_leave(cuda_backend *cb, cuda_kept *k, size_t L, dc_kept **out) {
+    size_t n = 0;
+    for (size_t l = 0; l < L; l++) {
+        k->off[l] = cb->sg_off[l];
+        k->pub.layer[l] = cb->sg_off[l] != SIZE_MAX;
+        n += k->pub.layer[l];
+    }
+    if (n) *out = &k->pub;
+    else kept_give(&cb->base, &k->pub);
+}
+
 int run_impl(dc_backend *be, const dc_step *s, dc_step_result *res, dc_err *err,
              const phase_io &io) {
     cuda_backend *cb = (cuda_backend *)be;
@@ -635,29 +673,52 @@ int run_impl(dc_backend *be, const dc_step *s, dc_step_result *res, dc_err *err,
         (void)cudaGetLastError();
         return dc_err_set(err, DC_EUNAVAIL, "", "cannot select cuda:%d", cb->device);
     }
-    if ((rc = plan_step(cb, s, io.want == CP_ALL, &Lo, err))) return rc;
-    if (Lo.sgrad_bytes && !keep_fits(cb, &Lo) && (rc = plan_step(cb, s, false, &Lo, err)))
+    /* A norm phase asked to keep puts its kept area (the layout's last
+     * part) in a store of its own, which outlives this call */
+    const bool to_store = io.want == CP_NORMS && io.kept_out;
+    cuda_kept *store = NULL;
+    if ((rc = plan_step(cb, s, io.want == CP_ALL || to_store, &Lo, err))) return rc;
+    if (to_store && Lo.sgrad_bytes) {
+        if ((store = kept_take(cb, Lo.sgrad_bytes, L))) Lo.total = Lo.sgrad;
+        else if ((rc = plan_step(cb, s, false, &Lo, err))) return rc;
+    }
+    if (!store && Lo.sgrad_bytes && !keep_fits(cb, &Lo) && (rc = plan_step(cb, s, false, &Lo, err)))
         return rc;
     if ((rc = reserve(cb, &Lo, err))) {
         /* kept gradients are an optimisation: without them the step may fit */
         if (rc != DC_ENOSPACE || Lo.sgrad_bytes == 0) return rc;
         dc_err_clear(err);
+        if (store) kept_give(be, &store->pub);
+        store = NULL;
         if ((rc = plan_step(cb, s, false, &Lo, err)) || (rc = reserve(cb, &Lo, err))) return rc;
     }
+    if (io.kept_in && (rc = kept_apply(cb, s, io.kept_in, err))) return rc;
+    cb->sg_base = store        ? store->mem
+                  : io.kept_in ? ((const cuda_kept *)io.kept_in)->mem
+                               : cb->ws + Lo.sgrad;
 
-    if ((rc = fill_tables(&r, err))) return rc;
+    if ((rc = fill_tables(&r, err))) goto fail;
     if ((rc = phase_upload(&r, err)) || (rc = phase_norms(&r, err))) goto fail;
     if (io.want == CP_NORMS) {
-        if ((rc = norms_home(&r, err))) goto fail;
-        return norms_take(&r, err);
+        if ((rc = norms_home(&r, err)) || (rc = norms_take(&r, err))) goto fail;
+        if (store) kept_leave(cb, store, L, io.kept_out);
+        return 0;
     }
-    if ((rc = phase_reduction(&r, err)) || (rc = phase_clipping(&r, err)) ||
-        (rc = phase_noise(&r, err)) || (rc = phase_home(&r, err)))
+    if ((rc = phase_reduction(&r, err)) || (rc = phase_clipping(&r, err))) goto fail;
+    if (io.kept_in && (size_t)cb->sg_kept != kept_count(io.kept_in)) {
+        /* a kept layer's sum would come from the client's data, unsealed */
+        rc = dc_err_set(err, DC_EINTERNAL, "clip_step",
+                        "cuda:%d: %d of the norm phase's %zu kept layers were summed from "
+                        "the store; nothing was written",
+                        cb->device, cb->sg_kept, kept_count(io.kept_in));
         goto fail;
+    }
+    if ((rc = phase_noise(&r, err)) || (rc = phase_home(&r, err))) goto fail;
     return take_results(&r, err);
 
 fail:
     (void)cudaStreamSynchronize(cb->stream);
+    if (store) kept_give(be, &store->pub);
     return rc;
 }
 
@@ -666,6 +727,8 @@ void cuda_destroy(dc_backend *be) {
     if (!cb) return;
     cudaSetDevice(cb->device);
     if (cb->stream) cudaStreamSynchronize(cb->stream);
+    kept_destroy(cb);
+    pthread_mutex_destroy(&cb->kept_mu);
     if (cb->blas) cublasDestroy(cb->blas);
     if (cb->stream) cudaStreamDestroy(cb->stream);
     if (cb->ws) cudaFree(cb->ws);
@@ -698,6 +761,7 @@ const dc_backend_ops cuda_ops = {"cuda",
                                  cuda_destroy,
                                  cuda_run_norms,
                                  cuda_run_clip,
+                                 kept_give,
                                  dc_cuda_backend_wait_event,
                                  dc_cuda_backend_record_event,
                                  dc_cuda_backend_workspace_bytes,
@@ -713,6 +777,7 @@ extern "C" int dc_cuda_backend_create(int device, dc_backend **out, dc_err *err)
     if (!cb) return dc_err_set(err, DC_ENOSPACE, "", "out of memory");
     cb->base.ops = &cuda_ops;
     cb->device = device;
+    pthread_mutex_init(&cb->kept_mu, NULL);
     if ((e = cudaSetDevice(device)) != cudaSuccess ||
         (e = cudaStreamCreateWithFlags(&cb->stream, cudaStreamNonBlocking)) != cudaSuccess) {
         (void)cudaGetLastError();

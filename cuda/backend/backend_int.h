@@ -4,6 +4,7 @@
 #ifndef DC_CUDA_BACKEND_INT_H
 #define DC_CUDA_BACKEND_INT_H
 
+#include <pthread.h>
 #include <stdint.h>
 #include <stdlib.h>
 
@@ -45,10 +46,13 @@ struct cuda_backend {
     /* [lay_cap] the staging offset of each layer's weight sum (UINT64_MAX:
      * none); a tied pair's later layer has its owner's (tied_offsets) */
     uint64_t *woff;
-    /* [lay_cap] where layer l's kept per-sample gradients go in the
-     * workspace (plan_step; SIZE_MAX: not kept), the layer of each entry of
+    /* [lay_cap] where layer l's kept per-sample gradients go, from sg_base
+     * (plan_step; SIZE_MAX: not kept), the layer of each entry of
      * bk, and the kept layers' clipped sums (grouped_clipped) */
     size_t *sg_off;
+    /* where sg_off counts from: the workspace's kept area (a whole step's),
+     * or a norm phase's kept store (backend_kept.cu) */
+    char *sg_base;
     int *sg_out; /* [2 * lay_cap] layer l's weight and bias output index, -1 none */
     int *bk_layer;
     dcc_sg_layer *sgl;
@@ -73,6 +77,12 @@ struct cuda_backend {
      * the recent steps' wait per unit of estimated cost (ns; 0 = none yet) */
     cudaEvent_t ev_done;
     double ns_per_cost;
+    /* Kept stores of norm phases (backend_kept.cu): those given back, for
+     * reuse (kept_mu: given back from any thread), and the bytes of every
+     * store made, given back or not (at most sg_max). */
+    pthread_mutex_t kept_mu;
+    struct cuda_kept *kept_free;
+    size_t kept_bytes;
     unsigned long long *hash_dev; /* device scratch of cuda_tensors_hash (backend_accum.cu) */
     size_t hash_cap;              /* its checksums */
     int bk_n;                     /* entries of bk the step's grouped clipped sum takes */
@@ -271,6 +281,26 @@ int snapshot_indices(cuda_backend *cb, const dc_step *s, const layout *Lo, dc_st
  * predicted end of a step of this estimated cost (dc_step_cost.gflop),
  * spins around it, sleeps on a blocking-sync event past it. */
 cudaError_t wait_stream(cuda_backend *cb, double cost);
+
+/* backend_kept.cu: a norm group member's norm phase keeps its per-sample
+ * gradients for its clip phase, a later task, so not in the workspace,
+ * which the steps between reuse: in a store of their own. kept_take: a
+ * store of at least `bytes` with room for L layers' marks (one given back
+ * earlier where it fits), NULL where gpu.sample_grads_max or the GPU's
+ * free memory (a tenth kept free, as keep_fits) has no room. kept_give
+ * (backend.h kept_free): back to this instance, any thread. kept_destroy:
+ * frees every store given back (the instance's end). */
+struct cuda_kept {
+    dc_kept pub; /* first: what the daemon holds */
+    cuda_kept *next;
+    char *mem;
+    size_t cap;
+    size_t *off; /* [lay_cap] layer l's place in mem (SIZE_MAX: not kept) */
+    size_t lay_cap;
+};
+cuda_kept *kept_take(cuda_backend *cb, size_t bytes, size_t L);
+void kept_give(dc_backend *be, dc_kept *k);
+void kept_destroy(cuda_backend *cb);
 
 /* backend_accum.cu: logical steps' accumulators (backend.h acc_alloc,
  * acc_free) and the keyed checksums of tensors (tensors_hash). */

@@ -249,7 +249,7 @@ fail:
 /* The biases' per-sample sums of kept layer l: after its weight's tiles in
  * the layer's share of the kept store (sgrad.cu's layout). */
 static float *kept_bias(const cuda_backend *cb, size_t l, const dcc_linear *L) {
-    return (float *)(cb->ws + cb->sg_off[l] + dcc_sgrad_bias_off(L));
+    return (float *)(cb->sg_base + cb->sg_off[l] + dcc_sgrad_bias_off(L));
 }
 
 /* Output oi of the step's table as the kept sum writes it (-1: none). */
@@ -287,7 +287,7 @@ int grouped_clipped(cuda_backend *cb, const dc_step *s, const layout *Lo, const 
             continue;
         }
         dcc_sg_layer *g = &cb->sgl[k++];
-        g->sg = cb->ws + cb->sg_off[l];
+        g->sg = cb->sg_base + cb->sg_off[l];
         g->sgb = b->bias ? kept_bias(cb, l, &b->L) : NULL;
         g->cs = (const float *)(cb->ws + Lo->cs) + (size_t)l * B;
         g->w = b->w;
@@ -365,7 +365,7 @@ int grouped_norms(cuda_backend *cb, const dc_step *s, const layout *Lo, float s2
         dcc_norm_layer *e = &cb->nm[n++];
         e->L = x;
         e->n2 = (float *)(cb->ws + Lo->n2) + l * (size_t)B;
-        e->sg = cb->sg_off[l] == SIZE_MAX ? NULL : cb->ws + cb->sg_off[l];
+        e->sg = cb->sg_off[l] == SIZE_MAX ? NULL : cb->sg_base + cb->sg_off[l];
         e->sgb = e->sg && x.has_bias ? kept_bias(cb, l, &x) : NULL;
         items += dcc_norms_grouped_items(&x);
         cb->nm_grouped[l] = true;

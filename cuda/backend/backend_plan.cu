@@ -184,7 +184,7 @@ int dcb::plan_step(cuda_backend *cb, const dc_step *s, bool keep, layout *Lo, dc
         if (need == 0 || Lo->sgrad_bytes + need > cb->sg_max ||
             (cb->ws_max && o + need > cb->ws_max))
             continue;
-        cb->sg_off[l] = o;
+        cb->sg_off[l] = Lo->sgrad_bytes; /* from the kept area's start (cb->sg_base) */
         o += need;
         Lo->sgrad_bytes += need;
     }

@@ -103,7 +103,8 @@ void dc_cuda_backend_set_options(dc_backend *be, const struct dcc_options *o);
  * tests and benchmarks. */
 int dc_cuda_backend_amax_found(const dc_backend *be);
 
-/* Device workspace currently held by the instance, in bytes. */
+/* Device memory the instance holds for steps, in bytes: its workspace and
+ * the kept stores of norm phases (backend_kept.cu). */
 size_t dc_cuda_backend_workspace_bytes(const dc_backend *be);
 
 /* The GPU cost model's choice for a LINEAR layer (AUTO resolved; a forced

@@ -52,6 +52,18 @@
 
 typedef struct dc_backend dc_backend;
 
+/* What a norm phase kept for its clip phase: the per-sample gradients of
+ * some layers (a GPU backend's, cuda/backend/backend_kept.cu), whose clipped
+ * sums the clip phase then makes from them and not from the client's
+ * tensors. layer[l] is 1 for those: their data need not be the same at the
+ * clip phase (step_run.h's seal leaves them out). Made by run_norms where
+ * the caller asks (kept non-NULL) and the backend chooses to; passed to
+ * run_clip of the same step; given back with dc_backend_kept_free. */
+typedef struct dc_kept {
+    size_t n_layers;
+    uint8_t *layer; /* [n_layers] */
+} dc_kept;
+
 typedef struct dc_backend_ops {
     const char *name; /* "cpu", "cuda" */
     int (*run_step)(dc_backend *be, const dc_step *step, dc_step_result *res, dc_err *err);
@@ -64,9 +76,14 @@ typedef struct dc_backend_ops {
      * results); it checks the data again. Its e is dc_clip_e_step(step,
      * dc_clip_e_how(step)), as a norm pass's reply computes it
      * (step_pass.c). NULL: this backend cannot serve grouped steps. */
-    int (*run_norms)(dc_backend *be, const dc_step *step, double *n2, dc_err *err);
+    int (*run_norms)(dc_backend *be, const dc_step *step, double *n2, dc_kept **kept, dc_err *err);
     int (*run_clip)(dc_backend *be, const dc_step *step, const double *n2, const double *tot,
-                    dc_step_result *res, dc_err *err);
+                    const dc_kept *kept, dc_step_result *res, dc_err *err);
+    /* A norm phase's kept per-sample gradients (run_norms' *kept) back to
+     * the backend that made them. Any thread: no task uses them any more,
+     * and the backend's own queue orders their reuse. NULL where run_norms
+     * never keeps. */
+    void (*kept_free)(dc_backend *be, dc_kept *kept);
     /* A backend that queues work on a device: its queue waits for a
      * client's interprocess event (the step's inputs), records one after
      * the work queued so far (its outputs), and the device workspace it
@@ -118,14 +135,22 @@ static inline bool dc_backend_has_accumulators(const dc_backend *be) {
     return be->ops->acc_alloc != NULL && be->ops->acc_free != NULL;
 }
 
+/* kept: NULL, or where the backend may leave what it kept (*kept NULL
+ * where it kept nothing, or failed). */
 static inline int dc_backend_run_norms(dc_backend *be, const dc_step *step, double *n2,
-                                       dc_err *err) {
-    return be->ops->run_norms(be, step, n2, err);
+                                       dc_kept **kept, dc_err *err) {
+    if (kept) *kept = NULL;
+    return be->ops->run_norms(be, step, n2, be->ops->kept_free ? kept : NULL, err);
 }
 
 static inline int dc_backend_run_clip(dc_backend *be, const dc_step *step, const double *n2,
-                                      const double *tot, dc_step_result *res, dc_err *err) {
-    return be->ops->run_clip(be, step, n2, tot, res, err);
+                                      const double *tot, const dc_kept *kept, dc_step_result *res,
+                                      dc_err *err) {
+    return be->ops->run_clip(be, step, n2, tot, kept, res, err);
+}
+
+static inline void dc_backend_kept_free(dc_backend *be, dc_kept *kept) {
+    if (kept) be->ops->kept_free(be, kept);
 }
 
 static inline int dc_backend_tensors_hash(dc_backend *be, const dc_tensor *const *ts, size_t n,

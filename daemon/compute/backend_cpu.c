@@ -560,14 +560,18 @@ static int cpu_run_step(dc_backend *be, const dc_step *step, dc_step_result *res
     return rc;
 }
 
-static int cpu_run_norms(dc_backend *be, const dc_step *step, double *n2, dc_err *err) {
+/* The CPU backend keeps nothing (kept is NULL: no kept_free) */
+static int cpu_run_norms(dc_backend *be, const dc_step *step, double *n2, dc_kept **kept,
+                         dc_err *err) {
+    (void)kept;
     int rc = run_phases(be, step, PHASE_NORMS, n2, NULL, NULL, NULL, err);
     scratch_trim(&((cpu_backend *)be)->s);
     return rc;
 }
 
 static int cpu_run_clip(dc_backend *be, const dc_step *step, const double *n2, const double *tot,
-                        dc_step_result *res, dc_err *err) {
+                        const dc_kept *kept, dc_step_result *res, dc_err *err) {
+    (void)kept;
     int rc = run_phases(be, step, PHASE_CLIP, NULL, n2, tot, res, err);
     scratch_trim(&((cpu_backend *)be)->s);
     return rc;

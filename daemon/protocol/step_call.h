@@ -132,6 +132,12 @@ struct dc_step_call {
      * seal [L] taken right after its norms, under seal_key (step_run.h) */
     uint64_t *seal;
     uint64_t seal_key;
+    /* a group member's norm phase's kept per-sample gradients (backend.h:
+     * its clip phase sums those layers from them, unsealed), and the
+     * backend that holds them; given back after the clip phase or with
+     * the call */
+    dc_kept *kept;
+    dc_backend *kept_be;
     size_t *pass_at;    /* a sums step: each layer's index in its pass (step_pass.h) */
     bool pass_reserved; /* a norm pass: the session's pass bytes are its reservation */
     dc_group_waiter gw;

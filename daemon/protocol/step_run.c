@@ -67,7 +67,7 @@ static int clip_checked(dc_step_call *sc, dc_backend *be) {
         rc = dc_err_set(&sc->err, DC_ENOSPACE, "clip_step", "out of memory");
         goto out;
     }
-    if ((rc = dc_step_run_seal(be, &sc->step, sc->seal_key, now, &sc->err))) goto out;
+    if ((rc = dc_step_run_seal(be, &sc->step, sc->seal_key, sc->kept, now, &sc->err))) goto out;
     for (size_t l = 0; l < L; l++)
         if (now[l] != sc->seal[l]) {
             rc = dc_err_set(&sc->err, DC_EINVAL, "clip_step.layers",
@@ -92,9 +92,13 @@ static int clip_checked(dc_step_call *sc, dc_backend *be) {
     }
     memcpy(tot, sc->tot, B * sizeof *tot);
     dc_phase_margin(tot, B);
-    if ((rc = dc_backend_run_clip(be, &sc->step, sc->n2, tot, &sc->res, &sc->err))) goto out;
+    if ((rc = dc_backend_run_clip(be, &sc->step, sc->n2, tot, sc->kept, &sc->res, &sc->err)))
+        goto out;
     for (uint32_t b = 0; b < B; b++) sc->res.norms[b] = (float)sqrt(sc->tot[b]);
 out:
+    /* the kept gradients are spent (or not to be used): back for the next */
+    dc_backend_kept_free(sc->kept_be, sc->kept);
+    sc->kept = NULL;
     free(now);
     free(tot);
     return rc;
@@ -139,9 +143,12 @@ void dc_step_run_sums_work(dc_task *task, dc_backend *be) {
     run_step((dc_step_call *)task, be, true);
 }
 
+static void norms_phase(dc_step_call *sc, dc_backend *be, bool keep);
+
 void dc_step_run_pass_work(dc_task *task, dc_backend *be) {
     dc_step_call *sc = (dc_step_call *)task;
-    dc_step_run_norms_work(task, be);
+    /* its sums steps are other calls, each its own run_clip: nothing kept */
+    norms_phase(sc, be, false);
     sc->t_end = uv_hrtime();
 }
 
@@ -153,7 +160,13 @@ void dc_step_run_prewait(dc_task *task, dc_backend *be) {
 /* --- a NORM_REDUCE group's step, in two tasks ----------------------------- */
 
 void dc_step_run_norms_work(dc_task *task, dc_backend *be) {
-    dc_step_call *sc = (dc_step_call *)task;
+    norms_phase((dc_step_call *)task, be, true);
+}
+
+/* keep: the backend may keep per-sample gradients for this call's own clip
+ * phase (a group member's), which then sums them instead of the client's
+ * data: those layers go unsealed. */
+static void norms_phase(dc_step_call *sc, dc_backend *be, bool keep) {
     sc->t_start = sc->t_waited = uv_hrtime();
     dc_err_clear(&sc->err);
     /* GPU steps: the stream waits for the client's inputs first (unless a
@@ -162,12 +175,13 @@ void dc_step_run_norms_work(dc_task *task, dc_backend *be) {
     if (sc->wait_event && !waited && (sc->rc = dc_gpu_wait_event(be, sc->wait_event, &sc->err)))
         return;
     sc->rc = dc_backend_has_norm_phase(be)
-                 ? dc_backend_run_norms(be, &sc->step, sc->n2, &sc->err)
+                 ? dc_backend_run_norms(be, &sc->step, sc->n2, keep ? &sc->kept : NULL, &sc->err)
                  : dc_err_set(&sc->err, DC_EUNIMPL, "clip_step",
                               "the %s backend has no separate norm phase", dc_backend_name(be));
+    if (sc->kept) sc->kept_be = be;
     /* the seal right after the norms: what the clip phase may sum */
     if (sc->rc == 0 && !(sc->rc = dc_step_run_seal_key(&sc->seal_key, &sc->err)))
-        sc->rc = dc_step_run_seal(be, &sc->step, sc->seal_key, sc->seal, &sc->err);
+        sc->rc = dc_step_run_seal(be, &sc->step, sc->seal_key, sc->kept, sc->seal, &sc->err);
     if (sc->rc == 0 && sc->grouped) {
         sc->gw.rep_key = dc_step_run_replicas_key(&sc->step);
         sc->rc = dc_step_run_replicas_hash(be, &sc->step, sc->gw.rep_key, &sc->gw.rep_hash,
@@ -183,8 +197,8 @@ uint64_t dc_step_run_replicas_key(const dc_step *st) {
  * layers' alone with replicated_only), in one backend call: h[2i] and
  * h[2i + 1] of the i-th layer taken. *n: the layers taken. The caller frees
  * *h. */
-static int layers_hash(dc_backend *be, const dc_step *st, bool replicated_only, uint64_t key,
-                       uint64_t **h, size_t *n, const char *field, dc_err *e) {
+static int layers_hash(dc_backend *be, const dc_step *st, bool replicated_only, const dc_kept *skip,
+                       uint64_t key, uint64_t **h, size_t *n, const char *field, dc_err *e) {
     const dc_tensor **ts = NULL;
     size_t k = 0;
     int rc = 0;
@@ -200,6 +214,7 @@ static int layers_hash(dc_backend *be, const dc_step *st, bool replicated_only, 
     }
     for (size_t l = 0; l < st->n_layers; l++) {
         if (replicated_only && !st->layers[l].replicated) continue;
+        if (skip && l < skip->n_layers && skip->layer[l]) continue;
         ts[k++] = &st->layers[l].input;
         ts[k++] = &st->layers[l].grad;
     }
@@ -218,7 +233,7 @@ int dc_step_run_replicas_hash(dc_backend *be, const dc_step *st, uint64_t key, u
                               bool *any, dc_err *e) {
     uint64_t *h, sum = 0;
     size_t n;
-    int rc = layers_hash(be, st, true, key, &h, &n, "clip_step.layers.replicated", e);
+    int rc = layers_hash(be, st, true, NULL, key, &h, &n, "clip_step.layers.replicated", e);
     if (rc) return rc;
     for (size_t i = 0; i < n; i++) sum = dc_hash_mix(dc_hash_mix(sum ^ h[2 * i]) ^ h[2 * i + 1]);
     free(h);
@@ -234,12 +249,22 @@ int dc_step_run_seal_key(uint64_t *key, dc_err *e) {
     return 0;
 }
 
-int dc_step_run_seal(dc_backend *be, const dc_step *st, uint64_t key, uint64_t *out, dc_err *e) {
+int dc_step_run_seal(dc_backend *be, const dc_step *st, uint64_t key, const dc_kept *kept,
+                     uint64_t *out, dc_err *e) {
     uint64_t *h;
     size_t n;
-    int rc = layers_hash(be, st, false, key, &h, &n, "clip_step.phase", e);
+    int rc = layers_hash(be, st, false, kept, key, &h, &n, "clip_step.phase", e);
     if (rc) return rc;
-    for (size_t l = 0; l < n; l++) out[l] = dc_hash_mix(dc_hash_mix(h[2 * l]) ^ h[2 * l + 1]);
+    size_t i = 0;
+    for (size_t l = 0; l < st->n_layers; l++) {
+        if (kept && l < kept->n_layers && kept->layer[l]) {
+            out[l] = 0; /* summed from the daemon's copy: nothing to check */
+            continue;
+        }
+        out[l] = dc_hash_mix(dc_hash_mix(h[2 * i]) ^ h[2 * i + 1]);
+        i++;
+    }
+    (void)n;
     free(h);
     return 0;
 }
