@@ -258,7 +258,14 @@ def run(args, device, precision, mode, socket_path):
         # gradients included), sampled every 5 ms
         extra["device_peak_mib"] = round(dmem.peak / 2**20, 1)
         ws = daemon_phases.workspace_bytes(socket_path) if engine is not None else 0
-        extra["device_mib"] = round((dmem.peak - base + (ws or 0)) / 2**20, 1)
+        if ws is None:
+            # no status socket (a daemon built without libmicrohttpd): the
+            # device above the bench's start, which holds the daemon's
+            # workspace only if this bench is the daemon's first client
+            extra["device_mib"] = round((dmem.peak - args.device_base) / 2**20, 1)
+            extra["device_mib_from"] = "bench start"
+        else:
+            extra["device_mib"] = round((dmem.peak - base + ws) / 2**20, 1)
         if engine is not None:
             extra["daemon_workspace_mib"] = None if ws is None else round(ws / 2**20, 1)
     if engine is not None:
@@ -338,6 +345,7 @@ def main():
               "optimizer": "sgd",
               "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
               "torch": torch.__version__}
+    args.device_base = DeviceMemory(device).used()
     for precision in args.precision.split(","):
         modes = ["plain", "dpclip"] + (["dpclip_sync"] if device.type == "cuda" else []) + \
             (["opacus"] if args.opacus else [])
