@@ -32,7 +32,9 @@ target (1.10x). Then Opacus's ghost clipping alone (where it is importable;
 an error line where it is not or where it refuses the model), fewer
 rounds. Memory: each mode built alone afterwards, two steps, the device's
 used memory (every process: trainer plus daemon, torch.cuda.mem_get_info
-sampled on a thread) above what was in use before; its ratio to plain."""
+sampled on a thread) above what was in use before, plus for dpclip the
+workspace the daemon already held (its status socket's
+dpclip_gpu_workspace_bytes; said where it has none); its ratio to plain."""
 import argparse
 import contextlib
 import gc
@@ -50,6 +52,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "python"))
 sys.path.insert(0, os.path.join(ROOT, "bench"))
 
+import daemon_phases  # noqa: E402
 from device_memory import DeviceMemory  # noqa: E402 (the device's used memory, sampled)
 from dpclip.torch import PrivacyEngine  # noqa: E402
 
@@ -291,7 +294,7 @@ def bench_model(args, device, spec, emit):
             op = None
         free(device)
     mem = memory(args, device, spec) if device.type == "cuda" else {}
-    if mem:
+    if "plain" in mem and "dpclip" in mem:
         ratio["device_mib"] = mem
         ratio["mem_ratio"] = round(mem["dpclip"] / mem["plain"], 3)
     emit(ratio)
@@ -310,6 +313,10 @@ def memory(args, device, spec):
         if name == "opacus" and "opacus" not in args.modes.split(","):
             continue
         free(device)
+        # the daemon's workspace outlives a session: what it already held
+        # when this mode starts is not in the device's rise, so it is added
+        # (from the daemon's status socket; None where it has none)
+        held = daemon_phases.workspace_bytes(args.socket) if name == "dpclip" else 0
         try:
             with DeviceMemory(device) as dm:
                 m = Mode(args, device, name, spec)
@@ -319,7 +326,9 @@ def memory(args, device, spec):
                 m.close()
         except Exception:  # (reported with the timings)
             continue
-        out[name] = round((dm.peak - dm.base) / 2**20, 1)
+        out[name] = round((dm.peak - dm.base + (held or 0)) / 2**20, 1)
+        if held is None:
+            out["dpclip_workspace_held"] = "not counted: no status socket"
     free(device)
     return out
 
