@@ -1,0 +1,216 @@
+/* daemon/protocol/step_run.c: a step in two worker tasks (a norm group
+ * member's norm phase, then its clip phase) against a backend that keeps
+ * some layers' per-sample gradients between them (backend.h dc_kept, as
+ * the CUDA backend's kept stores do):
+ *   - the norm phase asks to keep, a norm pass does not;
+ *   - the seal leaves the kept layers out (their data is never read again:
+ *     rewriting it between the phases changes nothing), and checks every
+ *     other layer: a rewritten one fails the clip phase, naming it;
+ *   - the clip phase hands the backend the store, which goes back to it
+ *     exactly once, after the clip phase, whether it succeeded or not. */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <cmocka.h>
+
+#include "dc_hash.h"
+#include "session.h"
+#include "step_run.h"
+
+enum { B = 2, L = 3, KEPT_LAYER = 1 };
+
+/* The fake backend: keeps layer KEPT_LAYER when asked; counts calls. */
+typedef struct fake {
+    dc_backend base;
+    dc_kept kept;
+    uint8_t layer[L];
+    int asked_keep, norms, clips, freed, hashed[L];
+    const dc_kept *clip_kept;
+    const dc_step *step;
+} fake;
+
+static int fake_run(dc_backend *be, const dc_step *s, dc_step_result *r, dc_err *e) {
+    (void)be;
+    (void)s;
+    (void)r;
+    return dc_err_set(e, DC_EINTERNAL, "", "not called");
+}
+
+static void fake_destroy(dc_backend *be) { (void)be; }
+
+static int fake_norms(dc_backend *be, const dc_step *s, double *n2, dc_kept **kept, dc_err *e) {
+    fake *f = (fake *)be;
+    (void)e;
+    f->norms++;
+    for (size_t i = 0; i < s->n_layers * s->batch; i++) n2[i] = 1.0 + (double)i;
+    if (kept) {
+        f->asked_keep++;
+        memset(f->layer, 0, sizeof f->layer);
+        f->layer[KEPT_LAYER] = 1;
+        f->kept.n_layers = L;
+        f->kept.layer = f->layer;
+        *kept = &f->kept;
+    }
+    return 0;
+}
+
+static int fake_clip(dc_backend *be, const dc_step *s, const double *n2, const double *tot,
+                     const dc_kept *kept, dc_step_result *res, dc_err *e) {
+    fake *f = (fake *)be;
+    (void)s;
+    (void)n2;
+    (void)tot;
+    (void)res;
+    (void)e;
+    f->clips++;
+    f->clip_kept = kept;
+    return 0;
+}
+
+static void fake_kept_free(dc_backend *be, dc_kept *k) {
+    fake *f = (fake *)be;
+    assert_ptr_equal(k, &f->kept);
+    f->freed++;
+}
+
+/* A hash that says which layer's tensors it read. */
+static int fake_hash(dc_backend *be, const dc_tensor *const *ts, size_t n, uint64_t key,
+                     uint64_t *out, dc_err *e) {
+    fake *f = (fake *)be;
+    (void)e;
+    for (size_t i = 0; i < n; i++) {
+        for (size_t l = 0; l < f->step->n_layers; l++)
+            if (ts[i] == &f->step->layers[l].input || ts[i] == &f->step->layers[l].grad)
+                f->hashed[l]++;
+        out[i] = dc_hash_bytes(ts[i]->data, (size_t)ts[i]->shape[0] * ts[i]->shape[1] * 4, key);
+    }
+    return 0;
+}
+
+static const dc_backend_ops fake_ops = {.name = "fake",
+                                        .run_step = fake_run,
+                                        .destroy = fake_destroy,
+                                        .run_norms = fake_norms,
+                                        .run_clip = fake_clip,
+                                        .kept_free = fake_kept_free,
+                                        .tensors_hash = fake_hash};
+
+typedef struct fixture {
+    fake be;
+    dc_session s;
+    dc_step_call sc;
+    dc_layer layers[L];
+    float act[L][B * 4], grad[L][B * 5];
+} fixture;
+
+static fixture *make(void) {
+    fixture *f = calloc(1, sizeof *f);
+    assert_non_null(f);
+    f->be.base.ops = &fake_ops;
+    f->be.step = &f->sc.step;
+    for (int l = 0; l < L; l++) {
+        dc_layer *ly = &f->layers[l];
+        snprintf(ly->name, sizeof ly->name, "layer%d", l);
+        ly->kind = DC_LAYER_LINEAR;
+        ly->T = 1;
+        ly->d = 4;
+        ly->p = 5;
+        ly->input = (dc_tensor){f->act[l], DC_F32, 2, {B, 4, 0}};
+        ly->grad = (dc_tensor){f->grad[l], DC_F32, 2, {B, 5, 0}};
+        for (int i = 0; i < B * 4; i++) f->act[l][i] = (float)(l + i);
+        for (int i = 0; i < B * 5; i++) f->grad[l][i] = (float)(l - i);
+    }
+    dc_step_call *sc = &f->sc;
+    sc->s = &f->s;
+    sc->step.batch = B;
+    sc->step.n_layers = L;
+    sc->step.layers = f->layers;
+    sc->step.mode = DC_CLIP_FLAT;
+    sc->step.device = -1;
+    sc->n2 = calloc(L * B, sizeof *sc->n2);
+    sc->tot = calloc(B, sizeof *sc->tot);
+    sc->seal = calloc(L, sizeof *sc->seal);
+    assert_non_null(sc->n2);
+    assert_non_null(sc->tot);
+    assert_non_null(sc->seal);
+    for (int b = 0; b < B; b++) sc->tot[b] = 4.0;
+    assert_int_equal(dc_step_result_init(&sc->res, B, L, false), 0);
+    return f;
+}
+
+static void release(fixture *f) {
+    dc_step_result_free(&f->sc.res);
+    free(f->sc.n2);
+    free(f->sc.tot);
+    free(f->sc.seal);
+    free(f);
+}
+
+/* The kept layer's data rewritten between the phases: unchecked, and the
+ * clip phase gets the store, which goes back once. */
+static void test_kept_layer_unsealed(void **state) {
+    (void)state;
+    fixture *f = make();
+    dc_step_run_norms_work(&f->sc.task, &f->be.base);
+    assert_int_equal(f->sc.rc, 0);
+    assert_int_equal(f->be.asked_keep, 1);
+    assert_ptr_equal(f->sc.kept, &f->be.kept);
+    assert_int_equal(f->be.hashed[KEPT_LAYER], 0);
+    assert_int_equal(f->be.hashed[0], 2); /* its input and its grad */
+    assert_int_equal(f->sc.seal[KEPT_LAYER], 0);
+    f->act[KEPT_LAYER][0] = 1e30f;
+    f->grad[KEPT_LAYER][3] = -7.0f;
+    dc_step_run_clip_work(&f->sc.task, &f->be.base);
+    if (f->sc.rc) fprintf(stderr, "%s: %s\n", f->sc.err.field, f->sc.err.msg);
+    assert_int_equal(f->sc.rc, 0);
+    assert_int_equal(f->be.clips, 1);
+    assert_ptr_equal(f->be.clip_kept, &f->be.kept);
+    assert_int_equal(f->be.hashed[KEPT_LAYER], 0);
+    assert_int_equal(f->be.freed, 1);
+    assert_null(f->sc.kept);
+    release(f);
+}
+
+/* Any other layer rewritten: refused naming it, nothing clipped, and the
+ * store goes back all the same. */
+static void test_unkept_layer_checked(void **state) {
+    (void)state;
+    fixture *f = make();
+    dc_step_run_norms_work(&f->sc.task, &f->be.base);
+    assert_int_equal(f->sc.rc, 0);
+    f->grad[2][1] += 1.0f;
+    dc_step_run_clip_work(&f->sc.task, &f->be.base);
+    assert_int_equal(f->sc.rc, DC_EINVAL);
+    assert_string_equal(f->sc.err.field, "clip_step.layers");
+    assert_non_null(strstr(f->sc.err.msg, "layer2"));
+    assert_int_equal(f->be.clips, 0);
+    assert_int_equal(f->be.freed, 1);
+    assert_null(f->sc.kept);
+    release(f);
+}
+
+/* A norm pass (its sums are other calls) keeps nothing: every layer sealed. */
+static void test_pass_keeps_nothing(void **state) {
+    (void)state;
+    fixture *f = make();
+    dc_step_run_pass_work(&f->sc.task, &f->be.base);
+    assert_int_equal(f->sc.rc, 0);
+    assert_int_equal(f->be.norms, 1);
+    assert_int_equal(f->be.asked_keep, 0);
+    assert_null(f->sc.kept);
+    for (int l = 0; l < L; l++) assert_int_equal(f->be.hashed[l], 2);
+    release(f);
+}
+
+int main(void) {
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_kept_layer_unsealed),
+        cmocka_unit_test(test_unkept_layer_checked),
+        cmocka_unit_test(test_pass_keeps_nothing),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}
