@@ -53,7 +53,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "python"))
 sys.path.insert(0, os.path.join(ROOT, "bench"))
 
-from bench_torch_step import MODELS, RMSNorm, build, reset_peak, sync, token_batch  # noqa: E402
+from bench_torch_step import MODELS, build, pick_device, register_norms, reset_peak, sync  # noqa: E402,E501
+from bench_torch_step import token_batch  # noqa: E402
 from device_memory import DeviceMemory  # noqa: E402
 
 # Opacus's dataset holds this many logical batches' worth of samples, so its
@@ -234,11 +235,8 @@ def main():
         args.micro = 4 if args.model == "llama1b" else 8
     if args.logical % args.micro:
         ap.error("--logical must be a multiple of --micro")
-    if args.model == "llama1b":
-        from dpclip.torch import register
-        register(RMSNorm, kind="rmsnorm", weight="weight", eps="eps")
-    device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available()
-                          else ("cpu" if args.device == "auto" else args.device))
+    register_norms(args.model)
+    device = pick_device(args.device)
     socket_path = args.socket or os.environ.get("DPCLIP_SOCKET")
     head = dict(bench="accumulate", model=args.model, logical=args.logical, micro=args.micro,
                 seq=args.seq, device=str(device),

@@ -53,6 +53,7 @@ sys.path.insert(0, os.path.join(ROOT, "python"))
 sys.path.insert(0, os.path.join(ROOT, "bench"))
 
 import daemon_phases  # noqa: E402
+from bench_torch_step import pick_device  # noqa: E402
 from device_memory import DeviceMemory  # noqa: E402 (the device's used memory, sampled)
 from dpclip.torch import PrivacyEngine  # noqa: E402
 
@@ -354,8 +355,7 @@ def main():
         import transformers  # noqa: F401
     except ImportError:
         sys.exit("bench_hf_step.py needs transformers")
-    device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available()
-                          else ("cpu" if args.device == "auto" else args.device))
+    device = pick_device(args.device)
 
     def emit(d):
         print(json.dumps(d), flush=True)

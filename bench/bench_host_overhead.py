@@ -42,9 +42,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "python"))
 sys.path.insert(0, os.path.join(ROOT, "bench"))
 
-from bench_torch_step import MODELS, RMSNorm, build, sync, token_batch  # noqa: E402
+from bench_torch_step import MODELS, build, pick_device, register_norms, sync  # noqa: E402
+from bench_torch_step import token_batch  # noqa: E402
 from dpclip import _cuda, _host, _lib, _planner, _verify  # noqa: E402
-from dpclip.torch import PrivacyEngine, register  # noqa: E402
+from dpclip.torch import PrivacyEngine  # noqa: E402
 
 STAGES = ("collect", "guard", "plan", "check", "refs", "add_layers", "rebind", "send",
           "optimizer")
@@ -118,10 +119,8 @@ def main():
     for k, v in MODELS[args.model].items():
         if getattr(args, k, None) is None:
             setattr(args, k, v)
-    device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available()
-                          else ("cpu" if args.device == "auto" else args.device))
-    if args.model == "llama1b":  # its own RMSNorm class, as bench_torch_step registers it
-        register(RMSNorm, kind="rmsnorm", weight="weight", eps="eps")
+    device = pick_device(args.device)
+    register_norms(args.model)
     if args.no_rebind:
         build_layers = _cuda.CudaIPC._layers
 

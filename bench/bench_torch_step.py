@@ -155,6 +155,21 @@ MODELS = {
 }
 
 
+def register_norms(model):
+    """dpclip learns the Llama-1B-like's RMSNorm (a class of this file's,
+    not torch's) before a private run of it."""
+    if model == "llama1b":
+        from dpclip.torch import register  # here: bench_stream_overlap runs without dpclip
+        register(RMSNorm, kind="rmsnorm", weight="weight", eps="eps")
+
+
+def pick_device(name):
+    """--device: auto is CUDA where torch sees a GPU, else the CPU."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
 def build(args):
     if args.model == "llama1b":
         return Llama(args.vocab, args.d, args.blocks, args.heads, args.ffn)
@@ -332,12 +347,8 @@ def main():
     for k, v in MODELS[args.model].items():
         if getattr(args, k) is None:
             setattr(args, k, v)
-    if args.model == "llama1b":
-        from dpclip.torch import register
-        register(RMSNorm, kind="rmsnorm", weight="weight", eps="eps")
-
-    device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available()
-                          else ("cpu" if args.device == "auto" else args.device))
+    register_norms(args.model)
+    device = pick_device(args.device)
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True

@@ -16,9 +16,9 @@ import torch.nn.functional as F
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "python"))
 
-from bench_torch_step import RMSNorm  # noqa: E402
+from bench_torch_step import register_norms  # noqa: E402
 from bench_torch_step import build as make_model  # noqa: E402
-from dpclip.torch import PrivacyEngine, register  # noqa: E402
+from dpclip.torch import PrivacyEngine  # noqa: E402
 
 # the run's start, for the progress lines (spawned ranks inherit it)
 T0 = float(os.environ.setdefault("BENCH_FSDP_T0", repr(time.time())))
@@ -75,8 +75,7 @@ def init_rank(rank, world, init_file, args, timeout_s):
 def prepare(args):
     """What every process does first: dpclip learns the Llama's RMSNorm;
     returns the model's initial state (seed 0, on the CPU)."""
-    if args.model == "llama1b":
-        register(RMSNorm, kind="rmsnorm", weight="weight", eps="eps")
+    register_norms(args.model)
     torch.manual_seed(0)
     return make_model(args).state_dict()
 
