@@ -593,38 +593,6 @@ int take_results(step_run *r, dc_err *err) {
 /* A call of run_step, run_norms or run_clip: the checks and the plan, then
  * the phases in order (a norm phase stops after the norms). A failure once
  * work is queued waits for the stream before it returns. */
-/* The layers a norm phase kept, in its store. */
-size_t kept_count(const dc_kept *k) {
-    size_t n = 0;
-    for (size_t l = 0; l < k->n_layers; l++) n += k->layer[l] != 0;
-    return n;
-}
-
-/* A clip phase: its kept layers where its norm phase left them (the plan
- * made without keeping: nothing of them in the workspace). */
-int kept_apply(cuda_backend *cb, const dc_step *s, const dc_kept *pub, dc_err *err) {
-    const cuda_kept *k = (const cuda_kept *)pub;
-    if (pub->n_layers != s->n_layers)
-        return dc_err_set(err, DC_EINTERNAL, "clip_step",
-                          "a kept store of %zu layers for a step of %zu", pub->n_layers,
-                          s->n_layers);
-    for (size_t l = 0; l < s->n_layers; l++) cb->sg_off[l] = pub->layer[l] ? k->off[l] : SIZE_MAX;
-    return 0;
-}
-
-/* A norm phase's end: the layers it kept in its store (grouped_norms may
- * have kept none after all) into *out, or the store back. */
-void kept_leave(cuda_backend *cb, cuda_kept *k, size_t L, dc_kept **out) {
-    size_t n = 0;
-    for (size_t l = 0; l < L; l++) {
-        k->off[l] = cb->sg_off[l];
-        k->pub.layer[l] = cb->sg_off[l] != SIZE_MAX;
-        n += k->pub.layer[l];
-    }
-    if (n) *out = &k->pub;
-    else kept_give(&cb->base, &k->pub);
-}
-
 int run_impl(dc_backend *be, const dc_step *s, dc_step_result *res, dc_err *err,
              const phase_io &io) {
     cuda_backend *cb = (cuda_backend *)be;

@@ -301,6 +301,12 @@ struct cuda_kept {
 cuda_kept *kept_take(cuda_backend *cb, size_t bytes, size_t L);
 void kept_give(dc_backend *be, dc_kept *k);
 void kept_destroy(cuda_backend *cb);
+/* A norm phase's end (kept_leave: what it kept into *out, or the store
+ * back) and a clip phase's start (kept_apply: cb->sg_off from the store;
+ * kept_count: the layers a store holds). */
+void kept_leave(cuda_backend *cb, cuda_kept *k, size_t L, dc_kept **out);
+int kept_apply(cuda_backend *cb, const dc_step *s, const dc_kept *pub, dc_err *err);
+size_t kept_count(const dc_kept *k);
 
 /* backend_accum.cu: logical steps' accumulators (backend.h acc_alloc,
  * acc_free) and the keyed checksums of tensors (tensors_hash). */
