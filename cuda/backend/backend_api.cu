@@ -118,10 +118,14 @@ extern "C" int dc_cuda_backend_kept_layers(const dc_backend *be) {
     return ((const cuda_backend *)be)->sg_kept;
 }
 
-/* the workspace and the norm phases' kept stores (backend_kept.cu) */
+extern "C" size_t dc_cuda_backend_kept_bytes(const dc_backend *be) {
+    return ((const cuda_backend *)be)->kept_bytes;
+}
+
+/* the workspace alone: the daemon's advice on gpu.workspace reads it (the
+ * norm phases' kept stores, backend_kept.cu, are not part of it) */
 extern "C" size_t dc_cuda_backend_workspace_bytes(const dc_backend *be) {
-    const cuda_backend *cb = (const cuda_backend *)be;
-    return cb->ws_cap + cb->kept_bytes;
+    return ((const cuda_backend *)be)->ws_cap;
 }
 
 extern "C" int dc_cuda_backend_kept_direct(const dc_backend *be) {

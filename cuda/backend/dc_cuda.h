@@ -103,9 +103,15 @@ void dc_cuda_backend_set_options(dc_backend *be, const struct dcc_options *o);
  * tests and benchmarks. */
 int dc_cuda_backend_amax_found(const dc_backend *be);
 
-/* Device memory the instance holds for steps, in bytes: its workspace and
- * the kept stores of norm phases (backend_kept.cu). */
+/* Device workspace currently held by the instance, in bytes (not the kept
+ * stores of norm phases, backend_kept.cu: gpu.sample_grads_max bounds
+ * those). */
 size_t dc_cuda_backend_workspace_bytes(const dc_backend *be);
+
+/* Device memory in the kept stores of norm phases (backend_kept.cu), held
+ * or given back for reuse, in bytes: at most gpu.sample_grads_max. Read on
+ * the instance's worker thread (tests). */
+size_t dc_cuda_backend_kept_bytes(const dc_backend *be);
 
 /* The GPU cost model's choice for a LINEAR layer (AUTO resolved; a forced
  * algorithm is returned as is). Differs from dc_linear_pick because the
