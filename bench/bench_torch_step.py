@@ -219,12 +219,15 @@ def run(args, device, precision, mode, socket_path):
     MiB, extras: the engine's phases and the device's used memory)."""
     torch.manual_seed(0)
     reset_peak(device)
-    # Whole-device memory: what the run adds to the device (the trainer),
-    # and for a private mode the daemon's workspace too (which outlives a
-    # session, so an earlier round may already have grown it: read from
-    # the daemon, not from the device). The daemon's CUDA context is not
-    # counted.
+    # Whole-device memory: what the run adds to the device (the trainer,
+    # and the daemon's workspace where this run grows it), and for a
+    # private mode the workspace the daemon already held (it outlives a
+    # session, so an earlier round may have grown it: read from the
+    # daemon, as bench_hf_step does; None without its status socket). The
+    # daemon's CUDA context is not counted.
+    private = mode in ("dpclip", "dpclip_sync")
     base = DeviceMemory(device).used()
+    held = daemon_phases.workspace_bytes(socket_path) if private and device.type == "cuda" else 0
     model = build(args).to(device)
     opt = torch.optim.SGD(model.parameters(), lr=1e-4)
     engine = None
@@ -272,17 +275,16 @@ def run(args, device, precision, mode, socket_path):
         # every process on the GPU (trainer and daemon, the kept per-sample
         # gradients included), sampled every 5 ms
         extra["device_peak_mib"] = round(dmem.peak / 2**20, 1)
-        ws = daemon_phases.workspace_bytes(socket_path) if engine is not None else 0
-        if ws is None:
+        if held is None:
             # no status socket (a daemon built without libmicrohttpd): the
             # device above the bench's start, which holds the daemon's
             # workspace only if this bench is the daemon's first client
             extra["device_mib"] = round((dmem.peak - args.device_base) / 2**20, 1)
             extra["device_mib_from"] = "bench start"
         else:
-            extra["device_mib"] = round((dmem.peak - base + ws) / 2**20, 1)
-        if engine is not None:
-            extra["daemon_workspace_mib"] = None if ws is None else round(ws / 2**20, 1)
+            extra["device_mib"] = round((dmem.peak - base + held) / 2**20, 1)
+        if private:
+            extra["daemon_workspace_held_mib"] = None if held is None else round(held / 2**20, 1)
     if engine is not None:
         extra["mps_active"] = bool(engine.client.info.mps_active)
         engine.close()
