@@ -64,6 +64,11 @@ typedef struct dc_kept {
     uint8_t *layer; /* [n_layers] */
 } dc_kept;
 
+/* Whether k (NULL: none) kept layer l. */
+static inline bool dc_kept_has(const dc_kept *k, size_t l) {
+    return k && l < k->n_layers && k->layer[l];
+}
+
 typedef struct dc_backend_ops {
     const char *name; /* "cpu", "cuda" */
     int (*run_step)(dc_backend *be, const dc_step *step, dc_step_result *res, dc_err *err);

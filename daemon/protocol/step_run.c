@@ -214,7 +214,7 @@ static int layers_hash(dc_backend *be, const dc_step *st, bool replicated_only, 
     }
     for (size_t l = 0; l < st->n_layers; l++) {
         if (replicated_only && !st->layers[l].replicated) continue;
-        if (skip && l < skip->n_layers && skip->layer[l]) continue;
+        if (dc_kept_has(skip, l)) continue;
         ts[k++] = &st->layers[l].input;
         ts[k++] = &st->layers[l].grad;
     }
@@ -255,9 +255,10 @@ int dc_step_run_seal(dc_backend *be, const dc_step *st, uint64_t key, const dc_k
     size_t n;
     int rc = layers_hash(be, st, false, kept, key, &h, &n, "clip_step.phase", e);
     if (rc) return rc;
+    /* h holds the n layers taken, in order */
     size_t i = 0;
     for (size_t l = 0; l < st->n_layers; l++) {
-        if (kept && l < kept->n_layers && kept->layer[l]) {
+        if (dc_kept_has(kept, l)) {
             out[l] = 0; /* summed from the daemon's copy: nothing to check */
             continue;
         }
