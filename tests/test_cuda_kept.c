@@ -14,7 +14,11 @@
  *     store given back serves the next phase (the stores' device memory does
  *     not grow);
  *   - gpu.sample_grads_max too small for a store: nothing kept, and the
- *     clip phase makes the sums from the client's data (GEMM path).
+ *     clip phase makes the sums from the client's data (GEMM path);
+ *   - a norm pass (no outputs) keeps its layers for its sums steps, which
+ *     sum their layers from the store by their index in the pass, clip by
+ *     the pass's bound, and leave a ranged output's noise to the output
+ *     pass: the same draws as the GEMM path's, in the range only.
  * Without a CUDA device: skipped (77). */
 #include "cpu.h"
 #include "sgrad_test.h"
@@ -82,7 +86,7 @@ static void clip_checked(dc_layer *d, dc_step *ds, const double *n2, const doubl
     dc_step_result res;
     dc_err e;
     assert_int_equal(dc_step_result_init(&res, kB, N, false), 0);
-    int rc = g_cuda->ops->run_clip(g_cuda, ds, n2, tot, kept, &res, &e);
+    int rc = g_cuda->ops->run_clip(g_cuda, ds, n2, tot, kept, NULL, &res, &e);
     if (rc) printf("  clip: %s: %s\n", e.field, e.msg);
     assert_int_equal(rc, 0);
     assert_int_equal(dc_cuda_backend_kept_layers(g_cuda), n_kept);
@@ -150,7 +154,8 @@ static void test_clip_from_store(void **state) {
     dc_step_result res;
     dc_err e;
     assert_int_equal(dc_step_result_init(&res, kB, N, false), 0);
-    assert_int_equal(g_cuda->ops->run_clip(g_cuda, &ds, n2, tot, NULL, &res, &e), DC_ENONFINITE);
+    assert_int_equal(g_cuda->ops->run_clip(g_cuda, &ds, n2, tot, NULL, NULL, &res, &e),
+                     DC_ENONFINITE);
     assert_outputs_hold(d, N, 7.0f);
     dc_step_result_free(&res);
     ref_free(&r);
@@ -208,12 +213,130 @@ static void test_store_over_budget(void **state) {
     teardown_layers(h, d);
 }
 
+/* A norm pass (no outputs: it keeps every layer its sums steps may want)
+ * and two sums steps over halves of its layers (each layer's index in the
+ * pass), each from the store: against the reference with the pass's bound
+ * (DC_E_KEPT_FLOOR); then a sums step with noise on half of each weight's
+ * rows (a sharded rank's range): the noise the output pass draws, within
+ * the range only, is the one the GEMM path draws, element for element. */
+static void test_pass_sums_from_store(void **state) {
+    (void)state;
+    enum { H = N / 2 };
+    dc_layer h[N], d[N], dp[N], sub[H];
+    dc_step ps, ss, full;
+    double n2[N * 3], tot[3], n2s[H * 3];
+    size_t at[H];
+    ref_out r;
+    setup_layers(h, d, 5151, DC_SAMPLE_GRADS_AUTO);
+    for (int l = 0; l < N; l++) {
+        dp[l] = d[l];
+        dp[l].weight_grad_out.data = dp[l].bias_grad_out.data = NULL;
+    }
+    step_init(&ps, dp, N, kB, 0);
+    dc_kept *kept = norms(&ps, n2, tot);
+    assert_non_null(kept);
+    for (int l = 0; l < N; l++) assert_int_equal(kept->layer[l], 1);
+    step_init(&full, d, N, kB, 0);
+    /* the reference with the pass's e: expected() sets C in full */
+    {
+        double C;
+        for (int l = 0; l < N; l++) {
+            r.w[l] = calloc((size_t)h[l].p * (size_t)h[l].d, sizeof *r.w[l]);
+            r.bo[l] = calloc((size_t)h[l].p, sizeof *r.bo[l]);
+        }
+        expected(h, N, kB, &C, kAll, fmax(clip_phase_e(&full, kAll), DC_E_KEPT_FLOOR), r.w, r.bo,
+                 r.norms);
+        full.max_grad_norm = (float)C;
+    }
+    for (int half = 0; half < 2; half++) {
+        for (int i = 0; i < H; i++) {
+            at[i] = (size_t)(2 * i + half);
+            sub[i] = d[at[i]];
+            memcpy(&n2s[i * kB], &n2[at[i] * kB], kB * sizeof *n2s);
+        }
+        step_init(&ss, sub, H, kB, 0);
+        ss.max_grad_norm = full.max_grad_norm;
+        dc_step_result res;
+        dc_err e;
+        assert_int_equal(dc_step_result_init(&res, kB, H, false), 0);
+        int rc = g_cuda->ops->run_clip(g_cuda, &ss, n2s, tot, kept, at, &res, &e);
+        if (rc) printf("  sums: %s: %s\n", e.field, e.msg);
+        assert_int_equal(rc, 0);
+        assert_int_equal(dc_cuda_backend_kept_layers(g_cuda), H);
+        for (int i = 0; i < H; i++) {
+            const size_t l = at[i];
+            dc_tensor *o[2] = {&d[l].weight_grad_out, &d[l].bias_grad_out};
+            for (int k = 0; k < 2; k++) {
+                if (!o[k]->data) continue;
+                float *got = dev_to_f32(o[k]);
+                double err = rel_l2_d(got, k ? r.bo[l] : r.w[l], numel(o[k]));
+                if (!(err <= 1e-4))
+                    printf("  layer %zu %s: rel l2 err %.2e\n", l, k ? "b" : "w", err);
+                assert_true(err <= 1e-4);
+                free(got);
+            }
+        }
+        dc_step_result_free(&res);
+    }
+
+    /* noise in a range: kept against the GEMM path, noised minus noiseless */
+    for (int i = 0; i < H; i++) {
+        at[i] = (size_t)(2 * i);
+        sub[i] = d[at[i]];
+        sub[i].noise_w = (dc_noise_range){true, 0, 0, (uint64_t)sub[i].p / 2};
+        memcpy(&n2s[i * kB], &n2[at[i] * kB], kB * sizeof *n2s);
+    }
+    float *noise[2][H];
+    for (int path = 0; path < 2; path++) {
+        float *out[2][H];
+        for (int sig = 0; sig < 2; sig++) {
+            step_init(&ss, sub, H, kB, 0);
+            ss.max_grad_norm = full.max_grad_norm;
+            ss.noise_multiplier = sig ? 0.5f : 0.0f;
+            dc_step_result res;
+            dc_err e;
+            assert_int_equal(dc_step_result_init(&res, kB, H, false), 0);
+            int rc = g_cuda->ops->run_clip(g_cuda, &ss, n2s, tot, path ? kept : NULL,
+                                           path ? at : NULL, &res, &e);
+            if (rc) printf("  noised sums: %s: %s\n", e.field, e.msg);
+            assert_int_equal(rc, 0);
+            for (int j = 0; j < H; j++) out[sig][j] = dev_to_f32(&sub[j].weight_grad_out);
+            dc_step_result_free(&res);
+        }
+        for (int j = 0; j < H; j++) {
+            const int64_t n = numel(&sub[j].weight_grad_out);
+            for (int64_t x = 0; x < n; x++) out[1][j][x] -= out[0][j][x];
+            noise[path][j] = out[1][j];
+            free(out[0][j]);
+        }
+    }
+    for (int j = 0; j < H; j++) {
+        const int64_t n = numel(&sub[j].weight_grad_out), in_range = (sub[j].p / 2) * sub[j].d;
+        double big = 0.0;
+        for (int64_t x = 0; x < n; x++) {
+            if (x >= in_range) /* another rank's rows: no noise (but f32 roundings) */
+                assert_true(fabs((double)noise[1][j][x]) <=
+                            1e-6 * fabs((double)noise[0][j][0]) + 1e-12);
+            big = fmax(big, fabs((double)noise[0][j][x]));
+        }
+        assert_true(big > 0.0);
+        for (int64_t x = 0; x < n; x++)
+            assert_true(fabs((double)noise[1][j][x] - noise[0][j][x]) <= 1e-3 * big);
+        free(noise[0][j]);
+        free(noise[1][j]);
+    }
+    g_cuda->ops->kept_free(g_cuda, kept);
+    ref_free(&r);
+    teardown_layers(h, d);
+}
+
 int main(void) {
     if (cuda_test_skip()) return DC_TEST_SKIP;
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_clip_from_store),
         cmocka_unit_test(test_two_in_flight),
         cmocka_unit_test(test_store_over_budget),
+        cmocka_unit_test(test_pass_sums_from_store),
     };
     return cmocka_run_group_tests(tests, cuda_test_setup_gpu_bounds, cuda_test_teardown);
 }

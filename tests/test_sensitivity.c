@@ -392,8 +392,8 @@ static void test_group_members(void **state) {
     for (int b = 0; b < NB; b++) tot[b] = n2a[b] + n2b[b];
     assert_int_equal(dc_step_result_init(&r0, NB, 1, false), 0);
     assert_int_equal(dc_step_result_init(&r1, NB, 1, false), 0);
-    assert_int_equal(be->ops->run_clip(be, &s0, n2a, tot, NULL, &r0, &err), 0);
-    assert_int_equal(be->ops->run_clip(be, &s1, n2b, tot, NULL, &r1, &err), 0);
+    assert_int_equal(be->ops->run_clip(be, &s0, n2a, tot, NULL, NULL, &r0, &err), 0);
+    assert_int_equal(be->ops->run_clip(be, &s1, n2b, tot, NULL, NULL, &r1, &err), 0);
     for (int b = 0; b < NB; b++) {
         const double rel = (double)r0.coefs[b] * r0.coefs[b] * sq0[b] +
                            (double)r1.coefs[b] * r1.coefs[b] * sq1[b];

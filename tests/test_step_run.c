@@ -2,10 +2,13 @@
  * member's norm phase, then its clip phase) against a backend that keeps
  * some layers' per-sample gradients between them (backend.h dc_kept, as
  * the CUDA backend's kept stores do):
- *   - the norm phase asks to keep, a norm pass does not;
- *   - the seal leaves the kept layers out (their data is never read again:
- *     rewriting it between the phases changes nothing), and checks every
- *     other layer: a rewritten one fails the clip phase, naming it;
+ *   - a group member's norm phase keeps for its own clip phase; a norm
+ *     pass keeps for its sums steps, which borrow the store (with each
+ *     layer's index in the pass) and leave it to the pass;
+ *   - a member's seal leaves its kept layers out (their data is never read
+ *     again: rewriting it between the phases changes nothing), and checks
+ *     every other layer: a rewritten one fails the clip phase, naming it;
+ *     a pass's seal keeps every layer;
  *   - the clip phase hands the backend the store, which goes back to it
  *     exactly once, after the clip phase, whether it succeeded or not. */
 #include <setjmp.h>
@@ -30,6 +33,7 @@ typedef struct fake {
     uint8_t layer[L];
     int asked_keep, norms, clips, freed, hashed[L];
     const dc_kept *clip_kept;
+    const size_t *clip_at;
     const dc_step *step;
 } fake;
 
@@ -59,7 +63,7 @@ static int fake_norms(dc_backend *be, const dc_step *s, double *n2, dc_kept **ke
 }
 
 static int fake_clip(dc_backend *be, const dc_step *s, const double *n2, const double *tot,
-                     const dc_kept *kept, dc_step_result *res, dc_err *e) {
+                     const dc_kept *kept, const size_t *kept_at, dc_step_result *res, dc_err *e) {
     fake *f = (fake *)be;
     (void)s;
     (void)n2;
@@ -68,6 +72,7 @@ static int fake_clip(dc_backend *be, const dc_step *s, const double *n2, const d
     (void)e;
     f->clips++;
     f->clip_kept = kept;
+    f->clip_at = kept_at;
     return 0;
 }
 
@@ -193,16 +198,48 @@ static void test_unkept_layer_checked(void **state) {
     release(f);
 }
 
-/* A norm pass (its sums are other calls) keeps nothing: every layer sealed. */
-static void test_pass_keeps_nothing(void **state) {
+/* A norm pass keeps what its sums steps may sum from, but every layer
+ * stays sealed (a sums step may leave a kept layer to the client's data). */
+static void test_pass_keeps_sealed(void **state) {
     (void)state;
     fixture *f = make();
     dc_step_run_pass_work(&f->sc.task, &f->be.base);
     assert_int_equal(f->sc.rc, 0);
     assert_int_equal(f->be.norms, 1);
-    assert_int_equal(f->be.asked_keep, 0);
-    assert_null(f->sc.kept);
+    assert_int_equal(f->be.asked_keep, 1);
+    assert_ptr_equal(f->sc.kept, &f->be.kept);
     for (int l = 0; l < L; l++) assert_int_equal(f->be.hashed[l], 2);
+    f->sc.kept = NULL; /* (the pass would take it: nothing to give back here) */
+    release(f);
+}
+
+/* A sums step with its pass's store, lent: the clip phase gets it with
+ * each layer's index in the pass, every layer is checked (a rewritten kept
+ * layer refused), and the store stays with the pass either way. */
+static void test_sums_step_borrows(void **state) {
+    (void)state;
+    fixture *f = make();
+    size_t at[L] = {2, 0, 1};
+    dc_step_run_pass_work(&f->sc.task, &f->be.base); /* the seals, as the pass's */
+    assert_int_equal(f->sc.rc, 0);
+    f->sc.kept_borrowed = true;
+    f->sc.pass_at = at;
+    dc_step_run_sums_work(&f->sc.task, &f->be.base);
+    if (f->sc.rc) fprintf(stderr, "%s: %s\n", f->sc.err.field, f->sc.err.msg);
+    assert_int_equal(f->sc.rc, 0);
+    assert_ptr_equal(f->be.clip_kept, &f->be.kept);
+    assert_ptr_equal(f->be.clip_at, at);
+    assert_int_equal(f->be.hashed[KEPT_LAYER], 4);
+    assert_int_equal(f->be.freed, 0);
+
+    f->sc.kept = &f->be.kept; /* the next sums step's loan */
+    f->act[KEPT_LAYER][2] += 1.0f;
+    dc_step_run_sums_work(&f->sc.task, &f->be.base);
+    assert_int_equal(f->sc.rc, DC_EINVAL);
+    assert_non_null(strstr(f->sc.err.msg, "layer1"));
+    assert_int_equal(f->be.clips, 1);
+    assert_int_equal(f->be.freed, 0);
+    f->sc.pass_at = NULL;
     release(f);
 }
 
@@ -210,7 +247,8 @@ int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_kept_layer_unsealed),
         cmocka_unit_test(test_unkept_layer_checked),
-        cmocka_unit_test(test_pass_keeps_nothing),
+        cmocka_unit_test(test_pass_keeps_sealed),
+        cmocka_unit_test(test_sums_step_borrows),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

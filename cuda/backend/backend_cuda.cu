@@ -78,22 +78,23 @@ struct phase_io {
     const double *tot_in;   /* CP_CLIP: [B] */
     dc_kept **kept_out;     /* CP_NORMS: where to leave a kept store (NULL: keep none) */
     const dc_kept *kept_in; /* CP_CLIP: the norm phase's (NULL: none) */
+    const size_t *kept_at;  /* CP_CLIP: each layer's place in kept_in (NULL: its own) */
 };
 
 int run_impl(dc_backend *be, const dc_step *s, dc_step_result *res, dc_err *err,
              const phase_io &io);
 
 int cuda_run_step(dc_backend *be, const dc_step *s, dc_step_result *res, dc_err *err) {
-    return run_impl(be, s, res, err, phase_io{CP_ALL, NULL, NULL, NULL, NULL, NULL});
+    return run_impl(be, s, res, err, phase_io{CP_ALL, NULL, NULL, NULL, NULL, NULL, NULL});
 }
 
 int cuda_run_norms(dc_backend *be, const dc_step *s, double *n2, dc_kept **kept, dc_err *err) {
-    return run_impl(be, s, NULL, err, phase_io{CP_NORMS, n2, NULL, NULL, kept, NULL});
+    return run_impl(be, s, NULL, err, phase_io{CP_NORMS, n2, NULL, NULL, kept, NULL, NULL});
 }
 
 int cuda_run_clip(dc_backend *be, const dc_step *s, const double *n2, const double *tot,
-                  const dc_kept *kept, dc_step_result *res, dc_err *err) {
-    return run_impl(be, s, res, err, phase_io{CP_CLIP, NULL, n2, tot, NULL, kept});
+                  const dc_kept *kept, const size_t *kept_at, dc_step_result *res, dc_err *err) {
+    return run_impl(be, s, res, err, phase_io{CP_CLIP, NULL, n2, tot, NULL, kept, kept_at});
 }
 
 /* Host doubles in device memory, as they are (a pageable copy: the source
@@ -375,6 +376,8 @@ int phase_reduction(step_run *r, dc_err *err) {
     if ((rc = step_bounds(cb, s, r->io.want, r->how, r->layer_e, ws + Lo.up + Lo.layer_e, &e_flat,
                           err)))
         goto fail;
+    /* a kept pass's sums steps all clip as its reply says (step_pass.c) */
+    if (r->io.kept_at && e_flat < DC_E_KEPT_FLOOR) e_flat = DC_E_KEPT_FLOOR;
     if (r->io.want == CP_CLIP)
         CK(dcc_coefs_tot((const float *)(ws + Lo.n2), (const uint32_t *)(ws + Lo.flags),
                          (const double *)(ws + Lo.tot), (int)L, (int)B, s->max_grad_norm, e_flat,
@@ -482,7 +485,8 @@ int phase_noise(step_run *r, dc_err *err) {
            "the commit");
     } else {
         phase_mark(cb, 5);
-        if ((rc = kept_sum(cb, s, noise_std, divisor, NULL, err))) goto fail;
+        /* unnoised where the output pass draws the noise (cb->sg_noised) */
+        if ((rc = kept_sum(cb, s, cb->sg_noised ? noise_std : 0.0f, divisor, NULL, err))) goto fail;
         if (s->acc == DC_ACC_COMMIT)
             CK(dcc_acc_fold(douts, Lo.n_out, Lo.max_n, staging, cb->stream), "the accumulation");
         phase_mark(cb, 6);
@@ -644,13 +648,19 @@ int run_impl(dc_backend *be, const dc_step *s, dc_step_result *res, dc_err *err,
     /* A norm phase asked to keep puts its kept area (the layout's last
      * part) in a store of its own, which outlives this call */
     const bool to_store = io.want == CP_NORMS && io.kept_out;
+    const keep_mode keep = io.want == CP_ALL  ? KEEP_OUTS
+                           : !to_store        ? KEEP_NONE
+                           : names_outputs(s) ? KEEP_OUTS
+                                              : KEEP_PASS;
     cuda_kept *store = NULL;
-    if ((rc = plan_step(cb, s, io.want == CP_ALL || to_store, &Lo, err))) return rc;
+    size_t applied = 0;
+    if ((rc = plan_step(cb, s, keep, &Lo, err))) return rc;
     if (to_store && Lo.sgrad_bytes) {
         if ((store = kept_take(cb, Lo.sgrad_bytes, L))) Lo.total = Lo.sgrad;
-        else if ((rc = plan_step(cb, s, false, &Lo, err))) return rc;
+        else if ((rc = plan_step(cb, s, KEEP_NONE, &Lo, err))) return rc;
     }
-    if (!store && Lo.sgrad_bytes && !keep_fits(cb, &Lo) && (rc = plan_step(cb, s, false, &Lo, err)))
+    if (!store && Lo.sgrad_bytes && !keep_fits(cb, &Lo) &&
+        (rc = plan_step(cb, s, KEEP_NONE, &Lo, err)))
         return rc;
     if ((rc = reserve(cb, &Lo, err))) {
         /* kept gradients are an optimisation: without them the step may fit */
@@ -658,9 +668,13 @@ int run_impl(dc_backend *be, const dc_step *s, dc_step_result *res, dc_err *err,
         dc_err_clear(err);
         if (store) kept_give(be, &store->pub);
         store = NULL;
-        if ((rc = plan_step(cb, s, false, &Lo, err)) || (rc = reserve(cb, &Lo, err))) return rc;
+        if ((rc = plan_step(cb, s, KEEP_NONE, &Lo, err)) || (rc = reserve(cb, &Lo, err))) return rc;
     }
-    if (io.kept_in && (rc = kept_apply(cb, s, io.kept_in, err))) return rc;
+    if (io.kept_in && (rc = kept_apply(cb, s, io.kept_in, io.kept_at, &applied, err))) return rc;
+    /* A pass's sums step: the kept layers' sums go to staging unnoised, and
+     * the output pass draws every output's noise (within its range) */
+    cb->sg_noised = !io.kept_at;
+    if (io.kept_at) r.opt.one_pass = false;
     cb->sg_base = store        ? store->mem
                   : io.kept_in ? ((const cuda_kept *)io.kept_in)->mem
                                : cb->ws + Lo.sgrad;
@@ -673,12 +687,13 @@ int run_impl(dc_backend *be, const dc_step *s, dc_step_result *res, dc_err *err,
         return 0;
     }
     if ((rc = phase_reduction(&r, err)) || (rc = phase_clipping(&r, err))) goto fail;
-    if (io.kept_in && (size_t)cb->sg_kept != kept_count(io.kept_in)) {
-        /* a kept layer's sum would come from the client's data, unsealed */
+    if (io.kept_in && (size_t)cb->sg_kept != applied) {
+        /* a kept layer's sum would come from the client's data (a group
+         * member's: unsealed) */
         rc = dc_err_set(err, DC_EINTERNAL, "clip_step",
-                        "cuda:%d: %d of the norm phase's %zu kept layers were summed from "
-                        "the store; nothing was written",
-                        cb->device, cb->sg_kept, kept_count(io.kept_in));
+                        "cuda:%d: %d of the %zu kept layers were summed from the store; "
+                        "nothing was written",
+                        cb->device, cb->sg_kept, applied);
         goto fail;
     }
     if ((rc = phase_noise(&r, err)) || (rc = phase_home(&r, err))) goto fail;

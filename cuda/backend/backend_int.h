@@ -53,6 +53,9 @@ struct cuda_backend {
     /* where sg_off counts from: the workspace's kept area (a whole step's),
      * or a norm phase's kept store (backend_kept.cu) */
     char *sg_base;
+    /* the kept layers' sum draws their outputs' noise (else the output
+     * pass does: a sums step's ranges) */
+    bool sg_noised;
     int *sg_out; /* [2 * lay_cap] layer l's weight and bias output index, -1 none */
     int *bk_layer;
     dcc_sg_layer *sgl;
@@ -164,7 +167,12 @@ inline bool want_out(const dc_layer *l, int k) {
  * pinned host block grown to hold the layout (DC_ENOSPACE past
  * gpu.workspace_max or when an allocation fails). */
 int ws_alloc(cuda_backend *cb, size_t want, dc_err *err);
-int plan_step(cuda_backend *cb, const dc_step *s, bool keep, layout *Lo, dc_err *err);
+enum keep_mode {
+    KEEP_NONE,
+    KEEP_OUTS, /* the layers whose weight sum the step wants (a whole step, a member's norms) */
+    KEEP_PASS  /* a norm pass's (it names no outputs): those its sums steps may want */
+};
+int plan_step(cuda_backend *cb, const dc_step *s, keep_mode keep, layout *Lo, dc_err *err);
 bool keep_fits(cuda_backend *cb, const layout *Lo);
 int reserve(cuda_backend *cb, const layout *Lo, dc_err *err);
 
@@ -302,11 +310,13 @@ cuda_kept *kept_take(cuda_backend *cb, size_t bytes, size_t L);
 void kept_give(dc_backend *be, dc_kept *k);
 void kept_destroy(cuda_backend *cb);
 /* A norm phase's end (kept_leave: what it kept into *out, or the store
- * back) and a clip phase's start (kept_apply: cb->sg_off from the store;
- * kept_count: the layers a store holds). */
+ * back) and a clip phase's start (kept_apply: cb->sg_off from the store,
+ * at: each layer's place in it, NULL its own; *n the layers applied);
+ * names_outputs: whether a step names any output (a norm pass none). */
 void kept_leave(cuda_backend *cb, cuda_kept *k, size_t L, dc_kept **out);
-int kept_apply(cuda_backend *cb, const dc_step *s, const dc_kept *pub, dc_err *err);
-size_t kept_count(const dc_kept *k);
+int kept_apply(cuda_backend *cb, const dc_step *s, const dc_kept *pub, const size_t *at, size_t *n,
+               dc_err *err);
+bool names_outputs(const dc_step *s);
 
 /* backend_accum.cu: logical steps' accumulators (backend.h acc_alloc,
  * acc_free) and the keyed checksums of tensors (tensors_hash). */

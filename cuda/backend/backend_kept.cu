@@ -110,22 +110,41 @@ void kept_give(dc_backend *be, dc_kept *pub) {
 
 void kept_destroy(cuda_backend *cb) { trim(cb); }
 
-/* The layers a norm phase kept, in its store. */
-size_t kept_count(const dc_kept *k) {
-    size_t n = 0;
-    for (size_t l = 0; l < k->n_layers; l++) n += k->layer[l] != 0;
-    return n;
+/* Whether a step names any output (a norm pass names none). */
+bool names_outputs(const dc_step *s) {
+    for (size_t l = 0; l < s->n_layers; l++)
+        if (want_out(&s->layers[l], 0) || want_out(&s->layers[l], 1)) return true;
+    return false;
 }
 
 /* A clip phase: its kept layers where its norm phase left them (the plan
- * made without keeping: nothing of them in the workspace). */
-int kept_apply(cuda_backend *cb, const dc_step *s, const dc_kept *pub, dc_err *err) {
+ * made without keeping: nothing of them in the workspace); *n how many.
+ * A group member's own (at NULL) must sum every kept layer from the store,
+ * which its seal left out; a pass's sums step (at: each layer's index in
+ * the pass) takes those whose weight sum it wants (all stay sealed). */
+int kept_apply(cuda_backend *cb, const dc_step *s, const dc_kept *pub, const size_t *at, size_t *n,
+               dc_err *err) {
     const cuda_kept *k = (const cuda_kept *)pub;
-    if (pub->n_layers != s->n_layers)
+    *n = 0;
+    if (!at && pub->n_layers != s->n_layers)
         return dc_err_set(err, DC_EINTERNAL, "clip_step",
                           "a kept store of %zu layers for a step of %zu", pub->n_layers,
                           s->n_layers);
-    for (size_t l = 0; l < s->n_layers; l++) cb->sg_off[l] = pub->layer[l] ? k->off[l] : SIZE_MAX;
+    for (size_t l = 0; l < s->n_layers; l++) {
+        const size_t i = at ? at[l] : l;
+        const dc_layer *ly = &s->layers[l];
+        if (i >= pub->n_layers)
+            return dc_err_set(err, DC_EINTERNAL, "clip_step",
+                              "layer %zu: index %zu in a kept store of %zu layers", l, i,
+                              pub->n_layers);
+        const bool use = pub->layer[i] && want_out(ly, 0) && !ly->tie;
+        if (pub->layer[i] && !use && !at)
+            return dc_err_set(err, DC_EINTERNAL, "clip_step",
+                              "layer %zu ('%s') was kept but its weight sum is not asked for", l,
+                              ly->name);
+        cb->sg_off[l] = use ? k->off[i] : SIZE_MAX;
+        *n += use;
+    }
     return 0;
 }
 

@@ -213,7 +213,7 @@ int grouped_clipped_plan(cuda_backend *cb, const dc_step *s, const layout *Lo, d
             marked++;
         }
         cb->bk_grouped[l] = true;
-        if (cb->sg_off[l] != SIZE_MAX) /* the kept gradients' sum noises them */
+        if (cb->sg_off[l] != SIZE_MAX && cb->sg_noised) /* the kept sum noises them */
             for (int k = 0; k < 2; k++)
                 if (idx[k] >= 0) {
                     outs[idx[k]].noised = 1;

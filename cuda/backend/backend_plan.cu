@@ -30,14 +30,20 @@ namespace {
  * or 0 where they are not kept: a LINEAR layer of the grouped norm kernel
  * whose clipped sum the grouped book-keeping kernel would make (so the
  * output check's plan for it holds), not tied (its norm is a pair's), not
- * rescued on the host, in a whole step (keep: the phases of a norm group
- * run its norms in another call), with no noise range (a sums step's: only
- * the output passes draw ranged noise; sums steps never keep anyway). */
-size_t keep_bytes(const cuda_backend *cb, const dc_step *s, size_t l, bool keep) {
+ * rescued on the host, where keep asks (a whole step, a norm phase that
+ * keeps for its clip phase or a pass's sums steps: keep_mode), with no
+ * noise range (a sums step's: only the output passes draw ranged noise;
+ * sums steps never keep, they sum what their pass kept). */
+size_t keep_bytes(const cuda_backend *cb, const dc_step *s, size_t l, keep_mode keep) {
     const dc_layer *ly = &s->layers[l];
-    if (!keep || cb->opt.sgrad == DCC_SGRAD_OFF || !cb->opt.grouped || cb->sg_max == 0 ||
-        ly->kind != DC_LAYER_LINEAR || ly->tie || !want_out(ly, 0) || ly->noise_w.set ||
-        ly->noise_b.set || (cb->ovr_active && cb->ovr[l]))
+    if (keep == KEEP_NONE || cb->opt.sgrad == DCC_SGRAD_OFF || !cb->opt.grouped ||
+        cb->sg_max == 0 || ly->kind != DC_LAYER_LINEAR || ly->tie ||
+        (keep == KEEP_OUTS && !want_out(ly, 0)) || ly->noise_w.set || ly->noise_b.set ||
+        (cb->ovr_active && cb->ovr[l]))
+        return 0;
+    /* a pass's sums steps clip with DC_E_KEPT_FLOOR: a layer whose kept
+     * rounding needs more is not kept */
+    if (keep == KEEP_PASS && !(dc_clip_e(s, l, dc_clip_e_how(s) | DC_E_KEPT) <= DC_E_KEPT_FLOOR))
         return 0;
     dcc_linear x = linear_of(cb, ly, (int)s->batch, dc_layer_norm_bias(ly), false);
     /* a kept layer's norms run direct, even where the ghost form would be
@@ -62,7 +68,7 @@ template <typename T> bool grow(T *&p, size_t n) {
 
 } // namespace
 
-int dcb::plan_step(cuda_backend *cb, const dc_step *s, bool keep, layout *Lo, dc_err *err) {
+int dcb::plan_step(cuda_backend *cb, const dc_step *s, keep_mode keep, layout *Lo, dc_err *err) {
     const size_t L = s->n_layers, B = s->batch, LB = L * B;
     size_t o = 0, staged = 0, temp = 0, bsum = 0;
     memset(Lo, 0, sizeof *Lo);

@@ -55,10 +55,16 @@ typedef struct dc_backend dc_backend;
 /* What a norm phase kept for its clip phase: the per-sample gradients of
  * some layers (a GPU backend's, cuda/backend/backend_kept.cu), whose clipped
  * sums the clip phase then makes from them and not from the client's
- * tensors. layer[l] is 1 for those: their data need not be the same at the
- * clip phase (step_run.h's seal leaves them out). Made by run_norms where
- * the caller asks (kept non-NULL) and the backend chooses to; passed to
- * run_clip of the same step; given back with dc_backend_kept_free. */
+ * tensors. layer[l] is 1 for those. Made by run_norms where the caller asks
+ * (kept non-NULL) and the backend chooses to; passed to run_clip of the
+ * same step (a group member's: step_run.h's seal leaves those layers out,
+ * so every one of them must come from the store, or run_clip refuses), or
+ * of a norm pass's sums steps (kept_at: each of their layers' index in the
+ * pass; those layers stay sealed, and a sums step may leave some kept
+ * layers unsummed); given back with dc_backend_kept_free. A norm pass
+ * names no outputs: it keeps the layers that could be kept (its sums steps
+ * name their outputs); a step with outputs keeps only the layers whose
+ * weight sum it wants. */
 typedef struct dc_kept {
     size_t n_layers;
     uint8_t *layer; /* [n_layers] */
@@ -83,7 +89,7 @@ typedef struct dc_backend_ops {
      * (step_pass.c). NULL: this backend cannot serve grouped steps. */
     int (*run_norms)(dc_backend *be, const dc_step *step, double *n2, dc_kept **kept, dc_err *err);
     int (*run_clip)(dc_backend *be, const dc_step *step, const double *n2, const double *tot,
-                    const dc_kept *kept, dc_step_result *res, dc_err *err);
+                    const dc_kept *kept, const size_t *kept_at, dc_step_result *res, dc_err *err);
     /* A norm phase's kept per-sample gradients (run_norms' *kept) back to
      * the backend that made them. Any thread: no task uses them any more,
      * and the backend's own queue orders their reuse. NULL where run_norms
@@ -148,10 +154,12 @@ static inline int dc_backend_run_norms(dc_backend *be, const dc_step *step, doub
     return be->ops->run_norms(be, step, n2, be->ops->kept_free ? kept : NULL, err);
 }
 
+/* kept_at: where each of the step's layers is in kept (a sums step's pass
+ * index); NULL: the same place (a group member's own norm phase). */
 static inline int dc_backend_run_clip(dc_backend *be, const dc_step *step, const double *n2,
-                                      const double *tot, const dc_kept *kept, dc_step_result *res,
-                                      dc_err *err) {
-    return be->ops->run_clip(be, step, n2, tot, kept, res, err);
+                                      const double *tot, const dc_kept *kept, const size_t *kept_at,
+                                      dc_step_result *res, dc_err *err) {
+    return be->ops->run_clip(be, step, n2, tot, kept, kept_at, res, err);
 }
 
 static inline void dc_backend_kept_free(dc_backend *be, dc_kept *kept) {

@@ -570,8 +570,10 @@ static int cpu_run_norms(dc_backend *be, const dc_step *step, double *n2, dc_kep
 }
 
 static int cpu_run_clip(dc_backend *be, const dc_step *step, const double *n2, const double *tot,
-                        const dc_kept *kept, dc_step_result *res, dc_err *err) {
+                        const dc_kept *kept, const size_t *kept_at, dc_step_result *res,
+                        dc_err *err) {
     (void)kept;
+    (void)kept_at;
     int rc = run_phases(be, step, PHASE_CLIP, NULL, n2, tot, res, err);
     scratch_trim(&((cpu_backend *)be)->s);
     return rc;

@@ -253,6 +253,13 @@ static inline float dc_step_grad_scale(const dc_step *s) {
  * (TF32 layers, whose truncation alone is 2e-3, are above it). */
 #define DC_E_FLOOR_CPU 0x1p-20
 #define DC_E_FLOOR_GPU 0x1p-11
+/* A norm pass whose GPU backend kept per-sample gradients (backend.h
+ * dc_kept): each of its sums steps clips with at least this e, whatever
+ * layers it holds, so that they agree with one another and with the pass's
+ * reply: twice the GPU's floor (the bf16 direct form up to T ~ 3800), with
+ * the bf16 rounding of the kept values. A pass keeps only layers whose own
+ * kept e is within it. */
+#define DC_E_KEPT_FLOOR ((1.0 + 0x1p-10) / (1.0 - 0x1p-8) - 1.0)
 
 /* e of layer l of step s (its tie partner's paths included for a tied
  * pair's owner), at least the floor. INFINITY where an accumulation is too

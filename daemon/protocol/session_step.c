@@ -33,7 +33,8 @@ static void step_account(dc_step_call *sc);
 static void step_submit(dc_step_call *sc);
 
 static void call_free(dc_step_call *sc) {
-    dc_backend_kept_free(sc->kept_be, sc->kept); /* a group step that never clipped */
+    if (!sc->kept_borrowed) /* a group step that never clipped */
+        dc_backend_kept_free(sc->kept_be, sc->kept);
     dc_step_result_free(&sc->res);
     free(sc->n2);
     free(sc->seal);

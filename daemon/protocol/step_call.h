@@ -135,9 +135,11 @@ struct dc_step_call {
     /* a group member's norm phase's kept per-sample gradients (backend.h:
      * its clip phase sums those layers from them, unsealed), and the
      * backend that holds them; given back after the clip phase or with
-     * the call */
+     * the call. A norm pass's move to its dc_pass, which lends them to
+     * its sums steps (sealed there all the same). */
     dc_kept *kept;
     dc_backend *kept_be;
+    bool kept_borrowed; /* a sums step's: its norm pass's store (step_pass.c owns it) */
     size_t *pass_at;    /* a sums step: each layer's index in its pass (step_pass.h) */
     bool pass_reserved; /* a norm pass: the session's pass bytes are its reservation */
     dc_group_waiter gw;

@@ -38,6 +38,10 @@ struct dc_pass {
     double *tot;    /* [B] */
     uint64_t *seal; /* [L] each layer's seal, under seal_key (step_run.h) */
     uint64_t seal_key;
+    /* what the backend kept of the norm pass (backend.h dc_kept), lent to
+     * each sums step; given back with the pass */
+    dc_kept *kept;
+    dc_backend *kept_be;
     pass_layer *layers;
 };
 
@@ -130,6 +134,9 @@ int dc_pass_new(dc_step_call *sc, dc_pass **out, dc_err *e) {
     p->expected_batch = s->expected_batch;
     p->n_layers = L;
     for (size_t l = 0; l < L; l++) layer_keep(&p->layers[l], &s->layers[l]);
+    /* the e every sums step clips with (a kept pass's at least its floor) */
+    double eb = dc_clip_e_step(s, dc_clip_e_how(s));
+    if (sc->kept && eb < DC_E_KEPT_FLOOR) eb = DC_E_KEPT_FLOOR;
     for (uint32_t b = 0; b < B; b++) {
         double t = 0.0;
         for (size_t l = 0; l < L; l++) t += sc->n2[l * B + b];
@@ -144,8 +151,7 @@ int dc_pass_new(dc_step_call *sc, dc_pass **out, dc_err *e) {
         r->norms[b] = (float)sqrt(t);
         /* the coefficients its sums will clip by: with the re-measurement's
          * margin (step_pass.h), so that the reply says what is applied */
-        r->coefs[b] = dc_clip_coef(s->max_grad_norm, sqrt(t * (1.0 + DC_PHASE_RECHECK_TOL)),
-                                   dc_clip_e_step(s, dc_clip_e_how(s)));
+        r->coefs[b] = dc_clip_coef(s->max_grad_norm, sqrt(t * (1.0 + DC_PHASE_RECHECK_TOL)), eb);
     }
     for (size_t i = 0; i < L * B; i++) r->layer_norms[i] = (float)sqrt(sc->n2[i]);
     p->n2 = sc->n2;
@@ -153,6 +159,9 @@ int dc_pass_new(dc_step_call *sc, dc_pass **out, dc_err *e) {
     p->seal = sc->seal;
     sc->seal = NULL;
     p->seal_key = sc->seal_key;
+    p->kept = sc->kept;
+    p->kept_be = sc->kept_be;
+    sc->kept = NULL;
     *out = p;
     return 0;
 nomem:
@@ -261,6 +270,9 @@ int dc_pass_take(dc_pass *p, dc_step_call *sc, dc_err *e) {
         sc->seal[l] = p->seal[at[l]];
     }
     sc->seal_key = p->seal_key;
+    sc->kept = p->kept; /* lent: the pass gives it back */
+    sc->kept_be = p->kept_be;
+    sc->kept_borrowed = true;
     memcpy(sc->tot, p->tot, B * sizeof *sc->tot);
     p->n_summed += L;
     sc->pass_at = at; /* the pass's index of each layer: its accumulators (step_logical.c) */
@@ -294,6 +306,7 @@ bool dc_pass_done(const dc_pass *p) { return p && p->n_summed == p->n_layers; }
 
 void dc_pass_free(dc_pass *p) {
     if (!p) return;
+    dc_backend_kept_free(p->kept_be, p->kept);
     free(p->n2);
     free(p->tot);
     free(p->seal);

@@ -67,7 +67,9 @@ static int clip_checked(dc_step_call *sc, dc_backend *be) {
         rc = dc_err_set(&sc->err, DC_ENOSPACE, "clip_step", "out of memory");
         goto out;
     }
-    if ((rc = dc_step_run_seal(be, &sc->step, sc->seal_key, sc->kept, now, &sc->err))) goto out;
+    /* a group member's own kept layers go unsealed; a pass's stay sealed */
+    const dc_kept *unsealed = sc->kept_borrowed ? NULL : sc->kept;
+    if ((rc = dc_step_run_seal(be, &sc->step, sc->seal_key, unsealed, now, &sc->err))) goto out;
     for (size_t l = 0; l < L; l++)
         if (now[l] != sc->seal[l]) {
             rc = dc_err_set(&sc->err, DC_EINVAL, "clip_step.layers",
@@ -92,12 +94,14 @@ static int clip_checked(dc_step_call *sc, dc_backend *be) {
     }
     memcpy(tot, sc->tot, B * sizeof *tot);
     dc_phase_margin(tot, B);
-    if ((rc = dc_backend_run_clip(be, &sc->step, sc->n2, tot, sc->kept, &sc->res, &sc->err)))
+    if ((rc = dc_backend_run_clip(be, &sc->step, sc->n2, tot, sc->kept,
+                                  sc->kept_borrowed ? sc->pass_at : NULL, &sc->res, &sc->err)))
         goto out;
     for (uint32_t b = 0; b < B; b++) sc->res.norms[b] = (float)sqrt(sc->tot[b]);
 out:
-    /* the kept gradients are spent (or not to be used): back for the next */
-    dc_backend_kept_free(sc->kept_be, sc->kept);
+    /* a member's kept gradients are spent (or not to be used): back for
+     * the next; a pass's stay with it for its other sums steps */
+    if (!sc->kept_borrowed) dc_backend_kept_free(sc->kept_be, sc->kept);
     sc->kept = NULL;
     free(now);
     free(tot);
@@ -143,11 +147,13 @@ void dc_step_run_sums_work(dc_task *task, dc_backend *be) {
     run_step((dc_step_call *)task, be, true);
 }
 
-static void norms_phase(dc_step_call *sc, dc_backend *be, bool keep);
+static void norms_phase(dc_step_call *sc, dc_backend *be, bool unseal_kept);
 
 void dc_step_run_pass_work(dc_task *task, dc_backend *be) {
     dc_step_call *sc = (dc_step_call *)task;
-    /* its sums steps are other calls, each its own run_clip: nothing kept */
+    /* what it keeps its sums steps sum from, but a sums step may leave a
+     * kept layer to the client's data (another dtype's output, say), so
+     * every layer stays sealed */
     norms_phase(sc, be, false);
     sc->t_end = uv_hrtime();
 }
@@ -163,10 +169,11 @@ void dc_step_run_norms_work(dc_task *task, dc_backend *be) {
     norms_phase((dc_step_call *)task, be, true);
 }
 
-/* keep: the backend may keep per-sample gradients for this call's own clip
- * phase (a group member's), which then sums them instead of the client's
- * data: those layers go unsealed. */
-static void norms_phase(dc_step_call *sc, dc_backend *be, bool keep) {
+/* The backend may keep per-sample gradients for the sums that follow.
+ * unseal_kept: those are this call's own clip phase's (a group member's),
+ * which must sum every kept layer from them (the backend refuses
+ * otherwise), so they go unsealed. */
+static void norms_phase(dc_step_call *sc, dc_backend *be, bool unseal_kept) {
     sc->t_start = sc->t_waited = uv_hrtime();
     dc_err_clear(&sc->err);
     /* GPU steps: the stream waits for the client's inputs first (unless a
@@ -175,13 +182,14 @@ static void norms_phase(dc_step_call *sc, dc_backend *be, bool keep) {
     if (sc->wait_event && !waited && (sc->rc = dc_gpu_wait_event(be, sc->wait_event, &sc->err)))
         return;
     sc->rc = dc_backend_has_norm_phase(be)
-                 ? dc_backend_run_norms(be, &sc->step, sc->n2, keep ? &sc->kept : NULL, &sc->err)
+                 ? dc_backend_run_norms(be, &sc->step, sc->n2, &sc->kept, &sc->err)
                  : dc_err_set(&sc->err, DC_EUNIMPL, "clip_step",
                               "the %s backend has no separate norm phase", dc_backend_name(be));
     if (sc->kept) sc->kept_be = be;
     /* the seal right after the norms: what the clip phase may sum */
     if (sc->rc == 0 && !(sc->rc = dc_step_run_seal_key(&sc->seal_key, &sc->err)))
-        sc->rc = dc_step_run_seal(be, &sc->step, sc->seal_key, sc->kept, sc->seal, &sc->err);
+        sc->rc = dc_step_run_seal(be, &sc->step, sc->seal_key, unseal_kept ? sc->kept : NULL,
+                                  sc->seal, &sc->err);
     if (sc->rc == 0 && sc->grouped) {
         sc->gw.rep_key = dc_step_run_replicas_key(&sc->step);
         sc->rc = dc_step_run_replicas_hash(be, &sc->step, sc->gw.rep_key, &sc->gw.rep_hash,
