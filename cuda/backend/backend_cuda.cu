@@ -377,7 +377,7 @@ int phase_reduction(step_run *r, dc_err *err) {
                           err)))
         goto fail;
     /* a kept pass's sums steps all clip as its reply says (step_pass.c) */
-    if (r->io.kept_at && e_flat < DC_E_KEPT_FLOOR) e_flat = DC_E_KEPT_FLOOR;
+    if (r->io.kept_in && r->io.kept_at && e_flat < DC_E_KEPT_FLOOR) e_flat = DC_E_KEPT_FLOOR;
     if (r->io.want == CP_CLIP)
         CK(dcc_coefs_tot((const float *)(ws + Lo.n2), (const uint32_t *)(ws + Lo.flags),
                          (const double *)(ws + Lo.tot), (int)L, (int)B, s->max_grad_norm, e_flat,
@@ -673,8 +673,9 @@ int run_impl(dc_backend *be, const dc_step *s, dc_step_result *res, dc_err *err,
     if (io.kept_in && (rc = kept_apply(cb, s, io.kept_in, io.kept_at, &applied, err))) return rc;
     /* A pass's sums step: the kept layers' sums go to staging unnoised, and
      * the output pass draws every output's noise (within its range) */
-    cb->sg_noised = !io.kept_at;
-    if (io.kept_at) r.opt.one_pass = false;
+    const bool pass_sums = io.kept_in && io.kept_at;
+    cb->sg_noised = !pass_sums;
+    if (pass_sums) r.opt.one_pass = false;
     cb->sg_base = store        ? store->mem
                   : io.kept_in ? ((const cuda_kept *)io.kept_in)->mem
                                : cb->ws + Lo.sgrad;

@@ -270,9 +270,9 @@ int dc_pass_take(dc_pass *p, dc_step_call *sc, dc_err *e) {
         sc->seal[l] = p->seal[at[l]];
     }
     sc->seal_key = p->seal_key;
-    sc->kept = p->kept; /* lent: the pass gives it back */
+    sc->kept = p->kept; /* lent (or none): the pass gives it back */
     sc->kept_be = p->kept_be;
-    sc->kept_borrowed = true;
+    sc->kept_borrowed = p->kept != NULL;
     memcpy(sc->tot, p->tot, B * sizeof *sc->tot);
     p->n_summed += L;
     sc->pass_at = at; /* the pass's index of each layer: its accumulators (step_logical.c) */

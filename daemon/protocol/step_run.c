@@ -95,7 +95,8 @@ static int clip_checked(dc_step_call *sc, dc_backend *be) {
     memcpy(tot, sc->tot, B * sizeof *tot);
     dc_phase_margin(tot, B);
     if ((rc = dc_backend_run_clip(be, &sc->step, sc->n2, tot, sc->kept,
-                                  sc->kept_borrowed ? sc->pass_at : NULL, &sc->res, &sc->err)))
+                                  sc->kept && sc->kept_borrowed ? sc->pass_at : NULL, &sc->res,
+                                  &sc->err)))
         goto out;
     for (uint32_t b = 0; b < B; b++) sc->res.norms[b] = (float)sqrt(sc->tot[b]);
 out:
