@@ -84,8 +84,9 @@ class _InFlight(NamedTuple):
     index: int
     B: int
     run: Run
-    io: Transport
+    io: Optional[Transport]   # None: nothing to give back (release())
     device: torch.device
+    sums: bool = False        # a sharded micro-batch's sums step: no result of its own
 
 
 class Accumulator:
@@ -217,6 +218,11 @@ class Accumulator:
             return None
         for p in pending[:-1]:
             self._send(p, commit=False)
+        # the micro-batches sent without waiting: their results are the
+        # step's, and their first error the commit's cause (not sent then)
+        self._drain()
+        if self.failure is not None:
+            raise self.failure
         return self._next()
 
     def abort(self, why: str) -> bool:
@@ -367,6 +373,26 @@ class Accumulator:
         else:
             self._poll()
 
+    def submitted(self, holder: Any, tickets: List[int], err: Optional[BaseException],
+                  logical_id: int, index: int, B: int, device: torch.device) -> None:
+        """A sharded micro-batch sent without waiting (dpclip._fsdp.Sharded.
+        micro_submit): its norm pass's ticket (its result) and its sums
+        steps' (drained), collected in order; holder.release() once the last
+        is in. err: a sums step not sent (the logical step fails). At most
+        this micro-batch stays in flight: the earlier ones' replies are
+        awaited here (their daemon work ran during this one's forward and
+        backward)."""
+        t = time.perf_counter()
+        run = Run(None, 0, None, None, t, t)
+        for i, ticket in enumerate(tickets):
+            last = i == len(tickets) - 1
+            self.inflight.append(_InFlight(ticket, logical_id, index, B if i == 0 else 0,
+                                           run, holder if last else None, device, i > 0))
+        if err is not None:
+            self._fail(err)
+        self._drain(but=len(tickets))
+        self._poll()
+
     def _send_commit(self, plan: _planner.Plan, B: int, gated: bool) -> torch.Tensor:
         e, nb = self.e, max(B, 1)
         device = e._device()
@@ -432,12 +458,14 @@ class Accumulator:
         if res is None:
             return False
         self._release(f)
-        self._result(f.B, res, f.logical_id)
+        if not f.sums:
+            self._result(f.B, res, f.logical_id)
         return True
 
     def _release(self, f: _InFlight) -> None:
         self.inflight.pop(0)
-        f.io.release(f.run, f.device)
+        if f.io is not None:
+            f.io.release(f.run, f.device)
 
     def _result(self, B: int, res: _lib.StepResult, logical_id: int) -> None:
         if logical_id != self.id or not self.id:

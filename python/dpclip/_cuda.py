@@ -289,6 +289,7 @@ class CudaPhases(Phases):
         self.widest = sh.widest
         self.slots: List[Optional[torch.Tensor]] = [None, None]
         self.copied_ev: List[Optional[Any]] = [None, None]
+        self.own: Optional[Tuple[torch.cuda.Event, int]] = None  # submit()'s `ready`
 
     def _ins(self, i: int) -> Tuple[_lib.Tensor, _lib.Tensor]:
         io = self.io
@@ -296,9 +297,13 @@ class CudaPhases(Phases):
         return io.ref(inp, lp.in_shape), io.ref(g, lp.grad_shape)
 
     def norms(self) -> _lib.StepResult:
+        ready, _, rid, _ = self.io.events(self.device)
+        return self._norms(ready, rid, False)
+
+    def _norms(self, ready: Any, rid: int, submit: bool) -> Any:
+        """The norm pass, waiting on `ready` (recorded here, on the current
+        stream: the backward's end): its result, or (submit) its ticket."""
         e = self.sh.engine
-        io = self.io
-        ready, _, rid, _ = io.events(self.device)
         st = self.sh._clip  # pylint: disable=protected-access
         with torch.cuda.device(self.device):
             st.reset(self.nb)
@@ -309,11 +314,49 @@ class CudaPhases(Phases):
             st.set_events(rid, 0)
             st.notify_enqueued(False)
             try:
-                return st.run(io.client)
+                return st.submit(self.io.client) if submit else st.run(self.io.client)
             finally:
                 st.set_events(0, 0)
 
+    def submit(self, buckets: List[Tuple[List[int], int]]
+               ) -> Tuple[List[int], Optional[BaseException]]:
+        """A micro-batch that does not commit (scratch), sent without
+        waiting for anything: its norm pass, on a `ready` event of its own
+        (CudaIPC.readied: the trainer records the shared one again at its
+        next micro-batch), and each bucket's sums step ((which, base) each;
+        the daemon writes nothing). Their tickets, in order: the pass's
+        first; and the first error of a sums step not sent. This object
+        holds the tensors they name until release(), once every reply is
+        collected (dpclip._accumulate)."""
+        assert self.scratch
+        self.own = self.io.readied(self.device)
+        tickets = [self._norms(self.own[0], self.own[1], True)]
+        err: Optional[BaseException] = None
+        for k, (which, base) in enumerate(buckets):
+            try:
+                tickets.append(self._sums(k, which, base, True))
+            except Exception as exc:  # pylint: disable=broad-except
+                err = err or exc  # the rest still sent (dpclip._fsdp's docstring)
+        self.sh._clip.set_phase(_lib.STEP_WHOLE)  # pylint: disable=protected-access
+        return tickets, err
+
+    def release(self, run: Any, device: torch.device) -> None:
+        """Every reply of submit()'s steps is in: the tensors they named may
+        go (the trainer's stream ordered after the daemon's reads), and so
+        may the pass's own `ready` event (dpclip._transport.Transport's
+        release(), which dpclip._accumulate calls)."""
+        if self.own is not None:
+            self.io.settle(device, self.own)
+            self.own = None
+        self.keep.clear()
+        self.slots = [None, None]
+
     def sums(self, k: int, which: List[int], base: int, n: int) -> torch.Tensor:
+        self._sums(k, which, base, False)
+        return self.slots[0 if self.scratch else k % 2][:n]
+
+    def _sums(self, k: int, which: List[int], base: int, submit: bool) -> int:
+        """Bucket k's sums step into its slot: run (0) or (submit) its ticket."""
         sh, e = self.sh, self.sh.engine
         slot = 0 if self.scratch else k % 2
         if self.scratch and self.slots[0] is None:  # nothing written: one slot, every bucket
@@ -340,8 +383,10 @@ class CudaPhases(Phases):
             _planner.add_layers(st, self.plan.parts, e.algorithm,
                                 lambda i: self._ins(i) + outs(self.plan.parts[i]), which)
             sh._set_ranges(st, self.plan, which)  # pylint: disable=protected-access
+            if submit:
+                return st.submit(self.io.client)
             st.run(self.io.client)  # replies once the daemon's writes are done
-        return buf[:n]
+        return 0
 
     def copied(self, k: int) -> None:
         ev = torch.cuda.Event()

@@ -450,6 +450,34 @@ class Sharded:
             self._clip.set_logical(0)
             io.close()
 
+    def micro_submit(self, plan: _planner.Plan, B: int, logical_id: int, index: int
+                     ) -> Optional[Tuple[Any, List[int], Optional[BaseException]]]:
+        """micro() sent without waiting, where the transport can (CUDA):
+        (what holds the tensors its steps name until release(), their
+        tickets, the pass's first, and the first error of a sums step not
+        sent); None where it cannot (micro() then). The trainer goes on to
+        the next micro-batch while the daemon works (dpclip._accumulate
+        collects the replies)."""
+        device = self.layers[0].weight.device
+        io = self.engine._io(device).phases(  # pylint: disable=W0212
+            self, plan, max(B, 1), device, True)
+        if not hasattr(io, "submit"):
+            io.close()
+            return None
+        by_out = {id(pc.out): i for i, pc in enumerate(self.pieces)}
+        buckets = [(self._bucket_parts(plan, by_out, first, last), self._span(first, last)[0])
+                   for first, last in self._buckets]
+        self._clip.set_logical(logical_id, index, False)
+        try:
+            tickets, err = io.submit(buckets)
+        except BaseException:
+            io.release(None, device)  # nothing in flight: its `ready` back
+            io.close()
+            raise
+        finally:
+            self._clip.set_logical(0)
+        return io, tickets, err
+
     def _span(self, first: int, last: int) -> Tuple[int, int, int, int]:
         """(base, end) of pieces [first, last) in the sums, and (s0, s1) in
         this rank's shards, in elements."""

@@ -277,7 +277,9 @@ def run_fsdp2_accumulate(rank, world, init_file, socket_path, data, C, expected,
     the reduce-scatters and all-reduces run before step() and in all
     (against one whole step's); then the noise alone (sigma 1, zero loss,
     micro-batches of the first split) and the epsilon after 3 such logical
-    steps at q 0.01; engine.logical_batches' refusal."""
+    steps at q 0.01; engine.logical_batches' refusal; two logical steps in
+    micro-batches of 2 + 2 + the rest, the first failing on the last rank
+    (a loss not finite): errors and gradients (out["fail"])."""
     assert layout in ("one_gpu", "two_gpus"), layout
     if layout == "one_gpu":
         # NCCL refuses two ranks on one GPU unless they look like two hosts
@@ -318,6 +320,25 @@ def run_fsdp2_accumulate(rank, world, init_file, socket_path, data, C, expected,
                 "dtypes": {n: p.grad.dtype for n, p in model.named_parameters()},
                 "collectives": (whole, acc), "norms": engine.last_norms.clone()}
             engine.close()
+
+        # a failed micro-batch, sent without waiting (the GPU's): the last
+        # rank's first loss is not finite, so its norm pass fails in the
+        # daemon, which the trainer learns when it collects the reply, two
+        # micro-batches later; every rank raises and holds zeros, and the
+        # next logical step is applied
+        engine, model, opt = private(None, "fsdp2-acc-fail-" + layout, 0.0)
+        fail = {"errors": [], "grads": []}
+        for i in range(2):
+            def scale(k, i=i):
+                return float("nan") if rank == world - 1 and i == 0 and k == 0 else 1.0
+            try:
+                logical_step(model, opt, x, y, mine, [2, 2, len(mine) - 4], loss_scale=scale)
+                fail["errors"].append(None)
+            except DpclipError as e:
+                fail["errors"].append(_error(e))
+            fail["grads"].append({n: p.grad.to_local().cpu() for n, p in model.named_parameters()})
+        out["fail"] = fail
+        engine.close()
 
         # an account per layout: both run in one daemon's session, each
         # compared with 3 steps' epsilon

@@ -301,7 +301,9 @@ def test_fsdp2_micro_batches_equal_the_union_reference(daemon, tmp_path, layout)
     (sigma 1, zero loss) has std sigma*C/E, and 3 logical steps cost one
     process's 3 steps of epsilon. engine.logical_batches is refused (each
     rank would split its own batch: counts of forwards fully_shard could
-    not pair)."""
+    not pair). A micro-batch whose norm pass fails in the daemon (a loss
+    not finite), sent without waiting: every rank raises at step() and
+    holds zeros, and the next logical step is applied."""
     if layout == "two_gpus" and torch.cuda.device_count() < 2:
         pytest.skip("two_gpus needs 2 CUDA devices, this machine has %d"
                     % torch.cuda.device_count())
@@ -335,6 +337,21 @@ def test_fsdp2_micro_batches_equal_the_union_reference(daemon, tmp_path, layout)
                 assert float((res["whole"][n].double() - w).abs().max()) < tol * scale, \
                     (case, r, n)
             assert res["norms"].shape == (B // world,), (case, r)
+    # the failed micro-batch (collected after the trainer went on): no
+    # rank applies that logical step, and the next one is the reference's
+    for r in range(world):
+        errs, grads = got[r]["fail"]["errors"], got[r]["fail"]["grads"]
+        if r == world - 1:
+            assert errs[0][0] == _lib.ENONFINITE and "micro-batch 0" in errs[0][2], errs[0]
+        else:
+            assert errs[0][0] == _lib.EUNAVAIL and "applied on no rank" in errs[0][2], errs[0]
+        assert errs[1] is None, errs
+        assert all(float(g.abs().max()) == 0.0 for g in grads[0].values()), r
+        for n, w in want.items():
+            chunk = -(-w.shape[0] // world)
+            start, stop = min(r * chunk, w.shape[0]), min((r + 1) * chunk, w.shape[0])
+            assert float((grads[1][n].double() - w[start:stop]).abs().max()) < \
+                3e-3 * float(w.abs().max()), (r, n)
     noise = torch.cat([torch.cat([got[r]["noise"][n] for r in range(world)]).double().reshape(-1)
                        for n in want])
     want_std = 1.0 * C / B
