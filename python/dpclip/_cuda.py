@@ -8,7 +8,7 @@ ordering uses two interprocess events per device: the trainer records
 the step's reply (or, asynchronous, its early notice).
 
 A sharded step (dpclip._fsdp) names its tensors in place too, its sums in
-two slots of the widest bucket's size (CudaPhases)."""
+three slots of the widest bucket's size (CudaPhases)."""
 import time
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -44,6 +44,11 @@ def _index(device: torch.device) -> int:
     """The device's ordinal ("cuda" alone: the current one)."""
     return device.index if device.index is not None else torch.cuda.current_device()
 
+
+# A sharded step's sums slots (CudaPhases): bucket k's in slot k % _SLOTS,
+# so that bucket k + 1's step can be queued in the daemon while the
+# trainer's stream copies bucket k out and bucket k - 1's waits to be reused
+_SLOTS = 3
 
 # What CudaIPC.run did (dpclip._transport.Run; kept under its old name)
 CudaRun = Run
@@ -266,8 +271,9 @@ class CudaIPC(Transport):
 
 class CudaPhases(Phases):
     """A sharded step's norm pass and sums on the GPU: the parts' tensors named in
-    place (kept until the sums are done); two slots of the largest bucket's
-    size, written in turn. The daemon's steps wait on no event of ours but
+    place (kept until the sums are done); _SLOTS slots of the largest
+    bucket's size, written in turn (sums_submit() queues bucket k + 1's
+    step while bucket k is copied out). The daemon's steps wait on no event of ours but
     the norm pass's (its input: the backward's end): a sums step replies
     once its writes are done, and the host reuses a slot only once the
     trainer's stream has copied it out. So the daemon never waits for work
@@ -287,8 +293,8 @@ class CudaPhases(Phases):
         self.scratch = scratch  # a micro-batch that does not commit: nothing is written
         self.keep = [_wire(lp, device) for lp in plan.parts]
         self.widest = sh.widest
-        self.slots: List[Optional[torch.Tensor]] = [None, None]
-        self.copied_ev: List[Optional[Any]] = [None, None]
+        self.slots: List[Optional[torch.Tensor]] = [None] * _SLOTS
+        self.copied_ev: List[Optional[Any]] = [None] * _SLOTS
         self.own: Optional[Tuple[torch.cuda.Event, int]] = None  # submit()'s `ready`
 
     def _ins(self, i: int) -> Tuple[_lib.Tensor, _lib.Tensor]:
@@ -349,25 +355,36 @@ class CudaPhases(Phases):
             self.io.settle(device, self.own)
             self.own = None
         self.keep.clear()
-        self.slots = [None, None]
+        self.slots = [None] * _SLOTS
 
     def sums(self, k: int, which: List[int], base: int, n: int) -> torch.Tensor:
         self._sums(k, which, base, False)
-        return self.slots[0 if self.scratch else k % 2][:n]
+        return self.slots[self._slot(k)][:n]
+
+    def sums_submit(self, k: int, which: List[int], base: int, n: int) -> Any:
+        return self._sums(k, which, base, True), n
+
+    def sums_wait(self, k: int, sent: Any) -> torch.Tensor:
+        ticket, n = sent
+        self.io.client.wait(ticket)  # raises its error
+        return self.slots[self._slot(k)][:n]
+
+    def _slot(self, k: int) -> int:
+        return 0 if self.scratch else k % _SLOTS
 
     def _sums(self, k: int, which: List[int], base: int, submit: bool) -> int:
         """Bucket k's sums step into its slot: run (0) or (submit) its ticket."""
         sh, e = self.sh, self.sh.engine
-        slot = 0 if self.scratch else k % 2
+        slot = self._slot(k)
         if self.scratch and self.slots[0] is None:  # nothing written: one slot, every bucket
             self.slots[0] = torch.empty(self.widest, dtype=sh.dtype, device=self.device)
         elif not self.scratch and self.copied_ev[slot] is not None:
-            self.copied_ev[slot].synchronize()  # the host: bucket k - 2 is out of it
+            self.copied_ev[slot].synchronize()  # the host: bucket k - _SLOTS is out of it
         if self.slots[slot] is None:
-            # both slots now, none later (see the class's docstring), then
+            # every slot now, none later (see the class's docstring), then
             # the stream drained: nearly free, the daemon's norm pass waited
             # for the backward it holds
-            for i in range(min(2, len(sh._buckets))):  # pylint: disable=protected-access
+            for i in range(min(_SLOTS, len(sh._buckets))):  # pylint: disable=protected-access
                 if self.slots[i] is None:
                     self.slots[i] = torch.empty(self.widest, dtype=sh.dtype, device=self.device)
             torch.cuda.current_stream(self.device).synchronize()
@@ -391,7 +408,7 @@ class CudaPhases(Phases):
     def copied(self, k: int) -> None:
         ev = torch.cuda.Event()
         ev.record(torch.cuda.current_stream(self.device))
-        self.copied_ev[k % 2] = ev
+        self.copied_ev[self._slot(k)] = ev
 
     def close(self) -> None:
         self.sh._clip.set_phase(_lib.STEP_WHOLE)  # pylint: disable=protected-access

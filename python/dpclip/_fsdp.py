@@ -62,12 +62,18 @@ Backends without reduce-scatter (gloo in older torches) all-reduce the sums
 and keep their rows: the same result.
 
 Memory: as FSDP holds one layer group's unsharded gradient at a time, the
-clipped sums exist one bucket at a time: two slots of the largest bucket's
-size (the daemon fills one while the trainer's stream copies the other out)
-and that bucket's staging. Past the norm pass (which waits for the
-backward's end) the daemon waits for nothing of the trainer's: a sums step
-replies once written, and the host reuses a slot only after the stream
-copied it out, so no daemon work ever waits behind a collective."""
+clipped sums exist a few buckets at a time: on the GPU three slots of the
+largest bucket's size (bucket k + 1's sums step is queued in the daemon,
+which fills its slot while the trainer's stream copies bucket k out of
+another and bucket k - 1's waits to be reused), and a bucket's staging.
+Past the norm pass (which waits for the backward's end) the daemon waits
+for nothing of the trainer's: a sums step replies once written, and the
+host reuses a slot only after the stream copied it out, so no daemon work
+ever waits behind a collective. A micro-batch that does not commit goes
+without waiting on the GPU (micro_submit): its norm pass and sums steps
+are queued in the daemon while the trainer runs the next micro-batch, and
+the accumulator collects their replies (at most one micro-batch in
+flight: its tensors held until then)."""
 import math
 import time
 from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
@@ -562,13 +568,31 @@ class Sharded:
         self._events = []
         self.sums_steps = 0
         by_out = {id(pc.out): i for i, pc in enumerate(self.pieces)}
+        sent: Dict[int, Any] = {}  # bucket -> its sums step, sent and not answered
+
+        def send(k: int, failed: Optional[BaseException]) -> Optional[BaseException]:
+            """Bucket k's sums step, sent without waiting where io can (the
+            daemon works on it while the trainer copies out and
+            reduce-scatters bucket k - 1); the first failure."""
+            if io is None or k >= len(self._buckets) or not (failed is None or logical):
+                return failed
+            first, last = self._buckets[k]
+            base, end = self._span(first, last)[:2]
+            try:
+                sent[k] = io.sums_submit(k, self._bucket_parts(plan, by_out, first, last),
+                                         base, end - base)
+            except Exception as exc:  # pylint: disable=broad-except
+                failed = failed or exc
+            return failed
+
+        failed = send(0, failed)
         for k, (first, last) in enumerate(self._buckets):
             base, end, s0, s1 = self._span(first, last)
             full = None
-            if io is not None and (failed is None or logical):
+            failed = send(k + 1, failed)
+            if k in sent:
                 try:
-                    which = self._bucket_parts(plan, by_out, first, last)
-                    got = io.sums(k, which, base, end - base)
+                    got = io.sums_wait(k, sent.pop(k))
                     self.sums_steps += 1
                     if failed is None:  # else sent for the pass alone; zeros staged
                         self._to_param_layout(got, first, last, base)

@@ -59,6 +59,18 @@ class Phases:
     def sums(self, k: int, which: List[int], base: int, n: int) -> torch.Tensor:
         raise NotImplementedError
 
+    def sums_submit(self, k: int, which: List[int], base: int, n: int) -> Any:
+        """sums(), sent where the transport can without waiting for its
+        reply (the next bucket's step queued in the daemon while this one's
+        is copied out and reduce-scattered): what sums_wait() takes. Here,
+        nothing is sent: sums_wait() runs the step (one slot)."""
+        return which, base, n
+
+    def sums_wait(self, k: int, sent: Any) -> torch.Tensor:
+        """Bucket k's sums, once sums_submit()'s step is answered; raises
+        its error."""
+        return self.sums(k, *sent)
+
     def copied(self, k: int) -> None:
         raise NotImplementedError
 

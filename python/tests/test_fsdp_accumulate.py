@@ -256,6 +256,9 @@ def test_cuda_micro_batch_sums_name_one_slot_and_drain_nothing(monkeypatch):
         def run(self, client):
             pass
 
+        def submit(self, client):
+            return 1
+
     monkeypatch.setattr(torch.cuda, "current_stream", lambda *a, **k: Stream())
     monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
     sh = _fsdp.Sharded.__new__(_fsdp.Sharded)
@@ -265,7 +268,8 @@ def test_cuda_micro_batch_sums_name_one_slot_and_drain_nothing(monkeypatch):
     sh.world, sh.rank, sh.group, sh.dtype, sh._clip = 1, 0, None, torch.float32, Step()
     sh.widest = max(sh._span(f, l)[1] - sh._span(f, l)[0] for f, l in bks)
     plan = _fsdp._planner.Plan([], [])
-    for scratch, slots, drains in ((True, 1, 0), (False, 2, 1)):
+    sh.engine.client.wait = lambda ticket: None
+    for scratch, slots, drains in ((True, 1, 0), (False, 3, 1)):
         drained.clear()
         ptrs.clear()
         io = _cuda.CudaIPC(sh.engine.client).phases(sh, plan, 1, torch.device("cpu"), scratch)
@@ -274,11 +278,26 @@ def test_cuda_micro_batch_sums_name_one_slot_and_drain_nothing(monkeypatch):
             got = io.sums(k, [], base, end - base)
             assert got.numel() == end - base
             if not scratch:
-                io.copied_ev[k % 2] = None  # (copied() records a CUDA event)
+                io.copied_ev[k % 3] = None  # (copied() records a CUDA event)
         assert len(set(ptrs)) == slots and len(ptrs) == len(bks), (scratch, ptrs)
         assert sum(t is not None for t in io.slots) == slots
         assert all(t.numel() == sh.widest for t in io.slots if t is not None)
         assert len(drained) == drains, (scratch, drained)
+    # queued one ahead (sums_submit before the previous bucket's
+    # sums_wait): a bucket's slot is never the next one's, nor the one
+    # before it, still being copied out
+    ptrs.clear()
+    io = _cuda.CudaIPC(sh.engine.client).phases(sh, plan, 1, torch.device("cpu"), False)
+    spans = [sh._span(f, l)[:2] for f, l in bks]
+    sent = {0: io.sums_submit(0, [], spans[0][0], spans[0][1] - spans[0][0])}
+    for k in range(len(bks)):
+        if k + 1 < len(bks):
+            b, e = spans[k + 1]
+            sent[k + 1] = io.sums_submit(k + 1, [], b, e - b)
+        got = io.sums_wait(k, sent.pop(k))
+        assert got.numel() == spans[k][1] - spans[k][0]
+        assert got.data_ptr() == io.slots[k % 3].data_ptr()
+    assert len(set(ptrs[:3])) == 3 and ptrs[3:] == ptrs[:len(bks) - 3], ptrs
 
 
 # --- FSDP2 on a GPU ----------------------------------------------------------------------

@@ -314,7 +314,9 @@ def test_cuda_sums_slots_never_take_memory_a_queued_collective_still_reads(monke
     block 0's norms) must still be reduce-scattered from its own sums: a
     slot taken at bucket 1 got bucket 0's staging and the daemon wrote
     bucket 1's sums over it before the reduce-scatter read it (the
-    llama1b --check failure of bench_fsdp.py on 4 GPUs)."""
+    llama1b --check failure of bench_fsdp.py on 4 GPUs). Each bucket's
+    step is sent before the previous one's sums are copied out (three
+    slots, the fourth bucket in the first's again)."""
     import contextlib
     import ctypes
     import weakref
@@ -324,10 +326,11 @@ def test_cuda_sums_slots_never_take_memory_a_queued_collective_still_reads(monke
             self.w_out, self.b_out = Out(w), None
             self.outs = [self.w_out]
 
-    layers = [L(torch.empty(r, 32)) for r in (64, 32, 16)]  # buckets [0], [1, 2] below
+    # buckets [0], [1, 2], [3], [4] below: the fourth takes the first's slot again
+    layers = [L(torch.empty(r, 32)) for r in (64, 32, 16, 64, 48)]
     pieces, full_n, shard_n = _fsdp.layout(layers, 1, 0)
     bks = _fsdp.buckets(pieces, 64 * 32)
-    assert bks == [(0, 1), (1, 3)]
+    assert bks == [(0, 1), (1, 3), (3, 4), (4, 5)]
 
     real_empty = torch.empty
     pending = []  # the stream's queued collectives, run in order
@@ -409,6 +412,13 @@ def test_cuda_sums_slots_never_take_memory_a_queued_collective_still_reads(monke
             self.calls += 1
             ctypes.memmove(client.ptr, src.data_ptr(), src.numel() * 4)
 
+        def submit(self, client):  # queued: written at once, the earliest it could be
+            self.run(client)
+            return self.calls
+
+        def wait(self, ticket):
+            pass
+
     sh = _fsdp.Sharded.__new__(_fsdp.Sharded)
     sh.engine = type("E", (), {"client": Client(), "algorithm": 0,
                                "noise_multiplier": 0.0})()
@@ -417,11 +427,12 @@ def test_cuda_sums_slots_never_take_memory_a_queued_collective_still_reads(monke
                     _fsdp._al(pieces[l - 1].chunk * pieces[l - 1].inner) for f, l in bks)
     sh.world, sh.rank, sh.group, sh.dtype = 1, 0, None, torch.float32
     sh._rs_native, sh._events, sh.sums_steps, sh._clip = True, [], 0, Daemon()
+    sh.engine.client.wait = sh._clip.wait
     plan = _fsdp._planner.Plan([], [])
     io = _cuda.CudaIPC(sh.engine.client).phases(sh, plan, 1, torch.device("cpu"))
     shards, failed = sh._sums_and_scatter(plan, io, torch.device("cpu"), True, None)
     flush()
-    assert failed is None and sh.sums_steps == 2
+    assert failed is None and sh.sums_steps == 4
     for k, (first, last) in enumerate(bks):
         sums = want(first, last)
         base = pieces[first].full_off
