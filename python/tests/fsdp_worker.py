@@ -366,19 +366,25 @@ def run_fsdp2(rank, world, init_file, socket_path, data, C, expected, seed, out_
             engine.close()
 
         recorded = []  # each sums step's output as the daemon wrote it
-        sums = _cuda.CudaPhases.sums
+        submit, wait, bases = _cuda.CudaPhases.sums_submit, _cuda.CudaPhases.sums_wait, {}
 
-        def record(io, k, which, base, n):
-            full = sums(io, k, which, base, n)
-            recorded.append((base, full.detach().clone()))
+        def record_submit(io, k, which, base, n):  # (queued one bucket ahead)
+            bases[k] = base
+            return submit(io, k, which, base, n)
+
+        def record_wait(io, k, sent):
+            full = wait(io, k, sent)
+            recorded.append((bases[k], full.detach().clone()))
             return full
 
-        _cuda.CudaPhases.sums = record
+        _cuda.CudaPhases.sums_submit = record_submit
+        _cuda.CudaPhases.sums_wait = record_wait
         engine, model, opt = private(fresh(bf16), "fsdp2-noise", 1.0)
         opt.zero_grad()
         (model(x[mine]).float() * 0.0).sum().backward()
         opt.step()
-        _cuda.CudaPhases.sums = sums
+        _cuda.CudaPhases.sums_submit, _cuda.CudaPhases.sums_wait = submit, wait
+        assert len(recorded) == len(engine.mode.shards._buckets), recorded
         out["noise"] = {n: p.grad.to_local().cpu() for n, p in model.named_parameters()}
         sh = engine.mode.shards
         out["owned"] = _owned_noise(sh, recorded, model, rank)
