@@ -478,7 +478,8 @@ static void test_group(void **state) {
     for (uint32_t b = 0; b < NS; b++) tot[b] = n2[0][b] + n2[1][b];
     for (int k = 0; k < 2; k++) {
         assert_int_equal(dc_step_result_init(&res[k], NS, 1, false), 0);
-        assert_int_equal(g_cuda->ops->run_clip(g_cuda, &ds[k], n2[k], tot, NULL, NULL, &res[k], &err), 0);
+        assert_int_equal(
+            g_cuda->ops->run_clip(g_cuda, &ds[k], n2[k], tot, NULL, NULL, &res[k], &err), 0);
     }
     int clipped = 0, old_over = 0;
     for (uint32_t b = 0; b < NS; b++) {
