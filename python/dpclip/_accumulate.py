@@ -45,11 +45,7 @@ otherwise block the pipeline (1F1B deadlocks). Host micro-batches hold a
 staging arena each until their reply is collected (dpclip._host); GPU ones
 of a flat norm group keep their tensors alive until then (dpclip._cuda).
 Outside norm groups a CPU micro-batch's reply is awaited at the next one
-(two arenas at most), a GPU one's early notice at once; a sharded engine's
-GPU micro-batch (its norm pass and sums steps) goes without waiting, and at
-most one stays in flight (Accumulator.submitted). Replies that are in are
-collected, without waiting, at each training forward's start and at each
-capture of a backward, so that what they held goes as soon as it can.
+(two arenas at most), a GPU one's early notice at once.
 
 Failure: a micro-batch that fails (here or in the daemon) aborts the
 logical step: nothing more of it is sent, the daemon drops what it
@@ -154,15 +150,6 @@ class Accumulator:
         """A layer captured something for pass_id (during a backward):
         tracks the passes one backward call reaches (checked at its end)."""
         self._window.add(pass_id)
-        if self.inflight:
-            # the micro-batches in flight that the daemon is done with give
-            # back their tensors now, in this backward, not at the next
-            # micro-batch's send: a held micro-batch's activations and
-            # output gradients are then not on top of this one's at its peak
-            try:
-                self._poll()
-            except Exception as exc:  # pylint: disable=broad-except
-                self._fail(exc)  # raised by step()
         if self._queued:
             return
         try:

@@ -166,51 +166,6 @@ def test_the_ledger_charges_once_per_logical_step(daemon):
         assert a == pytest.approx(w, rel=1e-9), (accumulated, whole)
 
 
-def test_a_reply_that_is_in_goes_at_the_next_backwards_first_capture(daemon):
-    """Micro-batch 0 goes at micro-batch 1's forward and stays in flight (a
-    CPU one is awaited only at the next send, holding its staging arena).
-    Once its reply is in, the first capture of micro-batch 1's backward
-    collects it, not micro-batch 2's send; the logical step is still the
-    whole batch's reference."""
-    torch.manual_seed(11)
-    model = SeqModel()
-    (x,), y = seq_data(24, seed=12)
-    want, _, _ = reference(model, "seq", (x,), y, 0.5, "mean", 24)
-    engine, model, opt = _engine(daemon.socket, model, max_grad_norm=0.5,
-                                 expected_batch_size=24)
-    acc = engine._acc  # pylint: disable=protected-access
-    captured, seen = acc.captured, []
-
-    passes = []
-
-    def spy(pass_id):
-        captured(pass_id)
-        if len(passes) == 2 and pass_id == passes[1] and not seen:
-            # micro-batch 1's first capture: the captures go on (each one
-            # polls) until micro-batch 0's reply is in and collected
-            seen.append(len(acc.inflight))
-            t0 = time.monotonic()
-            while acc.inflight and time.monotonic() - t0 < 30:
-                time.sleep(0.01)
-                captured(pass_id)
-            seen.append(len(acc.inflight))
-
-    acc.captured = spy
-    opt.zero_grad()
-    for k, sl in enumerate(_pieces([8, 8, 8])):
-        out = model(x[sl])
-        passes.append(engine._pass)  # pylint: disable=protected-access
-        if k == 1:
-            assert len(acc.inflight) == 1  # micro-batch 0, sent at this forward
-        reduce_loss(per_sample_losses("seq", out.float(), y[sl]), "mean").backward()
-        if k == 1:
-            assert seen[-1] == 0, seen  # collected in this backward, before the next send
-    opt.step()
-    for n, p in model.named_parameters():
-        assert _max_rel(p.grad, want[n]) < 2e-4, (n, _max_rel(p.grad, want[n]))
-    engine.close()
-
-
 def test_a_failing_micro_batch_releases_and_charges_nothing(daemon):
     """Micro-batch 1 of 3 has a non-finite gradient: step() raises, no
     parameter moves, param.grad is untouched, and the job is charged
