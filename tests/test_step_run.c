@@ -96,13 +96,24 @@ static int fake_hash(dc_backend *be, const dc_tensor *const *ts, size_t n, uint6
     return 0;
 }
 
+/* What a backend that times its norm phase says of it (the CUDA
+ * backend's events): the norms, and the wait for the input. */
+enum { FAKE_NORMS_NS = 4321, FAKE_WAIT_NS = 765 };
+
+static void fake_norm_times(dc_backend *be, uint64_t phase_ns[DC_RUN_N]) {
+    (void)be;
+    phase_ns[DC_RUN_NORMS] = FAKE_NORMS_NS;
+    phase_ns[DC_RUN_WAIT_INPUT] = FAKE_WAIT_NS;
+}
+
 static const dc_backend_ops fake_ops = {.name = "fake",
                                         .run_step = fake_run,
                                         .destroy = fake_destroy,
                                         .run_norms = fake_norms,
                                         .run_clip = fake_clip,
                                         .kept_free = fake_kept_free,
-                                        .tensors_hash = fake_hash};
+                                        .tensors_hash = fake_hash,
+                                        .norm_times = fake_norm_times};
 
 typedef struct fixture {
     fake be;
@@ -209,6 +220,11 @@ static void test_pass_keeps_sealed(void **state) {
     assert_int_equal(f->be.asked_keep, 1);
     assert_ptr_equal(f->sc.kept, &f->be.kept);
     for (int l = 0; l < L; l++) assert_int_equal(f->be.hashed[l], 2);
+    /* its timed parts are the step's, for the metrics (a norm phase has
+     * no result of its own) */
+    assert_int_equal(f->sc.res.phase_ns[DC_RUN_NORMS], FAKE_NORMS_NS);
+    assert_int_equal(f->sc.res.phase_ns[DC_RUN_WAIT_INPUT], FAKE_WAIT_NS);
+    assert_int_equal(f->sc.res.phase_ns[DC_RUN_CLIPPING], 0);
     f->sc.kept = NULL; /* (the pass would take it: nothing to give back here) */
     release(f);
 }

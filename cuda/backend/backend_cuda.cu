@@ -89,7 +89,14 @@ int cuda_run_step(dc_backend *be, const dc_step *s, dc_step_result *res, dc_err 
 }
 
 int cuda_run_norms(dc_backend *be, const dc_step *s, double *n2, dc_kept **kept, dc_err *err) {
+    memset(((cuda_backend *)be)->norm_ns, 0, sizeof((cuda_backend *)be)->norm_ns);
     return run_impl(be, s, NULL, err, phase_io{CP_NORMS, n2, NULL, NULL, kept, NULL, NULL});
+}
+
+void cuda_norm_times(dc_backend *be, uint64_t phase_ns[DC_RUN_N]) {
+    const cuda_backend *cb = (const cuda_backend *)be;
+    for (int k = 0; k < DC_RUN_N; k++)
+        if (cb->norm_ns[k]) phase_ns[k] = cb->norm_ns[k];
 }
 
 int cuda_run_clip(dc_backend *be, const dc_step *s, const double *n2, const double *tot,
@@ -328,14 +335,30 @@ fail:
     return rc;
 }
 
+/* The GPU's wait for the client's input and the norms, as the phase
+ * events timed them (0 where not: resolution aside, + 1 says measured) */
+uint64_t event_ns(cudaEvent_t a, cudaEvent_t b) {
+    float m = 0.0f;
+    return cudaEventElapsedTime(&m, a, b) == cudaSuccess && m >= 0.0f
+               ? (uint64_t)((double)m * 1e6) + 1
+               : 0;
+}
+
 /* A norm phase's end (CP_NORMS): n2 and the flags home, one
- * synchronisation; norms_take reads them. */
+ * synchronisation; norms_take reads them. Its timed parts (norms, and the
+ * wait for the input) go to cb->norm_ns. */
 int norms_home(step_run *r, dc_err *err) {
     cuda_backend *cb = r->cb;
     int rc = 0;
+    phase_mark(cb, 2);
     CK(cudaMemcpyAsync(cb->host, r->ws, r->Lo.dl_bytes, cudaMemcpyDeviceToHost, cb->stream),
        "the result copy");
     CK(cudaStreamSynchronize(cb->stream), "the norms");
+    if (cb->prof) {
+        cb->norm_ns[DC_RUN_NORMS] = event_ns(cb->ev[1], cb->ev[2]);
+        if (r->waited) cb->norm_ns[DC_RUN_WAIT_INPUT] = event_ns(cb->ev_wait, cb->ev[0]);
+        (void)cudaGetLastError();
+    }
     return 0;
 fail:
     return rc;
@@ -751,7 +774,8 @@ const dc_backend_ops cuda_ops = {"cuda",
                                  dc_cuda_backend_workspace_bytes,
                                  cuda_acc_alloc,
                                  cuda_acc_free,
-                                 cuda_tensors_hash};
+                                 cuda_tensors_hash,
+                                 cuda_norm_times};
 
 } // namespace
 

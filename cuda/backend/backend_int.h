@@ -76,6 +76,9 @@ struct cuda_backend {
      * the GPU's wait for the client's input */
     cudaEvent_t ev_wait;
     bool waited;
+    /* the last norm phase's timed parts (backend ops norm_times): a norm
+     * phase has no step result to put them in */
+    uint64_t norm_ns[DC_RUN_N];
     /* wait_stream (wait.cu): the end of a step's work (blocking sync), and
      * the recent steps' wait per unit of estimated cost (ns; 0 = none yet) */
     cudaEvent_t ev_done;

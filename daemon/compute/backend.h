@@ -115,6 +115,11 @@ typedef struct dc_backend_ops {
      * in phases: step_run.h's seal). Worker thread. */
     int (*tensors_hash)(dc_backend *be, const dc_tensor *const *ts, size_t n, uint64_t key,
                         uint64_t *out, dc_err *err);
+    /* The parts of the last run_norms on this worker thread that the
+     * backend timed (dc_run_phase; 0: not timed), into phase_ns, for the
+     * metrics: a norm phase has no dc_step_result of its own. NULL where
+     * the backend times none. */
+    void (*norm_times)(dc_backend *be, uint64_t phase_ns[DC_RUN_N]);
 } dc_backend_ops;
 
 struct dc_backend {
@@ -132,6 +137,12 @@ static inline const char *dc_backend_name(const dc_backend *be) { return be->ops
  * each (a caller refuses by name where it has not), then the calls. */
 static inline bool dc_backend_has_norm_phase(const dc_backend *be) {
     return be->ops->run_norms != NULL;
+}
+
+/* The last norm phase's timed parts into phase_ns (left alone where the
+ * backend times none). */
+static inline void dc_backend_norm_times(dc_backend *be, uint64_t phase_ns[DC_RUN_N]) {
+    if (be->ops->norm_times) be->ops->norm_times(be, phase_ns);
 }
 
 static inline bool dc_backend_has_clip_phase(const dc_backend *be) {

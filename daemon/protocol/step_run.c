@@ -187,6 +187,8 @@ static void norms_phase(dc_step_call *sc, dc_backend *be, bool unseal_kept) {
                  : dc_err_set(&sc->err, DC_EUNIMPL, "clip_step",
                               "the %s backend has no separate norm phase", dc_backend_name(be));
     if (sc->kept) sc->kept_be = be;
+    if (sc->rc == 0)
+        dc_backend_norm_times(be, sc->res.phase_ns); /* (a clip phase's replace them) */
     /* the seal right after the norms: what the clip phase may sum */
     if (sc->rc == 0 && !(sc->rc = dc_step_run_seal_key(&sc->seal_key, &sc->err)))
         sc->rc = dc_step_run_seal(be, &sc->step, sc->seal_key, unseal_kept ? sc->kept : NULL,
