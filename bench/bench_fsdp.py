@@ -39,7 +39,10 @@ or fails, a line {"mode": "opacus", "skipped": why} and the run goes on.
 One JSON line per rank and mode (median time per step and every round's,
 peak memory as torch.cuda.max_memory_allocated, the gradient phase's memory
 above the forward's, for dpclip the reduce-scatter's device time and share,
-the clipping and noise steps' wall time), then one of ratios: the slowest
+and where its step's host time goes: clip_ms, the norm pass from step() to
+its reply, the backward's tail on the GPU included; sums_ms, the buckets'
+sums steps and reduce-scatters to the gate; write_ms, param.grad; step_ms,
+the whole optimizer.step()), then one of ratios: the slowest
 rank's time and the largest peak of each mode against the plain step's,
 with dpclip's targets (1.15x in time and in memory).
 
@@ -95,6 +98,7 @@ from fsdp_common import (  # noqa: E402
     fresh_model, fsdp2_api, init_rank, log, placement, policy, prepare, private,
     seq_loss, shard, spawn)
 import fsdp_check  # noqa: E402
+from dpclip import _cuda  # noqa: E402
 
 TARGET = {"time": 1.15, "peak": 1.15}  # dpclip over the plain FSDP2 step
 LR = 1e-4
@@ -165,7 +169,12 @@ def timed_run(args, rank, world, device, mesh, init, mode, own_norms=True):
     else:
         batches = [token_batch(args, device, seed=1 + rank)]  # the timing's fixed batch
     no_sync = mode == "fsdp" and len(batches) > 1
-    parts = {"reduce_scatter_ms": 0.0, "clip_ms": 0.0, "noise_ms": 0.0}
+    # dpclip's step, per rank (host wall time): clip_ms, the norm pass (from
+    # step() to its reply: the backward's tail on the GPU included); sums_ms,
+    # the buckets' sums steps and reduce-scatters to the gate's agreement;
+    # write_ms, param.grad from the shards; step_ms, the whole opt.step()
+    parts = {"reduce_scatter_ms": 0.0, "clip_ms": 0.0, "noise_ms": 0.0, "sums_ms": 0.0,
+             "write_ms": 0.0, "step_ms": 0.0}
     extra = {}
 
     def step(timed, measure=False):
@@ -196,7 +205,9 @@ def timed_run(args, rank, world, device, mesh, init, mode, own_norms=True):
             for p in model.parameters():
                 dist.all_reduce(p.grad)
                 p.grad /= world
+        t_step = time.perf_counter()
         opt.step()
+        t_step = time.perf_counter() - t_step
         if measure and device.type == "cuda":
             sync(device)
             extra["grad_phase_extra_mib"] = round(
@@ -206,6 +217,9 @@ def timed_run(args, rank, world, device, mesh, init, mode, own_norms=True):
             parts["reduce_scatter_ms"] += sh.reduce_scatter_ms()
             parts["clip_ms"] += sh.timing["clip_ms"]
             parts["noise_ms"] += sh.timing["noise_ms"]
+            parts["sums_ms"] += sh.timing["sums_and_reduce_scatter_ms"]
+            parts["write_ms"] += sh.timing["write_ms"]
+            parts["step_ms"] += t_step * 1e3
 
     # with --logical the last warm-up step is measured (a logical step is
     # long: no extra one); its grad_phase figures come before the timed steps
@@ -240,10 +254,12 @@ def timed_run(args, rank, world, device, mesh, init, mode, own_norms=True):
     if engine is not None:
         sh = engine.mode.shards
         esz = torch.empty(0, dtype=sh.dtype).element_size()
-        # the sums' memory: up to two slots of the largest bucket, against the
+        # the sums' memory: the slots of the largest bucket (on the GPU up to
+        # three, the next bucket's step queued; one on the host), against the
         # whole local sum a single sums step would hold
         buckets = len(sh._buckets)  # pylint: disable=protected-access
-        out["sums_slots_mib"] = round(min(2, buckets) * sh.widest * esz / 2 ** 20, 1)
+        slots = min(_cuda._SLOTS, buckets) if device.type == "cuda" else 1  # pylint: disable=W0212
+        out["sums_slots_mib"] = round(slots * sh.widest * esz / 2 ** 20, 1)
         out["whole_sum_mib"] = round(sh.full_n * esz / 2 ** 20, 1)
         out["buckets"] = buckets
         for k, v in parts.items():
