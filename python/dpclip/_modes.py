@@ -140,13 +140,16 @@ class Sharded(Local):
         super().__init__(engine)
         self.shards = shards
         self.guard_hooks = not shards.fsdp
+        # make_private's asynchronous, which a sharded step cannot be: its
+        # micro-batches that do not commit go without waiting (GPU)
+        self.micro_async = True
 
     def open(self, target_delta: float, target_epsilon: float, device: torch.device) -> None:
         e = self.e
         self.shards.open(e._socket_path, e._client_name,  # pylint: disable=protected-access
                          e.job_id, e._step.cfg, target_delta,  # pylint: disable=W0212
                          target_epsilon, device)
-        e.asynchronous = False
+        self.micro_async, e.asynchronous = e.asynchronous, False
 
     def step(self, params: Optional[Iterable[torch.Tensor]]) -> None:
         e = self.e
@@ -161,9 +164,9 @@ class Sharded(Local):
     def send(self, acc: Any, plan: _planner.Plan, B: int, logical_id: int, index: int,
              commit: bool, gated: bool) -> Optional[torch.Tensor]:
         # never the commit: that is step()'s. Sent without waiting where
-        # the transport can (the GPU's): the trainer's next micro-batch runs
-        # while the daemon works on this one
-        got = self.shards.micro_submit(plan, B, logical_id, index)
+        # the transport can (the GPU's) and asynchronous allows: the
+        # trainer's next micro-batch runs while the daemon works on this one
+        got = self.shards.micro_submit(plan, B, logical_id, index) if self.micro_async else None
         if got is None:
             acc._result(B, self.shards.micro(plan, B, logical_id, index),  # pylint: disable=W0212
                         logical_id)

@@ -322,9 +322,15 @@ class PrivacyEngine:
         clips this rank's samples, the mesh's process group reduce-scatters
         the sums, and each rank's second session noises the rows it owns
         (sigma * C, once per coordinate; the ledger charges rank 0 once per
-        step). Steps block (no asynchronous GPU steps). sharded_noise=True
-        runs the same steps for a plain model and all-gathers the noised
-        shards into param.grad on every rank: no rank is special."""
+        step). Steps block (no asynchronous GPU steps); with asynchronous
+        (the default) the micro-batches of a logical step that do not
+        commit go without waiting on the GPU, so the daemon works on one
+        while the trainer runs the next (faster; one more micro-batch's
+        activations and output gradients held meanwhile), and
+        asynchronous=False sends each and waits for it (less memory).
+        sharded_noise=True runs the same steps for a plain model and
+        all-gathers the noised shards into param.grad on every rank: no
+        rank is special."""
         if self.module is not None:
             raise RuntimeError("this PrivacyEngine is already attached to a module")
         algo = _terms.check_terms(loss_reduction, max_grad_norm, noise_multiplier, algorithm)

@@ -218,6 +218,54 @@ def test_logical_batches_per_rank_equal_the_union_reference(daemon, tmp_path):
                 assert _rel(got[r]["grads"][s][n], g) < 1e-4, (s, r, n)
 
 
+def test_asynchronous_false_sends_each_micro_batch_and_waits(daemon, tmp_path, monkeypatch):
+    """make_private(asynchronous=...) on a sharded engine (one gloo rank):
+    by default a micro-batch that does not commit is offered to
+    Sharded.micro_submit (sent without waiting where the transport can:
+    the GPU's; the host's then sends it and waits); asynchronous=False
+    never offers it, each is sent and waited for. Both give the f64
+    reference's gradient."""
+    dist = torch.distributed
+    if not dist.is_available():
+        pytest.skip("torch.distributed is not available")
+    offered = []
+    submit = _fsdp.Sharded.micro_submit
+
+    def spy(sh, plan, B, logical_id, index):
+        offered.append(index)
+        return submit(sh, plan, B, logical_id, index)
+
+    monkeypatch.setattr(_fsdp.Sharded, "micro_submit", spy)
+    (x,), y = seq_data(12, seed=4)
+    torch.manual_seed(6)
+    want, _, _ = reference(SeqModel(), "seq", (x,), y, 0.7, "mean", 12, margin=PHASED_MARGIN)
+    dist.init_process_group("gloo", init_method="file://" + str(tmp_path / "init"), rank=0,
+                            world_size=1)
+    try:
+        for asynchronous, expect in ((True, [0, 1]), (False, [])):
+            offered.clear()
+            torch.manual_seed(6)
+            model = SeqModel()
+            engine = PrivacyEngine(daemon.socket, allow_insecure_seed=True)
+            model, opt, _ = engine.make_private(
+                module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.0),
+                noise_multiplier=0.0, max_grad_norm=0.7, expected_batch_size=12,
+                sharded_noise=True, asynchronous=asynchronous)
+            opt.zero_grad()
+            for sl in (slice(0, 4), slice(4, 9), slice(9, 12)):
+                out = model(x[sl])
+                nn.functional.cross_entropy(out.flatten(0, 1), y[sl].flatten(),
+                                            reduction="none").view(out.shape[:2]).mean(1) \
+                    .mean().backward()
+            opt.step()
+            assert offered == expect, (asynchronous, offered)
+            for n, p in model.named_parameters():
+                assert _rel(p.grad, want[n]) < 1e-4, (asynchronous, n, _rel(p.grad, want[n]))
+            engine.close()
+    finally:
+        dist.destroy_process_group()
+
+
 def test_cuda_micro_batch_sums_name_one_slot_and_drain_nothing(monkeypatch):
     """The GPU transport's sharded steps (_cuda.CudaPhases) of a micro-batch that does not commit,
     on the CPU with the CUDA calls stubbed: every bucket's sums step names
