@@ -45,7 +45,9 @@ otherwise block the pipeline (1F1B deadlocks). Host micro-batches hold a
 staging arena each until their reply is collected (dpclip._host); GPU ones
 of a flat norm group keep their tensors alive until then (dpclip._cuda).
 Outside norm groups a CPU micro-batch's reply is awaited at the next one
-(two arenas at most), a GPU one's early notice at once.
+(two arenas at most), a GPU one's early notice at once; a sharded engine's
+micro-batch (its norm pass and sums steps, Accumulator.submitted) at the
+next one too, its tensors or staging arena held until then.
 
 Failure: a micro-batch that fails (here or in the daemon) aborts the
 logical step: nothing more of it is sent, the daemon drops what it

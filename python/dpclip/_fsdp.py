@@ -70,10 +70,11 @@ Past the norm pass (which waits for the backward's end) the daemon waits
 for nothing of the trainer's: a sums step replies once written, and the
 host reuses a slot only after the stream copied it out, so no daemon work
 ever waits behind a collective. A micro-batch that does not commit goes
-without waiting on the GPU (micro_submit): its norm pass and sums steps
-are queued in the daemon while the trainer runs the next micro-batch, and
-the accumulator collects their replies (at most one micro-batch in
-flight: its tensors held until then)."""
+without waiting (micro_submit; make_private's asynchronous): its norm
+pass and sums steps are queued in the daemon while the trainer runs the
+next micro-batch, and the accumulator collects their replies (at most
+one micro-batch in flight: its tensors or staging arena held until
+then)."""
 import math
 import time
 from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
@@ -457,19 +458,15 @@ class Sharded:
             io.close()
 
     def micro_submit(self, plan: _planner.Plan, B: int, logical_id: int, index: int
-                     ) -> Optional[Tuple[Any, List[int], Optional[BaseException]]]:
-        """micro() sent without waiting, where the transport can (CUDA):
-        (what holds the tensors its steps name until release(), their
-        tickets, the pass's first, and the first error of a sums step not
-        sent); None where it cannot (micro() then). The trainer goes on to
-        the next micro-batch while the daemon works (dpclip._accumulate
-        collects the replies)."""
+                     ) -> Tuple[Any, List[int], Optional[BaseException]]:
+        """micro() sent without waiting: (what holds what its steps name
+        until release(): the GPU's tensors, the host's staging arena; their
+        tickets, the pass's first; the first error of a sums step not
+        sent). The trainer goes on to the next micro-batch while the daemon
+        works (dpclip._accumulate collects the replies)."""
         device = self.layers[0].weight.device
         io = self.engine._io(device).phases(  # pylint: disable=W0212
             self, plan, max(B, 1), device, True)
-        if not hasattr(io, "submit"):
-            io.close()
-            return None
         by_out = {id(pc.out): i for i, pc in enumerate(self.pieces)}
         buckets = [(self._bucket_parts(plan, by_out, first, last), self._span(first, last)[0])
                    for first, last in self._buckets]

@@ -211,7 +211,12 @@ class HostPhases(Phases):
     """A sharded step's norm pass and sums through the engine's arena: one slot of
     the largest bucket's size at its start (the sums steps are synchronous:
     the slot is copied out before the next), then each part's activations
-    and output gradients, which the norm pass and the sums name alike."""
+    and output gradients, which the norm pass and the sums name alike. A
+    micro-batch that does not commit (scratch: the daemon writes nothing)
+    stages in a staging arena of its own instead, from the pool that
+    logical steps use (HostArena.micro), so that it can be sent without
+    waiting (submit()) while the next one stages: given back at release(),
+    or at close() where it was run and waited for."""
 
     def __init__(self, io: HostArena, sh: Any, plan: _planner.Plan, nb: int,
                  device: torch.device, scratch: bool = False) -> None:
@@ -219,7 +224,16 @@ class HostPhases(Phases):
         self.sh, self.plan, self.nb, self.scratch = sh, plan, nb, scratch  # one slot either way
         esz = _ESIZE[sh.dtype]
         # the slot first, then the parts' tensors
-        self.bid, self.mem, self.slots = io.stage(plan.parts, _align(sh.widest * esz))
+        off = _align(sh.widest * esz)
+        self.arena: Optional[Tuple[int, int, torch.Tensor]] = None
+        if scratch:
+            self.slots, end = _layout(plan.parts, off)
+            self.arena = io._take(end)  # pylint: disable=protected-access
+            self.bid, _, self.mem = self.arena
+            _fill(self.mem, plan.parts, self.slots)
+        else:
+            self.bid, self.mem, self.slots = io.stage(plan.parts, off)
+        self.sent = False
 
     def _ins(self, i: int) -> Tuple[_lib.Tensor, _lib.Tensor]:
         lp, (a_off, g_off) = self.plan.parts[i], self.slots[i]
@@ -227,14 +241,21 @@ class HostPhases(Phases):
                 _tref(self.bid, g_off, lp.grad_dtype, lp.grad_shape))
 
     def norms(self) -> _lib.StepResult:
+        return self._norms().run(self.io.client)
+
+    def _norms(self) -> _lib.Step:
         st = self.sh._clip  # pylint: disable=protected-access
         st.reset(self.nb)
         st.set_phase(_lib.STEP_NORMS)
         _planner.add_layers(st, self.plan.parts, self.sh.engine.algorithm,
                             lambda i: self._ins(i) + (_lib.Tensor(), _lib.Tensor()))
-        return st.run(self.io.client)
+        return st
 
     def sums(self, k: int, which: List[int], base: int, n: int) -> torch.Tensor:
+        self._sums(which, base).run(self.io.client)
+        return self.mem[:n * _ESIZE[self.sh.dtype]].view(self.sh.dtype)
+
+    def _sums(self, which: List[int], base: int) -> _lib.Step:
         sh = self.sh
         esz = _ESIZE[sh.dtype]
         outs = sh._out_refs(lambda o, shape: _tref(self.bid, o * esz, sh.dtype, shape), base)
@@ -244,14 +265,43 @@ class HostPhases(Phases):
         _planner.add_layers(st, self.plan.parts, sh.engine.algorithm,
                             lambda i: self._ins(i) + outs(self.plan.parts[i]), which)
         sh._set_ranges(st, self.plan, which)  # pylint: disable=protected-access
-        st.run(self.io.client)
-        return self.mem[:n * esz].view(sh.dtype)
+        return st
+
+    def submit(self, buckets: List[Tuple[List[int], int]]
+               ) -> Tuple[List[int], Optional[BaseException]]:
+        """A micro-batch that does not commit, sent without waiting: its
+        norm pass and each bucket's sums step ((which, base) each), as
+        dpclip._cuda.CudaPhases.submit sends them; the staging arena is held
+        until release()."""
+        assert self.scratch
+        self.sent = True
+        tickets = [self._norms().submit(self.io.client)]
+        err: Optional[BaseException] = None
+        for which, base in buckets:
+            try:
+                tickets.append(self._sums(which, base).submit(self.io.client))
+            except Exception as exc:  # pylint: disable=broad-except
+                err = err or exc  # the rest still sent (dpclip._fsdp's docstring)
+        self.sh._clip.set_phase(_lib.STEP_WHOLE)  # pylint: disable=protected-access
+        return tickets, err
+
+    def release(self, run: Any, device: torch.device) -> None:
+        """Every reply of submit()'s steps is in: the staging arena goes
+        back to the pool."""
+        self._give()
+
+    def _give(self) -> None:
+        if self.arena is not None:
+            self.io.give(self.arena)
+            self.arena = None
 
     def copied(self, k: int) -> None:
         pass  # synchronous: the slot was copied out already
 
     def close(self) -> None:
         self.sh._clip.set_phase(_lib.STEP_WHOLE)  # pylint: disable=protected-access
+        if not self.sent:  # run and waited for (or nothing sent): nothing reads it now
+            self._give()
 
 
 def _layout(parts: Sequence[Part], off: int) -> Tuple[List[Tuple[int, int]], int]:

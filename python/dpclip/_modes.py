@@ -163,15 +163,15 @@ class Sharded(Local):
 
     def send(self, acc: Any, plan: _planner.Plan, B: int, logical_id: int, index: int,
              commit: bool, gated: bool) -> Optional[torch.Tensor]:
-        # never the commit: that is step()'s. Sent without waiting where
-        # the transport can (the GPU's) and asynchronous allows: the
-        # trainer's next micro-batch runs while the daemon works on this one
-        got = self.shards.micro_submit(plan, B, logical_id, index) if self.micro_async else None
-        if got is None:
+        # never the commit: that is step()'s. Sent without waiting unless
+        # asynchronous=False: the trainer's next micro-batch runs while the
+        # daemon works on this one
+        if self.micro_async:
+            acc.submitted(*self.shards.micro_submit(plan, B, logical_id, index),
+                          logical_id, index, B, self.shards.layers[0].weight.device)
+        else:
             acc._result(B, self.shards.micro(plan, B, logical_id, index),  # pylint: disable=W0212
                         logical_id)
-        else:
-            acc.submitted(*got, logical_id, index, B, self.shards.layers[0].weight.device)
         return None
 
     def close(self) -> None:

@@ -71,6 +71,20 @@ class Phases:
         its error."""
         return self.sums(k, *sent)
 
+    def submit(self, buckets: List[Tuple[List[int], int]]
+               ) -> Tuple[List[int], Optional[BaseException]]:
+        """A micro-batch that does not commit (phases(scratch=True)), sent
+        without waiting: its norm pass and each bucket's sums step ((which,
+        base) each; the daemon writes nothing). Their tickets, the pass's
+        first, and the first error of a sums step not sent; what they name
+        is held until release()."""
+        raise NotImplementedError
+
+    def release(self, run: Any, device: torch.device) -> None:
+        """Every reply of submit()'s steps is in (dpclip._accumulate calls
+        this as it calls a Transport's)."""
+        raise NotImplementedError
+
     def copied(self, k: int) -> None:
         raise NotImplementedError
 

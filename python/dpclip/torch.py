@@ -324,7 +324,7 @@ class PrivacyEngine:
         (sigma * C, once per coordinate; the ledger charges rank 0 once per
         step). Steps block (no asynchronous GPU steps); with asynchronous
         (the default) the micro-batches of a logical step that do not
-        commit go without waiting on the GPU, so the daemon works on one
+        commit go without waiting, so the daemon works on one
         while the trainer runs the next (faster; one more micro-batch's
         activations and output gradients held meanwhile), and
         asynchronous=False sends each and waits for it (less memory).

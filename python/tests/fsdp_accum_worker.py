@@ -118,27 +118,37 @@ def run_accumulate_noise(rank, world, init_file, socket_path, data, C, expected,
     """sharded_noise=True at sigma > 0 on a zero loss: `steps` logical
     steps of micro-batches of `sizes`, so every clipped sum is exactly 0.
     Records the commit's sums outputs (as the daemon wrote them), and how
-    many sums steps of the other micro-batches ran and left their outputs
-    (NaN before) untouched; saves them, this rank's pieces, the gradients
-    of each logical step and the epsilon."""
+    many sums steps of the other micro-batches ran (sent without waiting)
+    and left their outputs (NaN before) untouched; saves them, this rank's
+    pieces, the gradients of each logical step and the epsilon."""
     _init("gloo", rank, world, init_file)
     try:
         _fsdp._BUCKET = 256
         recorded, scratch = [], [0, 0]  # non-commit sums steps; those that wrote nothing
-        orig = _host.HostPhases.sums
+        sums, submit, release = (_host.HostPhases.sums, _host.HostPhases.submit,
+                                 _host.HostPhases.release)
 
-        def sums(io, k, which, base, n):
-            if io.scratch:  # its outputs' slot filled with NaN first
-                io.mem[:n * _ESIZE[io.sh.dtype]].view(io.sh.dtype).fill_(float("nan"))
-            full = orig(io, k, which, base, n)
-            if io.scratch:
-                scratch[0] += 1
-                scratch[1] += bool(full.isnan().all())
-            else:
-                recorded.append((base, full.detach().clone()))
+        def slot(io):  # the outputs' slot, at the arena's start
+            return io.mem[:io.sh.widest * _ESIZE[io.sh.dtype]].view(io.sh.dtype)
+
+        def record(io, k, which, base, n):
+            full = sums(io, k, which, base, n)
+            recorded.append((base, full.detach().clone()))
             return full
 
-        _host.HostPhases.sums = sums
+        def nan_first(io, buckets):
+            slot(io).fill_(float("nan"))
+            io.n_sums = len(buckets)
+            return submit(io, buckets)
+
+        def still_nan(io, run, device):  # every reply in: what the daemon left there
+            scratch[0] += io.n_sums
+            scratch[1] += io.n_sums * bool(slot(io).isnan().all())
+            release(io, run, device)
+
+        _host.HostPhases.sums = record
+        _host.HostPhases.submit = nan_first
+        _host.HostPhases.release = still_nan
         torch.manual_seed(9)
         engine, model, opt = _sharded(SeqModel(), socket_path, "fsdp-acc-noise-%d" % world, C,
                                       expected, sigma, sample_rate=q, target_delta=1e-5)
@@ -166,20 +176,23 @@ def run_accumulate_noise(rank, world, init_file, socket_path, data, C, expected,
 
 
 def run_accumulate_failures(rank, world, init_file, socket_path, data, C, expected, sizes,
-                            out_dir):
+                            out_dir, asynchronous=False):
     """Six logical steps in micro-batches of `sizes` (3 or more), sigma 0.5,
     lr 0.5; on the last rank: in step 0 micro-batch 1's loss is not finite
     (its norm pass fails in the daemon); in step 2 micro-batch 1, and in
     step 4 the commit, is changed between its norm pass and its sums (the
     daemon's re-measurement refuses the first sums step, mid-pass). Steps
     1, 3 and 5 are clean. Saves each step's error, gradients and the
-    parameters after it, and how many passes were changed."""
+    parameters after it, and how many passes were changed. asynchronous:
+    make_private's (micro-batches sent without waiting: a micro-batch's
+    failure is learnt late, and nothing runs between its norm pass and its
+    sums, so only the commit can be changed)."""
     _init("gloo", rank, world, init_file)
     try:
         _fsdp._BUCKET = 256
         torch.manual_seed(5)
         engine, model, opt = _sharded(SeqModel(), socket_path, "fsdp-acc-fail", C, expected,
-                                      0.5, lr=0.5)
+                                      0.5, lr=0.5, asynchronous=asynchronous)
         x, y = data
         mine = torch.arange(rank, x.shape[0], world)
         out = {"before": _params(model), "errors": [], "grads": [], "after": []}
@@ -219,7 +232,7 @@ def run_accumulate_failures(rank, world, init_file, socket_path, data, C, expect
             out["after"].append(_params(model))
         out["tampered"] = tampered
         engine.close()
-        torch.save(out, os.path.join(out_dir, "accfail%d.pt" % rank))
+        torch.save(out, os.path.join(out_dir, "accfail%d%s.pt" % (rank, "a" * asynchronous)))
     finally:
         dist.destroy_process_group()
 

@@ -152,7 +152,8 @@ def test_noise_once_per_logical_step_on_the_owned_rows_and_one_charge(daemon, tm
     single.close()
 
 
-def test_a_failed_micro_batch_is_applied_on_no_rank(daemon, tmp_path):
+@pytest.mark.parametrize("asynchronous", [False, True], ids=["waiting", "asynchronous"])
+def test_a_failed_micro_batch_is_applied_on_no_rank(daemon, tmp_path, asynchronous):
     """Logical step 0: the last rank's micro-batch 1 is not finite (its
     norm pass fails): no rank moves, every rank holds zero gradients and
     raises (that rank its error, the others DPCLIP_EUNAVAIL). Steps 2 and
@@ -162,22 +163,29 @@ def test_a_failed_micro_batch_is_applied_on_no_rank(daemon, tmp_path):
     both ranks: the daemon dropped what the failed logical steps held, and
     the rest of a failed pass's sums were sent, since the daemon takes no
     other step of the session while a micro-batch's pass has layers to
-    sum."""
+    sum. Sent without waiting (asynchronous, the default), micro-batch 1's
+    failure is learnt at a later one or at step(), and nothing runs
+    between a micro-batch's norm pass and its sums: step 2 is clean."""
     (x,), y = seq_data(12, seed=2)
     _spawn(run_accumulate_failures, 2, (str(tmp_path / "init"), daemon.socket, (x, y), 0.9, 12,
-                                        [2, 2, 2], str(tmp_path)))
-    got = [torch.load(os.path.join(str(tmp_path), "accfail%d.pt" % r)) for r in range(2)]
-    assert got[1]["tampered"] == ["micro", "commit"] and got[0]["tampered"] == []
-    assert got[1]["errors"][0][0] == _lib.ENONFINITE, got[1]["errors"][0]
-    for s in (2, 4):
+                                        [2, 2, 2], str(tmp_path), asynchronous))
+    got = [torch.load(os.path.join(str(tmp_path), "accfail%d%s.pt" % (r, "a" * asynchronous)))
+           for r in range(2)]
+    changed = (4,) if asynchronous else (2, 4)
+    assert got[1]["tampered"] == ["micro", "commit"][-len(changed):] and \
+        got[0]["tampered"] == []
+    assert got[1]["errors"][0][0] == _lib.ENONFINITE and "micro-batch 1" in \
+        got[1]["errors"][0][2], got[1]["errors"][0]
+    for s in changed:
         assert got[1]["errors"][s][0] == _lib.EINVAL and "[clip_step.layers]" in \
             got[1]["errors"][s][2] and "changed" in got[1]["errors"][s][2], got[1]["errors"][s]
-    failed = (0, 2, 4)
+    failed = (0,) + changed
     for s in failed:
         assert got[0]["errors"][s][0] == _lib.EUNAVAIL and \
             "applied on no rank" in got[0]["errors"][s][2], (s, got[0]["errors"][s])
     for r in range(2):
-        assert [got[r]["errors"][s] for s in (1, 3, 5)] == [None] * 3, got[r]["errors"]
+        assert [got[r]["errors"][s] for s in range(6) if s not in failed] == \
+            [None] * (6 - len(failed)), got[r]["errors"]
         prev = got[r]["before"]
         for s in range(6):
             for n, p in prev.items():
@@ -220,11 +228,10 @@ def test_logical_batches_per_rank_equal_the_union_reference(daemon, tmp_path):
 
 def test_asynchronous_false_sends_each_micro_batch_and_waits(daemon, tmp_path, monkeypatch):
     """make_private(asynchronous=...) on a sharded engine (one gloo rank):
-    by default a micro-batch that does not commit is offered to
-    Sharded.micro_submit (sent without waiting where the transport can:
-    the GPU's; the host's then sends it and waits); asynchronous=False
-    never offers it, each is sent and waited for. Both give the f64
-    reference's gradient."""
+    by default a micro-batch that does not commit goes through
+    Sharded.micro_submit (sent without waiting, collected at the next);
+    asynchronous=False never there, each is sent and waited for. Both
+    give the f64 reference's gradient."""
     dist = torch.distributed
     if not dist.is_available():
         pytest.skip("torch.distributed is not available")
