@@ -1,5 +1,5 @@
 /* libdpclip against a real dpclipd: local argument checks, errors,
- * handshake, buffers, ping, and the ordering of submit/wait/submit_cb/poll. */
+ * handshake, buffers, ping, steps (submit/wait/submit_cb/poll: test_submit.c). */
 #include <errno.h>
 #include <fcntl.h>
 #include <pthread.h>
@@ -18,66 +18,7 @@
 #include <cmocka.h>
 
 #include "dc_frame.h"
-#include "harness.h"
-
-#define MAX_BATCH 64
-
-static dc_harness g_h;
-
-static int group_setup(void **state) {
-    (void)state;
-    /* --no-gpu: the same answers on GPU machines (CUDA refusals included). */
-    return dc_harness_start(&g_h, "--workers 2 --max-batch 64 --no-gpu");
-}
-
-static int group_teardown(void **state) {
-    (void)state;
-    /* normally stopped (and checked) by test_clean_shutdown; this only
-     * cleans up after a failure */
-    if (g_h.pid) dc_harness_stop(&g_h);
-    return 0;
-}
-
-static dpclip_client *connect_ok(void) { return dc_harness_connect(&g_h, "test_client", "job-1"); }
-
-static const dpclip_clip_config k_cfg = {.max_grad_norm = 1.0f,
-                                         .reduction = DPCLIP_SUM,
-                                         .expected_batch_size = 0,
-                                         .noise_multiplier = 0.0f,
-                                         .mode = DPCLIP_FLAT};
-
-/* A small two-layer step (linear with bias + layernorm) in its own buffer,
- * with C set to the median norm so that some samples are clipped. */
-static void make_step(dc_shm_step *s, dpclip_client *c, uint32_t B, uint64_t seed) {
-    dc_test_rng r;
-    dc_test_layer_spec lin = {.kind = DC_LAYER_LINEAR,
-                              .B = B,
-                              .T = 3,
-                              .d = 8,
-                              .p = 6,
-                              .dtype = DC_F32,
-                              .has_bias = 1,
-                              .with_outputs = 1};
-    dc_test_layer_spec ln = {.kind = DC_LAYER_LAYERNORM,
-                             .B = B,
-                             .T = 3,
-                             .d = 8,
-                             .dtype = DC_F32,
-                             .has_bias = 1,
-                             .with_outputs = 1};
-    dpclip_clip_config cfg = k_cfg;
-    dc_test_rng_seed(&r, seed);
-    assert_int_equal(dc_shm_step_init(s, c, 1u << 20, B, &cfg), 0);
-    assert_true(dc_shm_step_add(s, &lin, &r, 1.0f) >= 0);
-    assert_true(dc_shm_step_add(s, &ln, &r, 1.0f) >= 0);
-    cfg.max_grad_norm = (float)dc_shm_step_median_norm(s);
-    assert_int_equal(dc_shm_step_set_config(s, &cfg), 0);
-}
-
-static void check(dc_shm_step *s, const dpclip_result *res) {
-    double e = dc_shm_step_check(s, res, dc_test_rtol(DC_F32), 1e-6);
-    assert_true(e <= 1.0);
-}
+#include "client_test.h"
 
 /* --- no daemon needed ---------------------------------------------------- */
 
@@ -386,125 +327,6 @@ static void test_step_rebind(void **state) {
     dpclip_disconnect(c);
 }
 
-static void test_submit_wait(void **state) {
-    (void)state;
-    dpclip_client *c = connect_ok();
-    dc_shm_step s[3];
-    uint64_t t[3];
-    dpclip_result res[3];
-
-    for (int i = 0; i < 3; i++) make_step(&s[i], c, (uint32_t)(8 + 4 * i), 10 + (uint64_t)i);
-    for (int i = 0; i < 3; i++) assert_int_equal(dpclip_submit(c, s[i].step, &t[i]), 0);
-    assert_true(t[0] != t[1] && t[1] != t[2]);
-    /* collect out of order: the last first */
-    assert_int_equal(dpclip_wait(c, t[2], -1, &res[2]), 0);
-    /* a zero timeout may or may not find t[0] finished; either answer is legal */
-    int rc = dpclip_wait(c, t[0], 0, &res[0]);
-    assert_true(rc == 0 || rc == DPCLIP_EAGAIN);
-    if (rc == DPCLIP_EAGAIN) assert_int_equal(dpclip_wait(c, t[0], -1, &res[0]), 0);
-    assert_int_equal(dpclip_wait(c, t[1], 5000, &res[1]), 0);
-    for (int i = 0; i < 3; i++) {
-        assert_int_equal(res[i].batch, 8 + 4 * i);
-        check(&s[i], &res[i]);
-    }
-    assert_true(res[0].step_index < res[1].step_index);
-    assert_true(res[1].step_index < res[2].step_index);
-    /* collected tickets and made-up ones are unknown */
-    {
-        dpclip_result again;
-        assert_int_equal(dpclip_wait(c, t[1], 0, &again), DPCLIP_EARG);
-        assert_null(again.norms);
-        assert_int_equal(dpclip_wait(c, 999999, -1, &again), DPCLIP_EARG);
-    }
-    for (int i = 0; i < 3; i++) {
-        dpclip_result_free(&res[i]);
-        dc_shm_step_free(&s[i]);
-    }
-    assert_int_equal(dpclip_poll(c, 0), 0); /* nothing outstanding */
-    dpclip_disconnect(c);
-}
-
-typedef struct cb_log {
-    dpclip_client *c;
-    int n;
-    int order[16];
-    int status[16];
-    uint64_t step_index[16];
-    int ping_rc;
-} cb_log;
-
-typedef struct cb_arg {
-    cb_log *log;
-    int id;
-    int do_ping;
-} cb_arg;
-
-static void on_step(void *user, int status, const char *errmsg, const dpclip_result *res) {
-    cb_arg *a = user;
-    cb_log *lg = a->log;
-    lg->order[lg->n] = a->id;
-    lg->status[lg->n] = status;
-    lg->step_index[lg->n] = status == 0 ? res->step_index : 0;
-    if (status) assert_non_null(errmsg);
-    /* callbacks run without the handle's lock: calling back in must work */
-    if (a->do_ping) lg->ping_rc = dpclip_ping(lg->c);
-    lg->n++;
-}
-
-static void test_submit_cb_poll(void **state) {
-    (void)state;
-    dpclip_client *c = connect_ok();
-    dc_shm_step s;
-    cb_log lg;
-    cb_arg args[6];
-    uint64_t ticket;
-    dpclip_result res, tres;
-    int done = 0;
-
-    memset(&lg, 0, sizeof lg);
-    lg.c = c;
-    lg.ping_rc = -1;
-    make_step(&s, c, 12, 20);
-    for (int i = 0; i < 6; i++) args[i] = (cb_arg){&lg, i, i == 3};
-
-    /* cb, cb, ticket, cb, cb: completions in submission order */
-    assert_int_equal(dpclip_submit_cb(c, s.step, on_step, &args[0]), 0);
-    assert_int_equal(dpclip_submit_cb(c, s.step, on_step, &args[1]), 0);
-    assert_int_equal(dpclip_submit(c, s.step, &ticket), 0);
-    assert_int_equal(dpclip_submit_cb(c, s.step, on_step, &args[2]), 0);
-    assert_int_equal(dpclip_submit_cb(c, s.step, on_step, &args[3]), 0);
-    while (lg.n < 4) {
-        int n = dpclip_poll(c, 5000);
-        assert_true(n >= 0);
-        done += n;
-    }
-    assert_int_equal(done, 5); /* four callbacks and the ticket */
-    for (int i = 0; i < 4; i++) {
-        assert_int_equal(lg.order[i], i);
-        assert_int_equal(lg.status[i], 0);
-        if (i) assert_true(lg.step_index[i] > lg.step_index[i - 1]);
-    }
-    assert_int_equal(lg.ping_rc, 0);
-    assert_int_equal(dpclip_wait(c, ticket, 0, &tres), 0); /* already completed by poll */
-    assert_true(tres.step_index > lg.step_index[1] && tres.step_index < lg.step_index[2]);
-    check(&s, &tres);
-    dpclip_result_free(&tres);
-
-    /* dpclip_run completes earlier submits first: their callbacks have run
-     * by the time it returns */
-    assert_int_equal(dpclip_submit_cb(c, s.step, on_step, &args[4]), 0);
-    assert_int_equal(dpclip_submit_cb(c, s.step, on_step, &args[5]), 0);
-    assert_int_equal(dpclip_run(c, s.step, &res), 0);
-    assert_int_equal(lg.n, 6);
-    assert_int_equal(lg.order[4], 4);
-    assert_int_equal(lg.order[5], 5);
-    assert_true(lg.step_index[5] < res.step_index);
-    check(&s, &res);
-    dpclip_result_free(&res);
-    dc_shm_step_free(&s);
-    dpclip_disconnect(c);
-}
-
 static void test_step_errors(void **state) {
     (void)state;
     dpclip_client *c = connect_ok();
@@ -658,33 +480,6 @@ static void test_shared_handle(void **state) {
     dpclip_disconnect(c);
 }
 
-/* Disconnecting with callbacks outstanding runs them with DPCLIP_EIO or
- * their real status; never leaks and never hangs. */
-static void test_disconnect_pending(void **state) {
-    (void)state;
-    dpclip_client *c = connect_ok();
-    dc_shm_step s;
-    cb_log lg;
-    cb_arg args[4];
-    uint64_t t;
-
-    memset(&lg, 0, sizeof lg);
-    lg.c = c;
-    make_step(&s, c, 8, 40);
-    for (int i = 0; i < 4; i++) {
-        args[i] = (cb_arg){&lg, i, 0};
-        assert_int_equal(dpclip_submit_cb(c, s.step, on_step, &args[i]), 0);
-    }
-    assert_int_equal(dpclip_submit(c, s.step, &t), 0);
-    dpclip_step_free(s.step);
-    s.step = NULL;
-    s.c = NULL; /* the buffer goes with the connection */
-    dpclip_disconnect(c);
-    assert_int_equal(lg.n, 4);
-    for (int i = 0; i < 4; i++) assert_int_equal(lg.order[i], i);
-    dc_shm_step_free(&s);
-}
-
 /* A daemon that goes away: calls fail with DPCLIP_EIO, pending tickets too. */
 static void test_daemon_gone(void **state) {
     (void)state;
@@ -814,13 +609,6 @@ static void test_notice_before_reply(void **state) {
     rmdir(dir);
 }
 
-/* SIGTERM: the daemon finishes, exits 0 and removes its socket (cmocka
- * does not count a failing group teardown, so this is a test). */
-static void test_clean_shutdown(void **state) {
-    (void)state;
-    assert_int_equal(dc_harness_stop(&g_h), 0);
-}
-
 int main(void) {
     const struct CMUnitTest local[] = {
         cmocka_unit_test(test_local_args),
@@ -835,12 +623,9 @@ int main(void) {
         cmocka_unit_test(test_buffers),
         cmocka_unit_test(test_run),
         cmocka_unit_test(test_step_rebind),
-        cmocka_unit_test(test_submit_wait),
-        cmocka_unit_test(test_submit_cb_poll),
         cmocka_unit_test(test_step_errors),
         cmocka_unit_test(test_shared_handle),
         cmocka_unit_test(test_cuda_refused_without_gpu),
-        cmocka_unit_test(test_disconnect_pending),
         cmocka_unit_test(test_daemon_gone),
         cmocka_unit_test(test_shutdown_reason),
         cmocka_unit_test(test_clean_shutdown),
