@@ -46,6 +46,10 @@ the whole optimizer.step()), then one of ratios: the slowest
 rank's time and the largest peak of each mode against the plain step's,
 with dpclip's targets (1.15x in time and in memory).
 
+--bucket N: elements per rank in one reduce-scatter bucket, and so in one
+sums step to the daemon (dpclip._fsdp._BUCKET in every rank; the lines
+count the buckets): fewer daemon steps against larger slots.
+
 --check: 3 steps at sigma 0 with fixed batches, SGD at lr 1, the
 parameters, gathered whole, against one process on one GPU training the
 unsharded model with dpclip on the whole global batch (fsdp_check.py).
@@ -98,7 +102,7 @@ from fsdp_common import (  # noqa: E402
     fresh_model, fsdp2_api, init_rank, log, placement, policy, prepare, private,
     seq_loss, shard, spawn)
 import fsdp_check  # noqa: E402
-from dpclip import _cuda  # noqa: E402
+from dpclip import _cuda, _fsdp  # noqa: E402
 
 TARGET = {"time": 1.15, "peak": 1.15}  # dpclip over the plain FSDP2 step
 LR = 1e-4
@@ -504,6 +508,10 @@ def main():
     ap.add_argument("--check", action="store_true",
                     help="instead of timing: %d steps at sigma 0 against one GPU"
                     % fsdp_check.CHECK_STEPS)
+    ap.add_argument("--bucket", type=int, default=None,
+                    help="elements per rank in one reduce-scatter bucket, and so in one sums "
+                    "step (default: dpclip's, %d): fewer, larger buckets cost fewer daemon "
+                    "steps and more memory" % _fsdp._BUCKET)  # pylint: disable=W0212
     ap.add_argument("--check-tol", type=float, default=None,
                     help="largest relative difference accepted (default: %s)"
                     % ", ".join("%g in %s" % (v, k) for k, v in fsdp_check.CHECK_TOL.items()))
@@ -529,6 +537,7 @@ def main():
             "world", "precision", "warmup", "steps", "repeat")
     config = {k: getattr(args, k) for k in keys}
     config["micro"] = args.micro if args.logical else None
+    config["bucket"] = args.bucket or _fsdp._BUCKET  # pylint: disable=protected-access
     config.update(device=args.device, gpus=torch.cuda.device_count(),
                   placement=placement(args), fully_shard=sharded, torch=torch.__version__)
     print(json.dumps({"bench": "fsdp", "config": config}), flush=True)

@@ -18,6 +18,7 @@ sys.path.insert(0, os.path.join(ROOT, "python"))
 
 from bench_torch_step import register_norms  # noqa: E402
 from bench_torch_step import build as make_model  # noqa: E402
+from dpclip import _fsdp  # noqa: E402
 from dpclip.torch import PrivacyEngine  # noqa: E402
 
 # the run's start, for the progress lines (spawned ranks inherit it)
@@ -73,9 +74,12 @@ def init_rank(rank, world, init_file, args, timeout_s):
 
 
 def prepare(args):
-    """What every process does first: dpclip learns the Llama's RMSNorm;
-    returns the model's initial state (seed 0, on the CPU)."""
+    """What every process does first: dpclip learns the Llama's RMSNorm
+    (and takes --bucket's size); returns the model's initial state (seed 0,
+    on the CPU)."""
     register_norms(args.model)
+    if getattr(args, "bucket", None):
+        _fsdp._BUCKET = args.bucket  # pylint: disable=protected-access
     torch.manual_seed(0)
     return make_model(args).state_dict()
 
