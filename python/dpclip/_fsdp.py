@@ -302,6 +302,7 @@ class Sharded:
                 % (self.world, dist.get_world_size()))
         self.pieces, self.full_n, self.shard_n = layout(self.layers, self.world, self.rank)
         self._by_out = {id(pc.out): pc for pc in self.pieces}
+        self._piece_at = {id(pc.out): i for i, pc in enumerate(self.pieces)}
         # outputs the daemon writes transposed ([out, in] of a weight kept
         # [in, out]): this rank's rows of the parameter are columns there
         self._cols: set = set()
@@ -434,15 +435,13 @@ class Sharded:
         device = self.layers[0].weight.device
         io = self.engine._io(device).phases(  # pylint: disable=W0212
             self, plan, max(B, 1), device, True)
-        by_out = {id(pc.out): i for i, pc in enumerate(self.pieces)}
         self._clip.set_logical(logical_id, index, False)
         err: Optional[BaseException] = None
         try:
             res = io.norms()
-            for k, (first, last) in enumerate(self._buckets):
-                base, end = self._span(first, last)[:2]
+            for k in range(len(self._buckets)):
                 try:
-                    io.sums(k, self._bucket_parts(plan, by_out, first, last), base, end - base)
+                    io.sums(k, *self._bucket_step(plan, k))
                 except Exception as exc:  # pylint: disable=broad-except
                     err = err or exc  # the rest still sent (the module's docstring)
             if err is not None:
@@ -467,9 +466,7 @@ class Sharded:
         device = self.layers[0].weight.device
         io = self.engine._io(device).phases(  # pylint: disable=W0212
             self, plan, max(B, 1), device, True)
-        by_out = {id(pc.out): i for i, pc in enumerate(self.pieces)}
-        buckets = [(self._bucket_parts(plan, by_out, first, last), self._span(first, last)[0])
-                   for first, last in self._buckets]
+        buckets = [self._bucket_step(plan, k)[:2] for k in range(len(self._buckets))]
         self._clip.set_logical(logical_id, index, False)
         try:
             tickets, err = io.submit(buckets)
@@ -564,7 +561,6 @@ class Sharded:
         shards = torch.empty(self.shard_n, dtype=self.dtype, device=device)
         self._events = []
         self.sums_steps = 0
-        by_out = {id(pc.out): i for i, pc in enumerate(self.pieces)}
         sent: Dict[int, Any] = {}  # bucket -> its sums step, sent and not answered
 
         def send(k: int, failed: Optional[BaseException]) -> Optional[BaseException]:
@@ -573,11 +569,8 @@ class Sharded:
             reduce-scatters bucket k - 1); the first failure."""
             if io is None or k >= len(self._buckets) or not (failed is None or logical):
                 return failed
-            first, last = self._buckets[k]
-            base, end = self._span(first, last)[:2]
             try:
-                sent[k] = io.sums_submit(k, self._bucket_parts(plan, by_out, first, last),
-                                         base, end - base)
+                sent[k] = io.sums_submit(k, *self._bucket_step(plan, k))
             except Exception as exc:  # pylint: disable=broad-except
                 failed = failed or exc
             return failed
@@ -620,6 +613,13 @@ class Sharded:
                 self._events.append(ev)
             del stage
         return shards, failed
+
+    def _bucket_step(self, plan: _planner.Plan, k: int) -> Tuple[List[int], int, int]:
+        """Bucket k's sums step: (the parts it names, its first element in
+        the layout, its elements)."""
+        first, last = self._buckets[k]
+        base, end = self._span(first, last)[:2]
+        return self._bucket_parts(plan, self._piece_at, first, last), base, end - base
 
     @staticmethod
     def _bucket_parts(plan: _planner.Plan, by_out: Dict[int, int], first: int,
@@ -678,13 +678,11 @@ class Sharded:
         ref(element offset, shape) names a place in a bucket's sums starting
         at element base of the layout: each slice at its offset in its
         parameter's region."""
-        by_out = {id(pc.out): pc for pc in self.pieces}
-
         def one(sl: Optional[Slice]) -> _lib.Tensor:
             if sl is None:
                 return _lib.Tensor()
             o, off, shape = sl
-            return ref(by_out[id(o)].full_off - base + off, shape)
+            return ref(self._by_out[id(o)].full_off - base + off, shape)
 
         def outs(pt: Part) -> Tuple[_lib.Tensor, _lib.Tensor]:
             return one(pt.w), one(pt.b)

@@ -423,6 +423,8 @@ def test_cuda_sums_slots_never_take_memory_a_queued_collective_still_reads(monke
     sh.engine = type("E", (), {"client": Client(), "algorithm": 0,
                                "noise_multiplier": 0.0})()
     sh.pieces, sh.full_n, sh.shard_n, sh._buckets = pieces, full_n, shard_n, bks
+    sh._by_out = {id(pc.out): pc for pc in pieces}
+    sh._piece_at = {id(pc.out): i for i, pc in enumerate(pieces)}
     sh.widest = max(pieces[l - 1].full_off - pieces[f].full_off +
                     _fsdp._al(pieces[l - 1].chunk * pieces[l - 1].inner) for f, l in bks)
     sh.world, sh.rank, sh.group, sh.dtype = 1, 0, None, torch.float32
