@@ -125,10 +125,8 @@ class HostArena(Transport):
         collected: give() it back then). Its outputs name the outputs'
         buffer, the same for every micro-batch."""
         outs = self._outputs(plan)
-        slots, end = _layout(plan.parts, 0)
-        arena = self._take(end)
-        bid, _, mem = arena
-        _fill(mem, plan.parts, slots)
+        arena, slots = self.take_staged(plan.parts, 0)
+        bid = arena[0]
         step.reset(nb)
         add_layers(step, plan.parts, algorithm, self._refs(plan, bid, slots, outs))
         try:
@@ -136,6 +134,16 @@ class HostArena(Transport):
         except BaseException:
             self.give(arena)
             raise
+
+    def take_staged(self, parts: Sequence[Part], off: int
+                    ) -> Tuple[Tuple[int, int, torch.Tensor], List[Tuple[int, int]]]:
+        """A staging arena from the pool (give() it back) with each part's
+        input and output gradient copied in from byte off on: (the arena,
+        each part's (input, grad) byte offsets)."""
+        slots, end = _layout(parts, off)
+        arena = self._take(end)
+        _fill(arena[2], parts, slots)
+        return arena, slots
 
     def give(self, arena: Tuple[int, int, torch.Tensor]) -> None:
         """A staging arena back to the pool (its micro-batch's reply is in)."""
@@ -227,10 +235,8 @@ class HostPhases(Phases):
         off = _align(sh.widest * esz)
         self.arena: Optional[Tuple[int, int, torch.Tensor]] = None
         if scratch:
-            self.slots, end = _layout(plan.parts, off)
-            self.arena = io._take(end)  # pylint: disable=protected-access
+            self.arena, self.slots = io.take_staged(plan.parts, off)
             self.bid, _, self.mem = self.arena
-            _fill(self.mem, plan.parts, self.slots)
         else:
             self.bid, self.mem, self.slots = io.stage(plan.parts, off)
         self.sent = False

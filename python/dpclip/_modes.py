@@ -141,7 +141,7 @@ class Sharded(Local):
         self.shards = shards
         self.guard_hooks = not shards.fsdp
         # make_private's asynchronous, which a sharded step cannot be: its
-        # micro-batches that do not commit go without waiting (GPU)
+        # micro-batches that do not commit go without waiting
         self.micro_async = True
 
     def open(self, target_delta: float, target_epsilon: float, device: torch.device) -> None:
