@@ -335,13 +335,15 @@ fail:
     return rc;
 }
 
-/* The GPU's wait for the client's input and the norms, as the phase
- * events timed them (0 where not: resolution aside, + 1 says measured) */
+/* A phase's time as the metrics take it: ns, + 1 so that 0 means not
+ * measured even under the events' resolution of about half a microsecond
+ * (a negative ms: not measured) */
+uint64_t ms_ns(float m) { return m >= 0.0f ? (uint64_t)((double)m * 1e6) + 1 : 0; }
+
+/* The time between two recorded phase events (0: not measured) */
 uint64_t event_ns(cudaEvent_t a, cudaEvent_t b) {
     float m = 0.0f;
-    return cudaEventElapsedTime(&m, a, b) == cudaSuccess && m >= 0.0f
-               ? (uint64_t)((double)m * 1e6) + 1
-               : 0;
+    return cudaEventElapsedTime(&m, a, b) == cudaSuccess ? ms_ns(m) : 0;
 }
 
 /* A norm phase's end (CP_NORMS): n2 and the flags home, one
@@ -556,18 +558,13 @@ int phase_home(step_run *r, dc_err *err) {
         /* the metrics' parts: norms; coefs (reduction); clipped; check,
          * noise and commit (noise) */
         const float *ms = cb->phase_ms;
-        /* + 1: measured (0 means not measured), even under the events'
-         * resolution of about half a microsecond */
-        auto ns = [](float m) { return m >= 0.0f ? (uint64_t)((double)m * 1e6) + 1 : (uint64_t)0; };
-        res->phase_ns[DC_RUN_NORMS] = ns(ms[1]);
-        res->phase_ns[DC_RUN_REDUCTION] = ns(ms[2]);
+        res->phase_ns[DC_RUN_NORMS] = ms_ns(ms[1]);
+        res->phase_ns[DC_RUN_REDUCTION] = ms_ns(ms[2]);
         /* the kept sums are clipped sums, their noise and write
          * included */
-        res->phase_ns[DC_RUN_CLIPPING] = ns(ms[3]) + ns(ms[5]);
-        res->phase_ns[DC_RUN_NOISE] = ns(ms[4]) + ns(ms[6]) + ns(ms[7]);
-        float w = 0.0f;
-        if (r->waited && cudaEventElapsedTime(&w, cb->ev_wait, cb->ev[0]) == cudaSuccess)
-            res->phase_ns[DC_RUN_WAIT_INPUT] = ns(w);
+        res->phase_ns[DC_RUN_CLIPPING] = ms_ns(ms[3]) + ms_ns(ms[5]);
+        res->phase_ns[DC_RUN_NOISE] = ms_ns(ms[4]) + ms_ns(ms[6]) + ms_ns(ms[7]);
+        if (r->waited) res->phase_ns[DC_RUN_WAIT_INPUT] = event_ns(cb->ev_wait, cb->ev[0]);
         (void)cudaGetLastError();
     }
     return 0;
