@@ -106,6 +106,7 @@ from dpclip import _cuda, _fsdp  # noqa: E402
 
 TARGET = {"time": 1.15, "peak": 1.15}  # dpclip over the plain FSDP2 step
 LR = 1e-4
+TRACED = 3  # --trace's steps
 
 
 # --- per process ---------------------------------------------------------------------
@@ -180,8 +181,19 @@ def timed_run(args, rank, world, device, mesh, init, mode, own_norms=True):
     parts = {"reduce_scatter_ms": 0.0, "clip_ms": 0.0, "noise_ms": 0.0, "sums_ms": 0.0,
              "write_ms": 0.0, "step_ms": 0.0}
     extra = {}
+    trace = {}  # --trace: label -> [host ms, GPU ms] from the step's start, summed
 
-    def step(timed, measure=False):
+    def mark(marks, what):
+        ev = None
+        if device.type == "cuda":
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+        marks.append((what, time.perf_counter(), ev))
+
+    def step(timed, measure=False, traced=False):
+        marks = [] if traced else None
+        if traced:
+            mark(marks, "step start")
         opt.zero_grad(set_to_none=True)
         for i, (x, y) in enumerate(batches):
             last = i == len(batches) - 1
@@ -209,9 +221,24 @@ def timed_run(args, rank, world, device, mesh, init, mode, own_norms=True):
             for p in model.parameters():
                 dist.all_reduce(p.grad)
                 p.grad /= world
+        if traced:
+            mark(marks, "backward queued")
+            if engine is not None:
+                engine.mode.shards.trace = marks
         t_step = time.perf_counter()
         opt.step()
         t_step = time.perf_counter() - t_step
+        if traced:
+            if engine is not None:
+                engine.mode.shards.trace = None
+            mark(marks, "optimizer queued")
+            sync(device)
+            mark(marks, "step end")
+            _, h0, e0 = marks[0]
+            for what, h, ev in marks:
+                got = trace.setdefault(what, [0.0, 0.0])
+                got[0] += (h - h0) * 1e3
+                got[1] += e0.elapsed_time(ev) if ev is not None else 0.0
         if measure and device.type == "cuda":
             sync(device)
             extra["grad_phase_extra_mib"] = round(
@@ -241,6 +268,14 @@ def timed_run(args, rank, world, device, mesh, init, mode, own_norms=True):
     peak = peak_mb(device)
     if not early:
         step(False, measure=True)
+    for _ in range(TRACED if args.trace else 0):
+        step(False, traced=True)
+    if trace:
+        # where each step's time goes: for each mark, when the host got there
+        # and when the GPU's stream did (ms from the step's start, mean);
+        # a GPU time close to the host's: the stream had waited for the host
+        extra["trace"] = {k: [round(h / TRACED, 2), round(g / TRACED, 2)]
+                          for k, (h, g) in trace.items()}
     out = {"bench": "fsdp", "model": args.model, "rank": rank, "world": world, "mode": mode,
            "fully_shard": mesh is not None, "precision": args.precision,
            "device": str(device), "ms_per_step": round(ms, 3), "peak_mib": round(peak, 1),
@@ -512,6 +547,9 @@ def main():
                     help="elements per rank in one reduce-scatter bucket, and so in one sums "
                     "step (default: dpclip's, %d): fewer, larger buckets cost fewer daemon "
                     "steps and more memory" % _fsdp._BUCKET)  # pylint: disable=W0212
+    ap.add_argument("--trace", action="store_true",
+                    help="after the timing, %d steps more, each rank's line giving where its "
+                    "step's time went (host and GPU stream, ms from the step's start)" % TRACED)
     ap.add_argument("--check-tol", type=float, default=None,
                     help="largest relative difference accepted (default: %s)"
                     % ", ".join("%g in %s" % (v, k) for k, v in fsdp_check.CHECK_TOL.items()))

@@ -306,6 +306,13 @@ class CudaPhases(Phases):
         ready, _, rid, _ = self.io.events(self.device)
         return self._norms(ready, rid, False)
 
+    def norms_submit(self) -> Any:
+        ready, _, rid, _ = self.io.events(self.device)
+        return self._norms(ready, rid, True)
+
+    def norms_wait(self, sent: Any) -> _lib.StepResult:
+        return self.io.client.wait(sent)
+
     def _norms(self, ready: Any, rid: int, submit: bool) -> Any:
         """The norm pass, waiting on `ready` (recorded here, on the current
         stream: the backward's end): its result, or (submit) its ticket."""

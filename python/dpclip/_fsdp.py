@@ -77,17 +77,17 @@ one micro-batch in flight: its tensors or staging arena held until
 then)."""
 import math
 import time
-from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn as nn
 
 from . import _gate, _lib, _planner
-from ._layers import _ESIZE, Out, Part, Slice, UnsupportedModuleError, _Layer
+from ._layers import _ESIZE, Part, Slice, UnsupportedModuleError, _Layer
+from ._shards import _EALIGN, _al, _relaid, _transposed, buckets, layout
 
 __all__ = ["Sharded", "refuse_fsdp1", "is_fsdp2", "check_unwrapped"]
 
-_EALIGN = 32  # element alignment of each region (64 bytes and more)
 # elements per rank in one reduce-scatter bucket (64 MiB of bf16 staging on
 # each of 2 ranks): few collectives, bounded extra memory
 _BUCKET = 1 << 24
@@ -190,83 +190,6 @@ def _policies(module: nn.Module) -> Tuple[Optional[torch.dtype], bool]:
     return (dtypes.pop() if len(dtypes) == 1 else None), offload
 
 
-# --- the layout ---------------------------------------------------------------------
-
-class Piece(NamedTuple):
-    """One parameter in the sharded layout: its whole shape, the elements
-    of one dim-0 row, the rows of each rank's padded shard (chunk), the
-    rows this rank owns (mine: chunk or fewer, maybe 0), and the element
-    offsets of its padded [world * chunk, ...] region in the sums and of
-    its [chunk, ...] shard in this rank's shards."""
-    param: torch.Tensor
-    out: Out
-    shape: Tuple[int, ...]
-    inner: int
-    chunk: int
-    mine: int
-    full_off: int
-    shard_off: int
-
-
-def _al(n: int) -> int:
-    return (n + _EALIGN - 1) // _EALIGN * _EALIGN
-
-
-def layout(layers: Sequence[_Layer], world: int, rank: int
-           ) -> Tuple[List[Piece], int, int]:
-    """The pieces of the layers' outputs (one per trainable parameter, a
-    tied weight once, in the layers' order), the sums' length and this
-    rank's shards' length, in elements. Rank r owns rows [r * chunk,
-    (r + 1) * chunk) of each parameter (those that exist): torch.chunk's
-    split, which fully_shard uses."""
-    pieces, full, shard = [], 0, 0
-    for o in _planner.outputs(layers):
-        p = o.param
-        shape = tuple(p.shape)
-        rows = shape[0]
-        inner = math.prod(shape[1:])
-        chunk = -(-rows // world)
-        mine = max(0, min(chunk, rows - rank * chunk))
-        pieces.append(Piece(p, o, shape, inner, chunk, mine, full, shard))
-        full += _al(world * chunk * inner)
-        shard += _al(chunk * inner)
-    return pieces, full, shard
-
-
-def _transposed(pc: Piece) -> bool:
-    """Whether the daemon writes piece pc's parameter transposed (a weight
-    kept [in, out], such as transformers' Conv1D, written [out, in]): its
-    dim-0 rows, which fully_shard shards, are then the output's columns.
-    Read from the layout Out.grad gives the flat output (on the meta
-    device: no memory); any layout other than the parameter's own or that
-    transpose is refused, as no range of the output would hold its rows."""
-    g = pc.out.grad(torch.empty(math.prod(pc.shape), device="meta"))
-    if tuple(g.shape) == pc.shape and g.is_contiguous():
-        return False
-    if g.dim() == 2 and tuple(g.shape) == pc.shape and tuple(g.stride()) == (1, pc.shape[0]):
-        return True
-    raise NotImplementedError(
-        "a parameter of shape %s is written by the daemon in a layout (strides %s) whose "
-        "dim-0 rows are neither its rows nor its columns: sharded noise cannot name this "
-        "rank's rows of it" % (pc.shape, tuple(g.stride())))
-
-
-def buckets(pieces: Sequence[Piece], per_rank: int,
-            spans: Sequence[Tuple[int, int]] = ()) -> List[Tuple[int, int]]:
-    """[first, last) ranges of consecutive pieces whose shards span about
-    per_rank elements (a larger piece alone): one collective each, and one
-    sums step of the layer group writing them (dpclip._gate.buckets' rule).
-    spans: [lo, hi] piece ranges never cut (the pieces one part writes: a
-    layer's weight and bias, a tied weight's uses), so that each part is
-    summed in one bucket."""
-    joined = [False] * len(pieces)  # joined[i]: pieces i - 1 and i go together
-    for lo, hi in spans:
-        for i in range(lo + 1, hi + 1):
-            joined[i] = True
-    return _gate.buckets([_al(pc.chunk * pc.inner) for pc in pieces], per_rank,
-                         joined=joined.__getitem__)
-
-
 # --- the engine's sharded steps ---------------------------------------------------------
 
 class Sharded:
@@ -319,6 +242,12 @@ class Sharded:
                                lacks="a shard could lack its owner's noise or a rank's samples")
         self._events: List[Tuple[Any, Any]] = []  # CUDA: each reduce-scatter's start/end
         self.timing: Dict[str, float] = {}
+        self.trace: Optional[List[Tuple[str, float, Any]]] = None  # _mark's
+        # pieces the daemon writes in another layout than their parameter's
+        self._relaid = [i for i, pc in enumerate(self.pieces) if _relaid(pc)]
+        self._zeros: Optional[torch.Tensor] = None  # _gap's
+        # (device, {dtype: [shard_n] buffer}, each piece's DTensor gradient): _hold's
+        self._held: Optional[Tuple[torch.device, Dict[torch.dtype, torch.Tensor], List[Any]]] = None
 
     def _check_dtensors(self, module: nn.Module) -> Any:
         """FSDP2: every private parameter a DTensor sharded on dim 0 over one
@@ -494,7 +423,7 @@ class Sharded:
         device = self.layers[0].weight.device
         cuda = device.type == "cuda"
         failed: Optional[BaseException] = None
-        res, B, plan, io, commit = None, 0, None, None, None
+        res, B, plan, io, commit, pending = None, 0, None, None, None, None
         t0 = time.perf_counter()
         try:
             # the logical step's micro-batches not sent yet but the last,
@@ -506,20 +435,26 @@ class Sharded:
             io = e._io(device).phases(self, plan, max(B, 1), device)  # pylint: disable=W0212
             if commit is not None:
                 self._clip.set_logical(*commit, True)
-            res = io.norms()
+            pending = io.norms_submit()
         except Exception as exc:  # pylint: disable=broad-except
             failed = exc  # this rank still joins every collective, with zeros
-        t1 = time.perf_counter()
+        self._mark("pass sent")
+        t1 = t0
         try:
-            shards, failed = self._sums_and_scatter(plan, io if failed is None else None, device,
-                                                    cuda, failed, commit is not None)
+            shards, failed, res, t1 = self._sums_and_scatter(
+                plan, io if failed is None else None, device, cuda, failed, commit is not None,
+                pending)
         finally:
             self._clip.set_logical(0)
             if io is not None:
                 io.close()
+        got = self._grads_from(shards)  # queued before the gate's wait
+        self._mark("sums scattered")
         applied = self.gate.agree(failed is None, device)  # CUDA: waits for the collectives
         t3 = time.perf_counter()
-        self._write(shards if applied else None, device)
+        self._mark("gate")
+        self._write(got, applied, device)
+        self._mark("written")
         # noise_ms: none apart (the sums steps add it); kept for the bench
         self.timing = {"clip_ms": (t1 - t0) * 1e3, "noise_ms": 0.0,
                        "sums_and_reduce_scatter_ms": (t3 - t1) * 1e3,
@@ -543,8 +478,9 @@ class Sharded:
         return sum(a.elapsed_time(b) for a, b in self._events)
 
     def _sums_and_scatter(self, plan: Optional[_planner.Plan], io: Any, device: torch.device,
-                          cuda: bool, failed: Optional[BaseException], logical: bool = False
-                          ) -> Tuple[torch.Tensor, Optional[BaseException]]:
+                          cuda: bool, failed: Optional[BaseException], logical: bool,
+                          pending: Any) -> Tuple[torch.Tensor, Optional[BaseException], Any,
+                                                 float]:
         """This rank's shards of the sums over every rank: [shard_n], each
         piece's padded [chunk, ...] at its shard offset. Bucket by bucket
         (a layer group of about _BUCKET elements per rank): the daemon's
@@ -556,7 +492,13 @@ class Sharded:
         collective. Backends without reduce-scatter all-reduce the bucket
         and keep this rank's row: the same result. The commit of a logical
         step (logical) sends every sums step after a failure too (its pass
-        summed whole: see the module's docstring), staging zeros."""
+        summed whole: see the module's docstring), staging zeros.
+
+        pending: the norm pass, sent (Phases.norms_submit); its reply is
+        awaited once bucket 0's sums step is sent too, so that the daemon
+        goes from the norms to the sums without a round trip to the
+        trainer. Returns (shards, the first failure, the pass's result,
+        when its reply came)."""
         dist = torch.distributed
         shards = torch.empty(self.shard_n, dtype=self.dtype, device=device)
         self._events = []
@@ -576,6 +518,14 @@ class Sharded:
             return failed
 
         failed = send(0, failed)
+        res = None
+        if io is not None:
+            try:
+                res = io.norms_wait(pending)
+            except Exception as exc:  # pylint: disable=broad-except
+                failed = failed or exc
+        t1 = time.perf_counter()
+        self._mark("pass answered")
         for k, (first, last) in enumerate(self._buckets):
             base, end, s0, s1 = self._span(first, last)
             full = None
@@ -589,14 +539,11 @@ class Sharded:
                         full = got
                 except Exception as exc:  # pylint: disable=broad-except
                     failed = failed or exc
-            if full is None:
-                full = torch.zeros(end - base, dtype=self.dtype, device=device)
             stage = torch.empty((self.world, s1 - s0), dtype=self.dtype, device=device)
-            for pc in self.pieces[first:last]:
-                n = pc.chunk * pc.inner
-                o = pc.shard_off - s0
-                f = pc.full_off - base
-                stage[:, o:o + n].copy_(full[f:f + self.world * n].view(self.world, n))
+            if full is None:
+                stage.zero_()
+            else:
+                self._stage(full, stage, first, last, base, s0)
             if io is not None:
                 io.copied(k)  # the slot may be written again
             del full
@@ -612,7 +559,48 @@ class Sharded:
                 ev[1].record()
                 self._events.append(ev)
             del stage
-        return shards, failed
+        return shards, failed, res, t1
+
+    def _stage(self, full: torch.Tensor, stage: torch.Tensor, first: int, last: int, base: int,
+               s0: int) -> None:
+        """Bucket [first, last)'s sums (full, from element base of the
+        layout: each piece's [world, chunk * inner] region) rank-major into
+        stage ([world, its shards' span], s0 the first): each rank's chunks
+        side by side, in one concatenation (a few kernels, not a copy per
+        piece: the host launching 150 of them left the GPU idle), the
+        alignment gaps zeros."""
+        parts, at = [], s0
+        for pc in self.pieces[first:last]:
+            if pc.shard_off > at:
+                parts.append(self._gap(pc.shard_off - at, full))
+            n = pc.chunk * pc.inner
+            f = pc.full_off - base
+            parts.append(full[f:f + self.world * n].view(self.world, n))
+            at = pc.shard_off + n
+        end = s0 + stage.shape[1]
+        if end > at:
+            parts.append(self._gap(end - at, full))
+        torch.cat(parts, dim=1, out=stage)
+
+    def _gap(self, n: int, like: torch.Tensor) -> torch.Tensor:
+        """[world, n] zeros (n below the alignment), for _stage."""
+        z = self._zeros
+        if z is None or z.device != like.device or z.dtype != like.dtype:
+            z = self._zeros = torch.zeros((self.world, _EALIGN), dtype=like.dtype,
+                                          device=like.device)
+        return z[:, :n]
+
+    def _mark(self, what: str) -> None:
+        """Where the step is, for bench_fsdp's --trace (self.trace a list,
+        else None): the host's time and, on the GPU, an event recorded on
+        the stream."""
+        if self.trace is None:
+            return
+        ev = None
+        if self.layers[0].weight.device.type == "cuda":
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+        self.trace.append((what, time.perf_counter(), ev))
 
     def _bucket_step(self, plan: _planner.Plan, k: int) -> Tuple[List[int], int, int]:
         """Bucket k's sums step: (the parts it names, its first element in
@@ -694,33 +682,64 @@ class Sharded:
         [in, out], such as transformers' Conv1D, is written [out, in]) in
         the parameter's, so that its dim-0 rows are the ones fully_shard
         shards. full: the bucket's sums, from element base."""
-        for pc in self.pieces[first:last]:
+        for i in self._relaid:
+            if not first <= i < last:
+                continue
+            pc = self.pieces[i]
             n = math.prod(pc.shape)
             flat = full[pc.full_off - base:pc.full_off - base + n]
-            g = pc.out.grad(flat)
-            if g.data_ptr() != flat.data_ptr() or not g.is_contiguous():
-                flat.copy_(g.contiguous().reshape(-1))
+            flat.copy_(pc.out.grad(flat).contiguous().reshape(-1))
 
     # -- param.grad -------------------------------------------------------------------------------
-    def _write(self, shards: Optional[torch.Tensor], device: torch.device) -> None:
+    def _grads_from(self, shards: torch.Tensor) -> Any:
+        """Under FSDP2, the shards copied into the gradients' buffers (one
+        per parameter dtype, kept from step to step: _hold), queued before
+        the gate so that its wait covers them; else the shards in f32."""
+        if not self.fsdp:
+            return shards.to(torch.float32)
+        if self._held is None or self._held[0] != shards.device:
+            self._hold(shards.device)
+        bufs = self._held[1]
+        for b in bufs.values():
+            b.copy_(shards)
+        return bufs
+
+    def _hold(self, device: torch.device) -> None:
+        """The gradients' buffers ([shard_n] per parameter dtype) and each
+        parameter's sharded DTensor gradient over its rows of them, built
+        once: DTensor.from_local per parameter and step cost the host ~60
+        us each (9 ms for a 1B model's 150), with the GPU idle behind the
+        gate's wait."""
+        dtensor = _classes()[0]
+        bufs: Dict[torch.dtype, torch.Tensor] = {}
+        grads = []
+        for pc in self.pieces:
+            p = pc.param
+            if p.dtype not in bufs:
+                bufs[p.dtype] = torch.empty(self.shard_n, dtype=p.dtype, device=device)
+            local = bufs[p.dtype][pc.shard_off:pc.shard_off + pc.mine * pc.inner]
+            local = local.view((pc.mine,) + pc.shape[1:])
+            grads.append(dtensor.from_local(local, p.device_mesh, p.placements, run_check=False,
+                                            shape=p.shape, stride=p.stride()))
+        self._held = (device, bufs, grads)
+
+    def _write(self, got: Any, applied: bool, device: torch.device) -> None:
         """param.grad from this rank's shards of the noised sums, as the
         daemon wrote them and the reduce-scatter summed them (nothing is
-        added here), or zeros where shards is None (the step was applied on
-        no rank)."""
+        added here; got: _grads_from's), or zeros where not applied (on no
+        rank). Under FSDP2 each parameter's gradient is the same DTensor
+        every step, over its rows of the buffers (as DDP's gradients are
+        views of its buckets): each step writes it again."""
         dist = torch.distributed
-        if shards is not None:
-            got = shards.to(torch.float32)
-        else:
-            got = torch.zeros(self.shard_n, dtype=torch.float32, device=device)
         if self.fsdp:
-            dtensor = _classes()[0]
-            for pc in self.pieces:
-                p = pc.param
-                local = got[pc.shard_off:pc.shard_off + pc.mine * pc.inner]
-                local = local.view((pc.mine,) + pc.shape[1:]).to(p.dtype)
-                p.grad = dtensor.from_local(local, p.device_mesh, p.placements, run_check=False,
-                                            shape=p.shape, stride=p.stride())
+            if not applied:
+                for b in got.values():
+                    b.zero_()
+            for pc, g in zip(self.pieces, self._held[2]):
+                pc.param.grad = g
             return
+        if not applied:
+            got = torch.zeros(self.shard_n, dtype=torch.float32, device=device)
         every = [torch.empty_like(got) for _ in range(self.world)]
         dist.all_gather(every, got, group=self.group)
         for pc in self.pieces:

@@ -56,6 +56,17 @@ class Phases:
     def norms(self) -> _lib.StepResult:
         raise NotImplementedError
 
+    def norms_submit(self) -> Any:
+        """norms(), sent where the transport can without waiting for its
+        reply (the sums steps then queued behind it): what norms_wait()
+        takes. Here, nothing is sent: norms_wait() runs the pass."""
+        return None
+
+    def norms_wait(self, sent: Any) -> _lib.StepResult:
+        """The norm pass's result, once norms_submit()'s is answered;
+        raises its error."""
+        return self.norms()
+
     def sums(self, k: int, which: List[int], base: int, n: int) -> torch.Tensor:
         raise NotImplementedError
 

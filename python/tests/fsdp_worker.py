@@ -347,13 +347,19 @@ def run_fsdp2(rank, world, init_file, socket_path, data, C, expected, seed, out_
                 noise_multiplier=sigma, max_grad_norm=C, expected_batch_size=expected, **kw)
             return engine, model, opt
 
-        def loss_of(model):
-            return reduce_loss(per_sample_losses("seq", model(x[mine]).float(), y[mine]), "mean")
+        def loss_of(model, rows=mine):
+            return reduce_loss(per_sample_losses("seq", model(x[rows]).float(), y[rows]), "mean")
 
         bf16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
         for case, mp in (("f32", None), ("bf16", bf16)):
             engine, model, opt = private(fresh(mp), "fsdp2-" + case, 0.0)
+            # a first step on other samples (lr 0: the weights stay), its
+            # gradients zeroed in place: the gradients the engine keeps from
+            # step to step are written whole again by the second
             opt.zero_grad()
+            loss_of(model, mine.flip(0)[:1]).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=False)
             loss_of(model).backward()
             opt.step()
             out[case] = {

@@ -1,0 +1,97 @@
+"""The sharded layout of dpclip._fsdp's sums: one piece per trainable
+parameter, a padded [world * chunk, ...] region each in a rank's local
+sums and a [chunk, ...] shard in its shards (fully_shard's dim-0 chunks),
+and the buckets, runs of pieces reduce-scattered (and summed by the
+daemon) together."""
+import math
+from typing import List, NamedTuple, Sequence, Tuple
+
+import torch
+
+from . import _gate, _planner
+from ._layers import Out, _Layer
+
+_EALIGN = 32  # element alignment of each region (64 bytes and more)
+
+
+class Piece(NamedTuple):
+    """One parameter in the sharded layout: its whole shape, the elements
+    of one dim-0 row, the rows of each rank's padded shard (chunk), the
+    rows this rank owns (mine: chunk or fewer, maybe 0), and the element
+    offsets of its padded [world * chunk, ...] region in the sums and of
+    its [chunk, ...] shard in this rank's shards."""
+    param: torch.Tensor
+    out: Out
+    shape: Tuple[int, ...]
+    inner: int
+    chunk: int
+    mine: int
+    full_off: int
+    shard_off: int
+
+
+def _al(n: int) -> int:
+    return (n + _EALIGN - 1) // _EALIGN * _EALIGN
+
+
+def layout(layers: Sequence[_Layer], world: int, rank: int
+           ) -> Tuple[List[Piece], int, int]:
+    """The pieces of the layers' outputs (one per trainable parameter, a
+    tied weight once, in the layers' order), the sums' length and this
+    rank's shards' length, in elements. Rank r owns rows [r * chunk,
+    (r + 1) * chunk) of each parameter (those that exist): torch.chunk's
+    split, which fully_shard uses."""
+    pieces, full, shard = [], 0, 0
+    for o in _planner.outputs(layers):
+        p = o.param
+        shape = tuple(p.shape)
+        rows = shape[0]
+        inner = math.prod(shape[1:])
+        chunk = -(-rows // world)
+        mine = max(0, min(chunk, rows - rank * chunk))
+        pieces.append(Piece(p, o, shape, inner, chunk, mine, full, shard))
+        full += _al(world * chunk * inner)
+        shard += _al(chunk * inner)
+    return pieces, full, shard
+
+
+def _relaid(pc: Piece) -> bool:
+    """Whether the daemon writes piece pc's parameter in another layout
+    than the parameter's (Out.grad's view of the flat output, on the meta
+    device)."""
+    g = pc.out.grad(torch.empty(math.prod(pc.shape), device="meta"))
+    return not (tuple(g.shape) == pc.shape and g.is_contiguous())
+
+
+def _transposed(pc: Piece) -> bool:
+    """Whether the daemon writes piece pc's parameter transposed (a weight
+    kept [in, out], such as transformers' Conv1D, written [out, in]): its
+    dim-0 rows, which fully_shard shards, are then the output's columns.
+    Read from the layout Out.grad gives the flat output (on the meta
+    device: no memory); any layout other than the parameter's own or that
+    transpose is refused, as no range of the output would hold its rows."""
+    g = pc.out.grad(torch.empty(math.prod(pc.shape), device="meta"))
+    if tuple(g.shape) == pc.shape and g.is_contiguous():
+        return False
+    if g.dim() == 2 and tuple(g.shape) == pc.shape and tuple(g.stride()) == (1, pc.shape[0]):
+        return True
+    raise NotImplementedError(
+        "a parameter of shape %s is written by the daemon in a layout (strides %s) whose "
+        "dim-0 rows are neither its rows nor its columns: sharded noise cannot name this "
+        "rank's rows of it" % (pc.shape, tuple(g.stride())))
+
+
+def buckets(pieces: Sequence[Piece], per_rank: int,
+            spans: Sequence[Tuple[int, int]] = ()) -> List[Tuple[int, int]]:
+    """[first, last) ranges of consecutive pieces whose shards span about
+    per_rank elements (a larger piece alone): one collective each, and one
+    sums step of the layer group writing them (dpclip._gate.buckets' rule).
+    spans: [lo, hi] piece ranges never cut (the pieces one part writes: a
+    layer's weight and bias, a tied weight's uses), so that each part is
+    summed in one bucket."""
+    joined = [False] * len(pieces)  # joined[i]: pieces i - 1 and i go together
+    for lo, hi in spans:
+        for i in range(lo + 1, hi + 1):
+            joined[i] = True
+    return _gate.buckets([_al(pc.chunk * pc.inner) for pc in pieces], per_rank,
+                         joined=joined.__getitem__)
