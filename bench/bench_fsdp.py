@@ -251,6 +251,9 @@ def timed_run(args, rank, world, device, mesh, init, mode, own_norms=True):
             parts["sums_ms"] += sh.timing["sums_and_reduce_scatter_ms"]
             parts["write_ms"] += sh.timing["write_ms"]
             parts["step_ms"] += t_step * 1e3
+            for k, v in sh.timing.items():
+                if k.startswith("daemon_"):  # the daemon's own, where the transport reads it
+                    parts[k] = parts.get(k, 0.0) + v
 
     # with --logical the last warm-up step is measured (a logical step is
     # long: no extra one); its grad_phase figures come before the timed steps

@@ -8,7 +8,9 @@
  *   - a member's seal leaves its kept layers out (their data is never read
  *     again: rewriting it between the phases changes nothing), and checks
  *     every other layer: a rewritten one fails the clip phase, naming it;
- *     a pass's seal keeps every layer;
+ *     a pass's seal leaves out its kept layers without a bias or a tie,
+ *     whose sums steps must then name their weight's output and no other
+ *     (the backend sums those from the store), and keeps every other;
  *   - the clip phase hands the backend the store, which goes back to it
  *     exactly once, after the clip phase, whether it succeeded or not. */
 #include <setjmp.h>
@@ -120,7 +122,7 @@ typedef struct fixture {
     dc_session s;
     dc_step_call sc;
     dc_layer layers[L];
-    float act[L][B * 4], grad[L][B * 5];
+    float act[L][B * 4], grad[L][B * 5], wout[L][20], bout[L][5];
 } fixture;
 
 static fixture *make(void) {
@@ -137,6 +139,7 @@ static fixture *make(void) {
         ly->p = 5;
         ly->input = (dc_tensor){f->act[l], DC_F32, 2, {B, 4, 0}};
         ly->grad = (dc_tensor){f->grad[l], DC_F32, 2, {B, 5, 0}};
+        ly->weight_grad_out = (dc_tensor){f->wout[l], DC_F32, 2, {5, 4, 0}};
         for (int i = 0; i < B * 4; i++) f->act[l][i] = (float)(l + i);
         for (int i = 0; i < B * 5; i++) f->grad[l][i] = (float)(l - i);
     }
@@ -163,6 +166,7 @@ static void release(fixture *f) {
     free(f->sc.n2);
     free(f->sc.tot);
     free(f->sc.seal);
+    free(f->sc.unsealed);
     free(f);
 }
 
@@ -209,9 +213,9 @@ static void test_unkept_layer_checked(void **state) {
     release(f);
 }
 
-/* A norm pass keeps what its sums steps may sum from, but every layer
- * stays sealed (a sums step may leave a kept layer to the client's data). */
-static void test_pass_keeps_sealed(void **state) {
+/* A norm pass keeps what its sums steps may sum from, and leaves its kept
+ * layer unsealed (no bias, no tie); the others are sealed. */
+static void test_pass_keeps_unsealed(void **state) {
     (void)state;
     fixture *f = make();
     dc_step_run_pass_work(&f->sc.task, &f->be.base);
@@ -219,7 +223,10 @@ static void test_pass_keeps_sealed(void **state) {
     assert_int_equal(f->be.norms, 1);
     assert_int_equal(f->be.asked_keep, 1);
     assert_ptr_equal(f->sc.kept, &f->be.kept);
-    for (int l = 0; l < L; l++) assert_int_equal(f->be.hashed[l], 2);
+    for (int l = 0; l < L; l++) {
+        assert_int_equal(f->be.hashed[l], l == KEPT_LAYER ? 0 : 2);
+        assert_int_equal(f->sc.unsealed[l], l == KEPT_LAYER);
+    }
     /* its timed parts are the step's, for the metrics (a norm phase has
      * no result of its own) */
     assert_int_equal(f->sc.res.phase_ns[DC_RUN_NORMS], FAKE_NORMS_NS);
@@ -229,9 +236,28 @@ static void test_pass_keeps_sealed(void **state) {
     release(f);
 }
 
+/* A kept layer with a bias (whose sum reads the client's output grads) or
+ * a tie (whose use reads the client's data) stays sealed in the pass. */
+static void test_pass_seals_kept_bias_and_tie(void **state) {
+    (void)state;
+    for (int which = 0; which < 2; which++) {
+        fixture *f = make();
+        if (which == 0) f->layers[KEPT_LAYER].has_bias = true;
+        else f->layers[KEPT_LAYER].tie = 1; /* tied to layer 0 */
+        dc_step_run_pass_work(&f->sc.task, &f->be.base);
+        assert_int_equal(f->sc.rc, 0);
+        assert_int_equal(f->be.hashed[KEPT_LAYER], 2);
+        assert_int_equal(f->sc.unsealed[KEPT_LAYER], 0);
+        f->sc.kept = NULL;
+        release(f);
+    }
+}
+
 /* A sums step with its pass's store, lent: the clip phase gets it with
- * each layer's index in the pass, every layer is checked (a rewritten kept
- * layer refused), and the store stays with the pass either way. */
+ * each layer's index in the pass; the layers the pass sealed are checked
+ * (one rewritten is refused, naming it), the unsealed kept one is neither
+ * read nor checked (its data rewritten changes nothing: its sum comes from
+ * the store); the store stays with the pass either way. */
 static void test_sums_step_borrows(void **state) {
     (void)state;
     fixture *f = make();
@@ -240,31 +266,69 @@ static void test_sums_step_borrows(void **state) {
     assert_int_equal(f->sc.rc, 0);
     f->sc.kept_borrowed = true;
     f->sc.pass_at = at;
+    f->act[KEPT_LAYER][2] += 1.0f;
+    f->grad[KEPT_LAYER][0] = 1e30f;
     dc_step_run_sums_work(&f->sc.task, &f->be.base);
     if (f->sc.rc) fprintf(stderr, "%s: %s\n", f->sc.err.field, f->sc.err.msg);
     assert_int_equal(f->sc.rc, 0);
     assert_ptr_equal(f->be.clip_kept, &f->be.kept);
     assert_ptr_equal(f->be.clip_at, at);
-    assert_int_equal(f->be.hashed[KEPT_LAYER], 4);
+    assert_int_equal(f->be.hashed[KEPT_LAYER], 0);
+    assert_int_equal(f->be.hashed[0], 4);
     assert_int_equal(f->be.freed, 0);
 
     f->sc.kept = &f->be.kept; /* the next sums step's loan */
-    f->act[KEPT_LAYER][2] += 1.0f;
+    f->grad[2][1] += 1.0f;
     dc_step_run_sums_work(&f->sc.task, &f->be.base);
     assert_int_equal(f->sc.rc, DC_EINVAL);
-    assert_non_null(strstr(f->sc.err.msg, "layer1"));
+    assert_non_null(strstr(f->sc.err.msg, "layer2"));
     assert_int_equal(f->be.clips, 1);
     assert_int_equal(f->be.freed, 0);
     f->sc.pass_at = NULL;
     release(f);
 }
 
+/* A sums step naming an unsealed kept layer but not its weight's output,
+ * or with its bias's too (which would read the client's unsealed output
+ * grads), is refused naming the layer, before anything is read or summed. */
+static void test_sums_step_unsealed_needs_weight_out(void **state) {
+    (void)state;
+    for (int which = 0; which < 2; which++) {
+        fixture *f = make();
+        size_t at[L] = {0, 1, 2};
+        dc_step_run_pass_work(&f->sc.task, &f->be.base);
+        assert_int_equal(f->sc.rc, 0);
+        f->sc.kept_borrowed = true;
+        f->sc.pass_at = at;
+        dc_layer *ly = &f->layers[KEPT_LAYER];
+        if (which == 0) {
+            ly->weight_grad_out.data = NULL;
+        } else { /* (the pass's layer had no bias: a sums step's must match it) */
+            ly->has_bias = true;
+            ly->bias_grad_out = (dc_tensor){f->bout[KEPT_LAYER], DC_F32, 1, {5, 0, 0}};
+        }
+        int hashed = f->be.hashed[0];
+        dc_step_run_sums_work(&f->sc.task, &f->be.base);
+        assert_int_equal(f->sc.rc, DC_EINVAL);
+        assert_string_equal(f->sc.err.field, "clip_step.layers");
+        assert_non_null(strstr(f->sc.err.msg, "layer1"));
+        assert_int_equal(f->be.clips, 0);
+        assert_int_equal(f->be.hashed[0], hashed);
+        assert_int_equal(f->be.freed, 0);
+        f->sc.pass_at = NULL;
+        f->sc.kept = NULL;
+        release(f);
+    }
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_kept_layer_unsealed),
         cmocka_unit_test(test_unkept_layer_checked),
-        cmocka_unit_test(test_pass_keeps_sealed),
+        cmocka_unit_test(test_pass_keeps_unsealed),
+        cmocka_unit_test(test_pass_seals_kept_bias_and_tie),
         cmocka_unit_test(test_sums_step_borrows),
+        cmocka_unit_test(test_sums_step_unsealed_needs_weight_out),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -38,6 +38,7 @@ static void call_free(dc_step_call *sc) {
     dc_step_result_free(&sc->res);
     free(sc->n2);
     free(sc->seal);
+    free(sc->unsealed);
     free(sc->partial);
     free(sc->tot);
     free(sc->rep);

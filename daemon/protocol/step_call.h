@@ -132,6 +132,9 @@ struct dc_step_call {
      * seal [L] taken right after its norms, under seal_key (step_run.h) */
     uint64_t *seal;
     uint64_t seal_key;
+    /* A norm pass's kept layers it left unsealed, and a sums step's of its
+     * layers (step_pass.h): [L] or NULL (none) */
+    uint8_t *unsealed;
     /* a group member's norm phase's kept per-sample gradients (backend.h:
      * its clip phase sums those layers from them, unsealed), and the
      * backend that holds them; given back after the clip phase or with

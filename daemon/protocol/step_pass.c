@@ -38,6 +38,7 @@ struct dc_pass {
     double *tot;    /* [B] */
     uint64_t *seal; /* [L] each layer's seal, under seal_key (step_run.h) */
     uint64_t seal_key;
+    uint8_t *unsealed; /* [L] kept layers left unsealed (step_pass.h), or NULL */
     /* what the backend kept of the norm pass (backend.h dc_kept), lent to
      * each sums step; given back with the pass */
     dc_kept *kept;
@@ -159,6 +160,8 @@ int dc_pass_new(dc_step_call *sc, dc_pass **out, dc_err *e) {
     p->seal = sc->seal;
     sc->seal = NULL;
     p->seal_key = sc->seal_key;
+    p->unsealed = sc->unsealed;
+    sc->unsealed = NULL;
     p->kept = sc->kept;
     p->kept_be = sc->kept_be;
     sc->kept = NULL;
@@ -238,7 +241,8 @@ int dc_pass_take(dc_pass *p, dc_step_call *sc, dc_err *e) {
     if ((rc = noise_check(p, s, e))) return rc;
     if (!(at = malloc(L * sizeof *at)) || !(sc->n2 = malloc(L * B * sizeof *sc->n2)) ||
         !(sc->tot = malloc(B * sizeof *sc->tot)) ||
-        !(sc->seal = malloc((L ? L : 1) * sizeof *sc->seal))) {
+        !(sc->seal = malloc((L ? L : 1) * sizeof *sc->seal)) ||
+        (p->unsealed && !(sc->unsealed = malloc(L ? L : 1)))) {
         rc = dc_err_set(e, DC_ENOSPACE, "clip_step", "out of memory");
         goto fail;
     }
@@ -268,6 +272,7 @@ int dc_pass_take(dc_pass *p, dc_step_call *sc, dc_err *e) {
     for (size_t l = 0; l < L; l++) {
         memcpy(&sc->n2[l * B], &p->n2[at[l] * B], B * sizeof *sc->n2);
         sc->seal[l] = p->seal[at[l]];
+        if (sc->unsealed) sc->unsealed[l] = p->unsealed[at[l]];
     }
     sc->seal_key = p->seal_key;
     sc->kept = p->kept; /* lent (or none): the pass gives it back */
@@ -283,8 +288,10 @@ fail:
     free(sc->n2);
     free(sc->tot);
     free(sc->seal);
+    free(sc->unsealed);
     sc->n2 = sc->tot = NULL;
     sc->seal = NULL;
+    sc->unsealed = NULL;
     return rc;
 }
 
@@ -294,7 +301,8 @@ void dc_phase_margin(double *tot, uint32_t batch) {
 
 uint64_t dc_pass_bytes(uint32_t batch, size_t n_layers) {
     return sizeof(dc_pass) +
-           (uint64_t)n_layers * (batch * sizeof(double) + sizeof(uint64_t) + sizeof(pass_layer)) +
+           (uint64_t)n_layers *
+               (batch * sizeof(double) + sizeof(uint64_t) + 1 + sizeof(pass_layer)) +
            (uint64_t)batch * sizeof(double);
 }
 
@@ -310,6 +318,7 @@ void dc_pass_free(dc_pass *p) {
     free(p->n2);
     free(p->tot);
     free(p->seal);
+    free(p->unsealed);
     free(p->layers);
     free(p);
 }

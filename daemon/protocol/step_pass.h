@@ -50,7 +50,10 @@ int dc_pass_take(dc_pass *p, dc_step_call *sc, dc_err *e);
  * pass; a grouped member's norm phase before the group's reduction) reads
  * client memory the client may have rewritten since. So it checks each
  * layer's seal (step_run.h: a keyed checksum of the data, taken right
- * after the norms) and refuses a layer whose data changed. It clips by
+ * after the norms) and refuses a layer whose data changed, but for the
+ * layers it sums from the daemon's own copy (a kept store): a member's
+ * kept layers, and a pass's kept layers without a bias or a tie, which
+ * its sums steps must take whole from the store (step_run.c). It clips by
  * totals raised by the bound below, which the pass's reply coefficients
  * include: the margin of the re-measurement this check replaced, kept so
  * that replies and references did not change. dc_phase_margin raises

@@ -47,6 +47,25 @@ int dc_step_run_prepare(dc_step_call *sc, dc_err *e) {
     return 0;
 }
 
+/* A sums step's layers its pass left unsealed: each summed from the
+ * pass's store alone, which the backend does for a kept layer whose weight
+ * sum is asked for (and refuses to do otherwise: backend.h dc_kept), and
+ * nothing of the client's read for it: no bias sum, no tie. */
+static int unsealed_ok(dc_step_call *sc) {
+    for (size_t l = 0; sc->unsealed && l < sc->step.n_layers; l++) {
+        const dc_layer *ly = &sc->step.layers[l];
+        if (!sc->unsealed[l]) continue;
+        if (!sc->kept || !ly->weight_grad_out.data || (ly->has_bias && ly->bias_grad_out.data) ||
+            ly->tie)
+            return dc_err_set(&sc->err, DC_EINVAL, "clip_step.layers",
+                              "layer %zu ('%s'): its norm pass kept its per-sample gradients, "
+                              "so its sums step sums them, which it does for the weight's "
+                              "output: name that output (and no other)",
+                              l, ly->name);
+    }
+    return 0;
+}
+
 /* The clip phase of a step whose norms an earlier task measured (sc->n2,
  * totals sc->tot, seals sc->seal): its data checked against the seals and
  * clipped with the margin (step_pass.h). The reply's norms stay the
@@ -67,8 +86,11 @@ static int clip_checked(dc_step_call *sc, dc_backend *be) {
         rc = dc_err_set(&sc->err, DC_ENOSPACE, "clip_step", "out of memory");
         goto out;
     }
-    /* a group member's own kept layers go unsealed; a pass's stay sealed */
-    const dc_kept *unsealed = sc->kept_borrowed ? NULL : sc->kept;
+    /* a group member's own kept layers go unsealed; a pass's sums step's,
+     * those its pass left unsealed */
+    dc_kept view = {L, sc->unsealed};
+    const dc_kept *unsealed = !sc->kept_borrowed ? sc->kept : sc->unsealed ? &view : NULL;
+    if ((rc = unsealed_ok(sc))) goto out;
     if ((rc = dc_step_run_seal(be, &sc->step, sc->seal_key, unsealed, now, &sc->err))) goto out;
     for (size_t l = 0; l < L; l++)
         if (now[l] != sc->seal[l]) {
@@ -150,11 +172,27 @@ void dc_step_run_sums_work(dc_task *task, dc_backend *be) {
 
 static void norms_phase(dc_step_call *sc, dc_backend *be, bool unseal_kept);
 
+/* A norm pass's kept layers without a bias or a tie (step_pass.h): each
+ * sums step can take their sums from the store alone (it must: unsealed_ok),
+ * so their data, never read again, goes unsealed; into sc->unsealed, and
+ * *view over it. A bias's sum reads the client's output grads, and a tied
+ * use's the client's data, so those layers stay sealed. */
+static int pass_unsealed(dc_step_call *sc, dc_kept *view) {
+    const size_t L = sc->step.n_layers;
+    if (!(sc->unsealed = calloc(L ? L : 1, 1)))
+        return dc_err_set(&sc->err, DC_ENOSPACE, "clip_step", "out of memory");
+    for (size_t l = 0; l < L; l++) {
+        const dc_layer *ly = &sc->step.layers[l];
+        sc->unsealed[l] = dc_kept_has(sc->kept, l) && !ly->has_bias && !ly->tie;
+    }
+    *view = (dc_kept){L, sc->unsealed};
+    return 0;
+}
+
 void dc_step_run_pass_work(dc_task *task, dc_backend *be) {
     dc_step_call *sc = (dc_step_call *)task;
-    /* what it keeps its sums steps sum from, but a sums step may leave a
-     * kept layer to the client's data (another dtype's output, say), so
-     * every layer stays sealed */
+    /* what it keeps its sums steps sum from: those kept layers whose every
+     * sum comes from the store go unsealed (pass_unsealed) */
     norms_phase(sc, be, false);
     sc->t_end = uv_hrtime();
 }
@@ -190,9 +228,12 @@ static void norms_phase(dc_step_call *sc, dc_backend *be, bool unseal_kept) {
     if (sc->rc == 0)
         dc_backend_norm_times(be, sc->res.phase_ns); /* (a clip phase's replace them) */
     /* the seal right after the norms: what the clip phase may sum */
+    dc_kept view;
+    const dc_kept *unsealed = unseal_kept ? sc->kept : NULL;
+    if (sc->rc == 0 && !unseal_kept && sc->kept && !(sc->rc = pass_unsealed(sc, &view)))
+        unsealed = &view;
     if (sc->rc == 0 && !(sc->rc = dc_step_run_seal_key(&sc->seal_key, &sc->err)))
-        sc->rc = dc_step_run_seal(be, &sc->step, sc->seal_key, unseal_kept ? sc->kept : NULL,
-                                  sc->seal, &sc->err);
+        sc->rc = dc_step_run_seal(be, &sc->step, sc->seal_key, unsealed, sc->seal, &sc->err);
     if (sc->rc == 0 && sc->grouped) {
         sc->gw.rep_key = dc_step_run_replicas_key(&sc->step);
         sc->rc = dc_step_run_replicas_hash(be, &sc->step, sc->gw.rep_key, &sc->gw.rep_hash,

@@ -52,8 +52,9 @@ uint64_t dc_step_run_replicas_key(const dc_step *st);
  * seal; a checksum costs one read of the data, where measuring the norms
  * again cost the norm pass. */
 int dc_step_run_seal_key(uint64_t *key, dc_err *e);
-/* kept: a norm phase's (backend.h); its layers are summed from the
- * daemon's copy, not the client's data, and their seal is 0. */
+/* kept: the layers summed from the daemon's copy (backend.h), not the
+ * client's data: a member's whole store, a pass's kept layers without a
+ * bias or a tie (sc->unsealed); their seal is 0, nothing hashed. */
 int dc_step_run_seal(dc_backend *be, const dc_step *st, uint64_t key, const dc_kept *kept,
                      uint64_t *out, dc_err *e);
 /* A step in phases (step_pass.h): the norm pass (as a group's norm phase,

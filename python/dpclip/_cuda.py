@@ -311,7 +311,10 @@ class CudaPhases(Phases):
         return self._norms(ready, rid, True)
 
     def norms_wait(self, sent: Any) -> _lib.StepResult:
-        return self.io.client.wait(sent)
+        res = self.io.client.wait(sent)
+        self.daemon_ms = {"pass": res.compute_ns / 1e6,
+                          "pass_input_wait": res.input_wait_ns / 1e6, "sums": 0.0}
+        return res
 
     def _norms(self, ready: Any, rid: int, submit: bool) -> Any:
         """The norm pass, waiting on `ready` (recorded here, on the current
@@ -373,7 +376,9 @@ class CudaPhases(Phases):
 
     def sums_wait(self, k: int, sent: Any) -> torch.Tensor:
         ticket, n = sent
-        self.io.client.wait(ticket)  # raises its error
+        res = self.io.client.wait(ticket)  # raises its error
+        if self.daemon_ms:
+            self.daemon_ms["sums"] += res.compute_ns / 1e6
         return self.slots[self._slot(k)][:n]
 
     def _slot(self, k: int) -> int:

@@ -460,6 +460,8 @@ class Sharded:
                        "sums_and_reduce_scatter_ms": (t3 - t1) * 1e3,
                        "reduce_scatter_ms": (t3 - t1) * 1e3,
                        "write_ms": (time.perf_counter() - t3) * 1e3}
+        if io is not None:
+            self.timing.update({"daemon_%s_ms" % k: v for k, v in io.daemon_ms.items()})
         if failed is not None:
             raise failed
         acc.open = False  # committed (else it may be open: the next step opens another)

@@ -14,7 +14,7 @@ What a transport does:
     given back by release();
   - phases(): a sharded step in phases (dpclip._fsdp): its norm pass and its
     buckets' sums steps (Phases)."""
-from typing import Any, List, NamedTuple, Optional, Tuple
+from typing import Any, Dict, List, NamedTuple, Optional, Tuple
 
 import torch
 
@@ -52,6 +52,11 @@ class Phases:
     summed elements (from element base of the layout); copied(k): bucket
     k's were copied out (its slot may be written again); close() ends the
     step in phases."""
+
+    # the daemon's own time for this step's pass and sums steps, where the
+    # transport reads it (ms: "pass", "pass_input_wait", "sums"), for
+    # bench_fsdp
+    daemon_ms: Dict[str, float] = {}
 
     def norms(self) -> _lib.StepResult:
         raise NotImplementedError
