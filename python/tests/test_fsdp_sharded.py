@@ -56,6 +56,39 @@ def test_layout_gives_each_rank_fully_shards_dim0_chunks():
             assert all(a[1] <= b[0] for a, b in zip(ends, ends[1:]))  # regions apart
 
 
+def test_stage_puts_each_ranks_chunks_side_by_side_gaps_zero():
+    """_stage: a bucket's sums (each piece's [world, chunk * inner] region
+    at its offset in the layout) become [world, shard span], rank r's row
+    holding each piece's r-th chunk at its shard offset, as one copy per
+    piece would; the alignment gaps between pieces (sizes not a multiple
+    of 32 elements) and after the last are zeros."""
+    class L:
+        def __init__(self, w):
+            self.w_out, self.b_out = Out(w), None
+            self.outs = [self.w_out]
+
+    layers = [L(torch.empty(r, c)) for r, c in ((5, 3), (40, 40), (2, 4), (7, 1), (64, 2))]
+    for world in (1, 2, 3):
+        pieces, full_n, _ = _fsdp.layout(layers, world, 0)
+        sh = _fsdp.Sharded.__new__(_fsdp.Sharded)
+        sh.pieces, sh.world, sh._zeros = pieces, world, None
+        for first, last in ((0, len(pieces)), (1, 3), (4, 5)):
+            base, _, s0, s1 = sh._span(first, last)
+            full = torch.arange(base, base + full_n, dtype=torch.float32) + 1.0
+            stage = torch.full((world, s1 - s0), float("nan"))
+            sh._stage(full, stage, first, last, base, s0)
+            want = torch.zeros(world, s1 - s0)
+            for pc in pieces[first:last]:
+                n = pc.chunk * pc.inner
+                f = pc.full_off - base
+                want[:, pc.shard_off - s0:pc.shard_off - s0 + n] = \
+                    full[f:f + world * n].view(world, n)
+            assert torch.equal(stage, want), (world, first, last)
+            gaps = sum(_fsdp._al(pc.chunk * pc.inner) - pc.chunk * pc.inner
+                       for pc in pieces[first:last])
+            assert gaps > 0 or (first, last) != (0, len(pieces))  # the gaps are tested
+
+
 def test_three_ranks_hold_the_union_gradient_noise_once_ledger_once(daemon, tmp_path):
     """Three gloo ranks, uneven batches and uneven shards (SeqModel's
     11-row head and embedding over 3 ranks): each rank's gradient, its
