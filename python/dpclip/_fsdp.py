@@ -185,8 +185,9 @@ def _policies(module: nn.Module) -> Tuple[Optional[torch.dtype], bool]:
         # one parameter group per state (_fsdp_param_group) or several (later torches)
         groups = [g for g in (getattr(state, "_fsdp_param_groups", None) or
                               [getattr(state, "_fsdp_param_group", None)]) if g is not None]
-        for mp in [getattr(g, "mp_policy", None) for g in groups] or \
-                [getattr(state, "_mp_policy", None)]:
+        # the groups' policies, or (torch 2.15: the groups hold none) the state's
+        for mp in [p for p in (getattr(g, "mp_policy", None) for g in groups) if p is not None] \
+                or [getattr(state, "_mp_policy", None)]:
             dtypes.add(getattr(mp, "reduce_dtype", None) or getattr(mp, "param_dtype", None))
         offload |= any(type(getattr(g, "offload_policy", None)).__name__ == "CPUOffloadPolicy"
                        for g in groups)

@@ -283,7 +283,8 @@ def run_accumulate_logical_batches(rank, world, init_file, socket_path, data, C,
 def run_fsdp2_accumulate(rank, world, init_file, socket_path, data, C, expected, seed, splits,
                          out_dir, layout="one_gpu"):
     """Two NCCL ranks, on one GPU (layout "one_gpu": a host id each) or
-    rank r on cuda:r ("two_gpus"), GPT sharded by fully_shard: for each
+    rank r on cuda:r ("two_gpus"), or two gloo ranks on the CPU ("cpu": the
+    host transport), GPT sharded by fully_shard: for each
     (case, sizes) of splits, a logical step of this rank's samples in
     micro-batches of sizes (f32, or bf16 MixedPrecisionPolicy), its
     gradient shards and the gathered whole, and
@@ -293,27 +294,29 @@ def run_fsdp2_accumulate(rank, world, init_file, socket_path, data, C, expected,
     steps at q 0.01; engine.logical_batches' refusal; two logical steps in
     micro-batches of 2 + 2 + the rest, the first failing on the last rank
     (a loss not finite): errors and gradients (out["fail"])."""
-    assert layout in ("one_gpu", "two_gpus"), layout
+    assert layout in ("one_gpu", "two_gpus", "cpu"), layout
+    dev = "cpu" if layout == "cpu" else "cuda"
     if layout == "one_gpu":
         # NCCL refuses two ranks on one GPU unless they look like two hosts
         os.environ["NCCL_HOSTID"] = "dpclip-fsdp-acc-test-%d" % rank
-    os.environ["NCCL_NVLS_ENABLE"] = "0"
-    # before init: the mesh, NCCL and every .cuda() below take the current device
-    torch.cuda.set_device(rank if layout == "two_gpus" else 0)
-    _init("nccl", rank, world, init_file)
+    if dev == "cuda":
+        os.environ["NCCL_NVLS_ENABLE"] = "0"
+        # before init: the mesh, NCCL and every tensor below take the current device
+        torch.cuda.set_device(rank if layout == "two_gpus" else 0)
+    _init("nccl" if dev == "cuda" else "gloo", rank, world, init_file)
     try:
         # pylint: disable=import-outside-toplevel
         from torch.distributed.device_mesh import init_device_mesh
         MixedPrecisionPolicy = fsdp2_api()[1]  # pylint: disable=invalid-name
-        mesh = init_device_mesh("cuda", (world,))
-        x, y = (t.cuda() for t in data)
-        mine = torch.arange(rank, x.shape[0], world, device="cuda")
+        mesh = init_device_mesh(dev, (world,))
+        x, y = (t.to(dev) for t in data)
+        mine = torch.arange(rank, x.shape[0], world, device=dev)
         counts = count_collectives(("all_reduce", "reduce_scatter_tensor", "reduce_scatter"))
         out = {}
 
         def private(mp, job, sigma, **kw):
             torch.manual_seed(seed)
-            model = _shard(GPT().cuda(), mesh, mp)
+            model = _shard(GPT().to(dev), mesh, mp)
             engine = PrivacyEngine(socket_path, job_id=job, allow_insecure_seed=True)
             model, opt, _ = engine.make_private(
                 module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.0),
@@ -328,7 +331,8 @@ def run_fsdp2_accumulate(rank, world, init_file, socket_path, data, C, expected,
             whole = logical_step(model, opt, x, y, mine, [len(mine)], counts)
             acc = logical_step(model, opt, x, y, mine, sizes[rank], counts)
             out[case] = {
-                "local": {n: p.grad.to_local().cpu() for n, p in model.named_parameters()},
+                "local": {n: p.grad.to_local().cpu().clone()
+                          for n, p in model.named_parameters()},
                 "whole": {n: p.grad.full_tensor().cpu() for n, p in model.named_parameters()},
                 "dtypes": {n: p.grad.dtype for n, p in model.named_parameters()},
                 "collectives": (whole, acc), "norms": engine.last_norms.clone()}
@@ -349,7 +353,9 @@ def run_fsdp2_accumulate(rank, world, init_file, socket_path, data, C, expected,
                 fail["errors"].append(None)
             except DpclipError as e:
                 fail["errors"].append(_error(e))
-            fail["grads"].append({n: p.grad.to_local().cpu() for n, p in model.named_parameters()})
+            # (cloned: the engine writes the same gradients again next step)
+            fail["grads"].append({n: p.grad.to_local().cpu().clone()
+                                  for n, p in model.named_parameters()})
         out["fail"] = fail
         engine.close()
 
@@ -364,7 +370,8 @@ def run_fsdp2_accumulate(rank, world, init_file, socket_path, data, C, expected,
             out["logical_batches"] = str(e)
         for _ in range(3):
             logical_step(model, opt, x, y, mine, splits[0][1][rank], loss_scale=lambda i: 0.0)
-        out["noise"] = {n: p.grad.to_local().float().cpu() for n, p in model.named_parameters()}
+        out["noise"] = {n: p.grad.to_local().float().cpu().clone()
+                        for n, p in model.named_parameters()}
         out["epsilon"] = engine.last_epsilon
         engine.close()
         torch.save(out, os.path.join(out_dir, "fsdp2acc_%d.pt" % rank))

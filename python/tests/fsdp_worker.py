@@ -315,33 +315,39 @@ def _shard(model, mesh, mp):
     return model
 
 
-def run_fsdp2(rank, world, init_file, socket_path, data, C, expected, seed, out_dir):
-    """Two ranks on one GPU (NCCL, a host id each). Cases, each with a fresh
-    engine: f32 and bf16 MixedPrecisionPolicy at sigma 0 (this rank's
-    gradient shards and the gathered whole); the noise alone (sigma 1, zero
-    loss); training (sigma 0, 8 steps, the loss before and after); the
-    ledger after 3 steps at sigma 1; make_private before fully_shard; FSDP1
-    with use_orig_params=False."""
-    os.environ["NCCL_HOSTID"] = "dpclip-fsdp-test-%d" % rank
-    os.environ["NCCL_NVLS_ENABLE"] = "0"
-    torch.cuda.set_device(0)
-    _init("nccl", rank, world, init_file)
+def run_fsdp2(rank, world, init_file, socket_path, data, C, expected, seed, out_dir,
+              dev="cuda"):
+    """Two ranks on one GPU (NCCL, a host id each), or (dev "cpu") on the
+    CPU over gloo. Cases, each with a fresh engine: f32 and bf16
+    MixedPrecisionPolicy at sigma 0 (this rank's gradient shards and the
+    gathered whole); the noise alone (sigma 1, zero loss); training (sigma
+    0, 8 steps, the loss before and after); the ledger after 3 steps at
+    sigma 1; make_private before fully_shard; FSDP1 with
+    use_orig_params=False (on the GPU)."""
+    if dev == "cuda":
+        os.environ["NCCL_HOSTID"] = "dpclip-fsdp-test-%d" % rank
+        os.environ["NCCL_NVLS_ENABLE"] = "0"
+        torch.cuda.set_device(0)
+    _init("nccl" if dev == "cuda" else "gloo", rank, world, init_file)
     try:
         # pylint: disable=import-outside-toplevel
         from torch.distributed.device_mesh import init_device_mesh
         MixedPrecisionPolicy = fsdp2_api()[1]  # pylint: disable=invalid-name
         Shard = _fsdp._classes()[1]  # pylint: disable=invalid-name,protected-access
-        mesh = init_device_mesh("cuda", (world,))  # keeps the device set above
-        x, y = (t.cuda() for t in data)
-        mine = torch.arange(rank, x.shape[0], world, device="cuda")
+        mesh = init_device_mesh(dev, (world,))  # keeps the device set above
+        x, y = (t.to(dev) for t in data)
+        mine = torch.arange(rank, x.shape[0], world, device=dev)
         out = {}
+        # the transport whose sums steps the noise case records
+        phases = _cuda.CudaPhases if dev == "cuda" else _host.HostPhases
 
         def fresh(mp=None):
             torch.manual_seed(seed)  # the same weights on every rank, as fully_shard needs
-            return _shard(GPT().cuda(), mesh, mp)
+            return _shard(GPT().to(dev), mesh, mp)
 
         def private(model, job, sigma, lr=0.0, **kw):
-            engine = PrivacyEngine(socket_path, job_id=job, allow_insecure_seed=True)
+            engine = PrivacyEngine(socket_path, job_id="%s-%s" % (job, dev),
+                                   allow_insecure_seed=True)
             model, opt, _ = engine.make_private(
                 module=model, optimizer=torch.optim.SGD(model.parameters(), lr=lr),
                 noise_multiplier=sigma, max_grad_norm=C, expected_batch_size=expected, **kw)
@@ -363,7 +369,8 @@ def run_fsdp2(rank, world, init_file, socket_path, data, C, expected, seed, out_
             loss_of(model).backward()
             opt.step()
             out[case] = {
-                "local": {n: p.grad.to_local().cpu() for n, p in model.named_parameters()},
+                "local": {n: p.grad.to_local().cpu().clone()
+                          for n, p in model.named_parameters()},
                 "whole": {n: p.grad.full_tensor().cpu() for n, p in model.named_parameters()},
                 "sharded": {n: tuple(p.grad.placements) == (Shard(0),)
                             for n, p in model.named_parameters()},
@@ -372,7 +379,7 @@ def run_fsdp2(rank, world, init_file, socket_path, data, C, expected, seed, out_
             engine.close()
 
         recorded = []  # each sums step's output as the daemon wrote it
-        submit, wait, bases = _cuda.CudaPhases.sums_submit, _cuda.CudaPhases.sums_wait, {}
+        submit, wait, bases = phases.sums_submit, phases.sums_wait, {}
 
         def record_submit(io, k, which, base, n):  # (queued one bucket ahead)
             bases[k] = base
@@ -383,15 +390,18 @@ def run_fsdp2(rank, world, init_file, socket_path, data, C, expected, seed, out_
             recorded.append((bases[k], full.detach().clone()))
             return full
 
-        _cuda.CudaPhases.sums_submit = record_submit
-        _cuda.CudaPhases.sums_wait = record_wait
+        phases.sums_submit = record_submit
+        phases.sums_wait = record_wait
         engine, model, opt = private(fresh(bf16), "fsdp2-noise", 1.0)
         opt.zero_grad()
         (model(x[mine]).float() * 0.0).sum().backward()
         opt.step()
-        _cuda.CudaPhases.sums_submit, _cuda.CudaPhases.sums_wait = submit, wait
+        if phases is _host.HostPhases:  # (inherited: the base class's back)
+            del phases.sums_submit, phases.sums_wait
+        else:
+            phases.sums_submit, phases.sums_wait = submit, wait
         assert len(recorded) == len(engine.mode.shards._buckets), recorded
-        out["noise"] = {n: p.grad.to_local().cpu() for n, p in model.named_parameters()}
+        out["noise"] = {n: p.grad.to_local().cpu().clone() for n, p in model.named_parameters()}
         sh = engine.mode.shards
         out["owned"] = _owned_noise(sh, recorded, model, rank)
         engine.close()
@@ -417,7 +427,7 @@ def run_fsdp2(rank, world, init_file, socket_path, data, C, expected, seed, out_
         engine.close()
 
         torch.manual_seed(seed)
-        late = GPT().cuda()
+        late = GPT().to(dev)
         engine, late, opt = private(late, "fsdp2-late", 0.0)
         _shard(late, mesh, None)
         opt.zero_grad()
@@ -435,7 +445,7 @@ def run_fsdp2(rank, world, init_file, socket_path, data, C, expected, seed, out_
         except ImportError:
             FullyShardedDataParallel = None  # pylint: disable=invalid-name
         out["fsdp1"] = "skipped"
-        if FullyShardedDataParallel is not None:
+        if FullyShardedDataParallel is not None and dev == "cuda":
             torch.manual_seed(seed)
             flat = FullyShardedDataParallel(GPT().cuda(), use_orig_params=False)
             engine = PrivacyEngine(socket_path, job_id="fsdp2-fsdp1", allow_insecure_seed=True)

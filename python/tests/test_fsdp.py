@@ -1,5 +1,6 @@
 """FSDP2 (torch.distributed.fsdp.fully_shard) models: two NCCL ranks on one
-GPU (a distinct NCCL_HOSTID each, NVLink multicast off) train a GPT-2-like
+GPU (a distinct NCCL_HOSTID each, NVLink multicast off), and two gloo ranks
+on the CPU (the host transport), train a GPT-2-like
 model sharded per block and at the root; each rank's gradient is its
 shard, a DTensor, equal to its rows of the single-process per-sample
 reference (f32, and bf16 MixedPrecisionPolicy with f32 master weights); the
@@ -8,7 +9,8 @@ steps on its rows alone (Python adds none); the ledger charges once per
 step; the loss
 falls; make_private before fully_shard and FSDP1 are refused. Skipped, with
 the reason, without fully_shard (torch < 2.4: Debian's 1.13 tests the same
-steps in test_fsdp_sharded.py), a GPU, NCCL or a CUDA-built dpclipd.
+steps in test_fsdp_sharded.py); the GPU case without a GPU, NCCL or a
+CUDA-built dpclipd.
 
     python3 -m pytest -q python/tests/test_fsdp.py
 """
@@ -26,24 +28,16 @@ from dpclip.torch import PrivacyEngine
 from fsdp_worker import GPT, run_fsdp2
 from models import PHASED_MARGIN, reference
 
-pytestmark = [
-    pytest.mark.skipif(_fsdp._classes()[2] is None,  # pylint: disable=protected-access
-                       reason="torch %s has no fully_shard (FSDP2: torch >= 2.4)"
-                       % torch.__version__),
+pytestmark = pytest.mark.skipif(_fsdp._classes()[2] is None,  # pylint: disable=W0212
+                                reason="torch %s has no fully_shard (FSDP2: torch >= 2.4)"
+                                % torch.__version__)
+needs_gpu = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device"),
     pytest.mark.skipif(not (torch.distributed.is_available() and
                             torch.distributed.is_nccl_available()), reason="no NCCL"),
 ]
 
 WORLD, B, SEED, C = 2, 8, 11, 1.86
-
-
-@pytest.fixture
-def cuda_daemon(daemon):
-    with dpclip.Client(daemon.socket) as c:
-        if not c.info.has_cuda:
-            pytest.skip("this dpclipd has no CUDA backend")
-    return daemon
 
 
 def _data():
@@ -58,13 +52,20 @@ def _rows(n, rank):
     return min(rank * chunk, n), min((rank + 1) * chunk, n)
 
 
-def test_fully_shard_two_ranks_one_gpu(cuda_daemon, tmp_path):
+@pytest.mark.parametrize("dev", [pytest.param("cuda", marks=needs_gpu), "cpu"])
+def test_fully_shard_two_ranks(daemon, tmp_path, dev):
+    """Two ranks of one GPU over NCCL (a CUDA-built dpclipd), or of the CPU
+    over gloo (the host transport): the same cases and checks."""
+    if dev == "cuda":
+        with dpclip.Client(daemon.socket) as c:
+            if not c.info.has_cuda:
+                pytest.skip("this dpclipd has no CUDA backend")
     x, y = _data()
     torch.manual_seed(SEED)
     want, _, _ = reference(GPT(), "seq", (x,), y, C, "mean", B, margin=PHASED_MARGIN)
     ctx = mp.start_processes(run_fsdp2, nprocs=WORLD, join=False, start_method="spawn",
-                             args=(WORLD, str(tmp_path / "init"), cuda_daemon.socket, (x, y), C,
-                                   B, SEED, str(tmp_path)))
+                             args=(WORLD, str(tmp_path / "init"), daemon.socket, (x, y), C,
+                                   B, SEED, str(tmp_path), dev))
     while not ctx.join(timeout=300):
         pass
     got = [torch.load(os.path.join(str(tmp_path), "fsdp2_%d.pt" % r)) for r in range(WORLD)]
@@ -114,7 +115,7 @@ def test_fully_shard_two_ranks_one_gpu(cuda_daemon, tmp_path):
 
     # Charged once per logical step: rank 0's job spent what one process's
     # 3 steps at the same (q, sigma, delta) spend.
-    single = PrivacyEngine(cuda_daemon.socket, job_id="fsdp2-ledger-single",
+    single = PrivacyEngine(daemon.socket, job_id="fsdp2-ledger-single-" + dev,
                            allow_insecure_seed=True)
     model = nn.Linear(3, 2)
     _, opt, _ = single.make_private(module=model, optimizer=torch.optim.SGD(

@@ -355,17 +355,21 @@ def test_cuda_micro_batch_sums_name_one_slot_and_drain_nothing(monkeypatch):
     assert len(set(ptrs[:3])) == 3 and ptrs[3:] == ptrs[:len(bks) - 3], ptrs
 
 
-# --- FSDP2 on a GPU ----------------------------------------------------------------------
+# --- FSDP2 -------------------------------------------------------------------------------
+
+_ON_GPU = [pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device"),
+           pytest.mark.skipif(not (torch.distributed.is_available() and
+                                   torch.distributed.is_nccl_available()), reason="no NCCL")]
+
 
 @pytest.mark.skipif(_fsdp._classes()[2] is None,  # pylint: disable=protected-access
                     reason="torch %s has no fully_shard (FSDP2: torch >= 2.4)"
                     % torch.__version__)
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
-@pytest.mark.skipif(not (torch.distributed.is_available() and
-                         torch.distributed.is_nccl_available()), reason="no NCCL")
-@pytest.mark.parametrize("layout", ["one_gpu", "two_gpus"])
+@pytest.mark.parametrize("layout", [pytest.param("one_gpu", marks=_ON_GPU),
+                                    pytest.param("two_gpus", marks=_ON_GPU), "cpu"])
 def test_fsdp2_micro_batches_equal_the_union_reference(daemon, tmp_path, layout):
-    """Two NCCL ranks on one GPU, or rank r on cuda:r, GPT sharded per
+    """Two NCCL ranks on one GPU, or rank r on cuda:r, or two gloo ranks on
+    the CPU (the host transport), GPT sharded per
     block and at the root, 16 samples, each rank's 8 in micro-batches
     (equal 4 + 4, ragged 1 + 5 + 2 and 3 + 3 + 2; bf16
     MixedPrecisionPolicy 2 + 6 and 5 + 3): each rank's DTensor shard,
@@ -382,7 +386,7 @@ def test_fsdp2_micro_batches_equal_the_union_reference(daemon, tmp_path, layout)
         pytest.skip("two_gpus needs 2 CUDA devices, this machine has %d"
                     % torch.cuda.device_count())
     with dpclip.Client(daemon.socket) as c:
-        if not c.info.has_cuda:
+        if layout != "cpu" and not c.info.has_cuda:
             pytest.skip("this dpclipd has no CUDA backend")
     world, B, seed, C = 2, 16, 11, 1.86
     g = torch.Generator().manual_seed(3)

@@ -89,6 +89,48 @@ def test_stage_puts_each_ranks_chunks_side_by_side_gaps_zero():
             assert gaps > 0 or (first, last) != (0, len(pieces))  # the gaps are tested
 
 
+def test_fsdp2_grads_are_kept_and_written_whole_each_step(monkeypatch):
+    """Under FSDP2 each parameter's gradient is one DTensor over this
+    rank's rows of a buffer kept from step to step (as DDP's gradients are
+    views of its buckets): each step writes it whole, the shards as they
+    came, or zeros where the step was not applied on every rank."""
+    class FakeDTensor:  # from_local keeps the local view (the rows)
+        @staticmethod
+        def from_local(local, mesh, placements, run_check, shape, stride):
+            return local
+
+    class FakeParam:  # what _hold reads of a sharded parameter; holds .grad
+        def __init__(self, t):
+            self.dtype, self.shape, self.device_mesh, self.placements = t.dtype, t.shape, None, ()
+            self.grad = None
+
+        def stride(self):
+            return None
+
+    class L:
+        def __init__(self, w):
+            self.w_out, self.b_out = Out(w), None
+            self.outs = [self.w_out]
+
+    monkeypatch.setattr(_fsdp, "_classes", lambda: (FakeDTensor, None, None))
+    params = [torch.empty(r, c) for r, c in ((5, 3), (40, 40), (7, 1))]
+    pieces, _, shard_n = _fsdp.layout([L(p) for p in params], 2, 1)
+    pieces = [pc._replace(param=FakeParam(pc.param)) for pc in pieces]
+    sh = _fsdp.Sharded.__new__(_fsdp.Sharded)
+    sh.fsdp, sh.pieces, sh.shard_n, sh._held = True, pieces, shard_n, None
+    first = None
+    for scale, applied in ((1.0, True), (2.0, True), (3.0, False), (4.0, True)):
+        shards = torch.arange(shard_n, dtype=torch.float32) * scale + 1.0
+        sh._write(sh._grads_from(shards), applied, torch.device("cpu"))
+        grads = [pc.param.grad for pc in pieces]
+        first = first or grads
+        assert all(g is f for g, f in zip(grads, first))  # the same tensors every step
+        for pc, g in zip(pieces, grads):
+            rows = shards[pc.shard_off:pc.shard_off + pc.mine * pc.inner]
+            want = rows.view((pc.mine,) + pc.shape[1:]) if applied else torch.zeros_like(g)
+            assert torch.equal(g, want), (scale, pc.shape)
+
+
 def test_three_ranks_hold_the_union_gradient_noise_once_ledger_once(daemon, tmp_path):
     """Three gloo ranks, uneven batches and uneven shards (SeqModel's
     11-row head and embedding over 3 ranks): each rank's gradient, its
