@@ -66,7 +66,9 @@ Steps are logical steps (--warmup 1, --steps 3 unless given); each line adds
 tokens/s (L x T over the rank's median time) and the whole-device memory:
 the GPU's used memory (cudaMemGetInfo: trainer, daemon, every process on
 it) sampled every 5 ms during the timed steps, its peak and its peak over
-the run's start. The ratio line adds each round's slowest-rank time ratio
+the run's start (without --logical, over an untimed step after the timed
+ones, as polling would cost the short steps' time: every run reports it).
+The ratio line adds each round's slowest-rank time ratio
 (median, best, worst) and that memory summed over the GPUs (each GPU's
 largest peak over its ranks and rounds; one GPU shared by every rank counts
 once), private / plain. The grad_phase figures are the last micro-batch's
@@ -270,7 +272,11 @@ def timed_run(args, rank, world, device, mesh, init, mode, own_norms=True):
         ms = (time.perf_counter() - t0) * 1e3 / args.steps
     peak = peak_mb(device)
     if not early:
-        step(False, measure=True)
+        # the whole device's memory (trainer and daemon) over an untimed
+        # step: sampling it during the timed ones (a thread polling the
+        # driver) would cost their time; a logical step's are long enough
+        with DeviceMemory(device) as mem:
+            step(False, measure=True)
     for _ in range(TRACED if args.trace else 0):
         step(False, traced=True)
     if trace:
@@ -286,9 +292,9 @@ def timed_run(args, rank, world, device, mesh, init, mode, own_norms=True):
     if args.logical:
         out.update(logical=args.logical, micro=args.micro, micro_batches=len(batches),
                    tokens_per_s=round(args.logical * args.seq / (ms / 1e3), 1))
-        if device.type == "cuda":
-            out.update(device_used_peak_mib=round(mem.peak / 2 ** 20, 1),
-                       device_over_start_mib=round((mem.peak - start) / 2 ** 20, 1))
+    if device.type == "cuda":
+        out.update(device_used_peak_mib=round(mem.peak / 2 ** 20, 1),
+                   device_over_start_mib=round((mem.peak - start) / 2 ** 20, 1))
     if device.type == "cuda":
         out["gpu"] = torch.cuda.get_device_name(device)
     if mode == "opacus" and not own_norms:
@@ -467,16 +473,16 @@ def ratios(args, lines, baseline):
         for mode, got in (("plain", plain), ("private", private_)):
             if got is not None:  # the slowest rank's median logical step
                 out[mode + "_tokens_per_s"] = round(args.logical * args.seq / (got[0] / 1e3), 1)
-        mem = {m: device_memory(lines, m) for m in (baseline, "dpclip")}
-        if mem[baseline][0] > 0:  # measured (CUDA)
-            out["device_used_peak_mib"] = {m: v[0] for m, v in mem.items()}
-            out["device_over_start_mib"] = {m: v[1] for m, v in mem.items()}
-            if private_ is not None:
-                out["device_used_private_over_plain"] = round(
-                    mem["dpclip"][0] / mem[baseline][0], 3)
-                if mem[baseline][1] > 0:
-                    out["device_over_start_private_over_plain"] = round(
-                        mem["dpclip"][1] / mem[baseline][1], 3)
+    mem = {m: device_memory(lines, m) for m in (baseline, "dpclip")}
+    if mem[baseline][0] > 0:  # measured (CUDA)
+        out["device_used_peak_mib"] = {m: v[0] for m, v in mem.items()}
+        out["device_over_start_mib"] = {m: v[1] for m, v in mem.items()}
+        if private_ is not None:
+            out["device_used_private_over_plain"] = round(
+                mem["dpclip"][0] / mem[baseline][0], 3)
+            if mem[baseline][1] > 0:
+                out["device_over_start_private_over_plain"] = round(
+                    mem["dpclip"][1] / mem[baseline][1], 3)
     if opacus is not None:
         out["opacus_over_plain_time"] = round(opacus[0] / plain[0], 3)
         out["opacus_over_plain_peak"] = round(opacus[1] / plain[1], 3)
