@@ -185,12 +185,8 @@ def timed_run(args, rank, world, device, mesh, init, mode, own_norms=True):
     extra = {}
     trace = {}  # --trace: label -> [host ms, GPU ms] from the step's start, summed
 
-    def mark(marks, what):
-        ev = None
-        if device.type == "cuda":
-            ev = torch.cuda.Event(enable_timing=True)
-            ev.record()
-        marks.append((what, time.perf_counter(), ev))
+    def mark(marks, what):  # as the engine's steps mark theirs
+        _fsdp.trace_mark(marks, what, device.type == "cuda")
 
     def step(timed, measure=False, traced=False):
         marks = [] if traced else None

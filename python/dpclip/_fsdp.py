@@ -194,6 +194,17 @@ def _policies(module: nn.Module) -> Tuple[Optional[torch.dtype], bool]:
     return (dtypes.pop() if len(dtypes) == 1 else None), offload
 
 
+def trace_mark(trace: List[Tuple[str, float, Any]], what: str, cuda: bool) -> None:
+    """Appends to trace where a step is: (what, the host's time, on the GPU
+    an event recorded on the current stream, else None); bench_fsdp's
+    --trace reads them."""
+    ev = None
+    if cuda:
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record()
+    trace.append((what, time.perf_counter(), ev))
+
+
 # --- the engine's sharded steps ---------------------------------------------------------
 
 class Sharded:
@@ -598,15 +609,9 @@ class Sharded:
 
     def _mark(self, what: str) -> None:
         """Where the step is, for bench_fsdp's --trace (self.trace a list,
-        else None): the host's time and, on the GPU, an event recorded on
-        the stream."""
-        if self.trace is None:
-            return
-        ev = None
-        if self.layers[0].weight.device.type == "cuda":
-            ev = torch.cuda.Event(enable_timing=True)
-            ev.record()
-        self.trace.append((what, time.perf_counter(), ev))
+        else None): trace_mark's."""
+        if self.trace is not None:
+            trace_mark(self.trace, what, self.layers[0].weight.device.type == "cuda")
 
     def _bucket_step(self, plan: _planner.Plan, k: int) -> Tuple[List[int], int, int]:
         """Bucket k's sums step: (the parts it names, its first element in

@@ -55,12 +55,20 @@ def layout(layers: Sequence[_Layer], world: int, rank: int
     return pieces, full, shard
 
 
+def _out_view(pc: Piece) -> torch.Tensor:
+    """Out.grad's view of piece pc's flat output (on the meta device: no
+    memory): the layout the daemon writes its parameter in."""
+    return pc.out.grad(torch.empty(math.prod(pc.shape), device="meta"))
+
+
+def _own_layout(g: torch.Tensor, pc: Piece) -> bool:
+    return tuple(g.shape) == pc.shape and g.is_contiguous()
+
+
 def _relaid(pc: Piece) -> bool:
     """Whether the daemon writes piece pc's parameter in another layout
-    than the parameter's (Out.grad's view of the flat output, on the meta
-    device)."""
-    g = pc.out.grad(torch.empty(math.prod(pc.shape), device="meta"))
-    return not (tuple(g.shape) == pc.shape and g.is_contiguous())
+    than the parameter's."""
+    return not _own_layout(_out_view(pc), pc)
 
 
 def _transposed(pc: Piece) -> bool:
@@ -70,8 +78,8 @@ def _transposed(pc: Piece) -> bool:
     Read from the layout Out.grad gives the flat output (on the meta
     device: no memory); any layout other than the parameter's own or that
     transpose is refused, as no range of the output would hold its rows."""
-    g = pc.out.grad(torch.empty(math.prod(pc.shape), device="meta"))
-    if tuple(g.shape) == pc.shape and g.is_contiguous():
+    g = _out_view(pc)
+    if _own_layout(g, pc):
         return False
     if g.dim() == 2 and tuple(g.shape) == pc.shape and tuple(g.stride()) == (1, pc.shape[0]):
         return True

@@ -29,18 +29,21 @@ def _spawn(fn, world, args):
         pass
 
 
+class _OutsOf:
+    """What layout() reads of a _Layer: its weight and bias, and their outputs."""
+
+    def __init__(self, w, b=None):
+        self.weight, self.bias = w, b
+        self.w_out = Out(w)
+        self.b_out = Out(b) if b is not None else None
+        self.outs = [o for o in (self.w_out, self.b_out) if o is not None]
+
+
 def test_layout_gives_each_rank_fully_shards_dim0_chunks():
     """Rows [r * chunk, (r + 1) * chunk) of each parameter, chunk =
     ceil(rows / world), as torch.chunk splits (the last ranks may hold
     fewer rows, or none); every region padded to world * chunk rows."""
-    class L:  # what layout() reads of a _Layer: its outputs
-        def __init__(self, w, b):
-            self.weight, self.bias = w, b
-            self.w_out = Out(w)
-            self.b_out = Out(b) if b is not None else None
-            self.outs = [o for o in (self.w_out, self.b_out) if o is not None]
-
-    layers = [L(torch.empty(5, 3), torch.empty(5)), L(torch.empty(2, 4), None)]
+    layers = [_OutsOf(torch.empty(5, 3), torch.empty(5)), _OutsOf(torch.empty(2, 4), None)]
     for world in (1, 2, 3, 4):
         for rank in range(world):
             pieces, full, shard = _fsdp.layout(layers, world, rank)
@@ -62,12 +65,7 @@ def test_stage_puts_each_ranks_chunks_side_by_side_gaps_zero():
     holding each piece's r-th chunk at its shard offset, as one copy per
     piece would; the alignment gaps between pieces (sizes not a multiple
     of 32 elements) and after the last are zeros."""
-    class L:
-        def __init__(self, w):
-            self.w_out, self.b_out = Out(w), None
-            self.outs = [self.w_out]
-
-    layers = [L(torch.empty(r, c)) for r, c in ((5, 3), (40, 40), (2, 4), (7, 1), (64, 2))]
+    layers = [_OutsOf(torch.empty(r, c)) for r, c in ((5, 3), (40, 40), (2, 4), (7, 1), (64, 2))]
     for world in (1, 2, 3):
         pieces, full_n, _ = _fsdp.layout(layers, world, 0)
         sh = _fsdp.Sharded.__new__(_fsdp.Sharded)
@@ -107,14 +105,9 @@ def test_fsdp2_grads_are_kept_and_written_whole_each_step(monkeypatch):
         def stride(self):
             return None
 
-    class L:
-        def __init__(self, w):
-            self.w_out, self.b_out = Out(w), None
-            self.outs = [self.w_out]
-
     monkeypatch.setattr(_fsdp, "_classes", lambda: (FakeDTensor, None, None))
     params = [torch.empty(r, c) for r, c in ((5, 3), (40, 40), (7, 1))]
-    pieces, _, shard_n = _fsdp.layout([L(p) for p in params], 2, 1)
+    pieces, _, shard_n = _fsdp.layout([_OutsOf(p) for p in params], 2, 1)
     pieces = [pc._replace(param=FakeParam(pc.param)) for pc in pieces]
     sh = _fsdp.Sharded.__new__(_fsdp.Sharded)
     sh.fsdp, sh.pieces, sh.shard_n, sh._held = True, pieces, shard_n, None
@@ -242,12 +235,7 @@ def test_noise_is_the_owners_daemon_sums_and_python_adds_none(daemon, tmp_path, 
 def test_buckets_cover_the_pieces_in_order():
     """Reduce-scatter buckets: consecutive ranges covering every piece
     once, each within the size unless one piece alone exceeds it."""
-    class L:
-        def __init__(self, w):
-            self.w_out, self.b_out = Out(w), None
-            self.outs = [self.w_out]
-
-    layers = [L(torch.empty(r, c)) for r, c in ((5, 3), (40, 40), (2, 4), (7, 1), (300, 2))]
+    layers = [_OutsOf(torch.empty(r, c)) for r, c in ((5, 3), (40, 40), (2, 4), (7, 1), (300, 2))]
     for world in (1, 2, 3):
         pieces, _, _ = _fsdp.layout(layers, world, 0)
         for size in (1, 32, 100, 10 ** 6):
@@ -396,13 +384,8 @@ def test_cuda_sums_slots_never_take_memory_a_queued_collective_still_reads(monke
     import ctypes
     import weakref
 
-    class L:
-        def __init__(self, w):
-            self.w_out, self.b_out = Out(w), None
-            self.outs = [self.w_out]
-
     # buckets [0], [1, 2], [3], [4] below: the fourth takes the first's slot again
-    layers = [L(torch.empty(r, 32)) for r in (64, 32, 16, 64, 48)]
+    layers = [_OutsOf(torch.empty(r, 32)) for r in (64, 32, 16, 64, 48)]
     pieces, full_n, shard_n = _fsdp.layout(layers, 1, 0)
     bks = _fsdp.buckets(pieces, 64 * 32)
     assert bks == [(0, 1), (1, 3), (3, 4), (4, 5)]
