@@ -303,12 +303,10 @@ class CudaPhases(Phases):
         return io.ref(inp, lp.in_shape), io.ref(g, lp.grad_shape)
 
     def norms(self) -> _lib.StepResult:
-        ready, _, rid, _ = self.io.events(self.device)
-        return self._norms(ready, rid, False)
+        return self._norms(False)
 
     def norms_submit(self) -> Any:
-        ready, _, rid, _ = self.io.events(self.device)
-        return self._norms(ready, rid, True)
+        return self._norms(True)
 
     def norms_wait(self, sent: Any) -> _lib.StepResult:
         res = self.io.client.wait(sent)
@@ -316,9 +314,14 @@ class CudaPhases(Phases):
                           "pass_input_wait": res.input_wait_ns / 1e6, "sums": 0.0}
         return res
 
-    def _norms(self, ready: Any, rid: int, submit: bool) -> Any:
-        """The norm pass, waiting on `ready` (recorded here, on the current
-        stream: the backward's end): its result, or (submit) its ticket."""
+    def _norms(self, submit: bool, own: Optional[Tuple[Any, int]] = None) -> Any:
+        """The norm pass, waiting on `ready` (the device's shared one, or
+        own's; recorded here, on the current stream: the backward's end):
+        its result, or (submit) its ticket."""
+        if own is not None:
+            ready, rid = own
+        else:
+            ready, _, rid, _ = self.io.events(self.device)
         e = self.sh.engine
         st = self.sh._clip  # pylint: disable=protected-access
         with torch.cuda.device(self.device):
@@ -346,7 +349,7 @@ class CudaPhases(Phases):
         collected (dpclip._accumulate)."""
         assert self.scratch
         self.own = self.io.readied(self.device)
-        tickets = [self._norms(self.own[0], self.own[1], True)]
+        tickets = [self._norms(True, self.own)]
         err: Optional[BaseException] = None
         for k, (which, base) in enumerate(buckets):
             try:

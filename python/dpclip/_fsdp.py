@@ -454,7 +454,6 @@ class Sharded:
         except Exception as exc:  # pylint: disable=broad-except
             failed = exc  # this rank still joins every collective, with zeros
         self._mark("pass sent")
-        t1 = t0
         try:
             shards, failed, res, t1 = self._sums_and_scatter(
                 plan, io if failed is None else None, device, cuda, failed, commit is not None,
