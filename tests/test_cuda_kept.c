@@ -17,8 +17,8 @@
  *     clip phase makes the sums from the client's data (GEMM path);
  *   - a norm pass (no outputs) keeps its layers for its sums steps, which
  *     sum their layers from the store by their index in the pass, clip by
- *     the pass's bound, and leave a ranged output's noise to the output
- *     pass: the same draws as the GEMM path's, in the range only.
+ *     the pass's bound, and draw a ranged output's noise as they sum (one
+ *     pass): the same draws as the GEMM path's, in the range only.
  * Without a CUDA device: skipped (77). */
 #include "cpu.h"
 #include "sgrad_test.h"
@@ -213,12 +213,73 @@ static void test_store_over_budget(void **state) {
     teardown_layers(h, d);
 }
 
+/* test_pass_sums_from_store's noise in a range (cols: columns [d/4,
+ * 3d/4) of each weight, else its rows [0, p/2)) on the even layers, from
+ * the store and by the GEMM path: noised minus noiseless, the same draws
+ * within the range, none outside. */
+static void noise_in_range(dc_layer *d, dc_layer *sub, size_t *at, double *n2s, const double *n2,
+                           const double *tot, dc_kept *kept, float C, int cols) {
+    enum { H = N / 2 };
+    dc_step ss;
+    for (int i = 0; i < H; i++) {
+        at[i] = (size_t)(2 * i);
+        sub[i] = d[at[i]];
+        sub[i].noise_w = cols ? (dc_noise_range){true, 1, (uint64_t)sub[i].d / 4,
+                                                 3 * (uint64_t)sub[i].d / 4}
+                              : (dc_noise_range){true, 0, 0, (uint64_t)sub[i].p / 2};
+        memcpy(&n2s[i * kB], &n2[at[i] * kB], kB * sizeof *n2s);
+    }
+    float *noise[2][H];
+    for (int path = 0; path < 2; path++) {
+        float *out[2][H];
+        for (int sig = 0; sig < 2; sig++) {
+            step_init(&ss, sub, H, kB, 0);
+            ss.max_grad_norm = C;
+            ss.noise_multiplier = sig ? 0.5f : 0.0f;
+            dc_step_result res;
+            dc_err e;
+            assert_int_equal(dc_step_result_init(&res, kB, H, false), 0);
+            int rc = g_cuda->ops->run_clip(g_cuda, &ss, n2s, tot, path ? kept : NULL,
+                                           path ? at : NULL, &res, &e);
+            if (rc) printf("  noised sums: %s: %s\n", e.field, e.msg);
+            assert_int_equal(rc, 0);
+            if (path) assert_int_equal(dc_cuda_backend_kept_layers(g_cuda), H);
+            for (int j = 0; j < H; j++) out[sig][j] = dev_to_f32(&sub[j].weight_grad_out);
+            dc_step_result_free(&res);
+        }
+        for (int j = 0; j < H; j++) {
+            const int64_t n = numel(&sub[j].weight_grad_out);
+            for (int64_t x = 0; x < n; x++) out[1][j][x] -= out[0][j][x];
+            noise[path][j] = out[1][j];
+            free(out[0][j]);
+        }
+    }
+    for (int j = 0; j < H; j++) {
+        const int64_t n = numel(&sub[j].weight_grad_out), w = sub[j].d;
+        double big = 0.0;
+        for (int64_t x = 0; x < n; x++) {
+            const bool in = cols ? (x % w >= w / 4 && x % w < 3 * w / 4) : x < (sub[j].p / 2) * w;
+            if (!in) /* another rank's part: no noise on either path (but f32 roundings) */
+                for (int path = 0; path < 2; path++)
+                    assert_true(fabs((double)noise[path][j][x]) <=
+                                1e-6 * fabs((double)noise[0][j][0]) + 1e-12);
+            big = fmax(big, fabs((double)noise[0][j][x]));
+        }
+        assert_true(big > 0.0);
+        for (int64_t x = 0; x < n; x++)
+            assert_true(fabs((double)noise[1][j][x] - noise[0][j][x]) <= 1e-3 * big);
+        free(noise[0][j]);
+        free(noise[1][j]);
+    }
+}
+
 /* A norm pass (no outputs: it keeps every layer its sums steps may want)
  * and two sums steps over halves of its layers (each layer's index in the
  * pass), each from the store: against the reference with the pass's bound
- * (DC_E_KEPT_FLOOR); then a sums step with noise on half of each weight's
- * rows (a sharded rank's range): the noise the output pass draws, within
- * the range only, is the one the GEMM path draws, element for element. */
+ * (DC_E_KEPT_FLOOR); then sums steps with noise on half of each weight's
+ * rows (a sharded rank's range), and on half its columns: the noise the
+ * kept sum draws (sgrad.cu, in one pass), within the range only, is the
+ * one the GEMM path draws, element for element. */
 static void test_pass_sums_from_store(void **state) {
     (void)state;
     enum { H = N / 2 };
@@ -279,52 +340,11 @@ static void test_pass_sums_from_store(void **state) {
         dc_step_result_free(&res);
     }
 
-    /* noise in a range: kept against the GEMM path, noised minus noiseless */
-    for (int i = 0; i < H; i++) {
-        at[i] = (size_t)(2 * i);
-        sub[i] = d[at[i]];
-        sub[i].noise_w = (dc_noise_range){true, 0, 0, (uint64_t)sub[i].p / 2};
-        memcpy(&n2s[i * kB], &n2[at[i] * kB], kB * sizeof *n2s);
-    }
-    float *noise[2][H];
-    for (int path = 0; path < 2; path++) {
-        float *out[2][H];
-        for (int sig = 0; sig < 2; sig++) {
-            step_init(&ss, sub, H, kB, 0);
-            ss.max_grad_norm = full.max_grad_norm;
-            ss.noise_multiplier = sig ? 0.5f : 0.0f;
-            dc_step_result res;
-            dc_err e;
-            assert_int_equal(dc_step_result_init(&res, kB, H, false), 0);
-            int rc = g_cuda->ops->run_clip(g_cuda, &ss, n2s, tot, path ? kept : NULL,
-                                           path ? at : NULL, &res, &e);
-            if (rc) printf("  noised sums: %s: %s\n", e.field, e.msg);
-            assert_int_equal(rc, 0);
-            for (int j = 0; j < H; j++) out[sig][j] = dev_to_f32(&sub[j].weight_grad_out);
-            dc_step_result_free(&res);
-        }
-        for (int j = 0; j < H; j++) {
-            const int64_t n = numel(&sub[j].weight_grad_out);
-            for (int64_t x = 0; x < n; x++) out[1][j][x] -= out[0][j][x];
-            noise[path][j] = out[1][j];
-            free(out[0][j]);
-        }
-    }
-    for (int j = 0; j < H; j++) {
-        const int64_t n = numel(&sub[j].weight_grad_out), in_range = (sub[j].p / 2) * sub[j].d;
-        double big = 0.0;
-        for (int64_t x = 0; x < n; x++) {
-            if (x >= in_range) /* another rank's rows: no noise (but f32 roundings) */
-                assert_true(fabs((double)noise[1][j][x]) <=
-                            1e-6 * fabs((double)noise[0][j][0]) + 1e-12);
-            big = fmax(big, fabs((double)noise[0][j][x]));
-        }
-        assert_true(big > 0.0);
-        for (int64_t x = 0; x < n; x++)
-            assert_true(fabs((double)noise[1][j][x] - noise[0][j][x]) <= 1e-3 * big);
-        free(noise[0][j]);
-        free(noise[1][j]);
-    }
+    /* noise in a range, a rank's rows and then a transposed weight's
+     * columns: kept (one pass: the kept sum draws it) against the GEMM
+     * path, noised minus noiseless */
+    for (int cols = 0; cols < 2; cols++)
+        noise_in_range(d, sub, at, n2s, n2, tot, kept, full.max_grad_norm, cols);
     g_cuda->ops->kept_free(g_cuda, kept);
     ref_free(&r);
     teardown_layers(h, d);

@@ -691,11 +691,13 @@ int run_impl(dc_backend *be, const dc_step *s, dc_step_result *res, dc_err *err,
         if ((rc = plan_step(cb, s, KEEP_NONE, &Lo, err)) || (rc = reserve(cb, &Lo, err))) return rc;
     }
     if (io.kept_in && (rc = kept_apply(cb, s, io.kept_in, io.kept_at, &applied, err))) return rc;
-    /* A pass's sums step: the kept layers' sums go to staging unnoised, and
-     * the output pass draws every output's noise (within its range) */
+    /* A pass's sums step: the kept layers' sums draw their outputs' noise
+     * within its range (sgrad.cu), as the output pass would, and in one
+     * pass write the outputs themselves; a step that stages every output
+     * (a logical step's, whose accumulators fold in before the noise)
+     * leaves their noise to the output pass, unnoised in staging */
     const bool pass_sums = io.kept_in && io.kept_at;
-    cb->sg_noised = !pass_sums;
-    if (pass_sums) r.opt.one_pass = false;
+    cb->sg_noised = !pass_sums || r.opt.one_pass;
     cb->sg_base = store        ? store->mem
                   : io.kept_in ? ((const cuda_kept *)io.kept_in)->mem
                                : cb->ws + Lo.sgrad;

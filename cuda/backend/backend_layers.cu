@@ -262,6 +262,9 @@ static dcc_out_sink sink_of(const dcc_out *outs, int oi) {
         k.step = outs[oi].step;
         k.stream = outs[oi].stream;
         k.dtype = outs[oi].dtype;
+        k.nz_mod = outs[oi].nz_mod;
+        k.nz_lo = outs[oi].nz_lo;
+        k.nz_hi = outs[oi].nz_hi;
     }
     return k;
 }

@@ -223,6 +223,7 @@ typedef struct dcc_out_sink {
     uint64_t key, step;
     uint32_t stream;
     int32_t dtype;
+    uint64_t nz_mod, nz_lo, nz_hi; /* the elements that get noise (dcc_out.nz_*) */
 } dcc_out_sink;
 typedef struct dcc_sg_layer {
     const void *sg;            /* the store (dcc_norm_layer.sg) */

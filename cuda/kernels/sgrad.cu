@@ -97,6 +97,8 @@ __global__ void __launch_bounds__(DCC_SG_THREADS, SG_MIN_CTAS)
     int mt, nt;
     dcc_wide_at(0, m0, n0, mt, nt);
     const bool col_ok[2] = {nt < d, nt + 8 < d};
+    /* the weight's noise has a range (a pass's sums step): checked per element */
+    const bool ranged = L.out_w.nz_mod != 0 || L.out_w.nz_lo != 0 || L.out_w.nz_hi != UINT64_MAX;
     /* the output's pairs (2q, 2q + 1) share a draw; a pair's two elements
      * are columns n, n + 1 of one row, held by lanes 4 apart: the lane with
      * the even column draws the pairs of its elements 0-3, its partner
@@ -152,7 +154,21 @@ __global__ void __launch_bounds__(DCC_SG_THREADS, SG_MIN_CTAS)
                 pre[u] = ld_stream(base + (int64_t)u * per_sample + (j + 1) * DCC_SG_THREADS);
         const int mj = mt + 16 * j;
         const int64_t ij = (int64_t)mj * d + nt; /* register 0's element */
-        if (P.std != 0.0f) {
+        /* a sums step's range (the rows its rank owns): only those
+         * elements get their draw; a warp with none in range draws nothing
+         * (uniform: its lanes swap draws) */
+        unsigned in = 0xffu;
+        if (P.std != 0.0f && ranged) {
+            in = 0;
+#pragma unroll
+            for (int k = 0; k < 8; k++) {
+                const int64_t i = ij + (int64_t)(8 * (k >> 2) + (k & 1)) * d + ((k & 2) ? 8 : 0);
+                in |=
+                    (unsigned)dcc_span_in(L.out_w.nz_mod, L.out_w.nz_lo, L.out_w.nz_hi, (uint64_t)i)
+                    << k;
+            }
+        }
+        if (P.std != 0.0f && __any_sync(0xffffffffu, in != 0)) {
             const int64_t ie = ij + (even ? 0 : 8 * (int64_t)d); /* the drawing half's */
             float z[8];
 #pragma unroll
@@ -167,7 +183,8 @@ __global__ void __launch_bounds__(DCC_SG_THREADS, SG_MIN_CTAS)
                 z[4 + s] = even ? other : keep;
             }
 #pragma unroll
-            for (int k = 0; k < 8; k++) acc[k] = dcc_noised(acc[k], P.std, z[k]);
+            for (int k = 0; k < 8; k++)
+                if (in & (1u << k)) acc[k] = dcc_noised(acc[k], P.std, z[k]);
         }
         /* one branch a chunk, not one an element: direct or staged, divided or not */
         if (direct) {
@@ -203,7 +220,8 @@ __global__ void __launch_bounds__(DCC_SG_THREADS, SG_MIN_CTAS)
         float y = 0.0f;
         if (m < p)
             for (int b = 0; b < B; b++) y = fmaf(L.cs[b], L.sgb[(int64_t)b * p + m], y);
-        if (P.std != 0.0f) { /* pairs of adjacent rows: each thread draws its own */
+        if (P.std != 0.0f && dcc_span_in(L.out_b.nz_mod, L.out_b.nz_lo, L.out_b.nz_hi,
+                                         (uint64_t)m)) { /* pairs of adjacent rows: each its own */
             float z0, z1;
             draw_pair(NOISE, L.out_b.key, L.out_b.step, L.out_b.stream, (uint64_t)(m >> 1), z0, z1);
             y = dcc_noised(y, P.std, (m & 1) ? z1 : z0);

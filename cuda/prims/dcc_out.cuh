@@ -41,11 +41,15 @@ __device__ __forceinline__ float dcc_div_by(const dcc_div &f, float x) {
     return __fmaf_rn(__fmaf_rn(-q, f.d, x), f.y, q);
 }
 
-/* Whether element i of output o gets noise (dcc_out.nz_*: a sums step
- * noises the part of its outputs its rank owns). */
+/* Whether element i of an output with noise range (mod, lo, hi) gets
+ * noise (dcc_out.nz_*: a sums step noises the part of its outputs its rank
+ * owns); of output o (dcc_noise_in). */
+__device__ __forceinline__ bool dcc_span_in(uint64_t mod, uint64_t lo, uint64_t hi, uint64_t i) {
+    const uint64_t k = mod ? i % mod : i;
+    return k >= lo && k < hi;
+}
 __device__ __forceinline__ bool dcc_noise_in(const dcc_out &o, uint64_t i) {
-    const uint64_t k = o.nz_mod ? i % o.nz_mod : i;
-    return k >= o.nz_lo && k < o.nz_hi;
+    return dcc_span_in(o.nz_mod, o.nz_lo, o.nz_hi, i);
 }
 
 __device__ __forceinline__ void dcc_store_as(void *dst, int dtype, uint64_t i, float v) {
