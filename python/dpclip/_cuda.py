@@ -64,6 +64,8 @@ class CudaIPC(Transport):
         self._events: Dict[int, Tuple[torch.cuda.Event, torch.cuda.Event, int, int]] = {}
         # Detached steps' `ready` events, free ones per device (see readied()).
         self._ready_free: Dict[int, List[Tuple[torch.cuda.Event, int]]] = {}
+        # (device, slot) -> a sharded step's sums slot's `done` (slot_done())
+        self._slot_done: Dict[Tuple[int, int], Tuple[torch.cuda.Event, int]] = {}
         # Data parallel: the [B] coefficients output the daemon writes
         # (zeroed before each step: zero after it unless it succeeded).
         self._coefs: Optional[torch.Tensor] = None
@@ -102,6 +104,21 @@ class CudaIPC(Transport):
         with torch.cuda.device(idx):
             ev = torch.cuda.Event(enable_timing=False, blocking=False, interprocess=True)
             return ev, self.client.register_event(ev.ipc_handle(), idx)
+
+    def slot_done(self, device: torch.device, slot: int) -> Tuple[torch.cuda.Event, int]:
+        """The interprocess event a sums step writing `slot` signals
+        (CudaPhases), one per slot and device, made once: the trainer's
+        stream waits on the record its own step made. With the device's one
+        `done`, re-recorded by the next bucket's step before the trainer
+        took the notice, bucket k's copy would wait for bucket k + 1's
+        sums."""
+        key = (_index(device), slot)
+        ev = self._slot_done.get(key)
+        if ev is None:
+            with torch.cuda.device(key[0]):
+                e = torch.cuda.Event(enable_timing=False, blocking=False, interprocess=True)
+                ev = self._slot_done[key] = (e, self.client.register_event(e.ipc_handle(), key[0]))
+        return ev
 
     def ref(self, t: torch.Tensor, shape: Tuple[int, ...]) -> _lib.Tensor:
         bid, off = self.client.register_cuda(t.data_ptr())
@@ -274,10 +291,11 @@ class CudaPhases(Phases):
     place (kept until the sums are done); _SLOTS slots of the largest
     bucket's size, written in turn (sums_submit() queues bucket k + 1's
     step while bucket k is copied out). The daemon's steps wait on no event of ours but
-    the norm pass's (its input: the backward's end): a sums step replies
-    once its writes are done, and the host reuses a slot only once the
-    trainer's stream has copied it out. So the daemon never waits for work
-    queued behind a collective, which waits for another rank's daemon
+    the norm pass's (its input: the backward's end): a sums step's early
+    notice comes once its writes are queued, the trainer's stream waits on
+    its slot's `done` (slot_done()), and the host reuses a slot only once
+    the trainer's stream has copied it out. So the daemon never waits for
+    work queued behind a collective, which waits for another rank's daemon
     work (a deadlock on a GPU).
 
     The slots are taken together at the first sums step, then the
@@ -296,6 +314,7 @@ class CudaPhases(Phases):
         self.slots: List[Optional[torch.Tensor]] = [None] * _SLOTS
         self.copied_ev: List[Optional[Any]] = [None] * _SLOTS
         self.own: Optional[Tuple[torch.cuda.Event, int]] = None  # submit()'s `ready`
+        self.open: List[int] = []  # sums steps past their notice, replies not collected
 
     def _ins(self, i: int) -> Tuple[_lib.Tensor, _lib.Tensor]:
         io = self.io
@@ -378,11 +397,38 @@ class CudaPhases(Phases):
         return self._sums(k, which, base, True), n
 
     def sums_wait(self, k: int, sent: Any) -> torch.Tensor:
+        """Bucket k's slot, valid on the current stream: after the step's
+        early notice, the stream ordered after its slot's `done` (the host
+        does not wait for the daemon's GPU work, so the copy-out and the
+        collective are queued before the sums are done; sums_done() takes
+        the final replies). A scratch step (nothing written) has no notice:
+        its reply."""
         ticket, n = sent
-        res = self.io.client.wait(ticket)  # raises its error
+        if self.scratch:
+            self._collect(self.io.client.wait(ticket))  # raises its error
+        else:
+            self.io.client.wait_enqueued(ticket)  # raises an early error
+            ev, _ = self.io.slot_done(self.device, self._slot(k))
+            torch.cuda.current_stream(self.device).wait_event(ev)
+            self.open.append(ticket)
+        return self.slots[self._slot(k)][:n]
+
+    def sums_done(self) -> None:
+        """Every sums step's final reply since the last call (those
+        sums_wait() left at their notice); raises the first error, after
+        collecting all. A step that failed after its notice wrote zeros."""
+        err: Optional[BaseException] = None
+        while self.open:
+            try:
+                self._collect(self.io.client.wait(self.open.pop(0)))
+            except Exception as exc:  # pylint: disable=broad-except
+                err = err or exc
+        if err is not None:
+            raise err
+
+    def _collect(self, res: Any) -> None:
         if self.daemon_ms:
             self.daemon_ms["sums"] += res.compute_ns / 1e6
-        return self.slots[self._slot(k)][:n]
 
     def _slot(self, k: int) -> int:
         return 0 if self.scratch else k % _SLOTS
@@ -415,10 +461,20 @@ class CudaPhases(Phases):
             _planner.add_layers(st, self.plan.parts, e.algorithm,
                                 lambda i: self._ins(i) + outs(self.plan.parts[i]), which)
             sh._set_ranges(st, self.plan, which)  # pylint: disable=protected-access
-            if submit:
+            if not submit:
+                st.run(self.io.client)  # replies once the daemon's writes are done
+                return 0
+            if self.scratch:
                 return st.submit(self.io.client)
-            st.run(self.io.client)  # replies once the daemon's writes are done
-        return 0
+            # the daemon waits on no event of ours (the class's docstring);
+            # the trainer's stream waits on the slot's
+            st.set_events(0, self.io.slot_done(self.device, slot)[1])
+            st.notify_enqueued(True)
+            try:
+                return st.submit(self.io.client)
+            finally:
+                st.notify_enqueued(False)
+                st.set_events(0, 0)
 
     def copied(self, k: int) -> None:
         ev = torch.cuda.Event()

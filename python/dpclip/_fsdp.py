@@ -516,7 +516,7 @@ class Sharded:
         trainer. Returns (shards, the first failure, the pass's result,
         when its reply came)."""
         dist = torch.distributed
-        shards = torch.empty(self.shard_n, dtype=self.dtype, device=device)
+        shards = self._shards_out(device)
         self._events = []
         self.sums_steps = 0
         sent: Dict[int, Any] = {}  # bucket -> its sums step, sent and not answered
@@ -575,6 +575,11 @@ class Sharded:
                 ev[1].record()
                 self._events.append(ev)
             del stage
+        if io is not None:
+            try:
+                io.sums_done()  # the replies the loop left at their notices
+            except Exception as exc:  # pylint: disable=broad-except
+                failed = failed or exc
         return shards, failed, res, t1
 
     def _stage(self, full: torch.Tensor, stage: torch.Tensor, first: int, last: int, base: int,
@@ -701,17 +706,33 @@ class Sharded:
             flat.copy_(pc.out.grad(flat).contiguous().reshape(-1))
 
     # -- param.grad -------------------------------------------------------------------------------
+    def _shards_out(self, device: torch.device) -> torch.Tensor:
+        """Where the reduce-scatters write this rank's shards: under FSDP2,
+        where every parameter has the sums' dtype, the gradients' buffer
+        itself (_hold; written before the gate as the copy into it was: a
+        step not applied zeroes it), sparing a copy of the shards; else a
+        new tensor."""
+        if self.fsdp:
+            if self._held is None or self._held[0] != device:
+                self._hold(device)
+            bufs = self._held[1]
+            if list(bufs) == [self.dtype]:
+                return bufs[self.dtype]
+        return torch.empty(self.shard_n, dtype=self.dtype, device=device)
+
     def _grads_from(self, shards: torch.Tensor) -> Any:
         """Under FSDP2, the shards copied into the gradients' buffers (one
-        per parameter dtype, kept from step to step: _hold), queued before
-        the gate so that its wait covers them; else the shards in f32."""
+        per parameter dtype, kept from step to step: _hold; none where the
+        reduce-scatters wrote the buffer: _shards_out), queued before the
+        gate so that its wait covers them; else the shards in f32."""
         if not self.fsdp:
             return shards.to(torch.float32)
         if self._held is None or self._held[0] != shards.device:
             self._hold(shards.device)
         bufs = self._held[1]
         for b in bufs.values():
-            b.copy_(shards)
+            if b.data_ptr() != shards.data_ptr():
+                b.copy_(shards)
         return bufs
 
     def _hold(self, device: torch.device) -> None:

@@ -83,9 +83,14 @@ class Phases:
         return which, base, n
 
     def sums_wait(self, k: int, sent: Any) -> torch.Tensor:
-        """Bucket k's sums, once sums_submit()'s step is answered; raises
-        its error."""
+        """Bucket k's sums, valid on the current stream, once sums_submit()'s
+        step is answered (or, where the transport can, queued: sums_done()
+        then takes its reply); raises its error."""
         return self.sums(k, *sent)
+
+    def sums_done(self) -> None:
+        """The replies of the sums steps sums_wait() returned before their
+        end; raises the first error. Here, none: sums_wait() ran them."""
 
     def submit(self, buckets: List[Tuple[List[int], int]]
                ) -> Tuple[List[int], Optional[BaseException]]:

@@ -290,29 +290,51 @@ def test_cuda_micro_batch_sums_name_one_slot_and_drain_nothing(monkeypatch):
     pieces, full_n, shard_n = _fsdp.layout(layers, 1, 0)
     bks = _fsdp.buckets(pieces, 48 * 32)
     assert len(bks) == 3
-    drained, ptrs = [], []
+    drained, ptrs, log = [], [], []  # log: the notice path's calls, in order
 
     class Stream:
         def synchronize(self):
             drained.append(1)
 
+        def wait_event(self, ev):
+            log.append(("stream waits", ev))
+
     class Client:
+        def __init__(self):
+            self.tickets = 0
+
         def register_cuda(self, ptr):
             ptrs.append(ptr)
             return 7, 0
 
+        def wait_enqueued(self, ticket):
+            log.append(("notice", ticket))
+
+        def wait(self, ticket):
+            log.append(("reply", ticket))
+
     class Step:
+        events, notify = (0, 0), False
+
         def reset(self, nb):
             pass
 
         def set_phase(self, phase):
             pass
 
+        def set_events(self, wait, signal):
+            self.events = (wait, signal)
+
+        def notify_enqueued(self, yes):
+            self.notify = yes
+
         def run(self, client):
-            pass
+            assert self.events == (0, 0) and not self.notify  # (blocking: nothing to signal)
 
         def submit(self, client):
-            return 1
+            client.tickets += 1
+            log.append(("sent", client.tickets, self.events, self.notify))
+            return client.tickets
 
     monkeypatch.setattr(torch.cuda, "current_stream", lambda *a, **k: Stream())
     monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
@@ -323,7 +345,8 @@ def test_cuda_micro_batch_sums_name_one_slot_and_drain_nothing(monkeypatch):
     sh.world, sh.rank, sh.group, sh.dtype, sh._clip = 1, 0, None, torch.float32, Step()
     sh.widest = max(sh._span(f, l)[1] - sh._span(f, l)[0] for f, l in bks)
     plan = _fsdp._planner.Plan([], [])
-    sh.engine.client.wait = lambda ticket: None
+    monkeypatch.setattr(_cuda.CudaIPC, "slot_done",
+                        lambda self, device, slot: ("done%d" % slot, 100 + slot))
     for scratch, slots, drains in ((True, 1, 0), (False, 3, 1)):
         drained.clear()
         ptrs.clear()
@@ -341,7 +364,12 @@ def test_cuda_micro_batch_sums_name_one_slot_and_drain_nothing(monkeypatch):
     # queued one ahead (sums_submit before the previous bucket's
     # sums_wait): a bucket's slot is never the next one's, nor the one
     # before it, still being copied out
+    # Each sums step of a commit is sent with an early notice, signalling
+    # its slot's own `done`, and waits on no event of the trainer's; the
+    # trainer's stream waits on that `done` at the notice, and the final
+    # replies are taken by sums_done(), all of them.
     ptrs.clear()
+    log.clear()
     io = _cuda.CudaIPC(sh.engine.client).phases(sh, plan, 1, torch.device("cpu"), False)
     spans = [sh._span(f, l)[:2] for f, l in bks]
     sent = {0: io.sums_submit(0, [], spans[0][0], spans[0][1] - spans[0][0])}
@@ -353,6 +381,30 @@ def test_cuda_micro_batch_sums_name_one_slot_and_drain_nothing(monkeypatch):
         assert got.numel() == spans[k][1] - spans[k][0]
         assert got.data_ptr() == io.slots[k % 3].data_ptr()
     assert len(set(ptrs[:3])) == 3 and ptrs[3:] == ptrs[:len(bks) - 3], ptrs
+    t0 = sh.engine.client.tickets - len(bks)
+    assert [x for x in log if x[0] == "sent"] == [
+        ("sent", t0 + k + 1, (0, 100 + k % 3), True) for k in range(len(bks))], log
+    assert [x for x in log if x[0] != "sent"] == [
+        y for k in range(len(bks)) for y in (("notice", t0 + k + 1), ("stream waits",
+                                                                      "done%d" % (k % 3)))], log
+    assert io.open == [t0 + k + 1 for k in range(len(bks))]
+    log.clear()
+    io.sums_done()
+    assert log == [("reply", t0 + k + 1) for k in range(len(bks))] and not io.open, log
+    assert sh._clip.events == (0, 0) and not sh._clip.notify  # (put back for the next pass)
+    # a step failing after its notice: every reply is still taken, the first error raised
+    fails = {t0 + 2: RuntimeError("second"), t0 + 3: RuntimeError("third")}
+
+    def wait(ticket):
+        log.append(("reply", ticket))
+        if ticket in fails:
+            raise fails[ticket]
+    sh.engine.client.wait = wait
+    io.open = [t0 + 1, t0 + 2, t0 + 3]
+    log.clear()
+    with pytest.raises(RuntimeError, match="second"):
+        io.sums_done()
+    assert log == [("reply", t0 + k) for k in (1, 2, 3)] and not io.open, log
 
 
 # --- FSDP2 -------------------------------------------------------------------------------

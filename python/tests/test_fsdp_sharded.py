@@ -426,6 +426,9 @@ def test_cuda_sums_slots_never_take_memory_a_queued_collective_still_reads(monke
         def synchronize(self):
             flush()
 
+        def wait_event(self, ev):  # (the daemon wrote at submit: nothing to wait for)
+            pass
+
     class Event:
         def __init__(self, **_):
             pass
@@ -465,6 +468,12 @@ def test_cuda_sums_slots_never_take_memory_a_queued_collective_still_reads(monke
         def set_phase(self, phase):
             pass
 
+        def set_events(self, wait, signal):
+            pass
+
+        def notify_enqueued(self, yes):
+            pass
+
         def run(self, client):
             src = want(*bks[self.calls])
             self.calls += 1
@@ -489,6 +498,9 @@ def test_cuda_sums_slots_never_take_memory_a_queued_collective_still_reads(monke
     sh._rs_native, sh._events, sh.sums_steps, sh._clip = True, [], 0, Daemon()
     sh._relaid, sh._zeros, sh.trace = [], None, None
     sh.engine.client.wait = sh._clip.wait
+    sh.engine.client.wait_enqueued = lambda ticket: None
+    sh.fsdp, sh._held = False, None
+    monkeypatch.setattr(_cuda.CudaIPC, "slot_done", lambda self, device, slot: (None, 1))
     plan = _fsdp._planner.Plan([], [])
     io = _cuda.CudaIPC(sh.engine.client).phases(sh, plan, 1, torch.device("cpu"))
     shards, failed, _, _ = sh._sums_and_scatter(plan, io, torch.device("cpu"), True, None,
