@@ -47,7 +47,8 @@ rank's time and the largest peak of each mode against the plain step's,
 with dpclip's targets (1.15x in time and in memory).
 
 --bucket N: elements per rank in one reduce-scatter bucket, and so in one
-sums step to the daemon (dpclip._fsdp._BUCKET in every rank; the lines
+sums step to the daemon (dpclip._fsdp._BUCKET in every rank; default
+dpclip._fsdp.bucket_size(world); the lines
 count the buckets): fewer daemon steps against larger slots.
 
 --check: 3 steps at sigma 0 with fixed batches, SGD at lr 1, the
@@ -550,8 +551,9 @@ def main():
                     % fsdp_check.CHECK_STEPS)
     ap.add_argument("--bucket", type=int, default=None,
                     help="elements per rank in one reduce-scatter bucket, and so in one sums "
-                    "step (default: dpclip's, %d): fewer, larger buckets cost fewer daemon "
-                    "steps and more memory" % _fsdp._BUCKET)  # pylint: disable=W0212
+                    "step (default: dpclip's, dpclip._fsdp.bucket_size(world): 256M, less "
+                    "past 2 ranks): fewer, larger buckets cost fewer daemon steps and more "
+                    "memory")
     ap.add_argument("--trace", action="store_true",
                     help="after the timing, %d steps more, each rank's line giving where its "
                     "step's time went (host and GPU stream, ms from the step's start)" % TRACED)
@@ -580,7 +582,7 @@ def main():
             "world", "precision", "warmup", "steps", "repeat")
     config = {k: getattr(args, k) for k in keys}
     config["micro"] = args.micro if args.logical else None
-    config["bucket"] = args.bucket or _fsdp._BUCKET  # pylint: disable=protected-access
+    config["bucket"] = args.bucket or _fsdp.bucket_size(args.world)
     config.update(device=args.device, gpus=torch.cuda.device_count(),
                   placement=placement(args), fully_shard=sharded, torch=torch.__version__)
     print(json.dumps({"bench": "fsdp", "config": config}), flush=True)

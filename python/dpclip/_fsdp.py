@@ -88,12 +88,28 @@ from ._shards import _EALIGN, _al, _relaid, _transposed, buckets, layout
 
 __all__ = ["Sharded", "refuse_fsdp1", "is_fsdp2", "check_unwrapped"]
 
-# elements per rank in one reduce-scatter bucket, and so in one sums step:
-# each step costs the daemon and the trainer a round trip and fixed work, and
-# a 1B model's 21 buckets of 16M took 1.45x the plain FSDP2 step on 4 H200s
-# against 1.38x for 5 of 64M (and 1.44x / 1.27x on 2); three slots of one
-# are 384 MiB of bf16, a fifth of the 1B model's own gradient phase
-_BUCKET = 1 << 26
+# elements per rank in one reduce-scatter bucket, and so in one sums step
+# (None: bucket_size()'s rule; set to override it): each step costs the
+# daemon and the trainer a round trip and fixed work. A 1B model's 21
+# buckets of 16M took 1.45x the plain FSDP2 step on 4 H200s against 1.38x
+# for 5 of 64M; on 2 H200s, 64M / 256M / one bucket took 1.22 / 1.18 /
+# 1.15x (after the sums steps' early notice), the trainer's peak 1.11 /
+# 1.13 / 1.16x the plain one.
+_BUCKET: Optional[int] = None
+_BUCKET_MAX = 1 << 28  # elements per rank
+_SLOT_MAX = 1 << 29  # elements in one bucket's sums over every rank: 1 GiB of bf16 a slot
+
+
+def bucket_size(world: int) -> int:
+    """Elements per rank in one bucket: _BUCKET where set, else 256M, less
+    where the bucket's sums over `world` ranks (a slot: the GPU transport
+    holds three) would pass 512M elements, so that the slots' memory does
+    not grow with the world (64M a rank on 8)."""
+    if _BUCKET is not None:
+        return _BUCKET
+    return max(1 << 20, min(_BUCKET_MAX, _SLOT_MAX // max(world, 1)))
+
+
 _CLASSES: Optional[Tuple[Any, Any, Any]] = None
 
 
@@ -244,7 +260,7 @@ class Sharded:
         # outputs the daemon writes transposed ([out, in] of a weight kept
         # [in, out]): this rank's rows of the parameter are columns there
         self._cols: set = set()
-        self._buckets = buckets(self.pieces, _BUCKET, self._spans())
+        self._buckets = buckets(self.pieces, bucket_size(self.world), self._spans())
         # the largest bucket's sums, in elements: what a slot holds
         spans = [self._span(f, l) for f, l in self._buckets]
         self.widest = max((sp[1] - sp[0] for sp in spans), default=0)
@@ -499,7 +515,7 @@ class Sharded:
                                                  float]:
         """This rank's shards of the sums over every rank: [shard_n], each
         piece's padded [chunk, ...] at its shard offset. Bucket by bucket
-        (a layer group of about _BUCKET elements per rank): the daemon's
+        (a layer group of about bucket_size() elements per rank): the daemon's
         sums step of the parts writing the bucket's pieces, into a slot of
         the bucket's size; its regions copied rank-major into a staging
         buffer; one collective. So no more than two buckets' full sums
