@@ -299,12 +299,13 @@ def timed_run(args, rank, world, device, mesh, init, mode, own_norms=True):
     if engine is not None:
         sh = engine.mode.shards
         esz = torch.empty(0, dtype=sh.dtype).element_size()
-        # the sums' memory: the slots of the largest bucket (on the GPU up to
-        # three, the next bucket's step queued; one on the host), against the
+        # the sums' memory: the slots (on the GPU up to three, the next
+        # bucket's step queued, each of its buckets' widest; on the host one
+        # of the widest bucket's size), against the
         # whole local sum a single sums step would hold
         buckets = len(sh._buckets)  # pylint: disable=protected-access
         slots = min(_cuda._SLOTS, buckets) if device.type == "cuda" else 1  # pylint: disable=W0212
-        out["sums_slots_mib"] = round(slots * sh.widest * esz / 2 ** 20, 1)
+        out["sums_slots_mib"] = round(sum(sh.slot_sizes(slots)) * esz / 2 ** 20, 1)
         out["whole_sum_mib"] = round(sh.full_n * esz / 2 ** 20, 1)
         out["buckets"] = buckets
         for k, v in parts.items():

@@ -8,7 +8,7 @@ ordering uses two interprocess events per device: the trainer records
 the step's reply (or, asynchronous, its early notice).
 
 A sharded step (dpclip._fsdp) names its tensors in place too, its sums in
-three slots of the widest bucket's size (CudaPhases)."""
+three slots, bucket k in slot k % 3, each of its buckets' widest (CudaPhases)."""
 import time
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -288,9 +288,10 @@ class CudaIPC(Transport):
 
 class CudaPhases(Phases):
     """A sharded step's norm pass and sums on the GPU: the parts' tensors named in
-    place (kept until the sums are done); _SLOTS slots of the largest
-    bucket's size, written in turn (sums_submit() queues bucket k + 1's
-    step while bucket k is copied out). The daemon's steps wait on no event of ours but
+    place (kept until the sums are done); _SLOTS slots, each the size of
+    the widest bucket it takes (Sharded.slot_sizes), written in turn
+    (sums_submit() queues bucket k + 1's step while bucket k is copied
+    out). The daemon's steps wait on no event of ours but
     the norm pass's (its input: the backward's end): a sums step's early
     notice comes once its writes are queued, the trainer's stream waits on
     its slot's `done` (slot_done()), and the host reuses a slot only once
@@ -445,9 +446,9 @@ class CudaPhases(Phases):
             # every slot now, none later (see the class's docstring), then
             # the stream drained: nearly free, the daemon's norm pass waited
             # for the backward it holds
-            for i in range(min(_SLOTS, len(sh._buckets))):  # pylint: disable=protected-access
-                if self.slots[i] is None:
-                    self.slots[i] = torch.empty(self.widest, dtype=sh.dtype, device=self.device)
+            for i, n in enumerate(sh.slot_sizes(_SLOTS)):
+                if self.slots[i] is None and n:
+                    self.slots[i] = torch.empty(n, dtype=sh.dtype, device=self.device)
             torch.cuda.current_stream(self.device).synchronize()
         buf = self.slots[slot]
         esz = _ESIZE[sh.dtype]

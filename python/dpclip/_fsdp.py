@@ -261,9 +261,9 @@ class Sharded:
         # [in, out]): this rank's rows of the parameter are columns there
         self._cols: set = set()
         self._buckets = buckets(self.pieces, bucket_size(self.world), self._spans())
-        # the largest bucket's sums, in elements: what a slot holds
-        spans = [self._span(f, l) for f, l in self._buckets]
-        self.widest = max((sp[1] - sp[0] for sp in spans), default=0)
+        # each bucket's sums, in elements, and the largest: what one slot holds
+        self.widths = [self._span(f, l)[1] - self._span(f, l)[0] for f, l in self._buckets]
+        self.widest = max(self.widths, default=0)
         self.sums_steps = 0  # the last step's sums steps run (one per bucket)
         if fsdp:
             self._check_rows()
@@ -437,6 +437,12 @@ class Sharded:
         finally:
             self._clip.set_logical(0)
         return io, tickets, err
+
+    def slot_sizes(self, n: int) -> List[int]:
+        """Elements of each of n slots taking bucket k in slot k % n: the
+        widest of its buckets (with no more buckets than slots, each its
+        own: together the whole local sum, not n of the widest)."""
+        return [max(self.widths[i::n], default=0) for i in range(n)]
 
     def _span(self, first: int, last: int) -> Tuple[int, int, int, int]:
         """(base, end) of pieces [first, last) in the sums, and (s0, s1) in

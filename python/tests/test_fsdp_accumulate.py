@@ -343,7 +343,9 @@ def test_cuda_micro_batch_sums_name_one_slot_and_drain_nothing(monkeypatch):
                                "noise_multiplier": 0.0})()
     sh.pieces, sh.full_n, sh.shard_n, sh._buckets = pieces, full_n, shard_n, bks
     sh.world, sh.rank, sh.group, sh.dtype, sh._clip = 1, 0, None, torch.float32, Step()
-    sh.widest = max(sh._span(f, l)[1] - sh._span(f, l)[0] for f, l in bks)
+    sh.widths = [sh._span(f, l)[1] - sh._span(f, l)[0] for f, l in bks]
+    sh.widest = max(sh.widths)
+    assert len(set(sh.widths)) == 3  # (so that the slots' own sizes show)
     plan = _fsdp._planner.Plan([], [])
     monkeypatch.setattr(_cuda.CudaIPC, "slot_done",
                         lambda self, device, slot: ("done%d" % slot, 100 + slot))
@@ -359,7 +361,10 @@ def test_cuda_micro_batch_sums_name_one_slot_and_drain_nothing(monkeypatch):
                 io.copied_ev[k % 3] = None  # (copied() records a CUDA event)
         assert len(set(ptrs)) == slots and len(ptrs) == len(bks), (scratch, ptrs)
         assert sum(t is not None for t in io.slots) == slots
-        assert all(t.numel() == sh.widest for t in io.slots if t is not None)
+        # a micro-batch's one slot fits every bucket; a commit's three, one
+        # bucket each here, its own size (together the whole local sum)
+        assert [t.numel() for t in io.slots if t is not None] == (
+            [sh.widest] if scratch else sh.widths), (scratch, io.slots)
         assert len(drained) == drains, (scratch, drained)
     # queued one ahead (sums_submit before the previous bucket's
     # sums_wait): a bucket's slot is never the next one's, nor the one

@@ -492,8 +492,9 @@ def test_cuda_sums_slots_never_take_memory_a_queued_collective_still_reads(monke
     sh.pieces, sh.full_n, sh.shard_n, sh._buckets = pieces, full_n, shard_n, bks
     sh._by_out = {id(pc.out): pc for pc in pieces}
     sh._piece_at = {id(pc.out): i for i, pc in enumerate(pieces)}
-    sh.widest = max(pieces[l - 1].full_off - pieces[f].full_off +
-                    _fsdp._al(pieces[l - 1].chunk * pieces[l - 1].inner) for f, l in bks)
+    sh.widths = [pieces[l - 1].full_off - pieces[f].full_off +
+                 _fsdp._al(pieces[l - 1].chunk * pieces[l - 1].inner) for f, l in bks]
+    sh.widest = max(sh.widths)
     sh.world, sh.rank, sh.group, sh.dtype = 1, 0, None, torch.float32
     sh._rs_native, sh._events, sh.sums_steps, sh._clip = True, [], 0, Daemon()
     sh._relaid, sh._zeros, sh.trace = [], None, None
@@ -507,6 +508,8 @@ def test_cuda_sums_slots_never_take_memory_a_queued_collective_still_reads(monke
                                                 False, None)  # the pass: answered at once
     flush()
     assert failed is None and sh.sums_steps == 4
+    w = sh.widths  # the fourth bucket in the first's slot: that slot fits both
+    assert [t.numel() for t in io.slots] == [max(w[0], w[3]), w[1], w[2]], (w, io.slots)
     for k, (first, last) in enumerate(bks):
         sums = want(first, last)
         base = pieces[first].full_off
