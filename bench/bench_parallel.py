@@ -451,6 +451,20 @@ def slowest(every):
 
 
 def rank_main(rank, world, init_file, args, sockets, out_dir, config):
+    """One rank (a spawned process): rank_body, then an exit that skips the
+    interpreter's shutdown. Under torch 2.15 a gloo worker thread
+    (ProcessGroupGloo::runLoop) could still drop a finished send's tensor
+    then, taking the GIL during finalization: the thread exits inside a C++
+    frame and std::terminate aborted the rank (SIGABRT) after a clean run,
+    about one run in four of python/tests/test_bench_parallel.py. Its output
+    is flushed first; an exception still ends the rank as before."""
+    rank_body(rank, world, init_file, args, sockets, out_dir, config)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def rank_body(rank, world, init_file, args, sockets, out_dir, config):
     cuda = args.device == "cuda"
     torch.set_num_threads(args.threads or max(1, (os.cpu_count() or 1) // world))
     if cuda:  # (not in the parent: it makes no CUDA context)
