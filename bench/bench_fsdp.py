@@ -47,8 +47,8 @@ rank's time and the largest peak of each mode against the plain step's,
 with dpclip's targets (1.15x in time and in memory).
 
 --bucket N: elements per rank in one reduce-scatter bucket, and so in one
-sums step to the daemon (dpclip._fsdp._BUCKET in every rank; default
-dpclip._fsdp.bucket_size(world); the lines
+sums step to the daemon (dpclip._shards._BUCKET in every rank; default
+dpclip._shards.bucket_size(world); the lines
 count the buckets): fewer daemon steps against larger slots.
 
 --check: 3 steps at sigma 0 with fixed batches, SGD at lr 1, the
@@ -105,7 +105,7 @@ from fsdp_common import (  # noqa: E402
     fresh_model, fsdp2_api, init_rank, log, placement, policy, prepare, private,
     seq_loss, shard, spawn)
 import fsdp_check  # noqa: E402
-from dpclip import _cuda, _fsdp  # noqa: E402
+from dpclip import _cuda, _fsdp, _shards  # noqa: E402
 
 TARGET = {"time": 1.15, "peak": 1.15}  # dpclip over the plain FSDP2 step
 LR = 1e-4
@@ -552,7 +552,7 @@ def main():
                     % fsdp_check.CHECK_STEPS)
     ap.add_argument("--bucket", type=int, default=None,
                     help="elements per rank in one reduce-scatter bucket, and so in one sums "
-                    "step (default: dpclip's, dpclip._fsdp.bucket_size(world): 256M, less "
+                    "step (default: dpclip's, dpclip._shards.bucket_size(world): 256M, less "
                     "past 2 ranks): fewer, larger buckets cost fewer daemon steps and more "
                     "memory")
     ap.add_argument("--trace", action="store_true",
@@ -583,7 +583,7 @@ def main():
             "world", "precision", "warmup", "steps", "repeat")
     config = {k: getattr(args, k) for k in keys}
     config["micro"] = args.micro if args.logical else None
-    config["bucket"] = args.bucket or _fsdp.bucket_size(args.world)
+    config["bucket"] = args.bucket or _shards.bucket_size(args.world)
     config.update(device=args.device, gpus=torch.cuda.device_count(),
                   placement=placement(args), fully_shard=sharded, torch=torch.__version__)
     print(json.dumps({"bench": "fsdp", "config": config}), flush=True)

@@ -18,7 +18,7 @@ sys.path.insert(0, os.path.join(ROOT, "python"))
 
 from bench_torch_step import register_norms  # noqa: E402
 from bench_torch_step import build as make_model  # noqa: E402
-from dpclip import _fsdp  # noqa: E402
+from dpclip import _shards  # noqa: E402
 from dpclip.torch import PrivacyEngine  # noqa: E402
 
 # the run's start, for the progress lines (spawned ranks inherit it)
@@ -79,7 +79,7 @@ def prepare(args):
     on the CPU)."""
     register_norms(args.model)
     if getattr(args, "bucket", None):
-        _fsdp._BUCKET = args.bucket  # pylint: disable=protected-access
+        _shards._BUCKET = args.bucket  # pylint: disable=protected-access
     torch.manual_seed(0)
     return make_model(args).state_dict()
 

@@ -84,31 +84,9 @@ import torch.nn as nn
 
 from . import _gate, _lib, _planner
 from ._layers import _ESIZE, Part, Slice, UnsupportedModuleError, _Layer
-from ._shards import _EALIGN, _al, _relaid, _transposed, buckets, layout
+from ._shards import _EALIGN, _al, _relaid, _transposed, bucket_size, buckets, layout
 
 __all__ = ["Sharded", "refuse_fsdp1", "is_fsdp2", "check_unwrapped"]
-
-# elements per rank in one reduce-scatter bucket, and so in one sums step
-# (None: bucket_size()'s rule; set to override it): each step costs the
-# daemon and the trainer a round trip and fixed work. A 1B model's 21
-# buckets of 16M took 1.45x the plain FSDP2 step on 4 H200s against 1.38x
-# for 5 of 64M; on 2 H200s, 64M / 256M / one bucket took 1.22 / 1.18 /
-# 1.15x (after the sums steps' early notice), the trainer's peak 1.11 /
-# 1.13 / 1.16x the plain one.
-_BUCKET: Optional[int] = None
-_BUCKET_MAX = 1 << 28  # elements per rank
-_SLOT_MAX = 1 << 29  # elements in one bucket's sums over every rank: 1 GiB of bf16 a slot
-
-
-def bucket_size(world: int) -> int:
-    """Elements per rank in one bucket: _BUCKET where set, else 256M, less
-    where the bucket's sums over `world` ranks (a slot: the GPU transport
-    holds three) would pass 512M elements, so that the slots' memory does
-    not grow with the world (64M a rank on 8)."""
-    if _BUCKET is not None:
-        return _BUCKET
-    return max(1 << 20, min(_BUCKET_MAX, _SLOT_MAX // max(world, 1)))
-
 
 _CLASSES: Optional[Tuple[Any, Any, Any]] = None
 

@@ -23,7 +23,7 @@ __all__ = ["Gate", "buckets", "BUCKET_ELEMS"]
 # parameter costs a launch and a latency-bound exchange each (~150 for
 # GPT-2), one for everything a copy of the whole model; a bucket of this
 # size (32 MiB of f32) takes NCCL near its bandwidth. (The sharded steps'
-# reduce-scatters use their own, larger size per rank: dpclip._fsdp.bucket_size().)
+# reduce-scatters use their own, larger size per rank: dpclip._shards.bucket_size().)
 BUCKET_ELEMS = 1 << 23
 
 
@@ -35,7 +35,7 @@ def buckets(widths: Sequence[int], limit: int, joined: Callable[[int], bool] = l
     summed in one sums step), and always where apart(i) (another dtype or
     device: one flat tensor per collective). Both users take this one rule,
     each with its own limit: the all-reduce's (BUCKET_ELEMS) and the
-    sharded reduce-scatter's (dpclip._fsdp.bucket_size()), whose staging is per
+    sharded reduce-scatter's (dpclip._shards.bucket_size()), whose staging is per
     rank."""
     out: List[Tuple[int, int]] = []
     first, width = 0, 0

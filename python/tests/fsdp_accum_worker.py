@@ -10,7 +10,7 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from dpclip import DpclipError, _fsdp, _host
+from dpclip import DpclipError, _host, _shards
 from dpclip._layers import _ESIZE
 from dpclip.torch import PrivacyEngine, reduce_loss
 from fsdp_worker import GPT, _error, _init, _params, _shard, _sharded, fsdp2_api
@@ -87,7 +87,7 @@ def run_accumulate(rank, world, init_file, socket_path, data, C, expected, split
     (the micro-batches', in order) and the collectives run in each."""
     _init("gloo", rank, world, init_file)
     try:
-        _fsdp._BUCKET = 256  # several reduce-scatter buckets
+        _shards._BUCKET = 256  # several reduce-scatter buckets
         torch.manual_seed(100 + rank)  # make_private broadcasts rank 0's weights
         engine, model, opt = _sharded(SeqModel(), socket_path, "fsdp-acc-exact", C, expected)
         x, y = data
@@ -123,7 +123,7 @@ def run_accumulate_noise(rank, world, init_file, socket_path, data, C, expected,
     pieces, the gradients of each logical step and the epsilon."""
     _init("gloo", rank, world, init_file)
     try:
-        _fsdp._BUCKET = 256
+        _shards._BUCKET = 256
         recorded, scratch = [], [0, 0]  # non-commit sums steps; those that wrote nothing
         sums, submit, release = (_host.HostPhases.sums, _host.HostPhases.submit,
                                  _host.HostPhases.release)
@@ -189,7 +189,7 @@ def run_accumulate_failures(rank, world, init_file, socket_path, data, C, expect
     sums, so only the commit can be changed)."""
     _init("gloo", rank, world, init_file)
     try:
-        _fsdp._BUCKET = 256
+        _shards._BUCKET = 256
         torch.manual_seed(5)
         engine, model, opt = _sharded(SeqModel(), socket_path, "fsdp-acc-fail", C, expected,
                                       0.5, lr=0.5, asynchronous=asynchronous)

@@ -13,7 +13,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from dpclip import DpclipError, _cuda, _fsdp, _host
+from dpclip import DpclipError, _cuda, _fsdp, _host, _shards
 from dpclip.torch import PrivacyEngine, UnsupportedModuleError, reduce_loss
 from models import GPT2Like, SeqModel, per_sample_losses
 
@@ -90,7 +90,7 @@ def run_sharded_hf(rank, world, init_file, socket_path, data, V, C, expected, ou
     batch; saves the gradients."""
     _init("gloo", rank, world, init_file)
     try:
-        _fsdp._BUCKET = 256  # several reduce-scatter buckets, some of one large piece
+        _shards._BUCKET = 256  # several reduce-scatter buckets, some of one large piece
         torch.manual_seed(7)
         engine, model, opt = _sharded(GPT2Like(V, T=data[0].shape[1]), socket_path,
                                       "fsdp-cpu-hf", C, expected)
@@ -117,7 +117,7 @@ def run_sharded_owned_noise(rank, world, init_file, socket_path, model_name, dat
     (GPT2Like: Conv1D weights written transposed, a tied head)."""
     _init("gloo", rank, world, init_file)
     try:
-        _fsdp._BUCKET = 256  # several sums steps
+        _shards._BUCKET = 256  # several sums steps
         recorded = []
         orig = _host.HostPhases.sums
 

@@ -14,7 +14,7 @@ import torch
 import torch.multiprocessing as mp
 import torch.nn as nn
 
-from dpclip import _cuda, _fsdp, _lib
+from dpclip import _cuda, _fsdp, _lib, _shards
 from dpclip._layers import Out
 from dpclip.torch import PrivacyEngine, UnsupportedModuleError
 from fsdp_worker import (run_sharded, run_sharded_failures, run_sharded_hf, run_sharded_owned_noise,
@@ -521,14 +521,14 @@ def test_cuda_sums_slots_never_take_memory_a_queued_collective_still_reads(monke
 
 
 def test_bucket_size_bounds_a_slot_whatever_the_world(monkeypatch):
-    """dpclip._fsdp.bucket_size: 256M elements a rank by default, fewer once
+    """dpclip._shards.bucket_size: 256M elements a rank by default, fewer once
     a bucket's sums over every rank (what one of the GPU transport's three
     slots holds) would pass 512M elements; an override (_BUCKET, as
     bench_fsdp's --bucket sets) wins."""
-    monkeypatch.setattr(_fsdp, "_BUCKET", None)
+    monkeypatch.setattr(_shards, "_BUCKET", None)
     for world in (1, 2, 3, 4, 8, 64, 100000):
-        n = _fsdp.bucket_size(world)
+        n = _shards.bucket_size(world)
         assert n <= 1 << 28 and (n * world <= 1 << 29 or n == 1 << 20), (world, n)
-    assert _fsdp.bucket_size(2) == 1 << 28 and _fsdp.bucket_size(8) == 1 << 26
-    monkeypatch.setattr(_fsdp, "_BUCKET", 256)
-    assert _fsdp.bucket_size(8) == 256
+    assert _shards.bucket_size(2) == 1 << 28 and _shards.bucket_size(8) == 1 << 26
+    monkeypatch.setattr(_shards, "_BUCKET", 256)
+    assert _shards.bucket_size(8) == 256
