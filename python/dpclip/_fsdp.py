@@ -10,8 +10,9 @@ Each optimizer step, on every rank:
      (data_parallel: world W, this rank, the job's sigma), so the ledger
      charges the logical step once, whichever rank's pass comes first, and
      covers the others;
-  2. the sums and the reduce-scatter, bucket by bucket (about 64M
-     elements per rank, each a run of whole layers): a STEP_SUMS step names
+  2. the sums and the reduce-scatter, bucket by bucket (about 256M
+     elements per rank, fewer past 2 ranks: _shards.bucket_size; each a run
+     of whole layers): a STEP_SUMS step names
      the layers writing the bucket's parameters and gets their clipped sum
      of this rank's samples, in the reduce dtype, each parameter in a padded
      region of world * chunk rows (chunk = ceil(rows / world): fully_shard's
@@ -62,14 +63,15 @@ Backends without reduce-scatter (gloo in older torches) all-reduce the sums
 and keep their rows: the same result.
 
 Memory: as FSDP holds one layer group's unsharded gradient at a time, the
-clipped sums exist a few buckets at a time: on the GPU three slots of the
-largest bucket's size (bucket k + 1's sums step is queued in the daemon,
-which fills its slot while the trainer's stream copies bucket k out of
-another and bucket k - 1's waits to be reused), and a bucket's staging.
-Past the norm pass (which waits for the backward's end) the daemon waits
-for nothing of the trainer's: a sums step replies once written, and the
-host reuses a slot only after the stream copied it out, so no daemon work
-ever waits behind a collective. A micro-batch that does not commit goes
+clipped sums exist a few buckets at a time: on the GPU three slots, each
+the size of the widest bucket it takes (bucket k + 1's sums step is queued
+in the daemon, which fills its slot while the trainer's stream copies
+bucket k out of another and bucket k - 1's waits to be reused), and a
+bucket's staging. Past the norm pass (which waits for the backward's end)
+the daemon waits for nothing of the trainer's: a sums step's early notice
+comes once its writes are queued, the trainer's stream waits on its
+slot's event, and the host reuses a slot only after the stream copied it
+out, so no daemon work ever waits behind a collective. A micro-batch that does not commit goes
 without waiting (micro_submit; make_private's asynchronous): its norm
 pass and sums steps are queued in the daemon while the trainer runs the
 next micro-batch, and the accumulator collects their replies (at most
