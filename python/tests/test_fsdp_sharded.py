@@ -122,6 +122,28 @@ def test_fsdp2_grads_are_kept_and_written_whole_each_step(monkeypatch):
             rows = shards[pc.shard_off:pc.shard_off + pc.mine * pc.inner]
             want = rows.view((pc.mine,) + pc.shape[1:]) if applied else torch.zeros_like(g)
             assert torch.equal(g, want), (scale, pc.shape)
+    # Where every parameter has the sums' dtype the reduce-scatters write the
+    # gradients' buffer itself (_shards_out): nothing is copied, and a step
+    # not applied still leaves zeros; in another dtype, a new tensor, copied.
+    sh.dtype = torch.float32
+    out = sh._shards_out(torch.device("cpu"))
+    assert out.data_ptr() == sh._held[1][torch.float32].data_ptr() and out.numel() == shard_n
+    for scale, applied in ((5.0, True), (6.0, False)):
+        out.copy_(torch.arange(shard_n, dtype=torch.float32) * scale)  # (the reduce-scatters)
+        got = sh._grads_from(out)
+        assert got[torch.float32].data_ptr() == out.data_ptr()
+        sh._write(got, applied, torch.device("cpu"))
+        for pc, f in zip(pieces, first):
+            assert pc.param.grad is f
+            rows = (torch.arange(shard_n, dtype=torch.float32) * scale)[
+                pc.shard_off:pc.shard_off + pc.mine * pc.inner].view((pc.mine,) + pc.shape[1:])
+            assert torch.equal(pc.param.grad, rows if applied else torch.zeros_like(rows))
+    sh.dtype = torch.bfloat16  # the reduce dtype: not the parameters'
+    out = sh._shards_out(torch.device("cpu"))
+    assert out.dtype == torch.bfloat16 and out.data_ptr() != sh._held[1][torch.float32].data_ptr()
+    out.copy_(torch.arange(shard_n, dtype=torch.float32))
+    sh._write(sh._grads_from(out), True, torch.device("cpu"))
+    assert torch.equal(sh._held[1][torch.float32], out.float())
 
 
 def test_three_ranks_hold_the_union_gradient_noise_once_ledger_once(daemon, tmp_path):
