@@ -291,9 +291,8 @@ def timed_run(args, rank, world, device, mesh, init, mode, own_norms=True):
                    tokens_per_s=round(args.logical * args.seq / (ms / 1e3), 1))
     if device.type == "cuda":
         out.update(device_used_peak_mib=round(mem.peak / 2 ** 20, 1),
-                   device_over_start_mib=round((mem.peak - start) / 2 ** 20, 1))
-    if device.type == "cuda":
-        out["gpu"] = torch.cuda.get_device_name(device)
+                   device_over_start_mib=round((mem.peak - start) / 2 ** 20, 1),
+                   gpu=torch.cuda.get_device_name(device))
     if mode == "opacus" and not own_norms:
         out["rmsnorm"] = "torch.nn.RMSNorm"
     if engine is not None:

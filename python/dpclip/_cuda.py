@@ -402,16 +402,12 @@ class CudaPhases(Phases):
         early notice, the stream ordered after its slot's `done` (the host
         does not wait for the daemon's GPU work, so the copy-out and the
         collective are queued before the sums are done; sums_done() takes
-        the final replies). A scratch step (nothing written) has no notice:
-        its reply."""
+        the final replies)."""
         ticket, n = sent
-        if self.scratch:
-            self._collect(self.io.client.wait(ticket))  # raises its error
-        else:
-            self.io.client.wait_enqueued(ticket)  # raises an early error
-            ev, _ = self.io.slot_done(self.device, self._slot(k))
-            torch.cuda.current_stream(self.device).wait_event(ev)
-            self.open.append(ticket)
+        self.io.client.wait_enqueued(ticket)  # raises an early error
+        ev, _ = self.io.slot_done(self.device, self._slot(k))
+        torch.cuda.current_stream(self.device).wait_event(ev)
+        self.open.append(ticket)
         return self.slots[self._slot(k)][:n]
 
     def sums_done(self) -> None:
@@ -421,15 +417,14 @@ class CudaPhases(Phases):
         err: Optional[BaseException] = None
         while self.open:
             try:
-                self._collect(self.io.client.wait(self.open.pop(0)))
+                res = self.io.client.wait(self.open.pop(0))
             except Exception as exc:  # pylint: disable=broad-except
                 err = err or exc
+                continue
+            if self.daemon_ms:
+                self.daemon_ms["sums"] += res.compute_ns / 1e6
         if err is not None:
             raise err
-
-    def _collect(self, res: Any) -> None:
-        if self.daemon_ms:
-            self.daemon_ms["sums"] += res.compute_ns / 1e6
 
     def _slot(self, k: int) -> int:
         return 0 if self.scratch else k % _SLOTS

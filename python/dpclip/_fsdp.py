@@ -242,7 +242,8 @@ class Sharded:
         self._cols: set = set()
         self._buckets = buckets(self.pieces, bucket_size(self.world), self._spans())
         # each bucket's sums, in elements, and the largest: what one slot holds
-        self.widths = [self._span(f, l)[1] - self._span(f, l)[0] for f, l in self._buckets]
+        self.widths = [end - base for base, end, _, _ in
+                       (self._span(f, l) for f, l in self._buckets)]
         self.widest = max(self.widths, default=0)
         self.sums_steps = 0  # the last step's sums steps run (one per bucket)
         if fsdp:
