@@ -231,13 +231,26 @@ class Link:
         self.sent = []
 
 
-def make_step(c, model, opt, amp, divide):
+TRACED = 3  # --trace's steps a round
+
+
+def make_step(c, model, opt, amp, divide, marks=None):
     """One logical step: --microbatches micro-batches of --batch samples
     each, forward and backward (across the stages by point-to-point ops, in
     --schedule's order), then opt.step(). divide: each micro-batch's loss
     over M (plain accumulation; dpclip's daemon divides the logical step's
-    clipped sum by the expected logical batch instead)."""
+    clipped sum by the expected logical batch instead). marks (--trace): a
+    list that each step appends (label, host time, CUDA event or None) to,
+    at each op's start and the step's end."""
     a, B, M = c.args, c.args.batch, c.args.microbatches
+
+    def at(what):
+        if marks is not None:
+            ev = None
+            if c.device.type == "cuda":
+                ev = torch.cuda.Event(enable_timing=True)
+                ev.record()
+            marks.append((what, time.perf_counter(), ev))
     ops = schedule(a.schedule, 2, c.stage, M)
 
     def rows(i):
@@ -262,6 +275,7 @@ def make_step(c, model, opt, amp, divide):
         link = Link(c.peer, *((acts, grads) if c.stage == 0 else (grads, acts)))
         outs, ins, losses = {}, {}, {}
         for op, i in ops:
+            at("%s%d" % (op, i))
             if c.stage == 0 and op == "F":
                 outs[i] = fwd(c.x[rows(i)])
                 link.send(outs[i].detach().float().contiguous())
@@ -277,7 +291,9 @@ def make_step(c, model, opt, amp, divide):
                 losses.pop(i).backward()
                 link.send(ins.pop(i).grad.contiguous())
         link.finish()
+        at("step")
         opt.step()  # dpclip: the commit, which waits in the daemon for the other stage's
+        at("end")
     return step
 
 
@@ -350,6 +366,21 @@ def run(c, mode):
     times = [between(marks[i], marks[i + 1]) for i in range(a.steps)]
     out = {"rank": c.rank, "replica": c.replica, "stage": c.stage,
            "step_ms": round(statistics.median(times), 3), "mean_ms": round(wall, 3)}
+    if a.trace:  # where each op starts (and the step ends), host and GPU, averaged
+        marks = []
+        traced = make_step(c, model, opt, a.precision == "bf16", divide=mode == "plain",
+                           marks=marks)
+        trace = {}
+        for _ in range(TRACED):
+            del marks[:]
+            traced()
+            sync(dev)
+            _, h0, e0 = marks[0]
+            for what, h, ev in marks:
+                got = trace.setdefault(what, [0.0, 0.0])
+                got[0] += (h - h0) * 1e3 / TRACED
+                got[1] += (e0.elapsed_time(ev) if ev is not None else 0.0) / TRACED
+        out["trace"] = {k: [round(h, 2), round(g, 2)] for k, (h, g) in trace.items()}
     if engine is not None:
         engine.synchronize()
         out.update({k: round(statistics.median(v), 3) for k, v in stats.items()})
@@ -599,6 +630,10 @@ def main():
                     help="the check's trainers under bf16 autocast, as the timed steps: the "
                     "daemon's bf16 paths (kept per-sample gradients), default --tol 5e-2")
     ap.add_argument("--tol", type=float, default=None)
+    ap.add_argument("--trace", action="store_true",
+                    help="after each round's timed steps, %d more with an event at each "
+                    "op's start: each rank's line gets trace (label: [host ms, GPU ms] "
+                    "from the step's start, averaged)" % TRACED)
     ap.add_argument("--threads", type=int, default=0,
                     help="torch CPU threads per rank (0: the cores / the ranks)")
     args = ap.parse_args()
