@@ -297,23 +297,7 @@ def make_step(c, model, opt, amp, divide, marks=None):
     return step
 
 
-def defer_micro_batches():
-    """BENCH_DEFER=1 (an experiment, not an engine option): no micro-batch
-    goes to the daemon before optimizer.step(), as under GPipe, so that
-    without MPS the daemon's GPU work does not time-slice with the
-    pipeline's; the trainer holds every micro-batch's captures until then."""
-    from dpclip import _accumulate
-
-    def forward(self, pass_id):
-        if self.e.active and torch.is_grad_enabled():
-            self._window, self._queued = set(), False
-            self.passes.append(pass_id)
-    _accumulate.Accumulator.forward = forward
-
-
 def private(c, model, sigma, C, lr):
-    if os.environ.get("BENCH_DEFER") == "1":
-        defer_micro_batches()
     engine = PrivacyEngine(c.socket, client_name="bench_parallel")
     model, opt, _ = engine.make_private(
         module=model, optimizer=torch.optim.SGD(model.parameters(), lr=lr),
