@@ -12,6 +12,8 @@ import sys
 
 import pytest
 
+from dpclip import pipeline
+
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SMALL = ["--device", "cpu", "--blocks", "2", "--d", "32", "--heads", "2", "--vocab", "67",
          "--seq", "12", "--batch", "2", "--warmup", "1", "--steps", "1", "--repeat", "1"]
@@ -40,11 +42,13 @@ def test_pipeline_microbatches_check_and_time(secure_daemon, schedule):
     """A logical step of 4 micro-batches under each schedule: the check
     compares every rank's .grad (and the 8 samples' norms, in the
     micro-batches' order) with the unsplit model's reference over the whole
-    logical batch; every line says the micro-batching."""
+    logical batch; every line says the micro-batching. --trace: each
+    rank's line marks its ops' starts in the schedule's order, then the
+    step and its end, in time order."""
     proc = subprocess.run(
         [sys.executable, os.path.join(REPO, "bench", "bench_parallel.py"), "--mode", "pipeline",
          "--socket", secure_daemon.socket, "--check", "--microbatches", "4",
-         "--schedule", schedule] + SMALL,
+         "--schedule", schedule, "--trace"] + SMALL,
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, universal_newlines=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
@@ -66,6 +70,14 @@ def test_pipeline_microbatches_check_and_time(secure_daemon, schedule):
     assert ratio["ratio"] == "dpclip/plain", ratio
     assert 0 < ratio["time_ratio_best"] <= ratio["time_ratio_median"] <= \
         ratio["time_ratio_worst"], ratio
+    for run in runs.values():
+        for r in run["ranks"]:
+            want = ["%s%d" % op for op in pipeline.schedule(schedule, 2, r["stage"], 4)]
+            trace = r["trace"]
+            assert list(trace) == want + ["step", "end"], (run["run"], r["stage"], trace)
+            host = [h for h, _ in trace.values()]
+            assert host[0] == 0 and host == sorted(host) and host[-1] > 0, trace
+            assert all(g == 0 for _, g in trace.values()), trace  # no GPU: no events
 
 
 def test_pipeline_microbatches_check_can_fail(secure_daemon):
