@@ -268,8 +268,11 @@ def make_step(c, model, opt, amp, divide, marks=None):
         opt.zero_grad(set_to_none=True)
         if c.S == 1:
             for i in range(M):
+                at("FB%d" % i)  # a replica's whole micro-batch
                 loss_of(fwd(c.x[rows(i)]), i).backward()
+            at("step")
             opt.step()
+            at("end")
             return
         acts, grads = c.links
         link = Link(c.peer, *((acts, grads) if c.stage == 0 else (grads, acts)))
@@ -366,21 +369,6 @@ def run(c, mode):
     times = [between(marks[i], marks[i + 1]) for i in range(a.steps)]
     out = {"rank": c.rank, "replica": c.replica, "stage": c.stage,
            "step_ms": round(statistics.median(times), 3), "mean_ms": round(wall, 3)}
-    if a.trace:  # where each op starts (and the step ends), host and GPU, averaged
-        marks = []
-        traced = make_step(c, model, opt, a.precision == "bf16", divide=mode == "plain",
-                           marks=marks)
-        trace = {}
-        for _ in range(TRACED):
-            del marks[:]
-            traced()
-            sync(dev)
-            _, h0, e0 = marks[0]
-            for what, h, ev in marks:
-                got = trace.setdefault(what, [0.0, 0.0])
-                got[0] += (h - h0) * 1e3 / TRACED
-                got[1] += (e0.elapsed_time(ev) if ev is not None else 0.0) / TRACED
-        out["trace"] = {k: [round(h, 2), round(g, 2)] for k, (h, g) in trace.items()}
     if engine is not None:
         engine.synchronize()
         out.update({k: round(statistics.median(v), 3) for k, v in stats.items()})
@@ -393,14 +381,36 @@ def run(c, mode):
             out["daemon_input_wait_ms"] = round(
                 (engine.input_wait_ns_total - w0) / 1e6 / a.steps, 3)
         out["daemons_in_group"] = engine.norm_group.daemons if engine.norm_group else 0
-        engine.close()
     out["peak_mem_mib"] = round(peak_mb(dev), 1)
     if dev.type == "cuda":  # the whole GPU: this trainer, the daemon, anything else on it
         out["device_peak_mib"] = round(mem.peak / 2**20, 1)
         out["device_base_mib"] = round(base / 2**20, 1)
+    if a.trace:  # after every figure above, which these steps leave alone
+        out["trace"] = trace_steps(c, model, opt, mode)
+    if engine is not None:
+        engine.close()
     del model, opt, engine, step
     reset_peak(dev)
     return out
+
+
+def trace_steps(c, model, opt, mode):
+    """--trace: TRACED more steps with a mark at each op's start and at the
+    step's end; label -> [host ms, GPU ms] from the step's start, averaged."""
+    marks = []
+    traced = make_step(c, model, opt, c.args.precision == "bf16", divide=mode == "plain",
+                       marks=marks)
+    trace = {}
+    for _ in range(TRACED):
+        del marks[:]
+        traced()
+        sync(c.device)
+        _, h0, e0 = marks[0]
+        for what, h, ev in marks:
+            got = trace.setdefault(what, [0.0, 0.0])
+            got[0] += (h - h0) * 1e3 / TRACED
+            got[1] += (e0.elapsed_time(ev) if ev is not None else 0.0) / TRACED
+    return {k: [round(h, 2), round(g, 2)] for k, (h, g) in trace.items()}
 
 
 def reference(args, replicas, device, path):

@@ -23,10 +23,16 @@ SMALL = ["--device", "cpu", "--blocks", "2", "--d", "32", "--heads", "2", "--voc
 def test_layout_checks_and_times(secure_daemon, mode, ranks):
     proc = subprocess.run(
         [sys.executable, os.path.join(REPO, "bench", "bench_parallel.py"), "--mode", mode,
-         "--socket", secure_daemon.socket, "--check"] + SMALL,
+         "--socket", secure_daemon.socket, "--check", "--trace"] + SMALL,
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, universal_newlines=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    for line in lines:
+        for r in line.get("ranks", []) if "run" in line else []:
+            # one micro-batch: a replica's forward and backward, or a stage's
+            labels = list(r["trace"])
+            assert labels[-2:] == ["step", "end"] and labels[:-2] in (
+                ["FB0"], ["F0", "B0"]), (mode, r["stage"], labels)
     check = [line for line in lines if line.get("check")]
     assert len(check) == 1 and check[0]["ok"], proc.stdout
     assert check[0]["max_rel_err"] <= check[0]["tol"] and len(check[0]["ranks"]) == ranks
