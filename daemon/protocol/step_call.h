@@ -118,8 +118,9 @@ struct dc_step_call {
      * submitted to a worker, worker started, input event waited, worker
      * finished. */
     uint64_t t_recv, t_checked, t_submit, t_start, t_waited, t_end;
-    uint64_t t_done;  /* back on the loop */
-    uint64_t t_frame; /* the request's frame taken up for decoding */
+    uint64_t t_done;   /* back on the loop */
+    uint64_t t_normed; /* a step in phases: its norm phase done (0: none) */
+    uint64_t t_frame;  /* the request's frame taken up for decoding */
     /* Norm groups (session_group.c): the step's own squared layer norms
      * [L*B] from its norm phase, its partial sum [B] delivered to the group,
      * the group's totals [B] for its clip phase. */

@@ -85,7 +85,9 @@ void dc_step_reply_log(const dc_step_call *sc, uint64_t session_id, uint64_t ste
     dc_log_debug("session %llu: step %llu (%zu layers, B=%u, %s%s): decode %.1f us, "
                  "validate %.1f us, ledger %.1f us, queue %.1f us, wait %.1f us (device "
                  "%.1f us), run %.1f us (backend %.1f us: norms %.1f, reduction %.1f, "
-                 "clipping %.1f, noise %.1f), reply %.1f us (hand-off %.1f, send %.1f), eps %.4g",
+                 "clipping %.1f, noise %.1f), reply %.1f us (hand-off %.1f, send %.1f), eps %.4g; "
+                 "group step %llu; at (monotonic ms) frame %.3f, submitted %.3f, norms done %.3f, "
+                 "started %.3f, ended %.3f, answered %.3f",
                  (unsigned long long)session_id, (unsigned long long)step_index, sc->step.n_layers,
                  sc->step.batch, sc->step.device < 0 ? "cpu" : "gpu", sc->cached ? ", cached" : "",
                  (sc->t_recv - sc->t_frame) / 1e3, (sc->t_checked - sc->t_recv) / 1e3,
@@ -94,5 +96,7 @@ void dc_step_reply_log(const dc_step_call *sc, uint64_t session_id, uint64_t ste
                  (sc->t_end - sc->t_waited) / 1e3, sc->res.compute_ns / 1e3,
                  sc->res.phase_ns[DC_RUN_NORMS] / 1e3, sc->res.phase_ns[DC_RUN_REDUCTION] / 1e3,
                  sc->res.phase_ns[DC_RUN_CLIPPING] / 1e3, sc->res.phase_ns[DC_RUN_NOISE] / 1e3,
-                 (now - sc->t_end) / 1e3, (t_done - sc->t_end) / 1e3, send_ns / 1e3, sc->eps);
+                 (now - sc->t_end) / 1e3, (t_done - sc->t_end) / 1e3, send_ns / 1e3, sc->eps,
+                 (unsigned long long)sc->group_step, sc->t_frame / 1e6, sc->t_submit / 1e6,
+                 sc->t_normed / 1e6, sc->t_start / 1e6, sc->t_end / 1e6, now / 1e6);
 }

@@ -239,6 +239,7 @@ static void norms_phase(dc_step_call *sc, dc_backend *be, bool unseal_kept) {
         sc->rc = dc_step_run_replicas_hash(be, &sc->step, sc->gw.rep_key, &sc->gw.rep_hash,
                                            &sc->gw.has_rep_hash, &sc->err);
     }
+    sc->t_normed = uv_hrtime();
 }
 
 uint64_t dc_step_run_replicas_key(const dc_step *st) {
