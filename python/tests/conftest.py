@@ -60,7 +60,7 @@ class Daemon:
     """A dpclipd child process; stop() asks it to exit (SIGTERM) and returns
     its exit status."""
 
-    def __init__(self, extra=(), env=None, fixed_seed=True):
+    def __init__(self, extra=(), env=None, fixed_seed=True, stderr=None):
         self.dir = tempfile.mkdtemp(prefix="dpclip-pytest.")
         self.socket = os.path.join(self.dir, "d.sock")
         self.insecure = fixed_seed
@@ -74,7 +74,7 @@ class Daemon:
                  "--config", "/dev/null",  # not a config file installed on this machine
                  # one daemon serves the whole session's tests, each a job
                  "--set", "ledger.max_jobs_per_uid=4096",
-                 *extra], pass_fds=(w,), env=dict(os.environ, **(env or {})),
+                 *extra], pass_fds=(w,), env=dict(os.environ, **(env or {})), stderr=stderr,
                 preexec_fn=lambda p=os.getpid(): _die_with_parent(p))
         finally:
             os.close(w)
