@@ -9,6 +9,8 @@ process per device.
     python3 bench/bench_parallel.py --mode ddp --socket S                   # 4 GPUs
     python3 bench/bench_parallel.py --mode ddp_pipeline --socket S          # 2 replicas x 2 stages
     python3 bench/bench_parallel.py --mode pipeline --socket S --check      # exactness first
+    python3 bench/bench_parallel.py --mode pipeline --socket S --microbatches 8 --trace
+        # each rank's ops in time (with dpclipd --log-level debug: bench/step_timeline.py)
     python3 bench/bench_parallel.py --mode ddp --socket S --device cpu --blocks 2 --d 128 \
         --heads 4 --vocab 1000 --seq 64 --batch 4 --steps 3                 # CPU smoke test
 
