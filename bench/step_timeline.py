@@ -13,8 +13,10 @@ One JSON line per group step: {"group_step", "logical", "micro_batch",
 "norms_done", "started", "ended", "answered"} ...] (ms from t0; norms_done
 null where the step ran whole or fused)}, then a summary line: the median
 over the group steps of the span from the first frame to the last answer
-and of the wait from the last member's frame to its clip phase's start.
-Steps outside a group (group step 0) are left out."""
+and of the wait from the last member's frame to its clip phase's start,
+and how many members' steps (of those that followed one of the same
+session) had waited behind the session's previous step. Steps outside a
+group (group step 0) are left out."""
 import argparse
 import json
 import re
@@ -67,17 +69,31 @@ def timeline(steps: List[dict]) -> List[dict]:
     return out
 
 
+BACKLOG_MS = 0.1  # a frame taken up this soon after its session's last answer waited for it
+
+
 def summary(rows: List[dict]) -> dict:
     """Medians over the group steps: first frame to last answer (span_ms),
-    and the last member's frame to its clip phase's start (wait_ms)."""
+    and the last member's frame to its clip phase's start (wait_ms); and
+    backlogged, the members' steps whose frame the daemon took up within
+    BACKLOG_MS of its session's previous answer: sent while that step ran,
+    they waited for it (a session runs its steps one at a time)."""
     spans = [max(m["answered"] for m in r["members"]) for r in rows]
-    waits = []
+    waits, last_answer, backlogged, members = [], {}, 0, 0
     for r in rows:
         last = max(r["members"], key=lambda m: m["frame"])
         waits.append(last["started"] - last["frame"])
+        for m in r["members"]:
+            frame = r["t0"] + m["frame"]
+            prev = last_answer.get(m["session"])
+            if prev is not None:
+                members += 1
+                backlogged += frame - prev <= BACKLOG_MS
+            last_answer[m["session"]] = r["t0"] + m["answered"]
     return {"summary": True, "group_steps": len(rows),
             "span_ms": round(statistics.median(spans), 3) if spans else None,
-            "wait_ms": round(statistics.median(waits), 3) if waits else None}
+            "wait_ms": round(statistics.median(waits), 3) if waits else None,
+            "backlogged": backlogged, "followed": members}
 
 
 def main(argv=None) -> int:

@@ -49,3 +49,5 @@ def test_pipeline_group_steps_laid_out(tmp_path):
             assert 0 <= m["frame"] <= m["started"] <= m["ended"] <= m["answered"], r
     assert rows[4]["logical"] > rows[0]["logical"]
     assert tail["span_ms"] > 0 and tail["wait_ms"] >= 0
+    # every member's step after its session's first follows one
+    assert tail["followed"] == 14 and 0 <= tail["backlogged"] <= 14, tail
