@@ -233,11 +233,7 @@ def timed_run(args, rank, world, device, mesh, init, mode, own_norms=True):
             mark(marks, "optimizer queued")
             sync(device)
             mark(marks, "step end")
-            _, h0, e0 = marks[0]
-            for what, h, ev in marks:
-                got = trace.setdefault(what, [0.0, 0.0])
-                got[0] += (h - h0) * 1e3
-                got[1] += e0.elapsed_time(ev) if ev is not None else 0.0
+            _fsdp.trace_add(trace, marks)
         if measure and device.type == "cuda":
             sync(device)
             extra["grad_phase_extra_mib"] = round(

@@ -125,6 +125,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 from device_memory import DeviceMemory  # noqa: E402
 from bench_torch_step import GPT, peak_mb, reset_peak, sync, token_batch  # noqa: E402
+from dpclip._fsdp import trace_add, trace_mark  # noqa: E402 (as bench_fsdp's --trace)
 from dpclip.pipeline import schedule  # noqa: E402
 from dpclip.torch import PrivacyEngine  # noqa: E402
 
@@ -248,11 +249,7 @@ def make_step(c, model, opt, amp, divide, marks=None):
 
     def at(what):
         if marks is not None:
-            ev = None
-            if c.device.type == "cuda":
-                ev = torch.cuda.Event(enable_timing=True)
-                ev.record()
-            marks.append((what, time.perf_counter(), ev))
+            trace_mark(marks, what, c.device.type == "cuda")
     ops = schedule(a.schedule, 2, c.stage, M)
 
     def rows(i):
@@ -407,12 +404,8 @@ def trace_steps(c, model, opt, mode):
         del marks[:]
         traced()
         sync(c.device)
-        _, h0, e0 = marks[0]
-        for what, h, ev in marks:
-            got = trace.setdefault(what, [0.0, 0.0])
-            got[0] += (h - h0) * 1e3 / TRACED
-            got[1] += (e0.elapsed_time(ev) if ev is not None else 0.0) / TRACED
-    return {k: [round(h, 2), round(g, 2)] for k, (h, g) in trace.items()}
+        trace_add(trace, marks)
+    return {k: [round(h / TRACED, 2), round(g / TRACED, 2)] for k, (h, g) in trace.items()}
 
 
 def reference(args, replicas, device, path):

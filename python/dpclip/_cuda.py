@@ -75,15 +75,18 @@ class CudaIPC(Transport):
         # the next step of the same layout rebinds its inputs (_layers()).
         self._bound: Optional[Tuple[Any, ...]] = None
 
+    def _ipc_event(self, idx: int) -> Tuple[torch.cuda.Event, int]:
+        """A new interprocess event on device idx, registered with the
+        daemon: (the event, its id there)."""
+        with torch.cuda.device(idx):
+            ev = torch.cuda.Event(enable_timing=False, blocking=False, interprocess=True)
+            return ev, self.client.register_event(ev.ipc_handle(), idx)
+
     def events(self, device: torch.device) -> Tuple[torch.cuda.Event, torch.cuda.Event, int, int]:
         idx = _index(device)
         ev = self._events.get(idx)
         if ev is None:
-            with torch.cuda.device(idx):
-                ready = torch.cuda.Event(enable_timing=False, blocking=False, interprocess=True)
-                done = torch.cuda.Event(enable_timing=False, blocking=False, interprocess=True)
-                rid = self.client.register_event(ready.ipc_handle(), idx)
-                did = self.client.register_event(done.ipc_handle(), idx)
+            (ready, rid), (done, did) = self._ipc_event(idx), self._ipc_event(idx)
             ev = self._events[idx] = (ready, done, rid, did)
         return ev
 
@@ -101,9 +104,7 @@ class CudaIPC(Transport):
         free = self._ready_free.setdefault(idx, [])
         if free:
             return free.pop()
-        with torch.cuda.device(idx):
-            ev = torch.cuda.Event(enable_timing=False, blocking=False, interprocess=True)
-            return ev, self.client.register_event(ev.ipc_handle(), idx)
+        return self._ipc_event(idx)
 
     def slot_done(self, device: torch.device, slot: int) -> Tuple[torch.cuda.Event, int]:
         """The interprocess event a sums step writing `slot` signals
@@ -115,9 +116,7 @@ class CudaIPC(Transport):
         key = (_index(device), slot)
         ev = self._slot_done.get(key)
         if ev is None:
-            with torch.cuda.device(key[0]):
-                e = torch.cuda.Event(enable_timing=False, blocking=False, interprocess=True)
-                ev = self._slot_done[key] = (e, self.client.register_event(e.ipc_handle(), key[0]))
+            ev = self._slot_done[key] = self._ipc_event(key[0])
         return ev
 
     def ref(self, t: torch.Tensor, shape: Tuple[int, ...]) -> _lib.Tensor:

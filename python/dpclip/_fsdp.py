@@ -201,6 +201,16 @@ def trace_mark(trace: List[Tuple[str, float, Any]], what: str, cuda: bool) -> No
     trace.append((what, time.perf_counter(), ev))
 
 
+def trace_add(trace: Dict[str, List[float]], marks: List[Tuple[str, float, Any]]) -> None:
+    """Adds one step's marks (trace_mark's; its stream synchronised) into
+    trace: label -> [host ms, GPU ms] from the first mark, summed."""
+    _, h0, e0 = marks[0]
+    for what, h, ev in marks:
+        got = trace.setdefault(what, [0.0, 0.0])
+        got[0] += (h - h0) * 1e3
+        got[1] += e0.elapsed_time(ev) if ev is not None else 0.0
+
+
 # --- the engine's sharded steps ---------------------------------------------------------
 
 class Sharded:
@@ -716,9 +726,7 @@ class Sharded:
         step not applied zeroes it), sparing a copy of the shards; else a
         new tensor."""
         if self.fsdp:
-            if self._held is None or self._held[0] != device:
-                self._hold(device)
-            bufs = self._held[1]
+            bufs = self._hold(device)
             if list(bufs) == [self.dtype]:
                 return bufs[self.dtype]
         return torch.empty(self.shard_n, dtype=self.dtype, device=device)
@@ -730,20 +738,20 @@ class Sharded:
         gate so that its wait covers them; else the shards in f32."""
         if not self.fsdp:
             return shards.to(torch.float32)
-        if self._held is None or self._held[0] != shards.device:
-            self._hold(shards.device)
-        bufs = self._held[1]
+        bufs = self._hold(shards.device)
         for b in bufs.values():
             if b.data_ptr() != shards.data_ptr():
                 b.copy_(shards)
         return bufs
 
-    def _hold(self, device: torch.device) -> None:
-        """The gradients' buffers ([shard_n] per parameter dtype) and each
-        parameter's sharded DTensor gradient over its rows of them, built
-        once: DTensor.from_local per parameter and step cost the host ~60
-        us each (9 ms for a 1B model's 150), with the GPU idle behind the
-        gate's wait."""
+    def _hold(self, device: torch.device) -> Dict[torch.dtype, torch.Tensor]:
+        """The gradients' buffers ([shard_n] per parameter dtype) on
+        `device`, with each parameter's sharded DTensor gradient over its
+        rows of them, built once per device: DTensor.from_local per
+        parameter and step cost the host ~60 us each (9 ms for a 1B model's
+        150), with the GPU idle behind the gate's wait."""
+        if self._held is not None and self._held[0] == device:
+            return self._held[1]
         dtensor = _classes()[0]
         bufs: Dict[torch.dtype, torch.Tensor] = {}
         grads = []
@@ -756,6 +764,7 @@ class Sharded:
             grads.append(dtensor.from_local(local, p.device_mesh, p.placements, run_check=False,
                                             shape=p.shape, stride=p.stride()))
         self._held = (device, bufs, grads)
+        return bufs
 
     def _write(self, got: Any, applied: bool, device: torch.device) -> None:
         """param.grad from this rank's shards of the noised sums, as the
