@@ -17,6 +17,8 @@ void dc_nccl_version_str(uint32_t code, char *buf, size_t n) {
 #include <stdlib.h>
 #include <time.h>
 
+#include "log.h"
+
 struct dc_nccl {
     uv_loop_t *loop;
     uv_async_t async;
@@ -123,7 +125,13 @@ static int form(dc_nccl *l, dc_err *err) {
     cudaError_t ce;
     ncclResult_t r;
     if ((ce = cudaSetDevice(l->device)) != cudaSuccess) return cuda_fail(err, "cudaSetDevice", ce);
-    if ((ce = cudaStreamCreateWithFlags(&l->stream, cudaStreamNonBlocking)) != cudaSuccess) {
+    /* The exchange is a few bytes that every member's clip phase waits
+     * for: its kernels go first of this process's whenever they compete
+     * (the greatest priority the device has). */
+    int lo = 0, hi = 0;
+    if ((ce = cudaDeviceGetStreamPriorityRange(&lo, &hi)) != cudaSuccess)
+        return cuda_fail(err, "cudaDeviceGetStreamPriorityRange", ce);
+    if ((ce = cudaStreamCreateWithPriority(&l->stream, cudaStreamNonBlocking, hi)) != cudaSuccess) {
         l->stream = NULL;
         return cuda_fail(err, "cudaStreamCreate", ce);
     }
@@ -158,7 +166,7 @@ static int grow(dc_nccl *l, size_t bytes, dc_err *err) {
 
 static int exchange(dc_nccl *l, size_t bytes, dc_err *err) {
     const char *what = "the cross-daemon norm exchange";
-    uint64_t deadline = uv_hrtime() + (uint64_t)l->timeout_ms * 1000000u;
+    uint64_t t0 = uv_hrtime(), deadline = t0 + (uint64_t)l->timeout_ms * 1000000u;
     size_t all = bytes * (size_t)l->ranks;
     cudaError_t ce;
     ncclResult_t r;
@@ -176,8 +184,14 @@ static int exchange(dc_nccl *l, size_t bytes, dc_err *err) {
     if ((ce = cudaMemcpyAsync(l->h_recv, l->d_recv, all, cudaMemcpyDeviceToHost, l->stream)) !=
         cudaSuccess)
         return cuda_fail(err, what, ce);
+    uint64_t t_queued = uv_hrtime();
     if ((rc = wait_done(l, deadline, true, what, err))) return rc;
     memcpy(l->recv_copy, l->h_recv, all);
+    if (dc_log_get_level() >= DC_LOG_DEBUG)
+        dc_log_debug("nccl link (daemon %d of %d): exchange of %zu bytes: queued in %.1f us, "
+                     "done %.1f us later",
+                     l->rank, l->ranks, bytes, (t_queued - t0) / 1e3,
+                     (uv_hrtime() - t_queued) / 1e3);
     return 0;
 }
 
