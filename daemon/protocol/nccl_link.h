@@ -10,8 +10,16 @@
  * buffers; it alone calls into NCCL and CUDA for it, and posts its results
  * to the loop (uv_async). A link waits at most its timeout for anything
  * (forming, each exchange); past it, or when NCCL reports a peer's failure,
- * the communicator is aborted (ncclCommAbort) and the link is broken for
+ * the communicators are aborted (ncclCommAbort) and the link is broken for
  * good: the group is dissolved and rejoining forms a new link.
+ *
+ * Two communicators: the non-blocking one is formed (a peer that never
+ * comes times out), then split into a blocking one right away, over which
+ * one warm-up exchange connects the peers while both are there. The
+ * exchanges use the blocking one: its all-gather returns with the kernel
+ * queued (~0.1 ms), where the non-blocking one's finished enqueueing in
+ * NCCL's thread ~0.3 ms later (H200s). A peer gone afterwards leaves a
+ * kernel waiting on the device, which the poll's timeout aborts.
  *
  * Bootstrap: the daemon of the group's rank 0 makes the NCCL unique id
  * (dc_nccl_unique_id; NCCL's bootstrap root then listens in this
