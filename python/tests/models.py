@@ -14,6 +14,7 @@ error against the reference (max_rel), ranks in spawned processes (spawn)."""
 import copy
 import math
 import os
+import sys
 
 import pytest
 import torch
@@ -96,10 +97,24 @@ def max_rel(got, want, floor=1e-30):
     return float((got.double() - want).abs().max()) / max(float(want.abs().max()), floor)
 
 
+def _rank_then_exit(rank, fn, *args):
+    """A spawned rank: fn, then an exit that skips the interpreter's
+    shutdown. Under torch 2.15 a gloo worker thread could still drop a
+    finished send's tensor then, taking the GIL during finalization, and
+    std::terminate aborted the rank (SIGABRT) after a clean run (about two
+    runs in fifteen of test_fsdp_accumulate.py; bench_parallel's ranks do
+    the same). Output is flushed first; an exception still fails the rank."""
+    fn(rank, *args)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
 def spawn(fn, args, nprocs=2, timeout=120):
     """nprocs processes running fn(rank, *args) (spawned), waited for; a
     failing one raises here."""
-    ctx = mp.start_processes(fn, nprocs=nprocs, join=False, start_method="spawn", args=args)
+    ctx = mp.start_processes(_rank_then_exit, nprocs=nprocs, join=False, start_method="spawn",
+                             args=(fn,) + tuple(args))
     while not ctx.join(timeout=timeout):
         pass
 

@@ -6,14 +6,13 @@ import os
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 import dpclip
 from dpclip import _lib
 from dpclip.torch import PrivacyEngine, reduce_loss
 from dp_worker import run_rank_cuda_failure
 from group_worker import run_pipeline
-from models import SeqModel, per_sample_losses, pipeline_model, reference, seq_data
+from models import SeqModel, per_sample_losses, pipeline_model, reference, seq_data, spawn
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 
@@ -140,10 +139,7 @@ def test_cuda_async_failure_on_rank_0_is_applied_nowhere(cuda_daemon, tmp_path):
     no rank (rank 1's clipped sum alone has no noise), and both ranks raise
     at the next step, whether or not rank 0 met its error earlier (reading
     last_coefs); the step after works on both."""
-    ctx = mp.start_processes(run_rank_cuda_failure, nprocs=2, join=False, start_method="spawn",
-                             args=(2, str(tmp_path / "init"), cuda_daemon.socket, str(tmp_path)))
-    while not ctx.join(timeout=120):
-        pass
+    spawn(run_rank_cuda_failure, (2, str(tmp_path / "init"), cuda_daemon.socket, str(tmp_path)))
     got = [torch.load(os.path.join(str(tmp_path), "cudafail%d.pt" % r)) for r in range(2)]
     for r in range(2):
         errors = got[r]["errors"]
@@ -177,11 +173,8 @@ def test_norm_groups_on_cuda(cuda_daemon, tmp_path):
     stage0 = {n for n, _ in whole.named_parameters() if n.startswith("0.")}
     _, norms0, _ = reference(whole, "seq", (x,), y, 1e9, "sum", 1, only=stage0)
     C = math.sqrt(2) * float(norms0.median())
-    ctx = mp.start_processes(run_pipeline, nprocs=2, join=False, start_method="spawn",
-                             args=(2, str(tmp_path / "init"), cuda_daemon.socket, (x, y), C,
-                                   expected, "group_wise", str(tmp_path), "cuda"))
-    while not ctx.join(timeout=120):
-        pass
+    spawn(run_pipeline, (2, str(tmp_path / "init"), cuda_daemon.socket, (x, y), C, expected,
+                         "group_wise", str(tmp_path), "cuda"))
     for r in range(2):
         got = torch.load(str(tmp_path / ("pp%d.pt" % r)))
         only = {n for n, _ in whole.named_parameters() if n.startswith("%d." % r)}
@@ -202,11 +195,8 @@ def _flat_pipeline(tmp_path, sockets):
     expected = 9
     _, norms, _ = reference(whole, "seq", (x,), y, 1e9, "sum", 1)
     C = float(norms.median())  # clips about half of the whole model's samples
-    ctx = mp.start_processes(run_pipeline, nprocs=2, join=False, start_method="spawn",
-                             args=(2, str(tmp_path / "init"), sockets, (x, y), C, expected,
-                                   "flat", str(tmp_path), "cuda"))
-    while not ctx.join(timeout=180):
-        pass
+    spawn(run_pipeline, (2, str(tmp_path / "init"), sockets, (x, y), C, expected, "flat",
+                         str(tmp_path), "cuda"), timeout=180)
     want, norms, coefs = reference(whole, "seq", (x,), y, C, "mean", expected)
     assert (coefs < 1).any() and (coefs == 1).any()
     got = [torch.load(str(tmp_path / ("pp%d.pt" % r))) for r in range(2)]

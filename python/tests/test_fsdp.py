@@ -19,14 +19,13 @@ import os
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 import torch.nn as nn
 
 import dpclip
 from dpclip import _fsdp
 from dpclip.torch import PrivacyEngine
 from fsdp_worker import GPT, run_fsdp2
-from models import PHASED_MARGIN, reference
+from models import PHASED_MARGIN, reference, spawn
 
 pytestmark = pytest.mark.skipif(_fsdp._classes()[2] is None,  # pylint: disable=W0212
                                 reason="torch %s has no fully_shard (FSDP2: torch >= 2.4)"
@@ -63,11 +62,8 @@ def test_fully_shard_two_ranks(daemon, tmp_path, dev):
     x, y = _data()
     torch.manual_seed(SEED)
     want, _, _ = reference(GPT(), "seq", (x,), y, C, "mean", B, margin=PHASED_MARGIN)
-    ctx = mp.start_processes(run_fsdp2, nprocs=WORLD, join=False, start_method="spawn",
-                             args=(WORLD, str(tmp_path / "init"), daemon.socket, (x, y), C,
-                                   B, SEED, str(tmp_path), dev))
-    while not ctx.join(timeout=300):
-        pass
+    spawn(run_fsdp2, (WORLD, str(tmp_path / "init"), daemon.socket, (x, y), C, B, SEED,
+                      str(tmp_path), dev), nprocs=WORLD, timeout=300)
     got = [torch.load(os.path.join(str(tmp_path), "fsdp2_%d.pt" % r)) for r in range(WORLD)]
 
     # Each rank's gradient: a DTensor sharded on dim 0, in the master dtype,

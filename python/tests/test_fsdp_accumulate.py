@@ -19,7 +19,6 @@ import os
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 import torch.nn as nn
 
 import dpclip
@@ -30,7 +29,7 @@ from fsdp_accum_worker import (run_accumulate, run_accumulate_failures,
                                run_accumulate_logical_batches, run_accumulate_noise,
                                run_fsdp2_accumulate)
 from fsdp_worker import GPT
-from models import PHASED_MARGIN, SeqModel, reference, seq_data
+from models import PHASED_MARGIN, SeqModel, reference, seq_data, spawn
 
 # each rank's micro-batches of its samples x[rank::world] (24 in all):
 # equal, and ragged (a rank of one micro-batch: a whole step beside the
@@ -44,10 +43,7 @@ SPLITS = {
 
 
 def _spawn(fn, world, args, timeout=120):
-    ctx = mp.start_processes(fn, nprocs=world, join=False, start_method="spawn",
-                             args=(world,) + args)
-    while not ctx.join(timeout=timeout):
-        pass
+    spawn(fn, (world,) + args, nprocs=world, timeout=timeout)
 
 
 def _rel(got, want):

@@ -11,7 +11,6 @@ import os
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 import torch.nn as nn
 
 from dpclip import _cuda, _fsdp, _lib, _shards
@@ -19,14 +18,11 @@ from dpclip._layers import Out
 from dpclip.torch import PrivacyEngine, UnsupportedModuleError
 from fsdp_worker import (run_sharded, run_sharded_failures, run_sharded_hf, run_sharded_owned_noise,
                          run_sharded_refusals)
-from models import PHASED_MARGIN, GPT2Like, SeqModel, prose, reference, seq_data
+from models import PHASED_MARGIN, GPT2Like, SeqModel, prose, reference, seq_data, spawn
 
 
 def _spawn(fn, world, args):
-    ctx = mp.start_processes(fn, nprocs=world, join=False, start_method="spawn",
-                             args=(world,) + args)
-    while not ctx.join(timeout=120):
-        pass
+    spawn(fn, (world,) + args, nprocs=world)
 
 
 class _OutsOf:
