@@ -208,8 +208,11 @@ static int grow(dc_nccl *l, size_t bytes, dc_err *err) {
 /* One exchange at once, while both daemons are here: NCCL connects a
  * communicator's peers at its first collective, which on a blocking
  * communicator waits on the host for the peer's, so a first exchange whose
- * peer never came would hold the link's thread past any timeout; later
- * ones only queue a kernel. */
+ * peer never came (its member never sent a step) would hold the link's
+ * thread past any timeout; later ones only queue a kernel. A peer daemon
+ * that dies between the split and this exchange fails it (its sockets
+ * close); one stopped (SIGSTOP) in that window would hold the thread until
+ * it runs again. */
 static int warm(dc_nccl *l, dc_err *err) {
     const char *what = "the NCCL link's first exchange";
     int rc;
