@@ -6,7 +6,7 @@ Poisson-sampling loader dpclip.data. Importing this package loads libdpclip
 and checks that it is this release with these struct sizes (an ImportError
 says which library was refused and why); it does not import torch.
 """
-from ._lib import Client, DpclipError, Step, lib
+from ._lib import Client, DpclipError, PerformanceWarning, Step, lib
 from ._version import __version__
 
 try:
@@ -14,4 +14,4 @@ try:
 except OSError as _e:
     raise ImportError(str(_e), name=__name__) from None
 
-__all__ = ["Client", "DpclipError", "Step", "lib", "__version__"]
+__all__ = ["Client", "DpclipError", "PerformanceWarning", "Step", "lib", "__version__"]

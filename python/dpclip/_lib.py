@@ -18,6 +18,7 @@ __all__ = [
     "DpclipError", "lib", "Tensor", "ConnectOpts", "DaemonInfo", "ClipConfig", "Linear",
     "Embedding", "NormLayer", "Result", "Client", "DTYPE", "F32", "BF16", "F16", "I32", "I64",
     "SUM", "MEAN", "ALGO_AUTO", "ALGO_DIRECT", "ALGO_GHOST", "FLAT", "PER_LAYER", "GroupOpts",
+    "PerformanceWarning",
 ]
 
 # --- constants (dpclip.h) -------------------------------------------------------
@@ -48,6 +49,12 @@ class DpclipError(RuntimeError):
         where = " [%s]" % self.field if self.field else ""
         super().__init__("dpclip error %d (%s)%s: %s" % (self.code, _strerror(self.code), where,
                                                          self.message))
+
+
+class PerformanceWarning(UserWarning):
+    """Training runs, and is private, but slower than this machine allows;
+    the message says why and what to change (warnings.filterwarnings
+    ("ignore", category=dpclip.PerformanceWarning) silences it)."""
 
 
 # --- structures -------------------------------------------------------------------

@@ -79,7 +79,7 @@ from torch.utils.data import DataLoader
 
 from . import (_accumulate, _batches, _fsdp, _group, _lib, _modes, _parallel, _planner,
                _terms, _verify)
-from ._cuda import CudaIPC
+from ._cuda import CudaIPC, warn_without_mps
 from ._host import HostArena
 from ._transport import Transport
 from ._lib import DpclipError
@@ -383,6 +383,8 @@ class PrivacyEngine:
                                self.expected_batch_size, sigma, sample_rate=self.sample_rate,
                                target_delta=target_delta, target_epsilon=target_epsilon)
         _parallel.declare_member(self, self._step)
+        if device.type == "cuda" and self.client.info.has_cuda:
+            warn_without_mps(self.client)
         self.mode.open(target_delta, target_epsilon, device)  # (sharded: steps block)
         self._attach(module, layers, norms)
         if optimizer is not None:

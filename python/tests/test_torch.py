@@ -465,3 +465,23 @@ def test_make_private_terms_refused_by_name(daemon, field, value):
         engine.make_private(module=model, **terms)
     assert engine.module is None and "forward" not in model[0].__dict__
     engine.close()
+
+
+def test_mps_advice_says_which_process_runs_outside_mps(tmp_path):
+    """On CUDA, make_private warns (dpclip.PerformanceWarning) where the
+    daemon reports no MPS, or where it runs under MPS but this process finds
+    no control pipe of its own (another CUDA_MPS_PIPE_DIRECTORY), naming
+    the directory; nothing where both share one."""
+    from types import SimpleNamespace
+    from dpclip import _cuda
+    mine = tmp_path / "mps"
+    mine.mkdir()
+    env = {"CUDA_MPS_PIPE_DIRECTORY": str(mine)}
+    assert "not active" in _cuda.mps_advice(False, env)
+    why = _cuda.mps_advice(True, env)
+    assert why is not None and str(mine) in why and "outside MPS" in why
+    (mine / "control").touch()
+    assert _cuda.mps_advice(True, env) is None
+    assert "not active" in _cuda.mps_advice(False, env)  # the daemon's view first
+    with pytest.warns(dpclip.PerformanceWarning, match="MPS is not active"):
+        _cuda.warn_without_mps(SimpleNamespace(info=SimpleNamespace(mps_active=0)))
