@@ -21,6 +21,15 @@ per step, in ms of host time, the whole optimizer.step() and its stages:
 - add_layers: the step's descriptors (ctypes) handed to libdpclip;
 - rebind: a step of the last step's layout instead has its layers' inputs
   pointed at the new tensors, in one call (registrations included);
+- batch: the step's batch size from the captures (dpclip._planner.batch_size);
+- wire: each part's tensors in the dtypes and layout the daemon reads
+  (CUDA: dpclip._cuda._wire);
+- events: the interprocess events of the step (CUDA: CudaIPC.events,
+  readied);
+- layout: whether the step's layout is the last one's, and the parts'
+  descriptors' own bookkeeping (CUDA: CudaIPC._layers, less its refs,
+  add_layers and rebind);
+- drop: forgetting the step's captures (PrivacyEngine._drop);
 - send: submitting the step and its early notice (or, blocking, the whole
   round trip);
 - optimizer: the wrapped optimizer's own step (the update, as a plain
@@ -48,7 +57,7 @@ from dpclip import _cuda, _host, _lib, _planner, _verify  # noqa: E402
 from dpclip.torch import PrivacyEngine  # noqa: E402
 
 STAGES = ("collect", "guard", "plan", "check", "refs", "add_layers", "rebind", "send",
-          "optimizer")
+          "optimizer", "batch", "wire", "events", "layout", "drop")
 
 
 class Timers:
@@ -101,6 +110,12 @@ def install(t):
     t.wrap(_lib.Step, "submit", "send")
     t.wrap(_lib.Step, "run", "send")
     t.wrap(_lib.Client, "wait_enqueued", "send")
+    t.wrap(_planner, "batch_size", "batch")
+    t.wrap(_cuda, "_wire", "wire")
+    t.wrap(_cuda.CudaIPC, "events", "events")
+    t.wrap(_cuda.CudaIPC, "readied", "events")
+    t.wrap(_cuda.CudaIPC, "_layers", "layout")
+    t.wrap(PrivacyEngine, "_drop", "drop")
 
 
 def main():
