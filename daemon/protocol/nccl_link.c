@@ -90,11 +90,29 @@ static int cuda_fail(dc_err *err, const char *what, cudaError_t e) {
     return dc_err_set(err, DC_EUNAVAIL, "join_group", "%s: %s", what, cudaGetErrorString(e));
 }
 
+/* Why a wait of the link's thread ends before what it waits for: the link
+ * closed, or the deadline (ns, uv_hrtime) passed (the other daemons did not
+ * answer); 0 to go on waiting. */
+static int give_up(dc_nccl *l, uint64_t deadline, const char *what, dc_err *err) {
+    if (atomic_load(&l->closing))
+        return dc_err_set(err, DC_EUNAVAIL, "join_group", "%s: the link was closed", what);
+    if (uv_hrtime() <= deadline) return 0;
+    if (l->ranks == 2)
+        return dc_err_set(err, DC_EUNAVAIL, "join_group",
+                          "%s: daemon %d of the group did not answer within %u ms", what,
+                          1 - l->rank, l->timeout_ms);
+    return dc_err_set(err, DC_EUNAVAIL, "join_group",
+                      "%s: one of the group's other %d daemons (all but daemon %d) did not "
+                      "answer within %u ms",
+                      what, l->ranks - 1, l->rank, l->timeout_ms);
+}
+
 /* Waits until NCCL has no call in progress on `comm` and, when `stream`,
  * until the link's stream is idle; within deadline (ns, uv_hrtime) and
  * until the link is closed. */
 static int wait_done(dc_nccl *l, ncclComm_t comm, uint64_t deadline, bool stream, const char *what,
                      dc_err *err) {
+    int rc;
     for (unsigned spins = 0;; spins++) {
         ncclResult_t ar;
         ncclResult_t r = ncclCommGetAsyncError(comm, &ar);
@@ -106,18 +124,7 @@ static int wait_done(dc_nccl *l, ncclComm_t comm, uint64_t deadline, bool stream
             if (ce == cudaSuccess) return 0;
             if (ce != cudaErrorNotReady) return cuda_fail(err, what, ce);
         }
-        if (atomic_load(&l->closing))
-            return dc_err_set(err, DC_EUNAVAIL, "join_group", "%s: the link was closed", what);
-        if (uv_hrtime() > deadline) {
-            if (l->ranks == 2)
-                return dc_err_set(err, DC_EUNAVAIL, "join_group",
-                                  "%s: daemon %d of the group did not answer within %u ms", what,
-                                  1 - l->rank, l->timeout_ms);
-            return dc_err_set(err, DC_EUNAVAIL, "join_group",
-                              "%s: one of the group's other %d daemons (all but daemon %d) did "
-                              "not answer within %u ms",
-                              what, l->ranks - 1, l->rank, l->timeout_ms);
-        }
+        if ((rc = give_up(l, deadline, what, err))) return rc;
         nap(spins);
     }
 }
@@ -127,18 +134,14 @@ static int wait_done(dc_nccl *l, ncclComm_t comm, uint64_t deadline, bool stream
  * be ready, within the deadline (the parent reports the split's failure). */
 static int wait_split(dc_nccl *l, uint64_t deadline, dc_err *err) {
     const char *what = "splitting the NCCL communicator";
+    int rc;
     for (unsigned spins = 0;; spins++) {
         ncclComm_t fast = __atomic_load_n(&l->fast, __ATOMIC_ACQUIRE);
         ncclResult_t ar, r = ncclCommGetAsyncError(fast ? fast : l->comm, &ar);
         if (r != ncclSuccess) return nccl_fail(l, err, what, r);
         if (ar != ncclSuccess && ar != ncclInProgress) return nccl_fail(l, err, what, ar);
         if (fast && ar == ncclSuccess) return 0;
-        if (atomic_load(&l->closing))
-            return dc_err_set(err, DC_EUNAVAIL, "join_group", "%s: the link was closed", what);
-        if (uv_hrtime() > deadline)
-            return dc_err_set(err, DC_EUNAVAIL, "join_group",
-                              "%s: the group's other daemons did not answer within %u ms", what,
-                              l->timeout_ms);
+        if ((rc = give_up(l, deadline, what, err))) return rc;
         nap(spins);
     }
 }
