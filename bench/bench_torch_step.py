@@ -21,6 +21,13 @@ process's peak RSS (VmHWM, reset between runs through /proc/self/clear_refs)
 on the CPU; on CUDA, device_mem_ratio is the whole device's (what the
 trainer adds, sampled over the warm-up steps, plus the daemon's workspace,
 read from its status socket: see run()).
+On CUDA a private mode's line says host_bound where the daemon's stream
+waited less than 5% of a step for the trainer's backward to end
+(daemon_input_wait_ms, per step): the trainer submitted each step just as
+its GPU finished the backward, so the trainer's host sets the pace, and its
+host time, dpclip's included, adds to the step one for one (a GPT-2-small
+step on an H200 is such a step: docs/gpu.md, "Short steps are bound by the
+host"); its rounds then vary with the host's load.
 --opacus adds Opacus's ghost-clipping step where Opacus is installed (it is
 never a dependency of dpclip).
 """
@@ -271,6 +278,10 @@ def run(args, device, precision, mode, socket_path):
     # trainer, the daemon round trip (which includes waiting for the GPU to
     # finish the backward) and writing param.grad; the daemon's own compute.
     extra = {k: round(v / args.steps, 3) for k, v in phases.items()}
+    if device.type == "cuda" and "daemon_input_wait_ms" in extra:
+        # the daemon's stream barely waited for the backward: the trainer's
+        # host, not its GPU, sets the step's pace (see the docstring)
+        extra["host_bound"] = extra["daemon_input_wait_ms"] < 0.05 * ms
     if device.type == "cuda":
         # every process on the GPU (trainer and daemon, the kept per-sample
         # gradients included), sampled every 5 ms
