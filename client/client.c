@@ -215,6 +215,7 @@ int cl_read_one(dpclip_client *c, int64_t deadline, Dpclip__Reply **sync) {
             p.d->enq.step_index = r->clip_step_enqueued->step_index;
             p.d->enq.epsilon = r->clip_step_enqueued->epsilon;
             p.d->enq.delta = r->clip_step_enqueued->delta;
+            p.d->enq.done_value = r->clip_step_enqueued->done_value;
         }
         dpclip__reply__free_unpacked(r, NULL);
         return 0;

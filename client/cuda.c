@@ -37,7 +37,17 @@ typedef struct cl_cuda_api {
     cl_curesult (*get_error_string)(cl_curesult e, const char **s);
     cl_curesult (*device_get)(int *dev, int ordinal);
     cl_curesult (*device_get_uuid)(unsigned char uuid[16], int dev);
+    /* done flags (dpclip_cuda_host_map, dpclip_cuda_wait_value) */
+    cl_curesult (*mem_host_register)(void *p, size_t size, unsigned flags);
+    cl_curesult (*mem_host_unregister)(void *p);
+    cl_curesult (*mem_host_get_device_pointer)(cl_cudeviceptr *d, void *p, unsigned flags);
+    cl_curesult (*stream_wait_value32)(void *stream, cl_cudeviceptr addr, unsigned value,
+                                       unsigned flags);
 } cl_cuda_api;
+
+#define CL_CU_MEMHOSTREGISTER_PORTABLE 0x01
+#define CL_CU_MEMHOSTREGISTER_DEVICEMAP 0x02
+#define CL_CU_STREAM_WAIT_VALUE_GEQ 0x0
 
 /* Loaded once per process: the driver is process-wide by nature. */
 static cl_cuda_api g_cu;
@@ -55,6 +65,13 @@ static void cu_load(void) {
     *(void **)&g_cu.device_get = dlsym(lib, "cuDeviceGet");
     *(void **)&g_cu.device_get_uuid = dlsym(lib, "cuDeviceGetUuid_v2");
     if (!g_cu.device_get_uuid) *(void **)&g_cu.device_get_uuid = dlsym(lib, "cuDeviceGetUuid");
+    *(void **)&g_cu.mem_host_register = dlsym(lib, "cuMemHostRegister_v2");
+    *(void **)&g_cu.mem_host_unregister = dlsym(lib, "cuMemHostUnregister");
+    *(void **)&g_cu.mem_host_get_device_pointer = dlsym(lib, "cuMemHostGetDevicePointer_v2");
+    /* the v2 memory operations (CUDA 12), with the same signature */
+    *(void **)&g_cu.stream_wait_value32 = dlsym(lib, "cuStreamWaitValue32_v2");
+    if (!g_cu.stream_wait_value32)
+        *(void **)&g_cu.stream_wait_value32 = dlsym(lib, "cuStreamWaitValue32");
     if (!g_cu.mem_get_address_range || !g_cu.ipc_get_mem_handle || !g_cu.pointer_get_attribute) {
         dlclose(lib);
         memset(&g_cu, 0, sizeof g_cu);
@@ -260,4 +277,42 @@ DPCLIP_API int dpclip_event_register_cuda(dpclip_client *c, const void *ipc_even
     }
     cl_unlock(c);
     return rc;
+}
+
+/* --- done flags ------------------------------------------------------------ */
+
+static int host_api(void) {
+    pthread_once(&g_cu_once, cu_load);
+    return g_cu_ok && g_cu.mem_host_register && g_cu.mem_host_unregister &&
+           g_cu.mem_host_get_device_pointer && g_cu.stream_wait_value32;
+}
+
+DPCLIP_API int dpclip_cuda_host_map(void *ptr, size_t size, void **dev_ptr) {
+    cl_cudeviceptr d = 0;
+    if (!ptr || !size || !dev_ptr) return DPCLIP_EARG;
+    if (!host_api()) return DPCLIP_EUNAVAIL;
+    if (g_cu.mem_host_register(ptr, size,
+                               CL_CU_MEMHOSTREGISTER_PORTABLE | CL_CU_MEMHOSTREGISTER_DEVICEMAP))
+        return DPCLIP_EUNAVAIL;
+    if (g_cu.mem_host_get_device_pointer(&d, ptr, 0)) {
+        (void)g_cu.mem_host_unregister(ptr);
+        return DPCLIP_EUNAVAIL;
+    }
+    *dev_ptr = (void *)(uintptr_t)d;
+    return DPCLIP_OK;
+}
+
+DPCLIP_API int dpclip_cuda_host_unmap(void *ptr) {
+    if (!ptr) return DPCLIP_EARG;
+    if (!host_api()) return DPCLIP_EUNAVAIL;
+    return g_cu.mem_host_unregister(ptr) ? DPCLIP_EUNAVAIL : DPCLIP_OK;
+}
+
+DPCLIP_API int dpclip_cuda_wait_value(void *stream, const void *dev_ptr, uint32_t value) {
+    if (!dev_ptr) return DPCLIP_EARG;
+    if (!host_api()) return DPCLIP_EUNAVAIL;
+    return g_cu.stream_wait_value32(stream, (cl_cudeviceptr)(uintptr_t)dev_ptr, value,
+                                    CL_CU_STREAM_WAIT_VALUE_GEQ)
+               ? DPCLIP_EUNAVAIL
+               : DPCLIP_OK;
 }

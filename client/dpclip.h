@@ -144,6 +144,19 @@ int dpclip_buffer_register_cuda(dpclip_client *c, const void *dev_ptr, uint64_t 
  * the base are addressable (0 = the whole allocation). */
 int dpclip_buffer_register_cuda_handle(dpclip_client *c, const void *ipc_handle, uint64_t size,
                                        int device, uint64_t *buffer_id);
+/* Done flags (dpclip_step_set_done_flag) on the GPU. dpclip_cuda_host_map:
+ * host memory [ptr, ptr + size) (a dpclip_buffer_alloc buffer's page)
+ * registered with the current CUDA context and mapped into it; *dev_ptr
+ * is its device address. dpclip_cuda_host_unmap undoes it.
+ * dpclip_cuda_wait_value: `stream` (a cudaStream_t; NULL: the legacy
+ * default stream) waits until the u32 at dev_ptr reaches value, a cyclic
+ * >= (cuStreamWaitValue32): work queued after it runs once the daemon
+ * stored a step's done_value. Only the daemon's host (or this process's)
+ * writes such a flag, so the wait depends on no other GPU work. EUNAVAIL
+ * where the driver lacks these calls. */
+int dpclip_cuda_host_map(void *ptr, size_t size, void **dev_ptr);
+int dpclip_cuda_host_unmap(void *ptr);
+int dpclip_cuda_wait_value(void *stream, const void *dev_ptr, uint32_t value);
 /* Register an interprocess event (created with cudaEventInterprocess |
  * cudaEventDisableTiming) by its cudaIpcEventHandle_t bytes (64). */
 int dpclip_event_register_cuda(dpclip_client *c, const void *ipc_event_handle, int device,
@@ -233,6 +246,16 @@ void dpclip_step_set_events(dpclip_step *s, uint64_t wait_event, uint64_t signal
  * (cudaStreamWaitEvent) while the daemon's GPU work runs, and collect the
  * result later with dpclip_wait. See dpclip_wait_enqueued. */
 void dpclip_step_notify_enqueued(dpclip_step *s, int yes);
+/* Completion in shared memory (with dpclip_step_notify_enqueued): flag is
+ * one DPCLIP_I32 [1] in a shared-memory buffer of this client. The notice
+ * then comes as soon as the daemon accepted the step (validated and
+ * charged), before any of its work, and its done_value is what the daemon
+ * stores into the flag once the step's work has finished: after success,
+ * and after a failure once every output is zeroed. A stream can wait on it
+ * (dpclip_cuda_wait_value, on the page registered with the device) instead
+ * of on signal_event, which may then be 0. A whole step outside norm
+ * groups. NULL: none. Kept by dpclip_step_reset. */
+int dpclip_step_set_done_flag(dpclip_step *s, const dpclip_tensor *flag);
 /* A logical step in phases, for sharded models whose clipped sums are wanted
  * one layer group at a time (docs/protocol.md, "Steps in phases"): one
  * DPCLIP_STEP_NORMS step names every layer and writes nothing (its norms and
@@ -346,6 +369,7 @@ typedef struct dpclip_enqueued {
     uint64_t step_index; /* the index the step gets if it succeeds */
     double epsilon;      /* the job's epsilon with this step counted */
     double delta;
+    uint32_t done_value; /* with dpclip_step_set_done_flag: what the flag will hold */
 } dpclip_enqueued;
 int dpclip_wait_enqueued(dpclip_client *c, uint64_t ticket, int timeout_ms, dpclip_enqueued *info);
 /* Process replies that have arrived (run callbacks) for up to timeout_ms;

@@ -38,6 +38,7 @@ struct dpclip_step {
     cl_layer *layers;
     size_t n, cap;
     dpclip_tensor norms_out, coefs_out;
+    dpclip_tensor done_flag; /* buffer_id 0: none */
     int want_layer_norms;
     uint64_t wait_event, signal_event;
     int notify_enqueued;
@@ -221,6 +222,16 @@ DPCLIP_API int dpclip_step_set_outputs(dpclip_step *s, const dpclip_tensor *norm
     return DPCLIP_OK;
 }
 
+/* NULL: none. Kept across dpclip_step_reset, as the events are. */
+DPCLIP_API int dpclip_step_set_done_flag(dpclip_step *s, const dpclip_tensor *flag) {
+    if (!s) return DPCLIP_EARG;
+    if (flag && !tensor_ok(flag, 0)) return DPCLIP_EARG;
+    touch(s);
+    if (flag) s->done_flag = *flag;
+    else memset(&s->done_flag, 0, sizeof s->done_flag);
+    return DPCLIP_OK;
+}
+
 DPCLIP_API void dpclip_step_set_events(dpclip_step *s, uint64_t wait_event, uint64_t signal_event) {
     if (!s) return;
     touch(s);
@@ -315,7 +326,7 @@ typedef struct msg_layer {
 typedef struct msg_scratch {
     Dpclip__ClipStep step;
     Dpclip__ClipConfig clip;
-    Dpclip__TensorRef norms_out, coefs_out;
+    Dpclip__TensorRef norms_out, coefs_out, done_flag;
     Dpclip__DataParallel dp;
     Dpclip__LogicalStep logical;
     msg_layer *layers;
@@ -385,6 +396,7 @@ int cl_step_message(dpclip_client *c, const dpclip_step *s, Dpclip__ClipStep **o
     m->step.noise_multiplier = s->cfg.noise_multiplier;
     m->step.norms_out = ref(&m->norms_out, &s->norms_out);
     m->step.coefficients_out = ref(&m->coefs_out, &s->coefs_out);
+    m->step.done_flag = ref(&m->done_flag, &s->done_flag);
     m->step.want_layer_norms = s->want_layer_norms;
     m->step.sample_rate = s->cfg.sample_rate;
     m->step.target_delta = s->cfg.target_delta;

@@ -774,7 +774,8 @@ const dc_backend_ops cuda_ops = {"cuda",
                                  cuda_acc_alloc,
                                  cuda_acc_free,
                                  cuda_tensors_hash,
-                                 cuda_norm_times};
+                                 cuda_norm_times,
+                                 dc_cuda_backend_zero_outputs};
 
 } // namespace
 

@@ -107,6 +107,9 @@ int dc_cuda_backend_amax_found(const dc_backend *be);
  * stores of norm phases, backend_kept.cu: gpu.sample_grads_max bounds
  * those). */
 size_t dc_cuda_backend_workspace_bytes(const dc_backend *be);
+/* Every output the step names zeroed on the backend's stream, which is
+ * then waited for (dc_backend_ops.zero_outputs). */
+int dc_cuda_backend_zero_outputs(dc_backend *be, const dc_step *step);
 
 /* Device memory in the kept stores of norm phases (backend_kept.cu), held
  * or given back for reuse, in bytes: at most gpu.sample_grads_max. Read on

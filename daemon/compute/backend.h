@@ -120,6 +120,12 @@ typedef struct dc_backend_ops {
      * metrics: a norm phase has no dc_step_result of its own. NULL where
      * the backend times none. */
     void (*norm_times)(dc_backend *be, uint64_t phase_ns[DC_RUN_N]);
+    /* Every output the step names (weight and bias sums, norms_out,
+     * coefficients_out) set to zero in the backend's memory, and waited
+     * for: a failed step with a completion flag (dc_step.done_flag) is
+     * consumed as zeros. Worker thread. NULL: the outputs are host memory,
+     * which the caller zeroes itself. */
+    int (*zero_outputs)(dc_backend *be, const dc_step *step);
 } dc_backend_ops;
 
 struct dc_backend {
@@ -191,6 +197,10 @@ static inline void dc_backend_acc_free(dc_backend *be, float *p) { be->ops->acc_
 /* The device queue's events (DC_EUNIMPL without one) and workspace (0). */
 static inline int dc_backend_wait_event(dc_backend *be, void *event) {
     return be->ops->wait_event ? be->ops->wait_event(be, event) : DC_EUNIMPL;
+}
+
+static inline int dc_backend_zero_outputs(dc_backend *be, const dc_step *step) {
+    return be->ops->zero_outputs ? be->ops->zero_outputs(be, step) : DC_EUNIMPL;
 }
 
 static inline int dc_backend_record_event(dc_backend *be, void *event) {

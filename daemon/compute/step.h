@@ -164,6 +164,10 @@ typedef struct dc_step {
     void (*enqueued)(void *arg);
     void *enqueued_arg;
     bool zero_on_fail;
+    /* ClipStep.done_flag: a u32 in the client's shared memory that the
+     * daemon (not a backend) stores the step's done value into once it
+     * finished (step_run.c); NULL: none. */
+    uint32_t *done_flag;
 } dc_step;
 
 /* Parts of a backend's step, timed for the metrics (dc_step_result.phase_ns):

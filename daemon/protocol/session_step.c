@@ -228,6 +228,12 @@ static void step_accept(dc_session *s, uint64_t id, dc_step_call *sc) {
         step_refuse(sc, &e, false);
         return;
     }
+    if (sc->step.done_flag && s->group) {
+        dc_err_set(&e, DC_EINVAL, "clip_step.done_flag",
+                   "a norm group's steps complete through their replies (no done_flag)");
+        step_refuse(sc, &e, false);
+        return;
+    }
     if (sc->notify) sc->task.notice = step_notice;
     step_account(sc);
 }
@@ -346,7 +352,12 @@ static void step_submit(dc_step_call *sc) {
                                                         : dc_step_run_work;
     sc->task.done = sc->params.phase == DC_PHASE_NORMS ? pass_done : dc_session_step_done;
     sc->t_submit = uv_hrtime();
+    /* A completion flag's notice goes now, accepted and charged, before
+     * any work: the worker stores the value it names at the step's end,
+     * failed or not (step_run.c), and sends no notice of its own. */
+    if (sc->step.done_flag) sc->done_value = ++s->done_seq;
     dc_worker_pool_submit(dc_session_step_pool(sc), &sc->task);
+    if (sc->step.done_flag) step_notice(&sc->task);
     dc_session_step_expect(sc, sc->t_submit);
 }
 

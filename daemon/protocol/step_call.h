@@ -96,6 +96,9 @@ struct dc_step_call {
      * which records signal_event and has the session send the notice. */
     bool notify;
     bool signaled;  /* signal_event recorded (worker thread) */
+    /* step.done_flag: what the worker stores there at the step's end (set
+     * before the step is submitted; the notice says it) */
+    uint32_t done_value;
     bool cached;    /* from the session's plan cache: step.layers is the plan's */
     dc_backend *be; /* the worker's backend, while work() runs */
     dc_step step;

@@ -35,6 +35,7 @@ void dc_step_reply_notice(const dc_step_call *sc, uint64_t step_index,
     n->step_index = step_index;
     n->epsilon = sc->eps;
     n->delta = sc->delta;
+    n->done_value = sc->done_value;
 }
 
 static uint64_t tensor_bytes(const dc_tensor *t) {

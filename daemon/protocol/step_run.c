@@ -24,7 +24,7 @@ static void step_enqueued(void *arg) {
     dc_err e;
     if (dc_gpu_record_event(sc->be, sc->signal_event, &e)) return;
     sc->signaled = true;
-    if (sc->notify) dc_task_notify(&sc->task);
+    if (sc->notify && !sc->step.done_flag) dc_task_notify(&sc->task); /* (sent at submit) */
 }
 
 /* A step that failed once noised: no noised value may leave in its message,
@@ -164,7 +164,47 @@ static void run_step(dc_step_call *sc, dc_backend *be, bool sums) {
     sc->t_end = uv_hrtime();
 }
 
-void dc_step_run_work(dc_task *task, dc_backend *be) { run_step((dc_step_call *)task, be, false); }
+/* Every output of a host-memory step set to zero (a CPU backend writes
+ * them in place). */
+static void zero_host(const dc_step *s) {
+    const dc_tensor *outs[2];
+    for (size_t l = 0; l <= s->n_layers; l++) {
+        if (l < s->n_layers) {
+            outs[0] = &s->layers[l].weight_grad_out;
+            outs[1] = &s->layers[l].bias_grad_out;
+        } else {
+            outs[0] = &s->norms_out;
+            outs[1] = &s->coefs_out;
+        }
+        for (int k = 0; k < 2; k++) {
+            const dc_tensor *t = outs[k];
+            size_t n = t->data ? dc_dtype_size(t->dtype) : 0;
+            for (int i = 0; i < t->ndim; i++) n *= (size_t)t->shape[i];
+            if (n) memset(t->data, 0, n);
+        }
+    }
+}
+
+/* The end of a step with a completion flag: a failed one's outputs zeroed
+ * (its consumer may already wait on the flag), then the value stored,
+ * whatever happened, so that no client's stream waits for good. The store
+ * is the last access: the work it reports has finished on the device
+ * (run_step waited for it). */
+static void done_store(dc_step_call *sc, dc_backend *be) {
+    const dc_step *s = &sc->step;
+    if (!s->done_flag) return;
+    if (sc->rc) {
+        if (s->device >= 0) (void)dc_backend_zero_outputs(be, s);
+        else zero_host(s);
+    }
+    __atomic_store_n(s->done_flag, sc->done_value, __ATOMIC_RELEASE);
+}
+
+void dc_step_run_work(dc_task *task, dc_backend *be) {
+    dc_step_call *sc = (dc_step_call *)task;
+    run_step(sc, be, false);
+    done_store(sc, be);
+}
 
 void dc_step_run_sums_work(dc_task *task, dc_backend *be) {
     run_step((dc_step_call *)task, be, true);

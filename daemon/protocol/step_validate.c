@@ -55,10 +55,19 @@ int dc_step_validate_names(dc_step_call *sc, int n_gpus, const struct dc_session
                           sc->step.device < 0 ? "host memory" : "the tensors' GPU");
     sc->wait_event = w ? w->event : NULL;
     sc->signal_event = g ? g->event : NULL;
+    if (sc->step.done_flag) {
+        if (!m->notify_enqueued)
+            return dc_err_set(e, DC_EINVAL, "clip_step.done_flag",
+                              "needs notify_enqueued: the notice says the value to wait for");
+        if (m->phase != DC_PHASE_WHOLE)
+            return dc_err_set(e, DC_EINVAL, "clip_step.done_flag",
+                              "a whole step only: a step in phases completes through its replies");
+    }
     if (m->notify_enqueued) {
-        if (!sc->signal_event)
+        if (!sc->signal_event && !sc->step.done_flag)
             return dc_err_set(e, DC_EINVAL, "clip_step.notify_enqueued",
-                              "an early notice needs a signal_event for the client to wait on");
+                              "an early notice needs a signal_event or a done_flag for the client "
+                              "to wait on");
         sc->notify = true;
     }
     return 0;

@@ -406,6 +406,28 @@ int dc_validate_step_cost(const dc_step *s, const dc_limits *lim, dc_err *err) {
     return 0;
 }
 
+/* ClipStep.done_flag: one I32 in a shared-memory buffer of the session
+ * (the daemon's host stores it, whatever device the step's tensors are
+ * on); check_tensor has it in bounds and 4-aligned. */
+static int validate_done_flag(const Dpclip__TensorRef *ref, const dc_registry *reg, dc_step *out,
+                              dc_err *err) {
+    dc_tensor t;
+    int dev = -1, rc;
+    if ((rc = check_tensor(ref, "clip_step.done_flag", NULL, reg, 1u << DC_I32, 1, 1, &t, &dev,
+                           err)))
+        return rc;
+    if (dev != -1)
+        return dc_err_set(err, DC_EINVAL, "clip_step.done_flag",
+                          "must be in a shared-memory buffer, not on cuda:%d: the daemon's host "
+                          "stores it (a client's stream waits on its page mapped into the device)",
+                          dev);
+    if (t.shape[0] != 1)
+        return dc_err_set(err, DC_EINVAL, "clip_step.done_flag.shape",
+                          "one element, [1]; got [%lld]", (long long)t.shape[0]);
+    out->done_flag = (uint32_t *)t.data;
+    return 0;
+}
+
 int dc_validate_step(const Dpclip__ClipStep *msg, const dc_registry *reg, const dc_limits *lim,
                      dc_step *out, dc_err *err) {
     vctx v = {reg, -2, err};
@@ -474,6 +496,7 @@ int dc_validate_step(const Dpclip__ClipStep *msg, const dc_registry *reg, const 
             goto fail;
     }
     if ((rc = validate_ties(msg, out, err))) goto fail;
+    if (msg->done_flag && (rc = validate_done_flag(msg->done_flag, reg, out, err))) goto fail;
     out->device = v.device < 0 ? -1 : v.device;
     for (size_t i = 0, r = 0; i < out->n_layers; i++)
         if (out->layers[i].replicated) out->layers[i].rep_ordinal = (uint32_t)r++;

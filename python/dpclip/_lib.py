@@ -119,7 +119,7 @@ class Result(ctypes.Structure):
 
 class Enqueued(ctypes.Structure):
     _fields_ = [("step_index", ctypes.c_uint64), ("epsilon", ctypes.c_double),
-                ("delta", ctypes.c_double)]
+                ("delta", ctypes.c_double), ("done_value", ctypes.c_uint32)]
 
 
 class Timing(ctypes.Structure):
@@ -191,6 +191,10 @@ def _declare(L: ctypes.CDLL) -> None:
         "dpclip_run": (c_int, [c_void_p, c_void_p, ctypes.POINTER(Result)]),
         "dpclip_last_timing": (c_int, [c_void_p, ctypes.POINTER(Timing)]),
         "dpclip_step_notify_enqueued": (None, [c_void_p, c_int]),
+        "dpclip_step_set_done_flag": (c_int, [c_void_p, ctypes.POINTER(Tensor)]),
+        "dpclip_cuda_host_map": (c_int, [c_void_p, ctypes.c_size_t, ctypes.POINTER(c_void_p)]),
+        "dpclip_cuda_host_unmap": (c_int, [c_void_p]),
+        "dpclip_cuda_wait_value": (c_int, [c_void_p, c_void_p, ctypes.c_uint32]),
         "dpclip_step_set_phase": (c_int, [c_void_p, c_int]),
         "dpclip_step_set_data_parallel": (c_int, [c_void_p, ctypes.c_uint32, ctypes.c_uint32,
                                                   ctypes.c_float, ctypes.c_uint64]),
@@ -233,6 +237,27 @@ def _strerror(code: int) -> str:
     except OSError:
         return "?"
     return s.decode() if s else "?"
+
+
+def cuda_host_map(addr: int, size: int) -> int:
+    """The device address of host memory [addr, addr + size) (a shared
+    buffer's page) registered with the current CUDA context
+    (dpclip_cuda_host_map)."""
+    dev = ctypes.c_void_p()
+    check(None, lib().dpclip_cuda_host_map(ctypes.c_void_p(addr), ctypes.c_size_t(size),
+                                           ctypes.byref(dev)))
+    return int(dev.value or 0)
+
+
+def cuda_host_unmap(addr: int) -> None:
+    check(None, lib().dpclip_cuda_host_unmap(ctypes.c_void_p(addr)))
+
+
+def cuda_wait_value(stream: int, dev_addr: int, value: int) -> None:
+    """`stream` (a cudaStream_t as an int) waits until the u32 at dev_addr
+    reaches value, a cyclic >= (dpclip_cuda_wait_value)."""
+    check(None, lib().dpclip_cuda_wait_value(ctypes.c_void_p(stream), ctypes.c_void_p(dev_addr),
+                                             ctypes.c_uint32(value & 0xFFFFFFFF)))
 
 
 def check(client_handle: Optional[ctypes.c_void_p], rc: int) -> None:
@@ -476,6 +501,7 @@ class Step:
         # the phase): a transport that rebinds the same layers' inputs
         # (rebind_cuda) checks that nobody changed them since it built them.
         self.layout = 0
+        self._done_flag: Optional[Tensor] = None  # set_done_flag's (kept by reset)
 
     def reset(self, batch: int) -> None:
         if batch <= 0:
@@ -620,6 +646,18 @@ class Step:
             raise DpclipError(rc, "clip_step.logical",
                               "logical(id=%r, micro_batch=%r, commit=%r): a micro-batch or a "
                               "commit needs an id > 0" % (id, micro_batch, commit))
+
+    def set_done_flag(self, flag: Optional[Tensor]) -> None:
+        """Completion in shared memory (with notify_enqueued): the daemon
+        stores the notice's done_value into `flag` (one I32 in a shared
+        buffer) once the step's work is done, failed or not; None: none."""
+        if flag is self._done_flag:
+            return  # (each call would have the step encoded again)
+        rc = self._L.dpclip_step_set_done_flag(
+            self._s, ctypes.byref(flag) if flag is not None else None)
+        if rc:
+            raise DpclipError(rc, "done_flag", "invalid done flag tensor")
+        self._done_flag = flag
 
     def notify_enqueued(self, yes: bool = True) -> None:
         """GPU steps with a signal event: have submit()'s step send an

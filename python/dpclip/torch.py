@@ -573,6 +573,7 @@ class PrivacyEngine:
             try:
                 mode.close()
             finally:
+                self._cuda.close()
                 self.client.close()
 
     def synchronize(self) -> None:
@@ -588,6 +589,8 @@ class PrivacyEngine:
         try:
             res = self.client.wait(ticket)
         except _lib.DpclipError as e:
+            if e.code == _lib.EIO:
+                self._cuda.release_flags()  # no stream may wait for the daemon that went
             raise _lib.DpclipError(
                 e.code, e.field, "step %d failed on the device after it was queued, so its "
                 "gradients were zeros (the optimizer step that used them moved the parameters "

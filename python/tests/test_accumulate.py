@@ -461,6 +461,9 @@ def test_detached_micro_batches_each_wait_on_their_own_ready_event(monkeypatch):
         def notify_enqueued(self, on):
             assert not on  # a detached step has no early notice
 
+        def set_done_flag(self, flag):
+            assert flag is None  # ... nor a done flag
+
         def submit(self, client):
             return 1
 

@@ -30,7 +30,7 @@ FIELDS = {
     "dpclip_result": ["batch", "n_layers", "norms", "coefs", "layer_norms", "layer_coefs",
                       "step_index", "compute_ns", "epsilon", "delta", "input_wait_ns",
                       "logical_id", "micro_batches"],
-    "dpclip_enqueued": ["step_index", "epsilon", "delta"],
+    "dpclip_enqueued": ["step_index", "epsilon", "delta", "done_value"],
     "dpclip_timing": ["start_ns", "sent_ns", "daemon_received_ns", "daemon_replied_ns",
                       "received_ns", "compute_ns", "group_wait_ns", "group_exchange_ns",
                       "input_wait_ns"],

@@ -1,0 +1,149 @@
+"""The done flag of asynchronous GPU steps (dpclip._cuda.CudaIPC.done_flag),
+on the CPU with CUDA stubbed: the step names the flag, the trainer's stream
+waits on the value the notice gave (not on `done`), a daemon gone has the
+flag released from the host, and without the driver's calls (or with
+DPCLIP_DONE_FLAG=0) the events serve as before."""
+import contextlib
+import ctypes
+
+import pytest
+import torch
+
+from dpclip import _cuda, _lib, _planner
+
+
+class _Event:
+    def __init__(self, **kw):
+        pass
+
+    def ipc_handle(self):
+        return bytes(64)
+
+    def record(self, stream):
+        pass
+
+
+class _Stream:
+    cuda_stream = 1234
+
+    def __init__(self):
+        self.waited = []
+
+    def wait_event(self, ev):
+        self.waited.append(ev)
+
+
+class _Info:
+    done_value = 7
+    step_index = 1
+
+
+class _Client:
+    def __init__(self):
+        self.words = {}
+        self.released = []
+
+    def register_event(self, handle, idx):
+        return 1
+
+    def buffer_alloc(self, size):
+        buf = ctypes.create_string_buffer(size)
+        self.words[41] = buf
+        return 41, ctypes.addressof(buf)
+
+    def buffer_release(self, bid):
+        self.released.append(bid)
+
+    def wait_enqueued(self, ticket):
+        return _Info()
+
+
+class _Step:
+    layout = 0
+
+    def __init__(self):
+        self.flags = []
+
+    def reset(self, nb):
+        pass
+
+    def rebind_cuda(self, client, ptrs):
+        pass
+
+    def set_outputs(self, **kw):
+        pass
+
+    def set_events(self, rid, did):
+        pass
+
+    def notify_enqueued(self, on):
+        self.notify = on
+
+    def set_done_flag(self, flag):
+        self.flags.append(flag)
+
+    def submit(self, client):
+        return 1
+
+
+@pytest.fixture
+def stubs(monkeypatch):
+    stream = _Stream()
+    waits, maps = [], []
+    monkeypatch.setattr(torch.cuda, "Event", _Event)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda *a, **k: stream)
+    monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
+
+    def host_map(addr, size):
+        maps.append((addr, size))
+        return 0xDEAD0000
+
+    monkeypatch.setattr(_lib, "cuda_host_map", host_map)
+    monkeypatch.setattr(_lib, "cuda_wait_value", lambda s, d, v: waits.append((s, d, v)))
+    monkeypatch.delenv("DPCLIP_DONE_FLAG", raising=False)
+    return stream, waits, maps
+
+
+def _run(io, step, asynchronous=True):
+    return io.run(step, _planner.Plan([], []), 1, torch.device("cuda", 0), 0, False,
+                  asynchronous, write=False)
+
+
+def test_async_step_waits_on_the_flag_not_the_event(stubs):
+    stream, waits, maps = stubs
+    client, step = _Client(), _Step()
+    io = _cuda.CudaIPC(client)
+    _run(io, step)
+    ref = step.flags[-1]
+    assert ref is not None and ref.buffer == 41 and ref.offset == 0
+    assert ref.dtype == _lib.I32 and ref.ndim == 1 and tuple(ref.shape)[:1] == (1,)
+    assert maps == [(ctypes.addressof(client.words[41]), _cuda._FLAG_BYTES)]
+    assert waits == [(1234, 0xDEAD0000, 7)] and stream.waited == []
+    # the daemon went: the host stores the last value itself, so the stream goes on
+    word = ctypes.c_uint32.from_address(ctypes.addressof(client.words[41]))
+    assert word.value == 0
+    io.release_flags()
+    assert word.value == 7
+
+
+def test_blocking_and_switched_off_steps_use_the_event(stubs, monkeypatch):
+    stream, waits, maps = stubs
+    monkeypatch.setenv("DPCLIP_DONE_FLAG", "0")
+    step = _Step()
+    _run(_cuda.CudaIPC(_Client()), step)
+    assert step.flags == [None] and waits == [] and maps == [] and len(stream.waited) == 1
+
+
+def test_no_driver_support_falls_back_to_the_event(stubs, monkeypatch):
+    stream, waits, _ = stubs
+
+    def refuse(addr, size):
+        raise _lib.DpclipError(_lib.EUNAVAIL, "", "no stream memory operations")
+
+    monkeypatch.setattr(_lib, "cuda_host_map", refuse)
+    client, step = _Client(), _Step()
+    io = _cuda.CudaIPC(client)
+    _run(io, step)
+    _run(io, step)
+    assert step.flags == [None, None] and waits == [] and len(stream.waited) == 2
+    assert client.released == [41]  # its page released at once, and not tried again
