@@ -50,8 +50,8 @@ static void make_step(dc_shm_step *s, dpclip_client *c, dc_test_rng *r, dpclip_t
     s->used = off + 64;
     *word = (uint32_t *)(s->base + off);
     **word = 0;
-    *flag = (dpclip_tensor){.buffer = s->buf_id, .offset = off, .dtype = DPCLIP_I32, .ndim = 1,
-                            .shape = {1}};
+    *flag = (dpclip_tensor){
+        .buffer = s->buf_id, .offset = off, .dtype = DPCLIP_I32, .ndim = 1, .shape = {1}};
     dpclip_step_notify_enqueued(s->step, 1);
     assert_int_equal(dpclip_step_set_done_flag(s->step, flag), 0);
 }

@@ -59,7 +59,7 @@ typedef struct dc_session {
     dc_registry reg;
     uint64_t steps;
     uint64_t steps_failed;
-    uint32_t done_seq; /* the last done value given (ClipStep.done_flag); wraps */
+    uint32_t done_seq;          /* the last done value given (ClipStep.done_flag); wraps */
     uint64_t ewma_gpu_run_ns;   /* recent GPU steps' worker time */
     uint64_t ewma_notice_ns;    /* recent steps' submit-to-early-notice time */
     uint64_t ewma_period_ns;    /* recent time between this session's steps */

@@ -95,7 +95,7 @@ struct dc_step_call {
     /* notify_enqueued: the backend (worker thread) calls step_run.c's hook,
      * which records signal_event and has the session send the notice. */
     bool notify;
-    bool signaled;  /* signal_event recorded (worker thread) */
+    bool signaled; /* signal_event recorded (worker thread) */
     /* step.done_flag: what the worker stores there at the step's end (set
      * before the step is submitted; the notice says it) */
     uint32_t done_value;
