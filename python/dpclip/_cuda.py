@@ -112,10 +112,11 @@ class CudaIPC(Transport):
         # the next step of the same layout rebinds its inputs (_layers()).
         self._bound: Optional[Tuple[Any, ...]] = None
         # Done flags (done_flag()): per device, (buffer id, host address,
-        # device address, reference, the last value a notice gave); off
-        # with DPCLIP_DONE_FLAG=0 or where the driver cannot map them.
+        # device address, reference, the last value a notice gave); on with
+        # DPCLIP_DONE_FLAG=1 (not yet the default: not yet run on a GPU),
+        # off where the driver cannot map them.
         self._flags: Dict[int, List[Any]] = {}
-        self._flag_on = os.environ.get("DPCLIP_DONE_FLAG", "1") != "0"
+        self._flag_on = os.environ.get("DPCLIP_DONE_FLAG", "0") == "1"
 
     def _ipc_event(self, idx: int) -> Tuple[torch.cuda.Event, int]:
         """A new interprocess event on device idx, registered with the

@@ -1,8 +1,8 @@
 """The done flag of asynchronous GPU steps (dpclip._cuda.CudaIPC.done_flag),
 on the CPU with CUDA stubbed: the step names the flag, the trainer's stream
 waits on the value the notice gave (not on `done`), a daemon gone has the
-flag released from the host, and without the driver's calls (or with
-DPCLIP_DONE_FLAG=0) the events serve as before."""
+flag released from the host, and without the driver's calls (or without
+DPCLIP_DONE_FLAG=1) the events serve as before."""
 import contextlib
 import ctypes
 
@@ -100,7 +100,7 @@ def stubs(monkeypatch):
 
     monkeypatch.setattr(_lib, "cuda_host_map", host_map)
     monkeypatch.setattr(_lib, "cuda_wait_value", lambda s, d, v: waits.append((s, d, v)))
-    monkeypatch.delenv("DPCLIP_DONE_FLAG", raising=False)
+    monkeypatch.setenv("DPCLIP_DONE_FLAG", "1")
     return stream, waits, maps
 
 
@@ -126,9 +126,15 @@ def test_async_step_waits_on_the_flag_not_the_event(stubs):
     assert word.value == 7
 
 
-def test_blocking_and_switched_off_steps_use_the_event(stubs, monkeypatch):
+@pytest.mark.parametrize("setting", ["0", None])
+def test_switched_off_steps_use_the_event(stubs, monkeypatch, setting):
+    """DPCLIP_DONE_FLAG=0, and its default for now (off: not yet measured
+    on a GPU)."""
     stream, waits, maps = stubs
-    monkeypatch.setenv("DPCLIP_DONE_FLAG", "0")
+    if setting is None:
+        monkeypatch.delenv("DPCLIP_DONE_FLAG")
+    else:
+        monkeypatch.setenv("DPCLIP_DONE_FLAG", setting)
     step = _Step()
     _run(_cuda.CudaIPC(_Client()), step)
     assert step.flags == [None] and waits == [] and maps == [] and len(stream.waited) == 1
