@@ -29,8 +29,12 @@ def _rel(got, want):
     return float((got.double().cpu() - want).abs().max()) / float(want.abs().max())
 
 
+@pytest.mark.parametrize("done_flag", ["0", "1"])
 @pytest.mark.parametrize("amp,asynchronous", [(False, True), (True, True), (False, False)])
-def test_cuda_step_matches_reference(cuda_daemon, amp, asynchronous):
+def test_cuda_step_matches_reference(cuda_daemon, amp, asynchronous, done_flag, monkeypatch):
+    """(done_flag "1": asynchronous steps complete through the done flag,
+    docs/protocol.md, instead of the `done` event)"""
+    monkeypatch.setenv("DPCLIP_DONE_FLAG", done_flag)
     torch.manual_seed(3)
     model = SeqModel()
     (x,), y = seq_data(9, seed=3)
@@ -55,6 +59,8 @@ def test_cuda_step_matches_reference(cuda_daemon, amp, asynchronous):
             assert p.grad.is_cuda and _rel(p.grad, want[n]) < tol, n
         if not amp:
             assert torch.allclose(engine.last_coefs.double(), ref_coefs, rtol=3e-3, atol=1e-6)
+    # the flag served (not the events' fallback) exactly where asked
+    assert bool(engine._cuda._flags) == (done_flag == "1" and asynchronous)
     engine.close()
 
 
@@ -106,10 +112,13 @@ def test_cuda_noise_std(cuda_daemon):
     engine.close()
 
 
-def test_cuda_async_failure_surfaces(cuda_daemon):
+@pytest.mark.parametrize("done_flag", ["0", "1"])
+def test_cuda_async_failure_surfaces(cuda_daemon, done_flag, monkeypatch):
     """An asynchronous step whose gradient is not finite passes its notice,
     leaves zero gradients (the daemon writes zeros) and raises at the next
-    step with the daemon's message; the engine goes on working after."""
+    step with the daemon's message; the engine goes on working after. With
+    the done flag too, whose value the daemon stores after the zeros."""
+    monkeypatch.setenv("DPCLIP_DONE_FLAG", done_flag)
     torch.manual_seed(5)
     model = torch.nn.Linear(32, 16).cuda()
     engine = PrivacyEngine(cuda_daemon.socket, allow_insecure_seed=True)
