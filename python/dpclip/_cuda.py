@@ -11,6 +11,8 @@ A sharded step (dpclip._fsdp) names its tensors in place too, its sums in
 three slots, bucket k in slot k % 3, each of its buckets' widest (CudaPhases)."""
 import ctypes
 import os
+import select
+import threading
 import time
 import warnings
 from typing import Any, Dict, List, Mapping, Optional, Tuple
@@ -117,6 +119,7 @@ class CudaIPC(Transport):
         # off where the driver cannot map them.
         self._flags: Dict[int, List[Any]] = {}
         self._flag_on = os.environ.get("DPCLIP_DONE_FLAG", "0") == "1"
+        self._watcher: Optional[Tuple[threading.Thread, int]] = None  # (thread, wake fd)
 
     def _ipc_event(self, idx: int) -> Tuple[torch.cuda.Event, int]:
         """A new interprocess event on device idx, registered with the
@@ -189,7 +192,39 @@ class CudaIPC(Transport):
                 self._flag_on = False
                 return None
             f = self._flags[idx] = [bid, addr, dev, _tref(bid, 0, torch.int32, (1,)), 0]
+            if self._watcher is None:
+                self._watch()
         return f
+
+    def _watch(self) -> None:
+        """A thread that releases the flags (release_flags) if the daemon's
+        socket hangs up: this process's host may then be blocked on its
+        device (a synchronisation: loss.item()) behind a flag, where no
+        collection would ever notice the daemon went. It polls for the hang
+        up alone (replies are the caller's to read) and a pipe that close()
+        writes."""
+        fd = self.client.fileno()
+        r, w = os.pipe()
+        gone = select.POLLRDHUP | select.POLLHUP | select.POLLERR | select.POLLNVAL
+
+        def run() -> None:
+            p = select.poll()
+            p.register(fd, select.POLLRDHUP)
+            p.register(r, select.POLLIN)
+            try:
+                while True:
+                    for got, ev in p.poll():
+                        if got == r:
+                            return
+                        if ev & gone:
+                            self.release_flags()
+                            return
+            finally:
+                os.close(r)
+
+        t = threading.Thread(target=run, name="dpclip-done-flags", daemon=True)
+        t.start()
+        self._watcher = (t, w)
 
     def release_flags(self) -> None:
         """Each flag set to the last value a notice gave, from this host:
@@ -202,6 +237,15 @@ class CudaIPC(Transport):
     def close(self) -> None:
         """The flags unmapped from their devices and released (before the
         client goes, which unmaps their memory)."""
+        if self._watcher is not None:  # stopped before the pages go
+            t, w = self._watcher
+            self._watcher = None
+            try:
+                os.write(w, b"x")
+            except BrokenPipeError:
+                pass  # it saw the daemon go and ended
+            t.join()
+            os.close(w)
         flags, self._flags = self._flags, {}
         for f in flags.values():
             try:

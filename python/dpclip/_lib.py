@@ -195,6 +195,7 @@ def _declare(L: ctypes.CDLL) -> None:
         "dpclip_cuda_host_map": (c_int, [c_void_p, ctypes.c_size_t, ctypes.POINTER(c_void_p)]),
         "dpclip_cuda_host_unmap": (c_int, [c_void_p]),
         "dpclip_cuda_wait_value": (c_int, [c_void_p, c_void_p, ctypes.c_uint32]),
+        "dpclip_fd": (c_int, [c_void_p]),
         "dpclip_step_set_phase": (c_int, [c_void_p, c_int]),
         "dpclip_step_set_data_parallel": (c_int, [c_void_p, ctypes.c_uint32, ctypes.c_uint32,
                                                   ctypes.c_float, ctypes.c_uint64]),
@@ -333,6 +334,10 @@ class Client:
         self.check(self._L.dpclip_buffer_alloc(self.handle, ctypes.c_size_t(int(size)),
                                                ctypes.byref(bid), ctypes.byref(addr)))
         return bid.value, addr.value
+
+    def fileno(self) -> int:
+        """The connection's socket (to poll for the daemon hanging up)."""
+        return int(self._L.dpclip_fd(self.handle))
 
     def buffer_release(self, buffer_id: int) -> None:
         self.check(self._L.dpclip_buffer_release(self.handle, ctypes.c_uint64(buffer_id)))

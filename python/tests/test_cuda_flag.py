@@ -5,6 +5,7 @@ flag released from the host, and without the driver's calls (or without
 DPCLIP_DONE_FLAG=1) the events serve as before."""
 import contextlib
 import ctypes
+import socket
 
 import pytest
 import torch
@@ -42,6 +43,10 @@ class _Client:
     def __init__(self):
         self.words = {}
         self.released = []
+        self.sock = socket.socketpair()  # the connection the flags' watcher polls
+
+    def fileno(self):
+        return self.sock[0].fileno()
 
     def register_event(self, handle, idx):
         return 1
@@ -100,6 +105,7 @@ def stubs(monkeypatch):
 
     monkeypatch.setattr(_lib, "cuda_host_map", host_map)
     monkeypatch.setattr(_lib, "cuda_wait_value", lambda s, d, v: waits.append((s, d, v)))
+    monkeypatch.setattr(_lib, "cuda_host_unmap", lambda addr: None)
     monkeypatch.setenv("DPCLIP_DONE_FLAG", "1")
     return stream, waits, maps
 
@@ -124,6 +130,8 @@ def test_async_step_waits_on_the_flag_not_the_event(stubs):
     assert word.value == 0
     io.release_flags()
     assert word.value == 7
+    io.close()
+    assert client.released == [41]
 
 
 @pytest.mark.parametrize("setting", ["0", None])
@@ -153,3 +161,40 @@ def test_no_driver_support_falls_back_to_the_event(stubs, monkeypatch):
     _run(io, step)
     assert step.flags == [None, None] and waits == [] and len(stream.waited) == 2
     assert client.released == [41]  # its page released at once, and not tried again
+
+
+def test_daemon_gone_releases_the_flag(fresh_daemon, stubs, monkeypatch):
+    """The daemon killed while a step is in flight: the flag's watcher sees
+    its socket hang up and stores the last value from this host, so that a
+    stream waiting on it (and a host blocked behind that stream) goes on.
+    A real daemon and shared page; CUDA stubbed."""
+    import time
+
+    client = _lib.Client(fresh_daemon.socket, "flag-watch")
+    io = _cuda.CudaIPC(client)
+    f = io.done_flag(torch.device("cuda", 0))
+    assert f is not None and io._watcher is not None
+    f[4] = 5  # the notice's value of the step in flight
+    word = ctypes.c_uint32.from_address(f[1])
+    time.sleep(0.2)
+    assert word.value == 0  # nothing stored while the daemon lives
+    fresh_daemon.kill()
+    deadline = time.monotonic() + 5
+    while word.value != 5 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert word.value == 5
+    io.close()  # the watcher gone, then the page
+    assert io._watcher is None
+    client.close()
+
+
+def test_close_stops_the_watcher(daemon, stubs, monkeypatch):
+    client = _lib.Client(daemon.socket, "flag-close")
+    io = _cuda.CudaIPC(client)
+    f = io.done_flag(torch.device("cuda", 0))
+    f[4] = 9
+    t = io._watcher[0]
+    assert t.is_alive()
+    io.close()  # (the page is unmapped after: not read again)
+    assert not t.is_alive() and io._watcher is None and io._flags == {}
+    client.close()
