@@ -147,18 +147,13 @@ extern "C" void dc_cuda_backend_set_options(dc_backend *be, const dcc_options *o
 extern "C" int dc_cuda_backend_zero_outputs(dc_backend *be, const dc_step *s) {
     cuda_backend *cb = (cuda_backend *)be;
     bool ok = !cb->broken && cudaSetDevice(cb->device) == cudaSuccess;
-    auto zero = [&](const dc_tensor *t) {
+    for (size_t i = 0; ok && i < dc_step_n_outputs(s); i++) {
+        const dc_tensor *t = dc_step_output(s, i);
         uint64_t n;
-        if (!ok || !t->data) return;
+        if (!t->data) continue;
         numel_out(t, &n);
         ok = cudaMemsetAsync(t->data, 0, n * dc_dtype_size(t->dtype), cb->stream) == cudaSuccess;
-    };
-    for (size_t l = 0; l < s->n_layers; l++) {
-        zero(&s->layers[l].weight_grad_out);
-        zero(&s->layers[l].bias_grad_out);
     }
-    zero(&s->norms_out);
-    zero(&s->coefs_out);
     if (ok) ok = cudaStreamSynchronize(cb->stream) == cudaSuccess;
     if (!ok) (void)cudaGetLastError();
     return ok ? 0 : DC_EUNAVAIL;

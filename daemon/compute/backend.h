@@ -120,11 +120,10 @@ typedef struct dc_backend_ops {
      * metrics: a norm phase has no dc_step_result of its own. NULL where
      * the backend times none. */
     void (*norm_times)(dc_backend *be, uint64_t phase_ns[DC_RUN_N]);
-    /* Every output the step names (weight and bias sums, norms_out,
-     * coefficients_out) set to zero in the backend's memory, and waited
-     * for: a failed step with a completion flag (dc_step.done_flag) is
-     * consumed as zeros. Worker thread. NULL: the outputs are host memory,
-     * which the caller zeroes itself. */
+    /* Every output the step names (dc_step_output) set to zero in the
+     * memory the backend's steps use, and waited for: a failed step with a
+     * completion flag (dc_step.done_flag) is consumed as zeros. Worker
+     * thread. */
     int (*zero_outputs)(dc_backend *be, const dc_step *step);
 } dc_backend_ops;
 

@@ -613,6 +613,16 @@ static void cpu_destroy(dc_backend *be) {
     free(cb);
 }
 
+/* The outputs are host memory, written in place. */
+static int cpu_zero_outputs(dc_backend *be, const dc_step *s) {
+    (void)be;
+    for (size_t i = 0; i < dc_step_n_outputs(s); i++) {
+        const dc_tensor *t = dc_step_output(s, i);
+        if (t->data) memset(t->data, 0, dc_cpu_numel(t) * dc_dtype_size(t->dtype));
+    }
+    return 0;
+}
+
 /* No device queue: no events, no workspace. */
 static const dc_backend_ops cpu_ops = {
     .name = "cpu",
@@ -623,6 +633,7 @@ static const dc_backend_ops cpu_ops = {
     .acc_alloc = cpu_acc_alloc,
     .acc_free = cpu_acc_free,
     .tensors_hash = cpu_tensors_hash,
+    .zero_outputs = cpu_zero_outputs,
 };
 
 int dc_cpu_backend_create(int threads, dc_backend **out, dc_err *err) {

@@ -170,6 +170,15 @@ typedef struct dc_step {
     uint32_t *done_flag;
 } dc_step;
 
+/* The tensors a step may write, in order: each layer's weight_grad_out and
+ * bias_grad_out, then norms_out and coefs_out (data NULL: not asked for). */
+static inline size_t dc_step_n_outputs(const dc_step *s) { return 2 * s->n_layers + 2; }
+static inline const dc_tensor *dc_step_output(const dc_step *s, size_t i) {
+    if (i < 2 * s->n_layers)
+        return i % 2 ? &s->layers[i / 2].bias_grad_out : &s->layers[i / 2].weight_grad_out;
+    return i == 2 * s->n_layers ? &s->norms_out : &s->coefs_out;
+}
+
 /* Parts of a backend's step, timed for the metrics (dc_step_result.phase_ns):
  * per-sample norms; their reduction over layers into total norms and
  * coefficients (and, with shard groups, across ranks); the clipped sums;

@@ -164,27 +164,6 @@ static void run_step(dc_step_call *sc, dc_backend *be, bool sums) {
     sc->t_end = uv_hrtime();
 }
 
-/* Every output of a host-memory step set to zero (a CPU backend writes
- * them in place). */
-static void zero_host(const dc_step *s) {
-    const dc_tensor *outs[2];
-    for (size_t l = 0; l <= s->n_layers; l++) {
-        if (l < s->n_layers) {
-            outs[0] = &s->layers[l].weight_grad_out;
-            outs[1] = &s->layers[l].bias_grad_out;
-        } else {
-            outs[0] = &s->norms_out;
-            outs[1] = &s->coefs_out;
-        }
-        for (int k = 0; k < 2; k++) {
-            const dc_tensor *t = outs[k];
-            size_t n = t->data ? dc_dtype_size(t->dtype) : 0;
-            for (int i = 0; i < t->ndim; i++) n *= (size_t)t->shape[i];
-            if (n) memset(t->data, 0, n);
-        }
-    }
-}
-
 /* The end of a step with a completion flag: a failed one's outputs zeroed
  * (its consumer may already wait on the flag), then the value stored,
  * whatever happened, so that no client's stream waits for good. The store
@@ -193,10 +172,7 @@ static void zero_host(const dc_step *s) {
 static void done_store(dc_step_call *sc, dc_backend *be) {
     const dc_step *s = &sc->step;
     if (!s->done_flag) return;
-    if (sc->rc) {
-        if (s->device >= 0) (void)dc_backend_zero_outputs(be, s);
-        else zero_host(s);
-    }
+    if (sc->rc) (void)dc_backend_zero_outputs(be, s);
     __atomic_store_n(s->done_flag, sc->done_value, __ATOMIC_RELEASE);
 }
 

@@ -29,6 +29,18 @@ from ._transport import Phases, Run, Transport
 _FLAG_BYTES = 4096
 
 
+class _Flag:
+    """One device's done flag (CudaIPC.done_flag): its shared buffer, the
+    word's address here and on the device, its reference for the daemon,
+    and the last value a notice gave (what release_flags stores)."""
+    __slots__ = ("buffer", "addr", "dev", "ref", "last")
+
+    def __init__(self, buffer: int, addr: int, dev: int) -> None:
+        self.buffer, self.addr, self.dev = buffer, addr, dev
+        self.ref = _tref(buffer, 0, torch.int32, (1,))
+        self.last = 0
+
+
 def mps_advice(daemon_mps: bool, env: Mapping[str, str] = os.environ) -> Optional[str]:
     """Why a trainer on CUDA runs slower than it could for want of CUDA MPS
     (None: it shares the daemon's MPS). Without MPS each hand-off between
@@ -113,11 +125,10 @@ class CudaIPC(Transport):
         # from (its layout count, batch, algorithm and the parts' signature):
         # the next step of the same layout rebinds its inputs (_layers()).
         self._bound: Optional[Tuple[Any, ...]] = None
-        # Done flags (done_flag()): per device, (buffer id, host address,
-        # device address, reference, the last value a notice gave); on with
+        # Done flags (done_flag()) per device index; on with
         # DPCLIP_DONE_FLAG=1 (not yet the default: not yet run on a GPU),
         # off where the driver cannot map them.
-        self._flags: Dict[int, List[Any]] = {}
+        self._flags: Dict[int, _Flag] = {}
         self._flag_on = os.environ.get("DPCLIP_DONE_FLAG", "0") == "1"
         self._watcher: Optional[Tuple[threading.Thread, int]] = None  # (thread, wake fd)
 
@@ -165,7 +176,7 @@ class CudaIPC(Transport):
             ev = self._slot_done[key] = self._ipc_event(key[0])
         return ev
 
-    def done_flag(self, device: torch.device) -> Optional[List[Any]]:
+    def done_flag(self, device: torch.device) -> Optional[_Flag]:
         """The device's done flag (made once): a word of shared memory the
         daemon stores each asynchronous step's done value into once its
         work is done, mapped into the device, on which the stream waits
@@ -191,7 +202,7 @@ class CudaIPC(Transport):
                     self.client.buffer_release(bid)
                 self._flag_on = False
                 return None
-            f = self._flags[idx] = [bid, addr, dev, _tref(bid, 0, torch.int32, (1,)), 0]
+            f = self._flags[idx] = _Flag(bid, addr, dev)
             if self._watcher is None:
                 self._watch()
         return f
@@ -232,7 +243,7 @@ class CudaIPC(Transport):
         good (the step's outputs are then what they are: the error says
         so)."""
         for f in self._flags.values():
-            ctypes.c_uint32.from_address(f[1]).value = f[4] & 0xFFFFFFFF
+            ctypes.c_uint32.from_address(f.addr).value = f.last & 0xFFFFFFFF
 
     def close(self) -> None:
         """The flags unmapped from their devices and released (before the
@@ -249,8 +260,8 @@ class CudaIPC(Transport):
         flags, self._flags = self._flags, {}
         for f in flags.values():
             try:
-                _lib.cuda_host_unmap(f[1])
-                self.client.buffer_release(f[0])
+                _lib.cuda_host_unmap(f.addr)
+                self.client.buffer_release(f.buffer)
             except _lib.DpclipError:
                 pass
 
@@ -328,7 +339,7 @@ class CudaIPC(Transport):
             ready.record(stream)
             step.set_events(rid, did)
             step.notify_enqueued(asynchronous and not detached)
-            step.set_done_flag(flag[3] if flag is not None else None)
+            step.set_done_flag(flag.ref if flag is not None else None)
             t1 = time.perf_counter()
             if detached:
                 ticket = step.submit(self.client)
@@ -358,8 +369,8 @@ class CudaIPC(Transport):
             # trainer's stream is ordered after the daemon's writes (and after
             # its reads of `keep`, whose blocks the allocator may now reuse).
             if flag is not None:
-                flag[4] = info.done_value
-                _lib.cuda_wait_value(stream.cuda_stream, flag[2], info.done_value)
+                flag.last = info.done_value
+                _lib.cuda_wait_value(stream.cuda_stream, flag.dev, info.done_value)
             else:
                 stream.wait_event(done)
             # Data parallel: this step's success flag, on the device. Each

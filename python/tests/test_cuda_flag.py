@@ -174,8 +174,8 @@ def test_daemon_gone_releases_the_flag(fresh_daemon, stubs, monkeypatch):
     io = _cuda.CudaIPC(client)
     f = io.done_flag(torch.device("cuda", 0))
     assert f is not None and io._watcher is not None
-    f[4] = 5  # the notice's value of the step in flight
-    word = ctypes.c_uint32.from_address(f[1])
+    f.last = 5  # the notice's value of the step in flight
+    word = ctypes.c_uint32.from_address(f.addr)
     time.sleep(0.2)
     assert word.value == 0  # nothing stored while the daemon lives
     fresh_daemon.kill()
@@ -192,7 +192,7 @@ def test_close_stops_the_watcher(daemon, stubs, monkeypatch):
     client = _lib.Client(daemon.socket, "flag-close")
     io = _cuda.CudaIPC(client)
     f = io.done_flag(torch.device("cuda", 0))
-    f[4] = 9
+    f.last = 9
     t = io._watcher[0]
     assert t.is_alive()
     io.close()  # (the page is unmapped after: not read again)
