@@ -39,8 +39,10 @@ and overhead_ms, dpclip's host time (step_ms less the optimizer's), with
 the number of daemon layers (parts) and the per-part cost of plan, refs and
 add_layers. A stage a transport does not have reads 0."""
 import argparse
+import cProfile
 import json
 import os
+import pstats
 import sys
 import time
 
@@ -130,6 +132,11 @@ def main():
     ap.add_argument("--no-rebind", action="store_true",
                     help="build every step's layers again (the CUDA transport's old path), "
                          "to compare")
+    ap.add_argument("--profile", type=int, default=0, metavar="N",
+                    help="also profile optimizer.step() of the timed steps (cProfile) and "
+                         "print its N costliest functions by own time to stderr (the "
+                         "profiler's overhead inflates the JSON line's times: compare runs "
+                         "without it)")
     args = ap.parse_args()
     for k, v in MODELS[args.model].items():
         if getattr(args, k, None) is None:
@@ -155,6 +162,7 @@ def main():
     x, y = token_batch(args, device)
     bf16 = device.type == "cuda"
     step_ms = 0.0
+    prof = cProfile.Profile() if args.profile > 0 else None
 
     def step(timed):
         nonlocal step_ms
@@ -164,7 +172,10 @@ def main():
         F.cross_entropy(logits.float().flatten(0, 1), y.flatten()).backward()
         t.on = timed
         t0 = time.perf_counter()
-        opt.step()
+        if timed and prof is not None:
+            prof.runcall(opt.step)
+        else:
+            opt.step()
         if timed:
             step_ms += (time.perf_counter() - t0) * 1e3
         t.on = False
@@ -190,6 +201,8 @@ def main():
                            for s in ("plan", "refs", "add_layers")},
            "target_ms": 0.3, "mps_active": bool(engine.client.info.mps_active)}
     print(json.dumps(out), flush=True)
+    if prof is not None:
+        pstats.Stats(prof, stream=sys.stderr).sort_stats("tottime").print_stats(args.profile)
     engine.close()
 
 

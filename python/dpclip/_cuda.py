@@ -125,11 +125,11 @@ class CudaIPC(Transport):
         # from (its layout count, batch, algorithm and the parts' signature):
         # the next step of the same layout rebinds its inputs (_layers()).
         self._bound: Optional[Tuple[Any, ...]] = None
-        # Done flags (done_flag()) per device index; on with
-        # DPCLIP_DONE_FLAG=1 (not yet the default: not yet run on a GPU),
-        # off where the driver cannot map them.
+        # Done flags (done_flag()) per device index; on unless
+        # DPCLIP_DONE_FLAG=0 (the events instead, to compare), off where the
+        # driver cannot map them.
         self._flags: Dict[int, _Flag] = {}
-        self._flag_on = os.environ.get("DPCLIP_DONE_FLAG", "0") == "1"
+        self._flag_on = os.environ.get("DPCLIP_DONE_FLAG", "1") != "0"
         self._watcher: Optional[Tuple[threading.Thread, int]] = None  # (thread, wake fd)
 
     def _ipc_event(self, idx: int) -> Tuple[torch.cuda.Event, int]:

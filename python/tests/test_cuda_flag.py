@@ -1,8 +1,8 @@
 """The done flag of asynchronous GPU steps (dpclip._cuda.CudaIPC.done_flag),
 on the CPU with CUDA stubbed: the step names the flag, the trainer's stream
 waits on the value the notice gave (not on `done`), a daemon gone has the
-flag released from the host, and without the driver's calls (or without
-DPCLIP_DONE_FLAG=1) the events serve as before."""
+flag released from the host, and without the driver's calls (or with
+DPCLIP_DONE_FLAG=0) the events serve as before. The flag is the default."""
 import contextlib
 import ctypes
 import socket
@@ -134,18 +134,22 @@ def test_async_step_waits_on_the_flag_not_the_event(stubs):
     assert client.released == [41]
 
 
-@pytest.mark.parametrize("setting", ["0", None])
-def test_switched_off_steps_use_the_event(stubs, monkeypatch, setting):
-    """DPCLIP_DONE_FLAG=0, and its default for now (off: not yet measured
-    on a GPU)."""
+def test_switched_off_steps_use_the_event(stubs, monkeypatch):
+    """DPCLIP_DONE_FLAG=0: the events, as before the flag."""
     stream, waits, maps = stubs
-    if setting is None:
-        monkeypatch.delenv("DPCLIP_DONE_FLAG")
-    else:
-        monkeypatch.setenv("DPCLIP_DONE_FLAG", setting)
+    monkeypatch.setenv("DPCLIP_DONE_FLAG", "0")
     step = _Step()
     _run(_cuda.CudaIPC(_Client()), step)
     assert step.flags == [None] and waits == [] and maps == [] and len(stream.waited) == 1
+
+
+def test_the_flag_is_the_default(stubs, monkeypatch):
+    """Unset, an asynchronous CUDA step waits on the flag."""
+    stream, waits, _ = stubs
+    monkeypatch.delenv("DPCLIP_DONE_FLAG")
+    step = _Step()
+    _run(_cuda.CudaIPC(_Client()), step)
+    assert step.flags[-1] is not None and len(waits) == 1 and stream.waited == []
 
 
 def test_no_driver_support_falls_back_to_the_event(stubs, monkeypatch):
