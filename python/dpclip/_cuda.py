@@ -207,6 +207,11 @@ class CudaIPC(Transport):
                 self._watch()
         return f
 
+    def events_only(self) -> None:
+        """No done flags: a norm group member's steps complete through
+        their replies (the daemon refuses a flag there)."""
+        self._flag_on = False
+
     def _watch(self) -> None:
         """A thread that releases the flags (release_flags) if the daemon's
         socket hangs up: this process's host may then be blocked on its

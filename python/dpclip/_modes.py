@@ -197,6 +197,7 @@ class Grouped:
 
     def open(self, target_delta: float, target_epsilon: float, device: torch.device) -> None:
         _group.join(self.group, self.inner.e.client)
+        self.inner.e._cuda.events_only()  # pylint: disable=protected-access
 
     def step(self, params: Optional[Iterable[torch.Tensor]]) -> None:
         self.inner.step(params)

@@ -202,3 +202,20 @@ def test_close_stops_the_watcher(daemon, stubs, monkeypatch):
     io.close()  # (the page is unmapped after: not read again)
     assert not t.is_alive() and io._watcher is None and io._flags == {}
     client.close()
+
+
+def test_norm_group_members_use_the_event(stubs, monkeypatch):
+    """A norm group's steps complete through their replies: the daemon
+    refuses a done flag there, so a member's engine asks for none."""
+    from types import SimpleNamespace
+
+    from dpclip import _group, _modes
+    stream, waits, maps = stubs
+    io = _cuda.CudaIPC(_Client())
+    engine = SimpleNamespace(_cuda=io, client=io.client)
+    monkeypatch.setattr(_group, "join", lambda group, client: None)
+    _modes.Grouped(_modes.Local(engine), SimpleNamespace(id=0)).open(1e-5, 0.0,
+                                                                     torch.device("cuda", 0))
+    step = _Step()
+    _run(io, step)
+    assert step.flags == [None] and waits == [] and maps == [] and len(stream.waited) == 1
