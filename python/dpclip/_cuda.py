@@ -91,6 +91,12 @@ def _wire(pt: Part, device: torch.device) -> Tuple[torch.Tensor, torch.Tensor]:
     return inp, g
 
 
+def _signature(plan: Plan) -> List[Tuple[Any, ...]]:
+    """What a step's layers in libdpclip are built from: its parts but for
+    their tensors."""
+    return [(pt[0], pt[1], pt[2]) + pt[5:] for pt in plan.parts]
+
+
 def _index(device: torch.device) -> int:
     """The device's ordinal ("cuda" alone: the current one)."""
     return device.index if device.index is not None else torch.cuda.current_device()
@@ -298,7 +304,8 @@ class CudaIPC(Transport):
         the daemon for the other members' and has no early notice): the
         tensors it names are returned in `keep`, to be held until its reply
         is collected and settle() has ordered this stream after the daemon."""
-        keep = [_wire(pt, device) for pt in plan.parts]
+        keep = [(pt.inp, pt.grad) for pt in plan.parts] if plan.wired else \
+            [_wire(pt, device) for pt in plan.parts]
         ptrs = [t.data_ptr() for pair in keep for t in pair]
         fresh = False
         for o in plan.outs:
@@ -398,16 +405,24 @@ class CudaIPC(Transport):
         pointed at this step's tensors (one call into libdpclip, which
         finds each tensor's registration: True); else the step is built
         again (False)."""
-        sig = [(pt[0], pt[1], pt[2]) + pt[5:] for pt in plan.parts]
         b = self._bound
-        if (b is not None and not fresh and b[0] is step and b[1] == step.layout and b[2] == nb
-                and b[3] == algorithm and b[4] == sig):
-            step.rebind_cuda(self.client, ptrs)
-            return True
+        if b is not None and not fresh and b[0] is step and b[1] == step.layout and b[2] == nb \
+                and b[3] == algorithm:
+            # a plan made again from the template of the one bound has its parts
+            if plan.serial and plan.serial == b[5]:
+                step.rebind_cuda(self.client, ptrs)
+                return True
+            sig = _signature(plan)
+            if b[4] == sig:
+                step.rebind_cuda(self.client, ptrs)
+                self._bound = b[:5] + (plan.serial,)
+                return True
+        else:
+            sig = _signature(plan)
         self._bound = None
         step.reset(nb)
         add_layers(step, plan.parts, algorithm, refs)
-        self._bound = (step, step.layout, nb, algorithm, sig)
+        self._bound = (step, step.layout, nb, algorithm, sig, plan.serial)
         return False
 
     def micro(self, step: _lib.Step, plan: Plan, nb: int, device: torch.device,

@@ -6,14 +6,15 @@ write), adds them to a dpclip Step given each tensor's reference in a
 transport (_host, _cuda), and writes the daemon's outputs into param.grad.
 It holds no state: the engine (dpclip.torch) owns the layers and the Step."""
 import collections
-from typing import Callable, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Any, Callable, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
 from . import _lib
 from ._layers import _FLOAT_WIRE, Out, Part, _Layer
 
-__all__ = ["Plan", "batch_size", "plan", "add_layers", "params", "set_grad", "out_dtype"]
+__all__ = ["Plan", "Replanner", "batch_size", "plan", "add_layers", "params", "set_grad",
+           "out_dtype"]
 
 # refs(i) -> (input ref, output grad ref, weight out ref, bias out ref) of
 # the plan's part i, in the transport's buffers.
@@ -22,9 +23,15 @@ Refs = Callable[[int], Tuple[_lib.Tensor, _lib.Tensor, _lib.Tensor, _lib.Tensor]
 
 class Plan(NamedTuple):
     """A step's parts, in the order they are sent, and the outputs they
-    write (one per trainable parameter, each written by one or more parts)."""
+    write (one per trainable parameter, each written by one or more parts).
+    wired: each part's tensors are already in the dtypes and layout the
+    daemon reads. serial: nonzero where Replanner made the plan again from
+    a template, the template's number: two plans of one serial have the
+    same parts but for their tensors (names, kinds, shapes, dtypes, outputs)."""
     parts: List[Part]
     outs: List[Out]
+    wired: bool = False
+    serial: int = 0
 
 
 def batch_size(layers: Sequence[_Layer]) -> int:
@@ -107,6 +114,86 @@ def plan(layers: Sequence[_Layer], B: int) -> Plan:
         l.part0 = len(parts)  # a tied layer's partner, earlier, is placed already
         parts.extend(l.parts(B if l.records else 0, nb))
     return Plan(parts, outputs(layers))
+
+
+class Replanner:
+    """plan() made again cheaply for a trainer's steady state: the last
+    plan kept as a template where each layer was one part reading its one
+    capture as it is (contiguous, in the dtype the daemon reads), and the
+    next pass whose every layer captured tensors of the same shapes and
+    dtypes (or, like the template, nothing) gets the template's parts with
+    its own tensors, without asking the layers. That is what plan() would
+    return: a layer's parts depend on its captures' shapes and dtypes and on
+    what make_private fixed (names, outputs, ties), whose outs lists are
+    checked. The template holds no tensor (a step's captures are freed once
+    it is sent). The engine owns it; the first-step check plans afresh."""
+
+    def __init__(self) -> None:
+        self.serial = 0      # the template's number (Plan.serial); 0: none
+        self.layers: Optional[Sequence[_Layer]] = None
+        self.B = -1
+        self.tmpl: List[Part] = []
+        # per layer: None (captured nothing) or (input shape, grad shape,
+        # input dtype, grad dtype, its outs list)
+        self.keys: List[Optional[Tuple[Any, ...]]] = []
+        self.outs: List[Out] = []
+
+    def plan(self, layers: Sequence[_Layer], B: int) -> Plan:
+        p = self._again(layers, B)
+        if p is None:
+            p = plan(layers, B)
+            self._keep(layers, B, p)
+        return p
+
+    def _again(self, layers: Sequence[_Layer], B: int) -> Optional[Plan]:
+        if not self.serial or B != self.B or layers is not self.layers \
+                or len(layers) != len(self.keys):
+            return None
+        parts = []
+        for l, t, k in zip(layers, self.tmpl, self.keys):
+            r = l.records
+            if k is None:
+                if r:
+                    return None
+                parts.append(t)  # zeros of one position, as before
+                continue
+            if len(r) != 1 or l.outs is not k[4]:
+                return None
+            inp, g, _ = r[0]
+            if inp.shape != k[0] or g.shape != k[1] or inp.dtype != k[2] or g.dtype != k[3] \
+                    or not inp.is_contiguous() or not g.is_contiguous():
+                return None
+            parts.append(Part(t[0], t[1], t[2], inp, g, *t[5:]))
+        return Plan(parts, list(self.outs), True, self.serial)
+
+    def _keep(self, layers: Sequence[_Layer], B: int, p: Plan) -> None:
+        self.serial = 0
+        if len(p.parts) != len(layers):
+            return
+        tmpl, keys = [], []
+        for l, pt in zip(layers, p.parts):
+            r = l.records
+            if pt.layer is not l:
+                return
+            if not r:
+                if pt.inp is not None:
+                    return
+                tmpl.append(pt)
+                keys.append(None)
+                continue
+            inp, g = pt.inp, pt.grad
+            if len(r) != 1 or inp is not r[0][0] or g is not r[0][1] \
+                    or inp.dtype != pt.in_dtype or g.dtype != pt.grad_dtype \
+                    or not inp.is_contiguous() or not g.is_contiguous():
+                return
+            tmpl.append(pt._replace(inp=None, grad=None))
+            keys.append((inp.shape, g.shape, inp.dtype, g.dtype, l.outs))
+        Replanner._serials += 1
+        self.serial = Replanner._serials
+        self.layers, self.B, self.tmpl, self.keys = layers, B, tmpl, keys
+        self.outs = list(p.outs)
+
+    _serials = 0  # numbers unique in the process: a transport may serve several engines
 
 
 def add_layers(step: _lib.Step, parts: Sequence[Part], algorithm: int, refs: Refs,

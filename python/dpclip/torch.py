@@ -139,6 +139,7 @@ class PrivacyEngine:
         self._connect()
         self.active = False
         self._layers: List[_Layer] = []
+        self._replanner = _planner.Replanner()  # steady steps' plans from a template
         self._pass = 0
         # gradient accumulation: the logical step under way (dpclip._accumulate),
         # and engine.logical_batches()'s state while one is in use (dpclip._batches)
@@ -712,10 +713,11 @@ class PrivacyEngine:
         """The plan of the pass the layers hold (B samples), after the
         first-step check where a layer's is still to run (dpclip._verify):
         every mode's steps and micro-batches are planned here."""
-        plan = _planner.plan(self._layers, B)
         if self._probing():
+            plan = _planner.plan(self._layers, B)
             _verify.check_step(self, plan, B)
-        return plan
+            return plan
+        return self._replanner.plan(self._layers, B)
 
     def _probing(self) -> bool:
         """A layer's first-step check is still to run."""

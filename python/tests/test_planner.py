@@ -57,3 +57,93 @@ def test_outputs_follow_the_layers():
     assert _planner.outputs([a]) == [o1]
     assert _planner.outputs([b, a]) == [o3, o1]
     assert _planner.outputs([]) == []
+
+
+class _Steady(torch.nn.Module):
+    """Every module used once per pass (a plan template's case), and one
+    (`extra`) used only when asked."""
+
+    def __init__(self, V=9, d=8, h=12):
+        super().__init__()
+        self.tok = torch.nn.Embedding(V, d)
+        self.ln = torch.nn.LayerNorm(d)
+        self.fc = torch.nn.Linear(d, h)
+        self.extra = torch.nn.Linear(h, h)
+        self.head = torch.nn.Linear(h, V)
+        self.use_extra = False
+
+    def forward(self, x):
+        h = torch.tanh(self.fc(self.ln(self.tok(x))))
+        if self.use_extra:
+            h = self.extra(h)
+        return self.head(h)
+
+
+def _same_plan(got, want, identical=True):
+    """The same parts; their tensors the same objects (identical), or equal
+    (a concatenation is a new tensor each time)."""
+    assert len(got.parts) == len(want.parts) and got.outs == want.outs
+    for a, b in zip(got.parts, want.parts):
+        if identical or a.inp is None:
+            assert a.inp is b.inp and a.grad is b.grad
+        else:
+            assert torch.equal(a.inp, b.inp) and torch.equal(a.grad, b.grad)
+        assert a[:3] == b[:3] and a[5:] == b[5:]
+
+
+def test_plans_made_again_are_the_plans(daemon):
+    """Replanner: a pass whose every layer captured what the template's did
+    (the same shapes and dtypes, one capture each, or nothing) gets the
+    template's parts with its own tensors, which is what plan() returns;
+    any other pass (other shapes, a module used that was not) is planned
+    afresh; and the template holds none of a step's tensors."""
+    import gc
+    import weakref
+
+    from models import private
+    torch.manual_seed(0)
+    model = _Steady()
+    engine, model, opt = private(daemon, model, 1.0, 4)
+    rp = engine._replanner
+    seen, serials = [], []
+    for T, extra in [(5, False), (5, False), (5, False), (7, False), (7, False), (7, True),
+                     (7, True)]:
+        model.use_extra = extra
+        x = torch.randint(0, 9, (4, T))
+        model(x).square().mean().backward()
+        B = _planner.batch_size(engine._layers)
+        want = _planner.plan(engine._layers, B)
+        got = rp.plan(engine._layers, B)
+        _same_plan(got, want)
+        assert got.wired == bool(got.serial)
+        serials.append(got.serial)
+        seen.append(weakref.ref(engine._layers[2].records[0][0]))
+        opt.step()
+        opt.zero_grad()
+        del want, got
+        gc.collect()
+        assert seen[-1]() is None  # the step's capture is gone: the template holds none
+    # the first pass of each shape is planned afresh, the next ones from its template
+    assert serials[0] == 0 and serials[3] == 0 and serials[5] == 0
+    assert serials[1] and serials[2] == serials[1]
+    assert serials[4] and serials[4] != serials[1]
+    assert serials[6] and serials[6] != serials[4]
+    engine.close()
+
+
+def test_no_template_where_a_layer_is_captured_twice(daemon):
+    """A module used twice in a pass (its captures concatenated) makes no
+    template: every such pass is planned afresh."""
+    from models import SeqModel, private
+    torch.manual_seed(0)
+    engine, model, opt = private(daemon, SeqModel(), 1.0, 3)
+    rp = engine._replanner
+    for _ in range(3):
+        model(torch.randint(0, 11, (3, 6))).square().mean().backward()
+        B = _planner.batch_size(engine._layers)
+        got = rp.plan(engine._layers, B)
+        _same_plan(got, _planner.plan(engine._layers, B), identical=False)
+        assert got.serial == 0 and not got.wired
+        opt.step()
+        opt.zero_grad()
+    engine.close()
