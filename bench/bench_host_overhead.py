@@ -14,7 +14,8 @@ that the package itself carries no timing code), and prints one JSON line:
 per step, in ms of host time, the whole optimizer.step() and its stages:
 - collect: waiting for the previous asynchronous step's result;
 - guard: the fail-closed check of autograd's gradients;
-- plan: the step's parts from the layers' captures (dpclip._planner.plan);
+- plan: the step's parts from the layers' captures (dpclip._planner.plan,
+  or a steady step's from the last one's template: Replanner);
 - check: the first-step check (first steps only: dpclip._verify);
 - refs: naming each tensor for the daemon (CUDA IPC registrations, or the
   host arena's copies);
@@ -102,6 +103,7 @@ def install(t):
     from dpclip import _guard
     t.wrap(_guard.Guard, "check", "guard")
     t.wrap(_planner, "plan", "plan")
+    t.wrap(_planner.Replanner, "plan", "plan")  # (a steady step's: from the last one's template)
     t.wrap(_verify, "check_step", "check")
     for mod in (_cuda, _host, _planner):  # the transports import add_layers by name
         t.wrap(mod, "add_layers", "add_layers")
