@@ -314,7 +314,13 @@ class CudaIPC(Transport):
                 # their allocation cannot be freed and reused: the references
                 # stay valid and are made once (activations and output grads
                 # are new tensors every step and go through libdpclip's check).
-                o.buf = torch.empty(o.numel, dtype=o.dtype, device=device)
+                # Zeros, not the allocator's leftovers: a step that fails
+                # where the daemon cannot zero its outputs (a broken CUDA
+                # context) still releases the trainer's stream, which then
+                # applies what the buffer holds (the error follows at the
+                # next collection): nothing, or the last released gradient,
+                # never memory this process used for its data.
+                o.buf = torch.zeros(o.numel, dtype=o.dtype, device=device)
                 o.ref = self.client.register_cuda(o.buf.data_ptr())
                 view = o.grad(o.buf)
                 o.alias = view if view.dtype == o.param.dtype and view.is_contiguous() else None

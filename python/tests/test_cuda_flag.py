@@ -219,3 +219,22 @@ def test_norm_group_members_use_the_event(stubs, monkeypatch):
     step = _Step()
     _run(io, step)
     assert step.flags == [None] and waits == [] and maps == [] and len(stream.waited) == 1
+
+
+def test_output_buffers_start_as_zeros(stubs, monkeypatch):
+    """An output buffer is zeros when made: a first step whose outputs the
+    daemon cannot zero (a broken CUDA context) still lets the stream apply
+    the buffer, which must not hold the allocator's leftovers (this
+    process's data). torch.empty is made to return such leftovers here."""
+    from dpclip._layers import Out
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    real_empty = torch.empty
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: real_empty(*a, **k).fill_(3.0))
+    client = _Client()
+    client.register_cuda = lambda ptr: (5, 0)
+    param = torch.nn.Parameter(torch.ones(2, 3))
+    out = Out(param)
+    io = _cuda.CudaIPC(client)
+    io.run(_Step(), _planner.Plan([], [out]), 1, torch.device("cpu"), 0, False, True)
+    assert out.buf is not None and out.buf.numel() == 6 and not out.buf.any()
+    assert param.grad is out.alias and not param.grad.any()
