@@ -1,0 +1,140 @@
+#!/bin/sh
+# The README's one-GPU table: each row's bench against a fresh dpclipd (a
+# daemon still holding one model's workspace would count in the next one's
+# memory), without MPS and then under the CUDA MPS control daemon.
+#
+#   bench/run_step_rows.sh [BUILD_DIR] [--rows LIST] [--repeat N] [--no-mps] [--cpu]
+#
+# Rows (LIST is comma-separated; default gpt,gpt_long,llama1b,hf_gpt2):
+#   gpt       GPT-2-small-like, bf16, B=8, T=1024   (bench_torch_step.py)
+#   gpt_long  the same, B=2, T=4096
+#   llama1b   Llama-1B-like, bf16, B=4, T=2048
+#   hf_gpt2   Hugging Face GPT-2 small, AdamW       (bench_hf_step.py)
+#   host      the trainer's host time per step, GPT-2 (bench_host_overhead.py)
+# --cpu: tiny models on the CPU, no MPS (a smoke test of this script).
+# Each bench's JSON lines are printed with "row" and "mps" added; a row that
+# cannot run says why in a line of its own ("skipped"), one that fails says
+# so ("failed": its status, its stderr's end on stderr), the other rows go
+# on, and the script's status is 1.
+set -eu
+root=$(cd "$(dirname "$0")/.." && pwd)
+build="$root/build"
+case "${1:-}" in -*|"") ;; *) build=$1; shift ;; esac
+rows=gpt,gpt_long,llama1b,hf_gpt2
+repeat=5
+mps=1
+cpu=0
+while [ $# -gt 0 ]; do
+    case "$1" in
+        --rows) rows=$2; shift 2 ;;
+        --repeat) repeat=$2; shift 2 ;;
+        --no-mps) mps=0; shift ;;
+        --cpu) cpu=1; mps=0; shift ;;
+        *) echo "run_step_rows.sh: unknown argument $1" >&2; exit 2 ;;
+    esac
+done
+py=${DPCLIP_PYTHON:-python3}
+[ -x "$build/dpclipd" ] || { echo "run_step_rows.sh: no $build/dpclipd (build first)" >&2; exit 1; }
+export DPCLIP_LIBRARY=${DPCLIP_LIBRARY:-$build/libdpclip.so}
+export PYTHONUNBUFFERED=1
+rundir=$(mktemp -d /tmp/dpclip-rows.XXXXXX)
+daemon=""
+stop_daemon() {
+    if [ -n "$daemon" ]; then
+        kill -TERM "$daemon" 2>/dev/null || true
+        wait "$daemon" 2>/dev/null || true
+        daemon=""
+    fi
+}
+mps_stop() { :; }
+trap 'stop_daemon; mps_stop; rm -rf "$rundir"' EXIT INT TERM
+
+# tag ROW MPS: the JSON lines of stdin with the row and MPS added
+tag() {
+    sed -n "s/^{/{\"row\": \"$1\", \"mps\": $2, /p"
+}
+
+# run_row ROW MPS: one row's bench against a daemon of its own
+run_row() {
+    row=$1
+    case "$row" in
+        gpt) model=gpt; size="" ;;
+        gpt_long) model=gpt; size="--batch 2 --seq 4096" ;;
+        llama1b) model=llama1b; size="" ;;
+        hf_gpt2|host) model=$row; size="" ;;
+        *) echo "run_step_rows.sh: unknown row $row" >&2; exit 2 ;;
+    esac
+    dev="" tiny="" precision="--precision bf16"
+    if [ "$cpu" = 1 ]; then
+        dev="--device cpu" precision="--precision fp32"
+        tiny="--blocks 1 --d 32 --heads 2 --ffn 64 --vocab 67 --seq 12 --batch 3 --steps 2 --warmup 1"
+        [ "$row" = gpt_long ] && size="" tiny="--blocks 1 --d 32 --heads 2 --ffn 64 --vocab 67 --seq 24 --batch 2 --steps 2 --warmup 1"
+        [ "$row" = llama1b ] && tiny="--blocks 1 --d 32 --heads 2 --ffn 64 --vocab 67 --seq 12 --batch 3 --steps 2 --warmup 1"
+    fi
+    if [ "$row" = hf_gpt2 ] && ! "$py" -c "import transformers" >/dev/null 2>&1; then
+        echo "{\"row\": \"$row\", \"mps\": $2, \"skipped\": \"transformers is not importable by $py\"}"
+        return 0
+    fi
+    sock="$rundir/$row.$2.sock"
+    rm -f "$rundir/ready"
+    mkfifo "$rundir/ready"
+    "$build/dpclipd" --socket "$sock" --ledger-dir "" --ready-fd 3 --log-level info \
+        3>"$rundir/ready" 2>>"$rundir/daemon.log" &
+    daemon=$!
+    read -r line <"$rundir/ready" || line=""
+    if [ "$line" != READY ]; then
+        echo "run_step_rows.sh: dpclipd did not start" >&2
+        cat "$rundir/daemon.log" >&2
+        exit 1
+    fi
+    rc=0
+    case "$row" in
+        hf_gpt2)
+            if [ "$cpu" = 1 ]; then hf="--tiny --device cpu --fp32 --steps 2 --warmup 1"; else hf=""; fi
+            "$py" "$root/bench/bench_hf_step.py" --socket "$sock" --models gpt2 \
+                --modes plain,dpclip --repeat "$repeat" $hf >"$rundir/out" 2>"$rundir/err" || rc=$? ;;
+        host)
+            if [ "$cpu" = 1 ]; then tiny="--blocks 1 --d 32 --heads 2 --vocab 67 --seq 12 --batch 3 --steps 3 --warmup 1"; fi
+            "$py" "$root/bench/bench_host_overhead.py" --socket "$sock" --model gpt $dev $tiny \
+                >"$rundir/out" 2>"$rundir/err" || rc=$? ;;
+        *)
+            "$py" "$root/bench/bench_torch_step.py" --socket "$sock" --model "$model" $size \
+                $precision --repeat "$repeat" --no-sync $dev $tiny >"$rundir/out" 2>"$rundir/err" || rc=$? ;;
+    esac
+    tag "$row" "$2" <"$rundir/out"
+    stop_daemon
+    if [ "$rc" != 0 ]; then
+        echo "{\"row\": \"$row\", \"mps\": $2, \"failed\": $rc}"
+        echo "run_step_rows.sh: row $row (MPS $2) failed with status $rc:" >&2
+        tail -n 20 "$rundir/err" >&2
+        failed=1
+    fi
+}
+
+run_all() {
+    for row in $(echo "$rows" | tr , ' '); do
+        run_row "$row" "$1"
+    done
+}
+
+failed=0
+run_all false
+[ "$mps" = 1 ] || exit "$failed"
+control=$(command -v nvidia-cuda-mps-control || true)
+if [ -z "$control" ]; then
+    echo '{"mps": true, "skipped": "nvidia-cuda-mps-control not installed"}'
+    exit "$failed"
+fi
+# An MPS control daemon of this run's own, which the trainers and dpclipd
+# share through the pipe directory in their environment.
+CUDA_MPS_PIPE_DIRECTORY="$rundir/mps-pipe" CUDA_MPS_LOG_DIRECTORY="$rundir/mps-log"
+export CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
+mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+if ! "$control" -d; then
+    echo '{"mps": true, "skipped": "nvidia-cuda-mps-control -d failed"}'
+    exit "$failed"
+fi
+mps_stop() { echo quit | "$control" >/dev/null 2>&1 || true; }
+sleep 1
+run_all true
+exit "$failed"
