@@ -15,12 +15,12 @@ import select
 import threading
 import time
 import warnings
-from typing import Any, Dict, List, Mapping, Optional, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
 from . import _lib, _planner
-from ._layers import _ESIZE, Part, Slice, _tref
+from ._layers import _ESIZE, Out, Part, Slice, _tref
 from ._planner import Plan, add_layers, set_grad
 from ._transport import Phases, Run, Transport
 
@@ -89,6 +89,16 @@ def _wire(pt: Part, device: torch.device) -> Tuple[torch.Tensor, torch.Tensor]:
     if not g.is_contiguous():
         g = g.contiguous()
     return inp, g
+
+
+def _alias(outs: Sequence[Out], aliased: List[Tuple[torch.Tensor, Optional[torch.Tensor]]]
+           ) -> None:
+    """Each output's param.grad set to its alias (where it has one), what
+    it was kept in `aliased`, to be put back if the step is refused."""
+    for o in outs:
+        if o.alias is not None:
+            aliased.append((o.param, o.param.grad))
+            o.param.grad = o.alias
 
 
 def _signature(plan: Plan) -> List[Tuple[Any, ...]]:
@@ -363,20 +373,18 @@ class CudaIPC(Transport):
                 ticket = step.submit(self.client)
                 return Run(None, ticket, None, None, t1, time.perf_counter(), keep, own)
             # param.grad aliases the outputs (a view of each, made once),
-            # here, while the daemon queues the step's work: the host's
-            # wait for the notice or the reply is not idle time. Put back
-            # where the step is refused. (A copy waits for `done`, below.)
-            aliased = []
-            if write:
-                for o in plan.outs:
-                    if o.alias is not None:
-                        aliased.append((o.param, o.param.grad))
-                        o.param.grad = o.alias
+            # after an asynchronous step is sent and before its notice is
+            # read: the daemon validates and charges it meanwhile, so the
+            # host's wait for the notice is not idle time. Put back where
+            # the step is refused. (A copy waits for the step, below.)
+            aliased: List[Tuple[torch.Tensor, Optional[torch.Tensor]]] = []
             try:
                 if asynchronous:
                     ticket = step.submit(self.client)
+                    _alias(plan.outs if write else (), aliased)
                     info = self.client.wait_enqueued(ticket)  # raises an early error
                 else:
+                    _alias(plan.outs if write else (), aliased)
                     res = step.run(self.client)
             except BaseException:
                 for p, was in aliased:

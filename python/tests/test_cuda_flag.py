@@ -238,3 +238,37 @@ def test_output_buffers_start_as_zeros(stubs, monkeypatch):
     io.run(_Step(), _planner.Plan([], [out]), 1, torch.device("cpu"), 0, False, True)
     assert out.buf is not None and out.buf.numel() == 6 and not out.buf.any()
     assert param.grad is out.alias and not param.grad.any()
+
+
+def test_grads_alias_the_outputs_while_the_notice_is_awaited(stubs, monkeypatch):
+    """An asynchronous step is sent first, then param.grad aliases its
+    outputs while the daemon accepts it (the host's wait is not idle), and
+    a refusal at the notice puts param.grad back."""
+    from dpclip._layers import Out
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    client = _Client()
+    client.register_cuda = lambda ptr: (5, 0)
+    param = torch.nn.Parameter(torch.ones(2, 3))
+    before = torch.full((2, 3), 9.0)
+    param.grad = before
+    out = Out(param)
+    seen = []
+
+    class Sending(_Step):
+        def submit(self, client):
+            seen.append(param.grad is before)
+            return 1
+
+    io = _cuda.CudaIPC(client)
+    io.run(Sending(), _planner.Plan([], [out]), 1, torch.device("cpu"), 0, False, True)
+    assert seen == [True] and param.grad is out.alias
+
+    def refuse(ticket):
+        assert param.grad is out.alias  # aliased while the notice was awaited
+        raise _lib.DpclipError(_lib.EINVAL, "clip_step", "refused")
+
+    param.grad = before
+    client.wait_enqueued = refuse
+    with pytest.raises(_lib.DpclipError):
+        io.run(Sending(), _planner.Plan([], [out]), 1, torch.device("cpu"), 0, False, True)
+    assert param.grad is before
