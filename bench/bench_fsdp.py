@@ -536,8 +536,9 @@ def main():
                     help="with --logical: samples a rank's micro-batch (default: --batch)")
     ap.add_argument("--warmup", type=int, default=None, help="default 2; logical steps: 1")
     ap.add_argument("--steps", type=int, default=None, help="default 5; logical steps: 3")
-    ap.add_argument("--repeat", type=int, default=3,
-                    help="rounds of the modes, taken in turns; each rank's median is reported")
+    ap.add_argument("--repeat", type=int, default=5,
+                    help="rounds of the modes, taken in turns; each rank's median is reported "
+                         "(5: a median quoted is of at least five rounds)")
     ap.add_argument("--opacus", action="store_true",
                     help="also time Opacus's FSDP ghost clipping (skipped where it fails)")
     ap.add_argument("--opacus-timeout", type=int, default=900,

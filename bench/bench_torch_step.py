@@ -349,8 +349,9 @@ def main():
         ap.add_argument("--" + k, type=int, default=None, help="default: the model's")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--repeat", type=int, default=3,
-                    help="rounds of every mode, taken in turns; each mode's median is reported")
+    ap.add_argument("--repeat", type=int, default=5,
+                    help="rounds of every mode, taken in turns; each mode's median is reported "
+                         "(5: a median quoted is of at least five rounds)")
     ap.add_argument("--precision", default="bf16,fp32", help="comma list of bf16, fp32")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--opacus", action="store_true", help="also time Opacus ghost clipping")
