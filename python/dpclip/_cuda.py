@@ -213,10 +213,15 @@ class CudaIPC(Transport):
                 ctypes.memset(addr, 0, _FLAG_BYTES)
                 with torch.cuda.device(idx):
                     dev = _lib.cuda_host_map(addr, _FLAG_BYTES)
-            except _lib.DpclipError:
+            except _lib.DpclipError as e:
                 if bid:
                     self.client.buffer_release(bid)
                 self._flag_on = False
+                warnings.warn(
+                    "dpclip: no done flag on cuda:%d (%s): each asynchronous step's host "
+                    "waits for the daemon to queue its work instead (about 1 ms a GPT-2 "
+                    "step on an H200; docs/protocol.md, \"Done flag\")" % (idx, e.message),
+                    _lib.PerformanceWarning, stacklevel=2)
                 return None
             f = self._flags[idx] = _Flag(bid, addr, dev)
             if self._watcher is None:
