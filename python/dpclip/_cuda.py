@@ -138,8 +138,9 @@ class CudaIPC(Transport):
         self._coefs: Optional[torch.Tensor] = None
         self._coefs_ref: Optional[Tuple[int, int]] = None
         # The step whose layers run() last built, with what they were built
-        # from (its layout count, batch, algorithm and the parts' signature):
-        # the next step of the same layout rebinds its inputs (_layers()).
+        # from (its layout count, batch, algorithm, the parts' signature and
+        # the plan's template serial): the next step of the same layout
+        # rebinds its inputs (_layers()).
         self._bound: Optional[Tuple[Any, ...]] = None
         # Done flags (done_flag()) per device index; on unless
         # DPCLIP_DONE_FLAG=0 (the events instead, to compare), off where the
