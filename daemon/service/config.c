@@ -1,7 +1,6 @@
 #include "config.h"
 
 #include <errno.h>
-#include <getopt.h>
 #include <grp.h>
 #include <limits.h>
 #include <math.h>
@@ -167,6 +166,7 @@ static const key_def KEYS[] = {
      "only: forgotten; 0 = never)"},
 };
 #define N_KEYS (sizeof KEYS / sizeof KEYS[0])
+_Static_assert(N_KEYS <= DC_CONFIG_KEYS_MAX, "DC_CONFIG_KEYS_MAX: the command line's option table");
 
 void dc_config_defaults(dc_config *c) {
     const char *env = getenv("DPCLIP_SOCKET");
@@ -231,7 +231,7 @@ static const key_def *find_key(const char *section, const char *key, bool *secti
     return NULL;
 }
 
-static int parse_ull(const char *s, int base, unsigned long long *out) {
+int dc_config_parse_ull(const char *s, int base, unsigned long long *out) {
     char *end;
     errno = 0;
     if (!s[0] || s[0] == '-' || s[0] == '+') return -1;
@@ -252,7 +252,7 @@ int dc_config_group_id(const char *name, uint32_t *gid) {
     unsigned long long v;
     struct group gr, *res = NULL;
     char buf[4096];
-    if (parse_ull(name, 10, &v) == 0) {
+    if (dc_config_parse_ull(name, 10, &v) == 0) {
         if (v > UINT32_MAX - 1) return -1;
         *gid = (uint32_t)v;
         return 0;
@@ -266,7 +266,7 @@ static int user_id(const char *name, uint32_t *uid) {
     unsigned long long v;
     struct passwd pw, *res = NULL;
     char buf[4096];
-    if (parse_ull(name, 10, &v) == 0) {
+    if (dc_config_parse_ull(name, 10, &v) == 0) {
         if (v > UINT32_MAX - 1) return -1;
         *uid = (uint32_t)v;
         return 0;
@@ -334,7 +334,7 @@ static int set_value(dc_config *c, const key_def *k, const char *value, const ch
         return 0;
     }
     case T_MODE:
-        if (parse_ull(value, 8, &u) || u > (unsigned long long)k->hi) {
+        if (dc_config_parse_ull(value, 8, &u) || u > (unsigned long long)k->hi) {
             what = "expected octal permission bits such as 0660";
             break;
         }
@@ -342,7 +342,7 @@ static int set_value(dc_config *c, const key_def *k, const char *value, const ch
         return 0;
     case T_UINT:
     case T_INT:
-        if (parse_ull(value, 10, &u) || u < (unsigned long long)k->lo ||
+        if (dc_config_parse_ull(value, 10, &u) || u < (unsigned long long)k->lo ||
             u > (unsigned long long)k->hi)
             return dc_err_set(err, DC_EINVAL, k->key,
                               "%s: %s.%s: '%s' is not a whole number in [%.0f, %.0f]", where,
@@ -369,7 +369,7 @@ static int set_value(dc_config *c, const key_def *k, const char *value, const ch
             shift = 10 * (int)(unit - units + 1);
             num[--n] = '\0';
         }
-        if (parse_ull(num, 10, &u) != 0 || (shift && u > (UINT64_MAX >> shift)) ||
+        if (dc_config_parse_ull(num, 10, &u) != 0 || (shift && u > (UINT64_MAX >> shift)) ||
             (k->type == T_SIZE_AUTO && (uint64_t)u << shift == DC_SAMPLE_GRADS_AUTO)) {
             what = k->type == T_SIZE_AUTO
                        ? "expected auto or bytes, e.g. 268435456, 256M or 1G (whole number, "
@@ -428,9 +428,7 @@ int dc_config_set(dc_config *c, const char *section, const char *key, const char
     return set_value(c, k, value, where, err);
 }
 
-/* --- flags --------------------------------------------------------------------- */
-
-enum { O_CONFIG = 1000, O_CHECK, O_SET, O_NOGPU, O_READY, O_SEED, O_VERSION, O_HELP };
+/* --- flags (the command line itself is config_args.c) ----------------------- */
 
 const char *dc_config_default_path(void) {
     static char path[DC_CONFIG_PATH_MAX];
@@ -438,13 +436,7 @@ const char *dc_config_default_path(void) {
     return path;
 }
 
-void dc_config_usage(FILE *f) {
-    fprintf(f,
-            "usage: dpclipd [options]\n"
-            "  --config PATH          config file (default %s if it exists)\n"
-            "  --check-config         validate the configuration, print it and exit\n"
-            "  --set SECTION.KEY=VALUE  any setting of the config file\n",
-            dc_config_default_path());
+void dc_config_usage_keys(FILE *f) {
     for (size_t i = 0; i < N_KEYS; i++) {
         char opt[64];
         if (!KEYS[i].flag) continue;
@@ -457,109 +449,18 @@ void dc_config_usage(FILE *f) {
         if (KEYS[i].type == T_DOUBLE) snprintf(opt, sizeof opt, "--%s X", KEYS[i].flag);
         fprintf(f, "  %-22s %s (%s.%s)\n", opt, KEYS[i].help, KEYS[i].section, KEYS[i].key);
     }
-    fprintf(f, "  --no-gpu               do not use GPUs even when present (daemon.gpu)\n"
-               "  --ready-fd FD          write READY to FD once listening, then close it\n"
-               "  --insecure-fixed-seed SEED\n"
-               "                         TESTS ONLY: seed the noise generator with SEED instead\n"
-               "                         of getrandom(); the noise is then predictable and the\n"
-               "                         training is NOT private\n"
-               "  --version, --help\n");
 }
 
-static int set_flag(dc_config *c, const char *name, const char *arg, dc_err *err) {
+const char *dc_config_key_flag(size_t i) { return i < N_KEYS ? KEYS[i].flag : NULL; }
+
+int dc_config_set_flag(dc_config *c, const char *flag, const char *arg, dc_err *err) {
     for (size_t i = 0; i < N_KEYS; i++)
-        if (KEYS[i].flag && strcmp(KEYS[i].flag, name) == 0) {
+        if (KEYS[i].flag && strcmp(KEYS[i].flag, flag) == 0) {
             char where[80];
-            snprintf(where, sizeof where, "--%s", name);
+            snprintf(where, sizeof where, "--%s", flag);
             return set_value(c, &KEYS[i], arg, where, err);
         }
-    return dc_err_set(err, DC_EINTERNAL, name, "unhandled flag --%s", name);
-}
-
-static int set_assignment(dc_config *c, const char *arg, dc_err *err) {
-    char buf[512], *dot, *eq;
-    snprintf(buf, sizeof buf, "%s", arg);
-    eq = strchr(buf, '=');
-    dot = strchr(buf, '.');
-    if (!eq || !dot || dot > eq)
-        return dc_err_set(err, DC_EINVAL, "set", "--set %s: expected SECTION.KEY=VALUE", arg);
-    *dot = *eq = '\0';
-    return dc_config_set(c, buf, dot + 1, eq + 1, "--set", err);
-}
-
-int dc_config_from_args(dc_config *c, int argc, char **argv, dc_config_action *action,
-                        dc_err *err) {
-    struct option opts[N_KEYS + 10];
-    const char *path = NULL;
-    int n = 0, ch, idx, rc;
-    unsigned long long v;
-
-    for (size_t i = 0; i < N_KEYS; i++)
-        if (KEYS[i].flag) opts[n++] = (struct option){KEYS[i].flag, required_argument, NULL, 0};
-    opts[n++] = (struct option){"config", required_argument, NULL, O_CONFIG};
-    opts[n++] = (struct option){"check-config", no_argument, NULL, O_CHECK};
-    opts[n++] = (struct option){"set", required_argument, NULL, O_SET};
-    opts[n++] = (struct option){"no-gpu", no_argument, NULL, O_NOGPU};
-    opts[n++] = (struct option){"ready-fd", required_argument, NULL, O_READY};
-    opts[n++] = (struct option){"insecure-fixed-seed", required_argument, NULL, O_SEED};
-    opts[n++] = (struct option){"version", no_argument, NULL, O_VERSION};
-    opts[n++] = (struct option){"help", no_argument, NULL, O_HELP};
-    opts[n] = (struct option){NULL, 0, NULL, 0};
-
-    *action = DC_CONFIG_RUN;
-    dc_config_defaults(c);
-    /* Pass 1: where the file is, and the actions; pass 2: the settings, so
-     * that flags override the file whatever their order. */
-    opterr = 0;
-    optind = 0;
-    while ((ch = getopt_long(argc, argv, "", opts, &idx)) != -1) {
-        if (ch == O_CONFIG) path = optarg;
-        else if (ch == O_CHECK) *action = DC_CONFIG_CHECK;
-        else if (ch == O_HELP) *action = DC_CONFIG_HELP;
-        else if (ch == O_VERSION && *action != DC_CONFIG_HELP) *action = DC_CONFIG_VERSION;
-        else if (ch == '?' || ch == ':')
-            return dc_err_set(err, DC_EINVAL, "", "unknown option or missing value: '%s'",
-                              argv[optind - 1]);
-    }
-    if (optind < argc)
-        return dc_err_set(err, DC_EINVAL, "", "unexpected argument '%s'", argv[optind]);
-    if (*action == DC_CONFIG_HELP || *action == DC_CONFIG_VERSION) return 0;
-
-    if (path) {
-        if ((rc = dc_config_load_file(c, path, err))) return rc;
-    } else if (access(dc_config_default_path(), F_OK) == 0) {
-        if ((rc = dc_config_load_file(c, dc_config_default_path(), err))) return rc;
-    }
-
-    optind = 0;
-    while ((ch = getopt_long(argc, argv, "", opts, &idx)) != -1) {
-        switch (ch) {
-        case 0:
-            if ((rc = set_flag(c, opts[idx].name, optarg, err))) return rc;
-            break;
-        case O_SET:
-            if ((rc = set_assignment(c, optarg, err))) return rc;
-            break;
-        case O_NOGPU: c->gpu = false; break;
-        case O_READY:
-            if (parse_ull(optarg, 10, &v) || v > INT_MAX)
-                return dc_err_set(err, DC_EINVAL, "ready-fd",
-                                  "--ready-fd: '%s' is not a file "
-                                  "descriptor",
-                                  optarg);
-            c->ready_fd = (int)v;
-            break;
-        case O_SEED:
-            if (parse_ull(optarg, 0, &v))
-                return dc_err_set(err, DC_EINVAL, "insecure-fixed-seed",
-                                  "--insecure-fixed-seed: '%s' is not a number", optarg);
-            c->fixed_seed = true;
-            c->seed = v;
-            break;
-        default: break;
-        }
-    }
-    return dc_config_validate(c, err);
+    return dc_err_set(err, DC_EINTERNAL, flag, "unhandled flag --%s", flag);
 }
 
 /* --- checks and listing ------------------------------------------------------- */

@@ -120,10 +120,21 @@ int dc_config_load_file(dc_config *c, const char *path, dc_err *err);
 /* Same, from a string (tests); `name` stands for the file in messages. */
 int dc_config_load_string(dc_config *c, const char *text, const char *name, dc_err *err);
 
-/* The whole sequence: defaults, the file (--config PATH, else the default
- * path if it exists), then every flag. Usable again at reload time with the
- * same argv (getopt state is reset). */
+/* The whole sequence (config_args.c): defaults, the file (--config PATH,
+ * else the default path if it exists), then every flag. Usable again at
+ * reload time with the same argv (getopt state is reset). */
 int dc_config_from_args(dc_config *c, int argc, char **argv, dc_config_action *action, dc_err *err);
+
+/* The settings' flags (config.c's table, for the command line): setting i's
+ * long option or NULL; one applied by its name (without "--"); their usage
+ * lines. At most DC_CONFIG_KEYS_MAX settings. */
+#define DC_CONFIG_KEYS_MAX 128
+const char *dc_config_key_flag(size_t i);
+int dc_config_set_flag(dc_config *c, const char *flag, const char *arg, dc_err *err);
+void dc_config_usage_keys(FILE *f);
+/* A whole decimal (base 10) or C-style (base 0) number without a sign: 0,
+ * or -1 where s is not one. */
+int dc_config_parse_ull(const char *s, int base, unsigned long long *out);
 
 /* Cross-field checks (paths, groups that must exist, ...). */
 int dc_config_validate(const dc_config *c, dc_err *err);
