@@ -320,10 +320,7 @@ size_t dc_ledger_expire(dc_ledger *l, uint64_t now_ns) {
     return n;
 }
 
-/* Accounts of uid in memory; at the cap, those of uid that nothing uses and
- * that lose nothing by going (never spent, or on disk: read back when
- * named) go first, whatever their idle time. */
-static size_t make_room(dc_ledger *l, uint32_t uid) {
+size_t dc_ledger_make_room(dc_ledger *l, uint32_t uid) {
     size_t n = 0;
     for (dc_ledger_account *acct = l->accounts; acct; acct = acct->next) n += acct->uid == uid;
     if (!l->max_jobs_per_uid || n < l->max_jobs_per_uid) return n;
@@ -337,43 +334,6 @@ static size_t make_room(dc_ledger *l, uint32_t uid) {
         }
     }
     return n;
-}
-
-int dc_ledger_account_open(dc_ledger *l, uint32_t uid, const char *job_id, dc_ledger_account **out,
-                           dc_err *err) {
-    dc_ledger_account *acct;
-    uint64_t now = uv_hrtime();
-    size_t len = strlen(job_id), n;
-    int rc;
-
-    *out = NULL;
-    if (len >= DC_LEDGER_JOB_ID_MAX)
-        return dc_err_set(err, DC_EINVAL, "hello.job_id",
-                          "job id of %zu bytes: at most %d bytes "
-                          "are allowed (a longer id would share an account with another job)",
-                          len, DC_LEDGER_JOB_ID_MAX - 1);
-    if ((acct = dc_ledger_account_find(l, uid, job_id))) {
-        *out = acct;
-        return 0;
-    }
-    if (now - l->swept_ns >= 1000000000u) dc_ledger_expire(l, now);
-    if (l->max_jobs_per_uid && (n = make_room(l, uid)) >= l->max_jobs_per_uid)
-        return dc_err_set(err, DC_ENOSPACE, "ledger.max_jobs_per_uid",
-                          "uid %u already has %zu jobs in the privacy ledger, the most "
-                          "ledger.max_jobs_per_uid allows; a job's account goes once its "
-                          "sessions have ended (ledger.job_idle_s after its last step)",
-                          uid, n);
-    if (dc_ledger_persistent(l) && (rc = dc_ledger_load_account(l, uid, job_id, &acct, err)) != 0)
-        return rc;
-    if (!acct && !(acct = dc_ledger_account_new(l, uid, job_id)))
-        return dc_err_set(err, DC_ENOSPACE, "ledger", "out of memory for the ledger");
-    *out = acct;
-    return 0;
-}
-
-dc_ledger_account *dc_ledger_account_get(dc_ledger *l, uint32_t uid, const char *job_id) {
-    dc_ledger_account *acct;
-    return dc_ledger_account_open(l, uid, job_id, &acct, NULL) == 0 ? acct : NULL;
 }
 
 void dc_ledger_drop_accounts(dc_ledger *l) {

@@ -325,8 +325,10 @@ static int load_path(dc_ledger *l, const char *path, dc_ledger_account **out, dc
     return rc;
 }
 
-int dc_ledger_load_account(dc_ledger *l, uint32_t uid, const char *job_id, dc_ledger_account **out,
-                           dc_err *err) {
+/* Reads the file of (uid, job id) back: *out is the account, or NULL when it
+ * has no file. An error names the file. */
+static int load_account(dc_ledger *l, uint32_t uid, const char *job_id, dc_ledger_account **out,
+                        dc_err *err) {
     char path[600];
     FILE *f;
     int rc;
@@ -352,6 +354,44 @@ int dc_ledger_load_account(dc_ledger *l, uint32_t uid, const char *job_id, dc_le
         return dc_err_set(err, DC_EUNAVAIL, "ledger", "%s holds another job's account", path);
     }
     return rc;
+}
+
+/* --- opening an account: in memory, else its file, else a new one ---------------- */
+
+int dc_ledger_account_open(dc_ledger *l, uint32_t uid, const char *job_id, dc_ledger_account **out,
+                           dc_err *err) {
+    dc_ledger_account *acct;
+    uint64_t now = uv_hrtime();
+    size_t len = strlen(job_id), n;
+    int rc;
+
+    *out = NULL;
+    if (len >= DC_LEDGER_JOB_ID_MAX)
+        return dc_err_set(err, DC_EINVAL, "hello.job_id",
+                          "job id of %zu bytes: at most %d bytes "
+                          "are allowed (a longer id would share an account with another job)",
+                          len, DC_LEDGER_JOB_ID_MAX - 1);
+    if ((acct = dc_ledger_account_find(l, uid, job_id))) {
+        *out = acct;
+        return 0;
+    }
+    if (now - l->swept_ns >= 1000000000u) dc_ledger_expire(l, now);
+    if (l->max_jobs_per_uid && (n = dc_ledger_make_room(l, uid)) >= l->max_jobs_per_uid)
+        return dc_err_set(err, DC_ENOSPACE, "ledger.max_jobs_per_uid",
+                          "uid %u already has %zu jobs in the privacy ledger, the most "
+                          "ledger.max_jobs_per_uid allows; a job's account goes once its "
+                          "sessions have ended (ledger.job_idle_s after its last step)",
+                          uid, n);
+    if (dc_ledger_persistent(l) && (rc = load_account(l, uid, job_id, &acct, err)) != 0) return rc;
+    if (!acct && !(acct = dc_ledger_account_new(l, uid, job_id)))
+        return dc_err_set(err, DC_ENOSPACE, "ledger", "out of memory for the ledger");
+    *out = acct;
+    return 0;
+}
+
+dc_ledger_account *dc_ledger_account_get(dc_ledger *l, uint32_t uid, const char *job_id) {
+    dc_ledger_account *acct;
+    return dc_ledger_account_open(l, uid, job_id, &acct, NULL) == 0 ? acct : NULL;
 }
 
 static int ends_with(const char *s, const char *suffix) {

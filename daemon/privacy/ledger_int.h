@@ -1,5 +1,6 @@
 /* Internals shared by ledger.c (accounts and accounting) and ledger_file.c
- * (the account files, opening and closing a ledger). Loop thread only. */
+ * (the account files, opening and closing a ledger, opening an account),
+ * which builds on ledger.c. Loop thread only. */
 #ifndef DC_LEDGER_INT_H
 #define DC_LEDGER_INT_H
 
@@ -15,10 +16,10 @@ void dc_ledger_recompute(dc_ledger_account *acct);
 dc_ledger_entry *dc_ledger_add_entry(dc_ledger *l, dc_ledger_account *acct, double q, double sigma);
 /* A new empty account in memory (no checks); NULL when out of memory. */
 dc_ledger_account *dc_ledger_account_new(dc_ledger *l, uint32_t uid, const char *job_id);
-/* Reads the file of (uid, job id) back: *out is the account, or NULL when it
- * has no file. An error names the file. */
-int dc_ledger_load_account(dc_ledger *l, uint32_t uid, const char *job_id, dc_ledger_account **out,
-                           dc_err *err);
+/* How many accounts uid holds in memory, after dropping, at the cap, those
+ * of uid that nothing uses and that lose nothing by going (never spent, or
+ * on disk: read back when named), whatever their idle time. */
+size_t dc_ledger_make_room(dc_ledger *l, uint32_t uid);
 /* Frees every account. */
 void dc_ledger_drop_accounts(dc_ledger *l);
 
