@@ -34,100 +34,6 @@ typedef struct cpu_backend {
     dc_cpu_scratch s;
 } cpu_backend;
 
-/* --- scratch helpers (declared in cpu.h) -------------------------------------- */
-
-void *dc_cpu_buf_reserve(dc_cpu_buf *b, size_t bytes) {
-    if (bytes > b->used) b->used = bytes;
-    if (bytes <= b->cap && b->p) return b->p;
-    /* Grow by at least half again so slowly increasing shapes do not
-     * reallocate every step; 64-byte alignment suits AVX-512 loads. */
-    size_t want = bytes + bytes / 2;
-    if (want < bytes) want = bytes;
-    want = (want + 63) & ~(size_t)63;
-    if (want < bytes) return NULL;
-    void *p = aligned_alloc(64, want ? want : 64);
-    if (!p) return NULL;
-    free(b->p);
-    b->p = p;
-    b->cap = want;
-    return p;
-}
-
-void dc_cpu_buf_free(dc_cpu_buf *b) {
-    free(b->p);
-    b->p = NULL;
-    b->cap = 0;
-    b->used = 0;
-}
-
-void dc_cpu_scratch_free(dc_cpu_scratch *s) {
-    dc_cpu_buf_free(&s->in);
-    dc_cpu_buf_free(&s->grad);
-    dc_cpu_buf_free(&s->work);
-    dc_cpu_buf_free(&s->work2);
-    dc_cpu_buf_free(&s->order);
-    dc_cpu_buf_free(&s->out);
-    dc_cpu_buf_free(&s->stats);
-    dc_cpu_buf_free(&s->layers);
-    dc_cpu_buf_free(&s->idx);
-    dc_cpu_buf_free(&s->scaled);
-    dc_cpu_buf_free(&s->tie);
-}
-
-/* Scratch a worker keeps between steps whatever they needed. */
-#define SCRATCH_KEEP ((size_t)16 << 20)
-
-/* After a step: a buffer over SCRATCH_KEEP that this step used less than
- * half of goes back to the system, so one outlier step does not leave an
- * idle worker holding its peak; steady large steps keep theirs. */
-static void scratch_trim(dc_cpu_scratch *s) {
-    dc_cpu_buf *all[] = {&s->in,    &s->grad,   &s->work, &s->work2,  &s->order, &s->out,
-                         &s->stats, &s->layers, &s->idx,  &s->scaled, &s->tie};
-    for (size_t i = 0; i < sizeof all / sizeof all[0]; i++) {
-        dc_cpu_buf *b = all[i];
-        if (b->cap > SCRATCH_KEEP && b->used < b->cap / 2) dc_cpu_buf_free(b);
-        b->used = 0;
-    }
-}
-
-size_t dc_cpu_scratch_bytes(const dc_cpu_scratch *s) {
-    const dc_cpu_buf *all[] = {&s->in,    &s->grad,   &s->work, &s->work2,  &s->order, &s->out,
-                               &s->stats, &s->layers, &s->idx,  &s->scaled, &s->tie};
-    size_t n = 0;
-    for (size_t i = 0; i < sizeof all / sizeof all[0]; i++) n += all[i]->cap;
-    return n;
-}
-
-size_t dc_cpu_numel(const dc_tensor *t) {
-    size_t n = 1;
-    for (int i = 0; i < t->ndim; i++) n *= (size_t)t->shape[i];
-    return n;
-}
-
-int dc_cpu_layer_f32(dc_cpu_scratch *s, const dc_layer *l, uint32_t B, const float **x,
-                     const float **g) {
-    size_t rows = (size_t)B * (size_t)l->T;
-    *x = NULL;
-    if (l->kind != DC_LAYER_EMBEDDING &&
-        !(*x = dc_cpu_as_f32(&s->in, &l->input, rows * (size_t)l->d)))
-        return -1;
-    *g = dc_cpu_as_f32(&s->grad, &l->grad,
-                       rows * (size_t)(l->kind == DC_LAYER_LINEAR ? l->p : l->d));
-    return *g ? 0 : -1;
-}
-
-const float *dc_cpu_as_f32(dc_cpu_buf *buf, const dc_tensor *t, size_t n) {
-    if (t->dtype == DC_F32) return t->data;
-    float *out = dc_cpu_buf_reserve(buf, n * sizeof(float));
-    if (!out) return NULL;
-    const uint16_t *h = t->data;
-    if (t->dtype == DC_BF16)
-        for (size_t i = 0; i < n; i++) out[i] = dc_bf16_to_f32(h[i]);
-    else
-        for (size_t i = 0; i < n; i++) out[i] = dc_f16_to_f32(h[i]);
-    return out;
-}
-
 /* --- run_step -------------------------------------------------------------- */
 
 /* First element of v[n] that is not finite once stored as dtype t, or -1:
@@ -556,7 +462,7 @@ static int run_phases(dc_backend *be, const dc_step *step, enum run_phases want,
 
 static int cpu_run_step(dc_backend *be, const dc_step *step, dc_step_result *res, dc_err *err) {
     int rc = run_phases(be, step, PHASE_ALL, NULL, NULL, NULL, res, err);
-    scratch_trim(&((cpu_backend *)be)->s);
+    dc_cpu_scratch_trim(&((cpu_backend *)be)->s);
     return rc;
 }
 
@@ -565,7 +471,7 @@ static int cpu_run_norms(dc_backend *be, const dc_step *step, double *n2, dc_kep
                          dc_err *err) {
     (void)kept;
     int rc = run_phases(be, step, PHASE_NORMS, n2, NULL, NULL, NULL, err);
-    scratch_trim(&((cpu_backend *)be)->s);
+    dc_cpu_scratch_trim(&((cpu_backend *)be)->s);
     return rc;
 }
 
@@ -575,7 +481,7 @@ static int cpu_run_clip(dc_backend *be, const dc_step *step, const double *n2, c
     (void)kept;
     (void)kept_at;
     int rc = run_phases(be, step, PHASE_CLIP, NULL, n2, tot, res, err);
-    scratch_trim(&((cpu_backend *)be)->s);
+    dc_cpu_scratch_trim(&((cpu_backend *)be)->s);
     return rc;
 }
 

@@ -1,5 +1,6 @@
 /* Internal interface of the CPU backend (backend_cpu.c drives cpu_check.c,
- * cpu_norms.c and cpu_clip.c). Outside daemon/compute it serves the CUDA
+ * cpu_norms.c and cpu_clip.c, which all take their scratch from
+ * cpu_scratch.c). Outside daemon/compute it serves the CUDA
  * backend (cuda/backend/backend_int.h: its host-side rescue reuses these norms), the tests and
  * the benchmarks.
  *
@@ -56,6 +57,10 @@ void dc_cpu_backend_set_clip_how(dc_backend *be, unsigned how);
 
 /* Bytes of scratch held now (tests: an outlier's scratch is given back). */
 size_t dc_cpu_scratch_bytes(const dc_cpu_scratch *s);
+/* After a step: a buffer over 16 MiB that the step used less than half of
+ * goes back to the system (one outlier step leaves no idle worker holding
+ * its peak; steady large steps keep theirs); every buffer's use restarts. */
+void dc_cpu_scratch_trim(dc_cpu_scratch *s);
 /* The same for a CPU backend instance made by dc_cpu_backend_create. */
 size_t dc_cpu_backend_scratch_bytes(dc_backend *be);
 
