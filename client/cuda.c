@@ -117,14 +117,6 @@ static int register_handle(dpclip_client *c, const void *handle, uint64_t size, 
     return cl_register_buffer(c, &rb, -1, id);
 }
 
-void cl_cuda_forget(dpclip_client *c, uint64_t id) {
-    for (size_t i = 0; i < c->cb_n; i++)
-        if (c->cuda_bufs[i].id == id) {
-            c->cuda_bufs[i] = c->cuda_bufs[--c->cb_n];
-            return;
-        }
-}
-
 /* The cached registration of an allocation the driver names by its id
  * (*cu_id: that id, 0 where the driver gives none); NULL if none. */
 static cl_cuda_buf *cached(dpclip_client *c, cl_cudeviceptr p, uint64_t *cu_id) {

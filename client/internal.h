@@ -1,6 +1,8 @@
-/* libdpclip internals shared by client.c (handles, requests, completions),
- * step_build.c (step objects and the ClipStep message) and framing.c (frames
- * over the Unix socket). Nothing here is exported: the library is built with
+/* libdpclip internals shared by its files, in the order they build on each
+ * other: conn.c (a handle's state under its lock: errors, the request FIFO,
+ * completions, results), framing.c (frames over the Unix socket), calls.c
+ * (a request and its reply), step_build.c (step objects and the ClipStep
+ * message), buffers.c, cuda.c, submit.c (running steps), client.c (handles). Nothing here is exported: the library is built with
  * -fvisibility=hidden and only DPCLIP_API functions are visible.
  *
  * Locking: every public call on a dpclip_client takes c->mu for its whole
@@ -133,7 +135,7 @@ struct dpclip_client {
     uint64_t packed_ver;
 };
 
-/* --- errors (client.c) ---------------------------------------------------- */
+/* --- errors, locking, the FIFO, results (conn.c) ------------------------- */
 /* Records code/message/field on the handle; returns code. */
 int cl_fail(dpclip_client *c, int code, const char *field, const char *fmt, ...)
     __attribute__((format(printf, 4, 5)));
@@ -149,26 +151,15 @@ int cl_keep_notice(dpclip_client *c, const Dpclip__Reply *r);
 void cl_lock(dpclip_client *c);
 /* Drops the lock, then runs the callbacks collected meanwhile. */
 void cl_unlock(dpclip_client *c);
-/* Sends req and waits for its reply (completing earlier submits on the
- * way). On success *out is the reply with body `expect` (free with
- * dpclip__reply__free_unpacked); an Error reply becomes the handle's error
- * and its code. Caller holds the lock. */
-int cl_call(dpclip_client *c, Dpclip__Request *req, int pass_fd, Dpclip__Reply__BodyCase expect,
-            int64_t deadline, Dpclip__Reply **out);
 
-/* RegisterBuffer (rb filled but for the request envelope; pass_fd >= 0 is
- * attached) and ReleaseBuffer (also drops our mapping / CUDA cache entry).
- * Caller holds the lock. */
-int cl_register_buffer(dpclip_client *c, Dpclip__RegisterBuffer *rb, int pass_fd, uint64_t *id);
-int cl_release_buffer(dpclip_client *c, uint64_t buffer_id);
-
-/* The request FIFO (client.c), used by submit.c: room for one more request
- * before it is sent; the request, once sent; one reply read (a synchronous
- * request's is handed back in *sync, an async one completed; an early
- * notice marks its step and pops nothing). */
+/* The request FIFO: room for one more request before it is sent; the
+ * request, once sent. An async request completed with `status` (its result,
+ * if any, already in d->res), queued where its owner finds it; every
+ * request in flight failed so (the connection went). */
 int cl_reserve_pending(dpclip_client *c);
 void cl_push_pending(dpclip_client *c, const cl_pending *p);
-int cl_read_one(dpclip_client *c, int64_t deadline, Dpclip__Reply **sync);
+void cl_finish(dpclip_client *c, cl_done *d, int status, const char *field, const char *msg);
+void cl_fail_all_pending(dpclip_client *c, const char *msg);
 /* A daemon ErrorCode as our DPCLIP_E* value (they are equal; bogus values
  * become DPCLIP_EINTERNAL). */
 int cl_daemon_code(Dpclip__ErrorCode code);
@@ -176,9 +167,28 @@ int cl_daemon_code(Dpclip__ErrorCode code);
 int cl_to_result(const Dpclip__ClipStepReply *r, uint32_t batch, uint32_t n_layers,
                  dpclip_result *res, char *msg, size_t msgn);
 
-/* --- CUDA (cuda.c) -------------------------------------------------------- */
-/* Forgets a released buffer id (no-op for non-CUDA buffers). */
+/* --- a request and its reply (calls.c) ------------------------------------ */
+/* One reply read (a synchronous request's is handed back in *sync, an async
+ * one completed; an early notice marks its step and pops nothing). */
+int cl_read_one(dpclip_client *c, int64_t deadline, Dpclip__Reply **sync);
+/* Sends req and waits for its reply (completing earlier submits on the
+ * way). On success *out is the reply with body `expect` (free with
+ * dpclip__reply__free_unpacked); an Error reply becomes the handle's error
+ * and its code. Caller holds the lock. */
+int cl_call(dpclip_client *c, Dpclip__Request *req, int pass_fd, Dpclip__Reply__BodyCase expect,
+            int64_t deadline, Dpclip__Reply **out);
+
+/* --- buffers (buffers.c) -------------------------------------------------- */
+/* RegisterBuffer (rb filled but for the request envelope; pass_fd >= 0 is
+ * attached) and ReleaseBuffer (also drops our mapping / CUDA cache entry).
+ * Caller holds the lock. */
+int cl_register_buffer(dpclip_client *c, Dpclip__RegisterBuffer *rb, int pass_fd, uint64_t *id);
+int cl_release_buffer(dpclip_client *c, uint64_t buffer_id);
+/* Forgets a released buffer id among the CUDA registrations (no-op for
+ * non-CUDA buffers). */
 void cl_cuda_forget(dpclip_client *c, uint64_t id);
+
+/* --- CUDA (cuda.c) -------------------------------------------------------- */
 /* dpclip_buffer_register_cuda with the handle's lock held. */
 int cl_cuda_ref_locked(dpclip_client *c, uint64_t dev_ptr, uint64_t *buffer_id, uint64_t *offset);
 

@@ -13,15 +13,6 @@
 
 /* --- steps --------------------------------------------------------------- */
 
-DPCLIP_API void dpclip_result_free(dpclip_result *r) {
-    if (!r) return;
-    free(r->norms);
-    free(r->coefs);
-    free(r->layer_norms);
-    free(r->layer_coefs);
-    memset(r, 0, sizeof *r);
-}
-
 /* Builds and sends the step; for async kinds `d` becomes the pending
  * request's completion record. */
 static int send_step(dpclip_client *c, const dpclip_step *s, cl_req_kind kind, cl_done *d) {
