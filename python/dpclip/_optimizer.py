@@ -2,14 +2,11 @@
 engine (dpclip.torch.PrivacyEngine) fill param.grad with the private
 gradient, then runs the wrapped optimizer's step."""
 import collections
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
 from . import _batches
-
-if TYPE_CHECKING:
-    from .torch import PrivacyEngine
 
 
 class DPOptimizer(torch.optim.Optimizer):
@@ -19,7 +16,8 @@ class DPOptimizer(torch.optim.Optimizer):
     work on either)."""
 
     def __init__(self, optimizer: torch.optim.Optimizer,
-                 engine: "PrivacyEngine") -> None:  # pylint: disable=super-init-not-called
+                 engine: Any) -> None:  # pylint: disable=super-init-not-called
+        # engine: the dpclip.torch.PrivacyEngine (which imports this module)
         # Optimizer.__init__ would rebuild param_groups; share the wrapped ones.
         self.original_optimizer = optimizer
         self.engine = engine

@@ -86,8 +86,9 @@ from ._lib import DpclipError
 from ._guard import Guard, UnclippedGradientError
 from ._optimizer import DPOptimizer
 from .data import DPDataLoader
+from ._collect import collect_layers
 from ._layers import (  # noqa: F401  (UnsupportedModuleError is public API)
-    UnsupportedModuleError, _Layer, _collect_layers, _mixing, _mixing_error)
+    UnsupportedModuleError, _Layer, _mixing, _mixing_error)
 from . import _mha
 from ._mha import DPMultiheadAttention, replace_mha  # noqa: F401  (public API)
 from ._registry import register, supported_layers  # noqa: F401  (public API)
@@ -340,7 +341,7 @@ class PrivacyEngine:
         fsdp = _fsdp.is_fsdp2(module)
         if replace_mha:
             _mha.replace_mha(module)
-        layers, norms = _collect_layers(self, module)
+        layers, norms = collect_layers(self, module)
         if check_first_step and not fsdp:
             _verify.install(self, module, layers)
         device = layers[0].weight.device
