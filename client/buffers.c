@@ -1,4 +1,4 @@
-/* libdpclip: buffers the daemon maps (docs/protocol.md, "Buffers"):
+/* libdpclip: buffers the daemon maps (docs/protocol.md, "Session"):
  * shared memory this library allocates (memfd, sealed) or a caller's fd,
  * registered and released; a released id is also forgotten by the CUDA
  * registrations (cuda.c keeps those in c->cuda_bufs). */

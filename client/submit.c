@@ -1,6 +1,6 @@
 /* libdpclip: running steps. dpclip_run (blocking), dpclip_submit and
  * dpclip_submit_cb (pipelined), dpclip_wait / dpclip_wait_enqueued /
- * dpclip_poll (completions), over the request FIFO of client.c. A step
+ * dpclip_poll (completions), over the request FIFO of conn.c. A step
  * object that has not changed since it was last sent is re-sent from its
  * packed bytes (c->packed), so a trainer's every-iteration step costs no
  * message building. */
