@@ -277,3 +277,42 @@ def test_grads_alias_the_outputs_while_the_notice_is_awaited(stubs, monkeypatch)
     with pytest.raises(_lib.DpclipError):
         io.run(Sending(), _planner.Plan([], [out]), 1, torch.device("cpu"), 0, False, True)
     assert param.grad is before
+
+
+def test_a_template_plan_rebinds_without_comparing_parts(monkeypatch):
+    """CudaIPC._layers: a plan made again from the template of the one the
+    step holds rebinds (its parts are that plan's); a plan of another
+    serial rebinds where its parts' signature is the same, and takes the
+    serial over; other parts build the step again."""
+    from dpclip._layers import Part
+    built, rebound = [], []
+
+    class Layout(_Step):
+        layout = 3
+
+        def reset(self, nb):
+            built.append(nb)
+
+        def rebind_cuda(self, client, ptrs):
+            rebound.append(list(ptrs))
+
+    monkeypatch.setattr(_cuda, "add_layers", lambda step, parts, algorithm, refs: None)
+    signatures = []
+    real = _cuda._signature
+    monkeypatch.setattr(_cuda, "_signature", lambda plan: signatures.append(1) or real(plan))
+
+    def plan(width, serial):
+        pt = Part(None, "linear", "fc", None, None, (2, 3, width), torch.float32, (2, 3, 5),
+                  torch.float32, None, None, False)
+        return _planner.Plan([pt], [], bool(serial), serial)
+
+    io, step = _cuda.CudaIPC(_Client()), Layout()
+    assert io._layers(step, plan(4, 7), 2, 0, None, [1, 2], False) is False  # built
+    assert io._layers(step, plan(4, 7), 2, 0, None, [3, 4], False) is True   # its template
+    assert len(signatures) == 1 and rebound == [[3, 4]]
+    assert io._layers(step, plan(4, 9), 2, 0, None, [5, 6], False) is True   # same parts
+    assert len(signatures) == 2 and io._bound[5] == 9
+    assert io._layers(step, plan(4, 9), 2, 0, None, [7, 8], False) is True
+    assert len(signatures) == 2  # serial 9 taken over: no comparison
+    assert io._layers(step, plan(6, 0), 2, 0, None, [9, 9], False) is False  # other parts
+    assert built == [2, 2] and rebound == [[3, 4], [5, 6], [7, 8]]
