@@ -66,10 +66,12 @@ run_row() {
     esac
     dev="" tiny="" precision="--precision bf16"
     if [ "$cpu" = 1 ]; then
+        # the rows' models in miniature (gpt_long: fewer, longer sequences)
         dev="--device cpu" precision="--precision fp32"
-        tiny="--blocks 1 --d 32 --heads 2 --ffn 64 --vocab 67 --seq 12 --batch 3 --steps 2 --warmup 1"
-        [ "$row" = gpt_long ] && size="" tiny="--blocks 1 --d 32 --heads 2 --ffn 64 --vocab 67 --seq 24 --batch 2 --steps 2 --warmup 1"
-        [ "$row" = llama1b ] && tiny="--blocks 1 --d 32 --heads 2 --ffn 64 --vocab 67 --seq 12 --batch 3 --steps 2 --warmup 1"
+        shape="--seq 12 --batch 3" steps=2
+        [ "$row" = gpt_long ] && shape="--seq 24 --batch 2"
+        [ "$row" = host ] && steps=3
+        size="" tiny="--blocks 1 --d 32 --heads 2 --ffn 64 --vocab 67 $shape --steps $steps --warmup 1"
     fi
     if [ "$row" = hf_gpt2 ] && ! "$py" -c "import transformers" >/dev/null 2>&1; then
         echo "{\"row\": \"$row\", \"mps\": $2, \"skipped\": \"transformers is not importable by $py\"}"
@@ -94,7 +96,6 @@ run_row() {
             "$py" "$root/bench/bench_hf_step.py" --socket "$sock" --models gpt2 \
                 --modes plain,dpclip --repeat "$repeat" $hf >"$rundir/out" 2>"$rundir/err" || rc=$? ;;
         host)
-            if [ "$cpu" = 1 ]; then tiny="--blocks 1 --d 32 --heads 2 --vocab 67 --seq 12 --batch 3 --steps 3 --warmup 1"; fi
             "$py" "$root/bench/bench_host_overhead.py" --socket "$sock" --model gpt $dev $tiny \
                 >"$rundir/out" 2>"$rundir/err" || rc=$? ;;
         *)
