@@ -1,7 +1,8 @@
 """The CUDA transport: GPU tensors are named in place through CUDA IPC (one
 registration per caching-allocator block, cached by libdpclip), outputs go
-into one flat CUDA tensor per parameter that the engine keeps and param.grad
-aliases (a view; a copy where the layout or dtype differs), and
+into one flat CUDA tensor per parameter, slices end to end of one arena per
+dtype, that the engine keeps and param.grad aliases (a view; a copy where
+the layout or dtype differs), and
 ordering uses two interprocess events per device: the trainer records
 `ready` on its stream before the step, the daemon waits on it and records
 `done`, the trainer's stream waits on `done`. No host synchronisation beyond
@@ -99,6 +100,46 @@ def _alias(outs: Sequence[Out], aliased: List[Tuple[torch.Tensor, Optional[torch
         if o.alias is not None:
             aliased.append((o.param, o.param.grad))
             o.param.grad = o.alias
+
+
+# Where the outputs' buffers start within their arena: a multiple of this
+# many elements (16 bytes of f32), so that the daemon's stores stay vectors
+_OUT_ALIGN = 4
+
+
+def _out_buffers(client: Any, outs: Sequence[Out], device: torch.device) -> bool:
+    """Gives each output without a buffer on `device` one: a slice of a new
+    zeroed arena per dtype, in the outputs' order, registered once (True:
+    some were made). The engine holds the outputs for its lifetime, so
+    their allocations cannot be freed and reused: the references stay valid
+    (activations and output grads are new tensors every step and go through
+    libdpclip's check). Zeros, not the allocator's leftovers: a step that
+    fails where the daemon cannot zero its outputs (a broken CUDA context)
+    still releases the trainer's stream, which then applies what the buffer
+    holds (the error follows at the next collection): nothing, or the last
+    released gradient, never memory this process used for its data. One
+    arena rather than a tensor each: the param.grad views of consecutive
+    parameters are then consecutive in memory, so the data-parallel
+    all-reduce sums a bucket in place (dpclip._gate) instead of gathering
+    it into a copy and scattering it back."""
+    todo = [o for o in outs if o.buf is None or o.buf.device != device]
+    if not todo:
+        return False
+    by_dtype: Dict[torch.dtype, List[Out]] = {}
+    for o in todo:
+        by_dtype.setdefault(o.dtype, []).append(o)
+    for dtype, group in by_dtype.items():
+        offs, n = [], 0
+        for o in group:
+            offs.append(n)
+            n += -(-o.numel // _OUT_ALIGN) * _OUT_ALIGN
+        arena = torch.zeros(n, dtype=dtype, device=device)
+        for o, off in zip(group, offs):
+            o.buf = arena[off:off + o.numel]
+            o.ref = client.register_cuda(o.buf.data_ptr())
+            view = o.grad(o.buf)
+            o.alias = view if view.dtype == o.param.dtype and view.is_contiguous() else None
+    return True
 
 
 def _signature(plan: Plan) -> List[Tuple[Any, ...]]:
@@ -323,24 +364,7 @@ class CudaIPC(Transport):
         keep = [(pt.inp, pt.grad) for pt in plan.parts] if plan.wired else \
             [_wire(pt, device) for pt in plan.parts]
         ptrs = [t.data_ptr() for pair in keep for t in pair]
-        fresh = False
-        for o in plan.outs:
-            if o.buf is None or o.buf.device != device:
-                # The engine holds the output tensors for its lifetime, so
-                # their allocation cannot be freed and reused: the references
-                # stay valid and are made once (activations and output grads
-                # are new tensors every step and go through libdpclip's check).
-                # Zeros, not the allocator's leftovers: a step that fails
-                # where the daemon cannot zero its outputs (a broken CUDA
-                # context) still releases the trainer's stream, which then
-                # applies what the buffer holds (the error follows at the
-                # next collection): nothing, or the last released gradient,
-                # never memory this process used for its data.
-                o.buf = torch.zeros(o.numel, dtype=o.dtype, device=device)
-                o.ref = self.client.register_cuda(o.buf.data_ptr())
-                view = o.grad(o.buf)
-                o.alias = view if view.dtype == o.param.dtype and view.is_contiguous() else None
-                fresh = True
+        fresh = _out_buffers(self.client, plan.outs, device)
 
         def out_ref(sl: Optional[Slice]) -> _lib.Tensor:
             if sl is None:

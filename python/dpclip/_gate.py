@@ -17,7 +17,7 @@ import torch
 
 from . import _lib
 
-__all__ = ["Gate", "buckets", "BUCKET_ELEMS"]
+__all__ = ["Gate", "buckets", "span", "BUCKET_ELEMS"]
 
 # Gradient elements per data-parallel all-reduce: one collective per
 # parameter costs a launch and a latency-bound exchange each (~150 for
@@ -66,6 +66,27 @@ def grad_buckets(params: Sequence[torch.Tensor], limit: Optional[int] = None
     return [list(params[a:b]) for a, b in runs]
 
 
+def span(grads: Sequence[torch.Tensor]) -> Optional[torch.Tensor]:
+    """One flat view of grads where they lie end to end in one storage, in
+    their order, each contiguous (the CUDA transport's outputs: one arena,
+    dpclip._cuda._out_buffers), so that a collective runs on them in place;
+    None otherwise. Exactly end to end: a gap could be another tensor's
+    memory, which the collective would overwrite."""
+    g0 = grads[0]
+    base = _storage_ptr(g0)
+    at = g0.storage_offset()
+    for g in grads:
+        if not g.is_contiguous() or _storage_ptr(g) != base or g.storage_offset() != at:
+            return None
+        at += g.numel()
+    return torch.as_strided(g0, (at - g0.storage_offset(),), (1,), g0.storage_offset())
+
+
+def _storage_ptr(t: torch.Tensor) -> int:
+    """The address of t's storage (torch < 2: storage())."""
+    return (t.untyped_storage() if hasattr(t, "untyped_storage") else t.storage()).data_ptr()
+
+
 class Gate:
     """One engine's gate over its data-parallel ranks (group: None, all).
     lacks: what a sum without every rank's result could lack, for the error
@@ -112,10 +133,13 @@ class Gate:
         bad = ok[0] == 0
         for bucket in grad_buckets(params):
             grads = [p.grad for p in bucket]
-            flat = grads[0] if len(grads) == 1 else torch.cat([g.reshape(-1) for g in grads])
+            flat = grads[0] if len(grads) == 1 else span(grads)
+            gathered = flat is None
+            if gathered:
+                flat = torch.cat([g.reshape(-1) for g in grads])
             dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.group)
             flat.masked_fill_(bad, 0)  # masked, not multiplied: a stale grad may be NaN
-            if len(grads) > 1:
+            if gathered:
                 for g, part in zip(grads, flat.split([g.numel() for g in grads])):
                     g.copy_(part.view_as(g))
         if deferred:

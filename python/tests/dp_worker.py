@@ -225,3 +225,54 @@ def run_rank_job_id(rank, world, init_file, socket_path, out_dir):
         torch.save(out, os.path.join(out_dir, "job%d.pt" % rank))
     finally:
         dist.destroy_process_group()
+
+
+def run_rank_gate(rank, world, init_file, out_dir):
+    """The gate's all-reduce of gradients that lie end to end in one arena
+    (the CUDA transport's outputs) and of ones that do not: each rank's
+    gradients are (rank + 1) * (index + 1); a sentinel sits in the arena's
+    gap, which no collective may touch. Then a step failing on rank 1
+    (its flag 0). Saves the results and whether the arena was summed in place."""
+    dist.init_process_group("gloo", init_method="file://" + init_file, rank=rank,
+                            world_size=world, timeout=datetime.timedelta(seconds=60))
+    try:
+        arena = torch.zeros(64)
+        params, spans = [], [(0, 6), (6, 16), (16, 20), (24, 30)]  # a gap at 20..24
+        for i, (a, b) in enumerate(spans):
+            p = torch.nn.Parameter(torch.zeros(b - a))
+            p.grad = arena[a:b]
+            p.grad.fill_((rank + 1) * (i + 1))
+            params.append(p)
+        loose = torch.nn.Parameter(torch.zeros(3))  # a tensor of its own
+        loose.grad = torch.full((3,), 10.0 * (rank + 1))
+        params.append(loose)
+        arena[20:24] = 99.0
+        ptrs = [p.grad.data_ptr() for p in params]
+        # buckets: the run of 20 end to end; the one past the gap with the loose one
+        _gate.BUCKET_ELEMS = 20
+        gathered = []
+        cat = torch.cat
+
+        def counted(ts, *a, **k):
+            gathered.append(sum(t.numel() for t in ts))
+            return cat(ts, *a, **k)
+
+        torch.cat = counted
+        gate = _gate.Gate(world)
+        try:
+            gate.reduce(params, torch.ones(1), None, 1, False)
+        finally:
+            torch.cat = cat
+        out = {"grads": [p.grad.clone() for p in params], "arena": arena.clone(),
+               "same": [p.grad.data_ptr() for p in params] == ptrs, "gathered": gathered}
+        ok = torch.zeros(1) if rank == 1 else torch.ones(1)
+        try:
+            gate.reduce(params, ok, None, 2, False)
+            out["error"] = None
+        except DpclipError as e:
+            out["error"] = e.message
+        out["failed"] = [p.grad.clone() for p in params]
+        out["arena_failed"] = arena.clone()
+        torch.save(out, os.path.join(out_dir, "gate%d.pt" % rank))
+    finally:
+        dist.destroy_process_group()

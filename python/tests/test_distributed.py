@@ -9,7 +9,7 @@ import torch
 
 from dpclip import _lib
 from dpclip.torch import PrivacyEngine, reduce_loss
-from dp_worker import run_rank, run_rank_failure, run_rank_job_id, run_rank_loader
+from dp_worker import run_rank, run_rank_failure, run_rank_gate, run_rank_job_id, run_rank_loader
 from models import SeqModel, per_sample_losses, seq_data
 from models import spawn as _spawn
 
@@ -64,6 +64,30 @@ def test_gradient_buckets_keep_order_dtype_and_size():
         assert len({p.grad.dtype for p in b}) == 1
         assert len(b) == 1 or sum(p.numel() for p in b) <= 64
     assert [len(b) for b in got] == [2, 1, 1, 2, 1]
+
+
+def test_gate_sums_an_arena_in_place_and_touches_no_gap(tmp_path):
+    """Gradients end to end in one arena (the CUDA transport's outputs) are
+    all-reduced in place, one collective over the run; one past a gap and
+    one of its own through a gathered copy; the gap's memory is left alone.
+    A step failing on one rank zeroes every gradient and raises on both."""
+    from dpclip import _gate
+    _spawn(run_rank_gate, (2, str(tmp_path / "init"), str(tmp_path)))
+    got = [torch.load(os.path.join(str(tmp_path), "gate%d.pt" % r)) for r in range(2)]
+    for r in range(2):
+        g = got[r]
+        assert g["same"]  # param.grad still the arena's views
+        assert g["gathered"] == [9]  # only the bucket past the gap went through a copy
+        want = [3.0 * (i + 1) for i in range(4)] + [30.0]  # (1 + 2) * value of rank 0
+        for t, w in zip(g["grads"], want):
+            assert torch.equal(t, torch.full_like(t, w)), (r, t, w)
+        assert torch.equal(g["arena"][20:24], torch.full((4,), 99.0))  # the gap untouched
+        assert torch.equal(g["arena"][0:20], torch.cat(g["grads"][:3]))  # summed in place
+        assert g["error"] is not None and "applied on no rank" in g["error"], g["error"]
+        assert all(float(t.abs().max()) == 0.0 for t in g["failed"])
+        assert torch.equal(g["arena_failed"][20:24], torch.full((4,), 99.0))
+    params = [torch.zeros(6), torch.zeros(10)]
+    assert _gate.span(params) is None  # two tensors: gathered, as before
 
 
 def test_a_step_failing_on_rank_0_is_applied_nowhere(daemon, tmp_path):

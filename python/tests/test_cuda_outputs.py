@@ -1,0 +1,82 @@
+"""The CUDA transport's output buffers (dpclip._cuda._out_buffers), on the
+CPU with the client stubbed: every output without a buffer gets a slice of
+one zeroed arena per dtype, in the outputs' order, each registered at its
+own address, param.grad's alias a view of it; outputs that have one keep
+it. Consecutive parameters' gradients then lie end to end, which the
+data-parallel all-reduce sums in place (dpclip._gate.span)."""
+import torch
+
+from dpclip import _cuda, _gate
+from dpclip._gate import _storage_ptr
+from dpclip._layers import Out
+
+
+class _Client:
+    def __init__(self):
+        self.registered = []
+
+    def register_cuda(self, ptr):
+        self.registered.append(ptr)
+        return 5, len(self.registered)
+
+
+def _outs(*shapes, dtype=torch.float32):
+    return [Out(torch.nn.Parameter(torch.ones(s, dtype=dtype))) for s in shapes]
+
+
+def test_outputs_share_one_zeroed_arena_in_order():
+    client = _Client()
+    outs = _outs((3, 4), (8,), (5,), (2, 2))
+    cpu = torch.device("cpu")
+    assert _cuda._out_buffers(client, outs, cpu)
+    base = _storage_ptr(outs[0].buf)
+    at = 0
+    for o in outs:
+        assert _storage_ptr(o.buf) == base  # one arena
+        assert o.buf.storage_offset() == at and o.buf.numel() == o.numel
+        assert o.buf.storage_offset() % _cuda._OUT_ALIGN == 0  # vector stores stay possible
+        assert float(o.buf.abs().sum()) == 0.0  # zeros, not leftovers
+        assert o.alias is not None and o.alias.shape == o.param.shape
+        assert o.alias.data_ptr() == o.buf.data_ptr()
+        at += -(-o.numel // _cuda._OUT_ALIGN) * _cuda._OUT_ALIGN
+    assert client.registered == [o.buf.data_ptr() for o in outs]  # each at its own address
+    assert [o.ref for o in outs] == [(5, 1), (5, 2), (5, 3), (5, 4)]
+    # made once: a later step keeps them
+    kept = [o.buf for o in outs]
+    assert not _cuda._out_buffers(client, outs, cpu)
+    assert all(o.buf is b for o, b in zip(outs, kept)) and len(client.registered) == 4
+    # the gradients of the aligned run lie end to end: one view for a collective
+    grads = [o.alias for o in outs]
+    flat = _gate.span(grads[:2])  # 12 and 8 elements: no padding between them
+    assert flat is not None and flat.numel() == 20 and flat.data_ptr() == grads[0].data_ptr()
+    flat += 1.0
+    assert float(grads[0].sum()) == 12.0 and float(grads[1].sum()) == 8.0
+    # (5,) is padded to 8: a gap follows it, which no collective may touch
+    assert _gate.span(grads[2:]) is None
+
+
+def test_each_dtype_its_own_arena_and_only_missing_buffers_made():
+    client = _Client()
+    f32 = _outs((4,), (4,))
+    bf16 = _outs((4,), dtype=torch.bfloat16)
+    outs = [f32[0], bf16[0], f32[1]]
+    _cuda._out_buffers(client, outs, torch.device("cpu"))
+    assert bf16[0].buf.dtype == torch.bfloat16 and f32[0].buf.dtype == torch.float32
+    assert f32[1].buf.storage_offset() == 4  # its dtype's arena, after f32[0]
+    assert _storage_ptr(f32[0].buf) == _storage_ptr(f32[1].buf)
+    assert _storage_ptr(bf16[0].buf) != _storage_ptr(f32[0].buf)
+    # one output losing its buffer (as on another device) gets a new one; the others keep theirs
+    kept = f32[0].buf
+    f32[1].buf = None
+    assert _cuda._out_buffers(client, outs, torch.device("cpu"))
+    assert f32[0].buf is kept and f32[1].buf is not None and f32[1].buf.storage_offset() == 0
+
+
+def test_span_refuses_what_is_not_end_to_end():
+    a = torch.zeros(16)
+    assert _gate.span([a[0:4], a[4:10], a[10:16]]) is not None
+    assert _gate.span([a[0:4], a[5:10]]) is None  # a gap: maybe another tensor's
+    assert _gate.span([a[4:8], a[0:4]]) is None  # out of order
+    assert _gate.span([a[0:4], torch.zeros(4)]) is None  # another storage
+    m = torch.zeros(4, 4)
+    assert _gate.span([m[:, :2], m[:, 2:]]) is None  # not contiguous
