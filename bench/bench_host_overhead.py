@@ -22,7 +22,8 @@ per step, in ms of host time, the whole optimizer.step() and its stages:
 - add_layers: the step's descriptors (ctypes) handed to libdpclip;
 - rebind: a step of the last step's layout instead has its layers' inputs
   pointed at the new tensors, in one call (registrations included);
-- batch: the step's batch size from the captures (dpclip._planner.batch_size);
+- batch: the step's batch size from the captures (dpclip._planner.batch_size;
+  a steady step has its template's, under plan);
 - wire: each part's tensors in the dtypes and layout the daemon reads
   (CUDA: dpclip._cuda._wire);
 - events: the interprocess events of the step (CUDA: CudaIPC.events,
@@ -103,7 +104,8 @@ def install(t):
     from dpclip import _guard
     t.wrap(_guard.Guard, "check", "guard")
     t.wrap(_planner, "plan", "plan")
-    t.wrap(_planner.Replanner, "plan", "plan")  # (a steady step's: from the last one's template)
+    t.wrap(_planner.Replanner, "plan", "plan")
+    t.wrap(_planner.Replanner, "steady", "plan")  # (a steady step's: from the last one's template)
     t.wrap(_verify, "check_step", "check")
     for mod in (_cuda, _host, _planner):  # the transports import add_layers by name
         t.wrap(mod, "add_layers", "add_layers")

@@ -344,11 +344,12 @@ class Accumulator:
         micro-batch; the commit's success flag (data parallel)."""
         e = self.e
         with self._only(p):
-            B = _planner.batch_size(e._layers)
-            if B == 0 and e.loss_reduction == "mean" and e.expected_batch_size <= 0:
-                raise ValueError("an empty micro-batch with a mean loss needs "
-                                 "expected_batch_size")
-            plan = e._plan(B)
+            B, plan = e._planned()
+            if plan is None:
+                if B == 0 and e.loss_reduction == "mean" and e.expected_batch_size <= 0:
+                    raise ValueError("an empty micro-batch with a mean loss needs "
+                                     "expected_batch_size")
+                plan = e._plan(B)
             lid, index = self._next()
             if p is not None:
                 self.last_sent = max(self.last_sent, p)

@@ -458,8 +458,9 @@ class Sharded:
             # accumulated in the daemon; the last is the commit (None: a
             # step of one micro-batch, a whole step)
             commit = acc.sharded_commit()
-            B = _planner.batch_size(self.layers)
-            plan = e._plan(B)  # pylint: disable=protected-access
+            B, plan = e._planned()  # pylint: disable=protected-access
+            if plan is None:
+                plan = e._plan(B)  # pylint: disable=protected-access
             io = e._io(device).phases(self, plan, max(B, 1), device)  # pylint: disable=W0212
             if commit is not None:
                 self._clip.set_logical(*commit, True)

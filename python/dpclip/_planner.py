@@ -145,6 +145,17 @@ class Replanner:
             self._keep(layers, B, p)
         return p
 
+    def steady(self, layers: Sequence[_Layer]) -> Optional[Tuple[int, Plan]]:
+        """(B, the plan) of a pass whose every layer captured what the
+        template's did (same shapes and dtypes: the same batch size, which
+        batch_size() would find), without counting the batch; None
+        otherwise (a template of an empty batch included: its step drops
+        the captures first)."""
+        if self.B <= 0:
+            return None
+        p = self._again(layers, self.B)
+        return None if p is None else (self.B, p)
+
     def _again(self, layers: Sequence[_Layer], B: int) -> Optional[Plan]:
         if not self.serial or B != self.B or layers is not self.layers \
                 or len(layers) != len(self.keys):

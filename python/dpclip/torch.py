@@ -692,14 +692,15 @@ class PrivacyEngine:
         step's only micro-batch); returns (data parallel) a [1] f32 tensor
         on the gradients' device: 1 where the step's result is in
         param.grad, 0 where it is not."""
-        B = _planner.batch_size(self._layers)
-        if B == 0:
-            if self.loss_reduction == "mean" and self.expected_batch_size <= 0:
-                raise ValueError("an empty batch with a mean loss needs expected_batch_size")
-            self._drop(ended=False)  # (step() ends the step)
-        device = self._device()
         t0 = time.perf_counter()
-        plan = self._plan(B)
+        B, plan = self._planned()
+        if plan is None:
+            if B == 0:
+                if self.loss_reduction == "mean" and self.expected_batch_size <= 0:
+                    raise ValueError("an empty batch with a mean loss needs expected_batch_size")
+                self._drop(ended=False)  # (step() ends the step)
+            plan = self._plan(B)
+        device = self._device()
         run = self._io(device).run(self._step, plan, max(B, 1), device, self.algorithm,
                                    self.mode.gated, self.asynchronous)
         if run.res is None:  # asynchronous (GPU): collected later
@@ -709,6 +710,17 @@ class PrivacyEngine:
             self._finish(run.res, B)
         self._timing(t0, run.t1, run.t2, run.res is not None)
         return run.ok
+
+    def _planned(self) -> Tuple[int, Optional[_planner.Plan]]:
+        """The batch size of the pass the layers hold and, for a steady
+        step, its plan from the last one's template (without counting the
+        batch); else (B, None): the caller plans (_plan(B)) once it has
+        dealt with an empty batch."""
+        if not self._probing():
+            hit = self._replanner.steady(self._layers)
+            if hit is not None:
+                return hit
+        return _planner.batch_size(self._layers), None
 
     def _plan(self, B: int) -> _planner.Plan:
         """The plan of the pass the layers hold (B samples), after the

@@ -113,14 +113,19 @@ def test_plans_made_again_are_the_plans(daemon):
         model(x).square().mean().backward()
         B = _planner.batch_size(engine._layers)
         want = _planner.plan(engine._layers, B)
+        st = rp.steady(engine._layers)  # the batch and plan without counting
         got = rp.plan(engine._layers, B)
         _same_plan(got, want)
         assert got.wired == bool(got.serial)
+        assert (st is not None) == bool(got.serial)
+        if st is not None:
+            assert st[0] == B
+            _same_plan(st[1], want)
         serials.append(got.serial)
         seen.append(weakref.ref(engine._layers[2].records[0][0]))
         opt.step()
         opt.zero_grad()
-        del want, got
+        del want, got, st
         gc.collect()
         assert seen[-1]() is None  # the step's capture is gone: the template holds none
     # the first pass of each shape is planned afresh, the next ones from its template
@@ -128,6 +133,26 @@ def test_plans_made_again_are_the_plans(daemon):
     assert serials[1] and serials[2] == serials[1]
     assert serials[4] and serials[4] != serials[1]
     assert serials[6] and serials[6] != serials[4]
+    engine.close()
+
+
+def test_a_steady_step_is_one_of_the_templates_batch(daemon):
+    """Replanner.steady: a pass of another batch size (or an empty one) is
+    not the template's, however its layers are laid out: batch_size()
+    counts it and plan() plans it; an empty batch's template serves none."""
+    from models import private
+    torch.manual_seed(0)
+    engine, model, opt = private(daemon, _Steady(), 1.0, 4)
+    rp = engine._replanner
+    for B, steady in [(4, False), (4, True), (3, False), (3, True), (0, False), (0, False)]:
+        model(torch.randint(0, 9, (B, 5))).square().sum().backward()
+        st = rp.steady(engine._layers)
+        assert (st is not None) == steady, (B, st)
+        if st is not None:
+            assert st[0] == B == _planner.batch_size(engine._layers)
+        rp.plan(engine._layers, _planner.batch_size(engine._layers))
+        engine._drop()  # (not sent: the replanner alone is under test)
+        opt.zero_grad()
     engine.close()
 
 
