@@ -134,7 +134,8 @@ class Replanner:
         self.B = -1
         self.tmpl: List[Part] = []
         # per layer: None (captured nothing) or (input shape, grad shape,
-        # input dtype, grad dtype, its outs list)
+        # input dtype, grad dtype, its outs list, the part's fields before
+        # its tensors, and after them)
         self.keys: List[Optional[Tuple[Any, ...]]] = []
         self.outs: List[Out] = []
 
@@ -161,6 +162,7 @@ class Replanner:
                 or len(layers) != len(self.keys):
             return None
         parts = []
+        new = tuple.__new__  # (a Part from its fields, without NamedTuple's own __new__)
         for l, t, k in zip(layers, self.tmpl, self.keys):
             r = l.records
             if k is None:
@@ -171,10 +173,10 @@ class Replanner:
             if len(r) != 1 or l.outs is not k[4]:
                 return None
             inp, g, _ = r[0]
-            if inp.shape != k[0] or g.shape != k[1] or inp.dtype != k[2] or g.dtype != k[3] \
-                    or not inp.is_contiguous() or not g.is_contiguous():
+            if inp.shape != k[0] or g.shape != k[1] or inp.dtype is not k[2] \
+                    or g.dtype is not k[3] or not inp.is_contiguous() or not g.is_contiguous():
                 return None
-            parts.append(Part(t[0], t[1], t[2], inp, g, *t[5:]))
+            parts.append(new(Part, k[5] + (inp, g) + k[6]))
         return Plan(parts, list(self.outs), True, self.serial)
 
     def _keep(self, layers: Sequence[_Layer], B: int, p: Plan) -> None:
@@ -198,7 +200,9 @@ class Replanner:
                     or not inp.is_contiguous() or not g.is_contiguous():
                 return
             tmpl.append(pt._replace(inp=None, grad=None))
-            keys.append((inp.shape, g.shape, inp.dtype, g.dtype, l.outs))
+            # (the part's fields before and after its tensors)
+            keys.append((inp.shape, g.shape, inp.dtype, g.dtype, l.outs, tuple(pt[:3]),
+                         tuple(pt[5:])))
         Replanner._serials += 1
         self.serial = Replanner._serials
         self.layers, self.B, self.tmpl, self.keys = layers, B, tmpl, keys
