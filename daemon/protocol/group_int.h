@@ -75,7 +75,7 @@ struct dc_group {
     uint64_t *covered; /* [size] */
 };
 
-/* group.c */
+/* group_end.c */
 /* Fails every step waiting in the group and marks it dissolved (why). */
 void dc_group_dissolve(dc_group *g, const char *why);
 /* Frees a dissolved group no member holds (idempotent; the free itself
@@ -85,6 +85,11 @@ void dc_group_maybe_free(dc_group *g);
 void dc_group_answer(dc_group *g, uint64_t exchange_ns);
 /* The field two members' terms differ in, or NULL. */
 const char *dc_group_terms_differ(const dc_group_terms *a, const dc_group_terms *b);
+/* Fails every step waiting in the group step (rc, err); the step ends. */
+void dc_group_fail_waiting(dc_group *g, int rc, const dc_err *err);
+/* Ends the group step as reduced: the steps waiting, chained in rank
+ * order through next_call, their wait times set; *n their count. */
+dc_group_waiter *dc_group_take_reduced(dc_group *g, uint64_t exchange_ns, uint32_t *n);
 
 /* group_link.c */
 /* Opens the link once every member on this daemon has joined. */
