@@ -105,6 +105,10 @@ def _alias(outs: Sequence[Out], aliased: List[Tuple[torch.Tensor, Optional[torch
 # Where the outputs' buffers start within their arena: a multiple of this
 # many elements (16 bytes of f32), so that the daemon's stores stay vectors
 _OUT_ALIGN = 4
+# An arena's bytes at most (a larger output alone): one allocation of a
+# whole large model's gradients may find no room in a device's fragmented
+# memory where pieces would; the bucket across two arenas is gathered
+_ARENA_BYTES = 1 << 30
 
 
 def _out_buffers(client: Any, outs: Sequence[Out], device: torch.device) -> bool:
@@ -129,17 +133,29 @@ def _out_buffers(client: Any, outs: Sequence[Out], device: torch.device) -> bool
     for o in todo:
         by_dtype.setdefault(o.dtype, []).append(o)
     for dtype, group in by_dtype.items():
-        offs, n = [], 0
-        for o in group:
+        cap = max(_ARENA_BYTES // _ESIZE[dtype], 1)
+        first, n = 0, 0
+        offs = []
+        for i, o in enumerate(group):
+            width = -(-o.numel // _OUT_ALIGN) * _OUT_ALIGN
+            if n and n + width > cap:  # this arena is full: the outputs so far get it
+                _arena(client, group[first:i], offs, n, device)
+                first, n, offs = i, 0, []
             offs.append(n)
-            n += -(-o.numel // _OUT_ALIGN) * _OUT_ALIGN
-        arena = torch.zeros(n, dtype=dtype, device=device)
-        for o, off in zip(group, offs):
-            o.buf = arena[off:off + o.numel]
-            o.ref = client.register_cuda(o.buf.data_ptr())
-            view = o.grad(o.buf)
-            o.alias = view if view.dtype == o.param.dtype and view.is_contiguous() else None
+            n += width
+        _arena(client, group[first:], offs, n, device)
     return True
+
+
+def _arena(client: Any, outs: Sequence[Out], offs: Sequence[int], n: int,
+           device: torch.device) -> None:
+    """One zeroed arena of n elements on `device`, output i's buffer at offs[i]."""
+    arena = torch.zeros(n, dtype=outs[0].dtype, device=device)
+    for o, off in zip(outs, offs):
+        o.buf = arena[off:off + o.numel]
+        o.ref = client.register_cuda(o.buf.data_ptr())
+        view = o.grad(o.buf)
+        o.alias = view if view.dtype == o.param.dtype and view.is_contiguous() else None
 
 
 def _signature(plan: Plan) -> List[Tuple[Any, ...]]:

@@ -80,3 +80,20 @@ def test_span_refuses_what_is_not_end_to_end():
     assert _gate.span([a[0:4], torch.zeros(4)]) is None  # another storage
     m = torch.zeros(4, 4)
     assert _gate.span([m[:, :2], m[:, 2:]]) is None  # not contiguous
+
+
+def test_arenas_hold_at_most_their_bytes(monkeypatch):
+    """_ARENA_BYTES caps an arena (one allocation of a whole model's
+    gradients may find no room where pieces would): the outputs fill one
+    arena in order until the next does not fit, which opens the next; an
+    output larger than the cap has one of its own."""
+    monkeypatch.setattr(_cuda, "_ARENA_BYTES", 64)  # 16 f32
+    outs = _outs((8,), (8,), (4,), (40,), (4,), (4,))
+    _cuda._out_buffers(_Client(), outs, torch.device("cpu"))
+    arenas = [_storage_ptr(o.buf) for o in outs]
+    # [8, 8] | [4] (8 + 8 + 4 > 16) | [40] alone | [4, 4]
+    assert arenas[0] == arenas[1] and len({arenas[0], arenas[2], arenas[3], arenas[4]}) == 4
+    assert arenas[4] == arenas[5]
+    assert [o.buf.storage_offset() for o in outs] == [0, 8, 0, 0, 0, 4]
+    assert _gate.span([o.alias for o in outs[:2]]) is not None
+    assert _gate.span([o.alias for o in outs[1:3]]) is None  # across arenas: gathered
