@@ -1,7 +1,7 @@
 """The CUDA transport: GPU tensors are named in place through CUDA IPC (one
 registration per caching-allocator block, cached by libdpclip), outputs go
-into one flat CUDA tensor per parameter, slices end to end of one arena per
-dtype, that the engine keeps and param.grad aliases (a view; a copy where
+into one flat CUDA tensor per parameter, slices end to end of arenas per
+dtype (1 GiB at most each), that the engine keeps and param.grad aliases (a view; a copy where
 the layout or dtype differs), and
 ordering uses two interprocess events per device: the trainer records
 `ready` on its stream before the step, the daemon waits on it and records
@@ -113,7 +113,8 @@ _ARENA_BYTES = 1 << 30
 
 def _out_buffers(client: Any, outs: Sequence[Out], device: torch.device) -> bool:
     """Gives each output without a buffer on `device` one: a slice of a new
-    zeroed arena per dtype, in the outputs' order, registered once (True:
+    zeroed arena per dtype (_ARENA_BYTES at most), in the outputs' order,
+    registered once (True:
     some were made). The engine holds the outputs for its lifetime, so
     their allocations cannot be freed and reused: the references stay valid
     (activations and output grads are new tensors every step and go through
