@@ -1,9 +1,9 @@
 """The CUDA transport: GPU tensors are named in place through CUDA IPC (one
 registration per caching-allocator block, cached by libdpclip), outputs go
-into one flat CUDA tensor per parameter, slices end to end of arenas per
-dtype (1 GiB at most each), that the engine keeps and param.grad aliases (a view; a copy where
-the layout or dtype differs), and
-ordering uses two interprocess events per device: the trainer records
+into one flat CUDA tensor per parameter (slices end to end of arenas per
+dtype, 1 GiB at most each) that the engine keeps and param.grad aliases (a
+view; a copy where the layout or dtype differs), and ordering uses two
+interprocess events per device: the trainer records
 `ready` on its stream before the step, the daemon waits on it and records
 `done`, the trainer's stream waits on `done`. No host synchronisation beyond
 the step's reply (or, asynchronous, its early notice).
