@@ -87,10 +87,18 @@ def _preloaded(runtime: str) -> bool:
     return any(os.path.basename(p).split(".so")[0] == stem for p in pre)
 
 
+def soname(version: str = __version__) -> str:
+    """The installed library's file name for this release: its soname,
+    libdpclip.so.MAJOR, or before 1.0 libdpclip.so.0.MINOR (a minor release
+    may change the ABI then: CMakeLists.txt's SOVERSION)."""
+    major, minor = version.split(".")[:2]
+    return "libdpclip.so." + (major if major != "0" else "0." + minor)
+
+
 def installed(here: Optional[str] = None) -> List[str]:
-    """libdpclip.so.0 files installed under this package's prefix and the
-    user's base, in that order. here: the package's directory (default:
-    this one's)."""
+    """This release's libdpclip (soname()) installed under this package's
+    prefix and the user's base, in that order. here: the package's
+    directory (default: this one's)."""
     here = here or os.path.dirname(os.path.abspath(__file__))
     bases = []
     parts = here.split(os.sep)
@@ -103,7 +111,7 @@ def installed(here: Optional[str] = None) -> List[str]:
     out = []
     for base in bases:
         for libdir in ("lib", os.path.join("lib", arch) if arch else None, "lib64"):
-            path = os.path.join(base, libdir, "libdpclip.so.0") if libdir else None
+            path = os.path.join(base, libdir, soname()) if libdir else None
             if path and os.path.exists(path) and path not in out:
                 out.append(path)
     return out

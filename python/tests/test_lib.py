@@ -173,18 +173,30 @@ def test_library_search_prefers_build_and_never_a_sanitizer_build(tmp_path, monk
 
 def test_an_installed_package_finds_the_library_installed_beside_it(tmp_path, monkeypatch):
     """`pip install --prefix P ./python` and `cmake --install --prefix P`
-    (say P = ~/.local): the package finds P's libdpclip.so.0, which
-    ldconfig (find_library) never lists; then the user's base."""
+    (say P = ~/.local): the package finds P's libdpclip.so.0.MINOR (this
+    release's soname), which ldconfig (find_library) never lists; then the
+    user's base. Another 0.x release's library is passed over."""
     prefix, user = tmp_path / "prefix", tmp_path / "user"
     here = prefix / "lib" / "python3.11" / "site-packages" / "dpclip"
     here.mkdir(parents=True)
     monkeypatch.setattr(_loader.site, "getuserbase", lambda: str(user))
     assert _loader.installed(str(here)) == []
-    lib = prefix / "lib" / "libdpclip.so.0"
+    name = _loader.soname()
+    major, minor = dpclip.__version__.split(".")[:2]
+    assert name == ("libdpclip.so.0.%s" % minor if major == "0" else "libdpclip.so." + major)
+    (prefix / "lib" / "libdpclip.so.0.999").write_bytes(b"")  # another ABI
+    assert _loader.installed(str(here)) == []
+    lib = prefix / "lib" / name
     lib.write_bytes(b"")
     (user / "lib64").mkdir(parents=True)
-    (user / "lib64" / "libdpclip.so.0").write_bytes(b"")
-    assert _loader.installed(str(here)) == [str(lib), str(user / "lib64" / "libdpclip.so.0")]
+    (user / "lib64" / name).write_bytes(b"")
+    assert _loader.installed(str(here)) == [str(lib), str(user / "lib64" / name)]
+
+
+def test_sonames_of_releases():
+    assert _loader.soname("0.1.0") == "libdpclip.so.0.1"
+    assert _loader.soname("0.2.3") == "libdpclip.so.0.2"
+    assert _loader.soname("1.4.0") == "libdpclip.so.1"
 
 
 def _plain_build_library():
