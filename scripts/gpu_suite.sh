@@ -40,6 +40,10 @@ done
 [ -n "$only" ] && parts=$only
 [ -x "$build/dpclipd" ] || { echo "gpu_suite.sh: no $build/dpclipd (build first)" >&2; exit 1; }
 py=${DPCLIP_PYTHON:-python3}
+# A sanitizer runtime preloaded for Python (the suite's ASan run) goes to
+# the parts' Python alone: procps' pkill hung with it preloaded
+preload=${LD_PRELOAD:-}
+unset LD_PRELOAD
 export DPCLIPD=${DPCLIPD:-$build/dpclipd}
 export DPCLIP_LIBRARY=${DPCLIP_LIBRARY:-$build/libdpclip.so}
 export NCCL_NVLS_ENABLE=0
@@ -66,8 +70,9 @@ for part in $parts; do
         skipped=$(grep -cE "Test +#[0-9]+: .*Skipped" "$log" || true)
         bad=$(grep -cE "Test +#[0-9]+: .*(Failed|Timeout|Exception)" "$log" || true)
     else
-        TMPDIR=$scratch timeout -s KILL "$limit" "$py" -m pytest -q -rfE --tb=short \
-            -p no:cacheprovider "$root/python/tests/test_$part.py" >"$log" 2>&1 || rc=$?
+        TMPDIR=$scratch timeout -s KILL "$limit" env ${preload:+LD_PRELOAD=$preload} \
+            "$py" -m pytest -q -rfE --tb=short -p no:cacheprovider \
+            "$root/python/tests/test_$part.py" >"$log" 2>&1 || rc=$?
         passed=$(counts passed)
         skipped=$(counts skipped)
         bad=$(($(counts failed) + $(counts error)))
