@@ -12,7 +12,11 @@ SGD, asynchronous steps. Around each of the package's stages of a step the
 bench puts a host timer (wrapping the functions by name from outside, so
 that the package itself carries no timing code), and prints one JSON line:
 per step, in ms of host time, the whole optimizer.step() and its stages:
-- collect: waiting for the previous asynchronous step's result;
+- collect: taking the previous asynchronous step's result (its norms and
+  coefficients into tensors, the bookkeeping), less
+- wait: blocked until the daemon's reply to it came, and reading it
+  (dpclip._lib.Client.wait): the GPU's time where it runs behind the host,
+  not dpclip's host time;
 - guard: the fail-closed check of autograd's gradients;
 - plan: the step's parts from the layers' captures (dpclip._planner.plan,
   or a steady step's from the last one's template: Replanner);
@@ -37,7 +41,8 @@ per step, in ms of host time, the whole optimizer.step() and its stages:
 - optimizer: the wrapped optimizer's own step (the update, as a plain
   step runs it: not dpclip's);
 - other: the rest of step() (outputs bound to param.grad, bookkeeping),
-and overhead_ms, dpclip's host time (step_ms less the optimizer's), with
+and overhead_ms, dpclip's host time (step_ms less the optimizer's), and
+overhead_less_wait_ms, that less the wait for the reply, with
 the number of daemon layers (parts) and the per-part cost of plan, refs and
 add_layers. A stage a transport does not have reads 0."""
 import argparse
@@ -60,7 +65,7 @@ from bench_torch_step import token_batch  # noqa: E402
 from dpclip import _cuda, _host, _lib, _planner, _verify  # noqa: E402
 from dpclip.torch import PrivacyEngine  # noqa: E402
 
-STAGES = ("collect", "guard", "plan", "check", "refs", "add_layers", "rebind", "send",
+STAGES = ("collect", "wait", "guard", "plan", "check", "refs", "add_layers", "rebind", "send",
           "optimizer", "batch", "wire", "events", "layout", "drop")
 
 
@@ -101,6 +106,7 @@ class Timers:
 def install(t):
     """Each stage's function wrapped where the package calls it from."""
     t.wrap(PrivacyEngine, "synchronize", "collect")
+    t.wrap(_lib.Client, "wait", "wait")  # (inside synchronize: taken out of collect)
     from dpclip import _guard
     t.wrap(_guard.Guard, "check", "guard")
     t.wrap(_planner, "plan", "plan")
@@ -201,6 +207,7 @@ def main():
            "parts": parts, "steps": n, "step_ms": round(step_ms / n, 4), **per,
            "other": round(step_ms / n - sum(per.values()), 4),
            "overhead_ms": round(step_ms / n - per["optimizer"], 4),
+           "overhead_less_wait_ms": round(step_ms / n - per["optimizer"] - per["wait"], 4),
            "per_part_us": {s: round(per[s] * 1e3 / max(parts, 1), 2)
                            for s in ("plan", "refs", "add_layers")},
            "target_ms": 0.3, "mps_active": bool(engine.client.info.mps_active)}

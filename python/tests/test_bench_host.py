@@ -11,7 +11,7 @@ import subprocess
 import sys
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-STAGES = ("collect", "guard", "plan", "check", "refs", "add_layers", "rebind", "send",
+STAGES = ("collect", "wait", "guard", "plan", "check", "refs", "add_layers", "rebind", "send",
           "optimizer", "batch", "wire", "events", "layout", "drop", "other")
 
 
@@ -34,3 +34,5 @@ def test_stages_of_a_step(secure_daemon):
     assert line["other"] >= 0, line
     assert line["optimizer"] > 0 and line["path"] == "rebind", line
     assert abs(line["overhead_ms"] - (line["step_ms"] - line["optimizer"])) < 1e-3, line
+    assert line["wait"] >= 0 and abs(line["overhead_less_wait_ms"] - (
+        line["overhead_ms"] - line["wait"])) < 1e-3, line
