@@ -57,7 +57,7 @@ def arena_params(args, device):
     return params
 
 
-def rank_main(rank, args, init, out):
+def rank_main(rank, args, init):
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     cuda = args.device == "cuda"
     device = torch.device("cuda", rank) if cuda else torch.device("cpu")
@@ -143,7 +143,7 @@ def main():
             torch.cuda.device_count(), args.world)}))
         return
     with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(rank_main, args=(args, os.path.join(tmp, "init"), tmp), nprocs=args.world)
+        mp.spawn(rank_main, args=(args, os.path.join(tmp, "init")), nprocs=args.world)
 
 
 if __name__ == "__main__":

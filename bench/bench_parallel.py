@@ -628,7 +628,7 @@ def main():
                     "micro-batches)")
     ap.add_argument("--steps", type=int, default=None, help="timed logical steps a round "
                     "(20; 10 with micro-batches)")
-    ap.add_argument("--repeat", type=int, default=None, help="rounds of plain then dpclip "
+    ap.add_argument("--repeat", type=int, default=5, help="rounds of plain then dpclip "
                     "(5: a median quoted is of at least five rounds)")
     ap.add_argument("--check", action="store_true", help="check exactness first (exit 1 if not)")
     ap.add_argument("--check-bf16", action="store_true",
@@ -659,7 +659,7 @@ def main():
     if args.microbatches > 1 and args.mode != "pipeline":
         ap.error("--microbatches: --mode pipeline only")
     many = args.microbatches > 1
-    for k, one, several in (("warmup", 5, 3), ("steps", 20, 10), ("repeat", 5, 5)):
+    for k, one, several in (("warmup", 5, 3), ("steps", 20, 10)):
         if getattr(args, k) is None:
             setattr(args, k, several if many else one)
     if args.steps < 1 or args.repeat < 1:

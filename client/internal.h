@@ -2,7 +2,8 @@
  * other: conn.c (a handle's state under its lock: errors, the request FIFO,
  * completions, results), framing.c (frames over the Unix socket), calls.c
  * (a request and its reply), step_build.c (step objects and the ClipStep
- * message), buffers.c, cuda.c, submit.c (running steps), client.c (handles). Nothing here is exported: the library is built with
+ * message), buffers.c, cuda.c, submit.c (running steps), client.c
+ * (handles). Nothing here is exported: the library is built with
  * -fvisibility=hidden and only DPCLIP_API functions are visible.
  *
  * Locking: every public call on a dpclip_client takes c->mu for its whole

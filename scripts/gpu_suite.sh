@@ -55,7 +55,7 @@ trap 'rm -rf "$scratch"' EXIT INT TERM
 
 # counts WORD: the number before WORD in the part's summary line, or 0
 counts() {
-    n=$(grep -E "[0-9]+ $1" "$log" | tail -n 1 | sed -E "s/.*[^0-9]([0-9]+) $1.*/\1/; s/^([0-9]+) $1.*/\1/")
+    n=$(grep -oE "\b[0-9]+ $1" "$log" | tail -n 1 | cut -d' ' -f1)
     echo "${n:-0}"
 }
 

@@ -114,8 +114,9 @@ _ARENA_BYTES = 1 << 30
 def _out_buffers(client: Any, outs: Sequence[Out], device: torch.device) -> bool:
     """Gives each output without a buffer on `device` one: a slice of a new
     zeroed arena per dtype (_ARENA_BYTES at most), in the outputs' order,
-    registered once (True: some were made). The engine holds the outputs for its lifetime, so
-    their allocations cannot be freed and reused: the references stay valid
+    registered once (True: some were made). The engine holds the outputs
+    for its lifetime, so their allocations cannot be freed and reused: the
+    references stay valid
     (activations and output grads are new tensors every step and go through
     libdpclip's check). Zeros, not the allocator's leftovers: a step that
     fails where the daemon cannot zero its outputs (a broken CUDA context)

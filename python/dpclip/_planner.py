@@ -200,7 +200,8 @@ class Replanner:
                     or not inp.is_contiguous() or not g.is_contiguous():
                 return
             tmpl.append(pt._replace(inp=None, grad=None))
-            # (the part's fields before and after its tensors)
+            # (the part's fields before and after its tensors, kept apart from
+            # tmpl's part so that a steady step joins them without slicing)
             keys.append((inp.shape, g.shape, inp.dtype, g.dtype, l.outs, tuple(pt[:3]),
                          tuple(pt[5:])))
         Replanner._serials += 1
