@@ -42,7 +42,11 @@ per step, in ms of host time, the whole optimizer.step() and its stages:
   step runs it: not dpclip's);
 - other: the rest of step() (outputs bound to param.grad, bookkeeping),
 and overhead_ms, dpclip's host time (step_ms less the optimizer's), and
-overhead_less_wait_ms, that less the wait for the reply, with
+overhead_less_wait_ms, that less the wait for the reply, and
+before_submit_ms: from optimizer.step()'s call until the step is handed to
+libdpclip to send (Step.submit or Step.run called): the host time that a GPU
+done with the backward waits for before the daemon can start (what comes
+after runs while the daemon's kernels do: see docs/gpu.md), with
 the number of daemon layers (parts) and the per-part cost of plan, refs and
 add_layers. A stage a transport does not have reads 0."""
 import argparse
@@ -78,8 +82,19 @@ class Timers:
         self.calls = {s: 0 for s in STAGES}
         self.on = False
         self._stack = []
+        self.step_t0 = None  # this step's optimizer.step() call (perf_counter)
+        self.before_submit = 0.0  # ms, summed over the steps timed
 
-    def wrap(self, owner, name, stage):
+    def mark_submit(self, t):
+        """A step's first submission at t (perf_counter): its time since
+        optimizer.step() was called counts once."""
+        if self.on and self.step_t0 is not None:
+            self.before_submit += (t - self.step_t0) * 1e3
+            self.step_t0 = None
+
+    def wrap(self, owner, name, stage, submits=False):
+        """owner.name timed as stage (submits: a call hands the step to
+        libdpclip to send: mark_submit)."""
         fn = getattr(owner, name, None)
         if fn is None:
             return
@@ -90,6 +105,8 @@ class Timers:
                 return fn(*args, **kwargs)
             timers._stack.append(0.0)
             t0 = time.perf_counter()
+            if submits:
+                timers.mark_submit(t0)
             try:
                 return fn(*args, **kwargs)
             finally:
@@ -119,8 +136,8 @@ def install(t):
     t.wrap(_lib.Client, "register_cuda", "refs")
     t.wrap(_host.HostArena, "stage", "refs")
     t.wrap(_lib.Step, "rebind_cuda", "rebind")
-    t.wrap(_lib.Step, "submit", "send")
-    t.wrap(_lib.Step, "run", "send")
+    t.wrap(_lib.Step, "submit", "send", submits=True)
+    t.wrap(_lib.Step, "run", "send", submits=True)
     t.wrap(_lib.Client, "wait_enqueued", "send")
     t.wrap(_planner, "batch_size", "batch")
     t.wrap(_cuda, "_wire", "wire")
@@ -182,6 +199,7 @@ def main():
         F.cross_entropy(logits.float().flatten(0, 1), y.flatten()).backward()
         t.on = timed
         t0 = time.perf_counter()
+        t.step_t0 = t0
         if timed and prof is not None:
             prof.runcall(opt.step)
         else:
@@ -208,6 +226,7 @@ def main():
            "other": round(step_ms / n - sum(per.values()), 4),
            "overhead_ms": round(step_ms / n - per["optimizer"], 4),
            "overhead_less_wait_ms": round(step_ms / n - per["optimizer"] - per["wait"], 4),
+           "before_submit_ms": round(t.before_submit / n, 4),
            "per_part_us": {s: round(per[s] * 1e3 / max(parts, 1), 2)
                            for s in ("plan", "refs", "add_layers")},
            "target_ms": 0.3, "mps_active": bool(engine.client.info.mps_active)}

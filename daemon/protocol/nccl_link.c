@@ -19,6 +19,17 @@ void dc_nccl_version_str(uint32_t code, char *buf, size_t n) {
 
 #include "log.h"
 
+/* Where an exchange's time went (ns, uv_hrtime differences), for the debug
+ * log: the hand-off to the link's thread, its CUDA and NCCL calls, the
+ * device's work, and the hand-back to the loop. */
+typedef struct dc_nccl_times {
+    uint64_t woke;    /* submit -> the link's thread running it */
+    uint64_t copy_in; /* staged mode: queueing the copy to the device */
+    uint64_t gather;  /* the all-gather call (blocking communicator: until queued) */
+    uint64_t queued;  /* all of the link's calls for it */
+    uint64_t done;    /* from then until the stream was idle */
+} dc_nccl_times;
+
 struct dc_nccl {
     uv_loop_t *loop;
     uv_async_t async;
@@ -37,6 +48,8 @@ struct dc_nccl {
     uint8_t *send_copy, *recv_copy; /* op's bytes; the thread reads/writes them in flight */
     size_t copy_cap;
     size_t op_bytes;
+    uint64_t op_submitted; /* uv_hrtime of dc_nccl_submit (under mu: read by the thread) */
+    bool staged;           /* set at open: DPCLIP_NCCL_EXCHANGE=staged */
     /* under mu: thread -> loop */
     bool exited, state_posted, op_queued, op_finished;
     dc_nccl_state posted_state;
@@ -44,12 +57,14 @@ struct dc_nccl {
     int op_rc;
     dc_err op_err;
     uint64_t op_ns;
+    dc_nccl_times op_times;
     /* the link's thread only */
     ncclComm_t comm; /* non-blocking: formed within the timeout */
     ncclComm_t fast; /* its blocking split, which the exchanges use */
     cudaStream_t stream;
-    void *d_send, *d_recv, *h_send, *h_recv;
-    size_t dev_cap; /* bytes per rank the buffers hold */
+    void *h_send, *h_recv; /* pinned host buffers, mapped into the device (mapped mode) */
+    void *d_send, *d_recv; /* staged mode: device buffers; mapped: h_*'s device addresses */
+    size_t dev_cap;        /* bytes per rank the buffers hold */
 };
 
 uint32_t dc_nccl_version(void) {
@@ -189,21 +204,40 @@ static int form(dc_nccl *l, dc_err *err) {
     return wait_split(l, deadline, err);
 }
 
-static int grow(dc_nccl *l, size_t bytes, dc_err *err) {
-    cudaError_t ce;
-    if (bytes <= l->dev_cap) return 0;
-    cudaFree(l->d_send);
-    cudaFree(l->d_recv);
+static void free_buffers(dc_nccl *l) {
+    if (l->staged) {
+        cudaFree(l->d_send);
+        cudaFree(l->d_recv);
+    }
     cudaFreeHost(l->h_send);
     cudaFreeHost(l->h_recv);
     l->d_send = l->d_recv = l->h_send = l->h_recv = NULL;
     l->dev_cap = 0;
+}
+
+/* The exchange's buffers for `bytes` a rank. Mapped (the default): pinned
+ * host buffers mapped into the device, which the all-gather's kernels read
+ * and write themselves, so an exchange is one call into NCCL; staged
+ * (DPCLIP_NCCL_EXCHANGE=staged): device buffers, with a copy in and a copy
+ * out around the all-gather, three calls. */
+static int grow(dc_nccl *l, size_t bytes, dc_err *err) {
+    cudaError_t ce;
+    if (bytes <= l->dev_cap) return 0;
+    free_buffers(l);
     size_t all = bytes * (size_t)l->ranks;
-    if ((ce = cudaMalloc(&l->d_send, bytes)) != cudaSuccess ||
-        (ce = cudaMalloc(&l->d_recv, all)) != cudaSuccess ||
-        (ce = cudaMallocHost(&l->h_send, bytes)) != cudaSuccess ||
-        (ce = cudaMallocHost(&l->h_recv, all)) != cudaSuccess)
+    unsigned flags = l->staged ? cudaHostAllocDefault : cudaHostAllocMapped;
+    if ((ce = cudaHostAlloc(&l->h_send, bytes, flags)) != cudaSuccess ||
+        (ce = cudaHostAlloc(&l->h_recv, all, flags)) != cudaSuccess)
         return cuda_fail(err, "allocating the exchange buffers", ce);
+    if (l->staged) {
+        if ((ce = cudaMalloc(&l->d_send, bytes)) != cudaSuccess ||
+            (ce = cudaMalloc(&l->d_recv, all)) != cudaSuccess)
+            return cuda_fail(err, "allocating the exchange buffers", ce);
+    } else if ((ce = cudaHostGetDevicePointer(&l->d_send, l->h_send, 0)) != cudaSuccess ||
+               (ce = cudaHostGetDevicePointer(&l->d_recv, l->h_recv, 0)) != cudaSuccess) {
+        l->d_send = l->d_recv = NULL; /* (not to be freed: free_buffers frees h_*) */
+        return cuda_fail(err, "mapping the exchange buffers", ce);
+    }
     l->dev_cap = bytes;
     return 0;
 }
@@ -225,31 +259,36 @@ static int warm(dc_nccl *l, dc_err *err) {
     return wait_done(l, l->fast, uv_hrtime() + (uint64_t)l->timeout_ms * 1000000u, true, what, err);
 }
 
-static int exchange(dc_nccl *l, size_t bytes, dc_err *err) {
+static int exchange(dc_nccl *l, size_t bytes, dc_nccl_times *tm, dc_err *err) {
     const char *what = "the cross-daemon norm exchange";
-    uint64_t t0 = uv_hrtime(), deadline = t0 + (uint64_t)l->timeout_ms * 1000000u;
+    uint64_t t0 = uv_hrtime(), deadline = t0 + (uint64_t)l->timeout_ms * 1000000u, t1 = t0, t2;
     size_t all = bytes * (size_t)l->ranks;
     cudaError_t ce;
     ncclResult_t r;
     int rc;
     if ((rc = grow(l, bytes, err))) return rc;
     memcpy(l->h_send, l->send_copy, bytes);
-    if ((ce = cudaMemcpyAsync(l->d_send, l->h_send, bytes, cudaMemcpyHostToDevice, l->stream)) !=
-        cudaSuccess)
-        return cuda_fail(err, what, ce);
+    if (l->staged) {
+        if ((ce = cudaMemcpyAsync(l->d_send, l->h_send, bytes, cudaMemcpyHostToDevice,
+                                  l->stream)) != cudaSuccess)
+            return cuda_fail(err, what, ce);
+        t1 = uv_hrtime();
+    }
     r = ncclAllGather(l->d_send, l->d_recv, bytes, ncclUint8, l->fast, l->stream);
     if (r != ncclSuccess) return nccl_fail(l, err, what, r);
-    if ((ce = cudaMemcpyAsync(l->h_recv, l->d_recv, all, cudaMemcpyDeviceToHost, l->stream)) !=
-        cudaSuccess)
+    t2 = uv_hrtime();
+    if (l->staged && (ce = cudaMemcpyAsync(l->h_recv, l->d_recv, all, cudaMemcpyDeviceToHost,
+                                           l->stream)) != cudaSuccess)
         return cuda_fail(err, what, ce);
     uint64_t t_queued = uv_hrtime();
     if ((rc = wait_done(l, l->fast, deadline, true, what, err))) return rc;
+    /* (mapped: the kernels' writes to host memory are visible once the
+     * stream is idle) */
     memcpy(l->recv_copy, l->h_recv, all);
-    if (dc_log_get_level() >= DC_LOG_DEBUG)
-        dc_log_debug("nccl link (daemon %d of %d): exchange of %zu bytes: queued in %.1f us, "
-                     "done %.1f us later",
-                     l->rank, l->ranks, bytes, (t_queued - t0) / 1e3,
-                     (uv_hrtime() - t_queued) / 1e3);
+    tm->copy_in = t1 - t0;
+    tm->gather = t2 - t1;
+    tm->queued = t_queued - t0;
+    tm->done = uv_hrtime() - t_queued;
     return 0;
 }
 
@@ -273,17 +312,20 @@ static void link_main(void *arg) {
         uv_mutex_lock(&l->mu);
         while (!l->op_queued && !atomic_load(&l->closing)) uv_cond_wait(&l->cv, &l->mu);
         size_t bytes = l->op_bytes;
+        uint64_t submitted = l->op_submitted;
         uv_mutex_unlock(&l->mu);
         if (atomic_load(&l->closing)) break;
         uint64_t t0 = uv_hrtime();
+        dc_nccl_times tm = {t0 - submitted, 0, 0, 0, 0};
         dc_err_clear(&err);
-        rc = exchange(l, bytes, &err);
+        rc = exchange(l, bytes, &tm, &err);
         uv_mutex_lock(&l->mu);
         l->op_queued = false;
         l->op_finished = true;
         l->op_rc = rc;
         l->op_err = err;
         l->op_ns = uv_hrtime() - t0;
+        l->op_times = tm;
         uv_mutex_unlock(&l->mu);
         uv_async_send(&l->async);
         if (rc) post_state(l, DC_NCCL_BROKEN, &err);
@@ -294,10 +336,7 @@ static void link_main(void *arg) {
     if (l->comm) ncclCommAbort(l->comm);
     l->fast = l->comm = NULL;
     if (l->stream) cudaStreamDestroy(l->stream);
-    cudaFree(l->d_send);
-    cudaFree(l->d_recv);
-    cudaFreeHost(l->h_send);
-    cudaFreeHost(l->h_recv);
+    free_buffers(l);
     uv_mutex_lock(&l->mu);
     l->exited = true;
     uv_mutex_unlock(&l->mu);
@@ -319,7 +358,8 @@ static void on_async(uv_async_t *a) {
     dc_nccl_state st;
     dc_err serr, oerr;
     int orc;
-    uint64_t ons;
+    uint64_t ons, now = uv_hrtime();
+    dc_nccl_times tm;
     uv_mutex_lock(&l->mu);
     state_posted = l->state_posted;
     st = l->posted_state;
@@ -328,12 +368,21 @@ static void on_async(uv_async_t *a) {
     orc = l->op_rc;
     oerr = l->op_err;
     ons = l->op_ns;
+    tm = l->op_times;
     exited = l->exited;
     l->state_posted = l->op_finished = false;
     uv_mutex_unlock(&l->mu);
     if (!atomic_load(&l->closing) && op_finished && l->op) {
         dc_nccl_op *op = l->op;
         l->op = NULL;
+        if (orc == 0 && dc_log_get_level() >= DC_LOG_DEBUG)
+            dc_log_debug("nccl link (daemon %d of %d): exchange of %zu bytes (%s) in %.1f us: "
+                         "hand-off %.1f, copy in %.1f, all-gather %.1f, queued %.1f, device "
+                         "%.1f, hand-back %.1f",
+                         l->rank, l->ranks, op->bytes, l->staged ? "staged" : "mapped",
+                         (now - l->op_submitted) / 1e3, tm.woke / 1e3, tm.copy_in / 1e3,
+                         tm.gather / 1e3, tm.queued / 1e3, tm.done / 1e3,
+                         (now - l->op_submitted - tm.woke - ons) / 1e3);
         op->rc = orc;
         op->err = oerr;
         op->ns = ons;
@@ -364,6 +413,8 @@ int dc_nccl_open(uv_loop_t *loop, int device, const uint8_t id[DC_NCCL_ID_BYTES]
     l->on_state = on_state;
     l->arg = arg;
     l->state = DC_NCCL_FORMING;
+    const char *how = getenv("DPCLIP_NCCL_EXCHANGE"); /* a switch to measure with */
+    l->staged = how && strcmp(how, "staged") == 0;
     atomic_init(&l->closing, false);
     uv_mutex_init(&l->mu);
     uv_cond_init(&l->cv);
@@ -401,6 +452,7 @@ int dc_nccl_submit(dc_nccl *l, dc_nccl_op *op, dc_err *err) {
     l->op = op;
     uv_mutex_lock(&l->mu);
     l->op_bytes = op->bytes;
+    l->op_submitted = uv_hrtime();
     l->op_queued = true;
     uv_cond_signal(&l->cv);
     uv_mutex_unlock(&l->mu);

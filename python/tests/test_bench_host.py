@@ -36,3 +36,5 @@ def test_stages_of_a_step(secure_daemon):
     assert abs(line["overhead_ms"] - (line["step_ms"] - line["optimizer"])) < 1e-3, line
     assert line["wait"] >= 0 and abs(line["overhead_less_wait_ms"] - (
         line["overhead_ms"] - line["wait"])) < 1e-3, line
+    # the steps' submissions: after the plan and the layers, before the step ended
+    assert line["plan"] + line["add_layers"] < line["before_submit_ms"] < line["step_ms"], line
