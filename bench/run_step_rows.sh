@@ -3,7 +3,7 @@
 # daemon still holding one model's workspace would count in the next one's
 # memory), without MPS and then under the CUDA MPS control daemon.
 #
-#   bench/run_step_rows.sh [BUILD_DIR] [--rows LIST] [--repeat N] [--no-mps] [--cpu]
+#   bench/run_step_rows.sh [BUILD_DIR] [--rows LIST] [--repeat N] [--no-mps | --mps-only] [--cpu]
 #
 # Rows (LIST is comma-separated; default gpt,gpt_long,llama1b,hf_gpt2):
 #   gpt       GPT-2-small-like, bf16, B=8, T=1024   (bench_torch_step.py)
@@ -11,6 +11,7 @@
 #   llama1b   Llama-1B-like, bf16, B=4, T=2048
 #   hf_gpt2   Hugging Face GPT-2 small, AdamW       (bench_hf_step.py)
 #   host      the trainer's host time per step, GPT-2 (bench_host_overhead.py)
+# --mps-only: the MPS half alone (a run split to fit a time limit).
 # --cpu: tiny models on the CPU, no MPS (a smoke test of this script).
 # Each bench's JSON lines are printed with "row" and "mps" added; a row that
 # cannot run says why in a line of its own ("skipped"), one that fails says
@@ -23,12 +24,14 @@ case "${1:-}" in -*|"") ;; *) build=$1; shift ;; esac
 rows=gpt,gpt_long,llama1b,hf_gpt2
 repeat=5
 mps=1
+plain=1
 cpu=0
 while [ $# -gt 0 ]; do
     case "$1" in
         --rows) rows=$2; shift 2 ;;
         --repeat) repeat=$2; shift 2 ;;
         --no-mps) mps=0; shift ;;
+        --mps-only) plain=0; shift ;;
         --cpu) cpu=1; mps=0; shift ;;
         *) echo "run_step_rows.sh: unknown argument $1" >&2; exit 2 ;;
     esac
@@ -119,7 +122,7 @@ run_all() {
 }
 
 failed=0
-run_all false
+[ "$plain" = 0 ] || run_all false
 [ "$mps" = 1 ] || exit "$failed"
 control=$(command -v nvidia-cuda-mps-control || true)
 if [ -z "$control" ]; then
