@@ -247,14 +247,21 @@ void dpclip_step_set_events(dpclip_step *s, uint64_t wait_event, uint64_t signal
  * result later with dpclip_wait. See dpclip_wait_enqueued. */
 void dpclip_step_notify_enqueued(dpclip_step *s, int yes);
 /* Completion in shared memory (with dpclip_step_notify_enqueued): flag is
- * one DPCLIP_I32 [1] in a shared-memory buffer of this client. The notice
- * then comes as soon as the daemon accepted the step (validated and
- * charged), before any of its work, and its done_value is what the daemon
- * stores into the flag once the step's work has finished: after success,
- * and after a failure once every output is zeroed. A stream can wait on it
- * (dpclip_cuda_wait_value, on the page registered with the device) instead
- * of on signal_event, which may then be 0. A whole step outside norm
- * groups. NULL: none. Kept by dpclip_step_reset. */
+ * one DPCLIP_I32 [1] in a shared-memory buffer of this client, or [2]: the
+ * flag and its abandon word. The notice then comes as soon as the daemon
+ * accepted the step (validated and charged), before any of its work, and
+ * its done_value is what the daemon stores into the flag once the step's
+ * work has finished: after success, and after a failure once every output
+ * is zeroed. A stream can wait on it (dpclip_cuda_wait_value, on the page
+ * registered with the device) instead of on signal_event, which may then
+ * be 0. Where a failed step's outputs cannot be zeroed (the daemon's CUDA
+ * context broke), they may hold clipped sums without their noise: the
+ * flag is never stored, the abandon word takes done_value, and the daemon
+ * closes the session after the step's error. The client then zeroes the
+ * outputs itself and stores the flag: as it must also do, before storing
+ * it, where the daemon went away without storing it (its process gone: no
+ * work of its can write them any more). A whole step outside norm groups.
+ * NULL: none. Kept by dpclip_step_reset. */
 int dpclip_step_set_done_flag(dpclip_step *s, const dpclip_tensor *flag);
 /* A logical step in phases, for sharded models whose clipped sums are wanted
  * one layer group at a time (docs/protocol.md, "Steps in phases"): one

@@ -1,8 +1,9 @@
 /* ClipStep.done_flag end to end on the CPU backend: the notice comes with
  * the value, which the daemon stores into the client's shared memory once
  * the step has finished (a success's outputs checked against the
- * reference; a failure's outputs zeroed first), and every malformed flag is
- * refused naming its field, with nothing stored. */
+ * reference; a failure's outputs zeroed first, its abandon word left
+ * alone: test_step_run has outputs that cannot be zeroed), and every
+ * malformed flag is refused naming its field, with nothing stored. */
 #include <math.h>
 #include <setjmp.h>
 #include <stdarg.h>
@@ -102,6 +103,10 @@ static void test_done_flag_failure_zeroes_outputs(void **state) {
     uint32_t *word;
     dc_test_rng_seed(&r, 12);
     make_step(&s, c, &r, &flag, &word);
+    /* with its abandon word, which a backend that zeroed leaves alone */
+    flag.shape[0] = 2;
+    word[1] = 0;
+    assert_int_equal(dpclip_step_set_done_flag(s.step, &flag), 0);
     int64_t n = dc_shm_step_outputs(&s, NULL);
     float *out = malloc((size_t)n * sizeof *out);
     assert_non_null(out);
@@ -116,6 +121,7 @@ static void test_done_flag_failure_zeroes_outputs(void **state) {
     assert_int_equal(info.done_value, 1);
     assert_int_equal(dpclip_wait(c, ticket, -1, &res), DPCLIP_ENONFINITE);
     assert_int_equal(load(word), 1);
+    assert_int_equal(load(word + 1), 0);
     assert_int_equal(dc_shm_step_outputs(&s, out), n);
     assert_true(all_zero(out, n));
     free(out);
@@ -155,7 +161,7 @@ static void test_done_flag_refusals(void **state) {
     bad.dtype = DPCLIP_F32;
     refused(c, &s, &bad, 1, word, "clip_step.done_flag.dtype");
     bad = flag;
-    bad.shape[0] = 2;
+    bad.shape[0] = 3; /* ([2]: the flag and its abandon word) */
     refused(c, &s, &bad, 1, word, "clip_step.done_flag.shape");
     bad = flag;
     bad.offset += 2;

@@ -12,7 +12,11 @@
  *     whose sums steps must then name their weight's output and no other
  *     (the backend sums those from the store), and keeps every other;
  *   - the clip phase hands the backend the store, which goes back to it
- *     exactly once, after the clip phase, whether it succeeded or not. */
+ *     exactly once, after the clip phase, whether it succeeded or not;
+ *   - a failed step with a done flag: its outputs zeroed, then the flag
+ *     stored; where they cannot be zeroed (a broken CUDA context) the flag
+ *     is never stored, its abandon word is, and the step is abandoned
+ *     (its session closes after the error). */
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -34,6 +38,7 @@ typedef struct fake {
     dc_kept kept;
     uint8_t layer[L];
     int asked_keep, norms, clips, freed, hashed[L];
+    int zeroed, zero_rc; /* zero_outputs' calls, and what it returns */
     const dc_kept *clip_kept;
     const size_t *clip_at;
     const dc_step *step;
@@ -116,6 +121,17 @@ static const dc_backend_ops fake_ops = {.name = "fake",
                                         .kept_free = fake_kept_free,
                                         .tensors_hash = fake_hash,
                                         .norm_times = fake_norm_times};
+
+static int fake_zero(dc_backend *be, const dc_step *s) {
+    fake *f = (fake *)be;
+    (void)s;
+    f->zeroed++;
+    return f->zero_rc;
+}
+
+/* fake_ops with zero_outputs (a whole step's run_step fails: fake_run) */
+static const dc_backend_ops fake_zero_ops = {
+    .name = "fake", .run_step = fake_run, .destroy = fake_destroy, .zero_outputs = fake_zero};
 
 typedef struct fixture {
     fake be;
@@ -321,8 +337,55 @@ static void test_sums_step_unsealed_needs_weight_out(void **state) {
     }
 }
 
+/* A whole step with a done flag of `words` words that fails on the device:
+ * zero_outputs returns zero_rc. */
+static fixture *failed_flagged(int zero_rc, int words, uint32_t flag[2]) {
+    fixture *f = make();
+    f->be.base.ops = &fake_zero_ops;
+    f->be.zero_rc = zero_rc;
+    flag[0] = flag[1] = 0;
+    f->sc.step.done_flag = &flag[0];
+    f->sc.step.done_abandon = words == 2 ? &flag[1] : NULL;
+    f->sc.done_value = 17;
+    dc_step_run_work(&f->sc.task, &f->be.base);
+    assert_int_equal(f->sc.rc, DC_EINTERNAL); /* (fake_run's failure) */
+    assert_int_equal(f->be.zeroed, 1);
+    return f;
+}
+
+/* The outputs zeroed: the flag stored, the abandon word left alone. */
+static void test_failed_step_zeroed_then_flagged(void **state) {
+    (void)state;
+    uint32_t flag[2];
+    fixture *f = failed_flagged(0, 2, flag);
+    assert_int_equal(flag[0], 17);
+    assert_int_equal(flag[1], 0);
+    assert_false(f->sc.abandoned);
+    assert_null(strstr(f->sc.err.msg, "could not be zeroed"));
+    release(f);
+}
+
+/* The outputs not zeroed: the flag never stored (the stream behind it
+ * would apply them), the abandon word stored where the flag has one, the
+ * step abandoned, and its error says so. */
+static void test_failed_step_unzeroed_is_abandoned(void **state) {
+    (void)state;
+    for (int words = 1; words <= 2; words++) {
+        uint32_t flag[2];
+        fixture *f = failed_flagged(DC_EUNAVAIL, words, flag);
+        assert_int_equal(flag[0], 0);
+        assert_int_equal(flag[1], words == 2 ? 17 : 0);
+        assert_true(f->sc.abandoned);
+        assert_non_null(strstr(f->sc.err.msg, "not called")); /* the failure's own message */
+        assert_non_null(strstr(f->sc.err.msg, "could not be zeroed"));
+        release(f);
+    }
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_failed_step_zeroed_then_flagged),
+        cmocka_unit_test(test_failed_step_unzeroed_is_abandoned),
         cmocka_unit_test(test_kept_layer_unsealed),
         cmocka_unit_test(test_unkept_layer_checked),
         cmocka_unit_test(test_pass_keeps_unsealed),

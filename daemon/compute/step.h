@@ -166,8 +166,11 @@ typedef struct dc_step {
     bool zero_on_fail;
     /* ClipStep.done_flag: a u32 in the client's shared memory that the
      * daemon (not a backend) stores the step's done value into once it
-     * finished (step_run.c); NULL: none. */
+     * finished (step_run.c); NULL: none. done_abandon: the flag's second
+     * word where it has one ([2]), which takes the done value instead when
+     * a failed step's outputs could not be zeroed; NULL: none. */
     uint32_t *done_flag;
+    uint32_t *done_abandon;
 } dc_step;
 
 /* The tensors a step may write, in order: each layer's weight_grad_out and

@@ -482,6 +482,14 @@ void dc_session_step_reply(dc_step_call *sc) {
         if (sc->err.code == DC_OK) dc_err_set(&sc->err, DC_EINTERNAL, "clip_step", "step failed");
         if (!sc->res.released) dc_step_account_refund(sc);
         dc_session_send_error(s, sc->req_id, &sc->err);
+        if (sc->abandoned) {
+            /* its flag was never stored: the hang-up has the client zero
+             * its outputs and release its stream (step_run.c done_store) */
+            dc_log_warn("session %llu: a failed step's outputs could not be zeroed (request "
+                        "%llu); closing the session after its error",
+                        (unsigned long long)s->id, (unsigned long long)sc->req_id);
+            s->closing = true;
+        }
     }
 }
 

@@ -99,6 +99,10 @@ struct dc_step_call {
     /* step.done_flag: what the worker stores there at the step's end (set
      * before the step is submitted; the notice says it) */
     uint32_t done_value;
+    /* a failed step whose outputs could not be zeroed (a broken CUDA
+     * context): its flag was not stored, and the session closes after its
+     * error (step_run.c done_store) */
+    bool abandoned;
     bool cached;    /* from the session's plan cache: step.layers is the plan's */
     dc_backend *be; /* the worker's backend, while work() runs */
     dc_step step;

@@ -168,11 +168,28 @@ static void run_step(dc_step_call *sc, dc_backend *be, bool sums) {
  * (its consumer may already wait on the flag), then the value stored,
  * whatever happened, so that no client's stream waits for good. The store
  * is the last access: the work it reports has finished on the device
- * (run_step waited for it). */
+ * (run_step waited for it).
+ *
+ * Where the outputs cannot be zeroed (the device's context is broken)
+ * they may hold part of the step, clipped sums without their noise: the
+ * flag, which would let the client's stream apply them, is never stored.
+ * The abandon word takes the value instead, and the session closes after
+ * the error (abandoned): the client, woken by the hang-up, zeroes the
+ * outputs itself, which no work of this daemon's can write any more (a
+ * broken context runs none), and then releases its own stream
+ * (docs/protocol.md, "Done flag"). */
 static void done_store(dc_step_call *sc, dc_backend *be) {
     const dc_step *s = &sc->step;
     if (!s->done_flag) return;
-    if (sc->rc) (void)dc_backend_zero_outputs(be, s);
+    if (sc->rc && dc_backend_zero_outputs(be, s) != 0) {
+        size_t n = strlen(sc->err.msg);
+        snprintf(sc->err.msg + n, sizeof sc->err.msg - n,
+                 "; its outputs could not be zeroed, so the done flag was not stored and the "
+                 "session closes: zero them before releasing the stream");
+        if (s->done_abandon) __atomic_store_n(s->done_abandon, sc->done_value, __ATOMIC_RELEASE);
+        sc->abandoned = true;
+        return;
+    }
     __atomic_store_n(s->done_flag, sc->done_value, __ATOMIC_RELEASE);
 }
 

@@ -408,7 +408,8 @@ int dc_validate_step_cost(const dc_step *s, const dc_limits *lim, dc_err *err) {
 
 /* ClipStep.done_flag: one I32 in a shared-memory buffer of the session
  * (the daemon's host stores it, whatever device the step's tensors are
- * on); check_tensor has it in bounds and 4-aligned. */
+ * on), or two: the second is the abandon word (step.h); check_tensor has
+ * it in bounds and 4-aligned. */
 static int validate_done_flag(const Dpclip__TensorRef *ref, const dc_registry *reg, dc_step *out,
                               dc_err *err) {
     dc_tensor t;
@@ -421,10 +422,12 @@ static int validate_done_flag(const Dpclip__TensorRef *ref, const dc_registry *r
                           "must be in a shared-memory buffer, not on cuda:%d: the daemon's host "
                           "stores it (a client's stream waits on its page mapped into the device)",
                           dev);
-    if (t.shape[0] != 1)
+    if (t.shape[0] != 1 && t.shape[0] != 2)
         return dc_err_set(err, DC_EINVAL, "clip_step.done_flag.shape",
-                          "one element, [1]; got [%lld]", (long long)t.shape[0]);
+                          "[1] (the flag) or [2] (the flag and its abandon word); got [%lld]",
+                          (long long)t.shape[0]);
     out->done_flag = (uint32_t *)t.data;
+    out->done_abandon = t.shape[0] == 2 ? out->done_flag + 1 : NULL;
     return 0;
 }
 

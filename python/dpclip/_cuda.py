@@ -21,25 +21,10 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 import torch
 
 from . import _lib, _planner
+from ._flags import _FLAG_BYTES, _UNKNOWN_PEER_S, _Flag, _gone, _peer
 from ._layers import _ESIZE, Out, Part, Slice, _tref
 from ._planner import Plan, add_layers, set_grad
 from ._transport import Phases, Run, Transport
-
-
-# a done flag's shared memory: one page (the word at its start)
-_FLAG_BYTES = 4096
-
-
-class _Flag:
-    """One device's done flag (CudaIPC.done_flag): its shared buffer, the
-    word's address here and on the device, its reference for the daemon,
-    and the last value a notice gave (what release_flags stores)."""
-    __slots__ = ("buffer", "addr", "dev", "ref", "last")
-
-    def __init__(self, buffer: int, addr: int, dev: int) -> None:
-        self.buffer, self.addr, self.dev = buffer, addr, dev
-        self.ref = _tref(buffer, 0, torch.int32, (1,))
-        self.last = 0
 
 
 def mps_advice(daemon_mps: bool, env: Mapping[str, str] = os.environ) -> Optional[str]:
@@ -111,22 +96,22 @@ _OUT_ALIGN = 4
 _ARENA_BYTES = 1 << 30
 
 
-def _out_buffers(client: Any, outs: Sequence[Out], device: torch.device) -> bool:
+def _out_buffers(client: Any, outs: Sequence[Out], device: torch.device,
+                 arenas: Optional[List[torch.Tensor]] = None) -> bool:
     """Gives each output without a buffer on `device` one: a slice of a new
     zeroed arena per dtype (_ARENA_BYTES at most), in the outputs' order,
     registered once (True: some were made). The engine holds the outputs
     for its lifetime, so their allocations cannot be freed and reused: the
-    references stay valid
-    (activations and output grads are new tensors every step and go through
-    libdpclip's check). Zeros, not the allocator's leftovers: a step that
-    fails where the daemon cannot zero its outputs (a broken CUDA context)
-    still releases the trainer's stream, which then applies what the buffer
-    holds (the error follows at the next collection): nothing, or the last
-    released gradient, never memory this process used for its data. One
+    references stay valid (activations and output grads are new tensors
+    every step and go through libdpclip's check). Zeros, not the
+    allocator's leftovers, so that no gradient is ever memory this process
+    used for its data (a step that fails is zeroed: by the daemon, or by
+    release_flags where the daemon could not). One
     arena rather than a tensor each: the param.grad views of consecutive
     parameters are then consecutive in memory, so the data-parallel
     all-reduce sums a bucket in place (dpclip._gate) instead of gathering
-    it into a copy and scattering it back."""
+    it into a copy and scattering it back. Each new arena is appended to
+    arenas (the transport's: release_flags zeroes them)."""
     todo = [o for o in outs if o.buf is None or o.buf.device != device]
     if not todo:
         return False
@@ -140,18 +125,20 @@ def _out_buffers(client: Any, outs: Sequence[Out], device: torch.device) -> bool
         for i, o in enumerate(group):
             width = -(-o.numel // _OUT_ALIGN) * _OUT_ALIGN
             if n and n + width > cap:  # this arena is full: the outputs so far get it
-                _arena(client, group[first:i], offs, n, device)
+                _arena(client, group[first:i], offs, n, device, arenas)
                 first, n, offs = i, 0, []
             offs.append(n)
             n += width
-        _arena(client, group[first:], offs, n, device)
+        _arena(client, group[first:], offs, n, device, arenas)
     return True
 
 
 def _arena(client: Any, outs: Sequence[Out], offs: Sequence[int], n: int,
-           device: torch.device) -> None:
+           device: torch.device, arenas: Optional[List[torch.Tensor]]) -> None:
     """One zeroed arena of n elements on `device`, output i's buffer at offs[i]."""
     arena = torch.zeros(n, dtype=outs[0].dtype, device=device)
+    if arenas is not None:
+        arenas.append(arena)
     for o, off in zip(outs, offs):
         o.buf = arena[off:off + o.numel]
         o.ref = client.register_cuda(o.buf.data_ptr())
@@ -206,6 +193,10 @@ class CudaIPC(Transport):
         self._flags: Dict[int, _Flag] = {}
         self._flag_on = os.environ.get("DPCLIP_DONE_FLAG", "1") != "0"
         self._watcher: Optional[Tuple[threading.Thread, int]] = None  # (thread, wake fd)
+        self._peer: Optional[Tuple[int, str]] = None  # the daemon's process (_peer)
+        self._release_mu = threading.Lock()
+        # every output arena made (_out_buffers): what release_flags zeroes
+        self._arenas: List[torch.Tensor] = []
 
     def _ipc_event(self, idx: int) -> Tuple[torch.cuda.Event, int]:
         """A new interprocess event on device idx, registered with the
@@ -300,6 +291,7 @@ class CudaIPC(Transport):
         up alone (replies are the caller's to read) and a pipe that close()
         writes."""
         fd = self.client.fileno()
+        self._peer = _peer(fd)  # (while it is connected)
         r, w = os.pipe()
         gone = select.POLLRDHUP | select.POLLHUP | select.POLLERR | select.POLLNVAL
 
@@ -323,12 +315,49 @@ class CudaIPC(Transport):
         self._watcher = (t, w)
 
     def release_flags(self) -> None:
-        """Each flag set to the last value a notice gave, from this host:
-        the daemon went away, and a stream still waiting would wait for
-        good (the step's outputs are then what they are: the error says
-        so)."""
-        for f in self._flags.values():
-            ctypes.c_uint32.from_address(f.addr).value = f.last & 0xFFFFFFFF
+        """The daemon's socket hung up: each flag the daemon did not store
+        set to the last value a notice gave, from this host, so that no
+        stream waits for good. Not before the daemon can no longer write
+        the outputs (its process gone, or its abandon word saying it gave
+        them up: docs/protocol.md, "Done flag"), and not before they are
+        zeroed: a daemon killed between a step's clipped sums and its noise
+        leaves sums without noise there, which the optimizer queued behind
+        the flag would apply. A daemon alive stores its flags itself once
+        its work ends (the wait polls for it); one whose pid is hidden is
+        taken for gone after _UNKNOWN_PEER_S."""
+        with self._release_mu:
+            t0 = time.monotonic()
+            while True:
+                todo = [f for f in self._flags.values() if not f.stored()]
+                if not todo:
+                    return
+                if any(f.abandoned() for f in todo) or (
+                        _gone(self._peer) if self._peer is not None
+                        else time.monotonic() - t0 > _UNKNOWN_PEER_S):
+                    break
+                time.sleep(0.001)
+            self._zero_outputs()
+            for f in todo:
+                ctypes.c_uint32.from_address(f.addr).value = f.last & 0xFFFFFFFF
+
+    def _zero_outputs(self) -> None:
+        """Every output the daemon writes zeroed before this returns, on a
+        stream of its own (the trainer's waits on the flag) after the
+        device's last `ready`: what the trainer queued before the step, the
+        last optimizer step's reads included, goes first."""
+        outs = list(self._arenas) + ([self._coefs] if self._coefs is not None else [])
+        for t in outs:
+            if t.device.type != "cuda":
+                t.zero_()
+                continue
+            with torch.cuda.device(t.device):
+                s = torch.cuda.Stream()
+                ev = self._events.get(t.device.index)
+                if ev is not None:
+                    s.wait_event(ev[0])
+                with torch.cuda.stream(s):
+                    t.zero_()
+                s.synchronize()
 
     def close(self) -> None:
         """The flags unmapped from their devices and released (before the
@@ -381,7 +410,7 @@ class CudaIPC(Transport):
         keep = [(pt.inp, pt.grad) for pt in plan.parts] if plan.wired else \
             [_wire(pt, device) for pt in plan.parts]
         ptrs = [t.data_ptr() for pair in keep for t in pair]
-        fresh = _out_buffers(self.client, plan.outs, device)
+        fresh = _out_buffers(self.client, plan.outs, device, self._arenas)
 
         def out_ref(sl: Optional[Slice]) -> _lib.Tensor:
             if sl is None:

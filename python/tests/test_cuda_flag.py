@@ -1,8 +1,10 @@
 """The done flag of asynchronous GPU steps (dpclip._cuda.CudaIPC.done_flag),
 on the CPU with CUDA stubbed: the step names the flag, the trainer's stream
-waits on the value the notice gave (not on `done`), a daemon gone has the
-flag released from the host, and without the driver's calls (or with
-DPCLIP_DONE_FLAG=0) the events serve as before. The flag is the default."""
+waits on the value the notice gave (not on `done`), a daemon gone (or
+one that abandoned a step's outputs) has them zeroed and then the flag
+released from the host, a live one that hung up is waited for, and without
+the driver's calls (or with DPCLIP_DONE_FLAG=0) the events serve as
+before. The flag is the default."""
 import contextlib
 import ctypes
 import socket
@@ -123,14 +125,19 @@ def test_async_step_waits_on_the_flag_not_the_event(stubs):
     _run(io, step)
     ref = step.flags[-1]
     assert ref is not None and ref.buffer == 41 and ref.offset == 0
-    assert ref.dtype == _lib.I32 and ref.ndim == 1 and tuple(ref.shape)[:1] == (1,)
+    # the flag and its abandon word
+    assert ref.dtype == _lib.I32 and ref.ndim == 1 and tuple(ref.shape)[:1] == (2,)
     assert maps == [(ctypes.addressof(client.words[41]), _cuda._FLAG_BYTES)]
     assert waits == [(1234, 0xDEAD0000, 7)] and stream.waited == []
-    # the daemon went: the host stores the last value itself, so the stream goes on
+    # the daemon gave the step's outputs up: the host zeroes them and stores
+    # the last value itself, so the stream goes on
     word = ctypes.c_uint32.from_address(ctypes.addressof(client.words[41]))
     assert word.value == 0
+    out = torch.ones(5)
+    io._arenas.append(out)
+    ctypes.c_uint32.from_address(ctypes.addressof(client.words[41]) + 4).value = 7
     io.release_flags()
-    assert word.value == 7
+    assert word.value == 7 and not out.any()
     io.close()
     assert client.released == [41]
 
@@ -174,9 +181,11 @@ def test_no_driver_support_falls_back_to_the_event(stubs, monkeypatch):
 
 def test_daemon_gone_releases_the_flag(fresh_daemon, stubs, monkeypatch):
     """The daemon killed while a step is in flight: the flag's watcher sees
-    its socket hang up and stores the last value from this host, so that a
-    stream waiting on it (and a host blocked behind that stream) goes on.
-    A real daemon and shared page; CUDA stubbed."""
+    its socket hang up and, once its process is gone, zeroes the outputs
+    (it may have died between a step's clipped sums and their noise) and
+    stores the last value from this host, so that a stream waiting on it
+    (and a host blocked behind that stream) goes on. A real daemon and
+    shared page; CUDA stubbed."""
     import time
 
     client = _lib.Client(fresh_daemon.socket, "flag-watch")
@@ -185,6 +194,8 @@ def test_daemon_gone_releases_the_flag(fresh_daemon, stubs, monkeypatch):
     assert f is not None and io._watcher is not None
     f.last = 5  # the notice's value of the step in flight
     word = ctypes.c_uint32.from_address(f.addr)
+    out = torch.full((7,), 3.0)  # an output the killed daemon may have half written
+    io._arenas.append(out)
     time.sleep(0.2)
     assert word.value == 0  # nothing stored while the daemon lives
     fresh_daemon.kill()
@@ -192,6 +203,7 @@ def test_daemon_gone_releases_the_flag(fresh_daemon, stubs, monkeypatch):
     while word.value != 5 and time.monotonic() < deadline:
         time.sleep(0.01)
     assert word.value == 5
+    assert not out.any()  # zeroed before the stream was let go
     io.close()  # the watcher gone, then the page
     assert io._watcher is None
     client.close()
@@ -316,3 +328,76 @@ def test_a_template_plan_rebinds_without_comparing_parts(monkeypatch):
     assert len(signatures) == 2  # serial 9 taken over: no comparison
     assert io._layers(step, plan(6, 0), 2, 0, None, [9, 9], False) is False  # other parts
     assert built == [2, 2] and rebound == [[3, 4], [5, 6], [7, 8]]
+
+
+def _hung_up(stubs):
+    """A transport whose flag (the notice's value 7) has its watcher, and
+    whose 'daemon' (the other end of a socketpair: this very process, so
+    alive) has just hung up; one output of ones."""
+    client = _Client()
+    io = _cuda.CudaIPC(client)
+    f = io.done_flag(torch.device("cuda", 0))
+    f.last = 7
+    out = torch.ones(4)
+    io._arenas.append(out)
+    client.sock[1].close()
+    return io, f, out
+
+
+def test_hang_up_waits_for_a_live_daemon(stubs):
+    """A daemon alive stores its flag itself once the step's work ends (its
+    session closed meanwhile): the watcher waits for that and zeroes
+    nothing, as the outputs are the step's, noise and all."""
+    import time
+
+    io, f, out = _hung_up(stubs)
+    time.sleep(0.3)
+    assert f.word(0) == 0 and out.all()  # still waiting: the daemon lives
+    ctypes.c_uint32.from_address(f.addr).value = 7  # the daemon stores it
+    io._watcher[0].join(5)
+    assert not io._watcher[0].is_alive() and f.word(0) == 7 and out.all()
+    io.close()
+
+
+def test_hang_up_after_an_abandoned_step(stubs):
+    """The daemon could not zero a failed step's outputs (its abandon word):
+    the watcher zeroes them, then releases the stream."""
+    io, f, out = _hung_up(stubs)
+    ctypes.c_uint32.from_address(f.addr + 4).value = 7
+    io._watcher[0].join(5)
+    assert not io._watcher[0].is_alive() and f.word(0) == 7 and not out.any()
+    io.close()
+
+
+def test_hidden_daemon_taken_for_gone_after_a_while(stubs, monkeypatch):
+    """A daemon whose pid this process cannot see (another pid namespace)
+    is taken for gone once _UNKNOWN_PEER_S has passed without its flag."""
+    import time
+
+    monkeypatch.setattr(_cuda, "_peer", lambda fd: None)
+    monkeypatch.setattr(_cuda, "_UNKNOWN_PEER_S", 0.3)
+    t0 = time.monotonic()
+    io, f, out = _hung_up(stubs)
+    io._watcher[0].join(5)
+    assert time.monotonic() - t0 >= 0.3
+    assert f.word(0) == 7 and not out.any()
+    io.close()
+
+
+def test_the_peer_and_its_end():
+    """_peer names the process at the socket's other end (with its start
+    time, so that a reused pid is not taken for it); _gone sees a process
+    ended, or another one under its pid."""
+    import os
+    import subprocess
+
+    from dpclip import _flags
+    a, b = socket.socketpair()
+    me = _flags._peer(a.fileno())
+    assert me is not None and me[0] == os.getpid() and not _flags._gone(me)
+    assert _flags._gone((me[0], "not its start time"))
+    p = subprocess.Popen(["true"])
+    p.wait()
+    assert _flags._gone((p.pid, me[1]))
+    a.close()
+    b.close()
