@@ -40,7 +40,15 @@ per step, in ms of host time, the whole optimizer.step() and its stages:
   round trip);
 - optimizer: the wrapped optimizer's own step (the update, as a plain
   step runs it: not dpclip's);
-- other: the rest of step() (outputs bound to param.grad, bookkeeping),
+- the functions around those stages, each its own time less the stages
+  it calls: wrapper (DPOptimizer.step: the optimizer's parameter list),
+  mode (the one-process mode's step: collect, guard, commit, drop),
+  commit (dpclip._accumulate's: which passes to send), whole (the engine's
+  step of one pass: its plan, its result), run (the CUDA transport's send:
+  the tensors' pointers, events, the outputs' binding), outputs (the
+  outputs' buffers checked: _out_buffers), alias (param.grad set to
+  each output: _alias), finish (a step's result taken: _finish);
+- other: the rest of step(),
 and overhead_ms, dpclip's host time (step_ms less the optimizer's), and
 overhead_less_wait_ms, that less the wait for the reply, and
 before_submit_ms: from optimizer.step()'s call until the step is handed to
@@ -70,7 +78,8 @@ from dpclip import _cuda, _host, _lib, _planner, _verify  # noqa: E402
 from dpclip.torch import PrivacyEngine  # noqa: E402
 
 STAGES = ("collect", "wait", "guard", "plan", "check", "refs", "add_layers", "rebind", "send",
-          "optimizer", "batch", "wire", "events", "layout", "drop")
+          "optimizer", "batch", "wire", "events", "layout", "drop", "wrapper", "mode", "commit",
+          "whole", "run", "outputs", "alias", "finish")
 
 
 class Timers:
@@ -145,6 +154,16 @@ def install(t):
     t.wrap(_cuda.CudaIPC, "readied", "events")
     t.wrap(_cuda.CudaIPC, "_layers", "layout")
     t.wrap(PrivacyEngine, "_drop", "drop")
+    from dpclip import _accumulate, _modes, _optimizer
+    t.wrap(_optimizer.DPOptimizer, "step", "wrapper")
+    t.wrap(_modes.Local, "step", "mode")
+    t.wrap(_accumulate.Accumulator, "commit", "commit")
+    t.wrap(PrivacyEngine, "_step_whole", "whole")
+    t.wrap(_cuda.CudaIPC, "run", "run")
+    t.wrap(_host.HostArena, "run", "run")
+    t.wrap(_cuda, "_out_buffers", "outputs")
+    t.wrap(_cuda, "_alias", "alias")
+    t.wrap(PrivacyEngine, "_finish", "finish")
 
 
 def main():

@@ -12,7 +12,8 @@ import sys
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 STAGES = ("collect", "wait", "guard", "plan", "check", "refs", "add_layers", "rebind", "send",
-          "optimizer", "batch", "wire", "events", "layout", "drop", "other")
+          "optimizer", "batch", "wire", "events", "layout", "drop", "wrapper", "mode", "commit",
+          "whole", "run", "outputs", "alias", "finish", "other")
 
 
 def test_stages_of_a_step(secure_daemon):
@@ -28,7 +29,9 @@ def test_stages_of_a_step(secure_daemon):
     # 2 blocks of LayerNorm, qkv, proj, LayerNorm, fc, out; the token and
     # position embeddings, the final norm and the head
     assert line["layers"] == 16 and line["parts"] >= line["layers"], line
-    for s in ("plan", "refs", "add_layers", "send", "batch", "drop"):  # the host path's, timed
+    # the host path's stages, and the functions around them, timed
+    for s in ("plan", "refs", "add_layers", "send", "batch", "drop", "wrapper", "mode", "commit",
+              "whole", "run", "finish"):
         assert line[s] > 0, (s, line)
     assert sum(line[s] for s in STAGES) <= line["step_ms"] * 1.001, line
     assert line["other"] >= 0, line
