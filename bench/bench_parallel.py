@@ -408,6 +408,11 @@ def trace_steps(c, model, opt, mode):
     return {k: [round(h / TRACED, 2), round(g / TRACED, 2)] for k, (h, g) in trace.items()}
 
 
+def stages_of(args):
+    """The pipeline stages of args' layout (LAYOUTS)."""
+    return LAYOUTS[args.mode][1]
+
+
 def reference(args, replicas, device, path):
     """The check's reference (rank 0): the unsplit model's per-sample
     clipped sum over the replicas' union of logical batches, in f64, over
@@ -426,7 +431,13 @@ def reference(args, replicas, device, path):
                           for b in range(n)], dtype=torch.float64)
     s = sorted(norms.tolist())
     C = 0.5 * (s[n // 2 - 1] + s[n // 2]) if n > 1 else 0.5 * s[0]  # about half clip
-    coefs = (C / (norms + 1e-6)).clamp(max=1.0)
+    # a norm group across daemons clips in a phase of its own, by squared
+    # norms raised by the daemon's re-measurement margin (1/1024:
+    # daemon/protocol/step_pass.h); a stage's norm group on one daemon runs
+    # each step fused, without it
+    phased = stages_of(args) > 1 and len(args.socket.split(",") if args.socket else [None]) > 1
+    margin = 1.0 + 1.0 / 1024.0 if phased else 1.0
+    coefs = (C / (norms * math.sqrt(margin) + 1e-6)).clamp(max=1.0)
     acc = [torch.zeros(p.shape, dtype=torch.float64, device=device) for _, p in params]
     for b in range(n):
         for t, g in zip(acc, grads(b)):
