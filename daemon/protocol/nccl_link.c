@@ -24,9 +24,9 @@ void dc_nccl_version_str(uint32_t code, char *buf, size_t n) {
  * device's work, and the hand-back to the loop. */
 typedef struct dc_nccl_times {
     uint64_t woke;    /* submit -> the link's thread running it */
-    uint64_t copy_in; /* staged mode: queueing the copy to the device */
+    uint64_t copy_in; /* queueing the copy to the device */
     uint64_t gather;  /* the all-gather call (blocking communicator: until queued) */
-    uint64_t queued;  /* all of the link's calls for it */
+    uint64_t queued;  /* all of the link's calls for it (the copy out too) */
     uint64_t done;    /* from then until the stream was idle */
 } dc_nccl_times;
 
@@ -49,7 +49,6 @@ struct dc_nccl {
     size_t copy_cap;
     size_t op_bytes;
     uint64_t op_submitted; /* uv_hrtime of dc_nccl_submit (under mu: read by the thread) */
-    bool staged;           /* set at open: DPCLIP_NCCL_EXCHANGE=staged */
     /* under mu: thread -> loop */
     bool exited, state_posted, op_queued, op_finished;
     dc_nccl_state posted_state;
@@ -62,9 +61,8 @@ struct dc_nccl {
     ncclComm_t comm; /* non-blocking: formed within the timeout */
     ncclComm_t fast; /* its blocking split, which the exchanges use */
     cudaStream_t stream;
-    void *h_send, *h_recv; /* pinned host buffers, mapped into the device (mapped mode) */
-    void *d_send, *d_recv; /* staged mode: device buffers; mapped: h_*'s device addresses */
-    size_t dev_cap;        /* bytes per rank the buffers hold */
+    void *d_send, *d_recv, *h_send, *h_recv;
+    size_t dev_cap; /* bytes per rank the buffers hold */
 };
 
 uint32_t dc_nccl_version(void) {
@@ -205,39 +203,30 @@ static int form(dc_nccl *l, dc_err *err) {
 }
 
 static void free_buffers(dc_nccl *l) {
-    if (l->staged) {
-        cudaFree(l->d_send);
-        cudaFree(l->d_recv);
-    }
+    cudaFree(l->d_send);
+    cudaFree(l->d_recv);
     cudaFreeHost(l->h_send);
     cudaFreeHost(l->h_recv);
     l->d_send = l->d_recv = l->h_send = l->h_recv = NULL;
     l->dev_cap = 0;
 }
 
-/* The exchange's buffers for `bytes` a rank. Mapped (the default): pinned
- * host buffers mapped into the device, which the all-gather's kernels read
- * and write themselves, so an exchange is one call into NCCL; staged
- * (DPCLIP_NCCL_EXCHANGE=staged): device buffers, with a copy in and a copy
- * out around the all-gather, three calls. */
+/* Device buffers for the all-gather and pinned host ones to copy through.
+ * (Pinned host buffers mapped into the device, which the all-gather's
+ * kernels read and write themselves, were measured too: one call instead
+ * of three, but NCCL's call took longer and the kernels ran slower on host
+ * memory, 189 against 202 us from the last member's submission on two
+ * H200s, within the runs' spread; not kept.) */
 static int grow(dc_nccl *l, size_t bytes, dc_err *err) {
     cudaError_t ce;
     if (bytes <= l->dev_cap) return 0;
     free_buffers(l);
     size_t all = bytes * (size_t)l->ranks;
-    unsigned flags = l->staged ? cudaHostAllocDefault : cudaHostAllocMapped;
-    if ((ce = cudaHostAlloc(&l->h_send, bytes, flags)) != cudaSuccess ||
-        (ce = cudaHostAlloc(&l->h_recv, all, flags)) != cudaSuccess)
+    if ((ce = cudaMalloc(&l->d_send, bytes)) != cudaSuccess ||
+        (ce = cudaMalloc(&l->d_recv, all)) != cudaSuccess ||
+        (ce = cudaMallocHost(&l->h_send, bytes)) != cudaSuccess ||
+        (ce = cudaMallocHost(&l->h_recv, all)) != cudaSuccess)
         return cuda_fail(err, "allocating the exchange buffers", ce);
-    if (l->staged) {
-        if ((ce = cudaMalloc(&l->d_send, bytes)) != cudaSuccess ||
-            (ce = cudaMalloc(&l->d_recv, all)) != cudaSuccess)
-            return cuda_fail(err, "allocating the exchange buffers", ce);
-    } else if ((ce = cudaHostGetDevicePointer(&l->d_send, l->h_send, 0)) != cudaSuccess ||
-               (ce = cudaHostGetDevicePointer(&l->d_recv, l->h_recv, 0)) != cudaSuccess) {
-        l->d_send = l->d_recv = NULL; /* (not to be freed: free_buffers frees h_*) */
-        return cuda_fail(err, "mapping the exchange buffers", ce);
-    }
     l->dev_cap = bytes;
     return 0;
 }
@@ -268,22 +257,18 @@ static int exchange(dc_nccl *l, size_t bytes, dc_nccl_times *tm, dc_err *err) {
     int rc;
     if ((rc = grow(l, bytes, err))) return rc;
     memcpy(l->h_send, l->send_copy, bytes);
-    if (l->staged) {
-        if ((ce = cudaMemcpyAsync(l->d_send, l->h_send, bytes, cudaMemcpyHostToDevice,
-                                  l->stream)) != cudaSuccess)
-            return cuda_fail(err, what, ce);
-        t1 = uv_hrtime();
-    }
+    if ((ce = cudaMemcpyAsync(l->d_send, l->h_send, bytes, cudaMemcpyHostToDevice, l->stream)) !=
+        cudaSuccess)
+        return cuda_fail(err, what, ce);
+    t1 = uv_hrtime();
     r = ncclAllGather(l->d_send, l->d_recv, bytes, ncclUint8, l->fast, l->stream);
     if (r != ncclSuccess) return nccl_fail(l, err, what, r);
     t2 = uv_hrtime();
-    if (l->staged && (ce = cudaMemcpyAsync(l->h_recv, l->d_recv, all, cudaMemcpyDeviceToHost,
-                                           l->stream)) != cudaSuccess)
+    if ((ce = cudaMemcpyAsync(l->h_recv, l->d_recv, all, cudaMemcpyDeviceToHost, l->stream)) !=
+        cudaSuccess)
         return cuda_fail(err, what, ce);
     uint64_t t_queued = uv_hrtime();
     if ((rc = wait_done(l, l->fast, deadline, true, what, err))) return rc;
-    /* (mapped: the kernels' writes to host memory are visible once the
-     * stream is idle) */
     memcpy(l->recv_copy, l->h_recv, all);
     tm->copy_in = t1 - t0;
     tm->gather = t2 - t1;
@@ -376,12 +361,11 @@ static void on_async(uv_async_t *a) {
         dc_nccl_op *op = l->op;
         l->op = NULL;
         if (orc == 0 && dc_log_get_level() >= DC_LOG_DEBUG)
-            dc_log_debug("nccl link (daemon %d of %d): exchange of %zu bytes (%s) in %.1f us: "
+            dc_log_debug("nccl link (daemon %d of %d): exchange of %zu bytes in %.1f us: "
                          "hand-off %.1f, copy in %.1f, all-gather %.1f, queued %.1f, device "
                          "%.1f, hand-back %.1f",
-                         l->rank, l->ranks, op->bytes, l->staged ? "staged" : "mapped",
-                         (now - l->op_submitted) / 1e3, tm.woke / 1e3, tm.copy_in / 1e3,
-                         tm.gather / 1e3, tm.queued / 1e3, tm.done / 1e3,
+                         l->rank, l->ranks, op->bytes, (now - l->op_submitted) / 1e3, tm.woke / 1e3,
+                         tm.copy_in / 1e3, tm.gather / 1e3, tm.queued / 1e3, tm.done / 1e3,
                          (now - l->op_submitted - tm.woke - ons) / 1e3);
         op->rc = orc;
         op->err = oerr;
@@ -413,8 +397,6 @@ int dc_nccl_open(uv_loop_t *loop, int device, const uint8_t id[DC_NCCL_ID_BYTES]
     l->on_state = on_state;
     l->arg = arg;
     l->state = DC_NCCL_FORMING;
-    const char *how = getenv("DPCLIP_NCCL_EXCHANGE"); /* a switch to measure with */
-    l->staged = how && strcmp(how, "staged") == 0;
     atomic_init(&l->closing, false);
     uv_mutex_init(&l->mu);
     uv_cond_init(&l->cv);
