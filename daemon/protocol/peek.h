@@ -1,5 +1,5 @@
 /* Reading a Request's wire bytes without decoding them: which frames the
- * step cache's fast path (session.c, session_step.c) may take without
+ * step cache's fast path (session_requests.c, session_step.c) may take without
  * protobuf-c, and their id.
  *
  * The cache keys a step by the bytes of its clip_step field. That is sound

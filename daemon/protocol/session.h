@@ -26,10 +26,16 @@
 
 typedef struct dc_host dc_host;
 typedef struct dc_wbuf dc_wbuf;
+struct dc_session;
+
+/* A session's request handlers (session_requests.c), which its connection
+ * (session_io.c) hands each whole frame to. */
+typedef void (*dc_session_dispatch)(struct dc_session *s, const dc_frame *f);
 
 typedef struct dc_session {
     struct dc_session *prev, *next; /* server list */
     dc_host *host;                  /* the daemon it runs in (host.h) */
+    dc_session_dispatch dispatch;   /* its handlers: set at start */
     uint64_t id;
     int fd;
     uv_poll_t poll;

@@ -31,15 +31,6 @@
 _Static_assert(DC_LEDGER_JOB_ID_MAX <= DC_GROUP_JOB_ID_MAX,
                "a group keeps each member's ledger job id whole");
 
-void dc_session_group_leave(dc_session *s, const char *why) {
-    if (!s->group) return;
-    dc_log_info("session %llu: leaves norm group '%s' (%s)", (unsigned long long)s->id,
-                dc_group_name(s->group), why);
-    dc_group *g = s->group;
-    s->group = NULL;
-    dc_group_leave(g, s->group_rank, why);
-}
-
 void dc_session_join_group(dc_session *s, uint64_t id, const Dpclip__JoinGroup *m) {
     dc_host *host = s->host;
     Dpclip__Reply reply = DPCLIP__REPLY__INIT;

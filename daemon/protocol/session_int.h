@@ -1,6 +1,9 @@
-/* Internals shared by session.c (requests, lifecycle), session_step.c
- * (ClipStep: drives its stages, step_call.h), session_group.c (norm groups)
- * and session_gpu.c (CUDA buffers and events). Loop thread only. */
+/* Internals shared by a session's files, from the top down (each calls
+ * only those below it): session_requests.c (the request handlers), session_step.c
+ * (ClipStep: drives its stages, step_call.h), session_group.c (norm
+ * groups), session_end.c (how a step ends), session_gpu.c (CUDA buffers
+ * and events) and session_io.c (the connection, its frames and replies,
+ * the session's life). Loop thread only. */
 #ifndef DC_SESSION_INT_H
 #define DC_SESSION_INT_H
 
@@ -12,6 +15,10 @@
 #include "step_call.h"
 #include "worker.h"
 
+/* --- session_io.c --- */
+
+/* A session on the connected socket fd, whose frames go to dispatch. */
+int dc_session_open(dc_host *host, int fd, dc_session_dispatch dispatch, dc_session **out);
 /* A request is being worked on off the loop: later ones wait for it. */
 int dc_session_busy(const dc_session *s);
 /* Queues a reply and writes what the socket takes now. */
@@ -24,13 +31,22 @@ void dc_session_send_error(dc_session *s, uint64_t id, const dc_err *e);
 void dc_session_process(dc_session *s);
 /* Frees the session once its socket is closed and nothing runs for it. */
 void dc_session_destroy(dc_session *s);
+/* The plan cache's step dropped (session_step.c fills it). */
+void dc_session_plan_drop(dc_session *s);
+/* The session leaves its group (disconnect, a new join): the group is
+ * dissolved and its waiting steps fail, naming this member. */
+void dc_session_group_leave(dc_session *s, const char *why);
+
+/* --- session_gpu.c --- */
 
 void dc_session_register_cuda(dc_session *s, uint64_t id, const Dpclip__RegisterBuffer *m);
 void dc_session_register_event(dc_session *s, uint64_t id, const Dpclip__RegisterEvent *m);
 const struct dc_session_event *dc_session_find_event(const dc_session *s, uint64_t id);
 
-/* ClipStep (session_step.c). key: the request's bytes after its id (the
- * plan cache's key; NULL = do not cache). */
+/* --- session_step.c --- */
+
+/* ClipStep. key: the request's bytes after its id (the plan cache's key;
+ * NULL = do not cache). */
 void dc_session_step(dc_session *s, uint64_t id, const Dpclip__ClipStep *m, const uint8_t *key,
                      size_t key_len);
 /* The same step as the last one that validated: run it from the cache
@@ -39,10 +55,17 @@ int dc_session_step_cached(dc_session *s, uint64_t id, const uint8_t *key, size_
 /* A ClipStep frame arrived (s->t_frame): if the session's last step waited
  * on an input event on a GPU, have that GPU's stream wait on it now. */
 void dc_session_prewait(dc_session *s);
-void dc_session_plan_drop(dc_session *s);
 
-/* The last stage of a step's worker task, on the loop thread: the reply
- * (session_step.c). A grouped step's clip phase ends here too. */
+/* --- session_end.c --- */
+
+/* A step call freed, with what it holds. */
+void dc_session_call_free(dc_step_call *sc);
+/* The session may take its next request, or go if its client went. */
+void dc_session_next(dc_session *s);
+/* The session's norm pass goes, with its bytes against the pass limits. */
+void dc_session_pass_drop(dc_session *s);
+/* The last stage of a step's worker task, on the loop thread: the reply.
+ * A grouped step's clip phase ends here too. */
 void dc_session_step_done(dc_task *task);
 /* dc_session_step_done in two halves, for a fused group step that answers
  * every member before the bookkeeping of any (session_group.c): the reply
@@ -56,11 +79,8 @@ dc_worker_pool *dc_session_step_pool(const dc_step_call *sc);
  * sleeping through the wake-up. */
 void dc_session_step_expect(const dc_step_call *sc, uint64_t now);
 
-/* Norm groups (session_group.c). */
+/* --- session_group.c: norm groups --- */
 void dc_session_join_group(dc_session *s, uint64_t id, const Dpclip__JoinGroup *m);
-/* The session leaves its group (disconnect, a new join): the group is
- * dissolved and its waiting steps fail, naming this member. */
-void dc_session_group_leave(dc_session *s, const char *why);
 /* After validation: fits the step to the session's group (the group step,
  * replicated layers, group-wise thresholds); an error refuses it. */
 int dc_session_group_prepare(dc_session *s, dc_step_call *sc, dc_err *e);

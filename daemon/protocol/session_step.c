@@ -11,7 +11,8 @@
  *      whose norm phase, reduction and clip phase end in
  *      dc_session_step_done as well;
  *   4. reply (step_reply.c), or the error, with the spend of a step that
- *      released nothing refunded.
+ *      released nothing refunded: session_end.c, where a grouped step's
+ *      phases end too.
  * All on the loop thread except the work itself. While a step is accepted
  * and not replied to (s->call), the session takes no other request. */
 #include <stddef.h>
@@ -32,28 +33,6 @@ static void step_accept(dc_session *s, uint64_t id, dc_step_call *sc);
 static void step_account(dc_step_call *sc);
 static void step_submit(dc_step_call *sc);
 
-static void call_free(dc_step_call *sc) {
-    if (!sc->kept_borrowed) /* a group step that never clipped */
-        dc_backend_kept_free(sc->kept_be, sc->kept);
-    dc_step_result_free(&sc->res);
-    free(sc->n2);
-    free(sc->seal);
-    free(sc->unsealed);
-    free(sc->partial);
-    free(sc->tot);
-    free(sc->rep);
-    free(sc->pass_at);
-    if (sc->cached) sc->step.layers = NULL; /* the plan's */
-    dc_validate_step_free(&sc->step);
-    free(sc);
-}
-
-/* The session may take its next request, or go if its client went. */
-static void session_next(dc_session *s) {
-    if (s->gone) dc_session_destroy(s);
-    else dc_session_process(s);
-}
-
 /* A step of a grouped session refused before its norms reached the group:
  * the group step fails on every member, not only here. The member's step
  * number is spent with it, as the others' are: its next step is the group's
@@ -66,33 +45,21 @@ static void group_fail(dc_session *s, const dc_step_call *sc, const dc_err *e) {
     if (step > s->group_steps && step <= DC_GROUP_STEP_MAX) s->group_steps = step;
 }
 
-/* The session's norm pass goes, with its bytes against the pass limits. */
-static void pass_drop(dc_session *s) {
-    dc_pass_free(s->pass);
-    s->pass = NULL;
-    s->pass_bytes = 0;
-}
-
 /* A step refused before it ran. `async`: from a stage that waited, so the
  * session then moves on to its next request. */
 static void step_refuse(dc_step_call *sc, const dc_err *e, bool async) {
     dc_session *s = sc->s;
     uint64_t id = sc->req_id;
     s->call = NULL;
-    if (sc->pass_reserved) pass_drop(s); /* its reservation */
-    dc_logical_refused(s, sc, e);        /* its logical step aborts */
+    if (sc->pass_reserved) dc_session_pass_drop(s); /* its reservation */
+    dc_logical_refused(s, sc, e);                   /* its logical step aborts */
     group_fail(s, sc, e);
-    call_free(sc);
+    dc_session_call_free(sc);
     dc_session_reject(s, id, e);
-    if (async) session_next(s);
+    if (async) dc_session_next(s);
 }
 
 /* --- 1. validate --------------------------------------------------------- */
-
-void dc_session_plan_drop(dc_session *s) {
-    dc_step_plan_free(s->plan);
-    s->plan = NULL;
-}
 
 int dc_session_step_cached(dc_session *s, uint64_t id, const uint8_t *key, size_t key_len) {
     const dc_step_plan *p = s->plan;
@@ -195,7 +162,7 @@ static int step_phase(dc_session *s, dc_step_call *sc, dc_err *e) {
                           "the norm pass of a logical step's micro-batch has layers still to "
                           "sum: every layer of a micro-batch's pass is summed before its next "
                           "step");
-    if (ph != DC_PHASE_SUMS) pass_drop(s);
+    if (ph != DC_PHASE_SUMS) dc_session_pass_drop(s);
     if (ph == DC_PHASE_WHOLE) return 0;
     if (dc_pass_check(sc, s->group != NULL, e)) return e->code;
     if (ph == DC_PHASE_SUMS) return dc_pass_take(s->pass, sc, e);
@@ -317,17 +284,12 @@ fail:
 
 /* --- 3. run ---------------------------------------------------------------- */
 
-dc_worker_pool *dc_session_step_pool(const dc_step_call *sc) {
-    dc_host *host = sc->s->host;
-    return sc->step.device >= 0 ? &host->gpu->pools[sc->step.device] : host->cpu_pool;
-}
-
 /* Loop thread: a norm pass ran; the session keeps it for its sums. */
 static void pass_done(dc_task *task) {
     dc_step_call *sc = (dc_step_call *)task;
     dc_session *s = sc->s;
     if (sc->rc == 0) sc->rc = dc_pass_new(sc, &s->pass, &sc->err);
-    if (sc->rc) pass_drop(s); /* nothing kept: the reservation goes */
+    if (sc->rc) dc_session_pass_drop(s); /* nothing kept: the reservation goes */
     dc_session_step_done(task);
 }
 
@@ -361,28 +323,12 @@ static void step_submit(dc_step_call *sc) {
     dc_session_step_expect(sc, sc->t_submit);
 }
 
-/* Poll for what comes back: an early notice within about the time the
- * last ones took, the completion around the recent steps' run time. */
-void dc_session_step_expect(const dc_step_call *sc, uint64_t now) {
-    dc_session *s = sc->s;
-    dc_host *host = s->host;
-    if (sc->notify)
-        dc_host_poll(host, now,
-                     now + (s->ewma_notice_ns ? 2 * s->ewma_notice_ns + 100000u : 2000000u), false);
-    if (sc->step.device >= 0 && s->ewma_gpu_run_ns) {
-        uint64_t run = s->ewma_gpu_run_ns, m = dc_host_poll_margin(run);
-        dc_host_poll(host, now + run > m ? now + run - m : now, now + run + 2 * m, false);
-    } else {
-        dc_host_spin(host, false);
-    }
-}
-
 static void prewait_done(dc_task *task) {
     struct dc_prewait *pw = (struct dc_prewait *)task;
     dc_session *s = pw->s;
     pw->busy = false;
     s->async_ops--;
-    session_next(s);
+    dc_session_next(s);
 }
 
 void dc_session_prewait(dc_session *s) {
@@ -405,105 +351,4 @@ void dc_session_prewait(dc_session *s) {
     dc_worker_pool_submit(&s->host->gpu->pools[p->step.device], &pw->task);
 }
 
-/* --- 4. reply ---------------------------------------------------------------- */
-
-/* A GPU step's workspace as its backend holds it now: a step that made it
- * grow past gpu.workspace allocated inside the step path. */
-static void note_workspace(dc_host *host, const dc_step_call *sc) {
-    if (sc->step.device >= 0 && sc->step.device < DC_MAX_GPUS) {
-        uint64_t *held = &host->gpu_workspace[sc->step.device];
-        uint64_t had = *held > host->cfg.gpu_workspace ? *held : host->cfg.gpu_workspace;
-        if (sc->workspace > had)
-            dc_log_warn("cuda:%d: a step needed more device workspace than gpu.workspace; it "
-                        "grew to %llu bytes inside the step: set gpu.workspace to at least "
-                        "that to keep allocations out of the step path",
-                        sc->step.device, (unsigned long long)sc->workspace);
-        *held = sc->workspace;
-    }
-}
-
-/* After a reply: a trainer's next request often follows within
- * microseconds (its next step in a tight loop, or a registration), so poll
- * a little (daemon.spin_us). And a trainer's steps come at a steady period:
- * have the loop, and the GPU's worker, awake around when the next one is
- * due, rather than pay two wake-ups on its critical path. */
-static void expect_next(dc_session *s, const dc_step_call *sc, uint64_t now) {
-    dc_host *host = s->host;
-    dc_host_spin(host, true);
-    if (!s->ewma_period_ns || !host->spin_ns) return;
-    uint64_t due = sc->t_frame + s->ewma_period_ns;
-    if (due + s->ewma_period_ns / 4 <= now) return; /* late already: no cadence to follow */
-    uint64_t m = dc_host_poll_margin(s->ewma_period_ns);
-    dc_host_poll(host, due > m ? due - m : 0, due + m, true);
-    if (sc->step.device >= 0) {
-        /* Its timed wait is precise to microseconds: a narrower window. */
-        uint64_t mw = s->ewma_period_ns / 40 > 300000u ? s->ewma_period_ns / 40 : 300000u;
-        dc_worker_pool_expect(&host->gpu->pools[sc->step.device], due > mw ? due - mw : 0,
-                              due + 2 * mw);
-    }
-}
-
-void dc_session_step_done(dc_task *task) {
-    dc_step_call *sc = (dc_step_call *)task;
-    dc_session_step_reply(sc);
-    dc_session_step_finish(sc);
-}
-
-void dc_session_step_reply(dc_step_call *sc) {
-    dc_session *s = sc->s;
-    sc->t_done = uv_hrtime();
-    s->call = NULL;
-    if (sc->step.device >= 0) {
-        uint64_t run = sc->t_end - sc->t_start;
-        dc_ewma_add(&s->ewma_gpu_run_ns, run);
-    }
-    dc_logical_done(s, sc); /* moves its logical step on, or aborts it */
-    if (sc->rc == 0) {
-        Dpclip__Reply reply = DPCLIP__REPLY__INIT;
-        Dpclip__ClipStepReply cr = DPCLIP__CLIP_STEP_REPLY__INIT;
-        /* a micro-batch is part of its logical step (counted at the
-         * commit), a sums step of its norm pass's */
-        const bool micro = sc->params.logical_id && !sc->params.commit;
-        dc_step_reply_fill(sc,
-                           micro                               ? s->steps + 1
-                           : sc->params.phase == DC_PHASE_SUMS ? s->steps
-                                                               : ++s->steps,
-                           &cr);
-        if (sc->params.logical_id) {
-            cr.logical_id = sc->params.logical_id;
-            cr.micro_batches = dc_logical_micro_batches(s);
-        }
-        reply.id = sc->req_id;
-        reply.body_case = DPCLIP__REPLY__BODY_CLIP_STEP;
-        reply.clip_step = &cr;
-        dc_session_send(s, &reply);
-    } else {
-        s->steps_failed++;
-        if (sc->err.code == DC_OK) dc_err_set(&sc->err, DC_EINTERNAL, "clip_step", "step failed");
-        if (!sc->res.released) dc_step_account_refund(sc);
-        dc_session_send_error(s, sc->req_id, &sc->err);
-        if (sc->abandoned) {
-            /* its flag was never stored: the hang-up has the client zero
-             * its outputs and release its stream (step_run.c done_store) */
-            dc_log_warn("session %llu: a failed step's outputs could not be zeroed (request "
-                        "%llu); closing the session after its error",
-                        (unsigned long long)s->id, (unsigned long long)sc->req_id);
-            s->closing = true;
-        }
-    }
-}
-
-void dc_session_step_finish(dc_step_call *sc) {
-    dc_session *s = sc->s;
-    dc_host *host = s->host;
-    uint64_t now = uv_hrtime();
-    s->last_step_ns = now;
-    dc_step_reply_count(sc, now, host->metrics);
-    note_workspace(host, sc);
-    if (sc->params.phase == DC_PHASE_SUMS && dc_pass_done(s->pass))
-        pass_drop(s); /* every layer summed: nothing more to hold */
-    expect_next(s, sc, now);
-    dc_step_reply_log(sc, s->id, s->steps, sc->t_done, now, s->last_send_ns);
-    call_free(sc);
-    session_next(s);
-}
+/* --- 4. reply: session_end.c ------------------------------------------------ */

@@ -3,7 +3,7 @@
  * session (session_step.c) drives the chain; each stage fills its part of
  * the call and returns, and the session decides what comes next. In data-path
  * order (docs/daemon.md, "A step, top to bottom"):
- *   frame.c          the frame decoded (session.c hands a ClipStep on);
+ *   frame.c          the frame decoded (session_requests.c hands a ClipStep on);
  *   step_validate.c  the request's fields, device and events: sc->step;
  *   session_group.c  a norm group's terms for the step;
  *   step_account.c   the privacy ledger: the terms, the charge, durability;

@@ -48,7 +48,7 @@ typedef struct dc_config {
     uint64_t max_step_memory;    /* host bytes one step may make the daemon hold */
     uint32_t max_step_gflop;     /* work of one host-memory (CPU) step */
     uint32_t max_gpu_step_gflop; /* work of one GPU step */
-    /* What clients can make the daemon hold (session.c, server.c). */
+    /* What clients can make the daemon hold (session_io.c, server.c). */
     uint32_t max_connections;
     uint32_t max_connections_per_uid;  /* one user's share of them */
     double handshake_timeout;          /* s from accept to Hello */

@@ -53,9 +53,9 @@ def test_public_api_is_annotated():
 # The internal modules annotated throughout (issue 42: _layers, _conv and
 # _parallel joined the others; then _fsdp_io, _host, _mha, _registry, data,
 # pipeline and torch, so every module). A module leaves this list only with a reason.
-TYPED_MODULES = ["__init__", "_accumulate", "_batches", "_collect", "_conv", "_cuda", "_fsdp",
-                 "_gate", "_group", "_guard", "_host", "_layers", "_lib", "_linfn", "_loader",
-                 "_mha", "_modes", "_needs_torch", "_optimizer", "_parallel", "_params",
+TYPED_MODULES = ["__init__", "_accumulate", "_batches", "_collect", "_conv", "_cuda", "_flags",
+                 "_fsdp", "_gate", "_group", "_guard", "_host", "_layers", "_lib", "_linfn",
+                 "_loader", "_mha", "_modes", "_needs_torch", "_optimizer", "_parallel", "_params",
                  "_planner", "_registry", "_relbias", "_rows", "_shards", "_tablerows", "_terms",
                  "_transport", "_verify", "_version", "data", "losses", "pipeline", "torch"]
 

@@ -1,5 +1,5 @@
 /* libFuzzer target: request frames into a real session, in process: frame
- * reading and decoding (daemon/protocol/frame.c), dispatch (session.c), the step
+ * reading and decoding (daemon/protocol/frame.c), dispatch (session_requests.c), the step
  * cache's fast path (peek.c, session_step.c), validation, the ledger and the
  * CPU backend.
  *

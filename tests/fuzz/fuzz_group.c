@@ -4,7 +4,7 @@
  * ledger), closing or shutting down their side, and the loop run for a few
  * milliseconds between, so that groups time out in the middle of it all
  * (daemon/protocol/group.c, session_group.c, step_fuse.c, step_pass.c,
- * session.c's lifecycle). Its first finds were the join/step/close and
+ * session_io.c's lifecycle). Its first finds were the join/step/close and
  * timeout/close interleavings of issue 37.
  *
  * One server for the whole run (one CPU worker, in-memory ledger, group
