@@ -15,7 +15,8 @@
 #include "step_pass.h"
 #include "step_reply.h"
 
-/* A step's call freed (its session's call is someone else's or none). */
+/* A step call freed, with everything it holds (its caller has cleared
+ * the session's s->call where it was that). */
 void dc_session_call_free(dc_step_call *sc) {
     if (!sc->kept_borrowed) /* a group step that never clipped */
         dc_backend_kept_free(sc->kept_be, sc->kept);
