@@ -155,6 +155,9 @@ class PrivacyEngine:
         self.steps = 0
         self._last_norms: Optional[torch.Tensor] = None
         self._last_coefs: Optional[torch.Tensor] = None
+        # the last step's norms and coefficients as the reply gave them
+        # (lists), made tensors when first read (_results): not on step()'s path
+        self._last_lists: Optional[Tuple[List[float], List[float]]] = None
         self._last_compute_ns = 0
         self._last_step_index = 0
         self.compute_ns_total = 0   # the daemon's compute time of every collected step
@@ -607,13 +610,23 @@ class PrivacyEngine:
     # Results of the last step; reading them collects an asynchronous one.
     @property
     def last_norms(self) -> Optional[torch.Tensor]:
-        self.synchronize()
+        self._results()
         return self._last_norms
 
     @property
     def last_coefs(self) -> Optional[torch.Tensor]:
-        self.synchronize()
+        self._results()
         return self._last_coefs
+
+    def _results(self) -> None:
+        """The last step collected, and its norms and coefficients made
+        tensors once."""
+        self.synchronize()
+        if self._last_lists is not None:
+            norms, coefs = self._last_lists
+            self._last_lists = None
+            self._last_norms = torch.tensor(norms, dtype=torch.float32)
+            self._last_coefs = torch.tensor(coefs, dtype=torch.float32)
 
     @property
     def last_compute_ns(self) -> int:
@@ -758,8 +771,7 @@ class PrivacyEngine:
         before its commit, as (samples, result))."""
         res, B = _accumulate.merged(res, B, earlier)
         # An empty batch was sent as one sample of zeros: no real norms.
-        self._last_norms = torch.tensor(res.norms if B > 0 else [], dtype=torch.float32)
-        self._last_coefs = torch.tensor(res.coefs if B > 0 else [], dtype=torch.float32)
+        self._last_lists = (res.norms if B > 0 else [], res.coefs if B > 0 else [])
         self._last_step_index = res.step_index
         self._last_compute_ns = res.compute_ns
         self.compute_ns_total += res.compute_ns
