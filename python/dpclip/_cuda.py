@@ -327,14 +327,22 @@ class CudaIPC(Transport):
         taken for gone after _UNKNOWN_PEER_S."""
         with self._release_mu:
             t0 = time.monotonic()
+            said = False
             while True:
                 todo = [f for f in self._flags.values() if not f.stored()]
                 if not todo:
                     return
+                waited = time.monotonic() - t0
                 if any(f.abandoned() for f in todo) or (
-                        _gone(self._peer) if self._peer is not None
-                        else time.monotonic() - t0 > _UNKNOWN_PEER_S):
+                        _gone(self._peer) if self._peer is not None else waited > _UNKNOWN_PEER_S):
                     break
+                if waited > _UNKNOWN_PEER_S and not said:
+                    said = True
+                    warnings.warn(
+                        "dpclip: the daemon's connection closed with a step in flight; its "
+                        "process (pid %d) lives, so this trainer's stream waits for it to "
+                        "finish or zero that step's outputs before it goes on"
+                        % self._peer[0], RuntimeWarning, stacklevel=2)
                 time.sleep(0.001)
             self._zero_outputs()
             for f in todo:

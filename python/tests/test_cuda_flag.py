@@ -344,15 +344,21 @@ def _hung_up(stubs):
     return io, f, out
 
 
-def test_hang_up_waits_for_a_live_daemon(stubs):
+def test_hang_up_waits_for_a_live_daemon(stubs, monkeypatch):
     """A daemon alive stores its flag itself once the step's work ends (its
-    session closed meanwhile): the watcher waits for that and zeroes
-    nothing, as the outputs are the step's, noise and all."""
+    session closed meanwhile): the watcher waits for that, saying once why
+    when it waits long, and zeroes nothing, as the outputs are the step's,
+    noise and all."""
+    import os
     import time
 
+    said = []
+    monkeypatch.setattr(_cuda, "_UNKNOWN_PEER_S", 0.1)
+    monkeypatch.setattr(_cuda.warnings, "warn", lambda msg, *a, **k: said.append(msg))
     io, f, out = _hung_up(stubs)
     time.sleep(0.3)
     assert f.word(0) == 0 and out.all()  # still waiting: the daemon lives
+    assert len(said) == 1 and "pid %d" % os.getpid() in said[0], said
     ctypes.c_uint32.from_address(f.addr).value = 7  # the daemon stores it
     io._watcher[0].join(5)
     assert not io._watcher[0].is_alive() and f.word(0) == 7 and out.all()
