@@ -241,3 +241,65 @@ def test_norm_group_across_two_daemons(cuda_daemon, tmp_path):
     finally:
         for d in daemons:
             d.kill()
+
+
+def _kill_model():
+    """Layers large enough that the daemon's step takes a few milliseconds."""
+    torch.manual_seed(11)
+    blocks = []
+    for _ in range(4):
+        blocks += [torch.nn.Linear(512, 2048), torch.nn.GELU(), torch.nn.Linear(2048, 512)]
+    return torch.nn.Sequential(*blocks).cuda()
+
+
+def _kill_step(socket, x, delay, kill):
+    """Two asynchronous steps (the first one's check, then a steady one) of
+    _kill_model on x, noise off; where kill, the daemon is killed `delay`
+    seconds after the second step's notice. Returns each gradient once the
+    trainer's stream has gone on (a host copy)."""
+    import time
+
+    model = _kill_model()
+    engine = PrivacyEngine(socket, allow_insecure_seed=True)
+    model, opt, _ = engine.make_private(module=model, optimizer=torch.optim.SGD(
+        model.parameters(), lr=0.0), noise_multiplier=0.0, max_grad_norm=1.0,
+        expected_batch_size=x.shape[0])
+    for k in range(2):
+        opt.zero_grad()
+        model(x).pow(2).mean(dim=(1, 2)).mean().backward()
+        opt.step()  # returns at the notice: the daemon's work may still be running
+        if kill is not None and k == 1:
+            time.sleep(delay)
+            kill()
+    torch.cuda.synchronize()  # the stream waits on the flag until it is released
+    grads = {n: p.grad.detach().double().cpu() for n, p in model.named_parameters()}
+    try:
+        engine.close()
+    except Exception:  # pylint: disable=broad-except
+        pass  # (the daemon is gone: the step's error)
+    return grads
+
+
+def test_daemon_killed_mid_step_leaves_the_whole_step_or_zeros(cuda_daemon):
+    """The daemon killed while an asynchronous step may still be on the
+    device (the done flag): once the trainer's stream goes on, its
+    gradients are the whole step's or zeros, never part of a step. A daemon
+    killed between a step's clipped sums and their noise used to leave sums
+    without noise there, which the stream applied (dpclip._cuda
+    release_flags). Noise off, so the whole step is a live daemon's result;
+    the kill comes at several delays after the notice."""
+    from conftest import Daemon
+    x = torch.randn(16, 256, 512, generator=torch.Generator().manual_seed(5)).cuda()
+    want = _kill_step(cuda_daemon.socket, x, 0.0, None)
+    seen = set()
+    for delay in (0.0, 0.0005, 0.002, 0.005):
+        d = Daemon()
+        try:
+            got = _kill_step(d.socket, x, delay, d.proc.kill)
+        finally:
+            d.kill()
+        zero = all(not g.any() for g in got.values())
+        whole = all(_rel(got[n], want[n]) < 1e-3 for n in want)
+        assert zero or whole, {n: _rel(got[n], want[n]) for n in want}
+        seen.add("zeros" if zero else "whole")
+    print("outcomes seen: %s" % sorted(seen))
