@@ -99,7 +99,12 @@ f64, divided by the expected logical batch (MEAN). Every rank compares its
 parameters' .grad after the engine's step (max over parameters of
 max|got - want| / max|want|) and its per-sample norms; one JSON line; exit
 1 where an error exceeds --tol (default 5e-3 on CUDA, the daemon's f32
-clipped sums run in TF32; 1e-3 on the CPU).
+clipped sums run in TF32; 1e-3 on the CPU). The line also gives the
+daemon's coefficients against the rule's (coefs_max_abs_err: the daemon
+clips by norms raised by its rounding bound, and in phases by a margin)
+and max_rel_err_given_coefs, the gradients against the same reference
+summed with the daemon's own coefficients: the sums' arithmetic alone
+(not checked against --tol).
 """
 import argparse
 import datetime
@@ -413,10 +418,12 @@ def stages_of(args):
     return LAYOUTS[args.mode][1]
 
 
-def reference(args, replicas, device, path):
+def reference(args, replicas, device, path, given=None):
     """The check's reference (rank 0): the unsplit model's per-sample
     clipped sum over the replicas' union of logical batches, in f64, over
-    the expected logical batch; saved to path."""
+    the expected logical batch; saved to path. given: the coefficients to
+    clip by (the daemon's, in the union's order) instead of the rule's, so
+    that the sum's arithmetic is measured apart from the coefficients'."""
     torch.manual_seed(0)
     m = GPT(args.vocab, args.seq, args.d, args.blocks, args.heads).to(device)
     params = list(m.named_parameters())
@@ -438,11 +445,15 @@ def reference(args, replicas, device, path):
     phased = stages_of(args) > 1 and len(args.socket.split(",") if args.socket else [None]) > 1
     margin = 1.0 + 1.0 / 1024.0 if phased else 1.0
     coefs = (C / (norms * math.sqrt(margin) + 1e-6)).clamp(max=1.0)
+    rule = coefs
+    if given is not None:
+        coefs = given.double()
     acc = [torch.zeros(p.shape, dtype=torch.float64, device=device) for _, p in params]
     for b in range(n):
         for t, g in zip(acc, grads(b)):
             t.add_(g.double(), alpha=float(coefs[b]))
-    torch.save({"C": C, "norms": norms.float(), "clipped": int((coefs < 1).sum()),
+    torch.save({"C": C, "norms": norms.float(), "clipped": int((rule < 1).sum()),
+                "coefs": rule.float(),
                 "grads": {name: (t / n).float().cpu() for (name, _), t in zip(params, acc)}},
                path)
 
@@ -467,23 +478,44 @@ def check(c, out_dir, tol):
     engine, model, opt = private(c, model, 0.0, ref["C"], 0.0)
     make_step(c, model, opt, amp=a.check_bf16, divide=False)()
     got_norms = engine.last_norms  # collects an asynchronous step; every micro-batch's, in order
-    err, worst = 0.0, ""
-    for name, p in zip(names, params):
-        want = ref["grads"][name].to(c.device)
-        e = math.inf if p.grad is None else \
-            float((p.grad.float() - want).abs().max()) / max(float(want.abs().max()), 1e-30)
-        if e >= err:
-            err, worst = e, name
+    got_coefs = engine.last_coefs
+
+    def worst_of(grads):
+        err, worst = 0.0, ""
+        for name, p in zip(names, params):
+            want = grads[name].to(c.device)
+            e = math.inf if p.grad is None else \
+                float((p.grad.float() - want).abs().max()) / max(float(want.abs().max()), 1e-30)
+            if e >= err:
+                err, worst = e, name
+        return err, worst
+    err, worst = worst_of(ref["grads"])
     n = a.microbatches * a.batch
     want_n = ref["norms"][c.replica * n:(c.replica + 1) * n]
     n_err = math.inf if got_norms.shape != want_n.shape else \
         float((got_norms.float() - want_n).abs().max()) / float(want_n.abs().max())
+    want_c = ref["coefs"][c.replica * n:(c.replica + 1) * n]
+    c_err = math.inf if got_coefs.shape != want_c.shape else \
+        float((got_coefs.float() - want_c).abs().max())
+    # the same sums with the daemon's own coefficients (each replica's, in the
+    # union's order): the sums' arithmetic apart from the coefficients' rule
+    every = gather((c.replica, got_coefs.tolist()))
+    given_path = os.path.join(out_dir, "reference_given.pt")
+    if c.rank == 0:
+        union = [None] * c.R
+        for r, cf in every:
+            union[r] = cf
+        reference(a, c.R, c.device, given_path,
+                  given=torch.tensor([x for cf in union for x in cf], dtype=torch.float64))
+    dist.barrier()
+    err_given, _ = worst_of(torch.load(given_path, map_location="cpu")["grads"])
     engine.close()
     if c.device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
     return {"rank": c.rank, "params": len(params), "max_rel_err": err, "worst_param": worst,
-            "norms_max_rel_err": n_err, "ok": err <= tol and n_err <= tol,
+            "norms_max_rel_err": n_err, "coefs_max_abs_err": c_err,
+            "max_rel_err_given_coefs": err_given, "ok": err <= tol and n_err <= tol,
             "C": ref["C"], "clipped": ref["clipped"]}
 
 
@@ -540,6 +572,10 @@ def rank_body(rank, world, init_file, args, sockets, out_dir, config):
                                       max_rel_err=max(r["max_rel_err"] for r in every),
                                       norms_max_rel_err=max(r["norms_max_rel_err"]
                                                             for r in every),
+                                      coefs_max_abs_err=max(r["coefs_max_abs_err"]
+                                                            for r in every),
+                                      max_rel_err_given_coefs=max(
+                                          r["max_rel_err_given_coefs"] for r in every),
                                       ranks=every, config=config)), flush=True)
                 if not ok:
                     open(os.path.join(out_dir, "check_failed"), "w").close()

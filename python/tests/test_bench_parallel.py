@@ -65,6 +65,10 @@ def test_pipeline_microbatches_check_and_time(secure_daemon, schedule):
     check = lines[0]
     assert check["check"] and check["ok"] and check["samples"] == 8, check
     assert check["max_rel_err"] <= check["tol"] and check["norms_max_rel_err"] <= check["tol"]
+    # the same sums with the daemon's own coefficients: its arithmetic alone
+    # (the host path's, in double), and the coefficients next to the rule's
+    assert check["max_rel_err_given_coefs"] <= check["tol"], check
+    assert 0 <= check["coefs_max_abs_err"] <= check["tol"], check
     assert len(check["ranks"]) == 2 and all(r["ok"] for r in check["ranks"])
     assert 0 < check["clipped"] < 8, check
     runs = {line["run"]: line for line in lines if "run" in line}
