@@ -354,18 +354,22 @@ class CudaIPC(Transport):
         device's last `ready`: what the trainer queued before the step, the
         last optimizer step's reads included, goes first."""
         outs = list(self._arenas) + ([self._coefs] if self._coefs is not None else [])
+        streams: Dict[torch.device, torch.cuda.Stream] = {}
         for t in outs:
             if t.device.type != "cuda":
                 t.zero_()
                 continue
             with torch.cuda.device(t.device):
-                s = torch.cuda.Stream()
-                ev = self._events.get(t.device.index)
-                if ev is not None:
-                    s.wait_event(ev[0])
+                s = streams.get(t.device)
+                if s is None:
+                    s = streams[t.device] = torch.cuda.Stream()
+                    ev = self._events.get(t.device.index)
+                    if ev is not None:
+                        s.wait_event(ev[0])
                 with torch.cuda.stream(s):
                     t.zero_()
-                s.synchronize()
+        for s in streams.values():
+            s.synchronize()
 
     def close(self) -> None:
         """The flags unmapped from their devices and released (before the
