@@ -413,17 +413,13 @@ def trace_steps(c, model, opt, mode):
     return {k: [round(h / TRACED, 2), round(g / TRACED, 2)] for k, (h, g) in trace.items()}
 
 
-def stages_of(args):
-    """The pipeline stages of args' layout (LAYOUTS)."""
-    return LAYOUTS[args.mode][1]
-
-
 def reference(args, replicas, device, path, given=None):
     """The check's reference (rank 0): the unsplit model's per-sample
     clipped sum over the replicas' union of logical batches, in f64, over
     the expected logical batch; saved to path. given: the coefficients to
     clip by (the daemon's, in the union's order) instead of the rule's, so
-    that the sum's arithmetic is measured apart from the coefficients'."""
+    that the sum's arithmetic is measured apart from the coefficients' (its
+    file then holds the sums alone)."""
     torch.manual_seed(0)
     m = GPT(args.vocab, args.seq, args.d, args.blocks, args.heads).to(device)
     params = list(m.named_parameters())
@@ -434,28 +430,30 @@ def reference(args, replicas, device, path, given=None):
         m.zero_grad(set_to_none=True)
         F.cross_entropy(m(x[b:b + 1]).flatten(0, 1), y[b]).backward()
         return [p.grad for _, p in params]
-    norms = torch.tensor([math.sqrt(sum(float(g.double().pow(2).sum()) for g in grads(b)))
-                          for b in range(n)], dtype=torch.float64)
-    s = sorted(norms.tolist())
-    C = 0.5 * (s[n // 2 - 1] + s[n // 2]) if n > 1 else 0.5 * s[0]  # about half clip
-    # a norm group across daemons clips in a phase of its own, by squared
-    # norms raised by the daemon's re-measurement margin (1/1024:
-    # daemon/protocol/step_pass.h); a stage's norm group on one daemon runs
-    # each step fused, without it
-    phased = stages_of(args) > 1 and len(args.socket.split(",") if args.socket else [None]) > 1
-    margin = 1.0 + 1.0 / 1024.0 if phased else 1.0
-    coefs = (C / (norms * math.sqrt(margin) + 1e-6)).clamp(max=1.0)
-    rule = coefs
-    if given is not None:
+    out = {}
+    if given is None:
+        norms = torch.tensor([math.sqrt(sum(float(g.double().pow(2).sum()) for g in grads(b)))
+                              for b in range(n)], dtype=torch.float64)
+        s = sorted(norms.tolist())
+        C = 0.5 * (s[n // 2 - 1] + s[n // 2]) if n > 1 else 0.5 * s[0]  # about half clip
+        # a norm group across daemons clips in a phase of its own, by squared
+        # norms raised by the daemon's re-measurement margin (1/1024:
+        # daemon/protocol/step_pass.h); a stage's norm group on one daemon
+        # runs each step fused, without it
+        phased = LAYOUTS[args.mode][1] > 1 and \
+            len(args.socket.split(",") if args.socket else [None]) > 1
+        margin = 1.0 + 1.0 / 1024.0 if phased else 1.0
+        coefs = (C / (norms * math.sqrt(margin) + 1e-6)).clamp(max=1.0)
+        out = {"C": C, "norms": norms.float(), "clipped": int((coefs < 1).sum()),
+               "coefs": coefs.float()}
+    else:  # (no norms: the rule and C are the first reference's)
         coefs = given.double()
     acc = [torch.zeros(p.shape, dtype=torch.float64, device=device) for _, p in params]
     for b in range(n):
         for t, g in zip(acc, grads(b)):
             t.add_(g.double(), alpha=float(coefs[b]))
-    torch.save({"C": C, "norms": norms.float(), "clipped": int((rule < 1).sum()),
-                "coefs": rule.float(),
-                "grads": {name: (t / n).float().cpu() for (name, _), t in zip(params, acc)}},
-               path)
+    out["grads"] = {name: (t / n).float().cpu() for (name, _), t in zip(params, acc)}
+    torch.save(out, path)
 
 
 def check(c, out_dir, tol):
