@@ -12,8 +12,8 @@ SGD, asynchronous steps. Around each of the package's stages of a step the
 bench puts a host timer (wrapping the functions by name from outside, so
 that the package itself carries no timing code), and prints one JSON line:
 per step, in ms of host time, the whole optimizer.step() and its stages:
-- collect: taking the previous asynchronous step's result (its norms and
-  coefficients into tensors, the bookkeeping), less
+- collect: taking the previous asynchronous step's result (the
+  bookkeeping), less
 - wait: blocked until the daemon's reply to it came, and reading it
   (dpclip._lib.Client.wait): the GPU's time where it runs behind the host,
   not dpclip's host time;

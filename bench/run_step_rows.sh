@@ -36,6 +36,10 @@ while [ $# -gt 0 ]; do
         *) echo "run_step_rows.sh: unknown argument $1" >&2; exit 2 ;;
     esac
 done
+if [ "$mps" = 0 ] && [ "$plain" = 0 ]; then
+    echo "run_step_rows.sh: --mps-only with --no-mps (or --cpu) leaves no rows to run" >&2
+    exit 2
+fi
 py=${DPCLIP_PYTHON:-python3}
 [ -x "$build/dpclipd" ] || { echo "run_step_rows.sh: no $build/dpclipd (build first)" >&2; exit 1; }
 export DPCLIP_LIBRARY=${DPCLIP_LIBRARY:-$build/libdpclip.so}
