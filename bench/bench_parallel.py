@@ -97,14 +97,20 @@ one device over the whole logical batch (the replicas' union, M x B samples
 each), each sample's gradient by its own backward, clipped and summed in
 f64, divided by the expected logical batch (MEAN). Every rank compares its
 parameters' .grad after the engine's step (max over parameters of
-max|got - want| / max|want|) and its per-sample norms; one JSON line; exit
-1 where an error exceeds --tol (default 5e-3 on CUDA, the daemon's f32
-clipped sums run in TF32; 1e-3 on the CPU). The line also gives the
-daemon's coefficients against the rule's (coefs_max_abs_err: the daemon
-clips by norms raised by its rounding bound, and in phases by a margin)
-and max_rel_err_given_coefs, the gradients against the same reference
-summed with the daemon's own coefficients: the sums' arithmetic alone
-(not checked against --tol).
+max|got - want| / max|want|) and its per-sample norms; one JSON line.
+The daemon clips by norms raised by their rounding bound e (docs/design.md:
+up to 5e-3 where per-sample gradients are kept in bf16), and in phases by a
+margin, so its gradients differ from the rule's by about e on their own.
+The check therefore takes the two apart, and exits 1 unless all three hold:
+- the per-sample norms within --tol of the reference's (default 5e-3 on
+  CUDA, the daemon's f32 clipped sums run in TF32; 1e-3 on the CPU);
+- every coefficient at most the rule's, and below it by at most
+  COEF_SHORTFALL_MAX, relative (coefs_max_rel_shortfall);
+- max_rel_err_given_coefs within --tol: the gradients against the same
+  reference summed with the daemon's own coefficients (the sums' arithmetic
+  alone).
+max_rel_err (against the rule's coefficients) and coefs_max_abs_err are
+reported as well.
 """
 import argparse
 import datetime
@@ -456,6 +462,24 @@ def reference(args, replicas, device, path, given=None):
     torch.save(out, path)
 
 
+# The largest relative shortfall of a coefficient from the rule's that the
+# check accepts: the daemon's rounding bounds on these paths stay below 5e-3
+# (docs/design.md's table), with the phases' margin (1/1024) under 6e-3.
+COEF_SHORTFALL_MAX = 1e-2
+
+
+def coef_verdict(got, want, slack):
+    """(largest relative shortfall, whether any coefficient is above the
+    rule's by more than slack, relative: want is f32-rounded from f64, and
+    under --check-bf16 the trainer's gradients are bf16 ones)."""
+    if got.shape != want.shape:
+        return math.inf, True
+    g, w = got.double().cpu(), want.double()
+    above = bool((g > w * (1.0 + slack)).any())
+    short = float(((w - g) / w.clamp(min=1e-30)).max()) if w.numel() else 0.0
+    return max(short, 0.0), above
+
+
 def check(c, out_dir, tol):
     """One private logical step (noise off, fp32) against the reference; a
     dict."""
@@ -494,7 +518,9 @@ def check(c, out_dir, tol):
         float((got_norms.float() - want_n).abs().max()) / float(want_n.abs().max())
     want_c = ref["coefs"][c.replica * n:(c.replica + 1) * n]
     c_err = math.inf if got_coefs.shape != want_c.shape else \
-        float((got_coefs.float() - want_c).abs().max())
+        float((got_coefs.float().cpu() - want_c).abs().max())
+    c_short, c_above = coef_verdict(got_coefs, want_c, tol if a.check_bf16 else 1e-6)
+    short_max = max(COEF_SHORTFALL_MAX, tol) if a.check_bf16 else COEF_SHORTFALL_MAX
     # the same sums with the daemon's own coefficients (each replica's, in the
     # union's order): the sums' arithmetic apart from the coefficients' rule
     every = gather((c.replica, got_coefs.tolist()))
@@ -513,7 +539,10 @@ def check(c, out_dir, tol):
         torch.backends.cudnn.allow_tf32 = True
     return {"rank": c.rank, "params": len(params), "max_rel_err": err, "worst_param": worst,
             "norms_max_rel_err": n_err, "coefs_max_abs_err": c_err,
-            "max_rel_err_given_coefs": err_given, "ok": err <= tol and n_err <= tol,
+            "coefs_max_rel_shortfall": c_short, "coefs_above_rule": c_above,
+            "max_rel_err_given_coefs": err_given,
+            "ok": n_err <= tol and err_given <= tol and not c_above
+            and c_short <= short_max,
             "C": ref["C"], "clipped": ref["clipped"]}
 
 
@@ -572,6 +601,9 @@ def rank_body(rank, world, init_file, args, sockets, out_dir, config):
                                                             for r in every),
                                       coefs_max_abs_err=max(r["coefs_max_abs_err"]
                                                             for r in every),
+                                      coefs_max_rel_shortfall=max(
+                                          r["coefs_max_rel_shortfall"] for r in every),
+                                      coefs_above_rule=any(r["coefs_above_rule"] for r in every),
                                       max_rel_err_given_coefs=max(
                                           r["max_rel_err_given_coefs"] for r in every),
                                       ranks=every, config=config)), flush=True)

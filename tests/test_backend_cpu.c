@@ -484,12 +484,12 @@ static void test_phases(void **state) {
         for (size_t l = 0; l < L; l++) tot[b] += n2[l * 5 + b];
     }
     assert_int_equal(dc_step_result_init(&part, 5, L, false), 0);
-    assert_int_equal(be->ops->run_clip(be, &s, n2, tot, NULL, NULL, &part, &e), 0);
+    assert_int_equal(be->ops->run_clip(be, &s, n2, tot, 0.0, NULL, NULL, &part, &e), 0);
     assert_memory_equal(ls[2].weight_grad_out.data, w1,
                         (size_t)dc_test_tensor_numel(&ls[2].weight_grad_out) * sizeof *w1);
     assert_memory_equal(part.coefs, whole.coefs, 5 * sizeof(float));
     for (int b = 0; b < 5; b++) tot[b] *= 4.0;
-    assert_int_equal(be->ops->run_clip(be, &s, n2, tot, NULL, NULL, &part, &e), 0);
+    assert_int_equal(be->ops->run_clip(be, &s, n2, tot, 0.0, NULL, NULL, &part, &e), 0);
     for (int b = 0; b < 5; b++) /* the bound's e is the step's (its own layers) */
         assert_true(part.coefs[b] == dc_clip_coef(0.8f, sqrt(tot[b]), dc_clip_e_step(&s, 0)));
     const double es = dc_clip_e_step(&s, 0);

@@ -86,7 +86,7 @@ static void clip_checked(dc_layer *d, dc_step *ds, const double *n2, const doubl
     dc_step_result res;
     dc_err e;
     assert_int_equal(dc_step_result_init(&res, kB, N, false), 0);
-    int rc = g_cuda->ops->run_clip(g_cuda, ds, n2, tot, kept, NULL, &res, &e);
+    int rc = g_cuda->ops->run_clip(g_cuda, ds, n2, tot, 0.0, kept, NULL, &res, &e);
     if (rc) printf("  clip: %s: %s\n", e.field, e.msg);
     assert_int_equal(rc, 0);
     assert_int_equal(dc_cuda_backend_kept_layers(g_cuda), n_kept);
@@ -154,7 +154,7 @@ static void test_clip_from_store(void **state) {
     dc_step_result res;
     dc_err e;
     assert_int_equal(dc_step_result_init(&res, kB, N, false), 0);
-    assert_int_equal(g_cuda->ops->run_clip(g_cuda, &ds, n2, tot, NULL, NULL, &res, &e),
+    assert_int_equal(g_cuda->ops->run_clip(g_cuda, &ds, n2, tot, 0.0, NULL, NULL, &res, &e),
                      DC_ENONFINITE);
     assert_outputs_hold(d, N, 7.0f);
     dc_step_result_free(&res);
@@ -239,7 +239,7 @@ static void noise_in_range(dc_layer *d, dc_layer *sub, size_t *at, double *n2s, 
             dc_step_result res;
             dc_err e;
             assert_int_equal(dc_step_result_init(&res, kB, H, false), 0);
-            int rc = g_cuda->ops->run_clip(g_cuda, &ss, n2s, tot, path ? kept : NULL,
+            int rc = g_cuda->ops->run_clip(g_cuda, &ss, n2s, tot, 0.0, path ? kept : NULL,
                                            path ? at : NULL, &res, &e);
             if (rc) printf("  noised sums: %s: %s\n", e.field, e.msg);
             assert_int_equal(rc, 0);
@@ -320,7 +320,7 @@ static void test_pass_sums_from_store(void **state) {
         dc_step_result res;
         dc_err e;
         assert_int_equal(dc_step_result_init(&res, kB, H, false), 0);
-        int rc = g_cuda->ops->run_clip(g_cuda, &ss, n2s, tot, kept, at, &res, &e);
+        int rc = g_cuda->ops->run_clip(g_cuda, &ss, n2s, tot, 0.0, kept, at, &res, &e);
         if (rc) printf("  sums: %s: %s\n", e.field, e.msg);
         assert_int_equal(rc, 0);
         assert_int_equal(dc_cuda_backend_kept_layers(g_cuda), H);

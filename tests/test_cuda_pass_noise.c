@@ -135,7 +135,7 @@ static float *run_on(dc_backend *be, dc_layer *ls, int dev, float sigma, int ran
         for (int l = 0; l < NL; l++)
             for (int b = 0; b < B; b++) tot[b] += n2[l * B + b];
         assert_int_equal(dc_step_result_init(&res, B, NL, false), 0);
-        int rc = be->ops->run_clip(be, &s, n2, tot, NULL, NULL, &res, &err);
+        int rc = be->ops->run_clip(be, &s, n2, tot, 0.0, NULL, NULL, &res, &err);
         if (rc) fprintf(stderr, "%s: %s: %s\n", be->ops->name, err.field, err.msg);
         assert_int_equal(rc, 0);
     }

@@ -433,8 +433,9 @@ static void test_kinds(void **state) {
 }
 
 /* A norm group's clip phase (run_norms, then run_clip with the group's
- * totals): member 0 a TF32 layer, member 1 a bf16 one; each clips its part
- * by its own layers' bound, and sum_k c_k^2 ||G_k||^2 <= C^2. */
+ * totals): member 0 a TF32 layer, member 1 a bf16 one, whose bounds
+ * differ; both clip by the larger (group.h), so one sample's coefficient is
+ * the same on both, and sum_k c_k^2 ||G_k||^2 <= C^2. */
 static void test_group(void **state) {
     (void)state;
     set_switches(1, 1);
@@ -476,11 +477,16 @@ static void test_group(void **state) {
         assert_int_equal(g_cuda->ops->run_norms(g_cuda, &ds[k], n2[k], NULL, &err), 0);
     }
     for (uint32_t b = 0; b < NS; b++) tot[b] = n2[0][b] + n2[1][b];
+    const unsigned how = dc_clip_e_how(&ds[0]);
+    const double e0 = dc_clip_e_phase(&ds[0], how, NULL), e1 = dc_clip_e_phase(&ds[1], how, NULL);
+    const double eg = e0 > e1 ? e0 : e1;
+    assert_true(e0 != e1);
     for (int k = 0; k < 2; k++) {
         assert_int_equal(dc_step_result_init(&res[k], NS, 1, false), 0);
         assert_int_equal(
-            g_cuda->ops->run_clip(g_cuda, &ds[k], n2[k], tot, NULL, NULL, &res[k], &err), 0);
+            g_cuda->ops->run_clip(g_cuda, &ds[k], n2[k], tot, eg, NULL, NULL, &res[k], &err), 0);
     }
+    for (uint32_t b = 0; b < NS; b++) assert_true(res[0].coefs[b] == res[1].coefs[b]);
     int clipped = 0, old_over = 0;
     for (uint32_t b = 0; b < NS; b++) {
         const double rel = (double)res[0].coefs[b] * res[0].coefs[b] * sq[0][b] +

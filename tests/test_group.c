@@ -3,12 +3,15 @@
  * device run fused; members on different devices compute their norms
  * (unfuse) as soon as fusing is impossible, and from the next group step on
  * at once on arrival, without waiting for the last member; either way each
- * member gets the sum of every member's norms. */
+ * member gets the sum of every member's norms, and the largest of their
+ * rounding bounds. */
+#include <math.h>
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <stdio.h>
 #include <string.h>
 
 #include <cmocka.h>
@@ -25,6 +28,8 @@ typedef struct member {
     double mine[BATCH]; /* this member's squared norms, once computed */
     int unfused, fused, done, rc;
     double tot[BATCH];
+    double e;       /* the bound its norms come with */
+    double e_group; /* the one it was answered with */
 } member;
 
 static const dc_group_terms k_terms = {.batch = BATCH,
@@ -37,6 +42,7 @@ static void on_done(dc_group_waiter *w, int rc, const double *tot, const dc_err 
     m->done++;
     m->rc = rc;
     if (rc == 0) memcpy(m->tot, tot, sizeof m->tot);
+    m->e_group = w->e_group;
 }
 
 static void on_fuse(dc_group_waiter *all, uint32_t n) {
@@ -69,7 +75,10 @@ static void arrive(member *m, uint32_t rank, uint64_t step, int device) {
 static void compute(member *m) {
     dc_err e;
     m->w.partial = m->mine;
-    assert_int_equal(dc_group_deliver(m->g, &m->w, &e), 0);
+    m->w.e = m->e;
+    int rc = dc_group_deliver(m->g, &m->w, &e);
+    if (rc) fprintf(stderr, "%s: %s\n", e.field, e.msg);
+    assert_int_equal(rc, 0);
 }
 
 typedef struct rig {
@@ -164,10 +173,48 @@ static void test_devices_split_early(void **state) {
     rig_close(&r);
 }
 
+/* Members whose norms come with different rounding bounds: each is
+ * answered with the largest, in any order of arrival, and a bound that is
+ * not a number wins (its coefficients are then 0, never 1); the next group
+ * step starts from none. */
+static void test_largest_bound(void **state) {
+    static const double k_e[3][N] = {{1e-3, 4e-3, 2e-3}, {5e-3, 1e-4, 1e-4}, {1e-4, NAN, 1e-2}};
+    rig r;
+    (void)state;
+    rig_open(&r);
+    for (uint64_t st = 1; st <= 4; st++) {
+        const double *e = k_e[(st - 1) % 3];
+        int before[N];
+        bool computed[N] = {false}, any = true;
+        for (uint32_t k = 0; k < N; k++) {
+            r.m[k].e = st == 4 ? 1e-5 * (k + 1) : e[k];
+            before[k] = r.m[k].unfused;
+            arrive(&r.m[k], k, st, (int)k); /* on three devices: each computes */
+        }
+        /* the steps sent back to compute, last rank first */
+        while (any) {
+            any = false;
+            for (uint32_t k = N; k-- > 0;)
+                if (!computed[k] && r.m[k].unfused > before[k]) {
+                    compute(&r.m[k]);
+                    computed[k] = any = true;
+                }
+        }
+        for (uint32_t k = 0; k < N; k++) {
+            assert_int_equal(r.m[k].done, (int)st);
+            if (st == 3) assert_true(isnan(r.m[k].e_group));
+            else assert_true(r.m[k].e_group == (st == 4 ? r.m[N - 1].e : st == 1 ? 4e-3 : 5e-3));
+        }
+        assert_totals(&r);
+    }
+    rig_close(&r);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_one_device_fuses),
         cmocka_unit_test(test_devices_split_early),
+        cmocka_unit_test(test_largest_bound),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -359,8 +359,10 @@ static void test_tied_near_c(void **state) {
 
 /* A norm group of two members (the backends' norm and clip phases, as
  * group.c runs them): member 0 holds the absorption layer, member 1 a
- * random one; each clips by the group's totals with its own layers' e, so
- * that sum_k c_k^2 ||G_k||^2 <= C^2 for every sample (docs/design.md). */
+ * random one, whose rounding bounds differ; each clips by the group's
+ * totals with the larger bound (group.h), so that both clip a sample by one
+ * coefficient and sum_k c_k^2 ||G_k||^2 <= C^2 for every sample
+ * (docs/design.md). */
 static void test_group_members(void **state) {
     (void)state;
     double t[NB], n2a[NB], n2b[NB], tot[NB], sq0[NB], sq1[NB];
@@ -392,9 +394,14 @@ static void test_group_members(void **state) {
     for (int b = 0; b < NB; b++) tot[b] = n2a[b] + n2b[b];
     assert_int_equal(dc_step_result_init(&r0, NB, 1, false), 0);
     assert_int_equal(dc_step_result_init(&r1, NB, 1, false), 0);
-    assert_int_equal(be->ops->run_clip(be, &s0, n2a, tot, NULL, NULL, &r0, &err), 0);
-    assert_int_equal(be->ops->run_clip(be, &s1, n2b, tot, NULL, NULL, &r1, &err), 0);
+    const double e0 = dc_clip_e_phase(&s0, 0u, NULL), e1 = dc_clip_e_phase(&s1, 0u, NULL);
+    const double eg = e0 > e1 ? e0 : e1;
+    assert_true(e0 != e1);
+    assert_int_equal(be->ops->run_clip(be, &s0, n2a, tot, eg, NULL, NULL, &r0, &err), 0);
+    assert_int_equal(be->ops->run_clip(be, &s1, n2b, tot, eg, NULL, NULL, &r1, &err), 0);
     for (int b = 0; b < NB; b++) {
+        assert_true(r0.coefs[b] == r1.coefs[b]);
+        assert_true(r0.coefs[b] == dc_clip_coef((float)C, sqrt(tot[b]), eg));
         const double rel = (double)r0.coefs[b] * r0.coefs[b] * sq0[b] +
                            (double)r1.coefs[b] * r1.coefs[b] * sq1[b];
         assert_true(rel <= C * C);

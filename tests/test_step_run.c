@@ -42,6 +42,7 @@ typedef struct fake {
     const dc_kept *clip_kept;
     const size_t *clip_at;
     const dc_step *step;
+    double e_min; /* run_clip's */
 } fake;
 
 static int fake_run(dc_backend *be, const dc_step *s, dc_step_result *r, dc_err *e) {
@@ -70,8 +71,10 @@ static int fake_norms(dc_backend *be, const dc_step *s, double *n2, dc_kept **ke
 }
 
 static int fake_clip(dc_backend *be, const dc_step *s, const double *n2, const double *tot,
-                     const dc_kept *kept, const size_t *kept_at, dc_step_result *res, dc_err *e) {
+                     double e_min, const dc_kept *kept, const size_t *kept_at, dc_step_result *res,
+                     dc_err *e) {
     fake *f = (fake *)be;
+    f->e_min = e_min;
     (void)s;
     (void)n2;
     (void)tot;
@@ -208,6 +211,28 @@ static void test_kept_layer_unsealed(void **state) {
     assert_int_equal(f->be.hashed[KEPT_LAYER], 0);
     assert_int_equal(f->be.freed, 1);
     assert_null(f->sc.kept);
+    release(f);
+}
+
+/* A group member's norm phase on a GPU sends its clip phase's bound with
+ * its norms: its kept layer's (summed from bf16) raises it above the
+ * unkept layers'. Its clip phase clips by the bound the group answered. */
+static void test_member_bound(void **state) {
+    (void)state;
+    fixture *f = make();
+    const unsigned how = DC_E_GPU | DC_E_TF32;
+    uint8_t kept[L] = {0};
+    kept[KEPT_LAYER] = 1;
+    f->sc.grouped = true;
+    f->sc.step.device = 0; /* the fake reads host memory all the same */
+    dc_step_run_norms_work(&f->sc.task, &f->be.base);
+    assert_int_equal(f->sc.rc, 0);
+    assert_true(f->sc.gw.e == dc_clip_e_phase(&f->sc.step, how, kept));
+    assert_true(f->sc.gw.e > dc_clip_e_step(&f->sc.step, how));
+    f->sc.e_min = 0.125;
+    dc_step_run_clip_work(&f->sc.task, &f->be.base);
+    assert_int_equal(f->sc.rc, 0);
+    assert_true(f->be.e_min == 0.125);
     release(f);
 }
 
@@ -384,6 +409,7 @@ static void test_failed_step_unzeroed_is_abandoned(void **state) {
 
 int main(void) {
     const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_member_bound),
         cmocka_unit_test(test_failed_step_zeroed_then_flagged),
         cmocka_unit_test(test_failed_step_unzeroed_is_abandoned),
         cmocka_unit_test(test_kept_layer_unsealed),

@@ -76,6 +76,7 @@ struct phase_io {
     double *n2_out;         /* CP_NORMS: [L*B] */
     const double *n2_in;    /* CP_CLIP: [L*B] */
     const double *tot_in;   /* CP_CLIP: [B] */
+    double e_min;           /* CP_CLIP: the group's or pass's bound (backend.h run_clip) */
     dc_kept **kept_out;     /* CP_NORMS: where to leave a kept store (NULL: keep none) */
     const dc_kept *kept_in; /* CP_CLIP: the norm phase's (NULL: none) */
     const size_t *kept_at;  /* CP_CLIP: each layer's place in kept_in (NULL: its own) */
@@ -85,12 +86,12 @@ int run_impl(dc_backend *be, const dc_step *s, dc_step_result *res, dc_err *err,
              const phase_io &io);
 
 int cuda_run_step(dc_backend *be, const dc_step *s, dc_step_result *res, dc_err *err) {
-    return run_impl(be, s, res, err, phase_io{CP_ALL, NULL, NULL, NULL, NULL, NULL, NULL});
+    return run_impl(be, s, res, err, phase_io{CP_ALL, NULL, NULL, NULL, 0.0, NULL, NULL, NULL});
 }
 
 int cuda_run_norms(dc_backend *be, const dc_step *s, double *n2, dc_kept **kept, dc_err *err) {
     memset(((cuda_backend *)be)->norm_ns, 0, sizeof((cuda_backend *)be)->norm_ns);
-    return run_impl(be, s, NULL, err, phase_io{CP_NORMS, n2, NULL, NULL, kept, NULL, NULL});
+    return run_impl(be, s, NULL, err, phase_io{CP_NORMS, n2, NULL, NULL, 0.0, kept, NULL, NULL});
 }
 
 void cuda_norm_times(dc_backend *be, uint64_t phase_ns[DC_RUN_N]) {
@@ -100,8 +101,9 @@ void cuda_norm_times(dc_backend *be, uint64_t phase_ns[DC_RUN_N]) {
 }
 
 int cuda_run_clip(dc_backend *be, const dc_step *s, const double *n2, const double *tot,
-                  const dc_kept *kept, const size_t *kept_at, dc_step_result *res, dc_err *err) {
-    return run_impl(be, s, res, err, phase_io{CP_CLIP, NULL, n2, tot, NULL, kept, kept_at});
+                  double e_min, const dc_kept *kept, const size_t *kept_at, dc_step_result *res,
+                  dc_err *err) {
+    return run_impl(be, s, res, err, phase_io{CP_CLIP, NULL, n2, tot, e_min, NULL, kept, kept_at});
 }
 
 /* Host doubles in device memory, as they are (a pageable copy: the source
@@ -401,8 +403,11 @@ int phase_reduction(step_run *r, dc_err *err) {
     if ((rc = step_bounds(cb, s, r->io.want, r->how, r->layer_e, ws + Lo.up + Lo.layer_e, &e_flat,
                           err)))
         goto fail;
-    /* a kept pass's sums steps all clip as its reply says (step_pass.c) */
+    /* a kept pass's sums steps all clip as its reply says (step_pass.c);
+     * a group's members and a pass's sums steps by the bound of the whole
+     * norm their totals measure (backend.h run_clip; NaN wins: coefs 0) */
     if (r->io.kept_in && r->io.kept_at && e_flat < DC_E_KEPT_FLOOR) e_flat = DC_E_KEPT_FLOOR;
+    if (r->io.want == CP_CLIP && !(r->io.e_min <= e_flat)) e_flat = r->io.e_min;
     if (r->io.want == CP_CLIP)
         CK(dcc_coefs_tot((const float *)(ws + Lo.n2), (const uint32_t *)(ws + Lo.flags),
                          (const double *)(ws + Lo.tot), (int)L, (int)B, s->max_grad_norm, e_flat,

@@ -84,12 +84,16 @@ typedef struct dc_backend_ops {
      * checks (2.) and n2[L*B] (1.), the step's own squared layer norms.
      * run_clip: steps 3.-5. with the coefficients taken from the group's
      * per-sample totals tot[B] (n2 as run_norms gave it, for the per-layer
-     * results); it checks the data again. Its e is dc_clip_e_step(step,
-     * dc_clip_e_how(step)), as a norm pass's reply computes it
-     * (step_pass.c). NULL: this backend cannot serve grouped steps. */
+     * results); it checks the data again. Its e is the larger of
+     * dc_clip_e_phase(step, dc_clip_e_how(step), the layers it sums from
+     * kept) and e_min: a group's largest over its members, a norm pass's
+     * e (step_pass.c), so that every part of one sample's sum clips by
+     * the bound of the whole norm. NULL: this backend cannot serve grouped
+     * steps. */
     int (*run_norms)(dc_backend *be, const dc_step *step, double *n2, dc_kept **kept, dc_err *err);
     int (*run_clip)(dc_backend *be, const dc_step *step, const double *n2, const double *tot,
-                    const dc_kept *kept, const size_t *kept_at, dc_step_result *res, dc_err *err);
+                    double e_min, const dc_kept *kept, const size_t *kept_at, dc_step_result *res,
+                    dc_err *err);
     /* A norm phase's kept per-sample gradients (run_norms' *kept) back to
      * the backend that made them. Any thread: no task uses them any more,
      * and the backend's own queue orders their reuse. NULL where run_norms
@@ -173,9 +177,9 @@ static inline int dc_backend_run_norms(dc_backend *be, const dc_step *step, doub
 /* kept_at: where each of the step's layers is in kept (a sums step's pass
  * index); NULL: the same place (a group member's own norm phase). */
 static inline int dc_backend_run_clip(dc_backend *be, const dc_step *step, const double *n2,
-                                      const double *tot, const dc_kept *kept, const size_t *kept_at,
-                                      dc_step_result *res, dc_err *err) {
-    return be->ops->run_clip(be, step, n2, tot, kept, kept_at, res, err);
+                                      const double *tot, double e_min, const dc_kept *kept,
+                                      const size_t *kept_at, dc_step_result *res, dc_err *err) {
+    return be->ops->run_clip(be, step, n2, tot, e_min, kept, kept_at, res, err);
 }
 
 static inline void dc_backend_kept_free(dc_backend *be, dc_kept *kept) {

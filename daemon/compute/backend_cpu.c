@@ -218,8 +218,9 @@ static int phase_norms(phase_ctx *c, enum run_phases want, const double *n2_in, 
 
 /* backend.h 3. (DC_RUN_REDUCTION): the norms n[b] and the coefficients
  * (FLAT: coefs[b]; PER_LAYER: lcoef[l][b]) from the squared norms, or from
- * the group's per-sample totals tot_in; c->noise_std. */
-static int phase_reduction(phase_ctx *c, const double *tot_in, dc_err *err) {
+ * the group's per-sample totals tot_in, clipped with at least e_min (a
+ * group's or a pass's bound: backend.h run_clip); c->noise_std. */
+static int phase_reduction(phase_ctx *c, const double *tot_in, double e_min, dc_err *err) {
     const dc_step *step = c->step;
     const dc_layer *lay = c->lay;
     uint32_t B = c->B;
@@ -230,10 +231,11 @@ static int phase_reduction(phase_ctx *c, const double *tot_in, dc_err *err) {
     double noise_c2 = 0.0; /* PER_LAYER noise uses sqrt(sum_l C_l^2) */
     /* Coefficients from an upper bound on each norm, n (1 + e) (step.h);
      * the reply keeps the computed norms. The e of a FLAT step is the
-     * largest over its layers, also when a norm group's totals come in:
-     * each member bounds its own layers' part of the total (docs/design.md). */
+     * largest over its layers; totals that count other layers too (a norm
+     * group's, a pass's) come with the largest over all of them, e_min. */
     if ((rc = dc_clip_e_check(step, c->cb->clip_how, err))) return rc;
-    const double e_flat = per_layer ? 0.0 : dc_clip_e_step(step, c->cb->clip_how);
+    double e_flat = per_layer ? 0.0 : dc_clip_e_step(step, c->cb->clip_how);
+    if (!per_layer && !(e_min <= e_flat)) e_flat = e_min; /* NaN wins: coefficients 0 */
     for (uint32_t b = 0; b < B; b++) {
         double tot = 0.0;
         if (tot_in) {
@@ -391,7 +393,8 @@ static void phase_commit(phase_ctx *c, dc_step_result *res) {
 
 /* The phases in order, each timed as its part of res->phase_ns. */
 static int run_phases(dc_backend *be, const dc_step *step, enum run_phases want, double *n2_out,
-                      const double *n2_in, const double *tot_in, dc_step_result *res, dc_err *err) {
+                      const double *n2_in, const double *tot_in, double e_min, dc_step_result *res,
+                      dc_err *err) {
     phase_ctx c = {.cb = (cpu_backend *)be,
                    .step = step,
                    .B = step->batch,
@@ -431,7 +434,7 @@ static int run_phases(dc_backend *be, const dc_step *step, enum run_phases want,
     tq = dc_clock_ns();
     res->phase_ns[DC_RUN_NORMS] = tq - tp + 1; /* + 1: measured, even if under 1 ns */
     tp = tq;
-    if ((rc = phase_reduction(&c, tot_in, err))) return rc;
+    if ((rc = phase_reduction(&c, tot_in, e_min, err))) return rc;
     tq = dc_clock_ns();
     res->phase_ns[DC_RUN_REDUCTION] = tq - tp + 1;
     tp = tq;
@@ -461,7 +464,7 @@ static int run_phases(dc_backend *be, const dc_step *step, enum run_phases want,
 }
 
 static int cpu_run_step(dc_backend *be, const dc_step *step, dc_step_result *res, dc_err *err) {
-    int rc = run_phases(be, step, PHASE_ALL, NULL, NULL, NULL, res, err);
+    int rc = run_phases(be, step, PHASE_ALL, NULL, NULL, NULL, 0.0, res, err);
     dc_cpu_scratch_trim(&((cpu_backend *)be)->s);
     return rc;
 }
@@ -470,17 +473,17 @@ static int cpu_run_step(dc_backend *be, const dc_step *step, dc_step_result *res
 static int cpu_run_norms(dc_backend *be, const dc_step *step, double *n2, dc_kept **kept,
                          dc_err *err) {
     (void)kept;
-    int rc = run_phases(be, step, PHASE_NORMS, n2, NULL, NULL, NULL, err);
+    int rc = run_phases(be, step, PHASE_NORMS, n2, NULL, NULL, 0.0, NULL, err);
     dc_cpu_scratch_trim(&((cpu_backend *)be)->s);
     return rc;
 }
 
 static int cpu_run_clip(dc_backend *be, const dc_step *step, const double *n2, const double *tot,
-                        const dc_kept *kept, const size_t *kept_at, dc_step_result *res,
-                        dc_err *err) {
+                        double e_min, const dc_kept *kept, const size_t *kept_at,
+                        dc_step_result *res, dc_err *err) {
     (void)kept;
     (void)kept_at;
-    int rc = run_phases(be, step, PHASE_CLIP, NULL, n2, tot, res, err);
+    int rc = run_phases(be, step, PHASE_CLIP, NULL, n2, tot, e_min, res, err);
     dc_cpu_scratch_trim(&((cpu_backend *)be)->s);
     return rc;
 }

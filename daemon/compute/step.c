@@ -312,6 +312,16 @@ double dc_clip_e_step(const dc_step *s, unsigned how) {
     return e;
 }
 
+double dc_clip_e_phase(const dc_step *s, unsigned how, const uint8_t *kept) {
+    double e = dc_clip_e_step(s, how);
+    for (size_t l = 0; kept && l < s->n_layers; l++)
+        if (kept[l] && !s->layers[l].norm_excluded) {
+            const double el = dc_clip_e(s, l, how | DC_E_KEPT);
+            if (!(el <= e)) e = el;
+        }
+    return e;
+}
+
 float dc_clip_coef(float C, double norm, double e) {
     if (!(norm >= 0.0 && norm <= DBL_MAX) || !(e >= 0.0 && e <= DBL_MAX) || !(C >= 0.0f))
         return 0.0f;

@@ -285,6 +285,13 @@ double dc_clip_e(const dc_step *s, size_t l, unsigned how);
 /* The largest dc_clip_e over the layers the step's norm counts (not
  * norm_excluded): the e of a FLAT coefficient. */
 double dc_clip_e_step(const dc_step *s, unsigned how);
+/* The e a clip phase clips by when nothing else raises it (backend.h
+ * run_clip): dc_clip_e_step, with DC_E_KEPT for each counted layer kept
+ * (kept[l] != 0: summed from a bf16 store; kept NULL: none). A norm group's
+ * member sends it with its part of the totals, and every member clips by
+ * the group's largest: the totals' norm counts every member's layers, so
+ * its rounding bound is the largest of theirs (group.h). */
+double dc_clip_e_phase(const dc_step *s, unsigned how, const uint8_t *kept);
 /* DC_EINVAL naming the first counted layer whose e is infinite. */
 int dc_clip_e_check(const dc_step *s, unsigned how, dc_err *err);
 /* The how of a step that only totals describe (step_pass.c, run_clip). */

@@ -407,6 +407,7 @@ int dc_group_deliver(dc_group *g, dc_group_waiter *w, dc_err *err) {
             g->tot_cap = w->terms.batch;
         }
         memset(g->tot, 0, w->terms.batch * sizeof *g->tot);
+        g->e_max = 0.0;
         g->has_rep = false;
         g->active = true;
         g->cur = w->step;
@@ -440,8 +441,10 @@ int dc_group_deliver(dc_group *g, dc_group_waiter *w, dc_err *err) {
         *err = e;
         return DC_EINVAL;
     }
-    if (w->partial)
+    if (w->partial) {
         for (uint32_t b = 0; b < g->terms.batch; b++) g->tot[b] += w->partial[b];
+        g->e_max = dc_group_e_max(g->e_max, w->e);
+    }
     g->waiting[w->rank] = w;
     if (!w->wait_ns) w->wait_ns = uv_hrtime(); /* kept from a fusable delivery */
     if (++g->n_waiting < local_members(g)) {

@@ -78,6 +78,11 @@ struct dc_group_waiter {
     dc_group_terms terms;
     const double *partial; /* [batch] this member's squared norms, summed over its layers;
                             * NULL: the step is delivered unrun (one-daemon groups), see fuse */
+    /* with partial: the rounding bound its clip phase would clip by on its
+     * own (compute/step.h dc_clip_e_phase). The totals count every
+     * member's layers, so every member clips by the largest, e_group, set
+     * before done (NaN or infinite ones win: their coefficients are 0). */
+    double e, e_group;
     /* [batch] its replicated layers' squared norms, summed (their copies'
      * norms count once, rank 0's, so every member's copy must measure the
      * same: a copy that differs fails the group step on every member);

@@ -126,6 +126,7 @@ dc_group_waiter *dc_group_take_reduced(dc_group *g, uint64_t exchange_ns, uint32
     for (dc_group_waiter *w = first; w; w = w->next_call) {
         w->exchange_ns = exchange_ns;
         w->wait_ns = now - w->wait_ns; /* wait_ns held the delivery time */
+        w->e_group = g->e_max;
     }
     return first;
 }

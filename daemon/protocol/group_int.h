@@ -42,8 +42,9 @@ struct dc_group {
     bool split_devices;
     dc_group_terms terms; /* of the first member to deliver */
     uint32_t first_rank;
-    double *tot; /* [terms.batch] */
-    double *rep; /* [terms.batch]: the first copy of the replicated layers */
+    double *tot;  /* [terms.batch] */
+    double e_max; /* the largest e delivered with the totals (group.h) */
+    double *rep;  /* [terms.batch]: the first copy of the replicated layers */
     bool has_rep;
     uint64_t rep_hash; /* and its checksum */
     uint32_t rep_from; /* the rank it came from */
@@ -74,6 +75,12 @@ struct dc_group {
     uint32_t n_charges, next_charge;
     uint64_t *covered; /* [size] */
 };
+
+/* The larger of two rounding bounds, where a NaN stays a NaN whatever
+ * comes after it (group.h: a bound that is no number wins). */
+static inline double dc_group_e_max(double a, double b) {
+    return a != a || b <= a ? a : b; /* a != a: a is NaN */
+}
 
 /* group_end.c */
 /* Fails every step waiting in the group and marks it dissolved (why). */

@@ -12,9 +12,10 @@
 /* One daemon's part of an exchange: its group step, its members' terms
  * (each daemon checks the others'), its group noise key (every daemon
  * takes daemon 0's: replicated layers are noised alike on every member,
- * and the key travels between daemons only, never through a trainer) and
- * then its totals [batch]. Fixed widths: daemons of one group may be
- * different builds. */
+ * and the key travels between daemons only, never through a trainer), the
+ * largest rounding bound of its members' (group.h e: every member clips
+ * by the largest over all daemons) and then its totals [batch]. Fixed
+ * widths: daemons of one group may be different builds. */
 typedef struct link_head {
     uint64_t magic, step, replicated_hash, noise_key;
     uint32_t batch, daemon_rank, expected_batch;
@@ -23,8 +24,9 @@ typedef struct link_head {
     uint32_t has_rep, pad; /* the replicated layers' measure follows the totals */
     uint64_t logical_id;   /* a micro-batch of a logical step, its index, whether it commits */
     uint32_t micro_batch, commit;
+    double e;
 } link_head;
-#define LINK_MAGIC 0x6470636c69703034ull /* "dpclip04" */
+#define LINK_MAGIC 0x6470636c69703035ull /* "dpclip05" */
 /* One daemon's part: the head, its totals [B], its replicated copy [B]. */
 #define LINK_EACH(B) (sizeof(link_head) + 2 * (size_t)(B) * sizeof(double))
 
@@ -147,6 +149,12 @@ static void on_exchanged(dc_nccl_op *op) {
         memcpy(&h0, g->xrecv, sizeof h0);
         g->noise_key = h0.noise_key;
     }
+    /* every daemon's largest bound (NaN wins: coefficients 0) */
+    for (uint32_t d = 0; d < g->daemons; d++) {
+        link_head h;
+        memcpy(&h, g->xrecv + d * each, sizeof h);
+        g->e_max = dc_group_e_max(g->e_max, h.e);
+    }
     /* the same order on every daemon: bit-identical totals everywhere */
     for (size_t b = 0; b < B; b++) {
         double sum = 0.0;
@@ -193,6 +201,7 @@ void dc_group_exchange_start(dc_group *g) {
     h.logical_id = g->terms.logical_id;
     h.micro_batch = g->terms.micro_batch;
     h.commit = g->terms.commit;
+    h.e = g->e_max;
     memcpy(g->xsend, &h, sizeof h);
     memcpy(g->xsend + sizeof h, g->tot, B * sizeof(double));
     if (g->has_rep) memcpy(g->xsend + sizeof h + B * sizeof(double), g->rep, B * sizeof(double));

@@ -207,6 +207,7 @@ static void on_totals(dc_group_waiter *w, int rc, const double *tot, const dc_er
         return;
     }
     memcpy(sc->tot, tot, sc->step.batch * sizeof *sc->tot);
+    sc->e_min = w->e_group;
     /* across daemons the group's noise key is daemon 0's, known once the
      * totals came through the link (group.c) */
     if (s->group) sc->step.group_noise_key = dc_group_noise_key(s->group);

@@ -135,6 +135,9 @@ struct dc_step_call {
     uint64_t group_id; /* the group it was prepared for (dc_group_id) */
     uint64_t group_step;
     double *n2, *partial, *tot;
+    /* the bound the clip phase clips by at least (backend.h run_clip: the
+     * group's e_group, the pass's e); 0 for a step on its own */
+    double e_min;
     double *rep; /* [B] its replicated layers' squared norms (group.h) */
     /* A step in phases (a group member's, a norm pass's sums): each layer's
      * seal [L] taken right after its norms, under seal_key (step_run.h) */

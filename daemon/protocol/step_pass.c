@@ -36,6 +36,7 @@ struct dc_pass {
     bool commit;
     double *n2;     /* [L*B] */
     double *tot;    /* [B] */
+    double e;       /* the bound its reply's coefficients and every sums step clip by */
     uint64_t *seal; /* [L] each layer's seal, under seal_key (step_run.h) */
     uint64_t seal_key;
     uint8_t *unsealed; /* [L] kept layers left unsealed (step_pass.h), or NULL */
@@ -138,6 +139,7 @@ int dc_pass_new(dc_step_call *sc, dc_pass **out, dc_err *e) {
     /* the e every sums step clips with (a kept pass's at least its floor) */
     double eb = dc_clip_e_step(s, dc_clip_e_how(s));
     if (sc->kept && eb < DC_E_KEPT_FLOOR) eb = DC_E_KEPT_FLOOR;
+    p->e = eb; /* a sums step's layers are some of the norm's: they clip by its bound */
     for (uint32_t b = 0; b < B; b++) {
         double t = 0.0;
         for (size_t l = 0; l < L; l++) t += sc->n2[l * B + b];
@@ -279,6 +281,7 @@ int dc_pass_take(dc_pass *p, dc_step_call *sc, dc_err *e) {
     sc->kept_be = p->kept_be;
     sc->kept_borrowed = p->kept != NULL;
     memcpy(sc->tot, p->tot, B * sizeof *sc->tot);
+    sc->e_min = p->e;
     p->n_summed += L;
     sc->pass_at = at; /* the pass's index of each layer: its accumulators (step_logical.c) */
     return 0;

@@ -116,7 +116,7 @@ static int clip_checked(dc_step_call *sc, dc_backend *be) {
     }
     memcpy(tot, sc->tot, B * sizeof *tot);
     dc_phase_margin(tot, B);
-    if ((rc = dc_backend_run_clip(be, &sc->step, sc->n2, tot, sc->kept,
+    if ((rc = dc_backend_run_clip(be, &sc->step, sc->n2, tot, sc->e_min, sc->kept,
                                   sc->kept && sc->kept_borrowed ? sc->pass_at : NULL, &sc->res,
                                   &sc->err)))
         goto out;
@@ -268,6 +268,10 @@ static void norms_phase(dc_step_call *sc, dc_backend *be, bool unseal_kept) {
     if (sc->rc == 0 && !(sc->rc = dc_step_run_seal_key(&sc->seal_key, &sc->err)))
         sc->rc = dc_step_run_seal(be, &sc->step, sc->seal_key, unsealed, sc->seal, &sc->err);
     if (sc->rc == 0 && sc->grouped) {
+        /* the bound its clip phase would take alone: the group clips every
+         * member by the largest (group.h) */
+        sc->gw.e = dc_clip_e_phase(&sc->step, dc_clip_e_how(&sc->step),
+                                   sc->kept ? sc->kept->layer : NULL);
         sc->gw.rep_key = dc_step_run_replicas_key(&sc->step);
         sc->rc = dc_step_run_replicas_hash(be, &sc->step, sc->gw.rep_key, &sc->gw.rep_hash,
                                            &sc->gw.has_rep_hash, &sc->err);

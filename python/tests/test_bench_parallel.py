@@ -69,6 +69,7 @@ def test_pipeline_microbatches_check_and_time(secure_daemon, schedule):
     # (the host path's, in double), and the coefficients next to the rule's
     assert check["max_rel_err_given_coefs"] <= check["tol"], check
     assert 0 <= check["coefs_max_abs_err"] <= check["tol"], check
+    assert not check["coefs_above_rule"] and 0 <= check["coefs_max_rel_shortfall"] <= 1e-2
     assert len(check["ranks"]) == 2 and all(r["ok"] for r in check["ranks"])
     assert 0 < check["clipped"] < 8, check
     runs = {line["run"]: line for line in lines if "run" in line}
@@ -88,6 +89,24 @@ def test_pipeline_microbatches_check_and_time(secure_daemon, schedule):
             host = [h for h, _ in trace.values()]
             assert host[0] == 0 and host == sorted(host) and host[-1] > 0, trace
             assert all(g == 0 for _, g in trace.values()), trace  # no GPU: no events
+
+
+def test_coefficient_verdict():
+    """The check's rule for the daemon's coefficients: never above the
+    rule's (beyond the slack), and how far below, relative."""
+    import torch
+    sys.path.insert(0, os.path.join(REPO, "bench"))
+    try:
+        import bench_parallel as bp
+    finally:
+        sys.path.pop(0)
+    want = torch.tensor([1.0, 0.5, 0.25])
+    assert bp.coef_verdict(want.clone(), want, 1e-6) == (0.0, False)
+    short, above = bp.coef_verdict(torch.tensor([1.0, 0.5 * (1 - 4e-3), 0.25]), want, 1e-6)
+    assert not above and abs(short - 4e-3) < 1e-6
+    assert bp.coef_verdict(torch.tensor([1.0, 0.5, 0.25 * (1 + 1e-4)]), want, 1e-6)[1]
+    assert not bp.coef_verdict(torch.tensor([1.0, 0.5, 0.25 * (1 + 1e-4)]), want, 1e-3)[1]
+    assert bp.coef_verdict(torch.tensor([1.0, 0.5]), want, 1e-6) == (float("inf"), True)
 
 
 def test_pipeline_microbatches_check_can_fail(secure_daemon):
