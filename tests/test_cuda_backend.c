@@ -651,7 +651,8 @@ static void test_phases(void **state) {
             for (size_t l = 0; l < m.L; l++) tot[b] += n2[l * m.B + b];
         }
         assert_int_equal(dc_step_result_init(&part, m.B, m.L, false), 0);
-        assert_int_equal(g_cuda->ops->run_clip(g_cuda, &ds, n2, tot, 0.0, NULL, NULL, &part, &e), 0);
+        assert_int_equal(g_cuda->ops->run_clip(g_cuda, &ds, n2, tot, 0.0, NULL, NULL, &part, &e),
+                         0);
         for (size_t l = 0; l < m.L; l++) {
             out2[l] = dev_to_f32(&m.d[l].weight_grad_out);
             assert_true(rel_l2(out2[l], out1[l], numel(&m.d[l].weight_grad_out)) < 1e-5);
@@ -663,7 +664,8 @@ static void test_phases(void **state) {
         }
         dc_step_result_free(&part);
         assert_int_equal(dc_step_result_init(&part, m.B, m.L, false), 0);
-        assert_int_equal(g_cuda->ops->run_clip(g_cuda, &ds, n2, tot, 0.0, NULL, NULL, &part, &e), 0);
+        assert_int_equal(g_cuda->ops->run_clip(g_cuda, &ds, n2, tot, 0.0, NULL, NULL, &part, &e),
+                         0);
         const double es = dc_clip_e_step(&ds, dc_clip_e_how(&ds)); /* the clip phase's */
         for (uint32_t b = 0; b < m.B; b++) {
             double want = fmin(1.0, ds.max_grad_norm / (2.0 * whole.norms[b] * (1.0 + es) + 1e-6));
@@ -680,7 +682,8 @@ static void test_phases(void **state) {
         for (int k = 0; k < 2; k++) { /* member k */
             ds.noise_key = 0xabcdef00ull + (uint64_t)k;
             assert_int_equal(dc_step_result_init(&part, m.B, m.L, false), 0);
-            assert_int_equal(g_cuda->ops->run_clip(g_cuda, &ds, n2, tot, 0.0, NULL, NULL, &part, &e), 0);
+            assert_int_equal(
+                g_cuda->ops->run_clip(g_cuda, &ds, n2, tot, 0.0, NULL, NULL, &part, &e), 0);
             for (size_t l = 0; l < m.L; l++) mem[k][l] = dev_to_f32(&m.d[l].weight_grad_out);
             dc_step_result_free(&part);
         }
