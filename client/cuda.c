@@ -43,6 +43,7 @@ typedef struct cl_cuda_api {
     cl_curesult (*mem_host_get_device_pointer)(cl_cudeviceptr *d, void *p, unsigned flags);
     cl_curesult (*stream_wait_value32)(void *stream, cl_cudeviceptr addr, unsigned value,
                                        unsigned flags);
+    cl_curesult (*memset_d8_async)(cl_cudeviceptr d, unsigned char v, size_t n, void *stream);
 } cl_cuda_api;
 
 #define CL_CU_MEMHOSTREGISTER_PORTABLE 0x01
@@ -72,6 +73,7 @@ static void cu_load(void) {
     *(void **)&g_cu.stream_wait_value32 = dlsym(lib, "cuStreamWaitValue32_v2");
     if (!g_cu.stream_wait_value32)
         *(void **)&g_cu.stream_wait_value32 = dlsym(lib, "cuStreamWaitValue32");
+    *(void **)&g_cu.memset_d8_async = dlsym(lib, "cuMemsetD8Async");
     if (!g_cu.mem_get_address_range || !g_cu.ipc_get_mem_handle || !g_cu.pointer_get_attribute) {
         dlclose(lib);
         memset(&g_cu, 0, sizeof g_cu);
@@ -305,6 +307,15 @@ DPCLIP_API int dpclip_cuda_wait_value(void *stream, const void *dev_ptr, uint32_
     if (!host_api()) return DPCLIP_EUNAVAIL;
     return g_cu.stream_wait_value32(stream, (cl_cudeviceptr)(uintptr_t)dev_ptr, value,
                                     CL_CU_STREAM_WAIT_VALUE_GEQ)
+               ? DPCLIP_EUNAVAIL
+               : DPCLIP_OK;
+}
+
+DPCLIP_API int dpclip_cuda_zero_async(void *stream, void *dev_ptr, size_t bytes) {
+    if (!bytes) return DPCLIP_OK;
+    if (!dev_ptr) return DPCLIP_EARG;
+    if (!host_api() || !g_cu.memset_d8_async) return DPCLIP_EUNAVAIL;
+    return g_cu.memset_d8_async((cl_cudeviceptr)(uintptr_t)dev_ptr, 0, bytes, stream)
                ? DPCLIP_EUNAVAIL
                : DPCLIP_OK;
 }

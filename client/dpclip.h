@@ -157,6 +157,12 @@ int dpclip_buffer_register_cuda_handle(dpclip_client *c, const void *ipc_handle,
 int dpclip_cuda_host_map(void *ptr, size_t size, void **dev_ptr);
 int dpclip_cuda_host_unmap(void *ptr);
 int dpclip_cuda_wait_value(void *stream, const void *dev_ptr, uint32_t value);
+/* `bytes` of device memory at dev_ptr zeroed on `stream` (cuMemsetD8Async,
+ * in the calling thread's current context): no kernel, no allocation and no
+ * stream made, so a thread may call it while another one is blocked in a
+ * device synchronisation behind a done flag (which is where the trainer
+ * zeroes a dead daemon's outputs before it releases their flags). */
+int dpclip_cuda_zero_async(void *stream, void *dev_ptr, size_t bytes);
 /* Register an interprocess event (created with cudaEventInterprocess |
  * cudaEventDisableTiming) by its cudaIpcEventHandle_t bytes (64). */
 int dpclip_event_register_cuda(dpclip_client *c, const void *ipc_event_handle, int device,

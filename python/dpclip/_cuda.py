@@ -191,6 +191,7 @@ class CudaIPC(Transport):
         # DPCLIP_DONE_FLAG=0 (the events instead, to compare), off where the
         # driver cannot map them.
         self._flags: Dict[int, _Flag] = {}
+        self._zero_streams: Dict[int, torch.cuda.Stream] = {}  # release_flags', a flag's device
         self._flag_on = os.environ.get("DPCLIP_DONE_FLAG", "1") != "0"
         self._watcher: Optional[Tuple[threading.Thread, int]] = None  # (thread, wake fd)
         self._peer: Optional[Tuple[int, str]] = None  # the daemon's process (_peer)
@@ -274,6 +275,11 @@ class CudaIPC(Transport):
                     _lib.PerformanceWarning, stacklevel=2)
                 return None
             f = self._flags[idx] = _Flag(bid, addr, dev)
+            # release_flags' stream on this device, made here: made on the
+            # watcher's thread, while the trainer's is blocked in a device
+            # synchronisation behind the flag, it waits for that (H200)
+            with torch.cuda.device(idx):
+                self._zero_streams[idx] = torch.cuda.Stream()
             if self._watcher is None:
                 self._watch()
         return f
@@ -349,26 +355,37 @@ class CudaIPC(Transport):
                 ctypes.c_uint32.from_address(f.addr).value = f.last & 0xFFFFFFFF
 
     def _zero_outputs(self) -> None:
-        """Every output the daemon writes zeroed before this returns, on a
-        stream of its own (the trainer's waits on the flag) after the
-        device's last `ready`: what the trainer queued before the step, the
-        last optimizer step's reads included, goes first."""
+        """Every output the daemon writes zeroed before this returns, on the
+        device's own zeroing stream (the trainer's waits on the flag) after
+        its last `ready`: what the trainer queued before the step, the last
+        optimizer step's reads included, goes first. The trainer's thread
+        may be blocked in a device synchronisation behind the flag, so this
+        makes no stream (done_flag made them), launches no kernel and
+        allocates nothing: a driver memset on a stream made beforehand."""
         outs = list(self._arenas) + ([self._coefs] if self._coefs is not None else [])
-        streams: Dict[torch.device, torch.cuda.Stream] = {}
+        used: Dict[int, torch.cuda.Stream] = {}
         for t in outs:
             if t.device.type != "cuda":
                 t.zero_()
                 continue
-            with torch.cuda.device(t.device):
-                s = streams.get(t.device)
+            idx = _index(t.device)
+            with torch.cuda.device(idx):
+                s = used.get(idx)
                 if s is None:
-                    s = streams[t.device] = torch.cuda.Stream()
-                    ev = self._events.get(t.device.index)
+                    s = self._zero_streams.get(idx)
+                    if s is None:  # (no flag on this device: nothing waits behind one)
+                        s = torch.cuda.Stream()
+                    used[idx] = s
+                    ev = self._events.get(idx)
                     if ev is not None:
                         s.wait_event(ev[0])
-                with torch.cuda.stream(s):
-                    t.zero_()
-        for s in streams.values():
+                if t.is_contiguous():
+                    _lib.cuda_zero_async(s.cuda_stream, t.data_ptr(),
+                                         t.numel() * t.element_size())
+                else:
+                    with torch.cuda.stream(s):
+                        t.zero_()
+        for s in used.values():
             s.synchronize()
 
     def close(self) -> None:

@@ -195,6 +195,7 @@ def _declare(L: ctypes.CDLL) -> None:
         "dpclip_cuda_host_map": (c_int, [c_void_p, ctypes.c_size_t, ctypes.POINTER(c_void_p)]),
         "dpclip_cuda_host_unmap": (c_int, [c_void_p]),
         "dpclip_cuda_wait_value": (c_int, [c_void_p, c_void_p, ctypes.c_uint32]),
+        "dpclip_cuda_zero_async": (c_int, [c_void_p, c_void_p, ctypes.c_size_t]),
         "dpclip_fd": (c_int, [c_void_p]),
         "dpclip_step_set_phase": (c_int, [c_void_p, c_int]),
         "dpclip_step_set_data_parallel": (c_int, [c_void_p, ctypes.c_uint32, ctypes.c_uint32,
@@ -259,6 +260,13 @@ def cuda_wait_value(stream: int, dev_addr: int, value: int) -> None:
     reaches value, a cyclic >= (dpclip_cuda_wait_value)."""
     check(None, lib().dpclip_cuda_wait_value(ctypes.c_void_p(stream), ctypes.c_void_p(dev_addr),
                                              ctypes.c_uint32(value & 0xFFFFFFFF)))
+
+
+def cuda_zero_async(stream: int, dev_addr: int, nbytes: int) -> None:
+    """nbytes at dev_addr zeroed on `stream`, with no kernel, allocation or
+    stream made (dpclip_cuda_zero_async)."""
+    check(None, lib().dpclip_cuda_zero_async(ctypes.c_void_p(stream), ctypes.c_void_p(dev_addr),
+                                             ctypes.c_size_t(nbytes)))
 
 
 def check(client_handle: Optional[ctypes.c_void_p], rc: int) -> None:

@@ -29,12 +29,18 @@ class _Event:
 
 class _Stream:
     cuda_stream = 1234
+    made = 0  # how many were made
 
     def __init__(self):
         self.waited = []
+        self.synced = 0
+        _Stream.made += 1
 
     def wait_event(self, ev):
         self.waited.append(ev)
+
+    def synchronize(self):
+        self.synced += 1
 
 
 class _Info:
@@ -100,6 +106,7 @@ def stubs(monkeypatch):
     waits, maps = [], []
     monkeypatch.setattr(torch.cuda, "Event", _Event)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda *a, **k: stream)
+    monkeypatch.setattr(torch.cuda, "Stream", _Stream)
     monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
 
     def host_map(addr, size):
@@ -140,6 +147,52 @@ def test_async_step_waits_on_the_flag_not_the_event(stubs):
     assert word.value == 7 and not out.any()
     io.close()
     assert client.released == [41]
+
+
+class _DeviceOutput:
+    """An output arena on cuda:0, as release_flags sees it."""
+    device = torch.device("cuda", 0)
+
+    def __init__(self, addr, n):
+        self.addr, self.n = addr, n
+
+    def is_contiguous(self):
+        return True
+
+    def data_ptr(self):
+        return self.addr
+
+    def numel(self):
+        return self.n
+
+    def element_size(self):
+        return 2
+
+
+def test_release_zeroes_device_outputs_on_the_stream_made_with_the_flag(stubs, monkeypatch):
+    """A dead daemon's outputs on the device: zeroed by the driver's memset
+    on the stream made when the flag was (after the device's last ready),
+    with no stream made on the watcher's thread: there, with the trainer's
+    thread blocked in a device synchronisation behind the flag, making one
+    waits for that synchronisation (seen on an H200), so nothing would ever
+    release the flag."""
+    stream, waits, maps = stubs
+    zeroed = []
+    monkeypatch.setattr(_lib, "cuda_zero_async", lambda s, d, n: zeroed.append((s, d, n)))
+    client, step = _Client(), _Step()
+    io = _cuda.CudaIPC(client)
+    _run(io, step)
+    zs = io._zero_streams[0]
+    made = _Stream.made
+    io._arenas += [_DeviceOutput(0x1000, 300), _DeviceOutput(0x9000, 8)]
+    ctypes.c_uint32.from_address(ctypes.addressof(client.words[41]) + 4).value = 7  # abandoned
+    io.release_flags()
+    assert _Stream.made == made  # none made while releasing
+    assert zeroed == [(_Stream.cuda_stream, 0x1000, 600), (_Stream.cuda_stream, 0x9000, 16)]
+    assert len(zs.waited) == 1 and zs.waited[0] is io._events[0][0]  # after the last ready
+    assert zs.synced == 1
+    assert ctypes.c_uint32.from_address(ctypes.addressof(client.words[41])).value == 7
+    io.close()
 
 
 def test_switched_off_steps_use_the_event(stubs, monkeypatch):
