@@ -23,6 +23,7 @@
 
 typedef int cl_curesult;
 typedef unsigned long long cl_cudeviceptr;
+#define CL_CU_POINTER_ATTRIBUTE_CONTEXT 1
 #define CL_CU_POINTER_ATTRIBUTE_BUFFER_ID 7
 #define CL_CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL 9
 #define CL_CU_POINTER_ATTRIBUTE_RANGE_START_ADDR 11
@@ -44,6 +45,8 @@ typedef struct cl_cuda_api {
     cl_curesult (*stream_wait_value32)(void *stream, cl_cudeviceptr addr, unsigned value,
                                        unsigned flags);
     cl_curesult (*memset_d8_async)(cl_cudeviceptr d, unsigned char v, size_t n, void *stream);
+    cl_curesult (*ctx_push_current)(void *ctx);
+    cl_curesult (*ctx_pop_current)(void **ctx);
 } cl_cuda_api;
 
 #define CL_CU_MEMHOSTREGISTER_PORTABLE 0x01
@@ -74,6 +77,8 @@ static void cu_load(void) {
     if (!g_cu.stream_wait_value32)
         *(void **)&g_cu.stream_wait_value32 = dlsym(lib, "cuStreamWaitValue32");
     *(void **)&g_cu.memset_d8_async = dlsym(lib, "cuMemsetD8Async");
+    *(void **)&g_cu.ctx_push_current = dlsym(lib, "cuCtxPushCurrent_v2");
+    *(void **)&g_cu.ctx_pop_current = dlsym(lib, "cuCtxPopCurrent_v2");
     if (!g_cu.mem_get_address_range || !g_cu.ipc_get_mem_handle || !g_cu.pointer_get_attribute) {
         dlclose(lib);
         memset(&g_cu, 0, sizeof g_cu);
@@ -311,11 +316,20 @@ DPCLIP_API int dpclip_cuda_wait_value(void *stream, const void *dev_ptr, uint32_
                : DPCLIP_OK;
 }
 
+/* In the context that owns dev_ptr, pushed for the call: the calling
+ * thread (a watcher) may have none current. */
 DPCLIP_API int dpclip_cuda_zero_async(void *stream, void *dev_ptr, size_t bytes) {
+    const cl_cudeviceptr d = (cl_cudeviceptr)(uintptr_t)dev_ptr;
+    void *ctx = NULL, *popped = NULL;
     if (!bytes) return DPCLIP_OK;
     if (!dev_ptr) return DPCLIP_EARG;
-    if (!host_api() || !g_cu.memset_d8_async) return DPCLIP_EUNAVAIL;
-    return g_cu.memset_d8_async((cl_cudeviceptr)(uintptr_t)dev_ptr, 0, bytes, stream)
-               ? DPCLIP_EUNAVAIL
-               : DPCLIP_OK;
+    if (!host_api() || !g_cu.memset_d8_async || !g_cu.pointer_get_attribute ||
+        !g_cu.ctx_push_current || !g_cu.ctx_pop_current)
+        return DPCLIP_EUNAVAIL;
+    if (g_cu.pointer_get_attribute(&ctx, CL_CU_POINTER_ATTRIBUTE_CONTEXT, d) || !ctx)
+        return DPCLIP_EARG; /* not device memory of this process */
+    if (g_cu.ctx_push_current(ctx)) return DPCLIP_EUNAVAIL;
+    const cl_curesult r = g_cu.memset_d8_async(d, 0, bytes, stream);
+    (void)g_cu.ctx_pop_current(&popped);
+    return r ? DPCLIP_EUNAVAIL : DPCLIP_OK;
 }

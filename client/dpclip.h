@@ -161,7 +161,9 @@ int dpclip_cuda_wait_value(void *stream, const void *dev_ptr, uint32_t value);
  * in the calling thread's current context): no kernel, no allocation and no
  * stream made, so a thread may call it while another one is blocked in a
  * device synchronisation behind a done flag (which is where the trainer
- * zeroes a dead daemon's outputs before it releases their flags). */
+ * zeroes a dead daemon's outputs before it releases their flags). It runs
+ * in the context that owns dev_ptr (the thread needs none current);
+ * DPCLIP_EARG where dev_ptr is no device memory of this process. */
 int dpclip_cuda_zero_async(void *stream, void *dev_ptr, size_t bytes);
 /* Register an interprocess event (created with cudaEventInterprocess |
  * cudaEventDisableTiming) by its cudaIpcEventHandle_t bytes (64). */

@@ -350,7 +350,16 @@ class CudaIPC(Transport):
                         "finish or zero that step's outputs before it goes on"
                         % self._peer[0], RuntimeWarning, stacklevel=2)
                 time.sleep(0.001)
-            self._zero_outputs()
+            try:
+                self._zero_outputs()
+            except Exception as e:  # pylint: disable=broad-except
+                # fail closed: outputs that may hold un-noised sums are
+                # never let through; the stream waits on, and says so
+                warnings.warn(
+                    "dpclip: the daemon went with a step in flight and its outputs could not "
+                    "be zeroed (%s); the flags stay unreleased, so this trainer's stream waits "
+                    "for good rather than apply them" % e, RuntimeWarning, stacklevel=2)
+                return
             for f in todo:
                 ctypes.c_uint32.from_address(f.addr).value = f.last & 0xFFFFFFFF
 

@@ -195,6 +195,26 @@ def test_release_zeroes_device_outputs_on_the_stream_made_with_the_flag(stubs, m
     io.close()
 
 
+def test_outputs_that_cannot_be_zeroed_are_never_released(stubs, monkeypatch):
+    """Fail closed: where the zeroing fails, the flag stays unreleased (the
+    stream waits for good) and a warning says why."""
+    _, _, _ = stubs
+
+    def fail(s, d, n):
+        raise _lib.DpclipError(_lib.EUNAVAIL, "", "no memset")
+
+    monkeypatch.setattr(_lib, "cuda_zero_async", fail)
+    client, step = _Client(), _Step()
+    io = _cuda.CudaIPC(client)
+    _run(io, step)
+    io._arenas.append(_DeviceOutput(0x1000, 4))
+    ctypes.c_uint32.from_address(ctypes.addressof(client.words[41]) + 4).value = 7  # abandoned
+    with pytest.warns(RuntimeWarning, match="could not be zeroed .*no memset"):
+        io.release_flags()
+    assert ctypes.c_uint32.from_address(ctypes.addressof(client.words[41])).value == 0
+    io.close()
+
+
 def test_switched_off_steps_use_the_event(stubs, monkeypatch):
     """DPCLIP_DONE_FLAG=0: the events, as before the flag."""
     stream, waits, maps = stubs
