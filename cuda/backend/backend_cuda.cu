@@ -40,7 +40,8 @@
  * with extra synchronisations on that path only, and reported exactly as the
  * CPU backend words it (backend_diag.cu). The small C API around run_step
  * (phase timing, events, workspace setting) is in backend_api.cu; the
- * step's workspace layout and its reservation in backend_plan.cu.
+ * step's workspace layout and its reservation in backend_plan.cu; the
+ * instance's making and end in backend_create.cu.
  *
  * Ownership: the instance owns its stream, cuBLAS handle, device workspace
  * (ws, grown only when a step needs more) and pinned host block; steps only
@@ -84,27 +85,6 @@ struct phase_io {
 
 int run_impl(dc_backend *be, const dc_step *s, dc_step_result *res, dc_err *err,
              const phase_io &io);
-
-int cuda_run_step(dc_backend *be, const dc_step *s, dc_step_result *res, dc_err *err) {
-    return run_impl(be, s, res, err, phase_io{CP_ALL, NULL, NULL, NULL, 0.0, NULL, NULL, NULL});
-}
-
-int cuda_run_norms(dc_backend *be, const dc_step *s, double *n2, dc_kept **kept, dc_err *err) {
-    memset(((cuda_backend *)be)->norm_ns, 0, sizeof((cuda_backend *)be)->norm_ns);
-    return run_impl(be, s, NULL, err, phase_io{CP_NORMS, n2, NULL, NULL, 0.0, kept, NULL, NULL});
-}
-
-void cuda_norm_times(dc_backend *be, uint64_t phase_ns[DC_RUN_N]) {
-    const cuda_backend *cb = (const cuda_backend *)be;
-    for (int k = 0; k < DC_RUN_N; k++)
-        if (cb->norm_ns[k]) phase_ns[k] = cb->norm_ns[k];
-}
-
-int cuda_run_clip(dc_backend *be, const dc_step *s, const double *n2, const double *tot,
-                  double e_min, const dc_kept *kept, const size_t *kept_at, dc_step_result *res,
-                  dc_err *err) {
-    return run_impl(be, s, res, err, phase_io{CP_CLIP, NULL, n2, tot, e_min, NULL, kept, kept_at});
-}
 
 /* Host doubles in device memory, as they are (a pageable copy: the source
  * may go when it returns). */
@@ -733,85 +713,26 @@ fail:
     return rc;
 }
 
-void cuda_destroy(dc_backend *be) {
-    cuda_backend *cb = (cuda_backend *)be;
-    if (!cb) return;
-    cudaSetDevice(cb->device);
-    if (cb->stream) cudaStreamSynchronize(cb->stream);
-    kept_destroy(cb);
-    pthread_mutex_destroy(&cb->kept_mu);
-    if (cb->blas) cublasDestroy(cb->blas);
-    if (cb->stream) cudaStreamDestroy(cb->stream);
-    if (cb->ws) cudaFree(cb->ws);
-    if (cb->hash_dev) cudaFree(cb->hash_dev);
-    if (cb->host) cudaFreeHost(cb->host);
-    (void)cudaGetLastError();
-    for (int i = 0; i <= DC_CUDA_PHASES; i++)
-        if (cb->ev[i]) cudaEventDestroy(cb->ev[i]);
-    if (cb->ev_wait) cudaEventDestroy(cb->ev_wait);
-    if (cb->ev_done) cudaEventDestroy(cb->ev_done);
-    (void)cudaGetLastError();
-    free(cb->lay_off);
-    free(cb->bk);
-    free(cb->bk_grouped);
-    free(cb->nm);
-    free(cb->nm_grouped);
-    free(cb->safe);
-    free(cb->woff);
-    free(cb->sg_off);
-    free(cb->sg_out);
-    free(cb->bk_layer);
-    free(cb->sgl);
-    free(cb->ovr_n2);
-    free(cb->ovr);
-    free(cb);
-}
-
-const dc_backend_ops cuda_ops = {"cuda",
-                                 cuda_run_step,
-                                 cuda_destroy,
-                                 cuda_run_norms,
-                                 cuda_run_clip,
-                                 kept_give,
-                                 dc_cuda_backend_wait_event,
-                                 dc_cuda_backend_record_event,
-                                 dc_cuda_backend_workspace_bytes,
-                                 cuda_acc_alloc,
-                                 cuda_acc_free,
-                                 cuda_tensors_hash,
-                                 cuda_norm_times,
-                                 dc_cuda_backend_zero_outputs};
-
 } // namespace
 
-extern "C" int dc_cuda_backend_create(int device, dc_backend **out, dc_err *err) {
-    cuda_backend *cb = (cuda_backend *)calloc(1, sizeof *cb);
-    cudaError_t e;
-    if (!cb) return dc_err_set(err, DC_ENOSPACE, "", "out of memory");
-    cb->base.ops = &cuda_ops;
-    cb->device = device;
-    pthread_mutex_init(&cb->kept_mu, NULL);
-    if ((e = cudaSetDevice(device)) != cudaSuccess ||
-        (e = cudaStreamCreateWithFlags(&cb->stream, cudaStreamNonBlocking)) != cudaSuccess) {
-        (void)cudaGetLastError();
-        free(cb);
-        return dc_err_set(err, DC_EUNAVAIL, "", "cannot open cuda:%d: %s", device,
-                          cudaGetErrorString(e));
-    }
-    if (cublasCreate(&cb->blas) != CUBLAS_STATUS_SUCCESS ||
-        cublasSetStream(cb->blas, cb->stream) != CUBLAS_STATUS_SUCCESS ||
-        cublasSetPointerMode(cb->blas, CUBLAS_POINTER_MODE_DEVICE) != CUBLAS_STATUS_SUCCESS) {
-        if (cb->blas) cublasDestroy(cb->blas);
-        cudaStreamDestroy(cb->stream);
-        free(cb);
-        return dc_err_set(err, DC_EUNAVAIL, "", "cannot create a cuBLAS handle on cuda:%d", device);
-    }
-    *out = &cb->base;
-    /* Phase timing feeds the daemon's per-phase histograms: on unless
-     * DPCLIP_CUDA_PROFILE=0 (ten event records a step, a few microseconds
-     * of host time that overlap the GPU's work). */
-    dc_cuda_backend_set_sample_grads(&cb->base, DC_SAMPLE_GRADS_AUTO);
-    dcc_options_from_env(&cb->opt);
-    if (cb->opt.profile) (void)dc_cuda_backend_profile(&cb->base, 1);
-    return 0;
+/* backend.h's entry points (backend_int.h), each run_impl of its phases */
+int dcb::cuda_run_step(dc_backend *be, const dc_step *s, dc_step_result *res, dc_err *err) {
+    return run_impl(be, s, res, err, phase_io{CP_ALL, NULL, NULL, NULL, 0.0, NULL, NULL, NULL});
+}
+
+int dcb::cuda_run_norms(dc_backend *be, const dc_step *s, double *n2, dc_kept **kept, dc_err *err) {
+    memset(((cuda_backend *)be)->norm_ns, 0, sizeof((cuda_backend *)be)->norm_ns);
+    return run_impl(be, s, NULL, err, phase_io{CP_NORMS, n2, NULL, NULL, 0.0, kept, NULL, NULL});
+}
+
+void dcb::cuda_norm_times(dc_backend *be, uint64_t phase_ns[DC_RUN_N]) {
+    const cuda_backend *cb = (const cuda_backend *)be;
+    for (int k = 0; k < DC_RUN_N; k++)
+        if (cb->norm_ns[k]) phase_ns[k] = cb->norm_ns[k];
+}
+
+int dcb::cuda_run_clip(dc_backend *be, const dc_step *s, const double *n2, const double *tot,
+                       double e_min, const dc_kept *kept, const size_t *kept_at,
+                       dc_step_result *res, dc_err *err) {
+    return run_impl(be, s, res, err, phase_io{CP_CLIP, NULL, n2, tot, e_min, NULL, kept, kept_at});
 }

@@ -321,6 +321,15 @@ int kept_apply(cuda_backend *cb, const dc_step *s, const dc_kept *pub, const siz
                dc_err *err);
 bool names_outputs(const dc_step *s);
 
+/* backend_cuda.cu: backend.h's run_step, run_norms, run_clip and
+ * norm_times (backend_create.cu's ops table) */
+int cuda_run_step(dc_backend *be, const dc_step *s, dc_step_result *res, dc_err *err);
+int cuda_run_norms(dc_backend *be, const dc_step *s, double *n2, dc_kept **kept, dc_err *err);
+int cuda_run_clip(dc_backend *be, const dc_step *s, const double *n2, const double *tot,
+                  double e_min, const dc_kept *kept, const size_t *kept_at, dc_step_result *res,
+                  dc_err *err);
+void cuda_norm_times(dc_backend *be, uint64_t phase_ns[DC_RUN_N]);
+
 /* backend_accum.cu: logical steps' accumulators (backend.h acc_alloc,
  * acc_free) and the keyed checksums of tensors (tensors_hash). */
 float *cuda_acc_alloc(dc_backend *be, size_t n);
