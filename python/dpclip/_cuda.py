@@ -269,9 +269,10 @@ class CudaIPC(Transport):
                     self.client.buffer_release(bid)
                 self._flag_on = False
                 warnings.warn(
-                    "dpclip: no done flag on cuda:%d (%s): each asynchronous step's host "
-                    "waits for the daemon to queue its work instead (about 1 ms a GPT-2 "
-                    "step on an H200; docs/protocol.md, \"Done flag\")" % (idx, e.message),
+                    "dpclip: no done flag on cuda:%d (%s): each step outside data parallelism "
+                    "waits for its reply instead, so the next forward no longer overlaps the "
+                    "daemon's work "
+                    "(docs/protocol.md, \"Done flag\")" % (idx, e.message),
                     _lib.PerformanceWarning, stacklevel=2)
                 return None
             f = self._flags[idx] = _Flag(bid, addr, dev)
@@ -464,6 +465,17 @@ class CudaIPC(Transport):
         ready, done, rid, did = self.events(device)
         own = self.readied(device) if detached else None
         flag = self.done_flag(device) if asynchronous and not detached else None
+        if flag is None and asynchronous and not detached and not gated:
+            # No done flag (DPCLIP_DONE_FLAG=0, or a driver that cannot map
+            # host memory): the step waits for its reply. Behind an early
+            # notice the stream would wait on `done`, and what a record of
+            # an event by a daemon that died before it ran does to a waiting
+            # stream is not specified by CUDA: were it let go, the optimizer
+            # would apply outputs the daemon may have left without their
+            # noise. A gated (data-parallel) step stays asynchronous: its
+            # coefficients, zeroed before it and written after its noised
+            # sums, fail the gate unless the whole step was written.
+            asynchronous = False
         if own is not None:
             ready, rid = own
 

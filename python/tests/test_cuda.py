@@ -117,7 +117,9 @@ def test_cuda_async_failure_surfaces(cuda_daemon, done_flag, monkeypatch):
     """An asynchronous step whose gradient is not finite passes its notice,
     leaves zero gradients (the daemon writes zeros) and raises at the next
     step with the daemon's message; the engine goes on working after. With
-    the done flag too, whose value the daemon stores after the zeros."""
+    the done flag too, whose value the daemon stores after the zeros.
+    Without the flag (DPCLIP_DONE_FLAG=0) a step waits for its reply, so
+    the error comes from that step() itself."""
     monkeypatch.setenv("DPCLIP_DONE_FLAG", done_flag)
     torch.manual_seed(5)
     model = torch.nn.Linear(32, 16).cuda()
@@ -131,11 +133,16 @@ def test_cuda_async_failure_surfaces(cuda_daemon, done_flag, monkeypatch):
     assert engine.last_norms.shape == (4,)  # collected: a good step
     assert all(float(p.grad.abs().sum()) > 0 for p in model.parameters())
     (model(x).sum() * float("nan")).backward()
-    opt.step()  # the notice came: no error yet
-    assert all(float(p.grad.abs().sum()) == 0 for p in model.parameters())
-    with pytest.raises(dpclip.DpclipError) as ei:
-        engine.synchronize()
-    assert "after it was queued" in str(ei.value) and "finite" in str(ei.value)
+    if done_flag == "1":
+        opt.step()  # the notice came: no error yet
+        assert all(float(p.grad.abs().sum()) == 0 for p in model.parameters())
+        with pytest.raises(dpclip.DpclipError) as ei:
+            engine.synchronize()
+        assert "after it was queued" in str(ei.value) and "finite" in str(ei.value)
+    else:
+        with pytest.raises(dpclip.DpclipError) as ei:
+            opt.step()  # its reply, waited for
+        assert "finite" in str(ei.value)
     model(x).sum().backward()
     opt.step()
     assert engine.last_norms.shape == (4,)

@@ -97,7 +97,12 @@ class _Step:
         self.flags.append(flag)
 
     def submit(self, client):
+        self.how = "submitted"
         return 1
+
+    def run(self, client):  # a step waited for: its reply
+        self.how = "ran"
+        return _Info()
 
 
 @pytest.fixture
@@ -120,8 +125,11 @@ def stubs(monkeypatch):
     return stream, waits, maps
 
 
-def _run(io, step, asynchronous=True):
-    return io.run(step, _planner.Plan([], []), 1, torch.device("cuda", 0), 0, False,
+def _run(io, step, asynchronous=True, gated=False):
+    if gated:  # (the gate's coefficients: not under test here)
+        io.coefs_out = lambda nb, device: torch.ones(nb)
+        io._coefs_ref = (0, 0)
+    return io.run(step, _planner.Plan([], []), 1, torch.device("cuda", 0), 0, gated,
                   asynchronous, write=False)
 
 
@@ -215,13 +223,21 @@ def test_outputs_that_cannot_be_zeroed_are_never_released(stubs, monkeypatch):
     io.close()
 
 
-def test_switched_off_steps_use_the_event(stubs, monkeypatch):
-    """DPCLIP_DONE_FLAG=0: the events, as before the flag."""
+def test_switched_off_steps_wait_for_their_replies(stubs, monkeypatch):
+    """DPCLIP_DONE_FLAG=0: no flag, and an asynchronous step waits for its
+    reply (no early notice) before the stream waits on `done`: a stream
+    let go behind the notice could apply the outputs of a daemon that died
+    before its noise. A gated (data-parallel) step stays asynchronous on the
+    event: its coefficients gate it."""
     stream, waits, maps = stubs
     monkeypatch.setenv("DPCLIP_DONE_FLAG", "0")
     step = _Step()
-    _run(_cuda.CudaIPC(_Client()), step)
+    run = _run(_cuda.CudaIPC(_Client()), step)
     assert step.flags == [None] and waits == [] and maps == [] and len(stream.waited) == 1
+    assert step.how == "ran" and step.notify is False and run.res is not None
+    gated = _Step()
+    run = _run(_cuda.CudaIPC(_Client()), gated, gated=True)
+    assert gated.how == "submitted" and gated.notify is True and run.res is None
 
 
 def test_the_flag_is_the_default(stubs, monkeypatch):
@@ -233,7 +249,7 @@ def test_the_flag_is_the_default(stubs, monkeypatch):
     assert step.flags[-1] is not None and len(waits) == 1 and stream.waited == []
 
 
-def test_no_driver_support_falls_back_to_the_event(stubs, monkeypatch):
+def test_no_driver_support_falls_back_to_replies(stubs, monkeypatch):
     stream, waits, _ = stubs
 
     def refuse(addr, size):
@@ -249,6 +265,7 @@ def test_no_driver_support_falls_back_to_the_event(stubs, monkeypatch):
         warnings.simplefilter("error")  # warned once: not tried again
         _run(io, step)
     assert step.flags == [None, None] and waits == [] and len(stream.waited) == 2
+    assert step.how == "ran" and step.notify is False  # its reply, not an early notice
     assert client.released == [41]  # its page released at once, and not tried again
 
 
