@@ -197,7 +197,8 @@ class Rank:
         self.replica, self.stage = rank // self.S, rank % self.S
         self.peer = self.replica * self.S + 1 - self.stage
         self.socket = sockets[rank] if len(sockets) > 1 else sockets[0]
-        self.device = torch.device("cuda", rank) if args.device == "cuda" else torch.device("cpu")
+        self.device = torch.device("cuda", gpu_of(args, rank)) if args.device == "cuda" \
+            else torch.device("cpu")
         # new_group is a collective of every rank, in one order
         pipes = [dist.new_group([i * self.S + s for s in range(self.S)]) for i in range(self.R)] \
             if self.S > 1 and self.R > 1 else None
@@ -570,14 +571,23 @@ def rank_main(rank, world, init_file, args, sockets, out_dir, config):
     os._exit(0)
 
 
+def gpu_of(args, rank):
+    """The GPU rank r runs on: cuda:r, or cuda:0 for every rank (--one-gpu)."""
+    return 0 if args.one_gpu else rank
+
+
 def rank_body(rank, world, init_file, args, sockets, out_dir, config):
     cuda = args.device == "cuda"
     torch.set_num_threads(args.threads or max(1, (os.cpu_count() or 1) // world))
     if cuda:  # (not in the parent: it makes no CUDA context)
-        torch.cuda.set_device(rank)
+        if args.one_gpu:  # NCCL takes the ranks for hosts of their own (socket transport)
+            os.environ["NCCL_HOSTID"] = "bench-parallel-%d" % rank
+            os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
+        torch.cuda.set_device(gpu_of(args, rank))
         torch.backends.cuda.matmul.allow_tf32 = True  # as bench_torch_step (fp32 runs)
         torch.backends.cudnn.allow_tf32 = True
-        config = dict(config, device=torch.cuda.get_device_name(rank), nccl=nccl_version())
+        config = dict(config, device=torch.cuda.get_device_name(gpu_of(args, rank)),
+                      nccl=nccl_version(), one_gpu=args.one_gpu)
     else:
         config = dict(config, device="cpu")
     dist.init_process_group("nccl" if cuda else "gloo", init_method="file://" + init_file,
@@ -716,6 +726,10 @@ def main():
                     help="after each round's timed steps, %d more with an event at each "
                     "op's start: each rank's line gets trace (label: [host ms, GPU ms] "
                     "from the step's start, averaged)" % TRACED)
+    ap.add_argument("--one-gpu", action="store_true",
+                    help="every rank on cuda:0, each with an NCCL_HOSTID of its own (NCCL's "
+                    "socket transport): a test setting for --check on one GPU, whose "
+                    "timings mean nothing (its daemons need an NCCL_HOSTID each too)")
     ap.add_argument("--threads", type=int, default=0,
                     help="torch CPU threads per rank (0: the cores / the ranks)")
     args = ap.parse_args()
@@ -741,7 +755,7 @@ def main():
             setattr(args, k, several if many else one)
     if args.steps < 1 or args.repeat < 1:
         ap.error("--steps and --repeat must be at least 1")
-    if args.device == "cuda" and torch.cuda.device_count() < world:
+    if args.device == "cuda" and torch.cuda.device_count() < (1 if args.one_gpu else world):
         ap.error("%s needs %d GPUs, this machine has %d" % (args.mode, world,
                                                             torch.cuda.device_count()))
     config = {k: getattr(args, k) for k in ("blocks", "d", "heads", "vocab", "seq", "batch",
