@@ -387,7 +387,7 @@ int phase_reduction(step_run *r, dc_err *err) {
      * a group's members and a pass's sums steps by the bound of the whole
      * norm their totals measure (backend.h run_clip; NaN wins: coefs 0) */
     if (r->io.kept_in && r->io.kept_at && e_flat < DC_E_KEPT_FLOOR) e_flat = DC_E_KEPT_FLOOR;
-    if (r->io.want == CP_CLIP && !(r->io.e_min <= e_flat)) e_flat = r->io.e_min;
+    if (r->io.want == CP_CLIP) e_flat = dc_clip_e_max(e_flat, r->io.e_min);
     if (r->io.want == CP_CLIP)
         CK(dcc_coefs_tot((const float *)(ws + Lo.n2), (const uint32_t *)(ws + Lo.flags),
                          (const double *)(ws + Lo.tot), (int)L, (int)B, s->max_grad_norm, e_flat,

@@ -235,7 +235,7 @@ static int phase_reduction(phase_ctx *c, const double *tot_in, double e_min, dc_
      * group's, a pass's) come with the largest over all of them, e_min. */
     if ((rc = dc_clip_e_check(step, c->cb->clip_how, err))) return rc;
     double e_flat = per_layer ? 0.0 : dc_clip_e_step(step, c->cb->clip_how);
-    if (!per_layer && !(e_min <= e_flat)) e_flat = e_min; /* NaN wins: coefficients 0 */
+    if (!per_layer) e_flat = dc_clip_e_max(e_flat, e_min);
     for (uint32_t b = 0; b < B; b++) {
         double tot = 0.0;
         if (tot_in) {

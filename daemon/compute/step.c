@@ -305,20 +305,15 @@ int dc_clip_e_check(const dc_step *s, unsigned how, dc_err *err) {
 double dc_clip_e_step(const dc_step *s, unsigned how) {
     double e = 0.0;
     for (size_t l = 0; l < s->n_layers; l++)
-        if (!s->layers[l].norm_excluded) {
-            const double el = dc_clip_e(s, l, how);
-            if (!(el <= e)) e = el; /* NaN and INFINITY win */
-        }
+        if (!s->layers[l].norm_excluded) e = dc_clip_e_max(e, dc_clip_e(s, l, how));
     return e;
 }
 
 double dc_clip_e_phase(const dc_step *s, unsigned how, const uint8_t *kept) {
     double e = dc_clip_e_step(s, how);
     for (size_t l = 0; kept && l < s->n_layers; l++)
-        if (kept[l] && !s->layers[l].norm_excluded) {
-            const double el = dc_clip_e(s, l, how | DC_E_KEPT);
-            if (!(el <= e)) e = el;
-        }
+        if (kept[l] && !s->layers[l].norm_excluded)
+            e = dc_clip_e_max(e, dc_clip_e(s, l, how | DC_E_KEPT));
     return e;
 }
 

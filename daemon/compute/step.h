@@ -285,6 +285,12 @@ double dc_clip_e(const dc_step *s, size_t l, unsigned how);
 /* The largest dc_clip_e over the layers the step's norm counts (not
  * norm_excluded): the e of a FLAT coefficient. */
 double dc_clip_e_step(const dc_step *s, unsigned how);
+/* The larger of two rounding bounds, where a NaN stays a NaN whatever
+ * comes after it: a bound that is no number wins, and its coefficients are
+ * then 0 (dc_clip_coef). */
+static inline double dc_clip_e_max(double a, double b) {
+    return a != a || b <= a ? a : b; /* a != a: a is NaN */
+}
 /* The e a clip phase clips by when nothing else raises it (backend.h
  * run_clip): dc_clip_e_step, with DC_E_KEPT for each counted layer kept
  * (kept[l] != 0: summed from a bf16 store; kept NULL: none). A norm group's

@@ -443,7 +443,7 @@ int dc_group_deliver(dc_group *g, dc_group_waiter *w, dc_err *err) {
     }
     if (w->partial) {
         for (uint32_t b = 0; b < g->terms.batch; b++) g->tot[b] += w->partial[b];
-        g->e_max = dc_group_e_max(g->e_max, w->e);
+        g->e_max = dc_clip_e_max(g->e_max, w->e);
     }
     g->waiting[w->rank] = w;
     if (!w->wait_ns) w->wait_ns = uv_hrtime(); /* kept from a fusable delivery */

@@ -5,6 +5,7 @@
 #define DC_GROUP_INT_H
 
 #include "group.h"
+#include "step.h" /* dc_clip_e_max */
 
 #define GROUP_NAME_MAX 64
 
@@ -75,12 +76,6 @@ struct dc_group {
     uint32_t n_charges, next_charge;
     uint64_t *covered; /* [size] */
 };
-
-/* The larger of two rounding bounds, where a NaN stays a NaN whatever
- * comes after it (group.h: a bound that is no number wins). */
-static inline double dc_group_e_max(double a, double b) {
-    return a != a || b <= a ? a : b; /* a != a: a is NaN */
-}
 
 /* group_end.c */
 /* Fails every step waiting in the group and marks it dissolved (why). */

@@ -153,7 +153,7 @@ static void on_exchanged(dc_nccl_op *op) {
     for (uint32_t d = 0; d < g->daemons; d++) {
         link_head h;
         memcpy(&h, g->xrecv + d * each, sizeof h);
-        g->e_max = dc_group_e_max(g->e_max, h.e);
+        g->e_max = dc_clip_e_max(g->e_max, h.e);
     }
     /* the same order on every daemon: bit-identical totals everywhere */
     for (size_t b = 0; b < B; b++) {
