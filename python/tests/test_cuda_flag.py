@@ -65,6 +65,10 @@ class _Client:
         self.words[41] = buf
         return 41, ctypes.addressof(buf)
 
+    def word(self, i):
+        """Word i of the flag's page (0: the flag, 1: its abandon word)."""
+        return ctypes.c_uint32.from_address(ctypes.addressof(self.words[41]) + 4 * i)
+
     def buffer_release(self, bid):
         self.released.append(bid)
 
@@ -146,11 +150,11 @@ def test_async_step_waits_on_the_flag_not_the_event(stubs):
     assert waits == [(1234, 0xDEAD0000, 7)] and stream.waited == []
     # the daemon gave the step's outputs up: the host zeroes them and stores
     # the last value itself, so the stream goes on
-    word = ctypes.c_uint32.from_address(ctypes.addressof(client.words[41]))
+    word = client.word(0)
     assert word.value == 0
     out = torch.ones(5)
     io._arenas.append(out)
-    ctypes.c_uint32.from_address(ctypes.addressof(client.words[41]) + 4).value = 7
+    client.word(1).value = 7
     io.release_flags()
     assert word.value == 7 and not out.any()
     io.close()
@@ -193,13 +197,13 @@ def test_release_zeroes_device_outputs_on_the_stream_made_with_the_flag(stubs, m
     zs = io._zero_streams[0]
     made = _Stream.made
     io._arenas += [_DeviceOutput(0x1000, 300), _DeviceOutput(0x9000, 8)]
-    ctypes.c_uint32.from_address(ctypes.addressof(client.words[41]) + 4).value = 7  # abandoned
+    client.word(1).value = 7  # abandoned
     io.release_flags()
     assert _Stream.made == made  # none made while releasing
     assert zeroed == [(_Stream.cuda_stream, 0x1000, 600), (_Stream.cuda_stream, 0x9000, 16)]
     assert len(zs.waited) == 1 and zs.waited[0] is io._events[0][0]  # after the last ready
     assert zs.synced == 1
-    assert ctypes.c_uint32.from_address(ctypes.addressof(client.words[41])).value == 7
+    assert client.word(0).value == 7
     io.close()
 
 
@@ -216,10 +220,10 @@ def test_outputs_that_cannot_be_zeroed_are_never_released(stubs, monkeypatch):
     io = _cuda.CudaIPC(client)
     _run(io, step)
     io._arenas.append(_DeviceOutput(0x1000, 4))
-    ctypes.c_uint32.from_address(ctypes.addressof(client.words[41]) + 4).value = 7  # abandoned
+    client.word(1).value = 7  # abandoned
     with pytest.warns(RuntimeWarning, match="could not be zeroed .*no memset"):
         io.release_flags()
-    assert ctypes.c_uint32.from_address(ctypes.addressof(client.words[41])).value == 0
+    assert client.word(0).value == 0
     io.close()
 
 
