@@ -26,8 +26,9 @@ per step, in ms of host time, the whole optimizer.step() and its stages:
 - add_layers: the step's descriptors (ctypes) handed to libdpclip;
 - rebind: a step of the last step's layout instead has its layers' inputs
   pointed at the new tensors, in one call (registrations included);
-- batch: the step's batch size from the captures (dpclip._planner.batch_size;
-  a steady step has its template's, under plan);
+- count_batch: the step's batch size from the captures
+  (dpclip._planner.batch_size; a steady step has its template's, under
+  plan);
 - wire: each part's tensors in the dtypes and layout the daemon reads
   (CUDA: dpclip._cuda._wire);
 - events: the interprocess events of the step (CUDA: CudaIPC.events,
@@ -49,14 +50,22 @@ per step, in ms of host time, the whole optimizer.step() and its stages:
   outputs' buffers checked: _out_buffers), alias (param.grad set to
   each output: _alias), finish (a step's result taken: _finish);
 - other: the rest of step(),
+and staged_in_backward_ms: the plan staged as the layers capture, during
+the backward (dpclip._planner.Replanner.stage): host time that runs while
+the GPU's backward does, outside optimizer.step() and not in step_ms;
 and overhead_ms, dpclip's host time (step_ms less the optimizer's), and
 overhead_less_wait_ms, that less the wait for the reply, and
 before_submit_ms: from optimizer.step()'s call until the step is handed to
 libdpclip to send (Step.submit or Step.run called): the host time that a GPU
 done with the backward waits for before the daemon can start (what comes
-after runs while the daemon's kernels do: see docs/gpu.md), with
-the number of daemon layers (parts) and the per-part cost of plan, refs and
-add_layers. A stage a transport does not have reads 0."""
+after runs while the daemon's kernels do: see docs/gpu.md), and
+before_submit_less_wait_ms, that less the wait for the last step's reply
+(the critical path's host time: issue 40's target), with the number of
+daemon layers (parts) and the per-part cost of plan, refs and add_layers.
+A stage a transport does not have reads 0. The stages' timers cost host
+time themselves (about a microsecond a call), which the totals include:
+--bare times only the step, its submission and the wait (timers: "bare"),
+for the totals without them."""
 import argparse
 import cProfile
 import json
@@ -78,8 +87,8 @@ from dpclip import _cuda, _host, _lib, _planner, _verify  # noqa: E402
 from dpclip.torch import PrivacyEngine  # noqa: E402
 
 STAGES = ("collect", "wait", "guard", "plan", "check", "refs", "add_layers", "rebind", "send",
-          "optimizer", "batch", "wire", "events", "layout", "drop", "wrapper", "mode", "commit",
-          "whole", "run", "outputs", "alias", "finish")
+          "optimizer", "count_batch", "wire", "events", "layout", "drop", "wrapper", "mode",
+          "commit", "whole", "run", "outputs", "alias", "finish")
 
 
 class Timers:
@@ -93,6 +102,8 @@ class Timers:
         self._stack = []
         self.step_t0 = None  # this step's optimizer.step() call (perf_counter)
         self.before_submit = 0.0  # ms, summed over the steps timed
+        self.backward = False  # in a timed step's backward
+        self.staged = 0.0  # ms of staging in the timed steps' backwards
 
     def mark_submit(self, t):
         """A step's first submission at t (perf_counter): its time since
@@ -128,6 +139,30 @@ class Timers:
 
         setattr(owner, name, timed)
 
+    def wrap_backward(self, owner, name):
+        """owner.name timed where called during a timed step's backward."""
+        fn = getattr(owner, name)
+        timers = self
+
+        def timed(*args, **kwargs):
+            if not timers.backward:
+                return fn(*args, **kwargs)
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                timers.staged += (time.perf_counter() - t0) * 1e3
+
+        setattr(owner, name, timed)
+
+
+def install_bare(t):
+    """Only what before_submit_ms and the wait need (--bare): the stages'
+    own timers cost host time too, which the breakdown's total includes."""
+    t.wrap(_lib.Client, "wait", "wait")
+    t.wrap(_lib.Step, "submit", "send", submits=True)
+    t.wrap(_lib.Step, "run", "send", submits=True)
+
 
 def install(t):
     """Each stage's function wrapped where the package calls it from."""
@@ -138,6 +173,7 @@ def install(t):
     t.wrap(_planner, "plan", "plan")
     t.wrap(_planner.Replanner, "plan", "plan")
     t.wrap(_planner.Replanner, "steady", "plan")  # (a steady step's: from the last one's template)
+    t.wrap_backward(_planner.Replanner, "stage")
     t.wrap(_verify, "check_step", "check")
     for mod in (_cuda, _host, _planner):  # the transports import add_layers by name
         t.wrap(mod, "add_layers", "add_layers")
@@ -145,10 +181,11 @@ def install(t):
     t.wrap(_lib.Client, "register_cuda", "refs")
     t.wrap(_host.HostArena, "stage", "refs")
     t.wrap(_lib.Step, "rebind_cuda", "rebind")
+    t.wrap(_lib.Step, "rebind", "rebind")  # (refs resolved as the plan was staged)
     t.wrap(_lib.Step, "submit", "send", submits=True)
     t.wrap(_lib.Step, "run", "send", submits=True)
     t.wrap(_lib.Client, "wait_enqueued", "send")
-    t.wrap(_planner, "batch_size", "batch")
+    t.wrap(_planner, "batch_size", "count_batch")
     t.wrap(_cuda, "_wire", "wire")
     t.wrap(_cuda.CudaIPC, "events", "events")
     t.wrap(_cuda.CudaIPC, "readied", "events")
@@ -178,6 +215,10 @@ def main():
     ap.add_argument("--no-rebind", action="store_true",
                     help="build every step's layers again (the CUDA transport's old path), "
                          "to compare")
+    ap.add_argument("--bare", action="store_true",
+                    help="time only the step, its submission and the wait for the last "
+                         "reply (no per-stage timers, whose own cost the breakdown "
+                         "includes): the stages read 0")
     ap.add_argument("--profile", type=int, default=0, metavar="N",
                     help="also profile optimizer.step() of the timed steps (cProfile) and "
                          "print its N costliest functions by own time to stderr (the "
@@ -197,7 +238,7 @@ def main():
             return build_layers(self, *a)
         _cuda.CudaIPC._layers = rebuild
     t = Timers()
-    install(t)
+    (install_bare if args.bare else install)(t)
     torch.manual_seed(0)
     model = build(args).to(device)
     opt = torch.optim.SGD(model.parameters(), lr=1e-4)
@@ -215,7 +256,9 @@ def main():
         opt.zero_grad(set_to_none=True)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
             logits = model(x)
+        t.backward = timed
         F.cross_entropy(logits.float().flatten(0, 1), y.flatten()).backward()
+        t.backward = False
         t.on = timed
         t0 = time.perf_counter()
         t.step_t0 = t0
@@ -238,7 +281,8 @@ def main():
     parts = len(_planner.plan(engine._layers, 0).parts)  # (t is off: not timed)
     per = {s: round(v / n, 4) for s, v in t.ms.items()}
     out = {"bench": "host_overhead", "model": args.model, "device": str(device),
-           "path": "build" if args.no_rebind else "rebind",
+           "path": "build" if args.no_rebind else "rebind", "timers": "bare" if args.bare
+           else "stages",
            "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
            "batch": args.batch, "seq": args.seq, "layers": len(engine._layers),
            "parts": parts, "steps": n, "step_ms": round(step_ms / n, 4), **per,
@@ -246,6 +290,8 @@ def main():
            "overhead_ms": round(step_ms / n - per["optimizer"], 4),
            "overhead_less_wait_ms": round(step_ms / n - per["optimizer"] - per["wait"], 4),
            "before_submit_ms": round(t.before_submit / n, 4),
+           "before_submit_less_wait_ms": round((t.before_submit - t.ms["wait"]) / n, 4),
+           "staged_in_backward_ms": round(t.staged / n, 4),
            "per_part_us": {s: round(per[s] * 1e3 / max(parts, 1), 2)
                            for s in ("plan", "refs", "add_layers")},
            "target_ms": 0.3, "mps_active": bool(engine.client.info.mps_active)}

@@ -148,12 +148,14 @@ static cl_cuda_buf *cached(dpclip_client *c, cl_cudeviceptr p, uint64_t *cu_id) 
     return NULL;
 }
 
-int cl_cuda_ref_locked(dpclip_client *c, uint64_t dev_ptr, uint64_t *buffer_id, uint64_t *offset) {
-    cl_cudeviceptr p = (cl_cudeviceptr)dev_ptr, base = 0;
+/* The registration of the allocation that holds p, made where none is
+ * cached: *out a copy of its entry (the entries move as they are added). */
+static int cuda_ref(dpclip_client *c, cl_cudeviceptr p, cl_cuda_buf *out) {
+    cl_cudeviceptr base = 0;
     size_t size = 0;
     uint8_t handle[64];
     int device = -1, rc;
-    uint64_t cu_id = 0;
+    uint64_t cu_id = 0, id = 0;
     cl_curesult e;
     cl_cuda_buf *hit = NULL;
 
@@ -161,8 +163,7 @@ int cl_cuda_ref_locked(dpclip_client *c, uint64_t dev_ptr, uint64_t *buffer_id, 
     if (!g_cu_ok)
         return cl_fail(c, DPCLIP_EUNAVAIL, "", "no CUDA driver (libcuda.so.1) in this process");
     if ((hit = cached(c, p, &cu_id))) {
-        *buffer_id = hit->id;
-        *offset = p - hit->base;
+        *out = *hit;
         return 0;
     }
     if ((e = g_cu.pointer_get_attribute(&device, CL_CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL, p)) ||
@@ -177,9 +178,8 @@ int cl_cuda_ref_locked(dpclip_client *c, uint64_t dev_ptr, uint64_t *buffer_id, 
         if (c->cuda_bufs[i].device == device && c->cuda_bufs[i].base == base)
             hit = &c->cuda_bufs[i];
     if (hit && hit->size == size && memcmp(hit->handle, handle, 64) == 0) {
-        *buffer_id = hit->id;
-        *offset = p - base;
         hit->cu_id = cu_id;
+        *out = *hit;
         return 0;
     }
     if (hit) {
@@ -196,15 +196,24 @@ int cl_cuda_ref_locked(dpclip_client *c, uint64_t dev_ptr, uint64_t *buffer_id, 
         c->cuda_bufs = nb;
         c->cb_capn = n;
     }
-    if ((rc = register_handle(c, handle, size, device, buffer_id))) return rc;
+    if ((rc = register_handle(c, handle, size, device, &id))) return rc;
     hit = &c->cuda_bufs[c->cb_n++];
-    hit->id = *buffer_id;
+    hit->id = id;
     hit->device = device;
     hit->base = base;
     hit->size = size;
     hit->cu_id = cu_id;
     memcpy(hit->handle, handle, 64);
-    *offset = p - base;
+    *out = *hit;
+    return 0;
+}
+
+int cl_cuda_ref_locked(dpclip_client *c, uint64_t dev_ptr, uint64_t *buffer_id, uint64_t *offset) {
+    cl_cuda_buf b;
+    int rc = cuda_ref(c, (cl_cudeviceptr)dev_ptr, &b);
+    if (rc) return rc;
+    *buffer_id = b.id;
+    *offset = dev_ptr - b.base;
     return 0;
 }
 
@@ -218,22 +227,65 @@ DPCLIP_API int dpclip_buffer_register_cuda(dpclip_client *c, const void *dev_ptr
     return rc;
 }
 
+/* The allocations one call has found already: a step's tensors lie in
+ * few of the allocator's blocks, each looked up once per call (an
+ * allocation cannot be replaced while the call holds it found). */
+enum { CL_REFS_SEEN = 16 };
+
+/* refs[2i], refs[2i + 1] for ptrs[i], with the lock held; on an error,
+ * *bad is the index of the pointer that failed and c's message says why. */
+static int refs_locked(dpclip_client *c, size_t n, const uint64_t *ptrs, uint64_t *refs,
+                       size_t *bad) {
+    cl_cuda_buf seen[CL_REFS_SEEN];
+    size_t n_seen = 0, next = 0;
+    int rc;
+    for (size_t i = 0; i < n; i++) {
+        const cl_cuda_buf *b = NULL;
+        *bad = i;
+        if (!ptrs[i]) return cl_fail(c, DPCLIP_EARG, "", "a null pointer");
+        for (size_t k = 0; k < n_seen && !b; k++)
+            if (ptrs[i] >= seen[k].base && ptrs[i] - seen[k].base < seen[k].size) b = &seen[k];
+        if (!b) {
+            /* the oldest found is replaced once the list is full */
+            if ((rc = cuda_ref(c, (cl_cudeviceptr)ptrs[i], &seen[next]))) return rc;
+            b = &seen[next];
+            next = (next + 1) % CL_REFS_SEEN;
+            if (n_seen < CL_REFS_SEEN) n_seen++;
+        }
+        refs[2 * i] = b->id;
+        refs[2 * i + 1] = ptrs[i] - b->base;
+    }
+    return 0;
+}
+
+DPCLIP_API int dpclip_buffer_refs_cuda(dpclip_client *c, size_t n, const uint64_t *ptrs,
+                                       uint64_t *refs) {
+    size_t bad = 0;
+    int rc;
+    if (!c || (n && (!ptrs || !refs))) return DPCLIP_EARG;
+    cl_lock(c);
+    if ((rc = refs_locked(c, n, ptrs, refs, &bad))) {
+        char why[sizeof c->errmsg];
+        snprintf(why, sizeof why, "%s", c->errmsg); /* (cl_fail writes c->errmsg) */
+        cl_fail(c, rc, "", "pointer %zu: %s", bad, why);
+    }
+    cl_unlock(c);
+    return rc;
+}
+
 DPCLIP_API int dpclip_step_rebind_cuda(dpclip_client *c, dpclip_step *s, size_t n,
                                        const uint64_t *ptrs) {
     uint64_t *refs = NULL;
-    int rc = 0;
+    size_t bad = 0;
+    int rc;
     if (!c || !s || !ptrs || n != cl_step_layers(s)) return DPCLIP_EARG;
     if (n && !(refs = malloc(4 * n * sizeof *refs))) return DPCLIP_ENOMEM;
     cl_lock(c);
-    for (size_t i = 0; i < 2 * n && !rc; i++)
-        if (!ptrs[i])
-            rc = cl_fail(c, DPCLIP_EARG, "", "layer %zu: a null %s pointer", i / 2,
-                         i % 2 ? "output_grad" : "input");
-        else if ((rc = cl_cuda_ref_locked(c, ptrs[i], &refs[2 * i], &refs[2 * i + 1]))) {
-            char why[sizeof c->errmsg];
-            snprintf(why, sizeof why, "%s", c->errmsg); /* (cl_fail writes c->errmsg) */
-            cl_fail(c, rc, "", "layer %zu's %s: %s", i / 2, i % 2 ? "output_grad" : "input", why);
-        }
+    if ((rc = refs_locked(c, 2 * n, ptrs, refs, &bad))) {
+        char why[sizeof c->errmsg];
+        snprintf(why, sizeof why, "%s", c->errmsg); /* (cl_fail writes c->errmsg) */
+        cl_fail(c, rc, "", "layer %zu's %s: %s", bad / 2, bad % 2 ? "output_grad" : "input", why);
+    }
     cl_unlock(c);
     if (!rc) rc = dpclip_step_rebind(s, n, refs);
     free(refs);

@@ -139,6 +139,10 @@ int dpclip_buffer_release(dpclip_client *c, uint64_t buffer_id);
  * device). DPCLIP_EUNAVAIL without a CUDA driver. */
 int dpclip_buffer_register_cuda(dpclip_client *c, const void *dev_ptr, uint64_t *buffer_id,
                                 uint64_t *offset);
+/* The same for n device pointers at once: refs[2i] and refs[2i + 1] are
+ * ptrs[i]'s buffer and offset (an allocation looked up once per call). On
+ * an error the handle's message names the pointer's index. */
+int dpclip_buffer_refs_cuda(dpclip_client *c, size_t n, const uint64_t *ptrs, uint64_t *refs);
 /* Register from a CUDA IPC memory handle the caller exported itself
  * (cudaIpcGetMemHandle on an allocation's base; 64 bytes); `size` bytes from
  * the base are addressable (0 = the whole allocation). */

@@ -310,6 +310,15 @@ static void test_step_rebind(void **state) {
     assert_true(rc == DPCLIP_EARG || rc == DPCLIP_EUNAVAIL);
     if (rc == DPCLIP_EARG) assert_non_null(strstr(dpclip_errmsg(c), "layer 0's input"));
     assert_int_equal(dpclip_step_rebind_cuda(c, s.step, 1, ptrs), DPCLIP_EARG);
+    {
+        uint64_t refs4[4];
+        rc = dpclip_buffer_refs_cuda(c, 2, ptrs, refs4);
+        assert_true(rc == DPCLIP_EARG || rc == DPCLIP_EUNAVAIL);
+        if (rc == DPCLIP_EARG) assert_non_null(strstr(dpclip_errmsg(c), "pointer 0"));
+        assert_int_equal(dpclip_buffer_refs_cuda(NULL, 2, ptrs, refs4), DPCLIP_EARG);
+        assert_int_equal(dpclip_buffer_refs_cuda(c, 2, NULL, refs4), DPCLIP_EARG);
+        assert_int_equal(dpclip_buffer_refs_cuda(c, 0, NULL, NULL), 0);
+    }
     assert_int_equal(dpclip_run(c, s.step, &res), DPCLIP_ENONFINITE); /* unchanged */
 
     assert_int_equal(dpclip_step_rebind(s.step, 2, refs), 0);

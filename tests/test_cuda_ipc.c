@@ -108,6 +108,28 @@ static void steps_exact(const dc_harness *h, int device) {
         assert_int_equal(dpclip_buffer_register_cuda(c, dev + 8192, &gid2, &off2), 0);
         assert_int_equal(gid2, gid);
         assert_int_equal(off2, 8192);
+        /* Several pointers at once, over two allocations: the same buffers
+         * and offsets as one at a time. */
+        {
+            uint8_t *other;
+            uint64_t oid, ooff, refs[8];
+            CUDA_OK(cudaMalloc((void **)&other, 4096));
+            const uint64_t ptrs[4] = {(uint64_t)(uintptr_t)(dev + 8192),
+                                      (uint64_t)(uintptr_t)(other + 16), (uint64_t)(uintptr_t)dev,
+                                      (uint64_t)(uintptr_t)other};
+            assert_int_equal(dpclip_buffer_refs_cuda(c, 4, ptrs, refs), 0);
+            assert_int_equal(dpclip_buffer_register_cuda(c, other, &oid, &ooff), 0);
+            assert_true(oid != gid);
+            assert_int_equal(refs[0], gid);
+            assert_int_equal(refs[1], 8192);
+            assert_int_equal(refs[2], oid);
+            assert_int_equal(refs[3], 16);
+            assert_int_equal(refs[4], gid);
+            assert_int_equal(refs[5], 0);
+            assert_int_equal(refs[6], oid);
+            assert_int_equal(refs[7], 0);
+            CUDA_OK(cudaFree(other));
+        }
         /* The GPU buffer holds the shared buffer's bytes at the same offsets;
          * the wire step names the GPU buffer. */
         CUDA_OK(cudaMemcpy(dev, s.base, s.used, cudaMemcpyHostToDevice));

@@ -136,7 +136,7 @@ class Accumulator:
         elif any(l.records for l in e._layers):
             try:
                 self._poll()
-                self._check_late()
+                self._check_late(self._passes())
                 for p in self.passes:
                     if p <= self.last_sent:
                         continue
@@ -274,14 +274,15 @@ class Accumulator:
     def _to_commit(self) -> List[int]:
         """step()'s start, whole or sharded: the passes not sent yet, once
         the late check passed; raises the logical step's first error."""
+        passes = self._passes()
         if self.failure is None:
             try:
-                self._check_late()
+                self._check_late(passes)
             except RuntimeError as exc:
                 self.failure = exc
         if self.failure is not None:
             raise self.failure
-        return self._passes()
+        return passes
 
     def _passes(self) -> List[int]:
         return sorted({r[2] for l in self.e._layers for r in l.records})
@@ -293,8 +294,8 @@ class Accumulator:
         """Passes up to this one are done with (before this step, or sent)."""
         return max(self.floor, self.last_sent)
 
-    def _check_late(self) -> None:
-        late = [p for p in self._passes() if p <= self.last_sent]
+    def _check_late(self, passes: List[int]) -> None:
+        late = [p for p in passes if p <= self.last_sent]
         if late:
             names = sorted({l.name for l in self.e._layers for r in l.records if r[2] in late})
             raise RuntimeError(
@@ -310,6 +311,7 @@ class Accumulator:
     def _discard(self) -> None:
         for l in self.e._layers:
             l.records.clear()
+        self.e._replanner.unstage()  # pylint: disable=protected-access
 
     def _fail(self, exc: BaseException) -> None:
         if self.failure is None:
@@ -329,6 +331,7 @@ class Accumulator:
         finally:
             for l, s in zip(layers, saved):
                 l.records = [r for r in s if r[2] != p]
+            self.e._replanner.unstage()  # pylint: disable=protected-access
 
     def _next(self) -> Tuple[int, int]:
         """(logical id, index) of the next micro-batch sent; the first

@@ -210,8 +210,7 @@ class _AffineLayer(_Layer):
                        pass_id: int) -> None:
         # records are (first, second, pass) with both batch-first
         first = vw if vw is not None else vb
-        self.records.append((first, vb if vb is not None else first, pass_id))
-        self.engine._acc.captured(pass_id)
+        self.record(first, vb if vb is not None else first, pass_id)
 
     def _forward(self, mod: nn.Module, x: torch.Tensor) -> torch.Tensor:
         return _AffineFn.apply(x, mod.weight, mod.bias, self)

@@ -446,9 +446,15 @@ class CudaIPC(Transport):
         the daemon for the other members' and has no early notice): the
         tensors it names are returned in `keep`, to be held until its reply
         is collected and settle() has ordered this stream after the daemon."""
-        keep = [(pt.inp, pt.grad) for pt in plan.parts] if plan.wired else \
-            [_wire(pt, device) for pt in plan.parts]
-        ptrs = [t.data_ptr() for pair in keep for t in pair]
+        keep: Optional[List[Tuple[torch.Tensor, torch.Tensor]]] = None
+        if plan.ptrs is not None and not detached:
+            ptrs = plan.ptrs  # staged as the layers captured (the plan holds the tensors)
+        else:
+            # (a wired plan's part of a module not used this pass has no
+            # tensors: its zeros are made here)
+            keep = [(pt.inp, pt.grad) if plan.wired and pt.inp is not None else _wire(pt, device)
+                    for pt in plan.parts]
+            ptrs = [t.data_ptr() for pair in keep for t in pair]
         fresh = _out_buffers(self.client, plan.outs, device, self._arenas)
 
         def out_ref(sl: Optional[Slice]) -> _lib.Tensor:
@@ -458,7 +464,8 @@ class CudaIPC(Transport):
             return _tref(o.ref[0], o.ref[1] + elem * o.buf.element_size(), o.dtype, shape)
 
         def refs(i: int) -> Tuple[_lib.Tensor, _lib.Tensor, _lib.Tensor, _lib.Tensor]:
-            pt, (inp, g) = plan.parts[i], keep[i]
+            pt = plan.parts[i]
+            inp, g = keep[i] if keep is not None else (pt.inp, pt.grad)
             return (self.ref(inp, pt.in_shape), self.ref(g, pt.grad_shape), out_ref(pt.w),
                     out_ref(pt.b))
 
@@ -531,7 +538,8 @@ class CudaIPC(Transport):
             # them; zero where it failed after its notice (it writes zeros),
             # wrote nothing, or died first.
             ok = (coefs > 0).all().to(torch.float32).reshape(1) if gated else None
-        keep.clear()
+        if keep is not None:
+            keep.clear()
         for o in plan.outs if write else ():
             if o.alias is None:
                 set_grad(o.param, o.grad(o.buf))
@@ -550,11 +558,11 @@ class CudaIPC(Transport):
                 and b[3] == algorithm:
             # a plan made again from the template of the one bound has its parts
             if plan.serial and plan.serial == b[5]:
-                step.rebind_cuda(self.client, ptrs)
+                self._rebind(step, plan, ptrs)
                 return True
             sig = _signature(plan)
             if b[4] == sig:
-                step.rebind_cuda(self.client, ptrs)
+                self._rebind(step, plan, ptrs)
                 self._bound = b[:5] + (plan.serial,)
                 return True
         else:
@@ -564,6 +572,15 @@ class CudaIPC(Transport):
         add_layers(step, plan.parts, algorithm, refs)
         self._bound = (step, step.layout, nb, algorithm, sig, plan.serial)
         return False
+
+    def _rebind(self, step: _lib.Step, plan: Plan, ptrs: Any) -> None:
+        """The step's inputs pointed at the plan's tensors: named as they
+        were staged (plan.refs: the backward's captures resolved them), or
+        from their pointers now."""
+        if plan.refs is not None:
+            step.rebind(plan.refs)
+        else:
+            step.rebind_cuda(self.client, ptrs)
 
     def micro(self, step: _lib.Step, plan: Plan, nb: int, device: torch.device,
               algorithm: int, asynchronous: bool, detached: bool) -> Run:

@@ -373,8 +373,17 @@ class _Layer:
         if self.merged_into is not None:
             self.merged_into.capture(inp, g, pass_id)
             return
-        self.records.append((inp.detach(), g.detach(), pass_id))
-        self.engine._acc.captured(pass_id)  # which passes one backward reaches
+        self.record(inp.detach(), g.detach(), pass_id)
+
+    def record(self, first: torch.Tensor, second: torch.Tensor, pass_id: int) -> None:
+        """A capture of pass_id kept for the step (every layer's captures
+        come through here): the engine tracks the passes one backward
+        reaches, and a steady step's plan is staged as its layers capture
+        (dpclip._planner.Replanner.stage)."""
+        self.records.append((first, second, pass_id))
+        e = self.engine
+        e._acc.captured(pass_id)  # pylint: disable=protected-access
+        e._replanner.stage(self, first, second)  # pylint: disable=protected-access
 
     def trains(self) -> bool:
         """Whether a parameter it trains is trainable now (not frozen)."""

@@ -174,10 +174,12 @@ def _declare(L: ctypes.CDLL) -> None:
         "dpclip_buffer_alloc": (c_int, [c_void_p, ctypes.c_size_t, u64p, ctypes.POINTER(c_void_p)]),
         "dpclip_buffer_release": (c_int, [c_void_p, ctypes.c_uint64]),
         "dpclip_buffer_register_cuda": (c_int, [c_void_p, c_void_p, u64p, u64p]),
+        "dpclip_buffer_refs_cuda": (c_int, [c_void_p, ctypes.c_size_t, c_void_p, c_void_p]),
         "dpclip_event_register_cuda": (c_int, [c_void_p, c_char_p, c_int, u64p]),
         "dpclip_step_new": (c_void_p, [ctypes.c_uint32, ctypes.POINTER(ClipConfig)]),
         "dpclip_step_free": (None, [c_void_p]),
         "dpclip_step_reset": (None, [c_void_p, ctypes.c_uint32]),
+        "dpclip_step_rebind": (c_int, [c_void_p, ctypes.c_size_t, u64p]),
         "dpclip_step_rebind_cuda": (c_int, [c_void_p, c_void_p, ctypes.c_size_t, u64p]),
         "dpclip_step_add_linear": (c_int, [c_void_p, ctypes.POINTER(Linear)]),
         "dpclip_step_add_embedding": (c_int, [c_void_p, ctypes.POINTER(Embedding)]),
@@ -371,6 +373,13 @@ class Client:
                                                        ctypes.byref(bid), ctypes.byref(off)))
         return bid.value, off.value
 
+    def refs_cuda_at(self, n: int, ptrs_addr: int, refs_addr: int) -> int:
+        """dpclip_buffer_refs_cuda on raw addresses: the n device pointers
+        (uint64) at ptrs_addr resolved into (buffer_id, offset) pairs written
+        at refs_addr. Returns its status instead of raising (a capture
+        hook calls it, and leaves the error to the step: check())."""
+        return int(self._L.dpclip_buffer_refs_cuda(self.handle, n, ptrs_addr, refs_addr))
+
     def register_event(self, ipc_handle: bytes, device: int) -> int:
         if len(ipc_handle) != 64:
             raise ValueError("a CUDA IPC event handle is 64 bytes, got %d" % len(ipc_handle))
@@ -524,13 +533,24 @@ class Step:
         self.n_layers = 0
         self.layout += 1
 
+    def rebind(self, refs: Any) -> None:
+        """The step's layers again, each reading its input at (refs[4i],
+        refs[4i + 1]) and its output gradient at (refs[4i + 2], refs[4i + 3]),
+        (buffer_id, offset) pairs (a ctypes uint64 array: Client.refs_cuda_at's);
+        shapes, dtypes, outputs and settings kept. On an error the step is
+        unchanged."""
+        rc = self._L.dpclip_step_rebind(self._s, len(refs) // 4, refs)
+        if rc:
+            raise DpclipError(rc, "", "rebinding the step's %d layers" % (len(refs) // 4))
+
     def rebind_cuda(self, client: "Client", ptrs: Sequence[int]) -> None:
         """The step's layers again, each reading its input and output
         gradient at new device pointers: ptrs[2i], ptrs[2i + 1] for layer
         i (registered as Client.register_cuda does); shapes, dtypes,
-        outputs and settings kept. On an error the step is unchanged."""
+        outputs and settings kept. On an error the step is unchanged. ptrs
+        may be a ctypes uint64 array already (a staged plan's: no copy)."""
         n = len(ptrs) // 2
-        arr = (ctypes.c_uint64 * len(ptrs))(*ptrs)
+        arr = ptrs if isinstance(ptrs, ctypes.Array) else (ctypes.c_uint64 * len(ptrs))(*ptrs)
         client.check(self._L.dpclip_step_rebind_cuda(client.handle, self._s, n, arr))
 
     def _add(self, fn: Any, layer: ctypes.Structure) -> None:

@@ -327,8 +327,7 @@ class LinFnLayer(_Layer):
         xb.dpclip_key = key  # type: ignore[attr-defined]
         if self.verify is not None and len(self._probe) < _PROBE_RECORDS:
             self._probe.append((key, x, g, sid, xb, gb))
-        self.records.append((xb, gb, pass_id))
-        self.engine._acc.captured(pass_id)  # pylint: disable=protected-access
+        self.record(xb, gb, pass_id)
 
     def placement(self, offs: torch.Tensor, sid: torch.Tensor, i: int) -> Placement:
         """Where a grouped product's rows go for the step, computed at the
@@ -377,8 +376,7 @@ class LinFnLayer(_Layer):
             if self.verify is not None and len(self._probe) < _PROBE_RECORDS:
                 a, z = at.ends[k - 1] if k else 0, at.ends[k]
                 self._probe.append(((i, k), x[a:z], g[a:z], sid[a:z], xb, gb))
-            self.records.append((xb, gb, pass_id))
-            self.engine._acc.captured(pass_id)  # pylint: disable=protected-access
+            self.record(xb, gb, pass_id)
 
     def self_check(self, tol: float) -> None:
         """The first step's check (dpclip._verify.check_step calls it): for

@@ -212,8 +212,7 @@ class _BiasKVFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor) -> Tuple[None, None, None]:
         g = g.detach().reshape(g.shape[0], -1)
-        ctx.layer.records.append((g, g, ctx.pass_id))
-        ctx.layer.engine._acc.captured(ctx.pass_id)
+        ctx.layer.record(g, g, ctx.pass_id)
         return None, None, None
 
 

@@ -104,8 +104,7 @@ class _BroadcastParamsLayer(_Layer):
             v = g.detach().reshape(g.shape[0], -1)
             row = v.new_zeros((v.shape[0], self.p))
             row[:, self.cols[i]:self.cols[i] + v.shape[1]] = v
-            self.records.append((row, row, pass_id))
-            self.engine._acc.captured(pass_id)  # pylint: disable=protected-access
+            self.record(row, row, pass_id)
         return take
 
     def parts(self, B: int, nb: int) -> List[Part]:

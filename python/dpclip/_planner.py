@@ -6,7 +6,8 @@ write), adds them to a dpclip Step given each tensor's reference in a
 transport (_host, _cuda), and writes the daemon's outputs into param.grad.
 It holds no state: the engine (dpclip.torch) owns the layers and the Step."""
 import collections
-from typing import Any, Callable, List, NamedTuple, Optional, Sequence, Tuple
+import ctypes
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
@@ -27,11 +28,19 @@ class Plan(NamedTuple):
     wired: each part's tensors are already in the dtypes and layout the
     daemon reads. serial: nonzero where Replanner made the plan again from
     a template, the template's number: two plans of one serial have the
-    same parts but for their tensors (names, kinds, shapes, dtypes, outputs)."""
+    same parts but for their tensors (names, kinds, shapes, dtypes, outputs).
+    ptrs: where the plan was staged as the layers captured (Replanner.stage),
+    each part's input and output gradient device pointers, ptrs[2i] and
+    ptrs[2i + 1] (a ctypes uint64 array, rewritten by the next pass's
+    captures: read it before the next backward), and where the transport
+    resolves them as they are staged (CUDA: Replanner.resolve), refs: their
+    (buffer_id, offset) pairs, refs[4i .. 4i + 3] (the same)."""
     parts: List[Part]
     outs: List[Out]
     wired: bool = False
     serial: int = 0
+    ptrs: Optional[Any] = None
+    refs: Optional[Any] = None
 
 
 def batch_size(layers: Sequence[_Layer]) -> int:
@@ -126,7 +135,19 @@ class Replanner:
     return: a layer's parts depend on its captures' shapes and dtypes and on
     what make_private fixed (names, outputs, ties), whose outs lists are
     checked. The template holds no tensor (a step's captures are freed once
-    it is sent). The engine owns it; the first-step check plans afresh."""
+    it is sent). The engine owns it; the first-step check plans afresh.
+
+    Staging: the same comparison made as each layer captures, during the
+    backward (stage(), from _Layer.record), so that a steady step's plan,
+    and its tensors' device pointers, are ready when step() is called:
+    steady() then only checks that every layer holds what was staged for it
+    (its one capture, the same object), which is plan()'s answer again.
+    Anything else (a layer captured twice, another shape, a layer the
+    template does not know) leaves the pass to the comparison at step().
+    unstage() forgets it, with the layers' captures. resolve (set by the
+    engine for a CUDA model: Client.refs_cuda_at) names each staged tensor
+    for the daemon there and then, so that the step only rebinds; where it
+    fails the pass is left to step(), which raises its error."""
 
     def __init__(self) -> None:
         self.serial = 0      # the template's number (Plan.serial); 0: none
@@ -138,6 +159,17 @@ class Replanner:
         # its tensors, and after them)
         self.keys: List[Optional[Tuple[Any, ...]]] = []
         self.outs: List[Out] = []
+        # staging: the template's index of each layer (by id), this pass's
+        # staged parts (None: not yet), how many, whether the pass left the
+        # template (then steady() compares at step()), and the pointers
+        self.at: Dict[int, int] = {}
+        self.staged: List[Optional[Part]] = []
+        self.n_staged = 0
+        self.off = False
+        self.ptrs: Optional[Any] = None
+        self.refs: Optional[Any] = None
+        self.resolve: Optional[Callable[[int, int, int], int]] = None
+        self._addrs = (0, 0)  # ptrs' and refs' addresses
 
     def plan(self, layers: Sequence[_Layer], B: int) -> Plan:
         p = self._again(layers, B)
@@ -154,8 +186,57 @@ class Replanner:
         the captures first)."""
         if self.B <= 0:
             return None
-        p = self._again(layers, self.B)
+        p = self._staged_plan(layers)
+        if p is None:
+            p = self._again(layers, self.B)
         return None if p is None else (self.B, p)
+
+    def stage(self, layer: _Layer, inp: torch.Tensor, g: torch.Tensor) -> None:
+        """layer captured (inp, g) (its record's tensors, just appended):
+        its part of a steady step staged where it is what the template's
+        part reads, as _again() would find at step()."""
+        if not self.serial or self.off:
+            return
+        i = self.at.get(id(layer), -1)
+        k = self.keys[i] if i >= 0 else None
+        if k is None or self.staged[i] is not None or layer.outs is not k[4] \
+                or inp.shape != k[0] or g.shape != k[1] or inp.dtype is not k[2] \
+                or g.dtype is not k[3] or not inp.is_contiguous() or not g.is_contiguous():
+            self._leave()  # (a second capture included: the pass is not the template's)
+            return
+        ptrs = self.ptrs
+        ptrs[2 * i] = inp.data_ptr()
+        ptrs[2 * i + 1] = g.data_ptr()
+        if self.resolve is not None and self.resolve(2, self._addrs[0] + 16 * i,
+                                                     self._addrs[1] + 32 * i):
+            self._leave()
+            return
+        self.staged[i] = tuple.__new__(Part, k[5] + (inp, g) + k[6])
+        self.n_staged += 1
+
+    def _leave(self) -> None:
+        """This pass is not staged (what was is dropped: it holds tensors)."""
+        self.off, self.n_staged = True, 0
+        self.staged = [None] * len(self.keys)
+
+    def unstage(self) -> None:
+        """Forgets what was staged (the layers' captures are being dropped,
+        or some sent: the staged parts hold their tensors)."""
+        if self.n_staged or self.off:
+            self.staged = [None] * len(self.keys)
+            self.n_staged, self.off = 0, False
+
+    def _staged_plan(self, layers: Sequence[_Layer]) -> Optional[Plan]:
+        staged = self.staged
+        if not self.serial or self.off or not staged or self.n_staged != len(staged) \
+                or layers is not self.layers:
+            return None
+        for l, pt in zip(layers, staged):
+            r = l.records
+            if len(r) != 1 or r[0][0] is not pt.inp or r[0][1] is not pt.grad:
+                return None
+        return Plan(staged, list(self.outs), True, self.serial, self.ptrs,
+                    self.refs if self.resolve is not None else None)
 
     def _again(self, layers: Sequence[_Layer], B: int) -> Optional[Plan]:
         if not self.serial or B != self.B or layers is not self.layers \
@@ -181,6 +262,7 @@ class Replanner:
 
     def _keep(self, layers: Sequence[_Layer], B: int, p: Plan) -> None:
         self.serial = 0
+        self.at, self.staged, self.n_staged, self.off = {}, [], 0, False
         if len(p.parts) != len(layers):
             return
         tmpl, keys = [], []
@@ -208,6 +290,12 @@ class Replanner:
         self.serial = Replanner._serials
         self.layers, self.B, self.tmpl, self.keys = layers, B, tmpl, keys
         self.outs = list(p.outs)
+        if all(k is not None for k in keys):  # (a layer that captured nothing: not staged)
+            self.at = {id(l): i for i, l in enumerate(layers)}
+            self.staged = [None] * len(keys)
+            self.ptrs = (ctypes.c_uint64 * (2 * len(keys)))()
+            self.refs = (ctypes.c_uint64 * (4 * len(keys)))()
+            self._addrs = (ctypes.addressof(self.ptrs), ctypes.addressof(self.refs))
 
     _serials = 0  # numbers unique in the process: a transport may serve several engines
 

@@ -390,6 +390,10 @@ class PrivacyEngine:
         _parallel.declare_member(self, self._step)
         if device.type == "cuda" and self.client.info.has_cuda:
             warn_without_mps(self.client)
+            if shards is None:
+                # a steady step's tensors named for the daemon as the
+                # backward captures them (its steps then only rebind)
+                self._replanner.resolve = self.client.refs_cuda_at
         self.mode.open(target_delta, target_epsilon, device)  # (sharded: steps block)
         self._attach(module, layers, norms)
         if optimizer is not None:
@@ -668,6 +672,7 @@ class PrivacyEngine:
             l.records.clear()
             if l.verify is not None:
                 l.verify.uses = []  # the first-step check's record of the same calls
+        self._replanner.unstage()
         if self._guard is not None:
             self._guard.clear()
         self._acc.reset(ended)

@@ -149,6 +149,27 @@ class SeqModel(nn.Module):
         return self.head(h)
 
 
+class SteadyModel(nn.Module):
+    """Tokens [B, T] -> logits [B, T, V], every module used once per pass
+    (a plan template's case: dpclip._planner.Replanner), and one (`extra`)
+    used only when use_extra is set."""
+
+    def __init__(self, V=11, d=8, h=12):
+        super().__init__()
+        self.tok = nn.Embedding(V, d)
+        self.ln = nn.LayerNorm(d)
+        self.fc = nn.Linear(d, h)
+        self.extra = nn.Linear(h, h)
+        self.head = nn.Linear(h, V)
+        self.use_extra = False
+
+    def forward(self, x):
+        h = torch.tanh(self.fc(self.ln(self.tok(x))))
+        if self.use_extra:
+            h = self.extra(h)
+        return self.head(h)
+
+
 class FlatModel(nn.Module):
     """Features [B, F] and a category [B] -> logits [B, C]: every layer sees
     2D input. One frozen Linear (no gradient, not sent)."""

@@ -12,8 +12,8 @@ import sys
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 STAGES = ("collect", "wait", "guard", "plan", "check", "refs", "add_layers", "rebind", "send",
-          "optimizer", "batch", "wire", "events", "layout", "drop", "wrapper", "mode", "commit",
-          "whole", "run", "outputs", "alias", "finish", "other")
+          "optimizer", "count_batch", "wire", "events", "layout", "drop", "wrapper", "mode",
+          "commit", "whole", "run", "outputs", "alias", "finish", "other")
 
 
 def test_stages_of_a_step(secure_daemon):
@@ -30,8 +30,8 @@ def test_stages_of_a_step(secure_daemon):
     # position embeddings, the final norm and the head
     assert line["layers"] == 16 and line["parts"] >= line["layers"], line
     # the host path's stages, and the functions around them, timed
-    for s in ("plan", "refs", "add_layers", "send", "batch", "drop", "wrapper", "mode", "commit",
-              "whole", "run", "finish"):
+    for s in ("plan", "refs", "add_layers", "send", "count_batch", "drop", "wrapper", "mode",
+              "commit", "whole", "run", "finish"):
         assert line[s] > 0, (s, line)
     assert sum(line[s] for s in STAGES) <= line["step_ms"] * 1.001, line
     assert line["other"] >= 0, line
@@ -41,3 +41,24 @@ def test_stages_of_a_step(secure_daemon):
         line["overhead_ms"] - line["wait"])) < 1e-3, line
     # the steps' submissions: after the plan and the layers, before the step ended
     assert line["plan"] + line["add_layers"] < line["before_submit_ms"] < line["step_ms"], line
+    # the steady steps' plans staged during the backward: timed apart from step()
+    assert line["staged_in_backward_ms"] > 0, line
+
+
+def test_bare_timers(secure_daemon):
+    """--bare: only the step, its submission and the wait are timed (the
+    stages read 0), so the totals carry no stage timer's own cost."""
+    proc = subprocess.run(
+        [sys.executable, os.path.join(REPO, "bench", "bench_host_overhead.py"),
+         "--socket", secure_daemon.socket, "--device", "cpu", "--blocks", "1", "--d", "32",
+         "--heads", "2", "--vocab", "67", "--seq", "12", "--batch", "3", "--warmup", "1",
+         "--steps", "2", "--bare"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, universal_newlines=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    (line,) = [json.loads(l) for l in proc.stdout.splitlines() if l.startswith("{")]
+    assert line["timers"] == "bare" and line["send"] > 0, line
+    assert all(line[s] == 0 for s in ("plan", "guard", "drop", "wrapper", "run")), line
+    assert line["optimizer"] > 0, line  # (overhead_ms is the step less the optimizer)
+    assert 0 < line["before_submit_ms"] < line["step_ms"], line
+    assert abs(line["before_submit_less_wait_ms"] - (line["before_submit_ms"] - line["wait"])) \
+        < 1e-3, line

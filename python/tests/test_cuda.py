@@ -97,6 +97,55 @@ def test_cuda_steps_rebind_their_inputs(cuda_daemon, monkeypatch):
     assert built[-3:] == [9, 5, 9] and len(rebound) == 2, (built, rebound)
 
 
+def test_cuda_steady_steps_are_staged(cuda_daemon, monkeypatch):
+    """Steps of one template (every module used once: dpclip._planner's
+    Replanner) are planned as the layers capture, their pointers staged
+    for the rebind; a template with a module left unused sends it zeros
+    (its parts have no capture: the comparison's plan at step()). Every
+    step (new data, the unused module's template in the middle) is checked
+    against its own per-sample reference, and the path each took."""
+    from dpclip import _cuda
+    from models import SteadyModel
+    torch.manual_seed(6)
+    model = SteadyModel()
+    C = 0.8
+    uses = [True, True, True, False, False, False, True, True]
+    batches = [seq_data(7, seed=20 + i) for i in range(len(uses))]
+    wants = []
+    for ((x,), y), extra in zip(batches, uses):
+        model.use_extra = extra
+        wants.append(reference(model, "seq", (x,), y, C, "sum", 0))
+    model = model.cuda()
+    staged = []
+    run = _cuda.CudaIPC.run
+    monkeypatch.setattr(_cuda.CudaIPC, "run", lambda io, st, plan, *a, **k: (
+        staged.append((plan.serial > 0, plan.ptrs is not None)), run(io, st, plan, *a, **k))[1])
+    engine = PrivacyEngine(cuda_daemon.socket, allow_insecure_seed=True)
+    model, opt, _ = engine.make_private(module=model, optimizer=torch.optim.SGD(
+        model.parameters(), lr=0.0), noise_multiplier=0.0, max_grad_norm=C,
+        loss_reduction="sum")
+    # (TF32's bound, as in test_cuda_step_matches_reference: a tensor read
+    # at a wrong or stale pointer would be off by far more)
+    tol = 5e-3
+    for k, (((x,), y), extra, (want, _, ref_coefs)) in enumerate(zip(batches, uses, wants)):
+        model.use_extra = extra
+        opt.zero_grad()
+        reduce_loss(per_sample_losses("seq", model(x.cuda()), y.cuda()), "sum").backward()
+        opt.step()
+        for n, p in model.named_parameters():
+            if n.startswith("extra.") and not extra:
+                assert p.grad is not None and not p.grad.any(), (k, n)  # zeros, no noise
+            else:
+                assert _rel(p.grad, want[n]) < tol, (k, n)
+        assert torch.allclose(engine.last_coefs.double(), ref_coefs, rtol=tol, atol=1e-6), k
+    engine.close()
+    # (from a template, staged): the first step checks, the second keeps the
+    # template, the next are staged; the unused module's template is never
+    # staged; back to the first layout, a new template
+    assert staged == [(False, False), (False, False), (True, True), (False, False),
+                      (True, False), (True, False), (False, False), (True, True)], staged
+
+
 def test_cuda_noise_std(cuda_daemon):
     sigma, C, expected = 1.5, 2.0, 8
     model = torch.nn.Linear(256, 256).cuda()

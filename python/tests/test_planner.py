@@ -59,26 +59,6 @@ def test_outputs_follow_the_layers():
     assert _planner.outputs([]) == []
 
 
-class _Steady(torch.nn.Module):
-    """Every module used once per pass (a plan template's case), and one
-    (`extra`) used only when asked."""
-
-    def __init__(self, V=9, d=8, h=12):
-        super().__init__()
-        self.tok = torch.nn.Embedding(V, d)
-        self.ln = torch.nn.LayerNorm(d)
-        self.fc = torch.nn.Linear(d, h)
-        self.extra = torch.nn.Linear(h, h)
-        self.head = torch.nn.Linear(h, V)
-        self.use_extra = False
-
-    def forward(self, x):
-        h = torch.tanh(self.fc(self.ln(self.tok(x))))
-        if self.use_extra:
-            h = self.extra(h)
-        return self.head(h)
-
-
 def _same_plan(got, want, identical=True):
     """The same parts; their tensors the same objects (identical), or equal
     (a concatenation is a new tensor each time)."""
@@ -100,9 +80,9 @@ def test_plans_made_again_are_the_plans(daemon):
     import gc
     import weakref
 
-    from models import private
+    from models import SteadyModel, private
     torch.manual_seed(0)
-    model = _Steady()
+    model = SteadyModel()
     engine, model, opt = private(daemon, model, 1.0, 4)
     rp = engine._replanner
     seen, serials = [], []
@@ -140,9 +120,9 @@ def test_a_steady_step_is_one_of_the_templates_batch(daemon):
     """Replanner.steady: a pass of another batch size (or an empty one) is
     not the template's, however its layers are laid out: batch_size()
     counts it and plan() plans it; an empty batch's template serves none."""
-    from models import private
+    from models import SteadyModel, private
     torch.manual_seed(0)
-    engine, model, opt = private(daemon, _Steady(), 1.0, 4)
+    engine, model, opt = private(daemon, SteadyModel(), 1.0, 4)
     rp = engine._replanner
     for B, steady in [(4, False), (4, True), (3, False), (3, True), (0, False), (0, False)]:
         model(torch.randint(0, 9, (B, 5))).square().sum().backward()
@@ -170,5 +150,113 @@ def test_no_template_where_a_layer_is_captured_twice(daemon):
         _same_plan(got, _planner.plan(engine._layers, B), identical=False)
         assert got.serial == 0 and not got.wired
         opt.step()
+        opt.zero_grad()
+    engine.close()
+
+
+def test_a_steady_plan_is_staged_as_the_layers_capture(daemon):
+    """Replanner.stage: once a template is kept, a pass of its shapes has
+    its plan staged during the backward (each layer's part, and its
+    tensors' pointers, as it captures), so that steady() is plan()'s
+    answer without comparing shapes again. A pass that leaves the template
+    (another length: staging stops and holds nothing; a module not used)
+    is compared at step(), as is one whose capture was replaced after it
+    was staged (records rewritten); and the step drops what was staged."""
+    import gc
+    import weakref
+
+    from models import SteadyModel, private
+    torch.manual_seed(0)
+    model = SteadyModel()
+    model.use_extra = True
+    engine, model, opt = private(daemon, model, 1.0, 4)
+    rp = engine._replanner
+    n = len(engine._layers)
+    # (length, extra module used, a record replaced, layers staged, steady() from them)
+    for T, extra, swap, staged, used in [(5, True, False, 0, False), (5, True, False, n, True),
+                                         (5, True, True, n, False), (6, True, False, 0, False),
+                                         (6, True, False, n, True), (6, False, False, n - 1,
+                                                                     False)]:
+        model.use_extra = extra
+        model(torch.randint(0, 9, (4, T))).square().mean().backward()
+        assert rp.n_staged == staged, (T, extra, rp.n_staged)
+        for i, l in enumerate(engine._layers):
+            if rp.staged and rp.staged[i] is not None:
+                inp, g, _ = l.records[0]
+                assert rp.staged[i].inp is inp and rp.staged[i].grad is g
+                assert rp.ptrs[2 * i] == inp.data_ptr() and rp.ptrs[2 * i + 1] == g.data_ptr()
+        if rp.off:
+            assert all(pt is None for pt in rp.staged)  # (no tensor held for nothing)
+        if swap:  # a record rewritten after it was staged: compared, not trusted
+            l = engine._layers[2]
+            inp, g, p = l.records[0]
+            l.records[0] = (inp.clone(), g, p)
+        B = _planner.batch_size(engine._layers)
+        want = _planner.plan(engine._layers, B)
+        st = rp.steady(engine._layers)
+        if used:
+            assert st is not None and st[1].ptrs is rp.ptrs and st[1].parts is rp.staged
+        elif st is not None:
+            assert st[1].ptrs is None  # the comparison's plan
+        if st is not None:
+            assert st[0] == B
+            _same_plan(st[1], want)
+        rp.plan(engine._layers, B)
+        held = weakref.ref(engine._layers[0].records[0][0])
+        opt.step()
+        opt.zero_grad()
+        del want, st
+        gc.collect()
+        assert held() is None and rp.n_staged == 0  # the step dropped the staged parts
+    engine.close()
+
+
+@pytest.mark.parametrize("fails", [False, True])
+def test_staged_tensors_are_resolved_as_they_are_captured(daemon, fails):
+    """Replanner.resolve (a CUDA engine's Client.refs_cuda_at): each staged
+    layer's two pointers resolved where they were written, into the refs
+    the steady plan carries; a resolution that fails leaves the pass to
+    step()'s comparison (no error in the backward), holding nothing."""
+    import ctypes
+
+    from models import SteadyModel, private
+    torch.manual_seed(0)
+    model = SteadyModel()
+    model.use_extra = True
+    engine, model, opt = private(daemon, model, 1.0, 4)
+    rp = engine._replanner
+    n = len(engine._layers)
+    calls = []
+
+    def resolve(k, pa, ra):
+        i = (pa - ctypes.addressof(rp.ptrs)) // 16
+        calls.append((k, i, ra - ctypes.addressof(rp.refs)))
+        for j in range(2):  # (a stand-in: each pointer's "buffer" is its layer's index)
+            rp.refs[4 * i + 2 * j] = i + 1
+            rp.refs[4 * i + 2 * j + 1] = rp.ptrs[2 * i + j]
+        return 5 if fails else 0
+
+    for step in range(3):
+        if step == 2:
+            rp.resolve = resolve
+        model(torch.randint(0, 9, (4, 5))).square().mean().backward()
+        B = _planner.batch_size(engine._layers)
+        want = _planner.plan(engine._layers, B)
+        st = rp.steady(engine._layers)
+        if step == 2:
+            assert rp.n_staged == (0 if fails else n) and rp.off == fails
+            # (in the backward's order: the head first)
+            assert calls == ([(2, n - 1, 32 * (n - 1))] if fails else
+                             [(2, i, 32 * i) for i in reversed(range(n))]), calls
+            assert st is not None
+            _same_plan(st[1], want)
+            if fails:
+                assert st[1].ptrs is None and st[1].refs is None
+            else:
+                assert st[1].refs is rp.refs and list(rp.refs) == [
+                    v for i, l in enumerate(engine._layers) for t in l.records[0][:2]
+                    for v in (i + 1, t.data_ptr())]
+        rp.plan(engine._layers, B)
+        engine._drop()
         opt.zero_grad()
     engine.close()
