@@ -53,6 +53,9 @@ per step, in ms of host time, the whole optimizer.step() and its stages:
 and staged_in_backward_ms: the plan staged as the layers capture, during
 the backward (dpclip._planner.Replanner.stage): host time that runs while
 the GPU's backward does, outside optimizer.step() and not in step_ms;
+backward_ms: the host time of the backward call itself (autograd's
+launches, the layers' capture hooks and that staging), for comparing the
+host's whole work per step between versions;
 and overhead_ms, dpclip's host time (step_ms less the optimizer's), and
 overhead_less_wait_ms, that less the wait for the reply, and
 before_submit_ms: from optimizer.step()'s call until the step is handed to
@@ -141,7 +144,9 @@ class Timers:
 
     def wrap_backward(self, owner, name):
         """owner.name timed where called during a timed step's backward."""
-        fn = getattr(owner, name)
+        fn = getattr(owner, name, None)
+        if fn is None:
+            return
         timers = self
 
         def timed(*args, **kwargs):
@@ -248,16 +253,19 @@ def main():
     t.wrap(opt.original_optimizer, "step", "optimizer")
     x, y = token_batch(args, device)
     bf16 = device.type == "cuda"
-    step_ms = 0.0
+    step_ms = backward_ms = 0.0
     prof = cProfile.Profile() if args.profile > 0 else None
 
     def step(timed):
-        nonlocal step_ms
+        nonlocal step_ms, backward_ms
         opt.zero_grad(set_to_none=True)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
             logits = model(x)
         t.backward = timed
+        tb = time.perf_counter()
         F.cross_entropy(logits.float().flatten(0, 1), y.flatten()).backward()
+        if timed:
+            backward_ms += (time.perf_counter() - tb) * 1e3
         t.backward = False
         t.on = timed
         t0 = time.perf_counter()
@@ -292,6 +300,7 @@ def main():
            "before_submit_ms": round(t.before_submit / n, 4),
            "before_submit_less_wait_ms": round((t.before_submit - t.ms["wait"]) / n, 4),
            "staged_in_backward_ms": round(t.staged / n, 4),
+           "backward_ms": round(backward_ms / n, 4),
            "per_part_us": {s: round(per[s] * 1e3 / max(parts, 1), 2)
                            for s in ("plan", "refs", "add_layers")},
            "target_ms": 0.3, "mps_active": bool(engine.client.info.mps_active)}

@@ -81,11 +81,10 @@ class Guard:
         a gradient from autograd since the last step, or one of params (the
         optimizer's) that the engine does not train holds a gradient."""
         stray = list(self.stray.values())
-        foreign = []
-        groups = list(params) if params is not None else []
-        for i, p in enumerate(groups):
-            if id(p) not in self._ids and getattr(p, "grad", None) is not None:
-                foreign.append((i, p))
+        ids = self._ids
+        # (one pass over the optimizer's parameters, each step: no list of them)
+        foreign = [(i, p) for i, p in enumerate(params if params is not None else ())
+                   if id(p) not in ids and getattr(p, "grad", None) is not None]
         if not stray and not foreign:
             return
         names = param_names(module)

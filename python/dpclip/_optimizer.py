@@ -70,7 +70,7 @@ class DPOptimizer(torch.optim.Optimizer):
             return None
         # the engine refuses (fail closed) where one of these holds a
         # gradient it did not compute
-        self.engine.step(params=[p for g in self.param_groups for p in g["params"]])
+        self.engine.step(params=(p for g in self.param_groups for p in g["params"]))
         return self.original_optimizer.step()
 
     def add_param_group(self, param_group: Dict[str, Any]) -> None:

@@ -33,7 +33,7 @@ class Plan(NamedTuple):
     each part's input and output gradient device pointers, ptrs[2i] and
     ptrs[2i + 1] (a ctypes uint64 array, rewritten by the next pass's
     captures: read it before the next backward), and where the transport
-    resolves them as they are staged (CUDA: Replanner.resolve), refs: their
+    resolves them once staged (CUDA: Replanner.resolve), refs: their
     (buffer_id, offset) pairs, refs[4i .. 4i + 3] (the same)."""
     parts: List[Part]
     outs: List[Out]
@@ -145,9 +145,10 @@ class Replanner:
     Anything else (a layer captured twice, another shape, a layer the
     template does not know) leaves the pass to the comparison at step().
     unstage() forgets it, with the layers' captures. resolve (set by the
-    engine for a CUDA model: Client.refs_cuda_at) names each staged tensor
-    for the daemon there and then, so that the step only rebinds; where it
-    fails the pass is left to step(), which raises its error."""
+    engine for a CUDA model: Client.refs_cuda_at) names the staged tensors
+    for the daemon at the backward's end (_seal), all in one call, so that
+    the step only rebinds; where it fails the pass is left to step(), which
+    raises its error."""
 
     def __init__(self) -> None:
         self.serial = 0      # the template's number (Plan.serial); 0: none
@@ -170,6 +171,8 @@ class Replanner:
         self.refs: Optional[Any] = None
         self.resolve: Optional[Callable[[int, int, int], int]] = None
         self._addrs = (0, 0)  # ptrs' and refs' addresses
+        self.sealed = False   # refs hold the staged pass's tensors, resolved
+        self._queued = False  # _seal queued at this backward's end
 
     def plan(self, layers: Sequence[_Layer], B: int) -> Plan:
         p = self._again(layers, B)
@@ -207,16 +210,32 @@ class Replanner:
         ptrs = self.ptrs
         ptrs[2 * i] = inp.data_ptr()
         ptrs[2 * i + 1] = g.data_ptr()
-        if self.resolve is not None and self.resolve(2, self._addrs[0] + 16 * i,
-                                                     self._addrs[1] + 32 * i):
-            self._leave()
-            return
         self.staged[i] = tuple.__new__(Part, k[5] + (inp, g) + k[6])
         self.n_staged += 1
+        self.sealed = False
+        if self.resolve is not None and not self._queued:
+            try:  # (the backward's end: every layer's capture of a pass is in)
+                torch.autograd.Variable._execution_engine.queue_callback(self._seal)
+                self._queued = True
+            except RuntimeError:  # not inside a backward: step() resolves them
+                pass
+
+    def _seal(self) -> None:
+        """At a backward's end: a pass staged whole has its tensors named
+        for the daemon, all in one call (resolve), while the GPU still runs
+        the backward; where that fails the pass is left to step(), which
+        raises the error."""
+        self._queued = False
+        if self.off or self.n_staged != len(self.staged) or self.resolve is None:
+            return
+        if self.resolve(len(self.ptrs), self._addrs[0], self._addrs[1]):
+            self._leave()
+        else:
+            self.sealed = True
 
     def _leave(self) -> None:
         """This pass is not staged (what was is dropped: it holds tensors)."""
-        self.off, self.n_staged = True, 0
+        self.off, self.n_staged, self.sealed = True, 0, False
         self.staged = [None] * len(self.keys)
 
     def unstage(self) -> None:
@@ -224,7 +243,7 @@ class Replanner:
         or some sent: the staged parts hold their tensors)."""
         if self.n_staged or self.off:
             self.staged = [None] * len(self.keys)
-            self.n_staged, self.off = 0, False
+            self.n_staged, self.off, self.sealed = 0, False, False
 
     def _staged_plan(self, layers: Sequence[_Layer]) -> Optional[Plan]:
         staged = self.staged
@@ -236,7 +255,7 @@ class Replanner:
             if len(r) != 1 or r[0][0] is not pt.inp or r[0][1] is not pt.grad:
                 return None
         return Plan(staged, list(self.outs), True, self.serial, self.ptrs,
-                    self.refs if self.resolve is not None else None)
+                    self.refs if self.sealed else None)
 
     def _again(self, layers: Sequence[_Layer], B: int) -> Optional[Plan]:
         if not self.serial or B != self.B or layers is not self.layers \
@@ -262,7 +281,7 @@ class Replanner:
 
     def _keep(self, layers: Sequence[_Layer], B: int, p: Plan) -> None:
         self.serial = 0
-        self.at, self.staged, self.n_staged, self.off = {}, [], 0, False
+        self.at, self.staged, self.n_staged, self.off, self.sealed = {}, [], 0, False, False
         if len(p.parts) != len(layers):
             return
         tmpl, keys = [], []

@@ -212,11 +212,12 @@ def test_a_steady_plan_is_staged_as_the_layers_capture(daemon):
 
 
 @pytest.mark.parametrize("fails", [False, True])
-def test_staged_tensors_are_resolved_as_they_are_captured(daemon, fails):
-    """Replanner.resolve (a CUDA engine's Client.refs_cuda_at): each staged
-    layer's two pointers resolved where they were written, into the refs
-    the steady plan carries; a resolution that fails leaves the pass to
-    step()'s comparison (no error in the backward), holding nothing."""
+def test_staged_tensors_are_resolved_at_the_backwards_end(daemon, fails):
+    """Replanner.resolve (a CUDA engine's Client.refs_cuda_at): once the
+    backward that captured a whole staged pass ends, every pointer staged
+    is resolved in one call, into the refs the steady plan carries; a
+    resolution that fails leaves the pass to step()'s comparison (no error
+    in the backward), holding nothing."""
     import ctypes
 
     from models import SteadyModel, private
@@ -229,11 +230,11 @@ def test_staged_tensors_are_resolved_as_they_are_captured(daemon, fails):
     calls = []
 
     def resolve(k, pa, ra):
-        i = (pa - ctypes.addressof(rp.ptrs)) // 16
-        calls.append((k, i, ra - ctypes.addressof(rp.refs)))
-        for j in range(2):  # (a stand-in: each pointer's "buffer" is its layer's index)
-            rp.refs[4 * i + 2 * j] = i + 1
-            rp.refs[4 * i + 2 * j + 1] = rp.ptrs[2 * i + j]
+        calls.append((k, pa - ctypes.addressof(rp.ptrs), ra - ctypes.addressof(rp.refs),
+                      rp.n_staged))
+        for i in range(k):  # (a stand-in: each pointer's "buffer" is its index + 1)
+            rp.refs[2 * i] = i + 1
+            rp.refs[2 * i + 1] = rp.ptrs[i]
         return 5 if fails else 0
 
     for step in range(3):
@@ -244,19 +245,22 @@ def test_staged_tensors_are_resolved_as_they_are_captured(daemon, fails):
         want = _planner.plan(engine._layers, B)
         st = rp.steady(engine._layers)
         if step == 2:
+            # one call, once every layer was staged
+            assert calls == [(2 * n, 0, 0, n)], calls
             assert rp.n_staged == (0 if fails else n) and rp.off == fails
-            # (in the backward's order: the head first)
-            assert calls == ([(2, n - 1, 32 * (n - 1))] if fails else
-                             [(2, i, 32 * i) for i in reversed(range(n))]), calls
+            assert rp.sealed != fails
             assert st is not None
             _same_plan(st[1], want)
             if fails:
                 assert st[1].ptrs is None and st[1].refs is None
             else:
                 assert st[1].refs is rp.refs and list(rp.refs) == [
-                    v for i, l in enumerate(engine._layers) for t in l.records[0][:2]
-                    for v in (i + 1, t.data_ptr())]
+                    v for i, l in enumerate(engine._layers) for j, t in enumerate(l.records[0][:2])
+                    for v in (2 * i + j + 1, t.data_ptr())]
+        else:
+            assert not calls and not rp.sealed and (st is None or st[1].refs is None)
         rp.plan(engine._layers, B)
         engine._drop()
+        assert not rp.sealed
         opt.zero_grad()
     engine.close()
