@@ -10,7 +10,7 @@ per GPU.
 
 The gradients are the parameters' of bench_torch_step.py's GPT (f32, as
 bf16 autocast over f32 weights has them), laid out as the CUDA transport
-lays its outputs (dpclip._cuda._out_buffers: one arena, in the outputs'
+lays its outputs (dpclip._outputs._out_buffers: one arena, in the outputs'
 order, param.grad views of it). Each of --repeat rounds times --steps
 reduce() calls of each way, the ways taking turns, between device
 synchronisations, on every rank; rank 0 prints one JSON line per way

@@ -7,7 +7,7 @@
 #   scripts/gpu_suite.sh [BUILD_DIR] [--list] [--only PART,...] [--timeout S]
 #
 # Parts (in order): ctest (the GPU ctests), then each Python test file that
-# runs on CUDA: cuda, cuda_flag, cuda_outputs, planner, accumulate,
+# runs on CUDA: cuda, cuda_flag, outputs, planner, accumulate,
 # accumulate_parallel, fsdp, fsdp_accumulate. Each part runs under its own
 # limit (--timeout, default 300 s); its line says "passed", "failed" (its
 # output's end follows on stderr) or "timed out", with its counts and
@@ -18,7 +18,7 @@ set -eu
 root=$(cd "$(dirname "$0")/.." && pwd)
 build="$root/build"
 case "${1:-}" in -*|"") ;; *) build=$1; shift ;; esac
-parts="ctest cuda cuda_flag cuda_outputs planner accumulate accumulate_parallel fsdp fsdp_accumulate"
+parts="ctest cuda cuda_flag outputs planner accumulate accumulate_parallel fsdp fsdp_accumulate"
 only=""
 limit=300
 list=0

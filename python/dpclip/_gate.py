@@ -69,7 +69,7 @@ def grad_buckets(params: Sequence[torch.Tensor], limit: Optional[int] = None
 def span(grads: Sequence[torch.Tensor]) -> Optional[torch.Tensor]:
     """One flat view of grads where they lie end to end in one storage, in
     their order, each contiguous (the CUDA transport's outputs: an arena,
-    dpclip._cuda._out_buffers), so that a collective runs on them in place;
+    dpclip._outputs._out_buffers), so that a collective runs on them in place;
     None otherwise. Exactly end to end: a gap could be another tensor's
     memory, which the collective would overwrite."""
     g0 = grads[0]

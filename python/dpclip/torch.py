@@ -390,9 +390,7 @@ class PrivacyEngine:
         _parallel.declare_member(self, self._step)
         if device.type == "cuda" and self.client.info.has_cuda:
             warn_without_mps(self.client)
-            if shards is None:
-                # a steady step's tensors named for the daemon as the
-                # backward captures them (its steps then only rebind)
+            if shards is None:  # a steady step's tensors named at the backward's end
                 self._replanner.resolve = self.client.refs_cuda_at
         self.mode.open(target_delta, target_epsilon, device)  # (sharded: steps block)
         self._attach(module, layers, norms)

@@ -28,9 +28,9 @@ def _run(*args):
 def test_parts_listed_and_each_said():
     proc, _ = _run("--list")
     assert proc.returncode == 0 and "fsdp_accumulate" in proc.stdout.split(), proc.stdout
-    proc, lines = _run("--only", "cuda_outputs,cuda")
+    proc, lines = _run("--only", "outputs,cuda")
     assert proc.returncode == 0, proc.stderr
-    assert [l["part"] for l in lines] == ["cuda_outputs", "cuda"]
+    assert [l["part"] for l in lines] == ["outputs", "cuda"]
     outs, cuda = lines
     assert outs["result"] == "passed" and outs["passed"] >= 4 and outs["failed"] == 0, outs
     assert cuda["result"] == "passed" and cuda["passed"] + cuda["skipped"] > 0, cuda

@@ -1,4 +1,4 @@
-"""The CUDA transport's output buffers (dpclip._cuda._out_buffers), on the
+"""The CUDA transport's output buffers (dpclip._outputs._out_buffers), on the
 CPU with the client stubbed: every output without a buffer gets a slice of
 one zeroed arena per dtype, in the outputs' order, each registered at its
 own address, param.grad's alias a view of it; outputs that have one keep
@@ -6,7 +6,7 @@ it. Consecutive parameters' gradients then lie end to end, which the
 data-parallel all-reduce sums in place (dpclip._gate.span)."""
 import torch
 
-from dpclip import _cuda, _gate
+from dpclip import _gate, _outputs
 from dpclip._gate import _storage_ptr
 from dpclip._layers import Out
 
@@ -28,22 +28,22 @@ def test_outputs_share_one_zeroed_arena_in_order():
     client = _Client()
     outs = _outs((3, 4), (8,), (5,), (2, 2))
     cpu = torch.device("cpu")
-    assert _cuda._out_buffers(client, outs, cpu)
+    assert _outputs._out_buffers(client, outs, cpu)
     base = _storage_ptr(outs[0].buf)
     at = 0
     for o in outs:
         assert _storage_ptr(o.buf) == base  # one arena
         assert o.buf.storage_offset() == at and o.buf.numel() == o.numel
-        assert o.buf.storage_offset() % _cuda._OUT_ALIGN == 0  # vector stores stay possible
+        assert o.buf.storage_offset() % _outputs._OUT_ALIGN == 0  # vector stores stay possible
         assert float(o.buf.abs().sum()) == 0.0  # zeros, not leftovers
         assert o.alias is not None and o.alias.shape == o.param.shape
         assert o.alias.data_ptr() == o.buf.data_ptr()
-        at += -(-o.numel // _cuda._OUT_ALIGN) * _cuda._OUT_ALIGN
+        at += -(-o.numel // _outputs._OUT_ALIGN) * _outputs._OUT_ALIGN
     assert client.registered == [o.buf.data_ptr() for o in outs]  # each at its own address
     assert [o.ref for o in outs] == [(5, 1), (5, 2), (5, 3), (5, 4)]
     # made once: a later step keeps them
     kept = [o.buf for o in outs]
-    assert not _cuda._out_buffers(client, outs, cpu)
+    assert not _outputs._out_buffers(client, outs, cpu)
     assert all(o.buf is b for o, b in zip(outs, kept)) and len(client.registered) == 4
     # the gradients of the aligned run lie end to end: one view for a collective
     grads = [o.alias for o in outs]
@@ -60,7 +60,7 @@ def test_each_dtype_its_own_arena_and_only_missing_buffers_made():
     f32 = _outs((4,), (4,))
     bf16 = _outs((4,), dtype=torch.bfloat16)
     outs = [f32[0], bf16[0], f32[1]]
-    _cuda._out_buffers(client, outs, torch.device("cpu"))
+    _outputs._out_buffers(client, outs, torch.device("cpu"))
     assert bf16[0].buf.dtype == torch.bfloat16 and f32[0].buf.dtype == torch.float32
     assert f32[1].buf.storage_offset() == 4  # its dtype's arena, after f32[0]
     assert _storage_ptr(f32[0].buf) == _storage_ptr(f32[1].buf)
@@ -68,7 +68,7 @@ def test_each_dtype_its_own_arena_and_only_missing_buffers_made():
     # one output losing its buffer (as on another device) gets a new one; the others keep theirs
     kept = f32[0].buf
     f32[1].buf = None
-    assert _cuda._out_buffers(client, outs, torch.device("cpu"))
+    assert _outputs._out_buffers(client, outs, torch.device("cpu"))
     assert f32[0].buf is kept and f32[1].buf is not None and f32[1].buf.storage_offset() == 0
 
 
@@ -87,9 +87,9 @@ def test_arenas_hold_at_most_their_bytes(monkeypatch):
     gradients may find no room where pieces would): the outputs fill one
     arena in order until the next does not fit, which opens the next; an
     output larger than the cap has one of its own."""
-    monkeypatch.setattr(_cuda, "_ARENA_BYTES", 64)  # 16 f32
+    monkeypatch.setattr(_outputs, "_ARENA_BYTES", 64)  # 16 f32
     outs = _outs((8,), (8,), (4,), (40,), (4,), (4,))
-    _cuda._out_buffers(_Client(), outs, torch.device("cpu"))
+    _outputs._out_buffers(_Client(), outs, torch.device("cpu"))
     arenas = [_storage_ptr(o.buf) for o in outs]
     # [8, 8] | [4] (8 + 8 + 4 > 16) | [40] alone | [4, 4]
     assert arenas[0] == arenas[1] and len({arenas[0], arenas[2], arenas[3], arenas[4]}) == 4

@@ -1,0 +1,81 @@
+"""The daemon's outputs in the trainer's device memory (the CUDA transport,
+dpclip._cuda): each trainable parameter's buffer a slice of a zeroed arena
+per dtype, registered once, and param.grad set to a view of it where the
+parameter's dtype and layout allow (an alias), so that a step's result
+needs no copy."""
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from ._layers import _ESIZE, Out
+
+__all__ = ["_alias", "_out_buffers"]
+
+
+def _alias(outs: Sequence[Out], aliased: List[Tuple[torch.Tensor, Optional[torch.Tensor]]]
+           ) -> None:
+    """Each output's param.grad set to its alias (where it has one), what
+    it was kept in `aliased`, to be put back if the step is refused."""
+    for o in outs:
+        if o.alias is not None:
+            aliased.append((o.param, o.param.grad))
+            o.param.grad = o.alias
+
+
+# Where the outputs' buffers start within their arena: a multiple of this
+# many elements (16 bytes of f32), so that the daemon's stores stay vectors
+_OUT_ALIGN = 4
+# An arena's bytes at most (a larger output alone): one allocation of a
+# whole large model's gradients may find no room in a device's fragmented
+# memory where pieces would; the bucket across two arenas is gathered
+_ARENA_BYTES = 1 << 30
+
+
+def _out_buffers(client: Any, outs: Sequence[Out], device: torch.device,
+                 arenas: Optional[List[torch.Tensor]] = None) -> bool:
+    """Gives each output without a buffer on `device` one: a slice of a new
+    zeroed arena per dtype (_ARENA_BYTES at most), in the outputs' order,
+    registered once (True: some were made). The engine holds the outputs
+    for its lifetime, so their allocations cannot be freed and reused: the
+    references stay valid (activations and output grads are new tensors
+    every step and go through libdpclip's check). Zeros, not the
+    allocator's leftovers, so that no gradient is ever memory this process
+    used for its data (a step that fails is zeroed: by the daemon, or by
+    release_flags where the daemon could not). One
+    arena rather than a tensor each: the param.grad views of consecutive
+    parameters are then consecutive in memory, so the data-parallel
+    all-reduce sums a bucket in place (dpclip._gate) instead of gathering
+    it into a copy and scattering it back. Each new arena is appended to
+    arenas (the transport's: release_flags zeroes them)."""
+    todo = [o for o in outs if o.buf is None or o.buf.device != device]
+    if not todo:
+        return False
+    by_dtype: Dict[torch.dtype, List[Out]] = {}
+    for o in todo:
+        by_dtype.setdefault(o.dtype, []).append(o)
+    for dtype, group in by_dtype.items():
+        cap = max(_ARENA_BYTES // _ESIZE[dtype], 1)
+        first, n = 0, 0
+        offs = []
+        for i, o in enumerate(group):
+            width = -(-o.numel // _OUT_ALIGN) * _OUT_ALIGN
+            if n and n + width > cap:  # this arena is full: the outputs so far get it
+                _arena(client, group[first:i], offs, n, device, arenas)
+                first, n, offs = i, 0, []
+            offs.append(n)
+            n += width
+        _arena(client, group[first:], offs, n, device, arenas)
+    return True
+
+
+def _arena(client: Any, outs: Sequence[Out], offs: Sequence[int], n: int,
+           device: torch.device, arenas: Optional[List[torch.Tensor]]) -> None:
+    """One zeroed arena of n elements on `device`, output i's buffer at offs[i]."""
+    arena = torch.zeros(n, dtype=outs[0].dtype, device=device)
+    if arenas is not None:
+        arenas.append(arena)
+    for o, off in zip(outs, offs):
+        o.buf = arena[off:off + o.numel]
+        o.ref = client.register_cuda(o.buf.data_ptr())
+        view = o.grad(o.buf)
+        o.alias = view if view.dtype == o.param.dtype and view.is_contiguous() else None
