@@ -84,6 +84,48 @@ def test_micro_batches_equal_the_whole_logical_batch(daemon, sizes, reduction):
     engine.close()
 
 
+def test_micro_batches_of_one_template_are_staged_and_let_go(daemon, monkeypatch):
+    """A model every module of which runs once a pass (SteadyModel: its
+    steps have a plan template): micro-batches of one shape are planned as
+    they are captured (dpclip._planner.Replanner.stage), and once a
+    micro-batch is sent nothing staged holds its tensors (a logical batch is
+    split to save memory). Every logical step against its f64 reference."""
+    import gc
+    import weakref
+
+    from dpclip import _planner
+    from models import SteadyModel
+    torch.manual_seed(13)
+    model = SteadyModel()
+    model.use_extra = True
+    batches = [seq_data(24, seed=30 + k) for k in range(3)]
+    refs = [reference(model, "seq", (x,), y, 0.5, "sum", 0) for (x,), y in batches]
+    hits = []
+    staged_plan = _planner.Replanner._staged_plan
+    monkeypatch.setattr(_planner.Replanner, "_staged_plan", lambda rp, layers: (
+        lambda p: (hits.append(p is not None), p)[1])(staged_plan(rp, layers)))
+    engine, model, opt = _engine(daemon.socket, model, max_grad_norm=0.5,
+                                 loss_reduction="sum")
+    rp = engine._replanner
+    for k, (((x,), y), (want, _, coefs)) in enumerate(zip(batches, refs)):
+        opt.zero_grad()
+        held = []
+        for sl in _pieces([8, 8, 8]):
+            out = model(x[sl])  # (sends the micro-batch before it)
+            if held:
+                gc.collect()
+                assert held[-1]() is None and rp.n_staged == 0, k
+            reduce_loss(per_sample_losses("seq", out, y[sl]), "sum").backward()
+            held.append(weakref.ref(engine._layers[0].records[-1][0]))
+        opt.step()
+        for n, p in model.named_parameters():
+            assert _max_rel(p.grad, want[n]) < 2e-4, (k, n)
+        assert torch.allclose(engine.last_coefs.double(), coefs, rtol=1e-4, atol=1e-6)
+    engine.close()
+    # the micro-batches after the first logical step's first ones came staged
+    assert hits[-6:] == [True] * 6, hits
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("sizes", list(SPLITS.values()), ids=list(SPLITS))
