@@ -154,6 +154,15 @@ def test_no_template_where_a_layer_is_captured_twice(daemon):
     engine.close()
 
 
+def _steady_engine(daemon):
+    """(engine, model, optimizer) of a SteadyModel using every module."""
+    from models import SteadyModel, private
+    torch.manual_seed(0)
+    model = SteadyModel()
+    model.use_extra = True
+    return private(daemon, model, 1.0, 4)
+
+
 def test_a_steady_plan_is_staged_as_the_layers_capture(daemon):
     """Replanner.stage: once a template is kept, a pass of its shapes has
     its plan staged during the backward (each layer's part, and its
@@ -165,11 +174,7 @@ def test_a_steady_plan_is_staged_as_the_layers_capture(daemon):
     import gc
     import weakref
 
-    from models import SteadyModel, private
-    torch.manual_seed(0)
-    model = SteadyModel()
-    model.use_extra = True
-    engine, model, opt = private(daemon, model, 1.0, 4)
+    engine, model, opt = _steady_engine(daemon)
     rp = engine._replanner
     n = len(engine._layers)
     # (length, extra module used, a record replaced, layers staged, steady() from them)
@@ -220,11 +225,7 @@ def test_staged_tensors_are_resolved_at_the_backwards_end(daemon, fails):
     in the backward), holding nothing."""
     import ctypes
 
-    from models import SteadyModel, private
-    torch.manual_seed(0)
-    model = SteadyModel()
-    model.use_extra = True
-    engine, model, opt = private(daemon, model, 1.0, 4)
+    engine, model, opt = _steady_engine(daemon)
     rp = engine._replanner
     n = len(engine._layers)
     calls = []
