@@ -10,6 +10,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 STAGES = ("collect", "wait", "guard", "plan", "check", "refs", "add_layers", "rebind", "send",
           "optimizer", "count_batch", "wire", "events", "layout", "drop", "wrapper", "mode",
@@ -62,3 +64,28 @@ def test_bare_timers(secure_daemon):
     assert 0 < line["before_submit_ms"] < line["step_ms"], line
     assert abs(line["before_submit_less_wait_ms"] - (line["before_submit_ms"] - line["wait"])) \
         < 1e-3, line
+
+
+def test_two_versions_take_turns(secure_daemon):
+    """bench/host_ab.py: the package at a git revision (here HEAD) and this
+    tree's, each round a bare bench of each, summed up as one line per
+    version (median, least, most of its rounds) and their ratio."""
+    if subprocess.run(["git", "-C", REPO, "rev-parse", "HEAD"], stdout=subprocess.DEVNULL,
+                      stderr=subprocess.DEVNULL).returncode != 0:
+        pytest.skip("not a git checkout: host_ab.py takes its base version from git")
+    proc = subprocess.run(
+        [sys.executable, os.path.join(REPO, "bench", "host_ab.py"), "--socket",
+         secure_daemon.socket, "--base", "HEAD", "--rounds", "2", "--", "--device", "cpu",
+         "--blocks", "1", "--d", "32", "--heads", "2", "--vocab", "67", "--seq", "12",
+         "--batch", "3", "--warmup", "1", "--steps", "2"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, universal_newlines=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    base, this, ratio = [json.loads(l) for l in proc.stdout.splitlines() if l.startswith("{")]
+    assert base["version"] == "base HEAD" and this["version"] == "this tree", (base, this)
+    for line in (base, this):
+        assert line["rounds"] == 2
+        for k in ("before_submit_less_wait_ms", "overhead_less_wait_ms", "backward_ms"):
+            v = line[k]
+            assert 0 < v["min"] <= v["median"] <= v["max"], (k, line)
+    for k in ("before_submit_less_wait_ms", "overhead_less_wait_ms", "backward_ms"):
+        assert abs(ratio[k] - this[k]["median"] / base[k]["median"]) < 2e-3, (k, ratio)
