@@ -240,7 +240,10 @@ class Replanner:
 
     def unstage(self) -> None:
         """Forgets what was staged (the layers' captures are being dropped,
-        or some sent: the staged parts hold their tensors)."""
+        or some sent: the staged parts hold their tensors). A _seal queued
+        by a backward that raised never runs: the next backward queues its
+        own."""
+        self._queued = False
         if self.n_staged or self.off:
             self.staged = [None] * len(self.keys)
             self.n_staged, self.off, self.sealed = 0, False, False
