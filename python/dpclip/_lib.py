@@ -376,8 +376,8 @@ class Client:
     def refs_cuda_at(self, n: int, ptrs_addr: int, refs_addr: int) -> int:
         """dpclip_buffer_refs_cuda on raw addresses: the n device pointers
         (uint64) at ptrs_addr resolved into (buffer_id, offset) pairs written
-        at refs_addr. Returns its status instead of raising (a capture
-        hook calls it, and leaves the error to the step: check())."""
+        at refs_addr. Returns its status instead of raising (called at a
+        backward's end, it leaves the error to the step: check())."""
         return int(self._L.dpclip_buffer_refs_cuda(self.handle, n, ptrs_addr, refs_addr))
 
     def register_event(self, ipc_handle: bytes, device: int) -> int:
