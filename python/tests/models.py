@@ -152,7 +152,8 @@ class SeqModel(nn.Module):
 class SteadyModel(nn.Module):
     """Tokens [B, T] -> logits [B, T, V], every module used once per pass
     (a plan template's case: dpclip._planner.Replanner), and one (`extra`)
-    used only when use_extra is set."""
+    used only when use_extra is set (use_extra = 2: twice, its captures
+    concatenated)."""
 
     def __init__(self, V=11, d=8, h=12):
         super().__init__()
@@ -165,7 +166,7 @@ class SteadyModel(nn.Module):
 
     def forward(self, x):
         h = torch.tanh(self.fc(self.ln(self.tok(x))))
-        if self.use_extra:
+        for _ in range(int(self.use_extra)):
             h = self.extra(h)
         return self.head(h)
 

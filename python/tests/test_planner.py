@@ -270,3 +270,50 @@ def test_staged_tensors_are_resolved_at_the_backwards_end(daemon, fails):
         model(torch.randint(0, 9, (4, 5))).square().mean().backward()
         assert rp.sealed and len(calls) == 2
     engine.close()
+
+
+def test_staged_or_compared_a_steady_plan_is_the_plan(daemon):
+    """Over a random run of passes (batch and length changing, the extra
+    module unused, used once or twice, two passes before a step, a record
+    rewritten after it was staged, a step dropped before it was planned),
+    whatever steady() answers, staged or compared, is plan()'s answer, and
+    a pass that is not one template's gets None."""
+    import random
+
+    rng = random.Random(7)
+    engine, model, opt = _steady_engine(daemon)
+    rp = engine._replanner
+    seen = {"staged": 0, "compared": 0, "none": 0, "rewritten after staging": 0}
+    for _ in range(120):  # (repeats likely: a template is kept, then used)
+        B, T = rng.choice([4, 4, 3]), rng.choice([5, 5, 6])
+        model.use_extra = rng.choice([0, 0, 1, 1, 1, 2])
+        for _ in range(2 if rng.random() < 0.15 else 1):
+            model(torch.randint(0, 9, (B, T))).square().mean().backward()
+        if rng.random() < 0.25:
+            l = engine._layers[rng.randrange(len(engine._layers))]
+            if l.records:
+                inp, g, p = l.records[0]
+                l.records[0] = (inp.clone(), g, p)
+                seen["rewritten after staging"] += rp.n_staged == len(engine._layers)
+        if rng.random() < 0.1:
+            engine._drop()  # (a step dropped: nothing to plan)
+            opt.zero_grad()
+            continue
+        nb = _planner.batch_size(engine._layers)
+        want = _planner.plan(engine._layers, nb)
+        st = rp.steady(engine._layers)
+        if st is None:
+            seen["none"] += 1
+        else:
+            seen["staged" if st[1].ptrs is not None else "compared"] += 1
+            assert st[0] == nb
+            _same_plan(st[1], want)
+            assert all(len(l.records) <= 1 for l in engine._layers), \
+                "a steady plan for a pass with a layer captured twice"
+            if st[1].ptrs is not None:  # staged: every layer captured, once
+                assert all(len(l.records) == 1 for l in engine._layers)
+        rp.plan(engine._layers, nb)
+        engine._drop()
+        opt.zero_grad()
+    assert all(seen.values()), seen  # every path taken
+    engine.close()
