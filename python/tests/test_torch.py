@@ -133,7 +133,10 @@ def test_noise_std(daemon, reduction):
         if prev is not None:
             assert not torch.equal(flat, prev)
             corr = float(torch.corrcoef(torch.stack([flat, prev]))[0, 1])
-            assert abs(corr) < 0.05
+            # independent draws: corr ~ N(0, 1/n); 5 sigma (0.05 was 3.3 sigma
+            # for these 4288 values: one of a suite run's six checks failed
+            # about once in 170 runs)
+            assert abs(corr) < 5 / math.sqrt(flat.numel()), corr
         prev = flat
         vals.append(flat.double())
     v = torch.cat(vals)
