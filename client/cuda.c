@@ -15,6 +15,7 @@
  * a replaced allocation) do the same. */
 #include <dlfcn.h>
 #include <pthread.h>
+#include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -232,22 +233,34 @@ DPCLIP_API int dpclip_buffer_register_cuda(dpclip_client *c, const void *dev_ptr
  * allocation cannot be replaced while the call holds it found). */
 enum { CL_REFS_SEEN = 16 };
 
-/* refs[2i], refs[2i + 1] for ptrs[i], with the lock held; on an error,
- * *bad is the index of the pointer that failed and c's message says why. */
+/* c's message, about ptrs[i], prefixed with what the pointer is: a
+ * rebind's (pairs) layer i / 2's input or output_grad, else pointer i. */
+static int refs_failed(dpclip_client *c, int rc, size_t i, bool pairs) {
+    char why[sizeof c->errmsg];
+    snprintf(why, sizeof why, "%s", c->errmsg); /* (cl_fail writes c->errmsg) */
+    if (pairs)
+        return cl_fail(c, rc, "", "layer %zu's %s: %s", i / 2, i % 2 ? "output_grad" : "input",
+                       why);
+    return cl_fail(c, rc, "", "pointer %zu: %s", i, why);
+}
+
+/* refs[2i], refs[2i + 1] for ptrs[i], with the lock held; an error names
+ * the pointer that failed (refs_failed). */
 static int refs_locked(dpclip_client *c, size_t n, const uint64_t *ptrs, uint64_t *refs,
-                       size_t *bad) {
+                       bool pairs) {
     cl_cuda_buf seen[CL_REFS_SEEN];
     size_t n_seen = 0, next = 0;
     int rc;
     for (size_t i = 0; i < n; i++) {
         const cl_cuda_buf *b = NULL;
-        *bad = i;
-        if (!ptrs[i]) return cl_fail(c, DPCLIP_EARG, "", "a null pointer");
+        if (!ptrs[i])
+            return refs_failed(c, cl_fail(c, DPCLIP_EARG, "", "a null pointer"), i, pairs);
         for (size_t k = 0; k < n_seen && !b; k++)
             if (ptrs[i] >= seen[k].base && ptrs[i] - seen[k].base < seen[k].size) b = &seen[k];
         if (!b) {
             /* the oldest found is replaced once the list is full */
-            if ((rc = cuda_ref(c, (cl_cudeviceptr)ptrs[i], &seen[next]))) return rc;
+            if ((rc = cuda_ref(c, (cl_cudeviceptr)ptrs[i], &seen[next])))
+                return refs_failed(c, rc, i, pairs);
             b = &seen[next];
             next = (next + 1) % CL_REFS_SEEN;
             if (n_seen < CL_REFS_SEEN) n_seen++;
@@ -260,15 +273,10 @@ static int refs_locked(dpclip_client *c, size_t n, const uint64_t *ptrs, uint64_
 
 DPCLIP_API int dpclip_buffer_refs_cuda(dpclip_client *c, size_t n, const uint64_t *ptrs,
                                        uint64_t *refs) {
-    size_t bad = 0;
     int rc;
     if (!c || (n && (!ptrs || !refs))) return DPCLIP_EARG;
     cl_lock(c);
-    if ((rc = refs_locked(c, n, ptrs, refs, &bad))) {
-        char why[sizeof c->errmsg];
-        snprintf(why, sizeof why, "%s", c->errmsg); /* (cl_fail writes c->errmsg) */
-        cl_fail(c, rc, "", "pointer %zu: %s", bad, why);
-    }
+    rc = refs_locked(c, n, ptrs, refs, false);
     cl_unlock(c);
     return rc;
 }
@@ -276,16 +284,11 @@ DPCLIP_API int dpclip_buffer_refs_cuda(dpclip_client *c, size_t n, const uint64_
 DPCLIP_API int dpclip_step_rebind_cuda(dpclip_client *c, dpclip_step *s, size_t n,
                                        const uint64_t *ptrs) {
     uint64_t *refs = NULL;
-    size_t bad = 0;
     int rc;
     if (!c || !s || !ptrs || n != cl_step_layers(s)) return DPCLIP_EARG;
     if (n && !(refs = malloc(4 * n * sizeof *refs))) return DPCLIP_ENOMEM;
     cl_lock(c);
-    if ((rc = refs_locked(c, 2 * n, ptrs, refs, &bad))) {
-        char why[sizeof c->errmsg];
-        snprintf(why, sizeof why, "%s", c->errmsg); /* (cl_fail writes c->errmsg) */
-        cl_fail(c, rc, "", "layer %zu's %s: %s", bad / 2, bad % 2 ? "output_grad" : "input", why);
-    }
+    rc = refs_locked(c, 2 * n, ptrs, refs, true);
     cl_unlock(c);
     if (!rc) rc = dpclip_step_rebind(s, n, refs);
     free(refs);
