@@ -234,8 +234,8 @@ static int phase_reduction(phase_ctx *c, const double *tot_in, double e_min, dc_
      * largest over its layers; totals that count other layers too (a norm
      * group's, a pass's) come with the largest over all of them, e_min. */
     if ((rc = dc_clip_e_check(step, c->cb->clip_how, err))) return rc;
-    double e_flat = per_layer ? 0.0 : dc_clip_e_step(step, c->cb->clip_how);
-    if (!per_layer) e_flat = dc_clip_e_max(e_flat, e_min);
+    const double e_flat = per_layer ? 0.0
+                                    : dc_clip_e_max(dc_clip_e_step(step, c->cb->clip_how), e_min);
     for (uint32_t b = 0; b < B; b++) {
         double tot = 0.0;
         if (tot_in) {

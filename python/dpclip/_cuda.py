@@ -506,9 +506,9 @@ class CudaIPC(Transport):
         return False
 
     def _rebind(self, step: _lib.Step, plan: Plan, ptrs: Any) -> None:
-        """The step's inputs pointed at the plan's tensors: named as they
-        were staged (plan.refs: the backward's captures resolved them), or
-        from their pointers now."""
+        """The step's inputs pointed at the plan's tensors: by the refs
+        resolved at the backward's end (plan.refs: a sealed staged plan),
+        or from their pointers now."""
         if plan.refs is not None:
             step.rebind(plan.refs)
         else:
