@@ -5,6 +5,7 @@ judged against the version before it on the same machine, whose host
 speed varies more between machines than the change itself).
 
     python3 bench/host_ab.py --socket S --base eeea58a              # GPT-2-small-like, GPU
+    python3 bench/host_ab.py --socket S --base /tmp/old             # python/, bench/, client/
     python3 bench/host_ab.py --socket S --base HEAD --rounds 1 -- --device cpu \\
         --blocks 1 --d 32 --heads 2 --vocab 67 --seq 12 --batch 3 --steps 2 --warmup 1
 
@@ -34,10 +35,17 @@ FIELDS = ("before_submit_less_wait_ms", "overhead_less_wait_ms", "backward_ms")
 
 
 def base_tree(rev: str, into: str) -> str:
-    """The package at git revision rev, with this tree's bench, in `into`."""
-    arch = subprocess.run(["git", "-C", ROOT, "archive", rev, "python", "bench",
-                           "client/dpclip.h"], stdout=subprocess.PIPE, check=True).stdout
-    subprocess.run(["tar", "-x", "-C", into], input=arch, check=True)
+    """The package at git revision rev (or in the directory rev, a tree
+    holding python/, bench/ and client/dpclip.h: a copy without git), with
+    this tree's bench, in `into`."""
+    if os.path.isdir(rev):
+        for d in ("python", "bench", "client"):
+            if os.path.isdir(os.path.join(rev, d)):
+                shutil.copytree(os.path.join(rev, d), os.path.join(into, d))
+    else:
+        arch = subprocess.run(["git", "-C", ROOT, "archive", rev, "python", "bench",
+                               "client/dpclip.h"], stdout=subprocess.PIPE, check=True).stdout
+        subprocess.run(["tar", "-x", "-C", into], input=arch, check=True)
     shutil.copy(os.path.join(ROOT, "bench", "bench_host_overhead.py"),
                 os.path.join(into, "bench", "bench_host_overhead.py"))
     return into
@@ -66,7 +74,9 @@ def summary(version: str, rows: list) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--socket", default=os.environ.get("DPCLIP_SOCKET"), help="dpclipd socket")
-    ap.add_argument("--base", required=True, help="the git revision to compare against")
+    ap.add_argument("--base", required=True,
+                    help="the git revision to compare against (or a directory holding its "
+                    "python/, bench/ and client/dpclip.h)")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("extra", nargs="*", help="bench_host_overhead.py's arguments (after --)")
     args = ap.parse_args()

@@ -188,11 +188,18 @@ class Accumulator:
         not sent yet and the commit. Returns the engine's success flag (data
         parallel); raises the logical step's first error."""
         e = self.e
-        pending = self._to_commit()
         # One micro-batch is a whole step, as before; not in a norm group,
         # whose members must all send a logical step or none (a member that
         # dropped a logical step after sending some of it must send one).
-        if self.sent == 0 and len(pending) <= 1 and not self.open and e.norm_group is None:
+        alone = self.sent == 0 and not self.open and e.norm_group is None
+        if alone and self.failure is None:
+            # a steady step: one pass, staged as the layers captured it (a
+            # pass of a logical step nothing of which was sent is never late)
+            whole = e._replanner.whole(e._layers)
+            if whole is not None:
+                return e._step_whole(whole[1])
+        pending = self._to_commit()
+        if alone and len(pending) <= 1:
             return e._step_whole()
         for p in pending[:-1]:
             self._send(p, commit=False)

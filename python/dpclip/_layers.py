@@ -380,10 +380,11 @@ class _Layer:
         come through here): the engine tracks the passes one backward
         reaches, and a steady step's plan is staged as its layers capture
         (dpclip._planner.Replanner.stage)."""
-        self.records.append((first, second, pass_id))
+        rec = (first, second, pass_id)
+        self.records.append(rec)
         e = self.engine
         e._acc.captured(pass_id)  # pylint: disable=protected-access
-        e._replanner.stage(self, first, second)  # pylint: disable=protected-access
+        e._replanner.stage(self, rec)  # pylint: disable=protected-access
 
     def trains(self) -> bool:
         """Whether a parameter it trains is trainable now (not frozen)."""

@@ -524,11 +524,18 @@ class Step:
         # (rebind_cuda) checks that nobody changed them since it built them.
         self.layout = 0
         self._done_flag: Optional[Tensor] = None  # set_done_flag's (kept by reset)
+        # The settings a steady step sets again each time, as last set (each
+        # call would have the step encoded again): the events and the notice
+        # (kept by reset), and whether no norms/coefficients output is set
+        self._events: Tuple[int, int] = (0, 0)
+        self._notify = False
+        self._no_outputs = True
 
     def reset(self, batch: int) -> None:
         if batch <= 0:
             raise DpclipError(EARG, "", "a step needs a batch of at least 1 sample")
         self._L.dpclip_step_reset(self._s, int(batch))
+        self._no_outputs = True
         self.batch = int(batch)
         self.n_layers = 0
         self.layout += 1
@@ -577,11 +584,15 @@ class Step:
         """Optional [batch] f32 Tensors the daemon writes the norms and
         coefficients into (zeros where a step with an early notice fails
         after its notice). reset() drops them."""
+        none = norms_out is None and coefs_out is None
+        if none and self._no_outputs:
+            return
         rc = self._L.dpclip_step_set_outputs(
             self._s, ctypes.byref(norms_out) if norms_out is not None else None,
             ctypes.byref(coefs_out) if coefs_out is not None else None)
         if rc:
             raise DpclipError(rc, "", "setting the step's norms/coefficients outputs")
+        self._no_outputs = none
 
     def set_replicated(self, layer: int, yes: bool = True) -> None:
         """Norm groups: marks the step's layer `layer` (its index, in the
@@ -623,7 +634,10 @@ class Step:
                               % (layer, self.n_layers, dim, begin, end))
 
     def set_events(self, wait_event: int, signal_event: int) -> None:
-        self._L.dpclip_step_set_events(self._s, int(wait_event), int(signal_event))
+        ev = (int(wait_event), int(signal_event))
+        if ev != self._events:
+            self._L.dpclip_step_set_events(self._s, ev[0], ev[1])
+            self._events = ev
 
     def run(self, client: Client) -> StepResult:
         """Sends the step and waits for the reply: a StepResult, norms and
@@ -695,7 +709,9 @@ class Step:
     def notify_enqueued(self, yes: bool = True) -> None:
         """GPU steps with a signal event: have submit()'s step send an
         early notice (Client.wait_enqueued) once its GPU work is queued."""
-        self._L.dpclip_step_notify_enqueued(self._s, 1 if yes else 0)
+        if bool(yes) != self._notify:
+            self._L.dpclip_step_notify_enqueued(self._s, 1 if yes else 0)
+            self._notify = bool(yes)
 
     def submit(self, client: Client) -> int:
         """Sends the step without waiting: a ticket for Client.wait /

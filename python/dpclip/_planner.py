@@ -12,7 +12,7 @@ from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tu
 import torch
 
 from . import _lib
-from ._layers import _FLOAT_WIRE, Out, Part, _Layer
+from ._layers import _FLOAT_WIRE, Out, Part, Record, _Layer
 
 __all__ = ["Plan", "Replanner", "batch_size", "plan", "add_layers", "params", "set_grad",
            "out_dtype"]
@@ -165,6 +165,8 @@ class Replanner:
         # template (then steady() compares at step()), and the pointers
         self.at: Dict[int, int] = {}
         self.staged: List[Optional[Part]] = []
+        self.recs: List[Optional[Record]] = []   # the records staged (their identity is checked)
+        self.pass_id = 0                         # ... all of one pass
         self.n_staged = 0
         self.off = False
         self.ptrs: Optional[Any] = None
@@ -194,23 +196,28 @@ class Replanner:
             p = self._again(layers, self.B)
         return None if p is None else (self.B, p)
 
-    def stage(self, layer: _Layer, inp: torch.Tensor, g: torch.Tensor) -> None:
-        """layer captured (inp, g) (its record's tensors, just appended):
-        its part of a steady step staged where it is what the template's
-        part reads, as _again() would find at step()."""
+    def stage(self, layer: _Layer, rec: Record) -> None:
+        """layer captured rec (its record, just appended): its part of a
+        steady step staged where it is what the template's part reads, as
+        _again() would find at step(), and the pass is the one the others
+        staged."""
         if not self.serial or self.off:
             return
         i = self.at.get(id(layer), -1)
         k = self.keys[i] if i >= 0 else None
+        inp, g, pass_id = rec
         if k is None or self.staged[i] is not None or layer.outs is not k[4] \
                 or inp.shape != k[0] or g.shape != k[1] or inp.dtype is not k[2] \
-                or g.dtype is not k[3] or not inp.is_contiguous() or not g.is_contiguous():
+                or g.dtype is not k[3] or not inp.is_contiguous() or not g.is_contiguous() \
+                or (self.n_staged and pass_id != self.pass_id):
             self._leave()  # (a second capture included: the pass is not the template's)
             return
         ptrs = self.ptrs
         ptrs[2 * i] = inp.data_ptr()
         ptrs[2 * i + 1] = g.data_ptr()
         self.staged[i] = tuple.__new__(Part, k[5] + (inp, g) + k[6])
+        self.recs[i] = rec
+        self.pass_id = pass_id
         self.n_staged += 1
         self.sealed = False
         if self.resolve is not None and not self._queued:
@@ -237,6 +244,7 @@ class Replanner:
         """This pass is not staged (what was is dropped: it holds tensors)."""
         self.off, self.n_staged, self.sealed = True, 0, False
         self.staged = [None] * len(self.keys)
+        self.recs = [None] * len(self.keys)
 
     def unstage(self) -> None:
         """Forgets what was staged (the layers' captures are being dropped,
@@ -246,16 +254,25 @@ class Replanner:
         self._queued = False
         if self.n_staged or self.off:
             self.staged = [None] * len(self.keys)
+            self.recs = [None] * len(self.keys)
             self.n_staged, self.off, self.sealed = 0, False, False
+
+    def whole(self, layers: Sequence[_Layer]) -> Optional[Tuple[int, Plan]]:
+        """(the pass, its plan) where the layers hold one pass staged whole
+        (each layer its one capture, the very record staged): step()'s
+        common case, a whole step of the template's batch size; else None."""
+        p = self._staged_plan(layers)
+        return None if p is None else (self.pass_id, p)
 
     def _staged_plan(self, layers: Sequence[_Layer]) -> Optional[Plan]:
         staged = self.staged
         if not self.serial or self.off or not staged or self.n_staged != len(staged) \
                 or layers is not self.layers:
             return None
-        for l, pt in zip(layers, staged):
+        # (the record itself, not its tensors: one identity test a layer)
+        for l, rec in zip(layers, self.recs):
             r = l.records
-            if len(r) != 1 or r[0][0] is not pt.inp or r[0][1] is not pt.grad:
+            if len(r) != 1 or r[0] is not rec:
                 return None
         return Plan(staged, list(self.outs), True, self.serial, self.ptrs,
                     self.refs if self.sealed else None)
@@ -284,7 +301,8 @@ class Replanner:
 
     def _keep(self, layers: Sequence[_Layer], B: int, p: Plan) -> None:
         self.serial = 0
-        self.at, self.staged, self.n_staged, self.off, self.sealed = {}, [], 0, False, False
+        self.at, self.staged, self.recs = {}, [], []
+        self.n_staged, self.off, self.sealed = 0, False, False
         if len(p.parts) != len(layers):
             return
         tmpl, keys = [], []
@@ -315,6 +333,7 @@ class Replanner:
         if all(k is not None for k in keys):  # (a layer that captured nothing: not staged)
             self.at = {id(l): i for i, l in enumerate(layers)}
             self.staged = [None] * len(keys)
+            self.recs = [None] * len(keys)
             self.ptrs = (ctypes.c_uint64 * (2 * len(keys)))()
             self.refs = (ctypes.c_uint64 * (4 * len(keys)))()
             self._addrs = (ctypes.addressof(self.ptrs), ctypes.addressof(self.refs))

@@ -65,6 +65,7 @@ as a one-sample step of zeros. Skipping it would change the privacy analysis,
 which counts every step.
 """
 import math
+import operator
 import secrets
 import sys
 import time
@@ -94,6 +95,8 @@ from ._mha import DPMultiheadAttention, replace_mha  # noqa: F401  (public API)
 from ._registry import register, supported_layers  # noqa: F401  (public API)
 from .losses import (  # noqa: F401  (public API)
     cross_entropy, per_sample_cross_entropy, reduce_loss, sequence_cross_entropy)
+
+_DEVICE = operator.attrgetter("device")
 
 __all__ = ["PrivacyEngine", "make_private", "DPOptimizer", "UnsupportedModuleError",
            "UnclippedGradientError",
@@ -140,6 +143,8 @@ class PrivacyEngine:
         self._connect()
         self.active = False
         self._layers: List[_Layer] = []
+        self._weights: List[torch.Tensor] = []  # each layer's weight (_device())
+        self._probed = False  # no first-step check left to run (_probing())
         self._replanner = _planner.Replanner()  # steady steps' plans from a template
         self._pass = 0
         # gradient accumulation: the logical step under way (dpclip._accumulate),
@@ -347,6 +352,7 @@ class PrivacyEngine:
         layers, norms = collect_layers(self, module)
         if check_first_step and not fsdp:
             _verify.install(self, module, layers)
+            self._probed = False
         device = layers[0].weight.device
         if distributed is None:
             distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
@@ -519,6 +525,7 @@ class PrivacyEngine:
         """Swaps in the layers' forwards and hooks the module: a pass count,
         and each normalization's check against mixing samples."""
         self._layers = layers
+        self._weights = [l.weight for l in layers]
         # FSDP2's sharded parameters get their gradients through its own
         # hooks: only the optimizer's parameters are checked there
         self._guard = Guard(_planner.params(layers), hooks=self.mode.guard_hooks)
@@ -703,13 +710,13 @@ class PrivacyEngine:
             _fsdp.check_unwrapped(self._layers)
         self.mode.step(params)  # dpclip._modes: one process, data parallel, sharded, grouped
 
-    def _step_whole(self) -> Optional[torch.Tensor]:
+    def _step_whole(self, staged: Optional[_planner.Plan] = None) -> Optional[torch.Tensor]:
         """This process's step of one pass, as a whole step (the logical
-        step's only micro-batch); returns (data parallel) a [1] f32 tensor
-        on the gradients' device: 1 where the step's result is in
-        param.grad, 0 where it is not."""
+        step's only micro-batch; staged: its plan, the pass staged whole);
+        returns (data parallel) a [1] f32 tensor on the gradients' device:
+        1 where the step's result is in param.grad, 0 where it is not."""
         t0 = time.perf_counter()
-        B, plan = self._planned()
+        B, plan = (self._replanner.B, staged) if staged is not None else self._planned()
         if plan is None:
             if B == 0:
                 if self.loss_reduction == "mean" and self.expected_batch_size <= 0:
@@ -749,8 +756,12 @@ class PrivacyEngine:
         return self._replanner.plan(self._layers, B)
 
     def _probing(self) -> bool:
-        """A layer's first-step check is still to run."""
-        return any(l.verify is not None for l in self._layers)
+        """A layer's first-step check is still to run (once none is, none
+        ever is again: checks are installed by make_private alone)."""
+        if self._probed:
+            return False
+        self._probed = not any(l.verify is not None for l in self._layers)
+        return not self._probed
 
     @property
     def norm_group_name(self) -> Optional[str]:
@@ -762,7 +773,7 @@ class PrivacyEngine:
         return self._cuda if device.type == "cuda" else self._host
 
     def _device(self) -> torch.device:
-        devs = {l.weight.device for l in self._layers}
+        devs = set(map(_DEVICE, self._weights))
         if len(devs) != 1:
             raise ValueError("the private parameters span several devices (%s); one engine "
                              "serves one device" % ", ".join(str(d) for d in devs))

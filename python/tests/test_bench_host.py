@@ -7,6 +7,7 @@ being positive (issue 40 takes the figures on the GPU machine).
 """
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -66,22 +67,32 @@ def test_bare_timers(secure_daemon):
         < 1e-3, line
 
 
-def test_two_versions_take_turns(secure_daemon):
-    """bench/host_ab.py: the package at a git revision (here HEAD) and this
-    tree's, each round a bare bench of each, summed up as one line per
-    version (median, least, most of its rounds) and their ratio."""
-    if subprocess.run(["git", "-C", REPO, "rev-parse", "HEAD"], stdout=subprocess.DEVNULL,
-                      stderr=subprocess.DEVNULL).returncode != 0:
+@pytest.mark.parametrize("given", ["git", "directory"])
+def test_two_versions_take_turns(secure_daemon, tmp_path, given):
+    """bench/host_ab.py: the package at a git revision (here HEAD), or in a
+    directory (a copy of this tree's python/, bench/ and client/dpclip.h),
+    and this tree's, each round a bare bench of each, summed up as one line
+    per version (median, least, most of its rounds) and their ratio."""
+    rev = "HEAD"
+    if given == "directory":
+        rev = str(tmp_path / "old")
+        for d in ("python", "bench"):
+            shutil.copytree(os.path.join(REPO, d), os.path.join(rev, d),
+                            ignore=shutil.ignore_patterns("__pycache__"))
+        os.makedirs(os.path.join(rev, "client"))
+        shutil.copy(os.path.join(REPO, "client", "dpclip.h"), os.path.join(rev, "client"))
+    elif subprocess.run(["git", "-C", REPO, "rev-parse", "HEAD"], stdout=subprocess.DEVNULL,
+                        stderr=subprocess.DEVNULL).returncode != 0:
         pytest.skip("not a git checkout: host_ab.py takes its base version from git")
     proc = subprocess.run(
         [sys.executable, os.path.join(REPO, "bench", "host_ab.py"), "--socket",
-         secure_daemon.socket, "--base", "HEAD", "--rounds", "2", "--", "--device", "cpu",
+         secure_daemon.socket, "--base", rev, "--rounds", "2", "--", "--device", "cpu",
          "--blocks", "1", "--d", "32", "--heads", "2", "--vocab", "67", "--seq", "12",
          "--batch", "3", "--warmup", "1", "--steps", "2"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, universal_newlines=True, timeout=600)
     assert proc.returncode == 0, proc.stderr
     base, this, ratio = [json.loads(l) for l in proc.stdout.splitlines() if l.startswith("{")]
-    assert base["version"] == "base HEAD" and this["version"] == "this tree", (base, this)
+    assert base["version"] == "base " + rev and this["version"] == "this tree", (base, this)
     for line in (base, this):
         assert line["rounds"] == 2
         for k in ("before_submit_less_wait_ms", "overhead_less_wait_ms", "backward_ms"):

@@ -216,6 +216,50 @@ def test_a_steady_plan_is_staged_as_the_layers_capture(daemon):
     engine.close()
 
 
+def test_a_pass_staged_whole_is_one_pass(daemon):
+    """Replanner.whole (step()'s steady case, which skips counting the
+    passes): the layers' captures of one pass, staged as they came, give
+    that pass and its plan, and the committed step is the one the
+    comparison makes; captures of two passes (each layer once) are not
+    staged whole, and step() counts the passes, as before."""
+    from dpclip import _accumulate
+    engine, model, opt = _steady_engine(daemon)
+    rp, layers = engine._replanner, engine._layers
+    counted = []
+    to_commit = _accumulate.Accumulator._to_commit
+
+    def counting(acc):
+        counted.append(1)
+        return to_commit(acc)
+    _accumulate.Accumulator._to_commit = counting
+    try:
+        for i in range(4):
+            model(torch.randint(0, 9, (4, 5))).square().mean().backward()
+            whole = rp.whole(layers)
+            # (the first step checks the layers; the second is kept as the template)
+            assert (whole is not None) == (i >= 2)
+            if whole is not None:
+                assert engine._acc._passes() == [whole[0]]
+                _same_plan(whole[1], _planner.plan(layers, 4))
+            opt.step()
+            opt.zero_grad()
+        assert len(counted) == 2  # the steps before the template alone counted their passes
+        model(torch.randint(0, 9, (4, 5))).square().mean().backward()
+        recs = [l.records[0] for l in layers]
+        rp.unstage()  # the same captures, staged as if the second layer's were another pass's
+        for k, (l, r) in enumerate(zip(layers, recs)):
+            r = (r[0], r[1], r[2] + 1) if k == 1 else r
+            l.records[:] = [r]
+            rp.stage(l, r)
+        assert rp.off and rp.n_staged == 0 and rp.whole(layers) is None
+        assert engine._acc._passes() == sorted({recs[0][2], recs[0][2] + 1})
+        engine._drop()
+        opt.zero_grad()
+    finally:
+        _accumulate.Accumulator._to_commit = to_commit
+    engine.close()
+
+
 @pytest.mark.parametrize("fails", [False, True])
 def test_staged_tensors_are_resolved_at_the_backwards_end(daemon, fails):
     """Replanner.resolve (a CUDA engine's Client.refs_cuda_at): once the
@@ -302,6 +346,13 @@ def test_staged_or_compared_a_steady_plan_is_the_plan(daemon):
         nb = _planner.batch_size(engine._layers)
         want = _planner.plan(engine._layers, nb)
         st = rp.steady(engine._layers)
+        whole = rp.whole(engine._layers)  # (step()'s: a pass staged whole, its id and plan)
+        if whole is not None:
+            assert engine._acc._passes() == [whole[0]]
+            assert whole[1].ptrs is not None and st is not None and st[1].ptrs is not None
+            _same_plan(whole[1], want)
+        else:
+            assert st is None or st[1].ptrs is None
         if st is None:
             seen["none"] += 1
         else:
