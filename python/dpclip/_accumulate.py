@@ -336,9 +336,11 @@ class Accumulator:
         try:
             yield
         finally:
+            left = False
             for l, s in zip(layers, saved):
                 l.records = [r for r in s if r[2] != p]
-            self.e._replanner.unstage()  # pylint: disable=protected-access
+                left = left or bool(l.records)
+            self.e._replanner.unstage(clean=not left)  # pylint: disable=protected-access
 
     def _next(self) -> Tuple[int, int]:
         """(logical id, index) of the next micro-batch sent; the first

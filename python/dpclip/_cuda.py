@@ -94,6 +94,9 @@ def _index(device: torch.device) -> int:
 # trainer's stream copies bucket k out and bucket k - 1's waits to be reused
 _SLOTS = 3
 
+# The current stream's handle on a device (torch's CUDA builds)
+_RAW_STREAM = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
 # What CudaIPC.run did (dpclip._transport.Run; kept under its old name)
 CudaRun = Run
 
@@ -130,9 +133,22 @@ class CudaIPC(Transport):
         self._release_mu = threading.Lock()
         # every output arena made (_out_buffers): what release_flags zeroes
         self._arenas: List[torch.Tensor] = []
+        self._streams: Dict[Tuple[int, int], torch.cuda.Stream] = {}  # (_current_stream)
         # (plan serial, device) whose outputs all have buffers there: the
         # steady steps of one template skip _out_buffers' look at each
         self._outs_on: Optional[Tuple[int, torch.device]] = None
+
+    def _current_stream(self, device: torch.device) -> torch.cuda.Stream:
+        """torch.cuda.current_stream(device), its Stream object made once per
+        stream (a step's host time: the handle is read, not wrapped anew)."""
+        idx = _index(device)
+        raw = _RAW_STREAM(idx) if _RAW_STREAM is not None else None
+        s = self._streams.get((idx, raw)) if raw is not None else None
+        if s is None:
+            s = torch.cuda.current_stream(device)
+            if raw is not None and s.cuda_stream == raw:
+                self._streams[(idx, raw)] = s
+        return s
 
     def _ipc_event(self, idx: int) -> Tuple[torch.cuda.Event, int]:
         """A new interprocess event on device idx, registered with the
@@ -428,7 +444,7 @@ class CudaIPC(Transport):
         ticket, info, res = 0, None, None
         with torch.cuda.device(device):
             rebound = self._layers(step, plan, nb, algorithm, refs, ptrs, fresh)
-            stream = torch.cuda.current_stream(device)
+            stream = self._current_stream(device)
             if gated:
                 coefs = self.coefs_out(nb, device)
                 coefs.zero_()  # stays zero unless the daemon's step succeeds

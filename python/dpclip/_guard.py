@@ -82,11 +82,9 @@ class Guard:
         optimizer's) that the engine does not train holds a gradient."""
         stray = list(self.stray.values())
         ids = self._ids
-        ps = list(params) if params is not None else []
-        # (each step: the common case, every parameter of the optimizer a
-        # trained one, in one pass of C loops; else each looked at)
-        foreign = [] if ids.issuperset(map(id, ps)) else [
-            p for p in ps if id(p) not in ids and getattr(p, "grad", None) is not None]
+        # (one pass over the optimizer's parameters, each step: no list of them)
+        foreign = [(i, p) for i, p in enumerate(params if params is not None else ())
+                   if id(p) not in ids and getattr(p, "grad", None) is not None]
         if not stray and not foreign:
             return
         names = param_names(module)
@@ -115,5 +113,5 @@ class Guard:
             "make_private, or is not in the module. Freeze it (requires_grad_(False)) and set "
             "its .grad to None, or call make_private with it trainable; no parameter was "
             "updated" % ("s" if len(foreign) > 1 else "",
-                         ", ".join(name(p) for p in foreign),
+                         ", ".join(name(p) for _, p in foreign),
                          "" if len(foreign) > 1 else "s"))

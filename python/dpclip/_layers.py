@@ -289,6 +289,68 @@ BiasArg = Union[None, bool, torch.Tensor]
 Record = Tuple[torch.Tensor, torch.Tensor, int]
 
 
+class Records(list):
+    """A layer's records: a list that counts each change made to it in
+    `changes` (its engine's one-element list), but _Layer.record's append,
+    which stages what it appends (dpclip._planner.Replanner). So a pass
+    staged whole is known to be what the layers hold, with no look at each
+    layer: nothing changed their records since staging began."""
+    __slots__ = ("changes",)
+
+    def __init__(self, changes: List[int], items: Any = ()) -> None:
+        super().__init__(items)
+        self.changes = changes
+
+    def append(self, x: Any) -> None:
+        self.changes[0] += 1
+        list.append(self, x)
+
+    def extend(self, xs: Any) -> None:
+        self.changes[0] += 1
+        list.extend(self, xs)
+
+    def insert(self, i: Any, x: Any) -> None:
+        self.changes[0] += 1
+        list.insert(self, i, x)
+
+    def pop(self, *i: Any) -> Any:
+        self.changes[0] += 1
+        return list.pop(self, *i)
+
+    def remove(self, x: Any) -> None:
+        self.changes[0] += 1
+        list.remove(self, x)
+
+    def clear(self) -> None:
+        self.changes[0] += 1
+        list.clear(self)
+
+    def sort(self, *a: Any, **k: Any) -> None:
+        self.changes[0] += 1
+        list.sort(self, *a, **k)
+
+    def reverse(self) -> None:
+        self.changes[0] += 1
+        list.reverse(self)
+
+    def __setitem__(self, i: Any, x: Any) -> None:
+        self.changes[0] += 1
+        list.__setitem__(self, i, x)
+
+    def __delitem__(self, i: Any) -> None:
+        self.changes[0] += 1
+        list.__delitem__(self, i)
+
+    def __iadd__(self, xs: Any) -> "Records":
+        self.changes[0] += 1
+        list.extend(self, xs)
+        return self
+
+    def __imul__(self, n: Any) -> "Records":
+        self.changes[0] += 1
+        return list.__imul__(self, n)
+
+
 def _attr_name(module: nn.Module, t: Optional[torch.Tensor]) -> Optional[str]:
     """The name under which module holds t directly (a parameter or a
     buffer), else None."""
@@ -330,7 +392,9 @@ class _Layer:
         self.bias_any: Optional[torch.Tensor] = b if isinstance(b, torch.Tensor) else None
         self.bias: Optional[torch.Tensor] = \
             b if (isinstance(b, torch.Tensor) and b.requires_grad) else None
-        self.records: List[Record] = []
+        # (the engine's count of changes to its layers' records: Records)
+        self._changes: List[int] = getattr(engine, "_record_changes", None) or [0]
+        self._records = Records(self._changes)
         self.replicated = False         # norm groups: held whole by every member
         self.tie: Optional[_Layer] = None      # the earlier layer whose weight this one's is
         self.tied_by: Optional[_Layer] = None  # ... and the later one, on that layer
@@ -381,10 +445,20 @@ class _Layer:
         reaches, and a steady step's plan is staged as its layers capture
         (dpclip._planner.Replanner.stage)."""
         rec = (first, second, pass_id)
-        self.records.append(rec)
+        list.append(self._records, rec)  # (not a change: staged, below)
         e = self.engine
         e._acc.captured(pass_id)  # pylint: disable=protected-access
         e._replanner.stage(self, rec)  # pylint: disable=protected-access
+
+    @property
+    def records(self) -> Records:
+        """What it captured since the last step (see Records)."""
+        return self._records
+
+    @records.setter
+    def records(self, v: Any) -> None:
+        self._changes[0] += 1
+        self._records = Records(self._changes, v)
 
     def trains(self) -> bool:
         """Whether a parameter it trains is trainable now (not frozen)."""

@@ -2,15 +2,11 @@
 engine (dpclip.torch.PrivacyEngine) fill param.grad with the private
 gradient, then runs the wrapped optimizer's step."""
 import collections
-import itertools
-import operator
 from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
 from . import _batches
-
-_PARAMS = operator.itemgetter("params")
 
 
 class DPOptimizer(torch.optim.Optimizer):
@@ -74,7 +70,7 @@ class DPOptimizer(torch.optim.Optimizer):
             return None
         # the engine refuses (fail closed) where one of these holds a
         # gradient it did not compute
-        self.engine.step(params=itertools.chain.from_iterable(map(_PARAMS, self.param_groups)))
+        self.engine.step(params=(p for g in self.param_groups for p in g["params"]))
         return self.original_optimizer.step()
 
     def add_param_group(self, param_group: Dict[str, Any]) -> None:

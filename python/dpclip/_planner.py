@@ -36,7 +36,7 @@ class Plan(NamedTuple):
     resolves them once staged (CUDA: Replanner.resolve), refs: their
     (buffer_id, offset) pairs, refs[4i .. 4i + 3] (the same)."""
     parts: List[Part]
-    outs: List[Out]
+    outs: Sequence[Out]  # (read only: a template's plans share their template's)
     wired: bool = False
     serial: int = 0
     ptrs: Optional[Any] = None
@@ -150,7 +150,12 @@ class Replanner:
     the step only rebinds; where it fails the pass is left to step(), which
     raises its error."""
 
-    def __init__(self) -> None:
+    def __init__(self, changes: Optional[List[int]] = None) -> None:
+        # the engine's count of changes to its layers' records (Records):
+        # what it read when staging began, and whether they were empty then
+        self.changes = changes if changes is not None else [0]
+        self.seen = -1
+        self.clean = False
         self.serial = 0      # the template's number (Plan.serial); 0: none
         self.layers: Optional[Sequence[_Layer]] = None
         self.B = -1
@@ -159,7 +164,7 @@ class Replanner:
         # input dtype, grad dtype, its outs list, the part's fields before
         # its tensors, and after them)
         self.keys: List[Optional[Tuple[Any, ...]]] = []
-        self.outs: List[Out] = []
+        self.outs: Sequence[Out] = ()
         # staging: the template's index of each layer (by id), this pass's
         # staged parts (None: not yet), how many, whether the pass left the
         # template (then steady() compares at step()), and the pointers
@@ -206,7 +211,8 @@ class Replanner:
         i = self.at.get(id(layer), -1)
         k = self.keys[i] if i >= 0 else None
         inp, g, pass_id = rec
-        if k is None or self.staged[i] is not None or layer.outs is not k[4] \
+        if k is None or self.changes[0] != self.seen or self.staged[i] is not None \
+                or layer.outs is not k[4] \
                 or inp.shape != k[0] or g.shape != k[1] or inp.dtype is not k[2] \
                 or g.dtype is not k[3] or not inp.is_contiguous() or not g.is_contiguous() \
                 or (self.n_staged and pass_id != self.pass_id):
@@ -246,23 +252,33 @@ class Replanner:
         self.staged = [None] * len(self.keys)
         self.recs = [None] * len(self.keys)
 
-    def unstage(self) -> None:
+    def unstage(self, clean: bool = True) -> None:
         """Forgets what was staged (the layers' captures are being dropped,
-        or some sent: the staged parts hold their tensors). A _seal queued
+        or some sent: the staged parts hold their tensors); staging begins
+        again, the layers' records empty (clean) or not. A _seal queued
         by a backward that raised never runs: the next backward queues its
         own."""
         self._queued = False
+        self.seen, self.clean = self.changes[0], clean
         if self.n_staged or self.off:
             self.staged = [None] * len(self.keys)
             self.recs = [None] * len(self.keys)
             self.n_staged, self.off, self.sealed = 0, False, False
 
     def whole(self, layers: Sequence[_Layer]) -> Optional[Tuple[int, Plan]]:
-        """(the pass, its plan) where the layers hold one pass staged whole
-        (each layer its one capture, the very record staged): step()'s
-        common case, a whole step of the template's batch size; else None."""
-        p = self._staged_plan(layers)
-        return None if p is None else (self.pass_id, p)
+        """(the pass, its plan) where the layers hold one pass staged whole:
+        step()'s common case, a whole step of the template's batch size;
+        else None. Without a look at each layer: their records were empty
+        when staging began (unstage(clean)), every capture since was staged
+        (each layer's once, all of one pass), and nothing else changed them
+        (Records counts each change)."""
+        staged = self.staged
+        if not self.serial or self.off or not self.clean or not staged \
+                or self.n_staged != len(staged) or layers is not self.layers \
+                or self.changes[0] != self.seen:
+            return None
+        return self.pass_id, Plan(staged, self.outs, True, self.serial, self.ptrs,
+                                  self.refs if self.sealed else None)
 
     def _staged_plan(self, layers: Sequence[_Layer]) -> Optional[Plan]:
         staged = self.staged
@@ -274,7 +290,7 @@ class Replanner:
             r = l.records
             if len(r) != 1 or r[0] is not rec:
                 return None
-        return Plan(staged, list(self.outs), True, self.serial, self.ptrs,
+        return Plan(staged, self.outs, True, self.serial, self.ptrs,
                     self.refs if self.sealed else None)
 
     def _again(self, layers: Sequence[_Layer], B: int) -> Optional[Plan]:
@@ -297,10 +313,11 @@ class Replanner:
                     or g.dtype is not k[3] or not inp.is_contiguous() or not g.is_contiguous():
                 return None
             parts.append(new(Part, k[5] + (inp, g) + k[6]))
-        return Plan(parts, list(self.outs), True, self.serial)
+        return Plan(parts, self.outs, True, self.serial)
 
     def _keep(self, layers: Sequence[_Layer], B: int, p: Plan) -> None:
         self.serial = 0
+        self.seen, self.clean = -1, False  # (staging waits for the step's end: unstage())
         self.at, self.staged, self.recs = {}, [], []
         self.n_staged, self.off, self.sealed = 0, False, False
         if len(p.parts) != len(layers):
@@ -329,7 +346,7 @@ class Replanner:
         Replanner._serials += 1
         self.serial = Replanner._serials
         self.layers, self.B, self.tmpl, self.keys = layers, B, tmpl, keys
-        self.outs = list(p.outs)
+        self.outs = tuple(p.outs)
         if all(k is not None for k in keys):  # (a layer that captured nothing: not staged)
             self.at = {id(l): i for i, l in enumerate(layers)}
             self.staged = [None] * len(keys)

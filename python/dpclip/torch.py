@@ -65,7 +65,6 @@ as a one-sample step of zeros. Skipping it would change the privacy analysis,
 which counts every step.
 """
 import math
-import operator
 import secrets
 import sys
 import time
@@ -95,8 +94,6 @@ from ._mha import DPMultiheadAttention, replace_mha  # noqa: F401  (public API)
 from ._registry import register, supported_layers  # noqa: F401  (public API)
 from .losses import (  # noqa: F401  (public API)
     cross_entropy, per_sample_cross_entropy, reduce_loss, sequence_cross_entropy)
-
-_DEVICE = operator.attrgetter("device")
 
 __all__ = ["PrivacyEngine", "make_private", "DPOptimizer", "UnsupportedModuleError",
            "UnclippedGradientError",
@@ -143,9 +140,9 @@ class PrivacyEngine:
         self._connect()
         self.active = False
         self._layers: List[_Layer] = []
-        self._weights: List[torch.Tensor] = []  # each layer's weight (_device())
         self._probed = False  # no first-step check left to run (_probing())
-        self._replanner = _planner.Replanner()  # steady steps' plans from a template
+        self._record_changes = [0]  # (dpclip._layers.Records; the replanner relies on it)
+        self._replanner = _planner.Replanner(self._record_changes)
         self._pass = 0
         # gradient accumulation: the logical step under way (dpclip._accumulate),
         # and engine.logical_batches()'s state while one is in use (dpclip._batches)
@@ -525,7 +522,6 @@ class PrivacyEngine:
         """Swaps in the layers' forwards and hooks the module: a pass count,
         and each normalization's check against mixing samples."""
         self._layers = layers
-        self._weights = [l.weight for l in layers]
         # FSDP2's sharded parameters get their gradients through its own
         # hooks: only the optimizer's parameters are checked there
         self._guard = Guard(_planner.params(layers), hooks=self.mode.guard_hooks)
@@ -773,7 +769,7 @@ class PrivacyEngine:
         return self._cuda if device.type == "cuda" else self._host
 
     def _device(self) -> torch.device:
-        devs = set(map(_DEVICE, self._weights))
+        devs = {l.weight.device for l in self._layers}
         if len(devs) != 1:
             raise ValueError("the private parameters span several devices (%s); one engine "
                              "serves one device" % ", ".join(str(d) for d in devs))

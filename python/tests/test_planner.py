@@ -62,7 +62,7 @@ def test_outputs_follow_the_layers():
 def _same_plan(got, want, identical=True):
     """The same parts; their tensors the same objects (identical), or equal
     (a concatenation is a new tensor each time)."""
-    assert len(got.parts) == len(want.parts) and got.outs == want.outs
+    assert len(got.parts) == len(want.parts) and list(got.outs) == list(want.outs)
     for a, b in zip(got.parts, want.parts):
         if identical or a.inp is None:
             assert a.inp is b.inp and a.grad is b.grad
@@ -246,10 +246,12 @@ def test_a_pass_staged_whole_is_one_pass(daemon):
         assert len(counted) == 2  # the steps before the template alone counted their passes
         model(torch.randint(0, 9, (4, 5))).square().mean().backward()
         recs = [l.records[0] for l in layers]
+        recs[1] = (recs[1][0], recs[1][1], recs[1][2] + 1)
+        for l, r in zip(layers, recs):
+            l.records[:] = []
         rp.unstage()  # the same captures, staged as if the second layer's were another pass's
-        for k, (l, r) in enumerate(zip(layers, recs)):
-            r = (r[0], r[1], r[2] + 1) if k == 1 else r
-            l.records[:] = [r]
+        for l, r in zip(layers, recs):
+            list.append(l.records, r)  # (as _Layer.record appends)
             rp.stage(l, r)
         assert rp.off and rp.n_staged == 0 and rp.whole(layers) is None
         assert engine._acc._passes() == sorted({recs[0][2], recs[0][2] + 1})
@@ -257,6 +259,55 @@ def test_a_pass_staged_whole_is_one_pass(daemon):
         opt.zero_grad()
     finally:
         _accumulate.Accumulator._to_commit = to_commit
+    engine.close()
+
+
+def test_any_change_to_the_records_after_staging_is_seen(daemon):
+    """Replanner.whole trusts a pass staged whole without looking at each
+    layer because Records counts every change to a layer's records but
+    _Layer.record's own append: each kind of change after staging (even
+    one that leaves the same record in place) makes whole() decline, and
+    step()'s comparison then plans what the layers hold."""
+    engine, model, opt = _steady_engine(daemon)
+    rp, layers = engine._replanner, engine._layers
+    changes = {
+        "append": lambda r: r.append(r[0]),
+        "extend": lambda r: r.extend([]),
+        "insert": lambda r: r.insert(0, r[0]),
+        "setitem": lambda r: r.__setitem__(0, r[0]),
+        "slice": lambda r: r.__setitem__(slice(0, 1), [r[0]]),
+        "delitem then append": lambda r: (r.__delitem__(0), r.append(None)),
+        "pop then append": lambda r: r.append(r.pop()),
+        "clear then append": lambda r: (lambda x: (r.clear(), r.append(x)))(r[0]),
+        "remove then append": lambda r: (lambda x: (r.remove(x), r.append(x)))(r[0]),
+        "sort": lambda r: r.sort(key=id),
+        "reverse": lambda r: r.reverse(),
+        "iadd": lambda r: r.__iadd__([]),
+        "imul": lambda r: r.__imul__(1),
+        "replaced": None,
+    }
+    for i in range(2):  # the first-step check, then the template
+        model(torch.randint(0, 9, (4, 5))).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    for name, change in changes.items():
+        model(torch.randint(0, 9, (4, 5))).square().mean().backward()
+        assert rp.whole(layers) is not None, name
+        l = layers[1]
+        if change is None:
+            l.records = list(l.records)  # (the setter: the same records, a new list)
+        else:
+            change(l.records)
+        assert rp.whole(layers) is None, name
+        if name != "delitem then append":  # (whose record is gone: not a plan)
+            st = rp.steady(layers)
+            want = _planner.plan(layers, 4) if all(len(x.records) == 1 for x in layers) else None
+            if want is None:
+                assert st is None, name
+            else:
+                _same_plan(st[1], want)
+        engine._drop()
+        opt.zero_grad()
     engine.close()
 
 
