@@ -97,6 +97,8 @@ _SLOTS = 3
 # The current stream's handle on a device (torch's CUDA builds)
 _RAW_STREAM = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
+_STREAMS_KEPT = 64
+
 # What CudaIPC.run did (dpclip._transport.Run; kept under its old name)
 CudaRun = Run
 
@@ -147,6 +149,8 @@ class CudaIPC(Transport):
         if s is None:
             s = torch.cuda.current_stream(device)
             if raw is not None and s.cuda_stream == raw:
+                if len(self._streams) >= _STREAMS_KEPT:  # (a stream made per step: bounded)
+                    self._streams.clear()
                 self._streams[(idx, raw)] = s
         return s
 

@@ -492,6 +492,8 @@ def test_detached_micro_batches_each_wait_on_their_own_ready_event(monkeypatch):
             return 100 + len(registered) - 1
 
     class Stream:
+        cuda_stream = 0
+
         def wait_event(self, ev):
             pass
 
