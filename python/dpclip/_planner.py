@@ -141,9 +141,12 @@ class Replanner:
     backward (stage(), from _Layer.record), so that a steady step's plan,
     and its tensors' device pointers, are ready when step() is called:
     steady() then only checks that every layer holds what was staged for it
-    (its one capture, the same object), which is plan()'s answer again.
-    Anything else (a layer captured twice, another shape, a layer the
-    template does not know) leaves the pass to the comparison at step().
+    (its one capture, the same object), which is plan()'s answer again, and
+    whole() (step()'s common case) not even that: the layers' records count
+    their changes (dpclip._layers.Records), so none since staging began on
+    empty records means they hold what was staged. Anything else (a layer
+    captured twice, another shape or pass, a layer the template does not
+    know, records changed) leaves the pass to the comparison at step().
     unstage() forgets it, with the layers' captures. resolve (set by the
     engine for a CUDA model: Client.refs_cuda_at) names the staged tensors
     for the daemon at the backward's end (_seal), all in one call, so that
@@ -216,7 +219,9 @@ class Replanner:
                 or inp.shape != k[0] or g.shape != k[1] or inp.dtype is not k[2] \
                 or g.dtype is not k[3] or not inp.is_contiguous() or not g.is_contiguous() \
                 or (self.n_staged and pass_id != self.pass_id):
-            self._leave()  # (a second capture included: the pass is not the template's)
+            # (a second capture, or records changed since staging began,
+            # included: the pass is not the template's, or not only it)
+            self._leave()
             return
         ptrs = self.ptrs
         ptrs[2 * i] = inp.data_ptr()
@@ -273,7 +278,7 @@ class Replanner:
         (each layer's once, all of one pass), and nothing else changed them
         (Records counts each change)."""
         staged = self.staged
-        if not self.serial or self.off or not self.clean or not staged \
+        if not self.serial or self.off or not self.clean or not staged or self.B <= 0 \
                 or self.n_staged != len(staged) or layers is not self.layers \
                 or self.changes[0] != self.seen:
             return None
