@@ -501,3 +501,41 @@ def test_the_peer_and_its_end():
     assert _flags._gone((p.pid, me[1]))
     a.close()
     b.close()
+
+
+def test_the_current_streams_object_is_made_once_per_stream(monkeypatch):
+    """CudaIPC._current_stream: torch's current stream, its Stream object
+    made once per (device, stream handle) and reused while that stream is
+    current; another stream gets its own; one whose object does not carry
+    the handle read is not kept; and at most _STREAMS_KEPT are kept."""
+    made = []
+
+    class Stream:
+        def __init__(self, handle):
+            self.cuda_stream = handle
+
+    current = {"handle": 7, "object": None}
+
+    def current_stream(device=None):
+        made.append(current["handle"])
+        return Stream(current["handle"] if current["object"] is None else current["object"])
+
+    monkeypatch.setattr(_cuda, "_RAW_STREAM", lambda idx: current["handle"])
+    monkeypatch.setattr(torch.cuda, "current_stream", current_stream)
+    io, dev = _cuda.CudaIPC(_Client()), torch.device("cuda", 0)
+    a = io._current_stream(dev)
+    assert io._current_stream(dev) is a and a.cuda_stream == 7 and made == [7]
+    current["handle"] = 9  # (torch.cuda.stream(s): another stream is current)
+    b = io._current_stream(dev)
+    assert b is not a and b.cuda_stream == 9 and io._current_stream(dev) is b
+    current["handle"] = 7
+    assert io._current_stream(dev) is a and made == [7, 9]
+    current["handle"], current["object"] = 11, 12  # the object's handle is not the one read
+    io._current_stream(dev)
+    io._current_stream(dev)
+    assert made == [7, 9, 11, 11]
+    current["object"] = None
+    for h in range(100, 100 + 2 * _cuda._STREAMS_KEPT):  # a new stream each step
+        current["handle"] = h
+        io._current_stream(dev)
+        assert len(io._streams) <= _cuda._STREAMS_KEPT

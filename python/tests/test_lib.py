@@ -358,3 +358,46 @@ def test_set_tied_binding(daemon):
             step.run(c)
         assert ei.value.code == _lib.EINVAL and ei.value.field == "clip_step.layers[1].tied_to"
         step.close()
+
+
+def test_unchanged_step_settings_are_not_set_again():
+    """Step.set_events, notify_enqueued and set_outputs() (none) call into
+    libdpclip only where the setting changes (each call would have a steady
+    step's message encoded again); a change, and set_outputs() after
+    outputs were set, still reach it, and reset() drops the outputs."""
+    step = dpclip.Step(2, max_grad_norm=1.0, reduction=_lib.SUM)
+    calls = []
+    real = step._L
+
+    class Counting:
+        def __getattr__(self, name):
+            fn = getattr(real, name)
+
+            def call(*a):
+                calls.append(name)
+                return fn(*a)
+            return call
+    step._L = Counting()
+    try:
+        step.set_events(3, 4)
+        step.set_events(3, 4)
+        step.set_events(3, 5)
+        assert calls.count("dpclip_step_set_events") == 2
+        step.notify_enqueued(True)
+        step.notify_enqueued(True)
+        step.notify_enqueued(False)
+        assert calls.count("dpclip_step_notify_enqueued") == 2
+        step.set_outputs()  # (none set yet: nothing to drop)
+        assert "dpclip_step_set_outputs" not in calls
+        coefs = _lib.Tensor(1, 0, _lib.F32, 1, (2,))
+        step.set_outputs(coefs_out=coefs)
+        step.set_outputs()  # drops it
+        step.set_outputs()
+        assert calls.count("dpclip_step_set_outputs") == 2
+        step.set_outputs(coefs_out=coefs)
+        step.reset(2)  # drops it too
+        step.set_outputs()
+        assert calls.count("dpclip_step_set_outputs") == 3
+    finally:
+        step._L = real
+        step.close()
