@@ -524,9 +524,10 @@ class Step:
         # (rebind_cuda) checks that nobody changed them since it built them.
         self.layout = 0
         self._done_flag: Optional[Tensor] = None  # set_done_flag's (kept by reset)
-        # The settings a steady step sets again each time, as last set (each
-        # call would have the step encoded again): the events and the notice
-        # (kept by reset), and whether no norms/coefficients output is set
+        # The settings a steady step sets again each time, as last set (a
+        # call into libdpclip each, skipped where unchanged): the events and
+        # the notice (kept by reset), and whether no norms/coefficients
+        # output is set
         self._events: Tuple[int, int] = (0, 0)
         self._notify = False
         self._no_outputs = True
