@@ -197,7 +197,7 @@ class Accumulator:
             # pass of a logical step nothing of which was sent is never late)
             whole = e._replanner.whole(e._layers)
             if whole is not None:
-                return e._step_whole(whole[1])
+                return e._step_whole(whole)
         pending = self._to_commit()
         if alone and len(pending) <= 1:
             return e._step_whole()

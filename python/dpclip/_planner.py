@@ -270,32 +270,36 @@ class Replanner:
             self.recs = [None] * len(self.keys)
             self.n_staged, self.off, self.sealed = 0, False, False
 
-    def whole(self, layers: Sequence[_Layer]) -> Optional[Tuple[int, Plan]]:
-        """(the pass, its plan) where the layers hold one pass staged whole:
+    def whole(self, layers: Sequence[_Layer]) -> Optional[Plan]:
+        """The plan of the pass (pass_id) the layers hold staged whole:
         step()'s common case, a whole step of the template's batch size;
         else None. Without a look at each layer: their records were empty
         when staging began (unstage(clean)), every capture since was staged
         (each layer's once, all of one pass), and nothing else changed them
         (Records counts each change)."""
-        staged = self.staged
-        if not self.serial or self.off or not self.clean or not staged or self.B <= 0 \
-                or self.n_staged != len(staged) or layers is not self.layers \
+        if not self._all_staged(layers) or not self.clean or self.B <= 0 \
                 or self.changes[0] != self.seen:
             return None
-        return self.pass_id, Plan(staged, self.outs, True, self.serial, self.ptrs,
-                                  self.refs if self.sealed else None)
+        return self._staged_as_plan()
 
     def _staged_plan(self, layers: Sequence[_Layer]) -> Optional[Plan]:
-        staged = self.staged
-        if not self.serial or self.off or not staged or self.n_staged != len(staged) \
-                or layers is not self.layers:
+        if not self._all_staged(layers):
             return None
         # (the record itself, not its tensors: one identity test a layer)
         for l, rec in zip(layers, self.recs):
             r = l.records
             if len(r) != 1 or r[0] is not rec:
                 return None
-        return Plan(staged, self.outs, True, self.serial, self.ptrs,
+        return self._staged_as_plan()
+
+    def _all_staged(self, layers: Sequence[_Layer]) -> bool:
+        """Every layer of the template's (these layers) staged this pass."""
+        staged = self.staged
+        return bool(self.serial and not self.off and staged and self.n_staged == len(staged)
+                    and layers is self.layers)
+
+    def _staged_as_plan(self) -> Plan:
+        return Plan(self.staged, self.outs, True, self.serial, self.ptrs,
                     self.refs if self.sealed else None)
 
     def _again(self, layers: Sequence[_Layer], B: int) -> Optional[Plan]:

@@ -219,7 +219,7 @@ def test_a_steady_plan_is_staged_as_the_layers_capture(daemon):
 def test_a_pass_staged_whole_is_one_pass(daemon):
     """Replanner.whole (step()'s steady case, which skips counting the
     passes): the layers' captures of one pass, staged as they came, give
-    that pass and its plan, and the committed step is the one the
+    its plan (and that pass, pass_id), and the committed step is the one the
     comparison makes; captures of two passes (each layer once) are not
     staged whole, and step() counts the passes, as before."""
     from dpclip import _accumulate
@@ -239,8 +239,8 @@ def test_a_pass_staged_whole_is_one_pass(daemon):
             # (the first step checks the layers; the second is kept as the template)
             assert (whole is not None) == (i >= 2)
             if whole is not None:
-                assert engine._acc._passes() == [whole[0]]
-                _same_plan(whole[1], _planner.plan(layers, 4))
+                assert engine._acc._passes() == [rp.pass_id]
+                _same_plan(whole, _planner.plan(layers, 4))
             opt.step()
             opt.zero_grad()
         assert len(counted) == 2  # the steps before the template alone counted their passes
@@ -397,11 +397,11 @@ def test_staged_or_compared_a_steady_plan_is_the_plan(daemon):
         nb = _planner.batch_size(engine._layers)
         want = _planner.plan(engine._layers, nb)
         st = rp.steady(engine._layers)
-        whole = rp.whole(engine._layers)  # (step()'s: a pass staged whole, its id and plan)
+        whole = rp.whole(engine._layers)  # (step()'s: the plan of a pass staged whole)
         if whole is not None:
-            assert engine._acc._passes() == [whole[0]]
-            assert whole[1].ptrs is not None and st is not None and st[1].ptrs is not None
-            _same_plan(whole[1], want)
+            assert engine._acc._passes() == [rp.pass_id]
+            assert whole.ptrs is not None and st is not None and st[1].ptrs is not None
+            _same_plan(whole, want)
         else:
             assert st is None or st[1].ptrs is None
         if st is None:
