@@ -9,4 +9,12 @@
 /* The first sample sets the average. */
 static inline void dc_ewma_add(uint64_t *avg, uint64_t v) { *avg = *avg ? (3 * *avg + v) / 4 : v; }
 
+/* Margin of a polling window around something expected in `ahead_ns`: 2.5%
+ * of the wait (the jitter of a trainer's period), and at least 0.3 ms, with
+ * the window opened by a timerfd or a timed wait (1.5 ms on the millisecond
+ * uv timer). */
+static inline uint64_t dc_ewma_margin(uint64_t ahead_ns) {
+    return ahead_ns / 40 > 300000u ? ahead_ns / 40 : 300000u;
+}
+
 #endif

@@ -254,6 +254,7 @@ static void fake_report(dc_report *r, dc_report_account *accounts) {
     r->group_timeouts = 34;
     r->group_exchanges = 35;
     r->group_link_failures = 36;
+    r->group_exchanges_polled = 38;
     r->group_fused = 37;
     r->accounts = accounts;
     r->n_accounts = 2;
@@ -303,6 +304,7 @@ static void test_metrics_text(void **state) {
         {"dpclip_norm_group_timeouts_total", 34},
         {"dpclip_norm_group_exchanges_total", 35},
         {"dpclip_norm_group_link_failures_total", 36},
+        {"dpclip_norm_group_exchanges_polled_total", 38},
         {"dpclip_norm_group_fused_total", 37},
         {"dpclip_uptime_seconds", 12.5},
         {"dpclip_sessions", 4},

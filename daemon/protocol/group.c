@@ -470,6 +470,7 @@ int dc_group_deliver(dc_group *g, dc_group_waiter *w, dc_err *err) {
 void dc_group_fail(dc_group *g, uint32_t rank, uint64_t step, const dc_err *err) {
     dc_err e;
     if (!g || g->dissolved) return;
+    g->t_norms = 0; /* no exchange for that step, if it was this daemon's first */
     dc_err_set(&e, err->code, err->field, "rank %u of norm group '%s' failed group step %llu: %s",
                rank, g->name, (unsigned long long)step, err->msg);
     g->has_failed = true;
@@ -558,6 +559,7 @@ size_t dc_groups_info(const dc_groups *gs, dc_group_info *out, size_t max) {
         o->local_size = g->daemons > 1 ? g->local_size : g->size;
         o->link = g->link_state;
         o->exchanges = g->exchanges;
+        o->exchanges_polled = g->exchanges_polled;
         o->last_exchange_ns = g->last_exchange_ns;
         snprintf(o->why, sizeof o->why, "%.150s", g->dissolved ? g->why : "");
     }

@@ -154,10 +154,12 @@ typedef struct dc_groups {
     uint32_t links;          /* cross-daemon groups held now */
     uint32_t timeout_ms;     /* groups.timeout_ms, a join may ask for another */
     uint32_t max_timeout_ms; /* limits.max_group_timeout_ms: the longest it may ask for */
+    bool link_windows;       /* daemon.spin_us > 0: links poll when an exchange is due */
     /* totals, for /status and /metrics */
     uint64_t formed, dissolved, reductions, timeouts;
     uint64_t fused;                    /* reductions run as one fused step */
     uint64_t exchanges, link_failures; /* cross-daemon */
+    uint64_t exchanges_polled;         /* of them, found the link's thread polling */
 } dc_groups;
 
 void dc_groups_init(dc_groups *gs, uv_loop_t *loop, uint64_t key_seed, uint32_t max_size,
@@ -194,6 +196,10 @@ int dc_group_deliver(dc_group *g, dc_group_waiter *w, dc_err *err);
 /* A member's step failed before it could deliver: the other members' steps
  * of that group step fail with err (those waiting now and those to come). */
 void dc_group_fail(dc_group *g, uint32_t rank, uint64_t step, const dc_err *err);
+/* A member's norms were submitted (loop thread): across daemons, the
+ * group's link is awake around when the exchange is due, the time this
+ * daemon's members' norms have recently taken. */
+void dc_group_norms_started(dc_group *g);
 
 /* Accounting: a group step is one logical step, charged on each daemon
  * once, to the step of the group's leader there (its lowest rank joined on
@@ -250,6 +256,7 @@ typedef struct dc_group_info {
     uint32_t daemons, daemon_rank, local_size;
     dc_group_link link;
     uint64_t exchanges;        /* cross-daemon exchanges completed */
+    uint64_t exchanges_polled; /* of them, found the link's thread polling (not asleep) */
     uint64_t last_exchange_ns; /* the last one's time on the link */
     char why[160];             /* why it was dissolved */
 } dc_group_info;

@@ -76,6 +76,7 @@ static void fail_chain(dc_group_waiter *w, int rc, const dc_err *err) {
 
 void dc_group_fail_waiting(dc_group *g, int rc, const dc_err *err) {
     uint32_t n;
+    g->t_norms = 0; /* that step's exchange will not come */
     fail_chain(take_waiting(g, &n), rc, err);
 }
 

@@ -4,6 +4,8 @@
  * sums the totals in one order everywhere. */
 #include "group_int.h"
 
+#include "dc_ewma.h"
+
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -167,8 +169,21 @@ static void on_exchanged(dc_nccl_op *op) {
     }
     g->exchanges++;
     g->gs->exchanges++;
+    if (op->polled) {
+        g->exchanges_polled++;
+        g->gs->exchanges_polled++;
+    }
     g->last_exchange_ns = op->ns;
     dc_group_answer(g, uv_hrtime() - g->t_local);
+}
+
+void dc_group_norms_started(dc_group *g) {
+    if (g->daemons <= 1 || g->dissolved || g->t_norms) return;
+    uint64_t now = uv_hrtime(), run = g->ewma_norms_ns;
+    g->t_norms = now;
+    if (!run || !g->link || g->link_state != DC_GROUP_LINK_READY || !g->gs->link_windows) return;
+    uint64_t due = now + run, m = dc_ewma_margin(run);
+    dc_nccl_expect(g->link, due > now + m ? due - m : now, due + 2 * m);
 }
 
 void dc_group_exchange_start(dc_group *g) {
@@ -176,6 +191,10 @@ void dc_group_exchange_start(dc_group *g) {
     link_head h;
     dc_err e;
     g->exchange_due = false;
+    if (g->t_norms) { /* what the next exchange's window predicts from */
+        dc_ewma_add(&g->ewma_norms_ns, uv_hrtime() - g->t_norms);
+        g->t_norms = 0;
+    }
     if (each * g->daemons > g->xcap) {
         uint8_t *s = realloc(g->xsend, each), *r = s ? realloc(g->xrecv, each * g->daemons) : NULL;
         if (s) g->xsend = s;

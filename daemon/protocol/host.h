@@ -132,11 +132,4 @@ static inline void dc_host_poll(const dc_host *h, uint64_t from_ns, uint64_t to_
 }
 static inline void dc_host_spin(const dc_host *h, bool idle) { h->ops->spin(h->ctx, idle); }
 
-/* Margin of a window around something expected in `ahead_ns`: 2.5% of the
- * wait (the jitter of a trainer's period), and at least 0.3 ms, with the
- * window opened by a timerfd (1.5 ms on the millisecond uv timer). */
-static inline uint64_t dc_host_poll_margin(uint64_t ahead_ns) {
-    return ahead_ns / 40 > 300000u ? ahead_ns / 40 : 300000u;
-}
-
 #endif

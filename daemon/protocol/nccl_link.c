@@ -28,6 +28,7 @@ typedef struct dc_nccl_times {
     uint64_t gather;  /* the all-gather call (blocking communicator: until queued) */
     uint64_t queued;  /* all of the link's calls for it (the copy out too) */
     uint64_t done;    /* from then until the stream was idle */
+    bool polled;      /* the thread was polling when it came (dc_nccl_expect) */
 } dc_nccl_times;
 
 struct dc_nccl {
@@ -49,8 +50,13 @@ struct dc_nccl {
     size_t copy_cap;
     size_t op_bytes;
     uint64_t op_submitted; /* uv_hrtime of dc_nccl_submit (under mu: read by the thread) */
+    /* under mu, loop -> thread: a window in which an exchange is expected
+     * (dc_nccl_expect): the thread sleeps until win_from, then polls
+     * op_queued until win_to. */
+    uint64_t win_from, win_to;
+    atomic_bool op_queued; /* written under mu; polled without it */
     /* under mu: thread -> loop */
-    bool exited, state_posted, op_queued, op_finished;
+    bool exited, state_posted, op_finished;
     dc_nccl_state posted_state;
     dc_err state_err;
     int op_rc;
@@ -286,6 +292,40 @@ static void post_state(dc_nccl *l, dc_nccl_state s, const dc_err *err) {
     uv_async_send(&l->async);
 }
 
+/* Polls for an exchange (or the link's closing) until `end`. */
+static void link_spin_until(dc_nccl *l, uint64_t end) {
+    do {
+        for (int i = 0; i < 64; i++)
+            if (atomic_load_explicit(&l->op_queued, memory_order_acquire) ||
+                atomic_load(&l->closing))
+                return;
+        sched_yield();
+    } while (uv_hrtime() < end);
+}
+
+/* With mu held and no exchange queued: waits (polling inside the window,
+ * else sleeping, mu released meanwhile) until one is queued, the link
+ * closes or the window changes. Returns with mu held, and whether an
+ * exchange came while it polled. The worker pools' idle wait (worker.c)
+ * does the same for their tasks. */
+static bool link_idle(dc_nccl *l) {
+    uint64_t now = uv_hrtime();
+    if (l->win_to && l->win_to <= now) l->win_from = l->win_to = 0;
+    if (l->win_to && l->win_from <= now) {
+        uint64_t end = l->win_to;
+        uv_mutex_unlock(&l->mu);
+        link_spin_until(l, end);
+        uv_mutex_lock(&l->mu);
+        if (l->win_to == end) l->win_from = l->win_to = 0; /* spent, not re-armed */
+        return atomic_load(&l->op_queued);
+    }
+    if (l->win_from) /* sleep until it opens (or something changes) */
+        (void)uv_cond_timedwait(&l->cv, &l->mu, l->win_from - now);
+    else
+        uv_cond_wait(&l->cv, &l->mu);
+    return false;
+}
+
 static void link_main(void *arg) {
     dc_nccl *l = arg;
     dc_err err;
@@ -295,17 +335,18 @@ static void link_main(void *arg) {
     post_state(l, rc ? DC_NCCL_BROKEN : DC_NCCL_READY, &err);
     while (rc == 0) {
         uv_mutex_lock(&l->mu);
-        while (!l->op_queued && !atomic_load(&l->closing)) uv_cond_wait(&l->cv, &l->mu);
+        bool polled = false;
+        while (!atomic_load(&l->op_queued) && !atomic_load(&l->closing)) polled = link_idle(l);
         size_t bytes = l->op_bytes;
         uint64_t submitted = l->op_submitted;
         uv_mutex_unlock(&l->mu);
         if (atomic_load(&l->closing)) break;
         uint64_t t0 = uv_hrtime();
-        dc_nccl_times tm = {t0 - submitted, 0, 0, 0, 0};
+        dc_nccl_times tm = {t0 - submitted, 0, 0, 0, 0, polled};
         dc_err_clear(&err);
         rc = exchange(l, bytes, &tm, &err);
         uv_mutex_lock(&l->mu);
-        l->op_queued = false;
+        atomic_store(&l->op_queued, false);
         l->op_finished = true;
         l->op_rc = rc;
         l->op_err = err;
@@ -363,13 +404,15 @@ static void on_async(uv_async_t *a) {
         if (orc == 0 && dc_log_get_level() >= DC_LOG_DEBUG)
             dc_log_debug("nccl link (daemon %d of %d): exchange of %zu bytes in %.1f us: "
                          "hand-off %.1f, copy in %.1f, all-gather %.1f, queued %.1f, device "
-                         "%.1f, hand-back %.1f",
+                         "%.1f, hand-back %.1f%s",
                          l->rank, l->ranks, op->bytes, (now - l->op_submitted) / 1e3, tm.woke / 1e3,
                          tm.copy_in / 1e3, tm.gather / 1e3, tm.queued / 1e3, tm.done / 1e3,
-                         (now - l->op_submitted - tm.woke - ons) / 1e3);
+                         (now - l->op_submitted - tm.woke - ons) / 1e3,
+                         tm.polled ? " (polled)" : "");
         op->rc = orc;
         op->err = oerr;
         op->ns = ons;
+        op->polled = tm.polled;
         if (op->rc == 0) memcpy(op->recv, l->recv_copy, op->bytes * (size_t)l->ranks);
         op->done(op); /* may close the link */
     }
@@ -398,6 +441,7 @@ int dc_nccl_open(uv_loop_t *loop, int device, const uint8_t id[DC_NCCL_ID_BYTES]
     l->arg = arg;
     l->state = DC_NCCL_FORMING;
     atomic_init(&l->closing, false);
+    atomic_init(&l->op_queued, false);
     uv_mutex_init(&l->mu);
     uv_cond_init(&l->cv);
     if (uv_async_init(loop, &l->async, on_async) != 0) {
@@ -435,10 +479,25 @@ int dc_nccl_submit(dc_nccl *l, dc_nccl_op *op, dc_err *err) {
     uv_mutex_lock(&l->mu);
     l->op_bytes = op->bytes;
     l->op_submitted = uv_hrtime();
-    l->op_queued = true;
+    l->win_from = l->win_to = 0; /* the exchange it waited for came */
+    atomic_store_explicit(&l->op_queued, true, memory_order_release);
     uv_cond_signal(&l->cv);
     uv_mutex_unlock(&l->mu);
     return 0;
+}
+
+void dc_nccl_expect(dc_nccl *l, uint64_t from_ns, uint64_t to_ns) {
+    if (l->state != DC_NCCL_READY || to_ns <= from_ns || to_ns <= uv_hrtime()) return;
+    uv_mutex_lock(&l->mu);
+    if (l->win_to && l->win_to > from_ns) { /* overlaps the window set: merge */
+        if (from_ns < l->win_from) l->win_from = from_ns;
+        if (to_ns > l->win_to) l->win_to = to_ns;
+    } else {
+        l->win_from = from_ns;
+        l->win_to = to_ns;
+    }
+    uv_mutex_unlock(&l->mu);
+    uv_cond_signal(&l->cv); /* a sleeping thread recomputes its wake-up */
 }
 
 void dc_nccl_close(dc_nccl *l) {
@@ -481,6 +540,10 @@ int dc_nccl_submit(dc_nccl *l, dc_nccl_op *op, dc_err *err) {
 }
 
 void dc_nccl_close(dc_nccl *l) { (void)l; }
+
+void dc_nccl_expect(dc_nccl *l, uint64_t from_ns, uint64_t to_ns) {
+    (void)l, (void)from_ns, (void)to_ns;
+}
 
 dc_nccl_state dc_nccl_state_of(const dc_nccl *l) {
     (void)l;

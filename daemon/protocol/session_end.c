@@ -60,7 +60,7 @@ void dc_session_step_expect(const dc_step_call *sc, uint64_t now) {
         dc_host_poll(host, now,
                      now + (s->ewma_notice_ns ? 2 * s->ewma_notice_ns + 100000u : 2000000u), false);
     if (sc->step.device >= 0 && s->ewma_gpu_run_ns) {
-        uint64_t run = s->ewma_gpu_run_ns, m = dc_host_poll_margin(run);
+        uint64_t run = s->ewma_gpu_run_ns, m = dc_ewma_margin(run);
         dc_host_poll(host, now + run > m ? now + run - m : now, now + run + 2 * m, false);
     } else {
         dc_host_spin(host, false);
@@ -93,14 +93,11 @@ static void expect_next(dc_session *s, const dc_step_call *sc, uint64_t now) {
     if (!s->ewma_period_ns || !host->spin_ns) return;
     uint64_t due = sc->t_frame + s->ewma_period_ns;
     if (due + s->ewma_period_ns / 4 <= now) return; /* late already: no cadence to follow */
-    uint64_t m = dc_host_poll_margin(s->ewma_period_ns);
+    uint64_t m = dc_ewma_margin(s->ewma_period_ns);
     dc_host_poll(host, due > m ? due - m : 0, due + m, true);
-    if (sc->step.device >= 0) {
-        /* Its timed wait is precise to microseconds: a narrower window. */
-        uint64_t mw = s->ewma_period_ns / 40 > 300000u ? s->ewma_period_ns / 40 : 300000u;
-        dc_worker_pool_expect(&host->gpu->pools[sc->step.device], due > mw ? due - mw : 0,
-                              due + 2 * mw);
-    }
+    if (sc->step.device >= 0) /* and the GPU's worker: a timed wait, then polling */
+        dc_worker_pool_expect(&host->gpu->pools[sc->step.device], due > m ? due - m : 0,
+                              due + 2 * m);
 }
 
 void dc_session_step_done(dc_task *task) {

@@ -331,6 +331,7 @@ static void submit_norms(dc_step_call *sc) {
     sc->task.done = norms_done;
     sc->t_submit = uv_hrtime();
     dc_worker_pool_submit(dc_session_step_pool(sc), &sc->task);
+    if (sc->s->group) dc_group_norms_started(sc->s->group); /* the exchange's window */
 }
 
 /* Not every member's step can join a fused one: this one computes its

@@ -117,6 +117,7 @@ static void *snapshot(void *arg) {
         r->groups_dissolved = srv->groups.dissolved;
         r->group_reductions = srv->groups.reductions;
         r->group_exchanges = srv->groups.exchanges;
+        r->group_exchanges_polled = srv->groups.exchanges_polled;
         r->group_fused = srv->groups.fused;
         r->group_link_failures = srv->groups.link_failures;
         r->group_timeouts = srv->groups.timeouts;
@@ -303,7 +304,7 @@ static void render_status(const dc_report *r, dc_view view, uint32_t uid, dc_sbu
                        "\"state\":\"%s\",\"step\":%llu,\"reductions\":%llu,"
                        "\"last_wait_ms\":%.3f,\"daemons\":%u,\"daemon_rank\":%u,"
                        "\"local_members\":%u,\"link\":\"%s\",\"exchanges\":%llu,"
-                       "\"last_exchange_ms\":%.3f,\"why\":",
+                       "\"exchanges_polled\":%llu,\"last_exchange_ms\":%.3f,\"why\":",
                        g->size, g->joined, g->waiting,
                        g->clipping == DC_GROUP_WISE ? "GROUP_WISE" : "NORM_REDUCE",
                        g->dissolved                ? "dissolved"
@@ -312,7 +313,7 @@ static void render_status(const dc_report *r, dc_view view, uint32_t uid, dc_sbu
                        (unsigned long long)g->step, (unsigned long long)g->reductions,
                        g->last_wait_ns / 1e6, g->daemons, g->daemon_rank, g->local_size,
                        dc_group_link_name(g->link), (unsigned long long)g->exchanges,
-                       g->last_exchange_ns / 1e6);
+                       (unsigned long long)g->exchanges_polled, g->last_exchange_ns / 1e6);
         dc_sbuf_json_str(b, g->why);
         dc_sbuf_puts(b, "}");
         first = false;
@@ -455,6 +456,9 @@ static void render_metrics(const dc_report *r, dc_view view, uint32_t uid, dc_sb
             "Group steps whose members' steps ran as one fused step (groups.fuse)", r->group_fused);
     counter(b, "dpclip_norm_group_exchanges_total",
             "Cross-daemon exchanges of group norm totals (NCCL)", r->group_exchanges);
+    counter(b, "dpclip_norm_group_exchanges_polled_total",
+            "Of them, exchanges that found their link's thread polling, not asleep (daemon.spin_us)",
+            r->group_exchanges_polled);
     counter(b, "dpclip_norm_group_link_failures_total",
             "Cross-daemon group links that failed (timeout, peer gone, mismatch)",
             r->group_link_failures);

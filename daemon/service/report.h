@@ -95,7 +95,7 @@ typedef struct dc_report {
     size_t n_norm_groups;
     uint64_t groups_formed, groups_dissolved, group_reductions, group_timeouts;
     uint64_t group_fused;
-    uint64_t group_exchanges, group_link_failures;
+    uint64_t group_exchanges, group_exchanges_polled, group_link_failures;
 } dc_report;
 
 /* The view a caller gets of report r (its ops group and daemon uid). */

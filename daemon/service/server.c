@@ -13,6 +13,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "dc_ewma.h"
 #include "listen.h"
 #include "log.h"
 #include "report.h"
@@ -286,7 +287,7 @@ void dc_server_spin(dc_server *srv, bool idle) {
     dc_server_poll(srv, now, now + srv->spin_ns, idle);
 }
 
-uint64_t dc_server_poll_margin(uint64_t ahead_ns) { return dc_host_poll_margin(ahead_ns); }
+uint64_t dc_server_poll_margin(uint64_t ahead_ns) { return dc_ewma_margin(ahead_ns); }
 
 /* --- lifecycle ------------------------------------------------------------------ */
 
@@ -603,6 +604,7 @@ int dc_server_init(dc_server *srv, uv_loop_t *loop, const dc_config *cfg,
     dc_groups_init(&srv->groups, loop, srv->noise_key, cfg->max_group_size, cfg->group_timeout_ms,
                    cfg->max_group_timeout_ms);
     srv->groups.max_links = cfg->max_group_links;
+    srv->groups.link_windows = srv->spin_ns != 0;
 
     /* The ledger first: a daemon that cannot account must not serve steps. */
     if ((rc = dc_ledger_open(&srv->ledger, cfg->ledger_dir, cfg->delta, err))) return rc;

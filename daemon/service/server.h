@@ -122,7 +122,7 @@ void dc_server_poll(dc_server *srv, uint64_t from_ns, uint64_t to_ns, bool idle)
  * microseconds). */
 void dc_server_spin(dc_server *srv, bool idle);
 /* Margin of a window around something expected in `ahead_ns`
- * (dc_host_poll_margin, host.h: the sessions compute it there). */
+ * (dc_ewma_margin, common/dc_ewma.h: the sessions and groups compute it there). */
 uint64_t dc_server_poll_margin(uint64_t ahead_ns);
 /* The windows' handles on loop (precise: with the timerfd, else the uv
  * timer alone), their close, and whether a later window is armed. */
