@@ -334,8 +334,8 @@ static void test_link_polls_when_due(void **state) {
     join_all("xpoll", n, 30000, c);
     for (int k = 0; k < n; k++) assert_int_equal(dc_shm_step_init(&st[k], c[k], 0, B, &cfg), 0);
     for (int l = 0; l < 6; l++)
-        assert_true(dc_shm_step_add(&st[dc_group_pp_stage_of[0][l]], &dc_group_pp_model[l], &r,
-                                    1.0f) >= 0);
+        assert_true(
+            dc_shm_step_add(&st[dc_group_pp_stage_of[0][l]], &dc_group_pp_model[l], &r, 1.0f) >= 0);
     dc_group_set_c(st, n, dc_group_median(st, n), 0.0f);
     for (int k = 0; k < n; k++) assert_int_equal(to_gpu(&st[k], daemon_of(k, n), &gc[k]), 0);
     for (int it = 0; it < steps; it++) {

@@ -71,7 +71,7 @@ struct dc_group {
     uint64_t t_local, exchanges, exchanges_polled, last_exchange_ns;
     /* the first local member's norms' submission of the coming exchange (0:
      * none yet), and the moving average of its time to the exchange */
-    uint64_t t_norms, ewma_norms_ns;
+    uint64_t t_norms, ewma_norms_ns, ewma_norms_dev_ns; /* and its mean deviation */
     /* Coverage (dc_group_covers): each member's job id, the leader's last
      * charges (a ring), and per rank the last group step covered. */
     char (*job_ids)[DC_GROUP_JOB_ID_MAX]; /* [size] */

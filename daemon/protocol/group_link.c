@@ -5,6 +5,7 @@
 #include "group_int.h"
 
 #include "dc_ewma.h"
+#include "log.h"
 
 #include <stdarg.h>
 #include <stdio.h>
@@ -177,13 +178,20 @@ static void on_exchanged(dc_nccl_op *op) {
     dc_group_answer(g, uv_hrtime() - g->t_local);
 }
 
+/* The window: the usual margins, widened by twice the recent deviation
+ * from the average (without MPS a member's norms share the GPU with its
+ * trainer, and their time varies from step to step). */
 void dc_group_norms_started(dc_group *g) {
-    if (g->daemons <= 1 || g->dissolved || g->t_norms) return;
+    /* timed only while the link is ready: the first exchange waits for it
+     * to form (seconds), which says nothing of the next */
+    if (g->daemons <= 1 || g->dissolved || g->t_norms || !g->link ||
+        g->link_state != DC_GROUP_LINK_READY)
+        return;
     uint64_t now = uv_hrtime(), run = g->ewma_norms_ns;
     g->t_norms = now;
-    if (!run || !g->link || g->link_state != DC_GROUP_LINK_READY || !g->gs->link_windows) return;
-    uint64_t due = now + run, m = dc_ewma_margin(run);
-    dc_nccl_expect(g->link, due > now + m ? due - m : now, due + 2 * m);
+    if (!run || !g->gs->link_windows) return;
+    uint64_t due = now + run, m = dc_ewma_margin(run), w = 2 * g->ewma_norms_dev_ns;
+    dc_nccl_expect(g->link, due > now + m + w ? due - m - w : now, due + 2 * m + w);
 }
 
 void dc_group_exchange_start(dc_group *g) {
@@ -192,7 +200,13 @@ void dc_group_exchange_start(dc_group *g) {
     dc_err e;
     g->exchange_due = false;
     if (g->t_norms) { /* what the next exchange's window predicts from */
-        dc_ewma_add(&g->ewma_norms_ns, uv_hrtime() - g->t_norms);
+        uint64_t took = uv_hrtime() - g->t_norms, was = g->ewma_norms_ns;
+        if (was) dc_ewma_add(&g->ewma_norms_dev_ns, took > was ? took - was : was - took);
+        dc_ewma_add(&g->ewma_norms_ns, took);
+        dc_log_debug("norm group '%s': this daemon's members' norms reached exchange %llu in "
+                     "%.1f us (expected %.1f +- %.1f)",
+                     g->name, (unsigned long long)(g->exchanges + 1), took / 1e3, was / 1e3,
+                     g->ewma_norms_dev_ns / 1e3);
         g->t_norms = 0;
     }
     if (each * g->daemons > g->xcap) {

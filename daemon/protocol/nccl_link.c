@@ -321,8 +321,7 @@ static bool link_idle(dc_nccl *l) {
     }
     if (l->win_from) /* sleep until it opens (or something changes) */
         (void)uv_cond_timedwait(&l->cv, &l->mu, l->win_from - now);
-    else
-        uv_cond_wait(&l->cv, &l->mu);
+    else uv_cond_wait(&l->cv, &l->mu);
     return false;
 }
 

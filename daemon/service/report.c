@@ -456,9 +456,10 @@ static void render_metrics(const dc_report *r, dc_view view, uint32_t uid, dc_sb
             "Group steps whose members' steps ran as one fused step (groups.fuse)", r->group_fused);
     counter(b, "dpclip_norm_group_exchanges_total",
             "Cross-daemon exchanges of group norm totals (NCCL)", r->group_exchanges);
-    counter(b, "dpclip_norm_group_exchanges_polled_total",
-            "Of them, exchanges that found their link's thread polling, not asleep (daemon.spin_us)",
-            r->group_exchanges_polled);
+    counter(
+        b, "dpclip_norm_group_exchanges_polled_total",
+        "Of them, exchanges that found their link's thread polling, not asleep (daemon.spin_us)",
+        r->group_exchanges_polled);
     counter(b, "dpclip_norm_group_link_failures_total",
             "Cross-daemon group links that failed (timeout, peer gone, mismatch)",
             r->group_link_failures);
