@@ -72,6 +72,8 @@ struct dc_group {
     /* the first local member's norms' submission of the coming exchange (0:
      * none yet), and the moving average of its time to the exchange */
     uint64_t t_norms, ewma_norms_ns, ewma_norms_dev_ns; /* and its mean deviation */
+    /* the exchange in flight's submission, and the recent ones' time to their answer */
+    uint64_t t_exchange, ewma_exchange_ns;
     /* Coverage (dc_group_covers): each member's job id, the leader's last
      * charges (a ring), and per rank the last group step covered. */
     char (*job_ids)[DC_GROUP_JOB_ID_MAX]; /* [size] */

@@ -168,6 +168,7 @@ static void on_exchanged(dc_nccl_op *op) {
         }
         g->tot[b] = sum;
     }
+    dc_ewma_add(&g->ewma_exchange_ns, uv_hrtime() - g->t_exchange);
     g->exchanges++;
     g->gs->exchanges++;
     if (op->polled) {
@@ -244,9 +245,18 @@ void dc_group_exchange_start(dc_group *g) {
     g->op.bytes = each;
     g->op.done = on_exchanged;
     g->op.arg = g;
-    if (dc_nccl_submit(g->link, &g->op, &e))
+    if (dc_nccl_submit(g->link, &g->op, &e)) {
         fail_exchange(g, "the cross-daemon exchange of group step %llu: %s",
                       (unsigned long long)g->cur, e.msg);
+        return;
+    }
+    /* the loop polls around when the answer is due, rather than sleep until
+     * the link's thread wakes it */
+    uint64_t now = g->t_exchange = uv_hrtime(), run = g->ewma_exchange_ns;
+    if (run && g->gs->poll) {
+        uint64_t due = now + run, m = dc_ewma_margin(run);
+        g->gs->poll(g->gs->poll_ctx, due > now + m ? due - m : now, due + 2 * m);
+    }
 }
 
 static void fail_exchange(dc_group *g, const char *fmt, ...) {

@@ -360,6 +360,10 @@ static void host_poll(void *ctx, uint64_t from_ns, uint64_t to_ns, bool idle) {
     dc_server_poll(ctx, from_ns, to_ns, idle);
 }
 static void host_spin(void *ctx, bool idle) { dc_server_spin(ctx, idle); }
+/* an exchange's answer, which no task in flight waits for: an idle window */
+static void groups_poll(void *ctx, uint64_t from_ns, uint64_t to_ns) {
+    dc_server_poll(ctx, from_ns, to_ns, true);
+}
 
 static const dc_host_ops host_ops = {
     .uid_usage = host_uid_usage,
@@ -605,6 +609,8 @@ int dc_server_init(dc_server *srv, uv_loop_t *loop, const dc_config *cfg,
                    cfg->max_group_timeout_ms);
     srv->groups.max_links = cfg->max_group_links;
     srv->groups.link_windows = srv->spin_ns != 0;
+    srv->groups.poll = groups_poll;
+    srv->groups.poll_ctx = srv;
 
     /* The ledger first: a daemon that cannot account must not serve steps. */
     if ((rc = dc_ledger_open(&srv->ledger, cfg->ledger_dir, cfg->delta, err))) return rc;
