@@ -128,16 +128,16 @@ static void test_expect_windows(void **state) {
     uint64_t now = dc_clock_ns();
 
     dc_worker_pool_expect(&pool, now - 2000000, now - 1000000); /* past: ignored */
-    assert_int_equal(pool.win_to, 0);
+    assert_int_equal(pool.win.to, 0);
     dc_worker_pool_expect(&pool, now + 5000000, now + 4000000); /* empty: ignored */
-    assert_int_equal(pool.win_to, 0);
+    assert_int_equal(pool.win.to, 0);
     dc_worker_pool_expect(&pool, now + 50000000000ull, now + 60000000000ull);
-    assert_true(pool.win_from == now + 50000000000ull && pool.win_to == now + 60000000000ull);
+    assert_true(pool.win.from == now + 50000000000ull && pool.win.to == now + 60000000000ull);
     /* overlapping: merged to the earliest start and the latest end */
     dc_worker_pool_expect(&pool, now + 40000000000ull, now + 55000000000ull);
-    assert_true(pool.win_from == now + 40000000000ull && pool.win_to == now + 60000000000ull);
+    assert_true(pool.win.from == now + 40000000000ull && pool.win.to == now + 60000000000ull);
     dc_worker_pool_expect(&pool, now + 45000000000ull, now + 70000000000ull);
-    assert_true(pool.win_from == now + 40000000000ull && pool.win_to == now + 70000000000ull);
+    assert_true(pool.win.from == now + 40000000000ull && pool.win.to == now + 70000000000ull);
 
     /* A task before the window runs (the sleeping worker is woken). */
     tasks[0].task.work = probe_task_work;
@@ -147,7 +147,7 @@ static void test_expect_windows(void **state) {
     dc_worker_pool_submit(&pool, &tasks[0].task);
     while (ndone < 1) uv_run(&loop, UV_RUN_ONCE);
     assert_true(tasks[0].done_on_loop);
-    assert_int_equal(pool.win_to, now + 70000000000ull); /* not yet open: kept */
+    assert_int_equal(pool.win.to, now + 70000000000ull); /* not yet open: kept */
 
     /* An open window is spent by the task it waited for. */
     now = dc_clock_ns();
@@ -156,7 +156,7 @@ static void test_expect_windows(void **state) {
     dc_worker_pool_submit(&pool, &tasks[1].task);
     while (ndone < 2) uv_run(&loop, UV_RUN_ONCE);
     pthread_mutex_lock(&pool.mu);
-    assert_int_equal(pool.win_to, 0);
+    assert_int_equal(pool.win.to, 0);
     pthread_mutex_unlock(&pool.mu);
 
     /* Asleep until a window 60 s away: close wakes and stops it now. */
@@ -189,6 +189,32 @@ static void fair_task_work(dc_task *task, dc_backend *be) {
 }
 
 static void fair_task_done(dc_task *task) { (void)task; }
+
+/* The window both the workers and the NCCL links' threads wait in
+ * (dc_window.h): where a time stands against it, and polling spends it
+ * unless another was set meanwhile. */
+static void test_window(void **state) {
+    (void)state;
+    dc_window w = {0, 0};
+    assert_int_equal(dc_window_at(&w, 100), DC_WINDOW_NONE);
+    assert_false(dc_window_set(&w, 300, 200, 100)); /* empty */
+    assert_false(dc_window_set(&w, 50, 90, 100));   /* past */
+    assert_true(dc_window_set(&w, 200, 300, 100));
+    assert_int_equal(dc_window_at(&w, 100), DC_WINDOW_LATER);
+    assert_int_equal(dc_window_at(&w, 200), DC_WINDOW_OPEN);
+    assert_int_equal(dc_window_at(&w, 299), DC_WINDOW_OPEN);
+    assert_true(dc_window_set(&w, 250, 400, 100)); /* merged */
+    assert_true(w.from == 200 && w.to == 400);
+    assert_true(dc_window_set(&w, 500, 600, 100)); /* apart: replaces */
+    assert_true(w.from == 500 && w.to == 600);
+    dc_window_spent(&w, 400); /* polled until another end: kept */
+    assert_true(w.from == 500 && w.to == 600);
+    dc_window_spent(&w, 600);
+    assert_int_equal(dc_window_at(&w, 550), DC_WINDOW_NONE);
+    assert_true(dc_window_set(&w, 700, 800, 100));
+    assert_int_equal(dc_window_at(&w, 800), DC_WINDOW_NONE); /* past: dropped */
+    assert_int_equal(w.to, 0);
+}
 
 static void test_fair_sharing(void **state) {
     (void)state;
@@ -233,6 +259,7 @@ int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_tasks_run_and_complete),
         cmocka_unit_test(test_expect_windows),
+        cmocka_unit_test(test_window),
         cmocka_unit_test(test_fair_sharing),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);

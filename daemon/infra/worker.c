@@ -28,13 +28,13 @@ static void worker_spin_until(dc_worker_pool *p, uint64_t end) {
  * window changes. Returns with mu held. */
 static void worker_idle(dc_worker_pool *p, bool just_ran) {
     uint64_t now = dc_clock_ns();
-    if (p->win_to && p->win_to <= now) p->win_from = p->win_to = 0;
-    if (p->win_to && p->win_from <= now) {
-        uint64_t end = p->win_to;
+    dc_window_now at = dc_window_at(&p->win, now);
+    if (at == DC_WINDOW_OPEN) {
+        uint64_t end = p->win.to;
         pthread_mutex_unlock(&p->mu);
         worker_spin_until(p, end);
         pthread_mutex_lock(&p->mu);
-        if (p->win_to == end) p->win_from = p->win_to = 0; /* spent, not re-armed */
+        dc_window_spent(&p->win, end);
         return;
     }
     if (just_ran && p->spin_ns) {
@@ -43,10 +43,10 @@ static void worker_idle(dc_worker_pool *p, bool just_ran) {
         pthread_mutex_lock(&p->mu);
         return;
     }
-    if (p->win_from) {
+    if (at == DC_WINDOW_LATER) {
         /* Sleep until the window opens (or something changes). */
-        struct timespec ts = {(time_t)(p->win_from / 1000000000u),
-                              (long)(p->win_from % 1000000000u)};
+        struct timespec ts = {(time_t)(p->win.from / 1000000000u),
+                              (long)(p->win.from % 1000000000u)};
         pthread_cond_timedwait(&p->cv, &p->mu, &ts);
         return;
     }
@@ -126,7 +126,7 @@ static void *worker_main(void *arg) {
         p->has_task[wa.index] = true;
         atomic_fetch_sub_explicit(&p->queued, 1, memory_order_relaxed);
         /* The task a window waited for came: the window is spent. */
-        if (p->win_to && p->win_from <= dc_clock_ns()) p->win_from = p->win_to = 0;
+        if (dc_window_at(&p->win, dc_clock_ns()) == DC_WINDOW_OPEN) dc_window_clear(&p->win);
         pthread_mutex_unlock(&p->mu);
 
         task->work(task, p->backends[wa.index]);
@@ -278,17 +278,10 @@ void dc_worker_pool_set_spin(dc_worker_pool *p, uint64_t spin_ns) { p->spin_ns =
 
 void dc_worker_pool_expect(dc_worker_pool *p, uint64_t from_ns, uint64_t to_ns) {
     bool wake;
-    if (!p->threads || to_ns <= from_ns || to_ns <= dc_clock_ns()) return;
+    if (!p->threads) return;
     pthread_mutex_lock(&p->mu);
-    if (p->win_to && p->win_to > from_ns) { /* overlaps the window set: merge */
-        if (from_ns < p->win_from) p->win_from = from_ns;
-        if (to_ns > p->win_to) p->win_to = to_ns;
-    } else {
-        p->win_from = from_ns;
-        p->win_to = to_ns;
-    }
     /* A sleeping worker recomputes its wake-up time. */
-    wake = !p->q_head;
+    wake = dc_window_set(&p->win, from_ns, to_ns, dc_clock_ns()) && !p->q_head;
     pthread_mutex_unlock(&p->mu);
     if (wake) pthread_cond_signal(&p->cv);
 }

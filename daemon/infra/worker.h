@@ -18,6 +18,7 @@
 #include <uv.h>
 
 #include "backend.h"
+#include "dc_window.h"
 
 typedef struct dc_worker_pool dc_worker_pool;
 typedef struct dc_task dc_task;
@@ -58,9 +59,9 @@ struct dc_worker_pool {
     bool stopping;
     atomic_uint queued; /* tasks waiting: workers spin on it lock-free */
     uint64_t spin_ns;   /* how long an idle worker polls before sleeping */
-    /* A window (CLOCK_MONOTONIC ns, under mu) in which a task is expected: an
-     * idle worker sleeps until win_from, then polls until win_to. */
-    uint64_t win_from, win_to;
+    /* A window (under mu) in which a task is expected: an idle worker
+     * sleeps until it opens, then polls until it ends (dc_window.h). */
+    dc_window win;
     int n;
     int busy;            /* tasks submitted and not yet done() */
     uint32_t *running;   /* [n] owner of each worker's task (under mu) */

@@ -17,6 +17,7 @@ void dc_nccl_version_str(uint32_t code, char *buf, size_t n) {
 #include <stdlib.h>
 #include <time.h>
 
+#include "dc_window.h"
 #include "log.h"
 
 /* Where an exchange's time went (ns, uv_hrtime differences), for the debug
@@ -51,9 +52,9 @@ struct dc_nccl {
     size_t op_bytes;
     uint64_t op_submitted; /* uv_hrtime of dc_nccl_submit (under mu: read by the thread) */
     /* under mu, loop -> thread: a window in which an exchange is expected
-     * (dc_nccl_expect): the thread sleeps until win_from, then polls
-     * op_queued until win_to. */
-    uint64_t win_from, win_to;
+     * (dc_nccl_expect): the thread sleeps until it opens, then polls
+     * op_queued until it ends */
+    dc_window win;
     atomic_bool op_queued; /* written under mu; polled without it */
     /* under mu: thread -> loop */
     bool exited, state_posted, op_finished;
@@ -310,17 +311,17 @@ static void link_spin_until(dc_nccl *l, uint64_t end) {
  * does the same for their tasks. */
 static bool link_idle(dc_nccl *l) {
     uint64_t now = uv_hrtime();
-    if (l->win_to && l->win_to <= now) l->win_from = l->win_to = 0;
-    if (l->win_to && l->win_from <= now) {
-        uint64_t end = l->win_to;
+    dc_window_now at = dc_window_at(&l->win, now);
+    if (at == DC_WINDOW_OPEN) {
+        uint64_t end = l->win.to;
         uv_mutex_unlock(&l->mu);
         link_spin_until(l, end);
         uv_mutex_lock(&l->mu);
-        if (l->win_to == end) l->win_from = l->win_to = 0; /* spent, not re-armed */
+        dc_window_spent(&l->win, end);
         return atomic_load(&l->op_queued);
     }
-    if (l->win_from) /* sleep until it opens (or something changes) */
-        (void)uv_cond_timedwait(&l->cv, &l->mu, l->win_from - now);
+    if (at == DC_WINDOW_LATER) /* sleep until it opens (or something changes) */
+        (void)uv_cond_timedwait(&l->cv, &l->mu, l->win.from - now);
     else uv_cond_wait(&l->cv, &l->mu);
     return false;
 }
@@ -478,7 +479,7 @@ int dc_nccl_submit(dc_nccl *l, dc_nccl_op *op, dc_err *err) {
     uv_mutex_lock(&l->mu);
     l->op_bytes = op->bytes;
     l->op_submitted = uv_hrtime();
-    l->win_from = l->win_to = 0; /* the exchange it waited for came */
+    dc_window_clear(&l->win); /* the exchange it waited for came */
     atomic_store_explicit(&l->op_queued, true, memory_order_release);
     uv_cond_signal(&l->cv);
     uv_mutex_unlock(&l->mu);
@@ -486,17 +487,11 @@ int dc_nccl_submit(dc_nccl *l, dc_nccl_op *op, dc_err *err) {
 }
 
 void dc_nccl_expect(dc_nccl *l, uint64_t from_ns, uint64_t to_ns) {
-    if (l->state != DC_NCCL_READY || to_ns <= from_ns || to_ns <= uv_hrtime()) return;
+    if (l->state != DC_NCCL_READY) return;
     uv_mutex_lock(&l->mu);
-    if (l->win_to && l->win_to > from_ns) { /* overlaps the window set: merge */
-        if (from_ns < l->win_from) l->win_from = from_ns;
-        if (to_ns > l->win_to) l->win_to = to_ns;
-    } else {
-        l->win_from = from_ns;
-        l->win_to = to_ns;
-    }
+    bool set = dc_window_set(&l->win, from_ns, to_ns, uv_hrtime());
     uv_mutex_unlock(&l->mu);
-    uv_cond_signal(&l->cv); /* a sleeping thread recomputes its wake-up */
+    if (set) uv_cond_signal(&l->cv); /* a sleeping thread recomputes its wake-up */
 }
 
 void dc_nccl_close(dc_nccl *l) {
