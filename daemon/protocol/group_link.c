@@ -181,7 +181,10 @@ static void on_exchanged(dc_nccl_op *op) {
 
 /* The window: the usual margins, widened by twice the recent deviation
  * from the average (without MPS a member's norms share the GPU with its
- * trainer, and their time varies from step to step). */
+ * trainer, and their time varies from step to step), at most to three
+ * times the margins: a trainer whose steps' inputs come erratically cannot
+ * have the link's thread poll for much more than a sixth of its steps'
+ * time (daemon.spin_us = 0: never). */
 void dc_group_norms_started(dc_group *g) {
     /* timed only while the link is ready: the first exchange waits for it
      * to form (seconds), which says nothing of the next */
@@ -192,6 +195,7 @@ void dc_group_norms_started(dc_group *g) {
     g->t_norms = now;
     if (!run || !g->gs->link_windows) return;
     uint64_t due = now + run, m = dc_ewma_margin(run), w = 2 * g->ewma_norms_dev_ns;
+    if (w > 2 * m) w = 2 * m;
     dc_nccl_expect(g->link, due > now + m + w ? due - m - w : now, due + 2 * m + w);
 }
 
