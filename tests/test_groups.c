@@ -493,6 +493,8 @@ static void test_status_shows_groups(void **state) {
     assert_non_null(g);
     assert_non_null(strstr(g, "\"size\":2,\"joined\":2,\"waiting\":0,\"clipping\":\"NORM_REDUCE\","
                               "\"state\":\"ready\",\"step\":0,\"reductions\":1"));
+    /* one daemon: no link, nothing exchanged or polled */
+    assert_non_null(strstr(g, "\"link\":\"none\",\"exchanges\":0,\"exchanges_polled\":0,"));
     free(body);
     body = NULL;
     assert_int_equal(dc_http(sock, "GET", "/metrics", 10000, NULL, &body, NULL), 200);
