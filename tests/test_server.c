@@ -12,6 +12,7 @@
 
 #include <cmocka.h>
 
+#include "dc_ewma.h"
 #include "server.h"
 
 typedef struct rig {
@@ -105,7 +106,7 @@ static void test_later_windows_open_when_due(void **state) {
     assert_true(dc_server_window_pending(&r.srv));
 
     /* the later one opens, when due on the timerfd (libuv's timer may fire
-     * up to a millisecond early: the margins of dc_server_poll_margin cover
+     * up to a millisecond early: the margins of dc_ewma_margin cover
      * that), and runs to its end */
     while (!polling(&r)) uv_run(&r.loop, UV_RUN_ONCE);
     assert_true(uv_hrtime() + (g_precise ? 0u : 2000000u) >= from);
@@ -141,8 +142,8 @@ static void test_off_and_stopping(void **state) {
 static void test_margin(void **state) {
     (void)state;
     /* at least 0.3 ms, else 2.5% of the wait */
-    assert_int_equal(dc_server_poll_margin(1000000u), 300000u);
-    assert_int_equal(dc_server_poll_margin(100000000u), 2500000u);
+    assert_int_equal(dc_ewma_margin(1000000u), 300000u);
+    assert_int_equal(dc_ewma_margin(100000000u), 2500000u);
 }
 
 int main(void) {

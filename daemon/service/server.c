@@ -13,7 +13,6 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "dc_ewma.h"
 #include "listen.h"
 #include "log.h"
 #include "report.h"
@@ -286,8 +285,6 @@ void dc_server_spin(dc_server *srv, bool idle) {
     uint64_t now = uv_hrtime();
     dc_server_poll(srv, now, now + srv->spin_ns, idle);
 }
-
-uint64_t dc_server_poll_margin(uint64_t ahead_ns) { return dc_ewma_margin(ahead_ns); }
 
 /* --- lifecycle ------------------------------------------------------------------ */
 

@@ -121,9 +121,6 @@ void dc_server_poll(dc_server *srv, uint64_t from_ns, uint64_t to_ns, bool idle)
  * or replying (idle true: a trainer's next request often follows within
  * microseconds). */
 void dc_server_spin(dc_server *srv, bool idle);
-/* Margin of a window around something expected in `ahead_ns`
- * (dc_ewma_margin, common/dc_ewma.h: the sessions and groups compute it there). */
-uint64_t dc_server_poll_margin(uint64_t ahead_ns);
 /* The windows' handles on loop (precise: with the timerfd, else the uv
  * timer alone), their close, and whether a later window is armed. */
 void dc_server_windows_init(dc_server *srv, uv_loop_t *loop, bool precise);
