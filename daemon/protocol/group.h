@@ -154,9 +154,9 @@ typedef struct dc_groups {
     uint32_t links;          /* cross-daemon groups held now */
     uint32_t timeout_ms;     /* groups.timeout_ms, a join may ask for another */
     uint32_t max_timeout_ms; /* limits.max_group_timeout_ms: the longest it may ask for */
-    bool link_windows;       /* daemon.spin_us > 0: links poll when an exchange is due */
     /* The loop's polling window (the server's), opened around when an
-     * exchange's answer is due; NULL: none. */
+     * exchange's answer is due; NULL where nothing polls (daemon.spin_us =
+     * 0): then the links' threads do not poll for their exchanges either. */
     void (*poll)(void *ctx, uint64_t from_ns, uint64_t to_ns);
     void *poll_ctx;
     /* totals, for /status and /metrics */

@@ -193,7 +193,7 @@ void dc_group_norms_started(dc_group *g) {
         return;
     uint64_t now = uv_hrtime(), run = g->ewma_norms_ns;
     g->t_norms = now;
-    if (!run || !g->gs->link_windows) return;
+    if (!run || !g->gs->poll) return; /* (no polling: daemon.spin_us = 0) */
     uint64_t due = now + run, m = dc_ewma_margin(run), w = 2 * g->ewma_norms_dev_ns;
     if (w > 2 * m) w = 2 * m;
     dc_nccl_expect(g->link, due > now + m + w ? due - m - w : now, due + 2 * m + w);

@@ -605,9 +605,10 @@ int dc_server_init(dc_server *srv, uv_loop_t *loop, const dc_config *cfg,
     dc_groups_init(&srv->groups, loop, srv->noise_key, cfg->max_group_size, cfg->group_timeout_ms,
                    cfg->max_group_timeout_ms);
     srv->groups.max_links = cfg->max_group_links;
-    srv->groups.link_windows = srv->spin_ns != 0;
-    srv->groups.poll = groups_poll;
-    srv->groups.poll_ctx = srv;
+    if (srv->spin_ns) { /* (daemon.spin_us = 0: no polling windows at all) */
+        srv->groups.poll = groups_poll;
+        srv->groups.poll_ctx = srv;
+    }
 
     /* The ledger first: a daemon that cannot account must not serve steps. */
     if ((rc = dc_ledger_open(&srv->ledger, cfg->ledger_dir, cfg->delta, err))) return rc;
