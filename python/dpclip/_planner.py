@@ -253,9 +253,14 @@ class Replanner:
 
     def _leave(self) -> None:
         """This pass is not staged (what was is dropped: it holds tensors)."""
-        self.off, self.n_staged, self.sealed = True, 0, False
-        self.staged = [None] * len(self.keys)
-        self.recs = [None] * len(self.keys)
+        self._empty(len(self.keys), off=True)
+
+    def _empty(self, n: int, off: bool = False) -> None:
+        """Nothing staged for the n layers (the parts and their records
+        together), the pass off the template or not."""
+        self.staged = [None] * n
+        self.recs = [None] * n
+        self.n_staged, self.off, self.sealed = 0, off, False
 
     def unstage(self, clean: bool = True) -> None:
         """Forgets what was staged (the layers' captures are being dropped,
@@ -266,9 +271,7 @@ class Replanner:
         self._queued = False
         self.seen, self.clean = self.changes[0], clean
         if self.n_staged or self.off:
-            self.staged = [None] * len(self.keys)
-            self.recs = [None] * len(self.keys)
-            self.n_staged, self.off, self.sealed = 0, False, False
+            self._empty(len(self.keys))
 
     def whole(self, layers: Sequence[_Layer]) -> Optional[Plan]:
         """The plan of the pass (pass_id) the layers hold staged whole:
@@ -327,8 +330,8 @@ class Replanner:
     def _keep(self, layers: Sequence[_Layer], B: int, p: Plan) -> None:
         self.serial = 0
         self.seen, self.clean = -1, False  # (staging waits for the step's end: unstage())
-        self.at, self.staged, self.recs = {}, [], []
-        self.n_staged, self.off, self.sealed = 0, False, False
+        self.at = {}
+        self._empty(0)
         if len(p.parts) != len(layers):
             return
         tmpl, keys = [], []
@@ -358,8 +361,7 @@ class Replanner:
         self.outs = tuple(p.outs)
         if all(k is not None for k in keys):  # (a layer that captured nothing: not staged)
             self.at = {id(l): i for i, l in enumerate(layers)}
-            self.staged = [None] * len(keys)
-            self.recs = [None] * len(keys)
+            self._empty(len(keys))
             self.ptrs = (ctypes.c_uint64 * (2 * len(keys)))()
             self.refs = (ctypes.c_uint64 * (4 * len(keys)))()
             self._addrs = (ctypes.addressof(self.ptrs), ctypes.addressof(self.refs))
