@@ -17,4 +17,15 @@ static inline uint64_t dc_ewma_margin(uint64_t ahead_ns) {
     return ahead_ns / 40 > 300000u ? ahead_ns / 40 : 300000u;
 }
 
+/* The window around something due `run_ns` after `now` (its recent time):
+ * from the margin (plus `widen`) before it, never before now, to twice the
+ * margin (plus widen) after it: what is late is likelier than what is
+ * early. */
+static inline void dc_ewma_window(uint64_t now, uint64_t run_ns, uint64_t widen, uint64_t *from,
+                                  uint64_t *to) {
+    const uint64_t due = now + run_ns, m = dc_ewma_margin(run_ns);
+    *from = due > now + m + widen ? due - m - widen : now;
+    *to = due + 2 * m + widen;
+}
+
 #endif

@@ -144,6 +144,15 @@ static void test_margin(void **state) {
     /* at least 0.3 ms, else 2.5% of the wait */
     assert_int_equal(dc_ewma_margin(1000000u), 300000u);
     assert_int_equal(dc_ewma_margin(100000000u), 2500000u);
+    /* the window around what is due in 100 ms: a margin before, two after */
+    uint64_t from, to;
+    dc_ewma_window(1000000000u, 100000000u, 0, &from, &to);
+    assert_true(from == 1097500000u && to == 1105000000u);
+    dc_ewma_window(1000000000u, 100000000u, 1000000u, &from, &to); /* widened */
+    assert_true(from == 1096500000u && to == 1106000000u);
+    /* due sooner than its margin: it opens now, never before */
+    dc_ewma_window(1000000000u, 100000u, 0, &from, &to);
+    assert_true(from == 1000000000u && to == 1000700000u);
 }
 
 int main(void) {

@@ -194,9 +194,9 @@ void dc_group_norms_started(dc_group *g) {
     uint64_t now = uv_hrtime(), run = g->ewma_norms_ns;
     g->t_norms = now;
     if (!run || !g->gs->poll) return; /* (no polling: daemon.spin_us = 0) */
-    uint64_t due = now + run, m = dc_ewma_margin(run), w = 2 * g->ewma_norms_dev_ns;
-    if (w > 2 * m) w = 2 * m;
-    dc_nccl_expect(g->link, due > now + m + w ? due - m - w : now, due + 2 * m + w);
+    uint64_t m = dc_ewma_margin(run), w = 2 * g->ewma_norms_dev_ns, from, to;
+    dc_ewma_window(now, run, w > 2 * m ? 2 * m : w, &from, &to);
+    dc_nccl_expect(g->link, from, to);
 }
 
 void dc_group_exchange_start(dc_group *g) {
@@ -258,8 +258,9 @@ void dc_group_exchange_start(dc_group *g) {
      * the link's thread wakes it */
     uint64_t now = g->t_exchange = uv_hrtime(), run = g->ewma_exchange_ns;
     if (run && g->gs->poll) {
-        uint64_t due = now + run, m = dc_ewma_margin(run);
-        g->gs->poll(g->gs->poll_ctx, due > now + m ? due - m : now, due + 2 * m);
+        uint64_t from, to;
+        dc_ewma_window(now, run, 0, &from, &to);
+        g->gs->poll(g->gs->poll_ctx, from, to);
     }
 }
 

@@ -60,8 +60,9 @@ void dc_session_step_expect(const dc_step_call *sc, uint64_t now) {
         dc_host_poll(host, now,
                      now + (s->ewma_notice_ns ? 2 * s->ewma_notice_ns + 100000u : 2000000u), false);
     if (sc->step.device >= 0 && s->ewma_gpu_run_ns) {
-        uint64_t run = s->ewma_gpu_run_ns, m = dc_ewma_margin(run);
-        dc_host_poll(host, now + run > m ? now + run - m : now, now + run + 2 * m, false);
+        uint64_t from, to;
+        dc_ewma_window(now, s->ewma_gpu_run_ns, 0, &from, &to);
+        dc_host_poll(host, from, to, false);
     } else {
         dc_host_spin(host, false);
     }
