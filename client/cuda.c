@@ -150,8 +150,9 @@ static cl_cuda_buf *cached(dpclip_client *c, cl_cudeviceptr p, uint64_t *cu_id) 
 }
 
 /* The registration of the allocation that holds p, made where none is
- * cached: *out a copy of its entry (the entries move as they are added). */
-static int cuda_ref(dpclip_client *c, cl_cudeviceptr p, cl_cuda_buf *out) {
+ * cached (unless !may_send: DPCLIP_EAGAIN, nothing sent): *out a copy of
+ * its entry (the entries move as they are added). */
+static int cuda_ref(dpclip_client *c, cl_cudeviceptr p, cl_cuda_buf *out, bool may_send) {
     cl_cudeviceptr base = 0;
     size_t size = 0;
     uint8_t handle[64];
@@ -167,6 +168,9 @@ static int cuda_ref(dpclip_client *c, cl_cudeviceptr p, cl_cuda_buf *out) {
         *out = *hit;
         return 0;
     }
+    if (!may_send)
+        return cl_fail(c, DPCLIP_EAGAIN, "",
+                       "its allocation is not registered with the daemon yet (nothing was sent)");
     if ((e = g_cu.pointer_get_attribute(&device, CL_CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL, p)) ||
         (e = g_cu.mem_get_address_range(&base, &size, p)))
         return cl_fail(c, DPCLIP_EARG, "", "not a CUDA device pointer: %s", cu_err(e));
@@ -211,7 +215,7 @@ static int cuda_ref(dpclip_client *c, cl_cudeviceptr p, cl_cuda_buf *out) {
 
 int cl_cuda_ref_locked(dpclip_client *c, uint64_t dev_ptr, uint64_t *buffer_id, uint64_t *offset) {
     cl_cuda_buf b;
-    int rc = cuda_ref(c, (cl_cudeviceptr)dev_ptr, &b);
+    int rc = cuda_ref(c, (cl_cudeviceptr)dev_ptr, &b, true);
     if (rc) return rc;
     *buffer_id = b.id;
     *offset = dev_ptr - b.base;
@@ -245,9 +249,9 @@ static int refs_failed(dpclip_client *c, int rc, size_t i, bool pairs) {
 }
 
 /* refs[2i], refs[2i + 1] for ptrs[i], with the lock held; an error names
- * the pointer that failed (refs_failed). */
-static int refs_locked(dpclip_client *c, size_t n, const uint64_t *ptrs, uint64_t *refs,
-                       bool pairs) {
+ * the pointer that failed (refs_failed). may_send: register what is not. */
+static int refs_locked(dpclip_client *c, size_t n, const uint64_t *ptrs, uint64_t *refs, bool pairs,
+                       bool may_send) {
     cl_cuda_buf seen[CL_REFS_SEEN];
     size_t n_seen = 0, next = 0;
     int rc;
@@ -259,7 +263,7 @@ static int refs_locked(dpclip_client *c, size_t n, const uint64_t *ptrs, uint64_
             if (ptrs[i] >= seen[k].base && ptrs[i] - seen[k].base < seen[k].size) b = &seen[k];
         if (!b) {
             /* the oldest found is replaced once the list is full */
-            if ((rc = cuda_ref(c, (cl_cudeviceptr)ptrs[i], &seen[next])))
+            if ((rc = cuda_ref(c, (cl_cudeviceptr)ptrs[i], &seen[next], may_send)))
                 return refs_failed(c, rc, i, pairs);
             b = &seen[next];
             next = (next + 1) % CL_REFS_SEEN;
@@ -271,14 +275,24 @@ static int refs_locked(dpclip_client *c, size_t n, const uint64_t *ptrs, uint64_
     return 0;
 }
 
-DPCLIP_API int dpclip_buffer_refs_cuda(dpclip_client *c, size_t n, const uint64_t *ptrs,
-                                       uint64_t *refs) {
+static int refs_cuda(dpclip_client *c, size_t n, const uint64_t *ptrs, uint64_t *refs,
+                     bool may_send) {
     int rc;
     if (!c || (n && (!ptrs || !refs))) return DPCLIP_EARG;
     cl_lock(c);
-    rc = refs_locked(c, n, ptrs, refs, false);
+    rc = refs_locked(c, n, ptrs, refs, false, may_send);
     cl_unlock(c);
     return rc;
+}
+
+DPCLIP_API int dpclip_buffer_refs_cuda(dpclip_client *c, size_t n, const uint64_t *ptrs,
+                                       uint64_t *refs) {
+    return refs_cuda(c, n, ptrs, refs, true);
+}
+
+DPCLIP_API int dpclip_buffer_refs_cuda_cached(dpclip_client *c, size_t n, const uint64_t *ptrs,
+                                              uint64_t *refs) {
+    return refs_cuda(c, n, ptrs, refs, false);
 }
 
 DPCLIP_API int dpclip_step_rebind_cuda(dpclip_client *c, dpclip_step *s, size_t n,
@@ -288,7 +302,7 @@ DPCLIP_API int dpclip_step_rebind_cuda(dpclip_client *c, dpclip_step *s, size_t 
     if (!c || !s || !ptrs || n != cl_step_layers(s)) return DPCLIP_EARG;
     if (n && !(refs = malloc(4 * n * sizeof *refs))) return DPCLIP_ENOMEM;
     cl_lock(c);
-    rc = refs_locked(c, 2 * n, ptrs, refs, true);
+    rc = refs_locked(c, 2 * n, ptrs, refs, true, true);
     cl_unlock(c);
     if (!rc) rc = dpclip_step_rebind(s, n, refs);
     free(refs);

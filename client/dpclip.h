@@ -143,6 +143,15 @@ int dpclip_buffer_register_cuda(dpclip_client *c, const void *dev_ptr, uint64_t 
  * ptrs[i]'s buffer and offset (an allocation looked up once per call). On
  * an error the handle's message names the pointer's index. */
 int dpclip_buffer_refs_cuda(dpclip_client *c, size_t n, const uint64_t *ptrs, uint64_t *refs);
+/* The same without waiting on the daemon: only allocations this handle
+ * has registered (and not seen replaced) are named; any other pointer
+ * fails it with DPCLIP_EAGAIN, nothing sent. The daemon answers a
+ * session's requests in order, so a registration waits for the session's
+ * steps in flight; a norm group member's micro-batch waits there for the
+ * other members', which may wait on the device for this process's later
+ * sends (a pipeline's): a registration then would never be answered. */
+int dpclip_buffer_refs_cuda_cached(dpclip_client *c, size_t n, const uint64_t *ptrs,
+                                   uint64_t *refs);
 /* Register from a CUDA IPC memory handle the caller exported itself
  * (cudaIpcGetMemHandle on an allocation's base; 64 bytes); `size` bytes from
  * the base are addressable (0 = the whole allocation). */

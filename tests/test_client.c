@@ -318,6 +318,14 @@ static void test_step_rebind(void **state) {
         assert_int_equal(dpclip_buffer_refs_cuda(NULL, 2, ptrs, refs4), DPCLIP_EARG);
         assert_int_equal(dpclip_buffer_refs_cuda(c, 2, NULL, refs4), DPCLIP_EARG);
         assert_int_equal(dpclip_buffer_refs_cuda(c, 0, NULL, NULL), 0);
+        /* (the cached lookup: the same checks, and a host pointer is none
+         * of the registrations it may name) */
+        rc = dpclip_buffer_refs_cuda_cached(c, 2, ptrs, refs4);
+        assert_true(rc == DPCLIP_EAGAIN || rc == DPCLIP_EUNAVAIL);
+        if (rc == DPCLIP_EAGAIN) assert_non_null(strstr(dpclip_errmsg(c), "pointer 0"));
+        assert_int_equal(dpclip_buffer_refs_cuda_cached(NULL, 2, ptrs, refs4), DPCLIP_EARG);
+        assert_int_equal(dpclip_buffer_refs_cuda_cached(c, 2, NULL, refs4), DPCLIP_EARG);
+        assert_int_equal(dpclip_buffer_refs_cuda_cached(c, 0, NULL, NULL), 0);
     }
     assert_int_equal(dpclip_run(c, s.step, &res), DPCLIP_ENONFINITE); /* unchanged */
 

@@ -117,8 +117,19 @@ static void steps_exact(const dc_harness *h, int device) {
             const uint64_t ptrs[4] = {(uint64_t)(uintptr_t)(dev + 8192),
                                       (uint64_t)(uintptr_t)(other + 16), (uint64_t)(uintptr_t)dev,
                                       (uint64_t)(uintptr_t)other};
+            uint64_t cached[8];
+            /* Without waiting on the daemon: the registered allocation is
+             * named, the other refused (EAGAIN, nothing sent) by its index. */
+            assert_int_equal(dpclip_buffer_refs_cuda_cached(c, 1, ptrs, cached), 0);
+            assert_int_equal(cached[0], gid);
+            assert_int_equal(cached[1], 8192);
+            assert_int_equal(dpclip_buffer_refs_cuda_cached(c, 4, ptrs, cached), DPCLIP_EAGAIN);
+            assert_non_null(strstr(dpclip_errmsg(c), "pointer 1"));
             assert_int_equal(dpclip_buffer_refs_cuda(c, 4, ptrs, refs), 0);
             assert_int_equal(dpclip_buffer_register_cuda(c, other, &oid, &ooff), 0);
+            /* registered by then: the cached lookup names the same */
+            assert_int_equal(dpclip_buffer_refs_cuda_cached(c, 4, ptrs, cached), 0);
+            assert_memory_equal(cached, refs, sizeof refs);
             assert_true(oid != gid);
             assert_int_equal(refs[0], gid);
             assert_int_equal(refs[1], 8192);

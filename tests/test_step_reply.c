@@ -8,12 +8,15 @@
 #include <stdarg.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include <cmocka.h>
 
 #include "dpclip.pb-c.h"
+#include "log.h"
 #include "step_reply.h"
 
 enum { B = 3, L = 2 };
@@ -171,6 +174,45 @@ static void test_notice(void **state) {
     destroy(f);
 }
 
+/* The debug line of f's step, as dc_step_reply_log writes it to stderr. */
+static void log_line(const fixture *f, char *out, size_t cap) {
+    FILE *tmp = tmpfile();
+    int saved = dup(2);
+    assert_non_null(tmp);
+    assert_true(saved >= 0);
+    fflush(stderr);
+    assert_true(dup2(fileno(tmp), 2) >= 0);
+    dc_log_set_level(DC_LOG_DEBUG);
+    dc_step_reply_log(&f->sc, 5, 1, 1800, 1900, 50);
+    dc_log_set_level(DC_LOG_INFO);
+    fflush(stderr);
+    assert_true(dup2(saved, 2) >= 0);
+    close(saved);
+    rewind(tmp);
+    size_t n = fread(out, 1, cap - 1, tmp);
+    out[n] = 0;
+    fclose(tmp);
+}
+
+/* Each part of the debug line is the time between its two stages; a
+ * stage the step never reached (it failed waiting for its group: ended
+ * 0) gives 0, not the wrapped-around difference. */
+static void test_log_spans(void **state) {
+    (void)state;
+    fixture *f = make(DC_CLIP_FLAT, false);
+    char line[2048];
+
+    log_line(f, line, sizeof line);
+    assert_non_null(strstr(line, "decode 0.1 us, validate 0.1 us, ledger 0.1 us, queue 0.1 us"));
+    assert_non_null(strstr(line, "run 0.1 us"));
+    assert_non_null(strstr(line, "reply 0.3 us (hand-off 0.2, send 0.1)"));
+    f->sc.t_end = 0;
+    log_line(f, line, sizeof line);
+    assert_non_null(strstr(line, "run 0.0 us"));
+    assert_non_null(strstr(line, "reply 0.0 us (hand-off 0.0, send 0.1)"));
+    destroy(f);
+}
+
 static void test_count(void **state) {
     (void)state;
     fixture *f = make(DC_CLIP_FLAT, false);
@@ -209,7 +251,7 @@ int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_flat),      cmocka_unit_test(test_layer_norms_asked),
         cmocka_unit_test(test_per_layer), cmocka_unit_test(test_notice),
-        cmocka_unit_test(test_count),
+        cmocka_unit_test(test_count),     cmocka_unit_test(test_log_spans),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

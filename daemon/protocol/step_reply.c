@@ -80,6 +80,12 @@ void dc_step_reply_count(const dc_step_call *sc, uint64_t now, dc_metrics *m) {
     }
 }
 
+/* from -> to in microseconds; 0 where a stage was never reached (a step
+ * that failed before it leaves its time 0, or earlier than the last). */
+static double span_us(uint64_t from, uint64_t to) {
+    return from && to > from ? (to - from) / 1e3 : 0.0;
+}
+
 void dc_step_reply_log(const dc_step_call *sc, uint64_t session_id, uint64_t step_index,
                        uint64_t t_done, uint64_t now, uint64_t send_ns) {
     if (dc_log_get_level() < DC_LOG_DEBUG) return;
@@ -91,13 +97,13 @@ void dc_step_reply_log(const dc_step_call *sc, uint64_t session_id, uint64_t ste
                  "started %.3f, ended %.3f, answered %.3f",
                  (unsigned long long)session_id, (unsigned long long)step_index, sc->step.n_layers,
                  sc->step.batch, sc->step.device < 0 ? "cpu" : "gpu", sc->cached ? ", cached" : "",
-                 (sc->t_recv - sc->t_frame) / 1e3, (sc->t_checked - sc->t_recv) / 1e3,
-                 (sc->t_submit - sc->t_checked) / 1e3, (sc->t_start - sc->t_submit) / 1e3,
-                 (sc->t_waited - sc->t_start) / 1e3, sc->res.phase_ns[DC_RUN_WAIT_INPUT] / 1e3,
-                 (sc->t_end - sc->t_waited) / 1e3, sc->res.compute_ns / 1e3,
+                 span_us(sc->t_frame, sc->t_recv), span_us(sc->t_recv, sc->t_checked),
+                 span_us(sc->t_checked, sc->t_submit), span_us(sc->t_submit, sc->t_start),
+                 span_us(sc->t_start, sc->t_waited), sc->res.phase_ns[DC_RUN_WAIT_INPUT] / 1e3,
+                 span_us(sc->t_waited, sc->t_end), sc->res.compute_ns / 1e3,
                  sc->res.phase_ns[DC_RUN_NORMS] / 1e3, sc->res.phase_ns[DC_RUN_REDUCTION] / 1e3,
                  sc->res.phase_ns[DC_RUN_CLIPPING] / 1e3, sc->res.phase_ns[DC_RUN_NOISE] / 1e3,
-                 (now - sc->t_end) / 1e3, (t_done - sc->t_end) / 1e3, send_ns / 1e3, sc->eps,
+                 span_us(sc->t_end, now), span_us(sc->t_end, t_done), send_ns / 1e3, sc->eps,
                  (unsigned long long)sc->group_step, sc->t_frame / 1e6, sc->t_submit / 1e6,
                  sc->t_normed / 1e6, sc->t_start / 1e6, sc->t_end / 1e6, now / 1e6);
 }

@@ -175,6 +175,8 @@ def _declare(L: ctypes.CDLL) -> None:
         "dpclip_buffer_release": (c_int, [c_void_p, ctypes.c_uint64]),
         "dpclip_buffer_register_cuda": (c_int, [c_void_p, c_void_p, u64p, u64p]),
         "dpclip_buffer_refs_cuda": (c_int, [c_void_p, ctypes.c_size_t, c_void_p, c_void_p]),
+        "dpclip_buffer_refs_cuda_cached": (c_int, [c_void_p, ctypes.c_size_t, c_void_p,
+                                                   c_void_p]),
         "dpclip_event_register_cuda": (c_int, [c_void_p, c_char_p, c_int, u64p]),
         "dpclip_step_new": (c_void_p, [ctypes.c_uint32, ctypes.POINTER(ClipConfig)]),
         "dpclip_step_free": (None, [c_void_p]),
@@ -379,6 +381,13 @@ class Client:
         at refs_addr. Returns its status instead of raising (called at a
         backward's end, it leaves the error to the step: check())."""
         return int(self._L.dpclip_buffer_refs_cuda(self.handle, n, ptrs_addr, refs_addr))
+
+    def refs_cuda_cached_at(self, n: int, ptrs_addr: int, refs_addr: int) -> int:
+        """refs_cuda_at from the registrations this client holds alone:
+        EAGAIN (nothing sent) where a pointer's allocation is not
+        registered yet (dpclip_buffer_refs_cuda_cached: it never waits
+        behind the session's steps in flight)."""
+        return int(self._L.dpclip_buffer_refs_cuda_cached(self.handle, n, ptrs_addr, refs_addr))
 
     def register_event(self, ipc_handle: bytes, device: int) -> int:
         if len(ipc_handle) != 64:

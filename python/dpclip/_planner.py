@@ -242,11 +242,16 @@ class Replanner:
         """At a backward's end: a pass staged whole has its tensors named
         for the daemon, all in one call (resolve), while the GPU still runs
         the backward; where that fails the pass is left to step(), which
-        raises the error."""
+        raises the error. A norm group member's resolve names only what is
+        registered already (Client.refs_cuda_cached_at): EAGAIN keeps the
+        pass staged, its pointers named when the step is sent."""
         self._queued = False
         if self.off or self.n_staged != len(self.staged) or self.resolve is None:
             return
-        if self.resolve(len(self.ptrs), self._addrs[0], self._addrs[1]):
+        rc = self.resolve(len(self.ptrs), self._addrs[0], self._addrs[1])
+        if rc == _lib.EAGAIN:
+            return  # (an allocation not registered yet: the step names the pointers)
+        if rc:
             self._leave()
         else:
             self.sealed = True

@@ -5,15 +5,18 @@ micro-batches per logical step, and data parallelism with each rank
 accumulating its own micro-batches.
 
 The device layout (`layout`): "cpu" and "one_gpu" (both ranks on cuda:0)
-join over gloo; "two_gpus" puts rank r on cuda:r and joins over NCCL (the
-pipeline's activations and gradients then go GPU to GPU)."""
+join over gloo; "one_gpu_nccl" puts both on cuda:0 over NCCL (told apart
+as hosts: its socket transport), and "two_gpus" rank r on cuda:r over
+NCCL (the pipeline's activations and gradients then go GPU to GPU)."""
 import datetime
+import math
 import os
 import warnings
 
 import torch
 import torch.distributed as dist
 
+from dpclip import _lib
 from dpclip.pipeline import schedule
 from dpclip.torch import PrivacyEngine, reduce_loss
 from models import SeqModel, per_sample_losses, pipeline_model
@@ -25,12 +28,15 @@ def _init(rank, world, init_file, layout="cpu"):
     if layout == "one_gpu":
         # gloo: NCCL refuses two ranks on one GPU unless told apart as hosts
         device = torch.device("cuda", 0)
-    elif layout == "two_gpus":
+    elif layout in ("two_gpus", "one_gpu_nccl"):
         os.environ["NCCL_NVLS_ENABLE"] = "0"
+        gpu = rank if layout == "two_gpus" else 0
+        if layout == "one_gpu_nccl":  # NCCL refuses two ranks on one GPU of one host
+            os.environ["NCCL_HOSTID"] = "dpclip-test-%d-%d" % (os.getppid(), rank)
         # before init: NCCL's communicators and the object collectives
         # make_private runs take the current device as the rank's
-        torch.cuda.set_device(rank)
-        backend, device = "nccl", torch.device("cuda", rank)
+        torch.cuda.set_device(gpu)
+        backend, device = "nccl", torch.device("cuda", gpu)
     else:
         assert layout == "cpu", layout
     # a timeout well past any step: ranks that fall out of step (or a
@@ -49,19 +55,22 @@ def _links(layout):
     stage 1's gradient) would then wait for each other. One communicator
     per direction keeps each in the same order on both stages. Every rank
     calls it alike (new_group is collective)."""
-    if layout != "two_gpus":
+    if layout not in ("two_gpus", "one_gpu_nccl"):
         return None
     return dist.new_group([0, 1]), dist.new_group([0, 1])
 
 
-def pipeline_step(stage_mod, opt, rank, x, y, sizes, kind, d=16, commit=True, links=None):
+def pipeline_step(stage_mod, opt, rank, x, y, sizes, kind, d=16, commit=True, links=None,
+                  fresh=None):
     """One logical step of a 2-stage pipeline (global ranks 0 and 1) over
     micro-batches of `sizes` samples, run in `kind`'s order. Activations and
     gradients go with isend (never waited on inside the schedule: a
     blocking send would deadlock 1F1B) and recv: through host memory
     (links None: gloo sends no CUDA tensors), or from the stage's GPU over
     links' NCCL groups (_links: activations on the first, gradients on the
-    second)."""
+    second). fresh (a list, CUDA): stage 1 takes each micro-batch's input in
+    an allocation of its own, held there, which the daemon has not seen
+    (a trainer's allocator handing out new memory mid-step)."""
     dev = next(stage_mod.parameters()).device
     x, y = x.to(dev), y.to(dev)
     wire = torch.device("cpu") if links is None else dev  # where sent tensors live
@@ -80,9 +89,19 @@ def pipeline_step(stage_mod, opt, rank, x, y, sizes, kind, d=16, commit=True, li
             dist.recv(g, 1, group=bwd)
             outs.pop(i).backward(g.to(dev))
         elif op == "F":
-            h = torch.empty(sizes[i], x.shape[1], d, device=wire)
-            dist.recv(h, 0, group=fwd)
-            ins[i] = h.to(dev).requires_grad_(True)
+            shape = (sizes[i], x.shape[1], d)
+            if fresh is not None:  # (past 10 MiB: a segment of its own, while held)
+                fresh.append(torch.empty(3 << 20, device=dev))
+                h = fresh[-1][:math.prod(shape)].view(shape)
+            else:
+                h = torch.empty(shape, device=dev)
+            if wire == dev:
+                dist.recv(h, 0, group=fwd)
+            else:
+                got = torch.empty(shape, device=wire)
+                dist.recv(got, 0, group=fwd)
+                h.copy_(got)
+            ins[i] = h.requires_grad_(True)
             losses[i] = reduce_loss(per_sample_losses("seq", stage_mod(ins[i]), y[sl]), "mean")
         else:
             losses.pop(i).backward()
@@ -137,6 +156,50 @@ def run_schedule(rank, world, init_file, socket_path, data, sizes, C, expected, 
         out["epsilon"] = engine.last_epsilon
         engine.close()
         torch.save(out, os.path.join(out_dir, "%s%d.pt" % (kind, rank)))
+    finally:
+        dist.destroy_process_group()
+
+
+def run_steady_schedule(rank, world, init_file, socket_path, data, sizes, C, expected, kind,
+                        out_dir, layout, steps=3):
+    """SeqModel's 2 stages in one norm group, noise off, `steps` logical
+    steps of the same micro-batches (a steady step: staged, its tensors
+    named at each backward's end), stage 1's inputs in fresh allocations
+    (pipeline_step's `fresh`). Saves each step's gradients and norms, and
+    how many of the backward's-end lookups met an allocation not
+    registered yet (left to the step's submission: the daemon may hold
+    this stage's earlier micro-batch, which waits for the other stage's,
+    which waits for this stage's next gradient)."""
+    device = _init(rank, world, init_file, layout)
+    try:
+        links = _links(layout)
+        torch.manual_seed(3)
+        stage = pipeline_model()[rank].to(device)
+        engine = PrivacyEngine(socket_path, allow_insecure_seed=True)
+        kw = {"expected_batch_size": expected} if rank == 0 else {}
+        stage, opt, _ = engine.make_private(
+            module=stage, optimizer=torch.optim.SGD(stage.parameters(), lr=0.0),
+            noise_multiplier=0.0, max_grad_norm=C, loss_reduction="mean",
+            norm_group=dist.group.WORLD, norm_group_timeout_ms=20000, **kw)
+        rp, later = engine._replanner, []
+        resolve = rp.resolve
+
+        def counted(n, ptrs, refs):
+            rc = resolve(n, ptrs, refs)
+            later.append(rc == _lib.EAGAIN)
+            return rc
+        rp.resolve = counted
+        x, y = data
+        fresh = [] if device.type == "cuda" else None
+        out = {"grads": [], "norms": []}
+        for _ in range(steps):
+            pipeline_step(stage, opt, rank, x, y, sizes, kind, links=links, fresh=fresh)
+            out["grads"].append({"%d.%s" % (rank, n): p.grad.cpu()
+                                 for n, p in stage.named_parameters()})
+            out["norms"].append(engine.last_norms)
+        out["steps"], out["later"], out["seals"] = engine.steps, sum(later), len(later)
+        engine.close()
+        torch.save(out, os.path.join(out_dir, "steady-%s%d.pt" % (kind, rank)))
     finally:
         dist.destroy_process_group()
 

@@ -6,7 +6,8 @@ micro-batches, each against the per-sample f64 reference of the unsplit
 model on the whole logical batch (noise off); with noise, one draw and one
 charge per logical step. The GPU variants run in two layouts: "one_gpu"
 (both ranks on cuda:0, gloo) and "two_gpus" (rank r on cuda:r, NCCL; skips
-with fewer than 2 GPUs), one dpclipd serving both:
+with fewer than 2 GPUs), one dpclipd serving both; the steady-step test
+runs "one_gpu_nccl" too (both on cuda:0, NCCL between them):
 
     python3 -m pytest -q python/tests/test_accumulate_parallel.py -k cuda
 """
@@ -16,7 +17,7 @@ import pytest
 import torch
 
 from dpclip.torch import PrivacyEngine
-from accum_worker import run_data_parallel, run_dropped, run_schedule
+from accum_worker import run_data_parallel, run_dropped, run_schedule, run_steady_schedule
 from dpclip.pipeline import schedule
 from models import pipeline_model, reference, seq_data, SeqModel
 from models import between as _between, max_rel as _max_rel, spawn as _spawn
@@ -173,6 +174,41 @@ def test_pipeline_micro_batches_on_cuda(daemon, tmp_path, kind, layout):
         for n, g in got["grads"].items():
             assert _max_rel(g, want[n]) < 3e-3, (kind, r, n)  # TF32
         assert _max_rel(got["norms"], norms) < 3e-3, (kind, r)
+
+
+@pytest.mark.parametrize("kind", ["1f1b", "gpipe"])
+@pytest.mark.parametrize("layout", LAYOUTS + ["one_gpu_nccl"])
+def test_steady_pipeline_steps_with_new_allocations_on_cuda(daemon, tmp_path, kind, layout):
+    """Three logical steps of the same 4 micro-batches (steady: each
+    backward's tensors named for the daemon at its end), stage 1's inputs
+    in allocations the daemon has not seen. Under 1F1B stage 1's earlier
+    micro-batch is in flight at that point, waiting in the daemon for stage
+    0's, which waits on the GPU for the gradient this stage sends after the
+    backward: a registration queued behind it was never answered (the
+    pipeline hung from its second logical step). Every step's gradients
+    and norms are the unsplit model's, and the lookups that met a new
+    allocation left it to the step's submission."""
+    _cuda_daemon(daemon, layout if layout != "one_gpu_nccl" else "one_gpu")
+    if layout == "one_gpu_nccl" and not torch.distributed.is_nccl_available():
+        pytest.skip("one_gpu_nccl runs NCCL: this torch has none")
+    torch.manual_seed(3)
+    whole = pipeline_model()
+    (x,), y = seq_data(12, seed=8)
+    _, norms, _ = reference(whole, "seq", (x,), y, 1e9, "sum", 1)
+    C = _between(norms)
+    want, norms, _ = reference(whole, "seq", (x,), y, C, "mean", EXPECTED)
+    _spawn(run_steady_schedule, (2, str(tmp_path / "init"), daemon.socket, (x, y), [3, 3, 3, 3],
+                                 C, EXPECTED, kind, str(tmp_path), layout))
+    for r in range(2):
+        got = torch.load(str(tmp_path / ("steady-%s%d.pt" % (kind, r))))
+        assert got["steps"] == 3 and len(got["grads"]) == 3
+        for k in range(3):
+            for n, g in got["grads"][k].items():
+                assert _max_rel(g, want[n]) < 3e-3, (kind, r, k, n)  # TF32
+            assert _max_rel(got["norms"][k], norms) < 3e-3, (kind, r, k)
+        if r == 1 and kind == "1f1b":  # (GPipe's backwards follow all forwards: none staged)
+            # a new allocation each micro-batch: every lookup met one
+            assert 1 <= got["later"] == got["seals"], (got["later"], got["seals"])
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
