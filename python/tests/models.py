@@ -15,6 +15,7 @@ import copy
 import math
 import os
 import sys
+import time
 
 import pytest
 import torch
@@ -110,13 +111,21 @@ def _rank_then_exit(rank, fn, *args):
     os._exit(0)
 
 
-def spawn(fn, args, nprocs=2, timeout=120):
+def spawn(fn, args, nprocs=2, timeout=900):
     """nprocs processes running fn(rank, *args) (spawned), waited for; a
-    failing one raises here."""
+    failing one raises here, and so do ranks still running after `timeout`
+    seconds (killed first: a deadlocked pipeline fails its test instead of
+    hanging the suite)."""
     ctx = mp.start_processes(_rank_then_exit, nprocs=nprocs, join=False, start_method="spawn",
                              args=(fn,) + tuple(args))
-    while not ctx.join(timeout=timeout):
-        pass
+    deadline = time.monotonic() + timeout
+    while not ctx.join(timeout=min(10.0, max(0.0, deadline - time.monotonic()))):
+        if time.monotonic() >= deadline:
+            alive = [p for p in ctx.processes if p.is_alive()]
+            for p in alive:
+                p.kill()
+            raise TimeoutError("%s: %d rank(s) still running after %d s (killed)"
+                               % (fn.__name__, len(alive), timeout))
 
 
 def _norm(d):
@@ -223,9 +232,23 @@ class Stage1(nn.Module):
         return self.head(self.shared(torch.tanh(self.shared(h))))
 
 
-def pipeline_model():
-    """The whole model; its [k] is pipeline stage k."""
-    return nn.Sequential(Stage0(), Stage1())
+class Stage1Once(nn.Module):
+    """Stage1 with each layer used once (a steady step's template takes
+    one capture a layer: dpclip._planner.Replanner)."""
+
+    def __init__(self, V=11, d=16):
+        super().__init__()
+        self.norm2 = _norm(d)
+        self.fc = nn.Linear(d, d)
+        self.head = nn.Linear(d, V)
+
+    def forward(self, h):
+        return self.head(torch.tanh(self.fc(self.norm2(h))))
+
+
+def pipeline_model(once=False):
+    """The whole model; its [k] is pipeline stage k (once: Stage1Once)."""
+    return nn.Sequential(Stage0(), Stage1Once() if once else Stage1())
 
 
 class TPModel(nn.Module):

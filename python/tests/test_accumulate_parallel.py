@@ -177,8 +177,8 @@ def test_pipeline_micro_batches_on_cuda(daemon, tmp_path, kind, layout):
 
 
 @pytest.mark.parametrize("kind", ["1f1b", "gpipe"])
-@pytest.mark.parametrize("layout", LAYOUTS + ["one_gpu_nccl"])
-def test_steady_pipeline_steps_with_new_allocations_on_cuda(daemon, tmp_path, kind, layout):
+@pytest.mark.parametrize("layout", ["cpu"] + LAYOUTS + ["one_gpu_nccl"])
+def test_steady_pipeline_steps_with_new_allocations(daemon, tmp_path, kind, layout):
     """Three logical steps of the same 4 micro-batches (steady: each
     backward's tensors named for the daemon at its end), stage 1's inputs
     in allocations the daemon has not seen. Under 1F1B stage 1's earlier
@@ -187,28 +187,32 @@ def test_steady_pipeline_steps_with_new_allocations_on_cuda(daemon, tmp_path, ki
     backward: a registration queued behind it was never answered (the
     pipeline hung from its second logical step). Every step's gradients
     and norms are the unsplit model's, and the lookups that met a new
-    allocation left it to the step's submission."""
-    _cuda_daemon(daemon, layout if layout != "one_gpu_nccl" else "one_gpu")
+    allocation left it to the step's submission (on the CPU, a stand-in
+    lookup answers so; the run and the daemon's sums are the same)."""
+    if layout != "cpu":
+        _cuda_daemon(daemon, layout if layout != "one_gpu_nccl" else "one_gpu")
     if layout == "one_gpu_nccl" and not torch.distributed.is_nccl_available():
         pytest.skip("one_gpu_nccl runs NCCL: this torch has none")
     torch.manual_seed(3)
-    whole = pipeline_model()
+    whole = pipeline_model(once=True)
     (x,), y = seq_data(12, seed=8)
     _, norms, _ = reference(whole, "seq", (x,), y, 1e9, "sum", 1)
     C = _between(norms)
     want, norms, _ = reference(whole, "seq", (x,), y, C, "mean", EXPECTED)
     _spawn(run_steady_schedule, (2, str(tmp_path / "init"), daemon.socket, (x, y), [3, 3, 3, 3],
-                                 C, EXPECTED, kind, str(tmp_path), layout))
+                                 C, EXPECTED, kind, str(tmp_path), layout), timeout=300)
     for r in range(2):
         got = torch.load(str(tmp_path / ("steady-%s%d.pt" % (kind, r))))
         assert got["steps"] == 3 and len(got["grads"]) == 3
+        tol = 2e-4 if layout == "cpu" else 3e-3  # (TF32)
         for k in range(3):
+            assert set(got["grads"][k]) == {n for n in want if n.startswith("%d." % r)}
             for n, g in got["grads"][k].items():
-                assert _max_rel(g, want[n]) < 3e-3, (kind, r, k, n)  # TF32
-            assert _max_rel(got["norms"][k], norms) < 3e-3, (kind, r, k)
+                assert _max_rel(g, want[n]) < tol, (kind, r, k, n)
+            assert _max_rel(got["norms"][k], norms) < tol, (kind, r, k)
         if r == 1 and kind == "1f1b":  # (GPipe's backwards follow all forwards: none staged)
-            # a new allocation each micro-batch: every lookup met one
-            assert 1 <= got["later"] == got["seals"], (got["later"], got["seals"])
+            # steps 2 and 3 staged each micro-batch, and each met a new allocation
+            assert got["later"] == got["seals"] >= 2 * 4, (got["later"], got["seals"])
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)

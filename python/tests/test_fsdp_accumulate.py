@@ -42,7 +42,7 @@ SPLITS = {
 }
 
 
-def _spawn(fn, world, args, timeout=120):
+def _spawn(fn, world, args, timeout=900):
     spawn(fn, (world,) + args, nprocs=world, timeout=timeout)
 
 
