@@ -243,8 +243,12 @@ class Replanner:
         for the daemon, all in one call (resolve), while the GPU still runs
         the backward; where that fails the pass is left to step(), which
         raises the error. A norm group member's resolve names only what is
-        registered already (Client.refs_cuda_cached_at): EAGAIN keeps the
-        pass staged, its pointers named when the step is sent."""
+        registered already (Client.refs_cuda_cached_at): its micro-batch in
+        flight waits in the daemon for the other members', which may wait
+        on the device for this process's next send (a pipeline's gradient,
+        queued after this backward), and the daemon answers a registration
+        only after it. EAGAIN keeps the pass staged, its pointers named when
+        the step is sent."""
         self._queued = False
         if self.off or self.n_staged != len(self.staged) or self.resolve is None:
             return

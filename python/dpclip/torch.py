@@ -394,12 +394,7 @@ class PrivacyEngine:
         if device.type == "cuda" and self.client.info.has_cuda:
             warn_without_mps(self.client)
             if shards is None:  # a steady step's tensors named at the backward's end
-                # A group member's micro-batch in flight waits in the daemon for
-                # the other members', which may wait on the device for this
-                # process's next send (a pipeline's gradient, queued after the
-                # backward): a registration queued behind it would never be
-                # answered. Members name what is registered already, and leave
-                # the rest to the step's submission.
+                # (a group member never registers there: Replanner._seal)
                 self._replanner.resolve = self.client.refs_cuda_cached_at \
                     if group is not None else self.client.refs_cuda_at
         self.mode.open(target_delta, target_epsilon, device)  # (sharded: steps block)
