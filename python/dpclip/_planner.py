@@ -148,7 +148,8 @@ class Replanner:
     captured twice, another shape or pass, a layer the template does not
     know, records changed) leaves the pass to the comparison at step().
     unstage() forgets it, with the layers' captures. resolve (set by the
-    engine for a CUDA model: Client.refs_cuda_at) names the staged tensors
+    engine for a CUDA model: Client.refs_cuda_at, a norm group member's
+    refs_cuda_cached_at) names the staged tensors
     for the daemon at the backward's end (_seal), all in one call, so that
     the step only rebinds; where it fails the pass is left to step(), which
     raises its error."""

@@ -120,6 +120,27 @@ def pipeline_step(stage_mod, opt, rank, x, y, sizes, kind, d=16, commit=True, li
     return early
 
 
+def _private_stage(rank, device, socket_path, C, lr, sigma, first, once=False, **kw):
+    """(engine, stage, optimizer): pipeline stage `rank` of the same model
+    on every call (seed 3; once: Stage1Once), private in a norm group of
+    every rank (flat clipping, mean loss), SGD at lr; `first`:
+    make_private's arguments that rank 0 alone passes (the expected batch,
+    the sample rate), kw every rank's."""
+    torch.manual_seed(3)
+    stage = pipeline_model(once=once)[rank].to(device)
+    engine = PrivacyEngine(socket_path, allow_insecure_seed=True)
+    stage, opt, _ = engine.make_private(
+        module=stage, optimizer=torch.optim.SGD(stage.parameters(), lr=lr),
+        noise_multiplier=sigma, max_grad_norm=C, loss_reduction="mean",
+        norm_group=dist.group.WORLD, **(first if rank == 0 else {}), **kw)
+    return engine, stage, opt
+
+
+def _grads(rank, stage):
+    """The stage's gradients by their name in the whole model ("rank.name")."""
+    return {"%d.%s" % (rank, n): p.grad.cpu() for n, p in stage.named_parameters()}
+
+
 def run_schedule(rank, world, init_file, socket_path, data, sizes, C, expected, kind, out_dir,
                  layout="cpu"):
     """SeqModel's 2 stages in one norm group (flat clipping), noise off,
@@ -128,29 +149,17 @@ def run_schedule(rank, world, init_file, socket_path, data, sizes, C, expected, 
     device = _init(rank, world, init_file, layout)
     try:
         links = _links(layout)
-        torch.manual_seed(3)
-        stage = pipeline_model()[rank].to(device)
-        engine = PrivacyEngine(socket_path, allow_insecure_seed=True)
-        kw = {"expected_batch_size": expected} if rank == 0 else {}
-        stage, opt, _ = engine.make_private(
-            module=stage, optimizer=torch.optim.SGD(stage.parameters(), lr=0.0),
-            noise_multiplier=0.0, max_grad_norm=C, loss_reduction="mean",
-            norm_group=dist.group.WORLD, **kw)
+        engine, stage, opt = _private_stage(rank, device, socket_path, C, 0.0, 0.0,
+                                            {"expected_batch_size": expected})
         x, y = data
         early = pipeline_step(stage, opt, rank, x, y, sizes, kind, links=links)
-        out = {"early": early, "grads": {"%d.%s" % (rank, n): p.grad.cpu()
-                                         for n, p in stage.named_parameters()},
-               "norms": engine.last_norms, "steps": engine.steps}
+        out = {"early": early, "grads": _grads(rank, stage), "norms": engine.last_norms,
+               "steps": engine.steps}
         engine.close()
 
-        torch.manual_seed(3)
-        stage = pipeline_model()[rank].to(device)
-        engine = PrivacyEngine(socket_path, allow_insecure_seed=True)
-        kw = {"expected_batch_size": expected, "sample_rate": 0.05} if rank == 0 else {}
-        stage, opt, _ = engine.make_private(
-            module=stage, optimizer=torch.optim.SGD(stage.parameters(), lr=0.1),
-            noise_multiplier=1.0, max_grad_norm=C, loss_reduction="mean",
-            norm_group=dist.group.WORLD, target_delta=1e-5, **kw)
+        engine, stage, opt = _private_stage(
+            rank, device, socket_path, C, 0.1, 1.0,
+            {"expected_batch_size": expected, "sample_rate": 0.05}, target_delta=1e-5)
         for _ in range(2):
             pipeline_step(stage, opt, rank, x, y, sizes, kind, links=links)
         out["epsilon"] = engine.last_epsilon
@@ -173,14 +182,9 @@ def run_steady_schedule(rank, world, init_file, socket_path, data, sizes, C, exp
     device = _init(rank, world, init_file, layout)
     try:
         links = _links(layout)
-        torch.manual_seed(3)
-        stage = pipeline_model(once=True)[rank].to(device)
-        engine = PrivacyEngine(socket_path, allow_insecure_seed=True)
-        kw = {"expected_batch_size": expected} if rank == 0 else {}
-        stage, opt, _ = engine.make_private(
-            module=stage, optimizer=torch.optim.SGD(stage.parameters(), lr=0.0),
-            noise_multiplier=0.0, max_grad_norm=C, loss_reduction="mean",
-            norm_group=dist.group.WORLD, norm_group_timeout_ms=20000, **kw)
+        engine, stage, opt = _private_stage(rank, device, socket_path, C, 0.0, 0.0,
+                                            {"expected_batch_size": expected}, once=True,
+                                            norm_group_timeout_ms=20000)
         rp, later = engine._replanner, []
         # (a host model names nothing: a stand-in answers as the lookup does
         # for a new allocation, and the host step goes as ever)
@@ -196,8 +200,7 @@ def run_steady_schedule(rank, world, init_file, socket_path, data, sizes, C, exp
         out = {"grads": [], "norms": []}
         for _ in range(steps):
             pipeline_step(stage, opt, rank, x, y, sizes, kind, links=links, fresh=fresh)
-            out["grads"].append({"%d.%s" % (rank, n): p.grad.cpu()
-                                 for n, p in stage.named_parameters()})
+            out["grads"].append(_grads(rank, stage))
             out["norms"].append(engine.last_norms)
         out["steps"], out["later"], out["seals"] = engine.steps, sum(later), len(later)
         engine.close()
@@ -256,22 +259,15 @@ def run_dropped(rank, world, init_file, socket_path, data, C, expected, out_dir)
     stage 1 sent its first micro-batch during the schedule, stage 0 none.
     Then a logical step of one micro-batch (the first 5 samples), which
     both stages must send alike (a logical step, the same id)."""
-    _init(rank, world, init_file)
+    device = _init(rank, world, init_file)
     try:
-        torch.manual_seed(3)
-        stage = pipeline_model()[rank]
-        engine = PrivacyEngine(socket_path, allow_insecure_seed=True)
-        kw = {"expected_batch_size": expected} if rank == 0 else {}
-        stage, opt, _ = engine.make_private(
-            module=stage, optimizer=torch.optim.SGD(stage.parameters(), lr=0.0),
-            noise_multiplier=0.0, max_grad_norm=C, loss_reduction="mean",
-            norm_group=dist.group.WORLD, **kw)
+        engine, stage, opt = _private_stage(rank, device, socket_path, C, 0.0, 0.0,
+                                            {"expected_batch_size": expected})
         x, y = data
         early = pipeline_step(stage, opt, rank, x, y, [4, 3], "1f1b", commit=False)
         pipeline_step(stage, opt, rank, x[:5], y[:5], [5], "1f1b")
-        out = {"early": early, "grads": {"%d.%s" % (rank, n): p.grad.cpu()
-                                         for n, p in stage.named_parameters()},
-               "norms": engine.last_norms, "steps": engine.steps}
+        out = {"early": early, "grads": _grads(rank, stage), "norms": engine.last_norms,
+               "steps": engine.steps}
         engine.close()
         torch.save(out, os.path.join(out_dir, "dropped%d.pt" % rank))
     finally:
