@@ -485,20 +485,23 @@ static void test_out_blocks(void **state) {
  * workspace must grow to keep them, on a GPU with a little less than a
  * tenth free, runs the step without them (and succeeds); with the memory
  * back, a new backend keeps them. */
-static int kept_on_fresh_backend(dc_layer *d, int n, uint32_t B) {
+static int kept_on_fresh_backend(dc_layer *d, int n, uint32_t B, bool one_pass, size_t *ws) {
     dc_backend *be;
     dc_err err;
     dc_step ds;
     dc_step_result rd;
     assert_int_equal(dc_cuda_backend_create(0, &be, &err), 0);
+    assert_int_equal(dc_cuda_backend_set_workspace(be, 0, 0, &err), 0);
     dcc_options o = g_opts;
     o.sgrad = DCC_SGRAD_ALL;
+    o.one_pass = one_pass;
     dc_cuda_backend_set_options(be, &o);
     step_init(&ds, d, (size_t)n, B, 0);
     int rc = run(be, &ds, &rd, &err);
     if (rc) fprintf(stderr, "cuda: %s: %s\n", err.field, err.msg);
     assert_int_equal(rc, 0);
     int kept = dc_cuda_backend_kept_layers(be);
+    if (ws) *ws = dc_cuda_backend_workspace_bytes(be);
     dc_step_result_free(&rd);
     dc_backend_destroy(be);
     return kept;
@@ -513,19 +516,82 @@ static void test_keep_leaves_memory_free(void **state) {
     size_t avail, total;
     assert_int_equal(cudaMemGetInfo(&avail, &total), cudaSuccess);
     /* leave 256 MiB less than a tenth: the workspace would fit with the
-     * kept gradients (64 MiB, and 8 MiB of staging and tables), so only
+     * kept gradients (64 MiB, and some MiB of tables), so only
      * the rule, not a failed allocation, leaves them out */
     size_t fill = avail - (total / 10 - ((size_t)256 << 20));
     void *filler = NULL;
     assert_int_equal(cudaMalloc(&filler, fill), cudaSuccess);
-    const int full = kept_on_fresh_backend(d, 2, 16);
+    const int full = kept_on_fresh_backend(d, 2, 16, true, NULL);
     assert_int_equal(cudaFree(filler), cudaSuccess);
-    const int free_again = kept_on_fresh_backend(d, 2, 16);
+    const int free_again = kept_on_fresh_backend(d, 2, 16, true, NULL);
     printf("GPU filled to 256 MiB under a tenth free: %d layers kept; memory back: %d\n", full,
            free_again);
     assert_int_equal(full, 0);
     assert_int_equal(free_again, 2);
     release(h, d, 2);
+}
+
+/* A one-pass step's kept layers hold no staging of their own (plan_step:
+ * their sums go straight to their outputs, or are checked where they are
+ * made): a fresh workspace for a step of two kept layers is smaller than
+ * the staged step's (one pass off) by at least their outputs' f32 staging.
+ * Where the output check cannot prove such a layer's output safe (mode 0),
+ * its sum is checked in the kept pass and written after every output's
+ * check (test_kept_direct, 2.); a value of its own that leaves its dtype
+ * fails the step there, naming that output, and nothing is written (zeros
+ * with zero_on_fail). */
+static void test_kept_unstaged(void **state) {
+    (void)state;
+    enum { N = 2 };
+    const uint32_t B = 4;
+    int64_t shape[N][3] = {{64, 1024, 1024}, {64, 512, 2048}};
+    dc_layer h[N], d[N];
+    make(h, d, N, B, shape, 1818);
+    set_switches(1, 1);
+    size_t ws_one = 0, ws_staged = 0, staging = 0;
+    assert_int_equal(kept_on_fresh_backend(d, N, B, true, &ws_one), N);
+    assert_int_equal(kept_on_fresh_backend(d, N, B, false, &ws_staged), N);
+    for (int l = 0; l < N; l++)
+        staging += (size_t)(numel(&d[l].weight_grad_out) +
+                            (d[l].bias_grad_out.data ? numel(&d[l].bias_grad_out) : 0)) *
+                   4;
+    printf("workspace of a step of %d kept layers: %zu bytes in one pass, %zu staged (their "
+           "staging %zu)\n",
+           N, ws_one, ws_staged, staging);
+    assert_true(ws_staged >= ws_one + staging);
+
+    /* 2. layer 1 alone, its weight output f16, noise std 1e5 / B: its
+     * bound 2 B C / B = 2e5 puts the step in mode 0, and its own values
+     * overflow f16 (|z| > 2.6: about 1% of its 1M elements) */
+    retype(&d[1].weight_grad_out, DC_F16);
+    for (int zero = 0; zero < 2; zero++) {
+        outputs_fill(&d[1], 1, 7.0f);
+        set_switches(1, 1);
+        g_opts.sgrad = DCC_SGRAD_ALL;
+        apply_switches();
+        dc_cuda_backend_set_sample_grads(g_cuda, DC_SAMPLE_GRADS_AUTO);
+        dc_step ds;
+        dc_step_result rd;
+        dc_err ed;
+        step_init(&ds, &d[1], 1, B, 0);
+        ds.max_grad_norm = 1e5f;
+        ds.noise_multiplier = 1.0f;
+        ds.reduction = DC_REDUCTION_MEAN;
+        ds.expected_batch = B;
+        ds.zero_on_fail = zero;
+        const int rc = run(g_cuda, &ds, &rd, &ed);
+        printf("  zero_on_fail %d: %s: %s\n", zero, ed.field, ed.msg);
+        assert_int_equal(rc, DC_ENONFINITE);
+        assert_int_equal(dc_cuda_backend_kept_layers(g_cuda), 1);
+        char want[160];
+        snprintf(want, sizeof want, "%s.weight_grad_out", h[1].name);
+        assert_string_equal(ed.field, want);
+        assert_non_null(strstr(ed.msg, "f16"));
+        assert_outputs_hold(&d[1], 1, zero ? 0.0f : 7.0f);
+        dc_step_result_free(&rd);
+    }
+    release(h, d, N);
+    set_switches(1, 1);
 }
 
 /* gpu.sample_grads_max = auto, a fresh backend's default: an eighth of the
@@ -586,10 +652,11 @@ static void test_keep_worth(void **state) {
 int main(void) {
     if (cuda_test_skip()) return DC_TEST_SKIP;
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(test_kept_layers), cmocka_unit_test(test_kept_many_samples),
-        cmocka_unit_test(test_kept_noise),  cmocka_unit_test(test_kept_direct),
-        cmocka_unit_test(test_out_blocks),  cmocka_unit_test(test_keep_worth),
-        cmocka_unit_test(test_budget_auto), cmocka_unit_test(test_keep_leaves_memory_free),
+        cmocka_unit_test(test_kept_layers),   cmocka_unit_test(test_kept_many_samples),
+        cmocka_unit_test(test_kept_noise),    cmocka_unit_test(test_kept_direct),
+        cmocka_unit_test(test_out_blocks),    cmocka_unit_test(test_keep_worth),
+        cmocka_unit_test(test_budget_auto),   cmocka_unit_test(test_keep_leaves_memory_free),
+        cmocka_unit_test(test_kept_unstaged),
     };
     return cmocka_run_group_tests(tests, cuda_test_setup_gpu_bounds, cuda_test_teardown);
 }

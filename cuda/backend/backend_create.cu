@@ -39,6 +39,7 @@ void cuda_destroy(dc_backend *be) {
     free(cb->safe);
     free(cb->woff);
     free(cb->sg_off);
+    free(cb->sg_unstaged);
     free(cb->sg_out);
     free(cb->bk_layer);
     free(cb->sgl);

@@ -197,6 +197,7 @@ int fill_tables(step_run *r, dc_err *err) {
     if ((rc = dc_clip_e_check(s, how, err))) return rc;
     for (size_t l = 0; l < L; l++) {
         const dc_layer *ly = &s->layers[l];
+        uint64_t kept_f = 0; /* floats of its kept bytes taken as staging */
         layer_c[l] = ly->max_grad_norm;
         layer_e[l] = dc_clip_e(s, l, how | (cb->sg_off[l] != SIZE_MAX ? DC_E_KEPT : 0u));
         count[l] = ly->norm_excluded ? 0.0f : 1.0f;
@@ -208,7 +209,11 @@ int fill_tables(step_run *r, dc_err *err) {
             uint64_t n;
             numel_out(t, &n);
             outs[oi].dst = t->data;
-            outs[oi].off = staged;
+            /* a kept layer without staging of its own: its kept bytes stand
+             * in (plan_step), used only if the step keeps it after all not */
+            outs[oi].unstaged = cb->sg_unstaged[l];
+            outs[oi].off = cb->sg_unstaged[l] ? (Lo.sgrad + cb->sg_off[l] - Lo.staging) / 4 + kept_f
+                                              : staged;
             outs[oi].n = n;
             const dc_noise_src src = dc_step_noise_src(s, ly, l, k);
             outs[oi].key = src.key;
@@ -224,7 +229,7 @@ int fill_tables(step_run *r, dc_err *err) {
             outs[oi].nz_lo = sp.lo;
             outs[oi].nz_hi = sp.hi;
             oi++;
-            staged += al4(n);
+            (cb->sg_unstaged[l] ? kept_f : staged) += al4(n);
             chunks += dcc_out_chunks(n);
         }
     }
@@ -470,12 +475,13 @@ int phase_noise(step_run *r, dc_err *err) {
         /* the kept layers' sums after the check: with mode 1 they go
          * straight into the outputs */
         phase_mark(cb, 5);
-        if ((rc = kept_sum(cb, s, noise_std, divisor, mode, err))) goto fail;
+        if ((rc = kept_sum(cb, s, &Lo, noise_std, divisor, mode, err))) goto fail;
         phase_mark(cb, 6);
         CK(dcc_out_write(douts, Lo.n_out, grid, staging, noise_std, divisor, mode, status, bad,
                          opt.noise, cb->stream),
            "the noise");
         phase_mark(cb, 7);
+        if ((rc = kept_commit(cb, s, &Lo, noise_std, divisor, mode, err))) goto fail;
         CK(dcc_out_commit(douts, Lo.n_out, grid, staging, mode, status, zero, cb->stream),
            "the commit");
         CK(dcc_commit(douts, 0, 0, staging, status, (const float *)(ws + Lo.norms),
@@ -484,7 +490,7 @@ int phase_noise(step_run *r, dc_err *err) {
            "the commit");
     } else if (r->accumulates) {
         phase_mark(cb, 5);
-        if ((rc = kept_sum(cb, s, noise_std, divisor, NULL, err))) goto fail;
+        if ((rc = kept_sum(cb, s, &Lo, noise_std, divisor, NULL, err))) goto fail;
         phase_mark(cb, 6);
         CK(dcc_acc_store(douts, Lo.n_out, Lo.max_n, staging, s->acc == DC_ACC_ADD, cb->stream),
            "the accumulation");
@@ -496,7 +502,8 @@ int phase_noise(step_run *r, dc_err *err) {
     } else {
         phase_mark(cb, 5);
         /* unnoised where the output pass draws the noise (cb->sg_noised) */
-        if ((rc = kept_sum(cb, s, cb->sg_noised ? noise_std : 0.0f, divisor, NULL, err))) goto fail;
+        if ((rc = kept_sum(cb, s, &Lo, cb->sg_noised ? noise_std : 0.0f, divisor, NULL, err)))
+            goto fail;
         if (s->acc == DC_ACC_COMMIT)
             CK(dcc_acc_fold(douts, Lo.n_out, Lo.max_n, staging, cb->stream), "the accumulation");
         phase_mark(cb, 6);
@@ -657,15 +664,17 @@ int run_impl(dc_backend *be, const dc_step *s, dc_step_result *res, dc_err *err,
                            : !to_store        ? KEEP_NONE
                            : names_outputs(s) ? KEEP_OUTS
                                               : KEEP_PASS;
+    /* a one-pass whole step's kept layers need no staging (plan_step) */
+    const bool unstage = io.want == CP_ALL && r.opt.one_pass;
     cuda_kept *store = NULL;
     size_t applied = 0;
-    if ((rc = plan_step(cb, s, keep, &Lo, err))) return rc;
+    if ((rc = plan_step(cb, s, keep, unstage, &Lo, err))) return rc;
     if (to_store && Lo.sgrad_bytes) {
         if ((store = kept_take(cb, Lo.sgrad_bytes, L))) Lo.total = Lo.sgrad;
-        else if ((rc = plan_step(cb, s, KEEP_NONE, &Lo, err))) return rc;
+        else if ((rc = plan_step(cb, s, KEEP_NONE, false, &Lo, err))) return rc;
     }
     if (!store && Lo.sgrad_bytes && !keep_fits(cb, &Lo) &&
-        (rc = plan_step(cb, s, KEEP_NONE, &Lo, err)))
+        (rc = plan_step(cb, s, KEEP_NONE, false, &Lo, err)))
         return rc;
     if ((rc = reserve(cb, &Lo, err))) {
         /* kept gradients are an optimisation: without them the step may fit */
@@ -673,7 +682,8 @@ int run_impl(dc_backend *be, const dc_step *s, dc_step_result *res, dc_err *err,
         dc_err_clear(err);
         if (store) kept_give(be, &store->pub);
         store = NULL;
-        if ((rc = plan_step(cb, s, KEEP_NONE, &Lo, err)) || (rc = reserve(cb, &Lo, err))) return rc;
+        if ((rc = plan_step(cb, s, KEEP_NONE, false, &Lo, err)) || (rc = reserve(cb, &Lo, err)))
+            return rc;
     }
     if (io.kept_in && (rc = kept_apply(cb, s, io.kept_in, io.kept_at, &applied, err))) return rc;
     /* A pass's sums step: the kept layers' sums draw their outputs' noise

@@ -50,6 +50,11 @@ struct cuda_backend {
      * (plan_step; SIZE_MAX: not kept), the layer of each entry of
      * bk, and the kept layers' clipped sums (grouped_clipped) */
     size_t *sg_off;
+    /* [lay_cap] a kept layer whose outputs have no staging of their own
+     * (plan_step, a one-pass whole step): their staging, which only a step
+     * that ends up not keeping them uses, lies in their kept bytes (the
+     * kept sum checks and writes them itself: dcc_out.unstaged) */
+    bool *sg_unstaged;
     /* where sg_off counts from: the workspace's kept area (a whole step's),
      * or a norm phase's kept store (backend_kept.cu) */
     char *sg_base;
@@ -165,7 +170,9 @@ inline bool want_out(const dc_layer *l, int k) {
  * device workspace in cb->ws (contents not kept); DC_ENOSPACE if the
  * allocation fails. plan_step: step s's layout in *Lo (the host-side
  * per-layer tables grown to its layers), per-sample gradients kept where
- * keep and the cap allow; keep_fits: whether a layout that keeps them
+ * keep and the cap allow, and with unstage (a one-pass whole step) the
+ * kept layers' outputs left out of the staging area (cb->sg_unstaged);
+ * keep_fits: whether a layout that keeps them
  * leaves the GPU a tenth of its memory free; reserve: the workspace and the
  * pinned host block grown to hold the layout (DC_ENOSPACE past
  * gpu.workspace_max or when an allocation fails). */
@@ -175,7 +182,8 @@ enum keep_mode {
     KEEP_OUTS, /* the layers whose weight sum the step wants (a whole step, a member's norms) */
     KEEP_PASS  /* a norm pass's (it names no outputs): those its sums steps may want */
 };
-int plan_step(cuda_backend *cb, const dc_step *s, keep_mode keep, layout *Lo, dc_err *err);
+int plan_step(cuda_backend *cb, const dc_step *s, keep_mode keep, bool unstage, layout *Lo,
+              dc_err *err);
 bool keep_fits(cuda_backend *cb, const layout *Lo);
 int reserve(cuda_backend *cb, const layout *Lo, dc_err *err);
 
@@ -281,9 +289,12 @@ int grouped_clipped(cuda_backend *cb, const dc_step *s, const layout *Lo, const 
                     dc_err *err);
 /* The kept layers' sums that grouped_clipped lined up (cb->sgl, sg_kept),
  * after the output check: into the outputs with mode 1 (mode: the check's,
- * or NULL for staging). */
-int kept_sum(cuda_backend *cb, const dc_step *s, float noise_std, float divisor,
+ * or NULL for staging); in mode 0 the unstaged layers' checked only, and
+ * written by kept_commit once every output is checked (dcc_sgrad_commit). */
+int kept_sum(cuda_backend *cb, const dc_step *s, const layout *Lo, float noise_std, float divisor,
              const uint32_t *mode, dc_err *err);
+int kept_commit(cuda_backend *cb, const dc_step *s, const layout *Lo, float noise_std,
+                float divisor, const uint32_t *mode, dc_err *err);
 int grouped_norms(cuda_backend *cb, const dc_step *s, const layout *Lo, float s2, dc_err *err);
 int snapshot_indices(cuda_backend *cb, const dc_step *s, const layout *Lo, dc_step *out,
                      dc_err *err);

@@ -299,6 +299,9 @@ int grouped_clipped(cuda_backend *cb, const dc_step *s, const layout *Lo, const 
         g->amax_b = b->amax_b;
         g->out_w = sink_of(outs, cb->sg_out[2 * l]);
         g->out_b = sink_of(outs, cb->sg_out[2 * l + 1]);
+        g->oi_w = cb->sg_out[2 * l];
+        g->oi_b = cb->sg_out[2 * l + 1];
+        g->unstaged = cb->sg_unstaged[l];
         g->d = b->L.d;
         g->p = b->L.p;
     }
@@ -318,31 +321,50 @@ fail:
     return rc;
 }
 
-int kept_sum(cuda_backend *cb, const dc_step *s, float noise_std, float divisor,
+int kept_sum(cuda_backend *cb, const dc_step *s, const layout *Lo, float noise_std, float divisor,
              const uint32_t *mode, dc_err *err) {
     int rc = 0;
     if (cb->sg_kept == 0) return 0;
-    CK(dcc_sgrad_sum(cb->sgl, cb->sg_kept, (int)s->batch, noise_std, divisor, mode, cb->opt.noise,
-                     cb->stream),
+    CK(dcc_sgrad_sum(cb->sgl, cb->sg_kept, (int)s->batch, noise_std, divisor, mode,
+                     (uint32_t *)(cb->ws + Lo->status), (unsigned long long *)(cb->ws + Lo->bad),
+                     cb->opt.noise, cb->stream),
        "the kept gradients' sum");
+fail:
+    return rc;
+}
+
+int kept_commit(cuda_backend *cb, const dc_step *s, const layout *Lo, float noise_std,
+                float divisor, const uint32_t *mode, dc_err *err) {
+    int rc = 0, any = 0;
+    for (int i = 0; i < cb->sg_kept; i++) any |= cb->sgl[i].unstaged;
+    if (!any) return 0;
+    CK(dcc_sgrad_commit(cb->sgl, cb->sg_kept, (int)s->batch, noise_std, divisor, mode,
+                        (uint32_t *)(cb->ws + Lo->status), cb->opt.noise, cb->stream),
+       "the kept gradients' commit");
 fail:
     return rc;
 }
 
 /* No per-sample gradients kept this step after all: the norms run without
  * them, and the outputs grouped_clipped_plan marked noised (in the table
- * already uploaded) are not: the output pass draws their noise. */
+ * already uploaded) are not: the output pass draws their noise, and stages
+ * those marked unstaged where their kept bytes would have been. */
 static int keep_none(cuda_backend *cb, const dc_step *s, const layout *Lo, dc_err *err) {
     int rc = 0;
     dcc_out *douts = (dcc_out *)(cb->ws + Lo->up + Lo->outs);
     for (size_t l = 0; l < s->n_layers; l++) {
         if (cb->sg_off[l] == SIZE_MAX) continue;
         cb->sg_off[l] = SIZE_MAX;
-        if (!cb->bk_grouped[l]) continue; /* not planned as noised */
+        const bool unstaged = cb->sg_unstaged[l];
+        cb->sg_unstaged[l] = false;
         for (int k = 0; k < 2; k++) {
             const int o = cb->sg_out[2 * l + k];
-            if (o >= 0)
+            if (o < 0) continue;
+            if (cb->bk_grouped[l]) /* planned as noised */
                 CK(cudaMemsetAsync(&douts[o].noised, 0, sizeof(uint32_t), cb->stream), "a memset");
+            if (unstaged)
+                CK(cudaMemsetAsync(&douts[o].unstaged, 0, sizeof(uint32_t), cb->stream),
+                   "a memset");
         }
     }
 fail:

@@ -66,17 +66,65 @@ template <typename T> bool grow(T *&p, size_t n) {
     return true;
 }
 
+/* Floats of staging layer ly's outputs take (fill_tables' offsets: the
+ * weight's, then the bias's). */
+uint64_t stage_floats(const dc_layer *ly) {
+    uint64_t f = 0;
+    for (int k = 0; k < 2; k++) {
+        uint64_t n;
+        if (!want_out(ly, k)) continue;
+        numel_out(k ? &ly->bias_grad_out : &ly->weight_grad_out, &n);
+        f += al4(n);
+    }
+    return f;
+}
+
+/* The layout from the staging area to the kept area's start, for `staged`
+ * floats of staging after `o`: returns the kept area's offset. */
+size_t tail(const dc_step *s, cuda_backend *cb, layout *Lo, size_t o, uint64_t staged, size_t temp,
+            size_t bsum) {
+    const size_t L = s->n_layers, B = s->batch;
+    Lo->staging = o;
+    o += al(staged * 4);
+    Lo->per_sample = o;
+    for (size_t l = 0; l < L; l++) {
+        const dc_layer *ly = &s->layers[l];
+        cb->lay_off[l] = SIZE_MAX;
+        if (ly->kind == DC_LAYER_LAYERNORM || ly->kind == DC_LAYER_RMSNORM) {
+            cb->lay_off[l] = o;
+            o += al(2 * B * (size_t)ly->d * 4);
+        }
+    }
+    /* a norm group's per-sample totals (doubles), for the clip phase */
+    Lo->tot = o;
+    o += al(B * 8);
+    /* embedding indices, copied here once per step (snapshot_indices) */
+    Lo->idx = o;
+    for (size_t l = 0; l < L; l++) {
+        const dc_layer *ly = &s->layers[l];
+        if (ly->kind == DC_LAYER_EMBEDDING)
+            o += al((size_t)B * (size_t)ly->T * dc_dtype_size(ly->input.dtype));
+    }
+    Lo->temp = o;
+    Lo->temp_bytes = temp;
+    o += al(temp);
+    Lo->bsum = bsum ? o : SIZE_MAX; /* shared by the layers' launches, in stream order */
+    o += al(bsum);
+    return o;
+}
+
 } // namespace
 
-int dcb::plan_step(cuda_backend *cb, const dc_step *s, keep_mode keep, layout *Lo, dc_err *err) {
+int dcb::plan_step(cuda_backend *cb, const dc_step *s, keep_mode keep, bool unstage, layout *Lo,
+                   dc_err *err) {
     const size_t L = s->n_layers, B = s->batch, LB = L * B;
     size_t o = 0, staged = 0, temp = 0, bsum = 0;
     memset(Lo, 0, sizeof *Lo);
     if (L > cb->lay_cap) {
         if (!grow(cb->lay_off, L) || !grow(cb->bk, L) || !grow(cb->bk_grouped, L) ||
             !grow(cb->nm, L) || !grow(cb->nm_grouped, L) || !grow(cb->safe, L) ||
-            !grow(cb->woff, L) || !grow(cb->sg_off, L) || !grow(cb->bk_layer, L) ||
-            !grow(cb->sg_out, 2 * L) || !grow(cb->sgl, L))
+            !grow(cb->woff, L) || !grow(cb->sg_off, L) || !grow(cb->sg_unstaged, L) ||
+            !grow(cb->bk_layer, L) || !grow(cb->sg_out, 2 * L) || !grow(cb->sgl, L))
             return dc_err_set(err, DC_ENOSPACE, "", "out of memory");
         cb->lay_cap = L;
     }
@@ -155,45 +203,34 @@ int dcb::plan_step(cuda_backend *cb, const dc_step *s, keep_mode keep, layout *L
     Lo->outs = al(Lo->layer_e + L * 8);
     Lo->up_bytes = Lo->outs + (size_t)Lo->n_out * sizeof(dcc_out);
     o += al(Lo->up_bytes);
-    Lo->staging = o;
-    o += al(staged * 4);
-    Lo->per_sample = o;
-    for (size_t l = 0; l < L; l++) {
-        const dc_layer *ly = &s->layers[l];
-        cb->lay_off[l] = SIZE_MAX;
-        if (ly->kind == DC_LAYER_LAYERNORM || ly->kind == DC_LAYER_RMSNORM) {
-            cb->lay_off[l] = o;
-            o += al(2 * B * (size_t)ly->d * 4);
-        }
-    }
-    /* a norm group's per-sample totals (doubles), for the clip phase */
-    Lo->tot = o;
-    o += al(B * 8);
-    /* embedding indices, copied here once per step (snapshot_indices) */
-    Lo->idx = o;
-    for (size_t l = 0; l < L; l++) {
-        const dc_layer *ly = &s->layers[l];
-        if (ly->kind == DC_LAYER_EMBEDDING)
-            o += al((size_t)B * (size_t)ly->T * dc_dtype_size(ly->input.dtype));
-    }
-    Lo->temp = o;
-    Lo->temp_bytes = temp;
-    o += al(temp);
-    Lo->bsum = bsum ? o : SIZE_MAX; /* shared by the layers' launches, in stream order */
-    o += al(bsum);
     /* kept per-sample gradients last: what is left of their cap decides how
-     * many layers fit */
-    Lo->sgrad = o;
+     * many layers fit. A kept layer of a one-pass whole step gives up its
+     * staging (its sum goes straight to its outputs, or is checked where
+     * it is made: dcc_sgrad_sum); the staging a step that keeps it after
+     * all not would need lies in its kept bytes, which hold at least as
+     * much from two samples on (B d p bf16 against d p f32). */
+    const size_t full = tail(s, cb, Lo, o, staged, temp, bsum);
+    uint64_t given = 0; /* floats of staging the kept layers gave up */
+    Lo->sgrad_bytes = 0;
     for (size_t l = 0; l < L; l++) {
         cb->sg_off[l] = SIZE_MAX;
-        size_t need = keep_bytes(cb, s, l, keep);
-        if (need == 0 || Lo->sgrad_bytes + need > cb->sg_max ||
-            (cb->ws_max && o + need > cb->ws_max))
+        cb->sg_unstaged[l] = false;
+        const size_t need = keep_bytes(cb, s, l, keep);
+        if (need == 0 || Lo->sgrad_bytes + need > cb->sg_max) continue;
+        const uint64_t f = unstage ? stage_floats(&s->layers[l]) : 0;
+        const bool un = f && f * 4 <= need;
+        /* a smaller staging area's al() rounds up by less than 256 bytes */
+        const uint64_t g = given + (un ? f : 0);
+        if (cb->ws_max && full - g * 4 + (g ? 256 : 0) + Lo->sgrad_bytes + need > cb->ws_max)
             continue;
         cb->sg_off[l] = Lo->sgrad_bytes; /* from the kept area's start (cb->sg_base) */
-        o += need;
+        cb->sg_unstaged[l] = un;
+        given += un ? f : 0;
         Lo->sgrad_bytes += need;
     }
+    Lo->staged = staged - given;
+    Lo->sgrad = given ? tail(s, cb, Lo, o, staged - given, temp, bsum) : full;
+    o = Lo->sgrad + Lo->sgrad_bytes;
     Lo->total = o;
     return 0;
 }

@@ -148,14 +148,6 @@ __global__ void rows_f32(const TA *__restrict__ a, const TG *__restrict__ g, int
     }
 }
 
-__device__ __forceinline__ bool bad_as(float v, int dtype) {
-    if (!dcc_isfinite(v)) return true;
-    if (dtype == DC_F16) return (__half_as_ushort(__float2half_rn(v)) & 0x7c00u) == 0x7c00u;
-    if (dtype == DC_BF16)
-        return (__bfloat16_as_ushort(__float2bfloat16_rn(v)) & 0x7f80u) == 0x7f80u;
-    return false;
-}
-
 __global__ void finalize_kernel(const dcc_out *__restrict__ outs, float *__restrict__ staging,
                                 float std, float divisor, uint32_t *__restrict__ status,
                                 unsigned long long *__restrict__ bad, int noise) {
@@ -181,7 +173,7 @@ __global__ void finalize_kernel(const dcc_out *__restrict__ outs, float *__restr
         }
         v[i] = v0;
         if (two) v[i + 1] = v1;
-        bool b0 = bad_as(v0, o.dtype), b1 = two && bad_as(v1, o.dtype);
+        bool b0 = dcc_bad_as(v0, o.dtype), b1 = two && dcc_bad_as(v1, o.dtype);
         if (b0 || b1) {
             atomicOr(status, DCC_STATUS_OUTPUT);
             atomicMin(bad, ((unsigned long long)oi << 40) | (b0 ? i : i + 1));
@@ -469,7 +461,7 @@ __device__ __forceinline__ void write_chunk(int oi, const dcc_out &o, uint64_t i
         for (int j = 0; j < 4; j++) {
             if (j >= cnt) break;
             v[i + j] = x[j];
-            if (first < 0 && bad_as(x[j], o.dtype)) first = j;
+            if (first < 0 && dcc_bad_as(x[j], o.dtype)) first = j;
         }
         if (first >= 0) {
             atomicOr(status, DCC_STATUS_OUTPUT);
@@ -485,8 +477,9 @@ __global__ void out_write_kernel(const dcc_out *__restrict__ outs, int n_out,
                                  unsigned long long *__restrict__ bad) {
     const bool direct = *mode != 0;
     if (!direct && (*status & DCC_STATUS_INPUT)) return; /* the step fails anyway */
-    /* mode 1: the kept sum wrote the noised outputs (sgrad.cu) */
-    auto skip = [direct](const dcc_out &o) { return direct && o.noised; };
+    /* mode 1: the kept sum wrote the noised outputs (sgrad.cu); mode 0:
+     * it checked the unstaged ones */
+    auto skip = [direct](const dcc_out &o) { return o.noised && (direct || o.unstaged); };
     const dcc_div div = dcc_div_make(divisor); /* once a block: the step's one divisor */
     out_chunks(outs, n_out, skip, [&](int oi, const dcc_out &o, uint64_t i0, uint64_t i1) {
         write_chunk<NOISE>(oi, o, i0, i1, staging, std, div, direct, status, bad);
@@ -500,8 +493,10 @@ __global__ void out_commit_kernel(const dcc_out *__restrict__ outs, int n_out,
     /* mode 1 wrote the outputs already (it implies status 0) */
     if (*mode != 0 || (*status != 0 && !zero)) return;
     const bool ok = *status == 0;
+    /* the unstaged outputs' values are the kept sum's to write
+     * (dcc_sgrad_commit); their zeros are this pass's */
     out_chunks(
-        outs, n_out, [](const dcc_out &) { return false; },
+        outs, n_out, [ok](const dcc_out &o) { return ok && o.unstaged; },
         [&](int, const dcc_out &o, uint64_t i0, uint64_t i1) {
             for (uint64_t i = i0 + threadIdx.x; i < i1; i += NT)
                 dcc_store_as(o.dst, o.dtype, i, ok ? staging[o.off + i] : 0.0f);

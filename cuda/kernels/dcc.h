@@ -233,6 +233,8 @@ typedef struct dcc_sg_layer {
     float *bias;               /* device f32 [p] or NULL */
     unsigned *amax_w, *amax_b; /* as in dcc_bk_layer; NULL: none */
     dcc_out_sink out_w, out_b; /* the outputs, written with mode 1, and their noise */
+    int oi_w, oi_b;            /* their places in the step's output table (*bad), -1 none */
+    int unstaged;              /* no staging (dcc_out.unstaged): w and bias are not written */
     int d, p;
 } dcc_sg_layer;
 /* v = sum_b cs[b] * G_b + std * z for w, and likewise for bias, over each
@@ -241,10 +243,20 @@ typedef struct dcc_sg_layer {
  * check found that no output can leave its dtype: dcc_out_check, run first)
  * v / divisor goes straight into out_w / out_b, as dcc_out_write would
  * write it, and w and bias are not touched; otherwise (or mode NULL) v goes
- * into w and bias and its max |.| into amax_*. The outputs are marked
- * dcc_out.noised. */
+ * into w and bias and its max |.| into amax_*, but for an unstaged layer,
+ * whose v / divisor is only checked as dcc_out_write checks a staged value
+ * (not finite in its output's dtype: DCC_STATUS_OUTPUT into *status, and
+ * *bad lowered to output << 40 | element), unless *status is set already.
+ * The outputs are marked dcc_out.noised.
+ * dcc_sgrad_commit, after every output's check: with *mode == 0 and
+ * *status == 0, the unstaged layers' v / divisor into their outputs (the
+ * same values, computed again); otherwise nothing (dcc_out_commit zeroes
+ * them with zero_on_fail). */
 cudaError_t dcc_sgrad_sum(const dcc_sg_layer *layers, int n, int B, float std, float divisor,
-                          const uint32_t *mode, int noise, cudaStream_t st);
+                          const uint32_t *mode, uint32_t *status, unsigned long long *bad,
+                          int noise, cudaStream_t st);
+cudaError_t dcc_sgrad_commit(const dcc_sg_layer *layers, int n, int B, float std, float divisor,
+                             const uint32_t *mode, uint32_t *status, int noise, cudaStream_t st);
 
 /* TF32 tensor-core kernels for f32 inputs (norms_tf32.cu): the forms of
  * dcc_linear_sqnorms, and the clipped weight sum w[p][d] = sum_b cs[b]

@@ -38,11 +38,21 @@ struct sg_entry {
 struct sg_params {
     sg_entry e[SGMAXL];
     const uint32_t *mode; /* dcc_out_check's; NULL: staging */
+    uint32_t *status;     /* the step's: an unstaged value's check */
+    unsigned long long *bad;
+    int commit; /* dcc_sgrad_commit's launch: the unstaged layers, written */
     int n, tiles, B;
     float std; /* 0: no noise */
     float divisor;
 };
 static_assert(sizeof(sg_params) <= 32764, "the kernel parameter limit (CUDA 12.1+)");
+
+/* Element i of output oi is not finite in its dtype: the step fails
+ * (dcc_out_write's record, which the host's diagnosis reads). */
+__device__ __forceinline__ void sg_bad(const sg_params &P, int oi, int64_t i) {
+    atomicOr(P.status, DCC_STATUS_OUTPUT);
+    atomicMin(P.bad, ((unsigned long long)oi << 40) | (unsigned long long)i);
+}
 
 __device__ __forceinline__ int sg_find(const sg_params &P, int tile) {
     return dcc_entry_of(P.n, tile, [&](int i) { return P.e[i].tile0; });
@@ -89,7 +99,15 @@ __global__ void __launch_bounds__(DCC_SG_THREADS, SG_MIN_CTAS)
     const int t = (int)blockIdx.x - E.tile0, tn = t % E.tiles_n;
     const int m0 = (t / E.tiles_n) * 256, n0 = tn * 128, B = P.B, d = L.d, p = L.p;
     const int tid = (int)threadIdx.x;
-    const bool direct = P.mode && *P.mode != 0, divide = P.divisor != 1.0f;
+    /* mode 0 with an unstaged layer: its values checked here, and written
+     * by the commit launch once every output is checked (and none failed);
+     * a step already failed writes nothing (zeros: dcc_out_commit) */
+    const bool staged_mode = !(P.mode && *P.mode != 0);
+    const bool run = P.commit ? staged_mode && *P.status == 0
+                              : !(staged_mode && L.unstaged && *P.status != 0);
+    if (!run) return; /* uniform over the CTA: one layer's tile */
+    const bool direct = P.commit || !staged_mode, divide = P.divisor != 1.0f;
+    const bool check = !direct && L.unstaged;
     const dcc_div div = dcc_div_make(P.divisor);
     /* where the accumulators land: register 0's element (mt, nt) by
      * dcc_wide_at, and register k of chunk j (register 8 j + k) at row mt +
@@ -203,6 +221,18 @@ __global__ void __launch_bounds__(DCC_SG_THREADS, SG_MIN_CTAS)
                     dcc_store_as(dst, dt, (uint64_t)(ij + (int64_t)dr * d + ((k & 2) ? 8 : 0)),
                                  acc[k]);
             }
+        } else if (check) {
+            const int dt = DT != SG_ANY ? DT : L.out_w.dtype;
+            int64_t first = INT64_MAX;
+#pragma unroll
+            for (int k = 0; k < 8; k++) {
+                const int dr = 8 * (k >> 2) + (k & 1);
+                const int64_t i = ij + (int64_t)dr * d + ((k & 2) ? 8 : 0);
+                if (mj + dr < p && col_ok[(k >> 1) & 1] &&
+                    dcc_bad_as(divide ? dcc_div_by(div, acc[k]) : acc[k], dt) && i < first)
+                    first = i;
+            }
+            if (first != INT64_MAX) sg_bad(P, L.oi_w, first);
         } else {
 #pragma unroll
             for (int k = 0; k < 8; k++) {
@@ -214,7 +244,7 @@ __global__ void __launch_bounds__(DCC_SG_THREADS, SG_MIN_CTAS)
             }
         }
     }
-    if (L.amax_w && !direct) dcc_warp_amax(L.amax_w, am);
+    if (L.amax_w && !direct && !check) dcc_warp_amax(L.amax_w, am);
     if (L.bias && tn == 0) {
         const int m = m0 + tid;
         float y = 0.0f;
@@ -230,6 +260,9 @@ __global__ void __launch_bounds__(DCC_SG_THREADS, SG_MIN_CTAS)
             if (m < p)
                 dcc_store_as(L.out_b.dst, L.out_b.dtype, (uint64_t)m,
                              divide ? dcc_div_by(div, y) : y);
+        } else if (check) {
+            if (m < p && dcc_bad_as(divide ? dcc_div_by(div, y) : y, L.out_b.dtype))
+                sg_bad(P, L.oi_b, m);
         } else {
             if (m < p) L.bias[m] = y;
             if (L.amax_b) dcc_warp_amax(L.amax_b, m < p ? dcc_abs_bits(y) : 0u);
@@ -280,20 +313,25 @@ sg_kernel sg_pick(int noise, int dt) {
     }
 }
 
-extern "C" cudaError_t dcc_sgrad_sum(const dcc_sg_layer *ls, int n, int B, float std, float divisor,
-                                     const uint32_t *mode, int noise, cudaStream_t st) {
-    int i = 0;
+/* The launches over layers ls (commit: the unstaged ones only). */
+static cudaError_t sg_launch(const dcc_sg_layer *ls, int n, int B, float std, float divisor,
+                             const uint32_t *mode, uint32_t *status, unsigned long long *bad,
+                             int commit, int noise, cudaStream_t st) {
     if (B <= 0) return cudaErrorInvalidValue;
-    while (i < n) {
+    int i = 0;
+    for (;;) {
+        while (i < n && commit && !ls[i].unstaged) i++;
+        if (i == n) return cudaSuccess;
         sg_params P;
         memset(&P, 0, sizeof P);
         int64_t tiles = 0;
         int j = 0, dt = ls[i].out_w.dtype;
-        for (; j < SGMAXL && i + j < n; j++) {
-            const dcc_sg_layer *x = &ls[i + j];
-            sg_entry &E = P.e[j];
+        for (; j < SGMAXL && i < n; i++) {
+            const dcc_sg_layer *x = &ls[i];
+            if (commit && !x->unstaged) continue;
             const int64_t tl = tiles_of(x->p, x->d);
             if (tiles + tl > INT32_MAX / 2) break;
+            sg_entry &E = P.e[j++];
             E.L = *x;
             if (!x->sgb) { /* no bias output */
                 E.L.bias = nullptr;
@@ -312,10 +350,23 @@ extern "C" cudaError_t dcc_sgrad_sum(const dcc_sg_layer *ls, int n, int B, float
         P.std = std;
         P.divisor = divisor;
         P.mode = mode;
+        P.status = status;
+        P.bad = bad;
+        P.commit = commit;
         sg_pick(noise, dt)<<<(unsigned)tiles, DCC_SG_THREADS, 0, st>>>(P);
         cudaError_t e = cudaGetLastError();
         if (e != cudaSuccess) return e;
-        i += j;
     }
-    return cudaSuccess;
+}
+
+extern "C" cudaError_t dcc_sgrad_sum(const dcc_sg_layer *ls, int n, int B, float std, float divisor,
+                                     const uint32_t *mode, uint32_t *status,
+                                     unsigned long long *bad, int noise, cudaStream_t st) {
+    return sg_launch(ls, n, B, std, divisor, mode, status, bad, 0, noise, st);
+}
+
+extern "C" cudaError_t dcc_sgrad_commit(const dcc_sg_layer *ls, int n, int B, float std,
+                                        float divisor, const uint32_t *mode, uint32_t *status,
+                                        int noise, cudaStream_t st) {
+    return sg_launch(ls, n, B, std, divisor, mode, status, NULL, 1, noise, st);
 }

@@ -61,4 +61,14 @@ __device__ __forceinline__ void dcc_store_as(void *dst, int dtype, uint64_t i, f
     }
 }
 
+/* Whether v is not finite in dtype (an output value the step may not
+ * write: the output passes' and the kept sum's check). */
+__device__ __forceinline__ bool dcc_bad_as(float v, int dtype) {
+    if (!dcc_isfinite(v)) return true;
+    if (dtype == DC_F16) return (__half_as_ushort(__float2half_rn(v)) & 0x7c00u) == 0x7c00u;
+    if (dtype == DC_BF16)
+        return (__bfloat16_as_ushort(__float2bfloat16_rn(v)) & 0x7f80u) == 0x7f80u;
+    return false;
+}
+
 #endif

@@ -96,6 +96,13 @@ typedef struct dcc_out {
      * adds at most C, its clipped norm, to any element; 0: none known, and
      * the step is staged) */
     float bound;
+    /* nonzero: a noised output without staging of its own (its layer's
+     * kept bytes hold off's place, for a step that keeps it after all not:
+     * the flag is then cleared). Unless mode 1, the kept sum checks its
+     * values where it would stage them, and writes them itself once every
+     * output is checked (dcc_sgrad_commit); the output passes neither read
+     * nor write its staging */
+    uint32_t unstaged;
     /* a micro-batch of a logical step: the output's f32 accumulator
      * (dc_layer.acc_w / acc_b, in device memory), else NULL (accum.cu) */
     float *acc;
