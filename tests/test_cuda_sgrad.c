@@ -594,6 +594,102 @@ static void test_kept_unstaged(void **state) {
     set_switches(1, 1);
 }
 
+/* A logical step of M micro-batches over layers d (kept: DPCLIP_CUDA_SGRAD
+ * =all), into accumulators the caller set, one pass on or off: FIRST, ADD,
+ * then the COMMIT of a MEAN step over the M B samples; every micro-batch
+ * keeps all n layers. Returns the commit's code (*e its error). */
+enum { KL_M = 3 };
+static int kept_logical(dc_layer *d, int n, uint32_t B, bool one_pass, float C, float sigma,
+                        bool zero_on_fail, dc_err *e) {
+    set_switches(1, 1);
+    g_opts.sgrad = DCC_SGRAD_ALL;
+    g_opts.one_pass = one_pass;
+    apply_switches();
+    dc_cuda_backend_set_sample_grads(g_cuda, DC_SAMPLE_GRADS_AUTO);
+    int rc = 0;
+    for (int k = 0; k < KL_M; k++) {
+        dc_step ds;
+        dc_step_result rd;
+        step_init(&ds, d, (size_t)n, B, 0);
+        ds.max_grad_norm = C;
+        ds.noise_multiplier = sigma;
+        ds.reduction = DC_REDUCTION_MEAN;
+        ds.expected_batch = KL_M * B;
+        ds.noise_step = 7;
+        ds.zero_on_fail = zero_on_fail;
+        ds.acc = k == 0 ? DC_ACC_FIRST : k < KL_M - 1 ? DC_ACC_ADD : DC_ACC_COMMIT;
+        rc = run(g_cuda, &ds, &rd, e);
+        dc_step_result_free(&rd);
+        assert_int_equal(dc_cuda_backend_kept_layers(g_cuda), n);
+        if (k < KL_M - 1) assert_int_equal(rc, 0);
+    }
+    return rc;
+}
+
+/* A logical step's kept layers have no staging either: each micro-batch's
+ * kept sum sets or adds to their accumulators itself, and the commit's adds
+ * them after its noise, checks and writes its outputs as a step's in mode
+ * 0 (sgrad.cu). Its outputs, in every dtype, are the staged path's (one
+ * pass off: every output staged, dcc_acc_store / dcc_acc_fold) within the
+ * roundings two runs may differ by; a commit whose kept f16 output the
+ * noise overflows fails naming it, writing nothing (zeros with
+ * zero_on_fail). */
+static void test_kept_logical(void **state) {
+    (void)state;
+    enum { N = 3 };
+    const uint32_t B = 4;
+    int64_t shape[N][3] = {{64, 136, 264}, {70, 64, 72}, {64, 200, 520}};
+    const dc_dtype odt[N] = {DC_F32, DC_BF16, DC_F16};
+    dc_layer h[N], d[N];
+    make(h, d, N, B, shape, 2020);
+    float *acc[N][2] = {{NULL}};
+    for (int l = 0; l < N; l++) {
+        retype(&d[l].weight_grad_out, odt[l]);
+        if (d[l].bias_grad_out.data) retype(&d[l].bias_grad_out, DC_F32);
+        for (int k = 0; k < 2; k++) {
+            const dc_tensor *t = k ? &d[l].bias_grad_out : &d[l].weight_grad_out;
+            if (!t->data) continue;
+            acc[l][k] = g_cuda->ops->acc_alloc(g_cuda, (size_t)numel(t));
+            assert_non_null(acc[l][k]);
+        }
+        d[l].acc_w = acc[l][0];
+        d[l].acc_b = acc[l][1];
+    }
+    const float C = 0.05f, sigma = 0.7f;
+    float *got[2 * N] = {NULL};
+    long exact = 0, total = 0, bad = 0;
+    dc_err e;
+    for (int pass = 0; pass < 2; pass++) { /* one pass (unstaged), then staged */
+        outputs_fill(d, N, 7.0f);
+        const int rc = kept_logical(d, N, B, pass == 0, C, sigma, false, &e);
+        if (rc) printf("  commit: %s: %s\n", e.field, e.msg);
+        assert_int_equal(rc, 0);
+        bad += outputs_against(d, N, pass, got, sigma * C / (KL_M * B), &exact, &total);
+    }
+    printf("a logical step of %d micro-batches, kept layers unstaged against staged: %ld values, "
+           "%ld bit-equal, %ld beyond the roundings\n",
+           KL_M, total, exact, bad);
+    assert_int_equal(bad, 0);
+    for (int o = 0; o < 2 * N; o++) free(got[o]);
+
+    /* 2. C = 1e6: the f16 weight's noise (std 1e6 / 12) overflows it */
+    for (int zero = 0; zero < 2; zero++) {
+        outputs_fill(d, N, 7.0f);
+        const int rc = kept_logical(d, N, B, true, 1e6f, 1.0f, zero, &e);
+        printf("  zero_on_fail %d: %s: %s\n", zero, e.field, e.msg);
+        assert_int_equal(rc, DC_ENONFINITE);
+        char want[160];
+        snprintf(want, sizeof want, "%s.weight_grad_out", h[2].name);
+        assert_string_equal(e.field, want);
+        assert_outputs_hold(d, N, zero ? 0.0f : 7.0f);
+    }
+    for (int l = 0; l < N; l++)
+        for (int k = 0; k < 2; k++)
+            if (acc[l][k]) g_cuda->ops->acc_free(g_cuda, acc[l][k]);
+    release(h, d, N);
+    set_switches(1, 1);
+}
+
 /* gpu.sample_grads_max = auto, a fresh backend's default: an eighth of the
  * device's memory (DC_SAMPLE_GRADS_PARTS), read from the device; a size
  * and 0 stay as given. */
@@ -656,7 +752,7 @@ int main(void) {
         cmocka_unit_test(test_kept_noise),    cmocka_unit_test(test_kept_direct),
         cmocka_unit_test(test_out_blocks),    cmocka_unit_test(test_keep_worth),
         cmocka_unit_test(test_budget_auto),   cmocka_unit_test(test_keep_leaves_memory_free),
-        cmocka_unit_test(test_kept_unstaged),
+        cmocka_unit_test(test_kept_unstaged), cmocka_unit_test(test_kept_logical),
     };
     return cmocka_run_group_tests(tests, cuda_test_setup_gpu_bounds, cuda_test_teardown);
 }

@@ -502,8 +502,8 @@ int phase_noise(step_run *r, dc_err *err) {
     } else {
         phase_mark(cb, 5);
         /* unnoised where the output pass draws the noise (cb->sg_noised) */
-        if ((rc = kept_sum(cb, s, &Lo, cb->sg_noised ? noise_std : 0.0f, divisor, NULL, err)))
-            goto fail;
+        const float kept_std = cb->sg_noised ? noise_std : 0.0f;
+        if ((rc = kept_sum(cb, s, &Lo, kept_std, divisor, NULL, err))) goto fail;
         if (s->acc == DC_ACC_COMMIT)
             CK(dcc_acc_fold(douts, Lo.n_out, Lo.max_n, staging, cb->stream), "the accumulation");
         phase_mark(cb, 6);
@@ -511,6 +511,8 @@ int phase_noise(step_run *r, dc_err *err) {
                         opt.noise, cb->stream),
            "the noise");
         phase_mark(cb, 7);
+        /* the unstaged kept layers' outputs, once every output is checked */
+        if ((rc = kept_commit(cb, s, &Lo, kept_std, divisor, NULL, err))) goto fail;
         CK(dcc_commit(douts, Lo.n_out, Lo.max_n, staging, status, (const float *)(ws + Lo.norms),
                       (float *)s->norms_out.data, (const float *)(ws + Lo.coefs),
                       (float *)s->coefs_out.data, (int)B, zero, cb->stream),
@@ -623,9 +625,10 @@ int run_impl(dc_backend *be, const dc_step *s, dc_step_result *res, dc_err *err,
     const size_t L = r.L = s->n_layers;
     const bool per_layer = r.per_layer = s->mode == DC_CLIP_PER_LAYER;
     r.scale = dc_step_grad_scale(s);
-    /* a micro-batch of a logical step stages every output: its sums go to
+    /* a micro-batch of a logical step stages its outputs: its sums go to
      * the accumulators (accum.cu), and its commit folds them in before the
-     * noise, which the one-pass path's direct writes would bypass */
+     * noise, which the one-pass path's direct writes would bypass (its
+     * kept layers' sums do both themselves: sgrad.cu) */
     r.opt = cb->opt;
     if (s->acc != DC_ACC_NONE) r.opt.one_pass = false;
     r.accumulates = s->acc == DC_ACC_FIRST || s->acc == DC_ACC_ADD;
@@ -664,8 +667,9 @@ int run_impl(dc_backend *be, const dc_step *s, dc_step_result *res, dc_err *err,
                            : !to_store        ? KEEP_NONE
                            : names_outputs(s) ? KEEP_OUTS
                                               : KEEP_PASS;
-    /* a one-pass whole step's kept layers need no staging (plan_step) */
-    const bool unstage = io.want == CP_ALL && r.opt.one_pass;
+    /* a whole step's kept layers need no staging (plan_step), but where
+     * the instance stages every output (DPCLIP_CUDA_ONE_PASS=0) */
+    const bool unstage = io.want == CP_ALL && cb->opt.one_pass;
     cuda_kept *store = NULL;
     size_t applied = 0;
     if ((rc = plan_step(cb, s, keep, unstage, &Lo, err))) return rc;

@@ -302,6 +302,8 @@ int grouped_clipped(cuda_backend *cb, const dc_step *s, const layout *Lo, const 
         g->oi_w = cb->sg_out[2 * l];
         g->oi_b = cb->sg_out[2 * l + 1];
         g->unstaged = cb->sg_unstaged[l];
+        g->acc_w = g->unstaged && g->oi_w >= 0 ? outs[g->oi_w].acc : NULL;
+        g->acc_b = g->unstaged && g->oi_b >= 0 ? outs[g->oi_b].acc : NULL;
         g->d = b->L.d;
         g->p = b->L.p;
     }
@@ -321,13 +323,23 @@ fail:
     return rc;
 }
 
+/* What a step's unstaged kept layers do with their accumulators. */
+static int sg_acc(const dc_step *s) {
+    switch (s->acc) {
+    case DC_ACC_FIRST: return DCC_SG_ACC_STORE;
+    case DC_ACC_ADD: return DCC_SG_ACC_ADD;
+    case DC_ACC_COMMIT: return DCC_SG_ACC_FOLD;
+    default: return DCC_SG_ACC_NONE;
+    }
+}
+
 int kept_sum(cuda_backend *cb, const dc_step *s, const layout *Lo, float noise_std, float divisor,
              const uint32_t *mode, dc_err *err) {
     int rc = 0;
     if (cb->sg_kept == 0) return 0;
     CK(dcc_sgrad_sum(cb->sgl, cb->sg_kept, (int)s->batch, noise_std, divisor, mode,
                      (uint32_t *)(cb->ws + Lo->status), (unsigned long long *)(cb->ws + Lo->bad),
-                     cb->opt.noise, cb->stream),
+                     sg_acc(s), cb->opt.noise, cb->stream),
        "the kept gradients' sum");
 fail:
     return rc;
@@ -339,7 +351,7 @@ int kept_commit(cuda_backend *cb, const dc_step *s, const layout *Lo, float nois
     for (int i = 0; i < cb->sg_kept; i++) any |= cb->sgl[i].unstaged;
     if (!any) return 0;
     CK(dcc_sgrad_commit(cb->sgl, cb->sg_kept, (int)s->batch, noise_std, divisor, mode,
-                        (uint32_t *)(cb->ws + Lo->status), cb->opt.noise, cb->stream),
+                        (uint32_t *)(cb->ws + Lo->status), sg_acc(s), cb->opt.noise, cb->stream),
        "the kept gradients' commit");
 fail:
     return rc;

@@ -217,8 +217,11 @@ int dcb::plan_step(cuda_backend *cb, const dc_step *s, keep_mode keep, bool unst
         cb->sg_unstaged[l] = false;
         const size_t need = keep_bytes(cb, s, l, keep);
         if (need == 0 || Lo->sgrad_bytes + need > cb->sg_max) continue;
-        const uint64_t f = unstage ? stage_floats(&s->layers[l]) : 0;
-        const bool un = f && f * 4 <= need;
+        const dc_layer *ly = &s->layers[l];
+        const uint64_t f = unstage ? stage_floats(ly) : 0;
+        /* a logical step's: the kept sum needs every output's accumulator */
+        const bool accs = s->acc == DC_ACC_NONE || (ly->acc_w && (!want_out(ly, 1) || ly->acc_b));
+        const bool un = f && f * 4 <= need && accs;
         /* a smaller staging area's al() rounds up by less than 256 bytes */
         const uint64_t g = given + (un ? f : 0);
         if (cb->ws_max && full - g * 4 + (g ? 256 : 0) + Lo->sgrad_bytes + need > cb->ws_max)

@@ -2,8 +2,9 @@
  * their clipped sums into accumulators the daemon holds (dcc_out.acc), and
  * its commit folds them into its own sums before the noise (clip.cu's
  * dcc_finalize), so that a logical batch is noised once, as one step.
- * Both passes run over the staged f32 sums of every output (the backend
- * stages every output of an accumulating step), one block row per output.
+ * Both passes run over the staged f32 sums of every output, one block row
+ * per output, but those of kept layers without staging (dcc_out.unstaged),
+ * whose sums go to their accumulators themselves (sgrad.cu).
  * Plain f32 adds: each micro-batch's sum is rounded once into the
  * accumulator, as the trainer's own .grad accumulation would round it. */
 #include "dcc.h"
@@ -17,7 +18,7 @@ constexpr int ACC_NT = 256;
 __global__ void acc_store_kernel(const dcc_out *__restrict__ outs,
                                  const float *__restrict__ staging, int add) {
     const dcc_out o = outs[blockIdx.y];
-    if (!o.acc) return;
+    if (!o.acc || o.unstaged) return; /* the kept sum's own (sgrad.cu) */
     const float *v = staging + o.off;
     for (uint64_t i = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x; i < o.n;
          i += (uint64_t)gridDim.x * blockDim.x)
@@ -27,7 +28,7 @@ __global__ void acc_store_kernel(const dcc_out *__restrict__ outs,
 /* staging += acc, per output (the commit, before its noise). */
 __global__ void acc_fold_kernel(const dcc_out *__restrict__ outs, float *__restrict__ staging) {
     const dcc_out o = outs[blockIdx.y];
-    if (!o.acc) return;
+    if (!o.acc || o.unstaged) return;
     float *v = staging + o.off;
     for (uint64_t i = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x; i < o.n;
          i += (uint64_t)gridDim.x * blockDim.x)

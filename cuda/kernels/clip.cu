@@ -153,6 +153,7 @@ __global__ void finalize_kernel(const dcc_out *__restrict__ outs, float *__restr
                                 unsigned long long *__restrict__ bad, int noise) {
     const int oi = (int)blockIdx.y;
     const dcc_out o = outs[oi];
+    if (o.unstaged) return; /* the kept sum checks it (sgrad.cu) */
     float *v = staging + o.off;
     uint64_t npairs = (o.n + 1) / 2;
     for (uint64_t pr = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x; pr < npairs;
@@ -188,6 +189,7 @@ __global__ void commit_kernel(const dcc_out *__restrict__ outs, const float *__r
     const bool ok = *status == 0;
     if (!ok && !zero) return;
     const dcc_out o = outs[blockIdx.y];
+    if (ok && o.unstaged) return; /* the kept sum writes it (dcc_sgrad_commit) */
     const float *v = staging + o.off;
     for (uint64_t i = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x; i < o.n;
          i += (uint64_t)gridDim.x * blockDim.x) {

@@ -235,8 +235,15 @@ typedef struct dcc_sg_layer {
     dcc_out_sink out_w, out_b; /* the outputs, written with mode 1, and their noise */
     int oi_w, oi_b;            /* their places in the step's output table (*bad), -1 none */
     int unstaged;              /* no staging (dcc_out.unstaged): w and bias are not written */
+    float *acc_w, *acc_b;      /* unstaged, of a logical step: its accumulators (dcc_out.acc) */
     int d, p;
 } dcc_sg_layer;
+/* What an unstaged layer's sums do with its accumulators (dcc_sg_layer.acc_*)
+ * in a logical step: a micro-batch's set them (STORE, the first) or add to
+ * them (ADD), as dcc_acc_store does with staged sums; the commit's are
+ * added to them, after their noise (FOLD, as dcc_acc_fold), then checked
+ * and written as a step's. */
+enum { DCC_SG_ACC_NONE = 0, DCC_SG_ACC_STORE, DCC_SG_ACC_ADD, DCC_SG_ACC_FOLD };
 /* v = sum_b cs[b] * G_b + std * z for w, and likewise for bias, over each
  * layer's store (f32 sums in sample order; z the outputs' own draws, by
  * `noise` (DCC_NOISE_*), none when std is 0). With *mode == 1 (the output
@@ -247,16 +254,19 @@ typedef struct dcc_sg_layer {
  * whose v / divisor is only checked as dcc_out_write checks a staged value
  * (not finite in its output's dtype: DCC_STATUS_OUTPUT into *status, and
  * *bad lowered to output << 40 | element), unless *status is set already.
- * The outputs are marked dcc_out.noised.
- * dcc_sgrad_commit, after every output's check: with *mode == 0 and
- * *status == 0, the unstaged layers' v / divisor into their outputs (the
- * same values, computed again); otherwise nothing (dcc_out_commit zeroes
- * them with zero_on_fail). */
+ * The outputs are marked dcc_out.noised. acc (DCC_SG_ACC_*): a logical
+ * step's micro-batch (STORE, ADD) puts an unstaged layer's v into its
+ * accumulators instead; its commit (FOLD) adds them to v before the check.
+ * dcc_sgrad_commit, after every output's check: with *mode == 0 (or mode
+ * NULL) and *status == 0, the unstaged layers' v / divisor into their
+ * outputs (the same values, computed again); otherwise nothing (the commit
+ * passes zero them with zero_on_fail). */
 cudaError_t dcc_sgrad_sum(const dcc_sg_layer *layers, int n, int B, float std, float divisor,
-                          const uint32_t *mode, uint32_t *status, unsigned long long *bad,
+                          const uint32_t *mode, uint32_t *status, unsigned long long *bad, int acc,
                           int noise, cudaStream_t st);
 cudaError_t dcc_sgrad_commit(const dcc_sg_layer *layers, int n, int B, float std, float divisor,
-                             const uint32_t *mode, uint32_t *status, int noise, cudaStream_t st);
+                             const uint32_t *mode, uint32_t *status, int acc, int noise,
+                             cudaStream_t st);
 
 /* TF32 tensor-core kernels for f32 inputs (norms_tf32.cu): the forms of
  * dcc_linear_sqnorms, and the clipped weight sum w[p][d] = sum_b cs[b]

@@ -41,6 +41,7 @@ struct sg_params {
     uint32_t *status;     /* the step's: an unstaged value's check */
     unsigned long long *bad;
     int commit; /* dcc_sgrad_commit's launch: the unstaged layers, written */
+    int acc;    /* DCC_SG_ACC_*: what the unstaged layers do with their accumulators */
     int n, tiles, B;
     float std; /* 0: no noise */
     float divisor;
@@ -107,7 +108,11 @@ __global__ void __launch_bounds__(DCC_SG_THREADS, SG_MIN_CTAS)
                               : !(staged_mode && L.unstaged && *P.status != 0);
     if (!run) return; /* uniform over the CTA: one layer's tile */
     const bool direct = P.commit || !staged_mode, divide = P.divisor != 1.0f;
-    const bool check = !direct && L.unstaged;
+    /* an unstaged layer's micro-batch: its sums into its accumulators */
+    const bool to_acc = !direct && L.unstaged &&
+                        (P.acc == DCC_SG_ACC_STORE || P.acc == DCC_SG_ACC_ADD);
+    const bool check = !direct && L.unstaged && !to_acc;
+    const bool fold = L.unstaged && P.acc == DCC_SG_ACC_FOLD; /* a commit's: + accumulators */
     const dcc_div div = dcc_div_make(P.divisor);
     /* where the accumulators land: register 0's element (mt, nt) by
      * dcc_wide_at, and register k of chunk j (register 8 j + k) at row mt +
@@ -204,8 +209,23 @@ __global__ void __launch_bounds__(DCC_SG_THREADS, SG_MIN_CTAS)
             for (int k = 0; k < 8; k++)
                 if (in & (1u << k)) acc[k] = dcc_noised(acc[k], P.std, z[k]);
         }
+        if (fold)
+#pragma unroll
+            for (int k = 0; k < 8; k++) {
+                const int dr = 8 * (k >> 2) + (k & 1);
+                if (mj + dr < p && col_ok[(k >> 1) & 1])
+                    acc[k] = __fadd_rn(acc[k], L.acc_w[ij + (int64_t)dr * d + ((k & 2) ? 8 : 0)]);
+            }
         /* one branch a chunk, not one an element: direct or staged, divided or not */
-        if (direct) {
+        if (to_acc) {
+#pragma unroll
+            for (int k = 0; k < 8; k++) {
+                const int dr = 8 * (k >> 2) + (k & 1);
+                float *a = L.acc_w + ij + (int64_t)dr * d + ((k & 2) ? 8 : 0);
+                if (mj + dr < p && col_ok[(k >> 1) & 1])
+                    *a = P.acc == DCC_SG_ACC_ADD ? __fadd_rn(*a, acc[k]) : acc[k];
+            }
+        } else if (direct) {
             if (divide && div.pow2) /* dcc_div_by's own first case, tested once */
 #pragma unroll
                 for (int k = 0; k < 8; k++) acc[k] = __fmul_rn(acc[k], div.y);
@@ -244,7 +264,7 @@ __global__ void __launch_bounds__(DCC_SG_THREADS, SG_MIN_CTAS)
             }
         }
     }
-    if (L.amax_w && !direct && !check) dcc_warp_amax(L.amax_w, am);
+    if (L.amax_w && !direct && !check && !to_acc) dcc_warp_amax(L.amax_w, am);
     if (L.bias && tn == 0) {
         const int m = m0 + tid;
         float y = 0.0f;
@@ -256,7 +276,10 @@ __global__ void __launch_bounds__(DCC_SG_THREADS, SG_MIN_CTAS)
             draw_pair(NOISE, L.out_b.key, L.out_b.step, L.out_b.stream, (uint64_t)(m >> 1), z0, z1);
             y = dcc_noised(y, P.std, (m & 1) ? z1 : z0);
         }
-        if (direct) {
+        if (fold && m < p) y = __fadd_rn(y, L.acc_b[m]);
+        if (to_acc) {
+            if (m < p) L.acc_b[m] = P.acc == DCC_SG_ACC_ADD ? __fadd_rn(L.acc_b[m], y) : y;
+        } else if (direct) {
             if (m < p)
                 dcc_store_as(L.out_b.dst, L.out_b.dtype, (uint64_t)m,
                              divide ? dcc_div_by(div, y) : y);
@@ -316,7 +339,7 @@ sg_kernel sg_pick(int noise, int dt) {
 /* The launches over layers ls (commit: the unstaged ones only). */
 static cudaError_t sg_launch(const dcc_sg_layer *ls, int n, int B, float std, float divisor,
                              const uint32_t *mode, uint32_t *status, unsigned long long *bad,
-                             int commit, int noise, cudaStream_t st) {
+                             int commit, int acc, int noise, cudaStream_t st) {
     if (B <= 0) return cudaErrorInvalidValue;
     int i = 0;
     for (;;) {
@@ -353,6 +376,7 @@ static cudaError_t sg_launch(const dcc_sg_layer *ls, int n, int B, float std, fl
         P.status = status;
         P.bad = bad;
         P.commit = commit;
+        P.acc = acc;
         sg_pick(noise, dt)<<<(unsigned)tiles, DCC_SG_THREADS, 0, st>>>(P);
         cudaError_t e = cudaGetLastError();
         if (e != cudaSuccess) return e;
@@ -361,12 +385,12 @@ static cudaError_t sg_launch(const dcc_sg_layer *ls, int n, int B, float std, fl
 
 extern "C" cudaError_t dcc_sgrad_sum(const dcc_sg_layer *ls, int n, int B, float std, float divisor,
                                      const uint32_t *mode, uint32_t *status,
-                                     unsigned long long *bad, int noise, cudaStream_t st) {
-    return sg_launch(ls, n, B, std, divisor, mode, status, bad, 0, noise, st);
+                                     unsigned long long *bad, int acc, int noise, cudaStream_t st) {
+    return sg_launch(ls, n, B, std, divisor, mode, status, bad, 0, acc, noise, st);
 }
 
 extern "C" cudaError_t dcc_sgrad_commit(const dcc_sg_layer *ls, int n, int B, float std,
                                         float divisor, const uint32_t *mode, uint32_t *status,
-                                        int noise, cudaStream_t st) {
-    return sg_launch(ls, n, B, std, divisor, mode, status, NULL, 1, noise, st);
+                                        int acc, int noise, cudaStream_t st) {
+    return sg_launch(ls, n, B, std, divisor, mode, status, NULL, 1, acc, noise, st);
 }
