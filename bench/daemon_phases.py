@@ -16,7 +16,7 @@ import sys
 from typing import Dict, Optional, Tuple
 
 _LINE = re.compile(r'^dpclip_step_phase_seconds_(sum|count)\{phase="([a-z_]+)"\} (\S+)$')
-_WORKSPACE = re.compile(r'^dpclip_gpu_workspace_bytes\{device="\d+"\} (\S+)$', re.M)
+_HELD = re.compile(r'^dpclip_gpu_(workspace|kept)_bytes\{device="\d+"\} (\S+)$', re.M)
 
 
 def status_path(sock: Optional[str]) -> str:
@@ -50,14 +50,26 @@ def _metrics(sock: Optional[str]) -> Optional[str]:
     return text
 
 
-def workspace_bytes(sock: Optional[str]) -> Optional[int]:
-    """Bytes of device workspace the daemon serving `sock` holds, over its
-    GPUs (dpclip_gpu_workspace_bytes: the kept per-sample gradients are in
-    it), or None where its status socket does not answer."""
+def held_bytes(sock: Optional[str]) -> Optional[Tuple[int, int]]:
+    """Bytes of device memory the daemon serving `sock` holds over its GPUs,
+    as (workspace, kept stores) (dpclip_gpu_workspace_bytes, whose kept
+    per-sample gradients of whole steps are in it, and
+    dpclip_gpu_kept_bytes, those of norm groups' phases, outside it), or
+    None where its status socket does not answer."""
     text = _metrics(sock)
     if text is None:
         return None
-    return sum(int(float(m.group(1))) for m in _WORKSPACE.finditer(text))
+    got = {"workspace": 0, "kept": 0}
+    for m in _HELD.finditer(text):
+        got[m.group(1)] += int(float(m.group(2)))
+    return got["workspace"], got["kept"]
+
+
+def workspace_bytes(sock: Optional[str]) -> Optional[int]:
+    """All the device memory the daemon serving `sock` holds (held_bytes'
+    two parts), or None where its status socket does not answer."""
+    held = held_bytes(sock)
+    return None if held is None else sum(held)
 
 
 def read(sock: Optional[str]) -> Optional[Dict[str, Tuple[float, float]]]:

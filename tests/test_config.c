@@ -77,6 +77,7 @@ static void test_full_file(void **state) {
                                    "workspace = 512M\n"
                                    "workspace_max = 2g\n"
                                    "sample_grads_max = 0\n"
+                                   "idle_release_s = 0\n"
                                    "[limits]\n"
                                    "max_batch = 512\n"
                                    "max_layers = 8\n"
@@ -109,6 +110,7 @@ static void test_full_file(void **state) {
     assert_true(c.gpu_workspace == (uint64_t)512 << 20);
     assert_true(c.gpu_workspace_max == (uint64_t)2 << 30);
     assert_true(c.gpu_sample_grads_max == 0); /* none kept */
+    assert_int_equal(c.gpu_idle_release_s, 0);  /* never given back */
     assert_int_equal(c.max_batch, 512);
     assert_int_equal(c.max_layers, 8);
     assert_int_equal(c.max_frame, 65536);
@@ -259,10 +261,12 @@ static void test_restart_needed(void **state) {
     b.gpu_workspace = a.gpu_workspace * 2;
     b.gpu_workspace_max = (uint64_t)8 << 30;
     b.gpu_sample_grads_max = 0;
-    assert_int_equal(dc_config_restart_needed(&a, &b, note, names), 3);
+    b.gpu_idle_release_s = 5;
+    assert_int_equal(dc_config_restart_needed(&a, &b, note, names), 4);
     assert_non_null(strstr(names, "gpu.workspace "));
     assert_non_null(strstr(names, "gpu.workspace_max "));
     assert_non_null(strstr(names, "gpu.sample_grads_max "));
+    assert_non_null(strstr(names, "gpu.idle_release_s"));
 }
 #endif /* DPCLIP_HAVE_INIH */
 
@@ -379,6 +383,7 @@ static void test_size_auto(void **state) {
     (void)state;
     dc_config_defaults(&c);
     assert_true(c.gpu_sample_grads_max == DC_SAMPLE_GRADS_AUTO);
+    assert_int_equal(c.gpu_idle_release_s, 300); /* a shared node gets its memory back */
     while (dc_config_key(i, &section, &key) &&
            !(strcmp(section, "gpu") == 0 && strcmp(key, "sample_grads_max") == 0))
         i++;

@@ -196,6 +196,50 @@ static void test_two_in_flight(void **state) {
     }
 }
 
+/* An idle release (backend.h release, gpu.idle_release_s) frees the stores
+ * given back and the workspace grown beyond the preallocation (none here),
+ * but not a store a norm phase still holds for its clip phase: that clip
+ * phase, after it, sums from its store right; and the next phases grow
+ * what they need again. */
+static void test_idle_release(void **state) {
+    (void)state;
+    dc_layer h[2][N], d[2][N];
+    dc_step ds[2];
+    double n2[2][N * 3], tot[2][3];
+    ref_out r[2];
+    dc_kept *kept[2];
+    for (int m = 0; m < 2; m++) {
+        setup_layers(h[m], d[m], 3232 + (uint64_t)m, DC_SAMPLE_GRADS_AUTO);
+        step_init(&ds[m], d[m], N, kB, 0);
+        reference(h[m], &ds[m], kAll, &r[m]);
+    }
+    for (int m = 0; m < 2; m++) assert_non_null(kept[m] = norms(&ds[m], n2[m], tot[m]));
+    const size_t both = dc_cuda_backend_kept_bytes(g_cuda);
+    assert_true(dc_cuda_backend_workspace_bytes(g_cuda) > 0);
+    g_cuda->ops->kept_free(g_cuda, kept[1]); /* micro-batch 1's phases were dropped */
+    dc_backend_release(g_cuda);
+    const size_t one = dc_cuda_backend_kept_bytes(g_cuda);
+    printf("kept stores: %zu bytes, %zu after a release with one still held; workspace %zu\n", both,
+           one, dc_cuda_backend_workspace_bytes(g_cuda));
+    assert_true(one > 0 && one < both);
+    assert_int_equal(dc_cuda_backend_workspace_bytes(g_cuda), 0);
+    clip_checked(d[0], &ds[0], n2[0], tot[0], kept[0], N, &r[0]); /* the held store intact */
+    g_cuda->ops->kept_free(g_cuda, kept[0]);
+    dc_backend_release(g_cuda);
+    assert_int_equal(dc_cuda_backend_kept_bytes(g_cuda), 0);
+    assert_int_equal(dc_cuda_backend_workspace_bytes(g_cuda), 0);
+    for (int m = 0; m < 2; m++) { /* grown again */
+        assert_non_null(kept[m] = norms(&ds[m], n2[m], tot[m]));
+        clip_checked(d[m], &ds[m], n2[m], tot[m], kept[m], N, &r[m]);
+        g_cuda->ops->kept_free(g_cuda, kept[m]);
+    }
+    assert_true(dc_cuda_backend_kept_bytes(g_cuda) == both);
+    for (int m = 0; m < 2; m++) {
+        ref_free(&r[m]);
+        teardown_layers(h[m], d[m]);
+    }
+}
+
 /* gpu.sample_grads_max below one store: nothing is kept, and the clip
  * phase makes every sum from the client's data. */
 static void test_store_over_budget(void **state) {
@@ -353,9 +397,8 @@ static void test_pass_sums_from_store(void **state) {
 int main(void) {
     if (cuda_test_skip()) return DC_TEST_SKIP;
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(test_clip_from_store),
-        cmocka_unit_test(test_two_in_flight),
-        cmocka_unit_test(test_store_over_budget),
+        cmocka_unit_test(test_clip_from_store),      cmocka_unit_test(test_two_in_flight),
+        cmocka_unit_test(test_idle_release),         cmocka_unit_test(test_store_over_budget),
         cmocka_unit_test(test_pass_sums_from_store),
     };
     return cmocka_run_group_tests(tests, cuda_test_setup_gpu_bounds, cuda_test_teardown);

@@ -1,7 +1,10 @@
 /* daemon/infra/worker.c: tasks run on worker threads, each with its own
- * backend, and complete on the loop thread; closing runs what was queued. */
+ * backend, and complete on the loop thread; closing runs what was queued;
+ * an idle worker's backend gives back what it grew. */
 #include <pthread.h>
 #include <sched.h>
+#include <stdatomic.h>
+#include <stdbool.h>
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -168,6 +171,128 @@ static void test_expect_windows(void **state) {
     assert_int_equal(uv_loop_close(&loop), 0);
 }
 
+/* Idle release: a backend that grew gives its memory back once its worker
+ * has had no task for the pool's release time, once per idle period, and
+ * what it holds is published after each task and release
+ * (dc_worker_pool_held). Without a release time it never does. */
+typedef struct grow_backend {
+    dc_backend base;
+    uint64_t ws, kept;   /* what it holds; worker thread */
+    atomic_int released; /* releases so far */
+} grow_backend;
+
+static void grow_release(dc_backend *be) {
+    grow_backend *g = (grow_backend *)be;
+    g->ws = 100; /* its preallocation */
+    g->kept = 0;
+    atomic_fetch_add(&g->released, 1);
+}
+static size_t grow_ws(const dc_backend *be) { return ((const grow_backend *)be)->ws; }
+static size_t grow_kept(const dc_backend *be) { return ((const grow_backend *)be)->kept; }
+static const dc_backend_ops grow_ops = {.name = "grow",
+                                        .run_step = fake_run,
+                                        .destroy = fake_destroy,
+                                        .release = grow_release,
+                                        .workspace_bytes = grow_ws,
+                                        .kept_bytes = grow_kept};
+
+static int grow_factory(void *arg, int index, dc_backend **out, dc_err *err) {
+    grow_backend **made = arg;
+    grow_backend *g = calloc(1, sizeof *g);
+    (void)index;
+    (void)err;
+    g->base.ops = &grow_ops;
+    g->ws = 100;
+    atomic_init(&g->released, 0);
+    *made = g;
+    *out = &g->base;
+    return 0;
+}
+
+typedef struct grow_task {
+    dc_task task;
+    int *ndone;
+} grow_task;
+
+static void grow_work(dc_task *task, dc_backend *be) {
+    grow_backend *g = (grow_backend *)be;
+    (void)task;
+    g->ws = 1000; /* a step grew the workspace and kept a store */
+    g->kept = 500;
+}
+static void grow_done(dc_task *task) { (*((grow_task *)task)->ndone)++; }
+
+/* Runs one grow task on pool and waits for its done(). */
+static void grow_once(uv_loop_t *loop, dc_worker_pool *pool, int *ndone) {
+    grow_task t;
+    memset(&t, 0, sizeof t);
+    const int want = *ndone + 1;
+    t.task.work = grow_work;
+    t.task.done = grow_done;
+    t.ndone = ndone;
+    dc_worker_pool_submit(pool, &t.task);
+    while (*ndone < want) uv_run(loop, UV_RUN_ONCE);
+}
+
+/* Waits up to 5 s for g's release count to reach n. */
+static bool released_within(grow_backend *g, int n) {
+    const uint64_t end = dc_clock_ns() + 5000000000ull;
+    struct timespec ts = {0, 1000000};
+    while (atomic_load(&g->released) < n && dc_clock_ns() < end) nanosleep(&ts, NULL);
+    return atomic_load(&g->released) >= n;
+}
+
+static void test_idle_release(void **state) {
+    (void)state;
+    uv_loop_t loop;
+    dc_worker_pool pool;
+    dc_err err;
+    grow_backend *g = NULL;
+    int ndone = 0;
+    struct timespec beyond = {0, 400000000}; /* past a release time of 200 ms */
+
+    assert_int_equal(uv_loop_init(&loop), 0);
+    assert_int_equal(dc_worker_pool_init(&pool, &loop, "t", 1, grow_factory, &g, &err), 0);
+    dc_worker_pool_set_release(&pool, 200000000ull);
+    dc_worker_held h = dc_worker_pool_held(&pool, 0);
+    assert_true(h.workspace == 100 && h.kept == 0); /* published at start */
+    nanosleep(&beyond, NULL);
+    assert_int_equal(atomic_load(&g->released), 0); /* nothing ran: nothing to give back */
+
+    const uint64_t t0 = dc_clock_ns();
+    grow_once(&loop, &pool, &ndone);
+    h = dc_worker_pool_held(&pool, 0);
+    if (dc_clock_ns() - t0 < 150000000ull) { /* not yet idle for 200 ms */
+        assert_int_equal(atomic_load(&g->released), 0);
+        assert_true(h.workspace == 1000 && h.kept == 500);
+    }
+    assert_true(released_within(g, 1));
+    assert_true(dc_clock_ns() - t0 >= 200000000ull);    /* not before the idle time */
+    const uint64_t end = dc_clock_ns() + 5000000000ull; /* published right after */
+    const struct timespec ms = {0, 1000000};
+    while ((h = dc_worker_pool_held(&pool, 0)).workspace != 100 && dc_clock_ns() < end)
+        nanosleep(&ms, NULL);
+    assert_true(h.workspace == 100 && h.kept == 0);
+    nanosleep(&beyond, NULL);
+    assert_int_equal(atomic_load(&g->released), 1); /* once an idle period */
+
+    grow_once(&loop, &pool, &ndone); /* a new period */
+    assert_true(released_within(g, 2));
+    dc_worker_pool_close(&pool);
+    uv_run(&loop, UV_RUN_DEFAULT);
+
+    /* no release time: never */
+    assert_int_equal(dc_worker_pool_init(&pool, &loop, "t", 1, grow_factory, &g, &err), 0);
+    grow_once(&loop, &pool, &ndone);
+    nanosleep(&beyond, NULL);
+    assert_int_equal(atomic_load(&g->released), 0);
+    h = dc_worker_pool_held(&pool, 0);
+    assert_true(h.workspace == 1000 && h.kept == 500);
+    dc_worker_pool_close(&pool);
+    uv_run(&loop, UV_RUN_DEFAULT);
+    assert_int_equal(uv_loop_close(&loop), 0);
+}
+
 /* Fair sharing: with one worker held by owner 1, tasks queued by owners 1, 2
  * and 3 start in turn (least recently served owner first), not in arrival
  * order: one owner's backlog does not hold back the others. */
@@ -261,6 +386,7 @@ int main(void) {
         cmocka_unit_test(test_expect_windows),
         cmocka_unit_test(test_window),
         cmocka_unit_test(test_fair_sharing),
+        cmocka_unit_test(test_idle_release),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

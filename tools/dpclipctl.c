@@ -436,16 +436,17 @@ static void print_status(json_t *root) {
     else
         printf("steps       %.0f ok, %.0f failed, %.0f samples, %.0f layers\n\n",
                num(t, "steps_ok"), num(t, "steps_failed"), num(t, "samples"), num(t, "layers"));
-    printf("%-8s %-5s %-28s %6s %16s\n", "BACKEND", "INDEX", "NAME", "BUSY", "WORKSPACE");
+    printf("%-8s %-5s %-28s %6s %16s %16s\n", "BACKEND", "INDEX", "NAME", "BUSY", "WORKSPACE",
+           "KEPT");
     json_array_foreach(json_object_get(root, "backends"), i, be) {
         bool cpu = strcmp(str(be, "backend"), "cpu") == 0;
-        char name[64];
+        char name[64], ws[32], kept[32];
         if (cpu) snprintf(name, sizeof name, "%.0f workers", num(be, "workers"));
         else fit(str(be, "name"), 28, name, sizeof name);
-        printf("%-8s %-5s %-28s %6.0f %16s\n", str(be, "backend"),
+        printf("%-8s %-5s %-28s %6.0f %16s %16s\n", str(be, "backend"),
                cpu ? "-" : (snprintf(a, sizeof a, "%.0f", num(be, "index")), a), name,
-               num(be, "busy"),
-               cpu ? "-" : human_bytes(num(be, "workspace_bytes"), name, sizeof name));
+               num(be, "busy"), cpu ? "-" : human_bytes(num(be, "workspace_bytes"), ws, sizeof ws),
+               cpu ? "-" : human_bytes(num(be, "kept_bytes"), kept, sizeof kept));
     }
     print_groups(root);
     print_norm_groups(root);

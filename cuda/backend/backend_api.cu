@@ -84,6 +84,7 @@ extern "C" int dc_cuda_backend_set_workspace(dc_backend *be, size_t initial, siz
                                              dc_err *err) {
     cuda_backend *cb = (cuda_backend *)be;
     cb->ws_max = max;
+    cb->ws_pre = initial;
     if (initial <= cb->ws_cap) return 0;
     if (cudaSetDevice(cb->device) != cudaSuccess) {
         (void)cudaGetLastError();

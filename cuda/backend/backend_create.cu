@@ -61,7 +61,9 @@ const dc_backend_ops cuda_ops = {"cuda",
                                  cuda_acc_free,
                                  cuda_tensors_hash,
                                  cuda_norm_times,
-                                 dc_cuda_backend_zero_outputs};
+                                 dc_cuda_backend_zero_outputs,
+                                 cuda_release,
+                                 dc_cuda_backend_kept_bytes};
 
 } // namespace
 

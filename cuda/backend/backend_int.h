@@ -29,6 +29,7 @@ struct cuda_backend {
     char *ws;
     size_t ws_cap;
     size_t ws_max; /* gpu.workspace_max; 0 = no cap */
+    size_t ws_pre; /* gpu.workspace: what cuda_release shrinks it back to */
     size_t sg_max; /* gpu.sample_grads_max: most workspace for kept per-sample
                            gradients (sgrad.cu); 0 = none kept */
     char *host;    /* pinned: download block, then upload block */
@@ -311,7 +312,7 @@ cudaError_t wait_stream(cuda_backend *cb, double cost);
  * earlier where it fits), NULL where gpu.sample_grads_max or the GPU's
  * free memory (a tenth kept free, as keep_fits) has no room. kept_give
  * (backend.h kept_free): back to this instance, any thread. kept_destroy:
- * frees every store given back (the instance's end). */
+ * frees every store given back (the instance's end, cuda_release). */
 struct cuda_kept {
     dc_kept pub; /* first: what the daemon holds */
     cuda_kept *next;
@@ -340,6 +341,9 @@ int cuda_run_clip(dc_backend *be, const dc_step *s, const double *n2, const doub
                   double e_min, const dc_kept *kept, const size_t *kept_at, dc_step_result *res,
                   dc_err *err);
 void cuda_norm_times(dc_backend *be, uint64_t phase_ns[DC_RUN_N]);
+/* backend.h release (backend_plan.cu): the stores given back freed, the
+ * workspace back to gpu.workspace. */
+void cuda_release(dc_backend *be);
 
 /* backend_accum.cu: logical steps' accumulators (backend.h acc_alloc,
  * acc_free) and the keyed checksums of tensors (tensors_hash). */

@@ -1,7 +1,8 @@
 /* The CUDA backend's workspace: where a step's parts go in it (plan_step,
  * the layout of backend_int.h), whether keeping per-sample gradients
  * leaves the GPU enough memory (keep_fits), and the device workspace and
- * pinned host block grown for the step (reserve, ws_alloc). */
+ * pinned host block grown for the step (reserve, ws_alloc); between tasks
+ * the workspace back to its preallocation (cuda_release). */
 #include <stdlib.h>
 #include <string.h>
 
@@ -22,6 +23,26 @@ int dcb::ws_alloc(cuda_backend *cb, size_t want, dc_err *err) {
     }
     cb->ws_cap = want;
     return 0;
+}
+
+void dcb::cuda_release(dc_backend *be) {
+    cuda_backend *cb = (cuda_backend *)be;
+    if (cudaSetDevice(cb->device) != cudaSuccess) {
+        (void)cudaGetLastError();
+        return;
+    }
+    kept_destroy(cb); /* the stores given back; those in use stay */
+    if (cb->ws_cap <= cb->ws_pre) return;
+    dc_err err;
+    /* a failed allocation leaves none, which the next step grows again */
+    if (cb->ws_pre) (void)ws_alloc(cb, cb->ws_pre, &err);
+    else {
+        (void)cudaStreamSynchronize(cb->stream);
+        cudaFree(cb->ws);
+        (void)cudaGetLastError();
+        cb->ws = NULL;
+        cb->ws_cap = 0;
+    }
 }
 
 namespace {

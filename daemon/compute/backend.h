@@ -129,6 +129,15 @@ typedef struct dc_backend_ops {
      * completion flag (dc_step.done_flag) is consumed as zeros. Worker
      * thread. */
     int (*zero_outputs)(dc_backend *be, const dc_step *step);
+    /* Between tasks, on the worker thread: the memory the backend grew
+     * beyond its preallocation (a larger workspace, kept stores given back)
+     * freed; the next task that needs it grows it again. A daemon idle on
+     * a shared node should not hold a job's peak (gpu.idle_release_s).
+     * Stores a norm group still holds stay. NULL where nothing grows. */
+    void (*release)(dc_backend *be);
+    /* The bytes of kept stores (run_norms' *kept) it holds, in use or
+     * given back for reuse; NULL: none. Worker thread. */
+    size_t (*kept_bytes)(const dc_backend *be);
 } dc_backend_ops;
 
 struct dc_backend {
@@ -212,6 +221,14 @@ static inline int dc_backend_record_event(dc_backend *be, void *event) {
 
 static inline size_t dc_backend_workspace_bytes(const dc_backend *be) {
     return be->ops->workspace_bytes ? be->ops->workspace_bytes(be) : 0;
+}
+
+static inline void dc_backend_release(dc_backend *be) {
+    if (be->ops->release) be->ops->release(be);
+}
+
+static inline size_t dc_backend_kept_bytes(const dc_backend *be) {
+    return be->ops->kept_bytes ? be->ops->kept_bytes(be) : 0;
 }
 
 static inline void dc_backend_destroy(dc_backend *be) {

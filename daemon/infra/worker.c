@@ -26,7 +26,14 @@ static void worker_spin_until(dc_worker_pool *p, uint64_t end) {
 /* With mu held and nothing queued: waits (polling or sleeping, releasing mu
  * meanwhile) until a task is queued, the pool stops, or the expectation
  * window changes. Returns with mu held. */
-static void worker_idle(dc_worker_pool *p, bool just_ran) {
+static void wait_until(dc_worker_pool *p, uint64_t t) {
+    struct timespec ts = {(time_t)(t / 1000000000u), (long)(t % 1000000000u)};
+    pthread_cond_timedwait(&p->cv, &p->mu, &ts);
+}
+
+/* until: when this worker's idle release is due (0: none), which a
+ * sleeping worker wakes for. */
+static void worker_idle(dc_worker_pool *p, bool just_ran, uint64_t until) {
     uint64_t now = dc_clock_ns();
     dc_window_now at = dc_window_at(&p->win, now);
     if (at == DC_WINDOW_OPEN) {
@@ -45,12 +52,24 @@ static void worker_idle(dc_worker_pool *p, bool just_ran) {
     }
     if (at == DC_WINDOW_LATER) {
         /* Sleep until the window opens (or something changes). */
-        struct timespec ts = {(time_t)(p->win.from / 1000000000u),
-                              (long)(p->win.from % 1000000000u)};
-        pthread_cond_timedwait(&p->cv, &p->mu, &ts);
+        wait_until(p, until && until < p->win.from ? until : p->win.from);
         return;
     }
-    pthread_cond_wait(&p->cv, &p->mu);
+    if (until) wait_until(p, until);
+    else pthread_cond_wait(&p->cv, &p->mu);
+}
+
+/* What worker i's backend holds now, for dc_worker_pool_held. */
+static void publish(dc_worker_pool *p, int i) {
+    atomic_store_explicit(&p->held_ws[i], dc_backend_workspace_bytes(p->backends[i]),
+                          memory_order_relaxed);
+    atomic_store_explicit(&p->held_kept[i], dc_backend_kept_bytes(p->backends[i]),
+                          memory_order_relaxed);
+}
+
+/* With mu held: when worker i's idle release is due, 0 for none. */
+static uint64_t release_at(const dc_worker_pool *p, int i) {
+    return p->release_ns && p->ran[i] ? p->last[i] + p->release_ns : 0;
 }
 
 /* When owner's last task started (0 = not remembered). */
@@ -117,7 +136,16 @@ static void *worker_main(void *arg) {
     pthread_mutex_lock(&p->mu);
     for (;;) {
         while (!p->q_head && !p->stopping) {
-            worker_idle(p, just_ran);
+            const uint64_t due = release_at(p, wa.index);
+            if (due && dc_clock_ns() >= due) { /* idle long enough: give memory back */
+                p->ran[wa.index] = false;
+                pthread_mutex_unlock(&p->mu);
+                dc_backend_release(p->backends[wa.index]);
+                publish(p, wa.index);
+                pthread_mutex_lock(&p->mu);
+                continue;
+            }
+            worker_idle(p, just_ran, due);
             just_ran = false;
         }
         if (!p->q_head) break; /* stopping and nothing queued */
@@ -130,9 +158,12 @@ static void *worker_main(void *arg) {
         pthread_mutex_unlock(&p->mu);
 
         task->work(task, p->backends[wa.index]);
+        publish(p, wa.index);
 
         pthread_mutex_lock(&p->mu);
         p->has_task[wa.index] = false;
+        p->ran[wa.index] = true;
+        p->last[wa.index] = dc_clock_ns();
         task->next = NULL;
         if (p->d_tail) p->d_tail->next = task;
         else p->d_head = task;
@@ -179,10 +210,17 @@ static void pool_release(dc_worker_pool *p, int n) {
     free(p->threads);
     free(p->running);
     free(p->has_task);
+    free(p->last);
+    free(p->ran);
+    free(p->held_ws);
+    free(p->held_kept);
     p->backends = NULL;
     p->threads = NULL;
     p->running = NULL;
     p->has_task = NULL;
+    p->last = NULL;
+    p->ran = NULL;
+    p->held_ws = p->held_kept = NULL;
 }
 
 int dc_worker_pool_init(dc_worker_pool *p, uv_loop_t *loop, const char *name, int n,
@@ -197,12 +235,19 @@ int dc_worker_pool_init(dc_worker_pool *p, uv_loop_t *loop, const char *name, in
     p->backends = calloc((size_t)n, sizeof *p->backends);
     p->running = calloc((size_t)n, sizeof *p->running);
     p->has_task = calloc((size_t)n, sizeof *p->has_task);
-    if (!p->threads || !p->backends || !p->running || !p->has_task) {
+    p->last = calloc((size_t)n, sizeof *p->last);
+    p->ran = calloc((size_t)n, sizeof *p->ran);
+    p->held_ws = calloc((size_t)n, sizeof *p->held_ws);
+    p->held_kept = calloc((size_t)n, sizeof *p->held_kept);
+    if (!p->threads || !p->backends || !p->running || !p->has_task || !p->last || !p->ran ||
+        !p->held_ws || !p->held_kept) {
         rc = dc_err_set(err, DC_ENOSPACE, "", "out of memory");
         goto fail;
     }
-    for (int i = 0; i < n; i++)
+    for (int i = 0; i < n; i++) {
         if ((rc = factory(factory_arg, i, &p->backends[i], err))) goto fail;
+        publish(p, i);
+    }
     pthread_mutex_init(&p->mu, NULL);
     {
         /* Timed waits are on the monotonic clock, the clock of the windows. */
@@ -275,6 +320,16 @@ void dc_worker_pool_submit(dc_worker_pool *p, dc_task *task) {
 int dc_worker_pool_busy(const dc_worker_pool *p) { return p->busy; }
 
 void dc_worker_pool_set_spin(dc_worker_pool *p, uint64_t spin_ns) { p->spin_ns = spin_ns; }
+
+void dc_worker_pool_set_release(dc_worker_pool *p, uint64_t idle_ns) { p->release_ns = idle_ns; }
+
+dc_worker_held dc_worker_pool_held(const dc_worker_pool *p, int i) {
+    dc_worker_held h = {0, 0};
+    if (!p->held_ws || i < 0 || i >= p->n) return h;
+    h.workspace = atomic_load_explicit(&p->held_ws[i], memory_order_relaxed);
+    h.kept = atomic_load_explicit(&p->held_kept[i], memory_order_relaxed);
+    return h;
+}
 
 void dc_worker_pool_expect(dc_worker_pool *p, uint64_t from_ns, uint64_t to_ns) {
     bool wake;

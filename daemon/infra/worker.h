@@ -71,6 +71,15 @@ struct dc_worker_pool {
         uint32_t owner;
         uint64_t last; /* served_seq when its last task started; 0 = free slot */
     } served[DC_WORKER_OWNERS];
+    /* Idle release (dc_worker_pool_set_release; 0: never): worker i ran a
+     * task since its backend last gave its memory back (ran[i]), which
+     * ended at last[i] (under mu). */
+    uint64_t release_ns;
+    uint64_t *last;
+    bool *ran;
+    /* [n] what each worker's backend holds, as it was after its last task
+     * or release (dc_worker_pool_held) */
+    _Atomic uint64_t *held_ws, *held_kept;
     pthread_t *threads;
     dc_backend **backends;
     char name[16];
@@ -98,6 +107,18 @@ void dc_worker_pool_set_spin(dc_worker_pool *p, uint64_t spin_ns);
  * comes. Windows merge (earliest start, latest end); a window already past
  * is ignored. Any thread. */
 void dc_worker_pool_expect(dc_worker_pool *p, uint64_t from_ns, uint64_t to_ns);
+/* After a worker has run no task for idle_ns, its backend gives back the
+ * memory it grew beyond its preallocation (dc_backend_release), once per
+ * idle period: a daemon that served a job should not hold that job's peak
+ * on a shared node. 0 (the default): never. Set before submitting. */
+void dc_worker_pool_set_release(dc_worker_pool *p, uint64_t idle_ns);
+/* What worker `i`'s backend held after its last task or release: device
+ * workspace and kept stores (dc_backend_workspace_bytes, _kept_bytes).
+ * Any thread. */
+typedef struct dc_worker_held {
+    uint64_t workspace, kept;
+} dc_worker_held;
+dc_worker_held dc_worker_pool_held(const dc_worker_pool *p, int i);
 /* Tasks submitted and not completed yet (loop thread only). */
 int dc_worker_pool_busy(const dc_worker_pool *p);
 /* Stops the threads after the queued tasks ran, runs the remaining done()

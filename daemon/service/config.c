@@ -68,6 +68,9 @@ static const key_def KEYS[] = {
      false,
      "most device workspace per GPU keeping per-sample gradients, so that clipped sums "
      "cost a pass over memory, not a GEMM (0 = none; auto = 1/8 of each GPU's memory)"},
+    {"gpu", "idle_release_s", "gpu-idle-release-s", T_UINT, F(gpu_idle_release_s), 0, 604800, false,
+     "a GPU without work this long gives back the workspace and kept per-sample gradients it "
+     "grew beyond gpu.workspace (0 = never)"},
     {"limits", "max_batch", "max-batch", T_UINT, F(max_batch), 1, 1u << 24, true,
      "largest batch a step may declare"},
     {"limits", "max_layers", "max-layers", T_UINT, F(max_layers), 1, 1u << 20, true,
@@ -180,6 +183,7 @@ void dc_config_defaults(dc_config *c) {
     c->gpu = true;
     c->gpu_workspace = (uint64_t)256 << 20;
     c->gpu_sample_grads_max = DC_SAMPLE_GRADS_AUTO;
+    c->gpu_idle_release_s = 300;
     c->log_level = DC_LOG_INFO;
     c->max_batch = DC_DEFAULT_MAX_BATCH;
     c->max_layers = DC_DEFAULT_MAX_LAYERS;

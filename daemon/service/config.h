@@ -40,6 +40,7 @@ typedef struct dc_config {
     uint64_t gpu_workspace_max;    /* a step needing more fails; 0 = no cap */
     uint64_t gpu_sample_grads_max; /* workspace keeping per-sample gradients; 0 = none,
                                       DC_SAMPLE_GRADS_AUTO = a share of each GPU's memory */
+    uint32_t gpu_idle_release_s;   /* an idle GPU's grown memory given back; 0 = never */
     dc_log_level log_level;
     /* [limits] */
     uint32_t max_batch, max_layers, max_frame, max_buffers;

@@ -92,7 +92,10 @@ static void *snapshot(void *arg) {
         r->gpu_uuids[g][0] = 0;
         if (srv->gpu.has_uuid[g]) dc_gpu_uuid_str(srv->gpu.uuids[g], r->gpu_uuids[g]);
         r->gpu_busy[g] = dc_worker_pool_busy(&srv->gpu.pools[g]);
-        r->gpu_workspace[g] = srv->gpu_workspace[g];
+        /* the worker's own view: it changes between steps (idle release) */
+        const dc_worker_held held = dc_worker_pool_held(&srv->gpu.pools[g], 0);
+        r->gpu_workspace[g] = held.workspace;
+        r->gpu_kept[g] = held.kept;
     }
     r->mps_active = srv->gpu.mps_active;
     r->cfg = *c;
@@ -229,8 +232,9 @@ static void render_status(const dc_report *r, dc_view view, uint32_t uid, dc_sbu
         dc_sbuf_json_str(b, r->gpu_names[i]);
         dc_sbuf_puts(b, ",\"uuid\":");
         dc_sbuf_json_str(b, r->gpu_uuids[i]);
-        dc_sbuf_printf(b, ",\"busy\":%d,\"workspace_bytes\":%llu}", r->gpu_busy[i],
-                       (unsigned long long)r->gpu_workspace[i]);
+        dc_sbuf_printf(b, ",\"busy\":%d,\"workspace_bytes\":%llu,\"kept_bytes\":%llu}",
+                       r->gpu_busy[i], (unsigned long long)r->gpu_workspace[i],
+                       (unsigned long long)r->gpu_kept[i]);
     }
     dc_sbuf_printf(b, "],\"mps_active\":%s,", r->mps_active ? "true" : "false");
     json_limits(b, &r->cfg);
@@ -506,6 +510,11 @@ static void render_metrics(const dc_report *r, dc_view view, uint32_t uid, dc_sb
     for (int i = 0; i < r->n_gpus; i++)
         dc_sbuf_printf(b, "dpclip_gpu_workspace_bytes{device=\"%d\"} %llu\n", i,
                        (unsigned long long)r->gpu_workspace[i]);
+    dc_prom_head(b, "dpclip_gpu_kept_bytes", "gauge",
+                 "Kept per-sample gradients of norm phases on each GPU, outside its workspace");
+    for (int i = 0; i < r->n_gpus; i++)
+        dc_sbuf_printf(b, "dpclip_gpu_kept_bytes{device=\"%d\"} %llu\n", i,
+                       (unsigned long long)r->gpu_kept[i]);
     gauge(b, "dpclip_mps_active", "1 when the CUDA MPS control daemon serves this node",
           r->mps_active ? 1 : 0);
     gauge(b, "dpclip_ledger_jobs", "Job accounts in the privacy ledger (in memory)",

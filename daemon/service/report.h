@@ -72,7 +72,8 @@ typedef struct dc_report {
     char gpu_names[DC_MAX_GPUS][64];
     char gpu_uuids[DC_MAX_GPUS][DC_GPU_UUID_STR]; /* "" where unknown */
     int gpu_busy[DC_MAX_GPUS];
-    uint64_t gpu_workspace[DC_MAX_GPUS];
+    uint64_t gpu_workspace[DC_MAX_GPUS]; /* as the GPU's worker published it */
+    uint64_t gpu_kept[DC_MAX_GPUS];      /* its kept stores' bytes */
     bool mps_active;
     dc_config cfg; /* the settings in effect (limits: every dc_config_is_limit) */
     uint32_t allowed_uids[DC_CONFIG_MAX_IDS], allowed_gids[DC_CONFIG_MAX_IDS];

@@ -623,7 +623,11 @@ int dc_server_init(dc_server *srv, uv_loop_t *loop, const dc_config *cfg,
     if ((rc = dc_gpu_init(&srv->gpu, loop, cfg->gpu, cfg->gpu_workspace, cfg->gpu_workspace_max,
                           cfg->gpu_sample_grads_max, err)))
         goto fail_pool;
-    for (int i = 0; i < srv->gpu.n; i++) dc_worker_pool_set_spin(&srv->gpu.pools[i], srv->spin_ns);
+    for (int i = 0; i < srv->gpu.n; i++) {
+        dc_worker_pool_set_spin(&srv->gpu.pools[i], srv->spin_ns);
+        dc_worker_pool_set_release(&srv->gpu.pools[i],
+                                   (uint64_t)cfg->gpu_idle_release_s * 1000000000u);
+    }
 
     {
         /* systemd's LimitNOFILE sets both limits; started by hand, the soft

@@ -75,7 +75,8 @@ typedef struct dc_server {
     dc_worker_pool cpu_pool;
     bool pool_ready;
     dc_gpu gpu;                          /* zero GPUs without CUDA */
-    uint64_t gpu_workspace[DC_MAX_GPUS]; /* bytes each GPU's backend holds (last step's view) */
+    uint64_t gpu_workspace[DC_MAX_GPUS]; /* the last step's view, for the advice on gpu.workspace
+                                          * (/status reads the worker's: dc_worker_pool_held) */
     dc_session *sessions;                /* doubly linked, owned */
     size_t n_sessions;
     uint64_t next_session_id;

@@ -3,6 +3,7 @@ checks as the host path against the per-sample reference. Skipped, with the
 reason, where there is no GPU or the daemon has no CUDA backend."""
 import math
 import os
+import time
 
 import pytest
 import torch
@@ -359,3 +360,52 @@ def test_daemon_killed_mid_step_leaves_the_whole_step_or_zeros(cuda_daemon):
         assert zero or whole, {n: _rel(got[n], want[n]) for n in want}
         seen.add("zeros" if zero else "whole")
     print("outcomes seen: %s" % sorted(seen))
+
+
+def test_idle_gpu_gives_memory_back():
+    """gpu.idle_release_s: a GPU without work for that long gives back the
+    workspace its steps grew (here from gpu.workspace = 0), which /metrics
+    then shows; the next step grows it again and is still right."""
+    import sys
+    from conftest import REPO, Daemon
+    sys.path.insert(0, os.path.join(REPO, "bench"))
+    import daemon_phases
+    d = Daemon(extra=["--gpu-idle-release-s", "1", "--gpu-workspace", "0"])
+    try:
+        with dpclip.Client(d.socket) as c:
+            if not c.info.has_cuda:
+                pytest.skip("this dpclipd has no CUDA backend")
+        torch.manual_seed(4)
+        model = SeqModel()
+        (x,), y = seq_data(9, seed=4)
+        C, expected = 0.8, 11
+        want, _, _ = reference(model, "seq", (x,), y, C, "mean", expected)
+        model = model.cuda()
+        engine = PrivacyEngine(d.socket, allow_insecure_seed=True)
+        model, opt, _ = engine.make_private(module=model, optimizer=torch.optim.SGD(
+            model.parameters(), lr=0.0), noise_multiplier=0.0, max_grad_norm=C,
+            expected_batch_size=expected)
+        held = []
+        for k in range(2):  # a step, idle, then a step on the memory grown again
+            opt.zero_grad()
+            reduce_loss(per_sample_losses("seq", model(x.cuda()), y.cuda()), "mean").backward()
+            opt.step()
+            torch.cuda.synchronize()
+            for n, p in model.named_parameters():
+                assert _rel(p.grad, want[n]) < 3e-3, n
+            # the worker publishes what it holds as its task ends (a 1 s
+            # idle period before it gives it back)
+            deadline = time.monotonic() + 5
+            while (grown := daemon_phases.held_bytes(d.socket))[0] == 0 and \
+                    time.monotonic() < deadline:
+                time.sleep(0.01)
+            deadline = time.monotonic() + 15
+            while daemon_phases.held_bytes(d.socket) != (0, 0) and time.monotonic() < deadline:
+                time.sleep(0.1)
+            held.append((grown, daemon_phases.held_bytes(d.socket)))
+        print("held after a step, then idle: %s" % held)
+        for grown, idle in held:
+            assert grown[0] > 0 and idle == (0, 0)
+        engine.close()
+    finally:
+        assert d.stop() == 0
