@@ -228,8 +228,8 @@ static void test_idle_release(void **state) {
     dc_backend_release(g_cuda);
     assert_int_equal(dc_cuda_backend_kept_bytes(g_cuda), 0);
     assert_int_equal(dc_cuda_backend_workspace_bytes(g_cuda), 0);
-    for (int m = 0; m < 2; m++) { /* grown again */
-        assert_non_null(kept[m] = norms(&ds[m], n2[m], tot[m]));
+    for (int m = 0; m < 2; m++) assert_non_null(kept[m] = norms(&ds[m], n2[m], tot[m]));
+    for (int m = 0; m < 2; m++) { /* grown again: two stores in flight */
         clip_checked(d[m], &ds[m], n2[m], tot[m], kept[m], N, &r[m]);
         g_cuda->ops->kept_free(g_cuda, kept[m]);
     }
