@@ -2,7 +2,8 @@
  * reads they arrive in; the descriptors passed with a frame's bytes go with
  * that frame and no other; a frame over the maximum is reported, not
  * buffered; descriptors no frame claims are closed; a frame decodes into a
- * dpclip.Request or is refused naming "request". */
+ * dpclip.Request or is refused naming "request"; frames buffered can be
+ * looked at without being taken. */
 #include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
@@ -21,6 +22,7 @@
 #include "dc_frame.h"
 #include "dpclip.pb-c.h"
 #include "frame.h"
+#include "peek.h"
 
 /* Open descriptors of this process (a leak shows as a larger count). */
 static int open_fds(void) {
@@ -128,6 +130,56 @@ static void test_split_frames(void **state) {
     assert_int_equal(dc_frame_next(&in, 1 << 20, &f), DC_FRAME_NONE);
     assert_int_equal(dc_frame_buffered(&in), 10);
     dc_frame_in_free(&in);
+    close(sv[1]);
+}
+
+/* The frames buffered can be looked at without being taken (the stall
+ * log's dc_frame_peek): each whole one in order, none that is not whole;
+ * dc_peek_body says which request each is, past an optional id. */
+static void test_peek_frames(void **state) {
+    (void)state;
+    int sv[2];
+    dc_frame_in in;
+    dc_frame f;
+    uint8_t buf[64];
+    const uint8_t *p;
+    uint32_t len;
+    size_t pos = 0, n = 0;
+    /* [id 5] clip_step {}; ping {} without an id; then half a frame */
+    static const uint8_t step[] = {0x08, 0x05, 0x6a, 0x00}, ping[] = {0x72, 0x00};
+    dc_frame_put_len(buf, sizeof step);
+    memcpy(buf + DC_FRAME_HEADER, step, sizeof step);
+    n = DC_FRAME_HEADER + sizeof step;
+    dc_frame_put_len(buf + n, sizeof ping);
+    memcpy(buf + n + DC_FRAME_HEADER, ping, sizeof ping);
+    n += DC_FRAME_HEADER + sizeof ping;
+    n += make_frame(buf + n, 20, 3) - 10; /* its last 10 bytes not sent */
+    pair(sv);
+    dc_frame_in_init(&in);
+    send_bytes(sv[0], buf, n, NULL, 0);
+    assert_int_equal(dc_frame_read(&in, sv[1], 1 << 20), 0);
+    assert_true(dc_frame_peek(&in, &pos, &p, &len));
+    assert_int_equal(len, sizeof step);
+    assert_int_equal(dc_peek_body(p, len), DC_WIRE_BODY_CLIP_STEP);
+    assert_true(dc_frame_peek(&in, &pos, &p, &len));
+    assert_int_equal(dc_peek_body(p, len), DC_WIRE_BODY_PING);
+    assert_string_equal(dc_wire_body_name(dc_peek_body(p, len)), "ping");
+    assert_false(dc_frame_peek(&in, &pos, &p, &len)); /* not whole */
+    /* nothing was taken: the first frame is still next */
+    assert_int_equal(dc_frame_next(&in, 1 << 20, &f), DC_FRAME_OK);
+    assert_int_equal(f.len, sizeof step);
+    dc_frame_release(&f);
+    pos = 0;
+    assert_true(dc_frame_peek(&in, &pos, &p, &len));
+    assert_int_equal(dc_peek_body(p, len), DC_WIRE_BODY_PING);
+    /* no body, an id alone, an id whose varint does not end */
+    static const uint8_t id_only[] = {0x08, 0x01}, bad[] = {0x08, 0xff, 0xff};
+    assert_int_equal(dc_peek_body(id_only, 0), DC_WIRE_BODY_NONE);
+    assert_int_equal(dc_peek_body(id_only, sizeof id_only), DC_WIRE_BODY_NONE);
+    assert_int_equal(dc_peek_body(bad, sizeof bad), DC_WIRE_BODY_NONE);
+    assert_string_equal(dc_wire_body_name(99), "request");
+    dc_frame_in_free(&in);
+    close(sv[0]);
     close(sv[1]);
 }
 
@@ -365,13 +417,10 @@ static void test_decode(void **state) {
 
 int main(void) {
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(test_split_frames),
-        cmocka_unit_test(test_oversize_frame),
-        cmocka_unit_test(test_read_limit),
-        cmocka_unit_test(test_fds_follow_their_frame),
-        cmocka_unit_test(test_fds_of_dropped_bytes),
-        cmocka_unit_test(test_too_many_fds),
-        cmocka_unit_test(test_decode),
+        cmocka_unit_test(test_split_frames),           cmocka_unit_test(test_peek_frames),
+        cmocka_unit_test(test_oversize_frame),         cmocka_unit_test(test_read_limit),
+        cmocka_unit_test(test_fds_follow_their_frame), cmocka_unit_test(test_fds_of_dropped_bytes),
+        cmocka_unit_test(test_too_many_fds),           cmocka_unit_test(test_decode),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -24,6 +24,7 @@
 #include <cmocka.h>
 
 #include "harness.h"
+#include "hostile.h"
 
 /* Every step here: one Linear, T = 2, d = 3, p = 2, f32, activations at 0
  * and output grads after them, in a zeroed buffer of BUF bytes. */
@@ -202,6 +203,58 @@ static int setup(void **state) {
 }
 /* Each case on a daemon of its own: one crash must not hide the others. */
 #define CASE(f) cmocka_unit_test_setup_teardown(f, setup, stop)
+
+/* A request stuck behind a step that cannot finish is logged: rank 0 of 2
+ * takes a step that waits for rank 1 (who never comes, within a long group
+ * timeout) and then sends a Ping, which waits behind it; the daemon logs
+ * once, naming the session and the request, and the docs' rule
+ * (dc_session_check_stall, after DC_SESSION_STALL_NS and a tick). A step
+ * sent ahead behind it is not such a request. */
+static void test_request_stalled_behind_step_logged(void **state) {
+    (void)state;
+    char log_path[64];
+    uint64_t buf;
+    assert_int_equal(dc_hostile_harness_logged(&g_h, "--workers 2", log_path), 0);
+    int fd = open_member("stall", &buf);
+    step_terms t = {.B = 2};
+    send_join(fd, 3, "stall", 0, 2, 60000);
+    expect_ok(fd, 3, DPCLIP__REPLY__BODY_JOIN_GROUP);
+    send_step(fd, 4, buf, &t);
+    t.group_step = 2;
+    send_step(fd, 5, buf, &t); /* the next step, sent ahead: not a stall */
+    sleep_ms(16000);           /* past the stall time and a tick: still quiet */
+    char *log = dc_hostile_read_file(log_path);
+    assert_non_null(log);
+    assert_null(strstr(log, "waits behind its step"));
+    free(log);
+    Dpclip__Request req = DPCLIP__REQUEST__INIT;
+    Dpclip__Ping ping = DPCLIP__PING__INIT;
+    req.id = 6;
+    req.body_case = DPCLIP__REQUEST__BODY_PING;
+    req.ping = &ping;
+    /* behind step 5, which waits behind step 4: the tick after step 5 has
+     * run for the stall time */
+    assert_int_equal(dc_raw_send_request(fd, &req), 0);
+    const char *want = "a ping request waits behind its step in flight";
+    int found = 0;
+    for (int i = 0; i < 300 && !found; i++) {
+        sleep_ms(100);
+        log = dc_hostile_read_file(log_path);
+        found = log && strstr(log, want) && strstr(log, "A member never blocks mid-schedule");
+        if (found) { /* once a step */
+            sleep_ms(6000);
+            free(log);
+            log = dc_hostile_read_file(log_path);
+            const char *first = strstr(log, want);
+            assert_null(strstr(first + 1, want));
+        }
+        free(log);
+    }
+    assert_true(found);
+    close(fd);
+    unlink(log_path);
+    daemon_serves();
+}
 
 /* --- critical ------------------------------------------------------------- */
 
@@ -638,6 +691,7 @@ int main(void) {
         CASE(test_group_wise_rejoin_not_recovered),
         CASE(test_group_wise_jump_covers_one_step),
         CASE(test_member_of_other_job_charged),
+        cmocka_unit_test_teardown(test_request_stalled_behind_step_logged, stop),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

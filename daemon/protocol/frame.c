@@ -97,6 +97,17 @@ static int take_fds(dc_frame_in *in, uint64_t start, uint64_t end, int *out, int
     return n;
 }
 
+bool dc_frame_peek(const dc_frame_in *in, size_t *pos, const uint8_t **payload, uint32_t *len) {
+    const size_t at = in->off + *pos;
+    if (at > in->len || in->len - at < DC_FRAME_HEADER) return false;
+    const uint32_t n = dc_frame_get_len(in->buf + at);
+    if (in->len - at - DC_FRAME_HEADER < n) return false;
+    *payload = in->buf + at + DC_FRAME_HEADER;
+    *len = n;
+    *pos += DC_FRAME_HEADER + (size_t)n;
+    return true;
+}
+
 dc_frame_status dc_frame_next(dc_frame_in *in, uint32_t max, dc_frame *f) {
     uint64_t start;
     uint32_t n;

@@ -70,6 +70,10 @@ int dc_frame_read(dc_frame_in *in, int fd, size_t limit);
 size_t dc_frame_buffered(const dc_frame_in *in);
 /* A frame has begun: at least its length is buffered. */
 bool dc_frame_started(const dc_frame_in *in);
+/* The whole frames buffered, without taking them: from *pos = 0, each
+ * call gives the next one's payload and length and moves *pos past it;
+ * false when no whole frame follows. */
+bool dc_frame_peek(const dc_frame_in *in, size_t *pos, const uint8_t **payload, uint32_t *len);
 /* Takes the next frame if it is whole and at most `max` bytes. */
 dc_frame_status dc_frame_next(dc_frame_in *in, uint32_t max, dc_frame *f);
 /* Closes the frame's descriptors (what a request keeps, it has mapped or

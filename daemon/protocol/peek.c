@@ -33,3 +33,28 @@ int dc_peek_step_key(const uint8_t *payload, size_t n, uint64_t *id, size_t *key
     *key_off = k;
     return 1;
 }
+
+uint32_t dc_peek_body(const uint8_t *payload, size_t n) {
+    size_t k = 0, m;
+    uint64_t v;
+
+    if (n && payload[0] == DC_WIRE_TAG_ID) {
+        if (!(m = peek_varint(payload + 1, n - 1, DC_WIRE_VARINT_MAX, &v))) return 0;
+        k = 1 + m;
+    }
+    if (k >= n || !peek_varint(payload + k, n - k, DC_WIRE_VARINT_MAX, &v)) return 0;
+    return v >> 3 <= UINT32_MAX ? (uint32_t)(v >> 3) : DC_WIRE_BODY_NONE;
+}
+
+const char *dc_wire_body_name(uint32_t body) {
+    switch (body) {
+    case DC_WIRE_BODY_HELLO: return "hello";
+    case DC_WIRE_BODY_REGISTER_BUFFER: return "register_buffer";
+    case DC_WIRE_BODY_RELEASE_BUFFER: return "release_buffer";
+    case DC_WIRE_BODY_CLIP_STEP: return "clip_step";
+    case DC_WIRE_BODY_PING: return "ping";
+    case DC_WIRE_BODY_REGISTER_EVENT: return "register_event";
+    case DC_WIRE_BODY_JOIN_GROUP: return "join_group";
+    default: return "request";
+    }
+}

@@ -1,6 +1,6 @@
 /* Reading a Request's wire bytes without decoding them: which frames the
  * step cache's fast path (session_requests.c, session_step.c) may take without
- * protobuf-c, and their id.
+ * protobuf-c, and their id; and which request a waiting frame is.
  *
  * The cache keys a step by the bytes of its clip_step field. That is sound
  * only where those bytes alone decide what the decoder makes of the frame:
@@ -29,5 +29,24 @@ typedef enum dc_wire_tag { DC_WIRE_TAG_ID = 0x08, DC_WIRE_TAG_CLIP_STEP = 0x6a }
  * clip_step field starts (the cache's key runs from there to the end).
  * 0 otherwise. */
 int dc_peek_step_key(const uint8_t *payload, size_t n, uint64_t *id, size_t *key_off);
+
+/* Request.body's fields (their numbers in proto/dpclip.proto). */
+typedef enum dc_wire_body {
+    DC_WIRE_BODY_NONE = 0,
+    DC_WIRE_BODY_HELLO = 10,
+    DC_WIRE_BODY_REGISTER_BUFFER = 11,
+    DC_WIRE_BODY_RELEASE_BUFFER = 12,
+    DC_WIRE_BODY_CLIP_STEP = 13,
+    DC_WIRE_BODY_PING = 14,
+    DC_WIRE_BODY_REGISTER_EVENT = 15,
+    DC_WIRE_BODY_JOIN_GROUP = 16
+} dc_wire_body;
+
+/* Which request a frame is, for a log line about a frame not yet decoded:
+ * the number of its first field after an optional id (DC_WIRE_BODY_NONE:
+ * none, or a varint that does not end). The frame may still not decode. */
+uint32_t dc_peek_body(const uint8_t *payload, size_t n);
+/* Its name in the protocol ("register_buffer"), or "request" for others. */
+const char *dc_wire_body_name(uint32_t body);
 
 #endif

@@ -74,6 +74,7 @@ typedef struct dc_session {
     uint64_t t_frame;           /* uv_hrtime when the current request began decoding */
     uint64_t last_step_ns;      /* uv_hrtime of the last reply to a step, 0 = none */
     uint64_t last_send_ns;      /* how long the last send() took (debug log) */
+    uint64_t stall_warned;      /* t_frame of the step a stall was logged for (check_stall) */
     dc_ledger_account *account; /* the ledger's (uid, job id) since Hello; not owned */
     struct dc_group *group;     /* the norm group joined (a reference), or NULL */
     uint32_t group_rank;
@@ -111,6 +112,15 @@ int dc_session_start(dc_host *host, int fd, dc_session **out);
 void dc_session_refuse(int fd, const dc_err *e);
 /* The timeouts changed (reload): re-arm the session's deadline. */
 void dc_session_limits_changed(dc_session *s);
+/* A request other than a step waiting behind the session's step in
+ * flight once that step has run for DC_SESSION_STALL_NS: logged once per
+ * step (the server's tick).
+ * Requests are answered in order, so a client that waits for, say, a
+ * registration before it lets the step finish (a norm group member's
+ * device work queued after it) has deadlocked itself: docs/groups.md, "A
+ * member never blocks mid-schedule". */
+#define DC_SESSION_STALL_NS 10000000000ull
+void dc_session_check_stall(dc_session *s, uint64_t now_ns);
 /* Server shutdown: reply to the step in flight (if any), then close. */
 void dc_session_shutdown(dc_session *s);
 /* Server shutdown, first: tells the client why its connection will close

@@ -14,6 +14,7 @@
 #include "dpclip.pb-c.h"
 #include "host.h"
 #include "log.h"
+#include "peek.h"
 #include "session_int.h"
 #include "step_logical.h"
 #include "step_pass.h"
@@ -194,6 +195,29 @@ void dc_session_process(dc_session *s) {
         s->closing = true;
     }
     session_update_poll(s);
+}
+
+void dc_session_check_stall(dc_session *s, uint64_t now_ns) {
+    const uint8_t *p;
+    uint32_t n;
+    const dc_step_call *c = s->call;
+    if (!c || s->gone || s->stall_warned == c->t_frame || now_ns - c->t_frame < DC_SESSION_STALL_NS)
+        return;
+    /* steps sent ahead are the trainer's schedule, not a wait on a reply */
+    size_t pos = 0;
+    uint32_t body = DC_WIRE_BODY_CLIP_STEP;
+    while (body == DC_WIRE_BODY_CLIP_STEP && dc_frame_peek(&s->in, &pos, &p, &n))
+        body = dc_peek_body(p, n);
+    if (body == DC_WIRE_BODY_CLIP_STEP) return;
+    s->stall_warned = c->t_frame;
+    dc_log_warn("session %llu (pid %d, uid %u): a %s request waits behind its step in "
+                "flight, which has run for %.0f s%s; requests are answered in order, so if "
+                "the client waits for that reply before it lets the step finish (a norm group "
+                "member registering memory while its step waits on work queued after that), "
+                "both wait for good (docs/groups.md, \"A member never blocks mid-schedule\")",
+                (unsigned long long)s->id, (int)s->peer_pid, (unsigned)s->peer_uid,
+                dc_wire_body_name(body), (double)(now_ns - c->t_frame) / 1e9,
+                c->grouped ? " (a norm group's)" : "");
 }
 
 static void on_poll(uv_poll_t *h, int status, int events) {

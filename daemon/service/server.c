@@ -302,8 +302,12 @@ static void on_tick(uv_timer_t *t) {
      * and systemd restarts the daemon. */
     dc_sd_watchdog();
     post_status(srv);
-    /* logical steps left open past limits.logical_step_timeout */
-    for (dc_session *s = srv->sessions; s; s = s->next) dc_logical_expire(s, now);
+    /* logical steps left open past limits.logical_step_timeout; requests
+     * stalled behind a step */
+    for (dc_session *s = srv->sessions; s; s = s->next) {
+        dc_logical_expire(s, now);
+        dc_session_check_stall(s, now);
+    }
 }
 
 static void maybe_finish(dc_server *srv) {

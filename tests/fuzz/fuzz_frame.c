@@ -20,7 +20,8 @@
  * Oracles, besides the sanitizers (a failure aborts: a crash for libFuzzer):
  *   - every frame the cache's fast path would take (dc_peek_step_key)
  *     decodes, with protobuf-c, to the id it read and to the same ClipStep
- *     as its clip_step field alone, or fails to decode in both forms;
+ *     as its clip_step field alone, or fails to decode in both forms, and
+ *     reads as a clip_step to dc_peek_body;
  *   - one reply per frame, in order, with the id protobuf-c decodes from the
  *     frame; a frame that does not decode gets a PROTOCOL error with id 0;
  *     a Hello of another protocol version ends the session after its reply. */
@@ -246,8 +247,10 @@ static void fz_check_wire(const uint8_t *p, size_t n, const Dpclip__Request *req
     Dpclip__Request *alone;
     uint8_t *a, *b;
 
+    const uint32_t body = dc_peek_body(p, n); /* the stall log's reading: in bounds */
     if (!dc_peek_step_key(p, n, &id, &k)) return;
     if (k >= n || p[k] != DC_WIRE_TAG_CLIP_STEP) fz_fail("the key is not a clip_step field", frame);
+    if (body != DC_WIRE_BODY_CLIP_STEP) fz_fail("a keyed frame peeks as another request", frame);
     alone = dpclip__request__unpack(NULL, n - k, p + k);
     if (!req != !alone) fz_fail("the key decodes alone but not in its frame, or back", frame);
     if (req) {
