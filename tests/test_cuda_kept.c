@@ -162,6 +162,47 @@ static void test_clip_from_store(void **state) {
     teardown_layers(h, d);
 }
 
+/* Two micro-batches of their own data (seeds seed, seed + 1): layers, steps,
+ * references, and their norm phases' results and stores. */
+typedef struct two_mb {
+    dc_layer h[2][N], d[2][N];
+    dc_step ds[2];
+    double n2[2][N * 3], tot[2][3];
+    ref_out r[2];
+    dc_kept *kept[2];
+} two_mb;
+
+static two_mb *two_setup(uint64_t seed) {
+    two_mb *t = calloc(1, sizeof *t);
+    assert_non_null(t);
+    for (int m = 0; m < 2; m++) {
+        setup_layers(t->h[m], t->d[m], seed + (uint64_t)m, DC_SAMPLE_GRADS_AUTO);
+        step_init(&t->ds[m], t->d[m], N, kB, 0);
+        reference(t->h[m], &t->ds[m], kAll, &t->r[m]);
+    }
+    return t;
+}
+
+/* Both norm phases, keeping: two stores in flight. */
+static void two_norms(two_mb *t) {
+    for (int m = 0; m < 2; m++) assert_non_null(t->kept[m] = norms(&t->ds[m], t->n2[m], t->tot[m]));
+    assert_ptr_not_equal(t->kept[0], t->kept[1]);
+}
+
+/* Micro-batch m's clip phase from its store, checked; the store back. */
+static void two_clip(two_mb *t, int m) {
+    clip_checked(t->d[m], &t->ds[m], t->n2[m], t->tot[m], t->kept[m], N, &t->r[m]);
+    g_cuda->ops->kept_free(g_cuda, t->kept[m]);
+}
+
+static void two_free(two_mb *t) {
+    for (int m = 0; m < 2; m++) {
+        ref_free(&t->r[m]);
+        teardown_layers(t->h[m], t->d[m]);
+    }
+    free(t);
+}
+
 /* Two norm phases in flight on one GPU (a pipeline stage's micro-batches
  * m and m + 1, whose clip phases wait for the other stages), each of its
  * own data: two stores; each clip phase releases its own micro-batch's
@@ -169,31 +210,15 @@ static void test_clip_from_store(void **state) {
  * memory the instance holds stays as it was. */
 static void test_two_in_flight(void **state) {
     (void)state;
-    dc_layer h[2][N], d[2][N];
-    dc_step ds[2];
-    double n2[2][N * 3], tot[2][3];
-    ref_out r[2];
-    dc_kept *kept[2];
+    two_mb *t = two_setup(3131);
     size_t held = 0;
-    for (int m = 0; m < 2; m++) {
-        setup_layers(h[m], d[m], 3131 + (uint64_t)m, DC_SAMPLE_GRADS_AUTO);
-        step_init(&ds[m], d[m], N, kB, 0);
-        reference(h[m], &ds[m], kAll, &r[m]);
-    }
     for (int round = 0; round < 2; round++) {
-        for (int m = 0; m < 2; m++) assert_non_null(kept[m] = norms(&ds[m], n2[m], tot[m]));
-        assert_ptr_not_equal(kept[0], kept[1]);
-        for (int m = 0; m < 2; m++) {
-            clip_checked(d[m], &ds[m], n2[m], tot[m], kept[m], N, &r[m]);
-            g_cuda->ops->kept_free(g_cuda, kept[m]);
-        }
+        two_norms(t);
+        for (int m = 0; m < 2; m++) two_clip(t, m);
         if (round == 0) assert_true((held = dc_cuda_backend_kept_bytes(g_cuda)) > 0);
         else assert_int_equal(dc_cuda_backend_kept_bytes(g_cuda), held);
     }
-    for (int m = 0; m < 2; m++) {
-        ref_free(&r[m]);
-        teardown_layers(h[m], d[m]);
-    }
+    two_free(t);
 }
 
 /* An idle release (backend.h release, gpu.idle_release_s) frees the stores
@@ -203,41 +228,25 @@ static void test_two_in_flight(void **state) {
  * what they need again. */
 static void test_idle_release(void **state) {
     (void)state;
-    dc_layer h[2][N], d[2][N];
-    dc_step ds[2];
-    double n2[2][N * 3], tot[2][3];
-    ref_out r[2];
-    dc_kept *kept[2];
-    for (int m = 0; m < 2; m++) {
-        setup_layers(h[m], d[m], 3232 + (uint64_t)m, DC_SAMPLE_GRADS_AUTO);
-        step_init(&ds[m], d[m], N, kB, 0);
-        reference(h[m], &ds[m], kAll, &r[m]);
-    }
-    for (int m = 0; m < 2; m++) assert_non_null(kept[m] = norms(&ds[m], n2[m], tot[m]));
+    two_mb *t = two_setup(3232);
+    two_norms(t);
     const size_t both = dc_cuda_backend_kept_bytes(g_cuda);
     assert_true(dc_cuda_backend_workspace_bytes(g_cuda) > 0);
-    g_cuda->ops->kept_free(g_cuda, kept[1]); /* micro-batch 1's phases were dropped */
+    g_cuda->ops->kept_free(g_cuda, t->kept[1]); /* micro-batch 1's phases were dropped */
     dc_backend_release(g_cuda);
     const size_t one = dc_cuda_backend_kept_bytes(g_cuda);
     printf("kept stores: %zu bytes, %zu after a release with one still held; workspace %zu\n", both,
            one, dc_cuda_backend_workspace_bytes(g_cuda));
     assert_true(one > 0 && one < both);
     assert_int_equal(dc_cuda_backend_workspace_bytes(g_cuda), 0);
-    clip_checked(d[0], &ds[0], n2[0], tot[0], kept[0], N, &r[0]); /* the held store intact */
-    g_cuda->ops->kept_free(g_cuda, kept[0]);
+    two_clip(t, 0); /* the held store intact */
     dc_backend_release(g_cuda);
     assert_int_equal(dc_cuda_backend_kept_bytes(g_cuda), 0);
     assert_int_equal(dc_cuda_backend_workspace_bytes(g_cuda), 0);
-    for (int m = 0; m < 2; m++) assert_non_null(kept[m] = norms(&ds[m], n2[m], tot[m]));
-    for (int m = 0; m < 2; m++) { /* grown again: two stores in flight */
-        clip_checked(d[m], &ds[m], n2[m], tot[m], kept[m], N, &r[m]);
-        g_cuda->ops->kept_free(g_cuda, kept[m]);
-    }
+    two_norms(t); /* grown again: two stores in flight */
+    for (int m = 0; m < 2; m++) two_clip(t, m);
     assert_true(dc_cuda_backend_kept_bytes(g_cuda) == both);
-    for (int m = 0; m < 2; m++) {
-        ref_free(&r[m]);
-        teardown_layers(h[m], d[m]);
-    }
+    two_free(t);
 }
 
 /* gpu.sample_grads_max below one store: nothing is kept, and the clip

@@ -168,16 +168,21 @@ static void test_kept_many_samples(void **state) {
 /* One MEAN step (the expected batch B: 3 divides with a rounding, 4 as a
  * power of two) of the layers d with threshold C and noise sigma, on the
  * switches already applied; its code, with the error printed. */
+static void mean_init(dc_step *ds, dc_layer *d, int n, uint32_t B, float C, float sigma,
+                      bool zero_on_fail) {
+    step_init(ds, d, (size_t)n, B, 0);
+    ds->max_grad_norm = C;
+    ds->noise_multiplier = sigma;
+    ds->reduction = DC_REDUCTION_MEAN;
+    ds->expected_batch = B;
+    ds->zero_on_fail = zero_on_fail;
+}
+
 static int mean_step(dc_layer *d, int n, uint32_t B, float C, float sigma, bool zero_on_fail) {
     dc_step ds;
     dc_step_result rd;
     dc_err ed;
-    step_init(&ds, d, (size_t)n, B, 0);
-    ds.max_grad_norm = C;
-    ds.noise_multiplier = sigma;
-    ds.reduction = DC_REDUCTION_MEAN;
-    ds.expected_batch = B;
-    ds.zero_on_fail = zero_on_fail;
+    mean_init(&ds, d, n, B, C, sigma, zero_on_fail);
     int rc = run(g_cuda, &ds, &rd, &ed);
     if (rc) printf("  step: %s: %s\n", ed.field, ed.msg);
     dc_step_result_free(&rd);
@@ -573,12 +578,7 @@ static void test_kept_unstaged(void **state) {
         dc_step ds;
         dc_step_result rd;
         dc_err ed;
-        step_init(&ds, &d[1], 1, B, 0);
-        ds.max_grad_norm = 1e5f;
-        ds.noise_multiplier = 1.0f;
-        ds.reduction = DC_REDUCTION_MEAN;
-        ds.expected_batch = B;
-        ds.zero_on_fail = zero;
+        mean_init(&ds, &d[1], 1, B, 1e5f, 1.0f, zero);
         const int rc = run(g_cuda, &ds, &rd, &ed);
         printf("  zero_on_fail %d: %s: %s\n", zero, ed.field, ed.msg);
         assert_int_equal(rc, DC_ENONFINITE);
@@ -610,13 +610,9 @@ static int kept_logical(dc_layer *d, int n, uint32_t B, bool one_pass, float C, 
     for (int k = 0; k < KL_M; k++) {
         dc_step ds;
         dc_step_result rd;
-        step_init(&ds, d, (size_t)n, B, 0);
-        ds.max_grad_norm = C;
-        ds.noise_multiplier = sigma;
-        ds.reduction = DC_REDUCTION_MEAN;
+        mean_init(&ds, d, n, B, C, sigma, zero_on_fail);
         ds.expected_batch = KL_M * B;
         ds.noise_step = 7;
-        ds.zero_on_fail = zero_on_fail;
         ds.acc = k == 0 ? DC_ACC_FIRST : k < KL_M - 1 ? DC_ACC_ADD : DC_ACC_COMMIT;
         rc = run(g_cuda, &ds, &rd, e);
         dc_step_result_free(&rd);

@@ -26,6 +26,22 @@ def cuda_daemon(daemon):
     return daemon
 
 
+def _private_seq(socket, seed, **kw):
+    """SeqModel on the GPU made private against `socket` (C 0.8, MEAN over 11,
+    no noise, lr 0), with a batch of 9 and its f64 per-sample reference:
+    engine, model, optimizer, x, y, (grads, norms, coefficients)."""
+    torch.manual_seed(seed)
+    model = SeqModel()
+    (x,), y = seq_data(9, seed=seed)
+    C, expected = 0.8, 11
+    ref = reference(model, "seq", (x,), y, C, "mean", expected)
+    engine = PrivacyEngine(socket, allow_insecure_seed=True)
+    model, opt, _ = engine.make_private(module=model.cuda(), optimizer=torch.optim.SGD(
+        model.parameters(), lr=0.0), noise_multiplier=0.0, max_grad_norm=C,
+        expected_batch_size=expected, **kw)
+    return engine, model, opt, x, y, ref
+
+
 def _rel(got, want):
     return float((got.double().cpu() - want).abs().max()) / float(want.abs().max())
 
@@ -36,16 +52,8 @@ def test_cuda_step_matches_reference(cuda_daemon, amp, asynchronous, done_flag, 
     """(done_flag "1": asynchronous steps complete through the done flag,
     docs/protocol.md, instead of the `done` event)"""
     monkeypatch.setenv("DPCLIP_DONE_FLAG", done_flag)
-    torch.manual_seed(3)
-    model = SeqModel()
-    (x,), y = seq_data(9, seed=3)
-    C, expected = 0.8, 11
-    want, ref_norms, ref_coefs = reference(model, "seq", (x,), y, C, "mean", expected)
-    model = model.cuda()
-    engine = PrivacyEngine(cuda_daemon.socket, allow_insecure_seed=True)
-    model, opt, _ = engine.make_private(module=model, optimizer=torch.optim.SGD(
-        model.parameters(), lr=0.0), noise_multiplier=0.0, max_grad_norm=C,
-        expected_batch_size=expected, asynchronous=asynchronous)
+    engine, model, opt, x, y, (want, ref_norms, ref_coefs) = _private_seq(
+        cuda_daemon.socket, 3, asynchronous=asynchronous)
     for _ in range(2):  # the second step reuses registrations and events
         opt.zero_grad()
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=amp):
@@ -375,16 +383,7 @@ def test_idle_gpu_gives_memory_back():
         with dpclip.Client(d.socket) as c:
             if not c.info.has_cuda:
                 pytest.skip("this dpclipd has no CUDA backend")
-        torch.manual_seed(4)
-        model = SeqModel()
-        (x,), y = seq_data(9, seed=4)
-        C, expected = 0.8, 11
-        want, _, _ = reference(model, "seq", (x,), y, C, "mean", expected)
-        model = model.cuda()
-        engine = PrivacyEngine(d.socket, allow_insecure_seed=True)
-        model, opt, _ = engine.make_private(module=model, optimizer=torch.optim.SGD(
-            model.parameters(), lr=0.0), noise_multiplier=0.0, max_grad_norm=C,
-            expected_batch_size=expected)
+        engine, model, opt, x, y, (want, _, _) = _private_seq(d.socket, 4)
         held = []
         for k in range(2):  # a step, idle, then a step on the memory grown again
             opt.zero_grad()
