@@ -109,8 +109,8 @@ static void test_full_file(void **state) {
     assert_int_equal(c.log_level, DC_LOG_DEBUG);
     assert_true(c.gpu_workspace == (uint64_t)512 << 20);
     assert_true(c.gpu_workspace_max == (uint64_t)2 << 30);
-    assert_true(c.gpu_sample_grads_max == 0); /* none kept */
-    assert_int_equal(c.gpu_idle_release_s, 0);  /* never given back */
+    assert_true(c.gpu_sample_grads_max == 0);  /* none kept */
+    assert_int_equal(c.gpu_idle_release_s, 0); /* never given back */
     assert_int_equal(c.max_batch, 512);
     assert_int_equal(c.max_layers, 8);
     assert_int_equal(c.max_frame, 65536);
