@@ -281,13 +281,16 @@ static void test_idle_release(void **state) {
     dc_worker_pool_close(&pool);
     uv_run(&loop, UV_RUN_DEFAULT);
 
-    /* no release time: never */
+    /* no release time: never; one set later (a reload) wakes the sleeping
+     * worker, which then gives back what it grew */
     assert_int_equal(dc_worker_pool_init(&pool, &loop, "t", 1, grow_factory, &g, &err), 0);
     grow_once(&loop, &pool, &ndone);
     nanosleep(&beyond, NULL);
     assert_int_equal(atomic_load(&g->released), 0);
     h = dc_worker_pool_held(&pool, 0);
     assert_true(h.workspace == 1000 && h.kept == 500);
+    dc_worker_pool_set_release(&pool, 100000000ull);
+    assert_true(released_within(g, 1));
     dc_worker_pool_close(&pool);
     uv_run(&loop, UV_RUN_DEFAULT);
     assert_int_equal(uv_loop_close(&loop), 0);

@@ -321,7 +321,13 @@ int dc_worker_pool_busy(const dc_worker_pool *p) { return p->busy; }
 
 void dc_worker_pool_set_spin(dc_worker_pool *p, uint64_t spin_ns) { p->spin_ns = spin_ns; }
 
-void dc_worker_pool_set_release(dc_worker_pool *p, uint64_t idle_ns) { p->release_ns = idle_ns; }
+void dc_worker_pool_set_release(dc_worker_pool *p, uint64_t idle_ns) {
+    if (!p->threads) return;
+    pthread_mutex_lock(&p->mu);
+    p->release_ns = idle_ns;
+    pthread_mutex_unlock(&p->mu);
+    pthread_cond_broadcast(&p->cv); /* a sleeping worker takes the new time */
+}
 
 dc_worker_held dc_worker_pool_held(const dc_worker_pool *p, int i) {
     dc_worker_held h = {0, 0};

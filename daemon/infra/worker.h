@@ -110,7 +110,7 @@ void dc_worker_pool_expect(dc_worker_pool *p, uint64_t from_ns, uint64_t to_ns);
 /* After a worker has run no task for idle_ns, its backend gives back the
  * memory it grew beyond its preallocation (dc_backend_release), once per
  * idle period: a daemon that served a job should not hold that job's peak
- * on a shared node. 0 (the default): never. Set before submitting. */
+ * on a shared node. 0 (the default): never. Any time (a reload). */
 void dc_worker_pool_set_release(dc_worker_pool *p, uint64_t idle_ns);
 /* What worker `i`'s backend held after its last task or release: device
  * workspace and kept stores (dc_backend_workspace_bytes, _kept_bytes).

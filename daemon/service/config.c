@@ -68,7 +68,7 @@ static const key_def KEYS[] = {
      false,
      "most device workspace per GPU keeping per-sample gradients, so that clipped sums "
      "cost a pass over memory, not a GEMM (0 = none; auto = 1/8 of each GPU's memory)"},
-    {"gpu", "idle_release_s", "gpu-idle-release-s", T_UINT, F(gpu_idle_release_s), 0, 604800, false,
+    {"gpu", "idle_release_s", "gpu-idle-release-s", T_UINT, F(gpu_idle_release_s), 0, 604800, true,
      "a GPU without work this long gives back the workspace and kept per-sample gradients it "
      "grew beyond gpu.workspace (0 = never)"},
     {"limits", "max_batch", "max-batch", T_UINT, F(max_batch), 1, 1u << 24, true,

@@ -509,6 +509,10 @@ void dc_server_apply_config(dc_server *srv, const dc_config *n) {
     c->max_group_links = srv->groups.max_links = n->max_group_links;
     c->max_group_timeout_ms = srv->groups.max_timeout_ms = n->max_group_timeout_ms;
     c->group_timeout_ms = srv->groups.timeout_ms = n->group_timeout_ms;
+    c->gpu_idle_release_s = n->gpu_idle_release_s;
+    for (int i = 0; i < srv->gpu.n; i++)
+        dc_worker_pool_set_release(&srv->gpu.pools[i],
+                                   (uint64_t)n->gpu_idle_release_s * 1000000000u);
     srv->buf_totals.max_buffers = c->max_buffers_total;
     srv->buf_totals.max_shm_bytes = c->max_mapped_bytes;
     memcpy(c->allowed_uids, n->allowed_uids, sizeof c->allowed_uids);
