@@ -23,16 +23,16 @@ static void worker_spin_until(dc_worker_pool *p, uint64_t end) {
     } while (dc_clock_ns() < end);
 }
 
-/* With mu held and nothing queued: waits (polling or sleeping, releasing mu
- * meanwhile) until a task is queued, the pool stops, or the expectation
- * window changes. Returns with mu held. */
+/* With mu held: sleeps until t (CLOCK_MONOTONIC) or a signal. */
 static void wait_until(dc_worker_pool *p, uint64_t t) {
     struct timespec ts = {(time_t)(t / 1000000000u), (long)(t % 1000000000u)};
     pthread_cond_timedwait(&p->cv, &p->mu, &ts);
 }
 
-/* until: when this worker's idle release is due (0: none), which a
- * sleeping worker wakes for. */
+/* With mu held and nothing queued: waits (polling or sleeping, releasing mu
+ * meanwhile) until a task is queued, the pool stops, the expectation window
+ * changes, or `until` comes (this worker's idle release; 0: none). Returns
+ * with mu held. */
 static void worker_idle(dc_worker_pool *p, bool just_ran, uint64_t until) {
     uint64_t now = dc_clock_ns();
     dc_window_now at = dc_window_at(&p->win, now);
