@@ -69,7 +69,7 @@ static void publish(dc_worker_pool *p, int i) {
 
 /* With mu held: when worker i's idle release is due, 0 for none. */
 static uint64_t release_at(const dc_worker_pool *p, int i) {
-    return p->release_ns && p->ran[i] ? p->last[i] + p->release_ns : 0;
+    return p->release_ns && p->last[i] ? p->last[i] + p->release_ns : 0;
 }
 
 /* When owner's last task started (0 = not remembered). */
@@ -138,7 +138,7 @@ static void *worker_main(void *arg) {
         while (!p->q_head && !p->stopping) {
             const uint64_t due = release_at(p, wa.index);
             if (due && dc_clock_ns() >= due) { /* idle long enough: give memory back */
-                p->ran[wa.index] = false;
+                p->last[wa.index] = 0;         /* given back: nothing until a task runs */
                 pthread_mutex_unlock(&p->mu);
                 dc_backend_release(p->backends[wa.index]);
                 publish(p, wa.index);
@@ -162,7 +162,6 @@ static void *worker_main(void *arg) {
 
         pthread_mutex_lock(&p->mu);
         p->has_task[wa.index] = false;
-        p->ran[wa.index] = true;
         p->last[wa.index] = dc_clock_ns();
         task->next = NULL;
         if (p->d_tail) p->d_tail->next = task;
@@ -211,7 +210,6 @@ static void pool_release(dc_worker_pool *p, int n) {
     free(p->running);
     free(p->has_task);
     free(p->last);
-    free(p->ran);
     free(p->held_ws);
     free(p->held_kept);
     p->backends = NULL;
@@ -219,7 +217,6 @@ static void pool_release(dc_worker_pool *p, int n) {
     p->running = NULL;
     p->has_task = NULL;
     p->last = NULL;
-    p->ran = NULL;
     p->held_ws = p->held_kept = NULL;
 }
 
@@ -236,11 +233,10 @@ int dc_worker_pool_init(dc_worker_pool *p, uv_loop_t *loop, const char *name, in
     p->running = calloc((size_t)n, sizeof *p->running);
     p->has_task = calloc((size_t)n, sizeof *p->has_task);
     p->last = calloc((size_t)n, sizeof *p->last);
-    p->ran = calloc((size_t)n, sizeof *p->ran);
     p->held_ws = calloc((size_t)n, sizeof *p->held_ws);
     p->held_kept = calloc((size_t)n, sizeof *p->held_kept);
-    if (!p->threads || !p->backends || !p->running || !p->has_task || !p->last || !p->ran ||
-        !p->held_ws || !p->held_kept) {
+    if (!p->threads || !p->backends || !p->running || !p->has_task || !p->last || !p->held_ws ||
+        !p->held_kept) {
         rc = dc_err_set(err, DC_ENOSPACE, "", "out of memory");
         goto fail;
     }

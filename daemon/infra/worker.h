@@ -71,12 +71,11 @@ struct dc_worker_pool {
         uint32_t owner;
         uint64_t last; /* served_seq when its last task started; 0 = free slot */
     } served[DC_WORKER_OWNERS];
-    /* Idle release (dc_worker_pool_set_release; 0: never): worker i ran a
-     * task since its backend last gave its memory back (ran[i]), which
-     * ended at last[i] (under mu). */
+    /* Idle release (dc_worker_pool_set_release; 0: never): when worker i's
+     * last task since its backend gave its memory back ended, 0 for none
+     * (under mu). */
     uint64_t release_ns;
     uint64_t *last;
-    bool *ran;
     /* [n] what each worker's backend holds, as it was after its last task
      * or release (dc_worker_pool_held) */
     _Atomic uint64_t *held_ws, *held_kept;

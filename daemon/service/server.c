@@ -472,6 +472,12 @@ static void set_step_limits(dc_limits *l, const dc_config *c) {
     l->max_gpu_step_gflop = c->max_gpu_step_gflop;
 }
 
+/* gpu.idle_release_s, at start and on a reload, into each GPU's pool. */
+static void set_gpu_release(dc_server *srv, uint32_t seconds) {
+    for (int i = 0; i < srv->gpu.n; i++)
+        dc_worker_pool_set_release(&srv->gpu.pools[i], (uint64_t)seconds * 1000000000u);
+}
+
 static void note_restart(void *arg, const char *name) {
     (void)arg;
     dc_log_warn("reload: %s changed; it takes effect at the next restart", name);
@@ -510,9 +516,7 @@ void dc_server_apply_config(dc_server *srv, const dc_config *n) {
     c->max_group_timeout_ms = srv->groups.max_timeout_ms = n->max_group_timeout_ms;
     c->group_timeout_ms = srv->groups.timeout_ms = n->group_timeout_ms;
     c->gpu_idle_release_s = n->gpu_idle_release_s;
-    for (int i = 0; i < srv->gpu.n; i++)
-        dc_worker_pool_set_release(&srv->gpu.pools[i],
-                                   (uint64_t)n->gpu_idle_release_s * 1000000000u);
+    set_gpu_release(srv, n->gpu_idle_release_s);
     srv->buf_totals.max_buffers = c->max_buffers_total;
     srv->buf_totals.max_shm_bytes = c->max_mapped_bytes;
     memcpy(c->allowed_uids, n->allowed_uids, sizeof c->allowed_uids);
@@ -631,11 +635,8 @@ int dc_server_init(dc_server *srv, uv_loop_t *loop, const dc_config *cfg,
     if ((rc = dc_gpu_init(&srv->gpu, loop, cfg->gpu, cfg->gpu_workspace, cfg->gpu_workspace_max,
                           cfg->gpu_sample_grads_max, err)))
         goto fail_pool;
-    for (int i = 0; i < srv->gpu.n; i++) {
-        dc_worker_pool_set_spin(&srv->gpu.pools[i], srv->spin_ns);
-        dc_worker_pool_set_release(&srv->gpu.pools[i],
-                                   (uint64_t)cfg->gpu_idle_release_s * 1000000000u);
-    }
+    for (int i = 0; i < srv->gpu.n; i++) dc_worker_pool_set_spin(&srv->gpu.pools[i], srv->spin_ns);
+    set_gpu_release(srv, cfg->gpu_idle_release_s);
 
     {
         /* systemd's LimitNOFILE sets both limits; started by hand, the soft
