@@ -80,7 +80,9 @@ figures) group_wait_ms (from this member's norms being in to the group's
 totals: a later stage's includes waiting for the earlier stage's backward),
 group_exchange_ms (of it, the daemons' NCCL exchange) and
 daemon_compute_ms; daemon_compute_step_ms is the daemon's compute of every
-micro-batch of the step (engine.compute_ns_total). The ratio line's
+micro-batch of the step (engine.compute_ns_total); micro_batches_held_peak
+the most micro-batches the rank held in flight at once (sent, their tensors
+alive until their replies are collected). The ratio line's
 reduction_ms is the group's smallest group_wait_ms (across daemons the
 member that arrives last, stage 0 of a pipeline, waits only for the
 reduction itself; on one daemon over several GPUs its wait also holds its
@@ -392,6 +394,7 @@ def run(c, mode):
             out["daemon_input_wait_ms"] = round(
                 (engine.input_wait_ns_total - w0) / 1e6 / a.steps, 3)
         out["daemons_in_group"] = engine.norm_group.daemons if engine.norm_group else 0
+        out["micro_batches_held_peak"] = engine.micro_batches_held_peak
     out["peak_mem_mib"] = round(peak_mb(dev), 1)
     if dev.type == "cuda":  # the whole GPU: this trainer, the daemon, anything else on it
         out["device_peak_mib"] = round(mem.peak / 2**20, 1)

@@ -15,6 +15,7 @@ int dcb::ws_alloc(cuda_backend *cb, size_t want, dc_err *err) {
     if (cb->ws) cudaFree(cb->ws);
     cb->ws = NULL;
     cb->ws_cap = 0;
+    if (want == 0) return 0;
     if (cudaMalloc((void **)&cb->ws, want) != cudaSuccess) {
         (void)cudaGetLastError();
         cb->ws = NULL;
@@ -34,15 +35,9 @@ void dcb::cuda_release(dc_backend *be) {
     kept_destroy(cb); /* the stores given back; those in use stay */
     if (cb->ws_cap <= cb->ws_pre) return;
     dc_err err;
-    /* a failed allocation leaves none, which the next step grows again */
-    if (cb->ws_pre) (void)ws_alloc(cb, cb->ws_pre, &err);
-    else {
-        (void)cudaStreamSynchronize(cb->stream);
-        cudaFree(cb->ws);
-        (void)cudaGetLastError();
-        cb->ws = NULL;
-        cb->ws_cap = 0;
-    }
+    /* a failed allocation (or none preallocated) leaves ws NULL, ws_cap 0,
+     * which the next step grows again */
+    (void)ws_alloc(cb, cb->ws_pre, &err);
 }
 
 namespace {

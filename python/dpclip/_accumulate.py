@@ -104,6 +104,9 @@ class Accumulator:
         self.serial = 1
         self.open = False           # one may be open in the daemon (sent, not committed)
         self.inflight: List[_InFlight] = []   # in submission order, earlier steps' too
+        # the most micro-batches held in flight at once (sent, reply not
+        # collected: each holds its tensors or a staging arena)
+        self.held_peak = 0
         self._window: set = set()   # passes captured by the backward call under way
         self._queued = False
         self.reset()
@@ -382,7 +385,7 @@ class Accumulator:
         if run.res is not None:
             self._result(B, run.res, self.id)
         else:
-            self.inflight.append(_InFlight(run.ticket, self.id, index, B, run, io, device))
+            self._hold(_InFlight(run.ticket, self.id, index, B, run, io, device))
         if run.arena is not None and e.norm_group is None:
             self._drain(but=1)  # blocking is safe outside a group: two arenas at most
         else:
@@ -401,8 +404,8 @@ class Accumulator:
         run = Run(None, 0, None, None, t, t)
         for i, ticket in enumerate(tickets):
             last = i == len(tickets) - 1
-            self.inflight.append(_InFlight(ticket, logical_id, index, B if i == 0 else 0,
-                                           run, holder if last else None, device, i > 0))
+            self._hold(_InFlight(ticket, logical_id, index, B if i == 0 else 0,
+                                 run, holder if last else None, device, i > 0))
         if err is not None:
             self._fail(err)
         self._drain(but=len(tickets))
@@ -430,8 +433,7 @@ class Accumulator:
             return run.ok
         # the host's commit goes as its micro-batches do, queued behind them
         run = e._host.micro(e._step, plan, nb, device, e.algorithm)
-        self.inflight.append(_InFlight(run.ticket, self.id, self.sent - 1, B, run, e._host,
-                                       device))
+        self._hold(_InFlight(run.ticket, self.id, self.sent - 1, B, run, e._host, device))
         t1 = time.perf_counter()
         self._drain()
         t2 = time.perf_counter()
@@ -447,6 +449,11 @@ class Accumulator:
         return torch.ones(1)
 
     # -- collecting ----------------------------------------------------------------------
+    def _hold(self, f: _InFlight) -> None:
+        self.inflight.append(f)
+        if not f.sums:  # a sharded micro-batch's sums steps are part of it
+            self.held_peak = max(self.held_peak, sum(not g.sums for g in self.inflight))
+
     def _poll(self) -> None:
         """Collects the micro-batches whose replies are in, without waiting."""
         while self.inflight and self._collect(self.inflight[0], 0):

@@ -636,6 +636,12 @@ class PrivacyEngine:
             self._last_coefs = torch.tensor(coefs, dtype=torch.float32)
 
     @property
+    def micro_batches_held_peak(self) -> int:
+        """The most micro-batches held at once: sent, their replies not yet
+        collected, each keeping its tensors (or a staging arena) alive."""
+        return self._acc.held_peak
+
+    @property
     def last_compute_ns(self) -> int:
         self.synchronize()
         return self._last_compute_ns

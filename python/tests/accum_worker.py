@@ -154,7 +154,7 @@ def run_schedule(rank, world, init_file, socket_path, data, sizes, C, expected, 
         x, y = data
         early = pipeline_step(stage, opt, rank, x, y, sizes, kind, links=links)
         out = {"early": early, "grads": _grads(rank, stage), "norms": engine.last_norms,
-               "steps": engine.steps}
+               "steps": engine.steps, "held": engine.micro_batches_held_peak}
         engine.close()
 
         engine, stage, opt = _private_stage(

@@ -76,6 +76,9 @@ def test_micro_batches_equal_the_whole_logical_batch(daemon, sizes, reduction):
     assert engine.last_norms.shape == (64,)
     assert _max_rel(engine.last_norms, ref_norms) < 1e-4
     assert torch.allclose(engine.last_coefs.double(), coefs, rtol=1e-4, atol=1e-6)
+    # outside a norm group a host micro-batch's reply is awaited at the next
+    # one: two staging arenas held at most
+    assert 1 <= engine.micro_batches_held_peak <= 2, engine.micro_batches_held_peak
     # the next logical step starts afresh: the same batch gives the same gradient
     _accumulate(model, opt, x, y, sizes[::-1], reduction)
     for n, p in model.named_parameters():
