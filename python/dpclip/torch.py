@@ -64,7 +64,6 @@ N(0, (sigma*C)^2), divided by the expected batch size for a mean loss), sent
 as a one-sample step of zeros. Skipping it would change the privacy analysis,
 which counts every step.
 """
-import math
 import secrets
 import sys
 import time
@@ -374,9 +373,9 @@ class PrivacyEngine:
             digest = _parallel.generator_digest(data_loader)
         self.mode = _modes.choose(self, shards, group, dp_group)
         self._agree_account(module, fsdp, group, dp_group, dp_src)
-        data_loader = self._settle_sampling(data_loader, poisson_sampling, secure_mode,
-                                            expected_batch_size, sample_rate, loss_reduction,
-                                            group, loader_fault, digest)
+        data_loader = _terms.settle_sampling(self, data_loader, poisson_sampling, secure_mode,
+                                             expected_batch_size, sample_rate, loss_reduction,
+                                             group, loader_fault, digest)
         self.noise_multiplier = float(noise_multiplier)
         self.max_grad_norm = float(max_grad_norm)
         self.loss_reduction = loss_reduction
@@ -457,68 +456,6 @@ class PrivacyEngine:
         if not self._job_given and self.rank == 0 and (group is None or group.rank == 0):
             print("dpclip: job id %s (pass job_id= to share an account)" % self.job_id,
                   file=sys.stderr, flush=True)
-
-    def _settle_sampling(self, data_loader: Optional[DataLoader], poisson_sampling: bool,
-                         secure_mode: bool, expected_batch_size: Optional[int],
-                         sample_rate: Optional[float], loss_reduction: str, group: Any,
-                         loader_fault: Any, digest: Any) -> Optional[DataLoader]:
-        """Sets expected_batch_size and sample_rate (a norm group's members
-        agree on them) and returns the loader, Poisson-sampled where asked."""
-        ebs_given = expected_batch_size is not None or isinstance(data_loader, DPDataLoader) \
-            or (data_loader is not None and bool(data_loader.batch_size))
-        rate_given = sample_rate is not None or isinstance(data_loader, DPDataLoader) or \
-            (data_loader is not None and poisson_sampling)
-        gen = None
-        if group is not None and not secure_mode:
-            # the members' loaders made here draw the same masks
-            gen = torch.Generator().manual_seed(group.seed)
-        if data_loader is not None and poisson_sampling and not isinstance(data_loader,
-                                                                           DPDataLoader):
-            replica = {"rank": self.rank, "world_size": self.world_size} if group else {}
-            data_loader = DPDataLoader.from_data_loader(data_loader, distributed=self.distributed,
-                                                        secure_mode=secure_mode, generator=gen,
-                                                        **replica)
-        if sample_rate is not None and isinstance(data_loader, DPDataLoader) and not \
-                math.isclose(float(sample_rate), data_loader.sample_rate, rel_tol=1e-9):
-            # the ledger would account a q the batches are not drawn at
-            raise ValueError(
-                "sample_rate=%r disagrees with the data loader's: the DPDataLoader samples "
-                "each record with probability %r, and the ledger must account the rate the "
-                "batches are drawn at; leave sample_rate out (the loader's is taken) or make "
-                "them agree" % (sample_rate, data_loader.sample_rate))
-        if expected_batch_size is None:
-            if isinstance(data_loader, DPDataLoader):
-                expected_batch_size = data_loader.expected_batch_size
-            elif data_loader is not None and data_loader.batch_size:
-                expected_batch_size = data_loader.batch_size * self.world_size
-            else:
-                expected_batch_size = 0
-        self.expected_batch_size = int(expected_batch_size)
-        if sample_rate is None:
-            sample_rate = data_loader.sample_rate if isinstance(data_loader, DPDataLoader) else 0.0
-        if group is not None:
-            # a member without them (a later pipeline stage) takes the loader's member's
-            mates, parts = _group.agree(group, {
-                "expected_batch_size": self.expected_batch_size if ebs_given else None,
-                "sample_rate": float(sample_rate) if rate_given else None, "digest": digest},
-                loader_fault, self.distributed, _group.judge_sampling)
-            if self.world_size > 1:  # the replicas' loaders, part by part
-                for j in range(group.size):
-                    fault = _parallel.same_generators([(p[j]["ranks"][j], p[j]["digest"])
-                                                       for p in parts.values()])
-                    if fault is not None:
-                        raise fault
-            self.expected_batch_size = int(_group.first_given(mates, "expected_batch_size") or 0)
-            sample_rate = _group.first_given(mates, "sample_rate") or 0.0
-        if loss_reduction == "mean" and self.expected_batch_size <= 0 and \
-                0.0 < float(sample_rate) < 1.0:
-            # Dividing by the drawn batch size would release it without noise.
-            raise ValueError(
-                "a mean loss under Poisson sampling (sample_rate %g) needs expected_batch_size "
-                "(the daemon divides the noised sum by it, not by the drawn batch size)"
-                % float(sample_rate))
-        self.sample_rate = float(sample_rate)
-        return data_loader
 
     def _attach(self, module: nn.Module, layers: List[_Layer], norms: list) -> None:
         """Swaps in the layers' forwards and hooks the module: a pass count,
