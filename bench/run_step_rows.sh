@@ -41,25 +41,13 @@ if [ "$mps" = 0 ] && [ "$plain" = 0 ]; then
     exit 2
 fi
 py=${DPCLIP_PYTHON:-python3}
-[ -x "$build/dpclipd" ] || { echo "run_step_rows.sh: no $build/dpclipd (build first)" >&2; exit 1; }
+me=run_step_rows.sh
+[ -x "$build/dpclipd" ] || { echo "$me: no $build/dpclipd (build first)" >&2; exit 1; }
 export DPCLIP_LIBRARY=${DPCLIP_LIBRARY:-$build/libdpclip.so}
 export PYTHONUNBUFFERED=1
 rundir=$(mktemp -d /tmp/dpclip-rows.XXXXXX)
-daemon=""
-stop_daemon() {
-    if [ -n "$daemon" ]; then
-        kill -TERM "$daemon" 2>/dev/null || true
-        wait "$daemon" 2>/dev/null || true
-        daemon=""
-    fi
-}
-mps_stop() { :; }
-trap 'stop_daemon; mps_stop; rm -rf "$rundir"' EXIT INT TERM
-
-# tag ROW MPS: the JSON lines of stdin with the row and MPS added
-tag() {
-    sed -n "s/^{/{\"row\": \"$1\", \"mps\": $2, /p"
-}
+. "$root/bench/rows_lib.sh"
+trap 'daemons_stop; mps_stop; rm -rf "$rundir"' EXIT INT TERM
 
 # run_row ROW MPS: one row's bench against a daemon of its own
 run_row() {
@@ -85,17 +73,7 @@ run_row() {
         return 0
     fi
     sock="$rundir/$row.$2.sock"
-    rm -f "$rundir/ready"
-    mkfifo "$rundir/ready"
-    "$build/dpclipd" --socket "$sock" --ledger-dir "" --ready-fd 3 --log-level info \
-        3>"$rundir/ready" 2>>"$rundir/daemon.log" &
-    daemon=$!
-    read -r line <"$rundir/ready" || line=""
-    if [ "$line" != READY ]; then
-        echo "run_step_rows.sh: dpclipd did not start" >&2
-        cat "$rundir/daemon.log" >&2
-        exit 1
-    fi
+    daemon_start "$sock"
     rc=0
     case "$row" in
         hf_gpt2)
@@ -110,11 +88,9 @@ run_row() {
                 $precision --repeat "$repeat" --no-sync $dev $tiny >"$rundir/out" 2>"$rundir/err" || rc=$? ;;
     esac
     tag "$row" "$2" <"$rundir/out"
-    stop_daemon
+    daemons_stop
     if [ "$rc" != 0 ]; then
-        echo "{\"row\": \"$row\", \"mps\": $2, \"failed\": $rc}"
-        echo "run_step_rows.sh: row $row (MPS $2) failed with status $rc:" >&2
-        tail -n 20 "$rundir/err" >&2
+        row_failed "$row" "$2" "$rc"
         failed=1
     fi
 }
@@ -128,21 +104,6 @@ run_all() {
 failed=0
 [ "$plain" = 0 ] || run_all false
 [ "$mps" = 1 ] || exit "$failed"
-control=$(command -v nvidia-cuda-mps-control || true)
-if [ -z "$control" ]; then
-    echo '{"mps": true, "skipped": "nvidia-cuda-mps-control not installed"}'
-    exit "$failed"
-fi
-# An MPS control daemon of this run's own, which the trainers and dpclipd
-# share through the pipe directory in their environment.
-CUDA_MPS_PIPE_DIRECTORY="$rundir/mps-pipe" CUDA_MPS_LOG_DIRECTORY="$rundir/mps-log"
-export CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
-mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
-if ! "$control" -d; then
-    echo '{"mps": true, "skipped": "nvidia-cuda-mps-control -d failed"}'
-    exit "$failed"
-fi
-mps_stop() { echo quit | "$control" >/dev/null 2>&1 || true; }
-sleep 1
+mps_start || exit "$failed"
 run_all true
 exit "$failed"
