@@ -82,7 +82,8 @@ group_exchange_ms (of it, the daemons' NCCL exchange) and
 daemon_compute_ms; daemon_compute_step_ms is the daemon's compute of every
 micro-batch of the step (engine.compute_ns_total); micro_batches_held_peak
 the most micro-batches the rank held in flight at once (sent, their tensors
-alive until their replies are collected). The ratio line's
+alive until their replies are collected; the ratio line: each rank's most
+over the rounds). The ratio line's
 reduction_ms is the group's smallest group_wait_ms (across daemons the
 member that arrives last, stage 0 of a pipeline, waits only for the
 reduction itself; on one daemon over several GPUs its wait also holds its
@@ -677,6 +678,10 @@ def report(args, head, rounds, config):
                      last_member_daemon_call_ms=last["daemon_call_ms"],
                      last_member_daemon_call_share=round(last["daemon_call_ms"] / t_priv, 4))
     ratio["daemon_call_ms_max"] = max(r.get("daemon_call_ms", 0.0) for r in res["dpclip"])
+    # each rank's most micro-batches held at once, over every round
+    ratio["micro_batches_held_peak"] = [max(e[r].get("micro_batches_held_peak", 0)
+                                            for e in rounds["dpclip"])
+                                        for r in range(len(rounds["dpclip"][0]))]
     print(json.dumps(ratio), flush=True)
 
 

@@ -81,6 +81,12 @@ def test_pipeline_microbatches_check_and_time(secure_daemon, schedule):
     assert ratio["ratio"] == "dpclip/plain", ratio
     assert 0 < ratio["time_ratio_best"] <= ratio["time_ratio_median"] <= \
         ratio["time_ratio_worst"], ratio
+    # each stage held its micro-batches until their replies: at least one at
+    # once, at most the four and the commit
+    held = ratio["micro_batches_held_peak"]
+    assert len(held) == 2 and all(1 <= h <= 5 for h in held), ratio
+    # (one round: the ratio line's most over the rounds is that round's)
+    assert held == [r["micro_batches_held_peak"] for r in runs["dpclip"]["ranks"]], ratio
     for run in runs.values():
         for r in run["ranks"]:
             want = ["%s%d" % op for op in pipeline.schedule(schedule, 2, r["stage"], 4)]
