@@ -1,12 +1,18 @@
 /* train_mlp: a two-layer MLP trained with DP-SGD through dpclipd.
  *
  * The data are 4 Gaussian blobs in 16 dimensions, generated from a fixed
- * seed. The trainer does its own forward and backward pass (to the output
- * gradients of each Linear layer, for a mean loss) in a shared-memory buffer
+ * seed. Each step's batch is Poisson-sampled: every training record joins it
+ * with probability q = B / N (B the expected batch size), drawn from a seed
+ * no one can predict (getrandom), so that the daemon's ledger, told q, may
+ * count the privacy amplification by sampling; the batch's size varies, and
+ * an empty one still steps (one sample of zeros: noise alone). The trainer
+ * does its own forward and backward pass (to the output gradients of each
+ * Linear layer, for the batch's mean loss) in a shared-memory buffer
  * registered with the daemon, then sends one ClipStep per batch. The daemon
- * computes per-sample gradient norms, clips, sums, adds Gaussian noise and
- * writes the private gradients into the same buffer; the trainer applies
- * plain SGD with them. It never sees a per-sample gradient.
+ * computes per-sample gradient norms, clips, sums, adds Gaussian noise,
+ * divides by B and writes the private gradients into the same buffer; the
+ * trainer applies plain SGD with them. It never sees a per-sample gradient.
+ * Each epoch prints the job's epsilon from the daemon's ledger.
  *
  *   train_mlp [--socket PATH] [--epochs N] [--batch B] [--sigma S] [--clip C]
  *             [--lr LR]
@@ -17,6 +23,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/random.h>
 
 #include "dpclip.h"
 
@@ -135,7 +142,7 @@ int main(int argc, char **argv) {
     int epochs = 10, B = 64, o, rc = 1;
     double sigma = 1.0, clip = 1.0, lr = 0.5;
     static float xtr[N_TRAIN][D], xte[N_TEST][D], centers[K][D];
-    static int ytr[N_TRAIN], yte[N_TEST], perm[N_TRAIN];
+    static int ytr[N_TRAIN], yte[N_TEST], batch[N_TRAIN];
     static model m;
     dpclip_client *c = NULL;
     dpclip_step *step = NULL;
@@ -143,7 +150,8 @@ int main(int argc, char **argv) {
     void *mem;
     uint8_t *base;
     layout L;
-    rng r = {20240601};
+    rng r = {20240601}, sampler;
+    double q;
 
     while ((o = getopt_long(argc, argv, "", opts, NULL)) != -1) {
         switch (o) {
@@ -171,73 +179,95 @@ int main(int argc, char **argv) {
         for (int j = 0; j < D; j++) m.w1[u][j] = (float)(rng_normal(&r) / sqrt((double)D));
     for (int k = 0; k < K; k++)
         for (int u = 0; u < H; u++) m.w2[k][u] = (float)(rng_normal(&r) / sqrt((double)H));
-    for (int i = 0; i < N_TRAIN; i++) perm[i] = i;
 
     if (dpclip_connect(sock, &(dpclip_connect_opts){.client_name = "train_mlp"}, &c)) {
         fprintf(stderr, "train_mlp: cannot connect to %s: %s\n", sock, dpclip_errmsg(c));
         goto out;
     }
-    make_layout(&L, B);
+    make_layout(&L, N_TRAIN); /* room for the largest batch Poisson sampling can draw */
     if (dpclip_buffer_alloc(c, L.size, &buf, &mem)) {
         fprintf(stderr, "train_mlp: buffer: %s\n", dpclip_errmsg(c));
         goto out;
     }
     base = mem;
+    q = (double)B / N_TRAIN;
+    if (getrandom(&sampler.s, sizeof sampler.s, 0) != (ssize_t)sizeof sampler.s) {
+        perror("train_mlp: getrandom");
+        goto out;
+    }
 
-    /* One step description, reused for every batch: the tensors stay where
-     * they are, only their contents change. MEAN: our loss is a batch mean. */
+    /* One step object, its layers named again for each batch's size. MEAN:
+     * our loss is the batch's mean (the daemon scales the output gradients
+     * back by the batch's size, and divides the noised sum by B); q: the
+     * rate the batches are drawn at, which the ledger charges. */
     {
         dpclip_clip_config cfg = {.max_grad_norm = (float)clip,
                                   .reduction = DPCLIP_MEAN,
                                   .expected_batch_size = (uint32_t)B,
                                   .noise_multiplier = (float)sigma,
-                                  .mode = DPCLIP_FLAT};
-        dpclip_linear fc1 = {.name = "fc1",
-                             .has_bias = 1,
-                             .activations = ten(buf, L.x, 2, B, D),
-                             .output_grad = ten(buf, L.g1, 2, B, H),
-                             .weight_grad_out = ten(buf, L.gw1, 2, H, D),
-                             .bias_grad_out = ten(buf, L.gb1, 1, H, 0)};
-        dpclip_linear fc2 = {.name = "fc2",
-                             .has_bias = 1,
-                             .activations = ten(buf, L.h, 2, B, H),
-                             .output_grad = ten(buf, L.g2, 2, B, K),
-                             .weight_grad_out = ten(buf, L.gw2, 2, K, H),
-                             .bias_grad_out = ten(buf, L.gb2, 1, K, 0)};
+                                  .mode = DPCLIP_FLAT,
+                                  .sample_rate = q,
+                                  .target_delta = 1e-5};
         step = dpclip_step_new((uint32_t)B, &cfg);
-        if (!step || dpclip_step_add_linear(step, &fc1) || dpclip_step_add_linear(step, &fc2)) {
+        if (!step) {
             fprintf(stderr, "train_mlp: cannot build the step\n");
             goto out;
         }
     }
 
+    double eps = 0.0, delta = 0.0; /* the daemon's ledger after the last step */
     for (int ep = 1; ep <= epochs; ep++) {
         double loss = 0.0, coef_sum = 0.0;
-        int batches = N_TRAIN / B;              /* the remainder is dropped: fixed-size steps */
-        for (int i = N_TRAIN - 1; i > 0; i--) { /* shuffle */
-            int j = (int)(rng_next(&r) % (uint64_t)(i + 1)), t = perm[i];
-            perm[i] = perm[j];
-            perm[j] = t;
-        }
-        for (int bi = 0; bi < batches; bi++) {
+        int steps = N_TRAIN / B, drawn = 0; /* an epoch: N / B steps, N samples expected */
+        for (int si = 0; si < steps; si++) {
             float(*x)[D] = (float(*)[D])(base + L.x);
             float(*h)[H] = (float(*)[H])(base + L.h);
             float(*g1)[H] = (float(*)[H])(base + L.g1);
             float(*g2)[K] = (float(*)[K])(base + L.g2);
             dpclip_result res;
+            int n = 0;
 
+            for (int i = 0; i < N_TRAIN; i++) /* Poisson sampling */
+                if (rng_uniform(&sampler) < q) batch[n++] = i;
+            /* an empty batch steps too, as one sample of zeros: its update is
+             * the noise alone (skipping it would change what is accounted) */
+            const int rows = n ? n : 1;
+            memset(x, 0, sizeof x[0] * (size_t)rows);
+            memset(h, 0, sizeof h[0] * (size_t)rows);
+            memset(g1, 0, sizeof g1[0] * (size_t)rows);
+            memset(g2, 0, sizeof g2[0] * (size_t)rows);
             /* forward and backward to the layers' output gradients */
-            for (int b = 0; b < B; b++) {
-                int idx = perm[bi * B + b];
+            for (int b = 0; b < n; b++) {
+                int idx = batch[b];
                 float z1[H], p[K];
                 memcpy(x[b], xtr[idx], sizeof x[b]);
                 forward(&m, x[b], z1, h[b], p);
-                loss -= log(p[ytr[idx]] + 1e-12) / batches / B;
-                for (int k = 0; k < K; k++) g2[b][k] = (p[k] - (k == ytr[idx])) / (float)B;
+                loss -= log(p[ytr[idx]] + 1e-12);
+                for (int k = 0; k < K; k++) g2[b][k] = (p[k] - (k == ytr[idx])) / (float)n;
                 for (int u = 0; u < H; u++) {
                     float g = 0.0f;
                     for (int k = 0; k < K; k++) g += g2[b][k] * m.w2[k][u];
                     g1[b][u] = z1[u] > 0.0f ? g : 0.0f;
+                }
+            }
+            drawn += n;
+            {
+                dpclip_linear fc1 = {.name = "fc1",
+                                     .has_bias = 1,
+                                     .activations = ten(buf, L.x, 2, rows, D),
+                                     .output_grad = ten(buf, L.g1, 2, rows, H),
+                                     .weight_grad_out = ten(buf, L.gw1, 2, H, D),
+                                     .bias_grad_out = ten(buf, L.gb1, 1, H, 0)};
+                dpclip_linear fc2 = {.name = "fc2",
+                                     .has_bias = 1,
+                                     .activations = ten(buf, L.h, 2, rows, H),
+                                     .output_grad = ten(buf, L.g2, 2, rows, K),
+                                     .weight_grad_out = ten(buf, L.gw2, 2, K, H),
+                                     .bias_grad_out = ten(buf, L.gb2, 1, K, 0)};
+                dpclip_step_reset(step, (uint32_t)rows);
+                if (dpclip_step_add_linear(step, &fc1) || dpclip_step_add_linear(step, &fc2)) {
+                    fprintf(stderr, "train_mlp: cannot build the step\n");
+                    goto out;
                 }
             }
             if (dpclip_run(c, step, &res)) {
@@ -245,7 +275,9 @@ int main(int argc, char **argv) {
                         dpclip_errfield(c)[0] ? " at " : "", dpclip_errfield(c));
                 goto out;
             }
-            for (int b = 0; b < B; b++) coef_sum += res.coefs[b];
+            for (int b = 0; b < n; b++) coef_sum += res.coefs[b];
+            eps = res.epsilon;
+            delta = res.delta;
             dpclip_result_free(&res);
 
             /* SGD with the private gradients the daemon wrote */
@@ -264,8 +296,9 @@ int main(int argc, char **argv) {
                 }
             }
         }
-        printf("epoch %d loss %.3f acc %.3f mean_clip_coef %.2f\n", ep, loss,
-               accuracy(&m, xte, yte, N_TEST), coef_sum / ((double)batches * B));
+        printf("epoch %d loss %.3f acc %.3f mean_clip_coef %.2f epsilon %.3g (delta %.0e)\n", ep,
+               drawn ? loss / drawn : 0.0, accuracy(&m, xte, yte, N_TEST),
+               drawn ? coef_sum / drawn : 1.0, eps, delta);
         fflush(stdout);
     }
     printf("final accuracy %.3f\n", accuracy(&m, xte, yte, N_TEST));
