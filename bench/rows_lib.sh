@@ -2,8 +2,8 @@
 # Shared by bench/run_step_rows.sh and bench/run_parallel_rows.sh (sourced,
 # after they set $me, $build and $rundir): fresh daemons for each row, the
 # rows' JSON lines tagged, and an MPS control daemon of the run's own.
-# (SC2154: those three are the sourcing script's; SC2317: mps_stop is
-# redefined once MPS runs.)
+# (SC2154: those, $rows, $plain and $mps are the sourcing script's;
+# SC2317: mps_stop is redefined once MPS runs.)
 
 daemons=""
 
@@ -43,11 +43,32 @@ tag() {
     sed -n "s/^{/{\"row\": \"$1\", \"mps\": $2, /p"
 }
 
-# row_failed ROW MPS STATUS: says so on stdout (a JSON line) and stderr
-row_failed() {
-    echo "{\"row\": \"$1\", \"mps\": $2, \"failed\": $3}"
-    echo "$me: row $1 (MPS $2) failed with status $3:" >&2
-    tail -n 20 "$rundir/err" >&2
+# row_end ROW MPS STATUS: the row's bench output ($rundir/out) tagged, its
+# daemons stopped, and a failure said on stdout (a JSON line) and stderr
+# (its stderr's end, $rundir/err), which sets failed=1
+row_end() {
+    tag "$1" "$2" <"$rundir/out"
+    daemons_stop
+    if [ "$3" != 0 ]; then
+        echo "{\"row\": \"$1\", \"mps\": $2, \"failed\": $3}"
+        echo "$me: row $1 (MPS $2) failed with status $3:" >&2
+        tail -n 20 "$rundir/err" >&2
+        failed=1
+    fi
+}
+
+# rows_run: run_row (the sourcing script's) for every row of $rows without
+# MPS unless $plain is 0, then under MPS unless $mps is 0; exits 1 if any
+# row failed, else 0
+rows_run() {
+    failed=0
+    if [ "$plain" = 1 ]; then
+        for row in $(echo "$rows" | tr , ' '); do run_row "$row" false; done
+    fi
+    [ "$mps" = 1 ] || exit "$failed"
+    mps_start || exit "$failed"
+    for row in $(echo "$rows" | tr , ' '); do run_row "$row" true; done
+    exit "$failed"
 }
 
 mps_stop() { :; }

@@ -129,23 +129,7 @@ run_row() {
     # (word splitting of $cmd is wanted: paths under $root hold no blanks)
     # shellcheck disable=SC2086
     timeout -s KILL "$limit" "$py" $cmd >"$rundir/out" 2>"$rundir/err" || rc=$?
-    tag "$row" "$2" <"$rundir/out"
-    daemons_stop
-    if [ "$rc" != 0 ]; then
-        row_failed "$row" "$2" "$rc"
-        failed=1
-    fi
+    row_end "$row" "$2" "$rc"
 }
 
-run_all() {
-    for row in $(echo "$rows" | tr , ' '); do
-        run_row "$row" "$1"
-    done
-}
-
-failed=0
-[ "$plain" = 0 ] || run_all false
-[ "$mps" = 1 ] || exit "$failed"
-mps_start || exit "$failed"
-run_all true
-exit "$failed"
+rows_run

@@ -87,23 +87,7 @@ run_row() {
             "$py" "$root/bench/bench_torch_step.py" --socket "$sock" --model "$model" $size \
                 $precision --repeat "$repeat" --no-sync $dev $tiny >"$rundir/out" 2>"$rundir/err" || rc=$? ;;
     esac
-    tag "$row" "$2" <"$rundir/out"
-    daemons_stop
-    if [ "$rc" != 0 ]; then
-        row_failed "$row" "$2" "$rc"
-        failed=1
-    fi
+    row_end "$row" "$2" "$rc"
 }
 
-run_all() {
-    for row in $(echo "$rows" | tr , ' '); do
-        run_row "$row" "$1"
-    done
-}
-
-failed=0
-[ "$plain" = 0 ] || run_all false
-[ "$mps" = 1 ] || exit "$failed"
-mps_start || exit "$failed"
-run_all true
-exit "$failed"
+rows_run

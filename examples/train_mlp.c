@@ -127,6 +127,20 @@ static dpclip_tensor ten(uint64_t buf, size_t off, int ndim, int64_t s0, int64_t
     return t;
 }
 
+/* A Linear layer of `rows` samples, in features to out, as the daemon reads
+ * it from the buffer: its input and output gradient, and where its private
+ * weight and bias gradients go. */
+static int add_linear(dpclip_step *step, const char *name, uint64_t buf, int rows, int in, int out,
+                      size_t act, size_t grad, size_t gw, size_t gb) {
+    dpclip_linear ly = {.name = name,
+                        .has_bias = 1,
+                        .activations = ten(buf, act, 2, rows, in),
+                        .output_grad = ten(buf, grad, 2, rows, out),
+                        .weight_grad_out = ten(buf, gw, 2, out, in),
+                        .bias_grad_out = ten(buf, gb, 1, out, 0)};
+    return dpclip_step_add_linear(step, &ly);
+}
+
 static void usage(void) {
     fprintf(stderr, "usage: train_mlp [--socket PATH] [--epochs N] [--batch B] [--sigma S] "
                     "[--clip C] [--lr LR]\n");
@@ -251,24 +265,11 @@ int main(int argc, char **argv) {
                 }
             }
             drawn += n;
-            {
-                dpclip_linear fc1 = {.name = "fc1",
-                                     .has_bias = 1,
-                                     .activations = ten(buf, L.x, 2, rows, D),
-                                     .output_grad = ten(buf, L.g1, 2, rows, H),
-                                     .weight_grad_out = ten(buf, L.gw1, 2, H, D),
-                                     .bias_grad_out = ten(buf, L.gb1, 1, H, 0)};
-                dpclip_linear fc2 = {.name = "fc2",
-                                     .has_bias = 1,
-                                     .activations = ten(buf, L.h, 2, rows, H),
-                                     .output_grad = ten(buf, L.g2, 2, rows, K),
-                                     .weight_grad_out = ten(buf, L.gw2, 2, K, H),
-                                     .bias_grad_out = ten(buf, L.gb2, 1, K, 0)};
-                dpclip_step_reset(step, (uint32_t)rows);
-                if (dpclip_step_add_linear(step, &fc1) || dpclip_step_add_linear(step, &fc2)) {
-                    fprintf(stderr, "train_mlp: cannot build the step\n");
-                    goto out;
-                }
+            dpclip_step_reset(step, (uint32_t)rows);
+            if (add_linear(step, "fc1", buf, rows, D, H, L.x, L.g1, L.gw1, L.gb1) ||
+                add_linear(step, "fc2", buf, rows, H, K, L.h, L.g2, L.gw2, L.gb2)) {
+                fprintf(stderr, "train_mlp: cannot build the step\n");
+                goto out;
             }
             if (dpclip_run(c, step, &res)) {
                 fprintf(stderr, "train_mlp: step failed: %s%s%s\n", dpclip_errmsg(c),

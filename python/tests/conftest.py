@@ -16,6 +16,7 @@ once). Code the tests run that is a user's (README.md's example, the
 examples, the bench scripts) trains against `secure_daemon`, one started
 without the fixed seed, which needs no such permission."""
 import ctypes
+import json
 import os
 import select
 import signal
@@ -119,6 +120,17 @@ class Daemon:
             os.rmdir(self.dir)
         except OSError:
             pass
+
+
+def run_rows(script, *args, python=sys.executable):
+    """bench/SCRIPT (run_step_rows.sh, run_parallel_rows.sh) on the CPU
+    (--cpu) against this build's dpclipd, its benches run by `python`: the
+    finished process and its JSON lines."""
+    env = dict(os.environ, DPCLIP_PYTHON=python)
+    proc = subprocess.run(["sh", os.path.join(REPO, "bench", script), os.path.dirname(DPCLIPD),
+                           "--cpu", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          universal_newlines=True, timeout=600, env=env)
+    return proc, [json.loads(l) for l in proc.stdout.splitlines() if l.startswith("{")]
 
 
 def pytest_configure(config):

@@ -6,23 +6,11 @@ being positive (the figures are taken on the GPU machine).
 
     python3 -m pytest -q python/tests/test_bench_rows.py
 """
-import json
-import os
-import subprocess
-import sys
+import functools
 
-from conftest import DPCLIPD
+from conftest import run_rows
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-SCRIPT = os.path.join(REPO, "bench", "run_step_rows.sh")
-
-
-def _run(*args, python=sys.executable):
-    env = dict(os.environ, DPCLIP_PYTHON=python)
-    proc = subprocess.run(["sh", SCRIPT, os.path.dirname(DPCLIPD), "--cpu", *args],
-                          stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                          universal_newlines=True, timeout=600, env=env)
-    return proc, [json.loads(l) for l in proc.stdout.splitlines() if l.startswith("{")]
+_run = functools.partial(run_rows, "run_step_rows.sh")
 
 
 def test_rows_each_tagged(tmp_path):
