@@ -246,10 +246,12 @@ int main(int argc, char **argv) {
             /* an empty batch steps too, as one sample of zeros: its update is
              * the noise alone (skipping it would change what is accounted) */
             const int rows = n ? n : 1;
-            memset(x, 0, sizeof x[0] * (size_t)rows);
-            memset(h, 0, sizeof h[0] * (size_t)rows);
-            memset(g1, 0, sizeof g1[0] * (size_t)rows);
-            memset(g2, 0, sizeof g2[0] * (size_t)rows);
+            if (n == 0) { /* (a drawn batch's rows are all written below) */
+                memset(x[0], 0, sizeof x[0]);
+                memset(h[0], 0, sizeof h[0]);
+                memset(g1[0], 0, sizeof g1[0]);
+                memset(g2[0], 0, sizeof g2[0]);
+            }
             /* forward and backward to the layers' output gradients */
             for (int b = 0; b < n; b++) {
                 int idx = batch[b];
