@@ -68,8 +68,8 @@ static void test_refused_map_runs_nothing(void **state) {
     CUDA_OK(cudaMalloc((void **)&fac, sizeof ones));
     h2d(perm, order, sizeof order);
     h2d(fac, ones, sizeof ones);
-    const dcc_bk_layer bl[2] = {{ok, perm, fac, w, NULL, NULL, NULL},
-                                {refused, perm, fac, w + nw, NULL, NULL, NULL}};
+    const dcc_bk_layer bl[2] = {{ok, perm, fac, w, NULL, NULL, NULL, -1, -1},
+                                {refused, perm, fac, w + nw, NULL, NULL, NULL, -1, -1}};
     CUDA_OK(dcc_linear_clipped_grouped(bl, 1, 1, 0));
     CUDA_OK(cudaMemcpy(hw, w, nw * sizeof *hw, cudaMemcpyDeviceToHost));
     double err = 0.0, big = 0.0;

@@ -131,17 +131,22 @@ static void test_found_maxima(void **state) {
  *    (its f16 output), in the last row and column tile, without clipping or
  *    noise: only that tile's maximum says the value cannot be written;
  * 1: a NaN in a grouped layer's grad (an input the norms catch);
- * 2: noise that no f16 output can hold (layer 2's weight). */
+ * 2: noise that no f16 output can hold (layer 2's weight).
+ * 0 and 1 again with the grouped sums written directly whatever their
+ * bound (DCC_DIRECT_ALWAYS): 0's check launch finds the value, 1's launches
+ * see the failed status, and neither writes. */
 static void test_failures_write_nothing(void **state) {
     (void)state;
     dc_test_rng r;
     dc_test_rng_seed(&r, 777);
-    for (int which = 0; which < 6; which++) {
+    for (int which = 0; which < 8; which++) {
         /* 3-5: the same on two blocks a pass (many chunks each) */
+        const bool force = which >= 6;
         set_switches(1, 1);
-        g_opts.out_blocks = which < 3 ? 0 : 2;
+        g_opts.out_blocks = which < 3 || force ? 0 : 2;
+        if (force) g_opts.bk_direct = DCC_DIRECT_ALWAYS;
         apply_switches();
-        const int w = which % 3;
+        const int w = force ? which - 6 : which % 3;
         set m;
         set_make(&m, &r, w == 0 ? DC_F16 : DC_BF16);
         dc_step ds;
@@ -170,9 +175,13 @@ static void test_failures_write_nothing(void **state) {
         dc_step_result res;
         dc_err err;
         int rc = run(g_cuda, &ds, &res, &err);
-        printf("failure %d%s: %s: %s\n", w, which < 3 ? "" : " (two blocks a pass)", err.field,
-               err.msg);
+        printf("failure %d%s: %s: %s\n", w,
+               force       ? " (direct)"
+               : which < 3 ? ""
+                           : " (two blocks a pass)",
+               err.field, err.msg);
         assert_int_equal(rc, DC_ENONFINITE);
+        if (force) assert_int_equal(dc_cuda_backend_direct_layers(g_cuda), 3);
         assert_non_null(strstr(err.field, field));
         assert_non_null(strstr(err.field, m.h[bad_layer].name));
         assert_outputs_hold(m.d, NL, 3.0f);
@@ -190,11 +199,134 @@ static void test_failures_write_nothing(void **state) {
     }
 }
 
+/* The grouped book-keeping sums written straight into the outputs, noised
+ * in the kernel's epilogue (dcc_linear_clipped_direct), against the same
+ * step staged (DCC_DIRECT_OFF): the same sums, draws and roundings, so the
+ * values agree to what two runs of one path may differ by (differ: the
+ * norms are added atomically, and so are the TF32 layer's sums), most of
+ * them bit for bit: a sum, means by
+ * a power of two and by 6, exact draws; then forced direct where layer 1's
+ * f16 output has no bound that fits (no clipping: the output check's mode
+ * 0, so the check launch and then the commit launch make the sums), which
+ * writes what the staged step writes. The outputs are refilled between the
+ * runs, so that every value compared was written by the run. */
+static void test_direct_matches_staged(void **state) {
+    (void)state;
+    dc_test_rng r;
+    dc_test_rng_seed(&r, 9090);
+    static const char *const names[5] = {"sum", "mean by 8", "mean by 6", "exact draws",
+                                         "forced, mode 0"};
+    for (int mode = 0; mode < 5; mode++) {
+        set m;
+        set_make(&m, &r, mode == 4 ? DC_F16 : DC_BF16);
+        dc_step ds;
+        step_init(&ds, m.d, NL, NB, 0);
+        ds.noise_multiplier = mode == 4 ? 0.0f : 2.0f;
+        if (mode == 1 || mode == 2) {
+            ds.reduction = DC_REDUCTION_MEAN;
+            ds.expected_batch = mode == 1 ? 8 : 6;
+        }
+        if (mode == 4) ds.max_grad_norm = 1e30f; /* 2 B C: past f16 */
+        float *want[NL][2] = {{NULL}}, norms[NB];
+        long exact = 0, total = 0, bad = 0;
+        for (int direct = 0; direct < 2; direct++) {
+            set_switches(1, 1);
+            if (mode == 3) g_opts.noise = DCC_NOISE_EXACT;
+            g_opts.bk_direct = !direct     ? DCC_DIRECT_OFF
+                               : mode == 4 ? DCC_DIRECT_ALWAYS
+                                           : DCC_DIRECT_AUTO;
+            apply_switches();
+            outputs_fill(m.d, NL, direct ? -7.0f : 5.0f);
+            dc_step_result res;
+            dc_err err;
+            int rc = run(g_cuda, &ds, &res, &err);
+            if (rc) fprintf(stderr, "cuda: %s: %s\n", err.field, err.msg);
+            assert_int_equal(rc, 0);
+            assert_int_equal(dc_cuda_backend_direct_layers(g_cuda), direct ? 3 : 0);
+            for (int b = 0; b < NB; b++) {
+                if (!direct) norms[b] = res.norms[b];
+                assert_true(fabsf(res.norms[b] - norms[b]) <= 1e-6f * norms[b]);
+            }
+            /* the noise's scale, which the tolerance is relative to near 0 */
+            const double scale = ds.noise_multiplier * ds.max_grad_norm /
+                                 (ds.reduction == DC_REDUCTION_MEAN ? ds.expected_batch : 1);
+            for (int l = 0; l < NL; l++)
+                for (int k = 0; k < 2; k++) {
+                    const dc_tensor *t = out_of(&m, l, k);
+                    if (!t->data) continue;
+                    float *v = dev_to_f32(t);
+                    if (!direct) {
+                        want[l][k] = v;
+                        continue;
+                    }
+                    /* no noise (mode 4): near 0, relative to the output's
+                     * largest value (the TF32 layer's sums are atomic) */
+                    double big = 0.0;
+                    for (int64_t i = 0; mode == 4 && i < numel(t); i++)
+                        big = fmax(big, fabs(want[l][k][i]));
+                    bad += differ(want[l][k], v, numel(t), t->dtype, mode == 4 ? big : scale,
+                                  &exact);
+                    total += numel(t);
+                    free(v);
+                    free(want[l][k]);
+                }
+            dc_step_result_free(&res);
+        }
+        printf("%s: %ld values, %ld bit-equal to the staged step's, %ld beyond its roundings\n",
+               names[mode], total, exact, bad);
+        assert_true(total > 0);
+        assert_int_equal(bad, 0);
+        set_free(&m);
+    }
+    set_switches(1, 1);
+}
+
+/* What the direct sums save: a fresh instance's workspace after one step of
+ * a 1024 x 1024 grouped layer (4 MiB of f32 staging for its weight), with
+ * and without them. */
+static void test_direct_needs_no_staging(void **state) {
+    (void)state;
+    dc_test_rng r;
+    dc_test_rng_seed(&r, 31);
+    const dc_test_layer_spec sp = {DC_LAYER_LINEAR, 2, 64,           1024, 1024,
+                                   DC_BF16,         1, DC_ALGO_AUTO, 1,    0};
+    dc_layer h, d;
+    dc_test_layer_make(&h, &sp, &r);
+    d = dev_layer(&h);
+    size_t held[2];
+    for (int direct = 0; direct < 2; direct++) {
+        dc_backend *be = NULL;
+        dc_err err;
+        assert_int_equal(dc_cuda_backend_create(0, &be, &err), 0);
+        assert_int_equal(dc_cuda_backend_set_workspace(be, 0, 0, &err), 0);
+        dcc_options o = g_opts;
+        o.bk_direct = direct ? DCC_DIRECT_AUTO : DCC_DIRECT_OFF;
+        dc_cuda_backend_set_options(be, &o);
+        dc_step s;
+        step_init(&s, &d, 1, 2, 0);
+        s.noise_multiplier = 1.0f;
+        dc_step_result res;
+        assert_int_equal(run(be, &s, &res, &err), 0);
+        assert_int_equal(dc_cuda_backend_direct_layers(be), direct);
+        dc_step_result_free(&res);
+        held[direct] = dc_cuda_backend_workspace_bytes(be);
+        dc_backend_destroy(be);
+    }
+    printf("workspace: %zu bytes staged, %zu direct\n", held[0], held[1]);
+    /* 4 MiB less, but for the quarter of margin and the 2 MiB rounding of
+     * what reserve() holds */
+    assert_true(held[1] + ((size_t)3 << 20) <= held[0]);
+    dev_layer_free(&d);
+    dc_test_layer_free(&h);
+}
+
 int main(void) {
     if (cuda_test_skip()) return DC_TEST_SKIP;
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_found_maxima),
         cmocka_unit_test(test_failures_write_nothing),
+        cmocka_unit_test(test_direct_matches_staged),
+        cmocka_unit_test(test_direct_needs_no_staging),
     };
     return cmocka_run_group_tests(tests, cuda_test_setup_gpu_bounds, cuda_test_teardown);
 }

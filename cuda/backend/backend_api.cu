@@ -133,6 +133,10 @@ extern "C" int dc_cuda_backend_kept_direct(const dc_backend *be) {
     return ((const cuda_backend *)be)->sg_direct;
 }
 
+extern "C" int dc_cuda_backend_direct_layers(const dc_backend *be) {
+    return ((const cuda_backend *)be)->bkd_n;
+}
+
 extern "C" int dc_cuda_backend_amax_found(const dc_backend *be) {
     return ((const cuda_backend *)be)->amax_found;
 }

@@ -40,6 +40,8 @@ void cuda_destroy(dc_backend *be) {
     free(cb->woff);
     free(cb->sg_off);
     free(cb->sg_unstaged);
+    free(cb->bk_direct);
+    free(cb->bkd);
     free(cb->sg_out);
     free(cb->bk_layer);
     free(cb->sgl);

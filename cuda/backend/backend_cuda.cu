@@ -161,6 +161,7 @@ struct step_run {
     unsigned how;    /* dc_clip_e_how */
     float noise_std, divisor;
     char *ws;
+    bool refused; /* phase_noise: a direct launch's tensor map refused, nothing written */
 };
 
 /* The per-step tables in the pinned upload block (phase_upload copies them
@@ -171,9 +172,7 @@ int fill_tables(step_run *r, dc_err *err) {
     cuda_backend *cb = r->cb;
     const dc_step *s = r->s;
     const layout &Lo = r->Lo;
-    const uint32_t B = r->B;
     const size_t L = r->L;
-    const bool per_layer = r->per_layer;
     const bool accumulates = r->accumulates;
     int rc = 0;
     /* per-step tables, uploaded in one copy */
@@ -183,7 +182,6 @@ int fill_tables(step_run *r, dc_err *err) {
     double *layer_e = (double *)(up + Lo.layer_e);
     bool excluded = false;
     dcc_out *outs = (dcc_out *)(up + Lo.outs);
-    double noise_c2 = 0.0;
     uint64_t staged = 0, chunks = 0;
     int oi = 0;
     consts[0] = 0.0f;
@@ -202,7 +200,6 @@ int fill_tables(step_run *r, dc_err *err) {
         layer_e[l] = dc_clip_e(s, l, how | (cb->sg_off[l] != SIZE_MAX ? DC_E_KEPT : 0u));
         count[l] = ly->norm_excluded ? 0.0f : 1.0f;
         excluded |= ly->norm_excluded;
-        noise_c2 += (double)ly->max_grad_norm * ly->max_grad_norm;
         for (int k = 0; k < 2; k++) {
             if (!want_out(ly, k)) continue;
             const dc_tensor *t = k ? &ly->bias_grad_out : &ly->weight_grad_out;
@@ -210,9 +207,11 @@ int fill_tables(step_run *r, dc_err *err) {
             numel_out(t, &n);
             outs[oi].dst = t->data;
             /* a kept layer without staging of its own: its kept bytes stand
-             * in (plan_step), used only if the step keeps it after all not */
-            outs[oi].unstaged = cb->sg_unstaged[l];
+             * in (plan_step), used only if the step keeps it after all not;
+             * a direct one's sums need none (grouped_clipped_plan) */
+            outs[oi].unstaged = cb->sg_unstaged[l] || cb->bk_direct[l];
             outs[oi].off = cb->sg_unstaged[l] ? (Lo.sgrad + cb->sg_off[l] - Lo.staging) / 4 + kept_f
+                           : cb->bk_direct[l] ? 0
                                               : staged;
             outs[oi].n = n;
             const dc_noise_src src = dc_step_noise_src(s, ly, l, k);
@@ -229,22 +228,15 @@ int fill_tables(step_run *r, dc_err *err) {
             outs[oi].nz_lo = sp.lo;
             outs[oi].nz_hi = sp.hi;
             oi++;
-            (cb->sg_unstaged[l] ? kept_f : staged) += al4(n);
+            if (!cb->bk_direct[l]) (cb->sg_unstaged[l] ? kept_f : staged) += al4(n);
             chunks += dcc_out_chunks(n);
         }
     }
     tied_offsets(cb, s, outs);
     /* an accumulating micro-batch's sums go to its accumulators as they
      * are: the commit noises and divides the logical batch's once */
-    const float noise_std = accumulates
-                                ? 0.0f
-                                : s->noise_multiplier * (per_layer ? (float)sqrt(noise_c2)
-                                                         : s->noise_norm > 0.0f ? s->noise_norm
-                                                                                : s->max_grad_norm);
-    const float divisor = accumulates ? 1.0f
-                          : s->reduction == DC_REDUCTION_MEAN
-                              ? (float)(s->expected_batch ? s->expected_batch : B)
-                              : 1.0f;
+    float noise_std, divisor;
+    step_scales(s, accumulates, &noise_std, &divisor);
     char *ws = cb->ws;
     cb->bk_n = 0;
     cb->sg_kept = 0;
@@ -463,6 +455,7 @@ int phase_noise(step_run *r, dc_err *err) {
     uint32_t *status = (uint32_t *)(ws + Lo.status), *mode = (uint32_t *)(ws + Lo.mode);
     unsigned long long *bad = (unsigned long long *)(ws + Lo.bad);
     const int zero = s->zero_on_fail ? 1 : 0;
+    bool refused = false; /* the commit launch's: as the first's (the same maps) */
     phase_mark(cb, 4);
     if (opt.one_pass) {
         unsigned grid;
@@ -472,16 +465,20 @@ int phase_noise(step_run *r, dc_err *err) {
                          (float *)(ws + Lo.amax), cb->amax_found < (int)Lo.n_out, status, mode,
                          cb->stream),
            "the output check");
-        /* the kept layers' sums after the check: with mode 1 they go
-         * straight into the outputs */
+        /* the direct and the kept layers' sums after the check: with
+         * mode 1 they go straight into the outputs */
         phase_mark(cb, 5);
+        if ((rc = direct_clipped(cb, &Lo, noise_std, divisor, 0, &r->refused, err))) goto fail;
+        if (r->refused) return 0; /* nothing written yet: run_impl runs the step staged */
         if ((rc = kept_sum(cb, s, &Lo, noise_std, divisor, mode, err))) goto fail;
         phase_mark(cb, 6);
         CK(dcc_out_write(douts, Lo.n_out, grid, staging, noise_std, divisor, mode, status, bad,
                          opt.noise, cb->stream),
            "the noise");
         phase_mark(cb, 7);
-        if ((rc = kept_commit(cb, s, &Lo, noise_std, divisor, mode, err))) goto fail;
+        if ((rc = direct_clipped(cb, &Lo, noise_std, divisor, 1, &refused, err)) ||
+            (rc = kept_commit(cb, s, &Lo, noise_std, divisor, mode, err)))
+            goto fail;
         CK(dcc_out_commit(douts, Lo.n_out, grid, staging, mode, status, zero, cb->stream),
            "the commit");
         CK(dcc_commit(douts, 0, 0, staging, status, (const float *)(ws + Lo.norms),
@@ -675,10 +672,10 @@ int run_impl(dc_backend *be, const dc_step *s, dc_step_result *res, dc_err *err,
     if ((rc = plan_step(cb, s, keep, unstage, &Lo, err))) return rc;
     if (to_store && Lo.sgrad_bytes) {
         if ((store = kept_take(cb, Lo.sgrad_bytes, L))) Lo.total = Lo.sgrad;
-        else if ((rc = plan_step(cb, s, KEEP_NONE, false, &Lo, err))) return rc;
+        else if ((rc = plan_step(cb, s, KEEP_NONE, unstage, &Lo, err))) return rc;
     }
     if (!store && Lo.sgrad_bytes && !keep_fits(cb, &Lo) &&
-        (rc = plan_step(cb, s, KEEP_NONE, false, &Lo, err)))
+        (rc = plan_step(cb, s, KEEP_NONE, unstage, &Lo, err)))
         return rc;
     if ((rc = reserve(cb, &Lo, err))) {
         /* kept gradients are an optimisation: without them the step may fit */
@@ -686,7 +683,7 @@ int run_impl(dc_backend *be, const dc_step *s, dc_step_result *res, dc_err *err,
         dc_err_clear(err);
         if (store) kept_give(be, &store->pub);
         store = NULL;
-        if ((rc = plan_step(cb, s, KEEP_NONE, false, &Lo, err)) || (rc = reserve(cb, &Lo, err)))
+        if ((rc = plan_step(cb, s, KEEP_NONE, unstage, &Lo, err)) || (rc = reserve(cb, &Lo, err)))
             return rc;
     }
     if (io.kept_in && (rc = kept_apply(cb, s, io.kept_in, io.kept_at, &applied, err))) return rc;
@@ -718,7 +715,18 @@ int run_impl(dc_backend *be, const dc_step *s, dc_step_result *res, dc_err *err,
                         cb->device, cb->sg_kept, applied);
         goto fail;
     }
-    if ((rc = phase_noise(&r, err)) || (rc = phase_home(&r, err))) goto fail;
+    r.refused = false;
+    if ((rc = phase_noise(&r, err))) goto fail;
+    if (r.refused) {
+        /* a tensor map of a direct layer refused (nothing written): the
+         * step again, those layers staged and summed per layer */
+        (void)cudaStreamSynchronize(cb->stream);
+        cb->bk_direct_off = true;
+        rc = run_impl(be, r.orig, res, err, io);
+        cb->bk_direct_off = false;
+        return rc;
+    }
+    if ((rc = phase_home(&r, err))) goto fail;
     return take_results(&r, err);
 
 fail:

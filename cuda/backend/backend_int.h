@@ -4,6 +4,7 @@
 #ifndef DC_CUDA_BACKEND_INT_H
 #define DC_CUDA_BACKEND_INT_H
 
+#include <math.h>
 #include <pthread.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -56,6 +57,14 @@ struct cuda_backend {
      * that ends up not keeping them uses, lies in their kept bytes (the
      * kept sum checks and writes them itself: dcc_out.unstaged) */
     bool *sg_unstaged;
+    /* [lay_cap] a grouped book-keeping layer whose sums go straight into
+     * its outputs, noised, with no staging (plan_step, a one-pass whole
+     * step: dcc_linear_clipped_direct after the output check); its
+     * outputs are noised and unstaged in the table, with a bound */
+    bool *bk_direct;
+    dcc_bk_layer *bkd; /* [lay_cap] their entries (grouped_clipped), bkd_n of them */
+    int bkd_n;
+    bool bk_direct_off; /* a step run again without them (a refused tensor map) */
     /* where sg_off counts from: the workspace's kept area (a whole step's),
      * or a norm phase's kept store (backend_kept.cu) */
     char *sg_base;
@@ -165,6 +174,46 @@ inline dcc_norm norm_of(const dc_layer *ly, int B) {
 
 inline bool want_out(const dc_layer *l, int k) {
     return k == 0 ? l->weight_grad_out.data != NULL : (l->has_bias && l->bias_grad_out.data);
+}
+
+/* A bound on |.| of any element of a layer's clipped sums, known before
+ * they are made: each sample's clipped gradient has norm c_b n_b <= C (its
+ * layer's C when clipping per layer, else the flat one, over a total that
+ * counts this layer), so no element of the B samples' sum exceeds B C.
+ * Twice that covers the f32 roundings of the norms, the coefficients and
+ * the sum many times over. 0 (none known) for a layer that another member
+ * of a fused group step counts. The output check takes it for the outputs
+ * whose sums come after it (dcc_out.bound). */
+inline float out_bound(const dc_step *s, const dc_layer *ly) {
+    if (ly->norm_excluded) return 0.0f;
+    const double C = s->mode == DC_CLIP_PER_LAYER ? ly->max_grad_norm : s->max_grad_norm;
+    const double b = 2.0 * (double)s->batch * C;
+    return b > 0.0 && b < 3e38 ? (float)b : 0.0f;
+}
+
+/* The std of a step's noise and the divisor of its outputs (a micro-batch
+ * that accumulates: none, 1: the commit noises and divides once). */
+inline void step_scales(const dc_step *s, bool accumulates, float *std, float *divisor) {
+    double c2 = 0.0;
+    for (size_t l = 0; l < s->n_layers; l++)
+        c2 += (double)s->layers[l].max_grad_norm * s->layers[l].max_grad_norm;
+    *std = accumulates ? 0.0f
+                       : s->noise_multiplier * (s->mode == DC_CLIP_PER_LAYER ? (float)sqrt(c2)
+                                                : s->noise_norm > 0.0f       ? s->noise_norm
+                                                                             : s->max_grad_norm);
+    *divisor = accumulates ? 1.0f
+               : s->reduction == DC_REDUCTION_MEAN
+                   ? (float)(s->expected_batch ? s->expected_batch : s->batch)
+                   : 1.0f;
+}
+
+/* Whether no value of an output of dtype whose sums are bounded by `bound`
+ * can leave the dtype once noised and divided: the output check's test
+ * (clip.cu, out_decide_kernel), made on the host. */
+inline bool bound_fits(float bound, int dtype, float std, float divisor) {
+    const double b = ((double)bound + 8.6 * (double)std) * 1.0001 / (double)divisor;
+    const double lim = dtype == DC_F16 ? 65504.0 : dtype == DC_BF16 ? 3.38e38 : 3.4e38;
+    return bound > 0.0f && b < lim;
 }
 
 /* A step's workspace (backend_plan.cu). ws_alloc: holds `want` bytes of
@@ -296,6 +345,13 @@ int kept_sum(cuda_backend *cb, const dc_step *s, const layout *Lo, float noise_s
              const uint32_t *mode, dc_err *err);
 int kept_commit(cuda_backend *cb, const dc_step *s, const layout *Lo, float noise_std,
                 float divisor, const uint32_t *mode, dc_err *err);
+/* The direct layers' sums that grouped_clipped set aside (cb->bkd, bkd_n),
+ * after the output check: written with mode 1, checked only in mode 0;
+ * commit: the launch that writes them in mode 0 once every other output
+ * is checked (dcc_linear_clipped_direct). *refused: the driver refused a
+ * tensor map and nothing ran (the step is then run again staged). */
+int direct_clipped(cuda_backend *cb, const layout *Lo, float noise_std, float divisor, int commit,
+                   bool *refused, dc_err *err);
 int grouped_norms(cuda_backend *cb, const dc_step *s, const layout *Lo, float s2, dc_err *err);
 int snapshot_indices(cuda_backend *cb, const dc_step *s, const layout *Lo, dc_step *out,
                      dc_err *err);

@@ -164,20 +164,6 @@ fail:
     return rc;
 }
 
-/* A bound on |.| of any element of a kept layer's sums, known before they
- * are made: each sample's clipped gradient has norm c_b n_b <= C (its
- * layer's C when clipping per layer, else the flat one, over a total that
- * counts this layer), so no element of the B samples' sum exceeds B C.
- * Twice that covers the f32 roundings of the norms, the coefficients and
- * the sum many times over. 0 (none known) for a layer that another member
- * of a fused group step counts. */
-static float kept_bound(const dc_step *s, const dc_layer *ly) {
-    if (ly->norm_excluded) return 0.0f;
-    const double C = s->mode == DC_CLIP_PER_LAYER ? ly->max_grad_norm : s->max_grad_norm;
-    const double b = 2.0 * (double)s->batch * C;
-    return b > 0.0 && b < 3e38 ? (float)b : 0.0f;
-}
-
 /* The grouped book-keeping launch for every LINEAR layer that qualifies and
  * wants its weight sum: its entries in cb->bk (cb->bk_n) and its marks in
  * cb->bk_grouped, so that layer_clipped skips those layers. The outputs it
@@ -206,6 +192,8 @@ int grouped_clipped_plan(cuda_backend *cb, const dc_step *s, const layout *Lo, d
         e->w = staging + cb->woff[l]; /* a tied layer's: its owner's */
         e->bias = idx[1] >= 0 ? staging + outs[idx[1]].off : NULL;
         e->amax_w = e->amax_b = NULL;
+        e->oi_w = cb->bk_direct[l] ? idx[0] : -1;
+        e->oi_b = cb->bk_direct[l] ? idx[1] : -1;
         for (int k = 0; k < 2; k++) {
             if (idx[k] < 0) continue;
             outs[idx[k]].amax_found = 1;
@@ -213,11 +201,12 @@ int grouped_clipped_plan(cuda_backend *cb, const dc_step *s, const layout *Lo, d
             marked++;
         }
         cb->bk_grouped[l] = true;
-        if (cb->sg_off[l] != SIZE_MAX && cb->sg_noised) /* the kept sum noises them */
+        /* the kept sum noises them, or the direct one (after the check) */
+        if ((cb->sg_off[l] != SIZE_MAX && cb->sg_noised) || cb->bk_direct[l])
             for (int k = 0; k < 2; k++)
                 if (idx[k] >= 0) {
                     outs[idx[k]].noised = 1;
-                    outs[idx[k]].bound = kept_bound(s, ly);
+                    outs[idx[k]].bound = out_bound(s, ly);
                 }
     }
     cb->bk_n = n;
@@ -278,12 +267,18 @@ int grouped_clipped(cuda_backend *cb, const dc_step *s, const layout *Lo, const 
     const int B = (int)s->batch;
     int rc = 0, n = 0, k = 0;
     cudaError_t e;
+    cb->bkd_n = 0;
     if (cb->bk_n == 0) return 0;
     /* the layers whose norms kept their per-sample gradients: a pass over
-     * those (sgrad.cu), the others' entries moved up for the GEMM */
+     * those (sgrad.cu); the direct ones' entries aside for after the output
+     * check (direct_clipped); the others' moved up for the GEMM */
     for (int i = 0; i < cb->bk_n; i++) {
         const int l = cb->bk_layer[i];
         const dcc_bk_layer *b = &cb->bk[i];
+        if (cb->bk_direct[l]) {
+            cb->bkd[cb->bkd_n++] = *b;
+            continue;
+        }
         if (cb->sg_off[l] == SIZE_MAX) {
             cb->bk_layer[n] = l;
             cb->bk[n++] = *b;
@@ -309,16 +304,35 @@ int grouped_clipped(cuda_backend *cb, const dc_step *s, const layout *Lo, const 
     }
     cb->bk_n = n;
     cb->sg_kept = k;
-    if (n == 0) return 0;
+    if (n == 0 && cb->bkd_n == 0) return 0;
     CK(dcc_bk_order((const float *)(cb->ws + Lo->cs), (int)s->n_layers, B,
                     (int *)(cb->ws + Lo->perm), (float *)(cb->ws + Lo->fac), cb->stream),
        "the sample order");
     e = dcc_linear_clipped_grouped(cb->bk, cb->bk_n, cb->opt.grouped_layers, cb->stream);
-    if (e == cudaErrorNotSupported) {
+    if (e == cudaErrorNotSupported) { /* nothing ran: those layers per layer */
         for (int i = 0; i < n; i++) cb->bk_grouped[cb->bk_layer[i]] = false;
         return amax_undo(cb, Lo, err);
     }
     CK(e, "the grouped clipped-sum kernel");
+fail:
+    return rc;
+}
+
+int direct_clipped(cuda_backend *cb, const layout *Lo, float noise_std, float divisor, int commit,
+                   bool *refused, dc_err *err) {
+    int rc = 0;
+    *refused = false;
+    if (cb->bkd_n == 0) return 0;
+    char *ws = cb->ws;
+    cudaError_t e = dcc_linear_clipped_direct(
+        cb->bkd, cb->bkd_n, cb->opt.grouped_layers, (const dcc_out *)(ws + Lo->up + Lo->outs),
+        noise_std, divisor, (const uint32_t *)(ws + Lo->mode), (uint32_t *)(ws + Lo->status),
+        (unsigned long long *)(ws + Lo->bad), commit, cb->opt.noise, cb->stream);
+    if (e == cudaErrorNotSupported && !commit) {
+        *refused = true;
+        return 0;
+    }
+    CK(e, "the direct clipped-sum kernel");
 fail:
     return rc;
 }

@@ -72,6 +72,43 @@ size_t keep_bytes(const cuda_backend *cb, const dc_step *s, size_t l, keep_mode 
     return al(dcc_sgrad_bytes(&x));
 }
 
+/* Whether a one-pass whole step may write its grouped book-keeping sums
+ * straight into their outputs (cb->bk_direct): not a micro-batch (its
+ * accumulators fold in before the noise), and every output of the step
+ * provably fits its dtype once noised (bound_fits), so that the output
+ * check takes mode 1; where it might not, the direct sums would run twice
+ * (check, then commit) and staging is cheaper. */
+bool direct_step(const cuda_backend *cb, const dc_step *s) {
+    if (!cb->opt.grouped || cb->opt.bk_direct == DCC_DIRECT_OFF || cb->bk_direct_off ||
+        s->acc != DC_ACC_NONE)
+        return false;
+    if (cb->opt.bk_direct == DCC_DIRECT_ALWAYS) return true;
+    float std, divisor;
+    step_scales(s, false, &std, &divisor);
+    for (size_t l = 0; l < s->n_layers; l++) {
+        const dc_layer *ly = &s->layers[l];
+        for (int k = 0; k < 2; k++)
+            if (want_out(ly, k) &&
+                !bound_fits(out_bound(s, ly), (k ? ly->bias_grad_out : ly->weight_grad_out).dtype,
+                            std, divisor))
+                return false;
+    }
+    return true;
+}
+
+/* Whether layer l of such a step goes direct: a LINEAR layer of the grouped
+ * book-keeping kernel that wants its weight sum, whose per-sample
+ * gradients are not kept (their sum is sgrad.cu's), not tied (an embedding
+ * adds onto its weight), with no noise range (a sums step's). */
+bool direct_layer(const cuda_backend *cb, const dc_step *s, size_t l) {
+    const dc_layer *ly = &s->layers[l];
+    if (ly->kind != DC_LAYER_LINEAR || !want_out(ly, 0) || ly->tie || cb->sg_off[l] != SIZE_MAX ||
+        ly->noise_w.set || ly->noise_b.set)
+        return false;
+    dcc_linear x = linear_of(cb, ly, (int)s->batch, ly->has_bias, false);
+    return dcc_bk_grouped_ok(&x) != 0;
+}
+
 /* p grown to n elements (what it held kept); false, and p as it was, when
  * out of memory: the per-layer arrays grow together, and a step that
  * fails here leaves lay_cap, so the next one grows them all again. */
@@ -140,7 +177,8 @@ int dcb::plan_step(cuda_backend *cb, const dc_step *s, keep_mode keep, bool unst
         if (!grow(cb->lay_off, L) || !grow(cb->bk, L) || !grow(cb->bk_grouped, L) ||
             !grow(cb->nm, L) || !grow(cb->nm_grouped, L) || !grow(cb->safe, L) ||
             !grow(cb->woff, L) || !grow(cb->sg_off, L) || !grow(cb->sg_unstaged, L) ||
-            !grow(cb->bk_layer, L) || !grow(cb->sg_out, 2 * L) || !grow(cb->sgl, L))
+            !grow(cb->bk_direct, L) || !grow(cb->bkd, L) || !grow(cb->bk_layer, L) ||
+            !grow(cb->sg_out, 2 * L) || !grow(cb->sgl, L))
             return dc_err_set(err, DC_ENOSPACE, "", "out of memory");
         cb->lay_cap = L;
     }
@@ -226,7 +264,7 @@ int dcb::plan_step(cuda_backend *cb, const dc_step *s, keep_mode keep, bool unst
      * all not would need lies in its kept bytes, which hold at least as
      * much from two samples on (B d p bf16 against d p f32). */
     const size_t full = tail(s, cb, Lo, o, staged, temp, bsum);
-    uint64_t given = 0; /* floats of staging the kept layers gave up */
+    uint64_t given = 0; /* floats of staging the kept (and direct) layers gave up */
     Lo->sgrad_bytes = 0;
     for (size_t l = 0; l < L; l++) {
         cb->sg_off[l] = SIZE_MAX;
@@ -246,6 +284,12 @@ int dcb::plan_step(cuda_backend *cb, const dc_step *s, keep_mode keep, bool unst
         cb->sg_unstaged[l] = un;
         given += un ? f : 0;
         Lo->sgrad_bytes += need;
+    }
+    /* the direct layers give up their staging too */
+    const bool direct = unstage && direct_step(cb, s);
+    for (size_t l = 0; l < L; l++) {
+        cb->bk_direct[l] = direct && direct_layer(cb, s, l);
+        if (cb->bk_direct[l]) given += stage_floats(&s->layers[l]);
     }
     Lo->staged = staged - given;
     Lo->sgrad = given ? tail(s, cb, Lo, o, staged - given, temp, bsum) : full;

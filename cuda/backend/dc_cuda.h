@@ -90,6 +90,10 @@ int dc_cuda_backend_kept_layers(const dc_backend *be);
 /* Whether the last step's kept layers' sums went straight into their
  * outputs (the output check's mode 1) rather than through staging. */
 int dc_cuda_backend_kept_direct(const dc_backend *be);
+/* How many LINEAR layers of the last step had their book-keeping sums
+ * written straight into their outputs, without staging (the grouped
+ * kernel's direct epilogue: a one-pass whole step; DPCLIP_CUDA_BK_DIRECT). */
+int dc_cuda_backend_direct_layers(const dc_backend *be);
 
 /* The DPCLIP_CUDA_* switches the instance follows (cuda/prims/dcc_types.h,
  * dcc_options): read from the environment when it was made; tests and
@@ -99,8 +103,9 @@ void dc_cuda_backend_get_options(const dc_backend *be, struct dcc_options *out);
 void dc_cuda_backend_set_options(dc_backend *be, const struct dcc_options *o);
 
 /* How many outputs of the last step had their max |.| found by the grouped
- * clipped sum's epilogue rather than by a pass of the output check. For
- * tests and benchmarks. */
+ * clipped sum's epilogue rather than by a pass of the output check (those
+ * it writes directly: a bound known before stands for it). For tests and
+ * benchmarks. */
 int dc_cuda_backend_amax_found(const dc_backend *be);
 
 /* Device workspace currently held by the instance, in bytes (not the kept

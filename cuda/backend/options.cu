@@ -33,6 +33,7 @@ extern "C" void dcc_options_default(dcc_options *o) {
     memset(o, 0, sizeof *o);
     o->tf32 = o->grouped = o->one_pass = o->profile = o->wgmma = o->pdl = o->persist = true;
     o->sgrad = DCC_SGRAD_AUTO;
+    o->bk_direct = DCC_DIRECT_AUTO;
     o->grouped_min = -1;
     o->grouped_layers = INT_MAX;
     o->noise = DCC_NOISE_FAST;
@@ -45,6 +46,7 @@ extern "C" void dcc_options_from_env(dcc_options *o) {
     o->tf32 = on("DPCLIP_CUDA_TF32");
     o->grouped = on("DPCLIP_CUDA_GROUPED");
     o->one_pass = on("DPCLIP_CUDA_ONE_PASS");
+    o->bk_direct = on("DPCLIP_CUDA_BK_DIRECT") ? DCC_DIRECT_AUTO : DCC_DIRECT_OFF;
     o->profile = on("DPCLIP_CUDA_PROFILE");
     o->wgmma = on("DPCLIP_CUDA_WGMMA");
     o->pdl = on("DPCLIP_CUDA_PDL");

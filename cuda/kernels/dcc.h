@@ -150,6 +150,9 @@ typedef struct dcc_bk_layer {
      * epilogue raises *amax_w (*amax_b) to, as bits: dcc_out_check's amax
      * of that output, found without a pass over it (dcc_out.amax_found) */
     unsigned *amax_w, *amax_b;
+    /* dcc_linear_clipped_direct: the weight's and the bias's index in the
+     * step's output table (-1: none; w and bias are then not read) */
+    int oi_w, oi_b;
 } dcc_bk_layer;
 /* Whether a layer qualifies (bf16/f16 with 16-byte rows, T >= 64, sm_90a,
  * TMA available); the others use dcc_linear_clipped_tc or cuBLAS. */
@@ -161,6 +164,22 @@ int dcc_bk_grouped_ok(const dcc_linear *L);
  * run every layer another way (the same for dcc_linear_sqnorms_grouped). */
 cudaError_t dcc_linear_clipped_grouped(const dcc_bk_layer *layers, int n, int max_layers,
                                        cudaStream_t st);
+/* The same sums written straight into the step's outputs (outs: its table
+ * in device memory; layer i's at oi_w, oi_b), each value noised, divided
+ * and stored as the output pass would (dcc_out_write, bit for bit), no
+ * staging. Queued after dcc_out_check, whose *mode it reads: mode 1 writes;
+ * mode 0 with *status 0 only checks each value in its dtype (a bad one sets
+ * DCC_STATUS_OUTPUT and lowers *bad), and the launch with commit = 1, queued
+ * once every other output is checked, makes the sums again and writes them
+ * unless *status is set; mode 1 checks as it writes (a client that rewrote
+ * its tensors during the step may exceed the bound the check took: the
+ * step then fails, having written). noise: DCC_NOISE_*. cudaErrorNotSupported
+ * as for dcc_linear_clipped_grouped: nothing ran. */
+cudaError_t dcc_linear_clipped_direct(const dcc_bk_layer *layers, int n, int max_layers,
+                                      const dcc_out *outs, float std, float divisor,
+                                      const uint32_t *mode, uint32_t *status,
+                                      unsigned long long *bad, int commit, int noise,
+                                      cudaStream_t st);
 /* For each of L layers of coefficients cs[l*B + b]: perm[l*B + k] = the
  * samples in ascending order of cs (NaN last, ties by index), fac[l*B + k] =
  * cs[perm[k-1]] / cs[perm[k]] for k >= 1 (0 where the divisor is 0) and

@@ -47,6 +47,7 @@
 #include <string.h>
 
 #include "dcc.h"
+#include "dcc_out.cuh"
 #include "dcc_path.h"
 #include "dcc_tma.cuh"
 #include "dcc_util.cuh"
@@ -64,6 +65,18 @@ struct g_entry {
     float *bias;               /* clipped: bias [p] or NULL */
     unsigned *amax_w, *amax_b; /* clipped: their max |.| (dcc_bk_layer); NULL: none */
     int T, d, p, tiles_n, item0, has_bias;
+    int oi_w, oi_b; /* direct: the outputs in g_direct.outs (-1: none) */
+};
+/* The direct epilogue's step-wide part (dcc_linear_clipped_direct): the
+ * step's output table on the device, the output check's mode, the status
+ * word and first bad element, the noise and the divisor. */
+struct g_direct {
+    const dcc_out *outs;
+    const uint32_t *mode;
+    uint32_t *status;
+    unsigned long long *bad;
+    float std, divisor;
+    int commit, noise;
 };
 /* N: the most layers a launch takes; a lone layer's launch (1) passes
  * 400 bytes of parameters instead of 32 KiB, which the driver copies at
@@ -72,6 +85,7 @@ template <int N> struct g_params_n {
     g_entry e[N];
     int n, items, B;
     float s2;
+    g_direct dir;
 };
 using g_params = g_params_n<GMAXL>;
 static_assert(sizeof(g_params) <= 32764, "the kernel parameter limit (CUDA 12.1+)");
@@ -224,16 +238,115 @@ __global__ void __launch_bounds__(CT, 1) norms_grouped(const __grid_constant__ P
     }
 }
 
-template <typename TI>
-__global__ void __launch_bounds__(CT, 1) clipped_grouped(const __grid_constant__ g_params P) {
+/* The clipped sums' epilogues: into f32 staging with the max |.| (STAGE),
+ * or (DIRECT: dcc_linear_clipped_direct) noised, divided and checked as
+ * the output pass would (clip.cu's write_chunk: the same draws, the same
+ * roundings, bit for bit), then stored in the output's dtype. */
+enum { CG_STAGE = 0, CG_DIRECT_FAST = 1, CG_DIRECT_EXACT = 2 };
+
+/* An element of output oi not finite in its dtype: the step fails. */
+__device__ __forceinline__ void cg_bad(const g_direct &D, int oi, int64_t i) {
+    atomicOr(D.status, DCC_STATUS_OUTPUT);
+    atomicMin(D.bad, ((unsigned long long)oi << 40) | (unsigned long long)i);
+}
+
+/* The weight tile at (m0, n0) of the direct epilogue: sixteen chunks of the
+ * wide form's eight registers each (dcc_wide_draw8), v = (cl acc + std z)
+ * / divisor, checked and (store) written. A loop, not unrolled: sixteen
+ * copies of the draws were 150 KB of code, which the instruction cache
+ * did not hold (the clipped sums 50% slower); the accumulators move down
+ * a chunk each round instead, so that every index stays static and all[]
+ * in registers. */
+template <int NOISE>
+__device__ __forceinline__ void cg_direct_w(const g_direct &D, const g_entry &E, float cl,
+                                            float (&all)[128], int m0, int n0, bool store) {
+    const dcc_out &o = D.outs[E.oi_w];
+    const uint64_t key = o.key, step = o.step;
+    const uint32_t stream = o.stream;
+    void *const dst = o.dst;
+    const int d = E.d, p = E.p, dt = o.dtype;
+    const dcc_div div = dcc_div_make(D.divisor);
+    const bool divide = D.divisor != 1.0f, noise = D.std != 0.0f;
+    int mt, nt;
+    dcc_wide_at(0, m0, n0, mt, nt);
+    const bool col_ok[2] = {nt < d, nt + 8 < d};
+    int64_t first = INT64_MAX;
+#pragma unroll 1
+    for (int j = 0; j < 16; j++) {
+        float v[8];
+#pragma unroll
+        for (int k = 0; k < 8; k++) v[k] = cl * all[k];
+#pragma unroll
+        for (int k = 0; k < 120; k++) all[k] = all[k + 8];
+        const int mj = mt + 16 * j;
+        const int64_t ij = (int64_t)mj * d + nt; /* register 8 j's element */
+        if (noise) {
+            float z[8];
+            dcc_wide_draw8<NOISE>(key, step, stream, ij, d, z);
+#pragma unroll
+            for (int k = 0; k < 8; k++) v[k] = dcc_noised(v[k], D.std, z[k]);
+        }
+        if (divide)
+#pragma unroll
+            for (int k = 0; k < 8; k++) v[k] = dcc_div_by(div, v[k]);
+#pragma unroll
+        for (int k = 0; k < 8; k++) {
+            const int dr = 8 * (k >> 2) + (k & 1);
+            if (mj + dr >= p || !col_ok[(k >> 1) & 1]) continue;
+            const int64_t i = ij + (int64_t)dr * d + ((k & 2) ? 8 : 0);
+            if (dcc_bad_as(v[k], dt) && i < first) first = i;
+            if (store) dcc_store_as(dst, dt, (uint64_t)i, v[k]);
+        }
+    }
+    if (first != INT64_MAX) cg_bad(D, E.oi_w, first);
+}
+
+/* The bias rows of the direct epilogue: this thread's row m (< 256 a tile),
+ * y its clipped sum; pairs of adjacent rows share a draw. */
+template <int NOISE>
+__device__ __forceinline__ void cg_direct_b(const g_direct &D, const g_entry &E, int m, float y,
+                                            bool store) {
+    if (m >= E.p) return;
+    const dcc_out &o = D.outs[E.oi_b];
+    if (D.std != 0.0f) {
+        float z0, z1;
+        draw_pair(NOISE, o.key, o.step, o.stream, (uint64_t)(m >> 1), z0, z1);
+        y = dcc_noised(y, D.std, (m & 1) ? z1 : z0);
+    }
+    if (D.divisor != 1.0f) y = dcc_div_by(dcc_div_make(D.divisor), y);
+    if (dcc_bad_as(y, o.dtype)) cg_bad(D, E.oi_b, m);
+    if (store) dcc_store_as(o.dst, o.dtype, (uint64_t)m, y);
+}
+
+/* Threads of a clipped-sum launch: the direct epilogue's draws need more
+ * registers beside the 128 accumulators than a CTA of 9 warps may hold
+ * (168, as for tma_ghost_wide), so its producer is a whole warpgroup that
+ * gives its registers to the consumers (setmaxnreg). */
+template <int EPI> constexpr int cg_threads() { return EPI == CG_STAGE ? CT : CT_WIDE; }
+
+template <typename TI, int EPI>
+__global__ void __launch_bounds__(cg_threads<EPI>(), 1)
+    clipped_grouped(const __grid_constant__ g_params P) {
     extern __shared__ unsigned char smem[];
     __shared__ __align__(8) uint64_t bar_mem[2 * GST];
     __shared__ __align__(16) float cs[512];
+    constexpr int NOISE = EPI == CG_DIRECT_EXACT ? DCC_NOISE_EXACT : DCC_NOISE_FAST;
+    /* Direct: after the output check. Mode 1 writes the outputs; mode 0
+     * (some output might leave its dtype) with status 0 only checks them,
+     * and the commit launch, once every output is checked and none failed,
+     * makes the sums again and writes them; a failed step runs neither. */
+    bool store = true;
+    if (EPI != CG_STAGE) {
+        const bool m1 = *P.dir.mode == 1u, ok = *P.dir.status == 0u;
+        if (P.dir.commit ? m1 || !ok : !m1 && !ok) return; /* uniform over the grid */
+        store = P.dir.commit || m1;
+    }
     const uint32_t sbase = (dcc_smem(smem) + 1023u) & ~1023u;
     const uint32_t bars = init_bars<GST>(bar_mem);
     const int B = P.B;
 
-    if (threadIdx.x >= 256) { /* producer warp */
+    if (threadIdx.x >= 256) { /* producer warp (direct: warpgroup) */
+        if (EPI != CG_STAGE) asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
         if (threadIdx.x == 256) {
             int u = 0;
             for (int r = 0, it; (it = round_item<false>(r, P.items)) != ITEM_END; r++) {
@@ -254,13 +367,14 @@ __global__ void __launch_bounds__(CT, 1) clipped_grouped(const __grid_constant__
         }
         return;
     }
+    if (EPI != CG_STAGE) asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory");
     int u = 0;
     for (int r = 0, it; (it = round_item<false>(r, P.items)) != ITEM_END; r++) {
         if (it == ITEM_NONE) continue; /* the last round has fewer items than CTAs */
         const g_entry &E = P.e[g_find(P, it)];
         const item_at x = clipped_item(E, it);
         const int ktn = (E.T + WBK - 1) / WBK, d = E.d, p = E.p, m0 = x.m0, n0 = x.n0;
-        const bool do_bias = E.bias != nullptr && x.tn == 0;
+        const bool do_bias = (EPI == CG_STAGE ? E.bias != nullptr : E.oi_b >= 0) && x.tn == 0;
         float acc[GMI][64], bs0 = 0.0f, bs1 = 0.0f;
         for (int k = 0; k < B; k++) {
             if (k > 0) { /* Horner: rescale to the next (larger) coefficient */
@@ -277,10 +391,18 @@ __global__ void __launch_bounds__(CT, 1) clipped_grouped(const __grid_constant__
             u += ktn;
         }
         const float cl = E.fac[0];
+        if (EPI != CG_STAGE) {
+            float(&all)[128] = *reinterpret_cast<float(*)[128]>(&acc[0][0]);
+            if (E.oi_w >= 0) cg_direct_w<NOISE>(P.dir, E, cl, all, m0, n0, store);
+            if (do_bias)
+                cg_direct_b<NOISE>(P.dir, E, m0 + (int)threadIdx.x, cl * colsum_total(cs, bs0, bs1),
+                                   store);
+            continue;
+        }
+        const float(&all)[128] = *reinterpret_cast<const float(*)[128]>(&acc[0][0]);
         float *w = E.out;
         /* accumulator: the wide form's (dcc_wide_at); the max |.| as bits
          * (NaN above all) into *amax_w */
-        const float(&all)[128] = *reinterpret_cast<const float(*)[128]>(&acc[0][0]);
         unsigned am = 0;
 #pragma unroll
         for (int i = 0; i < 128; i++) {
@@ -306,19 +428,20 @@ __global__ void __launch_bounds__(CT, 1) clipped_grouped(const __grid_constant__
 #else
 
 template <typename TI, typename PT> __global__ void norms_grouped(const __grid_constant__ PT) {}
-template <typename TI> __global__ void clipped_grouped(const __grid_constant__ g_params) {}
+template <typename TI, int EPI> __global__ void clipped_grouped(const __grid_constant__ g_params) {}
 
 #endif
 
 /* One persistent launch over P's layers: a CTA per SM at most. */
-template <typename PT> cudaError_t launch(void (*kern)(PT), const PT &P, cudaStream_t st) {
+template <typename PT>
+cudaError_t launch(void (*kern)(PT), const PT &P, cudaStream_t st, int threads = CT) {
     if (P.items == 0) return cudaSuccess;
     const int smem = tma_direct_smem<GMI>();
     cudaError_t e = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
     int sms;
     if (e != cudaSuccess || (e = dcc_sm_count(&sms)) != cudaSuccess) return e;
     unsigned grid = (unsigned)(P.items < sms ? P.items : sms);
-    kern<<<grid, CT, smem, st>>>(P);
+    kern<<<grid, threads, smem, st>>>(P);
     return cudaGetLastError();
 }
 
@@ -342,9 +465,14 @@ bool entry_init(g_entry &E, const dcc_linear *L, int64_t item0) {
  * first launch, so that a map the driver refuses (cudaErrorNotSupported)
  * means nothing ran: the per-layer fallback then cannot add a second time
  * into n2 rows an earlier chunk already added to. */
+/* What run_chunks launches: the norms, or the clipped sums with an
+ * epilogue (CG_*) */
+enum { RC_NORMS = -1 };
+
 template <typename Lin, typename Fill>
-cudaError_t run_chunks(Lin Ls, int n, int B, float s2, bool clipped, int max_layers, Fill fill,
-                       cudaStream_t st) {
+cudaError_t run_chunks(Lin Ls, int n, int B, float s2, int kind, const g_direct *dir,
+                       int max_layers, Fill fill, cudaStream_t st) {
+    const bool clipped = kind != RC_NORMS;
     const int per = max_layers < 1 ? 1 : max_layers < GMAXL ? max_layers : GMAXL;
     /* a launch takes up to `per` consecutive layers of one input dtype */
     auto len = [&](int i) {
@@ -380,18 +508,43 @@ cudaError_t run_chunks(Lin Ls, int n, int B, float s2, bool clipped, int max_lay
         P.items = (int)items;
         P.B = B;
         P.s2 = s2;
+        if (dir) P.dir = *dir;
         i += j;
     }
     for (int c = 0, i = 0; c < chunks && e == cudaSuccess; c++) {
         const bool bf = Ls(i)->ta == DC_BF16;
-        e = launch(clipped ? (bf ? clipped_grouped<dcc_bf16> : clipped_grouped<dcc_f16>)
-                           : (bf ? norms_grouped<dcc_bf16, g_params>
-                                 : norms_grouped<dcc_f16, g_params>),
-                   all[c], st);
+        void (*k)(g_params);
+        switch (kind) {
+        case RC_NORMS:
+            k = bf ? norms_grouped<dcc_bf16, g_params> : norms_grouped<dcc_f16, g_params>;
+            break;
+        case CG_DIRECT_FAST:
+            k = bf ? clipped_grouped<dcc_bf16, CG_DIRECT_FAST>
+                   : clipped_grouped<dcc_f16, CG_DIRECT_FAST>;
+            break;
+        case CG_DIRECT_EXACT:
+            k = bf ? clipped_grouped<dcc_bf16, CG_DIRECT_EXACT>
+                   : clipped_grouped<dcc_f16, CG_DIRECT_EXACT>;
+            break;
+        default: k = bf ? clipped_grouped<dcc_bf16, CG_STAGE> : clipped_grouped<dcc_f16, CG_STAGE>;
+        }
+        e = launch(k, all[c], st, kind == CG_DIRECT_FAST || kind == CG_DIRECT_EXACT ? CT_WIDE : CT);
         i += all[c].n;
     }
     free(all);
     return e;
+}
+
+/* A clipped-sum entry from its layer (the geometry and maps: entry_init). */
+void bk_fill(g_entry &E, const dcc_bk_layer &l) {
+    E.perm = l.perm;
+    E.fac = l.fac;
+    E.out = l.w;
+    E.bias = l.bias;
+    E.amax_w = l.amax_w;
+    E.amax_b = l.bias ? l.amax_b : nullptr;
+    E.oi_w = l.oi_w;
+    E.oi_b = l.oi_b;
 }
 
 bool qualifies(const dcc_linear *L) {
@@ -416,20 +569,42 @@ extern "C" cudaError_t dcc_linear_clipped_grouped(const dcc_bk_layer *ls, int n,
     for (int i = 0; i < n; i++)
         if (!dcc_bk_grouped_ok(&ls[i].L) || ls[i].L.B != ls[0].L.B || !ls[i].w)
             return cudaErrorNotSupported;
-    return run_chunks([&](int i) { return &ls[i].L; }, n, ls[0].L.B, 1.0f, true, max_layers,
-                      [&](int i, g_entry &E) {
-                          E.perm = ls[i].perm;
-                          E.fac = ls[i].fac;
-                          E.out = ls[i].w;
-                          E.bias = ls[i].bias;
-                          E.amax_w = ls[i].amax_w;
-                          E.amax_b = ls[i].bias ? ls[i].amax_b : nullptr;
-                      },
-                      st);
+    return run_chunks([&](int i) { return &ls[i].L; }, n, ls[0].L.B, 1.0f, CG_STAGE, nullptr,
+                      max_layers, [&](int i, g_entry &E) { bk_fill(E, ls[i]); }, st);
 #else
     (void)ls;
     (void)n;
     (void)max_layers;
+    (void)st;
+    return cudaErrorNotSupported;
+#endif
+}
+
+extern "C" cudaError_t dcc_linear_clipped_direct(const dcc_bk_layer *ls, int n, int max_layers,
+                                                 const dcc_out *outs, float std, float divisor,
+                                                 const uint32_t *mode, uint32_t *status,
+                                                 unsigned long long *bad, int commit, int noise,
+                                                 cudaStream_t st) {
+#ifdef DCC_WGMMA_BUILT
+    if (n <= 0) return cudaSuccess;
+    for (int i = 0; i < n; i++)
+        if (!dcc_bk_grouped_ok(&ls[i].L) || ls[i].L.B != ls[0].L.B) return cudaErrorNotSupported;
+    const g_direct dir = {outs, mode, status, bad, std, divisor, commit, noise};
+    return run_chunks([&](int i) { return &ls[i].L; }, n, ls[0].L.B, 1.0f,
+                      noise == DCC_NOISE_EXACT ? CG_DIRECT_EXACT : CG_DIRECT_FAST, &dir, max_layers,
+                      [&](int i, g_entry &E) { bk_fill(E, ls[i]); }, st);
+#else
+    (void)ls;
+    (void)n;
+    (void)max_layers;
+    (void)outs;
+    (void)std;
+    (void)divisor;
+    (void)mode;
+    (void)status;
+    (void)bad;
+    (void)commit;
+    (void)noise;
     (void)st;
     return cudaErrorNotSupported;
 #endif
@@ -455,7 +630,8 @@ extern "C" cudaError_t dcc_linear_sqnorms_grouped(const dcc_norm_layer *ls, int 
     if (n <= 0) return cudaSuccess;
     for (int i = 0; i < n; i++)
         if (!qualifies(&ls[i].L) || ls[i].L.B != ls[0].L.B) return cudaErrorNotSupported;
-    return run_chunks([&](int i) { return &ls[i].L; }, n, ls[0].L.B, s2, false, max_layers,
+    return run_chunks([&](int i) { return &ls[i].L; }, n, ls[0].L.B, s2, RC_NORMS, nullptr,
+                      max_layers,
                       [&](int i, g_entry &E) {
                           E.out = ls[i].n2;
                           E.sg = (uint4 *)ls[i].sg;

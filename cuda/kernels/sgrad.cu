@@ -122,11 +122,6 @@ __global__ void __launch_bounds__(DCC_SG_THREADS, SG_MIN_CTAS)
     const bool col_ok[2] = {nt < d, nt + 8 < d};
     /* the weight's noise has a range (a pass's sums step): checked per element */
     const bool ranged = L.out_w.nz_mod != 0 || L.out_w.nz_lo != 0 || L.out_w.nz_hi != UINT64_MAX;
-    /* the output's pairs (2q, 2q + 1) share a draw; a pair's two elements
-     * are columns n, n + 1 of one row, held by lanes 4 apart: the lane with
-     * the even column draws the pairs of its elements 0-3, its partner
-     * those of its 4-7, and they swap the halves they do not keep */
-    const bool even = ((tid >> 2) & 1) == 0;
     const int64_t per_sample = (int64_t)E.tiles * (DCC_SG_TILE / 8); /* uint4 */
     const uint4 *base = (const uint4 *)L.sg + (int64_t)t * (DCC_SG_TILE / 8) + tid;
     unsigned am = 0;
@@ -192,19 +187,8 @@ __global__ void __launch_bounds__(DCC_SG_THREADS, SG_MIN_CTAS)
             }
         }
         if (P.std != 0.0f && __any_sync(0xffffffffu, in != 0)) {
-            const int64_t ie = ij + (even ? 0 : 8 * (int64_t)d); /* the drawing half's */
             float z[8];
-#pragma unroll
-            for (int s = 0; s < 4; s++) {
-                float z0, z1;
-                const int64_t i = ie + ((s & 1) ? d : 0) + ((s & 2) ? 8 : 0);
-                draw_pair(NOISE, L.out_w.key, L.out_w.step, L.out_w.stream, (uint64_t)(i >> 1), z0,
-                          z1);
-                const float keep = even ? z0 : z1;
-                const float other = __shfl_xor_sync(0xffffffffu, even ? z1 : z0, 4);
-                z[s] = even ? keep : other;
-                z[4 + s] = even ? other : keep;
-            }
+            dcc_wide_draw8<NOISE>(L.out_w.key, L.out_w.step, L.out_w.stream, ij, d, z);
 #pragma unroll
             for (int k = 0; k < 8; k++)
                 if (in & (1u << k)) acc[k] = dcc_noised(acc[k], P.std, z[k]);

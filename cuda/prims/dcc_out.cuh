@@ -61,6 +61,32 @@ __device__ __forceinline__ void dcc_store_as(void *dst, int dtype, uint64_t i, f
     }
 }
 
+/* The draws of chunk j of a wide-form accumulator (dcc_wide_at: register
+ * 8 j + k at row mt + 16 j + 8 (k / 4) + k % 2, column nt, + 8 when k % 4
+ * >= 2), ij the element index of its register 0 in a [p][d] output: z[k]
+ * for register k. An output's pairs (2q, 2q + 1) share a draw; a pair's
+ * two elements are columns n, n + 1 of one row (d even), held by lanes 4
+ * apart: the lane with the even column draws the pairs of its registers
+ * 0-3, its partner those of its 4-7, and they swap the halves they do not
+ * keep. Every lane of the warp calls it. The kept sum (sgrad.cu) and the
+ * grouped clipped sum's direct epilogue (grouped_tma.cu) draw through it. */
+template <int NOISE>
+__device__ __forceinline__ void dcc_wide_draw8(uint64_t key, uint64_t step, uint32_t stream,
+                                               int64_t ij, int64_t d, float (&z)[8]) {
+    const bool even = ((threadIdx.x >> 2) & 1) == 0;
+    const int64_t ie = ij + (even ? 0 : 8 * d); /* the drawing half's */
+#pragma unroll
+    for (int s = 0; s < 4; s++) {
+        float z0, z1;
+        const int64_t i = ie + ((s & 1) ? d : 0) + ((s & 2) ? 8 : 0);
+        draw_pair(NOISE, key, step, stream, (uint64_t)(i >> 1), z0, z1);
+        const float keep = even ? z0 : z1;
+        const float other = __shfl_xor_sync(0xffffffffu, even ? z1 : z0, 4);
+        z[s] = even ? keep : other;
+        z[4 + s] = even ? other : keep;
+    }
+}
+
 /* Whether v is not finite in dtype (an output value the step may not
  * write: the output passes' and the kept sum's check). */
 __device__ __forceinline__ bool dcc_bad_as(float v, int dtype) {

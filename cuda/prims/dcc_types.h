@@ -16,6 +16,8 @@
  * the kernels' choosers (dcc_linear.opt; NULL means the defaults). */
 /* dcc_options.sgrad */
 enum { DCC_SGRAD_OFF = 0, DCC_SGRAD_AUTO = 1, DCC_SGRAD_ALL = 2 };
+/* dcc_options.bk_direct */
+enum { DCC_DIRECT_OFF = 0, DCC_DIRECT_AUTO = 1, DCC_DIRECT_ALWAYS = 2 };
 
 typedef struct dcc_options {
     bool tf32;                  /* TF32=0: f32 inputs on the exact f32 kernels */
@@ -24,6 +26,9 @@ typedef struct dcc_options {
     int grouped_layers;         /* GROUPED_LAYERS: most layers a grouped launch takes (1-80;
                            more means 80) */
     bool one_pass;              /* ONE_PASS=0: outputs always staged and committed */
+    int bk_direct;              /* BK_DIRECT=0: the grouped clipped sums always staged;
+                           DCC_DIRECT_ALWAYS (tests): even where an output may not
+                           fit its dtype (the check, then the commit, make them) */
     int noise;                  /* NOISE=exact: DCC_NOISE_EXACT, else DCC_NOISE_FAST */
     bool profile;               /* PROFILE=0: the phases are not timed */
     bool wgmma;                 /* WGMMA=0: the mma.sync kernels instead of wgmma */

@@ -177,6 +177,23 @@ static inline float *host_to_f32(const dc_tensor *h) {
     return out;
 }
 
+/* a and b (host f32 copies of n-element outputs of dtype dt) agree to the
+ * roundings two runs may differ by: their norms, added atomically, can
+ * differ in the last bit, which moves a value by 1e-6 of itself, or of the
+ * noise's scale near 0, and may then flip its rounding to dt. Returns how
+ * many differ by more; *exact counts the bit-equal ones. */
+static inline long differ(const float *a, const float *b, int64_t n, dc_dtype dt, double scale,
+                          long *exact) {
+    const double ulp = dt == DC_BF16 ? 0x1p-8 : dt == DC_F16 ? 0x1p-11 : 0.0;
+    long bad = 0;
+    for (int64_t i = 0; i < n; i++) {
+        const double tol = (1e-6 + ulp) * (fabs(a[i]) + scale) + 1e-30;
+        bad += !(fabs((double)a[i] - b[i]) <= tol);
+        *exact += memcmp(&a[i], &b[i], sizeof a[i]) == 0;
+    }
+    return bad;
+}
+
 static inline double rel_l2(const float *got, const float *want, int64_t n) {
     double e = 0.0, w = 0.0;
     for (int64_t i = 0; i < n; i++) {
