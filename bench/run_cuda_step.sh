@@ -8,16 +8,16 @@ build=${1:-"$root/build"}
 [ $# -gt 0 ] && shift
 
 run_one() {
-    rundir=$(mktemp -d /tmp/dpclip-cuda.XXXXXX)
-    mkfifo "$rundir/ready"
-    "$build/dpclipd" --socket "$rundir/d.sock" --ledger-dir "" --ready-fd 3 --workers 1 --log-level debug \
-        3>"$rundir/ready" 2>"$rundir/log" &
+    rd=$(mktemp -d /tmp/dpclip-cuda.XXXXXX)
+    mkfifo "$rd/ready"
+    "$build/dpclipd" --socket "$rd/d.sock" --ledger-dir "" --ready-fd 3 --workers 1 --log-level debug \
+        3>"$rd/ready" 2>"$rd/log" &
     daemon=$!
-    read -r line <"$rundir/ready"
+    read -r line <"$rd/ready"
     [ "$line" = READY ] || { echo "dpclipd did not start" >&2; exit 1; }
     t0=$(date +%s.%N)
     cpu0=$(awk '{ print $14 + $15 }' "/proc/$daemon/stat" 2>/dev/null || echo 0)
-    "$build/bench_cuda_step" --socket "$rundir/d.sock" "$@" || true
+    "$build/bench_cuda_step" --socket "$rd/d.sock" "$@" || true
     # What the daemon's polling costs: its CPU time while the benchmark ran
     # (the benchmark's own start-up included) over that wall time, in cores.
     if [ -r "/proc/$daemon/stat" ]; then
@@ -27,22 +27,19 @@ run_one() {
     fi
     kill -TERM "$daemon"; wait "$daemon" || true
     # The daemon's own phase timing of the last steps (debug log).
-    grep -E 'warn|error|: step ' "$rundir/log" | tail -n 3 >&2
-    rm -rf "$rundir"
+    grep -E 'warn|error|: step ' "$rd/log" | tail -n 3 >&2
+    rm -rf "$rd"
 }
 
 run_one "$@"
-if command -v nvidia-cuda-mps-control >/dev/null 2>&1; then
-    export CUDA_MPS_PIPE_DIRECTORY=$(mktemp -d /tmp/mps-pipe.XXXXXX)
-    export CUDA_MPS_LOG_DIRECTORY=$(mktemp -d /tmp/mps-log.XXXXXX)
-    if nvidia-cuda-mps-control -d; then
-        sleep 1
-        run_one "$@"
-        echo quit | nvidia-cuda-mps-control
-        sleep 1
-    else
-        echo '{"bench":"cuda_step","mps":"could not start nvidia-cuda-mps-control"}'
-    fi
-else
-    echo '{"bench":"cuda_step","mps":"nvidia-cuda-mps-control not installed"}'
+# then under an MPS control daemon of this run's own (rows_lib.sh's)
+# shellcheck disable=SC2034 # (rows_lib.sh's)
+me=run_cuda_step
+rundir=$(mktemp -d /tmp/dpclip-mps.XXXXXX)
+. "$root/bench/rows_lib.sh"
+if mps_start; then
+    run_one "$@"
+    mps_stop
+    sleep 1
 fi
+rm -rf "$rundir"

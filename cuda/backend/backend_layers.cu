@@ -268,7 +268,9 @@ int grouped_clipped(cuda_backend *cb, const dc_step *s, const layout *Lo, const 
     int rc = 0, n = 0, k = 0;
     cudaError_t e;
     cb->bkd_n = 0;
-    if (cb->bk_n == 0) return 0;
+    int planned = 0; /* layers planned direct (plan_step) */
+    for (size_t l = 0; l < s->n_layers; l++) planned += cb->bk_direct[l];
+    if (cb->bk_n == 0 && planned == 0) return 0;
     /* the layers whose norms kept their per-sample gradients: a pass over
      * those (sgrad.cu); the direct ones' entries aside for after the output
      * check (direct_clipped); the others' moved up for the GEMM */
@@ -304,6 +306,13 @@ int grouped_clipped(cuda_backend *cb, const dc_step *s, const layout *Lo, const 
     }
     cb->bk_n = n;
     cb->sg_kept = k;
+    /* every layer planned direct is in the launch: its outputs have no
+     * staging, and the output passes leave them alone */
+    if (planned != cb->bkd_n)
+        return dc_err_set(err, DC_EINTERNAL, "clip_step",
+                          "cuda:%d: %d layers planned to write their sums directly, %d in the "
+                          "launch; nothing was written",
+                          cb->device, planned, cb->bkd_n);
     if (n == 0 && cb->bkd_n == 0) return 0;
     CK(dcc_bk_order((const float *)(cb->ws + Lo->cs), (int)s->n_layers, B,
                     (int *)(cb->ws + Lo->perm), (float *)(cb->ws + Lo->fac), cb->stream),
