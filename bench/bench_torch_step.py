@@ -298,6 +298,11 @@ def run(args, device, precision, mode, socket_path):
             extra["daemon_workspace_held_mib"] = None if held is None else round(held / 2**20, 1)
     if engine is not None:
         extra["mps_active"] = bool(engine.client.info.mps_active)
+        if device.type == "cuda":
+            # of the trainer's peak: the gradient buffers the daemon writes,
+            # held through the forward and backward (plain training frees
+            # its .grad at zero_grad(set_to_none=True))
+            extra["output_buffers_mib"] = round(engine.output_buffer_bytes / 2**20, 1)
         engine.close()
     model = opt = engine = None  # freed (not del: see docs/lint.md, F821)
     reset_peak(device)

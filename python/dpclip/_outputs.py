@@ -9,7 +9,7 @@ import torch
 
 from ._layers import _ESIZE, Out
 
-__all__ = ["_alias", "_out_buffers"]
+__all__ = ["_alias", "_out_buffers", "arena_bytes"]
 
 
 def _alias(outs: Sequence[Out], aliased: List[Tuple[torch.Tensor, Optional[torch.Tensor]]]
@@ -66,6 +66,13 @@ def _out_buffers(client: Any, outs: Sequence[Out], device: torch.device,
             n += width
         _arena(client, group[first:], offs, n, device, arenas)
     return True
+
+
+def arena_bytes(arenas: Sequence[torch.Tensor]) -> int:
+    """Device bytes the arenas hold: the gradient buffers the engine keeps
+    for its lifetime, through the forward and backward too (where plain
+    training with zero_grad(set_to_none=True) holds no gradients)."""
+    return sum(a.numel() * a.element_size() for a in arenas if a.device.type == "cuda")
 
 
 def _arena(client: Any, outs: Sequence[Out], offs: Sequence[int], n: int,

@@ -76,8 +76,8 @@ import torch
 import torch.nn as nn
 from torch.utils.data import DataLoader
 
-from . import (_accumulate, _batches, _fsdp, _group, _lib, _modes, _parallel, _planner,
-               _terms, _verify)
+from . import (_accumulate, _batches, _fsdp, _group, _lib, _modes, _outputs, _parallel,
+               _planner, _terms, _verify)
 from ._cuda import CudaIPC, warn_without_mps
 from ._host import HostArena
 from ._transport import Transport
@@ -577,6 +577,12 @@ class PrivacyEngine:
         """The most micro-batches held at once: sent, their replies not yet
         collected, each keeping its tensors (or a staging arena) alive."""
         return self._acc.held_peak
+
+    @property
+    def output_buffer_bytes(self) -> int:
+        """GPU bytes of the gradient buffers the daemon writes (param.grad
+        aliases them), which the engine holds from its first step on."""
+        return _outputs.arena_bytes(self._cuda._arenas)
 
     @property
     def last_compute_ns(self) -> int:

@@ -70,6 +70,10 @@ def test_cuda_step_matches_reference(cuda_daemon, amp, asynchronous, done_flag, 
             assert torch.allclose(engine.last_coefs.double(), ref_coefs, rtol=3e-3, atol=1e-6)
     # the flag served (not the events' fallback) exactly where asked
     assert bool(engine._cuda._flags) == (done_flag == "1" and asynchronous)
+    # the gradient buffers the engine holds: each f32 parameter's, end to
+    # end, each rounded up to 4 elements
+    widths = [-(-p.numel() // 4) * 4 for p in model.parameters()]
+    assert engine.output_buffer_bytes == 4 * sum(widths)
     engine.close()
 
 

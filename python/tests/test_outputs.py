@@ -97,3 +97,26 @@ def test_arenas_hold_at_most_their_bytes(monkeypatch):
     assert [o.buf.storage_offset() for o in outs] == [0, 8, 0, 0, 0, 4]
     assert _gate.span([o.alias for o in outs[:2]]) is not None
     assert _gate.span([o.alias for o in outs[1:3]]) is None  # across arenas: gathered
+
+
+def test_arena_bytes_count_device_arenas_only():
+    """What engine.output_buffer_bytes reports: the bytes of the arenas on
+    a GPU (here none: the CPU's are left out), each arena whole."""
+    outs = _outs((3, 4), (8,), (5,))
+    arenas = []
+    _outputs._out_buffers(_Client(), outs, torch.device("cpu"), arenas)
+    assert len(arenas) == 1 and arenas[0].numel() == 12 + 8 + 8  # widths to _OUT_ALIGN
+    assert _outputs.arena_bytes(arenas) == 0
+
+    class _OnGpu:  # an arena as arena_bytes reads it
+        def __init__(self, n, esize):
+            self.device = torch.device("cuda", 0)
+            self._n, self._e = n, esize
+
+        def numel(self):
+            return self._n
+
+        def element_size(self):
+            return self._e
+
+    assert _outputs.arena_bytes([_OnGpu(28, 4), _OnGpu(10, 2)] + arenas) == 28 * 4 + 10 * 2
