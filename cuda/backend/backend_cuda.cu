@@ -19,10 +19,11 @@
  *      TF32 tensor cores (or exact f32 cuBLAS), the rest through cuBLAS and
  *      small kernels;
  *   5. phase_noise: the one-pass output path (clip.cu): max |staging| per
- *      output (for the layers whose per-sample gradients were kept, a bound
- *      known before their sums) proves on the device that no noised value
- *      can leave its dtype; then the kept layers' sums (sgrad.cu) and the
- *      others' noise, division and conversion write the outputs directly; a
+ *      output (for the layers whose per-sample gradients were kept, and the
+ *      direct grouped ones, a bound known before their sums) proves on the
+ *      device that no noised value can leave its dtype; then the direct
+ *      grouped sums (grouped_tma.cu), the kept layers' sums (sgrad.cu) and
+ *      the others' noise, division and conversion write the outputs; a
  *      step that cannot be proved safe (or has a bad input) checks in
  *      staging and commits only if the status word stays 0;
  *   6. phase_home: one copy of n2, flags, norms, coefficients and status to
@@ -33,6 +34,8 @@
  * A/B comparisons and exactness: DPCLIP_CUDA_TF32
  * =0 keeps f32 inputs on exact f32 kernels; DPCLIP_CUDA_GROUPED=0 runs the
  * norms and the book-keeping per layer; DPCLIP_CUDA_ONE_PASS=0 always stages the outputs;
+ * DPCLIP_CUDA_BK_DIRECT=0 stages the unkept grouped layers' sums (else their
+ * kernel writes them after the output check: dcc_linear_clipped_direct);
  * DPCLIP_CUDA_NOISE=exact draws the noise in double as the CPU does.
  * DPCLIP_CUDA_PROFILE=0 stops timing each phase with CUDA events (on by
  * default: the daemon's per-phase histograms use it).
