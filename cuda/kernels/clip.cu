@@ -17,9 +17,12 @@
  *
  * Noise: dcc_noise.cuh (Philox4x32-10 and Box-Muller, bit for bit as
  * daemon/compute/noise.c). Outputs whose noise the sum of kept per-sample
- * gradients adds (dcc_out.noised, sgrad.cu) get none here: that sum runs
- * after the check, on a bound known before it (dcc_out.bound), and in the
- * one-pass mode writes them itself.
+ * gradients adds (dcc_out.noised, sgrad.cu), or the grouped clipped sum's
+ * direct epilogue (grouped_tma.cu), get none here: those sums run after the
+ * check, on a bound known before it (dcc_out.bound), and in the one-pass
+ * mode write them themselves; the unstaged ones (dcc_out.unstaged) have no
+ * staging at all, and their kernels check them in mode 0 and write them in
+ * a commit launch.
  * Arithmetic that must round like the CPU's is written with __fmul_rn /
  * __fadd_rn / __fdiv_rn (no contraction to FMA). */
 #include <float.h>
