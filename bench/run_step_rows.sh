@@ -9,6 +9,8 @@
 #   gpt       GPT-2-small-like, bf16, B=8, T=1024   (bench_torch_step.py)
 #   gpt_long  the same, B=2, T=4096
 #   llama1b   Llama-1B-like, bf16, B=4, T=2048
+#   llama1b_nokept  the same against a daemon that keeps no per-sample
+#             gradients (DPCLIP_CUDA_SGRAD=0: gpu.sample_grads_max 0)
 #   hf_gpt2   Hugging Face GPT-2 small, AdamW       (bench_hf_step.py)
 #   host      the trainer's host time per step, GPT-2 (bench_host_overhead.py)
 # --mps-only: the MPS half alone (a run split to fit a time limit).
@@ -55,7 +57,7 @@ run_row() {
     case "$row" in
         gpt) model=gpt; size="" ;;
         gpt_long) model=gpt; size="--batch 2 --seq 4096" ;;
-        llama1b) model=llama1b; size="" ;;
+        llama1b|llama1b_nokept) model=llama1b; size="" ;;
         hf_gpt2|host) model=$row; size="" ;;
         *) echo "run_step_rows.sh: unknown row $row" >&2; exit 2 ;;
     esac
@@ -73,7 +75,13 @@ run_row() {
         return 0
     fi
     sock="$rundir/$row.$2.sock"
-    daemon_start "$sock"
+    if [ "$row" = llama1b_nokept ]; then
+        export DPCLIP_CUDA_SGRAD=0 # the daemon's alone: the bench reads no DPCLIP_CUDA_*
+        daemon_start "$sock"
+        unset DPCLIP_CUDA_SGRAD
+    else
+        daemon_start "$sock"
+    fi
     rc=0
     case "$row" in
         hf_gpt2)

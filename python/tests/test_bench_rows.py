@@ -36,6 +36,17 @@ def test_a_failing_row_is_said_and_the_others_go_on(tmp_path):
     assert "row gpt (MPS false) failed with status 3" in proc.stderr and "broken" in proc.stderr
 
 
+def test_the_unkept_row_runs_its_own_daemon():
+    """llama1b_nokept: the Llama's bench against a daemon started with
+    DPCLIP_CUDA_SGRAD=0 (on the CPU a tiny model, the switch unread), tagged
+    with its own row."""
+    proc, lines = _run("--rows", "llama1b_nokept", "--repeat", "2")
+    assert proc.returncode == 0, proc.stderr
+    assert lines and {l["row"] for l in lines} == {"llama1b_nokept"}
+    (ratio,) = [l for l in lines if l.get("ratio") == "dpclip/plain"]
+    assert ratio["model"] == "llama1b" and len(ratio["round_ratios"]) == 2
+
+
 def test_an_unknown_row_is_refused():
     proc, _ = _run("--rows", "gpt3")
     assert proc.returncode == 2 and "unknown row gpt3" in proc.stderr
