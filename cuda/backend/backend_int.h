@@ -13,6 +13,7 @@
 
 #include "dc_cuda.h"
 #include "dcc.h"
+#include "dcc_out.cuh"
 extern "C" {
 #include "cpu.h" /* the host-side rescue reuses the CPU backend's norms */
 }
@@ -208,12 +209,10 @@ inline void step_scales(const dc_step *s, bool accumulates, float *std, float *d
 }
 
 /* Whether no value of an output of dtype whose sums are bounded by `bound`
- * can leave the dtype once noised and divided: the output check's test
- * (clip.cu, out_decide_kernel), made on the host. */
+ * (0: none known) can leave the dtype once noised and divided: the output
+ * check's test, made on the host. */
 inline bool bound_fits(float bound, int dtype, float std, float divisor) {
-    const double b = ((double)bound + 8.6 * (double)std) * 1.0001 / (double)divisor;
-    const double lim = dtype == DC_F16 ? 65504.0 : dtype == DC_BF16 ? 3.38e38 : 3.4e38;
-    return bound > 0.0f && b < lim;
+    return bound > 0.0f && dcc_fits_dtype(bound, dtype, std, divisor);
 }
 
 /* A step's workspace (backend_plan.cu). ws_alloc: holds `want` bytes of

@@ -189,8 +189,9 @@ int grouped_clipped_plan(cuda_backend *cb, const dc_step *s, const layout *Lo, d
         e->L = x;
         e->perm = (const int *)(cb->ws + Lo->perm) + l * (size_t)B;
         e->fac = (const float *)(cb->ws + Lo->fac) + l * (size_t)B;
-        e->w = staging + cb->woff[l]; /* a tied layer's: its owner's */
-        e->bias = idx[1] >= 0 ? staging + outs[idx[1]].off : NULL;
+        /* a tied layer's: its owner's; a direct one has none (oi_w, oi_b) */
+        e->w = cb->bk_direct[l] ? NULL : staging + cb->woff[l];
+        e->bias = idx[1] >= 0 && !cb->bk_direct[l] ? staging + outs[idx[1]].off : NULL;
         e->amax_w = e->amax_b = NULL;
         e->oi_w = cb->bk_direct[l] ? idx[0] : -1;
         e->oi_b = cb->bk_direct[l] ? idx[1] : -1;

@@ -179,8 +179,7 @@ __global__ void finalize_kernel(const dcc_out *__restrict__ outs, float *__restr
         if (two) v[i + 1] = v1;
         bool b0 = dcc_bad_as(v0, o.dtype), b1 = two && dcc_bad_as(v1, o.dtype);
         if (b0 || b1) {
-            atomicOr(status, DCC_STATUS_OUTPUT);
-            atomicMin(bad, ((unsigned long long)oi << 40) | (b0 ? i : i + 1));
+            dcc_out_fail(status, bad, oi, b0 ? i : i + 1);
         }
     }
 }
@@ -368,13 +367,7 @@ __global__ void out_decide_kernel(const dcc_out *__restrict__ outs, int n_out,
         const bool noised = outs[oi].noised != 0;
         float m = noised ? (outs[oi].bound > 0.0f ? outs[oi].bound : __int_as_float(0x7fc00000))
                          : __uint_as_float(amax[oi]);
-        /* |z| <= sqrt(-2 ln 2^-53) = 8.5718 for every draw; a little slack
-         * for the roundings of the sum and the division */
-        double bound = ((double)m + 8.6 * (double)std) * 1.0001 / (double)divisor;
-        double lim = outs[oi].dtype == DC_F16    ? 65504.0
-                     : outs[oi].dtype == DC_BF16 ? 3.38e38
-                                                 : 3.4e38;
-        if (!(dcc_isfinite(m) && bound < lim)) ok = false;
+        if (!(dcc_isfinite(m) && dcc_fits_dtype(m, outs[oi].dtype, std, divisor))) ok = false;
     }
     ok = __syncthreads_and(ok);
     if (threadIdx.x == 0) *mode = ok && *status == 0 ? 1u : 0u;
@@ -469,8 +462,7 @@ __device__ __forceinline__ void write_chunk(int oi, const dcc_out &o, uint64_t i
             if (first < 0 && dcc_bad_as(x[j], o.dtype)) first = j;
         }
         if (first >= 0) {
-            atomicOr(status, DCC_STATUS_OUTPUT);
-            atomicMin(bad, ((unsigned long long)oi << 40) | (i + (uint64_t)first));
+            dcc_out_fail(status, bad, oi, i + (uint64_t)first);
         }
     }
 }

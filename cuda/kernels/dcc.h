@@ -30,9 +30,7 @@ extern "C" {
 #define DCC_FLAG_NONFINITE 1u
 #define DCC_FLAG_INDEX 2u
 
-/* status word bits (one per step) */
-#define DCC_STATUS_INPUT 1u  /* a non-finite squared norm or a flagged sample */
-#define DCC_STATUS_OUTPUT 4u /* an output value not finite in its dtype */
+/* status word bits (one per step): dcc_types.h */
 
 /* The DPCLIP_CUDA_* switches (dcc_types.h, dcc_options): the defaults, and
  * those of the environment (options.cu, the backend's: the one reader). */

@@ -76,7 +76,7 @@ struct g_direct {
     uint32_t *status;
     unsigned long long *bad;
     float std, divisor;
-    int commit, noise;
+    int commit;
 };
 /* N: the most layers a launch takes; a lone layer's launch (1) passes
  * 400 bytes of parameters instead of 32 KiB, which the driver copies at
@@ -244,12 +244,6 @@ __global__ void __launch_bounds__(CT, 1) norms_grouped(const __grid_constant__ P
  * roundings, bit for bit), then stored in the output's dtype. */
 enum { CG_STAGE = 0, CG_DIRECT_FAST = 1, CG_DIRECT_EXACT = 2 };
 
-/* An element of output oi not finite in its dtype: the step fails. */
-__device__ __forceinline__ void cg_bad(const g_direct &D, int oi, int64_t i) {
-    atomicOr(D.status, DCC_STATUS_OUTPUT);
-    atomicMin(D.bad, ((unsigned long long)oi << 40) | (unsigned long long)i);
-}
-
 /* The weight tile at (m0, n0) of the direct epilogue: sixteen chunks of the
  * wide form's eight registers each (dcc_wide_draw8), v = (cl acc + std z)
  * / divisor, checked and (store) written. A loop, not unrolled: sixteen
@@ -298,7 +292,7 @@ __device__ __forceinline__ void cg_direct_w(const g_direct &D, const g_entry &E,
             if (store) dcc_store_as(dst, dt, (uint64_t)i, v[k]);
         }
     }
-    if (first != INT64_MAX) cg_bad(D, E.oi_w, first);
+    if (first != INT64_MAX) dcc_out_fail(D.status, D.bad, E.oi_w, (uint64_t)first);
 }
 
 /* The bias rows of the direct epilogue: this thread's row m (< 256 a tile),
@@ -314,7 +308,7 @@ __device__ __forceinline__ void cg_direct_b(const g_direct &D, const g_entry &E,
         y = dcc_noised(y, D.std, (m & 1) ? z1 : z0);
     }
     if (D.divisor != 1.0f) y = dcc_div_by(dcc_div_make(D.divisor), y);
-    if (dcc_bad_as(y, o.dtype)) cg_bad(D, E.oi_b, m);
+    if (dcc_bad_as(y, o.dtype)) dcc_out_fail(D.status, D.bad, E.oi_b, (uint64_t)m);
     if (store) dcc_store_as(o.dst, o.dtype, (uint64_t)m, y);
 }
 
@@ -589,7 +583,7 @@ extern "C" cudaError_t dcc_linear_clipped_direct(const dcc_bk_layer *ls, int n, 
     if (n <= 0) return cudaSuccess;
     for (int i = 0; i < n; i++)
         if (!dcc_bk_grouped_ok(&ls[i].L) || ls[i].L.B != ls[0].L.B) return cudaErrorNotSupported;
-    const g_direct dir = {outs, mode, status, bad, std, divisor, commit, noise};
+    const g_direct dir = {outs, mode, status, bad, std, divisor, commit};
     return run_chunks([&](int i) { return &ls[i].L; }, n, ls[0].L.B, 1.0f,
                       noise == DCC_NOISE_EXACT ? CG_DIRECT_EXACT : CG_DIRECT_FAST, &dir, max_layers,
                       [&](int i, g_entry &E) { bk_fill(E, ls[i]); }, st);

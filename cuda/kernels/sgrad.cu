@@ -48,13 +48,6 @@ struct sg_params {
 };
 static_assert(sizeof(sg_params) <= 32764, "the kernel parameter limit (CUDA 12.1+)");
 
-/* Element i of output oi is not finite in its dtype: the step fails
- * (dcc_out_write's record, which the host's diagnosis reads). */
-__device__ __forceinline__ void sg_bad(const sg_params &P, int oi, int64_t i) {
-    atomicOr(P.status, DCC_STATUS_OUTPUT);
-    atomicMin(P.bad, ((unsigned long long)oi << 40) | (unsigned long long)i);
-}
-
 __device__ __forceinline__ int sg_find(const sg_params &P, int tile) {
     return dcc_entry_of(P.n, tile, [&](int i) { return P.e[i].tile0; });
 }
@@ -236,7 +229,7 @@ __global__ void __launch_bounds__(DCC_SG_THREADS, SG_MIN_CTAS)
                     dcc_bad_as(divide ? dcc_div_by(div, acc[k]) : acc[k], dt) && i < first)
                     first = i;
             }
-            if (first != INT64_MAX) sg_bad(P, L.oi_w, first);
+            if (first != INT64_MAX) dcc_out_fail(P.status, P.bad, L.oi_w, (uint64_t)first);
         } else {
 #pragma unroll
             for (int k = 0; k < 8; k++) {
@@ -269,7 +262,7 @@ __global__ void __launch_bounds__(DCC_SG_THREADS, SG_MIN_CTAS)
                              divide ? dcc_div_by(div, y) : y);
         } else if (check) {
             if (m < p && dcc_bad_as(divide ? dcc_div_by(div, y) : y, L.out_b.dtype))
-                sg_bad(P, L.oi_b, m);
+                dcc_out_fail(P.status, P.bad, L.oi_b, (uint64_t)m);
         } else {
             if (m < p) L.bias[m] = y;
             if (L.amax_b) dcc_warp_amax(L.amax_b, m < p ? dcc_abs_bits(y) : 0u);

@@ -87,6 +87,27 @@ __device__ __forceinline__ void dcc_wide_draw8(uint64_t key, uint64_t step, uint
     }
 }
 
+/* Whether no value of an output of dtype whose sums are bounded by m can
+ * leave the dtype once noised with std and divided by divisor: |z| <=
+ * sqrt(-2 ln 2^-53) = 8.5718 for every draw, with a little slack for the
+ * roundings of the sum and the division. The output check's test
+ * (clip.cu, out_decide_kernel), and the host's forecast of it that plans
+ * the direct sums (backend_int.h, bound_fits). */
+__host__ __device__ inline bool dcc_fits_dtype(double m, int dtype, float std, float divisor) {
+    const double b = (m + 8.6 * (double)std) * 1.0001 / (double)divisor;
+    const double lim = dtype == DC_F16 ? 65504.0 : dtype == DC_BF16 ? 3.38e38 : 3.4e38;
+    return b < lim;
+}
+
+/* Element i of output oi is not finite in its dtype: the step fails, and
+ * *bad keeps the first such element (oi above bit 40, as the host's
+ * diagnosis reads it). */
+__device__ __forceinline__ void dcc_out_fail(uint32_t *status, unsigned long long *bad, int oi,
+                                             uint64_t i) {
+    atomicOr(status, DCC_STATUS_OUTPUT);
+    atomicMin(bad, ((unsigned long long)oi << 40) | (unsigned long long)i);
+}
+
 /* Whether v is not finite in dtype (an output value the step may not
  * write: the output passes' and the kept sum's check). */
 __device__ __forceinline__ bool dcc_bad_as(float v, int dtype) {

@@ -72,6 +72,10 @@ typedef struct dcc_linear {
     void *bias_ws;
 } dcc_linear;
 
+/* status word bits (one per step) */
+#define DCC_STATUS_INPUT 1u  /* a non-finite squared norm or a flagged sample */
+#define DCC_STATUS_OUTPUT 4u /* an output value not finite in its dtype */
+
 /* One output of a step: `n` f32 values at staging + off, to be written to
  * dst (dtype) with noise stream `stream`. chunk0: index of its first
  * DCC_OUT_CHUNK-element chunk in the step's chunk grid (the sum of
