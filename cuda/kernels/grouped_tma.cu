@@ -255,8 +255,6 @@ template <int NOISE>
 __device__ __forceinline__ void cg_direct_w(const g_direct &D, const g_entry &E, float cl,
                                             float (&all)[128], int m0, int n0, bool store) {
     const dcc_out &o = D.outs[E.oi_w];
-    const uint64_t key = o.key, step = o.step;
-    const uint32_t stream = o.stream;
     void *const dst = o.dst;
     const int d = E.d, p = E.p, dt = o.dtype;
     const dcc_div div = dcc_div_make(D.divisor);
@@ -276,7 +274,7 @@ __device__ __forceinline__ void cg_direct_w(const g_direct &D, const g_entry &E,
         const int64_t ij = (int64_t)mj * d + nt; /* register 8 j's element */
         if (noise) {
             float z[8];
-            dcc_wide_draw8<NOISE>(key, step, stream, ij, d, z);
+            dcc_wide_draw8<NOISE>(o, ij, d, z);
 #pragma unroll
             for (int k = 0; k < 8; k++) v[k] = dcc_noised(v[k], D.std, z[k]);
         }

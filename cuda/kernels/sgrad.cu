@@ -181,7 +181,7 @@ __global__ void __launch_bounds__(DCC_SG_THREADS, SG_MIN_CTAS)
         }
         if (P.std != 0.0f && __any_sync(0xffffffffu, in != 0)) {
             float z[8];
-            dcc_wide_draw8<NOISE>(L.out_w.key, L.out_w.step, L.out_w.stream, ij, d, z);
+            dcc_wide_draw8<NOISE>(L.out_w, ij, d, z);
 #pragma unroll
             for (int k = 0; k < 8; k++)
                 if (in & (1u << k)) acc[k] = dcc_noised(acc[k], P.std, z[k]);

@@ -68,18 +68,20 @@ __device__ __forceinline__ void dcc_store_as(void *dst, int dtype, uint64_t i, f
  * two elements are columns n, n + 1 of one row (d even), held by lanes 4
  * apart: the lane with the even column draws the pairs of its registers
  * 0-3, its partner those of its 4-7, and they swap the halves they do not
- * keep. Every lane of the warp calls it. The kept sum (sgrad.cu) and the
- * grouped clipped sum's direct epilogue (grouped_tma.cu) draw through it. */
-template <int NOISE>
-__device__ __forceinline__ void dcc_wide_draw8(uint64_t key, uint64_t step, uint32_t stream,
-                                               int64_t ij, int64_t d, float (&z)[8]) {
+ * keep. Every lane of the warp calls it. o: the output's noise source
+ * (dcc_out or dcc_out_sink), read where the draws need it (a copy held in
+ * registers across the kept sum's chunks spilled it at 64 registers). The
+ * kept sum (sgrad.cu) and the grouped clipped sum's direct epilogue
+ * (grouped_tma.cu) draw through it. */
+template <int NOISE, typename Out>
+__device__ __forceinline__ void dcc_wide_draw8(const Out &o, int64_t ij, int d, float (&z)[8]) {
     const bool even = ((threadIdx.x >> 2) & 1) == 0;
-    const int64_t ie = ij + (even ? 0 : 8 * d); /* the drawing half's */
+    const int64_t ie = ij + (even ? 0 : 8 * (int64_t)d); /* the drawing half's */
 #pragma unroll
     for (int s = 0; s < 4; s++) {
         float z0, z1;
         const int64_t i = ie + ((s & 1) ? d : 0) + ((s & 2) ? 8 : 0);
-        draw_pair(NOISE, key, step, stream, (uint64_t)(i >> 1), z0, z1);
+        draw_pair(NOISE, o.key, o.step, o.stream, (uint64_t)(i >> 1), z0, z1);
         const float keep = even ? z0 : z1;
         const float other = __shfl_xor_sync(0xffffffffu, even ? z1 : z0, 4);
         z[s] = even ? keep : other;
