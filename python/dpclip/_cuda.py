@@ -23,7 +23,7 @@ import torch
 from . import _lib, _planner
 from ._flags import _FLAG_BYTES, _UNKNOWN_PEER_S, _Flag, _gone, _peer
 from ._layers import _ESIZE, Part, Slice, _tref
-from ._outputs import _alias, _out_buffers
+from ._outputs import _alias, _out_buffers, release_step_buffers, step_buffers
 from ._planner import Plan, add_layers, set_grad
 from ._transport import Phases, Run, Transport
 
@@ -141,6 +141,13 @@ class CudaIPC(Transport):
         # (plan serial, device) whose outputs all have buffers there: the
         # steady steps of one template skip _out_buffers' look at each
         self._outs_on: Optional[Tuple[int, torch.device]] = None
+        # DPCLIP_GRAD_BUFFERS=step: each step's gradients in buffers of its
+        # own (dpclip._outputs.step_buffers), not the engine's arenas; a
+        # data-parallel (gated) step keeps the arenas, whose consecutive
+        # gradients the all-reduce sums in place. The last such step's
+        # buffers, weakly: what release_flags zeroes of them.
+        self.step_grads = os.environ.get("DPCLIP_GRAD_BUFFERS", "engine") == "step"
+        self._step_bufs: List[Any] = []
 
     def _current_stream(self, device: torch.device) -> torch.cuda.Stream:
         """torch.cuda.current_stream(device), its Stream object made once per
@@ -330,6 +337,7 @@ class CudaIPC(Transport):
         makes no stream (done_flag made them), launches no kernel and
         allocates nothing: a driver memset on a stream made beforehand."""
         outs = list(self._arenas) + ([self._coefs] if self._coefs is not None else [])
+        outs += [t for t in (w() for w in self._step_bufs) if t is not None]
         used: Dict[int, torch.cuda.Stream] = {}
         for t in outs:
             if t.device.type != "cuda":
@@ -412,7 +420,12 @@ class CudaIPC(Transport):
             keep = [(pt.inp, pt.grad) if plan.wired and pt.inp is not None else _wire(pt, device)
                     for pt in plan.parts]
             ptrs = [t.data_ptr() for pair in keep for t in pair]
-        if plan.serial and self._outs_on == (plan.serial, device):
+        per_step = self.step_grads and write and not gated
+        if per_step:
+            # the step's layers name their outputs: built again where one moved
+            fresh = step_buffers(self.client, plan.outs, device)
+            self._outs_on = None
+        elif plan.serial and self._outs_on == (plan.serial, device):
             fresh = False  # (a template's outputs, checked for this device at its first step)
         else:
             fresh = _out_buffers(self.client, plan.outs, device, self._arenas)
@@ -504,6 +517,9 @@ class CudaIPC(Transport):
         for o in plan.outs if write else ():
             if o.alias is None:
                 set_grad(o.param, o.grad(o.buf))
+        if per_step:
+            # the stream waits for the daemon's writes: param.grad alone holds them now
+            self._step_bufs = release_step_buffers(plan.outs)
         return Run(res, ticket, info, ok, t1, t2)
 
     def _layers(self, step: _lib.Step, plan: Plan, nb: int, algorithm: int,

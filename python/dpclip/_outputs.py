@@ -3,13 +3,15 @@ dpclip._cuda): each trainable parameter's buffer a slice of a zeroed arena
 per dtype, registered once, and param.grad set to a view of it where the
 parameter's dtype and layout allow (an alias), so that a step's result
 needs no copy."""
+import ctypes
+import weakref
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
 from ._layers import _ESIZE, Out
 
-__all__ = ["_alias", "_out_buffers", "arena_bytes"]
+__all__ = ["_alias", "_out_buffers", "arena_bytes", "step_buffers", "release_step_buffers"]
 
 
 def _alias(outs: Sequence[Out], aliased: List[Tuple[torch.Tensor, Optional[torch.Tensor]]]
@@ -66,6 +68,48 @@ def _out_buffers(client: Any, outs: Sequence[Out], device: torch.device,
             n += width
         _arena(client, group[first:], offs, n, device, arenas)
     return True
+
+
+def step_buffers(client: Any, outs: Sequence[Out], device: torch.device) -> bool:
+    """Per-step gradient buffers (DPCLIP_GRAD_BUFFERS=step): each output a
+    tensor of its own from the caching allocator, made at the step (after
+    the backward, from the blocks its activations freed), resolved into
+    (buffer id, offset) in one call into libdpclip, param.grad's alias a
+    view of it. The transport lets go of them once the trainer's stream
+    waits for the daemon (release_step_buffers), so that they live only as
+    long as param.grad: zero_grad(set_to_none=True) frees them before the
+    next forward, as plain training frees its gradients, where the engine's
+    arenas (_out_buffers) hold a parameter-sized copy through it. Returns
+    whether any output's reference moved (the step's layers must then be
+    built again: their outputs are named in them). Not zeroed: the daemon
+    writes every output of a step that succeeds, and zeroes them where it
+    fails after its notice (zero_on_fail); a refused step's aliases are put
+    back."""
+    bufs = [torch.empty(o.numel, dtype=o.dtype, device=device) for o in outs]
+    n = len(bufs)
+    ptrs = (ctypes.c_uint64 * max(n, 1))(*[b.data_ptr() for b in bufs])
+    refs = (ctypes.c_uint64 * max(2 * n, 1))()
+    rc = client.refs_cuda_at(n, ctypes.addressof(ptrs), ctypes.addressof(refs))
+    if rc:
+        client.check(rc)
+    moved = False
+    for i, (o, b) in enumerate(zip(outs, bufs)):
+        ref = (int(refs[2 * i]), int(refs[2 * i + 1]))
+        moved |= ref != o.ref
+        o.buf, o.ref = b, ref
+        view = o.grad(b)
+        o.alias = view if view.dtype == o.param.dtype and view.is_contiguous() else None
+    return moved
+
+
+def release_step_buffers(outs: Sequence[Out]) -> List["weakref.ref[torch.Tensor]"]:
+    """The transport's hold on per-step buffers let go (their references
+    kept, to see whether the next step's moved); weak references to them,
+    for zeroing those still alive if the daemon goes mid-step."""
+    held = [weakref.ref(o.buf) for o in outs if o.buf is not None]
+    for o in outs:
+        o.buf = o.alias = None
+    return held
 
 
 def arena_bytes(arenas: Sequence[torch.Tensor]) -> int:

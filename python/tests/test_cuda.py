@@ -46,6 +46,32 @@ def _rel(got, want):
     return float((got.double().cpu() - want).abs().max()) / float(want.abs().max())
 
 
+@pytest.mark.parametrize("asynchronous", [True, False])
+def test_cuda_step_buffers_match_reference(cuda_daemon, asynchronous, monkeypatch):
+    """DPCLIP_GRAD_BUFFERS=step: the same gradients, each step's in
+    buffers of its own (no engine arena), which only param.grad holds once
+    step() returns: zero_grad(set_to_none=True) gives their memory back."""
+    monkeypatch.setenv("DPCLIP_GRAD_BUFFERS", "step")
+    engine, model, opt, x, y, (want, _, ref_coefs) = _private_seq(
+        cuda_daemon.socket, 3, asynchronous=asynchronous)
+    params = list(model.parameters())
+    for _ in range(3):
+        opt.zero_grad(set_to_none=True)
+        out = model(x.cuda())
+        reduce_loss(per_sample_losses("seq", out.float(), y.cuda()), "mean").backward()
+        opt.step()
+        for n, p in model.named_parameters():
+            assert p.grad.is_cuda and _rel(p.grad, want[n]) < 3e-3, n
+        assert torch.allclose(engine.last_coefs.double(), ref_coefs, rtol=3e-3, atol=1e-6)
+        assert engine.output_buffer_bytes == 0
+        assert len({p.grad.untyped_storage().data_ptr() for p in params}) == len(params)
+        torch.cuda.synchronize()
+        held = torch.cuda.memory_allocated()
+        opt.zero_grad(set_to_none=True)
+        assert held - torch.cuda.memory_allocated() >= 4 * sum(p.numel() for p in params)
+    engine.close()
+
+
 @pytest.mark.parametrize("done_flag", ["0", "1"])
 @pytest.mark.parametrize("amp,asynchronous", [(False, True), (True, True), (False, False)])
 def test_cuda_step_matches_reference(cuda_daemon, amp, asynchronous, done_flag, monkeypatch):

@@ -4,6 +4,8 @@ one zeroed arena per dtype, in the outputs' order, each registered at its
 own address, param.grad's alias a view of it; outputs that have one keep
 it. Consecutive parameters' gradients then lie end to end, which the
 data-parallel all-reduce sums in place (dpclip._gate.span)."""
+import ctypes
+
 import torch
 
 from dpclip import _gate, _outputs
@@ -120,3 +122,53 @@ def test_arena_bytes_count_device_arenas_only():
             return self._e
 
     assert _outputs.arena_bytes([_OnGpu(28, 4), _OnGpu(10, 2)] + arenas) == 28 * 4 + 10 * 2
+
+
+class _RefsClient:
+    """refs_cuda_at as libdpclip answers it: each pointer's (buffer id,
+    offset), here (7, the pointer) or a fixed id per call when `moved`."""
+    def __init__(self):
+        self.calls = 0
+        self.shift = 0
+
+    def refs_cuda_at(self, n, ptrs_addr, refs_addr):
+        self.calls += 1
+        ptrs = (ctypes.c_uint64 * n).from_address(ptrs_addr)
+        assert all(ptrs)  # every buffer's address
+        refs = (ctypes.c_uint64 * (2 * n)).from_address(refs_addr)
+        for i in range(n):
+            refs[2 * i], refs[2 * i + 1] = 7, i * 1000 + self.shift
+        return 0
+
+    def check(self, rc):
+        raise AssertionError("refs_cuda_at failed: %d" % rc)
+
+
+def test_step_buffers_live_as_long_as_param_grad():
+    """DPCLIP_GRAD_BUFFERS=step (dpclip._outputs.step_buffers): each output
+    a buffer of its own, resolved in one call, param.grad's alias a view of
+    it; the step's layers are built again only where a reference moved;
+    once released the transport holds nothing, and a buffer lives exactly as
+    long as the param.grad that aliases it."""
+    client = _RefsClient()
+    outs = _outs((3, 4), (5,))
+    outs.append(Out(torch.nn.Parameter(torch.ones(2, 3, dtype=torch.float64))))  # f32 on the wire
+    cpu = torch.device("cpu")
+    assert _outputs.step_buffers(client, outs, cpu)  # new references
+    assert client.calls == 1
+    assert [o.ref for o in outs] == [(7, 0), (7, 1000), (7, 2000)]
+    for o in outs:
+        assert o.buf.numel() == o.numel and o.buf.dtype == o.dtype
+    assert outs[0].alias.data_ptr() == outs[0].buf.data_ptr()
+    assert outs[2].alias is None  # its param.grad is a copy (another dtype)
+    assert not _outputs.step_buffers(client, outs, cpu)  # the same references: no rebuild
+    client.shift = 4
+    assert _outputs.step_buffers(client, outs, cpu)  # one moved
+    outs[0].param.grad = outs[0].alias
+    held = _outputs.release_step_buffers(outs)
+    assert all(o.buf is None and o.alias is None for o in outs)
+    assert [o.ref for o in outs] == [(7, 4), (7, 1004), (7, 2004)]  # kept, to compare
+    alive = [w() is not None for w in held]
+    assert alive == [True, False, False]  # only param.grad's alias keeps its buffer
+    outs[0].param.grad = None  # zero_grad(set_to_none=True)
+    assert held[0]() is None
