@@ -480,6 +480,13 @@ int dpclip_step_set_tied(dpclip_step *s, size_t layer, size_t owner);
  * error the step is unchanged and the handle's message names the layer. */
 int dpclip_step_rebind(dpclip_step *s, size_t n, const uint64_t *refs);
 int dpclip_step_rebind_cuda(dpclip_client *c, dpclip_step *s, size_t n, const uint64_t *ptrs);
+/* dpclip_step_rebind_outputs: the layers' outputs at new memory (a trainer
+ * whose gradients are new tensors every step): refs holds 4 * n values,
+ * layer i's new (buffer, offset) of its weight_grad_out, then of its
+ * bias_grad_out; a layer's output that the step does not name takes
+ * buffer 0 there, one it names a buffer other than 0. DPCLIP_EARG (the
+ * step unchanged) for a wrong n or a mismatch. */
+int dpclip_step_rebind_outputs(dpclip_step *s, size_t n, const uint64_t *refs);
 
 /* --- ABI ----------------------------------------------------------------- */
 

@@ -8,6 +8,7 @@
  * names are not copied again. */
 #include <math.h>
 #include <stdatomic.h>
+#include <stdbool.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -203,6 +204,49 @@ DPCLIP_API int dpclip_step_rebind(dpclip_step *s, size_t n, const uint64_t *refs
         a->offset = refs[4 * i + 1];
         g->buffer = refs[4 * i + 2];
         g->offset = refs[4 * i + 3];
+    }
+    touch(s);
+    return DPCLIP_OK;
+}
+
+/* The two outputs of layer x that an output rebind re-points (an
+ * embedding has no bias: *b NULL). */
+static void outputs_of(cl_layer *x, dpclip_tensor **w, dpclip_tensor **b) {
+    switch (x->kind) {
+    case DPCLIP__LAYER__KIND_LINEAR:
+        *w = &x->u.lin.weight_grad_out;
+        *b = &x->u.lin.bias_grad_out;
+        break;
+    case DPCLIP__LAYER__KIND_EMBEDDING:
+        *w = &x->u.emb.weight_grad_out;
+        *b = NULL;
+        break;
+    default: /* the norms */
+        *w = &x->u.norm.weight_grad_out;
+        *b = &x->u.norm.bias_grad_out;
+        break;
+    }
+}
+
+/* Whether t names an output (what the wire message sends: ref()). */
+static bool names_output(const dpclip_tensor *t) { return t && t->ndim != 0 && t->buffer != 0; }
+
+DPCLIP_API int dpclip_step_rebind_outputs(dpclip_step *s, size_t n, const uint64_t *refs) {
+    if (!s || !refs || n != s->n) return DPCLIP_EARG;
+    for (size_t i = 0; i < n; i++) { /* all checked first: refused, the step is unchanged */
+        dpclip_tensor *t[2];
+        outputs_of(&s->layers[i], &t[0], &t[1]);
+        for (int k = 0; k < 2; k++)
+            if (names_output(t[k]) != (refs[4 * i + 2 * k] != 0)) return DPCLIP_EARG;
+    }
+    for (size_t i = 0; i < n; i++) {
+        dpclip_tensor *t[2];
+        outputs_of(&s->layers[i], &t[0], &t[1]);
+        for (int k = 0; k < 2; k++) {
+            if (!names_output(t[k])) continue;
+            t[k]->buffer = refs[4 * i + 2 * k];
+            t[k]->offset = refs[4 * i + 2 * k + 1];
+        }
     }
     touch(s);
     return DPCLIP_OK;

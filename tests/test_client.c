@@ -2,6 +2,7 @@
  * handshake, buffers, ping, steps (submit/wait/submit_cb/poll: test_submit.c). */
 #include <errno.h>
 #include <fcntl.h>
+#include <math.h>
 #include <pthread.h>
 #include <setjmp.h>
 #include <stdarg.h>
@@ -626,6 +627,46 @@ static void test_notice_before_reply(void **state) {
     rmdir(dir);
 }
 
+/* dpclip_step_rebind_outputs: the same layers write their outputs into new
+ * memory (set to NaN first, so that only the daemon's writes pass the
+ * check); refused calls change nothing. */
+static void test_step_rebind_outputs(void **state) {
+    (void)state;
+    dpclip_client *c = connect_ok();
+    dc_shm_step s;
+    dpclip_result res;
+    uint64_t refs[8], bad[8];
+
+    make_step(&s, c, 8, 43);
+    assert_int_equal(dpclip_run(c, s.step, &res), 0);
+    check(&s, &res);
+    dpclip_result_free(&res);
+    for (size_t i = 0; i < 2; i++) { /* a linear layer and a LayerNorm, both with a bias */
+        dc_tensor *o[2] = {&s.ref.layers[i].weight_grad_out, &s.ref.layers[i].bias_grad_out};
+        for (int k = 0; k < 2; k++) {
+            move_tensor(&s, o[k], &refs[4 * i + 2 * k]);
+            memset(o[k]->data, 0xff, (size_t)dc_test_tensor_numel(o[k]) * sizeof(float));
+        }
+    }
+    assert_int_equal(dpclip_step_rebind_outputs(s.step, 1, refs), DPCLIP_EARG); /* 2 layers */
+    assert_int_equal(dpclip_step_rebind_outputs(NULL, 2, refs), DPCLIP_EARG);
+    assert_int_equal(dpclip_step_rebind_outputs(s.step, 2, NULL), DPCLIP_EARG);
+    memcpy(bad, refs, sizeof bad);
+    bad[6] = 0; /* layer 1's bias_grad_out, which the step names: buffer 0 */
+    assert_int_equal(dpclip_step_rebind_outputs(s.step, 2, bad), DPCLIP_EARG);
+    /* unchanged: the old outputs written, the new ones still NaN */
+    assert_int_equal(dpclip_run(c, s.step, &res), 0);
+    dpclip_result_free(&res);
+    assert_true(isnan(((float *)s.ref.layers[0].weight_grad_out.data)[0]));
+
+    assert_int_equal(dpclip_step_rebind_outputs(s.step, 2, refs), 0);
+    assert_int_equal(dpclip_run(c, s.step, &res), 0);
+    check(&s, &res);
+    dpclip_result_free(&res);
+    dc_shm_step_free(&s);
+    dpclip_disconnect(c);
+}
+
 int main(void) {
     const struct CMUnitTest local[] = {
         cmocka_unit_test(test_local_args),
@@ -640,6 +681,7 @@ int main(void) {
         cmocka_unit_test(test_buffers),
         cmocka_unit_test(test_run),
         cmocka_unit_test(test_step_rebind),
+        cmocka_unit_test(test_step_rebind_outputs),
         cmocka_unit_test(test_step_errors),
         cmocka_unit_test(test_shared_handle),
         cmocka_unit_test(test_cuda_refused_without_gpu),

@@ -86,6 +86,19 @@ def _signature(plan: Plan) -> List[Tuple[Any, ...]]:
     return [(pt[0], pt[1], pt[2]) + pt[5:] for pt in plan.parts]
 
 
+def _out_refs(plan: Plan) -> Any:
+    """The (buffer id, offset) of each part's weight and bias output, 4 a
+    part, buffer 0 where it has none (Step.rebind_outputs)."""
+    refs = (ctypes.c_uint64 * (4 * max(len(plan.parts), 1)))()
+    for i, pt in enumerate(plan.parts):
+        for k, sl in enumerate((pt.w, pt.b)):
+            if sl is not None:
+                o, elem, _ = sl
+                refs[4 * i + 2 * k] = o.ref[0]
+                refs[4 * i + 2 * k + 1] = o.ref[1] + elem * o.buf.element_size()
+    return refs
+
+
 def _index(device: torch.device) -> int:
     """The device's ordinal ("cuda" alone: the current one)."""
     return device.index if device.index is not None else torch.cuda.current_device()
@@ -421,9 +434,11 @@ class CudaIPC(Transport):
                     for pt in plan.parts]
             ptrs = [t.data_ptr() for pair in keep for t in pair]
         per_step = self.step_grads and write and not gated
+        moved = False
         if per_step:
-            # the step's layers name their outputs: built again where one moved
-            fresh = step_buffers(self.client, plan.outs, device)
+            # the step's layers name their outputs: re-pointed where one moved
+            moved = step_buffers(self.client, plan.outs, device)
+            fresh = False
             self._outs_on = None
         elif plan.serial and self._outs_on == (plan.serial, device):
             fresh = False  # (a template's outputs, checked for this device at its first step)
@@ -463,6 +478,8 @@ class CudaIPC(Transport):
         ticket, info, res = 0, None, None
         with torch.cuda.device(device):
             rebound = self._layers(step, plan, nb, algorithm, refs, ptrs, fresh)
+            if rebound and moved:  # (a step built again named them as they are)
+                step.rebind_outputs(_out_refs(plan))
             stream = self._current_stream(device)
             if gated:
                 coefs = self.coefs_out(nb, device)

@@ -183,6 +183,7 @@ def _declare(L: ctypes.CDLL) -> None:
         "dpclip_step_reset": (None, [c_void_p, ctypes.c_uint32]),
         "dpclip_step_rebind": (c_int, [c_void_p, ctypes.c_size_t, u64p]),
         "dpclip_step_rebind_cuda": (c_int, [c_void_p, c_void_p, ctypes.c_size_t, u64p]),
+        "dpclip_step_rebind_outputs": (c_int, [c_void_p, ctypes.c_size_t, u64p]),
         "dpclip_step_add_linear": (c_int, [c_void_p, ctypes.POINTER(Linear)]),
         "dpclip_step_add_embedding": (c_int, [c_void_p, ctypes.POINTER(Embedding)]),
         "dpclip_step_add_layernorm": (c_int, [c_void_p, ctypes.POINTER(NormLayer)]),
@@ -559,6 +560,17 @@ class Step:
         rc = self._L.dpclip_step_rebind(self._s, len(refs) // 4, refs)
         if rc:
             raise DpclipError(rc, "", "rebinding the step's %d layers" % (len(refs) // 4))
+
+    def rebind_outputs(self, refs: Sequence[int]) -> None:
+        """The step's layers again, each writing its weight's gradient at
+        (refs[4i], refs[4i + 1]) and its bias's at (refs[4i + 2], refs[4i +
+        3]), (buffer_id, offset) pairs, buffer 0 where the layer has no such
+        output; everything else kept. On an error the step is unchanged."""
+        arr = refs if isinstance(refs, ctypes.Array) else (ctypes.c_uint64 * len(refs))(*refs)
+        rc = self._L.dpclip_step_rebind_outputs(self._s, len(arr) // 4, arr)
+        if rc:
+            raise DpclipError(rc, "", "rebinding the outputs of the step's %d layers"
+                              % (len(arr) // 4))
 
     def rebind_cuda(self, client: "Client", ptrs: Sequence[int]) -> None:
         """The step's layers again, each reading its input and output

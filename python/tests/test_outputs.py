@@ -172,3 +172,18 @@ def test_step_buffers_live_as_long_as_param_grad():
     assert alive == [True, False, False]  # only param.grad's alias keeps its buffer
     outs[0].param.grad = None  # zero_grad(set_to_none=True)
     assert held[0]() is None
+
+
+def test_out_refs_name_each_parts_outputs():
+    """What Step.rebind_outputs gets once per-step buffers moved
+    (dpclip._cuda._out_refs): 4 values a part, the weight's (buffer id,
+    offset) then the bias's, the slice's element offset in bytes added,
+    buffer 0 where the part has no such output."""
+    from types import SimpleNamespace
+    from dpclip._cuda import _out_refs
+    outs = _outs((4, 2), (3,))
+    _outputs.step_buffers(_RefsClient(), outs, torch.device("cpu"))
+    parts = [SimpleNamespace(w=(outs[0], 0, (2, 2)), b=None),
+             SimpleNamespace(w=(outs[0], 4, (2, 2)), b=(outs[1], 1, (2,)))]
+    refs = list(_out_refs(SimpleNamespace(parts=parts)))
+    assert refs == [7, 0, 0, 0, 7, 16, 7, 1004]
