@@ -199,6 +199,73 @@ static void test_failures_write_nothing(void **state) {
     }
 }
 
+/* dcc_out_commit where the output check chose mode 1 (the outputs written
+ * as they were made) and the step then failed, as a direct sum that read a
+ * client's buffers rewritten since the check fails it: with zero_on_fail
+ * every output is zeros, whichever pass wrote it, as in mode 0; without, and
+ * in a mode-1 step that succeeded, the commit writes nothing. Two outputs
+ * (f32 over several chunks, bf16 in part of one), on 1 and 3 blocks. */
+static void test_commit_of_failed_direct_writes(void **state) {
+    (void)state;
+    const uint64_t n[2] = {2 * DCC_OUT_CHUNK + 77, 300};
+    const dc_dtype dt[2] = {DC_F32, DC_BF16};
+    dcc_out h[2];
+    void *dst[2];
+    memset(h, 0, sizeof h);
+    for (int o = 0; o < 2; o++) {
+        assert_int_equal(cudaMalloc(&dst[o], n[o] * dc_dtype_size(dt[o])), cudaSuccess);
+        h[o].dst = dst[o];
+        h[o].n = n[o];
+        h[o].dtype = dt[o];
+        h[o].chunk0 = o == 0 ? 0 : dcc_out_chunks(n[0]);
+        h[o].noised = (uint32_t)o; /* the kept sum's output: the same */
+        h[o].unstaged = (uint32_t)o;
+        h[o].nz_hi = UINT64_MAX;
+    }
+    const uint64_t chunks = dcc_out_chunks(n[0]) + dcc_out_chunks(n[1]);
+    dcc_out *douts;
+    uint32_t *words; /* mode, status */
+    float *staging;
+    assert_int_equal(cudaMalloc((void **)&douts, sizeof h), cudaSuccess);
+    assert_int_equal(cudaMemcpy(douts, h, sizeof h, cudaMemcpyHostToDevice), cudaSuccess);
+    assert_int_equal(cudaMalloc((void **)&words, 2 * sizeof *words), cudaSuccess);
+    assert_int_equal(cudaMalloc((void **)&staging, (n[0] + n[1]) * sizeof *staging), cudaSuccess);
+    for (int blocks = 1; blocks <= 3; blocks += 2)
+        for (int c = 0; c < 3; c++) {
+            /* c 0: failed, zero_on_fail; 1: failed without; 2: succeeded */
+            const uint32_t w[2] = {1u, c == 2 ? 0u : DCC_STATUS_OUTPUT};
+            const bool zeroed = c == 0;
+            for (int o = 0; o < 2; o++) /* 0x40 bytes: f32 3.0, bf16 2.0 */
+                assert_int_equal(cudaMemset(dst[o], 0x40, n[o] * dc_dtype_size(dt[o])),
+                                 cudaSuccess);
+            assert_int_equal(cudaMemcpy(words, w, sizeof w, cudaMemcpyHostToDevice), cudaSuccess);
+            unsigned grid;
+            assert_int_equal(dcc_out_grid(chunks, blocks, &grid), cudaSuccess);
+            assert_int_equal(dcc_out_commit(douts, 2, grid, staging, &words[0], &words[1], c == 0,
+                                            0),
+                             cudaSuccess);
+            assert_int_equal(cudaDeviceSynchronize(), cudaSuccess);
+            for (int o = 0; o < 2; o++) {
+                const size_t bytes = n[o] * dc_dtype_size(dt[o]);
+                unsigned char *got = malloc(bytes);
+                assert_non_null(got);
+                assert_int_equal(cudaMemcpy(got, dst[o], bytes, cudaMemcpyDeviceToHost),
+                                 cudaSuccess);
+                size_t wrong = 0;
+                for (size_t i = 0; i < bytes; i++) wrong += got[i] != (zeroed ? 0 : 0x40);
+                if (wrong)
+                    fprintf(stderr, "case %d, %d blocks, output %d: %zu bytes wrong\n", c, blocks,
+                            o, wrong);
+                assert_int_equal(wrong, 0);
+                free(got);
+            }
+        }
+    for (int o = 0; o < 2; o++) cudaFree(dst[o]);
+    cudaFree(douts);
+    cudaFree(words);
+    cudaFree(staging);
+}
+
 /* The grouped book-keeping sums written straight into the outputs, noised
  * in the kernel's epilogue (dcc_linear_clipped_direct), against the same
  * step staged (DCC_DIRECT_OFF): the same sums, draws and roundings, so the
@@ -325,6 +392,7 @@ int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_found_maxima),
         cmocka_unit_test(test_failures_write_nothing),
+        cmocka_unit_test(test_commit_of_failed_direct_writes),
         cmocka_unit_test(test_direct_matches_staged),
         cmocka_unit_test(test_direct_needs_no_staging),
     };

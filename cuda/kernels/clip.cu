@@ -487,8 +487,11 @@ __global__ void out_commit_kernel(const dcc_out *__restrict__ outs, int n_out,
                                   const float *__restrict__ staging,
                                   const uint32_t *__restrict__ mode,
                                   const uint32_t *__restrict__ status, int zero) {
-    /* mode 1 wrote the outputs already (it implies status 0) */
-    if (*mode != 0 || (*status != 0 && !zero)) return;
+    /* mode 1 wrote the outputs already. It fails only where a direct sum
+     * (grouped_tma.cu) read a client's buffers rewritten since the check:
+     * then, as in mode 0, zeros everywhere with zero_on_fail instead of a
+     * step's part written */
+    if ((*mode != 0 && *status == 0) || (*status != 0 && !zero)) return;
     const bool ok = *status == 0;
     /* the unstaged outputs' values are the kept sum's to write
      * (dcc_sgrad_commit); their zeros are this pass's */

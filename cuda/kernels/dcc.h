@@ -438,12 +438,14 @@ cudaError_t dcc_commit(const dcc_out *outs, int n_out, uint64_t max_n, const flo
  * a noised one takes its bound) and sets *mode = 1 when the step's status
  * is 0 and no output can leave its dtype's finite range, whatever the
  * noise: |z| <= 8.58 bounds every draw, so |v| <= (amax + 8.6 std) /
- * divisor. Mode 1 is final: nothing after the check can fail the step, so
- * the outputs may be written from here on. Then dcc_out_write writes v =
+ * divisor. Mode 1 is final: nothing after the check can fail the step (but
+ * a direct sum reading a client's buffers that were rewritten since), so the
+ * outputs may be written from here on. Then dcc_out_write writes v =
  * (staging + std z) / divisor straight into the outputs (mode 1; the noised
  * ones are the kept sum's to write), or as dcc_finalize does into staging
  * (mode 0, status 0) for dcc_out_commit, which converts only in mode 0 with
- * status 0. A non-finite staging value makes amax NaN, so such steps always
+ * status 0, and with zero_on_fail writes zeros into every output of a step
+ * that failed, in either mode. A non-finite staging value makes amax NaN, so such steps always
  * take mode 0. scan false: every output is marked amax_found (the kept
  * sum's too), so the pass over the chunks, which would skip each of them,
  * is not launched (a Llama-1B-like step's 139K chunks: 0.2 ms). Each pass

@@ -416,7 +416,8 @@ class Accumulator:
         device = e._device()
         t0 = time.perf_counter()
         if device.type == "cuda":
-            run = e._cuda.run(e._step, plan, nb, device, e.algorithm, gated, e.asynchronous)
+            run = e._cuda.run(e._step, plan, nb, device, e.algorithm, gated, e.asynchronous,
+                              accumulated=True)
             self.open = False
             # the micro-batches ran before the commit (a session's steps run in
             # order): their replies are in, and their tensors may go

@@ -23,7 +23,7 @@ import torch
 from . import _lib, _planner
 from ._flags import _FLAG_BYTES, _UNKNOWN_PEER_S, _Flag, _gone, _peer
 from ._layers import _ESIZE, Part, Slice, _tref
-from ._outputs import _alias, _out_buffers, release_step_buffers, step_buffers
+from ._outputs import _alias, _out_buffers, held_weakly, release_step_buffers, step_buffers
 from ._planner import Plan, add_layers, set_grad
 from ._transport import Phases, Run, Transport
 
@@ -99,6 +99,16 @@ def _out_refs(plan: Plan) -> Any:
     return refs
 
 
+def grad_buffers() -> str:
+    """DPCLIP_GRAD_BUFFERS: "step" (unset: the default) or "engine"."""
+    mode = os.environ.get("DPCLIP_GRAD_BUFFERS", "") or "step"
+    if mode not in ("step", "engine"):
+        raise ValueError("DPCLIP_GRAD_BUFFERS=%r: expected \"step\" (each step's gradients "
+                         "in buffers of their own, the default) or \"engine\" (arenas the "
+                         "engine holds)" % mode)
+    return mode
+
+
 def _index(device: torch.device) -> int:
     """The device's ordinal ("cuda" alone: the current one)."""
     return device.index if device.index is not None else torch.cuda.current_device()
@@ -154,12 +164,13 @@ class CudaIPC(Transport):
         # (plan serial, device) whose outputs all have buffers there: the
         # steady steps of one template skip _out_buffers' look at each
         self._outs_on: Optional[Tuple[int, torch.device]] = None
-        # DPCLIP_GRAD_BUFFERS=step: each step's gradients in buffers of its
-        # own (dpclip._outputs.step_buffers), not the engine's arenas; a
-        # data-parallel (gated) step keeps the arenas, whose consecutive
-        # gradients the all-reduce sums in place. The last such step's
-        # buffers, weakly: what release_flags zeroes of them.
-        self.step_grads = os.environ.get("DPCLIP_GRAD_BUFFERS", "engine") == "step"
+        # Each step's gradients in buffers of its own (DPCLIP_GRAD_BUFFERS
+        # "step", the default: dpclip._outputs.step_buffers), or in arenas
+        # the engine holds ("engine"); a data-parallel (gated) step keeps
+        # the arenas, whose consecutive gradients the all-reduce sums in
+        # place. The last such step's buffers, weakly: what release_flags
+        # zeroes of them.
+        self.step_grads = grad_buffers() == "step"
         self._step_bufs: List[Any] = []
 
     def _current_stream(self, device: torch.device) -> torch.cuda.Stream:
@@ -412,14 +423,15 @@ class CudaIPC(Transport):
 
     def run(self, step: _lib.Step, plan: Plan, nb: int, device: torch.device,
             algorithm: int, gated: bool, asynchronous: bool, detached: bool = False,
-            write: bool = True) -> Run:
+            write: bool = True, accumulated: bool = False) -> Run:
         """Sends the planned step of nb samples on `device`; param.grad
         aliases (or, in another dtype or layout, holds) the daemon's outputs,
         valid on the current stream. gated: data parallel, have the daemon
         write the coefficients and return the success flag.
 
         Micro-batches of a logical step (dpclip._accumulate) write no
-        outputs (write=False: param.grad is left alone). detached: sent
+        outputs (write=False: param.grad is left alone); its commit
+        (accumulated) writes into the arenas they named. detached: sent
         without waiting for anything (a norm group's micro-batch waits in
         the daemon for the other members' and has no early notice): the
         tensors it names are returned in `keep`, to be held until its reply
@@ -433,11 +445,14 @@ class CudaIPC(Transport):
             keep = [(pt.inp, pt.grad) if plan.wired and pt.inp is not None else _wire(pt, device)
                     for pt in plan.parts]
             ptrs = [t.data_ptr() for pair in keep for t in pair]
-        per_step = self.step_grads and write and not gated
+        # (a logical step's micro-batches name the engine's arenas, and its
+        # commit must name the same outputs)
+        per_step = self.step_grads and write and not gated and not accumulated
         moved = False
         if per_step:
             # the step's layers name their outputs: re-pointed where one moved
             moved = step_buffers(self.client, plan.outs, device)
+            self._step_bufs = held_weakly(plan.outs)
             fresh = False
             self._outs_on = None
         elif plan.serial and self._outs_on == (plan.serial, device):
@@ -536,7 +551,7 @@ class CudaIPC(Transport):
                 set_grad(o.param, o.grad(o.buf))
         if per_step:
             # the stream waits for the daemon's writes: param.grad alone holds them now
-            self._step_bufs = release_step_buffers(plan.outs)
+            release_step_buffers(plan.outs)
         return Run(res, ticket, info, ok, t1, t2)
 
     def _layers(self, step: _lib.Step, plan: Plan, nb: int, algorithm: int,

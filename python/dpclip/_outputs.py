@@ -71,21 +71,25 @@ def _out_buffers(client: Any, outs: Sequence[Out], device: torch.device,
 
 
 def step_buffers(client: Any, outs: Sequence[Out], device: torch.device) -> bool:
-    """Per-step gradient buffers (DPCLIP_GRAD_BUFFERS=step): each output a
-    tensor of its own from the caching allocator, made at the step (after
-    the backward, from the blocks its activations freed), resolved into
-    (buffer id, offset) in one call into libdpclip, param.grad's alias a
-    view of it. The transport lets go of them once the trainer's stream
-    waits for the daemon (release_step_buffers), so that they live only as
-    long as param.grad: zero_grad(set_to_none=True) frees them before the
-    next forward, as plain training frees its gradients, where the engine's
-    arenas (_out_buffers) hold a parameter-sized copy through it. Returns
-    whether any output's reference moved (the step's layers must then be
-    built again: their outputs are named in them). Not zeroed: the daemon
-    writes every output of a step that succeeds, and zeroes them where it
-    fails after its notice (zero_on_fail); a refused step's aliases are put
-    back."""
+    """Per-step gradient buffers (DPCLIP_GRAD_BUFFERS=step, the default
+    outside data parallelism): each output a tensor of its own from the
+    caching allocator, made at the step (after the backward, from the
+    blocks its activations freed), resolved into (buffer id, offset) in one
+    call into libdpclip, param.grad's alias a view of it. The transport
+    lets go of them once the trainer's stream waits for the daemon
+    (release_step_buffers), so that they live only as long as param.grad:
+    zero_grad(set_to_none=True) frees them before the next forward, as
+    plain training frees its gradients, where the engine's arenas
+    (_out_buffers) hold a parameter-sized copy through it. Returns whether
+    any output's reference moved (the step's layers must then be pointed at
+    them). Zeroed, in one multi-tensor launch on the current stream, before
+    the step is sent, as the arenas are when made: a step whose daemon can
+    neither write nor zero them (a broken CUDA context) still lets the
+    stream apply them, which must then not hold the allocator's leftovers
+    (this process's data)."""
     bufs = [torch.empty(o.numel, dtype=o.dtype, device=device) for o in outs]
+    if bufs:
+        torch._foreach_zero_(bufs)
     n = len(bufs)
     ptrs = (ctypes.c_uint64 * max(n, 1))(*[b.data_ptr() for b in bufs])
     refs = (ctypes.c_uint64 * max(2 * n, 1))()
@@ -102,14 +106,18 @@ def step_buffers(client: Any, outs: Sequence[Out], device: torch.device) -> bool
     return moved
 
 
-def release_step_buffers(outs: Sequence[Out]) -> List["weakref.ref[torch.Tensor]"]:
+def held_weakly(outs: Sequence[Out]) -> List["weakref.ref[torch.Tensor]"]:
+    """Weak references to the outputs' buffers: what the transport zeroes
+    of them if the daemon goes mid-step (CudaIPC.release_flags), taken
+    before the step is sent, without keeping them alive after it."""
+    return [weakref.ref(o.buf) for o in outs if o.buf is not None]
+
+
+def release_step_buffers(outs: Sequence[Out]) -> None:
     """The transport's hold on per-step buffers let go (their references
-    kept, to see whether the next step's moved); weak references to them,
-    for zeroing those still alive if the daemon goes mid-step."""
-    held = [weakref.ref(o.buf) for o in outs if o.buf is not None]
+    kept, to see whether the next step's moved)."""
     for o in outs:
         o.buf = o.alias = None
-    return held
 
 
 def arena_bytes(arenas: Sequence[torch.Tensor]) -> int:

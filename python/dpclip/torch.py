@@ -78,7 +78,7 @@ from torch.utils.data import DataLoader
 
 from . import (_accumulate, _batches, _fsdp, _group, _lib, _modes, _outputs, _parallel,
                _planner, _terms, _verify)
-from ._cuda import CudaIPC, warn_without_mps
+from ._cuda import CudaIPC, grad_buffers, warn_without_mps
 from ._host import HostArena
 from ._transport import Transport
 from ._lib import DpclipError
@@ -136,6 +136,7 @@ class PrivacyEngine:
         self.job_id: str = job_id if job_id is not None else fresh_job_id()
         self.allow_insecure_seed = bool(allow_insecure_seed)
         self._warned_insecure = False
+        grad_buffers()  # a bad DPCLIP_GRAD_BUFFERS refused before connecting
         self._connect()
         self.active = False
         self._layers: List[_Layer] = []

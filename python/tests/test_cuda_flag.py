@@ -75,6 +75,13 @@ class _Client:
     def wait_enqueued(self, ticket):
         return _Info()
 
+    def refs_cuda_at(self, n, ptrs_addr, refs_addr):
+        """Each of n buffers (per-step outputs) at buffer 5, offset i."""
+        refs = (ctypes.c_uint64 * (2 * n)).from_address(refs_addr)
+        for i in range(n):
+            refs[2 * i], refs[2 * i + 1] = 5, i
+        return 0
+
 
 class _Step:
     layout = 0
@@ -332,12 +339,15 @@ def test_norm_group_members_use_the_event(stubs, monkeypatch):
     assert step.flags == [None] and waits == [] and maps == [] and len(stream.waited) == 1
 
 
-def test_output_buffers_start_as_zeros(stubs, monkeypatch):
-    """An output buffer is zeros when made: a first step whose outputs the
-    daemon cannot zero (a broken CUDA context) still lets the stream apply
-    the buffer, which must not hold the allocator's leftovers (this
-    process's data). torch.empty is made to return such leftovers here."""
+@pytest.mark.parametrize("buffers", ["step", "engine"])
+def test_output_buffers_start_as_zeros(stubs, monkeypatch, buffers):
+    """An output buffer is zeros when made, a step's own as an engine's
+    arena: a step whose outputs the daemon cannot zero (a broken CUDA
+    context) still lets the stream apply the buffer, which must not hold
+    the allocator's leftovers (this process's data). torch.empty is made to
+    return such leftovers here."""
     from dpclip._layers import Out
+    monkeypatch.setenv("DPCLIP_GRAD_BUFFERS", buffers)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     real_empty = torch.empty
     monkeypatch.setattr(torch, "empty", lambda *a, **k: real_empty(*a, **k).fill_(3.0))
@@ -347,15 +357,22 @@ def test_output_buffers_start_as_zeros(stubs, monkeypatch):
     out = Out(param)
     io = _cuda.CudaIPC(client)
     io.run(_Step(), _planner.Plan([], [out]), 1, torch.device("cpu"), 0, False, True)
-    assert out.buf is not None and out.buf.numel() == 6 and not out.buf.any()
-    assert param.grad is out.alias and not param.grad.any()
+    if buffers == "engine":
+        assert out.buf is not None and out.buf.numel() == 6 and not out.buf.any()
+        assert param.grad is out.alias
+    else:  # (let go once the stream waits: param.grad alone holds it)
+        assert out.buf is None and out.ref == (5, 0)
+        assert [w().data_ptr() for w in io._step_bufs] == [param.grad.data_ptr()]
+    assert param.grad.shape == (2, 3) and not param.grad.any()
 
 
-def test_grads_alias_the_outputs_while_the_notice_is_awaited(stubs, monkeypatch):
+@pytest.mark.parametrize("buffers", ["step", "engine"])
+def test_grads_alias_the_outputs_while_the_notice_is_awaited(stubs, monkeypatch, buffers):
     """An asynchronous step is sent first, then param.grad aliases its
     outputs while the daemon accepts it (the host's wait is not idle), and
     a refusal at the notice puts param.grad back."""
     from dpclip._layers import Out
+    monkeypatch.setenv("DPCLIP_GRAD_BUFFERS", buffers)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     client = _Client()
     client.register_cuda = lambda ptr: (5, 0)
@@ -372,7 +389,9 @@ def test_grads_alias_the_outputs_while_the_notice_is_awaited(stubs, monkeypatch)
 
     io = _cuda.CudaIPC(client)
     io.run(Sending(), _planner.Plan([], [out]), 1, torch.device("cpu"), 0, False, True)
-    assert seen == [True] and param.grad is out.alias
+    assert seen == [True] and param.grad is not before
+    if buffers == "engine":
+        assert param.grad is out.alias
 
     def refuse(ticket):
         assert param.grad is out.alias  # aliased while the notice was awaited

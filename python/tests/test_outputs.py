@@ -6,6 +6,7 @@ it. Consecutive parameters' gradients then lie end to end, which the
 data-parallel all-reduce sums in place (dpclip._gate.span)."""
 import ctypes
 
+import pytest
 import torch
 
 from dpclip import _gate, _outputs
@@ -144,12 +145,15 @@ class _RefsClient:
         raise AssertionError("refs_cuda_at failed: %d" % rc)
 
 
-def test_step_buffers_live_as_long_as_param_grad():
+def test_step_buffers_live_as_long_as_param_grad(monkeypatch):
     """DPCLIP_GRAD_BUFFERS=step (dpclip._outputs.step_buffers): each output
-    a buffer of its own, resolved in one call, param.grad's alias a view of
-    it; the step's layers are built again only where a reference moved;
-    once released the transport holds nothing, and a buffer lives exactly as
-    long as the param.grad that aliases it."""
+    a buffer of its own, zeros (torch.empty is made to return leftovers
+    here: the daemon may fail without writing them), resolved in one call,
+    param.grad's alias a view of it; the step's layers are built again only
+    where a reference moved; once released the transport holds nothing, and
+    a buffer lives exactly as long as the param.grad that aliases it."""
+    real_empty = torch.empty
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: real_empty(*a, **k).fill_(3.0))
     client = _RefsClient()
     outs = _outs((3, 4), (5,))
     outs.append(Out(torch.nn.Parameter(torch.ones(2, 3, dtype=torch.float64))))  # f32 on the wire
@@ -158,14 +162,15 @@ def test_step_buffers_live_as_long_as_param_grad():
     assert client.calls == 1
     assert [o.ref for o in outs] == [(7, 0), (7, 1000), (7, 2000)]
     for o in outs:
-        assert o.buf.numel() == o.numel and o.buf.dtype == o.dtype
+        assert o.buf.numel() == o.numel and o.buf.dtype == o.dtype and not o.buf.any()
     assert outs[0].alias.data_ptr() == outs[0].buf.data_ptr()
     assert outs[2].alias is None  # its param.grad is a copy (another dtype)
     assert not _outputs.step_buffers(client, outs, cpu)  # the same references: no rebuild
     client.shift = 4
     assert _outputs.step_buffers(client, outs, cpu)  # one moved
     outs[0].param.grad = outs[0].alias
-    held = _outputs.release_step_buffers(outs)
+    held = _outputs.held_weakly(outs)
+    _outputs.release_step_buffers(outs)
     assert all(o.buf is None and o.alias is None for o in outs)
     assert [o.ref for o in outs] == [(7, 4), (7, 1004), (7, 2004)]  # kept, to compare
     alive = [w() is not None for w in held]
@@ -187,3 +192,19 @@ def test_out_refs_name_each_parts_outputs():
              SimpleNamespace(w=(outs[0], 4, (2, 2)), b=(outs[1], 1, (2,)))]
     refs = list(_out_refs(SimpleNamespace(parts=parts)))
     assert refs == [7, 0, 0, 0, 7, 16, 7, 1004]
+
+
+def test_grad_buffers_setting_named(monkeypatch):
+    """DPCLIP_GRAD_BUFFERS: "step" where unset or empty, "engine" taken,
+    anything else refused by name before the engine connects (no daemon
+    at the socket: the setting's error, not the connection's)."""
+    from dpclip._cuda import grad_buffers
+    from dpclip.torch import PrivacyEngine
+    for value, want in (("", "step"), ("step", "step"), ("engine", "engine")):
+        monkeypatch.setenv("DPCLIP_GRAD_BUFFERS", value)
+        assert grad_buffers() == want
+    monkeypatch.delenv("DPCLIP_GRAD_BUFFERS")
+    assert grad_buffers() == "step"
+    monkeypatch.setenv("DPCLIP_GRAD_BUFFERS", "arena")
+    with pytest.raises(ValueError, match="DPCLIP_GRAD_BUFFERS='arena'"):
+        PrivacyEngine("/nonexistent/dpclip.sock")
