@@ -352,10 +352,12 @@ def _kill_model():
 
 
 def _kill_step(socket, x, delay, kill):
-    """Two asynchronous steps (the first one's check, then a steady one) of
-    _kill_model on x, noise off; where kill, the daemon is killed `delay`
-    seconds after the second step's notice. Returns each gradient once the
-    trainer's stream has gone on (a host copy)."""
+    """Two asynchronous steps (the first one's check, on x / 2, then a
+    steady one on x) of _kill_model, noise off; where kill, the daemon is
+    killed `delay` seconds after the second step's notice. Returns each
+    gradient once the trainer's stream has gone on (a host copy). The
+    steps' gradients differ, so that a second step written in part over
+    the first one's (the engine's arenas hold it) shows as a part."""
     import time
 
     model = _kill_model()
@@ -365,7 +367,7 @@ def _kill_step(socket, x, delay, kill):
         expected_batch_size=x.shape[0])
     for k in range(2):
         opt.zero_grad()
-        model(x).pow(2).mean(dim=(1, 2)).mean().backward()
+        model(x if k == 1 else x / 2).pow(2).mean(dim=(1, 2)).mean().backward()
         opt.step()  # returns at the notice: the daemon's work may still be running
         if kill is not None and k == 1:
             time.sleep(delay)
@@ -379,15 +381,19 @@ def _kill_step(socket, x, delay, kill):
     return grads
 
 
-def test_daemon_killed_mid_step_leaves_the_whole_step_or_zeros(cuda_daemon):
+@pytest.mark.parametrize("buffers", ["step", "engine"])
+def test_daemon_killed_mid_step_leaves_the_whole_step_or_zeros(cuda_daemon, buffers,
+                                                               monkeypatch):
     """The daemon killed while an asynchronous step may still be on the
     device (the done flag): once the trainer's stream goes on, its
     gradients are the whole step's or zeros, never part of a step. A daemon
     killed between a step's clipped sums and their noise used to leave sums
     without noise there, which the stream applied (dpclip._cuda
     release_flags). Noise off, so the whole step is a live daemon's result;
-    the kill comes at several delays after the notice."""
+    the kill comes at several delays after the notice. Per-step buffers
+    and the engine's arenas alike."""
     from conftest import Daemon
+    monkeypatch.setenv("DPCLIP_GRAD_BUFFERS", buffers)
     x = torch.randn(16, 256, 512, generator=torch.Generator().manual_seed(5)).cuda()
     want = _kill_step(cuda_daemon.socket, x, 0.0, None)
     seen = set()
@@ -399,7 +405,8 @@ def test_daemon_killed_mid_step_leaves_the_whole_step_or_zeros(cuda_daemon):
             d.kill()
         zero = all(not g.any() for g in got.values())
         whole = all(_rel(got[n], want[n]) < 1e-3 for n in want)
-        assert zero or whole, {n: _rel(got[n], want[n]) for n in want}
+        assert zero or whole, (delay, {n: (_rel(got[n], want[n]), float(got[n].abs().max()))
+                                       for n in want})
         seen.add("zeros" if zero else "whole")
     print("outcomes seen: %s" % sorted(seen))
 
