@@ -175,20 +175,26 @@ DPCLIP_API int dpclip_step_add_rmsnorm(dpclip_step *s, const dpclip_norm_layer *
     return add_norm(s, n, DPCLIP__LAYER__KIND_RMS_NORM);
 }
 
-/* The two inputs of layer x that a rebind re-points. */
-static void inputs_of(cl_layer *x, dpclip_tensor **a, dpclip_tensor **g) {
+/* Which two tensors of a layer a rebind re-points. */
+typedef enum cl_pair { CL_PAIR_INPUTS, CL_PAIR_OUTPUTS } cl_pair;
+
+/* Layer x's inputs (its activations or indices, its output gradient) or
+ * outputs (its weight's and bias's gradients; an embedding has no bias:
+ * t[1] NULL). */
+static void pair_of(cl_layer *x, cl_pair which, dpclip_tensor *t[2]) {
+    const bool out = which == CL_PAIR_OUTPUTS;
     switch (x->kind) {
     case DPCLIP__LAYER__KIND_LINEAR:
-        *a = &x->u.lin.activations;
-        *g = &x->u.lin.output_grad;
+        t[0] = out ? &x->u.lin.weight_grad_out : &x->u.lin.activations;
+        t[1] = out ? &x->u.lin.bias_grad_out : &x->u.lin.output_grad;
         break;
     case DPCLIP__LAYER__KIND_EMBEDDING:
-        *a = &x->u.emb.indices;
-        *g = &x->u.emb.output_grad;
+        t[0] = out ? &x->u.emb.weight_grad_out : &x->u.emb.indices;
+        t[1] = out ? NULL : &x->u.emb.output_grad;
         break;
     default: /* the norms */
-        *a = &x->u.norm.input;
-        *g = &x->u.norm.output_grad;
+        t[0] = out ? &x->u.norm.weight_grad_out : &x->u.norm.input;
+        t[1] = out ? &x->u.norm.bias_grad_out : &x->u.norm.output_grad;
         break;
     }
 }
@@ -198,34 +204,15 @@ DPCLIP_API int dpclip_step_rebind(dpclip_step *s, size_t n, const uint64_t *refs
     for (size_t i = 0; i < 2 * n; i++) /* all checked first: refused, the step is unchanged */
         if (refs[2 * i] == 0) return DPCLIP_EARG;
     for (size_t i = 0; i < n; i++) {
-        dpclip_tensor *a, *g;
-        inputs_of(&s->layers[i], &a, &g);
-        a->buffer = refs[4 * i];
-        a->offset = refs[4 * i + 1];
-        g->buffer = refs[4 * i + 2];
-        g->offset = refs[4 * i + 3];
+        dpclip_tensor *t[2];
+        pair_of(&s->layers[i], CL_PAIR_INPUTS, t);
+        for (int k = 0; k < 2; k++) {
+            t[k]->buffer = refs[4 * i + 2 * k];
+            t[k]->offset = refs[4 * i + 2 * k + 1];
+        }
     }
     touch(s);
     return DPCLIP_OK;
-}
-
-/* The two outputs of layer x that an output rebind re-points (an
- * embedding has no bias: *b NULL). */
-static void outputs_of(cl_layer *x, dpclip_tensor **w, dpclip_tensor **b) {
-    switch (x->kind) {
-    case DPCLIP__LAYER__KIND_LINEAR:
-        *w = &x->u.lin.weight_grad_out;
-        *b = &x->u.lin.bias_grad_out;
-        break;
-    case DPCLIP__LAYER__KIND_EMBEDDING:
-        *w = &x->u.emb.weight_grad_out;
-        *b = NULL;
-        break;
-    default: /* the norms */
-        *w = &x->u.norm.weight_grad_out;
-        *b = &x->u.norm.bias_grad_out;
-        break;
-    }
 }
 
 /* Whether t names an output (what the wire message sends: ref()). */
@@ -235,13 +222,13 @@ DPCLIP_API int dpclip_step_rebind_outputs(dpclip_step *s, size_t n, const uint64
     if (!s || !refs || n != s->n) return DPCLIP_EARG;
     for (size_t i = 0; i < n; i++) { /* all checked first: refused, the step is unchanged */
         dpclip_tensor *t[2];
-        outputs_of(&s->layers[i], &t[0], &t[1]);
+        pair_of(&s->layers[i], CL_PAIR_OUTPUTS, t);
         for (int k = 0; k < 2; k++)
             if (names_output(t[k]) != (refs[4 * i + 2 * k] != 0)) return DPCLIP_EARG;
     }
     for (size_t i = 0; i < n; i++) {
         dpclip_tensor *t[2];
-        outputs_of(&s->layers[i], &t[0], &t[1]);
+        pair_of(&s->layers[i], CL_PAIR_OUTPUTS, t);
         for (int k = 0; k < 2; k++) {
             if (!names_output(t[k])) continue;
             t[k]->buffer = refs[4 * i + 2 * k];
