@@ -114,10 +114,14 @@ def held_weakly(outs: Sequence[Out]) -> List["weakref.ref[torch.Tensor]"]:
 
 
 def release_step_buffers(outs: Sequence[Out]) -> None:
-    """The transport's hold on per-step buffers let go (their references
-    kept, to see whether the next step's moved)."""
+    """The transport's hold on per-step buffers that param.grad aliases let
+    go (their references kept, to see whether the next step's moved). One
+    that param.grad copies (another dtype or layout) stays until the next
+    step: the copy waits behind the daemon's done, and should the daemon
+    go first, the buffer must still be there for release_flags to zero."""
     for o in outs:
-        o.buf = o.alias = None
+        if o.alias is not None:
+            o.buf = o.alias = None
 
 
 def arena_bytes(arenas: Sequence[torch.Tensor]) -> int:
