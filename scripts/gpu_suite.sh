@@ -44,8 +44,8 @@ py=${DPCLIP_PYTHON:-python3}
 # the parts' Python alone: procps' pkill hung with it preloaded
 preload=${LD_PRELOAD:-}
 unset LD_PRELOAD
-export DPCLIPD=${DPCLIPD:-$build/dpclipd}
-export DPCLIP_LIBRARY=${DPCLIP_LIBRARY:-$build/libdpclip.so}
+export DPCLIPD="${DPCLIPD:-$build/dpclipd}"
+export DPCLIP_LIBRARY="${DPCLIP_LIBRARY:-$build/libdpclip.so}"
 export NCCL_NVLS_ENABLE=0
 # the parts' temporary files (their daemons' sockets) in a folder of this
 # run's, so that a part cut short has its own daemons stopped, no one else's
@@ -94,7 +94,11 @@ for part in $parts; do
          "\"failed\": $bad, \"seconds\": $secs, \"limit\": $limit}"
     if [ "$state" != passed ]; then
         failed=1
-        echo "gpu_suite.sh: part $part $state (status $rc); its output's end:" >&2
+        # each failure's header and error lines first: a long warnings
+        # summary can push them out of the output's end
+        echo "gpu_suite.sh: part $part $state (status $rc); its failures' errors:" >&2
+        grep -E '^(E |_{3,} .* _{3,}$)' "$log" | head -n 80 >&2 || true
+        echo "gpu_suite.sh: part $part: its output's end:" >&2
         tail -n 30 "$log" >&2
     fi
 done
