@@ -303,6 +303,9 @@ def run(args, device, precision, mode, socket_path):
             # held through the forward and backward (plain training frees
             # its .grad at zero_grad(set_to_none=True))
             extra["output_buffers_mib"] = round(engine.output_buffer_bytes / 2**20, 1)
+            # where they live: made at each step, or the engine's arenas
+            # (DPCLIP_GRAD_BUFFERS; python/README.md)
+            extra["grad_buffers"] = "step" if engine._cuda.step_grads else "engine"
         engine.close()
     model = opt = engine = None  # freed (not del: see docs/lint.md, F821)
     reset_peak(device)
