@@ -86,6 +86,12 @@ def _signature(plan: Plan) -> List[Tuple[Any, ...]]:
     return [(pt[0], pt[1], pt[2]) + pt[5:] for pt in plan.parts]
 
 
+def _slice_at(sl: Slice) -> Tuple[int, int]:
+    """The (buffer id, byte offset) where an output slice starts."""
+    o, elem, _ = sl
+    return o.ref[0], o.ref[1] + elem * o.buf.element_size()
+
+
 def _out_refs(plan: Plan) -> Any:
     """The (buffer id, offset) of each part's weight and bias output, 4 a
     part, buffer 0 where it has none (Step.rebind_outputs)."""
@@ -93,9 +99,7 @@ def _out_refs(plan: Plan) -> Any:
     for i, pt in enumerate(plan.parts):
         for k, sl in enumerate((pt.w, pt.b)):
             if sl is not None:
-                o, elem, _ = sl
-                refs[4 * i + 2 * k] = o.ref[0]
-                refs[4 * i + 2 * k + 1] = o.ref[1] + elem * o.buf.element_size()
+                refs[4 * i + 2 * k], refs[4 * i + 2 * k + 1] = _slice_at(sl)
     return refs
 
 
@@ -464,8 +468,8 @@ class CudaIPC(Transport):
         def out_ref(sl: Optional[Slice]) -> _lib.Tensor:
             if sl is None:
                 return _lib.Tensor()
-            o, elem, shape = sl
-            return _tref(o.ref[0], o.ref[1] + elem * o.buf.element_size(), o.dtype, shape)
+            bid, off = _slice_at(sl)
+            return _tref(bid, off, sl[0].dtype, sl[2])
 
         def refs(i: int) -> Tuple[_lib.Tensor, _lib.Tensor, _lib.Tensor, _lib.Tensor]:
             pt = plan.parts[i]

@@ -581,8 +581,10 @@ class PrivacyEngine:
 
     @property
     def output_buffer_bytes(self) -> int:
-        """GPU bytes of the gradient buffers the daemon writes (param.grad
-        aliases them), which the engine holds from its first step on."""
+        """GPU bytes of the gradient arenas the engine holds from their
+        first step on (data parallelism, accumulated steps, or
+        DPCLIP_GRAD_BUFFERS=engine); per-step buffers, which param.grad
+        alone holds, are not counted."""
         return _outputs.arena_bytes(self._cuda._arenas)
 
     @property
